@@ -1,0 +1,5 @@
+//! copilot-pool: supervises pools of GitHub Copilot CLI processes for multi-agent gateways.
+
+pub mod runtime;
+pub mod scripted_model;
+pub mod tunnel;

@@ -1,0 +1,1 @@
+//! Finding and installing the Copilot runtime (placeholder; being written).

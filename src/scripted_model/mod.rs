@@ -1,0 +1,1 @@
+//! A scripted OpenAI-compatible model for tests and the demo (placeholder; being written).

@@ -1,0 +1,81 @@
+//! The model tunnel: how a model HTTP request the runtime wants to make is served by the
+//! client over the JSON-RPC pipe (`llmInference.*`, protocol reference §6.2 and §10.5).
+//!
+//! This module owns only the shape of a tunnelled request and response and the trait a
+//! server implements. The worker drives the wire side (`httpRequestStart`/`httpRequestChunk`
+//! in, `httpResponseStart`/`httpResponseChunk` out); the scripted model implements the trait
+//! for tests and the demo. Nothing here talks to a network.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use tokio::sync::mpsc;
+
+/// One model HTTP request, reassembled from its start frame and body chunks.
+#[derive(Debug, Clone)]
+pub struct ModelRequest {
+    /// The runtime's id for this request (unique per connection).
+    pub request_id: String,
+    /// The session that made the call, when the runtime says so.
+    pub session_id: Option<String>,
+    /// HTTP method, e.g. `POST`.
+    pub method: String,
+    /// Full URL the runtime would have called, e.g. `http://127.0.0.1:9/v1/chat/completions`.
+    pub url: String,
+    /// Request headers, one entry per value, names as sent.
+    pub headers: Vec<(String, String)>,
+    /// The request body (UTF-8 JSON for the OpenAI wire APIs).
+    pub body: Vec<u8>,
+}
+
+impl ModelRequest {
+    /// The path part of [`ModelRequest::url`] (no scheme, host or query).
+    pub fn path(&self) -> &str {
+        let rest = self
+            .url
+            .split_once("://")
+            .map(|(_, rest)| rest)
+            .unwrap_or(&self.url);
+        let path = rest.find('/').map(|i| &rest[i..]).unwrap_or("/");
+        path.split('?').next().unwrap_or(path)
+    }
+}
+
+/// One piece of a response body, or the reason the body broke off.
+pub type BodyChunk = Result<String, String>;
+
+/// The answer to a [`ModelRequest`]: a status line and headers, then a body that may stream.
+#[derive(Debug)]
+pub struct ModelResponse {
+    /// HTTP status code.
+    pub status: u16,
+    /// Response headers, one entry per value.
+    pub headers: Vec<(String, String)>,
+    /// Body chunks in order; the body ends when the channel closes. An `Err` ends the body
+    /// with that error message (sent to the runtime as a failed chunk).
+    pub body: mpsc::Receiver<BodyChunk>,
+}
+
+impl ModelResponse {
+    /// A complete response with a body that is already known.
+    pub fn full(status: u16, content_type: &str, body: String) -> Self {
+        let (tx, rx) = mpsc::channel(1);
+        // The channel has room for exactly this one chunk, so this cannot fail.
+        let _ = tx.try_send(Ok(body));
+        Self {
+            status,
+            headers: vec![("content-type".to_owned(), content_type.to_owned())],
+            body: rx,
+        }
+    }
+}
+
+/// The future a [`ModelTunnel`] returns.
+pub type ServeFuture = Pin<Box<dyn Future<Output = ModelResponse> + Send + 'static>>;
+
+/// Something that answers model HTTP requests on behalf of the runtime.
+pub trait ModelTunnel: Send + Sync + 'static {
+    /// Serve one request. The response head is sent as soon as the future resolves; the body
+    /// streams from [`ModelResponse::body`].
+    fn serve(&self, request: ModelRequest) -> ServeFuture;
+}
