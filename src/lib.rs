@@ -1,5 +1,7 @@
 //! copilot-pool: supervises pools of GitHub Copilot CLI processes for multi-agent gateways.
 
+pub mod rpc;
 pub mod runtime;
 pub mod scripted_model;
+pub mod secret;
 pub mod tunnel;

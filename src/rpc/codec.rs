@@ -1,0 +1,270 @@
+//! `Content-Length` framing (LSP style) as a tokio-util codec.
+//!
+//! A frame is `Content-Length: N\r\n` (other headers such as `Content-Type` are accepted and
+//! ignored), an empty line, then N bytes of UTF-8 JSON. The codec only cuts and joins byte
+//! frames; it never parses JSON. A frame larger than the configured maximum or a header block
+//! that is not well formed is a [`FrameError`], after which the stream must be treated as
+//! broken: there is no way to find the next frame boundary again.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tokio_util::codec::{Decoder, Encoder};
+
+/// Default maximum size of one frame body: 64 MiB.
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 64 * 1024 * 1024;
+
+/// Longest header block accepted before the empty line (headers are tiny in practice).
+const MAX_HEADER_BYTES: usize = 8 * 1024;
+
+/// Why a byte stream could not be cut into frames.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The announced body is larger than the configured maximum.
+    #[error("frame of {announced} bytes exceeds the maximum of {max} bytes")]
+    TooLarge { announced: usize, max: usize },
+    /// The header block has no `Content-Length`, a bad value, or is not text.
+    #[error("malformed frame header: {0}")]
+    MalformedHeader(String),
+    /// The stream ended in the middle of a frame.
+    #[error("stream ended inside a frame ({0} bytes buffered)")]
+    Truncated(usize),
+    /// Reading or writing the underlying pipe failed.
+    #[error("i/o error on the frame stream: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Cuts a byte stream into frame bodies and writes bodies with their header.
+#[derive(Debug, Clone)]
+pub struct FrameCodec {
+    max_frame_bytes: usize,
+    /// Body length of the frame whose header has been consumed, if any.
+    pending_body: Option<usize>,
+}
+
+impl FrameCodec {
+    /// A codec that refuses bodies larger than `max_frame_bytes`.
+    pub fn new(max_frame_bytes: usize) -> Self {
+        Self {
+            max_frame_bytes,
+            pending_body: None,
+        }
+    }
+
+    /// The configured maximum body size.
+    pub fn max_frame_bytes(&self) -> usize {
+        self.max_frame_bytes
+    }
+
+    fn parse_header(&self, block: &[u8]) -> Result<usize, FrameError> {
+        let text = std::str::from_utf8(block)
+            .map_err(|_| FrameError::MalformedHeader("header is not UTF-8".into()))?;
+        let mut length = None;
+        for line in text.split("\r\n").filter(|l| !l.is_empty()) {
+            let (name, value) = line.split_once(':').ok_or_else(|| {
+                FrameError::MalformedHeader(format!("header line without ':': {:?}", clip(line)))
+            })?;
+            if name.trim().eq_ignore_ascii_case("content-length") {
+                let value = value.trim();
+                let n: usize = value.parse().map_err(|_| {
+                    FrameError::MalformedHeader(format!("bad Content-Length {:?}", clip(value)))
+                })?;
+                length = Some(n);
+            }
+        }
+        let n =
+            length.ok_or_else(|| FrameError::MalformedHeader("no Content-Length header".into()))?;
+        if n > self.max_frame_bytes {
+            return Err(FrameError::TooLarge {
+                announced: n,
+                max: self.max_frame_bytes,
+            });
+        }
+        Ok(n)
+    }
+}
+
+impl Default for FrameCodec {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_FRAME_BYTES)
+    }
+}
+
+fn clip(s: &str) -> String {
+    s.chars().take(64).collect()
+}
+
+impl Decoder for FrameCodec {
+    type Item = Bytes;
+    type Error = FrameError;
+
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Bytes>, FrameError> {
+        let body_len = match self.pending_body {
+            Some(n) => n,
+            None => {
+                let Some(end) = find_header_end(src) else {
+                    if src.len() > MAX_HEADER_BYTES {
+                        return Err(FrameError::MalformedHeader(format!(
+                            "no end of header within {MAX_HEADER_BYTES} bytes"
+                        )));
+                    }
+                    return Ok(None);
+                };
+                let n = self.parse_header(&src[..end])?;
+                src.advance(end + 4);
+                self.pending_body = Some(n);
+                n
+            }
+        };
+        if src.len() < body_len {
+            src.reserve(body_len - src.len());
+            return Ok(None);
+        }
+        self.pending_body = None;
+        Ok(Some(src.split_to(body_len).freeze()))
+    }
+
+    fn decode_eof(&mut self, buf: &mut BytesMut) -> Result<Option<Bytes>, FrameError> {
+        match self.decode(buf)? {
+            Some(frame) => Ok(Some(frame)),
+            None if buf.is_empty() && self.pending_body.is_none() => Ok(None),
+            None => Err(FrameError::Truncated(buf.len())),
+        }
+    }
+}
+
+fn find_header_end(buf: &[u8]) -> Option<usize> {
+    buf.windows(4).position(|w| w == b"\r\n\r\n")
+}
+
+impl Encoder<Bytes> for FrameCodec {
+    type Error = FrameError;
+
+    fn encode(&mut self, body: Bytes, dst: &mut BytesMut) -> Result<(), FrameError> {
+        if body.len() > self.max_frame_bytes {
+            return Err(FrameError::TooLarge {
+                announced: body.len(),
+                max: self.max_frame_bytes,
+            });
+        }
+        let header = format!("Content-Length: {}\r\n\r\n", body.len());
+        dst.reserve(header.len() + body.len());
+        dst.put_slice(header.as_bytes());
+        dst.put_slice(&body);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode_all(codec: &mut FrameCodec, input: &[u8]) -> Result<Vec<Bytes>, FrameError> {
+        let mut buf = BytesMut::from(input);
+        let mut out = Vec::new();
+        while let Some(frame) = codec.decode(&mut buf)? {
+            out.push(frame);
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn round_trips_frames() {
+        let mut codec = FrameCodec::default();
+        let mut buf = BytesMut::new();
+        codec
+            .encode(Bytes::from_static(b"{\"a\":1}"), &mut buf)
+            .unwrap();
+        codec.encode(Bytes::from_static(b"[]"), &mut buf).unwrap();
+        assert_eq!(
+            &buf[..],
+            b"Content-Length: 7\r\n\r\n{\"a\":1}Content-Length: 2\r\n\r\n[]"
+        );
+        let frames = decode_all(&mut codec, &buf).unwrap();
+        assert_eq!(
+            frames,
+            vec![Bytes::from_static(b"{\"a\":1}"), Bytes::from_static(b"[]")]
+        );
+    }
+
+    #[test]
+    fn decodes_byte_by_byte_and_accepts_content_type() {
+        let input = b"Content-Type: application/vscode-jsonrpc; charset=utf-8\r\ncontent-length: 3\r\n\r\n\"x\"";
+        let mut codec = FrameCodec::default();
+        let mut buf = BytesMut::new();
+        let mut frames = Vec::new();
+        for b in input {
+            buf.put_u8(*b);
+            if let Some(f) = codec.decode(&mut buf).unwrap() {
+                frames.push(f);
+            }
+        }
+        assert_eq!(frames, vec![Bytes::from_static(b"\"x\"")]);
+    }
+
+    #[test]
+    fn body_length_counts_utf8_bytes() {
+        let body = "{\"t\":\"é\"}".as_bytes();
+        let mut codec = FrameCodec::default();
+        let mut buf = BytesMut::new();
+        codec
+            .encode(Bytes::copy_from_slice(body), &mut buf)
+            .unwrap();
+        assert!(buf.starts_with(format!("Content-Length: {}\r\n", body.len()).as_bytes()));
+        assert_eq!(decode_all(&mut codec, &buf).unwrap()[0], body);
+    }
+
+    #[test]
+    fn refuses_oversized_frames_before_buffering_them() {
+        let mut codec = FrameCodec::new(10);
+        let err = decode_all(&mut codec, b"Content-Length: 11\r\n\r\n").unwrap_err();
+        assert!(
+            matches!(
+                err,
+                FrameError::TooLarge {
+                    announced: 11,
+                    max: 10
+                }
+            ),
+            "{err}"
+        );
+        let mut buf = BytesMut::new();
+        assert!(codec.encode(Bytes::from(vec![b'x'; 11]), &mut buf).is_err());
+    }
+
+    #[test]
+    fn refuses_malformed_headers() {
+        for input in [
+            &b"Content-Length: abc\r\n\r\n"[..],
+            b"Content-Length: -1\r\n\r\n",
+            b"X-Other: 1\r\n\r\n{}",
+            b"garbage without colon\r\n\r\n",
+            b"\xff\xfe: 1\r\n\r\n",
+        ] {
+            let mut codec = FrameCodec::default();
+            let err = decode_all(&mut codec, input).unwrap_err();
+            assert!(
+                matches!(err, FrameError::MalformedHeader(_)),
+                "{input:?}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn refuses_endless_header() {
+        let mut codec = FrameCodec::default();
+        let err = decode_all(&mut codec, &vec![b'a'; MAX_HEADER_BYTES + 1]).unwrap_err();
+        assert!(matches!(err, FrameError::MalformedHeader(_)));
+    }
+
+    #[test]
+    fn eof_inside_a_frame_is_an_error() {
+        let mut codec = FrameCodec::default();
+        let mut buf = BytesMut::from(&b"Content-Length: 5\r\n\r\n{}"[..]);
+        assert!(codec.decode(&mut buf).unwrap().is_none());
+        assert!(matches!(
+            codec.decode_eof(&mut buf),
+            Err(FrameError::Truncated(2))
+        ));
+        let mut clean = FrameCodec::default();
+        assert!(clean.decode_eof(&mut BytesMut::new()).unwrap().is_none());
+    }
+}

@@ -1,0 +1,802 @@
+//! A JSON-RPC 2.0 connection over a framed byte stream, with requests in both directions.
+//!
+//! The connection owns two tasks: a reader that cuts frames, parses messages and routes them
+//! (responses to their waiting caller, requests and notifications to the owner's sink), and a
+//! writer that serializes outgoing frames. It owns id correlation, per-request timeouts and
+//! the rule that every pending request fails at once when the transport closes. It knows
+//! nothing about sessions, workers or what the methods mean.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::codec::{FramedRead, FramedWrite};
+
+use super::codec::{FrameCodec, FrameError};
+use super::messages::Method;
+
+/// JSON-RPC error code: the method does not exist.
+pub const METHOD_NOT_FOUND: i64 = -32601;
+/// JSON-RPC error code: invalid params.
+pub const INVALID_PARAMS: i64 = -32602;
+/// JSON-RPC error code: internal error.
+pub const INTERNAL_ERROR: i64 = -32603;
+
+/// Settings of one connection.
+#[derive(Debug, Clone)]
+pub struct ConnectionOptions {
+    /// Largest accepted frame body in either direction.
+    pub max_frame_bytes: usize,
+    /// Timeout applied to requests that do not name their own.
+    pub default_timeout: Duration,
+}
+
+impl Default for ConnectionOptions {
+    fn default() -> Self {
+        Self {
+            max_frame_bytes: super::codec::DEFAULT_MAX_FRAME_BYTES,
+            default_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A JSON-RPC error object as it travels on the wire.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct ErrorObject {
+    /// Numeric error code (`-32601` method not found, `-32603` internal error, …).
+    pub code: i64,
+    /// Human-readable message.
+    pub message: String,
+    /// Extra data the peer attached, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
+}
+
+impl ErrorObject {
+    /// An error with a code and message and no data.
+    pub fn new(code: i64, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            data: None,
+        }
+    }
+}
+
+/// Why the transport under a connection ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CloseCause {
+    /// The peer closed its output (end of file between frames).
+    Eof,
+    /// The peer sent something that is not a valid frame or JSON-RPC message; the stream
+    /// cannot be trusted any more.
+    ProtocolViolation(String),
+    /// Reading or writing the pipe failed.
+    Io(String),
+    /// The owner closed the connection.
+    Local,
+}
+
+impl fmt::Display for CloseCause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CloseCause::Eof => f.write_str("the peer closed the stream"),
+            CloseCause::ProtocolViolation(d) => write!(f, "protocol violation: {d}"),
+            CloseCause::Io(d) => write!(f, "i/o error: {d}"),
+            CloseCause::Local => f.write_str("closed locally"),
+        }
+    }
+}
+
+/// Why a request did not produce a result.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RpcError {
+    /// The peer answered with a JSON-RPC error.
+    #[error("{method} failed: error {} from the runtime: {}", .error.code, .error.message)]
+    Remote { method: String, error: ErrorObject },
+    /// No answer arrived in time. The request is forgotten; a late answer is dropped.
+    #[error("{method} timed out after {after:?}")]
+    Timeout { method: String, after: Duration },
+    /// The transport closed before the answer arrived (or before the request was sent).
+    #[error("{method} failed: connection closed ({cause})")]
+    Closed { method: String, cause: CloseCause },
+    /// The params could not be serialized.
+    #[error("{method}: cannot encode params: {detail}")]
+    Encode { method: String, detail: String },
+    /// The result did not have the expected shape.
+    #[error("{method}: unexpected result shape: {detail}")]
+    Decode { method: String, detail: String },
+}
+
+impl RpcError {
+    /// The JSON-RPC error code when the peer answered with an error.
+    pub fn code(&self) -> Option<i64> {
+        match self {
+            RpcError::Remote { error, .. } => Some(error.code),
+            _ => None,
+        }
+    }
+}
+
+/// The id of a request. The runtime numbers its own requests; ids may be numbers or strings.
+pub type RequestId = Value;
+
+/// Something the peer sent that is not an answer to one of our requests.
+#[derive(Debug)]
+pub enum Incoming {
+    /// A notification (no answer expected).
+    Notification { method: String, params: Value },
+    /// A request the owner must answer through its [`Responder`].
+    Request(IncomingRequest),
+    /// The transport ended; nothing more will arrive. Sent exactly once.
+    Closed(CloseCause),
+}
+
+/// A request from the peer, with the means to answer it exactly once.
+#[derive(Debug)]
+pub struct IncomingRequest {
+    /// The method name.
+    pub method: String,
+    /// The params (`null` when absent).
+    pub params: Value,
+    /// Answers the request; dropping it unanswered sends an internal error.
+    pub responder: Responder,
+}
+
+/// Answers one incoming request. If it is dropped without an answer, the peer gets an
+/// internal error, so no request is ever left without a reply.
+pub struct Responder {
+    id: Option<RequestId>,
+    method: String,
+    out: mpsc::UnboundedSender<Outgoing>,
+}
+
+impl fmt::Debug for Responder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Responder")
+            .field("id", &self.id)
+            .field("method", &self.method)
+            .finish()
+    }
+}
+
+impl Responder {
+    /// The id the peer gave this request.
+    pub fn id(&self) -> Option<&RequestId> {
+        self.id.as_ref()
+    }
+
+    /// Send a successful result.
+    pub fn ok(mut self, result: impl Serialize) {
+        let result = serde_json::to_value(result).unwrap_or(Value::Null);
+        let id = self.id.take();
+        self.send(json!({"jsonrpc": "2.0", "id": id, "result": result}));
+    }
+
+    /// Send an error.
+    pub fn err(mut self, error: ErrorObject) {
+        let id = self.id.take();
+        self.send(json!({"jsonrpc": "2.0", "id": id, "error": error}));
+    }
+
+    /// Send `method not found`.
+    pub fn method_not_found(self) {
+        let message = format!("Unhandled method {}", self.method);
+        self.err(ErrorObject::new(METHOD_NOT_FOUND, message));
+    }
+
+    fn send(&mut self, message: Value) {
+        if let Ok(bytes) = serde_json::to_vec(&message) {
+            // A closed writer means the peer is gone; there is nobody left to answer.
+            let _ = self.out.send(Outgoing::Frame(Bytes::from(bytes)));
+        }
+    }
+}
+
+impl Drop for Responder {
+    fn drop(&mut self) {
+        if self.id.is_some() {
+            let error = ErrorObject::new(
+                INTERNAL_ERROR,
+                format!(
+                    "{} was dropped by the client without an answer",
+                    self.method
+                ),
+            );
+            let id = self.id.take();
+            self.send(json!({"jsonrpc": "2.0", "id": id, "error": error}));
+        }
+    }
+}
+
+enum Outgoing {
+    Frame(Bytes),
+    /// Close our write half (the peer sees end of file on its input).
+    Close,
+}
+
+type Pending = oneshot::Sender<Result<Value, ErrorObject>>;
+
+struct Shared {
+    next_id: AtomicU64,
+    pending: Mutex<HashMap<u64, (String, Pending)>>,
+    closed: Mutex<Option<CloseCause>>,
+    close_reported: AtomicBool,
+    out: mpsc::UnboundedSender<Outgoing>,
+    options: ConnectionOptions,
+}
+
+impl Shared {
+    fn closed_cause(&self) -> Option<CloseCause> {
+        self.closed
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or(Some(CloseCause::Local))
+    }
+
+    /// Marks the connection closed and fails every pending request with `cause`.
+    fn close(&self, cause: CloseCause) {
+        if let Ok(mut closed) = self.closed.lock() {
+            if closed.is_none() {
+                *closed = Some(cause.clone());
+            }
+        }
+        let drained: Vec<(String, Pending)> = match self.pending.lock() {
+            Ok(mut pending) => pending.drain().map(|(_, v)| v).collect(),
+            Err(_) => Vec::new(),
+        };
+        // Dropping the senders wakes every waiter; they read the cause from `closed`.
+        drop(drained);
+    }
+}
+
+/// The callback that receives everything the peer sends besides responses. It runs on the
+/// reader task, so it must be quick (typically: forward into a channel or an actor mailbox).
+pub type IncomingSink = Box<dyn Fn(Incoming) + Send + Sync + 'static>;
+
+/// A cloneable handle to one JSON-RPC connection.
+#[derive(Clone)]
+pub struct Connection {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection")
+            .field("closed", &self.shared.closed_cause())
+            .finish()
+    }
+}
+
+impl Connection {
+    /// Starts a connection over `reader`/`writer`; everything that is not a response goes to
+    /// `sink`. Must be called inside a tokio runtime.
+    pub fn start<R, W>(reader: R, writer: W, options: ConnectionOptions, sink: IncomingSink) -> Self
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let (out_tx, out_rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            next_id: AtomicU64::new(1),
+            pending: Mutex::new(HashMap::new()),
+            closed: Mutex::new(None),
+            close_reported: AtomicBool::new(false),
+            out: out_tx,
+            options,
+        });
+        let sink: Arc<IncomingSink> = Arc::new(sink);
+        tokio::spawn(write_loop(writer, out_rx, shared.clone(), sink.clone()));
+        tokio::spawn(read_loop(reader, shared.clone(), sink));
+        Self { shared }
+    }
+
+    /// Sends a typed request and waits for its typed result, with the method's default timeout.
+    pub async fn call<M: Method>(&self, params: &M::Params) -> Result<M::Result, RpcError> {
+        self.call_with_timeout::<M>(params, None).await
+    }
+
+    /// Sends a typed request with an explicit timeout (`None`: the connection default).
+    pub async fn call_with_timeout<M: Method>(
+        &self,
+        params: &M::Params,
+        timeout: Option<Duration>,
+    ) -> Result<M::Result, RpcError> {
+        let params = serde_json::to_value(params).map_err(|e| RpcError::Encode {
+            method: M::NAME.to_owned(),
+            detail: e.to_string(),
+        })?;
+        let value = self.request(M::NAME, params, timeout).await?;
+        serde_json::from_value(value).map_err(|e| RpcError::Decode {
+            method: M::NAME.to_owned(),
+            detail: e.to_string(),
+        })
+    }
+
+    /// Sends a request with raw params and waits for the raw result.
+    pub async fn request(
+        &self,
+        method: &str,
+        params: Value,
+        timeout: Option<Duration>,
+    ) -> Result<Value, RpcError> {
+        let closed = |cause| RpcError::Closed {
+            method: method.to_owned(),
+            cause,
+        };
+        if let Some(cause) = self.shared.closed_cause() {
+            return Err(closed(cause));
+        }
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = serde_json::to_vec(&json!({
+            "jsonrpc": "2.0", "id": id, "method": method, "params": params,
+        }))
+        .map_err(|e| RpcError::Encode {
+            method: method.to_owned(),
+            detail: e.to_string(),
+        })?;
+        let (tx, rx) = oneshot::channel();
+        match self.shared.pending.lock() {
+            Ok(mut pending) => {
+                pending.insert(id, (method.to_owned(), tx));
+            }
+            Err(_) => return Err(closed(CloseCause::Local)),
+        }
+        // The close may have happened between the check above and the insert.
+        if let Some(cause) = self.shared.closed_cause() {
+            self.forget(id);
+            return Err(closed(cause));
+        }
+        if self
+            .shared
+            .out
+            .send(Outgoing::Frame(Bytes::from(frame)))
+            .is_err()
+        {
+            self.forget(id);
+            return Err(closed(
+                self.shared.closed_cause().unwrap_or(CloseCause::Local),
+            ));
+        }
+        let after = timeout.unwrap_or(self.shared.options.default_timeout);
+        match tokio::time::timeout(after, rx).await {
+            Ok(Ok(Ok(result))) => Ok(result),
+            Ok(Ok(Err(error))) => Err(RpcError::Remote {
+                method: method.to_owned(),
+                error,
+            }),
+            Ok(Err(_)) => Err(closed(
+                self.shared.closed_cause().unwrap_or(CloseCause::Local),
+            )),
+            Err(_) => {
+                self.forget(id);
+                Err(RpcError::Timeout {
+                    method: method.to_owned(),
+                    after,
+                })
+            }
+        }
+    }
+
+    /// Sends a notification (no answer).
+    pub fn notify(&self, method: &str, params: Value) -> Result<(), RpcError> {
+        let closed = |cause| RpcError::Closed {
+            method: method.to_owned(),
+            cause,
+        };
+        if let Some(cause) = self.shared.closed_cause() {
+            return Err(closed(cause));
+        }
+        let frame =
+            serde_json::to_vec(&json!({"jsonrpc": "2.0", "method": method, "params": params}))
+                .map_err(|e| RpcError::Encode {
+                    method: method.to_owned(),
+                    detail: e.to_string(),
+                })?;
+        self.shared
+            .out
+            .send(Outgoing::Frame(Bytes::from(frame)))
+            .map_err(|_| closed(CloseCause::Local))
+    }
+
+    /// Closes the connection: pending requests fail with `cause`, and our write half is
+    /// closed once the frames queued before it are written.
+    pub fn close(&self, cause: CloseCause) {
+        self.shared.close(cause);
+        let _ = self.shared.out.send(Outgoing::Close);
+    }
+
+    /// Why the connection closed, if it has.
+    pub fn close_cause(&self) -> Option<CloseCause> {
+        self.shared.closed_cause()
+    }
+
+    /// Number of our requests still waiting for an answer.
+    pub fn pending_requests(&self) -> usize {
+        self.shared.pending.lock().map(|p| p.len()).unwrap_or(0)
+    }
+
+    fn forget(&self, id: u64) {
+        if let Ok(mut pending) = self.shared.pending.lock() {
+            pending.remove(&id);
+        }
+    }
+}
+
+fn report_close(shared: &Shared, sink: &IncomingSink, cause: CloseCause) {
+    shared.close(cause.clone());
+    if !shared.close_reported.swap(true, Ordering::SeqCst) {
+        sink(Incoming::Closed(cause));
+    }
+}
+
+async fn write_loop<W>(
+    writer: W,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    shared: Arc<Shared>,
+    sink: Arc<IncomingSink>,
+) where
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let mut framed = FramedWrite::new(writer, FrameCodec::new(shared.options.max_frame_bytes));
+    while let Some(item) = rx.recv().await {
+        match item {
+            Outgoing::Frame(bytes) => match framed.send(bytes).await {
+                Ok(()) => {}
+                Err(FrameError::TooLarge { announced, max }) => {
+                    // Only our own oversized message is lost; the stream stays in sync.
+                    tracing::warn!(
+                        announced,
+                        max,
+                        "Dropped an outgoing frame over the size limit."
+                    );
+                }
+                Err(error) => {
+                    report_close(&shared, &sink, CloseCause::Io(error.to_string()));
+                    return;
+                }
+            },
+            Outgoing::Close => break,
+        }
+    }
+    let _ = framed.close().await;
+}
+
+async fn read_loop<R>(reader: R, shared: Arc<Shared>, sink: Arc<IncomingSink>)
+where
+    R: AsyncRead + Unpin + Send + 'static,
+{
+    let mut framed = FramedRead::new(reader, FrameCodec::new(shared.options.max_frame_bytes));
+    let cause = loop {
+        match framed.next().await {
+            None => break CloseCause::Eof,
+            Some(Err(FrameError::Io(e))) => break CloseCause::Io(e.to_string()),
+            Some(Err(e)) => break CloseCause::ProtocolViolation(e.to_string()),
+            Some(Ok(frame)) => {
+                if let Err(violation) = dispatch(&frame, &shared, &sink) {
+                    break CloseCause::ProtocolViolation(violation);
+                }
+            }
+        }
+    };
+    tracing::debug!(%cause, "JSON-RPC transport closed.");
+    report_close(&shared, &sink, cause);
+}
+
+/// Routes one frame. An `Err` means the frame is not JSON-RPC and the stream is broken.
+fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), String> {
+    let message: Value = serde_json::from_slice(frame).map_err(|e| {
+        format!(
+            "frame is not JSON ({e}): {:?}",
+            String::from_utf8_lossy(&frame[..frame.len().min(80)])
+        )
+    })?;
+    let Value::Object(mut obj) = message else {
+        return Err("frame is not a JSON-RPC object".to_owned());
+    };
+    let method = obj.remove("method");
+    let id = obj.remove("id");
+    match (method, id) {
+        (Some(Value::String(method)), Some(id)) if !id.is_null() => {
+            let params = obj.remove("params").unwrap_or(Value::Null);
+            let responder = Responder {
+                id: Some(id),
+                method: method.clone(),
+                out: shared.out.clone(),
+            };
+            sink(Incoming::Request(IncomingRequest {
+                method,
+                params,
+                responder,
+            }));
+            Ok(())
+        }
+        (Some(Value::String(method)), _) => {
+            let params = obj.remove("params").unwrap_or(Value::Null);
+            sink(Incoming::Notification { method, params });
+            Ok(())
+        }
+        (Some(_), _) => Err("method is not a string".to_owned()),
+        (None, Some(id)) => {
+            let outcome =
+                if let Some(error) = obj.remove("error") {
+                    let error = serde_json::from_value::<ErrorObject>(error.clone())
+                        .unwrap_or_else(|_| ErrorObject {
+                            code: INTERNAL_ERROR,
+                            message: "malformed error object".to_owned(),
+                            data: Some(error),
+                        });
+                    Err(error)
+                } else if let Some(result) = obj.remove("result") {
+                    Ok(result)
+                } else {
+                    return Err("response without result or error".to_owned());
+                };
+            let waiter = id
+                .as_u64()
+                .and_then(|n| shared.pending.lock().ok().and_then(|mut p| p.remove(&n)));
+            match waiter {
+                Some((_, tx)) => {
+                    let _ = tx.send(outcome);
+                }
+                None => tracing::debug!(%id, "Dropped a response nobody waits for (timed out?)."),
+            }
+            Ok(())
+        }
+        (None, None) => Err("message is neither request, notification nor response".to_owned()),
+    }
+}
+
+/// Helper for call sites that hold raw JSON: decode a result into `T`.
+pub fn decode<T: DeserializeOwned>(method: &str, value: Value) -> Result<T, RpcError> {
+    serde_json::from_value(value).map_err(|e| RpcError::Decode {
+        method: method.to_owned(),
+        detail: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream, duplex};
+
+    /// A connection whose peer is driven by hand through raw bytes.
+    fn pair() -> (Connection, DuplexStream, mpsc::UnboundedReceiver<Incoming>) {
+        let (ours, theirs) = duplex(1 << 16);
+        let (r, w) = tokio::io::split(ours);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let conn = Connection::start(
+            r,
+            w,
+            ConnectionOptions {
+                max_frame_bytes: 1024,
+                default_timeout: Duration::from_secs(5),
+            },
+            Box::new(move |m| {
+                let _ = tx.send(m);
+            }),
+        );
+        (conn, theirs, rx)
+    }
+
+    async fn write_frame(peer: &mut DuplexStream, body: &str) {
+        let frame = format!("Content-Length: {}\r\n\r\n{}", body.len(), body);
+        peer.write_all(frame.as_bytes()).await.unwrap();
+    }
+
+    async fn read_frame(peer: &mut DuplexStream) -> Value {
+        let mut header = Vec::new();
+        while !header.ends_with(b"\r\n\r\n") {
+            header.push(peer.read_u8().await.unwrap());
+        }
+        let text = String::from_utf8(header).unwrap();
+        let n: usize = text
+            .trim()
+            .strip_prefix("Content-Length: ")
+            .unwrap()
+            .parse()
+            .unwrap();
+        let mut body = vec![0; n];
+        peer.read_exact(&mut body).await.unwrap();
+        serde_json::from_slice(&body).unwrap()
+    }
+
+    #[tokio::test]
+    async fn correlates_responses_out_of_order() {
+        let (conn, mut peer, _rx) = pair();
+        let a = tokio::spawn({
+            let conn = conn.clone();
+            async move { conn.request("a", json!({}), None).await }
+        });
+        let first = read_frame(&mut peer).await;
+        let b = tokio::spawn({
+            let conn = conn.clone();
+            async move { conn.request("b", json!({"x": 1}), None).await }
+        });
+        let second = read_frame(&mut peer).await;
+        assert_eq!(first["method"], "a");
+        assert_eq!(second["params"]["x"], 1);
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"jsonrpc":"2.0","id":{},"result":"B"}}"#, second["id"]),
+        )
+        .await;
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"jsonrpc":"2.0","id":{},"error":{{"code":-32603,"message":"boom","data":{{"k":1}}}}}}"#, first["id"]),
+        )
+        .await;
+        assert_eq!(b.await.unwrap().unwrap(), json!("B"));
+        let err = a.await.unwrap().unwrap_err();
+        match err {
+            RpcError::Remote { method, error } => {
+                assert_eq!(method, "a");
+                assert_eq!(error.code, -32603);
+                assert_eq!(error.message, "boom");
+                assert_eq!(error.data, Some(json!({"k": 1})));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(conn.pending_requests(), 0);
+    }
+
+    #[tokio::test]
+    async fn every_pending_request_fails_when_the_peer_goes_away() {
+        let (conn, mut peer, mut rx) = pair();
+        let calls: Vec<_> = (0..5)
+            .map(|i| {
+                let conn = conn.clone();
+                tokio::spawn(async move { conn.request(&format!("m{i}"), Value::Null, None).await })
+            })
+            .collect();
+        for _ in 0..5 {
+            read_frame(&mut peer).await;
+        }
+        drop(peer);
+        for call in calls {
+            let err = call.await.unwrap().unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    RpcError::Closed {
+                        cause: CloseCause::Eof,
+                        ..
+                    }
+                ),
+                "{err:?}"
+            );
+        }
+        assert!(matches!(
+            rx.recv().await,
+            Some(Incoming::Closed(CloseCause::Eof))
+        ));
+        // Later requests fail at once instead of waiting for their timeout.
+        let err = conn.request("late", Value::Null, None).await.unwrap_err();
+        assert!(matches!(err, RpcError::Closed { .. }));
+    }
+
+    #[tokio::test]
+    async fn request_times_out_and_late_answer_is_ignored() {
+        let (conn, mut peer, _rx) = pair();
+        let err = conn
+            .request("slow", Value::Null, Some(Duration::from_millis(50)))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RpcError::Timeout { .. }), "{err:?}");
+        let sent = read_frame(&mut peer).await;
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"jsonrpc":"2.0","id":{},"result":1}}"#, sent["id"]),
+        )
+        .await;
+        // The connection keeps working after a late answer.
+        let next = tokio::spawn({
+            let conn = conn.clone();
+            async move { conn.request("next", Value::Null, None).await }
+        });
+        let sent = read_frame(&mut peer).await;
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"jsonrpc":"2.0","id":{},"result":2}}"#, sent["id"]),
+        )
+        .await;
+        assert_eq!(next.await.unwrap().unwrap(), json!(2));
+    }
+
+    #[tokio::test]
+    async fn incoming_requests_are_answered_even_when_dropped() {
+        let (_conn, mut peer, mut rx) = pair();
+        write_frame(
+            &mut peer,
+            r#"{"jsonrpc":"2.0","id":7,"method":"x.y","params":{"a":1}}"#,
+        )
+        .await;
+        write_frame(
+            &mut peer,
+            r#"{"jsonrpc":"2.0","id":"s8","method":"unknown.thing"}"#,
+        )
+        .await;
+        write_frame(
+            &mut peer,
+            r#"{"jsonrpc":"2.0","method":"note","params":[1]}"#,
+        )
+        .await;
+        let Some(Incoming::Request(first)) = rx.recv().await else {
+            panic!()
+        };
+        assert_eq!(first.method, "x.y");
+        assert_eq!(first.params["a"], 1);
+        first.responder.ok(json!({"fine": true}));
+        let Some(Incoming::Request(second)) = rx.recv().await else {
+            panic!()
+        };
+        drop(second);
+        let Some(Incoming::Notification { method, params }) = rx.recv().await else {
+            panic!()
+        };
+        assert_eq!((method.as_str(), params), ("note", json!([1])));
+        let answer = read_frame(&mut peer).await;
+        assert_eq!(
+            answer,
+            json!({"jsonrpc":"2.0","id":7,"result":{"fine":true}})
+        );
+        let answer = read_frame(&mut peer).await;
+        assert_eq!(answer["id"], "s8");
+        assert_eq!(answer["error"]["code"], INTERNAL_ERROR);
+    }
+
+    #[tokio::test]
+    async fn malformed_json_breaks_the_connection() {
+        let (conn, mut peer, mut rx) = pair();
+        let call = tokio::spawn({
+            let conn = conn.clone();
+            async move { conn.request("m", Value::Null, None).await }
+        });
+        read_frame(&mut peer).await;
+        write_frame(&mut peer, "{not json").await;
+        let Some(Incoming::Closed(CloseCause::ProtocolViolation(detail))) = rx.recv().await else {
+            panic!()
+        };
+        assert!(detail.contains("not JSON"), "{detail}");
+        let err = call.await.unwrap().unwrap_err();
+        assert!(matches!(
+            err,
+            RpcError::Closed {
+                cause: CloseCause::ProtocolViolation(_),
+                ..
+            }
+        ));
+    }
+
+    #[tokio::test]
+    async fn oversized_frame_breaks_the_connection() {
+        let (_conn, mut peer, mut rx) = pair();
+        peer.write_all(b"Content-Length: 4096\r\n\r\n")
+            .await
+            .unwrap();
+        let Some(Incoming::Closed(CloseCause::ProtocolViolation(detail))) = rx.recv().await else {
+            panic!()
+        };
+        assert!(detail.contains("exceeds the maximum"), "{detail}");
+    }
+
+    #[tokio::test]
+    async fn local_close_ends_our_output() {
+        let (conn, mut peer, _rx) = pair();
+        conn.notify("bye", Value::Null).unwrap();
+        conn.close(CloseCause::Local);
+        assert_eq!(read_frame(&mut peer).await["method"], "bye");
+        let mut rest = Vec::new();
+        peer.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty());
+    }
+}

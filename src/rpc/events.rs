@@ -1,0 +1,466 @@
+//! Session events (`session.event` notifications) as a typed enum with an `Unknown` arm.
+//!
+//! Decoding never fails for an event that has an envelope: a type this crate does not model,
+//! or a known type whose data does not match (a newer runtime), becomes
+//! [`EventKind::Unknown`] with the raw data, so one odd event never breaks a stream. The
+//! runtime also streams internal `model.*` events that are in no schema; they land there too.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// One session event with its envelope.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionEvent {
+    /// Event id (uuid).
+    pub id: String,
+    /// ISO 8601 timestamp.
+    pub timestamp: Option<String>,
+    /// The previous event of the session, `None` for the first.
+    pub parent_id: Option<String>,
+    /// Streamed but not persisted (deltas, `session.idle`, …).
+    pub ephemeral: bool,
+    /// Sub-agent that emitted it; `None` for the main agent.
+    pub agent_id: Option<String>,
+    /// The typed payload.
+    pub kind: EventKind,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Envelope {
+    #[serde(default)]
+    id: String,
+    #[serde(default)]
+    timestamp: Option<String>,
+    #[serde(default)]
+    parent_id: Option<String>,
+    #[serde(default)]
+    ephemeral: Option<bool>,
+    #[serde(default)]
+    agent_id: Option<String>,
+    #[serde(rename = "type", default)]
+    event_type: String,
+    #[serde(default)]
+    data: Value,
+}
+
+impl SessionEvent {
+    /// Decodes an event from its JSON. Unknown or unexpected shapes become
+    /// [`EventKind::Unknown`]; a value that is not even an object yields an `Unknown` event
+    /// with an empty type.
+    pub fn from_value(value: Value) -> Self {
+        match serde_json::from_value::<Envelope>(value.clone()) {
+            Ok(env) => Self {
+                id: env.id,
+                timestamp: env.timestamp,
+                parent_id: env.parent_id,
+                ephemeral: env.ephemeral.unwrap_or(false),
+                agent_id: env.agent_id,
+                kind: EventKind::decode(env.event_type, env.data),
+            },
+            Err(_) => Self {
+                id: String::new(),
+                timestamp: None,
+                parent_id: None,
+                ephemeral: false,
+                agent_id: None,
+                kind: EventKind::Unknown {
+                    event_type: String::new(),
+                    data: value,
+                },
+            },
+        }
+    }
+
+    /// The wire type, e.g. `assistant.message`.
+    pub fn event_type(&self) -> &str {
+        self.kind.event_type()
+    }
+}
+
+macro_rules! events {
+    ($($name:literal => $variant:ident($data:ident)),* $(,)?) => {
+        /// The payload of a session event, by type.
+        #[derive(Debug, Clone, PartialEq)]
+        #[non_exhaustive]
+        pub enum EventKind {
+            $(
+                #[doc = concat!("`", $name, "`")]
+                $variant($data),
+            )*
+            /// A type this crate does not model (or whose data did not match).
+            Unknown {
+                /// The wire type.
+                event_type: String,
+                /// The raw data.
+                data: Value,
+            },
+        }
+
+        impl EventKind {
+            fn decode(event_type: String, data: Value) -> Self {
+                match event_type.as_str() {
+                    $(
+                        $name => match serde_json::from_value::<$data>(data.clone()) {
+                            Ok(d) => EventKind::$variant(d),
+                            Err(error) => {
+                                tracing::debug!(event_type = $name, %error, "Event data did not match its type; kept raw.");
+                                EventKind::Unknown { event_type, data }
+                            }
+                        },
+                    )*
+                    _ => EventKind::Unknown { event_type, data },
+                }
+            }
+
+            /// The wire type.
+            pub fn event_type(&self) -> &str {
+                match self {
+                    $( EventKind::$variant(_) => $name, )*
+                    EventKind::Unknown { event_type, .. } => event_type,
+                }
+            }
+        }
+
+        /// Every typed event: its wire type and the data fields this crate reads (for the
+        /// schema check against the runtime's `session-events.schema.json`).
+        pub fn typed_events() -> Vec<(&'static str, Vec<&'static str>)> {
+            vec![ $( ($name, crate::rpc::introspect::field_names::<$data>()), )* ]
+        }
+    };
+}
+
+events! {
+    "session.start" => SessionStart(SessionStartData),
+    "session.resume" => SessionResume(SessionResumeData),
+    "session.idle" => SessionIdle(SessionIdleData),
+    "session.error" => SessionError(SessionErrorData),
+    "session.warning" => SessionWarning(SessionNoticeData),
+    "session.info" => SessionInfo(SessionInfoData),
+    "session.title_changed" => SessionTitleChanged(TitleChangedData),
+    "session.shutdown" => SessionShutdown(ShutdownData),
+    "session.usage_info" => SessionUsageInfo(UsageInfoData),
+    "session.compaction_start" => CompactionStart(CompactionStartData),
+    "session.compaction_complete" => CompactionComplete(CompactionCompleteData),
+    "session.truncation" => SessionTruncation(Raw),
+    "session.model_change" => SessionModelChange(Raw),
+    "session.task_complete" => SessionTaskComplete(Raw),
+    "user.message" => UserMessage(UserMessageData),
+    "system.message" => SystemMessage(SystemMessageData),
+    "assistant.turn_start" => AssistantTurnStart(TurnData),
+    "assistant.turn_end" => AssistantTurnEnd(TurnData),
+    "assistant.turn_retry" => AssistantTurnRetry(TurnRetryData),
+    "assistant.message" => AssistantMessage(AssistantMessageData),
+    "assistant.message_start" => AssistantMessageStart(MessageStartData),
+    "assistant.message_delta" => AssistantMessageDelta(MessageDeltaData),
+    "assistant.streaming_delta" => AssistantStreamingDelta(StreamingDeltaData),
+    "assistant.tool_call_delta" => AssistantToolCallDelta(ToolCallDeltaData),
+    "assistant.reasoning" => AssistantReasoning(ReasoningData),
+    "assistant.reasoning_delta" => AssistantReasoningDelta(ReasoningDeltaData),
+    "assistant.usage" => AssistantUsage(UsageData),
+    "assistant.idle" => AssistantIdle(AssistantIdleData),
+    "abort" => Abort(AbortData),
+    "agent.interrupted" => AgentInterrupted(InterruptedData),
+    "tool.execution_start" => ToolExecutionStart(ToolStartData),
+    "tool.execution_partial_result" => ToolPartialResult(ToolPartialData),
+    "tool.execution_progress" => ToolProgress(Raw),
+    "tool.execution_complete" => ToolExecutionComplete(ToolCompleteData),
+    "external_tool.requested" => ExternalToolRequested(ExternalToolRequestedData),
+    "external_tool.completed" => ExternalToolCompleted(RequestIdData),
+    "permission.requested" => PermissionRequested(PermissionRequestedData),
+    "permission.completed" => PermissionCompleted(PermissionCompletedData),
+    "user_input.requested" => UserInputRequested(Raw),
+    "user_input.completed" => UserInputCompleted(Raw),
+    "hook.start" => HookStart(HookStartData),
+    "hook.end" => HookEnd(HookEndData),
+}
+
+/// Data of events this crate passes on without reading (any JSON object).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Raw(pub serde_json::Map<String, Value>);
+
+macro_rules! data {
+    ($(#[$doc:meta])* $name:ident { $($(#[$fdoc:meta])* $field:ident : $ty:ty),* $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        pub struct $name {
+            $( $(#[$fdoc])* #[serde(default)] pub $field: $ty, )*
+        }
+    };
+}
+
+data!(
+    /// `session.start`.
+    SessionStartData {
+        session_id: Option<String>,
+        version: Option<Value>,
+        producer: Option<String>,
+        copilot_version: Option<String>,
+        start_time: Option<String>,
+        selected_model: Option<String>,
+        /// Another process has this session attached (the runtime only reports it).
+        already_in_use: Option<bool>,
+    }
+);
+data!(
+    /// `session.resume`.
+    SessionResumeData {
+        resume_time: Option<String>,
+        event_count: Option<u64>,
+        selected_model: Option<String>,
+        /// Another process has this session attached (split brain risk).
+        already_in_use: Option<bool>,
+        session_was_active: Option<bool>,
+    }
+);
+data!(
+    /// `session.idle`: the end-of-work signal of a turn.
+    SessionIdleData {
+        /// The turn was aborted.
+        aborted: Option<bool>,
+    }
+);
+data!(
+    /// `session.error`: the turn failed (precedes `session.idle`).
+    SessionErrorData {
+        error_type: Option<String>,
+        message: String,
+        error_code: Option<String>,
+        status_code: Option<u16>,
+    }
+);
+data!(
+    /// `session.warning`.
+    SessionNoticeData { warning_type: Option<String>, message: String }
+);
+data!(
+    /// `session.info`.
+    SessionInfoData { info_type: Option<String>, message: String }
+);
+data!(
+    /// `session.title_changed`.
+    TitleChangedData { title: String }
+);
+data!(
+    /// `session.shutdown`.
+    ShutdownData { shutdown_type: Option<String>, total_premium_requests: Option<f64>, total_api_duration_ms: Option<f64> }
+);
+data!(
+    /// `session.usage_info`.
+    UsageInfoData { token_limit: Option<u64>, current_tokens: Option<u64>, messages_length: Option<u64> }
+);
+data!(
+    /// `session.compaction_start`.
+    CompactionStartData { current_tokens: Option<u64>, trigger: Option<String> }
+);
+data!(
+    /// `session.compaction_complete`.
+    CompactionCompleteData {
+        success: bool,
+        messages_removed: Option<u64>,
+        tokens_removed: Option<u64>,
+        summary_content: Option<String>,
+    }
+);
+data!(
+    /// `user.message`.
+    UserMessageData { content: String, transformed_content: Option<String>, source: Option<String>, interaction_id: Option<String> }
+);
+data!(
+    /// `system.message`.
+    SystemMessageData { content: String, role: Option<String> }
+);
+data!(
+    /// `assistant.turn_start` / `assistant.turn_end` (one model call).
+    TurnData { turn_id: String, model: Option<String>, interaction_id: Option<String> }
+);
+data!(
+    /// `assistant.turn_retry`.
+    TurnRetryData { turn_id: Option<String>, model: Option<String>, reason: Option<String> }
+);
+data!(
+    /// `assistant.message`: a complete assistant message.
+    AssistantMessageData {
+        message_id: String,
+        content: String,
+        tool_requests: Vec<ToolRequest>,
+        model: Option<String>,
+        interaction_id: Option<String>,
+        turn_id: Option<String>,
+        output_tokens: Option<u64>,
+        reasoning_text: Option<String>,
+    }
+);
+data!(
+    /// A tool call inside an assistant message.
+    ToolRequest { tool_call_id: String, name: String, arguments: Value, r#type: Option<String> }
+);
+data!(
+    /// `assistant.message_start`.
+    MessageStartData { message_id: String }
+);
+data!(
+    /// `assistant.message_delta`.
+    MessageDeltaData { message_id: String, delta_content: String }
+);
+data!(
+    /// `assistant.streaming_delta`.
+    StreamingDeltaData { total_response_size_bytes: Option<u64> }
+);
+data!(
+    /// `assistant.tool_call_delta`.
+    ToolCallDeltaData { tool_call_id: String, tool_name: Option<String>, input_delta: Option<String> }
+);
+data!(
+    /// `assistant.reasoning`.
+    ReasoningData { reasoning_id: String, content: String }
+);
+data!(
+    /// `assistant.reasoning_delta`.
+    ReasoningDeltaData { reasoning_id: String, delta_content: String }
+);
+data!(
+    /// `assistant.usage`.
+    UsageData {
+        model: Option<String>,
+        input_tokens: Option<u64>,
+        output_tokens: Option<u64>,
+        cache_read_tokens: Option<u64>,
+        cost: Option<f64>,
+        duration: Option<f64>,
+    }
+);
+data!(
+    /// `assistant.idle`.
+    AssistantIdleData { aborted: Option<bool> }
+);
+data!(
+    /// `abort`.
+    AbortData { reason: Option<String> }
+);
+data!(
+    /// `agent.interrupted`.
+    InterruptedData { activity: Option<String>, elapsed_ms: Option<f64>, cancel_phase: Option<String>, tool_call_ids: Option<Vec<String>> }
+);
+data!(
+    /// `tool.execution_start`.
+    ToolStartData { tool_call_id: String, tool_name: String, arguments: Option<Value>, turn_id: Option<String> }
+);
+data!(
+    /// `tool.execution_partial_result`.
+    ToolPartialData { tool_call_id: String, partial_output: Option<String> }
+);
+data!(
+    /// `tool.execution_complete`.
+    ToolCompleteData { tool_call_id: String, success: bool, result: Option<Value>, error: Option<Value> }
+);
+data!(
+    /// `external_tool.requested`: the model called a client tool; answer with
+    /// `session.tools.handlePendingToolCall`.
+    ExternalToolRequestedData {
+        request_id: String,
+        session_id: String,
+        tool_call_id: String,
+        tool_name: String,
+        arguments: Value,
+        working_directory: Option<String>,
+    }
+);
+data!(
+    /// `external_tool.completed` and other `{requestId}` events.
+    RequestIdData { request_id: String }
+);
+data!(
+    /// `permission.requested`: answer with `handlePendingPermissionRequest` unless resolved by a hook.
+    PermissionRequestedData { request_id: String, permission_request: Value, resolved_by_hook: Option<bool> }
+);
+data!(
+    /// `permission.completed`.
+    PermissionCompletedData { request_id: String, tool_call_id: Option<String>, result: Option<Value> }
+);
+data!(
+    /// `hook.start`.
+    HookStartData { hook_invocation_id: String, hook_type: String }
+);
+data!(
+    /// `hook.end`.
+    HookEndData { hook_invocation_id: String, hook_type: String, success: Option<bool> }
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn decodes_known_events() {
+        let ev = SessionEvent::from_value(json!({
+            "id": "e1", "timestamp": "2026-01-01T00:00:00Z", "parentId": null, "type": "assistant.message",
+            "data": {"messageId": "m1", "content": "hi", "toolRequests": [
+                {"toolCallId": "c1", "name": "get", "arguments": {"k": 1}, "type": "function"}], "newField": 5}
+        }));
+        assert_eq!(ev.id, "e1");
+        assert_eq!(ev.event_type(), "assistant.message");
+        let EventKind::AssistantMessage(m) = ev.kind else {
+            panic!("{ev:?}")
+        };
+        assert_eq!(m.content, "hi");
+        assert_eq!(m.tool_requests[0].name, "get");
+        assert_eq!(m.tool_requests[0].arguments, json!({"k": 1}));
+    }
+
+    #[test]
+    fn idle_carries_aborted() {
+        let ev = SessionEvent::from_value(
+            json!({"id": "e", "type": "session.idle", "ephemeral": true, "data": {"aborted": true}}),
+        );
+        assert!(ev.ephemeral);
+        assert_eq!(
+            ev.kind,
+            EventKind::SessionIdle(SessionIdleData {
+                aborted: Some(true)
+            })
+        );
+    }
+
+    #[test]
+    fn unknown_and_mismatched_events_are_kept_raw() {
+        let ev = SessionEvent::from_value(
+            json!({"id": "e", "type": "model.call_start", "data": {"x": 1}}),
+        );
+        assert_eq!(
+            ev.kind,
+            EventKind::Unknown {
+                event_type: "model.call_start".into(),
+                data: json!({"x": 1})
+            }
+        );
+        // A known type with data of the wrong shape does not break decoding.
+        let ev = SessionEvent::from_value(
+            json!({"id": "e", "type": "assistant.message", "data": {"content": 5}}),
+        );
+        assert!(
+            matches!(ev.kind, EventKind::Unknown { ref event_type, .. } if event_type == "assistant.message")
+        );
+        // Not even an object.
+        let ev = SessionEvent::from_value(json!(17));
+        assert!(
+            matches!(ev.kind, EventKind::Unknown { ref event_type, .. } if event_type.is_empty())
+        );
+    }
+
+    #[test]
+    fn typed_event_list_has_field_names() {
+        let events = typed_events();
+        let (_, fields) = events
+            .iter()
+            .find(|(t, _)| *t == "external_tool.requested")
+            .unwrap();
+        assert!(
+            fields.contains(&"requestId") && fields.contains(&"toolName"),
+            "{fields:?}"
+        );
+    }
+}

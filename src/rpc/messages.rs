@@ -1,0 +1,661 @@
+//! Typed params and results of the JSON-RPC methods copilot-pool speaks.
+//!
+//! Client → server methods implement [`Method`] (name, params, result). Server → client
+//! requests have typed params here and are dispatched by the worker. Shapes follow the
+//! runtime's shipped `schemas/api.schema.json` where it lists the method (checked by
+//! `tests/schema.rs`), and the SDK's hand-written client otherwise (`session.create`,
+//! `session.resume`, `session.detach`, …, reference §5.1). Every optional field is skipped when
+//! absent, and unknown fields in results are ignored, so newer runtimes do not break us.
+
+use std::collections::BTreeMap;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::secret::Secret;
+
+/// The only protocol version this crate speaks (SDK 1.0.14 accepts 3 only).
+pub const PROTOCOL_VERSION: u32 = 3;
+
+/// A client → server method with typed params and result.
+pub trait Method {
+    /// The JSON-RPC method name.
+    const NAME: &'static str;
+    /// The params object.
+    type Params: Serialize + Send + Sync;
+    /// The result.
+    type Result: DeserializeOwned + Send;
+}
+
+macro_rules! method {
+    ($(#[$doc:meta])* $ty:ident, $name:literal, $params:ty, $result:ty) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy)]
+        pub enum $ty {}
+        impl Method for $ty {
+            const NAME: &'static str = $name;
+            type Params = $params;
+            type Result = $result;
+        }
+    };
+}
+
+/// Params of a method that takes none (sent as `{}`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Empty {}
+
+// ---------------------------------------------------------------------------------------------
+// Handshake and liveness.
+
+method!(
+    /// `connect`: the handshake; the result carries the protocol version.
+    Connect, "connect", ConnectParams, ConnectResult
+);
+method!(
+    /// `ping`: liveness.
+    Ping, "ping", PingParams, PingResult
+);
+method!(
+    /// `status.get`: runtime version and protocol version.
+    StatusGet, "status.get", Empty, StatusResult
+);
+method!(
+    /// `auth.getStatus`: whether the process is authenticated.
+    AuthGetStatus, "auth.getStatus", Empty, AuthStatus
+);
+method!(
+    /// `llmInference.setProvider`: route every model HTTP request through this connection.
+    LlmSetProvider, "llmInference.setProvider", Empty, SuccessResult
+);
+method!(
+    /// `runtime.shutdown`: ask the runtime to shut down (the launcher waits for stdin EOF).
+    RuntimeShutdown, "runtime.shutdown", Empty, Value
+);
+
+/// Params of `connect`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConnectParams {
+    /// Connection token (TCP mode only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token: Option<Secret>,
+    /// Task kinds this client supports (`agent`, `client`, `shell`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub supported_task_kinds: Option<Vec<String>>,
+    /// Who we are.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_info: Option<ClientInfo>,
+}
+
+/// `clientInfo` of `connect`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientInfo {
+    /// Integration name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub extension_name: Option<String>,
+    /// Integration version.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub extension_version: Option<String>,
+}
+
+/// Result of `connect`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConnectResult {
+    /// Always true on success.
+    pub ok: bool,
+    /// The server's protocol version; must equal [`PROTOCOL_VERSION`].
+    pub protocol_version: u32,
+    /// The runtime's version string, e.g. `1.0.85`.
+    pub version: String,
+    /// Task kinds the server accepted.
+    #[serde(default)]
+    pub task_kinds: Option<Vec<String>>,
+}
+
+/// Params of `ping`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PingParams {
+    /// Echoed back as `pong: <message>`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// Result of `ping`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PingResult {
+    /// `pong: <message>`.
+    pub message: String,
+    /// Server time (epoch ms).
+    #[serde(default)]
+    pub timestamp: Option<Value>,
+    /// The server's protocol version.
+    #[serde(default)]
+    pub protocol_version: Option<u32>,
+}
+
+/// Result of `status.get`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StatusResult {
+    /// Runtime version.
+    pub version: String,
+    /// Protocol version.
+    pub protocol_version: u32,
+}
+
+/// Result of `auth.getStatus`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AuthStatus {
+    /// Whether the process holds usable GitHub credentials.
+    pub is_authenticated: bool,
+    /// `user`, `env`, `gh-cli`, `hmac`, `api-key` or `token`.
+    #[serde(default)]
+    pub auth_type: Option<String>,
+    /// GitHub host.
+    #[serde(default)]
+    pub host: Option<String>,
+    /// GitHub login.
+    #[serde(default)]
+    pub login: Option<String>,
+    /// Human-readable status.
+    #[serde(default)]
+    pub status_message: Option<String>,
+}
+
+/// `{success, error?}`, the result of many session methods.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SuccessResult {
+    /// Whether the operation succeeded.
+    pub success: bool,
+    /// Why not, when it did not.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sessions.
+
+method!(
+    /// `session.create`: a new conversation.
+    SessionCreate, "session.create", SessionConfig, SessionOpened
+);
+method!(
+    /// `session.resume`: attach a stored conversation to this process.
+    SessionResume, "session.resume", SessionConfig, SessionOpened
+);
+method!(
+    /// `session.send`: start a turn; returns at once, the turn runs asynchronously.
+    SessionSend, "session.send", SendParams, SendResult
+);
+method!(
+    /// `session.abort`: stop the running turn (also releases unanswered tool calls).
+    SessionAbort, "session.abort", AbortParams, SuccessResult
+);
+method!(
+    /// `session.detach`: free the in-memory session; its state stays on disk.
+    SessionDetach, "session.detach", SessionIdParams, SuccessResult
+);
+method!(
+    /// `session.delete`: remove the session from disk.
+    SessionDelete, "session.delete", SessionIdParams, SuccessResult
+);
+method!(
+    /// `session.list`: sessions stored under this process's home.
+    SessionList, "session.list", SessionListParams, SessionListResult
+);
+method!(
+    /// `session.getLastId`: the most recently used session.
+    SessionGetLastId, "session.getLastId", Empty, LastIdResult
+);
+method!(
+    /// `session.getMessages`: the persisted events of a session.
+    SessionGetMessages, "session.getMessages", SessionIdParams, MessagesResult
+);
+method!(
+    /// `session.history.compact`: summarise the conversation to free context.
+    SessionCompact, "session.history.compact", CompactParams, CompactResult
+);
+method!(
+    /// `session.tools.handlePendingToolCall`: answer an `external_tool.requested` event.
+    HandlePendingToolCall, "session.tools.handlePendingToolCall", ToolCallAnswer, SuccessResult
+);
+method!(
+    /// `session.permissions.handlePendingPermissionRequest`: answer a `permission.requested` event.
+    HandlePendingPermission,
+    "session.permissions.handlePendingPermissionRequest",
+    PermissionAnswer,
+    SuccessResult
+);
+
+/// The BYOK provider of a session (`provider` in `session.create`/`session.resume`). The
+/// runtime does not persist it: it must be sent again on every resume.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProviderConfig {
+    /// `openai` (default), `azure` or `anthropic`.
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// `completions` (default) or `responses`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wire_api: Option<String>,
+    /// Base URL of the OpenAI-compatible endpoint, e.g. `http://127.0.0.1:8080/v1`.
+    pub base_url: String,
+    /// API key, sent as `Authorization: Bearer` for type openai.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<Secret>,
+    /// Bearer token (wins over the API key).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bearer_token: Option<Secret>,
+    /// Extra headers sent with every model request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub headers: Option<BTreeMap<String, String>>,
+}
+
+impl ProviderConfig {
+    /// An OpenAI chat-completions provider at `base_url`.
+    pub fn openai(base_url: impl Into<String>, api_key: Option<Secret>) -> Self {
+        Self {
+            kind: Some("openai".to_owned()),
+            wire_api: Some("completions".to_owned()),
+            base_url: base_url.into(),
+            api_key,
+            bearer_token: None,
+            headers: None,
+        }
+    }
+}
+
+/// A client tool the model may call; answered through `handlePendingToolCall`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolDefinition {
+    /// Tool name (must not collide with a built-in unless `overrides_built_in_tool`).
+    pub name: String,
+    /// What the tool does, for the model.
+    pub description: String,
+    /// JSON schema of the arguments.
+    pub parameters: Value,
+    /// Run without a permission prompt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skip_permission: Option<bool>,
+    /// Replace the built-in tool of the same name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub overrides_built_in_tool: Option<bool>,
+}
+
+/// Params of `session.create` and `session.resume` (the SDK's `SessionConfig` on the wire).
+/// Fields this crate does not model go in `extra` and are sent as they are.
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionConfig {
+    /// The session id (we always choose it, so events can be routed before the reply).
+    pub session_id: String,
+    /// Model id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Client name stored with the session.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_name: Option<String>,
+    /// BYOK provider (needed on create and on every resume).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub provider: Option<ProviderConfig>,
+    /// Per-session GitHub identity.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub git_hub_token: Option<Secret>,
+    /// Client tools.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<ToolDefinition>,
+    /// Allow-list of tools (`custom:*`, `builtin:bash`, names).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub available_tools: Option<Vec<String>>,
+    /// Deny-list of tools.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub excluded_tools: Option<Vec<String>>,
+    /// `excluded` (what the SDK always sends).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_filter_precedence: Option<String>,
+    /// Ask the client for permissions (`permission.requested` events) instead of denying.
+    pub request_permission: bool,
+    /// Let the model ask the user (`userInput.request`).
+    pub request_user_input: bool,
+    /// Send `hooks.invoke` requests.
+    pub hooks: bool,
+    /// Stream deltas.
+    pub streaming: bool,
+    /// The session's working directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub working_directory: Option<String>,
+    /// System message (`{mode:"append"|"replace", content}` …).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub system_message: Option<Value>,
+    /// `direct` (what the SDK always sends).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub env_value_mode: Option<String>,
+    /// Resume only: do not continue work that was pending when the session was detached.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub continue_pending_work: Option<bool>,
+    /// Anything else, sent as is.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// Result of `session.create` / `session.resume`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionOpened {
+    /// The session id.
+    pub session_id: String,
+    /// Where the session's state lives on disk.
+    #[serde(default)]
+    pub workspace_path: Option<String>,
+    /// `interactive`, …
+    #[serde(default)]
+    pub mode: Option<String>,
+}
+
+/// Params of `session.send`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SendParams {
+    /// Target session.
+    pub session_id: String,
+    /// The user message.
+    pub prompt: String,
+    /// `enqueue` or `immediate`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+}
+
+/// Result of `session.send`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SendResult {
+    /// Id of the user message.
+    pub message_id: String,
+}
+
+/// Params of `session.abort`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AbortParams {
+    /// Target session.
+    pub session_id: String,
+    /// Why (free text).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// `{sessionId}`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionIdParams {
+    /// Target session.
+    pub session_id: String,
+}
+
+/// Params of `session.list`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SessionListParams {
+    /// `{cwd?, gitRoot?, repository?, branch?}`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub filter: Option<Value>,
+}
+
+/// Result of `session.list`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SessionListResult {
+    /// Stored sessions.
+    pub sessions: Vec<SessionSummary>,
+}
+
+/// One entry of `session.list`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionSummary {
+    /// Session id.
+    pub session_id: String,
+    /// Whether it is detached from every process.
+    #[serde(default)]
+    pub is_detached: Option<bool>,
+    /// Summary text.
+    #[serde(default)]
+    pub summary: Option<String>,
+    /// Creation time.
+    #[serde(default)]
+    pub start_time: Option<Value>,
+    /// Last modification.
+    #[serde(default)]
+    pub modified_time: Option<Value>,
+}
+
+/// Result of `session.getLastId`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LastIdResult {
+    /// The id, if any session exists.
+    #[serde(default)]
+    pub session_id: Option<String>,
+}
+
+/// Result of `session.getMessages`: persisted events, kept raw.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MessagesResult {
+    /// The events as stored.
+    pub events: Vec<Value>,
+}
+
+/// Params of `session.history.compact`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CompactParams {
+    /// Target session.
+    pub session_id: String,
+    /// Focus for the summary.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub custom_instructions: Option<String>,
+}
+
+/// Result of `session.history.compact`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CompactResult {
+    /// Whether compaction ran.
+    pub success: bool,
+    /// Tokens freed.
+    #[serde(default)]
+    pub tokens_removed: Option<u64>,
+    /// Messages folded into the summary.
+    #[serde(default)]
+    pub messages_removed: Option<u64>,
+    /// The summary.
+    #[serde(default)]
+    pub summary_content: Option<String>,
+}
+
+/// Params of `session.tools.handlePendingToolCall`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolCallAnswer {
+    /// The session the tool call belongs to.
+    pub session_id: String,
+    /// `requestId` of the `external_tool.requested` event.
+    pub request_id: String,
+    /// A string, or `{textResultForLlm, resultType, …}`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    /// Failure message instead of a result.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Params of `session.permissions.handlePendingPermissionRequest`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PermissionAnswer {
+    /// The session the request belongs to.
+    pub session_id: String,
+    /// `requestId` of the `permission.requested` event.
+    pub request_id: String,
+    /// A decision, e.g. `{"kind":"approve-once"}` or `{"kind":"reject"}`.
+    pub result: Value,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server → client requests.
+
+/// Params of `userInput.request` (the `ask_user` tool).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UserInputRequest {
+    /// The asking session.
+    pub session_id: String,
+    /// The question.
+    pub question: String,
+    /// Offered answers.
+    #[serde(default)]
+    pub choices: Option<Vec<String>>,
+    /// Whether a free-form answer is allowed.
+    #[serde(default)]
+    pub allow_freeform: Option<bool>,
+}
+
+/// Result of `userInput.request`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UserInputResponse {
+    /// The answer.
+    pub answer: String,
+    /// Whether it was typed rather than chosen.
+    pub was_freeform: bool,
+}
+
+/// Params of `hooks.invoke`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HookInvocation {
+    /// The session.
+    pub session_id: String,
+    /// `sessionStart`, `preToolUse`, `agentStop`, …
+    pub hook_type: String,
+    /// Hook-specific input.
+    #[serde(default)]
+    pub input: Value,
+}
+
+/// Params of `llmInference.httpRequestStart`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpRequestStart {
+    /// Correlates the chunks and the response.
+    pub request_id: String,
+    /// HTTP method.
+    pub method: String,
+    /// The URL the runtime would have called.
+    pub url: String,
+    /// Headers, several values per name.
+    #[serde(default)]
+    pub headers: BTreeMap<String, Vec<String>>,
+    /// The calling session.
+    #[serde(default)]
+    pub session_id: Option<String>,
+}
+
+/// Params of `llmInference.httpRequestChunk`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpRequestChunk {
+    /// The request.
+    pub request_id: String,
+    /// Body bytes (text).
+    #[serde(default)]
+    pub data: String,
+    /// Whether `data` is base64.
+    #[serde(default)]
+    pub binary: Option<bool>,
+    /// Last chunk.
+    #[serde(default)]
+    pub end: Option<bool>,
+    /// The runtime gave up on the request.
+    #[serde(default)]
+    pub cancel: Option<bool>,
+}
+
+method!(
+    /// `llmInference.httpResponseStart`: the status and headers of a tunnelled response.
+    HttpResponseStart, "llmInference.httpResponseStart", HttpResponseStartParams, AcceptedResult
+);
+method!(
+    /// `llmInference.httpResponseChunk`: a piece of a tunnelled response body.
+    HttpResponseChunk, "llmInference.httpResponseChunk", HttpResponseChunkParams, AcceptedResult
+);
+
+/// Params of `llmInference.httpResponseStart`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpResponseStartParams {
+    /// The request being answered.
+    pub request_id: String,
+    /// HTTP status.
+    pub status: u16,
+    /// Headers, several values per name.
+    pub headers: BTreeMap<String, Vec<String>>,
+}
+
+/// Params of `llmInference.httpResponseChunk`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpResponseChunkParams {
+    /// The request being answered.
+    pub request_id: String,
+    /// Body text.
+    pub data: String,
+    /// Last chunk.
+    pub end: bool,
+    /// The body broke off with this error.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// `{accepted}`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AcceptedResult {
+    /// Whether the runtime took the frame.
+    pub accepted: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_config_puts_extra_fields_and_secrets_on_the_wire() {
+        let mut extra = Map::new();
+        extra.insert(
+            "infiniteSessions".into(),
+            serde_json::json!({"enabled": true}),
+        );
+        let config = SessionConfig {
+            session_id: "s1".into(),
+            model: Some("m".into()),
+            provider: Some(ProviderConfig::openai(
+                "http://127.0.0.1:1/v1",
+                Some("key-1".into()),
+            )),
+            extra,
+            ..Default::default()
+        };
+        let wire = serde_json::to_value(&config).unwrap();
+        assert_eq!(wire["sessionId"], "s1");
+        assert_eq!(wire["provider"]["apiKey"], "key-1");
+        assert_eq!(wire["provider"]["type"], "openai");
+        assert_eq!(wire["infiniteSessions"]["enabled"], true);
+        assert_eq!(wire["requestPermission"], false);
+        assert!(wire.get("gitHubToken").is_none());
+        assert!(!format!("{config:?}").contains("key-1"));
+    }
+}
