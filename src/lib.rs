@@ -1,5 +1,6 @@
 //! copilot-pool: supervises pools of GitHub Copilot CLI processes for multi-agent gateways.
 
+pub mod process;
 pub mod rpc;
 pub mod runtime;
 pub mod scripted_model;

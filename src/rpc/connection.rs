@@ -245,10 +245,10 @@ impl Shared {
 
     /// Marks the connection closed and fails every pending request with `cause`.
     fn close(&self, cause: CloseCause) {
-        if let Ok(mut closed) = self.closed.lock() {
-            if closed.is_none() {
-                *closed = Some(cause.clone());
-            }
+        if let Ok(mut closed) = self.closed.lock()
+            && closed.is_none()
+        {
+            *closed = Some(cause.clone());
         }
         let drained: Vec<(String, Pending)> = match self.pending.lock() {
             Ok(mut pending) => pending.drain().map(|(_, v)| v).collect(),

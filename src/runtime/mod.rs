@@ -1,1 +1,63 @@
-//! Finding and installing the Copilot runtime (placeholder; being written).
+//! Finding and installing the pinned Copilot runtime.
+//!
+//! copilot-pool never talks to GitHub to fetch its child executable: the pinned runtime is
+//! installed from the npm registry with the user's own `npm`, into a per-user cache, and found
+//! again at run time without installing anything.
+//!
+//! * [`Flavour`] says which npm package is used (the pinned versions live in `flavour.rs`):
+//!   [`Flavour::Runtime`] (default) is the SDK's native `copilot-runtime` launcher, used in place
+//!   next to its `runtime.node`; [`Flavour::Cli`] is the `copilot` single executable.
+//! * [`Platform`] maps the host to the npm platform suffix (`linux-x64`, `darwin-arm64`, ...).
+//! * [`cache_dir`] resolves where managed installs live
+//!   (`COPILOT_POOL_CACHE_DIR`, `$XDG_CACHE_HOME/copilot-pool`, `~/.cache/copilot-pool`).
+//! * [`install`] installs one flavour idempotently, under a file lock, atomically.
+//! * [`locate`] finds the executable to run: explicit path, `COPILOT_CLI_PATH`, the managed
+//!   installs, then `copilot` on `PATH`.
+//!
+//! Every function that reads the environment takes a lookup closure (`Fn(&str) ->
+//! Option<OsString>`); pass [`process_env`] to read the real process environment.
+
+mod cache;
+mod flavour;
+mod install;
+mod locate;
+mod platform;
+
+pub use cache::{CACHE_DIR_ENV, CacheDirError, cache_dir};
+pub use flavour::{CLI_VERSION, Flavour, ParseFlavourError, RUNTIME_VERSION};
+pub use install::{InstallError, Installed, MARKER_FILE, install};
+pub use locate::{
+    CLI_PATH_ENV, INSTALL_COMMAND, LocateError, Located, LocatedBy, MISSING_CODE, locate,
+};
+pub use platform::{Platform, PlatformError};
+
+use std::ffi::OsString;
+
+/// Reads a variable from the real process environment; the usual `env` argument for
+/// [`cache_dir`] and [`locate`].
+pub fn process_env(key: &str) -> Option<OsString> {
+    std::env::var_os(key)
+}
+
+/// Looks `key` up and treats an empty value as unset.
+fn non_empty(env: &impl Fn(&str) -> Option<OsString>, key: &str) -> Option<OsString> {
+    env(key).filter(|value| !value.is_empty())
+}
+
+/// The first `name` on a `PATH`-style list that is an executable file (empty entries, which
+/// would mean the current directory, are skipped).
+fn find_on_path(name: &str, path_var: Option<OsString>) -> Option<std::path::PathBuf> {
+    let path_var = path_var?;
+    std::env::split_paths(&path_var)
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .map(|dir| dir.join(name))
+        .find(|candidate| is_executable_file(candidate))
+}
+
+/// A regular file (after following symlinks) with at least one execute bit.
+fn is_executable_file(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path)
+        .map(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}

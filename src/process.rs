@@ -1,0 +1,432 @@
+//! One child process in its own process group: spawn, stderr tail, exit status, and killing
+//! the whole group (TERM, grace, KILL) on every exit path, drops included.
+//!
+//! This module does not speak JSON-RPC and does not know what program it runs. Its
+//! invariant: once a [`ChildGroup`] exists, the group is killed when it is dropped unless the
+//! whole group is already gone, and the leader is reaped by a task that owns it.
+
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::fmt;
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::io::AsyncReadExt;
+use tokio::process::{ChildStdin, ChildStdout, Command};
+use tokio::sync::watch;
+
+/// Bytes of stderr kept per child (the most recent ones).
+pub const STDERR_TAIL_BYTES: usize = 64 * 1024;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct ChildSpec {
+    /// Executable.
+    pub program: PathBuf,
+    /// Arguments.
+    pub args: Vec<OsString>,
+    /// The complete environment (nothing is inherited).
+    pub env: Vec<(OsString, OsString)>,
+    /// Working directory.
+    pub cwd: PathBuf,
+}
+
+/// Why a child could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    /// The OS refused to start the program.
+    #[error("cannot start {program}: {source}")]
+    Start {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A pipe was not set up (should not happen with piped stdio).
+    #[error("child {0} has no {1} pipe")]
+    MissingPipe(u32, &'static str),
+}
+
+/// How a child ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitInfo {
+    /// Exited with a status code.
+    Code(i32),
+    /// Killed by a signal.
+    Signal(i32),
+    /// The status could not be read.
+    Unknown,
+}
+
+impl ExitInfo {
+    fn from_status(status: ExitStatus) -> Self {
+        use std::os::unix::process::ExitStatusExt;
+        match (status.code(), status.signal()) {
+            (Some(code), _) => ExitInfo::Code(code),
+            (None, Some(sig)) => ExitInfo::Signal(sig),
+            _ => ExitInfo::Unknown,
+        }
+    }
+}
+
+impl fmt::Display for ExitInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExitInfo::Code(code) => write!(f, "exit code {code}"),
+            ExitInfo::Signal(sig) => match Signal::try_from(*sig) {
+                Ok(s) => write!(f, "signal {sig} ({})", s.as_str()),
+                Err(_) => write!(f, "signal {sig}"),
+            },
+            ExitInfo::Unknown => f.write_str("unknown exit status"),
+        }
+    }
+}
+
+/// The last [`STDERR_TAIL_BYTES`] of a child's stderr.
+#[derive(Clone, Default)]
+pub struct StderrTail {
+    buf: Arc<Mutex<VecDeque<u8>>>,
+    /// Total bytes ever received; changes on every chunk.
+    received: Arc<watch::Sender<usize>>,
+    done: Arc<watch::Sender<bool>>,
+}
+
+impl fmt::Debug for StderrTail {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StderrTail").finish_non_exhaustive()
+    }
+}
+
+impl StderrTail {
+    fn push(&self, bytes: &[u8]) {
+        if let Ok(mut buf) = self.buf.lock() {
+            buf.extend(bytes);
+            let excess = buf.len().saturating_sub(STDERR_TAIL_BYTES);
+            buf.drain(..excess);
+        }
+        self.received.send_modify(|n| *n += bytes.len());
+    }
+
+    /// Waits until the kept text contains `needle`, at most `limit`. Returns whether it did.
+    pub async fn wait_for_text(&self, needle: &str, limit: Duration) -> bool {
+        let mut rx = self.received.subscribe();
+        let found = rx.wait_for(|_| self.text().contains(needle));
+        matches!(tokio::time::timeout(limit, found).await, Ok(Ok(_)))
+    }
+
+    /// The kept bytes as text (invalid UTF-8 replaced).
+    pub fn text(&self) -> String {
+        match self.buf.lock() {
+            Ok(buf) => {
+                let (a, b) = buf.as_slices();
+                let mut v = Vec::with_capacity(buf.len());
+                v.extend_from_slice(a);
+                v.extend_from_slice(b);
+                String::from_utf8_lossy(&v).into_owned()
+            }
+            Err(_) => String::new(),
+        }
+    }
+
+    /// Waits until stderr reached end of file, at most `limit`.
+    pub async fn settled(&self, limit: Duration) {
+        let mut rx = self.done.subscribe();
+        let _ = tokio::time::timeout(limit, rx.wait_for(|done| *done)).await;
+    }
+}
+
+/// The pipes of a child for the protocol: we write its stdin and read its stdout.
+#[derive(Debug)]
+pub struct ChildIo {
+    /// The child's stdin.
+    pub stdin: ChildStdin,
+    /// The child's stdout.
+    pub stdout: ChildStdout,
+}
+
+/// A running child that leads its own process group.
+#[derive(Debug)]
+pub struct ChildGroup {
+    pid: u32,
+    exit: watch::Receiver<Option<ExitInfo>>,
+    stderr: StderrTail,
+}
+
+impl ChildGroup {
+    /// Starts `spec` as the leader of a new process group, with piped stdio and exactly the
+    /// given environment. Must be called inside a tokio runtime.
+    pub fn spawn(spec: &ChildSpec) -> Result<(Self, ChildIo), SpawnError> {
+        let mut cmd = Command::new(&spec.program);
+        cmd.args(&spec.args)
+            .env_clear()
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .current_dir(&spec.cwd)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|source| SpawnError::Start {
+            program: spec.program.display().to_string(),
+            source,
+        })?;
+        let Some(pid) = child.id() else {
+            // Already reaped: cannot happen right after spawn.
+            return Err(SpawnError::MissingPipe(0, "pid"));
+        };
+        let stdin = child
+            .stdin
+            .take()
+            .ok_or(SpawnError::MissingPipe(pid, "stdin"))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or(SpawnError::MissingPipe(pid, "stdout"))?;
+        let stderr_pipe = child
+            .stderr
+            .take()
+            .ok_or(SpawnError::MissingPipe(pid, "stderr"))?;
+
+        // From here on the group exists: the guard below kills it on any early return.
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let group = ChildGroup {
+            pid,
+            exit: exit_rx,
+            stderr: StderrTail::default(),
+        };
+
+        let tail = group.stderr.clone();
+        tokio::spawn(async move {
+            let mut pipe = stderr_pipe;
+            let mut chunk = vec![0u8; 8192];
+            loop {
+                match pipe.read(&mut chunk).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => tail.push(&chunk[..n]),
+                }
+            }
+            tail.done.send_replace(true);
+        });
+
+        // The reaper owns the `Child`; it publishes the exit status once.
+        tokio::spawn(async move {
+            let info = match child.wait().await {
+                Ok(status) => ExitInfo::from_status(status),
+                Err(_) => ExitInfo::Unknown,
+            };
+            tracing::debug!(pid, exit = %info, "Child exited.");
+            exit_tx.send_replace(Some(info));
+        });
+
+        Ok((group, ChildIo { stdin, stdout }))
+    }
+
+    /// The leader's pid, which is also the process group id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The exit status, if the leader has exited and been reaped.
+    pub fn exit_info(&self) -> Option<ExitInfo> {
+        *self.exit.borrow()
+    }
+
+    /// A receiver that changes once, when the leader has been reaped.
+    pub fn exit_watch(&self) -> watch::Receiver<Option<ExitInfo>> {
+        self.exit.clone()
+    }
+
+    /// Waits for the leader to exit.
+    pub async fn wait(&self) -> ExitInfo {
+        let mut rx = self.exit.clone();
+        match rx.wait_for(|e| e.is_some()).await {
+            Ok(info) => info.unwrap_or(ExitInfo::Unknown),
+            // The reaper task is gone (runtime shutting down): nothing more to learn.
+            Err(_) => ExitInfo::Unknown,
+        }
+    }
+
+    /// The kept tail of stderr.
+    pub fn stderr(&self) -> &StderrTail {
+        &self.stderr
+    }
+
+    /// Sends `signal` to every process of the group. Errors (the group is gone) are ignored.
+    pub fn signal_group(&self, signal: Signal) {
+        if let Ok(pgid) = i32::try_from(self.pid) {
+            let _ = killpg(Pid::from_raw(pgid), signal);
+        }
+    }
+
+    /// Ends the group: SIGTERM to the group, up to `grace` for the leader to exit, then
+    /// SIGKILL to the group (always, to catch members that outlive the leader). Returns how
+    /// the leader ended.
+    pub async fn terminate(&self, grace: Duration) -> ExitInfo {
+        if self.exit_info().is_none() {
+            self.signal_group(Signal::SIGTERM);
+        }
+        let info = match tokio::time::timeout(grace, self.wait()).await {
+            Ok(info) => info,
+            Err(_) => {
+                tracing::debug!(
+                    pid = self.pid,
+                    ?grace,
+                    "Child ignored SIGTERM; killing its group."
+                );
+                self.signal_group(Signal::SIGKILL);
+                self.wait().await
+            }
+        };
+        self.signal_group(Signal::SIGKILL);
+        info
+    }
+}
+
+impl Drop for ChildGroup {
+    fn drop(&mut self) {
+        // Synchronous and cheap: whatever is left of the group dies now; the reaper task
+        // collects the leader. Harmless when the group is already gone.
+        self.signal_group(Signal::SIGKILL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str) -> ChildSpec {
+        ChildSpec {
+            program: "/bin/sh".into(),
+            args: vec!["-c".into(), script.into()],
+            env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+            cwd: std::env::temp_dir(),
+        }
+    }
+
+    /// Pids of live (non-zombie) processes in process group `pgid`, from /proc.
+    pub(crate) fn live_group_members(pgid: u32) -> Vec<u32> {
+        let mut out = Vec::new();
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return out;
+        };
+        for entry in dir.flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // Fields after the command name (which is in parentheses and may contain spaces).
+            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+                continue;
+            };
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            if fields.len() > 2 && fields[2] == pgid.to_string() {
+                out.push(pid);
+            }
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn reports_exit_code_and_stderr_tail() {
+        let (child, _io) = ChildGroup::spawn(&sh("echo oops >&2; exit 3")).unwrap();
+        assert_eq!(child.wait().await, ExitInfo::Code(3));
+        child.stderr().settled(Duration::from_secs(5)).await;
+        assert_eq!(child.stderr().text(), "oops\n");
+    }
+
+    #[tokio::test]
+    async fn environment_is_exactly_the_given_one() {
+        let mut spec = sh("env >&2");
+        spec.env.push(("ONLY_THIS".into(), "1".into()));
+        let (child, _io) = ChildGroup::spawn(&spec).unwrap();
+        child.wait().await;
+        child.stderr().settled(Duration::from_secs(5)).await;
+        let env = child.stderr().text();
+        assert!(env.contains("ONLY_THIS=1"), "{env}");
+        assert!(!env.contains("HOME="), "{env}");
+    }
+
+    #[tokio::test]
+    async fn stderr_tail_is_bounded() {
+        let (child, _io) = ChildGroup::spawn(&sh(
+            "head -c 200000 /dev/zero | tr '\\0' x >&2; echo END >&2",
+        ))
+        .unwrap();
+        child.wait().await;
+        child.stderr().settled(Duration::from_secs(5)).await;
+        let text = child.stderr().text();
+        assert_eq!(text.len(), STDERR_TAIL_BYTES);
+        assert!(text.ends_with("xEND\n"));
+    }
+
+    #[tokio::test]
+    async fn terminate_kills_the_whole_group_even_when_term_is_ignored() {
+        // The leader ignores TERM; a grandchild sleeps in the same group.
+        let (child, _io) = ChildGroup::spawn(&sh(
+            "trap '' TERM; sleep 300 & echo started >&2; while :; do sleep 1; done",
+        ))
+        .unwrap();
+        let pgid = child.pid();
+        // Wait until the grandchild exists (the script reports it).
+        assert!(
+            child
+                .stderr()
+                .wait_for_text("started", Duration::from_secs(10))
+                .await
+        );
+        assert!(live_group_members(pgid).len() >= 2);
+        let info = child.terminate(Duration::from_millis(200)).await;
+        assert_eq!(info, ExitInfo::Signal(9));
+        assert_eq!(info.to_string(), "signal 9 (SIGKILL)");
+        // The group is gone: no member left (zombies of the grandchild are init's to reap).
+        let left = group_left_after(pgid, Duration::from_secs(5)).await;
+        assert!(left.is_empty(), "left behind: {left:?}");
+        // The leader itself was reaped by us: not even a zombie remains.
+        assert!(!std::path::Path::new(&format!("/proc/{pgid}")).exists());
+    }
+
+    #[tokio::test]
+    async fn drop_kills_the_group() {
+        let (child, io) = ChildGroup::spawn(&sh("sleep 300 & sleep 300")).unwrap();
+        let pgid = child.pid();
+        let exit = child.exit_watch();
+        drop(io);
+        drop(child);
+        let mut exit = exit;
+        let info = exit.wait_for(|e| e.is_some()).await.unwrap().unwrap();
+        assert_eq!(info, ExitInfo::Signal(9));
+        let left = group_left_after(pgid, Duration::from_secs(5)).await;
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
+
+    /// Live members of group `pgid` still there after `limit`. Processes we did not spawn
+    /// directly give no exit event, so this polls /proc (SIGKILL delivery is asynchronous).
+    async fn group_left_after(pgid: u32, limit: Duration) -> Vec<u32> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let left: Vec<u32> = live_group_members(pgid)
+                .into_iter()
+                .filter(|pid| !is_zombie(*pid))
+                .collect();
+            if left.is_empty() || tokio::time::Instant::now() >= deadline {
+                return left;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    fn is_zombie(pid: u32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .map(|(_, r)| r.trim_start().starts_with('Z'))
+            })
+            .unwrap_or(true)
+    }
+}
