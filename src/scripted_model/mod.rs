@@ -1,1 +1,37 @@
-//! A scripted OpenAI-compatible model for tests and the demo (placeholder; being written).
+//! A scripted OpenAI-compatible chat-completions model that we own, for tests and the
+//! `copilot-pool run` demo. It is never on a production path.
+//!
+//! Real Copilot CLI processes reach it either over HTTP — a BYOK provider
+//! `{type:"openai", baseUrl: endpoint.base_url(), apiKey, wireApi:"completions"}` pointing
+//! at [`ScriptedModel::serve_http`] — or through the JSON-RPC model tunnel, for which
+//! [`ScriptedModel`] implements [`crate::tunnel::ModelTunnel`]. Both transports share one
+//! decision function and one renderer, so they answer identically.
+//!
+//! What it answers is scripted by directives in the last user message (`SCENARIO:tool`,
+//! `SCENARIO:slow`, `SCENARIO:error`, `SCENARIO:flood`, `REPLY=`; see [`script`]) or by
+//! replies queued with [`ScriptedModel::push_reply`]. Every request is recorded
+//! ([`ScriptedModel::requests`]) and tests can await the log
+//! ([`ScriptedModel::wait_for_requests`]) instead of sleeping.
+//!
+//! Modules, one job each:
+//! * [`script`] — deciding the answer from a request body (pure);
+//! * `openai` — rendering an answer as `chat.completion` JSON or SSE chunks;
+//! * `model` — the shared state and the request router;
+//! * `log` — the request log;
+//! * `http` — the loopback axum endpoint;
+//! * `tunnel` — the [`crate::tunnel::ModelTunnel`] implementation;
+//! * `error` — [`ScriptedModelError`].
+
+mod error;
+mod http;
+mod log;
+mod model;
+mod openai;
+pub mod script;
+mod tunnel;
+
+pub use error::ScriptedModelError;
+pub use http::HttpEndpoint;
+pub use log::{Answer, RecordedRequest, Transport};
+pub use model::ScriptedModel;
+pub use script::{Decision, Reply};

@@ -1,0 +1,395 @@
+//! [`ScriptedModel`]: the shared state (reply queue, request counter, request log, shutdown
+//! flag) and the one place that routes a request and turns a [`Decision`] into a response.
+//! The HTTP endpoint and the tunnel are thin adapters around [`ScriptedModel::respond`].
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+use tokio::sync::watch;
+
+use super::log::{Answer, RecordedRequest, RequestLog, Transport};
+use super::openai::{self, Completion};
+use super::script::{self, ChatRequest, Decision, Reply};
+use crate::tunnel::ModelResponse;
+
+/// A scripted OpenAI-compatible chat-completions model for tests and the demo.
+///
+/// Cheap to clone (all clones share one state). Answers are decided by
+/// [`script`](super::script) rules or by replies queued with [`ScriptedModel::push_reply`].
+/// Dropping the last clone (or calling [`ScriptedModel::shutdown`]) ends hanging and slow
+/// bodies with an error.
+#[derive(Debug, Clone, Default)]
+pub struct ScriptedModel {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    state: Mutex<State>,
+    log: RequestLog,
+    /// `true` once shut down; dropping it (with the last clone) also counts as shut down.
+    shutdown: watch::Sender<bool>,
+}
+
+impl Default for Inner {
+    fn default() -> Self {
+        Self {
+            state: Mutex::default(),
+            log: RequestLog::new(),
+            shutdown: watch::Sender::new(false),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Chat-completions requests served so far.
+    served: u64,
+    /// Replies that win over the directives, oldest first.
+    queue: VecDeque<Reply>,
+}
+
+/// One request as the transports hand it to [`ScriptedModel::respond`].
+#[derive(Debug)]
+pub(crate) struct Incoming<'a> {
+    pub transport: Transport,
+    pub method: &'a str,
+    /// Path without query.
+    pub path: &'a str,
+    pub session_id: Option<String>,
+    pub body: &'a [u8],
+}
+
+const JSON: &str = "application/json";
+
+impl ScriptedModel {
+    /// The model id the scripted model lists and reports.
+    pub const MODEL_ID: &'static str = "scripted-model";
+
+    /// A fresh model: empty queue, empty log, request counter at zero.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Queues `reply` for the next chat request; queued replies are used first-in
+    /// first-out and take precedence over every directive.
+    pub fn push_reply(&self, reply: Reply) {
+        self.lock().queue.push_back(reply);
+    }
+
+    /// Queued replies not used yet.
+    pub fn pending_replies(&self) -> usize {
+        self.lock().queue.len()
+    }
+
+    /// Every request received so far (all routes, both transports), oldest first.
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        self.inner.log.snapshot()
+    }
+
+    /// Waits until at least `n` requests have been received; returns them all.
+    pub async fn wait_for_requests(&self, n: usize) -> Vec<RecordedRequest> {
+        self.wait_until(|requests| requests.len() >= n).await
+    }
+
+    /// Waits until `done` holds for the requests received so far; returns them all.
+    pub async fn wait_until(
+        &self,
+        done: impl FnMut(&[RecordedRequest]) -> bool,
+    ) -> Vec<RecordedRequest> {
+        self.inner.log.wait_until(done).await
+    }
+
+    /// Ends every hanging or slow body with an error, now and for later requests.
+    pub fn shutdown(&self) {
+        self.inner.shutdown.send_replace(true);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // The state stays consistent even if a holder panicked (single push/pop updates).
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Routes and answers one request: `POST …/chat/completions`, `GET …/models`, else 404.
+    pub(crate) async fn respond(&self, request: Incoming<'_>) -> ModelResponse {
+        let path = request.path.trim_end_matches('/');
+        let method = request.method;
+        if path.ends_with("/chat/completions") && method.eq_ignore_ascii_case("POST") {
+            return self.chat(request).await;
+        }
+        let body = serde_json::from_slice(request.body).unwrap_or(Value::Null);
+        if path.ends_with("/models") && method.eq_ignore_ascii_case("GET") {
+            self.record(&request, body, Answer::ModelList);
+            return ModelResponse::full(200, JSON, openai::models_body(Self::MODEL_ID));
+        }
+        self.record(&request, body, Answer::NotFound);
+        let message = format!("no route {method} {}", request.path);
+        ModelResponse::full(
+            404,
+            JSON,
+            openai::invalid_request_body(&message, "not_found"),
+        )
+    }
+
+    async fn chat(&self, request: Incoming<'_>) -> ModelResponse {
+        let parsed = serde_json::from_slice::<Value>(request.body)
+            .map_err(|e| (Value::Null, format!("request body is not JSON: {e}")))
+            .and_then(|body| match ChatRequest::from_json(&body) {
+                Ok(chat) => Ok((body, chat)),
+                Err(reason) => Err((body, reason)),
+            });
+        let (body, chat) = match parsed {
+            Ok(parsed) => parsed,
+            Err((body, reason)) => {
+                let answer = openai::invalid_request_body(&reason, "bad_request");
+                self.record(&request, body, Answer::BadRequest(reason));
+                return ModelResponse::full(400, JSON, answer);
+            }
+        };
+        let (number, queued) = {
+            let mut state = self.lock();
+            state.served += 1;
+            (state.served, state.queue.pop_front())
+        };
+        let decision = script::decide(&chat, number, queued);
+        self.record(
+            &request,
+            body,
+            Answer::Chat {
+                number,
+                decision: decision.clone(),
+            },
+        );
+        let completion = Completion {
+            id: format!("chatcmpl-scripted-{number}"),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            model: chat.model.unwrap_or_else(|| Self::MODEL_ID.to_owned()),
+            include_usage: chat.include_usage,
+        };
+        self.render(completion, decision, chat.stream).await
+    }
+
+    async fn render(
+        &self,
+        completion: Completion,
+        decision: Decision,
+        stream: bool,
+    ) -> ModelResponse {
+        let shutdown = self.inner.shutdown.subscribe();
+        match decision {
+            Decision::Error { status } => {
+                ModelResponse::full(status, JSON, openai::error_body(status))
+            }
+            Decision::Hang => {
+                let content_type = if stream { "text/event-stream" } else { JSON };
+                opened(content_type, openai::hang(shutdown))
+            }
+            decision if stream => sse(openai::stream(completion, decision, shutdown)),
+            decision => {
+                if let Decision::Slow { chunks, interval } = &decision {
+                    let mut shutdown = shutdown;
+                    tokio::select! {
+                        () = tokio::time::sleep(interval.saturating_mul(*chunks)) => {}
+                        () = openai::shut_down(&mut shutdown) => {
+                            return ModelResponse::full(503, JSON, openai::error_body(503));
+                        }
+                    }
+                }
+                ModelResponse::full(200, JSON, openai::completion_body(&completion, &decision))
+            }
+        }
+    }
+
+    fn record(&self, request: &Incoming<'_>, body: Value, answer: Answer) {
+        self.inner.log.push(RecordedRequest {
+            transport: request.transport,
+            method: request.method.to_owned(),
+            path: request.path.to_owned(),
+            session_id: request.session_id.clone(),
+            body,
+            answer,
+        });
+    }
+}
+
+/// A 200 whose body streams from `body`.
+fn opened(
+    content_type: &str,
+    body: tokio::sync::mpsc::Receiver<crate::tunnel::BodyChunk>,
+) -> ModelResponse {
+    ModelResponse {
+        status: 200,
+        headers: vec![("content-type".to_owned(), content_type.to_owned())],
+        body,
+    }
+}
+
+/// A 200 server-sent-events stream.
+fn sse(body: tokio::sync::mpsc::Receiver<crate::tunnel::BodyChunk>) -> ModelResponse {
+    let mut response = opened("text/event-stream", body);
+    response
+        .headers
+        .push(("cache-control".to_owned(), "no-cache".to_owned()));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn incoming<'a>(method: &'a str, path: &'a str, body: &'a [u8]) -> Incoming<'a> {
+        Incoming {
+            transport: Transport::Tunnel,
+            method,
+            path,
+            session_id: Some("s1".into()),
+            body,
+        }
+    }
+
+    async fn body_text(response: ModelResponse) -> String {
+        let mut body = response.body;
+        let mut out = String::new();
+        while let Some(chunk) = body.recv().await {
+            out.push_str(&chunk.unwrap());
+        }
+        out
+    }
+
+    fn chat_body(text: &str) -> Vec<u8> {
+        serde_json::to_vec(&json!({"messages": [{"role": "user", "content": text}]})).unwrap()
+    }
+
+    #[tokio::test]
+    async fn counts_queues_and_logs() {
+        let model = ScriptedModel::new();
+        model.push_reply(Reply::Text("first queued".into()));
+        let body = chat_body("hi");
+        let r1 = model
+            .respond(incoming("POST", "/v1/chat/completions", &body))
+            .await;
+        let r2 = model
+            .clone()
+            .respond(incoming("POST", "/v1/chat/completions", &body))
+            .await;
+        let v1: Value = serde_json::from_str(&body_text(r1).await).unwrap();
+        let v2: Value = serde_json::from_str(&body_text(r2).await).unwrap();
+        assert_eq!(v1["choices"][0]["message"]["content"], "first queued");
+        assert_eq!(
+            v2["choices"][0]["message"]["content"],
+            "scripted reply #2: hi"
+        );
+        assert_eq!(v2["model"], ScriptedModel::MODEL_ID);
+        let log = model.wait_for_requests(2).await;
+        assert_eq!(log.len(), 2);
+        assert_eq!(log[1].session_id.as_deref(), Some("s1"));
+        assert_eq!(log[1].messages().len(), 1);
+        assert_eq!(
+            log[0].answer,
+            Answer::Chat {
+                number: 1,
+                decision: Decision::Text("first queued".into())
+            }
+        );
+        assert_eq!(model.pending_replies(), 0);
+    }
+
+    #[tokio::test]
+    async fn routes_errors_and_bad_requests() {
+        let model = ScriptedModel::new();
+        let r = model
+            .respond(incoming("GET", "/v1/chat/completions", b""))
+            .await;
+        assert_eq!(r.status, 404);
+        let r = model
+            .respond(incoming("POST", "/v1/chat/completions", b"{not json"))
+            .await;
+        assert_eq!(r.status, 400);
+        let r = model
+            .respond(incoming("POST", "/chat/completions", b"{\"model\":1}"))
+            .await;
+        assert_eq!(r.status, 400);
+        let r = model
+            .respond(incoming(
+                "POST",
+                "/v1/chat/completions",
+                &chat_body("SCENARIO:error STATUS=502"),
+            ))
+            .await;
+        assert_eq!(r.status, 502);
+        let error: Value = serde_json::from_str(&body_text(r).await).unwrap();
+        assert_eq!(error["error"]["code"], "scripted_502");
+        let r = model.respond(incoming("GET", "/models", b"")).await;
+        let list: Value = serde_json::from_str(&body_text(r).await).unwrap();
+        assert_eq!(list["data"][0]["id"], "scripted-model");
+        let answers: Vec<_> = model.requests().into_iter().map(|r| r.answer).collect();
+        assert!(matches!(answers[0], Answer::NotFound));
+        assert!(matches!(answers[1], Answer::BadRequest(_)));
+        assert!(matches!(answers[2], Answer::BadRequest(_)));
+        // The 400s did not count: the error request is number 1.
+        assert!(matches!(answers[3], Answer::Chat { number: 1, .. }));
+        assert_eq!(answers[4], Answer::ModelList);
+    }
+
+    #[tokio::test]
+    async fn hang_is_released_by_shutdown() {
+        let model = ScriptedModel::new();
+        model.push_reply(Reply::Hang);
+        let r = model
+            .respond(incoming("POST", "/v1/chat/completions", &chat_body("x")))
+            .await;
+        assert_eq!(r.status, 200);
+        let mut body = r.body;
+        assert!(body.try_recv().is_err());
+        model.shutdown();
+        assert_eq!(
+            body.recv().await,
+            Some(Err(openai::SHUTDOWN_MESSAGE.to_owned()))
+        );
+    }
+
+    #[tokio::test]
+    async fn hang_is_released_when_model_dropped() {
+        let model = ScriptedModel::new();
+        model.push_reply(Reply::Hang);
+        let r = model
+            .respond(incoming("POST", "/v1/chat/completions", &chat_body("x")))
+            .await;
+        drop(model);
+        let mut body = r.body;
+        assert_eq!(
+            body.recv().await,
+            Some(Err(openai::SHUTDOWN_MESSAGE.to_owned()))
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn non_streaming_slow_waits_then_answers() {
+        let model = ScriptedModel::new();
+        let started = tokio::time::Instant::now();
+        let r = model
+            .respond(incoming(
+                "POST",
+                "/v1/chat/completions",
+                &chat_body("SCENARIO:slow SLOW=4x250"),
+            ))
+            .await;
+        let waited = started.elapsed();
+        assert!(waited >= std::time::Duration::from_secs(1), "{waited:?}");
+        assert!(waited < std::time::Duration::from_secs(2), "{waited:?}");
+        let v: Value = serde_json::from_str(&body_text(r).await).unwrap();
+        assert_eq!(
+            v["choices"][0]["message"]["content"],
+            "slow-chunk 0 slow-chunk 1 slow-chunk 2 slow-chunk 3 "
+        );
+    }
+}
