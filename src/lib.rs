@@ -6,3 +6,4 @@ pub mod runtime;
 pub mod scripted_model;
 pub mod secret;
 pub mod tunnel;
+pub mod worker;

@@ -1,0 +1,578 @@
+//! The worker actor: owns one CLI child (its process group and JSON-RPC connection), routes
+//! everything the child sends to the session it belongs to, keeps the ledger of pending tool
+//! and permission requests, pings the child, and fails all in-flight work at once when the
+//! child dies. It never decides which worker serves a conversation.
+
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+
+use crate::process::{ChildGroup, ExitInfo};
+use crate::rpc::connection::{ErrorObject, INVALID_PARAMS};
+use crate::rpc::events::EventKind;
+use crate::rpc::messages::{
+    ClientInfo, Connect, ConnectParams, HookInvocation, HttpRequestChunk, HttpRequestStart,
+    LlmSetProvider, PROTOCOL_VERSION, Ping, PingParams, SessionDetach, SessionIdParams,
+    ToolCallAnswer, UserInputRequest,
+};
+use crate::rpc::{
+    CloseCause, Connection, ConnectionOptions, Incoming, IncomingRequest, RpcError, SessionEvent,
+};
+
+use super::config::WorkerConfig;
+use super::error::{ExitReason, WorkerError, WorkerExit};
+use super::handle::{PendingKind, WorkerInfo};
+use super::session::{ServerRequest, SessionUpdate};
+use super::tunnel::TunnelRequests;
+
+/// After stdout closes, how long to wait for the child's exit status before reporting the
+/// closed pipe without it.
+const EXIT_AFTER_EOF_WAIT: Duration = Duration::from_millis(200);
+/// How long to wait for the last stderr bytes once the child has exited.
+const STDERR_SETTLE_WAIT: Duration = Duration::from_millis(100);
+/// Per-session `session.detach` timeout during an orderly stop.
+const DETACH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The worker actor (stateless; its state is [`WorkerState`]).
+pub(crate) struct Worker;
+
+/// What the worker is started with.
+pub(crate) struct StartArgs {
+    pub(crate) config: WorkerConfig,
+    pub(crate) exit: watch::Sender<Option<WorkerExit>>,
+    pub(crate) ready: oneshot::Sender<(Connection, WorkerInfo)>,
+}
+
+/// Messages of the worker actor.
+pub(crate) enum WorkerMsg {
+    /// Something the child sent (from the connection's reader).
+    Incoming(Incoming),
+    /// The child's leader was reaped.
+    ChildExited(ExitInfo),
+    /// Time for a health ping.
+    HealthTick,
+    /// A health ping came back (or did not).
+    HealthResult(Result<(), RpcError>),
+    /// Register a session's update stream (before `session.create`/`resume` is sent).
+    OpenRoute {
+        session_id: String,
+        reply: RpcReplyPort<Result<mpsc::UnboundedReceiver<SessionUpdate>, WorkerError>>,
+    },
+    /// Stop routing a session; with `detach`, detach it in the runtime too.
+    CloseRoute { session_id: String, detach: bool },
+    /// Check that `session_id` has this pending request, and remove it.
+    TakePending {
+        kind: PendingKind,
+        session_id: String,
+        request_id: String,
+        reply: RpcReplyPort<Result<(), WorkerError>>,
+    },
+    /// A tunnelled model response finished.
+    TunnelDone(String),
+}
+
+/// Everything the worker owns.
+pub(crate) struct WorkerState {
+    config: WorkerConfig,
+    /// The child; dropping it kills the group.
+    child: ChildGroup,
+    conn: Connection,
+    /// Session id → its update stream.
+    routes: HashMap<String, mpsc::UnboundedSender<SessionUpdate>>,
+    /// (kind, session id, request id) of tool calls and permission prompts awaiting an answer.
+    pending: HashSet<(PendingKind, String, String)>,
+    tunnel: TunnelRequests,
+    ping_in_flight: bool,
+    exit: watch::Sender<Option<WorkerExit>>,
+    health_timer: Option<JoinHandle<()>>,
+    exit_watcher: Option<JoinHandle<()>>,
+}
+
+impl Drop for WorkerState {
+    fn drop(&mut self) {
+        if let Some(t) = self.health_timer.take() {
+            t.abort();
+        }
+        if let Some(t) = self.exit_watcher.take() {
+            t.abort();
+        }
+        self.tunnel.abort_all();
+        // `child` drops after this and kills whatever is left of the group.
+    }
+}
+
+impl Actor for Worker {
+    type Msg = WorkerMsg;
+    type State = WorkerState;
+    type Arguments = StartArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<WorkerMsg>,
+        args: StartArgs,
+    ) -> Result<WorkerState, ActorProcessingErr> {
+        let StartArgs {
+            config,
+            exit,
+            ready,
+        } = args;
+        let spec = config.child_spec().map_err(boxed)?;
+        let (child, io) = ChildGroup::spawn(&spec).map_err(|e| boxed(e.into()))?;
+        let sink_target = myself.clone();
+        let conn = Connection::start(
+            io.stdout,
+            io.stdin,
+            ConnectionOptions {
+                max_frame_bytes: config.max_frame_bytes,
+                default_timeout: config.request_timeout,
+            },
+            Box::new(move |incoming| {
+                // If the actor is gone, an incoming request's responder is dropped here and
+                // answers with an error by itself.
+                let _ = sink_target.cast(WorkerMsg::Incoming(incoming));
+            }),
+        );
+        let info = match handshake(&conn, &config).await {
+            Ok(info) => WorkerInfo {
+                pid: child.pid(),
+                ..info
+            },
+            Err(err) => {
+                // Say why the child failed if it died: exit status and stderr beat
+                // "connection closed".
+                let err = match tokio::time::timeout(EXIT_AFTER_EOF_WAIT, child.wait()).await {
+                    Ok(status) => {
+                        child.stderr().settled(STDERR_SETTLE_WAIT).await;
+                        WorkerError::Handshake(format!(
+                            "{err}; the runtime exited ({status}); stderr: {}",
+                            child.stderr().text().trim()
+                        ))
+                    }
+                    Err(_) => err,
+                };
+                conn.close(CloseCause::Local);
+                child.terminate(config.kill_grace).await;
+                return Err(boxed(err));
+            }
+        };
+        tracing::debug!(pid = info.pid, version = %info.runtime_version, "Copilot worker started.");
+
+        let watcher_target = myself.clone();
+        let mut exit_rx = child.exit_watch();
+        let exit_watcher = tokio::spawn(async move {
+            if let Ok(status) = exit_rx.wait_for(|e| e.is_some()).await {
+                let status = status.unwrap_or(ExitInfo::Unknown);
+                let _ = watcher_target.cast(WorkerMsg::ChildExited(status));
+            }
+        });
+        let _ = ready.send((conn.clone(), info));
+        Ok(WorkerState {
+            config,
+            child,
+            conn,
+            routes: HashMap::new(),
+            pending: HashSet::new(),
+            tunnel: TunnelRequests::default(),
+            ping_in_flight: false,
+            exit,
+            health_timer: None,
+            exit_watcher: Some(exit_watcher),
+        })
+    }
+
+    async fn post_start(
+        &self,
+        myself: ActorRef<WorkerMsg>,
+        state: &mut WorkerState,
+    ) -> Result<(), ActorProcessingErr> {
+        let interval = state.config.health_interval;
+        if !interval.is_zero() {
+            state.health_timer = Some(myself.send_interval(interval, || WorkerMsg::HealthTick));
+        }
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<WorkerMsg>,
+        msg: WorkerMsg,
+        state: &mut WorkerState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            WorkerMsg::Incoming(Incoming::Notification { method, params }) => {
+                state.on_notification(&method, params);
+            }
+            WorkerMsg::Incoming(Incoming::Request(request)) => {
+                state.on_request(request, &myself);
+            }
+            WorkerMsg::Incoming(Incoming::Closed(cause)) => {
+                let reason = match cause {
+                    CloseCause::ProtocolViolation(detail) => ExitReason::ProtocolViolation(detail),
+                    CloseCause::Eof | CloseCause::Io(_) | CloseCause::Local => {
+                        match tokio::time::timeout(EXIT_AFTER_EOF_WAIT, state.child.wait()).await {
+                            Ok(status) => ExitReason::ChildExited(status),
+                            Err(_) => ExitReason::TransportClosed(None),
+                        }
+                    }
+                };
+                return Err(state.die(reason).await);
+            }
+            WorkerMsg::ChildExited(status) => {
+                return Err(state.die(ExitReason::ChildExited(status)).await);
+            }
+            WorkerMsg::HealthTick => {
+                if !state.ping_in_flight {
+                    state.ping_in_flight = true;
+                    let conn = state.conn.clone();
+                    let timeout = state.config.health_timeout;
+                    let target = myself.clone();
+                    tokio::spawn(async move {
+                        let result = conn
+                            .call_with_timeout::<Ping>(&PingParams::default(), Some(timeout))
+                            .await
+                            .map(|_| ());
+                        let _ = target.cast(WorkerMsg::HealthResult(result));
+                    });
+                }
+            }
+            WorkerMsg::HealthResult(result) => {
+                state.ping_in_flight = false;
+                match result {
+                    Ok(()) => {}
+                    Err(RpcError::Timeout { after, .. }) => {
+                        tracing::warn!(
+                            pid = state.child.pid(),
+                            ?after,
+                            "Copilot runtime hung; killing it."
+                        );
+                        return Err(state.die(ExitReason::Hung(after)).await);
+                    }
+                    // A closed connection is reported by the reader; other answers (even
+                    // errors) prove the runtime is alive.
+                    Err(_) => {}
+                }
+            }
+            WorkerMsg::OpenRoute { session_id, reply } => {
+                let result = match state.routes.entry(session_id) {
+                    Entry::Occupied(e) => Err(WorkerError::SessionAlreadyOpen(e.key().clone())),
+                    Entry::Vacant(e) => {
+                        let (tx, rx) = mpsc::unbounded_channel();
+                        e.insert(tx);
+                        Ok(rx)
+                    }
+                };
+                let _ = reply.send(result);
+            }
+            WorkerMsg::CloseRoute { session_id, detach } => {
+                state.routes.remove(&session_id);
+                state.pending.retain(|(_, sid, _)| *sid != session_id);
+                if detach {
+                    let conn = state.conn.clone();
+                    tokio::spawn(async move {
+                        let params = SessionIdParams { session_id };
+                        if let Err(error) = conn
+                            .call_with_timeout::<SessionDetach>(&params, Some(DETACH_TIMEOUT))
+                            .await
+                        {
+                            tracing::debug!(%error, "Detach of a dropped session failed.");
+                        }
+                    });
+                }
+            }
+            WorkerMsg::TakePending {
+                kind,
+                session_id,
+                request_id,
+                reply,
+            } => {
+                let key = (kind, session_id, request_id);
+                let result = if state.pending.remove(&key) {
+                    Ok(())
+                } else {
+                    let (kind, session_id, request_id) = key;
+                    Err(WorkerError::NoSuchPendingRequest {
+                        kind: kind.as_str(),
+                        session_id,
+                        request_id,
+                    })
+                };
+                let _ = reply.send(result);
+            }
+            WorkerMsg::TunnelDone(request_id) => state.tunnel.done(&request_id),
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<WorkerMsg>,
+        state: &mut WorkerState,
+    ) -> Result<(), ActorProcessingErr> {
+        // An orderly stop (a crash never gets here: `die` already cleaned up).
+        if state.exit.borrow().is_some() {
+            return Ok(());
+        }
+        let sessions: Vec<String> = state.routes.keys().cloned().collect();
+        let detaches = sessions.into_iter().map(|session_id| {
+            let conn = state.conn.clone();
+            async move {
+                let params = SessionIdParams { session_id };
+                let _ = conn
+                    .call_with_timeout::<SessionDetach>(&params, Some(DETACH_TIMEOUT))
+                    .await;
+            }
+        });
+        futures_util::future::join_all(detaches).await;
+        state.fail_routes(WorkerError::Stopped);
+        state.tunnel.abort_all();
+        // Closing stdin makes the runtime exit on its own; then TERM, grace, KILL.
+        state.conn.close(CloseCause::Local);
+        let grace = state.config.kill_grace;
+        let status = match tokio::time::timeout(grace, state.child.wait()).await {
+            Ok(status) => {
+                state.child.signal_group(nix::sys::signal::Signal::SIGKILL);
+                status
+            }
+            Err(_) => state.child.terminate(grace).await,
+        };
+        tracing::debug!(pid = state.child.pid(), %status, "Copilot worker stopped.");
+        state.exit.send_replace(Some(WorkerExit {
+            reason: ExitReason::Shutdown,
+            pid: state.child.pid(),
+            stderr_tail: state.child.stderr().text(),
+        }));
+        Ok(())
+    }
+}
+
+fn boxed(err: WorkerError) -> ActorProcessingErr {
+    Box::new(err)
+}
+
+async fn handshake(conn: &Connection, config: &WorkerConfig) -> Result<WorkerInfo, WorkerError> {
+    let params = ConnectParams {
+        token: None,
+        supported_task_kinds: None,
+        client_info: Some(ClientInfo {
+            extension_name: Some("copilot-pool".to_owned()),
+            extension_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
+        }),
+    };
+    let connected = conn
+        .call_with_timeout::<Connect>(&params, Some(config.start_timeout))
+        .await
+        .map_err(|e| WorkerError::Handshake(e.to_string()))?;
+    if connected.protocol_version != PROTOCOL_VERSION {
+        return Err(WorkerError::ProtocolVersion {
+            got: connected.protocol_version,
+            supported: PROTOCOL_VERSION,
+            runtime_version: connected.version,
+        });
+    }
+    if config.model_tunnel.is_some() {
+        let set = conn
+            .call_with_timeout::<LlmSetProvider>(&Default::default(), Some(config.start_timeout))
+            .await
+            .map_err(|e| WorkerError::Handshake(format!("llmInference.setProvider: {e}")))?;
+        if !set.success {
+            return Err(WorkerError::Handshake(format!(
+                "llmInference.setProvider refused: {}",
+                set.error.unwrap_or_default()
+            )));
+        }
+    }
+    Ok(WorkerInfo {
+        pid: 0,
+        runtime_version: connected.version,
+        protocol_version: connected.protocol_version,
+    })
+}
+
+impl WorkerState {
+    fn on_notification(&mut self, method: &str, params: Value) {
+        if method != "session.event" {
+            // session.lifecycle, host.event and anything newer: not ours to act on.
+            tracing::trace!(method, "Ignored notification.");
+            return;
+        }
+        let session_id = params
+            .get("sessionId")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let event = SessionEvent::from_value(params.get("event").cloned().unwrap_or(Value::Null));
+        match &event.kind {
+            EventKind::ExternalToolRequested(req) => {
+                self.pending.insert((
+                    PendingKind::ToolCall,
+                    session_id.clone(),
+                    req.request_id.clone(),
+                ));
+            }
+            EventKind::ExternalToolCompleted(done) => {
+                self.pending.remove(&(
+                    PendingKind::ToolCall,
+                    session_id.clone(),
+                    done.request_id.clone(),
+                ));
+            }
+            EventKind::PermissionRequested(req) if req.resolved_by_hook != Some(true) => {
+                self.pending.insert((
+                    PendingKind::Permission,
+                    session_id.clone(),
+                    req.request_id.clone(),
+                ));
+            }
+            EventKind::PermissionCompleted(done) => {
+                self.pending.remove(&(
+                    PendingKind::Permission,
+                    session_id.clone(),
+                    done.request_id.clone(),
+                ));
+            }
+            _ => {}
+        }
+        let unrouted_tool_call = match &event.kind {
+            EventKind::ExternalToolRequested(req) => Some(req.request_id.clone()),
+            _ => None,
+        };
+        let delivered = self
+            .routes
+            .get(&session_id)
+            .is_some_and(|route| route.send(SessionUpdate::Event(event)).is_ok());
+        if !delivered {
+            self.routes.remove(&session_id);
+            // A tool call nobody will answer would block the session forever: refuse it.
+            if let Some(request_id) = unrouted_tool_call {
+                self.pending.remove(&(
+                    PendingKind::ToolCall,
+                    session_id.clone(),
+                    request_id.clone(),
+                ));
+                let conn = self.conn.clone();
+                tokio::spawn(async move {
+                    let answer = ToolCallAnswer {
+                        session_id,
+                        request_id,
+                        result: None,
+                        error: Some("no client is attached to this session".to_owned()),
+                    };
+                    let _ = conn
+                        .call::<crate::rpc::messages::HandlePendingToolCall>(&answer)
+                        .await;
+                });
+            }
+        }
+    }
+
+    fn on_request(&mut self, request: IncomingRequest, myself: &ActorRef<WorkerMsg>) {
+        let IncomingRequest {
+            method,
+            params,
+            responder,
+        } = request;
+        match method.as_str() {
+            "userInput.request" => match serde_json::from_value::<UserInputRequest>(params) {
+                Ok(p) => {
+                    let session_id = p.session_id.clone();
+                    let request = ServerRequest::new(p, responder, None);
+                    self.route(&session_id, SessionUpdate::UserInput(request));
+                }
+                Err(e) => responder.err(invalid_params(&method, e)),
+            },
+            "hooks.invoke" => match serde_json::from_value::<HookInvocation>(params) {
+                Ok(p) => {
+                    let session_id = p.session_id.clone();
+                    // Unanswered hooks get the SDK's default: no output.
+                    let request = ServerRequest::new(p, responder, Some(json!({})));
+                    self.route(&session_id, SessionUpdate::Hook(request));
+                }
+                Err(e) => responder.err(invalid_params(&method, e)),
+            },
+            "llmInference.httpRequestStart" if self.config.model_tunnel.is_some() => {
+                match serde_json::from_value::<HttpRequestStart>(params) {
+                    Ok(head) => {
+                        self.tunnel.start(head);
+                        responder.ok(json!({}));
+                    }
+                    Err(e) => responder.err(invalid_params(&method, e)),
+                }
+            }
+            "llmInference.httpRequestChunk" => {
+                let Some(tunnel) = self.config.model_tunnel.clone() else {
+                    return responder.method_not_found();
+                };
+                match serde_json::from_value::<HttpRequestChunk>(params) {
+                    Ok(chunk) => {
+                        let target = myself.clone();
+                        let known = self.tunnel.chunk(chunk, &self.conn, &tunnel, move |id| {
+                            let _ = target.cast(WorkerMsg::TunnelDone(id));
+                        });
+                        if known {
+                            responder.ok(json!({}));
+                        } else {
+                            responder.err(ErrorObject::new(
+                                INVALID_PARAMS,
+                                "unknown llmInference requestId",
+                            ));
+                        }
+                    }
+                    Err(e) => responder.err(invalid_params(&method, e)),
+                }
+            }
+            _ => {
+                tracing::debug!(%method, "Unknown request from the runtime; answered method-not-found.");
+                responder.method_not_found();
+            }
+        }
+    }
+
+    /// Delivers a server request to its session; with no session attached, the update is
+    /// dropped and its request answered by the drop (error, or the default).
+    fn route(&mut self, session_id: &str, update: SessionUpdate) {
+        if let Some(route) = self.routes.get(session_id)
+            && route.send(update).is_err()
+        {
+            self.routes.remove(session_id);
+        }
+    }
+
+    fn fail_routes(&mut self, error: WorkerError) {
+        for (_, route) in self.routes.drain() {
+            let _ = route.send(SessionUpdate::Ended(error.clone()));
+        }
+        self.pending.clear();
+    }
+
+    /// The child is gone or unusable: tell everyone at once, then make sure the group is dead.
+    async fn die(&mut self, reason: ExitReason) -> ActorProcessingErr {
+        if self.child.exit_info().is_some() {
+            self.child.stderr().settled(STDERR_SETTLE_WAIT).await;
+        }
+        let exit = WorkerExit {
+            reason,
+            pid: self.child.pid(),
+            stderr_tail: self.child.stderr().text(),
+        };
+        tracing::warn!(pid = exit.pid, reason = %exit.reason, "Copilot worker ended.");
+        // Publish first: callers whose requests fail next read the exit from here.
+        self.exit.send_replace(Some(exit.clone()));
+        self.conn.close(CloseCause::Local);
+        self.fail_routes(WorkerError::Died(exit.clone()));
+        self.tunnel.abort_all();
+        self.child.terminate(self.config.kill_grace).await;
+        Box::new(exit)
+    }
+}
+
+fn invalid_params(method: &str, error: serde_json::Error) -> ErrorObject {
+    ErrorObject::new(
+        INVALID_PARAMS,
+        format!("invalid params for {method}: {error}"),
+    )
+}

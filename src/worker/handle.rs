@@ -1,0 +1,285 @@
+//! The caller's handle to a running worker: starting it, calling the runtime, opening
+//! sessions, stopping it.
+//!
+//! Requests go straight onto the worker's JSON-RPC connection; only session routing and the
+//! ledger of pending requests go through the actor. When the connection fails because the
+//! child died, the error is replaced by the worker's exit (status, signal, stderr tail).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorCell, ActorRef};
+use tokio::sync::{oneshot, watch};
+use uuid::Uuid;
+
+use crate::rpc::messages::{
+    Method, Ping, PingParams, SessionConfig, SessionCreate, SessionOpened, SessionResume,
+};
+use crate::rpc::{Connection, RpcError};
+
+use super::actor::{StartArgs, Worker, WorkerMsg};
+use super::config::WorkerConfig;
+use super::error::{WorkerError, WorkerExit};
+use super::session::Session;
+
+/// How long a failed request waits for the worker to report the child's exit, so the error
+/// can carry the exit status instead of a bare "connection closed".
+const EXIT_REPORT_WAIT: Duration = Duration::from_millis(500);
+
+/// Timeout of the actor's own bookkeeping calls (it never blocks on the runtime).
+const ACTOR_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Which kind of pending runtime request an answer is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PendingKind {
+    /// `external_tool.requested` → `handlePendingToolCall`.
+    ToolCall,
+    /// `permission.requested` → `handlePendingPermissionRequest`.
+    Permission,
+}
+
+impl PendingKind {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            PendingKind::ToolCall => "tool call",
+            PendingKind::Permission => "permission",
+        }
+    }
+}
+
+/// Facts about the child, known once the handshake succeeded.
+#[derive(Debug, Clone)]
+pub struct WorkerInfo {
+    /// The child's pid (and process group id).
+    pub pid: u32,
+    /// The runtime's version (`connect` result).
+    pub runtime_version: String,
+    /// The protocol version it speaks.
+    pub protocol_version: u32,
+}
+
+/// A cloneable handle to one worker (one CLI child).
+#[derive(Clone)]
+pub struct WorkerHandle {
+    actor: ActorRef<WorkerMsg>,
+    conn: Connection,
+    exit: watch::Receiver<Option<WorkerExit>>,
+    info: Arc<WorkerInfo>,
+    request_timeout: Duration,
+}
+
+impl fmt::Debug for WorkerHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkerHandle")
+            .field("pid", &self.info.pid)
+            .field("runtime_version", &self.info.runtime_version)
+            .finish()
+    }
+}
+
+impl WorkerHandle {
+    /// Spawns the child, performs the `connect` handshake and starts supervising it. With a
+    /// `supervisor`, the worker is linked to it and reports its end as a supervision event:
+    /// `ActorFailed` with a [`WorkerExit`] error on a crash, hang or protocol violation,
+    /// `ActorTerminated` after [`WorkerHandle::shutdown`].
+    pub async fn start(
+        config: WorkerConfig,
+        supervisor: Option<ActorCell>,
+    ) -> Result<WorkerHandle, WorkerError> {
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let request_timeout = config.request_timeout;
+        let args = StartArgs {
+            config,
+            exit: exit_tx,
+            ready: ready_tx,
+        };
+        let spawned = match supervisor {
+            Some(sup) => Actor::spawn_linked(None, Worker, args, sup).await,
+            None => Actor::spawn(None, Worker, args).await,
+        };
+        let actor = match spawned {
+            Ok((actor, _join)) => actor,
+            Err(ractor::SpawnErr::StartupFailed(err)) => {
+                return Err(match err.downcast::<WorkerError>() {
+                    Ok(e) => *e,
+                    Err(other) => WorkerError::Spawn(other.to_string()),
+                });
+            }
+            Err(other) => return Err(WorkerError::Spawn(other.to_string())),
+        };
+        let (conn, info) = ready_rx
+            .await
+            .map_err(|_| WorkerError::Spawn("worker ended during start".into()))?;
+        Ok(WorkerHandle {
+            actor,
+            conn,
+            exit: exit_rx,
+            info: Arc::new(info),
+            request_timeout,
+        })
+    }
+
+    /// The child's pid (also its process group id).
+    pub fn pid(&self) -> u32 {
+        self.info.pid
+    }
+
+    /// Facts about the child.
+    pub fn info(&self) -> &WorkerInfo {
+        &self.info
+    }
+
+    /// The actor, e.g. to link or monitor it.
+    pub fn actor(&self) -> ActorCell {
+        self.actor.get_cell()
+    }
+
+    /// How the worker ended, once it has.
+    pub fn exit(&self) -> Option<WorkerExit> {
+        self.exit.borrow().clone()
+    }
+
+    /// Waits until the worker has ended and returns why.
+    pub async fn ended(&self) -> WorkerExit {
+        let mut rx = self.exit.clone();
+        let ended = rx.wait_for(|e| e.is_some()).await.map(|e| e.clone());
+        match ended {
+            Ok(Some(exit)) => exit,
+            // The sender is gone without a report: the actor was killed.
+            _ => WorkerExit {
+                reason: super::error::ExitReason::Shutdown,
+                pid: self.info.pid,
+                stderr_tail: String::new(),
+            },
+        }
+    }
+
+    /// Sends a typed request to the runtime with the worker's request timeout.
+    pub async fn call<M: Method>(&self, params: &M::Params) -> Result<M::Result, WorkerError> {
+        self.call_with_timeout::<M>(params, self.request_timeout)
+            .await
+    }
+
+    /// Sends a typed request with an explicit timeout.
+    pub async fn call_with_timeout<M: Method>(
+        &self,
+        params: &M::Params,
+        timeout: Duration,
+    ) -> Result<M::Result, WorkerError> {
+        match self
+            .conn
+            .call_with_timeout::<M>(params, Some(timeout))
+            .await
+        {
+            Ok(result) => Ok(result),
+            Err(err @ RpcError::Closed { .. }) => Err(self.explain_closed(err).await),
+            Err(err) => Err(WorkerError::Rpc(err)),
+        }
+    }
+
+    /// Pings the runtime.
+    pub async fn ping(&self) -> Result<(), WorkerError> {
+        self.call::<Ping>(&PingParams::default()).await.map(|_| ())
+    }
+
+    /// Creates a new session. A missing `session_id` in `config` gets a fresh UUID.
+    pub async fn create_session(&self, mut config: SessionConfig) -> Result<Session, WorkerError> {
+        if config.session_id.is_empty() {
+            config.session_id = Uuid::new_v4().to_string();
+        }
+        self.open::<SessionCreate>(config).await.map(|(s, _)| s)
+    }
+
+    /// Resumes a stored session in this process. The provider must be given again.
+    pub async fn resume_session(
+        &self,
+        config: SessionConfig,
+    ) -> Result<(Session, SessionOpened), WorkerError> {
+        self.open::<SessionResume>(config).await
+    }
+
+    async fn open<M>(&self, config: SessionConfig) -> Result<(Session, SessionOpened), WorkerError>
+    where
+        M: Method<Params = SessionConfig, Result = SessionOpened>,
+    {
+        let id = config.session_id.clone();
+        // The route exists before the request is sent, so no event of the session is lost.
+        let updates = self
+            .ask(|reply| WorkerMsg::OpenRoute {
+                session_id: id.clone(),
+                reply,
+            })
+            .await??;
+        match self.call::<M>(&config).await {
+            Ok(opened) => Ok((Session::new(id, self.clone(), updates), opened)),
+            Err(err) => {
+                self.close_route(&id, false);
+                Err(err)
+            }
+        }
+    }
+
+    /// Asks the actor to check and remove a pending request of `session_id`.
+    pub(crate) async fn take_pending(
+        &self,
+        kind: PendingKind,
+        session_id: &str,
+        request_id: &str,
+    ) -> Result<(), WorkerError> {
+        self.ask(|reply| WorkerMsg::TakePending {
+            kind,
+            session_id: session_id.to_owned(),
+            request_id: request_id.to_owned(),
+            reply,
+        })
+        .await?
+    }
+
+    /// Stops routing a session's updates; with `detach`, also detaches it in the runtime.
+    pub(crate) fn close_route(&self, session_id: &str, detach: bool) {
+        let _ = self.actor.cast(WorkerMsg::CloseRoute {
+            session_id: session_id.to_owned(),
+            detach,
+        });
+    }
+
+    /// Stops the worker: detaches its sessions, closes the child's input, and kills the
+    /// group after the grace period if it has not exited. Returns once the actor is gone.
+    pub async fn shutdown(&self) -> WorkerExit {
+        self.actor.stop(Some("shutdown".to_owned()));
+        let _ = self.actor.wait(None).await;
+        self.ended().await
+    }
+
+    async fn ask<T>(
+        &self,
+        msg: impl FnOnce(ractor::RpcReplyPort<T>) -> WorkerMsg,
+    ) -> Result<T, WorkerError>
+    where
+        T: Send + 'static,
+    {
+        match self.actor.call(msg, Some(ACTOR_CALL_TIMEOUT)).await {
+            Ok(ractor::rpc::CallResult::Success(value)) => Ok(value),
+            _ => Err(self.gone().await),
+        }
+    }
+
+    /// The error for "the actor or the connection is gone".
+    async fn gone(&self) -> WorkerError {
+        match tokio::time::timeout(EXIT_REPORT_WAIT, self.ended()).await {
+            Ok(exit) if exit.is_shutdown() => WorkerError::Stopped,
+            Ok(exit) => WorkerError::Died(exit),
+            Err(_) => WorkerError::Stopped,
+        }
+    }
+
+    async fn explain_closed(&self, err: RpcError) -> WorkerError {
+        match tokio::time::timeout(EXIT_REPORT_WAIT, self.ended()).await {
+            Ok(exit) if exit.is_shutdown() => WorkerError::Stopped,
+            Ok(exit) => WorkerError::Died(exit),
+            Err(_) => WorkerError::Rpc(err),
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! A conversation attached to a worker: its update stream and the calls that act on it.
+//!
+//! A [`Session`] is the caller's side of one CLI session on one worker. It receives every
+//! event and server request of that session, in order, and ends with
+//! [`SessionUpdate::Ended`] if the worker dies or stops. Answers to tool calls and
+//! permission prompts go through the worker's ledger of pending requests, so a session can
+//! only answer its own requests.
+
+use std::fmt;
+
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::rpc::connection::{ErrorObject, INTERNAL_ERROR};
+use crate::rpc::messages::{
+    AbortParams, CompactParams, CompactResult, HandlePendingPermission, HandlePendingToolCall,
+    HookInvocation, PermissionAnswer, SendParams, SessionAbort, SessionCompact, SessionDetach,
+    SessionGetMessages, SessionIdParams, SessionSend, ToolCallAnswer, UserInputRequest,
+    UserInputResponse,
+};
+use crate::rpc::{Responder, SessionEvent};
+
+use super::error::WorkerError;
+use super::handle::{PendingKind, WorkerHandle};
+
+/// Something that happened in a session.
+#[derive(Debug)]
+pub enum SessionUpdate {
+    /// A session event (`session.event` notification).
+    Event(SessionEvent),
+    /// The model asked the user (`userInput.request`); answer it or drop it (drop = error).
+    UserInput(ServerRequest<UserInputRequest>),
+    /// A hook fired (`hooks.invoke`); answer it or drop it (drop = `{}`, the SDK default).
+    Hook(ServerRequest<HookInvocation>),
+    /// The worker ended; nothing more will arrive. Carries why.
+    Ended(WorkerError),
+}
+
+/// A request from the runtime that this session must answer exactly once.
+pub struct ServerRequest<P> {
+    /// The request's params.
+    pub params: P,
+    responder: Option<Responder>,
+    default_on_drop: Option<Value>,
+}
+
+impl<P: fmt::Debug> fmt::Debug for ServerRequest<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerRequest")
+            .field("params", &self.params)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P> ServerRequest<P> {
+    pub(crate) fn new(params: P, responder: Responder, default_on_drop: Option<Value>) -> Self {
+        Self {
+            params,
+            responder: Some(responder),
+            default_on_drop,
+        }
+    }
+
+    /// Answers with a result.
+    pub fn respond(mut self, result: impl Serialize) {
+        if let Some(r) = self.responder.take() {
+            r.ok(result);
+        }
+    }
+
+    /// Answers with an error message.
+    pub fn fail(mut self, message: impl Into<String>) {
+        if let Some(r) = self.responder.take() {
+            r.err(ErrorObject::new(INTERNAL_ERROR, message));
+        }
+    }
+}
+
+impl ServerRequest<UserInputRequest> {
+    /// Answers the question.
+    pub fn answer(self, answer: impl Into<String>, was_freeform: bool) {
+        self.respond(UserInputResponse {
+            answer: answer.into(),
+            was_freeform,
+        });
+    }
+}
+
+impl<P> Drop for ServerRequest<P> {
+    fn drop(&mut self) {
+        if let Some(r) = self.responder.take() {
+            match self.default_on_drop.take() {
+                Some(default) => r.ok(default),
+                // The responder's own drop answers with an internal error.
+                None => drop(r),
+            }
+        }
+    }
+}
+
+/// The result of a client tool, as the model will see it.
+#[derive(Debug, Clone)]
+pub enum ToolResult {
+    /// Success with text for the model.
+    Text(String),
+    /// A full result object (`{textResultForLlm, resultType, …}`).
+    Object(Value),
+    /// The tool failed with this message.
+    Error(String),
+}
+
+/// One conversation on one worker.
+pub struct Session {
+    id: String,
+    worker: WorkerHandle,
+    updates: mpsc::UnboundedReceiver<SessionUpdate>,
+    detached: bool,
+}
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Session")
+            .field("id", &self.id)
+            .field("worker_pid", &self.worker.pid())
+            .finish()
+    }
+}
+
+impl Session {
+    pub(crate) fn new(
+        id: String,
+        worker: WorkerHandle,
+        updates: mpsc::UnboundedReceiver<SessionUpdate>,
+    ) -> Self {
+        Self {
+            id,
+            worker,
+            updates,
+            detached: false,
+        }
+    }
+
+    /// The CLI session id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The worker this session is attached to.
+    pub fn worker(&self) -> &WorkerHandle {
+        &self.worker
+    }
+
+    /// The next update; `None` after [`SessionUpdate::Ended`] has been delivered.
+    pub async fn next(&mut self) -> Option<SessionUpdate> {
+        self.updates.recv().await
+    }
+
+    /// Starts a turn with `prompt`; returns the user message id at once. The turn's events
+    /// follow through [`Session::next`] and end with `session.idle`.
+    pub async fn send(&self, prompt: impl Into<String>) -> Result<String, WorkerError> {
+        let params = SendParams {
+            session_id: self.id.clone(),
+            prompt: prompt.into(),
+            mode: None,
+        };
+        Ok(self.worker.call::<SessionSend>(&params).await?.message_id)
+    }
+
+    /// Aborts the running turn (also releases unanswered tool calls and permission prompts).
+    pub async fn abort(&self) -> Result<(), WorkerError> {
+        let params = AbortParams {
+            session_id: self.id.clone(),
+            reason: None,
+        };
+        self.worker.call::<SessionAbort>(&params).await.map(|_| ())
+    }
+
+    /// Answers a client tool call of this session (`external_tool.requested`).
+    pub async fn answer_tool_call(
+        &self,
+        request_id: &str,
+        result: ToolResult,
+    ) -> Result<(), WorkerError> {
+        self.worker
+            .take_pending(PendingKind::ToolCall, &self.id, request_id)
+            .await?;
+        let (result, error) = match result {
+            ToolResult::Text(text) => (Some(Value::String(text)), None),
+            ToolResult::Object(value) => (Some(value), None),
+            ToolResult::Error(message) => (None, Some(message)),
+        };
+        let params = ToolCallAnswer {
+            session_id: self.id.clone(),
+            request_id: request_id.to_owned(),
+            result,
+            error,
+        };
+        self.worker
+            .call::<HandlePendingToolCall>(&params)
+            .await
+            .map(|_| ())
+    }
+
+    /// Answers a permission prompt of this session (`permission.requested`), e.g. with
+    /// `{"kind":"approve-once"}` or `{"kind":"reject"}`.
+    pub async fn answer_permission(
+        &self,
+        request_id: &str,
+        decision: Value,
+    ) -> Result<(), WorkerError> {
+        self.worker
+            .take_pending(PendingKind::Permission, &self.id, request_id)
+            .await?;
+        let params = PermissionAnswer {
+            session_id: self.id.clone(),
+            request_id: request_id.to_owned(),
+            result: decision,
+        };
+        let answer = self.worker.call::<HandlePendingPermission>(&params).await?;
+        if !answer.success {
+            return Err(WorkerError::NoSuchPendingRequest {
+                kind: PendingKind::Permission.as_str(),
+                session_id: self.id.clone(),
+                request_id: request_id.to_owned(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Compacts the conversation history.
+    pub async fn compact(&self) -> Result<CompactResult, WorkerError> {
+        let params = CompactParams {
+            session_id: self.id.clone(),
+            custom_instructions: None,
+        };
+        self.worker.call::<SessionCompact>(&params).await
+    }
+
+    /// The persisted events of this session.
+    pub async fn messages(&self) -> Result<Vec<Value>, WorkerError> {
+        let params = SessionIdParams {
+            session_id: self.id.clone(),
+        };
+        Ok(self
+            .worker
+            .call::<SessionGetMessages>(&params)
+            .await?
+            .events)
+    }
+
+    /// Detaches the session from its process; its state stays on disk for a later resume.
+    pub async fn detach(mut self) -> Result<(), WorkerError> {
+        self.detached = true;
+        self.worker.close_route(&self.id, false);
+        let params = SessionIdParams {
+            session_id: self.id.clone(),
+        };
+        self.worker.call::<SessionDetach>(&params).await.map(|_| ())
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if !self.detached {
+            // Frees the route and detaches in the background, so the session id does not
+            // stay attached to this process.
+            self.worker.close_route(&self.id, true);
+        }
+    }
+}

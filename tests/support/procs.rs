@@ -1,0 +1,55 @@
+//! Checks on live processes through /proc: process-group members, zombies, environments.
+
+use std::time::Duration;
+
+/// Pids of processes (any state) whose process group is `pgid`.
+pub fn group_members(pgid: u32) -> Vec<(u32, char)> {
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if fields.len() > 2 && fields[2] == pgid.to_string() {
+            let state = fields[0].chars().next().unwrap_or('?');
+            out.push((pid, state));
+        }
+    }
+    out
+}
+
+/// Waits (polling /proc: there is no exit event for processes we did not spawn directly)
+/// until no process of group `pgid` exists, not even a zombie, and returns what is left
+/// after `limit`.
+pub async fn wait_group_gone(pgid: u32, limit: Duration) -> Vec<(u32, char)> {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let left = group_members(pgid);
+        if left.is_empty() || tokio::time::Instant::now() >= deadline {
+            return left;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The environment of a live process.
+pub fn environ(pid: u32) -> Vec<(String, String)> {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    raw.split(|b| *b == 0)
+        .filter(|kv| !kv.is_empty())
+        .filter_map(|kv| {
+            let kv = String::from_utf8_lossy(kv);
+            kv.split_once('=')
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        })
+        .collect()
+}
