@@ -59,10 +59,22 @@ pub struct WorkerInfo {
     pub protocol_version: u32,
 }
 
-/// A cloneable handle to one worker (one CLI child).
+/// Stops the worker when the last handle (including those inside sessions) is dropped.
+struct StopOnDrop(ActorRef<WorkerMsg>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        // An orderly stop: the actor detaches, closes the child's input and kills the group.
+        self.0.stop(Some("all handles dropped".to_owned()));
+    }
+}
+
+/// A cloneable handle to one worker (one CLI child). When the last clone is dropped (sessions
+/// hold one), the worker stops and its process group is killed.
 #[derive(Clone)]
 pub struct WorkerHandle {
     actor: ActorRef<WorkerMsg>,
+    _stop_on_drop: Arc<StopOnDrop>,
     conn: Connection,
     exit: watch::Receiver<Option<WorkerExit>>,
     info: Arc<WorkerInfo>,
@@ -113,6 +125,7 @@ impl WorkerHandle {
             .await
             .map_err(|_| WorkerError::Spawn("worker ended during start".into()))?;
         Ok(WorkerHandle {
+            _stop_on_drop: Arc::new(StopOnDrop(actor.clone())),
             actor,
             conn,
             exit: exit_rx,
@@ -129,6 +142,11 @@ impl WorkerHandle {
     /// Facts about the child.
     pub fn info(&self) -> &WorkerInfo {
         &self.info
+    }
+
+    /// Requests to the runtime still waiting for an answer.
+    pub fn pending_requests(&self) -> usize {
+        self.conn.pending_requests()
     }
 
     /// The actor, e.g. to link or monitor it.

@@ -1,0 +1,422 @@
+//! End-to-end: what happens when the child dies, hangs or misbehaves. Crash cases use the
+//! real runtime; malformed frames and protocol faults the real one cannot produce use a
+//! small fault-injecting fake peer written in `sh` (the only fake CLI in the test suite).
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use copilot_pool::process::ExitInfo;
+use copilot_pool::rpc::EventKind;
+use copilot_pool::rpc::messages::SessionConfig;
+use copilot_pool::scripted_model::ScriptedModel;
+use copilot_pool::worker::{
+    ExitReason, SessionUpdate, WorkerConfig, WorkerError, WorkerExit, WorkerHandle,
+};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use support::procs::wait_group_gone;
+use support::{Scratch, next_event, session_config, worker_config};
+use tokio::sync::mpsc;
+
+/// A supervisor that reports every supervision event it gets.
+struct Recorder;
+
+impl Actor for Recorder {
+    type Msg = ();
+    type State = mpsc::UnboundedSender<SupervisionEvent>;
+    type Arguments = mpsc::UnboundedSender<SupervisionEvent>;
+
+    async fn pre_start(
+        &self,
+        _: ActorRef<()>,
+        tx: Self::Arguments,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        Ok(tx)
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _: ActorRef<()>,
+        event: SupervisionEvent,
+        tx: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        let _ = tx.send(event);
+        Ok(())
+    }
+}
+
+async fn recorder() -> (ActorRef<()>, mpsc::UnboundedReceiver<SupervisionEvent>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (actor, _) = Actor::spawn(None, Recorder, tx).await.expect("recorder");
+    (actor, rx)
+}
+
+/// The reason a linked worker reported when it failed.
+async fn failure_reported(events: &mut mpsc::UnboundedReceiver<SupervisionEvent>) -> WorkerExit {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), events.recv()).await {
+            Ok(Some(SupervisionEvent::ActorFailed(_, err))) => {
+                return err
+                    .downcast_ref::<WorkerExit>()
+                    .cloned()
+                    .unwrap_or_else(|| panic!("failure is not a WorkerExit: {err}"));
+            }
+            Ok(Some(SupervisionEvent::ActorTerminated(_, _, reason))) => {
+                panic!("worker terminated normally ({reason:?}) instead of failing")
+            }
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => panic!("no supervision event"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn kill_9_mid_turn_fails_the_turn_fast_and_leaves_no_process() {
+    let scratch = Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model endpoint");
+    let (supervisor, mut supervision) = recorder().await;
+    let worker = WorkerHandle::start(worker_config(&scratch).await, Some(supervisor.get_cell()))
+        .await
+        .expect("worker starts");
+    let pid = worker.pid();
+    let mut session = worker
+        .create_session(SessionConfig {
+            streaming: true,
+            ..session_config(&endpoint.base_url(), &scratch)
+        })
+        .await
+        .expect("session");
+    session
+        .send("SCENARIO:slow SLOW=300x100")
+        .await
+        .expect("send");
+    loop {
+        let event = next_event(&mut session).await.expect("event");
+        if matches!(event.kind, EventKind::AssistantMessageDelta(_)) {
+            break;
+        }
+    }
+
+    let killed_at = Instant::now();
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill -9");
+    let error = loop {
+        match tokio::time::timeout(Duration::from_secs(10), session.next()).await {
+            Ok(Some(SessionUpdate::Ended(error))) => break error,
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("stream closed without Ended"),
+            Err(_) => panic!("the caller was not told within 10 s"),
+        }
+    };
+    let waited = killed_at.elapsed();
+    println!("kill -9 → typed error after {waited:?}");
+    assert!(waited < Duration::from_millis(500), "took {waited:?}");
+    let WorkerError::Died(exit) = &error else {
+        panic!("unexpected error {error}")
+    };
+    assert_eq!(exit.exit_info(), Some(ExitInfo::Signal(9)), "{exit}");
+    assert_eq!(exit.pid, pid);
+    assert!(error.to_string().contains("signal 9"), "{error}");
+
+    // Later calls fail with the same typed error instead of hanging.
+    let later = session
+        .send("anyone there?")
+        .await
+        .expect_err("dead worker");
+    assert!(matches!(later, WorkerError::Died(_)), "{later}");
+
+    // The supervisor learns why the worker ended.
+    let reported = failure_reported(&mut supervision).await;
+    assert_eq!(reported.exit_info(), Some(ExitInfo::Signal(9)));
+
+    let left = wait_group_gone(pid, Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "processes left in group {pid}: {left:?}");
+    supervisor.stop(None);
+}
+
+#[tokio::test]
+async fn an_in_flight_request_fails_with_the_exit_status() {
+    let scratch = Scratch::new();
+    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+        .await
+        .expect("worker starts");
+    let pid = Pid::from_raw(worker.pid() as i32);
+    // A stopped process reads nothing: the ping stays in flight until the kill.
+    kill(pid, Signal::SIGSTOP).expect("stop");
+    let mut ping = tokio::spawn({
+        let worker = worker.clone();
+        async move { worker.ping().await }
+    });
+    // The stopped runtime cannot answer: the ping is still waiting after a while.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), &mut ping)
+            .await
+            .is_err()
+    );
+    assert_eq!(worker.pending_requests(), 1);
+    kill(pid, Signal::SIGKILL).expect("kill");
+    let error = tokio::time::timeout(Duration::from_secs(5), ping)
+        .await
+        .expect("ping failed fast")
+        .expect("task")
+        .expect_err("ping to a killed runtime");
+    let WorkerError::Died(exit) = &error else {
+        panic!("unexpected error {error}")
+    };
+    assert_eq!(exit.exit_info(), Some(ExitInfo::Signal(9)));
+    let left = wait_group_gone(worker.pid(), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[tokio::test]
+async fn a_hung_runtime_is_detected_by_health_pings_and_killed() {
+    let scratch = Scratch::new();
+    let mut config = worker_config(&scratch).await;
+    config.health_interval = Duration::from_millis(200);
+    config.health_timeout = Duration::from_millis(300);
+    config.kill_grace = Duration::from_millis(300);
+    let (supervisor, mut supervision) = recorder().await;
+    let worker = WorkerHandle::start(config, Some(supervisor.get_cell()))
+        .await
+        .expect("worker starts");
+    kill(Pid::from_raw(worker.pid() as i32), Signal::SIGSTOP).expect("stop");
+    let exit = tokio::time::timeout(Duration::from_secs(10), worker.ended())
+        .await
+        .expect("hang detected");
+    assert_eq!(
+        exit.reason,
+        ExitReason::Hung(Duration::from_millis(300)),
+        "{exit}"
+    );
+    let reported = failure_reported(&mut supervision).await;
+    assert!(matches!(reported.reason, ExitReason::Hung(_)));
+    // A stopped process does not act on SIGTERM; the group must still be gone (SIGKILL).
+    let left = wait_group_gone(worker.pid(), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+    supervisor.stop(None);
+}
+
+#[tokio::test]
+async fn dropping_every_handle_stops_the_worker_and_its_group() {
+    let scratch = Scratch::new();
+    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+        .await
+        .expect("worker starts");
+    let pid = worker.pid();
+    let actor = worker.actor();
+    drop(worker);
+    tokio::time::timeout(Duration::from_secs(10), actor.wait(None))
+        .await
+        .expect("actor stopped")
+        .ok();
+    let left = wait_group_gone(pid, Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[tokio::test]
+async fn killing_the_actor_kills_the_group() {
+    let scratch = Scratch::new();
+    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+        .await
+        .expect("worker starts");
+    let pid = worker.pid();
+    // Kill skips post_stop: only the guard in the state can clean up.
+    worker.actor().kill();
+    let left = wait_group_gone(pid, Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[tokio::test]
+async fn shutdown_detaches_sessions_and_leaves_no_process() {
+    let scratch = Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model endpoint");
+    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+        .await
+        .expect("worker starts");
+    let mut session = worker
+        .create_session(session_config(&endpoint.base_url(), &scratch))
+        .await
+        .expect("session");
+    let exit = worker.shutdown().await;
+    assert!(exit.is_shutdown(), "{exit}");
+    let ended = loop {
+        match session.next().await {
+            Some(SessionUpdate::Ended(error)) => break error,
+            Some(_) => continue,
+            None => panic!("open session not told about the shutdown"),
+        }
+    };
+    assert!(matches!(ended, WorkerError::Stopped), "{ended}");
+    let left = wait_group_gone(worker.pid(), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Fault injection with a fake peer (sh). Each script answers `connect` (our first request
+// has id 1), keeps a grandchild `sleep` in its process group, then misbehaves.
+
+const CONNECT_OK: &str =
+    r#"{"jsonrpc":"2.0","id":1,"result":{"ok":true,"protocolVersion":3,"version":"fake-peer"}}"#;
+
+fn frame(body: &str) -> String {
+    format!(
+        "Content-Length: {}\\r\\n\\r\\n{}",
+        body.len(),
+        body.replace('"', "\\\"")
+    )
+}
+
+/// Writes an executable fake peer that answers `connect` with `connect_body`, then, when
+/// the header of the client's next request arrives (frames end without a newline, so the
+/// second `Content-Length` line is the first sign of it), writes `fault` (raw printf text).
+fn fake_peer(scratch: &Scratch, connect_body: &str, fault: &str) -> PathBuf {
+    let path = scratch.path().join("fake-peer.sh");
+    let script = format!(
+        "#!/bin/sh\n\
+         sleep 300 &\n\
+         printf \"{connect}\"\n\
+         n=0\n\
+         while IFS= read -r line; do\n\
+           case \"$line\" in *Content-Length*) n=$((n+1));; esac\n\
+           [ $n -ge 2 ] && break\n\
+         done\n\
+         printf \"{fault}\"\n\
+         while IFS= read -r line; do echo \"$line\" >&2; done\n",
+        connect = frame(connect_body),
+    );
+    std::fs::write(&path, script).expect("write fake");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    path
+}
+
+fn fake_config(scratch: &Scratch, program: PathBuf) -> WorkerConfig {
+    let mut config = WorkerConfig::new(program, scratch.copilot_home(), scratch.work());
+    config.kill_grace = Duration::from_millis(500);
+    config.health_interval = Duration::ZERO;
+    config
+}
+
+async fn broken_by(fault: &str) -> (WorkerExit, WorkerError, u32) {
+    let scratch = Scratch::new();
+    let program = fake_peer(&scratch, CONNECT_OK, fault);
+    let worker = WorkerHandle::start(fake_config(&scratch, program), None)
+        .await
+        .expect("fake peer handshake");
+    assert_eq!(worker.info().runtime_version, "fake-peer");
+    // The ping triggers the fault and is in flight when it arrives.
+    let error = worker.ping().await.expect_err("ping into a broken stream");
+    let exit = tokio::time::timeout(Duration::from_secs(10), worker.ended())
+        .await
+        .expect("worker ended");
+    let pid = worker.pid();
+    let left = wait_group_gone(pid, Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "fake peer group left behind: {left:?}");
+    (exit, error, pid)
+}
+
+#[tokio::test]
+async fn a_malformed_frame_breaks_the_connection_and_ends_the_worker() {
+    let (exit, error, _) = broken_by(&frame("{this is not json")).await;
+    let ExitReason::ProtocolViolation(detail) = &exit.reason else {
+        panic!("{exit}")
+    };
+    assert!(detail.contains("not JSON"), "{detail}");
+    assert!(matches!(error, WorkerError::Died(_)), "{error}");
+}
+
+#[tokio::test]
+async fn a_bad_header_breaks_the_connection() {
+    let (exit, _, _) = broken_by("Content-Length: twelve\\r\\n\\r\\n{}").await;
+    assert!(
+        matches!(exit.reason, ExitReason::ProtocolViolation(ref d) if d.contains("Content-Length")),
+        "{exit}"
+    );
+}
+
+#[tokio::test]
+async fn an_oversized_frame_breaks_the_connection() {
+    let (exit, _, _) = broken_by("Content-Length: 999999999999\\r\\n\\r\\n").await;
+    assert!(
+        matches!(exit.reason, ExitReason::ProtocolViolation(ref d) if d.contains("exceeds the maximum")),
+        "{exit}"
+    );
+}
+
+#[tokio::test]
+async fn an_unknown_server_request_gets_method_not_found() {
+    let scratch = Scratch::new();
+    // The fake asks us something we do not know, echoes our answer to stderr, and exits.
+    let ask = frame(r#"{"jsonrpc":"2.0","id":"srv-1","method":"no.such.method","params":{}}"#);
+    let path = scratch.path().join("fake-peer.sh");
+    let script = format!(
+        "#!/bin/sh\n\
+         printf \"{connect}\"\n\
+         printf \"{ask}\"\n\
+         while IFS= read -r line; do\n\
+           case \"$line\" in *srv-1*) echo \"$line\" >&2; exit 7;; esac\n\
+         done\n",
+        connect = frame(CONNECT_OK),
+    );
+    std::fs::write(&path, script).expect("write fake");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let worker = WorkerHandle::start(fake_config(&scratch, path), None)
+        .await
+        .expect("handshake");
+    // Our answer ends without a newline; the next request's header ends the fake's line.
+    let pinger = worker.clone();
+    tokio::spawn(async move { pinger.ping().await });
+    let exit = tokio::time::timeout(Duration::from_secs(10), worker.ended())
+        .await
+        .expect("fake exits after reading the answer");
+    assert_eq!(exit.exit_info(), Some(ExitInfo::Code(7)), "{exit}");
+    assert!(exit.stderr_tail.contains("-32601"), "{}", exit.stderr_tail);
+    assert!(
+        exit.stderr_tail.contains("no.such.method"),
+        "{}",
+        exit.stderr_tail
+    );
+}
+
+#[tokio::test]
+async fn another_protocol_version_is_refused_with_the_fix() {
+    let scratch = Scratch::new();
+    let program = fake_peer(
+        &scratch,
+        r#"{"jsonrpc":"2.0","id":1,"result":{"ok":true,"protocolVersion":2,"version":"0.3.0"}}"#,
+        "",
+    );
+    let err = WorkerHandle::start(fake_config(&scratch, program), None)
+        .await
+        .expect_err("protocol 2 refused");
+    let text = err.to_string();
+    assert!(
+        matches!(err, WorkerError::ProtocolVersion { got: 2, .. }),
+        "{text}"
+    );
+    assert!(text.contains("copilot-pool install-cli"), "{text}");
+}
+
+#[tokio::test]
+async fn a_runtime_that_exits_at_once_reports_its_status_and_stderr() {
+    let scratch = Scratch::new();
+    let path = scratch.path().join("fake-peer.sh");
+    std::fs::write(
+        &path,
+        "#!/bin/sh\necho 'fatal: cannot load runtime.node' >&2\nexit 3\n",
+    )
+    .expect("write");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let err = WorkerHandle::start(fake_config(&scratch, path), None)
+        .await
+        .expect_err("start fails");
+    let text = err.to_string();
+    assert!(text.contains("exit code 3"), "{text}");
+    assert!(text.contains("cannot load runtime.node"), "{text}");
+}
