@@ -147,8 +147,8 @@ events! {
     "session.task_complete" => SessionTaskComplete(Raw),
     "user.message" => UserMessage(UserMessageData),
     "system.message" => SystemMessage(SystemMessageData),
-    "assistant.turn_start" => AssistantTurnStart(TurnData),
-    "assistant.turn_end" => AssistantTurnEnd(TurnData),
+    "assistant.turn_start" => AssistantTurnStart(TurnStartData),
+    "assistant.turn_end" => AssistantTurnEnd(TurnEndData),
     "assistant.turn_retry" => AssistantTurnRetry(TurnRetryData),
     "assistant.message" => AssistantMessage(AssistantMessageData),
     "assistant.message_start" => AssistantMessageStart(MessageStartData),
@@ -273,8 +273,12 @@ data!(
     SystemMessageData { content: String, role: Option<String> }
 );
 data!(
-    /// `assistant.turn_start` / `assistant.turn_end` (one model call).
-    TurnData { turn_id: String, model: Option<String>, interaction_id: Option<String> }
+    /// `assistant.turn_start`: one model call begins.
+    TurnStartData { turn_id: String, model: Option<String>, interaction_id: Option<String> }
+);
+data!(
+    /// `assistant.turn_end`: one model call ended.
+    TurnEndData { turn_id: String, model: Option<String> }
 );
 data!(
     /// `assistant.turn_retry`.

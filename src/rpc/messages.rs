@@ -66,7 +66,7 @@ method!(
 );
 method!(
     /// `llmInference.setProvider`: route every model HTTP request through this connection.
-    LlmSetProvider, "llmInference.setProvider", Empty, SuccessResult
+    LlmSetProvider, "llmInference.setProvider", Empty, AnsweredResult
 );
 method!(
     /// `runtime.shutdown`: ask the runtime to shut down (the launcher waits for stdin EOF).
@@ -177,6 +177,13 @@ pub struct SuccessResult {
     pub error: Option<String>,
 }
 
+/// `{success}` without an error text (answers to pending requests, `setProvider`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AnsweredResult {
+    /// Whether the runtime took the answer.
+    pub success: bool,
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sessions.
 
@@ -222,14 +229,14 @@ method!(
 );
 method!(
     /// `session.tools.handlePendingToolCall`: answer an `external_tool.requested` event.
-    HandlePendingToolCall, "session.tools.handlePendingToolCall", ToolCallAnswer, SuccessResult
+    HandlePendingToolCall, "session.tools.handlePendingToolCall", ToolCallAnswer, AnsweredResult
 );
 method!(
     /// `session.permissions.handlePendingPermissionRequest`: answer a `permission.requested` event.
     HandlePendingPermission,
     "session.permissions.handlePendingPermissionRequest",
     PermissionAnswer,
-    SuccessResult
+    AnsweredResult
 );
 
 /// The BYOK provider of a session (`provider` in `session.create`/`session.resume`). The

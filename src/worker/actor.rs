@@ -380,10 +380,9 @@ async fn handshake(conn: &Connection, config: &WorkerConfig) -> Result<WorkerInf
             .await
             .map_err(|e| WorkerError::Handshake(format!("llmInference.setProvider: {e}")))?;
         if !set.success {
-            return Err(WorkerError::Handshake(format!(
-                "llmInference.setProvider refused: {}",
-                set.error.unwrap_or_default()
-            )));
+            return Err(WorkerError::Handshake(
+                "llmInference.setProvider refused by the runtime".to_owned(),
+            ));
         }
     }
     Ok(WorkerInfo {
