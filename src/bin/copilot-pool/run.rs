@@ -1,0 +1,204 @@
+//! `copilot-pool run --prompt TEXT`: one worker, one session, one turn, reply streamed to
+//! stdout. The model is the embedded scripted model unless `--provider-url` or
+//! `--logged-in` says otherwise. Never installs anything.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use copilot_pool::rpc::EventKind;
+use copilot_pool::rpc::messages::{ProviderConfig, SessionConfig};
+use copilot_pool::runtime;
+use copilot_pool::scripted_model::{HttpEndpoint, ScriptedModel};
+use copilot_pool::secret::Secret;
+use copilot_pool::worker::{Session, SessionUpdate, WorkerConfig, WorkerHandle};
+use tokio::io::AsyncWriteExt;
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// The prompt to send.
+    #[arg(long)]
+    prompt: String,
+    /// The runtime executable (default: COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
+    #[arg(long)]
+    cli: Option<PathBuf>,
+    /// COPILOT_HOME for the worker (default: a temporary directory removed afterwards).
+    #[arg(long)]
+    home: Option<PathBuf>,
+    /// An OpenAI-compatible endpoint to use instead of the scripted model, e.g.
+    /// `http://127.0.0.1:8080/v1`.
+    #[arg(long, conflicts_with = "logged_in")]
+    provider_url: Option<String>,
+    /// Name of the environment variable holding the provider's API key.
+    #[arg(long, requires = "provider_url")]
+    provider_key_env: Option<String>,
+    /// Model id for the provider.
+    #[arg(long)]
+    model: Option<String>,
+    /// Use the GitHub user logged in to the Copilot CLI instead of a model endpoint.
+    #[arg(long)]
+    logged_in: bool,
+    /// Serve the scripted model over the JSON-RPC pipe instead of loopback HTTP.
+    #[arg(long, conflicts_with_all = ["provider_url", "logged_in"])]
+    tunnel: bool,
+    /// Give up on the turn after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    timeout_secs: u64,
+}
+
+/// A COPILOT_HOME that is removed on drop when we created it.
+struct Home {
+    path: PathBuf,
+    remove: bool,
+}
+
+impl Drop for Home {
+    fn drop(&mut self) {
+        if self.remove {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+pub async fn run(args: RunArgs) -> Result<()> {
+    let located = runtime::locate(args.cli.as_deref(), runtime::process_env)?;
+    tracing::debug!(path = %located.path.display(), source = %located.source, "Using runtime.");
+
+    let home = match &args.home {
+        Some(path) => Home {
+            path: path.clone(),
+            remove: false,
+        },
+        None => Home {
+            path: std::env::temp_dir().join(format!("copilot-pool-run-{}", uuid::Uuid::new_v4())),
+            remove: true,
+        },
+    };
+    std::fs::create_dir_all(&home.path)
+        .with_context(|| format!("creating COPILOT_HOME {}", home.path.display()))?;
+    let cwd = std::env::current_dir().context("reading the current directory")?;
+
+    let scripted = ScriptedModel::new();
+    let mut endpoint: Option<HttpEndpoint> = None;
+    let mut config = WorkerConfig::new(located.path.clone(), home.path.clone(), cwd.clone());
+    let mut session = SessionConfig {
+        streaming: true,
+        working_directory: Some(cwd.display().to_string()),
+        env_value_mode: Some("direct".to_owned()),
+        tool_filter_precedence: Some("excluded".to_owned()),
+        ..Default::default()
+    };
+    if args.logged_in {
+        config.auto_login = true;
+        session.model = args.model.clone();
+    } else if let Some(url) = &args.provider_url {
+        let key = match &args.provider_key_env {
+            Some(var) => {
+                Some(Secret::new(std::env::var(var).map_err(|_| {
+                    anyhow!("--provider-key-env {var}: variable not set")
+                })?))
+            }
+            None => None,
+        };
+        session.provider = Some(ProviderConfig::openai(url.clone(), key));
+        session.model = args.model.clone();
+    } else {
+        // The embedded scripted model: no tools, so the demo never touches the machine.
+        session.model = Some(ScriptedModel::MODEL_ID.to_owned());
+        session.available_tools = Some(Vec::new());
+        let base_url = if args.tunnel {
+            config.model_tunnel = Some(Arc::new(scripted.clone()));
+            // Nothing listens here: every model call goes through the pipe.
+            "http://127.0.0.1:9/v1".to_owned()
+        } else {
+            let ep = scripted
+                .serve_http()
+                .await
+                .context("starting the scripted model")?;
+            let url = ep.base_url();
+            endpoint = Some(ep);
+            url
+        };
+        session.provider = Some(ProviderConfig::openai(
+            base_url,
+            Some(Secret::new("scripted")),
+        ));
+    }
+
+    let worker = WorkerHandle::start(config, None).await?;
+    let outcome = tokio::select! {
+        outcome = turn(&worker, session, &args.prompt, Duration::from_secs(args.timeout_secs)) => outcome,
+        _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
+    };
+    worker.shutdown().await;
+    drop(endpoint);
+    outcome
+}
+
+async fn turn(
+    worker: &WorkerHandle,
+    config: SessionConfig,
+    prompt: &str,
+    limit: Duration,
+) -> Result<()> {
+    let mut session = worker.create_session(config).await?;
+    session.send(prompt).await?;
+    let result = tokio::time::timeout(limit, stream_reply(&mut session)).await;
+    match result {
+        Ok(outcome) => outcome,
+        Err(_) => {
+            let _ = session.abort().await;
+            bail!(
+                "no reply within {} s (raise --timeout-secs)",
+                limit.as_secs()
+            )
+        }
+    }
+}
+
+async fn stream_reply(session: &mut Session) -> Result<()> {
+    let mut out = tokio::io::stdout();
+    let mut streamed = false;
+    let mut error: Option<String> = None;
+    while let Some(update) = session.next().await {
+        match update {
+            SessionUpdate::Event(event) => match event.kind {
+                EventKind::AssistantMessageDelta(delta) if event.agent_id.is_none() => {
+                    streamed = true;
+                    out.write_all(delta.delta_content.as_bytes()).await?;
+                    out.flush().await?;
+                }
+                EventKind::AssistantMessage(message) if event.agent_id.is_none() => {
+                    if !streamed && !message.content.is_empty() {
+                        out.write_all(message.content.as_bytes()).await?;
+                    }
+                    if !message.content.is_empty() {
+                        out.write_all(b"\n").await?;
+                        out.flush().await?;
+                    }
+                    streamed = false;
+                }
+                EventKind::SessionError(e) => error = Some(e.message),
+                EventKind::SessionIdle(idle) => {
+                    if let Some(message) = error {
+                        bail!("the turn failed: {message}");
+                    }
+                    if idle.aborted == Some(true) {
+                        bail!("the turn was aborted");
+                    }
+                    return Ok(());
+                }
+                _ => {}
+            },
+            // Questions to a user nobody is asking: refuse. Hooks: default answer.
+            SessionUpdate::UserInput(request) => {
+                request.fail("copilot-pool run is not interactive")
+            }
+            SessionUpdate::Hook(hook) => drop(hook),
+            SessionUpdate::Ended(err) => return Err(err.into()),
+        }
+    }
+    bail!("the worker ended without finishing the turn")
+}

@@ -1,0 +1,111 @@
+//! End-to-end: the `copilot-pool` binary as a newcomer uses it.
+
+mod support;
+
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_copilot-pool"));
+    cmd.env_remove("COPILOT_CLI_PATH");
+    cmd
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+async fn output(mut cmd: Command) -> Output {
+    tokio::task::spawn_blocking(move || cmd.output().expect("run copilot-pool"))
+        .await
+        .expect("join")
+}
+
+#[tokio::test]
+async fn run_prints_a_reply_from_the_embedded_model() {
+    let runtime = support::runtime::runtime_path().await;
+    for extra in [&[][..], &["--tunnel"][..]] {
+        let mut cmd = bin();
+        cmd.env("COPILOT_CLI_PATH", &runtime)
+            .args(["run", "--prompt", "hi"])
+            .args(extra);
+        let out = output(cmd).await;
+        let stdout = text(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}\n{stdout}",
+            text(&out.stderr)
+        );
+        assert_eq!(stdout.trim(), "scripted reply #1: hi", "{extra:?}");
+    }
+}
+
+#[tokio::test]
+async fn run_fails_with_the_error_when_the_turn_fails() {
+    let runtime = support::runtime::runtime_path().await;
+    let mut cmd = bin();
+    cmd.env("COPILOT_CLI_PATH", &runtime)
+        .args(["run", "--prompt", "SCENARIO:error STATUS=400 go"]);
+    let out = output(cmd).await;
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("the turn failed") && stderr.contains("400"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn run_without_any_runtime_says_how_to_install_one() {
+    let empty = tempfile::tempdir().expect("tempdir");
+    let mut cmd = bin();
+    cmd.env("COPILOT_POOL_CACHE_DIR", empty.path())
+        .env("PATH", empty.path())
+        .args(["run", "--prompt", "hi"]);
+    let out = output(cmd).await;
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("COPILOT_CLI_MISSING"), "{stderr}");
+    assert!(stderr.contains("copilot-pool install-cli"), "{stderr}");
+    // `run` never installs implicitly.
+    assert_eq!(std::fs::read_dir(empty.path()).expect("dir").count(), 0);
+}
+
+#[tokio::test]
+async fn install_cli_twice_succeeds_and_prints_the_same_executable() {
+    // The test suite's own install put the runtime in the cache: both runs reuse it.
+    support::runtime::runtime_path().await;
+    let first = output({
+        let mut c = bin();
+        c.arg("install-cli");
+        c
+    })
+    .await;
+    let second = output({
+        let mut c = bin();
+        c.args(["install-cli", "--flavour", "runtime"]);
+        c
+    })
+    .await;
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert!(second.status.success(), "{}", text(&second.stderr));
+    assert_eq!(first.stdout, second.stdout);
+    let exe = text(&first.stdout);
+    assert!(exe.trim().ends_with("copilot-runtime"), "{exe}");
+    assert!(text(&second.stderr).contains("already installed"));
+}
+
+#[tokio::test]
+async fn install_cli_refuses_an_unknown_flavour() {
+    let out = output({
+        let mut c = bin();
+        c.args(["install-cli", "--flavour", "nightly"]);
+        c
+    })
+    .await;
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("runtime") && stderr.contains("cli"),
+        "{stderr}"
+    );
+}
