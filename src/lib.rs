@@ -1,4 +1,21 @@
-//! copilot-pool: supervises pools of GitHub Copilot CLI processes for multi-agent gateways.
+//! copilot-pool supervises GitHub Copilot CLI processes ("the runtime") for multi-agent
+//! gateways: one actor per child process, which owns the process group, the JSON-RPC
+//! connection and health, and fails all in-flight work the instant the child dies.
+//!
+//! # Layout
+//!
+//! * [`worker`] — one supervised CLI child: [`worker::WorkerHandle`] starts it and opens
+//!   [`worker::Session`]s whose update streams carry events and server requests.
+//! * [`rpc`] — the wire: `Content-Length` framing, the JSON-RPC 2.0 connection, typed
+//!   messages and session events.
+//! * [`process`] — a child in its own process group: stderr tail, reaping, TERM→grace→KILL.
+//! * [`runtime`] — the pinned runtime: install with npm, locate at run time.
+//! * [`tunnel`] — serving the runtime's model HTTP requests over the pipe.
+//! * [`scripted_model`] — the OpenAI-compatible model we own, for tests and the demo.
+//! * [`secret`] — a redacting wrapper for tokens and keys.
+//!
+//! The library installs nothing global: no tracing subscriber, metrics recorder, signal
+//! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.
 
 pub mod process;
 pub mod rpc;

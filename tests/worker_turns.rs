@@ -58,7 +58,7 @@ async fn a_turn_emits_the_documented_events_in_order() {
     // The model really was asked, over HTTP, with our key.
     let requests = model.requests();
     assert!(requests.iter().any(|r| r.transport == Transport::Http));
-    worker.shutdown().await;
+    support::shutdown_and_check(&worker).await;
 }
 
 #[tokio::test]
@@ -130,7 +130,7 @@ async fn a_client_tool_round_trip_and_answers_only_from_the_owning_session() {
         again,
         Err(WorkerError::NoSuchPendingRequest { .. })
     ));
-    worker.shutdown().await;
+    support::shutdown_and_check(&worker).await;
 }
 
 #[tokio::test]
@@ -166,7 +166,7 @@ async fn abort_mid_turn_ends_with_an_aborted_idle() {
     };
     assert_eq!(idle.aborted, Some(true));
     assert!(position(&events, "abort").is_some());
-    worker.shutdown().await;
+    support::shutdown_and_check(&worker).await;
 }
 
 #[tokio::test]
@@ -188,7 +188,7 @@ async fn a_resumed_session_in_a_fresh_worker_carries_the_history() {
         .expect("send");
     collect_turn(&mut session).await;
     session.detach().await.expect("detach");
-    first.shutdown().await;
+    support::shutdown_and_check(&first).await;
 
     let second = WorkerHandle::start(worker_config(&scratch).await, None)
         .await
@@ -222,7 +222,7 @@ async fn a_resumed_session_in_a_fresh_worker_carries_the_history() {
         history.contains("noted"),
         "earlier answer not carried: {history}"
     );
-    second.shutdown().await;
+    support::shutdown_and_check(&second).await;
 }
 
 #[tokio::test]
@@ -253,7 +253,7 @@ async fn the_model_can_be_served_over_the_json_rpc_tunnel() {
     assert!(!requests.is_empty());
     assert!(requests.iter().all(|r| r.transport == Transport::Tunnel));
     assert_eq!(requests[0].session_id.as_deref(), Some(session.id()));
-    worker.shutdown().await;
+    support::shutdown_and_check(&worker).await;
 }
 
 #[tokio::test]
@@ -291,5 +291,5 @@ async fn parent_tokens_never_reach_the_child() {
         !cmdline.contains("ghu_worker_token"),
         "token on the command line: {cmdline}"
     );
-    worker.shutdown().await;
+    support::shutdown_and_check(&worker).await;
 }

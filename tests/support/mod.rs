@@ -135,6 +135,18 @@ pub fn final_text(events: &[SessionEvent]) -> String {
         .unwrap_or_default()
 }
 
+/// Shuts the worker down and checks that nothing of its process group is left.
+pub async fn shutdown_and_check(worker: &copilot_pool::worker::WorkerHandle) {
+    let exit = worker.shutdown().await;
+    assert!(exit.is_shutdown(), "{exit}");
+    let left = procs::wait_group_gone(worker.pid(), Duration::from_secs(5)).await;
+    assert!(
+        left.is_empty(),
+        "processes left in group {}: {left:?}",
+        worker.pid()
+    );
+}
+
 /// Position of the first event of `event_type`.
 pub fn position(events: &[SessionEvent], event_type: &str) -> Option<usize> {
     events.iter().position(|e| e.event_type() == event_type)
