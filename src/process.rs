@@ -2,8 +2,10 @@
 //! the whole group (TERM, grace, KILL) on every exit path, drops included.
 //!
 //! This module does not speak JSON-RPC and does not know what program it runs. Its
-//! invariant: once a [`ChildGroup`] exists, the group is killed when it is dropped unless the
-//! whole group is already gone, and the leader is reaped by a task that owns it.
+//! invariants: the group dies with its leader (when the leader exits, the rest of the group
+//! is killed before the leader is reaped, while the group id is still reserved by the zombie
+//! leader); a group is never signalled after its leader was reaped (its id could belong to a
+//! new group by then); dropping a [`ChildGroup`] kills the group; the leader is always reaped.
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
@@ -14,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, killpg};
+use nix::sys::wait::{Id, WaitPidFlag, waitid};
 use nix::unistd::Pid;
 use tokio::io::AsyncReadExt;
 use tokio::process::{ChildStdin, ChildStdout, Command};
@@ -211,8 +214,31 @@ impl ChildGroup {
             tail.done.send_replace(true);
         });
 
-        // The reaper owns the `Child`; it publishes the exit status once.
+        // A thread notices the leader's exit without reaping it (WNOWAIT): the zombie keeps
+        // the group id reserved while the rest of the group is killed. Then the reaper task,
+        // which owns the `Child`, reaps it and publishes the status once.
+        let (exited_tx, exited_rx) = tokio::sync::oneshot::channel::<()>();
+        let watch_pid = Pid::from_raw(pid as i32);
+        let watcher = std::thread::Builder::new()
+            .name("copilot-pool-exit-watch".to_owned())
+            .stack_size(64 * 1024)
+            .spawn(move || {
+                while let Err(nix::errno::Errno::EINTR) = waitid(
+                    Id::Pid(watch_pid),
+                    WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT,
+                ) {}
+                let _ = exited_tx.send(());
+            });
+        if let Err(error) = &watcher {
+            tracing::warn!(pid, %error, "No exit-watch thread; the group is swept only on terminate or drop.");
+        }
+        let watching = watcher.is_ok();
         tokio::spawn(async move {
+            if watching {
+                let _ = exited_rx.await;
+                // The leader is a zombie: the id cannot have been reused yet.
+                let _ = killpg(watch_pid, Signal::SIGKILL);
+            }
             let info = match child.wait().await {
                 Ok(status) => ExitInfo::from_status(status),
                 Err(_) => ExitInfo::Unknown,
@@ -254,21 +280,24 @@ impl ChildGroup {
         &self.stderr
     }
 
-    /// Sends `signal` to every process of the group. Errors (the group is gone) are ignored.
+    /// Sends `signal` to every process of the group, unless the leader has already been
+    /// reaped (the group was swept then, and its id may belong to someone else now).
+    /// Errors (the group is gone) are ignored.
     pub fn signal_group(&self, signal: Signal) {
+        if self.exit_info().is_some() {
+            return;
+        }
         if let Ok(pgid) = i32::try_from(self.pid) {
             let _ = killpg(Pid::from_raw(pgid), signal);
         }
     }
 
     /// Ends the group: SIGTERM to the group, up to `grace` for the leader to exit, then
-    /// SIGKILL to the group (always, to catch members that outlive the leader). Returns how
-    /// the leader ended.
+    /// SIGKILL to the group. Members that outlive the leader are killed when it exits.
+    /// Returns how the leader ended.
     pub async fn terminate(&self, grace: Duration) -> ExitInfo {
-        if self.exit_info().is_none() {
-            self.signal_group(Signal::SIGTERM);
-        }
-        let info = match tokio::time::timeout(grace, self.wait()).await {
+        self.signal_group(Signal::SIGTERM);
+        match tokio::time::timeout(grace, self.wait()).await {
             Ok(info) => info,
             Err(_) => {
                 tracing::debug!(
@@ -279,16 +308,13 @@ impl ChildGroup {
                 self.signal_group(Signal::SIGKILL);
                 self.wait().await
             }
-        };
-        self.signal_group(Signal::SIGKILL);
-        info
+        }
     }
 }
 
 impl Drop for ChildGroup {
     fn drop(&mut self) {
-        // Synchronous and cheap: whatever is left of the group dies now; the reaper task
-        // collects the leader. Harmless when the group is already gone.
+        // Synchronous and cheap: the group dies now; the reaper task collects the leader.
         self.signal_group(Signal::SIGKILL);
     }
 }
@@ -388,6 +414,15 @@ mod tests {
         assert!(left.is_empty(), "left behind: {left:?}");
         // The leader itself was reaped by us: not even a zombie remains.
         assert!(!std::path::Path::new(&format!("/proc/{pgid}")).exists());
+    }
+
+    #[tokio::test]
+    async fn the_group_dies_with_its_leader() {
+        let (child, _io) = ChildGroup::spawn(&sh("sleep 300 & exit 0")).unwrap();
+        let pgid = child.pid();
+        assert_eq!(child.wait().await, ExitInfo::Code(0));
+        let left = group_left_after(pgid, Duration::from_secs(5)).await;
+        assert!(left.is_empty(), "outlived the leader: {left:?}");
     }
 
     #[tokio::test]

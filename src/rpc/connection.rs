@@ -158,6 +158,7 @@ pub struct Responder {
     id: Option<RequestId>,
     method: String,
     out: mpsc::UnboundedSender<Outgoing>,
+    max_frame_bytes: usize,
 }
 
 impl fmt::Debug for Responder {
@@ -195,10 +196,28 @@ impl Responder {
     }
 
     fn send(&mut self, message: Value) {
-        if let Ok(bytes) = serde_json::to_vec(&message) {
-            // A closed writer means the peer is gone; there is nobody left to answer.
-            let _ = self.out.send(Outgoing::Frame(Bytes::from(bytes)));
+        let Ok(mut bytes) = serde_json::to_vec(&message) else {
+            return;
+        };
+        if bytes.len() > self.max_frame_bytes {
+            // The answer cannot be sent; the peer still gets one, so it never waits forever.
+            let error = ErrorObject::new(
+                INTERNAL_ERROR,
+                format!(
+                    "the answer to {} ({} bytes) exceeds the frame limit of {} bytes",
+                    self.method,
+                    bytes.len(),
+                    self.max_frame_bytes
+                ),
+            );
+            let id = message.get("id").cloned().unwrap_or(Value::Null);
+            match serde_json::to_vec(&json!({"jsonrpc": "2.0", "id": id, "error": error})) {
+                Ok(b) => bytes = b,
+                Err(_) => return,
+            }
         }
+        // A closed writer means the peer is gone; there is nobody left to answer.
+        let _ = self.out.send(Outgoing::Frame(Bytes::from(bytes)));
     }
 }
 
@@ -263,10 +282,22 @@ impl Shared {
 /// reader task, so it must be quick (typically: forward into a channel or an actor mailbox).
 pub type IncomingSink = Box<dyn Fn(Incoming) + Send + Sync + 'static>;
 
-/// A cloneable handle to one JSON-RPC connection.
+/// Closes our write half when the last [`Connection`] clone is dropped, so the writer task
+/// ends and the peer sees end of file.
+struct CloseOnDrop(mpsc::UnboundedSender<Outgoing>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.send(Outgoing::Close);
+    }
+}
+
+/// A cloneable handle to one JSON-RPC connection. Dropping the last clone closes the
+/// connection's output; the reader keeps routing until the peer closes its side.
 #[derive(Clone)]
 pub struct Connection {
     shared: Arc<Shared>,
+    _close_on_drop: Arc<CloseOnDrop>,
 }
 
 impl fmt::Debug for Connection {
@@ -295,9 +326,19 @@ impl Connection {
             options,
         });
         let sink: Arc<IncomingSink> = Arc::new(sink);
-        tokio::spawn(write_loop(writer, out_rx, shared.clone(), sink.clone()));
+        // The writer holds the shared state weakly: it must not keep its own channel open.
+        tokio::spawn(write_loop(
+            writer,
+            out_rx,
+            Arc::downgrade(&shared),
+            sink.clone(),
+        ));
         tokio::spawn(read_loop(reader, shared.clone(), sink));
-        Self { shared }
+        let close_on_drop = Arc::new(CloseOnDrop(shared.out.clone()));
+        Self {
+            shared,
+            _close_on_drop: close_on_drop,
+        }
     }
 
     /// Sends a typed request and waits for its typed result, with the method's default timeout.
@@ -344,6 +385,7 @@ impl Connection {
             method: method.to_owned(),
             detail: e.to_string(),
         })?;
+        self.check_size(method, frame.len())?;
         let (tx, rx) = oneshot::channel();
         match self.shared.pending.lock() {
             Ok(mut pending) => {
@@ -402,6 +444,7 @@ impl Connection {
                     method: method.to_owned(),
                     detail: e.to_string(),
                 })?;
+        self.check_size(method, frame.len())?;
         self.shared
             .out
             .send(Outgoing::Frame(Bytes::from(frame)))
@@ -425,6 +468,17 @@ impl Connection {
         self.shared.pending.lock().map(|p| p.len()).unwrap_or(0)
     }
 
+    fn check_size(&self, method: &str, len: usize) -> Result<(), RpcError> {
+        let max = self.shared.options.max_frame_bytes;
+        if len > max {
+            return Err(RpcError::Encode {
+                method: method.to_owned(),
+                detail: format!("message of {len} bytes exceeds the frame limit of {max} bytes"),
+            });
+        }
+        Ok(())
+    }
+
     fn forget(&self, id: u64) {
         if let Ok(mut pending) = self.shared.pending.lock() {
             pending.remove(&id);
@@ -442,12 +496,16 @@ fn report_close(shared: &Shared, sink: &IncomingSink, cause: CloseCause) {
 async fn write_loop<W>(
     writer: W,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
-    shared: Arc<Shared>,
+    shared: std::sync::Weak<Shared>,
     sink: Arc<IncomingSink>,
 ) where
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    let mut framed = FramedWrite::new(writer, FrameCodec::new(shared.options.max_frame_bytes));
+    let max = shared
+        .upgrade()
+        .map(|s| s.options.max_frame_bytes)
+        .unwrap_or(super::codec::DEFAULT_MAX_FRAME_BYTES);
+    let mut framed = FramedWrite::new(writer, FrameCodec::new(max));
     while let Some(item) = rx.recv().await {
         match item {
             Outgoing::Frame(bytes) => match framed.send(bytes).await {
@@ -461,7 +519,9 @@ async fn write_loop<W>(
                     );
                 }
                 Err(error) => {
-                    report_close(&shared, &sink, CloseCause::Io(error.to_string()));
+                    if let Some(shared) = shared.upgrade() {
+                        report_close(&shared, &sink, CloseCause::Io(error.to_string()));
+                    }
                     return;
                 }
             },
@@ -490,6 +550,8 @@ where
     };
     tracing::debug!(%cause, "JSON-RPC transport closed.");
     report_close(&shared, &sink, cause);
+    // Nothing more can be exchanged: let the writer finish and close our output.
+    let _ = shared.out.send(Outgoing::Close);
 }
 
 /// Routes one frame. An `Err` means the frame is not JSON-RPC and the stream is broken.
@@ -512,6 +574,7 @@ fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), St
                 id: Some(id),
                 method: method.clone(),
                 out: shared.out.clone(),
+                max_frame_bytes: shared.options.max_frame_bytes,
             };
             sink(Incoming::Request(IncomingRequest {
                 method,
@@ -787,6 +850,50 @@ mod tests {
             panic!()
         };
         assert!(detail.contains("exceeds the maximum"), "{detail}");
+    }
+
+    #[tokio::test]
+    async fn oversized_outgoing_messages_fail_at_once_and_answers_still_go_out() {
+        let (conn, mut peer, mut rx) = pair();
+        let big = "x".repeat(2048);
+        let err = conn
+            .request("big", json!({"blob": big}), None)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RpcError::Encode { .. }), "{err:?}");
+        assert_eq!(conn.pending_requests(), 0);
+        assert!(
+            conn.notify("big", json!({"blob": "x".repeat(2048)}))
+                .is_err()
+        );
+        // An oversized answer becomes an error answer: the peer is never left waiting.
+        write_frame(&mut peer, r#"{"jsonrpc":"2.0","id":3,"method":"q"}"#).await;
+        let Some(Incoming::Request(req)) = rx.recv().await else {
+            panic!()
+        };
+        req.responder.ok(json!({"blob": "y".repeat(2048)}));
+        let answer = read_frame(&mut peer).await;
+        assert_eq!(answer["id"], 3);
+        assert_eq!(answer["error"]["code"], INTERNAL_ERROR);
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("frame limit")
+        );
+    }
+
+    #[tokio::test]
+    async fn dropping_the_last_handle_closes_our_output() {
+        let (conn, mut peer, _rx) = pair();
+        let clone = conn.clone();
+        drop(conn);
+        clone.notify("still-open", Value::Null).unwrap();
+        drop(clone);
+        assert_eq!(read_frame(&mut peer).await["method"], "still-open");
+        let mut rest = Vec::new();
+        peer.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty());
     }
 
     #[tokio::test]
