@@ -223,8 +223,25 @@ async fn killing_the_actor_kills_the_group() {
         .await
         .expect("worker starts");
     let pid = worker.pid();
-    // Kill skips post_stop: only the guard in the state can clean up.
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model endpoint");
+    let mut session = worker
+        .create_session(session_config(&endpoint.base_url(), &scratch))
+        .await
+        .expect("session");
+    // Kill skips post_stop: only the guard in the state can clean up and report.
     worker.actor().kill();
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(10), session.next()).await {
+            Ok(Some(SessionUpdate::Ended(error))) => break error,
+            Ok(Some(_)) => continue,
+            other => panic!("no Ended after the kill: {other:?}"),
+        }
+    };
+    let WorkerError::Died(exit) = &ended else {
+        panic!("{ended}")
+    };
+    assert_eq!(exit.reason, ExitReason::Killed);
     let left = wait_group_gone(pid, Duration::from_secs(5)).await;
     assert!(left.is_empty(), "{left:?}");
 }

@@ -122,6 +122,18 @@ async fn a_client_tool_round_trip_and_answers_only_from_the_owning_session() {
         "{:?}",
         last.messages()
     );
+    // Answers cannot bypass the ledger through the raw call either.
+    let bypass = worker
+        .call::<copilot_pool::rpc::messages::HandlePendingToolCall>(
+            &copilot_pool::rpc::messages::ToolCallAnswer {
+                session_id: owner.id().to_owned(),
+                request_id: request.request_id.clone(),
+                result: Some(serde_json::json!("sneaky")),
+                error: None,
+            },
+        )
+        .await;
+    assert!(matches!(bypass, Err(WorkerError::Config(_))), "{bypass:?}");
     // A second answer to the same request is refused too.
     let again = owner
         .answer_tool_call(&request.request_id, ToolResult::Text("43".into()))
@@ -291,5 +303,58 @@ async fn parent_tokens_never_reach_the_child() {
         !cmdline.contains("ghu_worker_token"),
         "token on the command line: {cmdline}"
     );
+    support::shutdown_and_check(&worker).await;
+}
+
+#[tokio::test]
+async fn a_permission_prompt_is_answered_before_the_tool_runs() {
+    let scratch = Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model endpoint");
+    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+        .await
+        .expect("worker starts");
+    let mut tool = secret_tool();
+    tool.skip_permission = Some(false);
+    let mut session = worker
+        .create_session(SessionConfig {
+            tools: vec![tool],
+            request_permission: true,
+            ..session_config(&endpoint.base_url(), &scratch)
+        })
+        .await
+        .expect("session");
+    session
+        .send(r#"SCENARIO:tool NAME=get_secret_number ARGS={"key":"beta"}"#)
+        .await
+        .expect("send");
+    let permission = loop {
+        let event = next_event(&mut session).await.expect("event");
+        match event.kind {
+            EventKind::PermissionRequested(req) => break req,
+            EventKind::ExternalToolRequested(_) => panic!("tool ran before the permission"),
+            _ => {}
+        }
+    };
+    assert_eq!(permission.permission_request["kind"], "custom-tool");
+    session
+        .answer_permission(
+            &permission.request_id,
+            serde_json::json!({"kind": "approve-once"}),
+        )
+        .await
+        .expect("approve");
+    let request = loop {
+        let event = next_event(&mut session).await.expect("event");
+        if let EventKind::ExternalToolRequested(req) = event.kind {
+            break req;
+        }
+    };
+    session
+        .answer_tool_call(&request.request_id, ToolResult::Text("7".into()))
+        .await
+        .expect("answer");
+    let events = collect_turn(&mut session).await;
+    assert_eq!(final_text(&events), "tool said: 7");
     support::shutdown_and_check(&worker).await;
 }

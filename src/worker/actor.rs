@@ -1,33 +1,27 @@
-//! The worker actor: owns one CLI child (its process group and JSON-RPC connection), routes
-//! everything the child sends to the session it belongs to, keeps the ledger of pending tool
-//! and permission requests, pings the child, and fails all in-flight work at once when the
-//! child dies. It never decides which worker serves a conversation.
+//! The worker actor's lifecycle: spawn and handshake, health pings, the message loop, and
+//! the two ends — `die` (the child is gone: fail everything at once, kill the group, report
+//! the exit) and the orderly stop. Routing what the child sends lives in `routing.rs`.
+//! The actor never decides which worker serves a conversation.
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::process::{ChildGroup, ExitInfo};
-use crate::rpc::connection::{ErrorObject, INVALID_PARAMS};
-use crate::rpc::events::EventKind;
 use crate::rpc::messages::{
-    ClientInfo, Connect, ConnectParams, HookInvocation, HttpRequestChunk, HttpRequestStart,
-    LlmSetProvider, PROTOCOL_VERSION, Ping, PingParams, SessionDetach, SessionIdParams,
-    ToolCallAnswer, UserInputRequest,
+    ClientInfo, Connect, ConnectParams, LlmSetProvider, PROTOCOL_VERSION, Ping, PingParams,
+    SessionDetach, SessionIdParams,
 };
-use crate::rpc::{
-    CloseCause, Connection, ConnectionOptions, Incoming, IncomingRequest, RpcError, SessionEvent,
-};
+use crate::rpc::{CloseCause, Connection, ConnectionOptions, Incoming, RpcError};
 
 use super::config::WorkerConfig;
 use super::error::{ExitReason, WorkerError, WorkerExit};
 use super::handle::{PendingKind, WorkerInfo};
-use super::session::{ServerRequest, SessionUpdate};
+use super::session::SessionUpdate;
 use super::tunnel::TunnelRequests;
 
 /// After stdout closes, how long to wait for the child's exit status before reporting the
@@ -72,21 +66,27 @@ pub(crate) enum WorkerMsg {
         request_id: String,
         reply: RpcReplyPort<Result<(), WorkerError>>,
     },
+    /// An answer taken with `TakePending` could not be delivered: it is pending again.
+    RestorePending {
+        kind: PendingKind,
+        session_id: String,
+        request_id: String,
+    },
     /// A tunnelled model response finished.
     TunnelDone(String),
 }
 
 /// Everything the worker owns.
 pub(crate) struct WorkerState {
-    config: WorkerConfig,
+    pub(super) config: WorkerConfig,
     /// The child; dropping it kills the group.
-    child: ChildGroup,
-    conn: Connection,
+    pub(super) child: ChildGroup,
+    pub(super) conn: Connection,
     /// Session id → its update stream.
-    routes: HashMap<String, mpsc::UnboundedSender<SessionUpdate>>,
+    pub(super) routes: HashMap<String, mpsc::UnboundedSender<SessionUpdate>>,
     /// (kind, session id, request id) of tool calls and permission prompts awaiting an answer.
-    pending: HashSet<(PendingKind, String, String)>,
-    tunnel: TunnelRequests,
+    pub(super) pending: HashSet<(PendingKind, String, String)>,
+    pub(super) tunnel: TunnelRequests,
     ping_in_flight: bool,
     exit: watch::Sender<Option<WorkerExit>>,
     health_timer: Option<JoinHandle<()>>,
@@ -102,7 +102,17 @@ impl Drop for WorkerState {
             t.abort();
         }
         self.tunnel.abort_all();
-        // `child` drops after this and kills whatever is left of the group.
+        if self.exit.borrow().is_none() {
+            // Killed or panicked: ractor skipped `post_stop`, so report here.
+            let exit = WorkerExit {
+                reason: ExitReason::Killed,
+                pid: self.child.pid(),
+                stderr_tail: self.child.stderr().text(),
+            };
+            self.exit.send_replace(Some(exit.clone()));
+            self.fail_routes(WorkerError::Died(exit));
+        }
+        // `child` drops after this and kills the group.
     }
 }
 
@@ -303,6 +313,15 @@ impl Actor for Worker {
                 };
                 let _ = reply.send(result);
             }
+            WorkerMsg::RestorePending {
+                kind,
+                session_id,
+                request_id,
+            } => {
+                if state.routes.contains_key(&session_id) {
+                    state.pending.insert((kind, session_id, request_id));
+                }
+            }
             WorkerMsg::TunnelDone(request_id) => state.tunnel.done(&request_id),
         }
         Ok(())
@@ -317,6 +336,12 @@ impl Actor for Worker {
         if state.exit.borrow().is_some() {
             return Ok(());
         }
+        // Published first, so requests that fail from here on report a stop, not a crash.
+        state.exit.send_replace(Some(WorkerExit {
+            reason: ExitReason::Shutdown,
+            pid: state.child.pid(),
+            stderr_tail: String::new(),
+        }));
         let sessions: Vec<String> = state.routes.keys().cloned().collect();
         let detaches = sessions.into_iter().map(|session_id| {
             let conn = state.conn.clone();
@@ -330,22 +355,10 @@ impl Actor for Worker {
         futures_util::future::join_all(detaches).await;
         state.fail_routes(WorkerError::Stopped);
         state.tunnel.abort_all();
-        // Closing stdin makes the runtime exit on its own; then TERM, grace, KILL.
+        // End of input and SIGTERM together, one grace period, then SIGKILL to the group.
         state.conn.close(CloseCause::Local);
-        let grace = state.config.kill_grace;
-        let status = match tokio::time::timeout(grace, state.child.wait()).await {
-            Ok(status) => {
-                state.child.signal_group(nix::sys::signal::Signal::SIGKILL);
-                status
-            }
-            Err(_) => state.child.terminate(grace).await,
-        };
+        let status = state.child.terminate(state.config.kill_grace).await;
         tracing::debug!(pid = state.child.pid(), %status, "Copilot worker stopped.");
-        state.exit.send_replace(Some(WorkerExit {
-            reason: ExitReason::Shutdown,
-            pid: state.child.pid(),
-            stderr_tail: state.child.stderr().text(),
-        }));
         Ok(())
     }
 }
@@ -393,161 +406,6 @@ async fn handshake(conn: &Connection, config: &WorkerConfig) -> Result<WorkerInf
 }
 
 impl WorkerState {
-    fn on_notification(&mut self, method: &str, params: Value) {
-        if method != "session.event" {
-            // session.lifecycle, host.event and anything newer: not ours to act on.
-            tracing::trace!(method, "Ignored notification.");
-            return;
-        }
-        let session_id = params
-            .get("sessionId")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned();
-        let event = SessionEvent::from_value(params.get("event").cloned().unwrap_or(Value::Null));
-        match &event.kind {
-            EventKind::ExternalToolRequested(req) => {
-                self.pending.insert((
-                    PendingKind::ToolCall,
-                    session_id.clone(),
-                    req.request_id.clone(),
-                ));
-            }
-            EventKind::ExternalToolCompleted(done) => {
-                self.pending.remove(&(
-                    PendingKind::ToolCall,
-                    session_id.clone(),
-                    done.request_id.clone(),
-                ));
-            }
-            EventKind::PermissionRequested(req) if req.resolved_by_hook != Some(true) => {
-                self.pending.insert((
-                    PendingKind::Permission,
-                    session_id.clone(),
-                    req.request_id.clone(),
-                ));
-            }
-            EventKind::PermissionCompleted(done) => {
-                self.pending.remove(&(
-                    PendingKind::Permission,
-                    session_id.clone(),
-                    done.request_id.clone(),
-                ));
-            }
-            _ => {}
-        }
-        let unrouted_tool_call = match &event.kind {
-            EventKind::ExternalToolRequested(req) => Some(req.request_id.clone()),
-            _ => None,
-        };
-        let delivered = self
-            .routes
-            .get(&session_id)
-            .is_some_and(|route| route.send(SessionUpdate::Event(event)).is_ok());
-        if !delivered {
-            self.routes.remove(&session_id);
-            // A tool call nobody will answer would block the session forever: refuse it.
-            if let Some(request_id) = unrouted_tool_call {
-                self.pending.remove(&(
-                    PendingKind::ToolCall,
-                    session_id.clone(),
-                    request_id.clone(),
-                ));
-                let conn = self.conn.clone();
-                tokio::spawn(async move {
-                    let answer = ToolCallAnswer {
-                        session_id,
-                        request_id,
-                        result: None,
-                        error: Some("no client is attached to this session".to_owned()),
-                    };
-                    let _ = conn
-                        .call::<crate::rpc::messages::HandlePendingToolCall>(&answer)
-                        .await;
-                });
-            }
-        }
-    }
-
-    fn on_request(&mut self, request: IncomingRequest, myself: &ActorRef<WorkerMsg>) {
-        let IncomingRequest {
-            method,
-            params,
-            responder,
-        } = request;
-        match method.as_str() {
-            "userInput.request" => match serde_json::from_value::<UserInputRequest>(params) {
-                Ok(p) => {
-                    let session_id = p.session_id.clone();
-                    let request = ServerRequest::new(p, responder, None);
-                    self.route(&session_id, SessionUpdate::UserInput(request));
-                }
-                Err(e) => responder.err(invalid_params(&method, e)),
-            },
-            "hooks.invoke" => match serde_json::from_value::<HookInvocation>(params) {
-                Ok(p) => {
-                    let session_id = p.session_id.clone();
-                    // Unanswered hooks get the SDK's default: no output.
-                    let request = ServerRequest::new(p, responder, Some(json!({})));
-                    self.route(&session_id, SessionUpdate::Hook(request));
-                }
-                Err(e) => responder.err(invalid_params(&method, e)),
-            },
-            "llmInference.httpRequestStart" if self.config.model_tunnel.is_some() => {
-                match serde_json::from_value::<HttpRequestStart>(params) {
-                    Ok(head) => {
-                        self.tunnel.start(head);
-                        responder.ok(json!({}));
-                    }
-                    Err(e) => responder.err(invalid_params(&method, e)),
-                }
-            }
-            "llmInference.httpRequestChunk" => {
-                let Some(tunnel) = self.config.model_tunnel.clone() else {
-                    return responder.method_not_found();
-                };
-                match serde_json::from_value::<HttpRequestChunk>(params) {
-                    Ok(chunk) => {
-                        let target = myself.clone();
-                        let known = self.tunnel.chunk(chunk, &self.conn, &tunnel, move |id| {
-                            let _ = target.cast(WorkerMsg::TunnelDone(id));
-                        });
-                        if known {
-                            responder.ok(json!({}));
-                        } else {
-                            responder.err(ErrorObject::new(
-                                INVALID_PARAMS,
-                                "unknown llmInference requestId",
-                            ));
-                        }
-                    }
-                    Err(e) => responder.err(invalid_params(&method, e)),
-                }
-            }
-            _ => {
-                tracing::debug!(%method, "Unknown request from the runtime; answered method-not-found.");
-                responder.method_not_found();
-            }
-        }
-    }
-
-    /// Delivers a server request to its session; with no session attached, the update is
-    /// dropped and its request answered by the drop (error, or the default).
-    fn route(&mut self, session_id: &str, update: SessionUpdate) {
-        if let Some(route) = self.routes.get(session_id)
-            && route.send(update).is_err()
-        {
-            self.routes.remove(session_id);
-        }
-    }
-
-    fn fail_routes(&mut self, error: WorkerError) {
-        for (_, route) in self.routes.drain() {
-            let _ = route.send(SessionUpdate::Ended(error.clone()));
-        }
-        self.pending.clear();
-    }
-
     /// The child is gone or unusable: tell everyone at once, then make sure the group is dead.
     async fn die(&mut self, reason: ExitReason) -> ActorProcessingErr {
         if self.child.exit_info().is_some() {
@@ -567,11 +425,4 @@ impl WorkerState {
         self.child.terminate(self.config.kill_grace).await;
         Box::new(exit)
     }
-}
-
-fn invalid_params(method: &str, error: serde_json::Error) -> ErrorObject {
-    ErrorObject::new(
-        INVALID_PARAMS,
-        format!("invalid params for {method}: {error}"),
-    )
 }

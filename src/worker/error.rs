@@ -20,6 +20,8 @@ pub enum ExitReason {
     ProtocolViolation(String),
     /// The child did not answer a health ping in time and was killed.
     Hung(Duration),
+    /// The worker actor was killed or panicked; its child was killed with it.
+    Killed,
     /// The worker was asked to stop.
     Shutdown,
 }
@@ -39,6 +41,7 @@ impl fmt::Display for ExitReason {
                     "the runtime did not answer a health ping within {after:?}"
                 )
             }
+            ExitReason::Killed => f.write_str("the worker actor was killed or panicked"),
             ExitReason::Shutdown => f.write_str("the worker was shut down"),
         }
     }

@@ -14,7 +14,8 @@ use tokio::sync::{oneshot, watch};
 use uuid::Uuid;
 
 use crate::rpc::messages::{
-    Method, Ping, PingParams, SessionConfig, SessionCreate, SessionOpened, SessionResume,
+    HandlePendingPermission, HandlePendingToolCall, Method, Ping, PingParams, SessionConfig,
+    SessionCreate, SessionOpened, SessionResume,
 };
 use crate::rpc::{Connection, RpcError};
 
@@ -144,6 +145,11 @@ impl WorkerHandle {
         &self.info
     }
 
+    /// The default timeout of requests to the runtime.
+    pub fn request_timeout(&self) -> Duration {
+        self.request_timeout
+    }
+
     /// Requests to the runtime still waiting for an answer.
     pub fn pending_requests(&self) -> usize {
         self.conn.pending_requests()
@@ -159,15 +165,16 @@ impl WorkerHandle {
         self.exit.borrow().clone()
     }
 
-    /// Waits until the worker has ended and returns why.
+    /// Waits until the worker has stopped serving (crashed, killed, or begun an orderly
+    /// stop) and returns why. [`WorkerHandle::shutdown`] additionally waits for the process.
     pub async fn ended(&self) -> WorkerExit {
         let mut rx = self.exit.clone();
         let ended = rx.wait_for(|e| e.is_some()).await.map(|e| e.clone());
         match ended {
             Ok(Some(exit)) => exit,
-            // The sender is gone without a report: the actor was killed.
+            // The sender is gone without a report (cannot happen: the state reports on drop).
             _ => WorkerExit {
-                reason: super::error::ExitReason::Shutdown,
+                reason: super::error::ExitReason::Killed,
                 pid: self.info.pid,
                 stderr_tail: String::new(),
             },
@@ -180,8 +187,26 @@ impl WorkerHandle {
             .await
     }
 
-    /// Sends a typed request with an explicit timeout.
+    /// Sends a typed request with an explicit timeout. Answers to pending tool calls and
+    /// permission prompts are refused here: they go through [`Session::answer_tool_call`] and
+    /// [`Session::answer_permission`], which check that the request belongs to the session.
     pub async fn call_with_timeout<M: Method>(
+        &self,
+        params: &M::Params,
+        timeout: Duration,
+    ) -> Result<M::Result, WorkerError> {
+        if M::NAME == HandlePendingToolCall::NAME || M::NAME == HandlePendingPermission::NAME {
+            return Err(WorkerError::Config(format!(
+                "{} must go through Session::answer_tool_call or Session::answer_permission, \
+                 which check that the request belongs to that session",
+                M::NAME
+            )));
+        }
+        self.call_unchecked::<M>(params, timeout).await
+    }
+
+    /// Sends any typed request (no ledger check).
+    pub(crate) async fn call_unchecked<M: Method>(
         &self,
         params: &M::Params,
         timeout: Duration,
@@ -233,7 +258,9 @@ impl WorkerHandle {
         match self.call::<M>(&config).await {
             Ok(opened) => Ok((Session::new(id, self.clone(), updates), opened)),
             Err(err) => {
-                self.close_route(&id, false);
+                // The runtime may have opened the session anyway (e.g. after a timeout):
+                // detach it so it is not left attached with nobody listening.
+                self.close_route(&id, true);
                 Err(err)
             }
         }
@@ -253,6 +280,16 @@ impl WorkerHandle {
             reply,
         })
         .await?
+    }
+
+    /// Puts back a pending request whose answer could not be delivered, so it can be
+    /// answered again.
+    pub(crate) fn restore_pending(&self, kind: PendingKind, session_id: &str, request_id: &str) {
+        let _ = self.actor.cast(WorkerMsg::RestorePending {
+            kind,
+            session_id: session_id.to_owned(),
+            request_id: request_id.to_owned(),
+        });
     }
 
     /// Stops routing a session's updates; with `detach`, also detaches it in the runtime.

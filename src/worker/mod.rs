@@ -14,6 +14,7 @@ mod actor;
 mod config;
 mod error;
 mod handle;
+mod routing;
 mod session;
 mod tunnel;
 

@@ -196,10 +196,24 @@ impl Session {
             result,
             error,
         };
-        self.worker
-            .call::<HandlePendingToolCall>(&params)
-            .await
-            .map(|_| ())
+        let sent = self
+            .worker
+            .call_unchecked::<HandlePendingToolCall>(&params, self.worker.request_timeout())
+            .await;
+        self.restore_if_undelivered(PendingKind::ToolCall, request_id, &sent);
+        sent.map(|_| ())
+    }
+
+    /// After a failed answer the runtime is still waiting: keep the request answerable.
+    fn restore_if_undelivered<T>(
+        &self,
+        kind: PendingKind,
+        request_id: &str,
+        sent: &Result<T, WorkerError>,
+    ) {
+        if let Err(WorkerError::Rpc(_)) = sent {
+            self.worker.restore_pending(kind, &self.id, request_id);
+        }
     }
 
     /// Answers a permission prompt of this session (`permission.requested`), e.g. with
@@ -217,7 +231,12 @@ impl Session {
             request_id: request_id.to_owned(),
             result: decision,
         };
-        let answer = self.worker.call::<HandlePendingPermission>(&params).await?;
+        let sent = self
+            .worker
+            .call_unchecked::<HandlePendingPermission>(&params, self.worker.request_timeout())
+            .await;
+        self.restore_if_undelivered(PendingKind::Permission, request_id, &sent);
+        let answer = sent?;
         if !answer.success {
             return Err(WorkerError::NoSuchPendingRequest {
                 kind: PendingKind::Permission.as_str(),

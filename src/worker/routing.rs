@@ -1,0 +1,204 @@
+//! Routing what the child sends: `session.event` notifications to the session they name
+//! (recording pending tool calls and permission prompts in the ledger on the way), server
+//! requests (`userInput.request`, `hooks.invoke`, `llmInference.*`) to their handlers, and
+//! a refusal for anything nobody can answer, so the runtime never waits forever.
+
+use ractor::ActorRef;
+use serde_json::{Value, json};
+
+use crate::rpc::connection::{ErrorObject, INVALID_PARAMS};
+use crate::rpc::events::EventKind;
+use crate::rpc::messages::{
+    HandlePendingPermission, HandlePendingToolCall, HookInvocation, HttpRequestChunk,
+    HttpRequestStart, PermissionAnswer, ToolCallAnswer, UserInputRequest,
+};
+use crate::rpc::{IncomingRequest, SessionEvent};
+
+use super::actor::{WorkerMsg, WorkerState};
+use super::error::WorkerError;
+use super::handle::PendingKind;
+use super::session::{ServerRequest, SessionUpdate};
+
+impl WorkerState {
+    pub(super) fn on_notification(&mut self, method: &str, params: Value) {
+        if method != "session.event" {
+            // session.lifecycle, host.event and anything newer: not ours to act on.
+            tracing::trace!(method, "Ignored notification.");
+            return;
+        }
+        let session_id = params
+            .get("sessionId")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        let event = SessionEvent::from_value(params.get("event").cloned().unwrap_or(Value::Null));
+        match &event.kind {
+            EventKind::ExternalToolRequested(req) => {
+                self.pending.insert((
+                    PendingKind::ToolCall,
+                    session_id.clone(),
+                    req.request_id.clone(),
+                ));
+            }
+            EventKind::ExternalToolCompleted(done) => {
+                self.pending.remove(&(
+                    PendingKind::ToolCall,
+                    session_id.clone(),
+                    done.request_id.clone(),
+                ));
+            }
+            EventKind::PermissionRequested(req) if req.resolved_by_hook != Some(true) => {
+                self.pending.insert((
+                    PendingKind::Permission,
+                    session_id.clone(),
+                    req.request_id.clone(),
+                ));
+            }
+            EventKind::PermissionCompleted(done) => {
+                self.pending.remove(&(
+                    PendingKind::Permission,
+                    session_id.clone(),
+                    done.request_id.clone(),
+                ));
+            }
+            _ => {}
+        }
+        let unrouted = match &event.kind {
+            EventKind::ExternalToolRequested(req) => {
+                Some((PendingKind::ToolCall, req.request_id.clone()))
+            }
+            EventKind::PermissionRequested(req) if req.resolved_by_hook != Some(true) => {
+                Some((PendingKind::Permission, req.request_id.clone()))
+            }
+            _ => None,
+        };
+        let delivered = self
+            .routes
+            .get(&session_id)
+            .is_some_and(|route| route.send(SessionUpdate::Event(event)).is_ok());
+        if !delivered {
+            self.routes.remove(&session_id);
+            // A request nobody will answer would block the session forever: refuse it.
+            if let Some((kind, request_id)) = unrouted {
+                self.pending
+                    .remove(&(kind, session_id.clone(), request_id.clone()));
+                self.refuse_unrouted(kind, session_id, request_id);
+            }
+        }
+    }
+
+    /// Answers a tool call or permission prompt of a session nobody holds.
+    fn refuse_unrouted(&self, kind: PendingKind, session_id: String, request_id: String) {
+        let conn = self.conn.clone();
+        tokio::spawn(async move {
+            let result = match kind {
+                PendingKind::ToolCall => conn
+                    .call::<HandlePendingToolCall>(&ToolCallAnswer {
+                        session_id,
+                        request_id,
+                        result: None,
+                        error: Some("no client is attached to this session".to_owned()),
+                    })
+                    .await
+                    .map(|_| ()),
+                PendingKind::Permission => conn
+                    .call::<HandlePendingPermission>(&PermissionAnswer {
+                        session_id,
+                        request_id,
+                        result: json!({"kind": "user-not-available"}),
+                    })
+                    .await
+                    .map(|_| ()),
+            };
+            if let Err(error) = result {
+                tracing::debug!(%error, "Could not refuse a request of an unattached session.");
+            }
+        });
+    }
+
+    pub(super) fn on_request(&mut self, request: IncomingRequest, myself: &ActorRef<WorkerMsg>) {
+        let IncomingRequest {
+            method,
+            params,
+            responder,
+        } = request;
+        match method.as_str() {
+            "userInput.request" => match serde_json::from_value::<UserInputRequest>(params) {
+                Ok(p) => {
+                    let session_id = p.session_id.clone();
+                    let request = ServerRequest::new(p, responder, None);
+                    self.route(&session_id, SessionUpdate::UserInput(request));
+                }
+                Err(e) => responder.err(invalid_params(&method, e)),
+            },
+            "hooks.invoke" => match serde_json::from_value::<HookInvocation>(params) {
+                Ok(p) => {
+                    let session_id = p.session_id.clone();
+                    // Unanswered hooks get the SDK's default: no output.
+                    let request = ServerRequest::new(p, responder, Some(json!({})));
+                    self.route(&session_id, SessionUpdate::Hook(request));
+                }
+                Err(e) => responder.err(invalid_params(&method, e)),
+            },
+            "llmInference.httpRequestStart" if self.config.model_tunnel.is_some() => {
+                match serde_json::from_value::<HttpRequestStart>(params) {
+                    Ok(head) => {
+                        self.tunnel.start(head);
+                        responder.ok(json!({}));
+                    }
+                    Err(e) => responder.err(invalid_params(&method, e)),
+                }
+            }
+            "llmInference.httpRequestChunk" => {
+                let Some(tunnel) = self.config.model_tunnel.clone() else {
+                    return responder.method_not_found();
+                };
+                match serde_json::from_value::<HttpRequestChunk>(params) {
+                    Ok(chunk) => {
+                        let target = myself.clone();
+                        let known = self.tunnel.chunk(chunk, &self.conn, &tunnel, move |id| {
+                            let _ = target.cast(WorkerMsg::TunnelDone(id));
+                        });
+                        if known {
+                            responder.ok(json!({}));
+                        } else {
+                            responder.err(ErrorObject::new(
+                                INVALID_PARAMS,
+                                "unknown llmInference requestId",
+                            ));
+                        }
+                    }
+                    Err(e) => responder.err(invalid_params(&method, e)),
+                }
+            }
+            _ => {
+                tracing::debug!(%method, "Unknown request from the runtime; answered method-not-found.");
+                responder.method_not_found();
+            }
+        }
+    }
+
+    /// Delivers a server request to its session; with no session attached, the update is
+    /// dropped and its request answered by the drop (error, or the default).
+    pub(super) fn route(&mut self, session_id: &str, update: SessionUpdate) {
+        if let Some(route) = self.routes.get(session_id)
+            && route.send(update).is_err()
+        {
+            self.routes.remove(session_id);
+        }
+    }
+
+    pub(super) fn fail_routes(&mut self, error: WorkerError) {
+        for (_, route) in self.routes.drain() {
+            let _ = route.send(SessionUpdate::Ended(error.clone()));
+        }
+        self.pending.clear();
+    }
+}
+
+fn invalid_params(method: &str, error: serde_json::Error) -> ErrorObject {
+    ErrorObject::new(
+        INVALID_PARAMS,
+        format!("invalid params for {method}: {error}"),
+    )
+}
