@@ -66,9 +66,74 @@ impl<'de> Deserialize<'de> for Secret {
     }
 }
 
+/// Whether an HTTP header may carry a credential (its value must not be printed).
+pub fn is_sensitive_header(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    matches!(
+        name.as_str(),
+        "authorization" | "proxy-authorization" | "cookie" | "set-cookie"
+    ) || ["key", "token", "secret", "auth", "password", "signature"]
+        .iter()
+        .any(|word| name.contains(word))
+}
+
+/// Formats headers for `Debug` with credential values replaced by `[redacted]`. Works for
+/// `Vec<(String, String)>` and maps of name to value(s).
+pub struct RedactedHeaders<'a, I: ?Sized>(pub &'a I);
+
+impl<'a, I, T> fmt::Debug for RedactedHeaders<'a, I>
+where
+    I: ?Sized,
+    &'a I: IntoIterator<Item = T>,
+    T: HeaderPair,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut list = f.debug_list();
+        for pair in self.0 {
+            let (name, value) = pair.parts();
+            if is_sensitive_header(name) {
+                list.entry(&(name, "[redacted]"));
+            } else {
+                list.entry(&(name, value));
+            }
+        }
+        list.finish()
+    }
+}
+
+/// A header entry seen through [`RedactedHeaders`].
+pub trait HeaderPair {
+    /// The name and a printable value.
+    fn parts(&self) -> (&str, &dyn fmt::Debug);
+}
+
+impl HeaderPair for &(String, String) {
+    fn parts(&self) -> (&str, &dyn fmt::Debug) {
+        (&self.0, &self.1)
+    }
+}
+
+impl<V: fmt::Debug> HeaderPair for (&String, &V) {
+    fn parts(&self) -> (&str, &dyn fmt::Debug) {
+        (self.0, self.1)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sensitive_headers_are_redacted() {
+        let headers = vec![
+            ("Authorization".to_owned(), "Bearer sk-live".to_owned()),
+            ("x-api-key".to_owned(), "k1".to_owned()),
+            ("content-type".to_owned(), "application/json".to_owned()),
+        ];
+        let text = format!("{:?}", RedactedHeaders(&headers));
+        assert!(!text.contains("sk-live") && !text.contains("k1"), "{text}");
+        assert!(text.contains("application/json"), "{text}");
+    }
 
     #[test]
     fn debug_and_display_redact() {

@@ -11,8 +11,9 @@ use std::pin::Pin;
 
 use tokio::sync::mpsc;
 
-/// One model HTTP request, reassembled from its start frame and body chunks.
-#[derive(Debug, Clone)]
+/// One model HTTP request, reassembled from its start frame and body chunks. Its `Debug`
+/// redacts credential headers (the runtime sends the provider key as `Authorization`).
+#[derive(Clone)]
 pub struct ModelRequest {
     /// The runtime's id for this request (unique per connection).
     pub request_id: String,
@@ -26,6 +27,19 @@ pub struct ModelRequest {
     pub headers: Vec<(String, String)>,
     /// The request body (UTF-8 JSON for the OpenAI wire APIs).
     pub body: Vec<u8>,
+}
+
+impl std::fmt::Debug for ModelRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelRequest")
+            .field("request_id", &self.request_id)
+            .field("session_id", &self.session_id)
+            .field("method", &self.method)
+            .field("url", &self.url)
+            .field("headers", &crate::secret::RedactedHeaders(&self.headers))
+            .field("body_bytes", &self.body.len())
+            .finish()
+    }
 }
 
 impl ModelRequest {

@@ -240,8 +240,9 @@ method!(
 );
 
 /// The BYOK provider of a session (`provider` in `session.create`/`session.resume`). The
-/// runtime does not persist it: it must be sent again on every resume.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// runtime does not persist it: it must be sent again on every resume. `Debug` shows no
+/// secret: keys are `Secret`s and custom header values are redacted.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ProviderConfig {
     /// `openai` (default), `azure` or `anthropic`.
@@ -261,6 +262,22 @@ pub struct ProviderConfig {
     /// Extra headers sent with every model request.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub headers: Option<BTreeMap<String, String>>,
+}
+
+impl std::fmt::Debug for ProviderConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProviderConfig")
+            .field("kind", &self.kind)
+            .field("wire_api", &self.wire_api)
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key)
+            .field("bearer_token", &self.bearer_token)
+            .field(
+                "headers",
+                &self.headers.as_ref().map(|h| h.keys().collect::<Vec<_>>()),
+            )
+            .finish()
+    }
 }
 
 impl ProviderConfig {
@@ -554,8 +571,8 @@ pub struct HookInvocation {
     pub input: Value,
 }
 
-/// Params of `llmInference.httpRequestStart`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// Params of `llmInference.httpRequestStart`. `Debug` redacts credential headers.
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct HttpRequestStart {
     /// Correlates the chunks and the response.
@@ -570,6 +587,18 @@ pub struct HttpRequestStart {
     /// The calling session.
     #[serde(default)]
     pub session_id: Option<String>,
+}
+
+impl std::fmt::Debug for HttpRequestStart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpRequestStart")
+            .field("request_id", &self.request_id)
+            .field("method", &self.method)
+            .field("url", &self.url)
+            .field("headers", &crate::secret::RedactedHeaders(&self.headers))
+            .field("session_id", &self.session_id)
+            .finish()
+    }
 }
 
 /// Params of `llmInference.httpRequestChunk`.
@@ -664,5 +693,18 @@ mod tests {
         assert_eq!(wire["requestPermission"], false);
         assert!(wire.get("gitHubToken").is_none());
         assert!(!format!("{config:?}").contains("key-1"));
+        let mut provider = ProviderConfig::openai("http://h/v1", None);
+        provider.headers = Some([("X-Tenant-Token".to_owned(), "tt-secret".to_owned())].into());
+        assert!(!format!("{provider:?}").contains("tt-secret"));
+        let start: HttpRequestStart = serde_json::from_value(serde_json::json!({
+            "requestId": "r", "method": "POST", "url": "http://h/v1/chat/completions",
+            "headers": {"authorization": ["Bearer sk-secret"], "accept": ["*/*"]}
+        }))
+        .unwrap();
+        let text = format!("{start:?}");
+        assert!(
+            !text.contains("sk-secret") && text.contains("*/*"),
+            "{text}"
+        );
     }
 }
