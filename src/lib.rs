@@ -11,7 +11,8 @@
 //! * [`process`] — a child in its own process group: stderr tail, reaping, TERM→grace→KILL.
 //! * [`runtime`] — the pinned runtime: install with npm, locate at run time.
 //! * [`tunnel`] — serving the runtime's model HTTP requests over the pipe.
-//! * [`scripted_model`] — the OpenAI-compatible model we own, for tests and the demo.
+//! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
+//!   (feature `scripted-model`, on by default through `cli`).
 //! * [`secret`] — a redacting wrapper for tokens and keys.
 //!
 //! The library installs nothing global: no tracing subscriber, metrics recorder, signal
@@ -20,6 +21,7 @@
 pub mod process;
 pub mod rpc;
 pub mod runtime;
+#[cfg(feature = "scripted-model")]
 pub mod scripted_model;
 pub mod secret;
 pub mod tunnel;

@@ -2,6 +2,8 @@
 
 mod support;
 
+use support::procs;
+
 use std::process::{Command, Output};
 
 fn bin() -> Command {
@@ -24,9 +26,11 @@ async fn output(mut cmd: Command) -> Output {
 async fn run_prints_a_reply_from_the_embedded_model() {
     let runtime = support::runtime::runtime_path().await;
     for extra in [&[][..], &["--tunnel"][..]] {
+        let home = tempfile::tempdir().expect("home");
         let mut cmd = bin();
         cmd.env("COPILOT_CLI_PATH", &runtime)
-            .args(["run", "--prompt", "hi"])
+            .args(["run", "--prompt", "hi", "--home"])
+            .arg(home.path())
             .args(extra);
         let out = output(cmd).await;
         let stdout = text(&out.stdout);
@@ -36,7 +40,58 @@ async fn run_prints_a_reply_from_the_embedded_model() {
             text(&out.stderr)
         );
         assert_eq!(stdout.trim(), "scripted reply #1: hi", "{extra:?}");
+        // The runtime it started is gone with it.
+        let home = home.path().display().to_string();
+        assert!(procs::with_env("COPILOT_HOME", &home).is_empty());
     }
+}
+
+#[tokio::test]
+async fn run_stops_cleanly_on_sigterm_mid_turn() {
+    use std::io::Read;
+    let runtime = support::runtime::runtime_path().await;
+    let home = tempfile::tempdir().expect("home");
+    let mut child = bin()
+        .env("COPILOT_CLI_PATH", &runtime)
+        .args(["run", "--prompt", "SCENARIO:slow SLOW=300x100 go", "--home"])
+        .arg(home.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn run");
+    let mut stdout = child.stdout.take().expect("stdout");
+    // The reply is streaming once the first chunk is printed.
+    let first = tokio::task::spawn_blocking(move || {
+        let mut buf = [0u8; 10];
+        let n = stdout.read(&mut buf).expect("read");
+        (String::from_utf8_lossy(&buf[..n]).into_owned(), stdout)
+    })
+    .await
+    .expect("join");
+    assert!(first.0.starts_with("slow-chunk"), "{:?}", first.0);
+    let home_text = home.path().display().to_string();
+    assert_eq!(procs::with_env("COPILOT_HOME", &home_text).len(), 1);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .expect("join")
+        .expect("wait");
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("interrupted by SIGTERM"),
+        "{}",
+        text(&out.stderr)
+    );
+    let left = procs::wait_none(
+        || procs::with_env("COPILOT_HOME", &home_text),
+        std::time::Duration::from_secs(5),
+    )
+    .await;
+    assert!(left.is_empty(), "runtime left behind: {left:?}");
 }
 
 #[tokio::test]

@@ -294,6 +294,7 @@ fn fake_peer(scratch: &Scratch, connect_body: &str, fault: &str) -> PathBuf {
     let path = scratch.path().join("fake-peer.sh");
     let script = format!(
         "#!/bin/sh\n\
+         echo $$ > \"$(dirname \"$0\")/fake.pid\"\n\
          sleep 300 &\n\
          printf \"{connect}\"\n\
          n=0\n\
@@ -309,6 +310,23 @@ fn fake_peer(scratch: &Scratch, connect_body: &str, fault: &str) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     path
+}
+
+/// No process of the fake peer (its script path is in the command line) is left.
+async fn assert_fake_gone(scratch: &Scratch) {
+    let needle = scratch.path().display().to_string();
+    let left = support::procs::wait_none(
+        || support::procs::with_cmdline_containing(&needle),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(left.is_empty(), "fake peer left behind: {left:?}");
+    // Its whole process group (the `sleep` grandchild included) is gone too.
+    if let Ok(pid) = std::fs::read_to_string(scratch.path().join("fake.pid")) {
+        let pgid: u32 = pid.trim().parse().expect("pid");
+        let left = wait_group_gone(pgid, Duration::from_secs(5)).await;
+        assert!(left.is_empty(), "fake peer group left behind: {left:?}");
+    }
 }
 
 fn fake_config(scratch: &Scratch, program: PathBuf) -> WorkerConfig {
@@ -417,6 +435,7 @@ async fn another_protocol_version_is_refused_with_the_fix() {
         "{text}"
     );
     assert!(text.contains("copilot-pool install-cli"), "{text}");
+    assert_fake_gone(&scratch).await;
 }
 
 #[tokio::test]
@@ -436,4 +455,5 @@ async fn a_runtime_that_exits_at_once_reports_its_status_and_stderr() {
     let text = err.to_string();
     assert!(text.contains("exit code 3"), "{text}");
     assert!(text.contains("cannot load runtime.node"), "{text}");
+    assert_fake_gone(&scratch).await;
 }

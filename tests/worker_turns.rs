@@ -55,7 +55,7 @@ async fn a_turn_emits_the_documented_events_in_order() {
     };
     assert_ne!(idle.aborted, Some(true));
 
-    // The model really was asked, over HTTP, with our key.
+    // The model really was asked, over HTTP.
     let requests = model.requests();
     assert!(requests.iter().any(|r| r.transport == Transport::Http));
     support::shutdown_and_check(&worker).await;

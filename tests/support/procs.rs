@@ -53,3 +53,57 @@ pub fn environ(pid: u32) -> Vec<(String, String)> {
         })
         .collect()
 }
+
+/// Live (non-zombie) processes whose environment has `key=value`.
+pub fn with_env(key: &str, value: &str) -> Vec<u32> {
+    all_pids()
+        .into_iter()
+        .filter(|pid| !is_zombie(*pid))
+        .filter(|pid| environ(*pid).iter().any(|(k, v)| k == key && v == value))
+        .collect()
+}
+
+/// Live (non-zombie) processes whose command line contains `needle`.
+pub fn with_cmdline_containing(needle: &str) -> Vec<u32> {
+    all_pids()
+        .into_iter()
+        .filter(|pid| !is_zombie(*pid))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(needle))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// Polls `find` until it returns nothing or `limit` passes; returns what is left.
+pub async fn wait_none(find: impl Fn() -> Vec<u32>, limit: Duration) -> Vec<u32> {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let left = find();
+        if left.is_empty() || tokio::time::Instant::now() >= deadline {
+            return left;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn all_pids() -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, r)| r.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(true)
+}

@@ -24,7 +24,8 @@ pub struct RunArgs {
     /// The runtime executable (default: COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
     #[arg(long)]
     cli: Option<PathBuf>,
-    /// COPILOT_HOME for the worker (default: a temporary directory removed afterwards).
+    /// COPILOT_HOME for the worker (default: a temporary directory removed afterwards; with
+    /// `--logged-in`, `~/.copilot`, where the Copilot CLI keeps its login).
     #[arg(long)]
     home: Option<PathBuf>,
     /// An OpenAI-compatible endpoint to use instead of the scripted model, e.g.
@@ -69,6 +70,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let home = match &args.home {
         Some(path) => Home {
             path: path.clone(),
+            remove: false,
+        },
+        None if args.logged_in => Home {
+            path: std::env::var_os("HOME")
+                .map(|h| PathBuf::from(h).join(".copilot"))
+                .ok_or_else(|| anyhow!("--logged-in needs HOME or --home to find the login"))?,
             remove: false,
         },
         None => Home {
@@ -127,14 +134,43 @@ pub async fn run(args: RunArgs) -> Result<()> {
         ));
     }
 
-    let worker = WorkerHandle::start(config, None).await?;
+    // Interrupts (Ctrl-C, SIGTERM) end the run cleanly at any point, start included: the
+    // futures below are dropped, which stops the worker and kills its process group.
+    let limit = Duration::from_secs(args.timeout_secs);
     let outcome = tokio::select! {
-        outcome = turn(&worker, session, &args.prompt, Duration::from_secs(args.timeout_secs)) => outcome,
-        _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
+        outcome = start_and_turn(config, session, &args.prompt, limit) => outcome,
+        signal = interrupted() => Err(anyhow!("interrupted by {signal}")),
     };
-    worker.shutdown().await;
     drop(endpoint);
     outcome
+}
+
+async fn start_and_turn(
+    config: WorkerConfig,
+    session: SessionConfig,
+    prompt: &str,
+    limit: Duration,
+) -> Result<()> {
+    let worker = WorkerHandle::start(config, None).await?;
+    let outcome = turn(&worker, session, prompt, limit).await;
+    worker.shutdown().await;
+    outcome
+}
+
+/// Resolves on the first SIGINT or SIGTERM, with the signal's name.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut int), Ok(mut term)) => tokio::select! {
+            _ = int.recv() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        },
+        // Without handlers the default action (exit) applies; never resolve here.
+        _ => std::future::pending().await,
+    }
 }
 
 async fn turn(
