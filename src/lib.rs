@@ -26,3 +26,6 @@ pub mod scripted_model;
 pub mod secret;
 pub mod tunnel;
 pub mod worker;
+pub mod auth;
+pub mod home;
+pub mod pool;

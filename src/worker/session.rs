@@ -156,6 +156,16 @@ impl Session {
         self.updates.recv().await
     }
 
+    /// The next update if one is already waiting, without waiting.
+    pub fn try_next(&mut self) -> Option<SessionUpdate> {
+        self.updates.try_recv().ok()
+    }
+
+    /// Whether the session's worker is still serving (false once it ended or stopped).
+    pub fn is_alive(&self) -> bool {
+        self.worker.exit().is_none()
+    }
+
     /// Starts a turn with `prompt`; returns the user message id at once. The turn's events
     /// follow through [`Session::next`] and end with `session.idle`.
     pub async fn send(&self, prompt: impl Into<String>) -> Result<String, WorkerError> {

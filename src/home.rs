@@ -1,0 +1,302 @@
+//! The `COPILOT_HOME` of an agent: validating agent ids, finding the pool's base directory,
+//! and choosing, creating (mode 0700) and canonicalizing the directory a CLI child keeps
+//! its state in, so that equal directories always key the same.
+
+use std::ffi::OsString;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// The longest agent id accepted.
+pub const MAX_AGENT_ID_LEN: usize = 64;
+
+/// How many characters of a rejected agent id an error shows.
+const SHOWN_ID_CHARS: usize = 80;
+
+/// Why an agent's `COPILOT_HOME` could not be found or made.
+#[derive(Debug, thiserror::Error)]
+pub enum HomeError {
+    /// The agent id does not match `^[a-z0-9][a-z0-9_-]{0,63}$`.
+    #[error(
+        "invalid agent id {shown:?}: it must match ^[a-z0-9][a-z0-9_-]{{0,63}}$ (1 to 64 \
+         lowercase letters, digits, '_' or '-', starting with a letter or digit); pass an id \
+         of that form"
+    )]
+    InvalidAgentId {
+        /// The rejected id, truncated to 80 characters.
+        shown: String,
+    },
+    /// A path that must be absolute is relative.
+    #[error("the {what} {path:?} must be absolute; pass an absolute path")]
+    NotAbsolute {
+        /// Which path: "explicit COPILOT_HOME", "agent directory" or "base directory".
+        what: &'static str,
+        /// The relative path.
+        path: PathBuf,
+    },
+    /// The directory could not be created, is not a directory, or could not be resolved.
+    #[error(
+        "could not create or open the COPILOT_HOME directory {path:?}: {source}; make sure \
+         it is a directory (or can be created) and that its parent is writable, or pass \
+         another directory"
+    )]
+    Create {
+        /// The directory.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// Neither `COPILOT_POOL_HOME` nor `HOME` is set.
+    #[error(
+        "no base directory for copilot-pool: neither COPILOT_POOL_HOME nor HOME is set; set \
+         COPILOT_POOL_HOME to an absolute directory"
+    )]
+    NoBaseDir,
+}
+
+/// Checks that `agent_id` matches `^[a-z0-9][a-z0-9_-]{0,63}$`, so it is safe as a path
+/// component.
+pub fn validate_agent_id(agent_id: &str) -> Result<(), HomeError> {
+    let bytes = agent_id.as_bytes();
+    let valid = match bytes.split_first() {
+        None => false,
+        Some((first, rest)) => {
+            bytes.len() <= MAX_AGENT_ID_LEN
+                && (first.is_ascii_lowercase() || first.is_ascii_digit())
+                && rest.iter().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'_' || *b == b'-'
+                })
+        }
+    };
+    if valid {
+        Ok(())
+    } else {
+        Err(HomeError::InvalidAgentId {
+            shown: agent_id.chars().take(SHOWN_ID_CHARS).collect(),
+        })
+    }
+}
+
+/// The pool's base directory: `$COPILOT_POOL_HOME` if set and non-empty, else
+/// `$HOME/.copilot-pool`. `env` looks a variable up (pass `std::env::var_os` in production).
+pub fn default_base_dir(env: impl Fn(&str) -> Option<OsString>) -> Result<PathBuf, HomeError> {
+    if let Some(dir) = env("COPILOT_POOL_HOME").filter(|v| !v.is_empty()) {
+        return Ok(PathBuf::from(dir));
+    }
+    if let Some(home) = env("HOME").filter(|v| !v.is_empty()) {
+        return Ok(PathBuf::from(home).join(".copilot-pool"));
+    }
+    Err(HomeError::NoBaseDir)
+}
+
+/// The `COPILOT_HOME` of `agent_id`: `explicit` if given, else `<agent_dir>/copilot`, else
+/// `<base>/agents/<agent_id>/copilot`. The chosen path must be absolute. The directory is
+/// created (with its parents) if missing and then has mode 0700; an existing directory keeps
+/// its mode. Returns the canonical path, so spellings of one directory compare equal.
+pub fn resolve_copilot_home(
+    explicit: Option<&Path>,
+    agent_dir: Option<&Path>,
+    base: &Path,
+    agent_id: &str,
+) -> Result<PathBuf, HomeError> {
+    validate_agent_id(agent_id)?;
+    let (what, path) = match (explicit, agent_dir) {
+        (Some(path), _) => ("explicit COPILOT_HOME", path.to_path_buf()),
+        (None, Some(dir)) => ("agent directory", dir.join("copilot")),
+        (None, None) => (
+            "base directory",
+            base.join("agents").join(agent_id).join("copilot"),
+        ),
+    };
+    if !path.is_absolute() {
+        return Err(HomeError::NotAbsolute { what, path });
+    }
+    let create_error = |source| HomeError::Create {
+        path: path.clone(),
+        source,
+    };
+    ensure_private_dir(&path).map_err(create_error)?;
+    std::fs::canonicalize(&path).map_err(create_error)
+}
+
+/// Creates `path` (and missing parents, mode 0700) if it does not exist, setting the final
+/// directory to 0700 regardless of the umask; leaves an existing directory alone.
+fn ensure_private_dir(path: &Path) -> io::Result<()> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(parent)?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(path) {
+        Ok(()) => std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)),
+        Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {
+            if std::fs::metadata(path)?.is_dir() {
+                Ok(())
+            } else {
+                Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "it exists and is not a directory",
+                ))
+            }
+        }
+        Err(err) => Err(err),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mode(path: &Path) -> u32 {
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn valid_agent_ids() {
+        for id in [
+            "a",
+            "0",
+            "main",
+            "agent-1",
+            "a_b-c",
+            &"a".repeat(64),
+            "9lives",
+        ] {
+            validate_agent_id(id).unwrap_or_else(|e| panic!("{id}: {e}"));
+        }
+    }
+
+    #[test]
+    fn invalid_agent_ids() {
+        let long = "a".repeat(65);
+        for id in [
+            "", "Main", "-a", "_a", "../x", "a/b", "a.b", "a b", &long, "é", "a\n",
+        ] {
+            let err = validate_agent_id(id).unwrap_err();
+            let text = err.to_string();
+            assert!(matches!(err, HomeError::InvalidAgentId { .. }), "{id}");
+            assert!(text.contains("^[a-z0-9][a-z0-9_-]{0,63}$"), "{text}");
+            if id.len() <= 80 {
+                assert!(text.contains(&format!("{id:?}")), "{text}");
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_agent_id_is_truncated_in_the_error() {
+        let id = format!("X{}", "y".repeat(200));
+        let text = validate_agent_id(&id).unwrap_err().to_string();
+        let shown: String = id.chars().take(80).collect();
+        assert!(text.contains(&format!("{shown:?}")), "{text}");
+        assert!(!text.contains(&"y".repeat(80)), "{text}");
+    }
+
+    #[test]
+    fn base_dir_from_env() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| OsString::from(v))
+            }
+        };
+        assert_eq!(
+            default_base_dir(env(&[("COPILOT_POOL_HOME", "/p"), ("HOME", "/h")])).unwrap(),
+            PathBuf::from("/p")
+        );
+        assert_eq!(
+            default_base_dir(env(&[("COPILOT_POOL_HOME", ""), ("HOME", "/h")])).unwrap(),
+            PathBuf::from("/h/.copilot-pool")
+        );
+        assert_eq!(
+            default_base_dir(env(&[("HOME", "/h")])).unwrap(),
+            PathBuf::from("/h/.copilot-pool")
+        );
+        let err = default_base_dir(env(&[("HOME", "")])).unwrap_err();
+        assert!(matches!(err, HomeError::NoBaseDir));
+        assert!(err.to_string().contains("COPILOT_POOL_HOME"), "{err}");
+        assert!(matches!(
+            default_base_dir(env(&[])),
+            Err(HomeError::NoBaseDir)
+        ));
+    }
+
+    #[test]
+    fn precedence() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().canonicalize().unwrap();
+        let base = root.join("base");
+        let agent_dir = root.join("agentdir");
+        let explicit = root.join("explicit");
+
+        let got = resolve_copilot_home(Some(&explicit), Some(&agent_dir), &base, "a1").unwrap();
+        assert_eq!(got, explicit);
+        let got = resolve_copilot_home(None, Some(&agent_dir), &base, "a1").unwrap();
+        assert_eq!(got, agent_dir.join("copilot"));
+        let got = resolve_copilot_home(None, None, &base, "a1").unwrap();
+        assert_eq!(got, base.join("agents").join("a1").join("copilot"));
+        assert!(got.is_dir());
+    }
+
+    #[test]
+    fn invalid_id_is_rejected_even_with_explicit_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let explicit = tmp.path().join("explicit");
+        let err = resolve_copilot_home(Some(&explicit), None, tmp.path(), "../x").unwrap_err();
+        assert!(matches!(err, HomeError::InvalidAgentId { .. }));
+        assert!(!explicit.exists());
+    }
+
+    #[test]
+    fn created_directory_is_private_existing_is_left_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fresh = tmp.path().join("fresh").join("home");
+        let got = resolve_copilot_home(Some(&fresh), None, tmp.path(), "a").unwrap();
+        assert_eq!(mode(&got), 0o700);
+
+        let existing = tmp.path().join("existing");
+        std::fs::create_dir(&existing).unwrap();
+        std::fs::set_permissions(&existing, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let got = resolve_copilot_home(Some(&existing), None, tmp.path(), "a").unwrap();
+        assert_eq!(mode(&got), 0o755);
+    }
+
+    #[test]
+    fn spellings_of_one_directory_key_the_same() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let messy = PathBuf::from(format!("{}/x/../copilot/", dir.display()));
+        let clean = dir.join("copilot");
+        let a = resolve_copilot_home(Some(&messy), None, dir, "a").unwrap();
+        let b = resolve_copilot_home(Some(&clean), None, dir, "a").unwrap();
+        assert_eq!(a, b);
+        let c = resolve_copilot_home(None, Some(&dir.join("y/..")), dir, "a").unwrap();
+        assert_eq!(a, c);
+    }
+
+    #[test]
+    fn relative_paths_are_errors() {
+        let tmp = tempfile::tempdir().unwrap();
+        for (explicit, agent_dir, base) in [
+            (Some(Path::new("rel/home")), None, tmp.path()),
+            (None, Some(Path::new("rel")), tmp.path()),
+            (None, None, Path::new("rel-base")),
+        ] {
+            let err = resolve_copilot_home(explicit, agent_dir, base, "a").unwrap_err();
+            assert!(matches!(err, HomeError::NotAbsolute { .. }), "{err}");
+            assert!(err.to_string().contains("must be absolute"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_file_in_the_way_is_an_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("file");
+        std::fs::write(&file, b"x").unwrap();
+        let err = resolve_copilot_home(Some(&file), None, tmp.path(), "a").unwrap_err();
+        assert!(matches!(err, HomeError::Create { .. }), "{err}");
+        assert!(err.to_string().contains("not a directory"), "{err}");
+    }
+}

@@ -1,0 +1,912 @@
+//! The pool actor: decides where each conversation runs. It owns the map of keys to workers,
+//! the attached conversations (parked between leases), the FIFO of waiting leases, crash
+//! restart with backoff and intensity, rotation draining, eviction and recycling. It never
+//! awaits the runtime: spawns, stops and aborts run in tasks that report back by message.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use tokio::sync::{broadcast, watch};
+
+use crate::rpc::messages::{AbortParams, SessionAbort};
+use crate::worker::{Session, WorkerConfig, WorkerError, WorkerHandle};
+
+use super::config::PoolConfig;
+use super::error::PoolError;
+use super::key::PoolKey;
+use super::lease::OpenReason;
+use super::restart::{RestartDecision, RestartTracker};
+use super::status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus};
+
+/// A worker's id inside the pool (never reused).
+pub(crate) type WorkerId = u64;
+
+/// One lease asking for a place to run.
+pub(crate) struct AcquireRequest {
+    pub(crate) key: PoolKey,
+    /// How to spawn a worker for this key.
+    pub(crate) spec: WorkerConfig,
+    pub(crate) session_key: String,
+    pub(crate) wait: Duration,
+}
+
+/// The answer to an acquire: the worker to use and what was attached before.
+pub(crate) struct Grant {
+    pub(crate) session_key: String,
+    pub(crate) worker_id: WorkerId,
+    pub(crate) worker: WorkerHandle,
+    /// The conversation as it was attached before this lease, if it was.
+    pub(crate) carried: Option<Carried>,
+}
+
+/// A conversation that was attached to a worker when its lease was granted.
+pub(crate) struct Carried {
+    /// The attached session (`None` if it was lost with its worker).
+    pub(crate) session: Option<Session>,
+    /// True when the grant is on the same worker (no resume needed).
+    pub(crate) same_worker: bool,
+}
+
+/// Messages of the pool actor.
+pub(crate) enum PoolMsg {
+    Acquire {
+        req: AcquireRequest,
+        reply: RpcReplyPort<Result<Grant, PoolError>>,
+    },
+    /// A lease opened (created or resumed) its CLI session.
+    Opened {
+        session_key: String,
+        worker_id: WorkerId,
+        cli_session_id: String,
+        reason: OpenReason,
+    },
+    /// A lease ended; `session` is `None` when it was lost or never opened.
+    Return {
+        session_key: String,
+        worker_id: WorkerId,
+        session: Option<Session>,
+        turns: u64,
+    },
+    Spawned {
+        key: PoolKey,
+        result: Result<WorkerHandle, WorkerError>,
+    },
+    Respawn(PoolKey),
+    WaiterExpired(u64),
+    Tick,
+    Status(RpcReplyPort<PoolStatus>),
+    /// Stop leasing: waiters fail, new acquires fail.
+    Close(RpcReplyPort<()>),
+    /// Abort the running turns of leased conversations; replies with how many.
+    AbortLeased(RpcReplyPort<usize>),
+    /// Stop every worker and wait until they are gone.
+    StopAll(RpcReplyPort<()>),
+}
+
+/// The pool actor (its state is [`PoolState`]).
+pub(crate) struct PoolActor;
+
+/// What the pool actor starts with.
+pub(crate) struct PoolArgs {
+    pub(crate) config: PoolConfig,
+    pub(crate) leased: watch::Sender<usize>,
+    pub(crate) events: broadcast::Sender<PoolEvent>,
+}
+
+struct KeyState {
+    spec: WorkerConfig,
+    workers: Vec<WorkerId>,
+    spawning: bool,
+    /// The next spawn replaces a crashed worker.
+    respawn: bool,
+    backoff_until: Option<Instant>,
+    restart: RestartTracker,
+}
+
+struct WorkerEntry {
+    key: PoolKey,
+    handle: WorkerHandle,
+    draining: bool,
+    drain_deadline: Option<Instant>,
+    /// Session keys attached to this worker.
+    attached: HashSet<String>,
+    leased: usize,
+    turns: u64,
+    last_used: Instant,
+    rss_bytes: u64,
+}
+
+struct Conversation {
+    worker: WorkerId,
+    cli_session_id: String,
+    parked: Option<Session>,
+    leased: bool,
+    last_used: Instant,
+}
+
+struct Waiter {
+    id: u64,
+    req: AcquireRequest,
+    reply: RpcReplyPort<Result<Grant, PoolError>>,
+}
+
+/// Everything the pool actor owns.
+pub(crate) struct PoolState {
+    config: PoolConfig,
+    keys: HashMap<PoolKey, KeyState>,
+    workers: HashMap<WorkerId, WorkerEntry>,
+    conversations: HashMap<String, Conversation>,
+    waiters: VecDeque<Waiter>,
+    next_worker_id: WorkerId,
+    next_waiter_id: u64,
+    closed: bool,
+    totals: PoolTotals,
+    leased: watch::Sender<usize>,
+    events: broadcast::Sender<PoolEvent>,
+    tick: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for PoolState {
+    fn drop(&mut self) {
+        if let Some(t) = self.tick.take() {
+            t.abort();
+        }
+    }
+}
+
+impl Actor for PoolActor {
+    type Msg = PoolMsg;
+    type State = PoolState;
+    type Arguments = PoolArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<PoolMsg>,
+        args: PoolArgs,
+    ) -> Result<PoolState, ActorProcessingErr> {
+        let interval = args.config.maintenance_interval;
+        let tick = (!interval.is_zero()).then(|| myself.send_interval(interval, || PoolMsg::Tick));
+        Ok(PoolState {
+            config: args.config,
+            keys: HashMap::new(),
+            workers: HashMap::new(),
+            conversations: HashMap::new(),
+            waiters: VecDeque::new(),
+            next_worker_id: 1,
+            next_waiter_id: 1,
+            closed: false,
+            totals: PoolTotals::default(),
+            leased: args.leased,
+            events: args.events,
+            tick,
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<PoolMsg>,
+        msg: PoolMsg,
+        state: &mut PoolState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            PoolMsg::Acquire { req, reply } => state.acquire(req, reply, &myself),
+            PoolMsg::Opened {
+                session_key,
+                worker_id,
+                cli_session_id,
+                reason,
+            } => {
+                if let Some(conv) = state.conversations.get_mut(&session_key)
+                    && conv.worker == worker_id
+                {
+                    conv.cli_session_id = cli_session_id;
+                }
+                if let Some(w) = state.workers.get(&worker_id) {
+                    state.emit(PoolEvent::ConversationOpened {
+                        pid: w.handle.pid(),
+                        reason,
+                    });
+                }
+                match reason {
+                    OpenReason::Attached => {}
+                    OpenReason::Resumed => state.totals.resumed += 1,
+                    _ => state.totals.created += 1,
+                }
+            }
+            PoolMsg::Return {
+                session_key,
+                worker_id,
+                session,
+                turns,
+            } => {
+                state.on_return(session_key, worker_id, session, turns);
+                state.serve_waiters(&myself);
+            }
+            PoolMsg::Spawned { key, result } => {
+                state.on_spawned(key, result, &myself);
+                state.serve_waiters(&myself);
+            }
+            PoolMsg::Respawn(key) => {
+                if let Some(ks) = state.keys.get_mut(&key) {
+                    ks.backoff_until = None;
+                    if !state.closed && ks.workers.is_empty() && !ks.spawning {
+                        ks.respawn = true;
+                        start_spawn(&key, ks, &myself);
+                    }
+                }
+                state.serve_waiters(&myself);
+            }
+            PoolMsg::WaiterExpired(id) => {
+                if let Some(pos) = state.waiters.iter().position(|w| w.id == id) {
+                    if let Some(w) = state.waiters.remove(pos) {
+                        let _ = w
+                            .reply
+                            .send(Err(PoolError::WaitTimeout { after: w.req.wait }));
+                    }
+                }
+            }
+            PoolMsg::Tick => {
+                state.maintain();
+                state.serve_waiters(&myself);
+            }
+            PoolMsg::Status(reply) => {
+                let _ = reply.send(state.status());
+            }
+            PoolMsg::Close(reply) => {
+                state.closed = true;
+                for w in state.waiters.drain(..) {
+                    let _ = w.reply.send(Err(PoolError::Closed));
+                }
+                let _ = reply.send(());
+            }
+            PoolMsg::AbortLeased(reply) => {
+                let mut n = 0;
+                for conv in state.conversations.values().filter(|c| c.leased) {
+                    if let Some(w) = state.workers.get(&conv.worker)
+                        && !conv.cli_session_id.is_empty()
+                    {
+                        n += 1;
+                        let handle = w.handle.clone();
+                        let params = AbortParams {
+                            session_id: conv.cli_session_id.clone(),
+                            reason: Some("pool shutdown".to_owned()),
+                        };
+                        tokio::spawn(async move {
+                            let _ = handle.call::<SessionAbort>(&params).await;
+                        });
+                    }
+                }
+                let _ = reply.send(n);
+            }
+            PoolMsg::StopAll(reply) => {
+                let ids: Vec<WorkerId> = state.workers.keys().copied().collect();
+                let stops: Vec<_> = ids
+                    .into_iter()
+                    .filter_map(|id| state.remove_worker(id))
+                    .collect();
+                tokio::spawn(async move {
+                    futures_util::future::join_all(stops.iter().map(|h| h.shutdown())).await;
+                    let _ = reply.send(());
+                });
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<PoolMsg>,
+        event: SupervisionEvent,
+        state: &mut PoolState,
+    ) -> Result<(), ActorProcessingErr> {
+        // Never stop the pool because a worker ended (ractor's default would).
+        match event {
+            SupervisionEvent::ActorFailed(cell, error) => {
+                let id = state.worker_by_actor(cell.get_id());
+                if let Some(id) = id {
+                    tracing::warn!(%error, "Pool worker failed.");
+                    state.on_crash(id, &myself);
+                    state.serve_waiters(&myself);
+                }
+            }
+            SupervisionEvent::ActorTerminated(cell, _, _) => {
+                // Stopped by us (eviction) or killed: either way it is gone.
+                if let Some(id) = state.worker_by_actor(cell.get_id()) {
+                    let killed = state
+                        .workers
+                        .get(&id)
+                        .and_then(|w| w.handle.exit())
+                        .is_some_and(|e| !e.is_shutdown());
+                    if killed {
+                        state.on_crash(id, &myself);
+                    } else {
+                        state.remove_worker(id);
+                    }
+                    state.serve_waiters(&myself);
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<PoolMsg>,
+        state: &mut PoolState,
+    ) -> Result<(), ActorProcessingErr> {
+        for w in state.waiters.drain(..) {
+            let _ = w.reply.send(Err(PoolError::Closed));
+        }
+        let ids: Vec<WorkerId> = state.workers.keys().copied().collect();
+        let stops: Vec<_> = ids
+            .into_iter()
+            .filter_map(|id| state.remove_worker(id))
+            .collect();
+        futures_util::future::join_all(stops.iter().map(|h| h.shutdown())).await;
+        Ok(())
+    }
+}
+
+fn start_spawn(key: &PoolKey, ks: &mut KeyState, myself: &ActorRef<PoolMsg>) {
+    ks.spawning = true;
+    let spec = ks.spec.clone();
+    let key = key.clone();
+    let target = myself.clone();
+    let supervisor = myself.get_cell();
+    tokio::spawn(async move {
+        let result = WorkerHandle::start(spec, Some(supervisor)).await;
+        let _ = target.cast(PoolMsg::Spawned { key, result });
+    });
+}
+
+impl PoolState {
+    fn leased_count(&self) -> usize {
+        self.conversations.values().filter(|c| c.leased).count()
+    }
+
+    fn publish_leased(&self) {
+        self.leased.send_replace(self.leased_count());
+    }
+
+    fn worker_by_actor(&self, id: ractor::ActorId) -> Option<WorkerId> {
+        self.workers
+            .iter()
+            .find(|(_, w)| w.handle.actor().get_id() == id)
+            .map(|(id, _)| *id)
+    }
+
+    fn acquire(
+        &mut self,
+        req: AcquireRequest,
+        reply: RpcReplyPort<Result<Grant, PoolError>>,
+        myself: &ActorRef<PoolMsg>,
+    ) {
+        match self.try_grant(&req, myself) {
+            Ok(Some(grant)) => self.deliver(reply, grant),
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+            Ok(None) => {
+                if self.waiters.len() >= self.config.max_waiters {
+                    let _ = reply.send(Err(PoolError::WaitersFull {
+                        max: self.config.max_waiters,
+                    }));
+                    return;
+                }
+                let id = self.next_waiter_id;
+                self.next_waiter_id += 1;
+                myself.send_after(req.wait, move || PoolMsg::WaiterExpired(id));
+                self.waiters.push_back(Waiter { id, req, reply });
+            }
+        }
+    }
+
+    /// Hands a grant to its caller; if the caller is gone, the grant is undone.
+    fn deliver(&mut self, reply: RpcReplyPort<Result<Grant, PoolError>>, grant: Grant) {
+        if let Err(ractor::MessagingErr::SendErr(Ok(grant))) = reply.send(Ok(grant)) {
+            // The caller gave up: release the slot. The carried session is dropped, which
+            // detaches it; its binding stays, so the next lease resumes it.
+            self.on_return(grant.session_key, grant.worker_id, None, 0);
+        }
+        self.publish_leased();
+    }
+
+    /// Serves waiting leases in FIFO order, as far as capacity allows.
+    fn serve_waiters(&mut self, myself: &ActorRef<PoolMsg>) {
+        let mut kept = VecDeque::new();
+        while let Some(w) = self.waiters.pop_front() {
+            if w.reply.is_closed() {
+                continue;
+            }
+            match self.try_grant(&w.req, myself) {
+                Ok(Some(grant)) => self.deliver(w.reply, grant),
+                Err(e) => {
+                    let _ = w.reply.send(Err(e));
+                }
+                Ok(None) => kept.push_back(w),
+            }
+        }
+        self.waiters = kept;
+    }
+
+    /// Grants now, fails, or returns `None` (wait; a spawn may have been started).
+    fn try_grant(
+        &mut self,
+        req: &AcquireRequest,
+        myself: &ActorRef<PoolMsg>,
+    ) -> Result<Option<Grant>, PoolError> {
+        if self.closed {
+            return Err(PoolError::Closed);
+        }
+        let now = Instant::now();
+        let ks = self
+            .keys
+            .entry(req.key.clone())
+            .or_insert_with(|| KeyState {
+                spec: req.spec.clone(),
+                workers: Vec::new(),
+                spawning: false,
+                respawn: false,
+                backoff_until: None,
+                restart: RestartTracker::default(),
+            });
+        if let Some(until) = ks.restart.quarantined_until(now) {
+            return Err(PoolError::RestartIntensityExceeded {
+                key_hash: req.key.short_hash(),
+                retry_after: until.saturating_duration_since(now),
+            });
+        }
+        self.drain_other_versions(&req.key);
+
+        // Still attached to a usable worker of this key: reuse it, no resume.
+        if let Some(conv) = self.conversations.get(&req.session_key) {
+            if conv.leased {
+                // The conversation lock makes this impossible; wait rather than share.
+                return Ok(None);
+            }
+            let same = self
+                .workers
+                .get(&conv.worker)
+                .is_some_and(|w| w.key == req.key && !w.draining);
+            if same {
+                let id = conv.worker;
+                return Ok(self.grant_attached(&req.session_key, id, now));
+            }
+        }
+
+        let target = self.least_loaded(&req.key);
+        let Some(target) = target else {
+            self.grow(&req.key, myself);
+            return Ok(None);
+        };
+        if !self.conversations.contains_key(&req.session_key)
+            && self.conversations.len() >= self.config.max_sessions
+            && !self.detach_lru_parked()
+        {
+            return Ok(None);
+        }
+        // Move (or place) the conversation onto the target.
+        let carried = self.conversations.remove(&req.session_key).map(|conv| {
+            if let Some(w) = self.workers.get_mut(&conv.worker) {
+                w.attached.remove(&req.session_key);
+            }
+            self.maybe_finish_drain(conv.worker);
+            Carried {
+                session: conv.parked,
+                same_worker: false,
+            }
+        });
+        let Some(w) = self.workers.get_mut(&target) else {
+            return Ok(None);
+        };
+        w.attached.insert(req.session_key.clone());
+        w.leased += 1;
+        w.last_used = now;
+        let handle = w.handle.clone();
+        self.conversations.insert(
+            req.session_key.clone(),
+            Conversation {
+                worker: target,
+                cli_session_id: String::new(),
+                parked: None,
+                leased: true,
+                last_used: now,
+            },
+        );
+        Ok(Some(Grant {
+            session_key: req.session_key.clone(),
+            worker_id: target,
+            worker: handle,
+            carried,
+        }))
+    }
+
+    fn grant_attached(&mut self, session_key: &str, id: WorkerId, now: Instant) -> Option<Grant> {
+        let w = self.workers.get_mut(&id)?;
+        let conv = self.conversations.get_mut(session_key)?;
+        w.leased += 1;
+        w.last_used = now;
+        conv.leased = true;
+        conv.last_used = now;
+        Some(Grant {
+            session_key: session_key.to_owned(),
+            worker_id: id,
+            worker: w.handle.clone(),
+            carried: Some(Carried {
+                session: conv.parked.take(),
+                same_worker: true,
+            }),
+        })
+    }
+
+    /// The live, non-draining worker of `key` with the fewest conversations and room for one more.
+    fn least_loaded(&self, key: &PoolKey) -> Option<WorkerId> {
+        let ks = self.keys.get(key)?;
+        ks.workers
+            .iter()
+            .filter_map(|id| self.workers.get(id).map(|w| (*id, w)))
+            .filter(|(_, w)| !w.draining && w.attached.len() < self.config.max_sessions_per_process)
+            .min_by_key(|(id, w)| (w.attached.len(), *id))
+            .map(|(id, _)| id)
+    }
+
+    /// Starts a worker for `key` if the caps allow (evicting the least recently used idle
+    /// worker when the pool is full).
+    fn grow(&mut self, key: &PoolKey, myself: &ActorRef<PoolMsg>) {
+        let now = Instant::now();
+        let Some(ks) = self.keys.get(key) else { return };
+        if ks.spawning || ks.backoff_until.is_some_and(|t| now < t) {
+            return;
+        }
+        if ks.workers.len() >= self.config.max_processes_per_key {
+            return;
+        }
+        let spawning = self.keys.values().filter(|k| k.spawning).count();
+        if self.workers.len() + spawning >= self.config.max_processes {
+            let victim = self
+                .workers
+                .iter()
+                .filter(|(_, w)| w.leased == 0)
+                .min_by_key(|(_, w)| w.last_used)
+                .map(|(id, _)| *id);
+            match victim {
+                Some(id) => self.evict(id, "pool full: least recently used idle worker"),
+                None => return,
+            }
+        }
+        if let Some(ks) = self.keys.get_mut(key) {
+            start_spawn(key, ks, myself);
+        }
+    }
+
+    /// Detaches the least recently used parked conversation to make room.
+    fn detach_lru_parked(&mut self) -> bool {
+        let victim = self
+            .conversations
+            .iter()
+            .filter(|(_, c)| !c.leased)
+            .min_by_key(|(_, c)| c.last_used)
+            .map(|(k, _)| k.clone());
+        let Some(session_key) = victim else {
+            return false;
+        };
+        if let Some(conv) = self.conversations.remove(&session_key) {
+            if let Some(w) = self.workers.get_mut(&conv.worker) {
+                w.attached.remove(&session_key);
+            }
+            // Dropping the session detaches it in the runtime; the binding stays.
+            drop(conv.parked);
+        }
+        true
+    }
+
+    /// A key of the same account with another credential version is in use: the other
+    /// versions' workers drain (rotation).
+    fn drain_other_versions(&mut self, key: &PoolKey) {
+        let family = key.family();
+        let deadline = Instant::now() + self.config.drain_grace;
+        let mut drained = Vec::new();
+        for (id, w) in &mut self.workers {
+            if !w.draining && w.key != *key && w.key.family() == family {
+                w.draining = true;
+                w.drain_deadline = Some(deadline);
+                drained.push(*id);
+            }
+        }
+        for id in drained {
+            tracing::info!(key = %key.short_hash(), "Credentials rotated; draining the old worker.");
+            self.maybe_finish_drain(id);
+        }
+    }
+
+    fn maybe_finish_drain(&mut self, id: WorkerId) {
+        let done = self
+            .workers
+            .get(&id)
+            .is_some_and(|w| w.draining && w.leased == 0);
+        if done {
+            self.evict(id, "drained");
+        }
+    }
+
+    fn on_return(
+        &mut self,
+        session_key: String,
+        worker_id: WorkerId,
+        session: Option<Session>,
+        turns: u64,
+    ) {
+        let now = Instant::now();
+        let mut keep = false;
+        if let Some(w) = self.workers.get_mut(&worker_id) {
+            w.leased = w.leased.saturating_sub(1);
+            w.turns += turns;
+            w.last_used = now;
+            if turns > 0 {
+                self.totals.turns += turns;
+                if let Some(ks) = self.keys.get_mut(&w.key) {
+                    ks.restart.record_stable();
+                }
+            }
+            if w.turns >= self.config.max_turns_per_process && !w.draining {
+                tracing::info!(turns = w.turns, "Recycling a worker after its turn budget.");
+                w.draining = true;
+                w.drain_deadline = Some(now + self.config.drain_grace);
+            }
+            keep = !w.draining && session.as_ref().is_some_and(|s| s.is_alive());
+        }
+        match self.conversations.get_mut(&session_key) {
+            Some(conv) if conv.worker == worker_id && keep => {
+                conv.leased = false;
+                conv.parked = session;
+                conv.last_used = now;
+            }
+            Some(conv) if conv.worker == worker_id => {
+                self.conversations.remove(&session_key);
+                if let Some(w) = self.workers.get_mut(&worker_id) {
+                    w.attached.remove(&session_key);
+                }
+                // Dropped here: detached from its worker (its binding stays for a resume).
+                drop(session);
+            }
+            _ => drop(session),
+        }
+        self.maybe_finish_drain(worker_id);
+        self.publish_leased();
+    }
+
+    fn on_spawned(
+        &mut self,
+        key: PoolKey,
+        result: Result<WorkerHandle, WorkerError>,
+        myself: &ActorRef<PoolMsg>,
+    ) {
+        let Some(ks) = self.keys.get_mut(&key) else {
+            return;
+        };
+        ks.spawning = false;
+        match result {
+            Ok(handle) if !self.closed => {
+                let id = self.next_worker_id;
+                self.next_worker_id += 1;
+                ks.workers.push(id);
+                let restart = std::mem::take(&mut ks.respawn);
+                if restart {
+                    self.totals.restarts += 1;
+                }
+                let _ = self.events.send(PoolEvent::WorkerStarted {
+                    key_hash: key.short_hash(),
+                    pid: handle.pid(),
+                    restart,
+                });
+                self.totals.processes_spawned += 1;
+                tracing::debug!(key = %key.short_hash(), pid = handle.pid(), "Pool worker started.");
+                self.workers.insert(
+                    id,
+                    WorkerEntry {
+                        key,
+                        handle,
+                        draining: false,
+                        drain_deadline: None,
+                        attached: HashSet::new(),
+                        leased: 0,
+                        turns: 0,
+                        last_used: Instant::now(),
+                        rss_bytes: 0,
+                    },
+                );
+            }
+            Ok(handle) => {
+                tokio::spawn(async move {
+                    handle.shutdown().await;
+                });
+            }
+            Err(error) => {
+                // Not cached: the next lease tries again (after the backoff).
+                tracing::warn!(key = %key.short_hash(), %error, "Pool worker failed to start.");
+                ks.respawn = false;
+                let decision = ks
+                    .restart
+                    .record_crash(Instant::now(), &self.config.restart);
+                if let RestartDecision::Restart { after } = decision {
+                    ks.backoff_until = Some(Instant::now() + after);
+                    myself.send_after(after, {
+                        let key = key.clone();
+                        move || PoolMsg::Respawn(key)
+                    });
+                }
+                let failed = PoolError::Worker(error);
+                self.fail_waiters_of(&key, |_| failed.clone());
+            }
+        }
+    }
+
+    fn on_crash(&mut self, id: WorkerId, myself: &ActorRef<PoolMsg>) {
+        let Some(w) = self.workers.get(&id) else {
+            return;
+        };
+        let key = w.key.clone();
+        let had_conversations = !w.attached.is_empty();
+        self.emit(PoolEvent::WorkerCrashed {
+            key_hash: key.short_hash(),
+            pid: w.handle.pid(),
+        });
+        self.remove_worker(id);
+        self.totals.crashes += 1;
+        let demand = had_conversations || self.waiters.iter().any(|w| w.req.key == key);
+        let Some(ks) = self.keys.get_mut(&key) else {
+            return;
+        };
+        match ks
+            .restart
+            .record_crash(Instant::now(), &self.config.restart)
+        {
+            RestartDecision::Restart { after } => {
+                if demand && !self.closed {
+                    tracing::info!(key = %key.short_hash(), ?after, "Restarting a crashed worker.");
+                    ks.backoff_until = Some(Instant::now() + after);
+                    myself.send_after(after, {
+                        let key = key.clone();
+                        move || PoolMsg::Respawn(key)
+                    });
+                }
+            }
+            RestartDecision::Quarantine { until } => {
+                tracing::warn!(key = %key.short_hash(), "Restart intensity exceeded; key quarantined.");
+                let _ = self.events.send(PoolEvent::KeyQuarantined {
+                    key_hash: key.short_hash(),
+                });
+                let hash = key.short_hash();
+                self.fail_waiters_of(&key, |now| PoolError::RestartIntensityExceeded {
+                    key_hash: hash.clone(),
+                    retry_after: until.saturating_duration_since(now),
+                });
+            }
+        }
+    }
+
+    fn fail_waiters_of(&mut self, key: &PoolKey, error: impl Fn(Instant) -> PoolError) {
+        let now = Instant::now();
+        let (fail, keep): (VecDeque<_>, VecDeque<_>) =
+            self.waiters.drain(..).partition(|w| w.req.key == *key);
+        self.waiters = keep;
+        for w in fail {
+            let _ = w.reply.send(Err(error(now)));
+        }
+    }
+
+    /// Forgets a worker: its parked conversations are dropped (their bindings stay), leased
+    /// ones are dropped when their lease returns. Returns the handle for stopping it.
+    fn remove_worker(&mut self, id: WorkerId) -> Option<WorkerHandle> {
+        let w = self.workers.remove(&id)?;
+        if let Some(ks) = self.keys.get_mut(&w.key) {
+            ks.workers.retain(|x| *x != id);
+        }
+        for session_key in &w.attached {
+            if self
+                .conversations
+                .get(session_key)
+                .is_some_and(|c| c.worker == id && !c.leased)
+            {
+                self.conversations.remove(session_key);
+            }
+        }
+        self.publish_leased();
+        Some(w.handle)
+    }
+
+    fn emit(&self, event: PoolEvent) {
+        // Nobody listening is fine.
+        let _ = self.events.send(event);
+    }
+
+    fn evict(&mut self, id: WorkerId, why: &'static str) {
+        let key_hash = self.workers.get(&id).map(|w| w.key.short_hash());
+        if let Some(handle) = self.remove_worker(id) {
+            self.emit(PoolEvent::WorkerEvicted {
+                key_hash: key_hash.unwrap_or_default(),
+                pid: handle.pid(),
+                why,
+            });
+            tracing::info!(pid = handle.pid(), why, "Evicting a pool worker.");
+            self.totals.evicted += 1;
+            tokio::spawn(async move {
+                handle.shutdown().await;
+            });
+        }
+    }
+
+    /// Idle TTL, drain deadlines, memory limits.
+    fn maintain(&mut self) {
+        let now = Instant::now();
+        let mut evict = Vec::new();
+        for (id, w) in &mut self.workers {
+            w.rss_bytes = rss_bytes(w.handle.pid()).unwrap_or(0);
+            if !w.draining && w.rss_bytes > self.config.max_rss_bytes {
+                tracing::info!(rss = w.rss_bytes, "Recycling a worker above max_rss_bytes.");
+                w.draining = true;
+                w.drain_deadline = Some(now + self.config.drain_grace);
+            }
+            let idle = w.leased == 0 && now.duration_since(w.last_used) >= self.config.idle_ttl;
+            let drained =
+                w.draining && (w.leased == 0 || w.drain_deadline.is_some_and(|d| now >= d));
+            if idle || drained {
+                evict.push((*id, if idle { "idle" } else { "drained" }));
+            }
+        }
+        for (id, why) in evict {
+            self.evict(id, why);
+        }
+    }
+
+    fn status(&self) -> PoolStatus {
+        let now = Instant::now();
+        let mut workers: Vec<WorkerStatus> = self
+            .workers
+            .values()
+            .map(|w| WorkerStatus {
+                key_hash: w.key.short_hash(),
+                pid: w.handle.pid(),
+                state: if w.draining {
+                    WorkerState::Draining
+                } else {
+                    WorkerState::Live
+                },
+                sessions: w.attached.len(),
+                leases: w.leased,
+                turns: w.turns,
+                restarts: self
+                    .keys
+                    .get(&w.key)
+                    .map(|k| k.restart.total_restarts())
+                    .unwrap_or(0),
+                rss_bytes: w.rss_bytes,
+            })
+            .collect();
+        workers.sort_by(|a, b| a.key_hash.cmp(&b.key_hash).then(a.pid.cmp(&b.pid)));
+        PoolStatus {
+            workers,
+            waiters: self.waiters.len(),
+            conversations: self.conversations.len(),
+            leased: self.leased_count(),
+            quarantined_keys: self
+                .keys
+                .iter()
+                .filter(|(_, k)| k.restart.quarantined_until(now).is_some())
+                .map(|(key, _)| key.short_hash())
+                .collect(),
+            closed: self.closed,
+            totals: self.totals.clone(),
+        }
+    }
+}
+
+/// Resident memory of a process (VmRSS), from /proc.
+fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

@@ -1,0 +1,500 @@
+//! Durable `session_key` → CLI session id records: one JSON file per binding under
+//! `<state_dir>/bindings`, named by the SHA-256 of the session key (caller strings never
+//! reach a path), written atomically (temp file, fsync, rename, fsync of the directory).
+//! Unreadable or foreign files are treated as absent, never as fatal.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The version of the stored JSON this code reads and writes.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// The suffix of binding files.
+const EXTENSION: &str = "json";
+
+/// Which CLI session a caller's session key is bound to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Binding {
+    /// The caller's session key.
+    pub session_key: String,
+    /// The session id the CLI gave the session.
+    pub cli_session_id: String,
+    /// The pool key the session was created under; resuming under another key is unsafe.
+    pub compat_key: String,
+    /// When the binding was last written, in milliseconds since the Unix epoch.
+    pub updated_at_ms: u64,
+}
+
+/// The stored form: the binding with a schema version.
+#[derive(Serialize)]
+struct StoredRef<'a> {
+    schema_version: u32,
+    #[serde(flatten)]
+    binding: &'a Binding,
+}
+
+/// Just the version, read before the rest.
+#[derive(Deserialize)]
+struct VersionProbe {
+    schema_version: Option<u32>,
+}
+
+/// Why the binding store failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BindingError {
+    /// The bindings directory could not be created.
+    #[error(
+        "could not create the bindings directory {path:?}: {source}; make sure the state \
+         directory is writable, or pass another state directory"
+    )]
+    CreateDir {
+        /// The directory.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// A file operation failed.
+    #[error(
+        "could not {op} the binding file {path:?}: {source}; check the permissions and free \
+         space of the state directory"
+    )]
+    Io {
+        /// What was being done ("read", "write", "remove", "list", ...).
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+    /// A binding could not be encoded (should not happen).
+    #[error("could not encode a binding as JSON: {0}; this is a bug, please report it")]
+    Encode(#[source] serde_json::Error),
+}
+
+/// The bindings of one state directory. Cheap to share between threads by reference;
+/// every operation goes to the file system.
+#[derive(Debug, Clone)]
+pub struct BindingStore {
+    dir: PathBuf,
+}
+
+impl BindingStore {
+    /// Opens the store in `<state_dir>/bindings`, creating it (mode 0700) if missing.
+    pub fn open(state_dir: &Path) -> Result<Self, BindingError> {
+        let dir = state_dir.join("bindings");
+        create_private_dir(&dir).map_err(|source| BindingError::CreateDir {
+            path: dir.clone(),
+            source,
+        })?;
+        Ok(Self { dir })
+    }
+
+    /// The directory holding the binding files.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The binding of `session_key`, or `None` if there is none (or its file is unreadable
+    /// as a binding of this key).
+    pub fn get(&self, session_key: &str) -> Result<Option<Binding>, BindingError> {
+        let path = self.path_for(session_key);
+        let Some(binding) = read_binding(&path)? else {
+            return Ok(None);
+        };
+        if binding.session_key != session_key {
+            tracing::warn!(
+                path = %path.display(),
+                "binding file holds another session key; treating it as absent"
+            );
+            return Ok(None);
+        }
+        Ok(Some(binding))
+    }
+
+    /// Stores `binding`, replacing any binding of its session key, atomically and durably.
+    pub fn put(&self, binding: &Binding) -> Result<(), BindingError> {
+        let stored = StoredRef {
+            schema_version: SCHEMA_VERSION,
+            binding,
+        };
+        let mut json = serde_json::to_vec_pretty(&stored).map_err(BindingError::Encode)?;
+        json.push(b'\n');
+        let target = self.path_for(&binding.session_key);
+        let temp = self.dir.join(format!(
+            ".{}.{}.tmp",
+            hex_sha256(&binding.session_key),
+            uuid::Uuid::new_v4().simple()
+        ));
+        let write_error = |source| BindingError::Io {
+            op: "write",
+            path: temp.clone(),
+            source,
+        };
+        let written = write_synced(&temp, &json)
+            .map_err(write_error)
+            .and_then(|()| {
+                fs::rename(&temp, &target).map_err(|source| BindingError::Io {
+                    op: "rename into place",
+                    path: target.clone(),
+                    source,
+                })
+            });
+        if let Err(err) = written {
+            let _ = fs::remove_file(&temp);
+            return Err(err);
+        }
+        self.sync_dir()
+    }
+
+    /// Removes the binding of `session_key`; removing an absent binding is not an error.
+    pub fn remove(&self, session_key: &str) -> Result<(), BindingError> {
+        let path = self.path_for(session_key);
+        match fs::remove_file(&path) {
+            Ok(()) => self.sync_dir(),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(BindingError::Io {
+                op: "remove",
+                path,
+                source,
+            }),
+        }
+    }
+
+    /// Every readable binding, sorted by session key. Unreadable files are skipped.
+    pub fn list(&self) -> Result<Vec<Binding>, BindingError> {
+        let list_error = |source| BindingError::Io {
+            op: "list",
+            path: self.dir.clone(),
+            source,
+        };
+        let mut bindings = Vec::new();
+        for entry in fs::read_dir(&self.dir).map_err(list_error)? {
+            let entry = entry.map_err(list_error)?;
+            let path = entry.path();
+            let Some(stem) = binding_file_stem(&path) else {
+                continue;
+            };
+            let Some(binding) = read_binding(&path)? else {
+                continue;
+            };
+            if hex_sha256(&binding.session_key) != stem {
+                tracing::warn!(
+                    path = %path.display(),
+                    "binding file name does not match its session key; skipping it"
+                );
+                continue;
+            }
+            bindings.push(binding);
+        }
+        bindings.sort_by(|a, b| a.session_key.cmp(&b.session_key));
+        Ok(bindings)
+    }
+
+    fn path_for(&self, session_key: &str) -> PathBuf {
+        self.dir
+            .join(format!("{}.{EXTENSION}", hex_sha256(session_key)))
+    }
+
+    fn sync_dir(&self) -> Result<(), BindingError> {
+        File::open(&self.dir)
+            .and_then(|dir| dir.sync_all())
+            .map_err(|source| BindingError::Io {
+                op: "sync the directory of",
+                path: self.dir.clone(),
+                source,
+            })
+    }
+}
+
+/// The hash part of a binding file's name (`<64 hex>.json`), or `None` for other files
+/// (temp files, strays).
+fn binding_file_stem(path: &Path) -> Option<&str> {
+    if path.extension()? != EXTENSION {
+        return None;
+    }
+    let stem = path.file_stem()?.to_str()?;
+    (stem.len() == 64 && stem.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+        .then_some(stem)
+}
+
+/// Reads a binding file: `None` if it is missing, unparsable or of another schema version.
+fn read_binding(path: &Path) -> Result<Option<Binding>, BindingError> {
+    let bytes = match fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(BindingError::Io {
+                op: "read",
+                path: path.to_path_buf(),
+                source,
+            });
+        }
+    };
+    // Errors are logged by category and position only: serde_json's messages can quote
+    // the file's contents.
+    let warn_unparsable = |err: &serde_json::Error| {
+        tracing::warn!(
+            path = %path.display(),
+            category = ?err.classify(),
+            line = err.line(),
+            column = err.column(),
+            "binding file is not valid; treating it as absent"
+        );
+    };
+    let version = match serde_json::from_slice::<VersionProbe>(&bytes) {
+        Ok(probe) => probe.schema_version,
+        Err(err) => {
+            warn_unparsable(&err);
+            return Ok(None);
+        }
+    };
+    if version != Some(SCHEMA_VERSION) {
+        tracing::warn!(
+            path = %path.display(),
+            found = ?version,
+            expected = SCHEMA_VERSION,
+            "binding file has another schema version; treating it as absent"
+        );
+        return Ok(None);
+    }
+    match serde_json::from_slice::<Binding>(&bytes) {
+        Ok(binding) => Ok(Some(binding)),
+        Err(err) => {
+            warn_unparsable(&err);
+            Ok(None)
+        }
+    }
+}
+
+/// Writes `bytes` to a new file at `path` (mode 0600) and fsyncs it.
+fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(bytes)?;
+    file.sync_all()
+}
+
+/// Creates `dir` and its parents with mode 0700; a directory we created is set to 0700
+/// whatever the umask, an existing one is left alone.
+fn create_private_dir(dir: &Path) -> io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(parent)?;
+    }
+    match fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => fs::set_permissions(dir, fs::Permissions::from_mode(0o700)),
+        Err(err) if err.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        Err(err) => Err(err),
+    }
+}
+
+/// The lowercase hex SHA-256 of `text` (64 characters).
+fn hex_sha256(text: &str) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let digest = Sha256::digest(text.as_bytes());
+    let mut out = String::with_capacity(64);
+    for byte in digest.iter() {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn binding(key: &str, session: &str) -> Binding {
+        Binding {
+            session_key: key.to_owned(),
+            cli_session_id: session.to_owned(),
+            compat_key: "compat-1".to_owned(),
+            updated_at_ms: 1_700_000_000_000,
+        }
+    }
+
+    fn file_names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn hex_sha256_known_vector() {
+        assert_eq!(
+            hex_sha256("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn round_trip() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        assert_eq!(
+            fs::metadata(store.dir()).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        assert_eq!(store.get("k1").unwrap(), None);
+        assert!(store.list().unwrap().is_empty());
+
+        let b1 = binding("k1", "s1");
+        let b2 = binding("agent:main/../../etc/passwd", "s2");
+        store.put(&b1).unwrap();
+        store.put(&b2).unwrap();
+        assert_eq!(store.get("k1").unwrap(), Some(b1.clone()));
+        assert_eq!(store.get(&b2.session_key).unwrap(), Some(b2.clone()));
+
+        let b1_new = Binding {
+            cli_session_id: "s1-new".into(),
+            updated_at_ms: 1_700_000_000_001,
+            ..b1.clone()
+        };
+        store.put(&b1_new).unwrap();
+        assert_eq!(store.get("k1").unwrap(), Some(b1_new.clone()));
+        let mut expected = vec![b1_new.clone(), b2.clone()];
+        expected.sort_by(|a, b| a.session_key.cmp(&b.session_key));
+        assert_eq!(store.list().unwrap(), expected);
+
+        store.remove("k1").unwrap();
+        assert_eq!(store.get("k1").unwrap(), None);
+        store.remove("k1").unwrap(); // absent: fine
+        assert_eq!(store.list().unwrap(), vec![b2]);
+    }
+
+    #[test]
+    fn file_names_never_contain_session_keys_and_json_has_a_version() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        store.put(&binding("../secret key", "s")).unwrap();
+        let names = file_names(store.dir());
+        assert_eq!(names, vec![format!("{}.json", hex_sha256("../secret key"))]);
+        let text = fs::read_to_string(store.dir().join(&names[0])).unwrap();
+        let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(value["schema_version"], 1);
+        assert_eq!(value["cli_session_id"], "s");
+    }
+
+    #[test]
+    fn survives_a_restart() {
+        let tmp = tempfile::tempdir().unwrap();
+        let b = binding("k", "s");
+        BindingStore::open(tmp.path()).unwrap().put(&b).unwrap();
+        let reopened = BindingStore::open(tmp.path()).unwrap();
+        assert_eq!(reopened.get("k").unwrap(), Some(b.clone()));
+        assert_eq!(reopened.list().unwrap(), vec![b]);
+    }
+
+    #[test]
+    fn corrupt_foreign_and_other_version_files_are_absent() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        store.put(&binding("good", "s")).unwrap();
+
+        fs::write(store.path_for("corrupt"), b"{ not json").unwrap();
+        assert_eq!(store.get("corrupt").unwrap(), None);
+
+        // A valid file of another key stored under this key's name.
+        let other = serde_json::to_vec(&StoredRef {
+            schema_version: 1,
+            binding: &binding("other", "s"),
+        })
+        .unwrap();
+        fs::write(store.path_for("mine"), &other).unwrap();
+        assert_eq!(store.get("mine").unwrap(), None);
+
+        let v2 = serde_json::to_vec(&StoredRef {
+            schema_version: 2,
+            binding: &binding("future", "s"),
+        })
+        .unwrap();
+        fs::write(store.path_for("future"), &v2).unwrap();
+        assert_eq!(store.get("future").unwrap(), None);
+
+        let unversioned = serde_json::to_vec(&binding("old", "s")).unwrap();
+        fs::write(store.path_for("old"), &unversioned).unwrap();
+        assert_eq!(store.get("old").unwrap(), None);
+
+        fs::write(store.dir().join("stray.txt"), b"x").unwrap();
+        let keys: Vec<String> = store
+            .list()
+            .unwrap()
+            .into_iter()
+            .map(|b| b.session_key)
+            .collect();
+        assert_eq!(keys, vec!["good".to_owned()]);
+
+        // Overwriting a corrupt file works.
+        store.put(&binding("corrupt", "s2")).unwrap();
+        assert_eq!(
+            store.get("corrupt").unwrap(),
+            Some(binding("corrupt", "s2"))
+        );
+    }
+
+    #[test]
+    fn no_temp_files_left_after_put() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        for i in 0..5 {
+            store.put(&binding("k", &format!("s{i}"))).unwrap();
+        }
+        let names = file_names(store.dir());
+        assert_eq!(names, vec![format!("{}.json", hex_sha256("k"))]);
+        assert!(names.iter().all(|n| !n.ends_with(".tmp")));
+    }
+
+    #[test]
+    fn concurrent_puts_of_different_keys_all_land() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        std::thread::scope(|scope| {
+            for t in 0..8 {
+                let store = &store;
+                scope.spawn(move || {
+                    for i in 0..10 {
+                        store
+                            .put(&binding(&format!("t{t}-k{i}"), &format!("s{t}-{i}")))
+                            .unwrap();
+                    }
+                });
+            }
+        });
+        let all = store.list().unwrap();
+        assert_eq!(all.len(), 80);
+        for t in 0..8 {
+            for i in 0..10 {
+                assert_eq!(
+                    store.get(&format!("t{t}-k{i}")).unwrap(),
+                    Some(binding(&format!("t{t}-k{i}"), &format!("s{t}-{i}")))
+                );
+            }
+        }
+        assert!(file_names(store.dir()).iter().all(|n| n.ends_with(".json")));
+    }
+
+    #[test]
+    fn open_fails_with_a_file_in_the_way() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::write(tmp.path().join("bindings"), b"x").unwrap();
+        let err = BindingStore::open(tmp.path()).unwrap_err();
+        assert!(matches!(err, BindingError::CreateDir { .. }), "{err}");
+        assert!(err.to_string().contains("writable"), "{err}");
+    }
+}

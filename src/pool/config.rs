@@ -1,0 +1,133 @@
+//! What a pool is started with, and what one lease asks for.
+//!
+//! Every cap and timeout has a finite default, chosen from the measurements in
+//! `packing-study.md` (see the field docs).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::auth::LeaseAuth;
+use crate::rpc::messages::ProviderConfig;
+use crate::worker::WorkerConfig;
+
+use super::restart::RestartPolicy;
+
+/// Pool-wide settings.
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
+    /// Template for every worker: program, timeouts, environment, tunnel. Its
+    /// `copilot_home`, `working_directory` and `auth_token` are set per key.
+    pub worker: WorkerConfig,
+    /// Where durable bindings live (`<state_dir>/bindings`).
+    pub state_dir: PathBuf,
+    /// Base of per-agent homes: `<base>/agents/<agent_id>/copilot`.
+    pub agents_base_dir: PathBuf,
+    /// Live processes in the pool (default 64).
+    pub max_processes: usize,
+    /// Processes per key (default 4).
+    pub max_processes_per_key: usize,
+    /// Conversations attached to one process (default 16). Keep the `cli` flavour well below
+    /// 128: it opens one inotify instance per session and the default per-user limit
+    /// (`fs.inotify.max_user_instances`) is 128 for all processes of the user together.
+    pub max_sessions_per_process: usize,
+    /// Conversations attached in the whole pool (default 1024).
+    pub max_sessions: usize,
+    /// Leases waiting for capacity (default 1024); more fail with `WaitersFull`.
+    pub max_waiters: usize,
+    /// How long a lease waits for capacity or for its conversation (default 30 s).
+    pub wait_timeout: Duration,
+    /// A worker with no lease for this long is stopped (default 5 min).
+    pub idle_ttl: Duration,
+    /// Recycle a process after this many turns (default 2,000). Runtime 1.0.85 keeps
+    /// 0.2–0.6 MiB per turn that detach and delete never return (packing-study §7), so 2,000
+    /// turns bound the growth to roughly +0.4–1.2 GiB before the process is replaced.
+    pub max_turns_per_process: u64,
+    /// Recycle a process whose resident memory exceeds this (default 1 GiB: a base of
+    /// ~105 MiB plus 16 conversations at ~5 MiB leaves ample room for the leak above).
+    pub max_rss_bytes: u64,
+    /// A draining process (rotation, recycling) is stopped after this even with leases.
+    pub drain_grace: Duration,
+    /// On shutdown, running turns get this long to finish before they are aborted.
+    pub shutdown_grace: Duration,
+    /// Crash restart backoff and intensity.
+    pub restart: RestartPolicy,
+    /// How often idle, lifetime and memory limits are checked (default 1 s).
+    pub maintenance_interval: Duration,
+}
+
+impl PoolConfig {
+    /// A config with the defaults above, spawning `worker.program`.
+    pub fn new(worker: WorkerConfig, state_dir: PathBuf, agents_base_dir: PathBuf) -> Self {
+        Self {
+            worker,
+            state_dir,
+            agents_base_dir,
+            max_processes: 64,
+            max_processes_per_key: 4,
+            max_sessions_per_process: 16,
+            max_sessions: 1024,
+            max_waiters: 1024,
+            wait_timeout: Duration::from_secs(30),
+            idle_ttl: Duration::from_secs(300),
+            max_turns_per_process: 2000,
+            max_rss_bytes: 1 << 30,
+            drain_grace: Duration::from_secs(60),
+            shutdown_grace: Duration::from_secs(10),
+            restart: RestartPolicy::default(),
+            maintenance_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What one lease asks for.
+#[derive(Clone, Debug)]
+pub struct LeaseRequest {
+    /// The agent (`^[a-z0-9][a-z0-9_-]{0,63}$`); names its default COPILOT_HOME.
+    pub agent_id: String,
+    /// The gateway's conversation key; bound durably to a CLI session id.
+    pub session_key: String,
+    /// Credentials; see [`crate::auth::resolve`] for the precedence.
+    pub auth: LeaseAuth,
+    /// Explicit COPILOT_HOME (wins over `agent_dir`).
+    pub copilot_home: Option<PathBuf>,
+    /// The agent's directory (`<agent_dir>/copilot` is the home).
+    pub agent_dir: Option<PathBuf>,
+    /// Model id.
+    pub model: Option<String>,
+    /// BYOK provider (sent on create and on every resume).
+    pub provider: Option<ProviderConfig>,
+    /// The conversation's working directory.
+    pub working_directory: PathBuf,
+    /// Stream deltas.
+    pub streaming: bool,
+    /// Allow-list of tools for new sessions (`None`: the runtime's defaults).
+    pub available_tools: Option<Vec<String>>,
+    /// Fail at once with `ConversationBusy` instead of queueing behind a running turn.
+    pub fail_if_busy: bool,
+    /// Overrides the pool's `wait_timeout` for this lease.
+    pub wait_timeout: Option<Duration>,
+}
+
+impl LeaseRequest {
+    /// A request with defaults: no explicit home, no provider, streaming on, queue when busy.
+    pub fn new(
+        agent_id: impl Into<String>,
+        session_key: impl Into<String>,
+        working_directory: PathBuf,
+    ) -> Self {
+        Self {
+            agent_id: agent_id.into(),
+            session_key: session_key.into(),
+            auth: LeaseAuth::default(),
+            copilot_home: None,
+            agent_dir: None,
+            model: None,
+            provider: None,
+            working_directory,
+            streaming: true,
+            available_tools: None,
+            fail_if_busy: false,
+            wait_timeout: None,
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! Why a lease or a pool operation failed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::auth::AuthError;
+use crate::home::HomeError;
+use crate::worker::WorkerError;
+
+use super::bindings::BindingError;
+
+/// Why a pool operation failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PoolError {
+    /// The lease's credentials are unusable.
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    /// The agent id or home is unusable.
+    #[error(transparent)]
+    Home(Arc<HomeError>),
+    /// The binding store failed.
+    #[error("session bindings: {0}")]
+    Bindings(String),
+    /// The pool is shut down (or shutting down).
+    #[error("the pool is shut down")]
+    Closed,
+    /// No capacity became free in time.
+    #[error(
+        "no capacity within {after:?} (raise max_processes / max_sessions or the wait timeout)"
+    )]
+    WaitTimeout {
+        /// How long the lease waited.
+        after: Duration,
+    },
+    /// Too many leases are already waiting.
+    #[error("{max} leases are already waiting for capacity (max_waiters)")]
+    WaitersFull {
+        /// The configured limit.
+        max: usize,
+    },
+    /// Another lease holds this conversation and the request asked not to queue.
+    #[error("conversation {session_key:?} is busy with another turn")]
+    ConversationBusy {
+        /// The conversation.
+        session_key: String,
+    },
+    /// The key's workers crashed too often; leases fail until the cool-down ends.
+    #[error(
+        "the workers of key {key_hash} crashed more than the restart intensity allows; \
+         leases fail for another {retry_after:?} (check the runtime's stderr in the logs)"
+    )]
+    RestartIntensityExceeded {
+        /// The key's short hash.
+        key_hash: String,
+        /// Time left in the cool-down.
+        retry_after: Duration,
+    },
+    /// A worker could not be started, or failed while serving the lease.
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    /// `send` while a turn is running, or a turn call without one.
+    #[error("{0}")]
+    TurnState(&'static str),
+}
+
+impl From<HomeError> for PoolError {
+    fn from(e: HomeError) -> Self {
+        PoolError::Home(Arc::new(e))
+    }
+}
+
+impl From<BindingError> for PoolError {
+    fn from(e: BindingError) -> Self {
+        PoolError::Bindings(e.to_string())
+    }
+}

@@ -1,0 +1,386 @@
+//! The pool: keyed leasing of conversations across supervised CLI workers.
+//!
+//! * [`Pool`] — start, [`Pool::lease`], [`Pool::status`], [`Pool::shutdown`].
+//! * [`Lease`] — exclusive use of one conversation with the basic turn API.
+//! * [`PoolConfig`], [`LeaseRequest`] — caps, timeouts, what a lease asks for.
+//! * `key` — [`PoolKey`] (which processes), its family (rotation) and the compat key (resume).
+//! * `bindings` — durable `session_key` → CLI session id records.
+//! * `restart` — OTP-style restart intensity and backoff.
+//! * `actor` — the pool actor that makes every placement decision.
+//!
+//! The pool never parses events or touches stdio: that is the worker's job.
+
+mod actor;
+pub mod bindings;
+mod config;
+mod error;
+pub mod key;
+mod lease;
+pub mod restart;
+mod status;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use ractor::{Actor, ActorRef};
+use tokio::sync::{Mutex, broadcast, watch};
+
+use crate::auth::{AuthMode, resolve};
+use crate::home::resolve_copilot_home;
+use crate::rpc::messages::SessionConfig;
+use crate::worker::{Session, WorkerError, WorkerHandle};
+
+pub use bindings::{Binding, BindingError, BindingStore};
+pub use config::{LeaseRequest, PoolConfig};
+pub use error::PoolError;
+pub use key::{PoolKey, compat_key};
+pub use lease::{Lease, OpenReason, TurnOutcome};
+pub use restart::{RestartDecision, RestartPolicy};
+pub use status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus};
+
+use actor::{AcquireRequest, Grant, PoolActor, PoolArgs, PoolMsg};
+
+/// Extra time an acquire call may take beyond the wait (a spawn that finishes late).
+const ACQUIRE_SLACK: Duration = Duration::from_secs(5);
+
+/// What [`Pool::shutdown`] did.
+#[derive(Debug, Clone, Default)]
+pub struct ShutdownReport {
+    /// Turns still running after the grace period, aborted.
+    pub aborted_turns: usize,
+}
+
+/// A pool of supervised CLI workers. Cheap to clone; the last clone dropped without
+/// [`Pool::shutdown`] stops the pool actor, which stops every worker.
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<PoolInner>,
+}
+
+struct PoolInner {
+    actor: ActorRef<PoolMsg>,
+    config: PoolConfig,
+    bindings: Arc<BindingStore>,
+    /// One turn at a time per conversation.
+    locks: DashMap<String, Arc<Mutex<()>>>,
+    leased: watch::Receiver<usize>,
+    events: broadcast::Sender<PoolEvent>,
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        self.actor.stop(Some("pool dropped".to_owned()));
+    }
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").finish_non_exhaustive()
+    }
+}
+
+impl Pool {
+    /// Starts a pool. Opens (creates) the binding store under `config.state_dir`.
+    pub async fn start(config: PoolConfig) -> Result<Pool, PoolError> {
+        let bindings = Arc::new(BindingStore::open(&config.state_dir)?);
+        let (leased_tx, leased_rx) = watch::channel(0);
+        let (events, _) = broadcast::channel(1024);
+        let args = PoolArgs {
+            config: config.clone(),
+            leased: leased_tx,
+            events: events.clone(),
+        };
+        let (actor, _) = Actor::spawn(None, PoolActor, args)
+            .await
+            .map_err(|e| PoolError::Worker(WorkerError::Spawn(format!("pool actor: {e}"))))?;
+        Ok(Pool {
+            inner: Arc::new(PoolInner {
+                actor,
+                config,
+                bindings,
+                locks: DashMap::new(),
+                leased: leased_rx,
+                events,
+            }),
+        })
+    }
+
+    /// Events as they happen (workers started, crashed, evicted; conversations opened).
+    /// A receiver that falls more than 1,024 events behind loses the oldest.
+    pub fn subscribe(&self) -> broadcast::Receiver<PoolEvent> {
+        self.inner.events.subscribe()
+    }
+
+    /// The pool's configuration.
+    pub fn config(&self) -> &PoolConfig {
+        &self.inner.config
+    }
+
+    /// The durable bindings (read-only use: the pool writes them).
+    pub fn bindings(&self) -> &BindingStore {
+        &self.inner.bindings
+    }
+
+    /// Leases a conversation: resolves credentials and home, waits for the conversation
+    /// (one turn at a time) and for capacity, then attaches the CLI session — reusing the
+    /// attached one, resuming the bound one, or creating a new one.
+    pub async fn lease(&self, req: LeaseRequest) -> Result<Lease, PoolError> {
+        let inner = &self.inner;
+        let auth = resolve(&req.auth)?;
+        let home = resolve_copilot_home(
+            req.copilot_home.as_deref(),
+            req.agent_dir.as_deref(),
+            &inner.config.agents_base_dir,
+            &req.agent_id,
+        )?;
+        let key = PoolKey::new(&home, &auth, req.provider.as_ref(), req.model.as_deref());
+        let compat = compat_key(&key, req.model.as_deref(), &req.working_directory);
+        let wait = req.wait_timeout.unwrap_or(inner.config.wait_timeout);
+
+        // One turn at a time per conversation.
+        let lock = inner
+            .locks
+            .entry(req.session_key.clone())
+            .or_insert_with(|| Arc::new(Mutex::new(())))
+            .clone();
+        let guard = if req.fail_if_busy {
+            lock.try_lock_owned()
+                .map_err(|_| PoolError::ConversationBusy {
+                    session_key: req.session_key.clone(),
+                })?
+        } else {
+            tokio::time::timeout(wait, lock.lock_owned())
+                .await
+                .map_err(|_| PoolError::WaitTimeout { after: wait })?
+        };
+
+        let mut spec = inner.config.worker.clone();
+        spec.copilot_home = home.clone();
+        spec.working_directory = home.clone();
+        spec.auth_token = auth.token.clone();
+        spec.auto_login = auth.mode == AuthMode::LoggedInUser;
+        let acquire = AcquireRequest {
+            key: key.clone(),
+            spec: spec.clone(),
+            session_key: req.session_key.clone(),
+            wait,
+        };
+        let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
+        let grant: Grant = match inner
+            .actor
+            .call(
+                |reply| PoolMsg::Acquire {
+                    req: acquire,
+                    reply,
+                },
+                Some(limit),
+            )
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(result)) => result?,
+            Ok(ractor::rpc::CallResult::Timeout) => {
+                return Err(PoolError::WaitTimeout { after: limit });
+            }
+            _ => return Err(PoolError::Closed),
+        };
+
+        let worker_id = grant.worker_id;
+        let worker = grant.worker.clone();
+        let session_config = SessionConfig {
+            model: req.model.clone(),
+            provider: req.provider.clone(),
+            // The runtime refuses a session-level token together with a BYOK provider.
+            git_hub_token: if req.provider.is_none() {
+                auth.token.clone()
+            } else {
+                None
+            },
+            working_directory: Some(req.working_directory.display().to_string()),
+            streaming: req.streaming,
+            available_tools: req.available_tools.clone(),
+            env_value_mode: Some("direct".to_owned()),
+            tool_filter_precedence: Some("excluded".to_owned()),
+            ..Default::default()
+        };
+        let opened = open_conversation(
+            &worker,
+            grant,
+            &inner.bindings,
+            &req.session_key,
+            &compat,
+            &home,
+            session_config,
+        )
+        .await;
+        let (session, reason) = match opened {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = inner.actor.cast(PoolMsg::Return {
+                    session_key: req.session_key.clone(),
+                    worker_id,
+                    session: None,
+                    turns: 0,
+                });
+                return Err(e);
+            }
+        };
+        let cli_session_id = session.id().to_owned();
+        let binding = Binding {
+            session_key: req.session_key.clone(),
+            cli_session_id: cli_session_id.clone(),
+            compat_key: compat,
+            updated_at_ms: now_ms(),
+        };
+        let store = inner.bindings.clone();
+        let stored = tokio::task::spawn_blocking(move || store.put(&binding)).await;
+        match stored {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "Could not store a session binding; the conversation will not survive a pool restart.")
+            }
+            Err(e) => tracing::warn!(error = %e, "Binding write task failed."),
+        }
+        let _ = inner.actor.cast(PoolMsg::Opened {
+            session_key: req.session_key.clone(),
+            worker_id,
+            cli_session_id: cli_session_id.clone(),
+            reason,
+        });
+        Ok(Lease {
+            worker_pid: worker.pid(),
+            session: Some(session),
+            session_key: req.session_key,
+            cli_session_id,
+            worker_id,
+            reason,
+            pool: inner.actor.clone(),
+            turn_in_flight: false,
+            turns: 0,
+            lost: false,
+            guard: Some(guard),
+        })
+    }
+
+    /// A snapshot of workers, waiters and counters.
+    pub async fn status(&self) -> Result<PoolStatus, PoolError> {
+        match self
+            .inner
+            .actor
+            .call(PoolMsg::Status, Some(Duration::from_secs(10)))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(status)) => Ok(status),
+            _ => Err(PoolError::Closed),
+        }
+    }
+
+    /// Stops leasing, lets running turns finish within the grace period, aborts the rest,
+    /// detaches every session and stops every worker (process groups killed).
+    pub async fn shutdown(&self) -> Result<ShutdownReport, PoolError> {
+        let actor = &self.inner.actor;
+        let call = Some(Duration::from_secs(30));
+        let _ = actor.call(PoolMsg::Close, call).await;
+        let mut leased = self.inner.leased.clone();
+        let grace = self.inner.config.shutdown_grace;
+        let mut report = ShutdownReport::default();
+        if tokio::time::timeout(grace, leased.wait_for(|n| *n == 0))
+            .await
+            .is_err()
+        {
+            if let Ok(ractor::rpc::CallResult::Success(n)) =
+                actor.call(PoolMsg::AbortLeased, call).await
+            {
+                report.aborted_turns = n;
+            }
+            // Aborted turns end quickly; their leases return when dropped.
+            let _ =
+                tokio::time::timeout(Duration::from_secs(5), leased.wait_for(|n| *n == 0)).await;
+        }
+        let stop_limit = self.inner.config.worker.kill_grace * 2 + Duration::from_secs(10);
+        let _ = actor.call(PoolMsg::StopAll, Some(stop_limit)).await;
+        actor.stop(Some("shutdown".to_owned()));
+        let _ = actor.wait(Some(stop_limit)).await;
+        Ok(report)
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Attaches the lease's CLI session on the granted worker.
+async fn open_conversation(
+    worker: &WorkerHandle,
+    grant: Grant,
+    bindings: &Arc<BindingStore>,
+    session_key: &str,
+    compat: &str,
+    home: &Path,
+    config: SessionConfig,
+) -> Result<(Session, OpenReason), PoolError> {
+    if let Some(carried) = grant.carried {
+        match carried.session {
+            Some(session) if carried.same_worker && session.is_alive() => {
+                return Ok((session, OpenReason::Attached));
+            }
+            // One owner per CLI session id: detach from the old worker before resuming.
+            Some(session) => {
+                if let Err(error) = session.detach().await {
+                    tracing::debug!(%error, "Detach on the old worker failed (it may be gone).");
+                }
+            }
+            None => {}
+        }
+    }
+    let store = bindings.clone();
+    let key = session_key.to_owned();
+    let binding = tokio::task::spawn_blocking(move || store.get(&key))
+        .await
+        .map_err(|e| PoolError::Bindings(e.to_string()))??;
+    let Some(binding) = binding else {
+        return create(worker, config, OpenReason::New).await;
+    };
+    if binding.compat_key != compat {
+        return create(worker, config, OpenReason::CompatChanged).await;
+    }
+    let id = binding.cli_session_id;
+    if !home.join("session-state").join(&id).is_dir() {
+        return create(worker, config, OpenReason::TranscriptMissing).await;
+    }
+    let resume = SessionConfig {
+        session_id: id,
+        continue_pending_work: Some(false),
+        ..config.clone()
+    };
+    match worker.resume_session(resume).await {
+        Ok((session, _)) => Ok((session, OpenReason::Resumed)),
+        Err(error) if is_not_found(&error) => create(worker, config, OpenReason::NotFound).await,
+        Err(error) => Err(PoolError::Worker(error)),
+    }
+}
+
+async fn create(
+    worker: &WorkerHandle,
+    config: SessionConfig,
+    reason: OpenReason,
+) -> Result<(Session, OpenReason), PoolError> {
+    let session = worker.create_session(config).await?;
+    Ok((session, reason))
+}
+
+fn is_not_found(error: &WorkerError) -> bool {
+    match error {
+        WorkerError::Rpc(e) => {
+            let text = e.to_string().to_ascii_lowercase();
+            text.contains("not found")
+                || text.contains("no such session")
+                || text.contains("enoent")
+        }
+        _ => false,
+    }
+}

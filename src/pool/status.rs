@@ -1,0 +1,150 @@
+//! A point-in-time snapshot of the pool, for the daemon, the demo and tests.
+
+use serde::Serialize;
+
+/// A worker's state as the pool sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerState {
+    /// Takes new conversations.
+    Live,
+    /// Rotated away or recycled: takes nothing new, ends when its leases end.
+    Draining,
+}
+
+/// One worker in the snapshot.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerStatus {
+    /// Short hash of the worker's key (no secret, no path).
+    pub key_hash: String,
+    /// The child's pid.
+    pub pid: u32,
+    /// Live or draining.
+    pub state: WorkerState,
+    /// Conversations attached.
+    pub sessions: usize,
+    /// Conversations leased right now.
+    pub leases: usize,
+    /// Turns served.
+    pub turns: u64,
+    /// Crash restarts of its key so far.
+    pub restarts: u64,
+    /// Resident memory at the last maintenance tick.
+    pub rss_bytes: u64,
+}
+
+/// Counters since the pool started.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PoolTotals {
+    /// Processes started (first starts and restarts).
+    pub processes_spawned: u64,
+    /// Processes started to replace a crashed one.
+    pub restarts: u64,
+    /// Workers that died (crash, kill, hang, protocol violation).
+    pub crashes: u64,
+    /// Conversations resumed from a stored session.
+    pub resumed: u64,
+    /// Conversations that started a new CLI session.
+    pub created: u64,
+    /// Workers stopped by the pool (idle, full, drained, recycled).
+    pub evicted: u64,
+    /// Turns completed through leases.
+    pub turns: u64,
+}
+
+/// The pool at one moment.
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolStatus {
+    /// Every worker.
+    pub workers: Vec<WorkerStatus>,
+    /// Leases waiting for capacity.
+    pub waiters: usize,
+    /// Conversations attached to workers.
+    pub conversations: usize,
+    /// Conversations leased right now.
+    pub leased: usize,
+    /// Keys in their restart cool-down.
+    pub quarantined_keys: Vec<String>,
+    /// No new leases are accepted.
+    pub closed: bool,
+    /// Counters.
+    pub totals: PoolTotals,
+}
+
+impl std::fmt::Display for PoolStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{} workers, {} conversations ({} leased), {} waiting; spawned {}, restarts {}, crashes {}, resumed {}, created {}, evicted {}, turns {}",
+            self.workers.len(),
+            self.conversations,
+            self.leased,
+            self.waiters,
+            self.totals.processes_spawned,
+            self.totals.restarts,
+            self.totals.crashes,
+            self.totals.resumed,
+            self.totals.created,
+            self.totals.evicted,
+            self.totals.turns,
+        )?;
+        for w in &self.workers {
+            writeln!(
+                f,
+                "  key {} pid {:>7} {:<8} sessions {:>3} leases {:>3} turns {:>5} restarts {} rss {} MiB",
+                w.key_hash,
+                w.pid,
+                format!("{:?}", w.state).to_lowercase(),
+                w.sessions,
+                w.leases,
+                w.turns,
+                w.restarts,
+                w.rss_bytes >> 20
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Something the pool did, as it happens (for the demo, the daemon and tests).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum PoolEvent {
+    /// A worker process started (`restart`: it replaces a crashed one).
+    WorkerStarted {
+        /// The key's short hash.
+        key_hash: String,
+        /// The child's pid.
+        pid: u32,
+        /// Replaces a crashed worker.
+        restart: bool,
+    },
+    /// A worker died (crash, kill, hang, protocol violation).
+    WorkerCrashed {
+        /// The key's short hash.
+        key_hash: String,
+        /// The child's pid.
+        pid: u32,
+    },
+    /// The pool stopped a worker (idle, full, drained after rotation or recycling).
+    WorkerEvicted {
+        /// The key's short hash.
+        key_hash: String,
+        /// The child's pid.
+        pid: u32,
+        /// Why.
+        why: &'static str,
+    },
+    /// A key crashed too often and is in its cool-down.
+    KeyQuarantined {
+        /// The key's short hash.
+        key_hash: String,
+    },
+    /// A lease opened its conversation.
+    ConversationOpened {
+        /// The worker's pid.
+        pid: u32,
+        /// How.
+        reason: super::lease::OpenReason,
+    },
+}
