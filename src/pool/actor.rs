@@ -51,7 +51,7 @@ pub(crate) struct Carried {
 /// Messages of the pool actor.
 pub(crate) enum PoolMsg {
     Acquire {
-        req: AcquireRequest,
+        req: Box<AcquireRequest>,
         reply: RpcReplyPort<Result<Grant, PoolError>>,
     },
     /// A lease opened (created or resumed) its CLI session.
@@ -190,7 +190,7 @@ impl Actor for PoolActor {
         state: &mut PoolState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            PoolMsg::Acquire { req, reply } => state.acquire(req, reply, &myself),
+            PoolMsg::Acquire { req, reply } => state.acquire(*req, reply, &myself),
             PoolMsg::Opened {
                 session_key,
                 worker_id,
@@ -238,12 +238,12 @@ impl Actor for PoolActor {
                 state.serve_waiters(&myself);
             }
             PoolMsg::WaiterExpired(id) => {
-                if let Some(pos) = state.waiters.iter().position(|w| w.id == id) {
-                    if let Some(w) = state.waiters.remove(pos) {
-                        let _ = w
-                            .reply
-                            .send(Err(PoolError::WaitTimeout { after: w.req.wait }));
-                    }
+                if let Some(pos) = state.waiters.iter().position(|w| w.id == id)
+                    && let Some(w) = state.waiters.remove(pos)
+                {
+                    let _ = w
+                        .reply
+                        .send(Err(PoolError::WaitTimeout { after: w.req.wait }));
                 }
             }
             PoolMsg::Tick => {
@@ -476,9 +476,13 @@ impl PoolState {
             }
         }
 
-        let target = self.least_loaded(&req.key);
+        let mut target = self.least_loaded(&req.key);
+        if target.is_none() && !self.grow(&req.key, myself) {
+            // No room and no new process allowed: make room on one of this key's workers
+            // by detaching its least recently used parked conversation.
+            target = self.detach_lru_parked_of_key(&req.key);
+        }
         let Some(target) = target else {
-            self.grow(&req.key, myself);
             return Ok(None);
         };
         if !self.conversations.contains_key(&req.session_key)
@@ -553,15 +557,18 @@ impl PoolState {
     }
 
     /// Starts a worker for `key` if the caps allow (evicting the least recently used idle
-    /// worker when the pool is full).
-    fn grow(&mut self, key: &PoolKey, myself: &ActorRef<PoolMsg>) {
+    /// worker when the pool is full). Returns false when no new process may come for this
+    /// key (its caps are reached and no idle worker can make room).
+    fn grow(&mut self, key: &PoolKey, myself: &ActorRef<PoolMsg>) -> bool {
         let now = Instant::now();
-        let Some(ks) = self.keys.get(key) else { return };
+        let Some(ks) = self.keys.get(key) else {
+            return false;
+        };
         if ks.spawning || ks.backoff_until.is_some_and(|t| now < t) {
-            return;
+            return true;
         }
         if ks.workers.len() >= self.config.max_processes_per_key {
-            return;
+            return false;
         }
         let spawning = self.keys.values().filter(|k| k.spawning).count();
         if self.workers.len() + spawning >= self.config.max_processes {
@@ -573,12 +580,36 @@ impl PoolState {
                 .map(|(id, _)| *id);
             match victim {
                 Some(id) => self.evict(id, "pool full: least recently used idle worker"),
-                None => return,
+                None => return false,
             }
         }
         if let Some(ks) = self.keys.get_mut(key) {
             start_spawn(key, ks, myself);
         }
+        true
+    }
+
+    /// Detaches the least recently used parked conversation of a live worker of `key` and
+    /// returns that worker (now with room for one more).
+    fn detach_lru_parked_of_key(&mut self, key: &PoolKey) -> Option<WorkerId> {
+        let session_key = self
+            .conversations
+            .iter()
+            .filter(|(_, c)| !c.leased)
+            .filter(|(_, c)| {
+                self.workers
+                    .get(&c.worker)
+                    .is_some_and(|w| w.key == *key && !w.draining)
+            })
+            .min_by_key(|(_, c)| c.last_used)
+            .map(|(k, _)| k.clone())?;
+        let conv = self.conversations.remove(&session_key)?;
+        if let Some(w) = self.workers.get_mut(&conv.worker) {
+            w.attached.remove(&session_key);
+        }
+        // Dropping the session detaches it in the runtime; its binding stays for a resume.
+        drop(conv.parked);
+        Some(conv.worker)
     }
 
     /// Detaches the least recently used parked conversation to make room.

@@ -67,6 +67,8 @@ struct PoolInner {
     locks: DashMap<String, Arc<Mutex<()>>>,
     leased: watch::Receiver<usize>,
     events: broadcast::Sender<PoolEvent>,
+    /// Set by `shutdown`: leases fail at once, also those waiting for their conversation.
+    closed: watch::Sender<bool>,
 }
 
 impl Drop for PoolInner {
@@ -103,6 +105,7 @@ impl Pool {
                 locks: DashMap::new(),
                 leased: leased_rx,
                 events,
+                closed: watch::channel(false).0,
             }),
         })
     }
@@ -128,6 +131,9 @@ impl Pool {
     /// attached one, resuming the bound one, or creating a new one.
     pub async fn lease(&self, req: LeaseRequest) -> Result<Lease, PoolError> {
         let inner = &self.inner;
+        if *inner.closed.borrow() {
+            return Err(PoolError::Closed);
+        }
         let auth = resolve(&req.auth)?;
         let home = resolve_copilot_home(
             req.copilot_home.as_deref(),
@@ -151,9 +157,13 @@ impl Pool {
                     session_key: req.session_key.clone(),
                 })?
         } else {
-            tokio::time::timeout(wait, lock.lock_owned())
-                .await
-                .map_err(|_| PoolError::WaitTimeout { after: wait })?
+            let mut closed = inner.closed.subscribe();
+            tokio::select! {
+                guard = tokio::time::timeout(wait, lock.lock_owned()) => {
+                    guard.map_err(|_| PoolError::WaitTimeout { after: wait })?
+                }
+                _ = closed.wait_for(|c| *c) => return Err(PoolError::Closed),
+            }
         };
 
         let mut spec = inner.config.worker.clone();
@@ -172,7 +182,7 @@ impl Pool {
             .actor
             .call(
                 |reply| PoolMsg::Acquire {
-                    req: acquire,
+                    req: Box::new(acquire),
                     reply,
                 },
                 Some(limit),
@@ -280,6 +290,7 @@ impl Pool {
     /// detaches every session and stops every worker (process groups killed).
     pub async fn shutdown(&self) -> Result<ShutdownReport, PoolError> {
         let actor = &self.inner.actor;
+        self.inner.closed.send_replace(true);
         let call = Some(Duration::from_secs(30));
         let _ = actor.call(PoolMsg::Close, call).await;
         let mut leased = self.inner.leased.clone();

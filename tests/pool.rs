@@ -1,0 +1,554 @@
+//! End-to-end: the pool over real runtime processes and the scripted model.
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use copilot_pool::auth::LeaseAuth;
+use copilot_pool::pool::{
+    LeaseRequest, OpenReason, Pool, PoolConfig, PoolError, PoolEvent, RestartPolicy,
+};
+use copilot_pool::rpc::messages::ProviderConfig;
+use copilot_pool::scripted_model::{HttpEndpoint, ScriptedModel};
+use copilot_pool::secret::Secret;
+use copilot_pool::worker::WorkerConfig;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use support::Scratch;
+use support::procs::wait_group_gone;
+use tokio::sync::broadcast;
+
+struct Fixture {
+    scratch: Scratch,
+    model: ScriptedModel,
+    endpoint: HttpEndpoint,
+}
+
+impl Fixture {
+    async fn new() -> Self {
+        let model = ScriptedModel::new();
+        let endpoint = model.serve_http().await.expect("model endpoint");
+        Self {
+            scratch: Scratch::new(),
+            model,
+            endpoint,
+        }
+    }
+
+    async fn config(&self) -> PoolConfig {
+        let mut worker = WorkerConfig::new(
+            support::runtime::runtime_path().await,
+            PathBuf::new(),
+            PathBuf::new(),
+        );
+        worker.extra_env = vec![(
+            "HOME".to_owned(),
+            self.scratch.path().join("home").display().to_string(),
+        )];
+        worker.kill_grace = Duration::from_secs(2);
+        let mut config = PoolConfig::new(
+            worker,
+            self.scratch.path().join("state"),
+            self.scratch.path().join("agents"),
+        );
+        config.maintenance_interval = Duration::from_millis(100);
+        config.shutdown_grace = Duration::from_secs(2);
+        config
+    }
+
+    fn provider(&self) -> ProviderConfig {
+        ProviderConfig::openai(self.endpoint.base_url(), Some(Secret::new("scripted-key")))
+    }
+
+    fn request(&self, agent: &str, session_key: &str) -> LeaseRequest {
+        let mut req = LeaseRequest::new(agent, session_key, self.scratch.work());
+        req.model = Some(ScriptedModel::MODEL_ID.to_owned());
+        req.provider = Some(self.provider());
+        req.available_tools = Some(Vec::new());
+        req.streaming = false;
+        req
+    }
+
+    /// The text of every message of the last model request.
+    fn last_model_request(&self) -> String {
+        let last = self.model.requests().pop().expect("a model request");
+        serde_json::to_string(last.messages()).expect("json")
+    }
+}
+
+fn token(version: &str) -> LeaseAuth {
+    LeaseAuth {
+        github_token: Some(Secret::new(format!("ghu_token_{version}"))),
+        profile_id: Some("profile-1".to_owned()),
+        profile_version: Some(version.to_owned()),
+        ..Default::default()
+    }
+}
+
+/// Waits for the first event that `want` accepts (events are how the pool reports).
+async fn wait_event(
+    events: &mut broadcast::Receiver<PoolEvent>,
+    want: impl Fn(&PoolEvent) -> bool,
+) -> PoolEvent {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), events.recv()).await {
+            Ok(Ok(event)) if want(&event) => return event,
+            Ok(Ok(_)) => continue,
+            Ok(Err(broadcast::error::RecvError::Lagged(_))) => continue,
+            other => panic!("no matching pool event: {other:?}"),
+        }
+    }
+}
+
+async fn shutdown_leaves_nothing(pool: &Pool) {
+    let pids: Vec<u32> = pool
+        .status()
+        .await
+        .map(|s| s.workers.iter().map(|w| w.pid).collect())
+        .unwrap_or_default();
+    pool.shutdown().await.expect("shutdown");
+    for pid in pids {
+        let left = wait_group_gone(pid, Duration::from_secs(5)).await;
+        assert!(left.is_empty(), "group {pid} left behind: {left:?}");
+    }
+}
+
+#[tokio::test]
+async fn concurrent_leases_on_a_new_key_spawn_exactly_one_process() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let leases = futures_util::future::join_all(
+        (0..6).map(|i| pool.lease(fx.request("agent-a", &format!("conv-{i}")))),
+    )
+    .await;
+    let pids: std::collections::HashSet<u32> = leases
+        .iter()
+        .map(|l| l.as_ref().expect("lease").worker_pid())
+        .collect();
+    assert_eq!(pids.len(), 1, "one process for one key");
+    let status = pool.status().await.expect("status");
+    assert_eq!(status.totals.processes_spawned, 1);
+    assert_eq!(status.workers[0].sessions, 6);
+    drop(leases);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn twenty_conversations_pack_into_two_processes_within_the_caps() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.max_sessions_per_process = 10;
+    config.max_processes_per_key = 2;
+    let pool = Pool::start(config).await.expect("pool");
+    let runs = (0..20).map(|i| {
+        let pool = pool.clone();
+        let req = fx.request("agent-a", &format!("conv-{i}"));
+        async move {
+            let mut lease = pool.lease(req).await?;
+            let outcome = lease.run(format!("REPLY=answer {i}")).await?;
+            Ok::<_, PoolError>((lease.worker_pid(), outcome.text, lease))
+        }
+    });
+    let results = futures_util::future::join_all(runs).await;
+    let mut per_pid = std::collections::HashMap::<u32, usize>::new();
+    for (i, r) in results.iter().enumerate() {
+        let (pid, text, _) = r.as_ref().expect("turn");
+        assert_eq!(text, &format!("answer {i}"));
+        *per_pid.entry(*pid).or_default() += 1;
+    }
+    assert_eq!(per_pid.len(), 2, "{per_pid:?}");
+    assert!(per_pid.values().all(|n| *n == 10), "{per_pid:?}");
+    let status = pool.status().await.expect("status");
+    assert!(status.workers.iter().all(|w| w.sessions <= 10));
+    assert_eq!(status.totals.processes_spawned, 2);
+    drop(results);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn leases_wait_in_a_bounded_queue_and_time_out() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.max_processes = 1;
+    config.max_processes_per_key = 1;
+    config.max_sessions_per_process = 1;
+    config.max_waiters = 1;
+    let pool = Pool::start(config).await.expect("pool");
+    let held = pool
+        .lease(fx.request("agent-a", "one"))
+        .await
+        .expect("first lease");
+
+    let mut waiting = fx.request("agent-a", "two");
+    waiting.wait_timeout = Some(Duration::from_millis(500));
+    let waiter = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.lease(waiting).await }
+    });
+    // Once the first waiter is queued, a second one overflows the queue.
+    let queued = async {
+        loop {
+            if pool.status().await.map(|s| s.waiters).unwrap_or(0) == 1 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), queued)
+        .await
+        .expect("queued");
+    let overflow = pool.lease(fx.request("agent-a", "three")).await;
+    assert!(
+        matches!(overflow, Err(PoolError::WaitersFull { max: 1 })),
+        "{overflow:?}"
+    );
+    let timed_out = waiter.await.expect("join");
+    assert!(
+        matches!(timed_out, Err(PoolError::WaitTimeout { .. })),
+        "{timed_out:?}"
+    );
+
+    // Capacity returns with the lease: the only session slot now holds the parked
+    // conversation "one", which is detached to make room for "two"…
+    drop(held);
+    let two = pool
+        .lease(fx.request("agent-a", "two"))
+        .await
+        .expect("lease two");
+    let pid = two.worker_pid();
+    drop(two);
+    // …and "one" resumes on the same process when it comes back.
+    let one = pool
+        .lease(fx.request("agent-a", "one"))
+        .await
+        .expect("lease one again");
+    assert_eq!(one.worker_pid(), pid);
+    assert!(one.reason() != OpenReason::Attached, "{:?}", one.reason());
+    let status = pool.status().await.expect("status");
+    assert_eq!(status.totals.processes_spawned, 1);
+    drop(one);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_crash_restarts_the_worker_and_the_conversation_resumes_with_its_history() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    let first_id = lease.cli_session_id().to_owned();
+    let outcome = lease
+        .run("REPLY=noted MARKER-crash-41")
+        .await
+        .expect("turn");
+    assert_eq!(outcome.text, "noted MARKER-crash-41");
+    let pid = lease.worker_pid();
+    drop(lease);
+
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
+    wait_event(
+        &mut events,
+        |e| matches!(e, PoolEvent::WorkerCrashed { pid: p, .. } if *p == pid),
+    )
+    .await;
+    let started = wait_event(&mut events, |e| {
+        matches!(e, PoolEvent::WorkerStarted { restart: true, .. })
+    })
+    .await;
+
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease after crash");
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    assert_eq!(lease.cli_session_id(), first_id);
+    let PoolEvent::WorkerStarted { pid: new_pid, .. } = started else {
+        unreachable!()
+    };
+    assert_eq!(lease.worker_pid(), new_pid);
+    lease
+        .run("what was the marker?")
+        .await
+        .expect("turn after crash");
+    let history = fx.last_model_request();
+    assert!(
+        history.contains("MARKER-crash-41"),
+        "history lost: {history}"
+    );
+    let status = pool.status().await.expect("status");
+    assert_eq!(status.totals.restarts, 1);
+    assert_eq!(status.totals.crashes, 1);
+    drop(lease);
+    assert!(
+        wait_group_gone(pid, Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn restart_intensity_quarantines_a_key_until_the_cool_down_ends() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.restart = RestartPolicy {
+        max_restarts: 1,
+        window: Duration::from_secs(30),
+        cooldown: Duration::from_secs(2),
+        ..RestartPolicy::default()
+    };
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    lease.run("REPLY=one").await.expect("turn");
+    let mut pid = lease.worker_pid();
+    drop(lease);
+    // Crash 1 is restarted; crash 2 exceeds the intensity.
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
+    if let PoolEvent::WorkerStarted { pid: p, .. } = wait_event(&mut events, |e| {
+        matches!(e, PoolEvent::WorkerStarted { restart: true, .. })
+    })
+    .await
+    {
+        pid = p;
+    }
+    // The restarted worker holds no conversation now (it was lost with the crash); lease it
+    // again so the next crash has demand.
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    lease.run("REPLY=two").await.expect("turn");
+    drop(lease);
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
+    wait_event(&mut events, |e| {
+        matches!(e, PoolEvent::KeyQuarantined { .. })
+    })
+    .await;
+
+    let refused = pool.lease(fx.request("agent-a", "conv")).await;
+    let Err(PoolError::RestartIntensityExceeded { retry_after, .. }) = refused else {
+        panic!("expected quarantine, got {refused:?}")
+    };
+    assert!(retry_after <= Duration::from_secs(2));
+    // The cool-down is a duration by design: wait it out.
+    tokio::time::sleep(retry_after + Duration::from_millis(100)).await;
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease after cool-down");
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    lease
+        .run("REPLY=three")
+        .await
+        .expect("turn after cool-down");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn token_rotation_drains_the_old_process_and_keeps_the_conversation() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut req = fx.request("agent-a", "conv");
+    req.auth = token("v1");
+    let mut lease = pool.lease(req.clone()).await.expect("lease v1");
+    let id = lease.cli_session_id().to_owned();
+    lease
+        .run("REPLY=ok MARKER-rotate-7")
+        .await
+        .expect("turn v1");
+    let old_pid = lease.worker_pid();
+    drop(lease);
+
+    req.auth = token("v2");
+    let mut lease = pool.lease(req).await.expect("lease v2");
+    assert_ne!(
+        lease.worker_pid(),
+        old_pid,
+        "a rotated token needs a new process"
+    );
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    assert_eq!(
+        lease.cli_session_id(),
+        id,
+        "same conversation after rotation"
+    );
+    wait_event(
+        &mut events,
+        |e| matches!(e, PoolEvent::WorkerEvicted { pid, .. } if *pid == old_pid),
+    )
+    .await;
+    lease.run("and the marker?").await.expect("turn v2");
+    assert!(fx.last_model_request().contains("MARKER-rotate-7"));
+    let status = pool.status().await.expect("status");
+    assert_eq!(status.workers.len(), 1);
+    assert_eq!(status.totals.evicted, 1);
+    assert!(
+        wait_group_gone(old_pid, Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_byok_change_starts_a_new_session() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut req = fx.request("agent-a", "conv");
+    let mut lease = pool.lease(req.clone()).await.expect("lease");
+    lease.run("REPLY=first").await.expect("turn");
+    let first = lease.cli_session_id().to_owned();
+    drop(lease);
+    req.provider = Some(ProviderConfig::openai(
+        fx.endpoint.base_url(),
+        Some(Secret::new("another-key")),
+    ));
+    let lease = pool.lease(req).await.expect("lease with a new key");
+    assert_eq!(lease.reason(), OpenReason::CompatChanged);
+    assert_ne!(lease.cli_session_id(), first);
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_pool_restarted_on_its_state_resumes_from_bindings_or_reports_missing_transcripts() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut kept = pool
+        .lease(fx.request("agent-a", "kept"))
+        .await
+        .expect("lease");
+    kept.run("REPLY=ok MARKER-durable-3").await.expect("turn");
+    let kept_id = kept.cli_session_id().to_owned();
+    drop(kept);
+    let mut lost = pool
+        .lease(fx.request("agent-a", "lost"))
+        .await
+        .expect("lease");
+    lost.run("REPLY=ok").await.expect("turn");
+    let lost_id = lost.cli_session_id().to_owned();
+    drop(lost);
+    shutdown_leaves_nothing(&pool).await;
+
+    let home = fx.scratch.path().join("agents/agents/agent-a/copilot");
+    let home = if home.exists() {
+        home
+    } else {
+        fx.scratch.path().join("agents/agent-a/copilot")
+    };
+    std::fs::remove_dir_all(home.join("session-state").join(&lost_id)).expect("remove state");
+
+    let pool = Pool::start(fx.config().await).await.expect("pool again");
+    let mut kept = pool
+        .lease(fx.request("agent-a", "kept"))
+        .await
+        .expect("lease");
+    assert_eq!(kept.reason(), OpenReason::Resumed);
+    assert_eq!(kept.cli_session_id(), kept_id);
+    kept.run("the marker?").await.expect("turn");
+    assert!(fx.last_model_request().contains("MARKER-durable-3"));
+    let lost = pool
+        .lease(fx.request("agent-a", "lost"))
+        .await
+        .expect("lease");
+    assert_eq!(lost.reason(), OpenReason::TranscriptMissing);
+    assert_ne!(lost.cli_session_id(), lost_id);
+    drop((kept, lost));
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn one_turn_at_a_time_and_one_owner_per_session_id() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut req = fx.request("agent-a", "conv");
+    req.auth = token("v1");
+    let mut first = pool.lease(req.clone()).await.expect("lease");
+    first.run("REPLY=ok MARKER-owner-5").await.expect("turn");
+
+    // A second lease of a busy conversation fails fast when asked to…
+    let mut busy = req.clone();
+    busy.fail_if_busy = true;
+    let refused = pool.lease(busy).await;
+    assert!(
+        matches!(refused, Err(PoolError::ConversationBusy { .. })),
+        "{refused:?}"
+    );
+
+    // …and otherwise queues behind it, even on another process (rotated token).
+    let mut rotated = req.clone();
+    rotated.auth = token("v2");
+    let second = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.lease(rotated).await }
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), async {
+            while !second.is_finished() {
+                tokio::task::yield_now().await
+            }
+        })
+        .await
+        .is_err(),
+        "the second lease must wait for the first"
+    );
+    let old_pid = first.worker_pid();
+    drop(first);
+    let mut second = second.await.expect("join").expect("second lease");
+    assert_ne!(second.worker_pid(), old_pid);
+    assert_eq!(second.reason(), OpenReason::Resumed);
+    second.run("the marker?").await.expect("turn");
+    // No split brain: the resumed session carries the first process's turn.
+    assert!(fx.last_model_request().contains("MARKER-owner-5"));
+    let status = pool.status().await.expect("status");
+    let attached: usize = status.workers.iter().map(|w| w.sessions).sum();
+    assert_eq!(attached, 1, "the session is attached to exactly one worker");
+    drop(second);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn shutdown_aborts_running_turns_after_the_grace_and_leaves_no_process() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.shutdown_grace = Duration::from_millis(300);
+    let pool = Pool::start(config).await.expect("pool");
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    lease
+        .send("SCENARIO:slow SLOW=200x100")
+        .await
+        .expect("send");
+    let pid = lease.worker_pid();
+    let turn = tokio::spawn(async move {
+        let outcome = lease.wait_idle().await;
+        (outcome, lease)
+    });
+    let report = pool.shutdown().await.expect("shutdown");
+    assert_eq!(report.aborted_turns, 1);
+    let (outcome, _lease) = turn.await.expect("join");
+    match outcome {
+        Ok(o) => assert!(o.aborted, "{o:?}"),
+        Err(e) => assert!(matches!(e, PoolError::Worker(_)), "{e}"),
+    }
+    assert!(
+        wait_group_gone(pid, Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+    let after = pool.lease(fx.request("agent-a", "conv")).await;
+    assert!(matches!(after, Err(PoolError::Closed)), "{after:?}");
+}
