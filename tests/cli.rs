@@ -164,3 +164,45 @@ async fn install_cli_refuses_an_unknown_flavour() {
         "{stderr}"
     );
 }
+
+#[tokio::test]
+async fn demo_runs_every_turn_survives_a_kill_and_a_rotation_and_leaves_no_orphans() {
+    let runtime = support::runtime::runtime_path().await;
+    let mut cmd = bin();
+    cmd.env("COPILOT_CLI_PATH", &runtime).args([
+        "demo",
+        "--agents",
+        "2",
+        "--conversations",
+        "2",
+        "--turns",
+        "3",
+        "--json",
+    ]);
+    let out = output(cmd).await;
+    let stdout = text(&out.stdout);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}\n{stdout}");
+    let last = stdout.lines().last().expect("a summary line");
+    let summary: serde_json::Value = serde_json::from_str(last).expect("JSON summary");
+    let n = |k: &str| {
+        summary[k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{k} in {summary}"))
+    };
+    assert_eq!(n("turns_ok") + n("turns_failed"), 2 * 2 * 3, "{summary}");
+    assert_eq!(n("orphans"), 0);
+    assert!(
+        n("restarts") >= 1,
+        "a killed worker is restarted: {summary}"
+    );
+    assert!(n("resumed") >= 1, "conversations resume: {summary}");
+    assert!(
+        n("evicted") >= 1,
+        "the rotated-away worker is evicted: {summary}"
+    );
+    assert!(
+        stderr.contains("SIGKILL") && stderr.contains("rotating"),
+        "{stderr}"
+    );
+}

@@ -1,6 +1,7 @@
 //! The `copilot-pool` binary: installs the pinned runtime and runs one-shot prompts. The
 //! only place that installs a tracing subscriber or signal handlers.
 
+mod demo;
 mod install;
 mod run;
 
@@ -21,6 +22,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The pool at work: N agents x C conversations x M turns on the embedded scripted
+    /// model, with a worker killed and a token rotated mid-run. Installs the runtime if
+    /// it is missing.
+    Demo(demo::DemoArgs),
     /// Install the pinned Copilot runtime with npm into the cache directory and print the
     /// path of its executable. Safe to run twice or concurrently.
     InstallCli(install::InstallArgs),
@@ -30,13 +35,19 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // The demo reports what the pool does itself; its crashes are on purpose.
+    let default_level = match cli.command {
+        Command::Demo(_) => "error",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_env("COPILOT_POOL_LOG").unwrap_or_else(|_| EnvFilter::new("warn")),
+            EnvFilter::try_from_env("COPILOT_POOL_LOG")
+                .unwrap_or_else(|_| EnvFilter::new(default_level)),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -49,6 +60,7 @@ fn main() -> std::process::ExitCode {
     };
     let result: Result<()> = runtime.block_on(async {
         match cli.command {
+            Command::Demo(args) => demo::demo(args).await,
             Command::InstallCli(args) => install::install_cli(args).await,
             Command::Run(args) => run::run(args).await,
         }

@@ -1,0 +1,365 @@
+//! `copilot-pool demo`: the pool at work on the embedded scripted model. N agents with C
+//! conversations of M turns each run concurrently; mid-run one child is killed with SIGKILL
+//! and one agent's token is rotated. Pool events print as they happen; `--json` ends with
+//! one summary object. Installs the pinned runtime first if it is missing (and says so).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use copilot_pool::auth::LeaseAuth;
+use copilot_pool::pool::{LeaseRequest, Pool, PoolConfig, PoolEvent};
+use copilot_pool::rpc::messages::ProviderConfig;
+use copilot_pool::runtime::{self, Flavour, LocateError};
+use copilot_pool::scripted_model::ScriptedModel;
+use copilot_pool::secret::Secret;
+use copilot_pool::worker::WorkerConfig;
+use serde::Serialize;
+use tokio::sync::{Mutex, Notify};
+
+#[derive(Args)]
+pub struct DemoArgs {
+    /// Agents (each gets its own COPILOT_HOME and process).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=64))]
+    agents: u32,
+    /// Conversations per agent (they share the agent's process).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    conversations: u32,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    turns: u32,
+    /// End with one JSON summary line on stdout.
+    #[arg(long)]
+    json: bool,
+    /// The runtime executable (default: COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
+    #[arg(long)]
+    cli: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Summary {
+    turns_ok: u64,
+    turns_failed: u64,
+    processes_spawned: u64,
+    restarts: u64,
+    resumed: u64,
+    evicted: u64,
+    crashes: u64,
+    orphans: usize,
+    seconds: f64,
+}
+
+/// Removes the demo's scratch directory on every exit path.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub async fn demo(args: DemoArgs) -> Result<()> {
+    let started = Instant::now();
+    let program = find_or_install(args.cli.as_deref()).await?;
+    let scratch =
+        Scratch(std::env::temp_dir().join(format!("copilot-pool-demo-{}", uuid::Uuid::new_v4())));
+    let base = scratch.0.clone();
+    std::fs::create_dir_all(base.join("work")).context("creating the demo directory")?;
+
+    let model = ScriptedModel::new();
+    let endpoint = model
+        .serve_http()
+        .await
+        .context("starting the scripted model")?;
+    let mut worker = WorkerConfig::new(program, PathBuf::new(), PathBuf::new());
+    worker.kill_grace = Duration::from_secs(2);
+    let mut config = PoolConfig::new(worker, base.join("state"), base.join("homes"));
+    config.maintenance_interval = Duration::from_millis(200);
+    config.shutdown_grace = Duration::from_secs(5);
+    let pool = Pool::start(config).await?;
+    let mut events = pool.subscribe();
+    let printer = tokio::spawn(async move {
+        while let Ok(event) = events.recv().await {
+            let line = match &event {
+                PoolEvent::WorkerStarted {
+                    pid,
+                    restart: true,
+                    key_hash,
+                } => {
+                    format!("restart: worker {pid} replaces a crashed one (key {key_hash})")
+                }
+                PoolEvent::WorkerStarted { pid, key_hash, .. } => {
+                    format!("spawned: worker {pid} (key {key_hash})")
+                }
+                PoolEvent::WorkerCrashed { pid, .. } => format!("crashed: worker {pid}"),
+                PoolEvent::WorkerEvicted { pid, why, .. } => {
+                    format!("evicted: worker {pid} ({why})")
+                }
+                PoolEvent::KeyQuarantined { key_hash } => format!("quarantined: key {key_hash}"),
+                PoolEvent::ConversationOpened { pid, reason }
+                    if reason.continued()
+                        && *reason != copilot_pool::pool::OpenReason::Attached =>
+                {
+                    format!("resumed: a conversation on worker {pid}")
+                }
+                PoolEvent::ConversationOpened { .. } => continue,
+            };
+            eprintln!("  [pool] {line}");
+        }
+    });
+
+    let total = u64::from(args.agents * args.conversations * args.turns);
+    let done = Arc::new(AtomicU64::new(0));
+    let progress = Arc::new(Notify::new());
+    let failed = Arc::new(AtomicU64::new(0));
+    let token_version = Arc::new(AtomicU64::new(1));
+    let agent_pids: Arc<Mutex<HashMap<u32, u32>>> = Arc::default();
+    eprintln!(
+        "demo: {} agents x {} conversations x {} turns on the scripted model ({total} turns)",
+        args.agents, args.conversations, args.turns
+    );
+
+    let mut runs = Vec::new();
+    for agent in 0..args.agents {
+        for conv in 0..args.conversations {
+            let ctx = Conversation {
+                pool: pool.clone(),
+                agent,
+                conv,
+                turns: args.turns,
+                work: base.join("work"),
+                provider: ProviderConfig::openai(
+                    endpoint.base_url(),
+                    Some(Secret::new("demo-key")),
+                ),
+                token_version: token_version.clone(),
+                done: done.clone(),
+                failed: failed.clone(),
+                progress: progress.clone(),
+                agent_pids: agent_pids.clone(),
+            };
+            runs.push(tokio::spawn(ctx.run()));
+        }
+    }
+
+    // Mid-run: kill one child, then rotate agent 0's token.
+    let chaos = {
+        let done = done.clone();
+        let progress = progress.clone();
+        let agent_pids = agent_pids.clone();
+        let token_version = token_version.clone();
+        let victim = if args.agents > 1 { 1 } else { 0 };
+        async move {
+            wait_progress(&done, &progress, total / 3).await;
+            if let Some(pid) = agent_pids.lock().await.get(&victim).copied() {
+                eprintln!("  [demo] SIGKILL to agent-{victim}'s worker {pid}");
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            wait_progress(&done, &progress, total * 2 / 3).await;
+            eprintln!("  [demo] rotating agent-0's token (profile version v1 -> v2)");
+            token_version.store(2, Ordering::SeqCst);
+        }
+    };
+    let chaos = tokio::spawn(chaos);
+    for run in runs {
+        let _ = run.await;
+    }
+    chaos.abort();
+
+    let status = pool.status().await?;
+    if !args.json {
+        eprint!("{status}");
+    }
+    let pids: Vec<u32> = status.workers.iter().map(|w| w.pid).collect();
+    pool.shutdown().await?;
+    drop(endpoint);
+    printer.abort();
+    let orphans = count_orphans(&base, &pids).await;
+    let turns_failed = failed.load(Ordering::SeqCst);
+    let summary = Summary {
+        turns_ok: done.load(Ordering::SeqCst) - turns_failed,
+        turns_failed,
+        processes_spawned: status.totals.processes_spawned,
+        restarts: status.totals.restarts,
+        resumed: status.totals.resumed,
+        evicted: status.totals.evicted,
+        crashes: status.totals.crashes,
+        orphans,
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&summary)?);
+    } else {
+        println!(
+            "turns ok {} failed {}; processes spawned {}, restarts {}, resumed {}, evicted {}; orphans after shutdown {}; {:.1} s",
+            summary.turns_ok,
+            summary.turns_failed,
+            summary.processes_spawned,
+            summary.restarts,
+            summary.resumed,
+            summary.evicted,
+            summary.orphans,
+            summary.seconds
+        );
+    }
+    if orphans > 0 {
+        bail!("{orphans} pool processes were still alive after shutdown");
+    }
+    Ok(())
+}
+
+struct Conversation {
+    pool: Pool,
+    agent: u32,
+    conv: u32,
+    turns: u32,
+    work: PathBuf,
+    provider: ProviderConfig,
+    token_version: Arc<AtomicU64>,
+    done: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    progress: Arc<Notify>,
+    agent_pids: Arc<Mutex<HashMap<u32, u32>>>,
+}
+
+impl Conversation {
+    async fn run(self) {
+        for turn in 0..self.turns {
+            let mut ok = self.one_turn(turn).await;
+            if let Err(e) = &ok {
+                // What a gateway does when the worker died under a turn: take a new lease,
+                // which resumes the conversation on the restarted worker, and retry once.
+                eprintln!(
+                    "  [demo] agent-{} conv-{} turn {turn} failed ({e}); retrying",
+                    self.agent, self.conv
+                );
+                ok = self.one_turn(turn).await;
+            }
+            if let Err(e) = &ok {
+                eprintln!(
+                    "  [demo] agent-{} conv-{} turn {turn} failed: {e}",
+                    self.agent, self.conv
+                );
+                self.failed.fetch_add(1, Ordering::SeqCst);
+            }
+            self.done.fetch_add(1, Ordering::SeqCst);
+            self.progress.notify_waiters();
+        }
+    }
+
+    async fn one_turn(&self, turn: u32) -> Result<()> {
+        let mut req = LeaseRequest::new(
+            format!("agent-{}", self.agent),
+            format!("agent-{}/conv-{}", self.agent, self.conv),
+            self.work.clone(),
+        );
+        req.model = Some(ScriptedModel::MODEL_ID.to_owned());
+        req.provider = Some(self.provider.clone());
+        req.available_tools = Some(Vec::new());
+        req.streaming = false;
+        if self.agent == 0 {
+            let version = self.token_version.load(Ordering::SeqCst);
+            req.auth = LeaseAuth {
+                github_token: Some(Secret::new(format!("demo-token-v{version}"))),
+                profile_id: Some("demo-profile".to_owned()),
+                profile_version: Some(format!("v{version}")),
+                ..Default::default()
+            };
+        }
+        let mut lease = self.pool.lease(req).await?;
+        self.agent_pids
+            .lock()
+            .await
+            .insert(self.agent, lease.worker_pid());
+        let prompt = format!(
+            "SCENARIO:slow SLOW=4x25 agent {} conversation {} turn {turn}",
+            self.agent, self.conv
+        );
+        let outcome = lease.run(prompt).await?;
+        if let Some(error) = outcome.error {
+            bail!("turn error: {error}");
+        }
+        Ok(())
+    }
+}
+
+async fn wait_progress(done: &AtomicU64, progress: &Notify, target: u64) {
+    loop {
+        let notified = progress.notified();
+        if done.load(Ordering::SeqCst) >= target {
+            return;
+        }
+        notified.await;
+    }
+}
+
+/// The runtime to use; installs the pinned default flavour when none is found.
+async fn find_or_install(explicit: Option<&Path>) -> Result<PathBuf> {
+    match runtime::locate(explicit, runtime::process_env) {
+        Ok(located) => Ok(located.path),
+        Err(LocateError::Missing { .. }) => {
+            let cache = runtime::cache_dir(runtime::process_env)?;
+            eprintln!(
+                "demo: no Copilot runtime found; installing {} {} with npm into {} (first run only)",
+                Flavour::default(),
+                Flavour::default().version(),
+                cache.display()
+            );
+            let installed = runtime::install(Flavour::default(), &cache).await?;
+            Ok(installed.executable)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Pool processes still alive after shutdown: the workers' groups, and anything whose
+/// COPILOT_HOME lies under the demo's directory (from /proc).
+async fn count_orphans(base: &Path, pids: &[u32]) -> usize {
+    let base = base.display().to_string();
+    // Killed groups take a moment to disappear from /proc; there is no event for that.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let alive = live_pool_processes(&base, pids);
+        if alive == 0 || Instant::now() >= deadline {
+            return alive;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn live_pool_processes(base: &str, pids: &[u32]) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+        .filter(|pid| {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                return false;
+            };
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            if fields.first() == Some(&"Z") {
+                return false;
+            }
+            let in_group = fields
+                .get(2)
+                .and_then(|g| g.parse::<u32>().ok())
+                .is_some_and(|g| pids.contains(&g));
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let under_base = environ.split(|b| *b == 0).any(|kv| {
+                kv.starts_with(b"COPILOT_HOME=") && String::from_utf8_lossy(kv).contains(base)
+            });
+            in_group || under_base
+        })
+        .count()
+}
