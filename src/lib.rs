@@ -4,6 +4,10 @@
 //!
 //! # Layout
 //!
+//! * [`pool`] — keyed leasing of conversations across workers: caps, waiters, crash
+//!   restart, durable bindings, rotation, eviction. [`pool::Pool::lease`] is the entry point.
+//! * [`auth`] — which credentials a lease runs with (precedence, fingerprints).
+//! * [`home`] — each agent's COPILOT_HOME.
 //! * [`worker`] — one supervised CLI child: [`worker::WorkerHandle`] starts it and opens
 //!   [`worker::Session`]s whose update streams carry events and server requests.
 //! * [`rpc`] — the wire: `Content-Length` framing, the JSON-RPC 2.0 connection, typed
@@ -18,6 +22,9 @@
 //! The library installs nothing global: no tracing subscriber, metrics recorder, signal
 //! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.
 
+pub mod auth;
+pub mod home;
+pub mod pool;
 pub mod process;
 pub mod rpc;
 pub mod runtime;
@@ -26,6 +33,3 @@ pub mod scripted_model;
 pub mod secret;
 pub mod tunnel;
 pub mod worker;
-pub mod auth;
-pub mod home;
-pub mod pool;
