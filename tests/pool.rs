@@ -552,3 +552,121 @@ async fn shutdown_aborts_running_turns_after_the_grace_and_leaves_no_process() {
     let after = pool.lease(fx.request("agent-a", "conv")).await;
     assert!(matches!(after, Err(PoolError::Closed)), "{after:?}");
 }
+
+#[tokio::test]
+async fn a_failed_spawn_is_not_cached() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    // A runtime that fails its first start, then works.
+    let marker = fx.scratch.path().join("failed-once");
+    let script = fx.scratch.path().join("flaky-runtime.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nif [ ! -e '{m}' ]; then touch '{m}'; echo 'first start fails' >&2; exit 3; fi\nexec '{rt}' \"$@\"\n",
+            m = marker.display(),
+            rt = config.worker.program.display()
+        ),
+    )
+    .expect("script");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    config.worker.program = script;
+    config.restart.first_retry = Duration::ZERO;
+    let pool = Pool::start(config).await.expect("pool");
+    let first = pool.lease(fx.request("agent-a", "conv")).await;
+    let Err(PoolError::Worker(error)) = first else {
+        panic!("expected the spawn error, got {first:?}")
+    };
+    assert!(error.to_string().contains("first start fails"), "{error}");
+    // The backoff's first retry is immediate here; the next lease spawns again and works.
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("second lease");
+    lease.run("REPLY=works now").await.expect("turn");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn idle_workers_are_evicted_and_conversations_resume_afterwards() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.idle_ttl = Duration::from_millis(300);
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    lease.run("REPLY=ok MARKER-idle-9").await.expect("turn");
+    let pid = lease.worker_pid();
+    drop(lease);
+    let evicted = wait_event(&mut events, |e| {
+        matches!(e, PoolEvent::WorkerEvicted { .. })
+    })
+    .await;
+    assert_eq!(
+        evicted,
+        PoolEvent::WorkerEvicted {
+            key_hash: match &evicted {
+                PoolEvent::WorkerEvicted { key_hash, .. } => key_hash.clone(),
+                _ => unreachable!(),
+            },
+            pid,
+            why: "idle"
+        }
+    );
+    assert!(
+        wait_group_gone(pid, Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease again");
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    assert_ne!(lease.worker_pid(), pid);
+    lease.run("the marker?").await.expect("turn");
+    assert!(fx.last_model_request().contains("MARKER-idle-9"));
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_worker_is_recycled_after_its_turn_budget() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.max_turns_per_process = 3;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    for i in 0..3 {
+        lease
+            .run(format!("REPLY=turn {i} MARKER-recycle-2"))
+            .await
+            .expect("turn");
+    }
+    let pid = lease.worker_pid();
+    drop(lease);
+    wait_event(
+        &mut events,
+        |e| matches!(e, PoolEvent::WorkerEvicted { pid: p, why: "drained", .. } if *p == pid),
+    )
+    .await;
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease on a fresh process");
+    assert_ne!(lease.worker_pid(), pid);
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    lease.run("the marker?").await.expect("turn");
+    assert!(fx.last_model_request().contains("MARKER-recycle-2"));
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}

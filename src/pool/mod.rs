@@ -198,22 +198,7 @@ impl Pool {
 
         let worker_id = grant.worker_id;
         let worker = grant.worker.clone();
-        let session_config = SessionConfig {
-            model: req.model.clone(),
-            provider: req.provider.clone(),
-            // The runtime refuses a session-level token together with a BYOK provider.
-            git_hub_token: if req.provider.is_none() {
-                auth.token.clone()
-            } else {
-                None
-            },
-            working_directory: Some(req.working_directory.display().to_string()),
-            streaming: req.streaming,
-            available_tools: req.available_tools.clone(),
-            env_value_mode: Some("direct".to_owned()),
-            tool_filter_precedence: Some("excluded".to_owned()),
-            ..Default::default()
-        };
+        let session_config = session_config(&req, &auth);
         let opened = open_conversation(
             &worker,
             grant,
@@ -317,6 +302,28 @@ impl Pool {
     }
 }
 
+/// The `session.create`/`session.resume` params of a lease. Token mode also gives the
+/// session its own identity (`gitHubToken`) — except with a BYOK provider, which the runtime
+/// refuses to combine with a session token ("Cannot specify both gitHubToken and provider").
+/// Logged-in mode sets no session-level credential.
+fn session_config(req: &LeaseRequest, auth: &crate::auth::ResolvedAuth) -> SessionConfig {
+    let session_token = match (auth.mode, &req.provider) {
+        (AuthMode::Token, None) => auth.token.clone(),
+        _ => None,
+    };
+    SessionConfig {
+        model: req.model.clone(),
+        provider: req.provider.clone(),
+        git_hub_token: session_token,
+        working_directory: Some(req.working_directory.display().to_string()),
+        streaming: req.streaming,
+        available_tools: req.available_tools.clone(),
+        env_value_mode: Some("direct".to_owned()),
+        tool_filter_precedence: Some("excluded".to_owned()),
+        ..Default::default()
+    }
+}
+
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -393,5 +400,53 @@ fn is_not_found(error: &WorkerError) -> bool {
                 || text.contains("enoent")
         }
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::LeaseAuth;
+    use crate::rpc::messages::ProviderConfig;
+    use crate::secret::Secret;
+
+    fn request(auth: LeaseAuth, provider: Option<ProviderConfig>) -> LeaseRequest {
+        let mut req = LeaseRequest::new("a", "s", "/w".into());
+        req.auth = auth;
+        req.provider = provider;
+        req
+    }
+
+    #[test]
+    fn token_mode_sets_the_session_token_unless_byok_and_logged_in_mode_never() {
+        let token = LeaseAuth {
+            github_token: Some(Secret::new("ghu_x")),
+            profile_id: Some("p".into()),
+            profile_version: Some("v".into()),
+            ..Default::default()
+        };
+        let req = request(token.clone(), None);
+        let auth = resolve(&req.auth).unwrap();
+        assert_eq!(
+            session_config(&req, &auth)
+                .git_hub_token
+                .as_ref()
+                .map(Secret::expose),
+            Some("ghu_x")
+        );
+        let byok = request(token, Some(ProviderConfig::openai("http://m/v1", None)));
+        let auth = resolve(&byok.auth).unwrap();
+        assert!(session_config(&byok, &auth).git_hub_token.is_none());
+        let logged_in = request(
+            LeaseAuth {
+                use_logged_in_user: true,
+                github_token: Some(Secret::new("ghu_ignored")),
+                ..Default::default()
+            },
+            None,
+        );
+        let auth = resolve(&logged_in.auth).unwrap();
+        assert!(session_config(&logged_in, &auth).git_hub_token.is_none());
+        assert!(auth.token.is_none());
     }
 }
