@@ -222,20 +222,23 @@ impl Pool {
             }
         };
         let cli_session_id = session.id().to_owned();
-        let binding = Binding {
-            session_key: req.session_key.clone(),
-            cli_session_id: cli_session_id.clone(),
-            compat_key: compat,
-            updated_at_ms: now_ms(),
-        };
-        let store = inner.bindings.clone();
-        let stored = tokio::task::spawn_blocking(move || store.put(&binding)).await;
-        match stored {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "Could not store a session binding; the conversation will not survive a pool restart.")
+        // A conversation still attached since its last lease has an up-to-date binding.
+        if reason != OpenReason::Attached {
+            let binding = Binding {
+                session_key: req.session_key.clone(),
+                cli_session_id: cli_session_id.clone(),
+                compat_key: compat,
+                updated_at_ms: now_ms(),
+            };
+            let store = inner.bindings.clone();
+            match tokio::task::spawn_blocking(move || store.put(&binding)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(
+                    error = %e,
+                    "Could not store a session binding; the conversation will not survive a pool restart."
+                ),
+                Err(e) => tracing::warn!(error = %e, "Binding write task failed."),
             }
-            Err(e) => tracing::warn!(error = %e, "Binding write task failed."),
         }
         let _ = inner.actor.cast(PoolMsg::Opened {
             session_key: req.session_key.clone(),

@@ -1,0 +1,116 @@
+//! Prints what the pool adds on the paths a gateway waits on, against the real runtime and
+//! the scripted model: a warm lease (conversation already attached), a lease that resumes a
+//! conversation on a fresh process, and the time from `kill -9` of a worker to a lease whose
+//! conversation is resumed on the restarted worker and ready for a turn.
+//!
+//! Run with `cargo bench --bench pool`. Numbers are wall-clock on this machine; printed,
+//! never asserted.
+
+#[path = "../tests/support/runtime.rs"]
+mod runtime;
+
+use std::time::{Duration, Instant};
+
+use copilot_pool::pool::{LeaseRequest, OpenReason, Pool, PoolConfig, PoolEvent};
+use copilot_pool::rpc::messages::ProviderConfig;
+use copilot_pool::scripted_model::ScriptedModel;
+use copilot_pool::worker::WorkerConfig;
+
+const WARM: usize = 2000;
+const CRASHES: usize = 10;
+
+fn summary(name: &str, mut samples: Vec<Duration>) {
+    samples.sort();
+    let pick = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+    println!(
+        "{name:<34} n={:<5} p50={:>9.3?} p99={:>9.3?} max={:>9.3?}",
+        samples.len(),
+        pick(0.5),
+        pick(0.99),
+        pick(1.0)
+    );
+}
+
+#[tokio::main]
+async fn main() {
+    let program = runtime::runtime_path().await;
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let worker = WorkerConfig::new(program, "".into(), "".into());
+    let mut config = PoolConfig::new(
+        worker,
+        scratch.path().join("state"),
+        scratch.path().join("agents"),
+    );
+    config.maintenance_interval = Duration::from_millis(200);
+    // Crashes are on purpose here: do not quarantine the key.
+    config.restart.max_restarts = 1000;
+    let pool = Pool::start(config).await.expect("pool");
+    let request = |key: &str| {
+        let mut req = LeaseRequest::new("bench", key, scratch.path().to_path_buf());
+        req.model = Some(ScriptedModel::MODEL_ID.into());
+        req.provider = Some(ProviderConfig::openai(
+            endpoint.base_url(),
+            Some("k".into()),
+        ));
+        req.available_tools = Some(vec![]);
+        req.streaming = false;
+        req
+    };
+
+    // Warm lease: the conversation stays attached between leases.
+    let mut lease = pool.lease(request("warm")).await.expect("lease");
+    lease.run("REPLY=warm up").await.expect("turn");
+    drop(lease);
+    let mut warm = Vec::with_capacity(WARM);
+    for _ in 0..WARM {
+        let t = Instant::now();
+        let lease = pool.lease(request("warm")).await.expect("lease");
+        warm.push(t.elapsed());
+        assert_eq!(lease.reason(), OpenReason::Attached);
+        drop(lease);
+    }
+    summary("warm lease (attached)", warm);
+
+    // Crash to resumed-and-ready.
+    let mut events = pool.subscribe();
+    let mut crash = Vec::new();
+    for i in 0..CRASHES {
+        let mut lease = pool.lease(request("crash")).await.expect("lease");
+        lease
+            .run(format!("REPLY=before crash {i}"))
+            .await
+            .expect("turn");
+        let pid = lease.worker_pid();
+        drop(lease);
+        let t = Instant::now();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .expect("kill");
+        // The gateway's next lease arrives once the pool has seen the crash.
+        loop {
+            match events.recv().await {
+                Ok(PoolEvent::WorkerCrashed { pid: p, .. }) if p == pid => break,
+                Ok(_) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        let lease = pool
+            .lease(request("crash"))
+            .await
+            .expect("lease after crash");
+        crash.push(t.elapsed());
+        assert_eq!(lease.reason(), OpenReason::Resumed);
+        drop(lease);
+    }
+    summary("kill -9 → resumed lease ready", crash);
+    let status = pool.status().await.expect("status");
+    println!(
+        "restarts {}, resumed {}",
+        status.totals.restarts, status.totals.resumed
+    );
+    pool.shutdown().await.expect("shutdown");
+}
