@@ -538,7 +538,7 @@ async fn shutdown_aborts_running_turns_after_the_grace_and_leaves_no_process() {
         (outcome, lease)
     });
     let report = pool.shutdown().await.expect("shutdown");
-    assert_eq!(report.aborted_turns, 1);
+    assert_eq!(report.aborted_leases, 1);
     let (outcome, _lease) = turn.await.expect("join");
     match outcome {
         Ok(o) => assert!(o.aborted, "{o:?}"),
@@ -668,5 +668,62 @@ async fn a_worker_is_recycled_after_its_turn_budget() {
     lease.run("the marker?").await.expect("turn");
     assert!(fx.last_model_request().contains("MARKER-recycle-2"));
     drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_changed_working_directory_starts_a_new_session_even_when_attached() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    lease.run("REPLY=first").await.expect("turn");
+    let first = lease.cli_session_id().to_owned();
+    drop(lease);
+    let mut moved = fx.request("agent-a", "conv");
+    let elsewhere = fx.scratch.path().join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).expect("dir");
+    moved.working_directory = elsewhere;
+    let lease = pool.lease(moved).await.expect("lease in another directory");
+    assert_eq!(lease.reason(), OpenReason::CompatChanged);
+    assert_ne!(lease.cli_session_id(), first);
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn cancelled_lease_futures_never_wedge_a_conversation() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    // Cancel leases at every stage: before, during and after the grant and the open.
+    for micros in [0u64, 200, 1_000, 5_000, 20_000, 60_000, 150_000] {
+        let _ = tokio::time::timeout(
+            Duration::from_micros(micros),
+            pool.lease(fx.request("agent-a", "conv")),
+        )
+        .await;
+    }
+    let mut lease = tokio::time::timeout(
+        Duration::from_secs(20),
+        pool.lease(fx.request("agent-a", "conv")),
+    )
+    .await
+    .expect("the conversation is not wedged")
+    .expect("lease");
+    lease.run("REPLY=still fine").await.expect("turn");
+    drop(lease);
+    let leased = async {
+        loop {
+            if pool.status().await.map(|s| s.leased).unwrap_or(1) == 0 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), leased)
+        .await
+        .expect("no lease leaked");
     shutdown_leaves_nothing(&pool).await;
 }

@@ -28,6 +28,8 @@ pub(crate) struct AcquireRequest {
     /// How to spawn a worker for this key.
     pub(crate) spec: WorkerConfig,
     pub(crate) session_key: String,
+    /// The conversation's compat key: a parked session with another one is not reused.
+    pub(crate) compat: String,
     pub(crate) wait: Duration,
 }
 
@@ -38,6 +40,29 @@ pub(crate) struct Grant {
     pub(crate) worker: WorkerHandle,
     /// The conversation as it was attached before this lease, if it was.
     pub(crate) carried: Option<Carried>,
+    /// Gives the slot back if the grant is dropped before it became a `Lease` (a cancelled
+    /// lease future, or a caller that gave up while the grant was on its way).
+    pub(crate) armed: bool,
+    pub(crate) pool: ActorRef<PoolMsg>,
+}
+
+impl Grant {
+    /// The grant became a lease (or was returned explicitly): no automatic return.
+    pub(crate) fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.pool.cast(PoolMsg::Abandoned {
+                session_key: std::mem::take(&mut self.session_key),
+                worker_id: self.worker_id,
+                carried: self.carried.take().and_then(|c| c.session),
+            });
+        }
+    }
 }
 
 /// A conversation that was attached to a worker when its lease was granted.
@@ -71,6 +96,19 @@ pub(crate) enum PoolMsg {
     Spawned {
         key: PoolKey,
         result: Result<WorkerHandle, WorkerError>,
+    },
+    /// A lease future was dropped between its grant and its `Lease`: give the slot back and
+    /// detach what it carried.
+    Abandoned {
+        session_key: String,
+        worker_id: WorkerId,
+        carried: Option<Session>,
+    },
+    /// A background detach (or worker stop) finished for these conversations.
+    Detached {
+        session_keys: Vec<String>,
+        worker_id: WorkerId,
+        ok: bool,
     },
     Respawn(PoolKey),
     WaiterExpired(u64),
@@ -120,6 +158,7 @@ struct WorkerEntry {
 struct Conversation {
     worker: WorkerId,
     cli_session_id: String,
+    compat: String,
     parked: Option<Session>,
     leased: bool,
     last_used: Instant,
@@ -145,6 +184,14 @@ pub(crate) struct PoolState {
     leased: watch::Sender<usize>,
     events: broadcast::Sender<PoolEvent>,
     tick: Option<tokio::task::JoinHandle<()>>,
+    myself: ActorRef<PoolMsg>,
+    /// Conversations whose session is being detached from a worker: they are not granted
+    /// until the detach is confirmed (one owner per CLI session id).
+    detaching: HashMap<String, usize>,
+    /// Workers being stopped; `StopAll` waits for them.
+    stopping: Vec<tokio::task::JoinHandle<()>>,
+    /// A `StopAll` waiting for in-flight spawns to land.
+    stop_requested: Option<RpcReplyPort<()>>,
 }
 
 impl Drop for PoolState {
@@ -180,6 +227,10 @@ impl Actor for PoolActor {
             leased: args.leased,
             events: args.events,
             tick,
+            myself: myself.clone(),
+            detaching: HashMap::new(),
+            stopping: Vec::new(),
+            stop_requested: None,
         })
     }
 
@@ -225,6 +276,38 @@ impl Actor for PoolActor {
             }
             PoolMsg::Spawned { key, result } => {
                 state.on_spawned(key, result, &myself);
+                state.serve_waiters(&myself);
+                state.try_finish_stop();
+            }
+            PoolMsg::Abandoned {
+                session_key,
+                worker_id,
+                carried,
+            } => {
+                state.on_return(session_key.clone(), worker_id, None, 0);
+                if let Some(session) = carried {
+                    let from = state.conversations.get(&session_key).map(|c| c.worker);
+                    state.detach_in_background(session_key, session, from.unwrap_or(0));
+                }
+                state.serve_waiters(&myself);
+            }
+            PoolMsg::Detached {
+                session_keys,
+                worker_id,
+                ok,
+            } => {
+                for key in &session_keys {
+                    if let Some(n) = state.detaching.get_mut(key) {
+                        *n -= 1;
+                        if *n == 0 {
+                            state.detaching.remove(key);
+                        }
+                    }
+                }
+                if !ok && state.workers.contains_key(&worker_id) {
+                    // The old owner may still hold the session: it must not live on.
+                    state.evict(worker_id, "a detach failed");
+                }
                 state.serve_waiters(&myself);
             }
             PoolMsg::Respawn(key) => {
@@ -280,15 +363,8 @@ impl Actor for PoolActor {
                 let _ = reply.send(n);
             }
             PoolMsg::StopAll(reply) => {
-                let ids: Vec<WorkerId> = state.workers.keys().copied().collect();
-                let stops: Vec<_> = ids
-                    .into_iter()
-                    .filter_map(|id| state.remove_worker(id))
-                    .collect();
-                tokio::spawn(async move {
-                    futures_util::future::join_all(stops.iter().map(|h| h.shutdown())).await;
-                    let _ = reply.send(());
-                });
+                state.stop_requested = Some(reply);
+                state.try_finish_stop();
             }
         }
         Ok(())
@@ -345,6 +421,7 @@ impl Actor for PoolActor {
             .filter_map(|id| state.remove_worker(id))
             .collect();
         futures_util::future::join_all(stops.iter().map(|h| h.shutdown())).await;
+        futures_util::future::join_all(state.stopping.drain(..)).await;
         Ok(())
     }
 }
@@ -362,6 +439,57 @@ fn start_spawn(key: &PoolKey, ks: &mut KeyState, myself: &ActorRef<PoolMsg>) {
 }
 
 impl PoolState {
+    /// Replies to a pending `StopAll` once no spawn is in flight: stops every worker and
+    /// waits for them and for earlier evictions.
+    fn try_finish_stop(&mut self) {
+        if self.stop_requested.is_none() || self.keys.values().any(|k| k.spawning) {
+            return;
+        }
+        let Some(reply) = self.stop_requested.take() else {
+            return;
+        };
+        let ids: Vec<WorkerId> = self.workers.keys().copied().collect();
+        let stops: Vec<WorkerHandle> = ids
+            .into_iter()
+            .filter_map(|id| self.remove_worker(id))
+            .collect();
+        let earlier: Vec<_> = self.stopping.drain(..).collect();
+        tokio::spawn(async move {
+            futures_util::future::join_all(stops.iter().map(|h| h.shutdown())).await;
+            futures_util::future::join_all(earlier).await;
+            let _ = reply.send(());
+        });
+    }
+
+    /// Detaches `session` from `worker_id` in a task; the conversation is not granted
+    /// until the detach is confirmed (or, if it fails, the old worker is evicted).
+    fn detach_in_background(&mut self, session_key: String, session: Session, worker_id: WorkerId) {
+        *self.detaching.entry(session_key.clone()).or_default() += 1;
+        let target = self.myself.clone();
+        tokio::spawn(async move {
+            let ok = match session.detach().await {
+                Ok(()) => true,
+                // A worker that is gone holds nothing.
+                Err(WorkerError::Died(_) | WorkerError::Stopped) => true,
+                Err(error) => {
+                    tracing::warn!(%error, "Detaching a conversation failed; its old worker will be stopped.");
+                    false
+                }
+            };
+            let _ = target.cast(PoolMsg::Detached {
+                session_keys: vec![session_key],
+                worker_id,
+                ok,
+            });
+        });
+    }
+
+    fn worker_usable(&self, id: WorkerId) -> bool {
+        self.workers
+            .get(&id)
+            .is_some_and(|w| !w.draining && w.handle.exit().is_none())
+    }
+
     fn leased_count(&self) -> usize {
         self.conversations.values().filter(|c| c.leased).count()
     }
@@ -405,11 +533,9 @@ impl PoolState {
 
     /// Hands a grant to its caller; if the caller is gone, the grant is undone.
     fn deliver(&mut self, reply: RpcReplyPort<Result<Grant, PoolError>>, grant: Grant) {
-        if let Err(ractor::MessagingErr::SendErr(Ok(grant))) = reply.send(Ok(grant)) {
-            // The caller gave up: release the slot. The carried session is dropped, which
-            // detaches it; its binding stays, so the next lease resumes it.
-            self.on_return(grant.session_key, grant.worker_id, None, 0);
-        }
+        // If the caller gave up, the grant comes back and is dropped here: its guard
+        // returns the slot (and detaches what it carried) through the mailbox.
+        let _ = reply.send(Ok(grant));
         self.publish_leased();
     }
 
@@ -460,16 +586,22 @@ impl PoolState {
         }
         self.drain_other_versions(&req.key);
 
-        // Still attached to a usable worker of this key: reuse it, no resume.
+        // Being detached from its previous worker: wait for the confirmation.
+        if self.detaching.contains_key(&req.session_key) {
+            return Ok(None);
+        }
+        // Still attached to a usable worker of this key with the same settings: reuse it.
         if let Some(conv) = self.conversations.get(&req.session_key) {
             if conv.leased {
-                // The conversation lock makes this impossible; wait rather than share.
+                // Only a lease that was never returned could cause this; wait rather than share.
                 return Ok(None);
             }
-            let same = self
-                .workers
-                .get(&conv.worker)
-                .is_some_and(|w| w.key == req.key && !w.draining);
+            let same = conv.compat == req.compat
+                && self.worker_usable(conv.worker)
+                && self
+                    .workers
+                    .get(&conv.worker)
+                    .is_some_and(|w| w.key == req.key);
             if same {
                 let id = conv.worker;
                 return Ok(self.grant_attached(&req.session_key, id, now));
@@ -514,6 +646,7 @@ impl PoolState {
             Conversation {
                 worker: target,
                 cli_session_id: String::new(),
+                compat: req.compat.clone(),
                 parked: None,
                 leased: true,
                 last_used: now,
@@ -524,6 +657,8 @@ impl PoolState {
             worker_id: target,
             worker: handle,
             carried,
+            armed: true,
+            pool: self.myself.clone(),
         }))
     }
 
@@ -542,6 +677,8 @@ impl PoolState {
                 session: conv.parked.take(),
                 same_worker: true,
             }),
+            armed: true,
+            pool: self.myself.clone(),
         })
     }
 
@@ -551,7 +688,11 @@ impl PoolState {
         ks.workers
             .iter()
             .filter_map(|id| self.workers.get(id).map(|w| (*id, w)))
-            .filter(|(_, w)| !w.draining && w.attached.len() < self.config.max_sessions_per_process)
+            .filter(|(_, w)| {
+                !w.draining
+                    && w.handle.exit().is_none()
+                    && w.attached.len() < self.config.max_sessions_per_process
+            })
             .min_by_key(|(id, w)| (w.attached.len(), *id))
             .map(|(id, _)| id)
     }
@@ -575,7 +716,7 @@ impl PoolState {
             let victim = self
                 .workers
                 .iter()
-                .filter(|(_, w)| w.leased == 0)
+                .filter(|(_, w)| w.leased == 0 && w.key != *key)
                 .min_by_key(|(_, w)| w.last_used)
                 .map(|(id, _)| *id);
             match victim {
@@ -607,8 +748,10 @@ impl PoolState {
         if let Some(w) = self.workers.get_mut(&conv.worker) {
             w.attached.remove(&session_key);
         }
-        // Dropping the session detaches it in the runtime; its binding stays for a resume.
-        drop(conv.parked);
+        // Its binding stays for a resume, which waits for this detach.
+        if let Some(session) = conv.parked {
+            self.detach_in_background(session_key, session, conv.worker);
+        }
         Some(conv.worker)
     }
 
@@ -627,8 +770,9 @@ impl PoolState {
             if let Some(w) = self.workers.get_mut(&conv.worker) {
                 w.attached.remove(&session_key);
             }
-            // Dropping the session detaches it in the runtime; the binding stays.
-            drop(conv.parked);
+            if let Some(session) = conv.parked {
+                self.detach_in_background(session_key, session, conv.worker);
+            }
         }
         true
     }
@@ -699,10 +843,16 @@ impl PoolState {
                 if let Some(w) = self.workers.get_mut(&worker_id) {
                     w.attached.remove(&session_key);
                 }
-                // Dropped here: detached from its worker (its binding stays for a resume).
-                drop(session);
+                // Its binding stays for a resume, which waits for this detach.
+                if let Some(session) = session.filter(|s| s.is_alive()) {
+                    self.detach_in_background(session_key, session, worker_id);
+                }
             }
-            _ => drop(session),
+            _ => {
+                if let Some(session) = session.filter(|s| s.is_alive()) {
+                    self.detach_in_background(session_key, session, worker_id);
+                }
+            }
         }
         self.maybe_finish_drain(worker_id);
         self.publish_leased();
@@ -718,6 +868,14 @@ impl PoolState {
             return;
         };
         ks.spawning = false;
+        // A worker that died before this message arrived is a crash, not a worker.
+        let result = match result {
+            Ok(handle) => match handle.exit() {
+                Some(exit) => Err(WorkerError::Died(exit)),
+                None => Ok(handle),
+            },
+            Err(e) => Err(e),
+        };
         match result {
             Ok(handle) if !self.closed => {
                 let id = self.next_worker_id;
@@ -750,9 +908,9 @@ impl PoolState {
                 );
             }
             Ok(handle) => {
-                tokio::spawn(async move {
+                self.stopping.push(tokio::spawn(async move {
                     handle.shutdown().await;
-                });
+                }));
             }
             Err(error) => {
                 // Not cached: the next lease tries again (after the backoff).
@@ -779,7 +937,8 @@ impl PoolState {
             return;
         };
         let key = w.key.clone();
-        let had_conversations = !w.attached.is_empty();
+        // A draining worker was on its way out: it is not replaced.
+        let had_conversations = !w.attached.is_empty() && !w.draining;
         self.emit(PoolEvent::WorkerCrashed {
             key_hash: key.short_hash(),
             pid: w.handle.pid(),
@@ -855,6 +1014,16 @@ impl PoolState {
 
     fn evict(&mut self, id: WorkerId, why: &'static str) {
         let key_hash = self.workers.get(&id).map(|w| w.key.short_hash());
+        // Its conversations resume elsewhere only once the worker (which detaches them on
+        // its way out) has stopped.
+        let attached: Vec<String> = self
+            .workers
+            .get(&id)
+            .map(|w| w.attached.iter().cloned().collect())
+            .unwrap_or_default();
+        for key in &attached {
+            *self.detaching.entry(key.clone()).or_default() += 1;
+        }
         if let Some(handle) = self.remove_worker(id) {
             self.emit(PoolEvent::WorkerEvicted {
                 key_hash: key_hash.unwrap_or_default(),
@@ -863,9 +1032,20 @@ impl PoolState {
             });
             tracing::info!(pid = handle.pid(), why, "Evicting a pool worker.");
             self.totals.evicted += 1;
-            tokio::spawn(async move {
+            let target = self.myself.clone();
+            self.stopping.retain(|t| !t.is_finished());
+            self.stopping.push(tokio::spawn(async move {
                 handle.shutdown().await;
-            });
+                let _ = target.cast(PoolMsg::Detached {
+                    session_keys: attached,
+                    worker_id: id,
+                    ok: true,
+                });
+            }));
+        } else {
+            for key in &attached {
+                self.detaching.remove(key);
+            }
         }
     }
 
@@ -890,6 +1070,17 @@ impl PoolState {
         for (id, why) in evict {
             self.evict(id, why);
         }
+        // Forget keys with nothing left (their spec holds the old token of a rotation).
+        let waiting: HashSet<PoolKey> = self.waiters.iter().map(|w| w.req.key.clone()).collect();
+        self.keys.retain(|key, ks| {
+            !ks.workers.is_empty()
+                || ks.spawning
+                || ks.backoff_until.is_some()
+                || ks.restart.quarantined_until(now).is_some()
+                || ks.restart.restarts_in_window(now, &self.config.restart) > 0
+                || waiting.contains(key)
+        });
+        self.stopping.retain(|t| !t.is_finished());
     }
 
     fn status(&self) -> PoolStatus {

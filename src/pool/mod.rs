@@ -48,8 +48,8 @@ const ACQUIRE_SLACK: Duration = Duration::from_secs(5);
 /// What [`Pool::shutdown`] did.
 #[derive(Debug, Clone, Default)]
 pub struct ShutdownReport {
-    /// Turns still running after the grace period, aborted.
-    pub aborted_turns: usize,
+    /// Leases still held after the grace period; their running turns were aborted.
+    pub aborted_leases: usize,
 }
 
 /// A pool of supervised CLI workers. Cheap to clone; the last clone dropped without
@@ -175,10 +175,11 @@ impl Pool {
             key: key.clone(),
             spec: spec.clone(),
             session_key: req.session_key.clone(),
+            compat: compat.clone(),
             wait,
         };
         let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
-        let grant: Grant = match inner
+        let mut grant: Grant = match inner
             .actor
             .call(
                 |reply| PoolMsg::Acquire {
@@ -199,28 +200,19 @@ impl Pool {
         let worker_id = grant.worker_id;
         let worker = grant.worker.clone();
         let session_config = session_config(&req, &auth);
-        let opened = open_conversation(
+        // From here until the `Lease` exists, dropping `grant` (an error, or this future
+        // being cancelled) gives the slot back to the pool.
+        let carried = grant.carried.take();
+        let (session, reason) = open_conversation(
             &worker,
-            grant,
+            carried,
             &inner.bindings,
             &req.session_key,
             &compat,
             &home,
             session_config,
         )
-        .await;
-        let (session, reason) = match opened {
-            Ok(x) => x,
-            Err(e) => {
-                let _ = inner.actor.cast(PoolMsg::Return {
-                    session_key: req.session_key.clone(),
-                    worker_id,
-                    session: None,
-                    turns: 0,
-                });
-                return Err(e);
-            }
-        };
+        .await?;
         let cli_session_id = session.id().to_owned();
         // A conversation still attached since its last lease has an up-to-date binding.
         if reason != OpenReason::Attached {
@@ -246,6 +238,7 @@ impl Pool {
             cli_session_id: cli_session_id.clone(),
             reason,
         });
+        grant.disarm();
         Ok(Lease {
             worker_pid: worker.pid(),
             session: Some(session),
@@ -291,7 +284,7 @@ impl Pool {
             if let Ok(ractor::rpc::CallResult::Success(n)) =
                 actor.call(PoolMsg::AbortLeased, call).await
             {
-                report.aborted_turns = n;
+                report.aborted_leases = n;
             }
             // Aborted turns end quickly; their leases return when dropped.
             let _ =
@@ -337,22 +330,28 @@ fn now_ms() -> u64 {
 /// Attaches the lease's CLI session on the granted worker.
 async fn open_conversation(
     worker: &WorkerHandle,
-    grant: Grant,
+    carried: Option<actor::Carried>,
     bindings: &Arc<BindingStore>,
     session_key: &str,
     compat: &str,
     home: &Path,
     config: SessionConfig,
 ) -> Result<(Session, OpenReason), PoolError> {
-    if let Some(carried) = grant.carried {
+    if let Some(carried) = carried {
         match carried.session {
             Some(session) if carried.same_worker && session.is_alive() => {
                 return Ok((session, OpenReason::Attached));
             }
             // One owner per CLI session id: detach from the old worker before resuming.
             Some(session) => {
-                if let Err(error) = session.detach().await {
-                    tracing::debug!(%error, "Detach on the old worker failed (it may be gone).");
+                let old = session.worker().clone();
+                match session.detach().await {
+                    Ok(()) | Err(WorkerError::Died(_) | WorkerError::Stopped) => {}
+                    Err(error) => {
+                        // The old process may still hold the session: it must not live on.
+                        tracing::warn!(%error, pid = old.pid(), "Detach failed; stopping the old worker before resuming.");
+                        old.shutdown().await;
+                    }
                 }
             }
             None => {}
@@ -394,13 +393,13 @@ async fn create(
     Ok((session, reason))
 }
 
+/// The runtime's answer to a resume of a session it does not know (reference §10.4:
+/// "Session not found for sessionId: <id>").
 fn is_not_found(error: &WorkerError) -> bool {
     match error {
         WorkerError::Rpc(e) => {
             let text = e.to_string().to_ascii_lowercase();
-            text.contains("not found")
-                || text.contains("no such session")
-                || text.contains("enoent")
+            text.contains("session not found") || text.contains("no such session")
         }
         _ => false,
     }

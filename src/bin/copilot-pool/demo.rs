@@ -117,6 +117,7 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
     let progress = Arc::new(Notify::new());
     let failed = Arc::new(AtomicU64::new(0));
     let token_version = Arc::new(AtomicU64::new(1));
+    let rotated = Arc::new(Notify::new());
     let agent_pids: Arc<Mutex<HashMap<u32, u32>>> = Arc::default();
     eprintln!(
         "demo: {} agents x {} conversations x {} turns on the scripted model ({total} turns)",
@@ -137,6 +138,7 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
                     Some(Secret::new("demo-key")),
                 ),
                 token_version: token_version.clone(),
+                rotated: rotated.clone(),
                 done: done.clone(),
                 failed: failed.clone(),
                 progress: progress.clone(),
@@ -146,15 +148,20 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
         }
     }
 
-    // Mid-run: kill one child, then rotate agent 0's token.
+    // Mid-run: kill one child, then rotate agent 0's token. Agent 0's last turns wait for the
+    // rotation, so it always happens while agent 0 still has work (never deadlocks: the
+    // rotation comes at the latest when everything else is done).
+    let rotate_at = (total * 2 / 3).min(total - u64::from(args.conversations));
+    let kill_at = (total / 3).min(rotate_at);
     let chaos = {
+        let rotated = rotated.clone();
         let done = done.clone();
         let progress = progress.clone();
         let agent_pids = agent_pids.clone();
         let token_version = token_version.clone();
         let victim = if args.agents > 1 { 1 } else { 0 };
         async move {
-            wait_progress(&done, &progress, total / 3).await;
+            wait_progress(&done, &progress, kill_at).await;
             if let Some(pid) = agent_pids.lock().await.get(&victim).copied() {
                 eprintln!("  [demo] SIGKILL to agent-{victim}'s worker {pid}");
                 let _ = nix::sys::signal::kill(
@@ -162,9 +169,10 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
                     nix::sys::signal::Signal::SIGKILL,
                 );
             }
-            wait_progress(&done, &progress, total * 2 / 3).await;
+            wait_progress(&done, &progress, rotate_at).await;
             eprintln!("  [demo] rotating agent-0's token (profile version v1 -> v2)");
             token_version.store(2, Ordering::SeqCst);
+            rotated.notify_waiters();
         }
     };
     let chaos = tokio::spawn(chaos);
@@ -223,6 +231,7 @@ struct Conversation {
     work: PathBuf,
     provider: ProviderConfig,
     token_version: Arc<AtomicU64>,
+    rotated: Arc<Notify>,
     done: Arc<AtomicU64>,
     failed: Arc<AtomicU64>,
     progress: Arc<Notify>,
@@ -232,6 +241,15 @@ struct Conversation {
 impl Conversation {
     async fn run(self) {
         for turn in 0..self.turns {
+            if self.agent == 0 && turn + 1 == self.turns {
+                loop {
+                    let notified = self.rotated.notified();
+                    if self.token_version.load(Ordering::SeqCst) > 1 {
+                        break;
+                    }
+                    notified.await;
+                }
+            }
             let mut ok = self.one_turn(turn).await;
             if let Err(e) = &ok {
                 // What a gateway does when the worker died under a turn: take a new lease,
