@@ -162,7 +162,18 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
         let victim = if args.agents > 1 { 1 } else { 0 };
         async move {
             wait_progress(&done, &progress, kill_at).await;
-            if let Some(pid) = agent_pids.lock().await.get(&victim).copied() {
+            // The victim's worker is known once one of its leases has opened.
+            let pid = loop {
+                let notified = progress.notified();
+                if let Some(pid) = agent_pids.lock().await.get(&victim).copied() {
+                    break Some(pid);
+                }
+                if done.load(Ordering::SeqCst) >= total {
+                    break None;
+                }
+                notified.await;
+            };
+            if let Some(pid) = pid {
                 eprintln!("  [demo] SIGKILL to agent-{victim}'s worker {pid}");
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(pid as i32),
@@ -296,6 +307,7 @@ impl Conversation {
             .lock()
             .await
             .insert(self.agent, lease.worker_pid());
+        self.progress.notify_waiters();
         let prompt = format!(
             "SCENARIO:slow SLOW=4x25 agent {} conversation {} turn {turn}",
             self.agent, self.conv
