@@ -22,7 +22,7 @@ pub enum PoolError {
     #[error("session bindings: {0}")]
     Bindings(String),
     /// The pool is shut down (or shutting down).
-    #[error("the pool is shut down")]
+    #[error("the pool is shut down; start a new pool to lease again")]
     Closed,
     /// No capacity became free in time.
     #[error(
@@ -39,10 +39,24 @@ pub enum PoolError {
         max: usize,
     },
     /// Another lease holds this conversation and the request asked not to queue.
-    #[error("conversation {session_key:?} is busy with another turn")]
+    #[error(
+        "conversation {session_key:?} is leased by another caller (one turn at a time); \
+         retry after that lease is dropped, or lease without fail_if_busy to queue"
+    )]
     ConversationBusy {
         /// The conversation.
         session_key: String,
+    },
+    /// Another lease held this conversation for the whole wait.
+    #[error(
+        "conversation {session_key:?} stayed leased by another caller for {after:?}; drop \
+         that lease (or end its turn) first, or raise the wait timeout"
+    )]
+    ConversationWaitTimeout {
+        /// The conversation.
+        session_key: String,
+        /// How long the lease waited.
+        after: Duration,
     },
     /// The key's workers crashed too often; leases fail until the cool-down ends.
     #[error(

@@ -45,6 +45,13 @@ use actor::{AcquireRequest, Grant, PoolActor, PoolArgs, PoolMsg};
 /// Extra time an acquire call may take beyond the wait (a spawn that finishes late).
 const ACQUIRE_SLACK: Duration = Duration::from_secs(5);
 
+/// Above this many conversation locks, unused ones are forgotten at the next lease.
+const LOCK_PRUNE_THRESHOLD: usize = 4096;
+
+/// Sessions the `cli` flavour can hold per OS user before inotify runs out (the default
+/// `fs.inotify.max_user_instances` is 128, shared by every process of the user).
+const CLI_FLAVOUR_SESSION_WARNING: usize = 96;
+
 /// What [`Pool::shutdown`] did.
 #[derive(Debug, Clone, Default)]
 pub struct ShutdownReport {
@@ -86,6 +93,19 @@ impl std::fmt::Debug for Pool {
 impl Pool {
     /// Starts a pool. Opens (creates) the binding store under `config.state_dir`.
     pub async fn start(config: PoolConfig) -> Result<Pool, PoolError> {
+        let cli_flavour = config
+            .worker
+            .program
+            .file_name()
+            .is_some_and(|n| n == "copilot");
+        if cli_flavour && config.max_sessions > CLI_FLAVOUR_SESSION_WARNING {
+            tracing::warn!(
+                max_sessions = config.max_sessions,
+                "The `copilot` (cli flavour) runtime opens one inotify instance per session; the \
+                 default per-user limit is 128 for all processes together. Set max_sessions to \
+                 at most 96 or raise fs.inotify.max_user_instances."
+            );
+        }
         let bindings = Arc::new(BindingStore::open(&config.state_dir)?);
         let (leased_tx, leased_rx) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);
@@ -144,6 +164,12 @@ impl Pool {
         let key = PoolKey::new(&home, &auth, req.provider.as_ref(), req.model.as_deref());
         let compat = compat_key(&key, req.model.as_deref(), &req.working_directory);
         let wait = req.wait_timeout.unwrap_or(inner.config.wait_timeout);
+        // One deadline for the conversation lock and the capacity wait together.
+        let deadline = tokio::time::Instant::now() + wait;
+        if inner.locks.len() > LOCK_PRUNE_THRESHOLD {
+            // Forget locks nobody holds or waits for.
+            inner.locks.retain(|_, lock| Arc::strong_count(lock) > 1);
+        }
 
         // One turn at a time per conversation.
         let lock = inner
@@ -159,8 +185,11 @@ impl Pool {
         } else {
             let mut closed = inner.closed.subscribe();
             tokio::select! {
-                guard = tokio::time::timeout(wait, lock.lock_owned()) => {
-                    guard.map_err(|_| PoolError::WaitTimeout { after: wait })?
+                guard = tokio::time::timeout_at(deadline, lock.lock_owned()) => {
+                    guard.map_err(|_| PoolError::ConversationWaitTimeout {
+                        session_key: req.session_key.clone(),
+                        after: wait,
+                    })?
                 }
                 _ = closed.wait_for(|c| *c) => return Err(PoolError::Closed),
             }
@@ -176,7 +205,7 @@ impl Pool {
             spec: spec.clone(),
             session_key: req.session_key.clone(),
             compat: compat.clone(),
-            wait,
+            wait: deadline.saturating_duration_since(tokio::time::Instant::now()),
         };
         let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
         let mut grant: Grant = match inner
