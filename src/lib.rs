@@ -24,6 +24,7 @@
 
 pub mod auth;
 pub mod home;
+pub mod permission;
 pub mod pool;
 pub mod process;
 pub mod rpc;
@@ -31,5 +32,7 @@ pub mod runtime;
 #[cfg(feature = "scripted-model")]
 pub mod scripted_model;
 pub mod secret;
+pub mod transcript;
+pub mod turn;
 pub mod tunnel;
 pub mod worker;

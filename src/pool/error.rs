@@ -75,6 +75,30 @@ pub enum PoolError {
     /// `send` while a turn is running, or a turn call without one.
     #[error("{0}")]
     TurnState(&'static str),
+    /// The turn hit one of the pool's timeouts; it was aborted and the conversation stays
+    /// resumable (take the next turn on the same lease or a new one).
+    #[error("turn timed out ({kind:?} after {after:?}): {detail}; the turn was aborted, the conversation can continue")]
+    TurnTimeout {
+        /// Which limit.
+        kind: crate::turn::TimeoutKind,
+        /// The limit.
+        after: Duration,
+        /// What was going on.
+        detail: String,
+    },
+    /// The runtime reported the turn failed (`session.error`), e.g. the provider answered 500.
+    #[error("the turn failed{}: {message}", .status_code.map(|c| format!(" with status {c}")).unwrap_or_default())]
+    TurnFailed {
+        /// The runtime's message.
+        message: String,
+        /// The HTTP status of the failing model call, if any.
+        status_code: Option<u16>,
+        /// The runtime's error type.
+        error_type: Option<String>,
+    },
+    /// The strict transcript mirror could not be written; the turn was aborted.
+    #[error("transcript mirror write failed (strict mode): {0}; fix the transcript directory or use best-effort mode")]
+    TranscriptPersistenceFailed(String),
 }
 
 impl From<HomeError> for PoolError {

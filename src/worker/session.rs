@@ -192,6 +192,74 @@ impl Session {
         request_id: &str,
         result: ToolResult,
     ) -> Result<(), WorkerError> {
+        self.answerer().answer_tool_call(request_id, result).await
+    }
+
+    /// Answers a permission prompt of this session (`permission.requested`), e.g. with
+    /// `{"kind":"approve-once"}` or `{"kind":"reject"}`.
+    pub async fn answer_permission(
+        &self,
+        request_id: &str,
+        decision: Value,
+    ) -> Result<(), WorkerError> {
+        self.answerer().answer_permission(request_id, decision).await
+    }
+
+    /// A handle that answers this session's pending requests from any task.
+    pub fn answerer(&self) -> Answerer {
+        Answerer {
+            id: self.id.clone(),
+            worker: self.worker.clone(),
+        }
+    }
+
+    /// Compacts the conversation history.
+    pub async fn compact(&self) -> Result<CompactResult, WorkerError> {
+        let params = CompactParams {
+            session_id: self.id.clone(),
+            custom_instructions: None,
+        };
+        self.worker.call::<SessionCompact>(&params).await
+    }
+
+    /// The persisted events of this session.
+    pub async fn messages(&self) -> Result<Vec<Value>, WorkerError> {
+        let params = SessionIdParams {
+            session_id: self.id.clone(),
+        };
+        Ok(self
+            .worker
+            .call::<SessionGetMessages>(&params)
+            .await?
+            .events)
+    }
+
+    /// Detaches the session from its process; its state stays on disk for a later resume.
+    pub async fn detach(mut self) -> Result<(), WorkerError> {
+        self.detached = true;
+        self.worker.close_route(&self.id, false);
+        let params = SessionIdParams {
+            session_id: self.id.clone(),
+        };
+        self.worker.call::<SessionDetach>(&params).await.map(|_| ())
+    }
+}
+
+/// Answers one session's pending tool calls and permission prompts, from any task. The
+/// worker's ledger checks that each request belongs to this session.
+#[derive(Clone, Debug)]
+pub struct Answerer {
+    id: String,
+    worker: WorkerHandle,
+}
+
+impl Answerer {
+    /// Answers a client tool call of the session (`external_tool.requested`).
+    pub async fn answer_tool_call(
+        &self,
+        request_id: &str,
+        result: ToolResult,
+    ) -> Result<(), WorkerError> {
         self.worker
             .take_pending(PendingKind::ToolCall, &self.id, request_id)
             .await?;
@@ -257,36 +325,6 @@ impl Session {
         Ok(())
     }
 
-    /// Compacts the conversation history.
-    pub async fn compact(&self) -> Result<CompactResult, WorkerError> {
-        let params = CompactParams {
-            session_id: self.id.clone(),
-            custom_instructions: None,
-        };
-        self.worker.call::<SessionCompact>(&params).await
-    }
-
-    /// The persisted events of this session.
-    pub async fn messages(&self) -> Result<Vec<Value>, WorkerError> {
-        let params = SessionIdParams {
-            session_id: self.id.clone(),
-        };
-        Ok(self
-            .worker
-            .call::<SessionGetMessages>(&params)
-            .await?
-            .events)
-    }
-
-    /// Detaches the session from its process; its state stays on disk for a later resume.
-    pub async fn detach(mut self) -> Result<(), WorkerError> {
-        self.detached = true;
-        self.worker.close_route(&self.id, false);
-        let params = SessionIdParams {
-            session_id: self.id.clone(),
-        };
-        self.worker.call::<SessionDetach>(&params).await.map(|_| ())
-    }
 }
 
 impl Drop for Session {

@@ -1,0 +1,169 @@
+//! The turn API a gateway programs against: the handlers a conversation brings (tools,
+//! permission policy, ask_user, hooks), the timeouts the pool owns, the transcript mirror
+//! settings, and what a turn produced. `driver` runs one turn over a session.
+//!
+//! * [`tools`] — [`GatewayTool`]: name, schema, async handler, sequential or concurrent.
+//! * [`user_input`] — [`UserInputHandler`] and how answers map onto the wire.
+//! * [`hooks`] — [`TurnHooks`], fed from `hooks.invoke` and the event stream.
+//! * `crate::permission` — the permission policy (fail closed by default).
+//! * `crate::transcript` — the JSONL mirror.
+
+pub(crate) mod driver;
+pub mod hooks;
+pub mod tools;
+pub mod user_input;
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::permission::{PermissionPolicy, RejectAll};
+use crate::transcript::TranscriptMode;
+
+pub use hooks::TurnHooks;
+pub use tools::{GatewayTool, ToolCall, ToolConcurrency, ToolHandler};
+pub use user_input::{Answer, Question, UserInputHandler};
+
+/// Timeouts the pool owns for every turn. The runtime waits forever for an unanswered tool
+/// call; with these no turn can hang.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TurnTimeouts {
+    /// No event for this long (while nothing is pending on our side) ends the turn.
+    pub inactivity: Duration,
+    /// A turn never runs longer than this.
+    pub absolute: Duration,
+    /// A gateway tool call (unless the tool sets its own).
+    pub tool: Duration,
+    /// A permission decision of the policy.
+    pub permission: Duration,
+    /// An ask_user question; on expiry the question gets an empty free-form answer.
+    pub user_input: Duration,
+    /// A hook; on expiry the runtime gets `{}`.
+    pub hook: Duration,
+}
+
+impl Default for TurnTimeouts {
+    /// Inactivity 2 min, absolute 30 min, tool 10 min, permission 1 min, ask_user 15 min,
+    /// hook 30 s.
+    fn default() -> Self {
+        Self {
+            inactivity: Duration::from_secs(120),
+            absolute: Duration::from_secs(1800),
+            tool: Duration::from_secs(600),
+            permission: Duration::from_secs(60),
+            user_input: Duration::from_secs(900),
+            hook: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Where and how a conversation's transcript is mirrored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TranscriptSettings {
+    /// Directory of the `copilot-<sessionId>.jsonl` files.
+    pub dir: PathBuf,
+    /// Best effort or strict.
+    pub mode: TranscriptMode,
+}
+
+/// Everything a conversation brings to its turns.
+#[derive(Clone)]
+pub struct TurnHandlers {
+    /// Gateway tools (sent on create and resume).
+    pub tools: Vec<GatewayTool>,
+    /// Decides the runtime's permission prompts (default: reject everything).
+    pub permission_policy: Arc<dyn PermissionPolicy>,
+    /// Answers ask_user (without it the model is not offered ask_user).
+    pub user_input: Option<Arc<dyn UserInputHandler>>,
+    /// Hooks (with them the runtime sends `hooks.invoke`).
+    pub hooks: Option<Arc<dyn TurnHooks>>,
+    /// Timeouts.
+    pub timeouts: TurnTimeouts,
+    /// The transcript mirror, if any.
+    pub transcript: Option<TranscriptSettings>,
+}
+
+impl Default for TurnHandlers {
+    fn default() -> Self {
+        Self {
+            tools: Vec::new(),
+            permission_policy: Arc::new(RejectAll::default()),
+            user_input: None,
+            hooks: None,
+            timeouts: TurnTimeouts::default(),
+            transcript: None,
+        }
+    }
+}
+
+impl fmt::Debug for TurnHandlers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TurnHandlers")
+            .field("tools", &self.tools)
+            .field("user_input", &self.user_input.is_some())
+            .field("hooks", &self.hooks.is_some())
+            .field("timeouts", &self.timeouts)
+            .field("transcript", &self.transcript)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Which limit ended a turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TimeoutKind {
+    /// No event for the inactivity timeout.
+    Inactivity,
+    /// The absolute turn cap.
+    Absolute,
+    /// A gateway tool call did not finish.
+    Tool,
+    /// The permission policy did not decide.
+    Permission,
+}
+
+/// Token usage summed over a turn's model calls.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+}
+
+/// What one turn produced.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TurnOutcome {
+    /// The final assistant message of the main agent.
+    pub text: String,
+    /// The turn was aborted.
+    pub aborted: bool,
+    /// The turn's `session.error` message, if it failed (see [`TurnOutcome::failure`]).
+    pub error: Option<String>,
+    /// The `session.error` status code (e.g. 500 from the provider).
+    pub status_code: Option<u16>,
+    /// The `session.error` type.
+    pub error_type: Option<String>,
+    /// Model calls (`assistant.turn_start` events).
+    pub model_calls: u32,
+    /// Tool executions (`tool.execution_start` events).
+    pub tool_calls: u32,
+    /// Gateway tool calls answered by a handler.
+    pub gateway_tool_calls: u32,
+    /// Permission prompts decided by the policy.
+    pub permission_prompts: u32,
+    /// ask_user questions answered (or timed out to an empty answer).
+    pub user_inputs: u32,
+    /// Hooks that failed or timed out (answered `{}`).
+    pub hook_failures: u32,
+    /// Token usage.
+    pub usage: Usage,
+    /// `session.task_complete` data, when the runtime sent one (best effort).
+    pub task_complete: Option<Value>,
+    /// Events seen.
+    pub events: usize,
+}
