@@ -33,6 +33,6 @@ pub mod runtime;
 pub mod scripted_model;
 pub mod secret;
 pub mod transcript;
-pub mod turn;
 pub mod tunnel;
+pub mod turn;
 pub mod worker;

@@ -30,6 +30,9 @@ pub(crate) struct AcquireRequest {
     pub(crate) session_key: String,
     /// The conversation's compat key: a parked session with another one is not reused.
     pub(crate) compat: String,
+    /// What the session is opened with (tools, handler flags): a parked session opened
+    /// differently is resumed anew rather than reused.
+    pub(crate) setup: String,
     pub(crate) wait: Duration,
 }
 
@@ -159,6 +162,7 @@ struct Conversation {
     worker: WorkerId,
     cli_session_id: String,
     compat: String,
+    setup: String,
     parked: Option<Session>,
     leased: bool,
     last_used: Instant,
@@ -597,6 +601,7 @@ impl PoolState {
                 return Ok(None);
             }
             let same = conv.compat == req.compat
+                && conv.setup == req.setup
                 && self.worker_usable(conv.worker)
                 && self
                     .workers
@@ -647,6 +652,7 @@ impl PoolState {
                 worker: target,
                 cli_session_id: String::new(),
                 compat: req.compat.clone(),
+                setup: req.setup.clone(),
                 parked: None,
                 leased: true,
                 last_used: now,

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::auth::LeaseAuth;
 use crate::rpc::messages::ProviderConfig;
+use crate::turn::TurnHandlers;
 use crate::worker::WorkerConfig;
 
 use super::restart::RestartPolicy;
@@ -53,6 +54,22 @@ pub struct PoolConfig {
     pub restart: RestartPolicy,
     /// How often idle, lifetime and memory limits are checked (default 1 s).
     pub maintenance_interval: Duration,
+    /// The runtime's `infiniteSessions` settings, passed to every session as they are.
+    pub infinite_sessions: Option<InfiniteSessions>,
+}
+
+/// The runtime's automatic context management (`infiniteSessions` on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InfiniteSessions {
+    /// Compact automatically.
+    pub enabled: bool,
+    /// Start a background compaction at this share of the context window (runtime: 0.80).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub background_compaction_threshold: Option<f64>,
+    /// Block and compact at this share (runtime: 0.95).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub buffer_exhaustion_threshold: Option<f64>,
 }
 
 impl PoolConfig {
@@ -75,6 +92,7 @@ impl PoolConfig {
             shutdown_grace: Duration::from_secs(10),
             restart: RestartPolicy::default(),
             maintenance_interval: Duration::from_secs(1),
+            infinite_sessions: None,
         }
     }
 }
@@ -94,6 +112,8 @@ pub struct LeaseRequest {
     pub agent_dir: Option<PathBuf>,
     /// Model id.
     pub model: Option<String>,
+    /// Reasoning effort: `low`, `medium`, `high` or `xhigh`.
+    pub reasoning_effort: Option<String>,
     /// BYOK provider (sent on create and on every resume).
     pub provider: Option<ProviderConfig>,
     /// The conversation's working directory.
@@ -106,6 +126,8 @@ pub struct LeaseRequest {
     pub fail_if_busy: bool,
     /// Overrides the pool's `wait_timeout` for this lease.
     pub wait_timeout: Option<Duration>,
+    /// Tools, permission policy, ask_user, hooks, timeouts and the transcript mirror.
+    pub handlers: TurnHandlers,
 }
 
 impl LeaseRequest {
@@ -122,12 +144,14 @@ impl LeaseRequest {
             copilot_home: None,
             agent_dir: None,
             model: None,
+            reasoning_effort: None,
             provider: None,
             working_directory,
             streaming: true,
             available_tools: None,
             fail_if_busy: false,
             wait_timeout: None,
+            handlers: TurnHandlers::default(),
         }
     }
 }

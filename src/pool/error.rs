@@ -18,6 +18,9 @@ pub enum PoolError {
     /// The agent id or home is unusable.
     #[error(transparent)]
     Home(Arc<HomeError>),
+    /// The request is malformed; the message says what to change.
+    #[error("invalid lease request: {0}")]
+    InvalidRequest(String),
     /// The binding store failed.
     #[error("session bindings: {0}")]
     Bindings(String),
@@ -77,7 +80,9 @@ pub enum PoolError {
     TurnState(&'static str),
     /// The turn hit one of the pool's timeouts; it was aborted and the conversation stays
     /// resumable (take the next turn on the same lease or a new one).
-    #[error("turn timed out ({kind:?} after {after:?}): {detail}; the turn was aborted, the conversation can continue")]
+    #[error(
+        "turn timed out ({kind:?} after {after:?}): {detail}; the turn was aborted, the conversation can continue"
+    )]
     TurnTimeout {
         /// Which limit.
         kind: crate::turn::TimeoutKind,
@@ -97,7 +102,9 @@ pub enum PoolError {
         error_type: Option<String>,
     },
     /// The strict transcript mirror could not be written; the turn was aborted.
-    #[error("transcript mirror write failed (strict mode): {0}; fix the transcript directory or use best-effort mode")]
+    #[error(
+        "transcript mirror write failed (strict mode): {0}; fix the transcript directory or use best-effort mode"
+    )]
     TranscriptPersistenceFailed(String),
 }
 

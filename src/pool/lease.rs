@@ -1,15 +1,21 @@
-//! The gateway's hold on one conversation: a [`Lease`] on an attached CLI session, with the
-//! basic turn API (send, events, wait for `session.idle`, abort). Dropping a lease returns
+//! The gateway's hold on one conversation: a [`Lease`] on an attached CLI session with the
+//! turn API (send, events, wait for `session.idle`, abort, compact). Tools, permission
+//! prompts, ask_user and hooks are answered by the conversation's handlers while events
+//! are pulled; the pool's timeouts end any turn that would hang. Dropping a lease returns
 //! the conversation to the pool; dropping it with a turn in flight aborts that turn first.
 
 use std::fmt;
 use std::time::Duration;
 
 use ractor::ActorRef;
+use serde_json::json;
 use tokio::sync::OwnedMutexGuard;
 
+use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
-use crate::worker::{Session, SessionUpdate};
+use crate::turn::TurnOutcome;
+use crate::turn::driver::{TurnDriver, run_hook};
+use crate::worker::{Session, SessionUpdate, WorkerError};
 
 use super::actor::{PoolMsg, WorkerId};
 use super::error::PoolError;
@@ -23,7 +29,7 @@ const ABORT_ON_DROP_WAIT: Duration = Duration::from_secs(10);
 pub enum OpenReason {
     /// Still attached to the same worker since the last lease: nothing to resume.
     Attached,
-    /// Resumed a stored session (new worker, crash, rotation, restart).
+    /// Resumed a stored session (new worker, crash, rotation, restart, new handlers).
     Resumed,
     /// No binding: a new session.
     New,
@@ -42,19 +48,6 @@ impl OpenReason {
     }
 }
 
-/// What one turn produced.
-#[derive(Debug, Clone, Default)]
-pub struct TurnOutcome {
-    /// The final assistant message of the main agent.
-    pub text: String,
-    /// The turn was aborted.
-    pub aborted: bool,
-    /// The turn's `session.error` message, if it failed.
-    pub error: Option<String>,
-    /// Events seen in the turn.
-    pub events: usize,
-}
-
 /// Exclusive use of one conversation until dropped.
 pub struct Lease {
     pub(crate) session: Option<Session>,
@@ -64,7 +57,7 @@ pub struct Lease {
     pub(crate) worker_pid: u32,
     pub(crate) reason: OpenReason,
     pub(crate) pool: ActorRef<PoolMsg>,
-    pub(crate) turn_in_flight: bool,
+    pub(crate) driver: TurnDriver,
     pub(crate) turns: u64,
     pub(crate) lost: bool,
     /// One turn at a time per conversation: held for the lease's life.
@@ -109,7 +102,7 @@ impl Lease {
 
     /// Starts a turn. Its events follow through [`Lease::next_event`].
     pub async fn send(&mut self, prompt: impl Into<String>) -> Result<(), PoolError> {
-        if self.turn_in_flight {
+        if self.driver.in_flight() {
             return Err(PoolError::TurnState(
                 "a turn is already running on this lease",
             ));
@@ -118,42 +111,26 @@ impl Lease {
         // Leftovers of earlier activity (late events of an aborted turn) are not this turn's.
         while session.try_next().is_some() {}
         session.send(prompt).await.map_err(|e| self.lose(e))?;
-        self.turn_in_flight = true;
+        self.driver.begin();
         Ok(())
     }
 
     /// The next event of the running turn; `None` once the turn ended (after its
-    /// `session.idle`) or when no turn runs. A dead worker yields one `Err`.
+    /// `session.idle`) or when no turn runs. While events are pulled, gateway tools,
+    /// permission prompts, ask_user and hooks are answered and the timeouts enforced; a
+    /// timeout, a dead worker or a strict transcript failure yields one `Err`.
     pub async fn next_event(&mut self) -> Option<Result<SessionEvent, PoolError>> {
-        if !self.turn_in_flight {
-            return None;
-        }
         let session = self.session.as_mut()?;
-        loop {
-            match session.next().await {
-                Some(SessionUpdate::Event(event)) => {
-                    if matches!(event.kind, EventKind::SessionIdle(_)) {
-                        self.turn_in_flight = false;
-                        self.turns += 1;
-                    }
-                    return Some(Ok(event));
+        let item = self.driver.next(session).await?;
+        match item {
+            Ok(event) => {
+                if matches!(event.kind, EventKind::SessionIdle(_)) {
+                    self.turns += 1;
                 }
-                // Hooks get the SDK default; nobody answers questions yet (the turn API of
-                // the next issue adds handlers).
-                Some(SessionUpdate::Hook(hook)) => drop(hook),
-                Some(SessionUpdate::UserInput(request)) => {
-                    request.fail("this lease has no user-input handler")
-                }
-                Some(SessionUpdate::Ended(error)) => {
-                    self.turn_in_flight = false;
-                    return Some(Err(self.lose(error)));
-                }
-                None => {
-                    self.turn_in_flight = false;
-                    self.lost = true;
-                    return Some(Err(PoolError::TurnState("the session stream ended")));
-                }
+                Some(Ok(event))
             }
+            Err(PoolError::Worker(e)) => Some(Err(self.lose(e))),
+            Err(e) => Some(Err(e)),
         }
     }
 
@@ -163,36 +140,74 @@ impl Lease {
         self.wait_idle().await
     }
 
-    /// Waits for the running turn to end and summarises it.
+    /// Waits for the running turn to end. A turn the runtime reports failed
+    /// (`session.error`) is `Err(TurnFailed)` with its status code; an aborted turn is `Ok`
+    /// with `aborted` set.
     pub async fn wait_idle(&mut self) -> Result<TurnOutcome, PoolError> {
-        let mut outcome = TurnOutcome::default();
         while let Some(event) = self.next_event().await {
-            let event = event?;
-            outcome.events += 1;
-            match event.kind {
-                EventKind::AssistantMessage(m)
-                    if event.agent_id.is_none() && !m.content.is_empty() =>
-                {
-                    outcome.text = m.content;
-                }
-                EventKind::SessionError(e) => outcome.error = Some(e.message),
-                EventKind::SessionIdle(idle) => outcome.aborted = idle.aborted == Some(true),
-                _ => {}
-            }
+            event?;
+        }
+        let outcome = self.driver.outcome();
+        if let (Some(message), false) = (&outcome.error, outcome.aborted) {
+            return Err(PoolError::TurnFailed {
+                message: message.clone(),
+                status_code: outcome.status_code,
+                error_type: outcome.error_type.clone(),
+            });
         }
         Ok(outcome)
     }
 
-    /// Aborts the running turn; it still ends with `session.idle {aborted: true}`.
+    /// The outcome of the current or last turn, as tallied so far.
+    pub fn outcome(&self) -> TurnOutcome {
+        self.driver.outcome()
+    }
+
+    /// Aborts the running turn; it still ends with `session.idle {aborted: true}` through
+    /// [`Lease::next_event`], and a pending ask_user question is cancelled with it.
     pub async fn abort(&mut self) -> Result<(), PoolError> {
         let session = self.session_mut()?;
         session.abort().await.map_err(|e| self.lose(e))
     }
 
+    /// Compacts the conversation (`session.history.compact`), running the
+    /// `before_compaction` and `after_compaction` hooks around it.
+    pub async fn compact(
+        &mut self,
+        custom_instructions: Option<String>,
+    ) -> Result<CompactResult, PoolError> {
+        if self.driver.in_flight() {
+            return Err(PoolError::TurnState(
+                "compact between turns, not during one",
+            ));
+        }
+        let hooks = self.driver.hooks();
+        let limit = self.driver.hook_timeout();
+        let failures = std::sync::atomic::AtomicU32::new(0);
+        if let Some(h) = &hooks {
+            let input = json!({"trigger": "manual", "customInstructions": custom_instructions});
+            run_hook(h.before_compaction(input), limit, &failures).await;
+        }
+        let session = self.session_mut()?;
+        let result = session
+            .compact(custom_instructions)
+            .await
+            .map_err(|e| self.lose(e))?;
+        if let Some(h) = &hooks {
+            let output = json!({
+                "success": result.success,
+                "tokensRemoved": result.tokens_removed,
+                "messagesRemoved": result.messages_removed,
+            });
+            run_hook(h.after_compaction(output), limit, &failures).await;
+        }
+        Ok(result)
+    }
+
     fn session_mut(&mut self) -> Result<&mut Session, PoolError> {
         if self.lost {
             return Err(PoolError::TurnState(
-                "this lease's worker is gone; take a new lease",
+                "this lease's worker is gone; take a new lease (the conversation resumes)",
             ));
         }
         self.session
@@ -200,11 +215,8 @@ impl Lease {
             .ok_or(PoolError::TurnState("this lease has no session"))
     }
 
-    fn lose(&mut self, error: crate::worker::WorkerError) -> PoolError {
-        if matches!(
-            error,
-            crate::worker::WorkerError::Died(_) | crate::worker::WorkerError::Stopped
-        ) {
+    fn lose(&mut self, error: WorkerError) -> PoolError {
+        if matches!(error, WorkerError::Died(_) | WorkerError::Stopped) {
             self.lost = true;
         }
         PoolError::Worker(error)
@@ -222,7 +234,7 @@ impl Drop for Lease {
             guard: self.guard.take(),
         };
         match (
-            self.turn_in_flight,
+            self.driver.in_flight(),
             session,
             tokio::runtime::Handle::try_current(),
         ) {

@@ -32,11 +32,13 @@ use crate::home::resolve_copilot_home;
 use crate::rpc::messages::SessionConfig;
 use crate::worker::{Session, WorkerError, WorkerHandle};
 
+pub use crate::turn::TurnOutcome;
 pub use bindings::{Binding, BindingError, BindingStore};
+pub use config::InfiniteSessions;
 pub use config::{LeaseRequest, PoolConfig};
 pub use error::PoolError;
 pub use key::{PoolKey, compat_key};
-pub use lease::{Lease, OpenReason, TurnOutcome};
+pub use lease::{Lease, OpenReason};
 pub use restart::{RestartDecision, RestartPolicy};
 pub use status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus};
 
@@ -155,6 +157,13 @@ impl Pool {
             return Err(PoolError::Closed);
         }
         let auth = resolve(&req.auth)?;
+        if let Some(effort) = &req.reasoning_effort
+            && !REASONING_EFFORTS.contains(&effort.as_str())
+        {
+            return Err(PoolError::InvalidRequest(format!(
+                "reasoning_effort {effort:?} is not one of low, medium, high, xhigh"
+            )));
+        }
         let home = resolve_copilot_home(
             req.copilot_home.as_deref(),
             req.agent_dir.as_deref(),
@@ -200,11 +209,13 @@ impl Pool {
         spec.working_directory = home.clone();
         spec.auth_token = auth.token.clone();
         spec.auto_login = auth.mode == AuthMode::LoggedInUser;
+        let session_config = session_config(&req, &auth, inner.config.infinite_sessions.as_ref());
         let acquire = AcquireRequest {
             key: key.clone(),
             spec: spec.clone(),
             session_key: req.session_key.clone(),
             compat: compat.clone(),
+            setup: setup_key(&session_config),
             wait: deadline.saturating_duration_since(tokio::time::Instant::now()),
         };
         let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
@@ -228,7 +239,6 @@ impl Pool {
 
         let worker_id = grant.worker_id;
         let worker = grant.worker.clone();
-        let session_config = session_config(&req, &auth);
         // From here until the `Lease` exists, dropping `grant` (an error, or this future
         // being cancelled) gives the slot back to the pool.
         let carried = grant.carried.take();
@@ -267,6 +277,8 @@ impl Pool {
             cli_session_id: cli_session_id.clone(),
             reason,
         });
+        let mut driver = crate::turn::driver::TurnDriver::new(req.handlers.clone());
+        driver.open_transcript(&cli_session_id)?;
         grant.disarm();
         Ok(Lease {
             worker_pid: worker.pid(),
@@ -276,7 +288,7 @@ impl Pool {
             worker_id,
             reason,
             pool: inner.actor.clone(),
-            turn_in_flight: false,
+            driver,
             turns: 0,
             lost: false,
             guard: Some(guard),
@@ -331,23 +343,61 @@ impl Pool {
 /// session its own identity (`gitHubToken`) — except with a BYOK provider, which the runtime
 /// refuses to combine with a session token ("Cannot specify both gitHubToken and provider").
 /// Logged-in mode sets no session-level credential.
-fn session_config(req: &LeaseRequest, auth: &crate::auth::ResolvedAuth) -> SessionConfig {
+fn session_config(
+    req: &LeaseRequest,
+    auth: &crate::auth::ResolvedAuth,
+    infinite_sessions: Option<&InfiniteSessions>,
+) -> SessionConfig {
     let session_token = match (auth.mode, &req.provider) {
         (AuthMode::Token, None) => auth.token.clone(),
         _ => None,
     };
+    let handlers = &req.handlers;
+    let mut extra = serde_json::Map::new();
+    if let Some(infinite) = infinite_sessions
+        && let Ok(value) = serde_json::to_value(infinite)
+    {
+        extra.insert("infiniteSessions".to_owned(), value);
+    }
     SessionConfig {
         model: req.model.clone(),
+        reasoning_effort: req.reasoning_effort.clone(),
         provider: req.provider.clone(),
         git_hub_token: session_token,
+        tools: handlers.tools.iter().map(|t| t.definition()).collect(),
         working_directory: Some(req.working_directory.display().to_string()),
         streaming: req.streaming,
         available_tools: req.available_tools.clone(),
+        // Every permission prompt reaches the conversation's policy (reject-all by default).
+        request_permission: true,
+        request_user_input: handlers.user_input.is_some(),
+        hooks: handlers.hooks.is_some(),
         env_value_mode: Some("direct".to_owned()),
         tool_filter_precedence: Some("excluded".to_owned()),
+        extra,
         ..Default::default()
     }
 }
+
+/// A fingerprint of what a session was opened with beyond its compat key (tools, handler
+/// flags, reasoning effort): an attached session opened differently is resumed anew.
+fn setup_key(config: &SessionConfig) -> String {
+    let text = serde_json::json!({
+        "tools": config.tools,
+        "requestPermission": config.request_permission,
+        "requestUserInput": config.request_user_input,
+        "hooks": config.hooks,
+        "reasoningEffort": config.reasoning_effort,
+        "streaming": config.streaming,
+        "availableTools": config.available_tools,
+        "extra": config.extra,
+    })
+    .to_string();
+    crate::auth::fingerprint(&text)
+}
+
+/// Reasoning efforts the runtime accepts per lease.
+const REASONING_EFFORTS: &[&str] = &["low", "medium", "high", "xhigh"];
 
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -459,7 +509,7 @@ mod tests {
         let req = request(token.clone(), None);
         let auth = resolve(&req.auth).unwrap();
         assert_eq!(
-            session_config(&req, &auth)
+            session_config(&req, &auth, None)
                 .git_hub_token
                 .as_ref()
                 .map(Secret::expose),
@@ -467,7 +517,7 @@ mod tests {
         );
         let byok = request(token, Some(ProviderConfig::openai("http://m/v1", None)));
         let auth = resolve(&byok.auth).unwrap();
-        assert!(session_config(&byok, &auth).git_hub_token.is_none());
+        assert!(session_config(&byok, &auth, None).git_hub_token.is_none());
         let logged_in = request(
             LeaseAuth {
                 use_logged_in_user: true,
@@ -477,7 +527,7 @@ mod tests {
             None,
         );
         let auth = resolve(&logged_in.auth).unwrap();
-        assert!(session_config(&logged_in, &auth).git_hub_token.is_none());
+        assert!(session_config(&logged_in, &auth, None).git_hub_token.is_none());
         assert!(auth.token.is_none());
     }
 }

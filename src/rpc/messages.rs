@@ -322,6 +322,9 @@ pub struct SessionConfig {
     /// Model id.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// `low`, `medium`, `high` or `xhigh`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_effort: Option<String>,
     /// Client name stored with the session.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client_name: Option<String>,

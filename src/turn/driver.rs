@@ -195,7 +195,11 @@ impl TurnDriver {
     /// inactivity timeout (paused while something is pending on our side).
     fn next_deadline(&self) -> (Instant, TimeoutKind, String) {
         let t = &self.handlers.timeouts;
-        let mut best = (self.started + t.absolute, TimeoutKind::Absolute, String::new());
+        let mut best = (
+            self.started + t.absolute,
+            TimeoutKind::Absolute,
+            String::new(),
+        );
         let pending = self.pending.values().min_by_key(|p| p.deadline);
         match pending {
             Some(p) if p.deadline < best.0 => best = (p.deadline, p.kind, p.label.clone()),
@@ -235,7 +239,9 @@ impl TurnDriver {
             let drained = tokio::time::timeout(ABORT_DRAIN, async {
                 while let Some(update) = session.next().await {
                     match update {
-                        SessionUpdate::Event(e) if matches!(e.kind, EventKind::SessionIdle(_)) => return,
+                        SessionUpdate::Event(e) if matches!(e.kind, EventKind::SessionIdle(_)) => {
+                            return;
+                        }
                         SessionUpdate::Ended(_) => return,
                         // Requests still arriving are answered by their drop.
                         _ => {}
@@ -271,14 +277,18 @@ impl TurnDriver {
         match &event.kind {
             EventKind::AssistantTurnStart(data) => {
                 self.outcome.model_calls += 1;
-                self.fire_hook(|h| h.llm_input(json!({"turnId": data.turn_id, "model": data.model})));
+                self.fire_hook(|h| {
+                    h.llm_input(json!({"turnId": data.turn_id, "model": data.model}))
+                });
             }
             EventKind::AssistantMessage(m) => {
                 if main_agent && !m.content.is_empty() {
                     self.outcome.text = m.content.clone();
                 }
                 let (content, tools) = (m.content.clone(), m.tool_requests.len());
-                self.fire_hook(move |h| h.llm_output(json!({"content": content, "toolRequests": tools})));
+                self.fire_hook(move |h| {
+                    h.llm_output(json!({"content": content, "toolRequests": tools}))
+                });
                 if main_agent && !m.content.is_empty() {
                     self.mirror(Some(&event.id), Role::Assistant, &m.content, None, None)?;
                 }
@@ -289,7 +299,11 @@ impl TurnDriver {
             EventKind::ToolExecutionStart(t) => {
                 self.outcome.tool_calls += 1;
                 if t.tool_name == "bash"
-                    && t.arguments.as_ref().and_then(|a| a.get("mode")).and_then(Value::as_str) == Some("async")
+                    && t.arguments
+                        .as_ref()
+                        .and_then(|a| a.get("mode"))
+                        .and_then(Value::as_str)
+                        == Some("async")
                 {
                     self.async_shell = true;
                 }
@@ -303,7 +317,13 @@ impl TurnDriver {
                     .map(str::to_owned)
                     .or_else(|| t.error.as_ref().map(|e| e.to_string()))
                     .unwrap_or_default();
-                self.mirror(Some(&event.id), Role::Tool, &content, None, Some(&t.tool_call_id))?;
+                self.mirror(
+                    Some(&event.id),
+                    Role::Tool,
+                    &content,
+                    None,
+                    Some(&t.tool_call_id),
+                )?;
             }
             EventKind::AssistantUsage(u) => {
                 self.outcome.usage.input_tokens += u.input_tokens.unwrap_or(0);
@@ -505,7 +525,11 @@ enum Guard {
 
 /// Runs a hook with a time limit; a failure, panic or timeout is logged and counted and
 /// yields no output.
-pub(crate) async fn run_hook(future: HookFuture, limit: Duration, failures: &AtomicU32) -> Option<Value> {
+pub(crate) async fn run_hook(
+    future: HookFuture,
+    limit: Duration,
+    failures: &AtomicU32,
+) -> Option<Value> {
     match tokio::time::timeout(limit, tokio::spawn(future)).await {
         Ok(Ok(Ok(output))) => output,
         Ok(Ok(Err(message))) => {

@@ -61,7 +61,11 @@ pub trait TurnHooks: Send + Sync + 'static {
 }
 
 /// Which hook a runtime `hookType` feeds, if any.
-pub(crate) fn for_hook_type(hooks: &dyn TurnHooks, hook_type: &str, input: Value) -> Option<HookFuture> {
+pub(crate) fn for_hook_type(
+    hooks: &dyn TurnHooks,
+    hook_type: &str,
+    input: Value,
+) -> Option<HookFuture> {
     match hook_type {
         "userPromptSubmitted" => Some(hooks.before_prompt_build(input)),
         "preToolUse" => Some(hooks.before_tool_call(input)),

@@ -146,9 +146,7 @@ impl GatewayTool {
             description: self.description.clone(),
             parameters: self.parameters.clone(),
             skip_permission: Some(true),
-            overrides_built_in_tool: BUILT_IN_TOOLS
-                .contains(&self.name.as_str())
-                .then_some(true),
+            overrides_built_in_tool: BUILT_IN_TOOLS.contains(&self.name.as_str()).then_some(true),
         }
     }
 
@@ -164,11 +162,15 @@ mod tests {
 
     #[test]
     fn definitions_skip_permission_and_override_built_ins_by_name() {
-        let plain = GatewayTool::new("lookup", "d", json!({}), |_c: ToolCall| async { Ok("x".to_owned()) });
+        let plain = GatewayTool::new("lookup", "d", json!({}), |_c: ToolCall| async {
+            Ok("x".to_owned())
+        });
         let d = plain.definition();
         assert_eq!(d.skip_permission, Some(true));
         assert_eq!(d.overrides_built_in_tool, None);
-        let shadow = GatewayTool::new("view", "d", json!({}), |_c: ToolCall| async { Ok("x".to_owned()) });
+        let shadow = GatewayTool::new("view", "d", json!({}), |_c: ToolCall| async {
+            Ok("x".to_owned())
+        });
         assert_eq!(shadow.definition().overrides_built_in_tool, Some(true));
         assert_eq!(shadow.sequential().concurrency, ToolConcurrency::Sequential);
     }

@@ -125,7 +125,12 @@ mod tests {
 
     #[test]
     fn invalid_or_missing_answers_become_empty_free_form() {
-        for a in [None, Some(Answer::Choice(7)), Some(Answer::FreeText("green".into())), Some(Answer::Label("green".into()))] {
+        for a in [
+            None,
+            Some(Answer::Choice(7)),
+            Some(Answer::FreeText("green".into())),
+            Some(Answer::Label("green".into())),
+        ] {
             let r = resolve(&q(false), a.clone());
             assert_eq!((r.answer.as_str(), r.was_freeform), ("", true), "{a:?}");
         }

@@ -202,7 +202,9 @@ impl Session {
         request_id: &str,
         decision: Value,
     ) -> Result<(), WorkerError> {
-        self.answerer().answer_permission(request_id, decision).await
+        self.answerer()
+            .answer_permission(request_id, decision)
+            .await
     }
 
     /// A handle that answers this session's pending requests from any task.
@@ -213,11 +215,14 @@ impl Session {
         }
     }
 
-    /// Compacts the conversation history.
-    pub async fn compact(&self) -> Result<CompactResult, WorkerError> {
+    /// Compacts the conversation history, optionally focused by `custom_instructions`.
+    pub async fn compact(
+        &self,
+        custom_instructions: Option<String>,
+    ) -> Result<CompactResult, WorkerError> {
         let params = CompactParams {
             session_id: self.id.clone(),
-            custom_instructions: None,
+            custom_instructions,
         };
         self.worker.call::<SessionCompact>(&params).await
     }
@@ -324,7 +329,6 @@ impl Answerer {
         }
         Ok(())
     }
-
 }
 
 impl Drop for Session {
