@@ -2,117 +2,15 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use copilot_pool::auth::LeaseAuth;
-use copilot_pool::pool::{
-    LeaseRequest, OpenReason, Pool, PoolConfig, PoolError, PoolEvent, RestartPolicy,
-};
+use copilot_pool::pool::{OpenReason, Pool, PoolError, PoolEvent, RestartPolicy};
 use copilot_pool::rpc::messages::ProviderConfig;
-use copilot_pool::scripted_model::{HttpEndpoint, ScriptedModel};
 use copilot_pool::secret::Secret;
-use copilot_pool::worker::WorkerConfig;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use support::Scratch;
+use support::pool_fixture::{Fixture, shutdown_leaves_nothing, token, wait_event};
 use support::procs::wait_group_gone;
-use tokio::sync::broadcast;
-
-struct Fixture {
-    scratch: Scratch,
-    model: ScriptedModel,
-    endpoint: HttpEndpoint,
-}
-
-impl Fixture {
-    async fn new() -> Self {
-        let model = ScriptedModel::new();
-        let endpoint = model.serve_http().await.expect("model endpoint");
-        Self {
-            scratch: Scratch::new(),
-            model,
-            endpoint,
-        }
-    }
-
-    async fn config(&self) -> PoolConfig {
-        let mut worker = WorkerConfig::new(
-            support::runtime::runtime_path().await,
-            PathBuf::new(),
-            PathBuf::new(),
-        );
-        worker.extra_env = vec![(
-            "HOME".to_owned(),
-            self.scratch.path().join("home").display().to_string(),
-        )];
-        worker.kill_grace = Duration::from_secs(2);
-        let mut config = PoolConfig::new(
-            worker,
-            self.scratch.path().join("state"),
-            self.scratch.path().join("agents"),
-        );
-        config.maintenance_interval = Duration::from_millis(100);
-        config.shutdown_grace = Duration::from_secs(2);
-        config
-    }
-
-    fn provider(&self) -> ProviderConfig {
-        ProviderConfig::openai(self.endpoint.base_url(), Some(Secret::new("scripted-key")))
-    }
-
-    fn request(&self, agent: &str, session_key: &str) -> LeaseRequest {
-        let mut req = LeaseRequest::new(agent, session_key, self.scratch.work());
-        req.model = Some(ScriptedModel::MODEL_ID.to_owned());
-        req.provider = Some(self.provider());
-        req.available_tools = Some(Vec::new());
-        req.streaming = false;
-        req
-    }
-
-    /// The text of every message of the last model request.
-    fn last_model_request(&self) -> String {
-        let last = self.model.requests().pop().expect("a model request");
-        serde_json::to_string(last.messages()).expect("json")
-    }
-}
-
-fn token(version: &str) -> LeaseAuth {
-    LeaseAuth {
-        github_token: Some(Secret::new(format!("ghu_token_{version}"))),
-        profile_id: Some("profile-1".to_owned()),
-        profile_version: Some(version.to_owned()),
-        ..Default::default()
-    }
-}
-
-/// Waits for the first event that `want` accepts (events are how the pool reports).
-async fn wait_event(
-    events: &mut broadcast::Receiver<PoolEvent>,
-    want: impl Fn(&PoolEvent) -> bool,
-) -> PoolEvent {
-    loop {
-        match tokio::time::timeout(Duration::from_secs(30), events.recv()).await {
-            Ok(Ok(event)) if want(&event) => return event,
-            Ok(Ok(_)) => continue,
-            Ok(Err(broadcast::error::RecvError::Lagged(_))) => continue,
-            other => panic!("no matching pool event: {other:?}"),
-        }
-    }
-}
-
-async fn shutdown_leaves_nothing(pool: &Pool) {
-    let pids: Vec<u32> = pool
-        .status()
-        .await
-        .map(|s| s.workers.iter().map(|w| w.pid).collect())
-        .unwrap_or_default();
-    pool.shutdown().await.expect("shutdown");
-    for pid in pids {
-        let left = wait_group_gone(pid, Duration::from_secs(5)).await;
-        assert!(left.is_empty(), "group {pid} left behind: {left:?}");
-    }
-}
 
 #[tokio::test]
 async fn concurrent_leases_on_a_new_key_spawn_exactly_one_process() {

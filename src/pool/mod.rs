@@ -527,7 +527,11 @@ mod tests {
             None,
         );
         let auth = resolve(&logged_in.auth).unwrap();
-        assert!(session_config(&logged_in, &auth, None).git_hub_token.is_none());
+        assert!(
+            session_config(&logged_in, &auth, None)
+                .git_hub_token
+                .is_none()
+        );
         assert!(auth.token.is_none());
     }
 }

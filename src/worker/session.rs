@@ -271,7 +271,16 @@ impl Answerer {
         let (result, error) = match result {
             ToolResult::Text(text) => (Some(Value::String(text)), None),
             ToolResult::Object(value) => (Some(value), None),
-            ToolResult::Error(message) => (None, Some(message)),
+            // A failure result the model can read (the bare `error` field reaches the model
+            // only as a generic "Tool execution failed").
+            ToolResult::Error(message) => (
+                Some(serde_json::json!({
+                    "textResultForLlm": message,
+                    "resultType": "failure",
+                    "error": message,
+                })),
+                None,
+            ),
         };
         let params = ToolCallAnswer {
             session_id: self.id.clone(),

@@ -1,0 +1,113 @@
+//! The pool test fixture: a scratch directory, the scripted model, a pool config for the
+//! real runtime, lease requests, and checks on events and leftover processes.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use copilot_pool::auth::LeaseAuth;
+use copilot_pool::pool::{LeaseRequest, Pool, PoolConfig, PoolEvent};
+use copilot_pool::rpc::messages::ProviderConfig;
+use copilot_pool::scripted_model::{HttpEndpoint, ScriptedModel};
+use copilot_pool::secret::Secret;
+use copilot_pool::worker::WorkerConfig;
+use tokio::sync::broadcast;
+
+use super::Scratch;
+use super::procs::wait_group_gone;
+
+pub struct Fixture {
+    pub scratch: Scratch,
+    pub model: ScriptedModel,
+    pub endpoint: HttpEndpoint,
+}
+
+impl Fixture {
+    pub async fn new() -> Self {
+        let model = ScriptedModel::new();
+        let endpoint = model.serve_http().await.expect("model endpoint");
+        Self {
+            scratch: Scratch::new(),
+            model,
+            endpoint,
+        }
+    }
+
+    pub async fn config(&self) -> PoolConfig {
+        let mut worker = WorkerConfig::new(
+            super::runtime::runtime_path().await,
+            PathBuf::new(),
+            PathBuf::new(),
+        );
+        worker.extra_env = vec![(
+            "HOME".to_owned(),
+            self.scratch.path().join("home").display().to_string(),
+        )];
+        worker.kill_grace = Duration::from_secs(2);
+        let mut config = PoolConfig::new(
+            worker,
+            self.scratch.path().join("state"),
+            self.scratch.path().join("agents"),
+        );
+        config.maintenance_interval = Duration::from_millis(100);
+        config.shutdown_grace = Duration::from_secs(2);
+        config
+    }
+
+    pub fn provider(&self) -> ProviderConfig {
+        ProviderConfig::openai(self.endpoint.base_url(), Some(Secret::new("scripted-key")))
+    }
+
+    pub fn request(&self, agent: &str, session_key: &str) -> LeaseRequest {
+        let mut req = LeaseRequest::new(agent, session_key, self.scratch.work());
+        req.model = Some(ScriptedModel::MODEL_ID.to_owned());
+        req.provider = Some(self.provider());
+        req.available_tools = Some(Vec::new());
+        req.streaming = false;
+        req
+    }
+
+    /// The text of every message of the last model request.
+    pub fn last_model_request(&self) -> String {
+        let last = self.model.requests().pop().expect("a model request");
+        serde_json::to_string(last.messages()).expect("json")
+    }
+}
+
+pub fn token(version: &str) -> LeaseAuth {
+    LeaseAuth {
+        github_token: Some(Secret::new(format!("ghu_token_{version}"))),
+        profile_id: Some("profile-1".to_owned()),
+        profile_version: Some(version.to_owned()),
+        ..Default::default()
+    }
+}
+
+/// Waits for the first event that `want` accepts (events are how the pool reports).
+pub async fn wait_event(
+    events: &mut broadcast::Receiver<PoolEvent>,
+    want: impl Fn(&PoolEvent) -> bool,
+) -> PoolEvent {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), events.recv()).await {
+            Ok(Ok(event)) if want(&event) => return event,
+            Ok(Ok(_)) => continue,
+            Ok(Err(broadcast::error::RecvError::Lagged(_))) => continue,
+            other => panic!("no matching pool event: {other:?}"),
+        }
+    }
+}
+
+pub async fn shutdown_leaves_nothing(pool: &Pool) {
+    let pids: Vec<u32> = pool
+        .status()
+        .await
+        .map(|s| s.workers.iter().map(|w| w.pid).collect())
+        .unwrap_or_default();
+    pool.shutdown().await.expect("shutdown");
+    for pid in pids {
+        let left = wait_group_gone(pid, Duration::from_secs(5)).await;
+        assert!(left.is_empty(), "group {pid} left behind: {left:?}");
+    }
+}

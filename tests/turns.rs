@@ -1,0 +1,585 @@
+//! End-to-end: the turn API over real runtime processes and the scripted model — gateway
+//! tools, the permission policy, ask_user, hooks, timeouts, typed errors, compaction and the
+//! transcript mirror.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use copilot_pool::permission::{ApproveAll, PermissionDecision, Rule, RulePolicy};
+use copilot_pool::pool::{LeaseRequest, OpenReason, Pool, PoolError};
+use copilot_pool::transcript::{TranscriptMode, count_duplicates};
+use copilot_pool::turn::hooks::HookFuture;
+use copilot_pool::turn::{
+    Answer, GatewayTool, Question, TimeoutKind, ToolCall, TranscriptSettings, TurnHooks,
+};
+use serde_json::{Value, json};
+use support::pool_fixture::{Fixture, shutdown_leaves_nothing};
+use tokio::sync::mpsc;
+
+fn lookup_tool() -> GatewayTool {
+    GatewayTool::new(
+        "lookup_number",
+        "Looks up the number for a key",
+        json!({"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}),
+        |call: ToolCall| async move {
+            match call.arguments["key"].as_str() {
+                Some("alpha") => Ok("the number is 42".to_owned()),
+                Some("panic") => panic!("handler bug"),
+                other => Err(format!("no number for {other:?}")),
+            }
+        },
+    )
+}
+
+fn call_tool(name: &str, args: Value) -> String {
+    format!("SCENARIO:tool NAME={name} ARGS={args}")
+}
+
+fn with_tools(fx: &Fixture, key: &str, tools: Vec<GatewayTool>) -> LeaseRequest {
+    let mut req = fx.request("agent-t", key);
+    req.available_tools = None;
+    req.handlers.tools = tools;
+    req
+}
+
+#[tokio::test]
+async fn gateway_tools_answer_and_failures_become_failure_results() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut lease = pool
+        .lease(with_tools(&fx, "tools", vec![lookup_tool()]))
+        .await
+        .expect("lease");
+    let ok = lease
+        .run(call_tool("lookup_number", json!({"key": "alpha"})))
+        .await
+        .expect("turn");
+    assert_eq!(ok.text, "tool said: the number is 42");
+    assert_eq!(ok.gateway_tool_calls, 1);
+    assert_eq!(ok.model_calls, 2);
+    let failed = lease
+        .run(call_tool("lookup_number", json!({"key": "beta"})))
+        .await
+        .expect("turn");
+    assert!(failed.text.contains("no number for"), "{}", failed.text);
+    let panicked = lease
+        .run(call_tool("lookup_number", json!({"key": "panic"})))
+        .await
+        .expect("a panicking handler still answers");
+    assert!(panicked.text.contains("failed"), "{}", panicked.text);
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn sequential_tools_never_overlap() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let running = Arc::new(Mutex::new((0u32, 0u32))); // (now, max)
+    let tool = {
+        let running = running.clone();
+        GatewayTool::new(
+            "slow_step",
+            "a step",
+            json!({"type": "object"}),
+            move |_c: ToolCall| {
+                let running = running.clone();
+                async move {
+                    {
+                        let mut r = running.lock().expect("lock");
+                        r.0 += 1;
+                        r.1 = r.1.max(r.0);
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    running.lock().expect("lock").0 -= 1;
+                    Ok("step done".to_owned())
+                }
+            },
+        )
+        .sequential()
+    };
+    let mut lease = pool
+        .lease(with_tools(&fx, "seq", vec![tool]))
+        .await
+        .expect("lease");
+    for _ in 0..3 {
+        lease
+            .run(call_tool("slow_step", json!({})))
+            .await
+            .expect("turn");
+    }
+    assert_eq!(running.lock().expect("lock").1, 1);
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+fn bash(command: &str) -> String {
+    call_tool(
+        "bash",
+        json!({"command": command, "description": "run it", "mode": "sync", "initial_wait": 10}),
+    )
+}
+
+#[tokio::test]
+async fn built_in_bash_is_rejected_by_default_and_allowed_by_a_rule() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut req = fx.request("agent-t", "bash-default");
+    req.available_tools = None;
+    let mut lease = pool.lease(req).await.expect("lease");
+    let rejected = lease.run(bash("echo hello-from-bash")).await.expect("turn");
+    assert_eq!(rejected.permission_prompts, 1);
+    assert!(
+        !rejected.text.contains("hello-from-bash\n"),
+        "{}",
+        rejected.text
+    );
+    assert!(
+        rejected.text.to_lowercase().contains("reject")
+            || rejected.text.to_lowercase().contains("denied"),
+        "{}",
+        rejected.text
+    );
+    drop(lease);
+
+    let mut req = fx.request("agent-t", "bash-rule");
+    req.available_tools = None;
+    req.handlers.permission_policy = Arc::new(RulePolicy::new(vec![Rule {
+        kind: "shell".into(),
+        command: Some("echo *".into()),
+        path: None,
+        url: None,
+        decision: PermissionDecision::Approve,
+    }]));
+    let mut lease = pool.lease(req).await.expect("lease");
+    let allowed = lease.run(bash("echo hello-from-bash")).await.expect("turn");
+    assert!(allowed.text.contains("hello-from-bash"), "{}", allowed.text);
+    let other = lease.run(bash("ls /")).await.expect("turn");
+    assert!(
+        !other.text.contains("bin"),
+        "a command outside the rule ran: {}",
+        other.text
+    );
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+fn ask(choices_freeform: bool) -> String {
+    call_tool(
+        "ask_user",
+        json!({"question": "Pick a colour", "choices": ["red", "blue"], "allow_freeform": choices_freeform}),
+    )
+}
+
+#[tokio::test]
+async fn ask_user_by_index_label_free_text_and_timeout() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let cases: Vec<(&str, Option<Answer>, &str)> = vec![
+        ("index", Some(Answer::Choice(1)), "blue"),
+        ("label", Some(Answer::Label("Red".into())), "red"),
+        ("free", Some(Answer::FreeText("green".into())), "green"),
+    ];
+    for (key, answer, expect) in cases {
+        let mut req = fx.request("agent-t", key);
+        req.available_tools = None;
+        let answer = answer.clone();
+        req.handlers.user_input = Some(Arc::new(move |q: Question| {
+            let answer = answer.clone();
+            async move {
+                assert_eq!(q.choices, vec!["red".to_owned(), "blue".to_owned()]);
+                answer
+            }
+        }));
+        let mut lease = pool.lease(req).await.expect("lease");
+        let outcome = lease.run(ask(true)).await.expect("turn");
+        assert_eq!(outcome.user_inputs, 1);
+        assert!(outcome.text.contains(expect), "{key}: {}", outcome.text);
+    }
+    // Nobody answers within the timeout: an empty free-form answer, and the turn goes on.
+    let mut req = fx.request("agent-t", "silent");
+    req.available_tools = None;
+    req.handlers.timeouts.user_input = Duration::from_millis(300);
+    req.handlers.user_input = Some(Arc::new(|_q: Question| {
+        std::future::pending::<Option<Answer>>()
+    }));
+    let mut lease = pool.lease(req).await.expect("lease");
+    let outcome = lease
+        .run(ask(true))
+        .await
+        .expect("turn after a silent user");
+    assert_eq!(outcome.user_inputs, 1);
+    assert!(!outcome.aborted);
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn aborting_a_turn_cancels_the_pending_question() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let (asked_tx, mut asked) = mpsc::unbounded_channel();
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel::<()>();
+    let mut req = fx.request("agent-t", "cancel");
+    req.available_tools = None;
+    req.handlers.user_input = Some(Arc::new(move |_q: Question| {
+        let _ = asked_tx.send(());
+        let guard = DropSignal(dropped_tx.clone());
+        async move {
+            let _guard = guard;
+            std::future::pending::<Option<Answer>>().await
+        }
+    }));
+    let mut lease = pool.lease(req).await.expect("lease");
+    lease.send(ask(true)).await.expect("send");
+    // Pull events until the question reached the handler, then abort.
+    loop {
+        tokio::select! {
+            event = lease.next_event() => { event.expect("turn running").expect("event"); }
+            _ = asked.recv() => break,
+        }
+    }
+    lease.abort().await.expect("abort");
+    let outcome = lease.wait_idle().await.expect("aborted turn ends");
+    assert!(outcome.aborted);
+    tokio::time::timeout(Duration::from_secs(5), dropped.recv())
+        .await
+        .expect("the question was cancelled");
+    let next = lease.run("REPLY=after the abort").await.expect("next turn");
+    assert_eq!(next.text, "after the abort");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+struct DropSignal(mpsc::UnboundedSender<()>);
+
+impl Drop for DropSignal {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
+#[derive(Default)]
+struct CountingHooks(Mutex<HashMap<&'static str, u32>>);
+
+impl CountingHooks {
+    fn hit(&self, name: &'static str) -> HookFuture {
+        *self.0.lock().expect("lock").entry(name).or_default() += 1;
+        Box::pin(async { Ok(None) })
+    }
+    fn count(&self, name: &str) -> u32 {
+        self.0.lock().expect("lock").get(name).copied().unwrap_or(0)
+    }
+}
+
+impl TurnHooks for CountingHooks {
+    fn before_prompt_build(&self, _: Value) -> HookFuture {
+        self.hit("before_prompt_build")
+    }
+    fn llm_input(&self, _: Value) -> HookFuture {
+        self.hit("llm_input")
+    }
+    fn llm_output(&self, _: Value) -> HookFuture {
+        self.hit("llm_output")
+    }
+    fn agent_end(&self, _: Value) -> HookFuture {
+        self.hit("agent_end")
+    }
+    fn before_compaction(&self, _: Value) -> HookFuture {
+        self.hit("before_compaction")
+    }
+    fn after_compaction(&self, _: Value) -> HookFuture {
+        self.hit("after_compaction")
+    }
+    fn before_tool_call(&self, _: Value) -> HookFuture {
+        self.hit("before_tool_call")
+    }
+    fn after_tool_call(&self, _: Value) -> HookFuture {
+        self.hit("after_tool_call")
+    }
+}
+
+#[tokio::test]
+async fn each_hook_fires_once_per_occasion_and_compaction_reports_what_it_removed() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let hooks = Arc::new(CountingHooks::default());
+    let mut req = with_tools(&fx, "hooks", vec![lookup_tool()]);
+    req.handlers.hooks = Some(hooks.clone());
+    let mut lease = pool.lease(req).await.expect("lease");
+    let outcome = lease
+        .run(call_tool("lookup_number", json!({"key": "alpha"})))
+        .await
+        .expect("turn");
+    assert_eq!(outcome.hook_failures, 0);
+    // Hooks the runtime asks about are answered before the turn ends; the event-fed ones
+    // run in tasks started before `session.idle` was returned.
+    tokio::task::yield_now().await;
+    for (hook, n) in [
+        ("before_prompt_build", 1),
+        ("before_tool_call", 1),
+        ("after_tool_call", 1),
+        ("agent_end", 1),
+        ("llm_input", outcome.model_calls),
+        ("llm_output", outcome.model_calls),
+    ] {
+        assert_eq!(
+            hooks.count(hook),
+            n,
+            "{hook}: {:?}",
+            hooks.0.lock().expect("lock")
+        );
+    }
+    for i in 0..3 {
+        lease
+            .run(format!("REPLY=filler answer {i}"))
+            .await
+            .expect("turn");
+    }
+    let compacted = lease
+        .compact(Some("keep the numbers".into()))
+        .await
+        .expect("compact");
+    assert!(compacted.success);
+    assert!(compacted.messages_removed.unwrap_or(0) > 0, "{compacted:?}");
+    assert_eq!(hooks.count("before_compaction"), 1);
+    assert_eq!(hooks.count("after_compaction"), 1);
+    let after = lease
+        .run("REPLY=still here")
+        .await
+        .expect("turn after compaction");
+    assert_eq!(after.text, "still here");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_stuck_tool_call_ends_in_turn_timeout_and_the_next_turn_works() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let stuck = GatewayTool::new(
+        "stuck",
+        "never returns",
+        json!({"type": "object"}),
+        |_c: ToolCall| std::future::pending::<Result<String, String>>(),
+    )
+    .with_timeout(Duration::from_millis(500));
+    let mut lease = pool
+        .lease(with_tools(&fx, "stuck", vec![stuck]))
+        .await
+        .expect("lease");
+    let err = lease
+        .run(call_tool("stuck", json!({})))
+        .await
+        .expect_err("timeout");
+    let PoolError::TurnTimeout { kind, detail, .. } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(*kind, TimeoutKind::Tool);
+    assert!(detail.contains("stuck"), "{detail}");
+    let next = lease
+        .run("REPLY=recovered")
+        .await
+        .expect("the next turn works");
+    assert_eq!(next.text, "recovered");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn an_inactive_turn_times_out_with_a_typed_error() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut req = fx.request("agent-t", "inactive");
+    req.handlers.timeouts.inactivity = Duration::from_millis(400);
+    let mut lease = pool.lease(req).await.expect("lease");
+    // One chunk, then silence for far longer than the inactivity timeout.
+    let err = lease
+        .run("SCENARIO:slow SLOW=2x5000")
+        .await
+        .expect_err("inactivity");
+    assert!(
+        matches!(
+            err,
+            PoolError::TurnTimeout {
+                kind: TimeoutKind::Inactivity,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_provider_500_is_a_typed_error_with_its_status() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut lease = pool
+        .lease(fx.request("agent-t", "err"))
+        .await
+        .expect("lease");
+    // The runtime retries a 500 five times with back-off (~15 s) before it gives up.
+    let err = lease
+        .run("SCENARIO:error STATUS=500")
+        .await
+        .expect_err("500");
+    let PoolError::TurnFailed {
+        status_code,
+        message,
+        ..
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert_eq!(*status_code, Some(500), "{message}");
+    let next = lease.run("REPLY=fine again").await.expect("next turn");
+    assert_eq!(next.text, "fine again");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn the_transcript_has_no_duplicate_after_resume_and_restart() {
+    let fx = Fixture::new().await;
+    let dir = fx.scratch.path().join("transcripts");
+    let settings = TranscriptSettings {
+        dir: dir.clone(),
+        mode: TranscriptMode::Strict,
+    };
+    let request = || {
+        let mut req = fx.request("agent-t", "mirrored");
+        req.handlers.transcript = Some(settings.clone());
+        req
+    };
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut lease = pool.lease(request()).await.expect("lease");
+    let id = lease.cli_session_id().to_owned();
+    lease.run("REPLY=one").await.expect("turn");
+    let pid = lease.worker_pid();
+    drop(lease);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill");
+    let mut events = pool.subscribe();
+    support::pool_fixture::wait_event(
+        &mut events,
+        |e| matches!(e, copilot_pool::pool::PoolEvent::WorkerCrashed { pid: p, .. } if *p == pid),
+    )
+    .await;
+    let mut lease = pool.lease(request()).await.expect("lease after crash");
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    lease.run("REPLY=two").await.expect("turn");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+
+    let pool = Pool::start(fx.config().await).await.expect("pool again");
+    let mut lease = pool.lease(request()).await.expect("lease after restart");
+    assert_eq!(lease.cli_session_id(), id);
+    lease.run("REPLY=three").await.expect("turn");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+
+    let file = dir.join(format!("copilot-{id}.jsonl"));
+    assert_eq!(count_duplicates(&file).expect("read"), 0);
+    let lines: Vec<Value> = std::fs::read_to_string(&file)
+        .expect("transcript")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect();
+    let roles: Vec<&str> = lines.iter().filter_map(|l| l["role"].as_str()).collect();
+    assert_eq!(
+        roles,
+        [
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+            "user",
+            "assistant"
+        ],
+        "{lines:?}"
+    );
+    assert!(lines.iter().all(|l| l["scope"] == format!("copilot:{id}")));
+}
+
+#[tokio::test]
+async fn strict_transcript_mode_aborts_the_turn_on_a_failing_write() {
+    let fx = Fixture::new().await;
+    let dir = fx.scratch.path().join("transcripts");
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut req = fx.request("agent-t", "strict");
+    req.handlers.transcript = Some(TranscriptSettings {
+        dir: dir.clone(),
+        mode: TranscriptMode::Strict,
+    });
+    let mut lease = pool.lease(req).await.expect("lease");
+    lease.run("REPLY=written").await.expect("turn");
+    let file = dir.join(format!("copilot-{}.jsonl", lease.cli_session_id()));
+    // Make further writes fail (immutable file: even root's open handle gets EPERM).
+    let status = std::process::Command::new("chattr")
+        .arg("+i")
+        .arg(&file)
+        .status()
+        .expect("chattr");
+    assert!(status.success(), "chattr +i is needed for this test");
+    let err = lease
+        .run("REPLY=not written")
+        .await
+        .expect_err("strict write failure");
+    let _ = std::process::Command::new("chattr")
+        .arg("-i")
+        .arg(&file)
+        .status();
+    assert!(
+        matches!(err, PoolError::TranscriptPersistenceFailed(_)),
+        "{err}"
+    );
+    // The conversation goes on once the mirror is writable again.
+    let next = lease.run("REPLY=written again").await.expect("turn");
+    assert_eq!(next.text, "written again");
+    drop(lease);
+
+    // Best effort keeps going through a failing mirror.
+    let mut req = fx.request("agent-t", "best-effort");
+    req.handlers.transcript = Some(TranscriptSettings {
+        dir: fx.scratch.path().join("not-a-dir"),
+        mode: TranscriptMode::BestEffort,
+    });
+    std::fs::write(fx.scratch.path().join("not-a-dir"), b"a file in the way").expect("file");
+    let mut lease = pool.lease(req).await.expect("best-effort lease");
+    lease.run("REPLY=fine").await.expect("turn");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn reasoning_effort_is_validated_and_an_approve_all_policy_runs_bash() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut req = fx.request("agent-t", "effort");
+    req.reasoning_effort = Some("extreme".into());
+    let err = pool.lease(req.clone()).await.expect_err("bad effort");
+    assert!(matches!(err, PoolError::InvalidRequest(_)), "{err}");
+    req.reasoning_effort = Some("high".into());
+    req.available_tools = None;
+    req.handlers.permission_policy = Arc::new(ApproveAll);
+    let mut lease = pool.lease(req).await.expect("lease");
+    let outcome = lease
+        .run(bash("echo approved-by-policy"))
+        .await
+        .expect("turn");
+    assert!(
+        outcome.text.contains("approved-by-policy"),
+        "{}",
+        outcome.text
+    );
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
