@@ -205,4 +205,8 @@ async fn demo_runs_every_turn_survives_a_kill_and_a_rotation_and_leaves_no_orpha
         stderr.contains("SIGKILL") && stderr.contains("rotating"),
         "{stderr}"
     );
+    for key in ["tool_calls", "user_inputs", "compactions", "timeouts"] {
+        assert_eq!(n(key), 1, "{key}: {summary}");
+    }
+    assert_eq!(n("transcript_duplicates"), 0);
 }

@@ -12,13 +12,16 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use copilot_pool::auth::LeaseAuth;
-use copilot_pool::pool::{LeaseRequest, Pool, PoolConfig, PoolEvent};
+use copilot_pool::pool::{LeaseRequest, Pool, PoolConfig, PoolError, PoolEvent};
 use copilot_pool::rpc::messages::ProviderConfig;
 use copilot_pool::runtime::{self, Flavour, LocateError};
 use copilot_pool::scripted_model::ScriptedModel;
 use copilot_pool::secret::Secret;
+use copilot_pool::transcript::{TranscriptMode, count_duplicates};
+use copilot_pool::turn::{Answer, GatewayTool, Question, ToolCall, TranscriptSettings};
 use copilot_pool::worker::WorkerConfig;
 use serde::Serialize;
+use serde_json::json;
 use tokio::sync::{Mutex, Notify};
 
 #[derive(Args)]
@@ -49,8 +52,22 @@ struct Summary {
     resumed: u64,
     evicted: u64,
     crashes: u64,
+    tool_calls: u32,
+    user_inputs: u32,
+    compactions: u32,
+    timeouts: u32,
+    transcript_duplicates: usize,
     orphans: usize,
     seconds: f64,
+}
+
+/// What the turn-API showcase did.
+#[derive(Default)]
+struct Showcase {
+    tool_calls: u32,
+    user_inputs: u32,
+    compactions: u32,
+    timeouts: u32,
 }
 
 /// Removes the demo's scratch directory on every exit path.
@@ -192,6 +209,7 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
     }
     chaos.abort();
 
+    let showcase = showcase(&pool, &base, &endpoint.base_url()).await;
     let status = pool.status().await?;
     if !args.json {
         eprint!("{status}");
@@ -201,6 +219,7 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
     drop(endpoint);
     printer.abort();
     let orphans = count_orphans(&base, &pids).await;
+    let transcript_duplicates = count_transcript_duplicates(&base.join("transcripts"));
     let turns_failed = failed.load(Ordering::SeqCst);
     let summary = Summary {
         turns_ok: done.load(Ordering::SeqCst) - turns_failed,
@@ -210,6 +229,11 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
         resumed: status.totals.resumed,
         evicted: status.totals.evicted,
         crashes: status.totals.crashes,
+        tool_calls: showcase.tool_calls,
+        user_inputs: showcase.user_inputs,
+        compactions: showcase.compactions,
+        timeouts: showcase.timeouts,
+        transcript_duplicates,
         orphans,
         seconds: started.elapsed().as_secs_f64(),
     };
@@ -217,13 +241,20 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&summary)?);
     } else {
         println!(
-            "turns ok {} failed {}; processes spawned {}, restarts {}, resumed {}, evicted {}; orphans after shutdown {}; {:.1} s",
+            "turns ok {} failed {}; processes spawned {}, restarts {}, resumed {}, evicted {}; \
+             tool calls {}, questions {}, compactions {}, timeouts {}, transcript duplicates {}; \
+             orphans after shutdown {}; {:.1} s",
             summary.turns_ok,
             summary.turns_failed,
             summary.processes_spawned,
             summary.restarts,
             summary.resumed,
             summary.evicted,
+            summary.tool_calls,
+            summary.user_inputs,
+            summary.compactions,
+            summary.timeouts,
+            summary.transcript_duplicates,
             summary.orphans,
             summary.seconds
         );
@@ -231,7 +262,95 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
     if orphans > 0 {
         bail!("{orphans} pool processes were still alive after shutdown");
     }
+    if transcript_duplicates > 0 {
+        bail!("{transcript_duplicates} duplicate transcript entries");
+    }
     Ok(())
+}
+
+/// One conversation that uses the turn API: a gateway tool, an ask_user question, a
+/// compaction, and a stuck tool call that ends in a timeout.
+async fn showcase(pool: &Pool, base: &Path, base_url: &str) -> Showcase {
+    let mut done = Showcase::default();
+    let lookup = GatewayTool::new(
+        "lookup_number",
+        "Looks up the number for a key",
+        json!({"type": "object", "properties": {"key": {"type": "string"}}}),
+        |call: ToolCall| async move { Ok(format!("the number for {} is 42", call.arguments["key"])) },
+    );
+    let stuck = GatewayTool::new(
+        "stuck",
+        "Never returns",
+        json!({"type": "object"}),
+        |_c: ToolCall| std::future::pending::<Result<String, String>>(),
+    )
+    .with_timeout(Duration::from_millis(500));
+    let mut req = LeaseRequest::new("agent-showcase", "showcase", base.join("work"));
+    req.model = Some(ScriptedModel::MODEL_ID.to_owned());
+    req.provider = Some(ProviderConfig::openai(
+        base_url,
+        Some(Secret::new("demo-key")),
+    ));
+    req.streaming = false;
+    req.handlers.tools = vec![lookup, stuck];
+    req.handlers.user_input = Some(Arc::new(|_q: Question| async { Some(Answer::Choice(1)) }));
+    req.handlers.transcript = Some(TranscriptSettings {
+        dir: base.join("transcripts"),
+        mode: TranscriptMode::BestEffort,
+    });
+    let mut lease = match pool.lease(req).await {
+        Ok(lease) => lease,
+        Err(e) => {
+            eprintln!("  [demo] showcase lease failed: {e}");
+            return done;
+        }
+    };
+    let tool = r#"SCENARIO:tool NAME=lookup_number ARGS={"key":"alpha"}"#;
+    match lease.run(tool).await {
+        Ok(o) => {
+            done.tool_calls += o.gateway_tool_calls;
+            eprintln!("  [demo] tool call answered: {}", o.text);
+        }
+        Err(e) => eprintln!("  [demo] tool turn failed: {e}"),
+    }
+    let ask = r#"SCENARIO:tool NAME=ask_user ARGS={"question":"Pick a colour","choices":["red","blue"],"allow_freeform":false}"#;
+    match lease.run(ask).await {
+        Ok(o) => {
+            done.user_inputs += o.user_inputs;
+            eprintln!("  [demo] ask_user answered: {}", o.text);
+        }
+        Err(e) => eprintln!("  [demo] ask_user turn failed: {e}"),
+    }
+    match lease.compact(None).await {
+        Ok(r) => {
+            done.compactions += 1;
+            eprintln!(
+                "  [demo] compaction removed {} messages",
+                r.messages_removed.unwrap_or(0)
+            );
+        }
+        Err(e) => eprintln!("  [demo] compaction failed: {e}"),
+    }
+    match lease.run("SCENARIO:tool NAME=stuck ARGS={}").await {
+        Err(PoolError::TurnTimeout { kind, .. }) => {
+            done.timeouts += 1;
+            eprintln!("  [demo] stuck tool call ended in a {kind:?} timeout; turn aborted");
+        }
+        Ok(o) => eprintln!("  [demo] the stuck tool call did not time out: {}", o.text),
+        Err(e) => eprintln!("  [demo] stuck tool turn failed otherwise: {e}"),
+    }
+    done
+}
+
+/// Ids that appear more than once across the demo's transcript files.
+fn count_transcript_duplicates(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter_map(|e| count_duplicates(&e.path()).ok())
+        .sum()
 }
 
 struct Conversation {
@@ -293,6 +412,10 @@ impl Conversation {
         req.provider = Some(self.provider.clone());
         req.available_tools = Some(Vec::new());
         req.streaming = false;
+        req.handlers.transcript = Some(TranscriptSettings {
+            dir: self.work.with_file_name("transcripts"),
+            mode: TranscriptMode::BestEffort,
+        });
         if self.agent == 0 {
             let version = self.token_version.load(Ordering::SeqCst);
             req.auth = LeaseAuth {
