@@ -69,51 +69,74 @@ async fn gateway_tools_answer_and_failures_become_failure_results() {
         .run(call_tool("lookup_number", json!({"key": "panic"})))
         .await
         .expect("a panicking handler still answers");
-    assert!(panicked.text.contains("failed"), "{}", panicked.text);
+    assert!(
+        panicked.text.contains("panicked: handler bug"),
+        "{}",
+        panicked.text
+    );
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }
 
-#[tokio::test]
-async fn sequential_tools_never_overlap() {
+/// Runs one turn in which the model calls `step` three times at once, and returns the
+/// largest number of calls that ran at the same time.
+async fn max_overlap(sequential: bool) -> u32 {
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.config().await).await.expect("pool");
     let running = Arc::new(Mutex::new((0u32, 0u32))); // (now, max)
-    let tool = {
+    let (entered_tx, entered) = tokio::sync::watch::channel(0u32);
+    let entered_tx = Arc::new(entered_tx);
+    let mut tool = {
         let running = running.clone();
         GatewayTool::new(
-            "slow_step",
+            "step",
             "a step",
             json!({"type": "object"}),
             move |_c: ToolCall| {
                 let running = running.clone();
+                let entered_tx = entered_tx.clone();
+                let mut entered = entered.clone();
                 async move {
                     {
                         let mut r = running.lock().expect("lock");
                         r.0 += 1;
                         r.1 = r.1.max(r.0);
                     }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    entered_tx.send_modify(|n| *n += 1);
+                    // Concurrent calls wait for each other (all three inside at once); a
+                    // sequential call only waits a moment for a second one that never comes.
+                    let _ = tokio::time::timeout(
+                        Duration::from_millis(300),
+                        entered.wait_for(|n| *n >= 3),
+                    )
+                    .await;
                     running.lock().expect("lock").0 -= 1;
                     Ok("step done".to_owned())
                 }
             },
         )
-        .sequential()
     };
+    if sequential {
+        tool = tool.sequential();
+    }
     let mut lease = pool
-        .lease(with_tools(&fx, "seq", vec![tool]))
+        .lease(with_tools(&fx, "overlap", vec![tool]))
         .await
         .expect("lease");
-    for _ in 0..3 {
-        lease
-            .run(call_tool("slow_step", json!({})))
-            .await
-            .expect("turn");
-    }
-    assert_eq!(running.lock().expect("lock").1, 1);
+    let outcome = lease
+        .run("SCENARIO:tool NAME=step COUNT=3 ARGS={}")
+        .await
+        .expect("turn");
+    assert_eq!(outcome.gateway_tool_calls, 3, "{outcome:?}");
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
+    running.lock().expect("lock").1
+}
+
+#[tokio::test]
+async fn sequential_tools_never_overlap_and_concurrent_ones_do() {
+    assert_eq!(max_overlap(true).await, 1);
+    assert_eq!(max_overlap(false).await, 3);
 }
 
 fn bash(command: &str) -> String {
@@ -262,16 +285,34 @@ impl Drop for DropSignal {
     }
 }
 
-#[derive(Default)]
-struct CountingHooks(Mutex<HashMap<&'static str, u32>>);
+struct CountingHooks(
+    Mutex<HashMap<&'static str, u32>>,
+    tokio::sync::watch::Sender<u32>,
+);
+
+impl Default for CountingHooks {
+    fn default() -> Self {
+        Self(Mutex::default(), tokio::sync::watch::channel(0).0)
+    }
+}
 
 impl CountingHooks {
     fn hit(&self, name: &'static str) -> HookFuture {
         *self.0.lock().expect("lock").entry(name).or_default() += 1;
+        self.1.send_modify(|n| *n += 1);
         Box::pin(async { Ok(None) })
     }
     fn count(&self, name: &str) -> u32 {
         self.0.lock().expect("lock").get(name).copied().unwrap_or(0)
+    }
+    /// Waits until `name` fired `n` times (hooks fed from events run in tasks).
+    async fn wait_for(&self, name: &str, n: u32) {
+        let mut rx = self.1.subscribe();
+        let _ = tokio::time::timeout(
+            Duration::from_secs(10),
+            rx.wait_for(|_| self.count(name) >= n),
+        )
+        .await;
     }
 }
 
@@ -315,9 +356,9 @@ async fn each_hook_fires_once_per_occasion_and_compaction_reports_what_it_remove
         .await
         .expect("turn");
     assert_eq!(outcome.hook_failures, 0);
-    // Hooks the runtime asks about are answered before the turn ends; the event-fed ones
-    // run in tasks started before `session.idle` was returned.
-    tokio::task::yield_now().await;
+    // Event-fed hooks run in tasks: wait for them, then check nothing fired twice.
+    hooks.wait_for("llm_output", outcome.model_calls).await;
+    hooks.wait_for("llm_input", outcome.model_calls).await;
     for (hook, n) in [
         ("before_prompt_build", 1),
         ("before_tool_call", 1),

@@ -962,6 +962,9 @@ impl PoolState {
             RestartDecision::Restart { after } => {
                 if demand && !self.closed {
                     tracing::info!(key = %key.short_hash(), ?after, "Restarting a crashed worker.");
+                    // Whichever spawn comes next for this key (the scheduled respawn, or a
+                    // lease arriving after the backoff) replaces the crashed worker.
+                    ks.respawn = true;
                     ks.backoff_until = Some(Instant::now() + after);
                     myself.send_after(after, {
                         let key = key.clone();

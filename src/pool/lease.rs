@@ -14,7 +14,7 @@ use tokio::sync::OwnedMutexGuard;
 use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
 use crate::turn::TurnOutcome;
-use crate::turn::driver::{TurnDriver, run_hook};
+use crate::turn::driver::{TurnDriver, refuse_stray, run_hook, safe_hook};
 use crate::worker::{Session, SessionUpdate, WorkerError};
 
 use super::actor::{PoolMsg, WorkerId};
@@ -108,8 +108,14 @@ impl Lease {
             ));
         }
         let session = self.session_mut()?;
-        // Leftovers of earlier activity (late events of an aborted turn) are not this turn's.
-        while session.try_next().is_some() {}
+        // Leftovers of earlier activity (late events of an aborted turn) are not this turn's;
+        // requests among them are refused so the runtime never waits on them.
+        let answerer = session.answerer();
+        while let Some(update) = session.try_next() {
+            if let SessionUpdate::Event(event) = update {
+                refuse_stray(&event, &answerer);
+            }
+        }
         session.send(prompt).await.map_err(|e| self.lose(e))?;
         self.driver.begin();
         Ok(())
@@ -130,7 +136,14 @@ impl Lease {
                 Some(Ok(event))
             }
             Err(PoolError::Worker(e)) => Some(Err(self.lose(e))),
-            Err(e) => Some(Err(e)),
+            Err(e) => {
+                // A turn ended by a timeout or a transcript failure still counts as a turn.
+                self.turns += 1;
+                if self.driver.poisoned() {
+                    self.lost = true;
+                }
+                Some(Err(e))
+            }
         }
     }
 
@@ -186,7 +199,7 @@ impl Lease {
         let failures = std::sync::atomic::AtomicU32::new(0);
         if let Some(h) = &hooks {
             let input = json!({"trigger": "manual", "customInstructions": custom_instructions});
-            run_hook(h.before_compaction(input), limit, &failures).await;
+            run_hook(safe_hook(|| h.before_compaction(input)), limit, &failures).await;
         }
         let session = self.session_mut()?;
         let result = session
@@ -199,7 +212,7 @@ impl Lease {
                 "tokensRemoved": result.tokens_removed,
                 "messagesRemoved": result.messages_removed,
             });
-            run_hook(h.after_compaction(output), limit, &failures).await;
+            run_hook(safe_hook(|| h.after_compaction(output)), limit, &failures).await;
         }
         Ok(result)
     }

@@ -62,6 +62,18 @@ pub fn completion_body(completion: &Completion, decision: &Decision) -> String {
             }),
             "tool_calls",
         ),
+        Decision::ParallelToolCalls { calls } => (
+            json!({
+                "role": "assistant",
+                "content": null,
+                "tool_calls": calls.iter().map(|(id, name, arguments)| json!({
+                    "id": id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments.to_string()},
+                })).collect::<Vec<_>>(),
+            }),
+            "tool_calls",
+        ),
         other => (
             json!({"role": "assistant", "content": other.text()}),
             "stop",
@@ -272,6 +284,29 @@ async fn produce(
             send_all(&tx, tool_call_events(c, id, name, arguments)).await,
             "tool_calls",
         ),
+        Decision::ParallelToolCalls { calls } => {
+            let events: Vec<String> = calls
+                .iter()
+                .enumerate()
+                .map(|(i, (id, name, arguments))| {
+                    chunk_event(
+                        c,
+                        json!({
+                            "role": "assistant",
+                            "content": null,
+                            "tool_calls": [{
+                                "index": i,
+                                "id": id,
+                                "type": "function",
+                                "function": {"name": name, "arguments": arguments.to_string()},
+                            }],
+                        }),
+                        None,
+                    )
+                })
+                .collect();
+            (send_all(&tx, events).await, "tool_calls")
+        }
         Decision::Text(text) => (
             send_all(
                 &tx,

@@ -81,6 +81,12 @@ pub enum Decision {
         /// Arguments object.
         arguments: Value,
     },
+    /// Several tool calls in one answer (`SCENARIO:tool … COUNT=<n>`); the runtime runs
+    /// them in one turn. Each is `(id, name, arguments)`.
+    ParallelToolCalls {
+        /// The calls.
+        calls: Vec<(String, String, Value)>,
+    },
     /// Text `slow-chunk 0 slow-chunk 1 …` delivered slowly.
     Slow {
         /// Number of chunks.
@@ -114,7 +120,10 @@ impl Decision {
                     .collect::<Vec<_>>()
                     .join(" "),
             ),
-            Decision::ToolCall { .. } | Decision::Error { .. } | Decision::Hang => None,
+            Decision::ToolCall { .. }
+            | Decision::ParallelToolCalls { .. }
+            | Decision::Error { .. }
+            | Decision::Hang => None,
         }
     }
 }
@@ -324,7 +333,26 @@ fn scripted_tool_call(request: &ChatRequest, rest: &str, n: u64) -> Option<Decis
         }
         None => (DEFAULT_TOOL.to_owned(), json!({"key": "alpha"})),
     };
-    request.offers(&name).then(|| Decision::ToolCall {
+    if !request.offers(&name) {
+        return None;
+    }
+    let count: usize = value_after(rest, "COUNT")
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(1)
+        .clamp(1, 16);
+    if count > 1 {
+        let calls = (0..count)
+            .map(|i| {
+                (
+                    format!("{}_{i}", tool_call_id(n)),
+                    name.clone(),
+                    arguments.clone(),
+                )
+            })
+            .collect();
+        return Some(Decision::ParallelToolCalls { calls });
+    }
+    Some(Decision::ToolCall {
         id: tool_call_id(n),
         name,
         arguments,

@@ -4,10 +4,12 @@
 //! and no turn outlives its limits.
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use serde_json::{Value, json};
 use tokio::sync::{RwLock, mpsc};
 use tokio::task::AbortHandle;
@@ -31,14 +33,30 @@ const ABORT_DRAIN: Duration = Duration::from_secs(10);
 
 enum Done {
     Request(String),
-    Question,
+    Question(u64),
 }
 
 struct Pending {
     kind: TimeoutKind,
     deadline: Instant,
+    limit: Duration,
     label: String,
     task: AbortHandle,
+    /// Answers the request if it is cancelled, so the runtime never waits on it.
+    answerer: Answerer,
+}
+
+/// The pending ask_user question: cancelling it answers it with an empty free-form answer.
+struct PendingQuestion {
+    id: u64,
+    cancel: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// `now + d`, saturating far in the future instead of overflowing.
+fn deadline_after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(60 * 60 * 24 * 365))
 }
 
 /// The per-conversation turn machinery (lives in the lease).
@@ -49,7 +67,10 @@ pub(crate) struct TurnDriver {
     done_tx: mpsc::UnboundedSender<Done>,
     done_rx: mpsc::UnboundedReceiver<Done>,
     pending: HashMap<String, Pending>,
-    question: Option<AbortHandle>,
+    question: Option<PendingQuestion>,
+    next_question: u64,
+    /// An aborted turn did not reach `session.idle`: the session must not be reused.
+    poisoned: bool,
     started: Instant,
     last_activity: Instant,
     in_flight: bool,
@@ -75,6 +96,8 @@ impl TurnDriver {
             done_rx,
             pending: HashMap::new(),
             question: None,
+            next_question: 0,
+            poisoned: false,
             started: Instant::now(),
             last_activity: Instant::now(),
             in_flight: false,
@@ -109,6 +132,11 @@ impl TurnDriver {
         self.in_flight
     }
 
+    /// Whether the session is in an unknown state (an abort that never reached idle).
+    pub(crate) fn poisoned(&self) -> bool {
+        self.poisoned
+    }
+
     pub(crate) fn hooks(&self) -> Option<Arc<dyn TurnHooks>> {
         self.handlers.hooks.clone()
     }
@@ -119,6 +147,8 @@ impl TurnDriver {
 
     /// Marks a turn started (after `session.send`).
     pub(crate) fn begin(&mut self) {
+        // Completions of an earlier turn's tasks are not this turn's.
+        while self.done_rx.try_recv().is_ok() {}
         self.outcome = TurnOutcome::default();
         self.hook_failures.store(0, Ordering::SeqCst);
         self.started = Instant::now();
@@ -145,6 +175,9 @@ impl TurnDriver {
         loop {
             let (deadline, kind, label) = self.next_deadline();
             tokio::select! {
+                // Queued events first: a caller that polls late must not see a false
+                // inactivity timeout while events are waiting.
+                biased;
                 update = session.next() => {
                     self.last_activity = Instant::now();
                     match update {
@@ -166,7 +199,9 @@ impl TurnDriver {
                         }
                         None => {
                             self.end();
-                            return Some(Err(PoolError::TurnState("the session stream ended")));
+                            return Some(Err(PoolError::TurnState(
+                                "the session's update stream ended without a reason; take a new lease (the conversation resumes)",
+                            )));
                         }
                     }
                 }
@@ -174,14 +209,24 @@ impl TurnDriver {
                     self.last_activity = Instant::now();
                     match done {
                         Done::Request(id) => { self.pending.remove(&id); }
-                        Done::Question => self.question = None,
+                        Done::Question(id) => {
+                            if self.question.as_ref().is_some_and(|q| q.id == id) {
+                                self.question = None;
+                            }
+                        }
                     }
                 }
                 _ = tokio::time::sleep_until(deadline) => {
+                    if kind == TimeoutKind::Permission {
+                        // A policy that does not decide in time rejects (fail closed); the
+                        // turn goes on.
+                        self.reject_late_permission(&label);
+                        continue;
+                    }
                     let after = match kind {
                         TimeoutKind::Inactivity => self.handlers.timeouts.inactivity,
                         TimeoutKind::Absolute => self.handlers.timeouts.absolute,
-                        _ => deadline.saturating_duration_since(self.started),
+                        _ => self.pending.get(&label).map(|p| p.limit).unwrap_or_default(),
                     };
                     let detail = self.timeout_detail(kind, &label);
                     let error = PoolError::TurnTimeout { kind, after, detail };
@@ -195,17 +240,21 @@ impl TurnDriver {
     /// inactivity timeout (paused while something is pending on our side).
     fn next_deadline(&self) -> (Instant, TimeoutKind, String) {
         let t = &self.handlers.timeouts;
-        let mut best = (
-            self.started + t.absolute,
-            TimeoutKind::Absolute,
-            String::new(),
-        );
-        let pending = self.pending.values().min_by_key(|p| p.deadline);
+        let absolute = self
+            .started
+            .checked_add(t.absolute)
+            .unwrap_or_else(|| deadline_after(t.absolute));
+        let mut best = (absolute, TimeoutKind::Absolute, String::new());
+        // A pending item is named by its request id.
+        let pending = self.pending.iter().min_by_key(|(_, p)| p.deadline);
         match pending {
-            Some(p) if p.deadline < best.0 => best = (p.deadline, p.kind, p.label.clone()),
+            Some((id, p)) if p.deadline < best.0 => best = (p.deadline, p.kind, id.clone()),
             Some(_) => {}
             None if self.question.is_none() => {
-                let idle = self.last_activity + t.inactivity;
+                let idle = self
+                    .last_activity
+                    .checked_add(t.inactivity)
+                    .unwrap_or_else(|| deadline_after(t.inactivity));
                 if idle < best.0 {
                     best = (idle, TimeoutKind::Inactivity, String::new());
                 }
@@ -215,18 +264,40 @@ impl TurnDriver {
         best
     }
 
-    fn timeout_detail(&self, kind: TimeoutKind, label: &str) -> String {
+    fn timeout_detail(&self, kind: TimeoutKind, request_id: &str) -> String {
+        let async_note = if self.async_shell {
+            "; the turn started an asynchronous shell command (bash mode \"async\"), which \
+             keeps a turn open until the command ends"
+        } else {
+            ""
+        };
         match kind {
-            TimeoutKind::Tool => format!("gateway tool {label:?} did not finish in time"),
-            TimeoutKind::Permission => "the permission policy did not decide in time".to_owned(),
-            TimeoutKind::Inactivity if self.async_shell => {
-                "no event from the runtime; the turn is still waiting for an asynchronous shell \
-                 command (bash mode \"async\") it started, which keeps a turn open until the \
-                 command ends"
-                    .to_owned()
+            TimeoutKind::Tool => {
+                let name = self
+                    .pending
+                    .get(request_id)
+                    .map(|p| p.label.as_str())
+                    .unwrap_or("?");
+                format!("gateway tool {name:?} did not finish in time")
             }
-            TimeoutKind::Inactivity => "no event from the runtime".to_owned(),
-            TimeoutKind::Absolute => "the turn exceeded its absolute limit".to_owned(),
+            TimeoutKind::Permission => "the permission policy did not decide in time".to_owned(),
+            TimeoutKind::Inactivity => format!("no event from the runtime{async_note}"),
+            TimeoutKind::Absolute => format!("the turn exceeded its absolute limit{async_note}"),
+        }
+    }
+
+    fn reject_late_permission(&mut self, request_id: &str) {
+        if let Some(p) = self.pending.remove(request_id) {
+            p.task.abort();
+            let id = request_id.to_owned();
+            tokio::spawn(async move {
+                let decision = crate::permission::PermissionDecision::Reject {
+                    feedback:
+                        "the permission policy did not decide in time; rejected (fail closed)"
+                            .to_owned(),
+                };
+                let _ = p.answerer.answer_permission(&id, decision.to_wire()).await;
+            });
         }
     }
 
@@ -235,23 +306,31 @@ impl TurnDriver {
     async fn abort_with(&mut self, session: &mut Session, error: PoolError) -> PoolError {
         tracing::warn!(%error, "Aborting a turn.");
         self.cancel_pending();
+        let mut reached_idle = false;
         if session.abort().await.is_ok() {
+            let answerer = session.answerer();
             let drained = tokio::time::timeout(ABORT_DRAIN, async {
                 while let Some(update) = session.next().await {
                     match update {
                         SessionUpdate::Event(e) if matches!(e.kind, EventKind::SessionIdle(_)) => {
-                            return;
+                            return true;
                         }
-                        SessionUpdate::Ended(_) => return,
-                        // Requests still arriving are answered by their drop.
+                        SessionUpdate::Ended(_) => return false,
+                        SessionUpdate::Event(e) => refuse_stray(&e, &answerer),
+                        // Server requests still arriving are answered by their drop.
                         _ => {}
                     }
                 }
+                false
             })
             .await;
-            if drained.is_err() {
-                tracing::warn!("An aborted turn did not reach session.idle in time.");
-            }
+            reached_idle = matches!(drained, Ok(true));
+        }
+        if !reached_idle {
+            tracing::warn!(
+                "An aborted turn did not reach session.idle; the session will not be reused."
+            );
+            self.poisoned = true;
         }
         self.end();
         error
@@ -262,12 +341,35 @@ impl TurnDriver {
         self.in_flight = false;
     }
 
+    /// Cancels everything pending on our side, answering each request so the runtime never
+    /// waits on it: tool calls get a timeout failure, permissions a rejection, the question an
+    /// empty answer.
     fn cancel_pending(&mut self) {
-        for (_, p) in self.pending.drain() {
+        for (id, p) in self.pending.drain() {
             p.task.abort();
+            let kind = p.kind;
+            tokio::spawn(async move {
+                let _ = match kind {
+                    TimeoutKind::Permission => {
+                        let decision = crate::permission::PermissionDecision::Reject {
+                            feedback: "the turn ended before the permission was decided".to_owned(),
+                        };
+                        p.answerer.answer_permission(&id, decision.to_wire()).await
+                    }
+                    _ => {
+                        let result = ToolResult::Object(json!({
+                            "textResultForLlm": "the tool call was cancelled (turn timeout or abort)",
+                            "resultType": "timeout",
+                        }));
+                        p.answerer.answer_tool_call(&id, result).await
+                    }
+                };
+            });
         }
-        if let Some(q) = self.question.take() {
-            q.abort();
+        if let Some(mut q) = self.question.take()
+            && let Some(cancel) = q.cancel.take()
+        {
+            let _ = cancel.send(());
         }
     }
 
@@ -393,6 +495,7 @@ impl TurnDriver {
         };
         self.outcome.gateway_tool_calls += 1;
         let timeout = tool.timeout.unwrap_or(self.handlers.timeouts.tool);
+        let pending_answerer = answerer.clone();
         let call = ToolCall {
             tool_name: req.tool_name.clone(),
             tool_call_id: req.tool_call_id.clone(),
@@ -414,11 +517,23 @@ impl TurnDriver {
                     ToolConcurrency::Sequential => Guard::Write(lock.write_owned().await),
                     ToolConcurrency::Concurrent => Guard::Read(lock.read_owned().await),
                 };
-                // A panicking handler must still produce an answer.
-                match tokio::spawn(handler.call(call)).await {
-                    Ok(Ok(text)) => ToolResult::Text(text),
-                    Ok(Err(message)) => ToolResult::Error(message),
-                    Err(join) => ToolResult::Error(format!("the tool handler failed: {join}")),
+                // A panicking handler (while building its future or while running) must still
+                // produce an answer; the handler runs inside this task, so aborting the task
+                // cancels it.
+                let future = std::panic::catch_unwind(AssertUnwindSafe(|| handler.call(call)));
+                match future {
+                    Ok(future) => match AssertUnwindSafe(future).catch_unwind().await {
+                        Ok(Ok(text)) => ToolResult::Text(text),
+                        Ok(Err(message)) => ToolResult::Error(message),
+                        Err(panic) => ToolResult::Error(format!(
+                            "the tool handler panicked: {}",
+                            panic_text(panic.as_ref())
+                        )),
+                    },
+                    Err(panic) => ToolResult::Error(format!(
+                        "the tool handler panicked: {}",
+                        panic_text(panic.as_ref())
+                    )),
                 }
             };
             if let Err(error) = answerer.answer_tool_call(&id, result).await {
@@ -430,9 +545,11 @@ impl TurnDriver {
             request_id,
             Pending {
                 kind: TimeoutKind::Tool,
-                deadline: Instant::now() + timeout,
+                deadline: deadline_after(timeout),
+                limit: timeout,
                 label: tool.name.clone(),
                 task: task.abort_handle(),
+                answerer: pending_answerer,
             },
         );
     }
@@ -443,6 +560,7 @@ impl TurnDriver {
         let request = PermissionRequest::from_wire(request);
         let id = request_id.to_owned();
         let done = self.done_tx.clone();
+        let pending_answerer = answerer.clone();
         let task = tokio::spawn(async move {
             let decision = decide_safely(policy.as_ref(), request).await;
             if let Err(error) = answerer.answer_permission(&id, decision.to_wire()).await {
@@ -454,9 +572,11 @@ impl TurnDriver {
             request_id.to_owned(),
             Pending {
                 kind: TimeoutKind::Permission,
-                deadline: Instant::now() + self.handlers.timeouts.permission,
+                deadline: deadline_after(self.handlers.timeouts.permission),
+                limit: self.handlers.timeouts.permission,
                 label: String::new(),
                 task: task.abort_handle(),
+                answerer: pending_answerer,
             },
         );
     }
@@ -466,23 +586,48 @@ impl TurnDriver {
             request.fail("no ask_user handler is configured for this conversation");
             return;
         };
-        // One pending question per conversation: a new one cancels the older (its request
-        // is answered with an error by its drop).
-        if let Some(older) = self.question.take() {
-            older.abort();
+        // One pending question per conversation: a new one cancels the older, which gets
+        // an empty free-form answer.
+        if let Some(mut older) = self.question.take()
+            && let Some(cancel) = older.cancel.take()
+        {
+            let _ = cancel.send(());
         }
         self.outcome.user_inputs += 1;
         let limit = self.handlers.timeouts.user_input;
         let done = self.done_tx.clone();
-        let task = tokio::spawn(async move {
+        let id = self.next_question;
+        self.next_question += 1;
+        let (cancel_tx, cancel_rx) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
             let question = Question::from_wire(&request.params);
-            let answer = tokio::time::timeout(limit, handler.ask(question.clone()))
-                .await
-                .unwrap_or(None);
+            let ask = std::panic::catch_unwind(AssertUnwindSafe(|| handler.ask(question.clone())));
+            let answer = match ask {
+                Ok(future) => tokio::select! {
+                    answer = tokio::time::timeout(limit, AssertUnwindSafe(future).catch_unwind()) => {
+                        match answer {
+                            Ok(Ok(answer)) => answer,
+                            Ok(Err(panic)) => {
+                                tracing::warn!(panic = %panic_text(panic.as_ref()), "The ask_user handler panicked; answering empty.");
+                                None
+                            }
+                            Err(_) => None,
+                        }
+                    }
+                    _ = cancel_rx => None,
+                },
+                Err(panic) => {
+                    tracing::warn!(panic = %panic_text(panic.as_ref()), "The ask_user handler panicked; answering empty.");
+                    None
+                }
+            };
             request.respond(resolve(&question, answer));
-            let _ = done.send(Done::Question);
+            let _ = done.send(Done::Question(id));
         });
-        self.question = Some(task.abort_handle());
+        self.question = Some(PendingQuestion {
+            id,
+            cancel: Some(cancel_tx),
+        });
     }
 
     fn on_hook(&mut self, request: ServerRequest<HookInvocation>) {
@@ -491,9 +636,12 @@ impl TurnDriver {
         let limit = self.handlers.timeouts.hook;
         tokio::spawn(async move {
             let invocation = &request.params;
-            let future = hooks
-                .as_deref()
-                .and_then(|h| for_hook_type(h, &invocation.hook_type, invocation.input.clone()));
+            let future = hooks.as_deref().and_then(|h| {
+                std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    for_hook_type(h, &invocation.hook_type, invocation.input.clone())
+                }))
+                .unwrap_or_else(|_| Some(Box::pin(async { Err("the hook panicked".to_owned()) })))
+            });
             let output = match future {
                 Some(future) => run_hook(future, limit, &failures).await,
                 None => None,
@@ -509,12 +657,62 @@ impl TurnDriver {
         let Some(hooks) = self.handlers.hooks.as_deref() else {
             return;
         };
-        let future = call(hooks);
+        let future = std::panic::catch_unwind(AssertUnwindSafe(|| call(hooks)))
+            .unwrap_or_else(|_| Box::pin(async { Err("the hook panicked".to_owned()) }));
         let failures = self.hook_failures.clone();
         let limit = self.handlers.timeouts.hook;
         tokio::spawn(async move {
             run_hook(future, limit, &failures).await;
         });
+    }
+}
+
+/// Calls a hook method, turning a panic while it builds its future into a failing future.
+pub(crate) fn safe_hook(call: impl FnOnce() -> HookFuture) -> HookFuture {
+    std::panic::catch_unwind(AssertUnwindSafe(call))
+        .unwrap_or_else(|_| Box::pin(async { Err("the hook panicked".to_owned()) }))
+}
+
+/// The message of a caught panic.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned())
+}
+
+/// Answers a tool call or permission prompt that arrived outside a running turn.
+pub(crate) fn refuse_stray(event: &SessionEvent, answerer: &Answerer) {
+    let answerer = answerer.clone();
+    match &event.kind {
+        EventKind::ExternalToolRequested(req) => {
+            let id = req.request_id.clone();
+            tokio::spawn(async move {
+                let result =
+                    ToolResult::Error("the tool call arrived outside a running turn".to_owned());
+                let _ = answerer.answer_tool_call(&id, result).await;
+            });
+        }
+        EventKind::PermissionRequested(req) if req.resolved_by_hook != Some(true) => {
+            let id = req.request_id.clone();
+            tokio::spawn(async move {
+                let decision = crate::permission::PermissionDecision::Reject {
+                    feedback: "the permission prompt arrived outside a running turn".to_owned(),
+                };
+                let _ = answerer.answer_permission(&id, decision.to_wire()).await;
+            });
+        }
+        _ => {}
+    }
+}
+
+impl Drop for TurnDriver {
+    fn drop(&mut self) {
+        // A lease dropped mid-turn: nothing of ours may stay pending.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            self.cancel_pending();
+        }
     }
 }
 
@@ -530,15 +728,16 @@ pub(crate) async fn run_hook(
     limit: Duration,
     failures: &AtomicU32,
 ) -> Option<Value> {
-    match tokio::time::timeout(limit, tokio::spawn(future)).await {
+    // The hook runs inside the caller's task: a timeout drops (cancels) it.
+    match tokio::time::timeout(limit, AssertUnwindSafe(future).catch_unwind()).await {
         Ok(Ok(Ok(output))) => output,
         Ok(Ok(Err(message))) => {
             tracing::warn!(error = %message, "A hook failed; answered with no output.");
             failures.fetch_add(1, Ordering::SeqCst);
             None
         }
-        Ok(Err(join)) => {
-            tracing::warn!(error = %join, "A hook panicked; answered with no output.");
+        Ok(Err(panic)) => {
+            tracing::warn!(panic = %panic_text(panic.as_ref()), "A hook panicked; answered with no output.");
             failures.fetch_add(1, Ordering::SeqCst);
             None
         }

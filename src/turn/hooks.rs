@@ -24,7 +24,7 @@ fn nothing() -> HookFuture {
 /// | `agent_end` | `hooks.invoke agentStop` |
 /// | `before_compaction` / `after_compaction` | `Lease::compact`, and `session.compaction_start` / `_complete` of background compactions |
 /// | `before_tool_call` | `hooks.invoke preToolUse` (output, e.g. a permission decision, goes back) |
-/// | `after_tool_call` | `hooks.invoke postToolUse` |
+/// | `after_tool_call` | `hooks.invoke postToolUse` and `postToolUseFailure` |
 pub trait TurnHooks: Send + Sync + 'static {
     /// The user prompt was submitted.
     fn before_prompt_build(&self, _input: Value) -> HookFuture {
@@ -69,7 +69,7 @@ pub(crate) fn for_hook_type(
     match hook_type {
         "userPromptSubmitted" => Some(hooks.before_prompt_build(input)),
         "preToolUse" => Some(hooks.before_tool_call(input)),
-        "postToolUse" => Some(hooks.after_tool_call(input)),
+        "postToolUse" | "postToolUseFailure" => Some(hooks.after_tool_call(input)),
         "agentStop" => Some(hooks.agent_end(input)),
         _ => None,
     }
