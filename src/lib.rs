@@ -24,6 +24,7 @@
 
 pub mod auth;
 pub mod home;
+pub mod metrics;
 pub mod permission;
 pub mod pool;
 pub mod process;

@@ -30,6 +30,7 @@ const HASH_HEX_CHARS: usize = 16;
 
 /// What happens when a line cannot be persisted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum TranscriptMode {
     /// Log a warning, count the failure in [`Transcript::failed_writes`], and carry on
     /// (`append` returns `Ok(false)`).

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::{broadcast, watch};
 
+use crate::metrics::{self, Eviction, PoolGauges, ProcessExit};
 use crate::rpc::messages::{AbortParams, SessionAbort};
 use crate::worker::{Session, WorkerConfig, WorkerError, WorkerHandle};
 
@@ -310,7 +311,7 @@ impl Actor for PoolActor {
                 }
                 if !ok && state.workers.contains_key(&worker_id) {
                     // The old owner may still hold the session: it must not live on.
-                    state.evict(worker_id, "a detach failed");
+                    state.evict(worker_id, Eviction::DetachFailed);
                 }
                 state.serve_waiters(&myself);
             }
@@ -371,6 +372,7 @@ impl Actor for PoolActor {
                 state.try_finish_stop();
             }
         }
+        state.publish_gauges();
         Ok(())
     }
 
@@ -400,14 +402,15 @@ impl Actor for PoolActor {
                         .is_some_and(|e| !e.is_shutdown());
                     if killed {
                         state.on_crash(id, &myself);
-                    } else {
-                        state.remove_worker(id);
+                    } else if state.remove_worker(id).is_some() {
+                        metrics::process_exited(ProcessExit::Shutdown);
                     }
                     state.serve_waiters(&myself);
                 }
             }
             _ => {}
         }
+        state.publish_gauges();
         Ok(())
     }
 
@@ -424,6 +427,10 @@ impl Actor for PoolActor {
             .into_iter()
             .filter_map(|id| state.remove_worker(id))
             .collect();
+        for _ in &stops {
+            metrics::process_exited(ProcessExit::Shutdown);
+        }
+        state.publish_gauges();
         futures_util::future::join_all(stops.iter().map(|h| h.shutdown())).await;
         futures_util::future::join_all(state.stopping.drain(..)).await;
         Ok(())
@@ -437,7 +444,10 @@ fn start_spawn(key: &PoolKey, ks: &mut KeyState, myself: &ActorRef<PoolMsg>) {
     let target = myself.clone();
     let supervisor = myself.get_cell();
     tokio::spawn(async move {
+        let started = Instant::now();
         let result = WorkerHandle::start(spec, Some(supervisor)).await;
+        let ok = result.as_ref().is_ok_and(|h| h.exit().is_none());
+        metrics::process_started(ok, started.elapsed());
         let _ = target.cast(PoolMsg::Spawned { key, result });
     });
 }
@@ -457,6 +467,9 @@ impl PoolState {
             .into_iter()
             .filter_map(|id| self.remove_worker(id))
             .collect();
+        for _ in &stops {
+            metrics::process_exited(ProcessExit::Shutdown);
+        }
         let earlier: Vec<_> = self.stopping.drain(..).collect();
         tokio::spawn(async move {
             futures_util::future::join_all(stops.iter().map(|h| h.shutdown())).await;
@@ -492,6 +505,26 @@ impl PoolState {
         self.workers
             .get(&id)
             .is_some_and(|w| !w.draining && w.handle.exit().is_none())
+    }
+
+    /// Sets the pool's gauges (processes by state, their summed RSS as of the last
+    /// maintenance tick, conversations, leases, waiters).
+    fn publish_gauges(&self) {
+        let mut gauges = PoolGauges {
+            sessions: self.conversations.len(),
+            leases: self.leased_count(),
+            waiters: self.waiters.len(),
+            ..PoolGauges::default()
+        };
+        for w in self.workers.values() {
+            if w.draining {
+                gauges.draining += 1;
+            } else {
+                gauges.live += 1;
+            }
+            gauges.rss_bytes += w.rss_bytes;
+        }
+        gauges.publish();
     }
 
     fn leased_count(&self) -> usize {
@@ -726,7 +759,7 @@ impl PoolState {
                 .min_by_key(|(_, w)| w.last_used)
                 .map(|(id, _)| *id);
             match victim {
-                Some(id) => self.evict(id, "pool full: least recently used idle worker"),
+                Some(id) => self.evict(id, Eviction::Full),
                 None => return false,
             }
         }
@@ -808,7 +841,7 @@ impl PoolState {
             .get(&id)
             .is_some_and(|w| w.draining && w.leased == 0);
         if done {
-            self.evict(id, "drained");
+            self.evict(id, Eviction::Drained);
         }
     }
 
@@ -914,6 +947,7 @@ impl PoolState {
                 );
             }
             Ok(handle) => {
+                metrics::process_exited(ProcessExit::Shutdown);
                 self.stopping.push(tokio::spawn(async move {
                     handle.shutdown().await;
                 }));
@@ -931,6 +965,8 @@ impl PoolState {
                         let key = key.clone();
                         move || PoolMsg::Respawn(key)
                     });
+                } else {
+                    metrics::quarantined();
                 }
                 let failed = PoolError::Worker(error);
                 self.fail_waiters_of(&key, |_| failed.clone());
@@ -950,6 +986,7 @@ impl PoolState {
             pid: w.handle.pid(),
         });
         self.remove_worker(id);
+        metrics::process_exited(ProcessExit::Crash);
         self.totals.crashes += 1;
         let demand = had_conversations || self.waiters.iter().any(|w| w.req.key == key);
         let Some(ks) = self.keys.get_mut(&key) else {
@@ -974,6 +1011,7 @@ impl PoolState {
             }
             RestartDecision::Quarantine { until } => {
                 tracing::warn!(key = %key.short_hash(), "Restart intensity exceeded; key quarantined.");
+                metrics::quarantined();
                 let _ = self.events.send(PoolEvent::KeyQuarantined {
                     key_hash: key.short_hash(),
                 });
@@ -1021,7 +1059,13 @@ impl PoolState {
         let _ = self.events.send(event);
     }
 
-    fn evict(&mut self, id: WorkerId, why: &'static str) {
+    fn evict(&mut self, id: WorkerId, reason: Eviction) {
+        let why = match reason {
+            Eviction::Idle => "idle",
+            Eviction::Full => "pool full: least recently used idle worker",
+            Eviction::Drained => "drained",
+            Eviction::DetachFailed => "a detach failed",
+        };
         let key_hash = self.workers.get(&id).map(|w| w.key.short_hash());
         // Its conversations resume elsewhere only once the worker (which detaches them on
         // its way out) has stopped.
@@ -1041,6 +1085,7 @@ impl PoolState {
             });
             tracing::info!(pid = handle.pid(), why, "Evicting a pool worker.");
             self.totals.evicted += 1;
+            metrics::evicted(reason);
             let target = self.myself.clone();
             self.stopping.retain(|t| !t.is_finished());
             self.stopping.push(tokio::spawn(async move {
@@ -1073,11 +1118,16 @@ impl PoolState {
             let drained =
                 w.draining && (w.leased == 0 || w.drain_deadline.is_some_and(|d| now >= d));
             if idle || drained {
-                evict.push((*id, if idle { "idle" } else { "drained" }));
+                let reason = if idle {
+                    Eviction::Idle
+                } else {
+                    Eviction::Drained
+                };
+                evict.push((*id, reason));
             }
         }
-        for (id, why) in evict {
-            self.evict(id, why);
+        for (id, reason) in evict {
+            self.evict(id, reason);
         }
         // Forget keys with nothing left (their spec holds the old token of a rotation).
         let waiting: HashSet<PoolKey> = self.waiters.iter().map(|w| w.req.key.clone()).collect();

@@ -51,6 +51,9 @@ impl OpenReason {
 /// Exclusive use of one conversation until dropped.
 pub struct Lease {
     pub(crate) session: Option<Session>,
+    /// The pool's conversation id (`<agent_id>/<session_key>`).
+    pub(crate) conversation: String,
+    /// The gateway's session key.
     pub(crate) session_key: String,
     pub(crate) cli_session_id: String,
     pub(crate) worker_id: WorkerId,
@@ -62,6 +65,8 @@ pub struct Lease {
     pub(crate) lost: bool,
     /// One turn at a time per conversation: held for the lease's life.
     pub(crate) guard: Option<OwnedMutexGuard<()>>,
+    /// The pool's binding store (for `reset`).
+    pub(crate) bindings: std::sync::Arc<super::bindings::BindingStore>,
 }
 
 impl fmt::Debug for Lease {
@@ -217,6 +222,30 @@ impl Lease {
         Ok(result)
     }
 
+    /// Forgets the conversation: deletes the CLI session and the binding. The next lease of
+    /// this `session_key` starts a new session.
+    pub async fn reset(mut self) -> Result<(), PoolError> {
+        if self.driver.in_flight() {
+            return Err(PoolError::TurnState("reset between turns, not during one"));
+        }
+        let session = self
+            .session
+            .take()
+            .ok_or(PoolError::TurnState("this lease has no session"))?;
+        // The conversation is not parked again: the return gives no session back.
+        self.lost = true;
+        let deleted = session.delete().await;
+        let store = self.bindings.clone();
+        let key = self.conversation.clone();
+        tokio::task::spawn_blocking(move || store.remove(&key))
+            .await
+            .map_err(|e| PoolError::Bindings(e.to_string()))??;
+        match deleted {
+            Ok(()) | Err(WorkerError::Died(_) | WorkerError::Stopped) => Ok(()),
+            Err(e) => Err(PoolError::Worker(e)),
+        }
+    }
+
     fn session_mut(&mut self) -> Result<&mut Session, PoolError> {
         if self.lost {
             return Err(PoolError::TurnState(
@@ -241,7 +270,7 @@ impl Drop for Lease {
         let session = if self.lost { None } else { self.session.take() };
         let ret = ReturnTicket {
             pool: self.pool.clone(),
-            session_key: std::mem::take(&mut self.session_key),
+            session_key: std::mem::take(&mut self.conversation),
             worker_id: self.worker_id,
             turns: self.turns,
             guard: self.guard.take(),

@@ -152,6 +152,15 @@ impl Pool {
     /// (one turn at a time) and for capacity, then attaches the CLI session — reusing the
     /// attached one, resuming the bound one, or creating a new one.
     pub async fn lease(&self, req: LeaseRequest) -> Result<Lease, PoolError> {
+        let result = self.lease_inner(req).await;
+        if let Err(error) = &result {
+            crate::metrics::lease_rejected(error);
+        }
+        result
+    }
+
+    async fn lease_inner(&self, req: LeaseRequest) -> Result<Lease, PoolError> {
+        let started = std::time::Instant::now();
         let inner = &self.inner;
         if *inner.closed.borrow() {
             return Err(PoolError::Closed);
@@ -180,10 +189,12 @@ impl Pool {
             inner.locks.retain(|_, lock| Arc::strong_count(lock) > 1);
         }
 
+        // A conversation is (agent, session key): two agents may use the same key.
+        let conversation = format!("{}/{}", req.agent_id, req.session_key);
         // One turn at a time per conversation.
         let lock = inner
             .locks
-            .entry(req.session_key.clone())
+            .entry(conversation.clone())
             .or_insert_with(|| Arc::new(Mutex::new(())))
             .clone();
         let guard = if req.fail_if_busy {
@@ -213,7 +224,7 @@ impl Pool {
         let acquire = AcquireRequest {
             key: key.clone(),
             spec: spec.clone(),
-            session_key: req.session_key.clone(),
+            session_key: conversation.clone(),
             compat: compat.clone(),
             setup: setup_key(&session_config),
             wait: deadline.saturating_duration_since(tokio::time::Instant::now()),
@@ -236,6 +247,7 @@ impl Pool {
             }
             _ => return Err(PoolError::Closed),
         };
+        crate::metrics::lease_granted(started.elapsed());
 
         let worker_id = grant.worker_id;
         let worker = grant.worker.clone();
@@ -246,7 +258,7 @@ impl Pool {
             &worker,
             carried,
             &inner.bindings,
-            &req.session_key,
+            &conversation,
             &compat,
             &home,
             session_config,
@@ -256,7 +268,7 @@ impl Pool {
         // A conversation still attached since its last lease has an up-to-date binding.
         if reason != OpenReason::Attached {
             let binding = Binding {
-                session_key: req.session_key.clone(),
+                session_key: conversation.clone(),
                 cli_session_id: cli_session_id.clone(),
                 compat_key: compat,
                 updated_at_ms: now_ms(),
@@ -271,8 +283,9 @@ impl Pool {
                 Err(e) => tracing::warn!(error = %e, "Binding write task failed."),
             }
         }
+        crate::metrics::session_opened(reason);
         let _ = inner.actor.cast(PoolMsg::Opened {
-            session_key: req.session_key.clone(),
+            session_key: conversation.clone(),
             worker_id,
             cli_session_id: cli_session_id.clone(),
             reason,
@@ -283,6 +296,7 @@ impl Pool {
         Ok(Lease {
             worker_pid: worker.pid(),
             session: Some(session),
+            conversation,
             session_key: req.session_key,
             cli_session_id,
             worker_id,
@@ -292,6 +306,7 @@ impl Pool {
             turns: 0,
             lost: false,
             guard: Some(guard),
+            bindings: inner.bindings.clone(),
         })
     }
 

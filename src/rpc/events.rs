@@ -76,6 +76,20 @@ impl SessionEvent {
     pub fn event_type(&self) -> &str {
         self.kind.event_type()
     }
+
+    /// The event as JSON, in the wire's envelope shape (`id`, `timestamp`, `parentId`,
+    /// `ephemeral`, `agentId`, `type`, `data`).
+    pub fn to_value(&self) -> Value {
+        serde_json::json!({
+            "id": self.id,
+            "timestamp": self.timestamp,
+            "parentId": self.parent_id,
+            "ephemeral": self.ephemeral,
+            "agentId": self.agent_id,
+            "type": self.event_type(),
+            "data": self.kind.data_value(),
+        })
+    }
 }
 
 macro_rules! events {
@@ -110,6 +124,14 @@ macro_rules! events {
                         },
                     )*
                     _ => EventKind::Unknown { event_type, data },
+                }
+            }
+
+            /// The data as JSON (what this crate read of it; unknown events keep all of it).
+            pub fn data_value(&self) -> Value {
+                match self {
+                    $( EventKind::$variant(d) => serde_json::to_value(d).unwrap_or(Value::Null), )*
+                    EventKind::Unknown { data, .. } => data.clone(),
                 }
             }
 

@@ -15,6 +15,7 @@ use tokio::sync::{RwLock, mpsc};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
+use crate::metrics::{self, ToolOutcome, TurnEnd};
 use crate::permission::{PermissionRequest, decide_safely};
 use crate::pool::PoolError;
 use crate::rpc::events::ExternalToolRequestedData;
@@ -187,18 +188,18 @@ impl TurnDriver {
                                 Err(e) => return Some(Err(self.abort_with(session, e).await)),
                             }
                             if matches!(event.kind, EventKind::SessionIdle(_)) {
-                                self.end();
+                                self.finish(self.idle_end());
                             }
                             return Some(Ok(event));
                         }
                         Some(SessionUpdate::UserInput(request)) => self.on_question(request),
                         Some(SessionUpdate::Hook(request)) => self.on_hook(request),
                         Some(SessionUpdate::Ended(error)) => {
-                            self.end();
+                            self.finish(TurnEnd::Crashed);
                             return Some(Err(PoolError::Worker(error)));
                         }
                         None => {
-                            self.end();
+                            self.finish(TurnEnd::Crashed);
                             return Some(Err(PoolError::TurnState(
                                 "the session's update stream ended without a reason; take a new lease (the conversation resumes)",
                             )));
@@ -332,11 +333,30 @@ impl TurnDriver {
             );
             self.poisoned = true;
         }
-        self.end();
+        self.finish(match &error {
+            PoolError::TurnTimeout { .. } => TurnEnd::Timeout,
+            PoolError::Worker(_) => TurnEnd::Crashed,
+            _ => TurnEnd::Error,
+        });
         error
     }
 
-    fn end(&mut self) {
+    /// How a turn that reached `session.idle` ended.
+    fn idle_end(&self) -> TurnEnd {
+        if self.outcome.aborted {
+            TurnEnd::Aborted
+        } else if self.outcome.error.is_some() {
+            TurnEnd::Error
+        } else {
+            TurnEnd::Idle
+        }
+    }
+
+    /// Ends the running turn, recording how.
+    fn finish(&mut self, end: TurnEnd) {
+        if self.in_flight {
+            metrics::turn_finished(end, self.started.elapsed());
+        }
         self.cancel_pending();
         self.in_flight = false;
     }
@@ -346,6 +366,9 @@ impl TurnDriver {
     /// empty answer.
     fn cancel_pending(&mut self) {
         for (id, p) in self.pending.drain() {
+            if p.kind == TimeoutKind::Tool && !p.task.is_finished() {
+                metrics::tool_call(ToolOutcome::Timeout);
+            }
             p.task.abort();
             let kind = p.kind;
             tokio::spawn(async move {
@@ -379,6 +402,7 @@ impl TurnDriver {
         match &event.kind {
             EventKind::AssistantTurnStart(data) => {
                 self.outcome.model_calls += 1;
+                metrics::llm_call();
                 self.fire_hook(|h| {
                     h.llm_input(json!({"turnId": data.turn_id, "model": data.model}))
                 });
@@ -536,9 +560,15 @@ impl TurnDriver {
                     )),
                 }
             };
+            let outcome = match &result {
+                ToolResult::Error(_) => ToolOutcome::Error,
+                _ => ToolOutcome::Ok,
+            };
             if let Err(error) = answerer.answer_tool_call(&id, result).await {
                 tracing::warn!(%error, "Could not deliver a tool result.");
             }
+            // Counted once answered: a call cancelled before that counts as a timeout.
+            metrics::tool_call(outcome);
             let _ = done.send(Done::Request(id));
         });
         self.pending.insert(
@@ -709,7 +739,11 @@ pub(crate) fn refuse_stray(event: &SessionEvent, answerer: &Answerer) {
 
 impl Drop for TurnDriver {
     fn drop(&mut self) {
-        // A lease dropped mid-turn: nothing of ours may stay pending.
+        // A lease dropped mid-turn: the lease aborts the turn.
+        if self.in_flight {
+            metrics::turn_finished(TurnEnd::Aborted, self.started.elapsed());
+        }
+        // Nothing of ours may stay pending.
         if tokio::runtime::Handle::try_current().is_ok() {
             self.cancel_pending();
         }
@@ -734,16 +768,19 @@ pub(crate) async fn run_hook(
         Ok(Ok(Err(message))) => {
             tracing::warn!(error = %message, "A hook failed; answered with no output.");
             failures.fetch_add(1, Ordering::SeqCst);
+            metrics::hook_failed();
             None
         }
         Ok(Err(panic)) => {
             tracing::warn!(panic = %panic_text(panic.as_ref()), "A hook panicked; answered with no output.");
             failures.fetch_add(1, Ordering::SeqCst);
+            metrics::hook_failed();
             None
         }
         Err(_) => {
             tracing::warn!(?limit, "A hook timed out; answered with no output.");
             failures.fetch_add(1, Ordering::SeqCst);
+            metrics::hook_failed();
             None
         }
     }

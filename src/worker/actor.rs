@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 
 use crate::process::{ChildGroup, ExitInfo};
 use crate::rpc::messages::{
-    ClientInfo, Connect, ConnectParams, LlmSetProvider, PROTOCOL_VERSION, Ping, PingParams,
+    ClientInfo, Connect, ConnectParams, LlmSetProvider, Method, PROTOCOL_VERSION, Ping, PingParams,
     SessionDetach, SessionIdParams,
 };
 use crate::rpc::{CloseCause, Connection, ConnectionOptions, Incoming, RpcError};
@@ -242,10 +242,12 @@ impl Actor for Worker {
                     let timeout = state.config.health_timeout;
                     let target = myself.clone();
                     tokio::spawn(async move {
+                        let started = std::time::Instant::now();
                         let result = conn
                             .call_with_timeout::<Ping>(&PingParams::default(), Some(timeout))
                             .await
                             .map(|_| ());
+                        crate::metrics::rpc_finished(Ping::NAME, started.elapsed());
                         let _ = target.cast(WorkerMsg::HealthResult(result));
                     });
                 }
@@ -376,10 +378,12 @@ async fn handshake(conn: &Connection, config: &WorkerConfig) -> Result<WorkerInf
             extension_version: Some(env!("CARGO_PKG_VERSION").to_owned()),
         }),
     };
+    let started = std::time::Instant::now();
     let connected = conn
         .call_with_timeout::<Connect>(&params, Some(config.start_timeout))
-        .await
-        .map_err(|e| WorkerError::Handshake(e.to_string()))?;
+        .await;
+    crate::metrics::rpc_finished(Connect::NAME, started.elapsed());
+    let connected = connected.map_err(|e| WorkerError::Handshake(e.to_string()))?;
     if connected.protocol_version != PROTOCOL_VERSION {
         return Err(WorkerError::ProtocolVersion {
             got: connected.protocol_version,

@@ -211,11 +211,13 @@ impl WorkerHandle {
         params: &M::Params,
         timeout: Duration,
     ) -> Result<M::Result, WorkerError> {
-        match self
+        let started = std::time::Instant::now();
+        let result = self
             .conn
             .call_with_timeout::<M>(params, Some(timeout))
-            .await
-        {
+            .await;
+        crate::metrics::rpc_finished(M::NAME, started.elapsed());
+        match result {
             Ok(result) => Ok(result),
             Err(err @ RpcError::Closed { .. }) => Err(self.explain_closed(err).await),
             Err(err) => Err(WorkerError::Rpc(err)),

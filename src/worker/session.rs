@@ -239,6 +239,19 @@ impl Session {
             .events)
     }
 
+    /// Deletes the session from the runtime (and its state from disk).
+    pub async fn delete(mut self) -> Result<(), WorkerError> {
+        self.detached = true;
+        self.worker.close_route(&self.id, false);
+        let params = SessionIdParams {
+            session_id: self.id.clone(),
+        };
+        self.worker
+            .call::<crate::rpc::messages::SessionDelete>(&params)
+            .await
+            .map(|_| ())
+    }
+
     /// Detaches the session from its process; its state stays on disk for a later resume.
     pub async fn detach(mut self) -> Result<(), WorkerError> {
         self.detached = true;

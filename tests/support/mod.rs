@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod http;
 pub mod pool_fixture;
 pub mod procs;
 pub mod runtime;

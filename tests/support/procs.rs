@@ -107,3 +107,16 @@ fn is_zombie(pid: u32) -> bool {
         })
         .unwrap_or(true)
 }
+
+/// Live (non-zombie) processes whose environment has `key=<value starting with prefix>`.
+pub fn with_env_prefix(key: &str, prefix: &str) -> Vec<u32> {
+    all_pids()
+        .into_iter()
+        .filter(|pid| !is_zombie(*pid))
+        .filter(|pid| {
+            environ(*pid)
+                .iter()
+                .any(|(k, v)| k == key && v.starts_with(prefix))
+        })
+        .collect()
+}

@@ -1,9 +1,14 @@
 //! The `copilot-pool` binary: installs the pinned runtime and runs one-shot prompts. The
 //! only place that installs a tracing subscriber or signal handlers.
 
+mod config;
 mod demo;
+mod doctor;
+mod http_client;
 mod install;
 mod run;
+mod serve;
+mod status;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -29,6 +34,14 @@ enum Command {
     /// Install the pinned Copilot runtime with npm into the cache directory and print the
     /// path of its executable. Safe to run twice or concurrently.
     InstallCli(install::InstallArgs),
+    /// Check what `serve` needs: the config, the runtime (started once in a throwaway home),
+    /// the state and agents directories, and the bindings. Exits 1 if any check fails.
+    Doctor(doctor::DoctorArgs),
+    /// Show a running daemon's pool (`GET /v1/pool`) as a table.
+    Status(status::StatusArgs),
+    /// Run the pool as a sidecar daemon with an HTTP API for gateways, health endpoints and
+    /// Prometheus metrics.
+    Serve(serve::ServeArgs),
     /// Start one worker, send one prompt, and print the reply as it streams. Uses the
     /// embedded scripted model unless a provider or the logged-in user is configured.
     Run(run::RunArgs),
@@ -37,17 +50,27 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     // The demo reports what the pool does itself; its crashes are on purpose.
-    let default_level = match cli.command {
-        Command::Demo(_) => "error",
-        _ => "warn",
+    let (default_level, json) = match &cli.command {
+        Command::Demo(_) => ("error", false),
+        Command::Serve(args) => (
+            "info",
+            // The config file may ask for JSON; a bad file is reported by `serve` itself.
+            args.config()
+                .map(|c| c.log_format == config::LogFormat::Json)
+                .unwrap_or(false),
+        ),
+        _ => ("warn", false),
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_env("COPILOT_POOL_LOG")
-                .unwrap_or_else(|_| EnvFilter::new(default_level)),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = EnvFilter::try_from_env("COPILOT_POOL_LOG")
+        .unwrap_or_else(|_| EnvFilter::new(default_level));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -63,6 +86,9 @@ fn main() -> std::process::ExitCode {
             Command::Demo(args) => demo::demo(args).await,
             Command::InstallCli(args) => install::install_cli(args).await,
             Command::Run(args) => run::run(args).await,
+            Command::Serve(args) => serve::serve(args).await,
+            Command::Doctor(args) => doctor::doctor(args).await,
+            Command::Status(args) => status::status(args).await,
         }
     });
     match result {

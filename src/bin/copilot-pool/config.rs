@@ -1,0 +1,272 @@
+//! The daemon's configuration: a TOML file (every field optional, defaults below), then
+//! command-line flags and the environment on top. Shared by `serve` and `doctor`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use copilot_pool::pool::PoolConfig;
+use copilot_pool::secret::Secret;
+use copilot_pool::transcript::TranscriptMode;
+use copilot_pool::turn::{TranscriptSettings, TurnTimeouts};
+use copilot_pool::worker::WorkerConfig;
+use serde::Deserialize;
+
+/// The environment variable that carries the API token.
+pub const API_TOKEN_ENV: &str = "COPILOT_POOL_API_TOKEN";
+
+/// `copilot-pool serve` settings. See README for every field and its default.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeConfig {
+    /// HTTP API address (default `127.0.0.1:7878`).
+    pub listen: SocketAddr,
+    /// Separate address for `/metrics` (default: served on `listen` only).
+    pub metrics_listen: Option<SocketAddr>,
+    /// Bindings live here (default `$COPILOT_POOL_HOME/state` or `~/.copilot-pool/state`).
+    pub state_dir: Option<PathBuf>,
+    /// Per-agent homes: `<agents_dir>/agents/<agent_id>/copilot` (default the pool home).
+    pub agents_dir: Option<PathBuf>,
+    /// Bearer token every `/v1` call must carry (or env `COPILOT_POOL_API_TOKEN`).
+    pub api_token: Option<Secret>,
+    /// The runtime executable (default: `COPILOT_CLI_PATH`, the managed install, PATH).
+    pub cli_path: Option<PathBuf>,
+    /// Largest accepted request body in bytes (default 1 MiB).
+    pub max_body_bytes: usize,
+    /// On SIGTERM/SIGINT, running turns get this long before they are aborted (default 30).
+    pub drain_grace_secs: u64,
+    /// `human` (default) or `json`.
+    pub log_format: LogFormat,
+    /// Pool caps and lifetimes.
+    pub pool: PoolSection,
+    /// Turn timeouts and the transcript mirror.
+    pub turns: TurnsSection,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Human,
+    /// One JSON object per line.
+    Json,
+}
+
+/// `[pool]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolSection {
+    pub max_processes: usize,
+    pub max_processes_per_key: usize,
+    pub max_sessions_per_process: usize,
+    pub max_sessions: usize,
+    pub max_waiters: usize,
+    pub wait_timeout_secs: u64,
+    pub idle_ttl_secs: u64,
+    pub max_turns_per_process: u64,
+    pub max_rss_bytes: u64,
+}
+
+/// `[turns]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TurnsSection {
+    pub inactivity_secs: u64,
+    pub absolute_secs: u64,
+    pub tool_secs: u64,
+    pub permission_secs: u64,
+    pub user_input_secs: u64,
+    /// Mirror every conversation's transcript here (default: off).
+    pub transcript_dir: Option<PathBuf>,
+    /// `best-effort` (default) or `strict`.
+    pub transcript_mode: TranscriptMode,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7878)),
+            metrics_listen: None,
+            state_dir: None,
+            agents_dir: None,
+            api_token: None,
+            cli_path: None,
+            max_body_bytes: 1 << 20,
+            drain_grace_secs: 30,
+            log_format: LogFormat::Human,
+            pool: PoolSection::default(),
+            turns: TurnsSection::default(),
+        }
+    }
+}
+
+impl Default for PoolSection {
+    fn default() -> Self {
+        Self {
+            max_processes: 64,
+            max_processes_per_key: 4,
+            max_sessions_per_process: 16,
+            max_sessions: 1024,
+            max_waiters: 1024,
+            wait_timeout_secs: 30,
+            idle_ttl_secs: 300,
+            max_turns_per_process: 2000,
+            max_rss_bytes: 1 << 30,
+        }
+    }
+}
+
+impl Default for TurnsSection {
+    fn default() -> Self {
+        let t = TurnTimeouts::default();
+        Self {
+            inactivity_secs: t.inactivity.as_secs(),
+            absolute_secs: t.absolute.as_secs(),
+            tool_secs: t.tool.as_secs(),
+            permission_secs: t.permission.as_secs(),
+            user_input_secs: t.user_input.as_secs(),
+            transcript_dir: None,
+            transcript_mode: TranscriptMode::BestEffort,
+        }
+    }
+}
+
+impl ServeConfig {
+    /// Reads `path` (when given) over the defaults, then the API token from the environment
+    /// when the file has none.
+    pub fn load(path: Option<&Path>) -> Result<Self> {
+        let mut config = match path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the config file {}", path.display()))?;
+                toml::from_str::<ServeConfig>(&text)
+                    .with_context(|| format!("invalid config file {}", path.display()))?
+            }
+            None => ServeConfig::default(),
+        };
+        if config.api_token.is_none()
+            && let Some(token) = std::env::var_os(API_TOKEN_ENV).filter(|t| !t.is_empty())
+        {
+            config.api_token = Some(Secret::new(token.to_string_lossy().into_owned()));
+        }
+        Ok(config)
+    }
+
+    /// Checks what cannot work, with the fix in the message.
+    pub fn validate(&self) -> Result<()> {
+        if !self.listen.ip().is_loopback() && self.api_token.is_none() {
+            bail!(
+                "refusing to listen on {} without an API token: set api_token in the config, \
+                 --api-token, or {API_TOKEN_ENV} (or listen on 127.0.0.1)",
+                self.listen
+            );
+        }
+        if let Some(addr) = self.metrics_listen
+            && addr == self.listen
+        {
+            bail!("metrics_listen must differ from listen ({addr})");
+        }
+        if self.max_body_bytes == 0 {
+            bail!("max_body_bytes must be above 0");
+        }
+        if self.pool.max_processes == 0 || self.pool.max_sessions_per_process == 0 {
+            bail!("pool.max_processes and pool.max_sessions_per_process must be above 0");
+        }
+        Ok(())
+    }
+
+    /// The pool's home: `$COPILOT_POOL_HOME` or `~/.copilot-pool`.
+    pub fn home(&self) -> Result<PathBuf> {
+        copilot_pool::home::default_base_dir(copilot_pool::runtime::process_env)
+            .context("finding the pool's home (set HOME or COPILOT_POOL_HOME)")
+    }
+
+    /// Where bindings live.
+    pub fn state_dir(&self) -> Result<PathBuf> {
+        match &self.state_dir {
+            Some(dir) => Ok(dir.clone()),
+            None => Ok(self.home()?.join("state")),
+        }
+    }
+
+    /// The base of per-agent homes.
+    pub fn agents_dir(&self) -> Result<PathBuf> {
+        match &self.agents_dir {
+            Some(dir) => Ok(dir.clone()),
+            None => self.home(),
+        }
+    }
+
+    /// The pool configuration for `program`.
+    pub fn pool_config(&self, program: PathBuf) -> Result<PoolConfig> {
+        let worker = WorkerConfig::new(program, PathBuf::new(), PathBuf::new());
+        let mut config = PoolConfig::new(worker, self.state_dir()?, self.agents_dir()?);
+        let p = &self.pool;
+        config.max_processes = p.max_processes;
+        config.max_processes_per_key = p.max_processes_per_key;
+        config.max_sessions_per_process = p.max_sessions_per_process;
+        config.max_sessions = p.max_sessions;
+        config.max_waiters = p.max_waiters;
+        config.wait_timeout = Duration::from_secs(p.wait_timeout_secs);
+        config.idle_ttl = Duration::from_secs(p.idle_ttl_secs);
+        config.max_turns_per_process = p.max_turns_per_process;
+        config.max_rss_bytes = p.max_rss_bytes;
+        // The pool's shutdown grace is the daemon's drain grace.
+        config.shutdown_grace = Duration::from_secs(self.drain_grace_secs);
+        Ok(config)
+    }
+
+    /// Turn timeouts.
+    pub fn timeouts(&self) -> TurnTimeouts {
+        let t = &self.turns;
+        TurnTimeouts {
+            inactivity: Duration::from_secs(t.inactivity_secs),
+            absolute: Duration::from_secs(t.absolute_secs),
+            tool: Duration::from_secs(t.tool_secs),
+            permission: Duration::from_secs(t.permission_secs),
+            user_input: Duration::from_secs(t.user_input_secs),
+            ..TurnTimeouts::default()
+        }
+    }
+
+    /// The transcript mirror, if configured.
+    pub fn transcript(&self) -> Option<TranscriptSettings> {
+        self.turns
+            .transcript_dir
+            .as_ref()
+            .map(|dir| TranscriptSettings {
+                dir: dir.clone(),
+                mode: self.turns.transcript_mode,
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_overrides() {
+        let c: ServeConfig =
+            toml::from_str("listen = \"127.0.0.1:9000\"\n[pool]\nmax_processes = 3\n").unwrap();
+        assert_eq!(c.listen.port(), 9000);
+        assert_eq!(c.pool.max_processes, 3);
+        assert_eq!(c.pool.max_sessions_per_process, 16);
+        assert_eq!(c.max_body_bytes, 1 << 20);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn unknown_fields_and_open_listeners_are_refused() {
+        let err = toml::from_str::<ServeConfig>("lisen = \"127.0.0.1:1\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("lisen"), "{err}");
+        let c: ServeConfig = toml::from_str("listen = \"0.0.0.0:7878\"").unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("API token"), "{err}");
+    }
+}

@@ -1,0 +1,390 @@
+//! `copilot-pool doctor`: checks what `serve` needs — the config, the runtime (located and
+//! actually started in a throwaway home), the state and agents directories, the bindings —
+//! and prints one line per check with the fix for each failure.
+
+use std::fs;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use clap::Args;
+use copilot_pool::pool::BindingStore;
+use copilot_pool::rpc::PROTOCOL_VERSION;
+use copilot_pool::runtime::{self, CLI_PATH_ENV, INSTALL_COMMAND, LocateError};
+use copilot_pool::worker::{WorkerConfig, WorkerHandle};
+
+use crate::config::ServeConfig;
+
+#[derive(Args, Debug)]
+pub struct DoctorArgs {
+    /// The config file `serve` uses (TOML; default: built-in defaults).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The runtime executable to check (default: `cli_path` from the config,
+    /// COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
+    #[arg(long)]
+    pub cli: Option<PathBuf>,
+}
+
+/// Prints check results as they come and counts the failures.
+#[derive(Default)]
+struct Report {
+    failed: usize,
+}
+
+impl Report {
+    fn ok(&mut self, check: &str, detail: impl std::fmt::Display) {
+        println!("ok   {check}: {detail}");
+    }
+
+    fn fail(&mut self, check: &str, problem: impl std::fmt::Display, fix: impl std::fmt::Display) {
+        self.failed += 1;
+        println!("FAIL {check}: {problem} — fix: {fix}");
+    }
+
+    fn skip(&mut self, check: &str, why: impl std::fmt::Display) {
+        println!("skip {check}: {why}");
+    }
+}
+
+pub async fn doctor(args: DoctorArgs) -> Result<()> {
+    let mut report = Report::default();
+
+    // config
+    let config = match ServeConfig::load(args.config.as_deref()) {
+        Ok(config) => {
+            let source = match &args.config {
+                Some(path) => format!("{} loaded", path.display()),
+                None => "no --config, using the defaults".to_owned(),
+            };
+            match config.validate() {
+                Ok(()) => report.ok(
+                    "config",
+                    format!(
+                        "{source}; listen {}, API token {}",
+                        config.listen,
+                        if config.api_token.is_some() {
+                            "set"
+                        } else {
+                            "not set"
+                        }
+                    ),
+                ),
+                Err(err) => report.fail(
+                    "config",
+                    format!("{source} but it cannot work: {err:#}"),
+                    "change the setting named in the message",
+                ),
+            }
+            Some(config)
+        }
+        Err(err) => {
+            report.fail(
+                "config",
+                format!("{err:#}"),
+                "correct the file (every field is listed in the README) or leave out --config \
+                 to use the defaults",
+            );
+            None
+        }
+    };
+
+    // runtime
+    let explicit = args
+        .cli
+        .clone()
+        .or_else(|| config.as_ref().and_then(|c| c.cli_path.clone()));
+    match runtime::locate(explicit.as_deref(), runtime::process_env) {
+        Ok(located) => {
+            report.ok(
+                "runtime",
+                format!("{} (from {})", located.path.display(), located.source),
+            );
+            check_runtime_start(&mut report, located.path).await;
+        }
+        Err(err) => {
+            let fix = match &err {
+                LocateError::Missing { .. } => format!(
+                    "run `{INSTALL_COMMAND}` to install the pinned runtime, or set \
+                     {CLI_PATH_ENV} (or --cli, or cli_path in the config) to an existing \
+                     copilot or copilot-runtime executable"
+                ),
+                LocateError::Unusable { .. } => format!(
+                    "point --cli, cli_path or {CLI_PATH_ENV} at an existing executable, or \
+                     drop it and run `{INSTALL_COMMAND}`"
+                ),
+            };
+            report.fail("runtime", err, fix);
+            report.skip("runtime start", "no runtime to start");
+        }
+    }
+
+    // directories and bindings
+    match &config {
+        Some(config) => {
+            let state_ok = match config.state_dir() {
+                Ok(dir) => check_private_dir(&mut report, "state dir", "state_dir", &dir),
+                Err(err) => {
+                    report.fail(
+                        "state dir",
+                        format!("{err:#}"),
+                        "set state_dir in the config, or COPILOT_POOL_HOME",
+                    );
+                    false
+                }
+            };
+            match config.agents_dir() {
+                Ok(dir) => {
+                    check_private_dir(&mut report, "agents dir", "agents_dir", &dir);
+                }
+                Err(err) => report.fail(
+                    "agents dir",
+                    format!("{err:#}"),
+                    "set agents_dir in the config, or COPILOT_POOL_HOME",
+                ),
+            }
+            match (state_ok, config.state_dir()) {
+                (true, Ok(dir)) => check_bindings(&mut report, &dir),
+                _ => report.skip("bindings", "the state dir is not usable"),
+            }
+        }
+        None => {
+            for check in ["state dir", "agents dir", "bindings"] {
+                report.skip(check, "the config did not load");
+            }
+        }
+    }
+
+    if report.failed > 0 {
+        bail!(
+            "{} check{} failed",
+            report.failed,
+            if report.failed == 1 { "" } else { "s" }
+        );
+    }
+    Ok(())
+}
+
+/// A directory removed on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Starts one worker on `program` in a throwaway home, checks the handshake, stops it.
+async fn check_runtime_start(report: &mut Report, program: PathBuf) {
+    const CHECK: &str = "runtime start";
+    let scratch =
+        TempDir(std::env::temp_dir().join(format!("copilot-pool-doctor-{}", uuid::Uuid::new_v4())));
+    let home = scratch.0.join("copilot");
+    let work = scratch.0.join("work");
+    for dir in [&home, &work] {
+        if let Err(err) = fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+        {
+            report.fail(
+                CHECK,
+                format!(
+                    "cannot create the scratch directory {}: {err}",
+                    dir.display()
+                ),
+                "make the temporary directory (TMPDIR) writable",
+            );
+            return;
+        }
+    }
+    let mut config = WorkerConfig::new(program.clone(), home, work);
+    // Keep the runtime away from the real home as well as from any real COPILOT_HOME.
+    config.extra_env = vec![("HOME".to_owned(), scratch.0.display().to_string())];
+    config.start_timeout = Duration::from_secs(60);
+    config.kill_grace = Duration::from_secs(2);
+    let worker = match WorkerHandle::start(config, None).await {
+        Ok(worker) => worker,
+        Err(err) => {
+            report.fail(
+                CHECK,
+                format!("{} did not start: {err}", program.display()),
+                format!(
+                    "make sure it is a working copilot or copilot-runtime executable \
+                     (reinstall the pinned one with `{INSTALL_COMMAND}`)"
+                ),
+            );
+            return;
+        }
+    };
+    let info = worker.info().clone();
+    let exit = worker.shutdown().await;
+    drop(worker);
+    if info.protocol_version != PROTOCOL_VERSION {
+        report.fail(
+            CHECK,
+            format!(
+                "runtime {} speaks protocol {}, copilot-pool needs {PROTOCOL_VERSION}",
+                info.runtime_version, info.protocol_version
+            ),
+            format!("install the pinned runtime with `{INSTALL_COMMAND}`"),
+        );
+    } else if !exit.is_shutdown() {
+        report.fail(
+            CHECK,
+            format!("the runtime did not stop cleanly: {exit}"),
+            "check the stderr tail above; reinstall the runtime if it keeps crashing",
+        );
+    } else {
+        report.ok(
+            CHECK,
+            format!(
+                "runtime {} speaks protocol {PROTOCOL_VERSION}; started (pid {}) and stopped",
+                info.runtime_version, info.pid
+            ),
+        );
+    }
+}
+
+/// Checks that `dir` is (or can be made) a directory we can write and nobody else can read.
+/// Returns true when it passed.
+fn check_private_dir(report: &mut Report, check: &str, setting: &str, dir: &Path) -> bool {
+    let shown = dir.display();
+    let mut created = false;
+    match fs::metadata(dir) {
+        Ok(meta) if !meta.is_dir() => {
+            report.fail(
+                check,
+                format!("{shown} exists but is not a directory"),
+                format!("remove or rename it, or set {setting} in the config to a directory"),
+            );
+            return false;
+        }
+        Ok(_) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+            let made = fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .and_then(|()| fs::set_permissions(dir, fs::Permissions::from_mode(0o700)));
+            if let Err(err) = made {
+                report.fail(
+                    check,
+                    format!("{shown} does not exist and cannot be created: {err}"),
+                    format!(
+                        "create it with `mkdir -p -m 700 {shown}`, or set {setting} in the \
+                         config to a directory this user can create"
+                    ),
+                );
+                return false;
+            }
+            created = true;
+        }
+        Err(err) => {
+            report.fail(
+                check,
+                format!("cannot inspect {shown}: {err}"),
+                format!("make it reachable by this user, or set {setting} in the config"),
+            );
+            return false;
+        }
+    }
+
+    let probe = dir.join(format!(".copilot-pool-doctor-{}", uuid::Uuid::new_v4()));
+    let written = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .and_then(|mut file| std::io::Write::write_all(&mut file, b"probe"));
+    let removed = if written.is_ok() {
+        fs::remove_file(&probe)
+    } else {
+        Ok(())
+    };
+    if let Err(err) = written.and(removed) {
+        let _ = fs::remove_file(&probe);
+        report.fail(
+            check,
+            format!("{shown} is not writable: {err}"),
+            format!("give this user write access (`chmod u+rwx {shown}`, or chown it)"),
+        );
+        return false;
+    }
+
+    let mode = match fs::metadata(dir) {
+        Ok(meta) => meta.permissions().mode() & 0o7777,
+        Err(err) => {
+            report.fail(
+                check,
+                format!("cannot inspect {shown}: {err}"),
+                format!("make it reachable by this user, or set {setting} in the config"),
+            );
+            return false;
+        }
+    };
+    if mode & 0o077 != 0 {
+        report.fail(
+            check,
+            format!("{shown} has mode {mode:04o}; other users can reach what is inside"),
+            format!("chmod 700 {shown}"),
+        );
+        return false;
+    }
+    report.ok(
+        check,
+        format!(
+            "{shown} ({}directory, writable, mode {mode:04o})",
+            if created { "created " } else { "" }
+        ),
+    );
+    true
+}
+
+/// Opens the binding store in `state_dir` and counts what it holds.
+fn check_bindings(report: &mut Report, state_dir: &Path) {
+    const CHECK: &str = "bindings";
+    let store = match BindingStore::open(state_dir) {
+        Ok(store) => store,
+        Err(err) => {
+            report.fail(
+                CHECK,
+                err,
+                "make the state dir writable by this user, or set state_dir in the config",
+            );
+            return;
+        }
+    };
+    match store.list() {
+        Ok(bindings) => {
+            let mode = fs::metadata(store.dir())
+                .map(|m| m.permissions().mode() & 0o7777)
+                .unwrap_or(0o700);
+            if mode & 0o077 != 0 {
+                report.fail(
+                    CHECK,
+                    format!(
+                        "{} has mode {mode:04o}; other users can read the bindings",
+                        store.dir().display()
+                    ),
+                    format!("chmod 700 {}", store.dir().display()),
+                );
+            } else {
+                report.ok(
+                    CHECK,
+                    format!(
+                        "{} conversation{} bound in {}",
+                        bindings.len(),
+                        if bindings.len() == 1 { "" } else { "s" },
+                        store.dir().display()
+                    ),
+                );
+            }
+        }
+        Err(err) => report.fail(
+            CHECK,
+            err,
+            "fix the permissions of the bindings directory, or move unreadable files out of it",
+        ),
+    }
+}

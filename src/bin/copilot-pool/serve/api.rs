@@ -1,0 +1,710 @@
+//! The HTTP API: routes, authentication, JSON errors, and the turn stream. Everything here
+//! translates HTTP to the library's pool and lease API; nothing re-implements pool logic.
+
+// Early returns carry the HTTP response itself; boxing every one would only add noise.
+#![allow(clippy::result_large_err)]
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use copilot_pool::auth::LeaseAuth;
+use copilot_pool::pool::{LeaseRequest, Pool, PoolError};
+use copilot_pool::rpc::messages::ProviderConfig;
+use copilot_pool::secret::Secret;
+use copilot_pool::turn::{TranscriptSettings, TurnTimeouts};
+use dashmap::DashMap;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, watch};
+
+use super::gateway::{AnswerError, Link, Registry, SseEvent};
+
+/// Everything the handlers share.
+pub struct AppState {
+    pub pool: Pool,
+    pub registry: Arc<Registry>,
+    pub api_token: Option<Secret>,
+    pub draining: AtomicBool,
+    /// Turns running now (for the drain), published on every change.
+    pub running: watch::Sender<usize>,
+    pub timeouts: TurnTimeouts,
+    pub transcript: Option<TranscriptSettings>,
+    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    /// Abort signals of running turns, by (agent_id, session_key).
+    pub aborts: DashMap<(String, String), mpsc::Sender<()>>,
+    pub next_turn: AtomicUsize,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+}
+
+/// A request body must arrive within this long; a client that announces more than it sends
+/// cannot hold a connection open.
+const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Reads a request body with the size limit and the time limit.
+async fn read_body(state: &AppState, body: Body) -> Result<Bytes, Response> {
+    match tokio::time::timeout(
+        BODY_TIMEOUT,
+        axum::body::to_bytes(body, state.max_body_bytes),
+    )
+    .await
+    {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => {
+            let too_large = std::error::Error::source(&e)
+                .is_some_and(|s| s.to_string().contains("length limit"))
+                || e.to_string().contains("length limit");
+            if too_large {
+                Err(error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "too_large",
+                    format!(
+                        "the body exceeds max_body_bytes ({} bytes)",
+                        state.max_body_bytes
+                    ),
+                ))
+            } else {
+                Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body",
+                    format!("could not read the body: {e}"),
+                ))
+            }
+        }
+        Err(_) => Err(error(
+            StatusCode::REQUEST_TIMEOUT,
+            "body_timeout",
+            "the body did not arrive in time",
+        )),
+    }
+}
+
+/// The router: `/v1` behind the token, health and metrics outside it.
+pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+    let v1 = Router::new()
+        .route("/v1/turns", post(post_turn))
+        .route("/v1/requests/{request_id}", post(post_answer))
+        .route(
+            "/v1/sessions/{agent_id}/{session_key}/abort",
+            post(post_abort),
+        )
+        .route(
+            "/v1/sessions/{agent_id}/{session_key}/compact",
+            post(post_compact),
+        )
+        .route(
+            "/v1/sessions/{agent_id}/{session_key}",
+            axum::routing::delete(delete_session),
+        )
+        .route("/v1/pool", get(get_pool))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
+    Router::new()
+        .merge(v1)
+        .route("/healthz", get(|| async { (StatusCode::OK, "ok\n") }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(get_metrics))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+/// A JSON error `{code, message}`.
+pub fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    (
+        status,
+        axum::Json(json!({"code": code, "message": message.into()})),
+    )
+        .into_response()
+}
+
+async fn require_token(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    request: axum::extract::Request,
+    next: Next,
+) -> Response {
+    if let Some(token) = &state.api_token {
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !constant_time_eq(given.as_bytes(), token.expose().as_bytes()) {
+            return error(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing or wrong bearer token (Authorization: Bearer <api token>)",
+            );
+        }
+    }
+    next.run(request).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+    if state.draining.load(Ordering::SeqCst) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response();
+    }
+    match state.pool.status().await {
+        Ok(s) if !s.closed => (StatusCode::OK, "ready\n").into_response(),
+        _ => (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response(),
+    }
+}
+
+async fn get_metrics(State(state): State<Arc<AppState>>) -> Response {
+    match &state.metrics {
+        Some(handle) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            handle.render(),
+        )
+            .into_response(),
+        None => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "metrics are served on metrics_listen",
+        ),
+    }
+}
+
+async fn get_pool(State(state): State<Arc<AppState>>) -> Response {
+    match state.pool.status().await {
+        Ok(s) => {
+            let processes: Vec<Value> = s
+                .workers
+                .iter()
+                .map(|w| {
+                    json!({
+                        "key_hash": w.key_hash, "pid": w.pid, "state": w.state,
+                        "sessions": w.sessions, "leases": w.leases, "turns": w.turns,
+                        "restarts": w.restarts, "rss_bytes": w.rss_bytes,
+                    })
+                })
+                .collect();
+            axum::Json(json!({
+                "processes": processes,
+                "waiters": s.waiters,
+                "conversations": s.conversations,
+                "leased": s.leased,
+                "draining": state.draining.load(Ordering::SeqCst),
+                "quarantined_keys": s.quarantined_keys,
+                "totals": s.totals,
+            }))
+            .into_response()
+        }
+        Err(e) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "pool_closed",
+            e.to_string(),
+        ),
+    }
+}
+
+/// Parses a JSON body; the error names the field serde complained about.
+fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Response> {
+    serde_json::from_slice(body).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("invalid JSON body: {e}"),
+        )
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProviderBody {
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+    base_url: String,
+    #[serde(default)]
+    api_key: Option<Secret>,
+    #[serde(default)]
+    bearer_token: Option<Secret>,
+    #[serde(default)]
+    wire_api: Option<String>,
+    #[serde(default)]
+    headers: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct AuthBody {
+    #[serde(default)]
+    use_logged_in_user: bool,
+    #[serde(default)]
+    github_token: Option<Secret>,
+    #[serde(default)]
+    profile_id: Option<String>,
+    #[serde(default)]
+    profile_version: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ToolBody {
+    name: String,
+    #[serde(default)]
+    description: String,
+    #[serde(default = "empty_schema")]
+    parameters: Value,
+}
+
+fn empty_schema() -> Value {
+    json!({"type": "object", "properties": {}})
+}
+
+/// What identifies and configures a conversation (shared by turns, compact and reset).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ConversationBody {
+    #[serde(default)]
+    auth: Option<AuthBody>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    provider: Option<ProviderBody>,
+    #[serde(default)]
+    reasoning_effort: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TurnBody {
+    agent_id: String,
+    session_key: String,
+    prompt: String,
+    #[serde(default)]
+    auth: Option<AuthBody>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    provider: Option<ProviderBody>,
+    #[serde(default)]
+    reasoning_effort: Option<String>,
+    #[serde(default)]
+    tools: Vec<ToolBody>,
+    #[serde(default)]
+    timeout_ms: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+struct TurnQuery {
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+fn provider_config(p: ProviderBody) -> Result<ProviderConfig, Response> {
+    if let Some(kind) = &p.kind
+        && !["openai", "azure", "anthropic"].contains(&kind.as_str())
+    {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "provider.type must be openai, azure or anthropic",
+        ));
+    }
+    if let Some(wire) = &p.wire_api
+        && !["completions", "responses"].contains(&wire.as_str())
+    {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "provider.wire_api must be completions or responses",
+        ));
+    }
+    if !(p.base_url.starts_with("http://") || p.base_url.starts_with("https://")) {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "provider.base_url must be an http(s) URL",
+        ));
+    }
+    Ok(ProviderConfig {
+        kind: p.kind,
+        wire_api: p.wire_api,
+        base_url: p.base_url,
+        api_key: p.api_key,
+        bearer_token: p.bearer_token,
+        headers: p.headers,
+    })
+}
+
+/// The lease request for a conversation; the working directory is the agent's own.
+fn lease_request(
+    state: &AppState,
+    agent_id: &str,
+    session_key: &str,
+    conv: ConversationBody,
+) -> Result<LeaseRequest, Response> {
+    if session_key.is_empty() || session_key.len() > 512 {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "session_key must be 1 to 512 characters",
+        ));
+    }
+    copilot_pool::home::validate_agent_id(agent_id).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("agent_id: {e}"),
+        )
+    })?;
+    let work = state
+        .pool
+        .config()
+        .agents_base_dir
+        .join("agents")
+        .join(agent_id)
+        .join("work");
+    std::fs::create_dir_all(&work).map_err(|e| {
+        error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "io",
+            format!("creating {}: {e}", work.display()),
+        )
+    })?;
+    let mut req = LeaseRequest::new(agent_id, session_key, work);
+    if let Some(auth) = conv.auth {
+        req.auth = LeaseAuth {
+            use_logged_in_user: auth.use_logged_in_user,
+            github_token: auth.github_token,
+            profile_id: auth.profile_id,
+            profile_version: auth.profile_version,
+            ..Default::default()
+        };
+    }
+    req.model = conv.model;
+    req.provider = conv.provider.map(provider_config).transpose()?;
+    req.reasoning_effort = conv.reasoning_effort;
+    req.handlers.timeouts = state.timeouts;
+    req.handlers.transcript = state.transcript.clone();
+    Ok(req)
+}
+
+/// The HTTP status and code for a pool error before a turn starts.
+fn pool_error(e: &PoolError) -> Response {
+    let (status, code) = match e {
+        PoolError::Auth(_) | PoolError::Home(_) | PoolError::InvalidRequest(_) => {
+            (StatusCode::BAD_REQUEST, "bad_request")
+        }
+        PoolError::Closed => (StatusCode::SERVICE_UNAVAILABLE, "draining"),
+        PoolError::WaitTimeout { .. } | PoolError::WaitersFull { .. } => {
+            (StatusCode::SERVICE_UNAVAILABLE, "no_capacity")
+        }
+        PoolError::ConversationBusy { .. } | PoolError::ConversationWaitTimeout { .. } => {
+            (StatusCode::CONFLICT, "busy")
+        }
+        PoolError::RestartIntensityExceeded { .. } => {
+            (StatusCode::SERVICE_UNAVAILABLE, "quarantined")
+        }
+        _ => (StatusCode::BAD_GATEWAY, "runtime"),
+    };
+    error(status, code, e.to_string())
+}
+
+async fn post_turn(
+    State(state): State<Arc<AppState>>,
+    Query(query): Query<TurnQuery>,
+    body: Body,
+) -> Response {
+    if state.draining.load(Ordering::SeqCst) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            "the daemon is shutting down",
+        );
+    }
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let body: TurnBody = match parse(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let conv = ConversationBody {
+        auth: body.auth,
+        model: body.model,
+        provider: body.provider,
+        reasoning_effort: body.reasoning_effort,
+    };
+    let mut req = match lease_request(&state, &body.agent_id, &body.session_key, conv) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    if let Some(ms) = body.timeout_ms {
+        req.handlers.timeouts.absolute = Duration::from_millis(ms);
+    }
+    let (events_tx, events_rx) = mpsc::channel::<SseEvent>(256);
+    let link = Link {
+        events: events_tx.clone(),
+        registry: state.registry.clone(),
+    };
+    req.handlers.tools = body
+        .tools
+        .into_iter()
+        .map(|t| link.tool(t.name, t.description, t.parameters))
+        .collect();
+    req.handlers.permission_policy = Arc::new(link.clone());
+    req.handlers.user_input = Some(Arc::new(link));
+    let key = (body.agent_id.clone(), body.session_key.clone());
+    let (abort_tx, abort_rx) = mpsc::channel(1);
+    state.aborts.insert(key.clone(), abort_tx);
+    state.running.send_modify(|n| *n += 1);
+    state.next_turn.fetch_add(1, Ordering::Relaxed);
+    tokio::spawn(run_turn(
+        state.clone(),
+        req,
+        body.prompt,
+        events_tx,
+        abort_rx,
+        key,
+    ));
+
+    if query.stream == Some(false) {
+        // Only the final summary, as JSON.
+        let mut rx = events_rx;
+        while let Some(event) = rx.recv().await {
+            if event.event == "turn.end" {
+                return axum::Json(event.data).into_response();
+            }
+        }
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "the turn ended without a summary",
+        );
+    }
+    let stream = futures_util::stream::unfold(events_rx, |mut rx| async move {
+        let event = rx.recv().await?;
+        let frame = format!("event: {}\ndata: {}\n\n", event.event, event.data);
+        Some((Ok::<_, Infallible>(Bytes::from(frame)), rx))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
+}
+
+/// Runs one turn and streams it; a gateway that goes away aborts the turn (dropping the
+/// lease does), and the conversation stays resumable.
+async fn run_turn(
+    state: Arc<AppState>,
+    req: LeaseRequest,
+    prompt: String,
+    events: mpsc::Sender<SseEvent>,
+    mut abort: mpsc::Receiver<()>,
+    key: (String, String),
+) {
+    let span = tracing::info_span!("turn", agent = %key.0);
+    let _enter = span.enter();
+    drop(_enter);
+    let end = |status: &str,
+               session_id: &str,
+               resumed: bool,
+               llm_calls: u32,
+               text: &str,
+               err: Option<String>| SseEvent {
+        event: "turn.end".to_owned(),
+        data: json!({
+            "status": status, "session_id": session_id, "resumed": resumed,
+            "llm_calls": llm_calls, "final_text": text, "error": err,
+        }),
+    };
+    let summary = async {
+        let mut lease = match state.pool.lease(req).await {
+            Ok(l) => l,
+            Err(e) => {
+                return end(
+                    lease_error_status(&e),
+                    "",
+                    false,
+                    0,
+                    "",
+                    Some(e.to_string()),
+                );
+            }
+        };
+        let session_id = lease.cli_session_id().to_owned();
+        let resumed = lease.reason().continued();
+        if let Err(e) = lease.send(prompt).await {
+            return end("error", &session_id, resumed, 0, "", Some(e.to_string()));
+        }
+        loop {
+            tokio::select! {
+                event = lease.next_event() => match event {
+                    Some(Ok(event)) => {
+                        let sse = SseEvent { event: event.event_type().to_owned(), data: event.to_value() };
+                        if events.send(sse).await.is_err() {
+                            // The gateway disconnected: dropping the lease aborts the turn.
+                            return end("aborted", &session_id, resumed, 0, "", None);
+                        }
+                    }
+                    Some(Err(e)) => {
+                        let o = lease.outcome();
+                        let status = match &e {
+                            PoolError::TurnTimeout { .. } => "timeout",
+                            PoolError::Worker(_) => "crashed",
+                            _ => "error",
+                        };
+                        return end(status, &session_id, resumed, o.model_calls, &o.text, Some(e.to_string()));
+                    }
+                    None => {
+                        let o = lease.outcome();
+                        let status = if o.aborted { "aborted" } else if o.error.is_some() { "error" } else { "idle" };
+                        return end(status, &session_id, resumed, o.model_calls, &o.text, o.error.clone());
+                    }
+                },
+                Some(()) = abort.recv() => {
+                    if let Err(e) = lease.abort().await {
+                        tracing::warn!(error = %e, "Abort failed.");
+                    }
+                }
+                _ = events.closed() => return end("aborted", &session_id, resumed, 0, "", None),
+            }
+        }
+    };
+    let summary = tracing::Instrument::instrument(summary, span).await;
+    let _ = events.send(summary).await;
+    state.aborts.remove(&key);
+    state.running.send_modify(|n| *n = n.saturating_sub(1));
+}
+
+fn lease_error_status(e: &PoolError) -> &'static str {
+    match e {
+        PoolError::Worker(_) => "crashed",
+        _ => "error",
+    }
+}
+
+async fn post_answer(
+    State(state): State<Arc<AppState>>,
+    Path(request_id): Path<String>,
+    body: Body,
+) -> Response {
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let body: Value = match parse(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    match state.registry.answer(&request_id, &body) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(AnswerError::Unknown) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no pending request with this id (answered already, or its turn ended)",
+        ),
+        Err(AnswerError::Shape(message)) => error(StatusCode::BAD_REQUEST, "bad_request", message),
+    }
+}
+
+async fn post_abort(
+    State(state): State<Arc<AppState>>,
+    Path((agent_id, session_key)): Path<(String, String)>,
+) -> Response {
+    let sender = state
+        .aborts
+        .get(&(agent_id, session_key))
+        .map(|s| s.clone());
+    match sender {
+        Some(tx) => {
+            let _ = tx.try_send(());
+            StatusCode::NO_CONTENT.into_response()
+        }
+        None => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no running turn for this conversation",
+        ),
+    }
+}
+
+/// The body of compact/reset: the conversation's settings (they must match its turns, or a
+/// new session would be opened), optional.
+fn conversation_body(body: &Bytes) -> Result<ConversationBody, Response> {
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        return Ok(ConversationBody::default());
+    }
+    parse(body)
+}
+
+async fn post_compact(
+    State(state): State<Arc<AppState>>,
+    Path((agent_id, session_key)): Path<(String, String)>,
+    body: Body,
+) -> Response {
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let conv = match conversation_body(&body) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let req = match lease_request(&state, &agent_id, &session_key, conv) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let mut lease = match state.pool.lease(req).await {
+        Ok(l) => l,
+        Err(e) => return pool_error(&e),
+    };
+    match lease.compact(None).await {
+        Ok(r) => axum::Json(json!({
+            "success": r.success,
+            "tokens_removed": r.tokens_removed,
+            "messages_removed": r.messages_removed,
+        }))
+        .into_response(),
+        Err(e) => pool_error(&e),
+    }
+}
+
+async fn delete_session(
+    State(state): State<Arc<AppState>>,
+    Path((agent_id, session_key)): Path<(String, String)>,
+    body: Body,
+) -> Response {
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let conv = match conversation_body(&body) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let req = match lease_request(&state, &agent_id, &session_key, conv) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let lease = match state.pool.lease(req).await {
+        Ok(l) => l,
+        Err(e) => return pool_error(&e),
+    };
+    match lease.reset().await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => pool_error(&e),
+    }
+}

@@ -1,0 +1,214 @@
+//! Requests the gateway must answer over HTTP: gateway tool calls, permission prompts and
+//! ask_user questions become SSE events with a `request_id`, and wait for
+//! `POST /v1/requests/{request_id}`. A request nobody answers resolves as "no answer" when
+//! its turn ends or its timeout expires (the turn driver then fails closed).
+
+use std::sync::Arc;
+
+use copilot_pool::permission::{
+    DecisionFuture, PermissionDecision, PermissionPolicy, PermissionRequest,
+};
+use copilot_pool::turn::user_input::AnswerFuture;
+use copilot_pool::turn::{Answer, GatewayTool, Question, ToolCall, UserInputHandler};
+use dashmap::DashMap;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+
+/// One SSE event for the gateway.
+#[derive(Debug, Clone)]
+pub struct SseEvent {
+    pub event: String,
+    pub data: Value,
+}
+
+/// What kind of answer a pending request needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    ToolCall,
+    Permission,
+    UserInput,
+}
+
+/// A validated answer.
+#[derive(Debug)]
+pub enum GatewayAnswer {
+    Tool(Result<String, String>),
+    Permission(PermissionDecision),
+    UserInput(Answer),
+}
+
+struct Pending {
+    kind: Kind,
+    answer: oneshot::Sender<GatewayAnswer>,
+}
+
+/// Every request waiting for the gateway, by request id.
+#[derive(Default)]
+pub struct Registry {
+    pending: DashMap<String, Pending>,
+}
+
+/// Why an answer was refused.
+pub enum AnswerError {
+    /// No such request, or it was answered already.
+    Unknown,
+    /// The body does not fit the request's kind; the message says what was expected.
+    Shape(String),
+}
+
+impl Registry {
+    fn register(&self, kind: Kind) -> (String, oneshot::Receiver<GatewayAnswer>) {
+        let id = uuid::Uuid::new_v4().to_string();
+        let (tx, rx) = oneshot::channel();
+        self.pending
+            .insert(id.clone(), Pending { kind, answer: tx });
+        (id, rx)
+    }
+
+    fn forget(&self, id: &str) {
+        self.pending.remove(id);
+    }
+
+    /// Answers request `id` with `body` (validated for its kind).
+    pub fn answer(&self, id: &str, body: &Value) -> Result<(), AnswerError> {
+        let kind = self
+            .pending
+            .get(id)
+            .map(|p| p.kind)
+            .ok_or(AnswerError::Unknown)?;
+        let answer = parse_answer(kind, body).map_err(AnswerError::Shape)?;
+        let (_, pending) = self.pending.remove(id).ok_or(AnswerError::Unknown)?;
+        // The turn may have ended in between: then nobody waits any more.
+        pending
+            .answer
+            .send(answer)
+            .map_err(|_| AnswerError::Unknown)
+    }
+}
+
+fn parse_answer(kind: Kind, body: &Value) -> Result<GatewayAnswer, String> {
+    let obj = body.as_object().ok_or("the answer must be a JSON object")?;
+    match kind {
+        Kind::ToolCall => match (obj.get("result"), obj.get("error")) {
+            (Some(Value::String(text)), None) => Ok(GatewayAnswer::Tool(Ok(text.clone()))),
+            (None, Some(Value::String(message))) => Ok(GatewayAnswer::Tool(Err(message.clone()))),
+            _ => Err(r#"a tool.call answer is {"result": "<text>"} or {"error": "<message>"}"#.to_owned()),
+        },
+        Kind::Permission => {
+            let decision = obj.get("decision").and_then(Value::as_str);
+            let feedback = obj.get("feedback").and_then(Value::as_str).unwrap_or("rejected by the gateway");
+            match decision {
+                Some("approve-once" | "approve-for-session") => Ok(GatewayAnswer::Permission(PermissionDecision::Approve)),
+                Some("reject") => Ok(GatewayAnswer::Permission(PermissionDecision::Reject {
+                    feedback: feedback.to_owned(),
+                })),
+                _ => Err(r#"a permission.request answer is {"decision": "approve-once"|"approve-for-session"|"reject", "feedback"?: "..."}"#.to_owned()),
+            }
+        }
+        Kind::UserInput => match (obj.get("answer"), obj.get("choice")) {
+            (Some(Value::String(answer)), None) => {
+                let freeform = obj.get("was_freeform").and_then(Value::as_bool).unwrap_or(true);
+                Ok(GatewayAnswer::UserInput(if freeform {
+                    Answer::FreeText(answer.clone())
+                } else {
+                    Answer::Label(answer.clone())
+                }))
+            }
+            (None, Some(choice)) => choice
+                .as_u64()
+                .map(|i| GatewayAnswer::UserInput(Answer::Choice(i as usize)))
+                .ok_or_else(|| "choice must be a non-negative integer".to_owned()),
+            _ => Err(r#"a user_input.request answer is {"answer": "...", "was_freeform": true|false} or {"choice": <index>}"#.to_owned()),
+        },
+    }
+}
+
+/// The per-turn link to the gateway: where to send request events, and the registry.
+#[derive(Clone)]
+pub struct Link {
+    pub events: mpsc::Sender<SseEvent>,
+    pub registry: Arc<Registry>,
+}
+
+impl Link {
+    /// Sends `event` with a new request id and waits for the gateway's answer (`None`: the
+    /// gateway went away or the request was cancelled).
+    async fn ask(&self, kind: Kind, event: &str, mut data: Value) -> Option<GatewayAnswer> {
+        let (id, rx) = self.registry.register(kind);
+        // Removed however the wait ends (answered, cancelled with its task, or dropped).
+        struct Forget<'a>(&'a Registry, String);
+        impl Drop for Forget<'_> {
+            fn drop(&mut self) {
+                self.0.forget(&self.1);
+            }
+        }
+        let _forget = Forget(&self.registry, id.clone());
+        if let Some(obj) = data.as_object_mut() {
+            obj.insert("request_id".to_owned(), Value::String(id.clone()));
+        }
+        let sse = SseEvent {
+            event: event.to_owned(),
+            data,
+        };
+        if self.events.send(sse).await.is_err() {
+            return None;
+        }
+        rx.await.ok()
+    }
+
+    /// A gateway tool whose calls are answered over HTTP.
+    pub fn tool(&self, name: String, description: String, parameters: Value) -> GatewayTool {
+        let link = self.clone();
+        GatewayTool::new(name, description, parameters, move |call: ToolCall| {
+            let link = link.clone();
+            async move {
+                let data = json!({
+                    "tool_name": call.tool_name,
+                    "tool_call_id": call.tool_call_id,
+                    "arguments": call.arguments,
+                });
+                match link.ask(Kind::ToolCall, "tool.call", data).await {
+                    Some(GatewayAnswer::Tool(result)) => result,
+                    _ => Err("the gateway did not answer the tool call".to_owned()),
+                }
+            }
+        })
+    }
+}
+
+impl PermissionPolicy for Link {
+    fn decide(&self, request: PermissionRequest) -> DecisionFuture {
+        let link = self.clone();
+        Box::pin(async move {
+            let data = json!({
+                "kind": request.kind,
+                "command": request.command,
+                "paths": request.paths,
+                "url": request.url,
+                "tool_name": request.tool_name,
+                "request": request.raw,
+            });
+            match link.ask(Kind::Permission, "permission.request", data).await {
+                Some(GatewayAnswer::Permission(decision)) => Ok(decision),
+                _ => Err("the gateway did not decide".to_owned()),
+            }
+        })
+    }
+}
+
+impl UserInputHandler for Link {
+    fn ask(&self, question: Question) -> AnswerFuture {
+        let link = self.clone();
+        Box::pin(async move {
+            let data = json!({
+                "question": question.question,
+                "choices": question.choices,
+                "allow_freeform": question.allow_freeform,
+            });
+            match Link::ask(&link, Kind::UserInput, "user_input.request", data).await {
+                Some(GatewayAnswer::UserInput(answer)) => Some(answer),
+                _ => None,
+            }
+        })
+    }
+}

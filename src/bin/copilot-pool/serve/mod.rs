@@ -1,0 +1,206 @@
+//! `copilot-pool serve`: the pool as a sidecar for gateways in any language. Owns the
+//! daemon's lifecycle: configuration, the Prometheus recorder, listeners, signals and the
+//! drain. The HTTP API itself is in `api`, the gateway's pending requests in `gateway`.
+
+mod api;
+mod gateway;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use copilot_pool::pool::Pool;
+use copilot_pool::runtime;
+use copilot_pool::secret::Secret;
+use dashmap::DashMap;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::sync::watch;
+
+use crate::config::{LogFormat, ServeConfig};
+use api::AppState;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// TOML config file (every field is optional; see README).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// HTTP API address (default 127.0.0.1:7878; port 0 picks a free one).
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// Where bindings are stored.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Bearer token for `/v1` (or COPILOT_POOL_API_TOKEN).
+    #[arg(long, env = "COPILOT_POOL_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<String>,
+    /// A separate address for `/metrics`.
+    #[arg(long)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// `human` or `json` log lines.
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+    /// The runtime executable.
+    #[arg(long)]
+    pub cli: Option<PathBuf>,
+}
+
+impl ServeArgs {
+    /// The configuration: file, then flags.
+    pub fn config(&self) -> Result<ServeConfig> {
+        let mut config = ServeConfig::load(self.config.as_deref())?;
+        if let Some(listen) = self.listen {
+            config.listen = listen;
+        }
+        if let Some(dir) = &self.state_dir {
+            config.state_dir = Some(dir.clone());
+        }
+        if let Some(token) = self.api_token.as_ref().filter(|t| !t.is_empty()) {
+            config.api_token = Some(Secret::new(token.clone()));
+        }
+        if let Some(addr) = self.metrics_listen {
+            config.metrics_listen = Some(addr);
+        }
+        if let Some(format) = self.log_format {
+            config.log_format = format;
+        }
+        if let Some(cli) = &self.cli {
+            config.cli_path = Some(cli.clone());
+        }
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+fn install_metrics() -> Result<PrometheusHandle> {
+    let mut builder = PrometheusBuilder::new();
+    for name in copilot_pool::metrics::HISTOGRAMS {
+        builder = builder
+            .set_buckets_for_metric(
+                Matcher::Full((*name).to_owned()),
+                copilot_pool::metrics::SECONDS_BUCKETS,
+            )
+            .context("histogram buckets")?;
+    }
+    let handle = builder
+        .install_recorder()
+        .context("installing the Prometheus recorder")?;
+    copilot_pool::metrics::describe();
+    Ok(handle)
+}
+
+pub async fn serve(args: ServeArgs) -> Result<()> {
+    let config = args.config()?;
+    let located = runtime::locate(config.cli_path.as_deref(), runtime::process_env)?;
+    let metrics = install_metrics()?;
+    let upkeep = {
+        let handle = metrics.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tick.tick().await;
+                handle.run_upkeep();
+            }
+        })
+    };
+
+    let pool = Pool::start(config.pool_config(located.path.clone())?).await?;
+    let (running, mut running_rx) = watch::channel(0usize);
+    let state = Arc::new(AppState {
+        pool: pool.clone(),
+        registry: Arc::default(),
+        api_token: config.api_token.clone(),
+        draining: AtomicBool::new(false),
+        running,
+        timeouts: config.timeouts(),
+        transcript: config.transcript(),
+        metrics: config.metrics_listen.is_none().then(|| metrics.clone()),
+        aborts: DashMap::new(),
+        next_turn: AtomicUsize::new(0),
+        max_body_bytes: config.max_body_bytes,
+    });
+    let app = api::router(state.clone(), config.max_body_bytes);
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding {}", config.listen))?;
+    let addr = listener.local_addr().context("local address")?;
+    println!("listening on http://{addr}");
+    tracing::info!(%addr, runtime = %located.path.display(), "copilot-pool serve is up.");
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut servers = Vec::new();
+    if let Some(metrics_addr) = config.metrics_listen {
+        let metrics_listener = tokio::net::TcpListener::bind(metrics_addr)
+            .await
+            .with_context(|| format!("binding {metrics_addr}"))?;
+        println!(
+            "metrics on http://{}",
+            metrics_listener.local_addr().context("local address")?
+        );
+        let handle = metrics.clone();
+        let metrics_app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let handle = handle.clone();
+                async move { handle.render() }
+            }),
+        );
+        let mut stop = stop_rx.clone();
+        servers.push(tokio::spawn(async move {
+            let _ = axum::serve(metrics_listener, metrics_app)
+                .with_graceful_shutdown(async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await;
+        }));
+    }
+    let mut stop = stop_rx.clone();
+    servers.push(tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stop.wait_for(|s| *s).await;
+            })
+            .await;
+    }));
+
+    let signal = interrupted().await;
+    tracing::info!(signal, "Draining.");
+    eprintln!("copilot-pool serve: {signal}, draining");
+    // Not ready, no new turns; answers to running turns are still accepted.
+    state.draining.store(true, Ordering::SeqCst);
+    // Running turns get the drain grace (the pool's shutdown grace), then are aborted;
+    // sessions are detached and every process group is stopped.
+    let report = pool.shutdown().await?;
+    if report.aborted_leases > 0 {
+        tracing::warn!(
+            aborted = report.aborted_leases,
+            "Turns still running after the drain grace were aborted."
+        );
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), running_rx.wait_for(|n| *n == 0)).await;
+    stop_tx.send_replace(true);
+    for server in servers {
+        let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    }
+    upkeep.abort();
+    eprintln!("copilot-pool serve: stopped");
+    Ok(())
+}
+
+/// Resolves on the first SIGINT or SIGTERM, with the signal's name.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut int), Ok(mut term)) => tokio::select! {
+            _ = int.recv() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        },
+        _ => std::future::pending().await,
+    }
+}

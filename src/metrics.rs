@@ -1,0 +1,776 @@
+//! Prometheus metrics of the pool, recorded through the [`metrics`] facade.
+//!
+//! The library only records: it never installs a recorder (the daemon installs one, e.g.
+//! `metrics-exporter-prometheus`, and then calls [`describe`] once). Without a recorder every
+//! call here is a no-op.
+//!
+//! Every metric name is a `pub const` of this module and nowhere else. Names follow the
+//! Prometheus conventions: the `copilot_pool_` prefix, base units (`_seconds`, `_bytes`) and
+//! `_total` for counters. Labels take values from small fixed sets only (never an agent id,
+//! session key, CLI session id, pid or key hash), so the number of series is bounded:
+//!
+//! | metric | kind | labels |
+//! |---|---|---|
+//! | [`PROCESSES`] | gauge | `state`: `live`, `draining` |
+//! | [`PROCESS_SPAWNS_TOTAL`] | counter | `result`: `ok`, `error` |
+//! | [`PROCESS_EXITS_TOTAL`] | counter | `reason`: `crash`, `evicted`, `shutdown` |
+//! | [`PROCESS_START_SECONDS`] | histogram | — |
+//! | [`PROCESS_RESIDENT_MEMORY_BYTES`] | gauge | — |
+//! | [`SESSIONS`] | gauge | — |
+//! | [`SESSION_RESUMES_TOTAL`] | counter | `result`: [`RESUME_RESULTS`] |
+//! | [`LEASES_ACTIVE`], [`LEASE_WAITERS`] | gauge | — |
+//! | [`LEASE_WAIT_SECONDS`] | histogram | — |
+//! | [`LEASE_REJECTIONS_TOTAL`] | counter | `reason`: [`LEASE_REJECTION_REASONS`] |
+//! | [`TURNS_TOTAL`] | counter | `outcome`: [`TURN_OUTCOMES`] |
+//! | [`TURN_DURATION_SECONDS`] | histogram | — |
+//! | [`LLM_CALLS_TOTAL`] | counter | — |
+//! | [`TOOL_CALLS_TOTAL`] | counter | `outcome`: `ok`, `error`, `timeout` |
+//! | [`EVICTIONS_TOTAL`] | counter | `reason`: `idle`, `full`, `drained`, `detach_failed` |
+//! | [`QUARANTINES_TOTAL`] | counter | — |
+//! | [`RPC_DURATION_SECONDS`] | histogram | `method`: [`RPC_METHODS`] or `other` |
+//! | [`HOOK_FAILURES_TOTAL`] | counter | — |
+//!
+//! The gauges are absolute values set by the pool actor: with more than one [`Pool`] in a
+//! process they overwrite each other (the daemon runs one).
+//!
+//! [`Pool`]: crate::pool::Pool
+
+use std::time::Duration;
+
+use ::metrics::{
+    Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+};
+
+use crate::pool::{OpenReason, PoolError};
+
+/// CLI processes of the pool by `state` (`live`, `draining`).
+pub const PROCESSES: &str = "copilot_pool_processes";
+/// Process starts (spawn + handshake) by `result` (`ok`, `error`).
+pub const PROCESS_SPAWNS_TOTAL: &str = "copilot_pool_process_spawns_total";
+/// Processes that left the pool by `reason` (`crash`, `evicted`, `shutdown`).
+pub const PROCESS_EXITS_TOTAL: &str = "copilot_pool_process_exits_total";
+/// Time of a successful process start: spawn and handshake.
+pub const PROCESS_START_SECONDS: &str = "copilot_pool_process_start_seconds";
+/// Resident memory (VmRSS) summed over the pool's processes, as of the last maintenance tick.
+pub const PROCESS_RESIDENT_MEMORY_BYTES: &str = "copilot_pool_process_resident_memory_bytes";
+/// Conversations attached to a process (leased or parked).
+pub const SESSIONS: &str = "copilot_pool_sessions";
+/// Conversations opened on a process other than the one they were attached to, by `result`.
+pub const SESSION_RESUMES_TOTAL: &str = "copilot_pool_session_resumes_total";
+/// Leases currently held.
+pub const LEASES_ACTIVE: &str = "copilot_pool_leases_active";
+/// Leases waiting for capacity.
+pub const LEASE_WAITERS: &str = "copilot_pool_lease_waiters";
+/// Time `Pool::lease` spent until it had a grant (conversation lock and capacity).
+pub const LEASE_WAIT_SECONDS: &str = "copilot_pool_lease_wait_seconds";
+/// Leases that failed, by `reason`.
+pub const LEASE_REJECTIONS_TOTAL: &str = "copilot_pool_lease_rejections_total";
+/// Turns that ended, by `outcome`.
+pub const TURNS_TOTAL: &str = "copilot_pool_turns_total";
+/// Time from `session.send` to the end of the turn.
+pub const TURN_DURATION_SECONDS: &str = "copilot_pool_turn_duration_seconds";
+/// Model calls (`assistant.turn_start` events).
+pub const LLM_CALLS_TOTAL: &str = "copilot_pool_llm_calls_total";
+/// Gateway tool calls answered by a handler, by `outcome` (`ok`, `error`, `timeout`).
+pub const TOOL_CALLS_TOTAL: &str = "copilot_pool_tool_calls_total";
+/// Processes the pool stopped on its own, by `reason`.
+pub const EVICTIONS_TOTAL: &str = "copilot_pool_evictions_total";
+/// Keys quarantined after exceeding the restart intensity.
+pub const QUARANTINES_TOTAL: &str = "copilot_pool_quarantines_total";
+/// JSON-RPC request latency to the runtime, by `method`.
+pub const RPC_DURATION_SECONDS: &str = "copilot_pool_rpc_duration_seconds";
+/// Hooks that failed, panicked or timed out (answered with no output).
+pub const HOOK_FAILURES_TOTAL: &str = "copilot_pool_hook_failures_total";
+
+/// Every counter.
+pub const COUNTERS: &[&str] = &[
+    PROCESS_SPAWNS_TOTAL,
+    PROCESS_EXITS_TOTAL,
+    SESSION_RESUMES_TOTAL,
+    LEASE_REJECTIONS_TOTAL,
+    TURNS_TOTAL,
+    LLM_CALLS_TOTAL,
+    TOOL_CALLS_TOTAL,
+    EVICTIONS_TOTAL,
+    QUARANTINES_TOTAL,
+    HOOK_FAILURES_TOTAL,
+];
+
+/// Every gauge.
+pub const GAUGES: &[&str] = &[
+    PROCESSES,
+    PROCESS_RESIDENT_MEMORY_BYTES,
+    SESSIONS,
+    LEASES_ACTIVE,
+    LEASE_WAITERS,
+];
+
+/// Every histogram (all in seconds): give each [`SECONDS_BUCKETS`] in the exporter.
+pub const HISTOGRAMS: &[&str] = &[
+    PROCESS_START_SECONDS,
+    LEASE_WAIT_SECONDS,
+    TURN_DURATION_SECONDS,
+    RPC_DURATION_SECONDS,
+];
+
+/// Suggested histogram buckets: 1 ms to 60 s for requests, lease waits and process starts,
+/// then up to 30 min, the default absolute turn limit.
+pub const SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0, 600.0, 1800.0,
+];
+
+/// The methods [`RPC_DURATION_SECONDS`] names; any other is `other`.
+pub const RPC_METHODS: &[&str] = &[
+    "connect",
+    "ping",
+    "session.create",
+    "session.resume",
+    "session.send",
+    "session.abort",
+    "session.detach",
+    "session.history.compact",
+    "session.tools.handlePendingToolCall",
+    "session.permissions.handlePendingPermissionRequest",
+];
+
+/// The `method` label of a method outside [`RPC_METHODS`].
+pub const RPC_OTHER: &str = "other";
+
+/// The `result` values of [`SESSION_RESUMES_TOTAL`].
+pub const RESUME_RESULTS: &[&str] = &[
+    "resumed",
+    "new",
+    "transcript_missing",
+    "not_found",
+    "compat_changed",
+];
+
+/// The `reason` values of [`LEASE_REJECTIONS_TOTAL`]. `invalid`: the request (credentials,
+/// agent id, home, options) is unusable; `error`: a worker or the binding store failed
+/// while the lease was being opened.
+pub const LEASE_REJECTION_REASONS: &[&str] = &[
+    "wait_timeout",
+    "waiters_full",
+    "busy",
+    "quarantined",
+    "closed",
+    "invalid",
+    "error",
+];
+
+/// The `outcome` values of [`TURNS_TOTAL`].
+pub const TURN_OUTCOMES: &[&str] = &["idle", "error", "aborted", "timeout", "crashed"];
+
+/// Describes every metric (unit and help) to the installed recorder. Call it once, after
+/// installing the recorder.
+pub fn describe() {
+    describe_gauge!(
+        PROCESSES,
+        Unit::Count,
+        "CLI processes of the pool, by state (live, draining)."
+    );
+    describe_counter!(
+        PROCESS_SPAWNS_TOTAL,
+        Unit::Count,
+        "CLI process starts (spawn and handshake), by result (ok, error)."
+    );
+    describe_counter!(
+        PROCESS_EXITS_TOTAL,
+        Unit::Count,
+        "CLI processes that left the pool, by reason (crash, evicted, shutdown)."
+    );
+    describe_histogram!(
+        PROCESS_START_SECONDS,
+        Unit::Seconds,
+        "Time to start a CLI process: spawn and the connect handshake."
+    );
+    describe_gauge!(
+        PROCESS_RESIDENT_MEMORY_BYTES,
+        Unit::Bytes,
+        "Resident memory (VmRSS) summed over the pool's CLI processes, as of the last \
+         maintenance tick."
+    );
+    describe_gauge!(
+        SESSIONS,
+        Unit::Count,
+        "Conversations attached to a CLI process (leased or parked)."
+    );
+    describe_counter!(
+        SESSION_RESUMES_TOTAL,
+        Unit::Count,
+        "Conversations opened on a process, by result (resumed, or a new session: new, \
+         transcript_missing, not_found, compat_changed)."
+    );
+    describe_gauge!(LEASES_ACTIVE, Unit::Count, "Leases currently held.");
+    describe_gauge!(LEASE_WAITERS, Unit::Count, "Leases waiting for capacity.");
+    describe_histogram!(
+        LEASE_WAIT_SECONDS,
+        Unit::Seconds,
+        "Time a lease waited for its conversation and for capacity until it was granted."
+    );
+    describe_counter!(
+        LEASE_REJECTIONS_TOTAL,
+        Unit::Count,
+        "Leases that failed, by reason (wait_timeout, waiters_full, busy, quarantined, closed, \
+         invalid, error)."
+    );
+    describe_counter!(
+        TURNS_TOTAL,
+        Unit::Count,
+        "Turns that ended, by outcome (idle, error, aborted, timeout, crashed)."
+    );
+    describe_histogram!(
+        TURN_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time from sending a prompt to the end of its turn."
+    );
+    describe_counter!(
+        LLM_CALLS_TOTAL,
+        Unit::Count,
+        "Model calls of the runtime (assistant.turn_start events)."
+    );
+    describe_counter!(
+        TOOL_CALLS_TOTAL,
+        Unit::Count,
+        "Gateway tool calls answered by a handler, by outcome (ok, error, timeout)."
+    );
+    describe_counter!(
+        EVICTIONS_TOTAL,
+        Unit::Count,
+        "CLI processes the pool stopped on its own, by reason (idle, full, drained, \
+         detach_failed)."
+    );
+    describe_counter!(
+        QUARANTINES_TOTAL,
+        Unit::Count,
+        "Pool keys quarantined after their processes exceeded the restart intensity."
+    );
+    describe_histogram!(
+        RPC_DURATION_SECONDS,
+        Unit::Seconds,
+        "JSON-RPC request latency to the runtime, by method (other for unlisted methods)."
+    );
+    describe_counter!(
+        HOOK_FAILURES_TOTAL,
+        Unit::Count,
+        "Hooks that failed, panicked or timed out (answered with no output)."
+    );
+}
+
+/// The `method` label of a JSON-RPC method: itself if listed in [`RPC_METHODS`], else
+/// [`RPC_OTHER`].
+pub fn rpc_method_label(method: &str) -> &'static str {
+    RPC_METHODS
+        .iter()
+        .find(|m| **m == method)
+        .copied()
+        .unwrap_or(RPC_OTHER)
+}
+
+/// One JSON-RPC request to the runtime took `elapsed` (answered or not).
+pub(crate) fn rpc_finished(method: &str, elapsed: Duration) {
+    histogram!(RPC_DURATION_SECONDS, "method" => rpc_method_label(method))
+        .record(elapsed.as_secs_f64());
+}
+
+/// A process start finished; `elapsed` (spawn + handshake) is recorded when it succeeded.
+pub(crate) fn process_started(ok: bool, elapsed: Duration) {
+    let result = if ok { "ok" } else { "error" };
+    counter!(PROCESS_SPAWNS_TOTAL, "result" => result).increment(1);
+    if ok {
+        histogram!(PROCESS_START_SECONDS).record(elapsed.as_secs_f64());
+    }
+}
+
+/// Why a process left the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ProcessExit {
+    /// It died, hung or was killed by someone else.
+    Crash,
+    /// The pool stopped it (idle, full, drained, a failed detach).
+    Evicted,
+    /// The pool shut down, or the process ended in an orderly way.
+    Shutdown,
+}
+
+pub(crate) fn process_exited(why: ProcessExit) {
+    let reason = match why {
+        ProcessExit::Crash => "crash",
+        ProcessExit::Evicted => "evicted",
+        ProcessExit::Shutdown => "shutdown",
+    };
+    counter!(PROCESS_EXITS_TOTAL, "reason" => reason).increment(1);
+}
+
+/// Why the pool stopped a process on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Eviction {
+    /// Unused for the idle TTL.
+    Idle,
+    /// The pool was full: the least recently used idle process made room.
+    Full,
+    /// Draining (rotation, turn budget, memory) and done, or past its drain grace.
+    Drained,
+    /// Detaching a conversation from it failed: it may still hold the session.
+    DetachFailed,
+}
+
+impl Eviction {
+    /// The `reason` label.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Eviction::Idle => "idle",
+            Eviction::Full => "full",
+            Eviction::Drained => "drained",
+            Eviction::DetachFailed => "detach_failed",
+        }
+    }
+}
+
+pub(crate) fn evicted(why: Eviction) {
+    counter!(EVICTIONS_TOTAL, "reason" => why.label()).increment(1);
+    process_exited(ProcessExit::Evicted);
+}
+
+pub(crate) fn quarantined() {
+    counter!(QUARANTINES_TOTAL).increment(1);
+}
+
+/// The pool's gauges, set together by the pool actor.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct PoolGauges {
+    pub(crate) live: usize,
+    pub(crate) draining: usize,
+    pub(crate) rss_bytes: u64,
+    pub(crate) sessions: usize,
+    pub(crate) leases: usize,
+    pub(crate) waiters: usize,
+}
+
+impl PoolGauges {
+    pub(crate) fn publish(&self) {
+        gauge!(PROCESSES, "state" => "live").set(self.live as f64);
+        gauge!(PROCESSES, "state" => "draining").set(self.draining as f64);
+        gauge!(PROCESS_RESIDENT_MEMORY_BYTES).set(self.rss_bytes as f64);
+        gauge!(SESSIONS).set(self.sessions as f64);
+        gauge!(LEASES_ACTIVE).set(self.leases as f64);
+        gauge!(LEASE_WAITERS).set(self.waiters as f64);
+    }
+}
+
+/// The `result` label of a conversation opened for `reason`; `None` for one that was
+/// still attached (nothing was resumed or created).
+pub(crate) fn resume_result(reason: OpenReason) -> Option<&'static str> {
+    Some(match reason {
+        OpenReason::Attached => return None,
+        OpenReason::Resumed => "resumed",
+        OpenReason::New => "new",
+        OpenReason::TranscriptMissing => "transcript_missing",
+        OpenReason::NotFound => "not_found",
+        OpenReason::CompatChanged => "compat_changed",
+    })
+}
+
+pub(crate) fn session_opened(reason: OpenReason) {
+    if let Some(result) = resume_result(reason) {
+        counter!(SESSION_RESUMES_TOTAL, "result" => result).increment(1);
+    }
+}
+
+/// A lease was granted after waiting `waited`.
+pub(crate) fn lease_granted(waited: Duration) {
+    histogram!(LEASE_WAIT_SECONDS).record(waited.as_secs_f64());
+}
+
+/// The `reason` label of a failed lease.
+pub(crate) fn lease_rejection_reason(error: &PoolError) -> &'static str {
+    match error {
+        PoolError::WaitTimeout { .. } | PoolError::ConversationWaitTimeout { .. } => "wait_timeout",
+        PoolError::WaitersFull { .. } => "waiters_full",
+        PoolError::ConversationBusy { .. } => "busy",
+        PoolError::RestartIntensityExceeded { .. } => "quarantined",
+        PoolError::Closed => "closed",
+        PoolError::Auth(_) | PoolError::Home(_) | PoolError::InvalidRequest(_) => "invalid",
+        PoolError::Bindings(_)
+        | PoolError::Worker(_)
+        | PoolError::TurnState(_)
+        | PoolError::TurnTimeout { .. }
+        | PoolError::TurnFailed { .. }
+        | PoolError::TranscriptPersistenceFailed(_) => "error",
+    }
+}
+
+pub(crate) fn lease_rejected(error: &PoolError) {
+    counter!(LEASE_REJECTIONS_TOTAL, "reason" => lease_rejection_reason(error)).increment(1);
+}
+
+/// How a turn ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TurnEnd {
+    /// `session.idle` without an error.
+    Idle,
+    /// `session.error`, or a strict transcript failure.
+    Error,
+    /// Aborted (`session.idle {aborted: true}`, or the lease dropped mid-turn).
+    Aborted,
+    /// One of the turn's limits expired.
+    Timeout,
+    /// The worker died or the session's stream ended.
+    Crashed,
+}
+
+impl TurnEnd {
+    /// The `outcome` label.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            TurnEnd::Idle => "idle",
+            TurnEnd::Error => "error",
+            TurnEnd::Aborted => "aborted",
+            TurnEnd::Timeout => "timeout",
+            TurnEnd::Crashed => "crashed",
+        }
+    }
+}
+
+pub(crate) fn turn_finished(end: TurnEnd, elapsed: Duration) {
+    counter!(TURNS_TOTAL, "outcome" => end.label()).increment(1);
+    histogram!(TURN_DURATION_SECONDS).record(elapsed.as_secs_f64());
+}
+
+pub(crate) fn llm_call() {
+    counter!(LLM_CALLS_TOTAL).increment(1);
+}
+
+/// How a gateway tool call was answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ToolOutcome {
+    Ok,
+    Error,
+    /// Cancelled by a timeout or the end of the turn before the handler answered.
+    Timeout,
+}
+
+pub(crate) fn tool_call(outcome: ToolOutcome) {
+    let label = match outcome {
+        ToolOutcome::Ok => "ok",
+        ToolOutcome::Error => "error",
+        ToolOutcome::Timeout => "timeout",
+    };
+    counter!(TOOL_CALLS_TOTAL, "outcome" => label).increment(1);
+}
+
+pub(crate) fn hook_failed() {
+    counter!(HOOK_FAILURES_TOTAL).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{HashMap, HashSet};
+
+    use ::metrics::{Key, Label};
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+    use metrics_util::{CompositeKey, MetricKind};
+
+    use super::*;
+
+    fn all_names() -> Vec<&'static str> {
+        COUNTERS
+            .iter()
+            .chain(GAUGES)
+            .chain(HISTOGRAMS)
+            .copied()
+            .collect()
+    }
+
+    type Entry = (Option<Unit>, Option<String>, DebugValue);
+
+    fn snapshot(snapshotter: &Snapshotter) -> HashMap<CompositeKey, Entry> {
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(k, unit, help, value)| (k, (unit, help.map(|h| h.to_string()), value)))
+            .collect()
+    }
+
+    fn key(
+        kind: MetricKind,
+        name: &'static str,
+        labels: &[(&'static str, &'static str)],
+    ) -> CompositeKey {
+        let labels: Vec<Label> = labels.iter().map(|(k, v)| Label::new(*k, *v)).collect();
+        CompositeKey::new(kind, Key::from_parts(name, labels))
+    }
+
+    #[test]
+    fn names_follow_the_prometheus_conventions() {
+        let names = all_names();
+        let unique: HashSet<_> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "a name is listed twice");
+        for name in &names {
+            assert!(name.starts_with("copilot_pool_"), "{name}");
+            assert!(
+                name.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+                "{name}"
+            );
+        }
+        for name in COUNTERS {
+            assert!(name.ends_with("_total"), "{name}");
+        }
+        for name in HISTOGRAMS {
+            assert!(name.ends_with("_seconds"), "{name}");
+        }
+        for name in GAUGES {
+            assert!(!name.ends_with("_total"), "{name}");
+        }
+        assert!(SECONDS_BUCKETS.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(SECONDS_BUCKETS.first(), Some(&0.001));
+        assert!(SECONDS_BUCKETS.contains(&60.0));
+    }
+
+    #[test]
+    fn describe_gives_every_metric_a_unit_and_help() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        ::metrics::with_local_recorder(&recorder, || {
+            describe();
+            // The debugging recorder reports only registered metrics: touch each once.
+            for name in COUNTERS {
+                counter!(*name).increment(0);
+            }
+            for name in GAUGES {
+                gauge!(*name).set(0.0);
+            }
+            for name in HISTOGRAMS {
+                histogram!(*name).record(0.0);
+            }
+        });
+        let snap = snapshot(&snapshotter);
+        let kinds = [
+            (MetricKind::Counter, COUNTERS),
+            (MetricKind::Gauge, GAUGES),
+            (MetricKind::Histogram, HISTOGRAMS),
+        ];
+        for (kind, names) in kinds {
+            for name in names {
+                let (unit, help, _) = snap
+                    .get(&key(kind, name, &[]))
+                    .unwrap_or_else(|| panic!("{name} was not recorded"));
+                let help = help.as_deref().unwrap_or_default();
+                assert!(!help.is_empty(), "{name} has no help text");
+                let expected = if name.ends_with("_seconds") {
+                    Unit::Seconds
+                } else if name.ends_with("_bytes") {
+                    Unit::Bytes
+                } else {
+                    Unit::Count
+                };
+                assert_eq!(unit.as_ref(), Some(&expected), "{name}");
+            }
+        }
+        assert_eq!(snap.len(), all_names().len());
+    }
+
+    #[test]
+    fn rpc_method_labels_are_bounded() {
+        for method in RPC_METHODS {
+            assert_eq!(rpc_method_label(method), *method);
+        }
+        for method in [
+            "llmInference.httpResponseChunk",
+            "session.delete",
+            "",
+            "x".repeat(100).as_str(),
+        ] {
+            assert_eq!(rpc_method_label(method), RPC_OTHER);
+        }
+        // The names match the wire types we speak.
+        use crate::rpc::messages::*;
+        for name in [
+            Connect::NAME,
+            Ping::NAME,
+            SessionCreate::NAME,
+            SessionResume::NAME,
+            SessionSend::NAME,
+            SessionAbort::NAME,
+            SessionDetach::NAME,
+            SessionCompact::NAME,
+            HandlePendingToolCall::NAME,
+            HandlePendingPermission::NAME,
+        ] {
+            assert_eq!(rpc_method_label(name), name);
+        }
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        ::metrics::with_local_recorder(&recorder, || {
+            rpc_finished("session.send", Duration::from_millis(250));
+            rpc_finished("some.future.method", Duration::from_millis(5));
+            rpc_finished("another.one", Duration::from_millis(5));
+        });
+        let snap = snapshot(&snapshotter);
+        assert_eq!(snap.len(), 2);
+        let send = &snap[&key(
+            MetricKind::Histogram,
+            RPC_DURATION_SECONDS,
+            &[("method", "session.send")],
+        )];
+        assert!(matches!(&send.2, DebugValue::Histogram(v) if v.len() == 1 && v[0] == 0.25));
+        let other = &snap[&key(
+            MetricKind::Histogram,
+            RPC_DURATION_SECONDS,
+            &[("method", "other")],
+        )];
+        assert!(matches!(&other.2, DebugValue::Histogram(v) if v.len() == 2));
+    }
+
+    #[test]
+    fn label_values_come_from_their_fixed_sets() {
+        let reasons = [
+            OpenReason::Resumed,
+            OpenReason::New,
+            OpenReason::TranscriptMissing,
+            OpenReason::NotFound,
+            OpenReason::CompatChanged,
+        ];
+        for reason in reasons {
+            assert!(RESUME_RESULTS.contains(&resume_result(reason).unwrap()));
+        }
+        assert_eq!(resume_result(OpenReason::Attached), None);
+
+        let errors = [
+            (
+                PoolError::WaitTimeout {
+                    after: Duration::ZERO,
+                },
+                "wait_timeout",
+            ),
+            (
+                PoolError::ConversationWaitTimeout {
+                    session_key: "k".into(),
+                    after: Duration::ZERO,
+                },
+                "wait_timeout",
+            ),
+            (PoolError::WaitersFull { max: 1 }, "waiters_full"),
+            (
+                PoolError::ConversationBusy {
+                    session_key: "k".into(),
+                },
+                "busy",
+            ),
+            (
+                PoolError::RestartIntensityExceeded {
+                    key_hash: "h".into(),
+                    retry_after: Duration::ZERO,
+                },
+                "quarantined",
+            ),
+            (PoolError::Closed, "closed"),
+            (PoolError::InvalidRequest("x".into()), "invalid"),
+            (PoolError::Bindings("x".into()), "error"),
+            (
+                PoolError::Worker(crate::worker::WorkerError::Stopped),
+                "error",
+            ),
+        ];
+        for (error, reason) in errors {
+            assert_eq!(lease_rejection_reason(&error), reason, "{error:?}");
+            assert!(LEASE_REJECTION_REASONS.contains(&reason));
+        }
+
+        let ends = [
+            TurnEnd::Idle,
+            TurnEnd::Error,
+            TurnEnd::Aborted,
+            TurnEnd::Timeout,
+            TurnEnd::Crashed,
+        ];
+        let labels: HashSet<_> = ends.iter().map(|e| e.label()).collect();
+        assert_eq!(labels, TURN_OUTCOMES.iter().copied().collect());
+        let evictions = [
+            Eviction::Idle,
+            Eviction::Full,
+            Eviction::Drained,
+            Eviction::DetachFailed,
+        ];
+        let labels: HashSet<_> = evictions.iter().map(|e| e.label()).collect();
+        assert_eq!(
+            labels,
+            HashSet::from(["idle", "full", "drained", "detach_failed"])
+        );
+    }
+
+    #[test]
+    fn helpers_record_what_they_say() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        ::metrics::with_local_recorder(&recorder, || {
+            process_started(true, Duration::from_secs(2));
+            process_started(false, Duration::from_secs(60));
+            evicted(Eviction::Idle);
+            process_exited(ProcessExit::Crash);
+            lease_rejected(&PoolError::WaitersFull { max: 2 });
+            turn_finished(TurnEnd::Timeout, Duration::from_secs(3));
+            session_opened(OpenReason::Attached);
+            session_opened(OpenReason::Resumed);
+            tool_call(ToolOutcome::Timeout);
+            PoolGauges {
+                live: 3,
+                draining: 1,
+                rss_bytes: 1 << 20,
+                sessions: 7,
+                leases: 2,
+                waiters: 4,
+            }
+            .publish();
+        });
+        let snap = snapshot(&snapshotter);
+        let counter_of = |name, labels: &[(&'static str, &'static str)]| match snap
+            .get(&key(MetricKind::Counter, name, labels))
+            .map(|e| &e.2)
+        {
+            Some(DebugValue::Counter(n)) => *n,
+            other => panic!("{name} {labels:?}: {other:?}"),
+        };
+        let gauge_of = |name, labels: &[(&'static str, &'static str)]| match snap
+            .get(&key(MetricKind::Gauge, name, labels))
+            .map(|e| &e.2)
+        {
+            Some(DebugValue::Gauge(v)) => v.into_inner(),
+            other => panic!("{name} {labels:?}: {other:?}"),
+        };
+        assert_eq!(counter_of(PROCESS_SPAWNS_TOTAL, &[("result", "ok")]), 1);
+        assert_eq!(counter_of(PROCESS_SPAWNS_TOTAL, &[("result", "error")]), 1);
+        assert_eq!(counter_of(EVICTIONS_TOTAL, &[("reason", "idle")]), 1);
+        assert_eq!(counter_of(PROCESS_EXITS_TOTAL, &[("reason", "evicted")]), 1);
+        assert_eq!(counter_of(PROCESS_EXITS_TOTAL, &[("reason", "crash")]), 1);
+        assert_eq!(
+            counter_of(LEASE_REJECTIONS_TOTAL, &[("reason", "waiters_full")]),
+            1
+        );
+        assert_eq!(counter_of(TURNS_TOTAL, &[("outcome", "timeout")]), 1);
+        assert_eq!(
+            counter_of(SESSION_RESUMES_TOTAL, &[("result", "resumed")]),
+            1
+        );
+        assert_eq!(counter_of(TOOL_CALLS_TOTAL, &[("outcome", "timeout")]), 1);
+        // Only the successful start is timed; an attached conversation is not a resume.
+        let starts = &snap[&key(MetricKind::Histogram, PROCESS_START_SECONDS, &[])].2;
+        assert!(matches!(starts, DebugValue::Histogram(v) if v.len() == 1 && v[0] == 2.0));
+        assert_eq!(
+            snap.keys()
+                .filter(|k| k.key().name() == SESSION_RESUMES_TOTAL)
+                .count(),
+            1
+        );
+        assert_eq!(gauge_of(PROCESSES, &[("state", "live")]), 3.0);
+        assert_eq!(gauge_of(PROCESSES, &[("state", "draining")]), 1.0);
+        assert_eq!(gauge_of(PROCESS_RESIDENT_MEMORY_BYTES, &[]), 1048576.0);
+        assert_eq!(gauge_of(SESSIONS, &[]), 7.0);
+        assert_eq!(gauge_of(LEASES_ACTIVE, &[]), 2.0);
+        assert_eq!(gauge_of(LEASE_WAITERS, &[]), 4.0);
+    }
+}

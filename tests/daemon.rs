@@ -1,0 +1,468 @@
+//! End-to-end over HTTP: `copilot-pool serve` with real runtime processes, driven the way a
+//! gateway in another language would drive it.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use copilot_pool::scripted_model::ScriptedModel;
+use serde_json::{Value, json};
+use support::http::{Daemon, SseStream, call, raw};
+
+fn turn(fx_url: &str, agent: &str, key: &str, prompt: &str) -> Value {
+    json!({
+        "agent_id": agent,
+        "session_key": key,
+        "prompt": prompt,
+        "model": ScriptedModel::MODEL_ID,
+        "provider": {"type": "openai", "base_url": fx_url, "api_key": "scripted-key"},
+    })
+}
+
+/// Processes whose COPILOT_HOME lies under `dir` (the daemon's children).
+fn children_under(dir: &std::path::Path) -> Vec<u32> {
+    let needle = dir.display().to_string();
+    support::procs::with_env_prefix("COPILOT_HOME", &needle)
+}
+
+#[tokio::test]
+async fn ten_agents_stream_turns_at_once_and_a_tool_call_is_answered_over_http() {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let daemon = Daemon::start(scratch.path(), "", &[]).await;
+    let addr = daemon.addr;
+
+    let runs = (0..10).map(|i| {
+        let body = turn(
+            &url,
+            &format!("agent-{i}"),
+            "conv",
+            &format!("REPLY=hello agent {i}"),
+        );
+        async move {
+            let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+            assert_eq!(stream.status, 200);
+            let (events, end) = stream.until_end().await;
+            (i, events, end)
+        }
+    });
+    for (i, events, end) in futures_util::future::join_all(runs).await {
+        assert_eq!(end["status"], "idle", "{end}");
+        assert_eq!(end["final_text"], format!("hello agent {i}"));
+        assert_eq!(end["llm_calls"], 1);
+        assert!(events.iter().any(|e| e.event == "assistant.message"));
+        assert!(events.iter().any(|e| e.event == "session.idle"));
+    }
+
+    // A gateway tool: the call arrives as an event and is answered with POST /v1/requests.
+    let mut body = turn(
+        &url,
+        "agent-0",
+        "tools",
+        r#"SCENARIO:tool NAME=lookup ARGS={"key":"alpha"}"#,
+    );
+    body["tools"] = json!([{"name": "lookup", "description": "Looks up a number", "parameters": {"type": "object"}}]);
+    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+    let call_event = loop {
+        let e = stream.next().await.expect("tool.call event");
+        if e.event == "tool.call" {
+            break e;
+        }
+    };
+    assert_eq!(call_event.data["tool_name"], "lookup");
+    assert_eq!(call_event.data["arguments"]["key"], "alpha");
+    let id = call_event.data["request_id"]
+        .as_str()
+        .expect("request_id")
+        .to_owned();
+    let wrong = call(
+        addr,
+        "POST",
+        &format!("/v1/requests/{id}"),
+        None,
+        Some(&json!({"decision": "reject"})),
+    )
+    .await;
+    assert_eq!(wrong.status, 400, "{}", wrong.body);
+    let ok = call(
+        addr,
+        "POST",
+        &format!("/v1/requests/{id}"),
+        None,
+        Some(&json!({"result": "forty-two"})),
+    )
+    .await;
+    assert_eq!(ok.status, 204, "{}", ok.body);
+    let again = call(
+        addr,
+        "POST",
+        &format!("/v1/requests/{id}"),
+        None,
+        Some(&json!({"result": "x"})),
+    )
+    .await;
+    assert_eq!(again.status, 404);
+    let (_, end) = stream.until_end().await;
+    assert_eq!(end["final_text"], "tool said: forty-two", "{end}");
+
+    // Non-streaming: the summary alone.
+    let summary = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&turn(&url, "agent-1", "conv", "REPLY=again")),
+    )
+    .await;
+    assert_eq!(summary.status, 200);
+    assert_eq!(summary.json()["final_text"], "again");
+    assert_eq!(summary.json()["resumed"], true, "{}", summary.body);
+
+    let pool = call(addr, "GET", "/v1/pool", None, None).await.json();
+    assert!(
+        pool["processes"].as_array().is_some_and(|p| p.len() >= 10),
+        "{pool}"
+    );
+    let status = daemon.terminate().await;
+    assert!(status.success(), "{status:?}");
+    let left =
+        support::procs::wait_none(|| children_under(scratch.path()), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "children left after SIGTERM: {left:?}");
+}
+
+#[tokio::test]
+async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let daemon = Daemon::start(
+        scratch.path(),
+        "api_token = \"s3cret-token\"\nmax_body_bytes = 4096\n",
+        &[],
+    )
+    .await;
+    let addr = daemon.addr;
+    assert_eq!(call(addr, "GET", "/v1/pool", None, None).await.status, 401);
+    assert_eq!(
+        call(addr, "GET", "/v1/pool", Some("wrong"), None)
+            .await
+            .status,
+        401
+    );
+    assert_eq!(
+        call(addr, "GET", "/v1/pool", Some("s3cret-token"), None)
+            .await
+            .status,
+        200
+    );
+    assert_eq!(call(addr, "GET", "/healthz", None, None).await.status, 200);
+    assert_eq!(call(addr, "GET", "/readyz", None, None).await.status, 200);
+    assert_eq!(call(addr, "GET", "/nope", None, None).await.status, 404);
+
+    let garbage = raw(addr, b"POST /v1/turns HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer s3cret-token\r\nContent-Length: 9\r\n\r\n{garbage!").await;
+    assert_eq!(garbage.status, 400, "{}", garbage.body);
+    assert!(garbage.json()["code"].is_string());
+    let missing = call(
+        addr,
+        "POST",
+        "/v1/turns",
+        Some("s3cret-token"),
+        Some(&json!({"agent_id": "a"})),
+    )
+    .await;
+    assert_eq!(missing.status, 400);
+    assert!(
+        missing.json()["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("session_key"),
+        "{}",
+        missing.body
+    );
+    let bad_agent = call(
+        addr,
+        "POST",
+        "/v1/turns",
+        Some("s3cret-token"),
+        Some(&turn(&endpoint.base_url(), "Bad Agent", "k", "hi")),
+    )
+    .await;
+    assert_eq!(bad_agent.status, 400);
+    let big = json!({"agent_id": "a", "session_key": "k", "prompt": "x".repeat(10_000)});
+    let oversized = call(addr, "POST", "/v1/turns", Some("s3cret-token"), Some(&big)).await;
+    assert_eq!(oversized.status, 413, "{}", oversized.body);
+    // A body shorter than announced: the connection closes, the daemon survives.
+    // The client half-closes after the short body.
+    let truncated = support::http::raw_then_close(addr, b"POST /v1/turns HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer s3cret-token\r\nContent-Length: 500\r\n\r\n{\"agent_id\":").await;
+    assert!(
+        truncated.status == 400 || truncated.status == 0,
+        "{truncated:?}"
+    );
+    let answer = call(
+        addr,
+        "POST",
+        "/v1/requests/unknown-id",
+        Some("s3cret-token"),
+        Some(&json!({"result": "x"})),
+    )
+    .await;
+    assert_eq!(answer.status, 404);
+    // Still serving turns.
+    let ok = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        Some("s3cret-token"),
+        Some(&turn(&endpoint.base_url(), "agent-a", "k", "REPLY=alive")),
+    )
+    .await;
+    assert_eq!(ok.json()["final_text"], "alive", "{}", ok.body);
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test]
+async fn a_gateway_that_disconnects_aborts_its_turn_and_the_conversation_continues() {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let daemon = Daemon::start(scratch.path(), "", &[]).await;
+    let addr = daemon.addr;
+    let mut body = turn(&url, "agent-d", "conv", "SCENARIO:slow SLOW=100x100");
+    body["provider"]["api_key"] = json!("scripted-key");
+    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+    while let Some(e) = stream.next().await {
+        if e.event == "assistant.turn_start" {
+            break;
+        }
+    }
+    drop(stream);
+    // The next turn on the conversation runs (the aborted one released it).
+    let next = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&turn(&url, "agent-d", "conv", "REPLY=back")),
+    )
+    .await;
+    assert_eq!(next.json()["status"], "idle", "{}", next.body);
+    assert_eq!(next.json()["final_text"], "back");
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test]
+async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resumes() {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let daemon = Daemon::start(scratch.path(), "", &[]).await;
+    let addr = daemon.addr;
+    let first = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&turn(&url, "agent-k", "conv", "REPLY=ok MARKER-daemon-6")),
+    )
+    .await;
+    assert_eq!(first.json()["status"], "idle");
+    let mut stream = SseStream::open(
+        addr,
+        "/v1/turns",
+        None,
+        &turn(&url, "agent-k", "conv", "SCENARIO:slow SLOW=100x100"),
+    )
+    .await;
+    while let Some(e) = stream.next().await {
+        if e.event == "assistant.message_delta" || e.event == "assistant.turn_start" {
+            break;
+        }
+    }
+    let pool = call(addr, "GET", "/v1/pool", None, None).await.json();
+    let pid = pool["processes"][0]["pid"].as_u64().expect("pid") as i32;
+    let killed = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill");
+    let (_, end) = stream.until_end().await;
+    assert!(
+        killed.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        killed.elapsed()
+    );
+    assert_eq!(end["status"], "crashed", "{end}");
+    let next = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&turn(&url, "agent-k", "conv", "the marker?")),
+    )
+    .await;
+    assert_eq!(next.json()["status"], "idle", "{}", next.body);
+    assert_eq!(next.json()["resumed"], true);
+    let last = model.requests().pop().expect("request");
+    assert!(
+        serde_json::to_string(last.messages())
+            .unwrap_or_default()
+            .contains("MARKER-daemon-6")
+    );
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test]
+async fn sigterm_during_turns_drains_and_leaves_no_process() {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let daemon = Daemon::start(scratch.path(), "drain_grace_secs = 1\n", &[]).await;
+    let addr = daemon.addr;
+    let mut streams = Vec::new();
+    for i in 0..3 {
+        let mut s = SseStream::open(
+            addr,
+            "/v1/turns",
+            None,
+            &turn(
+                &url,
+                &format!("agent-s{i}"),
+                "c",
+                "SCENARIO:slow SLOW=200x100",
+            ),
+        )
+        .await;
+        while let Some(e) = s.next().await {
+            if e.event == "assistant.turn_start" {
+                break;
+            }
+        }
+        streams.push(s);
+    }
+    assert!(!children_under(scratch.path()).is_empty());
+    let pid = nix::unistd::Pid::from_raw(daemon.pid() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+    // Draining: not ready (as a load balancer sees it, by polling), no new turns.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let ready = loop {
+        let ready = call(addr, "GET", "/readyz", None, None).await;
+        if ready.status == 503 || Instant::now() > deadline {
+            break ready;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(ready.status, 503);
+    let refused = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&turn(&url, "agent-new", "c", "hi")),
+    )
+    .await;
+    assert_eq!(refused.status, 503);
+    for mut s in streams {
+        let (_, end) = s.until_end().await;
+        assert!(
+            end["status"] == "aborted" || end["status"] == "crashed" || end["status"] == "error",
+            "{end}"
+        );
+    }
+    let mut daemon = daemon;
+    let status = tokio::time::timeout(Duration::from_secs(60), daemon.child.wait())
+        .await
+        .expect("exit")
+        .expect("wait");
+    assert!(status.success(), "{status:?}");
+    let left =
+        support::procs::wait_none(|| children_under(scratch.path()), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "children left: {left:?}");
+}
+
+#[tokio::test]
+async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let daemon = Daemon::start(scratch.path(), "", &[]).await;
+    let addr = daemon.addr;
+    for i in 0..3 {
+        let r = call(
+            addr,
+            "POST",
+            "/v1/turns?stream=false",
+            None,
+            Some(&turn(&url, "agent-m", &format!("c{i}"), "REPLY=m")),
+        )
+        .await;
+        assert_eq!(r.json()["status"], "idle");
+    }
+    let metrics = call(addr, "GET", "/metrics", None, None).await;
+    assert_eq!(metrics.status, 200);
+    for name in [
+        "copilot_pool_processes",
+        "copilot_pool_process_spawns_total",
+        "copilot_pool_process_start_seconds_bucket",
+        "copilot_pool_process_resident_memory_bytes",
+        "copilot_pool_sessions",
+        "copilot_pool_session_resumes_total",
+        "copilot_pool_leases_active",
+        "copilot_pool_lease_waiters",
+        "copilot_pool_lease_wait_seconds_bucket",
+        "copilot_pool_turns_total",
+        "copilot_pool_turn_duration_seconds_bucket",
+        "copilot_pool_llm_calls_total",
+        "copilot_pool_rpc_duration_seconds_bucket",
+    ] {
+        assert!(
+            metrics.body.contains(name),
+            "{name} missing from:\n{}",
+            metrics.body
+        );
+    }
+    for forbidden in ["session_id=", "agent_id=", "pid="] {
+        assert!(
+            !metrics.body.contains(forbidden),
+            "unbounded label {forbidden}"
+        );
+    }
+    let promtool = std::env::var("PROMTOOL").unwrap_or_else(|_| {
+        let local = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tools/promtool");
+        if local.exists() {
+            local.display().to_string()
+        } else {
+            "promtool".to_owned()
+        }
+    });
+    let mut check = tokio::process::Command::new(&promtool)
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("promtool not found ({e}); run scripts/install-promtool.sh or set PROMTOOL")
+        });
+    use tokio::io::AsyncWriteExt;
+    let mut stdin = check.stdin.take().expect("stdin");
+    stdin
+        .write_all(metrics.body.as_bytes())
+        .await
+        .expect("write");
+    drop(stdin);
+    let out = check.wait_with_output().await.expect("promtool");
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(daemon.terminate().await.success());
+}

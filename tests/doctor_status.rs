@@ -1,0 +1,185 @@
+//! End-to-end: `copilot-pool doctor` and `copilot-pool status` as an operator runs them.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use support::procs;
+
+/// The binary with an environment that cannot reach real homes, tokens or runtimes.
+fn bin(scratch: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_copilot-pool"));
+    cmd.env_remove("COPILOT_CLI_PATH")
+        .env_remove("COPILOT_POOL_API_TOKEN")
+        .env("COPILOT_POOL_HOME", scratch.join("pool-home"))
+        // The doctor's throwaway runtime home goes here, so we can see it is removed.
+        .env("TMPDIR", scratch.join("tmp"));
+    std::fs::create_dir_all(scratch.join("tmp")).expect("tmp");
+    cmd
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+async fn output(mut cmd: Command) -> Output {
+    tokio::task::spawn_blocking(move || cmd.output().expect("run copilot-pool"))
+        .await
+        .expect("join")
+}
+
+/// A config file with the state and agents directories inside `scratch`.
+fn write_config(scratch: &Path, state_dir: &Path) -> std::path::PathBuf {
+    let path = scratch.join("copilot-pool.toml");
+    let agents = scratch.join("agents");
+    std::fs::write(
+        &path,
+        format!(
+            "state_dir = {:?}\nagents_dir = {:?}\n",
+            state_dir.display().to_string(),
+            agents.display().to_string()
+        ),
+    )
+    .expect("config");
+    path
+}
+
+/// Nothing the doctor started or created is left behind.
+async fn assert_nothing_left(scratch: &Path) {
+    let left = procs::wait_none(
+        || procs::with_env_prefix("COPILOT_HOME", &scratch.display().to_string()),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(left.is_empty(), "runtime processes left: {left:?}");
+    let leftovers: Vec<_> = std::fs::read_dir(scratch.join("tmp"))
+        .expect("tmp")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("copilot-pool-doctor-"))
+        .collect();
+    assert!(leftovers.is_empty(), "doctor left {leftovers:?} in TMPDIR");
+}
+
+#[tokio::test]
+async fn doctor_passes_on_a_good_setup() {
+    let runtime = support::runtime::runtime_path().await;
+    let scratch = tempfile::tempdir().expect("scratch");
+    let config = write_config(scratch.path(), &scratch.path().join("state"));
+    let mut cmd = bin(scratch.path());
+    cmd.env("COPILOT_CLI_PATH", &runtime)
+        .args(["doctor", "--config"])
+        .arg(&config);
+    let out = output(cmd).await;
+    let stdout = text(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{}",
+        text(&out.stderr)
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    for check in [
+        "config",
+        "runtime",
+        "runtime start",
+        "state dir",
+        "agents dir",
+        "bindings",
+    ] {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with(&format!("ok   {check}: "))),
+            "no ok line for {check}:\n{stdout}"
+        );
+    }
+    assert!(
+        lines.iter().all(|l| l.starts_with("ok ")),
+        "not every check passed:\n{stdout}"
+    );
+    assert!(stdout.contains("protocol 3"), "{stdout}");
+    // It created the directories, private.
+    use std::os::unix::fs::PermissionsExt;
+    for dir in ["state", "agents", "state/bindings"] {
+        let mode = std::fs::metadata(scratch.path().join(dir))
+            .unwrap_or_else(|e| panic!("{dir}: {e}"))
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700, "{dir}");
+    }
+    assert_nothing_left(scratch.path()).await;
+}
+
+#[tokio::test]
+async fn doctor_fails_when_the_state_dir_is_a_file() {
+    let runtime = support::runtime::runtime_path().await;
+    let scratch = tempfile::tempdir().expect("scratch");
+    let state = scratch.path().join("state-file");
+    std::fs::write(&state, "not a directory").expect("file");
+    let config = write_config(scratch.path(), &state);
+    let mut cmd = bin(scratch.path());
+    cmd.env("COPILOT_CLI_PATH", &runtime)
+        .args(["doctor", "--config"])
+        .arg(&config);
+    let out = output(cmd).await;
+    let stdout = text(&out.stdout);
+    let stderr = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    let fail = stdout
+        .lines()
+        .find(|l| l.starts_with("FAIL ") && l.contains("state"))
+        .unwrap_or_else(|| panic!("no FAIL line about the state dir:\n{stdout}"));
+    assert!(fail.contains("not a directory"), "{fail}");
+    assert!(fail.contains(" — fix: "), "{fail}");
+    assert!(
+        stderr.contains("check failed") || stderr.contains("checks failed"),
+        "{stderr}"
+    );
+    assert_nothing_left(scratch.path()).await;
+}
+
+#[tokio::test]
+async fn doctor_fails_on_a_missing_runtime() {
+    let scratch = tempfile::tempdir().expect("scratch");
+    let config = write_config(scratch.path(), &scratch.path().join("state"));
+    let mut cmd = bin(scratch.path());
+    cmd.args(["doctor", "--cli", "/nonexistent", "--config"])
+        .arg(&config);
+    let out = output(cmd).await;
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "stdout:\n{stdout}\nstderr:\n{}",
+        text(&out.stderr)
+    );
+    let fail = stdout
+        .lines()
+        .find(|l| l.starts_with("FAIL runtime: "))
+        .unwrap_or_else(|| panic!("no FAIL line for the runtime:\n{stdout}"));
+    assert!(fail.contains("/nonexistent"), "{fail}");
+    assert!(fail.contains("copilot-pool install-cli"), "{fail}");
+    // The other checks still ran.
+    assert!(stdout.contains("ok   state dir: "), "{stdout}");
+}
+
+#[tokio::test]
+async fn status_without_a_daemon_says_how_to_start_one() {
+    let scratch = tempfile::tempdir().expect("scratch");
+    let mut cmd = bin(scratch.path());
+    cmd.args(["status", "--url", "http://127.0.0.1:1"]);
+    let out = output(cmd).await;
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("no copilot-pool daemon at http://127.0.0.1:1"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("copilot-pool serve"), "{stderr}");
+}
