@@ -625,3 +625,32 @@ async fn cancelled_lease_futures_never_wedge_a_conversation() {
         .expect("no lease leaked");
     shutdown_leaves_nothing(&pool).await;
 }
+
+#[tokio::test]
+async fn two_agents_with_the_same_session_key_are_two_conversations() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut a = pool
+        .lease(fx.request("agent-a", "shared"))
+        .await
+        .expect("lease a");
+    a.run("REPLY=a MARKER-agent-a").await.expect("turn a");
+    let a_id = a.cli_session_id().to_owned();
+    drop(a);
+    let mut b = pool
+        .lease(fx.request("agent-b", "shared"))
+        .await
+        .expect("lease b");
+    b.run("REPLY=b").await.expect("turn b");
+    assert_ne!(b.cli_session_id(), a_id);
+    assert!(!fx.last_model_request().contains("MARKER-agent-a"));
+    drop(b);
+    let a = pool
+        .lease(fx.request("agent-a", "shared"))
+        .await
+        .expect("lease a again");
+    assert_eq!(a.reason(), OpenReason::Attached);
+    assert_eq!(a.cli_session_id(), a_id);
+    drop(a);
+    shutdown_leaves_nothing(&pool).await;
+}

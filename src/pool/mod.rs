@@ -152,7 +152,9 @@ impl Pool {
     /// (one turn at a time) and for capacity, then attaches the CLI session — reusing the
     /// attached one, resuming the bound one, or creating a new one.
     pub async fn lease(&self, req: LeaseRequest) -> Result<Lease, PoolError> {
-        let result = self.lease_inner(req).await;
+        // A span per lease; the key's short hash is recorded once it is known.
+        let span = tracing::info_span!("lease", agent = %req.agent_id, key = tracing::field::Empty);
+        let result = tracing::Instrument::instrument(self.lease_inner(req), span).await;
         if let Err(error) = &result {
             crate::metrics::lease_rejected(error);
         }
@@ -180,6 +182,7 @@ impl Pool {
             &req.agent_id,
         )?;
         let key = PoolKey::new(&home, &auth, req.provider.as_ref(), req.model.as_deref());
+        tracing::Span::current().record("key", tracing::field::display(key.short_hash()));
         let compat = compat_key(&key, req.model.as_deref(), &req.working_directory);
         let wait = req.wait_timeout.unwrap_or(inner.config.wait_timeout);
         // One deadline for the conversation lock and the capacity wait together.
