@@ -391,7 +391,10 @@ pub(crate) fn lease_rejection_reason(error: &PoolError) -> &'static str {
         PoolError::ConversationBusy { .. } => "busy",
         PoolError::RestartIntensityExceeded { .. } => "quarantined",
         PoolError::Closed => "closed",
-        PoolError::Auth(_) | PoolError::Home(_) | PoolError::InvalidRequest(_) => "invalid",
+        PoolError::Auth(_)
+        | PoolError::Home(_)
+        | PoolError::InvalidRequest(_)
+        | PoolError::NoSuchConversation { .. } => "invalid",
         PoolError::Bindings(_)
         | PoolError::Worker(_)
         | PoolError::TurnState(_)

@@ -195,10 +195,15 @@ async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
     assert_eq!(oversized.status, 413, "{}", oversized.body);
     // A body shorter than announced: the connection closes, the daemon survives.
     // The client half-closes after the short body.
+    let sent = Instant::now();
     let truncated = support::http::raw_then_close(addr, b"POST /v1/turns HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer s3cret-token\r\nContent-Length: 500\r\n\r\n{\"agent_id\":").await;
     assert!(
         truncated.status == 400 || truncated.status == 0,
         "{truncated:?}"
+    );
+    assert!(
+        sent.elapsed() < Duration::from_secs(10),
+        "a truncated body held the connection"
     );
     let answer = call(
         addr,
@@ -228,7 +233,7 @@ async fn a_gateway_that_disconnects_aborts_its_turn_and_the_conversation_continu
     let model = ScriptedModel::new();
     let endpoint = model.serve_http().await.expect("model");
     let url = endpoint.base_url();
-    let daemon = Daemon::start(scratch.path(), "", &[]).await;
+    let daemon = Daemon::start(scratch.path(), "[pool]\nwait_timeout_secs = 2\n", &[]).await;
     let addr = daemon.addr;
     let mut body = turn(&url, "agent-d", "conv", "SCENARIO:slow SLOW=100x100");
     body["provider"]["api_key"] = json!("scripted-key");
@@ -465,4 +470,128 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test]
+async fn abort_compact_and_reset_a_conversation_over_http() {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let daemon = Daemon::start(scratch.path(), "", &[]).await;
+    let addr = daemon.addr;
+    let conv = |key: &str| json!({"model": ScriptedModel::MODEL_ID, "provider": {"type": "openai", "base_url": url, "api_key": key}});
+
+    // Abort a running turn.
+    let mut stream = SseStream::open(
+        addr,
+        "/v1/turns",
+        None,
+        &turn(&url, "agent-c", "conv", "SCENARIO:slow SLOW=200x100"),
+    )
+    .await;
+    while let Some(e) = stream.next().await {
+        if e.event == "assistant.message_delta" || e.event == "assistant.turn_start" {
+            break;
+        }
+    }
+    let aborted = call(addr, "POST", "/v1/sessions/agent-c/conv/abort", None, None).await;
+    assert_eq!(aborted.status, 204, "{}", aborted.body);
+    let (_, end) = stream.until_end().await;
+    assert_eq!(end["status"], "aborted", "{end}");
+    let session_id = end["session_id"].as_str().unwrap_or_default().to_owned();
+    let again = call(addr, "POST", "/v1/sessions/agent-c/conv/abort", None, None).await;
+    assert_eq!(again.status, 404);
+
+    // A few turns, then compaction with the conversation's settings.
+    for i in 0..3 {
+        let body = turn(&url, "agent-c", "conv", &format!("REPLY=turn {i}"));
+        let r = call(addr, "POST", "/v1/turns?stream=false", None, Some(&body)).await;
+        assert_eq!(r.json()["status"], "idle", "{}", r.body);
+    }
+    let compacted = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-c/conv/compact",
+        None,
+        Some(&conv("scripted-key")),
+    )
+    .await;
+    assert_eq!(compacted.status, 200, "{}", compacted.body);
+    assert_eq!(compacted.json()["success"], true);
+    // Other settings name no existing conversation: nothing is created or overwritten.
+    let other = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-c/conv/compact",
+        None,
+        Some(&conv("another-key")),
+    )
+    .await;
+    assert_eq!(other.status, 404, "{}", other.body);
+    let unknown = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-c/never/compact",
+        None,
+        Some(&conv("scripted-key")),
+    )
+    .await;
+    assert_eq!(unknown.status, 404, "{}", unknown.body);
+
+    // Reset: the next turn starts a new session.
+    let reset = call(
+        addr,
+        "DELETE",
+        "/v1/sessions/agent-c/conv",
+        None,
+        Some(&conv("scripted-key")),
+    )
+    .await;
+    assert_eq!(reset.status, 204, "{}", reset.body);
+    let fresh_body = turn(&url, "agent-c", "conv", "REPLY=fresh");
+    let fresh = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&fresh_body),
+    )
+    .await;
+    assert_eq!(fresh.json()["resumed"], false, "{}", fresh.body);
+    assert_ne!(
+        fresh.json()["session_id"].as_str().unwrap_or_default(),
+        session_id
+    );
+    // Tools need the stream.
+    let mut with_tools = turn(&url, "agent-c", "conv", "hi");
+    with_tools["tools"] = json!([{"name": "t"}]);
+    let refused = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&with_tools),
+    )
+    .await;
+    assert_eq!(refused.status, 400);
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test]
+async fn an_empty_api_token_does_not_open_the_api() {
+    let scratch = support::Scratch::new();
+    let config = scratch.path().join("open.toml");
+    std::fs::write(&config, "listen = \"0.0.0.0:0\"\napi_token = \"\"\n").expect("config");
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .env_remove("COPILOT_POOL_API_TOKEN")
+        .output()
+        .await
+        .expect("run serve");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("API token"), "{stderr}");
 }

@@ -126,6 +126,9 @@ pub struct LeaseRequest {
     pub fail_if_busy: bool,
     /// Overrides the pool's `wait_timeout` for this lease.
     pub wait_timeout: Option<Duration>,
+    /// Only continue an existing conversation (attached or resumable with these settings);
+    /// never start a new CLI session. For operations like compact or reset.
+    pub existing_only: bool,
     /// Tools, permission policy, ask_user, hooks, timeouts and the transcript mirror.
     pub handlers: TurnHandlers,
 }
@@ -151,6 +154,7 @@ impl LeaseRequest {
             available_tools: None,
             fail_if_busy: false,
             wait_timeout: None,
+            existing_only: false,
             handlers: TurnHandlers::default(),
         }
     }

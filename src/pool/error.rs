@@ -21,6 +21,17 @@ pub enum PoolError {
     /// The request is malformed; the message says what to change.
     #[error("invalid lease request: {0}")]
     InvalidRequest(String),
+    /// `existing_only` was set and there is no such conversation with these settings.
+    #[error(
+        "no existing conversation {session_key:?} with these settings ({why}); pass the same \
+         model, provider and auth as its turns"
+    )]
+    NoSuchConversation {
+        /// The conversation.
+        session_key: String,
+        /// Why it does not continue.
+        why: &'static str,
+    },
     /// The binding store failed.
     #[error("session bindings: {0}")]
     Bindings(String),

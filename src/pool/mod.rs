@@ -186,7 +186,10 @@ impl Pool {
         let compat = compat_key(&key, req.model.as_deref(), &req.working_directory);
         let wait = req.wait_timeout.unwrap_or(inner.config.wait_timeout);
         // One deadline for the conversation lock and the capacity wait together.
-        let deadline = tokio::time::Instant::now() + wait;
+        let now = tokio::time::Instant::now();
+        let deadline = now
+            .checked_add(wait)
+            .unwrap_or_else(|| now + Duration::from_secs(60 * 60 * 24 * 365));
         if inner.locks.len() > LOCK_PRUNE_THRESHOLD {
             // Forget locks nobody holds or waits for.
             inner.locks.retain(|_, lock| Arc::strong_count(lock) > 1);
@@ -260,6 +263,7 @@ impl Pool {
         let (session, reason) = open_conversation(
             &worker,
             carried,
+            req.existing_only,
             &inner.bindings,
             &conversation,
             &compat,
@@ -425,9 +429,11 @@ fn now_ms() -> u64 {
 }
 
 /// Attaches the lease's CLI session on the granted worker.
+#[allow(clippy::too_many_arguments)]
 async fn open_conversation(
     worker: &WorkerHandle,
     carried: Option<actor::Carried>,
+    existing_only: bool,
     bindings: &Arc<BindingStore>,
     session_key: &str,
     compat: &str,
@@ -460,14 +466,28 @@ async fn open_conversation(
         .await
         .map_err(|e| PoolError::Bindings(e.to_string()))??;
     let Some(binding) = binding else {
-        return create(worker, config, OpenReason::New).await;
+        return create(worker, config, OpenReason::New, existing_only, session_key).await;
     };
     if binding.compat_key != compat {
-        return create(worker, config, OpenReason::CompatChanged).await;
+        return create(
+            worker,
+            config,
+            OpenReason::CompatChanged,
+            existing_only,
+            session_key,
+        )
+        .await;
     }
     let id = binding.cli_session_id;
     if !home.join("session-state").join(&id).is_dir() {
-        return create(worker, config, OpenReason::TranscriptMissing).await;
+        return create(
+            worker,
+            config,
+            OpenReason::TranscriptMissing,
+            existing_only,
+            session_key,
+        )
+        .await;
     }
     let resume = SessionConfig {
         session_id: id,
@@ -476,7 +496,16 @@ async fn open_conversation(
     };
     match worker.resume_session(resume).await {
         Ok((session, _)) => Ok((session, OpenReason::Resumed)),
-        Err(error) if is_not_found(&error) => create(worker, config, OpenReason::NotFound).await,
+        Err(error) if is_not_found(&error) => {
+            create(
+                worker,
+                config,
+                OpenReason::NotFound,
+                existing_only,
+                session_key,
+            )
+            .await
+        }
         Err(error) => Err(PoolError::Worker(error)),
     }
 }
@@ -485,7 +514,21 @@ async fn create(
     worker: &WorkerHandle,
     config: SessionConfig,
     reason: OpenReason,
+    existing_only: bool,
+    session_key: &str,
 ) -> Result<(Session, OpenReason), PoolError> {
+    if existing_only {
+        let why = match reason {
+            OpenReason::CompatChanged => "its model, provider, directory or account differ",
+            OpenReason::TranscriptMissing => "its stored state is gone",
+            OpenReason::NotFound => "the runtime does not know it",
+            _ => "it was never started",
+        };
+        return Err(PoolError::NoSuchConversation {
+            session_key: session_key.to_owned(),
+            why,
+        });
+    }
     let session = worker.create_session(config).await?;
     Ok((session, reason))
 }

@@ -230,7 +230,8 @@ impl SseStream {
     }
 }
 
-/// A running `copilot-pool serve`; stopped with SIGTERM on drop.
+/// A running `copilot-pool serve`; sent SIGTERM on drop (it then drains and stops its
+/// children itself; SIGKILL would orphan them).
 pub struct Daemon {
     pub child: tokio::process::Child,
     pub addr: SocketAddr,
@@ -254,7 +255,6 @@ impl Daemon {
             .env_remove("COPILOT_POOL_API_TOKEN")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
-            .kill_on_drop(true)
             .spawn()
             .expect("spawn serve");
         let stdout = child.stdout.take().expect("stdout");
@@ -296,5 +296,16 @@ impl Daemon {
             .await
             .expect("daemon exits after SIGTERM")
             .expect("wait")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
     }
 }

@@ -147,6 +147,10 @@ impl ServeConfig {
             }
             None => ServeConfig::default(),
         };
+        // An empty token is no token (it must never make every request pass).
+        if config.api_token.as_ref().is_some_and(|t| t.is_empty()) {
+            config.api_token = None;
+        }
         if config.api_token.is_none()
             && let Some(token) = std::env::var_os(API_TOKEN_ENV).filter(|t| !t.is_empty())
         {

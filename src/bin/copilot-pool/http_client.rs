@@ -239,7 +239,8 @@ fn decode_chunked(mut data: &[u8]) -> Result<Vec<u8>> {
             // Trailers (ignored) up to the final empty line; tolerate a peer that stops early.
             return Ok(out);
         }
-        if data.len() < size + 2 {
+        // A hostile size must not overflow: anything beyond the data is just incomplete.
+        if size.checked_add(2).is_none_or(|needed| data.len() < needed) {
             bail!("truncated chunked body: chunk of {size} bytes is incomplete");
         }
         out.extend_from_slice(&data[..size]);

@@ -40,12 +40,16 @@ pub struct AppState {
     pub timeouts: TurnTimeouts,
     pub transcript: Option<TranscriptSettings>,
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
-    /// Abort signals of running turns, by (agent_id, session_key).
-    pub aborts: DashMap<(String, String), mpsc::Sender<()>>,
+    /// Abort signals of running turns, by (agent_id, session_key), with the turn's number.
+    pub aborts: DashMap<(String, String), (usize, mpsc::Sender<()>)>,
     pub next_turn: AtomicUsize,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
 }
+
+/// A gateway that does not read its event stream for this long is treated as gone (the
+/// turn is aborted), so a stalled client cannot pin a conversation.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A request body must arrive within this long; a client that announces more than it sends
 /// cannot hold a connection open.
@@ -411,6 +415,7 @@ fn pool_error(e: &PoolError) -> Response {
         PoolError::ConversationBusy { .. } | PoolError::ConversationWaitTimeout { .. } => {
             (StatusCode::CONFLICT, "busy")
         }
+        PoolError::NoSuchConversation { .. } => (StatusCode::NOT_FOUND, "not_found"),
         PoolError::RestartIntensityExceeded { .. } => {
             (StatusCode::SERVICE_UNAVAILABLE, "quarantined")
         }
@@ -450,35 +455,59 @@ async fn post_turn(
         Err(r) => return r,
     };
     if let Some(ms) = body.timeout_ms {
+        if ms == 0 {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                "timeout_ms must be above 0",
+            );
+        }
         req.handlers.timeouts.absolute = Duration::from_millis(ms);
     }
+    let streaming = query.stream != Some(false);
     let (events_tx, events_rx) = mpsc::channel::<SseEvent>(256);
-    let link = Link {
-        events: events_tx.clone(),
-        registry: state.registry.clone(),
+    if streaming {
+        let link = Link {
+            events: events_tx.clone(),
+            registry: state.registry.clone(),
+        };
+        req.handlers.tools = body
+            .tools
+            .into_iter()
+            .map(|t| link.tool(t.name, t.description, t.parameters))
+            .collect();
+        req.handlers.permission_policy = Arc::new(link.clone());
+        req.handlers.user_input = Some(Arc::new(link));
+    } else if !body.tools.is_empty() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "tools need the event stream (their calls are answered from it); drop ?stream=false",
+        );
+    }
+    // Without the stream nobody could answer: permissions are rejected, ask_user is off.
+
+    // The lease is taken before answering, so its errors are real HTTP errors.
+    let lease = match state.pool.lease(req).await {
+        Ok(l) => l,
+        Err(e) => return pool_error(&e),
     };
-    req.handlers.tools = body
-        .tools
-        .into_iter()
-        .map(|t| link.tool(t.name, t.description, t.parameters))
-        .collect();
-    req.handlers.permission_policy = Arc::new(link.clone());
-    req.handlers.user_input = Some(Arc::new(link));
     let key = (body.agent_id.clone(), body.session_key.clone());
+    let turn = state.next_turn.fetch_add(1, Ordering::Relaxed);
     let (abort_tx, abort_rx) = mpsc::channel(1);
-    state.aborts.insert(key.clone(), abort_tx);
+    state.aborts.insert(key.clone(), (turn, abort_tx));
     state.running.send_modify(|n| *n += 1);
-    state.next_turn.fetch_add(1, Ordering::Relaxed);
     tokio::spawn(run_turn(
         state.clone(),
-        req,
+        lease,
         body.prompt,
         events_tx,
         abort_rx,
         key,
+        turn,
     ));
 
-    if query.stream == Some(false) {
+    if !streaming {
         // Only the final summary, as JSON.
         let mut rx = events_rx;
         while let Some(event) = rx.recv().await {
@@ -492,10 +521,15 @@ async fn post_turn(
             "the turn ended without a summary",
         );
     }
-    let stream = futures_util::stream::unfold(events_rx, |mut rx| async move {
+    // The stream ends with `turn.end`: nothing the turn still emits comes after it.
+    let stream = futures_util::stream::unfold((events_rx, false), |(mut rx, ended)| async move {
+        if ended {
+            return None;
+        }
         let event = rx.recv().await?;
+        let last = event.event == "turn.end";
         let frame = format!("event: {}\ndata: {}\n\n", event.event, event.data);
-        Some((Ok::<_, Infallible>(Bytes::from(frame)), rx))
+        Some((Ok::<_, Infallible>(Bytes::from(frame)), (rx, last)))
     });
     Response::builder()
         .status(StatusCode::OK)
@@ -505,19 +539,17 @@ async fn post_turn(
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
 }
 
-/// Runs one turn and streams it; a gateway that goes away aborts the turn (dropping the
-/// lease does), and the conversation stays resumable.
+/// Runs one turn and streams it; a gateway that goes away (or stops reading) aborts the
+/// turn (dropping the lease does), and the conversation stays resumable.
 async fn run_turn(
     state: Arc<AppState>,
-    req: LeaseRequest,
+    mut lease: copilot_pool::pool::Lease,
     prompt: String,
     events: mpsc::Sender<SseEvent>,
     mut abort: mpsc::Receiver<()>,
     key: (String, String),
+    turn: usize,
 ) {
-    let span = tracing::info_span!("turn", agent = %key.0);
-    let _enter = span.enter();
-    drop(_enter);
     let end = |status: &str,
                session_id: &str,
                resumed: bool,
@@ -530,20 +562,8 @@ async fn run_turn(
             "llm_calls": llm_calls, "final_text": text, "error": err,
         }),
     };
+    let span = tracing::info_span!("turn", agent = %key.0, session = %lease.cli_session_id());
     let summary = async {
-        let mut lease = match state.pool.lease(req).await {
-            Ok(l) => l,
-            Err(e) => {
-                return end(
-                    lease_error_status(&e),
-                    "",
-                    false,
-                    0,
-                    "",
-                    Some(e.to_string()),
-                );
-            }
-        };
         let session_id = lease.cli_session_id().to_owned();
         let resumed = lease.reason().continued();
         if let Err(e) = lease.send(prompt).await {
@@ -554,8 +574,9 @@ async fn run_turn(
                 event = lease.next_event() => match event {
                     Some(Ok(event)) => {
                         let sse = SseEvent { event: event.event_type().to_owned(), data: event.to_value() };
-                        if events.send(sse).await.is_err() {
-                            // The gateway disconnected: dropping the lease aborts the turn.
+                        if events.send_timeout(sse, SEND_TIMEOUT).await.is_err() {
+                            // The gateway disconnected or stopped reading: dropping the lease
+                            // aborts the turn.
                             return end("aborted", &session_id, resumed, 0, "", None);
                         }
                     }
@@ -584,16 +605,10 @@ async fn run_turn(
         }
     };
     let summary = tracing::Instrument::instrument(summary, span).await;
-    let _ = events.send(summary).await;
-    state.aborts.remove(&key);
+    drop(lease);
+    let _ = events.send_timeout(summary, SEND_TIMEOUT).await;
+    state.aborts.remove_if(&key, |_, (t, _)| *t == turn);
     state.running.send_modify(|n| *n = n.saturating_sub(1));
-}
-
-fn lease_error_status(e: &PoolError) -> &'static str {
-    match e {
-        PoolError::Worker(_) => "crashed",
-        _ => "error",
-    }
 }
 
 async fn post_answer(
@@ -627,7 +642,7 @@ async fn post_abort(
     let sender = state
         .aborts
         .get(&(agent_id, session_key))
-        .map(|s| s.clone());
+        .map(|s| s.1.clone());
     match sender {
         Some(tx) => {
             let _ = tx.try_send(());
@@ -663,10 +678,11 @@ async fn post_compact(
         Ok(c) => c,
         Err(r) => return r,
     };
-    let req = match lease_request(&state, &agent_id, &session_key, conv) {
+    let mut req = match lease_request(&state, &agent_id, &session_key, conv) {
         Ok(r) => r,
         Err(r) => return r,
     };
+    req.existing_only = true;
     let mut lease = match state.pool.lease(req).await {
         Ok(l) => l,
         Err(e) => return pool_error(&e),
@@ -695,10 +711,11 @@ async fn delete_session(
         Ok(c) => c,
         Err(r) => return r,
     };
-    let req = match lease_request(&state, &agent_id, &session_key, conv) {
+    let mut req = match lease_request(&state, &agent_id, &session_key, conv) {
         Ok(r) => r,
         Err(r) => return r,
     };
+    req.existing_only = true;
     let lease = match state.pool.lease(req).await {
         Ok(l) => l,
         Err(e) => return pool_error(&e),

@@ -150,7 +150,12 @@ impl Link {
             event: event.to_owned(),
             data,
         };
-        if self.events.send(sse).await.is_err() {
+        if self
+            .events
+            .send_timeout(sse, super::api::SEND_TIMEOUT)
+            .await
+            .is_err()
+        {
             return None;
         }
         rx.await.ok()

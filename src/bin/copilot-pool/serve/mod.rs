@@ -34,8 +34,9 @@ pub struct ServeArgs {
     /// Where bindings are stored.
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
-    /// Bearer token for `/v1` (or COPILOT_POOL_API_TOKEN).
-    #[arg(long, env = "COPILOT_POOL_API_TOKEN", hide_env_values = true)]
+    /// Bearer token for `/v1` (over the config file's `api_token`, which is over
+    /// COPILOT_POOL_API_TOKEN).
+    #[arg(long)]
     pub api_token: Option<String>,
     /// A separate address for `/metrics`.
     #[arg(long)]
@@ -93,6 +94,8 @@ fn install_metrics() -> Result<PrometheusHandle> {
 }
 
 pub async fn serve(args: ServeArgs) -> Result<()> {
+    // Signal handlers first: a SIGTERM at any point after this drains cleanly.
+    let signals = Signals::new()?;
     let config = args.config()?;
     let located = runtime::locate(config.cli_path.as_deref(), runtime::process_env)?;
     let metrics = install_metrics()?;
@@ -166,7 +169,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             .await;
     }));
 
-    let signal = interrupted().await;
+    let signal = signals.first().await;
     tracing::info!(signal, "Draining.");
     eprintln!("copilot-pool serve: {signal}, draining");
     // Not ready, no new turns; answers to running turns are still accepted.
@@ -190,17 +193,26 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// Resolves on the first SIGINT or SIGTERM, with the signal's name.
-async fn interrupted() -> &'static str {
-    use tokio::signal::unix::{SignalKind, signal};
-    match (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) {
-        (Ok(mut int), Ok(mut term)) => tokio::select! {
-            _ = int.recv() => "SIGINT",
-            _ = term.recv() => "SIGTERM",
-        },
-        _ => std::future::pending().await,
+/// SIGINT and SIGTERM, registered before anything else starts.
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+            term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+        })
+    }
+
+    /// Resolves on the first SIGINT or SIGTERM, with the signal's name.
+    async fn first(mut self) -> &'static str {
+        tokio::select! {
+            _ = self.int.recv() => "SIGINT",
+            _ = self.term.recv() => "SIGTERM",
+        }
     }
 }
