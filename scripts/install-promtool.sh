@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes `promtool` (Prometheus' rule and metrics checker) available for the tests and prints
-# its path: the one on PATH, else <repo>/target/tools/promtool, else that file taken from the
+# its path (and puts the `prometheus` server of the same package in target/tools): the one on PATH, else <repo>/target/tools/promtool, else that file taken from the
 # Debian `prometheus` package (`apt-get download`, no installation, no root needed unless the
 # package lists are missing).
 set -euo pipefail
@@ -13,7 +13,7 @@ if command -v promtool >/dev/null 2>&1; then
     command -v promtool
     exit 0
 fi
-if [[ -x "${target}" ]]; then
+if [[ -x "${target}" && ( -x "${tools}/prometheus" || -n "${PROMTOOL_ONLY:-}" ) ]]; then
     echo "${target}"
     exit 0
 fi
@@ -58,5 +58,10 @@ fi
 mkdir -p "${tools}"
 install -m 0755 "${tmp}/root/usr/bin/promtool" "${target}.tmp"
 mv -f "${target}.tmp" "${target}"
+# The server comes from the same package; scripts/prometheus-check.sh runs it.
+if [[ -x "${tmp}/root/usr/bin/prometheus" ]]; then
+    install -m 0755 "${tmp}/root/usr/bin/prometheus" "${tools}/prometheus.tmp"
+    mv -f "${tools}/prometheus.tmp" "${tools}/prometheus"
+fi
 "${target}" --version >&2
 echo "${target}"

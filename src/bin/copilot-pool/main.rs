@@ -6,6 +6,7 @@ mod demo;
 mod doctor;
 mod http_client;
 mod install;
+mod model;
 mod run;
 mod serve;
 mod status;
@@ -39,6 +40,10 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Show a running daemon's pool (`GET /v1/pool`) as a table.
     Status(status::StatusArgs),
+    /// Serve the embedded scripted model on loopback HTTP (for workloads against `serve` in
+    /// tests and CI; stops on SIGINT).
+    #[command(hide = true)]
+    ScriptedModel(model::ModelArgs),
     /// Run the pool as a sidecar daemon with an HTTP API for gateways, health endpoints and
     /// Prometheus metrics.
     Serve(serve::ServeArgs),
@@ -88,6 +93,7 @@ fn main() -> std::process::ExitCode {
             Command::Run(args) => run::run(args).await,
             Command::Serve(args) => serve::serve(args).await,
             Command::Doctor(args) => doctor::doctor(args).await,
+            Command::ScriptedModel(args) => model::scripted_model(args).await,
             Command::Status(args) => status::status(args).await,
         }
     });

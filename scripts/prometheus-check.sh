@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Checks the dashboard and the alert rules against a real Prometheus: starts the scripted
+# model, `copilot-pool serve` and a Prometheus (Debian's `prometheus` package) scraping it,
+# runs a short workload, then runs every PromQL expression of dashboards/copilot-pool.json and
+# deploy/prometheus/alerts.yml through Prometheus' HTTP API. Fails if an expression is
+# invalid, or if a dashboard panel's query returns no series.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "${repo}"
+
+bash scripts/install-promtool.sh >/dev/null
+prometheus="$(command -v prometheus || echo "${repo}/target/tools/prometheus")"
+[[ -x "${prometheus}" ]] || { echo "error: no prometheus binary (scripts/install-promtool.sh puts it in target/tools)" >&2; exit 1; }
+
+venv="${repo}/target/tools/venv"
+if [[ ! -x "${venv}/bin/python" ]]; then
+    python3 -m venv "${venv}"
+fi
+"${venv}/bin/python" -c 'import yaml' 2>/dev/null || "${venv}/bin/pip" install -q pyyaml
+
+cargo build --quiet
+bin="${repo}/target/debug/copilot-pool"
+runtime="$("${bin}" install-cli 2>/dev/null)"
+
+work="$(mktemp -d)"
+pids=()
+cleanup() {
+    for pid in "${pids[@]}"; do kill -TERM "${pid}" 2>/dev/null || true; done
+    for pid in "${pids[@]}"; do wait "${pid}" 2>/dev/null || true; done
+    rm -rf "${work}"
+}
+trap cleanup EXIT
+
+# Starts a command in the background and waits for a line with PREFIX on its stdout;
+# prints the rest of that line.
+start_and_read() {
+    local prefix="$1"; shift
+    local out="${work}/$(basename "$1")-$RANDOM.out"
+    "$@" >"${out}" 2>>"${work}/stderr.log" &
+    pids+=("$!")
+    for _ in $(seq 1 300); do
+        if grep -q "^${prefix}" "${out}" 2>/dev/null; then
+            grep -m1 "^${prefix}" "${out}" | sed "s|^${prefix}||"
+            return 0
+        fi
+        sleep 0.1
+    done
+    echo "error: '$*' did not print '${prefix}'" >&2
+    cat "${work}/stderr.log" >&2
+    exit 1
+}
+
+model_url="$(start_and_read "model on " "${bin}" scripted-model)"
+printf 'listen = "127.0.0.1:0"\nstate_dir = "%s/state"\nagents_dir = "%s/agents"\n' "${work}" "${work}" >"${work}/serve.toml"
+serve_addr="$(COPILOT_CLI_PATH="${runtime}" start_and_read "listening on http://" "${bin}" serve --config "${work}/serve.toml")"
+prom_port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+cat >"${work}/prometheus.yml" <<YAML
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: copilot-pool
+    static_configs:
+      - targets: ["${serve_addr}"]
+YAML
+"${prometheus}" --config.file="${work}/prometheus.yml" --storage.tsdb.path="${work}/tsdb" \
+    --web.listen-address="127.0.0.1:${prom_port}" --log.level=warn 2>>"${work}/stderr.log" &
+pids+=("$!")
+
+echo "workload: turns through ${serve_addr} (model ${model_url}, Prometheus on ${prom_port})"
+"${venv}/bin/python" - "${serve_addr}" "${model_url}" <<'PY'
+import json, sys, urllib.request
+addr, model = sys.argv[1], sys.argv[2]
+def turn(agent, key, prompt):
+    body = {"agent_id": agent, "session_key": key, "prompt": prompt, "model": "scripted-model",
+            "provider": {"type": "openai", "base_url": model, "api_key": "k"}}
+    req = urllib.request.Request(f"http://{addr}/v1/turns?stream=false", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+for i in range(3):
+    for agent in ("agent-a", "agent-b"):
+        out = turn(agent, f"conv-{i % 2}", f"REPLY=turn {i}")
+        assert out["status"] == "idle", out
+print("workload done")
+PY
+
+"${venv}/bin/python" - "${prom_port}" <<'PY'
+import json, sys, time, urllib.parse, urllib.request, yaml
+port = sys.argv[1]
+def query(expr):
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        return json.load(e)
+# Wait until two scrapes after the workload have landed (rates need two samples).
+deadline = time.time() + 60
+while time.time() < deadline:
+    r = query('count_over_time(copilot_pool_sessions[1m])')
+    if r.get("status") == "success" and r["data"]["result"] and float(r["data"]["result"][0]["value"][1]) >= 3:
+        break
+    time.sleep(0.5)
+else:
+    sys.exit("error: Prometheus never scraped copilot-pool serve")
+failures = []
+dashboard = json.load(open("dashboards/copilot-pool.json"))
+def panels(items):
+    for p in items:
+        yield p
+        yield from panels(p.get("panels", []))
+n = 0
+for panel in panels(dashboard.get("panels", [])):
+    for target in panel.get("targets", []):
+        expr = target.get("expr")
+        if not expr:
+            continue
+        n += 1
+        expr = expr.replace("$__rate_interval", "5m").replace("$__interval", "1m").replace("$__range", "5m")
+        r = query(expr)
+        if r.get("status") != "success":
+            failures.append(f"panel {panel.get('title')!r}: invalid: {expr}: {r.get('error')}")
+        elif not r["data"]["result"]:
+            failures.append(f"panel {panel.get('title')!r}: no series: {expr}")
+rules = yaml.safe_load(open("deploy/prometheus/alerts.yml"))
+for group in rules.get("groups", []):
+    for rule in group.get("rules", []):
+        n += 1
+        r = query(rule["expr"])
+        if r.get("status") != "success":
+            failures.append(f"alert {rule.get('alert')!r}: invalid: {rule['expr']}: {r.get('error')}")
+print(f"{n} expressions checked against Prometheus")
+if failures:
+    print("\n".join(failures))
+    sys.exit(1)
+PY
+echo "prometheus check: ok"
