@@ -665,27 +665,28 @@ fn conversation_body(body: &Bytes) -> Result<ConversationBody, Response> {
     parse(body)
 }
 
+/// The lease of an existing conversation for compact and reset (never a new session).
+async fn existing_lease(
+    state: &AppState,
+    agent_id: &str,
+    session_key: &str,
+    body: Body,
+) -> Result<copilot_pool::pool::Lease, Response> {
+    let body = read_body(state, body).await?;
+    let conv = conversation_body(&body)?;
+    let mut req = lease_request(state, agent_id, session_key, conv)?;
+    req.existing_only = true;
+    state.pool.lease(req).await.map_err(|e| pool_error(&e))
+}
+
 async fn post_compact(
     State(state): State<Arc<AppState>>,
     Path((agent_id, session_key)): Path<(String, String)>,
     body: Body,
 ) -> Response {
-    let body = match read_body(&state, body).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let conv = match conversation_body(&body) {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
-    let mut req = match lease_request(&state, &agent_id, &session_key, conv) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    req.existing_only = true;
-    let mut lease = match state.pool.lease(req).await {
+    let mut lease = match existing_lease(&state, &agent_id, &session_key, body).await {
         Ok(l) => l,
-        Err(e) => return pool_error(&e),
+        Err(r) => return r,
     };
     match lease.compact(None).await {
         Ok(r) => axum::Json(json!({
@@ -703,22 +704,9 @@ async fn delete_session(
     Path((agent_id, session_key)): Path<(String, String)>,
     body: Body,
 ) -> Response {
-    let body = match read_body(&state, body).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let conv = match conversation_body(&body) {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
-    let mut req = match lease_request(&state, &agent_id, &session_key, conv) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    req.existing_only = true;
-    let lease = match state.pool.lease(req).await {
+    let lease = match existing_lease(&state, &agent_id, &session_key, body).await {
         Ok(l) => l,
-        Err(e) => return pool_error(&e),
+        Err(r) => return r,
     };
     match lease.reset().await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
