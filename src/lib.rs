@@ -6,6 +6,7 @@
 //!
 //! * [`pool`] — keyed leasing of conversations across workers: caps, waiters, crash
 //!   restart, durable bindings, rotation, eviction. [`pool::Pool::lease`] is the entry point.
+//! * [`routing`] — which of N `serve` replicas an agent goes to (rendezvous hashing).
 //! * [`auth`] — which credentials a lease runs with (precedence, fingerprints).
 //! * [`home`] — each agent's COPILOT_HOME.
 //! * [`worker`] — one supervised CLI child: [`worker::WorkerHandle`] starts it and opens
@@ -28,6 +29,7 @@ pub mod metrics;
 pub mod permission;
 pub mod pool;
 pub mod process;
+pub mod routing;
 pub mod rpc;
 pub mod runtime;
 #[cfg(feature = "scripted-model")]
