@@ -20,7 +20,7 @@ fi
 "${venv}/bin/python" -c 'import yaml' 2>/dev/null || "${venv}/bin/pip" install -q pyyaml
 
 cargo build --quiet
-bin="${repo}/target/debug/copilot-pool"
+bin="${CARGO_TARGET_DIR:-${repo}/target}/debug/copilot-pool"
 runtime="$("${bin}" install-cli 2>/dev/null)"
 
 work="$(mktemp -d)"
