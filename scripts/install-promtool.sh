@@ -9,7 +9,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tools="${repo}/target/tools"
 target="${tools}/promtool"
 
-if command -v promtool >/dev/null 2>&1; then
+if command -v promtool >/dev/null 2>&1 && { command -v prometheus >/dev/null 2>&1 || [[ -x "${tools}/prometheus" ]]; }; then
     command -v promtool
     exit 0
 fi

@@ -87,7 +87,7 @@ print("workload done")
 PY
 
 "${venv}/bin/python" - "${prom_port}" <<'PY'
-import json, sys, time, urllib.parse, urllib.request, yaml
+import json, re, sys, time, urllib.parse, urllib.request, yaml
 port = sys.argv[1]
 def query(expr):
     url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
@@ -122,8 +122,15 @@ for panel in panels(dashboard.get("panels", [])):
         r = query(expr)
         if r.get("status") != "success":
             failures.append(f"panel {panel.get('title')!r}: invalid: {expr}: {r.get('error')}")
+            continue
+        # The zero fallback keeps panels drawn before any event; the check runs the query
+        # without it, so a wrong metric or label value cannot hide behind the fallback.
+        bare = re.sub(r"\s+or\s+(on\s*\(\s*\)\s*)?vector\(0\)\s*$", "", expr)
+        r = query(bare)
+        if r.get("status") != "success":
+            failures.append(f"panel {panel.get('title')!r}: invalid: {bare}: {r.get('error')}")
         elif not r["data"]["result"]:
-            failures.append(f"panel {panel.get('title')!r}: no series: {expr}")
+            failures.append(f"panel {panel.get('title')!r}: no series: {bare}")
 rules = yaml.safe_load(open("deploy/prometheus/alerts.yml"))
 for group in rules.get("groups", []):
     for rule in group.get("rules", []):

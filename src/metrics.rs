@@ -162,6 +162,36 @@ pub const LEASE_REJECTION_REASONS: &[&str] = &[
 /// The `outcome` values of [`TURNS_TOTAL`].
 pub const TURN_OUTCOMES: &[&str] = &["idle", "error", "aborted", "timeout", "crashed"];
 
+/// Registers every counter series with value 0 (every label value of the fixed sets), so
+/// `increase()`/`rate()` see the first event after a start and dashboards have a series
+/// before anything happened. Call it once, after installing the recorder.
+pub fn register_zeroes() {
+    for name in [LLM_CALLS_TOTAL, QUARANTINES_TOTAL, HOOK_FAILURES_TOTAL] {
+        counter!(name).absolute(0);
+    }
+    for result in ["ok", "error"] {
+        counter!(PROCESS_SPAWNS_TOTAL, "result" => result).absolute(0);
+    }
+    for reason in ["crash", "evicted", "shutdown"] {
+        counter!(PROCESS_EXITS_TOTAL, "reason" => reason).absolute(0);
+    }
+    for result in RESUME_RESULTS {
+        counter!(SESSION_RESUMES_TOTAL, "result" => *result).absolute(0);
+    }
+    for reason in LEASE_REJECTION_REASONS {
+        counter!(LEASE_REJECTIONS_TOTAL, "reason" => *reason).absolute(0);
+    }
+    for outcome in TURN_OUTCOMES {
+        counter!(TURNS_TOTAL, "outcome" => *outcome).absolute(0);
+    }
+    for outcome in ["ok", "error", "timeout"] {
+        counter!(TOOL_CALLS_TOTAL, "outcome" => outcome).absolute(0);
+    }
+    for reason in ["idle", "full", "drained", "detach_failed"] {
+        counter!(EVICTIONS_TOTAL, "reason" => reason).absolute(0);
+    }
+}
+
 /// Describes every metric (unit and help) to the installed recorder. Call it once, after
 /// installing the recorder.
 pub fn describe() {

@@ -90,6 +90,7 @@ fn install_metrics() -> Result<PrometheusHandle> {
         .install_recorder()
         .context("installing the Prometheus recorder")?;
     copilot_pool::metrics::describe();
+    copilot_pool::metrics::register_zeroes();
     Ok(handle)
 }
 
