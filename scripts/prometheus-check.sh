@@ -26,34 +26,41 @@ runtime="$("${bin}" install-cli 2>/dev/null)"
 work="$(mktemp -d)"
 pids=()
 cleanup() {
-    for pid in "${pids[@]}"; do kill -TERM "${pid}" 2>/dev/null || true; done
+    # SIGTERM drains serve; the scripted model stops on SIGINT.
+    for pid in "${pids[@]}"; do kill -TERM "${pid}" 2>/dev/null || true; kill -INT "${pid}" 2>/dev/null || true; done
     for pid in "${pids[@]}"; do wait "${pid}" 2>/dev/null || true; done
     rm -rf "${work}"
 }
 trap cleanup EXIT
 
-# Starts a command in the background and waits for a line with PREFIX on its stdout;
-# prints the rest of that line.
-start_and_read() {
-    local prefix="$1"; shift
-    local out="${work}/$(basename "$1")-$RANDOM.out"
-    "$@" >"${out}" 2>>"${work}/stderr.log" &
+# Starts a command in the background (in this shell, so cleanup knows its pid), its stdout
+# going to FILE.
+start() {
+    local file="$1"; shift
+    "$@" >"${file}" 2>>"${work}/stderr.log" &
     pids+=("$!")
+}
+
+# Waits for a line starting with PREFIX in FILE and prints the rest of that line.
+read_line() {
+    local prefix="$1" file="$2"
     for _ in $(seq 1 300); do
-        if grep -q "^${prefix}" "${out}" 2>/dev/null; then
-            grep -m1 "^${prefix}" "${out}" | sed "s|^${prefix}||"
+        if grep -q "^${prefix}" "${file}" 2>/dev/null; then
+            grep -m1 "^${prefix}" "${file}" | sed "s|^${prefix}||"
             return 0
         fi
         sleep 0.1
     done
-    echo "error: '$*' did not print '${prefix}'" >&2
+    echo "error: no '${prefix}' line in ${file}" >&2
     cat "${work}/stderr.log" >&2
-    exit 1
+    return 1
 }
 
-model_url="$(start_and_read "model on " "${bin}" scripted-model)"
+start "${work}/model.out" "${bin}" scripted-model
+model_url="$(read_line "model on " "${work}/model.out")"
 printf 'listen = "127.0.0.1:0"\nstate_dir = "%s/state"\nagents_dir = "%s/agents"\n' "${work}" "${work}" >"${work}/serve.toml"
-serve_addr="$(COPILOT_CLI_PATH="${runtime}" start_and_read "listening on http://" "${bin}" serve --config "${work}/serve.toml")"
+COPILOT_CLI_PATH="${runtime}" start "${work}/serve.out" "${bin}" serve --config "${work}/serve.toml"
+serve_addr="$(read_line "listening on http://" "${work}/serve.out")"
 prom_port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 cat >"${work}/prometheus.yml" <<YAML
 global:
