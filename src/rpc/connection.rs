@@ -15,7 +15,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, oneshot};
@@ -617,14 +616,6 @@ fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), St
         }
         (None, None) => Err("message is neither request, notification nor response".to_owned()),
     }
-}
-
-/// Helper for call sites that hold raw JSON: decode a result into `T`.
-pub fn decode<T: DeserializeOwned>(method: &str, value: Value) -> Result<T, RpcError> {
-    serde_json::from_value(value).map_err(|e| RpcError::Decode {
-        method: method.to_owned(),
-        detail: e.to_string(),
-    })
 }
 
 #[cfg(test)]

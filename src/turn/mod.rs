@@ -142,7 +142,7 @@ pub struct TurnOutcome {
     pub text: String,
     /// The turn was aborted.
     pub aborted: bool,
-    /// The turn's `session.error` message, if it failed (see [`TurnOutcome::failure`]).
+    /// The turn's `session.error` message, if it failed; `Lease::wait_idle` turns it into `PoolError::TurnFailed`.
     pub error: Option<String>,
     /// The `session.error` status code (e.g. 500 from the provider).
     pub status_code: Option<u16>,
