@@ -8,6 +8,8 @@
 
 #[path = "../tests/support/runtime.rs"]
 mod runtime;
+#[path = "support/summary.rs"]
+mod summary;
 
 use std::time::{Duration, Instant};
 
@@ -15,21 +17,10 @@ use copilot_pool::pool::{LeaseRequest, OpenReason, Pool, PoolConfig, PoolEvent};
 use copilot_pool::rpc::messages::ProviderConfig;
 use copilot_pool::scripted_model::ScriptedModel;
 use copilot_pool::worker::WorkerConfig;
+use summary::summary;
 
 const WARM: usize = 2000;
 const CRASHES: usize = 10;
-
-fn summary(name: &str, mut samples: Vec<Duration>) {
-    samples.sort();
-    let pick = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
-    println!(
-        "{name:<34} n={:<5} p50={:>9.3?} p99={:>9.3?} max={:>9.3?}",
-        samples.len(),
-        pick(0.5),
-        pick(0.99),
-        pick(1.0)
-    );
-}
 
 #[tokio::main]
 async fn main() {

@@ -7,8 +7,10 @@
 
 #[path = "../tests/support/runtime.rs"]
 mod runtime;
+#[path = "support/summary.rs"]
+mod summary;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use copilot_pool::rpc::EventKind;
 use copilot_pool::rpc::messages::{ProviderConfig, SessionConfig};
@@ -16,22 +18,11 @@ use copilot_pool::scripted_model::ScriptedModel;
 use copilot_pool::worker::{Session, SessionUpdate, WorkerConfig, WorkerHandle};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use summary::summary;
 
 const STARTS: usize = 20;
 const TURNS: usize = 50;
 const KILLS: usize = 10;
-
-fn summary(name: &str, mut samples: Vec<Duration>) {
-    samples.sort();
-    let pick = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
-    println!(
-        "{name:<28} n={:<3} p50={:>8.2?} p90={:>8.2?} max={:>8.2?}",
-        samples.len(),
-        pick(0.5),
-        pick(0.9),
-        pick(1.0)
-    );
-}
 
 async fn idle(session: &mut Session) {
     while let Some(update) = session.next().await {

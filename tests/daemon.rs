@@ -20,6 +20,18 @@ fn turn(fx_url: &str, agent: &str, key: &str, prompt: &str) -> Value {
 }
 
 /// Processes whose COPILOT_HOME lies under `dir` (the daemon's children).
+/// Answers a pending tool call or permission request of a streamed turn.
+async fn answer(addr: std::net::SocketAddr, id: &str, body: &Value) -> support::http::Response {
+    call(
+        addr,
+        "POST",
+        &format!("/v1/requests/{id}"),
+        None,
+        Some(body),
+    )
+    .await
+}
+
 fn children_under(dir: &std::path::Path) -> Vec<u32> {
     let needle = dir.display().to_string();
     support::procs::with_env_prefix("COPILOT_HOME", &needle)
@@ -65,44 +77,18 @@ async fn ten_agents_stream_turns_at_once_and_a_tool_call_is_answered_over_http()
     );
     body["tools"] = json!([{"name": "lookup", "description": "Looks up a number", "parameters": {"type": "object"}}]);
     let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
-    let call_event = loop {
-        let e = stream.next().await.expect("tool.call event");
-        if e.event == "tool.call" {
-            break e;
-        }
-    };
+    let call_event = stream.until_event("tool.call").await;
     assert_eq!(call_event.data["tool_name"], "lookup");
     assert_eq!(call_event.data["arguments"]["key"], "alpha");
     let id = call_event.data["request_id"]
         .as_str()
         .expect("request_id")
         .to_owned();
-    let wrong = call(
-        addr,
-        "POST",
-        &format!("/v1/requests/{id}"),
-        None,
-        Some(&json!({"decision": "reject"})),
-    )
-    .await;
+    let wrong = answer(addr, &id, &json!({"decision": "reject"})).await;
     assert_eq!(wrong.status, 400, "{}", wrong.body);
-    let ok = call(
-        addr,
-        "POST",
-        &format!("/v1/requests/{id}"),
-        None,
-        Some(&json!({"result": "forty-two"})),
-    )
-    .await;
+    let ok = answer(addr, &id, &json!({"result": "forty-two"})).await;
     assert_eq!(ok.status, 204, "{}", ok.body);
-    let again = call(
-        addr,
-        "POST",
-        &format!("/v1/requests/{id}"),
-        None,
-        Some(&json!({"result": "x"})),
-    )
-    .await;
+    let again = answer(addr, &id, &json!({"result": "x"})).await;
     assert_eq!(again.status, 404);
     let (_, end) = stream.until_end().await;
     assert_eq!(end["final_text"], "tool said: forty-two", "{end}");
@@ -343,11 +329,7 @@ async fn sigterm_during_turns_drains_and_leaves_no_process() {
             ),
         )
         .await;
-        while let Some(e) = s.next().await {
-            if e.event == "assistant.turn_start" {
-                break;
-            }
-        }
+        s.until_event("assistant.turn_start").await;
         streams.push(s);
     }
     assert!(!children_under(scratch.path()).is_empty());

@@ -598,7 +598,8 @@ async fn a_lease_cancelled_while_opening_gives_its_slot_back() {
     // A peer that completes the handshake and then never answers session.create: every
     // lease hangs while opening its conversation, after the pool granted it a worker.
     let script = fx.scratch.path().join("silent-peer.sh");
-    let connect = r#"{"jsonrpc":"2.0","id":1,"result":{"ok":true,"protocolVersion":3,"version":"silent"}}"#;
+    let connect =
+        r#"{"jsonrpc":"2.0","id":1,"result":{"ok":true,"protocolVersion":3,"version":"silent"}}"#;
     std::fs::write(
         &script,
         format!(
@@ -613,8 +614,16 @@ async fn a_lease_cancelled_while_opening_gives_its_slot_back() {
     config.worker.health_interval = Duration::ZERO;
     let pool = Pool::start(config).await.expect("pool");
     for _ in 0..3 {
-        let hung = tokio::time::timeout(Duration::from_millis(300), pool.lease(fx.request("agent-a", "conv"))).await;
-        assert!(hung.is_err(), "the silent peer must keep the lease opening: {:?}", hung.map(|r| r.map(|_| ())));
+        let hung = tokio::time::timeout(
+            Duration::from_millis(300),
+            pool.lease(fx.request("agent-a", "conv")),
+        )
+        .await;
+        assert!(
+            hung.is_err(),
+            "the silent peer must keep the lease opening: {:?}",
+            hung.map(|r| r.map(|_| ()))
+        );
         // The dropped future gave the granted slot back.
         let released = async {
             loop {

@@ -18,7 +18,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use support::procs::wait_group_gone;
-use support::{Scratch, next_event, session_config, worker_config};
+use support::{Scratch, event_where, session_config, worker_config};
 use tokio::sync::mpsc;
 
 /// A supervisor that reports every supervision event it gets.
@@ -94,12 +94,10 @@ async fn kill_9_mid_turn_fails_the_turn_fast_and_leaves_no_process() {
         .send("SCENARIO:slow SLOW=300x100")
         .await
         .expect("send");
-    loop {
-        let event = next_event(&mut session).await.expect("event");
-        if matches!(event.kind, EventKind::AssistantMessageDelta(_)) {
-            break;
-        }
-    }
+    event_where(&mut session, |kind| {
+        matches!(kind, EventKind::AssistantMessageDelta(_)).then_some(())
+    })
+    .await;
 
     let killed_at = Instant::now();
     kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill -9");

@@ -11,8 +11,8 @@ use copilot_pool::rpc::messages::SessionConfig;
 use copilot_pool::scripted_model::{ScriptedModel, Transport};
 use copilot_pool::worker::{ToolResult, WorkerError, WorkerHandle};
 use support::{
-    Scratch, collect_turn, final_text, next_event, position, secret_tool, session_config,
-    worker_config,
+    Scratch, collect_turn, event_where, final_text, next_event, position, secret_tool,
+    session_config, worker_config,
 };
 
 #[tokio::test]
@@ -86,12 +86,11 @@ async fn a_client_tool_round_trip_and_answers_only_from_the_owning_session() {
         .send(r#"SCENARIO:tool NAME=get_secret_number ARGS={"key":"alpha"}"#)
         .await
         .expect("send");
-    let request = loop {
-        let event = next_event(&mut owner).await.expect("event");
-        if let EventKind::ExternalToolRequested(req) = event.kind {
-            break req;
-        }
-    };
+    let request = event_where(&mut owner, |kind| match kind {
+        EventKind::ExternalToolRequested(req) => Some(req),
+        _ => None,
+    })
+    .await;
     assert_eq!(request.tool_name, "get_secret_number");
     assert_eq!(request.arguments["key"], "alpha");
     assert_eq!(request.session_id, owner.id());
@@ -165,12 +164,10 @@ async fn abort_mid_turn_ends_with_an_aborted_idle() {
         .await
         .expect("send");
     // Wait until the answer is streaming, then abort.
-    loop {
-        let event = next_event(&mut session).await.expect("event");
-        if matches!(event.kind, EventKind::AssistantMessageDelta(_)) {
-            break;
-        }
-    }
+    event_where(&mut session, |kind| {
+        matches!(kind, EventKind::AssistantMessageDelta(_)).then_some(())
+    })
+    .await;
     session.abort().await.expect("abort");
     let events = collect_turn(&mut session).await;
     let Some(EventKind::SessionIdle(idle)) = events.last().map(|e| &e.kind) else {
@@ -344,12 +341,11 @@ async fn a_permission_prompt_is_answered_before_the_tool_runs() {
         )
         .await
         .expect("approve");
-    let request = loop {
-        let event = next_event(&mut session).await.expect("event");
-        if let EventKind::ExternalToolRequested(req) = event.kind {
-            break req;
-        }
-    };
+    let request = event_where(&mut session, |kind| match kind {
+        EventKind::ExternalToolRequested(req) => Some(req),
+        _ => None,
+    })
+    .await;
     session
         .answer_tool_call(&request.request_id, ToolResult::Text("7".into()))
         .await

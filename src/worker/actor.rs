@@ -30,7 +30,7 @@ const EXIT_AFTER_EOF_WAIT: Duration = Duration::from_millis(200);
 /// How long to wait for the last stderr bytes once the child has exited.
 const STDERR_SETTLE_WAIT: Duration = Duration::from_millis(100);
 /// Per-session `session.detach` timeout during an orderly stop.
-const DETACH_TIMEOUT: Duration = Duration::from_secs(2);
+pub(super) const DETACH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The worker actor (stateless; its state is [`WorkerState`]).
 pub(crate) struct Worker;

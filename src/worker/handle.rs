@@ -31,6 +31,9 @@ const EXIT_REPORT_WAIT: Duration = Duration::from_millis(500);
 /// Timeout of the actor's own bookkeeping calls (it never blocks on the runtime).
 const ACTOR_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Slack on top of detach + kill grace before a stopping actor is killed outright.
+const STOP_MARGIN: Duration = Duration::from_secs(2);
+
 /// Which kind of pending runtime request an answer is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PendingKind {
@@ -80,6 +83,8 @@ pub struct WorkerHandle {
     exit: watch::Receiver<Option<WorkerExit>>,
     info: Arc<WorkerInfo>,
     request_timeout: Duration,
+    /// Upper bound of an orderly stop: detach, then TERM, grace, KILL.
+    stop_limit: Duration,
 }
 
 impl fmt::Debug for WorkerHandle {
@@ -103,6 +108,7 @@ impl WorkerHandle {
         let (exit_tx, exit_rx) = watch::channel(None);
         let (ready_tx, ready_rx) = oneshot::channel();
         let request_timeout = config.request_timeout;
+        let stop_limit = super::actor::DETACH_TIMEOUT + config.kill_grace + STOP_MARGIN;
         let args = StartArgs {
             config,
             exit: exit_tx,
@@ -132,6 +138,7 @@ impl WorkerHandle {
             exit: exit_rx,
             info: Arc::new(info),
             request_timeout,
+            stop_limit,
         })
     }
 
@@ -173,11 +180,16 @@ impl WorkerHandle {
         match ended {
             Ok(Some(exit)) => exit,
             // The sender is gone without a report (cannot happen: the state reports on drop).
-            _ => WorkerExit {
-                reason: super::error::ExitReason::Killed,
-                pid: self.info.pid,
-                stderr_tail: String::new(),
-            },
+            _ => self.killed(),
+        }
+    }
+
+    /// The report for an end the worker could not describe itself.
+    fn killed(&self) -> WorkerExit {
+        WorkerExit {
+            reason: super::error::ExitReason::Killed,
+            pid: self.info.pid,
+            stderr_tail: String::new(),
         }
     }
 
@@ -304,10 +316,21 @@ impl WorkerHandle {
 
     /// Stops the worker: detaches its sessions, closes the child's input, and kills the
     /// group after the grace period if it has not exited. Returns once the actor is gone.
+    /// Bounded: an actor still busy after detach + grace + a margin is killed, and dropping
+    /// its state SIGKILLs the group.
     pub async fn shutdown(&self) -> WorkerExit {
         self.actor.stop(Some("shutdown".to_owned()));
-        let _ = self.actor.wait(None).await;
-        self.ended().await
+        if self.actor.wait(Some(self.stop_limit)).await.is_err() {
+            tracing::warn!(
+                pid = self.info.pid,
+                "Copilot worker did not stop in time; killing it."
+            );
+            self.actor.kill();
+            let _ = self.actor.wait(Some(STOP_MARGIN)).await;
+        }
+        tokio::time::timeout(EXIT_REPORT_WAIT, self.ended())
+            .await
+            .unwrap_or_else(|_| self.killed())
     }
 
     async fn ask<T>(

@@ -215,6 +215,16 @@ impl SseStream {
         }
     }
 
+    /// The first event named `name`, skipping those before it.
+    pub async fn until_event(&mut self, name: &str) -> Sse {
+        while let Some(e) = self.next().await {
+            if e.event == name {
+                return e;
+            }
+        }
+        panic!("stream ended before a {name} event");
+    }
+
     /// Events up to and including `turn.end` (its data is the summary).
     pub async fn until_end(&mut self) -> (Vec<Sse>, Value) {
         let mut events = Vec::new();

@@ -110,6 +110,18 @@ pub async fn next_event(session: &mut Session) -> Result<SessionEvent, WorkerErr
     }
 }
 
+/// Reads events until `pick` accepts one, and returns what it picked.
+pub async fn event_where<T>(session: &mut Session, pick: impl Fn(EventKind) -> Option<T>) -> T {
+    loop {
+        let event = next_event(session)
+            .await
+            .expect("worker ended before the event");
+        if let Some(picked) = pick(event.kind) {
+            return picked;
+        }
+    }
+}
+
 /// Events up to and including `session.idle`.
 pub async fn collect_turn(session: &mut Session) -> Vec<SessionEvent> {
     let mut events = Vec::new();
