@@ -484,7 +484,7 @@ async fn a_provider_500_is_a_typed_error_with_its_status() {
     shutdown_leaves_nothing(&pool).await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_transcript_has_no_duplicate_after_resume_and_restart() {
     let fx = Fixture::new().await;
     let dir = fx.scratch.path().join("transcripts");

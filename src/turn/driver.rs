@@ -499,8 +499,15 @@ impl TurnDriver {
             tool_name,
             tool_call_id,
         };
-        transcript
-            .append(&entry)
+        // The append fsyncs: on a multi-threaded runtime, hand this thread's other tasks
+        // to the rest of the pool while it waits on the disk. Inline (and cancel-safe: the
+        // transcript never leaves `self`) either way.
+        let mut append = || transcript.append(&entry);
+        let appended = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(append),
+            _ => append(),
+        };
+        appended
             .map(|_| ())
             .map_err(|e| PoolError::TranscriptPersistenceFailed(e.to_string()))
     }
