@@ -12,7 +12,7 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | [`PROCESSES`] | gauge | `state`: `live`, `draining` |
-//! | [`PROCESS_SPAWNS_TOTAL`] | counter | `result`: `ok`, `error` |
+//! | [`PROCESS_SPAWNS_TOTAL`] | counter | `result`: [`SPAWN_RESULTS`] |
 //! | [`PROCESS_EXITS_TOTAL`] | counter | `reason`: `crash`, `evicted`, `shutdown` |
 //! | [`PROCESS_START_SECONDS`] | histogram | — |
 //! | [`PROCESS_RESIDENT_MEMORY_BYTES`] | gauge | — |
@@ -25,7 +25,7 @@
 //! | [`TURN_DURATION_SECONDS`] | histogram | — |
 //! | [`LLM_CALLS_TOTAL`] | counter | — |
 //! | [`TOOL_CALLS_TOTAL`] | counter | `outcome`: `ok`, `error`, `timeout` |
-//! | [`EVICTIONS_TOTAL`] | counter | `reason`: `idle`, `full`, `drained`, `detach_failed` |
+//! | [`EVICTIONS_TOTAL`] | counter | `reason`: [`EVICTION_REASONS`] |
 //! | [`QUARANTINES_TOTAL`] | counter | — |
 //! | [`RPC_DURATION_SECONDS`] | histogram | `method`: [`RPC_METHODS`] or `other` |
 //! | [`HOOK_FAILURES_TOTAL`] | counter | — |
@@ -42,6 +42,7 @@ use ::metrics::{
 };
 
 use crate::pool::{OpenReason, PoolError};
+use crate::worker::WorkerError;
 
 /// CLI processes of the pool by `state` (`live`, `draining`).
 pub const PROCESSES: &str = "copilot_pool_processes";
@@ -144,6 +145,7 @@ pub const RESUME_RESULTS: &[&str] = &[
     "transcript_missing",
     "not_found",
     "compat_changed",
+    "resume_failed",
 ];
 
 /// The `reason` values of [`LEASE_REJECTIONS_TOTAL`]. `invalid`: the request (credentials,
@@ -156,6 +158,8 @@ pub const LEASE_REJECTION_REASONS: &[&str] = &[
     "quarantined",
     "closed",
     "invalid",
+    "resource_exhausted",
+    "state_unwritable",
     "error",
 ];
 
@@ -169,8 +173,8 @@ pub fn register_zeroes() {
     for name in [LLM_CALLS_TOTAL, QUARANTINES_TOTAL, HOOK_FAILURES_TOTAL] {
         counter!(name).absolute(0);
     }
-    for result in ["ok", "error"] {
-        counter!(PROCESS_SPAWNS_TOTAL, "result" => result).absolute(0);
+    for result in SPAWN_RESULTS {
+        counter!(PROCESS_SPAWNS_TOTAL, "result" => *result).absolute(0);
     }
     for reason in ["crash", "evicted", "shutdown"] {
         counter!(PROCESS_EXITS_TOTAL, "reason" => reason).absolute(0);
@@ -187,8 +191,8 @@ pub fn register_zeroes() {
     for outcome in ["ok", "error", "timeout"] {
         counter!(TOOL_CALLS_TOTAL, "outcome" => outcome).absolute(0);
     }
-    for reason in ["idle", "full", "drained", "detach_failed"] {
-        counter!(EVICTIONS_TOTAL, "reason" => reason).absolute(0);
+    for reason in EVICTION_REASONS {
+        counter!(EVICTIONS_TOTAL, "reason" => *reason).absolute(0);
     }
 }
 
@@ -304,11 +308,35 @@ pub(crate) fn rpc_finished(method: &str, elapsed: Duration) {
         .record(elapsed.as_secs_f64());
 }
 
+/// How a process start ended (the `result` label of [`PROCESS_SPAWNS_TOTAL`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SpawnResult {
+    /// Started and handshaken.
+    Ok,
+    /// The runtime failed to start or to handshake (counts towards the restart intensity).
+    Error,
+    /// The OS had no file descriptors, processes or memory left (never a crash).
+    ResourceExhausted,
+}
+
+impl SpawnResult {
+    /// The `result` label.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            SpawnResult::Ok => "ok",
+            SpawnResult::Error => "error",
+            SpawnResult::ResourceExhausted => "resource_exhausted",
+        }
+    }
+}
+
+/// The `result` values of [`PROCESS_SPAWNS_TOTAL`].
+pub const SPAWN_RESULTS: &[&str] = &["ok", "error", "resource_exhausted"];
+
 /// A process start finished; `elapsed` (spawn + handshake) is recorded when it succeeded.
-pub(crate) fn process_started(ok: bool, elapsed: Duration) {
-    let result = if ok { "ok" } else { "error" };
-    counter!(PROCESS_SPAWNS_TOTAL, "result" => result).increment(1);
-    if ok {
+pub(crate) fn process_started(result: SpawnResult, elapsed: Duration) {
+    counter!(PROCESS_SPAWNS_TOTAL, "result" => result.label()).increment(1);
+    if result == SpawnResult::Ok {
         histogram!(PROCESS_START_SECONDS).record(elapsed.as_secs_f64());
     }
 }
@@ -344,7 +372,12 @@ pub(crate) enum Eviction {
     Drained,
     /// Detaching a conversation from it failed: it may still hold the session.
     DetachFailed,
+    /// A dropped lease's turn did not end after its abort: it may still run it.
+    Unsettled,
 }
+
+/// The `reason` values of [`EVICTIONS_TOTAL`].
+pub const EVICTION_REASONS: &[&str] = &["idle", "full", "drained", "detach_failed", "unsettled"];
 
 impl Eviction {
     /// The `reason` label.
@@ -354,6 +387,7 @@ impl Eviction {
             Eviction::Full => "full",
             Eviction::Drained => "drained",
             Eviction::DetachFailed => "detach_failed",
+            Eviction::Unsettled => "unsettled",
         }
     }
 }
@@ -399,6 +433,7 @@ pub(crate) fn resume_result(reason: OpenReason) -> Option<&'static str> {
         OpenReason::TranscriptMissing => "transcript_missing",
         OpenReason::NotFound => "not_found",
         OpenReason::CompatChanged => "compat_changed",
+        OpenReason::ResumeFailed => "resume_failed",
     })
 }
 
@@ -421,6 +456,8 @@ pub(crate) fn lease_rejection_reason(error: &PoolError) -> &'static str {
         PoolError::ConversationBusy { .. } => "busy",
         PoolError::RestartIntensityExceeded { .. } => "quarantined",
         PoolError::Closed => "closed",
+        PoolError::Worker(WorkerError::ResourceExhausted(_)) => "resource_exhausted",
+        PoolError::StateUnwritable { .. } => "state_unwritable",
         PoolError::Auth(_)
         | PoolError::Home(_)
         | PoolError::InvalidRequest(_)
@@ -430,6 +467,7 @@ pub(crate) fn lease_rejection_reason(error: &PoolError) -> &'static str {
         | PoolError::TurnState(_)
         | PoolError::TurnTimeout { .. }
         | PoolError::TurnFailed { .. }
+        | PoolError::Internal(_)
         | PoolError::TranscriptPersistenceFailed(_) => "error",
     }
 }
@@ -728,12 +766,17 @@ mod tests {
             Eviction::Full,
             Eviction::Drained,
             Eviction::DetachFailed,
+            Eviction::Unsettled,
         ];
         let labels: HashSet<_> = evictions.iter().map(|e| e.label()).collect();
-        assert_eq!(
-            labels,
-            HashSet::from(["idle", "full", "drained", "detach_failed"])
-        );
+        assert_eq!(labels, EVICTION_REASONS.iter().copied().collect());
+        let spawns = [
+            SpawnResult::Ok,
+            SpawnResult::Error,
+            SpawnResult::ResourceExhausted,
+        ];
+        let labels: HashSet<_> = spawns.iter().map(|e| e.label()).collect();
+        assert_eq!(labels, SPAWN_RESULTS.iter().copied().collect());
     }
 
     #[test]
@@ -741,8 +784,8 @@ mod tests {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
         ::metrics::with_local_recorder(&recorder, || {
-            process_started(true, Duration::from_secs(2));
-            process_started(false, Duration::from_secs(60));
+            process_started(SpawnResult::Ok, Duration::from_secs(2));
+            process_started(SpawnResult::Error, Duration::from_secs(60));
             evicted(Eviction::Idle);
             process_exited(ProcessExit::Crash);
             lease_rejected(&PoolError::WaitersFull { max: 2 });

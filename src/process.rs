@@ -53,6 +53,27 @@ pub enum SpawnError {
     MissingPipe(u32, &'static str),
 }
 
+impl SpawnError {
+    /// True when the OS refused for lack of a resource (EMFILE, ENFILE, EAGAIN, ENOMEM),
+    /// not because of the program.
+    pub fn is_resource_exhaustion(&self) -> bool {
+        match self {
+            SpawnError::Start { source, .. } => is_resource_exhaustion(source),
+            SpawnError::MissingPipe(..) => false,
+        }
+    }
+}
+
+/// True for the OS errors that mean "out of file descriptors, processes or memory".
+pub fn is_resource_exhaustion(error: &std::io::Error) -> bool {
+    use nix::errno::Errno;
+    error.raw_os_error().is_some_and(|code| {
+        [Errno::EMFILE, Errno::ENFILE, Errno::EAGAIN, Errno::ENOMEM]
+            .iter()
+            .any(|e| *e as i32 == code)
+    })
+}
+
 /// How a child ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExitInfo {
@@ -330,6 +351,26 @@ mod tests {
             env: vec![("PATH".into(), "/usr/bin:/bin".into())],
             cwd: std::env::temp_dir(),
         }
+    }
+
+    #[test]
+    fn running_out_of_descriptors_processes_or_memory_is_resource_exhaustion_and_nothing_else_is() {
+        use nix::errno::Errno;
+        for errno in [Errno::EMFILE, Errno::ENFILE, Errno::EAGAIN, Errno::ENOMEM] {
+            let error = SpawnError::Start {
+                program: "copilot".into(),
+                source: std::io::Error::from_raw_os_error(errno as i32),
+            };
+            assert!(error.is_resource_exhaustion(), "{errno}");
+        }
+        for errno in [Errno::ENOENT, Errno::EACCES, Errno::ENOEXEC] {
+            let error = SpawnError::Start {
+                program: "copilot".into(),
+                source: std::io::Error::from_raw_os_error(errno as i32),
+            };
+            assert!(!error.is_resource_exhaustion(), "{errno}");
+        }
+        assert!(!SpawnError::MissingPipe(1, "stdin").is_resource_exhaustion());
     }
 
     /// Pids of live (non-zombie) processes in process group `pgid`, from /proc.

@@ -451,39 +451,85 @@ async fn shutdown_aborts_running_turns_after_the_grace_and_leaves_no_process() {
     assert!(matches!(after, Err(PoolError::Closed)), "{after:?}");
 }
 
-#[tokio::test]
-async fn a_failed_spawn_is_not_cached() {
-    let fx = Fixture::new().await;
-    let mut config = fx.config().await;
-    // A runtime that fails its first start, then works.
-    let marker = fx.scratch.path().join("failed-once");
-    let script = fx.scratch.path().join("flaky-runtime.sh");
+/// A runtime script that runs `body` before (maybe) exec'ing the real runtime.
+fn runtime_wrapper(
+    fx: &Fixture,
+    real: &std::path::Path,
+    name: &str,
+    body: &str,
+) -> std::path::PathBuf {
+    let script = fx.scratch.path().join(name);
     std::fs::write(
         &script,
         format!(
-            "#!/bin/sh\nif [ ! -e '{m}' ]; then touch '{m}'; echo 'first start fails' >&2; exit 3; fi\nexec '{rt}' \"$@\"\n",
-            m = marker.display(),
-            rt = config.worker.program.display()
+            "#!/bin/sh\n{body}\nexec '{rt}' \"$@\"\n",
+            rt = real.display()
         ),
     )
     .expect("script");
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    config.worker.program = script;
-    config.restart.first_retry = Duration::ZERO;
+    script
+}
+
+#[tokio::test]
+async fn a_failed_spawn_is_not_cached_and_its_waiter_is_served_by_the_retry() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    // A runtime that fails its first start, then works.
+    let marker = fx.scratch.path().join("failed-once");
+    config.worker.program = runtime_wrapper(
+        &fx,
+        &config.worker.program,
+        "flaky-runtime.sh",
+        &format!(
+            "if [ ! -e '{m}' ]; then touch '{m}'; echo 'first start fails' >&2; exit 3; fi",
+            m = marker.display()
+        ),
+    );
+    config.restart.first_retry = Duration::from_millis(50);
     let pool = Pool::start(config).await.expect("pool");
-    let first = pool.lease(fx.request("agent-a", "conv")).await;
-    let Err(PoolError::Worker(error)) = first else {
-        panic!("expected the spawn error, got {first:?}")
-    };
-    assert!(error.to_string().contains("first start fails"), "{error}");
-    // The backoff's first retry is immediate here; the next lease spawns again and works.
+    let mut events = pool.subscribe();
+    // The failed start schedules a retry; the lease waits for it instead of failing.
     let mut lease = pool
         .lease(fx.request("agent-a", "conv"))
         .await
-        .expect("second lease");
+        .expect("the waiter is served by the retry");
+    assert!(marker.exists(), "the first start ran and failed");
+    wait_event(&mut events, |e| {
+        matches!(e, PoolEvent::WorkerStarted { .. })
+    })
+    .await;
     lease.run("REPLY=works now").await.expect("turn");
     drop(lease);
+    let status = pool.status().await.expect("status");
+    assert_eq!(status.totals.processes_spawned, 1);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_runtime_that_never_starts_fails_its_waiter_with_the_start_error_not_a_bare_timeout() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.worker.program = runtime_wrapper(
+        &fx,
+        &config.worker.program,
+        "broken-runtime.sh",
+        "echo 'this runtime never starts' >&2; exit 3",
+    );
+    config.restart.first_retry = Duration::from_millis(50);
+    config.restart.backoff_base = Duration::from_millis(200);
+    let pool = Pool::start(config).await.expect("pool");
+    let mut req = fx.request("agent-a", "conv");
+    req.wait_timeout = Some(Duration::from_millis(600));
+    let result = pool.lease(req).await;
+    let Err(PoolError::Worker(error)) = &result else {
+        panic!("expected the start error, got {result:?}")
+    };
+    assert!(
+        error.to_string().contains("this runtime never starts"),
+        "{error}"
+    );
     shutdown_leaves_nothing(&pool).await;
 }
 
@@ -592,7 +638,8 @@ async fn a_changed_working_directory_starts_a_new_session_even_when_attached() {
 }
 
 #[tokio::test]
-async fn a_lease_cancelled_while_opening_gives_its_slot_back() {
+async fn a_lease_cancelled_while_opening_on_a_silent_runtime_gives_its_slot_back_and_stops_that_runtime()
+ {
     let fx = Fixture::new().await;
     let mut config = fx.config().await;
     // A peer that completes the handshake and then never answers session.create: every
@@ -612,10 +659,14 @@ async fn a_lease_cancelled_while_opening_gives_its_slot_back() {
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     config.worker.program = script;
     config.worker.health_interval = Duration::ZERO;
+    // The open gives up after this; so does the detach of the session it may have opened.
+    config.worker.request_timeout = Duration::from_millis(500);
     let pool = Pool::start(config).await.expect("pool");
-    for _ in 0..3 {
+    let mut events = pool.subscribe();
+    let mut pids = Vec::new();
+    for round in 1..=2 {
         let hung = tokio::time::timeout(
-            Duration::from_millis(300),
+            Duration::from_millis(200),
             pool.lease(fx.request("agent-a", "conv")),
         )
         .await;
@@ -624,22 +675,34 @@ async fn a_lease_cancelled_while_opening_gives_its_slot_back() {
             "the silent peer must keep the lease opening: {:?}",
             hung.map(|r| r.map(|_| ()))
         );
-        // The dropped future gave the granted slot back.
+        // The open went on without its caller, timed out, and the session it may have
+        // opened could not be detached: the process that may hold it is stopped, and only
+        // then is the slot free again.
+        let evicted = wait_event(&mut events, |e| {
+            matches!(e, PoolEvent::WorkerEvicted { .. })
+        })
+        .await;
+        if let PoolEvent::WorkerEvicted { pid, .. } = evicted {
+            pids.push(pid);
+        }
         let released = async {
             loop {
                 let status = pool.status().await.expect("status");
-                if status.leased == 0 && status.conversations == 0 {
-                    break;
+                if status.leased == 0 && status.conversations == 0 && status.workers.is_empty() {
+                    break status;
                 }
                 tokio::task::yield_now().await;
             }
         };
-        tokio::time::timeout(Duration::from_secs(5), released)
+        let status = tokio::time::timeout(Duration::from_secs(10), released)
             .await
             .expect("the cancelled lease leaked its slot");
+        assert_eq!(status.totals.processes_spawned, round);
     }
-    let status = pool.status().await.expect("status");
-    assert_eq!(status.totals.processes_spawned, 1);
+    for pid in pids {
+        let left = wait_group_gone(pid, Duration::from_secs(5)).await;
+        assert!(left.is_empty(), "group {pid} left behind: {left:?}");
+    }
     shutdown_leaves_nothing(&pool).await;
 }
 

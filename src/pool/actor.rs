@@ -23,6 +23,10 @@ use super::status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus
 /// A worker's id inside the pool (never reused).
 pub(crate) type WorkerId = u64;
 
+/// Conversations whose resume crashes are remembered at most (a bound on memory; the
+/// count restarts for all when it is reached).
+const RESUME_CRASHES_REMEMBERED: usize = 4096;
+
 /// One lease asking for a place to run.
 pub(crate) struct AcquireRequest {
     pub(crate) key: PoolKey,
@@ -44,9 +48,18 @@ pub(crate) struct Grant {
     pub(crate) worker: WorkerHandle,
     /// The conversation as it was attached before this lease, if it was.
     pub(crate) carried: Option<Carried>,
-    /// Gives the slot back if the grant is dropped before it became a `Lease` (a cancelled
-    /// lease future, or a caller that gave up while the grant was on its way).
+    /// Consecutive resumes of this conversation that crashed their runtime.
+    pub(crate) resume_crashes: u32,
+    /// Gives the slot back if the grant is dropped before it became a `Lease` (a failed
+    /// open, or a caller that gave up while the grant was on its way).
     pub(crate) armed: bool,
+    /// Set by the opener before it gives up: a session opened on the granted worker that
+    /// must be detached with confirmation…
+    pub(crate) opened: Option<Session>,
+    /// …or the id of a session the granted worker may hold (an open that timed out).
+    pub(crate) maybe_attached: Option<String>,
+    /// The open failed because its resume crashed the runtime.
+    pub(crate) resume_crashed: bool,
     pub(crate) pool: ActorRef<PoolMsg>,
 }
 
@@ -60,10 +73,17 @@ impl Grant {
 impl Drop for Grant {
     fn drop(&mut self) {
         if self.armed {
+            let carried = self
+                .carried
+                .take()
+                .and_then(|c| c.session.map(|s| (s, c.from)));
             let _ = self.pool.cast(PoolMsg::Abandoned {
                 session_key: std::mem::take(&mut self.session_key),
                 worker_id: self.worker_id,
-                carried: self.carried.take().and_then(|c| c.session),
+                carried,
+                opened: self.opened.take(),
+                maybe_attached: self.maybe_attached.take(),
+                resume_crashed: self.resume_crashed,
             });
         }
     }
@@ -75,6 +95,20 @@ pub(crate) struct Carried {
     pub(crate) session: Option<Session>,
     /// True when the grant is on the same worker (no resume needed).
     pub(crate) same_worker: bool,
+    /// The worker it was attached to.
+    pub(crate) from: WorkerId,
+}
+
+/// What the pool does with a returned conversation's session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settle {
+    /// Its turn ended: keep it attached (parked) for the next lease, if the worker may.
+    Park,
+    /// It must not be reused (lost, poisoned): detach it with confirmation.
+    Detach,
+    /// A turn was still running when the lease was dropped and did not end after an abort:
+    /// the process is in an unknown state and is stopped before the conversation moves.
+    Unsettled,
 }
 
 /// Messages of the pool actor.
@@ -95,18 +129,25 @@ pub(crate) enum PoolMsg {
         session_key: String,
         worker_id: WorkerId,
         session: Option<Session>,
+        settle: Settle,
         turns: u64,
     },
     Spawned {
         key: PoolKey,
         result: Result<WorkerHandle, WorkerError>,
     },
-    /// A lease future was dropped between its grant and its `Lease`: give the slot back and
-    /// detach what it carried.
+    /// A grant that did not become a `Lease`: give the slot back and detach, with
+    /// confirmation, whatever it may have left attached.
     Abandoned {
         session_key: String,
         worker_id: WorkerId,
-        carried: Option<Session>,
+        /// The session it carried from another worker, and that worker.
+        carried: Option<(Session, WorkerId)>,
+        /// A session it opened on `worker_id`.
+        opened: Option<Session>,
+        /// A session id `worker_id` may hold.
+        maybe_attached: Option<String>,
+        resume_crashed: bool,
     },
     /// A background detach (or worker stop) finished for these conversations.
     Detached {
@@ -144,6 +185,8 @@ struct KeyState {
     respawn: bool,
     backoff_until: Option<Instant>,
     restart: RestartTracker,
+    /// Why the last start of this key failed (cleared by a start that works).
+    last_start_error: Option<WorkerError>,
 }
 
 struct WorkerEntry {
@@ -193,6 +236,9 @@ pub(crate) struct PoolState {
     /// Conversations whose session is being detached from a worker: they are not granted
     /// until the detach is confirmed (one owner per CLI session id).
     detaching: HashMap<String, usize>,
+    /// Consecutive resumes that crashed the runtime, per conversation (cleared when it
+    /// opens); at `max_resume_crashes` the conversation starts anew.
+    resume_crashes: HashMap<String, u32>,
     /// Workers being stopped; `StopAll` waits for them.
     stopping: Vec<tokio::task::JoinHandle<()>>,
     /// A `StopAll` waiting for in-flight spawns to land.
@@ -234,6 +280,7 @@ impl Actor for PoolActor {
             tick,
             myself: myself.clone(),
             detaching: HashMap::new(),
+            resume_crashes: HashMap::new(),
             stopping: Vec::new(),
             stop_requested: None,
         })
@@ -264,6 +311,7 @@ impl Actor for PoolActor {
                         reason,
                     });
                 }
+                state.resume_crashes.remove(&session_key);
                 match reason {
                     OpenReason::Attached => {}
                     OpenReason::Resumed => state.totals.resumed += 1,
@@ -274,9 +322,10 @@ impl Actor for PoolActor {
                 session_key,
                 worker_id,
                 session,
+                settle,
                 turns,
             } => {
-                state.on_return(session_key, worker_id, session, turns);
+                state.on_return(session_key, worker_id, session, settle, turns);
                 state.serve_waiters(&myself);
             }
             PoolMsg::Spawned { key, result } => {
@@ -288,11 +337,27 @@ impl Actor for PoolActor {
                 session_key,
                 worker_id,
                 carried,
+                opened,
+                maybe_attached,
+                resume_crashed,
             } => {
-                state.on_return(session_key.clone(), worker_id, None, 0);
-                if let Some(session) = carried {
-                    let from = state.conversations.get(&session_key).map(|c| c.worker);
-                    state.detach_in_background(session_key, session, from.unwrap_or(0));
+                state.on_return(session_key.clone(), worker_id, None, Settle::Detach, 0);
+                if resume_crashed {
+                    if state.resume_crashes.len() >= RESUME_CRASHES_REMEMBERED {
+                        state.resume_crashes.clear();
+                    }
+                    *state.resume_crashes.entry(session_key.clone()).or_default() += 1;
+                }
+                // One owner per CLI session id: the conversation is granted again only once
+                // each of these is confirmed detached (or its worker stopped).
+                if let Some((session, from)) = carried {
+                    state.detach_in_background(session_key.clone(), session, from);
+                }
+                if let Some(session) = opened {
+                    state.detach_in_background(session_key.clone(), session, worker_id);
+                }
+                if let Some(id) = maybe_attached {
+                    state.detach_id_in_background(session_key, id, worker_id);
                 }
                 state.serve_waiters(&myself);
             }
@@ -329,9 +394,15 @@ impl Actor for PoolActor {
                 if let Some(pos) = state.waiters.iter().position(|w| w.id == id)
                     && let Some(w) = state.waiters.remove(pos)
                 {
-                    let _ = w
-                        .reply
-                        .send(Err(PoolError::WaitTimeout { after: w.req.wait }));
+                    // A key whose last start failed (its retry still pending) says why.
+                    let error = state
+                        .keys
+                        .get(&w.req.key)
+                        .filter(|ks| ks.workers.is_empty())
+                        .and_then(|ks| ks.last_start_error.clone())
+                        .map(PoolError::Worker)
+                        .unwrap_or(PoolError::WaitTimeout { after: w.req.wait });
+                    let _ = w.reply.send(Err(error));
                 }
             }
             PoolMsg::Tick => {
@@ -446,8 +517,12 @@ fn start_spawn(key: &PoolKey, ks: &mut KeyState, myself: &ActorRef<PoolMsg>) {
     tokio::spawn(async move {
         let started = Instant::now();
         let result = WorkerHandle::start(spec, Some(supervisor)).await;
-        let ok = result.as_ref().is_ok_and(|h| h.exit().is_none());
-        metrics::process_started(ok, started.elapsed());
+        let outcome = match &result {
+            Ok(h) if h.exit().is_none() => metrics::SpawnResult::Ok,
+            Err(WorkerError::ResourceExhausted(_)) => metrics::SpawnResult::ResourceExhausted,
+            _ => metrics::SpawnResult::Error,
+        };
+        metrics::process_started(outcome, started.elapsed());
         let _ = target.cast(PoolMsg::Spawned { key, result });
     });
 }
@@ -490,6 +565,38 @@ impl PoolState {
                 Err(WorkerError::Died(_) | WorkerError::Stopped) => true,
                 Err(error) => {
                     tracing::warn!(%error, "Detaching a conversation failed; its old worker will be stopped.");
+                    false
+                }
+            };
+            let _ = target.cast(PoolMsg::Detached {
+                session_keys: vec![session_key],
+                worker_id,
+                ok,
+            });
+        });
+    }
+
+    /// Detaches a session known only by id (an open that timed out may have attached it)
+    /// from `worker_id` in a task, like [`PoolState::detach_in_background`]. "Session not
+    /// found" means nothing was attached.
+    fn detach_id_in_background(
+        &mut self,
+        session_key: String,
+        cli_session_id: String,
+        worker_id: WorkerId,
+    ) {
+        let Some(handle) = self.workers.get(&worker_id).map(|w| w.handle.clone()) else {
+            // The worker is gone, and with it whatever it held.
+            return;
+        };
+        *self.detaching.entry(session_key.clone()).or_default() += 1;
+        let target = self.myself.clone();
+        tokio::spawn(async move {
+            let ok = match handle.detach_session(&cli_session_id).await {
+                Ok(()) | Err(WorkerError::Died(_) | WorkerError::Stopped) => true,
+                Err(error) if super::is_not_found(&error) => true,
+                Err(error) => {
+                    tracing::warn!(%error, "Detaching a session after a failed open failed; its worker will be stopped.");
                     false
                 }
             };
@@ -614,6 +721,7 @@ impl PoolState {
                 respawn: false,
                 backoff_until: None,
                 restart: RestartTracker::default(),
+                last_start_error: None,
             });
         if let Some(until) = ks.restart.quarantined_until(now) {
             return Err(PoolError::RestartIntensityExceeded {
@@ -670,6 +778,7 @@ impl PoolState {
             Carried {
                 session: conv.parked,
                 same_worker: false,
+                from: conv.worker,
             }
         });
         let Some(w) = self.workers.get_mut(&target) else {
@@ -696,7 +805,15 @@ impl PoolState {
             worker_id: target,
             worker: handle,
             carried,
+            resume_crashes: self
+                .resume_crashes
+                .get(&req.session_key)
+                .copied()
+                .unwrap_or(0),
             armed: true,
+            opened: None,
+            maybe_attached: None,
+            resume_crashed: false,
             pool: self.myself.clone(),
         }))
     }
@@ -715,8 +832,13 @@ impl PoolState {
             carried: Some(Carried {
                 session: conv.parked.take(),
                 same_worker: true,
+                from: id,
             }),
+            resume_crashes: self.resume_crashes.get(session_key).copied().unwrap_or(0),
             armed: true,
+            opened: None,
+            maybe_attached: None,
+            resume_crashed: false,
             pool: self.myself.clone(),
         })
     }
@@ -850,6 +972,7 @@ impl PoolState {
         session_key: String,
         worker_id: WorkerId,
         session: Option<Session>,
+        settle: Settle,
         turns: u64,
     ) {
         let now = Instant::now();
@@ -869,7 +992,28 @@ impl PoolState {
                 w.draining = true;
                 w.drain_deadline = Some(now + self.config.drain_grace);
             }
-            keep = !w.draining && session.as_ref().is_some_and(|s| s.is_alive());
+            keep = settle == Settle::Park
+                && !w.draining
+                && session.as_ref().is_some_and(|s| s.is_alive());
+        }
+        if settle == Settle::Unsettled && self.workers.contains_key(&worker_id) {
+            // The session may still be running a turn in that process: nothing but stopping
+            // the process makes it safe to resume elsewhere. The eviction keeps every
+            // conversation of the worker (this one included) from being granted until the
+            // process is gone.
+            if let Some(conv) = self.conversations.get_mut(&session_key)
+                && conv.worker == worker_id
+            {
+                conv.leased = false;
+                conv.parked = None;
+            }
+            tracing::warn!(
+                "A dropped lease's turn did not end after its abort; stopping its process."
+            );
+            drop(session);
+            self.evict(worker_id, Eviction::Unsettled);
+            self.publish_leased();
+            return;
         }
         match self.conversations.get_mut(&session_key) {
             Some(conv) if conv.worker == worker_id && keep => {
@@ -917,6 +1061,7 @@ impl PoolState {
         };
         match result {
             Ok(handle) if !self.closed => {
+                ks.last_start_error = None;
                 let id = self.next_worker_id;
                 self.next_worker_id += 1;
                 ks.workers.push(id);
@@ -952,24 +1097,43 @@ impl PoolState {
                     handle.shutdown().await;
                 }));
             }
+            Err(error @ WorkerError::ResourceExhausted(_)) => {
+                // The machine, not the runtime: no crash, no backoff, no quarantine. The
+                // waiters hear why at once; the next lease tries again.
+                tracing::warn!(key = %key.short_hash(), %error, "Pool worker could not start: out of resources.");
+                let failed = PoolError::Worker(error);
+                self.fail_waiters_of(&key, |_| failed.clone());
+            }
             Err(error) => {
                 // Not cached: the next lease tries again (after the backoff).
                 tracing::warn!(key = %key.short_hash(), %error, "Pool worker failed to start.");
                 ks.respawn = false;
+                ks.last_start_error = Some(error.clone());
                 let decision = ks
                     .restart
                     .record_crash(Instant::now(), &self.config.restart);
-                if let RestartDecision::Restart { after } = decision {
-                    ks.backoff_until = Some(Instant::now() + after);
-                    myself.send_after(after, {
-                        let key = key.clone();
-                        move || PoolMsg::Respawn(key)
-                    });
-                } else {
-                    metrics::quarantined();
+                match decision {
+                    RestartDecision::Restart { after } => {
+                        // A retry is scheduled: the waiters stay queued for it (each still
+                        // bounded by its own wait timeout).
+                        ks.backoff_until = Some(Instant::now() + after);
+                        myself.send_after(after, {
+                            let key = key.clone();
+                            move || PoolMsg::Respawn(key)
+                        });
+                    }
+                    RestartDecision::Quarantine { until } => {
+                        metrics::quarantined();
+                        let hash = key.short_hash();
+                        let _ = self.events.send(PoolEvent::KeyQuarantined {
+                            key_hash: hash.clone(),
+                        });
+                        self.fail_waiters_of(&key, |now| PoolError::RestartIntensityExceeded {
+                            key_hash: hash.clone(),
+                            retry_after: until.saturating_duration_since(now),
+                        });
+                    }
                 }
-                let failed = PoolError::Worker(error);
-                self.fail_waiters_of(&key, |_| failed.clone());
             }
         }
     }
@@ -1065,6 +1229,7 @@ impl PoolState {
             Eviction::Full => "pool full: least recently used idle worker",
             Eviction::Drained => "drained",
             Eviction::DetachFailed => "a detach failed",
+            Eviction::Unsettled => "a dropped lease's turn did not end after its abort",
         };
         let key_hash = self.workers.get(&id).map(|w| w.key.short_hash());
         // Its conversations resume elsewhere only once the worker (which detaches them on

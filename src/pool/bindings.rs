@@ -76,6 +76,18 @@ pub enum BindingError {
     Encode(#[source] serde_json::Error),
 }
 
+impl BindingError {
+    /// The underlying OS error as text (the whole message when there is none).
+    pub fn os_error(&self) -> String {
+        match self {
+            BindingError::CreateDir { source, .. } | BindingError::Io { source, .. } => {
+                source.to_string()
+            }
+            BindingError::Encode(e) => e.to_string(),
+        }
+    }
+}
+
 /// The bindings of one state directory. Cheap to share between threads by reference;
 /// every operation goes to the file system.
 #[derive(Debug, Clone)]

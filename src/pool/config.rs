@@ -56,6 +56,14 @@ pub struct PoolConfig {
     pub maintenance_interval: Duration,
     /// The runtime's `infiniteSessions` settings, passed to every session as they are.
     pub infinite_sessions: Option<InfiniteSessions>,
+    /// A lease dropped with a turn running aborts it and waits this long for its
+    /// `session.idle` (default 10 s). A turn that does not settle in time leaves its
+    /// process in an unknown state: that process is stopped before the conversation is
+    /// granted anywhere else.
+    pub abort_settle_timeout: Duration,
+    /// A conversation whose resume crashed the runtime this many times in a row starts a
+    /// new session (`resume-failed`) instead of crashing it again (default 2).
+    pub max_resume_crashes: u32,
 }
 
 /// The runtime's automatic context management (`infiniteSessions` on the wire).
@@ -93,6 +101,8 @@ impl PoolConfig {
             restart: RestartPolicy::default(),
             maintenance_interval: Duration::from_secs(1),
             infinite_sessions: None,
+            abort_settle_timeout: Duration::from_secs(10),
+            max_resume_crashes: 2,
         }
     }
 }

@@ -35,6 +35,20 @@ pub enum PoolError {
     /// The binding store failed.
     #[error("session bindings: {0}")]
     Bindings(String),
+    /// The conversation's binding could not be recorded, so the turn did not run: after a
+    /// restart or an eviction the conversation could not be found again. Nothing was left
+    /// attached.
+    #[error(
+        "could not record the conversation in the state directory {dir:?}: {error}; the turn \
+         did not run. Make the state directory writable (check its owner, mode and free \
+         space) and retry"
+    )]
+    StateUnwritable {
+        /// The bindings directory.
+        dir: std::path::PathBuf,
+        /// The OS error.
+        error: String,
+    },
     /// The pool is shut down (or shutting down).
     #[error("the pool is shut down; start a new pool to lease again")]
     Closed,
@@ -112,6 +126,9 @@ pub enum PoolError {
         /// The runtime's error type.
         error_type: Option<String>,
     },
+    /// A bug: an internal task failed. The message says which.
+    #[error("internal error: {0}; this is a bug, please report it")]
+    Internal(String),
     /// The strict transcript mirror could not be written; the turn was aborted.
     #[error(
         "transcript mirror write failed (strict mode): {0}; fix the transcript directory or use best-effort mode"

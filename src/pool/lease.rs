@@ -17,11 +17,8 @@ use crate::turn::TurnOutcome;
 use crate::turn::driver::{TurnDriver, refuse_stray, run_hook, safe_hook};
 use crate::worker::{Session, SessionUpdate, WorkerError};
 
-use super::actor::{PoolMsg, WorkerId};
+use super::actor::{PoolMsg, Settle, WorkerId};
 use super::error::PoolError;
-
-/// How long a dropped lease waits for its aborted turn to reach `session.idle`.
-const ABORT_ON_DROP_WAIT: Duration = Duration::from_secs(10);
 
 /// How the lease's CLI session was opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -39,6 +36,9 @@ pub enum OpenReason {
     NotFound,
     /// Model, provider, working directory, home or account changed: a new session.
     CompatChanged,
+    /// Resuming the stored session crashed the runtime `max_resume_crashes` times in a row:
+    /// a new session, so the conversation stops taking its process down.
+    ResumeFailed,
 }
 
 impl OpenReason {
@@ -62,11 +62,15 @@ pub struct Lease {
     pub(crate) pool: ActorRef<PoolMsg>,
     pub(crate) driver: TurnDriver,
     pub(crate) turns: u64,
+    /// Turns started on this lease (the first one reports the lease's open reason).
+    pub(crate) sent: u64,
     pub(crate) lost: bool,
     /// One turn at a time per conversation: held for the lease's life.
     pub(crate) guard: Option<OwnedMutexGuard<()>>,
     /// The pool's binding store (for `reset`).
     pub(crate) bindings: std::sync::Arc<super::bindings::BindingStore>,
+    /// How long a drop with a turn running waits for the aborted turn's `session.idle`.
+    pub(crate) abort_settle_timeout: Duration,
 }
 
 impl fmt::Debug for Lease {
@@ -123,6 +127,7 @@ impl Lease {
         }
         session.send(prompt).await.map_err(|e| self.lose(e))?;
         self.driver.begin();
+        self.sent += 1;
         Ok(())
     }
 
@@ -165,7 +170,7 @@ impl Lease {
         while let Some(event) = self.next_event().await {
             event?;
         }
-        let outcome = self.driver.outcome();
+        let outcome = self.outcome();
         if let (Some(message), false) = (&outcome.error, outcome.aborted) {
             return Err(PoolError::TurnFailed {
                 message: message.clone(),
@@ -178,7 +183,13 @@ impl Lease {
 
     /// The outcome of the current or last turn, as tallied so far.
     pub fn outcome(&self) -> TurnOutcome {
-        self.driver.outcome()
+        let mut outcome = self.driver.outcome();
+        outcome.open_reason = Some(if self.sent <= 1 {
+            self.reason
+        } else {
+            OpenReason::Attached
+        });
+        outcome
     }
 
     /// Aborts the running turn; it still ends with `session.idle {aborted: true}` through
@@ -267,7 +278,7 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        let session = if self.lost { None } else { self.session.take() };
+        let session = self.session.take();
         let ret = ReturnTicket {
             pool: self.pool.clone(),
             session_key: std::mem::take(&mut self.conversation),
@@ -275,42 +286,49 @@ impl Drop for Lease {
             turns: self.turns,
             guard: self.guard.take(),
         };
-        match (
-            self.driver.in_flight(),
-            session,
-            tokio::runtime::Handle::try_current(),
-        ) {
-            (true, Some(mut session), Ok(rt)) => {
-                // A turn is running: abort it and wait for its end before returning.
-                rt.spawn(async move {
-                    let ended = tokio::time::timeout(ABORT_ON_DROP_WAIT, async {
-                        if session.abort().await.is_err() {
-                            return false;
-                        }
-                        while let Some(update) = session.next().await {
-                            match update {
-                                SessionUpdate::Event(e)
-                                    if matches!(e.kind, EventKind::SessionIdle(_)) =>
-                                {
-                                    return true;
-                                }
-                                SessionUpdate::Ended(_) => return false,
-                                _ => {}
-                            }
-                        }
-                        false
-                    })
-                    .await;
-                    ret.send(if matches!(ended, Ok(true)) {
-                        Some(session)
-                    } else {
-                        None
-                    });
-                });
-            }
-            (true, _, _) => ret.send(None),
-            (false, session, _) => ret.send(session),
+        let Some(mut session) = session else {
+            return ret.send(None, Settle::Detach);
+        };
+        if self.lost {
+            // Its worker is gone, or the conversation must not be reused (a failed strict
+            // transcript): the pool detaches what is left with confirmation.
+            return ret.send(Some(session), Settle::Detach);
         }
+        if !self.driver.in_flight() {
+            return ret.send(Some(session), Settle::Park);
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            // No runtime to abort the turn on: the process is stopped instead.
+            return ret.send(Some(session), Settle::Unsettled);
+        };
+        // A turn is running: abort it and wait for its end before returning. A turn that
+        // does not end in time leaves the process in an unknown state: the pool stops it
+        // before the conversation is granted anywhere else.
+        let wait = self.abort_settle_timeout;
+        rt.spawn(async move {
+            let ended = tokio::time::timeout(wait, async {
+                if session.abort().await.is_err() {
+                    return false;
+                }
+                while let Some(update) = session.next().await {
+                    match update {
+                        SessionUpdate::Event(e) if matches!(e.kind, EventKind::SessionIdle(_)) => {
+                            return true;
+                        }
+                        SessionUpdate::Ended(_) => return false,
+                        _ => {}
+                    }
+                }
+                false
+            })
+            .await;
+            let settle = if matches!(ended, Ok(true)) {
+                Settle::Park
+            } else {
+                Settle::Unsettled
+            };
+            ret.send(Some(session), settle);
+        });
     }
 }
 
@@ -324,11 +342,12 @@ struct ReturnTicket {
 }
 
 impl ReturnTicket {
-    fn send(self, session: Option<Session>) {
+    fn send(self, session: Option<Session>, settle: Settle) {
         let _ = self.pool.cast(PoolMsg::Return {
             session_key: self.session_key,
             worker_id: self.worker_id,
             session,
+            settle,
             turns: self.turns,
         });
         // The conversation lock is released only after the return is queued, so the next

@@ -236,7 +236,7 @@ impl Pool {
             wait: deadline.saturating_duration_since(tokio::time::Instant::now()),
         };
         let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
-        let mut grant: Grant = match inner
+        let grant: Grant = match inner
             .actor
             .call(
                 |reply| PoolMsg::Acquire {
@@ -255,66 +255,32 @@ impl Pool {
         };
         crate::metrics::lease_granted(started.elapsed());
 
-        let worker_id = grant.worker_id;
-        let worker = grant.worker.clone();
-        // From here until the `Lease` exists, dropping `grant` (an error, or this future
-        // being cancelled) gives the slot back to the pool.
-        let carried = grant.carried.take();
-        let (session, reason) = open_conversation(
-            &worker,
-            carried,
-            req.existing_only,
-            &inner.bindings,
-            &conversation,
-            &compat,
-            &home,
-            session_config,
-        )
-        .await?;
-        let cli_session_id = session.id().to_owned();
-        // A conversation still attached since its last lease has an up-to-date binding.
-        if reason != OpenReason::Attached {
-            let binding = Binding {
-                session_key: conversation.clone(),
-                cli_session_id: cli_session_id.clone(),
-                compat_key: compat,
-                updated_at_ms: now_ms(),
-            };
-            let store = inner.bindings.clone();
-            match tokio::task::spawn_blocking(move || store.put(&binding)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!(
-                    error = %e,
-                    "Could not store a session binding; the conversation will not survive a pool restart."
-                ),
-                Err(e) => tracing::warn!(error = %e, "Binding write task failed."),
-            }
-        }
-        crate::metrics::session_opened(reason);
-        let _ = inner.actor.cast(PoolMsg::Opened {
-            session_key: conversation.clone(),
-            worker_id,
-            cli_session_id: cli_session_id.clone(),
-            reason,
-        });
-        let mut driver = crate::turn::driver::TurnDriver::new(req.handlers.clone());
-        driver.open_transcript(&cli_session_id)?;
-        grant.disarm();
-        Ok(Lease {
-            worker_pid: worker.pid(),
-            session: Some(session),
+        // The open runs in a task of its own: a caller that gives up (a dropped lease
+        // future) cannot cut it short between the runtime attaching the session and the
+        // pool recording where. A lease finished for nobody is dropped, which returns the
+        // conversation to the pool like any other.
+        let opening = Opening {
+            grant,
+            guard,
             conversation,
             session_key: req.session_key,
-            cli_session_id,
-            worker_id,
-            reason,
-            pool: inner.actor.clone(),
-            driver,
-            turns: 0,
-            lost: false,
-            guard: Some(guard),
+            compat,
+            home,
+            session_config,
+            existing_only: req.existing_only,
+            handlers: req.handlers.clone(),
             bindings: inner.bindings.clone(),
-        })
+            pool: inner.actor.clone(),
+            abort_settle_timeout: inner.config.abort_settle_timeout,
+            max_resume_crashes: inner.config.max_resume_crashes,
+        };
+        let span = tracing::Span::current();
+        match tokio::spawn(tracing::Instrument::instrument(opening.open(), span)).await {
+            Ok(result) => result,
+            Err(join) => Err(PoolError::Internal(format!(
+                "the lease's open task failed: {join}"
+            ))),
+        }
     }
 
     /// A snapshot of workers, waiters and counters.
@@ -428,113 +394,270 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Attaches the lease's CLI session on the granted worker.
-#[allow(clippy::too_many_arguments)]
-async fn open_conversation(
-    worker: &WorkerHandle,
-    carried: Option<actor::Carried>,
+/// Everything a granted lease needs to open its conversation, owned by the open task.
+struct Opening {
+    grant: Grant,
+    guard: tokio::sync::OwnedMutexGuard<()>,
+    conversation: String,
+    session_key: String,
+    compat: String,
+    home: std::path::PathBuf,
+    session_config: SessionConfig,
     existing_only: bool,
-    bindings: &Arc<BindingStore>,
-    session_key: &str,
-    compat: &str,
-    home: &Path,
-    config: SessionConfig,
-) -> Result<(Session, OpenReason), PoolError> {
-    if let Some(carried) = carried {
-        match carried.session {
-            Some(session) if carried.same_worker && session.is_alive() => {
-                return Ok((session, OpenReason::Attached));
+    handlers: crate::turn::TurnHandlers,
+    bindings: Arc<BindingStore>,
+    pool: ActorRef<PoolMsg>,
+    abort_settle_timeout: Duration,
+    max_resume_crashes: u32,
+}
+
+impl Opening {
+    /// Opens the CLI session on the granted worker, records the binding and the transcript
+    /// mirror, and builds the `Lease`. On any failure the grant is dropped armed, with what
+    /// it may have left attached, and the pool detaches that with confirmation (or stops
+    /// the worker) before the conversation is granted again.
+    async fn open(self) -> Result<Lease, PoolError> {
+        let Opening {
+            mut grant,
+            guard,
+            conversation,
+            session_key,
+            compat,
+            home,
+            session_config,
+            existing_only,
+            handlers,
+            bindings,
+            pool,
+            abort_settle_timeout,
+            max_resume_crashes,
+        } = self;
+        let worker_id = grant.worker_id;
+        let worker = grant.worker.clone();
+        let carried = grant.carried.take();
+        let target = OpenTarget {
+            worker: &worker,
+            existing_only,
+            session_key: &conversation,
+            compat: &compat,
+            home: &home,
+            skip_resume: grant.resume_crashes >= max_resume_crashes,
+        };
+        let (session, reason) = match target.open(carried, &bindings, session_config).await {
+            Ok(opened) => opened,
+            Err(failure) => {
+                grant.maybe_attached = failure.maybe_attached;
+                grant.resume_crashed = failure.resume_crashed;
+                return Err(failure.error);
             }
-            // One owner per CLI session id: detach from the old worker before resuming.
-            Some(session) => {
-                let old = session.worker().clone();
-                match session.detach().await {
-                    Ok(()) | Err(WorkerError::Died(_) | WorkerError::Stopped) => {}
-                    Err(error) => {
-                        // The old process may still hold the session: it must not live on.
-                        tracing::warn!(%error, pid = old.pid(), "Detach failed; stopping the old worker before resuming.");
-                        old.shutdown().await;
+        };
+        let cli_session_id = session.id().to_owned();
+        // A conversation still attached since its last lease has an up-to-date binding.
+        if reason != OpenReason::Attached {
+            let binding = Binding {
+                session_key: conversation.clone(),
+                cli_session_id: cli_session_id.clone(),
+                compat_key: compat,
+                updated_at_ms: now_ms(),
+            };
+            let store = bindings.clone();
+            let written = match tokio::task::spawn_blocking(move || store.put(&binding)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(e.os_error()),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(error) = written {
+                // Not recorded, so not attached: a later resume must not miss these turns.
+                tracing::error!(dir = %bindings.dir().display(), %error, "Could not record a conversation's binding; the lease fails.");
+                grant.opened = Some(session);
+                return Err(PoolError::StateUnwritable {
+                    dir: bindings.dir().to_owned(),
+                    error,
+                });
+            }
+        }
+        let mut driver = crate::turn::driver::TurnDriver::new(handlers);
+        if let Err(error) = driver.open_transcript(&cli_session_id) {
+            grant.opened = Some(session);
+            return Err(error);
+        }
+        crate::metrics::session_opened(reason);
+        let _ = pool.cast(PoolMsg::Opened {
+            session_key: conversation.clone(),
+            worker_id,
+            cli_session_id: cli_session_id.clone(),
+            reason,
+        });
+        grant.disarm();
+        Ok(Lease {
+            worker_pid: worker.pid(),
+            session: Some(session),
+            conversation,
+            session_key,
+            cli_session_id,
+            worker_id,
+            reason,
+            pool,
+            driver,
+            turns: 0,
+            sent: 0,
+            lost: false,
+            guard: Some(guard),
+            bindings,
+            abort_settle_timeout,
+        })
+    }
+}
+
+/// Why an open failed, and what it may have left attached on the granted worker.
+struct OpenFailure {
+    error: PoolError,
+    /// A session id the worker may hold (the open timed out after it was sent).
+    maybe_attached: Option<String>,
+    /// The resume crashed the runtime.
+    resume_crashed: bool,
+}
+
+impl From<PoolError> for OpenFailure {
+    fn from(error: PoolError) -> Self {
+        OpenFailure {
+            error,
+            maybe_attached: None,
+            resume_crashed: false,
+        }
+    }
+}
+
+impl From<BindingError> for OpenFailure {
+    fn from(error: BindingError) -> Self {
+        PoolError::from(error).into()
+    }
+}
+
+/// Where and how a lease's CLI session is opened.
+struct OpenTarget<'a> {
+    worker: &'a WorkerHandle,
+    existing_only: bool,
+    session_key: &'a str,
+    compat: &'a str,
+    home: &'a Path,
+    /// Earlier resumes of this conversation crashed the runtime too often.
+    skip_resume: bool,
+}
+
+impl OpenTarget<'_> {
+    /// Attaches the lease's CLI session on the granted worker: reuses the attached one,
+    /// resumes the bound one, or creates a new one (with its reason).
+    async fn open(
+        &self,
+        carried: Option<actor::Carried>,
+        bindings: &Arc<BindingStore>,
+        config: SessionConfig,
+    ) -> Result<(Session, OpenReason), OpenFailure> {
+        if let Some(carried) = carried {
+            match carried.session {
+                Some(session) if carried.same_worker && session.is_alive() => {
+                    return Ok((session, OpenReason::Attached));
+                }
+                // One owner per CLI session id: detach from the old worker before resuming.
+                Some(session) => {
+                    let old = session.worker().clone();
+                    match session.detach().await {
+                        Ok(()) | Err(WorkerError::Died(_) | WorkerError::Stopped) => {}
+                        Err(error) => {
+                            // The old process may still hold the session: it must not live on.
+                            tracing::warn!(%error, pid = old.pid(), "Detach failed; stopping the old worker before resuming.");
+                            old.shutdown().await;
+                        }
                     }
                 }
+                None => {}
             }
-            None => {}
         }
-    }
-    let store = bindings.clone();
-    let key = session_key.to_owned();
-    let binding = tokio::task::spawn_blocking(move || store.get(&key))
-        .await
-        .map_err(|e| PoolError::Bindings(e.to_string()))??;
-    let Some(binding) = binding else {
-        return create(worker, config, OpenReason::New, existing_only, session_key).await;
-    };
-    if binding.compat_key != compat {
-        return create(
-            worker,
-            config,
-            OpenReason::CompatChanged,
-            existing_only,
-            session_key,
-        )
-        .await;
-    }
-    let id = binding.cli_session_id;
-    if !home.join("session-state").join(&id).is_dir() {
-        return create(
-            worker,
-            config,
-            OpenReason::TranscriptMissing,
-            existing_only,
-            session_key,
-        )
-        .await;
-    }
-    let resume = SessionConfig {
-        session_id: id,
-        continue_pending_work: Some(false),
-        ..config.clone()
-    };
-    match worker.resume_session(resume).await {
-        Ok((session, _)) => Ok((session, OpenReason::Resumed)),
-        Err(error) if is_not_found(&error) => {
-            create(
-                worker,
-                config,
-                OpenReason::NotFound,
-                existing_only,
-                session_key,
-            )
+        let store = bindings.clone();
+        let key = self.session_key.to_owned();
+        let binding = tokio::task::spawn_blocking(move || store.get(&key))
             .await
-        }
-        Err(error) => Err(PoolError::Worker(error)),
-    }
-}
-
-async fn create(
-    worker: &WorkerHandle,
-    config: SessionConfig,
-    reason: OpenReason,
-    existing_only: bool,
-    session_key: &str,
-) -> Result<(Session, OpenReason), PoolError> {
-    if existing_only {
-        let why = match reason {
-            OpenReason::CompatChanged => "its model, provider, directory or account differ",
-            OpenReason::TranscriptMissing => "its stored state is gone",
-            OpenReason::NotFound => "the runtime does not know it",
-            _ => "it was never started",
+            .map_err(|e| PoolError::Bindings(e.to_string()))??;
+        let Some(binding) = binding else {
+            return self.create(config, OpenReason::New).await;
         };
-        return Err(PoolError::NoSuchConversation {
-            session_key: session_key.to_owned(),
-            why,
-        });
+        if binding.compat_key != self.compat {
+            return self.create(config, OpenReason::CompatChanged).await;
+        }
+        let id = binding.cli_session_id;
+        if !self.home.join("session-state").join(&id).is_dir() {
+            return self.create(config, OpenReason::TranscriptMissing).await;
+        }
+        if self.skip_resume {
+            tracing::warn!(
+                cli_session_id = %id,
+                "Resuming this conversation crashed the runtime repeatedly; starting a new session."
+            );
+            return self.create(config, OpenReason::ResumeFailed).await;
+        }
+        let resume = SessionConfig {
+            session_id: id.clone(),
+            continue_pending_work: Some(false),
+            ..config.clone()
+        };
+        match self.worker.open_for_pool(resume, true).await {
+            Ok((session, _)) => Ok((session, OpenReason::Resumed)),
+            Err(error) if is_not_found(&error) => self.create(config, OpenReason::NotFound).await,
+            Err(error @ WorkerError::Died(_)) => Err(OpenFailure {
+                error: error.into(),
+                maybe_attached: None,
+                resume_crashed: true,
+            }),
+            Err(error) => Err(failed_open(error, id)),
+        }
     }
-    let session = worker.create_session(config).await?;
-    Ok((session, reason))
+
+    async fn create(
+        &self,
+        mut config: SessionConfig,
+        reason: OpenReason,
+    ) -> Result<(Session, OpenReason), OpenFailure> {
+        if self.existing_only {
+            let why = match reason {
+                OpenReason::CompatChanged => "its model, provider, directory or account differ",
+                OpenReason::TranscriptMissing => "its stored state is gone",
+                OpenReason::NotFound => "the runtime does not know it",
+                OpenReason::ResumeFailed => "resuming it crashed the runtime",
+                _ => "it was never started",
+            };
+            return Err(PoolError::NoSuchConversation {
+                session_key: self.session_key.to_owned(),
+                why,
+            }
+            .into());
+        }
+        // The id is ours, so a create that times out can still be detached by it.
+        config.session_id = uuid::Uuid::new_v4().to_string();
+        let id = config.session_id.clone();
+        match self.worker.open_for_pool(config, false).await {
+            Ok((session, _)) => Ok((session, reason)),
+            Err(error) => Err(failed_open(error, id)),
+        }
+    }
 }
 
-/// The runtime's answer to a resume of a session it does not know (reference §10.4:
-/// "Session not found for sessionId: <id>").
+/// An open of session `id` failed: after a timeout the runtime may hold it anyway.
+fn failed_open(error: WorkerError, id: String) -> OpenFailure {
+    let maybe_attached = matches!(
+        error,
+        WorkerError::Rpc(crate::rpc::RpcError::Timeout { .. })
+    )
+    .then_some(id);
+    OpenFailure {
+        error: error.into(),
+        maybe_attached,
+        resume_crashed: false,
+    }
+}
+
+/// The runtime's answer to a resume (or detach) of a session it does not know (reference
+/// §10.4: "Session not found for sessionId: <id>").
 fn is_not_found(error: &WorkerError) -> bool {
     match error {
         WorkerError::Rpc(e) => {

@@ -354,6 +354,7 @@ data!(
         input_tokens: Option<u64>,
         output_tokens: Option<u64>,
         cache_read_tokens: Option<u64>,
+        cache_write_tokens: Option<u64>,
         cost: Option<f64>,
         duration: Option<f64>,
     }

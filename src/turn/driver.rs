@@ -454,6 +454,8 @@ impl TurnDriver {
             EventKind::AssistantUsage(u) => {
                 self.outcome.usage.input_tokens += u.input_tokens.unwrap_or(0);
                 self.outcome.usage.output_tokens += u.output_tokens.unwrap_or(0);
+                self.outcome.usage.cache_read_tokens += u.cache_read_tokens.unwrap_or(0);
+                self.outcome.usage.cache_write_tokens += u.cache_write_tokens.unwrap_or(0);
             }
             EventKind::SessionError(e) => {
                 self.outcome.error = Some(e.message.clone());

@@ -133,6 +133,10 @@ pub struct Usage {
     pub input_tokens: u64,
     /// Output tokens.
     pub output_tokens: u64,
+    /// Input tokens read from the provider's prompt cache.
+    pub cache_read_tokens: u64,
+    /// Input tokens written to the provider's prompt cache.
+    pub cache_write_tokens: u64,
 }
 
 /// What one turn produced.
@@ -164,6 +168,11 @@ pub struct TurnOutcome {
     pub usage: Usage,
     /// `session.task_complete` data, when the runtime sent one (best effort).
     pub task_complete: Option<Value>,
+    /// How the conversation's CLI session was opened for this turn: whether the runtime
+    /// still had its context (`attached`, `resumed`) or started without it (`new`,
+    /// `compat-changed`, `transcript-missing`, `not-found`, `resume-failed`), so a gateway
+    /// knows when to re-seed it. Set by the lease; later turns of one lease are `attached`.
+    pub open_reason: Option<crate::pool::OpenReason>,
     /// Events seen.
     pub events: usize,
 }

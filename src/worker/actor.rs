@@ -271,6 +271,13 @@ impl Actor for Worker {
             }
             WorkerMsg::OpenRoute { session_id, reply } => {
                 let result = match state.routes.entry(session_id) {
+                    // A route whose receiver is gone (its opener was cancelled, or its
+                    // session dropped) is stale: it is replaced, not refused.
+                    Entry::Occupied(mut e) if e.get().is_closed() => {
+                        let (tx, rx) = mpsc::unbounded_channel();
+                        e.insert(tx);
+                        Ok(rx)
+                    }
                     Entry::Occupied(e) => Err(WorkerError::SessionAlreadyOpen(e.key().clone())),
                     Entry::Vacant(e) => {
                         let (tx, rx) = mpsc::unbounded_channel();

@@ -102,6 +102,14 @@ pub enum WorkerError {
     /// The runtime could not be started.
     #[error("cannot start the copilot runtime: {0}")]
     Spawn(String),
+    /// The runtime could not be started because the machine or this process ran out of a
+    /// resource (file descriptors, processes, memory). Not the runtime's fault: it is never
+    /// counted as a crash.
+    #[error(
+        "cannot start the copilot runtime, out of resources: {0}; raise the open-file limit \
+         (ulimit -n / RLIMIT_NOFILE) or the process and memory limits, or lower max_processes"
+    )]
+    ResourceExhausted(String),
     /// The runtime started but the `connect` handshake failed.
     #[error("handshake with the copilot runtime failed: {0}")]
     Handshake(String),
@@ -144,6 +152,10 @@ pub enum WorkerError {
 
 impl From<SpawnError> for WorkerError {
     fn from(e: SpawnError) -> Self {
-        WorkerError::Spawn(e.to_string())
+        if e.is_resource_exhaustion() {
+            WorkerError::ResourceExhausted(e.to_string())
+        } else {
+            WorkerError::Spawn(e.to_string())
+        }
     }
 }

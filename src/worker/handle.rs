@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use crate::rpc::messages::{
     HandlePendingPermission, HandlePendingToolCall, Method, Ping, PingParams, SessionConfig,
-    SessionCreate, SessionOpened, SessionResume,
+    SessionCreate, SessionDetach, SessionIdParams, SessionOpened, SessionResume,
 };
 use crate::rpc::{Connection, RpcError};
 
@@ -61,6 +61,32 @@ pub struct WorkerInfo {
     pub runtime_version: String,
     /// The protocol version it speaks.
     pub protocol_version: u32,
+}
+
+/// What an open that did not complete leaves behind.
+#[derive(Clone, Copy)]
+enum FailedOpen {
+    /// Detach the session in the background (best effort): for direct users of the worker.
+    DetachInBackground,
+    /// Only close the route: the caller detaches with confirmation (the pool).
+    LeaveToCaller,
+}
+
+/// Closes a session's route if its open did not complete (an error, or the opening future
+/// was dropped), so no stale route refuses the next open of that id.
+struct RouteGuard<'a> {
+    worker: &'a WorkerHandle,
+    session_id: &'a str,
+    detach: bool,
+    armed: bool,
+}
+
+impl Drop for RouteGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.worker.close_route(self.session_id, self.detach);
+        }
+    }
 }
 
 /// Stops the worker when the last handle (including those inside sessions) is dropped.
@@ -246,7 +272,9 @@ impl WorkerHandle {
         if config.session_id.is_empty() {
             config.session_id = Uuid::new_v4().to_string();
         }
-        self.open::<SessionCreate>(config).await.map(|(s, _)| s)
+        self.open::<SessionCreate>(config, FailedOpen::DetachInBackground)
+            .await
+            .map(|(s, _)| s)
     }
 
     /// Resumes a stored session in this process. The provider must be given again.
@@ -254,10 +282,42 @@ impl WorkerHandle {
         &self,
         config: SessionConfig,
     ) -> Result<(Session, SessionOpened), WorkerError> {
-        self.open::<SessionResume>(config).await
+        self.open::<SessionResume>(config, FailedOpen::DetachInBackground)
+            .await
     }
 
-    async fn open<M>(&self, config: SessionConfig) -> Result<(Session, SessionOpened), WorkerError>
+    /// Opens (`resume`) or creates a session for the pool. On failure the route is closed
+    /// but nothing is detached: the runtime may still hold the session (after a timeout),
+    /// and the pool detaches it with confirmation or stops this worker.
+    pub(crate) async fn open_for_pool(
+        &self,
+        config: SessionConfig,
+        resume: bool,
+    ) -> Result<(Session, SessionOpened), WorkerError> {
+        if resume {
+            self.open::<SessionResume>(config, FailedOpen::LeaveToCaller)
+                .await
+        } else {
+            self.open::<SessionCreate>(config, FailedOpen::LeaveToCaller)
+                .await
+        }
+    }
+
+    /// Detaches a session by id and waits for the runtime's answer (its state stays on
+    /// disk). Used when no [`Session`] exists for it, e.g. after an open that timed out.
+    pub async fn detach_session(&self, session_id: &str) -> Result<(), WorkerError> {
+        self.close_route(session_id, false);
+        let params = SessionIdParams {
+            session_id: session_id.to_owned(),
+        };
+        self.call::<SessionDetach>(&params).await.map(|_| ())
+    }
+
+    async fn open<M>(
+        &self,
+        config: SessionConfig,
+        failed: FailedOpen,
+    ) -> Result<(Session, SessionOpened), WorkerError>
     where
         M: Method<Params = SessionConfig, Result = SessionOpened>,
     {
@@ -269,12 +329,21 @@ impl WorkerHandle {
                 reply,
             })
             .await??;
+        // From here, a dropped future (or a failed request) closes the route; the runtime may
+        // have opened the session anyway, so it is detached unless the caller takes that on.
+        let mut guard = RouteGuard {
+            worker: self,
+            session_id: &id,
+            detach: true,
+            armed: true,
+        };
         match self.call::<M>(&config).await {
-            Ok(opened) => Ok((Session::new(id, self.clone(), updates), opened)),
+            Ok(opened) => {
+                guard.armed = false;
+                Ok((Session::new(id.clone(), self.clone(), updates), opened))
+            }
             Err(err) => {
-                // The runtime may have opened the session anyway (e.g. after a timeout):
-                // detach it so it is not left attached with nobody listening.
-                self.close_route(&id, true);
+                guard.detach = matches!(failed, FailedOpen::DetachInBackground);
                 Err(err)
             }
         }
