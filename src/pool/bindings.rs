@@ -96,14 +96,49 @@ pub struct BindingStore {
 }
 
 impl BindingStore {
-    /// Opens the store in `<state_dir>/bindings`, creating it (mode 0700) if missing.
+    /// Opens the store in `<state_dir>/bindings`, creating it (mode 0700) if missing, and
+    /// removes temp files that a write cut short (a crash between write and rename) left.
     pub fn open(state_dir: &Path) -> Result<Self, BindingError> {
         let dir = state_dir.join("bindings");
         create_private_dir(&dir).map_err(|source| BindingError::CreateDir {
             path: dir.clone(),
             source,
         })?;
-        Ok(Self { dir })
+        let store = Self { dir };
+        store.remove_leftover_temp_files()?;
+        Ok(store)
+    }
+
+    /// Removes `.<hash>.<uuid>.tmp` files: no writer is running before the store is open.
+    fn remove_leftover_temp_files(&self) -> Result<(), BindingError> {
+        let list_error = |source| BindingError::Io {
+            op: "list",
+            path: self.dir.clone(),
+            source,
+        };
+        for entry in fs::read_dir(&self.dir).map_err(list_error)? {
+            let path = entry.map_err(list_error)?.path();
+            let is_temp = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with('.') && n.ends_with(".tmp"));
+            if is_temp {
+                match fs::remove_file(&path) {
+                    Ok(()) => {
+                        tracing::info!(path = %path.display(), "Removed a binding temp file left by an interrupted write.")
+                    }
+                    Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                    Err(source) => {
+                        return Err(BindingError::Io {
+                            op: "remove the leftover temp file",
+                            path,
+                            source,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The directory holding the binding files.
@@ -336,6 +371,23 @@ mod tests {
             compat_key: "compat-1".to_owned(),
             updated_at_ms: 1_700_000_000_000,
         }
+    }
+
+    #[test]
+    fn temp_files_left_by_an_interrupted_write_are_removed_when_the_store_opens() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        store.put(&binding("kept", "s-1")).unwrap();
+        let leftover = store
+            .dir()
+            .join(format!(".{}.0123456789abcdef.tmp", hex_sha256("kept")));
+        fs::write(&leftover, b"{\"half\":").unwrap();
+        let stray = store.dir().join("notes.txt");
+        fs::write(&stray, b"not ours").unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        assert!(!leftover.exists(), "the temp file is gone");
+        assert!(stray.exists(), "other files are left alone");
+        assert_eq!(store.get("kept").unwrap(), Some(binding("kept", "s-1")));
     }
 
     fn file_names(dir: &Path) -> Vec<String> {

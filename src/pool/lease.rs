@@ -109,6 +109,13 @@ impl Lease {
         self.reason == OpenReason::Resumed
     }
 
+    /// Whether the runtime reported, when this lease's session was opened, that another
+    /// process still had it attached (`alreadyInUse`). The pool's one-owner rule keeps this
+    /// false; true would mean two processes append to one history.
+    pub fn already_in_use(&self) -> bool {
+        self.session.as_ref().is_some_and(Session::already_in_use)
+    }
+
     /// Starts a turn. Its events follow through [`Lease::next_event`].
     pub async fn send(&mut self, prompt: impl Into<String>) -> Result<(), PoolError> {
         if self.driver.in_flight() {

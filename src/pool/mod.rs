@@ -452,6 +452,13 @@ impl Opening {
             }
         };
         let cli_session_id = session.id().to_owned();
+        if reason != OpenReason::Attached && session.already_in_use() {
+            tracing::error!(
+                %cli_session_id,
+                "The runtime reports this session attached to another process (alreadyInUse); \
+                 the one-owner rule was broken. Please report this."
+            );
+        }
         // A conversation still attached since its last lease has an up-to-date binding.
         if reason != OpenReason::Attached {
             let binding = Binding {
@@ -468,12 +475,8 @@ impl Opening {
             };
             if let Err(error) = written {
                 // Not recorded, so not attached: a later resume must not miss these turns.
-                tracing::error!(dir = %bindings.dir().display(), %error, "Could not record a conversation's binding; the lease fails.");
                 grant.opened = Some(session);
-                return Err(PoolError::StateUnwritable {
-                    dir: bindings.dir().to_owned(),
-                    error,
-                });
+                return Err(state_unwritable(&bindings, error));
             }
         }
         let mut driver = crate::turn::driver::TurnDriver::new(handlers);
@@ -509,6 +512,15 @@ impl Opening {
     }
 }
 
+/// The error for a binding store that cannot be read or written.
+fn state_unwritable(bindings: &BindingStore, error: String) -> PoolError {
+    tracing::error!(dir = %bindings.dir().display(), %error, "Could not read or record a conversation's binding; the lease fails.");
+    PoolError::StateUnwritable {
+        dir: bindings.dir().to_owned(),
+        error,
+    }
+}
+
 /// Why an open failed, and what it may have left attached on the granted worker.
 struct OpenFailure {
     error: PoolError,
@@ -525,12 +537,6 @@ impl From<PoolError> for OpenFailure {
             maybe_attached: None,
             resume_crashed: false,
         }
-    }
-}
-
-impl From<BindingError> for OpenFailure {
-    fn from(error: BindingError) -> Self {
-        PoolError::from(error).into()
     }
 }
 
@@ -576,9 +582,12 @@ impl OpenTarget<'_> {
         }
         let store = bindings.clone();
         let key = self.session_key.to_owned();
-        let binding = tokio::task::spawn_blocking(move || store.get(&key))
-            .await
-            .map_err(|e| PoolError::Bindings(e.to_string()))??;
+        let binding = match tokio::task::spawn_blocking(move || store.get(&key)).await {
+            Ok(Ok(binding)) => binding,
+            // A state directory that cannot be read cannot record the conversation either.
+            Ok(Err(e)) => return Err(state_unwritable(bindings, e.os_error()).into()),
+            Err(e) => return Err(PoolError::Internal(e.to_string()).into()),
+        };
         let Some(binding) = binding else {
             return self.create(config, OpenReason::New).await;
         };

@@ -74,6 +74,8 @@ pub(crate) enum WorkerMsg {
     },
     /// A tunnelled model response finished.
     TunnelDone(String),
+    /// Answers once everything queued before it has been handled.
+    Flush(RpcReplyPort<()>),
 }
 
 /// Everything the worker owns.
@@ -332,6 +334,9 @@ impl Actor for Worker {
                 }
             }
             WorkerMsg::TunnelDone(request_id) => state.tunnel.done(&request_id),
+            WorkerMsg::Flush(reply) => {
+                let _ = reply.send(());
+            }
         }
         Ok(())
     }

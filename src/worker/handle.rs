@@ -339,6 +339,9 @@ impl WorkerHandle {
         };
         match self.call::<M>(&config).await {
             Ok(opened) => {
+                // Events the runtime sent before its answer are routed once the actor has
+                // handled everything queued before this call.
+                self.ask(WorkerMsg::Flush).await?;
                 guard.armed = false;
                 Ok((Session::new(id.clone(), self.clone(), updates), opened))
             }

@@ -115,6 +115,10 @@ pub struct Session {
     id: String,
     worker: WorkerHandle,
     updates: mpsc::UnboundedReceiver<SessionUpdate>,
+    /// Updates that arrived while the session was being opened, read back first.
+    opening: std::collections::VecDeque<SessionUpdate>,
+    /// The runtime reported the session attached to another process when it was opened.
+    already_in_use: bool,
     detached: bool,
 }
 
@@ -131,14 +135,38 @@ impl Session {
     pub(crate) fn new(
         id: String,
         worker: WorkerHandle,
-        updates: mpsc::UnboundedReceiver<SessionUpdate>,
+        mut updates: mpsc::UnboundedReceiver<SessionUpdate>,
     ) -> Self {
+        // What the runtime said while opening (`session.start` / `session.resume`) is
+        // already routed (the caller flushed the worker's mailbox): look at it, keep it.
+        let mut opening = std::collections::VecDeque::new();
+        let mut already_in_use = false;
+        while let Ok(update) = updates.try_recv() {
+            if let SessionUpdate::Event(event) = &update {
+                let in_use = match &event.kind {
+                    crate::rpc::EventKind::SessionStart(d) => d.already_in_use,
+                    crate::rpc::EventKind::SessionResume(d) => d.already_in_use,
+                    _ => None,
+                };
+                already_in_use |= in_use == Some(true);
+            }
+            opening.push_back(update);
+        }
         Self {
             id,
             worker,
             updates,
+            opening,
+            already_in_use,
             detached: false,
         }
+    }
+
+    /// Whether the runtime reported, when this session was opened, that another process
+    /// still had it attached (`alreadyInUse`): two owners append to one history. The pool
+    /// never lets that happen; a caller of the worker API must detach elsewhere first.
+    pub fn already_in_use(&self) -> bool {
+        self.already_in_use
     }
 
     /// The CLI session id.
@@ -153,12 +181,17 @@ impl Session {
 
     /// The next update; `None` after [`SessionUpdate::Ended`] has been delivered.
     pub async fn next(&mut self) -> Option<SessionUpdate> {
+        if let Some(update) = self.opening.pop_front() {
+            return Some(update);
+        }
         self.updates.recv().await
     }
 
     /// The next update if one is already waiting, without waiting.
     pub fn try_next(&mut self) -> Option<SessionUpdate> {
-        self.updates.try_recv().ok()
+        self.opening
+            .pop_front()
+            .or_else(|| self.updates.try_recv().ok())
     }
 
     /// Whether the session's worker is still serving (false once it ended or stopped).

@@ -111,3 +111,52 @@ pub async fn shutdown_leaves_nothing(pool: &Pool) {
         assert!(left.is_empty(), "group {pid} left behind: {left:?}");
     }
 }
+
+impl Fixture {
+    /// A runtime program: `real` behind `tests/support/resume_delay_proxy.mjs`, which
+    /// writes `marker` when the runtime streams a `session.resume` event and holds its next
+    /// frames (the reply) back for half a second.
+    pub fn resume_delay_proxy(&self, real: &std::path::Path, marker: &std::path::Path) -> PathBuf {
+        let proxy = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests")
+            .join("support")
+            .join("resume_delay_proxy.mjs");
+        let script = self.scratch.path().join("resume-delay-proxy.sh");
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\nPROXY_RUNTIME='{}' PROXY_MARKER='{}' PROXY_DELAY_MS=500 exec node '{}' \"$@\"\n",
+                real.display(),
+                marker.display(),
+                proxy.display()
+            ),
+        )
+        .expect("proxy script");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        script
+    }
+
+    /// A pool config whose workers are the fake runtime (`tests/support/fake_runtime.mjs`,
+    /// run by Node) in `mode`: for faults the real runtime cannot be told to produce.
+    pub async fn fake_runtime_config(&self, mode: &str) -> PoolConfig {
+        let fake = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests")
+            .join("support")
+            .join("fake_runtime.mjs");
+        let script = self.scratch.path().join(format!("fake-runtime-{mode}.sh"));
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\nFAKE_RUNTIME_MODE='{mode}' exec node '{}' \"$@\"\n",
+                fake.display()
+            ),
+        )
+        .expect("fake runtime script");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let mut config = self.config().await;
+        config.worker.program = script;
+        config
+    }
+}

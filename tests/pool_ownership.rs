@@ -1,0 +1,376 @@
+//! One owner per CLI session on every path: cancelled opens, dropped leases whose turn does
+//! not settle, bindings that cannot be written, resumes that crash the runtime. Real runtime
+//! processes where they can show it; the fake runtime (Node) for faults the real one cannot
+//! be told to produce.
+
+mod support;
+
+use std::time::Duration;
+
+use copilot_pool::pool::{OpenReason, Pool, PoolError, PoolEvent};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use support::pool_fixture::{Fixture, shutdown_leaves_nothing, wait_event};
+use support::procs::wait_group_gone;
+
+/// Where a lease is cancelled while it opens its conversation.
+#[derive(Debug, Clone, Copy)]
+enum CancelPoint {
+    /// As soon as the process the lease will be granted has started (before any request).
+    WorkerStarted,
+    /// Once the runtime has streamed the `session.resume` event, before its reply (which
+    /// the proxy in front of it holds back).
+    ResumeEvent,
+    /// Once the proxy has passed the runtime's reply on (the pool is recording the
+    /// conversation).
+    Reply,
+    /// Once the pool reports the conversation opened and recorded.
+    Opened,
+}
+
+async fn cancel_point_reached(
+    point: CancelPoint,
+    events: &mut tokio::sync::broadcast::Receiver<PoolEvent>,
+    resume_marker: &std::path::Path,
+) {
+    match point {
+        CancelPoint::WorkerStarted => {
+            wait_event(events, |e| matches!(e, PoolEvent::WorkerStarted { .. })).await;
+        }
+        CancelPoint::ResumeEvent => loop {
+            // The proxy's marker file is the only signal of this point (it then holds the
+            // reply back for a while); polled, bounded by the caller's timeout.
+            if resume_marker.exists() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        },
+        CancelPoint::Reply => loop {
+            if resume_marker.with_extension("replied").exists() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        },
+        CancelPoint::Opened => {
+            wait_event(events, |e| {
+                matches!(e, PoolEvent::ConversationOpened { .. })
+            })
+            .await;
+        }
+    }
+}
+
+/// A conversation on one process; a lease that would move it to the second process (other
+/// settings) is cancelled at `point`; the next lease, with the first settings, moves it back
+/// to the other process. That open must find the session free (`alreadyInUse: false`) and
+/// the history whole.
+async fn cancel_while_opening_then_lease_on_the_other_process(point: CancelPoint) {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.max_processes_per_key = 2;
+    config.max_sessions_per_process = 1;
+    let resume_marker = fx.scratch.path().join("resume-event-seen");
+    config.worker.program = fx.resume_delay_proxy(&config.worker.program, &resume_marker);
+    let pool = Pool::start(config).await.expect("pool");
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("first lease");
+    lease
+        .run("REPLY=first MARKER-before-the-cancel")
+        .await
+        .expect("first turn");
+    let id = lease.cli_session_id().to_owned();
+    let first_pid = lease.worker_pid();
+    drop(lease);
+
+    // Other settings: the attached session cannot be reused, its process is full, so the
+    // lease is granted a second process and resumes the conversation there.
+    let mut moved = fx.request("agent-a", "conv");
+    moved.reasoning_effort = Some("high".to_owned());
+    let mut events = pool.subscribe();
+    let mut opening = Box::pin(pool.lease(moved));
+    let mut moved_pid = 0;
+    tokio::select! {
+        finished = &mut opening => {
+            // The open finished before the cancel point: dropping the lease is the cancel.
+            let finished = finished.expect("the moved lease");
+            moved_pid = finished.worker_pid();
+        }
+        _ = tokio::time::timeout(
+            Duration::from_secs(30),
+            cancel_point_reached(point, &mut events, &resume_marker),
+        ) => {}
+    }
+    drop(opening);
+
+    // Back to the first settings: the conversation is not attached with them anywhere, so
+    // it is (re)opened; wherever the cancelled open left it, it must be free.
+    let mut lease = tokio::time::timeout(
+        Duration::from_secs(60),
+        pool.lease(fx.request("agent-a", "conv")),
+    )
+    .await
+    .expect("lease after the cancel")
+    .expect("lease after the cancel");
+    assert_eq!(
+        lease.cli_session_id(),
+        id,
+        "{point:?}: the same conversation"
+    );
+    if lease.reason() == OpenReason::Resumed {
+        assert!(
+            !lease.already_in_use(),
+            "{point:?}: the session was still attached to another process (split brain)"
+        );
+        assert_ne!(lease.worker_pid(), moved_pid, "{point:?}: moved back");
+    } else {
+        // Cancelled before it was granted: nothing moved.
+        assert_eq!(lease.reason(), OpenReason::Attached, "{point:?}");
+        assert_eq!(lease.worker_pid(), first_pid, "{point:?}");
+    }
+    lease
+        .run("REPLY=after")
+        .await
+        .expect("turn after the cancel");
+    assert!(
+        fx.last_model_request().contains("MARKER-before-the-cancel"),
+        "{point:?}: the history is whole"
+    );
+    drop(lease);
+    let status = pool.status().await.expect("status");
+    assert_eq!(status.conversations, 1, "{point:?}: {status:?}");
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_lease_cancelled_when_its_process_starts_leaves_the_session_with_one_owner() {
+    cancel_while_opening_then_lease_on_the_other_process(CancelPoint::WorkerStarted).await;
+}
+
+#[tokio::test]
+async fn a_lease_cancelled_after_the_runtimes_resume_event_leaves_the_session_with_one_owner() {
+    cancel_while_opening_then_lease_on_the_other_process(CancelPoint::ResumeEvent).await;
+}
+
+#[tokio::test]
+async fn a_lease_cancelled_after_the_runtimes_reply_leaves_the_session_with_one_owner() {
+    cancel_while_opening_then_lease_on_the_other_process(CancelPoint::Reply).await;
+}
+
+#[tokio::test]
+async fn a_lease_cancelled_once_its_conversation_is_recorded_leaves_the_session_with_one_owner() {
+    cancel_while_opening_then_lease_on_the_other_process(CancelPoint::Opened).await;
+}
+
+#[tokio::test]
+async fn a_dropped_lease_whose_turn_never_settles_stops_its_process_and_the_conversation_resumes_elsewhere()
+ {
+    let fx = Fixture::new().await;
+    let mut config = fx.fake_runtime_config("never-idle").await;
+    config.max_processes_per_key = 2;
+    config.abort_settle_timeout = Duration::from_millis(300);
+    config.worker.health_interval = Duration::ZERO;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    let id = lease.cli_session_id().to_owned();
+    let stuck_pid = lease.worker_pid();
+    lease.send("this turn never ends").await.expect("send");
+    // Dropped mid-turn: the abort is acknowledged, but no session.idle ever comes.
+    drop(lease);
+    let evicted = wait_event(&mut events, |e| {
+        matches!(e, PoolEvent::WorkerEvicted { .. })
+    })
+    .await;
+    let PoolEvent::WorkerEvicted { pid, .. } = evicted else {
+        unreachable!()
+    };
+    assert_eq!(
+        pid, stuck_pid,
+        "the process that may still run the turn is stopped"
+    );
+    let left = wait_group_gone(stuck_pid, Duration::from_secs(10)).await;
+    assert!(left.is_empty(), "group {stuck_pid} left behind: {left:?}");
+
+    let lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease after the stop");
+    assert_eq!(lease.cli_session_id(), id);
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    assert_ne!(lease.worker_pid(), stuck_pid);
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_conversation_whose_resume_crashes_the_runtime_twice_starts_fresh_without_quarantining_its_key()
+ {
+    let fx = Fixture::new().await;
+    let config = fx.fake_runtime_config("crash-on-resume").await;
+    let pool = Pool::start(config.clone()).await.expect("pool");
+    let lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    let id = lease.cli_session_id().to_owned();
+    assert_eq!(lease.reason(), OpenReason::New);
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+
+    // A new pool on the same state resumes from the binding: the runtime dies each time.
+    let pool = Pool::start(config).await.expect("pool");
+    for attempt in 1..=2 {
+        let crashed = pool.lease(fx.request("agent-a", "conv")).await;
+        let Err(PoolError::Worker(error)) = &crashed else {
+            panic!("attempt {attempt}: expected the crash, got {crashed:?}")
+        };
+        assert!(error.to_string().contains("crashing on resume"), "{error}");
+    }
+    let lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("the third lease starts fresh");
+    assert_eq!(lease.reason(), OpenReason::ResumeFailed);
+    assert_ne!(lease.cli_session_id(), id);
+    assert_eq!(
+        lease.outcome().open_reason,
+        Some(OpenReason::ResumeFailed),
+        "the turn outcome says why the context is gone"
+    );
+    drop(lease);
+    let status = pool.status().await.expect("status");
+    assert!(status.quarantined_keys.is_empty(), "{status:?}");
+    // The fresh session is the conversation's from now on.
+    let lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    assert_eq!(lease.reason(), OpenReason::Attached);
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_binding_that_cannot_be_written_fails_the_lease_and_leaves_nothing_attached() {
+    let fx = Fixture::new().await;
+    let config = fx.config().await;
+    let state = config.state_dir.clone();
+    let pool = Pool::start(config).await.expect("pool");
+    let mut lease = pool
+        .lease(fx.request("agent-a", "kept"))
+        .await
+        .expect("lease");
+    lease.run("REPLY=one MARKER-kept").await.expect("turn");
+    let pid = lease.worker_pid();
+    drop(lease);
+
+    // The state directory is replaced by a file between two turns.
+    let aside = state.with_extension("aside");
+    std::fs::rename(&state, &aside).expect("move the state directory");
+    std::fs::write(&state, b"not a directory").expect("a file in its place");
+
+    // A new conversation cannot be recorded: its lease fails and nothing stays attached.
+    let failed = pool.lease(fx.request("agent-a", "new")).await;
+    let Err(error @ PoolError::StateUnwritable { .. }) = &failed else {
+        panic!("expected StateUnwritable, got {failed:?}")
+    };
+    let message = error.to_string();
+    assert!(message.contains(&state.display().to_string()), "{message}");
+    assert!(message.contains("Not a directory"), "{message}");
+    // A conversation that must be resumed after a crash cannot be recorded either.
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
+    let left = wait_group_gone(pid, Duration::from_secs(10)).await;
+    assert!(left.is_empty());
+    let resumed = pool.lease(fx.request("agent-a", "kept")).await;
+    assert!(
+        matches!(resumed, Err(PoolError::StateUnwritable { .. })),
+        "{resumed:?}"
+    );
+    let status = pool.status().await.expect("status");
+    assert_eq!(
+        status.conversations, 0,
+        "nothing attached without a binding: {status:?}"
+    );
+
+    // Reads work but writes fail (the bindings directory is now a read-only place where
+    // nothing exists and nothing can be created): the session is opened in the runtime,
+    // cannot be recorded, and is detached again.
+    std::fs::remove_file(&state).expect("remove the file");
+    std::fs::rename(&aside, &state).expect("restore the state directory");
+    let bindings = state.join("bindings");
+    let bindings_aside = state.join("bindings.aside");
+    std::fs::rename(&bindings, &bindings_aside).expect("move the bindings");
+    std::os::unix::fs::symlink("/proc", &bindings).expect("symlink");
+    let failed = pool.lease(fx.request("agent-a", "new")).await;
+    assert!(
+        matches!(failed, Err(PoolError::StateUnwritable { .. })),
+        "{failed:?}"
+    );
+    let detached = async {
+        loop {
+            let status = pool.status().await.expect("status");
+            if status.conversations == 0 && status.workers.iter().all(|w| w.sessions == 0) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), detached)
+        .await
+        .expect("nothing stays attached without a binding");
+
+    // Once the directory is back, both continue: "kept" with its history.
+    std::fs::remove_file(&bindings).expect("remove the symlink");
+    std::fs::rename(&bindings_aside, &bindings).expect("restore the bindings");
+    let mut kept = pool
+        .lease(fx.request("agent-a", "kept"))
+        .await
+        .expect("kept");
+    assert_eq!(kept.reason(), OpenReason::Resumed);
+    kept.run("REPLY=two").await.expect("turn");
+    assert!(fx.last_model_request().contains("MARKER-kept"));
+    drop(kept);
+    let new = pool.lease(fx.request("agent-a", "new")).await.expect("new");
+    assert_eq!(new.reason(), OpenReason::New);
+    drop(new);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn each_turn_says_how_its_conversation_was_opened() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    let first = lease.run("REPLY=one").await.expect("turn");
+    assert_eq!(first.open_reason, Some(OpenReason::New));
+    assert!(
+        first.usage.input_tokens > 0 && first.usage.output_tokens > 0,
+        "{first:?}"
+    );
+    let second = lease.run("REPLY=two").await.expect("turn");
+    assert_eq!(second.open_reason, Some(OpenReason::Attached));
+    let pid = lease.worker_pid();
+    drop(lease);
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
+    assert!(
+        wait_group_gone(pid, Duration::from_secs(10))
+            .await
+            .is_empty()
+    );
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    let third = lease.run("REPLY=three").await.expect("turn");
+    assert_eq!(third.open_reason, Some(OpenReason::Resumed));
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}

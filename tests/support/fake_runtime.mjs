@@ -1,0 +1,73 @@
+#!/usr/bin/env node
+// A fake Copilot runtime for faults the real one cannot be told to produce. It speaks the
+// runtime's JSON-RPC (Content-Length frames on stdio) just far enough for the pool:
+// `connect`, `ping`, `session.create`/`resume` (creating `$COPILOT_HOME/session-state/<id>`
+// like the real one), `session.send`, `session.abort`, `session.detach`, `session.delete`.
+//
+// FAKE_RUNTIME_MODE picks the fault:
+//   never-idle       acknowledges `session.abort` but never sends `session.idle`
+//   crash-on-resume  exits with status 7 on every `session.resume`
+import fs from "node:fs";
+import path from "node:path";
+
+const mode = process.env.FAKE_RUNTIME_MODE ?? "";
+const home = process.env.COPILOT_HOME ?? ".";
+
+function write(message) {
+  const body = Buffer.from(JSON.stringify({ jsonrpc: "2.0", ...message }));
+  process.stdout.write(`Content-Length: ${body.length}\r\n\r\n`);
+  process.stdout.write(body);
+}
+
+function sessionDir(id) {
+  fs.mkdirSync(path.join(home, "session-state", id), { recursive: true });
+}
+
+function handle({ id, method, params }) {
+  const reply = (result) => write({ id, result });
+  switch (method) {
+    case "connect":
+      return reply({ ok: true, protocolVersion: 3, version: "fake-runtime" });
+    case "ping":
+      return reply({ message: "pong", timestamp: Date.now(), protocolVersion: 3 });
+    case "session.create":
+      sessionDir(params.sessionId);
+      return reply({ sessionId: params.sessionId });
+    case "session.resume":
+      if (mode === "crash-on-resume") {
+        process.stderr.write(`fake runtime: crashing on resume of ${params.sessionId}\n`);
+        process.exit(7);
+      }
+      sessionDir(params.sessionId);
+      return reply({ sessionId: params.sessionId });
+    case "session.send":
+      return reply({ messageId: `m-${Date.now()}` });
+    case "session.abort":
+    case "session.detach":
+    case "session.delete":
+      // never-idle: the abort is acknowledged, and no session.idle ever follows.
+      return reply({ success: true });
+    default:
+      if (id !== undefined) {
+        write({ id, error: { code: -32601, message: `fake runtime: no method ${method}` } });
+      }
+  }
+}
+
+let buffer = Buffer.alloc(0);
+process.stdin.on("data", (chunk) => {
+  buffer = Buffer.concat([buffer, chunk]);
+  for (;;) {
+    const end = buffer.indexOf("\r\n\r\n");
+    if (end < 0) return;
+    const header = buffer.subarray(0, end).toString();
+    const match = /Content-Length: (\d+)/i.exec(header);
+    if (!match) process.exit(2);
+    const length = Number(match[1]);
+    if (buffer.length < end + 4 + length) return;
+    const body = buffer.subarray(end + 4, end + 4 + length).toString();
+    buffer = buffer.subarray(end + 4 + length);
+    handle(JSON.parse(body));
+  }
+});
+process.stdin.on("end", () => process.exit(0));
