@@ -297,7 +297,10 @@ impl Pool {
             cli_session_id: cli_session_id.clone(),
             reason,
         });
-        let mut driver = crate::turn::driver::TurnDriver::new(req.handlers.clone());
+        let mut driver = crate::turn::driver::TurnDriver::new(
+            req.handlers.clone(),
+            req.working_directory.clone(),
+        );
         driver.open_transcript(&cli_session_id)?;
         grant.disarm();
         Ok(Lease {
