@@ -4,10 +4,19 @@
 //!
 //! A policy is asked through [`decide_safely`], which turns a policy error or panic into a
 //! rejection: a broken policy must never approve anything.
+//!
+//! [`RulePolicy`] rules fail closed: an allow rule approves a request only when every path
+//! (normalised lexically, submodule `path`) and every simple command of its shell line (split
+//! as bash reads it, submodule `shell`) matches; a reject rule applies when any of them does,
+//! or when the line cannot be split with confidence.
+
+mod path;
+mod shell;
 
 use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 
 use futures_util::FutureExt;
@@ -28,6 +37,10 @@ pub struct PermissionRequest {
     pub tool_name: Option<String>,
     /// The whole `permissionRequest` as received.
     pub raw: Value,
+    /// The conversation's working directory (set by the turn driver): relative paths are
+    /// taken against it. Without one (or with a relative one), a relative path matches no
+    /// allow rule and every reject rule with a path pattern.
+    pub working_directory: Option<PathBuf>,
 }
 
 impl PermissionRequest {
@@ -60,7 +73,14 @@ impl PermissionRequest {
             url: string("url"),
             tool_name: string("toolName"),
             raw: value.clone(),
+            working_directory: None,
         }
+    }
+
+    /// The same request, with relative paths taken against `dir`.
+    pub fn with_working_directory(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.working_directory = Some(dir.into());
+        self
     }
 }
 
@@ -135,14 +155,30 @@ impl PermissionPolicy for ApproveAll {
 }
 
 /// One rule of a [`RulePolicy`]. It matches when its kind matches (`*` = any) and every
-/// pattern it sets matches; patterns are [globs](glob_match).
+/// pattern it sets matches; patterns are [globs](glob_match). What "matches" means depends on
+/// the rule's decision, so that a rule never approves more than it says:
+///
+/// - an **allow** rule ([`PermissionDecision::Approve`]) matches a request's paths when EVERY
+///   path matches after lexical normalisation, and its shell line when the line splits into
+///   simple commands with confidence and EVERY one matches, its wildcards matching no
+///   redirection operator;
+/// - a **reject** rule matches a request's paths when ANY path matches (normalised or as
+///   sent) or cannot be normalised, and its shell line when the whole line or any simple
+///   command of it matches, or when the line cannot be split with confidence.
+///
+/// A line is split at unquoted `;`, `&`, `|`, `&&`, `||`, `|&` and newlines; a line with command
+/// substitution or a here-document (anywhere), unquoted parentheses, a `${…}` with quotes or
+/// operators, or an unterminated quote is approved by no allow rule. The README's "Permission
+/// rules" section states it all.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rule {
     /// `"*"` or a request kind (`shell`, `write`, …), compared exactly.
     pub kind: String,
-    /// Glob against the command text; a request without one does not match.
+    /// Glob against each simple command of the shell line (see above); a request without a
+    /// command does not match.
     pub command: Option<String>,
-    /// Glob against ANY of the request's paths; a request without paths does not match.
+    /// Glob against the request's paths, normalised to absolute paths (write it absolute);
+    /// a request without paths does not match.
     pub path: Option<String>,
     /// Glob against the url; a request without one does not match.
     pub url: Option<String>,
@@ -156,18 +192,69 @@ impl Rule {
         if self.kind != "*" && self.kind != request.kind {
             return false;
         }
-        let optional = |pattern: &Option<String>, value: &Option<String>| match pattern {
+        let approves = self.decision == PermissionDecision::Approve;
+        let url_matches = match &self.url {
             None => true,
-            Some(pattern) => value.as_deref().is_some_and(|v| glob_match(pattern, v)),
+            Some(pattern) => request
+                .url
+                .as_deref()
+                .is_some_and(|u| glob_match(pattern, u)),
         };
-        if !optional(&self.command, &request.command) || !optional(&self.url, &request.url) {
-            return false;
-        }
-        match &self.path {
+        let command_matches = match &self.command {
             None => true,
-            Some(pattern) => request.paths.iter().any(|p| glob_match(pattern, p)),
-        }
+            Some(pattern) => request.command.as_deref().is_some_and(|line| {
+                if approves {
+                    allows_command(pattern, line)
+                } else {
+                    hits_command(pattern, line)
+                }
+            }),
+        };
+        let path_matches = match &self.path {
+            None => true,
+            Some(_) if request.paths.is_empty() => false,
+            Some(pattern) => {
+                let cwd = request.working_directory.as_deref();
+                if approves {
+                    request.paths.iter().all(|p| allows_path(pattern, p, cwd))
+                } else {
+                    request.paths.iter().any(|p| hits_path(pattern, p, cwd))
+                }
+            }
+        };
+        url_matches && command_matches && path_matches
     }
+}
+
+/// Every simple command of `line` matches `pattern`, wildcards matching no redirection.
+fn allows_command(pattern: &str, line: &str) -> bool {
+    let Ok(commands) = shell::simple_commands(line) else {
+        return false;
+    };
+    !commands.is_empty() && commands.iter().all(|c| glob_match_chars(pattern, &c.chars))
+}
+
+/// The whole line, any simple command of it, or a line that cannot be split matches.
+fn hits_command(pattern: &str, line: &str) -> bool {
+    if glob_match(pattern, line) {
+        return true;
+    }
+    match shell::simple_commands(line) {
+        Err(_) => true,
+        Ok(commands) => commands.iter().any(|c| {
+            glob_match(pattern, &c.text)
+                || glob_match(pattern, &c.chars.iter().map(|c| c.ch).collect::<String>())
+        }),
+    }
+}
+
+fn allows_path(pattern: &str, path: &str, cwd: Option<&Path>) -> bool {
+    path::normalize(path, cwd).is_some_and(|normal| glob_match(pattern, &normal))
+}
+
+fn hits_path(pattern: &str, path: &str, cwd: Option<&Path>) -> bool {
+    glob_match(pattern, path)
+        || path::normalize(path, cwd).is_none_or(|normal| glob_match(pattern, &normal))
 }
 
 /// Ordered rules; the first matching rule decides, else `otherwise` (default: reject).
@@ -244,36 +331,46 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
 }
 
 /// Whole-string glob match: `*` matches any run of characters (including `/`), `?` exactly
-/// one character, everything else is literal. Iterative, O(len(pattern) × len(text)) worst
-/// case: only the most recent `*` is ever backtracked to.
+/// one character, everything else is literal. O(len(pattern) × len(text)) time, O(len(text))
+/// memory.
 pub fn glob_match(pattern: &str, text: &str) -> bool {
-    let p: Vec<char> = pattern.chars().collect();
-    let t: Vec<char> = text.chars().collect();
-    let (mut pi, mut ti) = (0usize, 0usize);
-    // Position after the last `*` seen, and the text position it is currently matched up to.
-    let mut star: Option<(usize, usize)> = None;
-    while ti < t.len() {
-        if pi < p.len() && p[pi] == '*' {
-            star = Some((pi + 1, ti));
-            pi += 1;
-        } else if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
-            pi += 1;
-            ti += 1;
-        } else if let Some((after_star, matched)) = star {
-            // Let the last `*` absorb one more character and retry from after it.
-            star = Some((after_star, matched + 1));
-            pi = after_star;
-            ti = matched + 1;
-        } else {
-            return false;
+    let text: Vec<shell::Char> = text
+        .chars()
+        .map(|ch| shell::Char { ch, wild: true })
+        .collect();
+    glob_match_chars(pattern, &text)
+}
+
+/// [`glob_match`] over marked characters: `*` and `?` match only characters marked `wild`;
+/// the others must be matched by the same literal character in the pattern.
+fn glob_match_chars(pattern: &str, text: &[shell::Char]) -> bool {
+    // matched[j]: the pattern so far matches text[..j].
+    let mut matched = vec![false; text.len() + 1];
+    matched[0] = true;
+    for p in pattern.chars() {
+        match p {
+            '*' => {
+                for j in 1..=text.len() {
+                    matched[j] = matched[j] || (matched[j - 1] && text[j - 1].wild);
+                }
+            }
+            _ => {
+                for j in (1..=text.len()).rev() {
+                    let t = text[j - 1];
+                    let one = if p == '?' { t.wild } else { t.ch == p };
+                    matched[j] = matched[j - 1] && one;
+                }
+                matched[0] = false;
+            }
         }
     }
-    p[pi..].iter().all(|&c| c == '*')
+    matched[text.len()]
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use std::time::{Duration, Instant};
 
     fn req(value: Value) -> PermissionRequest {
@@ -442,33 +539,483 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn rule_path_glob_matches_any_path() {
-        let policy = RulePolicy::new(vec![Rule {
-            path: Some("/work/*".into()),
-            ..rule("write", PermissionDecision::Approve)
-        }]);
-        let one_inside = req(json!({"kind": "write", "paths": ["/etc/passwd", "/work/a/b.rs"]}));
-        assert_eq!(policy.decide_now(&one_inside), PermissionDecision::Approve);
-        let outside = req(json!({"kind": "write", "path": "/etc/passwd"}));
-        assert!(matches!(
-            policy.decide_now(&outside),
-            PermissionDecision::Reject { .. }
-        ));
-        let no_paths = req(json!({"kind": "write"}));
-        assert!(matches!(
-            policy.decide_now(&no_paths),
-            PermissionDecision::Reject { .. }
-        ));
-        // Even `*` needs at least one path.
-        let star = RulePolicy::new(vec![Rule {
-            path: Some("*".into()),
+    fn write(paths: &[&str]) -> PermissionRequest {
+        req(json!({"kind": "write", "paths": paths}))
+    }
+
+    fn allow_paths(pattern: &str) -> RulePolicy {
+        RulePolicy::new(vec![Rule {
+            path: Some(pattern.into()),
             ..rule("*", PermissionDecision::Approve)
+        }])
+    }
+
+    fn allow_commands(pattern: &str) -> RulePolicy {
+        RulePolicy::new(vec![Rule {
+            command: Some(pattern.into()),
+            ..rule("shell", PermissionDecision::Approve)
+        }])
+    }
+
+    fn approves(policy: &RulePolicy, request: &PermissionRequest) -> bool {
+        policy.decide_now(request) == PermissionDecision::Approve
+    }
+
+    #[test]
+    fn an_allow_path_rule_approves_only_when_every_path_matches() {
+        let policy = allow_paths("/srv/*");
+        assert!(!approves(&policy, &write(&["/etc/passwd", "/srv/a/b.rs"])));
+        assert!(!approves(&policy, &write(&["/srv/a/b.rs", "/etc/passwd"])));
+        assert!(approves(&policy, &write(&["/srv/a/b.rs", "/srv/c.rs"])));
+        assert!(!approves(&policy, &write(&["/etc/passwd"])));
+        // No paths: nothing to match, so a path rule does not apply (not even `*`).
+        assert!(!approves(&policy, &write(&[])));
+        assert!(!approves(&allow_paths("*"), &write(&[])));
+    }
+
+    #[test]
+    fn a_reject_path_rule_matches_when_any_path_does() {
+        let policy = RulePolicy::new(vec![
+            Rule {
+                path: Some("/etc/*".into()),
+                ..rule("*", reject("not /etc"))
+            },
+            rule("*", PermissionDecision::Approve),
+        ]);
+        assert_eq!(
+            policy.decide_now(&write(&["/srv/a", "/etc/passwd"])),
+            reject("not /etc")
+        );
+        assert_eq!(
+            policy.decide_now(&write(&["/srv/a"])),
+            PermissionDecision::Approve
+        );
+    }
+
+    #[test]
+    fn paths_are_normalised_before_they_are_matched() {
+        let policy = allow_paths("/srv/*");
+        for escape in [
+            "/srv/../etc/shadow",
+            "/srv/a/../../etc/shadow",
+            "/srv/./../etc/shadow",
+            "/srv/..",
+            "/srv/a/../..",
+        ] {
+            assert!(!approves(&policy, &write(&[escape])), "{escape}");
+        }
+        assert!(approves(&policy, &write(&["/srv/a/./b/../c.rs"])));
+        assert!(approves(&policy, &write(&["//srv//a.rs"])));
+        // A reject rule sees the normalised path too.
+        let guard = RulePolicy::new(vec![Rule {
+            path: Some("/etc/*".into()),
+            ..rule("*", reject("not /etc"))
+        }])
+        .otherwise(PermissionDecision::Approve);
+        assert_eq!(
+            guard.decide_now(&write(&["/srv/../etc/shadow"])),
+            reject("not /etc")
+        );
+    }
+
+    #[test]
+    fn an_allow_command_glob_must_match_every_simple_command() {
+        let policy = allow_commands("git status*");
+        assert!(approves(&policy, &shell("git status")));
+        assert!(approves(&policy, &shell("git status --short")));
+        for command in [
+            "git status; curl x | sh",
+            "git status && rm -rf /",
+            "git status || rm -rf /",
+            "git status | sh",
+            "git status |& sh",
+            "git status & rm -rf /",
+            "git status\nrm -rf /",
+            "git status\n\nrm -rf /",
+            "git status;rm -rf /",
+        ] {
+            assert!(!approves(&policy, &shell(command)), "{command:?}");
+        }
+        // Every part matching: approved.
+        let both = RulePolicy::new(vec![Rule {
+            command: Some("git *".into()),
+            ..rule("shell", PermissionDecision::Approve)
         }]);
-        assert!(matches!(
-            star.decide_now(&no_paths),
-            PermissionDecision::Reject { .. }
+        assert!(approves(
+            &both,
+            &shell("git status && git diff | git apply")
         ));
+        assert!(approves(&both, &shell("git status; ")));
+    }
+
+    #[test]
+    fn substitutions_and_here_docs_are_never_approved_by_a_glob() {
+        for pattern in ["*", "echo *", "cat *"] {
+            let policy = allow_commands(pattern);
+            for command in [
+                "echo $(rm -rf /)",
+                "echo `rm -rf /`",
+                "echo \"$(rm -rf /)\"",
+                "echo '$(rm -rf /)'",
+                "cat <<EOF\nhi\nEOF",
+                "cat <<-EOF\nhi\nEOF",
+                "cat <<< hi",
+                "cat <(rm -rf /)",
+                "echo >(rm -rf /)",
+                "echo $((1 + 2))",
+            ] {
+                assert!(!approves(&policy, &shell(command)), "{pattern} {command:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn operators_inside_quotes_do_not_split_and_unclear_commands_are_not_approved() {
+        let policy = allow_commands("echo *");
+        for quoted in [
+            "echo 'a; rm -rf /'",
+            "echo \"a && b | c\"",
+            "echo a\\;b",
+            "echo $'it\\'s; here'",
+            "echo \"it's\"",
+            "echo ${HOME}",
+        ] {
+            assert!(approves(&policy, &shell(quoted)), "{quoted:?}");
+        }
+        for unclear in [
+            // Unterminated quotes and a trailing escape.
+            "echo 'a; rm -rf /",
+            "echo \"a; rm -rf /",
+            "echo a\\",
+            // ANSI-C quoting: `\'` does not close it, so the next lines are commands.
+            "echo $'\\''\nrm -rf /\necho '",
+            "echo $'\\'' ; rm -rf / ; echo ''",
+            // Subshells, groups run commands that must match too.
+            "(rm -rf /)",
+            "echo a; (rm -rf /)",
+            "echo a; { rm -rf /; }",
+            // Parameter expansions that hide quotes or operators.
+            "echo ${x:-'a;b'}; rm -rf /",
+            "echo \"${x:-\"}\"; rm -rf /; echo \"\"",
+        ] {
+            assert!(!approves(&policy, &shell(unclear)), "{unclear:?}");
+        }
+    }
+
+    #[test]
+    fn comments_end_at_the_line_and_hide_nothing() {
+        let policy = allow_commands("echo *");
+        assert!(approves(&policy, &shell("echo hi # a comment; rm -rf /")));
+        assert!(approves(&policy, &shell("echo hi;# rm -rf /")));
+        // A quote inside a comment opens nothing: the next line is a command.
+        assert!(!approves(&policy, &shell("echo hi # it's\nrm -rf /\n'")));
+        assert!(!approves(&policy, &shell("echo hi #'\nrm -rf /")));
+        // `#` inside a word is no comment.
+        assert!(!approves(&policy, &shell("echo a#b; rm -rf /")));
+    }
+
+    #[test]
+    fn a_wildcard_never_matches_a_file_redirection() {
+        let policy = allow_commands("echo *");
+        for command in [
+            "echo hi > /etc/passwd",
+            "echo hi >> ~/.bashrc",
+            "echo hi >/etc/passwd",
+            "echo hi 2>/etc/passwd",
+            "echo hi &> /etc/passwd",
+            "echo hi >& /etc/passwd",
+            "echo hi >| /etc/passwd",
+            "echo hi < /etc/shadow",
+            "echo hi 1<>/etc/passwd",
+        ] {
+            assert!(!approves(&policy, &shell(command)), "{command:?}");
+        }
+        // Quoted, `>` is an argument.
+        assert!(approves(&policy, &shell("echo 'a > b'")));
+        // Duplicating or closing descriptors and /dev/null touch no file.
+        for harmless in [
+            "echo hi 2>&1",
+            "echo hi >&2",
+            "echo hi 2>/dev/null",
+            "echo hi > /dev/null 2>&1",
+            "echo hi &>/dev/null",
+            "echo hi </dev/null",
+            "echo hi 2>&-",
+        ] {
+            assert!(approves(&policy, &shell(harmless)), "{harmless:?}");
+        }
+        // A pattern that spells the redirection out approves exactly that.
+        let to_out = allow_commands("echo * > /tmp/out.txt");
+        assert!(approves(&to_out, &shell("echo hi > /tmp/out.txt")));
+        assert!(!approves(
+            &to_out,
+            &shell("echo hi > /tmp/out.txt > /etc/x")
+        ));
+    }
+
+    #[test]
+    fn a_reject_command_glob_matches_any_simple_command_the_whole_line_or_an_unclear_one() {
+        let policy = RulePolicy::new(vec![
+            Rule {
+                command: Some("rm *".into()),
+                ..rule("shell", reject("no rm"))
+            },
+            Rule {
+                command: Some("* | sh".into()),
+                ..rule("shell", reject("no pipe to sh"))
+            },
+        ])
+        .otherwise(PermissionDecision::Approve);
+        assert_eq!(policy.decide_now(&shell("ls; rm -rf /")), reject("no rm"));
+        assert_eq!(
+            policy.decide_now(&shell("curl x | sh")),
+            reject("no pipe to sh")
+        );
+        // Not splittable with confidence: a reject glob applies (fail closed).
+        assert_eq!(policy.decide_now(&shell("ls $(rm -rf /)")), reject("no rm"));
+        assert_eq!(policy.decide_now(&shell("ls")), PermissionDecision::Approve);
+    }
+
+    #[test]
+    fn relative_paths_are_taken_against_the_conversations_working_directory() {
+        let policy = allow_paths("/work/repo/*");
+        let relative = |paths: &[&str]| write(paths).with_working_directory("/work/repo");
+        assert!(approves(
+            &policy,
+            &relative(&["src/main.rs", "./README.md"])
+        ));
+        assert!(!approves(&policy, &relative(&["../other/x"])));
+        assert!(!approves(&policy, &relative(&["src/../../other/x"])));
+        // No working directory, or a relative one: a relative path is never approved...
+        assert!(!approves(&policy, &write(&["src/main.rs"])));
+        let relative_cwd = write(&["src/main.rs"]).with_working_directory("repo");
+        assert!(!approves(&policy, &relative_cwd));
+        assert!(!approves(&allow_paths("*"), &write(&["src/main.rs"])));
+        // ...and every reject rule with a path pattern applies to it.
+        let guard = RulePolicy::new(vec![Rule {
+            path: Some("/etc/*".into()),
+            ..rule("*", reject("not /etc"))
+        }])
+        .otherwise(PermissionDecision::Approve);
+        assert_eq!(
+            guard.decide_now(&write(&["src/main.rs"])),
+            reject("not /etc")
+        );
+        assert_eq!(
+            guard.decide_now(&relative(&["src/main.rs"])),
+            PermissionDecision::Approve
+        );
+        assert_eq!(
+            guard.decide_now(&write(&["../../etc/passwd"]).with_working_directory("/work/repo")),
+            reject("not /etc")
+        );
+    }
+
+    fn bare_word() -> impl Strategy<Value = String> {
+        "[a-z0-9./_-]{1,6}"
+    }
+
+    /// A simple command: a name, then words (bare, quoted, escaped) and redirections.
+    fn simple_command(names: Vec<&'static str>) -> impl Strategy<Value = String> {
+        let argument = prop_oneof![
+            bare_word(),
+            "'[a-z ;&|#<>()\"]{0,6}'",
+            "\"[a-z ;&|#<>()']{0,6}\"",
+            prop::sample::select(vec!["\\;", "\\&", "\\|", "2>&1", ">/dev/null", "> /tmp/x"])
+                .prop_map(str::to_owned),
+        ];
+        (
+            prop::sample::select(names),
+            prop::collection::vec(argument, 0..4),
+        )
+            .prop_map(|(name, args)| {
+                std::iter::once(name.to_owned())
+                    .chain(args)
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+    }
+
+    fn operator() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec![
+            ";", " ; ", "&&", " && ", "||", "|", " | ", "|&", "&", " & ", "\n", ";\n",
+        ])
+    }
+
+    fn join(first: &str, rest: &[(&str, String)]) -> String {
+        let mut line = first.to_owned();
+        for (op, command) in rest {
+            line.push_str(op);
+            line.push_str(command);
+        }
+        line
+    }
+
+    const PATTERNS: [&str; 5] = ["echo *", "git status*", "*", "echo * > /tmp/x", "rm *"];
+
+    fn path_component() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec!["a", "b", "srv", ".", "..", "", "etc"])
+    }
+
+    /// The glob by its definition, by brute force: the reference for [`glob_match_chars`].
+    fn glob_reference(p: &[char], t: &[shell::Char]) -> bool {
+        match p.split_first() {
+            None => t.is_empty(),
+            Some(('*', rest)) => (0..=t.len())
+                .any(|k| t[..k].iter().all(|c| c.wild) && glob_reference(rest, &t[k..])),
+            Some((&c, rest)) => t.split_first().is_some_and(|(first, tail)| {
+                (if c == '?' { first.wild } else { first.ch == c }) && glob_reference(rest, tail)
+            }),
+        }
+    }
+
+    proptest! {
+        /// `git status*` never approves a line where an operator is followed by a command
+        /// that does not match it.
+        #[test]
+        fn an_allow_glob_never_approves_an_operator_followed_by_a_non_matching_command(
+            first in simple_command(vec!["git status", "git status --short"]),
+            op in operator(),
+            other in simple_command(vec!["echo", "rm", "curl", "sh", "git", "gitstatus"]),
+            tail in prop::collection::vec((operator(), simple_command(vec!["git status"])), 0..3),
+        ) {
+            let policy = allow_commands("git status*");
+            let mut rest = vec![(op, other)];
+            rest.extend(tail);
+            let line = join(&first, &rest);
+            prop_assert!(!approves(&policy, &shell(&line)), "{:?}", line);
+        }
+
+        /// A line is approved exactly when each of its simple commands alone is; a reject
+        /// rule that matches one of them matches the line.
+        #[test]
+        fn a_line_is_approved_exactly_when_every_simple_command_is(
+            first in simple_command(vec!["echo", "git status", "rm"]),
+            rest in prop::collection::vec(
+                (operator(), simple_command(vec!["echo", "git status", "rm"])),
+                0..4,
+            ),
+        ) {
+            let line = join(&first, &rest);
+            let commands: Vec<&String> =
+                std::iter::once(&first).chain(rest.iter().map(|(_, c)| c)).collect();
+            for pattern in PATTERNS {
+                let allow = allow_commands(pattern);
+                let each = commands.iter().all(|c| approves(&allow, &shell(c)));
+                prop_assert_eq!(approves(&allow, &shell(&line)), each, "{} {:?}", pattern, line);
+                let deny = RulePolicy::new(vec![Rule {
+                    command: Some(pattern.into()),
+                    ..rule("shell", reject("no"))
+                }])
+                .otherwise(PermissionDecision::Approve);
+                let denied = |l: &str| deny.decide_now(&shell(l)) != PermissionDecision::Approve;
+                if commands.iter().any(|c| denied(c)) {
+                    prop_assert!(denied(&line), "{} {:?}", pattern, line);
+                }
+            }
+        }
+
+        /// Whatever the line: a glob that approves it also rejects it as a reject rule, and a
+        /// line with a substitution or a here-document is approved by no glob.
+        #[test]
+        fn allow_implies_reject_and_substitutions_are_never_approved(
+            line in "[a ;&|<>()'\"\\\\$`{}#\n21@/*-]{0,30}",
+        ) {
+            for pattern in PATTERNS {
+                let allow = allow_commands(pattern);
+                let deny = RulePolicy::new(vec![Rule {
+                    command: Some(pattern.into()),
+                    ..rule("shell", reject("no"))
+                }])
+                .otherwise(PermissionDecision::Approve);
+                if approves(&allow, &shell(&line)) {
+                    prop_assert!(!approves(&deny, &shell(&line)), "{} {:?}", pattern, line);
+                    prop_assert!(!line.contains("$(") && !line.contains('`') && !line.contains("<<"));
+                }
+            }
+        }
+
+        /// A path that climbs out of `/srv` with `..` is never approved by `/srv/*`; one that
+        /// climbs less stays inside and is.
+        #[test]
+        fn a_path_escaping_the_allowed_prefix_is_never_approved(
+            inside in prop::collection::vec(prop::sample::select(vec!["a", "b", "srv"]), 0..4),
+            extra in 0usize..3,
+            noise in prop::collection::vec(prop::sample::select(vec![".", ""]), 0..3),
+            tail in prop::collection::vec(prop::sample::select(vec!["etc", "passwd", "a"]), 1..3),
+        ) {
+            let policy = allow_paths("/srv/*");
+            let climb = |n: usize| {
+                let mut parts: Vec<&str> = vec!["", "srv"];
+                parts.extend(&inside);
+                parts.extend(&noise);
+                parts.extend(std::iter::repeat_n("..", n));
+                parts.extend(&tail);
+                parts.join("/")
+            };
+            let escape = climb(inside.len() + 1 + extra);
+            prop_assert!(!approves(&policy, &write(&[&escape])), "{}", escape);
+            let stay = climb(inside.len());
+            prop_assert!(approves(&policy, &write(&[&stay])), "{}", stay);
+            // Taken against a working directory inside /srv, the same climb escapes too.
+            let relative = escape.trim_start_matches("/srv/");
+            let from_srv = write(&[relative]).with_working_directory("/srv");
+            prop_assert!(!approves(&policy, &from_srv), "{}", relative);
+        }
+
+        /// The glob agrees with its definition, marks included: wildcards match only wild
+        /// characters, literals match their own character whatever its mark.
+        #[test]
+        fn the_glob_matches_by_its_definition(
+            pattern in "[ab>*?]{0,8}",
+            text in prop::collection::vec(
+                (prop::sample::select(vec!['a', 'b', '>', '*']), any::<bool>()),
+                0..10,
+            ),
+        ) {
+            let text: Vec<shell::Char> =
+                text.into_iter().map(|(ch, wild)| shell::Char { ch, wild }).collect();
+            let p: Vec<char> = pattern.chars().collect();
+            prop_assert_eq!(glob_match_chars(&pattern, &text), glob_reference(&p, &text));
+            let plain: String = text.iter().map(|c| c.ch).collect();
+            let all_wild: Vec<shell::Char> =
+                text.iter().map(|c| shell::Char { ch: c.ch, wild: true }).collect();
+            prop_assert_eq!(glob_match(&pattern, &plain), glob_reference(&p, &all_wild));
+        }
+
+        /// Approving several paths implies approving each alone, and the other way round; a
+        /// reject rule matches several paths exactly when it matches one of them.
+        #[test]
+        fn several_paths_are_approved_exactly_when_each_is(
+            paths in prop::collection::vec(
+                (any::<bool>(), prop::collection::vec(path_component(), 0..5))
+                    .prop_map(|(abs, parts)| format!("{}{}", if abs { "/" } else { "" }, parts.join("/"))),
+                1..5,
+            ),
+            cwd in prop::option::of(prop::sample::select(vec!["/srv", "/srv/a", "/", "/etc", "srv"])),
+        ) {
+            let request = |paths: &[&str]| {
+                let r = write(paths);
+                match cwd {
+                    Some(dir) => r.with_working_directory(dir),
+                    None => r,
+                }
+            };
+            let all: Vec<&str> = paths.iter().map(String::as_str).collect();
+            for pattern in ["/srv/*", "/srv/a*", "*", "/etc/*"] {
+                let allow = allow_paths(pattern);
+                let each = all.iter().all(|p| approves(&allow, &request(&[p])));
+                prop_assert_eq!(approves(&allow, &request(&all)), each, "{} {:?}", pattern, all);
+                let deny = RulePolicy::new(vec![Rule {
+                    path: Some(pattern.into()),
+                    ..rule("*", reject("no"))
+                }])
+                .otherwise(PermissionDecision::Approve);
+                let denied = |r: &PermissionRequest| !approves(&deny, r);
+                let any = all.iter().any(|p| denied(&request(&[p])));
+                prop_assert_eq!(denied(&request(&all)), any, "{} {:?}", pattern, all);
+            }
+        }
     }
 
     #[test]

@@ -8,7 +8,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use copilot_pool::permission::{ApproveAll, PermissionDecision, Rule, RulePolicy};
+use copilot_pool::permission::{
+    ApproveAll, DecisionFuture, PermissionDecision, PermissionPolicy, PermissionRequest, Rule,
+    RulePolicy,
+};
 use copilot_pool::pool::{LeaseRequest, OpenReason, Pool, PoolError};
 use copilot_pool::transcript::{TranscriptMode, count_duplicates};
 use copilot_pool::turn::hooks::HookFuture;
@@ -170,13 +173,18 @@ async fn built_in_bash_is_rejected_by_default_and_allowed_by_a_rule() {
 
     let mut req = fx.request("agent-t", "bash-rule");
     req.available_tools = None;
-    req.handlers.permission_policy = Arc::new(RulePolicy::new(vec![Rule {
-        kind: "shell".into(),
-        command: Some("echo *".into()),
-        path: None,
-        url: None,
-        decision: PermissionDecision::Approve,
-    }]));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    req.handlers.permission_policy = Arc::new(Recording {
+        inner: RulePolicy::new(vec![Rule {
+            kind: "shell".into(),
+            command: Some("echo *".into()),
+            path: None,
+            url: None,
+            decision: PermissionDecision::Approve,
+        }]),
+        seen: seen.clone(),
+    });
+    let working_directory = req.working_directory.clone();
     let mut lease = pool.lease(req).await.expect("lease");
     let allowed = lease.run(bash("echo hello-from-bash")).await.expect("turn");
     assert!(allowed.text.contains("hello-from-bash"), "{}", allowed.text);
@@ -186,8 +194,42 @@ async fn built_in_bash_is_rejected_by_default_and_allowed_by_a_rule() {
         "a command outside the rule ran: {}",
         other.text
     );
+    // `echo *` covers the first command only: the line is not approved.
+    let chained = lease
+        .run(bash("echo hello-from-bash; ls /"))
+        .await
+        .expect("turn");
+    assert_eq!(chained.permission_prompts, 1);
+    assert!(
+        !chained.text.contains("bin"),
+        "a command after an operator ran: {}",
+        chained.text
+    );
     drop(lease);
+    let seen = seen.lock().expect("lock").clone();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    for request in &seen {
+        // The policy takes relative paths against the conversation's working directory.
+        assert_eq!(request.working_directory.as_ref(), Some(&working_directory));
+    }
+    assert_eq!(
+        seen[2].command.as_deref(),
+        Some("echo hello-from-bash; ls /")
+    );
     shutdown_leaves_nothing(&pool).await;
+}
+
+/// A policy that records every request it is asked about, then asks another.
+struct Recording {
+    inner: RulePolicy,
+    seen: Arc<Mutex<Vec<PermissionRequest>>>,
+}
+
+impl PermissionPolicy for Recording {
+    fn decide(&self, request: PermissionRequest) -> DecisionFuture {
+        self.seen.lock().expect("lock").push(request.clone());
+        self.inner.decide(request)
+    }
 }
 
 fn ask(choices_freeform: bool) -> String {

@@ -269,6 +269,7 @@ impl Pool {
             session_config,
             existing_only: req.existing_only,
             handlers: req.handlers.clone(),
+            working_directory: req.working_directory.clone(),
             bindings: inner.bindings.clone(),
             pool: inner.actor.clone(),
             abort_settle_timeout: inner.config.abort_settle_timeout,
@@ -405,6 +406,7 @@ struct Opening {
     session_config: SessionConfig,
     existing_only: bool,
     handlers: crate::turn::TurnHandlers,
+    working_directory: std::path::PathBuf,
     bindings: Arc<BindingStore>,
     pool: ActorRef<PoolMsg>,
     abort_settle_timeout: Duration,
@@ -427,6 +429,7 @@ impl Opening {
             session_config,
             existing_only,
             handlers,
+            working_directory,
             bindings,
             pool,
             abort_settle_timeout,
@@ -479,7 +482,7 @@ impl Opening {
                 return Err(state_unwritable(&bindings, error));
             }
         }
-        let mut driver = crate::turn::driver::TurnDriver::new(handlers);
+        let mut driver = crate::turn::driver::TurnDriver::new(handlers, working_directory);
         if let Err(error) = driver.open_transcript(&cli_session_id) {
             grant.opened = Some(session);
             return Err(error);

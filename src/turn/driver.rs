@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -63,6 +64,9 @@ fn deadline_after(d: Duration) -> Instant {
 /// The per-conversation turn machinery (lives in the lease).
 pub(crate) struct TurnDriver {
     handlers: TurnHandlers,
+    /// The conversation's working directory: the permission policy takes relative paths
+    /// against it.
+    working_directory: PathBuf,
     tools: HashMap<String, GatewayTool>,
     sequential: Arc<RwLock<()>>,
     done_tx: mpsc::UnboundedSender<Done>,
@@ -82,7 +86,7 @@ pub(crate) struct TurnDriver {
 }
 
 impl TurnDriver {
-    pub(crate) fn new(handlers: TurnHandlers) -> Self {
+    pub(crate) fn new(handlers: TurnHandlers, working_directory: PathBuf) -> Self {
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let tools = handlers
             .tools
@@ -91,6 +95,7 @@ impl TurnDriver {
             .collect();
         Self {
             handlers,
+            working_directory,
             tools,
             sequential: Arc::new(RwLock::new(())),
             done_tx,
@@ -596,7 +601,8 @@ impl TurnDriver {
     fn on_permission(&mut self, request_id: &str, request: &Value, answerer: Answerer) {
         self.outcome.permission_prompts += 1;
         let policy = self.handlers.permission_policy.clone();
-        let request = PermissionRequest::from_wire(request);
+        let request = PermissionRequest::from_wire(request)
+            .with_working_directory(self.working_directory.clone());
         let id = request_id.to_owned();
         let done = self.done_tx.clone();
         let pending_answerer = answerer.clone();
