@@ -354,3 +354,48 @@ async fn a_permission_prompt_is_answered_before_the_tool_runs() {
     assert_eq!(final_text(&events), "tool said: 7");
     support::shutdown_and_check(&worker).await;
 }
+
+#[tokio::test]
+async fn an_open_cancelled_midway_leaves_no_stale_route_and_the_session_opens_again() {
+    let scratch = Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model endpoint");
+    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+        .await
+        .expect("worker starts");
+    let config = session_config(&endpoint.base_url(), &scratch);
+    let mut session = worker
+        .create_session(config.clone())
+        .await
+        .expect("session");
+    session.send("REPLY=first").await.expect("send");
+    collect_turn(&mut session).await;
+    let id = session.id().to_owned();
+    session.detach().await.expect("detach");
+
+    let resume = SessionConfig {
+        session_id: id.clone(),
+        ..config
+    };
+    // Cancelled at every await of the open: after one poll the route is being opened,
+    // after more the resume is on its way or answered.
+    for polls in 1..=4 {
+        let mut opening = Box::pin(worker.resume_session(resume.clone()));
+        for _ in 0..polls {
+            if futures_util::poll!(&mut opening).is_ready() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        drop(opening);
+        // The next open of the same id on the same worker is not refused.
+        let (mut session, _) = worker
+            .resume_session(resume.clone())
+            .await
+            .unwrap_or_else(|e| panic!("after {polls} polls: {e}"));
+        session.send("REPLY=again").await.expect("send");
+        assert_eq!(final_text(&collect_turn(&mut session).await), "again");
+        session.detach().await.expect("detach");
+    }
+    worker.shutdown().await;
+}

@@ -55,7 +55,7 @@ pub(crate) enum WorkerMsg {
     /// Register a session's update stream (before `session.create`/`resume` is sent).
     OpenRoute {
         session_id: String,
-        reply: RpcReplyPort<Result<mpsc::UnboundedReceiver<SessionUpdate>, WorkerError>>,
+        reply: RpcReplyPort<Result<OpenedRoute, WorkerError>>,
     },
     /// Stop routing a session; with `detach`, detach it in the runtime too.
     CloseRoute { session_id: String, detach: bool },
@@ -78,6 +78,13 @@ pub(crate) enum WorkerMsg {
     Flush(RpcReplyPort<()>),
 }
 
+/// A session's new route, and a background detach of the same id still in flight (the
+/// opener waits for it, so that detach cannot undo the new open).
+pub(crate) struct OpenedRoute {
+    pub(crate) updates: mpsc::UnboundedReceiver<SessionUpdate>,
+    pub(crate) pending_detach: Option<watch::Receiver<bool>>,
+}
+
 /// Everything the worker owns.
 pub(crate) struct WorkerState {
     pub(super) config: WorkerConfig,
@@ -88,6 +95,8 @@ pub(crate) struct WorkerState {
     pub(super) routes: HashMap<String, mpsc::UnboundedSender<SessionUpdate>>,
     /// (kind, session id, request id) of tool calls and permission prompts awaiting an answer.
     pub(super) pending: HashSet<(PendingKind, String, String)>,
+    /// Background detaches of dropped sessions, by id: `true` once answered.
+    detaches: HashMap<String, watch::Receiver<bool>>,
     pub(super) tunnel: TunnelRequests,
     ping_in_flight: bool,
     exit: watch::Sender<Option<WorkerExit>>,
@@ -189,6 +198,7 @@ impl Actor for Worker {
             conn,
             routes: HashMap::new(),
             pending: HashSet::new(),
+            detaches: HashMap::new(),
             tunnel: TunnelRequests::default(),
             ping_in_flight: false,
             exit,
@@ -272,6 +282,8 @@ impl Actor for Worker {
                 }
             }
             WorkerMsg::OpenRoute { session_id, reply } => {
+                state.detaches.retain(|_, done| !*done.borrow());
+                let pending_detach = state.detaches.get(&session_id).cloned();
                 let result = match state.routes.entry(session_id) {
                     // A route whose receiver is gone (its opener was cancelled, or its
                     // session dropped) is stale: it is replaced, not refused.
@@ -287,6 +299,10 @@ impl Actor for Worker {
                         Ok(rx)
                     }
                 };
+                let result = result.map(|updates| OpenedRoute {
+                    updates,
+                    pending_detach,
+                });
                 let _ = reply.send(result);
             }
             WorkerMsg::CloseRoute { session_id, detach } => {
@@ -294,6 +310,8 @@ impl Actor for Worker {
                 state.pending.retain(|(_, sid, _)| *sid != session_id);
                 if detach {
                     let conn = state.conn.clone();
+                    let (done, done_rx) = watch::channel(false);
+                    state.detaches.insert(session_id.clone(), done_rx);
                     tokio::spawn(async move {
                         let params = SessionIdParams { session_id };
                         if let Err(error) = conn
@@ -302,6 +320,7 @@ impl Actor for Worker {
                         {
                             tracing::debug!(%error, "Detach of a dropped session failed.");
                         }
+                        done.send_replace(true);
                     });
                 }
             }

@@ -323,12 +323,13 @@ impl WorkerHandle {
     {
         let id = config.session_id.clone();
         // The route exists before the request is sent, so no event of the session is lost.
-        let updates = self
+        let route = self
             .ask(|reply| WorkerMsg::OpenRoute {
                 session_id: id.clone(),
                 reply,
             })
             .await??;
+        let updates = route.updates;
         // From here, a dropped future (or a failed request) closes the route; the runtime may
         // have opened the session anyway, so it is detached unless the caller takes that on.
         let mut guard = RouteGuard {
@@ -337,6 +338,15 @@ impl WorkerHandle {
             detach: true,
             armed: true,
         };
+        if let Some(mut detached) = route.pending_detach {
+            // A dropped session of this id is still being detached in the background: an
+            // open sent now could be undone by that detach.
+            let _ = tokio::time::timeout(
+                super::actor::DETACH_TIMEOUT + STOP_MARGIN,
+                detached.wait_for(|done| *done),
+            )
+            .await;
+        }
         match self.call::<M>(&config).await {
             Ok(opened) => {
                 // Events the runtime sent before its answer are routed once the actor has
