@@ -2,10 +2,11 @@
 //! exposition, found or installed the way the Copilot runtime is, so that `cargo test` needs
 //! nothing beyond Rust and Node.js on a Debian-like machine.
 //!
-//! Lookup order: `PROMTOOL` (must name an executable) → `<cache>/tools/promtool` → `promtool` on
-//! `PATH` → installed into `<cache>/tools` by `scripts/install-promtool.sh` (the executables of
-//! Debian's `prometheus` package), where `<cache>` is the runtime's cache directory
-//! (`COPILOT_POOL_CACHE_DIR`, `$XDG_CACHE_HOME/copilot-pool`, `~/.cache/copilot-pool`).
+//! Lookup order: `PROMTOOL` (must name an executable) → `<cache>/tools/promtool` → `promtool`
+//! on `PATH` → installed into `<cache>/tools` by `scripts/install-promtool.sh` (the
+//! executables of Debian's `prometheus` package), where `<cache>` is the runtime's cache
+//! directory (`COPILOT_POOL_CACHE_DIR`, `$XDG_CACHE_HOME/copilot-pool`,
+//! `~/.cache/copilot-pool`).
 //!
 //! The install runs under an exclusive `flock` on `<cache>/tools.lock`, so concurrent test
 //! binaries (or test runs) install once and the others wait and reuse it. Waiting for the lock
