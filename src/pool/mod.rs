@@ -298,7 +298,7 @@ impl Pool {
             reason,
         });
         let mut driver = crate::turn::driver::TurnDriver::new(req.handlers.clone());
-        driver.open_transcript(&cli_session_id)?;
+        driver.open_transcript(&cli_session_id).await?;
         grant.disarm();
         Ok(Lease {
             worker_pid: worker.pid(),
