@@ -1,34 +1,71 @@
 #!/usr/bin/env bash
-# Makes `promtool` (Prometheus' rule and metrics checker) available for the tests and prints
-# its path (and puts the `prometheus` server of the same package in target/tools): the one on PATH, else <repo>/target/tools/promtool, else that file taken from the
-# Debian `prometheus` package (`apt-get download`, no installation, no root needed unless the
-# package lists are missing).
+# Makes `promtool` (Prometheus' rule and metrics checker) available and prints its path; with
+# --prometheus, makes the `prometheus` server of the same package available and prints its path
+# instead.
+#
+#   bash scripts/install-promtool.sh                  # prints promtool's path
+#   bash scripts/install-promtool.sh --prometheus     # prints the prometheus server's path
+#   bash scripts/install-promtool.sh --dir DIR ...    # install into DIR instead of the default
+#
+# Looks in DIR first, then on PATH, else takes both executables from Debian's `prometheus`
+# package (`apt-get download` + `dpkg-deb -x`: nothing is installed system-wide; root is needed
+# only when the package lists are missing, for one `apt-get update`) and puts them in DIR.
+# DIR defaults to the tools folder of the copilot-pool cache, where the tests look too:
+# $COPILOT_POOL_CACHE_DIR/tools, else $XDG_CACHE_HOME/copilot-pool/tools, else
+# ~/.cache/copilot-pool/tools. Each file is moved into place in one rename, so concurrent runs
+# cannot leave a half-written executable (the tests also serialize their installs with a lock).
 set -euo pipefail
 
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-tools="${repo}/target/tools"
-target="${tools}/promtool"
+want=promtool
+dir=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --prometheus) want=prometheus ;;
+        --dir)
+            [[ $# -ge 2 ]] || { echo "error: --dir needs a directory" >&2; exit 2; }
+            dir="$2"
+            shift
+            ;;
+        *) echo "error: unknown argument $1 (usage: install-promtool.sh [--prometheus] [--dir DIR])" >&2; exit 2 ;;
+    esac
+    shift
+done
 
-if command -v promtool >/dev/null 2>&1 && { command -v prometheus >/dev/null 2>&1 || [[ -x "${tools}/prometheus" ]]; }; then
-    command -v promtool
+if [[ -z "${dir}" ]]; then
+    if [[ -n "${COPILOT_POOL_CACHE_DIR:-}" ]]; then
+        dir="${COPILOT_POOL_CACHE_DIR}/tools"
+    elif [[ "${XDG_CACHE_HOME:-}" == /* ]]; then
+        dir="${XDG_CACHE_HOME}/copilot-pool/tools"
+    elif [[ -n "${HOME:-}" ]]; then
+        dir="${HOME}/.cache/copilot-pool/tools"
+    else
+        echo "error: none of COPILOT_POOL_CACHE_DIR, XDG_CACHE_HOME or HOME is set; pass --dir DIR" >&2
+        exit 1
+    fi
+fi
+target="${dir}/${want}"
+
+if [[ -x "${target}" ]]; then
+    echo "${target}"
     exit 0
 fi
-if [[ -x "${target}" && ( -x "${tools}/prometheus" || -n "${PROMTOOL_ONLY:-}" ) ]]; then
-    echo "${target}"
+if command -v "${want}" >/dev/null 2>&1; then
+    command -v "${want}"
     exit 0
 fi
 
 for tool in apt-get dpkg-deb; do
     if ! command -v "${tool}" >/dev/null 2>&1; then
-        echo "error: promtool is not on PATH and ${tool} is missing to fetch it (install the" \
-            "prometheus package, or put promtool on PATH)" >&2
+        echo "error: ${want} is not on PATH and ${tool} is missing to fetch it (install the" \
+            "prometheus package, or put ${want} on PATH, or set PROMTOOL to a promtool)" >&2
         exit 1
     fi
 done
 
 tmp="$(mktemp -d)"
+part=""
 # As root, apt-get warns that it downloads "unsandboxed" into this private directory: harmless.
-trap 'rm -rf "${tmp}"' EXIT
+trap 'rm -rf "${tmp}"; [[ -z "${part}" ]] || rm -f "${part}"' EXIT
 
 download() {
     (cd "${tmp}" && apt-get download prometheus >&2)
@@ -51,17 +88,20 @@ if [[ -z "${deb}" ]]; then
     exit 1
 fi
 dpkg-deb -x "${deb}" "${tmp}/root"
-if [[ ! -x "${tmp}/root/usr/bin/promtool" ]]; then
-    echo "error: ${deb##*/} has no /usr/bin/promtool" >&2
+if [[ ! -x "${tmp}/root/usr/bin/${want}" ]]; then
+    echo "error: ${deb##*/} has no /usr/bin/${want}" >&2
     exit 1
 fi
-mkdir -p "${tools}"
-install -m 0755 "${tmp}/root/usr/bin/promtool" "${target}.tmp"
-mv -f "${target}.tmp" "${target}"
-# The server comes from the same package; scripts/prometheus-check.sh runs it.
-if [[ -x "${tmp}/root/usr/bin/prometheus" ]]; then
-    install -m 0755 "${tmp}/root/usr/bin/prometheus" "${tools}/prometheus.tmp"
-    mv -f "${tools}/prometheus.tmp" "${tools}/prometheus"
-fi
+mkdir -p "${dir}"
+# Both executables of the package, each copied under a private name beside its final one and
+# renamed into place.
+for name in promtool prometheus; do
+    if [[ -x "${tmp}/root/usr/bin/${name}" ]]; then
+        part="$(mktemp "${dir}/.${name}.XXXXXX")"
+        install -m 0755 "${tmp}/root/usr/bin/${name}" "${part}"
+        mv -f "${part}" "${dir}/${name}"
+        part=""
+    fi
+done
 "${target}" --version >&2
 echo "${target}"

@@ -9,9 +9,8 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${repo}"
 
-bash scripts/install-promtool.sh >/dev/null
-prometheus="$(command -v prometheus || echo "${repo}/target/tools/prometheus")"
-[[ -x "${prometheus}" ]] || { echo "error: no prometheus binary (scripts/install-promtool.sh puts it in target/tools)" >&2; exit 1; }
+prometheus="$(bash scripts/install-promtool.sh --prometheus)"
+[[ -x "${prometheus}" ]] || { echo "error: scripts/install-promtool.sh --prometheus gave no prometheus executable" >&2; exit 1; }
 
 venv="${repo}/target/tools/venv"
 if [[ ! -x "${venv}/bin/python" ]]; then

@@ -4,17 +4,30 @@
 //!
 //! This module owns the file format, entry identities (the CLI event id, or a content hash),
 //! de-duplication across re-emissions and process restarts, durability (one `write_all` per
-//! line in append mode, then `fsync`), repair of a torn last line on open, and the choice
-//! between best-effort and strict persistence.
+//! line in append mode, then `fsync`), repair of a torn last line on open, the choice
+//! between best-effort and strict persistence, and the [`TranscriptCache`] that lets a reopen
+//! read only what was appended since the last close.
+//!
+//! [`Transcript::open`] reads the whole file. [`Transcript::open_cached`] starts from what the
+//! cache remembers of the file (its identity, the length read so far, the ids in it, and the
+//! length and SHA-256 of its last line) and reads only that last line, to check it, and the
+//! lines after it; it falls back to a full read when the file was replaced, shrank, or its
+//! last remembered line changed, or when the last writer lost track of it (a failed write it
+//! could not cut back, a write from someone else). A same-length rewrite of earlier lines in
+//! place goes unnoticed: the mirror is append-only, and nothing but a full read could tell.
+//! Both block on the disk: async callers run them on a blocking thread
+//! (`TranscriptSettings::open` in `crate::turn` does).
 //!
 //! One writer per file is assumed (the pool serializes a conversation's turns); several
 //! [`Transcript`]s appending to the same file concurrently could duplicate ids.
 
 use std::collections::{HashMap, HashSet};
+use std::fmt;
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufRead, BufReader, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::io::{self, BufRead, BufReader, Seek, SeekFrom, Write};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use sha2::{Digest, Sha256};
@@ -27,6 +40,9 @@ const SHOWN_ID_CHARS: usize = 80;
 
 /// How many hex characters of the content hash an id without event id carries.
 const HASH_HEX_CHARS: usize = 16;
+
+/// How many files a [`TranscriptCache`] remembers by default.
+pub const DEFAULT_CACHED_FILES: usize = 256;
 
 /// What happens when a line cannot be persisted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -223,6 +239,169 @@ struct IdOnly {
     id: String,
 }
 
+/// What a [`TranscriptCache`] remembers of one file between a close and the next open.
+struct Known {
+    identity: FileIdentity,
+    /// The length read or written so far: the end of the last complete line.
+    len: u64,
+    /// The line that ends at `len` (none for an empty file).
+    last_line: Option<LineFingerprint>,
+    /// How many lines end before `len` (for the line numbers of warnings).
+    lines: u64,
+    /// The ids of the valid lines before `len`.
+    seen: HashSet<String>,
+    /// When it was last put back (the least recent is forgotten first).
+    used: u64,
+}
+
+/// Which file a path named: device and inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileIdentity {
+    dev: u64,
+    ino: u64,
+}
+
+impl FileIdentity {
+    fn of(meta: &fs::Metadata) -> Self {
+        FileIdentity {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        }
+    }
+}
+
+/// A line's length and SHA-256, to recognise it without keeping it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LineFingerprint {
+    len: u64,
+    digest: [u8; 32],
+}
+
+impl LineFingerprint {
+    fn of(line: &[u8]) -> Self {
+        LineFingerprint {
+            len: line.len() as u64,
+            digest: Sha256::digest(line).into(),
+        }
+    }
+}
+
+impl Known {
+    /// Whether this still describes `file`: the same file, at least as long, with the
+    /// remembered last line still ending at the remembered length. Returns how many bytes it
+    /// read to tell.
+    fn describes(&self, file: &File, identity: FileIdentity, file_len: u64) -> (bool, u64) {
+        if self.identity != identity || self.len > file_len {
+            return (false, 0);
+        }
+        let Some(last) = self.last_line else {
+            return (self.len == 0, 0);
+        };
+        let (Some(start), Ok(size)) = (self.len.checked_sub(last.len), usize::try_from(last.len))
+        else {
+            return (false, 0);
+        };
+        let mut bytes = vec![0u8; size];
+        match file.read_exact_at(&mut bytes, start) {
+            Ok(()) => (LineFingerprint::of(&bytes) == last, last.len),
+            Err(_) => (false, last.len),
+        }
+    }
+}
+
+/// Remembers, per transcript file, what has been read of it (the ids, the length, the
+/// length and SHA-256 of the last line), so that [`Transcript::open_cached`] reads only the
+/// lines appended since the last [`Transcript`] of that file was dropped. Cheap to clone
+/// (shared); safe to use from several threads. Holds at most a fixed number of files,
+/// forgetting the least recently closed.
+///
+/// An open takes the file's entry out of the cache and the drop of its [`Transcript`] puts
+/// it back, so a file is never described by a stale entry while it is open.
+#[derive(Clone)]
+pub struct TranscriptCache {
+    inner: Arc<Mutex<CacheState>>,
+}
+
+struct CacheState {
+    files: HashMap<PathBuf, Known>,
+    capacity: usize,
+    clock: u64,
+}
+
+impl TranscriptCache {
+    /// A cache of at most [`DEFAULT_CACHED_FILES`] files.
+    pub fn new() -> Self {
+        Self::with_capacity(DEFAULT_CACHED_FILES)
+    }
+
+    /// A cache of at most `files` files (0 remembers nothing: every open reads the file).
+    pub fn with_capacity(files: usize) -> Self {
+        TranscriptCache {
+            inner: Arc::new(Mutex::new(CacheState {
+                files: HashMap::new(),
+                capacity: files,
+                clock: 0,
+            })),
+        }
+    }
+
+    /// How many files it remembers now.
+    pub fn len(&self) -> usize {
+        self.state().files.len()
+    }
+
+    /// Whether it remembers no file.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, CacheState> {
+        // The state is consistent after every statement: a panic elsewhere cannot break it.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn take(&self, path: &Path) -> Option<Known> {
+        self.state().files.remove(path)
+    }
+
+    fn put(&self, path: PathBuf, mut known: Known) {
+        let mut state = self.state();
+        if state.capacity == 0 {
+            return;
+        }
+        state.clock += 1;
+        known.used = state.clock;
+        state.files.insert(path, known);
+        while state.files.len() > state.capacity {
+            let oldest = state
+                .files
+                .iter()
+                .min_by_key(|(_, known)| known.used)
+                .map(|(path, _)| path.clone());
+            match oldest {
+                Some(path) => state.files.remove(&path),
+                None => break,
+            };
+        }
+    }
+}
+
+impl Default for TranscriptCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for TranscriptCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.state();
+        f.debug_struct("TranscriptCache")
+            .field("files", &state.files.len())
+            .field("capacity", &state.capacity)
+            .finish()
+    }
+}
+
 /// The append-only transcript of one session. See the module documentation.
 #[derive(Debug)]
 pub struct Transcript {
@@ -236,16 +415,56 @@ pub struct Transcript {
     /// A failed write may have left a partial line that could not be cut off: the next
     /// line starts with a newline so it is not glued to it.
     torn: bool,
+    identity: FileIdentity,
+    /// The end of the last complete line, as read and written through this transcript.
+    len: u64,
+    /// The line that ends at `len`.
+    last_line: Option<LineFingerprint>,
+    /// How many lines end before `len`.
+    lines: u64,
+    /// Where to put what is known of the file when this is dropped.
+    cache: Option<TranscriptCache>,
+    /// The file no longer matches `len`/`last_line` (someone else wrote, or a failed write could
+    /// not be cut back): the cache is not told about it, so the next open reads it all.
+    untracked: bool,
+    /// How many bytes of the file the open read.
+    bytes_read: u64,
 }
 
 impl Transcript {
     /// Opens (creating if missing) the transcript of `session_id` in `dir`, creating `dir`
     /// with mode 0700 if missing. Reads the ids of every complete line; a partial last line
     /// left by a crash is truncated away, and lines that are not valid JSON are skipped.
+    ///
+    /// Blocks on the disk (reads the whole file): call it from a blocking thread.
     pub fn open(
         dir: &Path,
         session_id: &str,
         mode: TranscriptMode,
+    ) -> Result<Self, TranscriptError> {
+        Self::open_with(dir, session_id, mode, None)
+    }
+
+    /// [`open`](Self::open), reading only the lines appended since the last [`Transcript`]
+    /// of this file opened through `cache` was dropped (the whole file the first time, or
+    /// when the cache no longer describes it: see the module documentation). What it finds
+    /// is the same as [`open`](Self::open) would; the drop puts it back into `cache`.
+    ///
+    /// Blocks on the disk: call it from a blocking thread.
+    pub fn open_cached(
+        dir: &Path,
+        session_id: &str,
+        mode: TranscriptMode,
+        cache: &TranscriptCache,
+    ) -> Result<Self, TranscriptError> {
+        Self::open_with(dir, session_id, mode, Some(cache))
+    }
+
+    fn open_with(
+        dir: &Path,
+        session_id: &str,
+        mode: TranscriptMode,
+        cache: Option<&TranscriptCache>,
     ) -> Result<Self, TranscriptError> {
         let path = transcript_path(dir, session_id)?;
         fs::DirBuilder::new()
@@ -275,7 +494,26 @@ impl Transcript {
                 tracing::warn!(dir = %dir.display(), error = %e, "could not fsync the transcript directory");
             }
         }
-        let scan = scan(&file, &path).map_err(open_err)?;
+        let meta = file.metadata().map_err(open_err)?;
+        let identity = FileIdentity::of(&meta);
+        let mut bytes_read = 0;
+        // A file taken out of the cache stays out while open (the drop puts it back).
+        let known = cache.and_then(|cache| cache.take(&path)).filter(|known| {
+            let (describes, read) = known.describes(&file, identity, meta.len());
+            bytes_read += read;
+            describes
+        });
+        let from = match known {
+            Some(known) => Scanned {
+                seen: known.seen,
+                len: known.len,
+                last_line: known.last_line,
+                lines: known.lines,
+            },
+            None => Scanned::default(),
+        };
+        let scan = scan(&file, &path, from.len, from.lines).map_err(open_err)?;
+        bytes_read += scan.total_len - from.len;
         if scan.complete_len < scan.total_len {
             let dropped = scan.total_len - scan.complete_len;
             tracing::warn!(
@@ -286,7 +524,9 @@ impl Transcript {
             file.set_len(scan.complete_len).map_err(open_err)?;
             file.sync_data().map_err(open_err)?;
         }
-        let seen = scan.ids.into_iter().collect();
+        let mut seen = from.seen;
+        seen.extend(scan.ids);
+        let last_line = scan.last_line.or(from.last_line);
         Ok(Transcript {
             path,
             scope: scope_for(session_id),
@@ -295,6 +535,13 @@ impl Transcript {
             mode,
             failed_writes: 0,
             torn: false,
+            identity,
+            len: scan.complete_len,
+            last_line,
+            lines: scan.lines,
+            cache: cache.cloned(),
+            untracked: false,
+            bytes_read,
         })
     }
 
@@ -353,6 +600,10 @@ impl Transcript {
         serde_json::to_writer(&mut line, &record).map_err(io::Error::other)?;
         line.push(b'\n');
         let before = self.file.metadata()?.len();
+        if before != self.len {
+            // Written by someone else (or torn): what this knows of the file is stale.
+            self.untracked = true;
+        }
         let result = self
             .file
             .write_all(&line)
@@ -360,6 +611,9 @@ impl Transcript {
         match result {
             Ok(()) => {
                 self.torn = false;
+                self.len = before + line.len() as u64;
+                self.lines += 1;
+                self.last_line = Some(LineFingerprint::of(&line));
                 Ok(())
             }
             Err(e) => {
@@ -371,6 +625,7 @@ impl Transcript {
                     Ok(()) => {}
                     Err(rollback_error) => {
                         self.torn = true;
+                        self.untracked = true;
                         tracing::warn!(
                             path = %self.path.display(),
                             error = %rollback_error,
@@ -418,6 +673,12 @@ impl Transcript {
         self.failed_writes
     }
 
+    /// How many bytes of the file the open read: all of them for [`open`](Self::open); for a
+    /// cached reopen, the last line it remembered (to check it) and the lines after it.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+
     /// Test only: sends further writes to `/dev/full`, where they fail with ENOSPC.
     #[cfg(test)]
     fn fail_writes(&mut self) {
@@ -428,6 +689,38 @@ impl Transcript {
     }
 }
 
+impl Drop for Transcript {
+    /// Tells the cache (if opened through one) what is known of the file now.
+    fn drop(&mut self) {
+        let Some(cache) = self.cache.take() else {
+            return;
+        };
+        if self.untracked || self.torn {
+            return;
+        }
+        cache.put(
+            self.path.clone(),
+            Known {
+                identity: self.identity,
+                len: self.len,
+                last_line: self.last_line,
+                lines: self.lines,
+                seen: std::mem::take(&mut self.seen),
+                used: 0,
+            },
+        );
+    }
+}
+
+/// Where an open starts reading: nothing known (the start of the file) or a cache entry.
+#[derive(Default)]
+struct Scanned {
+    seen: HashSet<String>,
+    len: u64,
+    last_line: Option<LineFingerprint>,
+    lines: u64,
+}
+
 /// How many distinct ids appear on more than one complete line of the transcript at
 /// `path` (a correct transcript has none). Invalid lines and a partial last line are
 /// ignored.
@@ -436,7 +729,7 @@ pub fn count_duplicates(path: &Path) -> Result<usize, TranscriptError> {
         path: path.to_owned(),
         source,
     })?;
-    let scan = scan(&file, path).map_err(|source| TranscriptError::Open {
+    let scan = scan(&file, path, 0, 0).map_err(|source| TranscriptError::Open {
         path: path.to_owned(),
         source,
     })?;
@@ -449,22 +742,32 @@ pub fn count_duplicates(path: &Path) -> Result<usize, TranscriptError> {
 
 /// What reading a transcript found.
 struct Scan {
-    /// The ids of the complete, valid lines, in file order (with repeats).
+    /// The ids of the complete, valid lines read, in file order (with repeats).
     ids: Vec<String>,
-    /// The length up to and including the last newline.
+    /// The offset just after the last newline (the start offset if none was read).
     complete_len: u64,
     /// The file's length.
     total_len: u64,
+    /// The last complete line read, if any.
+    last_line: Option<LineFingerprint>,
+    /// How many lines end before `complete_len`, counting from the start of the file.
+    lines: u64,
 }
 
-/// Reads every line of `file` from the start.
-fn scan(file: &File, path: &Path) -> io::Result<Scan> {
+/// Reads every line of `file` from offset `start` (a line boundary after `lines_before`
+/// lines) to its end.
+fn scan(file: &File, path: &Path, start: u64, lines_before: u64) -> io::Result<Scan> {
+    let mut file = file;
+    file.seek(SeekFrom::Start(start))?;
     let mut reader = BufReader::new(file);
     let mut ids = Vec::new();
     let mut line = Vec::new();
-    let mut complete_len = 0u64;
-    let mut total_len = 0u64;
-    let mut line_no = 0u64;
+    // The last complete line, kept by swapping buffers (hashed once, at the end).
+    let mut last = Vec::new();
+    let mut read_a_line = false;
+    let mut complete_len = start;
+    let mut total_len = start;
+    let mut line_no = lines_before;
     loop {
         line.clear();
         let n = reader.read_until(b'\n', &mut line)?;
@@ -478,24 +781,27 @@ fn scan(file: &File, path: &Path) -> io::Result<Scan> {
         }
         complete_len = total_len;
         line_no += 1;
+        read_a_line = true;
         let text = &line[..line.len() - 1];
-        if text.iter().all(u8::is_ascii_whitespace) {
-            continue;
+        if !text.iter().all(u8::is_ascii_whitespace) {
+            match serde_json::from_slice::<IdOnly>(text) {
+                Ok(record) => ids.push(record.id),
+                Err(e) => tracing::warn!(
+                    path = %path.display(),
+                    line = line_no,
+                    error = %e,
+                    "skipping a transcript line that is not a valid entry"
+                ),
+            }
         }
-        match serde_json::from_slice::<IdOnly>(text) {
-            Ok(record) => ids.push(record.id),
-            Err(e) => tracing::warn!(
-                path = %path.display(),
-                line = line_no,
-                error = %e,
-                "skipping a transcript line that is not a valid entry"
-            ),
-        }
+        std::mem::swap(&mut line, &mut last);
     }
     Ok(Scan {
         ids,
         complete_len,
         total_len,
+        last_line: read_a_line.then(|| LineFingerprint::of(&last)),
+        lines: line_no,
     })
 }
 
@@ -738,6 +1044,202 @@ mod tests {
         assert!(matches!(missing, TranscriptError::Open { .. }));
     }
 
+    fn file_len(path: &Path) -> u64 {
+        fs::metadata(path).unwrap().len()
+    }
+
+    /// The length of the file's last line, newline included.
+    fn last_line_len(path: &Path) -> u64 {
+        let text = fs::read_to_string(path).unwrap();
+        let body = text.strip_suffix('\n').unwrap();
+        (body.len() - body.rfind('\n').map_or(0, |at| at + 1) + 1) as u64
+    }
+
+    fn append_raw(path: &Path, bytes: &[u8]) {
+        let mut f = OpenOptions::new().append(true).open(path).unwrap();
+        f.write_all(bytes).unwrap();
+    }
+
+    #[test]
+    fn a_cached_reopen_reads_only_what_was_appended_since_the_last_close() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = TranscriptCache::new();
+        let open = || Transcript::open_cached(dir.path(), "s", TranscriptMode::Strict, &cache);
+        let mut t = open().unwrap();
+        for i in 0..50 {
+            assert!(t.append(&Entry::new(Role::User, &format!("m{i}"))).unwrap());
+        }
+        let path = t.path().to_owned();
+        drop(t);
+        assert_eq!(cache.len(), 1);
+
+        // Nothing new: only the last line is read (to check it), and the old ids are known.
+        let last = last_line_len(&path);
+        let mut t = open().unwrap();
+        assert_eq!(t.bytes_read(), last, "read more than the last line");
+        assert_eq!(t.len(), 50);
+        assert!(!t.append(&Entry::new(Role::User, "m0")).unwrap());
+        assert!(t.append(&Entry::new(Role::User, "m50")).unwrap());
+        drop(t);
+
+        // A line someone else appended after the close: read alone.
+        let last = last_line_len(&path);
+        let extra = b"{\"id\":\"outside\"}\n";
+        append_raw(&path, extra);
+        let mut t = open().unwrap();
+        assert_eq!(
+            t.bytes_read(),
+            last + extra.len() as u64,
+            "read more than the last known line and the new one"
+        );
+        assert!(t.contains("outside"));
+        assert_eq!(t.len(), 52);
+        assert!(
+            !t.append(&Entry::new(Role::User, "x").with_event_id("outside"))
+                .unwrap()
+        );
+        drop(t);
+
+        // A full read agrees, and reads everything.
+        let full = Transcript::open(dir.path(), "s", TranscriptMode::Strict).unwrap();
+        assert_eq!(full.bytes_read(), file_len(&path));
+        assert_eq!(full.len(), 52);
+        assert_eq!(count_duplicates(&path).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_cached_reopen_reads_the_whole_file_when_it_was_replaced_shrank_or_rewritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = TranscriptCache::new();
+        let open = || Transcript::open_cached(dir.path(), "s", TranscriptMode::Strict, &cache);
+        let event = |id| Entry::new(Role::User, "q").with_event_id(id);
+        let mut t = open().unwrap();
+        let path = t.path().to_owned();
+        for id in ["a", "b", "c"] {
+            assert!(t.append(&event(id)).unwrap());
+        }
+        drop(t);
+
+        // Replaced by another file (a new inode), even a longer one.
+        fs::remove_file(&path).unwrap();
+        let replacement = "{\"id\":\"x\",\"pad\":\"................................................................................\"}\n";
+        fs::write(&path, replacement).unwrap();
+        let mut t = open().unwrap();
+        assert_eq!(t.bytes_read(), file_len(&path));
+        assert_eq!(t.len(), 1);
+        assert!(t.contains("x") && !t.contains("a"));
+        assert!(t.append(&event("y")).unwrap());
+        drop(t);
+
+        // Shrank: cut back to its first line.
+        let first_line_len = replacement.len() as u64;
+        OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(first_line_len)
+            .unwrap();
+        let mut t = open().unwrap();
+        assert_eq!(t.bytes_read(), first_line_len);
+        assert!(!t.contains("y"));
+        assert!(t.append(&event("y")).unwrap());
+        drop(t);
+
+        // Rewritten in place (same file, same length): its last line now holds another id.
+        let text = fs::read_to_string(&path).unwrap();
+        let at = text.rfind("\"id\":\"y\"").unwrap() as u64;
+        OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .write_all_at(b"\"id\":\"z\"", at)
+            .unwrap();
+        let last = last_line_len(&path);
+        let t = open().unwrap();
+        // The remembered last line, then the whole file.
+        assert_eq!(t.bytes_read(), last + file_len(&path));
+        assert!(t.contains("z") && !t.contains("y"));
+        assert_eq!(t.len(), 2);
+    }
+
+    #[test]
+    fn a_cached_reopen_repairs_a_partial_line_written_after_the_last_close() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = TranscriptCache::new();
+        let open = || Transcript::open_cached(dir.path(), "s", TranscriptMode::Strict, &cache);
+        let mut t = open().unwrap();
+        assert!(t.append(&Entry::new(Role::User, "one")).unwrap());
+        let path = t.path().to_owned();
+        drop(t);
+        let good_len = file_len(&path);
+        append_raw(&path, br#"{"id":"torn","scope":"copilot:s","ro"#);
+
+        let mut t = open().unwrap();
+        assert_eq!(file_len(&path), good_len);
+        assert_eq!(t.len(), 1);
+        assert!(t.append(&Entry::new(Role::Assistant, "two")).unwrap());
+        drop(t);
+        let ids = ids_in(&path);
+        assert_eq!(ids.len(), 2);
+        assert!(ids[1].starts_with("assistant:"));
+        // What the cache kept is what a full read finds.
+        let t = open().unwrap();
+        assert_eq!(t.bytes_read(), last_line_len(&path));
+        assert_eq!(t.len(), 2);
+    }
+
+    #[test]
+    fn a_transcript_that_lost_track_of_its_file_is_read_whole_on_the_next_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = TranscriptCache::new();
+        let open = |mode| Transcript::open_cached(dir.path(), "s", mode, &cache);
+
+        // A line from someone else while open, then a write of ours.
+        let mut t = open(TranscriptMode::Strict).unwrap();
+        assert!(t.append(&Entry::new(Role::User, "a")).unwrap());
+        let path = t.path().to_owned();
+        append_raw(&path, b"{\"id\":\"meanwhile\"}\n");
+        assert!(t.append(&Entry::new(Role::User, "b")).unwrap());
+        drop(t);
+        assert!(cache.is_empty());
+        let t = open(TranscriptMode::Strict).unwrap();
+        assert_eq!(t.bytes_read(), file_len(&path));
+        assert!(t.contains("meanwhile"));
+        assert_eq!(t.len(), 3);
+        drop(t);
+
+        // A failed write that could not be cut back (best effort goes on).
+        let mut t = open(TranscriptMode::BestEffort).unwrap();
+        t.fail_writes();
+        assert!(!t.append(&Entry::new(Role::User, "lost")).unwrap());
+        drop(t);
+        assert!(cache.is_empty());
+        let t = open(TranscriptMode::BestEffort).unwrap();
+        assert_eq!(t.bytes_read(), file_len(&path));
+        assert_eq!(t.len(), 3);
+    }
+
+    #[test]
+    fn the_cache_forgets_the_least_recently_closed_file_beyond_its_capacity() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = TranscriptCache::with_capacity(2);
+        let open = |id| Transcript::open_cached(dir.path(), id, TranscriptMode::Strict, &cache);
+        for id in ["s1", "s2", "s3"] {
+            let mut t = open(id).unwrap();
+            assert!(t.append(&Entry::new(Role::User, id)).unwrap());
+        }
+        assert_eq!(cache.len(), 2);
+        let s3 = open("s3").unwrap();
+        assert_eq!(s3.bytes_read(), last_line_len(s3.path()));
+        let s1 = open("s1").unwrap();
+        assert_eq!(s1.bytes_read(), file_len(s1.path()));
+        assert_eq!(s1.len(), 1);
+
+        let none = TranscriptCache::with_capacity(0);
+        drop(Transcript::open_cached(dir.path(), "s1", TranscriptMode::Strict, &none).unwrap());
+        assert!(none.is_empty());
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Append(usize),
@@ -791,5 +1293,73 @@ mod tests {
             prop_assert_eq!(ids_in(&path), expected);
             prop_assert_eq!(count_duplicates(&path).unwrap(), 0);
         }
+
+        #[test]
+        fn cached_reopens_find_what_a_full_read_finds(ops in prop::collection::vec(cached_op(), 0..60)) {
+            let dir = tempfile::tempdir().unwrap();
+            let cache = TranscriptCache::new();
+            let open = || Transcript::open_cached(dir.path(), "prop", TranscriptMode::Strict, &cache);
+            let mut t = open().unwrap();
+            let path = t.path().to_owned();
+            let mut expected: Vec<String> = Vec::new();
+            for op in ops {
+                match op {
+                    CachedOp::Append(i) => {
+                        let (event_id, role, content) = POOL[i];
+                        let entry = Entry { event_id, role, content, tool_name: None, tool_call_id: None };
+                        let id = entry_id(&entry);
+                        let is_new = !expected.contains(&id);
+                        prop_assert_eq!(t.append(&entry).unwrap(), is_new);
+                        if is_new {
+                            expected.push(id);
+                        }
+                    }
+                    CachedOp::Reopen => {
+                        drop(t);
+                        t = open().unwrap();
+                    }
+                    CachedOp::Tear => {
+                        drop(t);
+                        append_raw(&path, br#"{"id":"torn","sco"#);
+                        t = open().unwrap();
+                    }
+                    CachedOp::Outside(i) => {
+                        drop(t);
+                        let id = format!("outside-{i}");
+                        if !expected.contains(&id) {
+                            append_raw(&path, format!("{{\"id\":\"{id}\"}}\n").as_bytes());
+                            expected.push(id);
+                        }
+                        t = open().unwrap();
+                    }
+                }
+                prop_assert_eq!(t.len(), expected.len());
+                for id in &expected {
+                    prop_assert!(t.contains(id), "{} missing", id);
+                }
+            }
+            drop(t);
+            let full = Transcript::open(dir.path(), "prop", TranscriptMode::Strict).unwrap();
+            prop_assert_eq!(full.len(), expected.len());
+            prop_assert_eq!(ids_in(&path), expected);
+            prop_assert_eq!(count_duplicates(&path).unwrap(), 0);
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum CachedOp {
+        Append(usize),
+        Reopen,
+        Tear,
+        Outside(usize),
+    }
+
+    fn cached_op() -> impl Strategy<Value = CachedOp> {
+        prop_oneof![
+            5 => (0..POOL.len()).prop_map(CachedOp::Append),
+            1 => Just(CachedOp::Reopen),
+            1 => Just(CachedOp::Tear),
+            1 => (0..4usize).prop_map(CachedOp::Outside),
+        ]
     }
 }

@@ -420,23 +420,17 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
             "unbounded label {forbidden}"
         );
     }
-    let promtool = std::env::var("PROMTOOL").unwrap_or_else(|_| {
-        let local = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tools/promtool");
-        if local.exists() {
-            local.display().to_string()
-        } else {
-            "promtool".to_owned()
-        }
-    });
+    // Found or installed by the test support (PROMTOOL, the cache, PATH, else
+    // scripts/install-promtool.sh under the cache's lock).
+    let promtool = support::promtool::promtool_path().await;
     let mut check = tokio::process::Command::new(&promtool)
         .args(["check", "metrics"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
         .spawn()
-        .unwrap_or_else(|e| {
-            panic!("promtool not found ({e}); run scripts/install-promtool.sh or set PROMTOOL")
-        });
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", promtool.display()));
     use tokio::io::AsyncWriteExt;
     let mut stdin = check.stdin.take().expect("stdin");
     stdin

@@ -530,10 +530,7 @@ async fn a_provider_500_is_a_typed_error_with_its_status() {
 async fn the_transcript_has_no_duplicate_after_resume_and_restart() {
     let fx = Fixture::new().await;
     let dir = fx.scratch.path().join("transcripts");
-    let settings = TranscriptSettings {
-        dir: dir.clone(),
-        mode: TranscriptMode::Strict,
-    };
+    let settings = TranscriptSettings::new(dir.clone(), TranscriptMode::Strict);
     let request = || {
         let mut req = fx.request("agent-t", "mirrored");
         req.handlers.transcript = Some(settings.clone());
@@ -569,6 +566,8 @@ async fn the_transcript_has_no_duplicate_after_resume_and_restart() {
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 
+    // The leases went through the settings' cache (each reads only what is new since the last).
+    assert_eq!(settings.cache().len(), 1);
     let file = dir.join(format!("copilot-{id}.jsonl"));
     assert_eq!(count_duplicates(&file).expect("read"), 0);
     let lines: Vec<Value> = std::fs::read_to_string(&file)
@@ -598,10 +597,7 @@ async fn strict_transcript_mode_aborts_the_turn_on_a_failing_write() {
     let dir = fx.scratch.path().join("transcripts");
     let pool = Pool::start(fx.config().await).await.expect("pool");
     let mut req = fx.request("agent-t", "strict");
-    req.handlers.transcript = Some(TranscriptSettings {
-        dir: dir.clone(),
-        mode: TranscriptMode::Strict,
-    });
+    req.handlers.transcript = Some(TranscriptSettings::new(dir.clone(), TranscriptMode::Strict));
     let mut lease = pool.lease(req).await.expect("lease");
     lease.run("REPLY=written").await.expect("turn");
     let file = dir.join(format!("copilot-{}.jsonl", lease.cli_session_id()));
@@ -631,10 +627,10 @@ async fn strict_transcript_mode_aborts_the_turn_on_a_failing_write() {
 
     // Best effort keeps going through a failing mirror.
     let mut req = fx.request("agent-t", "best-effort");
-    req.handlers.transcript = Some(TranscriptSettings {
-        dir: fx.scratch.path().join("not-a-dir"),
-        mode: TranscriptMode::BestEffort,
-    });
+    req.handlers.transcript = Some(TranscriptSettings::new(
+        fx.scratch.path().join("not-a-dir"),
+        TranscriptMode::BestEffort,
+    ));
     std::fs::write(fx.scratch.path().join("not-a-dir"), b"a file in the way").expect("file");
     let mut lease = pool.lease(req).await.expect("best-effort lease");
     lease.run("REPLY=fine").await.expect("turn");

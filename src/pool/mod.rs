@@ -483,7 +483,7 @@ impl Opening {
             }
         }
         let mut driver = crate::turn::driver::TurnDriver::new(handlers, working_directory);
-        if let Err(error) = driver.open_transcript(&cli_session_id) {
+        if let Err(error) = driver.open_transcript(&cli_session_id).await {
             grant.opened = Some(session);
             return Err(error);
         }

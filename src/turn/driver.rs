@@ -114,12 +114,13 @@ impl TurnDriver {
         }
     }
 
-    /// Opens the transcript mirror of `session_id` (if configured).
-    pub(crate) fn open_transcript(&mut self, session_id: &str) -> Result<(), PoolError> {
+    /// Opens the transcript mirror of `session_id` (if configured), on a blocking thread and
+    /// through the settings' cache (reading only what the file gained since the last lease).
+    pub(crate) async fn open_transcript(&mut self, session_id: &str) -> Result<(), PoolError> {
         let Some(settings) = &self.handlers.transcript else {
             return Ok(());
         };
-        match Transcript::open(&settings.dir, session_id, settings.mode) {
+        match settings.open(session_id).await {
             Ok(t) => {
                 self.transcript = Some(t);
                 Ok(())

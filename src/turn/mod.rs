@@ -22,7 +22,9 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::permission::{PermissionPolicy, RejectAll};
-use crate::transcript::TranscriptMode;
+use crate::transcript::{
+    Transcript, TranscriptCache, TranscriptError, TranscriptMode, transcript_path,
+};
 
 pub use hooks::TurnHooks;
 pub use tools::{GatewayTool, ToolCall, ToolConcurrency, ToolHandler};
@@ -61,14 +63,66 @@ impl Default for TurnTimeouts {
     }
 }
 
-/// Where and how a conversation's transcript is mirrored.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Where and how a conversation's transcript is mirrored, and what has been read of its
+/// files so far.
+///
+/// Clones share one [`TranscriptCache`]: give every lease a clone of the same settings, and
+/// a lease reads only the lines its conversation's file gained since the previous lease
+/// (nothing, when that lease wrote them) instead of the whole file. Equality compares `dir`
+/// and `mode` only.
+#[derive(Debug, Clone)]
 pub struct TranscriptSettings {
     /// Directory of the `copilot-<sessionId>.jsonl` files.
     pub dir: PathBuf,
     /// Best effort or strict.
     pub mode: TranscriptMode,
+    cache: TranscriptCache,
 }
+
+impl TranscriptSettings {
+    /// Mirrors into `dir` in `mode`, with a new, empty cache.
+    pub fn new(dir: impl Into<PathBuf>, mode: TranscriptMode) -> Self {
+        TranscriptSettings {
+            dir: dir.into(),
+            mode,
+            cache: TranscriptCache::new(),
+        }
+    }
+
+    /// The cache shared by these settings and their clones.
+    pub fn cache(&self) -> &TranscriptCache {
+        &self.cache
+    }
+
+    /// Opens the transcript of `session_id` through the cache
+    /// ([`Transcript::open_cached`]) on a blocking thread, so the disk never holds up an
+    /// async worker thread. What a lease does before its first turn.
+    pub async fn open(&self, session_id: &str) -> Result<Transcript, TranscriptError> {
+        let path = transcript_path(&self.dir, session_id)?;
+        let (dir, mode, cache) = (self.dir.clone(), self.mode, self.cache.clone());
+        let session_id = session_id.to_owned();
+        tokio::task::spawn_blocking(move || {
+            Transcript::open_cached(&dir, &session_id, mode, &cache)
+        })
+        .await
+        .unwrap_or_else(|join_error| {
+            Err(TranscriptError::Open {
+                path,
+                source: std::io::Error::other(format!(
+                    "the blocking task opening it did not finish: {join_error}"
+                )),
+            })
+        })
+    }
+}
+
+impl PartialEq for TranscriptSettings {
+    fn eq(&self, other: &Self) -> bool {
+        self.dir == other.dir && self.mode == other.mode
+    }
+}
+
+impl Eq for TranscriptSettings {}
 
 /// Everything a conversation brings to its turns.
 #[derive(Clone)]

@@ -6,6 +6,7 @@
 pub mod http;
 pub mod pool_fixture;
 pub mod procs;
+pub mod promtool;
 pub mod runtime;
 
 use std::path::{Path, PathBuf};

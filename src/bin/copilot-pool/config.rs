@@ -241,10 +241,7 @@ impl ServeConfig {
         self.turns
             .transcript_dir
             .as_ref()
-            .map(|dir| TranscriptSettings {
-                dir: dir.clone(),
-                mode: self.turns.transcript_mode,
-            })
+            .map(|dir| TranscriptSettings::new(dir.clone(), self.turns.transcript_mode))
     }
 }
 

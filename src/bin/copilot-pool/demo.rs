@@ -294,10 +294,10 @@ async fn showcase(pool: &Pool, base: &Path, base_url: &str) -> Showcase {
     req.streaming = false;
     req.handlers.tools = vec![lookup, stuck];
     req.handlers.user_input = Some(Arc::new(|_q: Question| async { Some(Answer::Choice(1)) }));
-    req.handlers.transcript = Some(TranscriptSettings {
-        dir: base.join("transcripts"),
-        mode: TranscriptMode::BestEffort,
-    });
+    req.handlers.transcript = Some(TranscriptSettings::new(
+        base.join("transcripts"),
+        TranscriptMode::BestEffort,
+    ));
     let mut lease = match pool.lease(req).await {
         Ok(lease) => lease,
         Err(e) => {
@@ -412,10 +412,10 @@ impl Conversation {
         req.provider = Some(self.provider.clone());
         req.available_tools = Some(Vec::new());
         req.streaming = false;
-        req.handlers.transcript = Some(TranscriptSettings {
-            dir: self.work.with_file_name("transcripts"),
-            mode: TranscriptMode::BestEffort,
-        });
+        req.handlers.transcript = Some(TranscriptSettings::new(
+            self.work.with_file_name("transcripts"),
+            TranscriptMode::BestEffort,
+        ));
         if self.agent == 0 {
             let version = self.token_version.load(Ordering::SeqCst);
             req.auth = LeaseAuth {

@@ -1,0 +1,349 @@
+//! `promtool` (Prometheus' metrics checker) for the tests that validate the `/metrics`
+//! exposition, found or installed the way the Copilot runtime is, so that `cargo test` needs
+//! nothing beyond Rust and Node.js on a Debian-like machine.
+//!
+//! Lookup order: `PROMTOOL` (must name an executable) → `<cache>/tools/promtool` → `promtool`
+//! on `PATH` → installed into `<cache>/tools` by `scripts/install-promtool.sh` (the
+//! executables of Debian's `prometheus` package), where `<cache>` is the runtime's cache
+//! directory (`COPILOT_POOL_CACHE_DIR`, `$XDG_CACHE_HOME/copilot-pool`,
+//! `~/.cache/copilot-pool`).
+//!
+//! The install runs under an exclusive `flock` on `<cache>/tools.lock`, so concurrent test
+//! binaries (or test runs) install once and the others wait and reuse it. Waiting for the lock
+//! and running the installer share one deadline ([`INSTALL_TIMEOUT`]); the installer runs in its
+//! own process group, which is SIGKILLed when the deadline passes or the install is dropped.
+//! Every failure names the manual fix, [`INSTALL_COMMAND`].
+//!
+//! Memoized per test binary with a `OnceCell`.
+
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use copilot_pool::runtime;
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::process::{Child, Command};
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
+
+/// Names an existing promtool to use as is.
+pub const ENV: &str = "PROMTOOL";
+
+/// What a person runs to install promtool by hand (into the same cache the tests look in).
+pub const INSTALL_COMMAND: &str = "bash scripts/install-promtool.sh";
+
+/// How long one install may take in all: waiting for the lock, then the installer.
+pub const INSTALL_TIMEOUT: Duration = Duration::from_secs(5 * 60);
+
+/// First and longest pause between two attempts at the install lock (flock has no event).
+const LOCK_RETRY_MIN: Duration = Duration::from_millis(50);
+const LOCK_RETRY_MAX: Duration = Duration::from_millis(500);
+
+/// How much of the installer's output a failure keeps (its end).
+const OUTPUT_TAIL_BYTES: usize = 4096;
+
+/// How long to wait for the installer to be reaped after its group was sent SIGKILL.
+const REAP_AFTER_KILL: Duration = Duration::from_secs(5);
+
+static PROMTOOL: OnceCell<PathBuf> = OnceCell::const_new();
+
+/// Why [`install`] failed. Each message ends with how to fix it by hand.
+#[derive(Debug, thiserror::Error)]
+pub enum PromtoolError {
+    #[error("could not {action} {}: {error}; {}", path.display(), manual_fix())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    #[error("could not lock {}: {error}; {}", path.display(), manual_fix())]
+    Lock { path: PathBuf, error: Errno },
+    #[error(
+        "gave up after {after:?} waiting for the promtool install lock {}: another install \
+         holds it (if none is running, delete it); {}",
+        path.display(),
+        manual_fix()
+    )]
+    LockTimeout { path: PathBuf, after: Duration },
+    #[error(
+        "the promtool installer ({}) did not finish within {after:?} and was killed with its \
+         process group; check access to the Debian package mirror (apt-get download \
+         prometheus), then {}",
+        script.display(),
+        manual_fix()
+    )]
+    Timeout { script: PathBuf, after: Duration },
+    #[error(
+        "the promtool installer ({}) failed ({status}); the end of its output:\n{output_tail}\n{}",
+        script.display(),
+        manual_fix()
+    )]
+    Failed {
+        script: PathBuf,
+        status: ExitStatus,
+        output_tail: String,
+    },
+    #[error(
+        "the promtool installer ({}) succeeded but {} is not an executable file; {}",
+        script.display(),
+        path.display(),
+        manual_fix()
+    )]
+    Missing { script: PathBuf, path: PathBuf },
+}
+
+fn manual_fix() -> String {
+    format!(
+        "run `{INSTALL_COMMAND}` from the repository root by hand (it puts promtool where the \
+         tests look), or set {ENV} to a promtool executable"
+    )
+}
+
+/// The promtool the tests run. Panics with the reason and the manual fix when it is neither
+/// configured, cached, on `PATH`, nor installable.
+pub async fn promtool_path() -> PathBuf {
+    PROMTOOL.get_or_init(resolve).await.clone()
+}
+
+async fn resolve() -> PathBuf {
+    if let Some(path) = std::env::var_os(ENV).filter(|p| !p.is_empty()) {
+        let path = PathBuf::from(path);
+        assert!(
+            is_executable_file(&path),
+            "{ENV} is set to {}, which is not an executable file; unset it, or {}",
+            path.display(),
+            manual_fix()
+        );
+        return path;
+    }
+    let cache = runtime::cache_dir(runtime::process_env)
+        .unwrap_or_else(|err| panic!("cannot find or install promtool for tests: {err}"));
+    let cached = tools_dir(&cache).join("promtool");
+    if is_executable_file(&cached) {
+        return cached;
+    }
+    if let Some(found) = find_on_path("promtool") {
+        return found;
+    }
+    install(&install_script(), &cache, INSTALL_TIMEOUT)
+        .await
+        .unwrap_or_else(|err| panic!("cannot install promtool for tests: {err}"))
+}
+
+/// `scripts/install-promtool.sh` of this checkout.
+pub fn install_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/install-promtool.sh")
+}
+
+/// Where installed tools live inside the cache directory (the script's default too).
+pub fn tools_dir(cache: &Path) -> PathBuf {
+    cache.join("tools")
+}
+
+/// The install lock inside the cache directory.
+pub fn lock_path(cache: &Path) -> PathBuf {
+    cache.join("tools.lock")
+}
+
+/// Installs promtool into `<cache>/tools` with `bash <script> --dir <cache>/tools` unless it
+/// is already there, under the install lock, giving up (and killing the installer's process
+/// group) once `timeout` has passed since the call.
+pub async fn install(
+    script: &Path,
+    cache: &Path,
+    timeout: Duration,
+) -> Result<PathBuf, PromtoolError> {
+    let deadline = Instant::now() + timeout;
+    let dir = tools_dir(cache);
+    tokio::fs::create_dir_all(cache)
+        .await
+        .map_err(io_err("create directory", cache))?;
+    let _lock = lock_exclusive(lock_path(cache), deadline, timeout).await?;
+    let target = dir.join("promtool");
+    if is_executable_file(&target) {
+        return Ok(target);
+    }
+    run_installer(script, &dir, deadline, timeout).await?;
+    if is_executable_file(&target) {
+        Ok(target)
+    } else {
+        Err(PromtoolError::Missing {
+            script: script.to_path_buf(),
+            path: target,
+        })
+    }
+}
+
+/// Runs the installer in its own process group, draining its output, and kills the group at
+/// the deadline (or when this future is dropped).
+async fn run_installer(
+    script: &Path,
+    dir: &Path,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<(), PromtoolError> {
+    let timed_out = || PromtoolError::Timeout {
+        script: script.to_path_buf(),
+        after: timeout,
+    };
+    if Instant::now() >= deadline {
+        return Err(timed_out());
+    }
+    let mut command = Command::new("bash");
+    command
+        .arg(script)
+        .arg("--dir")
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // Its own group, so that a kill reaches apt-get and everything else it starts.
+        .process_group(0)
+        .kill_on_drop(true);
+    let child = command
+        .spawn()
+        .map_err(io_err("start bash for the installer", script))?;
+    let mut process = Installer::new(child);
+    let stdout = process.child.stdout.take();
+    let stderr = process.child.stderr.take();
+    let finished = tokio::time::timeout_at(deadline, async {
+        tokio::join!(process.wait(), read_all(stdout), read_all(stderr))
+    })
+    .await;
+    let Ok((status, stdout, stderr)) = finished else {
+        process.kill_group();
+        let _ = tokio::time::timeout(REAP_AFTER_KILL, process.wait()).await;
+        return Err(timed_out());
+    };
+    let status = status.map_err(io_err("wait for the installer", script))?;
+    if status.success() {
+        return Ok(());
+    }
+    let mut output = stdout;
+    output.extend_from_slice(&stderr);
+    Err(PromtoolError::Failed {
+        script: script.to_path_buf(),
+        status,
+        output_tail: tail(&output, OUTPUT_TAIL_BYTES),
+    })
+}
+
+/// The installer's shell, leader of its own process group. Dropping it SIGKILLs the whole
+/// group unless the leader has been reaped (after which its id may belong to someone else).
+struct Installer {
+    child: Child,
+    group: Option<Pid>,
+}
+
+impl Installer {
+    fn new(child: Child) -> Self {
+        let group = child
+            .id()
+            .and_then(|pid| i32::try_from(pid).ok())
+            .map(Pid::from_raw);
+        Installer { child, group }
+    }
+
+    async fn wait(&mut self) -> std::io::Result<ExitStatus> {
+        let status = self.child.wait().await;
+        self.group = None;
+        status
+    }
+
+    fn kill_group(&self) {
+        if let Some(group) = self.group {
+            // ESRCH: already gone. Nothing else can be done about another error here.
+            let _ = killpg(group, Signal::SIGKILL);
+        }
+    }
+}
+
+impl Drop for Installer {
+    fn drop(&mut self) {
+        self.kill_group();
+    }
+}
+
+/// Opens (creating) `path` and takes an exclusive `flock`, retrying a non-blocking attempt
+/// with a short backoff until `deadline` (a blocking flock could be neither bounded nor
+/// cancelled).
+async fn lock_exclusive(
+    path: PathBuf,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Flock<File>, PromtoolError> {
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io_err("open lock file", &path))?;
+    let mut backoff = LOCK_RETRY_MIN;
+    loop {
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(guard) => return Ok(guard),
+            Err((returned, Errno::EINTR)) => file = returned,
+            Err((returned, Errno::EWOULDBLOCK)) => {
+                file = returned;
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(PromtoolError::LockTimeout {
+                        path,
+                        after: timeout,
+                    });
+                }
+                tokio::time::sleep_until((now + backoff).min(deadline)).await;
+                backoff = (backoff * 2).min(LOCK_RETRY_MAX);
+            }
+            Err((_, error)) => return Err(PromtoolError::Lock { path, error }),
+        }
+    }
+}
+
+async fn read_all(pipe: Option<impl AsyncRead + Unpin>) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    if let Some(mut pipe) = pipe {
+        let _ = pipe.read_to_end(&mut bytes).await;
+    }
+    bytes
+}
+
+fn tail(bytes: &[u8], max: usize) -> String {
+    let start = bytes.len().saturating_sub(max);
+    String::from_utf8_lossy(&bytes[start..]).trim().to_owned()
+}
+
+fn io_err(
+    action: &'static str,
+    path: &Path,
+) -> impl FnOnce(std::io::Error) -> PromtoolError + use<> {
+    let path = path.to_path_buf();
+    move |error| PromtoolError::Io {
+        action,
+        path,
+        error,
+    }
+}
+
+/// The first executable `name` on `PATH` (empty entries skipped).
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path_var = std::env::var_os("PATH")?;
+    std::env::split_paths(&path_var)
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .map(|dir| dir.join(name))
+        .find(|candidate| is_executable_file(candidate))
+}
+
+fn is_executable_file(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path)
+        .map(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
