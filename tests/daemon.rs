@@ -577,3 +577,115 @@ async fn an_empty_api_token_does_not_open_the_api() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("API token"), "{stderr}");
 }
+
+/// A token file with `mode`.
+fn token_file(dir: &std::path::Path, name: &str, text: &str, mode: u32) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("token file");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    path
+}
+
+async fn serve_output(args: &[&str]) -> std::process::Output {
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+            .arg("serve")
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("COPILOT_POOL_API_TOKEN")
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("serve exits")
+    .expect("run serve")
+}
+
+#[tokio::test]
+async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case() {
+    let scratch = support::Scratch::new();
+    // On the command line: refused, and the message names the alternatives (not the token).
+    let out = serve_output(&["--api-token", "argv-token-123"]).await;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("COPILOT_POOL_API_TOKEN"), "{stderr}");
+    assert!(stderr.contains("--api-token-file"), "{stderr}");
+    assert!(!stderr.contains("argv-token-123"), "{stderr}");
+    // A file others can read: refused with the fix.
+    let open = token_file(scratch.path(), "open-token", "t0k\n", 0o644);
+    let out = serve_output(&["--api-token-file", &open.display().to_string()]).await;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("chmod 600 {}", open.display())),
+        "{stderr}"
+    );
+    // An empty file: refused.
+    let empty = token_file(scratch.path(), "empty-token", "\n", 0o600);
+    let out = serve_output(&["--api-token-file", &empty.display().to_string()]).await;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("empty"), "{stderr}");
+
+    // A private file: its trailing newline is not part of the token.
+    let file = token_file(scratch.path(), "token", "file-token\n", 0o600);
+    let daemon = Daemon::start(
+        scratch.path(),
+        "",
+        &["--api-token-file", &file.display().to_string()],
+    )
+    .await;
+    let addr = daemon.addr;
+    let get = |auth: &'static str| {
+        let req = format!(
+            "GET /v1/pool HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: {auth}\r\n\r\n"
+        );
+        async move { raw(addr, req.as_bytes()).await.status }
+    };
+    assert_eq!(get("Bearer file-token").await, 200);
+    assert_eq!(get("bearer file-token").await, 200);
+    assert_eq!(get("BEARER file-token").await, 200);
+    assert_eq!(get("Bearer file-token-x").await, 401);
+    assert_eq!(get("Basic file-token").await, 401);
+    // `status` reads the same file.
+    let status = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+        .args(["status", "--url", &format!("http://{addr}")])
+        .arg("--api-token-file")
+        .arg(&file)
+        .env_remove("COPILOT_POOL_API_TOKEN")
+        .output()
+        .await
+        .expect("status");
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    assert!(daemon.terminate().await.success());
+
+    // From the environment.
+    let daemon = Daemon::start_with(
+        scratch.path(),
+        "",
+        &[],
+        &[("COPILOT_POOL_API_TOKEN", "env-token")],
+        None,
+    )
+    .await;
+    assert_eq!(
+        call(daemon.addr, "GET", "/v1/pool", Some("env-token"), None)
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        call(daemon.addr, "GET", "/v1/pool", None, None)
+            .await
+            .status,
+        401
+    );
+    assert!(daemon.terminate().await.success());
+}

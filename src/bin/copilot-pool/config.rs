@@ -16,6 +16,11 @@ use serde::Deserialize;
 /// The environment variable that carries the API token.
 pub const API_TOKEN_ENV: &str = "COPILOT_POOL_API_TOKEN";
 
+/// Why `--api-token` is refused (the message never repeats the token).
+pub const TOKEN_ON_ARGV: &str = "--api-token is not accepted: a token on the command line is \
+     visible to every local user in `ps`; set COPILOT_POOL_API_TOKEN or pass --api-token-file \
+     PATH (a file readable by its owner only)";
+
 /// `copilot-pool serve` settings. See README for every field and its default.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -163,8 +168,8 @@ impl ServeConfig {
     pub fn validate(&self) -> Result<()> {
         if !self.listen.ip().is_loopback() && self.api_token.is_none() {
             bail!(
-                "refusing to listen on {} without an API token: set api_token in the config, \
-                 --api-token, or {API_TOKEN_ENV} (or listen on 127.0.0.1)",
+                "refusing to listen on {} without an API token: set {API_TOKEN_ENV} or pass \
+                 --api-token-file PATH (or listen on 127.0.0.1)",
                 self.listen
             );
         }
@@ -248,6 +253,36 @@ impl ServeConfig {
     }
 }
 
+/// Reads the API token from `path`: the file must be readable by its owner only (the token
+/// is a credential), a trailing newline is not part of the token, and an empty token is
+/// refused (it would open the API).
+pub fn read_token_file(path: &Path) -> Result<Secret> {
+    use std::os::unix::fs::PermissionsExt;
+    let shown = path.display();
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("reading the API token file {shown}"))?;
+    if !meta.is_file() {
+        bail!("the API token file {shown} is not a regular file");
+    }
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o044 != 0 {
+        bail!(
+            "the API token file {shown} is readable by other users (mode {mode:04o}); run \
+             `chmod 600 {shown}`"
+        );
+    }
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the API token file {shown}"))?;
+    let token = text
+        .strip_suffix('\n')
+        .map(|t| t.strip_suffix('\r').unwrap_or(t))
+        .unwrap_or(&text);
+    if token.is_empty() {
+        bail!("the API token file {shown} is empty; write the token into it");
+    }
+    Ok(Secret::new(token.to_owned()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -272,5 +307,28 @@ mod tests {
         let c: ServeConfig = toml::from_str("listen = \"0.0.0.0:7878\"").unwrap();
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("API token"), "{err}");
+    }
+
+    #[test]
+    fn a_token_file_must_be_private_and_not_empty() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "abc\r\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let err = read_token_file(&path).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("chmod 600 {}", path.display())),
+            "{err}"
+        );
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_token_file(&path).unwrap().expose(), "abc");
+        std::fs::write(&path, "").unwrap();
+        assert!(
+            read_token_file(&path)
+                .unwrap_err()
+                .to_string()
+                .contains("empty")
+        );
     }
 }

@@ -141,7 +141,7 @@ async fn require_token(
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(bearer_token)
             .unwrap_or("");
         if !constant_time_eq(given.as_bytes(), token.expose().as_bytes()) {
             return error(
@@ -152,6 +152,15 @@ async fn require_token(
         }
     }
     next.run(request).await
+}
+
+/// The token of an `Authorization: Bearer <token>` value; the scheme is case-insensitive
+/// (RFC 9110 §11.1).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_matches(' '))
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -711,5 +720,19 @@ async fn delete_session(
     match lease.reset().await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => pool_error(&e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer_token("Bearer abc"), Some("abc"));
+        assert_eq!(bearer_token("bearer abc"), Some("abc"));
+        assert_eq!(bearer_token("BEARER  abc "), Some("abc"));
+        assert_eq!(bearer_token("Basic abc"), None);
+        assert_eq!(bearer_token("Bearerabc"), None);
     }
 }

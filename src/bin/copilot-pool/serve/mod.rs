@@ -11,11 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use copilot_pool::pool::Pool;
 use copilot_pool::runtime;
-use copilot_pool::secret::Secret;
 use dashmap::DashMap;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::sync::watch;
@@ -34,9 +33,12 @@ pub struct ServeArgs {
     /// Where bindings are stored.
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
-    /// Bearer token for `/v1` (over the config file's `api_token`, which is over
-    /// COPILOT_POOL_API_TOKEN).
-    #[arg(long)]
+    /// A file holding the bearer token for `/v1`, readable by its owner only (over the
+    /// config file's `api_token`, which is over COPILOT_POOL_API_TOKEN).
+    #[arg(long, value_name = "PATH")]
+    pub api_token_file: Option<PathBuf>,
+    /// Refused: a token on the command line is visible to every local user in `ps`.
+    #[arg(long, hide = true, value_name = "TOKEN")]
     pub api_token: Option<String>,
     /// A separate address for `/metrics`.
     #[arg(long)]
@@ -59,8 +61,11 @@ impl ServeArgs {
         if let Some(dir) = &self.state_dir {
             config.state_dir = Some(dir.clone());
         }
-        if let Some(token) = self.api_token.as_ref().filter(|t| !t.is_empty()) {
-            config.api_token = Some(Secret::new(token.clone()));
+        if self.api_token.is_some() {
+            bail!("{}", crate::config::TOKEN_ON_ARGV);
+        }
+        if let Some(path) = &self.api_token_file {
+            config.api_token = Some(crate::config::read_token_file(path)?);
         }
         if let Some(addr) = self.metrics_listen {
             config.metrics_listen = Some(addr);
