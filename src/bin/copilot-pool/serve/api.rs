@@ -6,6 +6,8 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+#[cfg(test)]
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -114,7 +116,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
         .merge(v1)
-        .route("/healthz", get(|| async { (StatusCode::OK, "ok\n") }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(get_metrics))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found", "no such route") })
@@ -168,6 +170,21 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
         return false;
     }
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// How long `/healthz` waits for the pool actor to answer.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Alive while the pool actor answers (a status call within `HEALTH_TIMEOUT`); a dead or
+/// stuck pool makes it 503, so an orchestrator restarts the daemon. Draining is still alive.
+async fn healthz(State(state): State<Arc<AppState>>) -> Response {
+    match tokio::time::timeout(HEALTH_TIMEOUT, state.pool.status()).await {
+        Ok(Ok(_)) => (StatusCode::OK, "ok\n").into_response(),
+        Ok(Err(e)) => {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("pool down: {e}\n")).into_response()
+        }
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "pool not answering\n").into_response(),
+    }
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
@@ -726,6 +743,52 @@ async fn delete_session(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use copilot_pool::pool::PoolConfig;
+    use copilot_pool::worker::WorkerConfig;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn get(addr: std::net::SocketAddr, path: &str) -> String {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await.unwrap();
+        answer
+    }
+
+    #[tokio::test]
+    async fn healthz_is_503_once_the_pool_actor_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        // No lease is taken, so the program is never started.
+        let worker = WorkerConfig::new("/nonexistent".into(), PathBuf::new(), PathBuf::new());
+        let config = PoolConfig::new(worker, dir.path().join("state"), dir.path().into());
+        let pool = Pool::start(config).await.unwrap();
+        let (running, _) = watch::channel(0);
+        let state = Arc::new(AppState {
+            pool: pool.clone(),
+            registry: Arc::default(),
+            api_token: None,
+            draining: AtomicBool::new(false),
+            running,
+            timeouts: TurnTimeouts::default(),
+            transcript: None,
+            metrics: None,
+            aborts: DashMap::new(),
+            next_turn: AtomicUsize::new(0),
+            max_body_bytes: 1024,
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(axum::serve(listener, router(state, 1024)).into_future());
+
+        let alive = get(addr, "/healthz").await;
+        assert!(alive.starts_with("HTTP/1.1 200"), "{alive}");
+        // The pool's actor stops at the end of its shutdown.
+        pool.shutdown().await.unwrap();
+        let dead = get(addr, "/healthz").await;
+        assert!(dead.starts_with("HTTP/1.1 503"), "{dead}");
+        server.abort();
+    }
 
     #[test]
     fn the_bearer_scheme_is_case_insensitive() {
