@@ -689,3 +689,76 @@ async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case(
     );
     assert!(daemon.terminate().await.success());
 }
+
+#[tokio::test]
+async fn no_work_directory_is_made_for_a_rejected_request_a_compact_or_a_reset() {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let daemon = Daemon::start(scratch.path(), "api_token = \"tok\"\n", &[]).await;
+    let addr = daemon.addr;
+    let work = |agent: &str| {
+        scratch
+            .path()
+            .join("pool-home/agents")
+            .join(agent)
+            .join("work")
+    };
+    let unauthorized = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&turn(&url, "agent-x", "c", "REPLY=no")),
+    )
+    .await;
+    assert_eq!(unauthorized.status, 401);
+    let mut zero = turn(&url, "agent-z", "c", "REPLY=no");
+    zero["timeout_ms"] = json!(0);
+    let bad = call(addr, "POST", "/v1/turns", Some("tok"), Some(&zero)).await;
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    let conv = json!({"model": ScriptedModel::MODEL_ID, "provider": {"type": "openai", "base_url": url, "api_key": "k"}});
+    let compact = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-y/c/compact",
+        Some("tok"),
+        Some(&conv),
+    )
+    .await;
+    assert_eq!(compact.status, 404, "{}", compact.body);
+    let reset = call(
+        addr,
+        "DELETE",
+        "/v1/sessions/agent-y/c",
+        Some("tok"),
+        Some(&conv),
+    )
+    .await;
+    assert_eq!(reset.status, 404, "{}", reset.body);
+    for agent in ["agent-x", "agent-y", "agent-z"] {
+        assert!(
+            !work(agent).exists(),
+            "{} was created",
+            work(agent).display()
+        );
+    }
+    // A turn that runs gets it, private.
+    let ran = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        Some("tok"),
+        Some(&turn(&url, "agent-w", "c", "REPLY=yes")),
+    )
+    .await;
+    assert_eq!(ran.json()["status"], "idle", "{}", ran.body);
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(work("agent-w"))
+        .expect("work dir")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700);
+    assert!(daemon.terminate().await.success());
+}

@@ -375,7 +375,39 @@ fn provider_config(p: ProviderBody) -> Result<ProviderConfig, Response> {
     })
 }
 
-/// The lease request for a conversation; the working directory is the agent's own.
+/// The agent's working directory, `<agents_dir>/agents/<agent_id>/work`.
+fn work_dir(state: &AppState, agent_id: &str) -> std::path::PathBuf {
+    state
+        .pool
+        .config()
+        .agents_base_dir
+        .join("agents")
+        .join(agent_id)
+        .join("work")
+}
+
+/// Creates the agent's working directory (and missing parents) with mode 0700. Called only
+/// for a request that passed authentication and validation and is about to run a turn.
+fn create_work_dir(work: &std::path::Path) -> Result<(), Response> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(work)
+        .map_err(|e| {
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "io",
+                format!(
+                    "creating {}: {e}; make agents_dir writable by the daemon's user",
+                    work.display()
+                ),
+            )
+        })
+}
+
+/// The lease request for a conversation; the working directory is the agent's own (not
+/// created here: compact and reset must not create it).
 fn lease_request(
     state: &AppState,
     agent_id: &str,
@@ -396,21 +428,7 @@ fn lease_request(
             format!("agent_id: {e}"),
         )
     })?;
-    let work = state
-        .pool
-        .config()
-        .agents_base_dir
-        .join("agents")
-        .join(agent_id)
-        .join("work");
-    std::fs::create_dir_all(&work).map_err(|e| {
-        error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "io",
-            format!("creating {}: {e}", work.display()),
-        )
-    })?;
-    let mut req = LeaseRequest::new(agent_id, session_key, work);
+    let mut req = LeaseRequest::new(agent_id, session_key, work_dir(state, agent_id));
     if let Some(auth) = conv.auth {
         req.auth = LeaseAuth {
             use_logged_in_user: auth.use_logged_in_user,
@@ -491,6 +509,13 @@ async fn post_turn(
         req.handlers.timeouts.absolute = Duration::from_millis(ms);
     }
     let streaming = query.stream != Some(false);
+    if !streaming && !body.tools.is_empty() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "tools need the event stream (their calls are answered from it); drop ?stream=false",
+        );
+    }
     let (events_tx, events_rx) = mpsc::channel::<SseEvent>(256);
     if streaming {
         let link = Link {
@@ -504,15 +529,13 @@ async fn post_turn(
             .collect();
         req.handlers.permission_policy = Arc::new(link.clone());
         req.handlers.user_input = Some(Arc::new(link));
-    } else if !body.tools.is_empty() {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "tools need the event stream (their calls are answered from it); drop ?stream=false",
-        );
     }
     // Without the stream nobody could answer: permissions are rejected, ask_user is off.
 
+    // Everything is checked: this request runs a turn, so its working directory may exist.
+    if let Err(r) = create_work_dir(&req.working_directory) {
+        return r;
+    }
     // The lease is taken before answering, so its errors are real HTTP errors.
     let lease = match state.pool.lease(req).await {
         Ok(l) => l,
