@@ -578,6 +578,202 @@ async fn an_empty_api_token_does_not_open_the_api() {
     assert!(stderr.contains("API token"), "{stderr}");
 }
 
+/// Raises this test process's soft `RLIMIT_NOFILE` to its hard limit and returns the hard
+/// limit (the test holds thousands of sockets).
+fn raise_own_nofile() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).expect("raise the test's own NOFILE");
+    hard
+}
+
+/// Opens up to `n` loopback connections that never send a byte (stops at the first one
+/// that cannot connect within 2 s).
+async fn open_silent(addr: std::net::SocketAddr, n: usize) -> Vec<tokio::net::TcpStream> {
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        match tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+            .await
+        {
+            Ok(Ok(c)) => conns.push(c),
+            _ => break,
+        }
+    }
+    conns
+}
+
+/// Waits until the daemon closes each connection (EOF or reset) or `limit` passes; returns
+/// how many are still open.
+async fn still_open(conns: Vec<tokio::net::TcpStream>, limit: Duration) -> usize {
+    use tokio::io::AsyncReadExt;
+    let reads = conns.into_iter().map(|mut c| async move {
+        let mut buf = [0u8; 512];
+        loop {
+            match tokio::time::timeout(limit, c.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return false,
+                Ok(Ok(_)) => continue,
+                Err(_) => return true,
+            }
+        }
+    });
+    futures_util::future::join_all(reads)
+        .await
+        .into_iter()
+        .filter(|open| *open)
+        .count()
+}
+
+#[tokio::test]
+async fn two_thousand_idle_connections_leave_health_turns_and_spawns_working() {
+    let hard = raise_own_nofile();
+    // Thousands of silent sockets on both ends: keep them under the hard limit, with room
+    // for the daemon's reserve (its runtime processes).
+    let count = 2000usize.min(hard.saturating_sub(1024) as usize);
+    assert!(
+        count >= 500,
+        "this test needs a hard NOFILE limit of at least 1524 (`ulimit -Hn`), it is {hard}"
+    );
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    // The daemon starts with a soft NOFILE of 1024, a common default: unless it raises
+    // the limit, ~1000 silent connections exhaust its descriptors. Its connection cap is the
+    // default (4096); silent connections are closed by the header-read timeout.
+    let daemon = Daemon::start_with(
+        scratch.path(),
+        "header_read_timeout_secs = 10\nidle_timeout_secs = 600\n",
+        &[],
+        &[],
+        Some(1024.min(hard)),
+    )
+    .await;
+    let addr = daemon.addr;
+    let mut streams = Vec::new();
+    for i in 0..2 {
+        let mut s = SseStream::open(
+            addr,
+            "/v1/turns",
+            None,
+            &turn(
+                &url,
+                &format!("agent-f{i}"),
+                "c",
+                "SCENARIO:slow SLOW=60x100",
+            ),
+        )
+        .await;
+        s.until_event("assistant.turn_start").await;
+        streams.push(s);
+    }
+
+    let silent = open_silent(addr, count).await;
+    let opened = silent.len();
+    // The daemon holds them all (polling /proc: there is no event for another process's
+    // accepts).
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", daemon.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while fds() < opened && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(fds() >= opened, "the daemon holds {} descriptors", fds());
+
+    let health = tokio::time::timeout(
+        Duration::from_secs(10),
+        call(addr, "GET", "/healthz", None, None),
+    )
+    .await
+    .expect("/healthz did not answer during the flood");
+    assert_eq!(health.status, 200, "{health:?}");
+    // A turn that needs a new runtime process (a spawn) during the flood.
+    let fresh = tokio::time::timeout(
+        Duration::from_secs(60),
+        call(
+            addr,
+            "POST",
+            "/v1/turns?stream=false",
+            None,
+            Some(&turn(&url, "agent-new", "c", "REPLY=spawned")),
+        ),
+    )
+    .await
+    .expect("a new turn did not finish during the flood");
+    assert_eq!(fresh.json()["status"], "idle", "{}", fresh.body);
+    for mut s in streams {
+        let (_, end) = s.until_end().await;
+        assert_eq!(end["status"], "idle", "{end}");
+    }
+    let pool = call(addr, "GET", "/v1/pool", None, None).await.json();
+    assert_eq!(pool["quarantined_keys"], json!([]), "{pool}");
+    assert_eq!(pool["totals"]["crashes"], 0, "{pool}");
+    assert_eq!(opened, count, "only {opened} of {count} connections opened");
+    // The daemon closes them itself (header-read timeout of 10 s).
+    let open = still_open(silent, Duration::from_secs(30)).await;
+    assert_eq!(open, 0, "{open} silent connections were never closed");
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test]
+async fn connections_over_the_cap_get_503_and_idle_ones_close_without_cutting_a_stream() {
+    use tokio::io::AsyncReadExt;
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let daemon = Daemon::start(
+        scratch.path(),
+        "max_connections = 16\nheader_read_timeout_secs = 600\nidle_timeout_secs = 2\n",
+        &[],
+    )
+    .await;
+    let addr = daemon.addr;
+    let held = open_silent(addr, 16).await;
+    assert_eq!(held.len(), 16);
+    // The 17th is answered at once, and closed.
+    let mut excess = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut refusal = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), excess.read_to_end(&mut refusal))
+        .await
+        .expect("the connection over the cap was neither answered nor closed")
+        .expect("read");
+    let refusal = String::from_utf8_lossy(&refusal);
+    assert!(refusal.starts_with("HTTP/1.1 503"), "{refusal}");
+    assert!(refusal.contains("too_many_connections"), "{refusal}");
+    // Silent connections are closed by the idle timeout (2 s here).
+    let open = still_open(held, Duration::from_secs(15)).await;
+    assert_eq!(open, 0, "{open} idle connections were never closed");
+    // Nothing reached the pool.
+    let pool = call(addr, "GET", "/v1/pool", None, None).await.json();
+    assert_eq!(pool["processes"], json!([]), "{pool}");
+
+    // A stream that is silent longer than the idle timeout (a tool call waiting for the
+    // gateway) is not cut.
+    let mut body = turn(
+        &url,
+        "agent-i",
+        "c",
+        r#"SCENARIO:tool NAME=lookup ARGS={"key":"k"}"#,
+    );
+    body["tools"] = json!([{"name": "lookup", "parameters": {"type": "object"}}]);
+    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+    let call_event = stream.until_event("tool.call").await;
+    let id = call_event.data["request_id"]
+        .as_str()
+        .expect("request_id")
+        .to_owned();
+    // The passing of time is what is tested here: twice the idle timeout with no byte.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let ok = answer(addr, &id, &json!({"result": "late"})).await;
+    assert_eq!(ok.status, 204, "{}", ok.body);
+    let (_, end) = stream.until_end().await;
+    assert_eq!(end["final_text"], "tool said: late", "{end}");
+    assert!(daemon.terminate().await.success());
+}
+
 /// A token file with `mode`.
 fn token_file(dir: &std::path::Path, name: &str, text: &str, mode: u32) -> std::path::PathBuf {
     use std::os::unix::fs::PermissionsExt;
