@@ -571,3 +571,384 @@ async fn an_empty_api_token_does_not_open_the_api() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("API token"), "{stderr}");
 }
+
+/// Raises this test process's soft `RLIMIT_NOFILE` to its hard limit and returns the hard
+/// limit (the test holds thousands of sockets).
+fn raise_own_nofile() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).expect("raise the test's own NOFILE");
+    hard
+}
+
+/// Opens up to `n` loopback connections that never send a byte (stops at the first one
+/// that cannot connect within 2 s).
+async fn open_silent(addr: std::net::SocketAddr, n: usize) -> Vec<tokio::net::TcpStream> {
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        match tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+            .await
+        {
+            Ok(Ok(c)) => conns.push(c),
+            _ => break,
+        }
+    }
+    conns
+}
+
+/// Waits until the daemon closes each connection (EOF or reset) or `limit` passes; returns
+/// how many are still open.
+async fn still_open(conns: Vec<tokio::net::TcpStream>, limit: Duration) -> usize {
+    use tokio::io::AsyncReadExt;
+    let reads = conns.into_iter().map(|mut c| async move {
+        let mut buf = [0u8; 512];
+        loop {
+            match tokio::time::timeout(limit, c.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return false,
+                Ok(Ok(_)) => continue,
+                Err(_) => return true,
+            }
+        }
+    });
+    futures_util::future::join_all(reads)
+        .await
+        .into_iter()
+        .filter(|open| *open)
+        .count()
+}
+
+#[tokio::test]
+async fn two_thousand_idle_connections_leave_health_turns_and_spawns_working() {
+    let hard = raise_own_nofile();
+    // Thousands of silent sockets on both ends: keep them under the hard limit, with room
+    // for the daemon's reserve (its runtime processes).
+    let count = 2000usize.min(hard.saturating_sub(1024) as usize);
+    assert!(
+        count >= 500,
+        "this test needs a hard NOFILE limit of at least 1524 (`ulimit -Hn`), it is {hard}"
+    );
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    // The daemon starts with a soft NOFILE of 1024, a common default: unless it raises
+    // the limit, ~1000 silent connections exhaust its descriptors. Its connection cap is the
+    // default (4096); silent connections are closed by the header-read timeout.
+    let daemon = Daemon::start_with(
+        scratch.path(),
+        "header_read_timeout_secs = 10\nidle_timeout_secs = 600\n",
+        &[],
+        &[],
+        Some(1024.min(hard)),
+    )
+    .await;
+    let addr = daemon.addr;
+    let mut streams = Vec::new();
+    for i in 0..2 {
+        let mut s = SseStream::open(
+            addr,
+            "/v1/turns",
+            None,
+            &turn(
+                &url,
+                &format!("agent-f{i}"),
+                "c",
+                "SCENARIO:slow SLOW=60x100",
+            ),
+        )
+        .await;
+        s.until_event("assistant.turn_start").await;
+        streams.push(s);
+    }
+
+    let silent = open_silent(addr, count).await;
+    let opened = silent.len();
+    // The daemon holds them all (polling /proc: there is no event for another process's
+    // accepts).
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", daemon.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while fds() < opened && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(fds() >= opened, "the daemon holds {} descriptors", fds());
+
+    let health = tokio::time::timeout(
+        Duration::from_secs(10),
+        call(addr, "GET", "/healthz", None, None),
+    )
+    .await
+    .expect("/healthz did not answer during the flood");
+    assert_eq!(health.status, 200, "{health:?}");
+    // A turn that needs a new runtime process (a spawn) during the flood.
+    let fresh = tokio::time::timeout(
+        Duration::from_secs(60),
+        call(
+            addr,
+            "POST",
+            "/v1/turns?stream=false",
+            None,
+            Some(&turn(&url, "agent-new", "c", "REPLY=spawned")),
+        ),
+    )
+    .await
+    .expect("a new turn did not finish during the flood");
+    assert_eq!(fresh.json()["status"], "idle", "{}", fresh.body);
+    for mut s in streams {
+        let (_, end) = s.until_end().await;
+        assert_eq!(end["status"], "idle", "{end}");
+    }
+    let pool = call(addr, "GET", "/v1/pool", None, None).await.json();
+    assert_eq!(pool["quarantined_keys"], json!([]), "{pool}");
+    assert_eq!(pool["totals"]["crashes"], 0, "{pool}");
+    assert_eq!(opened, count, "only {opened} of {count} connections opened");
+    // The daemon closes them itself (header-read timeout of 10 s).
+    let open = still_open(silent, Duration::from_secs(30)).await;
+    assert_eq!(open, 0, "{open} silent connections were never closed");
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test]
+async fn connections_over_the_cap_get_503_and_idle_ones_close_without_cutting_a_stream() {
+    use tokio::io::AsyncReadExt;
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let daemon = Daemon::start(
+        scratch.path(),
+        "max_connections = 16\nheader_read_timeout_secs = 600\nidle_timeout_secs = 2\n",
+        &[],
+    )
+    .await;
+    let addr = daemon.addr;
+    let held = open_silent(addr, 16).await;
+    assert_eq!(held.len(), 16);
+    // The 17th is answered at once, and closed.
+    let mut excess = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut refusal = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), excess.read_to_end(&mut refusal))
+        .await
+        .expect("the connection over the cap was neither answered nor closed")
+        .expect("read");
+    let refusal = String::from_utf8_lossy(&refusal);
+    assert!(refusal.starts_with("HTTP/1.1 503"), "{refusal}");
+    assert!(refusal.contains("too_many_connections"), "{refusal}");
+    // Silent connections are closed by the idle timeout (2 s here).
+    let open = still_open(held, Duration::from_secs(15)).await;
+    assert_eq!(open, 0, "{open} idle connections were never closed");
+    // Nothing reached the pool.
+    let pool = call(addr, "GET", "/v1/pool", None, None).await.json();
+    assert_eq!(pool["processes"], json!([]), "{pool}");
+
+    // A stream that is silent longer than the idle timeout (a tool call waiting for the
+    // gateway) is not cut.
+    let mut body = turn(
+        &url,
+        "agent-i",
+        "c",
+        r#"SCENARIO:tool NAME=lookup ARGS={"key":"k"}"#,
+    );
+    body["tools"] = json!([{"name": "lookup", "parameters": {"type": "object"}}]);
+    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+    let call_event = stream.until_event("tool.call").await;
+    let id = call_event.data["request_id"]
+        .as_str()
+        .expect("request_id")
+        .to_owned();
+    // The passing of time is what is tested here: twice the idle timeout with no byte.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let ok = answer(addr, &id, &json!({"result": "late"})).await;
+    assert_eq!(ok.status, 204, "{}", ok.body);
+    let (_, end) = stream.until_end().await;
+    assert_eq!(end["final_text"], "tool said: late", "{end}");
+    assert!(daemon.terminate().await.success());
+}
+
+/// A token file with `mode`.
+fn token_file(dir: &std::path::Path, name: &str, text: &str, mode: u32) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("token file");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    path
+}
+
+async fn serve_output(args: &[&str]) -> std::process::Output {
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+            .arg("serve")
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("COPILOT_POOL_API_TOKEN")
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("serve exits")
+    .expect("run serve")
+}
+
+#[tokio::test]
+async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case() {
+    let scratch = support::Scratch::new();
+    // On the command line: refused, and the message names the alternatives (not the token).
+    let out = serve_output(&["--api-token", "argv-token-123"]).await;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("COPILOT_POOL_API_TOKEN"), "{stderr}");
+    assert!(stderr.contains("--api-token-file"), "{stderr}");
+    assert!(!stderr.contains("argv-token-123"), "{stderr}");
+    // A file others can read: refused with the fix.
+    let open = token_file(scratch.path(), "open-token", "t0k\n", 0o644);
+    let out = serve_output(&["--api-token-file", &open.display().to_string()]).await;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("chmod 600 {}", open.display())),
+        "{stderr}"
+    );
+    // An empty file: refused.
+    let empty = token_file(scratch.path(), "empty-token", "\n", 0o600);
+    let out = serve_output(&["--api-token-file", &empty.display().to_string()]).await;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("empty"), "{stderr}");
+
+    // A private file: its trailing newline is not part of the token.
+    let file = token_file(scratch.path(), "token", "file-token\n", 0o600);
+    let daemon = Daemon::start(
+        scratch.path(),
+        "",
+        &["--api-token-file", &file.display().to_string()],
+    )
+    .await;
+    let addr = daemon.addr;
+    let get = |auth: &'static str| {
+        let req = format!(
+            "GET /v1/pool HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: {auth}\r\n\r\n"
+        );
+        async move { raw(addr, req.as_bytes()).await.status }
+    };
+    assert_eq!(get("Bearer file-token").await, 200);
+    assert_eq!(get("bearer file-token").await, 200);
+    assert_eq!(get("BEARER file-token").await, 200);
+    assert_eq!(get("Bearer file-token-x").await, 401);
+    assert_eq!(get("Basic file-token").await, 401);
+    // `status` reads the same file.
+    let status = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+        .args(["status", "--url", &format!("http://{addr}")])
+        .arg("--api-token-file")
+        .arg(&file)
+        .env_remove("COPILOT_POOL_API_TOKEN")
+        .output()
+        .await
+        .expect("status");
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    assert!(daemon.terminate().await.success());
+
+    // From the environment.
+    let daemon = Daemon::start_with(
+        scratch.path(),
+        "",
+        &[],
+        &[("COPILOT_POOL_API_TOKEN", "env-token")],
+        None,
+    )
+    .await;
+    assert_eq!(
+        call(daemon.addr, "GET", "/v1/pool", Some("env-token"), None)
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        call(daemon.addr, "GET", "/v1/pool", None, None)
+            .await
+            .status,
+        401
+    );
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test]
+async fn no_work_directory_is_made_for_a_rejected_request_a_compact_or_a_reset() {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let daemon = Daemon::start(scratch.path(), "api_token = \"tok\"\n", &[]).await;
+    let addr = daemon.addr;
+    let work = |agent: &str| {
+        scratch
+            .path()
+            .join("pool-home/agents")
+            .join(agent)
+            .join("work")
+    };
+    let unauthorized = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&turn(&url, "agent-x", "c", "REPLY=no")),
+    )
+    .await;
+    assert_eq!(unauthorized.status, 401);
+    let mut zero = turn(&url, "agent-z", "c", "REPLY=no");
+    zero["timeout_ms"] = json!(0);
+    let bad = call(addr, "POST", "/v1/turns", Some("tok"), Some(&zero)).await;
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    let conv = json!({"model": ScriptedModel::MODEL_ID, "provider": {"type": "openai", "base_url": url, "api_key": "k"}});
+    let compact = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-y/c/compact",
+        Some("tok"),
+        Some(&conv),
+    )
+    .await;
+    assert_eq!(compact.status, 404, "{}", compact.body);
+    let reset = call(
+        addr,
+        "DELETE",
+        "/v1/sessions/agent-y/c",
+        Some("tok"),
+        Some(&conv),
+    )
+    .await;
+    assert_eq!(reset.status, 404, "{}", reset.body);
+    for agent in ["agent-x", "agent-y", "agent-z"] {
+        assert!(
+            !work(agent).exists(),
+            "{} was created",
+            work(agent).display()
+        );
+    }
+    // A turn that runs gets it, private.
+    let ran = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        Some("tok"),
+        Some(&turn(&url, "agent-w", "c", "REPLY=yes")),
+    )
+    .await;
+    assert_eq!(ran.json()["status"], "idle", "{}", ran.body);
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(work("agent-w"))
+        .expect("work dir")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700);
+    assert!(daemon.terminate().await.success());
+}

@@ -183,3 +183,86 @@ async fn status_without_a_daemon_says_how_to_start_one() {
     );
     assert!(stderr.contains("copilot-pool serve"), "{stderr}");
 }
+
+/// Directories under `root` (itself included), recursively, with their permission bits;
+/// `skip` names directories whose insides belong to someone else (the runtime's homes).
+fn dir_modes(root: &Path, skip: &dyn Fn(&Path) -> bool) -> Vec<(std::path::PathBuf, u32)> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        let mode = std::fs::metadata(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .permissions()
+            .mode()
+            & 0o7777;
+        out.push((dir.clone(), mode));
+        if skip(&dir) {
+            continue;
+        }
+        for entry in std::fs::read_dir(&dir).expect("read_dir").flatten() {
+            if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                todo.push(entry.path());
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn doctor_passes_after_serve_ran_a_turn_and_every_directory_serve_made_is_private() {
+    use copilot_pool::scripted_model::ScriptedModel;
+    use serde_json::json;
+    let runtime = support::runtime::runtime_path().await;
+    let scratch = tempfile::tempdir().expect("scratch");
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    // The daemon's home is `<scratch>/pool-home`, the same one `bin` gives the doctor.
+    let daemon = support::http::Daemon::start(scratch.path(), "", &[]).await;
+    let body = json!({
+        "agent_id": "agent-d", "session_key": "conv", "prompt": "REPLY=hi",
+        "model": ScriptedModel::MODEL_ID,
+        "provider": {"type": "openai", "base_url": endpoint.base_url(), "api_key": "k"},
+    });
+    let done = support::http::call(
+        daemon.addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&body),
+    )
+    .await;
+    assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    assert!(daemon.terminate().await.success());
+
+    let home = scratch.path().join("pool-home");
+    let agent = home.join("agents/agent-d");
+    for dir in [
+        home.clone(),
+        home.join("state"),
+        home.join("agents"),
+        agent.clone(),
+        agent.join("work"),
+        agent.join("copilot"),
+    ] {
+        assert!(dir.is_dir(), "serve did not create {}", dir.display());
+    }
+    // What the runtime makes inside its COPILOT_HOME and working directory is its own.
+    let runtime_owned = |d: &Path| d.ends_with("copilot") || d.ends_with("work");
+    let open: Vec<_> = dir_modes(&home, &runtime_owned)
+        .into_iter()
+        .filter(|(_, mode)| mode & 0o077 != 0)
+        .collect();
+    assert!(open.is_empty(), "directories serve left open: {open:?}");
+
+    let mut cmd = bin(scratch.path());
+    cmd.env("COPILOT_CLI_PATH", &runtime).arg("doctor");
+    let out = output(cmd).await;
+    let stdout = text(&out.stdout);
+    assert!(
+        out.status.success(),
+        "doctor failed after serve:\nstdout:\n{stdout}\nstderr:\n{}",
+        text(&out.stderr)
+    );
+    assert_nothing_left(scratch.path()).await;
+}

@@ -251,11 +251,34 @@ pub struct Daemon {
 impl Daemon {
     /// Starts the daemon with `config` (TOML text) in `dir`; `extra` are more flags.
     pub async fn start(dir: &Path, config: &str, extra: &[&str]) -> Daemon {
+        Self::start_with(dir, config, extra, &[], None).await
+    }
+
+    /// Like `start`, with more environment variables, and with the daemon's soft
+    /// `RLIMIT_NOFILE` lowered to `soft_nofile` (through `sh -c 'ulimit -S -n N; exec ...'`,
+    /// so no `pre_exec` is needed) when given.
+    pub async fn start_with(
+        dir: &Path,
+        config: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        soft_nofile: Option<u64>,
+    ) -> Daemon {
         let runtime = super::runtime::runtime_path().await;
         let config_path = dir.join("serve.toml");
         std::fs::write(&config_path, config).expect("config");
-        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
-            .arg("serve")
+        let bin = env!("CARGO_BIN_EXE_copilot-pool");
+        let mut cmd = match soft_nofile {
+            Some(n) => {
+                let mut cmd = tokio::process::Command::new("sh");
+                cmd.arg("-c")
+                    .arg(format!("ulimit -S -n {n} && exec \"$0\" \"$@\""))
+                    .arg(bin);
+                cmd
+            }
+            None => tokio::process::Command::new(bin),
+        };
+        cmd.arg("serve")
             .arg("--config")
             .arg(&config_path)
             .args(["--listen", "127.0.0.1:0"])
@@ -263,10 +286,10 @@ impl Daemon {
             .env("COPILOT_CLI_PATH", runtime)
             .env("COPILOT_POOL_HOME", dir.join("pool-home"))
             .env_remove("COPILOT_POOL_API_TOKEN")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn serve");
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("spawn serve");
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(stdout).lines();
         let mut addr = None;

@@ -16,6 +16,14 @@ use serde::Deserialize;
 /// The environment variable that carries the API token.
 pub const API_TOKEN_ENV: &str = "COPILOT_POOL_API_TOKEN";
 
+/// The largest accepted `max_connections`.
+const MAX_CONNECTIONS_LIMIT: usize = 1 << 20;
+
+/// Why `--api-token` is refused (the message never repeats the token).
+pub const TOKEN_ON_ARGV: &str = "--api-token is not accepted: a token on the command line is \
+     visible to every local user in `ps`; set COPILOT_POOL_API_TOKEN or pass --api-token-file \
+     PATH (a file readable by its owner only)";
+
 /// `copilot-pool serve` settings. See README for every field and its default.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -34,6 +42,17 @@ pub struct ServeConfig {
     pub cli_path: Option<PathBuf>,
     /// Largest accepted request body in bytes (default 1 MiB).
     pub max_body_bytes: usize,
+    /// A request head must be complete within this many seconds from when the server starts
+    /// waiting for it: after the connection is accepted, and again after each response
+    /// (default 30).
+    pub header_read_timeout_secs: u64,
+    /// A connection on which no byte moves either way for this many seconds is closed; a
+    /// response in progress is finished first (default 10).
+    pub idle_timeout_secs: u64,
+    /// Open connections at most, on `listen` (default 4096; lowered at start when the
+    /// descriptor limit would not leave room for the runtime processes). Connections over
+    /// the cap are answered 503 and closed without reaching the pool.
+    pub max_connections: usize,
     /// On SIGTERM/SIGINT, running turns get this long before they are aborted (default 30).
     pub drain_grace_secs: u64,
     /// `human` (default) or `json`.
@@ -95,6 +114,9 @@ impl Default for ServeConfig {
             api_token: None,
             cli_path: None,
             max_body_bytes: 1 << 20,
+            header_read_timeout_secs: 30,
+            idle_timeout_secs: 10,
+            max_connections: 4096,
             drain_grace_secs: 30,
             log_format: LogFormat::Human,
             pool: PoolSection::default(),
@@ -163,8 +185,8 @@ impl ServeConfig {
     pub fn validate(&self) -> Result<()> {
         if !self.listen.ip().is_loopback() && self.api_token.is_none() {
             bail!(
-                "refusing to listen on {} without an API token: set api_token in the config, \
-                 --api-token, or {API_TOKEN_ENV} (or listen on 127.0.0.1)",
+                "refusing to listen on {} without an API token: set {API_TOKEN_ENV} or pass \
+                 --api-token-file PATH (or listen on 127.0.0.1)",
                 self.listen
             );
         }
@@ -176,10 +198,32 @@ impl ServeConfig {
         if self.max_body_bytes == 0 {
             bail!("max_body_bytes must be above 0");
         }
+        if self.header_read_timeout_secs == 0 || self.idle_timeout_secs == 0 {
+            bail!(
+                "header_read_timeout_secs and idle_timeout_secs must be above 0 (every wait is \
+                 finite; the defaults are 30 and 10)"
+            );
+        }
+        if self.max_connections == 0 || self.max_connections > MAX_CONNECTIONS_LIMIT {
+            bail!(
+                "max_connections must be 1 to {MAX_CONNECTIONS_LIMIT} (default 4096); each \
+                 connection holds a file descriptor"
+            );
+        }
         if self.pool.max_processes == 0 || self.pool.max_sessions_per_process == 0 {
             bail!("pool.max_processes and pool.max_sessions_per_process must be above 0");
         }
         Ok(())
+    }
+
+    /// The header-read timeout.
+    pub fn header_read_timeout(&self) -> Duration {
+        Duration::from_secs(self.header_read_timeout_secs)
+    }
+
+    /// The idle-connection timeout.
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_secs(self.idle_timeout_secs)
     }
 
     /// The pool's home: `$COPILOT_POOL_HOME` or `~/.copilot-pool`.
@@ -245,6 +289,36 @@ impl ServeConfig {
     }
 }
 
+/// Reads the API token from `path`: the file must be readable by its owner only (the token
+/// is a credential), a trailing newline is not part of the token, and an empty token is
+/// refused (it would open the API).
+pub fn read_token_file(path: &Path) -> Result<Secret> {
+    use std::os::unix::fs::PermissionsExt;
+    let shown = path.display();
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("reading the API token file {shown}"))?;
+    if !meta.is_file() {
+        bail!("the API token file {shown} is not a regular file");
+    }
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o044 != 0 {
+        bail!(
+            "the API token file {shown} is readable by other users (mode {mode:04o}); run \
+             `chmod 600 {shown}`"
+        );
+    }
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the API token file {shown}"))?;
+    let token = text
+        .strip_suffix('\n')
+        .map(|t| t.strip_suffix('\r').unwrap_or(t))
+        .unwrap_or(&text);
+    if token.is_empty() {
+        bail!("the API token file {shown} is empty; write the token into it");
+    }
+    Ok(Secret::new(token.to_owned()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,5 +343,45 @@ mod tests {
         let c: ServeConfig = toml::from_str("listen = \"0.0.0.0:7878\"").unwrap();
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("API token"), "{err}");
+    }
+
+    #[test]
+    fn connection_limits_are_finite_by_default_and_zero_is_refused() {
+        let c = ServeConfig::default();
+        assert_eq!(c.header_read_timeout(), Duration::from_secs(30));
+        assert_eq!(c.idle_timeout(), Duration::from_secs(10));
+        assert_eq!(c.max_connections, 4096);
+        for text in [
+            "header_read_timeout_secs = 0",
+            "idle_timeout_secs = 0",
+            "max_connections = 0",
+            "max_connections = 2000000",
+        ] {
+            let c: ServeConfig = toml::from_str(text).unwrap();
+            assert!(c.validate().is_err(), "{text}");
+        }
+    }
+
+    #[test]
+    fn a_token_file_must_be_private_and_not_empty() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "abc\r\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let err = read_token_file(&path).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("chmod 600 {}", path.display())),
+            "{err}"
+        );
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_token_file(&path).unwrap().expose(), "abc");
+        std::fs::write(&path, "").unwrap();
+        assert!(
+            read_token_file(&path)
+                .unwrap_err()
+                .to_string()
+                .contains("empty")
+        );
     }
 }

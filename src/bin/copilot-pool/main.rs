@@ -76,6 +76,7 @@ fn main() -> std::process::ExitCode {
     } else {
         logs.init();
     }
+    raise_nofile_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -103,5 +104,21 @@ fn main() -> std::process::ExitCode {
             eprintln!("copilot-pool: {e:#}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit: the daemon holds a descriptor per
+/// client connection and several per runtime process, and common soft defaults (1024) run
+/// out long before the hard limit does. Children inherit the raised limit.
+fn raise_nofile_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!(soft, hard, error = %e, "Could not raise the open-files limit.");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "Could not read the open-files limit."),
     }
 }

@@ -7,6 +7,8 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde::Deserialize;
 
+use copilot_pool::secret::Secret;
+
 use crate::config::API_TOKEN_ENV;
 use crate::http_client;
 
@@ -18,8 +20,12 @@ pub struct StatusArgs {
     /// The daemon's base URL (plain http only).
     #[arg(long, default_value = DEFAULT_URL)]
     pub url: String,
-    /// Bearer token for the daemon's API.
-    #[arg(long, env = API_TOKEN_ENV, hide_env_values = true)]
+    /// A file holding the bearer token for the daemon's API, readable by its owner only
+    /// (default: the COPILOT_POOL_API_TOKEN environment variable).
+    #[arg(long, value_name = "PATH")]
+    pub api_token_file: Option<std::path::PathBuf>,
+    /// Refused: a token on the command line is visible to every local user in `ps`.
+    #[arg(long, hide = true, value_name = "TOKEN")]
     pub api_token: Option<String>,
 }
 
@@ -68,7 +74,17 @@ pub struct Totals {
 pub async fn status(args: StatusArgs) -> Result<()> {
     let base = args.url.trim_end_matches('/');
     let url = format!("{base}/v1/pool");
-    let token = args.api_token.as_deref().filter(|t| !t.is_empty());
+    if args.api_token.is_some() {
+        bail!("{}", crate::config::TOKEN_ON_ARGV);
+    }
+    let token = match &args.api_token_file {
+        Some(path) => Some(crate::config::read_token_file(path)?),
+        None => std::env::var(API_TOKEN_ENV)
+            .ok()
+            .filter(|t| !t.is_empty())
+            .map(Secret::new),
+    };
+    let token = token.as_ref().map(|t| t.expose());
     let (code, body) = match http_client::get(&url, token).await {
         Ok(response) => response,
         Err(err) if http_client::is_connection_refused(&err) => bail!(
@@ -80,7 +96,7 @@ pub async fn status(args: StatusArgs) -> Result<()> {
     match code {
         200 => {}
         401 => bail!(
-            "the daemon needs an API token (--api-token or {API_TOKEN_ENV}){}",
+            "the daemon needs an API token (--api-token-file PATH or {API_TOKEN_ENV}){}",
             if token.is_some() {
                 "; the one given was refused"
             } else {

@@ -6,6 +6,8 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+#[cfg(test)]
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -114,7 +116,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
         .merge(v1)
-        .route("/healthz", get(|| async { (StatusCode::OK, "ok\n") }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(get_metrics))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found", "no such route") })
@@ -141,7 +143,7 @@ async fn require_token(
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(bearer_token)
             .unwrap_or("");
         if !constant_time_eq(given.as_bytes(), token.expose().as_bytes()) {
             return error(
@@ -154,11 +156,35 @@ async fn require_token(
     next.run(request).await
 }
 
+/// The token of an `Authorization: Bearer <token>` value; the scheme is case-insensitive
+/// (RFC 9110 §11.1).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_matches(' '))
+}
+
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// How long `/healthz` waits for the pool actor to answer.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Alive while the pool actor answers (a status call within `HEALTH_TIMEOUT`); a dead or
+/// stuck pool makes it 503, so an orchestrator restarts the daemon. Draining is still alive.
+async fn healthz(State(state): State<Arc<AppState>>) -> Response {
+    match tokio::time::timeout(HEALTH_TIMEOUT, state.pool.status()).await {
+        Ok(Ok(_)) => (StatusCode::OK, "ok\n").into_response(),
+        Ok(Err(e)) => {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("pool down: {e}\n")).into_response()
+        }
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "pool not answering\n").into_response(),
+    }
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
@@ -349,7 +375,39 @@ fn provider_config(p: ProviderBody) -> Result<ProviderConfig, Response> {
     })
 }
 
-/// The lease request for a conversation; the working directory is the agent's own.
+/// The agent's working directory, `<agents_dir>/agents/<agent_id>/work`.
+fn work_dir(state: &AppState, agent_id: &str) -> std::path::PathBuf {
+    state
+        .pool
+        .config()
+        .agents_base_dir
+        .join("agents")
+        .join(agent_id)
+        .join("work")
+}
+
+/// Creates the agent's working directory (and missing parents) with mode 0700. Called only
+/// for a request that passed authentication and validation and is about to run a turn.
+fn create_work_dir(work: &std::path::Path) -> Result<(), Response> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(work)
+        .map_err(|e| {
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "io",
+                format!(
+                    "creating {}: {e}; make agents_dir writable by the daemon's user",
+                    work.display()
+                ),
+            )
+        })
+}
+
+/// The lease request for a conversation; the working directory is the agent's own (not
+/// created here: compact and reset must not create it).
 fn lease_request(
     state: &AppState,
     agent_id: &str,
@@ -370,21 +428,7 @@ fn lease_request(
             format!("agent_id: {e}"),
         )
     })?;
-    let work = state
-        .pool
-        .config()
-        .agents_base_dir
-        .join("agents")
-        .join(agent_id)
-        .join("work");
-    std::fs::create_dir_all(&work).map_err(|e| {
-        error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "io",
-            format!("creating {}: {e}", work.display()),
-        )
-    })?;
-    let mut req = LeaseRequest::new(agent_id, session_key, work);
+    let mut req = LeaseRequest::new(agent_id, session_key, work_dir(state, agent_id));
     if let Some(auth) = conv.auth {
         req.auth = LeaseAuth {
             use_logged_in_user: auth.use_logged_in_user,
@@ -465,6 +509,13 @@ async fn post_turn(
         req.handlers.timeouts.absolute = Duration::from_millis(ms);
     }
     let streaming = query.stream != Some(false);
+    if !streaming && !body.tools.is_empty() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "tools need the event stream (their calls are answered from it); drop ?stream=false",
+        );
+    }
     let (events_tx, events_rx) = mpsc::channel::<SseEvent>(256);
     if streaming {
         let link = Link {
@@ -478,15 +529,13 @@ async fn post_turn(
             .collect();
         req.handlers.permission_policy = Arc::new(link.clone());
         req.handlers.user_input = Some(Arc::new(link));
-    } else if !body.tools.is_empty() {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "tools need the event stream (their calls are answered from it); drop ?stream=false",
-        );
     }
     // Without the stream nobody could answer: permissions are rejected, ask_user is off.
 
+    // Everything is checked: this request runs a turn, so its working directory may exist.
+    if let Err(r) = create_work_dir(&req.working_directory) {
+        return r;
+    }
     // The lease is taken before answering, so its errors are real HTTP errors.
     let lease = match state.pool.lease(req).await {
         Ok(l) => l,
@@ -711,5 +760,65 @@ async fn delete_session(
     match lease.reset().await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => pool_error(&e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use copilot_pool::pool::PoolConfig;
+    use copilot_pool::worker::WorkerConfig;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn get(addr: std::net::SocketAddr, path: &str) -> String {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await.unwrap();
+        answer
+    }
+
+    #[tokio::test]
+    async fn healthz_is_503_once_the_pool_actor_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        // No lease is taken, so the program is never started.
+        let worker = WorkerConfig::new("/nonexistent".into(), PathBuf::new(), PathBuf::new());
+        let config = PoolConfig::new(worker, dir.path().join("state"), dir.path().into());
+        let pool = Pool::start(config).await.unwrap();
+        let (running, _) = watch::channel(0);
+        let state = Arc::new(AppState {
+            pool: pool.clone(),
+            registry: Arc::default(),
+            api_token: None,
+            draining: AtomicBool::new(false),
+            running,
+            timeouts: TurnTimeouts::default(),
+            transcript: None,
+            metrics: None,
+            aborts: DashMap::new(),
+            next_turn: AtomicUsize::new(0),
+            max_body_bytes: 1024,
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(axum::serve(listener, router(state, 1024)).into_future());
+
+        let alive = get(addr, "/healthz").await;
+        assert!(alive.starts_with("HTTP/1.1 200"), "{alive}");
+        // The pool's actor stops at the end of its shutdown.
+        pool.shutdown().await.unwrap();
+        let dead = get(addr, "/healthz").await;
+        assert!(dead.starts_with("HTTP/1.1 503"), "{dead}");
+        server.abort();
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer_token("Bearer abc"), Some("abc"));
+        assert_eq!(bearer_token("bearer abc"), Some("abc"));
+        assert_eq!(bearer_token("BEARER  abc "), Some("abc"));
+        assert_eq!(bearer_token("Basic abc"), None);
+        assert_eq!(bearer_token("Bearerabc"), None);
     }
 }

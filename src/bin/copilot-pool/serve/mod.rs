@@ -4,6 +4,7 @@
 
 mod api;
 mod gateway;
+mod listener;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -11,11 +12,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use copilot_pool::pool::Pool;
 use copilot_pool::runtime;
-use copilot_pool::secret::Secret;
 use dashmap::DashMap;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::sync::watch;
@@ -34,9 +34,12 @@ pub struct ServeArgs {
     /// Where bindings are stored.
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
-    /// Bearer token for `/v1` (over the config file's `api_token`, which is over
-    /// COPILOT_POOL_API_TOKEN).
-    #[arg(long)]
+    /// A file holding the bearer token for `/v1`, readable by its owner only (over the
+    /// config file's `api_token`, which is over COPILOT_POOL_API_TOKEN).
+    #[arg(long, value_name = "PATH")]
+    pub api_token_file: Option<PathBuf>,
+    /// Refused: a token on the command line is visible to every local user in `ps`.
+    #[arg(long, hide = true, value_name = "TOKEN")]
     pub api_token: Option<String>,
     /// A separate address for `/metrics`.
     #[arg(long)]
@@ -59,8 +62,11 @@ impl ServeArgs {
         if let Some(dir) = &self.state_dir {
             config.state_dir = Some(dir.clone());
         }
-        if let Some(token) = self.api_token.as_ref().filter(|t| !t.is_empty()) {
-            config.api_token = Some(Secret::new(token.clone()));
+        if self.api_token.is_some() {
+            bail!("{}", crate::config::TOKEN_ON_ARGV);
+        }
+        if let Some(path) = &self.api_token_file {
+            config.api_token = Some(crate::config::read_token_file(path)?);
         }
         if let Some(addr) = self.metrics_listen {
             config.metrics_listen = Some(addr);
@@ -134,6 +140,11 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     println!("listening on http://{addr}");
     tracing::info!(%addr, runtime = %located.path.display(), "copilot-pool serve is up.");
 
+    let limits = listener::Limits {
+        header_read_timeout: config.header_read_timeout(),
+        idle_timeout: config.idle_timeout(),
+        max_connections: connection_cap(config.max_connections, config.pool.max_processes),
+    };
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut servers = Vec::new();
     if let Some(metrics_addr) = config.metrics_listen {
@@ -152,23 +163,23 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
                 async move { handle.render() }
             }),
         );
-        let mut stop = stop_rx.clone();
-        servers.push(tokio::spawn(async move {
-            let _ = axum::serve(metrics_listener, metrics_app)
-                .with_graceful_shutdown(async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                })
-                .await;
-        }));
+        let metrics_limits = listener::Limits {
+            max_connections: METRICS_MAX_CONNECTIONS,
+            ..limits
+        };
+        servers.push(tokio::spawn(listener::serve(
+            metrics_listener,
+            metrics_app,
+            metrics_limits,
+            stop_rx.clone(),
+        )));
     }
-    let mut stop = stop_rx.clone();
-    servers.push(tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stop.wait_for(|s| *s).await;
-            })
-            .await;
-    }));
+    servers.push(tokio::spawn(listener::serve(
+        listener,
+        app,
+        limits,
+        stop_rx.clone(),
+    )));
 
     let signal = signals.first().await;
     tracing::info!(signal, "Draining.");
@@ -192,6 +203,40 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     upkeep.abort();
     eprintln!("copilot-pool serve: stopped");
     Ok(())
+}
+
+/// Open connections at most on the metrics listener (scrapers are few).
+const METRICS_MAX_CONNECTIONS: usize = 64;
+
+/// Descriptors kept free for everything but client connections: this many, plus
+/// `FDS_PER_PROCESS` for each runtime process the pool may run (its pipes, its tunnel
+/// connections), plus the metrics listener's connections.
+const FDS_RESERVED: u64 = 256;
+const FDS_PER_PROCESS: u64 = 8;
+
+/// The connection cap: `configured`, lowered (with a warning) when the descriptor limit
+/// would not leave room for the runtime processes next to that many connections.
+fn connection_cap(configured: usize, max_processes: usize) -> usize {
+    use nix::sys::resource::{Resource, getrlimit};
+    let Ok((soft, _)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return configured;
+    };
+    let reserved = FDS_RESERVED
+        + FDS_PER_PROCESS.saturating_mul(max_processes as u64)
+        + METRICS_MAX_CONNECTIONS as u64;
+    let room = usize::try_from(soft.saturating_sub(reserved)).unwrap_or(usize::MAX);
+    if configured <= room {
+        return configured;
+    }
+    let cap = room.max(16);
+    tracing::warn!(
+        configured,
+        cap,
+        nofile = soft,
+        "max_connections lowered to fit the descriptor limit (raise the hard limit, e.g. \
+         `ulimit -Hn` or LimitNOFILE=, or lower pool.max_processes)."
+    );
+    cap
 }
 
 /// SIGINT and SIGTERM, registered before anything else starts.

@@ -1,0 +1,282 @@
+//! Accepting HTTP connections for `serve` (the API and the metrics listener): the
+//! connection cap, the header-read and idle timeouts, and the graceful stop. Owns nothing
+//! of the API itself: every accepted connection is served by the router it is given.
+//!
+//! - Over `max_connections`, a connection is answered `503 too_many_connections` and
+//!   closed at once, without reading it and without reaching the router or the pool.
+//! - hyper's header-read timer bounds the wait for a complete request head, from the
+//!   accept and again from the end of each response.
+//! - A connection on which no byte moves either way for the idle timeout is closed: at
+//!   once if it never completed a request head, else gracefully (hyper closes it if it is
+//!   between requests, or after the response in progress, which is never cut).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use hyper::body::Incoming;
+use hyper::service::Service as _;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::time::Instant;
+
+/// The limits of one listener.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub header_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
+}
+
+/// After a failed `accept` (descriptors exhausted, for example) the loop waits this long:
+/// the listener stays readable, so retrying at once would spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Serves `router` on `listener` until `stop` turns true, then tells every open connection
+/// to finish (responses in progress complete, idle connections close) and returns when all
+/// are closed. The caller bounds the wait.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    mut stop: watch::Receiver<bool>,
+) {
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    let service = TowerToHyperService::new(router);
+    let mut refused: u64 = 0;
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.wait_for(|s| *s) => break,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                tracing::warn!(error = %e, "Accepting a connection failed; retrying.");
+                tokio::select! {
+                    _ = tokio::time::sleep(ACCEPT_BACKOFF) => continue,
+                    _ = stop.wait_for(|s| *s) => break,
+                }
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            refused += 1;
+            if refused == 1 || refused.is_multiple_of(1024) {
+                tracing::warn!(
+                    refused,
+                    max_connections = limits.max_connections,
+                    "Connections over max_connections are answered 503 and closed."
+                );
+            }
+            refuse(stream);
+            continue;
+        };
+        let activity = Arc::new(Activity::new());
+        let io = TokioIo::new(Tracked {
+            inner: stream,
+            activity: activity.clone(),
+        });
+        let counted = {
+            let activity = activity.clone();
+            let service = service.clone();
+            hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+                activity.request_started();
+                service.call(req)
+            })
+        };
+        let conn = builder.serve_connection(io, counted);
+        tokio::spawn(connection(
+            conn,
+            activity,
+            limits.idle_timeout,
+            stop.clone(),
+            permit,
+        ));
+    }
+    // Every connection holds a permit until it is closed.
+    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let _ = permits.acquire_many(all).await;
+}
+
+/// Drives one connection with the idle timeout and the stop signal; the permit is given
+/// back when it ends.
+async fn connection<C>(
+    conn: C,
+    activity: Arc<Activity>,
+    idle: Duration,
+    mut stop: watch::Receiver<bool>,
+    _permit: OwnedSemaphorePermit,
+) where
+    C: std::future::Future<Output = Result<(), hyper::Error>> + GracefulShutdown,
+{
+    let mut conn = std::pin::pin!(conn);
+    let mut closing = false;
+    loop {
+        let idle_at = activity.last() + idle;
+        tokio::select! {
+            done = conn.as_mut() => {
+                if let Err(e) = done {
+                    tracing::debug!(error = %e, "HTTP connection ended with an error.");
+                }
+                return;
+            }
+            _ = tokio::time::sleep_until(idle_at), if !closing => {
+                if activity.last() + idle > Instant::now() {
+                    continue;
+                }
+                if activity.requests() == 0 {
+                    // Nothing was ever asked on it, so nothing is in progress.
+                    return;
+                }
+                conn.as_mut().shut_down_gracefully();
+                closing = true;
+            }
+            _ = stop.wait_for(|s| *s), if !closing => {
+                if activity.requests() == 0 {
+                    return;
+                }
+                conn.as_mut().shut_down_gracefully();
+                closing = true;
+            }
+        }
+    }
+}
+
+/// hyper's graceful shutdown, named so `connection` can take any connection future.
+trait GracefulShutdown {
+    fn shut_down_gracefully(self: std::pin::Pin<&mut Self>);
+}
+
+impl<I, S> GracefulShutdown for hyper::server::conn::http1::Connection<I, S>
+where
+    S: hyper::service::HttpService<Incoming>,
+    S::ResBody: 'static,
+    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin,
+{
+    fn shut_down_gracefully(self: std::pin::Pin<&mut Self>) {
+        self.graceful_shutdown();
+    }
+}
+
+/// Answers a connection over the cap and closes it. One non-blocking write into an empty
+/// socket buffer; the request (if one was sent already) is not read.
+fn refuse(stream: TcpStream) {
+    let body = r#"{"code":"too_many_connections","message":"the daemon has max_connections open connections; retry later or raise max_connections"}"#;
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         connection: close\r\nretry-after: 1\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.try_write(response.as_bytes());
+}
+
+/// When a byte last moved on a connection, and how many requests it has carried.
+struct Activity {
+    start: Instant,
+    last_ms: AtomicU64,
+    requests: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> Instant {
+        self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
+    }
+
+    fn request_started(&self) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+}
+
+/// A TCP stream that records when bytes move.
+struct Tracked {
+    inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut this.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.activity.touch();
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = std::pin::Pin::new(&mut this.inner).poll_write(cx, buf);
+        if matches!(polled, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            this.activity.touch();
+        }
+        polled
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = std::pin::Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        if matches!(polled, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            this.activity.touch();
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
