@@ -261,6 +261,18 @@ async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resu
     )
     .await;
     assert_eq!(first.json()["status"], "idle");
+    // The summary says how the conversation was opened, and what the turn cost.
+    assert_eq!(first.json()["open_reason"], "new", "{}", first.body);
+    assert!(
+        first.json()["usage"]["input_tokens"].as_u64() > Some(0),
+        "{}",
+        first.body
+    );
+    assert!(
+        first.json()["usage"]["cache_read_tokens"].is_u64(),
+        "{}",
+        first.body
+    );
     let mut stream = SseStream::open(
         addr,
         "/v1/turns",
@@ -298,6 +310,7 @@ async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resu
     .await;
     assert_eq!(next.json()["status"], "idle", "{}", next.body);
     assert_eq!(next.json()["resumed"], true);
+    assert_eq!(next.json()["open_reason"], "resumed", "{}", next.body);
     let last = model.requests().pop().expect("request");
     assert!(
         serde_json::to_string(last.messages())
@@ -950,5 +963,45 @@ async fn no_work_directory_is_made_for_a_rejected_request_a_compact_or_a_reset()
         .permissions()
         .mode();
     assert_eq!(mode & 0o777, 0o700);
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test]
+async fn a_state_directory_that_cannot_record_the_conversation_is_a_503_naming_it() {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let daemon = Daemon::start(scratch.path(), "", &[]).await;
+    let addr = daemon.addr;
+    let first = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&turn(&url, "agent-s", "conv-1", "REPLY=ok")),
+    )
+    .await;
+    assert_eq!(first.json()["status"], "idle", "{}", first.body);
+    // The state directory is replaced by a file between two turns.
+    let state = scratch.path().join("pool-home").join("state");
+    std::fs::rename(&state, scratch.path().join("state-aside")).expect("move");
+    std::fs::write(&state, b"not a directory").expect("file");
+    let second = call(
+        addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&turn(&url, "agent-s", "conv-2", "REPLY=never")),
+    )
+    .await;
+    assert_eq!(second.status, 503, "{}", second.body);
+    assert_eq!(second.json()["code"], "state_unwritable", "{}", second.body);
+    let message = second.json()["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(message.contains(&state.display().to_string()), "{message}");
+    assert!(message.contains("Not a directory"), "{message}");
     assert!(daemon.terminate().await.success());
 }

@@ -24,6 +24,7 @@ use copilot_pool::pool::{LeaseRequest, Pool, PoolError};
 use copilot_pool::rpc::messages::ProviderConfig;
 use copilot_pool::secret::Secret;
 use copilot_pool::turn::{TranscriptSettings, TurnTimeouts};
+use copilot_pool::worker::WorkerError;
 use dashmap::DashMap;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -463,6 +464,11 @@ fn pool_error(e: &PoolError) -> Response {
         PoolError::RestartIntensityExceeded { .. } => {
             (StatusCode::SERVICE_UNAVAILABLE, "quarantined")
         }
+        PoolError::StateUnwritable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "state_unwritable"),
+        PoolError::Worker(WorkerError::ResourceExhausted(_)) => {
+            (StatusCode::SERVICE_UNAVAILABLE, "resource_exhausted")
+        }
+        PoolError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         _ => (StatusCode::BAD_GATEWAY, "runtime"),
     };
     error(status, code, e.to_string())
@@ -588,6 +594,27 @@ async fn post_turn(
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
 }
 
+/// The `turn.end` summary: how it ended, how the conversation was opened (`open_reason`:
+/// whether the runtime still had its context), the model calls, the final text, the token
+/// usage and the runtime's `session.task_complete` data, if any.
+fn turn_end(status: &str, lease: &copilot_pool::pool::Lease, error: Option<String>) -> SseEvent {
+    let outcome = lease.outcome();
+    SseEvent {
+        event: "turn.end".to_owned(),
+        data: json!({
+            "status": status,
+            "session_id": lease.cli_session_id(),
+            "resumed": lease.reason().continued(),
+            "open_reason": outcome.open_reason,
+            "llm_calls": outcome.model_calls,
+            "final_text": outcome.text,
+            "error": error,
+            "usage": outcome.usage,
+            "task_complete": outcome.task_complete,
+        }),
+    }
+}
+
 /// Runs one turn and streams it; a gateway that goes away (or stops reading) aborts the
 /// turn (dropping the lease does), and the conversation stays resumable.
 async fn run_turn(
@@ -599,24 +626,10 @@ async fn run_turn(
     key: (String, String),
     turn: usize,
 ) {
-    let end = |status: &str,
-               session_id: &str,
-               resumed: bool,
-               llm_calls: u32,
-               text: &str,
-               err: Option<String>| SseEvent {
-        event: "turn.end".to_owned(),
-        data: json!({
-            "status": status, "session_id": session_id, "resumed": resumed,
-            "llm_calls": llm_calls, "final_text": text, "error": err,
-        }),
-    };
     let span = tracing::info_span!("turn", agent = %key.0, session = %lease.cli_session_id());
     let summary = async {
-        let session_id = lease.cli_session_id().to_owned();
-        let resumed = lease.reason().continued();
         if let Err(e) = lease.send(prompt).await {
-            return end("error", &session_id, resumed, 0, "", Some(e.to_string()));
+            return turn_end("error", &lease, Some(e.to_string()));
         }
         loop {
             tokio::select! {
@@ -626,22 +639,21 @@ async fn run_turn(
                         if events.send_timeout(sse, SEND_TIMEOUT).await.is_err() {
                             // The gateway disconnected or stopped reading: dropping the lease
                             // aborts the turn.
-                            return end("aborted", &session_id, resumed, 0, "", None);
+                            return turn_end("aborted", &lease, None);
                         }
                     }
                     Some(Err(e)) => {
-                        let o = lease.outcome();
                         let status = match &e {
                             PoolError::TurnTimeout { .. } => "timeout",
                             PoolError::Worker(_) => "crashed",
                             _ => "error",
                         };
-                        return end(status, &session_id, resumed, o.model_calls, &o.text, Some(e.to_string()));
+                        return turn_end(status, &lease, Some(e.to_string()));
                     }
                     None => {
                         let o = lease.outcome();
                         let status = if o.aborted { "aborted" } else if o.error.is_some() { "error" } else { "idle" };
-                        return end(status, &session_id, resumed, o.model_calls, &o.text, o.error.clone());
+                        return turn_end(status, &lease, o.error.clone());
                     }
                 },
                 Some(()) = abort.recv() => {
@@ -649,7 +661,7 @@ async fn run_turn(
                         tracing::warn!(error = %e, "Abort failed.");
                     }
                 }
-                _ = events.closed() => return end("aborted", &session_id, resumed, 0, "", None),
+                _ = events.closed() => return turn_end("aborted", &lease, None),
             }
         }
     };
