@@ -285,6 +285,9 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        // The mirror is closed before the conversation goes back, so the next lease finds
+        // its cache entry (and reads only what is new).
+        self.driver.close_transcript();
         let session = self.session.take();
         let ret = ReturnTicket {
             pool: self.pool.clone(),

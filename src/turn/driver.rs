@@ -114,6 +114,11 @@ impl TurnDriver {
         }
     }
 
+    /// Closes the transcript mirror (its cache entry goes back for the next lease).
+    pub(crate) fn close_transcript(&mut self) {
+        self.transcript = None;
+    }
+
     /// Opens the transcript mirror of `session_id` (if configured), on a blocking thread and
     /// through the settings' cache (reading only what the file gained since the last lease).
     pub(crate) async fn open_transcript(&mut self, session_id: &str) -> Result<(), PoolError> {
