@@ -556,29 +556,11 @@ impl PoolState {
     /// Detaches `session` from `worker_id` in a task; the conversation is not granted
     /// until the detach is confirmed (or, if it fails, the old worker is evicted).
     fn detach_in_background(&mut self, session_key: String, session: Session, worker_id: WorkerId) {
-        *self.detaching.entry(session_key.clone()).or_default() += 1;
-        let target = self.myself.clone();
-        tokio::spawn(async move {
-            let ok = match session.detach().await {
-                Ok(()) => true,
-                // A worker that is gone holds nothing.
-                Err(WorkerError::Died(_) | WorkerError::Stopped) => true,
-                Err(error) => {
-                    tracing::warn!(%error, "Detaching a conversation failed; its old worker will be stopped.");
-                    false
-                }
-            };
-            let _ = target.cast(PoolMsg::Detached {
-                session_keys: vec![session_key],
-                worker_id,
-                ok,
-            });
-        });
+        self.confirm_detach(session_key, worker_id, session.detach());
     }
 
     /// Detaches a session known only by id (an open that timed out may have attached it)
-    /// from `worker_id` in a task, like [`PoolState::detach_in_background`]. "Session not
-    /// found" means nothing was attached.
+    /// from `worker_id`, like [`PoolState::detach_in_background`].
     fn detach_id_in_background(
         &mut self,
         session_key: String,
@@ -589,14 +571,28 @@ impl PoolState {
             // The worker is gone, and with it whatever it held.
             return;
         };
+        self.confirm_detach(session_key, worker_id, async move {
+            handle.detach_session(&cli_session_id).await
+        });
+    }
+
+    /// Runs `detach` in a task; the conversation is not granted until it reports back
+    /// (`Detached`): confirmed, or failed, and then `worker_id` is evicted. A worker that is
+    /// gone, or a runtime that does not know the session, holds nothing.
+    fn confirm_detach(
+        &mut self,
+        session_key: String,
+        worker_id: WorkerId,
+        detach: impl std::future::Future<Output = Result<(), WorkerError>> + Send + 'static,
+    ) {
         *self.detaching.entry(session_key.clone()).or_default() += 1;
         let target = self.myself.clone();
         tokio::spawn(async move {
-            let ok = match handle.detach_session(&cli_session_id).await {
+            let ok = match detach.await {
                 Ok(()) | Err(WorkerError::Died(_) | WorkerError::Stopped) => true,
                 Err(error) if super::is_not_found(&error) => true,
                 Err(error) => {
-                    tracing::warn!(%error, "Detaching a session after a failed open failed; its worker will be stopped.");
+                    tracing::warn!(%error, "Detaching a conversation failed; its worker will be stopped.");
                     false
                 }
             };

@@ -531,7 +531,7 @@ async fn create_dir_all(path: &Path) -> Result<(), InstallError> {
 /// flock(2) offers no event to wait for, and a blocking flock cannot be bounded or cancelled
 /// (it would pin a pool thread until the holder lets go), so this retries a non-blocking
 /// attempt with a short backoff (50 ms, doubling up to 500 ms) until the deadline.
-async fn lock_exclusive(
+pub async fn lock_exclusive(
     path: PathBuf,
     deadline: Instant,
     timeout: Duration,

@@ -27,6 +27,7 @@ pub use cache::{CACHE_DIR_ENV, CacheDirError, cache_dir};
 pub use flavour::{CLI_VERSION, Flavour, ParseFlavourError, RUNTIME_VERSION};
 pub use install::{
     DEFAULT_INSTALL_TIMEOUT, InstallError, Installed, MARKER_FILE, install, install_with_timeout,
+    lock_exclusive,
 };
 pub use locate::{
     CLI_PATH_ENV, INSTALL_COMMAND, LocateError, Located, LocatedBy, MISSING_CODE, locate,

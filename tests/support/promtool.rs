@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use copilot_pool::runtime;
 use nix::errno::Errno;
-use nix::fcntl::{Flock, FlockArg};
+use nix::fcntl::Flock;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -41,10 +41,6 @@ pub const INSTALL_COMMAND: &str = "bash scripts/install-promtool.sh";
 
 /// How long one install may take in all: waiting for the lock, then the installer.
 pub const INSTALL_TIMEOUT: Duration = Duration::from_secs(5 * 60);
-
-/// First and longest pause between two attempts at the install lock (flock has no event).
-const LOCK_RETRY_MIN: Duration = Duration::from_millis(50);
-const LOCK_RETRY_MAX: Duration = Duration::from_millis(500);
 
 /// How much of the installer's output a failure keeps (its end).
 const OUTPUT_TAIL_BYTES: usize = 4096;
@@ -65,6 +61,8 @@ pub enum PromtoolError {
     },
     #[error("could not lock {}: {error}; {}", path.display(), manual_fix())]
     Lock { path: PathBuf, error: Errno },
+    #[error("could not lock {}: {error}; {}", path.display(), manual_fix())]
+    LockOther { path: PathBuf, error: String },
     #[error(
         "gave up after {after:?} waiting for the promtool install lock {}: another install \
          holds it (if none is running, delete it); {}",
@@ -271,39 +269,25 @@ impl Drop for Installer {
     }
 }
 
-/// Opens (creating) `path` and takes an exclusive `flock`, retrying a non-blocking attempt
-/// with a short backoff until `deadline` (a blocking flock could be neither bounded nor
-/// cancelled).
+/// The runtime installer's bounded `flock` (`runtime::lock_exclusive`), with its errors in
+/// this module's terms.
 async fn lock_exclusive(
     path: PathBuf,
     deadline: Instant,
     timeout: Duration,
 ) -> Result<Flock<File>, PromtoolError> {
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(io_err("open lock file", &path))?;
-    let mut backoff = LOCK_RETRY_MIN;
-    loop {
-        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(guard) => return Ok(guard),
-            Err((returned, Errno::EINTR)) => file = returned,
-            Err((returned, Errno::EWOULDBLOCK)) => {
-                file = returned;
-                let now = Instant::now();
-                if now >= deadline {
-                    return Err(PromtoolError::LockTimeout {
-                        path,
-                        after: timeout,
-                    });
-                }
-                tokio::time::sleep_until((now + backoff).min(deadline)).await;
-                backoff = (backoff * 2).min(LOCK_RETRY_MAX);
-            }
-            Err((_, error)) => return Err(PromtoolError::Lock { path, error }),
+    match runtime::lock_exclusive(path.clone(), deadline, timeout).await {
+        Ok(guard) => Ok(guard),
+        Err(runtime::InstallError::LockTimeout { path, after }) => {
+            Err(PromtoolError::LockTimeout { path, after })
         }
+        Err(runtime::InstallError::Lock { path, error }) => {
+            Err(PromtoolError::Lock { path, error })
+        }
+        Err(other) => Err(PromtoolError::LockOther {
+            path,
+            error: other.to_string(),
+        }),
     }
 }
 
