@@ -374,3 +374,59 @@ async fn each_turn_says_how_its_conversation_was_opened() {
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }
+
+#[tokio::test]
+async fn a_child_killed_during_a_first_turn_makes_the_next_turn_say_its_context_was_lost() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    let pid = lease.worker_pid();
+    lease
+        .send("SCENARIO:slow SLOW=200x100")
+        .await
+        .expect("send");
+    // Killed as the first model call starts: the runtime has persisted nothing yet.
+    loop {
+        match lease.next_event().await {
+            Some(Ok(event)) if event.event_type() == "assistant.turn_start" => break,
+            Some(Ok(_)) => continue,
+            other => panic!("the turn ended before its model call: {other:?}"),
+        }
+    }
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
+    let ended = loop {
+        match lease.next_event().await {
+            Some(Ok(_)) => continue,
+            other => break other,
+        }
+    };
+    assert!(
+        matches!(ended, Some(Err(PoolError::Worker(_)))),
+        "{ended:?}"
+    );
+    drop(lease);
+    assert!(
+        wait_group_gone(pid, Duration::from_secs(10))
+            .await
+            .is_empty()
+    );
+
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease after the kill");
+    let outcome = lease.run("REPLY=again").await.expect("turn");
+    assert!(
+        matches!(
+            outcome.open_reason,
+            Some(OpenReason::TranscriptMissing | OpenReason::NotFound)
+        ),
+        "the gateway learns the context is gone and why: {:?}",
+        outcome.open_reason
+    );
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
