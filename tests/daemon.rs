@@ -268,8 +268,11 @@ async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resu
         "{}",
         first.body
     );
-    assert!(
-        first.json()["usage"]["cache_read_tokens"].is_u64(),
+    // The scripted model reports 40 cached prompt tokens per call.
+    let calls = first.json()["llm_calls"].as_u64().unwrap_or(0);
+    assert_eq!(
+        first.json()["usage"]["cache_read_tokens"],
+        40 * calls,
         "{}",
         first.body
     );
@@ -683,7 +686,8 @@ async fn two_thousand_idle_connections_leave_health_turns_and_spawns_working() {
             .map(|d| d.count())
             .unwrap_or(0)
     };
-    let deadline = Instant::now() + Duration::from_secs(5);
+    // Bounded generously: the other daemon tests run beside this one on two cores.
+    let deadline = Instant::now() + Duration::from_secs(30);
     while fds() < opened && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

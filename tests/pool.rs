@@ -665,16 +665,21 @@ async fn a_lease_cancelled_while_opening_on_a_silent_runtime_gives_its_slot_back
     let mut events = pool.subscribe();
     let mut pids = Vec::new();
     for round in 1..=2 {
-        let hung = tokio::time::timeout(
-            Duration::from_millis(200),
-            pool.lease(fx.request("agent-a", "conv")),
-        )
-        .await;
-        assert!(
-            hung.is_err(),
-            "the silent peer must keep the lease opening: {:?}",
-            hung.map(|r| r.map(|_| ()))
-        );
+        // Cancelled once the pool has granted it a process (its open is under way).
+        let granted = async {
+            loop {
+                if pool.status().await.map(|s| s.leased).unwrap_or(0) == 1 {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::select! {
+            opened = pool.lease(fx.request("agent-a", "conv")) => {
+                panic!("the silent peer must keep the lease opening: {:?}", opened.map(|_| ()))
+            }
+            _ = tokio::time::timeout(Duration::from_secs(30), granted) => {}
+        }
         // The open went on without its caller, timed out, and the session it may have
         // opened could not be detached: the process that may hold it is stopped, and only
         // then is the slot free again.

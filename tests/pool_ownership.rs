@@ -90,12 +90,10 @@ async fn cancel_while_opening_then_lease_on_the_other_process(point: CancelPoint
     moved.reasoning_effort = Some("high".to_owned());
     let mut events = pool.subscribe();
     let mut opening = Box::pin(pool.lease(moved));
-    let mut moved_pid = 0;
     tokio::select! {
         finished = &mut opening => {
             // The open finished before the cancel point: dropping the lease is the cancel.
-            let finished = finished.expect("the moved lease");
-            moved_pid = finished.worker_pid();
+            drop(finished.expect("the moved lease"));
         }
         _ = tokio::time::timeout(
             Duration::from_secs(30),
@@ -103,6 +101,13 @@ async fn cancel_while_opening_then_lease_on_the_other_process(point: CancelPoint
         ) => {}
     }
     drop(opening);
+    // The process the cancelled lease was granted (the one that is not the first).
+    let status = pool.status().await.expect("status");
+    let second_pid = status
+        .workers
+        .iter()
+        .map(|w| w.pid)
+        .find(|pid| *pid != first_pid);
 
     // Back to the first settings: the conversation is not attached with them anywhere, so
     // it is (re)opened; wherever the cancelled open left it, it must be free.
@@ -123,7 +128,11 @@ async fn cancel_while_opening_then_lease_on_the_other_process(point: CancelPoint
             !lease.already_in_use(),
             "{point:?}: the session was still attached to another process (split brain)"
         );
-        assert_ne!(lease.worker_pid(), moved_pid, "{point:?}: moved back");
+        assert_ne!(
+            Some(lease.worker_pid()),
+            second_pid,
+            "{point:?}: moved back"
+        );
     } else {
         // Cancelled before it was granted: nothing moved.
         assert_eq!(lease.reason(), OpenReason::Attached, "{point:?}");
@@ -208,6 +217,49 @@ async fn a_dropped_lease_whose_turn_never_settles_stops_its_process_and_the_conv
 }
 
 #[tokio::test]
+async fn a_turn_that_times_out_and_never_settles_stops_its_process_and_the_conversation_resumes_elsewhere()
+ {
+    let fx = Fixture::new().await;
+    let mut config = fx.fake_runtime_config("never-idle").await;
+    config.max_processes_per_key = 2;
+    config.abort_settle_timeout = Duration::from_millis(300);
+    config.worker.health_interval = Duration::ZERO;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut req = fx.request("agent-a", "conv");
+    req.handlers.timeouts.inactivity = Duration::from_millis(200);
+    let mut lease = pool.lease(req.clone()).await.expect("lease");
+    let id = lease.cli_session_id().to_owned();
+    let stuck_pid = lease.worker_pid();
+    // No event ever comes: the inactivity timeout aborts the turn, which never goes idle.
+    let timed_out = lease.run("this turn never ends").await;
+    assert!(
+        matches!(timed_out, Err(PoolError::TurnTimeout { .. })),
+        "{timed_out:?}"
+    );
+    drop(lease);
+    let evicted = wait_event(&mut events, |e| {
+        matches!(e, PoolEvent::WorkerEvicted { .. })
+    })
+    .await;
+    let PoolEvent::WorkerEvicted { pid, .. } = evicted else {
+        unreachable!()
+    };
+    assert_eq!(
+        pid, stuck_pid,
+        "the process that may still run the turn is stopped"
+    );
+    let left = wait_group_gone(stuck_pid, Duration::from_secs(10)).await;
+    assert!(left.is_empty(), "group {stuck_pid} left behind: {left:?}");
+    let lease = pool.lease(req).await.expect("lease after the stop");
+    assert_eq!(lease.cli_session_id(), id);
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    assert_ne!(lease.worker_pid(), stuck_pid);
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
 async fn a_conversation_whose_resume_crashes_the_runtime_twice_starts_fresh_without_quarantining_its_key()
  {
     let fx = Fixture::new().await;
@@ -274,6 +326,13 @@ async fn a_binding_that_cannot_be_written_fails_the_lease_and_leaves_nothing_att
     std::fs::rename(&state, &aside).expect("move the state directory");
     std::fs::write(&state, b"not a directory").expect("a file in its place");
 
+    // The attached conversation's binding is gone with the directory: its next turn fails
+    // instead of running unrecorded.
+    let attached = pool.lease(fx.request("agent-a", "kept")).await;
+    assert!(
+        matches!(attached, Err(PoolError::StateUnwritable { .. })),
+        "{attached:?}"
+    );
     // A new conversation cannot be recorded: its lease fails and nothing stays attached.
     let failed = pool.lease(fx.request("agent-a", "new")).await;
     let Err(error @ PoolError::StateUnwritable { .. }) = &failed else {
@@ -353,6 +412,12 @@ async fn each_turn_says_how_its_conversation_was_opened() {
     assert_eq!(first.open_reason, Some(OpenReason::New));
     assert!(
         first.usage.input_tokens > 0 && first.usage.output_tokens > 0,
+        "{first:?}"
+    );
+    // The scripted model reports 40 cached prompt tokens per call.
+    assert_eq!(
+        first.usage.cache_read_tokens,
+        40 * u64::from(first.model_calls),
         "{first:?}"
     );
     let second = lease.run("REPLY=two").await.expect("turn");

@@ -99,6 +99,15 @@ pub(crate) struct Carried {
     pub(crate) from: WorkerId,
 }
 
+/// What a runtime's "session not found" answer to a detach means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NotFound {
+    /// The session was open in that process: not found there means not attached.
+    Detached,
+    /// The session's open may still be in progress: not found proves nothing.
+    Unconfirmed,
+}
+
 /// What the pool does with a returned conversation's session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Settle {
@@ -556,11 +565,13 @@ impl PoolState {
     /// Detaches `session` from `worker_id` in a task; the conversation is not granted
     /// until the detach is confirmed (or, if it fails, the old worker is evicted).
     fn detach_in_background(&mut self, session_key: String, session: Session, worker_id: WorkerId) {
-        self.confirm_detach(session_key, worker_id, session.detach());
+        self.confirm_detach(session_key, worker_id, NotFound::Detached, session.detach());
     }
 
     /// Detaches a session known only by id (an open that timed out may have attached it)
-    /// from `worker_id`, like [`PoolState::detach_in_background`].
+    /// from `worker_id`, like [`PoolState::detach_in_background`]. "Not found" proves
+    /// nothing here (the runtime may still be working on the open), so only a confirmed
+    /// detach keeps the worker.
     fn detach_id_in_background(
         &mut self,
         session_key: String,
@@ -571,18 +582,19 @@ impl PoolState {
             // The worker is gone, and with it whatever it held.
             return;
         };
-        self.confirm_detach(session_key, worker_id, async move {
+        self.confirm_detach(session_key, worker_id, NotFound::Unconfirmed, async move {
             handle.detach_session(&cli_session_id).await
         });
     }
 
     /// Runs `detach` in a task; the conversation is not granted until it reports back
     /// (`Detached`): confirmed, or failed, and then `worker_id` is evicted. A worker that is
-    /// gone, or a runtime that does not know the session, holds nothing.
+    /// gone holds nothing.
     fn confirm_detach(
         &mut self,
         session_key: String,
         worker_id: WorkerId,
+        not_found: NotFound,
         detach: impl std::future::Future<Output = Result<(), WorkerError>> + Send + 'static,
     ) {
         *self.detaching.entry(session_key.clone()).or_default() += 1;
@@ -590,7 +602,9 @@ impl PoolState {
         tokio::spawn(async move {
             let ok = match detach.await {
                 Ok(()) | Err(WorkerError::Died(_) | WorkerError::Stopped) => true,
-                Err(error) if super::is_not_found(&error) => true,
+                Err(error) if not_found == NotFound::Detached && super::is_not_found(&error) => {
+                    true
+                }
                 Err(error) => {
                     tracing::warn!(%error, "Detaching a conversation failed; its worker will be stopped.");
                     false

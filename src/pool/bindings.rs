@@ -163,6 +163,20 @@ impl BindingStore {
         Ok(Some(binding))
     }
 
+    /// Whether a binding file for `session_key` exists (one `stat`, nothing parsed).
+    pub fn is_present(&self, session_key: &str) -> Result<bool, BindingError> {
+        let path = self.path_for(session_key);
+        match fs::metadata(&path) {
+            Ok(_) => Ok(true),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(source) => Err(BindingError::Io {
+                op: "check",
+                path,
+                source,
+            }),
+        }
+    }
+
     /// Stores `binding`, replacing any binding of its session key, atomically and durably.
     pub fn put(&self, binding: &Binding) -> Result<(), BindingError> {
         let stored = StoredRef {

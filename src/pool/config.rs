@@ -56,9 +56,9 @@ pub struct PoolConfig {
     pub maintenance_interval: Duration,
     /// The runtime's `infiniteSessions` settings, passed to every session as they are.
     pub infinite_sessions: Option<InfiniteSessions>,
-    /// A lease dropped with a turn running aborts it and waits this long for its
-    /// `session.idle` (default 10 s). A turn that does not settle in time leaves its
-    /// process in an unknown state: that process is stopped before the conversation is
+    /// An aborted turn (a timeout, or a lease dropped with a turn running) gets this long
+    /// to reach `session.idle` (default 10 s). A turn that does not settle in time leaves
+    /// its process in an unknown state: that process is stopped before the conversation is
     /// granted anywhere else.
     pub abort_settle_timeout: Duration,
     /// A conversation whose resume crashed the runtime this many times in a row starts a

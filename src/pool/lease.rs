@@ -65,6 +65,9 @@ pub struct Lease {
     /// Turns started on this lease (the first one reports the lease's open reason).
     pub(crate) sent: u64,
     pub(crate) lost: bool,
+    /// The session may still be busy or attached in its process and cannot be detached with
+    /// confirmation (a delete that failed): the pool stops the process.
+    pub(crate) unsettled: bool,
     /// One turn at a time per conversation: held for the lease's life.
     pub(crate) guard: Option<OwnedMutexGuard<()>>,
     /// The pool's binding store (for `reset`).
@@ -253,6 +256,12 @@ impl Lease {
         // The conversation is not parked again: the return gives no session back.
         self.lost = true;
         let deleted = session.delete().await;
+        if let Err(error) = &deleted
+            && !matches!(error, WorkerError::Died(_) | WorkerError::Stopped)
+        {
+            // The runtime may still hold the session: its process is stopped on drop.
+            self.unsettled = true;
+        }
         let store = self.bindings.clone();
         let key = self.conversation.clone();
         tokio::task::spawn_blocking(move || store.remove(&key))
@@ -296,6 +305,12 @@ impl Drop for Lease {
             turns: self.turns,
             guard: self.guard.take(),
         };
+        if self.unsettled || self.driver.poisoned() {
+            // A turn that did not reach `session.idle` after its abort (a timeout), or a
+            // reset whose delete failed: the process may still run or hold the session, so
+            // the pool stops it before the conversation moves.
+            return ret.send(session, Settle::Unsettled);
+        }
         let Some(mut session) = session else {
             return ret.send(None, Settle::Detach);
         };

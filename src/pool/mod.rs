@@ -108,6 +108,13 @@ impl Pool {
                  at most 96 or raise fs.inotify.max_user_instances."
             );
         }
+        if config.max_resume_crashes == 0 {
+            return Err(PoolError::InvalidRequest(
+                "max_resume_crashes must be at least 1 (with 0 no conversation would ever be \
+                 resumed); the default is 2"
+                    .to_owned(),
+            ));
+        }
         let bindings = Arc::new(BindingStore::open(&config.state_dir)?);
         let (leased_tx, leased_rx) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);
@@ -462,27 +469,35 @@ impl Opening {
                  the one-owner rule was broken. Please report this."
             );
         }
-        // A conversation still attached since its last lease has an up-to-date binding.
-        if reason != OpenReason::Attached {
-            let binding = Binding {
-                session_key: conversation.clone(),
-                cli_session_id: cli_session_id.clone(),
-                compat_key: compat,
-                updated_at_ms: now_ms(),
-            };
-            let store = bindings.clone();
-            let written = match tokio::task::spawn_blocking(move || store.put(&binding)).await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => Err(e.os_error()),
-                Err(e) => Err(e.to_string()),
-            };
-            if let Err(error) = written {
-                // Not recorded, so not attached: a later resume must not miss these turns.
-                grant.opened = Some(session);
-                return Err(state_unwritable(&bindings, error));
+        // A conversation still attached since its last lease wrote its binding then; one
+        // `stat` checks it is still there (a lost state directory must not go unnoticed).
+        let binding = Binding {
+            session_key: conversation.clone(),
+            cli_session_id: cli_session_id.clone(),
+            compat_key: compat,
+            updated_at_ms: now_ms(),
+        };
+        let store = bindings.clone();
+        let attached = reason == OpenReason::Attached;
+        let recorded = tokio::task::spawn_blocking(move || {
+            if attached && store.is_present(&binding.session_key)? {
+                return Ok(());
             }
+            store.put(&binding)
+        })
+        .await;
+        let written = match recorded {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.os_error()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(error) = written {
+            // Not recorded, so not attached: a later resume must not miss these turns.
+            grant.opened = Some(session);
+            return Err(state_unwritable(&bindings, error));
         }
         let mut driver = crate::turn::driver::TurnDriver::new(handlers, working_directory);
+        driver.set_abort_drain(abort_settle_timeout);
         if let Err(error) = driver.open_transcript(&cli_session_id).await {
             grant.opened = Some(session);
             return Err(error);
@@ -508,6 +523,7 @@ impl Opening {
             turns: 0,
             sent: 0,
             lost: false,
+            unsettled: false,
             guard: Some(guard),
             bindings,
             abort_settle_timeout,

@@ -39,7 +39,12 @@ pub struct Completion {
 
 /// The fixed token usage every answer reports.
 fn usage() -> Value {
-    json!({"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110})
+    json!({
+        "prompt_tokens": 100,
+        "completion_tokens": 10,
+        "total_tokens": 110,
+        "prompt_tokens_details": {"cached_tokens": 40},
+    })
 }
 
 /// The non-streaming `chat.completion` body for a text or tool-call decision. Errors and

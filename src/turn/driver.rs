@@ -30,8 +30,9 @@ use super::tools::{GatewayTool, ToolCall, ToolConcurrency};
 use super::user_input::{Question, resolve};
 use super::{TimeoutKind, TurnHandlers, TurnOutcome};
 
-/// How long an aborted turn may take to reach `session.idle`.
-const ABORT_DRAIN: Duration = Duration::from_secs(10);
+/// How long an aborted turn may take to reach `session.idle` (the pool sets its
+/// `abort_settle_timeout`).
+const DEFAULT_ABORT_DRAIN: Duration = Duration::from_secs(10);
 
 enum Done {
     Request(String),
@@ -76,6 +77,7 @@ pub(crate) struct TurnDriver {
     next_question: u64,
     /// An aborted turn did not reach `session.idle`: the session must not be reused.
     poisoned: bool,
+    abort_drain: Duration,
     started: Instant,
     last_activity: Instant,
     in_flight: bool,
@@ -104,6 +106,7 @@ impl TurnDriver {
             question: None,
             next_question: 0,
             poisoned: false,
+            abort_drain: DEFAULT_ABORT_DRAIN,
             started: Instant::now(),
             last_activity: Instant::now(),
             in_flight: false,
@@ -112,6 +115,12 @@ impl TurnDriver {
             hook_failures: Arc::new(AtomicU32::new(0)),
             transcript: None,
         }
+    }
+
+    /// How long an aborted turn may take to reach `session.idle` before the session is
+    /// given up as poisoned.
+    pub(crate) fn set_abort_drain(&mut self, limit: Duration) {
+        self.abort_drain = limit;
     }
 
     /// Closes the transcript mirror (its cache entry goes back for the next lease).
@@ -321,7 +330,7 @@ impl TurnDriver {
         let mut reached_idle = false;
         if session.abort().await.is_ok() {
             let answerer = session.answerer();
-            let drained = tokio::time::timeout(ABORT_DRAIN, async {
+            let drained = tokio::time::timeout(self.abort_drain, async {
                 while let Some(update) = session.next().await {
                     match update {
                         SessionUpdate::Event(e) if matches!(e.kind, EventKind::SessionIdle(_)) => {
@@ -462,12 +471,7 @@ impl TurnDriver {
                     Some(&t.tool_call_id),
                 )?;
             }
-            EventKind::AssistantUsage(u) => {
-                self.outcome.usage.input_tokens += u.input_tokens.unwrap_or(0);
-                self.outcome.usage.output_tokens += u.output_tokens.unwrap_or(0);
-                self.outcome.usage.cache_read_tokens += u.cache_read_tokens.unwrap_or(0);
-                self.outcome.usage.cache_write_tokens += u.cache_write_tokens.unwrap_or(0);
-            }
+            EventKind::AssistantUsage(u) => self.outcome.usage.add(u),
             EventKind::SessionError(e) => {
                 self.outcome.error = Some(e.message.clone());
                 self.outcome.status_code = e.status_code;

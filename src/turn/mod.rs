@@ -193,6 +193,16 @@ pub struct Usage {
     pub cache_write_tokens: u64,
 }
 
+impl Usage {
+    /// Adds one model call's `assistant.usage`.
+    pub(crate) fn add(&mut self, call: &crate::rpc::events::UsageData) {
+        self.input_tokens += call.input_tokens.unwrap_or(0);
+        self.output_tokens += call.output_tokens.unwrap_or(0);
+        self.cache_read_tokens += call.cache_read_tokens.unwrap_or(0);
+        self.cache_write_tokens += call.cache_write_tokens.unwrap_or(0);
+    }
+}
+
 /// What one turn produced.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct TurnOutcome {
@@ -229,4 +239,33 @@ pub struct TurnOutcome {
     pub open_reason: Option<crate::pool::OpenReason>,
     /// Events seen.
     pub events: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_turns_usage_sums_every_model_calls_tokens_including_the_prompt_cache() {
+        let calls = [
+            r#"{"model":"m","inputTokens":100,"outputTokens":10,"cacheReadTokens":40,"cacheWriteTokens":5}"#,
+            r#"{"model":"m","inputTokens":120,"outputTokens":7,"cacheReadTokens":100}"#,
+            r#"{"model":"m"}"#,
+        ];
+        let mut usage = Usage::default();
+        for call in calls {
+            let data: crate::rpc::events::UsageData =
+                serde_json::from_str(call).expect("assistant.usage data");
+            usage.add(&data);
+        }
+        assert_eq!(
+            usage,
+            Usage {
+                input_tokens: 220,
+                output_tokens: 17,
+                cache_read_tokens: 140,
+                cache_write_tokens: 5,
+            }
+        );
+    }
 }
