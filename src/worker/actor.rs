@@ -57,8 +57,14 @@ pub(crate) enum WorkerMsg {
         session_id: String,
         reply: RpcReplyPort<Result<OpenedRoute, WorkerError>>,
     },
-    /// Stop routing a session; with `detach`, detach it in the runtime too.
-    CloseRoute { session_id: String, detach: bool },
+    /// Stop routing a session; with `detach`, detach it in the runtime too. With a
+    /// `generation`, only if the route is still that one (a newer open of the same id is
+    /// left alone, and not detached).
+    CloseRoute {
+        session_id: String,
+        generation: Option<u64>,
+        detach: bool,
+    },
     /// Check that `session_id` has this pending request, and remove it.
     TakePending {
         kind: PendingKind,
@@ -82,7 +88,22 @@ pub(crate) enum WorkerMsg {
 /// opener waits for it, so that detach cannot undo the new open).
 pub(crate) struct OpenedRoute {
     pub(crate) updates: mpsc::UnboundedReceiver<SessionUpdate>,
+    /// Which open of this id the route belongs to.
+    pub(crate) generation: u64,
     pub(crate) pending_detach: Option<watch::Receiver<bool>>,
+}
+
+/// Where one session's updates go.
+pub(crate) struct Route {
+    generation: u64,
+    updates: mpsc::UnboundedSender<SessionUpdate>,
+}
+
+impl Route {
+    /// Delivers `update`; false when the session's receiver is gone.
+    pub(super) fn send(&self, update: SessionUpdate) -> bool {
+        self.updates.send(update).is_ok()
+    }
 }
 
 /// Everything the worker owns.
@@ -92,7 +113,9 @@ pub(crate) struct WorkerState {
     pub(super) child: ChildGroup,
     pub(super) conn: Connection,
     /// Session id → its update stream.
-    pub(super) routes: HashMap<String, mpsc::UnboundedSender<SessionUpdate>>,
+    pub(super) routes: HashMap<String, Route>,
+    /// The generation of the next route (never reused).
+    next_generation: u64,
     /// (kind, session id, request id) of tool calls and permission prompts awaiting an answer.
     pub(super) pending: HashSet<(PendingKind, String, String)>,
     /// Background detaches of dropped sessions, by id: `true` once answered.
@@ -197,6 +220,7 @@ impl Actor for Worker {
             child,
             conn,
             routes: HashMap::new(),
+            next_generation: 1,
             pending: HashSet::new(),
             detaches: HashMap::new(),
             tunnel: TunnelRequests::default(),
@@ -284,28 +308,46 @@ impl Actor for Worker {
             WorkerMsg::OpenRoute { session_id, reply } => {
                 state.detaches.retain(|_, done| !*done.borrow());
                 let pending_detach = state.detaches.get(&session_id).cloned();
+                let generation = state.next_generation;
+                state.next_generation += 1;
+                let (tx, updates) = mpsc::unbounded_channel();
+                let route = Route {
+                    generation,
+                    updates: tx,
+                };
                 let result = match state.routes.entry(session_id) {
                     // A route whose receiver is gone (its opener was cancelled, or its
                     // session dropped) is stale: it is replaced, not refused.
-                    Entry::Occupied(mut e) if e.get().is_closed() => {
-                        let (tx, rx) = mpsc::unbounded_channel();
-                        e.insert(tx);
-                        Ok(rx)
+                    Entry::Occupied(mut e) if e.get().updates.is_closed() => {
+                        e.insert(route);
+                        Ok(())
                     }
                     Entry::Occupied(e) => Err(WorkerError::SessionAlreadyOpen(e.key().clone())),
                     Entry::Vacant(e) => {
-                        let (tx, rx) = mpsc::unbounded_channel();
-                        e.insert(tx);
-                        Ok(rx)
+                        e.insert(route);
+                        Ok(())
                     }
                 };
-                let result = result.map(|updates| OpenedRoute {
+                let result = result.map(|()| OpenedRoute {
                     updates,
+                    generation,
                     pending_detach,
                 });
                 let _ = reply.send(result);
             }
-            WorkerMsg::CloseRoute { session_id, detach } => {
+            WorkerMsg::CloseRoute {
+                session_id,
+                generation,
+                detach,
+            } => {
+                let newer = match (generation, state.routes.get(&session_id)) {
+                    (Some(g), Some(route)) => route.generation != g,
+                    _ => false,
+                };
+                if newer {
+                    // A later open of this id owns the route (and the session) now.
+                    return Ok(());
+                }
                 state.routes.remove(&session_id);
                 state.pending.retain(|(_, sid, _)| *sid != session_id);
                 if detach {

@@ -77,6 +77,7 @@ enum FailedOpen {
 struct RouteGuard<'a> {
     worker: &'a WorkerHandle,
     session_id: &'a str,
+    generation: u64,
     detach: bool,
     armed: bool,
 }
@@ -84,7 +85,8 @@ struct RouteGuard<'a> {
 impl Drop for RouteGuard<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.worker.close_route(self.session_id, self.detach);
+            self.worker
+                .close_route(self.session_id, Some(self.generation), self.detach);
         }
     }
 }
@@ -306,7 +308,7 @@ impl WorkerHandle {
     /// Detaches a session by id and waits for the runtime's answer (its state stays on
     /// disk). Used when no [`Session`] exists for it, e.g. after an open that timed out.
     pub async fn detach_session(&self, session_id: &str) -> Result<(), WorkerError> {
-        self.close_route(session_id, false);
+        self.close_route(session_id, None, false);
         let params = SessionIdParams {
             session_id: session_id.to_owned(),
         };
@@ -330,11 +332,13 @@ impl WorkerHandle {
             })
             .await??;
         let updates = route.updates;
+        let generation = route.generation;
         // From here, a dropped future (or a failed request) closes the route; the runtime may
         // have opened the session anyway, so it is detached unless the caller takes that on.
         let mut guard = RouteGuard {
             worker: self,
             session_id: &id,
+            generation,
             detach: true,
             armed: true,
         };
@@ -353,7 +357,10 @@ impl WorkerHandle {
                 // handled everything queued before this call.
                 self.ask(WorkerMsg::Flush).await?;
                 guard.armed = false;
-                Ok((Session::new(id.clone(), self.clone(), updates), opened))
+                Ok((
+                    Session::new(id.clone(), generation, self.clone(), updates),
+                    opened,
+                ))
             }
             Err(err) => {
                 guard.detach = matches!(failed, FailedOpen::DetachInBackground);
@@ -389,9 +396,11 @@ impl WorkerHandle {
     }
 
     /// Stops routing a session's updates; with `detach`, also detaches it in the runtime.
-    pub(crate) fn close_route(&self, session_id: &str, detach: bool) {
+    /// With a `generation`, only while the route is still that open's.
+    pub(crate) fn close_route(&self, session_id: &str, generation: Option<u64>, detach: bool) {
         let _ = self.actor.cast(WorkerMsg::CloseRoute {
             session_id: session_id.to_owned(),
+            generation,
             detach,
         });
     }

@@ -75,7 +75,7 @@ impl WorkerState {
         let delivered = self
             .routes
             .get(&session_id)
-            .is_some_and(|route| route.send(SessionUpdate::Event(event)).is_ok());
+            .is_some_and(|route| route.send(SessionUpdate::Event(event)));
         if !delivered {
             self.routes.remove(&session_id);
             // A request nobody will answer would block the session forever: refuse it.
@@ -182,7 +182,7 @@ impl WorkerState {
     /// dropped and its request answered by the drop (error, or the default).
     pub(super) fn route(&mut self, session_id: &str, update: SessionUpdate) {
         if let Some(route) = self.routes.get(session_id)
-            && route.send(update).is_err()
+            && !route.send(update)
         {
             self.routes.remove(session_id);
         }

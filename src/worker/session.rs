@@ -113,6 +113,8 @@ pub enum ToolResult {
 /// One conversation on one worker.
 pub struct Session {
     id: String,
+    /// Which open of this id on its worker this is (its route's generation).
+    generation: u64,
     worker: WorkerHandle,
     updates: mpsc::UnboundedReceiver<SessionUpdate>,
     /// Updates that arrived while the session was being opened, read back first.
@@ -134,6 +136,7 @@ impl fmt::Debug for Session {
 impl Session {
     pub(crate) fn new(
         id: String,
+        generation: u64,
         worker: WorkerHandle,
         mut updates: mpsc::UnboundedReceiver<SessionUpdate>,
     ) -> Self {
@@ -154,6 +157,7 @@ impl Session {
         }
         Self {
             id,
+            generation,
             worker,
             updates,
             opening,
@@ -275,7 +279,8 @@ impl Session {
     /// Deletes the session from the runtime (and its state from disk).
     pub async fn delete(mut self) -> Result<(), WorkerError> {
         self.detached = true;
-        self.worker.close_route(&self.id, false);
+        self.worker
+            .close_route(&self.id, Some(self.generation), false);
         let params = SessionIdParams {
             session_id: self.id.clone(),
         };
@@ -288,7 +293,8 @@ impl Session {
     /// Detaches the session from its process; its state stays on disk for a later resume.
     pub async fn detach(mut self) -> Result<(), WorkerError> {
         self.detached = true;
-        self.worker.close_route(&self.id, false);
+        self.worker
+            .close_route(&self.id, Some(self.generation), false);
         let params = SessionIdParams {
             session_id: self.id.clone(),
         };
@@ -391,7 +397,8 @@ impl Drop for Session {
         if !self.detached {
             // Frees the route and detaches in the background, so the session id does not
             // stay attached to this process.
-            self.worker.close_route(&self.id, true);
+            self.worker
+                .close_route(&self.id, Some(self.generation), true);
         }
     }
 }
