@@ -267,6 +267,10 @@ impl Daemon {
         let runtime = super::runtime::runtime_path().await;
         let config_path = dir.join("serve.toml");
         std::fs::write(&config_path, config).expect("config");
+        // It may hold the API token: private, as serve requires.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&config_path, std::fs::Permissions::from_mode(0o600))
+            .expect("chmod the config");
         let bin = env!("CARGO_BIN_EXE_copilot-pool");
         let mut cmd = match soft_nofile {
             Some(n) => {

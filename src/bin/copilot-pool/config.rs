@@ -164,8 +164,12 @@ impl ServeConfig {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading the config file {}", path.display()))?;
-                toml::from_str::<ServeConfig>(&text)
-                    .with_context(|| format!("invalid config file {}", path.display()))?
+                let config = toml::from_str::<ServeConfig>(&text)
+                    .with_context(|| format!("invalid config file {}", path.display()))?;
+                if config.api_token.as_ref().is_some_and(|t| !t.is_empty()) {
+                    refuse_shared_secret_file(path)?;
+                }
+                config
             }
             None => ServeConfig::default(),
         };
@@ -289,6 +293,26 @@ impl ServeConfig {
     }
 }
 
+/// A config file that holds the API token must be readable by its owner only, like a token
+/// file.
+fn refuse_shared_secret_file(path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let shown = path.display();
+    let mode = std::fs::metadata(path)
+        .with_context(|| format!("reading the config file {shown}"))?
+        .permissions()
+        .mode()
+        & 0o777;
+    if mode & 0o044 != 0 {
+        bail!(
+            "the config file {shown} holds api_token and is readable by other users (mode \
+             {mode:04o}); run `chmod 600 {shown}`, or move the token to --api-token-file or \
+             COPILOT_POOL_API_TOKEN"
+        );
+    }
+    Ok(())
+}
+
 /// Reads the API token from `path`: the file must be readable by its owner only (the token
 /// is a credential), a trailing newline is not part of the token, and an empty token is
 /// refused (it would open the API).
@@ -322,6 +346,25 @@ pub fn read_token_file(path: &Path) -> Result<Secret> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_config_file_that_holds_the_token_must_be_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("serve.toml");
+        std::fs::write(&path, "api_token = \"s3cret-token\"\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let refused = ServeConfig::load(Some(&path)).map(|_| ()).unwrap_err();
+        let message = format!("{refused:#}");
+        assert!(message.contains("chmod 600"), "{message}");
+        assert!(!message.contains("s3cret-token"), "{message}");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(ServeConfig::load(Some(&path)).unwrap().api_token.is_some());
+        // Without a token the file may be shared.
+        std::fs::write(&path, "listen = \"127.0.0.1:9000\"\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(ServeConfig::load(Some(&path)).is_ok());
+    }
 
     #[test]
     fn defaults_and_overrides() {
