@@ -19,12 +19,15 @@
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`secret`] — a redacting wrapper for tokens and keys.
+//! * [`kinds`] — the closed sets of values the crate reports (open reasons, turn ends,
+//!   error kinds), each spelled once.
 //!
 //! The library installs nothing global: no tracing subscriber, metrics recorder, signal
 //! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.
 
 pub mod auth;
 pub mod home;
+pub mod kinds;
 pub mod metrics;
 pub mod permission;
 pub mod pool;

@@ -12,20 +12,20 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | [`PROCESSES`] | gauge | `state`: `live`, `draining` |
-//! | [`PROCESS_SPAWNS_TOTAL`] | counter | `result`: [`SPAWN_RESULTS`] |
+//! | [`PROCESS_SPAWNS_TOTAL`] | counter | `result`: `ok`, `error`, `resource_exhausted` |
 //! | [`PROCESS_EXITS_TOTAL`] | counter | `reason`: `crash`, `evicted`, `shutdown` |
 //! | [`PROCESS_START_SECONDS`] | histogram | — |
 //! | [`PROCESS_RESIDENT_MEMORY_BYTES`] | gauge | — |
 //! | [`SESSIONS`] | gauge | — |
-//! | [`SESSION_RESUMES_TOTAL`] | counter | `result`: [`RESUME_RESULTS`] |
+//! | [`SESSION_RESUMES_TOTAL`] | counter | `result`: the label of each [`OpenReason`] but `attached` |
 //! | [`LEASES_ACTIVE`], [`LEASE_WAITERS`] | gauge | — |
 //! | [`LEASE_WAIT_SECONDS`] | histogram | — |
-//! | [`LEASE_REJECTIONS_TOTAL`] | counter | `reason`: [`LEASE_REJECTION_REASONS`] |
-//! | [`TURNS_TOTAL`] | counter | `outcome`: [`TURN_OUTCOMES`] |
+//! | [`LEASE_REJECTIONS_TOTAL`] | counter | `reason`: [`ErrorKind::rejection_label`] |
+//! | [`TURNS_TOTAL`] | counter | `outcome`: [`TurnEnd::label`] |
 //! | [`TURN_DURATION_SECONDS`] | histogram | — |
 //! | [`LLM_CALLS_TOTAL`] | counter | — |
 //! | [`TOOL_CALLS_TOTAL`] | counter | `outcome`: `ok`, `error`, `timeout` |
-//! | [`EVICTIONS_TOTAL`] | counter | `reason`: [`EVICTION_REASONS`] |
+//! | [`EVICTIONS_TOTAL`] | counter | `reason`: `idle`, `full`, `drained`, `detach_failed`, `unsettled` |
 //! | [`QUARANTINES_TOTAL`] | counter | — |
 //! | [`RPC_DURATION_SECONDS`] | histogram | `method`: [`RPC_METHODS`] or `other` |
 //! | [`HOOK_FAILURES_TOTAL`] | counter | — |
@@ -41,8 +41,7 @@ use ::metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
 
-use crate::pool::{OpenReason, PoolError};
-use crate::worker::WorkerError;
+use crate::kinds::{ErrorKind, OpenReason, TurnEnd};
 
 /// CLI processes of the pool by `state` (`live`, `draining`).
 pub const PROCESSES: &str = "copilot_pool_processes";
@@ -138,34 +137,6 @@ pub const RPC_METHODS: &[&str] = &[
 /// The `method` label of a method outside [`RPC_METHODS`].
 pub const RPC_OTHER: &str = "other";
 
-/// The `result` values of [`SESSION_RESUMES_TOTAL`].
-pub const RESUME_RESULTS: &[&str] = &[
-    "resumed",
-    "new",
-    "transcript_missing",
-    "not_found",
-    "compat_changed",
-    "resume_failed",
-];
-
-/// The `reason` values of [`LEASE_REJECTIONS_TOTAL`]. `invalid`: the request (credentials,
-/// agent id, home, options) is unusable; `error`: a worker or the binding store failed
-/// while the lease was being opened.
-pub const LEASE_REJECTION_REASONS: &[&str] = &[
-    "wait_timeout",
-    "waiters_full",
-    "busy",
-    "quarantined",
-    "closed",
-    "invalid",
-    "resource_exhausted",
-    "state_unwritable",
-    "error",
-];
-
-/// The `outcome` values of [`TURNS_TOTAL`].
-pub const TURN_OUTCOMES: &[&str] = &["idle", "error", "aborted", "timeout", "crashed"];
-
 /// Registers every counter series with value 0 (every label value of the fixed sets), so
 /// `increase()`/`rate()` see the first event after a start and dashboards have a series
 /// before anything happened. Call it once, after installing the recorder.
@@ -173,26 +144,26 @@ pub fn register_zeroes() {
     for name in [LLM_CALLS_TOTAL, QUARANTINES_TOTAL, HOOK_FAILURES_TOTAL] {
         counter!(name).absolute(0);
     }
-    for result in SPAWN_RESULTS {
-        counter!(PROCESS_SPAWNS_TOTAL, "result" => *result).absolute(0);
+    for result in SpawnResult::ALL {
+        counter!(PROCESS_SPAWNS_TOTAL, "result" => result.label()).absolute(0);
     }
     for reason in ["crash", "evicted", "shutdown"] {
         counter!(PROCESS_EXITS_TOTAL, "reason" => reason).absolute(0);
     }
-    for result in RESUME_RESULTS {
-        counter!(SESSION_RESUMES_TOTAL, "result" => *result).absolute(0);
+    for result in OpenReason::ALL.into_iter().filter_map(resume_result) {
+        counter!(SESSION_RESUMES_TOTAL, "result" => result).absolute(0);
     }
-    for reason in LEASE_REJECTION_REASONS {
-        counter!(LEASE_REJECTIONS_TOTAL, "reason" => *reason).absolute(0);
+    for reason in ErrorKind::ALL.map(ErrorKind::rejection_label) {
+        counter!(LEASE_REJECTIONS_TOTAL, "reason" => reason).absolute(0);
     }
-    for outcome in TURN_OUTCOMES {
-        counter!(TURNS_TOTAL, "outcome" => *outcome).absolute(0);
+    for end in TurnEnd::ALL {
+        counter!(TURNS_TOTAL, "outcome" => end.label()).absolute(0);
     }
     for outcome in ["ok", "error", "timeout"] {
         counter!(TOOL_CALLS_TOTAL, "outcome" => outcome).absolute(0);
     }
-    for reason in EVICTION_REASONS {
-        counter!(EVICTIONS_TOTAL, "reason" => *reason).absolute(0);
+    for reason in Eviction::ALL {
+        counter!(EVICTIONS_TOTAL, "reason" => reason.label()).absolute(0);
     }
 }
 
@@ -330,8 +301,14 @@ impl SpawnResult {
     }
 }
 
-/// The `result` values of [`PROCESS_SPAWNS_TOTAL`].
-pub const SPAWN_RESULTS: &[&str] = &["ok", "error", "resource_exhausted"];
+impl SpawnResult {
+    /// Every value, in a stable order.
+    pub(crate) const ALL: [SpawnResult; 3] = [
+        SpawnResult::Ok,
+        SpawnResult::Error,
+        SpawnResult::ResourceExhausted,
+    ];
+}
 
 /// A process start finished; `elapsed` (spawn + handshake) is recorded when it succeeded.
 pub(crate) fn process_started(result: SpawnResult, elapsed: Duration) {
@@ -376,8 +353,16 @@ pub(crate) enum Eviction {
     Unsettled,
 }
 
-/// The `reason` values of [`EVICTIONS_TOTAL`].
-pub const EVICTION_REASONS: &[&str] = &["idle", "full", "drained", "detach_failed", "unsettled"];
+impl Eviction {
+    /// Every value, in a stable order.
+    pub(crate) const ALL: [Eviction; 5] = [
+        Eviction::Idle,
+        Eviction::Full,
+        Eviction::Drained,
+        Eviction::DetachFailed,
+        Eviction::Unsettled,
+    ];
+}
 
 impl Eviction {
     /// The `reason` label.
@@ -448,60 +433,9 @@ pub(crate) fn lease_granted(waited: Duration) {
     histogram!(LEASE_WAIT_SECONDS).record(waited.as_secs_f64());
 }
 
-/// The `reason` label of a failed lease.
-pub(crate) fn lease_rejection_reason(error: &PoolError) -> &'static str {
-    match error {
-        PoolError::WaitTimeout { .. } | PoolError::ConversationWaitTimeout { .. } => "wait_timeout",
-        PoolError::WaitersFull { .. } => "waiters_full",
-        PoolError::ConversationBusy { .. } => "busy",
-        PoolError::RestartIntensityExceeded { .. } => "quarantined",
-        PoolError::Closed => "closed",
-        PoolError::Worker(WorkerError::ResourceExhausted(_)) => "resource_exhausted",
-        PoolError::StateUnwritable { .. } => "state_unwritable",
-        PoolError::Auth(_)
-        | PoolError::Home(_)
-        | PoolError::InvalidRequest(_)
-        | PoolError::NoSuchConversation { .. } => "invalid",
-        PoolError::Bindings(_)
-        | PoolError::Worker(_)
-        | PoolError::TurnState(_)
-        | PoolError::TurnTimeout { .. }
-        | PoolError::TurnFailed { .. }
-        | PoolError::Internal(_)
-        | PoolError::TranscriptPersistenceFailed(_) => "error",
-    }
-}
-
-pub(crate) fn lease_rejected(error: &PoolError) {
-    counter!(LEASE_REJECTIONS_TOTAL, "reason" => lease_rejection_reason(error)).increment(1);
-}
-
-/// How a turn ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum TurnEnd {
-    /// `session.idle` without an error.
-    Idle,
-    /// `session.error`, or a strict transcript failure.
-    Error,
-    /// Aborted (`session.idle {aborted: true}`, or the lease dropped mid-turn).
-    Aborted,
-    /// One of the turn's limits expired.
-    Timeout,
-    /// The worker died or the session's stream ended.
-    Crashed,
-}
-
-impl TurnEnd {
-    /// The `outcome` label.
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            TurnEnd::Idle => "idle",
-            TurnEnd::Error => "error",
-            TurnEnd::Aborted => "aborted",
-            TurnEnd::Timeout => "timeout",
-            TurnEnd::Crashed => "crashed",
-        }
-    }
+/// A lease failed with an error of `kind`.
+pub(crate) fn lease_rejected(kind: ErrorKind) {
+    counter!(LEASE_REJECTIONS_TOTAL, "reason" => kind.rejection_label()).increment(1);
 }
 
 pub(crate) fn turn_finished(end: TurnEnd, elapsed: Duration) {
@@ -698,85 +632,47 @@ mod tests {
     }
 
     #[test]
-    fn label_values_come_from_their_fixed_sets() {
-        let reasons = [
-            OpenReason::Resumed,
-            OpenReason::New,
-            OpenReason::TranscriptMissing,
-            OpenReason::NotFound,
-            OpenReason::CompatChanged,
+    fn every_label_set_is_small_distinct_and_in_snake_case() {
+        let sets: [(&str, Vec<&str>); 5] = [
+            (
+                "resume results",
+                OpenReason::ALL
+                    .into_iter()
+                    .filter_map(resume_result)
+                    .collect(),
+            ),
+            ("turn outcomes", TurnEnd::ALL.map(TurnEnd::label).to_vec()),
+            ("evictions", Eviction::ALL.map(Eviction::label).to_vec()),
+            (
+                "spawn results",
+                SpawnResult::ALL.map(SpawnResult::label).to_vec(),
+            ),
+            (
+                "lease rejections",
+                ErrorKind::ALL.map(ErrorKind::rejection_label).to_vec(),
+            ),
         ];
-        for reason in reasons {
-            assert!(RESUME_RESULTS.contains(&resume_result(reason).unwrap()));
+        for (name, labels) in sets {
+            assert!(
+                !labels.is_empty() && labels.len() <= 16,
+                "{name}: {labels:?}"
+            );
+            for label in &labels {
+                assert!(
+                    label.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                    "{name}: {label}"
+                );
+            }
+            if name != "lease rejections" {
+                let distinct: HashSet<_> = labels.iter().collect();
+                assert_eq!(distinct.len(), labels.len(), "{name}: {labels:?}");
+            }
         }
         assert_eq!(resume_result(OpenReason::Attached), None);
-
-        let errors = [
-            (
-                PoolError::WaitTimeout {
-                    after: Duration::ZERO,
-                },
-                "wait_timeout",
-            ),
-            (
-                PoolError::ConversationWaitTimeout {
-                    session_key: "k".into(),
-                    after: Duration::ZERO,
-                },
-                "wait_timeout",
-            ),
-            (PoolError::WaitersFull { max: 1 }, "waiters_full"),
-            (
-                PoolError::ConversationBusy {
-                    session_key: "k".into(),
-                },
-                "busy",
-            ),
-            (
-                PoolError::RestartIntensityExceeded {
-                    key_hash: "h".into(),
-                    retry_after: Duration::ZERO,
-                },
-                "quarantined",
-            ),
-            (PoolError::Closed, "closed"),
-            (PoolError::InvalidRequest("x".into()), "invalid"),
-            (PoolError::Bindings("x".into()), "error"),
-            (
-                PoolError::Worker(crate::worker::WorkerError::Stopped),
-                "error",
-            ),
-        ];
-        for (error, reason) in errors {
-            assert_eq!(lease_rejection_reason(&error), reason, "{error:?}");
-            assert!(LEASE_REJECTION_REASONS.contains(&reason));
-        }
-
-        let ends = [
-            TurnEnd::Idle,
-            TurnEnd::Error,
-            TurnEnd::Aborted,
-            TurnEnd::Timeout,
-            TurnEnd::Crashed,
-        ];
-        let labels: HashSet<_> = ends.iter().map(|e| e.label()).collect();
-        assert_eq!(labels, TURN_OUTCOMES.iter().copied().collect());
-        let evictions = [
-            Eviction::Idle,
-            Eviction::Full,
-            Eviction::Drained,
-            Eviction::DetachFailed,
-            Eviction::Unsettled,
-        ];
-        let labels: HashSet<_> = evictions.iter().map(|e| e.label()).collect();
-        assert_eq!(labels, EVICTION_REASONS.iter().copied().collect());
-        let spawns = [
-            SpawnResult::Ok,
-            SpawnResult::Error,
-            SpawnResult::ResourceExhausted,
-        ];
-        let labels: HashSet<_> = spawns.iter().map(|e| e.label()).collect();
-        assert_eq!(labels, SPAWN_RESULTS.iter().copied().collect());
+        assert_eq!(
+            resume_result(OpenReason::ResumeFailed),
+            Some("resume_failed")
+        );
     }
 
     #[test]
@@ -788,7 +684,7 @@ mod tests {
             process_started(SpawnResult::Error, Duration::from_secs(60));
             evicted(Eviction::Idle);
             process_exited(ProcessExit::Crash);
-            lease_rejected(&PoolError::WaitersFull { max: 2 });
+            lease_rejected(ErrorKind::WaitersFull);
             turn_finished(TurnEnd::Timeout, Duration::from_secs(3));
             session_opened(OpenReason::Attached);
             session_opened(OpenReason::Resumed);

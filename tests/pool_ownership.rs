@@ -7,6 +7,7 @@ mod support;
 
 use std::time::Duration;
 
+use copilot_pool::kinds::TurnEnd;
 use copilot_pool::pool::{OpenReason, Pool, PoolError, PoolEvent};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -237,6 +238,7 @@ async fn a_turn_that_times_out_and_never_settles_stops_its_process_and_the_conve
         matches!(timed_out, Err(PoolError::TurnTimeout { .. })),
         "{timed_out:?}"
     );
+    assert_eq!(lease.outcome().end, Some(TurnEnd::Timeout));
     drop(lease);
     let evicted = wait_event(&mut events, |e| {
         matches!(e, PoolEvent::WorkerEvicted { .. })
@@ -410,6 +412,7 @@ async fn each_turn_says_how_its_conversation_was_opened() {
         .expect("lease");
     let first = lease.run("REPLY=one").await.expect("turn");
     assert_eq!(first.open_reason, Some(OpenReason::New));
+    assert_eq!(first.end, Some(TurnEnd::Idle));
     assert!(
         first.usage.input_tokens > 0 && first.usage.output_tokens > 0,
         "{first:?}"

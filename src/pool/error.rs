@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::auth::AuthError;
 use crate::home::HomeError;
+use crate::kinds::ErrorKind;
 use crate::worker::WorkerError;
 
 use super::bindings::BindingError;
@@ -136,6 +137,34 @@ pub enum PoolError {
     TranscriptPersistenceFailed(String),
 }
 
+impl PoolError {
+    /// What kind of failure this is: what the caller can do about it. Metrics and the HTTP
+    /// layer both map from this.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            PoolError::Auth(_) | PoolError::Home(_) | PoolError::InvalidRequest(_) => {
+                ErrorKind::Invalid
+            }
+            PoolError::NoSuchConversation { .. } => ErrorKind::NotFound,
+            PoolError::ConversationBusy { .. } => ErrorKind::Busy,
+            PoolError::ConversationWaitTimeout { .. } => ErrorKind::BusyTimeout,
+            PoolError::WaitTimeout { .. } => ErrorKind::NoCapacity,
+            PoolError::WaitersFull { .. } => ErrorKind::WaitersFull,
+            PoolError::RestartIntensityExceeded { .. } => ErrorKind::Quarantined,
+            PoolError::Closed => ErrorKind::Closed,
+            PoolError::Worker(WorkerError::ResourceExhausted(_)) => ErrorKind::ResourceExhausted,
+            PoolError::StateUnwritable { .. } => ErrorKind::StateUnwritable,
+            PoolError::Internal(_) => ErrorKind::Internal,
+            PoolError::Bindings(_)
+            | PoolError::Worker(_)
+            | PoolError::TurnState(_)
+            | PoolError::TurnTimeout { .. }
+            | PoolError::TurnFailed { .. }
+            | PoolError::TranscriptPersistenceFailed(_) => ErrorKind::Runtime,
+        }
+    }
+}
+
 impl From<HomeError> for PoolError {
     fn from(e: HomeError) -> Self {
         PoolError::Home(Arc::new(e))
@@ -145,5 +174,74 @@ impl From<HomeError> for PoolError {
 impl From<BindingError> for PoolError {
     fn from(e: BindingError) -> Self {
         PoolError::Bindings(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_error_has_the_kind_a_caller_acts_on() {
+        let cases = [
+            (PoolError::InvalidRequest("x".into()), ErrorKind::Invalid),
+            (
+                PoolError::NoSuchConversation {
+                    session_key: "k".into(),
+                    why: "w",
+                },
+                ErrorKind::NotFound,
+            ),
+            (
+                PoolError::ConversationBusy {
+                    session_key: "k".into(),
+                },
+                ErrorKind::Busy,
+            ),
+            (
+                PoolError::ConversationWaitTimeout {
+                    session_key: "k".into(),
+                    after: Duration::ZERO,
+                },
+                ErrorKind::BusyTimeout,
+            ),
+            (
+                PoolError::WaitTimeout {
+                    after: Duration::ZERO,
+                },
+                ErrorKind::NoCapacity,
+            ),
+            (PoolError::WaitersFull { max: 1 }, ErrorKind::WaitersFull),
+            (
+                PoolError::RestartIntensityExceeded {
+                    key_hash: "h".into(),
+                    retry_after: Duration::ZERO,
+                },
+                ErrorKind::Quarantined,
+            ),
+            (PoolError::Closed, ErrorKind::Closed),
+            (
+                PoolError::Worker(WorkerError::ResourceExhausted("EMFILE".into())),
+                ErrorKind::ResourceExhausted,
+            ),
+            (
+                PoolError::StateUnwritable {
+                    dir: "/s".into(),
+                    error: "e".into(),
+                },
+                ErrorKind::StateUnwritable,
+            ),
+            (PoolError::Worker(WorkerError::Stopped), ErrorKind::Runtime),
+            (PoolError::Bindings("x".into()), ErrorKind::Runtime),
+            (PoolError::Internal("x".into()), ErrorKind::Internal),
+        ];
+        for (error, kind) in cases {
+            assert_eq!(error.kind(), kind, "{error:?}");
+        }
+        assert_eq!(
+            ErrorKind::BusyTimeout.rejection_label(),
+            "wait_timeout",
+            "metrics keep their labels"
+        );
     }
 }

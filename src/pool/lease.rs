@@ -17,36 +17,10 @@ use crate::turn::TurnOutcome;
 use crate::turn::driver::{TurnDriver, refuse_stray, run_hook, safe_hook};
 use crate::worker::{Session, SessionUpdate, WorkerError};
 
+pub use crate::kinds::OpenReason;
+
 use super::actor::{PoolMsg, Settle, WorkerId};
 use super::error::PoolError;
-
-/// How the lease's CLI session was opened.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum OpenReason {
-    /// Still attached to the same worker since the last lease: nothing to resume.
-    Attached,
-    /// Resumed a stored session (new worker, crash, rotation, restart, new handlers).
-    Resumed,
-    /// No binding: a new session.
-    New,
-    /// The binding's session state is gone from disk: a new session.
-    TranscriptMissing,
-    /// The runtime did not know the bound session: a new session.
-    NotFound,
-    /// Model, provider, working directory, home or account changed: a new session.
-    CompatChanged,
-    /// Resuming the stored session crashed the runtime `max_resume_crashes` times in a row:
-    /// a new session, so the conversation stops taking its process down.
-    ResumeFailed,
-}
-
-impl OpenReason {
-    /// Whether the conversation continued an existing CLI session.
-    pub fn continued(self) -> bool {
-        matches!(self, OpenReason::Attached | OpenReason::Resumed)
-    }
-}
 
 /// Exclusive use of one conversation until dropped.
 pub struct Lease {
@@ -181,9 +155,9 @@ impl Lease {
             event?;
         }
         let outcome = self.outcome();
-        if let (Some(message), false) = (&outcome.error, outcome.aborted) {
+        if outcome.end == Some(crate::kinds::TurnEnd::Error) {
             return Err(PoolError::TurnFailed {
-                message: message.clone(),
+                message: outcome.error.clone().unwrap_or_default(),
                 status_code: outcome.status_code,
                 error_type: outcome.error_type.clone(),
             });

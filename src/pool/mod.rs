@@ -163,7 +163,7 @@ impl Pool {
         let span = tracing::info_span!("lease", agent = %req.agent_id, key = tracing::field::Empty);
         let result = tracing::Instrument::instrument(self.lease_inner(req), span).await;
         if let Err(error) = &result {
-            crate::metrics::lease_rejected(error);
+            crate::metrics::lease_rejected(error.kind());
         }
         result
     }

@@ -16,7 +16,8 @@ use tokio::sync::{RwLock, mpsc};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use crate::metrics::{self, ToolOutcome, TurnEnd};
+use crate::kinds::TurnEnd;
+use crate::metrics::{self, ToolOutcome};
 use crate::permission::{PermissionRequest, decide_safely};
 use crate::pool::PoolError;
 use crate::rpc::events::ExternalToolRequestedData;
@@ -375,6 +376,7 @@ impl TurnDriver {
     /// Ends the running turn, recording how.
     fn finish(&mut self, end: TurnEnd) {
         if self.in_flight {
+            self.outcome.end = Some(end);
             metrics::turn_finished(end, self.started.elapsed());
         }
         self.cancel_pending();

@@ -232,11 +232,14 @@ pub struct TurnOutcome {
     pub usage: Usage,
     /// `session.task_complete` data, when the runtime sent one (best effort).
     pub task_complete: Option<Value>,
+    /// How the turn ended, once it has (computed once, by the turn driver; `None` while it
+    /// runs).
+    pub end: Option<crate::kinds::TurnEnd>,
     /// How the conversation's CLI session was opened for this turn: whether the runtime
     /// still had its context (`attached`, `resumed`) or started without it (`new`,
     /// `compat-changed`, `transcript-missing`, `not-found`, `resume-failed`), so a gateway
     /// knows when to re-seed it. Set by the lease; later turns of one lease are `attached`.
-    pub open_reason: Option<crate::pool::OpenReason>,
+    pub open_reason: Option<crate::kinds::OpenReason>,
     /// Events seen.
     pub events: usize,
 }

@@ -20,11 +20,11 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use copilot_pool::auth::LeaseAuth;
+use copilot_pool::kinds::{ErrorKind, TurnEnd};
 use copilot_pool::pool::{LeaseRequest, Pool, PoolError};
 use copilot_pool::rpc::messages::ProviderConfig;
 use copilot_pool::secret::Secret;
 use copilot_pool::turn::{TranscriptSettings, TurnTimeouts};
-use copilot_pool::worker::WorkerError;
 use dashmap::DashMap;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -449,27 +449,19 @@ fn lease_request(
 
 /// The HTTP status and code for a pool error before a turn starts.
 fn pool_error(e: &PoolError) -> Response {
-    let (status, code) = match e {
-        PoolError::Auth(_) | PoolError::Home(_) | PoolError::InvalidRequest(_) => {
-            (StatusCode::BAD_REQUEST, "bad_request")
-        }
-        PoolError::Closed => (StatusCode::SERVICE_UNAVAILABLE, "draining"),
-        PoolError::WaitTimeout { .. } | PoolError::WaitersFull { .. } => {
+    let (status, code) = match e.kind() {
+        ErrorKind::Invalid => (StatusCode::BAD_REQUEST, "bad_request"),
+        ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+        ErrorKind::Busy | ErrorKind::BusyTimeout => (StatusCode::CONFLICT, "busy"),
+        ErrorKind::NoCapacity | ErrorKind::WaitersFull => {
             (StatusCode::SERVICE_UNAVAILABLE, "no_capacity")
         }
-        PoolError::ConversationBusy { .. } | PoolError::ConversationWaitTimeout { .. } => {
-            (StatusCode::CONFLICT, "busy")
-        }
-        PoolError::NoSuchConversation { .. } => (StatusCode::NOT_FOUND, "not_found"),
-        PoolError::RestartIntensityExceeded { .. } => {
-            (StatusCode::SERVICE_UNAVAILABLE, "quarantined")
-        }
-        PoolError::StateUnwritable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "state_unwritable"),
-        PoolError::Worker(WorkerError::ResourceExhausted(_)) => {
-            (StatusCode::SERVICE_UNAVAILABLE, "resource_exhausted")
-        }
-        PoolError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
-        _ => (StatusCode::BAD_GATEWAY, "runtime"),
+        ErrorKind::Quarantined => (StatusCode::SERVICE_UNAVAILABLE, "quarantined"),
+        ErrorKind::Closed => (StatusCode::SERVICE_UNAVAILABLE, "draining"),
+        ErrorKind::StateUnwritable => (StatusCode::SERVICE_UNAVAILABLE, "state_unwritable"),
+        ErrorKind::ResourceExhausted => (StatusCode::SERVICE_UNAVAILABLE, "resource_exhausted"),
+        ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        ErrorKind::Runtime => (StatusCode::BAD_GATEWAY, "runtime"),
     };
     error(status, code, e.to_string())
 }
@@ -643,16 +635,12 @@ async fn run_turn(
                         }
                     }
                     Some(Err(e)) => {
-                        let status = match &e {
-                            PoolError::TurnTimeout { .. } => "timeout",
-                            PoolError::Worker(_) => "crashed",
-                            _ => "error",
-                        };
+                        let status = lease.outcome().end.map_or("error", TurnEnd::label);
                         return turn_end(status, &lease, Some(e.to_string()));
                     }
                     None => {
                         let o = lease.outcome();
-                        let status = if o.aborted { "aborted" } else if o.error.is_some() { "error" } else { "idle" };
+                        let status = o.end.map_or("error", TurnEnd::label);
                         return turn_end(status, &lease, o.error.clone());
                     }
                 },
