@@ -2,10 +2,56 @@
 //! gateways: one actor per child process, which owns the process group, the JSON-RPC
 //! connection and health, and fails all in-flight work the instant the child dies.
 //!
+//! # A gateway's view
+//!
+//! Start one [`Pool`] per process and [`Pool::lease`] a conversation (an agent id and the
+//! gateway's session key) for each turn. The pool picks or starts the runtime process,
+//! attaches or resumes the conversation's CLI session, and gives back a [`Lease`]; its
+//! [`Lease::run`] answers gateway tools, permission prompts and questions through the
+//! conversation's [`TurnHandlers`] and returns a [`TurnOutcome`] (its text, how the turn
+//! ended, how the conversation was opened, token usage). Dropping the lease returns the
+//! conversation. Errors are [`PoolError`]s; [`PoolError::kind`] says what to do about one.
+//!
+//! ```
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use copilot_pool::rpc::messages::ProviderConfig;
+//! use copilot_pool::scripted_model::ScriptedModel;
+//! use copilot_pool::{LeaseRequest, OpenReason, Pool, PoolConfig, TurnEnd, runtime, worker};
+//!
+//! // The pinned runtime (installed with npm into the cache once) and a model to talk to:
+//! // here the scripted one this crate ships for tests; a gateway passes its provider.
+//! let cache = runtime::cache_dir(runtime::process_env)?;
+//! let installed = runtime::install(runtime::Flavour::Runtime, &cache).await?;
+//! let model = ScriptedModel::new();
+//! let endpoint = model.serve_http().await?;
+//!
+//! let dir = tempfile::tempdir()?;
+//! let worker = worker::WorkerConfig::new(installed.executable, "".into(), "".into());
+//! let pool = Pool::start(PoolConfig::new(worker, dir.path().join("state"), dir.path().join("agents"))).await?;
+//!
+//! let mut request = LeaseRequest::new("agent-1", "conversation-1", dir.path().to_path_buf());
+//! request.model = Some(ScriptedModel::MODEL_ID.to_owned());
+//! request.provider = Some(ProviderConfig::openai(endpoint.base_url(), None));
+//! let mut lease = pool.lease(request).await?;
+//! let outcome = lease.run("REPLY=hello").await?;
+//! assert_eq!(outcome.text, "hello");
+//! assert_eq!(outcome.end, Some(TurnEnd::Idle));
+//! assert_eq!(outcome.open_reason, Some(OpenReason::New));
+//! drop(lease);
+//! pool.shutdown().await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Layout
 //!
 //! * [`pool`] — keyed leasing of conversations across workers: caps, waiters, crash
 //!   restart, durable bindings, rotation, eviction. [`pool::Pool::lease`] is the entry point.
+//! * [`turn`] — what a conversation brings to a turn: gateway tools, permission policy,
+//!   ask_user, hooks, timeouts, the transcript mirror; and what a turn produced.
+//! * [`kinds`] — the closed sets of values the crate reports (open reasons, turn ends,
+//!   error kinds), each spelled once.
 //! * [`routing`] — which of N `serve` replicas an agent goes to (rendezvous hashing).
 //! * [`auth`] — which credentials a lease runs with (precedence, fingerprints).
 //! * [`home`] — each agent's COPILOT_HOME.
@@ -19,8 +65,6 @@
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`secret`] — a redacting wrapper for tokens and keys.
-//! * [`kinds`] — the closed sets of values the crate reports (open reasons, turn ends,
-//!   error kinds), each spelled once.
 //!
 //! The library installs nothing global: no tracing subscriber, metrics recorder, signal
 //! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.
@@ -42,3 +86,11 @@ pub mod transcript;
 pub mod tunnel;
 pub mod turn;
 pub mod worker;
+
+// What a gateway uses, at the root.
+pub use auth::LeaseAuth;
+pub use kinds::{ErrorKind, OpenReason, TurnEnd};
+pub use pool::{Lease, LeaseRequest, Pool, PoolConfig, PoolError, PoolEvent, PoolStatus};
+pub use secret::Secret;
+pub use turn::{TranscriptSettings, TurnHandlers, TurnOutcome, TurnTimeouts};
+pub use worker::WorkerError;

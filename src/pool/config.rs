@@ -15,6 +15,7 @@ use super::restart::RestartPolicy;
 
 /// Pool-wide settings.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct PoolConfig {
     /// Template for every worker: program, timeouts, environment, tunnel. Its
     /// `copilot_home`, `working_directory` and `auth_token` are set per key.
@@ -109,6 +110,7 @@ impl PoolConfig {
 
 /// What one lease asks for.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct LeaseRequest {
     /// The agent (`^[a-z0-9][a-z0-9_-]{0,63}$`); names its default COPILOT_HOME.
     pub agent_id: String,

@@ -12,6 +12,7 @@ use super::bindings::BindingError;
 
 /// Why a pool operation failed.
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum PoolError {
     /// The lease's credentials are unusable.
     #[error(transparent)]

@@ -14,6 +14,7 @@ pub enum WorkerState {
 
 /// One worker in the snapshot.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct WorkerStatus {
     /// Short hash of the worker's key (no secret, no path).
     pub key_hash: String,
@@ -35,6 +36,7 @@ pub struct WorkerStatus {
 
 /// Counters since the pool started.
 #[derive(Debug, Clone, Default, Serialize)]
+#[non_exhaustive]
 pub struct PoolTotals {
     /// Processes started (first starts and restarts).
     pub processes_spawned: u64,
@@ -54,6 +56,7 @@ pub struct PoolTotals {
 
 /// The pool at one moment.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct PoolStatus {
     /// Every worker.
     pub workers: Vec<WorkerStatus>,
@@ -109,6 +112,7 @@ impl std::fmt::Display for PoolStatus {
 /// Something the pool did, as it happens (for the demo, the daemon and tests).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum PoolEvent {
     /// A worker process started (`restart`: it replaces a crashed one).
     WorkerStarted {

@@ -182,6 +182,7 @@ pub enum TimeoutKind {
 
 /// Token usage summed over a turn's model calls.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Usage {
     /// Input tokens.
     pub input_tokens: u64,
@@ -205,6 +206,7 @@ impl Usage {
 
 /// What one turn produced.
 #[derive(Debug, Clone, Default, Serialize)]
+#[non_exhaustive]
 pub struct TurnOutcome {
     /// The final assistant message of the main agent.
     pub text: String,

@@ -11,6 +11,7 @@ const STDERR_IN_MESSAGE: usize = 2048;
 
 /// Why a worker ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ExitReason {
     /// The child exited on its own or was killed from outside.
     ChildExited(ExitInfo),
@@ -95,6 +96,7 @@ impl fmt::Display for WorkerExit {
 
 /// Why a worker operation failed.
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum WorkerError {
     /// The configuration cannot work; the message says what to change.
     #[error("invalid worker configuration: {0}")]

@@ -124,6 +124,8 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
                     format!("resumed: a conversation on worker {pid}")
                 }
                 PoolEvent::ConversationOpened { .. } => continue,
+                // Events added later are not part of the demo's story.
+                _ => continue,
             };
             eprintln!("  [pool] {line}");
         }
