@@ -46,6 +46,17 @@ pub enum HomeError {
         /// The underlying error.
         source: io::Error,
     },
+    /// The agent's working directory could not be created.
+    #[error(
+        "could not create the agent's working directory {path:?}: {source}; make the agents \
+         directory writable by this user"
+    )]
+    CreateWorkDir {
+        /// The directory.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
     /// Neither `COPILOT_POOL_HOME` nor `HOME` is set.
     #[error(
         "no base directory for copilot-pool: neither COPILOT_POOL_HOME nor HOME is set; set \
@@ -119,6 +130,22 @@ pub fn resolve_copilot_home(
     std::fs::canonicalize(&path).map_err(create_error)
 }
 
+/// An agent's default working directory, beside its home: `<base>/agents/<agent_id>/work`.
+/// Not created here (see [`create_work_dir`]).
+pub fn work_dir(base: &Path, agent_id: &str) -> Result<PathBuf, HomeError> {
+    validate_agent_id(agent_id)?;
+    Ok(base.join("agents").join(agent_id).join("work"))
+}
+
+/// Creates an agent's working directory (and missing parents) with mode 0700. Call it only
+/// for a turn that will run, so rejected requests leave nothing behind.
+pub fn create_work_dir(path: &Path) -> Result<(), HomeError> {
+    ensure_private_dir(path).map_err(|source| HomeError::CreateWorkDir {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 /// Creates `path` (and missing parents, mode 0700) if it does not exist, setting the final
 /// directory to 0700 regardless of the umask; leaves an existing directory alone.
 fn ensure_private_dir(path: &Path) -> io::Result<()> {
@@ -150,6 +177,18 @@ mod tests {
 
     fn mode(path: &Path) -> u32 {
         std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn the_work_directory_sits_beside_the_home_and_is_created_private_on_demand() {
+        let base = tempfile::tempdir().unwrap();
+        let work = work_dir(base.path(), "agent-1").unwrap();
+        assert_eq!(work, base.path().join("agents/agent-1/work"));
+        assert!(!work.exists(), "only named, not created");
+        assert!(work_dir(base.path(), "../etc").is_err());
+        create_work_dir(&work).unwrap();
+        assert_eq!(mode(&work), 0o700);
+        assert_eq!(mode(&base.path().join("agents/agent-1")), 0o700);
     }
 
     #[test]

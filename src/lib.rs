@@ -90,7 +90,9 @@ pub mod worker;
 // What a gateway uses, at the root.
 pub use auth::LeaseAuth;
 pub use kinds::{ErrorKind, OpenReason, TurnEnd};
-pub use pool::{Lease, LeaseRequest, Pool, PoolConfig, PoolError, PoolEvent, PoolStatus};
+pub use pool::{
+    ConversationId, Lease, LeaseRequest, Pool, PoolConfig, PoolError, PoolEvent, PoolStatus,
+};
 pub use secret::Secret;
 pub use turn::{TranscriptSettings, TurnHandlers, TurnOutcome, TurnTimeouts};
 pub use worker::WorkerError;

@@ -172,6 +172,11 @@ pub(crate) enum PoolMsg {
     Close(RpcReplyPort<()>),
     /// Abort the running turns of leased conversations; replies with how many.
     AbortLeased(RpcReplyPort<usize>),
+    /// Abort the running turn of one conversation; replies whether it is leased and open.
+    Abort {
+        conversation: String,
+        reply: RpcReplyPort<bool>,
+    },
     /// Stop every worker and wait until they are gone.
     StopAll(RpcReplyPort<()>),
 }
@@ -429,23 +434,23 @@ impl Actor for PoolActor {
                 let _ = reply.send(());
             }
             PoolMsg::AbortLeased(reply) => {
-                let mut n = 0;
-                for conv in state.conversations.values().filter(|c| c.leased) {
-                    if let Some(w) = state.workers.get(&conv.worker)
-                        && !conv.cli_session_id.is_empty()
-                    {
-                        n += 1;
-                        let handle = w.handle.clone();
-                        let params = AbortParams {
-                            session_id: conv.cli_session_id.clone(),
-                            reason: Some("pool shutdown".to_owned()),
-                        };
-                        tokio::spawn(async move {
-                            let _ = handle.call::<SessionAbort>(&params).await;
-                        });
-                    }
-                }
+                let leased: Vec<String> = state
+                    .conversations
+                    .iter()
+                    .filter(|(_, c)| c.leased)
+                    .map(|(key, _)| key.clone())
+                    .collect();
+                let n = leased
+                    .iter()
+                    .filter(|key| state.abort_turn(key, "pool shutdown"))
+                    .count();
                 let _ = reply.send(n);
+            }
+            PoolMsg::Abort {
+                conversation,
+                reply,
+            } => {
+                let _ = reply.send(state.abort_turn(&conversation, "aborted by the gateway"));
             }
             PoolMsg::StopAll(reply) => {
                 state.stop_requested = Some(reply);
@@ -616,6 +621,31 @@ impl PoolState {
                 ok,
             });
         });
+    }
+
+    /// Sends `session.abort` for a leased, opened conversation (in a task; its turn then ends
+    /// `aborted` through its lease). False when it is not leased or not yet open.
+    fn abort_turn(&self, conversation: &str, reason: &str) -> bool {
+        let Some(conv) = self.conversations.get(conversation).filter(|c| c.leased) else {
+            return false;
+        };
+        let Some(w) = self.workers.get(&conv.worker) else {
+            return false;
+        };
+        if conv.cli_session_id.is_empty() {
+            return false;
+        }
+        let handle = w.handle.clone();
+        let params = AbortParams {
+            session_id: conv.cli_session_id.clone(),
+            reason: Some(reason.to_owned()),
+        };
+        tokio::spawn(async move {
+            if let Err(error) = handle.call::<SessionAbort>(&params).await {
+                tracing::debug!(%error, "Abort of a leased conversation failed.");
+            }
+        });
+        true
     }
 
     fn worker_usable(&self, id: WorkerId) -> bool {

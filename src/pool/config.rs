@@ -171,3 +171,59 @@ impl LeaseRequest {
         }
     }
 }
+
+/// Checks a BYOK provider before anything runs with it: its type, wire API and base URL.
+/// The pool checks every lease's provider with it; the daemon checks a request's provider
+/// with it before it creates anything, so both give the same errors.
+pub fn validate_provider(provider: &ProviderConfig) -> Result<(), super::PoolError> {
+    let invalid = |why: &str| Err(super::PoolError::InvalidRequest(why.to_owned()));
+    if let Some(kind) = &provider.kind
+        && !["openai", "azure", "anthropic"].contains(&kind.as_str())
+    {
+        return invalid("provider.type must be openai, azure or anthropic");
+    }
+    if let Some(wire) = &provider.wire_api
+        && !["completions", "responses"].contains(&wire.as_str())
+    {
+        return invalid("provider.wire_api must be completions or responses");
+    }
+    if !(provider.base_url.starts_with("http://") || provider.base_url.starts_with("https://")) {
+        return invalid("provider.base_url must be an http(s) URL");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_provider_with_an_unknown_type_wire_api_or_url_scheme_is_refused_with_the_field() {
+        let good = ProviderConfig::openai("https://models.example/v1", None);
+        assert!(validate_provider(&good).is_ok());
+        let mut bad = good.clone();
+        bad.kind = Some("gemini".into());
+        assert!(
+            validate_provider(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("provider.type")
+        );
+        let mut bad = good.clone();
+        bad.wire_api = Some("chat".into());
+        assert!(
+            validate_provider(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("provider.wire_api")
+        );
+        let mut bad = good;
+        bad.base_url = "file:///etc/passwd".into();
+        assert!(
+            validate_provider(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("provider.base_url")
+        );
+    }
+}

@@ -35,7 +35,7 @@ use crate::worker::{Session, WorkerError, WorkerHandle};
 pub use crate::turn::TurnOutcome;
 pub use bindings::{Binding, BindingError, BindingStore};
 pub use config::InfiniteSessions;
-pub use config::{LeaseRequest, PoolConfig};
+pub use config::{LeaseRequest, PoolConfig, validate_provider};
 pub use error::PoolError;
 pub use key::{PoolKey, compat_key};
 pub use lease::{Lease, OpenReason};
@@ -53,6 +53,36 @@ const LOCK_PRUNE_THRESHOLD: usize = 4096;
 /// Sessions the `cli` flavour can hold per OS user before inotify runs out (the default
 /// `fs.inotify.max_user_instances` is 128, shared by every process of the user).
 const CLI_FLAVOUR_SESSION_WARNING: usize = 96;
+
+/// One conversation: an agent and the gateway's key for it (two agents may use one key).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ConversationId {
+    /// The agent.
+    pub agent_id: String,
+    /// The gateway's key of the conversation.
+    pub session_key: String,
+}
+
+impl ConversationId {
+    /// The conversation of `agent_id` named `session_key`.
+    pub fn new(agent_id: impl Into<String>, session_key: impl Into<String>) -> Self {
+        Self {
+            agent_id: agent_id.into(),
+            session_key: session_key.into(),
+        }
+    }
+
+    /// The pool's internal key (`<agent_id>/<session_key>`; agent ids contain no `/`).
+    pub(crate) fn key(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl std::fmt::Display for ConversationId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.agent_id, self.session_key)
+    }
+}
 
 /// What [`Pool::shutdown`] did.
 #[derive(Debug, Clone, Default)]
@@ -182,6 +212,9 @@ impl Pool {
                 "reasoning_effort {effort:?} is not one of low, medium, high, xhigh"
             )));
         }
+        if let Some(provider) = &req.provider {
+            validate_provider(provider)?;
+        }
         let home = resolve_copilot_home(
             req.copilot_home.as_deref(),
             req.agent_dir.as_deref(),
@@ -203,7 +236,7 @@ impl Pool {
         }
 
         // A conversation is (agent, session key): two agents may use the same key.
-        let conversation = format!("{}/{}", req.agent_id, req.session_key);
+        let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
         // One turn at a time per conversation.
         let lock = inner
             .locks
@@ -288,6 +321,27 @@ impl Pool {
             Err(join) => Err(PoolError::Internal(format!(
                 "the lease's open task failed: {join}"
             ))),
+        }
+    }
+
+    /// Aborts the running turn of a conversation, wherever it runs; its lease sees the turn
+    /// end `aborted` and the conversation continues. `Ok(false)` when the conversation has no
+    /// lease with an open session (nothing to abort).
+    pub async fn abort(&self, conversation: &ConversationId) -> Result<bool, PoolError> {
+        match self
+            .inner
+            .actor
+            .call(
+                |reply| PoolMsg::Abort {
+                    conversation: conversation.key(),
+                    reply,
+                },
+                Some(Duration::from_secs(10)),
+            )
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(aborted)) => Ok(aborted),
+            _ => Err(PoolError::Closed),
         }
     }
 

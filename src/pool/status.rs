@@ -1,9 +1,9 @@
 //! A point-in-time snapshot of the pool, for the daemon, the demo and tests.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// A worker's state as the pool sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum WorkerState {
     /// Takes new conversations.
@@ -13,7 +13,7 @@ pub enum WorkerState {
 }
 
 /// One worker in the snapshot.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct WorkerStatus {
     /// Short hash of the worker's key (no secret, no path).
@@ -35,7 +35,8 @@ pub struct WorkerStatus {
 }
 
 /// Counters since the pool started.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 #[non_exhaustive]
 pub struct PoolTotals {
     /// Processes started (first starts and restarts).
@@ -54,11 +55,14 @@ pub struct PoolTotals {
     pub turns: u64,
 }
 
-/// The pool at one moment.
-#[derive(Debug, Clone, Serialize)]
+/// The pool at one moment. Serialized once for every reader: `GET /v1/pool` sends it as it
+/// is and `copilot-pool status` reads it back.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 #[non_exhaustive]
 pub struct PoolStatus {
-    /// Every worker.
+    /// Every worker (`processes` on the wire).
+    #[serde(rename = "processes")]
     pub workers: Vec<WorkerStatus>,
     /// Leases waiting for capacity.
     pub waiters: usize,
@@ -68,7 +72,9 @@ pub struct PoolStatus {
     pub leased: usize,
     /// Keys in their restart cool-down.
     pub quarantined_keys: Vec<String>,
-    /// No new leases are accepted.
+    /// No new leases are accepted: the pool (or the daemon around it) is shutting down
+    /// (`draining` on the wire).
+    #[serde(rename = "draining")]
     pub closed: bool,
     /// Counters.
     pub totals: PoolTotals,

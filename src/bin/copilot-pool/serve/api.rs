@@ -9,7 +9,7 @@ use std::convert::Infallible;
 #[cfg(test)]
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -25,7 +25,6 @@ use copilot_pool::pool::{LeaseRequest, Pool, PoolError};
 use copilot_pool::rpc::messages::ProviderConfig;
 use copilot_pool::secret::Secret;
 use copilot_pool::turn::{TranscriptSettings, TurnTimeouts};
-use dashmap::DashMap;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
@@ -43,9 +42,6 @@ pub struct AppState {
     pub timeouts: TurnTimeouts,
     pub transcript: Option<TranscriptSettings>,
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
-    /// Abort signals of running turns, by (agent_id, session_key), with the turn's number.
-    pub aborts: DashMap<(String, String), (usize, mpsc::Sender<()>)>,
-    pub next_turn: AtomicUsize,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
 }
@@ -215,28 +211,10 @@ async fn get_metrics(State(state): State<Arc<AppState>>) -> Response {
 
 async fn get_pool(State(state): State<Arc<AppState>>) -> Response {
     match state.pool.status().await {
-        Ok(s) => {
-            let processes: Vec<Value> = s
-                .workers
-                .iter()
-                .map(|w| {
-                    json!({
-                        "key_hash": w.key_hash, "pid": w.pid, "state": w.state,
-                        "sessions": w.sessions, "leases": w.leases, "turns": w.turns,
-                        "restarts": w.restarts, "rss_bytes": w.rss_bytes,
-                    })
-                })
-                .collect();
-            axum::Json(json!({
-                "processes": processes,
-                "waiters": s.waiters,
-                "conversations": s.conversations,
-                "leased": s.leased,
-                "draining": state.draining.load(Ordering::SeqCst),
-                "quarantined_keys": s.quarantined_keys,
-                "totals": s.totals,
-            }))
-            .into_response()
+        Ok(mut status) => {
+            // The daemon drains a moment before its pool closes.
+            status.closed |= state.draining.load(Ordering::SeqCst);
+            axum::Json(status).into_response()
         }
         Err(e) => error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -341,70 +319,30 @@ struct TurnQuery {
 }
 
 fn provider_config(p: ProviderBody) -> Result<ProviderConfig, Response> {
-    if let Some(kind) = &p.kind
-        && !["openai", "azure", "anthropic"].contains(&kind.as_str())
-    {
-        return Err(error(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "provider.type must be openai, azure or anthropic",
-        ));
-    }
-    if let Some(wire) = &p.wire_api
-        && !["completions", "responses"].contains(&wire.as_str())
-    {
-        return Err(error(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "provider.wire_api must be completions or responses",
-        ));
-    }
-    if !(p.base_url.starts_with("http://") || p.base_url.starts_with("https://")) {
-        return Err(error(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "provider.base_url must be an http(s) URL",
-        ));
-    }
-    Ok(ProviderConfig {
+    let provider = ProviderConfig {
         kind: p.kind,
         wire_api: p.wire_api,
         base_url: p.base_url,
         api_key: p.api_key,
         bearer_token: p.bearer_token,
         headers: p.headers,
-    })
+    };
+    // The library's checks: a Rust embedder gets the same errors.
+    copilot_pool::pool::validate_provider(&provider).map_err(|e| pool_error(&e))?;
+    Ok(provider)
 }
 
-/// The agent's working directory, `<agents_dir>/agents/<agent_id>/work`.
-fn work_dir(state: &AppState, agent_id: &str) -> std::path::PathBuf {
-    state
-        .pool
-        .config()
-        .agents_base_dir
-        .join("agents")
-        .join(agent_id)
-        .join("work")
+/// The agent's working directory (the library's layout, beside its home).
+fn work_dir(state: &AppState, agent_id: &str) -> Result<std::path::PathBuf, Response> {
+    copilot_pool::home::work_dir(&state.pool.config().agents_base_dir, agent_id)
+        .map_err(|e| error(StatusCode::BAD_REQUEST, "bad_request", e.to_string()))
 }
 
-/// Creates the agent's working directory (and missing parents) with mode 0700. Called only
-/// for a request that passed authentication and validation and is about to run a turn.
+/// Creates the agent's working directory, mode 0700. Called only for a request that passed
+/// authentication and validation and is about to run a turn.
 fn create_work_dir(work: &std::path::Path) -> Result<(), Response> {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(work)
-        .map_err(|e| {
-            error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "io",
-                format!(
-                    "creating {}: {e}; make agents_dir writable by the daemon's user",
-                    work.display()
-                ),
-            )
-        })
+    copilot_pool::home::create_work_dir(work)
+        .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, "io", e.to_string()))
 }
 
 /// The lease request for a conversation; the working directory is the agent's own (not
@@ -429,7 +367,7 @@ fn lease_request(
             format!("agent_id: {e}"),
         )
     })?;
-    let mut req = LeaseRequest::new(agent_id, session_key, work_dir(state, agent_id));
+    let mut req = LeaseRequest::new(agent_id, session_key, work_dir(state, agent_id)?);
     if let Some(auth) = conv.auth {
         req.auth = LeaseAuth {
             use_logged_in_user: auth.use_logged_in_user,
@@ -539,19 +477,13 @@ async fn post_turn(
         Ok(l) => l,
         Err(e) => return pool_error(&e),
     };
-    let key = (body.agent_id.clone(), body.session_key.clone());
-    let turn = state.next_turn.fetch_add(1, Ordering::Relaxed);
-    let (abort_tx, abort_rx) = mpsc::channel(1);
-    state.aborts.insert(key.clone(), (turn, abort_tx));
     state.running.send_modify(|n| *n += 1);
     tokio::spawn(run_turn(
         state.clone(),
         lease,
         body.prompt,
         events_tx,
-        abort_rx,
-        key,
-        turn,
+        body.agent_id.clone(),
     ));
 
     if !streaming {
@@ -614,11 +546,9 @@ async fn run_turn(
     mut lease: copilot_pool::pool::Lease,
     prompt: String,
     events: mpsc::Sender<SseEvent>,
-    mut abort: mpsc::Receiver<()>,
-    key: (String, String),
-    turn: usize,
+    agent_id: String,
 ) {
-    let span = tracing::info_span!("turn", agent = %key.0, session = %lease.cli_session_id());
+    let span = tracing::info_span!("turn", agent = %agent_id, session = %lease.cli_session_id());
     let summary = async {
         if let Err(e) = lease.send(prompt).await {
             return turn_end("error", &lease, Some(e.to_string()));
@@ -644,11 +574,6 @@ async fn run_turn(
                         return turn_end(status, &lease, o.error.clone());
                     }
                 },
-                Some(()) = abort.recv() => {
-                    if let Err(e) = lease.abort().await {
-                        tracing::warn!(error = %e, "Abort failed.");
-                    }
-                }
                 _ = events.closed() => return turn_end("aborted", &lease, None),
             }
         }
@@ -656,7 +581,6 @@ async fn run_turn(
     let summary = tracing::Instrument::instrument(summary, span).await;
     drop(lease);
     let _ = events.send_timeout(summary, SEND_TIMEOUT).await;
-    state.aborts.remove_if(&key, |_, (t, _)| *t == turn);
     state.running.send_modify(|n| *n = n.saturating_sub(1));
 }
 
@@ -688,20 +612,15 @@ async fn post_abort(
     State(state): State<Arc<AppState>>,
     Path((agent_id, session_key)): Path<(String, String)>,
 ) -> Response {
-    let sender = state
-        .aborts
-        .get(&(agent_id, session_key))
-        .map(|s| s.1.clone());
-    match sender {
-        Some(tx) => {
-            let _ = tx.try_send(());
-            StatusCode::NO_CONTENT.into_response()
-        }
-        None => error(
+    let conversation = copilot_pool::pool::ConversationId::new(agent_id, session_key);
+    match state.pool.abort(&conversation).await {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => error(
             StatusCode::NOT_FOUND,
             "not_found",
             "no running turn for this conversation",
         ),
+        Err(e) => pool_error(&e),
     }
 }
 
@@ -796,8 +715,6 @@ mod tests {
             timeouts: TurnTimeouts::default(),
             transcript: None,
             metrics: None,
-            aborts: DashMap::new(),
-            next_turn: AtomicUsize::new(0),
             max_body_bytes: 1024,
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -9,14 +9,13 @@ mod listener;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use copilot_pool::pool::Pool;
 use copilot_pool::runtime;
-use dashmap::DashMap;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::sync::watch;
 
@@ -128,8 +127,6 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         timeouts: config.timeouts(),
         transcript: config.transcript(),
         metrics: config.metrics_listen.is_none().then(|| metrics.clone()),
-        aborts: DashMap::new(),
-        next_turn: AtomicUsize::new(0),
         max_body_bytes: config.max_body_bytes,
     });
     let app = api::router(state.clone(), config.max_body_bytes);
