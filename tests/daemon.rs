@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use copilot_pool::scripted_model::ScriptedModel;
 use serde_json::{Value, json};
-use support::http::{Daemon, SseStream, call, raw};
+use support::http::{Daemon, SseStream, call, request, send};
 
 fn turn(fx_url: &str, agent: &str, key: &str, prompt: &str) -> Value {
     json!({
@@ -147,7 +147,12 @@ async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
     assert_eq!(call(addr, "GET", "/readyz", None, None).await.status, 200);
     assert_eq!(call(addr, "GET", "/nope", None, None).await.status, 404);
 
-    let garbage = raw(addr, b"POST /v1/turns HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer s3cret-token\r\nContent-Length: 9\r\n\r\n{garbage!").await;
+    let garbage = send(
+        request(addr, "POST", "/v1/turns")
+            .bearer_auth("s3cret-token")
+            .body("{garbage!"),
+    )
+    .await;
     assert_eq!(garbage.status, 400, "{}", garbage.body);
     assert!(garbage.json()["code"].is_string());
     let missing = call(
@@ -848,11 +853,10 @@ async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case(
     )
     .await;
     let addr = daemon.addr;
-    let get = |auth: &'static str| {
-        let req = format!(
-            "GET /v1/pool HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: {auth}\r\n\r\n"
-        );
-        async move { raw(addr, req.as_bytes()).await.status }
+    let get = |auth: &'static str| async move {
+        send(request(addr, "GET", "/v1/pool").header("authorization", auth))
+            .await
+            .status
     };
     assert_eq!(get("Bearer file-token").await, 200);
     assert_eq!(get("bearer file-token").await, 200);

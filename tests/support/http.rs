@@ -1,14 +1,18 @@
-//! A small HTTP/1.1 client for the daemon tests (raw bytes over TCP: the test talks to the
-//! daemon the way any gateway would, with no client library in between), and a handle on a
-//! running `copilot-pool serve`.
+//! The daemon tests' HTTP client: requests and SSE streams through `reqwest` (the test talks
+//! to the daemon the way a gateway's HTTP client would), raw bytes over TCP only for the
+//! hostile-client tests that a client library cannot send, and a handle on a running
+//! `copilot-pool serve`.
 
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::pin::Pin;
 use std::process::Stdio;
 use std::time::Duration;
 
+use eventsource_stream::{Event, EventStreamError, Eventsource};
+use futures_util::{Stream, StreamExt};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -17,6 +21,7 @@ use tokio::net::TcpStream;
 #[derive(Debug)]
 pub struct Response {
     pub status: u16,
+    /// Names in lower case.
     pub headers: Vec<(String, String)>,
     pub body: String,
 }
@@ -27,42 +32,41 @@ impl Response {
     }
 }
 
-fn request_bytes(method: &str, path: &str, token: Option<&str>, body: Option<&[u8]>) -> Vec<u8> {
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
-    if let Some(t) = token {
-        head.push_str(&format!("Authorization: Bearer {t}\r\n"));
-    }
-    if let Some(b) = body {
-        head.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            b.len()
-        ));
-    }
-    head.push_str("\r\n");
-    let mut bytes = head.into_bytes();
-    if let Some(b) = body {
-        bytes.extend_from_slice(b);
-    }
-    bytes
+/// A client for one request: no pooled connection outlives it (each request has its own
+/// connection, closed after it), no proxy from the environment, and a failure guard on every
+/// read (a whole non-streamed turn answers after at most `TURN_LIMIT`).
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(0)
+        .connect_timeout(Duration::from_secs(10))
+        .read_timeout(2 * super::TURN_LIMIT)
+        .build()
+        .expect("an HTTP client")
 }
 
-/// Sends raw bytes and reads the whole response.
-pub async fn raw(addr: SocketAddr, bytes: &[u8]) -> Response {
-    let mut stream = TcpStream::connect(addr).await.expect("connect");
-    stream.write_all(bytes).await.expect("write");
-    let mut reader = BufReader::new(stream);
-    let (status, headers) = read_head(&mut reader).await;
-    let chunked = headers
+/// A request to the daemon at `addr`, to send with [`send`] (for headers or bodies that
+/// [`call`] does not write).
+pub fn request(addr: SocketAddr, method: &str, path: &str) -> reqwest::RequestBuilder {
+    let method = reqwest::Method::from_bytes(method.as_bytes()).expect("an HTTP method");
+    client().request(method, format!("http://{addr}{path}"))
+}
+
+/// Sends `request` and reads the whole response.
+pub async fn send(request: reqwest::RequestBuilder) -> Response {
+    let response = request.send().await.expect("the daemon answers");
+    let status = response.status().as_u16();
+    let headers = response
+        .headers()
         .iter()
-        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
-    let mut body = Vec::new();
-    if chunked {
-        while let Some(chunk) = read_chunk(&mut reader).await {
-            body.extend_from_slice(&chunk);
-        }
-    } else {
-        let _ = tokio::time::timeout(Duration::from_secs(60), reader.read_to_end(&mut body)).await;
-    }
+        .map(|(k, v)| {
+            (
+                k.as_str().to_owned(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect();
+    let body = response.bytes().await.expect("the whole body");
     Response {
         status,
         headers,
@@ -70,8 +74,39 @@ pub async fn raw(addr: SocketAddr, bytes: &[u8]) -> Response {
     }
 }
 
-/// Sends raw bytes, closes the write side (the peer sees the end of the body), and reads
-/// whatever comes back (status 0 when the server just closes).
+/// `method path` with an optional bearer token and JSON body, read to its end.
+pub async fn call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&Value>,
+) -> Response {
+    send(with_token_and_body(
+        request(addr, method, path),
+        token,
+        body,
+    ))
+    .await
+}
+
+fn with_token_and_body(
+    mut request: reqwest::RequestBuilder,
+    token: Option<&str>,
+    body: Option<&Value>,
+) -> reqwest::RequestBuilder {
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    if let Some(body) = body {
+        request = request.json(body);
+    }
+    request
+}
+
+/// Sends raw bytes (a request no client library would send: a truncated body), closes the
+/// write side (the peer sees the end of the body), and reads whatever comes back (status 0
+/// when the server just closes).
 pub async fn raw_then_close(addr: SocketAddr, bytes: &[u8]) -> Response {
     let mut stream = TcpStream::connect(addr).await.expect("connect");
     stream.write_all(bytes).await.expect("write");
@@ -91,55 +126,6 @@ pub async fn raw_then_close(addr: SocketAddr, bytes: &[u8]) -> Response {
     }
 }
 
-pub async fn call(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    token: Option<&str>,
-    body: Option<&Value>,
-) -> Response {
-    let body = body.map(|b| serde_json::to_vec(b).expect("json"));
-    raw(addr, &request_bytes(method, path, token, body.as_deref())).await
-}
-
-async fn read_head(reader: &mut BufReader<TcpStream>) -> (u16, Vec<(String, String)>) {
-    let mut line = String::new();
-    reader.read_line(&mut line).await.expect("status line");
-    let status = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let mut headers = Vec::new();
-    loop {
-        line.clear();
-        reader.read_line(&mut line).await.expect("header");
-        let l = line.trim_end();
-        if l.is_empty() {
-            break;
-        }
-        if let Some((k, v)) = l.split_once(':') {
-            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_owned()));
-        }
-    }
-    (status, headers)
-}
-
-async fn read_chunk(reader: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
-    let mut line = String::new();
-    if reader.read_line(&mut line).await.ok()? == 0 {
-        return None;
-    }
-    let size = usize::from_str_radix(line.trim(), 16).ok()?;
-    if size == 0 {
-        return None;
-    }
-    let mut chunk = vec![0; size + 2];
-    reader.read_exact(&mut chunk).await.ok()?;
-    chunk.truncate(size);
-    Some(chunk)
-}
-
 /// One server-sent event.
 #[derive(Debug, Clone)]
 pub struct Sse {
@@ -147,72 +133,39 @@ pub struct Sse {
     pub data: Value,
 }
 
+type Events = Pin<Box<dyn Stream<Item = Result<Event, EventStreamError<reqwest::Error>>> + Send>>;
+
 /// A streaming response read event by event.
 pub struct SseStream {
     pub status: u16,
-    reader: BufReader<TcpStream>,
-    buffer: String,
-    chunked: bool,
+    events: Events,
 }
 
 impl SseStream {
+    /// `POST path` with `body` (and the bearer token when given); the events follow.
     pub async fn open(
         addr: SocketAddr,
         path: &str,
         token: Option<&str>,
         body: &Value,
     ) -> SseStream {
-        let body = serde_json::to_vec(body).expect("json");
-        let mut stream = TcpStream::connect(addr).await.expect("connect");
-        stream
-            .write_all(&request_bytes("POST", path, token, Some(&body)))
+        let response = with_token_and_body(request(addr, "POST", path), token, Some(body))
+            .send()
             .await
-            .expect("write");
-        let mut reader = BufReader::new(stream);
-        let (status, headers) = read_head(&mut reader).await;
-        let chunked = headers
-            .iter()
-            .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+            .expect("the daemon answers");
         SseStream {
-            status,
-            reader,
-            buffer: String::new(),
-            chunked,
+            status: response.status().as_u16(),
+            events: Box::pin(response.bytes_stream().eventsource()),
         }
     }
 
-    /// The next event, or `None` at the end of the stream.
+    /// The next event, or `None` at the end of the stream (or when the connection breaks).
     pub async fn next(&mut self) -> Option<Sse> {
-        loop {
-            if let Some(end) = self.buffer.find("\n\n") {
-                let frame: String = self.buffer.drain(..end + 2).collect();
-                let mut event = String::new();
-                let mut data = String::new();
-                for line in frame.lines() {
-                    if let Some(v) = line.strip_prefix("event: ") {
-                        event = v.to_owned();
-                    } else if let Some(v) = line.strip_prefix("data: ") {
-                        data.push_str(v);
-                    }
-                }
-                return Some(Sse {
-                    event,
-                    data: serde_json::from_str(&data).unwrap_or(Value::Null),
-                });
-            }
-            let more = if self.chunked {
-                read_chunk(&mut self.reader).await?
-            } else {
-                let mut buf = vec![0; 4096];
-                let n = self.reader.read(&mut buf).await.ok()?;
-                if n == 0 {
-                    return None;
-                }
-                buf.truncate(n);
-                buf
-            };
-            self.buffer.push_str(&String::from_utf8_lossy(&more));
-        }
+        let event = self.events.next().await?.ok()?;
+        Some(Sse {
+            event: event.event,
+            data: serde_json::from_str(&event.data).unwrap_or(Value::Null),
+        })
     }
 
     /// The first event named `name`, skipping those before it.

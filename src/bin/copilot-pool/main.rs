@@ -4,7 +4,6 @@
 mod config;
 mod demo;
 mod doctor;
-mod http_client;
 mod install;
 mod model;
 mod run;

@@ -1,16 +1,24 @@
-//! `copilot-pool status`: asks a running daemon for its pool snapshot (`GET /v1/pool`) and
-//! prints it as a table.
+//! `copilot-pool status`: asks a running daemon for its pool snapshot (`GET /v1/pool`,
+//! through `reqwest` over plain HTTP) and prints it as a table.
 
 use std::fmt::Write as _;
+use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
+use reqwest::StatusCode;
+use reqwest::header::{AUTHORIZATION, HeaderValue};
 use serde::Deserialize;
 
 use copilot_pool::secret::Secret;
 
 use crate::config::API_TOKEN_ENV;
-use crate::http_client;
+
+/// The whole exchange (connect, send, read the body) must finish within this.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Largest response body accepted.
+const MAX_BODY_BYTES: usize = 16 << 20;
 
 /// The daemon's address when `--url` is not given.
 pub const DEFAULT_URL: &str = "http://127.0.0.1:7878";
@@ -72,8 +80,6 @@ pub struct Totals {
 }
 
 pub async fn status(args: StatusArgs) -> Result<()> {
-    let base = args.url.trim_end_matches('/');
-    let url = format!("{base}/v1/pool");
     if args.api_token.is_some() {
         bail!("{}", crate::config::TOKEN_ON_ARGV);
     }
@@ -84,18 +90,71 @@ pub async fn status(args: StatusArgs) -> Result<()> {
             .filter(|t| !t.is_empty())
             .map(Secret::new),
     };
-    let token = token.as_ref().map(|t| t.expose());
-    let (code, body) = match http_client::get(&url, token).await {
-        Ok(response) => response,
-        Err(err) if http_client::is_connection_refused(&err) => bail!(
-            "no copilot-pool daemon at {} (start one with `copilot-pool serve`)",
-            args.url
+    let snapshot = fetch(&args.url, token.as_ref()).await?;
+    print!("{}", render(&snapshot));
+    Ok(())
+}
+
+/// `GET {base}/v1/pool`, with the bearer token when given, and the snapshot it answers.
+/// Every failure says what to do: no daemon, a refused token, https, a non-2xx answer
+/// (with its body), or a body that is not a snapshot.
+pub async fn fetch(base: &str, token: Option<&Secret>) -> Result<PoolSnapshot> {
+    let url = format!("{}/v1/pool", base.trim_end_matches('/'));
+    let parsed = reqwest::Url::parse(&url)
+        .with_context(|| format!("{base}: not a URL; use http://host:port"))?;
+    match parsed.scheme() {
+        "http" => {}
+        "https" => bail!(
+            "{base}: https is not supported (`status` speaks plain HTTP only, without TLS, \
+             like the daemon); use http:// to a local daemon"
         ),
-        Err(err) => return Err(err),
+        other => bail!("{base}: unsupported scheme {other:?}; use http://host:port"),
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        bail!("{base}: credentials in the URL are not supported; use an API token");
+    }
+    let client = reqwest::Client::builder()
+        .timeout(TIMEOUT)
+        // The daemon is local: never through a proxy from the environment, never redirected.
+        .no_proxy()
+        .redirect(reqwest::redirect::Policy::none())
+        .user_agent(concat!("copilot-pool/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .context("building the HTTP client")?;
+    let mut request = client
+        .get(parsed)
+        .header(reqwest::header::ACCEPT, "application/json");
+    if let Some(token) = token {
+        let mut value = HeaderValue::from_str(&format!("Bearer {}", token.expose())).map_err(|_| {
+            anyhow!(
+                "the API token holds a character not allowed in an HTTP header (a line break?); \
+                 write the token alone on the first line of its file"
+            )
+        })?;
+        value.set_sensitive(true);
+        request = request.header(AUTHORIZATION, value);
+    }
+    let (code, body) = match exchange(request).await {
+        Ok(answer) => answer,
+        Err(err) if is_connection_refused(&err) => {
+            bail!("no copilot-pool daemon at {base} (start one with `copilot-pool serve`)")
+        }
+        Err(err) if err.is_timeout() => bail!(
+            "GET {url}: no complete answer within {TIMEOUT:?}; is the daemon at {base} stuck?"
+        ),
+        Err(err) => return Err(anyhow!(err).context(format!("GET {url}"))),
     };
+    let Some(body) = body else {
+        bail!(
+            "GET {url} answered {} with more than {MAX_BODY_BYTES} bytes; is {base} a \
+             copilot-pool daemon?",
+            code.as_u16()
+        );
+    };
+    let body = String::from_utf8_lossy(&body);
     match code {
-        200 => {}
-        401 => bail!(
+        StatusCode::OK => {}
+        StatusCode::UNAUTHORIZED => bail!(
             "the daemon needs an API token (--api-token-file PATH or {API_TOKEN_ENV}){}",
             if token.is_some() {
                 "; the one given was refused"
@@ -103,12 +162,41 @@ pub async fn status(args: StatusArgs) -> Result<()> {
                 ""
             }
         ),
-        other => bail!("GET {url} answered {other}: {}", body.trim()),
+        other => bail!("GET {url} answered {}: {}", other.as_u16(), body.trim()),
     }
-    let snapshot: PoolSnapshot = serde_json::from_str(&body)
-        .with_context(|| format!("GET {url} answered 200 with an unexpected body: {body}"))?;
-    print!("{}", render(&snapshot));
-    Ok(())
+    serde_json::from_str(&body)
+        .with_context(|| format!("GET {url} answered 200 with an unexpected body: {body}"))
+}
+
+/// Sends `request` and reads the answer's body; `None` for a body larger than
+/// [`MAX_BODY_BYTES`] (no snapshot is that large).
+async fn exchange(
+    request: reqwest::RequestBuilder,
+) -> reqwest::Result<(StatusCode, Option<Vec<u8>>)> {
+    let mut response = request.send().await?;
+    let code = response.status();
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await? {
+        if body.len() + chunk.len() > MAX_BODY_BYTES {
+            return Ok((code, None));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok((code, Some(body)))
+}
+
+/// True when nothing listens at the address (the connection was refused).
+fn is_connection_refused(err: &reqwest::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cause {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// The snapshot as text: a summary line, a totals line, then one row per process.
@@ -159,6 +247,146 @@ pub fn render(s: &PoolSnapshot) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::Router;
+    use axum::http::{HeaderMap, StatusCode as Code};
+    use axum::routing::get;
+
+    const SNAPSHOT: &str = r#"{"processes":[],"waiters":2,"conversations":3,"leased":1,"draining":true,"totals":{"turns":19}}"#;
+
+    /// Serves `router` on a loopback port until the test ends; its base URL.
+    async fn serve(router: Router) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        format!("http://{addr}")
+    }
+
+    /// A daemon stand-in whose `/v1/pool` wants `Bearer s3cret`.
+    async fn daemon_with_token() -> String {
+        serve(Router::new().route(
+            "/v1/pool",
+            get(|headers: HeaderMap| async move {
+                match headers.get("authorization").map(|v| v.as_bytes()) {
+                    Some(b"Bearer s3cret") => (Code::OK, SNAPSHOT),
+                    _ => (Code::UNAUTHORIZED, ""),
+                }
+            }),
+        ))
+        .await
+    }
+
+    /// A daemon stand-in whose `/v1/pool` answers `code` with `body`.
+    async fn daemon_answering(code: Code, body: String) -> String {
+        serve(Router::new().route("/v1/pool", get(move || async move { (code, body) }))).await
+    }
+
+    #[tokio::test]
+    async fn fetches_the_snapshot_sending_the_bearer_token() {
+        let base = daemon_with_token().await;
+        // A trailing slash on the base URL is fine.
+        let snapshot = fetch(&format!("{base}/"), Some(&Secret::new("s3cret".to_owned())))
+            .await
+            .expect("snapshot");
+        assert_eq!(
+            (snapshot.waiters, snapshot.conversations, snapshot.leased),
+            (2, 3, 1)
+        );
+        assert!(snapshot.draining);
+        assert_eq!(snapshot.totals.turns, 19);
+    }
+
+    #[tokio::test]
+    async fn a_missing_or_refused_token_says_how_to_give_one() {
+        let base = daemon_with_token().await;
+        let missing = fetch(&base, None).await.unwrap_err().to_string();
+        assert!(missing.contains("--api-token-file PATH"), "{missing}");
+        assert!(missing.contains(API_TOKEN_ENV), "{missing}");
+        assert!(!missing.contains("refused"), "{missing}");
+        let wrong = fetch(&base, Some(&Secret::new("nope".to_owned())))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(wrong.contains("the one given was refused"), "{wrong}");
+        assert!(!wrong.contains("nope"), "{wrong}");
+    }
+
+    #[tokio::test]
+    async fn a_token_that_is_no_header_value_is_refused_without_showing_it() {
+        let base = daemon_with_token().await;
+        let err = fetch(&base, Some(&Secret::new("s3cret\nX-Evil: 1".to_owned())))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line break"), "{err}");
+        assert!(!err.contains("s3cret"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_non_2xx_answer_is_an_error_with_its_status_and_body() {
+        let base = daemon_answering(Code::SERVICE_UNAVAILABLE, "draining\n".to_owned()).await;
+        let err = fetch(&base, None).await.unwrap_err().to_string();
+        assert!(
+            err.ends_with(&format!("GET {base}/v1/pool answered 503: draining")),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_that_is_no_snapshot_is_an_error_showing_it() {
+        let base = daemon_answering(Code::OK, "<html>a proxy</html>".to_owned()).await;
+        let err = format!("{:#}", fetch(&base, None).await.unwrap_err());
+        assert!(
+            err.contains("answered 200 with an unexpected body: <html>a proxy</html>"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_oversized_body_is_refused_without_printing_it() {
+        let base = daemon_answering(Code::OK, "x".repeat(MAX_BODY_BYTES + 1)).await;
+        let err = format!("{:#}", fetch(&base, None).await.unwrap_err());
+        assert!(err.contains("more than 16777216 bytes"), "{err}");
+        assert!(err.len() < 500, "{} bytes of error", err.len());
+    }
+
+    #[tokio::test]
+    async fn nothing_listening_says_how_to_start_a_daemon() {
+        // Bind then drop, so the port is (very likely) closed.
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.local_addr().expect("addr").port()
+        };
+        let base = format!("http://127.0.0.1:{port}");
+        let err = fetch(&base, None).await.unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!("no copilot-pool daemon at {base} (start one with `copilot-pool serve`)")
+        );
+    }
+
+    #[tokio::test]
+    async fn https_and_other_schemes_are_refused_with_a_reason() {
+        let err = fetch("https://127.0.0.1:7878", None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("without TLS"), "{err}");
+        assert!(err.contains("http://"), "{err}");
+        let err = fetch("ftp://127.0.0.1", None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unsupported scheme"), "{err}");
+        let err = fetch("127.0.0.1:7878", None).await.unwrap_err().to_string();
+        assert!(err.contains("use http://host:port"), "{err}");
+        let err = fetch("http://user:pw@127.0.0.1:7878", None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("credentials in the URL"), "{err}");
+    }
 
     #[test]
     fn renders_the_daemon_snapshot() {
