@@ -3,17 +3,19 @@
 use serde::{Deserialize, Serialize};
 
 /// A worker's state as the pool sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum WorkerState {
     /// Takes new conversations.
+    #[default]
     Live,
     /// Rotated away or recycled: takes nothing new, ends when its leases end.
     Draining,
 }
 
 /// One worker in the snapshot.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 #[non_exhaustive]
 pub struct WorkerStatus {
     /// Short hash of the worker's key (no secret, no path).
@@ -53,6 +55,16 @@ pub struct PoolTotals {
     pub evicted: u64,
     /// Turns completed through leases.
     pub turns: u64,
+}
+
+impl WorkerState {
+    /// As on the wire (`live`, `draining`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerState::Live => "live",
+            WorkerState::Draining => "draining",
+        }
+    }
 }
 
 /// The pool at one moment. Serialized once for every reader: `GET /v1/pool` sends it as it

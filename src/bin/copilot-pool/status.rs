@@ -8,7 +8,6 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, HeaderValue};
-use serde::Deserialize;
 
 use copilot_pool::secret::Secret;
 
@@ -37,47 +36,9 @@ pub struct StatusArgs {
     pub api_token: Option<String>,
 }
 
-/// The snapshot `GET /v1/pool` returns. Every field defaults, so an older or newer daemon
-/// still prints what both know.
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct PoolSnapshot {
-    #[serde(alias = "workers")]
-    pub processes: Vec<ProcessRow>,
-    pub waiters: u64,
-    pub conversations: u64,
-    pub leased: u64,
-    #[serde(alias = "closed")]
-    pub draining: bool,
-    pub totals: Totals,
-}
-
-/// One runtime process.
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct ProcessRow {
-    pub key_hash: String,
-    pub pid: u32,
-    pub state: String,
-    pub sessions: u64,
-    pub leases: u64,
-    pub turns: u64,
-    pub restarts: u64,
-    pub rss_bytes: u64,
-}
-
-/// Counters since the daemon started.
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub struct Totals {
-    pub processes_spawned: u64,
-    pub restarts: u64,
-    pub crashes: u64,
-    pub resumed: u64,
-    pub created: u64,
-    pub evicted: u64,
-    pub turns: u64,
-}
+/// What `GET /v1/pool` answers: the library's own status type, read back as it was sent.
+/// Every field defaults, so an older or newer daemon still prints what both know.
+pub type PoolSnapshot = copilot_pool::PoolStatus;
 
 pub async fn status(args: StatusArgs) -> Result<()> {
     if args.api_token.is_some() {
@@ -206,19 +167,19 @@ pub fn render(s: &PoolSnapshot) -> String {
     let _ = writeln!(
         out,
         "{} process{}, {} conversations ({} leased), {} waiting{}",
-        s.processes.len(),
-        if s.processes.len() == 1 { "" } else { "es" },
+        s.workers.len(),
+        if s.workers.len() == 1 { "" } else { "es" },
         s.conversations,
         s.leased,
         s.waiters,
-        if s.draining { ", DRAINING" } else { "" }
+        if s.closed { ", DRAINING" } else { "" }
     );
     let _ = writeln!(
         out,
         "totals: spawned {}, restarts {}, crashes {}, resumed {}, created {}, evicted {}, turns {}",
         t.processes_spawned, t.restarts, t.crashes, t.resumed, t.created, t.evicted, t.turns
     );
-    if s.processes.is_empty() {
+    if s.workers.is_empty() {
         let _ = writeln!(out, "no runtime processes");
         return out;
     }
@@ -227,12 +188,12 @@ pub fn render(s: &PoolSnapshot) -> String {
         "{:>8}  {:<8}  {:>8}  {:>6}  {:>7}  {:>8}  {:>8}  KEY",
         "PID", "STATE", "SESSIONS", "LEASES", "TURNS", "RESTARTS", "RSS MiB"
     );
-    for p in &s.processes {
+    for p in &s.workers {
         let _ = writeln!(
             out,
             "{:>8}  {:<8}  {:>8}  {:>6}  {:>7}  {:>8}  {:>8.1}  {}",
             p.pid,
-            p.state,
+            p.state.as_str(),
             p.sessions,
             p.leases,
             p.turns,
@@ -293,7 +254,7 @@ mod tests {
             (snapshot.waiters, snapshot.conversations, snapshot.leased),
             (2, 3, 1)
         );
-        assert!(snapshot.draining);
+        assert!(snapshot.closed);
         assert_eq!(snapshot.totals.turns, 19);
     }
 
