@@ -14,8 +14,8 @@ use tokio::sync::OwnedMutexGuard;
 use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
 use crate::turn::TurnOutcome;
-use crate::turn::driver::{TurnDriver, refuse_stray, run_hook, safe_hook};
-use crate::worker::{Session, SessionUpdate, WorkerError};
+use crate::turn::driver::{TurnDriver, run_hook, safe_hook};
+use crate::worker::{Session, Settled, WorkerError};
 
 use super::actor::{PoolMsg, Settle, WorkerId};
 use super::error::PoolError;
@@ -129,12 +129,7 @@ impl Lease {
         let session = self.session_mut()?;
         // Leftovers of earlier activity (late events of an aborted turn) are not this turn's;
         // requests among them are refused so the runtime never waits on them.
-        let answerer = session.answerer();
-        while let Some(update) = session.try_next() {
-            if let SessionUpdate::Event(event) = update {
-                refuse_stray(&event, &answerer);
-            }
-        }
+        session.discard_waiting();
         session.send(prompt).await.map_err(|e| self.lose(e))?;
         self.driver.begin();
         self.sent += 1;
@@ -331,26 +326,9 @@ impl Drop for Lease {
         // before the conversation is granted anywhere else.
         let wait = self.abort_settle_timeout;
         rt.spawn(async move {
-            let ended = tokio::time::timeout(wait, async {
-                if session.abort().await.is_err() {
-                    return false;
-                }
-                while let Some(update) = session.next().await {
-                    match update {
-                        SessionUpdate::Event(e) if matches!(e.kind, EventKind::SessionIdle(_)) => {
-                            return true;
-                        }
-                        SessionUpdate::Ended(_) => return false,
-                        _ => {}
-                    }
-                }
-                false
-            })
-            .await;
-            let settle = if matches!(ended, Ok(true)) {
-                Settle::Park
-            } else {
-                Settle::Unsettled
+            let settle = match session.abort_and_settle(wait).await {
+                Settled::Idle => Settle::Park,
+                Settled::WorkerEnded | Settled::Unsettled => Settle::Unsettled,
             };
             ret.send(Some(session), settle);
         });

@@ -23,7 +23,7 @@ use crate::rpc::events::ExternalToolRequestedData;
 use crate::rpc::messages::{HookInvocation, UserInputRequest};
 use crate::rpc::{EventKind, SessionEvent};
 use crate::transcript::{Entry, Role, Transcript};
-use crate::worker::{Answerer, ServerRequest, Session, SessionUpdate, ToolResult};
+use crate::worker::{Answerer, ServerRequest, Session, SessionUpdate, Settled, ToolResult};
 
 use super::hooks::{HookFuture, TurnHooks, for_hook_type};
 use super::tools::{GatewayTool, ToolCall, ToolConcurrency};
@@ -322,31 +322,12 @@ impl TurnDriver {
         }
     }
 
-    /// Aborts the turn, waits (bounded) for its `session.idle`, and returns `error`. The
-    /// conversation stays resumable.
+    /// Aborts the turn, waits (bounded by the abort drain, refusing stray requests) for its
+    /// `session.idle`, and returns `error`. The conversation stays resumable.
     async fn abort_with(&mut self, session: &mut Session, error: PoolError) -> PoolError {
         tracing::warn!(%error, "Aborting a turn.");
         self.cancel_pending();
-        let mut reached_idle = false;
-        if session.abort().await.is_ok() {
-            let answerer = session.answerer();
-            let drained = tokio::time::timeout(self.abort_drain, async {
-                while let Some(update) = session.next().await {
-                    match update {
-                        SessionUpdate::Event(e) if matches!(e.kind, EventKind::SessionIdle(_)) => {
-                            return true;
-                        }
-                        SessionUpdate::Ended(_) => return false,
-                        SessionUpdate::Event(e) => refuse_stray(&e, &answerer),
-                        // Server requests still arriving are answered by their drop.
-                        _ => {}
-                    }
-                }
-                false
-            })
-            .await;
-            reached_idle = matches!(drained, Ok(true));
-        }
+        let reached_idle = session.abort_and_settle(self.abort_drain).await == Settled::Idle;
         if !reached_idle {
             tracing::warn!(
                 "An aborted turn did not reach session.idle; the session will not be reused."
@@ -735,31 +716,6 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "unknown panic".to_owned())
-}
-
-/// Answers a tool call or permission prompt that arrived outside a running turn.
-pub(crate) fn refuse_stray(event: &SessionEvent, answerer: &Answerer) {
-    let answerer = answerer.clone();
-    match &event.kind {
-        EventKind::ExternalToolRequested(req) => {
-            let id = req.request_id.clone();
-            tokio::spawn(async move {
-                let result =
-                    ToolResult::Error("the tool call arrived outside a running turn".to_owned());
-                let _ = answerer.answer_tool_call(&id, result).await;
-            });
-        }
-        EventKind::PermissionRequested(req) if req.resolved_by_hook != Some(true) => {
-            let id = req.request_id.clone();
-            tokio::spawn(async move {
-                let decision = crate::permission::PermissionDecision::Reject {
-                    feedback: "the permission prompt arrived outside a running turn".to_owned(),
-                };
-                let _ = answerer.answer_permission(&id, decision.to_wire()).await;
-            });
-        }
-        _ => {}
-    }
 }
 
 impl Drop for TurnDriver {
