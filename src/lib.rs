@@ -26,6 +26,7 @@
 pub mod auth;
 pub mod home;
 pub mod metrics;
+mod panic_guard;
 pub mod permission;
 pub mod pool;
 pub mod process;

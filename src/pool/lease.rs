@@ -11,10 +11,11 @@ use ractor::ActorRef;
 use serde_json::json;
 use tokio::sync::OwnedMutexGuard;
 
+use crate::panic_guard::call_guarded;
 use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
 use crate::turn::TurnOutcome;
-use crate::turn::driver::{TurnDriver, run_hook, safe_hook};
+use crate::turn::driver::{TurnDriver, run_hook};
 use crate::worker::{Session, Settled, WorkerError};
 
 use super::actor::{PoolMsg, Settle, WorkerId};
@@ -220,7 +221,12 @@ impl Lease {
         let failures = std::sync::atomic::AtomicU32::new(0);
         if let Some(h) = &hooks {
             let input = json!({"trigger": "manual", "customInstructions": custom_instructions});
-            run_hook(safe_hook(|| h.before_compaction(input)), limit, &failures).await;
+            run_hook(
+                call_guarded(|| h.before_compaction(input)),
+                limit,
+                &failures,
+            )
+            .await;
         }
         let session = self.session_mut()?;
         let result = session
@@ -233,7 +239,12 @@ impl Lease {
                 "tokensRemoved": result.tokens_removed,
                 "messagesRemoved": result.messages_removed,
             });
-            run_hook(safe_hook(|| h.after_compaction(output)), limit, &failures).await;
+            run_hook(
+                call_guarded(|| h.after_compaction(output)),
+                limit,
+                &failures,
+            )
+            .await;
         }
         Ok(result)
     }
