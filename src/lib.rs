@@ -24,6 +24,7 @@
 //! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.
 
 pub mod auth;
+mod deadline;
 pub mod home;
 pub mod metrics;
 mod panic_guard;

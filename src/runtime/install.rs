@@ -191,13 +191,6 @@ impl NpmCommand {
     }
 }
 
-/// The deadline `timeout` from now (far in the future if that is not representable).
-fn deadline_after(timeout: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(timeout)
-        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 60 * 60))
-}
-
 /// [`install_with_timeout`] for a given platform, with the npm lookup injected (tests use a
 /// fake npm).
 async fn install_with(
@@ -207,7 +200,7 @@ async fn install_with(
     timeout: Duration,
     find_npm: impl FnOnce() -> Option<NpmCommand>,
 ) -> Result<Installed, InstallError> {
-    let deadline = deadline_after(timeout);
+    let deadline = crate::deadline::from_now(timeout);
     create_dir_all(cache_dir).await?;
     let lock_path = flavour.lock_path(cache_dir);
     tracing::debug!(lock = %lock_path.display(), "waiting for the runtime install lock");

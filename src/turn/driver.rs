@@ -14,6 +14,7 @@ use tokio::sync::{RwLock, mpsc};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
+use crate::deadline;
 use crate::metrics::{self, ToolOutcome, TurnEnd};
 use crate::panic_guard::{Guarded, call_guarded};
 use crate::permission::{PermissionRequest, decide_safely};
@@ -52,13 +53,6 @@ struct Pending {
 struct PendingQuestion {
     id: u64,
     cancel: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-/// `now + d`, saturating far in the future instead of overflowing.
-fn deadline_after(d: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(d)
-        .unwrap_or_else(|| now + Duration::from_secs(60 * 60 * 24 * 365))
 }
 
 /// The per-conversation turn machinery (lives in the lease).
@@ -260,10 +254,7 @@ impl TurnDriver {
     /// inactivity timeout (paused while something is pending on our side).
     fn next_deadline(&self) -> (Instant, TimeoutKind, String) {
         let t = &self.handlers.timeouts;
-        let absolute = self
-            .started
-            .checked_add(t.absolute)
-            .unwrap_or_else(|| deadline_after(t.absolute));
+        let absolute = deadline::from(self.started, t.absolute);
         let mut best = (absolute, TimeoutKind::Absolute, String::new());
         // A pending item is named by its request id.
         let pending = self.pending.iter().min_by_key(|(_, p)| p.deadline);
@@ -271,10 +262,7 @@ impl TurnDriver {
             Some((id, p)) if p.deadline < best.0 => best = (p.deadline, p.kind, id.clone()),
             Some(_) => {}
             None if self.question.is_none() => {
-                let idle = self
-                    .last_activity
-                    .checked_add(t.inactivity)
-                    .unwrap_or_else(|| deadline_after(t.inactivity));
+                let idle = deadline::from(self.last_activity, t.inactivity);
                 if idle < best.0 {
                     best = (idle, TimeoutKind::Inactivity, String::new());
                 }
@@ -569,7 +557,7 @@ impl TurnDriver {
             request_id,
             Pending {
                 kind: TimeoutKind::Tool,
-                deadline: deadline_after(timeout),
+                deadline: deadline::from_now(timeout),
                 limit: timeout,
                 label: tool.name.clone(),
                 task: task.abort_handle(),
@@ -597,7 +585,7 @@ impl TurnDriver {
             request_id.to_owned(),
             Pending {
                 kind: TimeoutKind::Permission,
-                deadline: deadline_after(self.handlers.timeouts.permission),
+                deadline: deadline::from_now(self.handlers.timeouts.permission),
                 limit: self.handlers.timeouts.permission,
                 label: String::new(),
                 task: task.abort_handle(),
