@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use copilot_pool::pool::{OpenReason, Pool, PoolError, PoolEvent};
+use copilot_pool::pool::{LeaseRequest, OpenReason, Pool, PoolError, PoolEvent};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use support::pool_fixture::{Fixture, shutdown_leaves_nothing, wait_event};
@@ -269,6 +269,20 @@ async fn stray_after_abort_pool(fx: &Fixture) -> Pool {
     Pool::start(config).await.expect("pool")
 }
 
+/// Leases `req` again (after the previous lease's return): it must still be attached to
+/// the process `pid`, which was not stopped. Then shuts the pool down.
+async fn the_conversation_is_parked_on(pool: &Pool, req: LeaseRequest, pid: u32) {
+    let lease = pool.lease(req).await.expect("lease again");
+    assert_eq!(
+        lease.reason(),
+        OpenReason::Attached,
+        "the conversation was parked"
+    );
+    assert_eq!(lease.worker_pid(), pid, "its process was not stopped");
+    drop(lease);
+    shutdown_leaves_nothing(pool).await;
+}
+
 #[tokio::test]
 async fn a_dropped_lease_refuses_a_tool_call_its_aborted_turn_asks_for_and_keeps_the_conversation_on_its_process()
  {
@@ -282,18 +296,7 @@ async fn a_dropped_lease_refuses_a_tool_call_its_aborted_turn_asks_for_and_keeps
     lease.send("this turn is dropped").await.expect("send");
     // Dropped mid-turn: the abort's drain refuses the stray tool call, so the turn settles.
     drop(lease);
-    let lease = pool
-        .lease(fx.request("agent-a", "conv"))
-        .await
-        .expect("lease after the drop");
-    assert_eq!(
-        lease.reason(),
-        OpenReason::Attached,
-        "the conversation was parked"
-    );
-    assert_eq!(lease.worker_pid(), pid, "its process was not stopped");
-    drop(lease);
-    shutdown_leaves_nothing(&pool).await;
+    the_conversation_is_parked_on(&pool, fx.request("agent-a", "conv"), pid).await;
 }
 
 #[tokio::test]
@@ -311,15 +314,7 @@ async fn a_timed_out_turn_refuses_a_tool_call_its_abort_asks_for_and_keeps_the_c
         "{timed_out:?}"
     );
     drop(lease);
-    let lease = pool.lease(req).await.expect("lease after the timeout");
-    assert_eq!(
-        lease.reason(),
-        OpenReason::Attached,
-        "the conversation was parked"
-    );
-    assert_eq!(lease.worker_pid(), pid, "its process was not stopped");
-    drop(lease);
-    shutdown_leaves_nothing(&pool).await;
+    the_conversation_is_parked_on(&pool, req, pid).await;
 }
 
 #[tokio::test]
