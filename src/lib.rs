@@ -70,9 +70,11 @@
 //! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.
 
 pub mod auth;
+mod deadline;
 pub mod home;
 pub mod kinds;
 pub mod metrics;
+mod panic_guard;
 pub mod permission;
 pub mod pool;
 pub mod process;

@@ -13,14 +13,13 @@
 mod path;
 mod shell;
 
-use std::any::Any;
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 
-use futures_util::FutureExt;
 use serde_json::{Value, json};
+
+use crate::panic_guard::call_guarded;
 
 /// What the runtime asks permission for (parsed leniently from `permissionRequest`).
 #[derive(Debug, Clone, PartialEq)]
@@ -302,13 +301,9 @@ pub async fn decide_safely(
 ) -> PermissionDecision {
     let kind = request.kind.clone();
     // `decide` itself may panic before returning a future; the future may panic when polled.
-    let outcome = match std::panic::catch_unwind(AssertUnwindSafe(|| policy.decide(request))) {
-        Ok(future) => match AssertUnwindSafe(future).catch_unwind().await {
-            Ok(result) => result,
-            Err(payload) => Err(panic_message(payload.as_ref())),
-        },
-        Err(payload) => Err(panic_message(payload.as_ref())),
-    };
+    let outcome = call_guarded(|| policy.decide(request))
+        .await
+        .unwrap_or_else(|panic| Err(format!("panicked: {panic}")));
     match outcome {
         Ok(decision) => decision,
         Err(message) => {
@@ -317,16 +312,6 @@ pub async fn decide_safely(
                 "permission policy failed: {message}; rejected (fail closed)"
             ))
         }
-    }
-}
-
-fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        format!("panicked: {s}")
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        format!("panicked: {s}")
-    } else {
-        "panicked".to_owned()
     }
 }
 

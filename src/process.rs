@@ -1,26 +1,30 @@
-//! One child process in its own process group: spawn, stderr tail, exit status, and killing
-//! the whole group (TERM, grace, KILL) on every exit path, drops included.
+//! Children in their own process groups: the one guard that signals and kills a group
+//! ([`ProcessGroup`]), a long-lived child with its stderr tail and exit watch
+//! ([`ChildGroup`]), and a short-lived command run to its end by a deadline ([`GroupLeader`]).
 //!
 //! This module does not speak JSON-RPC and does not know what program it runs. Its
-//! invariants: the group dies with its leader (when the leader exits, the rest of the group
-//! is killed before the leader is reaped, while the group id is still reserved by the zombie
-//! leader); a group is never signalled after its leader was reaped (its id could belong to a
-//! new group by then); dropping a [`ChildGroup`] kills the group; the leader is always reaped.
+//! invariants: a group is never signalled after its leader was reaped (its id could belong to
+//! a new group by then); dropping a [`ProcessGroup`] (and so a [`ChildGroup`] or a
+//! [`GroupLeader`]) kills the group; a [`ChildGroup`]'s group dies with its leader (when the
+//! leader exits, the rest of the group is killed before the leader is reaped, while the group
+//! id is still reserved by the zombie leader); the leader is always reaped.
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::fmt;
+use std::future::Future;
 use std::path::PathBuf;
-use std::process::{ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{ExitStatus, Output, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, killpg};
 use nix::sys::wait::{Id, WaitPidFlag, waitid};
 use nix::unistd::Pid;
-use tokio::io::AsyncReadExt;
-use tokio::process::{ChildStdin, ChildStdout, Command};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 /// Bytes of stderr kept per child (the most recent ones).
 pub const STDERR_TAIL_BYTES: usize = 64 * 1024;
@@ -171,12 +175,215 @@ pub struct ChildIo {
     pub stdout: ChildStdout,
 }
 
+/// The kill switch of one process group whose leader we spawned (with `process_group(0)`,
+/// so the group id is the leader's pid).
+///
+/// Signals reach every member of the group while its leader is unreaped: an exited but
+/// unreaped leader (a zombie) keeps the id reserved. Once whoever reaps the leader has said so
+/// ([`ProcessGroup::leader_reaped`] or [`GroupReaper::reaped`]), the id may belong to another
+/// group and is never signalled again. Dropping the guard SIGKILLs the group.
+#[derive(Debug)]
+pub struct ProcessGroup {
+    /// The group id until the leader is reaped; signalling happens under this lock, so a
+    /// reaper that clears it first never races a signal.
+    id: Arc<Mutex<Option<Pid>>>,
+}
+
+impl ProcessGroup {
+    /// The guard of the group led by `leader_pid` (which must not have been reaped yet).
+    /// A pid that cannot lead a child's group (0, which would mean our own group, or one out
+    /// of range) gives a guard that never signals.
+    pub fn of_leader(leader_pid: u32) -> Self {
+        let id = i32::try_from(leader_pid)
+            .ok()
+            .filter(|pid| *pid > 1)
+            .map(Pid::from_raw);
+        ProcessGroup {
+            id: Arc::new(Mutex::new(id)),
+        }
+    }
+
+    /// Sends `signal` to every process of the group, unless its leader was reaped. Returns
+    /// whether the signal was sent; errors (the group is gone) count as not sent.
+    pub fn signal(&self, signal: Signal) -> bool {
+        signal_group(&self.id, signal)
+    }
+
+    /// SIGKILLs the whole group, unless its leader was reaped.
+    pub fn kill(&self) {
+        self.signal(Signal::SIGKILL);
+    }
+
+    /// Records that the leader has been reaped (or may have been): the group is never
+    /// signalled again.
+    pub fn leader_reaped(&self) {
+        forget(&self.id);
+    }
+
+    /// The handle for the task that reaps the leader (it does not kill on drop).
+    pub fn reaper(&self) -> GroupReaper {
+        GroupReaper {
+            id: Arc::clone(&self.id),
+        }
+    }
+
+    /// Ends the group: SIGTERM to the group, up to `grace` for `exited` (the leader's exit)
+    /// to complete, then SIGKILL to the group and the rest of `exited`.
+    pub async fn terminate<T>(&self, grace: Duration, exited: impl Future<Output = T>) -> T {
+        let mut exited = std::pin::pin!(exited);
+        self.signal(Signal::SIGTERM);
+        match tokio::time::timeout(grace, &mut exited).await {
+            Ok(done) => done,
+            Err(_) => {
+                tracing::debug!(group = ?self.id(), ?grace, "Child ignored SIGTERM; killing its group.");
+                self.kill();
+                exited.await
+            }
+        }
+    }
+
+    fn id(&self) -> Option<Pid> {
+        *self.id.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        // Synchronous and cheap: the group dies now; whoever owns the leader reaps it.
+        self.kill();
+    }
+}
+
+/// The side of a [`ProcessGroup`] held by the task that reaps its leader.
+#[derive(Debug)]
+pub struct GroupReaper {
+    id: Arc<Mutex<Option<Pid>>>,
+}
+
+impl GroupReaper {
+    /// SIGKILLs the group once its leader has exited and before it is reaped (the zombie
+    /// still reserves the id), then forgets the id: the group dies with its leader.
+    pub fn sweep_exited(&self) {
+        let mut id = self.id.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(group) = id.take() {
+            let _ = killpg(group, Signal::SIGKILL);
+        }
+    }
+
+    /// Records that the leader has been reaped: the group is never signalled again.
+    pub fn reaped(self) {
+        forget(&self.id);
+    }
+}
+
+fn signal_group(id: &Mutex<Option<Pid>>, signal: Signal) -> bool {
+    let id = id.lock().unwrap_or_else(PoisonError::into_inner);
+    match *id {
+        Some(group) => match killpg(group, signal) {
+            Ok(()) => true,
+            Err(nix::errno::Errno::ESRCH) => false,
+            Err(error) => {
+                tracing::warn!(%group, %error, "Could not signal a process group.");
+                false
+            }
+        },
+        None => false,
+    }
+}
+
+fn forget(id: &Mutex<Option<Pid>>) {
+    *id.lock().unwrap_or_else(PoisonError::into_inner) = None;
+}
+
+/// A short-lived child that leads its own process group (spawned with `process_group(0)`),
+/// for commands run to their end, such as an installer. Dropping it kills the group.
+#[derive(Debug)]
+pub struct GroupLeader {
+    child: Child,
+    group: ProcessGroup,
+}
+
+/// A [`GroupLeader`] did not finish by its deadline; its group was killed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the command did not finish by its deadline; its process group was killed")]
+pub struct PastDeadline;
+
+impl GroupLeader {
+    /// Starts `command` as the leader of a new process group (killed with it on drop).
+    pub fn spawn(command: &mut Command) -> std::io::Result<Self> {
+        let child = command.process_group(0).kill_on_drop(true).spawn()?;
+        // `id` is `None` only once the child was reaped (then there is no group to signal).
+        let group = ProcessGroup::of_leader(child.id().unwrap_or(0));
+        Ok(GroupLeader { child, group })
+    }
+
+    /// The leader's pid (its group id), until it is reaped.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// The group's guard.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// Waits for the leader to exit and reaps it (cancel-safe). After this returns, the group
+    /// is never signalled.
+    pub async fn wait(&mut self) -> std::io::Result<ExitStatus> {
+        let status = self.child.wait().await;
+        // On success the leader was reaped; on error it cannot be known not to have been, so
+        // the id is given up either way.
+        self.group.leader_reaped();
+        status
+    }
+
+    /// Reads stdout and stderr (when piped) to their ends while waiting for the exit, until
+    /// `deadline`. Past it, kills the group, waits up to `reap` for the leader, and returns
+    /// [`PastDeadline`].
+    pub async fn output_until(
+        mut self,
+        deadline: Instant,
+        reap: Duration,
+    ) -> Result<std::io::Result<Output>, PastDeadline> {
+        let stdout = self.child.stdout.take();
+        let stderr = self.child.stderr.take();
+        // Reading both pipes while waiting keeps the child from blocking on a full pipe.
+        let finished = tokio::time::timeout_at(deadline, async {
+            tokio::join!(self.wait(), read_all(stdout), read_all(stderr))
+        })
+        .await;
+        match finished {
+            Ok((status, stdout, stderr)) => Ok(status.map(|status| Output {
+                status,
+                stdout,
+                stderr,
+            })),
+            Err(_) => {
+                self.group.kill();
+                let _ = tokio::time::timeout(reap, self.wait()).await;
+                Err(PastDeadline)
+            }
+        }
+    }
+}
+
+/// Reads a pipe to its end (what could be read, if reading fails).
+async fn read_all(pipe: Option<impl AsyncRead + Unpin>) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    if let Some(mut pipe) = pipe {
+        let _ = pipe.read_to_end(&mut bytes).await;
+    }
+    bytes
+}
+
 /// A running child that leads its own process group.
 #[derive(Debug)]
 pub struct ChildGroup {
     pid: u32,
     exit: watch::Receiver<Option<ExitInfo>>,
     stderr: StderrTail,
+    /// Dropped with the `ChildGroup`: kills the group.
+    group: ProcessGroup,
 }
 
 impl ChildGroup {
@@ -220,7 +427,9 @@ impl ChildGroup {
             pid,
             exit: exit_rx,
             stderr: StderrTail::default(),
+            group: ProcessGroup::of_leader(pid),
         };
+        let reaper = group.group.reaper();
 
         let tail = group.stderr.clone();
         tokio::spawn(async move {
@@ -258,12 +467,13 @@ impl ChildGroup {
             if watching {
                 let _ = exited_rx.await;
                 // The leader is a zombie: the id cannot have been reused yet.
-                let _ = killpg(watch_pid, Signal::SIGKILL);
+                reaper.sweep_exited();
             }
             let info = match child.wait().await {
                 Ok(status) => ExitInfo::from_status(status),
                 Err(_) => ExitInfo::Unknown,
             };
+            reaper.reaped();
             tracing::debug!(pid, exit = %info, "Child exited.");
             exit_tx.send_replace(Some(info));
         });
@@ -301,42 +511,18 @@ impl ChildGroup {
         &self.stderr
     }
 
-    /// Sends `signal` to every process of the group, unless the leader has already been
-    /// reaped (the group was swept then, and its id may belong to someone else now).
-    /// Errors (the group is gone) are ignored.
+    /// Sends `signal` to every process of the group, unless the leader has already exited
+    /// (the group was swept then, and once the leader is reaped its id may belong to someone
+    /// else). Errors (the group is gone) are ignored.
     pub fn signal_group(&self, signal: Signal) {
-        if self.exit_info().is_some() {
-            return;
-        }
-        if let Ok(pgid) = i32::try_from(self.pid) {
-            let _ = killpg(Pid::from_raw(pgid), signal);
-        }
+        self.group.signal(signal);
     }
 
     /// Ends the group: SIGTERM to the group, up to `grace` for the leader to exit, then
     /// SIGKILL to the group. Members that outlive the leader are killed when it exits.
     /// Returns how the leader ended.
     pub async fn terminate(&self, grace: Duration) -> ExitInfo {
-        self.signal_group(Signal::SIGTERM);
-        match tokio::time::timeout(grace, self.wait()).await {
-            Ok(info) => info,
-            Err(_) => {
-                tracing::debug!(
-                    pid = self.pid,
-                    ?grace,
-                    "Child ignored SIGTERM; killing its group."
-                );
-                self.signal_group(Signal::SIGKILL);
-                self.wait().await
-            }
-        }
-    }
-}
-
-impl Drop for ChildGroup {
-    fn drop(&mut self) {
-        // Synchronous and cheap: the group dies now; the reaper task collects the leader.
-        self.signal_group(Signal::SIGKILL);
+        self.group.terminate(grace, self.wait()).await
     }
 }
 
@@ -478,6 +664,91 @@ mod tests {
         assert_eq!(info, ExitInfo::Signal(9));
         let left = group_left_after(pgid, Duration::from_secs(5)).await;
         assert!(left.is_empty(), "left behind: {left:?}");
+    }
+
+    fn sh_command(script: &str) -> Command {
+        let mut command = Command::new("/bin/sh");
+        command
+            .args(["-c", script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        command
+    }
+
+    #[test]
+    fn a_guard_without_a_child_group_id_never_signals_our_own_group() {
+        // 0 would mean the caller's own group to killpg(2); SIGWINCH is harmless if sent.
+        for pid in [0, 1, u32::MAX] {
+            let group = ProcessGroup::of_leader(pid);
+            assert!(!group.signal(Signal::SIGWINCH), "{pid}");
+            group.leader_reaped();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_group_leader_reports_its_status_and_both_outputs() {
+        let leader = GroupLeader::spawn(&mut sh_command("echo out; echo err >&2; exit 3")).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let output = leader
+            .output_until(deadline, Duration::from_secs(5))
+            .await
+            .expect("finished before the deadline")
+            .expect("reaped");
+        assert_eq!(output.status.code(), Some(3));
+        assert_eq!(output.stdout, b"out\n");
+        assert_eq!(output.stderr, b"err\n");
+    }
+
+    #[tokio::test]
+    async fn a_group_leader_past_its_deadline_is_killed_with_its_whole_group() {
+        let mut command = sh_command("trap '' TERM; sleep 300 & echo started; sleep 300");
+        command.stdout(Stdio::null());
+        let leader = GroupLeader::spawn(&mut command).unwrap();
+        let pgid = leader.pid().unwrap();
+        let started = std::time::Instant::now();
+        let deadline = Instant::now() + Duration::from_millis(300);
+        let ended = leader.output_until(deadline, Duration::from_secs(5)).await;
+        assert_eq!(ended.err(), Some(PastDeadline));
+        assert!(started.elapsed() < Duration::from_secs(5));
+        let left = group_left_after(pgid, Duration::from_secs(5)).await;
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
+
+    #[tokio::test]
+    async fn dropping_a_group_leader_kills_its_whole_group() {
+        let mut command = sh_command("sleep 300 & echo started; sleep 300");
+        let mut leader = GroupLeader::spawn(&mut command).unwrap();
+        let pgid = leader.pid().unwrap();
+        // Wait until the background sleep exists (the script reports it).
+        let mut stdout = leader.child.stdout.take().unwrap();
+        let mut line = [0u8; 8];
+        stdout.read_exact(&mut line).await.unwrap();
+        assert_eq!(&line, b"started\n");
+        assert!(live_group_members(pgid).len() >= 2);
+        drop(leader);
+        let left = group_left_after(pgid, Duration::from_secs(5)).await;
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
+
+    #[tokio::test]
+    async fn a_group_whose_leader_was_reaped_is_never_signalled_again() {
+        // `cat` runs until its stdin closes.
+        let mut command = sh_command("cat");
+        command.stdin(Stdio::piped());
+        let mut leader = GroupLeader::spawn(&mut command).unwrap();
+        let stdin = leader.child.stdin.take();
+        assert!(
+            leader.group().signal(Signal::SIGCONT),
+            "the live group takes signals"
+        );
+        drop(stdin);
+        assert!(leader.wait().await.unwrap().success());
+        assert!(!leader.group().signal(Signal::SIGCONT));
+        // The same rule for a long-lived child: once its exit is known, its id is forgotten.
+        let (child, _io) = ChildGroup::spawn(&sh("exit 0")).unwrap();
+        child.wait().await;
+        assert!(!child.group.signal(Signal::SIGCONT));
     }
 
     /// Live members of group `pgid` still there after `limit`. Processes we did not spawn

@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use copilot_pool::kinds::TurnEnd;
-use copilot_pool::pool::{OpenReason, Pool, PoolError, PoolEvent};
+use copilot_pool::pool::{LeaseRequest, OpenReason, Pool, PoolError, PoolEvent};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use support::pool_fixture::{Fixture, shutdown_leaves_nothing, wait_event};
@@ -259,6 +259,64 @@ async fn a_turn_that_times_out_and_never_settles_stops_its_process_and_the_conve
     assert_ne!(lease.worker_pid(), stuck_pid);
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
+}
+
+/// A pool of the fake runtime in `stray-after-abort` mode: after an abort it asks for a
+/// client tool call and reaches `session.idle` only once that call is answered.
+async fn stray_after_abort_pool(fx: &Fixture) -> Pool {
+    let mut config = fx.fake_runtime_config("stray-after-abort").await;
+    config.max_processes_per_key = 2;
+    config.abort_settle_timeout = Duration::from_secs(2);
+    config.worker.health_interval = Duration::ZERO;
+    Pool::start(config).await.expect("pool")
+}
+
+/// Leases `req` again (after the previous lease's return): it must still be attached to
+/// the process `pid`, which was not stopped. Then shuts the pool down.
+async fn the_conversation_is_parked_on(pool: &Pool, req: LeaseRequest, pid: u32) {
+    let lease = pool.lease(req).await.expect("lease again");
+    assert_eq!(
+        lease.reason(),
+        OpenReason::Attached,
+        "the conversation was parked"
+    );
+    assert_eq!(lease.worker_pid(), pid, "its process was not stopped");
+    drop(lease);
+    shutdown_leaves_nothing(pool).await;
+}
+
+#[tokio::test]
+async fn a_dropped_lease_refuses_a_tool_call_its_aborted_turn_asks_for_and_keeps_the_conversation_on_its_process()
+ {
+    let fx = Fixture::new().await;
+    let pool = stray_after_abort_pool(&fx).await;
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    let pid = lease.worker_pid();
+    lease.send("this turn is dropped").await.expect("send");
+    // Dropped mid-turn: the abort's drain refuses the stray tool call, so the turn settles.
+    drop(lease);
+    the_conversation_is_parked_on(&pool, fx.request("agent-a", "conv"), pid).await;
+}
+
+#[tokio::test]
+async fn a_timed_out_turn_refuses_a_tool_call_its_abort_asks_for_and_keeps_the_conversation_on_its_process()
+ {
+    let fx = Fixture::new().await;
+    let pool = stray_after_abort_pool(&fx).await;
+    let mut req = fx.request("agent-a", "conv");
+    req.handlers.timeouts.inactivity = Duration::from_millis(200);
+    let mut lease = pool.lease(req.clone()).await.expect("lease");
+    let pid = lease.worker_pid();
+    let timed_out = lease.run("no event ever comes").await;
+    assert!(
+        matches!(timed_out, Err(PoolError::TurnTimeout { .. })),
+        "{timed_out:?}"
+    );
+    drop(lease);
+    the_conversation_is_parked_on(&pool, req, pid).await;
 }
 
 #[tokio::test]

@@ -11,11 +11,12 @@ use ractor::ActorRef;
 use serde_json::json;
 use tokio::sync::OwnedMutexGuard;
 
+use crate::panic_guard::call_guarded;
 use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
 use crate::turn::TurnOutcome;
-use crate::turn::driver::{TurnDriver, refuse_stray, run_hook, safe_hook};
-use crate::worker::{Session, SessionUpdate, WorkerError};
+use crate::turn::driver::{TurnDriver, run_hook};
+use crate::worker::{Session, Settled, WorkerError};
 
 pub use crate::kinds::OpenReason;
 
@@ -103,12 +104,7 @@ impl Lease {
         let session = self.session_mut()?;
         // Leftovers of earlier activity (late events of an aborted turn) are not this turn's;
         // requests among them are refused so the runtime never waits on them.
-        let answerer = session.answerer();
-        while let Some(update) = session.try_next() {
-            if let SessionUpdate::Event(event) = update {
-                refuse_stray(&event, &answerer);
-            }
-        }
+        session.discard_waiting();
         session.send(prompt).await.map_err(|e| self.lose(e))?;
         self.driver.begin();
         self.sent += 1;
@@ -199,7 +195,12 @@ impl Lease {
         let failures = std::sync::atomic::AtomicU32::new(0);
         if let Some(h) = &hooks {
             let input = json!({"trigger": "manual", "customInstructions": custom_instructions});
-            run_hook(safe_hook(|| h.before_compaction(input)), limit, &failures).await;
+            run_hook(
+                call_guarded(|| h.before_compaction(input)),
+                limit,
+                &failures,
+            )
+            .await;
         }
         let session = self.session_mut()?;
         let result = session
@@ -212,7 +213,12 @@ impl Lease {
                 "tokensRemoved": result.tokens_removed,
                 "messagesRemoved": result.messages_removed,
             });
-            run_hook(safe_hook(|| h.after_compaction(output)), limit, &failures).await;
+            run_hook(
+                call_guarded(|| h.after_compaction(output)),
+                limit,
+                &failures,
+            )
+            .await;
         }
         Ok(result)
     }
@@ -305,26 +311,9 @@ impl Drop for Lease {
         // before the conversation is granted anywhere else.
         let wait = self.abort_settle_timeout;
         rt.spawn(async move {
-            let ended = tokio::time::timeout(wait, async {
-                if session.abort().await.is_err() {
-                    return false;
-                }
-                while let Some(update) = session.next().await {
-                    match update {
-                        SessionUpdate::Event(e) if matches!(e.kind, EventKind::SessionIdle(_)) => {
-                            return true;
-                        }
-                        SessionUpdate::Ended(_) => return false,
-                        _ => {}
-                    }
-                }
-                false
-            })
-            .await;
-            let settle = if matches!(ended, Ok(true)) {
-                Settle::Park
-            } else {
-                Settle::Unsettled
+            let settle = match session.abort_and_settle(wait).await {
+                Settled::Idle => Settle::Park,
+                Settled::WorkerEnded | Settled::Unsettled => Settle::Unsettled,
             };
             ret.send(Some(session), settle);
         });

@@ -226,10 +226,7 @@ impl Pool {
         let compat = compat_key(&key, req.model.as_deref(), &req.working_directory);
         let wait = req.wait_timeout.unwrap_or(inner.config.wait_timeout);
         // One deadline for the conversation lock and the capacity wait together.
-        let now = tokio::time::Instant::now();
-        let deadline = now
-            .checked_add(wait)
-            .unwrap_or_else(|| now + Duration::from_secs(60 * 60 * 24 * 365));
+        let deadline = crate::deadline::from_now(wait);
         if inner.locks.len() > LOCK_PRUNE_THRESHOLD {
             // Forget locks nobody holds or waits for.
             inner.locks.retain(|_, lock| Arc::strong_count(lock) > 1);

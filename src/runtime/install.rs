@@ -22,16 +22,15 @@ use std::ffi::OsString;
 use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::{ExitStatus, Output, Stdio};
 use std::time::Duration;
 
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
-use tokio::io::{AsyncRead, AsyncReadExt};
-use tokio::process::{Child, Command};
+use tokio::process::Command;
 use tokio::time::Instant;
+
+use crate::process::GroupLeader;
 
 use super::flavour::Flavour;
 use super::platform::{Platform, PlatformError};
@@ -192,13 +191,6 @@ impl NpmCommand {
     }
 }
 
-/// The deadline `timeout` from now (far in the future if that is not representable).
-fn deadline_after(timeout: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(timeout)
-        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 60 * 60))
-}
-
 /// [`install_with_timeout`] for a given platform, with the npm lookup injected (tests use a
 /// fake npm).
 async fn install_with(
@@ -208,7 +200,7 @@ async fn install_with(
     timeout: Duration,
     find_npm: impl FnOnce() -> Option<NpmCommand>,
 ) -> Result<Installed, InstallError> {
-    let deadline = deadline_after(timeout);
+    let deadline = crate::deadline::from_now(timeout);
     create_dir_all(cache_dir).await?;
     let lock_path = flavour.lock_path(cache_dir);
     tracing::debug!(lock = %lock_path.display(), "waiting for the runtime install lock");
@@ -362,12 +354,10 @@ async fn run_npm(npm: &NpmCommand, run: NpmRun<'_>) -> Result<(), InstallError> 
         .env("npm_config_update_notifier", "false")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        // Its own group, so that a kill reaches the processes npm starts too.
-        .process_group(0)
-        .kill_on_drop(true);
+        .stderr(Stdio::piped());
     tracing::debug!(?command, "running npm");
-    let child = command.spawn().map_err(|error| {
+    // Its own group, so that a kill reaches the processes npm starts too.
+    let npm_process = GroupLeader::spawn(&mut command).map_err(|error| {
         if error.kind() == io::ErrorKind::NotFound {
             InstallError::NpmMissing
         } else {
@@ -378,25 +368,22 @@ async fn run_npm(npm: &NpmCommand, run: NpmRun<'_>) -> Result<(), InstallError> 
             }
         }
     })?;
-    let mut process = NpmProcess::new(child);
-    let stdout = process.child.stdout.take();
-    let stderr = process.child.stderr.take();
-    // Reading both pipes while waiting keeps npm from blocking on a full pipe.
-    let finished = tokio::time::timeout_at(run.deadline, async {
-        tokio::join!(process.wait(), read_all(stdout), read_all(stderr))
-    })
-    .await;
-    let Ok((status, stdout, stderr)) = finished else {
+    let finished = npm_process
+        .output_until(run.deadline, REAP_AFTER_KILL)
+        .await;
+    let Ok(output) = finished else {
         tracing::warn!(
             package = run.spec,
             timeout = ?run.timeout,
-            "npm install timed out; killing its process group"
+            "npm install timed out; its process group was killed"
         );
-        process.kill_group();
-        let _ = tokio::time::timeout(REAP_AFTER_KILL, process.wait()).await;
         return Err(timed_out());
     };
-    let status = status.map_err(io_err("wait for npm", &npm.program))?;
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = output.map_err(io_err("wait for npm", &npm.program))?;
     if status.success() {
         return Ok(());
     }
@@ -410,64 +397,6 @@ async fn run_npm(npm: &NpmCommand, run: NpmRun<'_>) -> Result<(), InstallError> 
         status,
         output_tail: tail(source, STDERR_TAIL_BYTES),
     })
-}
-
-/// npm's child process, leader of its own process group. Dropping it SIGKILLs the whole group
-/// unless npm has been reaped.
-struct NpmProcess {
-    child: Child,
-    /// npm's pid, which is its process group id too, until npm is reaped. A zombie leader keeps
-    /// the id reserved; once reaped, the id may be reused by an unrelated process group, so it
-    /// must not be signalled any more.
-    group: Option<Pid>,
-}
-
-impl NpmProcess {
-    fn new(child: Child) -> Self {
-        // `id` is `None` only once the child was reaped, which cannot have happened yet.
-        let group = child
-            .id()
-            .and_then(|pid| i32::try_from(pid).ok())
-            .map(Pid::from_raw);
-        NpmProcess { child, group }
-    }
-
-    /// Waits for npm to exit and reaps it (cancel-safe). After this returns, the process group
-    /// is never signalled.
-    async fn wait(&mut self) -> io::Result<ExitStatus> {
-        let status = self.child.wait().await;
-        // On success npm was reaped; on error it cannot be known not to have been, so the id
-        // is given up either way.
-        self.group = None;
-        status
-    }
-
-    /// Sends SIGKILL to npm's whole process group, unless npm was reaped.
-    fn kill_group(&self) {
-        let Some(group) = self.group else {
-            return;
-        };
-        match killpg(group, Signal::SIGKILL) {
-            Ok(()) | Err(Errno::ESRCH) => {}
-            Err(error) => tracing::warn!(%group, %error, "could not kill npm's process group"),
-        }
-    }
-}
-
-impl Drop for NpmProcess {
-    fn drop(&mut self) {
-        // Then `child` drops: `kill_on_drop` signals npm itself and tokio reaps it later.
-        self.kill_group();
-    }
-}
-
-/// Reads a pipe to its end (what could be read, if reading fails).
-async fn read_all(pipe: Option<impl AsyncRead + Unpin>) -> Vec<u8> {
-    let mut bytes = Vec::new();
-    if let Some(mut pipe) = pipe {
-        let _ = pipe.read_to_end(&mut bytes).await;
-    }
-    bytes
 }
 
 /// The last `max` bytes of `bytes` as text (lossy), trimmed.

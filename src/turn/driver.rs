@@ -4,27 +4,27 @@
 //! and no turn outlives its limits.
 
 use std::collections::HashMap;
-use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use futures_util::FutureExt;
 use serde_json::{Value, json};
 use tokio::sync::{RwLock, mpsc};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
+use crate::deadline;
 use crate::kinds::TurnEnd;
 use crate::metrics::{self, ToolOutcome};
+use crate::panic_guard::{Guarded, call_guarded};
 use crate::permission::{PermissionRequest, decide_safely};
 use crate::pool::PoolError;
 use crate::rpc::events::ExternalToolRequestedData;
 use crate::rpc::messages::{HookInvocation, UserInputRequest};
 use crate::rpc::{EventKind, SessionEvent};
 use crate::transcript::{Entry, Role, Transcript};
-use crate::worker::{Answerer, ServerRequest, Session, SessionUpdate, ToolResult};
+use crate::worker::{Answerer, ServerRequest, Session, SessionUpdate, Settled, ToolResult};
 
 use super::hooks::{HookFuture, TurnHooks, for_hook_type};
 use super::tools::{GatewayTool, ToolCall, ToolConcurrency};
@@ -54,13 +54,6 @@ struct Pending {
 struct PendingQuestion {
     id: u64,
     cancel: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-/// `now + d`, saturating far in the future instead of overflowing.
-fn deadline_after(d: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(d)
-        .unwrap_or_else(|| now + Duration::from_secs(60 * 60 * 24 * 365))
 }
 
 /// The per-conversation turn machinery (lives in the lease).
@@ -262,10 +255,7 @@ impl TurnDriver {
     /// inactivity timeout (paused while something is pending on our side).
     fn next_deadline(&self) -> (Instant, TimeoutKind, String) {
         let t = &self.handlers.timeouts;
-        let absolute = self
-            .started
-            .checked_add(t.absolute)
-            .unwrap_or_else(|| deadline_after(t.absolute));
+        let absolute = deadline::from(self.started, t.absolute);
         let mut best = (absolute, TimeoutKind::Absolute, String::new());
         // A pending item is named by its request id.
         let pending = self.pending.iter().min_by_key(|(_, p)| p.deadline);
@@ -273,10 +263,7 @@ impl TurnDriver {
             Some((id, p)) if p.deadline < best.0 => best = (p.deadline, p.kind, id.clone()),
             Some(_) => {}
             None if self.question.is_none() => {
-                let idle = self
-                    .last_activity
-                    .checked_add(t.inactivity)
-                    .unwrap_or_else(|| deadline_after(t.inactivity));
+                let idle = deadline::from(self.last_activity, t.inactivity);
                 if idle < best.0 {
                     best = (idle, TimeoutKind::Inactivity, String::new());
                 }
@@ -323,31 +310,12 @@ impl TurnDriver {
         }
     }
 
-    /// Aborts the turn, waits (bounded) for its `session.idle`, and returns `error`. The
-    /// conversation stays resumable.
+    /// Aborts the turn, waits (bounded by the abort drain, refusing stray requests) for its
+    /// `session.idle`, and returns `error`. The conversation stays resumable.
     async fn abort_with(&mut self, session: &mut Session, error: PoolError) -> PoolError {
         tracing::warn!(%error, "Aborting a turn.");
         self.cancel_pending();
-        let mut reached_idle = false;
-        if session.abort().await.is_ok() {
-            let answerer = session.answerer();
-            let drained = tokio::time::timeout(self.abort_drain, async {
-                while let Some(update) = session.next().await {
-                    match update {
-                        SessionUpdate::Event(e) if matches!(e.kind, EventKind::SessionIdle(_)) => {
-                            return true;
-                        }
-                        SessionUpdate::Ended(_) => return false,
-                        SessionUpdate::Event(e) => refuse_stray(&e, &answerer),
-                        // Server requests still arriving are answered by their drop.
-                        _ => {}
-                    }
-                }
-                false
-            })
-            .await;
-            reached_idle = matches!(drained, Ok(true));
-        }
+        let reached_idle = session.abort_and_settle(self.abort_drain).await == Settled::Idle;
         if !reached_idle {
             tracing::warn!(
                 "An aborted turn did not reach session.idle; the session will not be reused."
@@ -570,20 +538,10 @@ impl TurnDriver {
                 // A panicking handler (while building its future or while running) must still
                 // produce an answer; the handler runs inside this task, so aborting the task
                 // cancels it.
-                let future = std::panic::catch_unwind(AssertUnwindSafe(|| handler.call(call)));
-                match future {
-                    Ok(future) => match AssertUnwindSafe(future).catch_unwind().await {
-                        Ok(Ok(text)) => ToolResult::Text(text),
-                        Ok(Err(message)) => ToolResult::Error(message),
-                        Err(panic) => ToolResult::Error(format!(
-                            "the tool handler panicked: {}",
-                            panic_text(panic.as_ref())
-                        )),
-                    },
-                    Err(panic) => ToolResult::Error(format!(
-                        "the tool handler panicked: {}",
-                        panic_text(panic.as_ref())
-                    )),
+                match call_guarded(|| handler.call(call)).await {
+                    Ok(Ok(text)) => ToolResult::Text(text),
+                    Ok(Err(message)) => ToolResult::Error(message),
+                    Err(panic) => ToolResult::Error(format!("the tool handler panicked: {panic}")),
                 }
             };
             let outcome = match &result {
@@ -601,7 +559,7 @@ impl TurnDriver {
             request_id,
             Pending {
                 kind: TimeoutKind::Tool,
-                deadline: deadline_after(timeout),
+                deadline: deadline::from_now(timeout),
                 limit: timeout,
                 label: tool.name.clone(),
                 task: task.abort_handle(),
@@ -629,7 +587,7 @@ impl TurnDriver {
             request_id.to_owned(),
             Pending {
                 kind: TimeoutKind::Permission,
-                deadline: deadline_after(self.handlers.timeouts.permission),
+                deadline: deadline::from_now(self.handlers.timeouts.permission),
                 limit: self.handlers.timeouts.permission,
                 label: String::new(),
                 task: task.abort_handle(),
@@ -658,25 +616,17 @@ impl TurnDriver {
         let (cancel_tx, cancel_rx) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(async move {
             let question = Question::from_wire(&request.params);
-            let ask = std::panic::catch_unwind(AssertUnwindSafe(|| handler.ask(question.clone())));
-            let answer = match ask {
-                Ok(future) => tokio::select! {
-                    answer = tokio::time::timeout(limit, AssertUnwindSafe(future).catch_unwind()) => {
-                        match answer {
-                            Ok(Ok(answer)) => answer,
-                            Ok(Err(panic)) => {
-                                tracing::warn!(panic = %panic_text(panic.as_ref()), "The ask_user handler panicked; answering empty.");
-                                None
-                            }
-                            Err(_) => None,
-                        }
+            let ask = call_guarded(|| handler.ask(question.clone()));
+            let answer = tokio::select! {
+                answer = tokio::time::timeout(limit, ask) => match answer {
+                    Ok(Ok(answer)) => answer,
+                    Ok(Err(panic)) => {
+                        tracing::warn!(%panic, "The ask_user handler panicked; answering empty.");
+                        None
                     }
-                    _ = cancel_rx => None,
+                    Err(_) => None,
                 },
-                Err(panic) => {
-                    tracing::warn!(panic = %panic_text(panic.as_ref()), "The ask_user handler panicked; answering empty.");
-                    None
-                }
+                _ = cancel_rx => None,
             };
             request.respond(resolve(&question, answer));
             let _ = done.send(Done::Question(id));
@@ -693,15 +643,13 @@ impl TurnDriver {
         let limit = self.handlers.timeouts.hook;
         tokio::spawn(async move {
             let invocation = &request.params;
-            let future = hooks.as_deref().and_then(|h| {
-                std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    for_hook_type(h, &invocation.hook_type, invocation.input.clone())
-                }))
-                .unwrap_or_else(|_| Some(Box::pin(async { Err("the hook panicked".to_owned()) })))
-            });
-            let output = match future {
-                Some(future) => run_hook(future, limit, &failures).await,
-                None => None,
+            let method = for_hook_type(&invocation.hook_type);
+            let output = match (hooks.as_deref(), method) {
+                (Some(hooks), Some(method)) => {
+                    let input = invocation.input.clone();
+                    run_hook(call_guarded(|| method(hooks, input)), limit, &failures).await
+                }
+                _ => None,
             };
             match output {
                 Some(output) => request.respond(json!({"output": output})),
@@ -714,53 +662,13 @@ impl TurnDriver {
         let Some(hooks) = self.handlers.hooks.as_deref() else {
             return;
         };
-        let future = std::panic::catch_unwind(AssertUnwindSafe(|| call(hooks)))
-            .unwrap_or_else(|_| Box::pin(async { Err("the hook panicked".to_owned()) }));
+        // Built now, in event order; run in a task.
+        let future = call_guarded(|| call(hooks));
         let failures = self.hook_failures.clone();
         let limit = self.handlers.timeouts.hook;
         tokio::spawn(async move {
             run_hook(future, limit, &failures).await;
         });
-    }
-}
-
-/// Calls a hook method, turning a panic while it builds its future into a failing future.
-pub(crate) fn safe_hook(call: impl FnOnce() -> HookFuture) -> HookFuture {
-    std::panic::catch_unwind(AssertUnwindSafe(call))
-        .unwrap_or_else(|_| Box::pin(async { Err("the hook panicked".to_owned()) }))
-}
-
-/// The message of a caught panic.
-fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".to_owned())
-}
-
-/// Answers a tool call or permission prompt that arrived outside a running turn.
-pub(crate) fn refuse_stray(event: &SessionEvent, answerer: &Answerer) {
-    let answerer = answerer.clone();
-    match &event.kind {
-        EventKind::ExternalToolRequested(req) => {
-            let id = req.request_id.clone();
-            tokio::spawn(async move {
-                let result =
-                    ToolResult::Error("the tool call arrived outside a running turn".to_owned());
-                let _ = answerer.answer_tool_call(&id, result).await;
-            });
-        }
-        EventKind::PermissionRequested(req) if req.resolved_by_hook != Some(true) => {
-            let id = req.request_id.clone();
-            tokio::spawn(async move {
-                let decision = crate::permission::PermissionDecision::Reject {
-                    feedback: "the permission prompt arrived outside a running turn".to_owned(),
-                };
-                let _ = answerer.answer_permission(&id, decision.to_wire()).await;
-            });
-        }
-        _ => {}
     }
 }
 
@@ -782,15 +690,15 @@ enum Guard {
     Read(#[allow(dead_code)] tokio::sync::OwnedRwLockReadGuard<()>),
 }
 
-/// Runs a hook with a time limit; a failure, panic or timeout is logged and counted and
-/// yields no output.
+/// Runs a hook (guarded by [`call_guarded`]) with a time limit; a failure, panic or timeout is
+/// logged and counted and yields no output.
 pub(crate) async fn run_hook(
-    future: HookFuture,
+    hook: Guarded<HookFuture>,
     limit: Duration,
     failures: &AtomicU32,
 ) -> Option<Value> {
     // The hook runs inside the caller's task: a timeout drops (cancels) it.
-    match tokio::time::timeout(limit, AssertUnwindSafe(future).catch_unwind()).await {
+    match tokio::time::timeout(limit, hook).await {
         Ok(Ok(Ok(output))) => output,
         Ok(Ok(Err(message))) => {
             tracing::warn!(error = %message, "A hook failed; answered with no output.");
@@ -799,7 +707,7 @@ pub(crate) async fn run_hook(
             None
         }
         Ok(Err(panic)) => {
-            tracing::warn!(panic = %panic_text(panic.as_ref()), "A hook panicked; answered with no output.");
+            tracing::warn!(%panic, "A hook panicked; answered with no output.");
             failures.fetch_add(1, Ordering::SeqCst);
             metrics::hook_failed();
             None
@@ -810,5 +718,41 @@ pub(crate) async fn run_hook(
             metrics::hook_failed();
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Exploding;
+
+    impl TurnHooks for Exploding {
+        fn agent_end(&self, _input: Value) -> HookFuture {
+            panic!("agent_end exploded while building")
+        }
+        fn before_tool_call(&self, _input: Value) -> HookFuture {
+            Box::pin(async { panic!("before_tool_call exploded while running") })
+        }
+        fn after_tool_call(&self, input: Value) -> HookFuture {
+            Box::pin(async move { Ok(Some(input)) })
+        }
+    }
+
+    async fn run(hook_type: &str, failures: &AtomicU32) -> Option<Value> {
+        let method = for_hook_type(hook_type).expect("a known hook type");
+        let hook = call_guarded(|| method(&Exploding, json!({"n": 1})));
+        run_hook(hook, Duration::from_secs(5), failures).await
+    }
+
+    #[tokio::test]
+    async fn a_hook_that_panics_building_or_running_answers_nothing_and_counts_a_failure() {
+        let failures = AtomicU32::new(0);
+        assert_eq!(run("agentStop", &failures).await, None);
+        assert_eq!(failures.load(Ordering::SeqCst), 1);
+        assert_eq!(run("preToolUse", &failures).await, None);
+        assert_eq!(failures.load(Ordering::SeqCst), 2);
+        assert_eq!(run("postToolUse", &failures).await, Some(json!({"n": 1})));
+        assert_eq!(failures.load(Ordering::SeqCst), 2);
     }
 }

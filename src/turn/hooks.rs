@@ -60,17 +60,16 @@ pub trait TurnHooks: Send + Sync + 'static {
     }
 }
 
+/// A [`TurnHooks`] method.
+pub(crate) type HookMethod = fn(&dyn TurnHooks, Value) -> HookFuture;
+
 /// Which hook a runtime `hookType` feeds, if any.
-pub(crate) fn for_hook_type(
-    hooks: &dyn TurnHooks,
-    hook_type: &str,
-    input: Value,
-) -> Option<HookFuture> {
+pub(crate) fn for_hook_type(hook_type: &str) -> Option<HookMethod> {
     match hook_type {
-        "userPromptSubmitted" => Some(hooks.before_prompt_build(input)),
-        "preToolUse" => Some(hooks.before_tool_call(input)),
-        "postToolUse" | "postToolUseFailure" => Some(hooks.after_tool_call(input)),
-        "agentStop" => Some(hooks.agent_end(input)),
+        "userPromptSubmitted" => Some(|hooks, input| hooks.before_prompt_build(input)),
+        "preToolUse" => Some(|hooks, input| hooks.before_tool_call(input)),
+        "postToolUse" | "postToolUseFailure" => Some(|hooks, input| hooks.after_tool_call(input)),
+        "agentStop" => Some(|hooks, input| hooks.agent_end(input)),
         _ => None,
     }
 }

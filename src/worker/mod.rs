@@ -21,4 +21,4 @@ mod tunnel;
 pub use config::{AUTH_TOKEN_ENV, ENV_ALLOWLIST, TOKEN_VARIABLES, WorkerConfig};
 pub use error::{ExitReason, WorkerError, WorkerExit};
 pub use handle::{PendingKind, WorkerHandle, WorkerInfo};
-pub use session::{Answerer, ServerRequest, Session, SessionUpdate, ToolResult};
+pub use session::{Answerer, ServerRequest, Session, SessionUpdate, Settled, ToolResult};

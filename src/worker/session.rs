@@ -7,10 +7,13 @@
 //! only answer its own requests.
 
 use std::fmt;
+use std::time::Duration;
 
 use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::mpsc;
+
+use crate::permission::PermissionDecision;
 
 use crate::rpc::connection::{ErrorObject, INTERNAL_ERROR};
 use crate::rpc::messages::{
@@ -19,7 +22,7 @@ use crate::rpc::messages::{
     SessionGetMessages, SessionIdParams, SessionSend, ToolCallAnswer, UserInputRequest,
     UserInputResponse,
 };
-use crate::rpc::{Responder, SessionEvent};
+use crate::rpc::{EventKind, Responder, SessionEvent};
 
 use super::error::WorkerError;
 use super::handle::{PendingKind, WorkerHandle};
@@ -110,6 +113,18 @@ pub enum ToolResult {
     Error(String),
 }
 
+/// How [`Session::abort_and_settle`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// The aborted turn reached `session.idle`: the session is free for the next turn.
+    Idle,
+    /// The worker ended (or the update stream closed) before `session.idle`.
+    WorkerEnded,
+    /// The abort was refused, or `session.idle` did not come within the limit: the
+    /// session's state in the runtime is unknown (it may still run the turn).
+    Unsettled,
+}
+
 /// One conversation on one worker.
 pub struct Session {
     id: String,
@@ -147,8 +162,8 @@ impl Session {
         while let Ok(update) = updates.try_recv() {
             if let SessionUpdate::Event(event) = &update {
                 let in_use = match &event.kind {
-                    crate::rpc::EventKind::SessionStart(d) => d.already_in_use,
-                    crate::rpc::EventKind::SessionResume(d) => d.already_in_use,
+                    EventKind::SessionStart(d) => d.already_in_use,
+                    EventKind::SessionResume(d) => d.already_in_use,
                     _ => None,
                 };
                 already_in_use |= in_use == Some(true);
@@ -221,6 +236,48 @@ impl Session {
             reason: None,
         };
         self.worker.call::<SessionAbort>(&params).await.map(|_| ())
+    }
+
+    /// Aborts the running turn and reads its updates until its `session.idle`, all within
+    /// `limit`. Tool calls and permission prompts that arrive meanwhile are refused (nobody
+    /// will run them), other server requests are answered by their drop; the updates read
+    /// are not kept.
+    pub async fn abort_and_settle(&mut self, limit: Duration) -> Settled {
+        let answerer = self.answerer();
+        let settled = tokio::time::timeout(limit, async {
+            if self.abort().await.is_err() {
+                return if self.is_alive() {
+                    Settled::Unsettled
+                } else {
+                    Settled::WorkerEnded
+                };
+            }
+            while let Some(update) = self.next().await {
+                match update {
+                    SessionUpdate::Event(e) if matches!(e.kind, EventKind::SessionIdle(_)) => {
+                        return Settled::Idle;
+                    }
+                    SessionUpdate::Event(e) => answerer.refuse_stray(&e),
+                    SessionUpdate::Ended(_) => return Settled::WorkerEnded,
+                    // Server requests still arriving are answered by their drop.
+                    SessionUpdate::UserInput(_) | SessionUpdate::Hook(_) => {}
+                }
+            }
+            Settled::WorkerEnded
+        })
+        .await;
+        settled.unwrap_or(Settled::Unsettled)
+    }
+
+    /// Drops the updates already waiting (late events of an earlier, aborted turn), refusing
+    /// the tool calls and permission prompts among them so the runtime never waits on them.
+    pub fn discard_waiting(&mut self) {
+        let answerer = self.answerer();
+        while let Some(update) = self.try_next() {
+            if let SessionUpdate::Event(event) = update {
+                answerer.refuse_stray(&event);
+            }
+        }
     }
 
     /// Answers a client tool call of this session (`external_tool.requested`).
@@ -346,6 +403,33 @@ impl Answerer {
             .await;
         self.restore_if_undelivered(PendingKind::ToolCall, request_id, &sent);
         sent.map(|_| ())
+    }
+
+    /// Refuses, in the background, a tool call or permission prompt that arrived outside a
+    /// running turn (nobody will run it); any other event is ignored.
+    pub fn refuse_stray(&self, event: &SessionEvent) {
+        let answerer = self.clone();
+        match &event.kind {
+            EventKind::ExternalToolRequested(req) => {
+                let id = req.request_id.clone();
+                tokio::spawn(async move {
+                    let result = ToolResult::Error(
+                        "the tool call arrived outside a running turn".to_owned(),
+                    );
+                    let _ = answerer.answer_tool_call(&id, result).await;
+                });
+            }
+            EventKind::PermissionRequested(req) if req.resolved_by_hook != Some(true) => {
+                let id = req.request_id.clone();
+                tokio::spawn(async move {
+                    let decision = PermissionDecision::Reject {
+                        feedback: "the permission prompt arrived outside a running turn".to_owned(),
+                    };
+                    let _ = answerer.answer_permission(&id, decision.to_wire()).await;
+                });
+            }
+            _ => {}
+        }
     }
 
     /// After a failed answer the runtime is still waiting: keep the request answerable.

@@ -7,6 +7,8 @@
 // FAKE_RUNTIME_MODE picks the fault:
 //   never-idle       acknowledges `session.abort` but never sends `session.idle`
 //   crash-on-resume  exits with status 7 on every `session.resume`
+//   stray-after-abort  after acknowledging `session.abort`, asks for a client tool call and
+//                    sends `session.idle {aborted: true}` only once that call is answered
 import fs from "node:fs";
 import path from "node:path";
 
@@ -17,6 +19,15 @@ function write(message) {
   const body = Buffer.from(JSON.stringify({ jsonrpc: "2.0", ...message }));
   process.stdout.write(`Content-Length: ${body.length}\r\n\r\n`);
   process.stdout.write(body);
+}
+
+let eventCount = 0;
+function event(sessionId, type, data) {
+  eventCount += 1;
+  write({
+    method: "session.event",
+    params: { sessionId, event: { id: `e-${eventCount}`, type, data, timestamp: new Date().toISOString() } },
+  });
 }
 
 function sessionDir(id) {
@@ -43,9 +54,26 @@ function handle({ id, method, params }) {
     case "session.send":
       return reply({ messageId: `m-${Date.now()}` });
     case "session.abort":
+      // never-idle: the abort is acknowledged, and no session.idle ever follows.
+      reply({ success: true });
+      if (mode === "stray-after-abort") {
+        event(params.sessionId, "external_tool.requested", {
+          requestId: "stray-1",
+          sessionId: params.sessionId,
+          toolCallId: "call-stray-1",
+          toolName: "stray_tool",
+          arguments: {},
+        });
+      }
+      return;
+    case "session.tools.handlePendingToolCall":
+      reply({ success: true });
+      if (mode === "stray-after-abort" && params.requestId === "stray-1") {
+        event(params.sessionId, "session.idle", { aborted: true });
+      }
+      return;
     case "session.detach":
     case "session.delete":
-      // never-idle: the abort is acknowledged, and no session.idle ever follows.
       return reply({ success: true });
     default:
       if (id !== undefined) {

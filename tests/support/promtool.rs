@@ -20,16 +20,14 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::{ExitStatus, Output, Stdio};
 use std::time::Duration;
 
+use copilot_pool::process::GroupLeader;
 use copilot_pool::runtime;
 use nix::errno::Errno;
 use nix::fcntl::Flock;
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
-use tokio::io::{AsyncRead, AsyncReadExt};
-use tokio::process::{Child, Command};
+use tokio::process::Command;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
@@ -201,26 +199,18 @@ async fn run_installer(
         .arg(dir)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        // Its own group, so that a kill reaches apt-get and everything else it starts.
-        .process_group(0)
-        .kill_on_drop(true);
-    let child = command
-        .spawn()
-        .map_err(io_err("start bash for the installer", script))?;
-    let mut process = Installer::new(child);
-    let stdout = process.child.stdout.take();
-    let stderr = process.child.stderr.take();
-    let finished = tokio::time::timeout_at(deadline, async {
-        tokio::join!(process.wait(), read_all(stdout), read_all(stderr))
-    })
-    .await;
-    let Ok((status, stdout, stderr)) = finished else {
-        process.kill_group();
-        let _ = tokio::time::timeout(REAP_AFTER_KILL, process.wait()).await;
+        .stderr(Stdio::piped());
+    // Its own group, so that a kill reaches apt-get and everything else it starts.
+    let installer =
+        GroupLeader::spawn(&mut command).map_err(io_err("start bash for the installer", script))?;
+    let Ok(output) = installer.output_until(deadline, REAP_AFTER_KILL).await else {
         return Err(timed_out());
     };
-    let status = status.map_err(io_err("wait for the installer", script))?;
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = output.map_err(io_err("wait for the installer", script))?;
     if status.success() {
         return Ok(());
     }
@@ -231,42 +221,6 @@ async fn run_installer(
         status,
         output_tail: tail(&output, OUTPUT_TAIL_BYTES),
     })
-}
-
-/// The installer's shell, leader of its own process group. Dropping it SIGKILLs the whole
-/// group unless the leader has been reaped (after which its id may belong to someone else).
-struct Installer {
-    child: Child,
-    group: Option<Pid>,
-}
-
-impl Installer {
-    fn new(child: Child) -> Self {
-        let group = child
-            .id()
-            .and_then(|pid| i32::try_from(pid).ok())
-            .map(Pid::from_raw);
-        Installer { child, group }
-    }
-
-    async fn wait(&mut self) -> std::io::Result<ExitStatus> {
-        let status = self.child.wait().await;
-        self.group = None;
-        status
-    }
-
-    fn kill_group(&self) {
-        if let Some(group) = self.group {
-            // ESRCH: already gone. Nothing else can be done about another error here.
-            let _ = killpg(group, Signal::SIGKILL);
-        }
-    }
-}
-
-impl Drop for Installer {
-    fn drop(&mut self) {
-        self.kill_group();
-    }
 }
 
 /// The runtime installer's bounded `flock` (`runtime::lock_exclusive`), with its errors in
@@ -289,14 +243,6 @@ async fn lock_exclusive(
             error: other.to_string(),
         }),
     }
-}
-
-async fn read_all(pipe: Option<impl AsyncRead + Unpin>) -> Vec<u8> {
-    let mut bytes = Vec::new();
-    if let Some(mut pipe) = pipe {
-        let _ = pipe.read_to_end(&mut bytes).await;
-    }
-    bytes
 }
 
 fn tail(bytes: &[u8], max: usize) -> String {
