@@ -30,10 +30,8 @@
 //! | [`RPC_DURATION_SECONDS`] | histogram | `method`: [`RPC_METHODS`] or `other` |
 //! | [`HOOK_FAILURES_TOTAL`] | counter | — |
 //!
-//! The gauges are absolute values set by the pool actor: with more than one [`Pool`] in a
+//! The gauges are absolute values set by the pool actor: with more than one pool in a
 //! process they overwrite each other (the daemon runs one).
-//!
-//! [`Pool`]: crate::pool::Pool
 
 use std::time::Duration;
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use copilot_pool::kinds::TurnEnd;
 use copilot_pool::pool::{LeaseRequest, OpenReason, Pool, PoolError, PoolEvent};
+use copilot_pool::turn::TurnError;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use support::pool_fixture::{Fixture, shutdown_leaves_nothing, wait_event};
@@ -235,7 +236,7 @@ async fn a_turn_that_times_out_and_never_settles_stops_its_process_and_the_conve
     // No event ever comes: the inactivity timeout aborts the turn, which never goes idle.
     let timed_out = lease.run("this turn never ends").await;
     assert!(
-        matches!(timed_out, Err(PoolError::TurnTimeout { .. })),
+        matches!(timed_out, Err(PoolError::Turn(TurnError::Timeout { .. }))),
         "{timed_out:?}"
     );
     assert_eq!(lease.outcome().end, Some(TurnEnd::Timeout));
@@ -312,7 +313,7 @@ async fn a_timed_out_turn_refuses_a_tool_call_its_abort_asks_for_and_keeps_the_c
     let pid = lease.worker_pid();
     let timed_out = lease.run("no event ever comes").await;
     assert!(
-        matches!(timed_out, Err(PoolError::TurnTimeout { .. })),
+        matches!(timed_out, Err(PoolError::Turn(TurnError::Timeout { .. }))),
         "{timed_out:?}"
     );
     drop(lease);

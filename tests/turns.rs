@@ -16,7 +16,7 @@ use copilot_pool::pool::{LeaseRequest, OpenReason, Pool, PoolError};
 use copilot_pool::transcript::{TranscriptMode, count_duplicates};
 use copilot_pool::turn::hooks::HookFuture;
 use copilot_pool::turn::{
-    Answer, GatewayTool, Question, TimeoutKind, ToolCall, TranscriptSettings, TurnHooks,
+    Answer, GatewayTool, Question, TimeoutKind, ToolCall, TranscriptSettings, TurnError, TurnHooks,
 };
 use serde_json::{Value, json};
 use support::pool_fixture::{Fixture, shutdown_leaves_nothing};
@@ -458,7 +458,7 @@ async fn a_stuck_tool_call_ends_in_turn_timeout_and_the_next_turn_works() {
         .run(call_tool("stuck", json!({})))
         .await
         .expect_err("timeout");
-    let PoolError::TurnTimeout { kind, detail, .. } = &err else {
+    let PoolError::Turn(TurnError::Timeout { kind, detail, .. }) = &err else {
         panic!("{err}")
     };
     assert_eq!(*kind, TimeoutKind::Tool);
@@ -487,10 +487,10 @@ async fn an_inactive_turn_times_out_with_a_typed_error() {
     assert!(
         matches!(
             err,
-            PoolError::TurnTimeout {
+            PoolError::Turn(TurnError::Timeout {
                 kind: TimeoutKind::Inactivity,
                 ..
-            }
+            })
         ),
         "{err}"
     );
@@ -511,11 +511,11 @@ async fn a_provider_500_is_a_typed_error_with_its_status() {
         .run("SCENARIO:error STATUS=500")
         .await
         .expect_err("500");
-    let PoolError::TurnFailed {
+    let PoolError::Turn(TurnError::Failed {
         status_code,
         message,
         ..
-    } = &err
+    }) = &err
     else {
         panic!("{err}")
     };
@@ -617,7 +617,7 @@ async fn strict_transcript_mode_aborts_the_turn_on_a_failing_write() {
         .arg(&file)
         .status();
     assert!(
-        matches!(err, PoolError::TranscriptPersistenceFailed(_)),
+        matches!(err, PoolError::Turn(TurnError::TranscriptPersistence(_))),
         "{err}"
     );
     // The conversation goes on once the mirror is writable again.

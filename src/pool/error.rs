@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::auth::AuthError;
 use crate::home::HomeError;
 use crate::kinds::ErrorKind;
+use crate::turn::TurnError;
 use crate::worker::WorkerError;
 
 use super::bindings::BindingError;
@@ -102,40 +103,12 @@ pub enum PoolError {
     /// A worker could not be started, or failed while serving the lease.
     #[error(transparent)]
     Worker(#[from] WorkerError),
-    /// `send` while a turn is running, or a turn call without one.
-    #[error("{0}")]
-    TurnState(&'static str),
-    /// The turn hit one of the pool's timeouts; it was aborted and the conversation stays
-    /// resumable (take the next turn on the same lease or a new one).
-    #[error(
-        "turn timed out ({kind:?} after {after:?}): {detail}; the turn was aborted, the conversation can continue"
-    )]
-    TurnTimeout {
-        /// Which limit.
-        kind: crate::turn::TimeoutKind,
-        /// The limit.
-        after: Duration,
-        /// What was going on.
-        detail: String,
-    },
-    /// The runtime reported the turn failed (`session.error`), e.g. the provider answered 500.
-    #[error("the turn failed{}: {message}", .status_code.map(|c| format!(" with status {c}")).unwrap_or_default())]
-    TurnFailed {
-        /// The runtime's message.
-        message: String,
-        /// The HTTP status of the failing model call, if any.
-        status_code: Option<u16>,
-        /// The runtime's error type.
-        error_type: Option<String>,
-    },
+    /// The turn failed, timed out, or was asked for in the wrong state.
+    #[error(transparent)]
+    Turn(TurnError),
     /// A bug: an internal task failed. The message says which.
     #[error("internal error: {0}; this is a bug, please report it")]
     Internal(String),
-    /// The strict transcript mirror could not be written; the turn was aborted.
-    #[error(
-        "transcript mirror write failed (strict mode): {0}; fix the transcript directory or use best-effort mode"
-    )]
-    TranscriptPersistenceFailed(String),
 }
 
 impl PoolError {
@@ -156,12 +129,20 @@ impl PoolError {
             PoolError::Worker(WorkerError::ResourceExhausted(_)) => ErrorKind::ResourceExhausted,
             PoolError::StateUnwritable { .. } => ErrorKind::StateUnwritable,
             PoolError::Internal(_) => ErrorKind::Internal,
-            PoolError::Bindings(_)
-            | PoolError::Worker(_)
-            | PoolError::TurnState(_)
-            | PoolError::TurnTimeout { .. }
-            | PoolError::TurnFailed { .. }
-            | PoolError::TranscriptPersistenceFailed(_) => ErrorKind::Runtime,
+            PoolError::Bindings(_) | PoolError::Worker(_) | PoolError::Turn(_) => {
+                ErrorKind::Runtime
+            }
+        }
+    }
+}
+
+impl From<TurnError> for PoolError {
+    /// A dead worker stays a worker error (the conversation resumes on a new lease); the rest
+    /// are turn errors.
+    fn from(e: TurnError) -> Self {
+        match e {
+            TurnError::Worker(e) => PoolError::Worker(e),
+            e => PoolError::Turn(e),
         }
     }
 }

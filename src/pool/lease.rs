@@ -14,8 +14,8 @@ use tokio::sync::OwnedMutexGuard;
 use crate::panic_guard::call_guarded;
 use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
-use crate::turn::TurnOutcome;
 use crate::turn::driver::{TurnDriver, run_hook};
+use crate::turn::{TurnError, TurnOutcome};
 use crate::worker::{Session, Settled, WorkerError};
 
 pub use crate::kinds::OpenReason;
@@ -97,9 +97,7 @@ impl Lease {
     /// Starts a turn. Its events follow through [`Lease::next_event`].
     pub async fn send(&mut self, prompt: impl Into<String>) -> Result<(), PoolError> {
         if self.driver.in_flight() {
-            return Err(PoolError::TurnState(
-                "a turn is already running on this lease",
-            ));
+            return Err(state_error("a turn is already running on this lease"));
         }
         let session = self.session_mut()?;
         // Leftovers of earlier activity (late events of an aborted turn) are not this turn's;
@@ -125,14 +123,14 @@ impl Lease {
                 }
                 Some(Ok(event))
             }
-            Err(PoolError::Worker(e)) => Some(Err(self.lose(e))),
+            Err(TurnError::Worker(e)) => Some(Err(self.lose(e))),
             Err(e) => {
                 // A turn ended by a timeout or a transcript failure still counts as a turn.
                 self.turns += 1;
                 if self.driver.poisoned() {
                     self.lost = true;
                 }
-                Some(Err(e))
+                Some(Err(PoolError::Turn(e)))
             }
         }
     }
@@ -152,11 +150,11 @@ impl Lease {
         }
         let outcome = self.outcome();
         if outcome.end == Some(crate::kinds::TurnEnd::Error) {
-            return Err(PoolError::TurnFailed {
+            return Err(PoolError::Turn(TurnError::Failed {
                 message: outcome.error.clone().unwrap_or_default(),
                 status_code: outcome.status_code,
                 error_type: outcome.error_type.clone(),
-            });
+            }));
         }
         Ok(outcome)
     }
@@ -186,9 +184,7 @@ impl Lease {
         custom_instructions: Option<String>,
     ) -> Result<CompactResult, PoolError> {
         if self.driver.in_flight() {
-            return Err(PoolError::TurnState(
-                "compact between turns, not during one",
-            ));
+            return Err(state_error("compact between turns, not during one"));
         }
         let hooks = self.driver.hooks();
         let limit = self.driver.hook_timeout();
@@ -227,12 +223,12 @@ impl Lease {
     /// this `session_key` starts a new session.
     pub async fn reset(mut self) -> Result<(), PoolError> {
         if self.driver.in_flight() {
-            return Err(PoolError::TurnState("reset between turns, not during one"));
+            return Err(state_error("reset between turns, not during one"));
         }
         let session = self
             .session
             .take()
-            .ok_or(PoolError::TurnState("this lease has no session"))?;
+            .ok_or(state_error("this lease has no session"))?;
         // The conversation is not parked again: the return gives no session back.
         self.lost = true;
         let deleted = session.delete().await;
@@ -255,13 +251,13 @@ impl Lease {
 
     fn session_mut(&mut self) -> Result<&mut Session, PoolError> {
         if self.lost {
-            return Err(PoolError::TurnState(
+            return Err(state_error(
                 "this lease's worker is gone; take a new lease (the conversation resumes)",
             ));
         }
         self.session
             .as_mut()
-            .ok_or(PoolError::TurnState("this lease has no session"))
+            .ok_or(state_error("this lease has no session"))
     }
 
     fn lose(&mut self, error: WorkerError) -> PoolError {
@@ -270,6 +266,11 @@ impl Lease {
         }
         PoolError::Worker(error)
     }
+}
+
+/// A turn call in the wrong state (the message says which).
+fn state_error(message: &'static str) -> PoolError {
+    PoolError::Turn(TurnError::State(message))
 }
 
 impl Drop for Lease {

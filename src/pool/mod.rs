@@ -551,7 +551,7 @@ impl Opening {
         driver.set_abort_drain(abort_settle_timeout);
         if let Err(error) = driver.open_transcript(&cli_session_id).await {
             grant.opened = Some(session);
-            return Err(error);
+            return Err(error.into());
         }
         crate::metrics::session_opened(reason);
         let _ = pool.cast(PoolMsg::Opened {

@@ -19,7 +19,6 @@ use crate::kinds::TurnEnd;
 use crate::metrics::{self, ToolOutcome};
 use crate::panic_guard::{Guarded, call_guarded};
 use crate::permission::{PermissionRequest, decide_safely};
-use crate::pool::PoolError;
 use crate::rpc::events::ExternalToolRequestedData;
 use crate::rpc::messages::{HookInvocation, UserInputRequest};
 use crate::rpc::{EventKind, SessionEvent};
@@ -29,7 +28,7 @@ use crate::worker::{Answerer, ServerRequest, Session, SessionUpdate, Settled, To
 use super::hooks::{HookFuture, TurnHooks, for_hook_type};
 use super::tools::{GatewayTool, ToolCall, ToolConcurrency};
 use super::user_input::{Question, resolve};
-use super::{TimeoutKind, TurnHandlers, TurnOutcome};
+use super::{TimeoutKind, TurnError, TurnHandlers, TurnOutcome};
 
 /// How long an aborted turn may take to reach `session.idle` (the pool sets its
 /// `abort_settle_timeout`).
@@ -124,7 +123,7 @@ impl TurnDriver {
 
     /// Opens the transcript mirror of `session_id` (if configured), on a blocking thread and
     /// through the settings' cache (reading only what the file gained since the last lease).
-    pub(crate) async fn open_transcript(&mut self, session_id: &str) -> Result<(), PoolError> {
+    pub(crate) async fn open_transcript(&mut self, session_id: &str) -> Result<(), TurnError> {
         let Some(settings) = &self.handlers.transcript else {
             return Ok(());
         };
@@ -134,7 +133,7 @@ impl TurnDriver {
                 Ok(())
             }
             Err(e) if settings.mode == crate::transcript::TranscriptMode::Strict => {
-                Err(PoolError::TranscriptPersistenceFailed(e.to_string()))
+                Err(TurnError::TranscriptPersistence(e.to_string()))
             }
             Err(e) => {
                 tracing::warn!(error = %e, "Transcript mirror unavailable; continuing (best effort).");
@@ -183,7 +182,7 @@ impl TurnDriver {
     pub(crate) async fn next(
         &mut self,
         session: &mut Session,
-    ) -> Option<Result<SessionEvent, PoolError>> {
+    ) -> Option<Result<SessionEvent, TurnError>> {
         if !self.in_flight {
             return None;
         }
@@ -210,11 +209,11 @@ impl TurnDriver {
                         Some(SessionUpdate::Hook(request)) => self.on_hook(request),
                         Some(SessionUpdate::Ended(error)) => {
                             self.finish(TurnEnd::Crashed);
-                            return Some(Err(PoolError::Worker(error)));
+                            return Some(Err(TurnError::Worker(error)));
                         }
                         None => {
                             self.finish(TurnEnd::Crashed);
-                            return Some(Err(PoolError::TurnState(
+                            return Some(Err(TurnError::State(
                                 "the session's update stream ended without a reason; take a new lease (the conversation resumes)",
                             )));
                         }
@@ -244,7 +243,7 @@ impl TurnDriver {
                         _ => self.pending.get(&label).map(|p| p.limit).unwrap_or_default(),
                     };
                     let detail = self.timeout_detail(kind, &label);
-                    let error = PoolError::TurnTimeout { kind, after, detail };
+                    let error = TurnError::Timeout { kind, after, detail };
                     return Some(Err(self.abort_with(session, error).await));
                 }
             }
@@ -312,7 +311,7 @@ impl TurnDriver {
 
     /// Aborts the turn, waits (bounded by the abort drain, refusing stray requests) for its
     /// `session.idle`, and returns `error`. The conversation stays resumable.
-    async fn abort_with(&mut self, session: &mut Session, error: PoolError) -> PoolError {
+    async fn abort_with(&mut self, session: &mut Session, error: TurnError) -> TurnError {
         tracing::warn!(%error, "Aborting a turn.");
         self.cancel_pending();
         let reached_idle = session.abort_and_settle(self.abort_drain).await == Settled::Idle;
@@ -323,8 +322,8 @@ impl TurnDriver {
             self.poisoned = true;
         }
         self.finish(match &error {
-            PoolError::TurnTimeout { .. } => TurnEnd::Timeout,
-            PoolError::Worker(_) => TurnEnd::Crashed,
+            TurnError::Timeout { .. } => TurnEnd::Timeout,
+            TurnError::Worker(_) => TurnEnd::Crashed,
             _ => TurnEnd::Error,
         });
         error
@@ -386,7 +385,7 @@ impl TurnDriver {
         }
     }
 
-    fn on_event(&mut self, event: &SessionEvent, session: &Session) -> Result<(), PoolError> {
+    fn on_event(&mut self, event: &SessionEvent, session: &Session) -> Result<(), TurnError> {
         self.outcome.events += 1;
         let main_agent = event.agent_id.is_none();
         match &event.kind {
@@ -475,7 +474,7 @@ impl TurnDriver {
         content: &str,
         tool_name: Option<&str>,
         tool_call_id: Option<&str>,
-    ) -> Result<(), PoolError> {
+    ) -> Result<(), TurnError> {
         let Some(transcript) = self.transcript.as_mut() else {
             return Ok(());
         };
@@ -496,7 +495,7 @@ impl TurnDriver {
         };
         appended
             .map(|_| ())
-            .map_err(|e| PoolError::TranscriptPersistenceFailed(e.to_string()))
+            .map_err(|e| TurnError::TranscriptPersistence(e.to_string()))
     }
 
     fn on_tool_call(&mut self, req: &ExternalToolRequestedData, answerer: Answerer) {

@@ -5,10 +5,12 @@
 //! * [`tools`] — [`GatewayTool`]: name, schema, async handler, sequential or concurrent.
 //! * [`user_input`] — [`UserInputHandler`] and how answers map onto the wire.
 //! * [`hooks`] — [`TurnHooks`], fed from `hooks.invoke` and the event stream.
+//! * [`TurnError`] — why a turn failed (the pool carries it as `PoolError::Turn`).
 //! * `crate::permission` — the permission policy (fail closed by default).
 //! * `crate::transcript` — the JSONL mirror.
 
 pub(crate) mod driver;
+mod error;
 pub mod hooks;
 pub mod tools;
 pub mod user_input;
@@ -26,6 +28,7 @@ use crate::transcript::{
     Transcript, TranscriptCache, TranscriptError, TranscriptMode, transcript_path,
 };
 
+pub use error::TurnError;
 pub use hooks::TurnHooks;
 pub use tools::{GatewayTool, ToolCall, ToolConcurrency, ToolHandler};
 pub use user_input::{Answer, Question, UserInputHandler};
@@ -212,7 +215,7 @@ pub struct TurnOutcome {
     pub text: String,
     /// The turn was aborted.
     pub aborted: bool,
-    /// The turn's `session.error` message, if it failed; `Lease::wait_idle` turns it into `PoolError::TurnFailed`.
+    /// The turn's `session.error` message, if it failed; `Lease::wait_idle` turns it into `TurnError::Failed`.
     pub error: Option<String>,
     /// The `session.error` status code (e.g. 500 from the provider).
     pub status_code: Option<u16>,

@@ -18,7 +18,7 @@ use copilot_pool::runtime::{self, Flavour, LocateError};
 use copilot_pool::scripted_model::ScriptedModel;
 use copilot_pool::secret::Secret;
 use copilot_pool::transcript::{TranscriptMode, count_duplicates};
-use copilot_pool::turn::{Answer, GatewayTool, Question, ToolCall, TranscriptSettings};
+use copilot_pool::turn::{Answer, GatewayTool, Question, ToolCall, TranscriptSettings, TurnError};
 use copilot_pool::worker::WorkerConfig;
 use serde::Serialize;
 use serde_json::json;
@@ -334,7 +334,7 @@ async fn showcase(pool: &Pool, base: &Path, base_url: &str) -> Showcase {
         Err(e) => eprintln!("  [demo] compaction failed: {e}"),
     }
     match lease.run("SCENARIO:tool NAME=stuck ARGS={}").await {
-        Err(PoolError::TurnTimeout { kind, .. }) => {
+        Err(PoolError::Turn(TurnError::Timeout { kind, .. })) => {
             done.timeouts += 1;
             eprintln!("  [demo] stuck tool call ended in a {kind:?} timeout; turn aborted");
         }
