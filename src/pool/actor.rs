@@ -20,8 +20,11 @@ use super::lease::OpenReason;
 use super::restart::{RestartDecision, RestartTracker};
 use super::status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus};
 
-/// A worker's id inside the pool (never reused).
-pub(crate) type WorkerId = u64;
+pub(crate) use super::placement::WorkerId;
+use super::placement::{
+    ConversationView, Recycle, UpkeepLimits, UpkeepView, WorkerView, evict_now, idle_victim,
+    least_loaded, lru_parked, recycle,
+};
 
 /// Conversations whose resume crashes are remembered at most (a bound on memory; the
 /// count restarts for all when it is reached).
@@ -165,6 +168,8 @@ pub(crate) enum PoolMsg {
         ok: bool,
     },
     Respawn(PoolKey),
+    /// Resident memory of workers, measured off the actor.
+    Measured(Vec<(WorkerId, u64)>),
     WaiterExpired(u64),
     Tick,
     Status(RpcReplyPort<PoolStatus>),
@@ -216,6 +221,30 @@ struct WorkerEntry {
     rss_bytes: u64,
 }
 
+impl WorkerEntry {
+    fn view(&self, id: WorkerId) -> WorkerView {
+        WorkerView {
+            id,
+            attached: self.attached.len(),
+            leased: self.leased,
+            draining: self.draining,
+            alive: self.handle.exit().is_none(),
+            last_used: self.last_used,
+        }
+    }
+
+    fn upkeep_view(&self) -> UpkeepView {
+        UpkeepView {
+            leased: self.leased,
+            last_used: self.last_used,
+            draining: self.draining,
+            drain_deadline: self.drain_deadline,
+            rss_bytes: self.rss_bytes,
+            turns: self.turns,
+        }
+    }
+}
+
 struct Conversation {
     worker: WorkerId,
     cli_session_id: String,
@@ -224,6 +253,16 @@ struct Conversation {
     parked: Option<Session>,
     leased: bool,
     last_used: Instant,
+}
+
+impl Conversation {
+    fn view<'a>(&self, key: &'a str) -> ConversationView<'a> {
+        ConversationView {
+            key,
+            leased: self.leased,
+            last_used: self.last_used,
+        }
+    }
 }
 
 struct Waiter {
@@ -421,6 +460,11 @@ impl Actor for PoolActor {
             }
             PoolMsg::Tick => {
                 state.maintain();
+                state.measure();
+                state.serve_waiters(&myself);
+            }
+            PoolMsg::Measured(measured) => {
+                state.on_measured(measured);
                 state.serve_waiters(&myself);
             }
             PoolMsg::Status(reply) => {
@@ -646,6 +690,14 @@ impl PoolState {
             }
         });
         true
+    }
+
+    fn upkeep_limits(&self) -> UpkeepLimits {
+        UpkeepLimits {
+            idle_ttl: self.config.idle_ttl,
+            max_rss_bytes: self.config.max_rss_bytes,
+            max_turns_per_process: self.config.max_turns_per_process,
+        }
     }
 
     fn worker_usable(&self, id: WorkerId) -> bool {
@@ -886,16 +938,11 @@ impl PoolState {
     /// The live, non-draining worker of `key` with the fewest conversations and room for one more.
     fn least_loaded(&self, key: &PoolKey) -> Option<WorkerId> {
         let ks = self.keys.get(key)?;
-        ks.workers
+        let views = ks
+            .workers
             .iter()
-            .filter_map(|id| self.workers.get(id).map(|w| (*id, w)))
-            .filter(|(_, w)| {
-                !w.draining
-                    && w.handle.exit().is_none()
-                    && w.attached.len() < self.config.max_sessions_per_process
-            })
-            .min_by_key(|(id, w)| (w.attached.len(), *id))
-            .map(|(id, _)| id)
+            .filter_map(|id| self.workers.get(id).map(|w| w.view(*id)));
+        least_loaded(views, self.config.max_sessions_per_process)
     }
 
     /// Starts a worker for `key` if the caps allow (evicting the least recently used idle
@@ -914,12 +961,12 @@ impl PoolState {
         }
         let spawning = self.keys.values().filter(|k| k.spawning).count();
         if self.workers.len() + spawning >= self.config.max_processes {
-            let victim = self
-                .workers
-                .iter()
-                .filter(|(_, w)| w.leased == 0 && w.key != *key)
-                .min_by_key(|(_, w)| w.last_used)
-                .map(|(id, _)| *id);
+            let victim = idle_victim(
+                self.workers
+                    .iter()
+                    .filter(|(_, w)| w.key != *key)
+                    .map(|(id, w)| w.view(*id)),
+            );
             match victim {
                 Some(id) => self.evict(id, Eviction::Full),
                 None => return false,
@@ -934,17 +981,12 @@ impl PoolState {
     /// Detaches the least recently used parked conversation of a live worker of `key` and
     /// returns that worker (now with room for one more).
     fn detach_lru_parked_of_key(&mut self, key: &PoolKey) -> Option<WorkerId> {
-        let session_key = self
-            .conversations
-            .iter()
-            .filter(|(_, c)| !c.leased)
-            .filter(|(_, c)| {
-                self.workers
-                    .get(&c.worker)
-                    .is_some_and(|w| w.key == *key && !w.draining)
-            })
-            .min_by_key(|(_, c)| c.last_used)
-            .map(|(k, _)| k.clone())?;
+        let of_key = self.conversations.iter().filter(|(_, c)| {
+            self.workers
+                .get(&c.worker)
+                .is_some_and(|w| w.key == *key && !w.draining)
+        });
+        let session_key = lru_parked(of_key.map(|(k, c)| c.view(k)))?.to_owned();
         let conv = self.conversations.remove(&session_key)?;
         if let Some(w) = self.workers.get_mut(&conv.worker) {
             w.attached.remove(&session_key);
@@ -958,13 +1000,8 @@ impl PoolState {
 
     /// Detaches the least recently used parked conversation to make room.
     fn detach_lru_parked(&mut self) -> bool {
-        let victim = self
-            .conversations
-            .iter()
-            .filter(|(_, c)| !c.leased)
-            .min_by_key(|(_, c)| c.last_used)
-            .map(|(k, _)| k.clone());
-        let Some(session_key) = victim else {
+        let victim = lru_parked(self.conversations.iter().map(|(k, c)| c.view(k)));
+        let Some(session_key) = victim.map(str::to_owned) else {
             return false;
         };
         if let Some(conv) = self.conversations.remove(&session_key) {
@@ -982,7 +1019,7 @@ impl PoolState {
     /// versions' workers drain (rotation).
     fn drain_other_versions(&mut self, key: &PoolKey) {
         let family = key.family();
-        let deadline = Instant::now() + self.config.drain_grace;
+        let deadline = drain_deadline(Instant::now(), self.config.drain_grace);
         let mut drained = Vec::new();
         for (id, w) in &mut self.workers {
             if !w.draining && w.key != *key && w.key.family() == family {
@@ -1016,6 +1053,7 @@ impl PoolState {
         turns: u64,
     ) {
         let now = Instant::now();
+        let limits = self.upkeep_limits();
         let mut keep = false;
         if let Some(w) = self.workers.get_mut(&worker_id) {
             w.leased = w.leased.saturating_sub(1);
@@ -1027,10 +1065,15 @@ impl PoolState {
                     ks.restart.record_stable();
                 }
             }
-            if w.turns >= self.config.max_turns_per_process && !w.draining {
-                tracing::info!(turns = w.turns, "Recycling a worker after its turn budget.");
+            if let Some(why) = recycle(&w.upkeep_view(), &limits) {
+                tracing::info!(
+                    turns = w.turns,
+                    rss = w.rss_bytes,
+                    ?why,
+                    "Recycling a worker."
+                );
                 w.draining = true;
-                w.drain_deadline = Some(now + self.config.drain_grace);
+                w.drain_deadline = Some(drain_deadline(now, self.config.drain_grace));
             }
             keep = settle == Settle::Park
                 && !w.draining
@@ -1308,26 +1351,51 @@ impl PoolState {
         }
     }
 
-    /// Idle TTL, drain deadlines, memory limits.
-    fn maintain(&mut self) {
+    /// Reads every worker's resident memory off the actor (a blocking thread reads `/proc`);
+    /// the answer comes back as `Measured`.
+    fn measure(&self) {
+        let pids: Vec<(WorkerId, u32)> = self
+            .workers
+            .iter()
+            .map(|(id, w)| (*id, w.handle.pid()))
+            .collect();
+        if pids.is_empty() {
+            return;
+        }
+        let target = self.myself.clone();
+        tokio::task::spawn_blocking(move || {
+            let measured = pids
+                .into_iter()
+                .map(|(id, pid)| (id, crate::process::rss_bytes(pid).unwrap_or(0)))
+                .collect();
+            let _ = target.cast(PoolMsg::Measured(measured));
+        });
+    }
+
+    /// Records measured memory; a worker above `max_rss_bytes` starts draining.
+    fn on_measured(&mut self, measured: Vec<(WorkerId, u64)>) {
         let now = Instant::now();
-        let mut evict = Vec::new();
-        for (id, w) in &mut self.workers {
-            w.rss_bytes = rss_bytes(w.handle.pid()).unwrap_or(0);
-            if !w.draining && w.rss_bytes > self.config.max_rss_bytes {
+        let limits = self.upkeep_limits();
+        for (id, rss) in measured {
+            let Some(w) = self.workers.get_mut(&id) else {
+                continue;
+            };
+            w.rss_bytes = rss;
+            if recycle(&w.upkeep_view(), &limits) == Some(Recycle::Memory) {
                 tracing::info!(rss = w.rss_bytes, "Recycling a worker above max_rss_bytes.");
                 w.draining = true;
-                w.drain_deadline = Some(now + self.config.drain_grace);
+                w.drain_deadline = Some(drain_deadline(now, self.config.drain_grace));
             }
-            let idle = w.leased == 0 && now.duration_since(w.last_used) >= self.config.idle_ttl;
-            let drained =
-                w.draining && (w.leased == 0 || w.drain_deadline.is_some_and(|d| now >= d));
-            if idle || drained {
-                let reason = if idle {
-                    Eviction::Idle
-                } else {
-                    Eviction::Drained
-                };
+        }
+    }
+
+    /// Idle TTL and drain deadlines.
+    fn maintain(&mut self) {
+        let now = Instant::now();
+        let limits = self.upkeep_limits();
+        let mut evict = Vec::new();
+        for (id, w) in &self.workers {
+            if let Some(reason) = evict_now(now, &w.upkeep_view(), &limits) {
                 evict.push((*id, reason));
             }
         }
@@ -1389,10 +1457,7 @@ impl PoolState {
     }
 }
 
-/// Resident memory of a process (VmRSS), from /proc.
-fn rss_bytes(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+/// When a worker that starts draining at `now` is stopped even with leases (never overflows).
+fn drain_deadline(now: Instant, grace: Duration) -> Instant {
+    crate::deadline::from(tokio::time::Instant::from_std(now), grace).into_std()
 }

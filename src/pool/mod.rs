@@ -16,6 +16,7 @@ mod config;
 mod error;
 pub mod key;
 mod lease;
+mod placement;
 pub mod restart;
 mod status;
 

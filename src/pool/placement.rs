@@ -1,0 +1,275 @@
+//! Pure placement decisions, state in and decisions out, as `restart.rs` is for crashes:
+//! which worker takes a conversation, which idle worker makes room when the pool is full,
+//! which parked conversation is detached when a cap is reached, and what the maintenance
+//! tick does to each worker (idle TTL, drain, recycling by memory and by turn count). The
+//! pool actor gathers the views, asks, and carries the answers out; nothing here awaits,
+//! spawns, signals or reads `/proc`.
+
+use std::time::{Duration, Instant};
+
+use crate::metrics::Eviction;
+
+/// A worker's id inside the pool (never reused).
+pub(crate) type WorkerId = u64;
+
+/// A worker as placement sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WorkerView {
+    pub(crate) id: WorkerId,
+    /// Conversations attached to it.
+    pub(crate) attached: usize,
+    /// Leases it serves right now.
+    pub(crate) leased: usize,
+    /// On its way out (rotation, recycling): takes nothing new.
+    pub(crate) draining: bool,
+    /// Its child is still serving.
+    pub(crate) alive: bool,
+    /// When a lease last came or went.
+    pub(crate) last_used: Instant,
+}
+
+/// The worker of a key that takes one more conversation: live, not draining, with room under
+/// `max_sessions_per_process`, and the fewest conversations (the oldest worker on a tie).
+pub(crate) fn least_loaded(
+    workers: impl IntoIterator<Item = WorkerView>,
+    max_sessions_per_process: usize,
+) -> Option<WorkerId> {
+    workers
+        .into_iter()
+        .filter(|w| !w.draining && w.alive && w.attached < max_sessions_per_process)
+        .min_by_key(|w| (w.attached, w.id))
+        .map(|w| w.id)
+}
+
+/// The worker to stop so another key can start one when the pool is full: the least
+/// recently used worker with no lease (`others` are the workers of the other keys).
+pub(crate) fn idle_victim(others: impl IntoIterator<Item = WorkerView>) -> Option<WorkerId> {
+    others
+        .into_iter()
+        .filter(|w| w.leased == 0)
+        .min_by_key(|w| (w.last_used, w.id))
+        .map(|w| w.id)
+}
+
+/// A conversation as placement sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ConversationView<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) leased: bool,
+    pub(crate) last_used: Instant,
+}
+
+/// The parked (not leased) conversation to detach to make room: the least recently used.
+pub(crate) fn lru_parked<'a>(
+    conversations: impl IntoIterator<Item = ConversationView<'a>>,
+) -> Option<&'a str> {
+    conversations
+        .into_iter()
+        .filter(|c| !c.leased)
+        .min_by_key(|c| (c.last_used, c.key))
+        .map(|c| c.key)
+}
+
+/// The limits the maintenance tick applies.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct UpkeepLimits {
+    pub(crate) idle_ttl: Duration,
+    pub(crate) max_rss_bytes: u64,
+    pub(crate) max_turns_per_process: u64,
+}
+
+/// A worker as the maintenance tick sees it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct UpkeepView {
+    pub(crate) leased: usize,
+    pub(crate) last_used: Instant,
+    pub(crate) draining: bool,
+    pub(crate) drain_deadline: Option<Instant>,
+    pub(crate) rss_bytes: u64,
+    pub(crate) turns: u64,
+}
+
+/// Why a worker starts draining on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Recycle {
+    /// Its resident memory is above `max_rss_bytes`.
+    Memory,
+    /// It ran `max_turns_per_process` turns.
+    Turns,
+}
+
+/// Whether a live worker should be recycled (drain, then stop): memory first, then turns.
+pub(crate) fn recycle(w: &UpkeepView, limits: &UpkeepLimits) -> Option<Recycle> {
+    if w.draining {
+        return None;
+    }
+    if w.rss_bytes > limits.max_rss_bytes {
+        Some(Recycle::Memory)
+    } else if w.turns >= limits.max_turns_per_process {
+        Some(Recycle::Turns)
+    } else {
+        None
+    }
+}
+
+/// Whether the maintenance tick stops a worker now: idle past the TTL, or draining with no
+/// lease left or past its drain deadline.
+pub(crate) fn evict_now(now: Instant, w: &UpkeepView, limits: &UpkeepLimits) -> Option<Eviction> {
+    if w.leased == 0 && now.saturating_duration_since(w.last_used) >= limits.idle_ttl {
+        return Some(Eviction::Idle);
+    }
+    let drained = w.draining && (w.leased == 0 || w.drain_deadline.is_some_and(|d| now >= d));
+    drained.then_some(Eviction::Drained)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(id: WorkerId, attached: usize, leased: usize, age_secs: u64) -> WorkerView {
+        WorkerView {
+            id,
+            attached,
+            leased,
+            draining: false,
+            alive: true,
+            last_used: base() - Duration::from_secs(age_secs),
+        }
+    }
+
+    fn base() -> Instant {
+        // One fixed instant per test run, far enough from the clock's start to subtract.
+        static BASE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        *BASE.get_or_init(|| Instant::now() + Duration::from_secs(100_000))
+    }
+
+    #[test]
+    fn a_conversation_goes_to_the_least_loaded_live_worker_with_room() {
+        let workers = [worker(1, 3, 0, 0), worker(2, 1, 0, 0), worker(3, 1, 0, 0)];
+        assert_eq!(least_loaded(workers, 4), Some(2), "fewest, then oldest");
+        let full = [worker(1, 4, 0, 0), worker(2, 4, 1, 0)];
+        assert_eq!(least_loaded(full, 4), None, "no room anywhere");
+        let mut draining = worker(1, 0, 0, 0);
+        draining.draining = true;
+        let mut dead = worker(2, 0, 0, 0);
+        dead.alive = false;
+        assert_eq!(
+            least_loaded([draining, dead, worker(3, 2, 0, 0)], 4),
+            Some(3)
+        );
+    }
+
+    #[test]
+    fn a_full_pool_stops_the_least_recently_used_idle_worker_of_another_key() {
+        let others = [
+            worker(1, 2, 1, 500), // oldest, but leased
+            worker(2, 2, 0, 300),
+            worker(3, 0, 0, 10),
+        ];
+        assert_eq!(idle_victim(others), Some(2));
+        assert_eq!(idle_victim([worker(1, 1, 1, 9), worker(2, 1, 2, 9)]), None);
+        assert_eq!(idle_victim([]), None);
+    }
+
+    #[test]
+    fn the_global_session_cap_detaches_the_least_recently_used_parked_conversation() {
+        let t = base();
+        let conversations = [
+            ConversationView {
+                key: "a/1",
+                leased: true,
+                last_used: t - Duration::from_secs(90),
+            },
+            ConversationView {
+                key: "a/2",
+                leased: false,
+                last_used: t - Duration::from_secs(60),
+            },
+            ConversationView {
+                key: "b/1",
+                leased: false,
+                last_used: t - Duration::from_secs(5),
+            },
+        ];
+        assert_eq!(lru_parked(conversations.clone()), Some("a/2"));
+        let all_leased = conversations.map(|c| ConversationView { leased: true, ..c });
+        assert_eq!(lru_parked(all_leased), None);
+    }
+
+    fn limits() -> UpkeepLimits {
+        UpkeepLimits {
+            idle_ttl: Duration::from_secs(300),
+            max_rss_bytes: 1 << 30,
+            max_turns_per_process: 2000,
+        }
+    }
+
+    fn upkeep(leased: usize, idle_secs: u64) -> UpkeepView {
+        UpkeepView {
+            leased,
+            last_used: base() - Duration::from_secs(idle_secs),
+            draining: false,
+            drain_deadline: None,
+            rss_bytes: 100 << 20,
+            turns: 10,
+        }
+    }
+
+    #[test]
+    fn workers_are_recycled_by_memory_and_by_turn_count_once() {
+        let l = limits();
+        assert_eq!(recycle(&upkeep(1, 0), &l), None);
+        let heavy = UpkeepView {
+            rss_bytes: (1 << 30) + 1,
+            ..upkeep(1, 0)
+        };
+        assert_eq!(recycle(&heavy, &l), Some(Recycle::Memory));
+        let worn = UpkeepView {
+            turns: 2000,
+            ..upkeep(0, 0)
+        };
+        assert_eq!(recycle(&worn, &l), Some(Recycle::Turns));
+        let already = UpkeepView {
+            draining: true,
+            ..heavy
+        };
+        assert_eq!(
+            recycle(&already, &l),
+            None,
+            "a draining worker is not recycled again"
+        );
+    }
+
+    #[test]
+    fn idle_workers_are_stopped_after_the_ttl_and_drained_ones_when_free_or_late() {
+        let l = limits();
+        let now = base();
+        assert_eq!(evict_now(now, &upkeep(0, 299), &l), None);
+        assert_eq!(evict_now(now, &upkeep(0, 300), &l), Some(Eviction::Idle));
+        assert_eq!(
+            evict_now(now, &upkeep(1, 3000), &l),
+            None,
+            "a lease keeps it"
+        );
+        let draining = UpkeepView {
+            draining: true,
+            drain_deadline: Some(now + Duration::from_secs(60)),
+            ..upkeep(1, 0)
+        };
+        assert_eq!(
+            evict_now(now, &draining, &l),
+            None,
+            "leased, before the deadline"
+        );
+        assert_eq!(
+            evict_now(now + Duration::from_secs(60), &draining, &l),
+            Some(Eviction::Drained),
+            "past the deadline even with a lease"
+        );
+        let free = UpkeepView {
+            leased: 0,
+            ..draining
+        };
+        assert_eq!(evict_now(now, &free, &l), Some(Eviction::Drained));
+    }
+}
