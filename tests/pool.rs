@@ -384,6 +384,15 @@ async fn one_turn_at_a_time_and_one_owner_per_session_id() {
         "{refused:?}"
     );
 
+    // …says so when the conversation stays leased for the whole wait…
+    let mut patient = req.clone();
+    patient.wait_timeout = Some(Duration::from_millis(300));
+    let waited = pool.lease(patient).await;
+    assert!(
+        matches!(waited, Err(PoolError::ConversationWaitTimeout { ref session_key, .. }) if session_key == "conv"),
+        "{waited:?}"
+    );
+
     // …and otherwise queues behind it, even on another process (rotated token).
     let mut rotated = req.clone();
     rotated.auth = token("v2");

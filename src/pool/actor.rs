@@ -41,6 +41,10 @@ pub(crate) struct AcquireRequest {
     /// What the session is opened with (tools, handler flags): a parked session opened
     /// differently is resumed anew rather than reused.
     pub(crate) setup: String,
+    /// The gateway's own key of the conversation (for errors).
+    pub(crate) gateway_key: String,
+    /// Refuse at once if the conversation is leased, instead of queueing behind its lease.
+    pub(crate) fail_if_busy: bool,
     pub(crate) wait: Duration,
 }
 
@@ -447,14 +451,25 @@ impl Actor for PoolActor {
                 if let Some(pos) = state.waiters.iter().position(|w| w.id == id)
                     && let Some(w) = state.waiters.remove(pos)
                 {
-                    // A key whose last start failed (its retry still pending) says why.
-                    let error = state
+                    // A conversation still leased by another caller, or a key whose last start
+                    // failed (its retry still pending), says why.
+                    let busy = state
+                        .conversations
+                        .get(&w.req.session_key)
+                        .is_some_and(|c| c.leased);
+                    let start_error = state
                         .keys
                         .get(&w.req.key)
                         .filter(|ks| ks.workers.is_empty())
-                        .and_then(|ks| ks.last_start_error.clone())
-                        .map(PoolError::Worker)
-                        .unwrap_or(PoolError::WaitTimeout { after: w.req.wait });
+                        .and_then(|ks| ks.last_start_error.clone());
+                    let error = match (busy, start_error) {
+                        (true, _) => PoolError::ConversationWaitTimeout {
+                            session_key: w.req.gateway_key.clone(),
+                            after: w.req.wait,
+                        },
+                        (false, Some(error)) => PoolError::Worker(error),
+                        (false, None) => PoolError::WaitTimeout { after: w.req.wait },
+                    };
                     let _ = w.reply.send(Err(error));
                 }
             }
@@ -801,6 +816,20 @@ impl PoolState {
     ) -> Result<Option<Grant>, PoolError> {
         if self.closed {
             return Err(PoolError::Closed);
+        }
+        // One turn at a time per conversation: a leased conversation's next lease waits in
+        // the FIFO until the return (or is refused at once with `fail_if_busy`).
+        if self
+            .conversations
+            .get(&req.session_key)
+            .is_some_and(|c| c.leased)
+        {
+            if req.fail_if_busy {
+                return Err(PoolError::ConversationBusy {
+                    session_key: req.gateway_key.clone(),
+                });
+            }
+            return Ok(None);
         }
         let now = Instant::now();
         let ks = self

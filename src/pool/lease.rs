@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use ractor::ActorRef;
 use serde_json::json;
-use tokio::sync::OwnedMutexGuard;
 
 use crate::panic_guard::call_guarded;
 use crate::rpc::messages::CompactResult;
@@ -43,8 +42,6 @@ pub struct Lease {
     /// The session may still be busy or attached in its process and cannot be detached with
     /// confirmation (a delete that failed): the pool stops the process.
     pub(crate) unsettled: bool,
-    /// One turn at a time per conversation: held for the lease's life.
-    pub(crate) guard: Option<OwnedMutexGuard<()>>,
     /// The pool's binding store (for `reset`).
     pub(crate) bindings: std::sync::Arc<super::bindings::BindingStore>,
     /// How long a drop with a turn running waits for the aborted turn's `session.idle`.
@@ -284,7 +281,6 @@ impl Drop for Lease {
             session_key: std::mem::take(&mut self.conversation),
             worker_id: self.worker_id,
             turns: self.turns,
-            guard: self.guard.take(),
         };
         if self.unsettled || self.driver.poisoned() {
             // A turn that did not reach `session.idle` after its abort (a timeout), or a
@@ -327,7 +323,6 @@ struct ReturnTicket {
     session_key: String,
     worker_id: WorkerId,
     turns: u64,
-    guard: Option<OwnedMutexGuard<()>>,
 }
 
 impl ReturnTicket {
@@ -339,8 +334,7 @@ impl ReturnTicket {
             settle,
             turns: self.turns,
         });
-        // The conversation lock is released only after the return is queued, so the next
-        // lease of this conversation is handled after it.
-        drop(self.guard);
+        // The conversation stays leased in the actor until it handles this return; the next
+        // lease of it waits there until then.
     }
 }

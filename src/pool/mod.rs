@@ -24,9 +24,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dashmap::DashMap;
 use ractor::{Actor, ActorRef};
-use tokio::sync::{Mutex, broadcast, watch};
+use tokio::sync::{broadcast, watch};
 
 use crate::auth::{AuthMode, resolve};
 use crate::home::resolve_copilot_home;
@@ -47,9 +46,6 @@ use actor::{AcquireRequest, Grant, PoolActor, PoolArgs, PoolMsg};
 
 /// Extra time an acquire call may take beyond the wait (a spawn that finishes late).
 const ACQUIRE_SLACK: Duration = Duration::from_secs(5);
-
-/// Above this many conversation locks, unused ones are forgotten at the next lease.
-const LOCK_PRUNE_THRESHOLD: usize = 4096;
 
 /// Sessions the `cli` flavour can hold per OS user before inotify runs out (the default
 /// `fs.inotify.max_user_instances` is 128, shared by every process of the user).
@@ -103,8 +99,6 @@ struct PoolInner {
     actor: ActorRef<PoolMsg>,
     config: PoolConfig,
     bindings: Arc<BindingStore>,
-    /// One turn at a time per conversation.
-    locks: DashMap<String, Arc<Mutex<()>>>,
     leased: watch::Receiver<usize>,
     events: broadcast::Sender<PoolEvent>,
     /// Set by `shutdown`: leases fail at once, also those waiting for their conversation.
@@ -162,7 +156,6 @@ impl Pool {
                 actor,
                 config,
                 bindings,
-                locks: DashMap::new(),
                 leased: leased_rx,
                 events,
                 closed: watch::channel(false).0,
@@ -226,38 +219,11 @@ impl Pool {
         tracing::Span::current().record("key", tracing::field::display(key.short_hash()));
         let compat = compat_key(&key, req.model.as_deref(), &req.working_directory);
         let wait = req.wait_timeout.unwrap_or(inner.config.wait_timeout);
-        // One deadline for the conversation lock and the capacity wait together.
-        let deadline = crate::deadline::from_now(wait);
-        if inner.locks.len() > LOCK_PRUNE_THRESHOLD {
-            // Forget locks nobody holds or waits for.
-            inner.locks.retain(|_, lock| Arc::strong_count(lock) > 1);
-        }
-
-        // A conversation is (agent, session key): two agents may use the same key.
+        // A conversation is (agent, session key): two agents may use the same key. One turn
+        // at a time per conversation: the pool actor queues a lease behind the conversation's
+        // running one (or refuses it at once with `fail_if_busy`), within the same wait as
+        // for capacity.
         let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
-        // One turn at a time per conversation.
-        let lock = inner
-            .locks
-            .entry(conversation.clone())
-            .or_insert_with(|| Arc::new(Mutex::new(())))
-            .clone();
-        let guard = if req.fail_if_busy {
-            lock.try_lock_owned()
-                .map_err(|_| PoolError::ConversationBusy {
-                    session_key: req.session_key.clone(),
-                })?
-        } else {
-            let mut closed = inner.closed.subscribe();
-            tokio::select! {
-                guard = tokio::time::timeout_at(deadline, lock.lock_owned()) => {
-                    guard.map_err(|_| PoolError::ConversationWaitTimeout {
-                        session_key: req.session_key.clone(),
-                        after: wait,
-                    })?
-                }
-                _ = closed.wait_for(|c| *c) => return Err(PoolError::Closed),
-            }
-        };
 
         let mut spec = inner.config.worker.clone();
         spec.copilot_home = home.clone();
@@ -271,7 +237,9 @@ impl Pool {
             session_key: conversation.clone(),
             compat: compat.clone(),
             setup: setup_key(&session_config),
-            wait: deadline.saturating_duration_since(tokio::time::Instant::now()),
+            gateway_key: req.session_key.clone(),
+            fail_if_busy: req.fail_if_busy,
+            wait,
         };
         let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
         let grant: Grant = match inner
@@ -299,7 +267,6 @@ impl Pool {
         // conversation to the pool like any other.
         let opening = Opening {
             grant,
-            guard,
             conversation,
             session_key: req.session_key,
             compat,
@@ -457,7 +424,6 @@ fn now_ms() -> u64 {
 /// Everything a granted lease needs to open its conversation, owned by the open task.
 struct Opening {
     grant: Grant,
-    guard: tokio::sync::OwnedMutexGuard<()>,
     conversation: String,
     session_key: String,
     compat: String,
@@ -480,7 +446,6 @@ impl Opening {
     async fn open(self) -> Result<Lease, PoolError> {
         let Opening {
             mut grant,
-            guard,
             conversation,
             session_key,
             compat,
@@ -576,7 +541,6 @@ impl Opening {
             sent: 0,
             lost: false,
             unsettled: false,
-            guard: Some(guard),
             bindings,
             abort_settle_timeout,
         })
