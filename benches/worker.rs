@@ -63,7 +63,7 @@ async fn main() {
     let mut creates = Vec::new();
     for i in 0..STARTS {
         let t = Instant::now();
-        let worker = WorkerHandle::start(config(i), None).await.expect("start");
+        let worker = WorkerHandle::start(config(i)).await.expect("start");
         starts.push(t.elapsed());
         let t = Instant::now();
         let session = worker
@@ -77,9 +77,7 @@ async fn main() {
     summary("start (spawn + connect)", starts);
     summary("session.create", creates);
 
-    let worker = WorkerHandle::start(config(1000), None)
-        .await
-        .expect("start");
+    let worker = WorkerHandle::start(config(1000)).await.expect("start");
     let mut session = worker
         .create_session(session_config())
         .await
@@ -97,9 +95,7 @@ async fn main() {
 
     let mut kills = Vec::new();
     for i in 0..KILLS {
-        let worker = WorkerHandle::start(config(2000 + i), None)
-            .await
-            .expect("start");
+        let worker = WorkerHandle::start(config(2000 + i)).await.expect("start");
         let mut session = worker
             .create_session(session_config())
             .await

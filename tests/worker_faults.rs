@@ -79,9 +79,10 @@ async fn kill_9_mid_turn_fails_the_turn_fast_and_leaves_no_process() {
     let model = ScriptedModel::new();
     let endpoint = model.serve_http().await.expect("model endpoint");
     let (supervisor, mut supervision) = recorder().await;
-    let worker = WorkerHandle::start(worker_config(&scratch).await, Some(supervisor.get_cell()))
-        .await
-        .expect("worker starts");
+    let worker =
+        WorkerHandle::start_supervised(worker_config(&scratch).await, supervisor.get_cell())
+            .await
+            .expect("worker starts");
     let pid = worker.pid();
     let mut session = worker
         .create_session(SessionConfig {
@@ -138,7 +139,7 @@ async fn kill_9_mid_turn_fails_the_turn_fast_and_leaves_no_process() {
 #[tokio::test]
 async fn an_in_flight_request_fails_with_the_exit_status() {
     let scratch = Scratch::new();
-    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+    let worker = WorkerHandle::start(worker_config(&scratch).await)
         .await
         .expect("worker starts");
     let pid = Pid::from_raw(worker.pid() as i32);
@@ -177,7 +178,7 @@ async fn a_hung_runtime_is_detected_by_health_pings_and_killed() {
     config.health_timeout = Duration::from_millis(300);
     config.kill_grace = Duration::from_millis(300);
     let (supervisor, mut supervision) = recorder().await;
-    let worker = WorkerHandle::start(config, Some(supervisor.get_cell()))
+    let worker = WorkerHandle::start_supervised(config, supervisor.get_cell())
         .await
         .expect("worker starts");
     kill(Pid::from_raw(worker.pid() as i32), Signal::SIGSTOP).expect("stop");
@@ -200,7 +201,7 @@ async fn a_hung_runtime_is_detected_by_health_pings_and_killed() {
 #[tokio::test]
 async fn dropping_every_handle_stops_the_worker_and_its_group() {
     let scratch = Scratch::new();
-    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+    let worker = WorkerHandle::start(worker_config(&scratch).await)
         .await
         .expect("worker starts");
     let pid = worker.pid();
@@ -217,7 +218,7 @@ async fn dropping_every_handle_stops_the_worker_and_its_group() {
 #[tokio::test]
 async fn killing_the_actor_kills_the_group() {
     let scratch = Scratch::new();
-    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+    let worker = WorkerHandle::start(worker_config(&scratch).await)
         .await
         .expect("worker starts");
     let pid = worker.pid();
@@ -249,7 +250,7 @@ async fn shutdown_detaches_sessions_and_leaves_no_process() {
     let scratch = Scratch::new();
     let model = ScriptedModel::new();
     let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+    let worker = WorkerHandle::start(worker_config(&scratch).await)
         .await
         .expect("worker starts");
     let mut session = worker
@@ -337,7 +338,7 @@ fn fake_config(scratch: &Scratch, program: PathBuf) -> WorkerConfig {
 async fn broken_by(fault: &str) -> (WorkerExit, WorkerError, u32) {
     let scratch = Scratch::new();
     let program = fake_peer(&scratch, CONNECT_OK, fault);
-    let worker = WorkerHandle::start(fake_config(&scratch, program), None)
+    let worker = WorkerHandle::start(fake_config(&scratch, program))
         .await
         .expect("fake peer handshake");
     assert_eq!(worker.info().runtime_version, "fake-peer");
@@ -398,7 +399,7 @@ async fn an_unknown_server_request_gets_method_not_found() {
     std::fs::write(&path, script).expect("write fake");
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let worker = WorkerHandle::start(fake_config(&scratch, path), None)
+    let worker = WorkerHandle::start(fake_config(&scratch, path))
         .await
         .expect("handshake");
     // Our answer ends without a newline; the next request's header ends the fake's line.
@@ -424,7 +425,7 @@ async fn another_protocol_version_is_refused_with_the_fix() {
         r#"{"jsonrpc":"2.0","id":1,"result":{"ok":true,"protocolVersion":2,"version":"0.3.0"}}"#,
         "",
     );
-    let err = WorkerHandle::start(fake_config(&scratch, program), None)
+    let err = WorkerHandle::start(fake_config(&scratch, program))
         .await
         .expect_err("protocol 2 refused");
     let text = err.to_string();
@@ -447,7 +448,7 @@ async fn a_runtime_that_exits_at_once_reports_its_status_and_stderr() {
     .expect("write");
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let err = WorkerHandle::start(fake_config(&scratch, path), None)
+    let err = WorkerHandle::start(fake_config(&scratch, path))
         .await
         .expect_err("start fails");
     let text = err.to_string();

@@ -20,7 +20,7 @@ async fn a_turn_emits_the_documented_events_in_order() {
     let scratch = Scratch::new();
     let model = ScriptedModel::new();
     let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+    let worker = WorkerHandle::start(worker_config(&scratch).await)
         .await
         .expect("worker starts");
     assert_eq!(worker.info().protocol_version, 3);
@@ -66,7 +66,7 @@ async fn a_client_tool_round_trip_and_answers_only_from_the_owning_session() {
     let scratch = Scratch::new();
     let model = ScriptedModel::new();
     let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+    let worker = WorkerHandle::start(worker_config(&scratch).await)
         .await
         .expect("worker starts");
     let with_tool = |scratch: &Scratch| SessionConfig {
@@ -149,7 +149,7 @@ async fn abort_mid_turn_ends_with_an_aborted_idle() {
     let scratch = Scratch::new();
     let model = ScriptedModel::new();
     let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+    let worker = WorkerHandle::start(worker_config(&scratch).await)
         .await
         .expect("worker starts");
     let mut session = worker
@@ -183,7 +183,7 @@ async fn a_resumed_session_in_a_fresh_worker_carries_the_history() {
     let scratch = Scratch::new();
     let model = ScriptedModel::new();
     let endpoint = model.serve_http().await.expect("model endpoint");
-    let first = WorkerHandle::start(worker_config(&scratch).await, None)
+    let first = WorkerHandle::start(worker_config(&scratch).await)
         .await
         .expect("worker starts");
     let mut session = first
@@ -199,7 +199,7 @@ async fn a_resumed_session_in_a_fresh_worker_carries_the_history() {
     session.detach().await.expect("detach");
     support::shutdown_and_check(&first).await;
 
-    let second = WorkerHandle::start(worker_config(&scratch).await, None)
+    let second = WorkerHandle::start(worker_config(&scratch).await)
         .await
         .expect("second worker starts");
     assert_ne!(first.pid(), second.pid());
@@ -240,9 +240,7 @@ async fn the_model_can_be_served_over_the_json_rpc_tunnel() {
     let model = ScriptedModel::new();
     let mut config = worker_config(&scratch).await;
     config.model_tunnel = Some(Arc::new(model.clone()));
-    let worker = WorkerHandle::start(config, None)
-        .await
-        .expect("worker starts");
+    let worker = WorkerHandle::start(config).await.expect("worker starts");
     // Nothing listens on port 9: every model call must come through the pipe.
     let mut session = worker
         .create_session(SessionConfig {
@@ -275,9 +273,7 @@ async fn parent_tokens_never_reach_the_child() {
     parent.push(("COPILOT_GITHUB_TOKEN".into(), "ghp_parent_secret".into()));
     config.base_env = Some(parent);
     config.auth_token = Some("ghu_worker_token".into());
-    let worker = WorkerHandle::start(config, None)
-        .await
-        .expect("worker starts");
+    let worker = WorkerHandle::start(config).await.expect("worker starts");
     let env = support::procs::environ(worker.pid());
     assert!(!env.is_empty(), "could not read the child's environment");
     assert!(env.iter().all(|(_, v)| v != "ghp_parent_secret"), "{env:?}");
@@ -308,7 +304,7 @@ async fn a_permission_prompt_is_answered_before_the_tool_runs() {
     let scratch = Scratch::new();
     let model = ScriptedModel::new();
     let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+    let worker = WorkerHandle::start(worker_config(&scratch).await)
         .await
         .expect("worker starts");
     let mut tool = secret_tool();
@@ -360,7 +356,7 @@ async fn an_open_cancelled_midway_leaves_no_stale_route_and_the_session_opens_ag
     let scratch = Scratch::new();
     let model = ScriptedModel::new();
     let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await, None)
+    let worker = WorkerHandle::start(worker_config(&scratch).await)
         .await
         .expect("worker starts");
     let config = session_config(&endpoint.base_url(), &scratch);

@@ -589,7 +589,7 @@ fn start_spawn(key: &PoolKey, ks: &mut KeyState, myself: &ActorRef<PoolMsg>) {
     let supervisor = myself.get_cell();
     tokio::spawn(async move {
         let started = Instant::now();
-        let result = WorkerHandle::start(spec, Some(supervisor)).await;
+        let result = WorkerHandle::start_supervised(spec, supervisor).await;
         let outcome = match &result {
             Ok(h) if h.exit().is_none() => metrics::SpawnResult::Ok,
             Err(WorkerError::ResourceExhausted(_)) => metrics::SpawnResult::ResourceExhausted,

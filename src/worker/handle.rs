@@ -125,11 +125,25 @@ impl fmt::Debug for WorkerHandle {
 }
 
 impl WorkerHandle {
-    /// Spawns the child, performs the `connect` handshake and starts supervising it. With a
-    /// `supervisor`, the worker is linked to it and reports its end as a supervision event:
-    /// `ActorFailed` with a [`WorkerExit`] error on a crash, hang or protocol violation,
-    /// `ActorTerminated` after [`WorkerHandle::shutdown`].
-    pub async fn start(
+    /// Spawns the child, performs the `connect` handshake and starts supervising it. How it
+    /// ends is [`WorkerHandle::ended`]; a session sees [`super::SessionUpdate::Ended`].
+    pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
+        Self::start_with(config, None).await
+    }
+
+    /// [`WorkerHandle::start`], linked to a ractor `supervisor` that receives the worker's
+    /// end as a supervision event: `ActorFailed` with a [`WorkerExit`] error on a crash, hang
+    /// or protocol violation, `ActorTerminated` after [`WorkerHandle::shutdown`]. The pool's
+    /// own plumbing (and its tests): ractor types stay out of the documented surface.
+    #[doc(hidden)]
+    pub async fn start_supervised(
+        config: WorkerConfig,
+        supervisor: ActorCell,
+    ) -> Result<WorkerHandle, WorkerError> {
+        Self::start_with(config, Some(supervisor)).await
+    }
+
+    async fn start_with(
         config: WorkerConfig,
         supervisor: Option<ActorCell>,
     ) -> Result<WorkerHandle, WorkerError> {
@@ -190,7 +204,9 @@ impl WorkerHandle {
         self.conn.pending_requests()
     }
 
-    /// The actor, e.g. to link or monitor it.
+    /// The actor, e.g. to link or monitor it (ractor plumbing, out of the documented
+    /// surface).
+    #[doc(hidden)]
     pub fn actor(&self) -> ActorCell {
         self.actor.get_cell()
     }

@@ -204,7 +204,7 @@ async fn check_runtime_start(report: &mut Report, program: PathBuf) {
     config.extra_env = vec![("HOME".to_owned(), scratch.0.display().to_string())];
     config.start_timeout = Duration::from_secs(60);
     config.kill_grace = Duration::from_secs(2);
-    let worker = match WorkerHandle::start(config, None).await {
+    let worker = match WorkerHandle::start(config).await {
         Ok(worker) => worker,
         Err(err) => {
             report.fail(

@@ -151,7 +151,7 @@ async fn start_and_turn(
     prompt: &str,
     limit: Duration,
 ) -> Result<()> {
-    let worker = WorkerHandle::start(config, None).await?;
+    let worker = WorkerHandle::start(config).await?;
     let outcome = turn(&worker, session, prompt, limit).await;
     worker.shutdown().await;
     outcome
