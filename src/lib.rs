@@ -52,7 +52,7 @@
 //!   ask_user, hooks, timeouts, the transcript mirror; and what a turn produced.
 //! * [`kinds`] — the closed sets of values the crate reports (open reasons, turn ends,
 //!   error kinds), each spelled once.
-//! * [`routing`] — which of N `serve` replicas an agent goes to (rendezvous hashing).
+//! * [`replica`] — which of N `serve` replicas an agent goes to (rendezvous hashing).
 //! * [`auth`] — which credentials a lease runs with (precedence, fingerprints).
 //! * [`home`] — each agent's COPILOT_HOME.
 //! * [`worker`] — one supervised CLI child: [`worker::WorkerHandle`] starts it and opens
@@ -78,7 +78,7 @@ mod panic_guard;
 pub mod permission;
 pub mod pool;
 pub mod process;
-pub mod routing;
+pub mod replica;
 pub mod rpc;
 pub mod runtime;
 #[cfg(feature = "scripted-model")]

@@ -1,6 +1,6 @@
 //! The worker actor's lifecycle: spawn and handshake, health pings, the message loop, and
 //! the two ends — `die` (the child is gone: fail everything at once, kill the group, report
-//! the exit) and the orderly stop. Routing what the child sends lives in `routing.rs`.
+//! the exit) and the orderly stop. Dispatching what the child sends lives in `dispatch.rs`.
 //! The actor never decides which worker serves a conversation.
 
 use std::collections::hash_map::Entry;

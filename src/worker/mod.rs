@@ -14,7 +14,7 @@ mod actor;
 mod config;
 mod error;
 mod handle;
-mod routing;
+mod dispatch;
 mod session;
 mod tunnel;
 
