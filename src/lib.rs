@@ -61,7 +61,8 @@
 //!   messages and session events.
 //! * [`process`] — a child in its own process group: stderr tail, reaping, TERM→grace→KILL.
 //! * [`runtime`] — the pinned runtime: install with npm, locate at run time.
-//! * [`tunnel`] — serving the runtime's model HTTP requests over the pipe.
+//! * [`tunnel`] — serving the runtime's model HTTP requests over the pipe: the
+//!   [`tunnel::ModelTunnel`] trait, its request/response shapes and the `llmInference.*` frames.
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`secret`] — a redacting wrapper for tokens and keys.

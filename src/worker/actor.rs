@@ -17,12 +17,12 @@ use crate::rpc::messages::{
     SessionDetach, SessionIdParams,
 };
 use crate::rpc::{CloseCause, Connection, ConnectionOptions, Incoming, RpcError};
+use crate::tunnel::frames::TunnelRequests;
 
 use super::config::WorkerConfig;
 use super::error::{ExitReason, WorkerError, WorkerExit};
 use super::handle::{PendingKind, WorkerInfo};
 use super::session::SessionUpdate;
-use super::tunnel::TunnelRequests;
 
 /// After stdout closes, how long to wait for the child's exit status before reporting the
 /// closed pipe without it.

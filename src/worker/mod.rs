@@ -16,7 +16,6 @@ mod error;
 mod handle;
 mod dispatch;
 mod session;
-mod tunnel;
 
 pub use config::{AUTH_TOKEN_ENV, ENV_ALLOWLIST, TOKEN_VARIABLES, WorkerConfig};
 pub use error::{ExitReason, WorkerError, WorkerExit};
