@@ -50,6 +50,8 @@
 //!   restart, durable bindings, rotation, eviction. [`pool::Pool::lease`] is the entry point.
 //! * [`turn`] — what a conversation brings to a turn: gateway tools, permission policy,
 //!   ask_user, hooks, timeouts, the transcript mirror; and what a turn produced.
+//! * [`ids`] — [`ConversationId`] (agent + the gateway's session key) and [`CliSessionId`]
+//!   (the runtime's id of the CLI session holding a conversation's history).
 //! * [`kinds`] — the closed sets of values the crate reports (open reasons, turn ends,
 //!   error kinds), each spelled once.
 //! * [`replica`] — which of N `serve` replicas an agent goes to (rendezvous hashing).
@@ -73,6 +75,7 @@
 pub mod auth;
 mod deadline;
 pub mod home;
+pub mod ids;
 pub mod kinds;
 pub mod metrics;
 mod panic_guard;
@@ -92,10 +95,9 @@ pub mod worker;
 
 // What a gateway uses, at the root.
 pub use auth::LeaseAuth;
+pub use ids::{CliSessionId, ConversationId};
 pub use kinds::{ErrorKind, OpenReason, TurnEnd};
-pub use pool::{
-    ConversationId, Lease, LeaseRequest, Pool, PoolConfig, PoolError, PoolEvent, PoolStatus,
-};
+pub use pool::{Lease, LeaseRequest, Pool, PoolConfig, PoolError, PoolEvent, PoolStatus};
 pub use secret::Secret;
 pub use turn::{TranscriptSettings, TurnHandlers, TurnOutcome, TurnTimeouts};
 pub use worker::WorkerError;

@@ -121,7 +121,7 @@ async fn cancel_while_opening_then_lease_on_the_other_process(point: CancelPoint
     .expect("lease after the cancel");
     assert_eq!(
         lease.cli_session_id(),
-        id,
+        &id,
         "{point:?}: the same conversation"
     );
     if lease.reason() == OpenReason::Resumed {
@@ -210,7 +210,7 @@ async fn a_dropped_lease_whose_turn_never_settles_stops_its_process_and_the_conv
         .lease(fx.request("agent-a", "conv"))
         .await
         .expect("lease after the stop");
-    assert_eq!(lease.cli_session_id(), id);
+    assert_eq!(lease.cli_session_id(), &id);
     assert_eq!(lease.reason(), OpenReason::Resumed);
     assert_ne!(lease.worker_pid(), stuck_pid);
     drop(lease);
@@ -254,7 +254,7 @@ async fn a_turn_that_times_out_and_never_settles_stops_its_process_and_the_conve
     let left = wait_group_gone(stuck_pid, Duration::from_secs(10)).await;
     assert!(left.is_empty(), "group {stuck_pid} left behind: {left:?}");
     let lease = pool.lease(req).await.expect("lease after the stop");
-    assert_eq!(lease.cli_session_id(), id);
+    assert_eq!(lease.cli_session_id(), &id);
     assert_eq!(lease.reason(), OpenReason::Resumed);
     assert_ne!(lease.worker_pid(), stuck_pid);
     drop(lease);
@@ -348,7 +348,7 @@ async fn a_conversation_whose_resume_crashes_the_runtime_twice_starts_fresh_with
         .await
         .expect("the third lease starts fresh");
     assert_eq!(lease.reason(), OpenReason::ResumeFailed);
-    assert_ne!(lease.cli_session_id(), id);
+    assert_ne!(lease.cli_session_id(), &id);
     assert_eq!(
         lease.outcome().open_reason,
         Some(OpenReason::ResumeFailed),

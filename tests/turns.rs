@@ -561,7 +561,7 @@ async fn the_transcript_has_no_duplicate_after_resume_and_restart() {
 
     let pool = Pool::start(fx.config().await).await.expect("pool again");
     let mut lease = pool.lease(request()).await.expect("lease after restart");
-    assert_eq!(lease.cli_session_id(), id);
+    assert_eq!(lease.cli_session_id(), &id);
     lease.run("REPLY=three").await.expect("turn");
     drop(lease);
     shutdown_leaves_nothing(&pool).await;

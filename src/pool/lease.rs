@@ -11,6 +11,7 @@ use ractor::ActorRef;
 use serde_json::json;
 use tokio::sync::OwnedMutexGuard;
 
+use crate::ids::CliSessionId;
 use crate::panic_guard::call_guarded;
 use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
@@ -30,7 +31,7 @@ pub struct Lease {
     pub(crate) conversation: String,
     /// The gateway's session key.
     pub(crate) session_key: String,
-    pub(crate) cli_session_id: String,
+    pub(crate) cli_session_id: CliSessionId,
     pub(crate) worker_id: WorkerId,
     pub(crate) worker_pid: u32,
     pub(crate) reason: OpenReason,
@@ -68,7 +69,7 @@ impl Lease {
     }
 
     /// The CLI session id.
-    pub fn cli_session_id(&self) -> &str {
+    pub fn cli_session_id(&self) -> &CliSessionId {
         &self.cli_session_id
     }
 

@@ -32,6 +32,7 @@ use crate::home::resolve_copilot_home;
 use crate::rpc::messages::SessionConfig;
 use crate::worker::{Session, WorkerError, WorkerHandle};
 
+pub use crate::ids::{CliSessionId, ConversationId};
 pub use crate::turn::TurnOutcome;
 pub use bindings::{Binding, BindingError, BindingStore};
 pub use config::InfiniteSessions;
@@ -53,36 +54,6 @@ const LOCK_PRUNE_THRESHOLD: usize = 4096;
 /// Sessions the `cli` flavour can hold per OS user before inotify runs out (the default
 /// `fs.inotify.max_user_instances` is 128, shared by every process of the user).
 const CLI_FLAVOUR_SESSION_WARNING: usize = 96;
-
-/// One conversation: an agent and the gateway's key for it (two agents may use one key).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct ConversationId {
-    /// The agent.
-    pub agent_id: String,
-    /// The gateway's key of the conversation.
-    pub session_key: String,
-}
-
-impl ConversationId {
-    /// The conversation of `agent_id` named `session_key`.
-    pub fn new(agent_id: impl Into<String>, session_key: impl Into<String>) -> Self {
-        Self {
-            agent_id: agent_id.into(),
-            session_key: session_key.into(),
-        }
-    }
-
-    /// The pool's internal key (`<agent_id>/<session_key>`; agent ids contain no `/`).
-    pub(crate) fn key(&self) -> String {
-        self.to_string()
-    }
-}
-
-impl std::fmt::Display for ConversationId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.agent_id, self.session_key)
-    }
-}
 
 /// What [`Pool::shutdown`] did.
 #[derive(Debug, Clone, Default)]
@@ -512,7 +483,7 @@ impl Opening {
                 return Err(failure.error);
             }
         };
-        let cli_session_id = session.id().to_owned();
+        let cli_session_id = session.id().clone();
         if reason != OpenReason::Attached && session.already_in_use() {
             tracing::error!(
                 %cli_session_id,
@@ -549,7 +520,7 @@ impl Opening {
         }
         let mut driver = crate::turn::driver::TurnDriver::new(handlers, working_directory);
         driver.set_abort_drain(abort_settle_timeout);
-        if let Err(error) = driver.open_transcript(&cli_session_id).await {
+        if let Err(error) = driver.open_transcript(cli_session_id.as_str()).await {
             grant.opened = Some(session);
             return Err(error);
         }
@@ -595,7 +566,7 @@ fn state_unwritable(bindings: &BindingStore, error: String) -> PoolError {
 struct OpenFailure {
     error: PoolError,
     /// A session id the worker may hold (the open timed out after it was sent).
-    maybe_attached: Option<String>,
+    maybe_attached: Option<CliSessionId>,
     /// The resume crashed the runtime.
     resume_crashed: bool,
 }
@@ -665,7 +636,7 @@ impl OpenTarget<'_> {
             return self.create(config, OpenReason::CompatChanged).await;
         }
         let id = binding.cli_session_id;
-        if !self.home.join("session-state").join(&id).is_dir() {
+        if !self.home.join("session-state").join(id.as_str()).is_dir() {
             return self.create(config, OpenReason::TranscriptMissing).await;
         }
         if self.skip_resume {
@@ -676,7 +647,7 @@ impl OpenTarget<'_> {
             return self.create(config, OpenReason::ResumeFailed).await;
         }
         let resume = SessionConfig {
-            session_id: id.clone(),
+            session_id: id.to_string(),
             continue_pending_work: Some(false),
             ..config.clone()
         };
@@ -713,7 +684,7 @@ impl OpenTarget<'_> {
         }
         // The id is ours, so a create that times out can still be detached by it.
         config.session_id = uuid::Uuid::new_v4().to_string();
-        let id = config.session_id.clone();
+        let id = CliSessionId::new(config.session_id.clone());
         match self.worker.open_for_pool(config, false).await {
             Ok((session, _)) => Ok((session, reason)),
             Err(error) => Err(failed_open(error, id)),
@@ -722,7 +693,7 @@ impl OpenTarget<'_> {
 }
 
 /// An open of session `id` failed: after a timeout the runtime may hold it anyway.
-fn failed_open(error: WorkerError, id: String) -> OpenFailure {
+fn failed_open(error: WorkerError, id: CliSessionId) -> OpenFailure {
     let maybe_attached = matches!(
         error,
         WorkerError::Rpc(crate::rpc::RpcError::Timeout { .. })

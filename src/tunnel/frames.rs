@@ -8,12 +8,12 @@ use std::sync::Arc;
 
 use tokio::task::AbortHandle;
 
+use super::{ModelRequest, ModelTunnel};
 use crate::rpc::Connection;
 use crate::rpc::messages::{
     HttpRequestChunk, HttpRequestStart, HttpResponseChunk, HttpResponseChunkParams,
     HttpResponseStart, HttpResponseStartParams,
 };
-use super::{ModelRequest, ModelTunnel};
 
 /// Requests being received and responses being streamed, by the runtime's request id.
 #[derive(Default)]

@@ -12,9 +12,9 @@
 
 mod actor;
 mod config;
+mod dispatch;
 mod error;
 mod handle;
-mod dispatch;
 mod session;
 
 pub use config::{AUTH_TOKEN_ENV, ENV_ALLOWLIST, TOKEN_VARIABLES, WorkerConfig};
