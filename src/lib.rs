@@ -96,7 +96,7 @@ pub mod worker;
 // What a gateway uses, at the root.
 pub use auth::LeaseAuth;
 pub use ids::{CliSessionId, ConversationId};
-pub use kinds::{ErrorKind, OpenReason, TurnEnd};
+pub use kinds::{ErrorKind, OpenReason, ProviderType, ReasoningEffort, TurnEnd, WireApi};
 pub use pool::{Lease, LeaseRequest, Pool, PoolConfig, PoolError, PoolEvent, PoolStatus};
 pub use secret::Secret;
 pub use turn::{TranscriptSettings, TurnHandlers, TurnOutcome, TurnTimeouts};

@@ -88,7 +88,7 @@ async fn cancel_while_opening_then_lease_on_the_other_process(point: CancelPoint
     // Other settings: the attached session cannot be reused, its process is full, so the
     // lease is granted a second process and resumes the conversation there.
     let mut moved = fx.request("agent-a", "conv");
-    moved.reasoning_effort = Some("high".to_owned());
+    moved.reasoning_effort = Some(copilot_pool::ReasoningEffort::High);
     let mut events = pool.subscribe();
     let mut opening = Box::pin(pool.lease(moved));
     tokio::select! {

@@ -176,13 +176,6 @@ impl Pool {
             return Err(PoolError::Closed);
         }
         let auth = resolve(&req.auth)?;
-        if let Some(effort) = &req.reasoning_effort
-            && !REASONING_EFFORTS.contains(&effort.as_str())
-        {
-            return Err(PoolError::InvalidRequest(format!(
-                "reasoning_effort {effort:?} is not one of low, medium, high, xhigh"
-            )));
-        }
         if let Some(provider) = &req.provider {
             validate_provider(provider)?;
         }
@@ -379,7 +372,7 @@ fn session_config(
     }
     SessionConfig {
         model: req.model.clone(),
-        reasoning_effort: req.reasoning_effort.clone(),
+        reasoning_effort: req.reasoning_effort,
         provider: req.provider.clone(),
         git_hub_token: session_token,
         tools: handlers.tools.iter().map(|t| t.definition()).collect(),
@@ -413,9 +406,6 @@ fn setup_key(config: &SessionConfig) -> String {
     .to_string();
     crate::auth::fingerprint(&text)
 }
-
-/// Reasoning efforts the runtime accepts per lease.
-const REASONING_EFFORTS: &[&str] = &["low", "medium", "high", "xhigh"];
 
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
