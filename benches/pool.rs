@@ -88,7 +88,7 @@ async fn main() {
             .path()
             .join("transcripts")
             .join(format!("copilot-{id}.jsonl"));
-        append_entries(&file, &id, n);
+        append_entries(&file, id.as_str(), n);
         // The first lease after that outside write reads the file whole, once.
         drop(pool.lease(mirrored()).await.expect("lease"));
         let mut times = Vec::with_capacity(MIRRORED);

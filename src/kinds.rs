@@ -1,10 +1,21 @@
-//! The closed sets of values the crate reports to callers, dashboards and HTTP clients: how
-//! a conversation was opened, how a turn ended, and what kind of failure a pool error is.
-//! Each is an enum with `ALL` (what metrics registration iterates) and one `label()`, so a
-//! value is spelled in one place. This module depends on nothing else in the crate; `metrics`,
-//! `pool`, `turn` and the HTTP layer all map from it.
+//! The closed sets of values of the crate, each an enum with `ALL` (what metrics registration
+//! and error messages iterate) so a value is spelled in one place:
+//!
+//! * what the crate reports to callers, dashboards and HTTP clients: how a conversation was
+//!   opened ([`OpenReason`]), how a turn ended ([`TurnEnd`]), what kind of failure a pool
+//!   error is ([`ErrorKind`]);
+//! * what a caller chooses for a conversation's model: [`ReasoningEffort`], and a BYOK
+//!   provider's [`ProviderType`] and [`WireApi`]. These parse from their wire spelling
+//!   (`FromStr` and serde), so an unknown value fails where it is read, with an
+//!   [`UnknownValue`] error that lists the allowed ones.
+//!
+//! This module depends on nothing else in the crate; `metrics`, `rpc`, `pool`, `turn` and the
+//! HTTP layer all map from it.
 
-use serde::Serialize;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// How a lease's CLI session was opened: whether the runtime still had the conversation's
 /// context (`Attached`, `Resumed`) or started without it (every other value).
@@ -160,6 +171,120 @@ impl ErrorKind {
     }
 }
 
+/// A value read from a caller (an HTTP body, a config, a string) that is not in its closed
+/// set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what} {value:?} is not allowed; use one of {allowed}")]
+pub struct UnknownValue {
+    /// What was read, e.g. `provider.type`.
+    pub what: &'static str,
+    /// The value as given.
+    pub value: String,
+    /// The allowed values, comma-separated.
+    pub allowed: String,
+}
+
+/// A closed set spelled on the wire as lowercase words: the enum, `ALL`, `as_str`, `Display`,
+/// `FromStr` (an [`UnknownValue`] lists the allowed values) and serde through those.
+macro_rules! wire_enum {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident as $what:literal {
+            $( $(#[$vmeta:meta])* $variant:ident = $label:literal, )+
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $name {
+            $( $(#[$vmeta])* $variant, )+
+        }
+
+        impl $name {
+            /// Every value, in a stable order.
+            pub const ALL: [$name; [$($label),+].len()] = [$($name::$variant),+];
+
+            /// The wire spelling.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $( $name::$variant => $label, )+
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = UnknownValue;
+
+            fn from_str(value: &str) -> Result<Self, UnknownValue> {
+                Self::ALL
+                    .into_iter()
+                    .find(|v| v.as_str() == value)
+                    .ok_or_else(|| UnknownValue {
+                        what: $what,
+                        value: value.to_owned(),
+                        allowed: Self::ALL.map($name::as_str).join(", "),
+                    })
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.serialize_str(self.as_str())
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                let value = String::deserialize(deserializer)?;
+                value.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+wire_enum! {
+    /// How hard the model thinks (`reasoningEffort` of `session.create`/`session.resume`).
+    pub enum ReasoningEffort as "reasoning_effort" {
+        /// `low`.
+        Low = "low",
+        /// `medium`.
+        Medium = "medium",
+        /// `high`.
+        High = "high",
+        /// `xhigh`.
+        XHigh = "xhigh",
+    }
+}
+
+wire_enum! {
+    /// Which API family a BYOK provider speaks (`provider.type`; the runtime's default is
+    /// `openai`).
+    pub enum ProviderType as "provider.type" {
+        /// OpenAI or an OpenAI-compatible endpoint.
+        OpenAi = "openai",
+        /// Azure OpenAI.
+        Azure = "azure",
+        /// Anthropic.
+        Anthropic = "anthropic",
+    }
+}
+
+wire_enum! {
+    /// Which OpenAI wire API a BYOK provider is called with (`provider.wireApi`; the
+    /// runtime's default is `completions`).
+    pub enum WireApi as "provider.wire_api" {
+        /// `/chat/completions`.
+        Completions = "completions",
+        /// `/responses`.
+        Responses = "responses",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,5 +305,53 @@ mod tests {
         for end in TurnEnd::ALL {
             assert_eq!(serde_json::to_value(end).expect("serialize"), end.label());
         }
+    }
+
+    #[test]
+    fn every_caller_choice_round_trips_through_its_wire_spelling() {
+        fn check<T>(all: &[T])
+        where
+            T: Copy + PartialEq + fmt::Debug + fmt::Display + FromStr + Serialize,
+            T: for<'de> Deserialize<'de>,
+            <T as FromStr>::Err: fmt::Debug,
+        {
+            for v in all {
+                let label = v.to_string();
+                assert_eq!(serde_json::to_value(v).expect("serialize"), label.as_str());
+                assert_eq!(label.parse::<T>().expect("parse"), *v);
+                let back: T = serde_json::from_value(label.clone().into()).expect("deserialize");
+                assert_eq!(back, *v);
+            }
+        }
+        check(&ReasoningEffort::ALL);
+        check(&ProviderType::ALL);
+        check(&WireApi::ALL);
+        assert_eq!(ReasoningEffort::XHigh.as_str(), "xhigh");
+        assert_eq!(ProviderType::OpenAi.as_str(), "openai");
+    }
+
+    #[test]
+    fn an_unknown_choice_is_refused_with_the_field_and_the_allowed_values() {
+        let err = "extreme".parse::<ReasoningEffort>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "reasoning_effort \"extreme\" is not allowed; use one of low, medium, high, xhigh"
+        );
+        let err = serde_json::from_str::<ProviderType>("\"gemini\"").unwrap_err();
+        assert!(
+            err.to_string().contains(
+                "provider.type \"gemini\" is not allowed; use one of openai, azure, anthropic"
+            ),
+            "{err}"
+        );
+        let err = serde_json::from_str::<WireApi>("\"chat\"").unwrap_err();
+        assert!(
+            err.to_string().contains(
+                "provider.wire_api \"chat\" is not allowed; use one of completions, responses"
+            ),
+            "{err}"
+        );
+        // Case matters on the wire, as in the runtime.
+        assert!("High".parse::<ReasoningEffort>().is_err());
     }
 }

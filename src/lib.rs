@@ -50,9 +50,11 @@
 //!   restart, durable bindings, rotation, eviction. [`pool::Pool::lease`] is the entry point.
 //! * [`turn`] — what a conversation brings to a turn: gateway tools, permission policy,
 //!   ask_user, hooks, timeouts, the transcript mirror; and what a turn produced.
+//! * [`ids`] — [`ConversationId`] (agent + the gateway's session key) and [`CliSessionId`]
+//!   (the runtime's id of the CLI session holding a conversation's history).
 //! * [`kinds`] — the closed sets of values the crate reports (open reasons, turn ends,
 //!   error kinds), each spelled once.
-//! * [`routing`] — which of N `serve` replicas an agent goes to (rendezvous hashing).
+//! * [`replica`] — which of N `serve` replicas an agent goes to (rendezvous hashing).
 //! * [`auth`] — which credentials a lease runs with (precedence, fingerprints).
 //! * [`home`] — each agent's COPILOT_HOME.
 //! * [`worker`] — one supervised CLI child: [`worker::WorkerHandle`] starts it and opens
@@ -61,7 +63,8 @@
 //!   messages and session events.
 //! * [`process`] — a child in its own process group: stderr tail, reaping, TERM→grace→KILL.
 //! * [`runtime`] — the pinned runtime: install with npm, locate at run time.
-//! * [`tunnel`] — serving the runtime's model HTTP requests over the pipe.
+//! * [`tunnel`] — serving the runtime's model HTTP requests over the pipe: the
+//!   [`tunnel::ModelTunnel`] trait, its request/response shapes and the `llmInference.*` frames.
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`secret`] — a redacting wrapper for tokens and keys.
@@ -72,13 +75,14 @@
 pub mod auth;
 mod deadline;
 pub mod home;
+pub mod ids;
 pub mod kinds;
 pub mod metrics;
 mod panic_guard;
 pub mod permission;
 pub mod pool;
 pub mod process;
-pub mod routing;
+pub mod replica;
 pub mod rpc;
 pub mod runtime;
 #[cfg(feature = "scripted-model")]
@@ -91,10 +95,9 @@ pub mod worker;
 
 // What a gateway uses, at the root.
 pub use auth::LeaseAuth;
-pub use kinds::{ErrorKind, OpenReason, TurnEnd};
-pub use pool::{
-    ConversationId, Lease, LeaseRequest, Pool, PoolConfig, PoolError, PoolEvent, PoolStatus,
-};
+pub use ids::{CliSessionId, ConversationId};
+pub use kinds::{ErrorKind, OpenReason, ProviderType, ReasoningEffort, TurnEnd, WireApi};
+pub use pool::{Lease, LeaseRequest, Pool, PoolConfig, PoolError, PoolEvent, PoolStatus};
 pub use secret::Secret;
 pub use turn::{TranscriptSettings, TurnHandlers, TurnOutcome, TurnTimeouts};
 pub use worker::WorkerError;

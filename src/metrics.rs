@@ -7,7 +7,10 @@
 //! Every metric name is a `pub const` of this module and nowhere else. Names follow the
 //! Prometheus conventions: the `copilot_pool_` prefix, base units (`_seconds`, `_bytes`) and
 //! `_total` for counters. Labels take values from small fixed sets only (never an agent id,
-//! session key, CLI session id, pid or key hash), so the number of series is bounded:
+//! session key, CLI session id, pid or key hash), so the number of series is bounded.
+//! In names, *session* is the runtime's CLI session (not the gateway's `session_key`): an
+//! attached conversation holds exactly one, so [`SESSIONS`] also counts attached
+//! conversations.
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
@@ -51,9 +54,10 @@ pub const PROCESS_EXITS_TOTAL: &str = "copilot_pool_process_exits_total";
 pub const PROCESS_START_SECONDS: &str = "copilot_pool_process_start_seconds";
 /// Resident memory (VmRSS) summed over the pool's processes, as of the last maintenance tick.
 pub const PROCESS_RESIDENT_MEMORY_BYTES: &str = "copilot_pool_process_resident_memory_bytes";
-/// Conversations attached to a process (leased or parked).
+/// CLI sessions attached to a process: one per attached conversation (leased or parked).
 pub const SESSIONS: &str = "copilot_pool_sessions";
-/// Conversations opened on a process other than the one they were attached to, by `result`.
+/// CLI sessions opened for a conversation on a process it was not attached to (resumed or
+/// started anew), by `result`.
 pub const SESSION_RESUMES_TOTAL: &str = "copilot_pool_session_resumes_total";
 /// Leases currently held.
 pub const LEASES_ACTIVE: &str = "copilot_pool_leases_active";

@@ -163,7 +163,7 @@ async fn a_crash_restarts_the_worker_and_the_conversation_resumes_with_its_histo
         .await
         .expect("lease after crash");
     assert_eq!(lease.reason(), OpenReason::Resumed);
-    assert_eq!(lease.cli_session_id(), first_id);
+    assert_eq!(lease.cli_session_id(), &first_id);
     let PoolEvent::WorkerStarted { pid: new_pid, .. } = started else {
         unreachable!()
     };
@@ -277,7 +277,7 @@ async fn token_rotation_drains_the_old_process_and_keeps_the_conversation() {
     assert_eq!(lease.reason(), OpenReason::Resumed);
     assert_eq!(
         lease.cli_session_id(),
-        id,
+        &id,
         "same conversation after rotation"
     );
     wait_event(
@@ -314,7 +314,7 @@ async fn a_byok_change_starts_a_new_session() {
     ));
     let lease = pool.lease(req).await.expect("lease with a new key");
     assert_eq!(lease.reason(), OpenReason::CompatChanged);
-    assert_ne!(lease.cli_session_id(), first);
+    assert_ne!(lease.cli_session_id(), &first);
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }
@@ -345,7 +345,8 @@ async fn a_pool_restarted_on_its_state_resumes_from_bindings_or_reports_missing_
     } else {
         fx.scratch.path().join("agents/agent-a/copilot")
     };
-    std::fs::remove_dir_all(home.join("session-state").join(&lost_id)).expect("remove state");
+    std::fs::remove_dir_all(home.join("session-state").join(lost_id.as_str()))
+        .expect("remove state");
 
     let pool = Pool::start(fx.config().await).await.expect("pool again");
     let mut kept = pool
@@ -353,7 +354,7 @@ async fn a_pool_restarted_on_its_state_resumes_from_bindings_or_reports_missing_
         .await
         .expect("lease");
     assert_eq!(kept.reason(), OpenReason::Resumed);
-    assert_eq!(kept.cli_session_id(), kept_id);
+    assert_eq!(kept.cli_session_id(), &kept_id);
     kept.run("the marker?").await.expect("turn");
     assert!(fx.last_model_request().contains("MARKER-durable-3"));
     let lost = pool
@@ -361,7 +362,7 @@ async fn a_pool_restarted_on_its_state_resumes_from_bindings_or_reports_missing_
         .await
         .expect("lease");
     assert_eq!(lost.reason(), OpenReason::TranscriptMissing);
-    assert_ne!(lost.cli_session_id(), lost_id);
+    assert_ne!(lost.cli_session_id(), &lost_id);
     drop((kept, lost));
     shutdown_leaves_nothing(&pool).await;
 }
@@ -641,7 +642,7 @@ async fn a_changed_working_directory_starts_a_new_session_even_when_attached() {
     moved.working_directory = elsewhere;
     let lease = pool.lease(moved).await.expect("lease in another directory");
     assert_eq!(lease.reason(), OpenReason::CompatChanged);
-    assert_ne!(lease.cli_session_id(), first);
+    assert_ne!(lease.cli_session_id(), &first);
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }
@@ -736,7 +737,7 @@ async fn two_agents_with_the_same_session_key_are_two_conversations() {
         .await
         .expect("lease b");
     b.run("REPLY=b").await.expect("turn b");
-    assert_ne!(b.cli_session_id(), a_id);
+    assert_ne!(b.cli_session_id(), &a_id);
     assert!(!fx.last_model_request().contains("MARKER-agent-a"));
     drop(b);
     let a = pool
@@ -744,7 +745,7 @@ async fn two_agents_with_the_same_session_key_are_two_conversations() {
         .await
         .expect("lease a again");
     assert_eq!(a.reason(), OpenReason::Attached);
-    assert_eq!(a.cli_session_id(), a_id);
+    assert_eq!(a.cli_session_id(), &a_id);
     drop(a);
     shutdown_leaves_nothing(&pool).await;
 }

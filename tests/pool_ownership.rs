@@ -89,7 +89,7 @@ async fn cancel_while_opening_then_lease_on_the_other_process(point: CancelPoint
     // Other settings: the attached session cannot be reused, its process is full, so the
     // lease is granted a second process and resumes the conversation there.
     let mut moved = fx.request("agent-a", "conv");
-    moved.reasoning_effort = Some("high".to_owned());
+    moved.reasoning_effort = Some(copilot_pool::ReasoningEffort::High);
     let mut events = pool.subscribe();
     let mut opening = Box::pin(pool.lease(moved));
     tokio::select! {
@@ -122,7 +122,7 @@ async fn cancel_while_opening_then_lease_on_the_other_process(point: CancelPoint
     .expect("lease after the cancel");
     assert_eq!(
         lease.cli_session_id(),
-        id,
+        &id,
         "{point:?}: the same conversation"
     );
     if lease.reason() == OpenReason::Resumed {
@@ -211,7 +211,7 @@ async fn a_dropped_lease_whose_turn_never_settles_stops_its_process_and_the_conv
         .lease(fx.request("agent-a", "conv"))
         .await
         .expect("lease after the stop");
-    assert_eq!(lease.cli_session_id(), id);
+    assert_eq!(lease.cli_session_id(), &id);
     assert_eq!(lease.reason(), OpenReason::Resumed);
     assert_ne!(lease.worker_pid(), stuck_pid);
     drop(lease);
@@ -255,7 +255,7 @@ async fn a_turn_that_times_out_and_never_settles_stops_its_process_and_the_conve
     let left = wait_group_gone(stuck_pid, Duration::from_secs(10)).await;
     assert!(left.is_empty(), "group {stuck_pid} left behind: {left:?}");
     let lease = pool.lease(req).await.expect("lease after the stop");
-    assert_eq!(lease.cli_session_id(), id);
+    assert_eq!(lease.cli_session_id(), &id);
     assert_eq!(lease.reason(), OpenReason::Resumed);
     assert_ne!(lease.worker_pid(), stuck_pid);
     drop(lease);
@@ -349,7 +349,7 @@ async fn a_conversation_whose_resume_crashes_the_runtime_twice_starts_fresh_with
         .await
         .expect("the third lease starts fresh");
     assert_eq!(lease.reason(), OpenReason::ResumeFailed);
-    assert_ne!(lease.cli_session_id(), id);
+    assert_ne!(lease.cli_session_id(), &id);
     assert_eq!(
         lease.outcome().open_reason,
         Some(OpenReason::ResumeFailed),

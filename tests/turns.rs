@@ -561,7 +561,7 @@ async fn the_transcript_has_no_duplicate_after_resume_and_restart() {
 
     let pool = Pool::start(fx.config().await).await.expect("pool again");
     let mut lease = pool.lease(request()).await.expect("lease after restart");
-    assert_eq!(lease.cli_session_id(), id);
+    assert_eq!(lease.cli_session_id(), &id);
     lease.run("REPLY=three").await.expect("turn");
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
@@ -643,10 +643,15 @@ async fn reasoning_effort_is_validated_and_an_approve_all_policy_runs_bash() {
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.config().await).await.expect("pool");
     let mut req = fx.request("agent-t", "effort");
-    req.reasoning_effort = Some("extreme".into());
-    let err = pool.lease(req.clone()).await.expect_err("bad effort");
-    assert!(matches!(err, PoolError::InvalidRequest(_)), "{err}");
-    req.reasoning_effort = Some("high".into());
+    // An unknown effort cannot reach the pool: reading it fails, naming the allowed values.
+    let err = "extreme"
+        .parse::<copilot_pool::ReasoningEffort>()
+        .expect_err("bad effort");
+    assert!(
+        err.to_string().contains("low, medium, high, xhigh"),
+        "{err}"
+    );
+    req.reasoning_effort = Some(copilot_pool::ReasoningEffort::High);
     req.available_tools = None;
     req.handlers.permission_policy = Arc::new(ApproveAll);
     let mut lease = pool.lease(req).await.expect("lease");

@@ -93,7 +93,7 @@ async fn a_client_tool_round_trip_and_answers_only_from_the_owning_session() {
     .await;
     assert_eq!(request.tool_name, "get_secret_number");
     assert_eq!(request.arguments["key"], "alpha");
-    assert_eq!(request.session_id, owner.id());
+    assert_eq!(request.session_id, owner.id().as_str());
 
     // The runtime would accept this answer from the wrong conversation; the worker does not.
     let err = other
@@ -125,7 +125,7 @@ async fn a_client_tool_round_trip_and_answers_only_from_the_owning_session() {
     let bypass = worker
         .call::<copilot_pool::rpc::messages::HandlePendingToolCall>(
             &copilot_pool::rpc::messages::ToolCallAnswer {
-                session_id: owner.id().to_owned(),
+                session_id: owner.id().to_string(),
                 request_id: request.request_id.clone(),
                 result: Some(serde_json::json!("sneaky")),
                 error: None,
@@ -205,12 +205,12 @@ async fn a_resumed_session_in_a_fresh_worker_carries_the_history() {
     assert_ne!(first.pid(), second.pid());
     let (mut resumed, _) = second
         .resume_session(SessionConfig {
-            session_id: id.clone(),
+            session_id: id.to_string(),
             ..session_config(&endpoint.base_url(), &scratch)
         })
         .await
         .expect("resume");
-    assert_eq!(resumed.id(), id);
+    assert_eq!(resumed.id(), &id);
     resumed
         .send("what did I ask you to remember?")
         .await
@@ -259,7 +259,10 @@ async fn the_model_can_be_served_over_the_json_rpc_tunnel() {
     let requests = model.requests();
     assert!(!requests.is_empty());
     assert!(requests.iter().all(|r| r.transport == Transport::Tunnel));
-    assert_eq!(requests[0].session_id.as_deref(), Some(session.id()));
+    assert_eq!(
+        requests[0].session_id.as_deref(),
+        Some(session.id().as_str())
+    );
     support::shutdown_and_check(&worker).await;
 }
 
@@ -370,7 +373,7 @@ async fn an_open_cancelled_midway_leaves_no_stale_route_and_the_session_opens_ag
     session.detach().await.expect("detach");
 
     let resume = SessionConfig {
-        session_id: id.clone(),
+        session_id: id.to_string(),
         ..config
     };
     // Cancelled at every await of the open: after one poll the route is being opened,

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::{broadcast, watch};
 
+use crate::ids::CliSessionId;
 use crate::metrics::{self, Eviction, PoolGauges, ProcessExit};
 use crate::rpc::messages::{AbortParams, SessionAbort};
 use crate::worker::{Session, WorkerConfig, WorkerError, WorkerHandle};
@@ -64,7 +65,7 @@ pub(crate) struct Grant {
     /// must be detached with confirmation…
     pub(crate) opened: Option<Session>,
     /// …or the id of a session the granted worker may hold (an open that timed out).
-    pub(crate) maybe_attached: Option<String>,
+    pub(crate) maybe_attached: Option<CliSessionId>,
     /// The open failed because its resume crashed the runtime.
     pub(crate) resume_crashed: bool,
     pub(crate) pool: ActorRef<PoolMsg>,
@@ -137,7 +138,7 @@ pub(crate) enum PoolMsg {
     Opened {
         session_key: String,
         worker_id: WorkerId,
-        cli_session_id: String,
+        cli_session_id: CliSessionId,
         reason: OpenReason,
     },
     /// A lease ended; `session` is `None` when it was lost or never opened.
@@ -162,7 +163,7 @@ pub(crate) enum PoolMsg {
         /// A session it opened on `worker_id`.
         opened: Option<Session>,
         /// A session id `worker_id` may hold.
-        maybe_attached: Option<String>,
+        maybe_attached: Option<CliSessionId>,
         resume_crashed: bool,
     },
     /// A background detach (or worker stop) finished for these conversations.
@@ -251,7 +252,8 @@ impl WorkerEntry {
 
 struct Conversation {
     worker: WorkerId,
-    cli_session_id: String,
+    /// The CLI session, once the lease has opened it.
+    cli_session_id: Option<CliSessionId>,
     compat: String,
     setup: String,
     parked: Option<Session>,
@@ -360,7 +362,7 @@ impl Actor for PoolActor {
                 if let Some(conv) = state.conversations.get_mut(&session_key)
                     && conv.worker == worker_id
                 {
-                    conv.cli_session_id = cli_session_id;
+                    conv.cli_session_id = Some(cli_session_id);
                 }
                 if let Some(w) = state.workers.get(&worker_id) {
                     state.emit(PoolEvent::ConversationOpened {
@@ -639,7 +641,7 @@ impl PoolState {
     fn detach_id_in_background(
         &mut self,
         session_key: String,
-        cli_session_id: String,
+        cli_session_id: CliSessionId,
         worker_id: WorkerId,
     ) {
         let Some(handle) = self.workers.get(&worker_id).map(|w| w.handle.clone()) else {
@@ -691,12 +693,12 @@ impl PoolState {
         let Some(w) = self.workers.get(&conv.worker) else {
             return false;
         };
-        if conv.cli_session_id.is_empty() {
+        let Some(cli_session_id) = &conv.cli_session_id else {
             return false;
-        }
+        };
         let handle = w.handle.clone();
         let params = AbortParams {
-            session_id: conv.cli_session_id.clone(),
+            session_id: cli_session_id.to_string(),
             reason: Some(reason.to_owned()),
         };
         tokio::spawn(async move {
@@ -913,7 +915,7 @@ impl PoolState {
             req.session_key.clone(),
             Conversation {
                 worker: target,
-                cli_session_id: String::new(),
+                cli_session_id: None,
                 compat: req.compat.clone(),
                 setup: req.setup.clone(),
                 parked: None,

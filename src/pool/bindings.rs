@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::ids::CliSessionId;
+
 /// The version of the stored JSON this code reads and writes.
 pub const SCHEMA_VERSION: u32 = 1;
 
@@ -23,7 +25,7 @@ pub struct Binding {
     /// The caller's session key.
     pub session_key: String,
     /// The session id the CLI gave the session.
-    pub cli_session_id: String,
+    pub cli_session_id: CliSessionId,
     /// The pool key the session was created under; resuming under another key is unsafe.
     pub compat_key: String,
     /// When the binding was last written, in milliseconds since the Unix epoch.
@@ -381,7 +383,7 @@ mod tests {
     fn binding(key: &str, session: &str) -> Binding {
         Binding {
             session_key: key.to_owned(),
-            cli_session_id: session.to_owned(),
+            cli_session_id: session.into(),
             compat_key: "compat-1".to_owned(),
             updated_at_ms: 1_700_000_000_000,
         }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 
 use crate::auth::{AuthMode, ResolvedAuth, fingerprint};
+use crate::kinds::{ProviderType, WireApi};
 use crate::rpc::messages::ProviderConfig;
 
 /// Which worker processes may serve a lease: normalized COPILOT_HOME, auth mode, profile id,
@@ -88,9 +89,9 @@ pub fn byok_fingerprint(provider: &ProviderConfig, model: Option<&str>) -> Strin
         .map(|h| h.iter().collect())
         .unwrap_or_default();
     let text = json!({
-        "type": provider.kind.as_deref().unwrap_or("openai"),
+        "type": provider.kind.unwrap_or(ProviderType::OpenAi).as_str(),
         "baseUrl": provider.base_url,
-        "wireApi": provider.wire_api.as_deref().unwrap_or("completions"),
+        "wireApi": provider.wire_api.unwrap_or(WireApi::Completions).as_str(),
         "headers": headers,
         "apiKey": provider.api_key.as_ref().map(|k| k.expose()),
         "bearerToken": provider.bearer_token.as_ref().map(|k| k.expose()),

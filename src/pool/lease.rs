@@ -10,6 +10,7 @@ use std::time::Duration;
 use ractor::ActorRef;
 use serde_json::json;
 
+use crate::ids::CliSessionId;
 use crate::panic_guard::call_guarded;
 use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
@@ -29,7 +30,7 @@ pub struct Lease {
     pub(crate) conversation: String,
     /// The gateway's session key.
     pub(crate) session_key: String,
-    pub(crate) cli_session_id: String,
+    pub(crate) cli_session_id: CliSessionId,
     pub(crate) worker_id: WorkerId,
     pub(crate) worker_pid: u32,
     pub(crate) reason: OpenReason,
@@ -65,7 +66,7 @@ impl Lease {
     }
 
     /// The CLI session id.
-    pub fn cli_session_id(&self) -> &str {
+    pub fn cli_session_id(&self) -> &CliSessionId {
         &self.cli_session_id
     }
 

@@ -32,6 +32,7 @@ use crate::home::resolve_copilot_home;
 use crate::rpc::messages::SessionConfig;
 use crate::worker::{Session, WorkerError, WorkerHandle};
 
+pub use crate::ids::{CliSessionId, ConversationId};
 pub use crate::turn::TurnOutcome;
 pub use bindings::{Binding, BindingError, BindingStore};
 pub use config::InfiniteSessions;
@@ -50,36 +51,6 @@ const ACQUIRE_SLACK: Duration = Duration::from_secs(5);
 /// Sessions the `cli` flavour can hold per OS user before inotify runs out (the default
 /// `fs.inotify.max_user_instances` is 128, shared by every process of the user).
 const CLI_FLAVOUR_SESSION_WARNING: usize = 96;
-
-/// One conversation: an agent and the gateway's key for it (two agents may use one key).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct ConversationId {
-    /// The agent.
-    pub agent_id: String,
-    /// The gateway's key of the conversation.
-    pub session_key: String,
-}
-
-impl ConversationId {
-    /// The conversation of `agent_id` named `session_key`.
-    pub fn new(agent_id: impl Into<String>, session_key: impl Into<String>) -> Self {
-        Self {
-            agent_id: agent_id.into(),
-            session_key: session_key.into(),
-        }
-    }
-
-    /// The pool's internal key (`<agent_id>/<session_key>`; agent ids contain no `/`).
-    pub(crate) fn key(&self) -> String {
-        self.to_string()
-    }
-}
-
-impl std::fmt::Display for ConversationId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.agent_id, self.session_key)
-    }
-}
 
 /// What [`Pool::shutdown`] did.
 #[derive(Debug, Clone, Default)]
@@ -199,13 +170,6 @@ impl Pool {
             return Err(PoolError::Closed);
         }
         let auth = resolve(&req.auth)?;
-        if let Some(effort) = &req.reasoning_effort
-            && !REASONING_EFFORTS.contains(&effort.as_str())
-        {
-            return Err(PoolError::InvalidRequest(format!(
-                "reasoning_effort {effort:?} is not one of low, medium, high, xhigh"
-            )));
-        }
         if let Some(provider) = &req.provider {
             validate_provider(provider)?;
         }
@@ -376,7 +340,7 @@ fn session_config(
     }
     SessionConfig {
         model: req.model.clone(),
-        reasoning_effort: req.reasoning_effort.clone(),
+        reasoning_effort: req.reasoning_effort,
         provider: req.provider.clone(),
         git_hub_token: session_token,
         tools: handlers.tools.iter().map(|t| t.definition()).collect(),
@@ -410,9 +374,6 @@ fn setup_key(config: &SessionConfig) -> String {
     .to_string();
     crate::auth::fingerprint(&text)
 }
-
-/// Reasoning efforts the runtime accepts per lease.
-const REASONING_EFFORTS: &[&str] = &["low", "medium", "high", "xhigh"];
 
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -478,7 +439,7 @@ impl Opening {
                 return Err(failure.error);
             }
         };
-        let cli_session_id = session.id().to_owned();
+        let cli_session_id = session.id().clone();
         if reason != OpenReason::Attached && session.already_in_use() {
             tracing::error!(
                 %cli_session_id,
@@ -515,7 +476,7 @@ impl Opening {
         }
         let mut driver = crate::turn::driver::TurnDriver::new(handlers, working_directory);
         driver.set_abort_drain(abort_settle_timeout);
-        if let Err(error) = driver.open_transcript(&cli_session_id).await {
+        if let Err(error) = driver.open_transcript(cli_session_id.as_str()).await {
             grant.opened = Some(session);
             return Err(error.into());
         }
@@ -560,7 +521,7 @@ fn state_unwritable(bindings: &BindingStore, error: String) -> PoolError {
 struct OpenFailure {
     error: PoolError,
     /// A session id the worker may hold (the open timed out after it was sent).
-    maybe_attached: Option<String>,
+    maybe_attached: Option<CliSessionId>,
     /// The resume crashed the runtime.
     resume_crashed: bool,
 }
@@ -630,7 +591,7 @@ impl OpenTarget<'_> {
             return self.create(config, OpenReason::CompatChanged).await;
         }
         let id = binding.cli_session_id;
-        if !self.home.join("session-state").join(&id).is_dir() {
+        if !self.home.join("session-state").join(id.as_str()).is_dir() {
             return self.create(config, OpenReason::TranscriptMissing).await;
         }
         if self.skip_resume {
@@ -641,7 +602,7 @@ impl OpenTarget<'_> {
             return self.create(config, OpenReason::ResumeFailed).await;
         }
         let resume = SessionConfig {
-            session_id: id.clone(),
+            session_id: id.to_string(),
             continue_pending_work: Some(false),
             ..config.clone()
         };
@@ -678,7 +639,7 @@ impl OpenTarget<'_> {
         }
         // The id is ours, so a create that times out can still be detached by it.
         config.session_id = uuid::Uuid::new_v4().to_string();
-        let id = config.session_id.clone();
+        let id = CliSessionId::new(config.session_id.clone());
         match self.worker.open_for_pool(config, false).await {
             Ok((session, _)) => Ok((session, reason)),
             Err(error) => Err(failed_open(error, id)),
@@ -687,7 +648,7 @@ impl OpenTarget<'_> {
 }
 
 /// An open of session `id` failed: after a timeout the runtime may hold it anyway.
-fn failed_open(error: WorkerError, id: String) -> OpenFailure {
+fn failed_open(error: WorkerError, id: CliSessionId) -> OpenFailure {
     let maybe_attached = matches!(
         error,
         WorkerError::Rpc(crate::rpc::RpcError::Timeout { .. })

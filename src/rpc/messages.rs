@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::kinds::{ProviderType, ReasoningEffort, WireApi};
 use crate::secret::Secret;
 
 /// The only protocol version this crate speaks (SDK 1.0.14 accepts 3 only).
@@ -245,12 +246,12 @@ method!(
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ProviderConfig {
-    /// `openai` (default), `azure` or `anthropic`.
+    /// `openai` (the runtime's default), `azure` or `anthropic`.
     #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
-    pub kind: Option<String>,
-    /// `completions` (default) or `responses`.
+    pub kind: Option<ProviderType>,
+    /// `completions` (the runtime's default) or `responses`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub wire_api: Option<String>,
+    pub wire_api: Option<WireApi>,
     /// Base URL of the OpenAI-compatible endpoint, e.g. `http://127.0.0.1:8080/v1`.
     pub base_url: String,
     /// API key, sent as `Authorization: Bearer` for type openai.
@@ -284,8 +285,8 @@ impl ProviderConfig {
     /// An OpenAI chat-completions provider at `base_url`.
     pub fn openai(base_url: impl Into<String>, api_key: Option<Secret>) -> Self {
         Self {
-            kind: Some("openai".to_owned()),
-            wire_api: Some("completions".to_owned()),
+            kind: Some(ProviderType::OpenAi),
+            wire_api: Some(WireApi::Completions),
             base_url: base_url.into(),
             api_key,
             bearer_token: None,
@@ -322,9 +323,9 @@ pub struct SessionConfig {
     /// Model id.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
-    /// `low`, `medium`, `high` or `xhigh`.
+    /// How hard the model thinks.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub reasoning_effort: Option<String>,
+    pub reasoning_effort: Option<ReasoningEffort>,
     /// Client name stored with the session.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client_name: Option<String>,
@@ -681,6 +682,7 @@ mod tests {
         let config = SessionConfig {
             session_id: "s1".into(),
             model: Some("m".into()),
+            reasoning_effort: Some(ReasoningEffort::XHigh),
             provider: Some(ProviderConfig::openai(
                 "http://127.0.0.1:1/v1",
                 Some("key-1".into()),
@@ -692,6 +694,8 @@ mod tests {
         assert_eq!(wire["sessionId"], "s1");
         assert_eq!(wire["provider"]["apiKey"], "key-1");
         assert_eq!(wire["provider"]["type"], "openai");
+        assert_eq!(wire["provider"]["wireApi"], "completions");
+        assert_eq!(wire["reasoningEffort"], "xhigh");
         assert_eq!(wire["infiniteSessions"]["enabled"], true);
         assert_eq!(wire["requestPermission"], false);
         assert!(wire.get("gitHubToken").is_none());

@@ -1,6 +1,6 @@
 //! The worker actor's lifecycle: spawn and handshake, health pings, the message loop, and
 //! the two ends — `die` (the child is gone: fail everything at once, kill the group, report
-//! the exit) and the orderly stop. Routing what the child sends lives in `routing.rs`.
+//! the exit) and the orderly stop. Dispatching what the child sends lives in `dispatch.rs`.
 //! The actor never decides which worker serves a conversation.
 
 use std::collections::hash_map::Entry;
@@ -17,12 +17,12 @@ use crate::rpc::messages::{
     SessionDetach, SessionIdParams,
 };
 use crate::rpc::{CloseCause, Connection, ConnectionOptions, Incoming, RpcError};
+use crate::tunnel::frames::TunnelRequests;
 
 use super::config::WorkerConfig;
 use super::error::{ExitReason, WorkerError, WorkerExit};
 use super::handle::{PendingKind, WorkerInfo};
 use super::session::SessionUpdate;
-use super::tunnel::TunnelRequests;
 
 /// After stdout closes, how long to wait for the child's exit status before reporting the
 /// closed pipe without it.

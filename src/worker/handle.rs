@@ -13,6 +13,7 @@ use ractor::{Actor, ActorCell, ActorRef};
 use tokio::sync::{oneshot, watch};
 use uuid::Uuid;
 
+use crate::ids::CliSessionId;
 use crate::rpc::messages::{
     HandlePendingPermission, HandlePendingToolCall, Method, Ping, PingParams, SessionConfig,
     SessionCreate, SessionDetach, SessionIdParams, SessionOpened, SessionResume,
@@ -323,10 +324,10 @@ impl WorkerHandle {
 
     /// Detaches a session by id and waits for the runtime's answer (its state stays on
     /// disk). Used when no [`Session`] exists for it, e.g. after an open that timed out.
-    pub async fn detach_session(&self, session_id: &str) -> Result<(), WorkerError> {
-        self.close_route(session_id, None, false);
+    pub async fn detach_session(&self, session_id: &CliSessionId) -> Result<(), WorkerError> {
+        self.close_route(session_id.as_str(), None, false);
         let params = SessionIdParams {
-            session_id: session_id.to_owned(),
+            session_id: session_id.to_string(),
         };
         self.call::<SessionDetach>(&params).await.map(|_| ())
     }
@@ -374,7 +375,12 @@ impl WorkerHandle {
                 self.ask(WorkerMsg::Flush).await?;
                 guard.armed = false;
                 Ok((
-                    Session::new(id.clone(), generation, self.clone(), updates),
+                    Session::new(
+                        CliSessionId::new(id.clone()),
+                        generation,
+                        self.clone(),
+                        updates,
+                    ),
                     opened,
                 ))
             }

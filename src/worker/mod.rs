@@ -12,11 +12,10 @@
 
 mod actor;
 mod config;
+mod dispatch;
 mod error;
 mod handle;
-mod routing;
 mod session;
-mod tunnel;
 
 pub use config::{AUTH_TOKEN_ENV, ENV_ALLOWLIST, TOKEN_VARIABLES, WorkerConfig};
 pub use error::{ExitReason, WorkerError, WorkerExit};

@@ -13,6 +13,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
+use crate::ids::CliSessionId;
 use crate::permission::PermissionDecision;
 
 use crate::rpc::connection::{ErrorObject, INTERNAL_ERROR};
@@ -127,7 +128,7 @@ pub enum Settled {
 
 /// One conversation on one worker.
 pub struct Session {
-    id: String,
+    id: CliSessionId,
     /// Which open of this id on its worker this is (its route's generation).
     generation: u64,
     worker: WorkerHandle,
@@ -150,7 +151,7 @@ impl fmt::Debug for Session {
 
 impl Session {
     pub(crate) fn new(
-        id: String,
+        id: CliSessionId,
         generation: u64,
         worker: WorkerHandle,
         mut updates: mpsc::UnboundedReceiver<SessionUpdate>,
@@ -189,7 +190,7 @@ impl Session {
     }
 
     /// The CLI session id.
-    pub fn id(&self) -> &str {
+    pub fn id(&self) -> &CliSessionId {
         &self.id
     }
 
@@ -222,7 +223,7 @@ impl Session {
     /// follow through [`Session::next`] and end with `session.idle`.
     pub async fn send(&self, prompt: impl Into<String>) -> Result<String, WorkerError> {
         let params = SendParams {
-            session_id: self.id.clone(),
+            session_id: self.id.to_string(),
             prompt: prompt.into(),
             mode: None,
         };
@@ -232,7 +233,7 @@ impl Session {
     /// Aborts the running turn (also releases unanswered tool calls and permission prompts).
     pub async fn abort(&self) -> Result<(), WorkerError> {
         let params = AbortParams {
-            session_id: self.id.clone(),
+            session_id: self.id.to_string(),
             reason: None,
         };
         self.worker.call::<SessionAbort>(&params).await.map(|_| ())
@@ -315,7 +316,7 @@ impl Session {
         custom_instructions: Option<String>,
     ) -> Result<CompactResult, WorkerError> {
         let params = CompactParams {
-            session_id: self.id.clone(),
+            session_id: self.id.to_string(),
             custom_instructions,
         };
         self.worker.call::<SessionCompact>(&params).await
@@ -324,7 +325,7 @@ impl Session {
     /// The persisted events of this session.
     pub async fn messages(&self) -> Result<Vec<Value>, WorkerError> {
         let params = SessionIdParams {
-            session_id: self.id.clone(),
+            session_id: self.id.to_string(),
         };
         Ok(self
             .worker
@@ -337,9 +338,9 @@ impl Session {
     pub async fn delete(mut self) -> Result<(), WorkerError> {
         self.detached = true;
         self.worker
-            .close_route(&self.id, Some(self.generation), false);
+            .close_route(self.id.as_str(), Some(self.generation), false);
         let params = SessionIdParams {
-            session_id: self.id.clone(),
+            session_id: self.id.to_string(),
         };
         self.worker
             .call::<crate::rpc::messages::SessionDelete>(&params)
@@ -351,9 +352,9 @@ impl Session {
     pub async fn detach(mut self) -> Result<(), WorkerError> {
         self.detached = true;
         self.worker
-            .close_route(&self.id, Some(self.generation), false);
+            .close_route(self.id.as_str(), Some(self.generation), false);
         let params = SessionIdParams {
-            session_id: self.id.clone(),
+            session_id: self.id.to_string(),
         };
         self.worker.call::<SessionDetach>(&params).await.map(|_| ())
     }
@@ -363,7 +364,7 @@ impl Session {
 /// worker's ledger checks that each request belongs to this session.
 #[derive(Clone, Debug)]
 pub struct Answerer {
-    id: String,
+    id: CliSessionId,
     worker: WorkerHandle,
 }
 
@@ -375,7 +376,7 @@ impl Answerer {
         result: ToolResult,
     ) -> Result<(), WorkerError> {
         self.worker
-            .take_pending(PendingKind::ToolCall, &self.id, request_id)
+            .take_pending(PendingKind::ToolCall, self.id.as_str(), request_id)
             .await?;
         let (result, error) = match result {
             ToolResult::Text(text) => (Some(Value::String(text)), None),
@@ -392,7 +393,7 @@ impl Answerer {
             ),
         };
         let params = ToolCallAnswer {
-            session_id: self.id.clone(),
+            session_id: self.id.to_string(),
             request_id: request_id.to_owned(),
             result,
             error,
@@ -440,7 +441,8 @@ impl Answerer {
         sent: &Result<T, WorkerError>,
     ) {
         if let Err(WorkerError::Rpc(_)) = sent {
-            self.worker.restore_pending(kind, &self.id, request_id);
+            self.worker
+                .restore_pending(kind, self.id.as_str(), request_id);
         }
     }
 
@@ -452,10 +454,10 @@ impl Answerer {
         decision: Value,
     ) -> Result<(), WorkerError> {
         self.worker
-            .take_pending(PendingKind::Permission, &self.id, request_id)
+            .take_pending(PendingKind::Permission, self.id.as_str(), request_id)
             .await?;
         let params = PermissionAnswer {
-            session_id: self.id.clone(),
+            session_id: self.id.to_string(),
             request_id: request_id.to_owned(),
             result: decision,
         };
@@ -468,7 +470,7 @@ impl Answerer {
         if !answer.success {
             return Err(WorkerError::NoSuchPendingRequest {
                 kind: PendingKind::Permission.as_str(),
-                session_id: self.id.clone(),
+                session_id: self.id.to_string(),
                 request_id: request_id.to_owned(),
             });
         }
@@ -482,7 +484,7 @@ impl Drop for Session {
             // Frees the route and detaches in the background, so the session id does not
             // stay attached to this process.
             self.worker
-                .close_route(&self.id, Some(self.generation), true);
+                .close_route(self.id.as_str(), Some(self.generation), true);
         }
     }
 }

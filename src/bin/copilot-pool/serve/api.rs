@@ -239,14 +239,14 @@ fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Response> {
 #[serde(deny_unknown_fields)]
 struct ProviderBody {
     #[serde(rename = "type", default)]
-    kind: Option<String>,
+    kind: Option<copilot_pool::ProviderType>,
     base_url: String,
     #[serde(default)]
     api_key: Option<Secret>,
     #[serde(default)]
     bearer_token: Option<Secret>,
     #[serde(default)]
-    wire_api: Option<String>,
+    wire_api: Option<copilot_pool::WireApi>,
     #[serde(default)]
     headers: Option<BTreeMap<String, String>>,
 }
@@ -289,7 +289,7 @@ struct ConversationBody {
     #[serde(default)]
     provider: Option<ProviderBody>,
     #[serde(default)]
-    reasoning_effort: Option<String>,
+    reasoning_effort: Option<copilot_pool::ReasoningEffort>,
 }
 
 #[derive(Deserialize)]
@@ -305,7 +305,7 @@ struct TurnBody {
     #[serde(default)]
     provider: Option<ProviderBody>,
     #[serde(default)]
-    reasoning_effort: Option<String>,
+    reasoning_effort: Option<copilot_pool::ReasoningEffort>,
     #[serde(default)]
     tools: Vec<ToolBody>,
     #[serde(default)]

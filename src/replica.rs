@@ -30,7 +30,7 @@
 //! the turn instead.
 //!
 //! ```
-//! use copilot_pool::routing::pick_replica;
+//! use copilot_pool::replica::pick_replica;
 //!
 //! let pods: Vec<String> = (0..4).map(|i| format!("copilot-pool-{i}")).collect();
 //! let pod = pick_replica("agent-1", &pods).unwrap();

@@ -1,18 +1,19 @@
-//! The worker's side of the model tunnel: reassembling `llmInference.httpRequest*` frames
-//! into requests, serving them with the configured [`ModelTunnel`], and streaming the answer
-//! back with `llmInference.httpResponse*` calls.
+//! The tunnel's wire side: reassembling `llmInference.httpRequest*` frames into requests,
+//! serving them with the configured [`ModelTunnel`], and streaming the answer back with
+//! `llmInference.httpResponse*` calls. The worker owns one [`TunnelRequests`] per child and
+//! feeds it the frames it dispatches; nothing here knows which model answers.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use tokio::task::AbortHandle;
 
+use super::{ModelRequest, ModelTunnel};
 use crate::rpc::Connection;
 use crate::rpc::messages::{
     HttpRequestChunk, HttpRequestStart, HttpResponseChunk, HttpResponseChunkParams,
     HttpResponseStart, HttpResponseStartParams,
 };
-use crate::tunnel::{ModelRequest, ModelTunnel};
 
 /// Requests being received and responses being streamed, by the runtime's request id.
 #[derive(Default)]

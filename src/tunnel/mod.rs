@@ -1,10 +1,18 @@
 //! The model tunnel: how a model HTTP request the runtime wants to make is served by the
 //! client over the JSON-RPC pipe (`llmInference.*`, protocol reference §6.2 and §10.5).
 //!
-//! This module owns only the shape of a tunnelled request and response and the trait a
-//! server implements. The worker drives the wire side (`httpRequestStart`/`httpRequestChunk`
-//! in, `httpResponseStart`/`httpResponseChunk` out); the scripted model implements the trait
-//! for tests and the demo. Nothing here talks to a network.
+//! This module owns the whole mechanism, and nothing that answers a request:
+//! * here — the shape of a tunnelled request and response and the [`ModelTunnel`] trait a
+//!   model server implements;
+//! * `frames` — the wire side: reassembling `llmInference.httpRequestStart`/`httpRequestChunk`
+//!   frames into a [`ModelRequest`], serving it with the configured [`ModelTunnel`] and
+//!   streaming the answer back with `httpResponseStart`/`httpResponseChunk` calls (the worker
+//!   feeds it the frames it dispatches).
+//!
+//! Implementors live with the model they serve (the scripted model's is in
+//! `scripted_model`). Nothing here talks to a network.
+
+pub(crate) mod frames;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,4 +1,4 @@
-//! Routing what the child sends: `session.event` notifications to the session they name
+//! Dispatching what the child sends: `session.event` notifications to the session they name
 //! (recording pending tool calls and permission prompts in the ledger on the way), server
 //! requests (`userInput.request`, `hooks.invoke`, `llmInference.*`) to their handlers, and
 //! a refusal for anything nobody can answer, so the runtime never waits forever.

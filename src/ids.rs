@@ -1,0 +1,129 @@
+//! The identifiers a gateway handles, each its own type so one cannot stand in for another:
+//!
+//! * [`ConversationId`] — one conversation: an agent and the gateway's `session_key` for it.
+//! * [`CliSessionId`] — the id the runtime gives the CLI session that holds a conversation's
+//!   history (what bindings store and `session.resume` takes).
+//!
+//! The wire (`rpc::messages`) keeps the protocol's plain `sessionId` strings; these types
+//! are what the library's own API speaks.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// One conversation: an agent and the gateway's key for it (two agents may use one key).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ConversationId {
+    /// The agent.
+    pub agent_id: String,
+    /// The gateway's key of the conversation.
+    pub session_key: String,
+}
+
+impl ConversationId {
+    /// The conversation of `agent_id` named `session_key`.
+    pub fn new(agent_id: impl Into<String>, session_key: impl Into<String>) -> Self {
+        Self {
+            agent_id: agent_id.into(),
+            session_key: session_key.into(),
+        }
+    }
+
+    /// The pool's internal key (`<agent_id>/<session_key>`; agent ids contain no `/`).
+    pub(crate) fn key(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl fmt::Display for ConversationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.agent_id, self.session_key)
+    }
+}
+
+/// The runtime's id of a CLI session (a UUID when the pool creates it). Serialized as the
+/// bare string, so binding files and JSON answers carry it exactly as before.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct CliSessionId(String);
+
+impl CliSessionId {
+    /// The id `id`, as the runtime spells it.
+    pub fn new(id: impl Into<String>) -> Self {
+        Self(id.into())
+    }
+
+    /// The id as a string (for the wire and file names).
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The id as an owned string.
+    pub fn into_string(self) -> String {
+        self.0
+    }
+}
+
+impl fmt::Display for CliSessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl AsRef<str> for CliSessionId {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for CliSessionId {
+    fn from(id: String) -> Self {
+        Self(id)
+    }
+}
+
+impl From<&str> for CliSessionId {
+    fn from(id: &str) -> Self {
+        Self(id.to_owned())
+    }
+}
+
+impl From<CliSessionId> for String {
+    fn from(id: CliSessionId) -> Self {
+        id.0
+    }
+}
+
+impl PartialEq<str> for CliSessionId {
+    fn eq(&self, other: &str) -> bool {
+        self.0 == other
+    }
+}
+
+impl PartialEq<&str> for CliSessionId {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cli_session_id_serializes_as_the_bare_string() {
+        let id = CliSessionId::new("0f1e-2d3c");
+        assert_eq!(serde_json::to_value(&id).unwrap(), "0f1e-2d3c");
+        let back: CliSessionId = serde_json::from_str("\"0f1e-2d3c\"").unwrap();
+        assert_eq!(back, id);
+        assert_eq!(id.to_string(), "0f1e-2d3c");
+        assert_eq!(id, "0f1e-2d3c");
+    }
+
+    #[test]
+    fn a_conversation_id_displays_as_agent_slash_key() {
+        let id = ConversationId::new("agent-1", "chat/42");
+        assert_eq!(id.to_string(), "agent-1/chat/42");
+        assert_eq!(id.key(), "agent-1/chat/42");
+    }
+}
