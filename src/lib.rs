@@ -62,6 +62,8 @@
 //! * [`process`] — a child in its own process group: stderr tail, reaping, TERM→grace→KILL.
 //! * [`runtime`] — the pinned runtime: install with npm, locate at run time.
 //! * [`tunnel`] — serving the runtime's model HTTP requests over the pipe.
+//! * `http` — the HTTP API (`router`, `serve`) that `copilot-pool serve` runs, for a Rust
+//!   gateway to mount in its own axum app (feature `http`, on by default through `cli`).
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`secret`] — a redacting wrapper for tokens and keys.
@@ -72,6 +74,8 @@
 pub mod auth;
 mod deadline;
 pub mod home;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod kinds;
 pub mod metrics;
 mod panic_guard;
