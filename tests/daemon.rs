@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use copilot_pool::scripted_model::ScriptedModel;
 use serde_json::json;
-use support::api::{answer, turn};
+use support::api::{answer, lookup_turn, request_id, summary, turn};
 use support::http::{Daemon, SseStream, call, request, send};
 
 /// Processes whose COPILOT_HOME lies under `dir` (the daemon's children).
@@ -56,14 +56,7 @@ async fn sigterm_during_turns_drains_and_leaves_no_process() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(ready.status, 503);
-    let refused = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-new", "c", "hi")),
-    )
-    .await;
+    let refused = summary(addr, None, &turn(&url, "agent-new", "c", "hi")).await;
     assert_eq!(refused.status, 503);
     for mut s in streams {
         let (_, end) = s.until_end().await;
@@ -92,12 +85,10 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
     let daemon = Daemon::start(scratch.path(), "", &[]).await;
     let addr = daemon.addr;
     for i in 0..3 {
-        let r = call(
+        let r = summary(
             addr,
-            "POST",
-            "/v1/turns?stream=false",
             None,
-            Some(&turn(&url, "agent-m", &format!("c{i}"), "REPLY=m")),
+            &turn(&url, "agent-m", &format!("c{i}"), "REPLY=m"),
         )
         .await;
         assert_eq!(r.json()["status"], "idle");
@@ -294,13 +285,7 @@ async fn two_thousand_idle_connections_leave_health_turns_and_spawns_working() {
     // A turn that needs a new runtime process (a spawn) during the flood.
     let fresh = tokio::time::timeout(
         Duration::from_secs(60),
-        call(
-            addr,
-            "POST",
-            "/v1/turns?stream=false",
-            None,
-            Some(&turn(&url, "agent-new", "c", "REPLY=spawned")),
-        ),
+        summary(addr, None, &turn(&url, "agent-new", "c", "REPLY=spawned")),
     )
     .await
     .expect("a new turn did not finish during the flood");
@@ -354,19 +339,9 @@ async fn connections_over_the_cap_get_503_and_idle_ones_close_without_cutting_a_
 
     // A stream that is silent longer than the idle timeout (a tool call waiting for the
     // gateway) is not cut.
-    let mut body = turn(
-        &url,
-        "agent-i",
-        "c",
-        r#"SCENARIO:tool NAME=lookup ARGS={"key":"k"}"#,
-    );
-    body["tools"] = json!([{"name": "lookup", "parameters": {"type": "object"}}]);
+    let body = lookup_turn(&url, "agent-i", "c", "k");
     let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
-    let call_event = stream.until_event("tool.call").await;
-    let id = call_event.data["request_id"]
-        .as_str()
-        .expect("request_id")
-        .to_owned();
+    let id = request_id(&stream.until_event("tool.call").await);
     // The passing of time is what is tested here: twice the idle timeout with no byte.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let ok = answer(addr, &id, &json!({"result": "late"})).await;

@@ -12,7 +12,7 @@ use copilot_pool::http::{self, ApiConfig};
 use copilot_pool::scripted_model::ScriptedModel;
 use copilot_pool::secret::Secret;
 use serde_json::json;
-use support::api::{InProcess, answer, turn};
+use support::api::{InProcess, answer, lookup_turn, request_id, summary, turn};
 use support::http::{SseStream, call, request, send};
 use support::pool_fixture::Fixture;
 
@@ -37,17 +37,10 @@ async fn the_api_mounted_in_a_foreign_axum_app_runs_a_turn_beside_the_apps_own_r
         200
     );
     // A streamed turn with a gateway tool, answered under the prefix too.
-    let mut body = turn(
-        &url,
-        "agent-m",
-        "conv",
-        r#"SCENARIO:tool NAME=lookup ARGS={"key":"alpha"}"#,
-    );
-    body["tools"] = json!([{"name": "lookup", "parameters": {"type": "object"}}]);
+    let body = lookup_turn(&url, "agent-m", "conv", "alpha");
     let mut stream = SseStream::open(addr, "/pool/v1/turns", None, &body).await;
     assert_eq!(stream.status, 200);
-    let asked = stream.until_event("tool.call").await;
-    let id = asked.data["request_id"].as_str().expect("request_id");
+    let id = request_id(&stream.until_event("tool.call").await);
     let answered = call(
         addr,
         "POST",
@@ -129,21 +122,12 @@ async fn ten_agents_stream_turns_at_once_and_a_tool_call_is_answered_over_http()
     }
 
     // A gateway tool: the call arrives as an event and is answered with POST /v1/requests.
-    let mut body = turn(
-        &url,
-        "agent-0",
-        "tools",
-        r#"SCENARIO:tool NAME=lookup ARGS={"key":"alpha"}"#,
-    );
-    body["tools"] = json!([{"name": "lookup", "description": "Looks up a number", "parameters": {"type": "object"}}]);
+    let body = lookup_turn(&url, "agent-0", "tools", "alpha");
     let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
     let call_event = stream.until_event("tool.call").await;
     assert_eq!(call_event.data["tool_name"], "lookup");
     assert_eq!(call_event.data["arguments"]["key"], "alpha");
-    let id = call_event.data["request_id"]
-        .as_str()
-        .expect("request_id")
-        .to_owned();
+    let id = request_id(&call_event);
     let wrong = answer(addr, &id, &json!({"decision": "reject"})).await;
     assert_eq!(wrong.status, 400, "{}", wrong.body);
     let ok = answer(addr, &id, &json!({"result": "forty-two"})).await;
@@ -154,14 +138,7 @@ async fn ten_agents_stream_turns_at_once_and_a_tool_call_is_answered_over_http()
     assert_eq!(end["final_text"], "tool said: forty-two", "{end}");
 
     // Non-streaming: the summary alone.
-    let summary = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-1", "conv", "REPLY=again")),
-    )
-    .await;
+    let summary = summary(addr, None, &turn(&url, "agent-1", "conv", "REPLY=again")).await;
     assert_eq!(summary.status, 200);
     assert_eq!(summary.json()["final_text"], "again");
     assert_eq!(summary.json()["resumed"], true, "{}", summary.body);
@@ -260,12 +237,10 @@ async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
     .await;
     assert_eq!(answer.status, 404);
     // Still serving turns.
-    let ok = call(
+    let ok = summary(
         addr,
-        "POST",
-        "/v1/turns?stream=false",
         Some("s3cret-token"),
-        Some(&turn(&url, "agent-a", "k", "REPLY=alive")),
+        &turn(&url, "agent-a", "k", "REPLY=alive"),
     )
     .await;
     assert_eq!(ok.json()["final_text"], "alive", "{}", ok.body);
@@ -290,14 +265,7 @@ async fn a_gateway_that_disconnects_aborts_its_turn_and_the_conversation_continu
     }
     drop(stream);
     // The next turn on the conversation runs (the aborted one released it).
-    let next = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-d", "conv", "REPLY=back")),
-    )
-    .await;
+    let next = summary(addr, None, &turn(&url, "agent-d", "conv", "REPLY=back")).await;
     assert_eq!(next.json()["status"], "idle", "{}", next.body);
     assert_eq!(next.json()["final_text"], "back");
     server.stop().await;
@@ -309,12 +277,10 @@ async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resu
     let url = fx.endpoint.base_url();
     let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
     let addr = server.addr;
-    let first = call(
+    let first = summary(
         addr,
-        "POST",
-        "/v1/turns?stream=false",
         None,
-        Some(&turn(&url, "agent-k", "conv", "REPLY=ok MARKER-daemon-6")),
+        &turn(&url, "agent-k", "conv", "REPLY=ok MARKER-daemon-6"),
     )
     .await;
     assert_eq!(first.json()["status"], "idle");
@@ -360,14 +326,7 @@ async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resu
         killed.elapsed()
     );
     assert_eq!(end["status"], "crashed", "{end}");
-    let next = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-k", "conv", "the marker?")),
-    )
-    .await;
+    let next = summary(addr, None, &turn(&url, "agent-k", "conv", "the marker?")).await;
     assert_eq!(next.json()["status"], "idle", "{}", next.body);
     assert_eq!(next.json()["resumed"], true);
     assert_eq!(next.json()["open_reason"], "resumed", "{}", next.body);
@@ -412,7 +371,7 @@ async fn abort_compact_and_reset_a_conversation_over_http() {
     // A few turns, then compaction with the conversation's settings.
     for i in 0..3 {
         let body = turn(&url, "agent-c", "conv", &format!("REPLY=turn {i}"));
-        let r = call(addr, "POST", "/v1/turns?stream=false", None, Some(&body)).await;
+        let r = summary(addr, None, &body).await;
         assert_eq!(r.json()["status"], "idle", "{}", r.body);
     }
     let compacted = call(
@@ -456,14 +415,7 @@ async fn abort_compact_and_reset_a_conversation_over_http() {
     .await;
     assert_eq!(reset.status, 204, "{}", reset.body);
     let fresh_body = turn(&url, "agent-c", "conv", "REPLY=fresh");
-    let fresh = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&fresh_body),
-    )
-    .await;
+    let fresh = summary(addr, None, &fresh_body).await;
     assert_eq!(fresh.json()["resumed"], false, "{}", fresh.body);
     assert_ne!(
         fresh.json()["session_id"].as_str().unwrap_or_default(),
@@ -472,14 +424,7 @@ async fn abort_compact_and_reset_a_conversation_over_http() {
     // Tools need the stream.
     let mut with_tools = turn(&url, "agent-c", "conv", "hi");
     with_tools["tools"] = json!([{"name": "t"}]);
-    let refused = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&with_tools),
-    )
-    .await;
+    let refused = summary(addr, None, &with_tools).await;
     assert_eq!(refused.status, 400);
     server.stop().await;
 }
@@ -494,14 +439,7 @@ async fn no_work_directory_is_made_for_a_rejected_request_a_compact_or_a_reset()
     let addr = server.addr;
     let agents = server.pool.config().agents_base_dir.clone();
     let work = |agent: &str| copilot_pool::home::work_dir(&agents, agent).expect("agent id");
-    let unauthorized = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-x", "c", "REPLY=no")),
-    )
-    .await;
+    let unauthorized = summary(addr, None, &turn(&url, "agent-x", "c", "REPLY=no")).await;
     assert_eq!(unauthorized.status, 401);
     let mut zero = turn(&url, "agent-z", "c", "REPLY=no");
     zero["timeout_ms"] = json!(0);
@@ -534,14 +472,7 @@ async fn no_work_directory_is_made_for_a_rejected_request_a_compact_or_a_reset()
         );
     }
     // A turn that runs gets it, private.
-    let ran = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        Some("tok"),
-        Some(&turn(&url, "agent-w", "c", "REPLY=yes")),
-    )
-    .await;
+    let ran = summary(addr, Some("tok"), &turn(&url, "agent-w", "c", "REPLY=yes")).await;
     assert_eq!(ran.json()["status"], "idle", "{}", ran.body);
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(work("agent-w"))
@@ -558,27 +489,13 @@ async fn a_state_directory_that_cannot_record_the_conversation_is_a_503_naming_i
     let url = fx.endpoint.base_url();
     let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
     let addr = server.addr;
-    let first = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-s", "conv-1", "REPLY=ok")),
-    )
-    .await;
+    let first = summary(addr, None, &turn(&url, "agent-s", "conv-1", "REPLY=ok")).await;
     assert_eq!(first.json()["status"], "idle", "{}", first.body);
     // The state directory is replaced by a file between two turns.
     let state = server.pool.config().state_dir.clone();
     std::fs::rename(&state, fx.scratch.path().join("state-aside")).expect("move");
     std::fs::write(&state, b"not a directory").expect("file");
-    let second = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-s", "conv-2", "REPLY=never")),
-    )
-    .await;
+    let second = summary(addr, None, &turn(&url, "agent-s", "conv-2", "REPLY=never")).await;
     assert_eq!(second.status, 503, "{}", second.body);
     assert_eq!(second.json()["code"], "state_unwritable", "{}", second.body);
     let message = second.json()["message"]

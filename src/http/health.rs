@@ -40,7 +40,7 @@ pub(super) async fn get_metrics(State(state): State<Arc<AppState>>) -> Response 
     match &state.config.metrics {
         Some(render) => (
             [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-            render(),
+            render.render(),
         )
             .into_response(),
         None => error(
@@ -68,20 +68,22 @@ pub(super) async fn get_pool(State(state): State<Arc<AppState>>) -> Response {
 
 #[cfg(test)]
 mod tests {
-    use crate::http::{ApiConfig, ConnectionLimits, router};
+    use crate::http::{ApiConfig, ConnectionLimits, MetricsRender, router};
     use crate::pool::{Pool, PoolConfig};
     use crate::worker::WorkerConfig;
     use std::path::PathBuf;
-    use std::sync::Arc;
 
-    async fn status_of(addr: std::net::SocketAddr, path: &str) -> u16 {
+    async fn get(addr: std::net::SocketAddr, path: &str) -> reqwest::Response {
         let client = reqwest::Client::builder().no_proxy().build().unwrap();
-        let response = client
+        client
             .get(format!("http://{addr}{path}"))
             .send()
             .await
-            .unwrap();
-        response.status().as_u16()
+            .unwrap()
+    }
+
+    async fn status_of(addr: std::net::SocketAddr, path: &str) -> u16 {
+        get(addr, path).await.status().as_u16()
     }
 
     /// A pool whose program is never started (no lease is taken).
@@ -109,11 +111,20 @@ mod tests {
         })
     }
 
+    /// The API over an idle pool, on loopback.
+    async fn idle_pool_api(
+        dir: &std::path::Path,
+        config: ApiConfig,
+    ) -> (Pool, std::net::SocketAddr, impl FnOnce()) {
+        let pool = idle_pool(dir).await;
+        let (addr, stop) = serve_on_loopback(router(pool.clone(), config)).await;
+        (pool, addr, stop)
+    }
+
     #[tokio::test]
     async fn healthz_is_503_once_the_pool_actor_is_gone() {
         let dir = tempfile::tempdir().unwrap();
-        let pool = idle_pool(dir.path()).await;
-        let (addr, stop) = serve_on_loopback(router(pool.clone(), ApiConfig::default())).await;
+        let (pool, addr, stop) = idle_pool_api(dir.path(), ApiConfig::default()).await;
 
         assert_eq!(status_of(addr, "/healthz").await, 200);
         // The pool's actor stops at the end of its shutdown.
@@ -125,25 +136,16 @@ mod tests {
     #[tokio::test]
     async fn metrics_are_the_callers_text_and_404_without_a_renderer() {
         let dir = tempfile::tempdir().unwrap();
-        let pool = idle_pool(dir.path()).await;
-        let (addr, stop) = serve_on_loopback(router(pool.clone(), ApiConfig::default())).await;
+        let (pool, addr, stop) = idle_pool_api(dir.path(), ApiConfig::default()).await;
         assert_eq!(status_of(addr, "/metrics").await, 404);
         stop();
 
         let config = ApiConfig {
-            metrics: Some(Arc::new(|| "copilot_pool_test 1\n".to_owned())),
+            metrics: Some(MetricsRender::new(|| "copilot_pool_test 1\n".to_owned())),
             ..ApiConfig::default()
         };
         let (addr, stop) = serve_on_loopback(router(pool.clone(), config)).await;
-        let client = reqwest::Client::builder().no_proxy().build().unwrap();
-        let text = client
-            .get(format!("http://{addr}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = get(addr, "/metrics").await.text().await.unwrap();
         assert_eq!(text, "copilot_pool_test 1\n");
         stop();
         pool.shutdown().await.unwrap();
@@ -159,15 +161,7 @@ mod tests {
         handle.set_draining();
         assert!(handle.is_draining());
         assert_eq!(status_of(addr, "/readyz").await, 503);
-        let client = reqwest::Client::builder().no_proxy().build().unwrap();
-        let status: crate::PoolStatus = client
-            .get(format!("http://{addr}/v1/pool"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let status: crate::PoolStatus = get(addr, "/v1/pool").await.json().await.unwrap();
         assert!(status.closed);
         // The pool itself is still open: draining is the API's.
         assert!(!pool.status().await.unwrap().closed);

@@ -340,6 +340,16 @@ mod tests {
         String::from_utf8_lossy(&all).into_owned()
     }
 
+    /// A server of `counting_router` with these timeouts.
+    async fn with_timeouts(header_read_timeout: Duration, idle_timeout: Duration) -> Server {
+        let limits = ConnectionLimits {
+            header_read_timeout,
+            idle_timeout,
+            ..ConnectionLimits::default()
+        };
+        start(counting_router(Arc::default()), limits).await
+    }
+
     fn counting_router(hits: Arc<AtomicUsize>) -> Router {
         Router::new().route(
             "/",
@@ -388,12 +398,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_incomplete_request_head_is_closed_by_the_header_read_timeout() {
-        let limits = ConnectionLimits {
-            header_read_timeout: Duration::from_millis(300),
-            idle_timeout: Duration::from_secs(600),
-            ..ConnectionLimits::default()
-        };
-        let server = start(counting_router(Arc::default()), limits).await;
+        let server = with_timeouts(Duration::from_millis(300), Duration::from_secs(600)).await;
         let mut c = TcpStream::connect(server.addr).await.unwrap();
         c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").await.unwrap();
         let answer = read_until_closed(&mut c).await;
@@ -403,12 +408,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_silent_connection_is_closed_by_the_idle_timeout() {
-        let limits = ConnectionLimits {
-            header_read_timeout: Duration::from_secs(600),
-            idle_timeout: Duration::from_millis(300),
-            ..ConnectionLimits::default()
-        };
-        let server = start(counting_router(Arc::default()), limits).await;
+        let server = with_timeouts(Duration::from_secs(600), Duration::from_millis(300)).await;
         let mut silent = TcpStream::connect(server.addr).await.unwrap();
         assert_eq!(read_until_closed(&mut silent).await, "");
         // After a request too: closed once nothing moves.

@@ -59,10 +59,28 @@ pub use listener::{ConnectionLimits, serve};
 
 /// Renders the metrics text `/metrics` answers with (for example a Prometheus recorder's
 /// `render`); the caller owns the recorder.
-pub type MetricsRender = Arc<dyn Fn() -> String + Send + Sync>;
+#[derive(Clone)]
+pub struct MetricsRender(Arc<dyn Fn() -> String + Send + Sync>);
+
+impl MetricsRender {
+    /// `/metrics` answers with what `render` returns, called on every scrape.
+    pub fn new(render: impl Fn() -> String + Send + Sync + 'static) -> Self {
+        Self(Arc::new(render))
+    }
+
+    fn render(&self) -> String {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for MetricsRender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MetricsRender(..)")
+    }
+}
 
 /// What the API needs besides the pool.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ApiConfig {
     /// Bearer token every `/v1` call must carry; `None` leaves `/v1` open (listen on
@@ -88,18 +106,6 @@ impl Default for ApiConfig {
             max_body_bytes: 1 << 20,
             metrics: None,
         }
-    }
-}
-
-impl std::fmt::Debug for ApiConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ApiConfig")
-            .field("api_token", &self.api_token)
-            .field("timeouts", &self.timeouts)
-            .field("transcript", &self.transcript)
-            .field("max_body_bytes", &self.max_body_bytes)
-            .field("metrics", &self.metrics.is_some())
-            .finish()
     }
 }
 

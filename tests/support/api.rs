@@ -80,6 +80,28 @@ pub fn turn(model_url: &str, agent: &str, key: &str, prompt: &str) -> Value {
     })
 }
 
+/// A `POST /v1/turns` body whose turn calls the gateway tool `lookup` with `{"key": key}`
+/// (the scripted model then replies `tool said: <result>`).
+pub fn lookup_turn(model_url: &str, agent: &str, session_key: &str, key: &str) -> Value {
+    let prompt = format!(r#"SCENARIO:tool NAME=lookup ARGS={{"key":"{key}"}}"#);
+    let mut body = turn(model_url, agent, session_key, &prompt);
+    body["tools"] = json!([{"name": "lookup", "description": "Looks up a number", "parameters": {"type": "object"}}]);
+    body
+}
+
+/// The `request_id` a request event (`tool.call`, `permission.request`, …) is answered by.
+pub fn request_id(event: &super::http::Sse) -> String {
+    event.data["request_id"]
+        .as_str()
+        .expect("request_id")
+        .to_owned()
+}
+
+/// `POST /v1/turns?stream=false` with `body`: the turn's `turn.end` summary alone.
+pub async fn summary(addr: SocketAddr, token: Option<&str>, body: &Value) -> super::http::Response {
+    super::http::call(addr, "POST", "/v1/turns?stream=false", token, Some(body)).await
+}
+
 /// Answers a pending tool call or permission request of a streamed turn.
 pub async fn answer(addr: SocketAddr, id: &str, body: &Value) -> super::http::Response {
     super::http::call(

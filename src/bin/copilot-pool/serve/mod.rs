@@ -4,7 +4,6 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -196,7 +195,7 @@ fn api_config(config: &ServeConfig, metrics: &PrometheusHandle) -> ApiConfig {
     api.max_body_bytes = config.max_body_bytes;
     api.metrics = config.metrics_listen.is_none().then(|| {
         let handle = metrics.clone();
-        Arc::new(move || handle.render()) as http::MetricsRender
+        http::MetricsRender::new(move || handle.render())
     });
     api
 }
