@@ -65,6 +65,8 @@
 //! * [`runtime`] — the pinned runtime: install with npm, locate at run time.
 //! * [`tunnel`] — serving the runtime's model HTTP requests over the pipe: the
 //!   [`tunnel::ModelTunnel`] trait, its request/response shapes and the `llmInference.*` frames.
+//! * `http` — the HTTP API (`router`, `serve`) that `copilot-pool serve` runs, for a Rust
+//!   gateway to mount in its own axum app (feature `http`, on by default through `cli`).
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`secret`] — a redacting wrapper for tokens and keys.
@@ -75,6 +77,8 @@
 pub mod auth;
 mod deadline;
 pub mod home;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod ids;
 pub mod kinds;
 pub mod metrics;

@@ -1,331 +1,21 @@
-//! End-to-end over HTTP: `copilot-pool serve` with real runtime processes, driven the way a
-//! gateway in another language would drive it.
+//! End to end through the binary: `copilot-pool serve` with real runtime processes, for what
+//! only the daemon does: signals and the drain, the Prometheus text, the API token from a
+//! file or the environment, and its listeners under connection floods. The API itself is
+//! driven in-process in `http_api.rs`.
 
 mod support;
 
 use std::time::{Duration, Instant};
 
 use copilot_pool::scripted_model::ScriptedModel;
-use serde_json::{Value, json};
+use serde_json::json;
+use support::api::{answer, lookup_turn, request_id, summary, turn};
 use support::http::{Daemon, SseStream, call, request, send};
 
-fn turn(fx_url: &str, agent: &str, key: &str, prompt: &str) -> Value {
-    json!({
-        "agent_id": agent,
-        "session_key": key,
-        "prompt": prompt,
-        "model": ScriptedModel::MODEL_ID,
-        "provider": {"type": "openai", "base_url": fx_url, "api_key": "scripted-key"},
-    })
-}
-
 /// Processes whose COPILOT_HOME lies under `dir` (the daemon's children).
-/// Answers a pending tool call or permission request of a streamed turn.
-async fn answer(addr: std::net::SocketAddr, id: &str, body: &Value) -> support::http::Response {
-    call(
-        addr,
-        "POST",
-        &format!("/v1/requests/{id}"),
-        None,
-        Some(body),
-    )
-    .await
-}
-
 fn children_under(dir: &std::path::Path) -> Vec<u32> {
     let needle = dir.display().to_string();
     support::procs::with_env_prefix("COPILOT_HOME", &needle)
-}
-
-#[tokio::test]
-async fn ten_agents_stream_turns_at_once_and_a_tool_call_is_answered_over_http() {
-    let scratch = support::Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model");
-    let url = endpoint.base_url();
-    let daemon = Daemon::start(scratch.path(), "", &[]).await;
-    let addr = daemon.addr;
-
-    let runs = (0..10).map(|i| {
-        let body = turn(
-            &url,
-            &format!("agent-{i}"),
-            "conv",
-            &format!("REPLY=hello agent {i}"),
-        );
-        async move {
-            let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
-            assert_eq!(stream.status, 200);
-            let (events, end) = stream.until_end().await;
-            (i, events, end)
-        }
-    });
-    for (i, events, end) in futures_util::future::join_all(runs).await {
-        assert_eq!(end["status"], "idle", "{end}");
-        assert_eq!(end["final_text"], format!("hello agent {i}"));
-        assert_eq!(end["llm_calls"], 1);
-        assert!(events.iter().any(|e| e.event == "assistant.message"));
-        assert!(events.iter().any(|e| e.event == "session.idle"));
-    }
-
-    // A gateway tool: the call arrives as an event and is answered with POST /v1/requests.
-    let mut body = turn(
-        &url,
-        "agent-0",
-        "tools",
-        r#"SCENARIO:tool NAME=lookup ARGS={"key":"alpha"}"#,
-    );
-    body["tools"] = json!([{"name": "lookup", "description": "Looks up a number", "parameters": {"type": "object"}}]);
-    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
-    let call_event = stream.until_event("tool.call").await;
-    assert_eq!(call_event.data["tool_name"], "lookup");
-    assert_eq!(call_event.data["arguments"]["key"], "alpha");
-    let id = call_event.data["request_id"]
-        .as_str()
-        .expect("request_id")
-        .to_owned();
-    let wrong = answer(addr, &id, &json!({"decision": "reject"})).await;
-    assert_eq!(wrong.status, 400, "{}", wrong.body);
-    let ok = answer(addr, &id, &json!({"result": "forty-two"})).await;
-    assert_eq!(ok.status, 204, "{}", ok.body);
-    let again = answer(addr, &id, &json!({"result": "x"})).await;
-    assert_eq!(again.status, 404);
-    let (_, end) = stream.until_end().await;
-    assert_eq!(end["final_text"], "tool said: forty-two", "{end}");
-
-    // Non-streaming: the summary alone.
-    let summary = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-1", "conv", "REPLY=again")),
-    )
-    .await;
-    assert_eq!(summary.status, 200);
-    assert_eq!(summary.json()["final_text"], "again");
-    assert_eq!(summary.json()["resumed"], true, "{}", summary.body);
-
-    let pool = call(addr, "GET", "/v1/pool", None, None).await.json();
-    assert!(
-        pool["processes"].as_array().is_some_and(|p| p.len() >= 10),
-        "{pool}"
-    );
-    let status = daemon.terminate().await;
-    assert!(status.success(), "{status:?}");
-    let left =
-        support::procs::wait_none(|| children_under(scratch.path()), Duration::from_secs(5)).await;
-    assert!(left.is_empty(), "children left after SIGTERM: {left:?}");
-}
-
-#[tokio::test]
-async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
-    let scratch = support::Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model");
-    let daemon = Daemon::start(
-        scratch.path(),
-        "api_token = \"s3cret-token\"\nmax_body_bytes = 4096\n",
-        &[],
-    )
-    .await;
-    let addr = daemon.addr;
-    assert_eq!(call(addr, "GET", "/v1/pool", None, None).await.status, 401);
-    assert_eq!(
-        call(addr, "GET", "/v1/pool", Some("wrong"), None)
-            .await
-            .status,
-        401
-    );
-    assert_eq!(
-        call(addr, "GET", "/v1/pool", Some("s3cret-token"), None)
-            .await
-            .status,
-        200
-    );
-    assert_eq!(call(addr, "GET", "/healthz", None, None).await.status, 200);
-    assert_eq!(call(addr, "GET", "/readyz", None, None).await.status, 200);
-    assert_eq!(call(addr, "GET", "/nope", None, None).await.status, 404);
-
-    let garbage = send(
-        request(addr, "POST", "/v1/turns")
-            .bearer_auth("s3cret-token")
-            .body("{garbage!"),
-    )
-    .await;
-    assert_eq!(garbage.status, 400, "{}", garbage.body);
-    assert!(garbage.json()["code"].is_string());
-    let missing = call(
-        addr,
-        "POST",
-        "/v1/turns",
-        Some("s3cret-token"),
-        Some(&json!({"agent_id": "a"})),
-    )
-    .await;
-    assert_eq!(missing.status, 400);
-    assert!(
-        missing.json()["message"]
-            .as_str()
-            .unwrap_or("")
-            .contains("session_key"),
-        "{}",
-        missing.body
-    );
-    let bad_agent = call(
-        addr,
-        "POST",
-        "/v1/turns",
-        Some("s3cret-token"),
-        Some(&turn(&endpoint.base_url(), "Bad Agent", "k", "hi")),
-    )
-    .await;
-    assert_eq!(bad_agent.status, 400);
-    let big = json!({"agent_id": "a", "session_key": "k", "prompt": "x".repeat(10_000)});
-    let oversized = call(addr, "POST", "/v1/turns", Some("s3cret-token"), Some(&big)).await;
-    assert_eq!(oversized.status, 413, "{}", oversized.body);
-    // A body shorter than announced: the connection closes, the daemon survives.
-    // The client half-closes after the short body.
-    let sent = Instant::now();
-    let truncated = support::http::raw_then_close(addr, b"POST /v1/turns HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer s3cret-token\r\nContent-Length: 500\r\n\r\n{\"agent_id\":").await;
-    assert!(
-        truncated.status == 400 || truncated.status == 0,
-        "{truncated:?}"
-    );
-    assert!(
-        sent.elapsed() < Duration::from_secs(10),
-        "a truncated body held the connection"
-    );
-    let answer = call(
-        addr,
-        "POST",
-        "/v1/requests/unknown-id",
-        Some("s3cret-token"),
-        Some(&json!({"result": "x"})),
-    )
-    .await;
-    assert_eq!(answer.status, 404);
-    // Still serving turns.
-    let ok = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        Some("s3cret-token"),
-        Some(&turn(&endpoint.base_url(), "agent-a", "k", "REPLY=alive")),
-    )
-    .await;
-    assert_eq!(ok.json()["final_text"], "alive", "{}", ok.body);
-    assert!(daemon.terminate().await.success());
-}
-
-#[tokio::test]
-async fn a_gateway_that_disconnects_aborts_its_turn_and_the_conversation_continues() {
-    let scratch = support::Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model");
-    let url = endpoint.base_url();
-    let daemon = Daemon::start(scratch.path(), "[pool]\nwait_timeout_secs = 2\n", &[]).await;
-    let addr = daemon.addr;
-    let mut body = turn(&url, "agent-d", "conv", "SCENARIO:slow SLOW=100x100");
-    body["provider"]["api_key"] = json!("scripted-key");
-    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
-    while let Some(e) = stream.next().await {
-        if e.event == "assistant.turn_start" {
-            break;
-        }
-    }
-    drop(stream);
-    // The next turn on the conversation runs (the aborted one released it).
-    let next = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-d", "conv", "REPLY=back")),
-    )
-    .await;
-    assert_eq!(next.json()["status"], "idle", "{}", next.body);
-    assert_eq!(next.json()["final_text"], "back");
-    assert!(daemon.terminate().await.success());
-}
-
-#[tokio::test]
-async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resumes() {
-    let scratch = support::Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model");
-    let url = endpoint.base_url();
-    let daemon = Daemon::start(scratch.path(), "", &[]).await;
-    let addr = daemon.addr;
-    let first = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-k", "conv", "REPLY=ok MARKER-daemon-6")),
-    )
-    .await;
-    assert_eq!(first.json()["status"], "idle");
-    // The summary says how the conversation was opened, and what the turn cost.
-    assert_eq!(first.json()["open_reason"], "new", "{}", first.body);
-    assert!(
-        first.json()["usage"]["input_tokens"].as_u64() > Some(0),
-        "{}",
-        first.body
-    );
-    // The scripted model reports 40 cached prompt tokens per call.
-    let calls = first.json()["llm_calls"].as_u64().unwrap_or(0);
-    assert_eq!(
-        first.json()["usage"]["cache_read_tokens"],
-        40 * calls,
-        "{}",
-        first.body
-    );
-    let mut stream = SseStream::open(
-        addr,
-        "/v1/turns",
-        None,
-        &turn(&url, "agent-k", "conv", "SCENARIO:slow SLOW=100x100"),
-    )
-    .await;
-    while let Some(e) = stream.next().await {
-        if e.event == "assistant.message_delta" || e.event == "assistant.turn_start" {
-            break;
-        }
-    }
-    let pool = call(addr, "GET", "/v1/pool", None, None).await.json();
-    let pid = pool["processes"][0]["pid"].as_u64().expect("pid") as i32;
-    let killed = Instant::now();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("kill");
-    let (_, end) = stream.until_end().await;
-    assert!(
-        killed.elapsed() < Duration::from_secs(1),
-        "{:?}",
-        killed.elapsed()
-    );
-    assert_eq!(end["status"], "crashed", "{end}");
-    let next = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-k", "conv", "the marker?")),
-    )
-    .await;
-    assert_eq!(next.json()["status"], "idle", "{}", next.body);
-    assert_eq!(next.json()["resumed"], true);
-    assert_eq!(next.json()["open_reason"], "resumed", "{}", next.body);
-    let last = model.requests().pop().expect("request");
-    assert!(
-        serde_json::to_string(last.messages())
-            .unwrap_or_default()
-            .contains("MARKER-daemon-6")
-    );
-    assert!(daemon.terminate().await.success());
 }
 
 #[tokio::test]
@@ -366,14 +56,7 @@ async fn sigterm_during_turns_drains_and_leaves_no_process() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(ready.status, 503);
-    let refused = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-new", "c", "hi")),
-    )
-    .await;
+    let refused = summary(addr, None, &turn(&url, "agent-new", "c", "hi")).await;
     assert_eq!(refused.status, 503);
     for mut s in streams {
         let (_, end) = s.until_end().await;
@@ -402,12 +85,10 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
     let daemon = Daemon::start(scratch.path(), "", &[]).await;
     let addr = daemon.addr;
     for i in 0..3 {
-        let r = call(
+        let r = summary(
             addr,
-            "POST",
-            "/v1/turns?stream=false",
             None,
-            Some(&turn(&url, "agent-m", &format!("c{i}"), "REPLY=m")),
+            &turn(&url, "agent-m", &format!("c{i}"), "REPLY=m"),
         )
         .await;
         assert_eq!(r.json()["status"], "idle");
@@ -466,112 +147,6 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(daemon.terminate().await.success());
-}
-
-#[tokio::test]
-async fn abort_compact_and_reset_a_conversation_over_http() {
-    let scratch = support::Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model");
-    let url = endpoint.base_url();
-    let daemon = Daemon::start(scratch.path(), "", &[]).await;
-    let addr = daemon.addr;
-    let conv = |key: &str| json!({"model": ScriptedModel::MODEL_ID, "provider": {"type": "openai", "base_url": url, "api_key": key}});
-
-    // Abort a running turn.
-    let mut stream = SseStream::open(
-        addr,
-        "/v1/turns",
-        None,
-        &turn(&url, "agent-c", "conv", "SCENARIO:slow SLOW=200x100"),
-    )
-    .await;
-    while let Some(e) = stream.next().await {
-        if e.event == "assistant.message_delta" || e.event == "assistant.turn_start" {
-            break;
-        }
-    }
-    let aborted = call(addr, "POST", "/v1/sessions/agent-c/conv/abort", None, None).await;
-    assert_eq!(aborted.status, 204, "{}", aborted.body);
-    let (_, end) = stream.until_end().await;
-    assert_eq!(end["status"], "aborted", "{end}");
-    let session_id = end["session_id"].as_str().unwrap_or_default().to_owned();
-    let again = call(addr, "POST", "/v1/sessions/agent-c/conv/abort", None, None).await;
-    assert_eq!(again.status, 404);
-
-    // A few turns, then compaction with the conversation's settings.
-    for i in 0..3 {
-        let body = turn(&url, "agent-c", "conv", &format!("REPLY=turn {i}"));
-        let r = call(addr, "POST", "/v1/turns?stream=false", None, Some(&body)).await;
-        assert_eq!(r.json()["status"], "idle", "{}", r.body);
-    }
-    let compacted = call(
-        addr,
-        "POST",
-        "/v1/sessions/agent-c/conv/compact",
-        None,
-        Some(&conv("scripted-key")),
-    )
-    .await;
-    assert_eq!(compacted.status, 200, "{}", compacted.body);
-    assert_eq!(compacted.json()["success"], true);
-    // Other settings name no existing conversation: nothing is created or overwritten.
-    let other = call(
-        addr,
-        "POST",
-        "/v1/sessions/agent-c/conv/compact",
-        None,
-        Some(&conv("another-key")),
-    )
-    .await;
-    assert_eq!(other.status, 404, "{}", other.body);
-    let unknown = call(
-        addr,
-        "POST",
-        "/v1/sessions/agent-c/never/compact",
-        None,
-        Some(&conv("scripted-key")),
-    )
-    .await;
-    assert_eq!(unknown.status, 404, "{}", unknown.body);
-
-    // Reset: the next turn starts a new session.
-    let reset = call(
-        addr,
-        "DELETE",
-        "/v1/sessions/agent-c/conv",
-        None,
-        Some(&conv("scripted-key")),
-    )
-    .await;
-    assert_eq!(reset.status, 204, "{}", reset.body);
-    let fresh_body = turn(&url, "agent-c", "conv", "REPLY=fresh");
-    let fresh = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&fresh_body),
-    )
-    .await;
-    assert_eq!(fresh.json()["resumed"], false, "{}", fresh.body);
-    assert_ne!(
-        fresh.json()["session_id"].as_str().unwrap_or_default(),
-        session_id
-    );
-    // Tools need the stream.
-    let mut with_tools = turn(&url, "agent-c", "conv", "hi");
-    with_tools["tools"] = json!([{"name": "t"}]);
-    let refused = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&with_tools),
-    )
-    .await;
-    assert_eq!(refused.status, 400);
     assert!(daemon.terminate().await.success());
 }
 
@@ -710,13 +285,7 @@ async fn two_thousand_idle_connections_leave_health_turns_and_spawns_working() {
     // A turn that needs a new runtime process (a spawn) during the flood.
     let fresh = tokio::time::timeout(
         Duration::from_secs(60),
-        call(
-            addr,
-            "POST",
-            "/v1/turns?stream=false",
-            None,
-            Some(&turn(&url, "agent-new", "c", "REPLY=spawned")),
-        ),
+        summary(addr, None, &turn(&url, "agent-new", "c", "REPLY=spawned")),
     )
     .await
     .expect("a new turn did not finish during the flood");
@@ -770,19 +339,9 @@ async fn connections_over_the_cap_get_503_and_idle_ones_close_without_cutting_a_
 
     // A stream that is silent longer than the idle timeout (a tool call waiting for the
     // gateway) is not cut.
-    let mut body = turn(
-        &url,
-        "agent-i",
-        "c",
-        r#"SCENARIO:tool NAME=lookup ARGS={"key":"k"}"#,
-    );
-    body["tools"] = json!([{"name": "lookup", "parameters": {"type": "object"}}]);
+    let body = lookup_turn(&url, "agent-i", "c", "k");
     let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
-    let call_event = stream.until_event("tool.call").await;
-    let id = call_event.data["request_id"]
-        .as_str()
-        .expect("request_id")
-        .to_owned();
+    let id = request_id(&stream.until_event("tool.call").await);
     // The passing of time is what is tested here: twice the idle timeout with no byte.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let ok = answer(addr, &id, &json!({"result": "late"})).await;
@@ -900,118 +459,5 @@ async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case(
             .status,
         401
     );
-    assert!(daemon.terminate().await.success());
-}
-
-#[tokio::test]
-async fn no_work_directory_is_made_for_a_rejected_request_a_compact_or_a_reset() {
-    let scratch = support::Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model");
-    let url = endpoint.base_url();
-    let daemon = Daemon::start(scratch.path(), "api_token = \"tok\"\n", &[]).await;
-    let addr = daemon.addr;
-    let work = |agent: &str| {
-        scratch
-            .path()
-            .join("pool-home/agents")
-            .join(agent)
-            .join("work")
-    };
-    let unauthorized = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-x", "c", "REPLY=no")),
-    )
-    .await;
-    assert_eq!(unauthorized.status, 401);
-    let mut zero = turn(&url, "agent-z", "c", "REPLY=no");
-    zero["timeout_ms"] = json!(0);
-    let bad = call(addr, "POST", "/v1/turns", Some("tok"), Some(&zero)).await;
-    assert_eq!(bad.status, 400, "{}", bad.body);
-    let conv = json!({"model": ScriptedModel::MODEL_ID, "provider": {"type": "openai", "base_url": url, "api_key": "k"}});
-    let compact = call(
-        addr,
-        "POST",
-        "/v1/sessions/agent-y/c/compact",
-        Some("tok"),
-        Some(&conv),
-    )
-    .await;
-    assert_eq!(compact.status, 404, "{}", compact.body);
-    let reset = call(
-        addr,
-        "DELETE",
-        "/v1/sessions/agent-y/c",
-        Some("tok"),
-        Some(&conv),
-    )
-    .await;
-    assert_eq!(reset.status, 404, "{}", reset.body);
-    for agent in ["agent-x", "agent-y", "agent-z"] {
-        assert!(
-            !work(agent).exists(),
-            "{} was created",
-            work(agent).display()
-        );
-    }
-    // A turn that runs gets it, private.
-    let ran = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        Some("tok"),
-        Some(&turn(&url, "agent-w", "c", "REPLY=yes")),
-    )
-    .await;
-    assert_eq!(ran.json()["status"], "idle", "{}", ran.body);
-    use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(work("agent-w"))
-        .expect("work dir")
-        .permissions()
-        .mode();
-    assert_eq!(mode & 0o777, 0o700);
-    assert!(daemon.terminate().await.success());
-}
-
-#[tokio::test]
-async fn a_state_directory_that_cannot_record_the_conversation_is_a_503_naming_it() {
-    let scratch = support::Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model");
-    let url = endpoint.base_url();
-    let daemon = Daemon::start(scratch.path(), "", &[]).await;
-    let addr = daemon.addr;
-    let first = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-s", "conv-1", "REPLY=ok")),
-    )
-    .await;
-    assert_eq!(first.json()["status"], "idle", "{}", first.body);
-    // The state directory is replaced by a file between two turns.
-    let state = scratch.path().join("pool-home").join("state");
-    std::fs::rename(&state, scratch.path().join("state-aside")).expect("move");
-    std::fs::write(&state, b"not a directory").expect("file");
-    let second = call(
-        addr,
-        "POST",
-        "/v1/turns?stream=false",
-        None,
-        Some(&turn(&url, "agent-s", "conv-2", "REPLY=never")),
-    )
-    .await;
-    assert_eq!(second.status, 503, "{}", second.body);
-    assert_eq!(second.json()["code"], "state_unwritable", "{}", second.body);
-    let message = second.json()["message"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned();
-    assert!(message.contains(&state.display().to_string()), "{message}");
-    assert!(message.contains("Not a directory"), "{message}");
     assert!(daemon.terminate().await.success());
 }

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod api;
 pub mod http;
 pub mod pool_fixture;
 pub mod procs;

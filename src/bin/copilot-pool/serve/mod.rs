@@ -1,26 +1,20 @@
 //! `copilot-pool serve`: the pool as a sidecar for gateways in any language. Owns the
 //! daemon's lifecycle: configuration, the Prometheus recorder, listeners, signals and the
-//! drain. The HTTP API itself is in `api`, the gateway's pending requests in `gateway`.
-
-mod api;
-mod gateway;
-mod listener;
+//! drain. The HTTP API itself is the library's (`copilot_pool::http`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use copilot_pool::http::{self, ApiConfig, ConnectionLimits};
 use copilot_pool::pool::Pool;
 use copilot_pool::runtime;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::sync::watch;
 
 use crate::config::{LogFormat, ServeConfig};
-use api::AppState;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -117,19 +111,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     };
 
     let pool = Pool::start(config.pool_config(located.path.clone())?).await?;
-    let (running, mut running_rx) = watch::channel(0usize);
-    let state = Arc::new(AppState {
-        pool: pool.clone(),
-        registry: Arc::default(),
-        api_token: config.api_token.clone(),
-        draining: AtomicBool::new(false),
-        running,
-        timeouts: config.timeouts(),
-        transcript: config.transcript(),
-        metrics: config.metrics_listen.is_none().then(|| metrics.clone()),
-        max_body_bytes: config.max_body_bytes,
-    });
-    let app = api::router(state.clone(), config.max_body_bytes);
+    let (app, api) = http::router_with_handle(pool.clone(), api_config(&config, &metrics));
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
@@ -137,12 +119,15 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     println!("listening on http://{addr}");
     tracing::info!(%addr, runtime = %located.path.display(), "copilot-pool serve is up.");
 
-    let limits = listener::Limits {
-        header_read_timeout: config.header_read_timeout(),
-        idle_timeout: config.idle_timeout(),
-        max_connections: connection_cap(config.max_connections, config.pool.max_processes),
-    };
+    let mut limits = ConnectionLimits::default();
+    limits.header_read_timeout = config.header_read_timeout();
+    limits.idle_timeout = config.idle_timeout();
+    limits.max_connections = connection_cap(config.max_connections, config.pool.max_processes);
     let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut stop: watch::Receiver<bool>| async move {
+        // The sender outlives every server (it is dropped at the end of `serve`).
+        let _ = stop.wait_for(|s| *s).await;
+    };
     let mut servers = Vec::new();
     if let Some(metrics_addr) = config.metrics_listen {
         let metrics_listener = tokio::net::TcpListener::bind(metrics_addr)
@@ -160,29 +145,27 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
                 async move { handle.render() }
             }),
         );
-        let metrics_limits = listener::Limits {
-            max_connections: METRICS_MAX_CONNECTIONS,
-            ..limits
-        };
-        servers.push(tokio::spawn(listener::serve(
+        let mut metrics_limits = limits;
+        metrics_limits.max_connections = METRICS_MAX_CONNECTIONS;
+        servers.push(tokio::spawn(http::serve(
             metrics_listener,
             metrics_app,
             metrics_limits,
-            stop_rx.clone(),
+            stopped(stop_rx.clone()),
         )));
     }
-    servers.push(tokio::spawn(listener::serve(
+    servers.push(tokio::spawn(http::serve(
         listener,
         app,
         limits,
-        stop_rx.clone(),
+        stopped(stop_rx.clone()),
     )));
 
     let signal = signals.first().await;
     tracing::info!(signal, "Draining.");
     eprintln!("copilot-pool serve: {signal}, draining");
     // Not ready, no new turns; answers to running turns are still accepted.
-    state.draining.store(true, Ordering::SeqCst);
+    api.set_draining();
     // Running turns get the drain grace (the pool's shutdown grace), then are aborted;
     // sessions are detached and every process group is stopped.
     let report = pool.shutdown().await?;
@@ -192,7 +175,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             "Turns still running after the drain grace were aborted."
         );
     }
-    let _ = tokio::time::timeout(Duration::from_secs(5), running_rx.wait_for(|n| *n == 0)).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), api.turns_finished()).await;
     stop_tx.send_replace(true);
     for server in servers {
         let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
@@ -200,6 +183,21 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     upkeep.abort();
     eprintln!("copilot-pool serve: stopped");
     Ok(())
+}
+
+/// The API's settings from the daemon's: `/metrics` on the API's listener renders the
+/// recorder unless metrics have a listener of their own.
+fn api_config(config: &ServeConfig, metrics: &PrometheusHandle) -> ApiConfig {
+    let mut api = ApiConfig::default();
+    api.api_token = config.api_token.clone();
+    api.timeouts = config.timeouts();
+    api.transcript = config.transcript();
+    api.max_body_bytes = config.max_body_bytes;
+    api.metrics = config.metrics_listen.is_none().then(|| {
+        let handle = metrics.clone();
+        http::MetricsRender::new(move || handle.render())
+    });
+    api
 }
 
 /// Open connections at most on the metrics listener (scrapers are few).

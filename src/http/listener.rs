@@ -1,6 +1,7 @@
-//! Accepting HTTP connections for `serve` (the API and the metrics listener): the
-//! connection cap, the header-read and idle timeouts, and the graceful stop. Owns nothing
-//! of the API itself: every accepted connection is served by the router it is given.
+//! Accepting HTTP connections (the API, or any router, such as a daemon's metrics
+//! listener): the connection cap, the header-read and idle timeouts, and the graceful
+//! stop. Owns nothing of the API itself: every accepted connection is served by the router
+//! it is given.
 //!
 //! - Over `max_connections`, a connection is answered `503 too_many_connections` and
 //!   closed at once, without reading it and without reaching the router or the pool.
@@ -26,25 +27,45 @@ use tokio::time::Instant;
 
 /// The limits of one listener.
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
+#[non_exhaustive]
+pub struct ConnectionLimits {
+    /// A request head must be complete this long after the accept, and again after each
+    /// response (default 30 s).
     pub header_read_timeout: Duration,
+    /// A connection on which no byte moves either way for this long is closed; a response
+    /// in progress is finished first (default 10 s).
     pub idle_timeout: Duration,
+    /// Open connections at most (default 4096); one more is answered 503
+    /// `too_many_connections` and closed without being read.
     pub max_connections: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(10),
+            max_connections: 4096,
+        }
+    }
 }
 
 /// After a failed `accept` (descriptors exhausted, for example) the loop waits this long:
 /// the listener stays readable, so retrying at once would spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
-/// Serves `router` on `listener` until `stop` turns true, then tells every open connection
-/// to finish (responses in progress complete, idle connections close) and returns when all
-/// are closed. The caller bounds the wait.
+/// Serves `router` on `listener` until `shutdown` resolves, then tells every open
+/// connection to finish (responses in progress complete, idle connections close) and returns
+/// when all are closed. The caller bounds the wait (a running event stream keeps its
+/// connection open until its turn ends).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
-    limits: Limits,
-    mut stop: watch::Receiver<bool>,
+    limits: ConnectionLimits,
+    shutdown: impl Future<Output = ()>,
 ) {
+    let (stop_tx, stop) = watch::channel(false);
+    let mut shutdown = std::pin::pin!(shutdown);
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -55,7 +76,7 @@ pub async fn serve(
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
-            _ = stop.wait_for(|s| *s) => break,
+            () = shutdown.as_mut() => break,
         };
         let stream = match accepted {
             Ok((stream, _)) => stream,
@@ -63,7 +84,7 @@ pub async fn serve(
                 tracing::warn!(error = %e, "Accepting a connection failed; retrying.");
                 tokio::select! {
                     _ = tokio::time::sleep(ACCEPT_BACKOFF) => continue,
-                    _ = stop.wait_for(|s| *s) => break,
+                    () = shutdown.as_mut() => break,
                 }
             }
         };
@@ -101,6 +122,8 @@ pub async fn serve(
             permit,
         ));
     }
+    // No more accepts: every open connection finishes.
+    stop_tx.send_replace(true);
     // Every connection holds a permit until it is closed.
     let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
     let _ = permits.acquire_many(all).await;
@@ -278,5 +301,174 @@ impl AsyncWrite for Tracked {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::sync::oneshot;
+
+    /// Upper bound for what should happen at once (a failure guard, not a wait).
+    const LIMIT: Duration = Duration::from_secs(10);
+
+    struct Server {
+        addr: std::net::SocketAddr,
+        stop: oneshot::Sender<()>,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    async fn start(router: Router, limits: ConnectionLimits) -> Server {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, router, limits, async move {
+            let _ = stopped.await;
+        }));
+        Server { addr, stop, task }
+    }
+
+    /// Everything the peer sends until it closes (bounded by `LIMIT`).
+    async fn read_until_closed(stream: &mut TcpStream) -> String {
+        let mut all = Vec::new();
+        tokio::time::timeout(LIMIT, stream.read_to_end(&mut all))
+            .await
+            .expect("the server neither answered nor closed")
+            .unwrap_or_default();
+        String::from_utf8_lossy(&all).into_owned()
+    }
+
+    /// A server of `counting_router` with these timeouts.
+    async fn with_timeouts(header_read_timeout: Duration, idle_timeout: Duration) -> Server {
+        let limits = ConnectionLimits {
+            header_read_timeout,
+            idle_timeout,
+            ..ConnectionLimits::default()
+        };
+        start(counting_router(Arc::default()), limits).await
+    }
+
+    fn counting_router(hits: Arc<AtomicUsize>) -> Router {
+        Router::new().route(
+            "/",
+            axum::routing::get(move || {
+                hits.fetch_add(1, Ordering::SeqCst);
+                async { "hello" }
+            }),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_connection_over_the_cap_is_answered_503_without_reaching_the_router() {
+        let hits = Arc::new(AtomicUsize::new(0));
+        let limits = ConnectionLimits {
+            max_connections: 2,
+            ..ConnectionLimits::default()
+        };
+        let server = start(counting_router(hits.clone()), limits).await;
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let mut c = TcpStream::connect(server.addr).await.unwrap();
+            // A complete exchange proves the server accepted (and counted) it.
+            c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            let mut buf = [0u8; 256];
+            let n = tokio::time::timeout(LIMIT, c.read(&mut buf))
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+            held.push(c);
+        }
+        let mut third = TcpStream::connect(server.addr).await.unwrap();
+        third
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let refusal = read_until_closed(&mut third).await;
+        assert!(refusal.starts_with("HTTP/1.1 503"), "{refusal}");
+        assert!(refusal.contains("too_many_connections"), "{refusal}");
+        assert_eq!(hits.load(Ordering::SeqCst), 2);
+        drop(held);
+        let _ = server.stop.send(());
+    }
+
+    #[tokio::test]
+    async fn an_incomplete_request_head_is_closed_by_the_header_read_timeout() {
+        let server = with_timeouts(Duration::from_millis(300), Duration::from_secs(600)).await;
+        let mut c = TcpStream::connect(server.addr).await.unwrap();
+        c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        let answer = read_until_closed(&mut c).await;
+        assert!(!answer.contains("hello"), "{answer}");
+        let _ = server.stop.send(());
+    }
+
+    #[tokio::test]
+    async fn a_silent_connection_is_closed_by_the_idle_timeout() {
+        let server = with_timeouts(Duration::from_secs(600), Duration::from_millis(300)).await;
+        let mut silent = TcpStream::connect(server.addr).await.unwrap();
+        assert_eq!(read_until_closed(&mut silent).await, "");
+        // After a request too: closed once nothing moves.
+        let mut used = TcpStream::connect(server.addr).await.unwrap();
+        used.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = read_until_closed(&mut used).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let _ = server.stop.send(());
+    }
+
+    #[tokio::test]
+    async fn shutdown_finishes_the_response_in_progress_then_returns() {
+        let (release_tx, release_rx) = oneshot::channel::<()>();
+        let (started_tx, started_rx) = oneshot::channel::<()>();
+        let gates = Arc::new(std::sync::Mutex::new(Some((started_tx, release_rx))));
+        let router = Router::new().route(
+            "/slow",
+            axum::routing::get(move || {
+                let gates = gates.lock().unwrap().take();
+                async move {
+                    if let Some((started, release)) = gates {
+                        let _ = started.send(());
+                        let _ = release.await;
+                    }
+                    "finished"
+                }
+            }),
+        );
+        let server = start(router, ConnectionLimits::default()).await;
+        let mut c = TcpStream::connect(server.addr).await.unwrap();
+        c.write_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        tokio::time::timeout(LIMIT, started_rx)
+            .await
+            .unwrap()
+            .unwrap();
+        server.stop.send(()).unwrap();
+        // No new connection is served once the shutdown began (refused, or closed unread).
+        let late = TcpStream::connect(server.addr).await;
+        if let Ok(mut late) = late {
+            let _ = late
+                .write_all(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await;
+            let mut buf = [0u8; 64];
+            let read = tokio::time::timeout(Duration::from_millis(300), late.read(&mut buf)).await;
+            assert!(
+                !matches!(read, Ok(Ok(n)) if n > 0),
+                "a late connection was served"
+            );
+        }
+        release_tx.send(()).unwrap();
+        let answer = read_until_closed(&mut c).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("finished"), "{answer}");
+        tokio::time::timeout(LIMIT, server.task)
+            .await
+            .expect("serve returned once its connections closed")
+            .unwrap();
     }
 }

@@ -5,25 +5,57 @@
 
 use std::sync::Arc;
 
-use copilot_pool::permission::{
-    DecisionFuture, PermissionDecision, PermissionPolicy, PermissionRequest,
-};
-use copilot_pool::turn::user_input::AnswerFuture;
-use copilot_pool::turn::{Answer, GatewayTool, Question, ToolCall, UserInputHandler};
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use dashmap::DashMap;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 
+use super::AppState;
+use super::body::{parse, read_body};
+use super::error::error;
+use super::turns::SEND_TIMEOUT;
+use crate::permission::{DecisionFuture, PermissionDecision, PermissionPolicy, PermissionRequest};
+use crate::turn::user_input::AnswerFuture;
+use crate::turn::{Answer, GatewayTool, Question, ToolCall, UserInputHandler};
+
+/// `POST /v1/requests/{request_id}`: the gateway's answer to a request of a running turn.
+pub(super) async fn post_answer(
+    State(state): State<Arc<AppState>>,
+    Path(request_id): Path<String>,
+    body: Body,
+) -> Response {
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let body: Value = match parse(&body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    match state.registry.answer(&request_id, &body) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(AnswerError::Unknown) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no pending request with this id (answered already, or its turn ended)",
+        ),
+        Err(AnswerError::Shape(message)) => error(StatusCode::BAD_REQUEST, "bad_request", message),
+    }
+}
+
 /// One SSE event for the gateway.
 #[derive(Debug, Clone)]
-pub struct SseEvent {
-    pub event: String,
-    pub data: Value,
+pub(super) struct SseEvent {
+    pub(super) event: String,
+    pub(super) data: Value,
 }
 
 /// What kind of answer a pending request needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+enum Kind {
     ToolCall,
     Permission,
     UserInput,
@@ -31,7 +63,7 @@ pub enum Kind {
 
 /// A validated answer.
 #[derive(Debug)]
-pub enum GatewayAnswer {
+enum GatewayAnswer {
     Tool(Result<String, String>),
     Permission(PermissionDecision),
     UserInput(Answer),
@@ -44,12 +76,12 @@ struct Pending {
 
 /// Every request waiting for the gateway, by request id.
 #[derive(Default)]
-pub struct Registry {
+pub(super) struct Registry {
     pending: DashMap<String, Pending>,
 }
 
 /// Why an answer was refused.
-pub enum AnswerError {
+pub(super) enum AnswerError {
     /// No such request, or it was answered already.
     Unknown,
     /// The body does not fit the request's kind; the message says what was expected.
@@ -70,7 +102,7 @@ impl Registry {
     }
 
     /// Answers request `id` with `body` (validated for its kind).
-    pub fn answer(&self, id: &str, body: &Value) -> Result<(), AnswerError> {
+    pub(super) fn answer(&self, id: &str, body: &Value) -> Result<(), AnswerError> {
         let kind = self
             .pending
             .get(id)
@@ -125,9 +157,9 @@ fn parse_answer(kind: Kind, body: &Value) -> Result<GatewayAnswer, String> {
 
 /// The per-turn link to the gateway: where to send request events, and the registry.
 #[derive(Clone)]
-pub struct Link {
-    pub events: mpsc::Sender<SseEvent>,
-    pub registry: Arc<Registry>,
+pub(super) struct Link {
+    pub(super) events: mpsc::Sender<SseEvent>,
+    pub(super) registry: Arc<Registry>,
 }
 
 impl Link {
@@ -150,19 +182,14 @@ impl Link {
             event: event.to_owned(),
             data,
         };
-        if self
-            .events
-            .send_timeout(sse, super::api::SEND_TIMEOUT)
-            .await
-            .is_err()
-        {
+        if self.events.send_timeout(sse, SEND_TIMEOUT).await.is_err() {
             return None;
         }
         rx.await.ok()
     }
 
     /// A gateway tool whose calls are answered over HTTP.
-    pub fn tool(&self, name: String, description: String, parameters: Value) -> GatewayTool {
+    pub(super) fn tool(&self, name: String, description: String, parameters: Value) -> GatewayTool {
         let link = self.clone();
         GatewayTool::new(name, description, parameters, move |call: ToolCall| {
             let link = link.clone();
@@ -215,5 +242,73 @@ impl UserInputHandler for Link {
                 _ => None,
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_must_fit_its_requests_kind_and_is_taken_once() {
+        let registry = Registry::default();
+        let (tool, mut tool_rx) = registry.register(Kind::ToolCall);
+        assert!(matches!(
+            registry.answer(&tool, &json!({"decision": "reject"})),
+            Err(AnswerError::Shape(m)) if m.contains("tool.call")
+        ));
+        // A refused shape leaves the request waiting.
+        assert!(tool_rx.try_recv().is_err());
+        assert!(registry.answer(&tool, &json!({"result": "42"})).is_ok());
+        assert!(matches!(
+            tool_rx.try_recv(),
+            Ok(GatewayAnswer::Tool(Ok(text))) if text == "42"
+        ));
+        assert!(matches!(
+            registry.answer(&tool, &json!({"result": "again"})),
+            Err(AnswerError::Unknown)
+        ));
+        assert!(matches!(
+            registry.answer("no-such-id", &json!({"result": "x"})),
+            Err(AnswerError::Unknown)
+        ));
+    }
+
+    #[test]
+    fn permission_and_user_input_answers_map_onto_the_librarys_types() {
+        let registry = Registry::default();
+        let (id, mut rx) = registry.register(Kind::Permission);
+        registry
+            .answer(&id, &json!({"decision": "reject", "feedback": "no"}))
+            .map_err(|_| "refused")
+            .unwrap();
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(GatewayAnswer::Permission(PermissionDecision::Reject { feedback })) if feedback == "no"
+        ));
+        let (id, mut rx) = registry.register(Kind::UserInput);
+        assert!(matches!(
+            registry.answer(&id, &json!({"choice": -1})),
+            Err(AnswerError::Shape(_))
+        ));
+        registry
+            .answer(&id, &json!({"answer": "blue", "was_freeform": false}))
+            .map_err(|_| "refused")
+            .unwrap();
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(GatewayAnswer::UserInput(Answer::Label(label))) if label == "blue"
+        ));
+    }
+
+    #[test]
+    fn a_request_whose_turn_ended_cannot_be_answered() {
+        let registry = Registry::default();
+        let (id, rx) = registry.register(Kind::ToolCall);
+        drop(rx);
+        assert!(matches!(
+            registry.answer(&id, &json!({"result": "late"})),
+            Err(AnswerError::Unknown)
+        ));
     }
 }

@@ -1,0 +1,233 @@
+//! Request bodies: read with a size and a time limit, parsed into the library's types, and
+//! the lease request of a conversation (validated here with the library's checks, so a Rust
+//! embedder and an HTTP caller get the same errors).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::StatusCode;
+use axum::response::Response;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::AppState;
+use super::error::{error, pool_error};
+use crate::auth::LeaseAuth;
+use crate::pool::LeaseRequest;
+use crate::rpc::messages::ProviderConfig;
+use crate::secret::Secret;
+
+/// A request body must arrive within this long; a client that announces more than it sends
+/// cannot hold a connection open.
+const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Reads a request body with the size limit and the time limit.
+pub(super) async fn read_body(state: &AppState, body: Body) -> Result<Bytes, Response> {
+    let limit = state.config.max_body_bytes;
+    match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => {
+            let too_large = std::error::Error::source(&e)
+                .is_some_and(|s| s.to_string().contains("length limit"))
+                || e.to_string().contains("length limit");
+            if too_large {
+                Err(error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "too_large",
+                    format!("the body exceeds max_body_bytes ({limit} bytes)"),
+                ))
+            } else {
+                Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body",
+                    format!("could not read the body: {e}"),
+                ))
+            }
+        }
+        Err(_) => Err(error(
+            StatusCode::REQUEST_TIMEOUT,
+            "body_timeout",
+            "the body did not arrive in time",
+        )),
+    }
+}
+
+/// Parses a JSON body; the error names the field serde complained about.
+pub(super) fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Response> {
+    serde_json::from_slice(body).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("invalid JSON body: {e}"),
+        )
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProviderBody {
+    #[serde(rename = "type", default)]
+    kind: Option<crate::kinds::ProviderType>,
+    base_url: String,
+    #[serde(default)]
+    api_key: Option<Secret>,
+    #[serde(default)]
+    bearer_token: Option<Secret>,
+    #[serde(default)]
+    wire_api: Option<crate::kinds::WireApi>,
+    #[serde(default)]
+    headers: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct AuthBody {
+    #[serde(default)]
+    use_logged_in_user: bool,
+    #[serde(default)]
+    github_token: Option<Secret>,
+    #[serde(default)]
+    profile_id: Option<String>,
+    #[serde(default)]
+    profile_version: Option<String>,
+}
+
+/// A gateway tool of a turn.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ToolBody {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default = "empty_schema")]
+    pub parameters: Value,
+}
+
+fn empty_schema() -> Value {
+    json!({"type": "object", "properties": {}})
+}
+
+/// What identifies and configures a conversation (shared by turns, compact and reset).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ConversationBody {
+    #[serde(default)]
+    auth: Option<AuthBody>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    provider: Option<ProviderBody>,
+    #[serde(default)]
+    reasoning_effort: Option<crate::kinds::ReasoningEffort>,
+}
+
+/// `POST /v1/turns`: the conversation's settings, flattened beside the turn's own fields.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct TurnBody {
+    pub agent_id: String,
+    pub session_key: String,
+    pub prompt: String,
+    #[serde(default)]
+    auth: Option<AuthBody>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    provider: Option<ProviderBody>,
+    #[serde(default)]
+    reasoning_effort: Option<crate::kinds::ReasoningEffort>,
+    #[serde(default)]
+    pub tools: Vec<ToolBody>,
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+}
+
+impl TurnBody {
+    /// The conversation's settings, leaving the turn's own fields.
+    pub(super) fn take_conversation(&mut self) -> ConversationBody {
+        ConversationBody {
+            auth: self.auth.take(),
+            model: self.model.take(),
+            provider: self.provider.take(),
+            reasoning_effort: self.reasoning_effort.take(),
+        }
+    }
+}
+
+/// The body of compact/reset: the conversation's settings (they must match its turns, or a
+/// new session would be opened), optional.
+pub(super) fn conversation_body(body: &Bytes) -> Result<ConversationBody, Response> {
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        return Ok(ConversationBody::default());
+    }
+    parse(body)
+}
+
+fn provider_config(p: ProviderBody) -> Result<ProviderConfig, Response> {
+    let provider = ProviderConfig {
+        kind: p.kind,
+        wire_api: p.wire_api,
+        base_url: p.base_url,
+        api_key: p.api_key,
+        bearer_token: p.bearer_token,
+        headers: p.headers,
+    };
+    // The library's checks: a Rust embedder gets the same errors.
+    crate::pool::validate_provider(&provider).map_err(|e| pool_error(&e))?;
+    Ok(provider)
+}
+
+/// The agent's working directory (the library's layout, beside its home).
+fn work_dir(state: &AppState, agent_id: &str) -> Result<PathBuf, Response> {
+    crate::home::work_dir(&state.pool.config().agents_base_dir, agent_id)
+        .map_err(|e| error(StatusCode::BAD_REQUEST, "bad_request", e.to_string()))
+}
+
+/// Creates the agent's working directory, mode 0700. Called only for a request that passed
+/// authentication and validation and is about to run a turn.
+pub(super) fn create_work_dir(work: &Path) -> Result<(), Response> {
+    crate::home::create_work_dir(work)
+        .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, "io", e.to_string()))
+}
+
+/// The lease request for a conversation; the working directory is the agent's own (not
+/// created here: compact and reset must not create it).
+pub(super) fn lease_request(
+    state: &AppState,
+    agent_id: &str,
+    session_key: &str,
+    conv: ConversationBody,
+) -> Result<LeaseRequest, Response> {
+    if session_key.is_empty() || session_key.len() > 512 {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "session_key must be 1 to 512 characters",
+        ));
+    }
+    crate::home::validate_agent_id(agent_id).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("agent_id: {e}"),
+        )
+    })?;
+    let mut req = LeaseRequest::new(agent_id, session_key, work_dir(state, agent_id)?);
+    if let Some(auth) = conv.auth {
+        req.auth = LeaseAuth {
+            use_logged_in_user: auth.use_logged_in_user,
+            github_token: auth.github_token,
+            profile_id: auth.profile_id,
+            profile_version: auth.profile_version,
+            ..Default::default()
+        };
+    }
+    req.model = conv.model;
+    req.provider = conv.provider.map(provider_config).transpose()?;
+    req.reasoning_effort = conv.reasoning_effort;
+    req.handlers.timeouts = state.config.timeouts;
+    req.handlers.transcript = state.config.transcript.clone();
+    Ok(req)
+}

@@ -1,0 +1,205 @@
+//! The pool's HTTP API as a library module (feature `http`): the routes a gateway in any
+//! language calls (`/v1/turns` with its event stream, answers to the requests a turn asks
+//! the gateway, abort, compact, reset, `/v1/pool`, health and metrics), and a listener that
+//! serves them with connection limits. `copilot-pool serve` is this module plus a config
+//! file, a Prometheus recorder, signals and logging; a Rust gateway mounts the same router
+//! in its own axum app:
+//!
+//! ```no_run
+//! # async fn mount(pool: copilot_pool::Pool) {
+//! use copilot_pool::http::{self, ApiConfig};
+//!
+//! let app = axum::Router::new()
+//!     .route("/", axum::routing::get(|| async { "the gateway" }))
+//!     .nest("/pool", http::router(pool, ApiConfig::default()));
+//! # let _ = app;
+//! # }
+//! ```
+//!
+//! Like the rest of the crate it installs nothing global: `/metrics` renders whatever
+//! [`ApiConfig::metrics`] gives it, and the caller decides when to drain
+//! ([`ApiHandle::set_draining`]) and when to stop serving ([`serve`]'s `shutdown`).
+//!
+//! - `auth` — the bearer token on `/v1`.
+//! - `body` — reading and parsing request bodies into lease requests.
+//! - `error` — `{code, message}` answers and the status of each pool error kind.
+//! - `gateway` — requests the gateway answers over HTTP (tool calls, permissions, ask_user).
+//! - `health` — `/healthz`, `/readyz`, `/metrics`, `/v1/pool`.
+//! - `sessions` — abort, compact and reset of a conversation.
+//! - `turns` — `POST /v1/turns` and its event stream.
+//! - `listener` — accepting connections with a cap, timeouts and a graceful stop.
+
+// Early returns carry the HTTP response itself; boxing every one would only add noise.
+#![allow(clippy::result_large_err)]
+
+mod auth;
+mod body;
+mod error;
+mod gateway;
+mod health;
+mod listener;
+mod sessions;
+mod turns;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::http::StatusCode;
+use axum::middleware;
+use axum::routing::{delete, get, post};
+use tokio::sync::watch;
+
+use crate::pool::Pool;
+use crate::secret::Secret;
+use crate::turn::{TranscriptSettings, TurnTimeouts};
+
+pub use listener::{ConnectionLimits, serve};
+
+/// Renders the metrics text `/metrics` answers with (for example a Prometheus recorder's
+/// `render`); the caller owns the recorder.
+#[derive(Clone)]
+pub struct MetricsRender(Arc<dyn Fn() -> String + Send + Sync>);
+
+impl MetricsRender {
+    /// `/metrics` answers with what `render` returns, called on every scrape.
+    pub fn new(render: impl Fn() -> String + Send + Sync + 'static) -> Self {
+        Self(Arc::new(render))
+    }
+
+    fn render(&self) -> String {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for MetricsRender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MetricsRender(..)")
+    }
+}
+
+/// What the API needs besides the pool.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ApiConfig {
+    /// Bearer token every `/v1` call must carry; `None` leaves `/v1` open (listen on
+    /// loopback only then).
+    pub api_token: Option<Secret>,
+    /// The timeouts of every turn (a request's `timeout_ms` overrides the absolute one).
+    pub timeouts: TurnTimeouts,
+    /// Mirror every conversation's transcript, if set.
+    pub transcript: Option<TranscriptSettings>,
+    /// Largest accepted request body, in bytes (larger ones are answered 413).
+    pub max_body_bytes: usize,
+    /// `/metrics` answers with this; `None` answers 404 (metrics served elsewhere, or not
+    /// at all).
+    pub metrics: Option<MetricsRender>,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self {
+            api_token: None,
+            timeouts: TurnTimeouts::default(),
+            transcript: None,
+            max_body_bytes: 1 << 20,
+            metrics: None,
+        }
+    }
+}
+
+/// Everything the handlers share.
+struct AppState {
+    pool: Pool,
+    config: ApiConfig,
+    registry: Arc<gateway::Registry>,
+    draining: AtomicBool,
+    /// Turns running now (for the drain), published on every change.
+    running: watch::Sender<usize>,
+}
+
+impl AppState {
+    fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+}
+
+/// The caller's hold on a router's state: drain it, and see its turns finish.
+#[derive(Clone)]
+pub struct ApiHandle {
+    state: Arc<AppState>,
+}
+
+impl ApiHandle {
+    /// From now on `/readyz` is 503 and new turns are refused with 503 `draining`; running
+    /// turns go on, and their requests are still answered. Does not close the pool (call
+    /// [`Pool::shutdown`] for that).
+    pub fn set_draining(&self) {
+        self.state.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`set_draining`](Self::set_draining) was called.
+    pub fn is_draining(&self) -> bool {
+        self.state.draining()
+    }
+
+    /// Turns running through this router now (their summary not yet sent).
+    pub fn running_turns(&self) -> usize {
+        *self.state.running.borrow()
+    }
+
+    /// Resolves once no turn is running through this router.
+    pub async fn turns_finished(&self) {
+        let mut running = self.state.running.subscribe();
+        // The sender lives in the state this handle holds, so the wait cannot fail.
+        let _ = running.wait_for(|n| *n == 0).await;
+    }
+}
+
+/// The API's router over `pool`: `/v1` behind the token, `/healthz`, `/readyz` and
+/// `/metrics` outside it. Mount it anywhere (`nest`, `merge`) or serve it with [`serve`].
+pub fn router(pool: Pool, config: ApiConfig) -> Router {
+    router_with_handle(pool, config).0
+}
+
+/// Like [`router`], with the handle that drains it and observes its turns.
+pub fn router_with_handle(pool: Pool, config: ApiConfig) -> (Router, ApiHandle) {
+    let max_body_bytes = config.max_body_bytes;
+    let state = Arc::new(AppState {
+        pool,
+        config,
+        registry: Arc::default(),
+        draining: AtomicBool::new(false),
+        running: watch::Sender::new(0),
+    });
+    let v1 = Router::new()
+        .route("/v1/turns", post(turns::post_turn))
+        .route("/v1/requests/{request_id}", post(gateway::post_answer))
+        .route(
+            "/v1/sessions/{agent_id}/{session_key}/abort",
+            post(sessions::post_abort),
+        )
+        .route(
+            "/v1/sessions/{agent_id}/{session_key}/compact",
+            post(sessions::post_compact),
+        )
+        .route(
+            "/v1/sessions/{agent_id}/{session_key}",
+            delete(sessions::delete_session),
+        )
+        .route("/v1/pool", get(health::get_pool))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ));
+    let router = Router::new()
+        .merge(v1)
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .route("/metrics", get(health::get_metrics))
+        .fallback(|| async { error::error(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state.clone());
+    (router, ApiHandle { state })
+}

@@ -1,0 +1,508 @@
+//! The library's HTTP API (`copilot_pool::http`) driven in-process: its router over a real
+//! pool of runtime processes on the scripted model, served on loopback by `http::serve`,
+//! called with a gateway's HTTP client. What only the binary does (signals and the drain,
+//! the token from a file or the environment, the Prometheus text, connection floods) is in
+//! `daemon.rs`.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use copilot_pool::http::{self, ApiConfig};
+use copilot_pool::scripted_model::ScriptedModel;
+use copilot_pool::secret::Secret;
+use serde_json::json;
+use support::api::{InProcess, answer, lookup_turn, request_id, summary, turn};
+use support::http::{SseStream, call, request, send};
+use support::pool_fixture::Fixture;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_mounted_in_a_foreign_axum_app_runs_a_turn_beside_the_apps_own_routes() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let pool = copilot_pool::Pool::start(fx.config().await)
+        .await
+        .expect("pool");
+    let (api, handle) = http::router_with_handle(pool.clone(), ApiConfig::default());
+    // The gateway's own app: its route, and the pool's API under a prefix.
+    let app = axum::Router::new()
+        .route("/gateway/hello", axum::routing::get(|| async { "gateway" }))
+        .nest("/pool", api);
+    let (addr, stop, server) = support::api::serve(app).await;
+
+    let own = call(addr, "GET", "/gateway/hello", None, None).await;
+    assert_eq!((own.status, own.body.as_str()), (200, "gateway"));
+    assert_eq!(
+        call(addr, "GET", "/pool/healthz", None, None).await.status,
+        200
+    );
+    // A streamed turn with a gateway tool, answered under the prefix too.
+    let body = lookup_turn(&url, "agent-m", "conv", "alpha");
+    let mut stream = SseStream::open(addr, "/pool/v1/turns", None, &body).await;
+    assert_eq!(stream.status, 200);
+    let id = request_id(&stream.until_event("tool.call").await);
+    let answered = call(
+        addr,
+        "POST",
+        &format!("/pool/v1/requests/{id}"),
+        None,
+        Some(&json!({"result": "forty-two"})),
+    )
+    .await;
+    assert_eq!(answered.status, 204, "{}", answered.body);
+    let (_, end) = stream.until_end().await;
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["final_text"], "tool said: forty-two", "{end}");
+    // The turn is counted until its summary is sent.
+    tokio::time::timeout(Duration::from_secs(10), handle.turns_finished())
+        .await
+        .expect("the finished turn is no longer counted");
+    assert_eq!(handle.running_turns(), 0);
+    let status = call(addr, "GET", "/pool/v1/pool", None, None).await.json();
+    assert_eq!(
+        status["processes"].as_array().map(Vec::len),
+        Some(1),
+        "{status}"
+    );
+    // The embedder drains the API; its own routes are untouched.
+    handle.set_draining();
+    let refused = call(
+        addr,
+        "POST",
+        "/pool/v1/turns?stream=false",
+        None,
+        Some(&turn(&url, "agent-m", "conv", "REPLY=late")),
+    )
+    .await;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.json()["code"], "draining");
+    assert_eq!(
+        call(addr, "GET", "/pool/readyz", None, None).await.status,
+        503
+    );
+    assert_eq!(
+        call(addr, "GET", "/gateway/hello", None, None).await.status,
+        200
+    );
+
+    let _ = stop.send(());
+    support::pool_fixture::shutdown_leaves_nothing(&pool).await;
+    tokio::time::timeout(Duration::from_secs(10), server)
+        .await
+        .expect("the listener stopped")
+        .expect("the listener task");
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_agents_stream_turns_at_once_and_a_tool_call_is_answered_over_http() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+
+    let runs = (0..10).map(|i| {
+        let body = turn(
+            &url,
+            &format!("agent-{i}"),
+            "conv",
+            &format!("REPLY=hello agent {i}"),
+        );
+        async move {
+            let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+            assert_eq!(stream.status, 200);
+            let (events, end) = stream.until_end().await;
+            (i, events, end)
+        }
+    });
+    for (i, events, end) in futures_util::future::join_all(runs).await {
+        assert_eq!(end["status"], "idle", "{end}");
+        assert_eq!(end["final_text"], format!("hello agent {i}"));
+        assert_eq!(end["llm_calls"], 1);
+        assert!(events.iter().any(|e| e.event == "assistant.message"));
+        assert!(events.iter().any(|e| e.event == "session.idle"));
+    }
+
+    // A gateway tool: the call arrives as an event and is answered with POST /v1/requests.
+    let body = lookup_turn(&url, "agent-0", "tools", "alpha");
+    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+    let call_event = stream.until_event("tool.call").await;
+    assert_eq!(call_event.data["tool_name"], "lookup");
+    assert_eq!(call_event.data["arguments"]["key"], "alpha");
+    let id = request_id(&call_event);
+    let wrong = answer(addr, &id, &json!({"decision": "reject"})).await;
+    assert_eq!(wrong.status, 400, "{}", wrong.body);
+    let ok = answer(addr, &id, &json!({"result": "forty-two"})).await;
+    assert_eq!(ok.status, 204, "{}", ok.body);
+    let again = answer(addr, &id, &json!({"result": "x"})).await;
+    assert_eq!(again.status, 404);
+    let (_, end) = stream.until_end().await;
+    assert_eq!(end["final_text"], "tool said: forty-two", "{end}");
+
+    // Non-streaming: the summary alone.
+    let summary = summary(addr, None, &turn(&url, "agent-1", "conv", "REPLY=again")).await;
+    assert_eq!(summary.status, 200);
+    assert_eq!(summary.json()["final_text"], "again");
+    assert_eq!(summary.json()["resumed"], true, "{}", summary.body);
+
+    let pool = call(addr, "GET", "/v1/pool", None, None).await.json();
+    assert!(
+        pool["processes"].as_array().is_some_and(|p| p.len() >= 10),
+        "{pool}"
+    );
+    // Every runtime process is stopped with the pool.
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let mut config = ApiConfig::default();
+    config.api_token = Some(Secret::new("s3cret-token"));
+    config.max_body_bytes = 4096;
+    let server = InProcess::start(fx.config().await, config).await;
+    let addr = server.addr;
+    assert_eq!(call(addr, "GET", "/v1/pool", None, None).await.status, 401);
+    assert_eq!(
+        call(addr, "GET", "/v1/pool", Some("wrong"), None)
+            .await
+            .status,
+        401
+    );
+    assert_eq!(
+        call(addr, "GET", "/v1/pool", Some("s3cret-token"), None)
+            .await
+            .status,
+        200
+    );
+    assert_eq!(call(addr, "GET", "/healthz", None, None).await.status, 200);
+    assert_eq!(call(addr, "GET", "/readyz", None, None).await.status, 200);
+    assert_eq!(call(addr, "GET", "/nope", None, None).await.status, 404);
+
+    let garbage = send(
+        request(addr, "POST", "/v1/turns")
+            .bearer_auth("s3cret-token")
+            .body("{garbage!"),
+    )
+    .await;
+    assert_eq!(garbage.status, 400, "{}", garbage.body);
+    assert!(garbage.json()["code"].is_string());
+    let missing = call(
+        addr,
+        "POST",
+        "/v1/turns",
+        Some("s3cret-token"),
+        Some(&json!({"agent_id": "a"})),
+    )
+    .await;
+    assert_eq!(missing.status, 400);
+    assert!(
+        missing.json()["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("session_key"),
+        "{}",
+        missing.body
+    );
+    let bad_agent = call(
+        addr,
+        "POST",
+        "/v1/turns",
+        Some("s3cret-token"),
+        Some(&turn(&url, "Bad Agent", "k", "hi")),
+    )
+    .await;
+    assert_eq!(bad_agent.status, 400);
+    let big = json!({"agent_id": "a", "session_key": "k", "prompt": "x".repeat(10_000)});
+    let oversized = call(addr, "POST", "/v1/turns", Some("s3cret-token"), Some(&big)).await;
+    assert_eq!(oversized.status, 413, "{}", oversized.body);
+    // A body shorter than announced: the connection closes, the server survives.
+    // The client half-closes after the short body.
+    let sent = Instant::now();
+    let truncated = support::http::raw_then_close(addr, b"POST /v1/turns HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer s3cret-token\r\nContent-Length: 500\r\n\r\n{\"agent_id\":").await;
+    assert!(
+        truncated.status == 400 || truncated.status == 0,
+        "{truncated:?}"
+    );
+    assert!(
+        sent.elapsed() < Duration::from_secs(10),
+        "a truncated body held the connection"
+    );
+    let answer = call(
+        addr,
+        "POST",
+        "/v1/requests/unknown-id",
+        Some("s3cret-token"),
+        Some(&json!({"result": "x"})),
+    )
+    .await;
+    assert_eq!(answer.status, 404);
+    // Still serving turns.
+    let ok = summary(
+        addr,
+        Some("s3cret-token"),
+        &turn(&url, "agent-a", "k", "REPLY=alive"),
+    )
+    .await;
+    assert_eq!(ok.json()["final_text"], "alive", "{}", ok.body);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_that_disconnects_aborts_its_turn_and_the_conversation_continues() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let mut pool_config = fx.config().await;
+    pool_config.wait_timeout = Duration::from_secs(2);
+    let server = InProcess::start(pool_config, ApiConfig::default()).await;
+    let addr = server.addr;
+    let mut body = turn(&url, "agent-d", "conv", "SCENARIO:slow SLOW=100x100");
+    body["provider"]["api_key"] = json!("scripted-key");
+    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+    while let Some(e) = stream.next().await {
+        if e.event == "assistant.turn_start" {
+            break;
+        }
+    }
+    drop(stream);
+    // The next turn on the conversation runs (the aborted one released it).
+    let next = summary(addr, None, &turn(&url, "agent-d", "conv", "REPLY=back")).await;
+    assert_eq!(next.json()["status"], "idle", "{}", next.body);
+    assert_eq!(next.json()["final_text"], "back");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resumes() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+    let first = summary(
+        addr,
+        None,
+        &turn(&url, "agent-k", "conv", "REPLY=ok MARKER-daemon-6"),
+    )
+    .await;
+    assert_eq!(first.json()["status"], "idle");
+    // The summary says how the conversation was opened, and what the turn cost.
+    assert_eq!(first.json()["open_reason"], "new", "{}", first.body);
+    assert!(
+        first.json()["usage"]["input_tokens"].as_u64() > Some(0),
+        "{}",
+        first.body
+    );
+    // The scripted model reports 40 cached prompt tokens per call.
+    let calls = first.json()["llm_calls"].as_u64().unwrap_or(0);
+    assert_eq!(
+        first.json()["usage"]["cache_read_tokens"],
+        40 * calls,
+        "{}",
+        first.body
+    );
+    let mut stream = SseStream::open(
+        addr,
+        "/v1/turns",
+        None,
+        &turn(&url, "agent-k", "conv", "SCENARIO:slow SLOW=100x100"),
+    )
+    .await;
+    while let Some(e) = stream.next().await {
+        if e.event == "assistant.message_delta" || e.event == "assistant.turn_start" {
+            break;
+        }
+    }
+    let pool = call(addr, "GET", "/v1/pool", None, None).await.json();
+    let pid = pool["processes"][0]["pid"].as_u64().expect("pid") as i32;
+    let killed = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill");
+    let (_, end) = stream.until_end().await;
+    assert!(
+        killed.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        killed.elapsed()
+    );
+    assert_eq!(end["status"], "crashed", "{end}");
+    let next = summary(addr, None, &turn(&url, "agent-k", "conv", "the marker?")).await;
+    assert_eq!(next.json()["status"], "idle", "{}", next.body);
+    assert_eq!(next.json()["resumed"], true);
+    assert_eq!(next.json()["open_reason"], "resumed", "{}", next.body);
+    let last = fx.model.requests().pop().expect("request");
+    assert!(
+        serde_json::to_string(last.messages())
+            .unwrap_or_default()
+            .contains("MARKER-daemon-6")
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_compact_and_reset_a_conversation_over_http() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+    let conv = |key: &str| json!({"model": ScriptedModel::MODEL_ID, "provider": {"type": "openai", "base_url": url, "api_key": key}});
+
+    // Abort a running turn.
+    let mut stream = SseStream::open(
+        addr,
+        "/v1/turns",
+        None,
+        &turn(&url, "agent-c", "conv", "SCENARIO:slow SLOW=200x100"),
+    )
+    .await;
+    while let Some(e) = stream.next().await {
+        if e.event == "assistant.message_delta" || e.event == "assistant.turn_start" {
+            break;
+        }
+    }
+    let aborted = call(addr, "POST", "/v1/sessions/agent-c/conv/abort", None, None).await;
+    assert_eq!(aborted.status, 204, "{}", aborted.body);
+    let (_, end) = stream.until_end().await;
+    assert_eq!(end["status"], "aborted", "{end}");
+    let session_id = end["session_id"].as_str().unwrap_or_default().to_owned();
+    let again = call(addr, "POST", "/v1/sessions/agent-c/conv/abort", None, None).await;
+    assert_eq!(again.status, 404);
+
+    // A few turns, then compaction with the conversation's settings.
+    for i in 0..3 {
+        let body = turn(&url, "agent-c", "conv", &format!("REPLY=turn {i}"));
+        let r = summary(addr, None, &body).await;
+        assert_eq!(r.json()["status"], "idle", "{}", r.body);
+    }
+    let compacted = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-c/conv/compact",
+        None,
+        Some(&conv("scripted-key")),
+    )
+    .await;
+    assert_eq!(compacted.status, 200, "{}", compacted.body);
+    assert_eq!(compacted.json()["success"], true);
+    // Other settings name no existing conversation: nothing is created or overwritten.
+    let other = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-c/conv/compact",
+        None,
+        Some(&conv("another-key")),
+    )
+    .await;
+    assert_eq!(other.status, 404, "{}", other.body);
+    let unknown = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-c/never/compact",
+        None,
+        Some(&conv("scripted-key")),
+    )
+    .await;
+    assert_eq!(unknown.status, 404, "{}", unknown.body);
+
+    // Reset: the next turn starts a new session.
+    let reset = call(
+        addr,
+        "DELETE",
+        "/v1/sessions/agent-c/conv",
+        None,
+        Some(&conv("scripted-key")),
+    )
+    .await;
+    assert_eq!(reset.status, 204, "{}", reset.body);
+    let fresh_body = turn(&url, "agent-c", "conv", "REPLY=fresh");
+    let fresh = summary(addr, None, &fresh_body).await;
+    assert_eq!(fresh.json()["resumed"], false, "{}", fresh.body);
+    assert_ne!(
+        fresh.json()["session_id"].as_str().unwrap_or_default(),
+        session_id
+    );
+    // Tools need the stream.
+    let mut with_tools = turn(&url, "agent-c", "conv", "hi");
+    with_tools["tools"] = json!([{"name": "t"}]);
+    let refused = summary(addr, None, &with_tools).await;
+    assert_eq!(refused.status, 400);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_work_directory_is_made_for_a_rejected_request_a_compact_or_a_reset() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let mut config = ApiConfig::default();
+    config.api_token = Some(Secret::new("tok"));
+    let server = InProcess::start(fx.config().await, config).await;
+    let addr = server.addr;
+    let agents = server.pool.config().agents_base_dir.clone();
+    let work = |agent: &str| copilot_pool::home::work_dir(&agents, agent).expect("agent id");
+    let unauthorized = summary(addr, None, &turn(&url, "agent-x", "c", "REPLY=no")).await;
+    assert_eq!(unauthorized.status, 401);
+    let mut zero = turn(&url, "agent-z", "c", "REPLY=no");
+    zero["timeout_ms"] = json!(0);
+    let bad = call(addr, "POST", "/v1/turns", Some("tok"), Some(&zero)).await;
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    let conv = json!({"model": ScriptedModel::MODEL_ID, "provider": {"type": "openai", "base_url": url, "api_key": "k"}});
+    let compact = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-y/c/compact",
+        Some("tok"),
+        Some(&conv),
+    )
+    .await;
+    assert_eq!(compact.status, 404, "{}", compact.body);
+    let reset = call(
+        addr,
+        "DELETE",
+        "/v1/sessions/agent-y/c",
+        Some("tok"),
+        Some(&conv),
+    )
+    .await;
+    assert_eq!(reset.status, 404, "{}", reset.body);
+    for agent in ["agent-x", "agent-y", "agent-z"] {
+        assert!(
+            !work(agent).exists(),
+            "{} was created",
+            work(agent).display()
+        );
+    }
+    // A turn that runs gets it, private.
+    let ran = summary(addr, Some("tok"), &turn(&url, "agent-w", "c", "REPLY=yes")).await;
+    assert_eq!(ran.json()["status"], "idle", "{}", ran.body);
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(work("agent-w"))
+        .expect("work dir")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_directory_that_cannot_record_the_conversation_is_a_503_naming_it() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+    let first = summary(addr, None, &turn(&url, "agent-s", "conv-1", "REPLY=ok")).await;
+    assert_eq!(first.json()["status"], "idle", "{}", first.body);
+    // The state directory is replaced by a file between two turns.
+    let state = server.pool.config().state_dir.clone();
+    std::fs::rename(&state, fx.scratch.path().join("state-aside")).expect("move");
+    std::fs::write(&state, b"not a directory").expect("file");
+    let second = summary(addr, None, &turn(&url, "agent-s", "conv-2", "REPLY=never")).await;
+    assert_eq!(second.status, 503, "{}", second.body);
+    assert_eq!(second.json()["code"], "state_unwritable", "{}", second.body);
+    let message = second.json()["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(message.contains(&state.display().to_string()), "{message}");
+    assert!(message.contains("Not a directory"), "{message}");
+    server.stop().await;
+}
