@@ -108,6 +108,55 @@ impl TurnEnd {
     }
 }
 
+/// Why the pool stopped a process on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Eviction {
+    /// Unused for the idle TTL.
+    Idle,
+    /// The pool was full: the least recently used idle process made room.
+    Full,
+    /// Draining (rotation, turn budget, memory) and done, or past its drain grace.
+    Drained,
+    /// Detaching a conversation from it failed: it may still hold the session.
+    DetachFailed,
+    /// A turn did not end after its abort, or a reset's delete failed: it may still run it.
+    Unsettled,
+}
+
+impl Eviction {
+    /// Every value, in a stable order.
+    pub const ALL: [Eviction; 5] = [
+        Eviction::Idle,
+        Eviction::Full,
+        Eviction::Drained,
+        Eviction::DetachFailed,
+        Eviction::Unsettled,
+    ];
+
+    /// The label (`copilot_pool_evictions_total{reason}`, as serialized).
+    pub fn label(self) -> &'static str {
+        match self {
+            Eviction::Idle => "idle",
+            Eviction::Full => "full",
+            Eviction::Drained => "drained",
+            Eviction::DetachFailed => "detach_failed",
+            Eviction::Unsettled => "unsettled",
+        }
+    }
+
+    /// What it means, for logs and the demo.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Eviction::Idle => "idle",
+            Eviction::Full => "pool full: least recently used idle worker",
+            Eviction::Drained => "drained",
+            Eviction::DetachFailed => "a detach failed",
+            Eviction::Unsettled => "a turn did not end after its abort",
+        }
+    }
+}
+
 /// What kind of failure a pool error is: what the caller can do about it. Metrics count
 /// rejected leases by [`ErrorKind::rejection_label`]; the HTTP layer maps it to a status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -42,7 +42,7 @@ use ::metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
 
-use crate::kinds::{ErrorKind, OpenReason, TurnEnd};
+use crate::kinds::{ErrorKind, Eviction, OpenReason, TurnEnd};
 
 /// CLI processes of the pool by `state` (`live`, `draining`).
 pub const PROCESSES: &str = "copilot_pool_processes";
@@ -338,45 +338,6 @@ pub(crate) fn process_exited(why: ProcessExit) {
         ProcessExit::Shutdown => "shutdown",
     };
     counter!(PROCESS_EXITS_TOTAL, "reason" => reason).increment(1);
-}
-
-/// Why the pool stopped a process on its own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Eviction {
-    /// Unused for the idle TTL.
-    Idle,
-    /// The pool was full: the least recently used idle process made room.
-    Full,
-    /// Draining (rotation, turn budget, memory) and done, or past its drain grace.
-    Drained,
-    /// Detaching a conversation from it failed: it may still hold the session.
-    DetachFailed,
-    /// A dropped lease's turn did not end after its abort: it may still run it.
-    Unsettled,
-}
-
-impl Eviction {
-    /// Every value, in a stable order.
-    pub(crate) const ALL: [Eviction; 5] = [
-        Eviction::Idle,
-        Eviction::Full,
-        Eviction::Drained,
-        Eviction::DetachFailed,
-        Eviction::Unsettled,
-    ];
-}
-
-impl Eviction {
-    /// The `reason` label.
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            Eviction::Idle => "idle",
-            Eviction::Full => "full",
-            Eviction::Drained => "drained",
-            Eviction::DetachFailed => "detach_failed",
-            Eviction::Unsettled => "unsettled",
-        }
-    }
 }
 
 pub(crate) fn evicted(why: Eviction) {

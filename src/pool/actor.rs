@@ -10,7 +10,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent
 use tokio::sync::{broadcast, watch};
 
 use crate::ids::CliSessionId;
-use crate::metrics::{self, Eviction, PoolGauges, ProcessExit};
+use crate::kinds::Eviction;
+use crate::metrics::{self, PoolGauges, ProcessExit};
 use crate::rpc::messages::{AbortParams, SessionAbort};
 use crate::worker::{Session, WorkerConfig, WorkerError, WorkerHandle};
 
@@ -36,7 +37,7 @@ pub(crate) struct AcquireRequest {
     pub(crate) key: PoolKey,
     /// How to spawn a worker for this key.
     pub(crate) spec: WorkerConfig,
-    pub(crate) session_key: String,
+    pub(crate) conversation: String,
     /// The conversation's compat key: a parked session with another one is not reused.
     pub(crate) compat: String,
     /// What the session is opened with (tools, handler flags): a parked session opened
@@ -51,7 +52,7 @@ pub(crate) struct AcquireRequest {
 
 /// The answer to an acquire: the worker to use and what was attached before.
 pub(crate) struct Grant {
-    pub(crate) session_key: String,
+    pub(crate) conversation: String,
     pub(crate) worker_id: WorkerId,
     pub(crate) worker: WorkerHandle,
     /// The conversation as it was attached before this lease, if it was.
@@ -86,7 +87,7 @@ impl Drop for Grant {
                 .take()
                 .and_then(|c| c.session.map(|s| (s, c.from)));
             let _ = self.pool.cast(PoolMsg::Abandoned {
-                session_key: std::mem::take(&mut self.session_key),
+                conversation: std::mem::take(&mut self.conversation),
                 worker_id: self.worker_id,
                 carried,
                 opened: self.opened.take(),
@@ -136,14 +137,14 @@ pub(crate) enum PoolMsg {
     },
     /// A lease opened (created or resumed) its CLI session.
     Opened {
-        session_key: String,
+        conversation: String,
         worker_id: WorkerId,
         cli_session_id: CliSessionId,
         reason: OpenReason,
     },
     /// A lease ended; `session` is `None` when it was lost or never opened.
     Return {
-        session_key: String,
+        conversation: String,
         worker_id: WorkerId,
         session: Option<Session>,
         settle: Settle,
@@ -156,7 +157,7 @@ pub(crate) enum PoolMsg {
     /// A grant that did not become a `Lease`: give the slot back and detach, with
     /// confirmation, whatever it may have left attached.
     Abandoned {
-        session_key: String,
+        conversation: String,
         worker_id: WorkerId,
         /// The session it carried from another worker, and that worker.
         carried: Option<(Session, WorkerId)>,
@@ -168,7 +169,7 @@ pub(crate) enum PoolMsg {
     },
     /// A background detach (or worker stop) finished for these conversations.
     Detached {
-        session_keys: Vec<String>,
+        conversations_detached: Vec<String>,
         worker_id: WorkerId,
         ok: bool,
     },
@@ -354,12 +355,12 @@ impl Actor for PoolActor {
         match msg {
             PoolMsg::Acquire { req, reply } => state.acquire(*req, reply, &myself),
             PoolMsg::Opened {
-                session_key,
+                conversation,
                 worker_id,
                 cli_session_id,
                 reason,
             } => {
-                if let Some(conv) = state.conversations.get_mut(&session_key)
+                if let Some(conv) = state.conversations.get_mut(&conversation)
                     && conv.worker == worker_id
                 {
                     conv.cli_session_id = Some(cli_session_id);
@@ -370,7 +371,7 @@ impl Actor for PoolActor {
                         reason,
                     });
                 }
-                state.resume_crashes.remove(&session_key);
+                state.resume_crashes.remove(&conversation);
                 match reason {
                     OpenReason::Attached => {}
                     OpenReason::Resumed => state.totals.resumed += 1,
@@ -378,13 +379,13 @@ impl Actor for PoolActor {
                 }
             }
             PoolMsg::Return {
-                session_key,
+                conversation,
                 worker_id,
                 session,
                 settle,
                 turns,
             } => {
-                state.on_return(session_key, worker_id, session, settle, turns);
+                state.on_return(conversation, worker_id, session, settle, turns);
                 state.serve_waiters(&myself);
             }
             PoolMsg::Spawned { key, result } => {
@@ -393,39 +394,42 @@ impl Actor for PoolActor {
                 state.try_finish_stop();
             }
             PoolMsg::Abandoned {
-                session_key,
+                conversation,
                 worker_id,
                 carried,
                 opened,
                 maybe_attached,
                 resume_crashed,
             } => {
-                state.on_return(session_key.clone(), worker_id, None, Settle::Detach, 0);
+                state.on_return(conversation.clone(), worker_id, None, Settle::Detach, 0);
                 if resume_crashed {
                     if state.resume_crashes.len() >= RESUME_CRASHES_REMEMBERED {
                         state.resume_crashes.clear();
                     }
-                    *state.resume_crashes.entry(session_key.clone()).or_default() += 1;
+                    *state
+                        .resume_crashes
+                        .entry(conversation.clone())
+                        .or_default() += 1;
                 }
                 // One owner per CLI session id: the conversation is granted again only once
                 // each of these is confirmed detached (or its worker stopped).
                 if let Some((session, from)) = carried {
-                    state.detach_in_background(session_key.clone(), session, from);
+                    state.detach_in_background(conversation.clone(), session, from);
                 }
                 if let Some(session) = opened {
-                    state.detach_in_background(session_key.clone(), session, worker_id);
+                    state.detach_in_background(conversation.clone(), session, worker_id);
                 }
                 if let Some(id) = maybe_attached {
-                    state.detach_id_in_background(session_key, id, worker_id);
+                    state.detach_id_in_background(conversation, id, worker_id);
                 }
                 state.serve_waiters(&myself);
             }
             PoolMsg::Detached {
-                session_keys,
+                conversations_detached,
                 worker_id,
                 ok,
             } => {
-                for key in &session_keys {
+                for key in &conversations_detached {
                     if let Some(n) = state.detaching.get_mut(key) {
                         *n -= 1;
                         if *n == 0 {
@@ -457,7 +461,7 @@ impl Actor for PoolActor {
                     // failed (its retry still pending), says why.
                     let busy = state
                         .conversations
-                        .get(&w.req.session_key)
+                        .get(&w.req.conversation)
                         .is_some_and(|c| c.leased);
                     let start_error = state
                         .keys
@@ -630,8 +634,18 @@ impl PoolState {
 
     /// Detaches `session` from `worker_id` in a task; the conversation is not granted
     /// until the detach is confirmed (or, if it fails, the old worker is evicted).
-    fn detach_in_background(&mut self, session_key: String, session: Session, worker_id: WorkerId) {
-        self.confirm_detach(session_key, worker_id, NotFound::Detached, session.detach());
+    fn detach_in_background(
+        &mut self,
+        conversation: String,
+        session: Session,
+        worker_id: WorkerId,
+    ) {
+        self.confirm_detach(
+            conversation,
+            worker_id,
+            NotFound::Detached,
+            session.detach(),
+        );
     }
 
     /// Detaches a session known only by id (an open that timed out may have attached it)
@@ -640,7 +654,7 @@ impl PoolState {
     /// detach keeps the worker.
     fn detach_id_in_background(
         &mut self,
-        session_key: String,
+        conversation: String,
         cli_session_id: CliSessionId,
         worker_id: WorkerId,
     ) {
@@ -648,7 +662,7 @@ impl PoolState {
             // The worker is gone, and with it whatever it held.
             return;
         };
-        self.confirm_detach(session_key, worker_id, NotFound::Unconfirmed, async move {
+        self.confirm_detach(conversation, worker_id, NotFound::Unconfirmed, async move {
             handle.detach_session(&cli_session_id).await
         });
     }
@@ -658,12 +672,12 @@ impl PoolState {
     /// gone holds nothing.
     fn confirm_detach(
         &mut self,
-        session_key: String,
+        conversation: String,
         worker_id: WorkerId,
         not_found: NotFound,
         detach: impl std::future::Future<Output = Result<(), WorkerError>> + Send + 'static,
     ) {
-        *self.detaching.entry(session_key.clone()).or_default() += 1;
+        *self.detaching.entry(conversation.clone()).or_default() += 1;
         let target = self.myself.clone();
         tokio::spawn(async move {
             let ok = match detach.await {
@@ -677,7 +691,7 @@ impl PoolState {
                 }
             };
             let _ = target.cast(PoolMsg::Detached {
-                session_keys: vec![session_key],
+                conversations_detached: vec![conversation],
                 worker_id,
                 ok,
             });
@@ -823,7 +837,7 @@ impl PoolState {
         // the FIFO until the return (or is refused at once with `fail_if_busy`).
         if self
             .conversations
-            .get(&req.session_key)
+            .get(&req.conversation)
             .is_some_and(|c| c.leased)
         {
             if req.fail_if_busy {
@@ -855,11 +869,11 @@ impl PoolState {
         self.drain_other_versions(&req.key);
 
         // Being detached from its previous worker: wait for the confirmation.
-        if self.detaching.contains_key(&req.session_key) {
+        if self.detaching.contains_key(&req.conversation) {
             return Ok(None);
         }
         // Still attached to a usable worker of this key with the same settings: reuse it.
-        if let Some(conv) = self.conversations.get(&req.session_key) {
+        if let Some(conv) = self.conversations.get(&req.conversation) {
             if conv.leased {
                 // Only a lease that was never returned could cause this; wait rather than share.
                 return Ok(None);
@@ -873,7 +887,7 @@ impl PoolState {
                     .is_some_and(|w| w.key == req.key);
             if same {
                 let id = conv.worker;
-                return Ok(self.grant_attached(&req.session_key, id, now));
+                return Ok(self.grant_attached(&req.conversation, id, now));
             }
         }
 
@@ -886,16 +900,16 @@ impl PoolState {
         let Some(target) = target else {
             return Ok(None);
         };
-        if !self.conversations.contains_key(&req.session_key)
+        if !self.conversations.contains_key(&req.conversation)
             && self.conversations.len() >= self.config.max_sessions
             && !self.detach_lru_parked()
         {
             return Ok(None);
         }
         // Move (or place) the conversation onto the target.
-        let carried = self.conversations.remove(&req.session_key).map(|conv| {
+        let carried = self.conversations.remove(&req.conversation).map(|conv| {
             if let Some(w) = self.workers.get_mut(&conv.worker) {
-                w.attached.remove(&req.session_key);
+                w.attached.remove(&req.conversation);
             }
             self.maybe_finish_drain(conv.worker);
             Carried {
@@ -907,12 +921,12 @@ impl PoolState {
         let Some(w) = self.workers.get_mut(&target) else {
             return Ok(None);
         };
-        w.attached.insert(req.session_key.clone());
+        w.attached.insert(req.conversation.clone());
         w.leased += 1;
         w.last_used = now;
         let handle = w.handle.clone();
         self.conversations.insert(
-            req.session_key.clone(),
+            req.conversation.clone(),
             Conversation {
                 worker: target,
                 cli_session_id: None,
@@ -924,13 +938,13 @@ impl PoolState {
             },
         );
         Ok(Some(Grant {
-            session_key: req.session_key.clone(),
+            conversation: req.conversation.clone(),
             worker_id: target,
             worker: handle,
             carried,
             resume_crashes: self
                 .resume_crashes
-                .get(&req.session_key)
+                .get(&req.conversation)
                 .copied()
                 .unwrap_or(0),
             armed: true,
@@ -941,15 +955,15 @@ impl PoolState {
         }))
     }
 
-    fn grant_attached(&mut self, session_key: &str, id: WorkerId, now: Instant) -> Option<Grant> {
+    fn grant_attached(&mut self, conversation: &str, id: WorkerId, now: Instant) -> Option<Grant> {
         let w = self.workers.get_mut(&id)?;
-        let conv = self.conversations.get_mut(session_key)?;
+        let conv = self.conversations.get_mut(conversation)?;
         w.leased += 1;
         w.last_used = now;
         conv.leased = true;
         conv.last_used = now;
         Some(Grant {
-            session_key: session_key.to_owned(),
+            conversation: conversation.to_owned(),
             worker_id: id,
             worker: w.handle.clone(),
             carried: Some(Carried {
@@ -957,7 +971,7 @@ impl PoolState {
                 same_worker: true,
                 from: id,
             }),
-            resume_crashes: self.resume_crashes.get(session_key).copied().unwrap_or(0),
+            resume_crashes: self.resume_crashes.get(conversation).copied().unwrap_or(0),
             armed: true,
             opened: None,
             maybe_attached: None,
@@ -1017,14 +1031,14 @@ impl PoolState {
                 .get(&c.worker)
                 .is_some_and(|w| w.key == *key && !w.draining)
         });
-        let session_key = lru_parked(of_key.map(|(k, c)| c.view(k)))?.to_owned();
-        let conv = self.conversations.remove(&session_key)?;
+        let conversation = lru_parked(of_key.map(|(k, c)| c.view(k)))?.to_owned();
+        let conv = self.conversations.remove(&conversation)?;
         if let Some(w) = self.workers.get_mut(&conv.worker) {
-            w.attached.remove(&session_key);
+            w.attached.remove(&conversation);
         }
         // Its binding stays for a resume, which waits for this detach.
         if let Some(session) = conv.parked {
-            self.detach_in_background(session_key, session, conv.worker);
+            self.detach_in_background(conversation, session, conv.worker);
         }
         Some(conv.worker)
     }
@@ -1032,15 +1046,15 @@ impl PoolState {
     /// Detaches the least recently used parked conversation to make room.
     fn detach_lru_parked(&mut self) -> bool {
         let victim = lru_parked(self.conversations.iter().map(|(k, c)| c.view(k)));
-        let Some(session_key) = victim.map(str::to_owned) else {
+        let Some(conversation) = victim.map(str::to_owned) else {
             return false;
         };
-        if let Some(conv) = self.conversations.remove(&session_key) {
+        if let Some(conv) = self.conversations.remove(&conversation) {
             if let Some(w) = self.workers.get_mut(&conv.worker) {
-                w.attached.remove(&session_key);
+                w.attached.remove(&conversation);
             }
             if let Some(session) = conv.parked {
-                self.detach_in_background(session_key, session, conv.worker);
+                self.detach_in_background(conversation, session, conv.worker);
             }
         }
         true
@@ -1077,7 +1091,7 @@ impl PoolState {
 
     fn on_return(
         &mut self,
-        session_key: String,
+        conversation: String,
         worker_id: WorkerId,
         session: Option<Session>,
         settle: Settle,
@@ -1115,7 +1129,7 @@ impl PoolState {
             // the process makes it safe to resume elsewhere. The eviction keeps every
             // conversation of the worker (this one included) from being granted until the
             // process is gone.
-            if let Some(conv) = self.conversations.get_mut(&session_key)
+            if let Some(conv) = self.conversations.get_mut(&conversation)
                 && conv.worker == worker_id
             {
                 conv.leased = false;
@@ -1129,25 +1143,25 @@ impl PoolState {
             self.publish_leased();
             return;
         }
-        match self.conversations.get_mut(&session_key) {
+        match self.conversations.get_mut(&conversation) {
             Some(conv) if conv.worker == worker_id && keep => {
                 conv.leased = false;
                 conv.parked = session;
                 conv.last_used = now;
             }
             Some(conv) if conv.worker == worker_id => {
-                self.conversations.remove(&session_key);
+                self.conversations.remove(&conversation);
                 if let Some(w) = self.workers.get_mut(&worker_id) {
-                    w.attached.remove(&session_key);
+                    w.attached.remove(&conversation);
                 }
                 // Its binding stays for a resume, which waits for this detach.
                 if let Some(session) = session.filter(|s| s.is_alive()) {
-                    self.detach_in_background(session_key, session, worker_id);
+                    self.detach_in_background(conversation, session, worker_id);
                 }
             }
             _ => {
                 if let Some(session) = session.filter(|s| s.is_alive()) {
-                    self.detach_in_background(session_key, session, worker_id);
+                    self.detach_in_background(conversation, session, worker_id);
                 }
             }
         }
@@ -1319,13 +1333,13 @@ impl PoolState {
         if let Some(ks) = self.keys.get_mut(&w.key) {
             ks.workers.retain(|x| *x != id);
         }
-        for session_key in &w.attached {
+        for conversation in &w.attached {
             if self
                 .conversations
-                .get(session_key)
+                .get(conversation)
                 .is_some_and(|c| c.worker == id && !c.leased)
             {
-                self.conversations.remove(session_key);
+                self.conversations.remove(conversation);
             }
         }
         self.publish_leased();
@@ -1338,13 +1352,7 @@ impl PoolState {
     }
 
     fn evict(&mut self, id: WorkerId, reason: Eviction) {
-        let why = match reason {
-            Eviction::Idle => "idle",
-            Eviction::Full => "pool full: least recently used idle worker",
-            Eviction::Drained => "drained",
-            Eviction::DetachFailed => "a detach failed",
-            Eviction::Unsettled => "a dropped lease's turn did not end after its abort",
-        };
+        let why = reason.describe();
         let key_hash = self.workers.get(&id).map(|w| w.key.short_hash());
         // Its conversations resume elsewhere only once the worker (which detaches them on
         // its way out) has stopped.
@@ -1360,6 +1368,7 @@ impl PoolState {
             self.emit(PoolEvent::WorkerEvicted {
                 key_hash: key_hash.unwrap_or_default(),
                 pid: handle.pid(),
+                reason,
                 why,
             });
             tracing::info!(pid = handle.pid(), why, "Evicting a pool worker.");
@@ -1370,7 +1379,7 @@ impl PoolState {
             self.stopping.push(tokio::spawn(async move {
                 handle.shutdown().await;
                 let _ = target.cast(PoolMsg::Detached {
-                    session_keys: attached,
+                    conversations_detached: attached,
                     worker_id: id,
                     ok: true,
                 });

@@ -279,7 +279,7 @@ impl Drop for Lease {
         let session = self.session.take();
         let ret = ReturnTicket {
             pool: self.pool.clone(),
-            session_key: std::mem::take(&mut self.conversation),
+            conversation: std::mem::take(&mut self.conversation),
             worker_id: self.worker_id,
             turns: self.turns,
         };
@@ -321,7 +321,7 @@ impl Drop for Lease {
 /// Everything needed to give a conversation back to the pool.
 struct ReturnTicket {
     pool: ActorRef<PoolMsg>,
-    session_key: String,
+    conversation: String,
     worker_id: WorkerId,
     turns: u64,
 }
@@ -329,7 +329,7 @@ struct ReturnTicket {
 impl ReturnTicket {
     fn send(self, session: Option<Session>, settle: Settle) {
         let _ = self.pool.cast(PoolMsg::Return {
-            session_key: self.session_key,
+            conversation: self.conversation,
             worker_id: self.worker_id,
             session,
             settle,

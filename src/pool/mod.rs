@@ -198,7 +198,7 @@ impl Pool {
         let acquire = AcquireRequest {
             key: key.clone(),
             spec: spec.clone(),
-            session_key: conversation.clone(),
+            conversation: conversation.clone(),
             compat: compat.clone(),
             setup: setup_key(&session_config),
             gateway_key: req.session_key.clone(),
@@ -482,7 +482,7 @@ impl Opening {
         }
         crate::metrics::session_opened(reason);
         let _ = pool.cast(PoolMsg::Opened {
-            session_key: conversation.clone(),
+            conversation: conversation.clone(),
             worker_id,
             cli_session_id: cli_session_id.clone(),
             reason,

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::metrics::Eviction;
+use crate::kinds::Eviction;
 
 /// A worker's id inside the pool (never reused).
 pub(crate) type WorkerId = u64;

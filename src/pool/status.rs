@@ -155,6 +155,8 @@ pub enum PoolEvent {
         /// The child's pid.
         pid: u32,
         /// Why.
+        reason: crate::kinds::Eviction,
+        /// Why, in words.
         why: &'static str,
     },
     /// A key crashed too often and is in its cool-down.
