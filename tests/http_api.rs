@@ -212,6 +212,47 @@ async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
     )
     .await;
     assert_eq!(bad_agent.status, 400);
+    // Enum-like fields are parsed: a wrong value is a 400 that lists the allowed ones.
+    for (field, value, allowed) in [
+        (
+            "provider.type",
+            json!({"type": "gemini"}),
+            "openai, azure, anthropic",
+        ),
+        (
+            "provider.wire_api",
+            json!({"wire_api": "chat"}),
+            "completions, responses",
+        ),
+    ] {
+        let mut body = turn(&url, "agent-a", "k", "hi");
+        for (k, v) in value.as_object().into_iter().flatten() {
+            body["provider"][k] = v.clone();
+        }
+        let refused = call(addr, "POST", "/v1/turns", Some("s3cret-token"), Some(&body)).await;
+        assert_eq!(refused.status, 400, "{field}: {}", refused.body);
+        let message = refused.json()["message"].as_str().unwrap_or("").to_owned();
+        assert!(message.contains(allowed), "{field}: {message}");
+    }
+    let mut effort = turn(&url, "agent-a", "k", "hi");
+    effort["reasoning_effort"] = json!("extreme");
+    let refused = call(
+        addr,
+        "POST",
+        "/v1/turns",
+        Some("s3cret-token"),
+        Some(&effort),
+    )
+    .await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(
+        refused.json()["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("low, medium, high, xhigh"),
+        "{}",
+        refused.body
+    );
     let big = json!({"agent_id": "a", "session_key": "k", "prompt": "x".repeat(10_000)});
     let oversized = call(addr, "POST", "/v1/turns", Some("s3cret-token"), Some(&big)).await;
     assert_eq!(oversized.status, 413, "{}", oversized.body);
