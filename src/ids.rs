@@ -53,6 +53,12 @@ impl CliSessionId {
         Self(id.into())
     }
 
+    /// A fresh id for a session we create (ids are chosen by the client, so a route and a
+    /// detach can name a session before the runtime answers).
+    pub fn random() -> Self {
+        Self(uuid::Uuid::new_v4().to_string())
+    }
+
     /// The id as a string (for the wire and file names).
     pub fn as_str(&self) -> &str {
         &self.0

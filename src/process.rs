@@ -301,6 +301,8 @@ fn forget(id: &Mutex<Option<Pid>>) {
 pub struct GroupLeader {
     child: Child,
     group: ProcessGroup,
+    /// Resolves when the leader has exited, before it is reaped.
+    exited: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 /// A [`GroupLeader`] did not finish by its deadline; its group was killed.
@@ -313,8 +315,14 @@ impl GroupLeader {
     pub fn spawn(command: &mut Command) -> std::io::Result<Self> {
         let child = command.process_group(0).kill_on_drop(true).spawn()?;
         // `id` is `None` only once the child was reaped (then there is no group to signal).
-        let group = ProcessGroup::of_leader(child.id().unwrap_or(0));
-        Ok(GroupLeader { child, group })
+        let pid = child.id().unwrap_or(0);
+        let group = ProcessGroup::of_leader(pid);
+        let exited = exited_unreaped(pid);
+        Ok(GroupLeader {
+            child,
+            group,
+            exited,
+        })
     }
 
     /// The leader's pid (its group id), until it is reaped.
@@ -327,9 +335,16 @@ impl GroupLeader {
         &self.group
     }
 
-    /// Waits for the leader to exit and reaps it (cancel-safe). After this returns, the group
-    /// is never signalled.
+    /// Waits for the leader to exit, kills what is left of its group (a leftover would keep
+    /// the output pipes open and outlive the command), and reaps it (cancel-safe). After
+    /// this returns, the group is never signalled.
     pub async fn wait(&mut self) -> std::io::Result<ExitStatus> {
+        if let Some(exited) = self.exited.as_mut() {
+            let _ = exited.await;
+            self.exited = None;
+            // The leader is a zombie: its group id cannot have been reused yet.
+            self.group.kill();
+        }
         let status = self.child.wait().await;
         // On success the leader was reaped; on error it cannot be known not to have been, so
         // the id is given up either way.
@@ -363,6 +378,32 @@ impl GroupLeader {
                 let _ = tokio::time::timeout(reap, self.wait()).await;
                 Err(PastDeadline)
             }
+        }
+    }
+}
+
+/// Resolves once `pid` (our child) has exited, without reaping it (`waitid` with WNOWAIT on
+/// a small thread): the zombie keeps its process group id reserved, so the rest of the group
+/// can be killed before the leader is reaped. `None` if no thread could be started (then the
+/// group is swept only on terminate or drop).
+fn exited_unreaped(pid: u32) -> Option<tokio::sync::oneshot::Receiver<()>> {
+    let (exited_tx, exited_rx) = tokio::sync::oneshot::channel::<()>();
+    let watch_pid = Pid::from_raw(i32::try_from(pid).ok()?);
+    let watcher = std::thread::Builder::new()
+        .name("copilot-pool-exit-watch".to_owned())
+        .stack_size(64 * 1024)
+        .spawn(move || {
+            while let Err(nix::errno::Errno::EINTR) = waitid(
+                Id::Pid(watch_pid),
+                WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT,
+            ) {}
+            let _ = exited_tx.send(());
+        });
+    match watcher {
+        Ok(_) => Some(exited_rx),
+        Err(error) => {
+            tracing::warn!(pid, %error, "No exit-watch thread; the group is swept only on terminate or drop.");
+            None
         }
     }
 }
@@ -444,28 +485,12 @@ impl ChildGroup {
             tail.done.send_replace(true);
         });
 
-        // A thread notices the leader's exit without reaping it (WNOWAIT): the zombie keeps
-        // the group id reserved while the rest of the group is killed. Then the reaper task,
-        // which owns the `Child`, reaps it and publishes the status once.
-        let (exited_tx, exited_rx) = tokio::sync::oneshot::channel::<()>();
-        let watch_pid = Pid::from_raw(pid as i32);
-        let watcher = std::thread::Builder::new()
-            .name("copilot-pool-exit-watch".to_owned())
-            .stack_size(64 * 1024)
-            .spawn(move || {
-                while let Err(nix::errno::Errno::EINTR) = waitid(
-                    Id::Pid(watch_pid),
-                    WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT,
-                ) {}
-                let _ = exited_tx.send(());
-            });
-        if let Err(error) = &watcher {
-            tracing::warn!(pid, %error, "No exit-watch thread; the group is swept only on terminate or drop.");
-        }
-        let watching = watcher.is_ok();
+        // The reaper task, which owns the `Child`, sweeps the group once the leader has
+        // exited (still unreaped), then reaps it and publishes the status once.
+        let exited = exited_unreaped(pid);
         tokio::spawn(async move {
-            if watching {
-                let _ = exited_rx.await;
+            if let Some(exited) = exited {
+                let _ = exited.await;
                 // The leader is a zombie: the id cannot have been reused yet.
                 reaper.sweep_exited();
             }
@@ -719,6 +744,31 @@ mod tests {
         let ended = leader.output_until(deadline, Duration::from_secs(5)).await;
         assert_eq!(ended.err(), Some(PastDeadline));
         assert!(started.elapsed() < Duration::from_secs(5));
+        let left = group_left_after(pgid, Duration::from_secs(5)).await;
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
+
+    #[tokio::test]
+    async fn a_leader_that_exits_takes_the_rest_of_its_group_with_it() {
+        // The leader exits at once; a leftover keeps the output pipe open.
+        let mut command = sh_command("sleep 300 & echo started; exit 0");
+        command.stdout(Stdio::piped()).stderr(Stdio::piped());
+        let leader = GroupLeader::spawn(&mut command).unwrap();
+        let pgid = leader.pid().unwrap();
+        let started = std::time::Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let output = leader
+            .output_until(deadline, Duration::from_secs(5))
+            .await
+            .expect("finished before the deadline")
+            .expect("output");
+        assert!(output.status.success());
+        assert_eq!(output.stdout, b"started\n");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
         let left = group_left_after(pgid, Duration::from_secs(5)).await;
         assert!(left.is_empty(), "left behind: {left:?}");
     }

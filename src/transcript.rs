@@ -1263,6 +1263,29 @@ mod tests {
         ]
     }
 
+    /// Appends `POOL[i]`; it must be new exactly when `expected` does not hold its id yet.
+    fn append_pool_entry(
+        t: &mut Transcript,
+        i: usize,
+        expected: &mut Vec<String>,
+    ) -> Result<(), TestCaseError> {
+        let (event_id, role, content) = POOL[i];
+        let entry = Entry {
+            event_id,
+            role,
+            content,
+            tool_name: None,
+            tool_call_id: None,
+        };
+        let id = entry_id(&entry);
+        let is_new = !expected.contains(&id);
+        prop_assert_eq!(t.append(&entry).unwrap(), is_new);
+        if is_new {
+            expected.push(id);
+        }
+        Ok(())
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
         #[test]
@@ -1272,16 +1295,7 @@ mod tests {
             let mut expected: Vec<String> = Vec::new();
             for op in ops {
                 match op {
-                    Op::Append(i) => {
-                        let (event_id, role, content) = POOL[i];
-                        let entry = Entry { event_id, role, content, tool_name: None, tool_call_id: None };
-                        let id = entry_id(&entry);
-                        let is_new = !expected.contains(&id);
-                        prop_assert_eq!(t.append(&entry).unwrap(), is_new);
-                        if is_new {
-                            expected.push(id);
-                        }
-                    }
+                    Op::Append(i) => append_pool_entry(&mut t, i, &mut expected)?,
                     Op::Reopen => {
                         drop(t);
                         t = Transcript::open(dir.path(), "prop", TranscriptMode::Strict).unwrap();
@@ -1304,16 +1318,7 @@ mod tests {
             let mut expected: Vec<String> = Vec::new();
             for op in ops {
                 match op {
-                    CachedOp::Append(i) => {
-                        let (event_id, role, content) = POOL[i];
-                        let entry = Entry { event_id, role, content, tool_name: None, tool_call_id: None };
-                        let id = entry_id(&entry);
-                        let is_new = !expected.contains(&id);
-                        prop_assert_eq!(t.append(&entry).unwrap(), is_new);
-                        if is_new {
-                            expected.push(id);
-                        }
-                    }
+                    CachedOp::Append(i) => append_pool_entry(&mut t, i, &mut expected)?,
                     CachedOp::Reopen => {
                         drop(t);
                         t = open().unwrap();

@@ -18,6 +18,29 @@ fn children_under(dir: &std::path::Path) -> Vec<u32> {
     support::procs::with_env_prefix("COPILOT_HOME", &needle)
 }
 
+/// Starts `n` slow streamed turns (agents `<prefix>0..n`), each past its first model call.
+async fn slow_turns_started(
+    addr: std::net::SocketAddr,
+    url: &str,
+    prefix: &str,
+    n: usize,
+    slow: &str,
+) -> Vec<SseStream> {
+    let mut streams = Vec::new();
+    for i in 0..n {
+        let body = turn(
+            url,
+            &format!("{prefix}{i}"),
+            "c",
+            &format!("SCENARIO:slow SLOW={slow}"),
+        );
+        let mut s = SseStream::open(addr, "/v1/turns", None, &body).await;
+        s.until_event("assistant.turn_start").await;
+        streams.push(s);
+    }
+    streams
+}
+
 #[tokio::test]
 async fn sigterm_during_turns_drains_and_leaves_no_process() {
     let scratch = support::Scratch::new();
@@ -26,23 +49,7 @@ async fn sigterm_during_turns_drains_and_leaves_no_process() {
     let url = endpoint.base_url();
     let daemon = Daemon::start(scratch.path(), "drain_grace_secs = 1\n", &[]).await;
     let addr = daemon.addr;
-    let mut streams = Vec::new();
-    for i in 0..3 {
-        let mut s = SseStream::open(
-            addr,
-            "/v1/turns",
-            None,
-            &turn(
-                &url,
-                &format!("agent-s{i}"),
-                "c",
-                "SCENARIO:slow SLOW=200x100",
-            ),
-        )
-        .await;
-        s.until_event("assistant.turn_start").await;
-        streams.push(s);
-    }
+    let streams = slow_turns_started(addr, &url, "agent-s", 3, "200x100").await;
     assert!(!children_under(scratch.path()).is_empty());
     let pid = nix::unistd::Pid::from_raw(daemon.pid() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
@@ -239,23 +246,7 @@ async fn two_thousand_idle_connections_leave_health_turns_and_spawns_working() {
     )
     .await;
     let addr = daemon.addr;
-    let mut streams = Vec::new();
-    for i in 0..2 {
-        let mut s = SseStream::open(
-            addr,
-            "/v1/turns",
-            None,
-            &turn(
-                &url,
-                &format!("agent-f{i}"),
-                "c",
-                "SCENARIO:slow SLOW=60x100",
-            ),
-        )
-        .await;
-        s.until_event("assistant.turn_start").await;
-        streams.push(s);
-    }
+    let streams = slow_turns_started(addr, &url, "agent-f", 2, "60x100").await;
 
     let silent = open_silent(addr, count).await;
     let opened = silent.len();

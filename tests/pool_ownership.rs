@@ -26,8 +26,6 @@ enum CancelPoint {
     /// Once the proxy has passed the runtime's reply on (the pool is recording the
     /// conversation).
     Reply,
-    /// Once the pool reports the conversation opened and recorded.
-    Opened,
 }
 
 async fn cancel_point_reached(
@@ -53,12 +51,6 @@ async fn cancel_point_reached(
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         },
-        CancelPoint::Opened => {
-            wait_event(events, |e| {
-                matches!(e, PoolEvent::ConversationOpened { .. })
-            })
-            .await;
-        }
     }
 }
 
@@ -169,9 +161,31 @@ async fn a_lease_cancelled_after_the_runtimes_reply_leaves_the_session_with_one_
     cancel_while_opening_then_lease_on_the_other_process(CancelPoint::Reply).await;
 }
 
-#[tokio::test]
-async fn a_lease_cancelled_once_its_conversation_is_recorded_leaves_the_session_with_one_owner() {
-    cancel_while_opening_then_lease_on_the_other_process(CancelPoint::Opened).await;
+/// The process that may still run an unsettled turn is stopped with its group, and the
+/// conversation resumes on another one.
+async fn stopped_then_resumed_elsewhere(
+    pool: &Pool,
+    events: &mut tokio::sync::broadcast::Receiver<PoolEvent>,
+    req: LeaseRequest,
+    id: &copilot_pool::ids::CliSessionId,
+    stuck_pid: u32,
+) {
+    let evicted = wait_event(events, |e| matches!(e, PoolEvent::WorkerEvicted { .. })).await;
+    let PoolEvent::WorkerEvicted { pid, .. } = evicted else {
+        unreachable!()
+    };
+    assert_eq!(
+        pid, stuck_pid,
+        "the process that may still run the turn is stopped"
+    );
+    let left = wait_group_gone(stuck_pid, Duration::from_secs(10)).await;
+    assert!(left.is_empty(), "group {stuck_pid} left behind: {left:?}");
+    let lease = pool.lease(req).await.expect("lease after the stop");
+    assert_eq!(lease.cli_session_id(), id);
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    assert_ne!(lease.worker_pid(), stuck_pid);
+    drop(lease);
+    shutdown_leaves_nothing(pool).await;
 }
 
 #[tokio::test]
@@ -193,29 +207,14 @@ async fn a_dropped_lease_whose_turn_never_settles_stops_its_process_and_the_conv
     lease.send("this turn never ends").await.expect("send");
     // Dropped mid-turn: the abort is acknowledged, but no session.idle ever comes.
     drop(lease);
-    let evicted = wait_event(&mut events, |e| {
-        matches!(e, PoolEvent::WorkerEvicted { .. })
-    })
+    stopped_then_resumed_elsewhere(
+        &pool,
+        &mut events,
+        fx.request("agent-a", "conv"),
+        &id,
+        stuck_pid,
+    )
     .await;
-    let PoolEvent::WorkerEvicted { pid, .. } = evicted else {
-        unreachable!()
-    };
-    assert_eq!(
-        pid, stuck_pid,
-        "the process that may still run the turn is stopped"
-    );
-    let left = wait_group_gone(stuck_pid, Duration::from_secs(10)).await;
-    assert!(left.is_empty(), "group {stuck_pid} left behind: {left:?}");
-
-    let lease = pool
-        .lease(fx.request("agent-a", "conv"))
-        .await
-        .expect("lease after the stop");
-    assert_eq!(lease.cli_session_id(), &id);
-    assert_eq!(lease.reason(), OpenReason::Resumed);
-    assert_ne!(lease.worker_pid(), stuck_pid);
-    drop(lease);
-    shutdown_leaves_nothing(&pool).await;
 }
 
 #[tokio::test]
@@ -241,25 +240,7 @@ async fn a_turn_that_times_out_and_never_settles_stops_its_process_and_the_conve
     );
     assert_eq!(lease.outcome().end, Some(TurnEnd::Timeout));
     drop(lease);
-    let evicted = wait_event(&mut events, |e| {
-        matches!(e, PoolEvent::WorkerEvicted { .. })
-    })
-    .await;
-    let PoolEvent::WorkerEvicted { pid, .. } = evicted else {
-        unreachable!()
-    };
-    assert_eq!(
-        pid, stuck_pid,
-        "the process that may still run the turn is stopped"
-    );
-    let left = wait_group_gone(stuck_pid, Duration::from_secs(10)).await;
-    assert!(left.is_empty(), "group {stuck_pid} left behind: {left:?}");
-    let lease = pool.lease(req).await.expect("lease after the stop");
-    assert_eq!(lease.cli_session_id(), &id);
-    assert_eq!(lease.reason(), OpenReason::Resumed);
-    assert_ne!(lease.worker_pid(), stuck_pid);
-    drop(lease);
-    shutdown_leaves_nothing(&pool).await;
+    stopped_then_resumed_elsewhere(&pool, &mut events, req, &id, stuck_pid).await;
 }
 
 /// A pool of the fake runtime in `stray-after-abort` mode: after an abort it asks for a

@@ -459,10 +459,7 @@ impl Actor for PoolActor {
                 {
                     // A conversation still leased by another caller, or a key whose last start
                     // failed (its retry still pending), says why.
-                    let busy = state
-                        .conversations
-                        .get(&w.req.conversation)
-                        .is_some_and(|c| c.leased);
+                    let busy = state.is_leased(&w.req.conversation);
                     let start_error = state
                         .keys
                         .get(&w.req.key)
@@ -723,6 +720,13 @@ impl PoolState {
         true
     }
 
+    /// Whether another caller holds the conversation's lease.
+    fn is_leased(&self, conversation: &str) -> bool {
+        self.conversations
+            .get(conversation)
+            .is_some_and(|c| c.leased)
+    }
+
     fn upkeep_limits(&self) -> UpkeepLimits {
         UpkeepLimits {
             idle_ttl: self.config.idle_ttl,
@@ -835,11 +839,7 @@ impl PoolState {
         }
         // One turn at a time per conversation: a leased conversation's next lease waits in
         // the FIFO until the return (or is refused at once with `fail_if_busy`).
-        if self
-            .conversations
-            .get(&req.conversation)
-            .is_some_and(|c| c.leased)
-        {
+        if self.is_leased(&req.conversation) {
             if req.fail_if_busy {
                 return Err(PoolError::ConversationBusy {
                     session_key: req.gateway_key.clone(),
@@ -874,10 +874,6 @@ impl PoolState {
         }
         // Still attached to a usable worker of this key with the same settings: reuse it.
         if let Some(conv) = self.conversations.get(&req.conversation) {
-            if conv.leased {
-                // Only a lease that was never returned could cause this; wait rather than share.
-                return Ok(None);
-            }
             let same = conv.compat == req.compat
                 && conv.setup == req.setup
                 && self.worker_usable(conv.worker)
@@ -1124,7 +1120,13 @@ impl PoolState {
                 && !w.draining
                 && session.as_ref().is_some_and(|s| s.is_alive());
         }
-        if settle == Settle::Unsettled && self.workers.contains_key(&worker_id) {
+        // A worker that died under the turn is a crash (its supervision event says so),
+        // not something to stop.
+        let alive = self
+            .workers
+            .get(&worker_id)
+            .is_some_and(|w| w.handle.exit().is_none());
+        if settle == Settle::Unsettled && alive {
             // The session may still be running a turn in that process: nothing but stopping
             // the process makes it safe to resume elsewhere. The eviction keeps every
             // conversation of the worker (this one included) from being granted until the

@@ -5,7 +5,6 @@
 //! the conversation to the pool; dropping it with a turn in flight aborts that turn first.
 
 use std::fmt;
-use std::time::Duration;
 
 use ractor::ActorRef;
 use serde_json::json;
@@ -45,8 +44,6 @@ pub struct Lease {
     pub(crate) unsettled: bool,
     /// The pool's binding store (for `reset`).
     pub(crate) bindings: std::sync::Arc<super::bindings::BindingStore>,
-    /// How long a drop with a turn running waits for the aborted turn's `session.idle`.
-    pub(crate) abort_settle_timeout: Duration,
 }
 
 impl fmt::Debug for Lease {
@@ -307,7 +304,7 @@ impl Drop for Lease {
         // A turn is running: abort it and wait for its end before returning. A turn that
         // does not end in time leaves the process in an unknown state: the pool stops it
         // before the conversation is granted anywhere else.
-        let wait = self.abort_settle_timeout;
+        let wait = self.driver.abort_drain();
         rt.spawn(async move {
             let settle = match session.abort_and_settle(wait).await {
                 Settled::Idle => Settle::Park,

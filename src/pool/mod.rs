@@ -474,8 +474,8 @@ impl Opening {
             grant.opened = Some(session);
             return Err(state_unwritable(&bindings, error));
         }
-        let mut driver = crate::turn::driver::TurnDriver::new(handlers, working_directory);
-        driver.set_abort_drain(abort_settle_timeout);
+        let mut driver =
+            crate::turn::driver::TurnDriver::new(handlers, working_directory, abort_settle_timeout);
         if let Err(error) = driver.open_transcript(cli_session_id.as_str()).await {
             grant.opened = Some(session);
             return Err(error.into());
@@ -503,7 +503,6 @@ impl Opening {
             lost: false,
             unsettled: false,
             bindings,
-            abort_settle_timeout,
         })
     }
 }
@@ -638,8 +637,8 @@ impl OpenTarget<'_> {
             .into());
         }
         // The id is ours, so a create that times out can still be detached by it.
-        config.session_id = uuid::Uuid::new_v4().to_string();
-        let id = CliSessionId::new(config.session_id.clone());
+        let id = CliSessionId::random();
+        config.session_id = id.as_str().to_owned();
         match self.worker.open_for_pool(config, false).await {
             Ok((session, _)) => Ok((session, reason)),
             Err(error) => Err(failed_open(error, id)),

@@ -30,10 +30,6 @@ use super::tools::{GatewayTool, ToolCall, ToolConcurrency};
 use super::user_input::{Question, resolve};
 use super::{TimeoutKind, TurnError, TurnHandlers, TurnOutcome};
 
-/// How long an aborted turn may take to reach `session.idle` (the pool sets its
-/// `abort_settle_timeout`).
-const DEFAULT_ABORT_DRAIN: Duration = Duration::from_secs(10);
-
 enum Done {
     Request(String),
     Question(u64),
@@ -81,7 +77,13 @@ pub(crate) struct TurnDriver {
 }
 
 impl TurnDriver {
-    pub(crate) fn new(handlers: TurnHandlers, working_directory: PathBuf) -> Self {
+    /// A driver for one conversation's turns; an aborted turn gets `abort_drain` to reach
+    /// `session.idle` (the pool's `abort_settle_timeout`).
+    pub(crate) fn new(
+        handlers: TurnHandlers,
+        working_directory: PathBuf,
+        abort_drain: Duration,
+    ) -> Self {
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let tools = handlers
             .tools
@@ -99,7 +101,7 @@ impl TurnDriver {
             question: None,
             next_question: 0,
             poisoned: false,
-            abort_drain: DEFAULT_ABORT_DRAIN,
+            abort_drain,
             started: Instant::now(),
             last_activity: Instant::now(),
             in_flight: false,
@@ -112,8 +114,8 @@ impl TurnDriver {
 
     /// How long an aborted turn may take to reach `session.idle` before the session is
     /// given up as poisoned.
-    pub(crate) fn set_abort_drain(&mut self, limit: Duration) {
-        self.abort_drain = limit;
+    pub(crate) fn abort_drain(&self) -> Duration {
+        self.abort_drain
     }
 
     /// Closes the transcript mirror (its cache entry goes back for the next lease).

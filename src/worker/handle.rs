@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorCell, ActorRef};
 use tokio::sync::{oneshot, watch};
-use uuid::Uuid;
 
 use crate::ids::CliSessionId;
 use crate::rpc::messages::{
@@ -289,7 +288,7 @@ impl WorkerHandle {
     /// Creates a new session. A missing `session_id` in `config` gets a fresh UUID.
     pub async fn create_session(&self, mut config: SessionConfig) -> Result<Session, WorkerError> {
         if config.session_id.is_empty() {
-            config.session_id = Uuid::new_v4().to_string();
+            config.session_id = CliSessionId::random().into_string();
         }
         self.open::<SessionCreate>(config, FailedOpen::DetachInBackground)
             .await
