@@ -16,6 +16,11 @@ pub(crate) fn from(start: Instant, limit: Duration) -> Instant {
         .unwrap_or(start)
 }
 
+/// [`from`] for a `std::time::Instant` (the pool actor's and the restart policy's clocks).
+pub(crate) fn from_std(start: std::time::Instant, limit: Duration) -> std::time::Instant {
+    from(Instant::from_std(start), limit).into_std()
+}
+
 /// `limit` from now, or far in the future when that is not representable.
 pub(crate) fn from_now(limit: Duration) -> Instant {
     from(Instant::now(), limit)

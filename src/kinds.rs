@@ -350,6 +350,16 @@ mod tests {
     }
 
     #[test]
+    fn every_eviction_serializes_as_its_metric_label() {
+        for reason in Eviction::ALL {
+            assert_eq!(
+                serde_json::to_value(reason).expect("serialize"),
+                reason.label()
+            );
+        }
+    }
+
+    #[test]
     fn every_turn_end_serializes_as_its_label() {
         for end in TurnEnd::ALL {
             assert_eq!(serde_json::to_value(end).expect("serialize"), end.label());

@@ -486,6 +486,16 @@ async fn no_work_directory_is_made_for_a_rejected_request_a_compact_or_a_reset()
     zero["timeout_ms"] = json!(0);
     let bad = call(addr, "POST", "/v1/turns", Some("tok"), Some(&zero)).await;
     assert_eq!(bad.status, 400, "{}", bad.body);
+    // Longer than the daemon allows (the default absolute limit is 30 min).
+    let mut long = turn(&url, "agent-z", "c", "REPLY=no");
+    long["timeout_ms"] = json!(u64::MAX);
+    let bad = call(addr, "POST", "/v1/turns", Some("tok"), Some(&long)).await;
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    assert!(bad.body.contains("1800000 ms"), "{}", bad.body);
+    let unnamed = turn(&url, "agent-z", "", "REPLY=no");
+    let bad = call(addr, "POST", "/v1/turns", Some("tok"), Some(&unnamed)).await;
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    assert!(bad.body.contains("session_key"), "{}", bad.body);
     let conv = json!({"model": ScriptedModel::MODEL_ID, "provider": {"type": "openai", "base_url": url, "api_key": "k"}});
     let compact = call(
         addr,

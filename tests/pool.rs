@@ -565,7 +565,7 @@ async fn idle_workers_are_evicted_and_conversations_resume_afterwards() {
     assert!(
         matches!(
             evicted,
-            PoolEvent::WorkerEvicted { pid: p, reason: Eviction::Idle, why: "idle", .. } if p == pid
+            PoolEvent::WorkerEvicted { pid: p, reason: Eviction::Idle, .. } if p == pid
         ),
         "{evicted:?}"
     );
@@ -607,7 +607,7 @@ async fn a_worker_is_recycled_after_its_turn_budget() {
     drop(lease);
     wait_event(
         &mut events,
-        |e| matches!(e, PoolEvent::WorkerEvicted { pid: p, why: "drained", .. } if *p == pid),
+        |e| matches!(e, PoolEvent::WorkerEvicted { pid: p, reason: Eviction::Drained, .. } if *p == pid),
     )
     .await;
     let mut lease = pool

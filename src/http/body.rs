@@ -187,9 +187,22 @@ fn work_dir(state: &AppState, agent_id: &str) -> Result<PathBuf, Response> {
 
 /// Creates the agent's working directory, mode 0700. Called only for a request that passed
 /// authentication and validation and is about to run a turn.
-pub(super) fn create_work_dir(work: &Path) -> Result<(), Response> {
-    crate::home::create_work_dir(work)
-        .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, "io", e.to_string()))
+pub(super) async fn create_work_dir(work: &Path) -> Result<(), Response> {
+    // mkdir, chmod and stat: file work, off the async threads.
+    let work = work.to_path_buf();
+    match tokio::task::spawn_blocking(move || crate::home::create_work_dir(&work)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "io",
+            e.to_string(),
+        )),
+        Err(e) => Err(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            e.to_string(),
+        )),
+    }
 }
 
 /// The lease request for a conversation; the working directory is the agent's own (not
@@ -200,13 +213,8 @@ pub(super) fn lease_request(
     session_key: &str,
     conv: ConversationBody,
 ) -> Result<LeaseRequest, Response> {
-    if session_key.is_empty() || session_key.len() > 512 {
-        return Err(error(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "session_key must be 1 to 512 characters",
-        ));
-    }
+    // The library's checks: a Rust embedder gets the same errors.
+    crate::pool::validate_session_key(session_key).map_err(|e| pool_error(&e))?;
     crate::home::validate_agent_id(agent_id).map_err(|e| {
         error(
             StatusCode::BAD_REQUEST,

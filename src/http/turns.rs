@@ -59,14 +59,21 @@ pub(super) async fn post_turn(
         Err(r) => return r,
     };
     if let Some(ms) = body.timeout_ms {
-        if ms == 0 {
+        // A turn may ask for less time than the daemon's absolute limit, never more.
+        let limit = state.config.timeouts.absolute;
+        let asked = Duration::from_millis(ms);
+        if ms == 0 || asked > limit {
             return error(
                 StatusCode::BAD_REQUEST,
                 "bad_request",
-                "timeout_ms must be above 0",
+                format!(
+                    "timeout_ms must be above 0 and at most the daemon's absolute turn timeout \
+                     ({} ms; raise it in the daemon's config to allow longer turns)",
+                    limit.as_millis()
+                ),
             );
         }
-        req.handlers.timeouts.absolute = Duration::from_millis(ms);
+        req.handlers.timeouts.absolute = asked;
     }
     let streaming = query.stream != Some(false);
     if !streaming && !body.tools.is_empty() {
@@ -92,7 +99,7 @@ pub(super) async fn post_turn(
     // Without the stream nobody could answer: permissions are rejected, ask_user is off.
 
     // Everything is checked: this request runs a turn, so its working directory may exist.
-    if let Err(r) = create_work_dir(&req.working_directory) {
+    if let Err(r) = create_work_dir(&req.working_directory).await {
         return r;
     }
     // The lease is taken before answering, so its errors are real HTTP errors.

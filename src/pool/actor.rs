@@ -1060,7 +1060,7 @@ impl PoolState {
     /// versions' workers drain (rotation).
     fn drain_other_versions(&mut self, key: &PoolKey) {
         let family = key.family();
-        let deadline = drain_deadline(Instant::now(), self.config.drain_grace);
+        let deadline = crate::deadline::from_std(Instant::now(), self.config.drain_grace);
         let mut drained = Vec::new();
         for (id, w) in &mut self.workers {
             if !w.draining && w.key != *key && w.key.family() == family {
@@ -1114,7 +1114,7 @@ impl PoolState {
                     "Recycling a worker."
                 );
                 w.draining = true;
-                w.drain_deadline = Some(drain_deadline(now, self.config.drain_grace));
+                w.drain_deadline = Some(crate::deadline::from_std(now, self.config.drain_grace));
             }
             keep = settle == Settle::Park
                 && !w.draining
@@ -1371,7 +1371,6 @@ impl PoolState {
                 key_hash: key_hash.unwrap_or_default(),
                 pid: handle.pid(),
                 reason,
-                why,
             });
             tracing::info!(pid = handle.pid(), why, "Evicting a pool worker.");
             self.totals.evicted += 1;
@@ -1426,7 +1425,7 @@ impl PoolState {
             if recycle(&w.upkeep_view(), &limits) == Some(Recycle::Memory) {
                 tracing::info!(rss = w.rss_bytes, "Recycling a worker above max_rss_bytes.");
                 w.draining = true;
-                w.drain_deadline = Some(drain_deadline(now, self.config.drain_grace));
+                w.drain_deadline = Some(crate::deadline::from_std(now, self.config.drain_grace));
             }
         }
     }
@@ -1497,9 +1496,4 @@ impl PoolState {
             totals: self.totals.clone(),
         }
     }
-}
-
-/// When a worker that starts draining at `now` is stopped even with leases (never overflows).
-fn drain_deadline(now: Instant, grace: Duration) -> Instant {
-    crate::deadline::from(tokio::time::Instant::from_std(now), grace).into_std()
 }

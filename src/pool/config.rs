@@ -173,6 +173,22 @@ impl LeaseRequest {
     }
 }
 
+/// The longest gateway session key a lease accepts.
+pub const MAX_SESSION_KEY_BYTES: usize = 512;
+
+/// Checks a gateway session key: 1 to 512 bytes. The pool checks every lease's key with it;
+/// the daemon checks a request's key with it before it creates anything.
+pub fn validate_session_key(session_key: &str) -> Result<(), super::PoolError> {
+    if session_key.is_empty() || session_key.len() > MAX_SESSION_KEY_BYTES {
+        return Err(super::PoolError::InvalidRequest(format!(
+            "session_key must be 1 to {MAX_SESSION_KEY_BYTES} bytes (it has {}); use a shorter \
+             key, such as a hash of the gateway's own",
+            session_key.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Checks a BYOK provider before anything runs with it: its base URL. (Its type and wire
 /// API are enums, checked where they are parsed.) The pool checks every lease's provider
 /// with it; the daemon checks a request's provider with it before it creates anything, so
@@ -189,6 +205,17 @@ pub fn validate_provider(provider: &ProviderConfig) -> Result<(), super::PoolErr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_session_key_is_one_to_512_bytes() {
+        assert!(validate_session_key("k").is_ok());
+        assert!(validate_session_key(&"k".repeat(512)).is_ok());
+        let long = validate_session_key(&"k".repeat(513))
+            .unwrap_err()
+            .to_string();
+        assert!(long.contains("513"), "{long}");
+        assert!(validate_session_key("").is_err());
+    }
 
     #[test]
     fn a_provider_with_an_unknown_type_wire_api_or_url_scheme_is_refused_with_the_field() {

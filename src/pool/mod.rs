@@ -36,7 +36,9 @@ pub use crate::ids::{CliSessionId, ConversationId};
 pub use crate::turn::TurnOutcome;
 pub use bindings::{Binding, BindingError, BindingStore};
 pub use config::InfiniteSessions;
-pub use config::{LeaseRequest, PoolConfig, validate_provider};
+pub use config::{
+    LeaseRequest, MAX_SESSION_KEY_BYTES, PoolConfig, validate_provider, validate_session_key,
+};
 pub use error::PoolError;
 pub use key::{PoolKey, compat_key};
 pub use lease::{Lease, OpenReason};
@@ -170,6 +172,7 @@ impl Pool {
             return Err(PoolError::Closed);
         }
         let auth = resolve(&req.auth)?;
+        validate_session_key(&req.session_key)?;
         if let Some(provider) = &req.provider {
             validate_provider(provider)?;
         }

@@ -89,7 +89,8 @@ impl RestartTracker {
 
         let limit = usize::try_from(policy.max_restarts).unwrap_or(usize::MAX);
         if self.crashes.len() > limit {
-            let until = now.checked_add(policy.cooldown).unwrap_or(now);
+            // An unrepresentable cool-down is "for good", never "none".
+            let until = crate::deadline::from_std(now, policy.cooldown);
             self.quarantine_until = Some(until);
             self.crashes.clear();
             self.consecutive = 0;
@@ -347,6 +348,25 @@ mod tests {
             let after = restart_delay(&tracker.record_crash(t0, &p));
             assert!(within(after, p.backoff_max, p.backoff_max), "{after:?}");
         }
+    }
+
+    #[test]
+    fn an_unrepresentable_cool_down_quarantines_for_good_instead_of_not_at_all() {
+        let p = RestartPolicy {
+            cooldown: Duration::MAX,
+            ..RestartPolicy::default()
+        };
+        let t0 = Instant::now();
+        let mut tracker = RestartTracker::new();
+        for _ in 0..5 {
+            tracker.record_crash(t0, &p);
+        }
+        assert!(matches!(
+            tracker.record_crash(t0, &p),
+            RestartDecision::Quarantine { .. }
+        ));
+        let a_year = Duration::from_secs(365 * 24 * 60 * 60);
+        assert!(tracker.quarantined_until(t0 + a_year).is_some());
     }
 
     #[test]

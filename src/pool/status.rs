@@ -154,10 +154,8 @@ pub enum PoolEvent {
         key_hash: String,
         /// The child's pid.
         pid: u32,
-        /// Why.
+        /// Why (`reason.describe()` in words).
         reason: crate::kinds::Eviction,
-        /// Why, in words.
-        why: &'static str,
     },
     /// A key crashed too often and is in its cool-down.
     KeyQuarantined {

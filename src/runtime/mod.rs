@@ -49,7 +49,7 @@ fn non_empty(env: &impl Fn(&str) -> Option<OsString>, key: &str) -> Option<OsStr
 
 /// The first `name` on a `PATH`-style list that is an executable file (empty entries, which
 /// would mean the current directory, are skipped).
-fn find_on_path(name: &str, path_var: Option<OsString>) -> Option<std::path::PathBuf> {
+pub fn find_on_path(name: &str, path_var: Option<OsString>) -> Option<std::path::PathBuf> {
     let path_var = path_var?;
     std::env::split_paths(&path_var)
         .filter(|dir| !dir.as_os_str().is_empty())
@@ -58,7 +58,7 @@ fn find_on_path(name: &str, path_var: Option<OsString>) -> Option<std::path::Pat
 }
 
 /// A regular file (after following symlinks) with at least one execute bit.
-fn is_executable_file(path: &std::path::Path) -> bool {
+pub fn is_executable_file(path: &std::path::Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     std::fs::metadata(path)
         .map(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)

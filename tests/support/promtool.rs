@@ -112,7 +112,7 @@ async fn resolve() -> PathBuf {
     if let Some(path) = std::env::var_os(ENV).filter(|p| !p.is_empty()) {
         let path = PathBuf::from(path);
         assert!(
-            is_executable_file(&path),
+            runtime::is_executable_file(&path),
             "{ENV} is set to {}, which is not an executable file; unset it, or {}",
             path.display(),
             manual_fix()
@@ -122,10 +122,10 @@ async fn resolve() -> PathBuf {
     let cache = runtime::cache_dir(runtime::process_env)
         .unwrap_or_else(|err| panic!("cannot find or install promtool for tests: {err}"));
     let cached = tools_dir(&cache).join("promtool");
-    if is_executable_file(&cached) {
+    if runtime::is_executable_file(&cached) {
         return cached;
     }
-    if let Some(found) = find_on_path("promtool") {
+    if let Some(found) = runtime::find_on_path("promtool", std::env::var_os("PATH")) {
         return found;
     }
     install(&install_script(), &cache, INSTALL_TIMEOUT)
@@ -163,11 +163,11 @@ pub async fn install(
         .map_err(io_err("create directory", cache))?;
     let _lock = lock_exclusive(lock_path(cache), deadline, timeout).await?;
     let target = dir.join("promtool");
-    if is_executable_file(&target) {
+    if runtime::is_executable_file(&target) {
         return Ok(target);
     }
     run_installer(script, &dir, deadline, timeout).await?;
-    if is_executable_file(&target) {
+    if runtime::is_executable_file(&target) {
         Ok(target)
     } else {
         Err(PromtoolError::Missing {
@@ -260,20 +260,4 @@ fn io_err(
         path,
         error,
     }
-}
-
-/// The first executable `name` on `PATH` (empty entries skipped).
-fn find_on_path(name: &str) -> Option<PathBuf> {
-    let path_var = std::env::var_os("PATH")?;
-    std::env::split_paths(&path_var)
-        .filter(|dir| !dir.as_os_str().is_empty())
-        .map(|dir| dir.join(name))
-        .find(|candidate| is_executable_file(candidate))
-}
-
-fn is_executable_file(path: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::metadata(path)
-        .map(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
-        .unwrap_or(false)
 }

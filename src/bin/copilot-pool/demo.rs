@@ -113,8 +113,8 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
                     format!("spawned: worker {pid} (key {key_hash})")
                 }
                 PoolEvent::WorkerCrashed { pid, .. } => format!("crashed: worker {pid}"),
-                PoolEvent::WorkerEvicted { pid, why, .. } => {
-                    format!("evicted: worker {pid} ({why})")
+                PoolEvent::WorkerEvicted { pid, reason, .. } => {
+                    format!("evicted: worker {pid} ({})", reason.describe())
                 }
                 PoolEvent::KeyQuarantined { key_hash } => format!("quarantined: key {key_hash}"),
                 PoolEvent::ConversationOpened { pid, reason }
