@@ -216,22 +216,45 @@ fn connection_cap(configured: usize, max_processes: usize) -> usize {
     let Ok((soft, _)) = getrlimit(Resource::RLIMIT_NOFILE) else {
         return configured;
     };
+    let cap = cap_for_descriptors(configured, max_processes, soft);
+    if cap < configured {
+        tracing::warn!(
+            configured,
+            cap,
+            nofile = soft,
+            "max_connections lowered to fit the descriptor limit (raise the hard limit, e.g. \
+             `ulimit -Hn` or LimitNOFILE=, or lower pool.max_processes)."
+        );
+    }
+    cap
+}
+
+/// The connection cap that fits `nofile` descriptors beside the runtime processes' pipes and
+/// the metrics listener: `configured`, or less (at least 16).
+fn cap_for_descriptors(configured: usize, max_processes: usize, nofile: u64) -> usize {
     let reserved = FDS_RESERVED
         + FDS_PER_PROCESS.saturating_mul(max_processes as u64)
         + METRICS_MAX_CONNECTIONS as u64;
-    let room = usize::try_from(soft.saturating_sub(reserved)).unwrap_or(usize::MAX);
-    if configured <= room {
-        return configured;
+    let room = usize::try_from(nofile.saturating_sub(reserved)).unwrap_or(usize::MAX);
+    configured.min(room.max(16))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_connection_cap_fits_the_descriptor_limit_beside_the_processes() {
+        let reserved = (FDS_RESERVED + FDS_PER_PROCESS * 64) as usize + METRICS_MAX_CONNECTIONS;
+        assert_eq!(cap_for_descriptors(4096, 64, 1 << 20), 4096, "room enough");
+        assert_eq!(
+            cap_for_descriptors(4096, 64, 1024),
+            (1024 - reserved).max(16),
+            "lowered to fit 1,024 descriptors"
+        );
+        assert_eq!(cap_for_descriptors(4096, 64, 100), 16, "never below 16");
+        assert_eq!(cap_for_descriptors(10, 64, 100), 10, "never raised");
     }
-    let cap = room.max(16);
-    tracing::warn!(
-        configured,
-        cap,
-        nofile = soft,
-        "max_connections lowered to fit the descriptor limit (raise the hard limit, e.g. \
-         `ulimit -Hn` or LimitNOFILE=, or lower pool.max_processes)."
-    );
-    cap
 }
 
 /// SIGINT and SIGTERM, registered before anything else starts.
