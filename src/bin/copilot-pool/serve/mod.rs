@@ -239,24 +239,6 @@ fn cap_for_descriptors(configured: usize, max_processes: usize, nofile: u64) -> 
     configured.min(room.max(16))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_connection_cap_fits_the_descriptor_limit_beside_the_processes() {
-        let reserved = (FDS_RESERVED + FDS_PER_PROCESS * 64) as usize + METRICS_MAX_CONNECTIONS;
-        assert_eq!(cap_for_descriptors(4096, 64, 1 << 20), 4096, "room enough");
-        assert_eq!(
-            cap_for_descriptors(4096, 64, 1024),
-            (1024 - reserved).max(16),
-            "lowered to fit 1,024 descriptors"
-        );
-        assert_eq!(cap_for_descriptors(4096, 64, 100), 16, "never below 16");
-        assert_eq!(cap_for_descriptors(10, 64, 100), 10, "never raised");
-    }
-}
-
 /// SIGINT and SIGTERM, registered before anything else starts.
 struct Signals {
     int: tokio::signal::unix::Signal,
@@ -278,5 +260,23 @@ impl Signals {
             _ = self.int.recv() => "SIGINT",
             _ = self.term.recv() => "SIGTERM",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_connection_cap_fits_the_descriptor_limit_beside_the_processes() {
+        let reserved = (FDS_RESERVED + FDS_PER_PROCESS * 64) as usize + METRICS_MAX_CONNECTIONS;
+        assert_eq!(cap_for_descriptors(4096, 64, 1 << 20), 4096, "room enough");
+        assert_eq!(
+            cap_for_descriptors(4096, 64, 1024),
+            (1024 - reserved).max(16),
+            "lowered to fit 1,024 descriptors"
+        );
+        assert_eq!(cap_for_descriptors(4096, 64, 100), 16, "never below 16");
+        assert_eq!(cap_for_descriptors(10, 64, 100), 10, "never raised");
     }
 }
