@@ -29,9 +29,12 @@ pub(super) async fn read_body(state: &AppState, body: Body) -> Result<Bytes, Res
     match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, limit)).await {
         Ok(Ok(bytes)) => Ok(bytes),
         Ok(Err(e)) => {
-            let too_large = std::error::Error::source(&e)
-                .is_some_and(|s| s.to_string().contains("length limit"))
-                || e.to_string().contains("length limit");
+            let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+            let mut too_large = false;
+            while let Some(c) = cause {
+                too_large |= c.is::<http_body_util::LengthLimitError>();
+                cause = c.source();
+            }
             if too_large {
                 Err(error(
                     StatusCode::PAYLOAD_TOO_LARGE,

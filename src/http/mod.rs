@@ -45,7 +45,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Router;
-use axum::extract::DefaultBodyLimit;
 use axum::http::StatusCode;
 use axum::middleware;
 use axum::routing::{delete, get, post};
@@ -165,7 +164,6 @@ pub fn router(pool: Pool, config: ApiConfig) -> Router {
 
 /// Like [`router`], with the handle that drains it and observes its turns.
 pub fn router_with_handle(pool: Pool, config: ApiConfig) -> (Router, ApiHandle) {
-    let max_body_bytes = config.max_body_bytes;
     let state = Arc::new(AppState {
         pool,
         config,
@@ -199,7 +197,6 @@ pub fn router_with_handle(pool: Pool, config: ApiConfig) -> (Router, ApiHandle) 
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::get_metrics))
         .fallback(|| async { error::error(StatusCode::NOT_FOUND, "not_found", "no such route") })
-        .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state.clone());
     (router, ApiHandle { state })
 }

@@ -92,41 +92,6 @@ pub struct PoolStatus {
     pub totals: PoolTotals,
 }
 
-impl std::fmt::Display for PoolStatus {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(
-            f,
-            "{} workers, {} conversations ({} leased), {} waiting; spawned {}, restarts {}, crashes {}, resumed {}, created {}, evicted {}, turns {}",
-            self.workers.len(),
-            self.conversations,
-            self.leased,
-            self.waiters,
-            self.totals.processes_spawned,
-            self.totals.restarts,
-            self.totals.crashes,
-            self.totals.resumed,
-            self.totals.created,
-            self.totals.evicted,
-            self.totals.turns,
-        )?;
-        for w in &self.workers {
-            writeln!(
-                f,
-                "  key {} pid {:>7} {:<8} sessions {:>3} leases {:>3} turns {:>5} restarts {} rss {} MiB",
-                w.key_hash,
-                w.pid,
-                format!("{:?}", w.state).to_lowercase(),
-                w.sessions,
-                w.leases,
-                w.turns,
-                w.restarts,
-                w.rss_bytes >> 20
-            )?;
-        }
-        Ok(())
-    }
-}
-
 /// Something the pool did, as it happens (for the demo, the daemon and tests).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]

@@ -214,7 +214,8 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
     let showcase = showcase(&pool, &base, &endpoint.base_url()).await;
     let status = pool.status().await?;
     if !args.json {
-        eprint!("{status}");
+        // The same table `copilot-pool status` prints.
+        eprint!("{}", crate::status::render(&status));
     }
     let pids: Vec<u32> = status.workers.iter().map(|w| w.pid).collect();
     pool.shutdown().await?;

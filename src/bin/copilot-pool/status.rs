@@ -37,7 +37,7 @@ pub struct StatusArgs {
 }
 
 /// What `GET /v1/pool` answers: the library's own status type, read back as it was sent.
-/// Every field defaults, so an older or newer daemon still prints what both know.
+/// Every field defaults, so a daemon that sends fewer or more fields still prints what both know.
 pub type PoolSnapshot = copilot_pool::PoolStatus;
 
 pub async fn status(args: StatusArgs) -> Result<()> {
