@@ -6,7 +6,8 @@
 //! * `key` — [`PoolKey`] (which processes), its family (rotation) and the compat key (resume).
 //! * `bindings` — durable `session_key` → CLI session id records.
 //! * `restart` — OTP-style restart intensity and backoff.
-//! * `actor` — the pool actor that makes every placement decision.
+//! * `placement` — the pure core: every placement decision and the ownership of conversations.
+//! * `actor` — the thin actor that feeds the core events and carries out its effects.
 //!
 //! The pool never parses events or touches stdio: that is the worker's job.
 

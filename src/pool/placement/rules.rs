@@ -1,9 +1,7 @@
-//! Pure placement decisions, state in and decisions out, as `restart.rs` is for crashes:
-//! which worker takes a conversation, which idle worker makes room when the pool is full,
-//! which parked conversation is detached when a cap is reached, and what the maintenance
-//! tick does to each worker (idle TTL, drain, recycling by memory and by turn count). The
-//! pool actor gathers the views, asks, and carries the answers out; nothing here awaits,
-//! spawns, signals or reads `/proc`.
+//! The placement rules, each a pure function of views: which worker takes a conversation,
+//! which idle worker makes room when the pool is full, which parked conversation is detached
+//! when a cap is reached, and what the maintenance tick does to each worker (idle TTL, drain,
+//! recycling by memory and by turn count).
 
 use std::time::{Duration, Instant};
 

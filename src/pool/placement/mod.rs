@@ -1,0 +1,1263 @@
+//! Placement as a pure core: the pool's whole bookkeeping (keys, workers, attached
+//! conversations, the FIFO of waiting leases, who is leased and who is being detached, crash
+//! restart, draining, eviction, recycling), driven by events and answering with effects.
+//!
+//! State in, effects out: every entry point takes what happened (a lease asks, a lease comes
+//! back, a spawn landed, a worker crashed, a detach was confirmed, time passed) and returns
+//! what the pool actor must now do ([`Effect`]: `Spawn`, `Detach`, `Evict`, `Grant`, `Fail`,
+//! …). Nothing here awaits, spawns, signals, reads `/proc` or the clock; the actor owns the
+//! worker handles and reply ports and carries the effects out. Conversation ownership lives
+//! here and nowhere else: a conversation is granted only when it is neither leased nor being
+//! detached (the property test `no_sequence_of_events_grants_one_conversation_twice` plays
+//! random event sequences against that rule and the caps).
+//!
+//! The core is generic over what it carries without looking inside: `Spec` (how to start a
+//! worker of a key) and `S` (a parked CLI session), so its tests run without processes.
+
+mod rules;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use crate::ids::CliSessionId;
+use crate::kinds::Eviction;
+use crate::worker::WorkerError;
+
+use super::config::PoolConfig;
+use super::error::PoolError;
+use super::key::PoolKey;
+use super::lease::OpenReason;
+use super::restart::{RestartDecision, RestartPolicy, RestartTracker};
+use super::status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus};
+
+pub(crate) use rules::WorkerId;
+use rules::{
+    ConversationView, Recycle, UpkeepLimits, UpkeepView, WorkerView, evict_now, idle_victim,
+    least_loaded, lru_parked, recycle,
+};
+
+/// Conversations whose resume crashes are remembered at most (a bound on memory; the
+/// count restarts for all when it is reached).
+const RESUME_CRASHES_REMEMBERED: usize = 4096;
+
+/// Identifies one acquire (its reply port lives in the actor).
+pub(crate) type RequestId = u64;
+
+/// The caps and timings placement applies (from [`PoolConfig`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Limits {
+    pub(crate) max_processes: usize,
+    pub(crate) max_processes_per_key: usize,
+    pub(crate) max_sessions_per_process: usize,
+    pub(crate) max_sessions: usize,
+    pub(crate) max_waiters: usize,
+    pub(crate) idle_ttl: Duration,
+    pub(crate) max_rss_bytes: u64,
+    pub(crate) max_turns_per_process: u64,
+    pub(crate) drain_grace: Duration,
+    pub(crate) restart: RestartPolicy,
+}
+
+impl From<&PoolConfig> for Limits {
+    fn from(c: &PoolConfig) -> Self {
+        Limits {
+            max_processes: c.max_processes,
+            max_processes_per_key: c.max_processes_per_key,
+            max_sessions_per_process: c.max_sessions_per_process,
+            max_sessions: c.max_sessions,
+            max_waiters: c.max_waiters,
+            idle_ttl: c.idle_ttl,
+            max_rss_bytes: c.max_rss_bytes,
+            max_turns_per_process: c.max_turns_per_process,
+            drain_grace: c.drain_grace,
+            restart: c.restart.clone(),
+        }
+    }
+}
+
+/// One lease asking for a place to run.
+#[derive(Debug, Clone)]
+pub(crate) struct Ask<Spec> {
+    pub(crate) id: RequestId,
+    pub(crate) key: PoolKey,
+    /// How to start a worker for this key (carried, never read).
+    pub(crate) spec: Spec,
+    pub(crate) conversation: String,
+    /// The conversation's compat key: a parked session with another one is not reused.
+    pub(crate) compat: String,
+    /// What the session is opened with (tools, handler flags): a parked session opened
+    /// differently is resumed anew rather than reused.
+    pub(crate) setup: String,
+    /// The gateway's own key of the conversation (for errors).
+    pub(crate) gateway_key: String,
+    /// Refuse at once if the conversation is leased, instead of queueing behind its lease.
+    pub(crate) fail_if_busy: bool,
+    pub(crate) wait: Duration,
+}
+
+/// A conversation that was attached to a worker when its lease was granted.
+#[derive(Debug)]
+pub(crate) struct Carried<S> {
+    /// The attached session (`None` if it was lost with its worker).
+    pub(crate) session: Option<S>,
+    /// True when the grant is on the same worker (no resume needed).
+    pub(crate) same_worker: bool,
+    /// The worker it was attached to.
+    pub(crate) from: WorkerId,
+}
+
+/// A lease granted: the conversation is leased on `worker` until it is returned or abandoned.
+#[derive(Debug)]
+pub(crate) struct Granted<S> {
+    pub(crate) request: RequestId,
+    pub(crate) conversation: String,
+    pub(crate) worker: WorkerId,
+    pub(crate) carried: Option<Carried<S>>,
+    /// Consecutive resumes of this conversation that crashed their runtime.
+    pub(crate) resume_crashes: u32,
+}
+
+/// What a detach removes from a worker.
+#[derive(Debug)]
+pub(crate) enum DetachTarget<S> {
+    /// A session that was open there: "not found" means detached.
+    Session(S),
+    /// A session known only by id (an open that timed out may have attached it): "not
+    /// found" proves nothing, only a confirmed detach counts.
+    Id(CliSessionId),
+}
+
+/// What the pool actor must do. Every `Detach` and every `Evict` must be answered by exactly
+/// one [`Placement::detached`] (for an eviction: once the worker has stopped).
+#[derive(Debug)]
+pub(crate) enum Effect<Spec, S> {
+    /// Hand this grant to the request's caller.
+    Grant(Granted<S>),
+    /// Answer the request with this error.
+    Fail {
+        request: RequestId,
+        error: PoolError,
+    },
+    /// The request waits in the FIFO; expire it after `wait`.
+    Queued { request: RequestId, wait: Duration },
+    /// Start a worker for `key`.
+    Spawn { key: PoolKey, spec: Spec },
+    /// Call [`Placement::respawn_due`] for `key` after `after`.
+    RespawnAfter { key: PoolKey, after: Duration },
+    /// Detach a conversation's session from `worker`, with confirmation.
+    Detach {
+        conversation: String,
+        worker: WorkerId,
+        target: DetachTarget<S>,
+    },
+    /// Stop `worker`; its `attached` conversations are granted again only once it is gone.
+    Evict {
+        worker: WorkerId,
+        reason: Eviction,
+        attached: Vec<String>,
+    },
+    /// `worker` is gone by itself (crash or exit): drop its handle.
+    Forget { worker: WorkerId },
+    /// Publish this event.
+    Event(PoolEvent),
+}
+
+/// What the pool does with a returned conversation's session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settle {
+    /// Its turn ended: keep it attached (parked) for the next lease, if the worker may.
+    Park,
+    /// It must not be reused (lost, poisoned): detach it with confirmation.
+    Detach,
+    /// A turn was still running when the lease was dropped and did not end after an abort:
+    /// the process is in an unknown state and is stopped before the conversation moves.
+    Unsettled,
+}
+
+/// A worker's start, as placement hears of it.
+pub(crate) type Started = Result<u32, WorkerError>;
+
+struct KeyState<Spec> {
+    spec: Spec,
+    workers: Vec<WorkerId>,
+    spawning: bool,
+    /// The next spawn replaces a crashed worker.
+    respawn: bool,
+    backoff_until: Option<Instant>,
+    restart: RestartTracker,
+    /// Why the last start of this key failed (cleared by a start that works).
+    last_start_error: Option<WorkerError>,
+}
+
+struct Worker {
+    key: PoolKey,
+    pid: u32,
+    /// Its child still serves (the actor reports an exit as soon as it sees one).
+    alive: bool,
+    draining: bool,
+    drain_deadline: Option<Instant>,
+    /// Conversations attached to this worker.
+    attached: HashSet<String>,
+    leased: usize,
+    turns: u64,
+    last_used: Instant,
+    rss_bytes: u64,
+}
+
+impl Worker {
+    fn view(&self, id: WorkerId) -> WorkerView {
+        WorkerView {
+            id,
+            attached: self.attached.len(),
+            leased: self.leased,
+            draining: self.draining,
+            alive: self.alive,
+            last_used: self.last_used,
+        }
+    }
+
+    fn upkeep_view(&self) -> UpkeepView {
+        UpkeepView {
+            leased: self.leased,
+            last_used: self.last_used,
+            draining: self.draining,
+            drain_deadline: self.drain_deadline,
+            rss_bytes: self.rss_bytes,
+            turns: self.turns,
+        }
+    }
+}
+
+struct Conversation<S> {
+    worker: WorkerId,
+    /// The CLI session, once the lease has opened it.
+    cli_session_id: Option<CliSessionId>,
+    compat: String,
+    setup: String,
+    parked: Option<S>,
+    leased: bool,
+    last_used: Instant,
+}
+
+impl<S> Conversation<S> {
+    fn view<'a>(&self, key: &'a str) -> ConversationView<'a> {
+        ConversationView {
+            key,
+            leased: self.leased,
+            last_used: self.last_used,
+        }
+    }
+}
+
+/// The pool's bookkeeping (see the module doc).
+pub(crate) struct Placement<Spec, S> {
+    limits: Limits,
+    keys: HashMap<PoolKey, KeyState<Spec>>,
+    workers: HashMap<WorkerId, Worker>,
+    conversations: HashMap<String, Conversation<S>>,
+    waiters: VecDeque<Ask<Spec>>,
+    next_worker_id: WorkerId,
+    closed: bool,
+    totals: PoolTotals,
+    /// Conversations whose session is being detached from a worker, with how many detaches
+    /// are outstanding: they are not granted until each is confirmed (one owner per CLI
+    /// session id).
+    detaching: HashMap<String, usize>,
+    /// Consecutive resumes that crashed the runtime, per conversation (cleared when it
+    /// opens).
+    resume_crashes: HashMap<String, u32>,
+    out: Vec<Effect<Spec, S>>,
+}
+
+impl<Spec: Clone, S> Placement<Spec, S> {
+    pub(crate) fn new(limits: Limits) -> Self {
+        Placement {
+            limits,
+            keys: HashMap::new(),
+            workers: HashMap::new(),
+            conversations: HashMap::new(),
+            waiters: VecDeque::new(),
+            next_worker_id: 1,
+            closed: false,
+            totals: PoolTotals::default(),
+            detaching: HashMap::new(),
+            resume_crashes: HashMap::new(),
+            out: Vec::new(),
+        }
+    }
+
+    fn effects(&mut self) -> Vec<Effect<Spec, S>> {
+        std::mem::take(&mut self.out)
+    }
+
+    fn emit(&mut self, event: PoolEvent) {
+        self.out.push(Effect::Event(event));
+    }
+
+    // ---- Events ----------------------------------------------------------------------------
+
+    /// A lease asks for a place: granted, failed, or queued (a spawn may start).
+    pub(crate) fn acquire(&mut self, ask: Ask<Spec>, now: Instant) -> Vec<Effect<Spec, S>> {
+        match self.try_grant(&ask, now) {
+            Ok(true) => {}
+            Err(error) => self.out.push(Effect::Fail {
+                request: ask.id,
+                error,
+            }),
+            Ok(false) if self.waiters.len() >= self.limits.max_waiters => {
+                self.out.push(Effect::Fail {
+                    request: ask.id,
+                    error: PoolError::WaitersFull {
+                        max: self.limits.max_waiters,
+                    },
+                })
+            }
+            Ok(false) => {
+                self.out.push(Effect::Queued {
+                    request: ask.id,
+                    wait: ask.wait,
+                });
+                self.waiters.push_back(ask);
+            }
+        }
+        self.effects()
+    }
+
+    /// A lease opened (created or resumed) its CLI session.
+    pub(crate) fn opened(
+        &mut self,
+        conversation: &str,
+        worker: WorkerId,
+        cli_session_id: CliSessionId,
+        reason: OpenReason,
+    ) -> Vec<Effect<Spec, S>> {
+        if let Some(conv) = self.conversations.get_mut(conversation)
+            && conv.worker == worker
+        {
+            conv.cli_session_id = Some(cli_session_id);
+        }
+        if let Some(pid) = self.workers.get(&worker).map(|w| w.pid) {
+            self.emit(PoolEvent::ConversationOpened { pid, reason });
+        }
+        self.resume_crashes.remove(conversation);
+        match reason {
+            OpenReason::Attached => {}
+            OpenReason::Resumed => self.totals.resumed += 1,
+            _ => self.totals.created += 1,
+        }
+        self.effects()
+    }
+
+    /// A lease ended after `turns` turns; `session` is its session if it is still alive.
+    pub(crate) fn returned(
+        &mut self,
+        conversation: String,
+        worker: WorkerId,
+        session: Option<S>,
+        settle: Settle,
+        turns: u64,
+        now: Instant,
+    ) -> Vec<Effect<Spec, S>> {
+        self.settle_return(conversation, worker, session, settle, turns, now);
+        self.serve_waiters(now);
+        self.effects()
+    }
+
+    /// A grant that did not become a lease: the slot comes back, and whatever it may have
+    /// left attached is detached with confirmation before the conversation is granted again.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn abandoned(
+        &mut self,
+        conversation: String,
+        worker: WorkerId,
+        carried: Option<(S, WorkerId)>,
+        opened: Option<S>,
+        maybe_attached: Option<CliSessionId>,
+        resume_crashed: bool,
+        now: Instant,
+    ) -> Vec<Effect<Spec, S>> {
+        self.settle_return(conversation.clone(), worker, None, Settle::Detach, 0, now);
+        if resume_crashed {
+            if self.resume_crashes.len() >= RESUME_CRASHES_REMEMBERED {
+                self.resume_crashes.clear();
+            }
+            *self.resume_crashes.entry(conversation.clone()).or_default() += 1;
+        }
+        if let Some((session, from)) = carried {
+            self.detach(conversation.clone(), from, DetachTarget::Session(session));
+        }
+        if let Some(session) = opened {
+            self.detach(conversation.clone(), worker, DetachTarget::Session(session));
+        }
+        if let Some(id) = maybe_attached
+            && self.workers.contains_key(&worker)
+        {
+            // A worker that is gone holds nothing.
+            self.detach(conversation, worker, DetachTarget::Id(id));
+        }
+        self.serve_waiters(now);
+        self.effects()
+    }
+
+    /// A `Detach` or `Evict` effect finished for these conversations; `ok == false` means the
+    /// old worker may still hold the session, so it is stopped.
+    pub(crate) fn detached(
+        &mut self,
+        conversations: &[String],
+        worker: WorkerId,
+        ok: bool,
+        now: Instant,
+    ) -> Vec<Effect<Spec, S>> {
+        for key in conversations {
+            if let Some(n) = self.detaching.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.detaching.remove(key);
+                }
+            }
+        }
+        if !ok && self.workers.contains_key(&worker) {
+            self.evict(worker, Eviction::DetachFailed);
+        }
+        self.serve_waiters(now);
+        self.effects()
+    }
+
+    /// A start of `key` finished. Returns the new worker's id if placement keeps it (the
+    /// caller must stop a started worker it gets no id for).
+    pub(crate) fn spawned(
+        &mut self,
+        key: PoolKey,
+        started: Started,
+        now: Instant,
+    ) -> (Option<WorkerId>, Vec<Effect<Spec, S>>) {
+        let id = self.on_spawned(key, started, now);
+        self.serve_waiters(now);
+        (id, self.effects())
+    }
+
+    /// The backoff of `key` is over: start its replacement if it still has none.
+    pub(crate) fn respawn_due(&mut self, key: &PoolKey, now: Instant) -> Vec<Effect<Spec, S>> {
+        let starting = self.keys.values().filter(|k| k.spawning).count();
+        // The pool's cap holds for replacements too: a full pool leaves the replacement to
+        // the key's next lease (which may make room by stopping an idle worker).
+        let room = self.workers.len() + starting < self.limits.max_processes;
+        if let Some(ks) = self.keys.get_mut(key) {
+            ks.backoff_until = None;
+            if !self.closed && room && ks.workers.is_empty() && !ks.spawning {
+                ks.respawn = true;
+                ks.spawning = true;
+                self.out.push(Effect::Spawn {
+                    key: key.clone(),
+                    spec: ks.spec.clone(),
+                });
+            }
+        }
+        self.serve_waiters(now);
+        self.effects()
+    }
+
+    /// A waiter's time is up: it fails, saying why (its conversation still leased, its key's
+    /// last start error, or no capacity).
+    pub(crate) fn expire(&mut self, request: RequestId) -> Vec<Effect<Spec, S>> {
+        if let Some(pos) = self.waiters.iter().position(|w| w.id == request)
+            && let Some(w) = self.waiters.remove(pos)
+        {
+            let busy = self.is_leased(&w.conversation);
+            let start_error = self
+                .keys
+                .get(&w.key)
+                .filter(|ks| ks.workers.is_empty())
+                .and_then(|ks| ks.last_start_error.clone());
+            let error = match (busy, start_error) {
+                (true, _) => PoolError::ConversationWaitTimeout {
+                    session_key: w.gateway_key.clone(),
+                    after: w.wait,
+                },
+                (false, Some(error)) => PoolError::Worker(error),
+                (false, None) => PoolError::WaitTimeout { after: w.wait },
+            };
+            self.out.push(Effect::Fail { request, error });
+        }
+        self.effects()
+    }
+
+    /// A waiter's caller gave up: forget it without an answer.
+    pub(crate) fn withdraw(&mut self, request: RequestId) {
+        self.waiters.retain(|w| w.id != request);
+    }
+
+    /// The worker's child has exited (its supervision event may still be on its way).
+    pub(crate) fn exited(&mut self, worker: WorkerId) {
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.alive = false;
+        }
+    }
+
+    /// A worker died: it is forgotten, and replaced (after the backoff) if it had work, or
+    /// its key is quarantined.
+    pub(crate) fn crashed(&mut self, id: WorkerId, now: Instant) -> Vec<Effect<Spec, S>> {
+        if let Some(w) = self.workers.get(&id) {
+            let key = w.key.clone();
+            // A draining worker was on its way out: it is not replaced.
+            let had_conversations = !w.attached.is_empty() && !w.draining;
+            self.emit(PoolEvent::WorkerCrashed {
+                key_hash: key.short_hash(),
+                pid: w.pid,
+            });
+            self.remove_worker(id);
+            self.out.push(Effect::Forget { worker: id });
+            self.totals.crashes += 1;
+            let demand = had_conversations || self.waiters.iter().any(|w| w.key == key);
+            if let Some(ks) = self.keys.get_mut(&key) {
+                match ks.restart.record_crash(now, &self.limits.restart) {
+                    RestartDecision::Restart { after } => {
+                        if demand && !self.closed {
+                            tracing::info!(key = %key.short_hash(), ?after, "Restarting a crashed worker.");
+                            // Whichever spawn comes next for this key (the scheduled respawn,
+                            // or a lease arriving after the backoff) replaces the crashed one.
+                            ks.respawn = true;
+                            ks.backoff_until = Some(now + after);
+                            self.out.push(Effect::RespawnAfter { key, after });
+                        }
+                    }
+                    RestartDecision::Quarantine { until } => {
+                        tracing::warn!(key = %key.short_hash(), "Restart intensity exceeded; key quarantined.");
+                        self.quarantine(&key, until, now);
+                    }
+                }
+            }
+        }
+        self.serve_waiters(now);
+        self.effects()
+    }
+
+    /// A worker stopped on its own without crashing. Returns whether placement knew it.
+    pub(crate) fn stopped(&mut self, id: WorkerId, now: Instant) -> (bool, Vec<Effect<Spec, S>>) {
+        let known = self.remove_worker(id);
+        if known {
+            self.out.push(Effect::Forget { worker: id });
+        }
+        self.serve_waiters(now);
+        (known, self.effects())
+    }
+
+    /// Resident memory measured off the actor; a worker above `max_rss_bytes` drains.
+    pub(crate) fn measured(
+        &mut self,
+        measured: &[(WorkerId, u64)],
+        now: Instant,
+    ) -> Vec<Effect<Spec, S>> {
+        let limits = self.upkeep_limits();
+        for (id, rss) in measured {
+            let Some(w) = self.workers.get_mut(id) else {
+                continue;
+            };
+            w.rss_bytes = *rss;
+            if recycle(&w.upkeep_view(), &limits) == Some(Recycle::Memory) {
+                tracing::info!(rss = w.rss_bytes, "Recycling a worker above max_rss_bytes.");
+                w.draining = true;
+                w.drain_deadline = Some(crate::deadline::from_std(now, self.limits.drain_grace));
+            }
+        }
+        self.serve_waiters(now);
+        self.effects()
+    }
+
+    /// The maintenance tick: idle TTL and drain deadlines; keys with nothing left are
+    /// forgotten (their spec holds the old token of a rotation).
+    pub(crate) fn maintain(&mut self, now: Instant) -> Vec<Effect<Spec, S>> {
+        let limits = self.upkeep_limits();
+        let mut evict: Vec<(WorkerId, Eviction)> = self
+            .workers
+            .iter()
+            .filter_map(|(id, w)| evict_now(now, &w.upkeep_view(), &limits).map(|r| (*id, r)))
+            .collect();
+        evict.sort_unstable_by_key(|(id, _)| *id);
+        for (id, reason) in evict {
+            self.evict(id, reason);
+        }
+        let waiting: HashSet<PoolKey> = self.waiters.iter().map(|w| w.key.clone()).collect();
+        let policy = &self.limits.restart;
+        self.keys.retain(|key, ks| {
+            !ks.workers.is_empty()
+                || ks.spawning
+                || ks.backoff_until.is_some()
+                || ks.restart.quarantined_until(now).is_some()
+                || ks.restart.restarts_in_window(now, policy) > 0
+                || waiting.contains(key)
+        });
+        self.serve_waiters(now);
+        self.effects()
+    }
+
+    /// Stop leasing: every waiter fails, and so does every later acquire.
+    pub(crate) fn close(&mut self) -> Vec<Effect<Spec, S>> {
+        self.closed = true;
+        for w in self.waiters.drain(..) {
+            self.out.push(Effect::Fail {
+                request: w.id,
+                error: PoolError::Closed,
+            });
+        }
+        self.effects()
+    }
+
+    /// Forgets every worker (the pool is stopping them all); returns their ids.
+    pub(crate) fn remove_all_workers(&mut self) -> Vec<WorkerId> {
+        let mut ids: Vec<WorkerId> = self.workers.keys().copied().collect();
+        ids.sort_unstable();
+        for id in &ids {
+            self.remove_worker(*id);
+        }
+        ids
+    }
+
+    // ---- Queries ---------------------------------------------------------------------------
+
+    /// The leased conversation's worker and CLI session, once it is open (what an abort needs).
+    pub(crate) fn open_lease(&self, conversation: &str) -> Option<(WorkerId, CliSessionId)> {
+        let conv = self.conversations.get(conversation).filter(|c| c.leased)?;
+        self.workers.get(&conv.worker)?;
+        Some((conv.worker, conv.cli_session_id.clone()?))
+    }
+
+    /// Every leased, opened conversation (what a shutdown aborts).
+    pub(crate) fn open_leases(&self) -> Vec<(WorkerId, CliSessionId)> {
+        self.conversations
+            .keys()
+            .filter_map(|k| self.open_lease(k))
+            .collect()
+    }
+
+    /// Whether a start is in flight for any key.
+    pub(crate) fn any_spawning(&self) -> bool {
+        self.keys.values().any(|k| k.spawning)
+    }
+
+    /// Every worker's id and pid.
+    pub(crate) fn worker_pids(&self) -> Vec<(WorkerId, u32)> {
+        self.workers.iter().map(|(id, w)| (*id, w.pid)).collect()
+    }
+
+    /// Conversations currently leased.
+    pub(crate) fn leased_count(&self) -> usize {
+        self.conversations.values().filter(|c| c.leased).count()
+    }
+
+    /// The gauges' numbers: conversations, leases, waiters, live and draining workers, RSS.
+    pub(crate) fn gauges(&self) -> crate::metrics::PoolGauges {
+        let mut gauges = crate::metrics::PoolGauges {
+            sessions: self.conversations.len(),
+            leases: self.leased_count(),
+            waiters: self.waiters.len(),
+            ..crate::metrics::PoolGauges::default()
+        };
+        for w in self.workers.values() {
+            if w.draining {
+                gauges.draining += 1;
+            } else {
+                gauges.live += 1;
+            }
+            gauges.rss_bytes += w.rss_bytes;
+        }
+        gauges
+    }
+
+    /// The pool's status as of `now`.
+    pub(crate) fn status(&self, now: Instant) -> PoolStatus {
+        let mut workers: Vec<WorkerStatus> = self
+            .workers
+            .values()
+            .map(|w| WorkerStatus {
+                key_hash: w.key.short_hash(),
+                pid: w.pid,
+                state: if w.draining {
+                    WorkerState::Draining
+                } else {
+                    WorkerState::Live
+                },
+                sessions: w.attached.len(),
+                leases: w.leased,
+                turns: w.turns,
+                restarts: self
+                    .keys
+                    .get(&w.key)
+                    .map(|k| k.restart.total_restarts())
+                    .unwrap_or(0),
+                rss_bytes: w.rss_bytes,
+            })
+            .collect();
+        workers.sort_by(|a, b| a.key_hash.cmp(&b.key_hash).then(a.pid.cmp(&b.pid)));
+        PoolStatus {
+            workers,
+            waiters: self.waiters.len(),
+            conversations: self.conversations.len(),
+            leased: self.leased_count(),
+            quarantined_keys: self
+                .keys
+                .iter()
+                .filter(|(_, k)| k.restart.quarantined_until(now).is_some())
+                .map(|(key, _)| key.short_hash())
+                .collect(),
+            closed: self.closed,
+            totals: self.totals.clone(),
+        }
+    }
+
+    // ---- Decisions -------------------------------------------------------------------------
+
+    fn upkeep_limits(&self) -> UpkeepLimits {
+        UpkeepLimits {
+            idle_ttl: self.limits.idle_ttl,
+            max_rss_bytes: self.limits.max_rss_bytes,
+            max_turns_per_process: self.limits.max_turns_per_process,
+        }
+    }
+
+    fn is_leased(&self, conversation: &str) -> bool {
+        self.conversations
+            .get(conversation)
+            .is_some_and(|c| c.leased)
+    }
+
+    fn worker_usable(&self, id: WorkerId) -> bool {
+        self.workers
+            .get(&id)
+            .is_some_and(|w| !w.draining && w.alive)
+    }
+
+    /// Serves waiting leases in FIFO order, as far as capacity allows.
+    fn serve_waiters(&mut self, now: Instant) {
+        let mut kept = VecDeque::new();
+        while let Some(w) = self.waiters.pop_front() {
+            match self.try_grant(&w, now) {
+                Ok(true) => {}
+                Err(error) => self.out.push(Effect::Fail {
+                    request: w.id,
+                    error,
+                }),
+                Ok(false) => kept.push_back(w),
+            }
+        }
+        self.waiters = kept;
+    }
+
+    /// Grants now (true, with a `Grant` effect), fails, or returns false (wait; a spawn
+    /// may have been started).
+    fn try_grant(&mut self, ask: &Ask<Spec>, now: Instant) -> Result<bool, PoolError> {
+        if self.closed {
+            return Err(PoolError::Closed);
+        }
+        // One turn at a time per conversation: a leased conversation's next lease waits in
+        // the FIFO until the return (or is refused at once with `fail_if_busy`).
+        if self.is_leased(&ask.conversation) {
+            if ask.fail_if_busy {
+                return Err(PoolError::ConversationBusy {
+                    session_key: ask.gateway_key.clone(),
+                });
+            }
+            return Ok(false);
+        }
+        let ks = self
+            .keys
+            .entry(ask.key.clone())
+            .or_insert_with(|| KeyState {
+                spec: ask.spec.clone(),
+                workers: Vec::new(),
+                spawning: false,
+                respawn: false,
+                backoff_until: None,
+                restart: RestartTracker::default(),
+                last_start_error: None,
+            });
+        if let Some(until) = ks.restart.quarantined_until(now) {
+            return Err(PoolError::RestartIntensityExceeded {
+                key_hash: ask.key.short_hash(),
+                retry_after: until.saturating_duration_since(now),
+            });
+        }
+        self.drain_other_versions(&ask.key, now);
+
+        // Being detached from its previous worker: wait for the confirmation.
+        if self.detaching.contains_key(&ask.conversation) {
+            return Ok(false);
+        }
+        // Still attached to a usable worker of this key with the same settings: reuse it.
+        if let Some(conv) = self.conversations.get(&ask.conversation) {
+            let same = conv.compat == ask.compat
+                && conv.setup == ask.setup
+                && self.worker_usable(conv.worker)
+                && self
+                    .workers
+                    .get(&conv.worker)
+                    .is_some_and(|w| w.key == ask.key);
+            if same {
+                let id = conv.worker;
+                return Ok(self.grant_attached(ask, id, now));
+            }
+        }
+
+        let mut target = self.least_loaded(&ask.key);
+        if target.is_none() && !self.grow(&ask.key, now) {
+            // No room and no new process allowed: make room on one of this key's workers
+            // by detaching its least recently used parked conversation.
+            target = self.detach_lru_parked_of_key(&ask.key, &ask.conversation);
+        }
+        let Some(target) = target else {
+            return Ok(false);
+        };
+        if !self.conversations.contains_key(&ask.conversation)
+            && self.conversations.len() >= self.limits.max_sessions
+            && !self.detach_lru_parked(&ask.conversation)
+        {
+            return Ok(false);
+        }
+        // Move (or place) the conversation onto the target.
+        let carried = self.conversations.remove(&ask.conversation).map(|conv| {
+            if let Some(w) = self.workers.get_mut(&conv.worker) {
+                w.attached.remove(&ask.conversation);
+            }
+            self.maybe_finish_drain(conv.worker);
+            Carried {
+                session: conv.parked,
+                same_worker: false,
+                from: conv.worker,
+            }
+        });
+        let Some(w) = self.workers.get_mut(&target) else {
+            // The target was the worker the conversation left and it just finished
+            // draining: nothing was granted, and what it carried is detached.
+            if let Some(Carried {
+                session: Some(session),
+                from,
+                ..
+            }) = carried
+            {
+                self.detach(
+                    ask.conversation.clone(),
+                    from,
+                    DetachTarget::Session(session),
+                );
+            }
+            return Ok(false);
+        };
+        w.attached.insert(ask.conversation.clone());
+        w.leased += 1;
+        w.last_used = now;
+        self.conversations.insert(
+            ask.conversation.clone(),
+            Conversation {
+                worker: target,
+                cli_session_id: None,
+                compat: ask.compat.clone(),
+                setup: ask.setup.clone(),
+                parked: None,
+                leased: true,
+                last_used: now,
+            },
+        );
+        let resume_crashes = self.resume_crashes(&ask.conversation);
+        self.out.push(Effect::Grant(Granted {
+            request: ask.id,
+            conversation: ask.conversation.clone(),
+            worker: target,
+            carried,
+            resume_crashes,
+        }));
+        Ok(true)
+    }
+
+    fn resume_crashes(&self, conversation: &str) -> u32 {
+        self.resume_crashes.get(conversation).copied().unwrap_or(0)
+    }
+
+    fn grant_attached(&mut self, ask: &Ask<Spec>, id: WorkerId, now: Instant) -> bool {
+        let resume_crashes = self.resume_crashes(&ask.conversation);
+        let (Some(w), Some(conv)) = (
+            self.workers.get_mut(&id),
+            self.conversations.get_mut(&ask.conversation),
+        ) else {
+            return false;
+        };
+        w.leased += 1;
+        w.last_used = now;
+        conv.leased = true;
+        conv.last_used = now;
+        let session = conv.parked.take();
+        self.out.push(Effect::Grant(Granted {
+            request: ask.id,
+            conversation: ask.conversation.clone(),
+            worker: id,
+            carried: Some(Carried {
+                session,
+                same_worker: true,
+                from: id,
+            }),
+            resume_crashes,
+        }));
+        true
+    }
+
+    /// The live, non-draining worker of `key` with the fewest conversations and room for one more.
+    fn least_loaded(&self, key: &PoolKey) -> Option<WorkerId> {
+        let ks = self.keys.get(key)?;
+        let views = ks
+            .workers
+            .iter()
+            .filter_map(|id| self.workers.get(id).map(|w| w.view(*id)));
+        least_loaded(views, self.limits.max_sessions_per_process)
+    }
+
+    /// Starts a worker for `key` if the caps allow (evicting the least recently used idle
+    /// worker of another key when the pool is full). Returns false when no new process may
+    /// come for this key (its caps are reached and no idle worker can make room).
+    fn grow(&mut self, key: &PoolKey, now: Instant) -> bool {
+        let Some(ks) = self.keys.get(key) else {
+            return false;
+        };
+        if ks.spawning || ks.backoff_until.is_some_and(|t| now < t) {
+            return true;
+        }
+        if ks.workers.len() >= self.limits.max_processes_per_key {
+            return false;
+        }
+        let spawning = self.keys.values().filter(|k| k.spawning).count();
+        if self.workers.len() + spawning >= self.limits.max_processes {
+            let victim = idle_victim(
+                self.workers
+                    .iter()
+                    .filter(|(_, w)| w.key != *key)
+                    .map(|(id, w)| w.view(*id)),
+            );
+            match victim {
+                Some(id) => self.evict(id, Eviction::Full),
+                None => return false,
+            }
+        }
+        if let Some(ks) = self.keys.get_mut(key) {
+            ks.spawning = true;
+            self.out.push(Effect::Spawn {
+                key: key.clone(),
+                spec: ks.spec.clone(),
+            });
+        }
+        true
+    }
+
+    /// Detaches the least recently used parked conversation of a live worker of `key` and
+    /// returns that worker (now with room for one more). Never `asking` itself: its parked
+    /// session moves with its grant, and a detach of it racing its own open would break the
+    /// one-owner rule.
+    fn detach_lru_parked_of_key(&mut self, key: &PoolKey, asking: &str) -> Option<WorkerId> {
+        let of_key = self.conversations.iter().filter(|(k, c)| {
+            k.as_str() != asking
+                && self
+                    .workers
+                    .get(&c.worker)
+                    .is_some_and(|w| w.key == *key && !w.draining)
+        });
+        let conversation = lru_parked(of_key.map(|(k, c)| c.view(k)))?.to_owned();
+        self.detach_parked(conversation)
+    }
+
+    /// Detaches the least recently used parked conversation (never `asking`) to make room.
+    fn detach_lru_parked(&mut self, asking: &str) -> bool {
+        let victim = lru_parked(
+            self.conversations
+                .iter()
+                .filter(|(k, _)| k.as_str() != asking)
+                .map(|(k, c)| c.view(k)),
+        );
+        match victim.map(str::to_owned) {
+            Some(conversation) => {
+                self.detach_parked(conversation);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Removes a parked conversation from its worker (its binding stays for a resume, which
+    /// waits for this detach); returns the worker.
+    fn detach_parked(&mut self, conversation: String) -> Option<WorkerId> {
+        let conv = self.conversations.remove(&conversation)?;
+        if let Some(w) = self.workers.get_mut(&conv.worker) {
+            w.attached.remove(&conversation);
+        }
+        if let Some(session) = conv.parked {
+            self.detach(conversation, conv.worker, DetachTarget::Session(session));
+        }
+        Some(conv.worker)
+    }
+
+    /// Asks for a confirmed detach; the conversation is not granted until it is answered.
+    fn detach(&mut self, conversation: String, worker: WorkerId, target: DetachTarget<S>) {
+        *self.detaching.entry(conversation.clone()).or_default() += 1;
+        self.out.push(Effect::Detach {
+            conversation,
+            worker,
+            target,
+        });
+    }
+
+    /// A key of the same account with another credential version is in use: the other
+    /// versions' workers drain (rotation).
+    fn drain_other_versions(&mut self, key: &PoolKey, now: Instant) {
+        let family = key.family();
+        let deadline = crate::deadline::from_std(now, self.limits.drain_grace);
+        let mut drained = Vec::new();
+        for (id, w) in &mut self.workers {
+            if !w.draining && w.key != *key && w.key.family() == family {
+                w.draining = true;
+                w.drain_deadline = Some(deadline);
+                drained.push(*id);
+            }
+        }
+        drained.sort_unstable();
+        for id in drained {
+            tracing::info!(key = %key.short_hash(), "Credentials rotated; draining the old worker.");
+            self.maybe_finish_drain(id);
+        }
+    }
+
+    fn maybe_finish_drain(&mut self, id: WorkerId) {
+        let done = self
+            .workers
+            .get(&id)
+            .is_some_and(|w| w.draining && w.leased == 0);
+        if done {
+            self.evict(id, Eviction::Drained);
+        }
+    }
+
+    fn settle_return(
+        &mut self,
+        conversation: String,
+        worker_id: WorkerId,
+        session: Option<S>,
+        settle: Settle,
+        turns: u64,
+        now: Instant,
+    ) {
+        let limits = self.upkeep_limits();
+        let drain_grace = self.limits.drain_grace;
+        let mut keep = false;
+        let mut alive = false;
+        if let Some(w) = self.workers.get_mut(&worker_id) {
+            w.leased = w.leased.saturating_sub(1);
+            w.turns += turns;
+            w.last_used = now;
+            if turns > 0 {
+                self.totals.turns += turns;
+                if let Some(ks) = self.keys.get_mut(&w.key) {
+                    ks.restart.record_stable();
+                }
+            }
+            if let Some(why) = recycle(&w.upkeep_view(), &limits) {
+                tracing::info!(
+                    turns = w.turns,
+                    rss = w.rss_bytes,
+                    ?why,
+                    "Recycling a worker."
+                );
+                w.draining = true;
+                w.drain_deadline = Some(crate::deadline::from_std(now, drain_grace));
+            }
+            keep = settle == Settle::Park && !w.draining && session.is_some();
+            // A worker that died under the turn is a crash (its supervision event says
+            // so), not something to stop.
+            alive = w.alive;
+        }
+        if settle == Settle::Unsettled && alive {
+            // The session may still be running a turn in that process: nothing but stopping
+            // the process makes it safe to resume elsewhere. The eviction keeps every
+            // conversation of the worker (this one included) from being granted until the
+            // process is gone.
+            if let Some(conv) = self.conversations.get_mut(&conversation)
+                && conv.worker == worker_id
+            {
+                conv.leased = false;
+                conv.parked = None;
+            }
+            tracing::warn!(
+                "A dropped lease's turn did not end after its abort; stopping its process."
+            );
+            drop(session);
+            self.evict(worker_id, Eviction::Unsettled);
+            return;
+        }
+        match self.conversations.get_mut(&conversation) {
+            Some(conv) if conv.worker == worker_id && keep => {
+                conv.leased = false;
+                conv.parked = session;
+                conv.last_used = now;
+            }
+            Some(conv) if conv.worker == worker_id => {
+                self.conversations.remove(&conversation);
+                if let Some(w) = self.workers.get_mut(&worker_id) {
+                    w.attached.remove(&conversation);
+                }
+                // Its binding stays for a resume, which waits for this detach.
+                if let Some(session) = session {
+                    self.detach(conversation, worker_id, DetachTarget::Session(session));
+                }
+            }
+            _ => {
+                if let Some(session) = session {
+                    self.detach(conversation, worker_id, DetachTarget::Session(session));
+                }
+            }
+        }
+        self.maybe_finish_drain(worker_id);
+    }
+
+    fn on_spawned(&mut self, key: PoolKey, started: Started, now: Instant) -> Option<WorkerId> {
+        let closed = self.closed;
+        let ks = self.keys.get_mut(&key)?;
+        ks.spawning = false;
+        match started {
+            Ok(_) if closed => None,
+            Ok(pid) => {
+                ks.last_start_error = None;
+                let id = self.next_worker_id;
+                self.next_worker_id += 1;
+                ks.workers.push(id);
+                let restart = std::mem::take(&mut ks.respawn);
+                if restart {
+                    self.totals.restarts += 1;
+                }
+                self.totals.processes_spawned += 1;
+                tracing::debug!(key = %key.short_hash(), pid, "Pool worker started.");
+                self.emit(PoolEvent::WorkerStarted {
+                    key_hash: key.short_hash(),
+                    pid,
+                    restart,
+                });
+                self.workers.insert(
+                    id,
+                    Worker {
+                        key,
+                        pid,
+                        alive: true,
+                        draining: false,
+                        drain_deadline: None,
+                        attached: HashSet::new(),
+                        leased: 0,
+                        turns: 0,
+                        last_used: now,
+                        rss_bytes: 0,
+                    },
+                );
+                Some(id)
+            }
+            Err(error @ WorkerError::ResourceExhausted(_)) => {
+                // The machine, not the runtime: no crash, no backoff, no quarantine. The
+                // waiters hear why at once; the next lease tries again.
+                tracing::warn!(key = %key.short_hash(), %error, "Pool worker could not start: out of resources.");
+                let failed = PoolError::Worker(error);
+                self.fail_waiters_of(&key, |_| failed.clone(), now);
+                None
+            }
+            Err(error) => {
+                // Not cached: the next lease tries again (after the backoff).
+                tracing::warn!(key = %key.short_hash(), %error, "Pool worker failed to start.");
+                ks.respawn = false;
+                ks.last_start_error = Some(error);
+                match ks.restart.record_crash(now, &self.limits.restart) {
+                    RestartDecision::Restart { after } => {
+                        // A retry is scheduled: the waiters stay queued for it (each still
+                        // bounded by its own wait timeout).
+                        ks.backoff_until = Some(now + after);
+                        self.out.push(Effect::RespawnAfter { key, after });
+                    }
+                    RestartDecision::Quarantine { until } => self.quarantine(&key, until, now),
+                }
+                None
+            }
+        }
+    }
+
+    fn quarantine(&mut self, key: &PoolKey, until: Instant, now: Instant) {
+        let key_hash = key.short_hash();
+        self.emit(PoolEvent::KeyQuarantined {
+            key_hash: key_hash.clone(),
+        });
+        self.fail_waiters_of(
+            key,
+            |now| PoolError::RestartIntensityExceeded {
+                key_hash: key_hash.clone(),
+                retry_after: until.saturating_duration_since(now),
+            },
+            now,
+        );
+    }
+
+    fn fail_waiters_of(
+        &mut self,
+        key: &PoolKey,
+        error: impl Fn(Instant) -> PoolError,
+        now: Instant,
+    ) {
+        let (fail, keep): (VecDeque<_>, VecDeque<_>) =
+            self.waiters.drain(..).partition(|w| w.key == *key);
+        self.waiters = keep;
+        for w in fail {
+            self.out.push(Effect::Fail {
+                request: w.id,
+                error: error(now),
+            });
+        }
+    }
+
+    /// Forgets a worker: its parked conversations are dropped (their bindings stay), leased
+    /// ones are dropped when their lease returns.
+    fn remove_worker(&mut self, id: WorkerId) -> bool {
+        let Some(w) = self.workers.remove(&id) else {
+            return false;
+        };
+        if let Some(ks) = self.keys.get_mut(&w.key) {
+            ks.workers.retain(|x| *x != id);
+        }
+        for conversation in &w.attached {
+            if self
+                .conversations
+                .get(conversation)
+                .is_some_and(|c| c.worker == id && !c.leased)
+            {
+                self.conversations.remove(conversation);
+            }
+        }
+        true
+    }
+
+    fn evict(&mut self, id: WorkerId, reason: Eviction) {
+        let Some(w) = self.workers.get(&id) else {
+            return;
+        };
+        let key_hash = w.key.short_hash();
+        let pid = w.pid;
+        // Its conversations resume elsewhere only once the worker (which detaches them on
+        // its way out) has stopped.
+        let mut attached: Vec<String> = w.attached.iter().cloned().collect();
+        attached.sort_unstable();
+        for key in &attached {
+            *self.detaching.entry(key.clone()).or_default() += 1;
+        }
+        self.remove_worker(id);
+        tracing::info!(pid, why = reason.describe(), "Evicting a pool worker.");
+        self.totals.evicted += 1;
+        self.emit(PoolEvent::WorkerEvicted {
+            key_hash,
+            pid,
+            reason,
+        });
+        self.out.push(Effect::Evict {
+            worker: id,
+            reason,
+            attached,
+        });
+    }
+}

@@ -1,0 +1,727 @@
+//! Tests of the placement core, with no process: a small simulator plays the actor (it keeps
+//! the grants, spawns and detaches the core asked for and answers them when told to).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::auth::AuthMode;
+
+/// A parked session in these tests: a number unique over a run.
+type Token = u32;
+
+fn key(n: u8) -> PoolKey {
+    PoolKey {
+        home: PathBuf::from(format!("/agents/{n}")),
+        mode: AuthMode::Token,
+        profile_id: Some(format!("profile-{n}")),
+        profile_version: Some("v1".into()),
+        byok: None,
+    }
+}
+
+fn limits() -> Limits {
+    Limits {
+        max_processes: 4,
+        max_processes_per_key: 2,
+        max_sessions_per_process: 2,
+        max_sessions: 100,
+        max_waiters: 100,
+        idle_ttl: Duration::from_secs(300),
+        max_rss_bytes: 1 << 30,
+        max_turns_per_process: 1000,
+        drain_grace: Duration::from_secs(30),
+        restart: RestartPolicy::default(),
+    }
+}
+
+/// The actor's side, simulated.
+struct Sim {
+    core: Placement<(), Token>,
+    now: Instant,
+    next_request: RequestId,
+    next_token: Token,
+    next_pid: u32,
+    /// Request id → the conversation it asked for.
+    asked: HashMap<RequestId, String>,
+    /// Requests queued and not yet answered.
+    queued: Vec<RequestId>,
+    /// Outstanding grants: conversation → (worker, request).
+    leases: BTreeMap<String, (WorkerId, RequestId)>,
+    /// Every grant in order: (request, conversation, worker).
+    granted: Vec<(RequestId, String, WorkerId)>,
+    failed: Vec<(RequestId, PoolError)>,
+    /// Spawns asked for and not yet answered.
+    spawns: Vec<PoolKey>,
+    respawns: Vec<PoolKey>,
+    /// Detaches and evictions asked for and not yet answered: (conversations, worker).
+    detaches: Vec<(Vec<String>, WorkerId)>,
+    evicted: Vec<(WorkerId, Eviction)>,
+    workers: Vec<WorkerId>,
+}
+
+impl Sim {
+    fn new(limits: Limits) -> Self {
+        Sim {
+            core: Placement::new(limits),
+            now: Instant::now() + Duration::from_secs(100_000),
+            next_request: 1,
+            next_token: 1,
+            next_pid: 1000,
+            asked: HashMap::new(),
+            queued: Vec::new(),
+            leases: BTreeMap::new(),
+            granted: Vec::new(),
+            failed: Vec::new(),
+            spawns: Vec::new(),
+            respawns: Vec::new(),
+            detaches: Vec::new(),
+            evicted: Vec::new(),
+            workers: Vec::new(),
+        }
+    }
+
+    fn ask_with(
+        &mut self,
+        conversation: &str,
+        k: u8,
+        compat: &str,
+        fail_if_busy: bool,
+    ) -> RequestId {
+        let id = self.next_request;
+        self.next_request += 1;
+        self.asked.insert(id, conversation.to_owned());
+        let ask = Ask {
+            id,
+            key: key(k),
+            spec: (),
+            conversation: conversation.to_owned(),
+            compat: compat.to_owned(),
+            setup: String::new(),
+            gateway_key: conversation.to_owned(),
+            fail_if_busy,
+            wait: Duration::from_secs(60),
+        };
+        let effects = self.core.acquire(ask, self.now);
+        self.apply(effects);
+        id
+    }
+
+    fn ask(&mut self, conversation: &str, k: u8) -> RequestId {
+        self.ask_with(conversation, k, "c", false)
+    }
+
+    /// Answers the oldest pending spawn with a started worker; returns its id.
+    fn spawn_ok(&mut self) -> Option<WorkerId> {
+        let key = self.spawns.first().cloned()?;
+        self.spawns.remove(0);
+        let pid = self.next_pid;
+        self.next_pid += 1;
+        let (id, effects) = self.core.spawned(key, Ok(pid), self.now);
+        self.workers.extend(id);
+        self.apply(effects);
+        id
+    }
+
+    fn give_back(&mut self, conversation: &str, settle: Settle, turns: u64) {
+        let (worker, _) = self.leases.remove(conversation).expect("leased");
+        let token = self.next_token;
+        self.next_token += 1;
+        let effects = self.core.returned(
+            conversation.to_owned(),
+            worker,
+            Some(token),
+            settle,
+            turns,
+            self.now,
+        );
+        self.apply(effects);
+    }
+
+    fn confirm_all_detaches(&mut self) {
+        while let Some((conversations, worker)) = self.detaches.pop() {
+            let effects = self.core.detached(&conversations, worker, true, self.now);
+            self.apply(effects);
+        }
+    }
+
+    fn apply(&mut self, effects: Vec<Effect<(), Token>>) {
+        for effect in effects {
+            match effect {
+                Effect::Grant(g) => {
+                    assert_eq!(self.asked.get(&g.request), Some(&g.conversation));
+                    assert!(
+                        !self.leases.contains_key(&g.conversation),
+                        "{} granted while leased",
+                        g.conversation
+                    );
+                    assert!(
+                        !self
+                            .detaches
+                            .iter()
+                            .any(|(cs, _)| cs.contains(&g.conversation)),
+                        "{} granted while being detached",
+                        g.conversation
+                    );
+                    self.queued.retain(|r| *r != g.request);
+                    self.leases
+                        .insert(g.conversation.clone(), (g.worker, g.request));
+                    self.granted.push((g.request, g.conversation, g.worker));
+                }
+                Effect::Fail { request, error } => {
+                    self.queued.retain(|r| *r != request);
+                    self.failed.push((request, error));
+                }
+                Effect::Queued { request, .. } => self.queued.push(request),
+                Effect::Spawn { key, .. } => self.spawns.push(key),
+                Effect::RespawnAfter { key, .. } => self.respawns.push(key),
+                Effect::Detach {
+                    conversation,
+                    worker,
+                    ..
+                } => self.detaches.push((vec![conversation], worker)),
+                Effect::Evict {
+                    worker,
+                    reason,
+                    attached,
+                } => {
+                    self.evicted.push((worker, reason));
+                    self.detaches.push((attached, worker));
+                }
+                Effect::Forget { .. } | Effect::Event(_) => {}
+            }
+        }
+        self.core.check_invariants();
+        assert_eq!(self.core.leased_count(), self.leases.len());
+    }
+
+    fn granted_to(&self, request: RequestId) -> Option<WorkerId> {
+        self.granted
+            .iter()
+            .find(|(r, _, _)| *r == request)
+            .map(|(_, _, w)| *w)
+    }
+}
+
+impl<Spec: Clone, S> Placement<Spec, S> {
+    /// The caps and the bookkeeping agree with themselves.
+    fn check_invariants(&self) {
+        let spawning = self.keys.values().filter(|k| k.spawning).count();
+        assert!(
+            self.workers.len() + spawning <= self.limits.max_processes,
+            "max_processes exceeded: {} workers, {spawning} starting",
+            self.workers.len()
+        );
+        assert!(self.conversations.len() <= self.limits.max_sessions);
+        for (id, w) in &self.workers {
+            assert!(w.attached.len() <= self.limits.max_sessions_per_process);
+            let leased = w
+                .attached
+                .iter()
+                .filter(|c| self.conversations.get(*c).is_some_and(|c| c.leased))
+                .count();
+            assert!(
+                leased <= w.leased,
+                "worker {id}: lease count below its leases"
+            );
+        }
+        for (name, c) in &self.conversations {
+            if let Some(w) = self.workers.get(&c.worker) {
+                assert!(
+                    w.attached.contains(name),
+                    "{name} not attached to its worker"
+                );
+            }
+            assert!(
+                !(c.leased && c.parked.is_some()),
+                "{name} leased and parked"
+            );
+        }
+        for ks in self.keys.values() {
+            assert!(ks.workers.len() <= self.limits.max_processes_per_key);
+        }
+    }
+}
+
+#[test]
+fn a_conversation_is_granted_on_the_worker_its_spawn_brings_and_reused_when_parked() {
+    let mut sim = Sim::new(limits());
+    let first = sim.ask("a/1", 1);
+    assert_eq!(
+        sim.spawns.len(),
+        1,
+        "the first lease of a key starts a worker"
+    );
+    assert!(sim.queued.contains(&first));
+    let w = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.granted_to(first), Some(w));
+    sim.give_back("a/1", Settle::Park, 1);
+    let again = sim.ask("a/1", 1);
+    assert_eq!(sim.granted_to(again), Some(w), "parked: the same worker");
+    assert!(sim.spawns.is_empty());
+}
+
+#[test]
+fn a_leased_conversation_waits_for_its_return_or_is_refused_at_once_when_asked() {
+    let mut sim = Sim::new(limits());
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    let second = sim.ask("a/1", 1);
+    assert!(sim.queued.contains(&second), "queued behind the lease");
+    let busy = sim.ask_with("a/1", 1, "c", true);
+    assert!(matches!(
+        sim.failed.last(),
+        Some((r, PoolError::ConversationBusy { .. })) if *r == busy
+    ));
+    sim.give_back("a/1", Settle::Park, 1);
+    assert!(sim.granted_to(second).is_some(), "served at the return");
+}
+
+#[test]
+fn waiters_are_served_in_the_order_they_asked() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 1,
+        max_processes_per_key: 1,
+        max_sessions_per_process: 1,
+        ..limits()
+    });
+    sim.ask("a/0", 1);
+    sim.spawn_ok();
+    let order: Vec<RequestId> = (1..=4).map(|i| sim.ask(&format!("a/{i}"), 1)).collect();
+    assert_eq!(sim.queued, order, "all wait: one process, one conversation");
+    let mut served = Vec::new();
+    let mut holder = "a/0".to_owned();
+    for _ in 0..order.len() {
+        sim.give_back(&holder, Settle::Park, 1);
+        // The parked one is detached to make room; the next waiter gets the slot.
+        let (request, conversation, _) = sim.granted.last().cloned().expect("a grant");
+        served.push(request);
+        holder = conversation;
+        sim.confirm_all_detaches();
+    }
+    assert_eq!(served, order);
+}
+
+#[test]
+fn a_full_pool_stops_the_least_recently_used_idle_worker_of_another_key() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 2,
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    let older = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.now += Duration::from_secs(5);
+    sim.ask("b/1", 2);
+    let newer = sim.spawn_ok().expect("kept");
+    sim.give_back("b/1", Settle::Park, 1);
+    sim.now += Duration::from_secs(5);
+
+    sim.ask("c/1", 3);
+    assert_eq!(sim.evicted, vec![(older, Eviction::Full)]);
+    assert_ne!(older, newer);
+    assert_eq!(
+        sim.spawns,
+        vec![key(3)],
+        "the new key starts in the freed slot"
+    );
+}
+
+#[test]
+fn a_full_pool_with_every_worker_leased_makes_the_new_key_wait() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 1,
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    let waiting = sim.ask("b/1", 2);
+    assert!(
+        sim.evicted.is_empty(),
+        "a leased worker is never stopped for room"
+    );
+    assert!(sim.queued.contains(&waiting));
+    sim.give_back("a/1", Settle::Park, 1);
+    assert_eq!(sim.evicted.len(), 1, "now idle, it makes room");
+    assert_eq!(sim.spawns, vec![key(2)]);
+}
+
+#[test]
+fn the_global_session_cap_detaches_the_least_recently_used_parked_conversation() {
+    let mut sim = Sim::new(Limits {
+        max_sessions: 2,
+        max_sessions_per_process: 10,
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.now += Duration::from_secs(1);
+    sim.ask("a/2", 1);
+    sim.give_back("a/2", Settle::Park, 1);
+    sim.now += Duration::from_secs(1);
+
+    let third = sim.ask("a/3", 1);
+    assert!(sim.granted_to(third).is_some());
+    assert_eq!(sim.detaches.len(), 1);
+    assert_eq!(
+        sim.detaches[0].0,
+        vec!["a/1".to_owned()],
+        "the least recently used"
+    );
+
+    // Every conversation leased: the next new one waits.
+    sim.confirm_all_detaches();
+    let again = sim.ask("a/2", 1);
+    assert!(sim.granted_to(again).is_some());
+    let fourth = sim.ask("a/4", 1);
+    assert!(
+        sim.queued.contains(&fourth),
+        "the cap holds while all are leased"
+    );
+}
+
+#[test]
+fn a_conversation_being_detached_is_granted_only_after_the_confirmation() {
+    let mut sim = Sim::new(limits());
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    // A lost session: it must be detached before anyone leases the conversation again.
+    sim.give_back("a/1", Settle::Detach, 1);
+    assert_eq!(sim.detaches.len(), 1);
+    let next = sim.ask("a/1", 1);
+    assert!(sim.queued.contains(&next));
+    sim.confirm_all_detaches();
+    assert!(sim.granted_to(next).is_some());
+}
+
+#[test]
+fn a_failed_detach_stops_the_old_worker_before_the_conversation_moves() {
+    let mut sim = Sim::new(limits());
+    sim.ask("a/1", 1);
+    let w = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Detach, 1);
+    let (conversations, worker) = sim.detaches.pop().expect("a detach");
+    let effects = sim.core.detached(&conversations, worker, false, sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.evicted, vec![(w, Eviction::DetachFailed)]);
+}
+
+#[test]
+fn an_unsettled_return_stops_the_worker_and_holds_its_conversations_until_it_is_gone() {
+    let mut sim = Sim::new(limits());
+    sim.ask("a/1", 1);
+    let w = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Unsettled, 0);
+    assert_eq!(sim.evicted, vec![(w, Eviction::Unsettled)]);
+    let next = sim.ask("a/1", 1);
+    assert!(
+        sim.granted_to(next).is_none(),
+        "not before the process is gone"
+    );
+    sim.confirm_all_detaches();
+    sim.spawn_ok();
+    assert!(sim.granted_to(next).is_some());
+}
+
+#[test]
+fn workers_are_recycled_by_turn_count_and_by_memory() {
+    let mut sim = Sim::new(Limits {
+        max_turns_per_process: 3,
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    let worn = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Park, 3);
+    assert_eq!(
+        sim.evicted,
+        vec![(worn, Eviction::Drained)],
+        "no lease left"
+    );
+
+    sim.confirm_all_detaches();
+    sim.ask("a/1", 1);
+    let heavy = sim.spawn_ok().expect("kept");
+    let effects = sim.core.measured(&[(heavy, 2 << 30)], sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.evicted.len(), 1, "draining waits for the lease");
+    let next = sim.ask("a/2", 1);
+    assert_eq!(
+        sim.spawns,
+        vec![key(1)],
+        "a draining worker takes nothing new"
+    );
+    sim.give_back("a/1", Settle::Park, 1);
+    assert_eq!(sim.evicted.last(), Some(&(heavy, Eviction::Drained)));
+    sim.spawn_ok();
+    assert!(sim.granted_to(next).is_some());
+}
+
+#[test]
+fn a_crash_with_work_schedules_a_respawn_and_too_many_quarantine_the_key() {
+    let policy = RestartPolicy {
+        max_restarts: 2,
+        ..RestartPolicy::default()
+    };
+    let mut sim = Sim::new(Limits {
+        restart: policy,
+        ..limits()
+    });
+    let mut quarantined = false;
+    for _ in 0..4 {
+        let r = sim.ask("a/1", 1);
+        if sim
+            .failed
+            .iter()
+            .any(|(id, e)| *id == r && matches!(e, PoolError::RestartIntensityExceeded { .. }))
+        {
+            quarantined = true;
+            break;
+        }
+        let w = match sim.spawn_ok() {
+            Some(w) => w,
+            None => {
+                let key = sim.respawns.pop().expect("a scheduled respawn");
+                let effects = sim.core.respawn_due(&key, sim.now);
+                sim.apply(effects);
+                sim.spawn_ok().expect("respawned")
+            }
+        };
+        let effects = sim.core.crashed(w, sim.now);
+        sim.apply(effects);
+        sim.leases.remove("a/1");
+        let effects = sim
+            .core
+            .returned("a/1".into(), w, None, Settle::Detach, 0, sim.now);
+        sim.apply(effects);
+    }
+    assert!(quarantined, "the key is quarantined after too many crashes");
+}
+
+#[test]
+fn a_queued_lease_that_expires_says_its_conversation_is_still_leased() {
+    let mut sim = Sim::new(limits());
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    let second = sim.ask("a/1", 1);
+    let effects = sim.core.expire(second);
+    sim.apply(effects);
+    assert!(matches!(
+        sim.failed.last(),
+        Some((r, PoolError::ConversationWaitTimeout { .. })) if *r == second
+    ));
+}
+
+/// One step of the property test.
+#[derive(Debug, Clone)]
+enum Step {
+    Ask {
+        conversation: u8,
+        key: u8,
+        compat: u8,
+        fail_if_busy: bool,
+    },
+    Return {
+        pick: usize,
+        settle: u8,
+        alive: bool,
+        turns: u64,
+    },
+    Abandon {
+        pick: usize,
+        opened: bool,
+        maybe_attached: bool,
+    },
+    SpawnDone {
+        pick: usize,
+        ok: bool,
+    },
+    Confirm {
+        pick: usize,
+        ok: bool,
+    },
+    Crash {
+        pick: usize,
+    },
+    Respawn {
+        pick: usize,
+    },
+    Expire {
+        pick: usize,
+    },
+    Measure {
+        pick: usize,
+        heavy: bool,
+    },
+    Tick {
+        secs: u64,
+    },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (0u8..6, 0u8..3, 0u8..2, any::<bool>()).prop_map(|(conversation, key, compat, fail_if_busy)| Step::Ask { conversation, key, compat, fail_if_busy }),
+        3 => (any::<usize>(), 0u8..3, any::<bool>(), 0u64..3).prop_map(|(pick, settle, alive, turns)| Step::Return { pick, settle, alive, turns }),
+        1 => (any::<usize>(), any::<bool>(), any::<bool>()).prop_map(|(pick, opened, maybe_attached)| Step::Abandon { pick, opened, maybe_attached }),
+        3 => (any::<usize>(), prop::bool::weighted(0.8)).prop_map(|(pick, ok)| Step::SpawnDone { pick, ok }),
+        3 => (any::<usize>(), prop::bool::weighted(0.8)).prop_map(|(pick, ok)| Step::Confirm { pick, ok }),
+        1 => any::<usize>().prop_map(|pick| Step::Crash { pick }),
+        1 => any::<usize>().prop_map(|pick| Step::Respawn { pick }),
+        1 => any::<usize>().prop_map(|pick| Step::Expire { pick }),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(pick, heavy)| Step::Measure { pick, heavy }),
+        1 => (0u64..400).prop_map(|secs| Step::Tick { secs }),
+    ]
+}
+
+impl Sim {
+    fn play(&mut self, step: Step) {
+        let now = self.now;
+        match step {
+            Step::Ask {
+                conversation,
+                key,
+                compat,
+                fail_if_busy,
+            } => {
+                let name = format!("c/{conversation}");
+                self.ask_with(&name, key, &compat.to_string(), fail_if_busy);
+            }
+            Step::Return {
+                pick,
+                settle,
+                alive,
+                turns,
+            } => {
+                let Some(name) = self
+                    .leases
+                    .keys()
+                    .nth(pick % self.leases.len().max(1))
+                    .cloned()
+                else {
+                    return;
+                };
+                let (worker, _) = self.leases.remove(&name).expect("picked");
+                let settle = [Settle::Park, Settle::Detach, Settle::Unsettled][settle as usize];
+                let session = alive.then(|| {
+                    self.next_token += 1;
+                    self.next_token
+                });
+                let effects = self
+                    .core
+                    .returned(name, worker, session, settle, turns, now);
+                self.apply(effects);
+            }
+            Step::Abandon {
+                pick,
+                opened,
+                maybe_attached,
+            } => {
+                let Some(name) = self
+                    .leases
+                    .keys()
+                    .nth(pick % self.leases.len().max(1))
+                    .cloned()
+                else {
+                    return;
+                };
+                let (worker, _) = self.leases.remove(&name).expect("picked");
+                self.next_token += 1;
+                let effects = self.core.abandoned(
+                    name,
+                    worker,
+                    None,
+                    opened.then_some(self.next_token),
+                    maybe_attached.then(CliSessionId::random),
+                    false,
+                    now,
+                );
+                self.apply(effects);
+            }
+            Step::SpawnDone { pick, ok } => {
+                if self.spawns.is_empty() {
+                    return;
+                }
+                let key = self.spawns.remove(pick % self.spawns.len());
+                let started = if ok {
+                    self.next_pid += 1;
+                    Ok(self.next_pid)
+                } else {
+                    Err(WorkerError::Spawn("test".into()))
+                };
+                let (id, effects) = self.core.spawned(key, started, now);
+                self.workers.extend(id);
+                self.apply(effects);
+            }
+            Step::Confirm { pick, ok } => {
+                if self.detaches.is_empty() {
+                    return;
+                }
+                let (conversations, worker) = self.detaches.remove(pick % self.detaches.len());
+                let effects = self.core.detached(&conversations, worker, ok, now);
+                self.apply(effects);
+            }
+            Step::Crash { pick } => {
+                let Some(&worker) = self.workers.get(pick % self.workers.len().max(1)) else {
+                    return;
+                };
+                self.core.exited(worker);
+                let effects = self.core.crashed(worker, now);
+                self.apply(effects);
+            }
+            Step::Respawn { pick } => {
+                if self.respawns.is_empty() {
+                    return;
+                }
+                let key = self.respawns.remove(pick % self.respawns.len());
+                let effects = self.core.respawn_due(&key, now);
+                self.apply(effects);
+            }
+            Step::Expire { pick } => {
+                let Some(&request) = self.queued.get(pick % self.queued.len().max(1)) else {
+                    return;
+                };
+                let effects = self.core.expire(request);
+                self.apply(effects);
+            }
+            Step::Measure { pick, heavy } => {
+                let Some(&worker) = self.workers.get(pick % self.workers.len().max(1)) else {
+                    return;
+                };
+                let rss = if heavy { 2 << 30 } else { 1 << 20 };
+                let effects = self.core.measured(&[(worker, rss)], now);
+                self.apply(effects);
+            }
+            Step::Tick { secs } => {
+                self.now += Duration::from_secs(secs);
+                let effects = self.core.maintain(self.now);
+                self.apply(effects);
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// No sequence of events grants one conversation twice, or grants it while one of its
+    /// sessions is still being detached (checked at every grant by `Sim::apply`), and the caps
+    /// hold throughout.
+    #[test]
+    fn no_sequence_of_events_grants_one_conversation_twice(
+        steps in prop::collection::vec(step(), 1..120),
+        small in any::<bool>(),
+    ) {
+        let limits = if small {
+            Limits { max_processes: 2, max_processes_per_key: 1, max_sessions_per_process: 2, max_sessions: 3, max_turns_per_process: 4, ..limits() }
+        } else {
+            limits()
+        };
+        let mut sim = Sim::new(limits);
+        for step in steps {
+            sim.play(step);
+        }
+    }
+}
