@@ -12,6 +12,11 @@
 //! ended, how the conversation was opened, token usage). Dropping the lease returns the
 //! conversation. Errors are [`PoolError`]s; [`PoolError::kind`] says what to do about one.
 //!
+//! Configs, requests, errors, events and outcomes are `#[non_exhaustive]`: start a config
+//! from its constructor or `Default` ([`PoolConfig::new`], [`LeaseRequest::new`],
+//! `http::ApiConfig::default()`) and set the public fields you need, as below, so a field
+//! added later never breaks a caller.
+//!
 //! ```
 //! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -8,9 +8,9 @@
 //! Prometheus conventions: the `copilot_pool_` prefix, base units (`_seconds`, `_bytes`) and
 //! `_total` for counters. Labels take values from small fixed sets only (never an agent id,
 //! session key, CLI session id, pid or key hash), so the number of series is bounded.
-//! In names, *session* is the runtime's CLI session (not the gateway's `session_key`): an
-//! attached conversation holds exactly one, so [`SESSIONS`] also counts attached
-//! conversations.
+//! In names, *conversation* is the gateway's (agent, session key) and *session* is the
+//! runtime's CLI session; [`CONVERSATIONS_ATTACHED`] counts conversations attached to a
+//! process (each holds exactly one CLI session there).
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
@@ -19,7 +19,7 @@
 //! | [`PROCESS_EXITS_TOTAL`] | counter | `reason`: `crash`, `evicted`, `shutdown` |
 //! | [`PROCESS_START_SECONDS`] | histogram | — |
 //! | [`PROCESS_RESIDENT_MEMORY_BYTES`] | gauge | — |
-//! | [`SESSIONS`] | gauge | — |
+//! | [`CONVERSATIONS_ATTACHED`] | gauge | — |
 //! | [`SESSION_RESUMES_TOTAL`] | counter | `result`: the label of each [`OpenReason`] but `attached` |
 //! | [`LEASES_ACTIVE`], [`LEASE_WAITERS`] | gauge | — |
 //! | [`LEASE_WAIT_SECONDS`] | histogram | — |
@@ -54,8 +54,8 @@ pub const PROCESS_EXITS_TOTAL: &str = "copilot_pool_process_exits_total";
 pub const PROCESS_START_SECONDS: &str = "copilot_pool_process_start_seconds";
 /// Resident memory (VmRSS) summed over the pool's processes, as of the last maintenance tick.
 pub const PROCESS_RESIDENT_MEMORY_BYTES: &str = "copilot_pool_process_resident_memory_bytes";
-/// CLI sessions attached to a process: one per attached conversation (leased or parked).
-pub const SESSIONS: &str = "copilot_pool_sessions";
+/// Conversations attached to a process (leased or parked), each with its one CLI session.
+pub const CONVERSATIONS_ATTACHED: &str = "copilot_pool_conversations_attached";
 /// CLI sessions opened for a conversation on a process it was not attached to (resumed or
 /// started anew), by `result`.
 pub const SESSION_RESUMES_TOTAL: &str = "copilot_pool_session_resumes_total";
@@ -102,7 +102,7 @@ pub const COUNTERS: &[&str] = &[
 pub const GAUGES: &[&str] = &[
     PROCESSES,
     PROCESS_RESIDENT_MEMORY_BYTES,
-    SESSIONS,
+    CONVERSATIONS_ATTACHED,
     LEASES_ACTIVE,
     LEASE_WAITERS,
 ];
@@ -199,7 +199,7 @@ pub fn describe() {
          maintenance tick."
     );
     describe_gauge!(
-        SESSIONS,
+        CONVERSATIONS_ATTACHED,
         Unit::Count,
         "Conversations attached to a CLI process (leased or parked)."
     );
@@ -355,7 +355,7 @@ pub(crate) struct PoolGauges {
     pub(crate) live: usize,
     pub(crate) draining: usize,
     pub(crate) rss_bytes: u64,
-    pub(crate) sessions: usize,
+    pub(crate) conversations: usize,
     pub(crate) leases: usize,
     pub(crate) waiters: usize,
 }
@@ -365,7 +365,7 @@ impl PoolGauges {
         gauge!(PROCESSES, "state" => "live").set(self.live as f64);
         gauge!(PROCESSES, "state" => "draining").set(self.draining as f64);
         gauge!(PROCESS_RESIDENT_MEMORY_BYTES).set(self.rss_bytes as f64);
-        gauge!(SESSIONS).set(self.sessions as f64);
+        gauge!(CONVERSATIONS_ATTACHED).set(self.conversations as f64);
         gauge!(LEASES_ACTIVE).set(self.leases as f64);
         gauge!(LEASE_WAITERS).set(self.waiters as f64);
     }
@@ -656,7 +656,7 @@ mod tests {
                 live: 3,
                 draining: 1,
                 rss_bytes: 1 << 20,
-                sessions: 7,
+                conversations: 7,
                 leases: 2,
                 waiters: 4,
             }
@@ -704,7 +704,7 @@ mod tests {
         assert_eq!(gauge_of(PROCESSES, &[("state", "live")]), 3.0);
         assert_eq!(gauge_of(PROCESSES, &[("state", "draining")]), 1.0);
         assert_eq!(gauge_of(PROCESS_RESIDENT_MEMORY_BYTES, &[]), 1048576.0);
-        assert_eq!(gauge_of(SESSIONS, &[]), 7.0);
+        assert_eq!(gauge_of(CONVERSATIONS_ATTACHED, &[]), 7.0);
         assert_eq!(gauge_of(LEASES_ACTIVE, &[]), 2.0);
         assert_eq!(gauge_of(LEASE_WAITERS, &[]), 4.0);
     }

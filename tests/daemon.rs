@@ -107,7 +107,7 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
         "copilot_pool_process_spawns_total",
         "copilot_pool_process_start_seconds_bucket",
         "copilot_pool_process_resident_memory_bytes",
-        "copilot_pool_sessions",
+        "copilot_pool_conversations_attached",
         "copilot_pool_session_resumes_total",
         "copilot_pool_leases_active",
         "copilot_pool_lease_waiters",

@@ -28,7 +28,7 @@ async fn concurrent_leases_on_a_new_key_spawn_exactly_one_process() {
     assert_eq!(pids.len(), 1, "one process for one key");
     let status = pool.status().await.expect("status");
     assert_eq!(status.totals.processes_spawned, 1);
-    assert_eq!(status.workers[0].sessions, 6);
+    assert_eq!(status.workers[0].conversations, 6);
     drop(leases);
     shutdown_leaves_nothing(&pool).await;
 }
@@ -59,7 +59,7 @@ async fn twenty_conversations_pack_into_two_processes_within_the_caps() {
     assert_eq!(per_pid.len(), 2, "{per_pid:?}");
     assert!(per_pid.values().all(|n| *n == 10), "{per_pid:?}");
     let status = pool.status().await.expect("status");
-    assert!(status.workers.iter().all(|w| w.sessions <= 10));
+    assert!(status.workers.iter().all(|w| w.conversations <= 10));
     assert_eq!(status.totals.processes_spawned, 2);
     drop(results);
     shutdown_leaves_nothing(&pool).await;
@@ -421,7 +421,7 @@ async fn one_turn_at_a_time_and_one_owner_per_session_id() {
     // No split brain: the resumed session carries the first process's turn.
     assert!(fx.last_model_request().contains("MARKER-owner-5"));
     let status = pool.status().await.expect("status");
-    let attached: usize = status.workers.iter().map(|w| w.sessions).sum();
+    let attached: usize = status.workers.iter().map(|w| w.conversations).sum();
     assert_eq!(attached, 1, "the session is attached to exactly one worker");
     drop(second);
     shutdown_leaves_nothing(&pool).await;

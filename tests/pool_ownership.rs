@@ -415,7 +415,7 @@ async fn a_binding_that_cannot_be_written_fails_the_lease_and_leaves_nothing_att
     let detached = async {
         loop {
             let status = pool.status().await.expect("status");
-            if status.conversations == 0 && status.workers.iter().all(|w| w.sessions == 0) {
+            if status.conversations == 0 && status.workers.iter().all(|w| w.conversations == 0) {
                 break;
             }
             tokio::task::yield_now().await;

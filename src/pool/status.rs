@@ -25,7 +25,7 @@ pub struct WorkerStatus {
     /// Live or draining.
     pub state: WorkerState,
     /// Conversations attached.
-    pub sessions: usize,
+    pub conversations: usize,
     /// Conversations leased right now.
     pub leases: usize,
     /// Turns served.

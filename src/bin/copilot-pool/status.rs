@@ -185,16 +185,16 @@ pub fn render(s: &PoolSnapshot) -> String {
     }
     let _ = writeln!(
         out,
-        "{:>8}  {:<8}  {:>8}  {:>6}  {:>7}  {:>8}  {:>8}  KEY",
-        "PID", "STATE", "SESSIONS", "LEASES", "TURNS", "RESTARTS", "RSS MiB"
+        "{:>8}  {:<8}  {:>13}  {:>6}  {:>7}  {:>8}  {:>8}  KEY",
+        "PID", "STATE", "CONVERSATIONS", "LEASES", "TURNS", "RESTARTS", "RSS MiB"
     );
     for p in &s.workers {
         let _ = writeln!(
             out,
-            "{:>8}  {:<8}  {:>8}  {:>6}  {:>7}  {:>8}  {:>8.1}  {}",
+            "{:>8}  {:<8}  {:>13}  {:>6}  {:>7}  {:>8}  {:>8.1}  {}",
             p.pid,
             p.state.as_str(),
-            p.sessions,
+            p.conversations,
             p.leases,
             p.turns,
             p.restarts,
@@ -351,7 +351,7 @@ mod tests {
 
     #[test]
     fn renders_the_daemon_snapshot() {
-        let json = r#"{"processes":[{"key_hash":"ab12cd34","pid":4242,"state":"live","sessions":3,"leases":1,"turns":17,"restarts":0,"rss_bytes":157286400},{"key_hash":"ffee","pid":7,"state":"draining","sessions":0,"leases":0,"turns":2,"restarts":1,"rss_bytes":0}],"waiters":2,"conversations":3,"leased":1,"draining":false,"totals":{"processes_spawned":3,"restarts":1,"crashes":1,"resumed":4,"created":5,"evicted":0,"turns":19}}"#;
+        let json = r#"{"processes":[{"key_hash":"ab12cd34","pid":4242,"state":"live","conversations":3,"leases":1,"turns":17,"restarts":0,"rss_bytes":157286400},{"key_hash":"ffee","pid":7,"state":"draining","conversations":0,"leases":0,"turns":2,"restarts":1,"rss_bytes":0}],"waiters":2,"conversations":3,"leased":1,"draining":false,"totals":{"processes_spawned":3,"restarts":1,"crashes":1,"resumed":4,"created":5,"evicted":0,"turns":19}}"#;
         let snapshot: PoolSnapshot = serde_json::from_str(json).unwrap();
         let text = render(&snapshot);
         let lines: Vec<&str> = text.lines().collect();

@@ -650,7 +650,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     /// The gauges' numbers: conversations, leases, waiters, live and draining workers, RSS.
     pub(crate) fn gauges(&self) -> crate::metrics::PoolGauges {
         let mut gauges = crate::metrics::PoolGauges {
-            sessions: self.conversations.len(),
+            conversations: self.conversations.len(),
             leases: self.leased_count(),
             waiters: self.waiters.len(),
             ..crate::metrics::PoolGauges::default()
@@ -679,7 +679,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 } else {
                     WorkerState::Live
                 },
-                sessions: w.attached.len(),
+                conversations: w.attached.len(),
                 leases: w.leased,
                 turns: w.turns,
                 restarts: self
