@@ -6,7 +6,7 @@
 //! tasks that report back by message.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::{broadcast, watch};
@@ -20,7 +20,7 @@ use super::config::PoolConfig;
 use super::error::PoolError;
 use super::key::PoolKey;
 use super::lease::OpenReason;
-use super::placement::{Ask, DetachTarget, Effect, Granted, Limits, Placement, RequestId};
+use super::placement::{Abandon, Ask, DetachTarget, Effect, Granted, Limits, Placement, RequestId};
 use super::status::{PoolEvent, PoolStatus};
 
 pub(crate) use super::placement::{Settle, WorkerId};
@@ -28,23 +28,8 @@ pub(crate) use super::placement::{Settle, WorkerId};
 /// A conversation that was attached to a worker when its lease was granted.
 pub(crate) type Carried = super::placement::Carried<Session>;
 
-/// One lease asking for a place to run.
-pub(crate) struct AcquireRequest {
-    pub(crate) key: PoolKey,
-    /// How to spawn a worker for this key.
-    pub(crate) spec: WorkerConfig,
-    pub(crate) conversation: String,
-    /// The conversation's compat key: a parked session with another one is not reused.
-    pub(crate) compat: String,
-    /// What the session is opened with (tools, handler flags): a parked session opened
-    /// differently is resumed anew rather than reused.
-    pub(crate) setup: String,
-    /// The gateway's own key of the conversation (for errors).
-    pub(crate) gateway_key: String,
-    /// Refuse at once if the conversation is leased, instead of queueing behind its lease.
-    pub(crate) fail_if_busy: bool,
-    pub(crate) wait: Duration,
-}
+/// One lease asking for a place to run (its `id` is set by the actor).
+pub(crate) type AcquireRequest = Ask<WorkerConfig>;
 
 /// The answer to an acquire: the worker to use and what was attached before.
 pub(crate) struct Grant {
@@ -82,14 +67,14 @@ impl Drop for Grant {
                 .carried
                 .take()
                 .and_then(|c| c.session.map(|s| (s, c.from)));
-            let _ = self.pool.cast(PoolMsg::Abandoned {
+            let _ = self.pool.cast(PoolMsg::Abandoned(Abandon {
                 conversation: std::mem::take(&mut self.conversation),
-                worker_id: self.worker_id,
+                worker: self.worker_id,
                 carried,
                 opened: self.opened.take(),
                 maybe_attached: self.maybe_attached.take(),
                 resume_crashed: self.resume_crashed,
-            });
+            }));
         }
     }
 }
@@ -121,17 +106,7 @@ pub(crate) enum PoolMsg {
     },
     /// A grant that did not become a `Lease`: give the slot back and detach, with
     /// confirmation, whatever it may have left attached.
-    Abandoned {
-        conversation: String,
-        worker_id: WorkerId,
-        /// The session it carried from another worker, and that worker.
-        carried: Option<(Session, WorkerId)>,
-        /// A session it opened on `worker_id`.
-        opened: Option<Session>,
-        /// A session id `worker_id` may hold.
-        maybe_attached: Option<CliSessionId>,
-        resume_crashed: bool,
-    },
+    Abandoned(Abandon<Session>),
     /// A background detach (or worker stop) finished for these conversations.
     Detached {
         conversations_detached: Vec<String>,
@@ -260,22 +235,7 @@ impl Actor for PoolActor {
                     .returned(conversation, worker_id, session, settle, turns, now)
             }
             PoolMsg::Spawned { key, result } => state.on_spawned(key, result, now),
-            PoolMsg::Abandoned {
-                conversation,
-                worker_id,
-                carried,
-                opened,
-                maybe_attached,
-                resume_crashed,
-            } => state.core.abandoned(
-                conversation,
-                worker_id,
-                carried,
-                opened,
-                maybe_attached,
-                resume_crashed,
-                now,
-            ),
+            PoolMsg::Abandoned(abandon) => state.core.abandoned(abandon, now),
             PoolMsg::Detached {
                 conversations_detached,
                 worker_id,
@@ -429,17 +389,7 @@ impl PoolState {
         let id = self.next_request;
         self.next_request += 1;
         self.replies.insert(id, reply);
-        let ask = Ask {
-            id,
-            key: req.key,
-            spec: req.spec,
-            conversation: req.conversation,
-            compat: req.compat,
-            setup: req.setup,
-            gateway_key: req.gateway_key,
-            fail_if_busy: req.fail_if_busy,
-            wait: req.wait,
-        };
+        let ask = Ask { id, ..req };
         self.core.acquire(ask, now)
     }
 
@@ -542,14 +492,14 @@ impl PoolState {
         let Some(worker) = self.handles.get(&granted.worker).cloned() else {
             // Cannot happen (the core grants only workers it was told of); answer the
             // conversation back so its slot is not lost.
-            let _ = self.myself.cast(PoolMsg::Abandoned {
+            let _ = self.myself.cast(PoolMsg::Abandoned(Abandon {
                 conversation: granted.conversation,
-                worker_id: granted.worker,
+                worker: granted.worker,
                 carried: None,
                 opened: None,
                 maybe_attached: None,
                 resume_crashed: false,
-            });
+            }));
             return;
         };
         let grant = Grant {

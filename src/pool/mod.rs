@@ -200,6 +200,7 @@ impl Pool {
         spec.auto_login = auth.mode == AuthMode::LoggedInUser;
         let session_config = session_config(&req, &auth, inner.config.infinite_sessions.as_ref());
         let acquire = AcquireRequest {
+            id: 0, // set by the actor
             key: key.clone(),
             spec: spec.clone(),
             conversation: conversation.clone(),

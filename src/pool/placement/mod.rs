@@ -119,6 +119,22 @@ pub(crate) struct Granted<S> {
     pub(crate) resume_crashes: u32,
 }
 
+/// A grant that did not become a lease, and what it may have left attached.
+#[derive(Debug)]
+pub(crate) struct Abandon<S> {
+    pub(crate) conversation: String,
+    /// The granted worker.
+    pub(crate) worker: WorkerId,
+    /// The session it carried from another worker, and that worker.
+    pub(crate) carried: Option<(S, WorkerId)>,
+    /// A session it opened on `worker`.
+    pub(crate) opened: Option<S>,
+    /// A session id `worker` may hold (an open that timed out).
+    pub(crate) maybe_attached: Option<CliSessionId>,
+    /// The open failed because its resume crashed the runtime.
+    pub(crate) resume_crashed: bool,
+}
+
 /// What a detach removes from a worker.
 #[derive(Debug)]
 pub(crate) enum DetachTarget<S> {
@@ -367,17 +383,15 @@ impl<Spec: Clone, S> Placement<Spec, S> {
 
     /// A grant that did not become a lease: the slot comes back, and whatever it may have
     /// left attached is detached with confirmation before the conversation is granted again.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn abandoned(
-        &mut self,
-        conversation: String,
-        worker: WorkerId,
-        carried: Option<(S, WorkerId)>,
-        opened: Option<S>,
-        maybe_attached: Option<CliSessionId>,
-        resume_crashed: bool,
-        now: Instant,
-    ) -> Vec<Effect<Spec, S>> {
+    pub(crate) fn abandoned(&mut self, abandon: Abandon<S>, now: Instant) -> Vec<Effect<Spec, S>> {
+        let Abandon {
+            conversation,
+            worker,
+            carried,
+            opened,
+            maybe_attached,
+            resume_crashed,
+        } = abandon;
         self.settle_return(conversation.clone(), worker, None, Settle::Detach, 0, now);
         if resume_crashed {
             if self.resume_crashes.len() >= RESUME_CRASHES_REMEMBERED {

@@ -577,6 +577,17 @@ fn step() -> impl Strategy<Value = Step> {
 }
 
 impl Sim {
+    /// Removes the `pick`-th outstanding lease (modulo their number).
+    fn take_lease(&mut self, pick: usize) -> Option<(String, WorkerId)> {
+        let name = self
+            .leases
+            .keys()
+            .nth(pick % self.leases.len().max(1))?
+            .clone();
+        let (worker, _) = self.leases.remove(&name)?;
+        Some((name, worker))
+    }
+
     fn play(&mut self, step: Step) {
         let now = self.now;
         match step {
@@ -595,15 +606,9 @@ impl Sim {
                 alive,
                 turns,
             } => {
-                let Some(name) = self
-                    .leases
-                    .keys()
-                    .nth(pick % self.leases.len().max(1))
-                    .cloned()
-                else {
+                let Some((name, worker)) = self.take_lease(pick) else {
                     return;
                 };
-                let (worker, _) = self.leases.remove(&name).expect("picked");
                 let settle = [Settle::Park, Settle::Detach, Settle::Unsettled][settle as usize];
                 let session = alive.then(|| {
                     self.next_token += 1;
@@ -619,25 +624,19 @@ impl Sim {
                 opened,
                 maybe_attached,
             } => {
-                let Some(name) = self
-                    .leases
-                    .keys()
-                    .nth(pick % self.leases.len().max(1))
-                    .cloned()
-                else {
+                let Some((name, worker)) = self.take_lease(pick) else {
                     return;
                 };
-                let (worker, _) = self.leases.remove(&name).expect("picked");
                 self.next_token += 1;
-                let effects = self.core.abandoned(
-                    name,
+                let abandon = Abandon {
+                    conversation: name,
                     worker,
-                    None,
-                    opened.then_some(self.next_token),
-                    maybe_attached.then(CliSessionId::random),
-                    false,
-                    now,
-                );
+                    carried: None,
+                    opened: opened.then_some(self.next_token),
+                    maybe_attached: maybe_attached.then(CliSessionId::random),
+                    resume_crashed: false,
+                };
+                let effects = self.core.abandoned(abandon, now);
                 self.apply(effects);
             }
             Step::SpawnDone { pick, ok } => {
