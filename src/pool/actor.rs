@@ -257,9 +257,11 @@ impl Actor for PoolActor {
                 Vec::new()
             }
             PoolMsg::Close(reply) => {
+                // The waiters hear `Closed` before the caller of `close` goes on.
                 let effects = state.core.close();
+                state.perform(effects);
                 let _ = reply.send(());
-                effects
+                Vec::new()
             }
             PoolMsg::AbortLeased(reply) => {
                 let open = state.core.open_leases();
@@ -299,6 +301,7 @@ impl Actor for PoolActor {
         state: &mut PoolState,
     ) -> Result<(), ActorProcessingErr> {
         // Never stop the pool because a worker ended (ractor's default would).
+        state.observe();
         let now = Instant::now();
         let effects = match event {
             SupervisionEvent::ActorFailed(cell, error) => {
@@ -489,13 +492,21 @@ impl PoolState {
     /// Hands a grant to its caller; if the caller is gone, the grant is dropped here and its
     /// guard returns the slot (and detaches what it carried) through the mailbox.
     fn deliver(&mut self, granted: Granted<Session>) {
+        let reply = self.replies.remove(&granted.request);
         let Some(worker) = self.handles.get(&granted.worker).cloned() else {
-            // Cannot happen (the core grants only workers it was told of); answer the
-            // conversation back so its slot is not lost.
+            // Unreachable while the core grants only workers the actor holds a handle of;
+            // if it ever happens, the caller hears why and the slot (with what it carried)
+            // goes back through the same path as an abandoned grant.
+            if let Some(reply) = reply {
+                let _ = reply.send(Err(PoolError::Internal(
+                    "granted a worker the pool holds no handle of; please report this".into(),
+                )));
+            }
+            let carried = granted.carried.and_then(|c| c.session.map(|s| (s, c.from)));
             let _ = self.myself.cast(PoolMsg::Abandoned(Abandon {
                 conversation: granted.conversation,
                 worker: granted.worker,
-                carried: None,
+                carried,
                 opened: None,
                 maybe_attached: None,
                 resume_crashed: false,
@@ -514,7 +525,7 @@ impl PoolState {
             resume_crashed: false,
             pool: self.myself.clone(),
         };
-        if let Some(reply) = self.replies.remove(&granted.request) {
+        if let Some(reply) = reply {
             let _ = reply.send(Ok(grant));
         }
     }

@@ -574,6 +574,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 tracing::info!(rss = w.rss_bytes, "Recycling a worker above max_rss_bytes.");
                 w.draining = true;
                 w.drain_deadline = Some(crate::deadline::from_std(now, self.limits.drain_grace));
+                // With no lease it goes now, not at the next tick.
+                self.maybe_finish_drain(*id);
             }
         }
         self.serve_waiters(now);
@@ -816,9 +818,14 @@ impl<Spec: Clone, S> Placement<Spec, S> {
 
         let mut target = self.least_loaded(&ask.key);
         if target.is_none() && !self.grow(&ask.key, now) {
-            // No room and no new process allowed: make room on one of this key's workers
-            // by detaching its least recently used parked conversation.
-            target = self.detach_lru_parked_of_key(&ask.key, &ask.conversation);
+            // No room and no new process allowed: a conversation parked (with other
+            // settings) on a usable worker of its key takes its own slot there again (its
+            // session moves with the grant, whose open detaches it before reopening);
+            // otherwise room is made on one of this key's workers by detaching its least
+            // recently used parked conversation.
+            target = self
+                .parked_on_usable_worker(ask)
+                .or_else(|| self.detach_lru_parked_of_key(&ask.key, &ask.conversation));
         }
         let Some(target) = target else {
             return Ok(false);
@@ -882,6 +889,20 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             resume_crashes,
         }));
         Ok(true)
+    }
+
+    /// The usable worker of `ask`'s key its conversation is parked on, if it is.
+    fn parked_on_usable_worker(&self, ask: &Ask<Spec>) -> Option<WorkerId> {
+        let conv = self
+            .conversations
+            .get(&ask.conversation)
+            .filter(|c| !c.leased)?;
+        let usable = self.worker_usable(conv.worker)
+            && self
+                .workers
+                .get(&conv.worker)
+                .is_some_and(|w| w.key == ask.key);
+        usable.then_some(conv.worker)
     }
 
     fn resume_crashes(&self, conversation: &str) -> u32 {

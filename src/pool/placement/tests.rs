@@ -38,6 +38,13 @@ fn limits() -> Limits {
     }
 }
 
+/// A grant the simulated caller holds.
+struct Held {
+    worker: WorkerId,
+    /// The parked session the grant carried: (session, its worker, same worker).
+    carried: Option<(Token, WorkerId, bool)>,
+}
+
 /// The actor's side, simulated.
 struct Sim {
     core: Placement<(), Token>,
@@ -49,8 +56,8 @@ struct Sim {
     asked: HashMap<RequestId, String>,
     /// Requests queued and not yet answered.
     queued: Vec<RequestId>,
-    /// Outstanding grants: conversation → (worker, request).
-    leases: BTreeMap<String, (WorkerId, RequestId)>,
+    /// Outstanding grants by conversation.
+    leases: BTreeMap<String, Held>,
     /// Every grant in order: (request, conversation, worker).
     granted: Vec<(RequestId, String, WorkerId)>,
     failed: Vec<(RequestId, PoolError)>,
@@ -61,6 +68,8 @@ struct Sim {
     detaches: Vec<(Vec<String>, WorkerId)>,
     evicted: Vec<(WorkerId, Eviction)>,
     workers: Vec<WorkerId>,
+    /// Workers whose child exited and whose supervision event has not come yet.
+    exited: Vec<WorkerId>,
 }
 
 impl Sim {
@@ -81,6 +90,7 @@ impl Sim {
             detaches: Vec::new(),
             evicted: Vec::new(),
             workers: Vec::new(),
+            exited: Vec::new(),
         }
     }
 
@@ -89,6 +99,17 @@ impl Sim {
         conversation: &str,
         k: u8,
         compat: &str,
+        fail_if_busy: bool,
+    ) -> RequestId {
+        self.ask_full(conversation, k, compat, "", fail_if_busy)
+    }
+
+    fn ask_full(
+        &mut self,
+        conversation: &str,
+        k: u8,
+        compat: &str,
+        setup: &str,
         fail_if_busy: bool,
     ) -> RequestId {
         let id = self.next_request;
@@ -100,7 +121,7 @@ impl Sim {
             spec: (),
             conversation: conversation.to_owned(),
             compat: compat.to_owned(),
-            setup: String::new(),
+            setup: setup.to_owned(),
             gateway_key: conversation.to_owned(),
             fail_if_busy,
             wait: Duration::from_secs(60),
@@ -127,7 +148,7 @@ impl Sim {
     }
 
     fn give_back(&mut self, conversation: &str, settle: Settle, turns: u64) {
-        let (worker, _) = self.leases.remove(conversation).expect("leased");
+        let worker = self.leases.remove(conversation).expect("leased").worker;
         let token = self.next_token;
         self.next_token += 1;
         let effects = self.core.returned(
@@ -167,8 +188,17 @@ impl Sim {
                         g.conversation
                     );
                     self.queued.retain(|r| *r != g.request);
-                    self.leases
-                        .insert(g.conversation.clone(), (g.worker, g.request));
+                    let carried = g.carried.and_then(|c| {
+                        let same = c.same_worker;
+                        c.session.map(|t| (t, c.from, same))
+                    });
+                    self.leases.insert(
+                        g.conversation.clone(),
+                        Held {
+                            worker: g.worker,
+                            carried,
+                        },
+                    );
                     self.granted.push((g.request, g.conversation, g.worker));
                 }
                 Effect::Fail { request, error } => {
@@ -190,8 +220,10 @@ impl Sim {
                 } => {
                     self.evicted.push((worker, reason));
                     self.detaches.push((attached, worker));
+                    self.workers.retain(|w| *w != worker);
                 }
-                Effect::Forget { .. } | Effect::Event(_) => {}
+                Effect::Forget { worker } => self.workers.retain(|w| *w != worker),
+                Effect::Event(_) => {}
             }
         }
         self.core.check_invariants();
@@ -385,6 +417,30 @@ fn the_global_session_cap_detaches_the_least_recently_used_parked_conversation()
 }
 
 #[test]
+fn a_conversation_parked_on_a_full_worker_takes_its_own_slot_when_its_settings_change() {
+    let mut sim = Sim::new(Limits {
+        max_processes_per_key: 1,
+        max_sessions_per_process: 1,
+        ..limits()
+    });
+    sim.ask_with("a/1", 1, "old", false);
+    let w = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Park, 1);
+    let changed = sim.ask_with("a/1", 1, "new", false);
+    assert_eq!(
+        sim.granted_to(changed),
+        Some(w),
+        "no waiting for the idle TTL"
+    );
+    assert!(
+        sim.detaches.is_empty(),
+        "its parked session moves with the grant (the open detaches it), never detached beside it"
+    );
+    let held = &sim.leases["a/1"];
+    assert!(matches!(held.carried, Some((_, from, false)) if from == w));
+}
+
+#[test]
 fn a_conversation_being_detached_is_granted_only_after_the_confirmation() {
     let mut sim = Sim::new(limits());
     sim.ask("a/1", 1);
@@ -522,7 +578,11 @@ enum Step {
         conversation: u8,
         key: u8,
         compat: u8,
+        setup: u8,
         fail_if_busy: bool,
+    },
+    Opened {
+        pick: usize,
     },
     Return {
         pick: usize,
@@ -534,6 +594,10 @@ enum Step {
         pick: usize,
         opened: bool,
         maybe_attached: bool,
+        resume_crashed: bool,
+    },
+    GiveUp {
+        pick: usize,
     },
     SpawnDone {
         pick: usize,
@@ -543,7 +607,14 @@ enum Step {
         pick: usize,
         ok: bool,
     },
+    /// A child exits; its supervision event comes later (or not yet).
+    Exit {
+        pick: usize,
+    },
     Crash {
+        pick: usize,
+    },
+    Stop {
         pick: usize,
     },
     Respawn {
@@ -562,30 +633,54 @@ enum Step {
 }
 
 fn step() -> impl Strategy<Value = Step> {
+    let pick = any::<usize>;
     prop_oneof![
-        4 => (0u8..6, 0u8..3, 0u8..2, any::<bool>()).prop_map(|(conversation, key, compat, fail_if_busy)| Step::Ask { conversation, key, compat, fail_if_busy }),
-        3 => (any::<usize>(), 0u8..3, any::<bool>(), 0u64..3).prop_map(|(pick, settle, alive, turns)| Step::Return { pick, settle, alive, turns }),
-        1 => (any::<usize>(), any::<bool>(), any::<bool>()).prop_map(|(pick, opened, maybe_attached)| Step::Abandon { pick, opened, maybe_attached }),
-        3 => (any::<usize>(), prop::bool::weighted(0.8)).prop_map(|(pick, ok)| Step::SpawnDone { pick, ok }),
-        3 => (any::<usize>(), prop::bool::weighted(0.8)).prop_map(|(pick, ok)| Step::Confirm { pick, ok }),
-        1 => any::<usize>().prop_map(|pick| Step::Crash { pick }),
-        1 => any::<usize>().prop_map(|pick| Step::Respawn { pick }),
-        1 => any::<usize>().prop_map(|pick| Step::Expire { pick }),
-        1 => (any::<usize>(), any::<bool>()).prop_map(|(pick, heavy)| Step::Measure { pick, heavy }),
+        5 => (0u8..6, 0u8..3, 0u8..2, 0u8..2, any::<bool>()).prop_map(
+            |(conversation, key, compat, setup, fail_if_busy)| Step::Ask {
+                conversation, key, compat, setup, fail_if_busy
+            }
+        ),
+        2 => pick().prop_map(|pick| Step::Opened { pick }),
+        4 => (pick(), 0u8..3, prop::bool::weighted(0.8), 0u64..3).prop_map(
+            |(pick, settle, alive, turns)| Step::Return { pick, settle, alive, turns }
+        ),
+        1 => (pick(), any::<bool>(), any::<bool>(), any::<bool>()).prop_map(
+            |(pick, opened, maybe_attached, resume_crashed)| Step::Abandon {
+                pick, opened, maybe_attached, resume_crashed
+            }
+        ),
+        1 => pick().prop_map(|pick| Step::GiveUp { pick }),
+        3 => (pick(), prop::bool::weighted(0.8)).prop_map(|(pick, ok)| Step::SpawnDone { pick, ok }),
+        3 => (pick(), prop::bool::weighted(0.8)).prop_map(|(pick, ok)| Step::Confirm { pick, ok }),
+        1 => pick().prop_map(|pick| Step::Exit { pick }),
+        1 => pick().prop_map(|pick| Step::Crash { pick }),
+        1 => pick().prop_map(|pick| Step::Stop { pick }),
+        1 => pick().prop_map(|pick| Step::Respawn { pick }),
+        1 => pick().prop_map(|pick| Step::Expire { pick }),
+        1 => (pick(), any::<bool>()).prop_map(|(pick, heavy)| Step::Measure { pick, heavy }),
         1 => (0u64..400).prop_map(|secs| Step::Tick { secs }),
     ]
 }
 
 impl Sim {
     /// Removes the `pick`-th outstanding lease (modulo their number).
-    fn take_lease(&mut self, pick: usize) -> Option<(String, WorkerId)> {
+    fn take_lease(&mut self, pick: usize) -> Option<(String, Held)> {
         let name = self
             .leases
             .keys()
             .nth(pick % self.leases.len().max(1))?
             .clone();
-        let (worker, _) = self.leases.remove(&name)?;
-        Some((name, worker))
+        let held = self.leases.remove(&name)?;
+        Some((name, held))
+    }
+
+    fn pick_worker(&self, pick: usize) -> Option<WorkerId> {
+        self.workers.get(pick % self.workers.len().max(1)).copied()
+    }
+
+    fn token(&mut self) -> Token {
+        self.next_token += 1;
+        self.next_token
     }
 
     fn play(&mut self, step: Step) {
@@ -595,10 +690,27 @@ impl Sim {
                 conversation,
                 key,
                 compat,
+                setup,
                 fail_if_busy,
             } => {
                 let name = format!("c/{conversation}");
-                self.ask_with(&name, key, &compat.to_string(), fail_if_busy);
+                let (compat, setup) = (compat.to_string(), setup.to_string());
+                self.ask_full(&name, key, &compat, &setup, fail_if_busy);
+            }
+            Step::Opened { pick } => {
+                let Some(name) = self
+                    .leases
+                    .keys()
+                    .nth(pick % self.leases.len().max(1))
+                    .cloned()
+                else {
+                    return;
+                };
+                let worker = self.leases[&name].worker;
+                let effects =
+                    self.core
+                        .opened(&name, worker, CliSessionId::random(), OpenReason::Resumed);
+                self.apply(effects);
             }
             Step::Return {
                 pick,
@@ -606,38 +718,51 @@ impl Sim {
                 alive,
                 turns,
             } => {
-                let Some((name, worker)) = self.take_lease(pick) else {
+                let Some((name, held)) = self.take_lease(pick) else {
                     return;
                 };
                 let settle = [Settle::Park, Settle::Detach, Settle::Unsettled][settle as usize];
-                let session = alive.then(|| {
-                    self.next_token += 1;
-                    self.next_token
-                });
+                let session = alive.then(|| self.token());
                 let effects = self
                     .core
-                    .returned(name, worker, session, settle, turns, now);
+                    .returned(name, held.worker, session, settle, turns, now);
                 self.apply(effects);
             }
             Step::Abandon {
                 pick,
                 opened,
                 maybe_attached,
+                resume_crashed,
             } => {
-                let Some((name, worker)) = self.take_lease(pick) else {
+                let Some((name, held)) = self.take_lease(pick) else {
                     return;
                 };
-                self.next_token += 1;
+                // What the opener held when it gave up: the session it carried from another
+                // worker (not yet detached), or one it opened (the carried one, on its own
+                // worker).
+                let (carried, reused) = match held.carried {
+                    Some((token, from, false)) => (Some((token, from)), None),
+                    Some((token, _, true)) => (None, Some(token)),
+                    None => (None, None),
+                };
+                let opened = reused.or_else(|| opened.then(|| self.token()));
                 let abandon = Abandon {
                     conversation: name,
-                    worker,
-                    carried: None,
-                    opened: opened.then_some(self.next_token),
+                    worker: held.worker,
+                    carried,
+                    opened,
                     maybe_attached: maybe_attached.then(CliSessionId::random),
-                    resume_crashed: false,
+                    resume_crashed,
                 };
                 let effects = self.core.abandoned(abandon, now);
                 self.apply(effects);
+            }
+            Step::GiveUp { pick } => {
+                if self.queued.is_empty() {
+                    return;
+                }
+                let request = self.queued.remove(pick % self.queued.len());
+                self.core.withdraw(request);
             }
             Step::SpawnDone { pick, ok } => {
                 if self.spawns.is_empty() {
@@ -645,8 +770,7 @@ impl Sim {
                 }
                 let key = self.spawns.remove(pick % self.spawns.len());
                 let started = if ok {
-                    self.next_pid += 1;
-                    Ok(self.next_pid)
+                    Ok(self.token())
                 } else {
                     Err(WorkerError::Spawn("test".into()))
                 };
@@ -662,12 +786,26 @@ impl Sim {
                 let effects = self.core.detached(&conversations, worker, ok, now);
                 self.apply(effects);
             }
+            Step::Exit { pick } => {
+                if let Some(worker) = self.pick_worker(pick) {
+                    self.core.exited(worker);
+                    self.exited.push(worker);
+                }
+            }
             Step::Crash { pick } => {
-                let Some(&worker) = self.workers.get(pick % self.workers.len().max(1)) else {
+                let Some(worker) = self.pick_worker(pick) else {
                     return;
                 };
                 self.core.exited(worker);
                 let effects = self.core.crashed(worker, now);
+                self.apply(effects);
+            }
+            Step::Stop { pick } => {
+                let Some(worker) = self.pick_worker(pick) else {
+                    return;
+                };
+                self.core.exited(worker);
+                let (_, effects) = self.core.stopped(worker, now);
                 self.apply(effects);
             }
             Step::Respawn { pick } => {
@@ -686,7 +824,7 @@ impl Sim {
                 self.apply(effects);
             }
             Step::Measure { pick, heavy } => {
-                let Some(&worker) = self.workers.get(pick % self.workers.len().max(1)) else {
+                let Some(worker) = self.pick_worker(pick) else {
                     return;
                 };
                 let rss = if heavy { 2 << 30 } else { 1 << 20 };
@@ -700,18 +838,83 @@ impl Sim {
             }
         }
     }
+
+    /// Plays everything out with no more faults: every lease returns, every detach is
+    /// confirmed, every spawn and respawn succeeds. At rest, nothing may be left waiting
+    /// and nothing left being detached (a waiter that can never be served, or a detach
+    /// count that leaks, fails here).
+    fn come_to_rest(&mut self) {
+        let mut quiet_ticks = 0;
+        for _ in 0..1000 {
+            let now = self.now;
+            if let Some((name, held)) = self.take_lease(0) {
+                let token = self.token();
+                let effects =
+                    self.core
+                        .returned(name, held.worker, Some(token), Settle::Park, 1, now);
+                self.apply(effects);
+            } else if let Some((conversations, worker)) = self.detaches.pop() {
+                let effects = self.core.detached(&conversations, worker, true, now);
+                self.apply(effects);
+            } else if !self.spawns.is_empty() {
+                self.play(Step::SpawnDone { pick: 0, ok: true });
+            } else if let Some(worker) = self.exited.pop() {
+                // The supervision event of an exit always comes.
+                let effects = self.core.crashed(worker, now);
+                self.apply(effects);
+            } else if let Some(key) = self.respawns.pop() {
+                // Past any backoff.
+                self.now += Duration::from_secs(11);
+                let effects = self.core.respawn_due(&key, self.now);
+                self.apply(effects);
+            } else if quiet_ticks < 3 {
+                // The maintenance tick (every second in the pool).
+                quiet_ticks += 1;
+                self.now += Duration::from_secs(1);
+                let effects = self.core.maintain(self.now);
+                self.apply(effects);
+                continue;
+            } else {
+                break;
+            }
+            quiet_ticks = 0;
+        }
+        assert!(self.leases.is_empty() && self.detaches.is_empty() && self.spawns.is_empty());
+        assert!(
+            self.core.detaching.is_empty(),
+            "detach counts leaked: {:?}",
+            self.core.detaching
+        );
+        let stuck: Vec<_> = self
+            .core
+            .waiters
+            .iter()
+            .map(|w| (w.conversation.clone(), w.key.short_hash()))
+            .collect();
+        let quarantined = self
+            .core
+            .keys
+            .values()
+            .any(|k| k.restart.quarantined_until(self.now).is_some());
+        assert!(
+            stuck.is_empty() || quarantined,
+            "waiters left with nothing in their way: {stuck:?}"
+        );
+    }
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     /// No sequence of events grants one conversation twice, or grants it while one of its
-    /// sessions is still being detached (checked at every grant by `Sim::apply`), and the caps
-    /// hold throughout.
+    /// sessions is still being detached (checked at every grant by `Sim::apply`); the caps
+    /// hold throughout; and once the faults stop, every waiter is served and every detach
+    /// count returns to zero.
     #[test]
     fn no_sequence_of_events_grants_one_conversation_twice(
         steps in prop::collection::vec(step(), 1..120),
         small in any::<bool>(),
+        close_after in prop::option::weighted(0.1, 0usize..120),
     ) {
         let limits = if small {
             Limits { max_processes: 2, max_processes_per_key: 1, max_sessions_per_process: 2, max_sessions: 3, max_turns_per_process: 4, ..limits() }
@@ -719,8 +922,13 @@ proptest! {
             limits()
         };
         let mut sim = Sim::new(limits);
-        for step in steps {
+        for (i, step) in steps.into_iter().enumerate() {
+            if close_after == Some(i) {
+                let effects = sim.core.close();
+                sim.apply(effects);
+            }
             sim.play(step);
         }
+        sim.come_to_rest();
     }
 }
