@@ -172,9 +172,16 @@ pub fn changes_meaning(field: &str) -> bool {
 /// and again by the pool on every lease. Build one from JSON ([`SessionOptions::from_value`]),
 /// from any `Serialize` type with the wire's field names ([`SessionOptions::from_typed`]), or
 /// field by field ([`SessionOptions::set`]).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Clone, Default, PartialEq)]
 pub struct SessionOptions {
     fields: Map<String, Value>,
+}
+
+/// Field names only: values may hold secrets (an MCP server's headers or environment).
+impl std::fmt::Debug for SessionOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.fields.keys()).finish()
+    }
 }
 
 impl SessionOptions {
@@ -427,6 +434,16 @@ mod tests {
             refused(json!(["x"])),
             SessionOptionsError::NotAnObject { found: "an array" }
         ));
+    }
+
+    #[test]
+    fn debug_shows_field_names_and_no_values() {
+        let options = SessionOptions::from_value(json!({
+            "mcpServers": {"s": {"type": "http", "url": "https://m/", "headers": {"Authorization": "Bearer sk-secret-3"}}},
+        }))
+        .unwrap();
+        let text = format!("{options:?}");
+        assert_eq!(text, "{\"mcpServers\"}");
     }
 
     #[test]
