@@ -75,6 +75,8 @@
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`secret`] — a redacting wrapper for tokens and keys.
+//! * [`session_options`] — the runtime's `session.create` fields a caller may set, checked
+//!   against the runtime's schema, and where their directories may lie.
 //!
 //! The library installs nothing global: no tracing subscriber, metrics recorder, signal
 //! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.
@@ -97,6 +99,7 @@ pub mod runtime;
 #[cfg(feature = "scripted-model")]
 pub mod scripted_model;
 pub mod secret;
+pub mod session_options;
 pub mod transcript;
 pub mod tunnel;
 pub mod turn;
@@ -108,5 +111,6 @@ pub use ids::{CliSessionId, ConversationId};
 pub use kinds::{ErrorKind, OpenReason, ProviderType, ReasoningEffort, TurnEnd, WireApi};
 pub use pool::{Lease, LeaseRequest, Pool, PoolConfig, PoolError, PoolEvent, PoolStatus};
 pub use secret::Secret;
+pub use session_options::SessionOptions;
 pub use turn::{TranscriptSettings, TurnHandlers, TurnOutcome, TurnTimeouts};
 pub use worker::WorkerError;

@@ -18,6 +18,8 @@ use crate::auth::LeaseAuth;
 use crate::pool::LeaseRequest;
 use crate::rpc::messages::ProviderConfig;
 use crate::secret::Secret;
+use crate::session_options::SessionOptions;
+use crate::session_options::confine::{ConfineError, confine};
 
 /// A request body must arrive within this long; a client that announces more than it sends
 /// cannot hold a connection open.
@@ -124,6 +126,9 @@ pub(super) struct ConversationBody {
     provider: Option<ProviderBody>,
     #[serde(default)]
     reasoning_effort: Option<crate::kinds::ReasoningEffort>,
+    /// The runtime's own `session.create` fields (camelCase), checked against its schema.
+    #[serde(default)]
+    session: Option<Value>,
 }
 
 /// `POST /v1/turns`: the conversation's settings, flattened beside the turn's own fields.
@@ -142,6 +147,8 @@ pub(super) struct TurnBody {
     #[serde(default)]
     reasoning_effort: Option<crate::kinds::ReasoningEffort>,
     #[serde(default)]
+    session: Option<Value>,
+    #[serde(default)]
     pub tools: Vec<ToolBody>,
     #[serde(default)]
     pub timeout_ms: Option<u64>,
@@ -155,6 +162,7 @@ impl TurnBody {
             model: self.model.take(),
             provider: self.provider.take(),
             reasoning_effort: self.reasoning_effort.take(),
+            session: self.session.take(),
         }
     }
 }
@@ -208,9 +216,66 @@ pub(super) async fn create_work_dir(work: &Path) -> Result<(), Response> {
     }
 }
 
-/// The lease request for a conversation; the working directory is the agent's own (not
-/// created here: compact and reset must not create it).
-pub(super) fn lease_request(
+/// The `session` object of a body: checked against the runtime's schema (the library's
+/// check), its MCP servers against the daemon's policy, and its directories confined to the
+/// agent's working directory and the daemon's `allowed_work_roots` (replaced by their
+/// resolved paths, which is what the runtime gets).
+async fn session_options(
+    state: &AppState,
+    work: &Path,
+    session: Value,
+) -> Result<SessionOptions, Response> {
+    let bad = |message: String| error(StatusCode::BAD_REQUEST, "bad_request", message);
+    let options = SessionOptions::from_value(session).map_err(|e| bad(e.to_string()))?;
+    options
+        .check_mcp_servers(state.config.allow_local_mcp_servers)
+        .map_err(|e| bad(e.to_string()))?;
+    let mut roots = vec![work.to_path_buf()];
+    roots.extend(state.config.allowed_work_roots.iter().cloned());
+    // Resolving paths is file work: off the async threads.
+    let confined = tokio::task::spawn_blocking(move || confine_directories(options, &roots))
+        .await
+        .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    confined.map_err(bad)
+}
+
+/// Replaces `workingDirectory` and every `additionalDirectories` entry by its resolved
+/// path, refusing any outside `roots`.
+fn confine_directories(
+    mut options: SessionOptions,
+    roots: &[PathBuf],
+) -> Result<SessionOptions, String> {
+    let text = |path: PathBuf| path.to_string_lossy().into_owned();
+    if let Some(Value::String(dir)) = options.get("workingDirectory") {
+        let resolved = confine("workingDirectory", Path::new(dir), roots).map_err(message)?;
+        options
+            .set("workingDirectory", text(resolved))
+            .map_err(|e| e.to_string())?;
+    }
+    if let Some(Value::Array(dirs)) = options.get("additionalDirectories") {
+        let mut resolved = Vec::with_capacity(dirs.len());
+        for (i, dir) in dirs.iter().enumerate() {
+            // The schema check made every entry a string.
+            let dir = dir.as_str().unwrap_or_default();
+            let field = format!("additionalDirectories.{i}");
+            resolved.push(text(
+                confine(&field, Path::new(dir), roots).map_err(message)?,
+            ));
+        }
+        options
+            .set("additionalDirectories", resolved)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(options)
+}
+
+fn message(e: ConfineError) -> String {
+    e.to_string()
+}
+
+/// The lease request for a conversation; the working directory is the agent's own unless
+/// its `session` names another one (not created here: compact and reset must not create it).
+pub(super) async fn lease_request(
     state: &AppState,
     agent_id: &str,
     session_key: &str,
@@ -225,7 +290,12 @@ pub(super) fn lease_request(
             format!("agent_id: {e}"),
         )
     })?;
-    let mut req = LeaseRequest::new(agent_id, session_key, work_dir(state, agent_id)?);
+    let work = work_dir(state, agent_id)?;
+    let options = match conv.session {
+        Some(session) => Some(session_options(state, &work, session).await?),
+        None => None,
+    };
+    let mut req = LeaseRequest::new(agent_id, session_key, work);
     if let Some(auth) = conv.auth {
         req.auth = LeaseAuth {
             use_logged_in_user: auth.use_logged_in_user,
@@ -238,6 +308,11 @@ pub(super) fn lease_request(
     req.model = conv.model;
     req.provider = conv.provider.map(provider_config).transpose()?;
     req.reasoning_effort = conv.reasoning_effort;
+    if let Some(options) = options {
+        // The library's merge: a model or reasoning effort given in both places must agree.
+        req.apply_session_options(options)
+            .map_err(|e| pool_error(&e))?;
+    }
     req.handlers.timeouts = state.config.timeouts;
     req.handlers.transcript = state.config.transcript.clone();
     Ok(req)

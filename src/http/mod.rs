@@ -94,6 +94,13 @@ pub struct ApiConfig {
     /// `/metrics` answers with this; `None` answers 404 (metrics served elsewhere, or not
     /// at all).
     pub metrics: Option<MetricsRender>,
+    /// Directories a conversation's `session.workingDirectory` and
+    /// `session.additionalDirectories` may lie under, besides the agent's own working
+    /// directory (`<agents base>/agents/<agent_id>/work`). Default: none.
+    pub allowed_work_roots: Vec<std::path::PathBuf>,
+    /// Accept `session.mcpServers` entries that start a local command (default `false`:
+    /// only remote `http`/`sse` servers).
+    pub allow_local_mcp_servers: bool,
 }
 
 impl Default for ApiConfig {
@@ -104,6 +111,8 @@ impl Default for ApiConfig {
             transcript: None,
             max_body_bytes: 1 << 20,
             metrics: None,
+            allowed_work_roots: Vec::new(),
+            allow_local_mcp_servers: false,
         }
     }
 }

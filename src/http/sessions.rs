@@ -40,7 +40,7 @@ async fn existing_lease(
 ) -> Result<Lease, Response> {
     let body = read_body(state, body).await?;
     let conv = conversation_body(&body)?;
-    let mut req = lease_request(state, agent_id, session_key, conv)?;
+    let mut req = lease_request(state, agent_id, session_key, conv).await?;
     req.existing_only = true;
     state.pool.lease(req).await.map_err(|e| pool_error(&e))
 }

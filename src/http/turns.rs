@@ -54,7 +54,7 @@ pub(super) async fn post_turn(
         Err(r) => return r,
     };
     let conv = body.take_conversation();
-    let mut req = match lease_request(&state, &body.agent_id, &body.session_key, conv) {
+    let mut req = match lease_request(&state, &body.agent_id, &body.session_key, conv).await {
         Ok(r) => r,
         Err(r) => return r,
     };

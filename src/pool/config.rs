@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::auth::LeaseAuth;
 use crate::kinds::ReasoningEffort;
 use crate::rpc::messages::ProviderConfig;
+use crate::session_options::SessionOptions;
 use crate::turn::TurnHandlers;
 use crate::worker::WorkerConfig;
 
@@ -135,6 +136,14 @@ pub struct LeaseRequest {
     pub streaming: bool,
     /// Allow-list of tools for new sessions (`None`: the runtime's defaults).
     pub available_tools: Option<Vec<String>>,
+    /// The runtime's own `session.create`/`session.resume` fields beyond the ones above
+    /// (system message, excluded tools, custom agents, MCP servers, …; see
+    /// [`SessionOptions`]), merged into the params of every open; the pool's own fields win.
+    /// The fields this request has a field for (`model`, `reasoningEffort`,
+    /// `workingDirectory`, `streaming`, `availableTools`) are moved onto it by the lease
+    /// ([`LeaseRequest::apply_session_options`]). The fields that change what a stored
+    /// conversation means take part in its compat key: changing them starts a new session.
+    pub session_options: SessionOptions,
     /// Fail at once with `ConversationBusy` instead of queueing behind a running turn.
     pub fail_if_busy: bool,
     /// Overrides the pool's `wait_timeout` for this lease.
@@ -165,11 +174,81 @@ impl LeaseRequest {
             working_directory,
             streaming: true,
             available_tools: None,
+            session_options: SessionOptions::new(),
             fail_if_busy: false,
             wait_timeout: None,
             existing_only: false,
             handlers: TurnHandlers::default(),
         }
+    }
+}
+
+impl LeaseRequest {
+    /// Adds `options` to this request (checked first): the fields the request has its own
+    /// field for move onto it (`model`, `reasoningEffort`, `availableTools`: refused when
+    /// the request already has another value; `workingDirectory` and `streaming` replace the
+    /// request's), the rest join [`LeaseRequest::session_options`] (a field set twice takes
+    /// the later value). The lease applies its own `session_options` this way too.
+    pub fn apply_session_options(
+        &mut self,
+        mut options: SessionOptions,
+    ) -> Result<(), super::PoolError> {
+        options.validate()?;
+        if let Some(value) = options.remove("model") {
+            let model = string_field("model", value)?;
+            agree("model", self.model.as_ref(), &model)?;
+            self.model = Some(model);
+        }
+        if let Some(value) = options.remove("reasoningEffort") {
+            let effort = string_field("reasoningEffort", value)?;
+            let effort: ReasoningEffort = effort
+                .parse()
+                .map_err(|e| invalid(format!("session.reasoningEffort: {e}")))?;
+            agree("reasoningEffort", self.reasoning_effort.as_ref(), &effort)?;
+            self.reasoning_effort = Some(effort);
+        }
+        if let Some(value) = options.remove("availableTools") {
+            let tools: Vec<String> = serde_json::from_value(value)
+                .map_err(|e| invalid(format!("session.availableTools: {e}")))?;
+            agree("availableTools", self.available_tools.as_ref(), &tools)?;
+            self.available_tools = Some(tools);
+        }
+        if let Some(value) = options.remove("workingDirectory") {
+            self.working_directory = PathBuf::from(string_field("workingDirectory", value)?);
+        }
+        if let Some(value) = options.remove("streaming") {
+            self.streaming = value
+                .as_bool()
+                .ok_or_else(|| invalid("session.streaming must be a boolean".to_owned()))?;
+        }
+        self.session_options.extend(options)?;
+        Ok(())
+    }
+}
+
+fn invalid(message: String) -> super::PoolError {
+    super::PoolError::InvalidRequest(message)
+}
+
+fn string_field(field: &str, value: serde_json::Value) -> Result<String, super::PoolError> {
+    match value {
+        serde_json::Value::String(s) => Ok(s),
+        _ => Err(invalid(format!("session.{field} must be a string"))),
+    }
+}
+
+/// A field given both on the request and in its session options must agree.
+fn agree<T: PartialEq + std::fmt::Debug>(
+    field: &str,
+    current: Option<&T>,
+    new: &T,
+) -> Result<(), super::PoolError> {
+    match current {
+        Some(current) if current != new => Err(invalid(format!(
+            "session.{field} ({new:?}) differs from the request's own {field} ({current:?}); \
+             set it in one place"
+        ))),
+        _ => Ok(()),
     }
 }
 

@@ -136,6 +136,18 @@ impl PoolError {
     }
 }
 
+impl From<crate::session_options::SessionOptionsError> for PoolError {
+    /// Refused options are the caller's to fix; a broken embedded schema is a bug.
+    fn from(e: crate::session_options::SessionOptionsError) -> Self {
+        match e {
+            crate::session_options::SessionOptionsError::Schema(_) => {
+                PoolError::Internal(e.to_string())
+            }
+            e => PoolError::InvalidRequest(e.to_string()),
+        }
+    }
+}
+
 impl From<TurnError> for PoolError {
     /// A dead worker stays a worker error (the conversation resumes on a new lease); the rest
     /// are turn errors.

@@ -13,6 +13,7 @@ use serde_json::json;
 use crate::auth::{AuthMode, ResolvedAuth, fingerprint};
 use crate::kinds::{ProviderType, WireApi};
 use crate::rpc::messages::ProviderConfig;
+use crate::session_options::SessionOptions;
 
 /// Which worker processes may serve a lease: normalized COPILOT_HOME, auth mode, profile id,
 /// profile version and the BYOK fingerprint. Leases with equal keys share processes.
@@ -102,19 +103,31 @@ pub fn byok_fingerprint(provider: &ProviderConfig, model: Option<&str>) -> Strin
 }
 
 /// Whether a stored conversation may be resumed for a lease: model, provider fingerprint,
-/// working directory, COPILOT_HOME and account identity (mode and profile id). The
+/// working directory, COPILOT_HOME, account identity (mode and profile id) and the session
+/// options that change what the conversation means ([`SessionOptions::meaning`]: system
+/// message, tool filters, agents, MCP servers, …; not reasoning effort or streaming). The
 /// credential version is deliberately left out, so a token rotation keeps the conversation.
-pub fn compat_key(key: &PoolKey, model: Option<&str>, working_directory: &Path) -> String {
-    let text = json!({
+/// Without such options the key is what it was before options existed, so stored
+/// conversations keep resuming across the upgrade.
+pub fn compat_key(
+    key: &PoolKey,
+    model: Option<&str>,
+    working_directory: &Path,
+    options: &SessionOptions,
+) -> String {
+    let mut text = json!({
         "model": model,
         "byok": key.byok,
         "cwd": working_directory.display().to_string(),
         "home": key.home.display().to_string(),
         "mode": key.mode.as_str(),
         "profile": key.profile_id,
-    })
-    .to_string();
-    fingerprint(&text)
+    });
+    let meaning = options.meaning();
+    if !meaning.is_empty() {
+        text["session"] = serde_json::Value::Object(meaning);
+    }
+    fingerprint(&text.to_string())
 }
 
 #[cfg(test)]
@@ -142,9 +155,10 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(a.family(), b.family());
         let cwd = Path::new("/w");
+        let none = SessionOptions::new();
         assert_eq!(
-            compat_key(&a, Some("m"), cwd),
-            compat_key(&b, Some("m"), cwd)
+            compat_key(&a, Some("m"), cwd, &none),
+            compat_key(&b, Some("m"), cwd, &none)
         );
     }
 
@@ -170,9 +184,55 @@ mod tests {
             assert_ne!(k0, k);
             assert_ne!(k0.family(), k.family());
             assert_ne!(
-                compat_key(&k0, Some("m"), cwd),
-                compat_key(&k, Some("m2"), cwd)
+                compat_key(&k0, Some("m"), cwd, &SessionOptions::new()),
+                compat_key(&k, Some("m2"), cwd, &SessionOptions::new())
             );
+        }
+    }
+
+    #[test]
+    fn options_that_change_what_a_conversation_means_change_the_compat_key_and_others_do_not() {
+        let key = PoolKey::new(Path::new("/h"), &token("v"), None, None);
+        let cwd = Path::new("/w");
+        let compat = |options: serde_json::Value| {
+            let options = SessionOptions::from_value(options).unwrap();
+            compat_key(&key, Some("m"), cwd, &options)
+        };
+        let base = compat(json!({}));
+        // Without options the key is the one stored before options existed.
+        let before = fingerprint(
+            &json!({
+                "model": Some("m"),
+                "byok": key.byok,
+                "cwd": "/w",
+                "home": "/h",
+                "mode": key.mode.as_str(),
+                "profile": key.profile_id,
+            })
+            .to_string(),
+        );
+        assert_eq!(base, before);
+        for meaning in [
+            json!({"systemMessage": {"mode": "replace", "content": "Be terse."}}),
+            json!({"excludedTools": ["builtin:bash"]}),
+            json!({"customAgents": [{"name": "r", "prompt": "p"}]}),
+            json!({"mcpServers": {"w": {"type": "http", "url": "https://m/"}}}),
+            json!({"additionalDirectories": ["/w/more"]}),
+        ] {
+            assert_ne!(compat(meaning.clone()), base, "{meaning}");
+        }
+        assert_ne!(
+            compat(json!({"systemMessage": {"content": "a"}})),
+            compat(json!({"systemMessage": {"content": "b"}}))
+        );
+        for running in [
+            json!({"reasoningSummary": "concise"}),
+            json!({"streaming": false}),
+            json!({"infiniteSessions": {"enabled": false}}),
+            json!({"enableCitations": true}),
+            json!({"sessionLimits": {}}),
+        ] {
+            assert_eq!(compat(running.clone()), base, "{running}");
         }
     }
 

@@ -166,12 +166,16 @@ impl Pool {
         result
     }
 
-    async fn lease_inner(&self, req: LeaseRequest) -> Result<Lease, PoolError> {
+    async fn lease_inner(&self, mut req: LeaseRequest) -> Result<Lease, PoolError> {
         let started = std::time::Instant::now();
         let inner = &self.inner;
         if *inner.closed.borrow() {
             return Err(PoolError::Closed);
         }
+        // The session options are checked, and the fields the request has its own field
+        // for are moved onto it, before anything is keyed on them.
+        let options = std::mem::take(&mut req.session_options);
+        req.apply_session_options(options)?;
         let auth = resolve(&req.auth)?;
         validate_session_key(&req.session_key)?;
         if let Some(provider) = &req.provider {
@@ -185,7 +189,12 @@ impl Pool {
         )?;
         let key = PoolKey::new(&home, &auth, req.provider.as_ref(), req.model.as_deref());
         tracing::Span::current().record("key", tracing::field::display(key.short_hash()));
-        let compat = compat_key(&key, req.model.as_deref(), &req.working_directory);
+        let compat = compat_key(
+            &key,
+            req.model.as_deref(),
+            &req.working_directory,
+            &req.session_options,
+        );
         let wait = req.wait_timeout.unwrap_or(inner.config.wait_timeout);
         // A conversation is (agent, session key): two agents may use the same key. One turn
         // at a time per conversation: the pool actor queues a lease behind the conversation's
@@ -343,7 +352,29 @@ fn session_config(
     {
         extra.insert("infiniteSessions".to_owned(), value);
     }
+    // The caller's options: the pool's defaults (infiniteSessions) give way to them, the
+    // pool's own fields do not (the lease moved or refused those already; this is the
+    // last guard against sending a field twice).
+    let mut system_message = None;
+    let mut excluded_tools = None;
+    for (field, value) in req.session_options.fields() {
+        match field.as_str() {
+            "systemMessage" => system_message = Some(value.clone()),
+            "excludedTools" => match serde_json::from_value(value.clone()) {
+                Ok(tools) => excluded_tools = Some(tools),
+                Err(_) => {
+                    extra.insert(field.clone(), value.clone());
+                }
+            },
+            f if SESSION_CONFIG_FIELDS.contains(&f) => {}
+            _ => {
+                extra.insert(field.clone(), value.clone());
+            }
+        }
+    }
     SessionConfig {
+        system_message,
+        excluded_tools,
         model: req.model.clone(),
         reasoning_effort: req.reasoning_effort,
         provider: req.provider.clone(),
@@ -363,10 +394,36 @@ fn session_config(
     }
 }
 
+/// The wire fields `SessionConfig` has typed fields for (and `session_config` sets from the
+/// lease request itself); a caller's options never fill them through `extra`.
+const SESSION_CONFIG_FIELDS: &[&str] = &[
+    "sessionId",
+    "model",
+    "reasoningEffort",
+    "clientName",
+    "provider",
+    "gitHubToken",
+    "tools",
+    "availableTools",
+    "excludedTools",
+    "toolFilterPrecedence",
+    "requestPermission",
+    "requestUserInput",
+    "hooks",
+    "streaming",
+    "workingDirectory",
+    "systemMessage",
+    "envValueMode",
+    "continuePendingWork",
+];
+
 /// A fingerprint of what a session was opened with beyond its compat key (tools, handler
-/// flags, reasoning effort): an attached session opened differently is resumed anew.
+/// flags, reasoning effort, the session options): an attached session opened differently is
+/// resumed anew.
 fn setup_key(config: &SessionConfig) -> String {
     let text = serde_json::json!({
+        "systemMessage": config.system_message,
+        "excludedTools": config.excluded_tools,
         "tools": config.tools,
         "requestPermission": config.request_permission,
         "requestUserInput": config.request_user_input,
@@ -689,6 +746,87 @@ mod tests {
         req.auth = auth;
         req.provider = provider;
         req
+    }
+
+    #[test]
+    fn every_typed_session_config_field_is_listed_so_options_never_send_one_twice() {
+        let config = SessionConfig {
+            session_id: "s".into(),
+            model: Some("m".into()),
+            reasoning_effort: Some(crate::kinds::ReasoningEffort::Low),
+            client_name: Some("c".into()),
+            provider: Some(ProviderConfig::openai("http://m/v1", None)),
+            git_hub_token: Some(Secret::new("t")),
+            tools: vec![crate::rpc::messages::ToolDefinition {
+                name: "t".into(),
+                description: String::new(),
+                parameters: serde_json::json!({}),
+                skip_permission: None,
+                overrides_built_in_tool: None,
+            }],
+            available_tools: Some(vec![]),
+            excluded_tools: Some(vec![]),
+            tool_filter_precedence: Some("excluded".into()),
+            working_directory: Some("/w".into()),
+            system_message: Some(serde_json::json!({})),
+            env_value_mode: Some("direct".into()),
+            continue_pending_work: Some(false),
+            ..Default::default()
+        };
+        let wire = serde_json::to_value(&config).unwrap();
+        let wire = wire.as_object().unwrap();
+        let mut typed: Vec<&str> = wire.keys().map(String::as_str).collect();
+        typed.sort_unstable();
+        let mut listed = SESSION_CONFIG_FIELDS.to_vec();
+        listed.sort_unstable();
+        assert_eq!(typed, listed);
+    }
+
+    #[test]
+    fn session_options_reach_the_params_and_the_pools_own_fields_win() {
+        let mut req = request(LeaseAuth::default(), None);
+        req.model = Some("pool-model".into());
+        req.apply_session_options(
+            crate::session_options::SessionOptions::from_value(serde_json::json!({
+                "systemMessage": {"mode": "replace", "content": "Be terse."},
+                "excludedTools": ["builtin:bash"],
+                "infiniteSessions": {"enabled": false},
+                "enableCitations": true,
+                "workingDirectory": "/elsewhere",
+                "streaming": false,
+            }))
+            .unwrap(),
+        )
+        .unwrap();
+        let infinite = InfiniteSessions {
+            enabled: true,
+            background_compaction_threshold: None,
+            buffer_exhaustion_threshold: None,
+        };
+        let auth = resolve(&req.auth).unwrap();
+        let wire = serde_json::to_value(session_config(&req, &auth, Some(&infinite))).unwrap();
+        assert_eq!(wire["systemMessage"]["content"], "Be terse.");
+        assert_eq!(wire["excludedTools"], serde_json::json!(["builtin:bash"]));
+        // The caller's options replace the pool's default.
+        assert_eq!(wire["infiniteSessions"]["enabled"], false);
+        assert_eq!(wire["enableCitations"], true);
+        assert_eq!(wire["workingDirectory"], "/elsewhere");
+        assert_eq!(wire["streaming"], false);
+        assert_eq!(wire["model"], "pool-model");
+        assert_eq!(wire["requestPermission"], true);
+        // The model differs from the request's own: refused, naming both places.
+        let mut conflict = request(LeaseAuth::default(), None);
+        conflict.model = Some("a".into());
+        let e = conflict
+            .apply_session_options(
+                crate::session_options::SessionOptions::from_value(
+                    serde_json::json!({"model": "b"}),
+                )
+                .unwrap(),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("session.model"), "{e}");
     }
 
     #[test]

@@ -57,6 +57,12 @@ pub struct ServeConfig {
     pub drain_grace_secs: u64,
     /// `human` (default) or `json`.
     pub log_format: LogFormat,
+    /// Directories a conversation's `session.workingDirectory` and
+    /// `session.additionalDirectories` may lie under, besides the agent's own working
+    /// directory (default: none). Absolute paths.
+    pub allowed_work_roots: Vec<PathBuf>,
+    /// Accept `session.mcpServers` entries that start a local command (default `false`).
+    pub allow_local_mcp_servers: bool,
     /// Pool caps and lifetimes.
     pub pool: PoolSection,
     /// Turn timeouts and the transcript mirror.
@@ -119,6 +125,8 @@ impl Default for ServeConfig {
             max_connections: 4096,
             drain_grace_secs: 30,
             log_format: LogFormat::Human,
+            allowed_work_roots: Vec::new(),
+            allow_local_mcp_servers: false,
             pool: PoolSection::default(),
             turns: TurnsSection::default(),
         }
@@ -212,6 +220,12 @@ impl ServeConfig {
             bail!(
                 "max_connections must be 1 to {MAX_CONNECTIONS_LIMIT} (default 4096); each \
                  connection holds a file descriptor"
+            );
+        }
+        if let Some(root) = self.allowed_work_roots.iter().find(|r| !r.is_absolute()) {
+            bail!(
+                "allowed_work_roots entry {} must be an absolute path",
+                root.display()
             );
         }
         if self.pool.max_processes == 0 || self.pool.max_sessions_per_process == 0 {
@@ -374,7 +388,22 @@ mod tests {
         assert_eq!(c.pool.max_processes, 3);
         assert_eq!(c.pool.max_sessions_per_process, 16);
         assert_eq!(c.max_body_bytes, 1 << 20);
+        assert!(c.allowed_work_roots.is_empty() && !c.allow_local_mcp_servers);
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn work_roots_must_be_absolute_and_local_mcp_servers_are_opt_in() {
+        let c: ServeConfig = toml::from_str(
+            "allowed_work_roots = [\"/srv/repos\"]\nallow_local_mcp_servers = true\n",
+        )
+        .unwrap();
+        assert_eq!(c.allowed_work_roots, [PathBuf::from("/srv/repos")]);
+        assert!(c.allow_local_mcp_servers);
+        c.validate().unwrap();
+        let c: ServeConfig = toml::from_str("allowed_work_roots = [\"repos\"]").unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("absolute"), "{err}");
     }
 
     #[test]
