@@ -439,6 +439,63 @@ async fn each_hook_fires_once_per_occasion_and_compaction_reports_what_it_remove
     shutdown_leaves_nothing(&pool).await;
 }
 
+/// Records the compaction hooks in the order they ran, with their input or output.
+#[derive(Default)]
+struct CompactionLog(Mutex<Vec<(&'static str, Value)>>);
+
+impl CompactionLog {
+    fn seen(&self) -> Vec<(&'static str, Value)> {
+        self.0.lock().expect("lock").clone()
+    }
+}
+
+impl TurnHooks for CompactionLog {
+    fn before_compaction(&self, input: Value) -> HookFuture {
+        self.0
+            .lock()
+            .expect("lock")
+            .push(("before_compaction", input));
+        Box::pin(async { Ok(None) })
+    }
+    fn after_compaction(&self, output: Value) -> HookFuture {
+        self.0
+            .lock()
+            .expect("lock")
+            .push(("after_compaction", output));
+        Box::pin(async { Ok(None) })
+    }
+}
+
+#[tokio::test]
+async fn compaction_hooks_fire_only_around_a_compaction_that_happened() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let hooks = Arc::new(CompactionLog::default());
+    let mut req = fx.request("agent-t", "compaction-hooks");
+    req.handlers.hooks = Some(hooks.clone());
+    let mut lease = pool.lease(req).await.expect("lease");
+    // A new conversation has nothing to compact: the runtime refuses, no hook fires.
+    let nothing = lease.compact(None).await;
+    assert!(nothing.is_err(), "{nothing:?}");
+    assert_eq!(hooks.seen(), vec![]);
+    // One short turn: its summary is longer than what it replaces (tokensRemoved < 0), and
+    // the compaction still happened.
+    lease.run("REPLY=short").await.expect("turn");
+    let compacted = lease
+        .compact(Some("keep the numbers".into()))
+        .await
+        .expect("compact");
+    assert!(compacted.success, "{compacted:?}");
+    let seen = hooks.seen();
+    let names: Vec<_> = seen.iter().map(|(name, _)| *name).collect();
+    assert_eq!(names, ["before_compaction", "after_compaction"]);
+    assert_eq!(seen[0].1["customInstructions"], "keep the numbers");
+    assert_eq!(seen[1].1["success"], true);
+    assert_eq!(seen[1].1["tokensRemoved"], json!(compacted.tokens_removed));
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
 #[tokio::test]
 async fn a_stuck_tool_call_ends_in_turn_timeout_and_the_next_turn_works() {
     let fx = Fixture::new().await;
