@@ -145,6 +145,18 @@ pub(super) struct TurnBody {
     pub tools: Vec<ToolBody>,
     #[serde(default)]
     pub timeout_ms: Option<u64>,
+    /// Files, directories and inline content sent with the prompt.
+    #[serde(default)]
+    pub attachments: Vec<super::attachments::AttachmentBody>,
+    /// `enqueue` or `immediate`.
+    #[serde(default)]
+    pub mode: Option<crate::kinds::SendMode>,
+    /// The agent mode (`agentMode`, as the SDKs spell it, is accepted too).
+    #[serde(default, alias = "agentMode")]
+    pub agent_mode: Option<crate::kinds::AgentMode>,
+    /// The hooks the gateway answers or is told about (over the event stream).
+    #[serde(default)]
+    pub hooks: Vec<crate::kinds::HookName>,
 }
 
 impl TurnBody {

@@ -20,10 +20,13 @@
 //! [`ApiConfig::metrics`] gives it, and the caller decides when to drain
 //! ([`ApiHandle::set_draining`]) and when to stop serving ([`serve`]'s `shutdown`).
 //!
+//! - `attachments` — a turn's attachments: paths confined to the agent's work directory or
+//!   the allowed roots, inline content checked and written into the work directory.
 //! - `auth` — the bearer token on `/v1`.
 //! - `body` — reading and parsing request bodies into lease requests.
 //! - `error` — `{code, message}` answers and the status of each pool error kind.
-//! - `gateway` — requests the gateway answers over HTTP (tool calls, permissions, ask_user).
+//! - `gateway` — requests the gateway answers over HTTP (tool calls, permissions, ask_user,
+//!   hooks).
 //! - `health` — `/healthz`, `/readyz`, `/metrics`, `/v1/pool`.
 //! - `sessions` — abort, compact and reset of a conversation.
 //! - `turns` — `POST /v1/turns` and its event stream.
@@ -32,6 +35,7 @@
 // Early returns carry the HTTP response itself; boxing every one would only add noise.
 #![allow(clippy::result_large_err)]
 
+mod attachments;
 mod auth;
 mod body;
 mod error;
@@ -41,6 +45,7 @@ mod listener;
 mod sessions;
 mod turns;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -54,6 +59,7 @@ use crate::pool::Pool;
 use crate::secret::Secret;
 use crate::turn::{TranscriptSettings, TurnTimeouts};
 
+pub use attachments::AttachmentLimits;
 pub use listener::{ConnectionLimits, serve};
 
 /// Renders the metrics text `/metrics` answers with (for example a Prometheus recorder's
@@ -94,6 +100,11 @@ pub struct ApiConfig {
     /// `/metrics` answers with this; `None` answers 404 (metrics served elsewhere, or not
     /// at all).
     pub metrics: Option<MetricsRender>,
+    /// Directories besides an agent's own work directory that a turn may name: attachments
+    /// by path must lie inside one of them (symbolic links resolved).
+    pub allowed_work_roots: Vec<PathBuf>,
+    /// Inline attachments: the size limit and the media types accepted.
+    pub attachments: AttachmentLimits,
 }
 
 impl Default for ApiConfig {
@@ -104,6 +115,8 @@ impl Default for ApiConfig {
             transcript: None,
             max_body_bytes: 1 << 20,
             metrics: None,
+            allowed_work_roots: Vec::new(),
+            attachments: AttachmentLimits::default(),
         }
     }
 }

@@ -193,6 +193,8 @@ fn api_config(config: &ServeConfig, metrics: &PrometheusHandle) -> ApiConfig {
     api.timeouts = config.timeouts();
     api.transcript = config.transcript();
     api.max_body_bytes = config.max_body_bytes;
+    api.allowed_work_roots = config.allowed_work_roots.clone();
+    api.attachments = config.attachment_limits();
     api.metrics = config.metrics_listen.is_none().then(|| {
         let handle = metrics.clone();
         http::MetricsRender::new(move || handle.render())
