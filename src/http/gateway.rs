@@ -298,14 +298,25 @@ impl Link {
         rx.await.ok()
     }
 
-    /// Sends a `hook.notification` event (nothing to answer); a gateway that does not read
-    /// its stream ends the turn the usual way.
-    async fn notify(&self, hook: HookName, input: Value) {
+    /// Queues a `hook.notification` event (nothing to answer) at once, so it keeps its
+    /// place among the turn's events (just before the event it is about); only when the
+    /// stream's buffer is full does the returned future wait for room (a gateway that does
+    /// not read its stream ends the turn the usual way).
+    fn notify(&self, hook: HookName, input: Value) -> HookFuture {
         let sse = SseEvent {
             event: "hook.notification".to_owned(),
             data: json!({"hook": hook, "input": input}),
         };
-        let _ = self.events.send_timeout(sse, SEND_TIMEOUT).await;
+        match self.events.try_send(sse) {
+            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => Box::pin(async { Ok(None) }),
+            Err(mpsc::error::TrySendError::Full(sse)) => {
+                let events = self.events.clone();
+                Box::pin(async move {
+                    let _ = events.send_timeout(sse, SEND_TIMEOUT).await;
+                    Ok(None)
+                })
+            }
+        }
     }
 
     /// The turn's hooks: those in `wanted` go to the gateway, the others answer nothing.
@@ -359,16 +370,12 @@ impl HttpHooks {
         })
     }
 
-    /// A hook the runtime does not wait for: told when wanted.
+    /// A hook the runtime does not wait for: told when wanted, in event order.
     fn tell(&self, hook: HookName, input: Value) -> HookFuture {
         if !self.wanted.contains(&hook) {
             return Box::pin(async { Ok(None) });
         }
-        let link = self.link.clone();
-        Box::pin(async move {
-            link.notify(hook, input).await;
-            Ok(None)
-        })
+        self.link.notify(hook, input)
     }
 }
 
