@@ -445,8 +445,10 @@ mod tests {
     fn inline_content_is_checked_for_size_media_type_and_base64_then_written_privately() {
         let tmp = tempfile::tempdir().expect("tempdir");
         let work = tmp.path().join("work");
-        let mut limits = AttachmentLimits::default();
-        limits.max_bytes = 4;
+        let limits = AttachmentLimits {
+            max_bytes: 4,
+            ..Default::default()
+        };
         let too_big = check(
             vec![inline("aGVsbG8=", "text/plain", None)],
             &work,
