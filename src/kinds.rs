@@ -5,7 +5,8 @@
 //!   opened ([`OpenReason`]), how a turn ended ([`TurnEnd`]), what kind of failure a pool
 //!   error is ([`ErrorKind`]);
 //! * what a caller chooses for a conversation's model: [`ReasoningEffort`], and a BYOK
-//!   provider's [`ProviderType`] and [`WireApi`]. These parse from their wire spelling
+//!   provider's [`ProviderType`] and [`WireApi`]; for a turn: [`SendMode`], [`AgentMode`]
+//!   and the [`HookName`]s it wants; and the [`TokenKind`]s its usage counts. These parse from their wire spelling
 //!   (`FromStr` and serde), so an unknown value fails where it is read, with an
 //!   [`UnknownValue`] error that lists the allowed ones.
 //!
@@ -334,6 +335,69 @@ wire_enum! {
     }
 }
 
+wire_enum! {
+    /// How a turn's message is delivered (`mode` of `session.send`; the runtime's default is
+    /// `enqueue`).
+    pub enum SendMode as "mode" {
+        /// Appended to the session's message queue.
+        Enqueue = "enqueue",
+        /// Interjected into the turn in progress.
+        Immediate = "immediate",
+    }
+}
+
+wire_enum! {
+    /// The agent mode a turn's message is sent in (`agentMode` of `session.send`; the
+    /// runtime's default is the session's current mode).
+    pub enum AgentMode as "agentMode" {
+        /// Responding interactively.
+        Interactive = "interactive",
+        /// Preparing a plan before changing anything.
+        Plan = "plan",
+        /// Working autonomously towards task completion.
+        Autopilot = "autopilot",
+        /// Shell-focused.
+        Shell = "shell",
+    }
+}
+
+wire_enum! {
+    /// A [`crate::turn::TurnHooks`] method, by name: what an HTTP turn's `hooks` list asks
+    /// for.
+    pub enum HookName as "hooks" {
+        /// `before_prompt_build` (`hooks.invoke userPromptSubmitted`).
+        BeforePromptBuild = "before_prompt_build",
+        /// `llm_input` (`assistant.turn_start`).
+        LlmInput = "llm_input",
+        /// `llm_output` (`assistant.message`).
+        LlmOutput = "llm_output",
+        /// `agent_end` (`hooks.invoke agentStop`).
+        AgentEnd = "agent_end",
+        /// `before_compaction` (`session.compaction_start`).
+        BeforeCompaction = "before_compaction",
+        /// `after_compaction` (`session.compaction_complete`).
+        AfterCompaction = "after_compaction",
+        /// `before_tool_call` (`hooks.invoke preToolUse`).
+        BeforeToolCall = "before_tool_call",
+        /// `after_tool_call` (`hooks.invoke postToolUse` / `postToolUseFailure`).
+        AfterToolCall = "after_tool_call",
+    }
+}
+
+wire_enum! {
+    /// The kinds of tokens a turn's usage counts (`copilot_pool_tokens_total{kind}`).
+    pub enum TokenKind as "kind" {
+        /// Prompt tokens.
+        Input = "input",
+        /// Completion tokens.
+        Output = "output",
+        /// Prompt tokens read from the provider's prompt cache.
+        CacheRead = "cache_read",
+        /// Prompt tokens written to the provider's prompt cache.
+        CacheWrite = "cache_write",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -385,6 +449,10 @@ mod tests {
         check(&ReasoningEffort::ALL);
         check(&ProviderType::ALL);
         check(&WireApi::ALL);
+        check(&SendMode::ALL);
+        check(&AgentMode::ALL);
+        check(&HookName::ALL);
+        check(&TokenKind::ALL);
         assert_eq!(ReasoningEffort::XHigh.as_str(), "xhigh");
         assert_eq!(ProviderType::OpenAi.as_str(), "openai");
     }

@@ -62,6 +62,7 @@
 //! * [`replica`] — which of N `serve` replicas an agent goes to (rendezvous hashing).
 //! * [`auth`] — which credentials a lease runs with (precedence, fingerprints).
 //! * [`home`] — each agent's COPILOT_HOME.
+//! * [`confine`] — paths a caller names, kept inside allowed roots (links and `..` resolved).
 //! * [`worker`] — one supervised CLI child: [`worker::WorkerHandle`] starts it and opens
 //!   [`worker::Session`]s whose update streams carry events and server requests.
 //! * [`rpc`] — the wire: `Content-Length` framing, the JSON-RPC 2.0 connection, typed
@@ -82,6 +83,7 @@
 //! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.
 
 pub mod auth;
+pub mod confine;
 mod deadline;
 pub mod home;
 #[cfg(feature = "http")]

@@ -32,6 +32,7 @@
 //! | [`QUARANTINES_TOTAL`] | counter | — |
 //! | [`RPC_DURATION_SECONDS`] | histogram | `method`: [`RPC_METHODS`] or `other` |
 //! | [`HOOK_FAILURES_TOTAL`] | counter | — |
+//! | [`TOKENS_TOTAL`] | counter | `kind`: [`TokenKind::as_str`] (`input`, `output`, `cache_read`, `cache_write`) |
 //!
 //! The gauges are absolute values set by the pool actor: with more than one pool in a
 //! process they overwrite each other (the daemon runs one).
@@ -42,7 +43,7 @@ use ::metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
 
-use crate::kinds::{ErrorKind, Eviction, OpenReason, TurnEnd};
+use crate::kinds::{ErrorKind, Eviction, OpenReason, TokenKind, TurnEnd};
 
 /// CLI processes of the pool by `state` (`live`, `draining`).
 pub const PROCESSES: &str = "copilot_pool_processes";
@@ -83,6 +84,8 @@ pub const QUARANTINES_TOTAL: &str = "copilot_pool_quarantines_total";
 pub const RPC_DURATION_SECONDS: &str = "copilot_pool_rpc_duration_seconds";
 /// Hooks that failed, panicked or timed out (answered with no output).
 pub const HOOK_FAILURES_TOTAL: &str = "copilot_pool_hook_failures_total";
+/// Tokens of the runtime's model calls (`assistant.usage`), by `kind`.
+pub const TOKENS_TOTAL: &str = "copilot_pool_tokens_total";
 
 /// Every counter.
 pub const COUNTERS: &[&str] = &[
@@ -96,6 +99,7 @@ pub const COUNTERS: &[&str] = &[
     EVICTIONS_TOTAL,
     QUARANTINES_TOTAL,
     HOOK_FAILURES_TOTAL,
+    TOKENS_TOTAL,
 ];
 
 /// Every gauge.
@@ -166,6 +170,9 @@ pub fn register_zeroes() {
     }
     for reason in Eviction::ALL {
         counter!(EVICTIONS_TOTAL, "reason" => reason.label()).absolute(0);
+    }
+    for kind in TokenKind::ALL {
+        counter!(TOKENS_TOTAL, "kind" => kind.as_str()).absolute(0);
     }
 }
 
@@ -262,6 +269,11 @@ pub fn describe() {
         HOOK_FAILURES_TOTAL,
         Unit::Count,
         "Hooks that failed, panicked or timed out (answered with no output)."
+    );
+    describe_counter!(
+        TOKENS_TOTAL,
+        Unit::Count,
+        "Tokens of the runtime's model calls, by kind (input, output, cache_read, cache_write)."
     );
 }
 
@@ -432,6 +444,11 @@ pub(crate) fn hook_failed() {
     counter!(HOOK_FAILURES_TOTAL).increment(1);
 }
 
+/// One model call used `n` tokens of `kind`.
+pub(crate) fn tokens(kind: TokenKind, n: u64) {
+    counter!(TOKENS_TOTAL, "kind" => kind.as_str()).increment(n);
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::{HashMap, HashSet};
@@ -596,7 +613,7 @@ mod tests {
 
     #[test]
     fn every_label_set_is_small_distinct_and_in_snake_case() {
-        let sets: [(&str, Vec<&str>); 5] = [
+        let sets: [(&str, Vec<&str>); 6] = [
             (
                 "resume results",
                 OpenReason::ALL
@@ -613,6 +630,10 @@ mod tests {
             (
                 "lease rejections",
                 ErrorKind::ALL.map(ErrorKind::rejection_label).to_vec(),
+            ),
+            (
+                "token kinds",
+                TokenKind::ALL.map(TokenKind::as_str).to_vec(),
             ),
         ];
         for (name, labels) in sets {
@@ -652,6 +673,9 @@ mod tests {
             session_opened(OpenReason::Attached);
             session_opened(OpenReason::Resumed);
             tool_call(ToolOutcome::Timeout);
+            tokens(TokenKind::Input, 100);
+            tokens(TokenKind::Input, 20);
+            tokens(TokenKind::CacheRead, 40);
             PoolGauges {
                 live: 3,
                 draining: 1,
@@ -692,6 +716,8 @@ mod tests {
             1
         );
         assert_eq!(counter_of(TOOL_CALLS_TOTAL, &[("outcome", "timeout")]), 1);
+        assert_eq!(counter_of(TOKENS_TOTAL, &[("kind", "input")]), 120);
+        assert_eq!(counter_of(TOKENS_TOTAL, &[("kind", "cache_read")]), 40);
         // Only the successful start is timed; an attached conversation is not a resume.
         let starts = &snap[&key(MetricKind::Histogram, PROCESS_START_SECONDS, &[])].2;
         assert!(matches!(starts, DebugValue::Histogram(v) if v.len() == 1 && v[0] == 2.0));

@@ -116,10 +116,28 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
         "copilot_pool_turn_duration_seconds_bucket",
         "copilot_pool_llm_calls_total",
         "copilot_pool_rpc_duration_seconds_bucket",
+        "copilot_pool_tokens_total",
     ] {
         assert!(
             metrics.body.contains(name),
             "{name} missing from:\n{}",
+            metrics.body
+        );
+    }
+    // Three turns of one model call each, at the scripted model's usage per call.
+    for (kind, per_call) in [
+        ("input", ScriptedModel::PROMPT_TOKENS),
+        ("output", ScriptedModel::COMPLETION_TOKENS),
+        ("cache_read", ScriptedModel::CACHED_PROMPT_TOKENS),
+        ("cache_write", 0),
+    ] {
+        let series = format!(
+            "copilot_pool_tokens_total{{kind=\"{kind}\"}} {}",
+            3 * per_call
+        );
+        assert!(
+            metrics.body.lines().any(|l| l == series),
+            "{series} missing from:\n{}",
             metrics.body
         );
     }

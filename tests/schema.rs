@@ -236,3 +236,75 @@ async fn typed_events_match_the_session_events_schema() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+#[tokio::test]
+async fn every_attachment_and_send_option_we_send_matches_the_api_schema() {
+    let api = load(&schema_dir().await.join("api.schema.json"));
+    let defs = &api["definitions"];
+    let attachments = [
+        (
+            "AttachmentFile",
+            Attachment::File {
+                path: "/w/a.png".into(),
+                display_name: "a.png".into(),
+                line_range: Some(LineRange { start: 1, end: 2 }),
+            },
+        ),
+        (
+            "AttachmentDirectory",
+            Attachment::Directory {
+                path: "/w/src".into(),
+                display_name: "src".into(),
+            },
+        ),
+        (
+            "AttachmentBlob",
+            Attachment::Blob {
+                data: "aGk=".into(),
+                mime_type: "text/plain".into(),
+                display_name: Some("hi.txt".into()),
+            },
+        ),
+    ];
+    let mut problems = Vec::new();
+    for (definition, attachment) in attachments {
+        let def = &defs[definition];
+        let wire = serde_json::to_value(&attachment).expect("json");
+        let fields = wire.as_object().expect("an object");
+        let known = properties(&api, def);
+        for field in fields.keys() {
+            if !known.contains(field) {
+                problems.push(format!("{definition}: {field} not in {known:?}"));
+            }
+        }
+        for field in required(&api, def) {
+            if !fields.contains_key(&field) {
+                problems.push(format!("{definition}: requires {field}"));
+            }
+        }
+        if def["properties"]["type"]["const"] != wire["type"] {
+            problems.push(format!("{definition}: type {}", wire["type"]));
+        }
+    }
+    let enum_of = |name: &str| -> Vec<String> {
+        defs[name]["enum"]
+            .as_array()
+            .map(|v| {
+                v.iter()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let modes: Vec<String> = copilot_pool::kinds::SendMode::ALL
+        .iter()
+        .map(|m| m.to_string())
+        .collect();
+    let agent_modes: Vec<String> = copilot_pool::kinds::AgentMode::ALL
+        .iter()
+        .map(|m| m.to_string())
+        .collect();
+    assert_eq!(modes, enum_of("SendMode"));
+    assert_eq!(agent_modes, enum_of("SendAgentMode"));
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

@@ -439,6 +439,122 @@ async fn each_hook_fires_once_per_occasion_and_compaction_reports_what_it_remove
     shutdown_leaves_nothing(&pool).await;
 }
 
+/// Records the compaction hooks in the order they ran, with their input or output.
+struct CompactionLog(
+    Mutex<Vec<(&'static str, Value)>>,
+    tokio::sync::watch::Sender<usize>,
+);
+
+impl Default for CompactionLog {
+    fn default() -> Self {
+        Self(Mutex::default(), tokio::sync::watch::channel(0).0)
+    }
+}
+
+impl CompactionLog {
+    fn seen(&self) -> Vec<(&'static str, Value)> {
+        self.0.lock().expect("lock").clone()
+    }
+    fn push(&self, name: &'static str, value: Value) -> HookFuture {
+        let mut log = self.0.lock().expect("lock");
+        log.push((name, value));
+        self.1.send_replace(log.len());
+        Box::pin(async { Ok(None) })
+    }
+    /// Waits until `n` hooks ran (hooks fed from events run in tasks).
+    async fn wait_for(&self, n: usize) {
+        let mut rx = self.1.subscribe();
+        let _ = tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|len| *len >= n)).await;
+    }
+}
+
+impl TurnHooks for CompactionLog {
+    fn before_compaction(&self, input: Value) -> HookFuture {
+        self.push("before_compaction", input)
+    }
+    fn after_compaction(&self, output: Value) -> HookFuture {
+        self.push("after_compaction", output)
+    }
+}
+
+#[tokio::test]
+async fn compaction_hooks_fire_only_around_a_compaction_that_happened() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let hooks = Arc::new(CompactionLog::default());
+    let mut req = fx.request("agent-t", "compaction-hooks");
+    req.handlers.hooks = Some(hooks.clone());
+    let mut lease = pool.lease(req).await.expect("lease");
+    // A new conversation has nothing to compact: the runtime refuses, no hook fires.
+    let nothing = lease.compact(None).await;
+    assert!(nothing.is_err(), "{nothing:?}");
+    assert_eq!(hooks.seen(), vec![]);
+    // One short turn: its summary is longer than what it replaces (tokensRemoved < 0), and
+    // the compaction still happened.
+    lease.run("REPLY=short").await.expect("turn");
+    let compacted = lease
+        .compact(Some("keep the numbers".into()))
+        .await
+        .expect("compact");
+    assert!(compacted.success, "{compacted:?}");
+    let seen = hooks.seen();
+    let names: Vec<_> = seen.iter().map(|(name, _)| *name).collect();
+    assert_eq!(names, ["before_compaction", "after_compaction"]);
+    assert_eq!(seen[0].1["customInstructions"], "keep the numbers");
+    assert_eq!(seen[1].1["success"], true);
+    assert_eq!(seen[1].1["tokensRemoved"], json!(compacted.tokens_removed));
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_background_compactions_hooks_fire_in_order_once_it_completed() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    // A threshold every conversation crosses at once: the runtime compacts in the
+    // background, starting in one turn and completing in a later one.
+    config.infinite_sessions = Some(copilot_pool::pool::InfiniteSessions {
+        enabled: true,
+        background_compaction_threshold: Some(0.001),
+        buffer_exhaustion_threshold: Some(0.9),
+    });
+    let pool = Pool::start(config).await.expect("pool");
+    let hooks = Arc::new(CompactionLog::default());
+    let mut req = fx.request("agent-t", "background");
+    req.handlers.hooks = Some(hooks.clone());
+    let mut lease = pool.lease(req).await.expect("lease");
+    let (mut started, mut completed) = (false, false);
+    for i in 0..6 {
+        lease.send(format!("REPLY=turn {i}")).await.expect("send");
+        while let Some(event) = lease.next_event().await {
+            match event.expect("event").event_type() {
+                "session.compaction_start" => started = true,
+                "session.compaction_complete" => completed = true,
+                _ => {}
+            }
+        }
+        if started && !completed {
+            // Started, not yet complete: nothing may have fired.
+            assert_eq!(hooks.seen(), vec![], "turn {i}");
+        }
+        if completed {
+            break;
+        }
+    }
+    assert!(
+        started && completed,
+        "no background compaction in six turns"
+    );
+    hooks.wait_for(2).await;
+    let seen = hooks.seen();
+    let names: Vec<_> = seen.iter().map(|(name, _)| *name).collect();
+    assert_eq!(names, ["before_compaction", "after_compaction"]);
+    assert_eq!(seen[0].1["trigger"], "threshold", "{:?}", seen[0].1);
+    assert_eq!(seen[1].1["success"], true, "{:?}", seen[1].1);
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
 #[tokio::test]
 async fn a_stuck_tool_call_ends_in_turn_timeout_and_the_next_turn_works() {
     let fx = Fixture::new().await;

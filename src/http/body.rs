@@ -15,11 +15,11 @@ use serde_json::{Value, json};
 use super::AppState;
 use super::error::{error, pool_error};
 use crate::auth::LeaseAuth;
+use crate::confine::{ConfineError, confine};
 use crate::pool::LeaseRequest;
 use crate::rpc::messages::ProviderConfig;
 use crate::secret::Secret;
 use crate::session_options::SessionOptions;
-use crate::session_options::confine::{ConfineError, confine};
 
 /// A request body must arrive within this long; a client that announces more than it sends
 /// cannot hold a connection open.
@@ -152,6 +152,18 @@ pub(super) struct TurnBody {
     pub tools: Vec<ToolBody>,
     #[serde(default)]
     pub timeout_ms: Option<u64>,
+    /// Files, directories and inline content sent with the prompt.
+    #[serde(default)]
+    pub attachments: Vec<super::attachments::AttachmentBody>,
+    /// `enqueue` or `immediate`.
+    #[serde(default)]
+    pub mode: Option<crate::kinds::SendMode>,
+    /// The agent mode (`agentMode`, as the SDKs spell it, is accepted too).
+    #[serde(default, alias = "agentMode")]
+    pub agent_mode: Option<crate::kinds::AgentMode>,
+    /// The hooks the gateway answers or is told about (over the event stream).
+    #[serde(default)]
+    pub hooks: Vec<crate::kinds::HookName>,
 }
 
 impl TurnBody {
@@ -247,7 +259,8 @@ fn confine_directories(
 ) -> Result<SessionOptions, String> {
     let text = |path: PathBuf| path.to_string_lossy().into_owned();
     if let Some(Value::String(dir)) = options.get("workingDirectory") {
-        let resolved = confine("workingDirectory", Path::new(dir), roots).map_err(message)?;
+        let resolved =
+            confine("session.workingDirectory", Path::new(dir), roots).map_err(message)?;
         options
             .set("workingDirectory", text(resolved))
             .map_err(|e| e.to_string())?;
@@ -257,7 +270,7 @@ fn confine_directories(
         for (i, dir) in dirs.iter().enumerate() {
             // The schema check made every entry a string.
             let dir = dir.as_str().unwrap_or_default();
-            let field = format!("additionalDirectories.{i}");
+            let field = format!("session.additionalDirectories.{i}");
             resolved.push(text(
                 confine(&field, Path::new(dir), roots).map_err(message)?,
             ));

@@ -1,8 +1,12 @@
-//! Requests the gateway must answer over HTTP: gateway tool calls, permission prompts and
-//! ask_user questions become SSE events with a `request_id`, and wait for
-//! `POST /v1/requests/{request_id}`. A request nobody answers resolves as "no answer" when
-//! its turn ends or its timeout expires (the turn driver then fails closed).
+//! Requests the gateway must answer over HTTP: gateway tool calls, permission prompts,
+//! ask_user questions and the hooks a turn asked for become SSE events with a `request_id`,
+//! and wait for `POST /v1/requests/{request_id}`. A request nobody answers resolves as "no
+//! answer" when its turn ends or its timeout expires (the turn driver then fails closed; a
+//! hook gets the runtime's default, no output). Hooks the runtime does not wait for
+//! (`llm_input`, `llm_output`, the compaction pair) are `hook.notification` events without
+//! a `request_id`.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -17,9 +21,11 @@ use super::AppState;
 use super::body::{parse, read_body};
 use super::error::error;
 use super::turns::SEND_TIMEOUT;
+use crate::kinds::HookName;
 use crate::permission::{DecisionFuture, PermissionDecision, PermissionPolicy, PermissionRequest};
+use crate::turn::hooks::HookFuture;
 use crate::turn::user_input::AnswerFuture;
-use crate::turn::{Answer, GatewayTool, Question, ToolCall, UserInputHandler};
+use crate::turn::{Answer, GatewayTool, Question, ToolCall, TurnHooks, UserInputHandler};
 
 /// `POST /v1/requests/{request_id}`: the gateway's answer to a request of a running turn.
 pub(super) async fn post_answer(
@@ -59,6 +65,7 @@ enum Kind {
     ToolCall,
     Permission,
     UserInput,
+    Hook(HookName),
 }
 
 /// A validated answer.
@@ -67,6 +74,8 @@ enum GatewayAnswer {
     Tool(Result<String, String>),
     Permission(PermissionDecision),
     UserInput(Answer),
+    /// The hook's output (`None`: the runtime's default).
+    Hook(Option<Value>),
 }
 
 struct Pending {
@@ -152,7 +161,108 @@ fn parse_answer(kind: Kind, body: &Value) -> Result<GatewayAnswer, String> {
                 .ok_or_else(|| "choice must be a non-negative integer".to_owned()),
             _ => Err(r#"a user_input.request answer is {"answer": "...", "was_freeform": true|false} or {"choice": <index>}"#.to_owned()),
         },
+        Kind::Hook(hook) => parse_hook_answer(hook, obj).map(GatewayAnswer::Hook),
     }
+}
+
+/// The output fields a hook's answer may carry (the runtime's documented output of the
+/// hook type behind it) and what each must be.
+fn hook_output_fields(hook: HookName) -> &'static [(&'static str, FieldType)] {
+    use FieldType::*;
+    match hook {
+        // userPromptSubmitted
+        HookName::BeforePromptBuild => &[
+            ("modifiedPrompt", Text),
+            ("additionalContext", Text),
+            ("suppressOutput", Bool),
+        ],
+        // preToolUse
+        HookName::BeforeToolCall => &[
+            ("permissionDecision", OneOf(&["allow", "deny", "ask"])),
+            ("permissionDecisionReason", Text),
+            ("modifiedArgs", Any),
+            ("additionalContext", Text),
+            ("suppressOutput", Bool),
+        ],
+        // postToolUse (postToolUseFailure reads additionalContext only)
+        HookName::AfterToolCall => &[
+            ("modifiedResult", Object),
+            ("additionalContext", Text),
+            ("suppressOutput", Bool),
+        ],
+        // agentStop
+        HookName::AgentEnd => &[("decision", OneOf(&["block"])), ("reason", Text)],
+        // Notifications: nothing goes back.
+        HookName::LlmInput
+        | HookName::LlmOutput
+        | HookName::BeforeCompaction
+        | HookName::AfterCompaction => &[],
+    }
+}
+
+#[derive(Clone, Copy)]
+enum FieldType {
+    Text,
+    Bool,
+    Object,
+    Any,
+    OneOf(&'static [&'static str]),
+}
+
+impl FieldType {
+    fn accepts(self, value: &Value) -> bool {
+        match self {
+            FieldType::Text => value.is_string(),
+            FieldType::Bool => value.is_boolean(),
+            FieldType::Object => value.is_object(),
+            FieldType::Any => true,
+            FieldType::OneOf(allowed) => value.as_str().is_some_and(|v| allowed.contains(&v)),
+        }
+    }
+
+    fn describe(self) -> String {
+        match self {
+            FieldType::Text => "a string".to_owned(),
+            FieldType::Bool => "a boolean".to_owned(),
+            FieldType::Object => "an object".to_owned(),
+            FieldType::Any => "any JSON".to_owned(),
+            FieldType::OneOf(allowed) => format!("one of {}", allowed.join(", ")),
+        }
+    }
+}
+
+/// `{}` or `{"output": null}` (the runtime's default), or `{"output": {...}}` with the
+/// hook's documented fields.
+fn parse_hook_answer(
+    hook: HookName,
+    obj: &serde_json::Map<String, Value>,
+) -> Result<Option<Value>, String> {
+    let fields = hook_output_fields(hook);
+    let shape = || {
+        let list: Vec<String> = fields
+            .iter()
+            .map(|(name, t)| format!("{name}: {}", t.describe()))
+            .collect();
+        format!(
+            "a hook.request answer for {hook} is {{}} (no output) or {{\"output\": {{{}}}}}",
+            list.join(", ")
+        )
+    };
+    if obj.keys().any(|k| k != "output") {
+        return Err(shape());
+    }
+    let output = match obj.get("output") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(output)) => output,
+        Some(_) => return Err(shape()),
+    };
+    for (key, value) in output {
+        match fields.iter().find(|(name, _)| name == key) {
+            Some((_, t)) if t.accepts(value) => {}
+            _ => return Err(shape()),
+        }
+    }
+    Ok(Some(Value::Object(output.clone())))
 }
 
 /// The per-turn link to the gateway: where to send request events, and the registry.
@@ -188,6 +298,35 @@ impl Link {
         rx.await.ok()
     }
 
+    /// Queues a `hook.notification` event (nothing to answer) at once, so it keeps its
+    /// place among the turn's events (just before the event it is about); only when the
+    /// stream's buffer is full does the returned future wait for room (a gateway that does
+    /// not read its stream ends the turn the usual way).
+    fn notify(&self, hook: HookName, input: Value) -> HookFuture {
+        let sse = SseEvent {
+            event: "hook.notification".to_owned(),
+            data: json!({"hook": hook, "input": input}),
+        };
+        match self.events.try_send(sse) {
+            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => Box::pin(async { Ok(None) }),
+            Err(mpsc::error::TrySendError::Full(sse)) => {
+                let events = self.events.clone();
+                Box::pin(async move {
+                    let _ = events.send_timeout(sse, SEND_TIMEOUT).await;
+                    Ok(None)
+                })
+            }
+        }
+    }
+
+    /// The turn's hooks: those in `wanted` go to the gateway, the others answer nothing.
+    pub(super) fn hooks(&self, wanted: impl IntoIterator<Item = HookName>) -> HttpHooks {
+        HttpHooks {
+            link: self.clone(),
+            wanted: wanted.into_iter().collect(),
+        }
+    }
+
     /// A gateway tool whose calls are answered over HTTP.
     pub(super) fn tool(&self, name: String, description: String, parameters: Value) -> GatewayTool {
         let link = self.clone();
@@ -205,6 +344,65 @@ impl Link {
                 }
             }
         })
+    }
+}
+
+/// The hooks of an HTTP turn (see [`Link::hooks`]).
+pub(super) struct HttpHooks {
+    link: Link,
+    wanted: HashSet<HookName>,
+}
+
+impl HttpHooks {
+    /// A hook the runtime waits for: asked over HTTP when wanted; the driver's hook timeout
+    /// gives the runtime its default when nobody answers.
+    fn ask(&self, hook: HookName, input: Value) -> HookFuture {
+        if !self.wanted.contains(&hook) {
+            return Box::pin(async { Ok(None) });
+        }
+        let link = self.link.clone();
+        Box::pin(async move {
+            let data = json!({"hook": hook, "input": input});
+            match link.ask(Kind::Hook(hook), "hook.request", data).await {
+                Some(GatewayAnswer::Hook(output)) => Ok(output),
+                _ => Err(format!("the gateway did not answer the {hook} hook")),
+            }
+        })
+    }
+
+    /// A hook the runtime does not wait for: told when wanted, in event order.
+    fn tell(&self, hook: HookName, input: Value) -> HookFuture {
+        if !self.wanted.contains(&hook) {
+            return Box::pin(async { Ok(None) });
+        }
+        self.link.notify(hook, input)
+    }
+}
+
+impl TurnHooks for HttpHooks {
+    fn before_prompt_build(&self, input: Value) -> HookFuture {
+        self.ask(HookName::BeforePromptBuild, input)
+    }
+    fn llm_input(&self, input: Value) -> HookFuture {
+        self.tell(HookName::LlmInput, input)
+    }
+    fn llm_output(&self, output: Value) -> HookFuture {
+        self.tell(HookName::LlmOutput, output)
+    }
+    fn agent_end(&self, input: Value) -> HookFuture {
+        self.ask(HookName::AgentEnd, input)
+    }
+    fn before_compaction(&self, input: Value) -> HookFuture {
+        self.tell(HookName::BeforeCompaction, input)
+    }
+    fn after_compaction(&self, output: Value) -> HookFuture {
+        self.tell(HookName::AfterCompaction, output)
+    }
+    fn before_tool_call(&self, input: Value) -> HookFuture {
+        self.ask(HookName::BeforeToolCall, input)
+    }
+    fn after_tool_call(&self, input: Value) -> HookFuture {
+        self.ask(HookName::AfterToolCall, input)
     }
 }
 
@@ -299,6 +497,40 @@ mod tests {
             rx.try_recv(),
             Ok(GatewayAnswer::UserInput(Answer::Label(label))) if label == "blue"
         ));
+    }
+
+    #[test]
+    fn a_hook_answer_is_no_output_or_the_hooks_documented_output() {
+        let registry = Registry::default();
+        let (id, mut rx) = registry.register(Kind::Hook(HookName::BeforeToolCall));
+        for wrong in [
+            json!({"output": {"permissionDecision": "maybe"}}),
+            json!({"output": {"decision": "block"}}),
+            json!({"output": "allow"}),
+            json!({"result": "x"}),
+        ] {
+            assert!(
+                matches!(registry.answer(&id, &wrong), Err(AnswerError::Shape(m)) if m.contains("permissionDecision")),
+                "{wrong}"
+            );
+        }
+        registry
+            .answer(
+                &id,
+                &json!({"output": {"permissionDecision": "deny", "permissionDecisionReason": "no"}}),
+            )
+            .map_err(|_| "refused")
+            .unwrap();
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(GatewayAnswer::Hook(Some(output))) if output["permissionDecision"] == "deny"
+        ));
+        let (id, mut rx) = registry.register(Kind::Hook(HookName::AgentEnd));
+        registry
+            .answer(&id, &json!({}))
+            .map_err(|_| "refused")
+            .unwrap();
+        assert!(matches!(rx.try_recv(), Ok(GatewayAnswer::Hook(None))));
     }
 
     #[test]

@@ -20,10 +20,13 @@
 //! [`ApiConfig::metrics`] gives it, and the caller decides when to drain
 //! ([`ApiHandle::set_draining`]) and when to stop serving ([`serve`]'s `shutdown`).
 //!
+//! - `attachments` — a turn's attachments: paths confined to the agent's work directory or
+//!   the allowed roots, inline content checked and written into the work directory.
 //! - `auth` — the bearer token on `/v1`.
 //! - `body` — reading and parsing request bodies into lease requests.
 //! - `error` — `{code, message}` answers and the status of each pool error kind.
-//! - `gateway` — requests the gateway answers over HTTP (tool calls, permissions, ask_user).
+//! - `gateway` — requests the gateway answers over HTTP (tool calls, permissions, ask_user,
+//!   hooks).
 //! - `health` — `/healthz`, `/readyz`, `/metrics`, `/v1/pool`.
 //! - `sessions` — abort, compact and reset of a conversation.
 //! - `turns` — `POST /v1/turns` and its event stream.
@@ -32,6 +35,7 @@
 // Early returns carry the HTTP response itself; boxing every one would only add noise.
 #![allow(clippy::result_large_err)]
 
+mod attachments;
 mod auth;
 mod body;
 mod error;
@@ -54,6 +58,7 @@ use crate::pool::Pool;
 use crate::secret::Secret;
 use crate::turn::{TranscriptSettings, TurnTimeouts};
 
+pub use attachments::AttachmentLimits;
 pub use listener::{ConnectionLimits, serve};
 
 /// Renders the metrics text `/metrics` answers with (for example a Prometheus recorder's
@@ -95,12 +100,15 @@ pub struct ApiConfig {
     /// at all).
     pub metrics: Option<MetricsRender>,
     /// Directories a conversation's `session.workingDirectory` and
-    /// `session.additionalDirectories` may lie under, besides the agent's own working
-    /// directory (`<agents base>/agents/<agent_id>/work`). Default: none.
+    /// `session.additionalDirectories`, and a turn's attachments by path, may lie under,
+    /// besides the agent's own working directory (`<agents base>/agents/<agent_id>/work`).
+    /// Default: none.
     pub allowed_work_roots: Vec<std::path::PathBuf>,
     /// Accept `session.mcpServers` entries that start a local command (default `false`:
     /// only remote `http`/`sse` servers).
     pub allow_local_mcp_servers: bool,
+    /// Inline attachments: the size limit and the media types accepted.
+    pub attachments: AttachmentLimits,
 }
 
 impl Default for ApiConfig {
@@ -113,6 +121,7 @@ impl Default for ApiConfig {
             metrics: None,
             allowed_work_roots: Vec::new(),
             allow_local_mcp_servers: false,
+            attachments: AttachmentLimits::default(),
         }
     }
 }

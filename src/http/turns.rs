@@ -17,11 +17,13 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::AppState;
+use super::attachments::{check_off_thread, write_off_thread};
 use super::body::{TurnBody, create_work_dir, lease_request, parse, read_body};
 use super::error::{error, pool_error};
 use super::gateway::{Link, SseEvent};
 use crate::kinds::TurnEnd;
 use crate::pool::Lease;
+use crate::turn::Message;
 
 /// A gateway that does not read its event stream for this long is treated as gone (the
 /// turn is aborted), so a stalled client cannot pin a conversation.
@@ -83,6 +85,25 @@ pub(super) async fn post_turn(
             "tools need the event stream (their calls are answered from it); drop ?stream=false",
         );
     }
+    if !streaming && !body.hooks.is_empty() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "hooks need the event stream (they are sent and answered there); drop ?stream=false",
+        );
+    }
+    // Paths resolved and confined, inline content decoded: nothing is written yet.
+    let attachments = match check_off_thread(
+        std::mem::take(&mut body.attachments),
+        req.working_directory.clone(),
+        state.config.allowed_work_roots.clone(),
+        state.config.attachments.clone(),
+    )
+    .await
+    {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
     let (events_tx, events_rx) = mpsc::channel::<SseEvent>(256);
     if streaming {
         let link = Link {
@@ -94,6 +115,9 @@ pub(super) async fn post_turn(
             .map(|t| link.tool(t.name, t.description, t.parameters))
             .collect();
         req.handlers.permission_policy = Arc::new(link.clone());
+        if !body.hooks.is_empty() {
+            req.handlers.hooks = Some(Arc::new(link.hooks(body.hooks.iter().copied())));
+        }
         req.handlers.user_input = Some(Arc::new(link));
     }
     // Without the stream nobody could answer: permissions are rejected, ask_user is off.
@@ -102,15 +126,25 @@ pub(super) async fn post_turn(
     if let Err(r) = create_work_dir(&req.working_directory).await {
         return r;
     }
+    let work = req.working_directory.clone();
     // The lease is taken before answering, so its errors are real HTTP errors.
     let lease = match state.pool.lease(req).await {
         Ok(l) => l,
         Err(e) => return pool_error(&e),
     };
+    // Inline content is written only for a turn that runs (dropping the lease on a failed
+    // write returns the conversation).
+    let mut message = Message::new(body.prompt);
+    message.attachments = match write_off_thread(attachments, work).await {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    message.mode = body.mode;
+    message.agent_mode = body.agent_mode;
     tokio::spawn(run_turn(
         Running::start(state.clone()),
         lease,
-        body.prompt,
+        message,
         events_tx,
         body.agent_id,
     ));
@@ -148,8 +182,9 @@ pub(super) async fn post_turn(
 }
 
 /// The `turn.end` summary: how it ended, how the conversation was opened (`open_reason`:
-/// whether the runtime still had its context), the model calls, the final text, the token
-/// usage and the runtime's `session.task_complete` data, if any.
+/// whether the runtime still had its context), the model calls, the final text, the error
+/// with the failing model call's HTTP status and the runtime's error type, the token usage
+/// and the runtime's `session.task_complete` data, if any.
 fn turn_end(status: &str, lease: &Lease, error: Option<String>) -> SseEvent {
     let outcome = lease.outcome();
     SseEvent {
@@ -162,6 +197,8 @@ fn turn_end(status: &str, lease: &Lease, error: Option<String>) -> SseEvent {
             "llm_calls": outcome.model_calls,
             "final_text": outcome.text,
             "error": error,
+            "status_code": outcome.status_code,
+            "error_type": outcome.error_type,
             "usage": outcome.usage,
             "task_complete": outcome.task_complete,
         }),
@@ -173,13 +210,13 @@ fn turn_end(status: &str, lease: &Lease, error: Option<String>) -> SseEvent {
 async fn run_turn(
     _running: Running,
     mut lease: Lease,
-    prompt: String,
+    message: Message,
     events: mpsc::Sender<SseEvent>,
     agent_id: String,
 ) {
     let span = tracing::info_span!("turn", agent = %agent_id, session = %lease.cli_session_id());
     let summary = async {
-        if let Err(e) = lease.send(prompt).await {
+        if let Err(e) = lease.send(message).await {
             return turn_end("error", &lease, Some(e.to_string()));
         }
         loop {

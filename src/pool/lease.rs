@@ -14,7 +14,7 @@ use crate::panic_guard::call_guarded;
 use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
 use crate::turn::driver::{TurnDriver, run_hook};
-use crate::turn::{TurnError, TurnOutcome};
+use crate::turn::{Message, TurnError, TurnOutcome};
 use crate::worker::{Session, Settled, WorkerError};
 
 pub use crate::kinds::OpenReason;
@@ -89,16 +89,25 @@ impl Lease {
         self.session.as_ref().is_some_and(Session::already_in_use)
     }
 
-    /// Starts a turn. Its events follow through [`Lease::next_event`].
-    pub async fn send(&mut self, prompt: impl Into<String>) -> Result<(), PoolError> {
+    /// Starts a turn with `message` (a prompt, or a [`Message`] with attachments, delivery
+    /// mode and agent mode). Its events follow through [`Lease::next_event`]. A message
+    /// [`Message::validate`] refuses is `PoolError::InvalidRequest`, and nothing is sent.
+    pub async fn send(&mut self, message: impl Into<Message>) -> Result<(), PoolError> {
         if self.driver.in_flight() {
             return Err(state_error("a turn is already running on this lease"));
         }
+        let message = message.into();
+        message
+            .validate()
+            .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
         let session = self.session_mut()?;
         // Leftovers of earlier activity (late events of an aborted turn) are not this turn's;
         // requests among them are refused so the runtime never waits on them.
         session.discard_waiting();
-        session.send(prompt).await.map_err(|e| self.lose(e))?;
+        session
+            .send_message(message.into_params())
+            .await
+            .map_err(|e| self.lose(e))?;
         self.driver.begin();
         self.sent += 1;
         Ok(())
@@ -130,9 +139,9 @@ impl Lease {
         }
     }
 
-    /// Sends `prompt` and waits for the turn to end.
-    pub async fn run(&mut self, prompt: impl Into<String>) -> Result<TurnOutcome, PoolError> {
-        self.send(prompt).await?;
+    /// Sends `message` (a prompt, or a [`Message`]) and waits for the turn to end.
+    pub async fn run(&mut self, message: impl Into<Message>) -> Result<TurnOutcome, PoolError> {
+        self.send(message).await?;
         self.wait_idle().await
     }
 
@@ -172,8 +181,10 @@ impl Lease {
         session.abort().await.map_err(|e| self.lose(e))
     }
 
-    /// Compacts the conversation (`session.history.compact`), running the
-    /// `before_compaction` and `after_compaction` hooks around it.
+    /// Compacts the conversation (`session.history.compact`), focused by
+    /// `custom_instructions`. The `before_compaction` and `after_compaction` hooks fire, in
+    /// that order, once the compaction has happened (`success`); a compaction that did not
+    /// happen (nothing to compact, a failure) fires neither.
     pub async fn compact(
         &mut self,
         custom_instructions: Option<String>,
@@ -183,8 +194,13 @@ impl Lease {
         }
         let hooks = self.driver.hooks();
         let limit = self.driver.hook_timeout();
-        let failures = std::sync::atomic::AtomicU32::new(0);
-        if let Some(h) = &hooks {
+        let session = self.session_mut()?;
+        let result = session
+            .compact(custom_instructions.clone())
+            .await
+            .map_err(|e| self.lose(e))?;
+        if let Some(h) = hooks.filter(|_| result.success) {
+            let failures = std::sync::atomic::AtomicU32::new(0);
             let input = json!({"trigger": "manual", "customInstructions": custom_instructions});
             run_hook(
                 call_guarded(|| h.before_compaction(input)),
@@ -192,13 +208,6 @@ impl Lease {
                 &failures,
             )
             .await;
-        }
-        let session = self.session_mut()?;
-        let result = session
-            .compact(custom_instructions)
-            .await
-            .map_err(|e| self.lose(e))?;
-        if let Some(h) = &hooks {
             let output = json!({
                 "success": result.success,
                 "tokensRemoved": result.tokens_removed,

@@ -282,7 +282,9 @@ data!(
     CompactionCompleteData {
         success: bool,
         messages_removed: Option<u64>,
-        tokens_removed: Option<u64>,
+        // Negative when the summary is longer than what it replaced (seen with short
+        // histories).
+        tokens_removed: Option<i64>,
         summary_content: Option<String>,
     }
 );

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::kinds::{ProviderType, ReasoningEffort, WireApi};
+use crate::kinds::{AgentMode, ProviderType, ReasoningEffort, SendMode, WireApi};
 use crate::secret::Secret;
 
 /// The only protocol version this crate speaks (SDK 1.0.14 accepts 3 only).
@@ -394,9 +394,61 @@ pub struct SendParams {
     pub session_id: String,
     /// The user message.
     pub prompt: String,
-    /// `enqueue` or `immediate`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub mode: Option<String>,
+    /// Files, directories and inline blobs sent with the message.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attachments: Vec<Attachment>,
+    /// `enqueue` (the runtime's default) or `immediate`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<SendMode>,
+    /// The agent mode of the message (default: the session's current mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_mode: Option<AgentMode>,
+}
+
+/// One attachment of `session.send` (the schema's `Attachment`, the variants this crate
+/// sends).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "camelCase")]
+pub enum Attachment {
+    /// A file by absolute path; the runtime reads it (an image goes to the model as one).
+    #[serde(rename_all = "camelCase")]
+    File {
+        /// Absolute path.
+        path: String,
+        /// The name shown for it.
+        display_name: String,
+        /// Only these lines of it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        line_range: Option<LineRange>,
+    },
+    /// A directory by absolute path.
+    #[serde(rename_all = "camelCase")]
+    Directory {
+        /// Absolute path.
+        path: String,
+        /// The name shown for it.
+        display_name: String,
+    },
+    /// Inline content.
+    #[serde(rename_all = "camelCase")]
+    Blob {
+        /// The content, base64.
+        data: String,
+        /// Its media type.
+        mime_type: String,
+        /// The name shown for it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        display_name: Option<String>,
+    },
+}
+
+/// Lines `start..=end` of a file attachment (1-based).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LineRange {
+    /// First line (1-based).
+    pub start: u32,
+    /// Last line (inclusive).
+    pub end: u32,
 }
 
 /// Result of `session.send`.
@@ -494,9 +546,10 @@ pub struct CompactParams {
 pub struct CompactResult {
     /// Whether compaction ran.
     pub success: bool,
-    /// Tokens freed.
+    /// Tokens freed; negative when the summary is longer than what it replaced (a short
+    /// history).
     #[serde(default)]
-    pub tokens_removed: Option<u64>,
+    pub tokens_removed: Option<i64>,
     /// Messages folded into the summary.
     #[serde(default)]
     pub messages_removed: Option<u64>,

@@ -67,6 +67,12 @@ const JSON: &str = "application/json";
 impl ScriptedModel {
     /// The model id the scripted model lists and reports.
     pub const MODEL_ID: &'static str = "scripted-model";
+    /// Prompt tokens every answer reports (`usage.prompt_tokens`).
+    pub const PROMPT_TOKENS: u64 = 100;
+    /// Completion tokens every answer reports (`usage.completion_tokens`).
+    pub const COMPLETION_TOKENS: u64 = 10;
+    /// Cached prompt tokens every answer reports (`usage.prompt_tokens_details.cached_tokens`).
+    pub const CACHED_PROMPT_TOKENS: u64 = 40;
 
     /// A fresh model: empty queue, empty log, request counter at zero.
     pub fn new() -> Self {

@@ -39,11 +39,12 @@ pub struct Completion {
 
 /// The fixed token usage every answer reports.
 fn usage() -> Value {
+    use super::ScriptedModel as M;
     json!({
-        "prompt_tokens": 100,
-        "completion_tokens": 10,
-        "total_tokens": 110,
-        "prompt_tokens_details": {"cached_tokens": 40},
+        "prompt_tokens": M::PROMPT_TOKENS,
+        "completion_tokens": M::COMPLETION_TOKENS,
+        "total_tokens": M::PROMPT_TOKENS + M::COMPLETION_TOKENS,
+        "prompt_tokens_details": {"cached_tokens": M::CACHED_PROMPT_TOKENS},
     })
 }
 

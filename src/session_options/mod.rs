@@ -5,9 +5,7 @@
 //! and checked against it by `tests/session_options_schema.rs`), which fields the pool owns
 //! and refuses, which fields change what a stored conversation means (they enter the compat
 //! key), and which entries start local commands (`mcpServers`). Where directories may lie is
-//! [`confine`]'s.
-
-pub mod confine;
+//! [`crate::confine`]'s.
 
 use std::collections::BTreeSet;
 use std::sync::OnceLock;

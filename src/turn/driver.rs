@@ -74,6 +74,9 @@ pub(crate) struct TurnDriver {
     outcome: TurnOutcome,
     hook_failures: Arc<AtomicU32>,
     transcript: Option<Transcript>,
+    /// The `session.compaction_start` of a compaction in progress (its hooks fire once it
+    /// succeeded).
+    compaction_start: Option<Value>,
 }
 
 impl TurnDriver {
@@ -109,6 +112,7 @@ impl TurnDriver {
             outcome: TurnOutcome::default(),
             hook_failures: Arc::new(AtomicU32::new(0)),
             transcript: None,
+            compaction_start: None,
         }
     }
 
@@ -442,7 +446,14 @@ impl TurnDriver {
                     Some(&t.tool_call_id),
                 )?;
             }
-            EventKind::AssistantUsage(u) => self.outcome.usage.add(u),
+            EventKind::AssistantUsage(u) => {
+                let mut call = super::Usage::default();
+                call.add(u);
+                for (kind, n) in call.by_kind() {
+                    metrics::tokens(kind, n);
+                }
+                self.outcome.usage.add_usage(&call);
+            }
             EventKind::SessionError(e) => {
                 self.outcome.error = Some(e.message.clone());
                 self.outcome.status_code = e.status_code;
@@ -453,12 +464,16 @@ impl TurnDriver {
             }
             EventKind::SessionIdle(idle) => self.outcome.aborted = idle.aborted == Some(true),
             EventKind::CompactionStart(c) => {
-                let input = json!({"trigger": c.trigger, "currentTokens": c.current_tokens});
-                self.fire_hook(move |h| h.before_compaction(input));
+                // Held until the compaction is known to have happened.
+                self.compaction_start =
+                    Some(json!({"trigger": c.trigger, "currentTokens": c.current_tokens}));
             }
             EventKind::CompactionComplete(c) => {
-                let output = json!({"success": c.success, "tokensRemoved": c.tokens_removed, "messagesRemoved": c.messages_removed});
-                self.fire_hook(move |h| h.after_compaction(output));
+                let input = self.compaction_start.take().unwrap_or_else(|| json!({}));
+                if c.success {
+                    let output = json!({"success": c.success, "tokensRemoved": c.tokens_removed, "messagesRemoved": c.messages_removed});
+                    self.fire_compaction_hooks(input, output);
+                }
             }
             EventKind::ExternalToolRequested(req) => self.on_tool_call(req, session.answerer()),
             EventKind::PermissionRequested(req) if req.resolved_by_hook != Some(true) => {
@@ -656,6 +671,22 @@ impl TurnDriver {
                 Some(output) => request.respond(json!({"output": output})),
                 None => request.respond(json!({})),
             }
+        });
+    }
+
+    /// `before_compaction` then `after_compaction`, in that order, for a compaction that
+    /// happened.
+    fn fire_compaction_hooks(&self, input: Value, output: Value) {
+        let Some(hooks) = self.handlers.hooks.as_deref() else {
+            return;
+        };
+        let before = call_guarded(|| hooks.before_compaction(input));
+        let after = call_guarded(|| hooks.after_compaction(output));
+        let failures = self.hook_failures.clone();
+        let limit = self.handlers.timeouts.hook;
+        tokio::spawn(async move {
+            run_hook(before, limit, &failures).await;
+            run_hook(after, limit, &failures).await;
         });
     }
 

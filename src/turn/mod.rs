@@ -5,6 +5,7 @@
 //! * [`tools`] — [`GatewayTool`]: name, schema, async handler, sequential or concurrent.
 //! * [`user_input`] — [`UserInputHandler`] and how answers map onto the wire.
 //! * [`hooks`] — [`TurnHooks`], fed from `hooks.invoke` and the event stream.
+//! * [`message`] — [`Message`]: what a turn sends (prompt, attachments, mode, agent mode).
 //! * [`TurnError`] — why a turn failed (the pool carries it as `PoolError::Turn`).
 //! * `crate::permission` — the permission policy (fail closed by default).
 //! * `crate::transcript` — the JSONL mirror.
@@ -12,6 +13,7 @@
 pub(crate) mod driver;
 mod error;
 pub mod hooks;
+pub mod message;
 pub mod tools;
 pub mod user_input;
 
@@ -23,6 +25,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::kinds::TokenKind;
 use crate::permission::{PermissionPolicy, RejectAll};
 use crate::transcript::{
     Transcript, TranscriptCache, TranscriptError, TranscriptMode, transcript_path,
@@ -30,6 +33,7 @@ use crate::transcript::{
 
 pub use error::TurnError;
 pub use hooks::TurnHooks;
+pub use message::{Message, MessageError};
 pub use tools::{GatewayTool, ToolCall, ToolConcurrency, ToolHandler};
 pub use user_input::{Answer, Question, UserInputHandler};
 
@@ -200,10 +204,35 @@ pub struct Usage {
 impl Usage {
     /// Adds one model call's `assistant.usage`.
     pub(crate) fn add(&mut self, call: &crate::rpc::events::UsageData) {
-        self.input_tokens += call.input_tokens.unwrap_or(0);
-        self.output_tokens += call.output_tokens.unwrap_or(0);
-        self.cache_read_tokens += call.cache_read_tokens.unwrap_or(0);
-        self.cache_write_tokens += call.cache_write_tokens.unwrap_or(0);
+        self.add_usage(&Usage {
+            input_tokens: call.input_tokens.unwrap_or(0),
+            output_tokens: call.output_tokens.unwrap_or(0),
+            cache_read_tokens: call.cache_read_tokens.unwrap_or(0),
+            cache_write_tokens: call.cache_write_tokens.unwrap_or(0),
+        });
+    }
+
+    /// Adds `other`'s tokens (saturating).
+    pub(crate) fn add_usage(&mut self, other: &Usage) {
+        for (kind, n) in other.by_kind() {
+            let total = match kind {
+                TokenKind::Input => &mut self.input_tokens,
+                TokenKind::Output => &mut self.output_tokens,
+                TokenKind::CacheRead => &mut self.cache_read_tokens,
+                TokenKind::CacheWrite => &mut self.cache_write_tokens,
+            };
+            *total = total.saturating_add(n);
+        }
+    }
+
+    /// The tokens of each kind (`copilot_pool_tokens_total{kind}`).
+    pub fn by_kind(&self) -> [(TokenKind, u64); 4] {
+        [
+            (TokenKind::Input, self.input_tokens),
+            (TokenKind::Output, self.output_tokens),
+            (TokenKind::CacheRead, self.cache_read_tokens),
+            (TokenKind::CacheWrite, self.cache_write_tokens),
+        ]
     }
 }
 

@@ -222,11 +222,17 @@ impl Session {
     /// Starts a turn with `prompt`; returns the user message id at once. The turn's events
     /// follow through [`Session::next`] and end with `session.idle`.
     pub async fn send(&self, prompt: impl Into<String>) -> Result<String, WorkerError> {
-        let params = SendParams {
-            session_id: self.id.to_string(),
+        self.send_message(SendParams {
             prompt: prompt.into(),
-            mode: None,
-        };
+            ..Default::default()
+        })
+        .await
+    }
+
+    /// Sends a user message with its attachments, delivery mode and agent mode (`params`'
+    /// session id is this session's); returns the message id like [`Session::send`].
+    pub async fn send_message(&self, mut params: SendParams) -> Result<String, WorkerError> {
+        params.session_id = self.id.to_string();
         Ok(self.worker.call::<SessionSend>(&params).await?.message_id)
     }
 

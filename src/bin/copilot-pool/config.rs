@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use copilot_pool::http::AttachmentLimits;
 use copilot_pool::pool::PoolConfig;
 use copilot_pool::secret::Secret;
 use copilot_pool::transcript::TranscriptMode;
@@ -58,8 +59,8 @@ pub struct ServeConfig {
     /// `human` (default) or `json`.
     pub log_format: LogFormat,
     /// Directories a conversation's `session.workingDirectory` and
-    /// `session.additionalDirectories` may lie under, besides the agent's own working
-    /// directory (default: none). Absolute paths.
+    /// `session.additionalDirectories`, and a turn's attachments by path, may lie under,
+    /// besides the agent's own working directory (default: none). Absolute paths.
     pub allowed_work_roots: Vec<PathBuf>,
     /// Accept `session.mcpServers` entries that start a local command (default `false`).
     pub allow_local_mcp_servers: bool,
@@ -67,6 +68,29 @@ pub struct ServeConfig {
     pub pool: PoolSection,
     /// Turn timeouts and the transcript mirror.
     pub turns: TurnsSection,
+    /// Inline attachments.
+    pub attachments: AttachmentsSection,
+}
+
+/// `[attachments]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AttachmentsSection {
+    /// Largest decoded inline attachment in bytes (default 512 KiB).
+    pub max_bytes: usize,
+    /// Media types accepted inline (default: PNG, JPEG, GIF and WebP images, plain text,
+    /// Markdown, CSV, JSON).
+    pub media_types: Vec<String>,
+}
+
+impl Default for AttachmentsSection {
+    fn default() -> Self {
+        let limits = AttachmentLimits::default();
+        Self {
+            max_bytes: limits.max_bytes,
+            media_types: limits.media_types,
+        }
+    }
 }
 
 /// Log output format.
@@ -104,6 +128,9 @@ pub struct TurnsSection {
     pub tool_secs: u64,
     pub permission_secs: u64,
     pub user_input_secs: u64,
+    /// A hook (gateway-answered hooks included) must answer within this, else the runtime
+    /// gets the hook's default (no output).
+    pub hook_secs: u64,
     /// Mirror every conversation's transcript here (default: off).
     pub transcript_dir: Option<PathBuf>,
     /// `best-effort` (default) or `strict`.
@@ -129,6 +156,7 @@ impl Default for ServeConfig {
             allow_local_mcp_servers: false,
             pool: PoolSection::default(),
             turns: TurnsSection::default(),
+            attachments: AttachmentsSection::default(),
         }
     }
 }
@@ -158,6 +186,7 @@ impl Default for TurnsSection {
             tool_secs: t.tool.as_secs(),
             permission_secs: t.permission.as_secs(),
             user_input_secs: t.user_input.as_secs(),
+            hook_secs: t.hook.as_secs(),
             transcript_dir: None,
             transcript_mode: TranscriptMode::BestEffort,
         }
@@ -231,6 +260,9 @@ impl ServeConfig {
         if self.pool.max_processes == 0 || self.pool.max_sessions_per_process == 0 {
             bail!("pool.max_processes and pool.max_sessions_per_process must be above 0");
         }
+        if self.turns.hook_secs == 0 {
+            bail!("turns.hook_secs must be above 0 (the default is 30)");
+        }
         Ok(())
     }
 
@@ -294,8 +326,21 @@ impl ServeConfig {
             tool: Duration::from_secs(t.tool_secs),
             permission: Duration::from_secs(t.permission_secs),
             user_input: Duration::from_secs(t.user_input_secs),
-            ..TurnTimeouts::default()
+            hook: Duration::from_secs(t.hook_secs),
         }
+    }
+
+    /// The inline attachment limits (media types compared in lower case).
+    pub fn attachment_limits(&self) -> AttachmentLimits {
+        let mut limits = AttachmentLimits::default();
+        limits.max_bytes = self.attachments.max_bytes;
+        limits.media_types = self
+            .attachments
+            .media_types
+            .iter()
+            .map(|t| t.trim().to_ascii_lowercase())
+            .collect();
+        limits
     }
 
     /// The transcript mirror, if configured.
@@ -404,6 +449,28 @@ mod tests {
         let c: ServeConfig = toml::from_str("allowed_work_roots = [\"repos\"]").unwrap();
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("absolute"), "{err}");
+    }
+
+    #[test]
+    fn work_roots_attachment_limits_and_the_hook_timeout_are_read_and_checked() {
+        let c: ServeConfig = toml::from_str(
+            "allowed_work_roots = [\"/srv/repos\"]\n[attachments]\nmax_bytes = 2048\n\
+             media_types = [\"Image/PNG\"]\n[turns]\nhook_secs = 5\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.allowed_work_roots, [PathBuf::from("/srv/repos")]);
+        let limits = c.attachment_limits();
+        assert_eq!(limits.max_bytes, 2048);
+        assert_eq!(limits.media_types, ["image/png"]);
+        assert_eq!(c.timeouts().hook, Duration::from_secs(5));
+        let defaults = ServeConfig::default();
+        assert_eq!(defaults.attachment_limits(), AttachmentLimits::default());
+        assert_eq!(defaults.timeouts(), TurnTimeouts::default());
+        for text in ["allowed_work_roots = [\"repos\"]", "[turns]\nhook_secs = 0"] {
+            let c: ServeConfig = toml::from_str(text).unwrap();
+            assert!(c.validate().is_err(), "{text}");
+        }
     }
 
     #[test]

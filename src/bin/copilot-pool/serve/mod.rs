@@ -195,6 +195,7 @@ fn api_config(config: &ServeConfig, metrics: &PrometheusHandle) -> ApiConfig {
     api.max_body_bytes = config.max_body_bytes;
     api.allowed_work_roots = config.allowed_work_roots.clone();
     api.allow_local_mcp_servers = config.allow_local_mcp_servers;
+    api.attachments = config.attachment_limits();
     api.metrics = config.metrics_listen.is_none().then(|| {
         let handle = metrics.clone();
         http::MetricsRender::new(move || handle.render())

@@ -1,5 +1,6 @@
-//! Where a conversation's directories may lie: inside one of a list of roots (the daemon
-//! passes the agent's own working directory and its `allowed_work_roots`). A path is resolved
+//! Where a path a caller names may lie: inside one of a list of roots (the daemon passes the
+//! agent's own working directory and its `allowed_work_roots`, for a conversation's
+//! directories and for a turn's attachments by path). A path is resolved
 //! the way the kernel will resolve it (symlinks followed, `..` applied to what it reaches), so
 //! no spelling of a path outside the roots passes: not `..`, not a symlink that points out,
 //! not a dangling symlink whose target may appear later.
@@ -12,26 +13,26 @@
 use std::io;
 use std::path::{Component, Path, PathBuf};
 
-/// Why a directory was refused.
+/// Why a path was refused.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfineError {
     /// A relative path.
-    #[error("session.{field}: {path:?} must be an absolute path")]
+    #[error("{field}: {path:?} must be an absolute path")]
     NotAbsolute {
-        /// The option (`workingDirectory`, `additionalDirectories.0`).
+        /// What named the path (`session.workingDirectory`, `attachments.0.path`).
         field: String,
         /// The path as given.
         path: PathBuf,
     },
     /// The path resolves outside every root.
     #[error(
-        "session.{field}: {path:?} lies outside the agent's working directory and the \
+        "{field}: {path:?} lies outside the agent's working directory and the \
          daemon's allowed_work_roots (symlinks and `..` are resolved first); use a directory \
          inside them, or add a root to allowed_work_roots in the daemon's config"
     )]
     Outside {
-        /// The option.
+        /// What named the path.
         field: String,
         /// The path as given.
         path: PathBuf,
@@ -39,11 +40,11 @@ pub enum ConfineError {
     /// The path cannot be resolved (a dangling symlink, a `..` past a missing directory, a
     /// component that cannot be read).
     #[error(
-        "session.{field}: {path:?} cannot be resolved ({why}); pass an existing directory, or \
+        "{field}: {path:?} cannot be resolved ({why}); pass an existing directory, or \
          one whose missing part is plain names"
     )]
     Unresolvable {
-        /// The option.
+        /// What named the path.
         field: String,
         /// The path as given.
         path: PathBuf,
@@ -168,7 +169,12 @@ mod tests {
         let l = layout();
         let roots = [l.root.clone()];
         symlink(&l.outside, l.root.join("escape")).unwrap();
-        let e = confine("additionalDirectories.0", &l.root.join("escape"), &roots).unwrap_err();
+        let e = confine(
+            "session.additionalDirectories.0",
+            &l.root.join("escape"),
+            &roots,
+        )
+        .unwrap_err();
         assert!(matches!(e, ConfineError::Outside { .. }), "{e}");
         assert!(
             e.to_string()

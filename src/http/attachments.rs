@@ -1,0 +1,524 @@
+//! A turn's attachments over HTTP. Files and directories by path must lie inside the agent's
+//! work directory or under one of the daemon's `allowed_work_roots` once every symbolic link
+//! and `..` is resolved (the runtime is given the resolved path). Inline content is base64,
+//! at most [`AttachmentLimits::max_bytes`] decoded, of a media type in
+//! [`AttachmentLimits::media_types`], and is written into `<work>/attachments/` (0600) and
+//! attached as that file. Everything is checked before anything is written.
+
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use axum::http::StatusCode;
+use axum::response::Response;
+use base64::Engine;
+use serde::Deserialize;
+
+use super::error::error;
+use crate::rpc::messages::{Attachment, LineRange};
+
+/// Attachments one turn may carry.
+pub(super) const MAX_ATTACHMENTS: usize = 32;
+
+/// Where inline content is written, inside the agent's work directory.
+const INLINE_DIR: &str = "attachments";
+
+/// The media types accepted inline by default, with the file extension their content is
+/// written under (the runtime tells an image by its extension).
+const KNOWN_MEDIA_TYPES: &[(&str, &str)] = &[
+    ("image/png", "png"),
+    ("image/jpeg", "jpg"),
+    ("image/gif", "gif"),
+    ("image/webp", "webp"),
+    ("text/plain", "txt"),
+    ("text/markdown", "md"),
+    ("text/csv", "csv"),
+    ("application/json", "json"),
+];
+
+/// Limits of inline attachments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AttachmentLimits {
+    /// Largest decoded inline attachment, in bytes (the request body must fit in
+    /// `max_body_bytes` too; base64 is 4/3 of the size).
+    pub max_bytes: usize,
+    /// Media types accepted inline (lowercase, without parameters).
+    pub media_types: Vec<String>,
+}
+
+impl Default for AttachmentLimits {
+    /// 512 KiB; PNG, JPEG, GIF and WebP images, plain text, Markdown, CSV and JSON.
+    fn default() -> Self {
+        Self {
+            max_bytes: 512 * 1024,
+            media_types: KNOWN_MEDIA_TYPES
+                .iter()
+                .map(|(t, _)| (*t).to_owned())
+                .collect(),
+        }
+    }
+}
+
+/// One attachment of a `POST /v1/turns` body.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub(super) enum AttachmentBody {
+    /// A file by path (relative paths are taken against the agent's work directory).
+    File {
+        path: PathBuf,
+        #[serde(default)]
+        display_name: Option<String>,
+        #[serde(default)]
+        line_range: Option<LineRange>,
+    },
+    /// A directory by path.
+    Directory {
+        path: PathBuf,
+        #[serde(default)]
+        display_name: Option<String>,
+    },
+    /// Content in the body, base64.
+    Inline {
+        data: String,
+        media_type: String,
+        #[serde(default)]
+        name: Option<String>,
+    },
+}
+
+/// Attachments checked and decoded, nothing written yet.
+#[derive(Debug, Default)]
+pub(super) struct Checked(Vec<Item>);
+
+#[derive(Debug)]
+enum Item {
+    /// A file or directory by its resolved path.
+    Ready(Attachment),
+    /// Content to write into the work directory first.
+    Inline {
+        bytes: Vec<u8>,
+        file_name: String,
+        display_name: String,
+    },
+}
+
+/// Checks `list` against the roots (the agent's `work` directory and `allowed_roots`) and
+/// `limits`, resolving paths on the file system. The error names the attachment and says
+/// what to change.
+pub(super) fn check(
+    list: Vec<AttachmentBody>,
+    work: &Path,
+    allowed_roots: &[PathBuf],
+    limits: &AttachmentLimits,
+) -> Result<Checked, String> {
+    if list.len() > MAX_ATTACHMENTS {
+        return Err(format!(
+            "at most {MAX_ATTACHMENTS} attachments per turn ({} given)",
+            list.len()
+        ));
+    }
+    // Roots that do not exist (yet) hold nothing.
+    let roots: Vec<PathBuf> = std::iter::once(work)
+        .chain(allowed_roots.iter().map(PathBuf::as_path))
+        .filter_map(|r| std::fs::canonicalize(r).ok())
+        .collect();
+    list.into_iter()
+        .enumerate()
+        .map(|(i, body)| {
+            check_one(body, work, &roots, limits).map_err(|e| format!("attachments[{i}]: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Checked)
+}
+
+fn check_one(
+    body: AttachmentBody,
+    work: &Path,
+    roots: &[PathBuf],
+    limits: &AttachmentLimits,
+) -> Result<Item, String> {
+    match body {
+        AttachmentBody::File {
+            path,
+            display_name,
+            line_range,
+        } => {
+            let resolved = confine(&path, work, roots)?;
+            if !resolved.is_file() {
+                return Err(format!("{} is not a file", path.display()));
+            }
+            if let Some(LineRange { start, end }) = line_range
+                && (start == 0 || end < start)
+            {
+                return Err(format!(
+                    "line_range {start}..{end}: lines are 1-based and start <= end"
+                ));
+            }
+            Ok(Item::Ready(Attachment::File {
+                display_name: display_name.unwrap_or_else(|| file_name_of(&resolved)),
+                path: utf8(resolved)?,
+                line_range,
+            }))
+        }
+        AttachmentBody::Directory { path, display_name } => {
+            let resolved = confine(&path, work, roots)?;
+            if !resolved.is_dir() {
+                return Err(format!("{} is not a directory", path.display()));
+            }
+            Ok(Item::Ready(Attachment::Directory {
+                display_name: display_name.unwrap_or_else(|| file_name_of(&resolved)),
+                path: utf8(resolved)?,
+            }))
+        }
+        AttachmentBody::Inline {
+            data,
+            media_type,
+            name,
+        } => {
+            let media_type = media_type
+                .split(';')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_ascii_lowercase();
+            if !limits.media_types.contains(&media_type) {
+                return Err(format!(
+                    "media_type {media_type:?} is not accepted; use one of {} (the daemon's \
+                     [attachments] media_types)",
+                    limits.media_types.join(", ")
+                ));
+            }
+            // At most 4 base64 characters per 3 bytes: refuse before decoding.
+            if data.len() / 4 * 3 > limits.max_bytes + 2 {
+                return Err(too_large(limits));
+            }
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(data.trim())
+                .map_err(|e| format!("data is not valid base64 ({e})"))?;
+            if bytes.len() > limits.max_bytes {
+                return Err(too_large(limits));
+            }
+            let display_name = name.clone().unwrap_or_else(|| "attachment".to_owned());
+            Ok(Item::Inline {
+                bytes,
+                file_name: inline_file_name(name.as_deref(), &media_type),
+                display_name,
+            })
+        }
+    }
+}
+
+fn too_large(limits: &AttachmentLimits) -> String {
+    format!(
+        "inline content is larger than {} bytes (the daemon's [attachments] max_bytes)",
+        limits.max_bytes
+    )
+}
+
+/// `path` (relative ones against `work`) with every link and `..` resolved, if it lies in
+/// one of `roots` (the one confinement of the crate, [`crate::confine`]).
+fn confine(path: &Path, work: &Path, roots: &[PathBuf]) -> Result<PathBuf, String> {
+    crate::confine::confine("attachments: path", &work.join(path), roots).map_err(|e| e.to_string())
+}
+
+fn utf8(path: PathBuf) -> Result<String, String> {
+    path.into_os_string()
+        .into_string()
+        .map_err(|p| format!("{} is not UTF-8; rename it", PathBuf::from(p).display()))
+}
+
+fn file_name_of(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string())
+}
+
+/// `<uuid>-<name>` with the name cut to safe characters, ending in the media type's
+/// extension.
+fn inline_file_name(name: Option<&str>, media_type: &str) -> String {
+    let base = name
+        .map(|n| n.rsplit(['/', '\\']).next().unwrap_or_default())
+        .unwrap_or_default();
+    let mut safe: String = base
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect::<String>()
+        .trim_start_matches('.')
+        .to_owned();
+    if safe.is_empty() {
+        safe = "attachment".to_owned();
+    }
+    if let Some((_, ext)) = KNOWN_MEDIA_TYPES.iter().find(|(t, _)| *t == media_type)
+        && !safe.to_ascii_lowercase().ends_with(&format!(".{ext}"))
+    {
+        safe = format!("{safe}.{ext}");
+    }
+    format!("{}-{safe}", uuid::Uuid::new_v4())
+}
+
+/// Writes the inline contents into `<work>/attachments/` (0700; files 0600, never over an
+/// existing file) and returns the runtime's attachments, in the body's order.
+pub(super) fn write(checked: Checked, work: &Path) -> std::io::Result<Vec<Attachment>> {
+    let dir = work.join(INLINE_DIR);
+    let mut out = Vec::with_capacity(checked.0.len());
+    for item in checked.0 {
+        match item {
+            Item::Ready(attachment) => out.push(attachment),
+            Item::Inline {
+                bytes,
+                file_name,
+                display_name,
+            } => {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&dir)?;
+                let path = dir.join(file_name);
+                let mut file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(&path)?;
+                file.write_all(&bytes)?;
+                file.sync_all()?;
+                let path = std::fs::canonicalize(&path)?;
+                out.push(Attachment::File {
+                    path: utf8(path).map_err(std::io::Error::other)?,
+                    display_name,
+                    line_range: None,
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// [`check`] off the async threads; a refusal is a 400.
+pub(super) async fn check_off_thread(
+    list: Vec<AttachmentBody>,
+    work: PathBuf,
+    allowed_roots: Vec<PathBuf>,
+    limits: AttachmentLimits,
+) -> Result<Checked, Response> {
+    if list.is_empty() {
+        return Ok(Checked::default());
+    }
+    match tokio::task::spawn_blocking(move || check(list, &work, &allowed_roots, &limits)).await {
+        Ok(Ok(checked)) => Ok(checked),
+        Ok(Err(message)) => Err(error(StatusCode::BAD_REQUEST, "bad_request", message)),
+        Err(e) => Err(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            e.to_string(),
+        )),
+    }
+}
+
+/// [`write`] off the async threads; a failure is a 500 naming the directory.
+pub(super) async fn write_off_thread(
+    checked: Checked,
+    work: PathBuf,
+) -> Result<Vec<Attachment>, Response> {
+    if checked.0.is_empty() {
+        return Ok(Vec::new());
+    }
+    let dir = work.join(INLINE_DIR);
+    match tokio::task::spawn_blocking(move || write(checked, &work)).await {
+        Ok(Ok(list)) => Ok(list),
+        Ok(Err(e)) => Err(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "io",
+            format!(
+                "could not write an inline attachment into {}: {e}; check that the directory \
+                 is writable and the disk has room",
+                dir.display()
+            ),
+        )),
+        Err(e) => Err(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            e.to_string(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inline(data: &str, media_type: &str, name: Option<&str>) -> AttachmentBody {
+        AttachmentBody::Inline {
+            data: data.into(),
+            media_type: media_type.into(),
+            name: name.map(str::to_owned),
+        }
+    }
+
+    fn file(path: impl Into<PathBuf>) -> AttachmentBody {
+        AttachmentBody::File {
+            path: path.into(),
+            display_name: None,
+            line_range: None,
+        }
+    }
+
+    #[test]
+    fn paths_must_resolve_inside_the_work_directory_or_an_allowed_root() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let work = tmp.path().join("work");
+        let shared = tmp.path().join("shared");
+        let outside = tmp.path().join("outside");
+        for dir in [&work, &shared, &outside] {
+            std::fs::create_dir_all(dir).expect("mkdir");
+        }
+        std::fs::write(work.join("in.txt"), "in").expect("write");
+        std::fs::write(shared.join("doc.md"), "doc").expect("write");
+        std::fs::write(outside.join("secret.txt"), "no").expect("write");
+        std::os::unix::fs::symlink(outside.join("secret.txt"), work.join("link.txt"))
+            .expect("symlink");
+        let limits = AttachmentLimits::default();
+        let roots = vec![shared.clone()];
+
+        // Relative to the work directory, and under an allowed root.
+        let ok = check(
+            vec![file("in.txt"), file(shared.join("doc.md"))],
+            &work,
+            &roots,
+            &limits,
+        )
+        .expect("inside");
+        let paths: Vec<_> =
+            ok.0.iter()
+                .map(|i| match i {
+                    Item::Ready(Attachment::File { path, .. }) => path.clone(),
+                    other => panic!("{other:?}"),
+                })
+                .collect();
+        let canon = |p: PathBuf| std::fs::canonicalize(p).expect("canonical");
+        assert_eq!(
+            paths,
+            [
+                canon(work.join("in.txt")).display().to_string(),
+                canon(shared.join("doc.md")).display().to_string()
+            ]
+        );
+        // Outside, by `..`, by a link, or with no allowed root: refused, naming the index.
+        for (body, roots) in [
+            (file(outside.join("secret.txt")), roots.clone()),
+            (file("../outside/secret.txt"), roots.clone()),
+            (file("link.txt"), roots.clone()),
+            (file(shared.join("doc.md")), vec![]),
+        ] {
+            let err = check(vec![body], &work, &roots, &limits).expect_err("outside");
+            assert!(
+                err.starts_with("attachments[0]: ") && err.contains("allowed_work_roots"),
+                "{err}"
+            );
+        }
+        // A directory must be one, and missing files are named.
+        let dir_as_file = check(vec![file(".")], &work, &[], &limits).expect_err("a dir");
+        assert!(dir_as_file.contains("is not a file"), "{dir_as_file}");
+        let missing = check(vec![file("nope.txt")], &work, &[], &limits).expect_err("missing");
+        assert!(missing.contains("nope.txt"), "{missing}");
+    }
+
+    #[test]
+    fn inline_content_is_checked_for_size_media_type_and_base64_then_written_privately() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let work = tmp.path().join("work");
+        let limits = AttachmentLimits {
+            max_bytes: 4,
+            ..Default::default()
+        };
+        let too_big = check(
+            vec![inline("aGVsbG8=", "text/plain", None)],
+            &work,
+            &[],
+            &limits,
+        )
+        .expect_err("5 bytes");
+        assert!(too_big.contains("max_bytes"), "{too_big}");
+        let bad_type = check(
+            vec![inline("aGk=", "application/x-sh", None)],
+            &work,
+            &[],
+            &limits,
+        )
+        .expect_err("type");
+        assert!(bad_type.contains("image/png"), "{bad_type}");
+        let bad_data = check(vec![inline("@@@", "text/plain", None)], &work, &[], &limits)
+            .expect_err("base64");
+        assert!(bad_data.contains("base64"), "{bad_data}");
+
+        // Parameters and case of the media type do not matter; the name is made safe and
+        // given the type's extension.
+        let checked = check(
+            vec![inline(
+                "aGk=",
+                "Text/Plain; charset=utf-8",
+                Some("../../etc/pass wd"),
+            )],
+            &work,
+            &[],
+            &limits,
+        )
+        .expect("ok");
+        std::fs::create_dir_all(&work).expect("work");
+        let written = write(checked, &work).expect("written");
+        let [
+            Attachment::File {
+                path, display_name, ..
+            },
+        ] = written.as_slice()
+        else {
+            panic!("{written:?}")
+        };
+        assert_eq!(display_name, "../../etc/pass wd");
+        let path = Path::new(path);
+        assert_eq!(
+            path.parent(),
+            Some(
+                std::fs::canonicalize(work.join("attachments"))
+                    .expect("dir")
+                    .as_path()
+            )
+        );
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        assert!(name.ends_with("-pass_wd.txt"), "{name}");
+        assert_eq!(std::fs::read(path).expect("read"), b"hi");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+        assert_eq!(mode(path), 0o600);
+        assert_eq!(mode(&work.join("attachments")), 0o700);
+    }
+
+    #[test]
+    fn the_body_shape_is_strict_and_the_count_is_capped() {
+        let unknown: Result<AttachmentBody, _> =
+            serde_json::from_str(r#"{"type": "file", "path": "a", "mode": 1}"#);
+        assert!(unknown.is_err());
+        let kind: Result<AttachmentBody, _> =
+            serde_json::from_str(r#"{"type": "blob", "data": "aGk="}"#);
+        assert!(kind.is_err());
+        let many = (0..=MAX_ATTACHMENTS).map(|_| file("a")).collect();
+        let err = check(
+            many,
+            Path::new("/nonexistent"),
+            &[],
+            &AttachmentLimits::default(),
+        )
+        .expect_err("too many");
+        assert!(err.contains("at most 32"), "{err}");
+    }
+}

@@ -1,0 +1,417 @@
+//! What a turn carries in and out over the HTTP API, end to end against the real runtime and
+//! the scripted model: attachments (inline and by path, confined to the agent's work
+//! directory and the allowed roots), the agent mode, hooks answered over
+//! `/v1/requests/{id}`, compaction with custom instructions, and the `turn.end` summary's
+//! usage, model calls, error status and `session.task_complete`.
+
+mod support;
+
+use std::time::Duration;
+
+use copilot_pool::http::ApiConfig;
+use copilot_pool::scripted_model::{Answer, ScriptedModel};
+use serde_json::{Value, json};
+use support::api::{InProcess, answer, lookup_turn, request_id, summary, turn};
+use support::http::{Sse, SseStream, call};
+use support::pool_fixture::Fixture;
+
+/// A 1x1 PNG.
+const PNG: &str = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
+
+/// The content parts of the last user message of the model's last request.
+fn last_user_parts(fx: &Fixture) -> Vec<Value> {
+    let last = fx.model.requests().pop().expect("a model request");
+    let user = last
+        .messages()
+        .iter()
+        .rev()
+        .find(|m| m["role"] == "user")
+        .cloned()
+        .expect("a user message");
+    match &user["content"] {
+        Value::Array(parts) => parts.clone(),
+        text => vec![json!({"type": "text", "text": text})],
+    }
+}
+
+/// The names of the tools the model's last request offered.
+fn offered_tools(fx: &Fixture) -> Vec<String> {
+    let last = fx.model.requests().pop().expect("a model request");
+    last.body["tools"]
+        .as_array()
+        .map(|tools| {
+            tools
+                .iter()
+                .filter_map(|t| t["function"]["name"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_refused() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let shared = fx.scratch.path().join("shared");
+    let outside = fx.scratch.path().join("outside");
+    for dir in [&shared, &outside] {
+        std::fs::create_dir_all(dir).expect("mkdir");
+    }
+    std::fs::write(shared.join("notes.md"), "# notes").expect("write");
+    std::fs::write(outside.join("secret.txt"), "no").expect("write");
+    let mut config = ApiConfig::default();
+    config.allowed_work_roots = vec![shared.clone()];
+    config.attachments.max_bytes = 1024;
+    let server = InProcess::start(fx.config().await, config).await;
+    let addr = server.addr;
+
+    // Inline content: written into the work directory, read by the runtime, and sent to
+    // the model as an image.
+    let mut body = turn(&url, "agent-a", "conv", "REPLY=seen");
+    body["attachments"] =
+        json!([{"type": "inline", "data": PNG, "media_type": "image/png", "name": "dot.png"}]);
+    let done = summary(addr, None, &body).await;
+    assert_eq!(done.status, 200, "{}", done.body);
+    assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    let parts = last_user_parts(&fx);
+    let image = format!("data:image/png;base64,{PNG}");
+    assert!(
+        parts
+            .iter()
+            .any(|p| p["image_url"]["url"] == image.as_str()),
+        "{parts:?}"
+    );
+    let written: Vec<_> = std::fs::read_dir(
+        fx.scratch
+            .path()
+            .join("agents/agents/agent-a/work/attachments"),
+    )
+    .expect("the attachments directory")
+    .filter_map(Result::ok)
+    .map(|e| e.file_name().to_string_lossy().into_owned())
+    .collect();
+    assert!(
+        written.len() == 1 && written[0].ends_with("-dot.png"),
+        "{written:?}"
+    );
+
+    // A file under an allowed root, by its path: the runtime names it to the model.
+    let mut body = turn(&url, "agent-a", "conv", "REPLY=read it");
+    body["attachments"] = json!([{"type": "file", "path": shared.join("notes.md")}]);
+    let done = summary(addr, None, &body).await;
+    assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    let text = serde_json::to_string(&last_user_parts(&fx)).expect("json");
+    assert!(text.contains("notes.md"), "{text}");
+
+    // Outside every root, directly, through `..`, or through a link in the work
+    // directory: refused before the turn, naming the attachment; the model is not asked.
+    let work = fx.scratch.path().join("agents/agents/agent-a/work");
+    std::os::unix::fs::symlink(outside.join("secret.txt"), work.join("link.txt")).expect("symlink");
+    let asked = fx.model.requests().len();
+    for attachment in [
+        json!({"type": "file", "path": outside.join("secret.txt")}),
+        json!({"type": "file", "path": "../../../../outside/secret.txt"}),
+        json!({"type": "file", "path": "link.txt"}),
+        json!({"type": "directory", "path": outside}),
+    ] {
+        let mut body = turn(&url, "agent-a", "conv", "REPLY=no");
+        body["attachments"] = json!([attachment]);
+        let refused = summary(addr, None, &body).await;
+        assert_eq!(refused.status, 400, "{attachment}: {}", refused.body);
+        let message = refused.json()["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            message.starts_with("attachments[0]") && message.contains("allowed_work_roots"),
+            "{message}"
+        );
+    }
+    // Inline content over the size limit, of a type not allowed, or not base64.
+    for (attachment, says) in [
+        (
+            json!({"type": "inline", "data": "A".repeat(2000), "media_type": "text/plain"}),
+            "max_bytes",
+        ),
+        (
+            json!({"type": "inline", "data": "aGk=", "media_type": "application/x-sh"}),
+            "media_type",
+        ),
+        (
+            json!({"type": "inline", "data": "@@", "media_type": "text/plain"}),
+            "base64",
+        ),
+    ] {
+        let mut body = turn(&url, "agent-a", "conv", "REPLY=no");
+        body["attachments"] = json!([attachment]);
+        let refused = summary(addr, None, &body).await;
+        assert_eq!(refused.status, 400, "{}", refused.body);
+        assert!(refused.body.contains(says), "{}", refused.body);
+    }
+    assert_eq!(fx.model.requests().len(), asked);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_mode_reaches_the_runtime_and_task_complete_ends_up_in_turn_end() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+
+    // The runtime's default mode offers no task_complete tool.
+    let plain = summary(addr, None, &turn(&url, "agent-m", "conv", "REPLY=hi")).await;
+    assert_eq!(plain.json()["task_complete"], Value::Null, "{}", plain.body);
+    assert!(!offered_tools(&fx).iter().any(|t| t == "task_complete"));
+
+    // Autopilot does; the model calls it and the runtime's summary is in turn.end.
+    let mut body = turn(
+        &url,
+        "agent-m",
+        "conv",
+        r#"SCENARIO:tool NAME=task_complete ARGS={"summary":"all done"}"#,
+    );
+    body["agentMode"] = json!("autopilot");
+    body["mode"] = json!("enqueue");
+    let done = summary(addr, None, &body).await;
+    assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    assert!(offered_tools(&fx).iter().any(|t| t == "task_complete"));
+    assert_eq!(
+        done.json()["task_complete"],
+        json!({"success": true, "summary": "all done"}),
+        "{}",
+        done.body
+    );
+
+    // Unknown values are refused with the allowed ones.
+    for (field, value, allowed) in [
+        ("agent_mode", "yolo", "interactive, plan, autopilot, shell"),
+        ("mode", "later", "enqueue, immediate"),
+    ] {
+        let mut body = turn(&url, "agent-m", "conv", "REPLY=no");
+        body[field] = json!(value);
+        let refused = summary(addr, None, &body).await;
+        assert_eq!(refused.status, 400, "{}", refused.body);
+        assert!(refused.body.contains(allowed), "{}", refused.body);
+    }
+    server.stop().await;
+}
+
+/// Reads `stream` to its `turn.end`, answering each `hook.request` with `reply(hook)`
+/// (`None`: leave it unanswered); returns the events and the summary.
+async fn run_answering_hooks(
+    addr: std::net::SocketAddr,
+    stream: &mut SseStream,
+    reply: impl Fn(&str) -> Option<Value>,
+) -> (Vec<Sse>, Value) {
+    let mut events = Vec::new();
+    while let Some(event) = stream.next().await {
+        if event.event == "turn.end" {
+            let end = event.data.clone();
+            events.push(event);
+            return (events, end);
+        }
+        if event.event == "hook.request"
+            && let Some(body) = reply(event.data["hook"].as_str().unwrap_or_default())
+        {
+            let answered = answer(addr, &request_id(&event), &body).await;
+            assert_eq!(answered.status, 204, "{}", answered.body);
+        }
+        events.push(event);
+    }
+    panic!("the stream ended without turn.end");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hooks_are_answered_over_http_and_an_unanswered_hook_gets_the_default() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let mut config = ApiConfig::default();
+    config.timeouts.hook = Duration::from_secs(1);
+    let server = InProcess::start(fx.config().await, config).await;
+    let addr = server.addr;
+
+    // preToolUse answered with a denial: the tool never runs and the model hears why.
+    let mut body = lookup_turn(&url, "agent-h", "conv", "alpha");
+    body["hooks"] = json!(["before_tool_call", "llm_input"]);
+    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+    assert_eq!(stream.status, 200);
+    let mut events = Vec::new();
+    let request = loop {
+        let event = stream.next().await.expect("a hook.request");
+        if event.event == "hook.request" {
+            break event;
+        }
+        events.push(event);
+    };
+    assert_eq!(request.data["hook"], "before_tool_call", "{}", request.data);
+    assert_eq!(request.data["input"]["toolName"], "lookup");
+    let id = request_id(&request);
+    let wrong = answer(addr, &id, &json!({"output": {"decision": "block"}})).await;
+    assert_eq!(wrong.status, 400, "{}", wrong.body);
+    assert!(wrong.body.contains("permissionDecision"), "{}", wrong.body);
+    let deny =
+        json!({"output": {"permissionDecision": "deny", "permissionDecisionReason": "not today"}});
+    assert_eq!(answer(addr, &id, &deny).await.status, 204);
+    let (rest, end) = run_answering_hooks(addr, &mut stream, |_| Some(json!({}))).await;
+    events.extend(rest);
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(
+        end["final_text"], "tool said: Denied by preToolUse hook: not today",
+        "{end}"
+    );
+    assert!(!events.iter().any(|e| e.event == "tool.call"));
+    // llm_input is a notification: one per model call, nothing to answer.
+    let notices: Vec<_> = events
+        .iter()
+        .filter(|e| e.event == "hook.notification")
+        .collect();
+    assert_eq!(notices.len() as u64, end["llm_calls"].as_u64().unwrap_or(0));
+    assert!(
+        notices
+            .iter()
+            .all(|n| n.data["hook"] == "llm_input" && n.data.get("request_id").is_none())
+    );
+    // Each comes just before the event it is about.
+    for (i, event) in events.iter().enumerate() {
+        if event.event == "hook.notification" {
+            let next = events[i + 1..]
+                .iter()
+                .find(|e| e.event != "hook.notification");
+            assert_eq!(next.map(|e| e.event.as_str()), Some("assistant.turn_start"));
+        }
+    }
+
+    // userPromptSubmitted answered with a new prompt: the model gets that one.
+    let mut body = turn(&url, "agent-h", "conv", "REPLY=original");
+    body["hooks"] = json!(["before_prompt_build"]);
+    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+    let (_, end) = run_answering_hooks(addr, &mut stream, |hook| {
+        (hook == "before_prompt_build")
+            .then(|| json!({"output": {"modifiedPrompt": "REPLY=rewritten"}}))
+    })
+    .await;
+    assert_eq!(end["final_text"], "rewritten", "{end}");
+
+    // Nobody answers: after the hook timeout the runtime gets the default (no output) and
+    // the turn goes on with the original prompt; the late answer finds nothing.
+    let mut body = turn(&url, "agent-h", "conv", "REPLY=unanswered");
+    body["hooks"] = json!(["before_prompt_build"]);
+    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+    let request = stream.until_event("hook.request").await;
+    let (_, end) = run_answering_hooks(addr, &mut stream, |_| None).await;
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["final_text"], "unanswered", "{end}");
+    let late = answer(addr, &request_id(&request), &json!({})).await;
+    assert_eq!(late.status, 404, "{}", late.body);
+
+    // Hooks need the stream; an unknown hook is named with the allowed ones.
+    let mut body = turn(&url, "agent-h", "conv", "REPLY=no");
+    body["hooks"] = json!(["before_prompt_build"]);
+    assert_eq!(summary(addr, None, &body).await.status, 400);
+    body["hooks"] = json!(["on_everything"]);
+    let unknown = call(addr, "POST", "/v1/turns", None, Some(&body)).await;
+    assert_eq!(unknown.status, 400, "{}", unknown.body);
+    assert!(
+        unknown.body.contains("before_tool_call"),
+        "{}",
+        unknown.body
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_adds_up_to_what_the_model_reported_and_a_failed_model_call_carries_its_status() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+
+    // A turn with a tool call: two model calls.
+    let before = fx.model.requests().len();
+    let body = lookup_turn(&url, "agent-u", "conv", "alpha");
+    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+    let id = request_id(&stream.until_event("tool.call").await);
+    assert_eq!(
+        answer(addr, &id, &json!({"result": "42"})).await.status,
+        204
+    );
+    let (_, end) = stream.until_end().await;
+    assert_eq!(end["status"], "idle", "{end}");
+    let served = fx.model.requests()[before..]
+        .iter()
+        .filter(|r| matches!(r.answer, Answer::Chat { .. }))
+        .count() as u64;
+    assert_eq!(served, 2);
+    assert_eq!(end["llm_calls"], served, "{end}");
+    assert_eq!(
+        end["usage"],
+        json!({
+            "input_tokens": served * ScriptedModel::PROMPT_TOKENS,
+            "output_tokens": served * ScriptedModel::COMPLETION_TOKENS,
+            "cache_read_tokens": served * ScriptedModel::CACHED_PROMPT_TOKENS,
+            "cache_write_tokens": 0,
+        }),
+        "{end}"
+    );
+    assert_eq!(end["status_code"], Value::Null, "{end}");
+
+    // The provider answers 400 (not retried): the summary says so, with the status.
+    let failed = summary(
+        addr,
+        None,
+        &turn(&url, "agent-u", "conv", "SCENARIO:error STATUS=400"),
+    )
+    .await;
+    let end = failed.json();
+    assert_eq!(end["status"], "error", "{end}");
+    assert_eq!(end["status_code"], 400, "{end}");
+    assert_eq!(end["error_type"], "query", "{end}");
+    assert!(
+        end["error"].as_str().unwrap_or_default().contains("400"),
+        "{end}"
+    );
+    assert!(end["open_reason"].is_string(), "{end}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compaction_over_http_takes_custom_instructions() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+    let done = summary(addr, None, &turn(&url, "agent-c", "conv", "REPLY=one")).await;
+    assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    let settings = |instructions: Value| {
+        json!({
+            "model": ScriptedModel::MODEL_ID,
+            "provider": {"type": "openai", "base_url": url, "api_key": "scripted-key"},
+            "custom_instructions": instructions,
+        })
+    };
+    let wrong = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-c/conv/compact",
+        None,
+        Some(&settings(json!(7))),
+    )
+    .await;
+    assert_eq!(wrong.status, 400, "{}", wrong.body);
+    let compacted = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-c/conv/compact",
+        None,
+        Some(&settings(json!("KEEP-THE-ZEBRA"))),
+    )
+    .await;
+    assert_eq!(compacted.status, 200, "{}", compacted.body);
+    assert_eq!(compacted.json()["success"], true, "{}", compacted.body);
+    // The summary request the runtime made carries the instructions.
+    let last = fx.model.requests().pop().expect("the summary request");
+    let text = serde_json::to_string(last.messages()).expect("json");
+    assert!(text.contains("KEEP-THE-ZEBRA"), "{text}");
+    server.stop().await;
+}
