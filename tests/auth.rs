@@ -14,7 +14,7 @@ use std::path::Path;
 
 use copilot_pool::auth::{AuthMode, AuthSource, ResolvedAuth, fingerprint};
 use copilot_pool::http::{self, ApiConfig};
-use copilot_pool::pool::{Pool, PoolConfig, PoolKey};
+use copilot_pool::pool::{Pool, PoolConfig, PoolEvent, PoolKey};
 use copilot_pool::rpc::messages::{AuthGetStatus, Empty, ProviderConfig, SessionConfig};
 use copilot_pool::scripted_model::{CopilotApiStandIn, ScriptedModel};
 use copilot_pool::secret::Secret;
@@ -22,7 +22,7 @@ use copilot_pool::worker::{AUTH_TOKEN_ENV, TOKEN_VARIABLES, WorkerHandle};
 use serde_json::{Value, json};
 use support::api::summary;
 use support::http::{Daemon, call};
-use support::pool_fixture::{Fixture, shutdown_leaves_nothing};
+use support::pool_fixture::{Fixture, shutdown_leaves_nothing, wait_event};
 use support::procs::{environ, group_members};
 
 /// The command line of a live process.
@@ -156,7 +156,7 @@ async fn run_token_turn(
     stand_in: &CopilotApiStandIn,
     body: &Value,
     bearer: &str,
-) {
+) -> Value {
     let before = chats(stand_in).len();
     let answer = summary(addr, None, body).await;
     assert_eq!(answer.status, 200, "{}", answer.body);
@@ -175,6 +175,7 @@ async fn run_token_turn(
         new.iter().all(|b| b.as_deref() == Some(bearer)),
         "every model call of the turn carries its conversation's token"
     );
+    end
 }
 
 /// The bearer of every chat completion the stand-in received, oldest first.
@@ -410,7 +411,7 @@ async fn each_auth_level_over_http_selects_its_key_and_process_and_its_token_rea
     run_token_turn(
         addr,
         &stand_in,
-        &token_turn("agent-b", "explicit", "agent b", Some(same_version)),
+        &token_turn("agent-b", "explicit", "agent b", Some(same_version.clone())),
         "ghu_explicit_two",
     )
     .await;
@@ -431,6 +432,41 @@ async fn each_auth_level_over_http_selects_its_key_and_process_and_its_token_rea
         "agent-b runs in its own process"
     );
     assert_token_only_in_the_sdk_variable(b_pid, Some("ghu_explicit_two"), &["ghu_explicit_one"]);
+
+    // Conversations resumed on a new process keep their own tokens as their session
+    // identities (`gitHubToken` goes with session.resume as with session.create): the
+    // same-version conversation resumes on the process its neighbour's token started.
+    let mut events = pool.subscribe();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(explicit_pid).expect("a pid")),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the explicit level's process");
+    wait_event(
+        &mut events,
+        |e| matches!(e, PoolEvent::WorkerCrashed { pid, .. } if *pid == explicit_pid),
+    )
+    .await;
+    for (key, reply, auth, bearer) in [
+        ("explicit", "explicit again", explicit, "ghu_explicit_one"),
+        (
+            "same-version",
+            "same version again",
+            same_version,
+            "ghu_explicit_two",
+        ),
+    ] {
+        let body = token_turn("agent-a", key, reply, Some(auth));
+        let end = run_token_turn(addr, &stand_in, &body, bearer).await;
+        assert_eq!(end["open_reason"], "resumed", "{end}");
+    }
+    let restarted = pid_of(addr, &explicit_key).await;
+    assert_ne!(restarted, explicit_pid);
+    assert_token_only_in_the_sdk_variable(
+        restarted,
+        Some("ghu_explicit_one"),
+        &["ghu_explicit_two"],
+    );
 
     // The logged-in user, not allowed (the default): asking for it is a 400 with the fix,
     // and so is a request with no token and no provider; neither creates anything.
