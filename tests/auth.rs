@@ -214,13 +214,12 @@ async fn a_token_process_is_authenticated_and_a_session_token_is_that_sessions_i
         .expect("auth.getStatus");
     assert!(status.is_authenticated, "{status:?}");
     assert_eq!(status.auth_type.as_deref(), Some("token"), "{status:?}");
-    stand_in
-        .wait_until(|r| {
-            r.iter().any(|r| {
-                r.path == "/copilot_internal/user" && r.bearer() == Some("ghu_process_token_A")
-            })
-        })
-        .await;
+    assert!(
+        stand_in.requests().iter().any(
+            |r| r.path == "/copilot_internal/user" && r.bearer() == Some("ghu_process_token_A")
+        ),
+        "the runtime checked the process token with the stand-in"
+    );
 
     // A session with its own gitHubToken: its model calls carry that token, not the
     // process's.
@@ -552,15 +551,16 @@ async fn each_auth_level_over_http_selects_its_key_and_process_and_its_token_rea
     assert!(!argv.contains(&"--no-auto-login".to_owned()), "{argv:?}");
     assert_token_only_in_the_sdk_variable(logged_in_pid, None, &[]);
 
-    for (stop, server) in [
-        (stop, server),
-        (stop_plain, server_plain),
-        (stop_allowed, server_allowed),
-    ] {
+    for stop in [stop, stop_plain, stop_allowed] {
         let _ = stop.send(());
-        drop(server);
     }
     shutdown_leaves_nothing(&pool).await;
+    for server in [server, server_plain, server_allowed] {
+        tokio::time::timeout(std::time::Duration::from_secs(10), server)
+            .await
+            .expect("the listener stopped once its connections closed")
+            .expect("the listener task");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -616,6 +616,8 @@ async fn the_daemon_uses_its_token_variables_only_with_env_fallback_and_refuses_
         asked.body
     );
     assert!(daemon.terminate().await.success());
+    let left = support::procs::wait_group_gone(pid, std::time::Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "the daemon left {left:?}");
 
     // Without it (the default) the daemon's variables reach nothing: a BYOK request runs
     // with no identity, and one without a provider is refused with the fix.
@@ -637,6 +639,8 @@ async fn the_daemon_uses_its_token_variables_only_with_env_fallback_and_refuses_
     assert_eq!(refused.status, 400, "{}", refused.body);
     assert!(refused.body.contains("env_fallback"), "{}", refused.body);
     assert!(daemon.terminate().await.success());
+    let left = support::procs::wait_group_gone(pid, std::time::Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "the daemon left {left:?}");
 }
 
 /// One real turn with a real token (`COPILOT_POOL_LIVE_TOKEN`), through the HTTP API's
