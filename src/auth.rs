@@ -1,7 +1,9 @@
 //! Which credentials a lease runs with: the precedence between the logged-in user, an
 //! explicit token, a token the gateway resolved from an auth profile, and the caller's
-//! environment, plus a non-reversible fingerprint that lets tokens key pools without
-//! ever appearing in a key, a log line or a file.
+//! environment; whether the logged-in user may be used at all (a lease may forbid it, and
+//! then runs with no GitHub identity, which only a BYOK provider can use); plus a
+//! non-reversible fingerprint that lets tokens key pools without ever appearing in a key, a
+//! log line or a file.
 
 use std::collections::BTreeMap;
 
@@ -38,6 +40,11 @@ pub struct LeaseAuth {
     pub auth_profile_id: Option<String>,
     /// The environment the caller passes (never this process's environment).
     pub env: BTreeMap<String, Secret>,
+    /// Never use the user logged in to the CLI on this machine: `use_logged_in_user` is
+    /// refused, and a lease with no token runs with no GitHub identity at all
+    /// ([`AuthMode::NoIdentity`]), which only a BYOK provider can serve. The HTTP API sets
+    /// this unless its config allows the logged-in user.
+    pub forbid_logged_in_user: bool,
 }
 
 /// How the CLI authenticates.
@@ -47,14 +54,18 @@ pub enum AuthMode {
     LoggedInUser,
     /// A GitHub token handed to the CLI.
     Token,
+    /// No GitHub identity: no token and no stored login (`--no-auto-login`); only a BYOK
+    /// provider can serve such a lease.
+    NoIdentity,
 }
 
 impl AuthMode {
-    /// `"logged-in-user"` or `"token"`.
+    /// `"logged-in-user"`, `"token"` or `"none"`.
     pub fn as_str(self) -> &'static str {
         match self {
             AuthMode::LoggedInUser => "logged-in-user",
             AuthMode::Token => "token",
+            AuthMode::NoIdentity => "none",
         }
     }
 }
@@ -72,6 +83,8 @@ pub enum AuthSource {
     Env(&'static str),
     /// Nothing was given: the logged-in user.
     DefaultLoggedInUser,
+    /// Nothing was given and the logged-in user is forbidden: no GitHub identity.
+    NoCredentials,
 }
 
 /// The credentials a lease runs with.
@@ -102,14 +115,38 @@ pub enum AuthError {
         /// Which of the two fields are missing or empty.
         missing: &'static str,
     },
+    /// `use_logged_in_user` on a lease that forbids the logged-in user.
+    #[error(
+        "use_logged_in_user is not allowed: it would run as the account logged in to the \
+         Copilot CLI on the pool's machine. Send a GitHub token instead (github_token with \
+         profile_id and profile_version, or resolved_token with auth_profile_id), or allow \
+         the logged-in user (the daemon's `[auth] allow_logged_in_user = true`, \
+         ApiConfig::allow_logged_in_user for an embedded API)"
+    )]
+    LoggedInUserNotAllowed,
+    /// No token, the logged-in user forbidden, and no BYOK provider: nothing could answer.
+    #[error(
+        "no GitHub credentials for this request: it carries no token, the environment \
+         fallback gave none, and the logged-in user is not allowed. Send a GitHub token \
+         (github_token with profile_id and profile_version, or resolved_token with \
+         auth_profile_id) or a BYOK provider; or, on the daemon, turn on `[auth] \
+         env_fallback = true` with a token variable in its environment, or `[auth] \
+         allow_logged_in_user = true`"
+    )]
+    NoCredentials,
 }
 
 /// Resolves the credentials of a lease. Precedence: the logged-in user when asked for;
 /// an explicit token (with its profile id and version); a token resolved from an auth
-/// profile; the first non-empty variable of [`ENV_TOKEN_VARIABLES`] in the caller's `env`;
-/// otherwise the logged-in user. Empty tokens count as absent.
+/// profile (its version is the token's fingerprint); the first non-empty variable of
+/// [`ENV_TOKEN_VARIABLES`] in the caller's `env` (profile `env:<NAME>`, version the token's
+/// fingerprint); otherwise the logged-in user — or, when the lease forbids it, no GitHub
+/// identity. Empty tokens count as absent.
 pub fn resolve(auth: &LeaseAuth) -> Result<ResolvedAuth, AuthError> {
     if auth.use_logged_in_user {
+        if auth.forbid_logged_in_user {
+            return Err(AuthError::LoggedInUserNotAllowed);
+        }
         return Ok(logged_in(AuthSource::ExplicitLoggedInUser));
     }
 
@@ -155,7 +192,24 @@ pub fn resolve(auth: &LeaseAuth) -> Result<ResolvedAuth, AuthError> {
         }
     }
 
+    if auth.forbid_logged_in_user {
+        return Ok(ResolvedAuth {
+            mode: AuthMode::NoIdentity,
+            ..logged_in(AuthSource::NoCredentials)
+        });
+    }
     Ok(logged_in(AuthSource::DefaultLoggedInUser))
+}
+
+/// [`resolve`], then checks that something can serve the lease: with no GitHub identity
+/// only a BYOK provider (`byok`) can. The pool and the HTTP API both call this, so they
+/// refuse the same requests with the same message.
+pub fn resolve_for_lease(auth: &LeaseAuth, byok: bool) -> Result<ResolvedAuth, AuthError> {
+    let resolved = resolve(auth)?;
+    if resolved.mode == AuthMode::NoIdentity && !byok {
+        return Err(AuthError::NoCredentials);
+    }
+    Ok(resolved)
 }
 
 /// A non-reversible fingerprint of a secret: `"sha256:"` followed by the first 32
@@ -227,6 +281,7 @@ mod tests {
             resolved_api_key: Some(Secret::new("resolved-key")),
             auth_profile_id: Some("gw-profile".into()),
             env: env(&[("GH_TOKEN", "env-token")]),
+            forbid_logged_in_user: false,
         }
     }
 
@@ -376,9 +431,71 @@ mod tests {
     }
 
     #[test]
+    fn a_lease_that_forbids_the_logged_in_user_refuses_asking_for_it_and_otherwise_runs_without_identity()
+     {
+        // Asking for the logged-in user is refused, even with a token beside it.
+        let asked = LeaseAuth {
+            use_logged_in_user: true,
+            forbid_logged_in_user: true,
+            ..everything()
+        };
+        let err = resolve(&asked).unwrap_err();
+        assert_eq!(err, AuthError::LoggedInUserNotAllowed);
+        let text = err.to_string();
+        assert!(text.contains("allow_logged_in_user"), "{text}");
+        assert!(text.contains("resolved_token"), "{text}");
+        assert!(!text.contains(TOKEN), "{text}");
+        // Every token level still works.
+        let forbid = |auth: LeaseAuth| LeaseAuth {
+            forbid_logged_in_user: true,
+            ..auth
+        };
+        assert_eq!(
+            resolve(&forbid(everything())).unwrap().source,
+            AuthSource::ExplicitToken
+        );
+        let env_only = forbid(LeaseAuth {
+            env: env(&[("GITHUB_TOKEN", "t4")]),
+            ..LeaseAuth::default()
+        });
+        assert_eq!(
+            resolve(&env_only).unwrap().source,
+            AuthSource::Env("GITHUB_TOKEN")
+        );
+        // Nothing given: no identity at all (no token, no stored login), for BYOK only.
+        let nothing = forbid(LeaseAuth {
+            env: env(&[("GH_TOKEN", "")]),
+            ..LeaseAuth::default()
+        });
+        let r = resolve(&nothing).unwrap();
+        assert_eq!(r.mode, AuthMode::NoIdentity);
+        assert_eq!(r.source, AuthSource::NoCredentials);
+        assert_eq!(
+            (r.profile_id, r.profile_version, r.token),
+            (None, None, None)
+        );
+        assert_eq!(
+            resolve_for_lease(&nothing, true).unwrap().mode,
+            AuthMode::NoIdentity
+        );
+        let err = resolve_for_lease(&nothing, false).unwrap_err();
+        assert_eq!(err, AuthError::NoCredentials);
+        let text = err.to_string();
+        for fix in ["github_token", "resolved_token", "BYOK", "env_fallback"] {
+            assert!(text.contains(fix), "{fix} missing: {text}");
+        }
+        // Without the ban nothing changes: the logged-in user, with or without BYOK.
+        for byok in [false, true] {
+            let r = resolve_for_lease(&LeaseAuth::default(), byok).unwrap();
+            assert_eq!(r.source, AuthSource::DefaultLoggedInUser);
+        }
+    }
+
+    #[test]
     fn mode_strings() {
         assert_eq!(AuthMode::LoggedInUser.as_str(), "logged-in-user");
         assert_eq!(AuthMode::Token.as_str(), "token");
+        assert_eq!(AuthMode::NoIdentity.as_str(), "none");
     }
 
     #[test]

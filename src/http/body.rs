@@ -86,6 +86,8 @@ struct ProviderBody {
     headers: Option<BTreeMap<String, String>>,
 }
 
+/// The credentials of a conversation; the levels and their precedence are
+/// [`crate::auth::resolve`]'s.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct AuthBody {
@@ -97,6 +99,11 @@ struct AuthBody {
     profile_id: Option<String>,
     #[serde(default)]
     profile_version: Option<String>,
+    /// The gateway-resolved level: a token from one of the gateway's auth profiles.
+    #[serde(default)]
+    resolved_token: Option<Secret>,
+    #[serde(default)]
+    auth_profile_id: Option<String>,
 }
 
 /// A gateway tool of a turn.
@@ -309,17 +316,22 @@ pub(super) async fn lease_request(
         None => None,
     };
     let mut req = LeaseRequest::new(agent_id, session_key, work);
-    if let Some(auth) = conv.auth {
-        req.auth = LeaseAuth {
-            use_logged_in_user: auth.use_logged_in_user,
-            github_token: auth.github_token,
-            profile_id: auth.profile_id,
-            profile_version: auth.profile_version,
-            ..Default::default()
-        };
-    }
+    let auth = conv.auth.unwrap_or_default();
+    req.auth = LeaseAuth {
+        use_logged_in_user: auth.use_logged_in_user,
+        github_token: auth.github_token,
+        profile_id: auth.profile_id,
+        profile_version: auth.profile_version,
+        resolved_api_key: auth.resolved_token,
+        auth_profile_id: auth.auth_profile_id,
+        env: state.config.env_tokens.clone(),
+        forbid_logged_in_user: !state.config.allow_logged_in_user,
+    };
     req.model = conv.model;
     req.provider = conv.provider.map(provider_config).transpose()?;
+    // The library's check: a request nothing could serve is refused before anything exists.
+    crate::auth::resolve_for_lease(&req.auth, req.provider.is_some())
+        .map_err(|e| pool_error(&e.into()))?;
     req.reasoning_effort = conv.reasoning_effort;
     if let Some(options) = options {
         // The library's merge: a model or reasoning effort given in both places must agree.

@@ -45,6 +45,7 @@ mod listener;
 mod sessions;
 mod turns;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -109,6 +110,18 @@ pub struct ApiConfig {
     pub allow_local_mcp_servers: bool,
     /// Inline attachments: the size limit and the media types accepted.
     pub attachments: AttachmentLimits,
+    /// The environment level of the credentials: token variables (`OPENCLAW_GITHUB_TOKEN`,
+    /// `COPILOT_GITHUB_TOKEN`, `GH_TOKEN`, `GITHUB_TOKEN`; the first non-empty one wins,
+    /// profile `env:<NAME>`) that a request with no token of its own runs with. Empty (the
+    /// default) turns the level off. The library never reads the process environment: the
+    /// caller fills this (`copilot-pool serve` from its own environment at start, when its
+    /// config says `[auth] env_fallback = true`).
+    pub env_tokens: BTreeMap<String, Secret>,
+    /// Let requests run as the user logged in to the Copilot CLI on this machine (default
+    /// `false`). When `false`, `use_logged_in_user` is a 400 and a request with no token
+    /// runs with no GitHub identity, which only a BYOK provider can serve (without one it
+    /// is a 400 that says which credentials to send).
+    pub allow_logged_in_user: bool,
 }
 
 impl Default for ApiConfig {
@@ -122,6 +135,8 @@ impl Default for ApiConfig {
             allowed_work_roots: Vec::new(),
             allow_local_mcp_servers: false,
             attachments: AttachmentLimits::default(),
+            env_tokens: BTreeMap::new(),
+            allow_logged_in_user: false,
         }
     }
 }

@@ -28,7 +28,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorRef};
 use tokio::sync::{broadcast, watch};
 
-use crate::auth::{AuthMode, resolve};
+use crate::auth::{AuthMode, resolve_for_lease};
 use crate::home::resolve_copilot_home;
 use crate::rpc::messages::SessionConfig;
 use crate::worker::{Session, WorkerError, WorkerHandle};
@@ -176,7 +176,7 @@ impl Pool {
         // for are moved onto it, before anything is keyed on them.
         let options = std::mem::take(&mut req.session_options);
         req.apply_session_options(options)?;
-        let auth = resolve(&req.auth)?;
+        let auth = resolve_for_lease(&req.auth, req.provider.is_some())?;
         validate_session_key(&req.session_key)?;
         if let Some(provider) = &req.provider {
             validate_provider(provider)?;
@@ -737,7 +737,7 @@ fn is_not_found(error: &WorkerError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::auth::LeaseAuth;
+    use crate::auth::{LeaseAuth, resolve};
     use crate::rpc::messages::ProviderConfig;
     use crate::secret::Secret;
 

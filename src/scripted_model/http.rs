@@ -73,47 +73,56 @@ impl Drop for HttpEndpoint {
 
 /// What every request handler gets.
 #[derive(Debug, Clone)]
-struct Endpoint {
-    model: ScriptedModel,
-    stop: watch::Receiver<bool>,
+pub(super) struct Endpoint {
+    pub(super) model: ScriptedModel,
+    pub(super) stop: watch::Receiver<bool>,
 }
 
 impl ScriptedModel {
     /// Serves this model over HTTP on `127.0.0.1:<ephemeral port>` until the returned
     /// endpoint is dropped. Must be called inside a Tokio runtime.
     pub async fn serve_http(&self) -> Result<HttpEndpoint, ScriptedModelError> {
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .await
-            .map_err(ScriptedModelError::Bind)?;
-        let addr = listener
-            .local_addr()
-            .map_err(ScriptedModelError::LocalAddr)?;
-        let listener = listener.tap_io(|stream| {
-            if let Err(error) = stream.set_nodelay(true) {
-                tracing::debug!(%error, "could not set TCP_NODELAY on a scripted model connection");
-            }
-        });
-        let (stop, stop_rx) = watch::channel(false);
-        let app = Router::new()
-            .fallback(handle)
-            .with_state(Endpoint {
-                model: self.clone(),
-                stop: stop_rx.clone(),
-            })
-            .layer(DefaultBodyLimit::max(MAX_BODY_BYTES));
-        let server = tokio::spawn(async move {
-            let mut stop_rx = stop_rx;
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move { stopped(&mut stop_rx).await })
-                .await
-        });
-        tracing::debug!(%addr, "scripted model listening");
-        Ok(HttpEndpoint {
-            addr,
-            stop,
-            server: Some(server),
+        let model = self.clone();
+        serve_app(move |stop| {
+            Router::new()
+                .fallback(handle)
+                .with_state(Endpoint { model, stop })
         })
+        .await
     }
+}
+
+/// Serves the router `app` builds (given the stop flag its streaming bodies watch) on
+/// `127.0.0.1:<ephemeral port>`, with the body limit and `TCP_NODELAY`, until the returned
+/// endpoint is dropped.
+pub(super) async fn serve_app(
+    app: impl FnOnce(watch::Receiver<bool>) -> Router,
+) -> Result<HttpEndpoint, ScriptedModelError> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .await
+        .map_err(ScriptedModelError::Bind)?;
+    let addr = listener
+        .local_addr()
+        .map_err(ScriptedModelError::LocalAddr)?;
+    let listener = listener.tap_io(|stream| {
+        if let Err(error) = stream.set_nodelay(true) {
+            tracing::debug!(%error, "could not set TCP_NODELAY on a scripted model connection");
+        }
+    });
+    let (stop, stop_rx) = watch::channel(false);
+    let app = app(stop_rx.clone()).layer(DefaultBodyLimit::max(MAX_BODY_BYTES));
+    let server = tokio::spawn(async move {
+        let mut stop_rx = stop_rx;
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stopped(&mut stop_rx).await })
+            .await
+    });
+    tracing::debug!(%addr, "scripted model listening");
+    Ok(HttpEndpoint {
+        addr,
+        stop,
+        server: Some(server),
+    })
 }
 
 /// Resolves once the endpoint is told to stop (or its handle is gone).
@@ -122,7 +131,7 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 }
 
 /// The only handler: hands the request to the model and converts its answer.
-async fn handle(
+pub(super) async fn handle(
     State(endpoint): State<Endpoint>,
     method: Method,
     uri: Uri,

@@ -5,7 +5,8 @@
 //! `{type:"openai", baseUrl: endpoint.base_url(), apiKey, wireApi:"completions"}` pointing
 //! at [`ScriptedModel::serve_http`] — or through the JSON-RPC model tunnel, for which
 //! [`ScriptedModel`] implements [`crate::tunnel::ModelTunnel`]. Both transports share one
-//! decision function and one renderer, so they answer identically.
+//! decision function and one renderer, so they answer identically. A runtime in token mode
+//! reaches it as the Copilot API, through [`ScriptedModel::serve_copilot_api`].
 //!
 //! What it answers is scripted by directives in the last user message (`SCENARIO:tool`,
 //! `SCENARIO:slow`, `SCENARIO:error`, `SCENARIO:flood`, `REPLY=`; see [`script`]) or by
@@ -19,9 +20,12 @@
 //! * `model` — the shared state and the request router;
 //! * `log` — the request log;
 //! * `http` — the loopback axum endpoint;
+//! * [`copilot_api`] — a GitHub API and Copilot API stand-in around the model, for a runtime
+//!   in token mode (GitHub tokens, no BYOK provider) with fake tokens;
 //! * `tunnel` — the [`crate::tunnel::ModelTunnel`] implementation;
 //! * `error` — [`ScriptedModelError`].
 
+pub mod copilot_api;
 mod error;
 mod http;
 mod log;
@@ -30,6 +34,7 @@ mod openai;
 pub mod script;
 mod tunnel;
 
+pub use copilot_api::{CopilotApiStandIn, StandInRequest};
 pub use error::ScriptedModelError;
 pub use http::HttpEndpoint;
 pub use log::{Answer, RecordedRequest, Transport};

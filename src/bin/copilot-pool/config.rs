@@ -70,6 +70,8 @@ pub struct ServeConfig {
     pub turns: TurnsSection,
     /// Inline attachments.
     pub attachments: AttachmentsSection,
+    /// Which credentials a request may fall back to.
+    pub auth: AuthSection,
 }
 
 /// `[attachments]`.
@@ -91,6 +93,19 @@ impl Default for AttachmentsSection {
             media_types: limits.media_types,
         }
     }
+}
+
+/// `[auth]`: the credential levels a request without a token of its own may use. Both are
+/// off by default: a request brings its token (or a BYOK provider).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthSection {
+    /// A request with no token runs with the daemon's own token variables
+    /// (`OPENCLAW_GITHUB_TOKEN` > `COPILOT_GITHUB_TOKEN` > `GH_TOKEN` > `GITHUB_TOKEN`, read
+    /// once at start).
+    pub env_fallback: bool,
+    /// A request may run as the user logged in to the Copilot CLI on this machine.
+    pub allow_logged_in_user: bool,
 }
 
 /// Log output format.
@@ -157,6 +172,7 @@ impl Default for ServeConfig {
             pool: PoolSection::default(),
             turns: TurnsSection::default(),
             attachments: AttachmentsSection::default(),
+            auth: AuthSection::default(),
         }
     }
 }
@@ -352,6 +368,28 @@ impl ServeConfig {
     }
 }
 
+/// The daemon's token variables for the environment level, read through `var` (the
+/// process environment in `serve`): the non-empty ones of
+/// [`copilot_pool::auth::ENV_TOKEN_VARIABLES`], as secrets. A value that is not UTF-8 is an
+/// error (no token is).
+pub fn env_tokens(
+    var: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Result<std::collections::BTreeMap<String, Secret>> {
+    let mut tokens = std::collections::BTreeMap::new();
+    for name in copilot_pool::auth::ENV_TOKEN_VARIABLES {
+        let Some(value) = var(name).filter(|v| !v.is_empty()) else {
+            continue;
+        };
+        let Ok(value) = value.into_string() else {
+            bail!(
+                "{name} is not valid UTF-8; fix or unset it (it is read for [auth] env_fallback)"
+            );
+        };
+        tokens.insert(name.to_owned(), Secret::new(value));
+    }
+    Ok(tokens)
+}
+
 /// A config file that holds the API token must be readable by its owner only, like a token
 /// file.
 fn refuse_shared_secret_file(path: &Path) -> Result<()> {
@@ -482,6 +520,43 @@ mod tests {
         let c: ServeConfig = toml::from_str("listen = \"0.0.0.0:7878\"").unwrap();
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("API token"), "{err}");
+    }
+
+    #[test]
+    fn the_auth_fallbacks_are_off_by_default_and_the_env_level_reads_only_non_empty_token_variables()
+     {
+        let c = ServeConfig::default();
+        assert!(!c.auth.env_fallback && !c.auth.allow_logged_in_user);
+        let c: ServeConfig =
+            toml::from_str("[auth]\nenv_fallback = true\nallow_logged_in_user = true\n").unwrap();
+        assert!(c.auth.env_fallback && c.auth.allow_logged_in_user);
+        let err = toml::from_str::<ServeConfig>("[auth]\nenv_fallbak = true\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("env_fallbak"), "{err}");
+
+        let env = |name: &str| match name {
+            "GH_TOKEN" => Some("ghu_gh".into()),
+            "COPILOT_GITHUB_TOKEN" => Some("".into()),
+            "GITHUB_TOKEN" => Some("ghu_github".into()),
+            "UNRELATED_TOKEN" => Some("x".into()),
+            _ => None,
+        };
+        let tokens = env_tokens(env).unwrap();
+        let seen: Vec<(&str, &str)> = tokens
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.expose()))
+            .collect();
+        assert_eq!(
+            seen,
+            [("GH_TOKEN", "ghu_gh"), ("GITHUB_TOKEN", "ghu_github")]
+        );
+        assert!(!format!("{tokens:?}").contains("ghu_gh"));
+        use std::os::unix::ffi::OsStringExt;
+        let bad =
+            |name: &str| (name == "GH_TOKEN").then(|| std::ffi::OsString::from_vec(vec![0xff]));
+        let err = env_tokens(bad).unwrap_err().to_string();
+        assert!(err.contains("GH_TOKEN") && err.contains("UTF-8"), "{err}");
     }
 
     #[test]

@@ -110,8 +110,20 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         })
     };
 
+    let mut api_config = api_config(&config, &metrics);
+    if config.auth.env_fallback {
+        // Read once, here: the library never reads the process environment.
+        api_config.env_tokens = crate::config::env_tokens(|name| std::env::var_os(name))?;
+        if api_config.env_tokens.is_empty() {
+            tracing::warn!(
+                "[auth] env_fallback is on but none of OPENCLAW_GITHUB_TOKEN, \
+                 COPILOT_GITHUB_TOKEN, GH_TOKEN, GITHUB_TOKEN is set: requests without a token \
+                 get no fallback."
+            );
+        }
+    }
     let pool = Pool::start(config.pool_config(located.path.clone())?).await?;
-    let (app, api) = http::router_with_handle(pool.clone(), api_config(&config, &metrics));
+    let (app, api) = http::router_with_handle(pool.clone(), api_config);
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
@@ -196,6 +208,7 @@ fn api_config(config: &ServeConfig, metrics: &PrometheusHandle) -> ApiConfig {
     api.allowed_work_roots = config.allowed_work_roots.clone();
     api.allow_local_mcp_servers = config.allow_local_mcp_servers;
     api.attachments = config.attachment_limits();
+    api.allow_logged_in_user = config.auth.allow_logged_in_user;
     api.metrics = config.metrics_listen.is_none().then(|| {
         let handle = metrics.clone();
         http::MetricsRender::new(move || handle.render())
