@@ -136,6 +136,35 @@ async fn kill_9_mid_turn_fails_the_turn_fast_and_leaves_no_process() {
     supervisor.stop(None);
 }
 
+/// Waits until every thread of `pid` is in the stopped state: a SIGSTOP reaches a running
+/// thread of a multi-threaded runtime a little after `kill` returns, and until then it may
+/// still answer. No event tells a non-parent of a stop, so `/proc` is read (bounded).
+async fn wait_all_threads_stopped(pid: Pid) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let stopped = || -> bool {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return false;
+        };
+        tasks.flatten().all(|task| {
+            std::fs::read_to_string(task.path().join("stat"))
+                .ok()
+                .and_then(|stat| {
+                    // The state follows the command name's closing parenthesis.
+                    let after = &stat[stat.rfind(')')? + 1..];
+                    after
+                        .split_whitespace()
+                        .next()
+                        .map(|s| s == "T" || s == "t")
+                })
+                .unwrap_or(false)
+        })
+    };
+    while !stopped() {
+        assert!(Instant::now() < deadline, "{pid} did not stop within 5 s");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 #[tokio::test]
 async fn an_in_flight_request_fails_with_the_exit_status() {
     let scratch = Scratch::new();
@@ -145,16 +174,14 @@ async fn an_in_flight_request_fails_with_the_exit_status() {
     let pid = Pid::from_raw(worker.pid() as i32);
     // A stopped process reads nothing: the ping stays in flight until the kill.
     kill(pid, Signal::SIGSTOP).expect("stop");
+    wait_all_threads_stopped(pid).await;
     let mut ping = tokio::spawn({
         let worker = worker.clone();
         async move { worker.ping().await }
     });
     // The stopped runtime cannot answer: the ping is still waiting after a while.
-    assert!(
-        tokio::time::timeout(Duration::from_millis(100), &mut ping)
-            .await
-            .is_err()
-    );
+    let early = tokio::time::timeout(Duration::from_millis(100), &mut ping).await;
+    assert!(early.is_err(), "answered while stopped: {early:?}");
     assert_eq!(worker.pending_requests(), 1);
     kill(pid, Signal::SIGKILL).expect("kill");
     let error = tokio::time::timeout(Duration::from_secs(5), ping)
