@@ -32,6 +32,8 @@
 //! | [`QUARANTINES_TOTAL`] | counter | — |
 //! | [`RPC_DURATION_SECONDS`] | histogram | `method`: [`RPC_METHODS`] or `other` |
 //! | [`HOOK_FAILURES_TOTAL`] | counter | — |
+//! | [`SDK_CONNECTIONS`] | gauge | — |
+//! | [`SDK_CONNECTIONS_TOTAL`] | counter | `result`: `accepted`, `refused`, `unauthenticated` |
 //!
 //! The gauges are absolute values set by the pool actor: with more than one pool in a
 //! process they overwrite each other (the daemon runs one).
@@ -84,6 +86,12 @@ pub const RPC_DURATION_SECONDS: &str = "copilot_pool_rpc_duration_seconds";
 /// Hooks that failed, panicked or timed out (answered with no output).
 pub const HOOK_FAILURES_TOTAL: &str = "copilot_pool_hook_failures_total";
 
+/// Client connections open on the SDK endpoint.
+pub const SDK_CONNECTIONS: &str = "copilot_pool_sdk_connections";
+/// SDK endpoint connections by `result`: `accepted`, `refused` (over the connection cap),
+/// `unauthenticated` (a wrong token, or no `connect` in time).
+pub const SDK_CONNECTIONS_TOTAL: &str = "copilot_pool_sdk_connections_total";
+
 /// Every counter.
 pub const COUNTERS: &[&str] = &[
     PROCESS_SPAWNS_TOTAL,
@@ -96,6 +104,7 @@ pub const COUNTERS: &[&str] = &[
     EVICTIONS_TOTAL,
     QUARANTINES_TOTAL,
     HOOK_FAILURES_TOTAL,
+    SDK_CONNECTIONS_TOTAL,
 ];
 
 /// Every gauge.
@@ -105,6 +114,7 @@ pub const GAUGES: &[&str] = &[
     SESSIONS,
     LEASES_ACTIVE,
     LEASE_WAITERS,
+    SDK_CONNECTIONS,
 ];
 
 /// Every histogram (all in seconds): give each [`SECONDS_BUCKETS`] in the exporter.
@@ -166,6 +176,9 @@ pub fn register_zeroes() {
     }
     for reason in Eviction::ALL {
         counter!(EVICTIONS_TOTAL, "reason" => reason.label()).absolute(0);
+    }
+    for result in SdkConnection::ALL {
+        counter!(SDK_CONNECTIONS_TOTAL, "result" => result.label()).absolute(0);
     }
 }
 
@@ -263,6 +276,65 @@ pub fn describe() {
         Unit::Count,
         "Hooks that failed, panicked or timed out (answered with no output)."
     );
+    describe_gauge!(
+        SDK_CONNECTIONS,
+        Unit::Count,
+        "Client connections open on the SDK endpoint."
+    );
+    describe_counter!(
+        SDK_CONNECTIONS_TOTAL,
+        Unit::Count,
+        "SDK endpoint connections, by result (accepted, refused over the cap, \
+         unauthenticated)."
+    );
+}
+
+/// What became of one SDK endpoint connection (the `result` label of
+/// [`SDK_CONNECTIONS_TOTAL`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SdkConnection {
+    /// Accepted under the cap.
+    Accepted,
+    /// Over the connection cap: closed at once.
+    Refused,
+    /// A wrong token, or no `connect` in time.
+    Unauthenticated,
+}
+
+impl SdkConnection {
+    /// Every value, in a stable order.
+    pub(crate) const ALL: [SdkConnection; 3] = [
+        SdkConnection::Accepted,
+        SdkConnection::Refused,
+        SdkConnection::Unauthenticated,
+    ];
+
+    /// The `result` label.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            SdkConnection::Accepted => "accepted",
+            SdkConnection::Refused => "refused",
+            SdkConnection::Unauthenticated => "unauthenticated",
+        }
+    }
+}
+
+/// An SDK endpoint connection was accepted, refused, or failed to authenticate.
+#[cfg_attr(not(feature = "sdk-endpoint"), allow(dead_code))]
+pub(crate) fn sdk_connection(result: SdkConnection) {
+    counter!(SDK_CONNECTIONS_TOTAL, "result" => result.label()).increment(1);
+}
+
+/// An SDK endpoint connection opened.
+#[cfg_attr(not(feature = "sdk-endpoint"), allow(dead_code))]
+pub(crate) fn sdk_connection_opened() {
+    gauge!(SDK_CONNECTIONS).increment(1.0);
+}
+
+/// An SDK endpoint connection closed.
+#[cfg_attr(not(feature = "sdk-endpoint"), allow(dead_code))]
+pub(crate) fn sdk_connection_closed() {
+    gauge!(SDK_CONNECTIONS).decrement(1.0);
 }
 
 /// The `method` label of a JSON-RPC method: itself if listed in [`RPC_METHODS`], else
