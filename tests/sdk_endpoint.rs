@@ -378,3 +378,196 @@ async fn two_agents_with_their_own_tokens_never_see_each_others_sessions() {
     }
     served.shut_down().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_drain() {
+    let fx = Fixture::new().await;
+    let dir = fx.scratch.path();
+    let socket = dir.join("sdk.sock");
+    let config = format!(
+        "[[sdk.tokens]]\nagent = \"agent-u\"\nsha256 = \"{}\"\n",
+        sdk_endpoint::sha256_hex("token-u")
+    );
+    let listen = format!("unix:{}", socket.display());
+    let daemon = support::http::Daemon::start(dir, &config, &["--sdk-listen", &listen]).await;
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&socket)
+        .expect("socket")
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600, "the socket is owner-only");
+
+    let stream = tokio::net::UnixStream::connect(&socket)
+        .await
+        .expect("connect");
+    let (read, write) = stream.into_split();
+    let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let sink = move |incoming| {
+        if let copilot_pool::rpc::Incoming::Notification { method, params } = incoming {
+            let _ = events_tx.send((method, params));
+        }
+    };
+    let conn = Connection::start(read, write, ConnectionOptions::default(), Box::new(sink));
+    let connected = conn
+        .request("connect", json!({"token": "token-u"}), None)
+        .await
+        .expect("connect");
+    assert_eq!(connected["protocolVersion"], 3);
+    let created = conn
+        .request(
+            "session.create",
+            json!({
+                "sessionId": "daemon-session-1",
+                "model": ScriptedModel::MODEL_ID,
+                "provider": {"type": "openai", "baseUrl": fx.endpoint.base_url(), "apiKey": "k"},
+                "availableTools": ["custom:*"],
+                "requestPermission": true,
+            }),
+            None,
+        )
+        .await
+        .expect("create");
+    assert_eq!(created["sessionId"], "daemon-session-1", "{created}");
+    assert!(
+        created.get("capabilities").is_some(),
+        "the runtime's whole answer: {created}"
+    );
+    conn.request(
+        "session.send",
+        json!({"sessionId": "daemon-session-1", "prompt": "REPLY=from the daemon"}),
+        None,
+    )
+    .await
+    .expect("send");
+    let mut text = None;
+    let turn = async {
+        while let Some((method, params)) = events.recv().await {
+            assert_eq!(method, "session.event");
+            assert_eq!(params["sessionId"], "daemon-session-1");
+            let event = &params["event"];
+            if event["type"] == "assistant.message" {
+                text = event["data"]["content"].as_str().map(str::to_owned);
+            }
+            if event["type"] == "session.idle" {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(SCENARIO_LIMIT, turn)
+        .await
+        .expect("the turn ends");
+    assert_eq!(text.as_deref(), Some("from the daemon"));
+
+    let status = daemon.terminate().await;
+    assert!(status.success(), "{status}");
+    assert!(
+        !socket.exists(),
+        "the socket file is removed after the drain"
+    );
+}
+
+/// A raw client authenticated as `token`, with the notifications it receives.
+async fn connected(
+    addr: std::net::SocketAddr,
+    token: &str,
+) -> (Connection, tokio::sync::mpsc::UnboundedReceiver<Value>) {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (read, write) = stream.into_split();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let sink = move |incoming| {
+        if let copilot_pool::rpc::Incoming::Notification { params, .. } = incoming {
+            let _ = tx.send(params);
+        }
+    };
+    let conn = Connection::start(read, write, ConnectionOptions::default(), Box::new(sink));
+    conn.request("connect", json!({"token": token}), None)
+        .await
+        .expect("connect");
+    (conn, rx)
+}
+
+fn create_params(fx: &Fixture, id: &str) -> Value {
+    json!({
+        "sessionId": id,
+        "model": ScriptedModel::MODEL_ID,
+        "provider": {"type": "openai", "baseUrl": fx.endpoint.base_url(), "apiKey": "k"},
+        "availableTools": ["custom:*"],
+        "streaming": true,
+    })
+}
+
+/// Reads notifications until an event of `event_type`.
+async fn until_event(events: &mut tokio::sync::mpsc::UnboundedReceiver<Value>, event_type: &str) {
+    let found = async {
+        while let Some(params) = events.recv().await {
+            if params["event"]["type"] == event_type {
+                return;
+            }
+        }
+        panic!("the connection closed before {event_type}");
+    };
+    tokio::time::timeout(SCENARIO_LIMIT, found)
+        .await
+        .unwrap_or_else(|_| panic!("no {event_type}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_turn_has_its_turn_aborted_and_the_agent_resumes_the_session_later()
+ {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let (first, mut events) = connected(served.addr, "token-a").await;
+    first
+        .request("session.create", create_params(&fx, "leaver"), None)
+        .await
+        .expect("create");
+    first
+        .request(
+            "session.send",
+            json!({"sessionId": "leaver", "prompt": "SCENARIO:slow SLOW=300x100"}),
+            None,
+        )
+        .await
+        .expect("send");
+    until_event(&mut events, "assistant.message_delta").await;
+    assert_eq!(served.endpoint.running_turns(), 1);
+
+    // Another connection of the same agent cannot take the session while it is held.
+    let (second, mut second_events) = connected(served.addr, "token-a").await;
+    let held = remote_error(
+        second
+            .request("session.resume", create_params(&fx, "leaver"), None)
+            .await,
+    );
+    assert!(held.message.contains("another connection"), "{held:?}");
+
+    first.close(copilot_pool::rpc::CloseCause::Local);
+    drop(first);
+    tokio::time::timeout(Duration::from_secs(15), served.endpoint.turns_finished())
+        .await
+        .expect("the turn of the client that left is aborted");
+
+    // The same agent takes the session up again and goes on with its history.
+    second
+        .request("session.resume", create_params(&fx, "leaver"), None)
+        .await
+        .expect("resume after the first client left");
+    second
+        .request(
+            "session.send",
+            json!({"sessionId": "leaver", "prompt": "REPLY=back again"}),
+            None,
+        )
+        .await
+        .expect("send");
+    until_event(&mut second_events, "session.idle").await;
+    assert!(
+        fx.last_model_request().contains("SCENARIO:slow"),
+        "{}",
+        fx.last_model_request()
+    );
+    // Still one process: the session was parked, not moved.
+    assert_eq!(served.pool.status().await.expect("status").workers.len(), 1);
+    served.shut_down().await;
+}
