@@ -392,18 +392,20 @@ impl Client {
         }
     }
 
-    /// The client is gone: its running turns are aborted and settled, its sessions let go.
+    /// The client is gone: its sessions are let go at once (another connection of the agent
+    /// may open one now; its lease queues in the pool behind the turn being settled), and
+    /// its running turns are aborted and settled.
     async fn close(&self) {
         let sessions: Vec<(String, Arc<SdkSession>)> = self
             .sessions
             .lock()
             .map(|mut s| s.drain().collect())
             .unwrap_or_default();
-        let stops = sessions.iter().map(|(_, session)| session.stop_turn());
-        futures_util::future::join_all(stops).await;
         for (_, session) in &sessions {
             self.shared.release(&session.conversation().key(), self.id);
         }
+        let stops = sessions.iter().map(|(_, session)| session.stop_turn());
+        futures_util::future::join_all(stops).await;
         if let Some(agent) = self.agent() {
             tracing::info!(agent, sessions = sessions.len(), "An SDK client left.");
         }
