@@ -73,6 +73,9 @@
 //!   [`tunnel::ModelTunnel`] trait, its request/response shapes and the `llmInference.*` frames.
 //! * `http` — the HTTP API (`router`, `serve`) that `copilot-pool serve` runs, for a Rust
 //!   gateway to mount in its own axum app (feature `http`, on by default through `cli`).
+//! * `sdk_endpoint` — the runtime's own JSON-RPC protocol on TCP or a Unix socket, so an
+//!   official Copilot SDK attaches to the pool by URL (feature `sdk-endpoint`, on by default
+//!   through `cli`).
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`secret`] — a redacting wrapper for tokens and keys.
@@ -100,6 +103,8 @@ pub mod rpc;
 pub mod runtime;
 #[cfg(feature = "scripted-model")]
 pub mod scripted_model;
+#[cfg(feature = "sdk-endpoint")]
+pub mod sdk_endpoint;
 pub mod secret;
 pub mod session_options;
 pub mod transcript;

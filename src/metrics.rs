@@ -33,6 +33,8 @@
 //! | [`RPC_DURATION_SECONDS`] | histogram | `method`: [`RPC_METHODS`] or `other` |
 //! | [`HOOK_FAILURES_TOTAL`] | counter | — |
 //! | [`TOKENS_TOTAL`] | counter | `kind`: [`TokenKind::as_str`] (`input`, `output`, `cache_read`, `cache_write`) |
+//! | [`SDK_CONNECTIONS`] | gauge | — |
+//! | [`SDK_CONNECTIONS_TOTAL`] | counter | `result`: `accepted`, `refused`, `unauthenticated` |
 //!
 //! The gauges are absolute values set by the pool actor: with more than one pool in a
 //! process they overwrite each other (the daemon runs one).
@@ -87,6 +89,12 @@ pub const HOOK_FAILURES_TOTAL: &str = "copilot_pool_hook_failures_total";
 /// Tokens of the runtime's model calls (`assistant.usage`), by `kind`.
 pub const TOKENS_TOTAL: &str = "copilot_pool_tokens_total";
 
+/// Client connections open on the SDK endpoint.
+pub const SDK_CONNECTIONS: &str = "copilot_pool_sdk_connections";
+/// SDK endpoint connections by `result`: `accepted`, `refused` (over the connection cap),
+/// `unauthenticated` (a wrong token, or no `connect` in time).
+pub const SDK_CONNECTIONS_TOTAL: &str = "copilot_pool_sdk_connections_total";
+
 /// Every counter.
 pub const COUNTERS: &[&str] = &[
     PROCESS_SPAWNS_TOTAL,
@@ -100,6 +108,7 @@ pub const COUNTERS: &[&str] = &[
     QUARANTINES_TOTAL,
     HOOK_FAILURES_TOTAL,
     TOKENS_TOTAL,
+    SDK_CONNECTIONS_TOTAL,
 ];
 
 /// Every gauge.
@@ -109,6 +118,7 @@ pub const GAUGES: &[&str] = &[
     CONVERSATIONS_ATTACHED,
     LEASES_ACTIVE,
     LEASE_WAITERS,
+    SDK_CONNECTIONS,
 ];
 
 /// Every histogram (all in seconds): give each [`SECONDS_BUCKETS`] in the exporter.
@@ -173,6 +183,9 @@ pub fn register_zeroes() {
     }
     for kind in TokenKind::ALL {
         counter!(TOKENS_TOTAL, "kind" => kind.as_str()).absolute(0);
+    }
+    for result in SdkConnection::ALL {
+        counter!(SDK_CONNECTIONS_TOTAL, "result" => result.label()).absolute(0);
     }
 }
 
@@ -275,6 +288,65 @@ pub fn describe() {
         Unit::Count,
         "Tokens of the runtime's model calls, by kind (input, output, cache_read, cache_write)."
     );
+    describe_gauge!(
+        SDK_CONNECTIONS,
+        Unit::Count,
+        "Client connections open on the SDK endpoint."
+    );
+    describe_counter!(
+        SDK_CONNECTIONS_TOTAL,
+        Unit::Count,
+        "SDK endpoint connections, by result (accepted, refused over the cap, \
+         unauthenticated)."
+    );
+}
+
+/// What became of one SDK endpoint connection (the `result` label of
+/// [`SDK_CONNECTIONS_TOTAL`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SdkConnection {
+    /// Accepted under the cap.
+    Accepted,
+    /// Over the connection cap: closed at once.
+    Refused,
+    /// A wrong token, or no `connect` in time.
+    Unauthenticated,
+}
+
+impl SdkConnection {
+    /// Every value, in a stable order.
+    pub(crate) const ALL: [SdkConnection; 3] = [
+        SdkConnection::Accepted,
+        SdkConnection::Refused,
+        SdkConnection::Unauthenticated,
+    ];
+
+    /// The `result` label.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            SdkConnection::Accepted => "accepted",
+            SdkConnection::Refused => "refused",
+            SdkConnection::Unauthenticated => "unauthenticated",
+        }
+    }
+}
+
+/// An SDK endpoint connection was accepted, refused, or failed to authenticate.
+#[cfg_attr(not(feature = "sdk-endpoint"), allow(dead_code))]
+pub(crate) fn sdk_connection(result: SdkConnection) {
+    counter!(SDK_CONNECTIONS_TOTAL, "result" => result.label()).increment(1);
+}
+
+/// An SDK endpoint connection opened.
+#[cfg_attr(not(feature = "sdk-endpoint"), allow(dead_code))]
+pub(crate) fn sdk_connection_opened() {
+    gauge!(SDK_CONNECTIONS).increment(1.0);
+}
+
+/// An SDK endpoint connection closed.
+#[cfg_attr(not(feature = "sdk-endpoint"), allow(dead_code))]
+pub(crate) fn sdk_connection_closed() {
+    gauge!(SDK_CONNECTIONS).decrement(1.0);
 }
 
 /// The `method` label of a JSON-RPC method: itself if listed in [`RPC_METHODS`], else

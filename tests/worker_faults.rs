@@ -429,9 +429,20 @@ async fn an_unknown_server_request_gets_method_not_found() {
     let worker = WorkerHandle::start(fake_config(&scratch, path))
         .await
         .expect("handshake");
-    // Our answer ends without a newline; the next request's header ends the fake's line.
+    // Our answer ends without a newline; only the header of a request we send after it ends
+    // the fake's line, and nothing orders the worker's answer before a first ping. So the
+    // pinger keeps sending (each ping gives up after 200 ms: the fake answers none) until
+    // the fake has read its line and exited.
     let pinger = worker.clone();
-    tokio::spawn(async move { pinger.ping().await });
+    tokio::spawn(async move {
+        let ping = copilot_pool::rpc::messages::PingParams::default();
+        let short = Duration::from_millis(200);
+        while pinger.exit().is_none() {
+            let _ = pinger
+                .call_with_timeout::<copilot_pool::rpc::messages::Ping>(&ping, short)
+                .await;
+        }
+    });
     let exit = tokio::time::timeout(Duration::from_secs(10), worker.ended())
         .await
         .expect("fake exits after reading the answer");

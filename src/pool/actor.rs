@@ -67,14 +67,14 @@ impl Drop for Grant {
                 .carried
                 .take()
                 .and_then(|c| c.session.map(|s| (s, c.from)));
-            let _ = self.pool.cast(PoolMsg::Abandoned(Abandon {
+            let _ = self.pool.cast(PoolMsg::Abandoned(Box::new(Abandon {
                 conversation: std::mem::take(&mut self.conversation),
                 worker: self.worker_id,
                 carried,
                 opened: self.opened.take(),
                 maybe_attached: self.maybe_attached.take(),
                 resume_crashed: self.resume_crashed,
-            }));
+            })));
         }
     }
 }
@@ -106,7 +106,7 @@ pub(crate) enum PoolMsg {
     },
     /// A grant that did not become a `Lease`: give the slot back and detach, with
     /// confirmation, whatever it may have left attached.
-    Abandoned(Abandon<Session>),
+    Abandoned(Box<Abandon<Session>>),
     /// A background detach (or worker stop) finished for these conversations.
     Detached {
         conversations_detached: Vec<String>,
@@ -235,7 +235,7 @@ impl Actor for PoolActor {
                     .returned(conversation, worker_id, session, settle, turns, now)
             }
             PoolMsg::Spawned { key, result } => state.on_spawned(key, result, now),
-            PoolMsg::Abandoned(abandon) => state.core.abandoned(abandon, now),
+            PoolMsg::Abandoned(abandon) => state.core.abandoned(*abandon, now),
             PoolMsg::Detached {
                 conversations_detached,
                 worker_id,
@@ -503,14 +503,14 @@ impl PoolState {
                 )));
             }
             let carried = granted.carried.and_then(|c| c.session.map(|s| (s, c.from)));
-            let _ = self.myself.cast(PoolMsg::Abandoned(Abandon {
+            let _ = self.myself.cast(PoolMsg::Abandoned(Box::new(Abandon {
                 conversation: granted.conversation,
                 worker: granted.worker,
                 carried,
                 opened: None,
                 maybe_attached: None,
                 resume_crashed: false,
-            }));
+            })));
             return;
         };
         let grant = Grant {

@@ -7,8 +7,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::auth::LeaseAuth;
+use crate::ids::CliSessionId;
 use crate::kinds::ReasoningEffort;
-use crate::rpc::messages::ProviderConfig;
+use crate::rpc::messages::{ProviderConfig, SessionConfig};
 use crate::session_options::SessionOptions;
 use crate::turn::TurnHandlers;
 use crate::worker::WorkerConfig;
@@ -153,6 +154,15 @@ pub struct LeaseRequest {
     pub existing_only: bool,
     /// Tools, permission policy, ask_user, hooks, timeouts and the transcript mirror.
     pub handlers: TurnHandlers,
+    /// The session's config as a client put it on the wire (the SDK endpoint passes its
+    /// client's `session.create`/`session.resume` params): sent as it is on create and on
+    /// every resume, instead of the one built from the fields above. The pool key still
+    /// comes from `auth`, `provider` and `model`, which the caller fills from it.
+    pub wire_config: Option<SessionConfig>,
+    /// The CLI session id this conversation runs under, chosen by the caller (the SDK
+    /// endpoint: the SDK's own session id). A new session is created with this id; a stored
+    /// session of this id under the agent's home is resumed whatever its binding says.
+    pub cli_session_id: Option<CliSessionId>,
 }
 
 impl LeaseRequest {
@@ -179,6 +189,8 @@ impl LeaseRequest {
             wait_timeout: None,
             existing_only: false,
             handlers: TurnHandlers::default(),
+            wire_config: None,
+            cli_session_id: None,
         }
     }
 }

@@ -253,6 +253,32 @@ impl Lease {
         }
     }
 
+    /// The session itself, for a caller that passes every update on to its own client
+    /// instead of running turns through the driver (the SDK endpoint). Such a caller counts
+    /// its turns with [`Lease::turn_passed`] and reports an aborted turn that did not settle
+    /// with [`Lease::set_unsettled`].
+    pub(crate) fn passthrough(&mut self) -> Result<&mut Session, PoolError> {
+        self.session_mut()
+    }
+
+    /// A turn run through [`Lease::passthrough`] reached `session.idle` (counts towards the
+    /// process's turn limit).
+    pub(crate) fn turn_passed(&mut self) {
+        self.turns += 1;
+    }
+
+    /// A turn run through [`Lease::passthrough`] was aborted and did not settle: the pool
+    /// stops the process when the lease is dropped.
+    pub(crate) fn set_unsettled(&mut self) {
+        self.unsettled = true;
+    }
+
+    /// The worker is gone (or the session must not be reused): the lease's drop detaches
+    /// what is left instead of parking it.
+    pub(crate) fn set_lost(&mut self) {
+        self.lost = true;
+    }
+
     fn session_mut(&mut self) -> Result<&mut Session, PoolError> {
         if self.lost {
             return Err(state_error(

@@ -207,7 +207,14 @@ impl Pool {
         spec.working_directory = home.clone();
         spec.auth_token = auth.token.clone();
         spec.auto_login = auth.mode == AuthMode::LoggedInUser;
-        let session_config = session_config(&req, &auth, inner.config.infinite_sessions.as_ref());
+        let session_config = match &req.wire_config {
+            // A client's own config (the SDK endpoint): sent as it is; the open sets the id.
+            Some(wire) => SessionConfig {
+                session_id: String::new(),
+                ..wire.clone()
+            },
+            None => session_config(&req, &auth, inner.config.infinite_sessions.as_ref()),
+        };
         let acquire = AcquireRequest {
             id: 0, // set by the actor
             key: key.clone(),
@@ -251,6 +258,7 @@ impl Pool {
             home,
             session_config,
             existing_only: req.existing_only,
+            pinned: req.cli_session_id.clone(),
             handlers: req.handlers.clone(),
             working_directory: req.working_directory.clone(),
             bindings: inner.bindings.clone(),
@@ -453,6 +461,7 @@ struct Opening {
     home: std::path::PathBuf,
     session_config: SessionConfig,
     existing_only: bool,
+    pinned: Option<CliSessionId>,
     handlers: crate::turn::TurnHandlers,
     working_directory: std::path::PathBuf,
     bindings: Arc<BindingStore>,
@@ -475,6 +484,7 @@ impl Opening {
             home,
             session_config,
             existing_only,
+            pinned,
             handlers,
             working_directory,
             bindings,
@@ -488,6 +498,7 @@ impl Opening {
         let target = OpenTarget {
             worker: &worker,
             existing_only,
+            pinned: pinned.as_ref(),
             session_key: &conversation,
             compat: &compat,
             home: &home,
@@ -601,6 +612,8 @@ impl From<PoolError> for OpenFailure {
 struct OpenTarget<'a> {
     worker: &'a WorkerHandle,
     existing_only: bool,
+    /// The CLI session id the caller chose for this conversation.
+    pinned: Option<&'a CliSessionId>,
     session_key: &'a str,
     compat: &'a str,
     home: &'a Path,
@@ -645,6 +658,9 @@ impl OpenTarget<'_> {
             Ok(Err(e)) => return Err(state_unwritable(bindings, e.os_error()).into()),
             Err(e) => return Err(PoolError::Internal(e.to_string()).into()),
         };
+        if let Some(id) = self.pinned {
+            return self.open_pinned(id, config, binding.is_some()).await;
+        }
         let Some(binding) = binding else {
             return self.create(config, OpenReason::New).await;
         };
@@ -679,10 +695,67 @@ impl OpenTarget<'_> {
         }
     }
 
+    /// Opens a conversation whose CLI session id the caller chose: its stored session is
+    /// resumed when its state is under the home (whatever the binding says: the caller names
+    /// the session), else a session is created with that id.
+    async fn open_pinned(
+        &self,
+        id: &CliSessionId,
+        config: SessionConfig,
+        bound: bool,
+    ) -> Result<(Session, OpenReason), OpenFailure> {
+        if !self.home.join("session-state").join(id.as_str()).is_dir() {
+            let reason = if bound {
+                OpenReason::TranscriptMissing
+            } else {
+                OpenReason::New
+            };
+            return self.create_with(config, reason, id.clone()).await;
+        }
+        if self.skip_resume {
+            // A new session cannot take the id of a stored one.
+            return Err(PoolError::NoSuchConversation {
+                session_key: self.session_key.to_owned(),
+                why: "resuming it crashed the runtime repeatedly",
+            }
+            .into());
+        }
+        let resume = SessionConfig {
+            session_id: id.to_string(),
+            continue_pending_work: config.continue_pending_work.or(Some(false)),
+            ..config.clone()
+        };
+        match self.worker.open_for_pool(resume, true).await {
+            Ok((session, _)) => Ok((session, OpenReason::Resumed)),
+            // Created but never written to: nothing to resume.
+            Err(error) if is_not_found(&error) => {
+                self.create_with(config, OpenReason::NotFound, id.clone())
+                    .await
+            }
+            Err(error @ WorkerError::Died(_)) => Err(OpenFailure {
+                error: error.into(),
+                maybe_attached: None,
+                resume_crashed: true,
+            }),
+            Err(error) => Err(failed_open(error, id.clone())),
+        }
+    }
+
     async fn create(
+        &self,
+        config: SessionConfig,
+        reason: OpenReason,
+    ) -> Result<(Session, OpenReason), OpenFailure> {
+        // The id is ours, so a create that times out can still be detached by it.
+        self.create_with(config, reason, CliSessionId::random())
+            .await
+    }
+
+    async fn create_with(
         &self,
         mut config: SessionConfig,
         reason: OpenReason,
+        id: CliSessionId,
     ) -> Result<(Session, OpenReason), OpenFailure> {
         if self.existing_only {
             let why = match reason {
@@ -698,8 +771,6 @@ impl OpenTarget<'_> {
             }
             .into());
         }
-        // The id is ours, so a create that times out can still be detached by it.
-        let id = CliSessionId::random();
         config.session_id = id.as_str().to_owned();
         match self.worker.open_for_pool(config, false).await {
             Ok((session, _)) => Ok((session, reason)),

@@ -23,6 +23,8 @@ pub struct SessionEvent {
     pub agent_id: Option<String>,
     /// The typed payload.
     pub kind: EventKind,
+    /// The event exactly as the runtime sent it (for passing it on unchanged).
+    raw: Value,
 }
 
 #[derive(Deserialize)]
@@ -57,6 +59,7 @@ impl SessionEvent {
                 ephemeral: env.ephemeral.unwrap_or(false),
                 agent_id: env.agent_id,
                 kind: EventKind::decode(env.event_type, env.data),
+                raw: value,
             },
             Err(_) => Self {
                 id: String::new(),
@@ -66,10 +69,17 @@ impl SessionEvent {
                 agent_id: None,
                 kind: EventKind::Unknown {
                     event_type: String::new(),
-                    data: value,
+                    data: value.clone(),
                 },
+                raw: value,
             },
         }
+    }
+
+    /// The event exactly as the runtime sent it, every field included (what
+    /// [`SessionEvent::to_value`] does not model is kept here).
+    pub fn raw(&self) -> &Value {
+        &self.raw
     }
 
     /// The wire type, e.g. `assistant.message`.
@@ -438,6 +448,18 @@ mod tests {
         assert_eq!(m.content, "hi");
         assert_eq!(m.tool_requests[0].name, "get");
         assert_eq!(m.tool_requests[0].arguments, json!({"k": 1}));
+    }
+
+    #[test]
+    fn an_event_keeps_every_field_as_sent_for_passing_it_on() {
+        let sent = json!({
+            "id": "e1", "timestamp": "2026-01-01T00:00:00Z", "parentId": null, "type": "assistant.message",
+            "data": {"messageId": "m1", "content": "hi", "newField": 5}, "newEnvelopeField": true
+        });
+        let ev = SessionEvent::from_value(sent.clone());
+        assert_eq!(ev.raw(), &sent);
+        // What the crate models drops the unknown field; the raw event does not.
+        assert!(ev.to_value()["data"].get("newField").is_none());
     }
 
     #[test]

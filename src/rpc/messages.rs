@@ -314,8 +314,10 @@ pub struct ToolDefinition {
 }
 
 /// Params of `session.create` and `session.resume` (the SDK's `SessionConfig` on the wire).
-/// Fields this crate does not model go in `extra` and are sent as they are.
-#[derive(Debug, Clone, Default, Serialize)]
+/// Fields this crate does not model go in `extra` and are sent as they are. `Debug` shows
+/// the names of the `extra` fields, not their values (a client's config may carry keys in
+/// any of them).
+#[derive(Clone, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SessionConfig {
     /// The session id (we always choose it, so events can be routed before the reply).
@@ -372,6 +374,28 @@ pub struct SessionConfig {
     pub extra: Map<String, Value>,
 }
 
+impl std::fmt::Debug for SessionConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionConfig")
+            .field("session_id", &self.session_id)
+            .field("model", &self.model)
+            .field("reasoning_effort", &self.reasoning_effort)
+            .field("provider", &self.provider)
+            .field("git_hub_token", &self.git_hub_token)
+            .field(
+                "tools",
+                &self.tools.iter().map(|t| &t.name).collect::<Vec<_>>(),
+            )
+            .field("request_permission", &self.request_permission)
+            .field("request_user_input", &self.request_user_input)
+            .field("hooks", &self.hooks)
+            .field("streaming", &self.streaming)
+            .field("working_directory", &self.working_directory)
+            .field("extra", &self.extra.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
 /// Result of `session.create` / `session.resume`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -384,6 +408,10 @@ pub struct SessionOpened {
     /// `interactive`, …
     #[serde(default)]
     pub mode: Option<String>,
+    /// Everything else the runtime answered (`capabilities`, `modelState`, …), kept so the
+    /// answer can be passed on whole.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 /// Params of `session.send`.

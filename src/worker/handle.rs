@@ -280,6 +280,31 @@ impl WorkerHandle {
         }
     }
 
+    /// Sends a request with raw params and returns the raw result (a client's call passed on
+    /// as it is). The answers to pending tool calls and permission prompts are refused here,
+    /// like in [`WorkerHandle::call_with_timeout`]: they go through the ledger.
+    pub(crate) async fn call_raw(
+        &self,
+        method: &str,
+        params: serde_json::Value,
+        timeout: Duration,
+    ) -> Result<serde_json::Value, WorkerError> {
+        if method == HandlePendingToolCall::NAME || method == HandlePendingPermission::NAME {
+            return Err(WorkerError::Config(format!(
+                "{method} must go through Session::answer_tool_call or \
+                 Session::answer_permission, which check that the request belongs to that session"
+            )));
+        }
+        let started = std::time::Instant::now();
+        let result = self.conn.request(method, params, Some(timeout)).await;
+        crate::metrics::rpc_finished(method, started.elapsed());
+        match result {
+            Ok(result) => Ok(result),
+            Err(err @ RpcError::Closed { .. }) => Err(self.explain_closed(err).await),
+            Err(err) => Err(WorkerError::Rpc(err)),
+        }
+    }
+
     /// Pings the runtime.
     pub async fn ping(&self) -> Result<(), WorkerError> {
         self.call::<Ping>(&PingParams::default()).await.map(|_| ())
@@ -373,15 +398,14 @@ impl WorkerHandle {
                 // handled everything queued before this call.
                 self.ask(WorkerMsg::Flush).await?;
                 guard.armed = false;
-                Ok((
-                    Session::new(
-                        CliSessionId::new(id.clone()),
-                        generation,
-                        self.clone(),
-                        updates,
-                    ),
-                    opened,
-                ))
+                let mut session = Session::new(
+                    CliSessionId::new(id.clone()),
+                    generation,
+                    self.clone(),
+                    updates,
+                );
+                session.set_opened(opened.clone());
+                Ok((session, opened))
             }
             Err(err) => {
                 guard.detach = matches!(failed, FailedOpen::DetachInBackground);

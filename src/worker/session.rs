@@ -20,8 +20,8 @@ use crate::rpc::connection::{ErrorObject, INTERNAL_ERROR};
 use crate::rpc::messages::{
     AbortParams, CompactParams, CompactResult, HandlePendingPermission, HandlePendingToolCall,
     HookInvocation, PermissionAnswer, SendParams, SessionAbort, SessionCompact, SessionDetach,
-    SessionGetMessages, SessionIdParams, SessionSend, ToolCallAnswer, UserInputRequest,
-    UserInputResponse,
+    SessionGetMessages, SessionIdParams, SessionOpened, SessionSend, ToolCallAnswer,
+    UserInputRequest, UserInputResponse,
 };
 use crate::rpc::{EventKind, Responder, SessionEvent};
 
@@ -137,6 +137,8 @@ pub struct Session {
     opening: std::collections::VecDeque<SessionUpdate>,
     /// The runtime reported the session attached to another process when it was opened.
     already_in_use: bool,
+    /// The runtime's answer to the open (`session.create` / `session.resume`).
+    opened: Option<Box<SessionOpened>>,
     detached: bool,
 }
 
@@ -178,8 +180,19 @@ impl Session {
             updates,
             opening,
             already_in_use,
+            opened: None,
             detached: false,
         }
+    }
+
+    pub(crate) fn set_opened(&mut self, opened: SessionOpened) {
+        self.opened = Some(Box::new(opened));
+    }
+
+    /// The runtime's answer when this session was opened (`session.create` or
+    /// `session.resume`: workspace path, capabilities, …).
+    pub fn opened(&self) -> Option<&SessionOpened> {
+        self.opened.as_deref()
     }
 
     /// Whether the runtime reported, when this session was opened, that another process

@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod http;
+pub mod node_sdk;
 pub mod pool_fixture;
 pub mod procs;
 pub mod promtool;

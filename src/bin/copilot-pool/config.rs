@@ -72,6 +72,8 @@ pub struct ServeConfig {
     pub attachments: AttachmentsSection,
     /// Which credentials a request may fall back to.
     pub auth: AuthSection,
+    /// The SDK endpoint (off unless `listen` is set).
+    pub sdk: SdkSection,
 }
 
 /// `[attachments]`.
@@ -95,6 +97,38 @@ impl Default for AttachmentsSection {
     }
 }
 
+/// `[sdk]`: the endpoint an official Copilot SDK attaches to by URL.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SdkSection {
+    /// `HOST:PORT`, or `unix:PATH` for a Unix socket (default: off).
+    pub listen: Option<String>,
+    /// Open SDK connections at most (default 1024).
+    pub max_connections: usize,
+    /// Each agent's connection token, as its SHA-256 in hex.
+    pub tokens: Vec<SdkToken>,
+}
+
+/// `[[sdk.tokens]]`: one agent's connection token.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SdkToken {
+    /// The agent the token names.
+    pub agent: String,
+    /// `printf %s "$TOKEN" | sha256sum`.
+    pub sha256: String,
+}
+
+impl Default for SdkSection {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            max_connections: 1024,
+            tokens: Vec::new(),
+        }
+    }
+}
+
 /// `[auth]`: the credential levels a request without a token of its own may use. Both are
 /// off by default: a request brings its token (or a BYOK provider).
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -106,6 +140,51 @@ pub struct AuthSection {
     pub env_fallback: bool,
     /// A request may run as the user logged in to the Copilot CLI on this machine.
     pub allow_logged_in_user: bool,
+}
+
+/// Where the SDK endpoint listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SdkListen {
+    /// A TCP address.
+    Tcp(SocketAddr),
+    /// A Unix socket path.
+    Unix(PathBuf),
+}
+
+impl std::str::FromStr for SdkListen {
+    type Err = anyhow::Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        if let Some(path) = text.strip_prefix("unix:") {
+            if path.is_empty() {
+                bail!(
+                    "sdk listen address `unix:` names no socket path; use unix:/path/to/sdk.sock"
+                );
+            }
+            return Ok(SdkListen::Unix(PathBuf::from(path)));
+        }
+        text.parse::<SocketAddr>()
+            .map(SdkListen::Tcp)
+            .with_context(|| {
+                format!("sdk listen address {text:?} is neither HOST:PORT nor unix:PATH")
+            })
+    }
+}
+
+impl SdkSection {
+    /// Where to listen, if anywhere.
+    pub fn listen(&self) -> Result<Option<SdkListen>> {
+        self.listen.as_deref().map(str::parse).transpose()
+    }
+
+    /// The token table.
+    pub fn tokens(&self) -> Result<copilot_pool::sdk_endpoint::AgentTokens> {
+        let mut tokens = copilot_pool::sdk_endpoint::AgentTokens::new();
+        for entry in &self.tokens {
+            tokens.add_hash(&entry.agent, &entry.sha256)?;
+        }
+        Ok(tokens)
+    }
 }
 
 /// Log output format.
@@ -173,6 +252,7 @@ impl Default for ServeConfig {
             turns: TurnsSection::default(),
             attachments: AttachmentsSection::default(),
             auth: AuthSection::default(),
+            sdk: SdkSection::default(),
         }
     }
 }
@@ -272,6 +352,19 @@ impl ServeConfig {
                 "allowed_work_roots entry {} must be an absolute path",
                 root.display()
             );
+        }
+        if self.sdk.listen()?.is_some() {
+            if self.sdk.tokens.is_empty() {
+                bail!(
+                    "the SDK endpoint is on but [[sdk.tokens]] lists no agent, so every \
+                     connect would fail; add `[[sdk.tokens]]` with `agent` and `sha256` \
+                     (printf %s \"$TOKEN\" | sha256sum) to the config file"
+                );
+            }
+            self.sdk.tokens()?;
+            if self.sdk.max_connections == 0 {
+                bail!("sdk.max_connections must be above 0 (default 1024)");
+            }
         }
         if self.pool.max_processes == 0 || self.pool.max_sessions_per_process == 0 {
             bail!("pool.max_processes and pool.max_sessions_per_process must be above 0");
@@ -461,6 +554,38 @@ mod tests {
         std::fs::write(&path, "listen = \"127.0.0.1:9000\"\n").unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         assert!(ServeConfig::load(Some(&path)).is_ok());
+    }
+
+    #[test]
+    fn the_sdk_endpoint_listens_on_tcp_or_a_unix_socket_and_needs_a_token_per_agent() {
+        let hash = copilot_pool::sdk_endpoint::sha256_hex("t");
+        let c: ServeConfig = toml::from_str(&format!(
+            "[sdk]\nlisten = \"127.0.0.1:7879\"\n[[sdk.tokens]]\nagent = \"agent-a\"\nsha256 = \"{hash}\"\n"
+        ))
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(
+            c.sdk.listen().unwrap(),
+            Some(SdkListen::Tcp(([127, 0, 0, 1], 7879).into()))
+        );
+        assert_eq!(c.sdk.tokens().unwrap().agent_for("t"), Some("agent-a"));
+        assert_eq!(
+            "unix:/run/sdk.sock".parse::<SdkListen>().unwrap(),
+            SdkListen::Unix("/run/sdk.sock".into())
+        );
+        assert!("unix:".parse::<SdkListen>().is_err());
+        assert!("sdk.sock".parse::<SdkListen>().is_err());
+        // Off by default; on without tokens every connect would fail: refused.
+        assert_eq!(ServeConfig::default().sdk.listen().unwrap(), None);
+        let mut bare = ServeConfig::default();
+        bare.sdk.listen = Some("127.0.0.1:7879".into());
+        let refused = format!("{:#}", bare.validate().unwrap_err());
+        assert!(refused.contains("[[sdk.tokens]]"), "{refused}");
+        let bad: ServeConfig = toml::from_str(
+            "[sdk]\nlisten = \"127.0.0.1:7879\"\n[[sdk.tokens]]\nagent = \"agent-a\"\nsha256 = \"nope\"\n",
+        )
+        .unwrap();
+        assert!(format!("{:#}", bad.validate().unwrap_err()).contains("sha256sum"));
     }
 
     #[test]

@@ -11,10 +11,11 @@ use clap::Args;
 use copilot_pool::http::{self, ApiConfig, ConnectionLimits};
 use copilot_pool::pool::Pool;
 use copilot_pool::runtime;
+use copilot_pool::sdk_endpoint::{self, SdkConfig, SdkEndpoint};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::sync::watch;
 
-use crate::config::{LogFormat, ServeConfig};
+use crate::config::{LogFormat, SdkListen, ServeConfig};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -43,6 +44,10 @@ pub struct ServeArgs {
     /// The runtime executable.
     #[arg(long)]
     pub cli: Option<PathBuf>,
+    /// Also serve the SDK endpoint (the runtime's own JSON-RPC, for an official Copilot SDK
+    /// attached by URL) on HOST:PORT or unix:PATH; tokens come from `[[sdk.tokens]]`.
+    #[arg(long, value_name = "ADDR")]
+    pub sdk_listen: Option<String>,
 }
 
 impl ServeArgs {
@@ -69,6 +74,9 @@ impl ServeArgs {
         }
         if let Some(cli) = &self.cli {
             config.cli_path = Some(cli.clone());
+        }
+        if let Some(addr) = &self.sdk_listen {
+            config.sdk.listen = Some(addr.clone());
         }
         config.validate()?;
         Ok(config)
@@ -128,6 +136,24 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         .await
         .with_context(|| format!("binding {}", config.listen))?;
     let addr = listener.local_addr().context("local address")?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut stop: watch::Receiver<bool>| async move {
+        // The sender outlives every server (it is dropped at the end of `serve`).
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    let mut servers = Vec::new();
+    // The SDK endpoint is bound before the API's address is announced, so a client that
+    // waits for that line finds both.
+    let sdk = match config.sdk.listen()? {
+        Some(listen) => {
+            let mut sdk_config = SdkConfig::new(config.sdk.tokens()?);
+            sdk_config.max_connections = config.sdk.max_connections;
+            let endpoint = SdkEndpoint::new(pool.clone(), sdk_config);
+            servers.push(serve_sdk(&endpoint, listen, stopped(stop_rx.clone())).await?);
+            Some(endpoint)
+        }
+        None => None,
+    };
     println!("listening on http://{addr}");
     tracing::info!(%addr, runtime = %located.path.display(), "copilot-pool serve is up.");
 
@@ -135,12 +161,6 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     limits.header_read_timeout = config.header_read_timeout();
     limits.idle_timeout = config.idle_timeout();
     limits.max_connections = connection_cap(config.max_connections, config.pool.max_processes);
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = |mut stop: watch::Receiver<bool>| async move {
-        // The sender outlives every server (it is dropped at the end of `serve`).
-        let _ = stop.wait_for(|s| *s).await;
-    };
-    let mut servers = Vec::new();
     if let Some(metrics_addr) = config.metrics_listen {
         let metrics_listener = tokio::net::TcpListener::bind(metrics_addr)
             .await
@@ -178,6 +198,9 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     eprintln!("copilot-pool serve: {signal}, draining");
     // Not ready, no new turns; answers to running turns are still accepted.
     api.set_draining();
+    if let Some(sdk) = &sdk {
+        sdk.set_draining();
+    }
     // Running turns get the drain grace (the pool's shutdown grace), then are aborted;
     // sessions are detached and every process group is stopped.
     let report = pool.shutdown().await?;
@@ -188,6 +211,9 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         );
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), api.turns_finished()).await;
+    if let Some(sdk) = &sdk {
+        let _ = tokio::time::timeout(Duration::from_secs(5), sdk.turns_finished()).await;
+    }
     stop_tx.send_replace(true);
     for server in servers {
         let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
@@ -195,6 +221,50 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     upkeep.abort();
     eprintln!("copilot-pool serve: stopped");
     Ok(())
+}
+
+/// Binds the SDK endpoint's listener and serves it in a task until `stop` resolves. A Unix
+/// socket is created owner-only (a stale socket file from an earlier run is replaced).
+async fn serve_sdk(
+    endpoint: &SdkEndpoint,
+    listen: SdkListen,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> Result<tokio::task::JoinHandle<()>> {
+    let endpoint = endpoint.clone();
+    match listen {
+        SdkListen::Tcp(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the SDK endpoint on {addr}"))?;
+            let addr = listener.local_addr().context("local address")?;
+            println!("sdk on {addr}");
+            tracing::info!(%addr, "The SDK endpoint is up.");
+            Ok(tokio::spawn(async move {
+                sdk_endpoint::serve_tcp(&endpoint, listener, stop).await;
+            }))
+        }
+        SdkListen::Unix(path) => {
+            use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+            if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_socket()) {
+                std::fs::remove_file(&path)
+                    .with_context(|| format!("removing the stale socket {}", path.display()))?;
+            }
+            let listener = tokio::net::UnixListener::bind(&path).with_context(|| {
+                format!(
+                    "binding the SDK endpoint on the Unix socket {}",
+                    path.display()
+                )
+            })?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                .with_context(|| format!("making {} owner-only", path.display()))?;
+            println!("sdk on unix:{}", path.display());
+            tracing::info!(path = %path.display(), "The SDK endpoint is up.");
+            Ok(tokio::spawn(async move {
+                sdk_endpoint::serve_unix(&endpoint, listener, stop).await;
+                let _ = std::fs::remove_file(&path);
+            }))
+        }
+    }
 }
 
 /// The API's settings from the daemon's: `/metrics` on the API's listener renders the

@@ -1,0 +1,421 @@
+//! One SDK client connection: the `connect` handshake (the token names the agent), then where
+//! each call goes — the endpoint answers `connect`, `ping` and `status.get` itself, opens and
+//! closes sessions through the pool, sends a session's calls to the process that holds it,
+//! and passes other calls to a process of the connection's own. Calls that would change a
+//! process shared with other clients (`runtime.shutdown`, process-wide providers) are
+//! refused. When the client goes, its turns are aborted and its sessions let go.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{Semaphore, mpsc, watch};
+
+use crate::rpc::connection::{
+    CloseCause, Connection, ConnectionOptions, ErrorObject, INTERNAL_ERROR, Incoming,
+    IncomingRequest, METHOD_NOT_FOUND,
+};
+
+use super::session::{self, CallError, SdkSession, SessionSpec, session_not_found};
+use super::{PROTOCOL_VERSION, Shared};
+
+/// The runtime's code for a call before `connect`.
+pub const AUTHENTICATION_REQUIRED: i64 = -32001;
+/// The runtime's code for a wrong connection token.
+pub const AUTHENTICATION_FAILED: i64 = -32002;
+
+/// Calls refused because they change a process that other clients share.
+const PROCESS_WIDE: &[&str] = &[
+    "runtime.shutdown",
+    "llmInference.setProvider",
+    "sessionFs.setProvider",
+    "plugins.builtin.set",
+];
+
+/// Incoming messages queued per connection beyond those being handled; more are refused.
+const QUEUE: usize = 256;
+
+/// One client connection.
+struct Client {
+    id: u64,
+    shared: Arc<Shared>,
+    conn: Connection,
+    /// The agent, once `connect` succeeded.
+    agent: OnceLock<String>,
+    /// Sessions opened on this connection, by SDK session id.
+    sessions: Mutex<HashMap<String, Arc<SdkSession>>>,
+    /// The session used last, whose process answers calls that name no session.
+    last: Mutex<Option<String>>,
+}
+
+/// Serves one accepted client until it leaves or the listener stops; then aborts its turns
+/// and lets go of its sessions.
+pub(super) async fn run<S>(shared: Arc<Shared>, stream: S, mut stop: watch::Receiver<bool>)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    crate::metrics::sdk_connection_opened();
+    let (read, write) = tokio::io::split(stream);
+    let (tx, mut rx) = mpsc::channel(QUEUE);
+    let options = ConnectionOptions {
+        max_frame_bytes: shared.config.max_frame_bytes,
+        default_timeout: shared.config.request_timeout,
+    };
+    let sink = move |incoming: Incoming| {
+        // A full queue refuses the request (its responder answers as it is dropped).
+        let _ = tx.try_send(incoming);
+    };
+    let conn = Connection::start(read, write, options, Box::new(sink));
+    let client = Arc::new(Client {
+        id: shared.next_connection_id(),
+        shared: shared.clone(),
+        conn: conn.clone(),
+        agent: OnceLock::new(),
+        sessions: Mutex::new(HashMap::new()),
+        last: Mutex::new(None),
+    });
+    let in_flight = Arc::new(Semaphore::new(shared.config.max_requests_per_connection));
+    let connect_deadline = tokio::time::Instant::now() + shared.config.connect_timeout;
+    loop {
+        let authenticated = client.agent.get().is_some();
+        let incoming = tokio::select! {
+            incoming = rx.recv() => incoming,
+            _ = stop.wait_for(|s| *s) => break,
+            () = tokio::time::sleep_until(connect_deadline), if !authenticated => {
+                tracing::info!("An SDK client did not authenticate in time; closing its connection.");
+                crate::metrics::sdk_connection(crate::metrics::SdkConnection::Unauthenticated);
+                break;
+            }
+        };
+        match incoming {
+            Some(Incoming::Request(request)) => {
+                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                    break;
+                };
+                let client = client.clone();
+                tokio::spawn(async move {
+                    client.handle(request).await;
+                    drop(permit);
+                });
+            }
+            // Notifications from a client carry nothing the pool acts on.
+            Some(Incoming::Notification { .. }) => {}
+            Some(Incoming::Closed(_)) | None => break,
+        }
+    }
+    client.close().await;
+    conn.close(CloseCause::Local);
+    crate::metrics::sdk_connection_closed();
+}
+
+impl Client {
+    fn agent(&self) -> Option<&str> {
+        self.agent.get().map(String::as_str)
+    }
+
+    async fn handle(self: &Arc<Self>, request: IncomingRequest) {
+        let IncomingRequest {
+            method,
+            params,
+            responder,
+        } = request;
+        let result = match self.agent() {
+            None => self.before_connect(&method, &params),
+            Some(_) => self.dispatch(&method, params).await,
+        };
+        match result {
+            Ok(answer) => responder.ok(answer),
+            Err(error) => responder.err(error),
+        }
+        if method == "connect" && self.agent().is_none() {
+            // A wrong token closes the connection once the answer is out.
+            self.conn.close(CloseCause::Local);
+        }
+    }
+
+    /// Only `connect` is answered before the client authenticated.
+    fn before_connect(&self, method: &str, params: &Value) -> Result<Value, CallError> {
+        if method != "connect" {
+            return Err(ErrorObject::new(
+                AUTHENTICATION_REQUIRED,
+                "AUTHENTICATION_REQUIRED: call connect with the connection token first",
+            ));
+        }
+        let token = params.get("token").and_then(Value::as_str).unwrap_or("");
+        let Some(agent) = self.shared.config.tokens.agent_for(token) else {
+            tracing::warn!("An SDK client presented an unknown connection token.");
+            crate::metrics::sdk_connection(crate::metrics::SdkConnection::Unauthenticated);
+            return Err(ErrorObject::new(
+                AUTHENTICATION_FAILED,
+                "AUTHENTICATION_FAILED: the connection token is not one of this daemon's \
+                 (its SHA-256 must be listed for the agent in the daemon's [sdk] tokens)",
+            ));
+        };
+        let _ = self.agent.set(agent.to_owned());
+        tracing::info!(agent, "An SDK client connected.");
+        Ok(self.connect_answer())
+    }
+
+    fn connect_answer(&self) -> Value {
+        json!({
+            "ok": true,
+            "protocolVersion": PROTOCOL_VERSION,
+            "version": self.shared.config.version,
+            "taskKinds": ["agent", "shell"],
+        })
+    }
+
+    async fn dispatch(self: &Arc<Self>, method: &str, params: Value) -> Result<Value, CallError> {
+        match method {
+            "connect" => {
+                let token = params.get("token").and_then(Value::as_str).unwrap_or("");
+                match self.shared.config.tokens.agent_for(token) {
+                    Some(agent) if Some(agent) == self.agent() => Ok(self.connect_answer()),
+                    _ => Err(ErrorObject::new(
+                        AUTHENTICATION_FAILED,
+                        "AUTHENTICATION_FAILED: this connection is authenticated for another \
+                         agent; open a new connection for each agent",
+                    )),
+                }
+            }
+            "ping" => {
+                let message = params.get("message").and_then(Value::as_str).unwrap_or("");
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0);
+                Ok(json!({
+                    "message": format!("pong: {message}"),
+                    "timestamp": now,
+                    "protocolVersion": PROTOCOL_VERSION,
+                }))
+            }
+            "status.get" => Ok(json!({
+                "version": self.shared.config.version,
+                "protocolVersion": PROTOCOL_VERSION,
+            })),
+            "session.create" => self.open(method, &params, false).await,
+            "session.resume" => self.open(method, &params, true).await,
+            "session.detach" | "session.destroy" => self.let_go(method, &params).await,
+            "session.delete" => self.delete(&params).await,
+            m if PROCESS_WIDE.contains(&m) => Err(ErrorObject::new(
+                METHOD_NOT_FOUND,
+                format!(
+                    "{m} is not available through copilot-pool: it would change a process \
+                     that other clients share (give providers per session instead)"
+                ),
+            )),
+            _ => match session_id(&params) {
+                Some(id) => self.session_call(method, &id, params).await,
+                None => self.beside_sessions(method, params).await,
+            },
+        }
+    }
+
+    fn session(&self, id: &str) -> Option<Arc<SdkSession>> {
+        self.sessions.lock().ok().and_then(|s| s.get(id).cloned())
+    }
+
+    fn touch(&self, id: &str) {
+        if let Ok(mut last) = self.last.lock() {
+            *last = Some(id.to_owned());
+        }
+    }
+
+    /// `session.create` / `session.resume`: the session becomes this connection's (one
+    /// connection at a time holds a session), then the pool opens it.
+    async fn open(
+        self: &Arc<Self>,
+        method: &str,
+        params: &Value,
+        resume: bool,
+    ) -> Result<Value, CallError> {
+        if self.shared.is_draining() {
+            return Err(ErrorObject::new(
+                INTERNAL_ERROR,
+                format!(
+                    "Request {method} failed with message: copilot-pool is draining (shutting \
+                     down); connect to another replica or retry after the restart"
+                ),
+            ));
+        }
+        let spec = SessionSpec::from_params(params)?;
+        let id = spec.id.to_string();
+        let agent = self.agent().unwrap_or_default().to_owned();
+        let conversation = session::conversation(&agent, &id).key();
+        if !self.shared.claim(&conversation, self.id) {
+            return Err(ErrorObject::new(
+                INTERNAL_ERROR,
+                format!(
+                    "Request {method} failed with message: session {id} is open on another \
+                     connection of this agent; disconnect it there first"
+                ),
+            ));
+        }
+        let existing = self.session(&id);
+        let fresh = existing.is_none();
+        let sdk_session = match existing {
+            Some(held) => {
+                held.set_spec(spec);
+                held
+            }
+            None => Arc::new(SdkSession::new(
+                self.shared.clone(),
+                agent,
+                spec,
+                self.conn.clone(),
+            )),
+        };
+        if fresh && let Ok(mut sessions) = self.sessions.lock() {
+            sessions.insert(id.clone(), sdk_session.clone());
+        }
+        match sdk_session.open(method, resume).await {
+            Ok(answer) => {
+                self.touch(&id);
+                Ok(answer)
+            }
+            Err(error) => {
+                if fresh {
+                    self.forget(&id);
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Removes a session from this connection and lets go of it.
+    fn forget(&self, id: &str) {
+        let removed = self.sessions.lock().ok().and_then(|mut s| s.remove(id));
+        if let Some(session) = removed {
+            self.shared.release(&session.conversation().key(), self.id);
+        }
+        if let Ok(mut last) = self.last.lock()
+            && last.as_deref() == Some(id)
+        {
+            *last = None;
+        }
+    }
+
+    /// `session.detach` (the SDK's `disconnect`) and the legacy `session.destroy`: a running
+    /// turn is aborted; the session stays stored (and parked in the pool), resumable by this
+    /// agent on any connection.
+    async fn let_go(&self, method: &str, params: &Value) -> Result<Value, CallError> {
+        let id = session_id(params).unwrap_or_default();
+        let Some(session) = self.session(&id) else {
+            return Err(session_not_found(method, &id));
+        };
+        session.stop_turn().await;
+        self.forget(&id);
+        Ok(json!({"success": true}))
+    }
+
+    /// `session.delete`: removes the session's state for good, whether or not this
+    /// connection opened it (a session another connection holds is refused).
+    async fn delete(&self, params: &Value) -> Result<Value, CallError> {
+        const METHOD: &str = "session.delete";
+        let id = session_id(params).unwrap_or_default();
+        let agent = self.agent().unwrap_or_default().to_owned();
+        let session = match self.session(&id) {
+            Some(session) => session,
+            None => {
+                let spec = SessionSpec::bare(&id)?;
+                let conversation = session::conversation(&agent, &id).key();
+                if self
+                    .shared
+                    .holder(&conversation)
+                    .is_some_and(|holder| holder != self.id)
+                {
+                    return Err(ErrorObject::new(
+                        INTERNAL_ERROR,
+                        format!(
+                            "Request {METHOD} failed with message: session {id} is open on \
+                             another connection of this agent; disconnect it there first"
+                        ),
+                    ));
+                }
+                Arc::new(SdkSession::new(
+                    self.shared.clone(),
+                    agent,
+                    spec,
+                    self.conn.clone(),
+                ))
+            }
+        };
+        let deleted = session.delete().await;
+        self.forget(&id);
+        deleted.or_else(|error| Ok(json!({"success": false, "error": error.message})))
+    }
+
+    /// A call naming a session: this connection must hold it.
+    async fn session_call(
+        self: &Arc<Self>,
+        method: &str,
+        id: &str,
+        params: Value,
+    ) -> Result<Value, CallError> {
+        let Some(session) = self.session(id) else {
+            return Err(session_not_found(method, id));
+        };
+        self.touch(id);
+        match method {
+            "session.send" => session.send(params).await,
+            "session.abort" => session.abort(params).await,
+            "session.tools.handlePendingToolCall" => session.answer_tool(&params).await,
+            "session.permissions.handlePendingPermissionRequest" => {
+                session.answer_permission(&params).await
+            }
+            _ => session.call(method, params).await,
+        }
+    }
+
+    /// A call naming no session (`session.list`, `session.getLastId`, `models.list`,
+    /// `auth.getStatus`, …, and methods newer than this crate): answered by the process of
+    /// the session this connection used last (its agent's home, its key).
+    async fn beside_sessions(&self, method: &str, params: Value) -> Result<Value, CallError> {
+        let last = self.last.lock().ok().and_then(|l| l.clone());
+        let session = last.and_then(|id| self.session(&id)).or_else(|| {
+            self.sessions
+                .lock()
+                .ok()
+                .and_then(|s| s.values().next().cloned())
+        });
+        match session {
+            Some(session) => session.call_beside(method, params).await,
+            None => Err(ErrorObject::new(
+                INTERNAL_ERROR,
+                format!(
+                    "Request {method} failed with message: copilot-pool answers {method} from \
+                     a process of this connection's sessions; create or resume a session first"
+                ),
+            )),
+        }
+    }
+
+    /// The client is gone: its sessions are let go at once (another connection of the agent
+    /// may open one now; its lease queues in the pool behind the turn being settled), and
+    /// its running turns are aborted and settled.
+    async fn close(&self) {
+        let sessions: Vec<(String, Arc<SdkSession>)> = self
+            .sessions
+            .lock()
+            .map(|mut s| s.drain().collect())
+            .unwrap_or_default();
+        for (_, session) in &sessions {
+            self.shared.release(&session.conversation().key(), self.id);
+        }
+        let stops = sessions.iter().map(|(_, session)| session.stop_turn());
+        futures_util::future::join_all(stops).await;
+        if let Some(agent) = self.agent() {
+            tracing::info!(agent, sessions = sessions.len(), "An SDK client left.");
+        }
+    }
+}
+
+/// The `sessionId` a call names, if any.
+fn session_id(params: &Value) -> Option<String> {
+    params
+        .get("sessionId")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+}

@@ -1,0 +1,100 @@
+//! Accepting SDK clients on a TCP or Unix-socket listener: the connection cap (a connection
+//! over it is closed at once, unread, and counted), and the stop (no more accepts; every
+//! open connection is closed, its turns aborted and its sessions parked, before the call
+//! returns).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{Semaphore, watch};
+
+use super::{SdkEndpoint, connection};
+
+/// After a failed `accept` (descriptors exhausted, for example) the loop waits this long:
+/// the listener stays readable, so retrying at once would spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Serves SDK clients on a TCP listener until `shutdown` resolves; then closes every open
+/// connection and returns once all are closed. Bind it to loopback or a private network:
+/// the connection token is the only authentication, and the stream is not encrypted.
+pub async fn serve_tcp(
+    endpoint: &SdkEndpoint,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) {
+    serve(endpoint, shutdown, || async {
+        listener.accept().await.map(|(stream, _)| stream)
+    })
+    .await;
+}
+
+/// [`serve_tcp`] on a Unix socket (give the socket file owner-only permissions: anyone who
+/// can connect may try tokens).
+pub async fn serve_unix(
+    endpoint: &SdkEndpoint,
+    listener: UnixListener,
+    shutdown: impl Future<Output = ()>,
+) {
+    serve(endpoint, shutdown, || async {
+        listener.accept().await.map(|(stream, _)| stream)
+    })
+    .await;
+}
+
+async fn serve<S, A, F>(endpoint: &SdkEndpoint, shutdown: impl Future<Output = ()>, accept: A)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+    A: Fn() -> F,
+    F: Future<Output = std::io::Result<S>>,
+{
+    let shared = endpoint.shared.clone();
+    let max = shared.config.max_connections;
+    let permits = Arc::new(Semaphore::new(max));
+    let (stop_tx, stop) = watch::channel(false);
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut refused: u64 = 0;
+    loop {
+        let accepted = tokio::select! {
+            accepted = accept() => accepted,
+            () = shutdown.as_mut() => break,
+        };
+        let stream = match accepted {
+            Ok(stream) => stream,
+            Err(error) => {
+                tracing::warn!(%error, "Accepting an SDK connection failed; retrying.");
+                tokio::select! {
+                    _ = tokio::time::sleep(ACCEPT_BACKOFF) => continue,
+                    () = shutdown.as_mut() => break,
+                }
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            refused += 1;
+            crate::metrics::sdk_connection(crate::metrics::SdkConnection::Refused);
+            if refused == 1 || refused.is_multiple_of(1024) {
+                tracing::warn!(
+                    refused,
+                    max_connections = max,
+                    "SDK connections over max_connections are closed at once; raise \
+                     max_connections or spread the clients over replicas."
+                );
+            }
+            drop(stream);
+            continue;
+        };
+        crate::metrics::sdk_connection(crate::metrics::SdkConnection::Accepted);
+        let shared = shared.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            connection::run(shared, stream, stop).await;
+            drop(permit);
+        });
+    }
+    stop_tx.send_replace(true);
+    // Every connection holds a permit until it is closed.
+    let all = u32::try_from(max).unwrap_or(u32::MAX);
+    let _ = permits.acquire_many(all).await;
+}

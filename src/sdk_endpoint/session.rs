@@ -1,0 +1,741 @@
+//! One SDK session on one client connection: the pool conversation behind it, leased for
+//! each turn (`session.send` to `session.idle`) and for each call between turns; the turn
+//! pump that passes the session's events and the runtime's questions to the client; and what
+//! happens when the process dies mid-turn (`session.error`, then `session.idle`, then the
+//! next call resumes the session on a fresh process) or the client goes away (the turn is
+//! aborted and settled, the session parked).
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{Map, Value, json};
+use tokio::sync::watch;
+
+use crate::auth::{LeaseAuth, fingerprint};
+use crate::ids::{CliSessionId, ConversationId};
+use crate::kinds::TurnEnd;
+use crate::pool::{Lease, LeaseRequest, PoolError};
+use crate::rpc::connection::{Connection, ErrorObject, INTERNAL_ERROR, INVALID_PARAMS};
+use crate::rpc::messages::{ProviderConfig, SessionConfig};
+use crate::rpc::{EventKind, SessionEvent};
+use crate::secret::Secret;
+use crate::worker::{
+    Answerer, ServerRequest, Session, SessionUpdate, Settled, ToolResult, WorkerError, WorkerHandle,
+};
+
+use super::Shared;
+
+/// The prefix of an SDK session's conversation key: `(agent, "sdk:<session id>")`.
+pub(super) const SESSION_KEY_PREFIX: &str = "sdk:";
+
+/// The longest SDK session id accepted (a UUID has 36 characters).
+const MAX_SESSION_ID_BYTES: usize = 128;
+
+/// The `errorType` of the `session.error` a client gets when the process running its turn
+/// died.
+pub const PROCESS_CRASHED: &str = "process_crashed";
+
+/// A JSON-RPC error for the client.
+pub(super) type CallError = ErrorObject;
+
+/// Checks an SDK session id: 1 to 128 of `A-Z a-z 0-9 . _ -`, not `.` or `..` (it names a
+/// directory under the agent's home).
+pub(super) fn validate_session_id(id: &str) -> Result<(), CallError> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_SESSION_ID_BYTES
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ErrorObject::new(
+            INVALID_PARAMS,
+            format!(
+                "sessionId must be 1 to {MAX_SESSION_ID_BYTES} characters of A-Z, a-z, 0-9, \
+                 '.', '_' and '-' (the SDK's own UUIDs are); got {} bytes",
+                id.len()
+            ),
+        ))
+    }
+}
+
+/// The error the runtime gives for a session it does not hold, so an SDK reacts as it would.
+pub(super) fn session_not_found(method: &str, id: &str) -> CallError {
+    ErrorObject::new(
+        INTERNAL_ERROR,
+        format!(
+            "Request {method} failed with message: Session not found for sessionId: {id} \
+             (copilot-pool: create or resume it on this connection first)"
+        ),
+    )
+}
+
+/// A pool error as the client sees it: the runtime's message shape, the pool's words, and
+/// the error's kind in `data`.
+pub(super) fn pool_error(method: &str, error: &PoolError) -> CallError {
+    ErrorObject {
+        code: INTERNAL_ERROR,
+        message: format!("Request {method} failed with message: {error}"),
+        data: Some(json!({"kind": error.kind().rejection_label()})),
+    }
+}
+
+/// A worker error as the client sees it.
+pub(super) fn worker_error(method: &str, error: &WorkerError) -> CallError {
+    match error {
+        // The runtime's own answer goes back as it was.
+        WorkerError::Rpc(crate::rpc::RpcError::Remote { error, .. }) => error.clone(),
+        other => ErrorObject::new(
+            INTERNAL_ERROR,
+            format!("Request {method} failed with message: {other}"),
+        ),
+    }
+}
+
+/// What a lease of this session asks the pool for, read from the client's
+/// `session.create`/`session.resume` params.
+#[derive(Clone, Debug)]
+pub(super) struct SessionSpec {
+    /// The SDK's session id, which is also the CLI session id.
+    pub(super) id: CliSessionId,
+    /// The params as the client sent them (the id removed), passed on as they are.
+    wire: SessionConfig,
+    provider: Option<ProviderConfig>,
+    model: Option<String>,
+    working_directory: PathBuf,
+    auth: LeaseAuth,
+}
+
+impl SessionSpec {
+    /// Reads the params of `session.create`/`session.resume`. The SDK always sends its own
+    /// `sessionId`; the provider and the session-level `gitHubToken` choose the processes.
+    pub(super) fn from_params(params: &Value) -> Result<SessionSpec, CallError> {
+        let Some(mut map) = params.as_object().cloned() else {
+            return Err(ErrorObject::new(INVALID_PARAMS, "params must be an object"));
+        };
+        let id = match map.remove("sessionId") {
+            Some(Value::String(id)) => id,
+            _ => {
+                return Err(ErrorObject::new(
+                    INVALID_PARAMS,
+                    "sessionId is required: copilot-pool runs a session under the id its \
+                     client chose (cloud sessions with server-made ids are not supported)",
+                ));
+            }
+        };
+        validate_session_id(&id)?;
+        let provider = match map.get("provider") {
+            None | Some(Value::Null) => None,
+            Some(raw) => {
+                let provider: ProviderConfig = serde_json::from_value(raw.clone())
+                    .map_err(|e| ErrorObject::new(INVALID_PARAMS, format!("provider: {e}")))?;
+                crate::pool::validate_provider(&provider)
+                    .map_err(|e| ErrorObject::new(INVALID_PARAMS, e.to_string()))?;
+                Some(provider)
+            }
+        };
+        let model = map.get("model").and_then(Value::as_str).map(str::to_owned);
+        let working_directory = map
+            .get("workingDirectory")
+            .and_then(Value::as_str)
+            .map(PathBuf::from)
+            .unwrap_or_default();
+        let token = match map.remove("gitHubToken") {
+            Some(Value::String(token)) if !token.is_empty() => Some(Secret::new(token)),
+            _ => None,
+        };
+        let auth = match &token {
+            // A session's own identity: its processes are its token's (one profile per
+            // token; the fingerprint, never the token, names it).
+            Some(token) => LeaseAuth {
+                github_token: Some(token.clone()),
+                profile_id: Some(format!("sdk-session-{}", fingerprint(token.expose()))),
+                profile_version: Some("1".to_owned()),
+                ..Default::default()
+            },
+            None => LeaseAuth::default(),
+        };
+        let flag = |map: &mut Map<String, Value>, name: &str| {
+            map.remove(name).and_then(|v| v.as_bool()).unwrap_or(false)
+        };
+        let request_permission = flag(&mut map, "requestPermission");
+        let request_user_input = flag(&mut map, "requestUserInput");
+        let hooks = flag(&mut map, "hooks");
+        let streaming = flag(&mut map, "streaming");
+        let continue_pending_work = map.remove("continuePendingWork").and_then(|v| v.as_bool());
+        // Everything else goes on the wire as the client wrote it: the typed fields left
+        // unset are not serialized, so no field appears twice.
+        let wire = SessionConfig {
+            git_hub_token: token,
+            request_permission,
+            request_user_input,
+            hooks,
+            streaming,
+            continue_pending_work,
+            extra: map,
+            ..Default::default()
+        };
+        Ok(SessionSpec {
+            id: CliSessionId::new(id),
+            wire,
+            provider,
+            model,
+            working_directory,
+            auth,
+        })
+    }
+
+    /// A spec for a session this connection never opened (to delete it): no config of its
+    /// own, so it is resumed as stored.
+    pub(super) fn bare(id: &str) -> Result<SessionSpec, CallError> {
+        SessionSpec::from_params(&json!({"sessionId": id}))
+    }
+
+    fn lease_request(&self, shared: &Shared, agent: &str, existing_only: bool) -> LeaseRequest {
+        let mut req = LeaseRequest::new(
+            agent,
+            format!("{SESSION_KEY_PREFIX}{}", self.id),
+            self.working_directory.clone(),
+        );
+        req.auth = self.auth.clone();
+        req.provider = self.provider.clone();
+        req.model = self.model.clone();
+        req.streaming = self.wire.streaming;
+        req.wait_timeout = shared.config.wait_timeout;
+        req.existing_only = existing_only;
+        req.wire_config = Some(self.wire.clone());
+        req.cli_session_id = Some(self.id.clone());
+        req
+    }
+}
+
+/// What becomes of a turn's lease when the turn is over.
+enum After {
+    /// Parked on its process for the next turn.
+    Park,
+    /// Its process is gone: what is left is detached.
+    Lost,
+    /// Aborted without settling: its process is stopped.
+    Unsettled,
+}
+
+/// A turn in flight: where calls made during it go, and how to stop it.
+struct RunningTurn {
+    worker: WorkerHandle,
+    answerer: Answerer,
+    /// Set to ask the pump to abort the turn and settle it (client gone, session detached).
+    stop: watch::Sender<bool>,
+    /// Becomes true when the pump has given the lease back.
+    done: watch::Receiver<bool>,
+}
+
+/// One SDK session opened on one client connection.
+pub(super) struct SdkSession {
+    shared: Arc<Shared>,
+    agent: String,
+    spec: Mutex<SessionSpec>,
+    /// The client's connection: events and server requests go there, and only there.
+    client: Connection,
+    turn: Mutex<Option<RunningTurn>>,
+    /// Serializes what takes a lease for this session on this connection.
+    gate: tokio::sync::Mutex<()>,
+}
+
+impl SdkSession {
+    pub(super) fn new(
+        shared: Arc<Shared>,
+        agent: String,
+        spec: SessionSpec,
+        client: Connection,
+    ) -> Self {
+        Self {
+            shared,
+            agent,
+            spec: Mutex::new(spec),
+            client,
+            turn: Mutex::new(None),
+            gate: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    pub(super) fn id(&self) -> CliSessionId {
+        self.spec().id
+    }
+
+    /// The pool's conversation of this session.
+    pub(super) fn conversation(&self) -> ConversationId {
+        conversation(&self.agent, self.id().as_str())
+    }
+
+    fn spec(&self) -> SessionSpec {
+        self.spec
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_else(|p| p.into_inner().clone())
+    }
+
+    fn running(&self) -> Option<(WorkerHandle, Answerer)> {
+        self.turn
+            .lock()
+            .ok()
+            .and_then(|t| t.as_ref().map(|t| (t.worker.clone(), t.answerer.clone())))
+    }
+
+    async fn lease(&self, method: &str, existing_only: bool) -> Result<Lease, CallError> {
+        let req = self
+            .spec()
+            .lease_request(&self.shared, &self.agent, existing_only);
+        self.shared.pool.lease(req).await.map_err(|e| match e {
+            PoolError::NoSuchConversation { .. } => session_not_found(method, self.id().as_str()),
+            other => pool_error(method, &other),
+        })
+    }
+
+    /// `session.create` / `session.resume`: opens the session through the pool (creating
+    /// it under the SDK's id, or resuming its stored state) and answers with the runtime's
+    /// own answer. The events of the open reach the client before the answer.
+    pub(super) async fn open(&self, method: &str, resume: bool) -> Result<Value, CallError> {
+        let _gate = self.gate.lock().await;
+        let mut lease = self.lease(method, resume).await?;
+        let session = lease.passthrough().map_err(|e| pool_error(method, &e))?;
+        self.forward_waiting(session);
+        let answer = match session.opened() {
+            Some(opened) => serde_json::to_value(opened).unwrap_or(Value::Null),
+            None => json!({"sessionId": self.id().as_str()}),
+        };
+        Ok(answer)
+    }
+
+    /// Replaces the session's config (a `session.resume` on a session this connection
+    /// already holds).
+    pub(super) fn set_spec(&self, spec: SessionSpec) {
+        if let Ok(mut s) = self.spec.lock() {
+            *s = spec;
+        }
+    }
+
+    /// `session.send`: leases the session (resuming it on a fresh process if its process
+    /// died), sends the prompt, answers with the runtime's answer and passes the turn's
+    /// events to the client until `session.idle`. A send during a running turn goes to the
+    /// same process (the runtime queues it).
+    pub(super) async fn send(self: &Arc<Self>, params: Value) -> Result<Value, CallError> {
+        const METHOD: &str = "session.send";
+        if let Some((worker, _)) = self.running() {
+            return call(&worker, METHOD, params, self.shared.config.request_timeout).await;
+        }
+        let _gate = self.gate.lock().await;
+        if let Some((worker, _)) = self.running() {
+            return call(&worker, METHOD, params, self.shared.config.request_timeout).await;
+        }
+        if self.shared.is_draining() {
+            return Err(ErrorObject::new(
+                INTERNAL_ERROR,
+                "Request session.send failed with message: copilot-pool is draining (shutting \
+                 down); no new turns start. Reconnect to another replica or retry after the \
+                 restart",
+            ));
+        }
+        let mut lease = self.lease(METHOD, false).await?;
+        let session = lease.passthrough().map_err(|e| pool_error(METHOD, &e))?;
+        self.forward_waiting(session);
+        let worker = session.worker().clone();
+        let answerer = session.answerer();
+        let answer = match call(&worker, METHOD, params, self.shared.config.request_timeout).await {
+            Ok(answer) => answer,
+            Err(error) => {
+                if !session.is_alive() {
+                    lease.set_lost();
+                }
+                return Err(error);
+            }
+        };
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (done_tx, done_rx) = watch::channel(false);
+        if let Ok(mut turn) = self.turn.lock() {
+            *turn = Some(RunningTurn {
+                worker,
+                answerer,
+                stop: stop_tx,
+                done: done_rx,
+            });
+        }
+        self.shared.turn_started();
+        let me = self.clone();
+        tokio::spawn(async move {
+            me.pump(lease, stop_rx).await;
+            if let Ok(mut turn) = me.turn.lock() {
+                *turn = None;
+            }
+            let _ = done_tx.send(true);
+            me.shared.turn_ended();
+        });
+        Ok(answer)
+    }
+
+    /// Passes the running turn's updates to the client until `session.idle`; ends it with a
+    /// `session.error` and `session.idle` of its own when the process dies; aborts and
+    /// settles it when asked to stop or when it outlives the turn limit. Gives the lease back.
+    async fn pump(&self, mut lease: Lease, mut stop: watch::Receiver<bool>) {
+        let started = Instant::now();
+        let limit = tokio::time::sleep(self.shared.config.max_turn_duration);
+        let mut limit = std::pin::pin!(limit);
+        let settle_limit = self.shared.pool.config().abort_settle_timeout;
+        let mut failed = false;
+        let Ok(session) = lease.passthrough() else {
+            return;
+        };
+        let (end, after) = loop {
+            let next = tokio::select! {
+                update = session.next() => Ok(update),
+                _ = stop.wait_for(|s| *s) => Err("stopped"),
+                () = limit.as_mut() => Err("turn limit"),
+            };
+            let update = match next {
+                Ok(update) => update,
+                Err(why) => break self.settle(session, settle_limit, why).await,
+            };
+            match update {
+                Some(SessionUpdate::Event(event)) => {
+                    let idle = match &event.kind {
+                        EventKind::SessionIdle(idle) => Some(idle.aborted == Some(true)),
+                        EventKind::SessionError(_) => {
+                            failed = true;
+                            None
+                        }
+                        _ => None,
+                    };
+                    self.forward_event(&event);
+                    if let Some(aborted) = idle {
+                        let end = if aborted {
+                            TurnEnd::Aborted
+                        } else if failed {
+                            TurnEnd::Error
+                        } else {
+                            TurnEnd::Idle
+                        };
+                        break (end, After::Park);
+                    }
+                }
+                Some(SessionUpdate::UserInput(request)) => {
+                    self.forward_request("userInput.request", request);
+                }
+                Some(SessionUpdate::Hook(request)) => {
+                    self.forward_request("hooks.invoke", request);
+                }
+                Some(SessionUpdate::Ended(error)) => {
+                    self.crashed(&error);
+                    break (TurnEnd::Crashed, After::Lost);
+                }
+                None => {
+                    self.crashed(&WorkerError::Stopped);
+                    break (TurnEnd::Crashed, After::Lost);
+                }
+            }
+        };
+        match after {
+            After::Park => lease.turn_passed(),
+            After::Lost => lease.set_lost(),
+            After::Unsettled => lease.set_unsettled(),
+        }
+        crate::metrics::turn_finished(end, started.elapsed());
+        drop(lease);
+    }
+
+    /// Aborts the running turn and reads it to `session.idle` (passing nothing on: the
+    /// client is gone or let go of the session). A turn that does not settle stops its
+    /// process when the lease is given back.
+    async fn settle(&self, session: &mut Session, limit: Duration, why: &str) -> (TurnEnd, After) {
+        tracing::info!(session = %self.id(), why, "Aborting an SDK turn.");
+        let after = match session.abort_and_settle(limit).await {
+            Settled::Idle => After::Park,
+            Settled::WorkerEnded => After::Lost,
+            Settled::Unsettled => {
+                tracing::warn!(session = %self.id(), why, "An aborted SDK turn did not settle; its process is stopped.");
+                After::Unsettled
+            }
+        };
+        (TurnEnd::Aborted, after)
+    }
+
+    /// The process died during the turn: the client gets a `session.error` saying so, then
+    /// `session.idle`, so its `sendAndWait` ends now. The next call resumes the session.
+    fn crashed(&self, error: &WorkerError) {
+        tracing::warn!(session = %self.id(), %error, "The process of an SDK session died mid-turn; the next call resumes it on a fresh process.");
+        let message = format!(
+            "The Copilot runtime process running this session died ({error}). copilot-pool \
+             resumes the session on a fresh process at the next call; send again to go on."
+        );
+        self.notify_event(synthetic_event(
+            "session.error",
+            json!({"errorType": PROCESS_CRASHED, "message": message}),
+        ));
+        self.notify_event(synthetic_event("session.idle", json!({})));
+    }
+
+    /// Passes on what reached the session while it was not leased by this connection (late
+    /// events of an earlier turn); questions among them are answered by their drop.
+    fn forward_waiting(&self, session: &mut Session) {
+        while let Some(update) = session.try_next() {
+            if let SessionUpdate::Event(event) = update {
+                self.forward_event(&event);
+            }
+        }
+    }
+
+    fn forward_event(&self, event: &SessionEvent) {
+        self.notify_event(event.raw().clone());
+    }
+
+    fn notify_event(&self, event: Value) {
+        let params = json!({"sessionId": self.id().as_str(), "event": event});
+        if let Err(error) = self.client.notify("session.event", params) {
+            tracing::debug!(%error, "An SDK client left before an event reached it.");
+        }
+    }
+
+    /// Asks the client a question of the runtime (`userInput.request`, `hooks.invoke`) and
+    /// passes its answer back, in a task of its own; no answer within the limit is an error.
+    fn forward_request<P>(&self, method: &'static str, request: ServerRequest<P>)
+    where
+        P: serde::Serialize + Send + 'static,
+    {
+        let client = self.client.clone();
+        let limit = self.shared.config.client_request_timeout;
+        tokio::spawn(async move {
+            let params = match serde_json::to_value(&request.params) {
+                Ok(params) => params,
+                Err(e) => return request.fail(format!("could not encode {method}: {e}")),
+            };
+            match client.request(method, params, Some(limit)).await {
+                Ok(answer) => request.respond(answer),
+                Err(error) => request.fail(format!("the SDK client did not answer: {error}")),
+            }
+        });
+    }
+
+    /// `session.abort`: passed to the process running the turn; without a turn there is
+    /// nothing to abort.
+    pub(super) async fn abort(&self, params: Value) -> Result<Value, CallError> {
+        match self.running() {
+            Some((worker, _)) => {
+                call(
+                    &worker,
+                    "session.abort",
+                    params,
+                    self.shared.config.request_timeout,
+                )
+                .await
+            }
+            None => Ok(json!({"success": true})),
+        }
+    }
+
+    /// `session.tools.handlePendingToolCall`: checked against the process's ledger (the
+    /// request must be pending for this session), then passed on.
+    pub(super) async fn answer_tool(&self, params: &Value) -> Result<Value, CallError> {
+        const METHOD: &str = "session.tools.handlePendingToolCall";
+        let request_id = request_id(params)?;
+        let Some((_, answerer)) = self.running() else {
+            return Err(no_pending(METHOD, request_id));
+        };
+        let result = match (params.get("result"), params.get("error")) {
+            (Some(Value::String(text)), _) => ToolResult::Text(text.clone()),
+            (Some(object @ Value::Object(_)), _) => ToolResult::Object(object.clone()),
+            (_, Some(Value::String(message))) => ToolResult::Error(message.clone()),
+            _ => ToolResult::Text(String::new()),
+        };
+        answerer
+            .answer_tool_call(request_id, result)
+            .await
+            .map(|()| json!({"success": true}))
+            .map_err(|e| worker_error(METHOD, &e))
+    }
+
+    /// `session.permissions.handlePendingPermissionRequest`: checked against the ledger like
+    /// a tool answer.
+    pub(super) async fn answer_permission(&self, params: &Value) -> Result<Value, CallError> {
+        const METHOD: &str = "session.permissions.handlePendingPermissionRequest";
+        let request_id = request_id(params)?;
+        let Some((_, answerer)) = self.running() else {
+            return Err(no_pending(METHOD, request_id));
+        };
+        let decision = params.get("result").cloned().unwrap_or(Value::Null);
+        answerer
+            .answer_permission(request_id, decision)
+            .await
+            .map(|()| json!({"success": true}))
+            .map_err(|e| worker_error(METHOD, &e))
+    }
+
+    /// Any other call on the session: to the process running its turn, or, between turns,
+    /// to the process the pool leases it on for the call.
+    pub(super) async fn call(&self, method: &str, params: Value) -> Result<Value, CallError> {
+        let timeout = self.shared.config.request_timeout;
+        if let Some((worker, _)) = self.running() {
+            return call(&worker, method, params, timeout).await;
+        }
+        let _gate = self.gate.lock().await;
+        if let Some((worker, _)) = self.running() {
+            return call(&worker, method, params, timeout).await;
+        }
+        let mut lease = self.lease(method, true).await?;
+        let session = lease.passthrough().map_err(|e| pool_error(method, &e))?;
+        self.forward_waiting(session);
+        let worker = session.worker().clone();
+        let answer = call(&worker, method, params, timeout).await;
+        self.forward_waiting(session);
+        if answer.is_err() && !session.is_alive() {
+            lease.set_lost();
+        }
+        answer
+    }
+
+    /// Calls a method that is not the session's on the process of this session (the
+    /// connection's processes: its home, its key).
+    pub(super) async fn call_beside(
+        &self,
+        method: &str,
+        params: Value,
+    ) -> Result<Value, CallError> {
+        self.call(method, params).await
+    }
+
+    /// `session.delete`: ends a running turn, then deletes the session and its binding.
+    pub(super) async fn delete(&self) -> Result<Value, CallError> {
+        const METHOD: &str = "session.delete";
+        self.stop_turn().await;
+        let _gate = self.gate.lock().await;
+        let lease = self.lease(METHOD, true).await?;
+        lease
+            .reset()
+            .await
+            .map(|()| json!({"success": true}))
+            .map_err(|e| pool_error(METHOD, &e))
+    }
+
+    /// Aborts and settles the running turn, if any, and waits until its lease is back
+    /// (bounded by the settle limit and a margin).
+    pub(super) async fn stop_turn(&self) {
+        let done = match self.turn.lock() {
+            Ok(turn) => turn.as_ref().map(|t| {
+                let _ = t.stop.send(true);
+                t.done.clone()
+            }),
+            Err(_) => None,
+        };
+        if let Some(mut done) = done {
+            let limit = self.shared.pool.config().abort_settle_timeout + Duration::from_secs(5);
+            let _ = tokio::time::timeout(limit, done.wait_for(|d| *d)).await;
+        }
+    }
+}
+
+/// The pool conversation of an SDK session of `agent`.
+pub(super) fn conversation(agent: &str, session_id: &str) -> ConversationId {
+    ConversationId::new(agent, format!("{SESSION_KEY_PREFIX}{session_id}"))
+}
+
+/// Passes a client's call to a process as it is.
+async fn call(
+    worker: &WorkerHandle,
+    method: &str,
+    params: Value,
+    timeout: Duration,
+) -> Result<Value, CallError> {
+    worker
+        .call_raw(method, params, timeout)
+        .await
+        .map_err(|e| worker_error(method, &e))
+}
+
+fn request_id(params: &Value) -> Result<&str, CallError> {
+    params
+        .get("requestId")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ErrorObject::new(INVALID_PARAMS, "requestId (a string) is required"))
+}
+
+fn no_pending(method: &str, request_id: &str) -> CallError {
+    ErrorObject::new(
+        INTERNAL_ERROR,
+        format!(
+            "Request {method} failed with message: no request {request_id} is pending for this \
+             session (no turn is running)"
+        ),
+    )
+}
+
+/// An event copilot-pool adds to a session's stream, in the runtime's envelope.
+fn synthetic_event(event_type: &str, data: Value) -> Value {
+    json!({
+        "id": uuid::Uuid::new_v4().to_string(),
+        "timestamp": humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string(),
+        "parentId": null,
+        "ephemeral": true,
+        "type": event_type,
+        "data": data,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_sdk_session_id_is_a_plain_name_that_cannot_leave_the_home() {
+        assert!(validate_session_id("0b9c6a4e-8f7e-4c43-9d7b-1f0e2a3b4c5d").is_ok());
+        for bad in ["", ".", "..", "a/b", "../x", "a b", &"x".repeat(129)] {
+            assert!(validate_session_id(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn create_params_go_on_the_wire_as_sent_with_the_token_kept_secret() {
+        let params = json!({
+            "sessionId": "s-1",
+            "model": "m",
+            "provider": {"type": "openai", "baseUrl": "http://127.0.0.1:9/v1", "apiKey": "k-secret", "hasBearerTokenProvider": false, "modelId": "x"},
+            "tools": [{"name": "t", "description": "d", "parameters": {}, "defer": "auto"}],
+            "requestPermission": true,
+            "streaming": true,
+            "gitHubToken": "ghu_secret",
+            "continuePendingWork": true,
+            "newField": {"a": 1},
+        });
+        let spec = SessionSpec::from_params(&params).unwrap();
+        assert_eq!(spec.id.as_str(), "s-1");
+        assert_eq!(spec.model.as_deref(), Some("m"));
+        assert_eq!(
+            spec.provider.as_ref().map(|p| p.base_url.as_str()),
+            Some("http://127.0.0.1:9/v1")
+        );
+        let mut wire = serde_json::to_value(&spec.wire).unwrap();
+        wire["sessionId"] = json!("s-1");
+        // Every field the client sent is there once, unchanged (the provider's fields this
+        // crate does not model included); the flags it left out are false.
+        let mut expected = params.clone();
+        expected["requestUserInput"] = json!(false);
+        expected["hooks"] = json!(false);
+        assert_eq!(wire, expected);
+        let debug = format!("{:?}", spec.wire);
+        assert!(
+            !debug.contains("ghu_secret") && !debug.contains("k-secret"),
+            "{debug}"
+        );
+        assert!(format!("{:?}", spec.auth).contains("sdk-session-sha256:"));
+    }
+
+    #[test]
+    fn create_params_without_a_session_id_or_with_a_bad_provider_are_refused() {
+        assert!(SessionSpec::from_params(&json!({"model": "m"})).is_err());
+        let bad = SessionSpec::from_params(
+            &json!({"sessionId": "s", "provider": {"baseUrl": "file:///etc"}}),
+        )
+        .unwrap_err();
+        assert!(bad.message.contains("base_url"), "{}", bad.message);
+    }
+}

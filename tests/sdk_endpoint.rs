@@ -1,0 +1,573 @@
+//! The SDK endpoint (`copilot_pool::sdk_endpoint`) over a real pool of runtime processes on
+//! the scripted model, served on loopback: its handshake checked with the crate's own
+//! JSON-RPC client, and the official Node SDK (`@github/copilot-sdk`, installed by the test
+//! support) attached by URL running the scenarios of `tests/support/sdk_client.mjs`.
+
+mod support;
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use copilot_pool::Pool;
+use copilot_pool::rpc::connection::{Connection, ConnectionOptions, ErrorObject, RpcError};
+use copilot_pool::scripted_model::ScriptedModel;
+use copilot_pool::sdk_endpoint::{self, AgentTokens, SdkConfig, SdkEndpoint};
+use copilot_pool::secret::Secret;
+use serde_json::{Value, json};
+use support::pool_fixture::Fixture;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+/// Bound of one Node scenario (a failure guard, not a wait).
+const SCENARIO_LIMIT: Duration = Duration::from_secs(180);
+
+struct Served {
+    pool: Pool,
+    endpoint: SdkEndpoint,
+    addr: std::net::SocketAddr,
+    stop: watch::Sender<bool>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Served {
+    async fn start(fx: &Fixture) -> Served {
+        let pool = Pool::start(fx.config().await).await.expect("pool");
+        let mut tokens = AgentTokens::new();
+        tokens
+            .add_token("agent-a", &Secret::new("token-a"))
+            .expect("token a");
+        tokens
+            .add_hash("agent-b", &sdk_endpoint::sha256_hex("token-b"))
+            .expect("token b");
+        let endpoint = SdkEndpoint::new(pool.clone(), SdkConfig::new(tokens));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, mut stopped) = watch::channel(false);
+        let served = endpoint.clone();
+        let server = tokio::spawn(async move {
+            sdk_endpoint::serve_tcp(&served, listener, async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await;
+        });
+        Served {
+            pool,
+            endpoint,
+            addr,
+            stop,
+            server,
+        }
+    }
+
+    /// Stops the listener and the pool, and checks that no process of the pool is left.
+    async fn shut_down(self) {
+        let pids: Vec<u32> = self
+            .pool
+            .status()
+            .await
+            .map(|s| s.workers.iter().map(|w| w.pid).collect())
+            .unwrap_or_default();
+        self.stop.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(20), self.server)
+            .await
+            .expect("the listener stops with its connections")
+            .expect("listener task");
+        self.pool.shutdown().await.expect("shutdown");
+        for pid in pids {
+            let left = support::procs::wait_group_gone(pid, Duration::from_secs(10)).await;
+            assert!(left.is_empty(), "processes left in group {pid}: {left:?}");
+        }
+    }
+}
+
+/// A raw JSON-RPC client on the endpoint (the crate's own connection).
+async fn raw_client(addr: std::net::SocketAddr) -> Connection {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (read, write) = stream.into_split();
+    Connection::start(read, write, ConnectionOptions::default(), Box::new(|_| {}))
+}
+
+fn remote_error(result: Result<Value, RpcError>) -> ErrorObject {
+    match result {
+        Err(RpcError::Remote { error, .. }) => error,
+        other => panic!("expected an error answer, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_before_connect_is_minus_32001_and_a_wrong_token_minus_32002() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let conn = raw_client(served.addr).await;
+    let early = remote_error(conn.request("ping", json!({}), None).await);
+    assert_eq!(early.code, -32001, "{early:?}");
+    let early = remote_error(
+        conn.request("session.create", json!({"sessionId": "s"}), None)
+            .await,
+    );
+    assert_eq!(early.code, -32001, "{early:?}");
+    let wrong = remote_error(
+        conn.request("connect", json!({"token": "token-c"}), None)
+            .await,
+    );
+    assert_eq!(wrong.code, -32002, "{wrong:?}");
+    assert!(wrong.message.contains("sha256") || wrong.message.contains("SHA-256"));
+    // A connection that failed to authenticate is closed.
+    let after = conn.request("ping", json!({}), None).await;
+    assert!(matches!(after, Err(RpcError::Closed { .. })), "{after:?}");
+    let missing = raw_client(served.addr).await;
+    let none = remote_error(missing.request("connect", json!({}), None).await);
+    assert_eq!(none.code, -32002, "{none:?}");
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_ping_and_status_answer_protocol_3_and_the_pools_version() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let conn = raw_client(served.addr).await;
+    let connected = conn
+        .request("connect", json!({"token": "token-b"}), None)
+        .await
+        .expect("connect");
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(connected["ok"], true);
+    assert_eq!(connected["protocolVersion"], 3);
+    assert_eq!(connected["version"], version);
+    let ping = conn
+        .request("ping", json!({"message": "hi"}), None)
+        .await
+        .expect("ping");
+    assert_eq!(
+        (ping["message"].as_str(), ping["protocolVersion"].as_u64()),
+        (Some("pong: hi"), Some(3))
+    );
+    let status = conn
+        .request("status.get", json!({}), None)
+        .await
+        .expect("status");
+    assert_eq!(status, json!({"version": version, "protocolVersion": 3}));
+    // A session this connection never opened is unknown to it, as to the runtime.
+    let unknown = remote_error(
+        conn.request(
+            "session.send",
+            json!({"sessionId": "nope", "prompt": "x"}),
+            None,
+        )
+        .await,
+    );
+    assert!(unknown.message.contains("Session not found"), "{unknown:?}");
+    // Calls that would change a process other clients share are refused.
+    let shared = remote_error(conn.request("runtime.shutdown", json!({}), None).await);
+    assert!(shared.message.contains("other clients share"), "{shared:?}");
+    served.shut_down().await;
+}
+
+/// A running Node scenario: its JSON lines as they come.
+struct Scenario {
+    child: tokio::process::Child,
+    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+}
+
+impl Scenario {
+    async fn start(name: &str, fx: &Fixture, served: &Served) -> Scenario {
+        let sdk = support::node_sdk::sdk_dir().await;
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/sdk_client.mjs");
+        let mut command = tokio::process::Command::new("node");
+        command
+            .arg(script)
+            .env("SDK_DIR", sdk)
+            .env("SDK_URL", served.addr.to_string())
+            .env("SDK_TOKEN", "token-a")
+            .env("SDK_TOKEN_B", "token-b")
+            .env("MODEL_URL", fx.endpoint.base_url())
+            .env("MODEL_ID", ScriptedModel::MODEL_ID)
+            .env("SCENARIO", name)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = command.spawn().expect("node (Node.js must be installed)");
+        let stdout = child.stdout.take().expect("stdout");
+        Scenario {
+            child,
+            lines: BufReader::new(stdout).lines(),
+        }
+    }
+
+    /// The next line of the scenario, which must be the step `step`.
+    async fn step(&mut self, step: &str) -> Value {
+        let line = tokio::time::timeout(SCENARIO_LIMIT, self.lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("no step {step} within {SCENARIO_LIMIT:?}"))
+            .expect("read")
+            .unwrap_or_else(|| panic!("the scenario ended before step {step}"));
+        let value: Value = serde_json::from_str(&line).expect("a JSON line");
+        assert_eq!(value["step"], step, "{value}");
+        value
+    }
+
+    async fn done(mut self) {
+        let line = tokio::time::timeout(SCENARIO_LIMIT, self.lines.next_line())
+            .await
+            .expect("the scenario ends")
+            .expect("read")
+            .expect("a last line");
+        assert_eq!(line, r#"{"done":true}"#);
+        let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .expect("node exits")
+            .expect("wait");
+        assert!(status.success(), "{status}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_sdk_runs_a_tool_turn_streams_deltas_and_aborts_through_the_pool() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let mut node = Scenario::start("turns", &fx, &served).await;
+
+    let status = node.step("status").await;
+    assert_eq!(status["protocolVersion"], 3, "{status}");
+    assert_eq!(status["version"], env!("CARGO_PKG_VERSION"), "{status}");
+    assert_eq!(status["ping"]["message"], "pong: hello", "{status}");
+
+    let tool = node.step("tool").await;
+    assert_eq!(
+        tool["content"], "tool said: secret number for alpha is 42",
+        "{tool}"
+    );
+    assert_eq!(
+        (
+            tool["toolRequested"].as_bool(),
+            tool["toolCompleted"].as_bool()
+        ),
+        (Some(true), Some(true)),
+        "{tool}"
+    );
+    // The session runs under the SDK's own id in the agent's home.
+    let id = tool["sessionId"].as_str().expect("session id").to_owned();
+    let home = fx
+        .scratch
+        .path()
+        .join("agents/agents/agent-a/copilot/session-state");
+    assert!(home.join(&id).is_dir(), "{} has no {id}", home.display());
+
+    let streaming = node.step("streaming").await;
+    let content = streaming["content"].as_str().expect("content");
+    assert!(content.starts_with("slow-chunk 0"), "{streaming}");
+    assert_eq!(
+        streaming["deltas"], content,
+        "the deltas add up to the message"
+    );
+
+    let abort = node.step("abort").await;
+    assert_eq!(abort["idle"]["aborted"], true, "{abort}");
+    let after = node.step("after-abort").await;
+    assert_eq!(after["content"], "still here", "{after}");
+    let messages = node.step("messages").await;
+    assert!(messages["count"].as_u64().unwrap_or(0) > 0, "{messages}");
+    let stopped = node.step("stopped").await;
+    assert_eq!(stopped["errors"], json!([]), "{stopped}");
+    node.done().await;
+
+    // The turns ran on one pooled process and the session is parked there.
+    let status = served.pool.status().await.expect("status");
+    assert_eq!(status.workers.len(), 1, "{status:?}");
+    assert_eq!(served.endpoint.running_turns(), 0);
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_ends_the_sdk_turn_within_a_second_and_the_session_goes_on_with_its_history()
+ {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let mut node = Scenario::start("crash", &fx, &served).await;
+    let first = node.step("first").await;
+    assert_eq!(first["content"], "first answer", "{first}");
+    node.step("streaming").await;
+
+    let status = served.pool.status().await.expect("status");
+    assert_eq!(status.workers.len(), 1, "{status:?}");
+    let pid = status.workers[0].pid;
+    let killed_at = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    let rejected = node.step("rejected").await;
+    let after_kill = killed_at.elapsed();
+    assert!(
+        after_kill < Duration::from_secs(1),
+        "sendAndWait rejected {after_kill:?} after the kill"
+    );
+    assert_eq!(rejected["outcome"]["ok"], false, "{rejected}");
+    assert_eq!(
+        rejected["errors"][0]["errorType"],
+        sdk_endpoint::PROCESS_CRASHED,
+        "{rejected}"
+    );
+
+    let idle = node.step("idle").await;
+    assert!(idle["idle"]["aborted"].is_null(), "{idle}");
+    assert_eq!(
+        idle["order"],
+        json!(["session.error", "session.idle"]),
+        "{idle}"
+    );
+    let after = node.step("after").await;
+    assert_eq!(after["content"], "after the crash", "{after}");
+    // A fresh process resumed the session: the model saw the turn before the crash.
+    let status = served.pool.status().await.expect("status");
+    assert!(status.workers.iter().all(|w| w.pid != pid), "{status:?}");
+    assert!(
+        fx.last_model_request().contains("first answer"),
+        "{}",
+        fx.last_model_request()
+    );
+    node.done().await;
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_agents_with_their_own_tokens_never_see_each_others_sessions() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let mut node = Scenario::start("isolation", &fx, &served).await;
+    let seen = node.step("isolation").await;
+    let (a, b) = (
+        seen["a"].as_str().expect("a"),
+        seen["b"].as_str().expect("b"),
+    );
+    let listed =
+        |who: &str| -> Vec<String> { serde_json::from_value(seen[who].clone()).expect("ids") };
+    assert!(listed("listedByA").contains(&a.to_owned()), "{seen}");
+    assert!(!listed("listedByA").contains(&b.to_owned()), "{seen}");
+    assert!(listed("listedByB").contains(&b.to_owned()), "{seen}");
+    assert!(!listed("listedByB").contains(&a.to_owned()), "{seen}");
+    for attempt in ["resumeByB", "sendByB", "messagesByB"] {
+        let said = seen[attempt].as_str().unwrap_or("ok");
+        assert!(said.contains("Session not found"), "{attempt}: {seen}");
+    }
+    assert!(
+        seen["wrongToken"]
+            .as_str()
+            .is_some_and(|s| s.contains("AUTHENTICATION_FAILED")),
+        "{seen}"
+    );
+    assert_eq!(seen["seenByB"], json!([b]), "{seen}");
+    assert_eq!(seen["again"], "agent a again", "{seen}");
+    node.done().await;
+    // Each agent ran in its own home.
+    for (agent, id) in [("agent-a", a), ("agent-b", b)] {
+        let state = fx
+            .scratch
+            .path()
+            .join("agents/agents")
+            .join(agent)
+            .join("copilot/session-state");
+        assert!(state.join(id).is_dir(), "{} has no {id}", state.display());
+    }
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_drain() {
+    let fx = Fixture::new().await;
+    let dir = fx.scratch.path();
+    let socket = dir.join("sdk.sock");
+    let config = format!(
+        "[[sdk.tokens]]\nagent = \"agent-u\"\nsha256 = \"{}\"\n",
+        sdk_endpoint::sha256_hex("token-u")
+    );
+    let listen = format!("unix:{}", socket.display());
+    let daemon = support::http::Daemon::start(dir, &config, &["--sdk-listen", &listen]).await;
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&socket)
+        .expect("socket")
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600, "the socket is owner-only");
+
+    let stream = tokio::net::UnixStream::connect(&socket)
+        .await
+        .expect("connect");
+    let (read, write) = stream.into_split();
+    let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let sink = move |incoming| {
+        if let copilot_pool::rpc::Incoming::Notification { method, params } = incoming {
+            let _ = events_tx.send((method, params));
+        }
+    };
+    let conn = Connection::start(read, write, ConnectionOptions::default(), Box::new(sink));
+    let connected = conn
+        .request("connect", json!({"token": "token-u"}), None)
+        .await
+        .expect("connect");
+    assert_eq!(connected["protocolVersion"], 3);
+    let created = conn
+        .request(
+            "session.create",
+            json!({
+                "sessionId": "daemon-session-1",
+                "model": ScriptedModel::MODEL_ID,
+                "provider": {"type": "openai", "baseUrl": fx.endpoint.base_url(), "apiKey": "k"},
+                "availableTools": ["custom:*"],
+                "requestPermission": true,
+            }),
+            None,
+        )
+        .await
+        .expect("create");
+    assert_eq!(created["sessionId"], "daemon-session-1", "{created}");
+    assert!(
+        created.get("capabilities").is_some(),
+        "the runtime's whole answer: {created}"
+    );
+    conn.request(
+        "session.send",
+        json!({"sessionId": "daemon-session-1", "prompt": "REPLY=from the daemon"}),
+        None,
+    )
+    .await
+    .expect("send");
+    let mut text = None;
+    let turn = async {
+        while let Some((method, params)) = events.recv().await {
+            assert_eq!(method, "session.event");
+            assert_eq!(params["sessionId"], "daemon-session-1");
+            let event = &params["event"];
+            if event["type"] == "assistant.message" {
+                text = event["data"]["content"].as_str().map(str::to_owned);
+            }
+            if event["type"] == "session.idle" {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(SCENARIO_LIMIT, turn)
+        .await
+        .expect("the turn ends");
+    assert_eq!(text.as_deref(), Some("from the daemon"));
+
+    let status = daemon.terminate().await;
+    assert!(status.success(), "{status}");
+    assert!(
+        !socket.exists(),
+        "the socket file is removed after the drain"
+    );
+}
+
+/// A raw client authenticated as `token`, with the notifications it receives.
+async fn connected(
+    addr: std::net::SocketAddr,
+    token: &str,
+) -> (Connection, tokio::sync::mpsc::UnboundedReceiver<Value>) {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (read, write) = stream.into_split();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let sink = move |incoming| {
+        if let copilot_pool::rpc::Incoming::Notification { params, .. } = incoming {
+            let _ = tx.send(params);
+        }
+    };
+    let conn = Connection::start(read, write, ConnectionOptions::default(), Box::new(sink));
+    conn.request("connect", json!({"token": token}), None)
+        .await
+        .expect("connect");
+    (conn, rx)
+}
+
+fn create_params(fx: &Fixture, id: &str) -> Value {
+    json!({
+        "sessionId": id,
+        "model": ScriptedModel::MODEL_ID,
+        "provider": {"type": "openai", "baseUrl": fx.endpoint.base_url(), "apiKey": "k"},
+        "availableTools": ["custom:*"],
+        "streaming": true,
+    })
+}
+
+/// Reads notifications until an event of `event_type`.
+async fn until_event(events: &mut tokio::sync::mpsc::UnboundedReceiver<Value>, event_type: &str) {
+    let found = async {
+        while let Some(params) = events.recv().await {
+            if params["event"]["type"] == event_type {
+                return;
+            }
+        }
+        panic!("the connection closed before {event_type}");
+    };
+    tokio::time::timeout(SCENARIO_LIMIT, found)
+        .await
+        .unwrap_or_else(|_| panic!("no {event_type}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_turn_has_its_turn_aborted_and_the_agent_resumes_the_session_later()
+ {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let (first, mut events) = connected(served.addr, "token-a").await;
+    first
+        .request("session.create", create_params(&fx, "leaver"), None)
+        .await
+        .expect("create");
+    first
+        .request(
+            "session.send",
+            json!({"sessionId": "leaver", "prompt": "SCENARIO:slow SLOW=300x100"}),
+            None,
+        )
+        .await
+        .expect("send");
+    until_event(&mut events, "assistant.message_delta").await;
+    assert_eq!(served.endpoint.running_turns(), 1);
+
+    // Another connection of the same agent cannot take the session while it is held.
+    let (second, mut second_events) = connected(served.addr, "token-a").await;
+    let held = remote_error(
+        second
+            .request("session.resume", create_params(&fx, "leaver"), None)
+            .await,
+    );
+    assert!(held.message.contains("another connection"), "{held:?}");
+
+    first.close(copilot_pool::rpc::CloseCause::Local);
+    drop(first);
+    tokio::time::timeout(Duration::from_secs(15), served.endpoint.turns_finished())
+        .await
+        .expect("the turn of the client that left is aborted");
+
+    // The same agent takes the session up again and goes on with its history.
+    second
+        .request("session.resume", create_params(&fx, "leaver"), None)
+        .await
+        .expect("resume after the first client left");
+    second
+        .request(
+            "session.send",
+            json!({"sessionId": "leaver", "prompt": "REPLY=back again"}),
+            None,
+        )
+        .await
+        .expect("send");
+    until_event(&mut second_events, "session.idle").await;
+    assert!(
+        fx.last_model_request().contains("SCENARIO:slow"),
+        "{}",
+        fx.last_model_request()
+    );
+    // Still one process: the session was parked, not moved.
+    assert_eq!(served.pool.status().await.expect("status").workers.len(), 1);
+    served.shut_down().await;
+}
