@@ -11,6 +11,7 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use utoipa::ToSchema;
 
 use super::AppState;
 use super::error::{error, pool_error};
@@ -70,15 +71,21 @@ pub(super) fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Res
     })
 }
 
-#[derive(Deserialize)]
+/// A BYOK provider: an OpenAI-compatible (or Azure, or Anthropic) endpoint the runtime calls
+/// instead of GitHub's models.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct ProviderBody {
     #[serde(rename = "type", default)]
     kind: Option<crate::kinds::ProviderType>,
+    /// An `http://` or `https://` URL.
+    #[schema(pattern = "^https?://")]
     base_url: String,
     #[serde(default)]
+    #[schema(value_type = Option<String>, format = Password)]
     api_key: Option<Secret>,
     #[serde(default)]
+    #[schema(value_type = Option<String>, format = Password)]
     bearer_token: Option<Secret>,
     #[serde(default)]
     wire_api: Option<crate::kinds::WireApi>,
@@ -86,12 +93,14 @@ struct ProviderBody {
     headers: Option<BTreeMap<String, String>>,
 }
 
-#[derive(Deserialize, Default)]
+/// Which GitHub identity the conversation runs as.
+#[derive(Deserialize, Default, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct AuthBody {
     #[serde(default)]
     use_logged_in_user: bool,
     #[serde(default)]
+    #[schema(value_type = Option<String>, format = Password)]
     github_token: Option<Secret>,
     #[serde(default)]
     profile_id: Option<String>,
@@ -99,13 +108,14 @@ struct AuthBody {
     profile_version: Option<String>,
 }
 
-/// A gateway tool of a turn.
-#[derive(Deserialize)]
+/// A gateway tool of a turn (its calls arrive as `tool.call` events).
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ToolBody {
     pub name: String,
     #[serde(default)]
     pub description: String,
+    /// The JSON schema of the tool's arguments (default: an object without properties).
     #[serde(default = "empty_schema")]
     pub parameters: Value,
 }
@@ -114,8 +124,9 @@ fn empty_schema() -> Value {
     json!({"type": "object", "properties": {}})
 }
 
-/// What identifies and configures a conversation (shared by turns, compact and reset).
-#[derive(Deserialize, Default)]
+/// The body of compact and reset: the conversation's settings (as its turns send them; they
+/// must match, or a new session would be opened), and compact's `custom_instructions`.
+#[derive(Deserialize, Default, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ConversationBody {
     #[serde(default)]
@@ -128,15 +139,24 @@ pub(super) struct ConversationBody {
     reasoning_effort: Option<crate::kinds::ReasoningEffort>,
     /// The runtime's own `session.create` fields (camelCase), checked against its schema.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     session: Option<Value>,
+    /// Compact only: what the summary should focus on or keep.
+    #[serde(default)]
+    pub custom_instructions: Option<String>,
 }
 
 /// `POST /v1/turns`: the conversation's settings, flattened beside the turn's own fields.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct TurnBody {
+    /// The agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit.
+    #[schema(pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64)]
     pub agent_id: String,
+    /// The gateway's key of the conversation (1 to 512 bytes).
+    #[schema(min_length = 1, max_length = 512)]
     pub session_key: String,
+    /// The user's message.
     pub prompt: String,
     #[serde(default)]
     auth: Option<AuthBody>,
@@ -146,11 +166,15 @@ pub(super) struct TurnBody {
     provider: Option<ProviderBody>,
     #[serde(default)]
     reasoning_effort: Option<crate::kinds::ReasoningEffort>,
+    /// The runtime's own `session.create` fields (camelCase), checked against its schema.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     session: Option<Value>,
     #[serde(default)]
     pub tools: Vec<ToolBody>,
+    /// The turn's absolute time limit: above 0, at most the daemon's own.
     #[serde(default)]
+    #[schema(minimum = 1)]
     pub timeout_ms: Option<u64>,
     /// Files, directories and inline content sent with the prompt.
     #[serde(default)]
@@ -175,17 +199,17 @@ impl TurnBody {
             provider: self.provider.take(),
             reasoning_effort: self.reasoning_effort.take(),
             session: self.session.take(),
+            custom_instructions: None,
         }
     }
 }
 
-/// The body of compact/reset: the conversation's settings (they must match its turns, or a
-/// new session would be opened), optional.
+/// The body of compact/reset, optional: empty (or `null`) is no settings.
 pub(super) fn conversation_body(body: &Bytes) -> Result<ConversationBody, Response> {
     if body.iter().all(|b| b.is_ascii_whitespace()) {
         return Ok(ConversationBody::default());
     }
-    parse(body)
+    Ok(parse::<Option<ConversationBody>>(body)?.unwrap_or_default())
 }
 
 fn provider_config(p: ProviderBody) -> Result<ProviderConfig, Response> {
