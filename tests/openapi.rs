@@ -132,7 +132,10 @@ fn a_turns_event_stream_documents_each_event_with_its_data_schema() {
             .as_str()
             .unwrap_or("<session event>")
             .to_owned();
-        let data = pair["properties"]["data"]["$ref"]
+        let data = &pair["properties"]["data"];
+        assert_eq!(data["type"], "string");
+        assert_eq!(data["contentMediaType"], "application/json");
+        let data = data["contentSchema"]["$ref"]
             .as_str()
             .expect("a data schema")
             .trim_start_matches("#/components/schemas/")
@@ -187,16 +190,62 @@ fn the_documents_limits_are_the_librarys() {
     );
 }
 
-#[tokio::test]
-async fn the_router_serves_the_same_document_on_get_openapi_json() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    // A pool whose program is never started: no turn runs here.
+/// A pool whose program is never started (no turn runs), and its API on loopback with the
+/// token `s3cret`.
+async fn idle_api(
+    dir: &std::path::Path,
+) -> (
+    Pool,
+    std::net::SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
     let worker = WorkerConfig::new("/nonexistent".into(), PathBuf::new(), PathBuf::new());
-    let config = PoolConfig::new(worker, dir.path().join("state"), dir.path().into());
+    let config = PoolConfig::new(worker, dir.join("state"), dir.into());
     let pool = Pool::start(config).await.expect("pool");
     let mut api = ApiConfig::default();
     api.api_token = Some("s3cret".into());
     let (addr, stop, server) = support::api::serve(http::router(pool.clone(), api)).await;
+    (pool, addr, stop, server)
+}
+
+#[tokio::test]
+async fn a_query_or_path_the_router_cannot_read_is_answered_with_the_error_body() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, addr, stop, server) = idle_api(dir.path()).await;
+    let body = serde_json::json!({"agent_id": "a", "session_key": "k", "prompt": "hi"});
+    for (method, path, body) in [
+        ("POST", "/v1/turns?stream=null", Some(&body)),
+        ("POST", "/v1/turns?stream=1&stream=2", Some(&body)),
+        // Not UTF-8 once percent-decoded.
+        ("POST", "/v1/sessions/%FF/k/abort", None),
+        ("POST", "/v1/sessions/a/%FF/compact", None),
+        ("DELETE", "/v1/sessions/%FF/k", None),
+        ("POST", "/v1/requests/%FF", Some(&body)),
+    ] {
+        let response = support::http::call(addr, method, path, Some("s3cret"), body).await;
+        assert_eq!(response.status, 400, "{method} {path}: {}", response.body);
+        let error = response.json();
+        assert_eq!(
+            error["code"], "bad_request",
+            "{method} {path}: {}",
+            response.body
+        );
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{method} {path}: {}",
+            response.body
+        );
+    }
+    let _ = stop.send(());
+    let _ = server.await;
+    pool.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test]
+async fn the_router_serves_the_same_document_on_get_openapi_json() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, addr, stop, server) = idle_api(dir.path()).await;
     // Outside /v1: served without the token.
     let response = support::http::call(addr, "GET", "/openapi.json", None, None).await;
     assert_eq!(response.status, 200);

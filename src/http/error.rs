@@ -30,6 +30,16 @@ pub(super) fn error(status: StatusCode, code: &str, message: impl Into<String>) 
     (status, axum::Json(body)).into_response()
 }
 
+/// A query string or path the router could not read (axum's rejection, which would answer
+/// plain text): 400 with the error body.
+pub(super) fn rejection(rejection: impl std::fmt::Display) -> Response {
+    error(
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+        format!("{rejection}; fix the URL"),
+    )
+}
+
 /// The HTTP status and code for a pool error before a turn starts.
 pub(super) fn pool_error(e: &PoolError) -> Response {
     let (status, code) = match e.kind() {

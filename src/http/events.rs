@@ -236,8 +236,9 @@ const DAEMON_EVENTS: [&str; 6] = [
     TURN_END,
 ];
 
-/// The document's schema of a turn's `text/event-stream`: each SSE event as the pair of its
-/// name (`event:`) and its data (`data:`, one line of JSON), one of the events above.
+/// The document's schema of a turn's `text/event-stream` (OpenAPI 3.1 has `schema` describe
+/// each event of a stream): each SSE event as the pair of its name (`event:`) and its data
+/// (`data:`, a string of `application/json` whose `contentSchema` is the event's data type).
 pub(super) struct TurnEventStream;
 
 impl utoipa::PartialSchema for TurnEventStream {
@@ -257,8 +258,13 @@ impl utoipa::PartialSchema for TurnEventStream {
                 .enum_values(Some([name]))
                 .into()
         }
+        // The `data:` field is text: one line of JSON of the event's data type.
         fn data<T: ToSchema>() -> RefOr<Schema> {
-            Ref::from_schema_name(T::name()).into()
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .content_media_type("application/json")
+                .content_schema(Some(Ref::from_schema_name(T::name())))
+                .into()
         }
         let others = ObjectBuilder::new()
             .schema_type(Type::String)

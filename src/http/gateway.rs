@@ -10,6 +10,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -21,7 +22,7 @@ use utoipa::ToSchema;
 
 use super::AppState;
 use super::body::{parse, read_body};
-use super::error::{ErrorBody, error};
+use super::error::{ErrorBody, error, rejection};
 use super::events::{
     HookNotificationEvent, HookRequestEvent, PermissionRequestEvent, ToolCallEvent, TurnEvent,
     UserInputRequestEvent,
@@ -54,9 +55,13 @@ use crate::turn::{Answer, GatewayTool, Question, ToolCall, TurnHooks, UserInputH
 )]
 pub(super) async fn post_answer(
     State(state): State<Arc<AppState>>,
-    Path(request_id): Path<String>,
+    request_id: Result<Path<String>, PathRejection>,
     body: Body,
 ) -> Response {
+    let Path(request_id) = match request_id {
+        Ok(p) => p,
+        Err(e) => return rejection(e),
+    };
     let body = match read_body(&state, body).await {
         Ok(b) => b,
         Err(r) => return r,

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -14,7 +15,7 @@ use utoipa::ToSchema;
 
 use super::AppState;
 use super::body::{ConversationBody, conversation_body, lease_request, read_body};
-use super::error::{ErrorBody, error, pool_error};
+use super::error::{ErrorBody, error, pool_error, rejection};
 use crate::pool::{ConversationId, Lease};
 
 /// Aborts the conversation's running turn (its stream ends with `turn.end` `aborted`).
@@ -23,8 +24,8 @@ use crate::pool::{ConversationId, Lease};
     path = "/v1/sessions/{agent_id}/{session_key}/abort",
     tag = "sessions",
     params(
-        ("agent_id" = String, Path, description = "The conversation's agent"),
-        ("session_key" = String, Path, description = "The gateway's key of the conversation"),
+        ("agent_id" = String, Path, description = "The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit", pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64),
+        ("session_key" = String, Path, description = "The gateway's key of the conversation (1 to 512 bytes)", min_length = 1, max_length = 512),
     ),
     responses(
         (status = 204, description = "The running turn was aborted"),
@@ -37,8 +38,12 @@ use crate::pool::{ConversationId, Lease};
 )]
 pub(super) async fn post_abort(
     State(state): State<Arc<AppState>>,
-    Path((agent_id, session_key)): Path<(String, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
+    let Path((agent_id, session_key)) = match path {
+        Ok(p) => p,
+        Err(e) => return rejection(e),
+    };
     let conversation = ConversationId::new(agent_id, session_key);
     match state.pool.abort(&conversation).await {
         Ok(true) => StatusCode::NO_CONTENT.into_response(),
@@ -82,8 +87,8 @@ async fn existing_lease(
     path = "/v1/sessions/{agent_id}/{session_key}/compact",
     tag = "sessions",
     params(
-        ("agent_id" = String, Path, description = "The conversation's agent"),
-        ("session_key" = String, Path, description = "The gateway's key of the conversation"),
+        ("agent_id" = String, Path, description = "The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit", pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64),
+        ("session_key" = String, Path, description = "The gateway's key of the conversation (1 to 512 bytes)", min_length = 1, max_length = 512),
     ),
     request_body(content = Option<ConversationBody>, content_type = "application/json"),
     responses(
@@ -102,9 +107,13 @@ async fn existing_lease(
 )]
 pub(super) async fn post_compact(
     State(state): State<Arc<AppState>>,
-    Path((agent_id, session_key)): Path<(String, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
     body: Body,
 ) -> Response {
+    let Path((agent_id, session_key)) = match path {
+        Ok(p) => p,
+        Err(e) => return rejection(e),
+    };
     let body = match read_body(&state, body).await {
         Ok(b) => b,
         Err(r) => return r,
@@ -136,8 +145,8 @@ pub(super) async fn post_compact(
     path = "/v1/sessions/{agent_id}/{session_key}",
     tag = "sessions",
     params(
-        ("agent_id" = String, Path, description = "The conversation's agent"),
-        ("session_key" = String, Path, description = "The gateway's key of the conversation"),
+        ("agent_id" = String, Path, description = "The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit", pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64),
+        ("session_key" = String, Path, description = "The gateway's key of the conversation (1 to 512 bytes)", min_length = 1, max_length = 512),
     ),
     request_body(content = Option<ConversationBody>, content_type = "application/json"),
     responses(
@@ -156,9 +165,13 @@ pub(super) async fn post_compact(
 )]
 pub(super) async fn delete_session(
     State(state): State<Arc<AppState>>,
-    Path((agent_id, session_key)): Path<(String, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
     body: Body,
 ) -> Response {
+    let Path((agent_id, session_key)) = match path {
+        Ok(p) => p,
+        Err(e) => return rejection(e),
+    };
     let body = match read_body(&state, body).await {
         Ok(b) => b,
         Err(r) => return r,

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -19,7 +20,7 @@ use super::AppState;
 use super::attachments::{check_off_thread, write_off_thread};
 use super::body::{TurnBody, create_work_dir, lease_request, parse, read_body};
 use super::error::ErrorBody;
-use super::error::{error, pool_error};
+use super::error::{error, pool_error, rejection};
 use super::events::{SessionEventData, TurnEndEvent, TurnEvent, TurnEventStream};
 use super::gateway::Link;
 use crate::kinds::TurnEnd;
@@ -67,9 +68,13 @@ pub(super) struct TurnQuery {
 )]
 pub(super) async fn post_turn(
     State(state): State<Arc<AppState>>,
-    Query(query): Query<TurnQuery>,
+    query: Result<Query<TurnQuery>, QueryRejection>,
     body: Body,
 ) -> Response {
+    let Query(query) = match query {
+        Ok(q) => q,
+        Err(e) => return rejection(e),
+    };
     if state.draining() {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
