@@ -243,6 +243,39 @@ async fn a_query_or_path_the_router_cannot_read_is_answered_with_the_error_body(
 }
 
 #[tokio::test]
+async fn a_turns_tools_without_a_name_or_with_one_twice_are_refused_before_anything_runs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, addr, stop, server) = idle_api(dir.path()).await;
+    let tool = |name: &str| serde_json::json!({"name": name, "parameters": {"type": "object"}});
+    for tools in [
+        serde_json::json!([tool("")]),
+        serde_json::json!([tool("lookup"), tool("lookup")]),
+        serde_json::json!([tool("catalog_search")]),
+    ] {
+        let body = serde_json::json!({
+            "agent_id": "a", "session_key": "k", "prompt": "hi", "tools": tools,
+        });
+        let response =
+            support::http::call(addr, "POST", "/v1/turns", Some("s3cret"), Some(&body)).await;
+        // Before: the lease was taken and the runtime refused the session (a 502), or here,
+        // with no runtime at all, the spawn failed.
+        assert_eq!(response.status, 400, "{tools}: {}", response.body);
+        assert!(
+            response.json()["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("tools.")),
+            "{}",
+            response.body
+        );
+    }
+    // Nothing was started for them.
+    assert!(pool.status().await.expect("status").workers.is_empty());
+    let _ = stop.send(());
+    let _ = server.await;
+    pool.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test]
 async fn the_router_serves_the_same_document_on_get_openapi_json() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (pool, addr, stop, server) = idle_api(dir.path()).await;

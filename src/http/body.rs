@@ -112,6 +112,8 @@ struct AuthBody {
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ToolBody {
+    /// The tool's name: not empty, unique in the turn, not `catalog_search`.
+    #[schema(min_length = 1)]
     pub name: String,
     #[serde(default)]
     pub description: String,
@@ -124,8 +126,8 @@ fn empty_schema() -> Value {
     json!({"type": "object", "properties": {}})
 }
 
-/// The body of compact and reset: the conversation's settings (as its turns send them; they
-/// must match, or a new session would be opened), and compact's `custom_instructions`.
+/// The body of reset: the conversation's settings (as its turns send them; they must match,
+/// or a new session would be opened).
 #[derive(Deserialize, Default, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ConversationBody {
@@ -141,9 +143,43 @@ pub(super) struct ConversationBody {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     session: Option<Value>,
-    /// Compact only: what the summary should focus on or keep.
+}
+
+/// The body of compact: the conversation's settings (as for reset), and what the summary
+/// should focus on or keep.
+#[derive(Deserialize, Default, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CompactBody {
+    /// What the summary should focus on or keep.
     #[serde(default)]
-    pub custom_instructions: Option<String>,
+    custom_instructions: Option<String>,
+    #[serde(default)]
+    auth: Option<AuthBody>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    provider: Option<ProviderBody>,
+    #[serde(default)]
+    reasoning_effort: Option<crate::kinds::ReasoningEffort>,
+    /// The runtime's own `session.create` fields (camelCase), checked against its schema.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    session: Option<Value>,
+}
+
+impl CompactBody {
+    /// The custom instructions and the conversation's settings (every field named, so a new
+    /// setting of a conversation does not compile until compact takes it too).
+    pub(super) fn into_parts(self) -> (Option<String>, ConversationBody) {
+        let conversation = ConversationBody {
+            auth: self.auth,
+            model: self.model,
+            provider: self.provider,
+            reasoning_effort: self.reasoning_effort,
+            session: self.session,
+        };
+        (self.custom_instructions, conversation)
+    }
 }
 
 /// `POST /v1/turns`: the conversation's settings, flattened beside the turn's own fields.
@@ -199,17 +235,18 @@ impl TurnBody {
             provider: self.provider.take(),
             reasoning_effort: self.reasoning_effort.take(),
             session: self.session.take(),
-            custom_instructions: None,
         }
     }
 }
 
-/// The body of compact/reset, optional: empty (or `null`) is no settings.
-pub(super) fn conversation_body(body: &Bytes) -> Result<ConversationBody, Response> {
+/// An optional body of compact or reset: empty (or `null`) is the default (no settings).
+pub(super) fn optional_body<T: Default + for<'de> Deserialize<'de>>(
+    body: &Bytes,
+) -> Result<T, Response> {
     if body.iter().all(|b| b.is_ascii_whitespace()) {
-        return Ok(ConversationBody::default());
+        return Ok(T::default());
     }
-    Ok(parse::<Option<ConversationBody>>(body)?.unwrap_or_default())
+    Ok(parse::<Option<T>>(body)?.unwrap_or_default())
 }
 
 fn provider_config(p: ProviderBody) -> Result<ProviderConfig, Response> {

@@ -14,7 +14,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::AppState;
-use super::body::{ConversationBody, conversation_body, lease_request, read_body};
+use super::body::{CompactBody, ConversationBody, lease_request, optional_body, read_body};
 use super::error::{ErrorBody, error, pool_error, rejection};
 use crate::pool::{ConversationId, Lease};
 
@@ -90,7 +90,7 @@ async fn existing_lease(
         ("agent_id" = String, Path, description = "The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit", pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64),
         ("session_key" = String, Path, description = "The gateway's key of the conversation (1 to 512 bytes)", min_length = 1, max_length = 512),
     ),
-    request_body(content = Option<ConversationBody>, content_type = "application/json"),
+    request_body(content = Option<CompactBody>, content_type = "application/json"),
     responses(
         (status = 200, description = "Compacted", body = CompactResult),
         (status = 400, description = "The body or a field is wrong (`bad_request`, `bad_body`); the message names it", body = ErrorBody),
@@ -118,11 +118,10 @@ pub(super) async fn post_compact(
         Ok(b) => b,
         Err(r) => return r,
     };
-    let mut conv = match conversation_body(&body) {
-        Ok(c) => c,
+    let (custom_instructions, conv) = match optional_body::<CompactBody>(&body) {
+        Ok(c) => c.into_parts(),
         Err(r) => return r,
     };
-    let custom_instructions = conv.custom_instructions.take();
     let mut lease = match existing_lease(&state, &agent_id, &session_key, conv).await {
         Ok(l) => l,
         Err(r) => return r,
@@ -176,17 +175,10 @@ pub(super) async fn delete_session(
         Ok(b) => b,
         Err(r) => return r,
     };
-    let conv = match conversation_body(&body) {
+    let conv = match optional_body::<ConversationBody>(&body) {
         Ok(c) => c,
         Err(r) => return r,
     };
-    if conv.custom_instructions.is_some() {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "custom_instructions belongs to compact; drop it from the reset's body",
-        );
-    }
     let lease = match existing_lease(&state, &agent_id, &session_key, conv).await {
         Ok(l) => l,
         Err(r) => return r,

@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 
 use super::AppState;
 use super::attachments::{check_off_thread, write_off_thread};
-use super::body::{TurnBody, create_work_dir, lease_request, parse, read_body};
+use super::body::{ToolBody, TurnBody, create_work_dir, lease_request, parse, read_body};
 use super::error::ErrorBody;
 use super::error::{error, pool_error, rejection};
 use super::events::{SessionEventData, TurnEndEvent, TurnEvent, TurnEventStream};
@@ -111,6 +111,9 @@ pub(super) async fn post_turn(
             );
         }
         req.handlers.timeouts.absolute = asked;
+    }
+    if let Err(message) = check_tools(&body.tools) {
+        return error(StatusCode::BAD_REQUEST, "bad_request", message);
     }
     let streaming = query.stream != Some(false);
     if !streaming && !body.tools.is_empty() {
@@ -213,6 +216,32 @@ pub(super) async fn post_turn(
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(stream))
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
+}
+
+/// The runtime's own built-in that a gateway tool may not define.
+const RESERVED_TOOL: &str = "catalog_search";
+
+/// A turn's tools as the runtime takes them: each with a name, none twice, none the reserved
+/// built-in (the runtime would refuse the session after the lease: a 502 for a bad request).
+fn check_tools(tools: &[ToolBody]) -> Result<(), String> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, tool) in tools.iter().enumerate() {
+        if tool.name.is_empty() {
+            return Err(format!("tools.{i}.name is empty; give every tool a name"));
+        }
+        if tool.name == RESERVED_TOOL {
+            return Err(format!(
+                "tools.{i}.name {RESERVED_TOOL:?} is the runtime's own built-in; rename the tool"
+            ));
+        }
+        if !seen.insert(tool.name.as_str()) {
+            return Err(format!(
+                "tools.{i}.name {:?} is given twice; each tool needs its own name",
+                tool.name
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The `turn.end` summary: how it ended, how the conversation was opened (`open_reason`:
