@@ -21,6 +21,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// How a lease's CLI session was opened: whether the runtime still had the conversation's
 /// context (`Attached`, `Resumed`) or started without it (every other value).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum OpenReason {
     /// Still attached to the same worker since the last lease: nothing to resume.
@@ -73,6 +74,7 @@ impl OpenReason {
 
 /// How a turn ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum TurnEnd {
     /// `session.idle` without an error.
@@ -294,6 +296,20 @@ macro_rules! wire_enum {
                 value.parse().map_err(serde::de::Error::custom)
             }
         }
+
+        /// The HTTP API's document: a string, one of `ALL`'s spellings.
+        #[cfg(feature = "http")]
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .enum_values(Some(Self::ALL.map($name::as_str)))
+                    .into()
+            }
+        }
+
+        #[cfg(feature = "http")]
+        impl utoipa::ToSchema for $name {}
     };
 }
 

@@ -61,11 +61,12 @@ impl Default for AttachmentLimits {
 }
 
 /// One attachment of a `POST /v1/turns` body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub(super) enum AttachmentBody {
     /// A file by path (relative paths are taken against the agent's work directory).
     File {
+        #[schema(value_type = String)]
         path: PathBuf,
         #[serde(default)]
         display_name: Option<String>,
@@ -74,6 +75,7 @@ pub(super) enum AttachmentBody {
     },
     /// A directory by path.
     Directory {
+        #[schema(value_type = String)]
         path: PathBuf,
         #[serde(default)]
         display_name: Option<String>,

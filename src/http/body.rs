@@ -11,6 +11,7 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use utoipa::ToSchema;
 
 use super::AppState;
 use super::error::{error, pool_error};
@@ -70,15 +71,21 @@ pub(super) fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Res
     })
 }
 
-#[derive(Deserialize)]
+/// A BYOK provider: an OpenAI-compatible (or Azure, or Anthropic) endpoint the runtime calls
+/// instead of GitHub's models.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct ProviderBody {
     #[serde(rename = "type", default)]
     kind: Option<crate::kinds::ProviderType>,
+    /// An `http://` or `https://` URL.
+    #[schema(pattern = "^https?://")]
     base_url: String,
     #[serde(default)]
+    #[schema(value_type = Option<String>, format = Password)]
     api_key: Option<Secret>,
     #[serde(default)]
+    #[schema(value_type = Option<String>, format = Password)]
     bearer_token: Option<Secret>,
     #[serde(default)]
     wire_api: Option<crate::kinds::WireApi>,
@@ -88,12 +95,13 @@ struct ProviderBody {
 
 /// The credentials of a conversation; the levels and their precedence are
 /// [`crate::auth::resolve`]'s.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct AuthBody {
     #[serde(default)]
     use_logged_in_user: bool,
     #[serde(default)]
+    #[schema(value_type = Option<String>, format = Password)]
     github_token: Option<Secret>,
     #[serde(default)]
     profile_id: Option<String>,
@@ -101,18 +109,22 @@ struct AuthBody {
     profile_version: Option<String>,
     /// The gateway-resolved level: a token from one of the gateway's auth profiles.
     #[serde(default)]
+    #[schema(value_type = Option<String>, format = Password)]
     resolved_token: Option<Secret>,
     #[serde(default)]
     auth_profile_id: Option<String>,
 }
 
-/// A gateway tool of a turn.
-#[derive(Deserialize)]
+/// A gateway tool of a turn (its calls arrive as `tool.call` events).
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ToolBody {
+    /// The tool's name: not empty, unique in the turn, not `catalog_search`.
+    #[schema(min_length = 1)]
     pub name: String,
     #[serde(default)]
     pub description: String,
+    /// The JSON schema of the tool's arguments (default: an object without properties).
     #[serde(default = "empty_schema")]
     pub parameters: Value,
 }
@@ -121,8 +133,9 @@ fn empty_schema() -> Value {
     json!({"type": "object", "properties": {}})
 }
 
-/// What identifies and configures a conversation (shared by turns, compact and reset).
-#[derive(Deserialize, Default)]
+/// The body of reset: the conversation's settings (as its turns send them; they must match,
+/// or a new session would be opened).
+#[derive(Deserialize, Default, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ConversationBody {
     #[serde(default)]
@@ -135,15 +148,58 @@ pub(super) struct ConversationBody {
     reasoning_effort: Option<crate::kinds::ReasoningEffort>,
     /// The runtime's own `session.create` fields (camelCase), checked against its schema.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     session: Option<Value>,
 }
 
+/// The body of compact: the conversation's settings (as for reset), and what the summary
+/// should focus on or keep.
+#[derive(Deserialize, Default, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CompactBody {
+    /// What the summary should focus on or keep.
+    #[serde(default)]
+    custom_instructions: Option<String>,
+    #[serde(default)]
+    auth: Option<AuthBody>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    provider: Option<ProviderBody>,
+    #[serde(default)]
+    reasoning_effort: Option<crate::kinds::ReasoningEffort>,
+    /// The runtime's own `session.create` fields (camelCase), checked against its schema.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    session: Option<Value>,
+}
+
+impl CompactBody {
+    /// The custom instructions and the conversation's settings (every field named, so a new
+    /// setting of a conversation does not compile until compact takes it too).
+    pub(super) fn into_parts(self) -> (Option<String>, ConversationBody) {
+        let conversation = ConversationBody {
+            auth: self.auth,
+            model: self.model,
+            provider: self.provider,
+            reasoning_effort: self.reasoning_effort,
+            session: self.session,
+        };
+        (self.custom_instructions, conversation)
+    }
+}
+
 /// `POST /v1/turns`: the conversation's settings, flattened beside the turn's own fields.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct TurnBody {
+    /// The agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit.
+    #[schema(pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64)]
     pub agent_id: String,
+    /// The gateway's key of the conversation (1 to 512 bytes).
+    #[schema(min_length = 1, max_length = 512)]
     pub session_key: String,
+    /// The user's message.
     pub prompt: String,
     #[serde(default)]
     auth: Option<AuthBody>,
@@ -153,11 +209,15 @@ pub(super) struct TurnBody {
     provider: Option<ProviderBody>,
     #[serde(default)]
     reasoning_effort: Option<crate::kinds::ReasoningEffort>,
+    /// The runtime's own `session.create` fields (camelCase), checked against its schema.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     session: Option<Value>,
     #[serde(default)]
     pub tools: Vec<ToolBody>,
+    /// The turn's absolute time limit: above 0, at most the daemon's own.
     #[serde(default)]
+    #[schema(minimum = 1)]
     pub timeout_ms: Option<u64>,
     /// Files, directories and inline content sent with the prompt.
     #[serde(default)]
@@ -186,13 +246,14 @@ impl TurnBody {
     }
 }
 
-/// The body of compact/reset: the conversation's settings (they must match its turns, or a
-/// new session would be opened), optional.
-pub(super) fn conversation_body(body: &Bytes) -> Result<ConversationBody, Response> {
+/// An optional body of compact or reset: empty (or `null`) is the default (no settings).
+pub(super) fn optional_body<T: Default + for<'de> Deserialize<'de>>(
+    body: &Bytes,
+) -> Result<T, Response> {
     if body.iter().all(|b| b.is_ascii_whitespace()) {
-        return Ok(ConversationBody::default());
+        return Ok(T::default());
     }
-    parse(body)
+    Ok(parse::<Option<T>>(body)?.unwrap_or_default())
 }
 
 fn provider_config(p: ProviderBody) -> Result<ProviderConfig, Response> {

@@ -3,18 +3,41 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::kinds::ErrorKind;
 use crate::pool::PoolError;
 
+/// Every error answer of the API (besides the plain-text health probes).
+#[derive(Debug, Serialize, ToSchema)]
+pub(super) struct ErrorBody<'a> {
+    /// A stable word for programs: `bad_request`, `bad_body`, `unauthorized`, `not_found`,
+    /// `body_timeout`, `busy`, `too_large`, `draining`, `no_capacity`, `quarantined`,
+    /// `state_unwritable`, `resource_exhausted`, `pool_closed`, `too_many_connections`,
+    /// `runtime`, `io`, `internal`.
+    code: &'a str,
+    /// What went wrong and how to fix it, for people.
+    message: String,
+}
+
 /// A JSON error `{code, message}`.
 pub(super) fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
-    (
-        status,
-        axum::Json(json!({"code": code, "message": message.into()})),
+    let body = ErrorBody {
+        code,
+        message: message.into(),
+    };
+    (status, axum::Json(body)).into_response()
+}
+
+/// A query string or path the router could not read (axum's rejection, which would answer
+/// plain text): 400 with the error body.
+pub(super) fn rejection(rejection: impl std::fmt::Display) -> Response {
+    error(
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+        format!("{rejection}; fix the URL"),
     )
-        .into_response()
 }
 
 /// The HTTP status and code for a pool error before a turn starts.

@@ -10,16 +10,23 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use dashmap::DashMap;
-use serde_json::{Value, json};
+use serde::Deserialize;
+use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
+use utoipa::ToSchema;
 
 use super::AppState;
 use super::body::{parse, read_body};
-use super::error::error;
+use super::error::{ErrorBody, error, rejection};
+use super::events::{
+    HookNotificationEvent, HookRequestEvent, PermissionRequestEvent, ToolCallEvent, TurnEvent,
+    UserInputRequestEvent,
+};
 use super::turns::SEND_TIMEOUT;
 use crate::kinds::HookName;
 use crate::permission::{DecisionFuture, PermissionDecision, PermissionPolicy, PermissionRequest};
@@ -27,12 +34,34 @@ use crate::turn::hooks::HookFuture;
 use crate::turn::user_input::AnswerFuture;
 use crate::turn::{Answer, GatewayTool, Question, ToolCall, TurnHooks, UserInputHandler};
 
-/// `POST /v1/requests/{request_id}`: the gateway's answer to a request of a running turn.
+/// The gateway's answer to a request of a running turn (`tool.call`,
+/// `permission.request`, `user_input.request`, `hook.request`), in the shape of its kind.
+#[utoipa::path(
+    post,
+    path = "/v1/requests/{request_id}",
+    tag = "turns",
+    params(("request_id" = String, Path, description = "The `request_id` of the request event")),
+    request_body(content = AnswerBody, content_type = "application/json"),
+    responses(
+        (status = 204, description = "Answered"),
+        (status = 400, description = "Not JSON, or not the shape of the request's kind (`bad_request`, `bad_body`); the message shows the shape", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 404, description = "No pending request with this id: answered already, or its turn ended (`not_found`)", body = ErrorBody),
+        (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
+        (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
+        (status = 503, description = "`too_many_connections`", body = ErrorBody),
+    ),
+    security((), ("api_token" = [])),
+)]
 pub(super) async fn post_answer(
     State(state): State<Arc<AppState>>,
-    Path(request_id): Path<String>,
+    request_id: Result<Path<String>, PathRejection>,
     body: Body,
 ) -> Response {
+    let Path(request_id) = match request_id {
+        Ok(p) => p,
+        Err(e) => return rejection(e),
+    };
     let body = match read_body(&state, body).await {
         Ok(b) => b,
         Err(r) => return r,
@@ -50,13 +79,6 @@ pub(super) async fn post_answer(
         ),
         Err(AnswerError::Shape(message)) => error(StatusCode::BAD_REQUEST, "bad_request", message),
     }
-}
-
-/// One SSE event for the gateway.
-#[derive(Debug, Clone)]
-pub(super) struct SseEvent {
-    pub(super) event: String,
-    pub(super) data: Value,
 }
 
 /// What kind of answer a pending request needs.
@@ -127,41 +149,142 @@ impl Registry {
     }
 }
 
+/// The body of `POST /v1/requests/{request_id}`: the answer of the request's kind.
+#[derive(Deserialize, ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)] // Read per kind (`parse_answer`); this union is what the document shows.
+pub(super) enum AnswerBody {
+    ToolResult(ToolResult),
+    ToolError(ToolError),
+    Permission(PermissionAnswer),
+    UserInputText(UserInputText),
+    UserInputChoice(UserInputChoice),
+    Hook(HookAnswer),
+}
+
+/// A `tool.call` answered with the tool's result.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ToolResult {
+    /// What the tool returned, as text for the model.
+    result: String,
+}
+
+/// A `tool.call` answered with a failure.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ToolError {
+    /// Why the tool failed, for the model.
+    error: String,
+}
+
+/// A gateway's decision on a `permission.request`.
+#[derive(Deserialize, ToSchema, Clone, Copy)]
+#[serde(rename_all = "kebab-case")]
+pub(super) enum Decision {
+    ApproveOnce,
+    ApproveForSession,
+    Reject,
+}
+
+/// A `permission.request` answer.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PermissionAnswer {
+    decision: Decision,
+    /// Told to the model on a rejection.
+    #[serde(default)]
+    feedback: Option<String>,
+}
+
+/// A `user_input.request` answered with text: a free-form answer, or one of the choices by
+/// its label (`was_freeform: false`).
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct UserInputText {
+    answer: String,
+    /// Default `true`.
+    #[serde(default)]
+    was_freeform: Option<bool>,
+}
+
+/// A `user_input.request` answered with one of the choices, by index.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct UserInputChoice {
+    choice: usize,
+}
+
+/// A `hook.request` answer: no output (`{}`, or `output: null`: the runtime's default) or the
+/// hook's documented output fields.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct HookAnswer {
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    output: Option<Value>,
+}
+
+/// `body` read as a `T`, or `shape` (what the request's kind expects).
+fn typed<T: for<'de> Deserialize<'de>>(body: &Value, shape: &str) -> Result<T, String> {
+    T::deserialize(body).map_err(|e| format!("{shape} ({e})"))
+}
+
 fn parse_answer(kind: Kind, body: &Value) -> Result<GatewayAnswer, String> {
-    let obj = body.as_object().ok_or("the answer must be a JSON object")?;
+    if !body.is_object() {
+        return Err("the answer must be a JSON object".to_owned());
+    }
     match kind {
-        Kind::ToolCall => match (obj.get("result"), obj.get("error")) {
-            (Some(Value::String(text)), None) => Ok(GatewayAnswer::Tool(Ok(text.clone()))),
-            (None, Some(Value::String(message))) => Ok(GatewayAnswer::Tool(Err(message.clone()))),
-            _ => Err(r#"a tool.call answer is {"result": "<text>"} or {"error": "<message>"}"#.to_owned()),
-        },
-        Kind::Permission => {
-            let decision = obj.get("decision").and_then(Value::as_str);
-            let feedback = obj.get("feedback").and_then(Value::as_str).unwrap_or("rejected by the gateway");
-            match decision {
-                Some("approve-once" | "approve-for-session") => Ok(GatewayAnswer::Permission(PermissionDecision::Approve)),
-                Some("reject") => Ok(GatewayAnswer::Permission(PermissionDecision::Reject {
-                    feedback: feedback.to_owned(),
-                })),
-                _ => Err(r#"a permission.request answer is {"decision": "approve-once"|"approve-for-session"|"reject", "feedback"?: "..."}"#.to_owned()),
+        Kind::ToolCall => {
+            const SHAPE: &str =
+                r#"a tool.call answer is {"result": "<text>"} or {"error": "<message>"}"#;
+            #[derive(Deserialize)]
+            #[serde(untagged)]
+            enum Tool {
+                Result(ToolResult),
+                Error(ToolError),
+            }
+            match typed::<Tool>(body, SHAPE)? {
+                Tool::Result(r) => Ok(GatewayAnswer::Tool(Ok(r.result))),
+                Tool::Error(e) => Ok(GatewayAnswer::Tool(Err(e.error))),
             }
         }
-        Kind::UserInput => match (obj.get("answer"), obj.get("choice")) {
-            (Some(Value::String(answer)), None) => {
-                let freeform = obj.get("was_freeform").and_then(Value::as_bool).unwrap_or(true);
-                Ok(GatewayAnswer::UserInput(if freeform {
-                    Answer::FreeText(answer.clone())
-                } else {
-                    Answer::Label(answer.clone())
-                }))
+        Kind::Permission => {
+            const SHAPE: &str = r#"a permission.request answer is {"decision": "approve-once"|"approve-for-session"|"reject", "feedback"?: "..."}"#;
+            let answer: PermissionAnswer = typed(body, SHAPE)?;
+            Ok(GatewayAnswer::Permission(match answer.decision {
+                Decision::ApproveOnce | Decision::ApproveForSession => PermissionDecision::Approve,
+                Decision::Reject => PermissionDecision::Reject {
+                    feedback: answer
+                        .feedback
+                        .unwrap_or_else(|| "rejected by the gateway".to_owned()),
+                },
+            }))
+        }
+        Kind::UserInput => {
+            const SHAPE: &str = r#"a user_input.request answer is {"answer": "...", "was_freeform": true|false} or {"choice": <non-negative index>}"#;
+            #[derive(Deserialize)]
+            #[serde(untagged)]
+            enum UserInput {
+                Text(UserInputText),
+                Choice(UserInputChoice),
             }
-            (None, Some(choice)) => choice
-                .as_u64()
-                .map(|i| GatewayAnswer::UserInput(Answer::Choice(i as usize)))
-                .ok_or_else(|| "choice must be a non-negative integer".to_owned()),
-            _ => Err(r#"a user_input.request answer is {"answer": "...", "was_freeform": true|false} or {"choice": <index>}"#.to_owned()),
-        },
-        Kind::Hook(hook) => parse_hook_answer(hook, obj).map(GatewayAnswer::Hook),
+            Ok(GatewayAnswer::UserInput(
+                match typed::<UserInput>(body, SHAPE)? {
+                    UserInput::Text(t) if t.was_freeform.unwrap_or(true) => {
+                        Answer::FreeText(t.answer)
+                    }
+                    UserInput::Text(t) => Answer::Label(t.answer),
+                    UserInput::Choice(c) => Answer::Choice(c.choice),
+                },
+            ))
+        }
+        Kind::Hook(hook) => {
+            // The hook's own message lists its output fields.
+            let answer: HookAnswer =
+                typed(body, &hook_shape(hook)).map_err(|_| hook_shape(hook))?;
+            parse_hook_output(hook, answer.output).map(GatewayAnswer::Hook)
+        }
     }
 }
 
@@ -231,51 +354,50 @@ impl FieldType {
     }
 }
 
-/// `{}` or `{"output": null}` (the runtime's default), or `{"output": {...}}` with the
-/// hook's documented fields.
-fn parse_hook_answer(
-    hook: HookName,
-    obj: &serde_json::Map<String, Value>,
-) -> Result<Option<Value>, String> {
-    let fields = hook_output_fields(hook);
-    let shape = || {
-        let list: Vec<String> = fields
-            .iter()
-            .map(|(name, t)| format!("{name}: {}", t.describe()))
-            .collect();
-        format!(
-            "a hook.request answer for {hook} is {{}} (no output) or {{\"output\": {{{}}}}}",
-            list.join(", ")
-        )
-    };
-    if obj.keys().any(|k| k != "output") {
-        return Err(shape());
-    }
-    let output = match obj.get("output") {
+/// What a `hook.request` answer for `hook` looks like, with its documented output fields.
+fn hook_shape(hook: HookName) -> String {
+    let list: Vec<String> = hook_output_fields(hook)
+        .iter()
+        .map(|(name, t)| format!("{name}: {}", t.describe()))
+        .collect();
+    format!(
+        "a hook.request answer for {hook} is {{}} (no output) or {{\"output\": {{{}}}}}",
+        list.join(", ")
+    )
+}
+
+/// No output (the runtime's default), or an object of the hook's documented fields.
+fn parse_hook_output(hook: HookName, output: Option<Value>) -> Result<Option<Value>, String> {
+    let output = match output {
         None | Some(Value::Null) => return Ok(None),
         Some(Value::Object(output)) => output,
-        Some(_) => return Err(shape()),
+        Some(_) => return Err(hook_shape(hook)),
     };
-    for (key, value) in output {
+    let fields = hook_output_fields(hook);
+    for (key, value) in &output {
         match fields.iter().find(|(name, _)| name == key) {
             Some((_, t)) if t.accepts(value) => {}
-            _ => return Err(shape()),
+            _ => return Err(hook_shape(hook)),
         }
     }
-    Ok(Some(Value::Object(output.clone())))
+    Ok(Some(Value::Object(output)))
 }
 
 /// The per-turn link to the gateway: where to send request events, and the registry.
 #[derive(Clone)]
 pub(super) struct Link {
-    pub(super) events: mpsc::Sender<SseEvent>,
+    pub(super) events: mpsc::Sender<TurnEvent>,
     pub(super) registry: Arc<Registry>,
 }
 
 impl Link {
-    /// Sends `event` with a new request id and waits for the gateway's answer (`None`: the
-    /// gateway went away or the request was cancelled).
-    async fn ask(&self, kind: Kind, event: &str, mut data: Value) -> Option<GatewayAnswer> {
+    /// Sends the event `event` builds with a new request id and waits for the gateway's
+    /// answer (`None`: the gateway went away or the request was cancelled).
+    async fn ask(
+        &self,
+        kind: Kind,
+        event: impl FnOnce(String) -> TurnEvent,
+    ) -> Option<GatewayAnswer> {
         let (id, rx) = self.registry.register(kind);
         // Removed however the wait ends (answered, cancelled with its task, or dropped).
         struct Forget<'a>(&'a Registry, String);
@@ -285,14 +407,12 @@ impl Link {
             }
         }
         let _forget = Forget(&self.registry, id.clone());
-        if let Some(obj) = data.as_object_mut() {
-            obj.insert("request_id".to_owned(), Value::String(id.clone()));
-        }
-        let sse = SseEvent {
-            event: event.to_owned(),
-            data,
-        };
-        if self.events.send_timeout(sse, SEND_TIMEOUT).await.is_err() {
+        if self
+            .events
+            .send_timeout(event(id.clone()), SEND_TIMEOUT)
+            .await
+            .is_err()
+        {
             return None;
         }
         rx.await.ok()
@@ -303,10 +423,7 @@ impl Link {
     /// stream's buffer is full does the returned future wait for room (a gateway that does
     /// not read its stream ends the turn the usual way).
     fn notify(&self, hook: HookName, input: Value) -> HookFuture {
-        let sse = SseEvent {
-            event: "hook.notification".to_owned(),
-            data: json!({"hook": hook, "input": input}),
-        };
+        let sse = TurnEvent::HookNotification(HookNotificationEvent { hook, input });
         match self.events.try_send(sse) {
             Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => Box::pin(async { Ok(None) }),
             Err(mpsc::error::TrySendError::Full(sse)) => {
@@ -333,12 +450,15 @@ impl Link {
         GatewayTool::new(name, description, parameters, move |call: ToolCall| {
             let link = link.clone();
             async move {
-                let data = json!({
-                    "tool_name": call.tool_name,
-                    "tool_call_id": call.tool_call_id,
-                    "arguments": call.arguments,
-                });
-                match link.ask(Kind::ToolCall, "tool.call", data).await {
+                let event = |request_id| {
+                    TurnEvent::ToolCall(ToolCallEvent {
+                        request_id,
+                        tool_name: call.tool_name,
+                        tool_call_id: call.tool_call_id,
+                        arguments: call.arguments,
+                    })
+                };
+                match link.ask(Kind::ToolCall, event).await {
                     Some(GatewayAnswer::Tool(result)) => result,
                     _ => Err("the gateway did not answer the tool call".to_owned()),
                 }
@@ -362,8 +482,14 @@ impl HttpHooks {
         }
         let link = self.link.clone();
         Box::pin(async move {
-            let data = json!({"hook": hook, "input": input});
-            match link.ask(Kind::Hook(hook), "hook.request", data).await {
+            let event = |request_id| {
+                TurnEvent::HookRequest(HookRequestEvent {
+                    request_id,
+                    hook,
+                    input,
+                })
+            };
+            match link.ask(Kind::Hook(hook), event).await {
                 Some(GatewayAnswer::Hook(output)) => Ok(output),
                 _ => Err(format!("the gateway did not answer the {hook} hook")),
             }
@@ -410,15 +536,18 @@ impl PermissionPolicy for Link {
     fn decide(&self, request: PermissionRequest) -> DecisionFuture {
         let link = self.clone();
         Box::pin(async move {
-            let data = json!({
-                "kind": request.kind,
-                "command": request.command,
-                "paths": request.paths,
-                "url": request.url,
-                "tool_name": request.tool_name,
-                "request": request.raw,
-            });
-            match link.ask(Kind::Permission, "permission.request", data).await {
+            let event = |request_id| {
+                TurnEvent::PermissionRequest(PermissionRequestEvent {
+                    request_id,
+                    kind: request.kind,
+                    command: request.command,
+                    paths: request.paths,
+                    url: request.url,
+                    tool_name: request.tool_name,
+                    request: request.raw,
+                })
+            };
+            match link.ask(Kind::Permission, event).await {
                 Some(GatewayAnswer::Permission(decision)) => Ok(decision),
                 _ => Err("the gateway did not decide".to_owned()),
             }
@@ -430,12 +559,15 @@ impl UserInputHandler for Link {
     fn ask(&self, question: Question) -> AnswerFuture {
         let link = self.clone();
         Box::pin(async move {
-            let data = json!({
-                "question": question.question,
-                "choices": question.choices,
-                "allow_freeform": question.allow_freeform,
-            });
-            match Link::ask(&link, Kind::UserInput, "user_input.request", data).await {
+            let event = |request_id| {
+                TurnEvent::UserInputRequest(UserInputRequestEvent {
+                    request_id,
+                    question: question.question,
+                    choices: question.choices,
+                    allow_freeform: question.allow_freeform,
+                })
+            };
+            match Link::ask(&link, Kind::UserInput, event).await {
                 Some(GatewayAnswer::UserInput(answer)) => Some(answer),
                 _ => None,
             }
@@ -446,6 +578,7 @@ impl UserInputHandler for Link {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn an_answer_must_fit_its_requests_kind_and_is_taken_once() {

@@ -9,13 +9,22 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 use super::AppState;
-use super::error::error;
+use super::error::{ErrorBody, error};
 
 /// How long `/healthz` waits for the pool actor to answer.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Alive while the pool actor answers (a status call within `HEALTH_TIMEOUT`); a dead or
 /// stuck pool makes it 503, so an orchestrator restarts the daemon. Draining is still alive.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "daemon",
+    responses(
+        (status = 200, description = "Alive (`ok`)", body = String, content_type = "text/plain"),
+        (status = 503, description = "The pool is down or not answering", body = String, content_type = "text/plain"),
+    ),
+)]
 pub(super) async fn healthz(State(state): State<Arc<AppState>>) -> Response {
     match tokio::time::timeout(HEALTH_TIMEOUT, state.pool.status()).await {
         Ok(Ok(_)) => (StatusCode::OK, "ok\n").into_response(),
@@ -26,6 +35,16 @@ pub(super) async fn healthz(State(state): State<Arc<AppState>>) -> Response {
     }
 }
 
+/// Ready for turns: the pool is open and the daemon is not draining.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "daemon",
+    responses(
+        (status = 200, description = "Ready (`ready`)", body = String, content_type = "text/plain"),
+        (status = 503, description = "Draining or not ready", body = String, content_type = "text/plain"),
+    ),
+)]
 pub(super) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if state.draining() {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response();
@@ -36,6 +55,16 @@ pub(super) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     }
 }
 
+/// The metrics in Prometheus' text format (when this listener serves them).
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "daemon",
+    responses(
+        (status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain; version=0.0.4"),
+        (status = 404, description = "Metrics are not served on this listener (`not_found`)", body = ErrorBody),
+    ),
+)]
 pub(super) async fn get_metrics(State(state): State<Arc<AppState>>) -> Response {
     match &state.config.metrics {
         Some(render) => (
@@ -51,6 +80,18 @@ pub(super) async fn get_metrics(State(state): State<Arc<AppState>>) -> Response 
     }
 }
 
+/// The pool's processes, conversations and counters.
+#[utoipa::path(
+    get,
+    path = "/v1/pool",
+    tag = "daemon",
+    responses(
+        (status = 200, description = "The pool now", body = crate::pool::PoolStatus),
+        (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 503, description = "The pool is closed (`pool_closed`), or `too_many_connections`", body = ErrorBody),
+    ),
+    security((), ("api_token" = [])),
+)]
 pub(super) async fn get_pool(State(state): State<Arc<AppState>>) -> Response {
     match state.pool.status().await {
         Ok(mut status) => {

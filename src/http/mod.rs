@@ -25,6 +25,9 @@
 //! - `auth` — the bearer token on `/v1`.
 //! - `body` — reading and parsing request bodies into lease requests.
 //! - `error` — `{code, message}` answers and the status of each pool error kind.
+//! - `events` — the SSE events of a turn, typed (what the document shows is what is sent).
+//! - `openapi` — the OpenAPI 3.1 document, from the handlers' `#[utoipa::path]` and the
+//!   types' `ToSchema`, served on `/openapi.json`.
 //! - `gateway` — requests the gateway answers over HTTP (tool calls, permissions, ask_user,
 //!   hooks).
 //! - `health` — `/healthz`, `/readyz`, `/metrics`, `/v1/pool`.
@@ -39,9 +42,11 @@ mod attachments;
 mod auth;
 mod body;
 mod error;
+mod events;
 mod gateway;
 mod health;
 mod listener;
+mod openapi;
 mod sessions;
 mod turns;
 
@@ -52,7 +57,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::middleware;
-use axum::routing::{delete, get, post};
 use tokio::sync::watch;
 
 use crate::pool::Pool;
@@ -61,6 +65,7 @@ use crate::turn::{TranscriptSettings, TurnTimeouts};
 
 pub use attachments::AttachmentLimits;
 pub use listener::{ConnectionLimits, serve};
+pub use openapi::{document as openapi_document, document_json as openapi_json};
 
 /// Renders the metrics text `/metrics` answers with (for example a Prometheus recorder's
 /// `render`); the caller owns the recorder.
@@ -149,6 +154,8 @@ struct AppState {
     draining: AtomicBool,
     /// Turns running now (for the drain), published on every change.
     running: watch::Sender<usize>,
+    /// The OpenAPI document of this router, as JSON.
+    openapi: axum::body::Bytes,
 }
 
 impl AppState {
@@ -197,38 +204,33 @@ pub fn router(pool: Pool, config: ApiConfig) -> Router {
 
 /// Like [`router`], with the handle that drains it and observes its turns.
 pub fn router_with_handle(pool: Pool, config: ApiConfig) -> (Router, ApiHandle) {
+    // The routes come with their documentation: what is served is what is documented.
+    let (v1, v1_doc) = openapi::v1_routes().split_for_parts();
+    let (open, open_doc) = openapi::open_routes().split_for_parts();
+    let mut doc = v1_doc;
+    doc.merge(open_doc);
+    let openapi = match openapi::pretty(&openapi::with_info(doc)) {
+        Ok(text) => axum::body::Bytes::from(text),
+        // Serializing plain strings and maps does not fail; should it, say so.
+        Err(e) => axum::body::Bytes::from(
+            serde_json::json!({"code": "internal", "message": e.to_string()}).to_string(),
+        ),
+    };
     let state = Arc::new(AppState {
         pool,
         config,
         registry: Arc::default(),
         draining: AtomicBool::new(false),
         running: watch::Sender::new(0),
+        openapi,
     });
-    let v1 = Router::new()
-        .route("/v1/turns", post(turns::post_turn))
-        .route("/v1/requests/{request_id}", post(gateway::post_answer))
-        .route(
-            "/v1/sessions/{agent_id}/{session_key}/abort",
-            post(sessions::post_abort),
-        )
-        .route(
-            "/v1/sessions/{agent_id}/{session_key}/compact",
-            post(sessions::post_compact),
-        )
-        .route(
-            "/v1/sessions/{agent_id}/{session_key}",
-            delete(sessions::delete_session),
-        )
-        .route("/v1/pool", get(health::get_pool))
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            auth::require_token,
-        ));
+    let v1 = v1.route_layer(middleware::from_fn_with_state(
+        state.clone(),
+        auth::require_token,
+    ));
     let router = Router::new()
         .merge(v1)
-        .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
-        .route("/metrics", get(health::get_metrics))
+        .merge(open)
         .fallback(|| async { error::error(StatusCode::NOT_FOUND, "not_found", "no such route") })
         .with_state(state.clone());
     (router, ApiHandle { state })

@@ -5,21 +5,45 @@
 
 use std::sync::Arc;
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use super::AppState;
-use super::body::{conversation_body, lease_request, parse, read_body};
-use super::error::{error, pool_error};
+use super::body::{CompactBody, ConversationBody, lease_request, optional_body, read_body};
+use super::error::{ErrorBody, error, pool_error, rejection};
 use crate::pool::{ConversationId, Lease};
 
+/// Aborts the conversation's running turn (its stream ends with `turn.end` `aborted`).
+#[utoipa::path(
+    post,
+    path = "/v1/sessions/{agent_id}/{session_key}/abort",
+    tag = "sessions",
+    params(
+        ("agent_id" = String, Path, description = "The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit", pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64),
+        ("session_key" = String, Path, description = "The gateway's key of the conversation (1 to 512 bytes)", min_length = 1, max_length = 512),
+    ),
+    responses(
+        (status = 204, description = "The running turn was aborted"),
+        (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 404, description = "No running turn for this conversation (`not_found`)", body = ErrorBody),
+        (status = 500, description = "A fault of the daemon (`internal`)", body = ErrorBody),
+        (status = 503, description = "The pool is shutting down (`draining`), or `too_many_connections`", body = ErrorBody),
+    ),
+    security((), ("api_token" = [])),
+)]
 pub(super) async fn post_abort(
     State(state): State<Arc<AppState>>,
-    Path((agent_id, session_key)): Path<(String, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
 ) -> Response {
+    let Path((agent_id, session_key)) = match path {
+        Ok(p) => p,
+        Err(e) => return rejection(e),
+    };
     let conversation = ConversationId::new(agent_id, session_key);
     match state.pool.abort(&conversation).await {
         Ok(true) => StatusCode::NO_CONTENT.into_response(),
@@ -32,57 +56,130 @@ pub(super) async fn post_abort(
     }
 }
 
+/// What a compaction did.
+#[derive(Serialize, ToSchema)]
+pub(super) struct CompactResult {
+    /// The runtime compacted the conversation.
+    success: bool,
+    /// Tokens freed (negative when the summary is longer than what it replaced), if the
+    /// runtime said.
+    tokens_removed: Option<i64>,
+    /// Messages folded into the summary, if the runtime said.
+    messages_removed: Option<u64>,
+}
+
 /// The lease of an existing conversation for compact and reset (never a new session).
 async fn existing_lease(
     state: &AppState,
     agent_id: &str,
     session_key: &str,
-    body: &Bytes,
+    conv: ConversationBody,
 ) -> Result<Lease, Response> {
-    let conv = conversation_body(body)?;
     let mut req = lease_request(state, agent_id, session_key, conv).await?;
     req.existing_only = true;
     state.pool.lease(req).await.map_err(|e| pool_error(&e))
 }
 
+/// Compacts an existing conversation (summarizes its history). The body is optional: the
+/// conversation's settings (as its turns send them) and `custom_instructions`.
+#[utoipa::path(
+    post,
+    path = "/v1/sessions/{agent_id}/{session_key}/compact",
+    tag = "sessions",
+    params(
+        ("agent_id" = String, Path, description = "The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit", pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64),
+        ("session_key" = String, Path, description = "The gateway's key of the conversation (1 to 512 bytes)", min_length = 1, max_length = 512),
+    ),
+    request_body(content = Option<CompactBody>, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Compacted", body = CompactResult),
+        (status = 400, description = "The body or a field is wrong (`bad_request`, `bad_body`); the message names it", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
+        (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
+        (status = 404, description = "No such conversation: it never ran a turn, or was reset (`not_found`)", body = ErrorBody),
+        (status = 409, description = "The conversation runs a turn (`busy`)", body = ErrorBody),
+        (status = 500, description = "A fault of the daemon (`internal`)", body = ErrorBody),
+        (status = 502, description = "The runtime failed (`runtime`)", body = ErrorBody),
+        (status = 503, description = "No room or shutting down: `draining`, `no_capacity`, `quarantined`, `state_unwritable`, `resource_exhausted`, `too_many_connections`", body = ErrorBody),
+    ),
+    security((), ("api_token" = [])),
+)]
 pub(super) async fn post_compact(
     State(state): State<Arc<AppState>>,
-    Path((agent_id, session_key)): Path<(String, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
     body: Body,
 ) -> Response {
+    let Path((agent_id, session_key)) = match path {
+        Ok(p) => p,
+        Err(e) => return rejection(e),
+    };
     let body = match read_body(&state, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };
-    let (custom_instructions, body) = match take_custom_instructions(body) {
-        Ok(split) => split,
+    let (custom_instructions, conv) = match optional_body::<CompactBody>(&body) {
+        Ok(c) => c.into_parts(),
         Err(r) => return r,
     };
-    let mut lease = match existing_lease(&state, &agent_id, &session_key, &body).await {
+    let mut lease = match existing_lease(&state, &agent_id, &session_key, conv).await {
         Ok(l) => l,
         Err(r) => return r,
     };
     match lease.compact(custom_instructions).await {
-        Ok(r) => axum::Json(json!({
-            "success": r.success,
-            "tokens_removed": r.tokens_removed,
-            "messages_removed": r.messages_removed,
-        }))
+        Ok(r) => axum::Json(CompactResult {
+            success: r.success,
+            tokens_removed: r.tokens_removed,
+            messages_removed: r.messages_removed,
+        })
         .into_response(),
         Err(e) => pool_error(&e),
     }
 }
 
+/// Resets an existing conversation: deletes its runtime session and its binding, so its
+/// next turn starts a new one. The body is optional: the conversation's settings.
+#[utoipa::path(
+    delete,
+    path = "/v1/sessions/{agent_id}/{session_key}",
+    tag = "sessions",
+    params(
+        ("agent_id" = String, Path, description = "The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit", pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64),
+        ("session_key" = String, Path, description = "The gateway's key of the conversation (1 to 512 bytes)", min_length = 1, max_length = 512),
+    ),
+    request_body(content = Option<ConversationBody>, content_type = "application/json"),
+    responses(
+        (status = 204, description = "Reset"),
+        (status = 400, description = "The body or a field is wrong (`bad_request`, `bad_body`); the message names it", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
+        (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
+        (status = 404, description = "No such conversation: it never ran a turn, or was reset (`not_found`)", body = ErrorBody),
+        (status = 409, description = "The conversation runs a turn (`busy`)", body = ErrorBody),
+        (status = 500, description = "A fault of the daemon (`internal`)", body = ErrorBody),
+        (status = 502, description = "The runtime failed (`runtime`)", body = ErrorBody),
+        (status = 503, description = "No room or shutting down: `draining`, `no_capacity`, `quarantined`, `state_unwritable`, `resource_exhausted`, `too_many_connections`", body = ErrorBody),
+    ),
+    security((), ("api_token" = [])),
+)]
 pub(super) async fn delete_session(
     State(state): State<Arc<AppState>>,
-    Path((agent_id, session_key)): Path<(String, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
     body: Body,
 ) -> Response {
+    let Path((agent_id, session_key)) = match path {
+        Ok(p) => p,
+        Err(e) => return rejection(e),
+    };
     let body = match read_body(&state, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };
-    let lease = match existing_lease(&state, &agent_id, &session_key, &body).await {
+    let conv = match optional_body::<ConversationBody>(&body) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let lease = match existing_lease(&state, &agent_id, &session_key, conv).await {
         Ok(l) => l,
         Err(r) => return r,
     };
@@ -90,32 +187,4 @@ pub(super) async fn delete_session(
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => pool_error(&e),
     }
-}
-
-/// Splits compact's `custom_instructions` (a string that focuses the summary) from the
-/// conversation's settings, which are read like reset's.
-fn take_custom_instructions(body: Bytes) -> Result<(Option<String>, Bytes), Response> {
-    if body.iter().all(|b| b.is_ascii_whitespace()) {
-        return Ok((None, body));
-    }
-    let mut value: Value = parse(&body)?;
-    let Some(obj) = value.as_object_mut() else {
-        // Not an object: the settings' parser says what is wrong.
-        return Ok((None, body));
-    };
-    let instructions = match obj.remove("custom_instructions") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(text)) => Some(text),
-        Some(_) => {
-            return Err(error(
-                StatusCode::BAD_REQUEST,
-                "bad_request",
-                "custom_instructions must be a string (what the summary should keep)",
-            ));
-        }
-    };
-    let rest = serde_json::to_vec(&value)
-        .map(Bytes::from)
-        .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
-    Ok((instructions, rest))
 }

@@ -9,18 +9,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::AppState;
 use super::attachments::{check_off_thread, write_off_thread};
-use super::body::{TurnBody, create_work_dir, lease_request, parse, read_body};
-use super::error::{error, pool_error};
-use super::gateway::{Link, SseEvent};
+use super::body::{ToolBody, TurnBody, create_work_dir, lease_request, parse, read_body};
+use super::error::ErrorBody;
+use super::error::{error, pool_error, rejection};
+use super::events::{SessionEventData, TurnEndEvent, TurnEvent, TurnEventStream};
+use super::gateway::Link;
 use crate::kinds::TurnEnd;
 use crate::pool::Lease;
 use crate::turn::Message;
@@ -29,17 +31,50 @@ use crate::turn::Message;
 /// turn is aborted), so a stalled client cannot pin a conversation.
 pub(super) const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub(super) struct TurnQuery {
+    /// `false`: answer with the `turn.end` summary alone, as JSON (no tools, no hooks, no
+    /// permission prompts: those need the stream). Default `true`.
     #[serde(default)]
     stream: Option<bool>,
 }
 
+/// Runs one turn of a conversation: the lease is taken before the answer, so its errors are
+/// real HTTP errors; then the turn's events stream until `turn.end`.
+#[utoipa::path(
+    post,
+    path = "/v1/turns",
+    tag = "turns",
+    params(TurnQuery),
+    request_body(content = TurnBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The turn runs: its events (`text/event-stream`, ending with `turn.end`), or with `?stream=false` the `turn.end` summary alone",
+            content(
+                (TurnEventStream = "text/event-stream"),
+                (TurnEndEvent = "application/json"),
+            )),
+        (status = 400, description = "The body or a field is wrong (`bad_request`, `bad_body`); the message names it", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 404, description = "A named resource does not exist (`not_found`)", body = ErrorBody),
+        (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
+        (status = 409, description = "The conversation runs another turn (`busy`)", body = ErrorBody),
+        (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
+        (status = 500, description = "A fault of the daemon (`internal`, `io`)", body = ErrorBody),
+        (status = 502, description = "The runtime failed to open the conversation (`runtime`)", body = ErrorBody),
+        (status = 503, description = "No room or shutting down: `draining`, `no_capacity`, `quarantined`, `state_unwritable`, `resource_exhausted`, `too_many_connections`", body = ErrorBody),
+    ),
+    security((), ("api_token" = [])),
+)]
 pub(super) async fn post_turn(
     State(state): State<Arc<AppState>>,
-    Query(query): Query<TurnQuery>,
+    query: Result<Query<TurnQuery>, QueryRejection>,
     body: Body,
 ) -> Response {
+    let Query(query) = match query {
+        Ok(q) => q,
+        Err(e) => return rejection(e),
+    };
     if state.draining() {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -77,6 +112,9 @@ pub(super) async fn post_turn(
         }
         req.handlers.timeouts.absolute = asked;
     }
+    if let Err(message) = check_tools(&body.tools) {
+        return error(StatusCode::BAD_REQUEST, "bad_request", message);
+    }
     let streaming = query.stream != Some(false);
     if !streaming && !body.tools.is_empty() {
         return error(
@@ -104,7 +142,7 @@ pub(super) async fn post_turn(
         Ok(a) => a,
         Err(r) => return r,
     };
-    let (events_tx, events_rx) = mpsc::channel::<SseEvent>(256);
+    let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
     if streaming {
         let link = Link {
             events: events_tx.clone(),
@@ -153,8 +191,8 @@ pub(super) async fn post_turn(
         // Only the final summary, as JSON.
         let mut rx = events_rx;
         while let Some(event) = rx.recv().await {
-            if event.event == "turn.end" {
-                return axum::Json(event.data).into_response();
+            if let Some(end) = event.as_turn_end() {
+                return axum::Json(end).into_response();
             }
         }
         return error(
@@ -169,9 +207,8 @@ pub(super) async fn post_turn(
             return None;
         }
         let event = rx.recv().await?;
-        let last = event.event == "turn.end";
-        let frame = format!("event: {}\ndata: {}\n\n", event.event, event.data);
-        Some((Ok::<_, Infallible>(Bytes::from(frame)), (rx, last)))
+        let last = event.as_turn_end().is_some();
+        Some((Ok::<_, Infallible>(Bytes::from(event.frame())), (rx, last)))
     });
     Response::builder()
         .status(StatusCode::OK)
@@ -181,28 +218,51 @@ pub(super) async fn post_turn(
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
 }
 
+/// The runtime's own built-in that a gateway tool may not define.
+const RESERVED_TOOL: &str = "catalog_search";
+
+/// A turn's tools as the runtime takes them: each with a name, none twice, none the reserved
+/// built-in (the runtime would refuse the session after the lease: a 502 for a bad request).
+fn check_tools(tools: &[ToolBody]) -> Result<(), String> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, tool) in tools.iter().enumerate() {
+        if tool.name.is_empty() {
+            return Err(format!("tools.{i}.name is empty; give every tool a name"));
+        }
+        if tool.name == RESERVED_TOOL {
+            return Err(format!(
+                "tools.{i}.name {RESERVED_TOOL:?} is the runtime's own built-in; rename the tool"
+            ));
+        }
+        if !seen.insert(tool.name.as_str()) {
+            return Err(format!(
+                "tools.{i}.name {:?} is given twice; each tool needs its own name",
+                tool.name
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The `turn.end` summary: how it ended, how the conversation was opened (`open_reason`:
 /// whether the runtime still had its context), the model calls, the final text, the error
 /// with the failing model call's HTTP status and the runtime's error type, the token usage
 /// and the runtime's `session.task_complete` data, if any.
-fn turn_end(status: &str, lease: &Lease, error: Option<String>) -> SseEvent {
+fn turn_end(status: TurnEnd, lease: &Lease, error: Option<String>) -> TurnEvent {
     let outcome = lease.outcome();
-    SseEvent {
-        event: "turn.end".to_owned(),
-        data: json!({
-            "status": status,
-            "session_id": lease.cli_session_id(),
-            "resumed": lease.reason().continued(),
-            "open_reason": outcome.open_reason,
-            "llm_calls": outcome.model_calls,
-            "final_text": outcome.text,
-            "error": error,
-            "status_code": outcome.status_code,
-            "error_type": outcome.error_type,
-            "usage": outcome.usage,
-            "task_complete": outcome.task_complete,
-        }),
-    }
+    TurnEvent::TurnEnd(TurnEndEvent {
+        status,
+        session_id: lease.cli_session_id().to_string(),
+        resumed: lease.reason().continued(),
+        open_reason: outcome.open_reason,
+        llm_calls: outcome.model_calls,
+        final_text: outcome.text.clone(),
+        error,
+        status_code: outcome.status_code,
+        error_type: outcome.error_type.clone(),
+        usage: outcome.usage,
+        task_complete: outcome.task_complete.clone(),
+    })
 }
 
 /// Runs one turn and streams it; a gateway that goes away (or stops reading) aborts the
@@ -211,36 +271,36 @@ async fn run_turn(
     _running: Running,
     mut lease: Lease,
     message: Message,
-    events: mpsc::Sender<SseEvent>,
+    events: mpsc::Sender<TurnEvent>,
     agent_id: String,
 ) {
     let span = tracing::info_span!("turn", agent = %agent_id, session = %lease.cli_session_id());
     let summary = async {
         if let Err(e) = lease.send(message).await {
-            return turn_end("error", &lease, Some(e.to_string()));
+            return turn_end(TurnEnd::Error, &lease, Some(e.to_string()));
         }
         loop {
             tokio::select! {
                 event = lease.next_event() => match event {
                     Some(Ok(event)) => {
-                        let sse = SseEvent { event: event.event_type().to_owned(), data: event.to_value() };
+                        let sse = TurnEvent::Session(SessionEventData::from(&event));
                         if events.send_timeout(sse, SEND_TIMEOUT).await.is_err() {
                             // The gateway disconnected or stopped reading: dropping the lease
                             // aborts the turn.
-                            return turn_end("aborted", &lease, None);
+                            return turn_end(TurnEnd::Aborted, &lease, None);
                         }
                     }
                     Some(Err(e)) => {
-                        let status = lease.outcome().end.map_or("error", TurnEnd::label);
+                        let status = lease.outcome().end.unwrap_or(TurnEnd::Error);
                         return turn_end(status, &lease, Some(e.to_string()));
                     }
                     None => {
                         let o = lease.outcome();
-                        let status = o.end.map_or("error", TurnEnd::label);
+                        let status = o.end.unwrap_or(TurnEnd::Error);
                         return turn_end(status, &lease, o.error.clone());
                     }
                 },
-                _ = events.closed() => return turn_end("aborted", &lease, None),
+                _ = events.closed() => return turn_end(TurnEnd::Aborted, &lease, None),
             }
         }
     };

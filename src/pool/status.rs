@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 
 /// A worker's state as the pool sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum WorkerState {
     /// Takes new conversations.
@@ -15,6 +16,7 @@ pub enum WorkerState {
 
 /// One worker in the snapshot.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
 #[serde(default)]
 #[non_exhaustive]
 pub struct WorkerStatus {
@@ -38,6 +40,7 @@ pub struct WorkerStatus {
 
 /// Counters since the pool started.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
 #[serde(default)]
 #[non_exhaustive]
 pub struct PoolTotals {
@@ -70,6 +73,7 @@ impl WorkerState {
 /// The pool at one moment. Serialized once for every reader: `GET /v1/pool` sends it as it
 /// is and `copilot-pool status` reads it back.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
 #[serde(default)]
 #[non_exhaustive]
 pub struct PoolStatus {

@@ -472,6 +472,7 @@ pub enum Attachment {
 
 /// Lines `start..=end` of a file attachment (1-based).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
 pub struct LineRange {
     /// First line (1-based).
     pub start: u32,

@@ -189,6 +189,7 @@ pub enum TimeoutKind {
 
 /// Token usage summed over a turn's model calls.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
 #[non_exhaustive]
 pub struct Usage {
     /// Input tokens.

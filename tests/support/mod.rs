@@ -10,6 +10,7 @@ pub mod pool_fixture;
 pub mod procs;
 pub mod promtool;
 pub mod runtime;
+pub mod schemathesis;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

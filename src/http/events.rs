@@ -1,0 +1,435 @@
+//! The event stream of a turn (`POST /v1/turns`, `text/event-stream`): every SSE event the
+//! daemon sends, as one typed enum whose payloads are the very types the OpenAPI document
+//! describes (`ToSchema`), so the stream and its documentation cannot drift. Each event is
+//! `event: <name>` and `data: <one line of JSON>`; the stream ends with one `turn.end`.
+//!
+//! The requests the gateway answers (`tool.call`, `permission.request`,
+//! `user_input.request`, `hook.request`) carry a `request_id` for
+//! `POST /v1/requests/{request_id}`; `hook.notification` needs no answer; every other event
+//! is the runtime's own session event, passed through under its own type as the name.
+
+use serde::Serialize;
+use serde_json::Value;
+use utoipa::ToSchema;
+use utoipa::openapi::RefOr;
+use utoipa::openapi::schema::{AnyOfBuilder, ObjectBuilder, Ref, Schema, Type};
+
+use crate::kinds::{HookName, OpenReason, TurnEnd};
+use crate::rpc::SessionEvent;
+use crate::turn::Usage;
+
+/// One SSE event of a turn.
+#[derive(Debug, Clone)]
+pub(super) enum TurnEvent {
+    ToolCall(ToolCallEvent),
+    PermissionRequest(PermissionRequestEvent),
+    UserInputRequest(UserInputRequestEvent),
+    HookRequest(HookRequestEvent),
+    HookNotification(HookNotificationEvent),
+    /// A runtime session event, named by its own `type`.
+    Session(SessionEventData),
+    TurnEnd(TurnEndEvent),
+}
+
+/// The names of the events the daemon itself defines, with the schema of each one's data
+/// (the document's `TurnEventStream` lists these, then the pass-through events).
+pub(super) const TOOL_CALL: &str = "tool.call";
+pub(super) const PERMISSION_REQUEST: &str = "permission.request";
+pub(super) const USER_INPUT_REQUEST: &str = "user_input.request";
+pub(super) const HOOK_REQUEST: &str = "hook.request";
+pub(super) const HOOK_NOTIFICATION: &str = "hook.notification";
+pub(super) const TURN_END: &str = "turn.end";
+
+impl TurnEvent {
+    /// The SSE event name.
+    pub(super) fn name(&self) -> &str {
+        match self {
+            TurnEvent::ToolCall(_) => TOOL_CALL,
+            TurnEvent::PermissionRequest(_) => PERMISSION_REQUEST,
+            TurnEvent::UserInputRequest(_) => USER_INPUT_REQUEST,
+            TurnEvent::HookRequest(_) => HOOK_REQUEST,
+            TurnEvent::HookNotification(_) => HOOK_NOTIFICATION,
+            TurnEvent::Session(e) => &e.event_type,
+            TurnEvent::TurnEnd(_) => TURN_END,
+        }
+    }
+
+    /// The event's data as JSON.
+    pub(super) fn data(&self) -> Value {
+        let value = match self {
+            TurnEvent::ToolCall(e) => serde_json::to_value(e),
+            TurnEvent::PermissionRequest(e) => serde_json::to_value(e),
+            TurnEvent::UserInputRequest(e) => serde_json::to_value(e),
+            TurnEvent::HookRequest(e) => serde_json::to_value(e),
+            TurnEvent::HookNotification(e) => serde_json::to_value(e),
+            TurnEvent::Session(e) => serde_json::to_value(e),
+            TurnEvent::TurnEnd(e) => serde_json::to_value(e),
+        };
+        // Plain structs of strings, numbers and JSON values: serializing cannot fail.
+        value.unwrap_or(Value::Null)
+    }
+
+    /// The SSE frame: `event: <name>`, `data: <JSON>`, a blank line. The JSON is one line
+    /// (serde_json escapes newlines inside strings), so one `data:` line carries it.
+    pub(super) fn frame(&self) -> String {
+        format!("event: {}\ndata: {}\n\n", self.name(), self.data())
+    }
+
+    /// The `turn.end` summary, if this is it.
+    pub(super) fn as_turn_end(&self) -> Option<&TurnEndEvent> {
+        match self {
+            TurnEvent::TurnEnd(end) => Some(end),
+            _ => None,
+        }
+    }
+}
+
+/// `tool.call`: the model called a gateway tool of the turn. Answer with
+/// `{"result": "<text>"}` or `{"error": "<message>"}`.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub(super) struct ToolCallEvent {
+    /// Answer on `POST /v1/requests/{request_id}`.
+    pub request_id: String,
+    /// The tool's name (one of the turn's `tools`).
+    pub tool_name: String,
+    /// The model's id for this call.
+    pub tool_call_id: String,
+    /// The arguments, as the model produced them.
+    pub arguments: Value,
+}
+
+/// `permission.request`: the runtime asks whether it may do something. Answer with
+/// `{"decision": "approve-once" | "approve-for-session" | "reject", "feedback"?: "..."}`;
+/// without an answer it is rejected.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub(super) struct PermissionRequestEvent {
+    /// Answer on `POST /v1/requests/{request_id}`.
+    pub request_id: String,
+    /// `shell`, `write`, `read`, `mcp`, `url`, `memory`, `custom-tool`, … (empty if absent).
+    pub kind: String,
+    /// The full command text of a shell request.
+    pub command: Option<String>,
+    /// Paths the request touches.
+    pub paths: Vec<String>,
+    /// The URL of a url request.
+    pub url: Option<String>,
+    /// The tool name of an mcp or custom-tool request.
+    pub tool_name: Option<String>,
+    /// The runtime's whole `permissionRequest`, as received.
+    pub request: Value,
+}
+
+/// `user_input.request`: the agent asks the user a question (ask_user). Answer with
+/// `{"answer": "...", "was_freeform"?: bool}` or `{"choice": <index>}`.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub(super) struct UserInputRequestEvent {
+    /// Answer on `POST /v1/requests/{request_id}`.
+    pub request_id: String,
+    /// The question.
+    pub question: String,
+    /// Offered answers (may be empty).
+    pub choices: Vec<String>,
+    /// Whether a free-text answer is allowed.
+    pub allow_freeform: bool,
+}
+
+/// `hook.request`: a hook the turn's `hooks` asked for, which the runtime waits for. Answer
+/// with `{}` (no output) or `{"output": {...}}` with the hook's documented output fields; an
+/// unanswered hook times out to the runtime's default.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub(super) struct HookRequestEvent {
+    /// Answer on `POST /v1/requests/{request_id}`.
+    pub request_id: String,
+    /// Which hook.
+    pub hook: HookName,
+    /// The runtime's hook input, as received.
+    pub input: Value,
+}
+
+/// `hook.notification`: a hook the turn's `hooks` asked for that the runtime does not wait
+/// for (`llm_input`, `llm_output`, `before_compaction`, `after_compaction`); nothing to
+/// answer.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub(super) struct HookNotificationEvent {
+    /// Which hook.
+    pub hook: HookName,
+    /// The hook's input (or output), as received.
+    pub input: Value,
+}
+
+/// Any other event: the runtime's session event as it sent it (`assistant.message`,
+/// `assistant.message_delta`, `tool.execution_start`, `session.idle`, …; see the pinned
+/// runtime's `session-events.schema.json`), named by its `type`.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub(super) struct SessionEventData {
+    /// Event id.
+    pub id: String,
+    /// ISO 8601 timestamp.
+    pub timestamp: Option<String>,
+    /// The previous event of the session (`null` for the first).
+    #[serde(rename = "parentId")]
+    pub parent_id: Option<String>,
+    /// Streamed but not persisted (deltas, `session.idle`, …).
+    pub ephemeral: bool,
+    /// The sub-agent that emitted it (`null` for the main agent).
+    #[serde(rename = "agentId")]
+    pub agent_id: Option<String>,
+    /// The event type (also the SSE event name).
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// The event's payload, as the runtime sent it.
+    pub data: Value,
+}
+
+impl From<&SessionEvent> for SessionEventData {
+    fn from(event: &SessionEvent) -> Self {
+        Self {
+            id: event.id.clone(),
+            timestamp: event.timestamp.clone(),
+            parent_id: event.parent_id.clone(),
+            ephemeral: event.ephemeral,
+            agent_id: event.agent_id.clone(),
+            event_type: event.event_type().to_owned(),
+            data: event.kind.data_value(),
+        }
+    }
+}
+
+/// `turn.end`: the last event of every turn's stream (and the whole answer of
+/// `?stream=false`).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub(super) struct TurnEndEvent {
+    /// How the turn ended.
+    pub status: TurnEnd,
+    /// The runtime's session id of the conversation.
+    pub session_id: String,
+    /// Whether the runtime still had the conversation's context (`open_reason` is
+    /// `attached` or `resumed`).
+    pub resumed: bool,
+    /// How the conversation's session was opened for this turn (`null` if it was not).
+    pub open_reason: Option<OpenReason>,
+    /// Model calls.
+    pub llm_calls: u32,
+    /// The final assistant message.
+    pub final_text: String,
+    /// Why the turn failed, if it did.
+    pub error: Option<String>,
+    /// The failing model call's HTTP status, when the model failed.
+    pub status_code: Option<u16>,
+    /// The runtime's error type, when the turn failed.
+    pub error_type: Option<String>,
+    /// Tokens summed over the turn's model calls.
+    pub usage: Usage,
+    /// The runtime's `session.task_complete` data, if it sent one.
+    pub task_complete: Option<Value>,
+}
+
+/// The names of the events the daemon defines itself; any other name is a pass-through
+/// session event.
+#[cfg_attr(not(test), allow(dead_code))]
+const DAEMON_EVENTS: [&str; 6] = [
+    TOOL_CALL,
+    PERMISSION_REQUEST,
+    USER_INPUT_REQUEST,
+    HOOK_REQUEST,
+    HOOK_NOTIFICATION,
+    TURN_END,
+];
+
+/// The document's schema of a turn's `text/event-stream` (OpenAPI 3.1 has `schema` describe
+/// each event of a stream): each SSE event as the pair of its name (`event:`) and its data
+/// (`data:`, a string of `application/json` whose `contentSchema` is the event's data type).
+pub(super) struct TurnEventStream;
+
+impl utoipa::PartialSchema for TurnEventStream {
+    fn schema() -> RefOr<Schema> {
+        fn pair(name: Schema, data: RefOr<Schema>, description: &str) -> Schema {
+            ObjectBuilder::new()
+                .description(Some(description))
+                .property("event", name)
+                .required("event")
+                .property("data", data)
+                .required("data")
+                .into()
+        }
+        fn named(name: &str) -> Schema {
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .enum_values(Some([name]))
+                .into()
+        }
+        // The `data:` field is text: one line of JSON of the event's data type.
+        fn data<T: ToSchema>() -> RefOr<Schema> {
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .content_media_type("application/json")
+                .content_schema(Some(Ref::from_schema_name(T::name())))
+                .into()
+        }
+        let others = ObjectBuilder::new()
+            .schema_type(Type::String)
+            .description(Some(
+                "the runtime's event type (any name but the daemon's own)",
+            ))
+            .into();
+        // Each pair in the order of `DAEMON_EVENTS`, then the pass-through events.
+        let pairs = [
+            pair(
+                named(TOOL_CALL),
+                data::<ToolCallEvent>(),
+                "A gateway tool call to answer.",
+            ),
+            pair(
+                named(PERMISSION_REQUEST),
+                data::<PermissionRequestEvent>(),
+                "A permission prompt to answer.",
+            ),
+            pair(
+                named(USER_INPUT_REQUEST),
+                data::<UserInputRequestEvent>(),
+                "An ask_user question to answer.",
+            ),
+            pair(
+                named(HOOK_REQUEST),
+                data::<HookRequestEvent>(),
+                "A hook to answer.",
+            ),
+            pair(
+                named(HOOK_NOTIFICATION),
+                data::<HookNotificationEvent>(),
+                "A hook to know about (no answer).",
+            ),
+            pair(
+                named(TURN_END),
+                data::<TurnEndEvent>(),
+                "The turn's summary: the last event.",
+            ),
+            pair(
+                others,
+                data::<SessionEventData>(),
+                "A runtime session event, named by its type.",
+            ),
+        ];
+        // `anyOf`: a pass-through event's name is any string, so the pairs do not exclude
+        // each other by name alone.
+        let mut any_of = AnyOfBuilder::new().description(Some(
+            "A turn's event stream: SSE events `event: <name>` / `data: <one line of JSON>`, \
+             ending with one `turn.end`. Each event is one of these name and data pairs.",
+        ));
+        for p in pairs {
+            any_of = any_of.item(p);
+        }
+        any_of.into()
+    }
+}
+
+impl ToSchema for TurnEventStream {
+    fn schemas(schemas: &mut Vec<(String, RefOr<Schema>)>) {
+        fn add<T: ToSchema>(schemas: &mut Vec<(String, RefOr<Schema>)>) {
+            schemas.push((T::name().into_owned(), T::schema()));
+            T::schemas(schemas);
+        }
+        add::<ToolCallEvent>(schemas);
+        add::<PermissionRequestEvent>(schemas);
+        add::<UserInputRequestEvent>(schemas);
+        add::<HookRequestEvent>(schemas);
+        add::<HookNotificationEvent>(schemas);
+        add::<TurnEndEvent>(schemas);
+        add::<SessionEventData>(schemas);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn every_event() -> Vec<TurnEvent> {
+        let usage = Usage::default();
+        vec![
+            TurnEvent::ToolCall(ToolCallEvent {
+                request_id: "r".into(),
+                tool_name: "t".into(),
+                tool_call_id: "c".into(),
+                arguments: json!({}),
+            }),
+            TurnEvent::PermissionRequest(PermissionRequestEvent {
+                request_id: "r".into(),
+                kind: "shell".into(),
+                command: None,
+                paths: Vec::new(),
+                url: None,
+                tool_name: None,
+                request: json!({}),
+            }),
+            TurnEvent::UserInputRequest(UserInputRequestEvent {
+                request_id: "r".into(),
+                question: "q".into(),
+                choices: Vec::new(),
+                allow_freeform: true,
+            }),
+            TurnEvent::HookRequest(HookRequestEvent {
+                request_id: "r".into(),
+                hook: HookName::AgentEnd,
+                input: json!({}),
+            }),
+            TurnEvent::HookNotification(HookNotificationEvent {
+                hook: HookName::LlmInput,
+                input: json!({}),
+            }),
+            TurnEvent::Session(SessionEventData {
+                id: "e".into(),
+                timestamp: None,
+                parent_id: None,
+                ephemeral: false,
+                agent_id: None,
+                event_type: "assistant.message".into(),
+                data: json!({"content": "hi"}),
+            }),
+            TurnEvent::TurnEnd(TurnEndEvent {
+                status: TurnEnd::Idle,
+                session_id: "s".into(),
+                resumed: false,
+                open_reason: Some(OpenReason::New),
+                llm_calls: 1,
+                final_text: String::new(),
+                error: None,
+                status_code: None,
+                error_type: None,
+                usage,
+                task_complete: None,
+            }),
+        ]
+    }
+
+    #[test]
+    fn every_daemon_event_is_documented_and_a_session_event_keeps_its_own_name() {
+        let names: Vec<String> = every_event().iter().map(|e| e.name().to_owned()).collect();
+        for name in &names[..names.len() - 2] {
+            assert!(DAEMON_EVENTS.contains(&name.as_str()), "{name}");
+        }
+        assert_eq!(names[names.len() - 2], "assistant.message");
+        assert_eq!(names[names.len() - 1], TURN_END);
+        let distinct: std::collections::HashSet<_> = names.iter().collect();
+        assert_eq!(distinct.len(), DAEMON_EVENTS.len() + 1);
+    }
+
+    #[test]
+    fn a_frame_is_the_name_and_one_line_of_json_data() {
+        let event = TurnEvent::HookNotification(HookNotificationEvent {
+            hook: HookName::LlmOutput,
+            input: json!({"text": "two\nlines"}),
+        });
+        let frame = event.frame();
+        assert_eq!(frame.matches('\n').count(), 3, "{frame:?}");
+        let data = frame
+            .strip_prefix("event: hook.notification\ndata: ")
+            .and_then(|rest| rest.strip_suffix("\n\n"))
+            .expect("event and data lines");
+        let parsed: Value = serde_json::from_str(data).expect("JSON data");
+        assert_eq!(
+            parsed,
+            json!({"hook": "llm_output", "input": {"text": "two\nlines"}})
+        );
+    }
+}
