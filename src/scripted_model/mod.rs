@@ -25,18 +25,21 @@
 //! * `tunnel` — the [`crate::tunnel::ModelTunnel`] implementation;
 //! * `error` — [`ScriptedModelError`].
 
+mod anthropic;
 pub mod copilot_api;
 mod error;
 mod http;
 mod log;
 mod model;
 mod openai;
+mod responses;
 pub mod script;
+mod stream;
 mod tunnel;
 
 pub use copilot_api::{CopilotApiStandIn, StandInRequest};
 pub use error::ScriptedModelError;
 pub use http::HttpEndpoint;
 pub use log::{Answer, RecordedRequest, Transport};
-pub use model::ScriptedModel;
+pub use model::{ScriptedModel, WireFormat};
 pub use script::{Decision, Reply};
