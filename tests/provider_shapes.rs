@@ -1,6 +1,7 @@
 //! End to end: every BYOK provider shape through the real runtime to the scripted model,
 //! which speaks each wire format (OpenAI chat completions and responses, Anthropic
-//! messages). For each shape, streaming and not: a turn with a gateway tool call, then a
+//! messages). For each shape, streaming and not, over HTTP and through the JSON-RPC model
+//! tunnel: a turn with a gateway tool call, then a
 //! turn whose first model call fails with an upstream 500 and succeeds on the runtime's own
 //! retry; and the requests the runtime made carry the shape's route, credential header,
 //! custom headers and wire model.
@@ -9,7 +10,9 @@ mod support;
 
 use copilot_pool::pool::{LeaseRequest, OpenReason, Pool};
 use copilot_pool::rpc::messages::ProviderConfig;
-use copilot_pool::scripted_model::{Answer, RecordedRequest, Reply, ScriptedModel};
+use std::sync::Arc;
+
+use copilot_pool::scripted_model::{Answer, RecordedRequest, Reply, ScriptedModel, Transport};
 use copilot_pool::secret::Secret;
 use copilot_pool::turn::{GatewayTool, ToolCall};
 use serde_json::json;
@@ -50,11 +53,25 @@ fn origin(fx: &Fixture) -> String {
     format!("http://{}", fx.endpoint.addr())
 }
 
-/// Runs both turns of one shape, streaming and not, in one pool, and checks every model
-/// request against `expect`.
+/// Runs both turns of one shape, streaming and not, over HTTP and through the JSON-RPC
+/// model tunnel, and checks every model request against `expect`.
 async fn prove_shape(provider: impl Fn(&Fixture) -> ProviderConfig, expect: Expect) {
+    for transport in [Transport::Http, Transport::Tunnel] {
+        prove_shape_over(transport, &provider, &expect).await;
+    }
+}
+
+async fn prove_shape_over(
+    transport: Transport,
+    provider: &impl Fn(&Fixture) -> ProviderConfig,
+    expect: &Expect,
+) {
     let fx = Fixture::new().await;
-    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut config = fx.config().await;
+    if transport == Transport::Tunnel {
+        config.worker.model_tunnel = Some(Arc::new(fx.model.clone()));
+    }
+    let pool = Pool::start(config).await.expect("pool");
     for streaming in [false, true] {
         let mut req: LeaseRequest = fx.request("agent-s", &format!("conv-{streaming}"));
         req.provider = Some(provider(&fx));
@@ -104,11 +121,15 @@ async fn prove_shape(provider: impl Fn(&Fixture) -> ProviderConfig, expect: Expe
             "the upstream 500, then the retry: {answers:?}"
         );
         for call in &calls {
+            assert_eq!(call.transport, transport);
             assert_eq!(call.method, "POST");
             assert_eq!(call.path, expect.path);
             assert_eq!(call.query.as_deref(), expect.query);
             let (header, value) = expect.credential;
-            assert_eq!(call.header(header), [value], "{header} of {}", call.path);
+            // Trimmed: a keyless call's `Bearer ` loses its space in HTTP parsing, not in
+            // the tunnel.
+            let sent: Vec<&str> = call.header(header).into_iter().map(str::trim).collect();
+            assert_eq!(sent, [value], "{header} of {}", call.path);
             assert_eq!(call.header("x-tenant"), ["tenant-7"]);
             assert_eq!(call.body["model"], expect.wire_model);
             let streamed = call.body["stream"] == json!(true);

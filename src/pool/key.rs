@@ -120,7 +120,7 @@ impl fmt::Debug for PoolKey {
 }
 
 /// The fingerprint of everything about a BYOK provider that changes what the model sees or
-/// who pays, over [`byok_endpoint_text`] and [`byok_key_text`].
+/// who pays, over [`byok_endpoint_text`] and the credential (the API key and bearer token).
 pub fn byok_fingerprint(provider: &ProviderConfig, model: Option<&str>) -> ByokFingerprint {
     ByokFingerprint {
         endpoint: fingerprint(&byok_endpoint_text(provider, model)),
