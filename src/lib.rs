@@ -98,6 +98,7 @@ mod panic_guard;
 pub mod permission;
 pub mod pool;
 pub mod process;
+pub mod provider;
 pub mod replica;
 pub mod rpc;
 pub mod runtime;

@@ -425,13 +425,17 @@ async fn abort_compact_and_reset_a_conversation_over_http() {
     .await;
     assert_eq!(compacted.status, 200, "{}", compacted.body);
     assert_eq!(compacted.json()["success"], true);
-    // Other settings name no existing conversation: nothing is created or overwritten.
+    // Other settings name no existing conversation: nothing is created or overwritten. (A
+    // new key for the same endpoint would be a rotation of this conversation: another
+    // endpoint header is another one.)
+    let mut other_settings = conv("scripted-key");
+    other_settings["provider"]["headers"] = json!({"X-Other": "1"});
     let other = call(
         addr,
         "POST",
         "/v1/sessions/agent-c/conv/compact",
         None,
-        Some(&conv("another-key")),
+        Some(&other_settings),
     )
     .await;
     assert_eq!(other.status, 404, "{}", other.body);

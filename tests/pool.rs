@@ -301,21 +301,78 @@ async fn token_rotation_drains_the_old_process_and_keeps_the_conversation() {
 }
 
 #[tokio::test]
-async fn a_byok_change_starts_a_new_session() {
+async fn a_byok_endpoint_change_starts_a_new_session() {
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.config().await).await.expect("pool");
     let mut req = fx.request("agent-a", "conv");
     let mut lease = pool.lease(req.clone()).await.expect("lease");
     lease.run("REPLY=first").await.expect("turn");
     let first = lease.cli_session_id().to_owned();
+    let first_pid = lease.worker_pid();
     drop(lease);
-    req.provider = Some(ProviderConfig::openai(
-        fx.endpoint.base_url(),
-        Some(Secret::new("another-key")),
-    ));
-    let lease = pool.lease(req).await.expect("lease with a new key");
+    let mut provider = fx.provider();
+    provider.headers = Some([("X-Tenant".to_owned(), "other".to_owned())].into());
+    req.provider = Some(provider);
+    let lease = pool.lease(req).await.expect("lease with new headers");
     assert_eq!(lease.reason(), OpenReason::CompatChanged);
     assert_ne!(lease.cli_session_id(), &first);
+    assert_ne!(
+        lease.worker_pid(),
+        first_pid,
+        "another endpoint, another worker"
+    );
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_byok_key_rotation_drains_the_old_process_and_keeps_the_conversation() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut req = fx.request("agent-a", "conv");
+    let mut lease = pool.lease(req.clone()).await.expect("lease with key 1");
+    let id = lease.cli_session_id().to_owned();
+    lease
+        .run("REPLY=ok MARKER-key-rotate-3")
+        .await
+        .expect("turn with key 1");
+    let old_pid = lease.worker_pid();
+    drop(lease);
+
+    req.provider = Some(ProviderConfig::openai(
+        fx.endpoint.base_url(),
+        Some(Secret::new("rotated-key")),
+    ));
+    let mut lease = pool.lease(req).await.expect("lease with key 2");
+    assert_ne!(
+        lease.worker_pid(),
+        old_pid,
+        "a rotated key gets a new process"
+    );
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    assert_eq!(
+        lease.cli_session_id(),
+        &id,
+        "same conversation after rotation"
+    );
+    wait_event(
+        &mut events,
+        |e| matches!(e, PoolEvent::WorkerEvicted { pid, .. } if *pid == old_pid),
+    )
+    .await;
+    lease.run("and the marker?").await.expect("turn with key 2");
+    assert!(fx.last_model_request().contains("MARKER-key-rotate-3"));
+    let last = fx.model.requests().pop().expect("a model request");
+    assert_eq!(last.header("authorization"), ["Bearer rotated-key"]);
+    let status = pool.status().await.expect("status");
+    assert_eq!(status.workers.len(), 1);
+    assert_eq!(status.totals.evicted, 1);
+    assert!(
+        wait_group_gone(old_pid, Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }

@@ -308,3 +308,49 @@ async fn every_attachment_and_send_option_we_send_matches_the_api_schema() {
     assert_eq!(agent_modes, enum_of("SendAgentMode"));
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+#[tokio::test]
+async fn the_provider_object_matches_the_api_schema() {
+    use copilot_pool::kinds::{ProviderType, WireApi};
+    let api = load(&schema_dir().await.join("api.schema.json"));
+    let definitions = &api["definitions"];
+    let mut problems = Vec::new();
+    for (ours, theirs) in [
+        (field_names::<ProviderConfig>(), "ProviderConfig"),
+        (field_names::<AzureOptions>(), "ProviderConfigAzure"),
+    ] {
+        let known = properties(&api, &definitions[theirs]);
+        assert!(
+            !known.is_empty(),
+            "{theirs} has no properties in the schema"
+        );
+        for field in &ours {
+            if !known.iter().any(|k| k == field) {
+                problems.push(format!("{theirs}: {field} not in schema {known:?}"));
+            }
+        }
+        for field in required(&api, &definitions[theirs]) {
+            if !ours.contains(&field.as_str()) {
+                problems.push(format!("{theirs}: schema requires {field} we cannot send"));
+            }
+        }
+    }
+    let values = |name: &str| -> Vec<String> {
+        definitions[name]["enum"]
+            .as_array()
+            .map(|v| {
+                v.iter()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let types: Vec<String> = ProviderType::ALL
+        .iter()
+        .map(|t| t.as_str().to_owned())
+        .collect();
+    let wire: Vec<String> = WireApi::ALL.iter().map(|t| t.as_str().to_owned()).collect();
+    assert_eq!(types, values("ProviderConfigType"));
+    assert_eq!(wire, values("ProviderConfigWireApi"));
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

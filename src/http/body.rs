@@ -18,7 +18,7 @@ use super::error::{error, pool_error};
 use crate::auth::LeaseAuth;
 use crate::confine::{ConfineError, confine};
 use crate::pool::LeaseRequest;
-use crate::rpc::messages::ProviderConfig;
+use crate::rpc::messages::{AzureOptions, ProviderConfig};
 use crate::secret::Secret;
 use crate::session_options::SessionOptions;
 
@@ -71,8 +71,8 @@ pub(super) fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Res
     })
 }
 
-/// A BYOK provider: an OpenAI-compatible (or Azure, or Anthropic) endpoint the runtime calls
-/// instead of GitHub's models.
+/// A conversation's BYOK provider, snake_case (the runtime's `provider` object, mapped by
+/// [`provider_config`]; the shapes and their checks are [`crate::provider`]'s).
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct ProviderBody {
@@ -90,7 +90,31 @@ struct ProviderBody {
     #[serde(default)]
     wire_api: Option<crate::kinds::WireApi>,
     #[serde(default)]
+    azure: Option<AzureBody>,
+    #[serde(default)]
     headers: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    model_id: Option<String>,
+    #[serde(default)]
+    wire_model: Option<String>,
+    /// Limits are read as any JSON value so a bad one is refused naming its field.
+    #[serde(default)]
+    #[schema(value_type = Option<u64>, minimum = 1, maximum = 100_000_000)]
+    max_prompt_tokens: Option<Value>,
+    #[serde(default)]
+    #[schema(value_type = Option<u64>, minimum = 1, maximum = 100_000_000)]
+    max_output_tokens: Option<Value>,
+    #[serde(default)]
+    #[schema(value_type = Option<u64>, minimum = 1, maximum = 100_000_000)]
+    max_context_window_tokens: Option<Value>,
+}
+
+/// `provider.azure`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+struct AzureBody {
+    #[serde(default)]
+    api_version: Option<String>,
 }
 
 /// The credentials of a conversation; the levels and their precedence are
@@ -263,11 +287,45 @@ fn provider_config(p: ProviderBody) -> Result<ProviderConfig, Response> {
         base_url: p.base_url,
         api_key: p.api_key,
         bearer_token: p.bearer_token,
+        azure: p.azure.map(|a| AzureOptions {
+            api_version: a.api_version,
+        }),
         headers: p.headers,
+        model_id: p.model_id,
+        wire_model: p.wire_model,
+        max_prompt_tokens: token_limit("provider.max_prompt_tokens", p.max_prompt_tokens)?,
+        max_output_tokens: token_limit("provider.max_output_tokens", p.max_output_tokens)?,
+        max_context_window_tokens: token_limit(
+            "provider.max_context_window_tokens",
+            p.max_context_window_tokens,
+        )?,
     };
     // The library's checks: a Rust embedder gets the same errors.
     crate::pool::validate_provider(&provider).map_err(|e| pool_error(&e))?;
     Ok(provider)
+}
+
+/// A token limit of a provider body: a whole number (the library checks its range), else a
+/// 400 naming the field.
+fn token_limit(field: &str, value: Option<Value>) -> Result<Option<u64>, Response> {
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    match value.as_u64() {
+        Some(limit) => {
+            crate::provider::check_token_limit(field, limit)
+                .map_err(|e| error(StatusCode::BAD_REQUEST, "bad_request", e.to_string()))?;
+            Ok(Some(limit))
+        }
+        None => Err(error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!(
+                "{field} must be a whole number of tokens from 1 to {} (it is {value})",
+                crate::provider::MAX_TOKEN_LIMIT
+            ),
+        )),
+    }
 }
 
 /// The agent's working directory (the library's layout, beside its home).

@@ -280,11 +280,14 @@ pub fn validate_session_key(session_key: &str) -> Result<(), super::PoolError> {
     Ok(())
 }
 
-/// Checks a BYOK provider before anything runs with it: its base URL. (Its type and wire
-/// API are enums, checked where they are parsed.) The pool checks every lease's provider
-/// with it; the daemon checks a request's provider with it before it creates anything, so
-/// both give the same errors.
+/// Checks a BYOK provider before anything runs with it: its shape
+/// ([`crate::provider::check_shape`]: fields that fit its type, headers, keys, model names,
+/// limits) and its base URL. (Its type and wire API are enums, checked where they are
+/// parsed.) The pool checks every lease's provider with it; the daemon checks a request's
+/// provider with it before it creates anything, so both give the same errors.
 pub fn validate_provider(provider: &ProviderConfig) -> Result<(), super::PoolError> {
+    crate::provider::check_shape(provider)
+        .map_err(|e| super::PoolError::InvalidRequest(e.to_string()))?;
     if !(provider.base_url.starts_with("http://") || provider.base_url.starts_with("https://")) {
         return Err(super::PoolError::InvalidRequest(
             "provider.base_url must be an http(s) URL".to_owned(),

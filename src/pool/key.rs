@@ -4,6 +4,12 @@
 //!
 //! Only fingerprints of secrets enter a key (128-bit, non-reversible); `Debug` of a key
 //! shows no token.
+//!
+//! A BYOK provider enters the key as a [`ByokFingerprint`]: the endpoint (type, base URL,
+//! wire API, Azure API version, headers, model names, limits) and, apart, its credential.
+//! A new credential for the same endpoint is a rotation, like a new GitHub token version:
+//! a new worker key of the same family (the old workers drain) and the same conversation.
+//! Any other change is a new family and a new CLI session.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -11,7 +17,7 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 
 use crate::auth::{AuthMode, ResolvedAuth, fingerprint};
-use crate::kinds::{ProviderType, WireApi};
+use crate::kinds::WireApi;
 use crate::rpc::messages::ProviderConfig;
 use crate::session_options::SessionOptions;
 
@@ -28,7 +34,34 @@ pub struct PoolKey {
     /// The credential version (a fingerprint, or the caller's version).
     pub profile_version: Option<String>,
     /// Fingerprint of the BYOK provider and model, if any.
-    pub byok: Option<String>,
+    pub byok: Option<ByokFingerprint>,
+}
+
+/// The fingerprint of a BYOK provider and the session's model: what the endpoint is and,
+/// apart, which credential it is called with (so a key rotation stays in the family).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ByokFingerprint {
+    /// Type, base URL, wire API, Azure API version, headers, model, `modelId`, `wireModel`
+    /// and the token limits.
+    pub endpoint: String,
+    /// The API key and bearer token; `None` for a provider without either.
+    pub key: Option<String>,
+}
+
+impl fmt::Debug for ByokFingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Fingerprints are not secrets, but they are long: show a prefix.
+        let short = |fp: &str| {
+            fp.trim_start_matches("sha256:")
+                .chars()
+                .take(12)
+                .collect::<String>()
+        };
+        f.debug_struct("ByokFingerprint")
+            .field("endpoint", &short(&self.endpoint))
+            .field("key", &self.key.as_deref().map(short))
+            .finish()
+    }
 }
 
 impl PoolKey {
@@ -48,11 +81,15 @@ impl PoolKey {
         }
     }
 
-    /// The key without the credential version: two keys of one family are the same account
-    /// before and after a token rotation.
+    /// The key without the credential versions (the GitHub token's and the BYOK key's): two
+    /// keys of one family are the same account and endpoint before and after a rotation.
     pub fn family(&self) -> PoolKey {
         PoolKey {
             profile_version: None,
+            byok: self.byok.as_ref().map(|b| ByokFingerprint {
+                endpoint: b.endpoint.clone(),
+                key: None,
+            }),
             ..self.clone()
         }
     }
@@ -64,7 +101,8 @@ impl PoolKey {
             self.mode.as_str(),
             self.profile_id,
             self.profile_version,
-            self.byok,
+            self.byok.as_ref().map(|b| &b.endpoint),
+            self.byok.as_ref().map(|b| &b.key),
         ])
         .to_string();
         fingerprint(&text)
@@ -81,25 +119,59 @@ impl fmt::Debug for PoolKey {
     }
 }
 
-/// A stable fingerprint of everything about a BYOK provider that changes what the model sees
-/// or who pays: type, base URL, wire API, headers, key, bearer token and model.
-pub fn byok_fingerprint(provider: &ProviderConfig, model: Option<&str>) -> String {
-    let headers: Vec<(&String, &String)> = provider
+/// The fingerprint of everything about a BYOK provider that changes what the model sees or
+/// who pays, over [`byok_endpoint_text`] and the credential (the API key and bearer token).
+pub fn byok_fingerprint(provider: &ProviderConfig, model: Option<&str>) -> ByokFingerprint {
+    ByokFingerprint {
+        endpoint: fingerprint(&byok_endpoint_text(provider, model)),
+        key: byok_key_text(provider).map(|text| fingerprint(&text)),
+    }
+}
+
+/// The stable serialization of a provider's endpoint and the session's model: a JSON array
+/// of `[name, value]` pairs in a fixed order, defaults resolved the way the runtime
+/// resolves them (no type is `openai`, no wire API is `completions` for openai and azure),
+/// header names lower-cased and the headers sorted. Changing this text restarts every
+/// BYOK conversation (a new compat key): the golden test below holds it.
+pub fn byok_endpoint_text(provider: &ProviderConfig, model: Option<&str>) -> String {
+    let mut headers: Vec<(String, &str)> = provider
         .headers
-        .as_ref()
-        .map(|h| h.iter().collect())
-        .unwrap_or_default();
-    let text = json!({
-        "type": provider.kind.unwrap_or(ProviderType::OpenAi).as_str(),
-        "baseUrl": provider.base_url,
-        "wireApi": provider.wire_api.unwrap_or(WireApi::Completions).as_str(),
-        "headers": headers,
-        "apiKey": provider.api_key.as_ref().map(|k| k.expose()),
-        "bearerToken": provider.bearer_token.as_ref().map(|k| k.expose()),
-        "model": model,
-    })
-    .to_string();
-    fingerprint(&text)
+        .iter()
+        .flatten()
+        .map(|(name, value)| (name.to_ascii_lowercase(), value.as_str()))
+        .collect();
+    headers.sort();
+    json!([
+        ["type", provider.kind_or_default().as_str()],
+        ["baseUrl", provider.base_url],
+        [
+            "wireApi",
+            provider.wire_api_or_default().map(WireApi::as_str)
+        ],
+        [
+            "azureApiVersion",
+            provider
+                .azure
+                .as_ref()
+                .and_then(|a| a.api_version.as_deref())
+        ],
+        ["headers", headers],
+        ["model", model],
+        ["modelId", provider.model_id],
+        ["wireModel", provider.wire_model],
+        ["maxPromptTokens", provider.max_prompt_tokens],
+        ["maxOutputTokens", provider.max_output_tokens],
+        ["maxContextWindowTokens", provider.max_context_window_tokens],
+    ])
+    .to_string()
+}
+
+/// The stable serialization of a provider's credential (`[apiKey, bearerToken]`), `None`
+/// when it has neither. It holds the secrets: only its fingerprint may leave this module.
+fn byok_key_text(provider: &ProviderConfig) -> Option<String> {
+    let api_key = provider.api_key.as_ref().map(|k| k.expose());
+    let bearer = provider.bearer_token.as_ref().map(|k| k.expose());
+    (api_key.is_some() || bearer.is_some()).then(|| json!([api_key, bearer]).to_string())
 }
 
 /// Whether a stored conversation may be resumed for a lease: model, provider fingerprint,
@@ -117,7 +189,7 @@ pub fn compat_key(
 ) -> String {
     let mut text = json!({
         "model": model,
-        "byok": key.byok,
+        "byok": key.byok.as_ref().map(|b| &b.endpoint),
         "cwd": working_directory.display().to_string(),
         "home": key.home.display().to_string(),
         "mode": key.mode.as_str(),
@@ -163,31 +235,182 @@ mod tests {
     }
 
     #[test]
-    fn byok_changes_change_the_key_and_the_compat_key() {
+    fn every_endpoint_field_changes_the_family_and_the_compat_key() {
+        use crate::kinds::ProviderType;
+        use crate::rpc::messages::AzureOptions;
         let home = Path::new("/h");
         let cwd = Path::new("/w");
         let base = ProviderConfig::openai("http://m/v1", Some("k".into()));
         let key = |p: &ProviderConfig, m: &str| PoolKey::new(home, &token("v"), Some(p), Some(m));
+        let compat = |k: &PoolKey, m: &str| compat_key(k, Some(m), cwd, &SessionOptions::new());
         let k0 = key(&base, "m");
-        let mut other_key = base.clone();
-        other_key.api_key = Some("k2".into());
-        let mut other_url = base.clone();
-        other_url.base_url = "http://n/v1".into();
-        let mut other_headers = base.clone();
-        other_headers.headers = Some([("x".to_owned(), "y".to_owned())].into());
-        for k in [
-            key(&other_key, "m"),
-            key(&other_url, "m"),
-            key(&other_headers, "m"),
-            key(&base, "m2"),
-        ] {
-            assert_ne!(k0, k);
-            assert_ne!(k0.family(), k.family());
-            assert_ne!(
-                compat_key(&k0, Some("m"), cwd, &SessionOptions::new()),
-                compat_key(&k, Some("m2"), cwd, &SessionOptions::new())
-            );
+        let changed: Vec<(&str, ProviderConfig, &str)> = vec![
+            (
+                "type",
+                ProviderConfig {
+                    kind: Some(ProviderType::Azure),
+                    ..base.clone()
+                },
+                "m",
+            ),
+            (
+                "base url",
+                ProviderConfig {
+                    base_url: "http://n/v1".into(),
+                    ..base.clone()
+                },
+                "m",
+            ),
+            (
+                "wire api",
+                ProviderConfig {
+                    wire_api: Some(WireApi::Responses),
+                    ..base.clone()
+                },
+                "m",
+            ),
+            (
+                "azure api version",
+                ProviderConfig {
+                    azure: Some(AzureOptions {
+                        api_version: Some("2024-10-21".into()),
+                    }),
+                    ..base.clone()
+                },
+                "m",
+            ),
+            (
+                "headers",
+                ProviderConfig {
+                    headers: Some([("x".to_owned(), "y".to_owned())].into()),
+                    ..base.clone()
+                },
+                "m",
+            ),
+            ("model", base.clone(), "m2"),
+            (
+                "model id",
+                ProviderConfig {
+                    model_id: Some("gpt-4o".into()),
+                    ..base.clone()
+                },
+                "m",
+            ),
+            (
+                "wire model",
+                ProviderConfig {
+                    wire_model: Some("d".into()),
+                    ..base.clone()
+                },
+                "m",
+            ),
+            (
+                "max prompt",
+                ProviderConfig {
+                    max_prompt_tokens: Some(9),
+                    ..base.clone()
+                },
+                "m",
+            ),
+            (
+                "max output",
+                ProviderConfig {
+                    max_output_tokens: Some(9),
+                    ..base.clone()
+                },
+                "m",
+            ),
+            (
+                "max window",
+                ProviderConfig {
+                    max_context_window_tokens: Some(9),
+                    ..base.clone()
+                },
+                "m",
+            ),
+        ];
+        for (what, provider, model) in changed {
+            let k = key(&provider, model);
+            assert_ne!(k0, k, "{what}");
+            assert_ne!(k0.family(), k.family(), "{what}");
+            assert_ne!(compat(&k0, "m"), compat(&k, model), "{what}");
         }
+    }
+
+    #[test]
+    fn a_new_key_for_the_same_endpoint_is_a_rotation_in_the_family() {
+        let home = Path::new("/h");
+        let cwd = Path::new("/w");
+        let base = ProviderConfig::openai("http://m/v1", Some("k".into()));
+        let key = |p: &ProviderConfig| PoolKey::new(home, &token("v"), Some(p), Some("m"));
+        let compat = |k: &PoolKey| compat_key(k, Some("m"), cwd, &SessionOptions::new());
+        let k0 = key(&base);
+        let rotated = [
+            ProviderConfig {
+                api_key: Some("k2".into()),
+                ..base.clone()
+            },
+            ProviderConfig {
+                bearer_token: Some("t".into()),
+                ..base.clone()
+            },
+            ProviderConfig {
+                api_key: None,
+                ..base.clone()
+            },
+        ];
+        for provider in rotated {
+            let k = key(&provider);
+            assert_ne!(k0, k, "{provider:?}");
+            assert_eq!(k0.family(), k.family(), "{provider:?}");
+            assert_eq!(compat(&k0), compat(&k), "{provider:?}");
+        }
+    }
+
+    #[test]
+    fn the_endpoint_serialization_is_stable_and_resolves_defaults() {
+        // Holding this text holds every stored BYOK conversation's compat key.
+        let mut p = ProviderConfig::openai("https://m/v1", Some("sk-secret".into()));
+        p.headers = Some(
+            [
+                ("X-B".to_owned(), "2".to_owned()),
+                ("x-a".to_owned(), "1".to_owned()),
+            ]
+            .into(),
+        );
+        p.max_output_tokens = Some(512);
+        assert_eq!(
+            byok_endpoint_text(&p, Some("gpt")),
+            r#"[["type","openai"],["baseUrl","https://m/v1"],["wireApi","completions"],["azureApiVersion",null],["headers",[["x-a","1"],["x-b","2"]]],["model","gpt"],["modelId",null],["wireModel",null],["maxPromptTokens",null],["maxOutputTokens",512],["maxContextWindowTokens",null]]"#
+        );
+        // What the runtime defaults to fingerprints like the default spelled out.
+        let bare = ProviderConfig {
+            kind: None,
+            wire_api: None,
+            ..p.clone()
+        };
+        assert_eq!(
+            byok_fingerprint(&bare, Some("gpt")),
+            byok_fingerprint(&p, Some("gpt"))
+        );
+        // Header names are case-insensitive.
+        let mut upper = p.clone();
+        upper.headers = Some(
+            [
+                ("X-A".to_owned(), "1".to_owned()),
+                ("X-B".to_owned(), "2".to_owned()),
+            ]
+            .into(),
+        );
+        assert_eq!(
+            byok_fingerprint(&upper, Some("gpt")),
+            byok_fingerprint(&p, Some("gpt"))
+        );
+        // Anthropic has no wire API.
+        let anthropic = ProviderConfig::anthropic("https://a", None);
+        assert!(byok_endpoint_text(&anthropic, None).contains(r#"["wireApi",null]"#));
+        assert!(byok_fingerprint(&anthropic, None).key.is_none());
+        assert!(!byok_endpoint_text(&p, None).contains("sk-secret"));
     }
 
     #[test]
@@ -203,7 +426,7 @@ mod tests {
         let before = fingerprint(
             &json!({
                 "model": Some("m"),
-                "byok": key.byok,
+                "byok": key.byok.as_ref().map(|b| &b.endpoint),
                 "cwd": "/w",
                 "home": "/h",
                 "mode": key.mode.as_str(),
@@ -243,6 +466,8 @@ mod tests {
         let text = format!("{k:?} {}", k.short_hash());
         assert!(!text.contains("sk-very-secret") && !text.contains("ghu_secret_value"));
         assert_eq!(k.short_hash().len(), 12);
-        assert!(!byok_fingerprint(&p, None).contains("sk-very"));
+        let fp = byok_fingerprint(&p, None);
+        let text = format!("{fp:?} {} {:?}", fp.endpoint, fp.key);
+        assert!(!text.contains("sk-very"), "{text}");
     }
 }

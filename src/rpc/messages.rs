@@ -240,29 +240,65 @@ method!(
     AnsweredResult
 );
 
-/// The BYOK provider of a session (`provider` in `session.create`/`session.resume`). The
-/// runtime does not persist it: it must be sent again on every resume. `Debug` shows no
-/// secret: keys are `Secret`s and custom header values are redacted.
-#[derive(Clone, PartialEq, Serialize, Deserialize)]
+/// The BYOK provider of a session (`provider` in `session.create`/`session.resume`), with
+/// the runtime's field names (`ProviderConfig` of the pinned package's `api.schema.json`;
+/// `tests/schema.rs` checks them). The runtime does not persist it: it must be sent again on
+/// every resume. `Debug` shows no secret: keys are `Secret`s and custom header values are
+/// redacted. The shapes it takes (OpenAI chat completions or responses, Azure OpenAI,
+/// Anthropic messages, OpenAI-compatible local servers) and their checks are
+/// [`crate::provider`]'s.
+#[derive(Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ProviderConfig {
     /// `openai` (the runtime's default), `azure` or `anthropic`.
     #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
     pub kind: Option<ProviderType>,
-    /// `completions` (the runtime's default) or `responses`.
+    /// `completions` (the runtime's default) or `responses`; openai and azure only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wire_api: Option<WireApi>,
-    /// Base URL of the OpenAI-compatible endpoint, e.g. `http://127.0.0.1:8080/v1`.
+    /// Base URL of the endpoint, e.g. `https://api.openai.com/v1`,
+    /// `https://<resource>.openai.azure.com`, `https://api.anthropic.com`.
     pub base_url: String,
-    /// API key, sent as `Authorization: Bearer` for type openai.
+    /// API key: `Authorization: Bearer` for openai, `api-key` for azure, `x-api-key` for
+    /// anthropic. Optional for local servers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key: Option<Secret>,
-    /// Bearer token (wins over the API key).
+    /// Bearer token, sent as `Authorization: Bearer` (wins over the API key).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bearer_token: Option<Secret>,
+    /// Azure options (type azure only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub azure: Option<AzureOptions>,
     /// Extra headers sent with every model request.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub headers: Option<BTreeMap<String, String>>,
+    /// The well-known model id the runtime looks up behaviour and default limits by (falls
+    /// back to the session's model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_id: Option<String>,
+    /// The model name sent to the provider (an Azure deployment, a local model tag); falls
+    /// back to `model_id`, then the session's model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wire_model: Option<String>,
+    /// Prompt tokens at most (the runtime compacts before it would send more).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_prompt_tokens: Option<u64>,
+    /// Output tokens at most per model call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_output_tokens: Option<u64>,
+    /// The model's context window in tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_context_window_tokens: Option<u64>,
+}
+
+/// `provider.azure`: Azure OpenAI options.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AzureOptions {
+    /// The API version (`api-version`): with it the runtime calls the versioned deployment
+    /// route, without it the GA versionless `/openai/v1` route.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_version: Option<String>,
 }
 
 impl std::fmt::Debug for ProviderConfig {
@@ -273,10 +309,16 @@ impl std::fmt::Debug for ProviderConfig {
             .field("base_url", &self.base_url)
             .field("api_key", &self.api_key)
             .field("bearer_token", &self.bearer_token)
+            .field("azure", &self.azure)
             .field(
                 "headers",
                 &self.headers.as_ref().map(|h| h.keys().collect::<Vec<_>>()),
             )
+            .field("model_id", &self.model_id)
+            .field("wire_model", &self.wire_model)
+            .field("max_prompt_tokens", &self.max_prompt_tokens)
+            .field("max_output_tokens", &self.max_output_tokens)
+            .field("max_context_window_tokens", &self.max_context_window_tokens)
             .finish()
     }
 }
@@ -289,8 +331,72 @@ impl ProviderConfig {
             wire_api: Some(WireApi::Completions),
             base_url: base_url.into(),
             api_key,
-            bearer_token: None,
-            headers: None,
+            ..Self::default()
+        }
+    }
+
+    /// An OpenAI responses-API provider at `base_url`.
+    pub fn openai_responses(base_url: impl Into<String>, api_key: Option<Secret>) -> Self {
+        Self {
+            wire_api: Some(WireApi::Responses),
+            ..Self::openai(base_url, api_key)
+        }
+    }
+
+    /// An Azure OpenAI provider: `base_url` is the resource (`https://<name>.openai.azure.com`),
+    /// `deployment` the wire model; with `api_version` the runtime calls the versioned
+    /// deployment route.
+    pub fn azure(
+        base_url: impl Into<String>,
+        api_key: Option<Secret>,
+        deployment: impl Into<String>,
+        api_version: Option<String>,
+    ) -> Self {
+        Self {
+            kind: Some(ProviderType::Azure),
+            wire_api: Some(WireApi::Completions),
+            base_url: base_url.into(),
+            api_key,
+            azure: api_version.map(|v| AzureOptions {
+                api_version: Some(v),
+            }),
+            wire_model: Some(deployment.into()),
+            ..Self::default()
+        }
+    }
+
+    /// An Anthropic messages provider at `base_url` (`https://api.anthropic.com`).
+    pub fn anthropic(base_url: impl Into<String>, api_key: Option<Secret>) -> Self {
+        Self {
+            kind: Some(ProviderType::Anthropic),
+            base_url: base_url.into(),
+            api_key,
+            ..Self::default()
+        }
+    }
+
+    /// An OpenAI-compatible local server (ollama, vLLM, llama.cpp's `llama-server`) at
+    /// `base_url` (e.g. `http://127.0.0.1:11434/v1`), serving `wire_model`, without a key.
+    pub fn openai_compatible(base_url: impl Into<String>, wire_model: impl Into<String>) -> Self {
+        Self {
+            wire_model: Some(wire_model.into()),
+            ..Self::openai(base_url, None)
+        }
+    }
+
+    /// The provider type the runtime uses (`openai` when unset).
+    pub fn kind_or_default(&self) -> ProviderType {
+        self.kind.unwrap_or(ProviderType::OpenAi)
+    }
+
+    /// The wire API the runtime uses for openai and azure (`completions` when unset);
+    /// `None` for anthropic, which has one.
+    pub fn wire_api_or_default(&self) -> Option<WireApi> {
+        match self.kind_or_default() {
+            ProviderType::Anthropic => None,
+            ProviderType::OpenAi | ProviderType::Azure => {
+                Some(self.wire_api.unwrap_or(WireApi::Completions))
+            }
         }
     }
 }

@@ -13,7 +13,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderName, HeaderValue, Method, StatusCode, Uri};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
@@ -135,6 +135,7 @@ pub(super) async fn handle(
     State(endpoint): State<Endpoint>,
     method: Method,
     uri: Uri,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     let mut stop = endpoint.stop.clone();
@@ -142,7 +143,17 @@ pub(super) async fn handle(
         transport: Transport::Http,
         method: method.as_str(),
         path: uri.path(),
+        query: uri.query(),
         session_id: None,
+        headers: headers
+            .iter()
+            .map(|(n, v)| {
+                (
+                    n.as_str().to_owned(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            })
+            .collect(),
         body: &body,
     });
     tokio::select! {

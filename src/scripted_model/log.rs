@@ -45,8 +45,13 @@ pub struct RecordedRequest {
     pub method: String,
     /// Path, without query.
     pub path: String,
+    /// The query (after `?`), if any.
+    pub query: Option<String>,
     /// The session id the tunnel reported, if any (always `None` over HTTP).
     pub session_id: Option<String>,
+    /// The request's headers, names lower-cased, in the order received (the test keys of
+    /// the scripted model's callers are in here: it is never on a production path).
+    pub headers: Vec<(String, String)>,
     /// The body parsed as JSON; `Value::Null` when empty or not JSON.
     pub body: Value,
     /// How it was answered.
@@ -61,6 +66,15 @@ impl RecordedRequest {
             .and_then(Value::as_array)
             .map(Vec::as_slice)
             .unwrap_or(&[])
+    }
+
+    /// The values of header `name` (case-insensitive).
+    pub fn header(&self, name: &str) -> Vec<&str> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+            .collect()
     }
 
     /// The decision, when this was a chat-completions request.
@@ -126,7 +140,9 @@ mod tests {
             transport: Transport::Http,
             method: "GET".into(),
             path: path.into(),
+            query: None,
             session_id: None,
+            headers: Vec::new(),
             body: Value::Null,
             answer: Answer::NotFound,
         }

@@ -12,9 +12,11 @@ use tokio::sync::watch;
 use super::log::{Answer, RecordedRequest, RequestLog, Transport};
 use super::openai::{self, Completion};
 use super::script::{self, ChatRequest, Decision, Reply};
+use super::{anthropic, responses, stream};
 use crate::tunnel::ModelResponse;
 
-/// A scripted OpenAI-compatible chat-completions model for tests and the demo.
+/// A scripted model for tests and the demo: OpenAI chat completions, the OpenAI responses
+/// API and Anthropic messages.
 ///
 /// Cheap to clone (all clones share one state). Answers are decided by
 /// [`script`](super::script) rules or by replies queued with [`ScriptedModel::push_reply`].
@@ -45,7 +47,7 @@ impl Default for Inner {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Chat-completions requests served so far.
+    /// Model calls served so far (every wire format).
     served: u64,
     /// Replies that win over the directives, oldest first.
     queue: VecDeque<Reply>,
@@ -58,11 +60,131 @@ pub(crate) struct Incoming<'a> {
     pub method: &'a str,
     /// Path without query.
     pub path: &'a str,
+    /// The query (after `?`), if any.
+    pub query: Option<&'a str>,
     pub session_id: Option<String>,
+    /// Request headers, names lower-cased.
+    pub headers: Vec<(String, String)>,
     pub body: &'a [u8],
 }
 
 const JSON: &str = "application/json";
+
+/// The wire format of a model call, by the path it is posted to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WireFormat {
+    /// OpenAI chat completions: `POST …/chat/completions`.
+    ChatCompletions,
+    /// The OpenAI responses API: `POST …/responses`.
+    Responses,
+    /// Anthropic messages: `POST …/messages`.
+    AnthropicMessages,
+}
+
+impl WireFormat {
+    /// The format a `POST` to `path` (no query, no trailing slash) speaks, if any.
+    pub fn of_path(path: &str) -> Option<Self> {
+        if path.ends_with("/chat/completions") {
+            Some(Self::ChatCompletions)
+        } else if path.ends_with("/responses") {
+            Some(Self::Responses)
+        } else if path.ends_with("/messages") {
+            Some(Self::AnthropicMessages)
+        } else {
+            None
+        }
+    }
+
+    fn parse(self, body: &Value) -> Result<ChatRequest, String> {
+        match self {
+            Self::ChatCompletions => ChatRequest::from_json(body),
+            Self::Responses => responses::parse(body),
+            Self::AnthropicMessages => anthropic::parse(body),
+        }
+    }
+
+    fn error_body(self, status: u16) -> String {
+        match self {
+            Self::ChatCompletions => openai::error_body(status),
+            Self::Responses => responses::error_body(status),
+            Self::AnthropicMessages => anthropic::error_body(status),
+        }
+    }
+
+    fn invalid_request_body(self, reason: &str) -> String {
+        match self {
+            Self::ChatCompletions | Self::Responses => {
+                openai::invalid_request_body(reason, "bad_request")
+            }
+            Self::AnthropicMessages => anthropic::invalid_request_body(reason),
+        }
+    }
+}
+
+/// What an answer is rendered with: its format and the fields its objects repeat.
+struct Rendering {
+    format: WireFormat,
+    number: u64,
+    created: u64,
+    model: String,
+    include_usage: bool,
+}
+
+impl Rendering {
+    fn completion(&self) -> Completion {
+        Completion {
+            id: format!("chatcmpl-scripted-{}", self.number),
+            created: self.created,
+            model: self.model.clone(),
+            include_usage: self.include_usage,
+        }
+    }
+
+    fn response(&self) -> responses::ResponseMeta {
+        responses::ResponseMeta {
+            id: format!("resp_scripted_{}", self.number),
+            created: self.created,
+            model: self.model.clone(),
+        }
+    }
+
+    fn message(&self) -> anthropic::MessageMeta {
+        anthropic::MessageMeta {
+            id: format!("msg_scripted_{}", self.number),
+            model: self.model.clone(),
+        }
+    }
+
+    /// The whole body of a text or tool-call answer.
+    fn body(&self, decision: &Decision) -> String {
+        match self.format {
+            WireFormat::ChatCompletions => openai::completion_body(&self.completion(), decision),
+            WireFormat::Responses => responses::response_body(&self.response(), decision),
+            WireFormat::AnthropicMessages => anthropic::message_body(&self.message(), decision),
+        }
+    }
+
+    /// The answer as server-sent events.
+    fn stream(
+        &self,
+        decision: Decision,
+        shutdown: watch::Receiver<bool>,
+    ) -> tokio::sync::mpsc::Receiver<crate::tunnel::BodyChunk> {
+        match self.format {
+            WireFormat::ChatCompletions => openai::stream(self.completion(), decision, shutdown),
+            WireFormat::Responses => stream::stream(
+                responses::ResponseStream::new(self.response()),
+                decision,
+                shutdown,
+            ),
+            WireFormat::AnthropicMessages => stream::stream(
+                anthropic::MessageStream::new(self.message()),
+                decision,
+                shutdown,
+            ),
+        }
+    }
+}
 
 impl ScriptedModel {
     /// The model id the scripted model lists and reports.
@@ -121,12 +243,15 @@ impl ScriptedModel {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Routes and answers one request: `POST …/chat/completions`, `GET …/models`, else 404.
+    /// Routes and answers one request: a model call in one of the [`WireFormat`]s, `GET
+    /// …/models`, else 404.
     pub(crate) async fn respond(&self, request: Incoming<'_>) -> ModelResponse {
         let path = request.path.trim_end_matches('/');
         let method = request.method;
-        if path.ends_with("/chat/completions") && method.eq_ignore_ascii_case("POST") {
-            return self.chat(request).await;
+        if method.eq_ignore_ascii_case("POST")
+            && let Some(format) = WireFormat::of_path(path)
+        {
+            return self.model_call(format, request).await;
         }
         let body = serde_json::from_slice(request.body).unwrap_or(Value::Null);
         if path.ends_with("/models") && method.eq_ignore_ascii_case("GET") {
@@ -142,17 +267,17 @@ impl ScriptedModel {
         )
     }
 
-    async fn chat(&self, request: Incoming<'_>) -> ModelResponse {
+    async fn model_call(&self, format: WireFormat, request: Incoming<'_>) -> ModelResponse {
         let parsed = serde_json::from_slice::<Value>(request.body)
             .map_err(|e| (Value::Null, format!("request body is not JSON: {e}")))
-            .and_then(|body| match ChatRequest::from_json(&body) {
+            .and_then(|body| match format.parse(&body) {
                 Ok(chat) => Ok((body, chat)),
                 Err(reason) => Err((body, reason)),
             });
         let (body, chat) = match parsed {
             Ok(parsed) => parsed,
             Err((body, reason)) => {
-                let answer = openai::invalid_request_body(&reason, "bad_request");
+                let answer = format.invalid_request_body(&reason);
                 self.record(&request, body, Answer::BadRequest(reason));
                 return ModelResponse::full(400, JSON, answer);
             }
@@ -171,8 +296,9 @@ impl ScriptedModel {
                 decision: decision.clone(),
             },
         );
-        let completion = Completion {
-            id: format!("chatcmpl-scripted-{number}"),
+        let answer = Rendering {
+            format,
+            number,
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
@@ -180,36 +306,35 @@ impl ScriptedModel {
             model: chat.model.unwrap_or_else(|| Self::MODEL_ID.to_owned()),
             include_usage: chat.include_usage,
         };
-        self.render(completion, decision, chat.stream).await
+        self.render(answer, decision, chat.stream).await
     }
 
-    async fn render(
-        &self,
-        completion: Completion,
-        decision: Decision,
-        stream: bool,
-    ) -> ModelResponse {
+    async fn render(&self, answer: Rendering, decision: Decision, stream: bool) -> ModelResponse {
         let shutdown = self.inner.shutdown.subscribe();
         match decision {
             Decision::Error { status } => {
-                ModelResponse::full(status, JSON, openai::error_body(status))
+                ModelResponse::full(status, JSON, answer.format.error_body(status))
             }
             Decision::Hang => {
                 let content_type = if stream { "text/event-stream" } else { JSON };
                 opened(content_type, openai::hang(shutdown))
             }
-            decision if stream => sse(openai::stream(completion, decision, shutdown)),
+            decision if stream => sse(answer.stream(decision, shutdown)),
             decision => {
                 if let Decision::Slow { chunks, interval } = &decision {
                     let mut shutdown = shutdown;
                     tokio::select! {
                         () = tokio::time::sleep(interval.saturating_mul(*chunks)) => {}
                         () = openai::shut_down(&mut shutdown) => {
-                            return ModelResponse::full(503, JSON, openai::error_body(503));
+                            return ModelResponse::full(
+                                503,
+                                JSON,
+                                answer.format.error_body(503),
+                            );
                         }
                     }
                 }
-                ModelResponse::full(200, JSON, openai::completion_body(&completion, &decision))
+                ModelResponse::full(200, JSON, answer.body(&decision))
             }
         }
     }
@@ -219,7 +344,9 @@ impl ScriptedModel {
             transport: request.transport,
             method: request.method.to_owned(),
             path: request.path.to_owned(),
+            query: request.query.map(str::to_owned),
             session_id: request.session_id.clone(),
+            headers: request.headers.clone(),
             body,
             answer,
         });
@@ -257,7 +384,9 @@ mod tests {
             transport: Transport::Tunnel,
             method,
             path,
+            query: None,
             session_id: Some("s1".into()),
+            headers: Vec::new(),
             body,
         }
     }

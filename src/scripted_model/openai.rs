@@ -254,7 +254,7 @@ pub fn hang(shutdown: watch::Receiver<bool>) -> mpsc::Receiver<BodyChunk> {
 
 /// Keeps the body open until the receiver is dropped or the model shuts down (then the
 /// body ends with an error).
-async fn hold_open(tx: &mpsc::Sender<BodyChunk>, shutdown: &mut watch::Receiver<bool>) {
+pub(super) async fn hold_open(tx: &mpsc::Sender<BodyChunk>, shutdown: &mut watch::Receiver<bool>) {
     tokio::select! {
         () = tx.closed() => {}
         () = shut_down(shutdown) => {
@@ -264,7 +264,10 @@ async fn hold_open(tx: &mpsc::Sender<BodyChunk>, shutdown: &mut watch::Receiver<
 }
 
 /// Sends every event in order; `false` when the receiver is gone.
-async fn send_all(tx: &mpsc::Sender<BodyChunk>, events: impl IntoIterator<Item = String>) -> bool {
+pub(super) async fn send_all(
+    tx: &mpsc::Sender<BodyChunk>,
+    events: impl IntoIterator<Item = String>,
+) -> bool {
     for event in events {
         if tx.send(Ok(event)).await.is_err() {
             return false;

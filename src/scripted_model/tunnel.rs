@@ -15,7 +15,13 @@ impl ModelTunnel for ScriptedModel {
                     transport: Transport::Tunnel,
                     method: &request.method,
                     path: request.path(),
+                    query: request.url.split_once('?').map(|(_, q)| q),
                     session_id: request.session_id.clone(),
+                    headers: request
+                        .headers
+                        .iter()
+                        .map(|(n, v)| (n.to_ascii_lowercase(), v.clone()))
+                        .collect(),
                     body: &request.body,
                 })
                 .await
@@ -102,7 +108,7 @@ mod tests {
         let model = ScriptedModel::new();
         let response = model
             .serve(request(
-                "http://127.0.0.1:9/v1/responses",
+                "http://127.0.0.1:9/v1/embeddings",
                 json!({"input": []}),
             ))
             .await;
