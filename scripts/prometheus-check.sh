@@ -105,7 +105,7 @@ def query(expr):
 # Wait until two scrapes after the workload have landed (rates need two samples).
 deadline = time.time() + 60
 while time.time() < deadline:
-    r = query('count_over_time(copilot_pool_sessions[1m])')
+    r = query('count_over_time(copilot_pool_conversations_attached[1m])')
     if r.get("status") == "success" and r["data"]["result"] and float(r["data"]["result"][0]["value"][1]) >= 3:
         break
     time.sleep(0.5)
