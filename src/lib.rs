@@ -71,6 +71,8 @@
 //! * [`runtime`] — the pinned runtime: install with npm, locate at run time.
 //! * [`tunnel`] — serving the runtime's model HTTP requests over the pipe: the
 //!   [`tunnel::ModelTunnel`] trait, its request/response shapes and the `llmInference.*` frames.
+//! * [`model_guard`] — the guarded model path of BYOK workers: the pool's own HTTP client
+//!   behind the tunnel (SSRF checks, DNS pinning, the real key kept out of the child).
 //! * `http` — the HTTP API (`router`, `serve`) that `copilot-pool serve` runs, for a Rust
 //!   gateway to mount in its own axum app (feature `http`, on by default through `cli`).
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
@@ -91,6 +93,7 @@ pub mod http;
 pub mod ids;
 pub mod kinds;
 pub mod metrics;
+pub mod model_guard;
 mod panic_guard;
 pub mod permission;
 pub mod pool;
