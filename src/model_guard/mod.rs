@@ -210,3 +210,6 @@ impl ModelGuard {
 fn refused((reason, message): (BlockReason, String)) -> GuardError {
     GuardError::Refused { reason, message }
 }
+
+#[cfg(test)]
+mod tests;
