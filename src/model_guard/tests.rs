@@ -157,13 +157,14 @@ async fn read_request(stream: &mut TcpStream) -> Option<String> {
 }
 
 fn config(allow_private_endpoints: bool, resolver: Arc<dyn Resolve>) -> ModelGuardConfig {
-    let mut config = ModelGuardConfig::default();
-    config.allow_private_endpoints = allow_private_endpoints;
-    config.resolver = resolver;
-    config.connect_timeout = Duration::from_secs(5);
-    config.first_byte_timeout = Duration::from_secs(10);
-    config.idle_timeout = Duration::from_secs(10);
-    config
+    ModelGuardConfig {
+        allow_private_endpoints,
+        resolver,
+        connect_timeout: Duration::from_secs(5),
+        first_byte_timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(10),
+        ..Default::default()
+    }
 }
 
 fn provider(base_url: &str) -> ProviderConfig {
@@ -816,8 +817,10 @@ fn text_split_inside_a_character_is_passed_on_whole() {
 
 #[test]
 fn bad_extra_certificates_are_refused_with_the_fix() {
-    let mut config = ModelGuardConfig::default();
-    config.extra_root_certificates_pem = vec![b"not a certificate".to_vec()];
+    let config = ModelGuardConfig {
+        extra_root_certificates_pem: vec![b"not a certificate".to_vec()],
+        ..Default::default()
+    };
     let error = ModelGuard::new(config).unwrap_err().to_string();
     assert!(error.contains("BEGIN CERTIFICATE"), "{error}");
 }
