@@ -373,3 +373,27 @@ async fn two_conversations_with_one_provider_share_a_guarded_worker() {
         .await
         .expect("shutdown");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_api_refuses_a_guarded_provider_with_a_400_and_creates_nothing() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.model_guard.allow_private_endpoints = false;
+    let server = support::api::InProcess::start(config, Default::default()).await;
+    for base_url in [
+        fx.endpoint.base_url(),
+        "https://169.254.169.254/v1".to_owned(),
+        "https://[::ffff:10.0.0.1]/v1".to_owned(),
+        "https://models.example/v1?api_key=sk-1".to_owned(),
+    ] {
+        let body = support::api::turn(&base_url, "agent-h", "conv-h", "REPLY=never");
+        let answer = support::http::call(server.addr, "POST", "/v1/turns", None, Some(&body)).await;
+        assert_eq!(answer.status, 400, "{base_url}: {}", answer.body);
+        assert!(answer.body.contains("provider.base_url"), "{}", answer.body);
+    }
+    let work = copilot_pool::home::work_dir(&fx.scratch.path().join("agents"), "agent-h")
+        .expect("work dir");
+    assert!(!work.exists(), "{} was created", work.display());
+    assert!(fx.model.requests().is_empty());
+    server.stop().await;
+}
