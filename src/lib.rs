@@ -33,7 +33,10 @@
 //!
 //! let dir = tempfile::tempdir()?;
 //! let worker = worker::WorkerConfig::new(installed.executable, "".into(), "".into());
-//! let pool = Pool::start(PoolConfig::new(worker, dir.path().join("state"), dir.path().join("agents"))).await?;
+//! let mut config = PoolConfig::new(worker, dir.path().join("state"), dir.path().join("agents"));
+//! // The scripted model listens on loopback: let the guarded model path reach it.
+//! config.model_guard.allow_private_endpoints = true;
+//! let pool = Pool::start(config).await?;
 //!
 //! let mut request = LeaseRequest::new("agent-1", "conversation-1", dir.path().to_path_buf());
 //! request.model = Some(ScriptedModel::MODEL_ID.to_owned());

@@ -68,7 +68,8 @@ pub fn check_url(url: &Url, allow_private_endpoints: bool) -> Result<(), Refusal
             return Err((
                 BlockReason::Scheme,
                 "plain http:// is refused; use an https:// endpoint (plain http is allowed \
-                 only to loopback, with allow_private_endpoints in the daemon's config)"
+                 only to loopback, with allow_private_endpoints: [model] in the daemon's \
+                 config, PoolConfig::model_guard in the library)"
                     .to_owned(),
             ));
         }
@@ -113,7 +114,8 @@ pub(crate) fn check_addresses(
     for ip in addresses {
         if let Err(class) = address::allowed(*ip, allow_private_endpoints) {
             let fix = if class.private_endpoint() {
-                " (for a local model, turn on allow_private_endpoints in the daemon's config)"
+                " (for a local model, turn on allow_private_endpoints: [model] in the daemon's \
+                 config, PoolConfig::model_guard in the library)"
             } else {
                 ""
             };
