@@ -3,7 +3,8 @@
 //!
 //! * what the crate reports to callers, dashboards and HTTP clients: how a conversation was
 //!   opened ([`OpenReason`]), how a turn ended ([`TurnEnd`]), what kind of failure a pool
-//!   error is ([`ErrorKind`]);
+//!   error is ([`ErrorKind`]), how a model request through the tunnel ended
+//!   ([`ModelOutcome`]) and why the model guard refused one ([`BlockReason`]);
 //! * what a caller chooses for a conversation's model: [`ReasoningEffort`], and a BYOK
 //!   provider's [`ProviderType`] and [`WireApi`]; for a turn: [`SendMode`], [`AgentMode`]
 //!   and the [`HookName`]s it wants; and the [`TokenKind`]s its usage counts. These parse from their wire spelling
@@ -411,6 +412,145 @@ wire_enum! {
         CacheRead = "cache_read",
         /// Prompt tokens written to the provider's prompt cache.
         CacheWrite = "cache_write",
+    }
+}
+
+/// Why the model guard refused a model request before any connection was made (the
+/// `reason` label of `copilot_pool_model_blocked_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BlockReason {
+    /// Not `https` (plain `http` only to loopback with `allow_private_endpoints`).
+    Scheme,
+    /// A user name or password in the URL.
+    Userinfo,
+    /// A query parameter that looks like a credential (`key`, `token`, `sig`, …).
+    CredentialQuery,
+    /// The request was not for the worker's provider (another host or path).
+    ForeignUrl,
+    /// The request body exceeds the limit.
+    BodyTooLarge,
+    /// A loopback address.
+    Loopback,
+    /// An RFC 1918 private address.
+    Private,
+    /// A shared (carrier-grade NAT) address.
+    Shared,
+    /// A link-local address.
+    LinkLocal,
+    /// An IPv6 unique local address.
+    UniqueLocal,
+    /// A cloud metadata service.
+    Metadata,
+    /// A multicast or broadcast address.
+    Multicast,
+    /// The unspecified address.
+    Unspecified,
+    /// A documentation range.
+    Documentation,
+    /// Another special-purpose or reserved range.
+    Reserved,
+}
+
+impl BlockReason {
+    /// Every value, in a stable order.
+    pub const ALL: [BlockReason; 15] = [
+        BlockReason::Scheme,
+        BlockReason::Userinfo,
+        BlockReason::CredentialQuery,
+        BlockReason::ForeignUrl,
+        BlockReason::BodyTooLarge,
+        BlockReason::Loopback,
+        BlockReason::Private,
+        BlockReason::Shared,
+        BlockReason::LinkLocal,
+        BlockReason::UniqueLocal,
+        BlockReason::Metadata,
+        BlockReason::Multicast,
+        BlockReason::Unspecified,
+        BlockReason::Documentation,
+        BlockReason::Reserved,
+    ];
+
+    /// The label, as serialized.
+    pub fn label(self) -> &'static str {
+        match self {
+            BlockReason::Scheme => "scheme",
+            BlockReason::Userinfo => "userinfo",
+            BlockReason::CredentialQuery => "credential_query",
+            BlockReason::ForeignUrl => "foreign_url",
+            BlockReason::BodyTooLarge => "body_too_large",
+            BlockReason::Loopback => "loopback",
+            BlockReason::Private => "private",
+            BlockReason::Shared => "shared",
+            BlockReason::LinkLocal => "link_local",
+            BlockReason::UniqueLocal => "unique_local",
+            BlockReason::Metadata => "metadata",
+            BlockReason::Multicast => "multicast",
+            BlockReason::Unspecified => "unspecified",
+            BlockReason::Documentation => "documentation",
+            BlockReason::Reserved => "reserved",
+        }
+    }
+}
+
+/// How one model request through the tunnel ended (the `outcome` label of
+/// `copilot_pool_model_requests_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelOutcome {
+    /// A 2xx or 3xx answer, streamed to its end.
+    Ok,
+    /// The provider answered 4xx.
+    ClientError,
+    /// The provider answered 5xx.
+    ServerError,
+    /// Refused by the guard before any connection.
+    Blocked,
+    /// No connection: DNS, TCP or TLS failed.
+    ConnectError,
+    /// The connect, first-byte or idle timeout expired.
+    Timeout,
+    /// The response body broke off.
+    StreamError,
+    /// The runtime cancelled the request, or the worker ended.
+    Cancelled,
+}
+
+impl ModelOutcome {
+    /// Every value, in a stable order.
+    pub const ALL: [ModelOutcome; 8] = [
+        ModelOutcome::Ok,
+        ModelOutcome::ClientError,
+        ModelOutcome::ServerError,
+        ModelOutcome::Blocked,
+        ModelOutcome::ConnectError,
+        ModelOutcome::Timeout,
+        ModelOutcome::StreamError,
+        ModelOutcome::Cancelled,
+    ];
+
+    /// The label, as serialized.
+    pub fn label(self) -> &'static str {
+        match self {
+            ModelOutcome::Ok => "ok",
+            ModelOutcome::ClientError => "client_error",
+            ModelOutcome::ServerError => "server_error",
+            ModelOutcome::Blocked => "blocked",
+            ModelOutcome::ConnectError => "connect_error",
+            ModelOutcome::Timeout => "timeout",
+            ModelOutcome::StreamError => "stream_error",
+            ModelOutcome::Cancelled => "cancelled",
+        }
+    }
+
+    /// The outcome of an answer with this status that streamed to its end.
+    pub fn of_status(status: u16) -> Self {
+        match status {
+            500.. => ModelOutcome::ServerError,
+            400..=499 => ModelOutcome::ClientError,
+            _ => ModelOutcome::Ok,
+        }
     }
 }
 

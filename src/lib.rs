@@ -33,7 +33,10 @@
 //!
 //! let dir = tempfile::tempdir()?;
 //! let worker = worker::WorkerConfig::new(installed.executable, "".into(), "".into());
-//! let pool = Pool::start(PoolConfig::new(worker, dir.path().join("state"), dir.path().join("agents"))).await?;
+//! let mut config = PoolConfig::new(worker, dir.path().join("state"), dir.path().join("agents"));
+//! // The scripted model listens on loopback: let the guarded model path reach it.
+//! config.model_guard.allow_private_endpoints = true;
+//! let pool = Pool::start(config).await?;
 //!
 //! let mut request = LeaseRequest::new("agent-1", "conversation-1", dir.path().to_path_buf());
 //! request.model = Some(ScriptedModel::MODEL_ID.to_owned());
@@ -71,6 +74,8 @@
 //! * [`runtime`] — the pinned runtime: install with npm, locate at run time.
 //! * [`tunnel`] — serving the runtime's model HTTP requests over the pipe: the
 //!   [`tunnel::ModelTunnel`] trait, its request/response shapes and the `llmInference.*` frames.
+//! * [`model_guard`] — the guarded model path of BYOK workers: the pool's own HTTP client
+//!   behind the tunnel (SSRF checks, DNS pinning, the real key kept out of the child).
 //! * `http` — the HTTP API (`router`, `serve`) that `copilot-pool serve` runs, for a Rust
 //!   gateway to mount in its own axum app (feature `http`, on by default through `cli`).
 //! * `sdk_endpoint` — the runtime's own JSON-RPC protocol on TCP or a Unix socket, so an
@@ -94,6 +99,7 @@ pub mod http;
 pub mod ids;
 pub mod kinds;
 pub mod metrics;
+pub mod model_guard;
 mod panic_guard;
 pub mod permission;
 pub mod pool;

@@ -35,6 +35,10 @@
 //! | [`TOKENS_TOTAL`] | counter | `kind`: [`TokenKind::as_str`] (`input`, `output`, `cache_read`, `cache_write`) |
 //! | [`SDK_CONNECTIONS`] | gauge | — |
 //! | [`SDK_CONNECTIONS_TOTAL`] | counter | `result`: `accepted`, `refused`, `unauthenticated` |
+//! | [`MODEL_REQUESTS_TOTAL`] | counter | `outcome`: [`ModelOutcome::label`] |
+//! | [`MODEL_REQUEST_SECONDS`] | histogram | `phase`: `first_byte`, `total` |
+//! | [`MODEL_BYTES_TOTAL`] | counter | `direction`: `sent`, `received` |
+//! | [`MODEL_BLOCKED_TOTAL`] | counter | `reason`: [`BlockReason::label`] |
 //!
 //! The gauges are absolute values set by the pool actor: with more than one pool in a
 //! process they overwrite each other (the daemon runs one).
@@ -45,7 +49,9 @@ use ::metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
 
-use crate::kinds::{ErrorKind, Eviction, OpenReason, TokenKind, TurnEnd};
+use crate::kinds::{
+    BlockReason, ErrorKind, Eviction, ModelOutcome, OpenReason, TokenKind, TurnEnd,
+};
 
 /// CLI processes of the pool by `state` (`live`, `draining`).
 pub const PROCESSES: &str = "copilot_pool_processes";
@@ -88,6 +94,15 @@ pub const RPC_DURATION_SECONDS: &str = "copilot_pool_rpc_duration_seconds";
 pub const HOOK_FAILURES_TOTAL: &str = "copilot_pool_hook_failures_total";
 /// Tokens of the runtime's model calls (`assistant.usage`), by `kind`.
 pub const TOKENS_TOTAL: &str = "copilot_pool_tokens_total";
+/// Model HTTP requests of the runtime served through the tunnel, by `outcome`.
+pub const MODEL_REQUESTS_TOTAL: &str = "copilot_pool_model_requests_total";
+/// Time of a tunnelled model request, by `phase`: to the response head (`first_byte`) and to
+/// the end of its body (`total`).
+pub const MODEL_REQUEST_SECONDS: &str = "copilot_pool_model_request_seconds";
+/// Body bytes of tunnelled model requests, by `direction` (`sent` upstream, `received` back).
+pub const MODEL_BYTES_TOTAL: &str = "copilot_pool_model_bytes_total";
+/// Model requests the guard refused before any connection, by `reason`.
+pub const MODEL_BLOCKED_TOTAL: &str = "copilot_pool_model_blocked_total";
 
 /// Client connections open on the SDK endpoint.
 pub const SDK_CONNECTIONS: &str = "copilot_pool_sdk_connections";
@@ -109,6 +124,9 @@ pub const COUNTERS: &[&str] = &[
     HOOK_FAILURES_TOTAL,
     TOKENS_TOTAL,
     SDK_CONNECTIONS_TOTAL,
+    MODEL_REQUESTS_TOTAL,
+    MODEL_BYTES_TOTAL,
+    MODEL_BLOCKED_TOTAL,
 ];
 
 /// Every gauge.
@@ -127,6 +145,7 @@ pub const HISTOGRAMS: &[&str] = &[
     LEASE_WAIT_SECONDS,
     TURN_DURATION_SECONDS,
     RPC_DURATION_SECONDS,
+    MODEL_REQUEST_SECONDS,
 ];
 
 /// Suggested histogram buckets: 1 ms to 60 s for requests, lease waits and process starts,
@@ -186,6 +205,15 @@ pub fn register_zeroes() {
     }
     for result in SdkConnection::ALL {
         counter!(SDK_CONNECTIONS_TOTAL, "result" => result.label()).absolute(0);
+    }
+    for outcome in ModelOutcome::ALL {
+        counter!(MODEL_REQUESTS_TOTAL, "outcome" => outcome.label()).absolute(0);
+    }
+    for direction in ModelDirection::ALL {
+        counter!(MODEL_BYTES_TOTAL, "direction" => direction.label()).absolute(0);
+    }
+    for reason in BlockReason::ALL {
+        counter!(MODEL_BLOCKED_TOTAL, "reason" => reason.label()).absolute(0);
     }
 }
 
@@ -299,6 +327,31 @@ pub fn describe() {
         "SDK endpoint connections, by result (accepted, refused over the cap, \
          unauthenticated)."
     );
+    describe_counter!(
+        MODEL_REQUESTS_TOTAL,
+        Unit::Count,
+        "Model HTTP requests of the runtime served through the tunnel, by outcome (ok, \
+         client_error, server_error, blocked, connect_error, timeout, stream_error, cancelled)."
+    );
+    describe_histogram!(
+        MODEL_REQUEST_SECONDS,
+        Unit::Seconds,
+        "Time of a tunnelled model request, by phase: to the response head (first_byte) and \
+         to the end of its body (total)."
+    );
+    describe_counter!(
+        MODEL_BYTES_TOTAL,
+        Unit::Bytes,
+        "Body bytes of tunnelled model requests, by direction (sent upstream, received back)."
+    );
+    describe_counter!(
+        MODEL_BLOCKED_TOTAL,
+        Unit::Count,
+        "Model requests the guard refused before any connection, by reason (scheme, userinfo, \
+         credential_query, foreign_url, body_too_large, or the address range: loopback, \
+         private, shared, link_local, unique_local, metadata, multicast, unspecified, \
+         documentation, reserved)."
+    );
 }
 
 /// What became of one SDK endpoint connection (the `result` label of
@@ -357,6 +410,47 @@ pub fn rpc_method_label(method: &str) -> &'static str {
         .find(|m| **m == method)
         .copied()
         .unwrap_or(RPC_OTHER)
+}
+
+/// Which way model request bytes went (the `direction` label of [`MODEL_BYTES_TOTAL`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ModelDirection {
+    /// The request body, to the provider.
+    Sent,
+    /// The response body, back to the runtime.
+    Received,
+}
+
+impl ModelDirection {
+    pub(crate) const ALL: [ModelDirection; 2] = [ModelDirection::Sent, ModelDirection::Received];
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            ModelDirection::Sent => "sent",
+            ModelDirection::Received => "received",
+        }
+    }
+}
+
+/// A tunnelled model request's response head arrived `elapsed` after the request was whole.
+pub(crate) fn model_first_byte(elapsed: Duration) {
+    histogram!(MODEL_REQUEST_SECONDS, "phase" => "first_byte").record(elapsed.as_secs_f64());
+}
+
+/// A tunnelled model request ended (its body streamed, failed or was cancelled).
+pub(crate) fn model_request_finished(outcome: ModelOutcome, elapsed: Duration) {
+    counter!(MODEL_REQUESTS_TOTAL, "outcome" => outcome.label()).increment(1);
+    histogram!(MODEL_REQUEST_SECONDS, "phase" => "total").record(elapsed.as_secs_f64());
+}
+
+/// Body bytes of a tunnelled model request went `direction`.
+pub(crate) fn model_bytes(direction: ModelDirection, n: u64) {
+    counter!(MODEL_BYTES_TOTAL, "direction" => direction.label()).increment(n);
+}
+
+/// The guard refused a model request.
+pub(crate) fn model_blocked(reason: BlockReason) {
+    counter!(MODEL_BLOCKED_TOTAL, "reason" => reason.label()).increment(1);
 }
 
 /// One JSON-RPC request to the runtime took `elapsed` (answered or not).
@@ -619,7 +713,7 @@ mod tests {
                 assert!(!help.is_empty(), "{name} has no help text");
                 let expected = if name.ends_with("_seconds") {
                     Unit::Seconds
-                } else if name.ends_with("_bytes") {
+                } else if name.ends_with("_bytes") || name.ends_with("_bytes_total") {
                     Unit::Bytes
                 } else {
                     Unit::Count
@@ -685,7 +779,19 @@ mod tests {
 
     #[test]
     fn every_label_set_is_small_distinct_and_in_snake_case() {
-        let sets: [(&str, Vec<&str>); 6] = [
+        let sets: [(&str, Vec<&str>); 9] = [
+            (
+                "model outcomes",
+                ModelOutcome::ALL.map(ModelOutcome::label).to_vec(),
+            ),
+            (
+                "model block reasons",
+                BlockReason::ALL.map(BlockReason::label).to_vec(),
+            ),
+            (
+                "model directions",
+                ModelDirection::ALL.map(ModelDirection::label).to_vec(),
+            ),
             (
                 "resume results",
                 OpenReason::ALL
@@ -748,6 +854,11 @@ mod tests {
             tokens(TokenKind::Input, 100);
             tokens(TokenKind::Input, 20);
             tokens(TokenKind::CacheRead, 40);
+            model_first_byte(Duration::from_millis(500));
+            model_request_finished(ModelOutcome::ServerError, Duration::from_secs(2));
+            model_bytes(ModelDirection::Sent, 300);
+            model_bytes(ModelDirection::Received, 70);
+            model_blocked(BlockReason::Metadata);
             PoolGauges {
                 live: 3,
                 draining: 1,
@@ -790,6 +901,31 @@ mod tests {
         assert_eq!(counter_of(TOOL_CALLS_TOTAL, &[("outcome", "timeout")]), 1);
         assert_eq!(counter_of(TOKENS_TOTAL, &[("kind", "input")]), 120);
         assert_eq!(counter_of(TOKENS_TOTAL, &[("kind", "cache_read")]), 40);
+        assert_eq!(
+            counter_of(MODEL_REQUESTS_TOTAL, &[("outcome", "server_error")]),
+            1
+        );
+        assert_eq!(counter_of(MODEL_BYTES_TOTAL, &[("direction", "sent")]), 300);
+        assert_eq!(
+            counter_of(MODEL_BYTES_TOTAL, &[("direction", "received")]),
+            70
+        );
+        assert_eq!(
+            counter_of(MODEL_BLOCKED_TOTAL, &[("reason", "metadata")]),
+            1
+        );
+        let phase = |p: &'static str| match &snap[&key(
+            MetricKind::Histogram,
+            MODEL_REQUEST_SECONDS,
+            &[("phase", p)],
+        )]
+            .2
+        {
+            DebugValue::Histogram(v) => v.iter().map(|x| x.into_inner()).collect::<Vec<_>>(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(phase("first_byte"), [0.5]);
+        assert_eq!(phase("total"), [2.0]);
         // Only the successful start is timed; an attached conversation is not a resume.
         let starts = &snap[&key(MetricKind::Histogram, PROCESS_START_SECONDS, &[])].2;
         assert!(matches!(starts, DebugValue::Histogram(v) if v.len() == 1 && v[0] == 2.0));

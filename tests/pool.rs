@@ -728,6 +728,11 @@ async fn a_lease_cancelled_while_opening_on_a_silent_runtime_gives_its_slot_back
     let pool = Pool::start(config).await.expect("pool");
     let mut events = pool.subscribe();
     let mut pids = Vec::new();
+    // A token lease: the peer speaks no model tunnel (a BYOK lease's process would first
+    // need its answer to `llmInference.setProvider`).
+    let mut silent = fx.request("agent-a", "conv");
+    silent.provider = None;
+    silent.auth = token("v1");
     for round in 1..=2 {
         // Cancelled once the pool has granted it a process (its open is under way).
         let granted = async {
@@ -739,7 +744,7 @@ async fn a_lease_cancelled_while_opening_on_a_silent_runtime_gives_its_slot_back
             }
         };
         tokio::select! {
-            opened = pool.lease(fx.request("agent-a", "conv")) => {
+            opened = pool.lease(silent.clone()) => {
                 panic!("the silent peer must keep the lease opening: {:?}", opened.map(|_| ()))
             }
             _ = tokio::time::timeout(Duration::from_secs(30), granted) => {}

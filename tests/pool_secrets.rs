@@ -49,11 +49,12 @@ async fn tokens_never_reach_logs_or_debug_output() {
     let mut worker =
         WorkerConfig::new(support::runtime::runtime_path().await, "".into(), "".into());
     worker.kill_grace = Duration::from_secs(2);
-    let config = PoolConfig::new(
+    let mut config = PoolConfig::new(
         worker,
         scratch.path().join("state"),
         scratch.path().join("agents"),
     );
+    config.model_guard.allow_private_endpoints = true;
     let pool = Pool::start(config).await.expect("pool");
     let mut req = LeaseRequest::new("agent-s", "conv", scratch.work());
     req.model = Some(ScriptedModel::MODEL_ID.into());

@@ -448,6 +448,13 @@ pub(super) async fn lease_request(
     };
     req.model = conv.model;
     req.provider = conv.provider.map(provider_config).transpose()?;
+    if let Some(provider) = &req.provider {
+        // The model guard's rules, with the pool's allow_private_endpoints (never the request's).
+        state
+            .pool
+            .check_provider(provider)
+            .map_err(|e| pool_error(&e))?;
+    }
     // The library's check: a request nothing could serve is refused before anything exists.
     crate::auth::resolve_for_lease(&req.auth, req.provider.is_some())
         .map_err(|e| pool_error(&e.into()))?;

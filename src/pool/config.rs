@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::auth::LeaseAuth;
 use crate::ids::CliSessionId;
 use crate::kinds::ReasoningEffort;
+use crate::model_guard::ModelGuardConfig;
 use crate::rpc::messages::{ProviderConfig, SessionConfig};
 use crate::session_options::SessionOptions;
 use crate::turn::TurnHandlers;
@@ -68,6 +69,9 @@ pub struct PoolConfig {
     /// A conversation whose resume crashed the runtime this many times in a row starts a
     /// new session (`resume-failed`) instead of crashing it again (default 2).
     pub max_resume_crashes: u32,
+    /// The guarded model path of BYOK workers: `allow_private_endpoints` (default off),
+    /// extra CAs, the request body limit and the connect, first-byte and idle timeouts.
+    pub model_guard: ModelGuardConfig,
 }
 
 /// The runtime's automatic context management (`infiniteSessions` on the wire).
@@ -107,6 +111,7 @@ impl PoolConfig {
             infinite_sessions: None,
             abort_settle_timeout: Duration::from_secs(10),
             max_resume_crashes: 2,
+            model_guard: ModelGuardConfig::default(),
         }
     }
 }

@@ -30,7 +30,8 @@ use tokio::sync::{broadcast, watch};
 
 use crate::auth::{AuthMode, resolve_for_lease};
 use crate::home::resolve_copilot_home;
-use crate::rpc::messages::SessionConfig;
+use crate::model_guard::ModelGuard;
+use crate::rpc::messages::{ProviderConfig, SessionConfig};
 use crate::worker::{Session, WorkerError, WorkerHandle};
 
 pub use crate::ids::{CliSessionId, ConversationId};
@@ -72,6 +73,8 @@ pub struct Pool {
 struct PoolInner {
     actor: ActorRef<PoolMsg>,
     config: PoolConfig,
+    /// The guarded model path every BYOK worker's tunnel goes through.
+    guard: ModelGuard,
     bindings: Arc<BindingStore>,
     leased: watch::Receiver<usize>,
     events: broadcast::Sender<PoolEvent>,
@@ -114,6 +117,8 @@ impl Pool {
                     .to_owned(),
             ));
         }
+        let guard = ModelGuard::new(config.model_guard.clone())
+            .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
         let bindings = Arc::new(BindingStore::open(&config.state_dir)?);
         let (leased_tx, leased_rx) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);
@@ -129,6 +134,7 @@ impl Pool {
             inner: Arc::new(PoolInner {
                 actor,
                 config,
+                guard,
                 bindings,
                 leased: leased_rx,
                 events,
@@ -146,6 +152,19 @@ impl Pool {
     /// The pool's configuration.
     pub fn config(&self) -> &PoolConfig {
         &self.inner.config
+    }
+
+    /// Checks a BYOK provider as a lease would, before anything runs with it: its base URL
+    /// (`validate_provider`) and the model guard's rules (scheme, userinfo, credential-looking
+    /// query parameters, an IP address host's range; `allow_private_endpoints` comes from
+    /// the pool's config, never from the request). The HTTP API calls it for a request's
+    /// provider before it creates anything.
+    pub fn check_provider(&self, provider: &ProviderConfig) -> Result<(), PoolError> {
+        validate_provider(provider)?;
+        self.inner
+            .guard
+            .check_provider(provider)
+            .map_err(|e| PoolError::InvalidRequest(e.to_string()))
     }
 
     /// The durable bindings (read-only use: the pool writes them).
@@ -179,7 +198,7 @@ impl Pool {
         let auth = resolve_for_lease(&req.auth, req.provider.is_some())?;
         validate_session_key(&req.session_key)?;
         if let Some(provider) = &req.provider {
-            validate_provider(provider)?;
+            self.check_provider(provider)?;
         }
         let home = resolve_copilot_home(
             req.copilot_home.as_deref(),
@@ -207,14 +226,34 @@ impl Pool {
         spec.working_directory = home.clone();
         spec.auth_token = auth.token.clone();
         spec.auto_login = auth.mode == AuthMode::LoggedInUser;
-        let session_config = match &req.wire_config {
+        let mut session_config = match &req.wire_config {
             // A client's own config (the SDK endpoint): sent as it is; the open sets the id.
-            Some(wire) => SessionConfig {
-                session_id: String::new(),
-                ..wire.clone()
-            },
+            Some(wire) => {
+                let mut config = SessionConfig {
+                    session_id: String::new(),
+                    ..wire.clone()
+                };
+                // Its provider is the lease's, replaced below by placeholders: the real
+                // one never reaches the child.
+                if req.provider.is_some() {
+                    config.extra.remove("provider");
+                }
+                config
+            }
             None => session_config(&req, &auth, inner.config.infinite_sessions.as_ref()),
         };
+        if let Some(provider) = &req.provider {
+            // The guarded path: the child gets placeholders, its tunnel the real provider.
+            // The key holds the provider's fingerprint, so a worker spawned from this spec
+            // serves only leases with this very provider.
+            spec.model_tunnel = Some(
+                inner
+                    .guard
+                    .tunnel_for(provider)
+                    .map_err(|e| PoolError::InvalidRequest(e.to_string()))?,
+            );
+            session_config.provider = Some(ModelGuard::placeholder(provider));
+        }
         let acquire = AcquireRequest {
             id: 0, // set by the actor
             key: key.clone(),

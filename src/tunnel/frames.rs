@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tokio::task::AbortHandle;
 
-use super::{ModelRequest, ModelTunnel};
+use super::{ModelRequest, ModelResponse, ModelTunnel};
 use crate::rpc::Connection;
 use crate::rpc::messages::{
     HttpRequestChunk, HttpRequestStart, HttpResponseChunk, HttpResponseChunkParams,
@@ -18,8 +18,16 @@ use crate::rpc::messages::{
 /// Requests being received and responses being streamed, by the runtime's request id.
 #[derive(Default)]
 pub(crate) struct TunnelRequests {
-    receiving: HashMap<String, ModelRequest>,
+    receiving: HashMap<String, Receiving>,
     serving: HashMap<String, AbortHandle>,
+}
+
+/// A request whose body is still arriving.
+struct Receiving {
+    request: ModelRequest,
+    /// The body passed the tunnel's limit: what arrived was dropped, and the request is
+    /// answered with `request_too_large` instead of being served.
+    oversized: bool,
 }
 
 impl TunnelRequests {
@@ -32,19 +40,24 @@ impl TunnelRequests {
             .collect();
         self.receiving.insert(
             head.request_id.clone(),
-            ModelRequest {
-                request_id: head.request_id,
-                session_id: head.session_id,
-                method: head.method,
-                url: head.url,
-                headers,
-                body: Vec::new(),
+            Receiving {
+                request: ModelRequest {
+                    request_id: head.request_id,
+                    session_id: head.session_id,
+                    method: head.method,
+                    url: head.url,
+                    headers,
+                    body: Vec::new(),
+                },
+                oversized: false,
             },
         );
     }
 
-    /// A body chunk arrived. On the last chunk the request is served; `on_done` runs when the
-    /// response has been streamed (or failed). Returns false for an unknown request id.
+    /// A body chunk arrived. On the last chunk the request is served (or, past the tunnel's
+    /// body limit, answered with its `request_too_large` without being served); `on_done`
+    /// runs when the response has been streamed (or failed). Returns false for an unknown
+    /// request id.
     pub(crate) fn chunk(
         &mut self,
         chunk: HttpRequestChunk,
@@ -59,17 +72,26 @@ impl TunnelRequests {
             }
             return true;
         }
-        let Some(request) = self.receiving.get_mut(&chunk.request_id) else {
+        let Some(receiving) = self.receiving.get_mut(&chunk.request_id) else {
             return false;
         };
         if chunk.binary == Some(true) {
             tracing::warn!(request_id = %chunk.request_id, "Binary model request bodies are not supported; passing the data on as text.");
         }
-        request.body.extend_from_slice(chunk.data.as_bytes());
+        let limit = tunnel.max_request_body_bytes();
+        let body = &mut receiving.request.body;
+        if !receiving.oversized && body.len().saturating_add(chunk.data.len()) > limit {
+            receiving.oversized = true;
+            *body = Vec::new();
+        }
+        if !receiving.oversized {
+            body.extend_from_slice(chunk.data.as_bytes());
+        }
         if chunk.end != Some(true) {
             return true;
         }
-        let Some(request) = self.receiving.remove(&chunk.request_id) else {
+        let Some(Receiving { request, oversized }) = self.receiving.remove(&chunk.request_id)
+        else {
             return false;
         };
         let id = request.request_id.clone();
@@ -77,7 +99,12 @@ impl TunnelRequests {
         let tunnel = tunnel.clone();
         let done_id = id.clone();
         let task = tokio::spawn(async move {
-            serve(conn, tunnel, request).await;
+            if oversized {
+                let response = tunnel.request_too_large(&request, limit);
+                answer(conn, request.request_id, response).await;
+            } else {
+                serve(conn, tunnel, request).await;
+            }
             on_done(done_id);
         });
         self.serving.insert(id, task.abort_handle());
@@ -100,7 +127,12 @@ impl TunnelRequests {
 
 async fn serve(conn: Connection, tunnel: Arc<dyn ModelTunnel>, request: ModelRequest) {
     let request_id = request.request_id.clone();
-    let mut response = tunnel.serve(request).await;
+    let response = tunnel.serve(request).await;
+    answer(conn, request_id, response).await;
+}
+
+/// Streams `response` to the runtime as the answer to `request_id`.
+async fn answer(conn: Connection, request_id: String, mut response: ModelResponse) {
     let mut headers: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (name, value) in response.headers {
         headers.entry(name).or_default().push(value);

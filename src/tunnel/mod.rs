@@ -95,9 +95,40 @@ impl ModelResponse {
 /// The future a [`ModelTunnel`] returns.
 pub type ServeFuture = Pin<Box<dyn Future<Output = ModelResponse> + Send + 'static>>;
 
+/// The largest request body a tunnel accepts unless it says otherwise (32 MiB).
+pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 32 << 20;
+
 /// Something that answers model HTTP requests on behalf of the runtime.
 pub trait ModelTunnel: Send + Sync + 'static {
     /// Serve one request. The response head is sent as soon as the future resolves; the body
     /// streams from [`ModelResponse::body`].
     fn serve(&self, request: ModelRequest) -> ServeFuture;
+
+    /// The largest request body this tunnel is given: a larger one is dropped as it arrives
+    /// and answered with [`ModelTunnel::request_too_large`] instead of being served.
+    fn max_request_body_bytes(&self) -> usize {
+        DEFAULT_MAX_REQUEST_BODY_BYTES
+    }
+
+    /// The answer to a request whose body exceeded the limit (`request.body` is empty):
+    /// 413 by default.
+    fn request_too_large(&self, request: &ModelRequest, limit: usize) -> ModelResponse {
+        let _ = request;
+        too_large_response(limit)
+    }
+}
+
+/// A 413 answer for a request body over `limit` bytes, as an OpenAI-style error.
+pub fn too_large_response(limit: usize) -> ModelResponse {
+    let body = serde_json::json!({
+        "error": {
+            "message": format!(
+                "copilot-pool: the model request body exceeds {limit} bytes; shorten the \
+                 conversation (compact it) or raise max_request_body_bytes"
+            ),
+            "type": "request_too_large",
+            "code": "body_too_large",
+        }
+    });
+    ModelResponse::full(413, "application/json", body.to_string())
 }

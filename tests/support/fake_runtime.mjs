@@ -1,7 +1,7 @@
 #!/usr/bin/env node
 // A fake Copilot runtime for faults the real one cannot be told to produce. It speaks the
 // runtime's JSON-RPC (Content-Length frames on stdio) just far enough for the pool:
-// `connect`, `ping`, `session.create`/`resume` (creating `$COPILOT_HOME/session-state/<id>`
+// `connect`, `llmInference.setProvider`, `ping`, `session.create`/`resume` (creating `$COPILOT_HOME/session-state/<id>`
 // like the real one), `session.send`, `session.abort`, `session.detach`, `session.delete`.
 //
 // FAKE_RUNTIME_MODE picks the fault:
@@ -39,6 +39,9 @@ function handle({ id, method, params }) {
   switch (method) {
     case "connect":
       return reply({ ok: true, protocolVersion: 3, version: "fake-runtime" });
+    case "llmInference.setProvider":
+      // A BYOK process serves its model requests over the pipe (the guarded model path).
+      return reply({ success: true });
     case "ping":
       return reply({ message: "pong", timestamp: Date.now(), protocolVersion: 3 });
     case "session.create":

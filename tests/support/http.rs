@@ -219,6 +219,13 @@ impl Daemon {
     ) -> Daemon {
         let runtime = super::runtime::runtime_path().await;
         let config_path = dir.join("serve.toml");
+        // The scripted model listens on loopback: the daemon's BYOK turns go through the
+        // guarded model path with private endpoints allowed (unless the test says otherwise).
+        let config = if config.contains("[model]") {
+            config.to_owned()
+        } else {
+            format!("{config}\n[model]\nallow_private_endpoints = true\n")
+        };
         std::fs::write(&config_path, config).expect("config");
         // It may hold the API token: private, as serve requires.
         use std::os::unix::fs::PermissionsExt;

@@ -52,6 +52,9 @@ impl Fixture {
         );
         config.maintenance_interval = Duration::from_millis(100);
         config.shutdown_grace = Duration::from_secs(2);
+        // The scripted model listens on loopback: every BYOK turn of the tests goes through
+        // the guarded model path, with private endpoints allowed.
+        config.model_guard.allow_private_endpoints = true;
         config
     }
 

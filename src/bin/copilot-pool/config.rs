@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use copilot_pool::http::AttachmentLimits;
+use copilot_pool::model_guard::ModelGuardConfig;
 use copilot_pool::pool::PoolConfig;
 use copilot_pool::secret::Secret;
 use copilot_pool::transcript::TranscriptMode;
@@ -74,6 +75,42 @@ pub struct ServeConfig {
     pub auth: AuthSection,
     /// The SDK endpoint (off unless `listen` is set).
     pub sdk: SdkSection,
+    /// `[model]`: the guarded model path of BYOK requests.
+    pub model: ModelSection,
+}
+
+/// `[model]`: the guarded model path. Every BYOK model request goes through the daemon's own
+/// HTTP client; these are its switches and limits (never taken from a request).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// Allow providers on loopback, private, CGNAT, link-local and unique-local addresses,
+    /// and plain http:// to loopback (local models). Default false.
+    pub allow_private_endpoints: bool,
+    /// PEM files of extra root CAs trusted for providers (on top of the Mozilla roots).
+    pub extra_ca_files: Vec<PathBuf>,
+    /// Largest model request body (default 32 MiB).
+    pub max_request_body_bytes: usize,
+    /// Resolve plus TCP and TLS connect (default 10).
+    pub connect_timeout_secs: u64,
+    /// To the response head (default 300).
+    pub first_byte_timeout_secs: u64,
+    /// Between two pieces of the response body (default 120).
+    pub idle_timeout_secs: u64,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        let g = ModelGuardConfig::default();
+        Self {
+            allow_private_endpoints: g.allow_private_endpoints,
+            extra_ca_files: Vec::new(),
+            max_request_body_bytes: g.max_request_body_bytes,
+            connect_timeout_secs: g.connect_timeout.as_secs(),
+            first_byte_timeout_secs: g.first_byte_timeout.as_secs(),
+            idle_timeout_secs: g.idle_timeout.as_secs(),
+        }
+    }
 }
 
 /// `[attachments]`.
@@ -253,6 +290,7 @@ impl Default for ServeConfig {
             attachments: AttachmentsSection::default(),
             auth: AuthSection::default(),
             sdk: SdkSection::default(),
+            model: ModelSection::default(),
         }
     }
 }
@@ -369,6 +407,17 @@ impl ServeConfig {
         if self.pool.max_processes == 0 || self.pool.max_sessions_per_process == 0 {
             bail!("pool.max_processes and pool.max_sessions_per_process must be above 0");
         }
+        let m = &self.model;
+        if m.max_request_body_bytes == 0
+            || m.connect_timeout_secs == 0
+            || m.first_byte_timeout_secs == 0
+            || m.idle_timeout_secs == 0
+        {
+            bail!(
+                "model.max_request_body_bytes and the model timeouts must be above 0 (the \
+                 defaults are 32 MiB, 10, 300 and 120 s)"
+            );
+        }
         if self.turns.hook_secs == 0 {
             bail!("turns.hook_secs must be above 0 (the default is 30)");
         }
@@ -423,6 +472,19 @@ impl ServeConfig {
         config.max_rss_bytes = p.max_rss_bytes;
         // The pool's shutdown grace is the daemon's drain grace.
         config.shutdown_grace = Duration::from_secs(self.drain_grace_secs);
+        let m = &self.model;
+        let guard = &mut config.model_guard;
+        guard.allow_private_endpoints = m.allow_private_endpoints;
+        guard.max_request_body_bytes = m.max_request_body_bytes;
+        guard.connect_timeout = Duration::from_secs(m.connect_timeout_secs);
+        guard.first_byte_timeout = Duration::from_secs(m.first_byte_timeout_secs);
+        guard.idle_timeout = Duration::from_secs(m.idle_timeout_secs);
+        for file in &m.extra_ca_files {
+            let pem = std::fs::read(file).with_context(|| {
+                format!("reading model.extra_ca_files entry {}", file.display())
+            })?;
+            guard.extra_root_certificates_pem.push(pem);
+        }
         Ok(config)
     }
 

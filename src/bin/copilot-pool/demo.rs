@@ -97,6 +97,9 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
     let mut config = PoolConfig::new(worker, base.join("state"), base.join("homes"));
     config.maintenance_interval = Duration::from_millis(200);
     config.shutdown_grace = Duration::from_secs(5);
+    // The demo's model is the scripted one on loopback: its BYOK requests go through the
+    // guarded path like any provider's, with private endpoints allowed.
+    config.model_guard.allow_private_endpoints = true;
     let pool = Pool::start(config).await?;
     let mut events = pool.subscribe();
     let printer = tokio::spawn(async move {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
+use copilot_pool::model_guard::{ModelGuard, ModelGuardConfig};
 use copilot_pool::rpc::EventKind;
 use copilot_pool::rpc::messages::{ProviderConfig, SessionConfig};
 use copilot_pool::runtime;
@@ -35,6 +36,10 @@ pub struct RunArgs {
     /// Name of the environment variable holding the provider's API key.
     #[arg(long, requires = "provider_url")]
     provider_key_env: Option<String>,
+    /// Let --provider-url be a loopback or private address (plain http:// only to loopback),
+    /// for a local model. The provider is called through the guarded model path either way.
+    #[arg(long, requires = "provider_url")]
+    allow_private_endpoints: bool,
     /// Model id for the provider.
     #[arg(long)]
     model: Option<String>,
@@ -109,7 +114,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
             }
             None => None,
         };
-        session.provider = Some(ProviderConfig::openai(url.clone(), key));
+        // The guarded path, as in the pool: the child gets placeholders, the tunnel the key.
+        let provider = ProviderConfig::openai(url.clone(), key);
+        let mut guard = ModelGuardConfig::default();
+        guard.allow_private_endpoints = args.allow_private_endpoints;
+        let guard = ModelGuard::new(guard)?;
+        config.model_tunnel = Some(guard.tunnel_for(&provider)?);
+        session.provider = Some(ModelGuard::placeholder(&provider));
         session.model = args.model.clone();
     } else {
         // The embedded scripted model: no tools, so the demo never touches the machine.

@@ -1,0 +1,215 @@
+//! The guarded model path: every model HTTP request of a BYOK worker's runtime comes over
+//! the JSON-RPC tunnel (`llmInference.*`, see [`crate::tunnel`]) and the pool makes the real
+//! request with its own HTTP client, so the provider's key never enters the child and a
+//! tenant's base URL cannot reach the gateway's own network.
+//!
+//! * here — [`ModelGuardConfig`] (the pool's switches and limits), [`ModelGuard`] (built once
+//!   per pool: TLS roots, resolver) with [`ModelGuard::check_provider`] (what a lease is
+//!   refused for before anything runs) and [`ModelGuard::tunnel_for`] (one worker's tunnel
+//!   and the placeholder provider its child gets);
+//! * `address` — which IP addresses may be connected to (every special-purpose range of
+//!   IPv4 and IPv6, embedded IPv4 forms included);
+//! * `target` — which URLs may be requested (scheme, userinfo, credential-looking query
+//!   parameters, the mapping of the placeholder URL onto the provider's);
+//! * `resolve` — the [`Resolve`] trait (the system resolver, or a test's) and the resolver
+//!   reqwest gets, which refuses every name (connections go only to checked addresses);
+//! * `tls` — the client's rustls config (compiled-in Mozilla roots plus extra CAs);
+//! * `forward` — the tunnel itself: check, resolve once, pin, send, stream back, metrics.
+//!
+//! The mechanism that keeps the key out of the child: a BYOK lease's `session.create` gets
+//! [`ModelGuard::placeholder`] (placeholder key, bearer token and base URL, no headers);
+//! the worker is started with `llmInference.setProvider`, so the runtime sends each model
+//! request to us with the placeholder in its auth header; the worker's tunnel holds the real
+//! provider and puts the real key in the upstream request only. One worker serves one
+//! provider: the pool key holds the BYOK fingerprint (type, URL, wire API, headers, key,
+//! model), so every conversation on a worker has the provider its tunnel was built with.
+
+mod address;
+mod forward;
+mod resolve;
+mod target;
+mod tls;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::kinds::BlockReason;
+use crate::rpc::messages::ProviderConfig;
+use crate::secret::Secret;
+use crate::tunnel::ModelTunnel;
+
+pub use address::{AddressClass, allowed, classify, embedded_v4};
+pub use resolve::{Resolve, ResolveFuture, SystemResolver};
+pub use target::{check_url, credential_query};
+
+/// The largest model request body the guard forwards by default (32 MiB).
+pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 32 << 20;
+
+/// The host of the placeholder base URL a BYOK child gets (`.invalid` never resolves).
+pub const PLACEHOLDER_HOST: &str = "byok.copilot-pool.invalid";
+/// The API key a BYOK child gets instead of the real one.
+pub const PLACEHOLDER_API_KEY: &str = "copilot-pool-placeholder-api-key";
+/// The bearer token a BYOK child gets instead of the real one.
+pub const PLACEHOLDER_BEARER_TOKEN: &str = "copilot-pool-placeholder-bearer-token";
+
+/// The guard's switches and limits (part of [`crate::pool::PoolConfig`]; the daemon's
+/// `[model]` section). Nothing here comes from a request.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct ModelGuardConfig {
+    /// Allow loopback, private, shared (CGNAT), link-local and unique-local addresses, and
+    /// plain `http://` to loopback (default false): for local models and tests. Metadata,
+    /// unspecified, multicast, documentation and reserved addresses stay refused.
+    pub allow_private_endpoints: bool,
+    /// Extra trusted root certificates, PEM (each may hold several), on top of the
+    /// compiled-in Mozilla roots.
+    pub extra_root_certificates_pem: Vec<Vec<u8>>,
+    /// Request bodies above this are answered 413 before any upstream call (default 32 MiB).
+    pub max_request_body_bytes: usize,
+    /// Resolving the host and establishing TCP and TLS (default 10 s).
+    pub connect_timeout: Duration,
+    /// From the request being sent to the response head (default 300 s: a non-streaming
+    /// completion arrives whole).
+    pub first_byte_timeout: Duration,
+    /// Between two pieces of the response body (default 120 s).
+    pub idle_timeout: Duration,
+    /// Who resolves host names (default: the system resolver). Tests give their own.
+    pub resolver: Arc<dyn Resolve>,
+}
+
+impl Default for ModelGuardConfig {
+    fn default() -> Self {
+        Self {
+            allow_private_endpoints: false,
+            extra_root_certificates_pem: Vec::new(),
+            max_request_body_bytes: DEFAULT_MAX_REQUEST_BODY_BYTES,
+            connect_timeout: Duration::from_secs(10),
+            first_byte_timeout: Duration::from_secs(300),
+            idle_timeout: Duration::from_secs(120),
+            resolver: Arc::new(SystemResolver),
+        }
+    }
+}
+
+impl std::fmt::Debug for ModelGuardConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelGuardConfig")
+            .field("allow_private_endpoints", &self.allow_private_endpoints)
+            .field(
+                "extra_root_certificates",
+                &self.extra_root_certificates_pem.len(),
+            )
+            .field("max_request_body_bytes", &self.max_request_body_bytes)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("first_byte_timeout", &self.first_byte_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why the guard cannot be built, or refuses a provider.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GuardError {
+    /// An extra root certificate is not usable PEM.
+    #[error(
+        "model_guard.extra_root_certificates: {0}; give PEM files with one or more \
+         `-----BEGIN CERTIFICATE-----` blocks"
+    )]
+    Certificate(String),
+    /// The provider's base URL is refused.
+    #[error("provider.base_url: {message}")]
+    Refused {
+        /// The metric label of the refusal.
+        reason: BlockReason,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+}
+
+/// The guard of one pool: its config, the TLS config every client shares, the resolver.
+/// Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ModelGuard {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: ModelGuardConfig,
+    tls: rustls::ClientConfig,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.config.fmt(f)
+    }
+}
+
+impl ModelGuard {
+    /// Builds the guard: parses the extra root certificates.
+    pub fn new(config: ModelGuardConfig) -> Result<Self, GuardError> {
+        let tls = tls::client_config(&config.extra_root_certificates_pem)?;
+        Ok(Self {
+            inner: Arc::new(Inner { config, tls }),
+        })
+    }
+
+    /// The guard's config.
+    pub fn config(&self) -> &ModelGuardConfig {
+        &self.inner.config
+    }
+
+    /// Checks a provider before anything runs with it: its base URL parses, is `https`
+    /// (plain `http` only to loopback, with `allow_private_endpoints`), has no userinfo, no
+    /// credential-looking query parameter, and an IP address host is allowed. A host name
+    /// is resolved and checked on every request.
+    pub fn check_provider(&self, provider: &ProviderConfig) -> Result<(), GuardError> {
+        let url = target::parse_base(&provider.base_url)?;
+        let allow = self.inner.config.allow_private_endpoints;
+        check_url(&url, allow).map_err(refused)?;
+        if let Some(ip) = target::ip_host(&url) {
+            target::check_addresses(&url, &[ip], allow).map_err(refused)?;
+        }
+        Ok(())
+    }
+
+    /// The tunnel for a worker serving `provider`, after [`ModelGuard::check_provider`].
+    pub fn tunnel_for(
+        &self,
+        provider: &ProviderConfig,
+    ) -> Result<Arc<dyn ModelTunnel>, GuardError> {
+        self.check_provider(provider)?;
+        let tunnel = forward::GuardedTunnel::new(self.clone(), provider.clone())?;
+        Ok(Arc::new(tunnel))
+    }
+
+    /// What the child gets instead of `provider`: the placeholder base URL (same path and
+    /// query, host [`PLACEHOLDER_HOST`]), placeholder key and bearer token where the real
+    /// ones are set, and no headers (the guard adds them upstream). Every other field is
+    /// kept.
+    pub fn placeholder(provider: &ProviderConfig) -> ProviderConfig {
+        let mut child = provider.clone();
+        child.base_url = target::placeholder_base(&provider.base_url);
+        child.api_key = provider
+            .api_key
+            .as_ref()
+            .map(|_| Secret::new(PLACEHOLDER_API_KEY));
+        child.bearer_token = provider
+            .bearer_token
+            .as_ref()
+            .map(|_| Secret::new(PLACEHOLDER_BEARER_TOKEN));
+        child.headers = None;
+        child
+    }
+
+    fn tls(&self) -> &rustls::ClientConfig {
+        &self.inner.tls
+    }
+}
+
+fn refused((reason, message): (BlockReason, String)) -> GuardError {
+    GuardError::Refused { reason, message }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,206 @@
+//! Which URLs a model request may go to, and the mapping of the child's placeholder URL onto
+//! the provider's.
+//!
+//! URLs are parsed once with the WHATWG parser reqwest uses (`url`), so the host checked is
+//! the host connected to: decimal (`2130706433`), octal (`0177.0.0.1`), hex (`0x7f.1`) and
+//! short IPv4 spellings are normalised to the address they mean before any check.
+
+use std::net::IpAddr;
+
+use reqwest::Url;
+use url::Host;
+
+use super::address;
+use super::{GuardError, PLACEHOLDER_HOST};
+use crate::kinds::BlockReason;
+
+/// A refusal: its metric label and what to tell the caller.
+pub(crate) type Refusal = (BlockReason, String);
+
+/// Query parameter names that carry credentials (compared lowercased, `-` as `_`).
+const CREDENTIAL_PARAMS: &[&str] = &[
+    "key",
+    "apikey",
+    "api_key",
+    "x_api_key",
+    "token",
+    "access_token",
+    "id_token",
+    "refresh_token",
+    "session_token",
+    "auth",
+    "authorization",
+    "bearer",
+    "jwt",
+    "password",
+    "passwd",
+    "pwd",
+    "secret",
+    "client_secret",
+    "credential",
+    "credentials",
+    "sig",
+    "signature",
+    "x_amz_signature",
+    "x_amz_security_token",
+    "x_amz_credential",
+    "x_goog_signature",
+    "x_goog_credential",
+];
+
+/// Whether a query parameter name looks like a credential.
+pub fn credential_query(name: &str) -> bool {
+    let name = name.to_ascii_lowercase().replace('-', "_");
+    CREDENTIAL_PARAMS.contains(&name.as_str())
+        || ["_key", "_token", "_secret", "_password", "_signature"]
+            .iter()
+            .any(|suffix| name.ends_with(suffix))
+}
+
+/// Checks what can be checked of a URL without resolving it: `https` (or `http` with
+/// `allow_private_endpoints`, whose addresses must then all be loopback), a host, no
+/// userinfo, no credential-looking query parameter.
+pub fn check_url(url: &Url, allow_private_endpoints: bool) -> Result<(), Refusal> {
+    match url.scheme() {
+        "https" => {}
+        "http" if allow_private_endpoints => {}
+        "http" => {
+            return Err((
+                BlockReason::Scheme,
+                "plain http:// is refused; use an https:// endpoint (plain http is allowed \
+                 only to loopback, with allow_private_endpoints: [model] in the daemon's \
+                 config, PoolConfig::model_guard in the library)"
+                    .to_owned(),
+            ));
+        }
+        other => {
+            return Err((
+                BlockReason::Scheme,
+                format!("the scheme {other:?} is refused; use an https:// endpoint"),
+            ));
+        }
+    }
+    if url.host().is_none() {
+        return Err((BlockReason::Scheme, "the URL has no host".to_owned()));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err((
+            BlockReason::Userinfo,
+            "a user name or password in the URL is refused; put the key in api_key or \
+             bearer_token"
+                .to_owned(),
+        ));
+    }
+    if let Some((name, _)) = url.query_pairs().find(|(name, _)| credential_query(name)) {
+        return Err((
+            BlockReason::CredentialQuery,
+            format!(
+                "the query parameter {name:?} looks like a credential and is refused; put \
+                 the key in api_key, bearer_token or headers"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the addresses a request to `url` would connect to: every one must be allowed, and
+/// with plain `http` every one must be loopback.
+pub(crate) fn check_addresses(
+    url: &Url,
+    addresses: &[IpAddr],
+    allow_private_endpoints: bool,
+) -> Result<(), Refusal> {
+    let host = url.host_str().unwrap_or_default();
+    for ip in addresses {
+        if let Err(class) = address::allowed(*ip, allow_private_endpoints) {
+            let fix = if class.private_endpoint() {
+                " (for a local model, turn on allow_private_endpoints: [model] in the daemon's \
+                 config, PoolConfig::model_guard in the library)"
+            } else {
+                ""
+            };
+            return Err((
+                class.reason(),
+                format!(
+                    "{host} is a {} address, which model requests may not reach{fix}",
+                    class.reason().label().replace('_', " ")
+                ),
+            ));
+        }
+        if url.scheme() == "http" && address::classify(*ip) != Some(address::AddressClass::Loopback)
+        {
+            return Err((
+                BlockReason::Scheme,
+                format!(
+                    "plain http:// is allowed only to loopback and {host} is not; use https://"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The host of `url` when it is an IP address.
+pub(crate) fn ip_host(url: &Url) -> Option<IpAddr> {
+    match url.host()? {
+        Host::Ipv4(ip) => Some(IpAddr::V4(ip)),
+        Host::Ipv6(ip) => Some(IpAddr::V6(ip)),
+        Host::Domain(_) => None,
+    }
+}
+
+/// Parses a provider's base URL.
+pub(crate) fn parse_base(base_url: &str) -> Result<Url, GuardError> {
+    Url::parse(base_url).map_err(|e| GuardError::Refused {
+        reason: BlockReason::Scheme,
+        message: format!("{base_url:?} is not a URL ({e}); give an https:// URL"),
+    })
+}
+
+/// The child's base URL for a provider's: scheme `https`, host [`PLACEHOLDER_HOST`], no
+/// port or userinfo, the same path and query. An unparsable URL (refused before this is
+/// used) maps to the bare placeholder.
+pub(crate) fn placeholder_base(base_url: &str) -> String {
+    let bare = format!("https://{PLACEHOLDER_HOST}");
+    let Ok(url) = Url::parse(base_url) else {
+        return bare;
+    };
+    let mut child = bare;
+    let path = url.path();
+    if path != "/" || base_url.trim_end().ends_with('/') {
+        child.push_str(path);
+    }
+    if let Some(query) = url.query() {
+        child.push('?');
+        child.push_str(query);
+    }
+    child
+}
+
+/// The upstream URL of a request the child made to `requested`: the provider's scheme, host
+/// and port with the request's path and query. Refused unless the request is for the
+/// placeholder host and under the base URL's path.
+pub(crate) fn upstream_url(requested: &str, base: &Url) -> Result<Url, Refusal> {
+    let foreign = || {
+        (
+            BlockReason::ForeignUrl,
+            "the runtime asked for a URL outside its provider's base URL".to_owned(),
+        )
+    };
+    let mut url = Url::parse(requested).map_err(|_| foreign())?;
+    if url.host_str() != Some(PLACEHOLDER_HOST) || url.port().is_some() || url.scheme() != "https" {
+        return Err(foreign());
+    }
+    let prefix = base.path().trim_end_matches('/');
+    let path = url.path();
+    let under = path == prefix
+        || (path.starts_with(prefix) && path[prefix.len()..].starts_with('/'))
+        || prefix.is_empty();
+    if !under || !url.username().is_empty() || url.password().is_some() {
+        return Err(foreign());
+    }
+    url.set_scheme(base.scheme()).map_err(|_| foreign())?;
+    url.set_host(base.host_str()).map_err(|_| foreign())?;
+    url.set_port(base.port()).map_err(|_| foreign())?;
+    Ok(url)
+}
