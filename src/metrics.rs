@@ -33,6 +33,7 @@
 //! | [`RPC_DURATION_SECONDS`] | histogram | `method`: [`RPC_METHODS`] or `other` |
 //! | [`HOOK_FAILURES_TOTAL`] | counter | — |
 //! | [`TOKENS_TOTAL`] | counter | `kind`: [`TokenKind::as_str`] (`input`, `output`, `cache_read`, `cache_write`) |
+//! | [`SANDBOX_ENFORCED`] | gauge | `rule`: [`SandboxRule::as_str`] (`filesystem`, `tcp_connect`, `signals`, `abstract_unix_sockets`, `capabilities`) |
 //!
 //! The gauges are absolute values set by the pool actor: with more than one pool in a
 //! process they overwrite each other (the daemon runs one).
@@ -43,7 +44,7 @@ use ::metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
 
-use crate::kinds::{ErrorKind, Eviction, OpenReason, TokenKind, TurnEnd};
+use crate::kinds::{ErrorKind, Eviction, OpenReason, SandboxRule, TokenKind, TurnEnd};
 
 /// CLI processes of the pool by `state` (`live`, `draining`).
 pub const PROCESSES: &str = "copilot_pool_processes";
@@ -87,6 +88,9 @@ pub const HOOK_FAILURES_TOTAL: &str = "copilot_pool_hook_failures_total";
 /// Tokens of the runtime's model calls (`assistant.usage`), by `kind`.
 pub const TOKENS_TOTAL: &str = "copilot_pool_tokens_total";
 
+/// Whether each wall of the workers' sandbox is enforced (1) or not (0), by `rule`.
+pub const SANDBOX_ENFORCED: &str = "copilot_pool_sandbox_enforced";
+
 /// Every counter.
 pub const COUNTERS: &[&str] = &[
     PROCESS_SPAWNS_TOTAL,
@@ -109,6 +113,7 @@ pub const GAUGES: &[&str] = &[
     CONVERSATIONS_ATTACHED,
     LEASES_ACTIVE,
     LEASE_WAITERS,
+    SANDBOX_ENFORCED,
 ];
 
 /// Every histogram (all in seconds): give each [`SECONDS_BUCKETS`] in the exporter.
@@ -275,6 +280,24 @@ pub fn describe() {
         Unit::Count,
         "Tokens of the runtime's model calls, by kind (input, output, cache_read, cache_write)."
     );
+    describe_gauge!(
+        SANDBOX_ENFORCED,
+        Unit::Count,
+        "Whether each wall of the workers' sandbox is enforced (1) or not (0), by rule \
+         (filesystem, tcp_connect, signals, abstract_unix_sockets, capabilities)."
+    );
+}
+
+/// Sets [`SANDBOX_ENFORCED`] for every rule: 1 where `enforced` says so, else 0 (the daemon
+/// calls it once, after probing its sandbox; all 0 when the sandbox is off).
+pub fn sandbox_enforced(enforced: impl Fn(SandboxRule) -> bool) {
+    for rule in SandboxRule::ALL {
+        gauge!(SANDBOX_ENFORCED, "rule" => rule.as_str()).set(if enforced(rule) {
+            1.0
+        } else {
+            0.0
+        });
+    }
 }
 
 /// The `method` label of a JSON-RPC method: itself if listed in [`RPC_METHODS`], else

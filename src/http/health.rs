@@ -51,12 +51,26 @@ pub(super) async fn get_metrics(State(state): State<Arc<AppState>>) -> Response 
     }
 }
 
+/// `GET /v1/pool`: the pool's status and, when the caller set it, what the workers' sandbox
+/// enforces.
+#[derive(serde::Serialize)]
+struct PoolAnswer<'a> {
+    #[serde(flatten)]
+    status: crate::PoolStatus,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sandbox: Option<&'a crate::sandbox::SandboxStatus>,
+}
+
 pub(super) async fn get_pool(State(state): State<Arc<AppState>>) -> Response {
     match state.pool.status().await {
         Ok(mut status) => {
             // The daemon drains a moment before its pool closes.
             status.closed |= state.draining();
-            axum::Json(status).into_response()
+            axum::Json(PoolAnswer {
+                status,
+                sandbox: state.config.sandbox.as_ref(),
+            })
+            .into_response()
         }
         Err(e) => error(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -9,12 +9,14 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use copilot_pool::http::{self, ApiConfig, ConnectionLimits};
+use copilot_pool::kinds::SandboxMode;
 use copilot_pool::pool::Pool;
 use copilot_pool::runtime;
+use copilot_pool::sandbox::{Sandbox, SandboxStatus};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::sync::watch;
 
-use crate::config::{LogFormat, ServeConfig};
+use crate::config::{API_TOKEN_ENV, LogFormat, ServeConfig};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -94,6 +96,11 @@ fn install_metrics() -> Result<PrometheusHandle> {
 }
 
 pub async fn serve(args: ServeArgs) -> Result<()> {
+    // Not dumpable: a process of this user without CAP_SYS_PTRACE (every worker and tool)
+    // cannot read this one's environment (`/proc/<pid>/environ`: the API token in container
+    // deployments) or memory.
+    nix::sys::prctl::set_dumpable(false)
+        .context("marking the daemon non-dumpable (prctl PR_SET_DUMPABLE)")?;
     // Signal handlers first: a SIGTERM at any point after this drains cleanly.
     let signals = Signals::new()?;
     let config = args.config()?;
@@ -122,12 +129,32 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             );
         }
     }
-    let pool = Pool::start(config.pool_config(located.path.clone())?).await?;
-    let (app, api) = http::router_with_handle(pool.clone(), api_config);
+    // The listeners are bound first: their ports are walls of the workers' sandbox.
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
     let addr = listener.local_addr().context("local address")?;
+    let metrics_listener = match config.metrics_listen {
+        Some(metrics_addr) => Some(
+            tokio::net::TcpListener::bind(metrics_addr)
+                .await
+                .with_context(|| format!("binding {metrics_addr}"))?,
+        ),
+        None => None,
+    };
+    let mut own_ports = vec![addr.port()];
+    if let Some(l) = &metrics_listener {
+        own_ports.push(l.local_addr().context("local address")?.port());
+    }
+    let (sandbox, sandbox_status) = sandbox_setup(&config, &own_ports).await?;
+    if !sandbox_status.tcp_connect && config.api_token.is_none() {
+        bail!("{}", api_unguarded_message(config.sandbox, &sandbox_status));
+    }
+    api_config.sandbox = Some(sandbox_status);
+    let mut pool_config = config.pool_config(located.path.clone())?;
+    pool_config.worker.sandbox = sandbox;
+    let pool = Pool::start(pool_config).await?;
+    let (app, api) = http::router_with_handle(pool.clone(), api_config);
     println!("listening on http://{addr}");
     tracing::info!(%addr, runtime = %located.path.display(), "copilot-pool serve is up.");
 
@@ -141,10 +168,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         let _ = stop.wait_for(|s| *s).await;
     };
     let mut servers = Vec::new();
-    if let Some(metrics_addr) = config.metrics_listen {
-        let metrics_listener = tokio::net::TcpListener::bind(metrics_addr)
-            .await
-            .with_context(|| format!("binding {metrics_addr}"))?;
+    if let Some(metrics_listener) = metrics_listener {
         println!(
             "metrics on http://{}",
             metrics_listener.local_addr().context("local address")?
@@ -195,6 +219,79 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     upkeep.abort();
     eprintln!("copilot-pool serve: stopped");
     Ok(())
+}
+
+/// The workers' sandbox in the configured mode (probed once: what this kernel enforces),
+/// logged once; `required` refuses to start without every wall.
+async fn sandbox_setup(
+    config: &ServeConfig,
+    own_ports: &[u16],
+) -> Result<(Option<Sandbox>, SandboxStatus)> {
+    let mut off = SandboxStatus::default();
+    off.mode = Some(SandboxMode::Off);
+    let template = crate::sandbox::template(
+        config.sandbox,
+        &config.allowed_work_roots,
+        &config.sandbox_read_paths,
+        &config.sandbox_tcp_ports,
+        own_ports,
+    )?;
+    let Some(template) = template else {
+        tracing::warn!(
+            "sandbox = \"off\": workers and their tools run with the daemon's own rights (other \
+             agents' homes, the daemon's state and every local port are within their reach)."
+        );
+        copilot_pool::metrics::sandbox_enforced(|_| false);
+        return Ok((None, off));
+    };
+    let mut status = match crate::sandbox::probe(&template).await {
+        Ok(status) => status,
+        Err(e) if config.sandbox == SandboxMode::Required => {
+            return Err(e.context("sandbox = \"required\" but the sandbox probe failed"));
+        }
+        Err(e) => {
+            tracing::error!(
+                error = format!("{e:#}"),
+                "The sandbox probe failed: workers run without a sandbox (set sandbox = \"off\" \
+                 to say so, or fix the error)."
+            );
+            copilot_pool::metrics::sandbox_enforced(|_| false);
+            return Ok((None, off));
+        }
+    };
+    status.mode = Some(config.sandbox);
+    copilot_pool::metrics::sandbox_enforced(|rule| status.enforced(rule));
+    let missing = status.missing();
+    if missing.is_empty() {
+        tracing::info!(summary = %status.summary(), "Every worker runs in its own sandbox.");
+    } else if config.sandbox == SandboxMode::Required {
+        bail!(
+            "sandbox = \"required\" but this machine does not enforce everything ({}); run on \
+             Linux 6.12+ with Landlock enabled (lsm=landlock) as a user whose capabilities can \
+             be dropped, or set sandbox = \"auto\"",
+            status.summary()
+        );
+    } else {
+        tracing::warn!(
+            summary = %status.summary(),
+            "Workers run in a sandbox that this kernel enforces only in part (best effort)."
+        );
+    }
+    Ok((Some(template), status))
+}
+
+/// Why the daemon refuses to start without an API token when its workers could reach it.
+fn api_unguarded_message(mode: SandboxMode, status: &SandboxStatus) -> String {
+    let why = match mode {
+        SandboxMode::Off => "sandbox = \"off\"".to_owned(),
+        _ => format!("this kernel does not confine TCP ({})", status.summary()),
+    };
+    format!(
+        "refusing to serve without an API token: workers run tools (bash) as this user and, \
+         with {why}, can connect to the API on loopback; set {API_TOKEN_ENV} or pass \
+         --api-token-file PATH (or run with sandbox = \"auto\" on Linux 6.7+, whose Landlock \
+         keeps workers off the daemon's ports)"
+    )
 }
 
 /// The API's settings from the daemon's: `/metrics` on the API's listener renders the
