@@ -242,3 +242,42 @@ async fn without_the_sandbox_the_same_bash_escapes_but_the_daemon_stays_unreadab
     assert!(gone.is_empty(), "the sibling worker survived its kill");
     setup.daemon.terminate().await;
 }
+
+/// What a worker's shell tool sees of tokens: its own process token (runtime 1.0.14 hands
+/// its whole environment, `COPILOT_SDK_AUTH_TOKEN` included, to the shell: ARCHITECTURE.md
+/// says so), never the parent's token variables, the API token or another agent's token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shell_tool_sees_its_own_workers_token_and_no_other_secret() {
+    use copilot_pool::permission::ApproveAll;
+    use copilot_pool::pool::Pool;
+    let fx = support::pool_fixture::Fixture::new().await;
+    let mut config = fx.config().await;
+    config.worker.base_env = Some(vec![
+        ("PATH".into(), std::env::var_os("PATH").unwrap_or_default()),
+        ("GH_TOKEN".into(), "ghu_parent_token".into()),
+        ("COPILOT_POOL_API_TOKEN".into(), "api_token_value".into()),
+    ]);
+    let pool = Pool::start(config).await.expect("pool");
+    // Another agent's worker, with its own token, alive beside ours.
+    let mut other = fx.request("agent-other", "c");
+    other.auth = support::pool_fixture::token("other");
+    let mut other = pool.lease(other).await.expect("lease");
+    other.run("REPLY=hi").await.expect("turn");
+
+    let mut req = fx.request("agent-token", "c");
+    req.auth = support::pool_fixture::token("v1");
+    req.available_tools = None;
+    req.handlers.permission_policy = std::sync::Arc::new(ApproveAll);
+    let mut lease = pool.lease(req).await.expect("lease");
+    let outcome = lease
+        .run(bash(
+            "echo own=$COPILOT_SDK_AUTH_TOKEN; env | grep -q -e ghu_token_other -e \
+             ghu_parent_token -e api_token_value && echo leak=yes || echo leak=no",
+        ))
+        .await
+        .expect("turn");
+    drop((lease, other));
+    support::pool_fixture::shutdown_leaves_nothing(&pool).await;
+    assert!(outcome.text.contains("leak=no"), "{}", outcome.text);
+    assert!(outcome.text.contains("own=ghu_token_v1"), "{}", outcome.text);
+}
