@@ -539,6 +539,32 @@ mod tests {
     }
 
     #[test]
+    fn the_sandbox_gauge_has_one_series_per_rule() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        ::metrics::with_local_recorder(&recorder, || {
+            sandbox_enforced(|rule| rule != SandboxRule::TcpConnect);
+        });
+        let snap = snapshot(&snapshotter);
+        for rule in SandboxRule::ALL {
+            let (_, _, value) = snap
+                .get(&key(
+                    MetricKind::Gauge,
+                    SANDBOX_ENFORCED,
+                    &[("rule", rule.as_str())],
+                ))
+                .unwrap_or_else(|| panic!("{rule} not recorded"));
+            let expected = if rule == SandboxRule::TcpConnect {
+                0.0
+            } else {
+                1.0
+            };
+            assert_eq!(*value, DebugValue::Gauge(expected.into()), "{rule}");
+        }
+        assert_eq!(snap.len(), SandboxRule::ALL.len());
+    }
+
+    #[test]
     fn describe_gives_every_metric_a_unit_and_help() {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();

@@ -427,7 +427,7 @@ mod tests {
         let agent = dir.path().join("agents/a1");
         std::fs::create_dir_all(&agent).unwrap();
         let s = sandbox().for_agent(&agent, Some(8080)).unwrap();
-        assert_eq!(s.read_write, [agent.clone()]);
+        assert_eq!(s.read_write, std::slice::from_ref(&agent));
         assert_eq!(s.temp_dir.as_deref(), Some(agent.join("tmp").as_path()));
         assert!(agent.join("tmp").is_dir());
         assert_eq!(s.home.as_deref(), Some(agent.as_path()));

@@ -279,5 +279,38 @@ async fn the_shell_tool_sees_its_own_workers_token_and_no_other_secret() {
     drop((lease, other));
     support::pool_fixture::shutdown_leaves_nothing(&pool).await;
     assert!(outcome.text.contains("leak=no"), "{}", outcome.text);
-    assert!(outcome.text.contains("own=ghu_token_v1"), "{}", outcome.text);
+    assert!(
+        outcome.text.contains("own=ghu_token_v1"),
+        "{}",
+        outcome.text
+    );
+}
+
+/// With the sandbox off, a tool call could reach the API on loopback: no token, no daemon.
+#[tokio::test]
+async fn with_the_sandbox_off_serve_refuses_to_start_without_an_api_token() {
+    let scratch = support::Scratch::new();
+    let config = scratch.path().join("serve.toml");
+    std::fs::write(&config, "sandbox = \"off\"\n").expect("config");
+    let output = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+            .arg(&config)
+            .env("COPILOT_CLI_PATH", support::runtime::runtime_path().await)
+            .env("COPILOT_POOL_HOME", scratch.path().join("pool-home"))
+            .env_remove("COPILOT_POOL_API_TOKEN")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("serve exits")
+    .expect("serve runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("refusing to serve without an API token")
+            && stderr.contains("COPILOT_POOL_API_TOKEN"),
+        "{stderr}"
+    );
 }

@@ -418,7 +418,11 @@ async fn check_sandbox(report: &mut Report, config: &ServeConfig) {
             return;
         }
         Err(e) => {
-            report.fail(CHECK, format!("{e:#}"), "run copilot-pool from a readable file");
+            report.fail(
+                CHECK,
+                format!("{e:#}"),
+                "run copilot-pool from a readable file",
+            );
             return;
         }
     };
