@@ -148,7 +148,7 @@ pub fn create_work_dir(path: &Path) -> Result<(), HomeError> {
 
 /// Creates `path` (and missing parents, mode 0700) if it does not exist, setting the final
 /// directory to 0700 regardless of the umask; leaves an existing directory alone.
-fn ensure_private_dir(path: &Path) -> io::Result<()> {
+pub(crate) fn ensure_private_dir(path: &Path) -> io::Result<()> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::DirBuilder::new()
             .recursive(true)

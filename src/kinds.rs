@@ -402,6 +402,35 @@ wire_enum! {
 }
 
 wire_enum! {
+    /// Whether workers run in a sandbox (`sandbox` in the daemon's config).
+    pub enum SandboxMode as "sandbox" {
+        /// Enforce what the kernel supports, log and report what it does not.
+        Auto = "auto",
+        /// Refuse to start unless every wall is enforced.
+        Required = "required",
+        /// No sandbox: workers run with the daemon's own rights.
+        Off = "off",
+    }
+}
+
+wire_enum! {
+    /// One wall of a worker's sandbox (`copilot_pool_sandbox_enforced{rule}`).
+    pub enum SandboxRule as "rule" {
+        /// Files: read and write only in the agent's own directories, read and execute in
+        /// the system and runtime directories, of `/proc` only its own entry.
+        Filesystem = "filesystem",
+        /// TCP connect only to the allowed ports (Landlock ABI 4+).
+        TcpConnect = "tcp_connect",
+        /// No signal to a process outside the worker's own sandbox (ABI 6+).
+        Signals = "signals",
+        /// No connection to an abstract Unix socket made outside it (ABI 6+).
+        AbstractUnixSockets = "abstract_unix_sockets",
+        /// Every capability dropped before the runtime starts (root included).
+        Capabilities = "capabilities",
+    }
+}
+
+wire_enum! {
     /// The kinds of tokens a turn's usage counts (`copilot_pool_tokens_total{kind}`).
     pub enum TokenKind as "kind" {
         /// Prompt tokens.
@@ -609,6 +638,8 @@ mod tests {
         check(&AgentMode::ALL);
         check(&HookName::ALL);
         check(&TokenKind::ALL);
+        check(&SandboxMode::ALL);
+        check(&SandboxRule::ALL);
         assert_eq!(ReasoningEffort::XHigh.as_str(), "xhigh");
         assert_eq!(ProviderType::OpenAi.as_str(), "openai");
     }

@@ -84,6 +84,7 @@
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`secret`] — a redacting wrapper for tokens and keys.
+//! * [`sandbox`] — the walls around a worker, as a description its wrapper enforces.
 //! * [`session_options`] — the runtime's `session.create` fields a caller may set, checked
 //!   against the runtime's schema, and where their directories may lie.
 //!
@@ -108,6 +109,7 @@ pub mod provider;
 pub mod replica;
 pub mod rpc;
 pub mod runtime;
+pub mod sandbox;
 #[cfg(feature = "scripted-model")]
 pub mod scripted_model;
 #[cfg(feature = "sdk-endpoint")]

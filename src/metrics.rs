@@ -39,6 +39,7 @@
 //! | [`MODEL_REQUEST_SECONDS`] | histogram | `phase`: `first_byte`, `total` |
 //! | [`MODEL_BYTES_TOTAL`] | counter | `direction`: `sent`, `received` |
 //! | [`MODEL_BLOCKED_TOTAL`] | counter | `reason`: [`BlockReason::label`] |
+//! | [`SANDBOX_ENFORCED`] | gauge | `rule`: [`SandboxRule::as_str`] (`filesystem`, `tcp_connect`, `signals`, `abstract_unix_sockets`, `capabilities`) |
 //!
 //! The gauges are absolute values set by the pool actor: with more than one pool in a
 //! process they overwrite each other (the daemon runs one).
@@ -50,7 +51,7 @@ use ::metrics::{
 };
 
 use crate::kinds::{
-    BlockReason, ErrorKind, Eviction, ModelOutcome, OpenReason, TokenKind, TurnEnd,
+    BlockReason, ErrorKind, Eviction, ModelOutcome, OpenReason, SandboxRule, TokenKind, TurnEnd,
 };
 
 /// CLI processes of the pool by `state` (`live`, `draining`).
@@ -110,6 +111,9 @@ pub const SDK_CONNECTIONS: &str = "copilot_pool_sdk_connections";
 /// `unauthenticated` (a wrong token, or no `connect` in time).
 pub const SDK_CONNECTIONS_TOTAL: &str = "copilot_pool_sdk_connections_total";
 
+/// Whether each wall of the workers' sandbox is enforced (1) or not (0), by `rule`.
+pub const SANDBOX_ENFORCED: &str = "copilot_pool_sandbox_enforced";
+
 /// Every counter.
 pub const COUNTERS: &[&str] = &[
     PROCESS_SPAWNS_TOTAL,
@@ -137,6 +141,7 @@ pub const GAUGES: &[&str] = &[
     LEASES_ACTIVE,
     LEASE_WAITERS,
     SDK_CONNECTIONS,
+    SANDBOX_ENFORCED,
 ];
 
 /// Every histogram (all in seconds): give each [`SECONDS_BUCKETS`] in the exporter.
@@ -352,6 +357,12 @@ pub fn describe() {
          private, shared, link_local, unique_local, metadata, multicast, unspecified, \
          documentation, reserved)."
     );
+    describe_gauge!(
+        SANDBOX_ENFORCED,
+        Unit::Count,
+        "Whether each wall of the workers' sandbox is enforced (1) or not (0), by rule \
+         (filesystem, tcp_connect, signals, abstract_unix_sockets, capabilities)."
+    );
 }
 
 /// What became of one SDK endpoint connection (the `result` label of
@@ -400,6 +411,18 @@ pub(crate) fn sdk_connection_opened() {
 #[cfg_attr(not(feature = "sdk-endpoint"), allow(dead_code))]
 pub(crate) fn sdk_connection_closed() {
     gauge!(SDK_CONNECTIONS).decrement(1.0);
+}
+
+/// Sets [`SANDBOX_ENFORCED`] for every rule: 1 where `enforced` says so, else 0 (the daemon
+/// calls it once, after probing its sandbox; all 0 when the sandbox is off).
+pub fn sandbox_enforced(enforced: impl Fn(SandboxRule) -> bool) {
+    for rule in SandboxRule::ALL {
+        gauge!(SANDBOX_ENFORCED, "rule" => rule.as_str()).set(if enforced(rule) {
+            1.0
+        } else {
+            0.0
+        });
+    }
 }
 
 /// The `method` label of a JSON-RPC method: itself if listed in [`RPC_METHODS`], else
@@ -679,6 +702,32 @@ mod tests {
         assert!(SECONDS_BUCKETS.windows(2).all(|w| w[0] < w[1]));
         assert_eq!(SECONDS_BUCKETS.first(), Some(&0.001));
         assert!(SECONDS_BUCKETS.contains(&60.0));
+    }
+
+    #[test]
+    fn the_sandbox_gauge_has_one_series_per_rule() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        ::metrics::with_local_recorder(&recorder, || {
+            sandbox_enforced(|rule| rule != SandboxRule::TcpConnect);
+        });
+        let snap = snapshot(&snapshotter);
+        for rule in SandboxRule::ALL {
+            let (_, _, value) = snap
+                .get(&key(
+                    MetricKind::Gauge,
+                    SANDBOX_ENFORCED,
+                    &[("rule", rule.as_str())],
+                ))
+                .unwrap_or_else(|| panic!("{rule} not recorded"));
+            let expected = if rule == SandboxRule::TcpConnect {
+                0.0
+            } else {
+                1.0
+            };
+            assert_eq!(*value, DebugValue::Gauge(expected.into()), "{rule}");
+        }
+        assert_eq!(snap.len(), SandboxRule::ALL.len());
     }
 
     #[test]

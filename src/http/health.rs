@@ -80,13 +80,23 @@ pub(super) async fn get_metrics(State(state): State<Arc<AppState>>) -> Response 
     }
 }
 
+/// `GET /v1/pool`: the pool's status and, when the caller set it, what the workers' sandbox
+/// enforces.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+struct PoolAnswer {
+    #[serde(flatten)]
+    status: crate::PoolStatus,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sandbox: Option<crate::sandbox::SandboxStatus>,
+}
+
 /// The pool's processes, conversations and counters.
 #[utoipa::path(
     get,
     path = "/v1/pool",
     tag = "daemon",
     responses(
-        (status = 200, description = "The pool now", body = crate::pool::PoolStatus),
+        (status = 200, description = "The pool now", body = PoolAnswer),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
         (status = 503, description = "The pool is closed (`pool_closed`), or `too_many_connections`", body = ErrorBody),
     ),
@@ -97,7 +107,11 @@ pub(super) async fn get_pool(State(state): State<Arc<AppState>>) -> Response {
         Ok(mut status) => {
             // The daemon drains a moment before its pool closes.
             status.closed |= state.draining();
-            axum::Json(status).into_response()
+            axum::Json(PoolAnswer {
+                status,
+                sandbox: state.config.sandbox.clone(),
+            })
+            .into_response()
         }
         Err(e) => error(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -127,6 +127,9 @@ pub struct ApiConfig {
     /// runs with no GitHub identity, which only a BYOK provider can serve (without one it
     /// is a 400 that says which credentials to send).
     pub allow_logged_in_user: bool,
+    /// What the workers' sandbox enforces, reported as `sandbox` in `GET /v1/pool` (the
+    /// daemon fills it from its probe; `None` leaves the field out).
+    pub sandbox: Option<crate::sandbox::SandboxStatus>,
 }
 
 impl Default for ApiConfig {
@@ -142,6 +145,7 @@ impl Default for ApiConfig {
             attachments: AttachmentLimits::default(),
             env_tokens: BTreeMap::new(),
             allow_logged_in_user: false,
+            sandbox: None,
         }
     }
 }

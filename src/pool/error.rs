@@ -24,6 +24,10 @@ pub enum PoolError {
     /// The request is malformed; the message says what to change.
     #[error("invalid lease request: {0}")]
     InvalidRequest(String),
+    /// The worker's sandbox cannot hold this lease (its working directory lies outside what
+    /// the agent's runtime may write) or could not be prepared.
+    #[error(transparent)]
+    Sandbox(Arc<crate::sandbox::SandboxError>),
     /// `existing_only` was set and there is no such conversation with these settings.
     #[error(
         "no existing conversation {session_key:?} with these settings ({why}); pass the same \
@@ -116,9 +120,10 @@ impl PoolError {
     /// layer both map from this.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            PoolError::Auth(_) | PoolError::Home(_) | PoolError::InvalidRequest(_) => {
-                ErrorKind::Invalid
-            }
+            PoolError::Auth(_)
+            | PoolError::Home(_)
+            | PoolError::InvalidRequest(_)
+            | PoolError::Sandbox(_) => ErrorKind::Invalid,
             PoolError::NoSuchConversation { .. } => ErrorKind::NotFound,
             PoolError::ConversationBusy { .. } => ErrorKind::Busy,
             PoolError::ConversationWaitTimeout { .. } => ErrorKind::BusyTimeout,
@@ -156,6 +161,12 @@ impl From<TurnError> for PoolError {
             TurnError::Worker(e) => PoolError::Worker(e),
             e => PoolError::Turn(e),
         }
+    }
+}
+
+impl From<crate::sandbox::SandboxError> for PoolError {
+    fn from(e: crate::sandbox::SandboxError) -> Self {
+        PoolError::Sandbox(Arc::new(e))
     }
 }
 

@@ -254,6 +254,11 @@ impl Pool {
             );
             session_config.provider = Some(ModelGuard::placeholder(provider));
         }
+        // The sandbox's walls follow the spec as the lease left it (a BYOK key's model goes
+        // over the tunnel, so its workers need no provider port).
+        if let Some(sandbox) = spec.sandbox.take() {
+            spec.sandbox = Some(agent_sandbox(&sandbox, &req, &home, &spec)?);
+        }
         let acquire = AcquireRequest {
             id: 0, // set by the actor
             key: key.clone(),
@@ -383,6 +388,29 @@ impl Pool {
 /// session its own identity (`gitHubToken`) — except with a BYOK provider, which the runtime
 /// refuses to combine with a session token ("Cannot specify both gitHubToken and provider").
 /// Logged-in mode sets no session-level credential.
+/// The key's sandbox: the template with the agent's own directory (its `COPILOT_HOME`'s
+/// parent, where the work directory lies too, or the explicit home itself) and, for a BYOK
+/// provider reached directly (no model tunnel), its port. A working directory the runtime
+/// could not write is refused here, before anything starts.
+fn agent_sandbox(
+    template: &crate::sandbox::Sandbox,
+    req: &LeaseRequest,
+    home: &std::path::Path,
+    spec: &crate::worker::WorkerConfig,
+) -> Result<crate::sandbox::Sandbox, PoolError> {
+    let agent_root = match (&req.copilot_home, home.parent()) {
+        (None, Some(parent)) => parent,
+        _ => home,
+    };
+    let provider_port = match (&req.provider, &spec.model_tunnel) {
+        (Some(provider), None) => crate::sandbox::url_port(&provider.base_url),
+        _ => None,
+    };
+    let sandbox = template.for_agent(agent_root, provider_port)?;
+    sandbox.check_working_directory(&req.working_directory)?;
+    Ok(sandbox)
+}
+
 fn session_config(
     req: &LeaseRequest,
     auth: &crate::auth::ResolvedAuth,

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use crate::process::ChildSpec;
 use crate::rpc::DEFAULT_MAX_FRAME_BYTES;
+use crate::sandbox::Sandbox;
 use crate::secret::Secret;
 use crate::tunnel::ModelTunnel;
 
@@ -97,6 +98,9 @@ pub struct WorkerConfig {
     pub kill_grace: Duration,
     /// Largest JSON-RPC frame accepted or sent.
     pub max_frame_bytes: usize,
+    /// Start the runtime through this sandbox's wrapper, inside its walls (`None`: with
+    /// the parent's rights). A pool fills the agent's directories in per key.
+    pub sandbox: Option<Sandbox>,
 }
 
 impl std::fmt::Debug for WorkerConfig {
@@ -109,6 +113,7 @@ impl std::fmt::Debug for WorkerConfig {
             .field("auto_login", &self.auto_login)
             .field("model_tunnel", &self.model_tunnel.is_some())
             .field("health_interval", &self.health_interval)
+            .field("sandbox", &self.sandbox.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -133,6 +138,7 @@ impl WorkerConfig {
             health_timeout: Duration::from_secs(5),
             kill_grace: Duration::from_secs(5),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            sandbox: None,
         }
     }
 
@@ -177,6 +183,22 @@ impl WorkerConfig {
             .into_iter()
             .filter(|(k, _)| k.to_str().is_some_and(|k| ENV_ALLOWLIST.contains(&k)))
             .collect();
+        if let Some(sandbox) = &self.sandbox {
+            // Inside the walls, the parent's temporary directory and home are out of reach:
+            // the agent's own stand in (an explicit `extra_env` still wins).
+            let mut set = |name: &str, value: &std::path::Path| {
+                env.retain(|(k, _)| k != name);
+                env.push((name.into(), value.into()));
+            };
+            if let Some(temp) = &sandbox.temp_dir {
+                for name in ["TMPDIR", "TMP", "TEMP"] {
+                    set(name, temp);
+                }
+            }
+            if let Some(home) = &sandbox.home {
+                set("HOME", home);
+            }
+        }
         for (k, v) in &self.extra_env {
             env.retain(|(name, _)| name != k.as_str());
             env.push((k.into(), v.into()));
@@ -189,10 +211,15 @@ impl WorkerConfig {
     }
 
     /// The process spec for [`crate::process::ChildGroup::spawn`].
+    /// With a sandbox, the program is its wrapper and the runtime's argv follows the rules.
     pub fn child_spec(&self) -> Result<ChildSpec, WorkerError> {
+        let (program, args) = match &self.sandbox {
+            Some(sandbox) => sandbox.command(&self.program, &self.args()),
+            None => (self.program.clone(), self.args()),
+        };
         Ok(ChildSpec {
-            program: self.program.clone(),
-            args: self.args(),
+            program,
+            args,
             env: self.env()?,
             cwd: self.working_directory.clone(),
         })
@@ -270,6 +297,37 @@ mod tests {
         let env = c.env().unwrap();
         assert_eq!(get(&env, AUTH_TOKEN_ENV).unwrap(), "ghu_worker");
         assert!(!format!("{c:?}").contains("ghu_worker"));
+    }
+
+    #[test]
+    fn a_sandboxed_worker_starts_through_its_wrapper_with_its_own_temp_and_home() {
+        let mut c = config();
+        c.base_env
+            .as_mut()
+            .unwrap()
+            .push(("TMPDIR".into(), "/tmp".into()));
+        let mut sandbox = Sandbox::new("/bin/wrapper".into(), vec!["sandbox-exec".into()]);
+        sandbox.temp_dir = Some("/a/tmp".into());
+        sandbox.home = Some("/a".into());
+        c.sandbox = Some(sandbox);
+        let spec = c.child_spec().unwrap();
+        assert_eq!(spec.program, PathBuf::from("/bin/wrapper"));
+        assert_eq!(spec.args[0], "sandbox-exec");
+        let tail: Vec<&OsString> = spec
+            .args
+            .iter()
+            .skip_while(|a| a.as_os_str() != "--")
+            .collect();
+        assert_eq!(tail[1], "/bin/rt");
+        assert_eq!(&tail[2..], c.args().iter().collect::<Vec<_>>().as_slice());
+        let env = c.env().unwrap();
+        assert_eq!(get(&env, "TMPDIR").unwrap(), "/a/tmp");
+        assert_eq!(get(&env, "TEMP").unwrap(), "/a/tmp");
+        assert_eq!(get(&env, "HOME").unwrap(), "/a");
+        assert_eq!(env.iter().filter(|(k, _)| k == "HOME").count(), 1);
+        // An explicit HOME of the caller wins.
+        c.extra_env = vec![("HOME".into(), "/elsewhere".into())];
+        assert_eq!(get(&c.env().unwrap(), "HOME").unwrap(), "/elsewhere");
     }
 
     #[test]

@@ -217,6 +217,30 @@ impl Daemon {
         env: &[(&str, &str)],
         soft_nofile: Option<u64>,
     ) -> Daemon {
+        let prefix: Vec<String> = match soft_nofile {
+            Some(n) => vec![
+                "sh".into(),
+                "-c".into(),
+                format!("ulimit -S -n {n} && exec \"$0\" \"$@\""),
+            ],
+            None => Vec::new(),
+        };
+        Self::launch(dir, config, extra, env, &prefix).await
+    }
+
+    /// Like `start`, with the daemon started through `prefix` (a program and its
+    /// arguments that exec the rest of the command line, such as `setpriv …`).
+    pub async fn start_through(dir: &Path, config: &str, prefix: &[String]) -> Daemon {
+        Self::launch(dir, config, &[], &[], prefix).await
+    }
+
+    async fn launch(
+        dir: &Path,
+        config: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        prefix: &[String],
+    ) -> Daemon {
         let runtime = super::runtime::runtime_path().await;
         let config_path = dir.join("serve.toml");
         // The scripted model listens on loopback: the daemon's BYOK turns go through the
@@ -232,12 +256,10 @@ impl Daemon {
         std::fs::set_permissions(&config_path, std::fs::Permissions::from_mode(0o600))
             .expect("chmod the config");
         let bin = env!("CARGO_BIN_EXE_copilot-pool");
-        let mut cmd = match soft_nofile {
-            Some(n) => {
-                let mut cmd = tokio::process::Command::new("sh");
-                cmd.arg("-c")
-                    .arg(format!("ulimit -S -n {n} && exec \"$0\" \"$@\""))
-                    .arg(bin);
+        let mut cmd = match prefix.split_first() {
+            Some((program, args)) => {
+                let mut cmd = tokio::process::Command::new(program);
+                cmd.args(args).arg(bin);
                 cmd
             }
             None => tokio::process::Command::new(bin),

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use copilot_pool::http::AttachmentLimits;
+use copilot_pool::kinds::SandboxMode;
 use copilot_pool::model_guard::ModelGuardConfig;
 use copilot_pool::pool::PoolConfig;
 use copilot_pool::secret::Secret;
@@ -65,6 +66,16 @@ pub struct ServeConfig {
     pub allowed_work_roots: Vec<PathBuf>,
     /// Accept `session.mcpServers` entries that start a local command (default `false`).
     pub allow_local_mcp_servers: bool,
+    /// Each worker in its own Landlock sandbox: `auto` (default: what the kernel enforces),
+    /// `required` (refuse to start without every wall) or `off`.
+    pub sandbox: SandboxMode,
+    /// TCP ports a sandboxed worker may connect to (default `[443]`: the Copilot API and
+    /// GitHub); a BYOK provider's port is added for its workers. The daemon's own ports are
+    /// never allowed.
+    pub sandbox_tcp_ports: Vec<u16>,
+    /// More directories a sandboxed worker may read (default none), e.g. where the logged-in
+    /// user's stored credentials live when `allow_logged_in_user` is on.
+    pub sandbox_read_paths: Vec<PathBuf>,
     /// Pool caps and lifetimes.
     pub pool: PoolSection,
     /// Turn timeouts and the transcript mirror.
@@ -285,6 +296,9 @@ impl Default for ServeConfig {
             log_format: LogFormat::Human,
             allowed_work_roots: Vec::new(),
             allow_local_mcp_servers: false,
+            sandbox: SandboxMode::Auto,
+            sandbox_tcp_ports: vec![copilot_pool::sandbox::HTTPS_PORT],
+            sandbox_read_paths: Vec::new(),
             pool: PoolSection::default(),
             turns: TurnsSection::default(),
             attachments: AttachmentsSection::default(),
@@ -403,6 +417,12 @@ impl ServeConfig {
             if self.sdk.max_connections == 0 {
                 bail!("sdk.max_connections must be above 0 (default 1024)");
             }
+        }
+        if let Some(path) = self.sandbox_read_paths.iter().find(|r| !r.is_absolute()) {
+            bail!(
+                "sandbox_read_paths entry {} must be an absolute path",
+                path.display()
+            );
         }
         if self.pool.max_processes == 0 || self.pool.max_sessions_per_process == 0 {
             bail!("pool.max_processes and pool.max_sessions_per_process must be above 0");

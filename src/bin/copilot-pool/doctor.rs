@@ -15,6 +15,7 @@ use copilot_pool::runtime::{self, CLI_PATH_ENV, INSTALL_COMMAND, LocateError};
 use copilot_pool::worker::{WorkerConfig, WorkerHandle};
 
 use crate::config::ServeConfig;
+use copilot_pool::kinds::SandboxMode;
 
 #[derive(Args, Debug)]
 pub struct DoctorArgs {
@@ -118,6 +119,11 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
             report.fail("runtime", err, fix);
             report.skip("runtime start", "no runtime to start");
         }
+    }
+
+    // sandbox
+    if let Some(config) = &config {
+        check_sandbox(&mut report, config).await;
     }
 
     // directories and bindings
@@ -385,6 +391,58 @@ fn check_bindings(report: &mut Report, state_dir: &Path) {
             CHECK,
             err,
             "fix the permissions of the bindings directory, or move unreadable files out of it",
+        ),
+    }
+}
+
+/// What the workers' sandbox enforces on this machine (the wrapper probed as `serve` probes
+/// it): a failure only when `sandbox = "required"` and something is missing.
+async fn check_sandbox(report: &mut Report, config: &ServeConfig) {
+    const CHECK: &str = "sandbox";
+    let mut own_ports = vec![config.listen.port()];
+    own_ports.extend(config.metrics_listen.map(|a| a.port()));
+    let template = match crate::sandbox::template(
+        config.sandbox,
+        &config.allowed_work_roots,
+        &config.sandbox_read_paths,
+        &config.sandbox_tcp_ports,
+        &own_ports,
+    ) {
+        Ok(Some(template)) => template,
+        Ok(None) => {
+            report.skip(
+                CHECK,
+                "sandbox = \"off\": workers run with the daemon's own rights; serve needs an \
+                 API token",
+            );
+            return;
+        }
+        Err(e) => {
+            report.fail(
+                CHECK,
+                format!("{e:#}"),
+                "run copilot-pool from a readable file",
+            );
+            return;
+        }
+    };
+    let required = config.sandbox == SandboxMode::Required;
+    match crate::sandbox::probe(&template).await {
+        Ok(status) if status.missing().is_empty() => report.ok(CHECK, status.summary()),
+        Ok(status) if required => report.fail(
+            CHECK,
+            format!("sandbox = \"required\" but {}", status.summary()),
+            "run on Linux 6.12+ with Landlock enabled, or set sandbox = \"auto\"",
+        ),
+        Ok(status) => report.ok(CHECK, format!("best effort: {}", status.summary())),
+        Err(e) if required => report.fail(
+            CHECK,
+            format!("{e:#}"),
+            "run on a kernel with Landlock, or set sandbox = \"auto\"",
+        ),
+        Err(e) => report.ok(
+            CHECK,
+            format!("no sandbox ({e:#}); serve runs its workers without one"),
         ),
     }
 }

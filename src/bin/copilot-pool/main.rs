@@ -7,6 +7,7 @@ mod doctor;
 mod install;
 mod model;
 mod run;
+mod sandbox;
 mod serve;
 mod status;
 
@@ -49,10 +50,19 @@ enum Command {
     /// Start one worker, send one prompt, and print the reply as it streams. Uses the
     /// embedded scripted model unless a provider or the logged-in user is configured.
     Run(run::RunArgs),
+    /// The wrapper a sandboxed worker starts through: drops every capability, applies a
+    /// Landlock ruleset, then execs the program after `--` (the daemon runs it).
+    #[command(hide = true, name = "sandbox-exec")]
+    SandboxExec(sandbox::SandboxExecArgs),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    // The wrapper execs the runtime from this one thread: no logging, no async runtime.
+    let cli = match cli.command {
+        Command::SandboxExec(args) => return sandbox::main(args),
+        command => Cli { command },
+    };
     // The demo reports what the pool does itself; its crashes are on purpose.
     let (default_level, json) = match &cli.command {
         Command::Demo(_) => ("error", false),
@@ -95,6 +105,8 @@ fn main() -> std::process::ExitCode {
             Command::Doctor(args) => doctor::doctor(args).await,
             Command::ScriptedModel(args) => model::scripted_model(args).await,
             Command::Status(args) => status::status(args).await,
+            // Returned from above, before any thread started.
+            Command::SandboxExec(_) => Ok(()),
         }
     });
     match result {

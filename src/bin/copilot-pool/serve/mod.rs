@@ -9,13 +9,15 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use copilot_pool::http::{self, ApiConfig, ConnectionLimits};
+use copilot_pool::kinds::SandboxMode;
 use copilot_pool::pool::Pool;
 use copilot_pool::runtime;
+use copilot_pool::sandbox::{Sandbox, SandboxStatus};
 use copilot_pool::sdk_endpoint::{self, SdkConfig, SdkEndpoint};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::sync::watch;
 
-use crate::config::{LogFormat, SdkListen, ServeConfig};
+use crate::config::{API_TOKEN_ENV, LogFormat, SdkListen, ServeConfig};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -102,6 +104,11 @@ fn install_metrics() -> Result<PrometheusHandle> {
 }
 
 pub async fn serve(args: ServeArgs) -> Result<()> {
+    // Not dumpable: a process of this user without CAP_SYS_PTRACE (every worker and tool)
+    // cannot read this one's environment (`/proc/<pid>/environ`: the API token in container
+    // deployments) or memory.
+    nix::sys::prctl::set_dumpable(false)
+        .context("marking the daemon non-dumpable (prctl PR_SET_DUMPABLE)")?;
     // Signal handlers first: a SIGTERM at any point after this drains cleanly.
     let signals = Signals::new()?;
     let config = args.config()?;
@@ -130,26 +137,53 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             );
         }
     }
-    let pool = Pool::start(config.pool_config(located.path.clone())?).await?;
-    let (app, api) = http::router_with_handle(pool.clone(), api_config);
+    // The listeners are bound first: their ports are walls of the workers' sandbox.
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
     let addr = listener.local_addr().context("local address")?;
+    let metrics_listener = match config.metrics_listen {
+        Some(metrics_addr) => Some(
+            tokio::net::TcpListener::bind(metrics_addr)
+                .await
+                .with_context(|| format!("binding {metrics_addr}"))?,
+        ),
+        None => None,
+    };
+    let sdk_listener = match config.sdk.listen()? {
+        Some(listen) => Some(bind_sdk(listen).await?),
+        None => None,
+    };
+    let mut own_ports = vec![addr.port()];
+    if let Some(l) = &metrics_listener {
+        own_ports.push(l.local_addr().context("local address")?.port());
+    }
+    if let Some(SdkListener::Tcp(l)) = &sdk_listener {
+        own_ports.push(l.local_addr().context("local address")?.port());
+    }
+    let (sandbox, sandbox_status) = sandbox_setup(&config, &own_ports).await?;
+    if !sandbox_status.tcp_connect && config.api_token.is_none() {
+        bail!("{}", api_unguarded_message(config.sandbox, &sandbox_status));
+    }
+    api_config.sandbox = Some(sandbox_status);
+    let mut pool_config = config.pool_config(located.path.clone())?;
+    pool_config.worker.sandbox = sandbox;
+    let pool = Pool::start(pool_config).await?;
+    let (app, api) = http::router_with_handle(pool.clone(), api_config);
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut stop: watch::Receiver<bool>| async move {
         // The sender outlives every server (it is dropped at the end of `serve`).
         let _ = stop.wait_for(|s| *s).await;
     };
     let mut servers = Vec::new();
-    // The SDK endpoint is bound before the API's address is announced, so a client that
-    // waits for that line finds both.
-    let sdk = match config.sdk.listen()? {
-        Some(listen) => {
+    // The SDK endpoint serves before the API's address is announced, so a client that waits
+    // for that line finds both.
+    let sdk = match sdk_listener {
+        Some(listener) => {
             let mut sdk_config = SdkConfig::new(config.sdk.tokens()?);
             sdk_config.max_connections = config.sdk.max_connections;
             let endpoint = SdkEndpoint::new(pool.clone(), sdk_config);
-            servers.push(serve_sdk(&endpoint, listen, stopped(stop_rx.clone())).await?);
+            servers.push(serve_sdk(&endpoint, listener, stopped(stop_rx.clone())));
             Some(endpoint)
         }
         None => None,
@@ -161,10 +195,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     limits.header_read_timeout = config.header_read_timeout();
     limits.idle_timeout = config.idle_timeout();
     limits.max_connections = connection_cap(config.max_connections, config.pool.max_processes);
-    if let Some(metrics_addr) = config.metrics_listen {
-        let metrics_listener = tokio::net::TcpListener::bind(metrics_addr)
-            .await
-            .with_context(|| format!("binding {metrics_addr}"))?;
+    if let Some(metrics_listener) = metrics_listener {
         println!(
             "metrics on http://{}",
             metrics_listener.local_addr().context("local address")?
@@ -223,25 +254,22 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// Binds the SDK endpoint's listener and serves it in a task until `stop` resolves. A Unix
-/// socket is created owner-only (a stale socket file from an earlier run is replaced).
-async fn serve_sdk(
-    endpoint: &SdkEndpoint,
-    listen: SdkListen,
-    stop: impl Future<Output = ()> + Send + 'static,
-) -> Result<tokio::task::JoinHandle<()>> {
-    let endpoint = endpoint.clone();
+/// The SDK endpoint's bound listener.
+enum SdkListener {
+    Tcp(tokio::net::TcpListener),
+    Unix(tokio::net::UnixListener, PathBuf),
+}
+
+/// Binds the SDK endpoint's listener (before the pool starts: a TCP port is one of the walls
+/// of the workers' sandbox). A Unix socket is created owner-only (a stale socket file from an
+/// earlier run is replaced).
+async fn bind_sdk(listen: SdkListen) -> Result<SdkListener> {
     match listen {
         SdkListen::Tcp(addr) => {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("binding the SDK endpoint on {addr}"))?;
-            let addr = listener.local_addr().context("local address")?;
-            println!("sdk on {addr}");
-            tracing::info!(%addr, "The SDK endpoint is up.");
-            Ok(tokio::spawn(async move {
-                sdk_endpoint::serve_tcp(&endpoint, listener, stop).await;
-            }))
+            Ok(SdkListener::Tcp(listener))
         }
         SdkListen::Unix(path) => {
             use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -257,14 +285,111 @@ async fn serve_sdk(
             })?;
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
                 .with_context(|| format!("making {} owner-only", path.display()))?;
-            println!("sdk on unix:{}", path.display());
-            tracing::info!(path = %path.display(), "The SDK endpoint is up.");
-            Ok(tokio::spawn(async move {
-                sdk_endpoint::serve_unix(&endpoint, listener, stop).await;
-                let _ = std::fs::remove_file(&path);
-            }))
+            Ok(SdkListener::Unix(listener, path))
         }
     }
+}
+
+/// Serves the SDK endpoint on its bound listener in a task until `stop` resolves (a Unix
+/// socket file is removed after).
+fn serve_sdk(
+    endpoint: &SdkEndpoint,
+    listener: SdkListener,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    let endpoint = endpoint.clone();
+    match listener {
+        SdkListener::Tcp(listener) => {
+            if let Ok(addr) = listener.local_addr() {
+                println!("sdk on {addr}");
+                tracing::info!(%addr, "The SDK endpoint is up.");
+            }
+            tokio::spawn(async move {
+                sdk_endpoint::serve_tcp(&endpoint, listener, stop).await;
+            })
+        }
+        SdkListener::Unix(listener, path) => {
+            println!("sdk on unix:{}", path.display());
+            tracing::info!(path = %path.display(), "The SDK endpoint is up.");
+            tokio::spawn(async move {
+                sdk_endpoint::serve_unix(&endpoint, listener, stop).await;
+                let _ = std::fs::remove_file(&path);
+            })
+        }
+    }
+}
+
+/// The workers' sandbox in the configured mode (probed once: what this kernel enforces),
+/// logged once; `required` refuses to start without every wall.
+async fn sandbox_setup(
+    config: &ServeConfig,
+    own_ports: &[u16],
+) -> Result<(Option<Sandbox>, SandboxStatus)> {
+    let mut off = SandboxStatus::default();
+    off.mode = Some(SandboxMode::Off);
+    let template = crate::sandbox::template(
+        config.sandbox,
+        &config.allowed_work_roots,
+        &config.sandbox_read_paths,
+        &config.sandbox_tcp_ports,
+        own_ports,
+    )?;
+    let Some(template) = template else {
+        tracing::warn!(
+            "sandbox = \"off\": workers and their tools run with the daemon's own rights (other \
+             agents' homes, the daemon's state and every local port are within their reach)."
+        );
+        copilot_pool::metrics::sandbox_enforced(|_| false);
+        return Ok((None, off));
+    };
+    let mut status = match crate::sandbox::probe(&template).await {
+        Ok(status) => status,
+        Err(e) if config.sandbox == SandboxMode::Required => {
+            return Err(e.context("sandbox = \"required\" but the sandbox probe failed"));
+        }
+        Err(e) => {
+            tracing::error!(
+                error = format!("{e:#}"),
+                "The sandbox probe failed: workers run without a sandbox (set sandbox = \"off\" \
+                 to say so, or fix the error)."
+            );
+            copilot_pool::metrics::sandbox_enforced(|_| false);
+            return Ok((None, off));
+        }
+    };
+    status.mode = Some(config.sandbox);
+    copilot_pool::metrics::sandbox_enforced(|rule| status.enforced(rule));
+    let missing = status.missing();
+    if missing.is_empty() {
+        tracing::info!(summary = %status.summary(), "Every worker runs in its own sandbox.");
+    } else if config.sandbox == SandboxMode::Required {
+        bail!(
+            "sandbox = \"required\" but this machine does not enforce everything ({}); run on \
+             Linux 6.12+ with Landlock enabled (lsm=landlock) as a user whose capabilities can \
+             be dropped, or set sandbox = \"auto\"",
+            status.summary()
+        );
+    } else {
+        tracing::warn!(
+            summary = %status.summary(),
+            "Workers run in a sandbox that this kernel enforces only in part (best effort)."
+        );
+    }
+    Ok((Some(template), status))
+}
+
+/// Why the daemon refuses to start without an API token when its workers could reach it.
+fn api_unguarded_message(mode: SandboxMode, status: &SandboxStatus) -> String {
+    let why = match mode {
+        SandboxMode::Off => "sandbox = \"off\"".to_owned(),
+        _ => format!("this kernel does not confine TCP ({})", status.summary()),
+    };
+    format!(
+        "refusing to serve without an API token: workers run tools (bash) as this user and, \
+         with {why}, can connect to the API on loopback; set {API_TOKEN_ENV} or pass \
+         --api-token-file PATH (or run with sandbox = \"auto\" on Linux 6.7+, whose Landlock \
+         keeps workers off the daemon's ports)"
+    )
 }
 
 /// The API's settings from the daemon's: `/metrics` on the API's listener renders the

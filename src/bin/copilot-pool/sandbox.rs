@@ -1,0 +1,358 @@
+//! `copilot-pool sandbox-exec` (hidden): the wrapper a sandboxed worker is started through
+//! (see `copilot_pool::sandbox`). In one process, before any thread starts: drop every
+//! capability (root included: the bounding, inheritable and ambient sets too, so the exec
+//! grants none back), apply a Landlock ruleset (files, TCP connect, signal and abstract Unix
+//! socket scopes; best effort unless `--required`), then exec the runtime. The pid survives
+//! the exec, so the ruleset can allow the runtime's own `/proc/<pid>` and nothing else of
+//! `/proc` beyond the system-wide files it is given.
+//!
+//! `--probe` applies the same walls and prints what was enforced (a `SandboxStatus` as one
+//! JSON line) instead of exec'ing: the daemon and `doctor` run it once to learn what this
+//! kernel enforces.
+
+use std::ffi::OsString;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use copilot_pool::kinds::{SandboxMode, SandboxRule};
+use copilot_pool::process::GroupLeader;
+use copilot_pool::sandbox::{Sandbox, SandboxStatus};
+use landlock::{
+    ABI, Access, AccessFs, AccessNet, BitFlags, LandlockStatus, NetPort, PathBeneath, PathFd,
+    Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus, Scope,
+};
+
+/// The newest Landlock ABI these rules were written and tested for (6: signal and abstract
+/// Unix socket scopes; 7 adds only audit logging).
+const RULES_ABI: ABI = ABI::V6;
+
+/// The hidden subcommand's name, as the daemon passes it to the wrapper.
+pub const SUBCOMMAND: &str = "sandbox-exec";
+
+/// Exit status of a wrapper that could not set up the walls or exec the runtime.
+const SETUP_FAILED: u8 = 126;
+
+/// The wrapper's argv: the rules (see `copilot_pool::sandbox::Sandbox::SANDBOX_ARGS`), then
+/// `--` and the runtime's argv.
+#[derive(Args, Debug, Default)]
+pub struct SandboxExecArgs {
+    /// Refuse to exec unless every wall is enforced.
+    #[arg(long)]
+    pub required: bool,
+    /// Read, write, create and remove beneath this directory.
+    #[arg(long = "rw", value_name = "PATH")]
+    pub read_write: Vec<PathBuf>,
+    /// Read and execute beneath this directory.
+    #[arg(long = "rx", value_name = "PATH")]
+    pub read_exec: Vec<PathBuf>,
+    /// Read beneath this directory.
+    #[arg(long = "ro", value_name = "PATH")]
+    pub read_only: Vec<PathBuf>,
+    /// A device file (or directory of them) to read, write and ioctl.
+    #[arg(long = "dev", value_name = "PATH")]
+    pub devices: Vec<PathBuf>,
+    /// A file of /proc to read.
+    #[arg(long = "proc", value_name = "PATH")]
+    pub proc_files: Vec<PathBuf>,
+    /// A TCP port the runtime may connect to (none given: no TCP connect at all).
+    #[arg(long = "tcp-connect", value_name = "PORT")]
+    pub tcp_connect: Vec<u16>,
+    /// Leave TCP connect unrestricted.
+    #[arg(long)]
+    pub any_tcp: bool,
+    /// Print what is enforced as JSON and exit instead of exec'ing.
+    #[arg(long)]
+    pub probe: bool,
+    /// The runtime's program and arguments.
+    #[arg(last = true, value_name = "PROGRAM")]
+    pub command: Vec<OsString>,
+}
+
+/// Runs the wrapper: never returns on success (the runtime replaced it), else the exit
+/// status after printing why to stderr (the worker's stderr tail shows it).
+pub fn main(args: SandboxExecArgs) -> std::process::ExitCode {
+    match run(args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("copilot-pool sandbox-exec: {e:#}");
+            std::process::ExitCode::from(SETUP_FAILED)
+        }
+    }
+}
+
+fn run(args: SandboxExecArgs) -> Result<()> {
+    if !args.probe && args.command.is_empty() {
+        bail!("no program to run: pass it after `--`");
+    }
+    let status = confine(&args)?;
+    if args.probe {
+        println!("{}", serde_json::to_string(&status)?);
+        return Ok(());
+    }
+    let missing = wanted_missing(&args, &status);
+    if args.required && !missing.is_empty() {
+        bail!(
+            "sandbox = \"required\" but this kernel does not enforce {} ({}); run on a kernel \
+             with Landlock ABI 6 or newer (Linux 6.12+) and as a user whose capabilities can \
+             be dropped, or set sandbox = \"auto\"",
+            names(&missing),
+            status.summary()
+        );
+    }
+    let program = &args.command[0];
+    let error = std::process::Command::new(program)
+        .args(&args.command[1..])
+        .exec();
+    Err(anyhow::Error::new(error).context(format!(
+        "exec {} (is the runtime installed and under a --rx directory?)",
+        Path::new(program).display()
+    )))
+}
+
+/// The rules asked for that are not enforced (TCP only when it was to be restricted).
+fn wanted_missing(args: &SandboxExecArgs, status: &SandboxStatus) -> Vec<SandboxRule> {
+    status
+        .missing()
+        .into_iter()
+        .filter(|r| !(args.any_tcp && *r == SandboxRule::TcpConnect))
+        .collect()
+}
+
+fn names(rules: &[SandboxRule]) -> String {
+    rules
+        .iter()
+        .map(|r| r.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Drops every capability, then applies the Landlock ruleset to this (single-threaded)
+/// process; returns what is enforced.
+fn confine(args: &SandboxExecArgs) -> Result<SandboxStatus> {
+    let capabilities = drop_capabilities()?;
+    let abi = RULES_ABI;
+    let mut ruleset = Ruleset::default()
+        .handle_access(AccessFs::from_all(abi))
+        .context("handling file access")?;
+    if !args.any_tcp {
+        ruleset = ruleset
+            .handle_access(AccessNet::ConnectTcp)
+            .context("handling TCP connect")?;
+    }
+    let mut created = ruleset
+        .scope(Scope::from_all(abi))
+        .context("scoping signals and abstract Unix sockets")?
+        .create()
+        .context("creating the Landlock ruleset")?;
+    let all = AccessFs::from_all(abi);
+    let read = AccessFs::ReadFile | AccessFs::ReadDir;
+    let read_exec = AccessFs::from_read(abi);
+    let device = AccessFs::ReadFile | AccessFs::WriteFile | AccessFs::IoctlDev | AccessFs::ReadDir;
+    let own_proc = PathBuf::from(format!("/proc/{}", std::process::id()));
+    let groups: [(&[PathBuf], BitFlags<AccessFs>); 5] = [
+        (&args.read_write, all),
+        (&args.read_exec, read_exec),
+        (&args.read_only, read),
+        (&args.devices, device),
+        (&args.proc_files, read),
+    ];
+    for (paths, access) in groups {
+        for path in paths {
+            created = add_path(created, path, access)?;
+        }
+    }
+    created = add_path(created, &own_proc, read)?;
+    if !args.any_tcp {
+        for port in &args.tcp_connect {
+            created = created
+                .add_rule(NetPort::new(*port, AccessNet::ConnectTcp))
+                .with_context(|| format!("allowing TCP connect to port {port}"))?;
+        }
+    }
+    let restricted = created
+        .restrict_self()
+        .context("applying the Landlock ruleset")?;
+    let landlock_abi = match restricted.landlock {
+        LandlockStatus::Available { effective_abi, .. } => effective_abi as u32,
+        _ => 0,
+    };
+    let files = restricted.ruleset != RulesetStatus::NotEnforced && landlock_abi >= 1;
+    let mut status = SandboxStatus::default();
+    status.landlock_abi = landlock_abi;
+    status.filesystem = files;
+    status.tcp_connect = files && !args.any_tcp && landlock_abi >= 4;
+    status.signals = files && landlock_abi >= 6;
+    status.abstract_unix_sockets = files && landlock_abi >= 6;
+    status.capabilities = capabilities;
+    Ok(status)
+}
+
+/// Adds `path` with `access` (only the rights a file can have when it is not a directory);
+/// a path that does not exist is skipped.
+fn add_path(
+    created: landlock::RulesetCreated,
+    path: &Path,
+    access: BitFlags<AccessFs>,
+) -> Result<landlock::RulesetCreated> {
+    let Ok(meta) = std::fs::metadata(path) else {
+        return Ok(created);
+    };
+    let access = if meta.is_dir() {
+        access
+    } else {
+        access & AccessFs::from_file(RULES_ABI)
+    };
+    let fd = PathFd::new(path).with_context(|| format!("opening {}", path.display()))?;
+    created
+        .add_rule(PathBeneath::new(fd, access))
+        .with_context(|| format!("allowing {}", path.display()))
+}
+
+/// Clears every capability set (the bounding set too when this process may, which root
+/// may), so nothing the runtime execs gets a capability back. True when none is left that
+/// an exec could grant.
+fn drop_capabilities() -> Result<bool> {
+    use caps::{CapSet, Capability};
+    let effective = caps::read(None, CapSet::Effective).context("reading capabilities")?;
+    if effective.contains(&Capability::CAP_SETPCAP) {
+        caps::clear(None, CapSet::Bounding).context("clearing the bounding set")?;
+    }
+    // Ambient capabilities need Linux 4.3; without them there is nothing to clear.
+    let _ = caps::clear(None, CapSet::Ambient);
+    for set in [CapSet::Inheritable, CapSet::Effective, CapSet::Permitted] {
+        caps::clear(None, set).with_context(|| format!("clearing the {set:?} set"))?;
+    }
+    let permitted = caps::read(None, CapSet::Permitted).context("reading capabilities")?;
+    let root = nix::unistd::getuid().is_root() || nix::unistd::geteuid().is_root();
+    // A root exec would refill the permitted set from the bounding set (without no_new_privs
+    // file capabilities do the same for anyone; Landlock sets no_new_privs).
+    let bounding = caps::read(None, CapSet::Bounding).context("reading capabilities")?;
+    Ok(permitted.is_empty() && (!root || bounding.is_empty()))
+}
+
+/// Runs `<exe> sandbox-exec --probe <rules of template> -- /bin/true` (the wrapper as the
+/// workers run it, with the template's rules) and returns what it enforced, within 10 s.
+pub async fn probe(template: &Sandbox) -> Result<SandboxStatus> {
+    let (program, mut argv) = template.command(Path::new("/bin/true"), &[]);
+    // `--probe` goes before the rules' `--`.
+    let at = argv
+        .iter()
+        .position(|a| a == SUBCOMMAND)
+        .map(|i| i + 1)
+        .unwrap_or(0);
+    argv.insert(at, "--probe".into());
+    let mut command = tokio::process::Command::new(&program);
+    command
+        .args(&argv)
+        .env_clear()
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let leader = GroupLeader::spawn(&mut command)
+        .with_context(|| format!("starting the sandbox probe {}", program.display()))?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let output = leader
+        .output_until(deadline, Duration::from_secs(2))
+        .await
+        .context("the sandbox probe did not finish within 10 s")?
+        .context("running the sandbox probe")?;
+    if !output.status.success() {
+        bail!(
+            "the sandbox probe failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    serde_json::from_slice(&output.stdout).with_context(|| {
+        format!(
+            "reading the sandbox probe's answer {:?}",
+            String::from_utf8_lossy(&output.stdout)
+        )
+    })
+}
+
+/// The sandbox a daemon's workers run in, in `mode`: `None` when off. The wrapper is this
+/// executable (`/proc/self/exe`, resolved now: the daemon's file may be replaced later).
+pub fn template(
+    mode: SandboxMode,
+    read_write: &[PathBuf],
+    read_only: &[PathBuf],
+    tcp_connect: &[u16],
+    never_connect: &[u16],
+) -> Result<Option<Sandbox>> {
+    if mode == SandboxMode::Off {
+        return Ok(None);
+    }
+    let exe = std::env::current_exe().context("finding this executable for sandbox-exec")?;
+    let mut sandbox = Sandbox::new(exe, vec![SUBCOMMAND.into()]);
+    sandbox.required = mode == SandboxMode::Required;
+    sandbox.read_write.extend(read_write.iter().cloned());
+    sandbox.read_only.extend(read_only.iter().cloned());
+    sandbox.tcp_connect = Some(tcp_connect.to_vec());
+    sandbox.never_connect = never_connect.to_vec();
+    Ok(Some(sandbox))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: SandboxExecArgs,
+    }
+
+    #[test]
+    fn the_wrapper_reads_the_argv_the_library_writes() {
+        let mut sandbox = Sandbox::new("/x/copilot-pool".into(), vec![SUBCOMMAND.into()]);
+        sandbox.read_write = vec!["/a/agent".into()];
+        sandbox.tcp_connect = Some(vec![443, 9000]);
+        sandbox.required = true;
+        let (_, argv) = sandbox.command(Path::new("/rt/copilot"), &["--stdio".into()]);
+        let cli = Cli::try_parse_from(argv).expect("the wrapper parses the library's argv");
+        let args = cli.args;
+        assert!(args.required && !args.any_tcp && !args.probe);
+        assert_eq!(args.read_write, [PathBuf::from("/a/agent")]);
+        assert!(args.read_exec.contains(&PathBuf::from("/usr")));
+        assert!(args.read_exec.contains(&PathBuf::from("/rt")));
+        assert!(args.read_only.contains(&PathBuf::from("/etc")));
+        assert!(args.devices.contains(&PathBuf::from("/dev/null")));
+        assert!(args.proc_files.contains(&PathBuf::from("/proc/stat")));
+        assert_eq!(args.tcp_connect, [443, 9000]);
+        assert_eq!(args.command, ["/rt/copilot", "--stdio"].map(OsString::from));
+        for flag in Sandbox::SANDBOX_ARGS {
+            assert!(
+                Cli::try_parse_from(["sandbox-exec", flag, "1", "--", "/bin/true"]).is_ok()
+                    || Cli::try_parse_from(["sandbox-exec", flag, "--", "/bin/true"]).is_ok(),
+                "{flag}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_required_sandbox_counts_tcp_only_when_it_was_to_be_restricted() {
+        let mut status = SandboxStatus::default();
+        status.landlock_abi = 3;
+        status.filesystem = true;
+        status.capabilities = true;
+        let mut args = SandboxExecArgs::default();
+        assert_eq!(
+            wanted_missing(&args, &status),
+            [
+                SandboxRule::TcpConnect,
+                SandboxRule::Signals,
+                SandboxRule::AbstractUnixSockets
+            ]
+        );
+        args.any_tcp = true;
+        assert_eq!(
+            wanted_missing(&args, &status),
+            [SandboxRule::Signals, SandboxRule::AbstractUnixSockets]
+        );
+    }
+}

@@ -1,0 +1,499 @@
+//! The walls around one worker, as a description: which directories its runtime (and every
+//! tool the runtime starts, bash included) may read, write or execute, which files of
+//! `/proc` it may read, which TCP ports it may connect to, and the wrapper program that
+//! enforces them. The library enforces nothing itself and depends on no sandboxing crate: a
+//! worker whose [`crate::worker::WorkerConfig::sandbox`] is set is started as
+//! `<wrapper> <wrapper args> <rules> -- <runtime> <runtime args>`, and the wrapper (the
+//! daemon's own `copilot-pool sandbox-exec`, which applies a Landlock ruleset, drops every
+//! capability and then execs the runtime in the same process) does the rest. Without a
+//! sandbox a worker runs with its parent's rights, as before.
+//!
+//! The pool fills a [`Sandbox`] per key ([`Sandbox::for_agent`]): the agent's own directory
+//! (its `COPILOT_HOME`, work directory and private temp directory), read and write; the
+//! provider's port for a BYOK key without a model tunnel. [`Sandbox::SANDBOX_ARGS`] is the
+//! argv the wrapper parses; [`SandboxStatus`] is what a probe of the wrapper found enforced
+//! on this kernel (for logs, `doctor`, `/v1/pool` and the metrics).
+
+use std::ffi::OsString;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::kinds::{SandboxMode, SandboxRule};
+
+/// System directories a worker may read and execute (missing ones are skipped by the
+/// wrapper).
+pub const SYSTEM_EXEC_DIRS: &[&str] = &[
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt",
+];
+
+/// System directories a worker may read (configuration, certificates, the resolver).
+pub const SYSTEM_READ_DIRS: &[&str] = &["/etc", "/run/systemd/resolve"];
+
+/// Device files a worker may read, write and `ioctl` (the shell's terminal included).
+pub const DEVICES: &[&str] = &[
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/random",
+    "/dev/urandom",
+    "/dev/tty",
+    "/dev/ptmx",
+    "/dev/pts",
+];
+
+/// System-wide `/proc` files a worker may read. The worker's own `/proc/<pid>` is added by
+/// the wrapper (the pid survives its exec of the runtime); no other process's entry is
+/// readable.
+pub const PROC_FILES: &[&str] = &[
+    "/proc/cpuinfo",
+    "/proc/meminfo",
+    "/proc/stat",
+    "/proc/loadavg",
+    "/proc/uptime",
+    "/proc/version",
+];
+
+/// The port of HTTPS: the Copilot API and GitHub in token mode.
+pub const HTTPS_PORT: u16 = 443;
+
+/// Where a worker may go, and the wrapper that holds it there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Sandbox {
+    /// The wrapper program (the daemon passes its own executable).
+    pub wrapper: PathBuf,
+    /// The wrapper's arguments before the rules (the daemon passes `["sandbox-exec"]`).
+    pub wrapper_args: Vec<OsString>,
+    /// Refuse to start the worker unless every wall is enforced (else the wrapper enforces
+    /// what the kernel supports).
+    pub required: bool,
+    /// Read, write, create and remove beneath these (the agent's directory is added per key;
+    /// the daemon adds its `allowed_work_roots`).
+    pub read_write: Vec<PathBuf>,
+    /// Read and execute beneath these (the runtime's install is added at spawn).
+    pub read_exec: Vec<PathBuf>,
+    /// Read beneath these.
+    pub read_only: Vec<PathBuf>,
+    /// Device files to read, write and `ioctl`.
+    pub devices: Vec<PathBuf>,
+    /// Files of `/proc` to read.
+    pub proc_files: Vec<PathBuf>,
+    /// TCP ports the worker may connect to; `None` leaves TCP unrestricted, an empty list
+    /// allows none.
+    pub tcp_connect: Option<Vec<u16>>,
+    /// Ports never allowed, whatever a provider names (the daemon's own listeners).
+    pub never_connect: Vec<u16>,
+    /// The worker's private temporary directory (`TMPDIR`, `TMP`, `TEMP`), set per key.
+    pub temp_dir: Option<PathBuf>,
+    /// The worker's `HOME` unless its `extra_env` sets one, set per key.
+    pub home: Option<PathBuf>,
+}
+
+/// A sandbox the pool could not prepare for a key.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SandboxError {
+    /// The agent's private temporary directory could not be made.
+    #[error(
+        "could not create the worker's private temporary directory {path:?}: {source}; make \
+         the agent's directory writable by the daemon's user"
+    )]
+    TempDir {
+        /// The directory.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// A conversation's working directory lies outside everything the worker may write.
+    #[error(
+        "the working directory {path:?} lies outside what the sandbox lets this agent's \
+         runtime write ({allowed}); use a directory inside them, or add its root to the \
+         sandbox's read_write (allowed_work_roots in the daemon's config)"
+    )]
+    WorkingDirectoryOutside {
+        /// The working directory.
+        path: PathBuf,
+        /// The writable roots, comma-separated.
+        allowed: String,
+    },
+}
+
+impl Sandbox {
+    /// Flags of the wrapper's argv (after `wrapper_args`), each followed by one value, then
+    /// `--` and the runtime's argv: `--rw`, `--rx`, `--ro`, `--dev`, `--proc` (paths),
+    /// `--tcp-connect` (a port); `--any-tcp` (TCP unrestricted) and `--required` stand alone.
+    pub const SANDBOX_ARGS: &'static [&'static str] = &[
+        "--rw",
+        "--rx",
+        "--ro",
+        "--dev",
+        "--proc",
+        "--tcp-connect",
+        "--any-tcp",
+        "--required",
+    ];
+
+    /// A sandbox run by `wrapper wrapper_args`, with the system directories, devices and
+    /// `/proc` files above, TCP connect to port 443 only, and nothing writable yet.
+    pub fn new(wrapper: PathBuf, wrapper_args: Vec<OsString>) -> Self {
+        let paths = |list: &[&str]| list.iter().map(PathBuf::from).collect::<Vec<_>>();
+        Self {
+            wrapper,
+            wrapper_args,
+            required: false,
+            read_write: Vec::new(),
+            read_exec: paths(SYSTEM_EXEC_DIRS),
+            read_only: paths(SYSTEM_READ_DIRS),
+            devices: paths(DEVICES),
+            proc_files: paths(PROC_FILES),
+            tcp_connect: Some(vec![HTTPS_PORT]),
+            never_connect: Vec::new(),
+            temp_dir: None,
+            home: None,
+        }
+    }
+
+    /// This sandbox for one agent whose directory is `agent_root` (its `COPILOT_HOME` and
+    /// work directory lie inside): `agent_root` read and write, `<agent_root>/tmp` (created,
+    /// mode 0700) as the temporary directory, `agent_root` as `HOME`, and `provider_port`
+    /// allowed for TCP connect when given (a BYOK provider reached directly).
+    pub fn for_agent(
+        &self,
+        agent_root: &Path,
+        provider_port: Option<u16>,
+    ) -> Result<Sandbox, SandboxError> {
+        let mut sandbox = self.clone();
+        let temp = agent_root.join("tmp");
+        crate::home::ensure_private_dir(&temp).map_err(|source| SandboxError::TempDir {
+            path: temp.clone(),
+            source,
+        })?;
+        sandbox.read_write.push(agent_root.to_path_buf());
+        sandbox.temp_dir = Some(temp);
+        sandbox.home = Some(agent_root.to_path_buf());
+        if let (Some(port), Some(ports)) = (provider_port, sandbox.tcp_connect.as_mut())
+            && !ports.contains(&port)
+        {
+            ports.push(port);
+        }
+        Ok(sandbox)
+    }
+
+    /// Checks that a conversation's working directory lies where the worker may write (links
+    /// and `..` resolved), so a lease that could not work fails before anything starts.
+    pub fn check_working_directory(&self, path: &Path) -> Result<(), SandboxError> {
+        if crate::confine::confine("workingDirectory", path, &self.read_write).is_ok() {
+            return Ok(());
+        }
+        Err(SandboxError::WorkingDirectoryOutside {
+            path: path.to_path_buf(),
+            allowed: self
+                .read_write
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+    }
+
+    /// The TCP ports the wrapper allows: `tcp_connect` without `never_connect`, sorted, each
+    /// once (`None`: unrestricted).
+    pub fn allowed_ports(&self) -> Option<Vec<u16>> {
+        self.tcp_connect.as_ref().map(|ports| {
+            let mut ports: Vec<u16> = ports
+                .iter()
+                .copied()
+                .filter(|p| !self.never_connect.contains(p))
+                .collect();
+            ports.sort_unstable();
+            ports.dedup();
+            ports
+        })
+    }
+
+    /// The program and argv that start `program args` inside this sandbox: the wrapper,
+    /// its arguments, the rules, `--`, then the runtime's argv. The runtime's install
+    /// directory ([`install_root`]) is added to what may be read and executed.
+    pub fn command(&self, program: &Path, args: &[OsString]) -> (PathBuf, Vec<OsString>) {
+        let mut argv = self.wrapper_args.clone();
+        if self.required {
+            argv.push("--required".into());
+        }
+        let mut paths = |flag: &str, list: &[PathBuf]| {
+            for path in list {
+                argv.push(flag.into());
+                argv.push(path.clone().into());
+            }
+        };
+        paths("--rw", &self.read_write);
+        let mut exec = self.read_exec.clone();
+        exec.push(install_root(program));
+        paths("--rx", &exec);
+        paths("--ro", &self.read_only);
+        paths("--dev", &self.devices);
+        paths("--proc", &self.proc_files);
+        match self.allowed_ports() {
+            None => argv.push("--any-tcp".into()),
+            Some(ports) => {
+                for port in ports {
+                    argv.push("--tcp-connect".into());
+                    argv.push(port.to_string().into());
+                }
+            }
+        }
+        argv.push("--".into());
+        argv.push(program.into());
+        argv.extend(args.iter().cloned());
+        (self.wrapper.clone(), argv)
+    }
+}
+
+/// The directory a runtime executable is installed in, for read and execute: the directory
+/// above the outermost `node_modules` of its path (an npm prefix holds the launcher, its
+/// native module and its packages), else the executable's own directory.
+pub fn install_root(program: &Path) -> PathBuf {
+    let program = std::fs::canonicalize(program).unwrap_or_else(|_| program.to_path_buf());
+    let outermost = program
+        .ancestors()
+        .filter(|a| a.file_name().is_some_and(|n| n == "node_modules"))
+        .last()
+        .and_then(Path::parent);
+    match outermost {
+        Some(root) => root.to_path_buf(),
+        None => program
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("/")),
+    }
+}
+
+/// The TCP port of an `http(s)` URL (its explicit port, else 80 or 443); `None` for
+/// anything else.
+pub fn url_port(url: &str) -> Option<u16> {
+    let (scheme, rest) = url.split_once("://")?;
+    let default = match scheme.to_ascii_lowercase().as_str() {
+        "http" => 80,
+        "https" => HTTPS_PORT,
+        _ => return None,
+    };
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    // `[::1]:8080` or `host:8080`; a bare IPv6 literal has its colons inside brackets.
+    let port = match host_port.rsplit_once(']') {
+        Some((_, after)) => after.strip_prefix(':'),
+        None => host_port.rsplit_once(':').map(|(_, p)| p),
+    };
+    match port {
+        Some(p) if !p.is_empty() => p.parse().ok(),
+        _ => Some(default),
+    }
+}
+
+/// What a probe of the wrapper found enforced on this kernel (the daemon runs it once at
+/// start): for the log line, `doctor`, `/v1/pool` and `copilot_pool_sandbox_enforced`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
+#[serde(default)]
+#[non_exhaustive]
+pub struct SandboxStatus {
+    /// `auto`, `required` or `off` (`None`: not configured, as for an embedder).
+    pub mode: Option<SandboxMode>,
+    /// The Landlock ABI the wrapper used (0: none).
+    pub landlock_abi: u32,
+    /// Files confined.
+    pub filesystem: bool,
+    /// TCP connect confined to the allowed ports.
+    pub tcp_connect: bool,
+    /// Signals scoped to the worker's own sandbox.
+    pub signals: bool,
+    /// Abstract Unix sockets scoped to the worker's own sandbox.
+    pub abstract_unix_sockets: bool,
+    /// Every capability dropped before the runtime starts.
+    pub capabilities: bool,
+}
+
+impl SandboxStatus {
+    /// Whether `rule` is enforced.
+    pub fn enforced(&self, rule: SandboxRule) -> bool {
+        match rule {
+            SandboxRule::Filesystem => self.filesystem,
+            SandboxRule::TcpConnect => self.tcp_connect,
+            SandboxRule::Signals => self.signals,
+            SandboxRule::AbstractUnixSockets => self.abstract_unix_sockets,
+            SandboxRule::Capabilities => self.capabilities,
+        }
+    }
+
+    /// The rules not enforced.
+    pub fn missing(&self) -> Vec<SandboxRule> {
+        SandboxRule::ALL
+            .into_iter()
+            .filter(|r| !self.enforced(*r))
+            .collect()
+    }
+
+    /// One line: what is and what is not enforced.
+    pub fn summary(&self) -> String {
+        let list = |rules: Vec<SandboxRule>| {
+            if rules.is_empty() {
+                "none".to_owned()
+            } else {
+                rules
+                    .iter()
+                    .map(|r| r.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        };
+        let enforced = SandboxRule::ALL
+            .into_iter()
+            .filter(|r| self.enforced(*r))
+            .collect();
+        format!(
+            "Landlock ABI {}; enforced: {}; not enforced: {}",
+            self.landlock_abi,
+            list(enforced),
+            list(self.missing())
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sandbox() -> Sandbox {
+        Sandbox::new("/opt/cp/copilot-pool".into(), vec!["sandbox-exec".into()])
+    }
+
+    #[test]
+    fn the_wrapper_argv_carries_every_rule_then_the_runtime_argv() {
+        let mut s = sandbox();
+        s.read_write = vec!["/srv/agents/a1".into()];
+        s.read_exec = vec!["/usr".into()];
+        s.read_only = vec!["/etc".into()];
+        s.devices = vec!["/dev/null".into()];
+        s.proc_files = vec!["/proc/stat".into()];
+        s.tcp_connect = Some(vec![8080, 443, 8080, 7878]);
+        s.never_connect = vec![7878];
+        s.required = true;
+        let (program, argv) = s.command(
+            Path::new("/rt/node_modules/@github/x/prebuilds/copilot-runtime"),
+            &["--stdio".into()],
+        );
+        assert_eq!(program, PathBuf::from("/opt/cp/copilot-pool"));
+        let argv: Vec<String> = argv
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            argv,
+            [
+                "sandbox-exec",
+                "--required",
+                "--rw",
+                "/srv/agents/a1",
+                "--rx",
+                "/usr",
+                "--rx",
+                "/rt",
+                "--ro",
+                "/etc",
+                "--dev",
+                "/dev/null",
+                "--proc",
+                "/proc/stat",
+                "--tcp-connect",
+                "443",
+                "--tcp-connect",
+                "8080",
+                "--",
+                "/rt/node_modules/@github/x/prebuilds/copilot-runtime",
+                "--stdio"
+            ]
+        );
+        s.tcp_connect = None;
+        let (_, argv) = s.command(Path::new("/bin/rt"), &[]);
+        assert!(argv.contains(&OsString::from("--any-tcp")));
+        s.tcp_connect = Some(Vec::new());
+        let (_, argv) = s.command(Path::new("/bin/rt"), &[]);
+        assert!(!argv.iter().any(|a| a.to_string_lossy().contains("tcp")));
+    }
+
+    #[test]
+    fn an_agent_gets_its_own_directory_temp_home_and_provider_port() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = dir.path().join("agents/a1");
+        std::fs::create_dir_all(&agent).unwrap();
+        let s = sandbox().for_agent(&agent, Some(8080)).unwrap();
+        assert_eq!(s.read_write, std::slice::from_ref(&agent));
+        assert_eq!(s.temp_dir.as_deref(), Some(agent.join("tmp").as_path()));
+        assert!(agent.join("tmp").is_dir());
+        assert_eq!(s.home.as_deref(), Some(agent.as_path()));
+        assert_eq!(s.allowed_ports(), Some(vec![443, 8080]));
+        s.check_working_directory(&agent.join("work")).unwrap();
+        let outside = s
+            .check_working_directory(&dir.path().join("agents/a2/work"))
+            .unwrap_err()
+            .to_string();
+        assert!(outside.contains("allowed_work_roots"), "{outside}");
+        // An unrestricted sandbox stays unrestricted.
+        let mut open = sandbox();
+        open.tcp_connect = None;
+        assert_eq!(
+            open.for_agent(&agent, Some(8080)).unwrap().tcp_connect,
+            None
+        );
+    }
+
+    #[test]
+    fn the_install_root_is_above_node_modules_or_the_program_directory() {
+        assert_eq!(
+            install_root(Path::new(
+                "/c/runtime/1.0.14/node_modules/@github/sdk/prebuilds/linux-x64/copilot-runtime"
+            )),
+            PathBuf::from("/c/runtime/1.0.14")
+        );
+        assert_eq!(
+            install_root(Path::new("/usr/local/bin/copilot")),
+            PathBuf::from("/usr/local/bin")
+        );
+    }
+
+    #[test]
+    fn a_url_port_is_explicit_or_the_scheme_default() {
+        assert_eq!(url_port("http://127.0.0.1:41234/v1"), Some(41234));
+        assert_eq!(url_port("https://models.example/v1"), Some(443));
+        assert_eq!(url_port("http://user:pw@host/x"), Some(80));
+        assert_eq!(url_port("http://[::1]:9000/v1"), Some(9000));
+        assert_eq!(url_port("http://[::1]/v1"), Some(80));
+        assert_eq!(url_port("file:///etc/passwd"), None);
+        assert_eq!(url_port("http://host:notaport/"), None);
+    }
+
+    #[test]
+    fn a_status_says_what_is_and_is_not_enforced() {
+        let status = SandboxStatus {
+            mode: Some(SandboxMode::Auto),
+            landlock_abi: 3,
+            filesystem: true,
+            capabilities: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            status.missing(),
+            [
+                SandboxRule::TcpConnect,
+                SandboxRule::Signals,
+                SandboxRule::AbstractUnixSockets
+            ]
+        );
+        assert_eq!(
+            status.summary(),
+            "Landlock ABI 3; enforced: filesystem, capabilities; not enforced: tcp_connect, \
+             signals, abstract_unix_sockets"
+        );
+    }
+}

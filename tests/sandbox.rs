@@ -1,0 +1,316 @@
+//! End to end through the binary: `copilot-pool serve` runs each agent's runtime in its own
+//! Landlock sandbox. An agent's real `bash` tool call (the scripted model asks for it, the
+//! test approves it as a gateway would) tries every escape of issue 14: another agent's home,
+//! transcript and work directory, the daemon's and a sibling worker's `/proc/<pid>/environ`,
+//! a signal to the sibling worker, a connection to the daemon's API port. With the sandbox
+//! every one fails and the agent's own directories work; with `sandbox = "off"` the same
+//! script escapes (so the walls are what stops it). The daemon is not dumpable either way.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use copilot_pool::scripted_model::ScriptedModel;
+use serde_json::{Value, json};
+use support::api::turn;
+use support::http::{Daemon, SseStream, call};
+
+const TOKEN: &str = "sandbox-test-api-token";
+
+/// The bash tool call the scripted model makes.
+fn bash(command: &str) -> String {
+    let args =
+        json!({"command": command, "description": "probe", "mode": "sync", "initial_wait": 30});
+    format!("SCENARIO:tool NAME=bash ARGS={args}")
+}
+
+/// Runs one streamed turn, approving every permission request, and returns `turn.end`.
+async fn run_approved(addr: SocketAddr, body: &Value) -> Value {
+    let mut stream = SseStream::open(addr, "/v1/turns", Some(TOKEN), body).await;
+    assert_eq!(stream.status, 200);
+    while let Some(event) = stream.next().await {
+        match event.event.as_str() {
+            "permission.request" => {
+                let id = event.data["request_id"].as_str().expect("request_id");
+                let answered = call(
+                    addr,
+                    "POST",
+                    &format!("/v1/requests/{id}"),
+                    Some(TOKEN),
+                    Some(&json!({"decision": "approve-once"})),
+                )
+                .await;
+                assert_eq!(answered.status, 204, "{}", answered.body);
+            }
+            "turn.end" => return event.data,
+            _ => {}
+        }
+    }
+    panic!("the turn's stream ended without turn.end");
+}
+
+/// What each probe of the intruder's script found: `open` (it worked) or `shut`.
+fn outcomes(end: &Value) -> BTreeMap<String, String> {
+    let text = end["final_text"].as_str().unwrap_or_default();
+    text.split_whitespace()
+        .filter_map(|word| word.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+struct Setup {
+    scratch: support::Scratch,
+    daemon: Daemon,
+    _endpoint: copilot_pool::scripted_model::HttpEndpoint,
+    url: String,
+}
+
+/// Starts the daemon with `sandbox`; `capless` starts it without any capability (as root:
+/// through `setpriv`), so only its non-dumpable flag keeps a child of the same user out of
+/// its environment (a root daemon's capabilities alone would, by the kernel's superset rule).
+async fn start(sandbox: &str, capless: bool) -> Setup {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let transcripts = scratch.path().join("transcripts");
+    let config = format!(
+        "sandbox = \"{sandbox}\"\napi_token = \"{TOKEN}\"\n[turns]\ntranscript_dir = \"{}\"\n",
+        transcripts.display()
+    );
+    let prefix: Vec<String> = if capless && nix::unistd::geteuid().is_root() {
+        [
+            "setpriv",
+            "--inh-caps=-all",
+            "--ambient-caps=-all",
+            "--bounding-set=-all",
+            "--",
+        ]
+        .map(String::from)
+        .to_vec()
+    } else {
+        Vec::new()
+    };
+    let daemon = Daemon::start_through(scratch.path(), &config, &prefix).await;
+    Setup {
+        scratch,
+        daemon,
+        _endpoint: endpoint,
+        url,
+    }
+}
+
+/// The victim's turn (its home, work directory, transcript and worker exist afterwards),
+/// then the intruder's probes; returns what they found and the victim's worker pid.
+async fn escapes(setup: &Setup) -> (BTreeMap<String, String>, u32) {
+    let addr = setup.daemon.addr;
+    let agents = setup.scratch.path().join("pool-home/agents");
+    let victim = agents.join("victim");
+    let end = run_approved(addr, &turn(&setup.url, "victim", "c", "REPLY=hello")).await;
+    assert_eq!(end["status"], "idle", "{end}");
+    std::fs::create_dir_all(victim.join("work")).expect("victim work");
+    std::fs::write(victim.join("copilot/secret.txt"), "victim-secret").expect("secret");
+    let pool = call(addr, "GET", "/v1/pool", Some(TOKEN), None)
+        .await
+        .json();
+    let sibling = pool["processes"][0]["pid"]
+        .as_u64()
+        .expect("the victim's worker") as u32;
+
+    let own = agents.join("intruder");
+    let script = probe_script(
+        &victim,
+        &setup.scratch.path().join("transcripts"),
+        &own,
+        setup.daemon.pid(),
+        sibling,
+        addr.port(),
+    );
+    let end = run_approved(addr, &turn(&setup.url, "intruder", "c", &bash(&script))).await;
+    assert_eq!(end["status"], "idle", "{end}");
+    (outcomes(&end), sibling)
+}
+
+/// One bash line per escape, each printing `<name>=open` or `<name>=shut`.
+fn probe_script(
+    victim: &Path,
+    transcripts: &Path,
+    own: &Path,
+    daemon: u32,
+    sibling: u32,
+    api_port: u16,
+) -> String {
+    let v = victim.display();
+    let t = transcripts.display();
+    let o = own.display();
+    [
+        "p(){ if eval \"$2\" >/dev/null 2>&1; then echo \"$1=open\"; else echo \"$1=shut\"; fi; }"
+            .to_owned(),
+        format!("p home 'cat {v}/copilot/secret.txt'"),
+        format!("p transcript 'cat {t}/*.jsonl'"),
+        format!("p work 'echo x > {v}/work/planted'"),
+        format!("p daemon 'cat /proc/{daemon}/environ'"),
+        format!("p sibling 'cat /proc/{sibling}/environ'"),
+        format!("p api 'exec 3<>/dev/tcp/127.0.0.1/{api_port}'"),
+        format!("p own_home 'echo x > {o}/copilot/probe && cat {o}/copilot/probe'"),
+        format!("p own_work 'mkdir -p {o}/work && echo x > {o}/work/probe && cat {o}/work/probe'"),
+        "p own_tmp 'echo x > \"${TMPDIR:-/tmp}/probe\"'".to_owned(),
+        format!("p kill 'kill -KILL {sibling}'"),
+    ]
+    .join("\n")
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandboxed_agents_bash_cannot_reach_other_agents_the_daemon_or_its_api_but_works_at_home()
+{
+    let setup = start("auto", false).await;
+    let pool = call(setup.daemon.addr, "GET", "/v1/pool", Some(TOKEN), None)
+        .await
+        .json();
+    assert_eq!(pool["sandbox"]["mode"], "auto", "{pool}");
+    assert_eq!(pool["sandbox"]["filesystem"], true, "{pool}");
+    let (found, sibling) = escapes(&setup).await;
+    for escape in [
+        "home",
+        "transcript",
+        "work",
+        "daemon",
+        "sibling",
+        "api",
+        "kill",
+    ] {
+        assert_eq!(
+            found.get(escape).map(String::as_str),
+            Some("shut"),
+            "{escape}: {found:?}"
+        );
+    }
+    for inside in ["own_home", "own_work", "own_tmp"] {
+        assert_eq!(
+            found.get(inside).map(String::as_str),
+            Some("open"),
+            "{inside}: {found:?}"
+        );
+    }
+    let victim = setup.scratch.path().join("pool-home/agents/victim");
+    assert!(!victim.join("work/planted").exists());
+    assert!(alive(sibling), "the sibling worker was killed");
+    setup.daemon.terminate().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_sandbox_the_same_bash_escapes_but_the_daemon_stays_unreadable() {
+    let setup = start("off", true).await;
+    let pool = call(setup.daemon.addr, "GET", "/v1/pool", Some(TOKEN), None)
+        .await
+        .json();
+    assert_eq!(pool["sandbox"]["mode"], "off", "{pool}");
+    let (found, sibling) = escapes(&setup).await;
+    for escape in ["home", "transcript", "work", "sibling", "api", "kill"] {
+        assert_eq!(
+            found.get(escape).map(String::as_str),
+            Some("open"),
+            "{escape}: {found:?}"
+        );
+    }
+    // Non-dumpable: without CAP_SYS_PTRACE no child reads the daemon's environment (the
+    // sibling's, read the same way, shows that the read itself works).
+    assert_eq!(
+        found.get("daemon").map(String::as_str),
+        Some("shut"),
+        "{found:?}"
+    );
+    let victim = setup.scratch.path().join("pool-home/agents/victim");
+    assert!(victim.join("work/planted").exists());
+    let gone = support::procs::wait_none(
+        || {
+            if alive(sibling) {
+                vec![sibling]
+            } else {
+                vec![]
+            }
+        },
+        std::time::Duration::from_secs(5),
+    )
+    .await;
+    assert!(gone.is_empty(), "the sibling worker survived its kill");
+    setup.daemon.terminate().await;
+}
+
+/// What a worker's shell tool sees of tokens: its own process token (runtime 1.0.14 hands
+/// its whole environment, `COPILOT_SDK_AUTH_TOKEN` included, to the shell: ARCHITECTURE.md
+/// says so), never the parent's token variables, the API token or another agent's token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shell_tool_sees_its_own_workers_token_and_no_other_secret() {
+    use copilot_pool::permission::ApproveAll;
+    use copilot_pool::pool::Pool;
+    let fx = support::pool_fixture::Fixture::new().await;
+    let mut config = fx.config().await;
+    config.worker.base_env = Some(vec![
+        ("PATH".into(), std::env::var_os("PATH").unwrap_or_default()),
+        ("GH_TOKEN".into(), "ghu_parent_token".into()),
+        ("COPILOT_POOL_API_TOKEN".into(), "api_token_value".into()),
+    ]);
+    let pool = Pool::start(config).await.expect("pool");
+    // Another agent's worker, with its own token, alive beside ours.
+    let mut other = fx.request("agent-other", "c");
+    other.auth = support::pool_fixture::token("other");
+    let mut other = pool.lease(other).await.expect("lease");
+    other.run("REPLY=hi").await.expect("turn");
+
+    let mut req = fx.request("agent-token", "c");
+    req.auth = support::pool_fixture::token("v1");
+    req.available_tools = None;
+    req.handlers.permission_policy = std::sync::Arc::new(ApproveAll);
+    let mut lease = pool.lease(req).await.expect("lease");
+    let outcome = lease
+        .run(bash(
+            "echo own=$COPILOT_SDK_AUTH_TOKEN; env | grep -q -e ghu_token_other -e \
+             ghu_parent_token -e api_token_value && echo leak=yes || echo leak=no",
+        ))
+        .await
+        .expect("turn");
+    drop((lease, other));
+    support::pool_fixture::shutdown_leaves_nothing(&pool).await;
+    assert!(outcome.text.contains("leak=no"), "{}", outcome.text);
+    assert!(
+        outcome.text.contains("own=ghu_token_v1"),
+        "{}",
+        outcome.text
+    );
+}
+
+/// With the sandbox off, a tool call could reach the API on loopback: no token, no daemon.
+#[tokio::test]
+async fn with_the_sandbox_off_serve_refuses_to_start_without_an_api_token() {
+    let scratch = support::Scratch::new();
+    let config = scratch.path().join("serve.toml");
+    std::fs::write(&config, "sandbox = \"off\"\n").expect("config");
+    let output = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+            .arg(&config)
+            .env("COPILOT_CLI_PATH", support::runtime::runtime_path().await)
+            .env("COPILOT_POOL_HOME", scratch.path().join("pool-home"))
+            .env_remove("COPILOT_POOL_API_TOKEN")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("serve exits")
+    .expect("serve runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("refusing to serve without an API token")
+            && stderr.contains("COPILOT_POOL_API_TOKEN"),
+        "{stderr}"
+    );
+}
