@@ -286,9 +286,23 @@ impl SdkSession {
     }
 
     async fn lease(&self, method: &str, existing_only: bool) -> Result<Lease, CallError> {
-        let req = self
+        let mut req = self
             .spec()
             .lease_request(&self.shared, &self.agent, existing_only);
+        if req.working_directory.as_os_str().is_empty() {
+            // No directory of its own: the agent's work directory, as an HTTP turn gets (the
+            // one a sandboxed worker may write), created off the async threads.
+            let base = self.shared.pool.config().agents_base_dir.clone();
+            let agent = self.agent.clone();
+            req.working_directory = tokio::task::spawn_blocking(move || {
+                let dir = crate::home::work_dir(&base, &agent)?;
+                crate::home::create_work_dir(&dir)?;
+                Ok::<_, crate::home::HomeError>(dir)
+            })
+            .await
+            .map_err(|e| pool_error(method, &PoolError::Internal(e.to_string())))?
+            .map_err(|e| pool_error(method, &PoolError::from(e)))?;
+        }
         self.shared.pool.lease(req).await.map_err(|e| match e {
             PoolError::NoSuchConversation { .. } => session_not_found(method, self.id().as_str()),
             other => pool_error(method, &other),
