@@ -197,10 +197,25 @@ for name in ("base", "example"):
         ok(f"{name}: terminationGracePeriodSeconds {grace} > drain_grace_secs {drain}")
     if serve.get("listen") != "0.0.0.0:7878":
         err(f"{name}: serve.toml listen is {serve.get('listen')!r}, expected 0.0.0.0:7878")
+    # The API token reaches the daemon as a 0600 file (an init container copies it out of the
+    # Secret into a memory volume), never as an environment variable (/proc/<pid>/environ).
     envs = {e["name"]: e for e in ctr.get("env", [])}
-    ref = envs.get("COPILOT_POOL_API_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef", {})
-    if not ref.get("name", "").startswith("copilot-pool-api-token") or ref.get("key") != "token":
-        err(f"{name}: COPILOT_POOL_API_TOKEN does not come from secret copilot-pool-api-token/token")
+    if "COPILOT_POOL_API_TOKEN" in envs:
+        err(f"{name}: the API token is in the environment; pass it with --api-token-file")
+    args = ctr.get("args", [])
+    token_file = args[args.index("--api-token-file") + 1] if "--api-token-file" in args[:-1] else None
+    vols = {v["name"]: v for v in pod.get("volumes", [])}
+    secret_vols = [n for n, v in vols.items()
+                   if v.get("secret", {}).get("secretName", "").startswith("copilot-pool-api-token")]
+    inits = pod.get("initContainers", [])
+    copier = next((c for c in inits if c.get("command", [])[:3] == ["install", "-m", "0600"]), None)
+    if token_file is None or copier is None or not secret_vols:
+        err(f"{name}: the API token must come from secret copilot-pool-api-token through an init "
+            f"container (install -m 0600) and --api-token-file")
+    elif copier["command"][-1] != token_file:
+        err(f"{name}: the init container writes {copier['command'][-1]}, serve reads {token_file}")
+    else:
+        ok(f"{name}: API token from secret copilot-pool-api-token as a 0600 file ({token_file})")
     sc, psc = ctr.get("securityContext", {}), pod.get("securityContext", {})
     checks = {
         "runAsNonRoot": psc.get("runAsNonRoot") is True,
