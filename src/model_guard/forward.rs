@@ -196,8 +196,8 @@ impl State {
     /// every address, the pinned client and the upstream headers.
     async fn prepare(&self, request: &ModelRequest) -> Result<Prepared, Failure> {
         let config = self.guard.config();
-        let allow = config.allow_private_endpoints;
         let url = target::upstream_url(&request.url, &self.base).map_err(Failure::Blocked)?;
+        let allow = config.allows_private(&url);
         target::check_url(&url, allow).map_err(Failure::Blocked)?;
         let port = url.port_or_known_default().unwrap_or(443);
         let (host, addresses) = match url.host() {

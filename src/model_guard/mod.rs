@@ -61,6 +61,10 @@ pub struct ModelGuardConfig {
     /// plain `http://` to loopback (default false): for local models and tests. Metadata,
     /// unspecified, multicast, documentation and reserved addresses stay refused.
     pub allow_private_endpoints: bool,
+    /// Providers allowed on private addresses even when `allow_private_endpoints` is off:
+    /// their base URLs' origins (`http://127.0.0.1:11434`, `https://llm.internal:8443`), set
+    /// by the operator (the daemon's `[model] private_endpoints`), never by a request.
+    pub private_endpoints: Vec<url::Url>,
     /// Extra trusted root certificates, PEM (each may hold several), on top of the
     /// compiled-in Mozilla roots.
     pub extra_root_certificates_pem: Vec<Vec<u8>>,
@@ -77,10 +81,38 @@ pub struct ModelGuardConfig {
     pub resolver: Arc<dyn Resolve>,
 }
 
+impl ModelGuardConfig {
+    /// Parses an entry of [`ModelGuardConfig::private_endpoints`]: an `http` or `https`
+    /// origin (scheme, host, optional port; no user, path, query or fragment).
+    pub fn private_endpoint(text: &str) -> Result<url::Url, GuardError> {
+        let bad = || GuardError::PrivateEndpoint(text.to_owned());
+        let url = url::Url::parse(text).map_err(|_| bad())?;
+        let origin_only = matches!(url.scheme(), "http" | "https")
+            && url.host().is_some()
+            && url.username().is_empty()
+            && url.password().is_none()
+            && url.path() == "/"
+            && url.query().is_none()
+            && url.fragment().is_none();
+        if origin_only { Ok(url) } else { Err(bad()) }
+    }
+
+    /// Whether `url` may be on a private address: everywhere with `allow_private_endpoints`,
+    /// else only on the origin of one of `private_endpoints`.
+    pub fn allows_private(&self, url: &url::Url) -> bool {
+        self.allow_private_endpoints
+            || self
+                .private_endpoints
+                .iter()
+                .any(|endpoint| endpoint.origin() == url.origin())
+    }
+}
+
 impl Default for ModelGuardConfig {
     fn default() -> Self {
         Self {
             allow_private_endpoints: false,
+            private_endpoints: Vec::new(),
             extra_root_certificates_pem: Vec::new(),
             max_request_body_bytes: DEFAULT_MAX_REQUEST_BODY_BYTES,
             connect_timeout: Duration::from_secs(10),
@@ -95,6 +127,7 @@ impl std::fmt::Debug for ModelGuardConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelGuardConfig")
             .field("allow_private_endpoints", &self.allow_private_endpoints)
+            .field("private_endpoints", &self.private_endpoints.len())
             .field(
                 "extra_root_certificates",
                 &self.extra_root_certificates_pem.len(),
@@ -117,6 +150,11 @@ pub enum GuardError {
          `-----BEGIN CERTIFICATE-----` blocks"
     )]
     Certificate(String),
+    /// An entry of `private_endpoints` is not an origin.
+    #[error(
+        "model_guard.private_endpoints: {0:?} is not an origin; give scheme, host and port          only, as `http://127.0.0.1:11434` or `https://llm.internal:8443`"
+    )]
+    PrivateEndpoint(String),
     /// The provider's base URL is refused.
     #[error("provider.base_url: {message}")]
     Refused {
@@ -165,7 +203,7 @@ impl ModelGuard {
     /// is resolved and checked on every request.
     pub fn check_provider(&self, provider: &ProviderConfig) -> Result<(), GuardError> {
         let url = target::parse_base(&provider.base_url)?;
-        let allow = self.inner.config.allow_private_endpoints;
+        let allow = self.inner.config.allows_private(&url);
         check_url(&url, allow).map_err(refused)?;
         if let Some(ip) = target::ip_host(&url) {
             target::check_addresses(&url, &[ip], allow).map_err(refused)?;

@@ -824,3 +824,54 @@ fn bad_extra_certificates_are_refused_with_the_fix() {
     let error = ModelGuard::new(config).unwrap_err().to_string();
     assert!(error.contains("BEGIN CERTIFICATE"), "{error}");
 }
+
+#[tokio::test]
+async fn an_operator_listed_private_endpoint_passes_and_no_other_private_one_does() {
+    let upstream = Upstream::answering(
+        "127.0.0.1",
+        0,
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\
+         content-length: 2\r\n\r\n{}",
+    )
+    .await;
+    let port = upstream.addr.port();
+    let base = format!("http://127.0.0.1:{port}/v1");
+    let mut listed = config(false, ScriptedResolver::new(&[&[]]));
+    listed.private_endpoints = vec![
+        ModelGuardConfig::private_endpoint(&format!("http://127.0.0.1:{port}")).expect("origin"),
+    ];
+    let guard = ModelGuard::new(listed).expect("guard");
+    let tunnel = guard
+        .tunnel_for(&provider(&base))
+        .expect("the listed origin");
+    let mut response = tunnel.serve(request(&base, "/chat/completions")).await;
+    assert_eq!(response.status, 200);
+    assert_eq!(body(&mut response).await.as_deref(), Ok("{}"));
+
+    // Another port of loopback, or https on the same host, is another origin: refused.
+    for other in [
+        format!("http://127.0.0.1:{}/v1", port.wrapping_add(1)),
+        format!("https://127.0.0.1:{port}/v1"),
+        "http://10.0.0.7:8080/v1".to_owned(),
+    ] {
+        let refused = guard.check_provider(&provider(&other));
+        assert!(
+            matches!(refused, Err(GuardError::Refused { .. })),
+            "{other}: {refused:?}"
+        );
+    }
+    // Without the list the same provider is refused.
+    let unlisted = ModelGuard::new(config(false, ScriptedResolver::new(&[&[]]))).expect("guard");
+    assert!(unlisted.check_provider(&provider(&base)).is_err());
+    // Only origins are entries.
+    for bad in [
+        "http://127.0.0.1:11434/v1",
+        "ftp://127.0.0.1",
+        "http://user:pw@127.0.0.1",
+        "http://127.0.0.1/?key=1",
+        "127.0.0.1:11434",
+    ] {
+        let error = ModelGuardConfig::private_endpoint(bad).expect_err(bad);
+        assert!(error.to_string().contains("is not an origin"), "{error}");
+    }
+}

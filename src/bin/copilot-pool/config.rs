@@ -98,6 +98,10 @@ pub struct ModelSection {
     /// Allow providers on loopback, private, CGNAT, link-local and unique-local addresses,
     /// and plain http:// to loopback (local models). Default false.
     pub allow_private_endpoints: bool,
+    /// Providers allowed on private addresses even with `allow_private_endpoints` off, by
+    /// origin (`http://127.0.0.1:11434`): one local model without opening every private
+    /// address.
+    pub private_endpoints: Vec<String>,
     /// PEM files of extra root CAs trusted for providers (on top of the Mozilla roots).
     pub extra_ca_files: Vec<PathBuf>,
     /// Largest model request body (default 32 MiB).
@@ -115,6 +119,7 @@ impl Default for ModelSection {
         let g = ModelGuardConfig::default();
         Self {
             allow_private_endpoints: g.allow_private_endpoints,
+            private_endpoints: Vec::new(),
             extra_ca_files: Vec::new(),
             max_request_body_bytes: g.max_request_body_bytes,
             connect_timeout_secs: g.connect_timeout.as_secs(),
@@ -495,6 +500,11 @@ impl ServeConfig {
         let m = &self.model;
         let guard = &mut config.model_guard;
         guard.allow_private_endpoints = m.allow_private_endpoints;
+        guard.private_endpoints = m
+            .private_endpoints
+            .iter()
+            .map(|text| ModelGuardConfig::private_endpoint(text))
+            .collect::<Result<_, _>>()?;
         guard.max_request_body_bytes = m.max_request_body_bytes;
         guard.connect_timeout = Duration::from_secs(m.connect_timeout_secs);
         guard.first_byte_timeout = Duration::from_secs(m.first_byte_timeout_secs);
