@@ -10,23 +10,32 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde::Serialize;
-use utoipa::ToSchema;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 use super::AppState;
 use super::body::{CompactBody, ConversationBody, lease_request, optional_body, read_body};
 use super::error::{ErrorBody, error, pool_error, rejection};
 use crate::pool::{ConversationId, Lease};
 
+/// A conversation's place in the URL of the routes below.
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Path)]
+pub(super) struct ConversationPath {
+    /// The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit
+    #[param(pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64)]
+    agent_id: String,
+    /// The gateway's key of the conversation (1 to 512 bytes)
+    #[param(min_length = 1, max_length = 512)]
+    session_key: String,
+}
+
 /// Aborts the conversation's running turn (its stream ends with `turn.end` `aborted`).
 #[utoipa::path(
     post,
     path = "/v1/sessions/{agent_id}/{session_key}/abort",
     tag = "sessions",
-    params(
-        ("agent_id" = String, Path, description = "The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit", pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64),
-        ("session_key" = String, Path, description = "The gateway's key of the conversation (1 to 512 bytes)", min_length = 1, max_length = 512),
-    ),
+    params(ConversationPath),
     responses(
         (status = 204, description = "The running turn was aborted"),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
@@ -38,10 +47,13 @@ use crate::pool::{ConversationId, Lease};
 )]
 pub(super) async fn post_abort(
     State(state): State<Arc<AppState>>,
-    path: Result<Path<(String, String)>, PathRejection>,
+    path: Result<Path<ConversationPath>, PathRejection>,
 ) -> Response {
-    let Path((agent_id, session_key)) = match path {
-        Ok(p) => p,
+    let ConversationPath {
+        agent_id,
+        session_key,
+    } = match path {
+        Ok(Path(p)) => p,
         Err(e) => return rejection(e),
     };
     let conversation = ConversationId::new(agent_id, session_key);
@@ -86,10 +98,7 @@ async fn existing_lease(
     post,
     path = "/v1/sessions/{agent_id}/{session_key}/compact",
     tag = "sessions",
-    params(
-        ("agent_id" = String, Path, description = "The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit", pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64),
-        ("session_key" = String, Path, description = "The gateway's key of the conversation (1 to 512 bytes)", min_length = 1, max_length = 512),
-    ),
+    params(ConversationPath),
     request_body(content = Option<CompactBody>, content_type = "application/json"),
     responses(
         (status = 200, description = "Compacted", body = CompactResult),
@@ -107,11 +116,14 @@ async fn existing_lease(
 )]
 pub(super) async fn post_compact(
     State(state): State<Arc<AppState>>,
-    path: Result<Path<(String, String)>, PathRejection>,
+    path: Result<Path<ConversationPath>, PathRejection>,
     body: Body,
 ) -> Response {
-    let Path((agent_id, session_key)) = match path {
-        Ok(p) => p,
+    let ConversationPath {
+        agent_id,
+        session_key,
+    } = match path {
+        Ok(Path(p)) => p,
         Err(e) => return rejection(e),
     };
     let body = match read_body(&state, body).await {
@@ -143,10 +155,7 @@ pub(super) async fn post_compact(
     delete,
     path = "/v1/sessions/{agent_id}/{session_key}",
     tag = "sessions",
-    params(
-        ("agent_id" = String, Path, description = "The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit", pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64),
-        ("session_key" = String, Path, description = "The gateway's key of the conversation (1 to 512 bytes)", min_length = 1, max_length = 512),
-    ),
+    params(ConversationPath),
     request_body(content = Option<ConversationBody>, content_type = "application/json"),
     responses(
         (status = 204, description = "Reset"),
@@ -164,11 +173,14 @@ pub(super) async fn post_compact(
 )]
 pub(super) async fn delete_session(
     State(state): State<Arc<AppState>>,
-    path: Result<Path<(String, String)>, PathRejection>,
+    path: Result<Path<ConversationPath>, PathRejection>,
     body: Body,
 ) -> Response {
-    let Path((agent_id, session_key)) = match path {
-        Ok(p) => p,
+    let ConversationPath {
+        agent_id,
+        session_key,
+    } = match path {
+        Ok(Path(p)) => p,
         Err(e) => return rejection(e),
     };
     let body = match read_body(&state, body).await {
