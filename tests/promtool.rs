@@ -147,7 +147,7 @@ async fn a_held_install_lock_times_out_naming_the_lock_and_the_manual_fix() {
     let err = install(&script, cache.path(), timeout)
         .await
         .expect_err("the lock is held");
-    let PromtoolError::LockTimeout { path, after } = &err else {
+    let PromtoolError::LockTimeout { path, after, .. } = &err else {
         panic!("expected LockTimeout, got {err:?}");
     };
     assert_eq!(path, &lock);

@@ -11,6 +11,7 @@ pub mod procs;
 pub mod promtool;
 pub mod runtime;
 pub mod schemathesis;
+pub mod tool_install;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
