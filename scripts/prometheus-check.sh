@@ -57,7 +57,10 @@ read_line() {
 
 start "${work}/model.out" "${bin}" scripted-model
 model_url="$(read_line "model on " "${work}/model.out")"
-printf 'listen = "127.0.0.1:0"\nstate_dir = "%s/state"\nagents_dir = "%s/agents"\n' "${work}" "${work}" >"${work}/serve.toml"
+# The scripted model is on loopback: the guarded model path lets it through only with
+# allow_private_endpoints.
+printf 'listen = "127.0.0.1:0"\nstate_dir = "%s/state"\nagents_dir = "%s/agents"\n[model]\nallow_private_endpoints = true\n' \
+    "${work}" "${work}" >"${work}/serve.toml"
 COPILOT_CLI_PATH="${runtime}" start "${work}/serve.out" "${bin}" serve --config "${work}/serve.toml"
 serve_addr="$(read_line "listening on http://" "${work}/serve.out")"
 prom_port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
