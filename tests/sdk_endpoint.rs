@@ -571,3 +571,59 @@ async fn a_client_that_leaves_mid_turn_has_its_turn_aborted_and_the_agent_resume
     assert_eq!(served.pool.status().await.expect("status").workers.len(), 1);
     served.shut_down().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_naming_no_session_are_answered_by_a_process_of_the_agent_before_any_session() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let (conn, mut events) = connected(served.addr, "token-a").await;
+    // No session yet: a process of the agent's home answers, and no conversation is opened.
+    let listed = conn
+        .request("session.list", json!({}), None)
+        .await
+        .expect("session.list before any session");
+    assert_eq!(listed["sessions"], json!([]), "{listed}");
+    conn.request("session.getLastId", json!({}), None)
+        .await
+        .expect("session.getLastId before any session");
+    let status = served.pool.status().await.expect("status");
+    assert_eq!(
+        (status.workers.len(), status.conversations, status.leased),
+        (1, 0, 0),
+        "{status:?}"
+    );
+    assert_eq!(status.workers[0].leases, 0, "the process was given back");
+    let idle_pid = status.workers[0].pid;
+
+    // After a session, the calls go to a process of that session's key, which lists it
+    // (the runtime lists a session once it has a turn).
+    conn.request("session.create", create_params(&fx, "listed-1"), None)
+        .await
+        .expect("create");
+    conn.request(
+        "session.send",
+        json!({"sessionId": "listed-1", "prompt": "REPLY=listed"}),
+        None,
+    )
+    .await
+    .expect("send");
+    until_event(&mut events, "session.idle").await;
+    let listed = conn
+        .request("session.list", json!({}), None)
+        .await
+        .expect("session.list");
+    let ids: Vec<&str> = listed["sessions"]
+        .as_array()
+        .expect("sessions")
+        .iter()
+        .filter_map(|s| s["sessionId"].as_str())
+        .collect();
+    assert_eq!(ids, ["listed-1"], "{listed}");
+    let status = served.pool.status().await.expect("status");
+    assert_eq!(status.conversations, 1, "{status:?}");
+    assert!(
+        status.workers.iter().any(|w| w.pid != idle_pid),
+        "the session's key has its own process: {status:?}"
+    );
+    served.shut_down().await;
+}

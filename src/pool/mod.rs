@@ -46,6 +46,7 @@ pub use lease::{Lease, OpenReason};
 pub use restart::{RestartDecision, RestartPolicy};
 pub use status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus};
 
+pub use actor::ProcessLease;
 use actor::{AcquireRequest, Grant, PoolActor, PoolArgs, PoolMsg};
 
 /// Extra time an acquire call may take beyond the wait (a spawn that finishes late).
@@ -202,11 +203,7 @@ impl Pool {
         // for capacity.
         let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
 
-        let mut spec = inner.config.worker.clone();
-        spec.copilot_home = home.clone();
-        spec.working_directory = home.clone();
-        spec.auth_token = auth.token.clone();
-        spec.auto_login = auth.mode == AuthMode::LoggedInUser;
+        let spec = self.worker_spec(&home, &auth);
         let session_config = match &req.wire_config {
             // A client's own config (the SDK endpoint): sent as it is; the open sets the id.
             Some(wire) => SessionConfig {
@@ -225,6 +222,7 @@ impl Pool {
             gateway_key: req.session_key.clone(),
             fail_if_busy: req.fail_if_busy,
             wait,
+            process_only: false,
         };
         let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
         let grant: Grant = match inner
@@ -272,6 +270,80 @@ impl Pool {
             Err(join) => Err(PoolError::Internal(format!(
                 "the lease's open task failed: {join}"
             ))),
+        }
+    }
+
+    /// How a worker of this home and these credentials is started.
+    fn worker_spec(&self, home: &Path, auth: &crate::auth::ResolvedAuth) -> crate::worker::WorkerConfig {
+        let mut spec = self.inner.config.worker.clone();
+        spec.copilot_home = home.to_owned();
+        spec.working_directory = home.to_owned();
+        spec.auth_token = auth.token.clone();
+        spec.auto_login = auth.mode == AuthMode::LoggedInUser;
+        spec
+    }
+
+    /// Holds a process of the key `req` would lease on (its agent's home, credentials,
+    /// provider and model; its session key and conversation fields are not used), for a call
+    /// that names no conversation (`session.list`, `models.list`, `auth.getStatus`, …). The
+    /// key's least busy usable process is used, even one full of conversations; with none, one
+    /// is started within the pool's caps (waiting for room like a lease). No conversation is
+    /// opened or counted. Credentials that name no GitHub identity (no token, the logged-in
+    /// user forbidden) are accepted without a provider here: such a process answers what needs
+    /// no account. Drop the lease to give the process back.
+    pub async fn lease_process(&self, req: &LeaseRequest) -> Result<ProcessLease, PoolError> {
+        let result = self.lease_process_inner(req).await;
+        if let Err(error) = &result {
+            crate::metrics::lease_rejected(error.kind());
+        }
+        result
+    }
+
+    async fn lease_process_inner(&self, req: &LeaseRequest) -> Result<ProcessLease, PoolError> {
+        let inner = &self.inner;
+        if *inner.closed.borrow() {
+            return Err(PoolError::Closed);
+        }
+        let auth = crate::auth::resolve(&req.auth)?;
+        if let Some(provider) = &req.provider {
+            validate_provider(provider)?;
+        }
+        let home = resolve_copilot_home(
+            req.copilot_home.as_deref(),
+            req.agent_dir.as_deref(),
+            &inner.config.agents_base_dir,
+            &req.agent_id,
+        )?;
+        let key = PoolKey::new(&home, &auth, req.provider.as_ref(), req.model.as_deref());
+        let spec = self.worker_spec(&home, &auth);
+        let wait = req.wait_timeout.unwrap_or(inner.config.wait_timeout);
+        let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
+        let ask = AcquireRequest {
+            id: 0, // set by the actor
+            key,
+            spec,
+            conversation: String::new(),
+            compat: String::new(),
+            setup: String::new(),
+            gateway_key: String::new(),
+            fail_if_busy: false,
+            wait,
+            process_only: true,
+        };
+        match inner
+            .actor
+            .call(
+                |reply| PoolMsg::AcquireProcess {
+                    req: Box::new(ask),
+                    reply,
+                },
+                Some(limit),
+            )
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(result)) => result,
+            Ok(ractor::rpc::CallResult::Timeout) => Err(PoolError::WaitTimeout { after: limit }),
+            _ => Err(PoolError::Closed),
         }
     }
 

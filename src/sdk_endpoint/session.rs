@@ -202,6 +202,7 @@ impl SessionSpec {
             self.working_directory.clone(),
         );
         req.auth = self.auth.clone();
+        req.auth.forbid_logged_in_user = !shared.config.allow_logged_in_user;
         req.provider = self.provider.clone();
         req.model = self.model.clone();
         req.streaming = self.wire.streaming;
@@ -594,14 +595,9 @@ impl SdkSession {
         answer
     }
 
-    /// Calls a method that is not the session's on the process of this session (the
-    /// connection's processes: its home, its key).
-    pub(super) async fn call_beside(
-        &self,
-        method: &str,
-        params: Value,
-    ) -> Result<Value, CallError> {
-        self.call(method, params).await
+    /// What a process lease of this session's key asks for (a call naming no session).
+    pub(super) fn process_request(&self) -> LeaseRequest {
+        self.spec().lease_request(&self.shared, &self.agent, true)
     }
 
     /// `session.delete`: ends a running turn, then deletes the session and its binding.
@@ -632,6 +628,15 @@ impl SdkSession {
             let _ = tokio::time::timeout(limit, done.wait_for(|d| *d)).await;
         }
     }
+}
+
+/// What a process lease for a connection of `agent` with no session asks for: the agent's
+/// home, no session credentials, no provider.
+pub(super) fn connection_request(shared: &Shared, agent: &str) -> LeaseRequest {
+    let mut req = LeaseRequest::new(agent, SESSION_KEY_PREFIX, PathBuf::new());
+    req.auth.forbid_logged_in_user = !shared.config.allow_logged_in_user;
+    req.wait_timeout = shared.config.wait_timeout;
+    req
 }
 
 /// The pool conversation of an SDK session of `agent`.
