@@ -33,7 +33,16 @@ struct Served {
 
 impl Served {
     async fn start(fx: &Fixture) -> Served {
-        let pool = Pool::start(fx.config().await).await.expect("pool");
+        Served::start_with(fx, |_| {}).await
+    }
+
+    async fn start_with(
+        fx: &Fixture,
+        change: impl FnOnce(&mut copilot_pool::PoolConfig),
+    ) -> Served {
+        let mut config = fx.config().await;
+        change(&mut config);
+        let pool = Pool::start(config).await.expect("pool");
         let mut tokens = AgentTokens::new();
         tokens
             .add_token("agent-a", &Secret::new("token-a"))
@@ -441,10 +450,18 @@ async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_d
     .await
     .expect("send");
     let mut text = None;
+    let mut lifecycle = Vec::new();
     let turn = async {
         while let Some((method, params)) = events.recv().await {
+            assert_eq!(
+                params["sessionId"], "daemon-session-1",
+                "{method}: {params}"
+            );
+            if method == "session.lifecycle" {
+                lifecycle.push(params["type"].clone());
+                continue;
+            }
             assert_eq!(method, "session.event");
-            assert_eq!(params["sessionId"], "daemon-session-1");
             let event = &params["event"];
             if event["type"] == "assistant.message" {
                 text = event["data"]["content"].as_str().map(str::to_owned);
@@ -458,6 +475,8 @@ async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_d
         .await
         .expect("the turn ends");
     assert_eq!(text.as_deref(), Some("from the daemon"));
+    // The runtime's session.lifecycle notifications reach the session's connection too.
+    assert!(!lifecycle.is_empty(), "no session.lifecycle notification");
 
     let status = daemon.terminate().await;
     assert!(status.success(), "{status}");
@@ -625,5 +644,98 @@ async fn calls_naming_no_session_are_answered_by_a_process_of_the_agent_before_a
         status.workers.iter().any(|w| w.pid != idle_pid),
         "the session's key has its own process: {status:?}"
     );
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_sdks_own_handlers_answer_permission_ask_user_hooks_plan_mode_and_transforms() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let mut node = Scenario::start("requests", &fx, &served).await;
+    let permission = node.step("permission").await;
+    assert_eq!(
+        permission["content"], "tool said: colour of the day is teal",
+        "{permission}"
+    );
+    assert_eq!(
+        permission["permissions"],
+        json!(["custom-tool"]),
+        "{permission}"
+    );
+    // systemMessage.transform reached the SDK's callback, and its result the model.
+    assert!(
+        permission["transforms"].as_u64().unwrap_or(0) >= 1,
+        "{permission}"
+    );
+    assert!(
+        fx.last_model_request().contains("TRANSFORMED-BY-THE-SDK"),
+        "the transformed section reaches the model"
+    );
+    let ask = node.step("ask_user").await;
+    assert_eq!(
+        ask["questions"],
+        json!([{"question": "Pick a colour", "choices": ["red", "blue"]}]),
+        "{ask}"
+    );
+    assert!(
+        ask["content"].as_str().is_some_and(|c| c.contains("blue")),
+        "{ask}"
+    );
+    let hook = node.step("hook").await;
+    assert_eq!(hook["content"], "rewritten by the hook", "{hook}");
+    assert!(
+        hook["prompts"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p == "HOOK-ME please")),
+        "{hook}"
+    );
+    let plan = node.step("plan").await;
+    assert_eq!(plan["plans"], json!(["the plan is ready"]), "{plan}");
+    // The SDK's answer reached the runtime: the tool's result carries its feedback.
+    assert!(
+        plan["content"]
+            .as_str()
+            .is_some_and(|c| c.contains("keep planning, said the SDK")),
+        "{plan}"
+    );
+    node.done().await;
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_sdk_session_moves_to_a_fresh_process_between_turns_when_its_process_is_recycled() {
+    let fx = Fixture::new().await;
+    let served = Served::start_with(&fx, |config| config.max_turns_per_process = 1).await;
+    let mut node = Scenario::start("moved", &fx, &served).await;
+    assert_eq!(node.step("first").await["content"], "first of three");
+    assert_eq!(node.step("second").await["content"], "second of three");
+    assert_eq!(node.step("third").await["content"], "third of three");
+    node.done().await;
+    // Each turn ran on a process of its own, the session resumed on the next one, and the
+    // model saw the earlier turns.
+    let status = served.pool.status().await.expect("status");
+    assert!(status.totals.processes_spawned >= 3, "{status:?}");
+    assert!(status.totals.resumed >= 2, "{status:?}");
+    let request = fx.last_model_request();
+    assert!(
+        request.contains("first of three") && request.contains("second of three"),
+        "{request}"
+    );
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_node_sdk_client_of_the_agent_resumes_a_session_another_client_left() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let mut node = Scenario::start("resume", &fx, &served).await;
+    let resumed = node.step("resumed").await;
+    assert_eq!(resumed["content"], "resumed fine", "{resumed}");
+    assert_eq!(resumed["earlier"], true, "{resumed}");
+    assert!(
+        fx.last_model_request().contains("kumquat"),
+        "the model saw the turn of the first client"
+    );
+    node.done().await;
     served.shut_down().await;
 }

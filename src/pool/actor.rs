@@ -277,9 +277,7 @@ impl Actor for PoolActor {
         state.observe();
         let now = Instant::now();
         let effects = match msg {
-            PoolMsg::Acquire { req, reply } => {
-                state.acquire(*req, Reply::Conversation(reply), now)
-            }
+            PoolMsg::Acquire { req, reply } => state.acquire(*req, Reply::Conversation(reply), now),
             PoolMsg::AcquireProcess { req, reply } => {
                 state.acquire(*req, Reply::Process(reply), now)
             }
@@ -503,9 +501,7 @@ impl PoolState {
         for effect in effects {
             match effect {
                 Effect::Grant(granted) => self.deliver(granted),
-                Effect::GrantProcess { request, worker } => {
-                    self.deliver_process(request, worker)
-                }
+                Effect::GrantProcess { request, worker } => self.deliver_process(request, worker),
                 Effect::Fail { request, error } => {
                     if let Some(reply) = self.replies.remove(&request) {
                         reply.fail(error);
@@ -615,11 +611,15 @@ impl PoolState {
     /// Hands a process lease to its caller; a caller that is gone drops it here, and its
     /// drop gives the worker back through the mailbox.
     fn deliver_process(&mut self, request: RequestId, worker_id: WorkerId) {
-        let lease = self.handles.get(&worker_id).cloned().map(|worker| ProcessLease {
-            worker,
-            worker_id,
-            pool: self.myself.clone(),
-        });
+        let lease = self
+            .handles
+            .get(&worker_id)
+            .cloned()
+            .map(|worker| ProcessLease {
+                worker,
+                worker_id,
+                pool: self.myself.clone(),
+            });
         let reply = self.replies.remove(&request);
         match (reply, lease) {
             (Some(Reply::Process(port)), Some(lease)) => {

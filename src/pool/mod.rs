@@ -274,7 +274,11 @@ impl Pool {
     }
 
     /// How a worker of this home and these credentials is started.
-    fn worker_spec(&self, home: &Path, auth: &crate::auth::ResolvedAuth) -> crate::worker::WorkerConfig {
+    fn worker_spec(
+        &self,
+        home: &Path,
+        auth: &crate::auth::ResolvedAuth,
+    ) -> crate::worker::WorkerConfig {
         let mut spec = self.inner.config.worker.clone();
         spec.copilot_home = home.to_owned();
         spec.working_directory = home.to_owned();

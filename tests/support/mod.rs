@@ -108,6 +108,8 @@ pub async fn next_event(session: &mut Session) -> Result<SessionEvent, WorkerErr
             SessionUpdate::Event(event) => return Ok(event),
             SessionUpdate::Hook(hook) => drop(hook),
             SessionUpdate::UserInput(req) => req.fail("not expected in this test"),
+            SessionUpdate::Request(req) => drop(req),
+            SessionUpdate::Notification(_) => {}
             SessionUpdate::Ended(err) => return Err(err),
         }
     }

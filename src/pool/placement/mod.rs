@@ -159,7 +159,10 @@ pub(crate) enum Effect<Spec, S> {
     Grant(Granted<S>),
     /// Hand this process lease (an [`Ask::process_only`]) to the request's caller; it is
     /// answered by exactly one [`Placement::released`].
-    GrantProcess { request: RequestId, worker: WorkerId },
+    GrantProcess {
+        request: RequestId,
+        worker: WorkerId,
+    },
     /// Answer the request with this error.
     Fail {
         request: RequestId,

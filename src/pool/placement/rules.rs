@@ -171,7 +171,11 @@ mod tests {
     #[test]
     fn a_call_naming_no_conversation_goes_to_the_least_busy_live_worker_even_a_full_one() {
         let workers = [worker(1, 4, 2, 0), worker(2, 4, 1, 0), worker(3, 0, 1, 0)];
-        assert_eq!(least_busy(workers), Some(3), "fewest leases, then fewest conversations");
+        assert_eq!(
+            least_busy(workers),
+            Some(3),
+            "fewest leases, then fewest conversations"
+        );
         assert_eq!(
             least_busy([worker(1, 4, 0, 0)]),
             Some(1),

@@ -630,7 +630,11 @@ fn a_crash_with_work_schedules_a_respawn_and_too_many_quarantine_the_key() {
 fn a_call_naming_no_conversation_gets_a_process_of_its_key_without_taking_a_conversation_slot() {
     let mut sim = Sim::new(limits());
     let first = sim.ask_process(1);
-    assert_eq!(sim.spawns, vec![key(1)], "no worker of the key yet: one starts");
+    assert_eq!(
+        sim.spawns,
+        vec![key(1)],
+        "no worker of the key yet: one starts"
+    );
     assert!(sim.queued.contains(&first));
     let w = sim.spawn_ok().expect("kept");
     assert_eq!(sim.process_of(first), Some(w));
@@ -640,7 +644,11 @@ fn a_call_naming_no_conversation_gets_a_process_of_its_key_without_taking_a_conv
     sim.ask("a/2", 1);
     assert_eq!(sim.granted.len(), 2);
     let second = sim.ask_process(1);
-    assert_eq!(sim.process_of(second), Some(w), "answered at once, same process");
+    assert_eq!(
+        sim.process_of(second),
+        Some(w),
+        "answered at once, same process"
+    );
     assert!(sim.spawns.is_empty(), "no new process for a call");
     // Another key's call never gets this key's process.
     let other = sim.ask_process(2);
@@ -648,7 +656,10 @@ fn a_call_naming_no_conversation_gets_a_process_of_its_key_without_taking_a_conv
     assert_eq!(sim.spawns, vec![key(2)]);
     sim.release_process(first);
     sim.release_process(second);
-    assert_eq!(sim.core.workers[&w].leased, 2, "the conversations' leases remain");
+    assert_eq!(
+        sim.core.workers[&w].leased, 2,
+        "the conversations' leases remain"
+    );
 }
 
 #[test]
@@ -997,8 +1008,7 @@ impl Sim {
                 self.ask_process(key);
             }
             Step::ReleaseProcess { pick } => {
-                if let Some(&(request, _)) =
-                    self.processes.get(pick % self.processes.len().max(1))
+                if let Some(&(request, _)) = self.processes.get(pick % self.processes.len().max(1))
                 {
                     self.release_process(request);
                 }
