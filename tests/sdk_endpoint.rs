@@ -739,3 +739,105 @@ async fn a_new_node_sdk_client_of_the_agent_resumes_a_session_another_client_lef
     node.done().await;
     served.shut_down().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_and_sdk_clients_share_the_pool_and_neither_reaches_the_others_conversations() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let router = copilot_pool::http::router(
+        served.pool.clone(),
+        copilot_pool::http::ApiConfig::default(),
+    );
+    let (http_addr, http_stop, http_server) = support::api::serve(router).await;
+    let model = fx.endpoint.base_url();
+
+    // An HTTP conversation of agent-a, and its CLI session id.
+    let first = support::api::summary(
+        http_addr,
+        None,
+        &support::api::turn(&model, "agent-a", "http-1", "REPLY=from http"),
+    )
+    .await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let http_session = first.json()["session_id"]
+        .as_str()
+        .expect("session_id")
+        .to_owned();
+
+    // The SDK side cannot open the HTTP conversation's session, by resume or by create.
+    let (conn, mut events) = connected(served.addr, "token-a").await;
+    for method in ["session.resume", "session.create"] {
+        let refused = remote_error(
+            conn.request(method, create_params(&fx, &http_session), None)
+                .await,
+        );
+        assert!(
+            refused.message.contains("HTTP conversation") && refused.message.contains("http-1"),
+            "{method}: {refused:?}"
+        );
+    }
+
+    // Both at once: an SDK turn and an HTTP turn on the same pool.
+    conn.request("session.create", create_params(&fx, "mixed-1"), None)
+        .await
+        .expect("create");
+    let sdk_turn = async {
+        conn.request(
+            "session.send",
+            json!({"sessionId": "mixed-1", "prompt": "SCENARIO:slow SLOW=10x50"}),
+            None,
+        )
+        .await
+        .expect("send");
+        until_event(&mut events, "session.idle").await;
+    };
+    let body = support::api::turn(&model, "agent-a", "http-2", "REPLY=at the same time");
+    let http_turn = support::api::summary(http_addr, None, &body);
+    let ((), second) = tokio::join!(sdk_turn, http_turn);
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(
+        second.json()["final_text"],
+        "at the same time",
+        "{}",
+        second.body
+    );
+
+    // The HTTP side cannot run, abort, compact or reset the SDK session.
+    let refused = support::api::summary(
+        http_addr,
+        None,
+        &support::api::turn(&model, "agent-a", "sdk:mixed-1", "REPLY=intruder"),
+    )
+    .await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(refused.body.contains("SDK endpoint"), "{}", refused.body);
+    for (method, path) in [
+        ("POST", "/v1/sessions/agent-a/sdk:mixed-1/abort"),
+        ("POST", "/v1/sessions/agent-a/sdk:mixed-1/compact"),
+        ("DELETE", "/v1/sessions/agent-a/sdk:mixed-1"),
+    ] {
+        let response = support::http::call(http_addr, method, path, None, None).await;
+        assert_eq!(response.status, 400, "{method} {path}: {}", response.body);
+    }
+    // Neither side disturbed the other: both go on.
+    let again = support::api::summary(
+        http_addr,
+        None,
+        &support::api::turn(&model, "agent-a", "http-1", "REPLY=http again"),
+    )
+    .await;
+    assert_eq!(again.json()["open_reason"], "attached", "{}", again.body);
+    conn.request(
+        "session.send",
+        json!({"sessionId": "mixed-1", "prompt": "REPLY=sdk again"}),
+        None,
+    )
+    .await
+    .expect("send");
+    until_event(&mut events, "session.idle").await;
+
+    drop(conn);
+    let _ = http_stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(10), http_server).await;
+    served.shut_down().await;
+}

@@ -20,6 +20,9 @@ pub(super) async fn post_abort(
     State(state): State<Arc<AppState>>,
     Path((agent_id, session_key)): Path<(String, String)>,
 ) -> Response {
+    if let Err(refused) = super::body::refuse_sdk_session(&session_key) {
+        return refused;
+    }
     let conversation = ConversationId::new(agent_id, session_key);
     match state.pool.abort(&conversation).await {
         Ok(true) => StatusCode::NO_CONTENT.into_response(),

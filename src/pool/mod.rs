@@ -735,7 +735,9 @@ impl OpenTarget<'_> {
             Err(e) => return Err(PoolError::Internal(e.to_string()).into()),
         };
         if let Some(id) = self.pinned {
-            return self.open_pinned(id, config, binding.is_some()).await;
+            return self
+                .open_pinned(id, config, binding.is_some(), bindings)
+                .await;
         }
         let Some(binding) = binding else {
             return self.create(config, OpenReason::New).await;
@@ -779,8 +781,15 @@ impl OpenTarget<'_> {
         id: &CliSessionId,
         config: SessionConfig,
         bound: bool,
+        bindings: &Arc<BindingStore>,
     ) -> Result<(Session, OpenReason), OpenFailure> {
-        if !self.home.join("session-state").join(id.as_str()).is_dir() {
+        let stored = self.home.join("session-state").join(id.as_str()).is_dir();
+        if stored && !bound {
+            // A stored session this conversation never bound: it must not be another
+            // conversation's (an SDK session naming an HTTP conversation's CLI session).
+            self.refuse_if_bound_elsewhere(id, bindings).await?;
+        }
+        if !stored {
             let reason = if bound {
                 OpenReason::TranscriptMissing
             } else {
@@ -814,6 +823,56 @@ impl OpenTarget<'_> {
                 resume_crashed: true,
             }),
             Err(error) => Err(failed_open(error, id.clone())),
+        }
+    }
+
+    /// Fails when another conversation of this agent is bound to the CLI session `id`: a CLI
+    /// session holds one conversation (an HTTP conversation's session is not an SDK
+    /// session's, and the other way round). Reads every binding: only a pinned open of a
+    /// stored session this conversation never bound gets here.
+    async fn refuse_if_bound_elsewhere(
+        &self,
+        id: &CliSessionId,
+        bindings: &Arc<BindingStore>,
+    ) -> Result<(), OpenFailure> {
+        let store = bindings.clone();
+        let all = match tokio::task::spawn_blocking(move || store.list()).await {
+            Ok(Ok(all)) => all,
+            Ok(Err(e)) => return Err(state_unwritable(bindings, e.os_error()).into()),
+            Err(e) => return Err(PoolError::Internal(e.to_string()).into()),
+        };
+        let agent = self
+            .session_key
+            .split_once('/')
+            .map_or("", |(agent, _)| agent);
+        let owner = all.into_iter().find(|b| {
+            b.cli_session_id == *id
+                && b.session_key != self.session_key
+                && b.session_key
+                    .split_once('/')
+                    .is_some_and(|(a, _)| a == agent)
+        });
+        match owner {
+            None => Ok(()),
+            Some(owner) => {
+                let key = owner
+                    .session_key
+                    .split_once('/')
+                    .map_or("", |(_, key)| key)
+                    .to_owned();
+                let kind = if key.starts_with(crate::ids::SDK_SESSION_KEY_PREFIX) {
+                    "an SDK session"
+                } else {
+                    "an HTTP conversation"
+                };
+                Err(PoolError::InvalidRequest(format!(
+                    "session {id} holds the conversation {key:?} of this agent ({kind}), not \
+                     this one; one session holds one conversation: continue it where it \
+                     belongs (an HTTP conversation through the HTTP API), or use a new \
+                     session id"
+                ))
+                .into())
+            }
         }
     }
 

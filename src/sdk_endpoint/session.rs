@@ -27,7 +27,7 @@ use crate::worker::{
 use super::Shared;
 
 /// The prefix of an SDK session's conversation key: `(agent, "sdk:<session id>")`.
-pub(super) const SESSION_KEY_PREFIX: &str = "sdk:";
+pub(super) const SESSION_KEY_PREFIX: &str = crate::ids::SDK_SESSION_KEY_PREFIX;
 
 /// The longest SDK session id accepted (a UUID has 36 characters).
 const MAX_SESSION_ID_BYTES: usize = 128;
