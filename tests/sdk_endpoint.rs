@@ -1,7 +1,9 @@
 //! The SDK endpoint (`copilot_pool::sdk_endpoint`) over a real pool of runtime processes on
 //! the scripted model, served on loopback: its handshake checked with the crate's own
 //! JSON-RPC client, and the official Node SDK (`@github/copilot-sdk`, installed by the test
-//! support) attached by URL running the scenarios of `tests/support/sdk_client.mjs`.
+//! support) attached by URL running the scenarios of `tests/support/sdk_client.mjs`, and the
+//! official Python SDK (`github-copilot-sdk`, installed the same way) running
+//! `tests/support/sdk_client.py`.
 
 mod support;
 
@@ -201,7 +203,33 @@ impl Scenario {
             .stderr(Stdio::inherit())
             .process_group(0)
             .kill_on_drop(true);
-        let mut child = command.spawn().expect("node (Node.js must be installed)");
+        let child = command.spawn().expect("node (Node.js must be installed)");
+        Scenario::from_child(child)
+    }
+
+    /// The same with the official Python SDK running `tests/support/sdk_client.py`.
+    async fn start_python(name: &str, fx: &Fixture, served: &Served) -> Scenario {
+        let python = support::python_sdk::python().await;
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/sdk_client.py");
+        let mut command = tokio::process::Command::new(python);
+        command
+            .arg(script)
+            .env("SDK_URL", served.addr.to_string())
+            .env("SDK_TOKEN", "token-a")
+            .env("MODEL_URL", fx.endpoint.base_url())
+            .env("MODEL_ID", ScriptedModel::MODEL_ID)
+            .env("SCENARIO", name)
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .process_group(0)
+            .kill_on_drop(true);
+        let child = command.spawn().expect("the Python SDK's python");
+        Scenario::from_child(child)
+    }
+
+    fn from_child(mut child: tokio::process::Child) -> Scenario {
         let stdout = child.stdout.take().expect("stdout");
         Scenario {
             child,
@@ -839,5 +867,109 @@ async fn http_and_sdk_clients_share_the_pool_and_neither_reaches_the_others_conv
     drop(conn);
     let _ = http_stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(10), http_server).await;
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_sdk_runs_tools_permissions_ask_user_hooks_streaming_and_abort_through_the_pool()
+{
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let mut py = Scenario::start_python("turns", &fx, &served).await;
+    let tool = py.step("tool").await;
+    assert_eq!(
+        tool["content"], "tool said: secret number for alpha is 42",
+        "{tool}"
+    );
+    assert_eq!(tool["toolRequested"], true, "{tool}");
+    let id = tool["sessionId"].as_str().expect("session id").to_owned();
+    let home = fx
+        .scratch
+        .path()
+        .join("agents/agents/agent-a/copilot/session-state");
+    assert!(home.join(&id).is_dir(), "{} has no {id}", home.display());
+    let permission = py.step("permission").await;
+    assert_eq!(
+        permission["content"], "tool said: colour of the day is teal",
+        "{permission}"
+    );
+    assert_eq!(
+        permission["permissions"],
+        json!(["custom-tool"]),
+        "{permission}"
+    );
+    let ask = py.step("ask_user").await;
+    assert_eq!(
+        ask["questions"],
+        json!([{"question": "Pick a colour", "choices": ["red", "blue"]}]),
+        "{ask}"
+    );
+    assert!(
+        ask["content"].as_str().is_some_and(|c| c.contains("blue")),
+        "{ask}"
+    );
+    let hook = py.step("hook").await;
+    assert_eq!(hook["content"], "rewritten by the hook", "{hook}");
+    let streaming = py.step("streaming").await;
+    let content = streaming["content"].as_str().expect("content");
+    assert!(content.starts_with("slow-chunk 0"), "{streaming}");
+    assert_eq!(
+        streaming["deltas"], content,
+        "the deltas add up to the message"
+    );
+    let abort = py.step("abort").await;
+    assert_eq!(abort["aborted"], true, "{abort}");
+    let after = py.step("after-abort").await;
+    assert_eq!(after["content"], "still here", "{after}");
+    py.done().await;
+    let status = served.pool.status().await.expect("status");
+    assert_eq!(status.workers.len(), 1, "{status:?}");
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_ends_the_python_sdk_turn_within_a_second_and_the_session_goes_on() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let mut py = Scenario::start_python("crash", &fx, &served).await;
+    let first = py.step("first").await;
+    assert_eq!(first["content"], "first answer", "{first}");
+    py.step("streaming").await;
+    let status = served.pool.status().await.expect("status");
+    assert_eq!(status.workers.len(), 1, "{status:?}");
+    let pid = status.workers[0].pid;
+    let killed_at = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    let rejected = py.step("rejected").await;
+    let after_kill = killed_at.elapsed();
+    assert!(
+        after_kill < Duration::from_secs(1),
+        "send_and_wait rejected {after_kill:?} after the kill"
+    );
+    assert_eq!(rejected["outcome"]["ok"], false, "{rejected}");
+    assert_eq!(
+        rejected["errors"][0]["errorType"],
+        sdk_endpoint::PROCESS_CRASHED,
+        "{rejected}"
+    );
+    let idle = py.step("idle").await;
+    assert_eq!(
+        idle["order"],
+        json!(["session.error", "session.idle"]),
+        "{idle}"
+    );
+    let after = py.step("after").await;
+    assert_eq!(after["content"], "after the crash", "{after}");
+    let status = served.pool.status().await.expect("status");
+    assert!(status.workers.iter().all(|w| w.pid != pid), "{status:?}");
+    assert!(
+        fx.last_model_request().contains("first answer"),
+        "the model saw the turn before the crash"
+    );
+    py.done().await;
     served.shut_down().await;
 }

@@ -199,6 +199,13 @@ impl Client {
             "session.resume" => self.open(method, &params, true).await,
             "session.detach" | "session.destroy" => self.let_go(method, &params).await,
             "session.delete" => self.delete(&params).await,
+            // Newer SDKs try this first and fall back to session.send on "method not
+            // found": the pool runs (and supervises) every turn through session.send.
+            "session.sendAndWait" => Err(ErrorObject::new(
+                METHOD_NOT_FOUND,
+                "Unhandled method session.sendAndWait: copilot-pool runs turns through \
+                 session.send (the SDK falls back to it)",
+            )),
             m if PROCESS_WIDE.contains(&m) => Err(ErrorObject::new(
                 METHOD_NOT_FOUND,
                 format!(

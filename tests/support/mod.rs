@@ -9,6 +9,7 @@ pub mod node_sdk;
 pub mod pool_fixture;
 pub mod procs;
 pub mod promtool;
+pub mod python_sdk;
 pub mod runtime;
 
 use std::path::{Path, PathBuf};
