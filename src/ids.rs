@@ -11,6 +11,11 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+/// The prefix of the session keys of the SDK endpoint's sessions: an SDK session is the
+/// conversation `(agent, "sdk:<session id>")`. The HTTP API refuses keys with this prefix, so
+/// a conversation is either an HTTP conversation or an SDK session, never both.
+pub const SDK_SESSION_KEY_PREFIX: &str = "sdk:";
+
 /// One conversation: an agent and the gateway's key for it (two agents may use one key).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ConversationId {

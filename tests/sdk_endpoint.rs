@@ -1,7 +1,9 @@
 //! The SDK endpoint (`copilot_pool::sdk_endpoint`) over a real pool of runtime processes on
 //! the scripted model, served on loopback: its handshake checked with the crate's own
 //! JSON-RPC client, and the official Node SDK (`@github/copilot-sdk`, installed by the test
-//! support) attached by URL running the scenarios of `tests/support/sdk_client.mjs`.
+//! support) attached by URL running the scenarios of `tests/support/sdk_client.mjs`, and the
+//! official Python SDK (`github-copilot-sdk`, installed the same way) running
+//! `tests/support/sdk_client.py`.
 
 mod support;
 
@@ -33,7 +35,16 @@ struct Served {
 
 impl Served {
     async fn start(fx: &Fixture) -> Served {
-        let pool = Pool::start(fx.config().await).await.expect("pool");
+        Served::start_with(fx, |_| {}).await
+    }
+
+    async fn start_with(
+        fx: &Fixture,
+        change: impl FnOnce(&mut copilot_pool::PoolConfig),
+    ) -> Served {
+        let mut config = fx.config().await;
+        change(&mut config);
+        let pool = Pool::start(config).await.expect("pool");
         let mut tokens = AgentTokens::new();
         tokens
             .add_token("agent-a", &Secret::new("token-a"))
@@ -192,7 +203,33 @@ impl Scenario {
             .stderr(Stdio::inherit())
             .process_group(0)
             .kill_on_drop(true);
-        let mut child = command.spawn().expect("node (Node.js must be installed)");
+        let child = command.spawn().expect("node (Node.js must be installed)");
+        Scenario::from_child(child)
+    }
+
+    /// The same with the official Python SDK running `tests/support/sdk_client.py`.
+    async fn start_python(name: &str, fx: &Fixture, served: &Served) -> Scenario {
+        let python = support::python_sdk::python().await;
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/sdk_client.py");
+        let mut command = tokio::process::Command::new(python);
+        command
+            .arg(script)
+            .env("SDK_URL", served.addr.to_string())
+            .env("SDK_TOKEN", "token-a")
+            .env("MODEL_URL", fx.endpoint.base_url())
+            .env("MODEL_ID", ScriptedModel::MODEL_ID)
+            .env("SCENARIO", name)
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .process_group(0)
+            .kill_on_drop(true);
+        let child = command.spawn().expect("the Python SDK's python");
+        Scenario::from_child(child)
+    }
+
+    fn from_child(mut child: tokio::process::Child) -> Scenario {
         let stdout = child.stdout.take().expect("stdout");
         Scenario {
             child,
@@ -441,10 +478,18 @@ async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_d
     .await
     .expect("send");
     let mut text = None;
+    let mut lifecycle = Vec::new();
     let turn = async {
         while let Some((method, params)) = events.recv().await {
+            assert_eq!(
+                params["sessionId"], "daemon-session-1",
+                "{method}: {params}"
+            );
+            if method == "session.lifecycle" {
+                lifecycle.push(params["type"].clone());
+                continue;
+            }
             assert_eq!(method, "session.event");
-            assert_eq!(params["sessionId"], "daemon-session-1");
             let event = &params["event"];
             if event["type"] == "assistant.message" {
                 text = event["data"]["content"].as_str().map(str::to_owned);
@@ -458,6 +503,8 @@ async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_d
         .await
         .expect("the turn ends");
     assert_eq!(text.as_deref(), Some("from the daemon"));
+    // The runtime's session.lifecycle notifications reach the session's connection too.
+    assert!(!lifecycle.is_empty(), "no session.lifecycle notification");
 
     let status = daemon.terminate().await;
     assert!(status.success(), "{status}");
@@ -569,5 +616,360 @@ async fn a_client_that_leaves_mid_turn_has_its_turn_aborted_and_the_agent_resume
     );
     // Still one process: the session was parked, not moved.
     assert_eq!(served.pool.status().await.expect("status").workers.len(), 1);
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_naming_no_session_are_answered_by_a_process_of_the_agent_before_any_session() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let (conn, mut events) = connected(served.addr, "token-a").await;
+    // No session yet: a process of the agent's home answers, and no conversation is opened.
+    let listed = conn
+        .request("session.list", json!({}), None)
+        .await
+        .expect("session.list before any session");
+    assert_eq!(listed["sessions"], json!([]), "{listed}");
+    conn.request("session.getLastId", json!({}), None)
+        .await
+        .expect("session.getLastId before any session");
+    let status = served.pool.status().await.expect("status");
+    assert_eq!(
+        (status.workers.len(), status.conversations, status.leased),
+        (1, 0, 0),
+        "{status:?}"
+    );
+    assert_eq!(status.workers[0].leases, 0, "the process was given back");
+    let idle_pid = status.workers[0].pid;
+
+    // After a session, the calls go to a process of that session's key, which lists it
+    // (the runtime lists a session once it has a turn).
+    conn.request("session.create", create_params(&fx, "listed-1"), None)
+        .await
+        .expect("create");
+    conn.request(
+        "session.send",
+        json!({"sessionId": "listed-1", "prompt": "REPLY=listed"}),
+        None,
+    )
+    .await
+    .expect("send");
+    until_event(&mut events, "session.idle").await;
+    let listed = conn
+        .request("session.list", json!({}), None)
+        .await
+        .expect("session.list");
+    let ids: Vec<&str> = listed["sessions"]
+        .as_array()
+        .expect("sessions")
+        .iter()
+        .filter_map(|s| s["sessionId"].as_str())
+        .collect();
+    assert_eq!(ids, ["listed-1"], "{listed}");
+    let status = served.pool.status().await.expect("status");
+    assert_eq!(status.conversations, 1, "{status:?}");
+    assert!(
+        status.workers.iter().any(|w| w.pid != idle_pid),
+        "the session's key has its own process: {status:?}"
+    );
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_sdks_own_handlers_answer_permission_ask_user_hooks_plan_mode_and_transforms() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let mut node = Scenario::start("requests", &fx, &served).await;
+    let permission = node.step("permission").await;
+    assert_eq!(
+        permission["content"], "tool said: colour of the day is teal",
+        "{permission}"
+    );
+    assert_eq!(
+        permission["permissions"],
+        json!(["custom-tool"]),
+        "{permission}"
+    );
+    // systemMessage.transform reached the SDK's callback, and its result the model.
+    assert!(
+        permission["transforms"].as_u64().unwrap_or(0) >= 1,
+        "{permission}"
+    );
+    assert!(
+        fx.last_model_request().contains("TRANSFORMED-BY-THE-SDK"),
+        "the transformed section reaches the model"
+    );
+    let ask = node.step("ask_user").await;
+    assert_eq!(
+        ask["questions"],
+        json!([{"question": "Pick a colour", "choices": ["red", "blue"]}]),
+        "{ask}"
+    );
+    assert!(
+        ask["content"].as_str().is_some_and(|c| c.contains("blue")),
+        "{ask}"
+    );
+    let hook = node.step("hook").await;
+    assert_eq!(hook["content"], "rewritten by the hook", "{hook}");
+    assert!(
+        hook["prompts"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p == "HOOK-ME please")),
+        "{hook}"
+    );
+    let plan = node.step("plan").await;
+    assert_eq!(plan["plans"], json!(["the plan is ready"]), "{plan}");
+    // The SDK's answer reached the runtime: the tool's result carries its feedback.
+    assert!(
+        plan["content"]
+            .as_str()
+            .is_some_and(|c| c.contains("keep planning, said the SDK")),
+        "{plan}"
+    );
+    node.done().await;
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_sdk_session_moves_to_a_fresh_process_between_turns_when_its_process_is_recycled() {
+    let fx = Fixture::new().await;
+    let served = Served::start_with(&fx, |config| config.max_turns_per_process = 1).await;
+    let mut node = Scenario::start("moved", &fx, &served).await;
+    assert_eq!(node.step("first").await["content"], "first of three");
+    assert_eq!(node.step("second").await["content"], "second of three");
+    assert_eq!(node.step("third").await["content"], "third of three");
+    node.done().await;
+    // Each turn ran on a process of its own, the session resumed on the next one, and the
+    // model saw the earlier turns.
+    let status = served.pool.status().await.expect("status");
+    assert!(status.totals.processes_spawned >= 3, "{status:?}");
+    assert!(status.totals.resumed >= 2, "{status:?}");
+    let request = fx.last_model_request();
+    assert!(
+        request.contains("first of three") && request.contains("second of three"),
+        "{request}"
+    );
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_node_sdk_client_of_the_agent_resumes_a_session_another_client_left() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let mut node = Scenario::start("resume", &fx, &served).await;
+    let resumed = node.step("resumed").await;
+    assert_eq!(resumed["content"], "resumed fine", "{resumed}");
+    assert_eq!(resumed["earlier"], true, "{resumed}");
+    assert!(
+        fx.last_model_request().contains("kumquat"),
+        "the model saw the turn of the first client"
+    );
+    node.done().await;
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_and_sdk_clients_share_the_pool_and_neither_reaches_the_others_conversations() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let router = copilot_pool::http::router(
+        served.pool.clone(),
+        copilot_pool::http::ApiConfig::default(),
+    );
+    let (http_addr, http_stop, http_server) = support::api::serve(router).await;
+    let model = fx.endpoint.base_url();
+
+    // An HTTP conversation of agent-a, and its CLI session id.
+    let first = support::api::summary(
+        http_addr,
+        None,
+        &support::api::turn(&model, "agent-a", "http-1", "REPLY=from http"),
+    )
+    .await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let http_session = first.json()["session_id"]
+        .as_str()
+        .expect("session_id")
+        .to_owned();
+
+    // The SDK side cannot open the HTTP conversation's session, by resume or by create.
+    let (conn, mut events) = connected(served.addr, "token-a").await;
+    for method in ["session.resume", "session.create"] {
+        let refused = remote_error(
+            conn.request(method, create_params(&fx, &http_session), None)
+                .await,
+        );
+        assert!(
+            refused.message.contains("HTTP conversation") && refused.message.contains("http-1"),
+            "{method}: {refused:?}"
+        );
+    }
+
+    // Both at once: an SDK turn and an HTTP turn on the same pool.
+    conn.request("session.create", create_params(&fx, "mixed-1"), None)
+        .await
+        .expect("create");
+    let sdk_turn = async {
+        conn.request(
+            "session.send",
+            json!({"sessionId": "mixed-1", "prompt": "SCENARIO:slow SLOW=10x50"}),
+            None,
+        )
+        .await
+        .expect("send");
+        until_event(&mut events, "session.idle").await;
+    };
+    let body = support::api::turn(&model, "agent-a", "http-2", "REPLY=at the same time");
+    let http_turn = support::api::summary(http_addr, None, &body);
+    let ((), second) = tokio::join!(sdk_turn, http_turn);
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(
+        second.json()["final_text"],
+        "at the same time",
+        "{}",
+        second.body
+    );
+
+    // The HTTP side cannot run, abort, compact or reset the SDK session.
+    let refused = support::api::summary(
+        http_addr,
+        None,
+        &support::api::turn(&model, "agent-a", "sdk:mixed-1", "REPLY=intruder"),
+    )
+    .await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(refused.body.contains("SDK endpoint"), "{}", refused.body);
+    for (method, path) in [
+        ("POST", "/v1/sessions/agent-a/sdk:mixed-1/abort"),
+        ("POST", "/v1/sessions/agent-a/sdk:mixed-1/compact"),
+        ("DELETE", "/v1/sessions/agent-a/sdk:mixed-1"),
+    ] {
+        let response = support::http::call(http_addr, method, path, None, None).await;
+        assert_eq!(response.status, 400, "{method} {path}: {}", response.body);
+    }
+    // Neither side disturbed the other: both go on.
+    let again = support::api::summary(
+        http_addr,
+        None,
+        &support::api::turn(&model, "agent-a", "http-1", "REPLY=http again"),
+    )
+    .await;
+    assert_eq!(again.json()["open_reason"], "attached", "{}", again.body);
+    conn.request(
+        "session.send",
+        json!({"sessionId": "mixed-1", "prompt": "REPLY=sdk again"}),
+        None,
+    )
+    .await
+    .expect("send");
+    until_event(&mut events, "session.idle").await;
+
+    drop(conn);
+    let _ = http_stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(10), http_server).await;
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_sdk_runs_tools_permissions_ask_user_hooks_streaming_and_abort_through_the_pool()
+{
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let mut py = Scenario::start_python("turns", &fx, &served).await;
+    let tool = py.step("tool").await;
+    assert_eq!(
+        tool["content"], "tool said: secret number for alpha is 42",
+        "{tool}"
+    );
+    assert_eq!(tool["toolRequested"], true, "{tool}");
+    let id = tool["sessionId"].as_str().expect("session id").to_owned();
+    let home = fx
+        .scratch
+        .path()
+        .join("agents/agents/agent-a/copilot/session-state");
+    assert!(home.join(&id).is_dir(), "{} has no {id}", home.display());
+    let permission = py.step("permission").await;
+    assert_eq!(
+        permission["content"], "tool said: colour of the day is teal",
+        "{permission}"
+    );
+    assert_eq!(
+        permission["permissions"],
+        json!(["custom-tool"]),
+        "{permission}"
+    );
+    let ask = py.step("ask_user").await;
+    assert_eq!(
+        ask["questions"],
+        json!([{"question": "Pick a colour", "choices": ["red", "blue"]}]),
+        "{ask}"
+    );
+    assert!(
+        ask["content"].as_str().is_some_and(|c| c.contains("blue")),
+        "{ask}"
+    );
+    let hook = py.step("hook").await;
+    assert_eq!(hook["content"], "rewritten by the hook", "{hook}");
+    let streaming = py.step("streaming").await;
+    let content = streaming["content"].as_str().expect("content");
+    assert!(content.starts_with("slow-chunk 0"), "{streaming}");
+    assert_eq!(
+        streaming["deltas"], content,
+        "the deltas add up to the message"
+    );
+    let abort = py.step("abort").await;
+    assert_eq!(abort["aborted"], true, "{abort}");
+    let after = py.step("after-abort").await;
+    assert_eq!(after["content"], "still here", "{after}");
+    py.done().await;
+    let status = served.pool.status().await.expect("status");
+    assert_eq!(status.workers.len(), 1, "{status:?}");
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_ends_the_python_sdk_turn_within_a_second_and_the_session_goes_on() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let mut py = Scenario::start_python("crash", &fx, &served).await;
+    let first = py.step("first").await;
+    assert_eq!(first["content"], "first answer", "{first}");
+    py.step("streaming").await;
+    let status = served.pool.status().await.expect("status");
+    assert_eq!(status.workers.len(), 1, "{status:?}");
+    let pid = status.workers[0].pid;
+    let killed_at = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    let rejected = py.step("rejected").await;
+    let after_kill = killed_at.elapsed();
+    assert!(
+        after_kill < Duration::from_secs(1),
+        "send_and_wait rejected {after_kill:?} after the kill"
+    );
+    assert_eq!(rejected["outcome"]["ok"], false, "{rejected}");
+    assert_eq!(
+        rejected["errors"][0]["errorType"],
+        sdk_endpoint::PROCESS_CRASHED,
+        "{rejected}"
+    );
+    let idle = py.step("idle").await;
+    assert_eq!(
+        idle["order"],
+        json!(["session.error", "session.idle"]),
+        "{idle}"
+    );
+    let after = py.step("after").await;
+    assert_eq!(after["content"], "after the crash", "{after}");
+    let status = served.pool.status().await.expect("status");
+    assert!(status.workers.iter().all(|w| w.pid != pid), "{status:?}");
+    assert!(
+        fx.last_model_request().contains("first answer"),
+        "the model saw the turn before the crash"
+    );
+    py.done().await;
     served.shut_down().await;
 }

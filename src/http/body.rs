@@ -412,6 +412,24 @@ fn message(e: ConfineError) -> String {
     e.to_string()
 }
 
+/// An SDK session (`sdk:<session id>`) is its SDK connection's: the HTTP API neither runs,
+/// aborts, compacts nor resets it.
+pub(super) fn refuse_sdk_session(session_key: &str) -> Result<(), Response> {
+    if session_key.starts_with(crate::ids::SDK_SESSION_KEY_PREFIX) {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!(
+                "session_key: keys starting with `{prefix}` name sessions of the SDK endpoint \
+                 (`{prefix}<session id>`), which only the SDK connection that opened them \
+                 drives; choose a session_key without that prefix for an HTTP conversation",
+                prefix = crate::ids::SDK_SESSION_KEY_PREFIX
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The lease request for a conversation; the working directory is the agent's own unless
 /// its `session` names another one (not created here: compact and reset must not create it).
 pub(super) async fn lease_request(
@@ -422,6 +440,7 @@ pub(super) async fn lease_request(
 ) -> Result<LeaseRequest, Response> {
     // The library's checks: a Rust embedder gets the same errors.
     crate::pool::validate_session_key(session_key).map_err(|e| pool_error(&e))?;
+    refuse_sdk_session(session_key)?;
     crate::home::validate_agent_id(agent_id).map_err(|e| {
         error(
             StatusCode::BAD_REQUEST,

@@ -56,6 +56,9 @@ pub(super) async fn post_abort(
         Ok(Path(p)) => p,
         Err(e) => return rejection(e),
     };
+    if let Err(refused) = super::body::refuse_sdk_session(&session_key) {
+        return refused;
+    }
     let conversation = ConversationId::new(agent_id, session_key);
     match state.pool.abort(&conversation).await {
         Ok(true) => StatusCode::NO_CONTENT.into_response(),

@@ -85,6 +85,13 @@ pub(crate) enum PoolMsg {
         req: Box<AcquireRequest>,
         reply: RpcReplyPort<Result<Grant, PoolError>>,
     },
+    /// A process of a key for a call naming no conversation (`req.process_only`).
+    AcquireProcess {
+        req: Box<AcquireRequest>,
+        reply: RpcReplyPort<Result<ProcessLease, PoolError>>,
+    },
+    /// A [`ProcessLease`] was dropped.
+    Released(WorkerId),
     /// A lease opened (created or resumed) its CLI session.
     Opened {
         conversation: String,
@@ -151,6 +158,63 @@ enum NotFound {
     Unconfirmed,
 }
 
+/// Where the answer to an acquire goes.
+enum Reply {
+    Conversation(RpcReplyPort<Result<Grant, PoolError>>),
+    Process(RpcReplyPort<Result<ProcessLease, PoolError>>),
+}
+
+impl Reply {
+    fn is_closed(&self) -> bool {
+        match self {
+            Reply::Conversation(port) => port.is_closed(),
+            Reply::Process(port) => port.is_closed(),
+        }
+    }
+
+    fn fail(self, error: PoolError) {
+        let _ = match self {
+            Reply::Conversation(port) => port.send(Err(error)).is_ok(),
+            Reply::Process(port) => port.send(Err(error)).is_ok(),
+        };
+    }
+}
+
+/// A process of a key, held for a call that names no conversation (`session.list`,
+/// `models.list`, …; [`crate::pool::Pool::lease_process`]): the worker is not evicted, and
+/// does not finish a drain, while it is held. Dropping it gives it back.
+pub struct ProcessLease {
+    worker: WorkerHandle,
+    worker_id: WorkerId,
+    pool: ActorRef<PoolMsg>,
+}
+
+impl ProcessLease {
+    /// The process's worker: call the runtime through it.
+    pub fn worker(&self) -> &WorkerHandle {
+        &self.worker
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.worker.pid()
+    }
+}
+
+impl std::fmt::Debug for ProcessLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessLease")
+            .field("pid", &self.worker.pid())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for ProcessLease {
+    fn drop(&mut self) {
+        let _ = self.pool.cast(PoolMsg::Released(self.worker_id));
+    }
+}
+
 /// Everything the pool actor owns: the placement core and what the core must not hold
 /// (handles, reply ports, the event channels, tasks).
 pub(crate) struct PoolState {
@@ -158,7 +222,7 @@ pub(crate) struct PoolState {
     /// The handle of every worker the core knows.
     handles: HashMap<WorkerId, WorkerHandle>,
     /// Acquires not yet answered.
-    replies: HashMap<RequestId, RpcReplyPort<Result<Grant, PoolError>>>,
+    replies: HashMap<RequestId, Reply>,
     next_request: RequestId,
     leased: watch::Sender<usize>,
     events: broadcast::Sender<PoolEvent>,
@@ -213,7 +277,11 @@ impl Actor for PoolActor {
         state.observe();
         let now = Instant::now();
         let effects = match msg {
-            PoolMsg::Acquire { req, reply } => state.acquire(*req, reply, now),
+            PoolMsg::Acquire { req, reply } => state.acquire(*req, Reply::Conversation(reply), now),
+            PoolMsg::AcquireProcess { req, reply } => {
+                state.acquire(*req, Reply::Process(reply), now)
+            }
+            PoolMsg::Released(worker_id) => state.core.released(worker_id, now),
             PoolMsg::Opened {
                 conversation,
                 worker_id,
@@ -352,7 +420,7 @@ impl Actor for PoolActor {
         let effects = state.core.close();
         state.perform(effects);
         for (_, reply) in state.replies.drain() {
-            let _ = reply.send(Err(PoolError::Closed));
+            reply.fail(PoolError::Closed);
         }
         let stops = state.take_all_workers();
         state.publish();
@@ -386,7 +454,7 @@ impl PoolState {
     fn acquire(
         &mut self,
         req: AcquireRequest,
-        reply: RpcReplyPort<Result<Grant, PoolError>>,
+        reply: Reply,
         now: Instant,
     ) -> Vec<Effect<WorkerConfig, Session>> {
         let id = self.next_request;
@@ -433,9 +501,10 @@ impl PoolState {
         for effect in effects {
             match effect {
                 Effect::Grant(granted) => self.deliver(granted),
+                Effect::GrantProcess { request, worker } => self.deliver_process(request, worker),
                 Effect::Fail { request, error } => {
                     if let Some(reply) = self.replies.remove(&request) {
-                        let _ = reply.send(Err(error));
+                        reply.fail(error);
                     }
                 }
                 Effect::Queued { request, wait } => {
@@ -492,7 +561,16 @@ impl PoolState {
     /// Hands a grant to its caller; if the caller is gone, the grant is dropped here and its
     /// guard returns the slot (and detaches what it carried) through the mailbox.
     fn deliver(&mut self, granted: Granted<Session>) {
-        let reply = self.replies.remove(&granted.request);
+        let reply = match self.replies.remove(&granted.request) {
+            Some(Reply::Conversation(port)) => Some(port),
+            Some(other) => {
+                other.fail(PoolError::Internal(
+                    "a conversation was granted to a process request; please report this".into(),
+                ));
+                None
+            }
+            None => None,
+        };
         let Some(worker) = self.handles.get(&granted.worker).cloned() else {
             // Unreachable while the core grants only workers the actor holds a handle of;
             // if it ever happens, the caller hears why and the slot (with what it carried)
@@ -527,6 +605,38 @@ impl PoolState {
         };
         if let Some(reply) = reply {
             let _ = reply.send(Ok(grant));
+        }
+    }
+
+    /// Hands a process lease to its caller; a caller that is gone drops it here, and its
+    /// drop gives the worker back through the mailbox.
+    fn deliver_process(&mut self, request: RequestId, worker_id: WorkerId) {
+        let lease = self
+            .handles
+            .get(&worker_id)
+            .cloned()
+            .map(|worker| ProcessLease {
+                worker,
+                worker_id,
+                pool: self.myself.clone(),
+            });
+        let reply = self.replies.remove(&request);
+        match (reply, lease) {
+            (Some(Reply::Process(port)), Some(lease)) => {
+                let _ = port.send(Ok(lease));
+            }
+            (reply, lease) => {
+                // Unreachable while the core grants only workers the actor holds a handle
+                // of; the worker's lease count comes back either way.
+                if lease.is_none() {
+                    let _ = self.myself.cast(PoolMsg::Released(worker_id));
+                }
+                if let Some(reply) = reply {
+                    reply.fail(PoolError::Internal(
+                        "a process lease could not be delivered; please report this".into(),
+                    ));
+                }
+            }
         }
     }
 

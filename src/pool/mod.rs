@@ -47,6 +47,7 @@ pub use lease::{Lease, OpenReason};
 pub use restart::{RestartDecision, RestartPolicy};
 pub use status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus};
 
+pub use actor::ProcessLease;
 use actor::{AcquireRequest, Grant, PoolActor, PoolArgs, PoolMsg};
 
 /// Extra time an acquire call may take beyond the wait (a spawn that finishes late).
@@ -221,11 +222,10 @@ impl Pool {
         // for capacity.
         let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
 
-        let mut spec = inner.config.worker.clone();
-        spec.copilot_home = home.clone();
-        spec.working_directory = home.clone();
-        spec.auth_token = auth.token.clone();
-        spec.auto_login = auth.mode == AuthMode::LoggedInUser;
+        let spec = self.worker_spec(&req, &home, &auth)?;
+        if let Some(sandbox) = &spec.sandbox {
+            sandbox.check_working_directory(&req.working_directory)?;
+        }
         let mut session_config = match &req.wire_config {
             // A client's own config (the SDK endpoint): sent as it is; the open sets the id.
             Some(wire) => {
@@ -243,21 +243,9 @@ impl Pool {
             None => session_config(&req, &auth, inner.config.infinite_sessions.as_ref()),
         };
         if let Some(provider) = &req.provider {
-            // The guarded path: the child gets placeholders, its tunnel the real provider.
-            // The key holds the provider's fingerprint, so a worker spawned from this spec
-            // serves only leases with this very provider.
-            spec.model_tunnel = Some(
-                inner
-                    .guard
-                    .tunnel_for(provider)
-                    .map_err(|e| PoolError::InvalidRequest(e.to_string()))?,
-            );
+            // The guarded path: the child gets placeholders, its tunnel (in the spec) the
+            // real provider.
             session_config.provider = Some(ModelGuard::placeholder(provider));
-        }
-        // The sandbox's walls follow the spec as the lease left it (a BYOK key's model goes
-        // over the tunnel, so its workers need no provider port).
-        if let Some(sandbox) = spec.sandbox.take() {
-            spec.sandbox = Some(agent_sandbox(&sandbox, &req, &home, &spec)?);
         }
         let acquire = AcquireRequest {
             id: 0, // set by the actor
@@ -269,6 +257,7 @@ impl Pool {
             gateway_key: req.session_key.clone(),
             fail_if_busy: req.fail_if_busy,
             wait,
+            process_only: false,
         };
         let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
         let grant: Grant = match inner
@@ -316,6 +305,101 @@ impl Pool {
             Err(join) => Err(PoolError::Internal(format!(
                 "the lease's open task failed: {join}"
             ))),
+        }
+    }
+
+    /// How a worker of this home and these credentials is started.
+    fn worker_spec(
+        &self,
+        req: &LeaseRequest,
+        home: &Path,
+        auth: &crate::auth::ResolvedAuth,
+    ) -> Result<crate::worker::WorkerConfig, PoolError> {
+        let mut spec = self.inner.config.worker.clone();
+        spec.copilot_home = home.to_owned();
+        spec.working_directory = home.to_owned();
+        spec.auth_token = auth.token.clone();
+        spec.auto_login = auth.mode == AuthMode::LoggedInUser;
+        if let Some(provider) = &req.provider {
+            // The guarded path: every model request of the child comes over its tunnel and
+            // the pool makes it. The key holds the provider's fingerprint, so a worker
+            // spawned from this spec serves only leases with this very provider.
+            spec.model_tunnel = Some(
+                self.inner
+                    .guard
+                    .tunnel_for(provider)
+                    .map_err(|e| PoolError::InvalidRequest(e.to_string()))?,
+            );
+        }
+        // The sandbox's walls follow the spec as set above (a BYOK key's model goes over
+        // the tunnel, so its workers need no provider port).
+        if let Some(template) = spec.sandbox.take() {
+            spec.sandbox = Some(agent_sandbox(&template, req, home, &spec)?);
+        }
+        Ok(spec)
+    }
+
+    /// Holds a process of the key `req` would lease on (its agent's home, credentials,
+    /// provider and model; its session key and conversation fields are not used), for a call
+    /// that names no conversation (`session.list`, `models.list`, `auth.getStatus`, …). The
+    /// key's least busy usable process is used, even one full of conversations; with none, one
+    /// is started within the pool's caps (waiting for room like a lease). No conversation is
+    /// opened or counted. Credentials that name no GitHub identity (no token, the logged-in
+    /// user forbidden) are accepted without a provider here: such a process answers what needs
+    /// no account. Drop the lease to give the process back.
+    pub async fn lease_process(&self, req: &LeaseRequest) -> Result<ProcessLease, PoolError> {
+        let result = self.lease_process_inner(req).await;
+        if let Err(error) = &result {
+            crate::metrics::lease_rejected(error.kind());
+        }
+        result
+    }
+
+    async fn lease_process_inner(&self, req: &LeaseRequest) -> Result<ProcessLease, PoolError> {
+        let inner = &self.inner;
+        if *inner.closed.borrow() {
+            return Err(PoolError::Closed);
+        }
+        let auth = crate::auth::resolve(&req.auth)?;
+        if let Some(provider) = &req.provider {
+            validate_provider(provider)?;
+        }
+        let home = resolve_copilot_home(
+            req.copilot_home.as_deref(),
+            req.agent_dir.as_deref(),
+            &inner.config.agents_base_dir,
+            &req.agent_id,
+        )?;
+        let key = PoolKey::new(&home, &auth, req.provider.as_ref(), req.model.as_deref());
+        let spec = self.worker_spec(req, &home, &auth)?;
+        let wait = req.wait_timeout.unwrap_or(inner.config.wait_timeout);
+        let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
+        let ask = AcquireRequest {
+            id: 0, // set by the actor
+            key,
+            spec,
+            conversation: String::new(),
+            compat: String::new(),
+            setup: String::new(),
+            gateway_key: String::new(),
+            fail_if_busy: false,
+            wait,
+            process_only: true,
+        };
+        match inner
+            .actor
+            .call(
+                |reply| PoolMsg::AcquireProcess {
+                    req: Box::new(ask),
+                    reply,
+                },
+                Some(limit),
+            )
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(result)) => result,
+            Ok(ractor::rpc::CallResult::Timeout) => Err(PoolError::WaitTimeout { after: limit }),
+            _ => Err(PoolError::Closed),
         }
     }
 
@@ -406,9 +490,7 @@ fn agent_sandbox(
         (Some(provider), None) => crate::sandbox::url_port(&provider.base_url),
         _ => None,
     };
-    let sandbox = template.for_agent(agent_root, provider_port)?;
-    sandbox.check_working_directory(&req.working_directory)?;
-    Ok(sandbox)
+    Ok(template.for_agent(agent_root, provider_port)?)
 }
 
 fn session_config(
@@ -726,7 +808,9 @@ impl OpenTarget<'_> {
             Err(e) => return Err(PoolError::Internal(e.to_string()).into()),
         };
         if let Some(id) = self.pinned {
-            return self.open_pinned(id, config, binding.is_some()).await;
+            return self
+                .open_pinned(id, config, binding.is_some(), bindings)
+                .await;
         }
         let Some(binding) = binding else {
             return self.create(config, OpenReason::New).await;
@@ -770,8 +854,15 @@ impl OpenTarget<'_> {
         id: &CliSessionId,
         config: SessionConfig,
         bound: bool,
+        bindings: &Arc<BindingStore>,
     ) -> Result<(Session, OpenReason), OpenFailure> {
-        if !self.home.join("session-state").join(id.as_str()).is_dir() {
+        let stored = self.home.join("session-state").join(id.as_str()).is_dir();
+        if stored && !bound {
+            // A stored session this conversation never bound: it must not be another
+            // conversation's (an SDK session naming an HTTP conversation's CLI session).
+            self.refuse_if_bound_elsewhere(id, bindings).await?;
+        }
+        if !stored {
             let reason = if bound {
                 OpenReason::TranscriptMissing
             } else {
@@ -805,6 +896,56 @@ impl OpenTarget<'_> {
                 resume_crashed: true,
             }),
             Err(error) => Err(failed_open(error, id.clone())),
+        }
+    }
+
+    /// Fails when another conversation of this agent is bound to the CLI session `id`: a CLI
+    /// session holds one conversation (an HTTP conversation's session is not an SDK
+    /// session's, and the other way round). Reads every binding: only a pinned open of a
+    /// stored session this conversation never bound gets here.
+    async fn refuse_if_bound_elsewhere(
+        &self,
+        id: &CliSessionId,
+        bindings: &Arc<BindingStore>,
+    ) -> Result<(), OpenFailure> {
+        let store = bindings.clone();
+        let all = match tokio::task::spawn_blocking(move || store.list()).await {
+            Ok(Ok(all)) => all,
+            Ok(Err(e)) => return Err(state_unwritable(bindings, e.os_error()).into()),
+            Err(e) => return Err(PoolError::Internal(e.to_string()).into()),
+        };
+        let agent = self
+            .session_key
+            .split_once('/')
+            .map_or("", |(agent, _)| agent);
+        let owner = all.into_iter().find(|b| {
+            b.cli_session_id == *id
+                && b.session_key != self.session_key
+                && b.session_key
+                    .split_once('/')
+                    .is_some_and(|(a, _)| a == agent)
+        });
+        match owner {
+            None => Ok(()),
+            Some(owner) => {
+                let key = owner
+                    .session_key
+                    .split_once('/')
+                    .map_or("", |(_, key)| key)
+                    .to_owned();
+                let kind = if key.starts_with(crate::ids::SDK_SESSION_KEY_PREFIX) {
+                    "an SDK session"
+                } else {
+                    "an HTTP conversation"
+                };
+                Err(PoolError::InvalidRequest(format!(
+                    "session {id} holds the conversation {key:?} of this agent ({kind}), not \
+                     this one; one session holds one conversation: continue it where it \
+                     belongs (an HTTP conversation through the HTTP API), or use a new \
+                     session id"
+                ))
+                .into())
+            }
         }
     }
 

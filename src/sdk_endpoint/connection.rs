@@ -199,6 +199,13 @@ impl Client {
             "session.resume" => self.open(method, &params, true).await,
             "session.detach" | "session.destroy" => self.let_go(method, &params).await,
             "session.delete" => self.delete(&params).await,
+            // Newer SDKs try this first and fall back to session.send on "method not
+            // found": the pool runs (and supervises) every turn through session.send.
+            "session.sendAndWait" => Err(ErrorObject::new(
+                METHOD_NOT_FOUND,
+                "Unhandled method session.sendAndWait: copilot-pool runs turns through \
+                 session.send (the SDK falls back to it)",
+            )),
             m if PROCESS_WIDE.contains(&m) => Err(ErrorObject::new(
                 METHOD_NOT_FOUND,
                 format!(
@@ -370,8 +377,11 @@ impl Client {
     }
 
     /// A call naming no session (`session.list`, `session.getLastId`, `models.list`,
-    /// `auth.getStatus`, …, and methods newer than this crate): answered by the process of
-    /// the session this connection used last (its agent's home, its key).
+    /// `auth.getStatus`, `account.*`, and methods newer than this crate): answered by a
+    /// process of the connection's key, held for the call and no longer (no conversation
+    /// is opened). The key is that of the session this connection used last (its
+    /// credentials and provider), or, before any session, the agent's home with no session
+    /// credentials (a process with no GitHub identity unless the logged-in user is allowed).
     async fn beside_sessions(&self, method: &str, params: Value) -> Result<Value, CallError> {
         let last = self.last.lock().ok().and_then(|l| l.clone());
         let session = last.and_then(|id| self.session(&id)).or_else(|| {
@@ -380,16 +390,22 @@ impl Client {
                 .ok()
                 .and_then(|s| s.values().next().cloned())
         });
-        match session {
-            Some(session) => session.call_beside(method, params).await,
-            None => Err(ErrorObject::new(
-                INTERNAL_ERROR,
-                format!(
-                    "Request {method} failed with message: copilot-pool answers {method} from \
-                     a process of this connection's sessions; create or resume a session first"
-                ),
-            )),
-        }
+        let agent = self.agent().unwrap_or_default();
+        let request = match session {
+            Some(session) => session.process_request(),
+            None => session::connection_request(&self.shared, agent),
+        };
+        let process = self
+            .shared
+            .pool
+            .lease_process(&request)
+            .await
+            .map_err(|e| session::pool_error(method, &e))?;
+        process
+            .worker()
+            .call_raw(method, params, self.shared.config.request_timeout)
+            .await
+            .map_err(|e| session::worker_error(method, &e))
     }
 
     /// The client is gone: its sessions are let go at once (another connection of the agent

@@ -71,6 +71,11 @@ pub struct SdkConfig {
     pub wait_timeout: Option<Duration>,
     /// The version `connect`, `ping` and `status.get` report (default this crate's).
     pub version: String,
+    /// Sessions without their own `gitHubToken` (and calls naming no session) may run as
+    /// the account logged in to the Copilot CLI on the pool's machine (default false: they
+    /// run with no GitHub identity, which only a BYOK provider serves; the daemon's `[auth]
+    /// allow_logged_in_user`).
+    pub allow_logged_in_user: bool,
 }
 
 impl SdkConfig {
@@ -87,6 +92,7 @@ impl SdkConfig {
             max_frame_bytes: 16 << 20,
             wait_timeout: None,
             version: env!("CARGO_PKG_VERSION").to_owned(),
+            allow_logged_in_user: false,
         }
     }
 }

@@ -27,7 +27,7 @@ use crate::worker::{
 use super::Shared;
 
 /// The prefix of an SDK session's conversation key: `(agent, "sdk:<session id>")`.
-pub(super) const SESSION_KEY_PREFIX: &str = "sdk:";
+pub(super) const SESSION_KEY_PREFIX: &str = crate::ids::SDK_SESSION_KEY_PREFIX;
 
 /// The longest SDK session id accepted (a UUID has 36 characters).
 const MAX_SESSION_ID_BYTES: usize = 128;
@@ -202,6 +202,7 @@ impl SessionSpec {
             self.working_directory.clone(),
         );
         req.auth = self.auth.clone();
+        req.auth.forbid_logged_in_user = !shared.config.allow_logged_in_user;
         req.provider = self.provider.clone();
         req.model = self.model.clone();
         req.streaming = self.wire.streaming;
@@ -380,10 +381,9 @@ impl SdkSession {
         self.shared.turn_started();
         let me = self.clone();
         tokio::spawn(async move {
+            // The pump clears the running turn itself, before the client can hear the turn
+            // ended and before the lease goes back.
             me.pump(lease, stop_rx).await;
-            if let Ok(mut turn) = me.turn.lock() {
-                *turn = None;
-            }
             let _ = done_tx.send(true);
             me.shared.turn_ended();
         });
@@ -422,6 +422,12 @@ impl SdkSession {
                         }
                         _ => None,
                     };
+                    if idle.is_some() {
+                        // The client may send the next prompt as soon as it sees the idle:
+                        // that send must take a new lease (queued behind this one's return),
+                        // not join a turn that is over on a process it may be leaving.
+                        self.clear_turn();
+                    }
                     self.forward_event(&event);
                     if let Some(aborted) = idle {
                         let end = if aborted {
@@ -434,20 +440,17 @@ impl SdkSession {
                         break (end, After::Park);
                     }
                 }
-                Some(SessionUpdate::UserInput(request)) => {
-                    self.forward_request("userInput.request", request);
-                }
-                Some(SessionUpdate::Hook(request)) => {
-                    self.forward_request("hooks.invoke", request);
-                }
                 Some(SessionUpdate::Ended(error)) => {
+                    self.clear_turn();
                     self.crashed(&error);
                     break (TurnEnd::Crashed, After::Lost);
                 }
                 None => {
+                    self.clear_turn();
                     self.crashed(&WorkerError::Stopped);
                     break (TurnEnd::Crashed, After::Lost);
                 }
+                Some(other) => self.forward_update(other),
             }
         };
         match after {
@@ -456,7 +459,16 @@ impl SdkSession {
             After::Unsettled => lease.set_unsettled(),
         }
         crate::metrics::turn_finished(end, started.elapsed());
+        // No new turn can have started yet: it needs this lease.
+        self.clear_turn();
         drop(lease);
+    }
+
+    /// The running turn is over: later calls take a lease of their own.
+    fn clear_turn(&self) {
+        if let Ok(mut turn) = self.turn.lock() {
+            *turn = None;
+        }
     }
 
     /// Aborts the running turn and reads it to `session.idle` (passing nothing on: the
@@ -490,13 +502,37 @@ impl SdkSession {
         self.notify_event(synthetic_event("session.idle", json!({})));
     }
 
-    /// Passes on what reached the session while it was not leased by this connection (late
-    /// events of an earlier turn); questions among them are answered by their drop.
+    /// Passes on what reached the session while no turn was pumped (late events of an
+    /// earlier turn, notifications and requests of the runtime made between turns).
     fn forward_waiting(&self, session: &mut Session) {
         while let Some(update) = session.try_next() {
-            if let SessionUpdate::Event(event) = update {
-                self.forward_event(&event);
+            self.forward_update(update);
+        }
+    }
+
+    /// Passes one update to the client: events and notifications as they are, the runtime's
+    /// requests for the client (`userInput.request`, `hooks.invoke`, `exitPlanMode.request`,
+    /// `providerToken.getToken`, …) with their answers back to the process.
+    fn forward_update(&self, update: SessionUpdate) {
+        match update {
+            SessionUpdate::Event(event) => self.forward_event(&event),
+            SessionUpdate::UserInput(request) => {
+                self.forward_typed("userInput.request", request);
             }
+            SessionUpdate::Hook(request) => self.forward_typed("hooks.invoke", request),
+            SessionUpdate::Request(request) => {
+                let method = request.params.method.clone();
+                let params = request.params.params.clone();
+                self.ask_client(method, params, request);
+            }
+            SessionUpdate::Notification(call) => {
+                if let Err(error) = self.client.notify(&call.method, call.params) {
+                    tracing::debug!(%error, "An SDK client left before a notification reached it.");
+                }
+            }
+            // The pump handles the end of the process; between turns it is seen at the
+            // next lease.
+            SessionUpdate::Ended(_) => {}
         }
     }
 
@@ -511,22 +547,32 @@ impl SdkSession {
         }
     }
 
-    /// Asks the client a question of the runtime (`userInput.request`, `hooks.invoke`) and
-    /// passes its answer back, in a task of its own; no answer within the limit is an error.
-    fn forward_request<P>(&self, method: &'static str, request: ServerRequest<P>)
+    /// Asks the client a typed request of the runtime (`userInput.request`, `hooks.invoke`).
+    fn forward_typed<P>(&self, method: &'static str, request: ServerRequest<P>)
     where
         P: serde::Serialize + Send + 'static,
+    {
+        match serde_json::to_value(&request.params) {
+            Ok(params) => self.ask_client(method.to_owned(), params, request),
+            Err(e) => request.fail(format!("could not encode {method}: {e}")),
+        }
+    }
+
+    /// Asks the client a request of the runtime and passes its answer back (the client's own
+    /// error as it is), in a task of its own; no answer within the limit is an error.
+    fn ask_client<P>(&self, method: String, params: Value, request: ServerRequest<P>)
+    where
+        P: Send + 'static,
     {
         let client = self.client.clone();
         let limit = self.shared.config.client_request_timeout;
         tokio::spawn(async move {
-            let params = match serde_json::to_value(&request.params) {
-                Ok(params) => params,
-                Err(e) => return request.fail(format!("could not encode {method}: {e}")),
-            };
-            match client.request(method, params, Some(limit)).await {
+            match client.request(&method, params, Some(limit)).await {
                 Ok(answer) => request.respond(answer),
-                Err(error) => request.fail(format!("the SDK client did not answer: {error}")),
+                Err(crate::rpc::RpcError::Remote { error, .. }) => request.fail_with(error),
+                Err(error) => {
+                    request.fail(format!("the SDK client did not answer {method}: {error}"))
+                }
             }
         });
     }
@@ -608,14 +654,9 @@ impl SdkSession {
         answer
     }
 
-    /// Calls a method that is not the session's on the process of this session (the
-    /// connection's processes: its home, its key).
-    pub(super) async fn call_beside(
-        &self,
-        method: &str,
-        params: Value,
-    ) -> Result<Value, CallError> {
-        self.call(method, params).await
+    /// What a process lease of this session's key asks for (a call naming no session).
+    pub(super) fn process_request(&self) -> LeaseRequest {
+        self.spec().lease_request(&self.shared, &self.agent, true)
     }
 
     /// `session.delete`: ends a running turn, then deletes the session and its binding.
@@ -646,6 +687,15 @@ impl SdkSession {
             let _ = tokio::time::timeout(limit, done.wait_for(|d| *d)).await;
         }
     }
+}
+
+/// What a process lease for a connection of `agent` with no session asks for: the agent's
+/// home, no session credentials, no provider.
+pub(super) fn connection_request(shared: &Shared, agent: &str) -> LeaseRequest {
+    let mut req = LeaseRequest::new(agent, SESSION_KEY_PREFIX, PathBuf::new());
+    req.auth.forbid_logged_in_user = !shared.config.allow_logged_in_user;
+    req.wait_timeout = shared.config.wait_timeout;
+    req
 }
 
 /// The pool conversation of an SDK session of `agent`.

@@ -213,6 +213,11 @@ impl TurnDriver {
                         }
                         Some(SessionUpdate::UserInput(request)) => self.on_question(request),
                         Some(SessionUpdate::Hook(request)) => self.on_hook(request),
+                        // Requests the turn API has no handler for are answered
+                        // method-not-found by their drop; other notifications are not
+                        // the turn's.
+                        Some(SessionUpdate::Request(request)) => drop(request),
+                        Some(SessionUpdate::Notification(_)) => {}
                         Some(SessionUpdate::Ended(error)) => {
                             self.finish(TurnEnd::Crashed);
                             return Some(Err(TurnError::Worker(error)));

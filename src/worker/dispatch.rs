@@ -1,7 +1,10 @@
 //! Dispatching what the child sends: `session.event` notifications to the session they name
-//! (recording pending tool calls and permission prompts in the ledger on the way), server
-//! requests (`userInput.request`, `hooks.invoke`, `llmInference.*`) to their handlers, and
-//! a refusal for anything nobody can answer, so the runtime never waits forever.
+//! (recording pending tool calls and permission prompts in the ledger on the way), other
+//! notifications naming a session (`session.lifecycle`, …) to it as they are, server requests
+//! (`userInput.request`, `hooks.invoke` typed; `llmInference.*` to the tunnel; any other
+//! request naming a session, e.g. `exitPlanMode.request` or `providerToken.getToken`, to that
+//! session by method name), and a refusal for anything nobody can answer, so the runtime
+//! never waits forever.
 
 use ractor::ActorRef;
 use serde_json::{Value, json};
@@ -17,13 +20,23 @@ use crate::rpc::{IncomingRequest, SessionEvent};
 use super::actor::{WorkerMsg, WorkerState};
 use super::error::WorkerError;
 use super::handle::PendingKind;
-use super::session::{ServerRequest, SessionUpdate};
+use super::session::{ClientCall, ServerRequest, SessionUpdate};
 
 impl WorkerState {
     pub(super) fn on_notification(&mut self, method: &str, params: Value) {
         if method != "session.event" {
-            // session.lifecycle, host.event and anything newer: not ours to act on.
-            tracing::trace!(method, "Ignored notification.");
+            // session.lifecycle and anything newer that names a session: to that session as
+            // it is; the rest (host.event, …) is not ours to act on.
+            match session_of(&params) {
+                Some(session_id) => {
+                    let call = ClientCall {
+                        method: method.to_owned(),
+                        params,
+                    };
+                    self.route(&session_id, SessionUpdate::Notification(call));
+                }
+                None => tracing::trace!(method, "Ignored notification."),
+            }
             return;
         }
         let session_id = params
@@ -171,10 +184,20 @@ impl WorkerState {
                     Err(e) => responder.err(invalid_params(&method, e)),
                 }
             }
-            _ => {
-                tracing::debug!(%method, "Unknown request from the runtime; answered method-not-found.");
-                responder.method_not_found();
-            }
+            _ => match session_of(&params) {
+                // A request for the session's client (exitPlanMode.request,
+                // providerToken.getToken, …): its session answers it, or its drop answers
+                // method-not-found, as before.
+                Some(session_id) if self.routes.contains_key(&session_id) => {
+                    let call = ClientCall { method, params };
+                    let request = ServerRequest::unhandled_on_drop(call, responder);
+                    self.route(&session_id, SessionUpdate::Request(request));
+                }
+                _ => {
+                    tracing::debug!(%method, "Unknown request from the runtime; answered method-not-found.");
+                    responder.method_not_found();
+                }
+            },
         }
     }
 
@@ -194,6 +217,14 @@ impl WorkerState {
         }
         self.pending.clear();
     }
+}
+
+/// The session a request or notification names (`sessionId`), if any.
+fn session_of(params: &Value) -> Option<String> {
+    params
+        .get("sessionId")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
 }
 
 fn invalid_params(method: &str, error: serde_json::Error) -> ErrorObject {

@@ -20,4 +20,6 @@ mod session;
 pub use config::{AUTH_TOKEN_ENV, ENV_ALLOWLIST, TOKEN_VARIABLES, WorkerConfig};
 pub use error::{ExitReason, WorkerError, WorkerExit};
 pub use handle::{PendingKind, WorkerHandle, WorkerInfo};
-pub use session::{Answerer, ServerRequest, Session, SessionUpdate, Settled, ToolResult};
+pub use session::{
+    Answerer, ClientCall, ServerRequest, Session, SessionUpdate, Settled, ToolResult,
+};

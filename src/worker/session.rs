@@ -37,8 +37,37 @@ pub enum SessionUpdate {
     UserInput(ServerRequest<UserInputRequest>),
     /// A hook fired (`hooks.invoke`); answer it or drop it (drop = `{}`, the SDK default).
     Hook(ServerRequest<HookInvocation>),
+    /// Another request the runtime makes of the session's client, which this crate has no
+    /// type for (`exitPlanMode.request`, `autoModeSwitch.request`, `systemMessage.transform`,
+    /// `providerToken.getToken`, `gitHubToken.getToken`, and newer ones): any request whose
+    /// params name the session. Answer it or drop it (drop = "method not found", what the
+    /// runtime gets from a client without a handler for it).
+    Request(ServerRequest<ClientCall>),
+    /// A notification about the session other than its events (`session.lifecycle`, and
+    /// newer ones), as the runtime sent it; nothing to answer.
+    Notification(ClientCall),
     /// The worker ended; nothing more will arrive. Carries why.
     Ended(WorkerError),
+}
+
+/// A request or notification of the runtime for a session's client, by method name.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClientCall {
+    /// The JSON-RPC method (`exitPlanMode.request`, `session.lifecycle`, …).
+    pub method: String,
+    /// Its params as the runtime sent them (they name the session).
+    pub params: Value,
+}
+
+/// What a [`ServerRequest`] dropped unanswered answers.
+#[derive(Debug)]
+enum OnDrop {
+    /// An internal error (the responder's own drop).
+    Error,
+    /// This result.
+    Result(Value),
+    /// "Method not found".
+    MethodNotFound,
 }
 
 /// A request from the runtime that this session must answer exactly once.
@@ -46,7 +75,7 @@ pub struct ServerRequest<P> {
     /// The request's params.
     pub params: P,
     responder: Option<Responder>,
-    default_on_drop: Option<Value>,
+    on_drop: OnDrop,
 }
 
 impl<P: fmt::Debug> fmt::Debug for ServerRequest<P> {
@@ -62,7 +91,26 @@ impl<P> ServerRequest<P> {
         Self {
             params,
             responder: Some(responder),
-            default_on_drop,
+            on_drop: match default_on_drop {
+                Some(default) => OnDrop::Result(default),
+                None => OnDrop::Error,
+            },
+        }
+    }
+
+    /// A request that, dropped unanswered, is answered "method not found".
+    pub(crate) fn unhandled_on_drop(params: P, responder: Responder) -> Self {
+        Self {
+            params,
+            responder: Some(responder),
+            on_drop: OnDrop::MethodNotFound,
+        }
+    }
+
+    /// Answers with a JSON-RPC error as it is (a client's own error passed on).
+    pub fn fail_with(mut self, error: ErrorObject) {
+        if let Some(r) = self.responder.take() {
+            r.err(error);
         }
     }
 
@@ -94,10 +142,11 @@ impl ServerRequest<UserInputRequest> {
 impl<P> Drop for ServerRequest<P> {
     fn drop(&mut self) {
         if let Some(r) = self.responder.take() {
-            match self.default_on_drop.take() {
-                Some(default) => r.ok(default),
+            match std::mem::replace(&mut self.on_drop, OnDrop::Error) {
+                OnDrop::Result(default) => r.ok(default),
+                OnDrop::MethodNotFound => r.method_not_found(),
                 // The responder's own drop answers with an internal error.
-                None => drop(r),
+                OnDrop::Error => drop(r),
             }
         }
     }
@@ -280,7 +329,10 @@ impl Session {
                     SessionUpdate::Event(e) => answerer.refuse_stray(&e),
                     SessionUpdate::Ended(_) => return Settled::WorkerEnded,
                     // Server requests still arriving are answered by their drop.
-                    SessionUpdate::UserInput(_) | SessionUpdate::Hook(_) => {}
+                    SessionUpdate::UserInput(_)
+                    | SessionUpdate::Hook(_)
+                    | SessionUpdate::Request(_)
+                    | SessionUpdate::Notification(_) => {}
                 }
             }
             Settled::WorkerEnded

@@ -9,6 +9,7 @@ pub mod node_sdk;
 pub mod pool_fixture;
 pub mod procs;
 pub mod promtool;
+pub mod python_sdk;
 pub mod runtime;
 pub mod schemathesis;
 pub mod tool_install;
@@ -110,6 +111,8 @@ pub async fn next_event(session: &mut Session) -> Result<SessionEvent, WorkerErr
             SessionUpdate::Event(event) => return Ok(event),
             SessionUpdate::Hook(hook) => drop(hook),
             SessionUpdate::UserInput(req) => req.fail("not expected in this test"),
+            SessionUpdate::Request(req) => drop(req),
+            SessionUpdate::Notification(_) => {}
             SessionUpdate::Ended(err) => return Err(err),
         }
     }

@@ -5,7 +5,7 @@
 //
 // Environment: SDK_DIR (the package directory), SDK_URL ("127.0.0.1:PORT"), SDK_TOKEN,
 // SDK_TOKEN_B (second agent, `isolation`), MODEL_URL (the scripted model's base URL),
-// MODEL_ID, SCENARIO (`turns`, `crash`, `isolation`).
+// MODEL_ID, SCENARIO (`turns`, `crash`, `isolation`, `requests`, `moved`, `resume`).
 
 import { pathToFileURL } from "node:url";
 import { join } from "node:path";
@@ -180,7 +180,100 @@ async function isolation() {
   await b.stop();
 }
 
-const scenarios = { turns, crash, isolation };
+// The runtime's requests answered by the SDK's own handlers, through the pool: a permission
+// prompt, ask_user, a hook, exit-plan-mode and a system message section transform.
+async function requests() {
+  const c = client(env("SDK_TOKEN"));
+  const permissions = [];
+  const questions = [];
+  const prompts = [];
+  const plans = [];
+  let transforms = 0;
+  const colourTool = defineTool("lookup_colour", {
+    description: "Returns the colour of the day",
+    parameters: { type: "object", properties: {} },
+    handler: async () => "colour of the day is teal",
+  });
+  const session = await c.createSession(sessionConfig({
+    availableTools: undefined,
+    tools: [colourTool],
+    onPermissionRequest: async (request) => {
+      permissions.push(request.kind);
+      return { kind: "approve-once" };
+    },
+    onUserInputRequest: async (request) => {
+      questions.push({ question: request.question, choices: request.choices });
+      return { answer: "blue", wasFreeform: false };
+    },
+    hooks: {
+      onUserPromptSubmitted: async (input) => {
+        prompts.push(input.prompt);
+        return input.prompt.includes("HOOK-ME") ? { modifiedPrompt: "REPLY=rewritten by the hook" } : undefined;
+      },
+    },
+    onExitPlanModeRequest: async (request) => {
+      plans.push(request.summary);
+      // Declined (approving switches to autopilot, which goes on by itself).
+      return { approved: false, feedback: "keep planning, said the SDK" };
+    },
+    systemMessage: {
+      mode: "customize",
+      sections: { identity: { action: (content) => { transforms += 1; return `${content}\nTRANSFORMED-BY-THE-SDK`; } } },
+    },
+  }));
+  const perm = await session.sendAndWait({ prompt: "SCENARIO:tool NAME=lookup_colour ARGS={}" }, 30000);
+  say({ step: "permission", permissions, content: perm?.data?.content, transforms });
+  const ask = await session.sendAndWait(
+    { prompt: 'SCENARIO:tool NAME=ask_user ARGS={"question":"Pick a colour","choices":["red","blue"],"allow_freeform":false}' },
+    30000,
+  );
+  say({ step: "ask_user", questions, content: ask?.data?.content });
+  const hooked = await session.sendAndWait({ prompt: "HOOK-ME please" }, 30000);
+  say({ step: "hook", prompts, content: hooked?.data?.content });
+  const plan = await session.sendAndWait(
+    { prompt: 'SCENARIO:tool NAME=exit_plan_mode ARGS={"summary":"the plan is ready"}', agentMode: "plan" },
+    30000,
+  );
+  say({ step: "plan", plans, content: plan?.data?.content });
+  await session.disconnect();
+  await c.stop();
+}
+
+// One session whose process is recycled after every turn (the test's pool): each turn runs on
+// a fresh process and the model still sees the earlier turns.
+async function moved() {
+  const c = client(env("SDK_TOKEN"));
+  const session = await c.createSession(sessionConfig());
+  const first = await session.sendAndWait({ prompt: "REPLY=first of three" }, 30000);
+  say({ step: "first", content: first?.data?.content });
+  const second = await session.sendAndWait({ prompt: "REPLY=second of three" }, 30000);
+  say({ step: "second", content: second?.data?.content });
+  const third = await session.sendAndWait({ prompt: "REPLY=third of three" }, 30000);
+  say({ step: "third", content: third?.data?.content });
+  await c.stop();
+}
+
+// A session taken up again by a new client of the same agent after the first one stopped.
+async function resume() {
+  const first = client(env("SDK_TOKEN"));
+  const session = await first.createSession(sessionConfig());
+  await session.sendAndWait({ prompt: "REPLY=remember the word kumquat" }, 30000);
+  const id = session.sessionId;
+  await first.stop();
+  const second = client(env("SDK_TOKEN"));
+  const resumed = await second.resumeSession(id, sessionConfig());
+  const next = await resumed.sendAndWait({ prompt: "REPLY=resumed fine" }, 30000);
+  const events = await resumed.getEvents();
+  say({
+    step: "resumed",
+    sessionId: id,
+    content: next?.data?.content,
+    earlier: events.some((e) => e.type === "user.message" && String(e.data?.content).includes("kumquat")),
+  });
+  await second.stop();
+}
+
+const scenarios = { turns, crash, isolation, requests, moved, resume };
 try {
   const run = scenarios[env("SCENARIO")];
   if (!run) throw new Error(`unknown SCENARIO ${process.env.SCENARIO}`);

@@ -244,6 +244,8 @@ async fn stream_reply(session: &mut Session) -> Result<()> {
                 request.fail("copilot-pool run is not interactive")
             }
             SessionUpdate::Hook(hook) => drop(hook),
+            SessionUpdate::Request(request) => drop(request),
+            SessionUpdate::Notification(_) => {}
             SessionUpdate::Ended(err) => return Err(err.into()),
         }
     }

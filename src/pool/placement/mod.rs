@@ -35,7 +35,7 @@ use super::status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus
 pub(crate) use rules::WorkerId;
 use rules::{
     ConversationView, Recycle, UpkeepLimits, UpkeepView, WorkerView, evict_now, idle_victim,
-    least_loaded, lru_parked, recycle,
+    least_busy, least_loaded, lru_parked, recycle,
 };
 
 /// Conversations whose resume crashes are remembered at most (a bound on memory; the
@@ -95,6 +95,12 @@ pub(crate) struct Ask<Spec> {
     /// Refuse at once if the conversation is leased, instead of queueing behind its lease.
     pub(crate) fail_if_busy: bool,
     pub(crate) wait: Duration,
+    /// Asks for a process of `key`, not for a conversation (a call that names no session:
+    /// `session.list`, `models.list`, …). `conversation`, `compat` and `setup` are unused.
+    /// Granted with [`Effect::GrantProcess`] on the key's least busy usable worker (started
+    /// if the key has none); it counts as a lease of that worker (never evicted or drained
+    /// away under it) until [`Placement::released`].
+    pub(crate) process_only: bool,
 }
 
 /// A conversation that was attached to a worker when its lease was granted.
@@ -151,6 +157,12 @@ pub(crate) enum DetachTarget<S> {
 pub(crate) enum Effect<Spec, S> {
     /// Hand this grant to the request's caller.
     Grant(Granted<S>),
+    /// Hand this process lease (an [`Ask::process_only`]) to the request's caller; it is
+    /// answered by exactly one [`Placement::released`].
+    GrantProcess {
+        request: RequestId,
+        worker: WorkerId,
+    },
     /// Answer the request with this error.
     Fail {
         request: RequestId,
@@ -377,6 +389,18 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         now: Instant,
     ) -> Vec<Effect<Spec, S>> {
         self.settle_return(conversation, worker, session, settle, turns, now);
+        self.serve_waiters(now);
+        self.effects()
+    }
+
+    /// A process lease ([`Effect::GrantProcess`]) is over: the worker may be idle again,
+    /// finish its drain, or make room.
+    pub(crate) fn released(&mut self, worker: WorkerId, now: Instant) -> Vec<Effect<Spec, S>> {
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.leased = w.leased.saturating_sub(1);
+            w.last_used = now;
+        }
+        self.maybe_finish_drain(worker);
         self.serve_waiters(now);
         self.effects()
     }
@@ -796,6 +820,9 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             });
         }
         self.drain_other_versions(&ask.key, now);
+        if ask.process_only {
+            return Ok(self.grant_process(ask, now));
+        }
 
         // Being detached from its previous worker: wait for the confirmation.
         if self.detaching.contains_key(&ask.conversation) {
@@ -889,6 +916,30 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             resume_crashes,
         }));
         Ok(true)
+    }
+
+    /// Grants a process lease on the key's least busy usable worker; with none, starts one
+    /// if the caps allow (or waits for room) and returns false.
+    fn grant_process(&mut self, ask: &Ask<Spec>, now: Instant) -> bool {
+        let target = self.keys.get(&ask.key).and_then(|ks| {
+            least_busy(
+                ks.workers
+                    .iter()
+                    .filter_map(|id| self.workers.get(id).map(|w| w.view(*id))),
+            )
+        });
+        let Some(w) = target.and_then(|id| self.workers.get_mut(&id).map(|w| (id, w))) else {
+            self.grow(&ask.key, now);
+            return false;
+        };
+        let (id, w) = w;
+        w.leased += 1;
+        w.last_used = now;
+        self.out.push(Effect::GrantProcess {
+            request: ask.id,
+            worker: id,
+        });
+        true
     }
 
     /// The usable worker of `ask`'s key its conversation is parked on, if it is.

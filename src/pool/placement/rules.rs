@@ -39,6 +39,17 @@ pub(crate) fn least_loaded(
         .map(|w| w.id)
 }
 
+/// The worker of a key that answers a call naming no conversation (a process lease): live,
+/// not draining, with the fewest leases, then the fewest conversations (the oldest on a
+/// tie). It takes no conversation slot, so a worker full of conversations still answers.
+pub(crate) fn least_busy(workers: impl IntoIterator<Item = WorkerView>) -> Option<WorkerId> {
+    workers
+        .into_iter()
+        .filter(|w| !w.draining && w.alive)
+        .min_by_key(|w| (w.leased, w.attached, w.id))
+        .map(|w| w.id)
+}
+
 /// The worker to stop so another key can start one when the pool is full: the least
 /// recently used worker with no lease (`others` are the workers of the other keys).
 pub(crate) fn idle_victim(others: impl IntoIterator<Item = WorkerView>) -> Option<WorkerId> {
@@ -155,6 +166,27 @@ mod tests {
             least_loaded([draining, dead, worker(3, 2, 0, 0)], 4),
             Some(3)
         );
+    }
+
+    #[test]
+    fn a_call_naming_no_conversation_goes_to_the_least_busy_live_worker_even_a_full_one() {
+        let workers = [worker(1, 4, 2, 0), worker(2, 4, 1, 0), worker(3, 0, 1, 0)];
+        assert_eq!(
+            least_busy(workers),
+            Some(3),
+            "fewest leases, then fewest conversations"
+        );
+        assert_eq!(
+            least_busy([worker(1, 4, 0, 0)]),
+            Some(1),
+            "a worker with no room for a conversation still answers"
+        );
+        let mut draining = worker(1, 0, 0, 0);
+        draining.draining = true;
+        let mut dead = worker(2, 0, 0, 0);
+        dead.alive = false;
+        assert_eq!(least_busy([draining, dead]), None);
+        assert_eq!(least_busy([draining, dead, worker(3, 2, 5, 0)]), Some(3));
     }
 
     #[test]

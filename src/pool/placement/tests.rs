@@ -70,6 +70,10 @@ struct Sim {
     workers: Vec<WorkerId>,
     /// Workers whose child exited and whose supervision event has not come yet.
     exited: Vec<WorkerId>,
+    /// Process asks not yet answered.
+    process_asks: std::collections::HashSet<RequestId>,
+    /// Process leases held: (request, worker).
+    processes: Vec<(RequestId, WorkerId)>,
 }
 
 impl Sim {
@@ -91,7 +95,50 @@ impl Sim {
             evicted: Vec::new(),
             workers: Vec::new(),
             exited: Vec::new(),
+            process_asks: std::collections::HashSet::new(),
+            processes: Vec::new(),
         }
+    }
+
+    /// Asks for a process of key `k` (a call naming no conversation).
+    fn ask_process(&mut self, k: u8) -> RequestId {
+        let id = self.next_request;
+        self.next_request += 1;
+        self.process_asks.insert(id);
+        let ask = Ask {
+            id,
+            key: key(k),
+            spec: (),
+            conversation: String::new(),
+            compat: String::new(),
+            setup: String::new(),
+            gateway_key: String::new(),
+            fail_if_busy: false,
+            wait: Duration::from_secs(60),
+            process_only: true,
+        };
+        let effects = self.core.acquire(ask, self.now);
+        self.apply(effects);
+        id
+    }
+
+    /// Ends the process lease granted to `request`.
+    fn release_process(&mut self, request: RequestId) {
+        let pos = self
+            .processes
+            .iter()
+            .position(|(r, _)| *r == request)
+            .expect("a held process lease");
+        let (_, worker) = self.processes.remove(pos);
+        let effects = self.core.released(worker, self.now);
+        self.apply(effects);
+    }
+
+    fn process_of(&self, request: RequestId) -> Option<WorkerId> {
+        self.processes
+            .iter()
+            .find(|(r, _)| *r == request)
+            .map(|(_, w)| *w)
     }
 
     fn ask_with(
@@ -125,6 +172,7 @@ impl Sim {
             gateway_key: conversation.to_owned(),
             fail_if_busy,
             wait: Duration::from_secs(60),
+            process_only: false,
         };
         let effects = self.core.acquire(ask, self.now);
         self.apply(effects);
@@ -201,8 +249,17 @@ impl Sim {
                     );
                     self.granted.push((g.request, g.conversation, g.worker));
                 }
+                Effect::GrantProcess { request, worker } => {
+                    assert!(
+                        self.process_asks.remove(&request),
+                        "a process grant answers a process ask, once"
+                    );
+                    self.queued.retain(|r| *r != request);
+                    self.processes.push((request, worker));
+                }
                 Effect::Fail { request, error } => {
                     self.queued.retain(|r| *r != request);
+                    self.process_asks.remove(&request);
                     self.failed.push((request, error));
                 }
                 Effect::Queued { request, .. } => self.queued.push(request),
@@ -218,6 +275,12 @@ impl Sim {
                     reason,
                     attached,
                 } => {
+                    if matches!(reason, Eviction::Idle | Eviction::Full) {
+                        assert!(
+                            !self.processes.iter().any(|(_, w)| *w == worker),
+                            "worker {worker} stopped ({reason:?}) under a process lease"
+                        );
+                    }
                     self.evicted.push((worker, reason));
                     self.detaches.push((attached, worker));
                     self.workers.retain(|w| *w != worker);
@@ -228,6 +291,12 @@ impl Sim {
         }
         self.core.check_invariants();
         assert_eq!(self.core.leased_count(), self.leases.len());
+        // A worker's lease count is its leased conversations plus its process leases.
+        for (id, w) in &self.core.workers {
+            let held = self.leases.values().filter(|h| h.worker == *id).count()
+                + self.processes.iter().filter(|(_, p)| p == id).count();
+            assert_eq!(w.leased, held, "worker {id}: leases counted wrong");
+        }
     }
 
     fn granted_to(&self, request: RequestId) -> Option<WorkerId> {
@@ -558,6 +627,96 @@ fn a_crash_with_work_schedules_a_respawn_and_too_many_quarantine_the_key() {
 }
 
 #[test]
+fn a_call_naming_no_conversation_gets_a_process_of_its_key_without_taking_a_conversation_slot() {
+    let mut sim = Sim::new(limits());
+    let first = sim.ask_process(1);
+    assert_eq!(
+        sim.spawns,
+        vec![key(1)],
+        "no worker of the key yet: one starts"
+    );
+    assert!(sim.queued.contains(&first));
+    let w = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.process_of(first), Some(w));
+    assert_eq!(sim.core.status(sim.now).conversations, 0, "no conversation");
+    // The key's worker is full of conversations (2 per process): a call still gets it.
+    sim.ask("a/1", 1);
+    sim.ask("a/2", 1);
+    assert_eq!(sim.granted.len(), 2);
+    let second = sim.ask_process(1);
+    assert_eq!(
+        sim.process_of(second),
+        Some(w),
+        "answered at once, same process"
+    );
+    assert!(sim.spawns.is_empty(), "no new process for a call");
+    // Another key's call never gets this key's process.
+    let other = sim.ask_process(2);
+    assert_eq!(sim.process_of(other), None);
+    assert_eq!(sim.spawns, vec![key(2)]);
+    sim.release_process(first);
+    sim.release_process(second);
+    assert_eq!(
+        sim.core.workers[&w].leased, 2,
+        "the conversations' leases remain"
+    );
+}
+
+#[test]
+fn a_worker_under_a_process_lease_is_not_stopped_when_idle_and_goes_once_released() {
+    let mut sim = Sim::new(limits());
+    let call = sim.ask_process(1);
+    let w = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.process_of(call), Some(w));
+    sim.now += Duration::from_secs(400);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert!(sim.evicted.is_empty(), "held past the idle TTL: kept");
+    sim.release_process(call);
+    sim.now += Duration::from_secs(400);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.evicted, vec![(w, Eviction::Idle)]);
+}
+
+#[test]
+fn a_process_call_in_a_full_pool_stops_an_idle_worker_of_another_key_or_waits_for_one() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 1,
+        ..limits()
+    });
+    let held = sim.ask_process(1);
+    let w1 = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.process_of(held), Some(w1));
+    // The pool is full and its only worker is held: the other key waits.
+    let waiting = sim.ask_process(2);
+    assert!(sim.queued.contains(&waiting) && sim.spawns.is_empty());
+    // Released, the idle worker makes room for the waiting key.
+    sim.release_process(held);
+    assert_eq!(sim.evicted, vec![(w1, Eviction::Full)]);
+    sim.confirm_all_detaches();
+    let w2 = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.process_of(waiting), Some(w2));
+}
+
+#[test]
+fn a_draining_worker_takes_no_process_call_and_finishes_its_drain_when_released() {
+    let mut sim = Sim::new(limits());
+    let call = sim.ask_process(1);
+    let w = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.process_of(call), Some(w));
+    // Recycled by memory while the call runs: it drains, and the next call starts another.
+    let effects = sim.core.measured(&[(w, 2 << 30)], sim.now);
+    sim.apply(effects);
+    assert!(sim.evicted.is_empty(), "not stopped under its lease");
+    let next = sim.ask_process(1);
+    assert_eq!(sim.process_of(next), None);
+    assert_eq!(sim.spawns, vec![key(1)]);
+    sim.release_process(call);
+    assert_eq!(sim.evicted, vec![(w, Eviction::Drained)]);
+}
+
+#[test]
 fn a_queued_lease_that_expires_says_its_conversation_is_still_leased() {
     let mut sim = Sim::new(limits());
     sim.ask("a/1", 1);
@@ -630,6 +789,13 @@ enum Step {
     Tick {
         secs: u64,
     },
+    /// A call naming no conversation asks for a process of a key.
+    AskProcess {
+        key: u8,
+    },
+    ReleaseProcess {
+        pick: usize,
+    },
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -659,6 +825,8 @@ fn step() -> impl Strategy<Value = Step> {
         1 => pick().prop_map(|pick| Step::Expire { pick }),
         1 => (pick(), any::<bool>()).prop_map(|(pick, heavy)| Step::Measure { pick, heavy }),
         1 => (0u64..400).prop_map(|secs| Step::Tick { secs }),
+        2 => (0u8..3).prop_map(|key| Step::AskProcess { key }),
+        2 => pick().prop_map(|pick| Step::ReleaseProcess { pick }),
     ]
 }
 
@@ -836,6 +1004,15 @@ impl Sim {
                 let effects = self.core.maintain(self.now);
                 self.apply(effects);
             }
+            Step::AskProcess { key } => {
+                self.ask_process(key);
+            }
+            Step::ReleaseProcess { pick } => {
+                if let Some(&(request, _)) = self.processes.get(pick % self.processes.len().max(1))
+                {
+                    self.release_process(request);
+                }
+            }
         }
     }
 
@@ -847,7 +1024,9 @@ impl Sim {
         let mut quiet_ticks = 0;
         for _ in 0..1000 {
             let now = self.now;
-            if let Some((name, held)) = self.take_lease(0) {
+            if let Some(&(request, _)) = self.processes.first() {
+                self.release_process(request);
+            } else if let Some((name, held)) = self.take_lease(0) {
                 let token = self.token();
                 let effects =
                     self.core
@@ -880,6 +1059,7 @@ impl Sim {
             quiet_ticks = 0;
         }
         assert!(self.leases.is_empty() && self.detaches.is_empty() && self.spawns.is_empty());
+        assert!(self.processes.is_empty());
         assert!(
             self.core.detaching.is_empty(),
             "detach counts leaked: {:?}",

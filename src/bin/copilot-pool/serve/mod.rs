@@ -182,6 +182,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         Some(listener) => {
             let mut sdk_config = SdkConfig::new(config.sdk.tokens()?);
             sdk_config.max_connections = config.sdk.max_connections;
+            sdk_config.allow_logged_in_user = config.auth.allow_logged_in_user;
             let endpoint = SdkEndpoint::new(pool.clone(), sdk_config);
             servers.push(serve_sdk(&endpoint, listener, stopped(stop_rx.clone())));
             Some(endpoint)

@@ -1,0 +1,165 @@
+//! The official Python SDK (`github-copilot-sdk`, pinned below) for the tests that attach it
+//! to the SDK endpoint, found or installed the way the runtime and the Node SDK are, so that
+//! `cargo test` needs nothing beyond Rust, Node.js and a Python 3 with `venv`.
+//!
+//! Lookup order: `COPILOT_POOL_PYTHON_SDK_PYTHON` (a Python that imports `copilot` at this
+//! version) → `<cache>/tools/python-sdk/<version>/bin/python` (a virtual environment,
+//! complete when its marker is there) → installed there: `python3 -m venv`, then `pip install
+//! github-copilot-sdk==<version>`. `<cache>` is the runtime's cache directory
+//! (`COPILOT_POOL_CACHE_DIR`, `$XDG_CACHE_HOME/copilot-pool`, `~/.cache/copilot-pool`).
+//!
+//! The install runs under an exclusive `flock` on `<cache>/python-sdk-<version>.lock`, into a
+//! temporary directory renamed into place when complete (the environment's `bin/python` is a
+//! link to the system Python and finds its packages relative to itself, so the move keeps it
+//! working; only `python` is ever run from it), so concurrent test binaries install once.
+//! Waiting for the lock, `venv` and pip share one deadline ([`INSTALL_TIMEOUT`]); each runs
+//! in its own process group, SIGKILLed at the deadline or when the install is dropped. Every
+//! failure names the manual fix.
+//!
+//! Memoized per test binary with a `OnceCell`.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use copilot_pool::process::GroupLeader;
+use copilot_pool::runtime;
+use tokio::process::Command;
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
+
+/// The SDK version the tests attach.
+pub const VERSION: &str = "1.0.27";
+
+/// The package on PyPI.
+pub const PACKAGE: &str = "github-copilot-sdk";
+
+/// Names a Python to use as is.
+pub const ENV: &str = "COPILOT_POOL_PYTHON_SDK_PYTHON";
+
+/// How long one install may take in all: waiting for the lock, venv, then pip.
+pub const INSTALL_TIMEOUT: Duration = Duration::from_secs(5 * 60);
+
+/// Written last into a complete install.
+const MARKER: &str = ".copilot-pool-installed";
+
+/// How long to wait for a tool to be reaped after its group was sent SIGKILL.
+const REAP_AFTER_KILL: Duration = Duration::from_secs(5);
+
+static PYTHON: OnceCell<PathBuf> = OnceCell::const_new();
+
+/// The Python of an environment with the SDK installed. Panics with the reason and the
+/// manual fix when it is neither configured, cached nor installable.
+pub async fn python() -> PathBuf {
+    PYTHON.get_or_init(resolve).await.clone()
+}
+
+fn python_in(prefix: &Path) -> PathBuf {
+    prefix.join("bin/python")
+}
+
+fn manual_fix(prefix: &Path) -> String {
+    format!(
+        "install it by hand with `python3 -m venv {p} && {p}/bin/python -m pip install \
+         {PACKAGE}=={VERSION}` and `touch {m}`, or set {ENV} to a Python that imports copilot \
+         ({PACKAGE} {VERSION})",
+        p = prefix.display(),
+        m = prefix.join(MARKER).display()
+    )
+}
+
+async fn resolve() -> PathBuf {
+    if let Some(python) = std::env::var_os(ENV).filter(|p| !p.is_empty()) {
+        return PathBuf::from(python);
+    }
+    let cache = runtime::cache_dir(runtime::process_env)
+        .unwrap_or_else(|err| panic!("cannot find or install the Python SDK for tests: {err}"));
+    let prefix = cache.join("tools/python-sdk").join(VERSION);
+    if let Err(error) = install(&cache, &prefix).await {
+        panic!(
+            "cannot install {PACKAGE}=={VERSION} for tests: {error}; {}",
+            manual_fix(&prefix)
+        );
+    }
+    python_in(&prefix)
+}
+
+/// Installs the SDK into a virtual environment at `prefix` unless it is complete there,
+/// under the install lock.
+async fn install(cache: &Path, prefix: &Path) -> Result<(), String> {
+    let deadline = Instant::now() + INSTALL_TIMEOUT;
+    std::fs::create_dir_all(cache).map_err(|e| format!("creating {}: {e}", cache.display()))?;
+    let lock = cache.join(format!("python-sdk-{VERSION}.lock"));
+    let _lock = runtime::lock_exclusive(lock, deadline, INSTALL_TIMEOUT)
+        .await
+        .map_err(|e| e.to_string())?;
+    if prefix.join(MARKER).is_file() && python_in(prefix).exists() {
+        return Ok(());
+    }
+    let parent = prefix.parent().unwrap_or(cache);
+    std::fs::create_dir_all(parent).map_err(|e| format!("creating {}: {e}", parent.display()))?;
+    let tmp = parent.join(format!(".{VERSION}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let python3 = runtime::find_on_path("python3", std::env::var_os("PATH"))
+        .ok_or("python3 is not on PATH (install Python 3 with its venv module)")?;
+    let mut venv = Command::new(python3);
+    venv.args(["-m", "venv"]).arg(&tmp);
+    if let Err(error) = run("python3 -m venv", &mut venv, deadline).await {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(error);
+    }
+    let mut pip = Command::new(python_in(&tmp));
+    pip.args([
+        "-m",
+        "pip",
+        "install",
+        "--no-input",
+        "--disable-pip-version-check",
+        "--quiet",
+    ])
+    .arg(format!("{PACKAGE}=={VERSION}"));
+    if let Err(error) = run("pip install", &mut pip, deadline).await {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(error);
+    }
+    std::fs::write(tmp.join(MARKER), VERSION).map_err(|e| format!("writing the marker: {e}"))?;
+    let _ = std::fs::remove_dir_all(prefix);
+    std::fs::rename(&tmp, prefix).map_err(|e| format!("moving the install into place: {e}"))
+}
+
+/// Runs one install step to its end by `deadline`, in its own process group.
+async fn run(what: &str, command: &mut Command, deadline: Instant) -> Result<(), String> {
+    command
+        .env("PIP_NO_INPUT", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let leader = GroupLeader::spawn(command).map_err(|e| format!("starting {what}: {e}"))?;
+    let Ok(output) = leader.output_until(deadline, REAP_AFTER_KILL).await else {
+        return Err(format!(
+            "{what} did not finish within {INSTALL_TIMEOUT:?} and was killed (check access \
+             to the Python package index)"
+        ));
+    };
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = output.map_err(|e| format!("waiting for {what}: {e}"))?;
+    if status.success() {
+        return Ok(());
+    }
+    let mut text = String::from_utf8_lossy(&stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&stderr));
+    let tail: String = text
+        .chars()
+        .rev()
+        .take(2000)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    Err(format!("{what} failed ({status}):\n{tail}"))
+}
