@@ -538,7 +538,9 @@ fn create_params(fx: &Fixture, id: &str) -> Value {
     json!({
         "sessionId": id,
         "model": ScriptedModel::MODEL_ID,
-        "provider": {"type": "openai", "baseUrl": fx.endpoint.base_url(), "apiKey": "k"},
+        // The HTTP turns' key (support::api::turn): one key per endpoint and agent, since a
+        // second key for the same endpoint is a rotation that drains the first one's process.
+        "provider": {"type": "openai", "baseUrl": fx.endpoint.base_url(), "apiKey": "scripted-key"},
         "availableTools": ["custom:*"],
         "streaming": true,
     })
