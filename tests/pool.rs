@@ -198,6 +198,8 @@ async fn restart_intensity_quarantines_a_key_until_the_cool_down_ends() {
         max_restarts: 1,
         window: Duration::from_secs(30),
         cooldown: Duration::from_secs(2),
+        // Every death here counts as a crash loop, however long the worker served.
+        healthy_after: Duration::from_secs(3600),
         ..RestartPolicy::default()
     };
     let pool = Pool::start(config).await.expect("pool");
@@ -806,5 +808,69 @@ async fn two_agents_with_the_same_session_key_are_two_conversations() {
     assert_eq!(a.reason(), OpenReason::Attached);
     assert_eq!(a.cli_session_id(), &a_id);
     drop(a);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_process_killed_every_two_seconds_is_replaced_each_time_and_its_key_never_quarantined() {
+    // SIGKILLs from outside (an operator, the OOM killer) of a process that serves: more of
+    // them than the restart intensity allows for a crash loop (5 in 30 s by default).
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let storm = Duration::from_secs(20);
+    let end = tokio::time::Instant::now() + storm;
+    let killer = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            let mut kills = 0;
+            // The storm's own schedule: a kill every 2 s (not a wait for anything).
+            let mut tick = tokio::time::interval(Duration::from_secs(2));
+            tick.tick().await;
+            while tokio::time::Instant::now() < end {
+                tick.tick().await;
+                if let Ok(status) = pool.status().await {
+                    for worker in status.workers {
+                        if kill(Pid::from_raw(worker.pid as i32), Signal::SIGKILL).is_ok() {
+                            kills += 1;
+                        }
+                    }
+                }
+            }
+            kills
+        })
+    };
+    let (mut ok, mut crashed) = (0u32, 0u32);
+    while tokio::time::Instant::now() < end {
+        let mut lease = match pool.lease(fx.request("agent-a", "conv")).await {
+            Ok(lease) => lease,
+            Err(error @ PoolError::RestartIntensityExceeded { .. }) => {
+                panic!("quarantined after {ok} turns and {crashed} crashes: {error}")
+            }
+            // The process died while the conversation was being opened on it.
+            Err(_) => {
+                crashed += 1;
+                continue;
+            }
+        };
+        match lease.run(format!("REPLY=turn {ok}")).await {
+            Ok(outcome) if outcome.error.is_none() => ok += 1,
+            _ => crashed += 1,
+        }
+    }
+    let kills = killer.await.expect("killer");
+    assert!(kills > 5, "the storm killed only {kills} processes");
+    assert!(ok > kills, "{ok} turns succeeded against {kills} kills");
+    // After the storm the conversation goes on with its history.
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease after the storm");
+    let after = lease.run("REPLY=after the storm").await.expect("turn");
+    assert_eq!(after.error, None);
+    assert_ne!(lease.reason(), OpenReason::New, "the history was kept");
+    drop(lease);
+    let status = pool.status().await.expect("status");
+    assert!(status.quarantined_keys.is_empty());
+    eprintln!("storm: {kills} kills, {ok} turns ok, {crashed} crashed");
     shutdown_leaves_nothing(&pool).await;
 }

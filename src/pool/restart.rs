@@ -21,6 +21,11 @@ pub struct RestartPolicy {
     pub backoff_base: Duration,
     /// The longest delay before a restart, jitter included.
     pub backoff_max: Duration,
+    /// A worker that opened a conversation and then lived at least this long before it died
+    /// was killed from outside (the OOM killer, an operator), not by a crash loop: it is
+    /// replaced at once and its death counts toward no quarantine (default 1 s). Deaths
+    /// during the handshake, before serving, or within this period still count.
+    pub healthy_after: Duration,
 }
 
 impl Default for RestartPolicy {
@@ -32,6 +37,7 @@ impl Default for RestartPolicy {
             first_retry: Duration::from_millis(10),
             backoff_base: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
+            healthy_after: Duration::from_secs(1),
         }
     }
 }
@@ -107,6 +113,20 @@ impl RestartTracker {
     /// The end of the quarantine while `now` is before it.
     pub fn quarantined_until(&self, now: Instant) -> Option<Instant> {
         self.quarantine_until.filter(|until| now < *until)
+    }
+
+    /// A worker that had served was killed from outside: it is replaced at once, the death
+    /// counts toward no quarantine, and the backoff starts over (as after healthy uptime).
+    /// A quarantine already running still holds.
+    pub fn record_outside_kill(&mut self, now: Instant) -> RestartDecision {
+        if let Some(until) = self.quarantined_until(now) {
+            return RestartDecision::Quarantine { until };
+        }
+        self.consecutive = 0;
+        self.total = self.total.saturating_add(1);
+        RestartDecision::Restart {
+            after: Duration::ZERO,
+        }
     }
 
     /// A restarted worker served successfully: the next crash gets the quick first retry

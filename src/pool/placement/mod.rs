@@ -232,6 +232,10 @@ struct Worker {
     turns: u64,
     last_used: Instant,
     rss_bytes: u64,
+    /// When it started.
+    started: Instant,
+    /// A conversation was opened on it (it got past its start and served).
+    served: bool,
 }
 
 impl Worker {
@@ -365,6 +369,9 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             && conv.worker == worker
         {
             conv.cli_session_id = Some(cli_session_id);
+        }
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.served = true;
         }
         if let Some(pid) = self.workers.get(&worker).map(|w| w.pid) {
             self.emit(PoolEvent::ConversationOpened { pid, reason });
@@ -541,6 +548,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             let key = w.key.clone();
             // A draining worker was on its way out: it is not replaced.
             let had_conversations = !w.attached.is_empty() && !w.draining;
+            // A worker that served and lived past its start period was killed from outside
+            // (the OOM killer, an operator): replaced at once, no quarantine. A crash loop
+            // (deaths at start, before serving, while resuming) still counts.
+            let outside = w.served
+                && now.saturating_duration_since(w.started) >= self.limits.restart.healthy_after;
             self.emit(PoolEvent::WorkerCrashed {
                 key_hash: key.short_hash(),
                 pid: w.pid,
@@ -550,7 +562,12 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             self.totals.crashes += 1;
             let demand = had_conversations || self.waiters.iter().any(|w| w.key == key);
             if let Some(ks) = self.keys.get_mut(&key) {
-                match ks.restart.record_crash(now, &self.limits.restart) {
+                let decision = if outside {
+                    ks.restart.record_outside_kill(now)
+                } else {
+                    ks.restart.record_crash(now, &self.limits.restart)
+                };
+                match decision {
                     RestartDecision::Restart { after } => {
                         if demand && !self.closed {
                             tracing::info!(key = %key.short_hash(), ?after, "Restarting a crashed worker.");
@@ -1235,6 +1252,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                         turns: 0,
                         last_used: now,
                         rss_bytes: 0,
+                        started: now,
+                        served: false,
                     },
                 );
                 Some(id)

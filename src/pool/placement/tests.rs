@@ -717,6 +717,72 @@ fn a_draining_worker_takes_no_process_call_and_finishes_its_drain_when_released(
 }
 
 #[test]
+fn a_worker_killed_after_serving_is_replaced_at_once_and_never_quarantines_its_key() {
+    let mut sim = Sim::new(limits());
+    let mut respawns = 0;
+    for round in 0..20 {
+        if round == 0 {
+            sim.ask("a/1", 1);
+        }
+        let w = sim.spawn_ok().expect("a worker");
+        let effects = sim
+            .core
+            .opened("a/1", w, CliSessionId::random(), OpenReason::Resumed);
+        sim.apply(effects);
+        // Killed from outside two seconds into its life, mid-turn.
+        sim.now += Duration::from_secs(2);
+        sim.core.exited(w);
+        let effects = sim.core.crashed(w, sim.now);
+        sim.apply(effects);
+        assert!(
+            sim.failed.is_empty(),
+            "round {round}: {:?}",
+            sim.failed.last()
+        );
+        sim.leases.remove("a/1");
+        let effects = sim
+            .core
+            .returned("a/1".into(), w, None, Settle::Detach, 0, sim.now);
+        sim.apply(effects);
+        let key = sim.respawns.pop().expect("replaced");
+        respawns += 1;
+        let effects = sim.core.respawn_due(&key, sim.now);
+        sim.apply(effects);
+        sim.ask("a/1", 1);
+    }
+    assert_eq!(respawns, 20);
+    assert!(sim.core.status(sim.now).quarantined_keys.is_empty());
+}
+
+#[test]
+fn a_worker_that_dies_before_serving_still_quarantines_its_key() {
+    let mut sim = Sim::new(limits());
+    sim.ask("a/1", 1);
+    let mut quarantined = false;
+    for _ in 0..10 {
+        let w = sim.spawn_ok().expect("a worker");
+        // Dies long after its start, but never opened a conversation: a crash loop.
+        sim.now += Duration::from_secs(5);
+        let effects = sim.core.crashed(w, sim.now);
+        sim.apply(effects);
+        sim.leases.remove("a/1");
+        let effects = sim
+            .core
+            .returned("a/1".into(), w, None, Settle::Detach, 0, sim.now);
+        sim.apply(effects);
+        if !sim.core.status(sim.now).quarantined_keys.is_empty() {
+            quarantined = true;
+            break;
+        }
+        let key = sim.respawns.pop().expect("a respawn before the quarantine");
+        let effects = sim.core.respawn_due(&key, sim.now);
+        sim.apply(effects);
+        sim.ask("a/1", 1);
+    }
+    assert!(quarantined, "a crash loop is quarantined");
+}
+
+#[test]
 fn a_queued_lease_that_expires_says_its_conversation_is_still_leased() {
     let mut sim = Sim::new(limits());
     sim.ask("a/1", 1);
