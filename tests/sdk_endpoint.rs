@@ -178,6 +178,96 @@ async fn connect_ping_and_status_answer_protocol_3_and_the_pools_version() {
     served.shut_down().await;
 }
 
+#[tokio::test]
+async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let conn = raw_client(served.addr).await;
+    conn.request("connect", json!({"token": "token-a"}), None)
+        .await
+        .expect("connect");
+    // Providers and endpoints besides the session's one guarded provider are refused at
+    // create, before any process starts.
+    for (field, value) in [
+        (
+            "providers",
+            json!([{"id": "p", "type": "openai", "baseUrl": "https://10.0.0.7/v1", "apiKey": "real"}]),
+        ),
+        ("capi", json!({"url": "https://10.0.0.7"})),
+        ("copilotUrl", json!("https://10.0.0.7")),
+        ("hasBearerTokenProvider", json!(true)),
+        ("configDir", json!("/tmp")),
+    ] {
+        let mut params = create_params(&fx, "guarded-1");
+        params[field] = value;
+        let refused = remote_error(conn.request("session.create", params, None).await);
+        assert!(
+            refused.message.contains(field) && refused.message.contains("copilot-pool"),
+            "{field}: {refused:?}"
+        );
+    }
+    assert!(
+        pool_processes(&served).await == 0,
+        "a refused create starts nothing"
+    );
+    conn.request("session.create", create_params(&fx, "guarded-1"), None)
+        .await
+        .expect("create");
+    // Changing the session's provider or endpoint afterwards is refused too.
+    for (method, params) in [
+        (
+            "session.options.update",
+            json!({"sessionId": "guarded-1", "provider": {"type": "openai", "baseUrl": "https://10.0.0.7/v1", "apiKey": "real"}}),
+        ),
+        (
+            "session.options.update",
+            json!({"sessionId": "guarded-1", "copilotUrl": "https://10.0.0.7"}),
+        ),
+        (
+            "session.provider.add",
+            json!({"sessionId": "guarded-1", "providers": []}),
+        ),
+    ] {
+        let refused = remote_error(conn.request(method, params, None).await);
+        assert!(
+            refused.message.contains("guarded model path"),
+            "{method}: {refused:?}"
+        );
+    }
+    // Calls naming no session may only read: writes to the agent's home or to a shared
+    // process are refused, reads are answered.
+    for method in [
+        "sessions.bulkDelete",
+        "sessions.open",
+        "mcp.config.add",
+        "user.settings.set",
+        "plugins.install",
+        "account.login",
+    ] {
+        let refused = remote_error(conn.request(method, json!({}), None).await);
+        assert!(
+            refused.message.contains("may only read"),
+            "{method}: {refused:?}"
+        );
+    }
+    let listed = conn
+        .request("session.list", json!({}), None)
+        .await
+        .expect("session.list");
+    assert!(listed["sessions"].is_array(), "{listed}");
+    served.shut_down().await;
+}
+
+/// The number of runtime processes of the served pool.
+async fn pool_processes(served: &Served) -> usize {
+    served
+        .pool
+        .status()
+        .await
+        .map(|s| s.workers.len())
+        .unwrap_or(0)
+}
+
 /// A running Node scenario: its JSON lines as they come.
 struct Scenario {
     child: tokio::process::Child,

@@ -33,6 +33,20 @@ const PROCESS_WIDE: &[&str] = &[
     "plugins.builtin.set",
 ];
 
+/// Calls naming no session that a process of the connection's key answers: reads only.
+/// Every other such call (`sessions.bulkDelete`, `sessions.open`, `mcp.config.*`,
+/// `user.settings.set`, `plugins.*`, `account.login`, …) would change the agent's home or a
+/// process that other conversations share, outside the pool: refused.
+const BESIDE_SESSIONS: &[&str] = &[
+    "session.list",
+    "session.getLastId",
+    "models.list",
+    "models.getBuiltInCatalog",
+    "auth.getStatus",
+    "account.getQuota",
+    "account.getCurrentAuth",
+];
+
 /// Incoming messages queued per connection beyond those being handled; more are refused.
 const QUEUE: usize = 256;
 
@@ -215,7 +229,18 @@ impl Client {
             )),
             _ => match session_id(&params) {
                 Some(id) => self.session_call(method, &id, params).await,
-                None => self.beside_sessions(method, params).await,
+                None if BESIDE_SESSIONS.contains(&method) => {
+                    self.beside_sessions(method, params).await
+                }
+                None => Err(ErrorObject::new(
+                    METHOD_NOT_FOUND,
+                    format!(
+                        "{method} is not available through copilot-pool: a call naming no \
+                         session may only read (one of {}); others would change the agent's \
+                         home or a process other conversations share",
+                        BESIDE_SESSIONS.join(", ")
+                    ),
+                )),
             },
         }
     }

@@ -97,6 +97,19 @@ pub(super) fn worker_error(method: &str, error: &WorkerError) -> CallError {
 }
 
 /// What a lease of this session asks the pool for, read from the client's
+/// Session fields an SDK client may not set, on create, resume or `session.options.update`:
+/// providers and endpoints besides the session's one `provider` (their credentials would
+/// reach the child outside the guard), a bearer-token provider whose token the runtime
+/// would ask the client for, and the agent's config directory.
+pub(super) const SDK_REFUSED_FIELDS: &[&str] = &[
+    "providers",
+    "models",
+    "capi",
+    "copilotUrl",
+    "hasBearerTokenProvider",
+    "configDir",
+];
+
 /// `session.create`/`session.resume` params.
 #[derive(Clone, Debug)]
 pub(super) struct SessionSpec {
@@ -117,6 +130,20 @@ impl SessionSpec {
         let Some(mut map) = params.as_object().cloned() else {
             return Err(ErrorObject::new(INVALID_PARAMS, "params must be an object"));
         };
+        // Fields that would bypass the pool: other model providers and endpoints reach the
+        // child with their real credentials, outside the guarded model path; the pool owns
+        // the agent's home. (`provider` itself is the session's own, guarded, below.)
+        if let Some(field) = SDK_REFUSED_FIELDS.iter().find(|f| {
+            map.get(**f)
+                .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
+        }) {
+            return Err(ErrorObject::new(
+                INVALID_PARAMS,
+                format!(
+                    "{field} is not accepted through copilot-pool: give the session one                      `provider`, which the pool serves through its guarded model path"
+                ),
+            ));
+        }
         let id = match map.remove("sessionId") {
             Some(Value::String(id)) => id,
             _ => {
@@ -634,6 +661,7 @@ impl SdkSession {
     /// Any other call on the session: to the process running its turn, or, between turns,
     /// to the process the pool leases it on for the call.
     pub(super) async fn call(&self, method: &str, params: Value) -> Result<Value, CallError> {
+        refuse_unguarded_call(method, &params)?;
         let timeout = self.shared.config.request_timeout;
         if let Some((worker, _)) = self.running() {
             return call(&worker, method, params, timeout).await;
@@ -701,6 +729,36 @@ pub(super) fn connection_request(shared: &Shared, agent: &str) -> LeaseRequest {
 /// The pool conversation of an SDK session of `agent`.
 pub(super) fn conversation(agent: &str, session_id: &str) -> ConversationId {
     ConversationId::new(agent, format!("{SESSION_KEY_PREFIX}{session_id}"))
+}
+
+/// Session calls that would change the session's model endpoint outside the guard:
+/// `session.provider.add`, and `session.options.update` with a provider, an endpoint or a
+/// bearer-token provider.
+fn refuse_unguarded_call(method: &str, params: &Value) -> Result<(), CallError> {
+    let refused = match method {
+        "session.provider.add" => Some("providers"),
+        "session.options.update" => ["provider"]
+            .iter()
+            .chain(SDK_REFUSED_FIELDS)
+            .find(|f| {
+                params
+                    .get(**f)
+                    .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
+            })
+            .copied(),
+        _ => None,
+    };
+    match refused {
+        Some(field) => Err(ErrorObject::new(
+            INVALID_PARAMS,
+            format!(
+                "{method} with {field} is not accepted through copilot-pool: a session's model \
+                 provider is the one it was created with, served through the pool's guarded \
+                 model path"
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Passes a client's call to a process as it is.
