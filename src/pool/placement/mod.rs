@@ -836,7 +836,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 retry_after: until.saturating_duration_since(now),
             });
         }
-        self.drain_other_versions(&ask.key, now);
+        self.drain_rotated(ask, now);
         if ask.process_only {
             return Ok(self.grant_process(ask, now));
         }
@@ -1108,12 +1108,29 @@ impl<Spec: Clone, S> Placement<Spec, S> {
 
     /// A key of the same account with another credential version is in use: the other
     /// versions' workers drain (rotation).
-    fn drain_other_versions(&mut self, key: &PoolKey, now: Instant) {
-        let family = key.family();
+    /// A conversation that comes back with another credential version of its key's family
+    /// (a token or BYOK key rotation) drains the old version's workers. Nothing else does:
+    /// conversations of one family on different versions at once (two users' keys for one
+    /// endpoint) must not stop each other's processes; a version nobody uses any more goes
+    /// with the idle TTL.
+    fn drain_rotated(&mut self, ask: &Ask<Spec>, now: Instant) {
+        let old = self
+            .conversations
+            .get(&ask.conversation)
+            .and_then(|c| self.workers.get(&c.worker))
+            .map(|w| w.key.clone())
+            .filter(|old| *old != ask.key && old.family() == ask.key.family());
+        if let Some(old) = old {
+            self.drain_version(&old, &ask.key, now);
+        }
+    }
+
+    /// Drains every worker of `old` (a rotated-away version of `new`'s family).
+    fn drain_version(&mut self, old: &PoolKey, new: &PoolKey, now: Instant) {
         let deadline = crate::deadline::from_std(now, self.limits.drain_grace);
         let mut drained = Vec::new();
         for (id, w) in &mut self.workers {
-            if !w.draining && w.key != *key && w.key.family() == family {
+            if !w.draining && w.key == *old {
                 w.draining = true;
                 w.drain_deadline = Some(deadline);
                 drained.push(*id);
@@ -1121,7 +1138,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         }
         drained.sort_unstable();
         for id in drained {
-            tracing::info!(key = %key.short_hash(), "Credentials rotated; draining the old worker.");
+            tracing::info!(key = %new.short_hash(), "Credentials rotated; draining the old worker.");
             self.maybe_finish_drain(id);
         }
     }

@@ -782,6 +782,76 @@ fn a_worker_that_dies_before_serving_still_quarantines_its_key() {
     assert!(quarantined, "a crash loop is quarantined");
 }
 
+/// `key(n)` with another credential version (same family).
+fn key_version(n: u8, version: &str) -> PoolKey {
+    PoolKey {
+        profile_version: Some(version.to_owned()),
+        ..key(n)
+    }
+}
+
+impl Sim {
+    fn ask_key(&mut self, conversation: &str, key: PoolKey) -> RequestId {
+        let id = self.next_request;
+        self.next_request += 1;
+        self.asked.insert(id, conversation.to_owned());
+        let ask = Ask {
+            id,
+            key,
+            spec: (),
+            conversation: conversation.to_owned(),
+            compat: "c".to_owned(),
+            setup: String::new(),
+            gateway_key: conversation.to_owned(),
+            fail_if_busy: false,
+            wait: Duration::from_secs(60),
+            process_only: false,
+        };
+        let effects = self.core.acquire(ask, self.now);
+        self.apply(effects);
+        id
+    }
+}
+
+#[test]
+fn a_conversation_back_with_a_new_credential_version_drains_the_old_ones_workers() {
+    let mut sim = Sim::new(limits());
+    sim.ask_key("a/1", key_version(1, "v1"));
+    let old = sim.spawn_ok().expect("v1 worker");
+    sim.give_back("a/1", Settle::Park, 1);
+    let rotated = sim.ask_key("a/1", key_version(1, "v2"));
+    assert_eq!(
+        sim.evicted,
+        vec![(old, Eviction::Drained)],
+        "no lease left on it"
+    );
+    sim.confirm_all_detaches();
+    sim.spawn_ok().expect("v2 worker");
+    assert!(sim.granted_to(rotated).is_some());
+}
+
+#[test]
+fn two_conversations_on_two_versions_of_one_family_do_not_stop_each_others_workers() {
+    let mut sim = Sim::new(limits());
+    sim.ask_key("a/1", key_version(1, "user-1"));
+    sim.spawn_ok().expect("first");
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.ask_key("a/2", key_version(1, "user-2"));
+    sim.spawn_ok().expect("second");
+    sim.give_back("a/2", Settle::Park, 1);
+    for _ in 0..3 {
+        sim.ask_key("a/1", key_version(1, "user-1"));
+        sim.give_back("a/1", Settle::Park, 1);
+        sim.ask_key("a/2", key_version(1, "user-2"));
+        sim.give_back("a/2", Settle::Park, 1);
+    }
+    assert!(sim.evicted.is_empty(), "{:?}", sim.evicted);
+    assert!(
+        sim.spawns.is_empty(),
+        "each conversation stays on its worker"
+    );
+}
+
 #[test]
 fn a_queued_lease_that_expires_says_its_conversation_is_still_leased() {
     let mut sim = Sim::new(limits());
