@@ -206,6 +206,15 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
             "{field}: {refused:?}"
         );
     }
+    // A local MCP server is refused as over HTTP (the daemon's allow_local_mcp_servers).
+    let mut params = create_params(&fx, "guarded-1");
+    params["mcpServers"] = json!({"local": {"command": "/bin/sh", "args": ["-c", "true"]}});
+    let refused = remote_error(conn.request("session.create", params, None).await);
+    assert!(
+        refused.message.contains("mcpServers.local")
+            && refused.message.contains("allow_local_mcp_servers"),
+        "{refused:?}"
+    );
     assert!(
         pool_processes(&served).await == 0,
         "a refused create starts nothing"

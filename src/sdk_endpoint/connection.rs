@@ -13,8 +13,8 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{Semaphore, mpsc, watch};
 
 use crate::rpc::connection::{
-    CloseCause, Connection, ConnectionOptions, ErrorObject, INTERNAL_ERROR, Incoming,
-    IncomingRequest, METHOD_NOT_FOUND,
+    CloseCause, Connection, ConnectionOptions, ErrorObject, INTERNAL_ERROR, INVALID_PARAMS,
+    Incoming, IncomingRequest, METHOD_NOT_FOUND,
 };
 
 use super::session::{self, CallError, SdkSession, SessionSpec, session_not_found};
@@ -273,6 +273,21 @@ impl Client {
             ));
         }
         let spec = SessionSpec::from_params(params)?;
+        if !self.shared.config.allow_local_mcp_servers
+            && let Some(field) = params.as_object().and_then(|p| {
+                crate::session_options::local_mcp_servers(p)
+                    .into_iter()
+                    .next()
+            })
+        {
+            return Err(ErrorObject::new(
+                INVALID_PARAMS,
+                format!(
+                    "{field} starts a local command, which copilot-pool's config does not \
+                     allow (allow_local_mcp_servers); use a remote (http or sse) MCP server"
+                ),
+            ));
+        }
         let id = spec.id.to_string();
         let agent = self.agent().unwrap_or_default().to_owned();
         let conversation = session::conversation(&agent, &id).key();

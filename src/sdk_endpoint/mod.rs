@@ -76,6 +76,9 @@ pub struct SdkConfig {
     /// run with no GitHub identity, which only a BYOK provider serves; the daemon's `[auth]
     /// allow_logged_in_user`).
     pub allow_logged_in_user: bool,
+    /// Sessions may start MCP servers that run local commands (default false; the daemon's
+    /// `allow_local_mcp_servers`, as for the HTTP API).
+    pub allow_local_mcp_servers: bool,
 }
 
 impl SdkConfig {
@@ -93,6 +96,7 @@ impl SdkConfig {
             wait_timeout: None,
             version: env!("CARGO_PKG_VERSION").to_owned(),
             allow_logged_in_user: false,
+            allow_local_mcp_servers: false,
         }
     }
 }

@@ -315,18 +315,7 @@ impl SessionOptions {
     /// and in every custom agent's `mcpServers`. An entry is remote only with a `url`, no
     /// `command`, and `type` absent, `http` or `sse`.
     pub fn local_mcp_servers(&self) -> Vec<String> {
-        let mut local = Vec::new();
-        if let Some(servers) = self.fields.get("mcpServers") {
-            local_servers_in(servers, "mcpServers", &mut local);
-        }
-        if let Some(Value::Array(agents)) = self.fields.get("customAgents") {
-            for (i, agent) in agents.iter().enumerate() {
-                if let Some(servers) = agent.get("mcpServers") {
-                    local_servers_in(servers, &format!("customAgents.{i}.mcpServers"), &mut local);
-                }
-            }
-        }
-        local
+        local_mcp_servers(&self.fields)
     }
 
     /// Refuses MCP servers that start local commands (unless `allowed`).
@@ -336,6 +325,24 @@ impl SessionOptions {
             _ => Ok(()),
         }
     }
+}
+
+/// The paths of the MCP server entries of session `fields` (wire names) that start a local
+/// command (see [`SessionOptions::local_mcp_servers`]); for params read elsewhere (the SDK
+/// endpoint's `session.create`).
+pub fn local_mcp_servers(fields: &Map<String, Value>) -> Vec<String> {
+    let mut local = Vec::new();
+    if let Some(servers) = fields.get("mcpServers") {
+        local_servers_in(servers, "mcpServers", &mut local);
+    }
+    if let Some(Value::Array(agents)) = fields.get("customAgents") {
+        for (i, agent) in agents.iter().enumerate() {
+            if let Some(servers) = agent.get("mcpServers") {
+                local_servers_in(servers, &format!("customAgents.{i}.mcpServers"), &mut local);
+            }
+        }
+    }
+    local
 }
 
 fn local_servers_in(servers: &Value, prefix: &str, out: &mut Vec<String>) {
