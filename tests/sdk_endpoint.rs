@@ -425,11 +425,19 @@ async fn a_killed_process_ends_the_sdk_turn_within_a_second_and_the_session_goes
  {
     let fx = Fixture::new().await;
     let served = Served::start(&fx).await;
-    let mut node = Scenario::start("crash", &fx, &served).await;
-    let first = node.step("first").await;
-    assert_eq!(first["content"], "first answer", "{first}");
-    node.step("streaming").await;
+    let node = Scenario::start("crash", &fx, &served).await;
+    kill_mid_turn_and_go_on(node, &fx, &served).await;
+    served.shut_down().await;
+}
 
+/// The crash scenario of either SDK: a kill -9 of the session's process mid-turn ends the
+/// SDK's wait within a second with `process_crashed` (`session.error`, then `session.idle`),
+/// and the next wait on the same session object succeeds on a fresh process that resumed it
+/// (the model saw the turn before the crash).
+async fn kill_mid_turn_and_go_on(mut sdk: Scenario, fx: &Fixture, served: &Served) {
+    let first = sdk.step("first").await;
+    assert_eq!(first["content"], "first answer", "{first}");
+    sdk.step("streaming").await;
     let status = served.pool.status().await.expect("status");
     assert_eq!(status.workers.len(), 1, "{status:?}");
     let pid = status.workers[0].pid;
@@ -439,11 +447,11 @@ async fn a_killed_process_ends_the_sdk_turn_within_a_second_and_the_session_goes
         nix::sys::signal::Signal::SIGKILL,
     )
     .expect("kill -9");
-    let rejected = node.step("rejected").await;
+    let rejected = sdk.step("rejected").await;
     let after_kill = killed_at.elapsed();
     assert!(
         after_kill < Duration::from_secs(1),
-        "sendAndWait rejected {after_kill:?} after the kill"
+        "the SDK's wait rejected {after_kill:?} after the kill"
     );
     assert_eq!(rejected["outcome"]["ok"], false, "{rejected}");
     assert_eq!(
@@ -451,17 +459,15 @@ async fn a_killed_process_ends_the_sdk_turn_within_a_second_and_the_session_goes
         sdk_endpoint::PROCESS_CRASHED,
         "{rejected}"
     );
-
-    let idle = node.step("idle").await;
+    let idle = sdk.step("idle").await;
     assert!(idle["idle"]["aborted"].is_null(), "{idle}");
     assert_eq!(
         idle["order"],
         json!(["session.error", "session.idle"]),
         "{idle}"
     );
-    let after = node.step("after").await;
+    let after = sdk.step("after").await;
     assert_eq!(after["content"], "after the crash", "{after}");
-    // A fresh process resumed the session: the model saw the turn before the crash.
     let status = served.pool.status().await.expect("status");
     assert!(status.workers.iter().all(|w| w.pid != pid), "{status:?}");
     assert!(
@@ -469,8 +475,7 @@ async fn a_killed_process_ends_the_sdk_turn_within_a_second_and_the_session_goes
         "{}",
         fx.last_model_request()
     );
-    node.done().await;
-    served.shut_down().await;
+    sdk.done().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1032,45 +1037,7 @@ async fn the_python_sdk_runs_tools_permissions_ask_user_hooks_streaming_and_abor
 async fn a_killed_process_ends_the_python_sdk_turn_within_a_second_and_the_session_goes_on() {
     let fx = Fixture::new().await;
     let served = Served::start(&fx).await;
-    let mut py = Scenario::start_python("crash", &fx, &served).await;
-    let first = py.step("first").await;
-    assert_eq!(first["content"], "first answer", "{first}");
-    py.step("streaming").await;
-    let status = served.pool.status().await.expect("status");
-    assert_eq!(status.workers.len(), 1, "{status:?}");
-    let pid = status.workers[0].pid;
-    let killed_at = Instant::now();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("kill -9");
-    let rejected = py.step("rejected").await;
-    let after_kill = killed_at.elapsed();
-    assert!(
-        after_kill < Duration::from_secs(1),
-        "send_and_wait rejected {after_kill:?} after the kill"
-    );
-    assert_eq!(rejected["outcome"]["ok"], false, "{rejected}");
-    assert_eq!(
-        rejected["errors"][0]["errorType"],
-        sdk_endpoint::PROCESS_CRASHED,
-        "{rejected}"
-    );
-    let idle = py.step("idle").await;
-    assert_eq!(
-        idle["order"],
-        json!(["session.error", "session.idle"]),
-        "{idle}"
-    );
-    let after = py.step("after").await;
-    assert_eq!(after["content"], "after the crash", "{after}");
-    let status = served.pool.status().await.expect("status");
-    assert!(status.workers.iter().all(|w| w.pid != pid), "{status:?}");
-    assert!(
-        fx.last_model_request().contains("first answer"),
-        "the model saw the turn before the crash"
-    );
-    py.done().await;
+    let python = Scenario::start_python("crash", &fx, &served).await;
+    kill_mid_turn_and_go_on(python, &fx, &served).await;
     served.shut_down().await;
 }
