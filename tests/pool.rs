@@ -860,15 +860,24 @@ async fn a_process_killed_every_two_seconds_is_replaced_each_time_and_its_key_ne
     let kills = killer.await.expect("killer");
     assert!(kills > 5, "the storm killed only {kills} processes");
     assert!(ok > kills, "{ok} turns succeeded against {kills} kills");
-    // After the storm the conversation goes on with its history.
-    let mut lease = pool
-        .lease(fx.request("agent-a", "conv"))
-        .await
-        .expect("lease after the storm");
-    let after = lease.run("REPLY=after the storm").await.expect("turn");
-    assert_eq!(after.error, None);
-    assert_ne!(lease.reason(), OpenReason::New, "the history was kept");
-    drop(lease);
+    // After the storm the conversation goes on with its history. The storm's last kill may
+    // have landed just now, before the pool heard of it: that turn ends crashed and the
+    // next one resumes, as every turn of the storm did.
+    let mut after = None;
+    for _ in 0..2 {
+        let mut lease = pool
+            .lease(fx.request("agent-a", "conv"))
+            .await
+            .expect("lease after the storm");
+        if let Ok(outcome) = lease.run("REPLY=after the storm").await
+            && outcome.error.is_none()
+        {
+            after = Some(lease.reason());
+            break;
+        }
+    }
+    let reason = after.expect("a turn after the storm succeeds by its second try");
+    assert_ne!(reason, OpenReason::New, "the history was kept");
     let status = pool.status().await.expect("status");
     assert!(status.quarantined_keys.is_empty());
     eprintln!("storm: {kills} kills, {ok} turns ok, {crashed} crashed");
