@@ -83,6 +83,21 @@ pub(super) struct CompactResult {
     messages_removed: Option<u64>,
 }
 
+/// The conversation named by the URL and the optional body of compact and reset, each
+/// refused with the error body when it cannot be read.
+async fn path_and_body<B>(
+    state: &AppState,
+    path: Result<Path<ConversationPath>, PathRejection>,
+    body: Body,
+) -> Result<(ConversationPath, B), Response>
+where
+    B: for<'de> Deserialize<'de> + Default,
+{
+    let Path(conversation) = path.map_err(rejection)?;
+    let body = read_body(state, body).await?;
+    Ok((conversation, optional_body::<B>(&body)?))
+}
+
 /// The lease of an existing conversation for compact and reset (never a new session).
 async fn existing_lease(
     state: &AppState,
@@ -122,21 +137,17 @@ pub(super) async fn post_compact(
     path: Result<Path<ConversationPath>, PathRejection>,
     body: Body,
 ) -> Response {
-    let ConversationPath {
-        agent_id,
-        session_key,
-    } = match path {
-        Ok(Path(p)) => p,
-        Err(e) => return rejection(e),
-    };
-    let body = match read_body(&state, body).await {
-        Ok(b) => b,
+    let (
+        ConversationPath {
+            agent_id,
+            session_key,
+        },
+        compact,
+    ) = match path_and_body::<CompactBody>(&state, path, body).await {
+        Ok(read) => read,
         Err(r) => return r,
     };
-    let (custom_instructions, conv) = match optional_body::<CompactBody>(&body) {
-        Ok(c) => c.into_parts(),
-        Err(r) => return r,
-    };
+    let (custom_instructions, conv) = compact.into_parts();
     let mut lease = match existing_lease(&state, &agent_id, &session_key, conv).await {
         Ok(l) => l,
         Err(r) => return r,
@@ -179,19 +190,14 @@ pub(super) async fn delete_session(
     path: Result<Path<ConversationPath>, PathRejection>,
     body: Body,
 ) -> Response {
-    let ConversationPath {
-        agent_id,
-        session_key,
-    } = match path {
-        Ok(Path(p)) => p,
-        Err(e) => return rejection(e),
-    };
-    let body = match read_body(&state, body).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let conv = match optional_body::<ConversationBody>(&body) {
-        Ok(c) => c,
+    let (
+        ConversationPath {
+            agent_id,
+            session_key,
+        },
+        conv,
+    ) = match path_and_body::<ConversationBody>(&state, path, body).await {
+        Ok(read) => read,
         Err(r) => return r,
     };
     let lease = match existing_lease(&state, &agent_id, &session_key, conv).await {

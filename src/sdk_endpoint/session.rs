@@ -271,6 +271,9 @@ pub(super) struct SdkSession {
     turn: Mutex<Option<RunningTurn>>,
     /// Serializes what takes a lease for this session on this connection.
     gate: tokio::sync::Mutex<()>,
+    /// The agent's work directory, once created (for a session that names no
+    /// `workingDirectory`): created on its first lease, not on every call.
+    work_dir: tokio::sync::OnceCell<PathBuf>,
 }
 
 impl SdkSession {
@@ -287,6 +290,7 @@ impl SdkSession {
             client,
             turn: Mutex::new(None),
             gate: tokio::sync::Mutex::new(()),
+            work_dir: tokio::sync::OnceCell::new(),
         }
     }
 
@@ -320,16 +324,22 @@ impl SdkSession {
         if req.working_directory.as_os_str().is_empty() {
             // No directory of its own: the agent's work directory, as an HTTP turn gets (the
             // one a sandboxed worker may write), created off the async threads.
-            let base = self.shared.pool.config().agents_base_dir.clone();
-            let agent = self.agent.clone();
-            req.working_directory = tokio::task::spawn_blocking(move || {
-                let dir = crate::home::work_dir(&base, &agent)?;
-                crate::home::create_work_dir(&dir)?;
-                Ok::<_, crate::home::HomeError>(dir)
-            })
-            .await
-            .map_err(|e| pool_error(method, &PoolError::Internal(e.to_string())))?
-            .map_err(|e| pool_error(method, &PoolError::from(e)))?;
+            let dir = self
+                .work_dir
+                .get_or_try_init(|| async {
+                    let base = self.shared.pool.config().agents_base_dir.clone();
+                    let agent = self.agent.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let dir = crate::home::work_dir(&base, &agent)?;
+                        crate::home::create_work_dir(&dir)?;
+                        Ok::<_, crate::home::HomeError>(dir)
+                    })
+                    .await
+                    .map_err(|e| pool_error(method, &PoolError::Internal(e.to_string())))?
+                    .map_err(|e| pool_error(method, &PoolError::from(e)))
+                })
+                .await?;
+            req.working_directory = dir.clone();
         }
         self.shared.pool.lease(req).await.map_err(|e| match e {
             PoolError::NoSuchConversation { .. } => session_not_found(method, self.id().as_str()),
