@@ -34,16 +34,7 @@ pub fn parse(body: &Value) -> Result<ChatRequest, String> {
     let last_user = messages.iter().rev().find(|m| {
         m.get("role").and_then(Value::as_str) == Some("user") && tool_results(m).is_empty()
     });
-    let tools = object
-        .get("tools")
-        .and_then(Value::as_array)
-        .map(|tools| {
-            tools
-                .iter()
-                .filter_map(|t| t.get("name").and_then(Value::as_str).map(str::to_owned))
-                .collect()
-        })
-        .unwrap_or_default();
+    let tools = super::script::tool_names(object);
     Ok(ChatRequest {
         model: object
             .get("model")

@@ -37,16 +37,7 @@ pub fn parse(body: &Value) -> Result<ChatRequest, String> {
         .iter()
         .rev()
         .find(|i| i.get("role").and_then(Value::as_str) == Some("user"));
-    let tools = object
-        .get("tools")
-        .and_then(Value::as_array)
-        .map(|tools| {
-            tools
-                .iter()
-                .filter_map(|t| t.get("name").and_then(Value::as_str).map(str::to_owned))
-                .collect()
-        })
-        .unwrap_or_default();
+    let tools = super::script::tool_names(object);
     Ok(ChatRequest {
         model: object
             .get("model")

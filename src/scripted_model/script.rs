@@ -173,11 +173,7 @@ impl ChatRequest {
             .iter()
             .rev()
             .find(|m| m.get("role").and_then(Value::as_str) == Some("user"));
-        let tools = object
-            .get("tools")
-            .and_then(Value::as_array)
-            .map(|tools| tools.iter().filter_map(tool_name).collect())
-            .unwrap_or_default();
+        let tools = tool_names(object);
         Ok(Self {
             model: object
                 .get("model")
@@ -206,6 +202,14 @@ impl ChatRequest {
     fn offers(&self, tool: &str) -> bool {
         self.tools.iter().any(|t| t == tool)
     }
+}
+
+/// The names of a request body's `tools` (every wire format's shape).
+pub(super) fn tool_names(body: &serde_json::Map<String, Value>) -> Vec<String> {
+    body.get("tools")
+        .and_then(Value::as_array)
+        .map(|tools| tools.iter().filter_map(tool_name).collect())
+        .unwrap_or_default()
 }
 
 /// The name of one entry of `tools` (`{type:"function", function:{name}}` or `{name}`).
