@@ -9,6 +9,10 @@
 //   crash-on-resume  exits with status 7 on every `session.resume`
 //   stray-after-abort  after acknowledging `session.abort`, asks for a client tool call and
 //                    sends `session.idle {aborted: true}` only once that call is answered
+//   flood            answers every `session.send` with FAKE_RUNTIME_FLOOD_EVENTS (default
+//                    10000) `assistant.message_delta` events in one write, then `session.idle`:
+//                    a synthetic peer for measuring the pool's own framing and routing
+//                    (`cargo bench --bench routing`), so the runtime is not the limit
 import fs from "node:fs";
 import path from "node:path";
 
@@ -28,6 +32,38 @@ function event(sessionId, type, data) {
     method: "session.event",
     params: { sessionId, event: { id: `e-${eventCount}`, type, data, timestamp: new Date().toISOString() } },
   });
+}
+
+// flood: each session's events, framed once and written as they are on every send.
+const floodEvents = Number(process.env.FAKE_RUNTIME_FLOOD_EVENTS ?? "10000");
+const floods = new Map();
+function flood(sessionId) {
+  let frames = floods.get(sessionId);
+  if (frames === undefined) {
+    const parts = [];
+    for (let i = 0; i < floodEvents; i += 1) {
+      const body = Buffer.from(
+        JSON.stringify({
+          jsonrpc: "2.0",
+          method: "session.event",
+          params: {
+            sessionId,
+            event: {
+              id: `f-${i}`,
+              type: "assistant.message_delta",
+              data: { messageId: "m-flood", deltaContent: "token " },
+              timestamp: "2026-11-30T00:00:00.000Z",
+            },
+          },
+        }),
+      );
+      parts.push(Buffer.from(`Content-Length: ${body.length}\r\n\r\n`), body);
+    }
+    frames = Buffer.concat(parts);
+    floods.set(sessionId, frames);
+  }
+  process.stdout.write(frames);
+  event(sessionId, "session.idle", {});
 }
 
 function sessionDir(id) {
@@ -55,7 +91,9 @@ function handle({ id, method, params }) {
       sessionDir(params.sessionId);
       return reply({ sessionId: params.sessionId });
     case "session.send":
-      return reply({ messageId: `m-${Date.now()}` });
+      reply({ messageId: `m-${Date.now()}` });
+      if (mode === "flood") flood(params.sessionId);
+      return;
     case "session.abort":
       // never-idle: the abort is acknowledged, and no session.idle ever follows.
       reply({ success: true });
