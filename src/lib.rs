@@ -83,6 +83,7 @@
 //!   through `cli`).
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
+//! * [`faults`] — faults injected on purpose (failing durable writes) for chaos runs.
 //! * [`secret`] — a redacting wrapper for tokens and keys.
 //! * [`sandbox`] — the walls around a worker, as a description its wrapper enforces.
 //! * [`session_options`] — the runtime's `session.create` fields a caller may set, checked
@@ -94,6 +95,7 @@
 pub mod auth;
 pub mod confine;
 mod deadline;
+pub mod faults;
 pub mod home;
 #[cfg(feature = "http")]
 pub mod http;

@@ -39,6 +39,7 @@
 //! | [`MODEL_REQUEST_SECONDS`] | histogram | `phase`: `first_byte`, `total` |
 //! | [`MODEL_BYTES_TOTAL`] | counter | `direction`: `sent`, `received` |
 //! | [`MODEL_BLOCKED_TOTAL`] | counter | `reason`: [`BlockReason::label`] |
+//! | [`STORAGE_WRITE_FAILURES_TOTAL`] | counter | `store`: [`Store::as_str`] (`bindings`, `transcript`) |
 //! | [`SANDBOX_ENFORCED`] | gauge | `rule`: [`SandboxRule::as_str`] (`filesystem`, `tcp_connect`, `signals`, `abstract_unix_sockets`, `capabilities`) |
 //!
 //! The gauges are absolute values set by the pool actor: with more than one pool in a
@@ -50,6 +51,7 @@ use ::metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
 
+use crate::faults::Store;
 use crate::kinds::{
     BlockReason, ErrorKind, Eviction, ModelOutcome, OpenReason, SandboxRule, TokenKind, TurnEnd,
 };
@@ -113,6 +115,8 @@ pub const SDK_CONNECTIONS_TOTAL: &str = "copilot_pool_sdk_connections_total";
 
 /// Whether each wall of the workers' sandbox is enforced (1) or not (0), by `rule`.
 pub const SANDBOX_ENFORCED: &str = "copilot_pool_sandbox_enforced";
+/// Durable writes (a binding, a transcript line) that failed, by `store`.
+pub const STORAGE_WRITE_FAILURES_TOTAL: &str = "copilot_pool_storage_write_failures_total";
 
 /// Every counter.
 pub const COUNTERS: &[&str] = &[
@@ -131,6 +135,7 @@ pub const COUNTERS: &[&str] = &[
     MODEL_REQUESTS_TOTAL,
     MODEL_BYTES_TOTAL,
     MODEL_BLOCKED_TOTAL,
+    STORAGE_WRITE_FAILURES_TOTAL,
 ];
 
 /// Every gauge.
@@ -183,6 +188,9 @@ pub const RPC_OTHER: &str = "other";
 pub fn register_zeroes() {
     for name in [LLM_CALLS_TOTAL, QUARANTINES_TOTAL, HOOK_FAILURES_TOTAL] {
         counter!(name).absolute(0);
+    }
+    for store in [Store::Bindings, Store::Transcript] {
+        counter!(STORAGE_WRITE_FAILURES_TOTAL, "store" => store.as_str()).absolute(0);
     }
     for result in SpawnResult::ALL {
         counter!(PROCESS_SPAWNS_TOTAL, "result" => result.label()).absolute(0);
@@ -300,6 +308,11 @@ pub fn describe() {
         Unit::Count,
         "CLI processes the pool stopped on its own, by reason (idle, full, drained, \
          detach_failed)."
+    );
+    describe_counter!(
+        STORAGE_WRITE_FAILURES_TOTAL,
+        Unit::Count,
+        "Durable writes that failed (a full or failing disk), by store (bindings, transcript)."
     );
     describe_counter!(
         QUARANTINES_TOTAL,
@@ -544,6 +557,10 @@ pub(crate) fn process_exited(why: ProcessExit) {
 pub(crate) fn evicted(why: Eviction) {
     counter!(EVICTIONS_TOTAL, "reason" => why.label()).increment(1);
     process_exited(ProcessExit::Evicted);
+}
+
+pub(crate) fn storage_write_failed(store: Store) {
+    counter!(STORAGE_WRITE_FAILURES_TOTAL, "store" => store.as_str()).increment(1);
 }
 
 pub(crate) fn quarantined() {

@@ -32,6 +32,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use sha2::{Digest, Sha256};
 
+use crate::faults::{self, SharedDiskFaults, Store};
+
 /// The longest session id accepted.
 pub const MAX_SESSION_ID_LEN: usize = 128;
 
@@ -429,6 +431,8 @@ pub struct Transcript {
     untracked: bool,
     /// How many bytes of the file the open read.
     bytes_read: u64,
+    /// Writes this plan fails on purpose (chaos runs); `None`: none.
+    faults: Option<SharedDiskFaults>,
 }
 
 impl Transcript {
@@ -542,7 +546,13 @@ impl Transcript {
             cache: cache.cloned(),
             untracked: false,
             bytes_read,
+            faults: None,
         })
+    }
+
+    /// Fails the writes `plan` says to fail, as a failing disk would (chaos runs).
+    pub fn set_disk_faults(&mut self, plan: Option<SharedDiskFaults>) {
+        self.faults = plan;
     }
 
     /// Appends `entry` unless its id ([`entry_id`]) is already in the file. Returns
@@ -561,6 +571,7 @@ impl Transcript {
             }
             Err(source) => {
                 self.failed_writes += 1;
+                crate::metrics::storage_write_failed(Store::Transcript);
                 match self.mode {
                     TranscriptMode::BestEffort => {
                         tracing::warn!(
@@ -599,6 +610,7 @@ impl Transcript {
         }
         serde_json::to_writer(&mut line, &record).map_err(io::Error::other)?;
         line.push(b'\n');
+        faults::check(self.faults.as_ref(), Store::Transcript)?;
         let before = self.file.metadata()?.len();
         if before != self.len {
             // Written by someone else (or torn): what this knows of the file is stale.
@@ -989,6 +1001,37 @@ mod tests {
         assert!(!t.append(&e).unwrap());
         assert_eq!(t.failed_writes(), 2);
         assert!(t.is_empty());
+    }
+
+    /// Fails every write of one store, with EIO, then lets them through once told to.
+    #[derive(Debug, Default)]
+    struct FailingDisk(std::sync::atomic::AtomicBool);
+
+    impl crate::faults::DiskFaults for FailingDisk {
+        fn before_write(&self, store: Store) -> Option<io::Error> {
+            (store == Store::Transcript && !self.0.load(std::sync::atomic::Ordering::SeqCst))
+                .then(|| io::Error::from_raw_os_error(nix::libc::EIO))
+        }
+    }
+
+    #[test]
+    fn an_injected_write_failure_leaves_no_line_and_the_retry_writes_it_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = Arc::new(FailingDisk::default());
+        let mut t = Transcript::open(dir.path(), "s", TranscriptMode::Strict).unwrap();
+        t.set_disk_faults(Some(disk.clone()));
+        let e = Entry::new(Role::User, "q").with_event_id("e1");
+        let err = t.append(&e).unwrap_err();
+        assert!(
+            err.to_string().contains("I/O error") || err.to_string().contains("os error 5"),
+            "{err}"
+        );
+        assert_eq!(t.failed_writes(), 1);
+        assert_eq!(fs::metadata(t.path()).unwrap().len(), 0);
+        disk.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert!(t.append(&e).unwrap());
+        assert!(!t.append(&e).unwrap());
+        assert_eq!(ids_in(t.path()), vec!["e1".to_owned()]);
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::faults::{self, SharedDiskFaults, Store};
 use crate::ids::CliSessionId;
 
 /// The version of the stored JSON this code reads and writes.
@@ -95,6 +96,8 @@ impl BindingError {
 #[derive(Debug, Clone)]
 pub struct BindingStore {
     dir: PathBuf,
+    /// Writes this plan fails on purpose (chaos runs); `None`: none.
+    faults: Option<SharedDiskFaults>,
 }
 
 impl BindingStore {
@@ -106,9 +109,15 @@ impl BindingStore {
             path: dir.clone(),
             source,
         })?;
-        let store = Self { dir };
+        let store = Self { dir, faults: None };
         store.remove_leftover_temp_files()?;
         Ok(store)
+    }
+
+    /// Fails the writes `plan` says to fail, as a failing disk would (chaos runs).
+    pub fn with_disk_faults(mut self, plan: Option<SharedDiskFaults>) -> Self {
+        self.faults = plan;
+        self
     }
 
     /// Removes `.<hash>.<uuid>.tmp` files: no writer is running before the store is open.
@@ -198,7 +207,8 @@ impl BindingStore {
             path: temp.clone(),
             source,
         };
-        let written = write_synced(&temp, &json)
+        let written = faults::check(self.faults.as_ref(), Store::Bindings)
+            .and_then(|()| write_synced(&temp, &json))
             .map_err(write_error)
             .and_then(|()| {
                 fs::rename(&temp, &target).map_err(|source| BindingError::Io {
@@ -209,6 +219,7 @@ impl BindingStore {
             });
         if let Err(err) = written {
             let _ = fs::remove_file(&temp);
+            crate::metrics::storage_write_failed(Store::Bindings);
             return Err(err);
         }
         self.sync_dir()
@@ -421,6 +432,32 @@ mod tests {
             hex_sha256("abc"),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
+    }
+
+    #[derive(Debug)]
+    struct FullDisk;
+
+    impl crate::faults::DiskFaults for FullDisk {
+        fn before_write(&self, store: Store) -> Option<io::Error> {
+            (store == Store::Bindings).then(|| io::Error::from_raw_os_error(nix::libc::ENOSPC))
+        }
+    }
+
+    #[test]
+    fn an_injected_full_disk_fails_the_put_and_keeps_the_previous_binding() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        store.put(&binding("k", "s-1")).unwrap();
+        let failing = store
+            .clone()
+            .with_disk_faults(Some(std::sync::Arc::new(FullDisk)));
+        let error = failing.put(&binding("k", "s-2")).unwrap_err();
+        assert!(error.to_string().contains("No space left"), "{error}");
+        assert_eq!(
+            store.get("k").unwrap().unwrap().cli_session_id.as_str(),
+            "s-1"
+        );
+        assert_eq!(file_names(store.dir()).len(), 1, "no temp file left behind");
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::auth::LeaseAuth;
+use crate::faults::SharedDiskFaults;
 use crate::ids::CliSessionId;
 use crate::kinds::ReasoningEffort;
 use crate::model_guard::ModelGuardConfig;
@@ -72,6 +73,9 @@ pub struct PoolConfig {
     /// The guarded model path of BYOK workers: `allow_private_endpoints` (default off),
     /// extra CAs, the request body limit and the connect, first-byte and idle timeouts.
     pub model_guard: ModelGuardConfig,
+    /// Binding writes to fail on purpose, as a failing disk would (chaos runs; default none).
+    /// Transcript writes take theirs from [`crate::TranscriptSettings::with_disk_faults`].
+    pub disk_faults: Option<SharedDiskFaults>,
 }
 
 /// The runtime's automatic context management (`infiniteSessions` on the wire).
@@ -112,6 +116,7 @@ impl PoolConfig {
             abort_settle_timeout: Duration::from_secs(10),
             max_resume_crashes: 2,
             model_guard: ModelGuardConfig::default(),
+            disk_faults: None,
         }
     }
 }

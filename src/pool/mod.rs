@@ -120,7 +120,9 @@ impl Pool {
         }
         let guard = ModelGuard::new(config.model_guard.clone())
             .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
-        let bindings = Arc::new(BindingStore::open(&config.state_dir)?);
+        let bindings = Arc::new(
+            BindingStore::open(&config.state_dir)?.with_disk_faults(config.disk_faults.clone()),
+        );
         let (leased_tx, leased_rx) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);
         let args = PoolArgs {

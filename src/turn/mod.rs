@@ -25,6 +25,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::faults::SharedDiskFaults;
 use crate::kinds::TokenKind;
 use crate::permission::{PermissionPolicy, RejectAll};
 use crate::transcript::{
@@ -84,6 +85,8 @@ pub struct TranscriptSettings {
     /// Best effort or strict.
     pub mode: TranscriptMode,
     cache: TranscriptCache,
+    /// Writes this plan fails on purpose (chaos runs); `None`: none.
+    disk_faults: Option<SharedDiskFaults>,
 }
 
 impl TranscriptSettings {
@@ -93,7 +96,14 @@ impl TranscriptSettings {
             dir: dir.into(),
             mode,
             cache: TranscriptCache::new(),
+            disk_faults: None,
         }
+    }
+
+    /// Fails the transcript writes `plan` says to fail, as a failing disk would (chaos runs).
+    pub fn with_disk_faults(mut self, plan: SharedDiskFaults) -> Self {
+        self.disk_faults = Some(plan);
+        self
     }
 
     /// The cache shared by these settings and their clones.
@@ -107,9 +117,12 @@ impl TranscriptSettings {
     pub async fn open(&self, session_id: &str) -> Result<Transcript, TranscriptError> {
         let path = transcript_path(&self.dir, session_id)?;
         let (dir, mode, cache) = (self.dir.clone(), self.mode, self.cache.clone());
+        let faults = self.disk_faults.clone();
         let session_id = session_id.to_owned();
         tokio::task::spawn_blocking(move || {
-            Transcript::open_cached(&dir, &session_id, mode, &cache)
+            let mut transcript = Transcript::open_cached(&dir, &session_id, mode, &cache)?;
+            transcript.set_disk_faults(faults);
+            Ok(transcript)
         })
         .await
         .unwrap_or_else(|join_error| {
