@@ -538,3 +538,73 @@ async fn a_child_killed_during_a_first_turn_makes_the_next_turn_say_its_context_
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }
+
+/// A runtime stopped with SIGSTOP mid-turn is found hung by its health pings; its turn ends
+/// `crashed`, and the next turn resumes the conversation on a new process. The hung process
+/// still holds the session's lock until it is gone, so it must be killed and reaped before
+/// its turn fails: the resume finds the session free (`alreadyInUse: false`, one owner)
+/// and the history whole. (The chaos run found this: with SIGTERM and a grace period first,
+/// a stopped runtime outlived its failed turn by the grace period.)
+#[tokio::test]
+async fn a_hung_runtime_is_gone_before_its_conversation_resumes_elsewhere() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.worker.health_interval = Duration::from_millis(500);
+    config.worker.health_timeout = Duration::from_millis(500);
+    config.worker.kill_grace = Duration::from_secs(5);
+    let pool = Pool::start(config).await.expect("pool");
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("first lease");
+    lease
+        .run("REPLY=first MARKER-before-the-hang")
+        .await
+        .expect("first turn");
+    let hung_pid = lease.worker_pid();
+    lease
+        .send("SCENARIO:slow SLOW=100x100")
+        .await
+        .expect("a slow turn starts");
+    kill(Pid::from_raw(hung_pid as i32), Signal::SIGSTOP).expect("stop the runtime");
+    let outcome = tokio::time::timeout(Duration::from_secs(30), lease.wait_idle())
+        .await
+        .expect("the hung turn ends");
+    match outcome {
+        Ok(outcome) => assert_eq!(outcome.end, Some(TurnEnd::Crashed), "{outcome:?}"),
+        Err(error) => assert!(
+            matches!(
+                error,
+                PoolError::Worker(_) | PoolError::Turn(TurnError::Worker(_))
+            ),
+            "{error}"
+        ),
+    }
+    drop(lease);
+
+    let mut lease = tokio::time::timeout(
+        Duration::from_secs(60),
+        pool.lease(fx.request("agent-a", "conv")),
+    )
+    .await
+    .expect("lease after the hang")
+    .expect("lease after the hang");
+    assert_ne!(lease.worker_pid(), hung_pid);
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    assert!(
+        !lease.already_in_use(),
+        "the session was still attached to the hung process (two owners)"
+    );
+    lease.run("REPLY=after").await.expect("turn after the hang");
+    assert!(
+        fx.last_model_request().contains("MARKER-before-the-hang"),
+        "the history is whole"
+    );
+    drop(lease);
+    let left = wait_group_gone(hung_pid, Duration::from_secs(5)).await;
+    assert!(
+        left.is_empty(),
+        "the hung process's group is gone: {left:?}"
+    );
+    shutdown_leaves_nothing(&pool).await;
+}

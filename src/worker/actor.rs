@@ -497,9 +497,13 @@ impl WorkerState {
         // Publish first: callers whose requests fail next read the exit from here.
         self.exit.send_replace(Some(exit.clone()));
         self.conn.close(CloseCause::Local);
+        // A runtime still alive here (hung, broke the protocol, closed its output) still holds
+        // its sessions' locks and could still append to their histories: it is killed at once
+        // (no grace: it cannot be trusted to shut down) and reaped before any conversation
+        // learns of the death, so none is resumed elsewhere while this process exists.
+        self.child.terminate(Duration::ZERO).await;
         self.fail_routes(WorkerError::Died(exit.clone()));
         self.tunnel.abort_all();
-        self.child.terminate(self.config.kill_grace).await;
         Box::new(exit)
     }
 }

@@ -71,7 +71,7 @@ struct Showcase {
 }
 
 /// Removes the demo's scratch directory on every exit path.
-struct Scratch(PathBuf);
+pub(crate) struct Scratch(pub(crate) PathBuf);
 
 impl Drop for Scratch {
     fn drop(&mut self) {
@@ -460,7 +460,7 @@ async fn wait_progress(done: &AtomicU64, progress: &Notify, target: u64) {
 }
 
 /// The runtime to use; installs the pinned default flavour when none is found.
-async fn find_or_install(explicit: Option<&Path>) -> Result<PathBuf> {
+pub(crate) async fn find_or_install(explicit: Option<&Path>) -> Result<PathBuf> {
     match runtime::locate(explicit, runtime::process_env) {
         Ok(located) => Ok(located.path),
         Err(LocateError::Missing { .. }) => {
@@ -480,7 +480,7 @@ async fn find_or_install(explicit: Option<&Path>) -> Result<PathBuf> {
 
 /// Pool processes still alive after shutdown: the workers' groups, and anything whose
 /// COPILOT_HOME lies under the demo's directory (from /proc).
-async fn count_orphans(base: &Path, pids: &[u32]) -> usize {
+pub(crate) async fn count_orphans(base: &Path, pids: &[u32]) -> usize {
     let base = base.display().to_string();
     // Killed groups take a moment to disappear from /proc; there is no event for that.
     let deadline = Instant::now() + Duration::from_secs(5);

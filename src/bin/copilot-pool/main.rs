@@ -1,6 +1,7 @@
 //! The `copilot-pool` binary: installs the pinned runtime and runs one-shot prompts. The
 //! only place that installs a tracing subscriber or signal handlers.
 
+mod chaos;
 mod config;
 mod demo;
 mod doctor;
@@ -32,6 +33,11 @@ enum Command {
     /// model, with a worker killed and a token rotated mid-run. Installs the runtime if
     /// it is missing.
     Demo(demo::DemoArgs),
+    /// Agents x conversations x turns through the HTTP API while a seeded fault injector
+    /// kills and stops runtimes, fails disk writes, rotates keys and aborts and drops turns;
+    /// then checks the invariants (no hung turn, no lost history, no torn transcript, no
+    /// orphan) and exits 1 if one is broken.
+    Chaos(chaos::ChaosArgs),
     /// Install the pinned Copilot runtime with npm into the cache directory and print the
     /// path of its executable. Safe to run twice or concurrently.
     InstallCli(install::InstallArgs),
@@ -65,7 +71,7 @@ fn main() -> std::process::ExitCode {
     };
     // The demo reports what the pool does itself; its crashes are on purpose.
     let (default_level, json) = match &cli.command {
-        Command::Demo(_) => ("error", false),
+        Command::Demo(_) | Command::Chaos(_) => ("error", false),
         Command::Serve(args) => (
             "info",
             // The config file may ask for JSON; a bad file is reported by `serve` itself.
@@ -99,6 +105,7 @@ fn main() -> std::process::ExitCode {
     let result: Result<()> = runtime.block_on(async {
         match cli.command {
             Command::Demo(args) => demo::demo(args).await,
+            Command::Chaos(args) => chaos::chaos(args).await,
             Command::InstallCli(args) => install::install_cli(args).await,
             Command::Run(args) => run::run(args).await,
             Command::Serve(args) => serve::serve(args).await,

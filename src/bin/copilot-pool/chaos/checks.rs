@@ -1,0 +1,185 @@
+//! The chaos run's invariants, each read from what the run left: the model's request log
+//! (histories), the transcript files (duplicates, torn lines), `/proc` (orphans, zombies,
+//! this process's memory and descriptors) and the metrics the pool recorded.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use copilot_pool::scripted_model::RecordedRequest;
+use copilot_pool::transcript::count_duplicates;
+use serde::Serialize;
+
+use super::client::{Ended, TurnRecord, marker};
+
+/// One invariant: held or broken, with the count that decides it and what it counts.
+#[derive(Debug, Clone, Serialize)]
+pub struct Invariant {
+    pub name: &'static str,
+    pub held: bool,
+    pub count: u64,
+    pub detail: String,
+}
+
+impl Invariant {
+    pub fn zero(name: &'static str, count: u64, detail: String) -> Self {
+        Invariant {
+            name,
+            held: count == 0,
+            count,
+            detail,
+        }
+    }
+}
+
+/// Turns whose request to the model lacked an earlier turn of the same conversation that had
+/// ended `idle` before it was sent: a lost history. Returns (requests checked, losses, the
+/// first few losses in words).
+pub fn lost_histories(
+    requests: &[RecordedRequest],
+    turns: &BTreeMap<usize, Vec<TurnRecord>>,
+) -> (u64, u64, Vec<String>) {
+    let (mut checked, mut lost, mut examples) = (0, 0, Vec::new());
+    for request in requests {
+        let text = serde_json::to_string(request.messages()).unwrap_or_default();
+        let Some((conversation, turn)) = newest_marker(&text) else {
+            continue;
+        };
+        let Some(records) = turns.get(&conversation) else {
+            continue;
+        };
+        checked += 1;
+        for earlier in records.iter().filter(|r| r.turn < turn) {
+            if earlier.ended == Ended::Status("idle".to_owned())
+                && !text.contains(&marker(conversation, earlier.turn))
+            {
+                lost += 1;
+                if examples.len() < 5 {
+                    examples.push(format!(
+                        "conversation {conversation} turn {turn} did not carry its turn {}",
+                        earlier.turn
+                    ));
+                }
+                break;
+            }
+        }
+    }
+    (checked, lost, examples)
+}
+
+/// The conversation and the highest turn of the markers in `text`.
+fn newest_marker(text: &str) -> Option<(usize, u32)> {
+    let mut newest: Option<(usize, u32)> = None;
+    for (at, _) in text.match_indices("chaos-marker c") {
+        let rest = &text[at + "chaos-marker c".len()..];
+        let Some((c, rest)) = rest.split_once("-t") else {
+            continue;
+        };
+        let t: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        if let (Ok(c), Ok(t)) = (c.parse(), t.parse()) {
+            if newest.is_none_or(|(_, n)| t > n) {
+                newest = Some((c, t));
+            }
+        }
+    }
+    newest
+}
+
+/// (files, duplicate lines, torn lines) of the transcripts in `dir`.
+pub fn transcript_damage(dir: &Path) -> (u64, u64, u64) {
+    let (mut files, mut duplicates, mut torn) = (0, 0, 0);
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return (0, 0, 0);
+    };
+    for path in entries.flatten().map(|e| e.path()) {
+        if path.extension().is_none_or(|e| e != "jsonl") {
+            continue;
+        }
+        files += 1;
+        duplicates += count_duplicates(&path).unwrap_or(0) as u64;
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        if !text.is_empty() && !text.ends_with('\n') {
+            torn += 1;
+        }
+        torn += text
+            .lines()
+            .filter(|l| !l.is_empty() && serde_json::from_str::<serde_json::Value>(l).is_err())
+            .count() as u64;
+    }
+    (files, duplicates, torn)
+}
+
+/// Children of this process that are zombies.
+pub fn zombies() -> u64 {
+    let me = std::process::id();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+        .filter(|pid| {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                return false;
+            };
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            fields.first() == Some(&"Z") && fields.get(1) == Some(&me.to_string().as_str())
+        })
+        .count() as u64
+}
+
+/// This process's resident memory (bytes) and open descriptors.
+pub fn own_resources() -> (u64, u64) {
+    let rss = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024;
+    let fds = std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count() as u64)
+        .unwrap_or(0);
+    (rss, fds)
+}
+
+/// The value of the counter series `name{labels}` in a Prometheus text rendering (0 if
+/// absent). `labels` is the exact label set as rendered, e.g. `reason="crash"`.
+pub fn counter(rendered: &str, name: &str, labels: &str) -> u64 {
+    let series = if labels.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{name}{{{labels}}}")
+    };
+    rendered
+        .lines()
+        .filter_map(|l| l.strip_prefix(series.as_str()))
+        .filter_map(|rest| rest.strip_prefix(' '))
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_newest_marker_is_the_highest_turn() {
+        let text = "chaos-marker c3-t0. hi chaos-marker c3-t12. x chaos-marker c3-t2.";
+        assert_eq!(newest_marker(text), Some((3, 12)));
+        assert_eq!(newest_marker("nothing"), None);
+    }
+
+    #[test]
+    fn a_counter_is_read_by_its_exact_series() {
+        let text = "# TYPE x counter\nx_total{reason=\"crash\"} 3\nx_total{reason=\"crashy\"} 9\nx_total 4\n";
+        assert_eq!(counter(text, "x_total", "reason=\"crash\""), 3);
+        assert_eq!(counter(text, "x_total", ""), 4);
+        assert_eq!(counter(text, "y_total", ""), 0);
+    }
+}

@@ -1,0 +1,562 @@
+//! `copilot-pool chaos`: agents x conversations x turns through the HTTP API of a pool (the
+//! daemon's router, in this process) on the real runtime and the scripted model, while a
+//! seeded fault injector SIGKILLs and SIGSTOPs runtime processes, fails binding and transcript
+//! writes (ENOSPC, EIO), rotates agents' keys, and aborts turns and drops connections from the
+//! client side. At the end it checks the invariants and prints one line per invariant (held or
+//! broken, with its count) and, with `--json`, one JSON object; it exits 1 if any is broken.
+//!
+//! Bounded: every turn has a limit (past it the turn counts as hung), the run has a
+//! deadline, and the run's own processes are checked gone at the end.
+
+mod checks;
+mod client;
+mod injector;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use copilot_pool::faults::{SharedDiskFaults, Store};
+use copilot_pool::http::{self, ApiConfig, ConnectionLimits};
+use copilot_pool::pool::{Pool, PoolConfig, PoolEvent};
+use copilot_pool::scripted_model::ScriptedModel;
+use copilot_pool::transcript::TranscriptMode;
+use copilot_pool::turn::{TranscriptSettings, TurnTimeouts};
+use copilot_pool::worker::WorkerConfig;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde::Serialize;
+use serde_json::json;
+use tokio::sync::watch;
+
+use checks::Invariant;
+use client::{ClientFaults, Conversation, Ended, TurnRecord};
+use injector::{ChaosDisk, FaultKind, Injected, Schedule};
+
+#[derive(Args)]
+pub struct ChaosArgs {
+    /// Agents (each its own COPILOT_HOME and processes).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=32))]
+    agents: u32,
+    /// Conversations per agent.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=32))]
+    conversations: u32,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=10000))]
+    turns: u32,
+    /// The fault schedule's seed (default: drawn, and printed so the run can be replayed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Time between two faults, in milliseconds.
+    #[arg(long, default_value_t = 700, value_parser = clap::value_parser!(u64).range(50..=600_000))]
+    fault_every_ms: u64,
+    /// The whole run's deadline, in seconds (turns still running then count as hung).
+    #[arg(long, default_value_t = 900, value_parser = clap::value_parser!(u64).range(10..=86_400))]
+    max_seconds: u64,
+    /// End with one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+    /// The runtime executable (default: COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
+    #[arg(long)]
+    cli: Option<PathBuf>,
+}
+
+/// A turn longer than this has hung (the daemon's own absolute limit is below it).
+const TURN_ABSOLUTE: Duration = Duration::from_secs(60);
+const TURN_LIMIT: Duration = Duration::from_secs(90);
+
+#[derive(Serialize)]
+struct Report {
+    seed: u64,
+    agents: u32,
+    conversations: u32,
+    turns: u64,
+    seconds: f64,
+    ends: BTreeMap<String, u64>,
+    faults_injected: BTreeMap<&'static str, u64>,
+    processes_started: usize,
+    rss_bytes: Resources,
+    fds: Resources,
+    invariants: Vec<Invariant>,
+}
+
+#[derive(Serialize, Default, Clone, Copy)]
+struct Resources {
+    baseline: u64,
+    peak: u64,
+    end: u64,
+}
+
+pub async fn chaos(args: ChaosArgs) -> Result<()> {
+    let started = Instant::now();
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    eprintln!(
+        "chaos: seed {seed} (replay with --seed {seed}); {} agents x {} conversations x {} turns, a fault every {} ms",
+        args.agents, args.conversations, args.turns, args.fault_every_ms
+    );
+    let metrics = install_metrics()?;
+    let program = crate::demo::find_or_install(args.cli.as_deref()).await?;
+    let scratch = crate::demo::Scratch(
+        std::env::temp_dir().join(format!("copilot-pool-chaos-{}", uuid::Uuid::new_v4())),
+    );
+    let base = scratch.0.clone();
+    std::fs::create_dir_all(base.join("work")).context("creating the chaos directory")?;
+
+    let model = ScriptedModel::new();
+    let endpoint = model
+        .serve_http()
+        .await
+        .context("starting the scripted model")?;
+    let model_url = endpoint.base_url();
+    let disk = Arc::new(ChaosDisk::default());
+    let shared_disk: SharedDiskFaults = disk.clone();
+
+    let mut worker = WorkerConfig::new(program, PathBuf::new(), PathBuf::new());
+    worker.kill_grace = Duration::from_secs(2);
+    worker.health_interval = Duration::from_secs(1);
+    worker.health_timeout = Duration::from_secs(1);
+    let mut config = PoolConfig::new(worker, base.join("state"), base.join("homes"));
+    config.maintenance_interval = Duration::from_millis(200);
+    config.shutdown_grace = Duration::from_secs(5);
+    config.model_guard.allow_private_endpoints = true;
+    // Kills from outside are not the conversations' fault: never give up resuming them.
+    config.max_resume_crashes = 1000;
+    config.disk_faults = Some(shared_disk.clone());
+    let pool = Pool::start(config).await?;
+
+    let transcripts = base.join("transcripts");
+    let mut api = ApiConfig::default();
+    api.timeouts = TurnTimeouts {
+        inactivity: Duration::from_secs(20),
+        absolute: TURN_ABSOLUTE,
+        ..TurnTimeouts::default()
+    };
+    api.transcript = Some(
+        TranscriptSettings::new(transcripts.clone(), TranscriptMode::BestEffort)
+            .with_disk_faults(shared_disk),
+    );
+    let (router, _handle) = http::router_with_handle(pool.clone(), api);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding a loopback port")?;
+    let addr = listener.local_addr()?;
+    let (stop_server, mut server_stopped) = watch::channel(false);
+    let server = tokio::spawn(http::serve(
+        listener,
+        router,
+        ConnectionLimits::default(),
+        async move {
+            let _ = server_stopped.wait_for(|s| *s).await;
+        },
+    ));
+
+    // Every process the pool starts, for the orphan check.
+    let pids = Arc::new(Mutex::new(Vec::<u32>::new()));
+    // Every process that died while serving (the kills and stops must all land here).
+    let (crashed_tx, mut crashed) = watch::channel(BTreeSet::<u32>::new());
+    let mut events = pool.subscribe();
+    let recorder = tokio::spawn({
+        let pids = pids.clone();
+        async move {
+            loop {
+                match events.recv().await {
+                    Ok(PoolEvent::WorkerStarted { pid, .. }) => {
+                        pids.lock().unwrap_or_else(|e| e.into_inner()).push(pid)
+                    }
+                    Ok(PoolEvent::WorkerCrashed { pid, .. }) => {
+                        crashed_tx.send_modify(|c| {
+                            c.insert(pid);
+                        });
+                    }
+                    Ok(_) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(_) => return,
+                }
+            }
+        }
+    });
+
+    let (rss0, fds0) = checks::own_resources();
+    let peak = Arc::new(Mutex::new((rss0, fds0)));
+    let before = metrics.render();
+
+    // The conversations and the injector.
+    let http_client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(0)
+        .build()
+        .context("an HTTP client")?;
+    let mut conversations = Vec::new();
+    let versions: Vec<Arc<AtomicU32>> = (0..args.agents)
+        .map(|_| Arc::new(AtomicU32::new(1)))
+        .collect();
+    for a in 0..args.agents {
+        for c in 0..args.conversations {
+            conversations.push(Arc::new(Conversation {
+                index: conversations.len(),
+                agent: format!("agent-{a}"),
+                key: format!("conversation-{c}"),
+                faults: Arc::new(ClientFaults::default()),
+                key_version: versions[a as usize].clone(),
+            }));
+        }
+    }
+    let deadline = started + Duration::from_secs(args.max_seconds);
+    let (done_tx, done_rx) = watch::channel(false);
+    let injected = Arc::new(Injected::default());
+    let injector = tokio::spawn(inject(
+        InjectorParts {
+            pool: pool.clone(),
+            disk: disk.clone(),
+            conversations: conversations.clone(),
+            versions: versions.clone(),
+            injected: injected.clone(),
+            peak: peak.clone(),
+        },
+        Schedule::new(seed),
+        Duration::from_millis(args.fault_every_ms),
+        done_rx,
+    ));
+    let runs = conversations.iter().cloned().map(|conversation| {
+        let http_client = http_client.clone();
+        let model_url = model_url.clone();
+        let turns = args.turns;
+        tokio::spawn(async move {
+            let mut records = Vec::new();
+            for turn in 0..turns {
+                if Instant::now() >= deadline {
+                    break;
+                }
+                let record = client::run_turn(
+                    &http_client,
+                    addr,
+                    &model_url,
+                    &conversation,
+                    turn,
+                    turn % 4 == 3,
+                    TURN_LIMIT.min(deadline.saturating_duration_since(Instant::now())),
+                )
+                .await;
+                records.push(record);
+            }
+            (conversation.index, records)
+        })
+    });
+    let mut turns: BTreeMap<usize, Vec<TurnRecord>> = BTreeMap::new();
+    for run in futures_util::future::join_all(runs).await {
+        let (index, records) = run.context("a conversation's task")?;
+        turns.insert(index, records);
+    }
+    let _ = done_tx.send(true);
+    let faulted = injector.await.context("the injector's task")?;
+    // A process stopped near the end is found hung a few health intervals later: wait for
+    // every faulted process's crash (bounded), so each fault is in the metrics read next.
+    let _ = tokio::time::timeout(
+        Duration::from_secs(20),
+        crashed.wait_for(|c| faulted.is_subset(c)),
+    )
+    .await;
+    let after = metrics.render();
+
+    // Stop everything, then look for what is left.
+    let _ = stop_server.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
+    pool.shutdown().await?;
+    recorder.abort();
+    drop(http_client);
+    let all_pids = pids.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let orphans = crate::demo::count_orphans(&base, &all_pids).await as u64;
+    let zombies = checks::zombies();
+    endpoint.shutdown().await;
+    let (rss1, fds1) = checks::own_resources();
+    let (rss_peak, fds_peak) = *peak.lock().unwrap_or_else(|e| e.into_inner());
+
+    // The invariants.
+    let mut ends: BTreeMap<String, u64> = BTreeMap::new();
+    let (mut hung, mut broken, mut aborted_seen, mut dropped) = (0u64, 0u64, 0u64, 0u64);
+    for record in turns.values().flatten() {
+        let name = match &record.ended {
+            Ended::Status(s) => s.clone(),
+            Ended::Refused(code) => format!("refused_{code}"),
+            Ended::Dropped => "dropped".to_owned(),
+            Ended::Broken(_) => "broken".to_owned(),
+            Ended::Hung => "hung".to_owned(),
+        };
+        match &record.ended {
+            Ended::Hung => hung += 1,
+            Ended::Broken(why) => {
+                broken += 1;
+                tracing::warn!(why, "A chaos turn's stream broke.");
+            }
+            Ended::Status(s) if s == "aborted" => aborted_seen += 1,
+            Ended::Dropped => dropped += 1,
+            _ => {}
+        }
+        *ends.entry(name).or_default() += 1;
+    }
+    let total_turns: u64 = ends.values().sum();
+    let (checked, lost, examples) = checks::lost_histories(&model.requests(), &turns);
+    let (files, duplicates, torn) = checks::transcript_damage(&transcripts);
+    let delta = |name: &str, labels: &str| {
+        checks::counter(&after, name, labels).saturating_sub(checks::counter(&before, name, labels))
+    };
+    use copilot_pool::metrics as m;
+    let crash_exits = delta(m::PROCESS_EXITS_TOTAL, "reason=\"crash\"");
+    let kills = injected.get(FaultKind::Kill) + injected.get(FaultKind::Stop);
+    let binding_failures = delta(m::STORAGE_WRITE_FAILURES_TOTAL, "store=\"bindings\"");
+    let transcript_failures = delta(m::STORAGE_WRITE_FAILURES_TOTAL, "store=\"transcript\"");
+    let aborted_metric = delta(m::TURNS_TOTAL, "outcome=\"aborted\"");
+    let drained = delta(m::EVICTIONS_TOTAL, "reason=\"drained\"");
+    let rotations = injected.get(FaultKind::RotateToken);
+    let mut invariants = vec![
+        Invariant::zero(
+            "every turn ended within its limits",
+            hung + broken,
+            format!("{hung} hung, {broken} broken of {total_turns} turns"),
+        ),
+        Invariant::zero(
+            "no conversation lost its history",
+            lost,
+            format!(
+                "{lost} of {checked} model requests lacked an earlier completed turn{}",
+                if examples.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", examples.join("; "))
+                }
+            ),
+        ),
+        Invariant::zero(
+            "no duplicate or torn transcript line",
+            duplicates + torn,
+            format!("{duplicates} duplicate, {torn} torn lines in {files} transcripts"),
+        ),
+        Invariant::zero(
+            "no orphan process and no zombie",
+            orphans + zombies,
+            format!(
+                "{orphans} orphans, {zombies} zombies of {} processes",
+                all_pids.len()
+            ),
+        ),
+        Invariant::zero(
+            "descriptors back to their baseline",
+            fds1.saturating_sub(fds0 + 4),
+            format!("{fds0} before, {fds_peak} at the peak, {fds1} after"),
+        ),
+        Invariant::zero(
+            "every kill and stop seen as a crash exit",
+            kills.saturating_sub(crash_exits),
+            format!("{kills} killed or stopped, {crash_exits} crash exits counted"),
+        ),
+        Invariant::zero(
+            "every failed binding write counted",
+            disk.failed(Store::Bindings)
+                .saturating_sub(binding_failures),
+            format!(
+                "{} injected, {binding_failures} counted",
+                disk.failed(Store::Bindings)
+            ),
+        ),
+        Invariant::zero(
+            "every failed transcript write counted",
+            disk.failed(Store::Transcript)
+                .saturating_sub(transcript_failures),
+            format!(
+                "{} injected, {transcript_failures} counted",
+                disk.failed(Store::Transcript)
+            ),
+        ),
+        Invariant::zero(
+            "every client abort and dropped stream counted as aborted",
+            (aborted_seen + dropped).saturating_sub(aborted_metric),
+            format!(
+                "{aborted_seen} aborted and {dropped} dropped by clients, {aborted_metric} aborted turns counted"
+            ),
+        ),
+    ];
+    invariants.push(Invariant {
+        name: "key rotations seen as drained processes",
+        held: rotations == 0 || drained > 0,
+        count: drained,
+        detail: format!("{rotations} rotations, {drained} processes drained"),
+    });
+    let report = Report {
+        seed,
+        agents: args.agents,
+        conversations: args.conversations,
+        turns: total_turns,
+        seconds: started.elapsed().as_secs_f64(),
+        ends,
+        faults_injected: injected.snapshot(),
+        processes_started: all_pids.len(),
+        rss_bytes: Resources {
+            baseline: rss0,
+            peak: rss_peak,
+            end: rss1,
+        },
+        fds: Resources {
+            baseline: fds0,
+            peak: fds_peak,
+            end: fds1,
+        },
+        invariants,
+    };
+    print_report(&report, args.json)?;
+    drop(scratch);
+    let broken: Vec<&str> = report
+        .invariants
+        .iter()
+        .filter(|i| !i.held)
+        .map(|i| i.name)
+        .collect();
+    if !broken.is_empty() {
+        bail!(
+            "{} invariant(s) broken: {}; replay with --seed {seed}",
+            broken.len(),
+            broken.join(", ")
+        );
+    }
+    Ok(())
+}
+
+fn print_report(report: &Report, json: bool) -> Result<()> {
+    eprintln!(
+        "chaos: {} turns in {:.1} s; ends {}; faults {}; {} processes started",
+        report.turns,
+        report.seconds,
+        json!(report.ends),
+        json!(report.faults_injected),
+        report.processes_started
+    );
+    eprintln!(
+        "chaos: this process (pool, HTTP API, scripted model, clients): RSS {:.1} MiB before, {:.1} at the peak, {:.1} after; descriptors {} / {} / {}",
+        report.rss_bytes.baseline as f64 / 1048576.0,
+        report.rss_bytes.peak as f64 / 1048576.0,
+        report.rss_bytes.end as f64 / 1048576.0,
+        report.fds.baseline,
+        report.fds.peak,
+        report.fds.end
+    );
+    for invariant in &report.invariants {
+        println!(
+            "{:<7} {}: {}",
+            if invariant.held { "held" } else { "BROKEN" },
+            invariant.name,
+            invariant.detail
+        );
+    }
+    if json {
+        println!("{}", serde_json::to_string(report)?);
+    }
+    Ok(())
+}
+
+fn install_metrics() -> Result<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    copilot_pool::metrics::describe();
+    copilot_pool::metrics::register_zeroes();
+    Ok(handle)
+}
+
+struct InjectorParts {
+    pool: Pool,
+    disk: Arc<ChaosDisk>,
+    conversations: Vec<Arc<Conversation>>,
+    versions: Vec<Arc<AtomicU32>>,
+    injected: Arc<Injected>,
+    peak: Arc<Mutex<(u64, u64)>>,
+}
+
+/// Makes one fault every `every` until `done`; also samples this process's peak resources.
+async fn inject(
+    parts: InjectorParts,
+    mut schedule: Schedule,
+    every: Duration,
+    mut done: watch::Receiver<bool>,
+) -> BTreeSet<u32> {
+    let mut faulted: BTreeSet<u32> = BTreeSet::new();
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = done.wait_for(|d| *d) => return faulted,
+        }
+        {
+            let (rss, fds) = checks::own_resources();
+            let mut peak = parts.peak.lock().unwrap_or_else(|e| e.into_inner());
+            *peak = (peak.0.max(rss), peak.1.max(fds));
+        }
+        let kind = schedule.next_kind();
+        let took = match kind {
+            FaultKind::Kill | FaultKind::Stop => {
+                let live: Vec<u32> = match parts.pool.status().await {
+                    Ok(status) => status
+                        .workers
+                        .iter()
+                        .map(|w| w.pid)
+                        .filter(|pid| !faulted.contains(pid))
+                        .collect(),
+                    Err(_) => Vec::new(),
+                };
+                if live.is_empty() {
+                    false
+                } else {
+                    let pid = live[schedule.pick(live.len())];
+                    let signal = if kind == FaultKind::Kill {
+                        Signal::SIGKILL
+                    } else {
+                        Signal::SIGSTOP
+                    };
+                    let sent = kill(Pid::from_raw(pid as i32), signal).is_ok();
+                    if sent {
+                        faulted.insert(pid);
+                    }
+                    sent
+                }
+            }
+            FaultKind::BindingWrite | FaultKind::TranscriptWrite => {
+                let store = if kind == FaultKind::BindingWrite {
+                    Store::Bindings
+                } else {
+                    Store::Transcript
+                };
+                let writes = 1 + schedule.pick(2) as u32;
+                parts.disk.arm(store, writes, schedule.disk_error());
+                true
+            }
+            FaultKind::RotateToken => {
+                let agent = schedule.pick(parts.versions.len());
+                parts.versions[agent].fetch_add(1, Ordering::SeqCst);
+                true
+            }
+            FaultKind::ClientAbort | FaultKind::ClientDrop => {
+                let conversation = &parts.conversations[schedule.pick(parts.conversations.len())];
+                let flag = if kind == FaultKind::ClientAbort {
+                    &conversation.faults.abort_next
+                } else {
+                    &conversation.faults.drop_next
+                };
+                // A flag already set is one fault, not two.
+                !flag.swap(true, Ordering::SeqCst)
+            }
+        };
+        if took {
+            parts.injected.add(kind);
+        }
+    }
+}
