@@ -75,10 +75,10 @@ fn newest_marker(text: &str) -> Option<(usize, u32)> {
             continue;
         };
         let t: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        if let (Ok(c), Ok(t)) = (c.parse(), t.parse()) {
-            if newest.is_none_or(|(_, n)| t > n) {
-                newest = Some((c, t));
-            }
+        if let (Ok(c), Ok(t)) = (c.parse(), t.parse())
+            && newest.is_none_or(|(_, n)| t > n)
+        {
+            newest = Some((c, t));
         }
     }
     newest
