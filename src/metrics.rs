@@ -40,6 +40,7 @@
 //! | [`MODEL_BYTES_TOTAL`] | counter | `direction`: `sent`, `received` |
 //! | [`MODEL_BLOCKED_TOTAL`] | counter | `reason`: [`BlockReason::label`] |
 //! | [`STORAGE_WRITE_FAILURES_TOTAL`] | counter | `store`: [`Store::as_str`] (`bindings`, `transcript`) |
+//! | [`DAEMON_TASKS`] | gauge | — (set by the daemon at each scrape) |
 //! | [`SANDBOX_ENFORCED`] | gauge | `rule`: [`SandboxRule::as_str`] (`filesystem`, `tcp_connect`, `signals`, `abstract_unix_sockets`, `capabilities`) |
 //!
 //! The gauges are absolute values set by the pool actor: with more than one pool in a
@@ -115,6 +116,9 @@ pub const SDK_CONNECTIONS_TOTAL: &str = "copilot_pool_sdk_connections_total";
 
 /// Whether each wall of the workers' sandbox is enforced (1) or not (0), by `rule`.
 pub const SANDBOX_ENFORCED: &str = "copilot_pool_sandbox_enforced";
+/// Tasks alive on the daemon's async runtime, set by the daemon at each scrape (the library
+/// never sets it: it owns no runtime).
+pub const DAEMON_TASKS: &str = "copilot_pool_daemon_tasks";
 /// Durable writes (a binding, a transcript line) that failed, by `store`.
 pub const STORAGE_WRITE_FAILURES_TOTAL: &str = "copilot_pool_storage_write_failures_total";
 
@@ -147,6 +151,7 @@ pub const GAUGES: &[&str] = &[
     LEASE_WAITERS,
     SDK_CONNECTIONS,
     SANDBOX_ENFORCED,
+    DAEMON_TASKS,
 ];
 
 /// Every histogram (all in seconds): give each [`SECONDS_BUCKETS`] in the exporter.
@@ -308,6 +313,11 @@ pub fn describe() {
         Unit::Count,
         "CLI processes the pool stopped on its own, by reason (idle, full, drained, \
          detach_failed)."
+    );
+    describe_gauge!(
+        DAEMON_TASKS,
+        Unit::Count,
+        "Tasks alive on the daemon's async runtime (set at each scrape)."
     );
     describe_counter!(
         STORAGE_WRITE_FAILURES_TOTAL,

@@ -335,6 +335,11 @@ impl GroupLeader {
         &self.group
     }
 
+    /// Takes the leader's piped standard output (`None` if it was not piped or is taken).
+    pub fn take_stdout(&mut self) -> Option<tokio::process::ChildStdout> {
+        self.child.stdout.take()
+    }
+
     /// Waits for the leader to exit, kills what is left of its group (a leftover would keep
     /// the output pipes open and outlive the command), and reaps it (cancel-safe). After
     /// this returns, the group is never signalled.

@@ -110,6 +110,16 @@ impl RequestLog {
         self.entries.borrow().clone()
     }
 
+    /// Every entry so far, oldest first, leaving the log empty.
+    pub fn take(&self) -> Vec<RecordedRequest> {
+        let mut taken = Vec::new();
+        self.entries.send_if_modified(|entries| {
+            taken = std::mem::take(entries);
+            false
+        });
+        taken
+    }
+
     /// Waits until `done` holds for the entries, then returns a copy of them.
     pub async fn wait_until(
         &self,

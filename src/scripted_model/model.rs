@@ -217,6 +217,13 @@ impl ScriptedModel {
         self.inner.log.snapshot()
     }
 
+    /// Every request received so far, oldest first, leaving the log empty: for long runs
+    /// that check the requests as they come instead of keeping them all (counts that
+    /// [`wait_for_requests`](Self::wait_for_requests) waits for start again from zero).
+    pub fn take_requests(&self) -> Vec<RecordedRequest> {
+        self.inner.log.take()
+    }
+
     /// Waits until at least `n` requests have been received; returns them all.
     pub async fn wait_for_requests(&self, n: usize) -> Vec<RecordedRequest> {
         self.wait_until(|requests| requests.len() >= n).await

@@ -6,6 +6,7 @@ mod config;
 mod demo;
 mod doctor;
 mod install;
+mod load;
 mod model;
 mod run;
 mod sandbox;
@@ -38,6 +39,10 @@ enum Command {
     /// then checks the invariants (no hung turn, no lost history, no torn transcript, no
     /// orphan) and exits 1 if one is broken.
     Chaos(chaos::ChaosArgs),
+    /// Many concurrent SSE clients and turns against one `serve` started for the run,
+    /// sampling the daemon's memory, descriptors and tasks (flat after warm-up?) and its
+    /// lease waits against the bound.
+    Load(load::LoadArgs),
     /// Install the pinned Copilot runtime with npm into the cache directory and print the
     /// path of its executable. Safe to run twice or concurrently.
     InstallCli(install::InstallArgs),
@@ -71,7 +76,7 @@ fn main() -> std::process::ExitCode {
     };
     // The demo reports what the pool does itself; its crashes are on purpose.
     let (default_level, json) = match &cli.command {
-        Command::Demo(_) | Command::Chaos(_) => ("error", false),
+        Command::Demo(_) | Command::Chaos(_) | Command::Load(_) => ("error", false),
         Command::Serve(args) => (
             "info",
             // The config file may ask for JSON; a bad file is reported by `serve` itself.
@@ -106,6 +111,7 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::Demo(args) => demo::demo(args).await,
             Command::Chaos(args) => chaos::chaos(args).await,
+            Command::Load(args) => load::load(args).await,
             Command::InstallCli(args) => install::install_cli(args).await,
             Command::Run(args) => run::run(args).await,
             Command::Serve(args) => serve::serve(args).await,

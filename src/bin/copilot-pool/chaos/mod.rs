@@ -213,6 +213,7 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     }
     let deadline = started + Duration::from_secs(args.max_seconds);
     let (done_tx, done_rx) = watch::channel(false);
+    let done_rx_for_histories = done_rx.clone();
     let injected = Arc::new(Injected::default());
     let injector = tokio::spawn(inject(
         InjectorParts {
@@ -227,12 +228,20 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
         Duration::from_millis(args.fault_every_ms),
         done_rx,
     ));
+    // Turns as they end; the model's requests are checked against them as they come (the
+    // model's log is taken, not kept: a long run's requests would not fit in memory).
+    let records: Arc<Mutex<BTreeMap<usize, Vec<TurnRecord>>>> = Arc::default();
+    let histories = tokio::spawn(check_histories(
+        model.clone(),
+        records.clone(),
+        done_rx_for_histories,
+    ));
     let runs = conversations.iter().cloned().map(|conversation| {
         let http_client = http_client.clone();
         let model_url = model_url.clone();
+        let records = records.clone();
         let turns = args.turns;
         tokio::spawn(async move {
-            let mut records = Vec::new();
             for turn in 0..turns {
                 if Instant::now() >= deadline {
                     break;
@@ -247,18 +256,22 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
                     TURN_LIMIT,
                 )
                 .await;
-                records.push(record);
+                records
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .entry(conversation.index)
+                    .or_default()
+                    .push(record);
             }
-            (conversation.index, records)
         })
     });
-    let mut turns: BTreeMap<usize, Vec<TurnRecord>> = BTreeMap::new();
     for run in futures_util::future::join_all(runs).await {
-        let (index, records) = run.context("a conversation's task")?;
-        turns.insert(index, records);
+        run.context("a conversation's task")?;
     }
     let _ = done_tx.send(true);
     let faulted = injector.await.context("the injector's task")?;
+    let (checked, lost, examples) = histories.await.context("the history checker's task")?;
+    let turns = std::mem::take(&mut *records.lock().unwrap_or_else(|e| e.into_inner()));
     // A process stopped near the end is found hung a few health intervals later: wait for
     // every faulted process's crash (bounded), so each fault is in the metrics read next.
     let _ = tokio::time::timeout(
@@ -305,7 +318,6 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
         *ends.entry(name).or_default() += 1;
     }
     let total_turns: u64 = ends.values().sum();
-    let (checked, lost, examples) = checks::lost_histories(&model.requests(), &turns);
     let (files, duplicates, torn) = checks::transcript_damage(&transcripts);
     let delta = |name: &str, labels: &str| {
         checks::counter(&after, name, labels).saturating_sub(checks::counter(&before, name, labels))
@@ -469,6 +481,34 @@ fn install_metrics() -> Result<PrometheusHandle> {
     copilot_pool::metrics::describe();
     copilot_pool::metrics::register_zeroes();
     Ok(handle)
+}
+
+/// Checks the model's requests against the turns that ended, as they come, until `done`
+/// (then once more); returns (requests checked, lost histories, examples).
+async fn check_histories(
+    model: ScriptedModel,
+    records: Arc<Mutex<BTreeMap<usize, Vec<TurnRecord>>>>,
+    mut done: watch::Receiver<bool>,
+) -> (u64, u64, Vec<String>) {
+    let (mut checked, mut lost, mut examples) = (0, 0, Vec::new());
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        let finished = tokio::select! {
+            _ = tick.tick() => false,
+            _ = done.wait_for(|d| *d) => true,
+        };
+        let requests = model.take_requests();
+        let (c, l, e) = {
+            let records = records.lock().unwrap_or_else(|e| e.into_inner());
+            checks::lost_histories(&requests, &records)
+        };
+        checked += c;
+        lost += l;
+        examples.extend(e.into_iter().take(5usize.saturating_sub(examples.len())));
+        if finished {
+            return (checked, lost, examples);
+        }
+    }
 }
 
 struct InjectorParts {

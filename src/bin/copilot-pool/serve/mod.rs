@@ -85,6 +85,15 @@ impl ServeArgs {
     }
 }
 
+/// The exposition, with the daemon's own gauges set first.
+fn render(handle: &PrometheusHandle) -> String {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        ::metrics::gauge!(copilot_pool::metrics::DAEMON_TASKS)
+            .set(runtime.metrics().num_alive_tasks() as f64);
+    }
+    handle.render()
+}
+
 fn install_metrics() -> Result<PrometheusHandle> {
     let mut builder = PrometheusBuilder::new();
     for name in copilot_pool::metrics::HISTOGRAMS {
@@ -207,7 +216,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             "/metrics",
             axum::routing::get(move || {
                 let handle = handle.clone();
-                async move { handle.render() }
+                async move { render(&handle) }
             }),
         );
         let mut metrics_limits = limits;
@@ -408,7 +417,7 @@ fn api_config(config: &ServeConfig, metrics: &PrometheusHandle) -> ApiConfig {
     api.allow_logged_in_user = config.auth.allow_logged_in_user;
     api.metrics = config.metrics_listen.is_none().then(|| {
         let handle = metrics.clone();
-        http::MetricsRender::new(move || handle.render())
+        http::MetricsRender::new(move || render(&handle))
     });
     api
 }

@@ -1,0 +1,371 @@
+//! `copilot-pool load`: many concurrent SSE clients and many turns against one real daemon
+//! (`copilot-pool serve` started as a child of this command, on loopback, the scripted model
+//! in this process), sampling the daemon's resident memory, open descriptors and async tasks
+//! as the turns go, to show they stay flat after warm-up, and its lease waits against the
+//! configured bound. Prints the samples and a summary (and one JSON object with `--json`).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use copilot_pool::process::GroupLeader;
+use copilot_pool::scripted_model::ScriptedModel;
+use eventsource_stream::Eventsource;
+use futures_util::StreamExt;
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+#[derive(Args)]
+pub struct LoadArgs {
+    /// Concurrent clients, each with its own conversation and SSE stream.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=2000))]
+    clients: u32,
+    /// Agents the conversations belong to (each its own runtime process or more).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=200))]
+    agents: u32,
+    /// Turns in all.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    turns: u64,
+    /// The daemon's `[pool] wait_timeout_secs` (the bound lease waits are held to).
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    wait_timeout_secs: u64,
+    /// End with one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+    /// The runtime executable (default: COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
+    #[arg(long)]
+    cli: Option<std::path::PathBuf>,
+}
+
+/// One reading of the daemon.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Sample {
+    turns_done: u64,
+    seconds: f64,
+    rss_bytes: u64,
+    fds: u64,
+    tasks: u64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    clients: u32,
+    agents: u32,
+    turns: u64,
+    failed_turns: u64,
+    seconds: f64,
+    turns_per_second: f64,
+    lease_wait_p99_seconds: Option<f64>,
+    wait_bound_seconds: u64,
+    after_warm_up: Sample,
+    end: Sample,
+    samples: Vec<Sample>,
+}
+
+pub async fn load(args: LoadArgs) -> Result<()> {
+    let program = crate::demo::find_or_install(args.cli.as_deref()).await?;
+    let scratch = crate::demo::Scratch(
+        std::env::temp_dir().join(format!("copilot-pool-load-{}", uuid::Uuid::new_v4())),
+    );
+    std::fs::create_dir_all(&scratch.0).context("creating the load directory")?;
+    let model = ScriptedModel::new();
+    let endpoint = model
+        .serve_http()
+        .await
+        .context("starting the scripted model")?;
+    let model_url = endpoint.base_url();
+
+    let config = scratch.0.join("serve.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[pool]\nmax_sessions = {}\nmax_waiters = {}\nwait_timeout_secs = {}\n\n[model]\nallow_private_endpoints = true\n",
+            args.clients.max(1024),
+            args.clients.max(1024),
+            args.wait_timeout_secs
+        ),
+    )
+    .context("writing the daemon's config")?;
+    let (mut daemon, addr, metrics_addr) = start_daemon(&program, &scratch.0, &config).await?;
+    let daemon_pid = daemon.pid().context("the daemon's pid")?;
+    eprintln!(
+        "load: daemon {daemon_pid} on {addr}; {} clients over {} agents, {} turns",
+        args.clients, args.agents, args.turns
+    );
+
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .context("an HTTP client")?;
+    let started = Instant::now();
+    let next_turn = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let clients = (0..args.clients).map(|c| {
+        let (http, model_url) = (http.clone(), model_url.clone());
+        let (next_turn, done, failed) = (next_turn.clone(), done.clone(), failed.clone());
+        let agent = format!("agent-{}", c % args.agents);
+        let total = args.turns;
+        tokio::spawn(async move {
+            while next_turn.fetch_add(1, Ordering::SeqCst) < total {
+                let body = json!({
+                    "agent_id": agent,
+                    "session_key": format!("conversation-{c}"),
+                    "prompt": "REPLY=ok",
+                    "model": ScriptedModel::MODEL_ID,
+                    "provider": {"type": "openai", "base_url": model_url, "api_key": "load-key"},
+                });
+                if turn(&http, addr, &body).await.as_deref() != Ok("idle") {
+                    failed.fetch_add(1, Ordering::SeqCst);
+                }
+                done.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    });
+    let clients: Vec<_> = clients.collect();
+    let mut samples = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let finished = clients.iter().all(|c| c.is_finished());
+        samples.push(sample(&http, daemon_pid, metrics_addr, &done, started).await);
+        if finished {
+            break;
+        }
+        if let Some(last) = samples.last() {
+            eprintln!(
+                "load: {:>6} turns, daemon RSS {:>6.1} MiB, {:>4} descriptors, {:>5} tasks",
+                last.turns_done,
+                last.rss_bytes as f64 / 1048576.0,
+                last.fds,
+                last.tasks
+            );
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let exposition = get_text(&http, metrics_addr, "/metrics")
+        .await
+        .unwrap_or_default();
+    let p99 = histogram_quantile(&exposition, copilot_pool::metrics::LEASE_WAIT_SECONDS, 0.99);
+
+    // Stop the daemon as an operator would (SIGTERM: it drains and stops its children).
+    daemon.group().signal(nix::sys::signal::Signal::SIGTERM);
+    let stopped = tokio::time::timeout(Duration::from_secs(60), daemon.wait()).await;
+    endpoint.shutdown().await;
+    let orphans = crate::demo::count_orphans(&scratch.0, &[]).await;
+
+    let turns = done.load(Ordering::SeqCst);
+    let warm = samples
+        .iter()
+        .find(|s| s.turns_done >= turns / 5)
+        .copied()
+        .or_else(|| samples.first().copied());
+    let (Some(after_warm_up), Some(end)) = (warm, samples.last().copied()) else {
+        bail!("no sample of the daemon was taken");
+    };
+    let report = Report {
+        clients: args.clients,
+        agents: args.agents,
+        turns,
+        failed_turns: failed.load(Ordering::SeqCst),
+        seconds,
+        turns_per_second: turns as f64 / seconds,
+        lease_wait_p99_seconds: p99,
+        wait_bound_seconds: args.wait_timeout_secs,
+        after_warm_up,
+        end,
+        samples,
+    };
+    println!(
+        "{} turns ({} failed) in {:.1} s, {:.1} turns/s; lease wait p99 {} (bound {} s)",
+        report.turns,
+        report.failed_turns,
+        report.seconds,
+        report.turns_per_second,
+        p99.map(|p| format!("<= {p} s"))
+            .unwrap_or_else(|| "n/a".into()),
+        args.wait_timeout_secs
+    );
+    for (name, s) in [("after warm-up", after_warm_up), ("at the end", end)] {
+        println!(
+            "daemon {name:<14} ({:>6} turns): RSS {:>6.1} MiB, {:>4} descriptors, {:>5} tasks",
+            s.turns_done,
+            s.rss_bytes as f64 / 1048576.0,
+            s.fds,
+            s.tasks
+        );
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    if stopped.is_err() {
+        bail!("the daemon did not stop within 60 s of SIGTERM (its group was killed)");
+    }
+    if orphans > 0 {
+        bail!("{orphans} runtime processes outlived the daemon");
+    }
+    Ok(())
+}
+
+/// Starts `copilot-pool serve` (this executable) in its own process group on loopback ports;
+/// returns it with its API and metrics addresses, read from the lines it prints.
+async fn start_daemon(
+    program: &Path,
+    dir: &Path,
+    config: &Path,
+) -> Result<(GroupLeader, SocketAddr, SocketAddr)> {
+    let me = std::env::current_exe().context("finding this executable")?;
+    let mut command = tokio::process::Command::new(me);
+    command
+        .arg("serve")
+        .arg("--config")
+        .arg(config)
+        .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .arg("--cli")
+        .arg(program)
+        .env("COPILOT_POOL_HOME", dir.join("pool-home"))
+        .env("COPILOT_POOL_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut daemon = GroupLeader::spawn(&mut command).context("starting the daemon")?;
+    let stdout = daemon
+        .take_stdout()
+        .context("the daemon's standard output")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let (mut addr, mut metrics) = (None, None);
+    let read = async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(a) = line.strip_prefix("metrics on http://") {
+                metrics = a.parse().ok();
+            }
+            if let Some(a) = line.strip_prefix("listening on http://") {
+                addr = a.parse().ok();
+            }
+            if addr.is_some() && metrics.is_some() {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), read)
+        .await
+        .context("the daemon did not say where it listens within 60 s")?;
+    match (addr, metrics) {
+        (Some(a), Some(m)) => Ok((daemon, a, m)),
+        _ => bail!("the daemon exited before it said where it listens (see its log above)"),
+    }
+}
+
+/// One streamed turn; its `turn.end` status, or what went wrong.
+async fn turn(http: &reqwest::Client, addr: SocketAddr, body: &Value) -> Result<String, String> {
+    let response = http
+        .post(format!("http://{addr}/v1/turns"))
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    if !response.status().is_success() {
+        return Err(format!("HTTP {}", response.status()));
+    }
+    let mut events = response.bytes_stream().eventsource();
+    while let Some(event) = events.next().await {
+        let event = event.map_err(|e| e.to_string())?;
+        if event.event == "turn.end" {
+            let data: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
+            return Ok(data["status"].as_str().unwrap_or("unknown").to_owned());
+        }
+    }
+    Err("the stream ended without turn.end".to_owned())
+}
+
+async fn sample(
+    http: &reqwest::Client,
+    pid: u32,
+    metrics: SocketAddr,
+    done: &AtomicU64,
+    started: Instant,
+) -> Sample {
+    let rss_bytes = copilot_pool::process::rss_bytes(pid).unwrap_or(0);
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count() as u64)
+        .unwrap_or(0);
+    let exposition = get_text(http, metrics, "/metrics")
+        .await
+        .unwrap_or_default();
+    let tasks = gauge(&exposition, copilot_pool::metrics::DAEMON_TASKS).unwrap_or(0.0) as u64;
+    Sample {
+        turns_done: done.load(Ordering::SeqCst),
+        seconds: started.elapsed().as_secs_f64(),
+        rss_bytes,
+        fds,
+        tasks,
+    }
+}
+
+async fn get_text(http: &reqwest::Client, addr: SocketAddr, path: &str) -> Option<String> {
+    let response = http.get(format!("http://{addr}{path}")).send().await.ok()?;
+    response.text().await.ok()
+}
+
+/// The value of an unlabelled gauge in a Prometheus exposition.
+fn gauge(exposition: &str, name: &str) -> Option<f64> {
+    exposition
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// The upper bound of the bucket holding quantile `q` of an unlabelled histogram.
+fn histogram_quantile(exposition: &str, name: &str, q: f64) -> Option<f64> {
+    let prefix = format!("{name}_bucket{{le=\"");
+    let buckets: Vec<(f64, f64)> = exposition
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, count.trim().parse().ok()?))
+        })
+        .collect();
+    let total = buckets.last()?.1;
+    if total == 0.0 {
+        return None;
+    }
+    buckets
+        .iter()
+        .find(|(_, count)| *count >= q * total)
+        .map(|(le, _)| *le)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_quantile_is_the_first_bucket_holding_it() {
+        let text = "x_bucket{le=\"0.1\"} 90\nx_bucket{le=\"0.5\"} 99\nx_bucket{le=\"1\"} 100\nx_bucket{le=\"+Inf\"} 100\n";
+        assert_eq!(histogram_quantile(text, "x", 0.5), Some(0.1));
+        assert_eq!(histogram_quantile(text, "x", 0.99), Some(0.5));
+        assert_eq!(histogram_quantile(text, "x", 1.0), Some(1.0));
+        assert_eq!(histogram_quantile("", "x", 0.99), None);
+    }
+
+    #[test]
+    fn a_gauge_is_read_by_its_exact_name() {
+        let text = "x_tasks 12\nx_tasks_total 99\n";
+        assert_eq!(gauge(text, "x_tasks"), Some(12.0));
+        assert_eq!(gauge(text, "y"), None);
+    }
+}
