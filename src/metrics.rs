@@ -40,6 +40,7 @@
 //! | [`MODEL_BYTES_TOTAL`] | counter | `direction`: `sent`, `received` |
 //! | [`MODEL_BLOCKED_TOTAL`] | counter | `reason`: [`BlockReason::label`] |
 //! | [`STORAGE_WRITE_FAILURES_TOTAL`] | counter | `store`: [`Store::as_str`] (`bindings`, `transcript`) |
+//! | [`OWNERSHIP_VIOLATIONS_TOTAL`] | counter | — |
 //! | [`DAEMON_TASKS`] | gauge | — (set by the daemon at each scrape) |
 //! | [`SANDBOX_ENFORCED`] | gauge | `rule`: [`SandboxRule::as_str`] (`filesystem`, `tcp_connect`, `signals`, `abstract_unix_sockets`, `capabilities`) |
 //!
@@ -116,6 +117,9 @@ pub const SDK_CONNECTIONS_TOTAL: &str = "copilot_pool_sdk_connections_total";
 
 /// Whether each wall of the workers' sandbox is enforced (1) or not (0), by `rule`.
 pub const SANDBOX_ENFORCED: &str = "copilot_pool_sandbox_enforced";
+/// Opens whose session the runtime reported attached to another process (`alreadyInUse`):
+/// the one-owner rule broken. Should stay 0; alert on any increase.
+pub const OWNERSHIP_VIOLATIONS_TOTAL: &str = "copilot_pool_ownership_violations_total";
 /// Tasks alive on the daemon's async runtime, set by the daemon at each scrape (the library
 /// never sets it: it owns no runtime).
 pub const DAEMON_TASKS: &str = "copilot_pool_daemon_tasks";
@@ -140,6 +144,7 @@ pub const COUNTERS: &[&str] = &[
     MODEL_BYTES_TOTAL,
     MODEL_BLOCKED_TOTAL,
     STORAGE_WRITE_FAILURES_TOTAL,
+    OWNERSHIP_VIOLATIONS_TOTAL,
 ];
 
 /// Every gauge.
@@ -191,7 +196,12 @@ pub const RPC_OTHER: &str = "other";
 /// `increase()`/`rate()` see the first event after a start and dashboards have a series
 /// before anything happened. Call it once, after installing the recorder.
 pub fn register_zeroes() {
-    for name in [LLM_CALLS_TOTAL, QUARANTINES_TOTAL, HOOK_FAILURES_TOTAL] {
+    for name in [
+        LLM_CALLS_TOTAL,
+        QUARANTINES_TOTAL,
+        HOOK_FAILURES_TOTAL,
+        OWNERSHIP_VIOLATIONS_TOTAL,
+    ] {
         counter!(name).absolute(0);
     }
     for store in [Store::Bindings, Store::Transcript] {
@@ -313,6 +323,11 @@ pub fn describe() {
         Unit::Count,
         "CLI processes the pool stopped on its own, by reason (idle, full, drained, \
          detach_failed)."
+    );
+    describe_counter!(
+        OWNERSHIP_VIOLATIONS_TOTAL,
+        Unit::Count,
+        "Opens whose session the runtime reported attached to another process (should stay 0)."
     );
     describe_gauge!(
         DAEMON_TASKS,
@@ -571,6 +586,10 @@ pub(crate) fn evicted(why: Eviction) {
 
 pub(crate) fn storage_write_failed(store: Store) {
     counter!(STORAGE_WRITE_FAILURES_TOTAL, "store" => store.as_str()).increment(1);
+}
+
+pub(crate) fn ownership_violated() {
+    counter!(OWNERSHIP_VIOLATIONS_TOTAL).increment(1);
 }
 
 pub(crate) fn quarantined() {

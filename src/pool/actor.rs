@@ -114,11 +114,16 @@ pub(crate) enum PoolMsg {
     /// A grant that did not become a `Lease`: give the slot back and detach, with
     /// confirmation, whatever it may have left attached.
     Abandoned(Box<Abandon<Session>>),
-    /// A background detach (or worker stop) finished for these conversations.
+    /// A background detach finished for these conversations.
     Detached {
         conversations_detached: Vec<String>,
         worker_id: WorkerId,
         ok: bool,
+    },
+    /// An evicted worker has stopped (its process is gone), with the conversations it held.
+    EvictionDone {
+        conversations: Vec<String>,
+        worker_id: WorkerId,
     },
     Respawn(PoolKey),
     /// Resident memory of workers, measured off the actor.
@@ -311,6 +316,10 @@ impl Actor for PoolActor {
             } => state
                 .core
                 .detached(&conversations_detached, worker_id, ok, now),
+            PoolMsg::EvictionDone {
+                conversations,
+                worker_id,
+            } => state.core.eviction_done(&conversations, worker_id, now),
             PoolMsg::Respawn(key) => state.core.respawn_due(&key, now),
             PoolMsg::WaiterExpired(id) => state.core.expire(id),
             PoolMsg::Tick => {
@@ -533,10 +542,9 @@ impl PoolState {
                         if let Some(handle) = handle {
                             handle.shutdown().await;
                         }
-                        let _ = target.cast(PoolMsg::Detached {
-                            conversations_detached: attached,
+                        let _ = target.cast(PoolMsg::EvictionDone {
+                            conversations: attached,
                             worker_id: worker,
-                            ok: true,
                         });
                     }));
                 }

@@ -665,6 +665,7 @@ impl Opening {
         };
         let cli_session_id = session.id().clone();
         if reason != OpenReason::Attached && session.already_in_use() {
+            crate::metrics::ownership_violated();
             tracing::error!(
                 %cli_session_id,
                 "The runtime reports this session attached to another process (alreadyInUse); \

@@ -92,7 +92,9 @@ pub async fn load(args: LoadArgs) -> Result<()> {
         ),
     )
     .context("writing the daemon's config")?;
-    let (mut daemon, addr, metrics_addr) = start_daemon(&program, &scratch.0, &config).await?;
+    // `/metrics` is served on the API's own listener.
+    let (mut daemon, addr) = start_daemon(&program, &scratch.0, &config).await?;
+    let metrics_addr = addr;
     let daemon_pid = daemon.pid().context("the daemon's pid")?;
     eprintln!(
         "load: daemon {daemon_pid} on {addr}; {} clients over {} agents, {} turns",
@@ -213,20 +215,20 @@ pub async fn load(args: LoadArgs) -> Result<()> {
     Ok(())
 }
 
-/// Starts `copilot-pool serve` (this executable) in its own process group on loopback ports;
-/// returns it with its API and metrics addresses, read from the lines it prints.
+/// Starts `copilot-pool serve` (this executable) in its own process group on a loopback
+/// port; returns it with its address, read from the line it prints.
 async fn start_daemon(
     program: &Path,
     dir: &Path,
     config: &Path,
-) -> Result<(GroupLeader, SocketAddr, SocketAddr)> {
+) -> Result<(GroupLeader, SocketAddr)> {
     let me = std::env::current_exe().context("finding this executable")?;
     let mut command = tokio::process::Command::new(me);
     command
         .arg("serve")
         .arg("--config")
         .arg(config)
-        .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+        .args(["--listen", "127.0.0.1:0"])
         .arg("--state-dir")
         .arg(dir.join("state"))
         .arg("--cli")
@@ -241,16 +243,11 @@ async fn start_daemon(
         .take_stdout()
         .context("the daemon's standard output")?;
     let mut lines = BufReader::new(stdout).lines();
-    let (mut addr, mut metrics) = (None, None);
+    let mut addr = None;
     let read = async {
         while let Ok(Some(line)) = lines.next_line().await {
-            if let Some(a) = line.strip_prefix("metrics on http://") {
-                metrics = a.parse().ok();
-            }
             if let Some(a) = line.strip_prefix("listening on http://") {
                 addr = a.parse().ok();
-            }
-            if addr.is_some() && metrics.is_some() {
                 break;
             }
         }
@@ -258,9 +255,9 @@ async fn start_daemon(
     tokio::time::timeout(Duration::from_secs(60), read)
         .await
         .context("the daemon did not say where it listens within 60 s")?;
-    match (addr, metrics) {
-        (Some(a), Some(m)) => Ok((daemon, a, m)),
-        _ => bail!("the daemon exited before it said where it listens (see its log above)"),
+    match addr {
+        Some(a) => Ok((daemon, a)),
+        None => bail!("the daemon exited before it said where it listens (see its log above)"),
     }
 }
 

@@ -297,6 +297,11 @@ pub(crate) struct Placement<Spec, S> {
     /// are outstanding: they are not granted until each is confirmed (one owner per CLI
     /// session id).
     detaching: HashMap<String, usize>,
+    /// Workers evicted and not yet stopped, each with the conversations whose detach from it
+    /// failed while it could still hold their sessions: those stay in `detaching` until the
+    /// process is gone ([`eviction_done`](Self::eviction_done)), so none is resumed elsewhere
+    /// meanwhile.
+    stopping: HashMap<WorkerId, Vec<String>>,
     /// Consecutive resumes that crashed the runtime, per conversation (cleared when it
     /// opens).
     resume_crashes: HashMap<String, u32>,
@@ -315,6 +320,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             closed: false,
             totals: PoolTotals::default(),
             detaching: HashMap::new(),
+            stopping: HashMap::new(),
             resume_crashes: HashMap::new(),
             out: Vec::new(),
         }
@@ -446,8 +452,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         self.effects()
     }
 
-    /// A `Detach` or `Evict` effect finished for these conversations; `ok == false` means the
-    /// old worker may still hold the session, so it is stopped.
+    /// A `Detach` effect finished for these conversations; `ok == false` means the old
+    /// worker may still hold the sessions: it is stopped, and they wait for it to be gone.
     pub(crate) fn detached(
         &mut self,
         conversations: &[String],
@@ -455,12 +461,13 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         ok: bool,
         now: Instant,
     ) -> Vec<Effect<Spec, S>> {
+        let still_running =
+            self.workers.contains_key(&worker) || self.stopping.contains_key(&worker);
         for key in conversations {
-            if let Some(n) = self.detaching.get_mut(key) {
-                *n -= 1;
-                if *n == 0 {
-                    self.detaching.remove(key);
-                }
+            if !ok && still_running {
+                self.stopping.entry(worker).or_default().push(key.clone());
+            } else {
+                self.detach_done(key);
             }
         }
         if !ok && self.workers.contains_key(&worker) {
@@ -468,6 +475,32 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         }
         self.serve_waiters(now);
         self.effects()
+    }
+
+    /// An `Evict` effect finished: the worker's process is gone, with it every session it
+    /// held (`conversations`, the eviction's, and those whose detach from it failed).
+    pub(crate) fn eviction_done(
+        &mut self,
+        conversations: &[String],
+        worker: WorkerId,
+        now: Instant,
+    ) -> Vec<Effect<Spec, S>> {
+        let held = self.stopping.remove(&worker).unwrap_or_default();
+        for key in conversations.iter().chain(&held) {
+            self.detach_done(key);
+        }
+        self.serve_waiters(now);
+        self.effects()
+    }
+
+    /// One outstanding detach of `key` is over.
+    fn detach_done(&mut self, key: &str) {
+        if let Some(n) = self.detaching.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                self.detaching.remove(key);
+            }
+        }
     }
 
     /// A start of `key` finished. Returns the new worker's id if placement keeps it (the
@@ -1369,6 +1402,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             *self.detaching.entry(key.clone()).or_default() += 1;
         }
         self.remove_worker(id);
+        self.stopping.entry(id).or_default();
         tracing::info!(pid, why = reason.describe(), "Evicting a pool worker.");
         self.totals.evicted += 1;
         self.emit(PoolEvent::WorkerEvicted {

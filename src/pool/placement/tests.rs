@@ -64,8 +64,12 @@ struct Sim {
     /// Spawns asked for and not yet answered.
     spawns: Vec<PoolKey>,
     respawns: Vec<PoolKey>,
-    /// Detaches and evictions asked for and not yet answered: (conversations, worker).
+    /// Detaches asked for and not yet answered: (conversations, worker).
     detaches: Vec<(Vec<String>, WorkerId)>,
+    /// Evictions whose stop has not been reported: (conversations, worker).
+    stops: Vec<(Vec<String>, WorkerId)>,
+    /// Conversations whose detach failed on a worker not yet stopped: (conversation, worker).
+    failed_detaches: Vec<(String, WorkerId)>,
     evicted: Vec<(WorkerId, Eviction)>,
     workers: Vec<WorkerId>,
     /// Workers whose child exited and whose supervision event has not come yet.
@@ -92,6 +96,8 @@ impl Sim {
             spawns: Vec::new(),
             respawns: Vec::new(),
             detaches: Vec::new(),
+            stops: Vec::new(),
+            failed_detaches: Vec::new(),
             evicted: Vec::new(),
             workers: Vec::new(),
             exited: Vec::new(),
@@ -215,6 +221,28 @@ impl Sim {
             let effects = self.core.detached(&conversations, worker, true, self.now);
             self.apply(effects);
         }
+        while let Some((conversations, worker)) = self.stops.pop() {
+            self.stop_done(conversations, worker);
+        }
+    }
+
+    /// A detach of `conversations` from `worker` failed.
+    fn fail_detach(&mut self, conversations: Vec<String>, worker: WorkerId) {
+        let running =
+            self.workers.contains(&worker) || self.stops.iter().any(|(_, w)| *w == worker);
+        if running {
+            self.failed_detaches
+                .extend(conversations.iter().map(|c| (c.clone(), worker)));
+        }
+        let effects = self.core.detached(&conversations, worker, false, self.now);
+        self.apply(effects);
+    }
+
+    /// An evicted worker's process is gone.
+    fn stop_done(&mut self, conversations: Vec<String>, worker: WorkerId) {
+        self.failed_detaches.retain(|(_, w)| *w != worker);
+        let effects = self.core.eviction_done(&conversations, worker, self.now);
+        self.apply(effects);
     }
 
     fn apply(&mut self, effects: Vec<Effect<(), Token>>) {
@@ -233,6 +261,18 @@ impl Sim {
                             .iter()
                             .any(|(cs, _)| cs.contains(&g.conversation)),
                         "{} granted while being detached",
+                        g.conversation
+                    );
+                    assert!(
+                        !self
+                            .stops
+                            .iter()
+                            .any(|(cs, _)| cs.contains(&g.conversation))
+                            && !self
+                                .failed_detaches
+                                .iter()
+                                .any(|(c, _)| *c == g.conversation),
+                        "{} granted while a worker that may hold it is still stopping",
                         g.conversation
                     );
                     self.queued.retain(|r| *r != g.request);
@@ -282,7 +322,7 @@ impl Sim {
                         );
                     }
                     self.evicted.push((worker, reason));
-                    self.detaches.push((attached, worker));
+                    self.stops.push((attached, worker));
                     self.workers.retain(|w| *w != worker);
                 }
                 Effect::Forget { worker } => self.workers.retain(|w| *w != worker),
@@ -530,9 +570,59 @@ fn a_failed_detach_stops_the_old_worker_before_the_conversation_moves() {
     let w = sim.spawn_ok().expect("kept");
     sim.give_back("a/1", Settle::Detach, 1);
     let (conversations, worker) = sim.detaches.pop().expect("a detach");
+    sim.fail_detach(conversations, worker);
+    assert_eq!(sim.evicted, vec![(w, Eviction::DetachFailed)]);
+}
+
+#[test]
+fn a_conversation_whose_detach_failed_is_granted_only_once_its_old_worker_has_stopped() {
+    let mut sim = Sim::new(limits());
+    sim.ask("a/1", 1);
+    let w = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Detach, 1);
+    let (conversations, worker) = sim.detaches.pop().expect("a detach");
+    // The detach failed (the process is dying, or did not answer): it may still hold the
+    // session, so the conversation waits for that process to be gone, not just evicted.
     let effects = sim.core.detached(&conversations, worker, false, sim.now);
     sim.apply(effects);
     assert_eq!(sim.evicted, vec![(w, Eviction::DetachFailed)]);
+    let next = sim.ask("a/1", 1);
+    sim.spawn_ok();
+    assert!(
+        sim.granted_to(next).is_none(),
+        "granted while its old process may still hold the session"
+    );
+    sim.confirm_all_detaches();
+    if !sim.spawns.is_empty() {
+        sim.spawn_ok();
+    }
+    assert!(sim.granted_to(next).is_some());
+}
+
+#[test]
+fn a_detach_that_fails_on_a_worker_already_being_stopped_waits_for_that_stop() {
+    let mut sim = Sim::new(limits());
+    sim.ask("a/1", 1);
+    let w = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Detach, 1);
+    let (conversations, worker) = sim.detaches.pop().expect("a detach");
+    // Before the detach answers, the worker is stopped for another reason (here an
+    // unsettled return of a second conversation).
+    sim.ask("a/2", 1);
+    sim.give_back("a/2", Settle::Unsettled, 0);
+    assert_eq!(sim.evicted, vec![(w, Eviction::Unsettled)]);
+    sim.fail_detach(conversations, worker);
+    let next = sim.ask("a/1", 1);
+    sim.spawn_ok();
+    assert!(
+        sim.granted_to(next).is_none(),
+        "granted while its old process may still hold the session"
+    );
+    sim.confirm_all_detaches();
+    if !sim.spawns.is_empty() {
+        sim.spawn_ok();
+    }
+    assert!(sim.granted_to(next).is_some());
 }
 
 #[test]
@@ -1083,12 +1173,22 @@ impl Sim {
                 self.apply(effects);
             }
             Step::Confirm { pick, ok } => {
+                // Evictions' stops are answered among the detaches.
+                if !self.stops.is_empty() && (self.detaches.is_empty() || pick % 2 == 1) {
+                    let (conversations, worker) = self.stops.remove(pick % self.stops.len());
+                    self.stop_done(conversations, worker);
+                    return;
+                }
                 if self.detaches.is_empty() {
                     return;
                 }
                 let (conversations, worker) = self.detaches.remove(pick % self.detaches.len());
-                let effects = self.core.detached(&conversations, worker, ok, now);
-                self.apply(effects);
+                if ok {
+                    let effects = self.core.detached(&conversations, worker, true, now);
+                    self.apply(effects);
+                } else {
+                    self.fail_detach(conversations, worker);
+                }
             }
             Step::Exit { pick } => {
                 if let Some(worker) = self.pick_worker(pick) {
@@ -1171,6 +1271,8 @@ impl Sim {
             } else if let Some((conversations, worker)) = self.detaches.pop() {
                 let effects = self.core.detached(&conversations, worker, true, now);
                 self.apply(effects);
+            } else if let Some((conversations, worker)) = self.stops.pop() {
+                self.stop_done(conversations, worker);
             } else if !self.spawns.is_empty() {
                 self.play(Step::SpawnDone { pick: 0, ok: true });
             } else if let Some(worker) = self.exited.pop() {
@@ -1194,7 +1296,12 @@ impl Sim {
             }
             quiet_ticks = 0;
         }
-        assert!(self.leases.is_empty() && self.detaches.is_empty() && self.spawns.is_empty());
+        assert!(
+            self.leases.is_empty()
+                && self.detaches.is_empty()
+                && self.stops.is_empty()
+                && self.spawns.is_empty()
+        );
         assert!(self.processes.is_empty());
         assert!(
             self.core.detaching.is_empty(),

@@ -330,6 +330,7 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     let aborted_metric = delta(m::TURNS_TOTAL, "outcome=\"aborted\"");
     let drained = delta(m::EVICTIONS_TOTAL, "reason=\"drained\"");
     let rotations = injected.get(FaultKind::RotateToken);
+    let two_owners = delta(m::OWNERSHIP_VIOLATIONS_TOTAL, "");
     let mut invariants = vec![
         Invariant::zero(
             "every turn ended within its limits",
@@ -347,6 +348,11 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
                     format!(" ({})", examples.join("; "))
                 }
             ),
+        ),
+        Invariant::zero(
+            "no session attached to two processes",
+            two_owners,
+            format!("{two_owners} opens met their session attached elsewhere (alreadyInUse)"),
         ),
         Invariant::zero(
             "no duplicate or torn transcript line",

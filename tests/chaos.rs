@@ -1,0 +1,100 @@
+//! End-to-end: `copilot-pool chaos` and `copilot-pool load` at a small size, so they never rot.
+//! The chaos run must inject every kind of fault it knows within its turns and report every
+//! invariant held; the load run must finish its turns and report its samples.
+
+mod support;
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn bin() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_copilot-pool"));
+    cmd.env_remove("COPILOT_POOL_LOG");
+    cmd
+}
+
+async fn output(mut cmd: Command) -> Output {
+    tokio::task::spawn_blocking(move || cmd.output().expect("run copilot-pool"))
+        .await
+        .expect("join")
+}
+
+/// The JSON object a run printed as its last stdout line.
+fn report(out: &Output) -> Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| {
+        panic!(
+            "no JSON report ({e}):\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+#[tokio::test]
+async fn a_small_chaos_run_injects_faults_and_holds_every_invariant() {
+    let runtime = support::runtime::runtime_path().await;
+    let mut cmd = bin();
+    cmd.env("COPILOT_CLI_PATH", &runtime).args([
+        "chaos",
+        "--agents",
+        "2",
+        "--conversations",
+        "2",
+        "--turns",
+        "10000",
+        "--max-seconds",
+        "25",
+        "--fault-every-ms",
+        "250",
+        "--seed",
+        "2026",
+        "--json",
+    ]);
+    let out = output(cmd).await;
+    let report = report(&out);
+    let invariants = report["invariants"].as_array().expect("invariants");
+    assert!(invariants.len() >= 9, "{report}");
+    for invariant in invariants {
+        assert_eq!(invariant["held"], true, "{invariant}");
+    }
+    assert!(out.status.success(), "{report}");
+    let faults = &report["faults_injected"];
+    let injected: u64 = faults
+        .as_object()
+        .expect("faults")
+        .values()
+        .filter_map(Value::as_u64)
+        .sum();
+    assert!(injected >= 20, "{faults}");
+    assert!(faults["kill"].as_u64() >= Some(1), "{faults}");
+    assert!(report["ends"]["idle"].as_u64() >= Some(10), "{report}");
+}
+
+#[tokio::test]
+async fn a_small_load_run_finishes_its_turns_and_samples_the_daemon() {
+    let runtime = support::runtime::runtime_path().await;
+    let mut cmd = bin();
+    cmd.env("COPILOT_CLI_PATH", &runtime).args([
+        "load",
+        "--clients",
+        "8",
+        "--agents",
+        "2",
+        "--turns",
+        "60",
+        "--json",
+    ]);
+    let out = output(cmd).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = report(&out);
+    assert_eq!(report["turns"], 60, "{report}");
+    assert_eq!(report["failed_turns"], 0, "{report}");
+    assert!(report["end"]["rss_bytes"].as_u64() > Some(0), "{report}");
+    assert!(report["end"]["tasks"].as_u64() > Some(0), "{report}");
+}
