@@ -667,24 +667,35 @@ impl PoolState {
     /// Runs a detach in a task; it reports back (`Detached`): confirmed, or failed (and the
     /// core then stops the worker). A worker that is gone holds nothing.
     fn detach(&mut self, conversation: String, worker: WorkerId, target: DetachTarget<Session>) {
-        let (not_found, detach): (NotFound, futures_util::future::BoxFuture<'static, _>) =
+        let (not_found, old, detach): (NotFound, _, futures_util::future::BoxFuture<'static, _>) =
             match target {
                 DetachTarget::Session(session) => (
                     NotFound::Detached,
+                    Some(session.worker().clone()),
                     Box::pin(async move { session.detach().await }),
                 ),
                 DetachTarget::Id(id) => match self.handles.get(&worker).cloned() {
                     Some(handle) => (
                         NotFound::Unconfirmed,
+                        Some(handle.clone()),
                         Box::pin(async move { handle.detach_session(&id).await }),
                     ),
-                    None => (NotFound::Detached, Box::pin(async { Ok(()) })),
+                    None => (NotFound::Detached, None, Box::pin(async { Ok(()) })),
                 },
             };
         let target = self.myself.clone();
         tokio::spawn(async move {
             let ok = match detach.await {
-                Ok(()) | Err(WorkerError::Died(_) | WorkerError::Stopped) => true,
+                Ok(()) => true,
+                // Died is reported as the worker starts dying: its process (which holds the
+                // session's lock) may live on for tens of milliseconds more; the detach
+                // counts once it is gone (`shutdown` returns then).
+                Err(WorkerError::Died(_) | WorkerError::Stopped) => {
+                    if let Some(old) = old {
+                        old.shutdown().await;
+                    }
+                    true
+                }
                 Err(error) if not_found == NotFound::Detached && super::is_not_found(&error) => {
                     true
                 }

@@ -791,7 +791,13 @@ impl OpenTarget<'_> {
                 Some(session) => {
                     let old = session.worker().clone();
                     match session.detach().await {
-                        Ok(()) | Err(WorkerError::Died(_) | WorkerError::Stopped) => {}
+                        Ok(()) => {}
+                        // Died is reported as the worker starts dying: its process (which
+                        // holds the session's lock) may live on for tens of milliseconds
+                        // more. `shutdown` returns once it is gone.
+                        Err(WorkerError::Died(_) | WorkerError::Stopped) => {
+                            old.shutdown().await;
+                        }
                         Err(error) => {
                             // The old process may still hold the session: it must not live on.
                             tracing::warn!(%error, pid = old.pid(), "Detach failed; stopping the old worker before resuming.");
