@@ -20,6 +20,8 @@ pub enum FaultKind {
     Kill,
     /// SIGSTOP of a runtime process (it must be found hung, killed and replaced).
     Stop,
+    /// The pipe carrying a runtime's output closes while the runtime lives on.
+    ClosePipe,
     /// The next binding writes fail (ENOSPC or EIO).
     BindingWrite,
     /// The next transcript writes fail (ENOSPC or EIO).
@@ -33,9 +35,10 @@ pub enum FaultKind {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 7] = [
+    pub const ALL: [FaultKind; 8] = [
         FaultKind::Kill,
         FaultKind::Stop,
+        FaultKind::ClosePipe,
         FaultKind::BindingWrite,
         FaultKind::TranscriptWrite,
         FaultKind::RotateToken,
@@ -47,6 +50,7 @@ impl FaultKind {
         match self {
             FaultKind::Kill => "kill",
             FaultKind::Stop => "stop",
+            FaultKind::ClosePipe => "close_pipe",
             FaultKind::BindingWrite => "binding_write",
             FaultKind::TranscriptWrite => "transcript_write",
             FaultKind::RotateToken => "rotate_token",
@@ -86,6 +90,39 @@ impl Schedule {
             nix::libc::EIO
         }
     }
+}
+
+/// The shim every chaos worker runs through: the runtime (exec'd, so it keeps the worker's
+/// pid and leads its group) with its output going through a FIFO to a `cat` in its group,
+/// whose output is the pipe the pool reads. Killing the `cat` closes that pipe while the
+/// runtime lives on: a fault the real runtime cannot be told to make. The FIFOs live in
+/// `dir` (the run's scratch directory).
+pub fn runtime_shim(runtime: &std::path::Path, dir: &std::path::Path) -> String {
+    let quote = |p: &std::path::Path| p.display().to_string().replace('\'', "'\\''");
+    format!(
+        "#!/bin/sh\nfifo='{dir}'/fifo.$$\n/usr/bin/mkfifo \"$fifo\" || exit 1\n/bin/cat \"$fifo\" &\nexec '{runtime}' \"$@\" > \"$fifo\"\n",
+        dir = quote(dir),
+        runtime = quote(runtime),
+    )
+}
+
+/// The members of the process group `leader` leads, with their command names.
+pub fn group_members(leader: u32) -> Vec<(u32, String)> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let open = stat.find('(')?;
+            let close = stat.rfind(')')?;
+            let name = stat.get(open + 1..close)?.to_owned();
+            let fields: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
+            let group: u32 = fields.get(2)?.parse().ok()?;
+            (group == leader && fields.first() != Some(&"Z")).then_some((pid, name))
+        })
+        .collect()
 }
 
 /// Fails the next armed writes of each store, and counts every failure it caused.

@@ -121,7 +121,14 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     let disk = Arc::new(ChaosDisk::default());
     let shared_disk: SharedDiskFaults = disk.clone();
 
-    let mut worker = WorkerConfig::new(program, PathBuf::new(), PathBuf::new());
+    let shim = base.join("runtime-shim.sh");
+    std::fs::write(&shim, injector::runtime_shim(&program, &base)).context("writing the shim")?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&shim, std::fs::Permissions::from_mode(0o755))
+            .context("making the shim executable")?;
+    }
+    let mut worker = WorkerConfig::new(shim, PathBuf::new(), PathBuf::new());
     worker.kill_grace = Duration::from_secs(2);
     worker.health_interval = Duration::from_secs(1);
     worker.health_timeout = Duration::from_secs(1);
@@ -324,7 +331,9 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     };
     use copilot_pool::metrics as m;
     let crash_exits = delta(m::PROCESS_EXITS_TOTAL, "reason=\"crash\"");
-    let kills = injected.get(FaultKind::Kill) + injected.get(FaultKind::Stop);
+    let kills = injected.get(FaultKind::Kill)
+        + injected.get(FaultKind::Stop)
+        + injected.get(FaultKind::ClosePipe);
     let binding_failures = delta(m::STORAGE_WRITE_FAILURES_TOTAL, "store=\"bindings\"");
     let transcript_failures = delta(m::STORAGE_WRITE_FAILURES_TOTAL, "store=\"transcript\"");
     let aborted_metric = delta(m::TURNS_TOTAL, "outcome=\"aborted\"");
@@ -373,9 +382,9 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
             format!("{fds0} before, {fds_peak} at the peak, {fds1} after"),
         ),
         Invariant::zero(
-            "every kill and stop seen as a crash exit",
+            "every kill, stop and closed pipe seen as a crash exit",
             kills.saturating_sub(crash_exits),
-            format!("{kills} killed or stopped, {crash_exits} crash exits counted"),
+            format!("{kills} killed, stopped or cut off, {crash_exits} crash exits counted"),
         ),
         Invariant::zero(
             "every failed binding write counted",
@@ -549,7 +558,7 @@ async fn inject(
         }
         let kind = schedule.next_kind();
         let took = match kind {
-            FaultKind::Kill | FaultKind::Stop => {
+            FaultKind::Kill | FaultKind::Stop | FaultKind::ClosePipe => {
                 let live: Vec<u32> = match parts.pool.status().await {
                     Ok(status) => status
                         .workers
@@ -562,15 +571,22 @@ async fn inject(
                 if live.is_empty() {
                     false
                 } else {
-                    let pid = live[schedule.pick(live.len())];
-                    let signal = if kind == FaultKind::Kill {
-                        Signal::SIGKILL
-                    } else {
-                        Signal::SIGSTOP
+                    // The worker's pid is the runtime's (the shim execs it); the `cat` its
+                    // output goes through is in its group.
+                    let leader = live[schedule.pick(live.len())];
+                    let target = match kind {
+                        FaultKind::ClosePipe => injector::group_members(leader)
+                            .into_iter()
+                            .find(|(_, name)| name == "cat")
+                            .map(|(pid, _)| (pid, Signal::SIGKILL)),
+                        FaultKind::Kill => Some((leader, Signal::SIGKILL)),
+                        _ => Some((leader, Signal::SIGSTOP)),
                     };
-                    let sent = kill(Pid::from_raw(pid as i32), signal).is_ok();
+                    let sent = target.is_some_and(|(pid, signal)| {
+                        kill(Pid::from_raw(pid as i32), signal).is_ok()
+                    });
                     if sent {
-                        faulted.insert(pid);
+                        faulted.insert(leader);
                     }
                     sent
                 }
