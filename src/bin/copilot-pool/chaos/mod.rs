@@ -47,7 +47,7 @@ pub struct ChaosArgs {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=32))]
     conversations: u32,
     /// Turns per conversation.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=10000))]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
     turns: u32,
     /// The fault schedule's seed (default: drawn, and printed so the run can be replayed).
     #[arg(long)]
