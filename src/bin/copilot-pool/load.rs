@@ -62,6 +62,9 @@ struct Report {
     seconds: f64,
     turns_per_second: f64,
     lease_wait_p99_seconds: Option<f64>,
+    /// CPU seconds per turn of the daemon itself and of its runtime processes.
+    daemon_cpu_per_turn_seconds: f64,
+    runtimes_cpu_per_turn_seconds: f64,
     wait_bound_seconds: u64,
     after_warm_up: Sample,
     end: Sample,
@@ -105,6 +108,7 @@ pub async fn load(args: LoadArgs) -> Result<()> {
         .no_proxy()
         .build()
         .context("an HTTP client")?;
+    let cpu_at_start = cpu_seconds(daemon_pid);
     let started = Instant::now();
     let next_turn = Arc::new(AtomicU64::new(0));
     let done = Arc::new(AtomicU64::new(0));
@@ -151,6 +155,8 @@ pub async fn load(args: LoadArgs) -> Result<()> {
         }
     }
     let seconds = started.elapsed().as_secs_f64();
+    let (daemon_cpu, runtimes_cpu) = cpu_seconds(daemon_pid);
+    let (daemon_cpu, runtimes_cpu) = (daemon_cpu - cpu_at_start.0, runtimes_cpu - cpu_at_start.1);
     let exposition = get_text(&http, metrics_addr, "/metrics")
         .await
         .unwrap_or_default();
@@ -179,6 +185,8 @@ pub async fn load(args: LoadArgs) -> Result<()> {
         seconds,
         turns_per_second: turns as f64 / seconds,
         lease_wait_p99_seconds: p99,
+        daemon_cpu_per_turn_seconds: daemon_cpu / turns.max(1) as f64,
+        runtimes_cpu_per_turn_seconds: runtimes_cpu / turns.max(1) as f64,
         wait_bound_seconds: args.wait_timeout_secs,
         after_warm_up,
         end,
@@ -193,6 +201,12 @@ pub async fn load(args: LoadArgs) -> Result<()> {
         p99.map(|p| format!("<= {p} s"))
             .unwrap_or_else(|| "n/a".into()),
         args.wait_timeout_secs
+    );
+    println!(
+        "CPU per turn: daemon {:.2} ms, its runtimes {:.2} ms (the daemon {:.1} % of the runtimes')",
+        report.daemon_cpu_per_turn_seconds * 1e3,
+        report.runtimes_cpu_per_turn_seconds * 1e3,
+        100.0 * daemon_cpu / runtimes_cpu.max(f64::MIN_POSITIVE)
     );
     for (name, s) in [("after warm-up", after_warm_up), ("at the end", end)] {
         println!(
@@ -306,6 +320,38 @@ async fn sample(
         fds,
         tasks,
     }
+}
+
+/// CPU seconds (user + system) of the daemon `pid` itself, and of its runtimes: the live
+/// children's plus what the reaped ones left in the daemon's children's counts.
+fn cpu_seconds(pid: u32) -> (f64, f64) {
+    let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .unwrap_or(100) as f64;
+    // utime, stime, cutime, cstime and the parent's pid, after the command name.
+    let read = |pid: u32| -> Option<(f64, f64, u32)> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let fields: Vec<&str> = stat.get(stat.rfind(')')? + 1..)?.split_whitespace().collect();
+        let n = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
+        // Field 3 (state) is index 0 here: ppid 4 → 1, utime 14 → 11, cutime 16 → 13.
+        let ppid = fields.get(1)?.parse().ok()?;
+        Some(((n(11) + n(12)) / ticks, (n(13) + n(14)) / ticks, ppid))
+    };
+    let Some((own, reaped, _)) = read(pid) else {
+        return (0.0, 0.0);
+    };
+    let live: f64 = std::fs::read_dir("/proc")
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+                .filter_map(read)
+                .filter(|(_, _, ppid)| *ppid == pid)
+                .map(|(cpu, children, _)| cpu + children)
+                .sum()
+        })
+        .unwrap_or(0.0);
+    (own, reaped + live)
 }
 
 async fn get_text(http: &reqwest::Client, addr: SocketAddr, path: &str) -> Option<String> {
