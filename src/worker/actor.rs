@@ -39,7 +39,8 @@ pub(crate) struct Worker;
 pub(crate) struct StartArgs {
     pub(crate) config: WorkerConfig,
     pub(crate) exit: watch::Sender<Option<WorkerExit>>,
-    pub(crate) ready: oneshot::Sender<(Connection, WorkerInfo)>,
+    /// The connection, what the runtime said of itself, and the child's reap watch.
+    pub(crate) ready: oneshot::Sender<(Connection, WorkerInfo, watch::Receiver<Option<ExitInfo>>)>,
 }
 
 /// Messages of the worker actor.
@@ -214,7 +215,7 @@ impl Actor for Worker {
                 let _ = watcher_target.cast(WorkerMsg::ChildExited(status));
             }
         });
-        let _ = ready.send((conn.clone(), info));
+        let _ = ready.send((conn.clone(), info, child.exit_watch()));
         Ok(WorkerState {
             config,
             child,

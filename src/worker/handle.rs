@@ -13,6 +13,7 @@ use ractor::{Actor, ActorCell, ActorRef};
 use tokio::sync::{oneshot, watch};
 
 use crate::ids::CliSessionId;
+use crate::process::ExitInfo;
 use crate::rpc::messages::{
     HandlePendingPermission, HandlePendingToolCall, Method, Ping, PingParams, SessionConfig,
     SessionCreate, SessionDetach, SessionIdParams, SessionOpened, SessionResume,
@@ -33,6 +34,9 @@ const ACTOR_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Slack on top of detach + kill grace before a stopping actor is killed outright.
 const STOP_MARGIN: Duration = Duration::from_secs(2);
+/// How long [`WorkerHandle::shutdown`] waits, after the actor is gone, for the child to be
+/// reaped (it was SIGKILLed at the latest when the actor's state dropped).
+const REAP_WAIT: Duration = Duration::from_secs(5);
 
 /// Which kind of pending runtime request an answer is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -109,6 +113,8 @@ pub struct WorkerHandle {
     _stop_on_drop: Arc<StopOnDrop>,
     conn: Connection,
     exit: watch::Receiver<Option<WorkerExit>>,
+    /// Set once the child's leader has been reaped: the process is gone.
+    reaped: watch::Receiver<Option<ExitInfo>>,
     info: Arc<WorkerInfo>,
     request_timeout: Duration,
     /// Upper bound of an orderly stop: detach, then TERM, grace, KILL.
@@ -170,7 +176,7 @@ impl WorkerHandle {
             }
             Err(other) => return Err(WorkerError::Spawn(other.to_string())),
         };
-        let (conn, info) = ready_rx
+        let (conn, info, reaped) = ready_rx
             .await
             .map_err(|_| WorkerError::Spawn("worker ended during start".into()))?;
         Ok(WorkerHandle {
@@ -178,6 +184,7 @@ impl WorkerHandle {
             actor,
             conn,
             exit: exit_rx,
+            reaped,
             info: Arc::new(info),
             request_timeout,
             stop_limit,
@@ -463,6 +470,19 @@ impl WorkerHandle {
             );
             self.actor.kill();
             let _ = self.actor.wait(Some(STOP_MARGIN)).await;
+        }
+        // A killed actor's state SIGKILLs the group without waiting: the process (which may
+        // hold its sessions' locks) is gone only once it is reaped, and a caller moving its
+        // conversations elsewhere must not go on before that.
+        let mut reaped = self.reaped.clone();
+        if tokio::time::timeout(REAP_WAIT, reaped.wait_for(|r| r.is_some()))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                pid = self.info.pid,
+                "Copilot worker's process was not reaped within {REAP_WAIT:?} of its stop."
+            );
         }
         tokio::time::timeout(EXIT_REPORT_WAIT, self.ended())
             .await

@@ -332,8 +332,16 @@ fn cpu_seconds(pid: u32) -> (f64, f64) {
     // utime, stime, cutime, cstime and the parent's pid, after the command name.
     let read = |pid: u32| -> Option<(f64, f64, u32)> {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let fields: Vec<&str> = stat.get(stat.rfind(')')? + 1..)?.split_whitespace().collect();
-        let n = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
+        let fields: Vec<&str> = stat
+            .get(stat.rfind(')')? + 1..)?
+            .split_whitespace()
+            .collect();
+        let n = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|f| f.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
         // Field 3 (state) is index 0 here: ppid 4 → 1, utime 14 → 11, cutime 16 → 13.
         let ppid = fields.get(1)?.parse().ok()?;
         Some(((n(11) + n(12)) / ticks, (n(13) + n(14)) / ticks, ppid))
