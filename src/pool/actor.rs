@@ -769,7 +769,7 @@ impl PoolState {
 
     /// Sets the pool's gauges and the leased count.
     fn publish(&self) {
-        self.core.gauges().publish();
+        self.core.gauges(Instant::now()).publish();
         self.leased.send_replace(self.core.leased_count());
     }
 }
