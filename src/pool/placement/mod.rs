@@ -1083,7 +1083,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         let views = self.views_of(key);
         let max = self.limits.max_sessions_per_process;
         let spare = spare(views.iter().copied());
-        let Some(joined) = least_loaded(views.iter().copied().filter(|w| !is_spare(w)), max) else {
+        let Some(joined) = least_loaded(views.iter().copied().filter(|w| w.attached > 0), max)
+        else {
             return spare.or_else(|| least_loaded(views.iter().copied(), max));
         };
         if spread(views.iter().copied(), &self.packing()) {
