@@ -943,4 +943,17 @@ async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_wa
     assert_eq!(outcome.open_reason, Some(OpenReason::New));
     drop(second);
     shutdown_leaves_nothing(&pool).await;
+
+    // The spare was primed with a throwaway turn before it was reported started: that
+    // session is gone from the agent's home (only the two conversations are stored), and
+    // its model call never reached the model.
+    let stored = std::fs::read_dir(
+        fx.scratch
+            .path()
+            .join("agents/agents/agent-a/copilot/session-state"),
+    )
+    .expect("the agent's session state")
+    .count();
+    assert_eq!(stored, 2, "only the two conversations are stored");
+    assert_eq!(fx.model.requests().len(), 2, "one model call per real turn");
 }

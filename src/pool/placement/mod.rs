@@ -179,8 +179,14 @@ pub(crate) enum Effect<Spec, S> {
     },
     /// The request waits in the FIFO; expire it after `wait`.
     Queued { request: RequestId, wait: Duration },
-    /// Start a worker for `key`.
-    Spawn { key: PoolKey, spec: Spec },
+    /// Start a worker for `key`; `prime`: it starts ahead of demand (a warm spare, or one
+    /// more process for a busy key), so it runs the runtime's first-turn initialisation
+    /// before it is reported started.
+    Spawn {
+        key: PoolKey,
+        spec: Spec,
+        prime: bool,
+    },
     /// Call [`Placement::respawn_due`] for `key` after `after`.
     RespawnAfter { key: PoolKey, after: Duration },
     /// Detach a conversation's session from `worker`, with confirmation.
@@ -509,6 +515,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 self.out.push(Effect::Spawn {
                     key: key.clone(),
                     spec: ks.spec.clone(),
+                    prime: false,
                 });
             }
         }
@@ -1119,6 +1126,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         self.out.push(Effect::Spawn {
             key: key.clone(),
             spec: ks.spec.clone(),
+            prime: true,
         });
         true
     }
@@ -1200,6 +1208,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             self.out.push(Effect::Spawn {
                 key: key.clone(),
                 spec: ks.spec.clone(),
+                prime: false,
             });
         }
         true

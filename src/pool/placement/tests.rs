@@ -67,6 +67,8 @@ struct Sim {
     failed: Vec<(RequestId, PoolError)>,
     /// Spawns asked for and not yet answered.
     spawns: Vec<PoolKey>,
+    /// Whether each spawn asked for (in order) primes its process.
+    primes: Vec<bool>,
     respawns: Vec<PoolKey>,
     /// Detaches and evictions asked for and not yet answered: (conversations, worker).
     detaches: Vec<(Vec<String>, WorkerId)>,
@@ -94,6 +96,7 @@ impl Sim {
             granted: Vec::new(),
             failed: Vec::new(),
             spawns: Vec::new(),
+            primes: Vec::new(),
             respawns: Vec::new(),
             detaches: Vec::new(),
             evicted: Vec::new(),
@@ -267,7 +270,10 @@ impl Sim {
                     self.failed.push((request, error));
                 }
                 Effect::Queued { request, .. } => self.queued.push(request),
-                Effect::Spawn { key, .. } => self.spawns.push(key),
+                Effect::Spawn { key, prime, .. } => {
+                    self.spawns.push(key);
+                    self.primes.push(prime);
+                }
                 Effect::RespawnAfter { key, .. } => self.respawns.push(key),
                 Effect::Detach {
                     conversation,
@@ -1347,6 +1353,29 @@ fn a_key_with_a_lease_in_the_window_gets_a_warm_spare() {
         1
     );
     assert_eq!(sim.core.gauges(sim.now).spare, 1);
+}
+
+#[test]
+fn a_process_started_ahead_of_demand_is_primed_and_one_a_lease_waits_for_is_not() {
+    let mut sim = Sim::new(spares(1));
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    sim.spawn_ok();
+    assert_eq!(
+        sim.primes,
+        vec![false, true],
+        "the lease's own start goes straight to it; the spare primes first"
+    );
+    let mut busy = Sim::new(Limits {
+        max_sessions_per_process: 10,
+        cpu_processes_per_key: 2,
+        ..limits()
+    });
+    busy.ask("a/1", 1);
+    busy.spawn_ok();
+    busy.ask("a/2", 1);
+    busy.ask("a/3", 1);
+    assert_eq!(busy.primes, vec![false, true], "the busy key's extra start");
 }
 
 #[test]
