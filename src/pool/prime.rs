@@ -4,7 +4,7 @@
 //! ~32 ms on one that had served a turn, and a `session.create` alone did not change it.
 //! So the priming runs one turn of a throwaway session whose model endpoint refuses at once
 //! (loopback port 1, a dummy key: no model is called, nothing leaves the machine, no
-//! credential is used), aborts it at the first failed model call (the runtime would retry for
+//! credential is used; through a BYOK worker's tunnel the guard answers it quietly), aborts it at the first failed model call (the runtime would retry for
 //! ~23 s), and deletes the session. A priming that fails or runs past its limit leaves an
 //! unprimed but healthy process.
 
@@ -19,8 +19,9 @@ use crate::worker::{Session, SessionUpdate, WorkerError, WorkerHandle};
 pub(crate) const PRIME_LIMIT: Duration = Duration::from_secs(5);
 
 /// The model endpoint of the priming turn: nothing listens on loopback port 1 (and a
-/// sandboxed worker may not connect to it), so the call fails at once.
-const REFUSING_ENDPOINT: &str = "http://127.0.0.1:1/v1";
+/// sandboxed worker may not connect to it), so the call fails at once; a BYOK worker's
+/// tunnel answers it without a provider.
+const REFUSING_ENDPOINT: &str = crate::model_guard::PRIMING_BASE_URL;
 
 /// Why a priming stopped short.
 #[derive(Debug, thiserror::Error)]
