@@ -14,7 +14,7 @@
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
-//! | [`PROCESSES`] | gauge | `state`: `live`, `draining` |
+//! | [`PROCESSES`] | gauge | `state`: `live`, `draining`, `spare` |
 //! | [`PROCESS_SPAWNS_TOTAL`] | counter | `result`: `ok`, `error`, `resource_exhausted` |
 //! | [`PROCESS_EXITS_TOTAL`] | counter | `reason`: `crash`, `evicted`, `shutdown` |
 //! | [`PROCESS_START_SECONDS`] | histogram | — |
@@ -601,6 +601,7 @@ pub(crate) fn quarantined() {
 pub(crate) struct PoolGauges {
     pub(crate) live: usize,
     pub(crate) draining: usize,
+    pub(crate) spare: usize,
     pub(crate) rss_bytes: u64,
     pub(crate) conversations: usize,
     pub(crate) leases: usize,
@@ -611,6 +612,7 @@ impl PoolGauges {
     pub(crate) fn publish(&self) {
         gauge!(PROCESSES, "state" => "live").set(self.live as f64);
         gauge!(PROCESSES, "state" => "draining").set(self.draining as f64);
+        gauge!(PROCESSES, "state" => "spare").set(self.spare as f64);
         gauge!(PROCESS_RESIDENT_MEMORY_BYTES).set(self.rss_bytes as f64);
         gauge!(CONVERSATIONS_ATTACHED).set(self.conversations as f64);
         gauge!(LEASES_ACTIVE).set(self.leases as f64);
@@ -957,6 +959,7 @@ mod tests {
             PoolGauges {
                 live: 3,
                 draining: 1,
+                spare: 2,
                 rss_bytes: 1 << 20,
                 conversations: 7,
                 leases: 2,
@@ -1031,6 +1034,7 @@ mod tests {
             1
         );
         assert_eq!(gauge_of(PROCESSES, &[("state", "live")]), 3.0);
+        assert_eq!(gauge_of(PROCESSES, &[("state", "spare")]), 2.0);
         assert_eq!(gauge_of(PROCESSES, &[("state", "draining")]), 1.0);
         assert_eq!(gauge_of(PROCESS_RESIDENT_MEMORY_BYTES, &[]), 1048576.0);
         assert_eq!(gauge_of(CONVERSATIONS_ATTACHED, &[]), 7.0);

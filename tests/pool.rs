@@ -5,7 +5,7 @@ mod support;
 use std::time::Duration;
 
 use copilot_pool::kinds::Eviction;
-use copilot_pool::pool::{OpenReason, Pool, PoolError, PoolEvent, RestartPolicy};
+use copilot_pool::pool::{OpenReason, Pool, PoolError, PoolEvent, RestartPolicy, WorkerState};
 use copilot_pool::rpc::messages::ProviderConfig;
 use copilot_pool::secret::Secret;
 use nix::sys::signal::{Signal, kill};
@@ -882,4 +882,78 @@ async fn a_process_killed_every_two_seconds_is_replaced_each_time_and_its_key_ne
     assert!(status.quarantined_keys.is_empty());
     eprintln!("storm: {kills} kills, {ok} turns ok, {crashed} crashed");
     shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_waiting_for_a_start()
+{
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    // One conversation per process: without a spare, every new conversation waits for a
+    // start and handshake.
+    config.max_sessions_per_process = 1;
+    config.warm_spares = 1;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+
+    let mut first = pool
+        .lease(fx.request("agent-a", "conv-1"))
+        .await
+        .expect("first lease");
+    let first_pid = first.worker_pid();
+    let outcome = first.run("REPLY=one").await.expect("turn");
+    assert_eq!(outcome.text, "one");
+    drop(first);
+
+    // The agent had traffic: a spare starts after its lease.
+    let spare_pid = match wait_event(
+        &mut events,
+        |e| matches!(e, PoolEvent::WorkerStarted { pid, .. } if *pid != first_pid),
+    )
+    .await
+    {
+        PoolEvent::WorkerStarted { pid, .. } => pid,
+        other => unreachable!("{other:?}"),
+    };
+    let status = pool.status().await.expect("status");
+    let spare = status
+        .workers
+        .iter()
+        .find(|w| w.pid == spare_pid)
+        .expect("the spare in the status");
+    assert_eq!(spare.state, WorkerState::Spare);
+    assert_eq!(spare.conversations, 0);
+    let json = serde_json::to_value(&status).expect("status json");
+    assert!(
+        json["processes"]
+            .as_array()
+            .is_some_and(|ps| ps.iter().any(|p| p["state"] == "spare")),
+        "/v1/pool shows the spare: {json}"
+    );
+
+    // A new conversation of the agent finds the first process full and takes the spare,
+    // started before the lease asked: no start on its path.
+    let mut second = pool
+        .lease(fx.request("agent-a", "conv-2"))
+        .await
+        .expect("second lease");
+    assert_eq!(second.worker_pid(), spare_pid);
+    let outcome = second.run("REPLY=two").await.expect("turn");
+    assert_eq!(outcome.text, "two");
+    assert_eq!(outcome.open_reason, Some(OpenReason::New));
+    drop(second);
+    shutdown_leaves_nothing(&pool).await;
+
+    // The spare was primed with a throwaway turn before it was reported started: that
+    // session is gone from the agent's home (only the two conversations are stored), and
+    // its model call never reached the model.
+    let stored = std::fs::read_dir(
+        fx.scratch
+            .path()
+            .join("agents/agents/agent-a/copilot/session-state"),
+    )
+    .expect("the agent's session state")
+    .count();
+    assert_eq!(stored, 2, "only the two conversations are stored");
+    assert_eq!(fx.model.requests().len(), 2, "one model call per real turn");
 }

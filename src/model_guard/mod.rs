@@ -52,6 +52,11 @@ pub const PLACEHOLDER_API_KEY: &str = "copilot-pool-placeholder-api-key";
 /// The bearer token a BYOK child gets instead of the real one.
 pub const PLACEHOLDER_BEARER_TOKEN: &str = "copilot-pool-placeholder-bearer-token";
 
+/// The model endpoint of the pool's priming turns (`pool::prime`): nothing listens on
+/// loopback port 1, so a direct call fails at once; through a BYOK worker's tunnel the guard
+/// answers it without a provider, quietly (no warning, no model metric: it is no model call).
+pub(crate) const PRIMING_BASE_URL: &str = "http://127.0.0.1:1/v1";
+
 /// The guard's switches and limits (part of [`crate::pool::PoolConfig`]; the daemon's
 /// `[model]` section). Nothing here comes from a request.
 #[derive(Clone)]

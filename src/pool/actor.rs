@@ -520,7 +520,7 @@ impl PoolState {
                     self.myself
                         .send_after(wait, move || PoolMsg::WaiterExpired(request));
                 }
-                Effect::Spawn { key, spec } => self.start_spawn(key, spec),
+                Effect::Spawn { key, spec, prime } => self.start_spawn(key, spec, prime),
                 Effect::RespawnAfter { key, after } => {
                     self.myself.send_after(after, move || PoolMsg::Respawn(key));
                 }
@@ -648,9 +648,10 @@ impl PoolState {
         }
     }
 
-    fn start_spawn(&self, key: PoolKey, spec: WorkerConfig) {
+    fn start_spawn(&self, key: PoolKey, spec: WorkerConfig, prime: bool) {
         let target = self.myself.clone();
         let supervisor = self.myself.get_cell();
+        let working_directory = spec.working_directory.clone();
         tokio::spawn(async move {
             let started = Instant::now();
             let result = WorkerHandle::start_supervised(spec, supervisor).await;
@@ -660,6 +661,27 @@ impl PoolState {
                 _ => metrics::SpawnResult::Error,
             };
             metrics::process_started(outcome, started.elapsed());
+            if prime && let Ok(handle) = &result {
+                // Placement counts it as starting until then (the caps hold).
+                let primed = tokio::time::timeout(
+                    super::prime::PRIME_LIMIT,
+                    super::prime::prime(handle, &working_directory),
+                )
+                .await;
+                match primed {
+                    Ok(Ok(())) => tracing::debug!(
+                        pid = handle.pid(),
+                        "Primed a process started ahead of demand."
+                    ),
+                    Ok(Err(error)) => {
+                        tracing::info!(pid = handle.pid(), %error, "Priming a process started ahead of demand failed; it serves unprimed.")
+                    }
+                    Err(_) => tracing::info!(
+                        pid = handle.pid(),
+                        "Priming a process started ahead of demand ran out of time; it serves unprimed."
+                    ),
+                }
+            }
             let _ = target.cast(PoolMsg::Spawned { key, result });
         });
     }
@@ -788,7 +810,7 @@ impl PoolState {
 
     /// Sets the pool's gauges and the leased count.
     fn publish(&self) {
-        self.core.gauges().publish();
+        self.core.gauges(Instant::now()).publish();
         self.leased.send_replace(self.core.leased_count());
     }
 }

@@ -33,10 +33,34 @@ pub struct PoolConfig {
     pub max_processes: usize,
     /// Processes per key (default 4).
     pub max_processes_per_key: usize,
-    /// Conversations attached to one process (default 16). Keep the `cli` flavour well below
+    /// Conversations attached to one process (default 32). A key fills one process up to
+    /// this before it starts another (unless its processes are CPU-bound, below): a second
+    /// process costs a cold start and ~105 MiB, the price of ~27 conversations after a turn
+    /// (+3.9 MiB each, packing study §0), and 32 conversations in one process turn as fast
+    /// as over four at ~1 turn/s each (p50 25 ms either way, §6). 32 conversations of 30
+    /// turns stay near 0.8 GiB, under `max_rss_bytes`. Keep the `cli` flavour well below
     /// 128: it opens one inotify instance per session and the default per-user limit
     /// (`fs.inotify.max_user_instances`) is 128 for all processes of the user together.
     pub max_sessions_per_process: usize,
+    /// A process running this many leases at once counts as busy (default 8: at 8 streaming
+    /// conversations one runtime process is saturated at 151–166 % CPU, packing study §5). A
+    /// key whose processes with conversations are all busy brings one more into play (its
+    /// spare, or a start) while it runs fewer than `cpu_processes_per_key` of them.
+    pub busy_leases_per_process: usize,
+    /// Processes of one key worth running for CPU (default: two thirds of the machine's
+    /// cores, at least 1; one saturated runtime process uses ~1.5 cores). Beyond them a key
+    /// starts another process only when its processes are full.
+    pub cpu_processes_per_key: usize,
+    /// Warm spares per key (default 0: off): empty, started processes kept for a key that
+    /// had a conversation lease within `warm_spare_window`, so a lease that finds no room
+    /// (or no process) takes one at once instead of waiting for a start and handshake. A
+    /// spare counts in `max_processes` and `max_processes_per_key`, is never started by
+    /// stopping another worker, and is the first stopped when the pool needs room. A key
+    /// never leased gets none.
+    pub warm_spares: usize,
+    /// How long after a key's last conversation lease its spares are kept (default 10 min);
+    /// then they are stopped.
+    pub warm_spare_window: Duration,
     /// Conversations attached in the whole pool (default 1024).
     pub max_sessions: usize,
     /// Leases waiting for capacity (default 1024); more fail with `WaitersFull`.
@@ -101,7 +125,13 @@ impl PoolConfig {
             agents_base_dir,
             max_processes: 64,
             max_processes_per_key: 4,
-            max_sessions_per_process: 16,
+            max_sessions_per_process: 32,
+            busy_leases_per_process: 8,
+            cpu_processes_per_key: super::placement::cpu_processes_for(
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            ),
+            warm_spares: 0,
+            warm_spare_window: Duration::from_secs(600),
             max_sessions: 1024,
             max_waiters: 1024,
             wait_timeout: Duration::from_secs(30),

@@ -18,6 +18,7 @@ mod error;
 pub mod key;
 mod lease;
 mod placement;
+mod prime;
 pub mod restart;
 mod status;
 

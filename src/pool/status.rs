@@ -12,6 +12,9 @@ pub enum WorkerState {
     Live,
     /// Rotated away or recycled: takes nothing new, ends when its leases end.
     Draining,
+    /// A warm spare: started and empty, kept for its key (traffic within
+    /// `warm_spare_window`); the next lease of the key that finds no room takes it at once.
+    Spare,
 }
 
 /// One worker in the snapshot.
@@ -24,7 +27,7 @@ pub struct WorkerStatus {
     pub key_hash: String,
     /// The child's pid.
     pub pid: u32,
-    /// Live or draining.
+    /// Live, draining or spare.
     pub state: WorkerState,
     /// Conversations attached.
     pub conversations: usize,
@@ -61,11 +64,12 @@ pub struct PoolTotals {
 }
 
 impl WorkerState {
-    /// As on the wire (`live`, `draining`).
+    /// As on the wire (`live`, `draining`, `spare`).
     pub fn as_str(self) -> &'static str {
         match self {
             WorkerState::Live => "live",
             WorkerState::Draining => "draining",
+            WorkerState::Spare => "spare",
         }
     }
 }

@@ -264,6 +264,14 @@ pub struct PoolSection {
     pub idle_ttl_secs: u64,
     pub max_turns_per_process: u64,
     pub max_rss_bytes: u64,
+    /// Leases running at once from which a process counts as busy.
+    pub busy_leases_per_process: usize,
+    /// Processes of one key worth running for CPU (default: from the machine's cores).
+    pub cpu_processes_per_key: Option<usize>,
+    /// Warm spares per key with traffic in the window (default 0: off).
+    pub warm_spares: usize,
+    /// How long after a key's last lease its spares are kept.
+    pub warm_spare_window_secs: u64,
 }
 
 /// `[turns]`.
@@ -319,13 +327,17 @@ impl Default for PoolSection {
         Self {
             max_processes: 64,
             max_processes_per_key: 4,
-            max_sessions_per_process: 16,
+            max_sessions_per_process: 32,
             max_sessions: 1024,
             max_waiters: 1024,
             wait_timeout_secs: 30,
             idle_ttl_secs: 300,
             max_turns_per_process: 2000,
             max_rss_bytes: 1 << 30,
+            busy_leases_per_process: 8,
+            cpu_processes_per_key: None,
+            warm_spares: 0,
+            warm_spare_window_secs: 600,
         }
     }
 }
@@ -432,6 +444,18 @@ impl ServeConfig {
         if self.pool.max_processes == 0 || self.pool.max_sessions_per_process == 0 {
             bail!("pool.max_processes and pool.max_sessions_per_process must be above 0");
         }
+        if self.pool.busy_leases_per_process == 0 || self.pool.cpu_processes_per_key == Some(0) {
+            bail!(
+                "pool.busy_leases_per_process and pool.cpu_processes_per_key must be above 0 \
+                 (leave cpu_processes_per_key out to derive it from the machine's cores)"
+            );
+        }
+        if self.pool.warm_spares > 0 && self.pool.warm_spare_window_secs == 0 {
+            bail!(
+                "pool.warm_spare_window_secs must be above 0 when pool.warm_spares is set \
+                 (or set warm_spares = 0 to turn spares off)"
+            );
+        }
         let m = &self.model;
         if m.max_request_body_bytes == 0
             || m.connect_timeout_secs == 0
@@ -495,6 +519,12 @@ impl ServeConfig {
         config.idle_ttl = Duration::from_secs(p.idle_ttl_secs);
         config.max_turns_per_process = p.max_turns_per_process;
         config.max_rss_bytes = p.max_rss_bytes;
+        config.busy_leases_per_process = p.busy_leases_per_process;
+        if let Some(n) = p.cpu_processes_per_key {
+            config.cpu_processes_per_key = n;
+        }
+        config.warm_spares = p.warm_spares;
+        config.warm_spare_window = Duration::from_secs(p.warm_spare_window_secs);
         // The pool's shutdown grace is the daemon's drain grace.
         config.shutdown_grace = Duration::from_secs(self.drain_grace_secs);
         let m = &self.model;
@@ -681,12 +711,35 @@ mod tests {
     }
 
     #[test]
+    fn warm_spares_and_packing_are_read_from_the_pool_section_and_checked() {
+        let c: ServeConfig = toml::from_str(
+            "[pool]\nwarm_spares = 2\nwarm_spare_window_secs = 90\nbusy_leases_per_process = 4\ncpu_processes_per_key = 3\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        let config = c.pool_config(PathBuf::from("/bin/true")).unwrap();
+        assert_eq!(config.warm_spares, 2);
+        assert_eq!(config.warm_spare_window, Duration::from_secs(90));
+        assert_eq!(config.busy_leases_per_process, 4);
+        assert_eq!(config.cpu_processes_per_key, 3);
+        let derived: ServeConfig = toml::from_str("").unwrap();
+        let config = derived.pool_config(PathBuf::from("/bin/true")).unwrap();
+        assert!(config.cpu_processes_per_key >= 1, "derived from the cores");
+        let bad: ServeConfig =
+            toml::from_str("[pool]\nwarm_spares = 1\nwarm_spare_window_secs = 0\n").unwrap();
+        assert!(format!("{:#}", bad.validate().unwrap_err()).contains("warm_spare_window_secs"));
+        let bad: ServeConfig = toml::from_str("[pool]\ncpu_processes_per_key = 0\n").unwrap();
+        assert!(format!("{:#}", bad.validate().unwrap_err()).contains("cpu_processes_per_key"));
+    }
+
+    #[test]
     fn defaults_and_overrides() {
         let c: ServeConfig =
             toml::from_str("listen = \"127.0.0.1:9000\"\n[pool]\nmax_processes = 3\n").unwrap();
         assert_eq!(c.listen.port(), 9000);
         assert_eq!(c.pool.max_processes, 3);
-        assert_eq!(c.pool.max_sessions_per_process, 16);
+        assert_eq!(c.pool.max_sessions_per_process, 32);
+        assert_eq!(c.pool.warm_spares, 0, "spares are off unless asked for");
         assert_eq!(c.max_body_bytes, 1 << 20);
         assert!(c.allowed_work_roots.is_empty() && !c.allow_local_mcp_servers);
         c.validate().unwrap();

@@ -32,11 +32,12 @@ use super::lease::OpenReason;
 use super::restart::{RestartDecision, RestartPolicy, RestartTracker};
 use super::status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus};
 
-pub(crate) use rules::WorkerId;
 use rules::{
-    ConversationView, Recycle, UpkeepLimits, UpkeepView, WorkerView, evict_now, idle_victim,
-    least_busy, least_loaded, lru_parked, recycle,
+    ConversationView, Packing, Recycle, UpkeepLimits, UpkeepView, WorkerView, evict_now,
+    idle_victim, is_spare, least_busy, least_loaded, lru_parked, recycle, spare, spares_wanted,
+    spread,
 };
+pub(crate) use rules::{WorkerId, cpu_processes_for};
 
 /// Conversations whose resume crashes are remembered at most (a bound on memory; the
 /// count restarts for all when it is reached).
@@ -58,6 +59,10 @@ pub(crate) struct Limits {
     pub(crate) max_turns_per_process: u64,
     pub(crate) drain_grace: Duration,
     pub(crate) restart: RestartPolicy,
+    pub(crate) busy_leases_per_process: usize,
+    pub(crate) cpu_processes_per_key: usize,
+    pub(crate) warm_spares: usize,
+    pub(crate) warm_spare_window: Duration,
 }
 
 impl From<&PoolConfig> for Limits {
@@ -73,6 +78,10 @@ impl From<&PoolConfig> for Limits {
             max_turns_per_process: c.max_turns_per_process,
             drain_grace: c.drain_grace,
             restart: c.restart.clone(),
+            busy_leases_per_process: c.busy_leases_per_process,
+            cpu_processes_per_key: c.cpu_processes_per_key,
+            warm_spares: c.warm_spares,
+            warm_spare_window: c.warm_spare_window,
         }
     }
 }
@@ -170,8 +179,14 @@ pub(crate) enum Effect<Spec, S> {
     },
     /// The request waits in the FIFO; expire it after `wait`.
     Queued { request: RequestId, wait: Duration },
-    /// Start a worker for `key`.
-    Spawn { key: PoolKey, spec: Spec },
+    /// Start a worker for `key`; `prime`: it starts ahead of demand (a warm spare, or one
+    /// more process for a busy key), so it runs the runtime's first-turn initialisation
+    /// before it is reported started.
+    Spawn {
+        key: PoolKey,
+        spec: Spec,
+        prime: bool,
+    },
     /// Call [`Placement::respawn_due`] for `key` after `after`.
     RespawnAfter { key: PoolKey, after: Duration },
     /// Detach a conversation's session from `worker`, with confirmation.
@@ -217,6 +232,8 @@ struct KeyState<Spec> {
     restart: RestartTracker,
     /// Why the last start of this key failed (cleared by a start that works).
     last_start_error: Option<WorkerError>,
+    /// When a conversation of this key was last granted (its warm spares follow it).
+    last_lease: Option<Instant>,
 }
 
 struct Worker {
@@ -360,6 +377,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 self.waiters.push_back(ask);
             }
         }
+        self.top_up_spares(now);
         self.effects()
     }
 
@@ -530,6 +548,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 self.out.push(Effect::Spawn {
                     key: key.clone(),
                     spec: ks.spec.clone(),
+                    prime: false,
                 });
             }
         }
@@ -660,10 +679,29 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     /// forgotten (their spec holds the old token of a rotation).
     pub(crate) fn maintain(&mut self, now: Instant) -> Vec<Effect<Spec, S>> {
         let limits = self.upkeep_limits();
+        // A key's spares are kept past the idle TTL while it had a lease within the window;
+        // once the window lapses they are stopped.
+        let mut kept = HashSet::new();
+        let mut retired = HashSet::new();
+        if self.limits.warm_spares > 0 {
+            for ks in self.keys.values() {
+                let spares = self.spares_of(ks);
+                match self.spares_wanted(ks, now) {
+                    0 if ks.last_lease.is_some() => retired.extend(spares),
+                    wanted => kept.extend(spares.into_iter().take(wanted)),
+                }
+            }
+        }
         let mut evict: Vec<(WorkerId, Eviction)> = self
             .workers
             .iter()
-            .filter_map(|(id, w)| evict_now(now, &w.upkeep_view(), &limits).map(|r| (*id, r)))
+            .filter(|(id, _)| !kept.contains(*id))
+            .filter_map(|(id, w)| {
+                if retired.contains(id) {
+                    return Some((*id, Eviction::Idle));
+                }
+                evict_now(now, &w.upkeep_view(), &limits).map(|r| (*id, r))
+            })
             .collect();
         evict.sort_unstable_by_key(|(id, _)| *id);
         for (id, reason) in evict {
@@ -671,6 +709,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         }
         let waiting: HashSet<PoolKey> = self.waiters.iter().map(|w| w.key.clone()).collect();
         let policy = &self.limits.restart;
+        let (warm_spares, window) = (self.limits.warm_spares, self.limits.warm_spare_window);
         self.keys.retain(|key, ks| {
             !ks.workers.is_empty()
                 || ks.spawning
@@ -678,6 +717,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 || ks.restart.quarantined_until(now).is_some()
                 || ks.restart.restarts_in_window(now, policy) > 0
                 || waiting.contains(key)
+                || spares_wanted(ks.last_lease, now, warm_spares, window) > 0
         });
         self.serve_waiters(now);
         self.effects()
@@ -738,37 +778,50 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     }
 
     /// The gauges' numbers: conversations, leases, waiters, live and draining workers, RSS.
-    pub(crate) fn gauges(&self) -> crate::metrics::PoolGauges {
+    pub(crate) fn gauges(&self, now: Instant) -> crate::metrics::PoolGauges {
         let mut gauges = crate::metrics::PoolGauges {
             conversations: self.conversations.len(),
             leases: self.leased_count(),
             waiters: self.waiters.len(),
             ..crate::metrics::PoolGauges::default()
         };
-        for w in self.workers.values() {
-            if w.draining {
-                gauges.draining += 1;
-            } else {
-                gauges.live += 1;
+        for (id, w) in &self.workers {
+            match self.state_of(*id, w, now) {
+                WorkerState::Draining => gauges.draining += 1,
+                WorkerState::Spare => gauges.spare += 1,
+                WorkerState::Live => gauges.live += 1,
             }
             gauges.rss_bytes += w.rss_bytes;
         }
         gauges
     }
 
+    /// A worker's state for status and gauges: draining; a spare (empty, and its key keeps
+    /// spares now); else live.
+    fn state_of(&self, id: WorkerId, w: &Worker, now: Instant) -> WorkerState {
+        if w.draining {
+            WorkerState::Draining
+        } else if is_spare(&w.view(id))
+            && self
+                .keys
+                .get(&w.key)
+                .is_some_and(|ks| self.spares_wanted(ks, now) > 0)
+        {
+            WorkerState::Spare
+        } else {
+            WorkerState::Live
+        }
+    }
+
     /// The pool's status as of `now`.
     pub(crate) fn status(&self, now: Instant) -> PoolStatus {
         let mut workers: Vec<WorkerStatus> = self
             .workers
-            .values()
-            .map(|w| WorkerStatus {
+            .iter()
+            .map(|(id, w)| WorkerStatus {
                 key_hash: w.key.short_hash(),
                 pid: w.pid,
-                state: if w.draining {
-                    WorkerState::Draining
-                } else {
-                    WorkerState::Live
-                },
+                state: self.state_of(*id, w, now),
                 conversations: w.attached.len(),
                 leases: w.leased,
                 turns: w.turns,
@@ -819,7 +872,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             .is_some_and(|w| !w.draining && w.alive)
     }
 
-    /// Serves waiting leases in FIFO order, as far as capacity allows.
+    /// Serves waiting leases in FIFO order, as far as capacity allows; then tops up the
+    /// warm spares.
     fn serve_waiters(&mut self, now: Instant) {
         let mut kept = VecDeque::new();
         while let Some(w) = self.waiters.pop_front() {
@@ -833,6 +887,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             }
         }
         self.waiters = kept;
+        self.top_up_spares(now);
     }
 
     /// Grants now (true, with a `Grant` effect), fails, or returns false (wait; a spawn
@@ -862,12 +917,17 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 backoff_until: None,
                 restart: RestartTracker::default(),
                 last_start_error: None,
+                last_lease: None,
             });
         if let Some(until) = ks.restart.quarantined_until(now) {
             return Err(PoolError::RestartIntensityExceeded {
                 key_hash: ask.key.short_hash(),
                 retry_after: until.saturating_duration_since(now),
             });
+        }
+        if !ask.process_only {
+            // Traffic of this key: its warm spares are kept for the window from now.
+            ks.last_lease = Some(now);
         }
         self.drain_rotated(ask, now);
         if ask.process_only {
@@ -893,7 +953,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             }
         }
 
-        let mut target = self.least_loaded(&ask.key);
+        let mut target = self.place_new(&ask.key, now);
         if target.is_none() && !self.grow(&ask.key, now) {
             // No room and no new process allowed: a conversation parked (with other
             // settings) on a usable worker of its key takes its own slot there again (its
@@ -1037,14 +1097,117 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         true
     }
 
-    /// The live, non-draining worker of `key` with the fewest conversations and room for one more.
-    fn least_loaded(&self, key: &PoolKey) -> Option<WorkerId> {
-        let ks = self.keys.get(key)?;
-        let views = ks
+    /// The views of `key`'s workers.
+    fn views_of(&self, key: &PoolKey) -> Vec<WorkerView> {
+        self.keys.get(key).map_or_else(Vec::new, |ks| {
+            ks.workers
+                .iter()
+                .filter_map(|id| self.workers.get(id).map(|w| w.view(*id)))
+                .collect()
+        })
+    }
+
+    fn packing(&self) -> Packing {
+        Packing {
+            busy_leases_per_process: self.limits.busy_leases_per_process,
+            cpu_processes_per_key: self.limits.cpu_processes_per_key,
+        }
+    }
+
+    /// Where a conversation that is not attached goes (`None`: the key needs a start): the
+    /// least loaded process of the key that already serves and has room; when those are
+    /// all busy ([`spread`]), the key's spare instead, or one more process is started for
+    /// the next conversation while this one joins; with no serving process with room, the
+    /// key's spare (the oldest empty worker).
+    fn place_new(&mut self, key: &PoolKey, now: Instant) -> Option<WorkerId> {
+        let views = self.views_of(key);
+        let max = self.limits.max_sessions_per_process;
+        let spare = spare(views.iter().copied());
+        let Some(joined) = least_loaded(views.iter().copied().filter(|w| w.attached > 0), max)
+        else {
+            return spare.or_else(|| least_loaded(views.iter().copied(), max));
+        };
+        if spread(views.iter().copied(), &self.packing()) {
+            if spare.is_some() {
+                return spare;
+            }
+            self.start_extra(key, now);
+        }
+        Some(joined)
+    }
+
+    /// Starts one more worker for `key` (a warm spare, or a process for a busy key) if the
+    /// caps allow it without stopping anything; false when they do not.
+    fn start_extra(&mut self, key: &PoolKey, now: Instant) -> bool {
+        if self.closed {
+            return false;
+        }
+        let starting = self.keys.values().filter(|k| k.spawning).count();
+        let room = self.workers.len() + starting < self.limits.max_processes;
+        let Some(ks) = self.keys.get_mut(key) else {
+            return false;
+        };
+        if !room
+            || ks.spawning
+            || ks.backoff_until.is_some_and(|t| now < t)
+            || ks.restart.quarantined_until(now).is_some()
+            || ks.workers.len() >= self.limits.max_processes_per_key
+        {
+            return false;
+        }
+        ks.spawning = true;
+        self.out.push(Effect::Spawn {
+            key: key.clone(),
+            spec: ks.spec.clone(),
+            prime: true,
+        });
+        true
+    }
+
+    /// How many spares `ks` keeps now.
+    fn spares_wanted(&self, ks: &KeyState<Spec>, now: Instant) -> usize {
+        spares_wanted(
+            ks.last_lease,
+            now,
+            self.limits.warm_spares,
+            self.limits.warm_spare_window,
+        )
+    }
+
+    /// The spares of `ks` (oldest first).
+    fn spares_of(&self, ks: &KeyState<Spec>) -> Vec<WorkerId> {
+        let mut spares: Vec<WorkerId> = ks
             .workers
             .iter()
-            .filter_map(|id| self.workers.get(id).map(|w| w.view(*id)));
-        least_loaded(views, self.limits.max_sessions_per_process)
+            .copied()
+            .filter(|id| self.workers.get(id).is_some_and(|w| is_spare(&w.view(*id))))
+            .collect();
+        spares.sort_unstable();
+        spares
+    }
+
+    /// Starts a spare for every key with fewer than it keeps (one start in flight per key;
+    /// never for a key whose processes crashed within the restart window: a crash loop gets
+    /// no spares to burn).
+    fn top_up_spares(&mut self, now: Instant) {
+        if self.limits.warm_spares == 0 || self.closed {
+            return;
+        }
+        let policy = &self.limits.restart;
+        let mut short: Vec<PoolKey> = self
+            .keys
+            .iter()
+            .filter(|(_, ks)| {
+                !ks.spawning
+                    && ks.restart.restarts_in_window(now, policy) == 0
+                    && self.spares_of(ks).len() < self.spares_wanted(ks, now)
+            })
+            .map(|(key, _)| key.clone())
+            .collect();
+        short.sort_by_cached_key(PoolKey::short_hash);
+        for key in short {
+            self.start_extra(&key, now);
+        }
     }
 
     /// Starts a worker for `key` if the caps allow (evicting the least recently used idle
@@ -1078,6 +1241,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             self.out.push(Effect::Spawn {
                 key: key.clone(),
                 spec: ks.spec.clone(),
+                prime: false,
             });
         }
         true

@@ -1,7 +1,8 @@
 //! The placement rules, each a pure function of views: which worker takes a conversation,
-//! which idle worker makes room when the pool is full, which parked conversation is detached
-//! when a cap is reached, and what the maintenance tick does to each worker (idle TTL, drain,
-//! recycling by memory and by turn count).
+//! when a key brings one more process into play (packing), which empty worker is a warm spare
+//! and how many a key keeps, which idle worker makes room when the pool is full, which parked
+//! conversation is detached when a cap is reached, and what the maintenance tick does to each
+//! worker (idle TTL, drain, recycling by memory and by turn count).
 
 use std::time::{Duration, Instant};
 
@@ -50,14 +51,82 @@ pub(crate) fn least_busy(workers: impl IntoIterator<Item = WorkerView>) -> Optio
         .map(|w| w.id)
 }
 
-/// The worker to stop so another key can start one when the pool is full: the least
-/// recently used worker with no lease (`others` are the workers of the other keys).
+/// The worker to stop so another key can start one when the pool is full: an empty one (a
+/// spare: no conversation to move) before any that holds conversations, then the least
+/// recently used; never one with a lease (`others` are the workers of the other keys).
 pub(crate) fn idle_victim(others: impl IntoIterator<Item = WorkerView>) -> Option<WorkerId> {
     others
         .into_iter()
         .filter(|w| w.leased == 0)
-        .min_by_key(|w| (w.last_used, w.id))
+        .min_by_key(|w| (w.attached > 0, w.last_used, w.id))
         .map(|w| w.id)
+}
+
+/// Whether a worker is empty and ready: live, not draining, no conversation, no lease. An
+/// empty worker of a key is its spare: a cold lease takes it without waiting for a start.
+pub(crate) fn is_spare(w: &WorkerView) -> bool {
+    w.alive && !w.draining && w.attached == 0 && w.leased == 0
+}
+
+/// The spare a cold lease takes: the oldest empty worker of the key.
+pub(crate) fn spare(workers: impl IntoIterator<Item = WorkerView>) -> Option<WorkerId> {
+    workers
+        .into_iter()
+        .filter(is_spare)
+        .min_by_key(|w| w.id)
+        .map(|w| w.id)
+}
+
+/// How a key spreads its conversations over processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Packing {
+    /// Leases running at once from which a process counts as busy (CPU-bound).
+    pub(crate) busy_leases_per_process: usize,
+    /// Processes of one key worth running for CPU (beyond them, only a full process makes
+    /// the key start another).
+    pub(crate) cpu_processes_per_key: usize,
+}
+
+/// Processes of one key worth running for CPU on a machine with `cores` cores: one runtime
+/// process keeps up to ~1.5 cores busy when it is saturated (packing study §5: 146–174 %),
+/// so `cores × 2 / 3`, at least one. On 2 cores: one (a second process costs a cold start
+/// and ~105 MiB, and buys at most the last half core).
+pub(crate) fn cpu_processes_for(cores: usize) -> usize {
+    (cores.saturating_mul(2) / 3).max(1)
+}
+
+/// Whether a key whose processes still have room brings one more process into play for a new
+/// conversation (its spare, or a start): only when every usable process of the key that
+/// holds conversations is busy (`busy_leases_per_process` leases running) and fewer than
+/// `cpu_processes_per_key` of them hold conversations. Otherwise the conversation joins a
+/// process that already runs: one process per key until it is full or CPU-bound (an empty
+/// spare waits for a lease that finds no room).
+pub(crate) fn spread(workers: impl IntoIterator<Item = WorkerView>, packing: &Packing) -> bool {
+    let mut occupied = 0;
+    for w in workers
+        .into_iter()
+        .filter(|w| w.alive && !w.draining && w.attached > 0)
+    {
+        if w.leased < packing.busy_leases_per_process {
+            return false;
+        }
+        occupied += 1;
+    }
+    occupied > 0 && occupied < packing.cpu_processes_per_key
+}
+
+/// How many spares a key keeps now: `warm_spares` while its last conversation lease is
+/// within `window`, none for a key never leased or quiet for longer.
+pub(crate) fn spares_wanted(
+    last_lease: Option<Instant>,
+    now: Instant,
+    warm_spares: usize,
+    window: Duration,
+) -> usize {
+    match last_lease {
+        Some(t) if now.saturating_duration_since(t) < window => warm_spares,
+        _ => 0,
+    }
 }
 
 /// A conversation as placement sees it.
@@ -190,13 +259,24 @@ mod tests {
     }
 
     #[test]
-    fn a_full_pool_stops_the_least_recently_used_idle_worker_of_another_key() {
+    fn a_full_pool_stops_an_empty_worker_of_another_key_first_then_the_least_recently_used_idle_one()
+     {
         let others = [
             worker(1, 2, 1, 500), // oldest, but leased
             worker(2, 2, 0, 300),
-            worker(3, 0, 0, 10),
+            worker(3, 0, 0, 10), // empty (a spare): no conversation to move
         ];
-        assert_eq!(idle_victim(others), Some(2));
+        assert_eq!(idle_victim(others), Some(3));
+        let others = [
+            worker(1, 2, 1, 500),
+            worker(2, 2, 0, 300),
+            worker(3, 1, 0, 10),
+        ];
+        assert_eq!(
+            idle_victim(others),
+            Some(2),
+            "none empty: least recently used"
+        );
         assert_eq!(idle_victim([worker(1, 1, 1, 9), worker(2, 1, 2, 9)]), None);
         assert_eq!(idle_victim([]), None);
     }
@@ -243,6 +323,75 @@ mod tests {
             rss_bytes: 100 << 20,
             turns: 10,
         }
+    }
+
+    #[test]
+    fn an_empty_ready_worker_is_a_spare_and_the_oldest_is_taken() {
+        let mut draining = worker(1, 0, 0, 0);
+        draining.draining = true;
+        let leased = worker(2, 0, 1, 0);
+        let serving = worker(3, 1, 0, 0);
+        assert_eq!(spare([draining, leased, serving]), None);
+        assert_eq!(
+            spare([serving, worker(7, 0, 0, 0), worker(5, 0, 0, 0)]),
+            Some(5)
+        );
+    }
+
+    fn packing(busy: usize, cpu: usize) -> Packing {
+        Packing {
+            busy_leases_per_process: busy,
+            cpu_processes_per_key: cpu,
+        }
+    }
+
+    #[test]
+    fn a_key_spreads_only_when_every_serving_process_is_busy_and_below_its_cpu_share() {
+        let p = packing(2, 2);
+        assert!(!spread([worker(1, 5, 1, 0)], &p), "one lease: not busy");
+        assert!(spread([worker(1, 5, 2, 0)], &p), "busy, one process of two");
+        assert!(
+            !spread([worker(1, 5, 2, 0), worker(2, 3, 1, 0)], &p),
+            "another serving process is not busy"
+        );
+        assert!(
+            !spread([worker(1, 5, 2, 0), worker(2, 3, 2, 0)], &p),
+            "both busy, but the key's CPU share is reached"
+        );
+        assert!(
+            spread([worker(1, 5, 2, 0), worker(2, 0, 0, 0)], &p),
+            "an empty spare is not a serving process"
+        );
+        assert!(
+            !spread([worker(1, 5, 9, 0)], &packing(2, 1)),
+            "2 cores: never"
+        );
+        assert!(!spread([worker(1, 0, 0, 0)], &p), "nothing serving");
+    }
+
+    #[test]
+    fn the_cpu_share_of_a_key_is_two_thirds_of_the_cores_and_at_least_one() {
+        assert_eq!(cpu_processes_for(0), 1);
+        assert_eq!(cpu_processes_for(1), 1);
+        assert_eq!(cpu_processes_for(2), 1);
+        assert_eq!(cpu_processes_for(3), 2);
+        assert_eq!(cpu_processes_for(16), 10);
+    }
+
+    #[test]
+    fn a_key_keeps_spares_only_within_the_window_after_its_last_lease() {
+        let now = base();
+        let window = Duration::from_secs(600);
+        assert_eq!(spares_wanted(None, now, 2, window), 0, "never leased");
+        assert_eq!(
+            spares_wanted(Some(now - Duration::from_secs(599)), now, 2, window),
+            2
+        );
+        assert_eq!(
+            spares_wanted(Some(now - Duration::from_secs(600)), now, 2, window),
+            0
+        );
+        assert_eq!(spares_wanted(Some(now), now, 0, window), 0, "off");
     }
 
     #[test]

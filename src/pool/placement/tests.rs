@@ -35,6 +35,10 @@ fn limits() -> Limits {
         max_turns_per_process: 1000,
         drain_grace: Duration::from_secs(30),
         restart: RestartPolicy::default(),
+        busy_leases_per_process: 2,
+        cpu_processes_per_key: 1,
+        warm_spares: 0,
+        warm_spare_window: Duration::from_secs(600),
     }
 }
 
@@ -63,6 +67,8 @@ struct Sim {
     failed: Vec<(RequestId, PoolError)>,
     /// Spawns asked for and not yet answered.
     spawns: Vec<PoolKey>,
+    /// Whether each spawn asked for (in order) primes its process.
+    primes: Vec<bool>,
     respawns: Vec<PoolKey>,
     /// Detaches asked for and not yet answered: (conversations, worker).
     detaches: Vec<(Vec<String>, WorkerId)>,
@@ -94,6 +100,7 @@ impl Sim {
             granted: Vec::new(),
             failed: Vec::new(),
             spawns: Vec::new(),
+            primes: Vec::new(),
             respawns: Vec::new(),
             detaches: Vec::new(),
             stops: Vec::new(),
@@ -303,7 +310,10 @@ impl Sim {
                     self.failed.push((request, error));
                 }
                 Effect::Queued { request, .. } => self.queued.push(request),
-                Effect::Spawn { key, .. } => self.spawns.push(key),
+                Effect::Spawn { key, prime, .. } => {
+                    self.spawns.push(key);
+                    self.primes.push(prime);
+                }
                 Effect::RespawnAfter { key, .. } => self.respawns.push(key),
                 Effect::Detach {
                     conversation,
@@ -1326,6 +1336,292 @@ impl Sim {
     }
 }
 
+// ---- Packing and warm spares ----------------------------------------------------------------
+
+fn spares(n: usize) -> Limits {
+    Limits {
+        warm_spares: n,
+        idle_ttl: Duration::from_secs(60),
+        ..limits()
+    }
+}
+
+impl Sim {
+    fn state_of(&self, worker: WorkerId) -> Option<WorkerState> {
+        let w = self.core.workers.get(&worker)?;
+        Some(self.core.state_of(worker, w, self.now))
+    }
+}
+
+#[test]
+fn a_key_fills_one_process_before_it_starts_another() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 3,
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    let first = sim.spawn_ok().expect("kept");
+    for i in 2..=3 {
+        let r = sim.ask(&format!("a/{i}"), 1);
+        assert_eq!(
+            sim.granted_to(r),
+            Some(first),
+            "a/{i} joins the running process"
+        );
+    }
+    assert!(
+        sim.spawns.is_empty(),
+        "no second process while the first has room"
+    );
+    let fourth = sim.ask("a/4", 1);
+    assert!(
+        sim.queued.contains(&fourth),
+        "full: the fourth waits for a start"
+    );
+    assert_eq!(sim.spawns, vec![key(1)]);
+    let second = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.granted_to(fourth), Some(second));
+}
+
+#[test]
+fn a_new_conversation_joins_a_serving_process_before_an_empty_one() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 2,
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    let w1 = sim.spawn_ok().expect("kept");
+    sim.ask("a/2", 1);
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.give_back("a/2", Settle::Park, 1);
+    sim.ask("a/3", 1);
+    let w2 = sim.spawn_ok().expect("kept");
+    assert_ne!(w1, w2);
+    // a/3 is detached (w2 is empty again) and a/1 too (w1 has room again).
+    sim.give_back("a/3", Settle::Detach, 1);
+    sim.ask("a/1", 1);
+    sim.give_back("a/1", Settle::Detach, 1);
+    sim.confirm_all_detaches();
+    // A new conversation joins the serving w1, not the empty w2 (packing)…
+    let r = sim.ask("a/4", 1);
+    assert_eq!(sim.granted_to(r), Some(w1));
+    // …and the empty w2 takes the next one once w1 is full, without a start.
+    let r = sim.ask("a/5", 1);
+    assert_eq!(sim.granted_to(r), Some(w2));
+    assert!(sim.spawns.is_empty());
+}
+
+#[test]
+fn a_busy_key_brings_one_more_process_into_play_below_its_cpu_share() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 10,
+        busy_leases_per_process: 2,
+        cpu_processes_per_key: 2,
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    let w1 = sim.spawn_ok().expect("kept");
+    let r2 = sim.ask("a/2", 1);
+    assert_eq!(sim.granted_to(r2), Some(w1));
+    assert!(sim.spawns.is_empty(), "one lease: not busy yet");
+    // Two leases run on w1: busy. The third joins w1 now (it has room) and one more
+    // process is started for the next.
+    let r3 = sim.ask("a/3", 1);
+    assert_eq!(sim.granted_to(r3), Some(w1), "no wait for the start");
+    assert_eq!(sim.spawns, vec![key(1)]);
+    let w2 = sim.spawn_ok().expect("kept");
+    let r4 = sim.ask("a/4", 1);
+    assert_eq!(sim.granted_to(r4), Some(w2), "the busy key spreads");
+    // Two processes hold conversations: the key's CPU share; no third one.
+    sim.ask("a/5", 1);
+    sim.ask("a/6", 1);
+    sim.ask("a/7", 1);
+    assert!(sim.spawns.is_empty(), "{:?}", sim.spawns);
+}
+
+#[test]
+fn a_key_with_a_lease_in_the_window_gets_a_warm_spare() {
+    let mut sim = Sim::new(spares(1));
+    sim.ask("a/1", 1);
+    assert_eq!(sim.spawns.len(), 1, "one start for the lease itself");
+    let w1 = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.spawns, vec![key(1)], "then a spare");
+    let spare = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
+    assert_eq!(sim.state_of(w1), Some(WorkerState::Live));
+    assert!(sim.spawns.is_empty(), "one spare is enough");
+    let status = sim.core.status(sim.now);
+    assert_eq!(
+        status
+            .workers
+            .iter()
+            .filter(|w| w.state == WorkerState::Spare)
+            .count(),
+        1
+    );
+    assert_eq!(sim.core.gauges(sim.now).spare, 1);
+}
+
+#[test]
+fn a_process_started_ahead_of_demand_is_primed_and_one_a_lease_waits_for_is_not() {
+    let mut sim = Sim::new(spares(1));
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    sim.spawn_ok();
+    assert_eq!(
+        sim.primes,
+        vec![false, true],
+        "the lease's own start goes straight to it; the spare primes first"
+    );
+    let mut busy = Sim::new(Limits {
+        max_sessions_per_process: 10,
+        cpu_processes_per_key: 2,
+        ..limits()
+    });
+    busy.ask("a/1", 1);
+    busy.spawn_ok();
+    busy.ask("a/2", 1);
+    busy.ask("a/3", 1);
+    assert_eq!(busy.primes, vec![false, true], "the busy key's extra start");
+}
+
+#[test]
+fn a_cold_lease_takes_the_spare_without_a_spawn() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 1,
+        max_processes_per_key: 3,
+        ..spares(1)
+    });
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    let spare = sim.spawn_ok().expect("the spare");
+    let r = sim.ask("a/2", 1);
+    assert_eq!(
+        sim.granted_to(r),
+        Some(spare),
+        "granted at once on the spare"
+    );
+    assert!(!sim.queued.contains(&r));
+    assert_eq!(
+        sim.spawns,
+        vec![key(1)],
+        "the only start is the next spare, after the grant"
+    );
+}
+
+#[test]
+fn a_spare_counts_in_the_caps() {
+    // Per key: two processes, the spare among them.
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 1,
+        max_processes_per_key: 2,
+        ..spares(1)
+    });
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    let spare = sim.spawn_ok().expect("the spare");
+    let r = sim.ask("a/2", 1);
+    assert_eq!(sim.granted_to(r), Some(spare));
+    assert!(sim.spawns.is_empty(), "the key is at its cap: no new spare");
+
+    // Pool-wide: the spare fills the last slot, so no spare when the pool is full.
+    let mut sim = Sim::new(Limits {
+        max_processes: 2,
+        ..spares(2)
+    });
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    sim.spawn_ok().expect("the first spare");
+    assert!(sim.spawns.is_empty(), "no room for the second spare");
+    assert_eq!(sim.core.workers.len(), 2);
+}
+
+#[test]
+fn a_spare_is_the_first_stopped_when_the_pool_needs_room() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 3,
+        ..spares(1)
+    });
+    sim.ask("b/1", 2);
+    let w_b = sim.spawn_ok().expect("kept");
+    sim.give_back("b/1", Settle::Park, 1);
+    sim.now += Duration::from_secs(5);
+    let spare = sim.spawn_ok().expect("b's spare");
+    assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
+    sim.now += Duration::from_secs(5);
+    sim.ask("a/1", 1);
+    let w_a = sim.spawn_ok().expect("kept");
+    assert!(sim.spawns.is_empty(), "the pool is full: no spare for a");
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.now += Duration::from_secs(5);
+    // b's worker is the least recently used, but the spare goes first.
+    sim.ask("c/1", 3);
+    assert_eq!(sim.evicted, vec![(spare, Eviction::Full)]);
+    assert!(sim.core.workers.contains_key(&w_a) && sim.core.workers.contains_key(&w_b));
+    assert_eq!(
+        sim.spawns,
+        vec![key(3)],
+        "no spare is started by stopping a worker"
+    );
+}
+
+#[test]
+fn a_spare_outlives_the_idle_ttl_within_the_window_and_is_stopped_after_it() {
+    let mut sim = Sim::new(spares(1));
+    sim.ask("a/1", 1);
+    let w1 = sim.spawn_ok().expect("kept");
+    let spare = sim.spawn_ok().expect("the spare");
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.now += Duration::from_secs(120);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert_eq!(
+        sim.evicted,
+        vec![(w1, Eviction::Idle)],
+        "the idle TTL (60 s) stops the worker, not the spare"
+    );
+    assert!(sim.spawns.is_empty(), "the spare is there already");
+    sim.now += Duration::from_secs(480);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert_eq!(
+        sim.evicted.last(),
+        Some(&(spare, Eviction::Idle)),
+        "no lease for the window (600 s): the spare is stopped"
+    );
+    assert!(sim.core.workers.is_empty());
+    assert!(sim.spawns.is_empty(), "and not replaced");
+}
+
+#[test]
+fn a_key_never_leased_gets_no_spare() {
+    let mut sim = Sim::new(spares(2));
+    // A call naming no conversation starts a process, but is no conversation traffic.
+    let r = sim.ask_process(1);
+    sim.spawn_ok();
+    assert!(sim.process_of(r).is_some());
+    assert!(sim.spawns.is_empty(), "no spare for a key never leased");
+    // And with spares off, a leased key gets none either.
+    let mut off = Sim::new(spares(0));
+    off.ask("a/1", 1);
+    off.spawn_ok();
+    assert!(off.spawns.is_empty());
+}
+
+#[test]
+fn a_key_whose_processes_crashed_in_the_window_gets_no_spare() {
+    let mut sim = Sim::new(spares(1));
+    sim.ask("a/1", 1);
+    let w1 = sim.spawn_ok().expect("kept");
+    let spare = sim.spawn_ok().expect("the spare");
+    // The spare dies before serving (a crash loop's shape): not started again at once.
+    sim.core.exited(spare);
+    let effects = sim.core.crashed(spare, sim.now);
+    sim.apply(effects);
+    assert!(sim.spawns.is_empty(), "{:?}", sim.spawns);
+    assert!(sim.core.workers.contains_key(&w1));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
@@ -1338,11 +1634,22 @@ proptest! {
         steps in prop::collection::vec(step(), 1..120),
         small in any::<bool>(),
         close_after in prop::option::weighted(0.1, 0usize..120),
+        warm_spares in prop::option::weighted(0.5, 1usize..3),
+        window_secs in 1u64..900,
+        cpu_processes_per_key in 1usize..3,
+        busy_leases_per_process in 1usize..3,
     ) {
         let limits = if small {
             Limits { max_processes: 2, max_processes_per_key: 1, max_sessions_per_process: 2, max_sessions: 3, max_turns_per_process: 4, ..limits() }
         } else {
             limits()
+        };
+        let limits = Limits {
+            warm_spares: warm_spares.unwrap_or(0),
+            warm_spare_window: Duration::from_secs(window_secs),
+            cpu_processes_per_key,
+            busy_leases_per_process,
+            ..limits
         };
         let mut sim = Sim::new(limits);
         for (i, step) in steps.into_iter().enumerate() {
