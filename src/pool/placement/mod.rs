@@ -1164,8 +1164,23 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         true
     }
 
-    /// How many spares `ks` keeps now.
+    /// How many spares `ks` keeps now: none while a process of the key that serves
+    /// conversations still has room for one more (the next new conversation goes there at
+    /// once, and an empty process beside it would only cost memory), else `warm_spares`
+    /// within the window after its last lease.
     fn spares_wanted(&self, ks: &KeyState<Spec>, now: Instant) -> usize {
+        let room_in_a_serving_process = ks.workers.iter().any(|id| {
+            self.workers.get(id).is_some_and(|w| {
+                let view = w.view(*id);
+                view.alive
+                    && !view.draining
+                    && view.attached > 0
+                    && view.attached < self.limits.max_sessions_per_process
+            })
+        });
+        if room_in_a_serving_process {
+            return 0;
+        }
         spares_wanted(
             ks.last_lease,
             now,

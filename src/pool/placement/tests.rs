@@ -1338,10 +1338,13 @@ impl Sim {
 
 // ---- Packing and warm spares ----------------------------------------------------------------
 
+/// `n` warm spares, one conversation per process (so a serving process has no room and a
+/// key with one conversation keeps its spares).
 fn spares(n: usize) -> Limits {
     Limits {
         warm_spares: n,
         idle_ttl: Duration::from_secs(60),
+        max_sessions_per_process: 1,
         ..limits()
     }
 }
@@ -1483,6 +1486,30 @@ fn a_process_started_ahead_of_demand_is_primed_and_one_a_lease_waits_for_is_not(
     busy.ask("a/2", 1);
     busy.ask("a/3", 1);
     assert_eq!(busy.primes, vec![false, true], "the busy key's extra start");
+}
+
+#[test]
+fn a_key_keeps_no_spare_while_its_serving_process_has_room_and_one_once_it_is_full() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 2,
+        max_processes_per_key: 3,
+        ..spares(1)
+    });
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    assert!(
+        sim.spawns.is_empty(),
+        "room for the next conversation in the serving process: no spare beside it"
+    );
+    let second = sim.ask("a/2", 1);
+    assert!(sim.granted_to(second).is_some());
+    assert_eq!(
+        sim.spawns,
+        vec![key(1)],
+        "the process is full: a spare starts"
+    );
+    let spare = sim.spawn_ok().expect("the spare");
+    assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
 }
 
 #[test]
