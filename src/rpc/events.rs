@@ -51,7 +51,9 @@ impl SessionEvent {
     /// [`EventKind::Unknown`]; a value that is not even an object yields an `Unknown` event
     /// with an empty type.
     pub fn from_value(value: Value) -> Self {
-        match serde_json::from_value::<Envelope>(value.clone()) {
+        // Read from a borrow: only the envelope's own fields (and `data`) are copied, not
+        // the whole event (which is kept as `raw`).
+        match Envelope::deserialize(&value) {
             Ok(env) => Self {
                 id: env.id,
                 timestamp: env.timestamp,

@@ -44,7 +44,9 @@ impl WorkerState {
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_owned();
-        let event = SessionEvent::from_value(params.get("event").cloned().unwrap_or(Value::Null));
+        let mut params = params;
+        let event = params.get_mut("event").map(Value::take).unwrap_or(Value::Null);
+        let event = SessionEvent::from_value(event);
         match &event.kind {
             EventKind::ExternalToolRequested(req) => {
                 self.pending.insert((
