@@ -45,7 +45,10 @@ impl WorkerState {
             .unwrap_or_default()
             .to_owned();
         let mut params = params;
-        let event = params.get_mut("event").map(Value::take).unwrap_or(Value::Null);
+        let event = params
+            .get_mut("event")
+            .map(Value::take)
+            .unwrap_or(Value::Null);
         let event = SessionEvent::from_value(event);
         match &event.kind {
             EventKind::ExternalToolRequested(req) => {
