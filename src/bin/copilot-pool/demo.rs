@@ -494,31 +494,15 @@ pub(crate) async fn count_orphans(base: &Path, pids: &[u32]) -> usize {
 }
 
 fn live_pool_processes(base: &str, pids: &[u32]) -> usize {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
-        .filter(|pid| {
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                return false;
-            };
-            let Some((_, rest)) = stat.rsplit_once(')') else {
-                return false;
-            };
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            if fields.first() == Some(&"Z") {
-                return false;
-            }
-            let in_group = fields
-                .get(2)
-                .and_then(|g| g.parse::<u32>().ok())
-                .is_some_and(|g| pids.contains(&g));
-            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    crate::procfs::all()
+        .iter()
+        .filter(|p| p.state != 'Z')
+        .filter(|p| {
+            let environ = std::fs::read(format!("/proc/{}/environ", p.pid)).unwrap_or_default();
             let under_base = environ.split(|b| *b == 0).any(|kv| {
                 kv.starts_with(b"COPILOT_HOME=") && String::from_utf8_lossy(kv).contains(base)
             });
-            in_group || under_base
+            pids.contains(&p.pgid) || under_base
         })
         .count()
 }

@@ -325,41 +325,19 @@ async fn sample(
 /// CPU seconds (user + system) of the daemon `pid` itself, and of its runtimes: the live
 /// children's plus what the reaped ones left in the daemon's children's counts.
 fn cpu_seconds(pid: u32) -> (f64, f64) {
-    let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .unwrap_or(100) as f64;
-    // utime, stime, cutime, cstime and the parent's pid, after the command name.
-    let read = |pid: u32| -> Option<(f64, f64, u32)> {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let fields: Vec<&str> = stat
-            .get(stat.rfind(')')? + 1..)?
-            .split_whitespace()
-            .collect();
-        let n = |i: usize| {
-            fields
-                .get(i)
-                .and_then(|f| f.parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
-        // Field 3 (state) is index 0 here: ppid 4 → 1, utime 14 → 11, cutime 16 → 13.
-        let ppid = fields.get(1)?.parse().ok()?;
-        Some(((n(11) + n(12)) / ticks, (n(13) + n(14)) / ticks, ppid))
-    };
-    let Some((own, reaped, _)) = read(pid) else {
+    let Some(daemon) = crate::procfs::stat(pid) else {
         return (0.0, 0.0);
     };
-    let live: f64 = std::fs::read_dir("/proc")
-        .map(|dir| {
-            dir.flatten()
-                .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
-                .filter_map(read)
-                .filter(|(_, _, ppid)| *ppid == pid)
-                .map(|(cpu, children, _)| cpu + children)
-                .sum()
-        })
-        .unwrap_or(0.0);
-    (own, reaped + live)
+    let live: u64 = crate::procfs::all()
+        .iter()
+        .filter(|p| p.ppid == pid)
+        .map(|p| p.cpu_ticks + p.children_cpu_ticks)
+        .sum();
+    let ticks = crate::procfs::ticks_per_second();
+    (
+        daemon.cpu_ticks as f64 / ticks,
+        (daemon.children_cpu_ticks + live) as f64 / ticks,
+    )
 }
 
 async fn get_text(http: &reqwest::Client, addr: SocketAddr, path: &str) -> Option<String> {

@@ -8,6 +8,7 @@ mod doctor;
 mod install;
 mod load;
 mod model;
+mod procfs;
 mod run;
 mod sandbox;
 mod serve;

@@ -111,21 +111,9 @@ pub fn transcript_damage(dir: &Path) -> (u64, u64, u64) {
 /// Children of this process that are zombies.
 pub fn zombies() -> u64 {
     let me = std::process::id();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
-        .filter(|pid| {
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                return false;
-            };
-            let Some((_, rest)) = stat.rsplit_once(')') else {
-                return false;
-            };
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            fields.first() == Some(&"Z") && fields.get(1) == Some(&me.to_string().as_str())
-        })
+    crate::procfs::all()
+        .iter()
+        .filter(|p| p.state == 'Z' && p.ppid == me)
         .count() as u64
 }
 

@@ -106,22 +106,12 @@ pub fn runtime_shim(runtime: &std::path::Path, dir: &std::path::Path) -> String 
     )
 }
 
-/// The members of the process group `leader` leads, with their command names.
+/// The members of the process group `leader` leads (zombies left out), with their names.
 pub fn group_members(leader: u32) -> Vec<(u32, String)> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
-        .filter_map(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let open = stat.find('(')?;
-            let close = stat.rfind(')')?;
-            let name = stat.get(open + 1..close)?.to_owned();
-            let fields: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
-            let group: u32 = fields.get(2)?.parse().ok()?;
-            (group == leader && fields.first() != Some(&"Z")).then_some((pid, name))
-        })
+    crate::procfs::all()
+        .into_iter()
+        .filter(|p| p.pgid == leader && p.state != 'Z')
+        .map(|p| (p.pid, p.name))
         .collect()
 }
 
