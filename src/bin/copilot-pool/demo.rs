@@ -73,6 +73,18 @@ struct Showcase {
 /// Removes the demo's scratch directory on every exit path.
 pub(crate) struct Scratch(pub(crate) PathBuf);
 
+impl Scratch {
+    /// A new `copilot-pool-<what>-<uuid>` directory in the temp dir, with its `work` folder.
+    pub(crate) fn create(what: &str) -> Result<Scratch> {
+        let scratch = Scratch(
+            std::env::temp_dir().join(format!("copilot-pool-{what}-{}", uuid::Uuid::new_v4())),
+        );
+        std::fs::create_dir_all(scratch.0.join("work"))
+            .with_context(|| format!("creating the {what} directory {}", scratch.0.display()))?;
+        Ok(scratch)
+    }
+}
+
 impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
@@ -82,10 +94,8 @@ impl Drop for Scratch {
 pub async fn demo(args: DemoArgs) -> Result<()> {
     let started = Instant::now();
     let program = find_or_install(args.cli.as_deref()).await?;
-    let scratch =
-        Scratch(std::env::temp_dir().join(format!("copilot-pool-demo-{}", uuid::Uuid::new_v4())));
+    let scratch = Scratch::create("demo")?;
     let base = scratch.0.clone();
-    std::fs::create_dir_all(base.join("work")).context("creating the demo directory")?;
 
     let model = ScriptedModel::new();
     let endpoint = model

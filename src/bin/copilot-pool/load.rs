@@ -73,10 +73,7 @@ struct Report {
 
 pub async fn load(args: LoadArgs) -> Result<()> {
     let program = crate::demo::find_or_install(args.cli.as_deref()).await?;
-    let scratch = crate::demo::Scratch(
-        std::env::temp_dir().join(format!("copilot-pool-load-{}", uuid::Uuid::new_v4())),
-    );
-    std::fs::create_dir_all(&scratch.0).context("creating the load directory")?;
+    let scratch = crate::demo::Scratch::create("load")?;
     let model = ScriptedModel::new();
     let endpoint = model
         .serve_http()

@@ -106,11 +106,8 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     );
     let metrics = install_metrics()?;
     let program = crate::demo::find_or_install(args.cli.as_deref()).await?;
-    let scratch = crate::demo::Scratch(
-        std::env::temp_dir().join(format!("copilot-pool-chaos-{}", uuid::Uuid::new_v4())),
-    );
+    let scratch = crate::demo::Scratch::create("chaos")?;
     let base = scratch.0.clone();
-    std::fs::create_dir_all(base.join("work")).context("creating the chaos directory")?;
 
     let model = ScriptedModel::new();
     let endpoint = model
