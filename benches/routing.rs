@@ -92,6 +92,25 @@ impl Measured {
     }
 }
 
+/// Starts the conversations' turns (each task returns the deltas it saw) and measures them:
+/// the events, the wall time, and the CPU of this process and of the peer `pid`.
+async fn measure(
+    pid: u32,
+    start: impl FnOnce() -> Vec<tokio::task::JoinHandle<usize>>,
+) -> Measured {
+    let (cpu0, peer0, started) = (own_cpu(), process_cpu(pid), Instant::now());
+    let mut events = 0;
+    for run in futures_util::future::join_all(start()).await {
+        events += run.expect("turns");
+    }
+    Measured {
+        events,
+        wall: started.elapsed(),
+        pool_cpu: own_cpu() - cpu0,
+        peer_cpu: process_cpu(pid) - peer0,
+    }
+}
+
 /// Reads one turn's updates on a worker session; returns the deltas seen.
 async fn worker_turn(session: &mut Session) -> usize {
     let mut deltas = 0;
@@ -126,27 +145,22 @@ async fn worker_level(dir: &Path, peer: &Path, conversations: usize) -> Measured
         worker_turn(&mut session).await;
         sessions.push(session);
     }
-    let (cpu0, peer0, started) = (own_cpu(), process_cpu(worker.pid()), Instant::now());
-    let runs = sessions.into_iter().map(|mut session| {
-        tokio::spawn(async move {
-            let mut events = 0;
-            for i in 0..TURNS {
-                session.send(format!("turn {i}")).await.expect("send");
-                events += worker_turn(&mut session).await;
-            }
-            events
-        })
-    });
-    let mut events = 0;
-    for run in futures_util::future::join_all(runs).await {
-        events += run.expect("turns");
-    }
-    let measured = Measured {
-        events,
-        wall: started.elapsed(),
-        pool_cpu: own_cpu() - cpu0,
-        peer_cpu: process_cpu(worker.pid()) - peer0,
-    };
+    let measured = measure(worker.pid(), || {
+        sessions
+            .into_iter()
+            .map(|mut session| {
+                tokio::spawn(async move {
+                    let mut events = 0;
+                    for i in 0..TURNS {
+                        session.send(format!("turn {i}")).await.expect("send");
+                        events += worker_turn(&mut session).await;
+                    }
+                    events
+                })
+            })
+            .collect()
+    })
+    .await;
     worker.shutdown().await;
     measured
 }
@@ -174,33 +188,28 @@ async fn pool_level(dir: &Path, peer: &Path, conversations: usize) -> Measured {
         leases.push(lease);
     }
     let pid = leases.first().map(|l| l.worker_pid()).unwrap_or(0);
-    let (cpu0, peer0, started) = (own_cpu(), process_cpu(pid), Instant::now());
-    let runs = leases.into_iter().map(|mut lease| {
-        tokio::spawn(async move {
-            let mut events = 0;
-            for i in 0..TURNS {
-                lease.send(format!("turn {i}")).await.expect("send");
-                while let Some(event) = lease.next_event().await {
-                    match event.expect("event").kind {
-                        EventKind::AssistantMessageDelta(_) => events += 1,
-                        EventKind::SessionIdle(_) => break,
-                        _ => {}
+    let measured = measure(pid, || {
+        leases
+            .into_iter()
+            .map(|mut lease| {
+                tokio::spawn(async move {
+                    let mut events = 0;
+                    for i in 0..TURNS {
+                        lease.send(format!("turn {i}")).await.expect("send");
+                        while let Some(event) = lease.next_event().await {
+                            match event.expect("event").kind {
+                                EventKind::AssistantMessageDelta(_) => events += 1,
+                                EventKind::SessionIdle(_) => break,
+                                _ => {}
+                            }
+                        }
                     }
-                }
-            }
-            events
-        })
-    });
-    let mut events = 0;
-    for run in futures_util::future::join_all(runs).await {
-        events += run.expect("turns");
-    }
-    let measured = Measured {
-        events,
-        wall: started.elapsed(),
-        pool_cpu: own_cpu() - cpu0,
-        peer_cpu: process_cpu(pid) - peer0,
-    };
+                    events
+                })
+            })
+            .collect()
+    })
+    .await;
     pool.shutdown().await.expect("shutdown");
     measured
 }
