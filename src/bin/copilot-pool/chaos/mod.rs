@@ -331,8 +331,19 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     let kills = injected.get(FaultKind::Kill)
         + injected.get(FaultKind::Stop)
         + injected.get(FaultKind::ClosePipe);
-    let binding_failures = delta(m::STORAGE_WRITE_FAILURES_TOTAL, "store=\"bindings\"");
-    let transcript_failures = delta(m::STORAGE_WRITE_FAILURES_TOTAL, "store=\"transcript\"");
+    // Each write the disk plan failed must be in the store's failure counter.
+    let writes_counted = |name: &'static str, store: Store| {
+        let counted = delta(
+            m::STORAGE_WRITE_FAILURES_TOTAL,
+            &format!("store=\"{}\"", store.as_str()),
+        );
+        let injected = disk.failed(store);
+        Invariant::zero(
+            name,
+            injected.saturating_sub(counted),
+            format!("{injected} injected, {counted} counted"),
+        )
+    };
     let aborted_metric = delta(m::TURNS_TOTAL, "outcome=\"aborted\"");
     let drained = delta(m::EVICTIONS_TOTAL, "reason=\"drained\"");
     let rotations = injected.get(FaultKind::RotateToken);
@@ -383,24 +394,8 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
             kills.saturating_sub(crash_exits),
             format!("{kills} killed, stopped or cut off, {crash_exits} crash exits counted"),
         ),
-        Invariant::zero(
-            "every failed binding write counted",
-            disk.failed(Store::Bindings)
-                .saturating_sub(binding_failures),
-            format!(
-                "{} injected, {binding_failures} counted",
-                disk.failed(Store::Bindings)
-            ),
-        ),
-        Invariant::zero(
-            "every failed transcript write counted",
-            disk.failed(Store::Transcript)
-                .saturating_sub(transcript_failures),
-            format!(
-                "{} injected, {transcript_failures} counted",
-                disk.failed(Store::Transcript)
-            ),
-        ),
+        writes_counted("every failed binding write counted", Store::Bindings),
+        writes_counted("every failed transcript write counted", Store::Transcript),
         Invariant::zero(
             "every client abort and dropped stream counted as aborted",
             (aborted_seen + dropped).saturating_sub(aborted_metric),
