@@ -708,11 +708,11 @@ impl PoolState {
         let target = self.myself.clone();
         tokio::spawn(async move {
             let ok = match detach.await {
-                Ok(()) => true,
-                // Died is reported as the worker starts dying: its process (which holds the
-                // session's lock) may live on for tens of milliseconds more; the detach
-                // counts once it is gone (`shutdown` returns then).
-                Err(WorkerError::Died(_) | WorkerError::Stopped) => {
+                // Died is published once the process is gone (`die` reaps first).
+                Ok(()) | Err(WorkerError::Died(_)) => true,
+                // An orderly stop under way: the detach counts once the process is gone
+                // (`shutdown` returns then).
+                Err(WorkerError::Stopped) => {
                     if let Some(old) = old {
                         old.shutdown().await;
                     }

@@ -792,11 +792,10 @@ impl OpenTarget<'_> {
                 Some(session) => {
                     let old = session.worker().clone();
                     match session.detach().await {
-                        Ok(()) => {}
-                        // Died is reported as the worker starts dying: its process (which
-                        // holds the session's lock) may live on for tens of milliseconds
-                        // more. `shutdown` returns once it is gone.
-                        Err(WorkerError::Died(_) | WorkerError::Stopped) => {
+                        // Died is published once the process is gone (`die` reaps first).
+                        Ok(()) | Err(WorkerError::Died(_)) => {}
+                        // An orderly stop under way: `shutdown` returns once it is gone.
+                        Err(WorkerError::Stopped) => {
                             old.shutdown().await;
                         }
                         Err(error) => {

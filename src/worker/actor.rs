@@ -486,23 +486,22 @@ async fn handshake(conn: &Connection, config: &WorkerConfig) -> Result<WorkerInf
 impl WorkerState {
     /// The child is gone or unusable: tell everyone at once, then make sure the group is dead.
     async fn die(&mut self, reason: ExitReason) -> ActorProcessingErr {
-        if self.child.exit_info().is_some() {
-            self.child.stderr().settled(STDERR_SETTLE_WAIT).await;
-        }
+        // A runtime still alive here (hung, broke the protocol, closed its output) still holds
+        // its sessions' locks and could still append to their histories: it is killed at once
+        // (no grace: it cannot be trusted to shut down) and reaped first. So `Died`, wherever
+        // it is read (the exit below, failed requests, ended sessions), means the process is
+        // gone, and no conversation is resumed elsewhere while it exists.
+        self.child.terminate(Duration::ZERO).await;
+        self.child.stderr().settled(STDERR_SETTLE_WAIT).await;
         let exit = WorkerExit {
             reason,
             pid: self.child.pid(),
             stderr_tail: self.child.stderr().text(),
         };
         tracing::warn!(pid = exit.pid, reason = %exit.reason, "Copilot worker ended.");
-        // Publish first: callers whose requests fail next read the exit from here.
+        // Publish before closing: callers whose requests fail next read the exit from here.
         self.exit.send_replace(Some(exit.clone()));
         self.conn.close(CloseCause::Local);
-        // A runtime still alive here (hung, broke the protocol, closed its output) still holds
-        // its sessions' locks and could still append to their histories: it is killed at once
-        // (no grace: it cannot be trusted to shut down) and reaped before any conversation
-        // learns of the death, so none is resumed elsewhere while this process exists.
-        self.child.terminate(Duration::ZERO).await;
         self.fail_routes(WorkerError::Died(exit.clone()));
         self.tunnel.abort_all();
         Box::new(exit)
