@@ -1,6 +1,6 @@
 //! End-to-end: `copilot-pool chaos` and `copilot-pool load` at a small size, so they never rot.
-//! The chaos run must inject every kind of fault it knows within its turns and report every
-//! invariant held; the load run must finish its turns and report its samples.
+//! The chaos run (HTTP and SDK endpoint conversations) must inject faults of many kinds within
+//! its turns and report every invariant held; the load run must finish its turns and report its samples.
 
 mod support;
 
@@ -40,6 +40,8 @@ async fn a_small_chaos_run_injects_faults_and_holds_every_invariant() {
         "chaos",
         "--agents",
         "2",
+        "--sdk-agents",
+        "1",
         "--conversations",
         "2",
         "--turns",
@@ -70,6 +72,8 @@ async fn a_small_chaos_run_injects_faults_and_holds_every_invariant() {
     assert!(injected >= 20, "{faults}");
     assert!(faults["kill"].as_u64() >= Some(1), "{faults}");
     assert!(report["ends"]["idle"].as_u64() >= Some(10), "{report}");
+    // The SDK endpoint's conversations ran through the same storm.
+    assert!(report["sdk_ends"]["idle"].as_u64() >= Some(3), "{report}");
 }
 
 #[tokio::test]

@@ -22,6 +22,8 @@ pub enum Ended {
     /// The daemon refused the turn with this HTTP status (e.g. 503 when a binding could not
     /// be written).
     Refused(u16),
+    /// The SDK endpoint refused a call of the turn with this JSON-RPC error code.
+    RpcRefused(i64),
     /// The client dropped its connection mid-stream on purpose.
     Dropped,
     /// The stream ended or failed without a `turn.end`.
@@ -46,9 +48,19 @@ pub struct ClientFaults {
     pub drop_next: AtomicBool,
 }
 
+/// How a conversation reaches the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    /// `POST /v1/turns` and its SSE stream.
+    Http,
+    /// The SDK endpoint, as an official SDK attached by URL.
+    Sdk,
+}
+
 /// A conversation's fixed parts.
 pub struct Conversation {
     pub index: usize,
+    pub via: Via,
     pub agent: String,
     pub key: String,
     pub faults: Arc<ClientFaults>,
@@ -59,6 +71,16 @@ pub struct Conversation {
 /// The marker of turn `turn` of conversation `index`, as it appears in the prompt.
 pub fn marker(index: usize, turn: u32) -> String {
     format!("chaos-marker c{index}-t{turn}.")
+}
+
+/// The scripted model's instruction for a turn: a turn a client fault lands in streams for a
+/// while (`slow`), so the fault meets it in flight.
+pub fn scenario(slow: bool) -> &'static str {
+    if slow {
+        "SCENARIO:slow SLOW=12x100"
+    } else {
+        "REPLY=ok"
+    }
 }
 
 /// Runs one turn; `limit` is the longest a turn may take before it counts as hung.
@@ -73,12 +95,7 @@ pub async fn run_turn(
 ) -> TurnRecord {
     let abort = conversation.faults.abort_next.swap(false, Ordering::SeqCst);
     let drop = !abort && conversation.faults.drop_next.swap(false, Ordering::SeqCst);
-    // A turn a client fault lands in streams for a while, so the fault meets it in flight.
-    let scenario = if slow || abort || drop {
-        "SCENARIO:slow SLOW=12x100"
-    } else {
-        "REPLY=ok"
-    };
+    let scenario = scenario(slow || abort || drop);
     let version = conversation.key_version.load(Ordering::SeqCst);
     let body = json!({
         "agent_id": conversation.agent,

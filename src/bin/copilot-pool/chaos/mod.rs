@@ -1,5 +1,7 @@
 //! `copilot-pool chaos`: agents x conversations x turns through the HTTP API of a pool (the
-//! daemon's router, in this process) on the real runtime and the scripted model, while a
+//! daemon's router, in this process) and through its SDK endpoint (`--sdk-agents`, whose
+//! conversations a JSON-RPC client drives as an official SDK attached by URL would) on the
+//! real runtime and the scripted model, while a
 //! seeded fault injector SIGKILLs and SIGSTOPs runtime processes, fails binding and transcript
 //! writes (ENOSPC, EIO), rotates agents' keys, and aborts turns and drops connections from the
 //! client side. At the end it checks the invariants and prints one line per invariant (held or
@@ -11,6 +13,7 @@
 mod checks;
 mod client;
 mod injector;
+mod sdk_client;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -24,6 +27,8 @@ use copilot_pool::faults::{SharedDiskFaults, Store};
 use copilot_pool::http::{self, ApiConfig, ConnectionLimits};
 use copilot_pool::pool::{Pool, PoolConfig, PoolEvent};
 use copilot_pool::scripted_model::ScriptedModel;
+use copilot_pool::sdk_endpoint::{self, AgentTokens, SdkConfig, SdkEndpoint};
+use copilot_pool::secret::Secret;
 use copilot_pool::transcript::TranscriptMode;
 use copilot_pool::turn::{TranscriptSettings, TurnTimeouts};
 use copilot_pool::worker::WorkerConfig;
@@ -35,7 +40,7 @@ use serde_json::json;
 use tokio::sync::watch;
 
 use checks::Invariant;
-use client::{ClientFaults, Conversation, Ended, TurnRecord};
+use client::{ClientFaults, Conversation, Ended, TurnRecord, Via};
 use injector::{ChaosDisk, FaultKind, Injected, Schedule};
 
 #[derive(Args)]
@@ -43,6 +48,9 @@ pub struct ChaosArgs {
     /// Agents (each its own COPILOT_HOME and processes).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=32))]
     agents: u32,
+    /// Agents more whose conversations go through the SDK endpoint (0 for HTTP only).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(0..=32))]
+    sdk_agents: u32,
     /// Conversations per agent.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=32))]
     conversations: u32,
@@ -78,6 +86,8 @@ struct Report {
     turns: u64,
     seconds: f64,
     ends: BTreeMap<String, u64>,
+    /// The ends of the SDK endpoint's conversations alone (also counted in `ends`).
+    sdk_ends: BTreeMap<String, u64>,
     faults_injected: BTreeMap<&'static str, u64>,
     processes_started: usize,
     rss_bytes: Resources,
@@ -101,8 +111,8 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
             .unwrap_or(1)
     });
     eprintln!(
-        "chaos: seed {seed} (replay with --seed {seed}); {} agents x {} conversations x {} turns, a fault every {} ms",
-        args.agents, args.conversations, args.turns, args.fault_every_ms
+        "chaos: seed {seed} (replay with --seed {seed}); {} agents over HTTP and {} over the SDK endpoint x {} conversations x {} turns, a fault every {} ms",
+        args.agents, args.sdk_agents, args.conversations, args.turns, args.fault_every_ms
     );
     let metrics = install_metrics()?;
     let program = crate::demo::find_or_install(args.cli.as_deref()).await?;
@@ -150,11 +160,14 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
             .with_disk_faults(shared_disk),
     );
     let (router, _handle) = http::router_with_handle(pool.clone(), api);
+
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .context("binding a loopback port")?;
     let addr = listener.local_addr()?;
     let (stop_server, mut server_stopped) = watch::channel(false);
+    let (sdk_addr, sdk_tokens, sdk_server) =
+        serve_sdk_endpoint(&pool, args.sdk_agents, server_stopped.clone()).await?;
     let server = tokio::spawn(http::serve(
         listener,
         router,
@@ -201,17 +214,21 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
         .build()
         .context("an HTTP client")?;
     let mut conversations = Vec::new();
-    let versions: Vec<Arc<AtomicU32>> = (0..args.agents)
-        .map(|_| Arc::new(AtomicU32::new(1)))
+    let agents: Vec<(String, Via)> = (0..args.agents)
+        .map(|a| (format!("agent-{a}"), Via::Http))
+        .chain((0..args.sdk_agents).map(|a| (sdk_agent(a), Via::Sdk)))
         .collect();
-    for a in 0..args.agents {
+    let versions: Vec<Arc<AtomicU32>> =
+        agents.iter().map(|_| Arc::new(AtomicU32::new(1))).collect();
+    for (a, (agent, via)) in agents.iter().enumerate() {
         for c in 0..args.conversations {
             conversations.push(Arc::new(Conversation {
                 index: conversations.len(),
-                agent: format!("agent-{a}"),
+                via: *via,
+                agent: agent.clone(),
                 key: format!("conversation-{c}"),
                 faults: Arc::new(ClientFaults::default()),
-                key_version: versions[a as usize].clone(),
+                key_version: versions[a].clone(),
             }));
         }
     }
@@ -245,21 +262,34 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
         let model_url = model_url.clone();
         let records = records.clone();
         let turns = args.turns;
+        let mut sdk = (conversation.via == Via::Sdk).then(|| {
+            let token = sdk_tokens
+                .get(&conversation.agent)
+                .cloned()
+                .unwrap_or_default();
+            sdk_client::SdkClient::new(sdk_addr, token, model_url.clone(), conversation.index)
+        });
         tokio::spawn(async move {
             for turn in 0..turns {
                 if Instant::now() >= deadline {
                     break;
                 }
-                let record = client::run_turn(
-                    &http_client,
-                    addr,
-                    &model_url,
-                    &conversation,
-                    turn,
-                    turn % 4 == 3,
-                    TURN_LIMIT,
-                )
-                .await;
+                let slow = turn % 4 == 3;
+                let record = match sdk.as_mut() {
+                    Some(sdk) => sdk.run_turn(&conversation, turn, slow, TURN_LIMIT).await,
+                    None => {
+                        client::run_turn(
+                            &http_client,
+                            addr,
+                            &model_url,
+                            &conversation,
+                            turn,
+                            slow,
+                            TURN_LIMIT,
+                        )
+                        .await
+                    }
+                };
                 records
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -288,6 +318,7 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     // Stop everything, then look for what is left.
     let _ = stop_server.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
+    let _ = tokio::time::timeout(Duration::from_secs(10), sdk_server).await;
     pool.shutdown().await?;
     recorder.abort();
     drop(http_client);
@@ -300,11 +331,17 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
 
     // The invariants.
     let mut ends: BTreeMap<String, u64> = BTreeMap::new();
+    let mut sdk_ends: BTreeMap<String, u64> = BTreeMap::new();
     let (mut hung, mut broken, mut aborted_seen, mut dropped) = (0u64, 0u64, 0u64, 0u64);
-    for record in turns.values().flatten() {
+    let via_sdk = |index: &usize| conversations.get(*index).is_some_and(|c| c.via == Via::Sdk);
+    for (index, record) in turns
+        .iter()
+        .flat_map(|(index, records)| records.iter().map(move |r| (index, r)))
+    {
         let name = match &record.ended {
             Ended::Status(s) => s.clone(),
             Ended::Refused(code) => format!("refused_{code}"),
+            Ended::RpcRefused(code) => format!("refused_rpc_{code}"),
             Ended::Dropped => "dropped".to_owned(),
             Ended::Broken(_) => "broken".to_owned(),
             Ended::Hung => "hung".to_owned(),
@@ -318,6 +355,9 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
             Ended::Status(s) if s == "aborted" => aborted_seen += 1,
             Ended::Dropped => dropped += 1,
             _ => {}
+        }
+        if via_sdk(index) {
+            *sdk_ends.entry(name.clone()).or_default() += 1;
         }
         *ends.entry(name).or_default() += 1;
     }
@@ -417,6 +457,7 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
         turns: total_turns,
         seconds: started.elapsed().as_secs_f64(),
         ends,
+        sdk_ends,
         faults_injected: injected.snapshot(),
         processes_started: all_pids.len(),
         rss_bytes: Resources {
@@ -449,12 +490,56 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     Ok(())
 }
 
+/// The SDK agent `a`'s name.
+fn sdk_agent(a: u32) -> String {
+    format!("sdk-agent-{a}")
+}
+
+/// Serves the SDK endpoint over `pool` on a loopback port, with one connection token per SDK
+/// agent; returns its address, each agent's token, and the server's task, which ends when
+/// `stop` turns true.
+async fn serve_sdk_endpoint(
+    pool: &Pool,
+    agents: u32,
+    mut stop: watch::Receiver<bool>,
+) -> Result<(
+    std::net::SocketAddr,
+    BTreeMap<String, String>,
+    tokio::task::JoinHandle<()>,
+)> {
+    let mut tokens = AgentTokens::new();
+    let mut plain = BTreeMap::new();
+    for a in 0..agents {
+        let agent = sdk_agent(a);
+        let token = format!("chaos-sdk-token-{a}");
+        tokens
+            .add_token(&agent, &Secret::new(token.clone()))
+            .context("an SDK connection token")?;
+        plain.insert(agent, token);
+    }
+    let mut config = SdkConfig::new(tokens);
+    config.max_turn_duration = TURN_ABSOLUTE;
+    let endpoint = SdkEndpoint::new(pool.clone(), config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding a loopback port for the SDK endpoint")?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(async move {
+        sdk_endpoint::serve_tcp(&endpoint, listener, async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await;
+    });
+    Ok((addr, plain, server))
+}
+
 fn print_report(report: &Report, json: bool) -> Result<()> {
     eprintln!(
-        "chaos: {} turns in {:.1} s; ends {}; faults {}; {} processes started",
+        "chaos: {} turns in {:.1} s; ends {} (through the SDK endpoint {}); faults {}; {} processes started",
         report.turns,
         report.seconds,
         json!(report.ends),
+        json!(report.sdk_ends),
         json!(report.faults_injected),
         report.processes_started
     );
