@@ -8,12 +8,16 @@ use std::sync::Arc;
 
 use tokio::task::AbortHandle;
 
-use super::{ModelRequest, ModelResponse, ModelTunnel};
+use super::{BodyChunk, ModelRequest, ModelResponse, ModelTunnel};
 use crate::rpc::Connection;
 use crate::rpc::messages::{
     HttpRequestChunk, HttpRequestStart, HttpResponseChunk, HttpResponseChunkParams,
     HttpResponseStart, HttpResponseStartParams,
 };
+
+/// The most body text one `httpResponseChunk` carries when pieces that arrived together are
+/// sent as one (a piece larger than this still goes whole).
+const MAX_COALESCED_BYTES: usize = 64 << 10;
 
 /// Requests being received and responses being streamed, by the runtime's request id.
 #[derive(Default)]
@@ -152,9 +156,32 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
         end,
         error,
     };
-    while let Some(piece) = response.body.recv().await {
+    // A piece that ended a coalesced chunk's reading and is sent next.
+    let mut held: Option<BodyChunk> = None;
+    loop {
+        let piece = match held.take() {
+            Some(piece) => piece,
+            None => match response.body.recv().await {
+                Some(piece) => piece,
+                None => break,
+            },
+        };
         let params = match piece {
-            Ok(data) => chunk(data, false, None),
+            Ok(mut data) => {
+                // The pieces that arrived while the previous chunk's call was out go as one
+                // chunk: one round trip with the runtime instead of one each.
+                while data.len() < MAX_COALESCED_BYTES {
+                    match response.body.try_recv() {
+                        Ok(Ok(more)) => data.push_str(&more),
+                        Ok(Err(message)) => {
+                            held = Some(Err(message));
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                chunk(data, false, None)
+            }
             Err(message) => chunk(String::new(), true, Some(message)),
         };
         let last = params.end;
@@ -171,5 +198,100 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
         .await
     {
         tracing::debug!(%error, %request_id, "Tunnelled response end not delivered.");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::{Value, json};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream, duplex};
+    use tokio::sync::mpsc;
+
+    use super::*;
+    use crate::rpc::ConnectionOptions;
+
+    /// Reads one frame the pool wrote and answers it as the runtime does; returns its params.
+    async fn answer_one(peer: &mut DuplexStream) -> Value {
+        let mut header = Vec::new();
+        while !header.ends_with(b"\r\n\r\n") {
+            header.push(peer.read_u8().await.expect("a frame header"));
+        }
+        let text = String::from_utf8(header).expect("ASCII header");
+        let n: usize = text
+            .trim()
+            .strip_prefix("Content-Length: ")
+            .and_then(|n| n.parse().ok())
+            .expect("a Content-Length");
+        let mut body = vec![0; n];
+        peer.read_exact(&mut body).await.expect("a frame body");
+        let frame: Value = serde_json::from_slice(&body).expect("JSON");
+        let reply =
+            json!({"jsonrpc": "2.0", "id": frame["id"], "result": {"accepted": true}}).to_string();
+        peer.write_all(format!("Content-Length: {}\r\n\r\n{reply}", reply.len()).as_bytes())
+            .await
+            .expect("an answer");
+        frame["params"].clone()
+    }
+
+    /// Streams a response whose pieces were all queued before the first call went out, and
+    /// returns the chunk params the runtime's side received after the head.
+    async fn chunks_for(pieces: Vec<BodyChunk>) -> Vec<Value> {
+        let (ours, mut theirs) = duplex(1 << 20);
+        let (r, w) = tokio::io::split(ours);
+        let options = ConnectionOptions {
+            max_frame_bytes: 1 << 20,
+            default_timeout: Duration::from_secs(5),
+        };
+        let conn = Connection::start(r, w, options, Box::new(|_| {}));
+        let (tx, body) = mpsc::channel(16);
+        for piece in pieces {
+            tx.send(piece).await.expect("queued");
+        }
+        drop(tx);
+        let response = ModelResponse {
+            status: 200,
+            headers: Vec::new(),
+            body,
+        };
+        let streaming = tokio::spawn(answer(conn, "r1".to_owned(), response));
+        let head = answer_one(&mut theirs).await;
+        assert_eq!(head["status"], 200);
+        let mut chunks = Vec::new();
+        loop {
+            let params = answer_one(&mut theirs).await;
+            let end = params["end"] == true;
+            chunks.push(params);
+            if end {
+                break;
+            }
+        }
+        streaming.await.expect("the stream ends");
+        chunks
+    }
+
+    #[tokio::test]
+    async fn pieces_that_arrived_together_go_to_the_runtime_as_one_chunk() {
+        let pieces = ["data: a\n\n", "data: b\n\n", "data: c\n\n"];
+        let chunks = chunks_for(pieces.iter().map(|p| Ok(p.to_string())).collect()).await;
+        assert_eq!(chunks.len(), 2, "one data chunk and the end: {chunks:?}");
+        assert_eq!(chunks[0]["data"], pieces.concat());
+        assert_eq!(chunks[1]["data"], "");
+    }
+
+    #[tokio::test]
+    async fn an_error_after_coalesced_pieces_still_follows_their_data() {
+        let chunks = chunks_for(vec![
+            Ok("data: a\n\n".to_owned()),
+            Ok("data: b\n\n".to_owned()),
+            Err("upstream reset".to_owned()),
+        ])
+        .await;
+        assert_eq!(chunks.len(), 2, "{chunks:?}");
+        assert_eq!(chunks[0]["data"], "data: a\n\ndata: b\n\n");
+        assert_eq!(chunks[0]["end"], false);
+        assert_eq!(chunks[1]["end"], true);
+        assert_eq!(chunks[1]["error"], "upstream reset");
     }
 }
