@@ -204,17 +204,25 @@ impl GroupLedger {
         lock(&self.live).iter().cloned().collect()
     }
 
-    /// SIGKILLs every group of the previous run that is still the same: its leader alive
+    /// SIGKILLs every group of the previous run that is still the same: its leader there
     /// with the recorded start time and boot (the whole group), or, when the leader is gone
-    /// (killed by its parent-death signal), the members left in its group that belong to
-    /// the recorded session and started after it. Waits up to `limit` for them to be gone,
-    /// then rewrites the ledger with this run's groups only.
+    /// (killed by its parent-death signal and reaped), the members left in its group that
+    /// belong to the recorded session and started after it. Waits up to `limit` for all of
+    /// them, and for recorded leaders that are zombies, to be reaped (the runtime's in-use
+    /// lock takes any existing pid for a live owner); then rewrites the ledger with this
+    /// run's groups only. Fails if a killed process is still alive (not a zombie) at the
+    /// limit; zombies left at the limit (an init that does not reap) are logged.
     pub async fn take_over(&self, limit: Duration) -> Result<TakeOver, TakeOverError> {
         let previous = std::mem::take(&mut *lock(&self.previous));
         let mut report = TakeOver {
             recorded: previous.len(),
             ..TakeOver::default()
         };
+        // Every process of the previous run that must be gone, zombies included: the
+        // runtime's in-use lock (`session-state/<id>/inuse.<pid>.lock`) takes a pid that
+        // exists for a live owner, so a leader that is only a zombie (killed by its
+        // parent-death signal, not yet reaped by init) would make its sessions look attached.
+        let mut must_vanish = Vec::new();
         for entry in &previous {
             if self.boot_id.as_deref() != Some(entry.boot_id.as_str()) {
                 report.not_ours += 1;
@@ -222,11 +230,17 @@ impl GroupLedger {
             }
             match LeaderState::of(entry) {
                 LeaderState::Same => {
-                    let members = group_members(entry.pgid);
-                    if let Err(error) = killpg(pid(entry.pgid), Signal::SIGKILL) {
+                    let live: Vec<u32> = group_members(entry.pgid)
+                        .into_iter()
+                        .filter(|p| is_alive(*p))
+                        .collect();
+                    if !live.is_empty()
+                        && let Err(error) = killpg(pid(entry.pgid), Signal::SIGKILL)
+                    {
                         tracing::warn!(pgid = entry.pgid, %error, "Could not kill a process group of the previous run.");
                     }
-                    report.killed.extend(members);
+                    report.killed.extend(live);
+                    must_vanish.push(entry.pgid);
                 }
                 LeaderState::Reused => report.not_ours += 1,
                 LeaderState::Gone => {
@@ -238,8 +252,11 @@ impl GroupLedger {
                             continue;
                         };
                         if stat.sid == entry.sid && stat.start_time >= entry.start_time {
-                            let _ = kill(pid(member), Signal::SIGKILL);
-                            report.killed.push(member);
+                            if is_alive(member) {
+                                let _ = kill(pid(member), Signal::SIGKILL);
+                                report.killed.push(member);
+                            }
+                            must_vanish.push(member);
                         }
                     }
                 }
@@ -247,24 +264,29 @@ impl GroupLedger {
         }
         report.killed.sort_unstable();
         report.killed.dedup();
+        must_vanish.extend(report.killed.iter().copied());
         let waited = tokio::time::Instant::now();
         loop {
-            let alive: Vec<u32> = report
-                .killed
-                .iter()
-                .copied()
-                .filter(|p| is_alive(*p))
-                .collect();
-            if alive.is_empty() {
+            must_vanish.retain(|p| read_stat(*p).is_some());
+            if must_vanish.is_empty() {
                 break;
             }
             if waited.elapsed() >= limit {
-                // Kept for the next try.
-                lock(&self.previous).extend(previous);
-                return Err(TakeOverError::Survivors {
-                    pids: alive,
-                    waited: limit,
-                });
+                let alive: Vec<u32> = must_vanish
+                    .iter()
+                    .copied()
+                    .filter(|p| is_alive(*p))
+                    .collect();
+                if !alive.is_empty() {
+                    // Kept for the next try.
+                    lock(&self.previous).extend(previous);
+                    return Err(TakeOverError::Survivors {
+                        pids: alive,
+                        waited: limit,
+                    });
+                }
+                tracing::warn!(zombies = ?must_vanish, ?limit, "Runtimes of the previous run are dead but not reaped: their sessions may be reported in use (`alreadyInUse`) when resumed. Run the daemon under an init that reaps orphans (tini, `docker run --init`, systemd).");
+                break;
             }
             // Processes we did not start give no exit event: /proc is read (bounded).
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -285,7 +307,10 @@ impl GroupLedger {
     /// entry to pass to [`GroupLedger::reaped`], `None` if the leader could not be read.
     pub fn started(&self, pgid: u32) -> Option<GroupEntry> {
         let Some(stat) = read_stat(pgid) else {
-            tracing::warn!(pgid, "A new runtime's /proc entry cannot be read; it is not in the process-group ledger.");
+            tracing::warn!(
+                pgid,
+                "A new runtime's /proc entry cannot be read; it is not in the process-group ledger."
+            );
             return None;
         };
         let entry = GroupEntry {
@@ -332,7 +357,8 @@ impl GroupLedger {
         };
         std::fs::create_dir_all(dir)?;
         let temp = dir.join(format!(".{LEDGER_FILE}.{}.tmp", std::process::id()));
-        let written = std::fs::write(&temp, &json).and_then(|()| std::fs::rename(&temp, &self.path));
+        let written =
+            std::fs::write(&temp, &json).and_then(|()| std::fs::rename(&temp, &self.path));
         if written.is_err() {
             let _ = std::fs::remove_file(&temp);
         }
@@ -424,7 +450,8 @@ mod tests {
 
     #[test]
     fn the_stat_fields_are_read_after_a_command_name_with_spaces_and_parentheses() {
-        let line = "4242 (a (b) c) S 1 4242 4000 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 10";
+        let line =
+            "4242 (a (b) c) S 1 4242 4000 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 10";
         assert_eq!(
             parse_stat(line),
             Some(Stat {
@@ -447,7 +474,10 @@ mod tests {
         let me = std::process::id();
         let entry = ledger.started(me).expect("our own stat is readable");
         let file: LedgerFile = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        assert_eq!(file.groups.into_iter().collect::<Vec<_>>(), vec![entry.clone()]);
+        assert_eq!(
+            file.groups.into_iter().collect::<Vec<_>>(),
+            vec![entry.clone()]
+        );
         ledger.reaped(&entry);
         let file: LedgerFile = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         assert!(file.groups.is_empty());
@@ -465,7 +495,10 @@ mod tests {
         assert_eq!(entry.sid, stat.sid);
         assert_eq!(Some(entry.boot_id.clone()), boot_id());
         let second = GroupLedger::open(&path).expect_err("one daemon per state directory");
-        assert!(second.to_string().contains("another copilot-pool daemon"), "{second}");
+        assert!(
+            second.to_string().contains("another copilot-pool daemon"),
+            "{second}"
+        );
         drop(ledger);
         let next = GroupLedger::open(&path).unwrap();
         assert_eq!(next.previous(), vec![entry]);
@@ -489,7 +522,10 @@ mod tests {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
         let entry = metrics::with_local_recorder(&recorder, || ledger.started(std::process::id()));
-        assert!(entry.is_some(), "the spawn is recorded in memory all the same");
+        assert!(
+            entry.is_some(),
+            "the spawn is recorded in memory all the same"
+        );
         assert!(!path.exists());
         let failures: Vec<_> = snapshotter
             .snapshot()

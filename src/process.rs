@@ -619,8 +619,9 @@ pub fn spawn_on_spawner_thread(mut command: Command) -> std::io::Result<Child> {
     let Some(spawner) = spawner else {
         return command.spawn();
     };
-    let handle = tokio::runtime::Handle::try_current()
-        .map_err(|e| std::io::Error::other(format!("spawning a child needs a tokio runtime: {e}")))?;
+    let handle = tokio::runtime::Handle::try_current().map_err(|e| {
+        std::io::Error::other(format!("spawning a child needs a tokio runtime: {e}"))
+    })?;
     let (done_tx, done_rx) = std::sync::mpsc::sync_channel(1);
     let job: SpawnJob = Box::new(move || {
         let _runtime = handle.enter();
@@ -803,7 +804,10 @@ mod tests {
         let task = format!("/proc/self/task/{tid}");
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while std::path::Path::new(&task).exists() {
-            assert!(std::time::Instant::now() < deadline, "thread {tid} did not end");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "thread {tid} did not end"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let early = tokio::time::timeout(Duration::from_millis(300), child.wait()).await;

@@ -88,7 +88,12 @@ async fn kill_9_of_the_daemon_mid_turn_takes_its_runtimes_along_and_the_restart_
     let first = summary(
         daemon.addr,
         None,
-        &turn(&url, "agent-r", "conv", "REPLY=first MARKER-before-the-crash"),
+        &turn(
+            &url,
+            "agent-r",
+            "conv",
+            "REPLY=first MARKER-before-the-crash",
+        ),
     )
     .await;
     assert_eq!(first.json()["status"], "idle", "{}", first.json());
@@ -167,9 +172,16 @@ async fn a_restarted_daemon_kills_the_recorded_groups_that_survived_and_spares_a
         ],
     );
 
+    // Reaped as soon as it dies: the takeover waits for the recorded processes to be gone,
+    // zombies included.
+    let survivor_reaped = std::thread::spawn(move || survivor.wait().expect("wait"));
     let daemon = Daemon::start(scratch.path(), "", &[]).await;
     // Killed before the daemon listened (the takeover comes before the pool).
-    let status = ended_within(&mut survivor, Duration::from_secs(1)).expect("survivor killed");
+    assert!(
+        survivor_reaped.is_finished(),
+        "the survivor still ran when the daemon was up"
+    );
+    let status = survivor_reaped.join().expect("reaper thread");
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(9), "{status:?}");
     assert!(
@@ -178,7 +190,10 @@ async fn a_restarted_daemon_kills_the_recorded_groups_that_survived_and_spares_a
     );
     // The ledger now holds this run's groups only.
     let text = std::fs::read_to_string(&ledger).expect("ledger rewritten");
-    assert!(!text.contains(&format!("\"pgid\":{survivor_pid},")), "{text}");
+    assert!(
+        !text.contains(&format!("\"pgid\":{survivor_pid},")),
+        "{text}"
+    );
     daemon.terminate().await;
     let _ = bystander.kill();
     let _ = bystander.wait();
@@ -227,4 +242,128 @@ async fn the_takeover_kills_what_is_left_of_a_group_whose_leader_is_gone() {
     assert!(gone.is_empty(), "{gone:?}");
     assert!(ledger.previous().is_empty());
     let _ = kill(Pid::from_raw(member as i32), Signal::SIGKILL);
+}
+
+/// Pids of the runtime group leaders the daemon recorded in its ledger (`state_dir`).
+fn recorded_leaders(state_dir: &std::path::Path) -> Vec<u32> {
+    let text = std::fs::read_to_string(state_dir.join(LEDGER_FILE)).expect("ledger");
+    let value: serde_json::Value = serde_json::from_str(&text).expect("ledger json");
+    value["groups"]
+        .as_array()
+        .expect("groups")
+        .iter()
+        .map(|g| g["pgid"].as_u64().expect("pgid") as u32)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_runtime_that_outlives_its_input_dies_with_the_daemon_and_what_it_left_in_its_group_dies_at_the_restart()
+ {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    // The real runtime ends at the end of its input. This one reads a FIFO that a process
+    // left in its group (as a tool would be) keeps open, and ignores SIGHUP: only the
+    // parent-death signal ends it when the daemon dies. The leftover lives on until the
+    // restarted daemon's takeover.
+    let real = support::runtime::runtime_path().await;
+    let shim = scratch.path().join("runtime-shim.sh");
+    std::fs::write(
+        &shim,
+        format!(
+            "#!/bin/sh\ntrap '' HUP\nfifo=\"${{TMPDIR:-/tmp}}/in-$$\"\nmkfifo \"$fifo\" || exit 1\n\
+             exec 3<&0\nsleep 300 > \"$fifo\" &\ncat <&3 > \"$fifo\" &\n\
+             exec {} \"$@\" < \"$fifo\" 3<&-\n",
+            real.display()
+        ),
+    )
+    .expect("shim");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&shim, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    // Unsandboxed (the sandbox lets a worker execute only its configured program's install),
+    // so the API needs its token.
+    let token = "restart-test-token";
+    let config = format!(
+        "cli_path = \"{}\"\nsandbox = \"off\"\napi_token = \"{token}\"\n",
+        shim.display()
+    );
+    let state_dir = scratch.path().join("pool-home").join("state");
+
+    let daemon = Daemon::start(scratch.path(), &config, &[]).await;
+    let first = summary(
+        daemon.addr,
+        Some(token),
+        &turn(&url, "agent-f", "conv", "REPLY=first MARKER-kept"),
+    )
+    .await;
+    assert_eq!(first.json()["status"], "idle", "{}", first.json());
+    let leaders = recorded_leaders(&state_dir);
+    assert_eq!(leaders.len(), 1, "{leaders:?}");
+    let leader = leaders[0];
+    let leftovers: Vec<u32> = support::procs::group_members(leader)
+        .into_iter()
+        .map(|(pid, _)| pid)
+        .filter(|pid| *pid != leader)
+        .collect();
+    assert!(
+        !leftovers.is_empty(),
+        "the shim's sleep and cat are in the group"
+    );
+
+    let killed_at = Instant::now();
+    let mut daemon = daemon;
+    daemon.child.start_kill().expect("kill -9 the daemon");
+    daemon.child.wait().await.expect("reap the daemon");
+    let alive = |pids: Vec<u32>| -> Vec<u32> {
+        pids.into_iter()
+            .filter(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/stat"))
+                    .ok()
+                    .and_then(|s| {
+                        let state = s[s.rfind(')')? + 1..].split_whitespace().next()?.to_owned();
+                        Some(state != "Z")
+                    })
+                    .unwrap_or(false)
+            })
+            .collect()
+    };
+    let left = support::procs::wait_none(|| alive(vec![leader]), Duration::from_secs(5)).await;
+    println!(
+        "kill -9 of the daemon -> a runtime blind to its input gone after {:?}",
+        killed_at.elapsed()
+    );
+    assert!(left.is_empty(), "the runtime outlived the daemon: {left:?}");
+    let sleep_left = alive(leftovers.clone());
+    assert!(
+        !sleep_left.is_empty(),
+        "the leftover in the group should still run until the takeover"
+    );
+    drop(daemon);
+
+    let daemon = Daemon::start(scratch.path(), &config, &[]).await;
+    let left = alive(leftovers);
+    assert!(left.is_empty(), "the takeover left {left:?} alive");
+    let after = summary(
+        daemon.addr,
+        Some(token),
+        &turn(&url, "agent-f", "conv", "REPLY=after"),
+    )
+    .await;
+    assert_eq!(after.json()["status"], "idle", "{}", after.json());
+    assert_eq!(after.json()["resumed"], true, "{}", after.json());
+    let last = model.requests().pop().expect("a model request");
+    assert!(
+        serde_json::to_string(last.messages())
+            .expect("json")
+            .contains("MARKER-kept")
+    );
+    let metrics = call(daemon.addr, "GET", "/metrics", Some(token), None).await;
+    assert!(
+        metrics
+            .body
+            .contains("copilot_pool_ownership_violations_total 0"),
+        "a session was attached twice"
+    );
+    daemon.terminate().await;
 }

@@ -7,19 +7,19 @@ mod support;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use copilot_pool::kinds::TurnEnd;
+use copilot_pool::pool::{Pool, PoolError, PoolEvent};
 use copilot_pool::process::ExitInfo;
 use copilot_pool::rpc::EventKind;
 use copilot_pool::rpc::messages::SessionConfig;
 use copilot_pool::scripted_model::ScriptedModel;
+use copilot_pool::turn::TurnError;
 use copilot_pool::worker::{
     ExitReason, SessionUpdate, WorkerConfig, WorkerError, WorkerExit, WorkerHandle,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
-use copilot_pool::kinds::TurnEnd;
-use copilot_pool::pool::{Pool, PoolError, PoolEvent};
-use copilot_pool::turn::TurnError;
 use support::pool_fixture::{Fixture, shutdown_leaves_nothing, wait_event};
 use support::procs::wait_group_gone;
 use support::{Scratch, event_where, session_config, worker_config};
@@ -294,9 +294,10 @@ async fn a_runtime_stopped_mid_turn_is_declared_hung_within_two_intervals_and_th
         took < bound + Duration::from_secs(2),
         "declared hung after {took:?} (bound {bound:?})"
     );
-    wait_event(&mut events, |event| {
-        matches!(event, PoolEvent::WorkerCrashed { pid: p, .. } if *p == pid)
-    })
+    wait_event(
+        &mut events,
+        |event| matches!(event, PoolEvent::WorkerCrashed { pid: p, .. } if *p == pid),
+    )
     .await;
     let left = wait_group_gone(pid, Duration::from_secs(5)).await;
     assert!(left.is_empty(), "{left:?}");

@@ -129,7 +129,10 @@ impl std::fmt::Debug for WorkerConfig {
             .field("health_timeout", &self.health_timeout)
             .field("health_misses", &self.health_misses)
             .field("sandbox", &self.sandbox.is_some())
-            .field("group_ledger", &self.group_ledger.as_ref().map(|l| l.path()))
+            .field(
+                "group_ledger",
+                &self.group_ledger.as_ref().map(|l| l.path()),
+            )
             .finish_non_exhaustive()
     }
 }

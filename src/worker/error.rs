@@ -43,7 +43,11 @@ impl fmt::Display for ExitReason {
             ExitReason::TransportClosed(None) => f.write_str("the runtime closed its output"),
             ExitReason::ProtocolViolation(d) => write!(f, "the runtime broke the protocol: {d}"),
             ExitReason::Hung { misses, timeout } => {
-                let pings = if *misses == 1 { "ping" } else { "pings in a row" };
+                let pings = if *misses == 1 {
+                    "ping"
+                } else {
+                    "pings in a row"
+                };
                 write!(
                     f,
                     "the runtime was hung: it did not answer {misses} health {pings} within \

@@ -89,6 +89,9 @@ mod tests {
         }
         .to_string();
         assert!(text.contains("2 health pings in a row within 5s"), "{text}");
-        assert!(text.contains("raise the health timeout or misses"), "{text}");
+        assert!(
+            text.contains("raise the health timeout or misses"),
+            "{text}"
+        );
     }
 }
