@@ -144,8 +144,9 @@ impl GroupLedger {
             path: lock_path.clone(),
             source,
         };
-        if let Some(dir) = lock_path.parent() {
-            std::fs::create_dir_all(dir).map_err(lock_error)?;
+        // The state directory, private as the bindings store makes it (mode 0700).
+        if let Some(dir) = lock_path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            crate::home::ensure_private_dir(dir).map_err(lock_error)?;
         }
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -355,7 +356,7 @@ impl GroupLedger {
         let Some(dir) = self.path.parent() else {
             return Err(io::Error::other("the ledger path has no directory"));
         };
-        std::fs::create_dir_all(dir)?;
+        crate::home::ensure_private_dir(dir)?;
         let temp = dir.join(format!(".{LEDGER_FILE}.{}.tmp", std::process::id()));
         let written =
             std::fs::write(&temp, &json).and_then(|()| std::fs::rename(&temp, &self.path));
@@ -481,6 +482,18 @@ mod tests {
         ledger.reaped(&entry);
         let file: LedgerFile = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         assert!(file.groups.is_empty());
+    }
+
+    #[test]
+    fn the_state_directory_the_ledger_makes_is_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("home").join("state");
+        let _ledger = GroupLedger::open(state.join(LEDGER_FILE)).unwrap();
+        for made in [state.clone(), dir.path().join("home")] {
+            let mode = std::fs::metadata(&made).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o700, "{}", made.display());
+        }
     }
 
     #[test]
