@@ -21,14 +21,17 @@ pub enum Store {
     Bindings,
     /// A transcript line (`copilot-<sessionId>.jsonl`).
     Transcript,
+    /// The ledger of runtime process groups (`<state_dir>/process-groups.json`).
+    ProcessGroups,
 }
 
 impl Store {
-    /// `bindings` or `transcript`: the metric label.
+    /// `bindings`, `transcript` or `process_groups`: the metric label.
     pub fn as_str(self) -> &'static str {
         match self {
             Store::Bindings => "bindings",
             Store::Transcript => "transcript",
+            Store::ProcessGroups => "process_groups",
         }
     }
 }

@@ -96,6 +96,7 @@ pub mod auth;
 pub mod confine;
 mod deadline;
 pub mod faults;
+pub mod group_ledger;
 pub mod home;
 #[cfg(feature = "http")]
 pub mod http;

@@ -39,7 +39,7 @@
 //! | [`MODEL_REQUEST_SECONDS`] | histogram | `phase`: `first_byte`, `total` |
 //! | [`MODEL_BYTES_TOTAL`] | counter | `direction`: `sent`, `received` |
 //! | [`MODEL_BLOCKED_TOTAL`] | counter | `reason`: [`BlockReason::label`] |
-//! | [`STORAGE_WRITE_FAILURES_TOTAL`] | counter | `store`: [`Store::as_str`] (`bindings`, `transcript`) |
+//! | [`STORAGE_WRITE_FAILURES_TOTAL`] | counter | `store`: [`Store::as_str`] (`bindings`, `transcript`, `process_groups`) |
 //! | [`OWNERSHIP_VIOLATIONS_TOTAL`] | counter | — |
 //! | [`DAEMON_TASKS`] | gauge | — (set by the daemon at each scrape) |
 //! | [`SANDBOX_ENFORCED`] | gauge | `rule`: [`SandboxRule::as_str`] (`filesystem`, `tcp_connect`, `signals`, `abstract_unix_sockets`, `capabilities`) |
@@ -204,7 +204,7 @@ pub fn register_zeroes() {
     ] {
         counter!(name).absolute(0);
     }
-    for store in [Store::Bindings, Store::Transcript] {
+    for store in [Store::Bindings, Store::Transcript, Store::ProcessGroups] {
         counter!(STORAGE_WRITE_FAILURES_TOTAL, "store" => store.as_str()).absolute(0);
     }
     for result in SpawnResult::ALL {
@@ -337,7 +337,7 @@ pub fn describe() {
     describe_counter!(
         STORAGE_WRITE_FAILURES_TOTAL,
         Unit::Count,
-        "Durable writes that failed (a full or failing disk), by store (bindings, transcript)."
+        "Durable writes that failed (a full or failing disk), by store (bindings, transcript, process_groups)."
     );
     describe_counter!(
         QUARANTINES_TOTAL,

@@ -2,6 +2,13 @@
 //! ([`ProcessGroup`]), a long-lived child with its stderr tail and exit watch
 //! ([`ChildGroup`]), and a short-lived command run to its end by a deadline ([`GroupLeader`]).
 //!
+//! A [`ChildGroup`] also dies with the daemon: it is started with a parent-death signal
+//! (SIGKILL, `PR_SET_PDEATHSIG`), so a `kill -9` of the daemon takes every runtime with it.
+//! The kernel sends that signal when the *thread* that forked the child exits, not the
+//! process: a tokio worker thread can become a blocking-pool thread (`block_in_place`) and
+//! end after its idle keep-alive, so every such child is forked from one spawner thread
+//! that lives as long as the process ([`spawn_on_spawner_thread`]).
+//!
 //! This module does not speak JSON-RPC and does not know what program it runs. Its
 //! invariants: a group is never signalled after its leader was reaped (its id could belong to
 //! a new group by then); dropping a [`ProcessGroup`] (and so a [`ChildGroup`] or a
@@ -446,7 +453,8 @@ impl ChildGroup {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
-        let mut child = cmd.spawn().map_err(|source| SpawnError::Start {
+        die_with_parent(&mut cmd);
+        let mut child = spawn_on_spawner_thread(cmd).map_err(|source| SpawnError::Start {
             program: spec.program.display().to_string(),
             source,
         })?;
@@ -554,6 +562,81 @@ impl ChildGroup {
     pub async fn terminate(&self, grace: Duration) -> ExitInfo {
         self.group.terminate(grace, self.wait()).await
     }
+}
+
+/// Makes the child get SIGKILL when the thread that forks it exits (`PR_SET_PDEATHSIG`; it
+/// survives `execve`, also through the sandbox wrapper, which execs in place). Fork it with
+/// [`spawn_on_spawner_thread`], whose thread lives as long as the process, so the signal
+/// means "the daemon is gone". A child whose parent died before the `prctl` (the signal would
+/// never come) is not started.
+#[allow(unsafe_code)]
+fn die_with_parent(cmd: &mut Command) {
+    let parent = std::process::id();
+    let set = move || -> std::io::Result<()> {
+        nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)
+            .map_err(|errno| std::io::Error::from_raw_os_error(errno as i32))?;
+        // Reparented already: the parent died between the fork and the prctl.
+        if nix::unistd::getppid().as_raw() as u32 != parent {
+            return Err(std::io::Error::from_raw_os_error(nix::libc::ESRCH));
+        }
+        Ok(())
+    };
+    // SAFETY: the closure runs in the forked child before exec, where only
+    // async-signal-safe calls are allowed. It makes two system calls (prctl, getppid) and
+    // builds an `io::Error` from a raw code (no allocation); it takes no lock, touches no
+    // shared state and allocates nothing.
+    unsafe {
+        cmd.pre_exec(set);
+    }
+}
+
+type SpawnJob = Box<dyn FnOnce() + Send>;
+
+/// Runs `command.spawn()` on the process's spawner thread, which never exits, inside the
+/// caller's tokio runtime (the child is reaped by that runtime). See the module docs for why.
+/// Falls back to the calling thread only if the spawner thread cannot be started.
+pub fn spawn_on_spawner_thread(mut command: Command) -> std::io::Result<Child> {
+    static SPAWNER: std::sync::OnceLock<Option<Mutex<std::sync::mpsc::Sender<SpawnJob>>>> =
+        std::sync::OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<SpawnJob>();
+        let started = std::thread::Builder::new()
+            .name("copilot-pool-spawner".to_owned())
+            .spawn(move || {
+                // Lives as long as the process: the senders sit in a static.
+                while let Ok(job) = rx.recv() {
+                    job();
+                }
+            });
+        match started {
+            Ok(_) => Some(Mutex::new(tx)),
+            Err(error) => {
+                tracing::warn!(%error, "No spawner thread; children are forked from the calling thread and may die when it exits.");
+                None
+            }
+        }
+    });
+    let Some(spawner) = spawner else {
+        return command.spawn();
+    };
+    let handle = tokio::runtime::Handle::try_current().map_err(|e| {
+        std::io::Error::other(format!("spawning a child needs a tokio runtime: {e}"))
+    })?;
+    let (done_tx, done_rx) = std::sync::mpsc::sync_channel(1);
+    let job: SpawnJob = Box::new(move || {
+        let _runtime = handle.enter();
+        let _ = done_tx.send(command.spawn());
+    });
+    let sent = spawner
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .send(job);
+    if sent.is_err() {
+        return Err(std::io::Error::other("the spawner thread is gone"));
+    }
+    done_rx
+        .recv()
+        .map_err(|_| std::io::Error::other("the spawner thread dropped a spawn"))?
 }
 
 /// Resident memory of a process (VmRSS), from /proc.
@@ -702,6 +785,35 @@ mod tests {
         assert_eq!(info, ExitInfo::Signal(9));
         let left = group_left_after(pgid, Duration::from_secs(5)).await;
         assert!(left.is_empty(), "left behind: {left:?}");
+    }
+
+    #[tokio::test]
+    async fn a_child_outlives_the_thread_that_asked_for_it() {
+        // PR_SET_PDEATHSIG fires when the forking thread exits: a child started from a thread
+        // that ends (a blocking-pool thread, say) must not die with it, only with the process.
+        let handle = tokio::runtime::Handle::current();
+        let (child, tid) = std::thread::spawn(move || {
+            let _runtime = handle.enter();
+            let (child, io) = ChildGroup::spawn(&sh("exec sleep 300")).unwrap();
+            (child, io, nix::unistd::gettid())
+        })
+        .join()
+        .map(|(child, _io, tid)| (child, tid))
+        .unwrap();
+        // Once the thread's /proc entry is gone, its exit (and any parent-death signal) is done.
+        let task = format!("/proc/self/task/{tid}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while std::path::Path::new(&task).exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "thread {tid} did not end"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let early = tokio::time::timeout(Duration::from_millis(300), child.wait()).await;
+        assert!(early.is_err(), "the child died with its thread: {early:?}");
+        child.signal_group(Signal::SIGKILL);
+        assert_eq!(child.wait().await, ExitInfo::Signal(9));
     }
 
     fn sh_command(script: &str) -> Command {

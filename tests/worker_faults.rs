@@ -7,16 +7,20 @@ mod support;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use copilot_pool::kinds::TurnEnd;
+use copilot_pool::pool::{Pool, PoolError, PoolEvent};
 use copilot_pool::process::ExitInfo;
 use copilot_pool::rpc::EventKind;
 use copilot_pool::rpc::messages::SessionConfig;
 use copilot_pool::scripted_model::ScriptedModel;
+use copilot_pool::turn::TurnError;
 use copilot_pool::worker::{
     ExitReason, SessionUpdate, WorkerConfig, WorkerError, WorkerExit, WorkerHandle,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use support::pool_fixture::{Fixture, shutdown_leaves_nothing, wait_event};
 use support::procs::wait_group_gone;
 use support::{Scratch, event_where, session_config, worker_config};
 use tokio::sync::mpsc;
@@ -202,7 +206,8 @@ async fn a_hung_runtime_is_detected_by_health_pings_and_killed() {
     let scratch = Scratch::new();
     let mut config = worker_config(&scratch).await;
     config.health_interval = Duration::from_millis(200);
-    config.health_timeout = Duration::from_millis(300);
+    config.health_timeout = Duration::from_millis(150);
+    config.health_misses = 1;
     config.kill_grace = Duration::from_millis(300);
     let (supervisor, mut supervision) = recorder().await;
     let worker = WorkerHandle::start_supervised(config, supervisor.get_cell())
@@ -214,15 +219,89 @@ async fn a_hung_runtime_is_detected_by_health_pings_and_killed() {
         .expect("hang detected");
     assert_eq!(
         exit.reason,
-        ExitReason::Hung(Duration::from_millis(300)),
+        ExitReason::Hung {
+            misses: 1,
+            timeout: Duration::from_millis(150)
+        },
         "{exit}"
     );
     let reported = failure_reported(&mut supervision).await;
-    assert!(matches!(reported.reason, ExitReason::Hung(_)));
+    assert!(matches!(reported.reason, ExitReason::Hung { .. }));
     // A stopped process does not act on SIGTERM; the group must still be gone (SIGKILL).
     let left = wait_group_gone(worker.pid(), Duration::from_secs(5)).await;
     assert!(left.is_empty(), "{left:?}");
     supervisor.stop(None);
+}
+
+#[tokio::test]
+async fn a_runtime_stopped_mid_turn_is_declared_hung_within_two_intervals_and_the_turn_ends_crashed()
+ {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    let interval = Duration::from_millis(400);
+    let timeout = Duration::from_millis(250);
+    config.worker.health_interval = interval;
+    config.worker.health_timeout = timeout;
+    config.worker.health_misses = 2;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut request = fx.request("agent-h", "conv");
+    request.streaming = true;
+    let mut lease = pool.lease(request).await.expect("lease");
+    let pid = lease.worker_pid();
+    lease
+        .send("SCENARIO:slow SLOW=200x100")
+        .await
+        .expect("a slow turn starts");
+    // Mid-turn: the first delta has arrived (the model streams one every 100 ms for 20 s).
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(30), lease.next_event())
+            .await
+            .expect("the turn streams")
+            .expect("the turn ended before the stop")
+            .expect("no error before the stop");
+        if matches!(event.kind, EventKind::AssistantMessageDelta(_)) {
+            break;
+        }
+    }
+    let stopped_at = Instant::now();
+    kill(Pid::from_raw(pid as i32), Signal::SIGSTOP).expect("stop the runtime");
+    let outcome = tokio::time::timeout(Duration::from_secs(30), lease.wait_idle())
+        .await
+        .expect("the hung turn ends");
+    let took = stopped_at.elapsed();
+    println!("SIGSTOP mid-turn -> turn ended after {took:?}");
+    match outcome {
+        Ok(outcome) => assert_eq!(outcome.end, Some(TurnEnd::Crashed), "{outcome:?}"),
+        Err(error) => {
+            assert!(
+                matches!(
+                    &error,
+                    PoolError::Worker(WorkerError::Died(exit))
+                        | PoolError::Turn(TurnError::Worker(WorkerError::Died(exit)))
+                        if exit.reason == ExitReason::Hung { misses: 2, timeout }
+                ),
+                "not ended as hung (crashed): {error}"
+            );
+            assert!(!matches!(error, PoolError::Turn(TurnError::Timeout { .. })));
+        }
+    }
+    // Two intervals plus the timeout, plus the kill and reap of the group (generous for a
+    // loaded machine, far below the turn's own inactivity timeout).
+    let bound = interval * 2 + timeout;
+    assert!(
+        took < bound + Duration::from_secs(1),
+        "declared hung after {took:?} (bound {bound:?})"
+    );
+    wait_event(
+        &mut events,
+        |event| matches!(event, PoolEvent::WorkerCrashed { pid: p, .. } if *p == pid),
+    )
+    .await;
+    let left = wait_group_gone(pid, Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
 }
 
 #[tokio::test]

@@ -5,12 +5,14 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
+use crate::group_ledger::GroupLedger;
 use crate::process::{ChildGroup, ExitInfo};
 use crate::rpc::messages::{
     ClientInfo, Connect, ConnectParams, LlmSetProvider, Method, PROTOCOL_VERSION, Ping, PingParams,
@@ -22,6 +24,7 @@ use crate::tunnel::frames::TunnelRequests;
 use super::config::WorkerConfig;
 use super::error::{ExitReason, WorkerError, WorkerExit};
 use super::handle::{PendingKind, WorkerInfo};
+use super::health::HealthMisses;
 use super::session::SessionUpdate;
 
 /// After stdout closes, how long to wait for the child's exit status before reporting the
@@ -123,6 +126,8 @@ pub(crate) struct WorkerState {
     detaches: HashMap<String, watch::Receiver<bool>>,
     pub(super) tunnel: TunnelRequests,
     ping_in_flight: bool,
+    /// Health pings missed in a row.
+    health: HealthMisses,
     exit: watch::Sender<Option<WorkerExit>>,
     health_timer: Option<JoinHandle<()>>,
     exit_watcher: Option<JoinHandle<()>>,
@@ -168,6 +173,9 @@ impl Actor for Worker {
         } = args;
         let spec = config.child_spec().map_err(boxed)?;
         let (child, io) = ChildGroup::spawn(&spec).map_err(|e| boxed(e.into()))?;
+        if let Some(ledger) = &config.group_ledger {
+            record_group(ledger, &child);
+        }
         let sink_target = myself.clone();
         let conn = Connection::start(
             io.stdout,
@@ -216,6 +224,7 @@ impl Actor for Worker {
             }
         });
         let _ = ready.send((conn.clone(), info, child.exit_watch()));
+        let health = HealthMisses::new(config.health_misses, config.health_timeout);
         Ok(WorkerState {
             config,
             child,
@@ -226,6 +235,7 @@ impl Actor for Worker {
             detaches: HashMap::new(),
             tunnel: TunnelRequests::default(),
             ping_in_flight: false,
+            health,
             exit,
             health_timer: None,
             exit_watcher: Some(exit_watcher),
@@ -292,18 +302,24 @@ impl Actor for Worker {
             WorkerMsg::HealthResult(result) => {
                 state.ping_in_flight = false;
                 match result {
-                    Ok(()) => {}
                     Err(RpcError::Timeout { after, .. }) => {
-                        tracing::warn!(
-                            pid = state.child.pid(),
-                            ?after,
-                            "Copilot runtime hung; killing it."
-                        );
-                        return Err(state.die(ExitReason::Hung(after)).await);
+                        let pid = state.child.pid();
+                        match state.health.missed() {
+                            Some(hung) => {
+                                tracing::warn!(pid, ?after, %hung, "Copilot runtime hung; killing it.");
+                                return Err(state.die(hung).await);
+                            }
+                            None => tracing::info!(
+                                pid,
+                                ?after,
+                                misses = state.health.misses(),
+                                "Copilot runtime missed a health ping; it is hung only if it misses the next ones too."
+                            ),
+                        }
                     }
-                    // A closed connection is reported by the reader; other answers (even
-                    // errors) prove the runtime is alive.
-                    Err(_) => {}
+                    // A closed connection is reported by the reader; any other answer (even
+                    // an error) proves the runtime is alive.
+                    Ok(()) | Err(_) => state.health.answered(),
                 }
             }
             WorkerMsg::OpenRoute { session_id, reply } => {
@@ -437,6 +453,21 @@ impl Actor for Worker {
         tracing::debug!(pid = state.child.pid(), %status, "Copilot worker stopped.");
         Ok(())
     }
+}
+
+/// Keeps the child's group in the daemon's ledger from now until its leader is reaped, so a
+/// daemon restarted after a crash finds it if it survived.
+fn record_group(ledger: &Arc<GroupLedger>, child: &ChildGroup) {
+    let Some(entry) = ledger.started(child.pid()) else {
+        return;
+    };
+    let ledger = Arc::clone(ledger);
+    let mut exit = child.exit_watch();
+    tokio::spawn(async move {
+        // Reaped, or the reaper is gone with the runtime (the group was killed on drop).
+        let _ = exit.wait_for(|e| e.is_some()).await;
+        ledger.reaped(&entry);
+    });
 }
 
 fn boxed(err: WorkerError) -> ActorProcessingErr {

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::group_ledger::GroupLedger;
 use crate::process::ChildSpec;
 use crate::rpc::DEFAULT_MAX_FRAME_BYTES;
 use crate::sandbox::Sandbox;
@@ -64,6 +65,9 @@ pub const TOKEN_VARIABLES: &[&str] = &[
 /// The variable the process-level token is passed in (named by `--auth-token-env`).
 pub const AUTH_TOKEN_ENV: &str = "COPILOT_SDK_AUTH_TOKEN";
 
+/// Missed health pings in a row after which a runtime is hung, by default.
+pub const DEFAULT_HEALTH_MISSES: u32 = 2;
+
 /// Everything a worker needs to start and supervise one CLI child.
 #[derive(Clone)]
 pub struct WorkerConfig {
@@ -92,12 +96,21 @@ pub struct WorkerConfig {
     pub request_timeout: Duration,
     /// How often the worker pings the runtime.
     pub health_interval: Duration,
-    /// A ping not answered within this is a hung runtime: it is killed.
+    /// A ping not answered within this is a missed ping.
     pub health_timeout: Duration,
+    /// Missed pings in a row after which the runtime is declared hung and killed (an answer
+    /// resets the count). 1 kills at the first slow ping; the default 2 lets one slow ping on
+    /// a loaded machine pass, and still declares a stopped runtime hung within two health
+    /// intervals plus the timeout (when the timeout is shorter than the interval). 0 is
+    /// taken as 1.
+    pub health_misses: u32,
     /// Time between SIGTERM and SIGKILL when stopping the child.
     pub kill_grace: Duration,
     /// Largest JSON-RPC frame accepted or sent.
     pub max_frame_bytes: usize,
+    /// Record the runtime's process group here while it lives (the daemon's
+    /// `<state_dir>/process-groups.json`), so a restart after a crash kills survivors.
+    pub group_ledger: Option<Arc<GroupLedger>>,
     /// Start the runtime through this sandbox's wrapper, inside its walls (`None`: with
     /// the parent's rights). A pool fills the agent's directories in per key.
     pub sandbox: Option<Sandbox>,
@@ -113,14 +126,21 @@ impl std::fmt::Debug for WorkerConfig {
             .field("auto_login", &self.auto_login)
             .field("model_tunnel", &self.model_tunnel.is_some())
             .field("health_interval", &self.health_interval)
+            .field("health_timeout", &self.health_timeout)
+            .field("health_misses", &self.health_misses)
             .field("sandbox", &self.sandbox.is_some())
+            .field(
+                "group_ledger",
+                &self.group_ledger.as_ref().map(|l| l.path()),
+            )
             .finish_non_exhaustive()
     }
 }
 
 impl WorkerConfig {
     /// A config with the default timeouts: start 60 s, requests 60 s, health every 10 s with
-    /// a 5 s timeout, kill grace 5 s, frames up to 64 MiB.
+    /// a 5 s timeout and hung after 2 missed pings in a row, kill grace 5 s, frames up to
+    /// 64 MiB.
     pub fn new(program: PathBuf, copilot_home: PathBuf, working_directory: PathBuf) -> Self {
         Self {
             program,
@@ -136,9 +156,11 @@ impl WorkerConfig {
             request_timeout: Duration::from_secs(60),
             health_interval: Duration::from_secs(10),
             health_timeout: Duration::from_secs(5),
+            health_misses: DEFAULT_HEALTH_MISSES,
             kill_grace: Duration::from_secs(5),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             sandbox: None,
+            group_ledger: None,
         }
     }
 

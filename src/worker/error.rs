@@ -19,8 +19,14 @@ pub enum ExitReason {
     TransportClosed(Option<ExitInfo>),
     /// The child sent something that is not a valid frame or JSON-RPC message.
     ProtocolViolation(String),
-    /// The child did not answer a health ping in time and was killed.
-    Hung(Duration),
+    /// The child missed `misses` health pings in a row (none answered within `timeout`) and
+    /// was killed.
+    Hung {
+        /// Pings in a row that went unanswered.
+        misses: u32,
+        /// How long each of them was given.
+        timeout: Duration,
+    },
     /// The worker actor was killed or panicked; its child was killed with it.
     Killed,
     /// The worker was asked to stop.
@@ -36,10 +42,17 @@ impl fmt::Display for ExitReason {
             }
             ExitReason::TransportClosed(None) => f.write_str("the runtime closed its output"),
             ExitReason::ProtocolViolation(d) => write!(f, "the runtime broke the protocol: {d}"),
-            ExitReason::Hung(after) => {
+            ExitReason::Hung { misses, timeout } => {
+                let pings = if *misses == 1 {
+                    "ping"
+                } else {
+                    "pings in a row"
+                };
                 write!(
                     f,
-                    "the runtime did not answer a health ping within {after:?}"
+                    "the runtime was hung: it did not answer {misses} health {pings} within \
+                     {timeout:?} each (stopped, deadlocked or starved), so it was killed; if \
+                     the machine is only overloaded, raise the health timeout or misses"
                 )
             }
             ExitReason::Killed => f.write_str("the worker actor was killed or panicked"),

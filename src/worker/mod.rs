@@ -15,9 +15,12 @@ mod config;
 mod dispatch;
 mod error;
 mod handle;
+mod health;
 mod session;
 
-pub use config::{AUTH_TOKEN_ENV, ENV_ALLOWLIST, TOKEN_VARIABLES, WorkerConfig};
+pub use config::{
+    AUTH_TOKEN_ENV, DEFAULT_HEALTH_MISSES, ENV_ALLOWLIST, TOKEN_VARIABLES, WorkerConfig,
+};
 pub use error::{ExitReason, WorkerError, WorkerExit};
 pub use handle::{PendingKind, WorkerHandle, WorkerInfo};
 pub use session::{

@@ -272,6 +272,12 @@ pub struct PoolSection {
     pub warm_spares: usize,
     /// How long after a key's last lease its spares are kept.
     pub warm_spare_window_secs: u64,
+    /// How often each runtime is pinged.
+    pub health_interval_ms: u64,
+    /// How long a ping may take before it counts as missed (shorter than the interval).
+    pub health_timeout_ms: u64,
+    /// Missed pings in a row after which a runtime is hung: killed, its turns end `crashed`.
+    pub health_misses: u32,
 }
 
 /// `[turns]`.
@@ -322,6 +328,47 @@ impl Default for ServeConfig {
     }
 }
 
+impl PoolSection {
+    /// The health settings: finite, a ping given less time than the interval (a ping still
+    /// waiting when the next is due makes the next one be skipped, so the hang bound would
+    /// be longer than it reads), at least one miss.
+    fn validate_health(&self) -> Result<()> {
+        let (interval, timeout, misses) = (
+            self.health_interval_ms,
+            self.health_timeout_ms,
+            self.health_misses,
+        );
+        if interval == 0 || timeout == 0 {
+            bail!(
+                "pool.health_interval_ms and pool.health_timeout_ms must be above 0 (the \
+                 defaults are 10000 and 5000); a runtime that is never pinged is never found hung"
+            );
+        }
+        if timeout >= interval {
+            bail!(
+                "pool.health_timeout_ms ({timeout}) must be shorter than \
+                 pool.health_interval_ms ({interval}): a ping still waiting when the next is due \
+                 would skip it; lower the timeout or raise the interval"
+            );
+        }
+        if misses == 0 {
+            bail!(
+                "pool.health_misses must be at least 1 (the default is 2: one slow ping on a \
+                 loaded machine does not kill a healthy runtime)"
+            );
+        }
+        const HOUR_MS: u64 = 3_600_000;
+        if interval > HOUR_MS || misses > 100 {
+            bail!(
+                "pool.health_interval_ms must be at most 3600000 (one hour) and \
+                 pool.health_misses at most 100: a hung runtime would hold its conversations \
+                 for longer than any turn may last"
+            );
+        }
+        Ok(())
+    }
+}
+
 impl Default for PoolSection {
     fn default() -> Self {
         Self {
@@ -338,6 +385,9 @@ impl Default for PoolSection {
             cpu_processes_per_key: None,
             warm_spares: 0,
             warm_spare_window_secs: 600,
+            health_interval_ms: 10_000,
+            health_timeout_ms: 5_000,
+            health_misses: copilot_pool::worker::DEFAULT_HEALTH_MISSES,
         }
     }
 }
@@ -456,6 +506,7 @@ impl ServeConfig {
                  (or set warm_spares = 0 to turn spares off)"
             );
         }
+        self.pool.validate_health()?;
         let m = &self.model;
         if m.max_request_body_bytes == 0
             || m.connect_timeout_secs == 0
@@ -507,7 +558,10 @@ impl ServeConfig {
 
     /// The pool configuration for `program`.
     pub fn pool_config(&self, program: PathBuf) -> Result<PoolConfig> {
-        let worker = WorkerConfig::new(program, PathBuf::new(), PathBuf::new());
+        let mut worker = WorkerConfig::new(program, PathBuf::new(), PathBuf::new());
+        worker.health_interval = Duration::from_millis(self.pool.health_interval_ms);
+        worker.health_timeout = Duration::from_millis(self.pool.health_timeout_ms);
+        worker.health_misses = self.pool.health_misses;
         let mut config = PoolConfig::new(worker, self.state_dir()?, self.agents_dir()?);
         let p = &self.pool;
         config.max_processes = p.max_processes;
@@ -730,6 +784,41 @@ mod tests {
         assert!(format!("{:#}", bad.validate().unwrap_err()).contains("warm_spare_window_secs"));
         let bad: ServeConfig = toml::from_str("[pool]\ncpu_processes_per_key = 0\n").unwrap();
         assert!(format!("{:#}", bad.validate().unwrap_err()).contains("cpu_processes_per_key"));
+    }
+
+    #[test]
+    fn the_health_settings_have_finite_defaults_reach_the_worker_and_are_checked() {
+        let c = ServeConfig::default();
+        c.validate().unwrap();
+        let p = &c.pool;
+        // A stopped runtime is found within misses x interval + timeout: 25 s.
+        assert_eq!(
+            p.health_interval_ms * u64::from(p.health_misses) + p.health_timeout_ms,
+            25_000
+        );
+        let c: ServeConfig = toml::from_str(
+            "[pool]\nhealth_interval_ms = 2000\nhealth_timeout_ms = 500\nhealth_misses = 3\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        let worker = c.pool_config("/bin/true".into()).unwrap().worker;
+        assert_eq!(worker.health_interval, Duration::from_secs(2));
+        assert_eq!(worker.health_timeout, Duration::from_millis(500));
+        assert_eq!(worker.health_misses, 3);
+        for (text, says) in [
+            ("health_misses = 0", "health_misses must be at least 1"),
+            ("health_interval_ms = 0", "must be above 0"),
+            ("health_timeout_ms = 0", "must be above 0"),
+            (
+                "health_interval_ms = 1000\nhealth_timeout_ms = 1000",
+                "must be shorter than pool.health_interval_ms (1000)",
+            ),
+            ("health_interval_ms = 3600001", "at most 3600000"),
+        ] {
+            let bad: ServeConfig = toml::from_str(&format!("[pool]\n{text}\n")).unwrap();
+            let error = bad.validate().expect_err(text).to_string();
+            assert!(error.contains(says), "{text}: {error}");
+        }
     }
 
     #[test]

@@ -137,8 +137,10 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     }
     let mut worker = WorkerConfig::new(shim, PathBuf::new(), PathBuf::new());
     worker.kill_grace = Duration::from_secs(2);
+    // A stopped runtime is found hung within two intervals plus the timeout (2.8 s).
     worker.health_interval = Duration::from_secs(1);
-    worker.health_timeout = Duration::from_secs(1);
+    worker.health_timeout = Duration::from_millis(800);
+    worker.health_misses = 2;
     let mut config = PoolConfig::new(worker, base.join("state"), base.join("homes"));
     config.maintenance_interval = Duration::from_millis(200);
     config.shutdown_grace = Duration::from_secs(5);

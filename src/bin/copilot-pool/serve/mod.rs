@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use copilot_pool::group_ledger::{GroupLedger, LEDGER_FILE};
 use copilot_pool::http::{self, ApiConfig, ConnectionLimits};
 use copilot_pool::kinds::SandboxMode;
 use copilot_pool::pool::Pool;
@@ -177,6 +178,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     api_config.sandbox = Some(sandbox_status);
     let mut pool_config = config.pool_config(located.path.clone())?;
     pool_config.worker.sandbox = sandbox;
+    pool_config.worker.group_ledger = Some(take_over(&pool_config.state_dir).await?);
     let pool = Pool::start(pool_config).await?;
     let (app, api) = http::router_with_handle(pool.clone(), api_config);
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -303,6 +305,25 @@ async fn bind_sdk(listen: SdkListen) -> Result<SdkListener> {
 
 /// Serves the SDK endpoint on its bound listener in a task until `stop` resolves (a Unix
 /// socket file is removed after).
+/// How long the survivors of a previous run get to die after SIGKILL.
+const TAKE_OVER_LIMIT: Duration = Duration::from_secs(10);
+
+/// Opens the process-group ledger of `state_dir` and kills what survived the previous run
+/// (a `kill -9` of the daemon leaves runtime groups behind only if their parent-death
+/// signal could not reach them, and their tool processes): before the pool starts, so no
+/// conversation is resumed while its previous process still holds it.
+async fn take_over(state_dir: &std::path::Path) -> Result<std::sync::Arc<GroupLedger>> {
+    let ledger = GroupLedger::open(state_dir.join(LEDGER_FILE))?;
+    let report = ledger.take_over(TAKE_OVER_LIMIT).await?;
+    if !report.killed.is_empty() {
+        tracing::warn!(
+            killed = ?report.killed,
+            "Killed runtime processes that survived the previous run of the daemon."
+        );
+    }
+    Ok(ledger)
+}
+
 fn serve_sdk(
     endpoint: &SdkEndpoint,
     listener: SdkListener,

@@ -1,0 +1,558 @@
+//! The ledger of runtime process groups (`<state_dir>/process-groups.json`): which groups
+//! this daemon started and has not reaped yet, so that a daemon that restarts after a crash
+//! (`kill -9`, OOM kill) finds and kills the survivors of its previous life
+//! ([`GroupLedger::take_over`]) before it resumes a single conversation. A survivor still
+//! holds its sessions' locks and could still append to their histories: resuming one of
+//! them elsewhere while it lives would attach a session twice.
+//!
+//! Each entry is a group id (its leader's pid) with the leader's start time (field 22 of
+//! `/proc/<pid>/stat`, clock ticks since boot), session id and the boot id
+//! (`/proc/sys/kernel/random/boot_id`): a pid reused by another process, or an entry from
+//! before a reboot, is never killed. The file is rewritten whole (temporary file, then
+//! `rename`) on every spawn and reap; without `fsync`, since only a process crash must be
+//! survived (after a power loss every process is gone anyway, and the boot id differs). A
+//! failed write is logged and counted (`copilot_pool_storage_write_failures_total{store=
+//! "process_groups"}`) and never fails a spawn.
+
+use std::collections::BTreeSet;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+
+use crate::faults::{SharedDiskFaults, Store};
+
+/// File name of the ledger inside the state directory.
+pub const LEDGER_FILE: &str = "process-groups.json";
+
+/// Version of the file format.
+const FORMAT_VERSION: u32 = 1;
+
+/// One process group this daemon started.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct GroupEntry {
+    /// The group id, which is the leader's pid.
+    pub pgid: u32,
+    /// The leader's start time (clock ticks after boot).
+    pub start_time: u64,
+    /// The leader's session id (the daemon's, as the leader does not call `setsid`).
+    pub sid: u32,
+    /// The boot the leader ran in.
+    pub boot_id: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct LedgerFile {
+    version: u32,
+    groups: BTreeSet<GroupEntry>,
+}
+
+/// What [`GroupLedger::take_over`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TakeOver {
+    /// Entries of the previous run that were read.
+    pub recorded: usize,
+    /// Processes of those groups that were still there and were SIGKILLed.
+    pub killed: Vec<u32>,
+    /// Entries left alone: their leader's pid now belongs to another process, or they are
+    /// from another boot.
+    pub not_ours: usize,
+}
+
+/// Why the ledger could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    /// Another live daemon holds the ledger of this state directory.
+    #[error(
+        "another copilot-pool daemon is running on the state directory of {path} (it holds \
+         the lock on it): stop it first, or give this one its own state_dir"
+    )]
+    InUse {
+        /// The lock file.
+        path: PathBuf,
+    },
+    /// The lock file could not be created or locked.
+    #[error("cannot lock {path}: {source}; check that the state directory is writable")]
+    Lock {
+        /// The lock file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Why a takeover could not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum TakeOverError {
+    /// Processes of the previous run were SIGKILLed but are still there.
+    #[error(
+        "processes of the previous run ({pids:?}) are still alive {waited:?} after SIGKILL; \
+         they may still hold conversations, so none is resumed: find out what blocks them \
+         (`cat /proc/<pid>/stack`, uninterruptible I/O), kill them, and start again"
+    )]
+    Survivors {
+        /// The pids still alive.
+        pids: Vec<u32>,
+        /// How long they were waited for.
+        waited: Duration,
+    },
+}
+
+/// The ledger; shared by every worker of a daemon (`WorkerConfig::group_ledger`).
+#[derive(Debug)]
+pub struct GroupLedger {
+    path: PathBuf,
+    /// Held for the ledger's life: one daemon per state directory, so no daemon ever takes
+    /// over the groups of another one that is alive.
+    _lock: nix::fcntl::Flock<std::fs::File>,
+    boot_id: Option<String>,
+    faults: Option<SharedDiskFaults>,
+    /// Groups of the previous run, until [`GroupLedger::take_over`] handles them.
+    previous: Mutex<BTreeSet<GroupEntry>>,
+    /// Groups of this run (the file's content after the takeover).
+    live: Mutex<BTreeSet<GroupEntry>>,
+}
+
+impl GroupLedger {
+    /// Opens the ledger at `path` and locks it (`<path>.lock`, for as long as the ledger
+    /// lives), reading the groups of the previous run. A missing file is an empty ledger; an
+    /// unreadable or corrupt one is logged as a warning and started fresh (survivors it
+    /// named, if any, are then not known). Fails only if another live daemon holds the lock
+    /// or the lock file cannot be made.
+    pub fn open(path: impl Into<PathBuf>) -> Result<Arc<Self>, LedgerError> {
+        Self::open_inner(path.into(), None).map(Arc::new)
+    }
+
+    /// Opens the ledger with injected write faults (tests, chaos).
+    pub fn open_with_faults(
+        path: impl Into<PathBuf>,
+        faults: SharedDiskFaults,
+    ) -> Result<Arc<Self>, LedgerError> {
+        Self::open_inner(path.into(), Some(faults)).map(Arc::new)
+    }
+
+    fn open_inner(path: PathBuf, faults: Option<SharedDiskFaults>) -> Result<Self, LedgerError> {
+        let mut lock_path = path.clone().into_os_string();
+        lock_path.push(".lock");
+        let lock_path = PathBuf::from(lock_path);
+        let lock_error = |source| LedgerError::Lock {
+            path: lock_path.clone(),
+            source,
+        };
+        // The state directory, private as the bindings store makes it (mode 0700).
+        if let Some(dir) = lock_path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            crate::home::ensure_private_dir(dir).map_err(lock_error)?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(lock_error)?;
+        let lock = match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        {
+            Ok(lock) => lock,
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+                return Err(LedgerError::InUse { path: lock_path });
+            }
+            Err((_, errno)) => return Err(lock_error(io::Error::from(errno))),
+        };
+        let previous = match std::fs::read(&path) {
+            Ok(bytes) => match serde_json::from_slice::<LedgerFile>(&bytes) {
+                Ok(file) if file.version == FORMAT_VERSION => file.groups,
+                Ok(file) => {
+                    tracing::warn!(path = %path.display(), version = file.version, "The process-group ledger has an unknown format version; starting a fresh one. Processes of the previous run, if any, are not known: check for leftover copilot runtimes.");
+                    BTreeSet::new()
+                }
+                Err(error) => {
+                    tracing::warn!(path = %path.display(), %error, "The process-group ledger is corrupt; starting a fresh one. Processes of the previous run, if any, are not known: check for leftover copilot runtimes.");
+                    BTreeSet::new()
+                }
+            },
+            Err(error) if error.kind() == io::ErrorKind::NotFound => BTreeSet::new(),
+            Err(error) => {
+                tracing::warn!(path = %path.display(), %error, "The process-group ledger cannot be read; starting a fresh one. Fix its permissions; processes of the previous run, if any, are not known.");
+                BTreeSet::new()
+            }
+        };
+        Ok(GroupLedger {
+            path,
+            _lock: lock,
+            boot_id: boot_id(),
+            faults,
+            previous: Mutex::new(previous),
+            live: Mutex::new(BTreeSet::new()),
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The groups of the previous run not yet taken over.
+    pub fn previous(&self) -> Vec<GroupEntry> {
+        lock(&self.previous).iter().cloned().collect()
+    }
+
+    /// The groups of this run.
+    pub fn live(&self) -> Vec<GroupEntry> {
+        lock(&self.live).iter().cloned().collect()
+    }
+
+    /// SIGKILLs every group of the previous run that is still the same: its leader there
+    /// with the recorded start time and boot (the whole group), or, when the leader is gone
+    /// (killed by its parent-death signal and reaped), the members left in its group that
+    /// belong to the recorded session and started after it. Waits up to `limit` for all of
+    /// them, and for recorded leaders that are zombies, to be reaped (the runtime's in-use
+    /// lock takes any existing pid for a live owner); then rewrites the ledger with this
+    /// run's groups only. Fails if a killed process is still alive (not a zombie) at the
+    /// limit; zombies left at the limit (an init that does not reap) are logged.
+    pub async fn take_over(&self, limit: Duration) -> Result<TakeOver, TakeOverError> {
+        let previous = std::mem::take(&mut *lock(&self.previous));
+        let mut report = TakeOver {
+            recorded: previous.len(),
+            ..TakeOver::default()
+        };
+        // Every process of the previous run that must be gone, zombies included: the
+        // runtime's in-use lock (`session-state/<id>/inuse.<pid>.lock`) takes a pid that
+        // exists for a live owner, so a leader that is only a zombie (killed by its
+        // parent-death signal, not yet reaped by init) would make its sessions look attached.
+        let mut must_vanish = Vec::new();
+        for entry in &previous {
+            if self.boot_id.as_deref() != Some(entry.boot_id.as_str()) {
+                report.not_ours += 1;
+                continue;
+            }
+            match LeaderState::of(entry) {
+                LeaderState::Same => {
+                    let live: Vec<u32> = group_members(entry.pgid)
+                        .into_iter()
+                        .filter(|p| is_alive(*p))
+                        .collect();
+                    if !live.is_empty()
+                        && let Err(error) = killpg(pid(entry.pgid), Signal::SIGKILL)
+                    {
+                        tracing::warn!(pgid = entry.pgid, %error, "Could not kill a process group of the previous run.");
+                    }
+                    report.killed.extend(live);
+                    must_vanish.push(entry.pgid);
+                }
+                LeaderState::Reused => report.not_ours += 1,
+                LeaderState::Gone => {
+                    // The id of a group cannot be handed out again while a member is left,
+                    // so members still in it are the leader's; the session and start time
+                    // are checked as well.
+                    for member in group_members(entry.pgid) {
+                        let Some(stat) = read_stat(member) else {
+                            continue;
+                        };
+                        if stat.sid == entry.sid && stat.start_time >= entry.start_time {
+                            if is_alive(member) {
+                                let _ = kill(pid(member), Signal::SIGKILL);
+                                report.killed.push(member);
+                            }
+                            must_vanish.push(member);
+                        }
+                    }
+                }
+            }
+        }
+        report.killed.sort_unstable();
+        report.killed.dedup();
+        must_vanish.extend(report.killed.iter().copied());
+        let waited = tokio::time::Instant::now();
+        loop {
+            must_vanish.retain(|p| read_stat(*p).is_some());
+            if must_vanish.is_empty() {
+                break;
+            }
+            if waited.elapsed() >= limit {
+                let alive: Vec<u32> = must_vanish
+                    .iter()
+                    .copied()
+                    .filter(|p| is_alive(*p))
+                    .collect();
+                if !alive.is_empty() {
+                    // Kept for the next try.
+                    lock(&self.previous).extend(previous);
+                    return Err(TakeOverError::Survivors {
+                        pids: alive,
+                        waited: limit,
+                    });
+                }
+                tracing::warn!(zombies = ?must_vanish, ?limit, "Runtimes of the previous run are dead but not reaped: their sessions may be reported in use (`alreadyInUse`) when resumed. Run the daemon under an init that reaps orphans (tini, `docker run --init`, systemd).");
+                break;
+            }
+            // Processes we did not start give no exit event: /proc is read (bounded).
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if report.recorded > 0 {
+            tracing::info!(
+                recorded = report.recorded,
+                killed = report.killed.len(),
+                not_ours = report.not_ours,
+                "Took over from the previous run: its surviving runtime processes are gone."
+            );
+        }
+        self.write(&lock(&self.live));
+        Ok(report)
+    }
+
+    /// Records a group just started (its leader is `pgid`, not reaped yet). Returns the
+    /// entry to pass to [`GroupLedger::reaped`], `None` if the leader could not be read.
+    pub fn started(&self, pgid: u32) -> Option<GroupEntry> {
+        let Some(stat) = read_stat(pgid) else {
+            tracing::warn!(
+                pgid,
+                "A new runtime's /proc entry cannot be read; it is not in the process-group ledger."
+            );
+            return None;
+        };
+        let entry = GroupEntry {
+            pgid,
+            start_time: stat.start_time,
+            sid: stat.sid,
+            boot_id: self.boot_id.clone().unwrap_or_default(),
+        };
+        let mut live = lock(&self.live);
+        live.insert(entry.clone());
+        self.write(&live);
+        Some(entry)
+    }
+
+    /// Removes a group whose leader was reaped.
+    pub fn reaped(&self, entry: &GroupEntry) {
+        let mut live = lock(&self.live);
+        if live.remove(entry) {
+            self.write(&live);
+        }
+    }
+
+    /// Writes the previous run's groups not yet taken over and `live` (the caller holds the
+    /// `live` lock, so writes happen one at a time and in order).
+    fn write(&self, live: &BTreeSet<GroupEntry>) {
+        let mut groups = live.clone();
+        groups.extend(lock(&self.previous).iter().cloned());
+        let file = LedgerFile {
+            version: FORMAT_VERSION,
+            groups,
+        };
+        if let Err(error) = self.write_file(&file) {
+            crate::metrics::storage_write_failed(Store::ProcessGroups);
+            tracing::warn!(path = %self.path.display(), %error, "Could not write the process-group ledger; a restart after a crash may not find every leftover runtime. Check the state directory's disk and permissions.");
+        }
+    }
+
+    fn write_file(&self, file: &LedgerFile) -> io::Result<()> {
+        crate::faults::check(self.faults.as_ref(), Store::ProcessGroups)?;
+        let mut json = serde_json::to_vec(file).map_err(io::Error::other)?;
+        json.push(b'\n');
+        let Some(dir) = self.path.parent() else {
+            return Err(io::Error::other("the ledger path has no directory"));
+        };
+        crate::home::ensure_private_dir(dir)?;
+        let temp = dir.join(format!(".{LEDGER_FILE}.{}.tmp", std::process::id()));
+        let written =
+            std::fs::write(&temp, &json).and_then(|()| std::fs::rename(&temp, &self.path));
+        if written.is_err() {
+            let _ = std::fs::remove_file(&temp);
+        }
+        written
+    }
+}
+
+/// What became of a recorded leader.
+enum LeaderState {
+    /// Alive (or a zombie) with the recorded start time.
+    Same,
+    /// Its pid belongs to another process now.
+    Reused,
+    /// No process has its pid.
+    Gone,
+}
+
+impl LeaderState {
+    fn of(entry: &GroupEntry) -> Self {
+        match read_stat(entry.pgid) {
+            Some(stat) if stat.start_time == entry.start_time => LeaderState::Same,
+            Some(_) => LeaderState::Reused,
+            None => LeaderState::Gone,
+        }
+    }
+}
+
+/// The fields of `/proc/<pid>/stat` the ledger needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stat {
+    state: char,
+    pgrp: u32,
+    sid: u32,
+    start_time: u64,
+}
+
+fn parse_stat(text: &str) -> Option<Stat> {
+    // The command name is in parentheses and may hold spaces: fields count from the last ')'.
+    let rest = text.get(text.rfind(')')? + 1..)?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // fields[0] is field 3 (state): field n is fields[n - 3].
+    Some(Stat {
+        state: fields.first()?.chars().next()?,
+        pgrp: fields.get(2)?.parse().ok()?,
+        sid: fields.get(3)?.parse().ok()?,
+        start_time: fields.get(19)?.parse().ok()?,
+    })
+}
+
+fn read_stat(pid: u32) -> Option<Stat> {
+    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// A process that is there and not a zombie (a zombie holds no session and runs nothing).
+fn is_alive(pid: u32) -> bool {
+    read_stat(pid).is_some_and(|stat| stat.state != 'Z' && stat.state != 'X')
+}
+
+/// Pids of the processes in group `pgid` now.
+fn group_members(pgid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| read_stat(*p).is_some_and(|stat| stat.pgrp == pgid))
+        .collect()
+}
+
+/// This boot's id, `None` if it cannot be read (then no recorded group is ever killed).
+fn boot_id() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .map(|id| id.trim().to_owned())
+        .filter(|id| !id.is_empty())
+}
+
+fn pid(raw: u32) -> Pid {
+    Pid::from_raw(i32::try_from(raw).unwrap_or(i32::MAX))
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stat_fields_are_read_after_a_command_name_with_spaces_and_parentheses() {
+        let line =
+            "4242 (a (b) c) S 1 4242 4000 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 10";
+        assert_eq!(
+            parse_stat(line),
+            Some(Stat {
+                state: 'S',
+                pgrp: 4242,
+                sid: 4000,
+                start_time: 987654
+            })
+        );
+        assert_eq!(parse_stat("garbage"), None);
+    }
+
+    #[test]
+    fn a_corrupt_ledger_is_started_fresh_and_rewritten_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LEDGER_FILE);
+        std::fs::write(&path, b"{\"version\":1,\"groups\":[{\"pgid\":").unwrap();
+        let ledger = GroupLedger::open(&path).unwrap();
+        assert!(ledger.previous().is_empty());
+        let me = std::process::id();
+        let entry = ledger.started(me).expect("our own stat is readable");
+        let file: LedgerFile = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(
+            file.groups.into_iter().collect::<Vec<_>>(),
+            vec![entry.clone()]
+        );
+        ledger.reaped(&entry);
+        let file: LedgerFile = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert!(file.groups.is_empty());
+    }
+
+    #[test]
+    fn the_state_directory_the_ledger_makes_is_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("home").join("state");
+        let _ledger = GroupLedger::open(state.join(LEDGER_FILE)).unwrap();
+        for made in [state.clone(), dir.path().join("home")] {
+            let mode = std::fs::metadata(&made).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o700, "{}", made.display());
+        }
+    }
+
+    #[test]
+    fn an_entry_records_the_start_time_session_and_boot_and_is_read_back_by_the_next_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state").join(LEDGER_FILE);
+        let ledger = GroupLedger::open(&path).unwrap();
+        let me = std::process::id();
+        let entry = ledger.started(me).unwrap();
+        let stat = read_stat(me).unwrap();
+        assert_eq!(entry.start_time, stat.start_time);
+        assert_eq!(entry.sid, stat.sid);
+        assert_eq!(Some(entry.boot_id.clone()), boot_id());
+        let second = GroupLedger::open(&path).expect_err("one daemon per state directory");
+        assert!(
+            second.to_string().contains("another copilot-pool daemon"),
+            "{second}"
+        );
+        drop(ledger);
+        let next = GroupLedger::open(&path).unwrap();
+        assert_eq!(next.previous(), vec![entry]);
+    }
+
+    #[derive(Debug)]
+    struct FailAll;
+
+    impl crate::faults::DiskFaults for FailAll {
+        fn before_write(&self, _: Store) -> Option<io::Error> {
+            Some(io::Error::from_raw_os_error(nix::libc::ENOSPC))
+        }
+    }
+
+    #[test]
+    fn a_failed_write_is_counted_and_does_not_fail_the_caller() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LEDGER_FILE);
+        let ledger = GroupLedger::open_with_faults(&path, Arc::new(FailAll)).unwrap();
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let entry = metrics::with_local_recorder(&recorder, || ledger.started(std::process::id()));
+        assert!(
+            entry.is_some(),
+            "the spawn is recorded in memory all the same"
+        );
+        assert!(!path.exists());
+        let failures: Vec<_> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| {
+                key.key().name() == crate::metrics::STORAGE_WRITE_FAILURES_TOTAL
+                    && key
+                        .key()
+                        .labels()
+                        .any(|l| l.key() == "store" && l.value() == "process_groups")
+            })
+            .map(|(.., value)| value)
+            .collect();
+        assert_eq!(failures, vec![DebugValue::Counter(1)]);
+    }
+}
