@@ -303,8 +303,6 @@ async fn bind_sdk(listen: SdkListen) -> Result<SdkListener> {
     }
 }
 
-/// Serves the SDK endpoint on its bound listener in a task until `stop` resolves (a Unix
-/// socket file is removed after).
 /// How long the survivors of a previous run get to die after SIGKILL.
 const TAKE_OVER_LIMIT: Duration = Duration::from_secs(10);
 
@@ -324,6 +322,8 @@ async fn take_over(state_dir: &std::path::Path) -> Result<std::sync::Arc<GroupLe
     Ok(ledger)
 }
 
+/// Serves the SDK endpoint on its bound listener in a task until `stop` resolves (a Unix
+/// socket file is removed after).
 fn serve_sdk(
     endpoint: &SdkEndpoint,
     listener: SdkListener,
