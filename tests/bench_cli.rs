@@ -37,6 +37,9 @@ async fn a_tiny_bench_reports_every_figure_of_every_mode_as_json() {
         "2",
         "--pairs",
         "1",
+        // The SDK alone learns of its killed runtime only when an attempt times out.
+        "--attempt-secs",
+        "5",
         "--json",
     ]);
     let out = tokio::task::spawn_blocking(move || cmd.output().expect("run copilot-pool bench"))
@@ -64,10 +67,17 @@ async fn a_tiny_bench_reports_every_figure_of_every_mode_as_json() {
                 .as_f64()
                 .unwrap_or_else(|| panic!("{mode}.{figure} has no median: {value}"));
             assert!(median > 0.0, "{mode}.{figure} = {median}");
-            assert_eq!(value["runs"].as_array().map(Vec::len), Some(1), "{mode}.{figure}");
+            assert_eq!(
+                value["runs"].as_array().map(Vec::len),
+                Some(1),
+                "{mode}.{figure}"
+            );
             if mode != "resume" && !POOL_ONLY.contains(&figure) {
                 let ratio = &report["ratios_vs_resume"][mode][figure]["median"];
-                assert!(ratio.as_f64().is_some_and(|r| r > 0.0), "{mode}/resume {figure}: {ratio}");
+                assert!(
+                    ratio.as_f64().is_some_and(|r| r > 0.0),
+                    "{mode}/resume {figure}: {ratio}"
+                );
             }
         }
     }

@@ -58,7 +58,9 @@ pub enum NodeSdkError {
         package: PathBuf,
     },
     /// No cache directory could be found.
-    #[error("{0}; or set {NODE_SDK_DIR_ENV} to a directory holding node_modules/@github/copilot-sdk")]
+    #[error(
+        "{0}; or set {NODE_SDK_DIR_ENV} to a directory holding node_modules/@github/copilot-sdk"
+    )]
     Cache(#[from] super::CacheDirError),
     /// Taking the install lock failed or timed out.
     #[error("{error}; {fix}")]
@@ -162,13 +164,19 @@ pub async fn find_or_install_node_sdk(
 /// Whether the cache's install is complete (nothing to install).
 pub fn node_sdk_installed(cache_dir: &Path) -> bool {
     let prefix = node_sdk_install_dir(cache_dir);
-    prefix.join(MARKER).is_file() && node_sdk_package_dir(&prefix).join("dist/index.js").is_file()
+    prefix.join(MARKER).is_file()
+        && node_sdk_package_dir(&prefix)
+            .join("dist/index.js")
+            .is_file()
 }
 
 /// Installs the SDK into `<cache_dir>/tools/node-sdk/<version>` unless it is complete there,
 /// under the install lock, and returns its package directory. Gives up (killing npm's
 /// process group) once `timeout` has passed since the call.
-pub async fn install_node_sdk(cache_dir: &Path, timeout: Duration) -> Result<PathBuf, NodeSdkError> {
+pub async fn install_node_sdk(
+    cache_dir: &Path,
+    timeout: Duration,
+) -> Result<PathBuf, NodeSdkError> {
     let prefix = node_sdk_install_dir(cache_dir);
     if node_sdk_installed(cache_dir) {
         return Ok(node_sdk_package_dir(&prefix));

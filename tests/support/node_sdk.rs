@@ -20,7 +20,9 @@ pub async fn sdk_dir() -> PathBuf {
     SDK.get_or_init(|| async {
         runtime::find_or_install_node_sdk(runtime::process_env, runtime::NODE_SDK_INSTALL_TIMEOUT)
             .await
-            .unwrap_or_else(|error| panic!("cannot find or install the Node SDK for tests: {error}"))
+            .unwrap_or_else(|error| {
+                panic!("cannot find or install the Node SDK for tests: {error}")
+            })
     })
     .await
     .clone()

@@ -84,7 +84,9 @@ fn main() -> std::process::ExitCode {
     };
     // The demo reports what the pool does itself; its crashes are on purpose.
     let (default_level, json) = match &cli.command {
-        Command::Demo(_) | Command::Chaos(_) | Command::Load(_) | Command::Bench(_) => ("error", false),
+        Command::Demo(_) | Command::Chaos(_) | Command::Load(_) | Command::Bench(_) => {
+            ("error", false)
+        }
         Command::Serve(args) => (
             "info",
             // The config file may ask for JSON; a bad file is reported by `serve` itself.

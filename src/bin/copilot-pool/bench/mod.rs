@@ -17,7 +17,7 @@ mod stats;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use copilot_pool::runtime;
 use copilot_pool::scripted_model::ScriptedModel;
@@ -79,7 +79,12 @@ pub enum Mode {
 }
 
 impl Mode {
-    const ALL: [Mode; 4] = [Mode::Http, Mode::Endpoint, Mode::SdkResume, Mode::SdkAttached];
+    const ALL: [Mode; 4] = [
+        Mode::Http,
+        Mode::Endpoint,
+        Mode::SdkResume,
+        Mode::SdkAttached,
+    ];
 
     /// The mode's name in the JSON and the workload's `MODE`.
     pub fn name(self) -> &'static str {
@@ -102,24 +107,39 @@ impl Mode {
     }
 }
 
-/// Every figure, by its JSON name, with how it is read from a run and printed.
-const FIGURES: [(&str, &str, fn(&Figures) -> Option<f64>); 10] = [
+/// How a figure is read from one run.
+type Read = fn(&Figures) -> Option<f64>;
+
+/// Every figure, by its JSON name, with its table label and how it is read from a run.
+const FIGURES: [(&str, &str, Read); 10] = [
     ("turns_per_second", "turns/s", |f| f.turns_per_second),
     ("cold_first_event_p50_ms", "cold first event p50 ms", |f| {
         f.cold_first_event_p50_ms
     }),
-    ("first_idle_p50_ms", "first idle p50 ms", |f| f.first_idle_p50_ms),
-    ("warm_turn_p50_ms", "warm turn p50 ms", |f| f.warm_turn_p50_ms),
-    ("warm_turn_p99_ms", "warm turn p99 ms", |f| f.warm_turn_p99_ms),
+    ("first_idle_p50_ms", "first idle p50 ms", |f| {
+        f.first_idle_p50_ms
+    }),
+    ("warm_turn_p50_ms", "warm turn p50 ms", |f| {
+        f.warm_turn_p50_ms
+    }),
+    ("warm_turn_p99_ms", "warm turn p99 ms", |f| {
+        f.warm_turn_p99_ms
+    }),
     ("runtime_cpu_per_turn_ms", "runtimes CPU/turn ms", |f| {
         f.runtime_cpu_per_turn_ms
     }),
-    ("pool_cpu_per_turn_ms", "pool CPU/turn ms", |f| f.pool_cpu_per_turn_ms),
+    ("pool_cpu_per_turn_ms", "pool CPU/turn ms", |f| {
+        f.pool_cpu_per_turn_ms
+    }),
     ("runtime_peak_pss_mib", "runtimes peak PSS MiB", |f| {
         f.runtime_peak_pss_mib
     }),
-    ("pool_peak_pss_mib", "pool peak PSS MiB", |f| f.pool_peak_pss_mib),
-    ("kill_to_ready_ms", "kill to ready ms", |f| f.kill_to_ready_ms),
+    ("pool_peak_pss_mib", "pool peak PSS MiB", |f| {
+        f.pool_peak_pss_mib
+    }),
+    ("kill_to_ready_ms", "kill to ready ms", |f| {
+        f.kill_to_ready_ms
+    }),
 ];
 
 #[derive(Serialize)]
@@ -168,6 +188,7 @@ pub async fn bench(args: BenchArgs) -> Result<()> {
     // runs[mode][pair]
     let mut runs: Vec<Vec<Figures>> = vec![Vec::new(); Mode::ALL.len()];
     let mut index = 0;
+    let mut failures = Vec::new();
     for pair in 0..args.pairs as usize {
         for k in 0..Mode::ALL.len() {
             // Rotated, so no mode always runs first (cold caches) or last (a warm machine).
@@ -181,18 +202,35 @@ pub async fn bench(args: BenchArgs) -> Result<()> {
                 started.elapsed().as_secs_f64()
             );
             index += 1;
-            let figures = run::run(mode, &args, &setup, index)
-                .await
-                .with_context(|| format!("pair {}, {}", pair + 1, mode.heading()))?;
+            // A failed run costs its figures, not the others' (a long bench is not lost to
+            // one); the command still fails at the end.
+            let figures = match run::run(mode, &args, &setup, index).await {
+                Ok(figures) => figures,
+                Err(error) => {
+                    let error = format!("pair {}, {}: {error:#}", pair + 1, mode.heading());
+                    eprintln!("bench: {error}");
+                    failures.push(error);
+                    Figures::default()
+                }
+            };
             runs[m].push(figures);
         }
     }
     endpoint.shutdown().await;
 
-    let report = report(&args, &program, &runs);
+    let mut report = report(&args, &program, &runs);
+    report["failed_runs"] = json!(failures);
     print_table(&args, &runs);
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
+    }
+    if !failures.is_empty() {
+        bail!(
+            "{} of {} runs failed (their figures are left out above): {}",
+            failures.len(),
+            index,
+            failures.join("; ")
+        );
     }
     Ok(())
 }
@@ -270,7 +308,10 @@ fn print_table(args: &BenchArgs, runs: &[Vec<Figures>]) {
     }
     for (m, mode) in Mode::ALL.iter().enumerate() {
         if m != baseline {
-            header.push_str(&format!(" | {:<17}", format!("{} / (c)", &mode.heading()[..3])));
+            header.push_str(&format!(
+                " | {:<17}",
+                format!("{} / (c)", &mode.heading()[..3])
+            ));
         }
     }
     println!("{header}");
@@ -284,7 +325,10 @@ fn print_table(args: &BenchArgs, runs: &[Vec<Figures>]) {
         for (m, per_mode) in runs.iter().enumerate() {
             if m != baseline {
                 let values: Vec<Option<f64>> = per_mode.iter().map(read).collect();
-                row.push_str(&format!(" | {:<17}", cell(Spread::of(&ratios(&values, &base)), 2)));
+                row.push_str(&format!(
+                    " | {:<17}",
+                    cell(Spread::of(&ratios(&values, &base)), 2)
+                ));
             }
         }
         println!("{row}");

@@ -74,9 +74,8 @@ pub async fn run(mode: Mode, args: &BenchArgs, setup: &Setup, index: usize) -> R
 
 /// A fresh `serve` for one run: its own state, the SDK endpoint on for `Mode::Endpoint`.
 async fn start_serve(mode: Mode, args: &BenchArgs, setup: &Setup, dir: &Path) -> Result<Daemon> {
-    let mut config = format!(
-        "[pool]\nmax_sessions = 4096\nmax_waiters = 4096\n\n[model]\nallow_private_endpoints = true\n"
-    );
+    let mut config =
+        "[pool]\nmax_sessions = 4096\nmax_waiters = 4096\n\n[model]\nallow_private_endpoints = true\n".to_owned();
     if mode == Mode::Endpoint {
         config.push_str("\n[sdk]\n");
         for a in 0..args.agents {
@@ -215,10 +214,18 @@ async fn talk(mode: Mode, node: &mut GroupLeader, daemon: Option<&Daemon>) -> Re
             }
         };
         let line = line
-            .with_context(|| format!("the {} workload said nothing for {STEP_LIMIT:?}", mode.name()))?
+            .with_context(|| {
+                format!(
+                    "the {} workload said nothing for {STEP_LIMIT:?}",
+                    mode.name()
+                )
+            })?
             .context("reading the workload's output")?
             .with_context(|| {
-                format!("the {} workload ended early (its error is above)", mode.name())
+                format!(
+                    "the {} workload ended early (its error is above)",
+                    mode.name()
+                )
             })?;
         let value: Value = serde_json::from_str(&line)
             .with_context(|| format!("the workload printed a line that is not JSON: {line}"))?;

@@ -47,7 +47,7 @@ pub fn median(values: &[f64]) -> Option<f64> {
     }
     sorted.sort_by(f64::total_cmp);
     let mid = sorted.len() / 2;
-    Some(if sorted.len() % 2 == 0 {
+    Some(if sorted.len().is_multiple_of(2) {
         (sorted[mid - 1] + sorted[mid]) / 2.0
     } else {
         sorted[mid]
@@ -82,8 +82,8 @@ mod tests {
 
     #[test]
     fn a_spread_is_the_median_with_min_and_max_of_the_runs_that_measured() {
-        let spread = Spread::of(&[Some(3.0), None, Some(1.0), Some(10.0), Some(2.0)])
-            .expect("some runs");
+        let spread =
+            Spread::of(&[Some(3.0), None, Some(1.0), Some(10.0), Some(2.0)]).expect("some runs");
         assert_eq!((spread.median, spread.min, spread.max), (2.5, 1.0, 10.0));
         assert_eq!(spread.runs, vec![3.0, 1.0, 10.0, 2.0]);
         assert_eq!(Spread::of(&[None, None]), None);
@@ -91,7 +91,10 @@ mod tests {
 
     #[test]
     fn ratios_are_taken_pair_by_pair_and_skip_missing_or_zero_baselines() {
-        let r = ratios(&[Some(2.0), Some(3.0), None, Some(1.0)], &[Some(4.0), Some(0.0), Some(1.0), Some(2.0)]);
+        let r = ratios(
+            &[Some(2.0), Some(3.0), None, Some(1.0)],
+            &[Some(4.0), Some(0.0), Some(1.0), Some(2.0)],
+        );
         assert_eq!(r, vec![Some(0.5), None, None, Some(0.5)]);
     }
 }

@@ -27,7 +27,17 @@ const env = (name) => {
   return value;
 };
 const say = (obj) => process.stdout.write(JSON.stringify(obj) + "\n");
-const fail = (error) => { say({ error: String(error?.stack ?? error) }); process.exit(1); };
+// After the kill, the SDK's writes to its dead runtime fail on their own (EPIPE) outside any
+// call this script made: expected then, and reported on stderr; before it, a failure.
+let killed = false;
+const fail = (error) => {
+  if (killed) {
+    process.stderr.write(`bench workload (${MODE}): after the kill: ${error?.message ?? error}\n`);
+    return;
+  }
+  say({ error: String(error?.stack ?? error) });
+  process.exit(1);
+};
 process.on("uncaughtException", fail);
 process.on("unhandledRejection", fail);
 const now = () => performance.now();
@@ -232,6 +242,7 @@ say({ step: "load", turns: AGENTS * CONVERSATIONS * TURNS, ms: loadMs, cold, fir
 
 say({ step: "kill", agent: 0 });
 await waitFor("killed");
+killed = true;
 const killedAt = now();
 let readyMs = null;
 const attempts = [];
