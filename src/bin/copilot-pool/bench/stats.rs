@@ -77,6 +77,7 @@ mod tests {
         assert_eq!(percentile(&samples, 0.99), Some(99.0));
         assert_eq!(percentile(&samples, 1.0), Some(100.0));
         assert_eq!(percentile(&[7.0], 0.99), Some(7.0));
+        assert_eq!(percentile(&[3.0, 1.0, 2.0], 0.5), Some(2.0));
         assert_eq!(percentile(&[], 0.5), None);
     }
 
@@ -86,6 +87,10 @@ mod tests {
             Spread::of(&[Some(3.0), None, Some(1.0), Some(10.0), Some(2.0)]).expect("some runs");
         assert_eq!((spread.median, spread.min, spread.max), (2.5, 1.0, 10.0));
         assert_eq!(spread.runs, vec![3.0, 1.0, 10.0, 2.0]);
+        assert_eq!(
+            Spread::of(&[Some(3.0), Some(1.0), Some(2.0)]).map(|s| s.median),
+            Some(2.0)
+        );
         assert_eq!(Spread::of(&[None, None]), None);
     }
 
