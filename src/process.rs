@@ -342,6 +342,11 @@ impl GroupLeader {
         &self.group
     }
 
+    /// Takes the leader's piped standard input (`None` if it was not piped or is taken).
+    pub fn take_stdin(&mut self) -> Option<tokio::process::ChildStdin> {
+        self.child.stdin.take()
+    }
+
     /// Takes the leader's piped standard output (`None` if it was not piped or is taken).
     pub fn take_stdout(&mut self) -> Option<tokio::process::ChildStdout> {
         self.child.stdout.take()

@@ -13,6 +13,8 @@
 //! * [`install`] installs one flavour idempotently, under a file lock, atomically.
 //! * [`locate`] finds the executable to run: explicit path, `COPILOT_CLI_PATH`, the managed
 //!   installs, then `copilot` on `PATH`.
+//! * [`find_or_install_node_sdk`] does the same for the official Node SDK
+//!   (`@github/copilot-sdk`), which `copilot-pool bench` and the SDK endpoint's tests drive.
 //!
 //! Every function that reads the environment takes a lookup closure (`Fn(&str) ->
 //! Option<OsString>`); pass [`process_env`] to read the real process environment.
@@ -21,6 +23,7 @@ mod cache;
 mod flavour;
 mod install;
 mod locate;
+mod node_sdk;
 mod platform;
 
 pub use cache::{CACHE_DIR_ENV, CacheDirError, cache_dir};
@@ -31,6 +34,11 @@ pub use install::{
 };
 pub use locate::{
     CLI_PATH_ENV, INSTALL_COMMAND, LocateError, Located, LocatedBy, MISSING_CODE, locate,
+};
+pub use node_sdk::{
+    NODE_SDK_DIR_ENV, NODE_SDK_INSTALL_TIMEOUT, NODE_SDK_VERSION, NodeSdkError,
+    find_or_install_node_sdk, install_node_sdk, node_sdk_install_dir, node_sdk_installed,
+    node_sdk_package_dir,
 };
 pub use platform::{Platform, PlatformError};
 

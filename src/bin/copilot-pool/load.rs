@@ -93,7 +93,11 @@ pub async fn load(args: LoadArgs) -> Result<()> {
     )
     .context("writing the daemon's config")?;
     // `/metrics` is served on the API's own listener.
-    let (mut daemon, addr) = start_daemon(&program, &scratch.0, &config).await?;
+    let Daemon {
+        process: mut daemon,
+        addr,
+        ..
+    } = start_daemon(&program, &scratch.0, &config, &[]).await?;
     let metrics_addr = addr;
     let daemon_pid = daemon.pid().context("the daemon's pid")?;
     eprintln!(
@@ -105,7 +109,7 @@ pub async fn load(args: LoadArgs) -> Result<()> {
         .no_proxy()
         .build()
         .context("an HTTP client")?;
-    let cpu_at_start = cpu_seconds(daemon_pid);
+    let cpu_at_start = crate::procfs::tree_cpu_seconds(daemon_pid);
     let started = Instant::now();
     let next_turn = Arc::new(AtomicU64::new(0));
     let done = Arc::new(AtomicU64::new(0));
@@ -152,7 +156,7 @@ pub async fn load(args: LoadArgs) -> Result<()> {
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    let (daemon_cpu, runtimes_cpu) = cpu_seconds(daemon_pid);
+    let (daemon_cpu, runtimes_cpu) = crate::procfs::tree_cpu_seconds(daemon_pid);
     let (daemon_cpu, runtimes_cpu) = (daemon_cpu - cpu_at_start.0, runtimes_cpu - cpu_at_start.1);
     let exposition = get_text(&http, metrics_addr, "/metrics")
         .await
@@ -226,13 +230,23 @@ pub async fn load(args: LoadArgs) -> Result<()> {
     Ok(())
 }
 
-/// Starts `copilot-pool serve` (this executable) in its own process group on a loopback
-/// port; returns it with its address, read from the line it prints.
-async fn start_daemon(
+/// A `copilot-pool serve` child on loopback: its process group, its API's address, and its
+/// SDK endpoint's address when it was asked for one.
+pub(crate) struct Daemon {
+    pub(crate) process: GroupLeader,
+    pub(crate) addr: SocketAddr,
+    pub(crate) sdk: Option<String>,
+}
+
+/// Starts `copilot-pool serve` (this executable, with `extra` arguments) in its own process
+/// group on a loopback port; returns it with its addresses, read from the lines it prints
+/// (the SDK endpoint's `sdk on` comes before `listening on`). Its later output is drained.
+pub(crate) async fn start_daemon(
     program: &Path,
     dir: &Path,
     config: &Path,
-) -> Result<(GroupLeader, SocketAddr)> {
+    extra: &[&str],
+) -> Result<Daemon> {
     let me = std::env::current_exe().context("finding this executable")?;
     let mut command = tokio::process::Command::new(me);
     command
@@ -240,6 +254,7 @@ async fn start_daemon(
         .arg("--config")
         .arg(config)
         .args(["--listen", "127.0.0.1:0"])
+        .args(extra)
         .arg("--state-dir")
         .arg(dir.join("state"))
         .arg("--cli")
@@ -249,14 +264,17 @@ async fn start_daemon(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
-    let mut daemon = GroupLeader::spawn(&mut command).context("starting the daemon")?;
-    let stdout = daemon
+    let mut process = GroupLeader::spawn(&mut command).context("starting the daemon")?;
+    let stdout = process
         .take_stdout()
         .context("the daemon's standard output")?;
     let mut lines = BufReader::new(stdout).lines();
-    let mut addr = None;
+    let (mut addr, mut sdk) = (None, None);
     let read = async {
         while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(a) = line.strip_prefix("sdk on ") {
+                sdk = Some(a.to_owned());
+            }
             if let Some(a) = line.strip_prefix("listening on http://") {
                 addr = a.parse().ok();
                 break;
@@ -266,8 +284,10 @@ async fn start_daemon(
     tokio::time::timeout(Duration::from_secs(60), read)
         .await
         .context("the daemon did not say where it listens within 60 s")?;
+    // Whatever it prints later must not fill the pipe and block it.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     match addr {
-        Some(a) => Ok((daemon, a)),
+        Some(addr) => Ok(Daemon { process, addr, sdk }),
         None => bail!("the daemon exited before it said where it listens (see its log above)"),
     }
 }
@@ -317,24 +337,6 @@ async fn sample(
         fds,
         tasks,
     }
-}
-
-/// CPU seconds (user + system) of the daemon `pid` itself, and of its runtimes: the live
-/// children's plus what the reaped ones left in the daemon's children's counts.
-fn cpu_seconds(pid: u32) -> (f64, f64) {
-    let Some(daemon) = crate::procfs::stat(pid) else {
-        return (0.0, 0.0);
-    };
-    let live: u64 = crate::procfs::all()
-        .iter()
-        .filter(|p| p.ppid == pid)
-        .map(|p| p.cpu_ticks + p.children_cpu_ticks)
-        .sum();
-    let ticks = crate::procfs::ticks_per_second();
-    (
-        daemon.cpu_ticks as f64 / ticks,
-        (daemon.children_cpu_ticks + live) as f64 / ticks,
-    )
 }
 
 async fn get_text(http: &reqwest::Client, addr: SocketAddr, path: &str) -> Option<String> {

@@ -1,6 +1,7 @@
 //! The `copilot-pool` binary: installs the pinned runtime and runs one-shot prompts. The
 //! only place that installs a tracing subscriber or signal handlers.
 
+mod bench;
 mod chaos;
 mod config;
 mod demo;
@@ -44,6 +45,12 @@ enum Command {
     /// sampling the daemon's memory, descriptors and tasks (flat after warm-up?) and its
     /// lease waits against the bound.
     Load(load::LoadArgs),
+    /// One workload four ways on the same runtime and scripted model: the pool over HTTP, the
+    /// official Node SDK attached to the pool's SDK endpoint, and the Node SDK alone (resuming
+    /// before every turn, and keeping sessions attached), in alternating runs; prints each
+    /// figure's median and spread and the ratios to the SDK alone. Installs the runtime and
+    /// the Node SDK if they are missing.
+    Bench(bench::BenchArgs),
     /// Install the pinned Copilot runtime with npm into the cache directory and print the
     /// path of its executable. Safe to run twice or concurrently.
     InstallCli(install::InstallArgs),
@@ -77,7 +84,9 @@ fn main() -> std::process::ExitCode {
     };
     // The demo reports what the pool does itself; its crashes are on purpose.
     let (default_level, json) = match &cli.command {
-        Command::Demo(_) | Command::Chaos(_) | Command::Load(_) => ("error", false),
+        Command::Demo(_) | Command::Chaos(_) | Command::Load(_) | Command::Bench(_) => {
+            ("error", false)
+        }
         Command::Serve(args) => (
             "info",
             // The config file may ask for JSON; a bad file is reported by `serve` itself.
@@ -113,6 +122,7 @@ fn main() -> std::process::ExitCode {
             Command::Demo(args) => demo::demo(args).await,
             Command::Chaos(args) => chaos::chaos(args).await,
             Command::Load(args) => load::load(args).await,
+            Command::Bench(args) => bench::bench(args).await,
             Command::InstallCli(args) => install::install_cli(args).await,
             Command::Run(args) => run::run(args).await,
             Command::Serve(args) => serve::serve(args).await,

@@ -1,6 +1,7 @@
 //! `/proc/<pid>/stat`, read once for every command that looks at processes (the demo's and
 //! the chaos run's orphan and zombie checks, the chaos injector's group members, the load
-//! run's CPU counts): one parser, so the field numbering is written once.
+//! run's CPU counts, the bench's CPU and memory of a process tree): one parser, so the field
+//! numbering is written once.
 
 /// What the commands read of one process's `stat`.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,6 +56,64 @@ pub fn all() -> Vec<Stat> {
         .collect()
 }
 
+/// Every descendant of `root` in `all` (children, their children, …), not `root` itself.
+pub fn descendants(all: &[Stat], root: u32) -> Vec<&Stat> {
+    let mut found: Vec<&Stat> = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(parent) = frontier.pop() {
+        for p in all.iter().filter(|p| p.ppid == parent && p.pid != root) {
+            if !found.iter().any(|f| f.pid == p.pid) {
+                found.push(p);
+                frontier.push(p.pid);
+            }
+        }
+    }
+    found
+}
+
+/// The proportional set size of `pid` in bytes (`Pss:` of `smaps_rollup`), if it is there:
+/// its private memory plus its share of what it shares, so that the sum over processes
+/// counts shared pages once.
+pub fn pss_bytes(pid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    parse_pss(&text)
+}
+
+fn parse_pss(smaps_rollup: &str) -> Option<u64> {
+    let line = smaps_rollup.lines().find(|l| l.starts_with("Pss:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The value of the variable `name` in the environment `pid` started with.
+pub fn environ_var(pid: u32, name: &str) -> Option<String> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{name}=");
+    environ.split(|b| *b == 0).find_map(|kv| {
+        let kv = String::from_utf8_lossy(kv);
+        kv.strip_prefix(&prefix).map(str::to_owned)
+    })
+}
+
+/// CPU seconds (user + system) of `pid` itself, and of everything under it: its live
+/// descendants' own and their reaped children's, plus what the children `pid` reaped left in
+/// its children's counts. (0, 0) once `pid` is gone.
+pub fn tree_cpu_seconds(pid: u32) -> (f64, f64) {
+    let all = all();
+    let Some(root) = all.iter().find(|p| p.pid == pid) else {
+        return (0.0, 0.0);
+    };
+    let below: u64 = descendants(&all, pid)
+        .iter()
+        .map(|p| p.cpu_ticks + p.children_cpu_ticks)
+        .sum();
+    let ticks = ticks_per_second();
+    (
+        root.cpu_ticks as f64 / ticks,
+        (root.children_cpu_ticks + below) as f64 / ticks,
+    )
+}
+
 /// Clock ticks per second (`CLK_TCK`).
 pub fn ticks_per_second() -> f64 {
     nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
@@ -75,5 +134,30 @@ mod tests {
         assert_eq!((stat.state, stat.ppid, stat.pgid), ('Z', 7, 42));
         assert_eq!((stat.cpu_ticks, stat.children_cpu_ticks), (7, 11));
         assert_eq!(parse(1, "garbage"), None);
+    }
+
+    #[test]
+    fn descendants_are_found_through_every_generation_and_nothing_else() {
+        let p = |pid, ppid| Stat {
+            pid,
+            name: String::new(),
+            state: 'S',
+            ppid,
+            pgid: pid,
+            cpu_ticks: 0,
+            children_cpu_ticks: 0,
+        };
+        let all = vec![p(1, 0), p(10, 1), p(11, 10), p(12, 11), p(13, 1), p(20, 13)];
+        let mut found: Vec<u32> = descendants(&all, 10).iter().map(|s| s.pid).collect();
+        found.sort();
+        assert_eq!(found, vec![11, 12]);
+        assert!(descendants(&all, 12).is_empty());
+    }
+
+    #[test]
+    fn pss_is_read_in_bytes_from_smaps_rollup() {
+        let text = "00400000-7ffd [rollup]\nRss:  2048 kB\nPss:  1500 kB\nPss_Anon: 1000 kB\n";
+        assert_eq!(parse_pss(text), Some(1500 * 1024));
+        assert_eq!(parse_pss("Rss: 1 kB\n"), None);
     }
 }

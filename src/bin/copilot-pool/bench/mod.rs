@@ -1,0 +1,347 @@
+//! `copilot-pool bench`: one workload (agents x conversations x turns, tool or plain turns,
+//! streaming or not) on the same runtime and the same scripted model, four ways: (a) the pool
+//! over HTTP/SSE to a real `serve`, (b) the official Node SDK attached by URL to the pool's SDK
+//! endpoint, (c) the Node SDK as its product pages show it (one client and runtime per agent,
+//! the session resumed before every turn), (d) the Node SDK keeping its sessions attached.
+//! Runs alternate (each pair runs every mode once, the order rotating from pair to pair), and
+//! each figure is the median of the pairs with its spread; the ratios to (c) are the claims.
+//! Prints one table, and one JSON object with `--json`. Finds or installs the runtime and the
+//! Node SDK first (cached, under a lock, bounded).
+//!
+//! This module owns the command's arguments, the order of the runs and the report;
+//! `run` owns one run, `stats` the arithmetic, `workload.mjs` the clients.
+
+mod run;
+mod stats;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use copilot_pool::runtime;
+use copilot_pool::scripted_model::ScriptedModel;
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+
+use run::{Figures, Setup};
+use stats::{Spread, ratios};
+
+/// The clients' side of every mode, written into the scratch directory for Node to run.
+const WORKLOAD: &str = include_str!("workload.mjs");
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Agents (each its own runtime process or more).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub agents: u32,
+    /// Conversations per agent, all running at once.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub conversations: u32,
+    /// Turns per conversation, one after another (the first is cold, the others warm).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub turns: u32,
+    /// Every turn is a model call, a gateway (SDK) tool call and a model call (the default).
+    #[arg(long, conflicts_with = "plain")]
+    pub tool: bool,
+    /// Every turn is one model call answering text.
+    #[arg(long)]
+    pub plain: bool,
+    /// Stream the replies' deltas.
+    #[arg(long)]
+    pub streaming: bool,
+    /// Pairs of runs (every mode once per pair); each figure is their median.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub pairs: u32,
+    /// How long one turn attempt may take before it counts as failed (after the kill, the SDK
+    /// alone learns of its dead runtime only this way).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=600))]
+    pub attempt_secs: u64,
+    /// End with one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// The runtime executable (default: COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
+    #[arg(long)]
+    pub cli: Option<PathBuf>,
+}
+
+/// The four ways of running the workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// (a) the pool over HTTP/SSE.
+    Http,
+    /// (b) the Node SDK attached to the pool's SDK endpoint.
+    Endpoint,
+    /// (c) the Node SDK alone, resuming before every turn: the baseline.
+    SdkResume,
+    /// (d) the Node SDK alone, sessions kept attached.
+    SdkAttached,
+}
+
+impl Mode {
+    const ALL: [Mode; 4] = [
+        Mode::Http,
+        Mode::Endpoint,
+        Mode::SdkResume,
+        Mode::SdkAttached,
+    ];
+
+    /// The mode's name in the JSON and the workload's `MODE`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Http => "http",
+            Mode::Endpoint => "endpoint",
+            Mode::SdkResume => "resume",
+            Mode::SdkAttached => "attached",
+        }
+    }
+
+    /// The table's column heading.
+    fn heading(self) -> &'static str {
+        match self {
+            Mode::Http => "(a) pool HTTP",
+            Mode::Endpoint => "(b) SDK endpoint",
+            Mode::SdkResume => "(c) SDK resume",
+            Mode::SdkAttached => "(d) SDK attached",
+        }
+    }
+}
+
+/// How a figure is read from one run.
+type Read = fn(&Figures) -> Option<f64>;
+
+/// Every figure, by its JSON name, with its table label and how it is read from a run.
+const FIGURES: [(&str, &str, Read); 10] = [
+    ("turns_per_second", "turns/s", |f| f.turns_per_second),
+    ("cold_first_event_p50_ms", "cold first event p50 ms", |f| {
+        f.cold_first_event_p50_ms
+    }),
+    ("first_idle_p50_ms", "first idle p50 ms", |f| {
+        f.first_idle_p50_ms
+    }),
+    ("warm_turn_p50_ms", "warm turn p50 ms", |f| {
+        f.warm_turn_p50_ms
+    }),
+    ("warm_turn_p99_ms", "warm turn p99 ms", |f| {
+        f.warm_turn_p99_ms
+    }),
+    ("runtime_cpu_per_turn_ms", "runtimes CPU/turn ms", |f| {
+        f.runtime_cpu_per_turn_ms
+    }),
+    ("pool_cpu_per_turn_ms", "pool CPU/turn ms", |f| {
+        f.pool_cpu_per_turn_ms
+    }),
+    ("runtime_peak_pss_mib", "runtimes peak PSS MiB", |f| {
+        f.runtime_peak_pss_mib
+    }),
+    ("pool_peak_pss_mib", "pool peak PSS MiB", |f| {
+        f.pool_peak_pss_mib
+    }),
+    ("kill_to_ready_ms", "kill to ready ms", |f| {
+        f.kill_to_ready_ms
+    }),
+];
+
+#[derive(Serialize)]
+struct Workload {
+    agents: u32,
+    conversations: u32,
+    turns: u32,
+    tool: bool,
+    streaming: bool,
+    pairs: u32,
+    runtime: String,
+    node_sdk: &'static str,
+}
+
+pub async fn bench(args: BenchArgs) -> Result<()> {
+    let started = Instant::now();
+    let program = crate::demo::find_or_install(args.cli.as_deref()).await?;
+    if !runtime::node_sdk_installed(&runtime::cache_dir(runtime::process_env)?)
+        && std::env::var_os(runtime::NODE_SDK_DIR_ENV).is_none()
+    {
+        eprintln!(
+            "bench: installing @github/copilot-sdk {} with npm into the cache (first run only)",
+            runtime::NODE_SDK_VERSION
+        );
+    }
+    let sdk =
+        runtime::find_or_install_node_sdk(runtime::process_env, runtime::NODE_SDK_INSTALL_TIMEOUT)
+            .await?;
+    let scratch = crate::demo::Scratch::create("bench")?;
+    let script = scratch.0.join("workload.mjs");
+    std::fs::write(&script, WORKLOAD).context("writing the workload script")?;
+    let model = ScriptedModel::new();
+    let endpoint = model
+        .serve_http()
+        .await
+        .context("starting the scripted model")?;
+    let setup = Setup {
+        runtime: program.clone(),
+        sdk,
+        model_url: endpoint.base_url(),
+        model_id: ScriptedModel::MODEL_ID.to_owned(),
+        script,
+        scratch: scratch.0.clone(),
+    };
+
+    // runs[mode][pair]
+    let mut runs: Vec<Vec<Figures>> = vec![Vec::new(); Mode::ALL.len()];
+    let mut index = 0;
+    let mut failures = Vec::new();
+    for pair in 0..args.pairs as usize {
+        for k in 0..Mode::ALL.len() {
+            // Rotated, so no mode always runs first (cold caches) or last (a warm machine).
+            let m = (pair + k) % Mode::ALL.len();
+            let mode = Mode::ALL[m];
+            eprintln!(
+                "bench: pair {}/{}, {} ({:.0} s so far)",
+                pair + 1,
+                args.pairs,
+                mode.heading(),
+                started.elapsed().as_secs_f64()
+            );
+            index += 1;
+            // A failed run costs its figures, not the others' (a long bench is not lost to
+            // one); the command still fails at the end.
+            let figures = match run::run(mode, &args, &setup, index).await {
+                Ok(figures) => figures,
+                Err(error) => {
+                    let error = format!("pair {}, {}: {error:#}", pair + 1, mode.heading());
+                    eprintln!("bench: {error}");
+                    failures.push(error);
+                    Figures::default()
+                }
+            };
+            runs[m].push(figures);
+        }
+    }
+    endpoint.shutdown().await;
+
+    let mut report = report(&args, &program, &runs);
+    report["failed_runs"] = json!(failures);
+    print_table(&args, &runs);
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    if !failures.is_empty() {
+        bail!(
+            "{} of {} runs failed (their figures are left out above): {}",
+            failures.len(),
+            index,
+            failures.join("; ")
+        );
+    }
+    Ok(())
+}
+
+/// The JSON object: the workload, every figure of every mode, and the ratios to (c).
+fn report(args: &BenchArgs, program: &std::path::Path, runs: &[Vec<Figures>]) -> Value {
+    let baseline = Mode::ALL
+        .iter()
+        .position(|m| *m == Mode::SdkResume)
+        .unwrap_or(0);
+    let mut modes = Map::new();
+    let mut vs = Map::new();
+    for (m, mode) in Mode::ALL.iter().enumerate() {
+        let mut figures = Map::new();
+        let mut ratio = Map::new();
+        for (name, _, read) in FIGURES {
+            let values: Vec<Option<f64>> = runs[m].iter().map(read).collect();
+            let base: Vec<Option<f64>> = runs[baseline].iter().map(read).collect();
+            figures.insert(name.to_owned(), json!(Spread::of(&values)));
+            if m != baseline {
+                ratio.insert(name.to_owned(), json!(Spread::of(&ratios(&values, &base))));
+            }
+        }
+        modes.insert(mode.name().to_owned(), Value::Object(figures));
+        if m != baseline {
+            vs.insert(mode.name().to_owned(), Value::Object(ratio));
+        }
+    }
+    json!({
+        "workload": Workload {
+            agents: args.agents,
+            conversations: args.conversations,
+            turns: args.turns,
+            tool: !args.plain,
+            streaming: args.streaming,
+            pairs: args.pairs,
+            runtime: program.display().to_string(),
+            node_sdk: runtime::NODE_SDK_VERSION,
+        },
+        "machine": machine(),
+        "modes": modes,
+        "ratios_vs_resume": vs,
+    })
+}
+
+/// What the numbers were measured on: cores and the load average when the bench ended.
+fn machine() -> Value {
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load: Vec<f64> = load
+        .split_whitespace()
+        .take(3)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    json!({"cpus": cpus, "loadavg": load})
+}
+
+/// One table: a row per figure, the median [min–max] of each mode, then each mode / (c).
+fn print_table(args: &BenchArgs, runs: &[Vec<Figures>]) {
+    println!(
+        "{} agents x {} conversations x {} turns, {} turns{}, {} pair(s); median [min-max]",
+        args.agents,
+        args.conversations,
+        args.turns,
+        if args.plain { "plain" } else { "tool" },
+        if args.streaming { ", streaming" } else { "" },
+        args.pairs
+    );
+    let baseline = 2;
+    let mut header = format!("{:<24}", "");
+    for mode in Mode::ALL {
+        header.push_str(&format!(" | {:<22}", mode.heading()));
+    }
+    for (m, mode) in Mode::ALL.iter().enumerate() {
+        if m != baseline {
+            header.push_str(&format!(
+                " | {:<17}",
+                format!("{} / (c)", &mode.heading()[..3])
+            ));
+        }
+    }
+    println!("{header}");
+    for (_, label, read) in FIGURES {
+        let mut row = format!("{label:<24}");
+        for per_mode in runs {
+            let values: Vec<Option<f64>> = per_mode.iter().map(read).collect();
+            row.push_str(&format!(" | {:<22}", cell(Spread::of(&values), 1)));
+        }
+        let base: Vec<Option<f64>> = runs[baseline].iter().map(read).collect();
+        for (m, per_mode) in runs.iter().enumerate() {
+            if m != baseline {
+                let values: Vec<Option<f64>> = per_mode.iter().map(read).collect();
+                row.push_str(&format!(
+                    " | {:<17}",
+                    cell(Spread::of(&ratios(&values, &base)), 2)
+                ));
+            }
+        }
+        println!("{row}");
+    }
+}
+
+fn cell(spread: Option<Spread>, decimals: usize) -> String {
+    match spread {
+        None => "-".to_owned(),
+        Some(s) if s.runs.len() == 1 => format!("{:.decimals$}", s.median),
+        Some(s) => format!(
+            "{:.decimals$} [{:.decimals$}-{:.decimals$}]",
+            s.median, s.min, s.max
+        ),
+    }
+}

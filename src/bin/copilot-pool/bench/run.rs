@@ -1,0 +1,300 @@
+//! One run of the bench's workload in one mode: starts what the mode needs (a fresh
+//! `copilot-pool serve` child for the pool's two modes; nothing for the SDK's, whose runtimes
+//! the workload spawns), runs `workload.mjs` under Node, samples the memory (PSS) of the
+//! runtimes and of the pool while it goes, reads their CPU from /proc when the load is done,
+//! SIGKILLs agent 0's runtime when the workload asks, and stops and reaps everything it
+//! started, whatever happened.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use copilot_pool::process::GroupLeader;
+use copilot_pool::sdk_endpoint::sha256_hex;
+use nix::sys::signal::Signal;
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use super::stats::percentile;
+use super::{BenchArgs, Mode};
+use crate::load::{Daemon, start_daemon};
+use crate::procfs;
+
+/// How often the memory of the processes is sampled during the load.
+const SAMPLE_EVERY: Duration = Duration::from_millis(200);
+/// A bound on waiting for any one line of the workload: a failure guard, not a measurement.
+const STEP_LIMIT: Duration = Duration::from_secs(600);
+/// How long a stopped workload or daemon may take to exit before its group is killed.
+const EXIT_LIMIT: Duration = Duration::from_secs(30);
+
+/// What every run shares: the runtime, the SDK, the scripted model, the workload script.
+pub struct Setup {
+    pub runtime: PathBuf,
+    pub sdk: PathBuf,
+    pub model_url: String,
+    pub model_id: String,
+    pub script: PathBuf,
+    pub scratch: PathBuf,
+}
+
+/// What one run measured (times in milliseconds, memory in MiB).
+#[derive(Debug, Clone, Default)]
+pub struct Figures {
+    pub turns_per_second: Option<f64>,
+    pub cold_first_event_p50_ms: Option<f64>,
+    pub first_idle_p50_ms: Option<f64>,
+    pub warm_turn_p50_ms: Option<f64>,
+    pub warm_turn_p99_ms: Option<f64>,
+    pub runtime_cpu_per_turn_ms: Option<f64>,
+    pub pool_cpu_per_turn_ms: Option<f64>,
+    pub runtime_peak_pss_mib: Option<f64>,
+    pub pool_peak_pss_mib: Option<f64>,
+    pub kill_to_ready_ms: Option<f64>,
+}
+
+/// The SDK endpoint's token of agent `i` is this prefix and `i`.
+const TOKEN_PREFIX: &str = "bench-token-";
+
+/// Runs the workload once in `mode`, in a directory of its own under the scratch directory.
+pub async fn run(mode: Mode, args: &BenchArgs, setup: &Setup, index: usize) -> Result<Figures> {
+    let dir = setup.scratch.join(format!("run-{index}-{}", mode.name()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let daemon = match mode {
+        Mode::Http | Mode::Endpoint => Some(start_serve(mode, args, setup, &dir).await?),
+        Mode::SdkResume | Mode::SdkAttached => None,
+    };
+    let outcome = drive(mode, args, setup, &dir, daemon.as_ref()).await;
+    if let Some(daemon) = daemon {
+        stop_daemon(daemon).await?;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    outcome
+}
+
+/// A fresh `serve` for one run: its own state, the SDK endpoint on for `Mode::Endpoint`.
+async fn start_serve(mode: Mode, args: &BenchArgs, setup: &Setup, dir: &Path) -> Result<Daemon> {
+    let mut config =
+        "[pool]\nmax_sessions = 4096\nmax_waiters = 4096\n\n[model]\nallow_private_endpoints = true\n".to_owned();
+    if mode == Mode::Endpoint {
+        config.push_str("\n[sdk]\n");
+        for a in 0..args.agents {
+            config.push_str(&format!(
+                "\n[[sdk.tokens]]\nagent = \"agent-{a}\"\nsha256 = \"{}\"\n",
+                sha256_hex(&format!("{TOKEN_PREFIX}{a}"))
+            ));
+        }
+    }
+    let path = dir.join("serve.toml");
+    std::fs::write(&path, config).context("writing the daemon's config")?;
+    let extra: &[&str] = match mode {
+        Mode::Endpoint => &["--sdk-listen", "127.0.0.1:0"],
+        _ => &[],
+    };
+    let daemon = start_daemon(&setup.runtime, dir, &path, extra).await?;
+    if mode == Mode::Endpoint && daemon.sdk.is_none() {
+        bail!("the daemon started without saying where its SDK endpoint listens");
+    }
+    Ok(daemon)
+}
+
+/// Stops the daemon as an operator would (SIGTERM, it drains and stops its runtimes).
+async fn stop_daemon(mut daemon: Daemon) -> Result<()> {
+    daemon.process.group().signal(Signal::SIGTERM);
+    if tokio::time::timeout(EXIT_LIMIT, daemon.process.wait())
+        .await
+        .is_err()
+    {
+        daemon.process.group().signal(Signal::SIGKILL);
+        let _ = daemon.process.wait().await;
+        bail!("the daemon did not stop within {EXIT_LIMIT:?} of SIGTERM (its group was killed)");
+    }
+    Ok(())
+}
+
+/// Memory peaks seen so far.
+#[derive(Default)]
+struct Peaks {
+    runtimes: u64,
+    pool: u64,
+}
+
+impl Peaks {
+    /// Samples the runtimes under `root` and the pool (if any) once.
+    fn sample(&mut self, root: u32, pool: Option<u32>) {
+        let all = procfs::all();
+        let runtimes: u64 = procfs::descendants(&all, root)
+            .iter()
+            .filter_map(|p| procfs::pss_bytes(p.pid))
+            .sum();
+        self.runtimes = self.runtimes.max(runtimes);
+        if let Some(pid) = pool {
+            self.pool = self.pool.max(procfs::pss_bytes(pid).unwrap_or(0));
+        }
+    }
+}
+
+/// Runs the workload under Node and measures it.
+async fn drive(
+    mode: Mode,
+    args: &BenchArgs,
+    setup: &Setup,
+    dir: &Path,
+    daemon: Option<&Daemon>,
+) -> Result<Figures> {
+    let mut command = tokio::process::Command::new("node");
+    command
+        .arg(&setup.script)
+        .env("MODE", mode.name())
+        .env("SDK_DIR", &setup.sdk)
+        .env("AGENTS", args.agents.to_string())
+        .env("CONVERSATIONS", args.conversations.to_string())
+        .env("TURNS", args.turns.to_string())
+        .env("TOOL", if args.plain { "0" } else { "1" })
+        .env("STREAMING", if args.streaming { "1" } else { "0" })
+        .env("MODEL_URL", &setup.model_url)
+        .env("MODEL_ID", &setup.model_id)
+        .env("ATTEMPT_MS", (args.attempt_secs * 1000).to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    match (mode, daemon) {
+        (Mode::Http, Some(d)) => {
+            command.env("HTTP_URL", format!("http://{}", d.addr));
+        }
+        (Mode::Endpoint, Some(d)) => {
+            command
+                .env("SDK_URL", d.sdk.as_deref().unwrap_or_default())
+                .env("TOKEN_PREFIX", TOKEN_PREFIX);
+        }
+        (Mode::SdkResume | Mode::SdkAttached, None) => {
+            command
+                .env("RUNTIME", &setup.runtime)
+                .env("HOMES", dir.join("homes"));
+        }
+        _ => bail!("mode {} was started without what it needs", mode.name()),
+    }
+    let mut node = GroupLeader::spawn(&mut command)
+        .context("starting node (Node.js 20 or later must be on PATH)")?;
+    let result = talk(mode, &mut node, daemon).await;
+    if result.is_err() {
+        node.group().kill();
+    }
+    // `wait` kills whatever the workload left in its group (the SDK modes' runtimes).
+    if tokio::time::timeout(EXIT_LIMIT, node.wait()).await.is_err() {
+        node.group().kill();
+        let _ = node.wait().await;
+    }
+    result
+}
+
+/// Reads the workload's lines and does what they ask, sampling memory in between.
+async fn talk(mode: Mode, node: &mut GroupLeader, daemon: Option<&Daemon>) -> Result<Figures> {
+    let node_pid = node.pid().context("node's pid")?;
+    let pool = match daemon {
+        Some(d) => Some(d.process.pid().context("the daemon's pid")?),
+        None => None,
+    };
+    // The runtimes are the daemon's descendants, or (the SDK alone) the workload's.
+    let root = pool.unwrap_or(node_pid);
+    let mut stdin = node.take_stdin().context("node's standard input")?;
+    let stdout = node.take_stdout().context("node's standard output")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let (pool_cpu_start, runtime_cpu_start) = procfs::tree_cpu_seconds(root);
+    let mut peaks = Peaks::default();
+    let mut figures = Figures::default();
+    let mut loading = true;
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    loop {
+        let line = tokio::select! {
+            line = tokio::time::timeout(STEP_LIMIT, lines.next_line()) => line,
+            _ = tick.tick(), if loading => {
+                peaks.sample(root, pool);
+                continue;
+            }
+        };
+        let line = line
+            .with_context(|| {
+                format!(
+                    "the {} workload said nothing for {STEP_LIMIT:?}",
+                    mode.name()
+                )
+            })?
+            .context("reading the workload's output")?
+            .with_context(|| {
+                format!(
+                    "the {} workload ended early (its error is above)",
+                    mode.name()
+                )
+            })?;
+        let value: Value = serde_json::from_str(&line)
+            .with_context(|| format!("the workload printed a line that is not JSON: {line}"))?;
+        if let Some(error) = value.get("error") {
+            bail!("the {} workload failed: {error}", mode.name());
+        }
+        match value["step"].as_str() {
+            Some("load") => {
+                peaks.sample(root, pool);
+                loading = false;
+                let (pool_cpu, runtime_cpu) = procfs::tree_cpu_seconds(root);
+                let turns = value["turns"].as_f64().unwrap_or(0.0).max(1.0);
+                let seconds = value["ms"].as_f64().unwrap_or(0.0) / 1000.0;
+                let list = |key: &str| -> Vec<f64> {
+                    value[key]
+                        .as_array()
+                        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+                        .unwrap_or_default()
+                };
+                let warm = list("warm");
+                figures.turns_per_second = (seconds > 0.0).then(|| turns / seconds);
+                figures.cold_first_event_p50_ms = percentile(&list("cold"), 0.5);
+                figures.first_idle_p50_ms = percentile(&list("firstIdle"), 0.5);
+                figures.warm_turn_p50_ms = percentile(&warm, 0.5);
+                figures.warm_turn_p99_ms = percentile(&warm, 0.99);
+                figures.runtime_cpu_per_turn_ms =
+                    Some((runtime_cpu - runtime_cpu_start) * 1000.0 / turns);
+                figures.pool_cpu_per_turn_ms =
+                    pool.map(|_| (pool_cpu - pool_cpu_start) * 1000.0 / turns);
+                figures.runtime_peak_pss_mib = Some(peaks.runtimes as f64 / 1048576.0);
+                figures.pool_peak_pss_mib = pool.map(|_| peaks.pool as f64 / 1048576.0);
+            }
+            Some("kill") => {
+                let agent = value["agent"].as_u64().unwrap_or(0);
+                let pid = runtime_of(root, agent).with_context(|| {
+                    format!("no runtime process of agent-{agent} under {root} to kill")
+                })?;
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGKILL)
+                    .with_context(|| format!("killing runtime {pid}"))?;
+                stdin
+                    .write_all(b"killed\n")
+                    .await
+                    .context("telling the workload")?;
+            }
+            Some("ready") => figures.kill_to_ready_ms = value["ms"].as_f64(),
+            _ if value["done"] == true => return Ok(figures),
+            _ => bail!("the workload printed an unexpected line: {line}"),
+        }
+    }
+}
+
+/// The runtime process of agent `agent` under `root`: the topmost descendant whose
+/// `COPILOT_HOME` is the agent's (`…/agents/agent-<n>/copilot`, the pool's layout, which the
+/// workload gives the SDK's runtimes too).
+fn runtime_of(root: u32, agent: u64) -> Option<u32> {
+    let suffix = format!("/agents/agent-{agent}/copilot");
+    let all = procfs::all();
+    let under = procfs::descendants(&all, root);
+    let homes: Vec<(u32, u32)> = under
+        .iter()
+        .filter(|p| p.state != 'Z')
+        .filter(|p| {
+            procfs::environ_var(p.pid, "COPILOT_HOME")
+                .is_some_and(|h| h.trim_end_matches('/').ends_with(&suffix))
+        })
+        .map(|p| (p.pid, p.ppid))
+        .collect();
+    homes
+        .iter()
+        .find(|(_, ppid)| !homes.iter().any(|(pid, _)| pid == ppid))
+        .map(|(pid, _)| *pid)
+}

@@ -1,0 +1,274 @@
+// The workload of `copilot-pool bench` (src/bin/copilot-pool/bench/): AGENTS x CONVERSATIONS
+// conversations at once, TURNS turns each one after another, driven one of four ways (MODE):
+//   http      POST /v1/turns to `copilot-pool serve` (HTTP_URL), SSE back, gateway tools
+//             answered on /v1/requests/{id};
+//   endpoint  the official Node SDK attached by URL to serve's SDK endpoint (SDK_URL, agent
+//             i's token TOKEN_PREFIX + i), one client per agent, sessions kept attached;
+//   resume    the official Node SDK as its product pages show it: one client and runtime per
+//             agent (RUNTIME, COPILOT_HOME under HOMES), the session resumed before every turn;
+//   attached  the same SDK and runtime per agent, sessions kept attached.
+// Then the harness SIGKILLs agent 0's runtime and this times the next turn of agent 0's first
+// conversation from the kill to its first event (a failed attempt, ATTEMPT_MS at most, is
+// followed by the mode's recovery: the pool resumes by itself; the SDK alone needs a new
+// client, a new runtime and resumeSession).
+//
+// Every step prints one JSON line on stdout; the harness answers `killed` on stdin.
+// Environment: MODE, SDK_DIR (SDK modes), AGENTS, CONVERSATIONS, TURNS, TOOL (1|0),
+// STREAMING (1|0), MODEL_URL, MODEL_ID, ATTEMPT_MS.
+
+import { pathToFileURL } from "node:url";
+import { join } from "node:path";
+import { mkdirSync } from "node:fs";
+import { createInterface } from "node:readline";
+
+const env = (name) => {
+  const value = process.env[name];
+  if (value === undefined || value === "") throw new Error(`${name} is not set`);
+  return value;
+};
+const say = (obj) => process.stdout.write(JSON.stringify(obj) + "\n");
+// After the kill, the SDK's writes to its dead runtime fail on their own (EPIPE) outside any
+// call this script made: expected then, and reported on stderr; before it, a failure.
+let killed = false;
+const fail = (error) => {
+  if (killed) {
+    process.stderr.write(`bench workload (${MODE}): after the kill: ${error?.message ?? error}\n`);
+    return;
+  }
+  say({ error: String(error?.stack ?? error) });
+  process.exit(1);
+};
+process.on("uncaughtException", fail);
+process.on("unhandledRejection", fail);
+const now = () => performance.now();
+const within = (ms, promise, what) => {
+  let timer;
+  return Promise.race([
+    promise,
+    new Promise((_, reject) => {
+      timer = setTimeout(() => reject(new Error(`${what}: no answer within ${ms} ms`)), ms);
+      timer.unref();
+    }),
+  ]).finally(() => clearTimeout(timer));
+};
+const stdin = createInterface({ input: process.stdin });
+const lines = stdin[Symbol.asyncIterator]();
+const waitFor = async (expected) => {
+  const { value } = await lines.next();
+  if (value !== expected) throw new Error(`expected ${expected} on stdin, got ${value}`);
+};
+
+const MODE = env("MODE");
+const AGENTS = Number(env("AGENTS"));
+const CONVERSATIONS = Number(env("CONVERSATIONS"));
+const TURNS = Number(env("TURNS"));
+const TOOL = env("TOOL") === "1";
+const STREAMING = env("STREAMING") === "1";
+const ATTEMPT_MS = Number(env("ATTEMPT_MS"));
+const TOOL_NAME = "get_secret_number";
+const prompt = (text) => (TOOL ? "SCENARIO:tool" : `REPLY=${text}`);
+const toolAnswer = (args) => `secret number for ${args?.key ?? "the key"} is 42`;
+
+// ---- HTTP/SSE to serve ----------------------------------------------------------------------
+
+async function httpTurn(agent, conversation, text, onFirst) {
+  const base = env("HTTP_URL");
+  const body = {
+    agent_id: `agent-${agent}`,
+    session_key: `conversation-${conversation}`,
+    prompt: prompt(text),
+    model: env("MODEL_ID"),
+    provider: { type: "openai", base_url: env("MODEL_URL"), api_key: "bench-key" },
+    session: { streaming: STREAMING },
+  };
+  if (TOOL) {
+    body.tools = [{
+      name: TOOL_NAME,
+      description: "Returns the secret number for a key",
+      parameters: { type: "object", properties: { key: { type: "string" } } },
+    }];
+  }
+  const response = await fetch(`${base}/v1/turns`, {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify(body),
+  });
+  if (!response.ok) throw new Error(`POST /v1/turns: HTTP ${response.status}: ${await response.text()}`);
+  const decoder = new TextDecoder();
+  let buffer = "";
+  let first = true;
+  for await (const chunk of response.body) {
+    buffer += decoder.decode(chunk, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      let type = null;
+      let data = null;
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event:")) type = line.slice(6).trim();
+        else if (line.startsWith("data:")) data = (data ?? "") + line.slice(5).trim();
+      }
+      if (type === null && data === null) continue; // a comment
+      if (first) { first = false; onFirst(); }
+      if (type === "tool.call") {
+        const call = JSON.parse(data);
+        const answered = await fetch(`${base}/v1/requests/${call.request_id}`, {
+          method: "POST",
+          headers: { "content-type": "application/json" },
+          body: JSON.stringify({ result: toolAnswer(call.arguments) }),
+        });
+        if (answered.status !== 204) throw new Error(`answering the tool call: HTTP ${answered.status}`);
+      } else if (type === "turn.end") {
+        const end = JSON.parse(data);
+        if (end.status !== "idle") throw new Error(`turn ended ${end.status}: ${end.error ?? ""}`);
+        return;
+      }
+    }
+  }
+  throw new Error("the stream ended without turn.end");
+}
+
+// ---- The official Node SDK --------------------------------------------------------------------
+
+let sdk;
+if (MODE !== "http") sdk = await import(pathToFileURL(join(env("SDK_DIR"), "dist", "index.js")).href);
+
+const homeOf = (agent) => join(env("HOMES"), "agents", `agent-${agent}`, "copilot");
+const newClient = (agent) => {
+  const { CopilotClient, RuntimeConnection } = sdk;
+  if (MODE === "endpoint") {
+    return new CopilotClient({
+      connection: RuntimeConnection.forUri(env("SDK_URL"), { connectionToken: `${env("TOKEN_PREFIX")}${agent}` }),
+    });
+  }
+  mkdirSync(homeOf(agent), { recursive: true });
+  return new CopilotClient({
+    connection: RuntimeConnection.forStdio({ path: env("RUNTIME"), env: { ...process.env, COPILOT_HOME: homeOf(agent) } }),
+  });
+};
+const sessionConfig = () => {
+  const config = {
+    model: env("MODEL_ID"),
+    provider: { type: "openai", baseUrl: env("MODEL_URL"), apiKey: "bench-key" },
+    availableTools: ["custom:*"],
+    onPermissionRequest: sdk.approveAll,
+    streaming: STREAMING,
+  };
+  if (TOOL) {
+    config.tools = [sdk.defineTool(TOOL_NAME, {
+      description: "Returns the secret number for a key",
+      parameters: { type: "object", properties: { key: { type: "string" } } },
+      skipPermission: true,
+      handler: async (args) => toolAnswer(args),
+    })];
+  }
+  return config;
+};
+
+// One turn on a session object: resolves at session.idle, calls onFirst at its first event.
+function sdkTurn(session, text, onFirst) {
+  return new Promise((resolve, reject) => {
+    let first = true;
+    const off = session.on((event) => {
+      if (first) { first = false; onFirst(); }
+      if (event.type === "session.idle") { off(); resolve(); }
+      else if (event.type === "session.error") { off(); reject(new Error(`session.error: ${event.data?.message}`)); }
+    });
+    session.send({ prompt: prompt(text) }).catch((error) => { off(); reject(error); });
+  });
+}
+
+// Agent state: its client (one per agent, started once) and each conversation's session.
+const agents = [];
+const clientOf = (agent) => {
+  const state = agents[agent];
+  if (!state.started) {
+    state.client = newClient(agent);
+    state.started = within(ATTEMPT_MS, state.client.start(), "client start");
+  }
+  return state.started.then(() => state.client);
+};
+
+// One turn of a conversation in the mode's way; `onFirst` at its first event. The whole
+// attempt (a resume included) is bounded by ATTEMPT_MS.
+function conversationTurn(agent, conversation, text, onFirst) {
+  if (MODE === "http") return within(ATTEMPT_MS, httpTurn(agent, conversation, text, onFirst), "turn");
+  const attempt = async () => {
+    const state = agents[agent];
+    const client = await clientOf(agent);
+    let session = state.sessions[conversation];
+    if (!session) {
+      session = await client.createSession(sessionConfig());
+      state.ids[conversation] = session.sessionId;
+    } else if (MODE === "resume") {
+      session = await client.resumeSession(state.ids[conversation], sessionConfig());
+    }
+    state.sessions[conversation] = session;
+    await sdkTurn(session, text, onFirst);
+  };
+  return within(ATTEMPT_MS, attempt(), "turn");
+}
+
+// ---- The workload -----------------------------------------------------------------------------
+
+for (let a = 0; a < AGENTS; a++) agents.push({ started: null, client: null, sessions: [], ids: [] });
+const cold = [];
+const firstIdle = [];
+const warm = [];
+const started = now();
+await Promise.all(
+  Array.from({ length: AGENTS * CONVERSATIONS }, async (_, i) => {
+    const agent = i % AGENTS;
+    const conversation = Math.floor(i / AGENTS);
+    for (let t = 0; t < TURNS; t++) {
+      const sent = now();
+      let firstAt = null;
+      await conversationTurn(agent, conversation, `turn ${t} of ${agent}/${conversation}`, () => { firstAt = now(); });
+      const idleAt = now();
+      if (t === 0) {
+        cold.push((firstAt ?? idleAt) - started);
+        firstIdle.push(idleAt - started);
+      } else {
+        warm.push(idleAt - sent);
+      }
+    }
+  }),
+);
+const loadMs = now() - started;
+say({ step: "load", turns: AGENTS * CONVERSATIONS * TURNS, ms: loadMs, cold, firstIdle, warm });
+
+// ---- Kill to ready ------------------------------------------------------------------------------
+
+say({ step: "kill", agent: 0 });
+await waitFor("killed");
+killed = true;
+const killedAt = now();
+let readyMs = null;
+const attempts = [];
+for (let attempt = 0; attempt < 5 && readyMs === null; attempt++) {
+  let firstAt = null;
+  try {
+    await conversationTurn(0, 0, `after the kill ${attempt}`, () => { firstAt = now(); });
+    readyMs = (firstAt ?? now()) - killedAt;
+  } catch (error) {
+    attempts.push(String(error?.message ?? error));
+    if (MODE === "resume" || MODE === "attached") {
+      // The SDK alone: a new client (and runtime), and the session resumed on it (the
+      // resume mode resumes before every turn anyway).
+      const state = agents[0];
+      await within(ATTEMPT_MS, state.client.forceStop(), "force stop").catch(() => {});
+      state.started = null;
+      const client = await clientOf(0);
+      if (MODE === "attached") {
+        state.sessions[0] = await within(ATTEMPT_MS, client.resumeSession(state.ids[0], sessionConfig()), "resume");
+      }
+    }
+  }
+}
+if (readyMs === null) throw new Error(`agent 0 was not ready after 5 attempts: ${attempts.join("; ")}`);
+say({ step: "ready", ms: readyMs, failedAttempts: attempts });
+
+for (const state of agents) if (state.client) await state.client.stop().catch(() => {});
+say({ done: true });
+process.exit(0);
