@@ -102,6 +102,8 @@ pub mod home;
 pub mod http;
 pub mod ids;
 pub mod kinds;
+#[cfg(any(feature = "http", feature = "sdk-endpoint"))]
+mod low_latency;
 pub mod metrics;
 pub mod model_guard;
 mod panic_guard;

@@ -23,6 +23,8 @@ use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+
+use crate::low_latency::QuickAck;
 use tokio::time::Instant;
 
 /// The limits of one listener.
@@ -102,7 +104,7 @@ pub async fn serve(
         };
         let activity = Arc::new(Activity::new());
         let io = TokioIo::new(Tracked {
-            inner: stream,
+            inner: QuickAck::new(stream, "an HTTP connection"),
             activity: activity.clone(),
         });
         let counted = {
@@ -238,7 +240,7 @@ impl Activity {
 
 /// A TCP stream that records when bytes move.
 struct Tracked {
-    inner: TcpStream,
+    inner: QuickAck,
     activity: Arc<Activity>,
 }
 

@@ -8,6 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::low_latency::QuickAck;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{Semaphore, watch};
 
@@ -26,71 +28,12 @@ pub async fn serve_tcp(
     shutdown: impl Future<Output = ()>,
 ) {
     serve(endpoint, shutdown, || async {
-        listener.accept().await.map(|(stream, _)| {
-            // Small frames (an answer, then an event) must not wait for the client's delayed
-            // ACK (Nagle): that cost ~40 ms per round trip, measured by the sdk_endpoint bench.
-            if let Err(error) = stream.set_nodelay(true) {
-                tracing::debug!(%error, "Could not set TCP_NODELAY on an SDK connection.");
-            }
-            QuickAck(stream)
-        })
+        listener
+            .accept()
+            .await
+            .map(|(stream, _)| QuickAck::new(stream, "an SDK connection"))
     })
     .await;
-}
-
-/// A TCP stream that ACKs what it reads at once (`TCP_QUICKACK`, set again after every read:
-/// the kernel leaves quick-ACK mode by itself). An SDK that writes a frame's header and body
-/// separately without `TCP_NODELAY` (the Node SDK does) holds the body back until the header
-/// is ACKed; with Linux's delayed ACK that cost ~40 ms per call (the sdk_endpoint bench: a
-/// warm turn 56 ms through the pool against 11 ms direct, 10.5 ms with this).
-struct QuickAck(tokio::net::TcpStream);
-
-impl QuickAck {
-    fn quick_ack(&self) {
-        #[cfg(target_os = "linux")]
-        if let Err(error) = socket2::SockRef::from(&self.0).set_tcp_quickack(true) {
-            tracing::trace!(%error, "Could not set TCP_QUICKACK on an SDK connection.");
-        }
-    }
-}
-
-impl AsyncRead for QuickAck {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let polled = std::pin::Pin::new(&mut self.0).poll_read(cx, buf);
-        if matches!(polled, std::task::Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.quick_ack();
-        }
-        polled
-    }
-}
-
-impl AsyncWrite for QuickAck {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
-    }
-
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.0).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
-    }
 }
 
 /// [`serve_tcp`] on a Unix socket (give the socket file owner-only permissions: anyone who
