@@ -13,16 +13,22 @@
 //! * [`install`] installs one flavour idempotently, under a file lock, atomically.
 //! * [`locate`] finds the executable to run: explicit path, `COPILOT_CLI_PATH`, the managed
 //!   installs, then `copilot` on `PATH`.
+//! * [`install_agent_cli`] installs another agent CLI ([`AgentCli`], Claude Code so far) the
+//!   same way, for the CLI backends of [`crate::backend`].
 //!
 //! Every function that reads the environment takes a lookup closure (`Fn(&str) ->
 //! Option<OsString>`); pass [`process_env`] to read the real process environment.
 
+mod agent_cli;
 mod cache;
 mod flavour;
 mod install;
 mod locate;
 mod platform;
 
+pub use agent_cli::{
+    AgentCli, CLAUDE_CODE_VERSION, CLAUDE_PATH_ENV, InstalledAgentCli, install_agent_cli,
+};
 pub use cache::{CACHE_DIR_ENV, CacheDirError, cache_dir};
 pub use flavour::{CLI_VERSION, Flavour, ParseFlavourError, RUNTIME_VERSION};
 pub use install::{
