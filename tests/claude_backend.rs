@@ -104,11 +104,19 @@ async fn a_turn_returns_the_scripted_text_and_the_next_turn_in_the_same_process_
     let fx = Fixture::new().await;
     let mut live = fx.live("a").await;
 
+    let started = Instant::now();
     let (first, events) = turn(&mut live, "REPLY=pong from the script").await;
+    eprintln!(
+        "measured: first turn (spawn included) {:?}",
+        started.elapsed()
+    );
     assert_eq!(first.end, Some(TurnEnd::Idle), "{first:?}");
     assert_eq!(first.text, "pong from the script");
     assert!(first.failure.is_none());
-    assert!(first.usage.output_tokens > 0, "usage is reported: {first:?}");
+    assert!(
+        first.usage.output_tokens > 0,
+        "usage is reported: {first:?}"
+    );
     let session = first.session_id.clone().expect("a session id");
     assert!(!first.resumed);
     assert!(
@@ -121,11 +129,20 @@ async fn a_turn_returns_the_scripted_text_and_the_next_turn_in_the_same_process_
     let call = fx.call_answered("pong from the script");
     assert_eq!(call.header("x-api-key"), ["sk-ant-FAKE-not-a-real-key"]);
 
+    let started = Instant::now();
     let (second, _) = turn(&mut live, "REPLY=second answer").await;
+    eprintln!(
+        "measured: second turn (live process) {:?}",
+        started.elapsed()
+    );
     assert_eq!(second.end, Some(TurnEnd::Idle), "{second:?}");
     assert_eq!(second.text, "second answer");
     assert_eq!(second.session_id.as_deref(), Some(session.as_str()));
-    assert_eq!(live.pid(), Some(pid), "the same live process served both turns");
+    assert_eq!(
+        live.pid(),
+        Some(pid),
+        "the same live process served both turns"
+    );
     let call = fx.call_answered("second answer");
     let history = history_text(&call);
     assert!(
@@ -136,7 +153,11 @@ async fn a_turn_returns_the_scripted_text_and_the_next_turn_in_the_same_process_
 
     let exit = live.close().await;
     assert!(exit.is_some());
-    assert!(wait_group_gone(pid, Duration::from_secs(10)).await.is_empty());
+    assert!(
+        wait_group_gone(pid, Duration::from_secs(10))
+            .await
+            .is_empty()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -174,6 +195,7 @@ async fn killing_the_process_mid_turn_ends_the_turn_crashed_at_once_and_the_next
         .await
         .expect("ended");
     let took = killed.elapsed();
+    eprintln!("measured: kill -9 to turn.end {took:?}");
     assert_eq!(crashed.end, Some(TurnEnd::Crashed), "{crashed:?}");
     assert!(
         matches!(&crashed.failure, Some(TurnFailure::Crashed { exit, .. }) if exit.contains("SIGKILL")),
@@ -183,7 +205,11 @@ async fn killing_the_process_mid_turn_ends_the_turn_crashed_at_once_and_the_next
         took < Duration::from_secs(1),
         "a crash ends the turn at once, took {took:?}"
     );
-    assert!(wait_group_gone(pid, Duration::from_secs(10)).await.is_empty());
+    assert!(
+        wait_group_gone(pid, Duration::from_secs(10))
+            .await
+            .is_empty()
+    );
 
     let (after, _) = turn(&mut live, "REPLY=after the crash").await;
     assert_eq!(after.end, Some(TurnEnd::Idle), "{after:?}");
@@ -213,6 +239,10 @@ async fn a_dead_endpoint_fails_the_turn_fast_with_the_clis_error() {
     let started = Instant::now();
     let (outcome, _) = turn(&mut live, "REPLY=never answered").await;
     let took = started.elapsed();
+    eprintln!(
+        "measured: dead endpoint turn {took:?}: {:?}",
+        outcome.failure
+    );
     assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
     assert!(
         matches!(&outcome.failure, Some(TurnFailure::Cli { .. })),
@@ -227,7 +257,7 @@ async fn a_dead_endpoint_fails_the_turn_fast_with_the_clis_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_permission_request_is_denied_by_default_and_approved_only_by_a_policy_that_says_so()
- {
+{
     let fx = Fixture::new().await;
     let prompt = r#"SCENARIO:tool NAME=Bash ARGS={"command":"echo written > out.txt","description":"write a file"}"#;
 
@@ -252,11 +282,16 @@ async fn a_tool_permission_request_is_denied_by_default_and_approved_only_by_a_p
     assert_eq!(outcome.permission_prompts, 1);
     assert!(
         outcome.text.starts_with("tool said:")
-            && outcome.text.contains("rejects built-in tool use by default"),
+            && outcome
+                .text
+                .contains("rejects built-in tool use by default"),
         "the model saw the policy's denial: {}",
         outcome.text
     );
-    assert!(!denied_work.join("out.txt").exists(), "the tool did not run");
+    assert!(
+        !denied_work.join("out.txt").exists(),
+        "the tool did not run"
+    );
     live.close().await;
 
     let mut approved_config = fx.config("approve").await;
@@ -266,10 +301,9 @@ async fn a_tool_permission_request_is_denied_by_default_and_approved_only_by_a_p
     let (outcome, events) = turn(&mut live, prompt).await;
     assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
     assert!(
-        events.iter().any(|e| matches!(
-            e,
-            BackendEvent::PermissionRequest { approved: true, .. }
-        )),
+        events
+            .iter()
+            .any(|e| matches!(e, BackendEvent::PermissionRequest { approved: true, .. })),
         "{events:?}"
     );
     let written = std::fs::read_to_string(approved_work.join("out.txt")).expect("the tool ran");
@@ -287,11 +321,15 @@ async fn an_interrupt_ends_the_turn_aborted_and_the_same_process_takes_the_next_
         .expect("started");
     let pid = slow.pid().expect("running");
     let abort = slow.abort_handle();
-    // Interrupt once the first delta arrived: the turn is mid-stream.
+    // Interrupt once the first delta arrived: the turn is mid-stream (60 chunks, 15 s).
+    let mut aborted_at = None;
     let outcome = tokio::time::timeout(TURN_LIMIT, async {
         while let Some(event) = slow.next().await {
             match event {
-                BackendEvent::MessageDelta { .. } => abort.abort(),
+                BackendEvent::MessageDelta { .. } if aborted_at.is_none() => {
+                    aborted_at = Some(Instant::now());
+                    abort.abort();
+                }
                 BackendEvent::TurnEnd(outcome) => return outcome,
                 _ => {}
             }
@@ -300,8 +338,14 @@ async fn an_interrupt_ends_the_turn_aborted_and_the_same_process_takes_the_next_
     })
     .await
     .expect("ended in time");
+    let took = aborted_at.expect("a delta came").elapsed();
+    eprintln!("measured: interrupt to turn.end {took:?}");
     drop(slow);
     assert_eq!(outcome.end, Some(TurnEnd::Aborted), "{outcome:?}");
+    assert!(
+        took < Duration::from_secs(4),
+        "Claude honoured the interrupt (the slow answer had 15 s to go): {took:?}"
+    );
 
     let (next, _) = turn(&mut live, "REPLY=still here").await;
     assert_eq!(next.end, Some(TurnEnd::Idle), "{next:?}");
@@ -335,5 +379,9 @@ async fn output_past_the_turn_limit_ends_the_turn_with_a_typed_error_and_stops_t
         "{outcome:?}"
     );
     assert_eq!(outcome.retained_lines, 3);
-    assert!(wait_group_gone(pid, Duration::from_secs(10)).await.is_empty());
+    assert!(
+        wait_group_gone(pid, Duration::from_secs(10))
+            .await
+            .is_empty()
+    );
 }

@@ -91,7 +91,11 @@ pub struct ClaudeLiveConfig {
 impl ClaudeLiveConfig {
     /// The bundled `claude-cli` backend running `executable`, homed in `home`, working in
     /// `cwd`, rejecting every tool permission request.
-    pub fn new(executable: impl Into<PathBuf>, home: impl Into<PathBuf>, cwd: impl Into<PathBuf>) -> Self {
+    pub fn new(
+        executable: impl Into<PathBuf>,
+        home: impl Into<PathBuf>,
+        cwd: impl Into<PathBuf>,
+    ) -> Self {
         let mut backend = CliBackendConfig::claude_cli();
         backend.command = executable.into().display().to_string();
         Self {
@@ -763,7 +767,10 @@ mod tests {
         assert_eq!(asked.paths, ["a.txt"]);
         assert_eq!(asked.working_directory.as_deref(), Some(cwd));
         assert_eq!(permission_request("mcp__x__y", &json!({}), cwd).kind, "mcp");
-        assert_eq!(permission_request("Skill", &json!({}), cwd).kind, "custom-tool");
+        assert_eq!(
+            permission_request("Skill", &json!({}), cwd).kind,
+            "custom-tool"
+        );
     }
 
     #[test]
@@ -782,6 +789,10 @@ mod tests {
             limit: 3,
             cap: super::super::MAX_TURN_LINES_CAP,
         };
-        assert!(failure.to_string().contains("raise `outputLimits.maxTurnLines`"));
+        assert!(
+            failure
+                .to_string()
+                .contains("raise `outputLimits.maxTurnLines`")
+        );
     }
 }

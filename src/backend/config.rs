@@ -19,7 +19,11 @@ pub const SESSION_ID_PLACEHOLDER: &str = "{sessionId}";
 pub const PROMPT_PLACEHOLDER: &str = "{prompt}";
 /// Placeholder for the model in `args` / `resumeArgs`.
 pub const MODEL_PLACEHOLDER: &str = "{model}";
-const PLACEHOLDERS: [&str; 3] = [SESSION_ID_PLACEHOLDER, PROMPT_PLACEHOLDER, MODEL_PLACEHOLDER];
+const PLACEHOLDERS: [&str; 3] = [
+    SESSION_ID_PLACEHOLDER,
+    PROMPT_PLACEHOLDER,
+    MODEL_PLACEHOLDER,
+];
 
 /// Default cap on the output a turn retains: 8 MiB of raw JSONL.
 pub const DEFAULT_MAX_TURN_RAW_CHARS: u64 = 8 * 1024 * 1024;
@@ -367,10 +371,9 @@ impl CliBackendConfig {
         if !resuming && let Some(id) = session_id {
             match (&self.session_arg, &self.session_args) {
                 (Some(flag), _) => out.extend([flag.clone(), id.to_owned()]),
-                (None, Some(args)) => out.extend(
-                    args.iter()
-                        .map(|a| a.replace(SESSION_ID_PLACEHOLDER, id)),
-                ),
+                (None, Some(args)) => {
+                    out.extend(args.iter().map(|a| a.replace(SESSION_ID_PLACEHOLDER, id)))
+                }
                 (None, None) => {}
             }
         }
@@ -452,7 +455,9 @@ impl CliBackendConfig {
                     ));
                 }
                 if arg.contains('\0') {
-                    return fail(format!("`{key}` has an argument with a NUL byte; remove it"));
+                    return fail(format!(
+                        "`{key}` has an argument with a NUL byte; remove it"
+                    ));
                 }
             }
         }
@@ -711,7 +716,9 @@ mod tests {
     fn toml_like(_text: &str) -> CliBackendConfig {
         let mut config = CliBackendConfig::new("my-cli");
         config.session_arg = Some("--session".into());
-        config.model_aliases.insert("claude-opus-4-6".into(), "opus".into());
+        config
+            .model_aliases
+            .insert("claude-opus-4-6".into(), "opus".into());
         config.output_limits.max_turn_lines = 50_000;
         config
     }
@@ -788,7 +795,10 @@ mod tests {
         c.env.insert("ANTHROPIC_API_KEY".into(), "sk".into());
         let text = problem(&c);
         assert!(text.contains("looks like a credential"), "{text}");
-        assert!(!text.contains("sk\""), "the value is never repeated: {text}");
+        assert!(
+            !text.contains("sk\""),
+            "the value is never repeated: {text}"
+        );
 
         let mut c = base();
         c.output_limits.max_turn_raw_chars = MAX_TURN_RAW_CHARS_CAP + 1;

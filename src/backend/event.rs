@@ -72,9 +72,7 @@ impl BackendEvent {
                 input,
                 approved,
             } => json!({ "toolName": tool_name, "input": input, "approved": approved }),
-            BackendEvent::TurnEnd(outcome) => {
-                serde_json::to_value(outcome).unwrap_or(Value::Null)
-            }
+            BackendEvent::TurnEnd(outcome) => serde_json::to_value(outcome).unwrap_or(Value::Null),
         }
     }
 }

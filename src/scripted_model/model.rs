@@ -489,8 +489,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn claude_codes_request_shape_is_answered_probe_system_entries_and_beta_query_included()
-    {
+    async fn claude_codes_request_shape_is_answered_probe_system_entries_and_beta_query_included() {
         let model = ScriptedModel::new();
         let r = model.respond(incoming("HEAD", "/api/hello", b"")).await;
         assert_eq!(r.status, 200, "the reachability probe is answered");
