@@ -601,9 +601,7 @@ fn unknown_placeholder(arg: &str) -> Option<String> {
     let mut rest = arg;
     while let Some(start) = rest.find('{') {
         let after = &rest[start..];
-        let Some(end) = after.find('}') else {
-            return None;
-        };
+        let end = after.find('}')?;
         let candidate = &after[..=end];
         let word = &candidate[1..candidate.len() - 1];
         if !word.is_empty()
