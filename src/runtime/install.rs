@@ -422,8 +422,8 @@ async fn run_npm(npm: &NpmCommand, run: NpmRun<'_>) -> Result<(), InstallError> 
         .arg("--prefix")
         .arg(run.prefix);
     if run.include_optional {
-        // The `copilot` executable comes from an optional dependency; a user config with
-        // `omit=optional` would otherwise silently drop it.
+        // The executable comes from an optional platform dependency (`copilot`, `claude`); a
+        // user config with `omit=optional` would otherwise silently drop it.
         command.arg("--include=optional");
     }
     command
