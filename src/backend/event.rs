@@ -121,15 +121,6 @@ pub enum TurnFailure {
         /// The highest value the key accepts.
         cap: u64,
     },
-    /// The CLI printed something that is not a JSON line.
-    #[error(
-        "the CLI printed a line that is not JSON ({detail}); is `command` the pinned CLI \
-         and are its output flags intact?"
-    )]
-    Protocol {
-        /// What was wrong.
-        detail: String,
-    },
 }
 
 /// What one CLI backend turn produced.
