@@ -62,6 +62,9 @@
 //!   (the runtime's id of the CLI session holding a conversation's history).
 //! * [`kinds`] — the closed sets of values the crate reports (open reasons, turn ends,
 //!   error kinds), each spelled once.
+//! * [`backend`] — agent CLIs other than Copilot as backends (issue 17, library only so
+//!   far): the backend kinds, the CLI backend configuration, and Claude Code as one live
+//!   stdio process per conversation ([`backend::claude_live`]).
 //! * [`replica`] — which of N `serve` replicas an agent goes to (rendezvous hashing).
 //! * [`auth`] — which credentials a lease runs with (precedence, fingerprints).
 //! * [`home`] — each agent's COPILOT_HOME.
@@ -93,6 +96,7 @@
 //! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.
 
 pub mod auth;
+pub mod backend;
 pub mod confine;
 mod deadline;
 pub mod faults;

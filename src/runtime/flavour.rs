@@ -89,14 +89,24 @@ impl Flavour {
         }
     }
 
+    /// This flavour as the npm package the shared installer installs.
+    pub(crate) fn npm_package(self, platform: Platform) -> super::install::NpmPackage {
+        super::install::NpmPackage {
+            slot: self.as_str(),
+            version: self.version(),
+            name: self.package(platform),
+            executable: self.executable_rel_path(platform),
+            companions: self.companion_rel_paths(platform),
+            // The `copilot` executable comes from an optional dependency; a user config with
+            // `omit=optional` would otherwise silently drop it.
+            include_optional: self == Flavour::Cli,
+            override_hint: "set COPILOT_CLI_PATH to an existing copilot executable",
+        }
+    }
+
     /// `<cache_dir>/<flavour>/<version>`: the managed install of this flavour.
     pub fn install_dir(self, cache_dir: &Path) -> PathBuf {
         cache_dir.join(self.as_str()).join(self.version())
-    }
-
-    /// `<cache_dir>/<flavour>-<version>.lock`: serialises installs of this flavour.
-    pub(crate) fn lock_path(self, cache_dir: &Path) -> PathBuf {
-        cache_dir.join(format!("{}-{}.lock", self.as_str(), self.version()))
     }
 }
 
@@ -169,7 +179,7 @@ mod tests {
             Path::new("/c/runtime/1.0.14")
         );
         assert_eq!(
-            Flavour::Cli.lock_path(cache),
+            Flavour::Cli.npm_package(p).lock_path(cache),
             Path::new("/c/cli-1.0.102.lock")
         );
     }

@@ -113,15 +113,15 @@ pub enum InstallError {
     #[error(
         "`npm install {package}` did not finish within {after:?} and was killed; check network \
          access to the npm registry and npm's proxy settings (`npm config get registry`, \
-         `npm config get proxy`, `npm config get https-proxy`), or set {} to an existing \
-         copilot executable",
-        super::CLI_PATH_ENV
+         `npm config get proxy`, `npm config get https-proxy`), or {instead}"
     )]
     Timeout {
         /// The `<package>@<version>` that was being installed.
         package: String,
         /// The install's overall timeout.
         after: Duration,
+        /// What to set instead of installing (e.g. an executable path variable).
+        instead: &'static str,
     },
     /// `npm install` exited unsuccessfully (or could not be started).
     #[error("`npm install {package}` failed ({status}); the end of npm's output:\n{output_tail}")]
@@ -200,34 +200,119 @@ async fn install_with(
     timeout: Duration,
     find_npm: impl FnOnce() -> Option<NpmCommand>,
 ) -> Result<Installed, InstallError> {
-    let deadline = crate::deadline::from_now(timeout);
-    create_dir_all(cache_dir).await?;
-    let lock_path = flavour.lock_path(cache_dir);
-    tracing::debug!(lock = %lock_path.display(), "waiting for the runtime install lock");
-    let _lock = lock_exclusive(lock_path, deadline, timeout).await?;
-
-    let dir = flavour.install_dir(cache_dir);
-    let installed = |fresh| Installed {
+    let package = flavour.npm_package(platform);
+    let done = install_package_with(&package, cache_dir, timeout, find_npm).await?;
+    Ok(Installed {
         flavour,
         version: flavour.version(),
-        executable: dir.join(flavour.executable_rel_path(platform)),
+        executable: done.executable,
+        dir: done.dir,
+        fresh: done.fresh,
+    })
+}
+
+/// One pinned npm package installed into the cache: what [`install_package`] needs to know.
+/// The Copilot flavours and the agent CLIs of [`super::AgentCli`] both describe themselves
+/// this way, so they share one installer (lock, deadline, atomic rename, marker).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NpmPackage {
+    /// The cache subfolder (`runtime`, `cli`, `claude-code`, ...).
+    pub(crate) slot: &'static str,
+    /// The pinned version.
+    pub(crate) version: &'static str,
+    /// The npm package name.
+    pub(crate) name: String,
+    /// The executable, relative to the install directory.
+    pub(crate) executable: PathBuf,
+    /// Other files that must exist, relative to the install directory.
+    pub(crate) companions: Vec<PathBuf>,
+    /// Whether to pass `--include=optional` (the executable comes from an optional
+    /// platform dependency).
+    pub(crate) include_optional: bool,
+    /// What the user can set instead of installing (named in the timeout error).
+    pub(crate) override_hint: &'static str,
+}
+
+impl NpmPackage {
+    /// `<name>@<version>`.
+    fn spec(&self) -> String {
+        format!("{}@{}", self.name, self.version)
+    }
+
+    /// `<cache_dir>/<slot>/<version>`.
+    pub(crate) fn install_dir(&self, cache_dir: &Path) -> PathBuf {
+        cache_dir.join(self.slot).join(self.version)
+    }
+
+    /// `<cache_dir>/<slot>-<version>.lock`: serialises installs of this package.
+    pub(crate) fn lock_path(&self, cache_dir: &Path) -> PathBuf {
+        cache_dir.join(format!("{}-{}.lock", self.slot, self.version))
+    }
+
+    /// Whether `dir` holds a complete install: the marker, the executable and its companions.
+    pub(crate) fn is_complete(&self, dir: &Path) -> bool {
+        dir.join(MARKER_FILE).is_file()
+            && dir.join(&self.executable).is_file()
+            && self.companions.iter().all(|rel| dir.join(rel).is_file())
+    }
+}
+
+/// Where a finished [`install_package`] put things.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PackageInstall {
+    /// The executable to spawn.
+    pub(crate) executable: PathBuf,
+    /// The install directory.
+    pub(crate) dir: PathBuf,
+    /// Whether npm ran.
+    pub(crate) fresh: bool,
+}
+
+/// Installs `package` into `cache_dir` with the `npm` on `PATH`, unless it is complete there.
+pub(crate) async fn install_package(
+    package: &NpmPackage,
+    cache_dir: &Path,
+    timeout: Duration,
+) -> Result<PackageInstall, InstallError> {
+    install_package_with(package, cache_dir, timeout, || {
+        super::find_on_path("npm", super::process_env("PATH")).map(NpmCommand::program)
+    })
+    .await
+}
+
+/// [`install_package`] with the npm lookup injected.
+async fn install_package_with(
+    package: &NpmPackage,
+    cache_dir: &Path,
+    timeout: Duration,
+    find_npm: impl FnOnce() -> Option<NpmCommand>,
+) -> Result<PackageInstall, InstallError> {
+    let deadline = crate::deadline::from_now(timeout);
+    create_dir_all(cache_dir).await?;
+    let lock_path = package.lock_path(cache_dir);
+    tracing::debug!(lock = %lock_path.display(), "waiting for the install lock");
+    let _lock = lock_exclusive(lock_path, deadline, timeout).await?;
+
+    let dir = package.install_dir(cache_dir);
+    let installed = |fresh| PackageInstall {
+        executable: dir.join(&package.executable),
         dir: dir.clone(),
         fresh,
     };
-    if is_complete(flavour, platform, &dir) {
-        tracing::debug!(dir = %dir.display(), "runtime already installed");
+    if package.is_complete(&dir) {
+        tracing::debug!(dir = %dir.display(), "already installed");
         return Ok(installed(false));
     }
 
     let npm = find_npm().ok_or(InstallError::NpmMissing)?;
     let parent = dir.parent().unwrap_or(cache_dir).to_path_buf();
     create_dir_all(&parent).await?;
-    let tmp_prefix = format!(".{}.tmp-", flavour.version());
+    let tmp_prefix = format!(".{}.tmp-", package.version);
     remove_stale_tmp_dirs(&parent, &tmp_prefix).await;
     let tmp = parent.join(format!("{tmp_prefix}{}", uuid::Uuid::new_v4().simple()));
     create_dir_all(&tmp).await?;
 
-    let result = populate(flavour, platform, &npm, &tmp, deadline, timeout).await;
+    let result = populate(package, &npm, &tmp, deadline, timeout).await;
     let result = match result {
         Ok(()) => move_into_place(&tmp, &dir).await,
         Err(err) => Err(err),
@@ -237,48 +322,39 @@ async fn install_with(
         let _ = tokio::fs::remove_dir_all(&tmp).await;
         return Err(err);
     }
-    tracing::debug!(dir = %dir.display(), "runtime installed");
+    tracing::debug!(dir = %dir.display(), "installed");
     Ok(installed(true))
 }
 
 /// Whether `dir` holds a complete install of `flavour`: the marker, the executable and its
 /// companion files are all there. Used by [`locate`](super::locate) too.
 pub(crate) fn is_complete(flavour: Flavour, platform: Platform, dir: &Path) -> bool {
-    dir.join(MARKER_FILE).is_file()
-        && dir.join(flavour.executable_rel_path(platform)).is_file()
-        && flavour
-            .companion_rel_paths(platform)
-            .iter()
-            .all(|rel| dir.join(rel).is_file())
+    flavour.npm_package(platform).is_complete(dir)
 }
 
 /// Runs npm into `tmp` (killing it at `deadline`), checks the result, makes the executable
 /// executable, writes the marker.
 async fn populate(
-    flavour: Flavour,
-    platform: Platform,
+    package: &NpmPackage,
     npm: &NpmCommand,
     tmp: &Path,
     deadline: Instant,
     timeout: Duration,
 ) -> Result<(), InstallError> {
-    let spec = flavour.package_spec(platform);
+    let spec = package.spec();
     let run = NpmRun {
         prefix: tmp,
         spec: &spec,
-        include_optional: flavour == Flavour::Cli,
+        include_optional: package.include_optional,
+        override_hint: package.override_hint,
         deadline,
         timeout,
     };
     run_npm(npm, run).await?;
 
-    let executable = tmp.join(flavour.executable_rel_path(platform));
-    let required = std::iter::once(executable.clone()).chain(
-        flavour
-            .companion_rel_paths(platform)
-            .into_iter()
-            .map(|rel| tmp.join(rel)),
-    );
+    let executable = tmp.join(&package.executable);
+    let required = std::iter::once(executable.clone())
+        .chain(package.companions.iter().map(|rel| tmp.join(rel)));
     for path in required {
         let is_file = tokio::fs::metadata(&path)
             .await
@@ -294,11 +370,10 @@ async fn populate(
     make_executable(&executable).await?;
 
     let marker = serde_json::json!({
-        "flavour": flavour.as_str(),
-        "version": flavour.version(),
-        "platform": platform.as_str(),
+        "slot": package.slot,
+        "version": package.version,
         "package": spec,
-        "executable": flavour.executable_rel_path(platform),
+        "executable": package.executable,
     });
     let marker_path = tmp.join(MARKER_FILE);
     tokio::fs::write(&marker_path, format!("{marker}\n"))
@@ -314,6 +389,8 @@ struct NpmRun<'a> {
     spec: &'a str,
     /// Whether to pass `--include=optional`.
     include_optional: bool,
+    /// What the user can set instead (for the timeout error).
+    override_hint: &'static str,
     /// When to kill npm.
     deadline: Instant,
     /// The install's overall timeout, for the error message.
@@ -326,6 +403,7 @@ async fn run_npm(npm: &NpmCommand, run: NpmRun<'_>) -> Result<(), InstallError> 
     let timed_out = || InstallError::Timeout {
         package: run.spec.to_owned(),
         after: run.timeout,
+        instead: run.override_hint,
     };
     if Instant::now() >= run.deadline {
         return Err(timed_out());
@@ -344,8 +422,8 @@ async fn run_npm(npm: &NpmCommand, run: NpmRun<'_>) -> Result<(), InstallError> 
         .arg("--prefix")
         .arg(run.prefix);
     if run.include_optional {
-        // The `copilot` executable comes from an optional dependency; a user config with
-        // `omit=optional` would otherwise silently drop it.
+        // The executable comes from an optional platform dependency (`copilot`, `claude`); a
+        // user config with `omit=optional` would otherwise silently drop it.
         command.arg("--include=optional");
     }
     command
@@ -822,7 +900,7 @@ mod tests {
             .await
             .unwrap_err();
         let elapsed = started.elapsed();
-        let InstallError::Timeout { package, after } = &err else {
+        let InstallError::Timeout { package, after, .. } = &err else {
             panic!("expected Timeout, got {err:?}");
         };
         assert_eq!(package, "@github/copilot-sdk-linux-x64@1.0.14");
@@ -883,7 +961,7 @@ mod tests {
     #[tokio::test]
     async fn a_held_lock_times_out_with_its_path() {
         let cache = tempfile::tempdir().unwrap();
-        let lock_path = Flavour::Runtime.lock_path(cache.path());
+        let lock_path = Flavour::Runtime.npm_package(P).lock_path(cache.path());
         let _held = Flock::lock(File::create(&lock_path).unwrap(), FlockArg::LockExclusive)
             .map_err(|(_, errno)| errno)
             .unwrap();
@@ -917,7 +995,7 @@ mod tests {
     async fn a_lock_released_before_the_deadline_is_taken() {
         let tools = tempfile::tempdir().unwrap();
         let cache = tempfile::tempdir().unwrap();
-        let lock_path = Flavour::Runtime.lock_path(cache.path());
+        let lock_path = Flavour::Runtime.npm_package(P).lock_path(cache.path());
         let held = Flock::lock(File::create(&lock_path).unwrap(), FlockArg::LockExclusive)
             .map_err(|(_, errno)| errno)
             .unwrap();

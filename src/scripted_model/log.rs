@@ -30,6 +30,9 @@ pub enum Answer {
     },
     /// `GET …/models`.
     ModelList,
+    /// `HEAD` or `GET …/api/hello`: the reachability probe Claude Code sends first (200,
+    /// empty body).
+    Reachable,
     /// No such route (404).
     NotFound,
     /// A malformed chat-completions body (400), with the reason.

@@ -251,7 +251,7 @@ impl ScriptedModel {
     }
 
     /// Routes and answers one request: a model call in one of the [`WireFormat`]s, `GET
-    /// …/models`, else 404.
+    /// …/models`, Claude Code's reachability probe (`HEAD …/api/hello`), else 404.
     pub(crate) async fn respond(&self, request: Incoming<'_>) -> ModelResponse {
         let path = request.path.trim_end_matches('/');
         let method = request.method;
@@ -264,6 +264,12 @@ impl ScriptedModel {
         if path.ends_with("/models") && method.eq_ignore_ascii_case("GET") {
             self.record(&request, body, Answer::ModelList);
             return ModelResponse::full(200, JSON, openai::models_body(Self::MODEL_ID));
+        }
+        if path.ends_with("/api/hello")
+            && (method.eq_ignore_ascii_case("HEAD") || method.eq_ignore_ascii_case("GET"))
+        {
+            self.record(&request, body, Answer::Reachable);
+            return ModelResponse::full(200, JSON, String::new());
         }
         self.record(&request, body, Answer::NotFound);
         let message = format!("no route {method} {}", request.path);
@@ -480,6 +486,38 @@ mod tests {
         // The 400s did not count: the error request is number 1.
         assert!(matches!(answers[3], Answer::Chat { number: 1, .. }));
         assert_eq!(answers[4], Answer::ModelList);
+    }
+
+    #[tokio::test]
+    async fn claude_codes_request_shape_is_answered_probe_system_entries_and_beta_query_included() {
+        let model = ScriptedModel::new();
+        let r = model.respond(incoming("HEAD", "/api/hello", b"")).await;
+        assert_eq!(r.status, 200, "the reachability probe is answered");
+        // What Claude Code 2.1.332 posts: `?beta=true`, `role: "system"` entries among the
+        // messages, system reminders as extra text blocks of the user message.
+        let body = serde_json::to_vec(&json!({
+            "model": "claude-opus-5-5",
+            "stream": false,
+            "system": [{"type": "text", "text": "You are Claude Code."}],
+            "messages": [
+                {"role": "system", "content": "<env>cwd: /w</env>"},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "<system-reminder>be brief</system-reminder>"},
+                    {"type": "text", "text": "REPLY=pong"}
+                ]},
+                {"role": "system", "content": "deferred tools: none"}
+            ]
+        }))
+        .unwrap();
+        let mut request = incoming("POST", "/v1/messages", &body);
+        request.query = Some("beta=true");
+        let r = model.respond(request).await;
+        assert_eq!(r.status, 200);
+        let message: Value = serde_json::from_str(&body_text(r).await).unwrap();
+        assert_eq!(message["content"][0]["text"], "pong");
+        let log = model.requests();
+        assert_eq!(log[0].answer, Answer::Reachable);
+        assert_eq!(log[1].query.as_deref(), Some("beta=true"));
     }
 
     #[tokio::test]

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod api;
+pub mod claude;
 pub mod http;
 pub mod node_sdk;
 pub mod pool_fixture;

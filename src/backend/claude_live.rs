@@ -1,0 +1,798 @@
+//! The `claude-cli` live backend: one long-lived Claude Code process per conversation, on
+//! stdio, stream-json in and out (reference: `cli-backends.md` §3.4).
+//!
+//! Owns that process and its turns. [`ClaudeLive`] starts the process lazily, in its own
+//! process group ([`crate::process::ChildGroup`]), with a home of its own
+//! (`CLAUDE_CONFIG_DIR` and `TMPDIR` inside the agent's home) and the key only in the
+//! child's environment. A turn ([`ClaudeLive::start_turn`], [`ClaudeTurn::next`]) writes one
+//! user line and maps what comes back to [`BackendEvent`]s: partial text deltas, assistant
+//! messages, tool calls, `can_use_tool` control requests answered by the conversation's
+//! [`PermissionPolicy`] (reject-all by default), and the `result` line as the
+//! `turn.end` with its usage.
+//!
+//! Invariants:
+//! * the process group is killed on every path that leaves it behind: a crash, an output
+//!   limit, an interrupt that is not honoured in time, a turn dropped before its end, the
+//!   [`ClaudeLive`] dropped; its leader is always reaped (by `ChildGroup`);
+//! * a process that dies mid-turn ends the turn `crashed` as soon as its stdout closes (no
+//!   timeout wait), and the next turn starts a new process with `--resume <session id>`;
+//! * the output a turn retains (every line but the `stream_event` envelopes of partial
+//!   deltas) is bounded by the backend's `outputLimits` (8 MiB / 20,000 lines by default);
+//!   past it the turn ends with [`TurnFailure::OutputLimit`], keeping the last assistant
+//!   message already received;
+//! * the API key is held as a [`Secret`] and put only into the child's environment.
+
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+use tokio::process::ChildStdin;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::codec::{FramedRead, LinesCodec, LinesCodecError};
+
+use super::config::{CliBackendConfig, ConfigError, SystemPromptWhen};
+use super::event::{BackendEvent, CliTurnOutcome, TurnFailure};
+use crate::kinds::TurnEnd;
+use crate::permission::{
+    PermissionDecision, PermissionPolicy, PermissionRequest, RejectAll, decide_safely,
+};
+use crate::process::{ChildGroup, ChildSpec, ExitInfo, SpawnError};
+use crate::secret::Secret;
+use crate::turn::Usage;
+
+/// The backend id of the bundled configuration.
+pub const BACKEND_ID: &str = "claude-cli";
+
+/// How much of the process's stderr a crash reports (its end).
+const CRASH_STDERR_CHARS: usize = 2000;
+/// How long a crash waits for the leader's exit status after its stdout closed.
+const CRASH_EXIT_WAIT: Duration = Duration::from_secs(2);
+/// How long a crash waits for the rest of stderr once the leader has exited.
+const CRASH_STDERR_WAIT: Duration = Duration::from_millis(500);
+
+/// How to run one conversation's Claude Code process.
+#[non_exhaustive]
+pub struct ClaudeLiveConfig {
+    /// The backend configuration; [`CliBackendConfig::claude_cli`] with `command` set to the
+    /// executable unless changed. Validated by [`ClaudeLive::new`].
+    pub backend: CliBackendConfig,
+    /// The agent's own home: `HOME`, with `CLAUDE_CONFIG_DIR=<home>/.claude` and
+    /// `TMPDIR=<home>/tmp` (created when missing).
+    pub home: PathBuf,
+    /// The conversation's working directory.
+    pub cwd: PathBuf,
+    /// `ANTHROPIC_BASE_URL`, when the model is not Anthropic's own endpoint.
+    pub base_url: Option<String>,
+    /// `ANTHROPIC_API_KEY`: only ever in the child's environment.
+    pub api_key: Option<Secret>,
+    /// The pool's model name (mapped through `modelAliases`).
+    pub model: Option<String>,
+    /// Appended to Claude's system prompt (`systemPromptArg`, as `systemPromptWhen` says).
+    pub system_prompt: Option<String>,
+    /// The stored CLI session id to resume when the process starts.
+    pub session_id: Option<String>,
+    /// Answers `can_use_tool` requests. Default: reject all (fail closed).
+    pub permission: Arc<dyn PermissionPolicy>,
+    /// After an interrupt, how long the process has to end the turn before it is killed.
+    pub interrupt_grace: Duration,
+    /// On [`ClaudeLive::close`], how long the process has to exit after its stdin closed,
+    /// and then after SIGTERM, before SIGKILL.
+    pub close_grace: Duration,
+    /// `PATH` of the child (default: the caller's own `PATH`).
+    pub path_var: Option<OsString>,
+}
+
+impl ClaudeLiveConfig {
+    /// The bundled `claude-cli` backend running `executable`, homed in `home`, working in
+    /// `cwd`, rejecting every tool permission request.
+    pub fn new(
+        executable: impl Into<PathBuf>,
+        home: impl Into<PathBuf>,
+        cwd: impl Into<PathBuf>,
+    ) -> Self {
+        let mut backend = CliBackendConfig::claude_cli();
+        backend.command = executable.into().display().to_string();
+        Self {
+            backend,
+            home: home.into(),
+            cwd: cwd.into(),
+            base_url: None,
+            api_key: None,
+            model: None,
+            system_prompt: None,
+            session_id: None,
+            permission: Arc::new(RejectAll::default()),
+            interrupt_grace: Duration::from_secs(5),
+            close_grace: Duration::from_secs(2),
+            path_var: std::env::var_os("PATH"),
+        }
+    }
+}
+
+impl std::fmt::Debug for ClaudeLiveConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaudeLiveConfig")
+            .field("backend", &self.backend)
+            .field("home", &self.home)
+            .field("cwd", &self.cwd)
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key)
+            .field("model", &self.model)
+            .field("session_id", &self.session_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a turn could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClaudeLiveError {
+    /// The backend configuration cannot run.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The agent's home (or a folder in it) could not be created.
+    #[error(
+        "could not create {} for the Claude process: {error}; the agent's home must be on a \
+         writable filesystem",
+        path.display()
+    )]
+    Home {
+        /// The folder.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        error: std::io::Error,
+    },
+    /// The process could not be started.
+    #[error(
+        "{0}; is `command` the Claude Code executable (install it with \
+         `copilot_pool::runtime::install_agent_cli`)?"
+    )]
+    Spawn(#[from] SpawnError),
+}
+
+/// The running process and its pipes.
+struct LiveProcess {
+    child: ChildGroup,
+    stdin: ChildStdin,
+    lines: FramedRead<tokio::process::ChildStdout, LinesCodec>,
+    /// Started with `--resume`.
+    resumed: bool,
+}
+
+/// One conversation's Claude Code process, started on the first turn and restarted (with
+/// `--resume`) on the turn after it died. Dropping it kills the process group.
+pub struct ClaudeLive {
+    config: ClaudeLiveConfig,
+    session_id: Option<String>,
+    process: Option<LiveProcess>,
+}
+
+impl std::fmt::Debug for ClaudeLive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaudeLive")
+            .field("session_id", &self.session_id)
+            .field("pid", &self.pid())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClaudeLive {
+    /// Checks the configuration; starts nothing yet.
+    pub fn new(config: ClaudeLiveConfig) -> Result<Self, ClaudeLiveError> {
+        config.backend.validate(BACKEND_ID)?;
+        let session_id = config.session_id.clone();
+        Ok(Self {
+            config,
+            session_id,
+            process: None,
+        })
+    }
+
+    /// The CLI session id to store (learned from the process, or the configured one).
+    pub fn session_id(&self) -> Option<&str> {
+        self.session_id.as_deref()
+    }
+
+    /// The process's pid (= its process group id) while one is running.
+    pub fn pid(&self) -> Option<u32> {
+        self.process
+            .as_ref()
+            .filter(|p| p.child.exit_info().is_none())
+            .map(|p| p.child.pid())
+    }
+
+    /// Sends `prompt` as the next user message, starting (or restarting with `--resume`)
+    /// the process first when none is running. Read the turn's events with
+    /// [`ClaudeTurn::next`] until [`BackendEvent::TurnEnd`].
+    pub async fn start_turn(&mut self, prompt: &str) -> Result<ClaudeTurn<'_>, ClaudeLiveError> {
+        let running = self
+            .process
+            .as_ref()
+            .is_some_and(|p| p.child.exit_info().is_none());
+        if !running {
+            self.process = None;
+            self.spawn().await?;
+        }
+        let prompt = self.config.backend.transform(prompt, false);
+        let line = json!({
+            "type": "user",
+            "message": {"role": "user", "content": prompt},
+            "parent_tool_use_id": null,
+            "session_id": self.session_id.as_deref().unwrap_or(""),
+        });
+        let limits = self.config.backend.output_limits;
+        let mut turn = ClaudeTurn {
+            resumed: self.process.as_ref().is_some_and(|p| p.resumed),
+            live: self,
+            queue: VecDeque::new(),
+            ended: false,
+            abort: Arc::new(Notify::new()),
+            interrupt_deadline: None,
+            interrupted: false,
+            last_text: String::new(),
+            tool_calls: 0,
+            permission_prompts: 0,
+            retained_bytes: 0,
+            retained_lines: 0,
+            max_bytes: limits.max_turn_raw_chars,
+            max_lines: limits.max_turn_lines,
+        };
+        if let Err(error) = turn.write_line(&line).await {
+            tracing::debug!(%error, "could not send the prompt to claude");
+            turn.crash().await;
+        }
+        Ok(turn)
+    }
+
+    /// Sends `prompt` and reads the turn to its end, handing each event to `on_event`.
+    pub async fn run(
+        &mut self,
+        prompt: &str,
+        mut on_event: impl FnMut(&BackendEvent),
+    ) -> Result<CliTurnOutcome, ClaudeLiveError> {
+        let mut turn = self.start_turn(prompt).await?;
+        while let Some(event) = turn.next().await {
+            on_event(&event);
+            if let BackendEvent::TurnEnd(outcome) = event {
+                return Ok(outcome);
+            }
+        }
+        // `next` always yields a TurnEnd before None.
+        Ok(CliTurnOutcome {
+            end: Some(TurnEnd::Crashed),
+            ..CliTurnOutcome::default()
+        })
+    }
+
+    /// Ends the process: closes its stdin (Claude exits after the current turn), waits up to
+    /// `close_grace`, then SIGTERM, `close_grace`, SIGKILL to the group. Returns how it
+    /// ended, if one was running.
+    pub async fn close(mut self) -> Option<ExitInfo> {
+        let process = self.process.take()?;
+        let LiveProcess { child, stdin, .. } = process;
+        drop(stdin);
+        let grace = self.config.close_grace;
+        match tokio::time::timeout(grace, child.wait()).await {
+            Ok(info) => Some(info),
+            Err(_) => Some(child.terminate(grace).await),
+        }
+    }
+
+    async fn spawn(&mut self) -> Result<(), ClaudeLiveError> {
+        let config = &self.config;
+        let claude_dir = config.home.join(".claude");
+        let tmp_dir = config.home.join("tmp");
+        for dir in [&config.home, &claude_dir, &tmp_dir, &config.cwd] {
+            tokio::fs::create_dir_all(dir)
+                .await
+                .map_err(|error| ClaudeLiveError::Home {
+                    path: dir.clone(),
+                    error,
+                })?;
+        }
+        let backend = &config.backend;
+        let mut args = backend.argv(self.session_id.as_deref(), config.model.as_deref());
+        let first = self.session_id.is_none();
+        if let (Some(flag), Some(prompt)) = (&backend.system_prompt_arg, &config.system_prompt) {
+            let pass = match backend.system_prompt_when {
+                SystemPromptWhen::Always => true,
+                SystemPromptWhen::First => first,
+                SystemPromptWhen::Never => false,
+            };
+            if pass {
+                args.extend([flag.clone(), prompt.clone()]);
+            }
+        }
+        let mut env: Vec<(OsString, OsString)> = vec![
+            ("HOME".into(), config.home.clone().into_os_string()),
+            ("CLAUDE_CONFIG_DIR".into(), claude_dir.into_os_string()),
+            ("TMPDIR".into(), tmp_dir.into_os_string()),
+        ];
+        if let Some(path) = &config.path_var {
+            env.push(("PATH".into(), path.clone()));
+        }
+        env.extend(
+            backend
+                .env
+                .iter()
+                .map(|(k, v)| (OsString::from(k), OsString::from(v))),
+        );
+        if let Some(url) = &config.base_url {
+            env.push(("ANTHROPIC_BASE_URL".into(), url.into()));
+        }
+        if let Some(key) = config.api_key.as_ref().filter(|k| !k.is_empty()) {
+            env.push(("ANTHROPIC_API_KEY".into(), key.expose().into()));
+        }
+        let spec = ChildSpec {
+            program: PathBuf::from(&backend.command),
+            args: args.into_iter().map(OsString::from).collect(),
+            env,
+            cwd: config.cwd.clone(),
+        };
+        // Never log `spec`: its environment holds the key.
+        let (child, io) = ChildGroup::spawn(&spec)?;
+        let resumed = self.session_id.is_some();
+        tracing::debug!(pid = child.pid(), resumed, "claude process started");
+        let max_line = usize::try_from(backend.output_limits.max_turn_raw_chars)
+            .unwrap_or(usize::MAX)
+            .saturating_add(1);
+        self.process = Some(LiveProcess {
+            child,
+            stdin: io.stdin,
+            lines: FramedRead::new(io.stdout, LinesCodec::new_with_max_length(max_line)),
+            resumed,
+        });
+        Ok(())
+    }
+}
+
+/// Interrupts a running turn from anywhere (cloneable, `Send`).
+#[derive(Debug, Clone)]
+pub struct AbortHandle(Arc<Notify>);
+
+impl AbortHandle {
+    /// Asks Claude to stop the turn (an `interrupt` control request). The turn ends
+    /// `aborted`; a process that does not end it within `interrupt_grace` is killed.
+    pub fn abort(&self) {
+        self.0.notify_one();
+    }
+}
+
+/// One turn of a [`ClaudeLive`]. Read it with [`ClaudeTurn::next`] to its
+/// [`BackendEvent::TurnEnd`]; dropping it earlier kills the process (the next turn resumes).
+pub struct ClaudeTurn<'a> {
+    live: &'a mut ClaudeLive,
+    queue: VecDeque<BackendEvent>,
+    ended: bool,
+    abort: Arc<Notify>,
+    interrupt_deadline: Option<Instant>,
+    interrupted: bool,
+    resumed: bool,
+    last_text: String,
+    tool_calls: u32,
+    permission_prompts: u32,
+    retained_bytes: u64,
+    retained_lines: u64,
+    max_bytes: u64,
+    max_lines: u64,
+}
+
+impl Drop for ClaudeTurn<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            // Its output would leak into the next turn: kill the group (ChildGroup's drop).
+            self.live.process = None;
+        }
+    }
+}
+
+impl ClaudeTurn<'_> {
+    /// A handle that interrupts this turn.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle(self.abort.clone())
+    }
+
+    /// The pid (= process group id) of the process serving this turn, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.live.pid()
+    }
+
+    /// The next event; `None` after the [`BackendEvent::TurnEnd`].
+    pub async fn next(&mut self) -> Option<BackendEvent> {
+        loop {
+            if let Some(event) = self.queue.pop_front() {
+                return Some(event);
+            }
+            if self.ended {
+                return None;
+            }
+            let Some(process) = self.live.process.as_mut() else {
+                self.crash().await;
+                continue;
+            };
+            let deadline = self.interrupt_deadline;
+            let line = tokio::select! {
+                biased;
+                () = self.abort.notified(), if !self.interrupted => {
+                    self.interrupt().await;
+                    continue;
+                }
+                () = sleep_until_opt(deadline), if deadline.is_some() => {
+                    tracing::debug!("claude did not end an interrupted turn in time; killing it");
+                    self.live.process = None;
+                    self.end_with(TurnEnd::Aborted, None, Usage::default());
+                    continue;
+                }
+                line = process.lines.next() => line,
+            };
+            match line {
+                None | Some(Err(LinesCodecError::Io(_))) => self.crash().await,
+                Some(Err(LinesCodecError::MaxLineLengthExceeded)) => self.over_limit(true),
+                Some(Ok(line)) => self.handle_line(&line).await,
+            }
+        }
+    }
+
+    /// Reads the turn to its end.
+    pub async fn finish(mut self) -> CliTurnOutcome {
+        while let Some(event) = self.next().await {
+            if let BackendEvent::TurnEnd(outcome) = event {
+                return outcome;
+            }
+        }
+        CliTurnOutcome {
+            end: Some(TurnEnd::Crashed),
+            ..CliTurnOutcome::default()
+        }
+    }
+
+    async fn handle_line(&mut self, line: &str) {
+        let Ok(value) = serde_json::from_str::<Value>(line) else {
+            tracing::debug!(bytes = line.len(), "claude printed a line that is not JSON");
+            self.retain(line);
+            return;
+        };
+        let kind = value.get("type").and_then(Value::as_str).unwrap_or("");
+        if kind != "stream_event" && !self.retain(line) {
+            return;
+        }
+        self.note_session_id(&value);
+        match kind {
+            "stream_event" => {
+                let event = &value["event"];
+                if event["type"] == "content_block_delta"
+                    && event["delta"]["type"] == "text_delta"
+                    && let Some(text) = event["delta"]["text"].as_str()
+                {
+                    self.queue.push_back(BackendEvent::MessageDelta {
+                        delta: text.to_owned(),
+                    });
+                }
+            }
+            "assistant" => self.assistant(&value),
+            "control_request" => self.control_request(&value).await,
+            "result" => self.result(&value),
+            _ => {}
+        }
+    }
+
+    /// Counts a retained line; false (and the turn ended) when it passes a limit.
+    fn retain(&mut self, line: &str) -> bool {
+        self.retained_lines += 1;
+        self.retained_bytes += line.len() as u64 + 1;
+        if self.retained_bytes > self.max_bytes {
+            self.over_limit(true);
+            return false;
+        }
+        if self.retained_lines > self.max_lines {
+            self.over_limit(false);
+            return false;
+        }
+        true
+    }
+
+    fn note_session_id(&mut self, value: &Value) {
+        for field in &self.live.config.backend.session_id_fields {
+            if let Some(id) = value.get(field).and_then(Value::as_str)
+                && !id.is_empty()
+            {
+                if self.live.session_id.as_deref() != Some(id) {
+                    self.live.session_id = Some(id.to_owned());
+                }
+                return;
+            }
+        }
+    }
+
+    fn assistant(&mut self, value: &Value) {
+        let Some(blocks) = value["message"]["content"].as_array() else {
+            return;
+        };
+        let mut text = String::new();
+        for block in blocks {
+            match block["type"].as_str() {
+                Some("text") => text.push_str(block["text"].as_str().unwrap_or("")),
+                Some("tool_use") => {
+                    self.tool_calls += 1;
+                    self.queue.push_back(BackendEvent::ToolCall {
+                        id: block["id"].as_str().unwrap_or("").to_owned(),
+                        name: block["name"].as_str().unwrap_or("").to_owned(),
+                        input: block["input"].clone(),
+                    });
+                }
+                _ => {}
+            }
+        }
+        if !text.is_empty() {
+            self.last_text = text.clone();
+            self.queue.push_back(BackendEvent::Message { text });
+        }
+    }
+
+    async fn control_request(&mut self, value: &Value) {
+        let request_id = value["request_id"].clone();
+        let request = &value["request"];
+        let subtype = request["subtype"].as_str().unwrap_or("");
+        if subtype != "can_use_tool" {
+            let reply = json!({
+                "type": "control_response",
+                "response": {
+                    "subtype": "error",
+                    "request_id": request_id,
+                    "error": format!("copilot-pool does not handle `{subtype}` requests"),
+                },
+            });
+            if self.write_line(&reply).await.is_err() {
+                self.crash().await;
+            }
+            return;
+        }
+        let tool_name = request["tool_name"].as_str().unwrap_or("").to_owned();
+        let input = request["input"].clone();
+        let asked = permission_request(&tool_name, request, &self.live.config.cwd);
+        let decision = decide_safely(self.live.config.permission.as_ref(), asked).await;
+        self.permission_prompts += 1;
+        let approved = decision == PermissionDecision::Approve;
+        let answer = match &decision {
+            PermissionDecision::Approve => json!({"behavior": "allow", "updatedInput": input}),
+            PermissionDecision::Reject { feedback } => {
+                json!({"behavior": "deny", "message": feedback})
+            }
+        };
+        tracing::debug!(tool = %tool_name, approved, "answered claude's permission request");
+        self.queue.push_back(BackendEvent::PermissionRequest {
+            tool_name,
+            input,
+            approved,
+        });
+        let reply = json!({
+            "type": "control_response",
+            "response": {"subtype": "success", "request_id": request_id, "response": answer},
+        });
+        if self.write_line(&reply).await.is_err() {
+            self.crash().await;
+        }
+    }
+
+    fn result(&mut self, value: &Value) {
+        let number = |key: &str| value["usage"][key].as_u64().unwrap_or(0);
+        let usage = Usage {
+            input_tokens: number("input_tokens"),
+            output_tokens: number("output_tokens"),
+            cache_read_tokens: number("cache_read_input_tokens"),
+            cache_write_tokens: number("cache_creation_input_tokens"),
+        };
+        let result_text = value["result"].as_str().map(str::to_owned);
+        // `subtype` says `success` even for errors: `is_error` is what counts.
+        let is_error = value["is_error"].as_bool() == Some(true);
+        if self.interrupted {
+            self.end_with(TurnEnd::Aborted, None, usage);
+        } else if is_error {
+            let failure = TurnFailure::Cli {
+                message: result_text.unwrap_or_else(|| "no message".to_owned()),
+                reason: value["terminal_reason"].as_str().map(str::to_owned),
+            };
+            self.end_with(TurnEnd::Error, Some(failure), usage);
+        } else {
+            if let Some(text) = result_text {
+                self.last_text = text;
+            }
+            self.end_with(TurnEnd::Idle, None, usage);
+        }
+    }
+
+    async fn interrupt(&mut self) {
+        self.interrupted = true;
+        self.interrupt_deadline = Some(Instant::now() + self.live.config.interrupt_grace);
+        let request = json!({
+            "type": "control_request",
+            "request_id": format!("interrupt-{}", uuid::Uuid::new_v4().simple()),
+            "request": {"subtype": "interrupt"},
+        });
+        if self.write_line(&request).await.is_err() {
+            self.crash().await;
+        }
+    }
+
+    fn over_limit(&mut self, bytes: bool) {
+        let failure = if bytes {
+            TurnFailure::OutputLimit {
+                unit: "bytes",
+                key: "maxTurnRawChars",
+                limit: self.max_bytes,
+                cap: super::MAX_TURN_RAW_CHARS_CAP,
+            }
+        } else {
+            TurnFailure::OutputLimit {
+                unit: "lines",
+                key: "maxTurnLines",
+                limit: self.max_lines,
+                cap: super::MAX_TURN_LINES_CAP,
+            }
+        };
+        tracing::warn!(%failure, "claude turn stopped");
+        // The rest of the turn's output cannot be read safely: kill the group.
+        self.live.process = None;
+        self.end_with(TurnEnd::Error, Some(failure), Usage::default());
+    }
+
+    /// The process died or its output closed: end the turn `crashed` now.
+    async fn crash(&mut self) {
+        if self.ended {
+            return;
+        }
+        let (exit, stderr) = match self.live.process.take() {
+            Some(process) => {
+                let child = process.child;
+                let exit = tokio::time::timeout(CRASH_EXIT_WAIT, child.wait())
+                    .await
+                    .map(|info| info.to_string())
+                    .unwrap_or_else(|_| "still running; killed".to_owned());
+                child.stderr().settled(CRASH_STDERR_WAIT).await;
+                (exit, tail_chars(&child.stderr().text(), CRASH_STDERR_CHARS))
+                // `child` dropped here: the group is killed if anything is left.
+            }
+            None => ("not running".to_owned(), String::new()),
+        };
+        tracing::debug!(%exit, "claude process ended mid-turn");
+        let failure = TurnFailure::Crashed {
+            exit,
+            stderr_tail: stderr,
+        };
+        self.end_with(TurnEnd::Crashed, Some(failure), Usage::default());
+    }
+
+    fn end_with(&mut self, end: TurnEnd, failure: Option<TurnFailure>, usage: Usage) {
+        if self.ended {
+            return;
+        }
+        self.ended = true;
+        let text = self.live.config.backend.transform(&self.last_text, true);
+        self.queue.push_back(BackendEvent::TurnEnd(CliTurnOutcome {
+            text,
+            end: Some(end),
+            failure,
+            usage,
+            session_id: self.live.session_id.clone(),
+            resumed: self.resumed,
+            tool_calls: self.tool_calls,
+            permission_prompts: self.permission_prompts,
+            retained_lines: self.retained_lines,
+            retained_bytes: self.retained_bytes,
+        }));
+    }
+
+    async fn write_line(&mut self, value: &Value) -> std::io::Result<()> {
+        let Some(process) = self.live.process.as_mut() else {
+            return Err(std::io::ErrorKind::BrokenPipe.into());
+        };
+        let mut line = value.to_string();
+        line.push('\n');
+        process.stdin.write_all(line.as_bytes()).await?;
+        process.stdin.flush().await
+    }
+}
+
+async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The end of `text`, at most `max` characters.
+fn tail_chars(text: &str, max: usize) -> String {
+    let count = text.chars().count();
+    text.chars().skip(count.saturating_sub(max)).collect()
+}
+
+/// Claude's `can_use_tool` request in the pool's [`PermissionRequest`] terms: `Bash` is a
+/// `shell` request with its command, file tools are `write` / `read` requests with their
+/// path, web tools `url`, MCP tools `mcp`, anything else `custom-tool`; the tool name is
+/// always set and the whole request kept in `raw`.
+fn permission_request(tool: &str, request: &Value, cwd: &std::path::Path) -> PermissionRequest {
+    let input = &request["input"];
+    let kind = match tool {
+        "Bash" => "shell",
+        "Write" | "Edit" | "MultiEdit" | "NotebookEdit" => "write",
+        "Read" | "Glob" | "Grep" | "LS" => "read",
+        "WebFetch" | "WebSearch" => "url",
+        name if name.starts_with("mcp__") => "mcp",
+        _ => "custom-tool",
+    };
+    let mut paths: Vec<Value> = Vec::new();
+    for key in ["file_path", "notebook_path", "path"] {
+        if let Some(path) = input.get(key).filter(|p| p.is_string()) {
+            paths.push(path.clone());
+        }
+    }
+    if let Some(blocked) = request.get("blocked_path").filter(|p| p.is_string()) {
+        paths.push(blocked.clone());
+    }
+    let wire = json!({
+        "kind": kind,
+        "command": input.get("command"),
+        "paths": paths,
+        "url": input.get("url"),
+        "toolName": tool,
+        "claude": request,
+    });
+    PermissionRequest::from_wire(&wire).with_working_directory(cwd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claudes_tool_requests_read_as_the_pools_permission_requests() {
+        let cwd = std::path::Path::new("/w");
+        let bash = json!({"tool_name": "Bash", "input": {"command": "echo hi > f.txt"},
+                          "blocked_path": "/w/f.txt"});
+        let asked = permission_request("Bash", &bash, cwd);
+        assert_eq!(asked.kind, "shell");
+        assert_eq!(asked.command.as_deref(), Some("echo hi > f.txt"));
+        assert_eq!(asked.paths, ["/w/f.txt"]);
+        assert_eq!(asked.tool_name.as_deref(), Some("Bash"));
+        let write = json!({"tool_name": "Write", "input": {"file_path": "a.txt", "content": "x"}});
+        let asked = permission_request("Write", &write, cwd);
+        assert_eq!(asked.kind, "write");
+        assert_eq!(asked.paths, ["a.txt"]);
+        assert_eq!(asked.working_directory.as_deref(), Some(cwd));
+        assert_eq!(permission_request("mcp__x__y", &json!({}), cwd).kind, "mcp");
+        assert_eq!(
+            permission_request("Skill", &json!({}), cwd).kind,
+            "custom-tool"
+        );
+    }
+
+    #[test]
+    fn the_config_debug_never_shows_the_key() {
+        let mut config = ClaudeLiveConfig::new("/bin/claude", "/h", "/w");
+        config.api_key = Some(Secret::new("sk-ant-FAKE-very-secret"));
+        let text = format!("{config:?}");
+        assert!(!text.contains("very-secret"), "{text}");
+    }
+
+    #[test]
+    fn a_turn_failure_says_how_to_fix_it() {
+        let failure = TurnFailure::OutputLimit {
+            unit: "lines",
+            key: "maxTurnLines",
+            limit: 3,
+            cap: super::super::MAX_TURN_LINES_CAP,
+        };
+        assert!(
+            failure
+                .to_string()
+                .contains("raise `outputLimits.maxTurnLines`")
+        );
+    }
+}

@@ -1,0 +1,833 @@
+//! The configuration surface of one CLI backend (issue 17, item 2): the product page's
+//! `agents.defaults.cliBackends.<id>` keys with their meaning, as a serde struct read from our
+//! TOML (or JSON), its validation, and the bundled default for `claude-cli`.
+//!
+//! Keys keep the page's camelCase spelling (`resumeArgs`, `maxPromptArgChars`, ...), so a
+//! configuration written for the page reads the same here; unknown keys are refused.
+//! [`CliBackendConfig::validate`] says what is wrong and how to fix it; nothing runs with a
+//! configuration that did not pass it.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::BackendKind;
+
+/// Placeholder for the stored CLI session id in `sessionArgs` and `resumeArgs`.
+pub const SESSION_ID_PLACEHOLDER: &str = "{sessionId}";
+/// Placeholder for the prompt in `args` / `resumeArgs` (input `arg`).
+pub const PROMPT_PLACEHOLDER: &str = "{prompt}";
+/// Placeholder for the model in `args` / `resumeArgs`.
+pub const MODEL_PLACEHOLDER: &str = "{model}";
+const PLACEHOLDERS: [&str; 3] = [
+    SESSION_ID_PLACEHOLDER,
+    PROMPT_PLACEHOLDER,
+    MODEL_PLACEHOLDER,
+];
+
+/// Default cap on the output a turn retains: 8 MiB of raw JSONL.
+pub const DEFAULT_MAX_TURN_RAW_CHARS: u64 = 8 * 1024 * 1024;
+/// Default cap on the output a turn retains: 20,000 JSONL lines.
+pub const DEFAULT_MAX_TURN_LINES: u64 = 20_000;
+/// The highest `maxTurnRawChars` accepted: 64 MiB.
+pub const MAX_TURN_RAW_CHARS_CAP: u64 = 64 * 1024 * 1024;
+/// The highest `maxTurnLines` accepted.
+pub const MAX_TURN_LINES_CAP: u64 = 100_000;
+
+/// How the CLI prints its answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputFormat {
+    /// One JSON document: the text and the session id are read from it.
+    #[default]
+    Json,
+    /// JSON lines (a stream of events); the final message and the session id are read from them.
+    Jsonl,
+    /// Plain text: stdout is the answer.
+    Text,
+}
+
+/// How the prompt reaches the CLI.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InputMode {
+    /// As the last argument (or where `{prompt}` stands).
+    #[default]
+    Arg,
+    /// On stdin.
+    Stdin,
+}
+
+/// When a CLI session id is passed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SessionMode {
+    /// Always: a new UUID when none is stored.
+    Always,
+    /// Only when one was stored before (a resume).
+    #[default]
+    Existing,
+    /// Never.
+    None,
+}
+
+/// When the system prompt is passed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SystemPromptWhen {
+    /// On the first turn of a CLI session only (a resume already carries it).
+    #[default]
+    First,
+    /// On every turn.
+    Always,
+    /// Never.
+    Never,
+}
+
+/// How several image paths are passed with `imageArg`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ImageMode {
+    /// `imageArg` before each path: `--image a.png --image b.png`.
+    #[default]
+    Repeat,
+    /// `imageArg` once, then the paths joined with commas: `--image a.png,b.png`.
+    List,
+}
+
+/// Limits on the output a turn retains (stream envelopes such as partial deltas excluded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OutputLimits {
+    /// Bytes of retained raw output per turn (default 8 MiB, at most 64 MiB).
+    #[serde(default = "default_raw_chars")]
+    pub max_turn_raw_chars: u64,
+    /// Lines of retained raw output per turn (default 20,000, at most 100,000).
+    #[serde(default = "default_lines")]
+    pub max_turn_lines: u64,
+}
+
+fn default_raw_chars() -> u64 {
+    DEFAULT_MAX_TURN_RAW_CHARS
+}
+
+fn default_lines() -> u64 {
+    DEFAULT_MAX_TURN_LINES
+}
+
+impl Default for OutputLimits {
+    fn default() -> Self {
+        Self {
+            max_turn_raw_chars: DEFAULT_MAX_TURN_RAW_CHARS,
+            max_turn_lines: DEFAULT_MAX_TURN_LINES,
+        }
+    }
+}
+
+/// One regex rewrite of the text going to the CLI (`input`) or coming back (`output`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TextRewrite {
+    /// The pattern (Rust `regex` syntax); every match is replaced.
+    pub from: String,
+    /// The replacement (`$1`, `${name}` refer to groups).
+    pub to: String,
+}
+
+/// The text transforms of a backend.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TextTransforms {
+    /// Applied to the prompt, in order.
+    #[serde(default)]
+    pub input: Vec<TextRewrite>,
+    /// Applied to the answer, in order.
+    #[serde(default)]
+    pub output: Vec<TextRewrite>,
+}
+
+/// The configuration of one CLI backend (`[cli_backends.<id>]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[non_exhaustive]
+pub struct CliBackendConfig {
+    /// `cli-oneshot` (a process per turn) or `cli-live` (a process per conversation).
+    #[serde(default = "default_kind")]
+    pub kind: BackendKind,
+    /// The executable (a path, or a name looked up on `PATH`).
+    pub command: String,
+    /// Arguments of a fresh run.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Arguments of a resumed run, in place of `args` (`{sessionId}` marks the id).
+    #[serde(default)]
+    pub resume_args: Option<Vec<String>>,
+    /// How the CLI prints its answer.
+    #[serde(default)]
+    pub output: OutputFormat,
+    /// How a resumed run prints its answer, when it differs from `output`.
+    #[serde(default)]
+    pub resume_output: Option<OutputFormat>,
+    /// How the prompt reaches the CLI.
+    #[serde(default)]
+    pub input: InputMode,
+    /// With input `arg`: a longer prompt goes to stdin instead.
+    #[serde(default)]
+    pub max_prompt_arg_chars: Option<usize>,
+    /// The flag that names the model (`--model`).
+    #[serde(default)]
+    pub model_arg: Option<String>,
+    /// The pool's model names mapped to the CLI's own.
+    #[serde(default)]
+    pub model_aliases: BTreeMap<String, String>,
+    /// The flag followed by the session id (`--session-id`).
+    #[serde(default)]
+    pub session_arg: Option<String>,
+    /// Arguments carrying the session id where `{sessionId}` stands, when one flag is not enough.
+    #[serde(default)]
+    pub session_args: Option<Vec<String>>,
+    /// When a session id is passed.
+    #[serde(default)]
+    pub session_mode: SessionMode,
+    /// The output fields the session id is read from, first found wins.
+    #[serde(default = "default_session_id_fields")]
+    pub session_id_fields: Vec<String>,
+    /// The flag followed by the system prompt text.
+    #[serde(default)]
+    pub system_prompt_arg: Option<String>,
+    /// The flag followed by a file holding the system prompt.
+    #[serde(default)]
+    pub system_prompt_file_arg: Option<String>,
+    /// A config-override flag (`-c`) whose value is `<key>=<file>` ...
+    #[serde(default)]
+    pub system_prompt_file_config_arg: Option<String>,
+    /// ... with this key (`model_instructions_file`).
+    #[serde(default)]
+    pub system_prompt_file_config_key: Option<String>,
+    /// When the system prompt is passed.
+    #[serde(default)]
+    pub system_prompt_when: SystemPromptWhen,
+    /// The flag before image paths; without it, paths are appended to the prompt.
+    #[serde(default)]
+    pub image_arg: Option<String>,
+    /// How several image paths are passed.
+    #[serde(default)]
+    pub image_mode: ImageMode,
+    /// Runs of one conversation are kept in order (one at a time).
+    #[serde(default)]
+    pub serialize: bool,
+    /// Extra environment of the child (no credentials: those go in the backend's secret).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Limits on the output a turn retains.
+    #[serde(default)]
+    pub output_limits: OutputLimits,
+    /// Regex rewrites of the prompt and the answer.
+    #[serde(default)]
+    pub text_transforms: TextTransforms,
+}
+
+fn default_kind() -> BackendKind {
+    BackendKind::CliOneshot
+}
+
+fn default_session_id_fields() -> Vec<String> {
+    vec!["session_id".to_owned()]
+}
+
+/// A backend configuration that cannot run; the message says how to fix it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("CLI backend `{backend}`: {problem}")]
+pub struct ConfigError {
+    /// The backend id.
+    pub backend: String,
+    /// What is wrong and what to change.
+    pub problem: String,
+}
+
+impl CliBackendConfig {
+    /// A `cli-oneshot` backend running `command` with the page's defaults (output `json`,
+    /// input `arg`, session mode `existing`).
+    pub fn new(command: impl Into<String>) -> Self {
+        Self {
+            kind: BackendKind::CliOneshot,
+            command: command.into(),
+            args: Vec::new(),
+            resume_args: None,
+            output: OutputFormat::default(),
+            resume_output: None,
+            input: InputMode::default(),
+            max_prompt_arg_chars: None,
+            model_arg: None,
+            model_aliases: BTreeMap::new(),
+            session_arg: None,
+            session_args: None,
+            session_mode: SessionMode::default(),
+            session_id_fields: default_session_id_fields(),
+            system_prompt_arg: None,
+            system_prompt_file_arg: None,
+            system_prompt_file_config_arg: None,
+            system_prompt_file_config_key: None,
+            system_prompt_when: SystemPromptWhen::default(),
+            image_arg: None,
+            image_mode: ImageMode::default(),
+            serialize: false,
+            env: BTreeMap::new(),
+            output_limits: OutputLimits::default(),
+            text_transforms: TextTransforms::default(),
+        }
+    }
+
+    /// The bundled `claude-cli` backend: one live Claude Code process per conversation on
+    /// stdio, stream-json in and out (`--verbose` is required for stream-json output with
+    /// `-p`), partial messages for deltas, tool permissions asked over stdio
+    /// (`--permission-prompt-tool stdio`, answered by the pool's permission policy),
+    /// `--resume {sessionId}` when a stored session is continued, nonessential traffic
+    /// (telemetry, feature flags) off and API retries bounded to one, so a dead endpoint
+    /// fails in about a second instead of retrying for minutes.
+    ///
+    /// `CLAUDE_CONFIG_DIR` and `TMPDIR` are not static: the live backend sets them inside
+    /// the agent's own home when it spawns the process.
+    pub fn claude_cli() -> Self {
+        let args: Vec<String> = [
+            "-p",
+            "--input-format",
+            "stream-json",
+            "--output-format",
+            "stream-json",
+            "--verbose",
+            "--include-partial-messages",
+            "--permission-prompt-tool",
+            "stdio",
+            "--permission-mode",
+            "default",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+        let mut resume_args = args.clone();
+        resume_args.extend(["--resume".to_owned(), SESSION_ID_PLACEHOLDER.to_owned()]);
+        let mut config = Self::new("claude");
+        config.kind = BackendKind::CliLive;
+        config.args = args;
+        config.resume_args = Some(resume_args);
+        config.output = OutputFormat::Jsonl;
+        config.input = InputMode::Stdin;
+        config.model_arg = Some("--model".to_owned());
+        config.session_mode = SessionMode::Existing;
+        config.session_id_fields = vec!["session_id".to_owned()];
+        config.system_prompt_arg = Some("--append-system-prompt".to_owned());
+        config.system_prompt_when = SystemPromptWhen::First;
+        config.serialize = true;
+        config.env = BTreeMap::from([
+            (
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC".to_owned(),
+                "1".to_owned(),
+            ),
+            ("CLAUDE_CODE_MAX_RETRIES".to_owned(), "1".to_owned()),
+        ]);
+        config
+    }
+
+    /// The bundled default of a backend id, if there is one (`claude-cli`).
+    pub fn bundled(id: &str) -> Option<Self> {
+        match id {
+            "claude-cli" => Some(Self::claude_cli()),
+            _ => None,
+        }
+    }
+
+    /// The CLI's model name for the pool's `model` (its alias, else itself).
+    pub fn cli_model<'a>(&'a self, model: &'a str) -> &'a str {
+        self.model_aliases
+            .get(model)
+            .map(String::as_str)
+            .unwrap_or(model)
+    }
+
+    /// The arguments of a run: `args`, or `resumeArgs` with the id when resuming, with
+    /// `{sessionId}` and `{model}` filled in. Placeholders of absent values are dropped with
+    /// the flag just before them (a `--resume {sessionId}` without an id disappears).
+    pub fn argv(&self, session_id: Option<&str>, model: Option<&str>) -> Vec<String> {
+        let resuming = session_id.is_some() && self.resume_args.is_some();
+        let base = match (&self.resume_args, session_id) {
+            (Some(resume), Some(_)) => resume.clone(),
+            _ => self.args.clone(),
+        };
+        let mut out: Vec<String> = Vec::with_capacity(base.len() + 4);
+        for arg in base {
+            let filled = fill(&arg, SESSION_ID_PLACEHOLDER, session_id)
+                .and_then(|a| fill(&a, MODEL_PLACEHOLDER, model.map(|m| self.cli_model(m))));
+            match filled {
+                Some(a) => out.push(a),
+                None => {
+                    // Drop the flag that introduced the missing value.
+                    if out.last().is_some_and(|prev| prev.starts_with('-')) {
+                        out.pop();
+                    }
+                }
+            }
+        }
+        if !resuming && let Some(id) = session_id {
+            match (&self.session_arg, &self.session_args) {
+                (Some(flag), _) => out.extend([flag.clone(), id.to_owned()]),
+                (None, Some(args)) => {
+                    out.extend(args.iter().map(|a| a.replace(SESSION_ID_PLACEHOLDER, id)))
+                }
+                (None, None) => {}
+            }
+        }
+        if let (Some(flag), Some(model)) = (&self.model_arg, model)
+            && !self.args.iter().any(|a| a.contains(MODEL_PLACEHOLDER))
+        {
+            out.extend([flag.clone(), self.cli_model(model).to_owned()]);
+        }
+        out
+    }
+
+    /// Applies the `input` (or `output`) text transforms, in order.
+    pub fn transform(&self, text: &str, output: bool) -> String {
+        let rules = if output {
+            &self.text_transforms.output
+        } else {
+            &self.text_transforms.input
+        };
+        let mut text = text.to_owned();
+        for rule in rules {
+            // Validation compiled every pattern; one that fails here is skipped.
+            if let Ok(re) = regex::Regex::new(&rule.from) {
+                text = re.replace_all(&text, rule.to.as_str()).into_owned();
+            }
+        }
+        text
+    }
+
+    /// Checks that this configuration can run as backend `id`; the error says what to change.
+    pub fn validate(&self, id: &str) -> Result<(), ConfigError> {
+        let fail = |problem: String| {
+            Err(ConfigError {
+                backend: id.to_owned(),
+                problem,
+            })
+        };
+        if id.is_empty()
+            || !id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return fail(
+                "a backend id is made of ASCII letters, digits, `-` and `_` (e.g. `claude-cli`)"
+                    .to_owned(),
+            );
+        }
+        if self.kind == BackendKind::Copilot {
+            return fail(
+                "`kind = \"copilot\"` is the Copilot runtime, configured by the pool's worker \
+                 settings; a CLI backend is `cli-oneshot` or `cli-live`"
+                    .to_owned(),
+            );
+        }
+        if self.command.trim().is_empty() {
+            return fail(
+                "`command` is empty; set it to the CLI's executable (a path, or a name on PATH)"
+                    .to_owned(),
+            );
+        }
+        if self.kind == BackendKind::CliLive
+            && (self.input != InputMode::Stdin || self.output != OutputFormat::Jsonl)
+        {
+            return fail(
+                "a `cli-live` backend talks over stdio: set `input = \"stdin\"` and \
+                 `output = \"jsonl\"`"
+                    .to_owned(),
+            );
+        }
+        let lists = std::iter::once(("args", &self.args))
+            .chain(self.resume_args.iter().map(|a| ("resumeArgs", a)))
+            .chain(self.session_args.iter().map(|a| ("sessionArgs", a)));
+        for (key, list) in lists {
+            for arg in list {
+                if let Some(unknown) = unknown_placeholder(arg) {
+                    return fail(format!(
+                        "`{key}` has the unknown placeholder `{unknown}` in `{arg}`; the \
+                         placeholders are {}",
+                        PLACEHOLDERS.join(", ")
+                    ));
+                }
+                if arg.contains('\0') {
+                    return fail(format!(
+                        "`{key}` has an argument with a NUL byte; remove it"
+                    ));
+                }
+            }
+        }
+        if self.session_arg.is_some() && self.session_args.is_some() {
+            return fail(
+                "both `sessionArg` and `sessionArgs` are set; keep `sessionArg` for one flag, \
+                 or `sessionArgs` with `{sessionId}` when the id goes in several places"
+                    .to_owned(),
+            );
+        }
+        if let Some(args) = &self.session_args
+            && !args.iter().any(|a| a.contains(SESSION_ID_PLACEHOLDER))
+        {
+            return fail(
+                "`sessionArgs` never mentions `{sessionId}`; put it where the id goes".to_owned(),
+            );
+        }
+        if let Some(args) = &self.resume_args
+            && !args.iter().any(|a| a.contains(SESSION_ID_PLACEHOLDER))
+            && self.session_arg.is_none()
+            && self.session_args.is_none()
+        {
+            return fail(
+                "`resumeArgs` never mentions `{sessionId}` and no `sessionArg` is set, so a \
+                 resume could not name the session; add `{sessionId}` to `resumeArgs`"
+                    .to_owned(),
+            );
+        }
+        if self.session_mode != SessionMode::None
+            && self.session_arg.is_none()
+            && self.session_args.is_none()
+            && self.resume_args.is_none()
+        {
+            return fail(
+                "`sessionMode` asks for a session id but there is no way to pass one; set \
+                 `sessionArg`, `sessionArgs` or `resumeArgs`, or `sessionMode = \"none\"`"
+                    .to_owned(),
+            );
+        }
+        if self.session_mode != SessionMode::None && self.session_id_fields.is_empty() {
+            return fail(
+                "`sessionIdFields` is empty, so the session id could never be read from the \
+                 output; list the field(s) that hold it (e.g. [\"session_id\"])"
+                    .to_owned(),
+            );
+        }
+        match self.max_prompt_arg_chars {
+            Some(0) => {
+                return fail(
+                    "`maxPromptArgChars` is 0; leave it out, or give the longest prompt that \
+                     may be passed as an argument"
+                        .to_owned(),
+                );
+            }
+            Some(_) if self.input == InputMode::Stdin => {
+                return fail(
+                    "`maxPromptArgChars` only applies to `input = \"arg\"`; remove it".to_owned(),
+                );
+            }
+            _ => {}
+        }
+        let prompt_routes = [
+            self.system_prompt_arg.is_some(),
+            self.system_prompt_file_arg.is_some(),
+            self.system_prompt_file_config_arg.is_some(),
+        ];
+        if prompt_routes.iter().filter(|set| **set).count() > 1 {
+            return fail(
+                "more than one of `systemPromptArg`, `systemPromptFileArg` and \
+                 `systemPromptFileConfigArg` is set; keep the one the CLI understands"
+                    .to_owned(),
+            );
+        }
+        if self.system_prompt_file_config_arg.is_some()
+            != self.system_prompt_file_config_key.is_some()
+        {
+            return fail(
+                "`systemPromptFileConfigArg` and `systemPromptFileConfigKey` go together (e.g. \
+                 `-c` and `model_instructions_file`); set both or neither"
+                    .to_owned(),
+            );
+        }
+        for (key, value) in &self.env {
+            if key.is_empty() || key.contains('=') || key.contains('\0') || value.contains('\0') {
+                return fail(format!(
+                    "`env` has an invalid variable `{key}`; names are non-empty without `=`, \
+                     and neither side holds a NUL byte"
+                ));
+            }
+            if looks_like_credential(key) {
+                return fail(format!(
+                    "`env.{key}` looks like a credential; configuration files are not the \
+                     place for keys: pass it as the backend's secret (it then reaches only \
+                     the child's environment and never a log)"
+                ));
+            }
+        }
+        let limits = self.output_limits;
+        if limits.max_turn_raw_chars == 0 || limits.max_turn_raw_chars > MAX_TURN_RAW_CHARS_CAP {
+            return fail(format!(
+                "`outputLimits.maxTurnRawChars` is {}; it must be between 1 and {} (64 MiB)",
+                limits.max_turn_raw_chars, MAX_TURN_RAW_CHARS_CAP
+            ));
+        }
+        if limits.max_turn_lines == 0 || limits.max_turn_lines > MAX_TURN_LINES_CAP {
+            return fail(format!(
+                "`outputLimits.maxTurnLines` is {}; it must be between 1 and {}",
+                limits.max_turn_lines, MAX_TURN_LINES_CAP
+            ));
+        }
+        let rewrites = self
+            .text_transforms
+            .input
+            .iter()
+            .map(|r| ("input", r))
+            .chain(self.text_transforms.output.iter().map(|r| ("output", r)));
+        for (side, rewrite) in rewrites {
+            if let Err(error) = regex::Regex::new(&rewrite.from) {
+                return fail(format!(
+                    "`textTransforms.{side}` pattern `{}` is not a valid regex ({error}); fix \
+                     or escape it",
+                    rewrite.from
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `arg` with `placeholder` replaced by `value`; `None` when it holds the placeholder and
+/// there is no value.
+fn fill(arg: &str, placeholder: &str, value: Option<&str>) -> Option<String> {
+    if !arg.contains(placeholder) {
+        return Some(arg.to_owned());
+    }
+    value.map(|v| arg.replace(placeholder, v))
+}
+
+/// The first `{word}` in `arg` that is not one of the known placeholders.
+fn unknown_placeholder(arg: &str) -> Option<String> {
+    let mut rest = arg;
+    while let Some(start) = rest.find('{') {
+        let after = &rest[start..];
+        let end = after.find('}')?;
+        let candidate = &after[..=end];
+        let word = &candidate[1..candidate.len() - 1];
+        if !word.is_empty()
+            && word.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            && !PLACEHOLDERS.contains(&candidate)
+        {
+            return Some(candidate.to_owned());
+        }
+        rest = &after[end + 1..];
+    }
+    None
+}
+
+/// Environment names that hold credentials (`*_API_KEY`, `*_TOKEN`, `*_SECRET`, `*PASSWORD*`).
+fn looks_like_credential(name: &str) -> bool {
+    let upper = name.to_ascii_uppercase();
+    upper.ends_with("API_KEY")
+        || upper.ends_with("_TOKEN")
+        || upper.ends_with("_SECRET")
+        || upper.contains("PASSWORD")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problem(config: &CliBackendConfig) -> String {
+        config
+            .validate("my-cli")
+            .expect_err("the configuration should be refused")
+            .to_string()
+    }
+
+    #[test]
+    fn the_bundled_claude_backend_is_valid_live_stream_json_with_bounded_retries() {
+        let claude = CliBackendConfig::bundled("claude-cli").expect("bundled");
+        claude.validate("claude-cli").expect("valid");
+        assert_eq!(claude.kind, BackendKind::CliLive);
+        for flag in ["--verbose", "stream-json", "--permission-prompt-tool"] {
+            assert!(claude.args.iter().any(|a| a == flag), "{flag}");
+        }
+        assert_eq!(claude.env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"], "1");
+        assert_eq!(claude.env["CLAUDE_CODE_MAX_RETRIES"], "1");
+        assert!(CliBackendConfig::bundled("nope").is_none());
+    }
+
+    #[test]
+    fn claude_argv_resumes_with_the_stored_id_and_maps_model_aliases() {
+        let mut claude = CliBackendConfig::claude_cli();
+        claude
+            .model_aliases
+            .insert("anthropic/opus".to_owned(), "opus".to_owned());
+        let fresh = claude.argv(None, Some("anthropic/opus"));
+        assert!(!fresh.iter().any(|a| a == "--resume"), "{fresh:?}");
+        assert_eq!(fresh[fresh.len() - 2..], ["--model", "opus"]);
+        let resumed = claude.argv(Some("abc-123"), None);
+        assert_eq!(resumed[resumed.len() - 2..], ["--resume", "abc-123"]);
+    }
+
+    #[test]
+    fn session_args_carry_the_id_on_a_fresh_run() {
+        let mut config = CliBackendConfig::new("my-cli");
+        config.session_args = Some(vec!["--session".into(), "s={sessionId}".into()]);
+        config.session_mode = SessionMode::Always;
+        config.validate("my-cli").expect("valid");
+        assert_eq!(config.argv(Some("42"), None), ["--session", "s=42"]);
+        config.session_args = None;
+        config.session_arg = Some("--session-id".into());
+        assert_eq!(config.argv(Some("42"), None), ["--session-id", "42"]);
+    }
+
+    #[test]
+    fn the_page_example_reads_from_toml_keys_in_camel_case() {
+        let text = r#"
+            command = "my-cli"
+            args = ["--json"]
+            output = "json"
+            input = "arg"
+            modelArg = "--model"
+            sessionArg = "--session"
+            sessionMode = "existing"
+            sessionIdFields = ["session_id", "conversation_id"]
+            systemPromptArg = "--system"
+            systemPromptWhen = "first"
+            imageArg = "--image"
+            imageMode = "repeat"
+            serialize = true
+            [modelAliases]
+            "claude-opus-4-6" = "opus"
+            [outputLimits]
+            maxTurnLines = 50000
+        "#;
+        let config: CliBackendConfig = toml_like(text);
+        config.validate("my-cli").expect("valid");
+        assert_eq!(config.cli_model("claude-opus-4-6"), "opus");
+        assert_eq!(config.output_limits.max_turn_lines, 50_000);
+        assert_eq!(
+            config.output_limits.max_turn_raw_chars,
+            DEFAULT_MAX_TURN_RAW_CHARS
+        );
+    }
+
+    /// The daemon's TOML parser (feature `cli`) reads the page's keys as they are spelled.
+    #[cfg(feature = "cli")]
+    fn toml_like(text: &str) -> CliBackendConfig {
+        toml::from_str(text).expect("parses")
+    }
+
+    #[cfg(not(feature = "cli"))]
+    fn toml_like(_text: &str) -> CliBackendConfig {
+        let mut config = CliBackendConfig::new("my-cli");
+        config.session_arg = Some("--session".into());
+        config
+            .model_aliases
+            .insert("claude-opus-4-6".into(), "opus".into());
+        config.output_limits.max_turn_lines = 50_000;
+        config
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_by_name() {
+        let err = serde_json::from_str::<CliBackendConfig>(r#"{"command":"x","resumeArg":["a"]}"#)
+            .expect_err("unknown key");
+        assert!(err.to_string().contains("resumeArg"), "{err}");
+    }
+
+    #[test]
+    fn invalid_configurations_say_what_to_change() {
+        let base = || {
+            let mut c = CliBackendConfig::new("my-cli");
+            c.session_arg = Some("--session".into());
+            c
+        };
+        base().validate("my-cli").expect("the base is valid");
+
+        let mut c = base();
+        c.command = " ".into();
+        assert!(problem(&c).contains("`command` is empty"));
+
+        let mut c = base();
+        c.kind = BackendKind::Copilot;
+        assert!(problem(&c).contains("cli-oneshot"));
+
+        let mut c = base();
+        c.kind = BackendKind::CliLive;
+        assert!(problem(&c).contains("input = \"stdin\""));
+
+        let mut c = base();
+        c.session_args = Some(vec!["--s".into(), "{sessionId}".into()]);
+        assert!(problem(&c).contains("both `sessionArg` and `sessionArgs`"));
+
+        let mut c = base();
+        c.session_arg = None;
+        c.session_args = Some(vec!["--s".into()]);
+        assert!(problem(&c).contains("never mentions `{sessionId}`"));
+
+        let mut c = base();
+        c.session_arg = None;
+        c.resume_args = Some(vec!["resume".into()]);
+        assert!(problem(&c).contains("add `{sessionId}` to `resumeArgs`"));
+
+        let mut c = base();
+        c.session_arg = None;
+        assert!(problem(&c).contains("sessionMode = \"none\""));
+        c.session_mode = SessionMode::None;
+        c.validate("my-cli").expect("no session, no way needed");
+
+        let mut c = base();
+        c.args = vec!["--p".into(), "{promt}".into()];
+        assert!(problem(&c).contains("unknown placeholder `{promt}`"));
+
+        let mut c = base();
+        c.max_prompt_arg_chars = Some(0);
+        assert!(problem(&c).contains("`maxPromptArgChars` is 0"));
+        c.max_prompt_arg_chars = Some(1000);
+        c.input = InputMode::Stdin;
+        assert!(problem(&c).contains("only applies to `input = \"arg\"`"));
+
+        let mut c = base();
+        c.system_prompt_arg = Some("--system".into());
+        c.system_prompt_file_arg = Some("--system-file".into());
+        assert!(problem(&c).contains("more than one of"));
+
+        let mut c = base();
+        c.system_prompt_file_config_arg = Some("-c".into());
+        assert!(problem(&c).contains("set both or neither"));
+
+        let mut c = base();
+        c.env.insert("ANTHROPIC_API_KEY".into(), "sk".into());
+        let text = problem(&c);
+        assert!(text.contains("looks like a credential"), "{text}");
+        assert!(
+            !text.contains("sk\""),
+            "the value is never repeated: {text}"
+        );
+
+        let mut c = base();
+        c.output_limits.max_turn_raw_chars = MAX_TURN_RAW_CHARS_CAP + 1;
+        assert!(problem(&c).contains("64 MiB"));
+        let mut c = base();
+        c.output_limits.max_turn_lines = 0;
+        assert!(problem(&c).contains("between 1 and 100000"));
+
+        let mut c = base();
+        c.text_transforms.output.push(TextRewrite {
+            from: "(unclosed".into(),
+            to: "x".into(),
+        });
+        assert!(problem(&c).contains("not a valid regex"));
+
+        let err = base().validate("bad id!").expect_err("bad id");
+        assert!(err.to_string().contains("ASCII letters"), "{err}");
+    }
+
+    #[test]
+    fn text_transforms_rewrite_in_order() {
+        let mut c = CliBackendConfig::new("my-cli");
+        c.text_transforms.input.push(TextRewrite {
+            from: "red (basket)".into(),
+            to: "blue $1".into(),
+        });
+        c.text_transforms.output.push(TextRewrite {
+            from: "blue".into(),
+            to: "red".into(),
+        });
+        assert_eq!(c.transform("a red basket", false), "a blue basket");
+        assert_eq!(c.transform("a blue basket", true), "a red basket");
+    }
+}

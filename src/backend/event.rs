@@ -1,0 +1,180 @@
+//! What a CLI backend's turn emits, in the pool's vocabulary: the SSE event names of the
+//! daemon's turn stream (`assistant.message_delta`, `assistant.message`, `tool.call`,
+//! `permission.request`, `turn.end`), the turn's outcome ([`CliTurnOutcome`], with
+//! [`TurnEnd`] and [`Usage`] reused from the Copilot path) and how a started turn failed
+//! ([`TurnFailure`]).
+
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::kinds::TurnEnd;
+use crate::turn::Usage;
+
+/// One event of a CLI backend's turn. The last event of every turn is [`BackendEvent::TurnEnd`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum BackendEvent {
+    /// A piece of the assistant's text as it streams.
+    MessageDelta {
+        /// The new text.
+        delta: String,
+    },
+    /// A complete assistant message (the final one is also the outcome's text).
+    Message {
+        /// Its text.
+        text: String,
+    },
+    /// The CLI's model called one of the CLI's own tools (informational: the CLI runs it,
+    /// after asking permission where its rules say so).
+    ToolCall {
+        /// The tool-use id.
+        id: String,
+        /// The tool's name (`Bash`, `Write`, ...).
+        name: String,
+        /// Its input.
+        input: Value,
+    },
+    /// The CLI asked for permission to run a tool, and the permission policy decided.
+    PermissionRequest {
+        /// The tool's name.
+        tool_name: String,
+        /// The tool's input.
+        input: Value,
+        /// Whether the policy approved it.
+        approved: bool,
+    },
+    /// The turn is over.
+    TurnEnd(CliTurnOutcome),
+}
+
+impl BackendEvent {
+    /// The SSE event name, as the daemon's turn stream spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            BackendEvent::MessageDelta { .. } => "assistant.message_delta",
+            BackendEvent::Message { .. } => "assistant.message",
+            BackendEvent::ToolCall { .. } => "tool.call",
+            BackendEvent::PermissionRequest { .. } => "permission.request",
+            BackendEvent::TurnEnd(_) => "turn.end",
+        }
+    }
+
+    /// The event's data as JSON (the shape an SSE `data:` line would carry).
+    pub fn data(&self) -> Value {
+        match self {
+            BackendEvent::MessageDelta { delta } => json!({ "deltaContent": delta }),
+            BackendEvent::Message { text } => json!({ "content": text }),
+            BackendEvent::ToolCall { id, name, input } => {
+                json!({ "toolCallId": id, "toolName": name, "arguments": input })
+            }
+            BackendEvent::PermissionRequest {
+                tool_name,
+                input,
+                approved,
+            } => json!({ "toolName": tool_name, "input": input, "approved": approved }),
+            BackendEvent::TurnEnd(outcome) => serde_json::to_value(outcome).unwrap_or(Value::Null),
+        }
+    }
+}
+
+/// How a started turn failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum TurnFailure {
+    /// The CLI ended the turn with an error (`is_error`), e.g. the model endpoint is
+    /// unreachable after the bounded retries.
+    #[error(
+        "the CLI reported an error: {message}; check the model endpoint and key the backend \
+         was given"
+    )]
+    Cli {
+        /// Its message (the `result` text).
+        message: String,
+        /// Why it stopped (`terminal_reason`), when it said.
+        reason: Option<String>,
+    },
+    /// The CLI process exited or its output ended during the turn.
+    #[error(
+        "the CLI process ended during the turn ({exit}); the next turn restarts it and \
+         resumes the stored session. The end of its stderr: {stderr_tail}"
+    )]
+    Crashed {
+        /// How it ended (`exit code 1`, `signal 9 (SIGKILL)`, or `still running` when only
+        /// its output closed).
+        exit: String,
+        /// The last lines of its stderr.
+        stderr_tail: String,
+    },
+    /// The turn's retained output passed a limit; the process was stopped.
+    #[error(
+        "the turn's output passed the limit of {limit} {unit}; raise \
+         `outputLimits.{key}` (at most {cap}) or ask for a shorter answer"
+    )]
+    OutputLimit {
+        /// `bytes` or `lines`.
+        unit: &'static str,
+        /// The configuration key (`maxTurnRawChars`, `maxTurnLines`).
+        key: &'static str,
+        /// The limit in force.
+        limit: u64,
+        /// The highest value the key accepts.
+        cap: u64,
+    },
+}
+
+/// What one CLI backend turn produced.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct CliTurnOutcome {
+    /// The final assistant text (kept after an output limit when it had already arrived).
+    pub text: String,
+    /// How the turn ended.
+    pub end: Option<TurnEnd>,
+    /// Why it failed, when it did.
+    pub failure: Option<TurnFailure>,
+    /// Tokens of the turn's model calls (the CLI's per-turn `usage`).
+    pub usage: Usage,
+    /// The CLI's session id after the turn (to store and resume with).
+    pub session_id: Option<String>,
+    /// The process serving this turn was started with a resume of the stored session.
+    pub resumed: bool,
+    /// Tool calls of the CLI's model.
+    pub tool_calls: u32,
+    /// Permission requests the policy decided.
+    pub permission_prompts: u32,
+    /// Lines of retained output.
+    pub retained_lines: u64,
+    /// Bytes of retained output.
+    pub retained_bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_names_are_the_daemons_sse_names() {
+        let end = BackendEvent::TurnEnd(CliTurnOutcome {
+            end: Some(TurnEnd::Crashed),
+            ..CliTurnOutcome::default()
+        });
+        assert_eq!(end.name(), "turn.end");
+        assert_eq!(end.data()["end"], "crashed");
+        let delta = BackendEvent::MessageDelta { delta: "hi".into() };
+        assert_eq!(delta.name(), "assistant.message_delta");
+        assert_eq!(delta.data()["deltaContent"], "hi");
+        let ask = BackendEvent::PermissionRequest {
+            tool_name: "Bash".into(),
+            input: json!({}),
+            approved: false,
+        };
+        assert_eq!(ask.name(), "permission.request");
+        let call = BackendEvent::ToolCall {
+            id: "t".into(),
+            name: "Bash".into(),
+            input: json!({}),
+        };
+        assert_eq!(call.name(), "tool.call");
+    }
+}

@@ -1,0 +1,65 @@
+//! Backends: which kind of agent CLI holds a conversation (issue 17). Owns the backend
+//! notion ([`BackendKind`]), the configuration surface of CLI backends
+//! ([`CliBackendConfig`], submodule `config`), the event vocabulary every backend's turn
+//! speaks ([`BackendEvent`], the names of the daemon's SSE events) and the first CLI
+//! backend, Claude Code as one live stdio process per conversation ([`claude_live`]).
+//!
+//! Library only so far: the pool's leasing, keys, caps and metrics do not route to these
+//! backends yet; a caller drives a [`claude_live::ClaudeLive`] directly.
+
+pub mod claude_live;
+mod config;
+mod event;
+
+pub use config::{
+    CliBackendConfig, ConfigError, DEFAULT_MAX_TURN_LINES, DEFAULT_MAX_TURN_RAW_CHARS, ImageMode,
+    InputMode, MAX_TURN_LINES_CAP, MAX_TURN_RAW_CHARS_CAP, MODEL_PLACEHOLDER, OutputFormat,
+    OutputLimits, PROMPT_PLACEHOLDER, SESSION_ID_PLACEHOLDER, SessionMode, SystemPromptWhen,
+    TextRewrite, TextTransforms,
+};
+pub use event::{BackendEvent, CliTurnOutcome, TurnFailure};
+
+use serde::{Deserialize, Serialize};
+
+/// How a backend runs its agent CLI.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BackendKind {
+    /// The Copilot runtime's JSON-RPC server: many conversations per process (the pool's
+    /// workers).
+    Copilot,
+    /// A process per turn; session continuity through resume arguments.
+    CliOneshot,
+    /// One long-lived stdio process per conversation, stream-json in and out.
+    CliLive,
+}
+
+impl BackendKind {
+    /// `copilot`, `cli-oneshot` or `cli-live` (a bounded metrics label later).
+    pub fn label(self) -> &'static str {
+        match self {
+            BackendKind::Copilot => "copilot",
+            BackendKind::CliOneshot => "cli-oneshot",
+            BackendKind::CliLive => "cli-live",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_kinds_read_and_print_as_the_issue_spells_them() {
+        for kind in [
+            BackendKind::Copilot,
+            BackendKind::CliOneshot,
+            BackendKind::CliLive,
+        ] {
+            let json = serde_json::to_string(&kind).unwrap();
+            assert_eq!(json, format!("\"{}\"", kind.label()));
+            assert_eq!(serde_json::from_str::<BackendKind>(&json).unwrap(), kind);
+        }
+        assert!(serde_json::from_str::<BackendKind>("\"cli_live\"").is_err());
+    }
+}

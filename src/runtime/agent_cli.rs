@@ -1,0 +1,138 @@
+//! Other agent CLIs the pool can run as backends (issue 17), installed from npm by the same
+//! installer as the Copilot runtime: pinned, cached, under the install lock, by a deadline.
+//!
+//! Only Claude Code so far ([`AgentCli::ClaudeCode`]). Its npm package ships a native
+//! executable in an optional platform package (`@anthropic-ai/claude-code-<platform>`); npm
+//! runs with `--ignore-scripts`, so the postinstall that would hardlink it to
+//! `bin/claude.exe` never runs and the platform executable is used in place.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::install::{InstallError, NpmPackage, install_package};
+use super::platform::Platform;
+
+/// Version of `@anthropic-ai/claude-code` installed for [`AgentCli::ClaudeCode`].
+pub const CLAUDE_CODE_VERSION: &str = "2.1.332";
+
+/// Overrides the Claude Code executable (used as is, nothing installed).
+pub const CLAUDE_PATH_ENV: &str = "COPILOT_POOL_CLAUDE_PATH";
+
+/// An agent CLI other than Copilot, at its pinned version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AgentCli {
+    /// Claude Code (`@anthropic-ai/claude-code`), the `claude-cli` backend.
+    ClaudeCode,
+}
+
+impl AgentCli {
+    /// The pinned version.
+    pub fn version(self) -> &'static str {
+        match self {
+            AgentCli::ClaudeCode => CLAUDE_CODE_VERSION,
+        }
+    }
+
+    /// The cache subfolder of its installs (`<cache>/<slot>/<version>`).
+    pub fn slot(self) -> &'static str {
+        match self {
+            AgentCli::ClaudeCode => "claude-code",
+        }
+    }
+
+    /// The npm package named on the command line.
+    pub fn package(self) -> &'static str {
+        match self {
+            AgentCli::ClaudeCode => "@anthropic-ai/claude-code",
+        }
+    }
+
+    /// The executable, relative to the install directory.
+    pub fn executable_rel_path(self, platform: Platform) -> PathBuf {
+        match self {
+            AgentCli::ClaudeCode => Path::new("node_modules")
+                .join(format!("@anthropic-ai/claude-code-{platform}"))
+                .join("claude"),
+        }
+    }
+
+    /// `<cache_dir>/<slot>/<version>`.
+    pub fn install_dir(self, cache_dir: &Path) -> PathBuf {
+        cache_dir.join(self.slot()).join(self.version())
+    }
+
+    fn npm_package(self, platform: Platform) -> NpmPackage {
+        NpmPackage {
+            slot: self.slot(),
+            version: self.version(),
+            name: self.package().to_owned(),
+            executable: self.executable_rel_path(platform),
+            companions: Vec::new(),
+            include_optional: true,
+            override_hint: match self {
+                AgentCli::ClaudeCode => {
+                    "set COPILOT_POOL_CLAUDE_PATH to an existing claude executable"
+                }
+            },
+        }
+    }
+}
+
+/// A complete install of an [`AgentCli`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InstalledAgentCli {
+    /// Which CLI.
+    pub cli: AgentCli,
+    /// Its pinned version.
+    pub version: &'static str,
+    /// The executable to spawn (used in place).
+    pub executable: PathBuf,
+    /// `<cache>/<slot>/<version>`.
+    pub dir: PathBuf,
+    /// `true` when this call ran npm.
+    pub fresh: bool,
+}
+
+/// Installs `cli` at its pinned version into `cache_dir` (see
+/// [`cache_dir`](super::cache_dir)) unless it is already complete there, giving up after
+/// `timeout` (waiting for the lock included). Safe to call concurrently from several tasks
+/// and processes: one runs npm, the others wait on `<cache_dir>/<slot>-<version>.lock`.
+pub async fn install_agent_cli(
+    cli: AgentCli,
+    cache_dir: &Path,
+    timeout: Duration,
+) -> Result<InstalledAgentCli, InstallError> {
+    let platform = Platform::current()?;
+    let done = install_package(&cli.npm_package(platform), cache_dir, timeout).await?;
+    Ok(InstalledAgentCli {
+        cli,
+        version: cli.version(),
+        executable: done.executable,
+        dir: done.dir,
+        fresh: done.fresh,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claude_code_is_pinned_and_run_from_its_platform_package() {
+        let cli = AgentCli::ClaudeCode;
+        assert_eq!(cli.version(), "2.1.332");
+        assert_eq!(
+            cli.executable_rel_path(Platform::LinuxX64),
+            Path::new("node_modules/@anthropic-ai/claude-code-linux-x64/claude")
+        );
+        assert_eq!(
+            cli.install_dir(Path::new("/c")),
+            Path::new("/c/claude-code/2.1.332")
+        );
+        let package = cli.npm_package(Platform::LinuxX64);
+        assert!(package.include_optional);
+        assert_eq!(package.name, "@anthropic-ai/claude-code");
+    }
+}

@@ -1,0 +1,49 @@
+//! The real Claude Code CLI for integration tests: `COPILOT_POOL_CLAUDE_PATH` if set,
+//! otherwise the pinned version installed once into the cache directory the library resolves
+//! (with the library's installer: cached, under its lock, by a deadline).
+//!
+//! Memoized per test binary with a `OnceCell`; across test binaries the install lock makes
+//! concurrent first installs safe, and later ones instant.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use copilot_pool::runtime::{self, AgentCli};
+use tokio::sync::OnceCell;
+
+static CLAUDE: OnceCell<PathBuf> = OnceCell::const_new();
+
+/// How long the first install may take (a 400 MB download on a slow link).
+const INSTALL_TIMEOUT: Duration = Duration::from_secs(15 * 60);
+
+/// The Claude Code executable the tests spawn. Panics with the reason when it is neither
+/// configured nor installable.
+pub async fn claude_path() -> PathBuf {
+    CLAUDE.get_or_init(resolve).await.clone()
+}
+
+async fn resolve() -> PathBuf {
+    if let Some(path) = std::env::var_os(runtime::CLAUDE_PATH_ENV).filter(|p| !p.is_empty()) {
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "{} is set to {}, which is not a file",
+            runtime::CLAUDE_PATH_ENV,
+            path.display()
+        );
+        return path;
+    }
+    let cache = runtime::cache_dir(runtime::process_env)
+        .unwrap_or_else(|err| panic!("cannot install Claude Code for tests: {err}"));
+    match runtime::install_agent_cli(AgentCli::ClaudeCode, &cache, INSTALL_TIMEOUT).await {
+        Ok(installed) => installed.executable,
+        Err(err) => panic!(
+            "cannot install Claude Code for tests into {}: {err}\n\
+             (set {} to an existing claude executable to skip the install)",
+            cache.display(),
+            runtime::CLAUDE_PATH_ENV
+        ),
+    }
+}
