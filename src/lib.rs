@@ -96,6 +96,8 @@ pub mod auth;
 pub mod confine;
 mod deadline;
 pub mod faults;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod home;
 #[cfg(feature = "http")]
 pub mod http;
