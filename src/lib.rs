@@ -101,6 +101,8 @@ pub mod confine;
 mod deadline;
 pub mod faults;
 pub mod group_ledger;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod home;
 #[cfg(feature = "http")]
 pub mod http;

@@ -487,3 +487,50 @@ pub(super) async fn lease_request(
     req.handlers.transcript = state.config.transcript.clone();
     Ok(req)
 }
+
+/// The fuzzer's entry (`crate::fuzzing::http_body`): `data` parsed as each request body and
+/// put through every check that needs no pool. Paths are confined to a root that does not
+/// exist, so nothing on the machine is touched.
+pub(crate) fn fuzz_request_bodies(data: &[u8]) {
+    let body = Bytes::copy_from_slice(data);
+    let root = PathBuf::from("/nonexistent/copilot-pool-fuzz/work");
+    if let Ok(mut turn) = parse::<TurnBody>(&body) {
+        let _ = super::turns::check_tools(&turn.tools);
+        let _ = crate::pool::validate_session_key(&turn.session_key);
+        let _ = refuse_sdk_session(&turn.session_key);
+        let _ = crate::home::validate_agent_id(&turn.agent_id);
+        let attachments = std::mem::take(&mut turn.attachments);
+        let limits = super::attachments::AttachmentLimits::default();
+        let _ = super::attachments::check(attachments, &root, &[], &limits);
+        fuzz_conversation(turn.take_conversation(), &root);
+    }
+    if let Ok(compact) = optional_body::<CompactBody>(&body) {
+        let (_, conversation) = compact.into_parts();
+        fuzz_conversation(conversation, &root);
+    }
+    if let Ok(conversation) = optional_body::<ConversationBody>(&body) {
+        fuzz_conversation(conversation, &root);
+    }
+}
+
+fn fuzz_conversation(conv: ConversationBody, root: &Path) {
+    let provider = conv.provider.and_then(|p| provider_config(p).ok());
+    if let Some(session) = conv.session
+        && let Ok(options) = SessionOptions::from_value(session)
+    {
+        let _ = options.check_mcp_servers(false);
+        let _ = confine_directories(options, &[root.to_path_buf()]);
+    }
+    let auth = conv.auth.unwrap_or_default();
+    let auth = LeaseAuth {
+        use_logged_in_user: auth.use_logged_in_user,
+        github_token: auth.github_token,
+        profile_id: auth.profile_id,
+        profile_version: auth.profile_version,
+        resolved_api_key: auth.resolved_token,
+        auth_profile_id: auth.auth_profile_id,
+        env: BTreeMap::new(),
+        forbid_logged_in_user: true,
+    };
+    let _ = crate::auth::resolve_for_lease(&auth, provider.is_some());
+}

@@ -64,6 +64,7 @@ use crate::secret::Secret;
 use crate::turn::{TranscriptSettings, TurnTimeouts};
 
 pub use attachments::AttachmentLimits;
+pub(crate) use body::fuzz_request_bodies;
 pub use listener::{ConnectionLimits, serve};
 pub use openapi::{document as openapi_document, document_json as openapi_json};
 

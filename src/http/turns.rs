@@ -223,7 +223,7 @@ const RESERVED_TOOL: &str = "catalog_search";
 
 /// A turn's tools as the runtime takes them: each with a name, none twice, none the reserved
 /// built-in (the runtime would refuse the session after the lease: a 502 for a bad request).
-fn check_tools(tools: &[ToolBody]) -> Result<(), String> {
+pub(super) fn check_tools(tools: &[ToolBody]) -> Result<(), String> {
     let mut seen = std::collections::HashSet::new();
     for (i, tool) in tools.iter().enumerate() {
         if tool.name.is_empty() {

@@ -15,6 +15,12 @@ pub const DEFAULT_MAX_FRAME_BYTES: usize = 64 * 1024 * 1024;
 /// Longest header block accepted before the empty line (headers are tiny in practice).
 const MAX_HEADER_BYTES: usize = 8 * 1024;
 
+/// How much buffer the decoder reserves ahead of a body still arriving. The announced
+/// `Content-Length` is only a claim: reserving all of it up front would let a peer that
+/// announces 64 MiB and sends nothing hold 64 MiB per connection. The buffer grows with what
+/// actually arrives, at most this much ahead of it.
+pub const MAX_RESERVE_AHEAD_BYTES: usize = 64 * 1024;
+
 /// Why a byte stream could not be cut into frames.
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
@@ -115,7 +121,9 @@ impl Decoder for FrameCodec {
             }
         };
         if src.len() < body_len {
-            src.reserve(body_len - src.len());
+            // Room for what is still to come, at most the read-ahead: the buffer grows with
+            // the bytes that arrive, not with what the header announced.
+            src.reserve((body_len - src.len()).min(MAX_RESERVE_AHEAD_BYTES));
             return Ok(None);
         }
         self.pending_body = None;
@@ -246,6 +254,39 @@ mod tests {
                 "{input:?}: {err}"
             );
         }
+    }
+
+    #[test]
+    fn a_huge_content_length_reserves_no_more_than_the_read_ahead() {
+        let mut codec = FrameCodec::default();
+        let header = format!("Content-Length: {DEFAULT_MAX_FRAME_BYTES}\r\n\r\n{{");
+        let mut buf = BytesMut::from(header.as_bytes());
+        assert!(codec.decode(&mut buf).unwrap().is_none());
+        assert!(
+            buf.capacity() <= header.len() + MAX_RESERVE_AHEAD_BYTES,
+            "reserved {} bytes for a body of which 1 byte arrived",
+            buf.capacity()
+        );
+        // The body still decodes whole once it has arrived, in pieces.
+        let mut codec = FrameCodec::default();
+        let body = vec![b'7'; 3 * MAX_RESERVE_AHEAD_BYTES + 5];
+        let mut buf = BytesMut::from(format!("Content-Length: {}\r\n\r\n", body.len()).as_bytes());
+        let mut frames = Vec::new();
+        let mut arrived = buf.len();
+        for piece in body.chunks(MAX_RESERVE_AHEAD_BYTES / 3) {
+            buf.extend_from_slice(piece);
+            arrived += piece.len();
+            if let Some(frame) = codec.decode(&mut buf).unwrap() {
+                frames.push(frame);
+            }
+            // Keeping the read-ahead free may double the buffer (`BytesMut`'s growth).
+            assert!(
+                buf.capacity() <= 2 * (arrived + MAX_RESERVE_AHEAD_BYTES),
+                "{} bytes of buffer after {arrived} bytes arrived",
+                buf.capacity()
+            );
+        }
+        assert_eq!(frames, vec![Bytes::from(body)]);
     }
 
     #[test]

@@ -225,13 +225,24 @@ impl Daemon {
             ],
             None => Vec::new(),
         };
-        Self::launch(dir, config, extra, env, &prefix).await
+        Self::launch(dir, config, extra, env, &prefix, Stdio::inherit()).await
+    }
+
+    /// Like `start_with`, with the daemon's stderr (its log) written to `log` instead of
+    /// the test's own stderr.
+    pub async fn start_logged(
+        dir: &Path,
+        config: &str,
+        env: &[(&str, &str)],
+        log: std::fs::File,
+    ) -> Daemon {
+        Self::launch(dir, config, &[], env, &[], Stdio::from(log)).await
     }
 
     /// Like `start`, with the daemon started through `prefix` (a program and its
     /// arguments that exec the rest of the command line, such as `setpriv …`).
     pub async fn start_through(dir: &Path, config: &str, prefix: &[String]) -> Daemon {
-        Self::launch(dir, config, &[], &[], prefix).await
+        Self::launch(dir, config, &[], &[], prefix, Stdio::inherit()).await
     }
 
     async fn launch(
@@ -240,6 +251,7 @@ impl Daemon {
         extra: &[&str],
         env: &[(&str, &str)],
         prefix: &[String],
+        stderr: Stdio,
     ) -> Daemon {
         let runtime = super::runtime::runtime_path().await;
         let config_path = dir.join("serve.toml");
@@ -274,7 +286,7 @@ impl Daemon {
             .env_remove("COPILOT_POOL_API_TOKEN")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+            .stderr(stderr);
         let mut child = cmd.spawn().expect("spawn serve");
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(stdout).lines();

@@ -1,0 +1,4 @@
+//! Fuzz target: `copilot_pool::fuzzing::frame_codec` (see that function for what it checks).
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| copilot_pool::fuzzing::frame_codec(data));
