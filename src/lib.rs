@@ -74,6 +74,8 @@
 //! * [`rpc`] — the wire: `Content-Length` framing, the JSON-RPC 2.0 connection, typed
 //!   messages and session events.
 //! * [`process`] — a child in its own process group: stderr tail, reaping, TERM→grace→KILL.
+//!   Runtimes die with the daemon (a parent-death signal), and [`group_ledger`] records their
+//!   groups so a restarted daemon kills the survivors of its previous life first.
 //! * [`runtime`] — the pinned runtime: install with npm, locate at run time.
 //! * [`tunnel`] — serving the runtime's model HTTP requests over the pipe: the
 //!   [`tunnel::ModelTunnel`] trait, its request/response shapes and the `llmInference.*` frames.
@@ -87,10 +89,15 @@
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`faults`] — faults injected on purpose (failing durable writes) for chaos runs.
+//! * [`backend`] — other agent CLIs as backends (Claude Code's live stdio process so far; the
+//!   pool does not route to them yet).
 //! * [`secret`] — a redacting wrapper for tokens and keys.
 //! * [`sandbox`] — the walls around a worker, as a description its wrapper enforces.
 //! * [`session_options`] — the runtime's `session.create` fields a caller may set, checked
 //!   against the runtime's schema, and where their directories may lie.
+//!
+//! Also: `low_latency` (TCP tuning of the accepted connections of both surfaces) and a hidden
+//! `fuzzing` module (entry points for `tests/fuzz`).
 //!
 //! The library installs nothing global: no tracing subscriber, metrics recorder, signal
 //! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.
