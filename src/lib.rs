@@ -107,9 +107,9 @@ pub mod backend;
 pub mod confine;
 mod deadline;
 pub mod faults;
-pub mod group_ledger;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod group_ledger;
 pub mod home;
 #[cfg(feature = "http")]
 pub mod http;
