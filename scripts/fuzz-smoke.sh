@@ -3,7 +3,7 @@
 # connection, session events, transcript reader, HTTP request bodies) with cargo-fuzz and
 # libFuzzer. CI runs every target briefly; a longer run is the same command with more seconds.
 #
-#   bash scripts/fuzz-smoke.sh                          # every target, 20 s each (CI)
+#   bash scripts/fuzz-smoke.sh --seconds 10             # every target, 10 s each (CI; 20 s by default)
 #   bash scripts/fuzz-smoke.sh --release --seconds 600 json_rpc   # one target, 10 minutes
 #   bash scripts/fuzz-smoke.sh --keep-corpus DIR ...    # keep what the fuzzer found in DIR
 #

@@ -72,6 +72,19 @@ async fn a_small_chaos_run_injects_faults_and_holds_every_invariant() {
     assert!(injected >= 20, "{faults}");
     assert!(faults["kill"].as_u64() >= Some(1), "{faults}");
     assert!(report["ends"]["idle"].as_u64() >= Some(10), "{report}");
+    // The checks had something to check: model requests and transcripts were read.
+    let detail = |name: &str| {
+        invariants
+            .iter()
+            .find(|i| i["name"] == name)
+            .and_then(|i| i["detail"].as_str())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let histories = detail("no conversation lost its history");
+    assert!(!histories.contains(" of 0 model requests"), "{histories}");
+    let transcripts = detail("no duplicate or torn transcript line");
+    assert!(!transcripts.contains(" in 0 transcripts"), "{transcripts}");
     // The SDK endpoint's conversations ran through the same storm.
     assert!(report["sdk_ends"]["idle"].as_u64() >= Some(3), "{report}");
 }

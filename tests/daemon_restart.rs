@@ -137,6 +137,16 @@ async fn kill_9_of_the_daemon_mid_turn_takes_its_runtimes_along_and_the_restart_
         history.contains("MARKER-before-the-crash"),
         "the resumed conversation lost its history: {history}"
     );
+    // The conversation that was mid-turn when the daemon died resumes from its binding too.
+    let after_slow = summary(
+        daemon.addr,
+        None,
+        &turn(&url, "agent-s", "conv", "REPLY=after the crash"),
+    )
+    .await;
+    let end = after_slow.json();
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["resumed"], true, "{end}");
     let metrics = call(daemon.addr, "GET", "/metrics", None, None).await;
     assert!(
         metrics

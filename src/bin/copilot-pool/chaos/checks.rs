@@ -163,6 +163,68 @@ mod tests {
         assert_eq!(newest_marker("nothing"), None);
     }
 
+    fn request(texts: &[String]) -> RecordedRequest {
+        use copilot_pool::scripted_model::{Answer, Transport};
+        let messages: Vec<serde_json::Value> = texts
+            .iter()
+            .map(|t| serde_json::json!({"role": "user", "content": t}))
+            .collect();
+        RecordedRequest {
+            transport: Transport::Http,
+            method: "POST".to_owned(),
+            path: "/v1/chat/completions".to_owned(),
+            query: None,
+            session_id: None,
+            headers: Vec::new(),
+            body: serde_json::json!({ "messages": messages }),
+            answer: Answer::NotFound,
+        }
+    }
+
+    fn record(turn: u32, ended: &str) -> TurnRecord {
+        TurnRecord {
+            turn,
+            ended: Ended::Status(ended.to_owned()),
+            open_reason: None,
+            millis: 0,
+        }
+    }
+
+    #[test]
+    fn a_request_missing_an_earlier_idle_turn_is_a_lost_history_and_other_ends_are_not() {
+        let turns = BTreeMap::from([(7, vec![record(0, "idle"), record(1, "crashed")])]);
+        // Turn 2 carries turn 0 (idle); turn 1 crashed, so it need not be there.
+        let kept = request(&[marker(7, 0), marker(7, 2)]);
+        assert_eq!(lost_histories(&[kept], &turns), (1, 0, vec![]));
+        // Turn 2 without turn 0: lost.
+        let lost = request(&[marker(7, 2)]);
+        let (checked, lost_count, examples) = lost_histories(&[lost], &turns);
+        assert_eq!((checked, lost_count), (1, 1));
+        assert!(examples[0].contains("turn 0"), "{examples:?}");
+        // A request of a conversation the run did not record is not checked.
+        assert_eq!(lost_histories(&[request(&[marker(9, 1)])], &turns).0, 0);
+    }
+
+    #[test]
+    fn duplicate_torn_and_unterminated_transcript_lines_are_counted() {
+        let dir = std::env::temp_dir().join(format!("chaos-checks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a scratch dir");
+        let line = r#"{"id":"e1","type":"a"}"#;
+        std::fs::write(dir.join("twice.jsonl"), format!("{line}\n{line}\n")).expect("write");
+        std::fs::write(
+            dir.join("torn.jsonl"),
+            format!("{line}\n{{\"id\":\"e2\",\"ty"),
+        )
+        .expect("write");
+        std::fs::write(dir.join("notes.txt"), "not a transcript").expect("write");
+        let (files, duplicates, torn) = transcript_damage(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(files, 2);
+        assert_eq!(duplicates, 1, "e1 twice in one transcript");
+        // The broken last line is both unterminated and not JSON.
+        assert_eq!(torn, 2);
+    }
+
     #[test]
     fn a_counter_is_read_by_its_exact_series() {
         let text = "# TYPE x counter\nx_total{reason=\"crash\"} 3\nx_total{reason=\"crashy\"} 9\nx_total 4\n";
