@@ -183,6 +183,9 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     let pids = Arc::new(Mutex::new(Vec::<u32>::new()));
     // Every process that died while serving (the kills and stops must all land here).
     let (crashed_tx, mut crashed) = watch::channel(BTreeSet::<u32>::new());
+    // Every process the pool stopped itself (drained after a rotation, idle, recycled): a
+    // process faulted while its stop was under way ends as an eviction, not a crash.
+    let (evicted_tx, evicted) = watch::channel(BTreeSet::<u32>::new());
     let mut events = pool.subscribe();
     let recorder = tokio::spawn({
         let pids = pids.clone();
@@ -196,6 +199,13 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
                         crashed_tx.send_modify(|c| {
                             c.insert(pid);
                         });
+                    }
+                    Ok(PoolEvent::WorkerEvicted { pid, .. }) => {
+                        evicted_tx.send_modify(|e| {
+                            e.insert(pid);
+                        });
+                        // Wakes the wait for every faulted process's end below.
+                        crashed_tx.send_modify(|_| {});
                     }
                     Ok(_) => {}
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
@@ -312,10 +322,29 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     // every faulted process's crash (bounded), so each fault is in the metrics read next.
     let _ = tokio::time::timeout(
         Duration::from_secs(20),
-        crashed.wait_for(|c| faulted.is_subset(c)),
+        crashed.wait_for(|c| {
+            let evicted = evicted.borrow();
+            faulted
+                .iter()
+                .all(|pid| c.contains(pid) || evicted.contains(pid))
+        }),
     )
     .await;
     let after = metrics.render();
+    // How each faulted process ended: seen crashed, stopped by the pool first, or not seen.
+    let (faulted_crashed, faulted_evicted, faulted_unseen) = {
+        let (crashed, evicted) = (crashed.borrow(), evicted.borrow());
+        let crashed_n = faulted.iter().filter(|p| crashed.contains(p)).count() as u64;
+        let evicted_n = faulted
+            .iter()
+            .filter(|p| !crashed.contains(p) && evicted.contains(p))
+            .count() as u64;
+        (
+            crashed_n,
+            evicted_n,
+            faulted.len() as u64 - crashed_n - evicted_n,
+        )
+    };
 
     // Stop everything, then look for what is left.
     let _ = stop_server.send(true);
@@ -433,8 +462,10 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
         ),
         Invariant::zero(
             "every kill, stop and closed pipe seen as a crash exit",
-            kills.saturating_sub(crash_exits),
-            format!("{kills} killed, stopped or cut off, {crash_exits} crash exits counted"),
+            faulted_unseen + faulted_crashed.saturating_sub(crash_exits),
+            format!(
+                "{kills} killed, stopped or cut off: {faulted_crashed} seen crashed ({crash_exits} crash exits counted), {faulted_evicted} stopped by the pool first (a drain or eviction under way), {faulted_unseen} never seen to end"
+            ),
         ),
         writes_counted("every failed binding write counted", Store::Bindings),
         writes_counted("every failed transcript write counted", Store::Transcript),
