@@ -16,7 +16,7 @@
 
 mod support;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -82,44 +82,6 @@ impl Findings {
             self.leaks.push(format!("{name} in {place}"));
         }
     }
-}
-
-/// Pids of every process under `root` (children, grandchildren, ...), from /proc.
-fn descendants(root: u32) -> Vec<u32> {
-    let mut parent_of = HashMap::new();
-    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        let Some((_, rest)) = stat.rsplit_once(')') else {
-            continue;
-        };
-        if let Some(ppid) = rest.split_whitespace().nth(1).and_then(|p| p.parse().ok()) {
-            parent_of.insert(pid, ppid);
-        }
-    }
-    let mut out: Vec<u32> = parent_of
-        .keys()
-        .copied()
-        .filter(|pid| {
-            let mut at = *pid;
-            while let Some(&parent) = parent_of.get(&at) {
-                if parent == root {
-                    return true;
-                }
-                if parent <= 1 {
-                    return false;
-                }
-                at = parent;
-            }
-            false
-        })
-        .collect();
-    out.sort_unstable();
-    out
 }
 
 /// Every regular file under `dir`, with its contents (lossy text).
@@ -354,7 +316,7 @@ async fn no_secret_surfaces_anywhere_but_its_own_childs_environment() {
     findings.search(&needles, "/metrics", &metrics.body, &[]);
 
     // Every process under the daemon, while the workers are alive.
-    let children = descendants(daemon.pid());
+    let children = support::procs::descendants(daemon.pid());
     assert!(
         children.len() >= agents.len(),
         "expected a runtime process per agent under the daemon, found {children:?}"

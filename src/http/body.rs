@@ -454,17 +454,11 @@ pub(super) async fn lease_request(
         None => None,
     };
     let mut req = LeaseRequest::new(agent_id, session_key, work);
-    let auth = conv.auth.unwrap_or_default();
-    req.auth = LeaseAuth {
-        use_logged_in_user: auth.use_logged_in_user,
-        github_token: auth.github_token,
-        profile_id: auth.profile_id,
-        profile_version: auth.profile_version,
-        resolved_api_key: auth.resolved_token,
-        auth_profile_id: auth.auth_profile_id,
-        env: state.config.env_tokens.clone(),
-        forbid_logged_in_user: !state.config.allow_logged_in_user,
-    };
+    req.auth = lease_auth(
+        conv.auth.unwrap_or_default(),
+        state.config.env_tokens.clone(),
+        !state.config.allow_logged_in_user,
+    );
     req.model = conv.model;
     req.provider = conv.provider.map(provider_config).transpose()?;
     if let Some(provider) = &req.provider {
@@ -513,6 +507,25 @@ pub(crate) fn fuzz_request_bodies(data: &[u8]) {
     }
 }
 
+/// A body's `auth` as the lease's credentials, with the daemon's environment tokens and
+/// whether the logged-in user is refused.
+fn lease_auth(
+    auth: AuthBody,
+    env: BTreeMap<String, Secret>,
+    forbid_logged_in_user: bool,
+) -> LeaseAuth {
+    LeaseAuth {
+        use_logged_in_user: auth.use_logged_in_user,
+        github_token: auth.github_token,
+        profile_id: auth.profile_id,
+        profile_version: auth.profile_version,
+        resolved_api_key: auth.resolved_token,
+        auth_profile_id: auth.auth_profile_id,
+        env,
+        forbid_logged_in_user,
+    }
+}
+
 fn fuzz_conversation(conv: ConversationBody, root: &Path) {
     let provider = conv.provider.and_then(|p| provider_config(p).ok());
     if let Some(session) = conv.session
@@ -521,16 +534,6 @@ fn fuzz_conversation(conv: ConversationBody, root: &Path) {
         let _ = options.check_mcp_servers(false);
         let _ = confine_directories(options, &[root.to_path_buf()]);
     }
-    let auth = conv.auth.unwrap_or_default();
-    let auth = LeaseAuth {
-        use_logged_in_user: auth.use_logged_in_user,
-        github_token: auth.github_token,
-        profile_id: auth.profile_id,
-        profile_version: auth.profile_version,
-        resolved_api_key: auth.resolved_token,
-        auth_profile_id: auth.auth_profile_id,
-        env: BTreeMap::new(),
-        forbid_logged_in_user: true,
-    };
+    let auth = lease_auth(conv.auth.unwrap_or_default(), BTreeMap::new(), true);
     let _ = crate::auth::resolve_for_lease(&auth, provider.is_some());
 }

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::install::{InstallError, NpmPackage, install_package};
+use super::install::{InstallError, NpmPackage, OptionalDeps, install_package};
 use super::platform::Platform;
 
 /// Version of `@anthropic-ai/claude-code` installed for [`AgentCli::ClaudeCode`].
@@ -69,7 +69,7 @@ impl AgentCli {
             name: self.package().to_owned(),
             executable: self.executable_rel_path(platform),
             companions: Vec::new(),
-            include_optional: true,
+            optional: OptionalDeps::Include,
             override_hint: match self {
                 AgentCli::ClaudeCode => {
                     "set COPILOT_POOL_CLAUDE_PATH to an existing claude executable"
@@ -132,7 +132,7 @@ mod tests {
             Path::new("/c/claude-code/2.1.332")
         );
         let package = cli.npm_package(Platform::LinuxX64);
-        assert!(package.include_optional);
+        assert_eq!(package.optional, OptionalDeps::Include);
         assert_eq!(package.name, "@anthropic-ai/claude-code");
     }
 }

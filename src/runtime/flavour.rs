@@ -97,9 +97,12 @@ impl Flavour {
             name: self.package(platform),
             executable: self.executable_rel_path(platform),
             companions: self.companion_rel_paths(platform),
-            // The `copilot` executable comes from an optional dependency; a user config with
-            // `omit=optional` would otherwise silently drop it.
-            include_optional: self == Flavour::Cli,
+            // The `copilot` executable comes from an optional dependency.
+            optional: if self == Flavour::Cli {
+                super::install::OptionalDeps::Include
+            } else {
+                super::install::OptionalDeps::AsConfigured
+            },
             override_hint: "set COPILOT_CLI_PATH to an existing copilot executable",
         }
     }

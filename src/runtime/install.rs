@@ -226,11 +226,23 @@ pub(crate) struct NpmPackage {
     pub(crate) executable: PathBuf,
     /// Other files that must exist, relative to the install directory.
     pub(crate) companions: Vec<PathBuf>,
-    /// Whether to pass `--include=optional` (the executable comes from an optional
-    /// platform dependency).
-    pub(crate) include_optional: bool,
+    /// What npm does with optional dependencies.
+    pub(crate) optional: OptionalDeps,
     /// What the user can set instead of installing (named in the timeout error).
     pub(crate) override_hint: &'static str,
+}
+
+/// What `npm install` does with a package's optional dependencies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OptionalDeps {
+    /// As the user's npm config says (npm's default installs them).
+    AsConfigured,
+    /// `--include=optional`: the executable comes from an optional platform dependency, which
+    /// a user config with `omit=optional` would otherwise silently drop.
+    Include,
+    /// `--omit=optional`: they are not needed (the Node SDK's bundled runtime: the pool names
+    /// the runtime by path).
+    Omit,
 }
 
 impl NpmPackage {
@@ -290,6 +302,10 @@ async fn install_package_with(
     let deadline = crate::deadline::from_now(timeout);
     create_dir_all(cache_dir).await?;
     let lock_path = package.lock_path(cache_dir);
+    if let Some(parent) = lock_path.parent() {
+        // A slot may be nested (`tools/node-sdk`): its lock sits in `tools/`.
+        create_dir_all(parent).await?;
+    }
     tracing::debug!(lock = %lock_path.display(), "waiting for the install lock");
     let _lock = lock_exclusive(lock_path, deadline, timeout).await?;
 
@@ -345,7 +361,7 @@ async fn populate(
     let run = NpmRun {
         prefix: tmp,
         spec: &spec,
-        include_optional: package.include_optional,
+        optional: package.optional,
         override_hint: package.override_hint,
         deadline,
         timeout,
@@ -387,8 +403,8 @@ struct NpmRun<'a> {
     prefix: &'a Path,
     /// The `<package>@<version>` to install.
     spec: &'a str,
-    /// Whether to pass `--include=optional`.
-    include_optional: bool,
+    /// What npm does with optional dependencies.
+    optional: OptionalDeps,
     /// What the user can set instead (for the timeout error).
     override_hint: &'static str,
     /// When to kill npm.
@@ -421,10 +437,14 @@ async fn run_npm(npm: &NpmCommand, run: NpmRun<'_>) -> Result<(), InstallError> 
         ])
         .arg("--prefix")
         .arg(run.prefix);
-    if run.include_optional {
-        // The executable comes from an optional platform dependency (`copilot`, `claude`); a
-        // user config with `omit=optional` would otherwise silently drop it.
-        command.arg("--include=optional");
+    match run.optional {
+        OptionalDeps::AsConfigured => {}
+        OptionalDeps::Include => {
+            command.arg("--include=optional");
+        }
+        OptionalDeps::Omit => {
+            command.arg("--omit=optional");
+        }
     }
     command
         .arg(run.spec)

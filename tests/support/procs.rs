@@ -2,29 +2,48 @@
 
 use std::time::Duration;
 
+/// The fields of `/proc/<pid>/stat` after the command name: state, ppid, pgrp, ...
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    Some(rest.split_whitespace().map(str::to_owned).collect())
+}
+
 /// Pids of processes (any state) whose process group is `pgid`.
 pub fn group_members(pgid: u32) -> Vec<(u32, char)> {
-    let mut out = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for entry in dir.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        let Some((_, rest)) = stat.rsplit_once(')') else {
-            continue;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        if fields.len() > 2 && fields[2] == pgid.to_string() {
-            let state = fields[0].chars().next().unwrap_or('?');
-            out.push((pid, state));
-        }
-    }
-    out
+    let pgid = pgid.to_string();
+    all_pids()
+        .into_iter()
+        .filter_map(|pid| {
+            let fields = stat_fields(pid)?;
+            (fields.get(2) == Some(&pgid)).then(|| (pid, fields[0].chars().next().unwrap_or('?')))
+        })
+        .collect()
+}
+
+/// Pids of every process under `root` (children, grandchildren, ...).
+pub fn descendants(root: u32) -> Vec<u32> {
+    let parent_of: std::collections::HashMap<u32, u32> = all_pids()
+        .into_iter()
+        .filter_map(|pid| Some((pid, stat_fields(pid)?.get(1)?.parse().ok()?)))
+        .collect();
+    parent_of
+        .keys()
+        .copied()
+        .filter(|pid| {
+            let mut at = *pid;
+            while let Some(&parent) = parent_of.get(&at) {
+                if parent == root {
+                    return true;
+                }
+                if parent <= 1 {
+                    return false;
+                }
+                at = parent;
+            }
+            false
+        })
+        .collect()
 }
 
 /// Waits (polling /proc: there is no exit event for processes we did not spawn directly)
@@ -99,13 +118,7 @@ fn all_pids() -> Vec<u32> {
 }
 
 fn is_zombie(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, r)| r.trim_start().starts_with('Z'))
-        })
-        .unwrap_or(true)
+    stat_fields(pid).is_none_or(|fields| fields.first().is_none_or(|state| state == "Z"))
 }
 
 /// Live (non-zombie) processes whose environment has `key=<value starting with prefix>`.

@@ -48,6 +48,16 @@ pub struct ClientFaults {
     pub drop_next: AtomicBool,
 }
 
+impl ClientFaults {
+    /// The faults the next turn makes, taken (each armed fault lands once): (abort, drop).
+    /// An abort wins over a drop armed at the same time, which stays armed.
+    pub fn take_next(&self) -> (bool, bool) {
+        let abort = self.abort_next.swap(false, Ordering::SeqCst);
+        let drop = !abort && self.drop_next.swap(false, Ordering::SeqCst);
+        (abort, drop)
+    }
+}
+
 /// How a conversation reaches the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Via {
@@ -93,8 +103,7 @@ pub async fn run_turn(
     slow: bool,
     limit: Duration,
 ) -> TurnRecord {
-    let abort = conversation.faults.abort_next.swap(false, Ordering::SeqCst);
-    let drop = !abort && conversation.faults.drop_next.swap(false, Ordering::SeqCst);
+    let (abort, drop) = conversation.faults.take_next();
     let scenario = scenario(slow || abort || drop);
     let version = conversation.key_version.load(Ordering::SeqCst);
     let body = json!({

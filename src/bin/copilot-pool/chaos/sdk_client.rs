@@ -62,8 +62,7 @@ impl SdkClient {
         slow: bool,
         limit: Duration,
     ) -> TurnRecord {
-        let abort = conversation.faults.abort_next.swap(false, Ordering::SeqCst);
-        let drop = !abort && conversation.faults.drop_next.swap(false, Ordering::SeqCst);
+        let (abort, drop) = conversation.faults.take_next();
         let prompt = format!(
             "{}\n{}",
             marker(conversation.index, turn),
