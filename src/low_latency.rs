@@ -78,3 +78,21 @@ impl AsyncWrite for QuickAck {
         Pin::new(&mut self.0).poll_shutdown(cx)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_accepted_stream_is_tuned_with_nodelay() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let _client = TcpStream::connect(addr).await.expect("connect");
+        let (accepted, _) = listener.accept().await.expect("accept");
+        assert!(!accepted.nodelay().expect("read the option"), "off by default");
+        let tuned = QuickAck::new(accepted, "a test connection");
+        assert!(tuned.0.nodelay().expect("read the option"));
+    }
+}
