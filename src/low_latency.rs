@@ -91,7 +91,10 @@ mod tests {
         let addr = listener.local_addr().expect("addr");
         let _client = TcpStream::connect(addr).await.expect("connect");
         let (accepted, _) = listener.accept().await.expect("accept");
-        assert!(!accepted.nodelay().expect("read the option"), "off by default");
+        assert!(
+            !accepted.nodelay().expect("read the option"),
+            "off by default"
+        );
         let tuned = QuickAck::new(accepted, "a test connection");
         assert!(tuned.0.nodelay().expect("read the option"));
     }
