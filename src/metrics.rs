@@ -42,6 +42,7 @@
 //! | [`STORAGE_WRITE_FAILURES_TOTAL`] | counter | `store`: [`Store::as_str`] (`bindings`, `transcript`, `process_groups`) |
 //! | [`OWNERSHIP_VIOLATIONS_TOTAL`] | counter | — |
 //! | [`DAEMON_TASKS`] | gauge | — (set by the daemon at each scrape) |
+//! | [`DAEMON_HEAP_BYTES`] | gauge | — (set by the daemon at each scrape) |
 //! | [`SANDBOX_ENFORCED`] | gauge | `rule`: [`SandboxRule::as_str`] (`filesystem`, `tcp_connect`, `signals`, `abstract_unix_sockets`, `capabilities`) |
 //!
 //! The gauges are absolute values set by the pool actor: with more than one pool in a
@@ -123,6 +124,9 @@ pub const OWNERSHIP_VIOLATIONS_TOTAL: &str = "copilot_pool_ownership_violations_
 /// Tasks alive on the daemon's async runtime, set by the daemon at each scrape (the library
 /// never sets it: it owns no runtime).
 pub const DAEMON_TASKS: &str = "copilot_pool_daemon_tasks";
+/// The daemon's live heap (bytes allocated and not freed, as its allocator counts them), set
+/// by the daemon at each scrape (the library never sets it: it sets no allocator).
+pub const DAEMON_HEAP_BYTES: &str = "copilot_pool_daemon_heap_bytes";
 /// Durable writes (a binding, a transcript line) that failed, by `store`.
 pub const STORAGE_WRITE_FAILURES_TOTAL: &str = "copilot_pool_storage_write_failures_total";
 
@@ -157,6 +161,7 @@ pub const GAUGES: &[&str] = &[
     SDK_CONNECTIONS,
     SANDBOX_ENFORCED,
     DAEMON_TASKS,
+    DAEMON_HEAP_BYTES,
 ];
 
 /// Every histogram (all in seconds): give each [`SECONDS_BUCKETS`] in the exporter.
@@ -333,6 +338,11 @@ pub fn describe() {
         DAEMON_TASKS,
         Unit::Count,
         "Tasks alive on the daemon's async runtime (set at each scrape)."
+    );
+    describe_gauge!(
+        DAEMON_HEAP_BYTES,
+        Unit::Bytes,
+        "The daemon's live heap: bytes allocated and not freed (set at each scrape)."
     );
     describe_counter!(
         STORAGE_WRITE_FAILURES_TOTAL,

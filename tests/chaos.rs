@@ -1,6 +1,8 @@
 //! End-to-end: `copilot-pool chaos` and `copilot-pool load` at a small size, so they never rot.
 //! The chaos run (HTTP and SDK endpoint conversations) must inject faults of many kinds within
-//! its turns and report every invariant held; the load run must finish its turns and report its samples.
+//! its turns and report every invariant held (memory and descriptors back to their baseline
+//! among them); the load run must finish its turns and leave the idle daemon where warm-up
+//! left it (live heap, resident memory, descriptors, tasks).
 
 mod support;
 
@@ -81,6 +83,8 @@ async fn a_small_chaos_run_injects_faults_and_holds_every_invariant() {
             .unwrap_or_default()
             .to_owned()
     };
+    let memory = detail("memory back to its baseline");
+    assert!(memory.contains("live heap"), "{memory}");
     let histories = detail("no conversation lost its history");
     assert!(!histories.contains(" of 0 model requests"), "{histories}");
     let transcripts = detail("no duplicate or torn transcript line");
@@ -90,7 +94,7 @@ async fn a_small_chaos_run_injects_faults_and_holds_every_invariant() {
 }
 
 #[tokio::test]
-async fn a_small_load_run_finishes_its_turns_and_samples_the_daemon() {
+async fn a_small_load_run_finishes_its_turns_and_leaves_the_idle_daemon_where_warm_up_left_it() {
     let runtime = support::runtime::runtime_path().await;
     let mut cmd = bin();
     cmd.env("COPILOT_CLI_PATH", &runtime).args([
@@ -114,4 +118,20 @@ async fn a_small_load_run_finishes_its_turns_and_samples_the_daemon() {
     assert_eq!(report["failed_turns"], 0, "{report}");
     assert!(report["end"]["rss_bytes"].as_u64() > Some(0), "{report}");
     assert!(report["end"]["tasks"].as_u64() > Some(0), "{report}");
+    // The heap is the daemon's own reading, not a default.
+    assert!(
+        report["after_warm_up"]["heap_bytes"].as_u64() > Some(1 << 20),
+        "{report}"
+    );
+    let checks = report["checks"].as_array().expect("checks");
+    let names: Vec<&str> = checks.iter().filter_map(|c| c["name"].as_str()).collect();
+    for name in [
+        "live heap flat after warm-up",
+        "resident memory flat after warm-up",
+        "descriptors flat after warm-up",
+        "tasks flat after warm-up",
+    ] {
+        assert!(names.contains(&name), "{name} missing from {names:?}");
+    }
+    assert!(checks.iter().all(|c| c["held"] == true), "{report}");
 }

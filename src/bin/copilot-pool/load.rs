@@ -1,8 +1,12 @@
 //! `copilot-pool load`: many concurrent SSE clients and many turns against one real daemon
 //! (`copilot-pool serve` started as a child of this command, on loopback, the scripted model
-//! in this process), sampling the daemon's resident memory, open descriptors and async tasks
-//! as the turns go, to show they stay flat after warm-up, and its lease waits against the
-//! configured bound. Prints the samples and a summary (and one JSON object with `--json`).
+//! in this process), sampling the daemon's resident memory, live heap, open descriptors and
+//! async tasks as the turns go, and its lease waits against the configured bound.
+//!
+//! Warm-up is one turn per client (every conversation and process exists after it); the
+//! daemon is read once idle after warm-up and once idle at the end, and [`checks`] says
+//! whether it stayed flat between the two (exit 1 if not). Prints the samples, the checks
+//! and a summary (and one JSON object with `--json`).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -49,8 +53,92 @@ struct Sample {
     turns_done: u64,
     seconds: f64,
     rss_bytes: u64,
+    /// The daemon's live heap, from its `copilot_pool_daemon_heap_bytes` gauge.
+    heap_bytes: u64,
     fds: u64,
     tasks: u64,
+}
+
+/// One check of the run, held or broken.
+#[derive(Debug, Serialize)]
+struct Check {
+    name: &'static str,
+    held: bool,
+    detail: String,
+}
+
+/// Whether the idle daemon at the end is where it was idle after warm-up (with the noise
+/// each figure has: the allocator's caches, a descriptor or task winding down), whether
+/// every turn succeeded, and whether the lease waits kept their bound.
+fn checks(
+    warm: &Sample,
+    end: &Sample,
+    failed: u64,
+    p99: Option<f64>,
+    bound_seconds: u64,
+) -> Vec<Check> {
+    let mib = |b: u64| b as f64 / 1048576.0;
+    let within =
+        |name, what: &str, warm: u64, end: u64, slack: u64, unit: &dyn Fn(u64) -> String| Check {
+            name,
+            held: end <= warm + slack,
+            detail: format!(
+                "{what} {} after warm-up, {} at the end (at most {} more allowed)",
+                unit(warm),
+                unit(end),
+                unit(slack)
+            ),
+        };
+    let bytes = |b: u64| format!("{:.1} MiB", mib(b));
+    let count = |n: u64| n.to_string();
+    vec![
+        Check {
+            name: "every turn succeeded",
+            held: failed == 0,
+            detail: format!("{failed} failed"),
+        },
+        within(
+            "live heap flat after warm-up",
+            "live heap",
+            warm.heap_bytes,
+            end.heap_bytes,
+            (2 << 20u64).max(warm.heap_bytes / 10),
+            &bytes,
+        ),
+        within(
+            "resident memory flat after warm-up",
+            "RSS",
+            warm.rss_bytes,
+            end.rss_bytes,
+            (8 << 20u64).max(warm.rss_bytes / 5),
+            &bytes,
+        ),
+        within(
+            "descriptors flat after warm-up",
+            "descriptors",
+            warm.fds,
+            end.fds,
+            4,
+            &count,
+        ),
+        within(
+            "tasks flat after warm-up",
+            "tasks",
+            warm.tasks,
+            end.tasks,
+            4,
+            &count,
+        ),
+        Check {
+            name: "lease waits within their bound",
+            held: p99.is_none_or(|p| p <= bound_seconds as f64),
+            detail: format!(
+                "p99 {} (bound {bound_seconds} s)",
+                p99.map(|p| format!("<= {p} s"))
+                    .unwrap_or_else(|| "n/a".into())
+            ),
+        },
+    ]
 }
 
 #[derive(Serialize)]
@@ -68,6 +156,7 @@ struct Report {
     wait_bound_seconds: u64,
     after_warm_up: Sample,
     end: Sample,
+    checks: Vec<Check>,
     samples: Vec<Sample>,
 }
 
@@ -105,8 +194,10 @@ pub async fn load(args: LoadArgs) -> Result<()> {
         args.clients, args.agents, args.turns
     );
 
+    // No kept-alive connections: an idle daemon's descriptors are then its own.
     let http = reqwest::Client::builder()
         .no_proxy()
+        .pool_max_idle_per_host(0)
         .build()
         .context("an HTTP client")?;
     let cpu_at_start = crate::procfs::tree_cpu_seconds(daemon_pid);
@@ -114,29 +205,55 @@ pub async fn load(args: LoadArgs) -> Result<()> {
     let next_turn = Arc::new(AtomicU64::new(0));
     let done = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
+    // Warm-up: one turn per client, then all wait at the barrier until the idle daemon has
+    // been read.
+    let warmed_up = Arc::new(tokio::sync::Barrier::new(args.clients as usize + 1));
+    let (go_tx, go) = tokio::sync::watch::channel(false);
     let clients = (0..args.clients).map(|c| {
         let (http, model_url) = (http.clone(), model_url.clone());
         let (next_turn, done, failed) = (next_turn.clone(), done.clone(), failed.clone());
+        let (warmed_up, mut go) = (warmed_up.clone(), go.clone());
         let agent = format!("agent-{}", c % args.agents);
         let total = args.turns;
         tokio::spawn(async move {
-            while next_turn.fetch_add(1, Ordering::SeqCst) < total {
-                let body = json!({
-                    "agent_id": agent,
-                    "session_key": format!("conversation-{c}"),
-                    "prompt": "REPLY=ok",
-                    "model": ScriptedModel::MODEL_ID,
-                    "provider": {"type": "openai", "base_url": model_url, "api_key": "load-key"},
-                });
+            let body = json!({
+                "agent_id": agent,
+                "session_key": format!("conversation-{c}"),
+                "prompt": "REPLY=ok",
+                "model": ScriptedModel::MODEL_ID,
+                "provider": {"type": "openai", "base_url": model_url, "api_key": "load-key"},
+            });
+            let one = || async {
+                if next_turn.fetch_add(1, Ordering::SeqCst) >= total {
+                    return false;
+                }
                 if turn(&http, addr, &body).await.as_deref() != Ok("idle") {
                     failed.fetch_add(1, Ordering::SeqCst);
                 }
                 done.fetch_add(1, Ordering::SeqCst);
+                true
+            };
+            one().await;
+            warmed_up.wait().await;
+            if go.wait_for(|g| *g).await.is_err() {
+                return;
             }
+            while one().await {}
         })
     });
     let clients: Vec<_> = clients.collect();
-    let mut samples = Vec::new();
+    warmed_up.wait().await;
+    let after_warm_up = idle_sample(&http, daemon_pid, metrics_addr, &done, started).await;
+    eprintln!(
+        "load: warmed up ({} turns); idle daemon: RSS {:.1} MiB, live heap {:.1} MiB, {} descriptors, {} tasks",
+        after_warm_up.turns_done,
+        after_warm_up.rss_bytes as f64 / 1048576.0,
+        after_warm_up.heap_bytes as f64 / 1048576.0,
+        after_warm_up.fds,
+        after_warm_up.tasks
+    );
+    let _ = go_tx.send(true);
+    let mut samples = vec![after_warm_up];
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
@@ -147,15 +264,18 @@ pub async fn load(args: LoadArgs) -> Result<()> {
         }
         if let Some(last) = samples.last() {
             eprintln!(
-                "load: {:>6} turns, daemon RSS {:>6.1} MiB, {:>4} descriptors, {:>5} tasks",
+                "load: {:>6} turns, daemon RSS {:>6.1} MiB, live heap {:>6.1} MiB, {:>4} descriptors, {:>5} tasks",
                 last.turns_done,
                 last.rss_bytes as f64 / 1048576.0,
+                last.heap_bytes as f64 / 1048576.0,
                 last.fds,
                 last.tasks
             );
         }
     }
     let seconds = started.elapsed().as_secs_f64();
+    let end = idle_sample(&http, daemon_pid, metrics_addr, &done, started).await;
+    samples.push(end);
     let (daemon_cpu, runtimes_cpu) = crate::procfs::tree_cpu_seconds(daemon_pid);
     let (daemon_cpu, runtimes_cpu) = (daemon_cpu - cpu_at_start.0, runtimes_cpu - cpu_at_start.1);
     let exposition = get_text(&http, metrics_addr, "/metrics")
@@ -170,19 +290,19 @@ pub async fn load(args: LoadArgs) -> Result<()> {
     let orphans = crate::demo::count_orphans(&scratch.0, &[]).await;
 
     let turns = done.load(Ordering::SeqCst);
-    let warm = samples
-        .iter()
-        .find(|s| s.turns_done >= turns / 5)
-        .copied()
-        .or_else(|| samples.first().copied());
-    let (Some(after_warm_up), Some(end)) = (warm, samples.last().copied()) else {
-        bail!("no sample of the daemon was taken");
-    };
+    let failed_turns = failed.load(Ordering::SeqCst);
+    let checks = checks(
+        &after_warm_up,
+        &end,
+        failed_turns,
+        p99,
+        args.wait_timeout_secs,
+    );
     let report = Report {
         clients: args.clients,
         agents: args.agents,
         turns,
-        failed_turns: failed.load(Ordering::SeqCst),
+        failed_turns,
         seconds,
         turns_per_second: turns as f64 / seconds,
         lease_wait_p99_seconds: p99,
@@ -191,6 +311,7 @@ pub async fn load(args: LoadArgs) -> Result<()> {
         wait_bound_seconds: args.wait_timeout_secs,
         after_warm_up,
         end,
+        checks,
         samples,
     };
     println!(
@@ -211,11 +332,20 @@ pub async fn load(args: LoadArgs) -> Result<()> {
     );
     for (name, s) in [("after warm-up", after_warm_up), ("at the end", end)] {
         println!(
-            "daemon {name:<14} ({:>6} turns): RSS {:>6.1} MiB, {:>4} descriptors, {:>5} tasks",
+            "idle daemon {name:<14} ({:>6} turns): RSS {:>6.1} MiB, live heap {:>6.1} MiB, {:>4} descriptors, {:>5} tasks",
             s.turns_done,
             s.rss_bytes as f64 / 1048576.0,
+            s.heap_bytes as f64 / 1048576.0,
             s.fds,
             s.tasks
+        );
+    }
+    for check in &report.checks {
+        println!(
+            "{:<7} {}: {}",
+            if check.held { "held" } else { "BROKEN" },
+            check.name,
+            check.detail
         );
     }
     if args.json {
@@ -226,6 +356,15 @@ pub async fn load(args: LoadArgs) -> Result<()> {
     }
     if orphans > 0 {
         bail!("{orphans} runtime processes outlived the daemon");
+    }
+    let broken: Vec<&str> = report
+        .checks
+        .iter()
+        .filter(|c| !c.held)
+        .map(|c| c.name)
+        .collect();
+    if !broken.is_empty() {
+        bail!("{} check(s) broken: {}", broken.len(), broken.join(", "));
     }
     Ok(())
 }
@@ -330,13 +469,52 @@ async fn sample(
         .await
         .unwrap_or_default();
     let tasks = gauge(&exposition, copilot_pool::metrics::DAEMON_TASKS).unwrap_or(0.0) as u64;
+    let heap_bytes =
+        gauge(&exposition, copilot_pool::metrics::DAEMON_HEAP_BYTES).unwrap_or(0.0) as u64;
     Sample {
         turns_done: done.load(Ordering::SeqCst),
         seconds: started.elapsed().as_secs_f64(),
         rss_bytes,
+        heap_bytes,
         fds,
         tasks,
     }
+}
+
+/// A sample of the daemon once it is idle: no lease held or waiting, and its descriptor count
+/// settled (the last streams' connections closed); bounded, then read as it is.
+async fn idle_sample(
+    http: &reqwest::Client,
+    pid: u32,
+    addr: SocketAddr,
+    done: &AtomicU64,
+    started: Instant,
+) -> Sample {
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    let settle = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        let mut last = None;
+        loop {
+            tick.tick().await;
+            let status: Option<Value> = get_text(http, addr, "/v1/pool")
+                .await
+                .and_then(|t| serde_json::from_str(&t).ok());
+            let idle = status.is_some_and(|s| {
+                s["leased"].as_u64() == Some(0) && s["waiters"].as_u64() == Some(0)
+            });
+            let now = fds();
+            if idle && last == Some(now) {
+                return;
+            }
+            last = idle.then_some(now);
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(30), settle).await;
+    sample(http, pid, addr, done, started).await
 }
 
 async fn get_text(http: &reqwest::Client, addr: SocketAddr, path: &str) -> Option<String> {
@@ -388,6 +566,49 @@ mod tests {
         assert_eq!(histogram_quantile(text, "x", 0.99), Some(0.5));
         assert_eq!(histogram_quantile(text, "x", 1.0), Some(1.0));
         assert_eq!(histogram_quantile("", "x", 0.99), None);
+    }
+
+    fn idle(heap_mib: u64, rss_mib: u64, fds: u64, tasks: u64) -> Sample {
+        Sample {
+            turns_done: 0,
+            seconds: 0.0,
+            rss_bytes: rss_mib << 20,
+            heap_bytes: heap_mib << 20,
+            fds,
+            tasks,
+        }
+    }
+
+    fn broken(checks: &[Check]) -> Vec<&'static str> {
+        checks.iter().filter(|c| !c.held).map(|c| c.name).collect()
+    }
+
+    #[test]
+    fn a_daemon_idle_where_it_was_after_warm_up_holds_every_check() {
+        let warm = idle(10, 40, 60, 30);
+        let end = idle(11, 47, 63, 33);
+        assert!(broken(&checks(&warm, &end, 0, Some(0.5), 120)).is_empty());
+    }
+
+    #[test]
+    fn growth_past_the_noise_breaks_the_check_of_what_grew() {
+        let warm = idle(10, 40, 60, 30);
+        assert_eq!(
+            broken(&checks(&warm, &idle(13, 40, 60, 30), 0, None, 120)),
+            ["live heap flat after warm-up"]
+        );
+        assert_eq!(
+            broken(&checks(&warm, &idle(10, 49, 60, 30), 0, None, 120)),
+            ["resident memory flat after warm-up"]
+        );
+        assert_eq!(
+            broken(&checks(&warm, &idle(10, 40, 65, 35), 0, None, 120)),
+            ["descriptors flat after warm-up", "tasks flat after warm-up"]
+        );
+        assert_eq!(
+            broken(&checks(&warm, &warm.clone(), 1, Some(121.0), 120)),
+            ["every turn succeeded", "lease waits within their bound"]
+        );
     }
 
     #[test]

@@ -6,6 +6,7 @@ mod chaos;
 mod config;
 mod demo;
 mod doctor;
+mod heap;
 mod install;
 mod load;
 mod model;

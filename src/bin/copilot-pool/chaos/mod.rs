@@ -74,6 +74,17 @@ pub struct ChaosArgs {
     cli: Option<PathBuf>,
 }
 
+/// How much more live heap than after warm-up the end may hold (noise: the allocator's
+/// per-thread caches, the metrics' series); a leak per turn outgrows it in a long run.
+const HEAP_SLACK: u64 = 2 << 20;
+/// Warm-up is over once every conversation has ended this many turns: every agent's
+/// processes have started and every cache has filled.
+const WARM_UP_TURNS: u32 = 2;
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / 1048576.0
+}
+
 /// A turn longer than this has hung (the daemon's own absolute limit is below it).
 const TURN_ABSOLUTE: Duration = Duration::from_secs(60);
 const TURN_LIMIT: Duration = Duration::from_secs(90);
@@ -91,6 +102,14 @@ struct Report {
     faults_injected: BTreeMap<&'static str, u64>,
     processes_started: usize,
     rss_bytes: Resources,
+    /// The live heap (the allocator's count of bytes held), the figure the memory invariant
+    /// compares: resident size also counts freed pages the allocator keeps for reuse. Its
+    /// baseline is read after warm-up ([`WARM_UP_TURNS`]).
+    heap_bytes: Resources,
+    /// The live heap before the first turn (the pool, its servers and the model started).
+    heap_before_storm_bytes: u64,
+    /// Whether warm-up ended before the run did (if not, the baseline is the storm's end).
+    warmed_up: bool,
     fds: Resources,
     invariants: Vec<Invariant>,
 }
@@ -216,7 +235,12 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     });
 
     let (rss0, fds0) = checks::own_resources();
-    let peak = Arc::new(Mutex::new((rss0, fds0)));
+    let heap0 = crate::heap::figures().unwrap_or_default().live_bytes;
+    let peak = Arc::new(Mutex::new(Peaks {
+        rss: rss0,
+        heap: heap0,
+        fds: fds0,
+    }));
     let before = metrics.render();
 
     // The conversations and the injector.
@@ -264,6 +288,9 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     // Turns as they end; the model's requests are checked against them as they come (the
     // model's log is taken, not kept: a long run's requests would not fit in memory).
     let records: Arc<Mutex<BTreeMap<usize, Vec<TurnRecord>>>> = Arc::default();
+    // The live heap once every conversation has warmed up: the memory invariant's baseline.
+    let warm_heap: Arc<Mutex<Option<u64>>> = Arc::default();
+    let warming = Arc::new(std::sync::atomic::AtomicUsize::new(conversations.len()));
     let histories = tokio::spawn(check_histories(
         model.clone(),
         records.clone(),
@@ -273,6 +300,7 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
         let http_client = http_client.clone();
         let model_url = model_url.clone();
         let records = records.clone();
+        let (warm_heap, warming) = (warm_heap.clone(), warming.clone());
         let turns = args.turns;
         let mut sdk = (conversation.via == Via::Sdk).then(|| {
             let token = sdk_tokens
@@ -308,6 +336,10 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
                     .entry(conversation.index)
                     .or_default()
                     .push(record);
+                if turn + 1 == WARM_UP_TURNS && warming.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    *warm_heap.lock().unwrap_or_else(|e| e.into_inner()) =
+                        crate::heap::figures().map(|h| h.live_bytes);
+                }
             }
         })
     });
@@ -315,6 +347,9 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
         run.context("a conversation's task")?;
     }
     let _ = done_tx.send(true);
+    let storm_end_heap = crate::heap::figures().unwrap_or_default().live_bytes;
+    let warm_heap = *warm_heap.lock().unwrap_or_else(|e| e.into_inner());
+    let heap_baseline = warm_heap.unwrap_or(storm_end_heap);
     let faulted = injector.await.context("the injector's task")?;
     let (checked, lost, examples) = histories.await.context("the history checker's task")?;
     let turns = std::mem::take(&mut *records.lock().unwrap_or_else(|e| e.into_inner()));
@@ -358,7 +393,8 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     let zombies = checks::zombies();
     endpoint.shutdown().await;
     let (rss1, fds1) = checks::own_resources();
-    let (rss_peak, fds_peak) = *peak.lock().unwrap_or_else(|e| e.into_inner());
+    let peaks = *peak.lock().unwrap_or_else(|e| e.into_inner());
+    let (rss_peak, fds_peak) = (peaks.rss, peaks.fds);
 
     // The invariants.
     let mut ends: BTreeMap<String, u64> = BTreeMap::new();
@@ -477,6 +513,27 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
             ),
         ),
     ];
+    // The run's own records and metric texts go before the heap is read: what is left is
+    // what the pool, its servers and the model kept.
+    drop(turns);
+    drop((before, after));
+    let heap1 = crate::heap::figures().unwrap_or_default().live_bytes;
+    invariants.push(Invariant::zero(
+        "memory back to its baseline",
+        heap1.saturating_sub(heap_baseline + HEAP_SLACK),
+        format!(
+            "live heap {:.1} MiB after warm-up{}, {:.1} at the peak, {:.1} after (at most {:.0} MiB more allowed)",
+            mib(heap_baseline),
+            if warm_heap.is_some() {
+                ""
+            } else {
+                " (not reached: the storm's end instead)"
+            },
+            mib(peaks.heap),
+            mib(heap1),
+            mib(HEAP_SLACK)
+        ),
+    ));
     invariants.push(Invariant {
         name: "key rotations seen as drained processes",
         held: rotations == 0 || drained > 0,
@@ -498,6 +555,13 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
             peak: rss_peak,
             end: rss1,
         },
+        heap_bytes: Resources {
+            baseline: heap_baseline,
+            peak: peaks.heap,
+            end: heap1,
+        },
+        heap_before_storm_bytes: heap0,
+        warmed_up: warm_heap.is_some(),
         fds: Resources {
             baseline: fds0,
             peak: fds_peak,
@@ -577,10 +641,14 @@ fn print_report(report: &Report, json: bool) -> Result<()> {
         report.processes_started
     );
     eprintln!(
-        "chaos: this process (pool, HTTP API, scripted model, clients): RSS {:.1} MiB before, {:.1} at the peak, {:.1} after; descriptors {} / {} / {}",
-        report.rss_bytes.baseline as f64 / 1048576.0,
-        report.rss_bytes.peak as f64 / 1048576.0,
-        report.rss_bytes.end as f64 / 1048576.0,
+        "chaos: this process (pool, HTTP API, scripted model, clients): RSS {:.1} MiB before, {:.1} at the peak, {:.1} after; live heap {:.1} MiB before the storm, {:.1} after warm-up, {:.1} at the peak, {:.1} after; descriptors {} / {} / {}",
+        mib(report.rss_bytes.baseline),
+        mib(report.rss_bytes.peak),
+        mib(report.rss_bytes.end),
+        mib(report.heap_before_storm_bytes),
+        mib(report.heap_bytes.baseline),
+        mib(report.heap_bytes.peak),
+        mib(report.heap_bytes.end),
         report.fds.baseline,
         report.fds.peak,
         report.fds.end
@@ -642,7 +710,15 @@ struct InjectorParts {
     conversations: Vec<Arc<Conversation>>,
     versions: Vec<Arc<AtomicU32>>,
     injected: Arc<Injected>,
-    peak: Arc<Mutex<(u64, u64)>>,
+    peak: Arc<Mutex<Peaks>>,
+}
+
+/// This process's highest readings during the storm.
+#[derive(Clone, Copy)]
+struct Peaks {
+    rss: u64,
+    heap: u64,
+    fds: u64,
 }
 
 /// Makes one fault every `every` until `done`; also samples this process's peak resources.
@@ -663,8 +739,13 @@ async fn inject(
         }
         {
             let (rss, fds) = checks::own_resources();
+            let heap = crate::heap::figures().unwrap_or_default().live_bytes;
             let mut peak = parts.peak.lock().unwrap_or_else(|e| e.into_inner());
-            *peak = (peak.0.max(rss), peak.1.max(fds));
+            *peak = Peaks {
+                rss: peak.rss.max(rss),
+                heap: peak.heap.max(heap),
+                fds: peak.fds.max(fds),
+            };
         }
         let kind = schedule.next_kind();
         let took = match kind {

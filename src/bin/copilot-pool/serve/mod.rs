@@ -92,6 +92,9 @@ fn render(handle: &PrometheusHandle) -> String {
         ::metrics::gauge!(copilot_pool::metrics::DAEMON_TASKS)
             .set(runtime.metrics().num_alive_tasks() as f64);
     }
+    if let Some(heap) = crate::heap::figures() {
+        ::metrics::gauge!(copilot_pool::metrics::DAEMON_HEAP_BYTES).set(heap.live_bytes as f64);
+    }
     handle.render()
 }
 
