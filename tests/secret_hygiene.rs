@@ -7,10 +7,14 @@
 //! the public types that hold secrets and the panic messages of unwrapped errors that carry
 //! them are searched for every secret (whole, its random core alone, and base64).
 //!
+//! The SDK endpoint is searched the same way: an agent's connection token (the config holds
+//! only its SHA-256) connects, runs a turn whose notifications are searched, and a refused
+//! connect's error is searched too.
+//!
 //! A secret may appear in one place only: an agent's GitHub token in the environment of that
 //! agent's own runtime process (and what it starts), which needs it. BYOK keys reach no child
-//! at all (the guarded model path adds them to the model request itself) and the API token
-//! none either. Positive checks keep the search honest: each token is found in its own
+//! at all (the guarded model path adds them to the model request itself), and neither the
+//! API token nor an SDK connection token reaches any. Positive checks keep the search honest: each token is found in its own
 //! child's environment, each key in the model's `authorization` header, and the log holds
 //! TRACE lines.
 
@@ -37,6 +41,84 @@ struct Agent {
     key: String,
     /// The token comes as the gateway-resolved level (`resolved_token`), not `github_token`.
     resolved: bool,
+}
+
+/// A raw JSON-RPC connection to the SDK endpoint and the notifications it receives.
+async fn sdk_connection(
+    addr: std::net::SocketAddr,
+) -> (
+    copilot_pool::rpc::Connection,
+    tokio::sync::mpsc::UnboundedReceiver<Value>,
+) {
+    use copilot_pool::rpc::{Connection, ConnectionOptions, Incoming};
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to the SDK endpoint");
+    let (read, write) = stream.into_split();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let sink = move |incoming| {
+        if let Incoming::Notification { params, .. } = incoming {
+            let _ = tx.send(params);
+        }
+    };
+    let conn = Connection::start(read, write, ConnectionOptions::default(), Box::new(sink));
+    (conn, rx)
+}
+
+/// Connects with `token`, creates a session with the BYOK `key`, runs one turn to its
+/// `session.idle`; returns every answer and notification as text.
+async fn sdk_turn(addr: std::net::SocketAddr, token: &str, model_url: &str, key: &str) -> String {
+    let (conn, mut events) = sdk_connection(addr).await;
+    let mut seen = Vec::new();
+    let connected = conn
+        .request("connect", json!({"token": token}), None)
+        .await
+        .expect("connect with the agent's token");
+    seen.push(connected.to_string());
+    let created = conn
+        .request(
+            "session.create",
+            json!({
+                "sessionId": "hyg-sdk",
+                "model": ScriptedModel::MODEL_ID,
+                "provider": {"type": "openai", "baseUrl": model_url, "apiKey": key},
+            }),
+            None,
+        )
+        .await
+        .expect("session.create");
+    seen.push(created.to_string());
+    let sent = conn
+        .request(
+            "session.send",
+            json!({"sessionId": "hyg-sdk", "prompt": "REPLY=through the endpoint"}),
+            None,
+        )
+        .await
+        .expect("session.send");
+    seen.push(sent.to_string());
+    let idle = async {
+        while let Some(params) = events.recv().await {
+            let done = params["event"]["type"] == "session.idle";
+            seen.push(params.to_string());
+            if done {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(60), idle)
+        .await
+        .expect("the SDK turn ends idle");
+    seen.join("\n")
+}
+
+/// The error a connect with a wrong `token` gets, as text.
+async fn sdk_connect_error(addr: std::net::SocketAddr, token: &str) -> String {
+    let (conn, _events) = sdk_connection(addr).await;
+    match conn.request("connect", json!({"token": token}), None).await {
+        Ok(answer) => panic!("a wrong token connected: {answer}"),
+        Err(error) => format!("{error} {error:?}"),
+    }
 }
 
 /// A fake secret `<prefix><random hex>`: the hex core alone is searched too, so a secret
@@ -155,6 +237,8 @@ async fn no_secret_surfaces_anywhere_but_its_own_childs_environment() {
     let mut needles = Needles(Vec::new());
     let (api_token, api_core) = fake_secret("cpt_HYGIENE_api_token_");
     needles.add("the API token", &api_token, &api_core);
+    let (sdk_token, sdk_core) = fake_secret("cps_HYGIENE_sdk_token_");
+    needles.add("the SDK connection token", &sdk_token, &sdk_core);
     let mut agents = Vec::new();
     for (i, id) in ["hyg-a", "hyg-b", "hyg-c"].into_iter().enumerate() {
         let (token, token_core) = fake_secret(&format!("ghu_HYGIENE_{}_token_", i));
@@ -172,7 +256,18 @@ async fn no_secret_surfaces_anywhere_but_its_own_childs_environment() {
 
     // The daemon, its log at TRACE level into a file.
     let transcripts = scratch.path().join("transcripts");
-    let config = format!("[turns]\ntranscript_dir = \"{}\"\n", transcripts.display());
+    let sdk_sha256 = {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(sdk_token.as_bytes());
+        digest
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    let config = format!(
+        "[turns]\ntranscript_dir = \"{}\"\n\n[sdk]\nlisten = \"127.0.0.1:0\"\n[[sdk.tokens]]\nagent = \"hyg-a\"\nsha256 = \"{sdk_sha256}\"\n",
+        transcripts.display()
+    );
     let log_path = scratch.path().join("serve.log");
     let log = std::fs::File::create(&log_path).expect("log file");
     let daemon = Daemon::start_logged(
@@ -206,6 +301,24 @@ async fn no_secret_surfaces_anywhere_but_its_own_childs_environment() {
     assert_eq!(stream.status, 200, "{}", stream.body);
     assert!(stream.body.contains("turn.end"), "{}", stream.body);
     findings.search(&needles, "a streamed turn", &stream.body, &[]);
+
+    // A turn through the SDK endpoint, as an official SDK attached by URL runs it; and a
+    // connect with a wrong token (another agent's GitHub token), refused.
+    let sdk_addr: std::net::SocketAddr = daemon
+        .sdk_addr
+        .as_deref()
+        .and_then(|a| a.parse().ok())
+        .expect("serve printed its SDK endpoint's address");
+    let sdk_seen = sdk_turn(sdk_addr, &sdk_token, &model_url, &agents[0].key).await;
+    assert!(sdk_seen.contains("session.idle"), "{sdk_seen}");
+    findings.search(&needles, "the SDK endpoint's turn", &sdk_seen, &[]);
+    let refused_connect = sdk_connect_error(sdk_addr, &agents[1].token).await;
+    findings.search(
+        &needles,
+        "the SDK endpoint's refused connect",
+        &refused_connect,
+        &[],
+    );
 
     // Refused requests: their error bodies.
     let a = &agents[0];

@@ -199,6 +199,8 @@ pub struct Daemon {
     pub child: tokio::process::Child,
     pub addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
+    /// The SDK endpoint's address, when the config asked for one (`sdk on …`).
+    pub sdk_addr: Option<String>,
 }
 
 impl Daemon {
@@ -292,8 +294,12 @@ impl Daemon {
         let mut lines = BufReader::new(stdout).lines();
         let mut addr = None;
         let mut metrics_addr = None;
+        let mut sdk_addr = None;
         let read = async {
             while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(a) = line.strip_prefix("sdk on ") {
+                    sdk_addr = Some(a.to_owned());
+                }
                 if let Some(a) = line.strip_prefix("metrics on http://") {
                     metrics_addr = a.parse().ok();
                 }
@@ -312,6 +318,7 @@ impl Daemon {
             child,
             addr: addr.expect("listen address"),
             metrics_addr,
+            sdk_addr,
         }
     }
 
