@@ -74,8 +74,11 @@ pub struct Conversation {
     pub agent: String,
     pub key: String,
     pub faults: Arc<ClientFaults>,
-    /// The agent's credential version, bumped by a token rotation.
+    /// The agent's BYOK key version, bumped by a key rotation.
     pub key_version: Arc<AtomicU32>,
+    /// The agent's GitHub token version (HTTP conversations), bumped by a token rotation:
+    /// the token and its profile version change together, as a gateway's refresh does.
+    pub token_version: Arc<AtomicU32>,
 }
 
 /// The marker of turn `turn` of conversation `index`, as it appears in the prompt.
@@ -106,6 +109,7 @@ pub async fn run_turn(
     let (abort, drop) = conversation.faults.take_next();
     let scenario = scenario(slow || abort || drop);
     let version = conversation.key_version.load(Ordering::SeqCst);
+    let token_version = conversation.token_version.load(Ordering::SeqCst);
     let body = json!({
         "agent_id": conversation.agent,
         "session_key": conversation.key,
@@ -115,6 +119,11 @@ pub async fn run_turn(
             "type": "openai",
             "base_url": model_url,
             "api_key": format!("chaos-key-{}-v{version}", conversation.agent),
+        },
+        "auth": {
+            "github_token": format!("ghu_chaos_{}_v{token_version}", conversation.agent),
+            "profile_id": format!("chaos-{}", conversation.agent),
+            "profile_version": format!("v{token_version}"),
         },
     });
     let started = Instant::now();

@@ -26,7 +26,10 @@ pub enum FaultKind {
     BindingWrite,
     /// The next transcript writes fail (ENOSPC or EIO).
     TranscriptWrite,
-    /// An agent's credential changes (a new key version: its old process drains).
+    /// An agent's BYOK key changes (a new key: its old process drains).
+    RotateKey,
+    /// An HTTP agent's GitHub token changes, with a new profile version (its old process
+    /// drains).
     RotateToken,
     /// A client aborts its turn in flight.
     ClientAbort,
@@ -35,12 +38,13 @@ pub enum FaultKind {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 8] = [
+    pub const ALL: [FaultKind; 9] = [
         FaultKind::Kill,
         FaultKind::Stop,
         FaultKind::ClosePipe,
         FaultKind::BindingWrite,
         FaultKind::TranscriptWrite,
+        FaultKind::RotateKey,
         FaultKind::RotateToken,
         FaultKind::ClientAbort,
         FaultKind::ClientDrop,
@@ -53,6 +57,7 @@ impl FaultKind {
             FaultKind::ClosePipe => "close_pipe",
             FaultKind::BindingWrite => "binding_write",
             FaultKind::TranscriptWrite => "transcript_write",
+            FaultKind::RotateKey => "rotate_key",
             FaultKind::RotateToken => "rotate_token",
             FaultKind::ClientAbort => "client_abort",
             FaultKind::ClientDrop => "client_drop",

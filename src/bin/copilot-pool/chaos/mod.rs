@@ -3,7 +3,7 @@
 //! conversations a JSON-RPC client drives as an official SDK attached by URL would) on the
 //! real runtime and the scripted model, while a
 //! seeded fault injector SIGKILLs and SIGSTOPs runtime processes, fails binding and transcript
-//! writes (ENOSPC, EIO), rotates agents' keys, and aborts turns and drops connections from the
+//! writes (ENOSPC, EIO), rotates agents' BYOK keys and GitHub tokens, and aborts turns and drops connections from the
 //! client side. At the end it checks the invariants and prints one line per invariant (held or
 //! broken, with its count) and, with `--json`, one JSON object; it exits 1 if any is broken.
 //!
@@ -256,6 +256,8 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
         .collect();
     let versions: Vec<Arc<AtomicU32>> =
         agents.iter().map(|_| Arc::new(AtomicU32::new(1))).collect();
+    let token_versions: Vec<Arc<AtomicU32>> =
+        agents.iter().map(|_| Arc::new(AtomicU32::new(1))).collect();
     for (a, (agent, via)) in agents.iter().enumerate() {
         for c in 0..args.conversations {
             conversations.push(Arc::new(Conversation {
@@ -265,6 +267,7 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
                 key: format!("conversation-{c}"),
                 faults: Arc::new(ClientFaults::default()),
                 key_version: versions[a].clone(),
+                token_version: token_versions[a].clone(),
             }));
         }
     }
@@ -278,6 +281,7 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
             disk: disk.clone(),
             conversations: conversations.clone(),
             versions: versions.clone(),
+            token_versions: token_versions[..args.agents as usize].to_vec(),
             injected: injected.clone(),
             peak: peak.clone(),
         },
@@ -453,7 +457,7 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
     };
     let aborted_metric = delta(m::TURNS_TOTAL, "outcome=\"aborted\"");
     let drained = delta(m::EVICTIONS_TOTAL, "reason=\"drained\"");
-    let rotations = injected.get(FaultKind::RotateToken);
+    let rotations = injected.get(FaultKind::RotateKey) + injected.get(FaultKind::RotateToken);
     let two_owners = delta(m::OWNERSHIP_VIOLATIONS_TOTAL, "");
     let mut invariants = vec![
         Invariant::zero(
@@ -535,7 +539,7 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
         ),
     ));
     invariants.push(Invariant {
-        name: "key rotations seen as drained processes",
+        name: "key and token rotations seen as drained processes",
         held: rotations == 0 || drained > 0,
         count: drained,
         detail: format!("{rotations} rotations, {drained} processes drained"),
@@ -709,6 +713,9 @@ struct InjectorParts {
     disk: Arc<ChaosDisk>,
     conversations: Vec<Arc<Conversation>>,
     versions: Vec<Arc<AtomicU32>>,
+    /// The HTTP agents' token versions (the SDK endpoint's agents authenticate by their
+    /// connection token, not a GitHub token per request).
+    token_versions: Vec<Arc<AtomicU32>>,
     injected: Arc<Injected>,
     peak: Arc<Mutex<Peaks>>,
 }
@@ -792,9 +799,14 @@ async fn inject(
                 parts.disk.arm(store, writes, schedule.disk_error());
                 true
             }
-            FaultKind::RotateToken => {
+            FaultKind::RotateKey => {
                 let agent = schedule.pick(parts.versions.len());
                 parts.versions[agent].fetch_add(1, Ordering::SeqCst);
+                true
+            }
+            FaultKind::RotateToken => {
+                let agent = schedule.pick(parts.token_versions.len());
+                parts.token_versions[agent].fetch_add(1, Ordering::SeqCst);
                 true
             }
             FaultKind::ClientAbort | FaultKind::ClientDrop => {
