@@ -1376,20 +1376,14 @@ mod tests {
     async fn with_input_arg_stdin_is_closed_and_the_jsonl_answer_session_and_tools_are_read() {
         let dir = tempfile::tempdir().unwrap();
         // `cat` would block forever on an open stdin.
-        let script = format!(
-            r#"cat >/dev/null
-echo '{{"type":"thread.started","thread_id":"t-42"}}'
-echo '{{"type":"item.started","item":{{"id":"c1","type":"command_execution","command":"echo hi"}}}}'
-echo '{{"type":"item.completed","item":{{"id":"c1","type":"command_execution","command":"echo hi"}}}}'
+        let script = r#"cat >/dev/null
+echo '{"type":"thread.started","thread_id":"t-42"}'
+echo '{"type":"item.started","item":{"id":"c1","type":"command_execution","command":"echo hi"}}'
+echo '{"type":"item.completed","item":{"id":"c1","type":"command_execution","command":"echo hi"}}'
 echo 'not json'
-echo '{{MESSAGE_ARGS}}'
-echo '{{"type":"turn.completed","usage":{{"input_tokens":7,"output_tokens":3}}}}'"#
-        );
-        let script = script.replace(
-            "{MESSAGE_ARGS}",
-            r#"{"type":"item.completed","item":{"id":"m","type":"agent_message","text":"args: '"$*"'"}}"#,
-        );
-        let mut config = sh_config(dir.path(), &script);
+echo '{"type":"item.completed","item":{"id":"m","type":"agent_message","text":"args: '"$*"'"}}'
+echo '{"type":"turn.completed","usage":{"input_tokens":7,"output_tokens":3}}'"#;
+        let mut config = sh_config(dir.path(), script);
         config.backend.text_transforms.input.push(TextRewrite {
             from: "secret".into(),
             to: "public".into(),
