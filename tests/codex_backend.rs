@@ -129,6 +129,46 @@ async fn a_turn_returns_the_scripted_text_and_a_resume_carries_the_first_turn() 
         history.contains("REPLY=pong from the script") && history.contains("pong from the script"),
         "the resumed run sent the first turn to the model: {history}"
     );
+    // Codex kept its state (rollouts, SQLite, temp files) in the agent's home, and the key
+    // is in none of it.
+    let home = fx.dir.path().join("a").join("home");
+    let files = files_under(&home);
+    assert!(
+        files
+            .iter()
+            .any(|f| f.starts_with(home.join(".codex").join("sessions"))),
+        "the rollout is under CODEX_HOME: {files:?}"
+    );
+    for file in &files {
+        let bytes = std::fs::read(file).unwrap_or_default();
+        assert!(
+            !bytes.windows(KEY.len()).any(|w| w == KEY.as_bytes()),
+            "the key leaked into {}",
+            file.display()
+        );
+    }
+}
+
+/// Every regular file under `dir`, recursively.
+fn files_under(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let Ok(kind) = entry.file_type() else {
+                continue;
+            };
+            if kind.is_dir() {
+                pending.push(entry.path());
+            } else if kind.is_file() {
+                out.push(entry.path());
+            }
+        }
+    }
+    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
