@@ -448,12 +448,32 @@ impl ChildGroup {
     /// Starts `spec` as the leader of a new process group, with piped stdio and exactly the
     /// given environment. Must be called inside a tokio runtime.
     pub fn spawn(spec: &ChildSpec) -> Result<(Self, ChildIo), SpawnError> {
+        let (group, stdin, stdout) = Self::spawn_inner(spec, true)?;
+        let stdin = stdin.ok_or(SpawnError::MissingPipe(group.pid, "stdin"))?;
+        Ok((group, ChildIo { stdin, stdout }))
+    }
+
+    /// [`ChildGroup::spawn`] with stdin from `/dev/null` (for programs that block on an
+    /// open stdin); only stdout is returned.
+    pub fn spawn_null_stdin(spec: &ChildSpec) -> Result<(Self, ChildStdout), SpawnError> {
+        let (group, _, stdout) = Self::spawn_inner(spec, false)?;
+        Ok((group, stdout))
+    }
+
+    fn spawn_inner(
+        spec: &ChildSpec,
+        piped_stdin: bool,
+    ) -> Result<(Self, Option<ChildStdin>, ChildStdout), SpawnError> {
         let mut cmd = Command::new(&spec.program);
         cmd.args(&spec.args)
             .env_clear()
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
             .current_dir(&spec.cwd)
-            .stdin(Stdio::piped())
+            .stdin(if piped_stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
@@ -467,10 +487,10 @@ impl ChildGroup {
             // Already reaped: cannot happen right after spawn.
             return Err(SpawnError::MissingPipe(0, "pid"));
         };
-        let stdin = child
-            .stdin
-            .take()
-            .ok_or(SpawnError::MissingPipe(pid, "stdin"))?;
+        let stdin = child.stdin.take();
+        if piped_stdin && stdin.is_none() {
+            return Err(SpawnError::MissingPipe(pid, "stdin"));
+        }
         let stdout = child
             .stdout
             .take()
@@ -521,7 +541,7 @@ impl ChildGroup {
             exit_tx.send_replace(Some(info));
         });
 
-        Ok((group, ChildIo { stdin, stdout }))
+        Ok((group, stdin, stdout))
     }
 
     /// The leader's pid, which is also the process group id.
@@ -716,6 +736,19 @@ mod tests {
         assert_eq!(child.wait().await, ExitInfo::Code(3));
         child.stderr().settled(Duration::from_secs(5)).await;
         assert_eq!(child.stderr().text(), "oops\n");
+    }
+
+    #[tokio::test]
+    async fn a_child_spawned_with_a_null_stdin_reads_end_of_file_at_once() {
+        // `cat` on an open pipe would wait forever; on /dev/null it ends with nothing read.
+        let (child, mut stdout) = ChildGroup::spawn_null_stdin(&sh("cat; echo read-all")).unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(10), child.wait())
+            .await
+            .expect("cat saw end of file");
+        assert_eq!(exit, ExitInfo::Code(0));
+        let mut out = String::new();
+        stdout.read_to_string(&mut out).await.unwrap();
+        assert_eq!(out, "read-all\n");
     }
 
     #[tokio::test]

@@ -1,6 +1,6 @@
 //! The configuration surface of one CLI backend (issue 17, item 2): the product page's
 //! `agents.defaults.cliBackends.<id>` keys with their meaning, as a serde struct read from our
-//! TOML (or JSON), its validation, and the bundled default for `claude-cli`.
+//! TOML (or JSON), its validation, and the bundled defaults for `claude-cli` and `codex-cli`.
 //!
 //! Keys keep the page's camelCase spelling (`resumeArgs`, `maxPromptArgChars`, ...), so a
 //! configuration written for the page reads the same here; unknown keys are refused.
@@ -329,10 +329,73 @@ impl CliBackendConfig {
         config
     }
 
-    /// The bundled default of a backend id, if there is one (`claude-cli`).
+    /// The bundled `codex-cli` backend: a Codex process per turn (`cli-oneshot`), JSONL
+    /// events on stdout (`exec --json`), the prompt as the last argument with stdin closed
+    /// (Codex waits forever on an open stdin), commands sandboxed (`workspace-write`).
+    ///
+    /// * A resume puts `resume {sessionId}` after the exec flags (`exec <flags> resume <id>
+    ///   <prompt>`): `--color` and `--sandbox` after `resume` are fatal, and this form keeps
+    ///   the JSONL output of a fresh run, so `resumeOutput` stays unset.
+    /// * Outbound traffic off: analytics, plugins (GitHub and chatgpt.com sync) and the
+    ///   update check.
+    /// * Retries bounded: `features.unbounded_connection_retries=false` (otherwise a dead
+    ///   endpoint is retried forever); the per-provider `request_max_retries` and
+    ///   `stream_max_retries` of 1 are set by the runner with the provider itself.
+    /// * The session id is the `thread_id` of `thread.started`; the system prompt goes in a
+    ///   file named by `-c model_instructions_file=...` on every run.
+    ///
+    /// The model provider (`-c model_provider=...`, base URL, `wire_api = "responses"`, the
+    /// key's variable), `CODEX_HOME` and `TMPDIR` are not static: the one-shot runner adds
+    /// them when it spawns the process ([`super::oneshot`]).
+    pub fn codex_cli() -> Self {
+        let args: Vec<String> = [
+            "exec",
+            "--json",
+            "--color",
+            "never",
+            "--sandbox",
+            "workspace-write",
+            "--skip-git-repo-check",
+            "-c",
+            "analytics.enabled=false",
+            "-c",
+            "features.plugins=false",
+            "-c",
+            "check_for_update_on_startup=false",
+            "-c",
+            "features.unbounded_connection_retries=false",
+            "--model",
+            MODEL_PLACEHOLDER,
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+        let mut resume_args = args.clone();
+        resume_args.extend(["resume".to_owned(), SESSION_ID_PLACEHOLDER.to_owned()]);
+        let mut config = Self::new("codex");
+        config.kind = BackendKind::CliOneshot;
+        config.args = args;
+        config.resume_args = Some(resume_args);
+        config.output = OutputFormat::Jsonl;
+        config.input = InputMode::Arg;
+        config.max_prompt_arg_chars = Some(100_000);
+        config.model_arg = Some("--model".to_owned());
+        config.session_mode = SessionMode::Existing;
+        config.session_id_fields = vec!["thread_id".to_owned()];
+        config.system_prompt_file_config_arg = Some("-c".to_owned());
+        config.system_prompt_file_config_key = Some("model_instructions_file".to_owned());
+        config.system_prompt_when = SystemPromptWhen::Always;
+        config.image_arg = Some("--image".to_owned());
+        config.image_mode = ImageMode::Repeat;
+        config.serialize = true;
+        config
+    }
+
+    /// The bundled default of a backend id, if there is one (`claude-cli`, `codex-cli`).
     pub fn bundled(id: &str) -> Option<Self> {
         match id {
             "claude-cli" => Some(Self::claude_cli()),
+            "codex-cli" => Some(Self::codex_cli()),
             _ => None,
         }
     }
@@ -646,6 +709,41 @@ mod tests {
         assert_eq!(claude.env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"], "1");
         assert_eq!(claude.env["CLAUDE_CODE_MAX_RETRIES"], "1");
         assert!(CliBackendConfig::bundled("nope").is_none());
+    }
+
+    #[test]
+    fn the_bundled_codex_backend_is_valid_jsonl_with_the_resume_after_the_exec_flags() {
+        let codex = CliBackendConfig::bundled("codex-cli").expect("bundled");
+        codex.validate("codex-cli").expect("valid");
+        assert_eq!(codex.kind, BackendKind::CliOneshot);
+        assert_eq!(codex.output, OutputFormat::Jsonl);
+        assert_eq!(codex.resume_output, None, "a resume keeps the JSONL");
+        assert_eq!(codex.input, InputMode::Arg);
+        assert_eq!(codex.session_id_fields, ["thread_id"]);
+        for switch in [
+            "analytics.enabled=false",
+            "features.plugins=false",
+            "check_for_update_on_startup=false",
+            "features.unbounded_connection_retries=false",
+        ] {
+            assert!(codex.args.iter().any(|a| a == switch), "{switch}");
+        }
+        let fresh = codex.argv(None, None);
+        assert_eq!(fresh[..3], ["exec", "--json", "--color"]);
+        assert!(
+            !fresh.iter().any(|a| a == "--model" || a == "resume"),
+            "{fresh:?}"
+        );
+        let resumed = codex.argv(Some("t-1"), Some("gpt-5.5"));
+        assert_eq!(resumed[resumed.len() - 2..], ["resume", "t-1"]);
+        let at = |flag: &str| resumed.iter().position(|a| a == flag).expect(flag);
+        assert!(at("--color") < at("resume") && at("--sandbox") < at("resume"));
+        assert_eq!(resumed[at("--model") + 1], "gpt-5.5");
+        assert_eq!(
+            resumed.iter().filter(|a| *a == "--model").count(),
+            1,
+            "{resumed:?}"
+        );
     }
 
     #[test]

@@ -106,6 +106,17 @@ pub enum TurnFailure {
         /// The last lines of its stderr.
         stderr_tail: String,
     },
+    /// The turn ran past its time limit; the process group was killed.
+    #[error(
+        "the turn ran past its limit of {limit_secs} s and its process was killed; raise the \
+         turn timeout, or check why the CLI stalls (its stderr: {stderr_tail})"
+    )]
+    TimedOut {
+        /// The limit, in seconds.
+        limit_secs: u64,
+        /// The last lines of its stderr.
+        stderr_tail: String,
+    },
     /// The turn's retained output passed a limit; the process was stopped.
     #[error(
         "the turn's output passed the limit of {limit} {unit}; raise \

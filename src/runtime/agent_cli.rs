@@ -1,10 +1,16 @@
 //! Other agent CLIs the pool can run as backends (issue 17), installed from npm by the same
 //! installer as the Copilot runtime: pinned, cached, under the install lock, by a deadline.
 //!
-//! Only Claude Code so far ([`AgentCli::ClaudeCode`]). Its npm package ships a native
-//! executable in an optional platform package (`@anthropic-ai/claude-code-<platform>`); npm
-//! runs with `--ignore-scripts`, so the postinstall that would hardlink it to
-//! `bin/claude.exe` never runs and the platform executable is used in place.
+//! Claude Code ([`AgentCli::ClaudeCode`]) and Codex ([`AgentCli::Codex`]). Both npm packages
+//! ship a native executable in an optional platform package, and both are run from there
+//! directly, not through the package's launcher:
+//! * Claude Code: `@anthropic-ai/claude-code-<platform>/claude`; npm runs with
+//!   `--ignore-scripts`, so the postinstall that would hardlink it to `bin/claude.exe` never
+//!   runs;
+//! * Codex: `@openai/codex-<platform>` (an alias of `@openai/codex@<version>-<platform>`)
+//!   holds `vendor/<rust target>/bin/codex`, a static binary; the package's `bin/codex.js`
+//!   is a Node launcher that only picks and execs it (calling it directly saves a Node
+//!   process, ~0.1 s and ~50 MiB per turn).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -18,12 +24,20 @@ pub const CLAUDE_CODE_VERSION: &str = "2.1.332";
 /// Overrides the Claude Code executable (used as is, nothing installed).
 pub const CLAUDE_PATH_ENV: &str = "COPILOT_POOL_CLAUDE_PATH";
 
+/// Version of `@openai/codex` installed for [`AgentCli::Codex`].
+pub const CODEX_VERSION: &str = "0.171.0";
+
+/// Overrides the Codex executable (used as is, nothing installed).
+pub const CODEX_PATH_ENV: &str = "COPILOT_POOL_CODEX_PATH";
+
 /// An agent CLI other than Copilot, at its pinned version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum AgentCli {
     /// Claude Code (`@anthropic-ai/claude-code`), the `claude-cli` backend.
     ClaudeCode,
+    /// Codex CLI (`@openai/codex`), the `codex-cli` backend.
+    Codex,
 }
 
 impl AgentCli {
@@ -31,6 +45,7 @@ impl AgentCli {
     pub fn version(self) -> &'static str {
         match self {
             AgentCli::ClaudeCode => CLAUDE_CODE_VERSION,
+            AgentCli::Codex => CODEX_VERSION,
         }
     }
 
@@ -38,6 +53,7 @@ impl AgentCli {
     pub fn slot(self) -> &'static str {
         match self {
             AgentCli::ClaudeCode => "claude-code",
+            AgentCli::Codex => "codex",
         }
     }
 
@@ -45,6 +61,7 @@ impl AgentCli {
     pub fn package(self) -> &'static str {
         match self {
             AgentCli::ClaudeCode => "@anthropic-ai/claude-code",
+            AgentCli::Codex => "@openai/codex",
         }
     }
 
@@ -54,6 +71,20 @@ impl AgentCli {
             AgentCli::ClaudeCode => Path::new("node_modules")
                 .join(format!("@anthropic-ai/claude-code-{platform}"))
                 .join("claude"),
+            AgentCli::Codex => Path::new("node_modules")
+                .join(format!("@openai/codex-{}", codex_platform(platform)))
+                .join("vendor")
+                .join(codex_target(platform))
+                .join("bin")
+                .join("codex"),
+        }
+    }
+
+    /// The environment variable naming an executable to use instead of installing.
+    pub fn path_env(self) -> &'static str {
+        match self {
+            AgentCli::ClaudeCode => CLAUDE_PATH_ENV,
+            AgentCli::Codex => CODEX_PATH_ENV,
         }
     }
 
@@ -74,8 +105,30 @@ impl AgentCli {
                 AgentCli::ClaudeCode => {
                     "set COPILOT_POOL_CLAUDE_PATH to an existing claude executable"
                 }
+                AgentCli::Codex => "set COPILOT_POOL_CODEX_PATH to an existing codex executable",
             },
         }
+    }
+}
+
+/// Codex's platform package suffix: npm's `<os>-<cpu>` (musl hosts use the same Linux
+/// package, whose binary is static).
+fn codex_platform(platform: Platform) -> &'static str {
+    match platform {
+        Platform::LinuxX64 | Platform::LinuxMuslX64 => "linux-x64",
+        Platform::LinuxArm64 => "linux-arm64",
+        Platform::DarwinX64 => "darwin-x64",
+        Platform::DarwinArm64 => "darwin-arm64",
+    }
+}
+
+/// The Rust target triple of Codex's vendored binary.
+fn codex_target(platform: Platform) -> &'static str {
+    match platform {
+        Platform::LinuxX64 | Platform::LinuxMuslX64 => "x86_64-unknown-linux-musl",
+        Platform::LinuxArm64 => "aarch64-unknown-linux-musl",
+        Platform::DarwinX64 => "x86_64-apple-darwin",
+        Platform::DarwinArm64 => "aarch64-apple-darwin",
     }
 }
 
@@ -134,5 +187,29 @@ mod tests {
         let package = cli.npm_package(Platform::LinuxX64);
         assert_eq!(package.optional, OptionalDeps::Include);
         assert_eq!(package.name, "@anthropic-ai/claude-code");
+    }
+
+    #[test]
+    fn codex_is_pinned_and_run_as_its_vendored_native_binary() {
+        let cli = AgentCli::Codex;
+        assert_eq!(cli.version(), "0.171.0");
+        assert_eq!(
+            cli.executable_rel_path(Platform::LinuxX64),
+            Path::new(
+                "node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
+            )
+        );
+        assert_eq!(
+            cli.executable_rel_path(Platform::LinuxMuslX64),
+            cli.executable_rel_path(Platform::LinuxX64)
+        );
+        assert_eq!(
+            cli.install_dir(Path::new("/c")),
+            Path::new("/c/codex/0.171.0")
+        );
+        assert_eq!(cli.path_env(), "COPILOT_POOL_CODEX_PATH");
+        let package = cli.npm_package(Platform::LinuxX64);
+        assert_eq!(package.optional, OptionalDeps::Include);
+        assert!(package.override_hint.contains(CODEX_PATH_ENV));
     }
 }

@@ -15,7 +15,7 @@
 //!   installs, then `copilot` on `PATH`.
 //! * [`find_or_install_node_sdk`] does the same for the official Node SDK
 //!   (`@github/copilot-sdk`), which `copilot-pool bench` and the SDK endpoint's tests drive.
-//! * [`install_agent_cli`] installs another agent CLI ([`AgentCli`], Claude Code so far) the
+//! * [`install_agent_cli`] installs another agent CLI ([`AgentCli`]: Claude Code, Codex) the
 //!   same way, for the CLI backends of [`crate::backend`].
 //!
 //! Every function that reads the environment takes a lookup closure (`Fn(&str) ->
@@ -30,7 +30,8 @@ mod node_sdk;
 mod platform;
 
 pub use agent_cli::{
-    AgentCli, CLAUDE_CODE_VERSION, CLAUDE_PATH_ENV, InstalledAgentCli, install_agent_cli,
+    AgentCli, CLAUDE_CODE_VERSION, CLAUDE_PATH_ENV, CODEX_PATH_ENV, CODEX_VERSION,
+    InstalledAgentCli, install_agent_cli,
 };
 pub use cache::{CACHE_DIR_ENV, CacheDirError, cache_dir};
 pub use flavour::{CLI_VERSION, Flavour, ParseFlavourError, RUNTIME_VERSION};

@@ -1,0 +1,1602 @@
+//! The `cli-oneshot` runner: one CLI process per turn, driven by a [`CliBackendConfig`], with
+//! session continuity through resume arguments (reference: `cli-backends.md` §4, §6, §7).
+//! The bundled `codex-cli` backend runs on it ([`OneshotConfig::codex`]).
+//!
+//! Owns a conversation's stored CLI session ([`StoredSession`]: the id and, for CLIs that
+//! report usage per thread, the last totals) and each turn's process. A turn
+//! ([`Oneshot::start_turn`], [`OneshotTurn::next`]) builds the argv (`args`, or `resumeArgs`
+//! with `{sessionId}` when a stored session is continued; model, system prompt, images and
+//! the prompt as the configuration says), starts the process in its own process group
+//! ([`ChildGroup`]) with a home of its own, and maps its output (`json`, `jsonl` or `text`,
+//! `resumeOutput` on a resume) to [`BackendEvent`]s.
+//!
+//! Invariants:
+//! * stdin is never left open: with input `arg` it is `/dev/null` (Codex waits forever on an
+//!   open pipe); with input `stdin` (or a prompt over `maxPromptArgChars` when the backend
+//!   allows the fallback) the prompt is written and the pipe closed;
+//! * the process group is killed and its leader reaped on every path: the end of the turn,
+//!   an abort, the turn timeout, an output limit, a turn dropped before its end (the
+//!   [`ChildGroup`] guard);
+//! * a process killed by a signal, or exiting non-zero with neither a final message nor an
+//!   error of its own, ends the turn `crashed` as soon as its stdout closes; the stored
+//!   session is kept, so the next turn resumes it;
+//! * the output a turn retains is bounded by `outputLimits` (8 MiB / 20,000 lines by
+//!   default); past it the turn ends with [`TurnFailure::OutputLimit`], keeping the final
+//!   message when it had already arrived;
+//! * the API key is a [`Secret`] put only into the child's environment, under a variable
+//!   the argv names (Codex: the provider's `env_key`), never into the argv or a log;
+//! * usage is per turn: for Codex, which reports thread totals, the totals stored with the
+//!   session are subtracted, so a resumed process diffs right.
+
+use std::collections::{HashSet, VecDeque};
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+use tokio::process::ChildStdout;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+use tokio_util::codec::{FramedRead, LinesCodec, LinesCodecError};
+
+use super::config::{
+    CliBackendConfig, ConfigError, ImageMode, InputMode, OutputFormat, PROMPT_PLACEHOLDER,
+    SessionMode, SystemPromptWhen,
+};
+use super::event::{BackendEvent, CliTurnOutcome, TurnFailure};
+use crate::kinds::TurnEnd;
+use crate::process::{ChildGroup, ChildSpec, ExitInfo, SpawnError};
+use crate::secret::Secret;
+use crate::turn::Usage;
+
+/// The backend id of the bundled Codex configuration.
+pub const CODEX_BACKEND_ID: &str = "codex-cli";
+/// The environment variable holding the model key for Codex (the provider's `env_key`).
+pub const CODEX_KEY_ENV: &str = "COPILOT_POOL_MODEL_KEY";
+/// The name of the model provider the runner declares for Codex.
+const CODEX_PROVIDER: &str = "copilot_pool";
+
+/// The longest single argument Linux accepts (`MAX_ARG_STRLEN`, 128 KiB with its NUL).
+const MAX_ARG_BYTES: usize = 128 * 1024 - 1;
+/// How much of the process's stderr a failure reports (its end).
+const STDERR_TAIL_CHARS: usize = 2000;
+/// How long the end of a turn waits for the leader's exit status once stdout closed.
+const EXIT_WAIT: Duration = Duration::from_secs(2);
+/// How long the end of a turn waits for the rest of stderr once the leader exited.
+const STDERR_WAIT: Duration = Duration::from_millis(300);
+/// How long stdout may stay open after the leader exited (a stray holder of the pipe).
+const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(500);
+/// The default time limit of one turn.
+pub const DEFAULT_TURN_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+
+/// CLI-specific behaviour on top of the generic configuration.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Dialect {
+    /// Only what the configuration says.
+    #[default]
+    Generic,
+    /// Codex CLI: `CODEX_HOME` in the agent's home, the model provider declared with `-c`
+    /// overrides (bounded retries, `wire_api = "responses"`, the key's variable), usage
+    /// de-cumulated (Codex reports thread totals).
+    Codex,
+}
+
+/// Token counts as a CLI reports them, kept with the session for CLIs that report totals.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UsageTotals {
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// Input tokens read from the prompt cache.
+    pub cache_read_tokens: u64,
+    /// Input tokens written to the prompt cache.
+    pub cache_write_tokens: u64,
+}
+
+impl UsageTotals {
+    /// The usage between `earlier` totals and these; these as they are when any count went
+    /// down (the totals were reset, e.g. a different thread).
+    pub fn since(self, earlier: UsageTotals) -> Usage {
+        let fields = [
+            (self.input_tokens, earlier.input_tokens),
+            (self.output_tokens, earlier.output_tokens),
+            (self.cache_read_tokens, earlier.cache_read_tokens),
+            (self.cache_write_tokens, earlier.cache_write_tokens),
+        ];
+        let base = if fields.iter().any(|(now, before)| now < before) {
+            UsageTotals::default()
+        } else {
+            earlier
+        };
+        Usage {
+            input_tokens: self.input_tokens - base.input_tokens,
+            output_tokens: self.output_tokens - base.output_tokens,
+            cache_read_tokens: self.cache_read_tokens - base.cache_read_tokens,
+            cache_write_tokens: self.cache_write_tokens - base.cache_write_tokens,
+        }
+    }
+
+    fn as_usage(self) -> Usage {
+        self.since(UsageTotals::default())
+    }
+}
+
+/// A conversation's CLI session, to persist between processes and restarts of the pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredSession {
+    /// The CLI's session (Codex: thread) id.
+    pub session_id: String,
+    /// The last usage totals the CLI reported for it (CLIs that report totals only).
+    #[serde(default)]
+    pub usage_totals: UsageTotals,
+}
+
+impl StoredSession {
+    /// A session with no usage recorded yet.
+    pub fn new(session_id: impl Into<String>) -> Self {
+        Self {
+            session_id: session_id.into(),
+            usage_totals: UsageTotals::default(),
+        }
+    }
+}
+
+/// How to run one conversation's turns.
+#[non_exhaustive]
+pub struct OneshotConfig {
+    /// The backend id (for error messages), e.g. `codex-cli`.
+    pub id: String,
+    /// The backend configuration; validated by [`Oneshot::new`].
+    pub backend: CliBackendConfig,
+    /// CLI-specific behaviour.
+    pub dialect: Dialect,
+    /// The agent's own home: `HOME`, `TMPDIR=<home>/tmp`, Codex's `CODEX_HOME=<home>/.codex`
+    /// (created when missing). Keep it outside the system temp folder for Codex.
+    pub home: PathBuf,
+    /// The working directory of the turns.
+    pub cwd: PathBuf,
+    /// The model endpoint (Codex: the provider's `base_url`, e.g. `http://127.0.0.1:8080/v1`).
+    pub base_url: Option<String>,
+    /// The model key: only ever in the child's environment.
+    pub api_key: Option<Secret>,
+    /// The variable the key goes in (Codex: [`CODEX_KEY_ENV`] with a `base_url`, else
+    /// `OPENAI_API_KEY`; generic: this, or the key is not passed).
+    pub key_env: Option<String>,
+    /// The pool's model name (mapped through `modelAliases`).
+    pub model: Option<String>,
+    /// The system prompt (passed as `systemPrompt*` and `systemPromptWhen` say).
+    pub system_prompt: Option<String>,
+    /// The stored session to continue.
+    pub session: Option<StoredSession>,
+    /// The time limit of one turn; past it the group is killed and the turn ends `timeout`.
+    pub turn_timeout: Duration,
+    /// A prompt over `maxPromptArgChars` (or the OS's argument limit) goes to stdin; when
+    /// false it is refused with [`OneshotError::PromptTooLong`].
+    pub prompt_stdin_fallback: bool,
+    /// `PATH` of the child (default: the caller's own `PATH`).
+    pub path_var: Option<OsString>,
+}
+
+impl OneshotConfig {
+    /// A backend `id` configured by `backend`, homed in `home`, working in `cwd`.
+    pub fn new(
+        id: impl Into<String>,
+        backend: CliBackendConfig,
+        home: impl Into<PathBuf>,
+        cwd: impl Into<PathBuf>,
+    ) -> Self {
+        Self {
+            id: id.into(),
+            backend,
+            dialect: Dialect::Generic,
+            home: home.into(),
+            cwd: cwd.into(),
+            base_url: None,
+            api_key: None,
+            key_env: None,
+            model: None,
+            system_prompt: None,
+            session: None,
+            turn_timeout: DEFAULT_TURN_TIMEOUT,
+            prompt_stdin_fallback: true,
+            path_var: std::env::var_os("PATH"),
+        }
+    }
+
+    /// The bundled `codex-cli` backend running `executable` (the vendored native binary,
+    /// see [`crate::runtime::AgentCli::Codex`]).
+    pub fn codex(
+        executable: impl Into<PathBuf>,
+        home: impl Into<PathBuf>,
+        cwd: impl Into<PathBuf>,
+    ) -> Self {
+        let mut backend = CliBackendConfig::codex_cli();
+        backend.command = executable.into().display().to_string();
+        let mut config = Self::new(CODEX_BACKEND_ID, backend, home, cwd);
+        config.dialect = Dialect::Codex;
+        config
+    }
+}
+
+impl std::fmt::Debug for OneshotConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OneshotConfig")
+            .field("id", &self.id)
+            .field("backend", &self.backend)
+            .field("dialect", &self.dialect)
+            .field("home", &self.home)
+            .field("cwd", &self.cwd)
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key)
+            .field("key_env", &self.key_env)
+            .field("model", &self.model)
+            .field("session", &self.session)
+            .field("turn_timeout", &self.turn_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a turn could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OneshotError {
+    /// The backend configuration cannot run.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The agent's home (or a file in it) could not be written.
+    #[error(
+        "could not write {} for the CLI process: {error}; the agent's home must be on a \
+         writable filesystem",
+        path.display()
+    )]
+    Home {
+        /// The folder or file.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        error: std::io::Error,
+    },
+    /// The prompt is too long to pass as an argument and the backend does not read stdin.
+    #[error(
+        "the prompt has {chars} characters, over the {max} this backend takes as an \
+         argument, and it does not read prompts on stdin; shorten the prompt, raise \
+         `maxPromptArgChars`, or set `input = \"stdin\"` if the CLI reads it there"
+    )]
+    PromptTooLong {
+        /// The prompt's length.
+        chars: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The process could not be started.
+    #[error(
+        "{0}; is `command` the CLI's executable (install Codex with \
+         `copilot_pool::runtime::install_agent_cli`)?"
+    )]
+    Spawn(#[from] SpawnError),
+}
+
+/// What one run is given: its argv, and the prompt when it goes on stdin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Invocation {
+    args: Vec<String>,
+    stdin_prompt: Option<String>,
+    /// The session id passed (resumed, or a new one under `sessionMode = "always"`).
+    session_id: Option<String>,
+    /// A stored session is continued.
+    resumed: bool,
+    output: OutputFormat,
+}
+
+/// One conversation of a `cli-oneshot` backend: the stored session, and a process per turn.
+pub struct Oneshot {
+    config: OneshotConfig,
+    session: Option<StoredSession>,
+}
+
+impl std::fmt::Debug for Oneshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Oneshot")
+            .field("id", &self.config.id)
+            .field("session", &self.session)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Oneshot {
+    /// Checks the configuration; starts nothing yet.
+    pub fn new(config: OneshotConfig) -> Result<Self, OneshotError> {
+        config.backend.validate(&config.id)?;
+        if config.backend.kind != super::BackendKind::CliOneshot {
+            return Err(ConfigError {
+                backend: config.id.clone(),
+                problem: "this runner is for `kind = \"cli-oneshot\"` backends; a `cli-live` \
+                          backend runs on its live runner"
+                    .to_owned(),
+            }
+            .into());
+        }
+        let session = config.session.clone();
+        Ok(Self { config, session })
+    }
+
+    /// The CLI session id to store (learned from the CLI, or the configured one).
+    pub fn session_id(&self) -> Option<&str> {
+        self.session.as_ref().map(|s| s.session_id.as_str())
+    }
+
+    /// The session with its usage totals, to persist with the conversation.
+    pub fn stored_session(&self) -> Option<&StoredSession> {
+        self.session.as_ref()
+    }
+
+    /// Starts a process for `prompt` (resuming the stored session when there is one). Read
+    /// the turn's events with [`OneshotTurn::next`] until [`BackendEvent::TurnEnd`].
+    pub async fn start_turn(&mut self, prompt: &str) -> Result<OneshotTurn<'_>, OneshotError> {
+        self.start_turn_with_images(prompt, &[]).await
+    }
+
+    /// [`Oneshot::start_turn`] with image files (`imageArg`, or their paths appended to the
+    /// prompt when the backend has none).
+    pub async fn start_turn_with_images(
+        &mut self,
+        prompt: &str,
+        images: &[PathBuf],
+    ) -> Result<OneshotTurn<'_>, OneshotError> {
+        let config = &self.config;
+        let tmp_dir = config.home.join("tmp");
+        let mut dirs = vec![config.home.clone(), tmp_dir.clone(), config.cwd.clone()];
+        if config.dialect == Dialect::Codex {
+            dirs.push(config.home.join(".codex"));
+        }
+        for dir in &dirs {
+            tokio::fs::create_dir_all(dir)
+                .await
+                .map_err(|error| OneshotError::Home {
+                    path: dir.clone(),
+                    error,
+                })?;
+        }
+        let system_prompt_file = match (&config.system_prompt, self.system_prompt_needs_file()) {
+            (Some(text), true) => {
+                let path = config.home.join("system-prompt.md");
+                tokio::fs::write(&path, text)
+                    .await
+                    .map_err(|error| OneshotError::Home {
+                        path: path.clone(),
+                        error,
+                    })?;
+                Some(path)
+            }
+            _ => None,
+        };
+        let invocation = self.invocation(prompt, images, system_prompt_file.as_deref())?;
+        let spec = self.child_spec(&invocation, tmp_dir);
+        // Never log `spec`: its environment holds the key.
+        let (child, stdout) = match &invocation.stdin_prompt {
+            None => ChildGroup::spawn_null_stdin(&spec)?,
+            Some(text) => {
+                let (child, io) = ChildGroup::spawn(&spec)?;
+                let mut stdin = io.stdin;
+                let text = text.clone();
+                // A task, so a CLI that prints before reading all of stdin cannot deadlock
+                // us; the pipe closes when it is done (or the process is gone).
+                tokio::spawn(async move {
+                    if let Err(error) = stdin.write_all(text.as_bytes()).await {
+                        tracing::debug!(%error, "could not write the prompt to the CLI's stdin");
+                    }
+                    let _ = stdin.shutdown().await;
+                });
+                (child, io.stdout)
+            }
+        };
+        tracing::debug!(
+            backend = %self.config.id,
+            pid = child.pid(),
+            resumed = invocation.resumed,
+            "cli-oneshot process started"
+        );
+        let limits = self.config.backend.output_limits;
+        let max_line = usize::try_from(limits.max_turn_raw_chars)
+            .unwrap_or(usize::MAX)
+            .saturating_add(1);
+        Ok(OneshotTurn {
+            pid: child.pid(),
+            exit: child.exit_watch(),
+            child: Some(child),
+            lines: FramedRead::new(stdout, LinesCodec::new_with_max_length(max_line)),
+            stdout_done: false,
+            exit_seen: false,
+            drain_deadline: None,
+            deadline: Instant::now() + self.config.turn_timeout,
+            abort: Arc::new(Notify::new()),
+            queue: VecDeque::new(),
+            ended: false,
+            format: invocation.output,
+            resumed: invocation.resumed,
+            passed_session: invocation.session_id,
+            learned_session: None,
+            collected: String::new(),
+            last_text: None,
+            cli_error: None,
+            error_event: None,
+            reported: None,
+            tool_calls: 0,
+            started_items: HashSet::new(),
+            retained_bytes: 0,
+            retained_lines: 0,
+            max_bytes: limits.max_turn_raw_chars,
+            max_lines: limits.max_turn_lines,
+            conversation: self,
+        })
+    }
+
+    /// Runs `prompt` to the end of its turn, handing each event to `on_event`.
+    pub async fn run(
+        &mut self,
+        prompt: &str,
+        mut on_event: impl FnMut(&BackendEvent),
+    ) -> Result<CliTurnOutcome, OneshotError> {
+        let mut turn = self.start_turn(prompt).await?;
+        while let Some(event) = turn.next().await {
+            on_event(&event);
+            if let BackendEvent::TurnEnd(outcome) = event {
+                return Ok(outcome);
+            }
+        }
+        // `next` always yields a TurnEnd before None.
+        Ok(CliTurnOutcome {
+            end: Some(TurnEnd::Crashed),
+            ..CliTurnOutcome::default()
+        })
+    }
+
+    fn system_prompt_needs_file(&self) -> bool {
+        let backend = &self.config.backend;
+        backend.system_prompt_file_arg.is_some() || backend.system_prompt_file_config_arg.is_some()
+    }
+
+    /// The argv and stdin of the next run (pure: no I/O).
+    fn invocation(
+        &self,
+        prompt: &str,
+        images: &[PathBuf],
+        system_prompt_file: Option<&Path>,
+    ) -> Result<Invocation, OneshotError> {
+        let config = &self.config;
+        let backend = &config.backend;
+        let stored = self.session.as_ref().map(|s| s.session_id.clone());
+        let (session_id, resumed) = match backend.session_mode {
+            SessionMode::None => (None, false),
+            SessionMode::Existing => (stored.clone(), stored.is_some()),
+            SessionMode::Always => match stored {
+                Some(id) => (Some(id), true),
+                None => (Some(uuid::Uuid::new_v4().to_string()), false),
+            },
+        };
+        let model = config.model.as_deref();
+        let mut args = if resumed || session_id.is_none() {
+            backend.argv(session_id.as_deref(), model)
+        } else {
+            // A new id under `always`: the fresh arguments, with the session flag.
+            let mut fresh = backend.clone();
+            fresh.resume_args = None;
+            fresh.argv(session_id.as_deref(), model)
+        };
+        if config.dialect == Dialect::Codex {
+            args.splice(0..0, self.codex_overrides());
+        }
+
+        let pass_system_prompt = match backend.system_prompt_when {
+            SystemPromptWhen::Always => true,
+            SystemPromptWhen::First => !resumed,
+            SystemPromptWhen::Never => false,
+        };
+        if let (true, Some(text)) = (pass_system_prompt, &config.system_prompt) {
+            if let Some(flag) = &backend.system_prompt_arg {
+                args.extend([flag.clone(), text.clone()]);
+            } else if let (Some(flag), Some(path)) =
+                (&backend.system_prompt_file_arg, system_prompt_file)
+            {
+                args.extend([flag.clone(), path.display().to_string()]);
+            } else if let (Some(flag), Some(key), Some(path)) = (
+                &backend.system_prompt_file_config_arg,
+                &backend.system_prompt_file_config_key,
+                system_prompt_file,
+            ) {
+                args.extend([
+                    flag.clone(),
+                    format!("{key}={}", toml_string(&path.display().to_string())),
+                ]);
+            }
+        }
+
+        let mut prompt = backend.transform(prompt, false);
+        if !images.is_empty() {
+            let paths: Vec<String> = images.iter().map(|p| p.display().to_string()).collect();
+            match (&backend.image_arg, backend.image_mode) {
+                (Some(flag), ImageMode::Repeat) => {
+                    for path in paths {
+                        args.extend([flag.clone(), path]);
+                    }
+                }
+                (Some(flag), ImageMode::List) => args.extend([flag.clone(), paths.join(",")]),
+                (None, _) => {
+                    prompt.push_str("\n\n");
+                    prompt.push_str(&paths.join("\n"));
+                }
+            }
+        }
+
+        let chars = prompt.chars().count();
+        let max = backend.max_prompt_arg_chars.unwrap_or(usize::MAX);
+        let too_long = chars > max || prompt.len() > MAX_ARG_BYTES;
+        // Codex would read a prompt that starts with `-` as an option.
+        let looks_like_flag = config.dialect == Dialect::Codex && prompt.starts_with('-');
+        let on_stdin = match backend.input {
+            InputMode::Stdin => true,
+            InputMode::Arg if too_long || looks_like_flag => {
+                if !config.prompt_stdin_fallback {
+                    return Err(OneshotError::PromptTooLong {
+                        chars,
+                        max: max.min(MAX_ARG_BYTES),
+                    });
+                }
+                true
+            }
+            InputMode::Arg => false,
+        };
+        if on_stdin {
+            args = without_prompt_placeholder(args);
+        } else if args.iter().any(|a| a.contains(PROMPT_PLACEHOLDER)) {
+            for arg in &mut args {
+                *arg = arg.replace(PROMPT_PLACEHOLDER, &prompt);
+            }
+        } else {
+            args.push(prompt.clone());
+        }
+        let output = match (resumed, backend.resume_output) {
+            (true, Some(format)) => format,
+            _ => backend.output,
+        };
+        Ok(Invocation {
+            args,
+            stdin_prompt: on_stdin.then_some(prompt),
+            session_id,
+            resumed,
+            output,
+        })
+    }
+
+    /// Codex's model provider as `-c` overrides: the endpoint, the Responses API, the key's
+    /// variable (when there is a key) and one retry per request and stream.
+    fn codex_overrides(&self) -> Vec<String> {
+        let Some(url) = &self.config.base_url else {
+            return Vec::new();
+        };
+        let mut provider = format!(
+            "{{name={},base_url={},wire_api=\"responses\",request_max_retries=1,\
+             stream_max_retries=1",
+            toml_string(CODEX_PROVIDER),
+            toml_string(url)
+        );
+        if self.config.api_key.is_some() {
+            provider.push_str(&format!(",env_key={}", toml_string(&self.key_env())));
+        }
+        provider.push('}');
+        vec![
+            "-c".to_owned(),
+            format!("model_provider={}", toml_string(CODEX_PROVIDER)),
+            "-c".to_owned(),
+            format!("model_providers.{CODEX_PROVIDER}={provider}"),
+        ]
+    }
+
+    /// The variable the key goes in.
+    fn key_env(&self) -> String {
+        if let Some(name) = &self.config.key_env {
+            return name.clone();
+        }
+        match (self.config.dialect, &self.config.base_url) {
+            (Dialect::Codex, Some(_)) => CODEX_KEY_ENV.to_owned(),
+            (Dialect::Codex, None) => "OPENAI_API_KEY".to_owned(),
+            (Dialect::Generic, _) => String::new(),
+        }
+    }
+
+    fn child_spec(&self, invocation: &Invocation, tmp_dir: PathBuf) -> ChildSpec {
+        let config = &self.config;
+        let mut env: Vec<(OsString, OsString)> = vec![
+            ("HOME".into(), config.home.clone().into_os_string()),
+            ("TMPDIR".into(), tmp_dir.into_os_string()),
+        ];
+        if config.dialect == Dialect::Codex {
+            env.push((
+                "CODEX_HOME".into(),
+                config.home.join(".codex").into_os_string(),
+            ));
+        }
+        if let Some(path) = &config.path_var {
+            env.push(("PATH".into(), path.clone()));
+        }
+        env.extend(
+            config
+                .backend
+                .env
+                .iter()
+                .map(|(k, v)| (OsString::from(k), OsString::from(v))),
+        );
+        let key_env = self.key_env();
+        if let Some(key) = config.api_key.as_ref().filter(|k| !k.is_empty())
+            && !key_env.is_empty()
+        {
+            env.push((key_env.into(), key.expose().into()));
+        }
+        ChildSpec {
+            program: PathBuf::from(&config.backend.command),
+            args: invocation.args.iter().map(OsString::from).collect(),
+            env,
+            cwd: config.cwd.clone(),
+        }
+    }
+}
+
+/// `args` without the prompt placeholder: an argument that is exactly `{prompt}` goes with
+/// the flag just before it; inside a longer argument it becomes empty.
+fn without_prompt_placeholder(args: Vec<String>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(args.len());
+    for arg in args {
+        if arg == PROMPT_PLACEHOLDER {
+            if out.last().is_some_and(|prev| prev.starts_with('-')) {
+                out.pop();
+            }
+        } else {
+            out.push(arg.replace(PROMPT_PLACEHOLDER, ""));
+        }
+    }
+    out
+}
+
+/// `text` as a TOML basic string (JSON's escapes are TOML's).
+fn toml_string(text: &str) -> String {
+    serde_json::to_string(text).unwrap_or_else(|_| "\"\"".to_owned())
+}
+
+/// What woke a turn's read loop.
+enum Wake {
+    Abort,
+    Timeout,
+    Drained,
+    Exited,
+    Line(Option<Result<String, LinesCodecError>>),
+}
+
+/// Ends a running turn from anywhere (cloneable, `Send`).
+#[derive(Debug, Clone)]
+pub struct AbortHandle(Arc<Notify>);
+
+impl AbortHandle {
+    /// Kills the turn's process group; the turn ends `aborted`. The stored session stays,
+    /// so the next turn resumes it.
+    pub fn abort(&self) {
+        self.0.notify_one();
+    }
+}
+
+/// One turn of a [`Oneshot`]: its process and what it printed. Read it with
+/// [`OneshotTurn::next`] to its [`BackendEvent::TurnEnd`]; dropping it earlier kills the
+/// process group.
+pub struct OneshotTurn<'a> {
+    conversation: &'a mut Oneshot,
+    /// `None` once the process was ended (its group killed, the leader reaped).
+    child: Option<ChildGroup>,
+    pid: u32,
+    exit: watch::Receiver<Option<ExitInfo>>,
+    lines: FramedRead<ChildStdout, LinesCodec>,
+    stdout_done: bool,
+    exit_seen: bool,
+    drain_deadline: Option<Instant>,
+    deadline: Instant,
+    abort: Arc<Notify>,
+    queue: VecDeque<BackendEvent>,
+    ended: bool,
+    format: OutputFormat,
+    resumed: bool,
+    passed_session: Option<String>,
+    learned_session: Option<String>,
+    /// Stdout of a `json` or `text` run.
+    collected: String,
+    /// The final assistant text so far (output transforms not applied yet).
+    last_text: Option<String>,
+    /// The CLI's own report that the turn failed: message and reason.
+    cli_error: Option<(String, Option<String>)>,
+    /// The last non-fatal error event (e.g. Codex's `Reconnecting...`).
+    error_event: Option<String>,
+    /// The usage the CLI reported (totals for Codex).
+    reported: Option<UsageTotals>,
+    tool_calls: u32,
+    started_items: HashSet<String>,
+    retained_bytes: u64,
+    retained_lines: u64,
+    max_bytes: u64,
+    max_lines: u64,
+}
+
+impl OneshotTurn<'_> {
+    /// A handle that aborts this turn.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle(self.abort.clone())
+    }
+
+    /// The pid (= process group id) of the turn's process while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child
+            .as_ref()
+            .filter(|c| c.exit_info().is_none())
+            .map(|_| self.pid)
+    }
+
+    /// The session id this turn knows (learned from the output, else the one passed).
+    pub fn session_id(&self) -> Option<&str> {
+        self.learned_session
+            .as_deref()
+            .or(self.passed_session.as_deref())
+    }
+
+    /// The next event; `None` after the [`BackendEvent::TurnEnd`].
+    pub async fn next(&mut self) -> Option<BackendEvent> {
+        loop {
+            if let Some(event) = self.queue.pop_front() {
+                return Some(event);
+            }
+            if self.ended {
+                return None;
+            }
+            if self.stdout_done {
+                self.conclude().await;
+                continue;
+            }
+            let abort = self.abort.clone();
+            let deadline = self.deadline;
+            let drain = self.drain_deadline;
+            let exit_seen = self.exit_seen;
+            let wake = {
+                let exit = &mut self.exit;
+                let lines = &mut self.lines;
+                tokio::select! {
+                    biased;
+                    () = abort.notified() => Wake::Abort,
+                    () = tokio::time::sleep_until(deadline) => Wake::Timeout,
+                    () = sleep_until_opt(drain), if drain.is_some() => Wake::Drained,
+                    _ = exit.wait_for(Option::is_some), if !exit_seen => Wake::Exited,
+                    line = lines.next() => Wake::Line(line),
+                }
+            };
+            let line = match wake {
+                Wake::Abort => {
+                    tracing::debug!(pid = self.pid, "cli-oneshot turn aborted");
+                    self.child = None;
+                    self.end_with(TurnEnd::Aborted, None);
+                    continue;
+                }
+                Wake::Timeout => {
+                    self.timed_out().await;
+                    continue;
+                }
+                Wake::Drained => {
+                    // The leader is gone but something still holds stdout open.
+                    self.stdout_done = true;
+                    continue;
+                }
+                Wake::Exited => {
+                    self.exit_seen = true;
+                    self.drain_deadline = Some(Instant::now() + DRAIN_AFTER_EXIT);
+                    continue;
+                }
+                Wake::Line(line) => line,
+            };
+            match line {
+                None | Some(Err(LinesCodecError::Io(_))) => self.stdout_done = true,
+                Some(Err(LinesCodecError::MaxLineLengthExceeded)) => self.over_limit(true),
+                Some(Ok(line)) => self.handle_line(&line),
+            }
+        }
+    }
+
+    /// Reads the turn to its end.
+    pub async fn finish(mut self) -> CliTurnOutcome {
+        while let Some(event) = self.next().await {
+            if let BackendEvent::TurnEnd(outcome) = event {
+                return outcome;
+            }
+        }
+        CliTurnOutcome {
+            end: Some(TurnEnd::Crashed),
+            ..CliTurnOutcome::default()
+        }
+    }
+
+    fn handle_line(&mut self, line: &str) {
+        if !self.retain(line) {
+            return;
+        }
+        match self.format {
+            OutputFormat::Json | OutputFormat::Text => {
+                self.collected.push_str(line);
+                self.collected.push('\n');
+            }
+            OutputFormat::Jsonl => match serde_json::from_str::<Value>(line) {
+                Ok(value) => self.jsonl_event(&value),
+                Err(_) => {
+                    tracing::debug!(
+                        bytes = line.len(),
+                        "the CLI printed a line that is not JSON"
+                    )
+                }
+            },
+        }
+    }
+
+    /// One JSONL event: Codex's `exec --json` events, and the generic shapes of other CLIs
+    /// (`result` / `response` texts, `is_error`, `usage`).
+    fn jsonl_event(&mut self, value: &Value) {
+        self.note_session_id(value);
+        let kind = value["type"].as_str().unwrap_or("");
+        match kind {
+            "item.started" => self.tool_item(&value["item"]),
+            "item.completed" => {
+                let item = &value["item"];
+                if item["type"] == "agent_message" {
+                    if let Some(text) = item["text"].as_str() {
+                        self.message(text.to_owned());
+                    }
+                } else {
+                    self.tool_item(item);
+                }
+            }
+            "turn.completed" => self.reported = usage_of(&value["usage"]),
+            "turn.failed" => {
+                let message = value["error"]["message"]
+                    .as_str()
+                    .or_else(|| value["message"].as_str())
+                    .unwrap_or("the turn failed")
+                    .to_owned();
+                self.cli_error = Some((message, Some("turn.failed".to_owned())));
+            }
+            "error" => {
+                self.error_event = value["message"].as_str().map(str::to_owned);
+            }
+            _ => self.generic_document(value),
+        }
+    }
+
+    /// A CLI's tool item as a `tool.call` (once per item id).
+    fn tool_item(&mut self, item: &Value) {
+        let kind = item["type"].as_str().unwrap_or("");
+        let input = match kind {
+            "command_execution" => json!({ "command": item["command"] }),
+            "file_change" => json!({ "changes": item["changes"] }),
+            "mcp_tool_call" => item["arguments"].clone(),
+            "web_search" => json!({ "query": item["query"] }),
+            _ => return,
+        };
+        let id = item["id"].as_str().unwrap_or("").to_owned();
+        if !self.started_items.insert(id.clone()) {
+            return;
+        }
+        let name = match kind {
+            "mcp_tool_call" => format!(
+                "{}/{}",
+                item["server"].as_str().unwrap_or(""),
+                item["tool"].as_str().unwrap_or("")
+            ),
+            other => other.to_owned(),
+        };
+        self.tool_calls += 1;
+        self.queue
+            .push_back(BackendEvent::ToolCall { id, name, input });
+    }
+
+    /// The final text, error flag and usage of a one-document answer (Claude `-p --output-
+    /// format json`: `result`, `is_error`, `usage`; Gemini: `response`, `error`, `stats`).
+    fn generic_document(&mut self, value: &Value) {
+        let text = ["result", "response"]
+            .iter()
+            .find_map(|key| value[*key].as_str());
+        let is_error = value["is_error"].as_bool() == Some(true);
+        if is_error {
+            self.cli_error = Some((
+                text.unwrap_or("the CLI reported an error").to_owned(),
+                value["terminal_reason"].as_str().map(str::to_owned),
+            ));
+        } else if let Some(message) = value["error"]["message"].as_str() {
+            self.cli_error = Some((
+                message.to_owned(),
+                value["error"]["type"].as_str().map(str::to_owned),
+            ));
+        } else if let Some(text) = text {
+            self.message(text.to_owned());
+        }
+        if let Some(usage) = usage_of(&value["usage"]).or_else(|| gemini_stats(&value["stats"])) {
+            self.reported = Some(usage);
+        }
+    }
+
+    fn message(&mut self, text: String) {
+        let shown = self.conversation.config.backend.transform(&text, true);
+        self.last_text = Some(text);
+        self.queue.push_back(BackendEvent::Message { text: shown });
+    }
+
+    fn note_session_id(&mut self, value: &Value) {
+        if self.conversation.config.backend.session_mode == SessionMode::None {
+            return;
+        }
+        for field in &self.conversation.config.backend.session_id_fields {
+            if let Some(id) = value.get(field).and_then(Value::as_str)
+                && !id.is_empty()
+            {
+                self.learned_session = Some(id.to_owned());
+                return;
+            }
+        }
+    }
+
+    /// Counts a retained line; false (and the turn ended) when it passes a limit.
+    fn retain(&mut self, line: &str) -> bool {
+        self.retained_lines += 1;
+        self.retained_bytes += line.len() as u64 + 1;
+        if self.retained_bytes > self.max_bytes {
+            self.over_limit(true);
+            return false;
+        }
+        if self.retained_lines > self.max_lines {
+            self.over_limit(false);
+            return false;
+        }
+        true
+    }
+
+    fn over_limit(&mut self, bytes: bool) {
+        let failure = if bytes {
+            TurnFailure::OutputLimit {
+                unit: "bytes",
+                key: "maxTurnRawChars",
+                limit: self.max_bytes,
+                cap: super::MAX_TURN_RAW_CHARS_CAP,
+            }
+        } else {
+            TurnFailure::OutputLimit {
+                unit: "lines",
+                key: "maxTurnLines",
+                limit: self.max_lines,
+                cap: super::MAX_TURN_LINES_CAP,
+            }
+        };
+        tracing::warn!(backend = %self.conversation.config.id, %failure, "cli-oneshot turn stopped");
+        self.child = None;
+        if self.format != OutputFormat::Jsonl && self.last_text.is_none() {
+            // A one-document answer is unreadable once cut; plain text is kept as far as read.
+            if self.format == OutputFormat::Text && !self.collected.is_empty() {
+                self.last_text = Some(self.collected.trim_end().to_owned());
+            }
+        }
+        self.end_with(TurnEnd::Error, Some(failure));
+    }
+
+    async fn timed_out(&mut self) {
+        let stderr_tail = match self.child.take() {
+            Some(child) => {
+                let tail = tail_chars(&child.stderr().text(), STDERR_TAIL_CHARS);
+                drop(child);
+                tail
+            }
+            None => String::new(),
+        };
+        let failure = TurnFailure::TimedOut {
+            limit_secs: self.conversation.config.turn_timeout.as_secs(),
+            stderr_tail,
+        };
+        tracing::warn!(backend = %self.conversation.config.id, %failure, "cli-oneshot turn timed out");
+        self.end_with(TurnEnd::Timeout, Some(failure));
+    }
+
+    /// Stdout closed: wait for the exit status, read a one-document answer, and end the
+    /// turn by what the process said and how it ended.
+    async fn conclude(&mut self) {
+        let (exit, stderr) = match self.child.take() {
+            Some(child) => {
+                let exit = tokio::time::timeout(EXIT_WAIT, child.wait()).await.ok();
+                child.stderr().settled(STDERR_WAIT).await;
+                let stderr = tail_chars(&child.stderr().text(), STDERR_TAIL_CHARS);
+                // `child` dropped here: the group is killed if anything is left.
+                (exit, stderr)
+            }
+            None => (None, String::new()),
+        };
+        match self.format {
+            OutputFormat::Json => {
+                let document = std::mem::take(&mut self.collected);
+                match serde_json::from_str::<Value>(document.trim()) {
+                    Ok(value) => {
+                        self.note_session_id(&value);
+                        self.generic_document(&value);
+                    }
+                    Err(_) if !document.trim().is_empty() => {
+                        tracing::debug!(
+                            bytes = document.len(),
+                            "the CLI's json output did not parse"
+                        );
+                    }
+                    Err(_) => {}
+                }
+            }
+            OutputFormat::Text => {
+                let text = self.collected.trim().to_owned();
+                if !text.is_empty() {
+                    self.message(text);
+                }
+            }
+            OutputFormat::Jsonl => {}
+        }
+        let crashed = |exit: String| TurnFailure::Crashed {
+            exit,
+            stderr_tail: stderr.clone(),
+        };
+        let (end, failure) = match exit {
+            None => (
+                TurnEnd::Crashed,
+                Some(crashed(
+                    "still running after its output closed; killed".to_owned(),
+                )),
+            ),
+            Some(info @ ExitInfo::Signal(_)) => (TurnEnd::Crashed, Some(crashed(info.to_string()))),
+            Some(info) => match (&self.cli_error, info) {
+                (Some((message, reason)), _) => (
+                    TurnEnd::Error,
+                    Some(TurnFailure::Cli {
+                        message: message.clone(),
+                        reason: reason.clone(),
+                    }),
+                ),
+                (None, ExitInfo::Code(0)) => (TurnEnd::Idle, None),
+                (None, _) if self.last_text.is_some() || self.error_event.is_some() => {
+                    let message = self
+                        .error_event
+                        .clone()
+                        .unwrap_or_else(|| format!("the CLI ended with {info} after its answer"));
+                    (
+                        TurnEnd::Error,
+                        Some(TurnFailure::Cli {
+                            message,
+                            reason: Some(info.to_string()),
+                        }),
+                    )
+                }
+                (None, _) => (TurnEnd::Crashed, Some(crashed(info.to_string()))),
+            },
+        };
+        if end == TurnEnd::Crashed {
+            tracing::debug!(backend = %self.conversation.config.id, ?failure, "cli-oneshot process crashed");
+        }
+        self.end_with(end, failure);
+    }
+
+    /// Ends the turn: stores the session, de-cumulates the usage, queues the `turn.end`.
+    fn end_with(&mut self, end: TurnEnd, failure: Option<TurnFailure>) {
+        if self.ended {
+            return;
+        }
+        self.ended = true;
+        let config = &self.conversation.config;
+        let id = self
+            .learned_session
+            .clone()
+            .or_else(|| self.passed_session.clone());
+        let mut usage = Usage::default();
+        if config.backend.session_mode != SessionMode::None
+            && let Some(id) = id
+        {
+            let same = self
+                .conversation
+                .session
+                .as_ref()
+                .is_some_and(|s| s.session_id == id);
+            if !same {
+                self.conversation.session = Some(StoredSession::new(id));
+            }
+        }
+        if let Some(reported) = self.reported {
+            usage = match (config.dialect, self.conversation.session.as_mut()) {
+                (Dialect::Codex, Some(stored)) => {
+                    let turn = reported.since(stored.usage_totals);
+                    stored.usage_totals = reported;
+                    turn
+                }
+                _ => reported.as_usage(),
+            };
+        }
+        let text = self
+            .last_text
+            .as_deref()
+            .map(|t| config.backend.transform(t, true))
+            .unwrap_or_default();
+        self.queue.push_back(BackendEvent::TurnEnd(CliTurnOutcome {
+            text,
+            end: Some(end),
+            failure,
+            usage,
+            session_id: self.conversation.session_id().map(str::to_owned),
+            resumed: self.resumed,
+            tool_calls: self.tool_calls,
+            permission_prompts: 0,
+            retained_lines: self.retained_lines,
+            retained_bytes: self.retained_bytes,
+        }));
+    }
+}
+
+/// A `usage` object in the names Codex and Claude use; `None` when there is none.
+fn usage_of(usage: &Value) -> Option<UsageTotals> {
+    if !usage.is_object() {
+        return None;
+    }
+    let number = |keys: &[&str]| keys.iter().find_map(|k| usage[*k].as_u64()).unwrap_or(0);
+    Some(UsageTotals {
+        input_tokens: number(&["input_tokens"]),
+        output_tokens: number(&["output_tokens"]),
+        cache_read_tokens: number(&["cached_input_tokens", "cache_read_input_tokens"]),
+        cache_write_tokens: number(&["cache_write_input_tokens", "cache_creation_input_tokens"]),
+    })
+}
+
+/// Gemini's `stats.models.<model>.tokens`, summed over the models.
+fn gemini_stats(stats: &Value) -> Option<UsageTotals> {
+    let models = stats["models"].as_object()?;
+    let mut total = UsageTotals::default();
+    for model in models.values() {
+        let tokens = &model["tokens"];
+        let number = |key: &str| tokens[key].as_u64().unwrap_or(0);
+        total.input_tokens += number("prompt");
+        total.output_tokens += number("candidates");
+        total.cache_read_tokens += number("cached");
+    }
+    Some(total)
+}
+
+async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The end of `text`, at most `max` characters.
+fn tail_chars(text: &str, max: usize) -> String {
+    let count = text.chars().count();
+    text.chars().skip(count.saturating_sub(max)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{SESSION_ID_PLACEHOLDER, TextRewrite};
+
+    /// A generic backend whose "CLI" is `/bin/sh -c <script> sh [args...] <prompt>`.
+    fn sh_config(dir: &Path, script: &str) -> OneshotConfig {
+        let mut backend = CliBackendConfig::new("/bin/sh");
+        backend.args = vec!["-c".into(), script.into(), "sh".into()];
+        backend.resume_args = Some(vec![
+            "-c".into(),
+            script.into(),
+            "sh".into(),
+            "resume".into(),
+            SESSION_ID_PLACEHOLDER.into(),
+        ]);
+        backend.output = OutputFormat::Jsonl;
+        backend.session_id_fields = vec!["thread_id".into()];
+        let mut config = OneshotConfig::new("sh-cli", backend, dir.join("home"), dir.join("work"));
+        config.path_var = Some("/usr/bin:/bin".into());
+        config.turn_timeout = Duration::from_secs(30);
+        config
+    }
+
+    fn codex(dir: &Path) -> Oneshot {
+        let mut config = OneshotConfig::codex("/opt/codex", dir.join("home"), dir.join("work"));
+        config.base_url = Some("http://127.0.0.1:9/v1".into());
+        config.api_key = Some(Secret::new("sk-FAKE-do-not-print"));
+        Oneshot::new(config).expect("valid")
+    }
+
+    const MESSAGE: &str =
+        r#"{"type":"item.completed","item":{"id":"m","type":"agent_message","text":"done"}}"#;
+
+    async fn run(oneshot: &mut Oneshot, prompt: &str) -> (CliTurnOutcome, Vec<BackendEvent>) {
+        let mut events = Vec::new();
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(60),
+            oneshot.run(prompt, |e| events.push(e.clone())),
+        )
+        .await
+        .expect("the turn ended")
+        .expect("the turn started");
+        (outcome, events)
+    }
+
+    #[test]
+    fn codex_runs_resume_after_its_exec_flags_with_the_provider_and_no_key_in_the_argv() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut oneshot = codex(dir.path());
+        let fresh = oneshot.invocation("hello", &[], None).unwrap();
+        assert!(!fresh.resumed && fresh.stdin_prompt.is_none());
+        assert_eq!(fresh.args.last().map(String::as_str), Some("hello"));
+        assert_eq!(fresh.args[0], "-c");
+        assert_eq!(fresh.args[1], r#"model_provider="copilot_pool""#);
+        let provider = &fresh.args[3];
+        for part in [
+            r#"base_url="http://127.0.0.1:9/v1""#,
+            r#"wire_api="responses""#,
+            "request_max_retries=1",
+            "stream_max_retries=1",
+            r#"env_key="COPILOT_POOL_MODEL_KEY""#,
+        ] {
+            assert!(provider.contains(part), "{part} in {provider}");
+        }
+        assert!(fresh.args.iter().all(|a| !a.contains("do-not-print")));
+
+        oneshot.session = Some(StoredSession::new("thread-1"));
+        let resumed = oneshot.invocation("again", &[], None).unwrap();
+        assert!(resumed.resumed);
+        let n = resumed.args.len();
+        assert_eq!(resumed.args[n - 3..], ["resume", "thread-1", "again"]);
+        assert_eq!(resumed.output, OutputFormat::Jsonl);
+        let spec = oneshot.child_spec(&resumed, dir.path().join("home/tmp"));
+        let env: std::collections::HashMap<_, _> = spec.env.into_iter().collect();
+        assert_eq!(env[&OsString::from(CODEX_KEY_ENV)], "sk-FAKE-do-not-print");
+        assert_eq!(
+            env[&OsString::from("CODEX_HOME")],
+            dir.path().join("home/.codex").into_os_string()
+        );
+        // A prompt Codex would read as an option goes on stdin.
+        let flag = oneshot.invocation("--help me", &[], None).unwrap();
+        assert_eq!(flag.stdin_prompt.as_deref(), Some("--help me"));
+        assert_ne!(flag.args.last().map(String::as_str), Some("--help me"));
+    }
+
+    #[test]
+    fn a_prompt_over_max_prompt_arg_chars_goes_to_stdin_or_is_refused_with_a_typed_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = sh_config(dir.path(), "true");
+        config.backend.max_prompt_arg_chars = Some(10);
+        config
+            .backend
+            .args
+            .extend(["--prompt".into(), PROMPT_PLACEHOLDER.into()]);
+        let oneshot = Oneshot::new(config).unwrap();
+        let short = oneshot.invocation("short", &[], None).unwrap();
+        assert_eq!(short.args[short.args.len() - 2..], ["--prompt", "short"]);
+        let long = oneshot
+            .invocation("a prompt of 23 chars..", &[], None)
+            .unwrap();
+        assert_eq!(long.stdin_prompt.as_deref(), Some("a prompt of 23 chars.."));
+        assert!(
+            !long.args.iter().any(|a| a == "--prompt"),
+            "{:?}",
+            long.args
+        );
+
+        let mut config = sh_config(dir.path(), "true");
+        config.backend.max_prompt_arg_chars = Some(10);
+        config.prompt_stdin_fallback = false;
+        let oneshot = Oneshot::new(config).unwrap();
+        let err = oneshot
+            .invocation("a prompt of 23 chars..", &[], None)
+            .expect_err("too long");
+        assert!(
+            matches!(err, OneshotError::PromptTooLong { chars: 22, max: 10 }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("maxPromptArgChars"));
+    }
+
+    #[test]
+    fn session_modes_decide_whether_and_how_an_id_is_passed() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = sh_config(dir.path(), "true");
+        config.backend.session_mode = SessionMode::Always;
+        config.backend.session_arg = Some("--session-id".into());
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let first = oneshot.invocation("p", &[], None).unwrap();
+        let id = first.session_id.clone().expect("a new id under always");
+        assert!(!first.resumed);
+        assert!(
+            !first.args.iter().any(|a| a == "resume"),
+            "fresh args: {:?}",
+            first.args
+        );
+        let at = first.args.iter().position(|a| a == "--session-id").unwrap();
+        assert_eq!(first.args[at + 1], id);
+        oneshot.session = Some(StoredSession::new("s-9"));
+        let next = oneshot.invocation("p", &[], None).unwrap();
+        assert!(next.resumed && next.args.contains(&"s-9".to_owned()));
+
+        let mut config = sh_config(dir.path(), "true");
+        config.backend.session_mode = SessionMode::None;
+        config.session = Some(StoredSession::new("ignored"));
+        let oneshot = Oneshot::new(config).unwrap();
+        let none = oneshot.invocation("p", &[], None).unwrap();
+        assert!(none.session_id.is_none() && !none.resumed);
+        assert!(!none.args.iter().any(|a| a == "ignored"));
+    }
+
+    #[test]
+    fn the_system_prompt_and_images_are_passed_as_configured() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut oneshot = codex(dir.path());
+        oneshot.config.system_prompt = Some("be brief".into());
+        let file = dir.path().join("sp.md");
+        let images = [PathBuf::from("a.png"), PathBuf::from("b.png")];
+        let run = oneshot.invocation("p", &images, Some(&file)).unwrap();
+        let expected = format!(
+            "model_instructions_file={}",
+            toml_string(&file.display().to_string())
+        );
+        assert!(run.args.contains(&expected), "{:?}", run.args);
+        let n = run.args.len();
+        assert_eq!(
+            run.args[n - 5..],
+            ["--image", "a.png", "--image", "b.png", "p"]
+        );
+
+        let mut config = sh_config(dir.path(), "true");
+        config.backend.system_prompt_arg = Some("--system".into());
+        config.system_prompt = Some("be brief".into());
+        config.session = Some(StoredSession::new("s"));
+        let oneshot = Oneshot::new(config).unwrap();
+        let resumed = oneshot.invocation("p", &images, None).unwrap();
+        assert!(
+            !resumed.args.iter().any(|a| a == "--system"),
+            "first turn only"
+        );
+        assert_eq!(
+            resumed.args.last().map(String::as_str),
+            Some("p\n\na.png\nb.png")
+        );
+    }
+
+    #[tokio::test]
+    async fn with_input_arg_stdin_is_closed_and_the_jsonl_answer_session_and_tools_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        // `cat` would block forever on an open stdin.
+        let script = r#"cat >/dev/null
+echo '{"type":"thread.started","thread_id":"t-42"}'
+echo '{"type":"item.started","item":{"id":"c1","type":"command_execution","command":"echo hi"}}'
+echo '{"type":"item.completed","item":{"id":"c1","type":"command_execution","command":"echo hi"}}'
+echo 'not json'
+echo '{"type":"item.completed","item":{"id":"m","type":"agent_message","text":"args: '"$*"'"}}'
+echo '{"type":"turn.completed","usage":{"input_tokens":7,"output_tokens":3}}'"#;
+        let mut config = sh_config(dir.path(), script);
+        config.backend.text_transforms.input.push(TextRewrite {
+            from: "secret".into(),
+            to: "public".into(),
+        });
+        config.backend.text_transforms.output.push(TextRewrite {
+            from: "args".into(),
+            to: "ARGS".into(),
+        });
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let (outcome, events) = run(&mut oneshot, "a secret prompt").await;
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        assert_eq!(outcome.text, "ARGS: a public prompt");
+        assert_eq!(outcome.session_id.as_deref(), Some("t-42"));
+        assert_eq!(oneshot.session_id(), Some("t-42"));
+        assert_eq!(outcome.usage.input_tokens, 7);
+        assert_eq!(outcome.tool_calls, 1, "started and completed are one call");
+        assert_eq!(outcome.retained_lines, 6);
+        let names: Vec<_> = events.iter().map(BackendEvent::name).collect();
+        assert_eq!(names, ["tool.call", "assistant.message", "turn.end"]);
+
+        let (again, _) = run(&mut oneshot, "second").await;
+        assert!(again.resumed);
+        assert_eq!(again.text, "ARGS: resume t-42 second");
+    }
+
+    #[tokio::test]
+    async fn input_stdin_writes_the_prompt_and_closes_the_pipe_and_text_output_is_the_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = sh_config(dir.path(), "printf 'got: '; cat; echo");
+        config.backend.input = InputMode::Stdin;
+        config.backend.output = OutputFormat::Text;
+        config.backend.session_mode = SessionMode::None;
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let (outcome, _) = run(&mut oneshot, "from stdin").await;
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        assert_eq!(outcome.text, "got: from stdin");
+        assert_eq!(outcome.session_id, None);
+    }
+
+    #[tokio::test]
+    async fn a_json_document_gives_text_session_usage_and_is_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = r#"echo '{"result":"fine","session_id":"s-1","usage":{"input_tokens":5,"output_tokens":2,"cache_read_input_tokens":1}}'"#;
+        let mut config = sh_config(dir.path(), ok);
+        config.backend.output = OutputFormat::Json;
+        config.backend.session_id_fields = vec!["session_id".into()];
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let (outcome, _) = run(&mut oneshot, "p").await;
+        assert_eq!(
+            (outcome.end, outcome.text.as_str()),
+            (Some(TurnEnd::Idle), "fine")
+        );
+        assert_eq!(outcome.session_id.as_deref(), Some("s-1"));
+        assert_eq!(outcome.usage.cache_read_tokens, 1);
+
+        let failed = r#"echo '{"result":"API Error: refused","is_error":true,"terminal_reason":"api_error"}'; exit 1"#;
+        let mut config = sh_config(dir.path(), failed);
+        config.backend.output = OutputFormat::Json;
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let (outcome, _) = run(&mut oneshot, "p").await;
+        assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
+        assert!(matches!(&outcome.failure,
+            Some(TurnFailure::Cli { message, reason }) if message == "API Error: refused"
+                && reason.as_deref() == Some("api_error")));
+    }
+
+    #[tokio::test]
+    async fn a_killed_process_or_a_silent_nonzero_exit_is_a_crash_and_turn_failed_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        for (script, end) in [
+            (format!("echo '{MESSAGE}'; kill -9 $$"), TurnEnd::Crashed),
+            ("echo oops >&2; exit 3".to_owned(), TurnEnd::Crashed),
+            (
+                r#"echo '{"type":"error","message":"Reconnecting... 1/1"}'; echo '{"type":"turn.failed","error":{"message":"stream disconnected"}}'; exit 1"#.to_owned(),
+                TurnEnd::Error,
+            ),
+        ] {
+            let mut oneshot = Oneshot::new(sh_config(dir.path(), &script)).unwrap();
+            let started = std::time::Instant::now();
+            let (outcome, _) = run(&mut oneshot, "p").await;
+            assert_eq!(outcome.end, Some(end), "{script}: {outcome:?}");
+            assert!(started.elapsed() < Duration::from_secs(5), "at once");
+            match end {
+                TurnEnd::Crashed => assert!(
+                    matches!(&outcome.failure, Some(TurnFailure::Crashed { .. })),
+                    "{outcome:?}"
+                ),
+                _ => assert!(matches!(&outcome.failure,
+                    Some(TurnFailure::Cli { message, .. }) if message == "stream disconnected")),
+            }
+        }
+        let mut oneshot = Oneshot::new(sh_config(dir.path(), "echo oops >&2; exit 3")).unwrap();
+        let (outcome, _) = run(&mut oneshot, "p").await;
+        assert!(matches!(&outcome.failure,
+            Some(TurnFailure::Crashed { exit, stderr_tail }) if exit == "exit code 3" && stderr_tail == "oops\n"));
+    }
+
+    #[tokio::test]
+    async fn output_past_the_line_limit_ends_the_turn_with_a_typed_error_keeping_the_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = format!(
+            "echo '{MESSAGE}'; i=0; while [ $i -lt 1000 ]; do echo '{{\"type\":\"item.updated\"}}'; i=$((i+1)); done; sleep 30"
+        );
+        let mut config = sh_config(dir.path(), &script);
+        config.backend.output_limits.max_turn_lines = 10;
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let turn = oneshot.start_turn("p").await.unwrap();
+        let pid = turn.pid().expect("running");
+        let outcome = turn.finish().await;
+        assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
+        assert!(matches!(
+            outcome.failure,
+            Some(TurnFailure::OutputLimit {
+                key: "maxTurnLines",
+                limit: 10,
+                ..
+            })
+        ));
+        assert_eq!(outcome.text, "done", "the answer already received is kept");
+        assert_eq!(outcome.retained_lines, 11);
+        assert!(group_gone(pid).await, "the group was killed");
+    }
+
+    #[tokio::test]
+    async fn a_turn_past_its_timeout_or_aborted_kills_the_group() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = sh_config(dir.path(), "sleep 30 & wait");
+        config.turn_timeout = Duration::from_millis(300);
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let turn = oneshot.start_turn("p").await.unwrap();
+        let pid = turn.pid().expect("running");
+        let outcome = turn.finish().await;
+        assert_eq!(outcome.end, Some(TurnEnd::Timeout), "{outcome:?}");
+        assert!(matches!(
+            outcome.failure,
+            Some(TurnFailure::TimedOut { .. })
+        ));
+        assert!(group_gone(pid).await);
+
+        let mut oneshot = Oneshot::new(sh_config(dir.path(), "sleep 30 & wait")).unwrap();
+        let turn = oneshot.start_turn("p").await.unwrap();
+        let pid = turn.pid().expect("running");
+        turn.abort_handle().abort();
+        let started = std::time::Instant::now();
+        let outcome = turn.finish().await;
+        assert_eq!(outcome.end, Some(TurnEnd::Aborted), "{outcome:?}");
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert!(group_gone(pid).await);
+    }
+
+    #[tokio::test]
+    async fn codex_usage_is_diffed_against_the_totals_stored_with_the_session() {
+        let dir = tempfile::tempdir().unwrap();
+        // Thread totals grow by 100 input / 10 output tokens per turn, like Codex's.
+        let script = r#"n=$(cat count 2>/dev/null || echo 0); n=$((n+1)); echo $n > count
+echo '{"type":"thread.started","thread_id":"t-1"}'
+echo "{\"type\":\"turn.completed\",\"usage\":{\"input_tokens\":$((n*100)),\"output_tokens\":$((n*10))}}""#;
+        let mut config = sh_config(dir.path(), script);
+        config.dialect = Dialect::Codex;
+        let mut oneshot = Oneshot::new(config).unwrap();
+        for _ in 0..3 {
+            let (outcome, _) = run(&mut oneshot, "p").await;
+            assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+            assert_eq!(
+                (outcome.usage.input_tokens, outcome.usage.output_tokens),
+                (100, 10)
+            );
+        }
+        let stored = oneshot.stored_session().cloned().expect("stored");
+        assert_eq!(stored.usage_totals.input_tokens, 300);
+        let text = serde_json::to_string(&stored).unwrap();
+        assert!(text.contains("usageTotals"), "{text}");
+
+        // A new process (the pool restarted) resumes from the persisted totals.
+        let mut config = sh_config(dir.path(), script);
+        config.dialect = Dialect::Codex;
+        config.session = Some(serde_json::from_str(&text).unwrap());
+        let mut resumed = Oneshot::new(config).unwrap();
+        let (outcome, _) = run(&mut resumed, "p").await;
+        assert!(outcome.resumed);
+        assert_eq!(outcome.usage.input_tokens, 100);
+    }
+
+    #[test]
+    fn usage_totals_that_went_down_count_from_zero() {
+        let earlier = UsageTotals {
+            input_tokens: 500,
+            ..UsageTotals::default()
+        };
+        let now = UsageTotals {
+            input_tokens: 120,
+            output_tokens: 4,
+            ..UsageTotals::default()
+        };
+        assert_eq!(now.since(earlier).input_tokens, 120);
+    }
+
+    #[test]
+    fn the_config_debug_never_shows_the_key() {
+        let mut config = OneshotConfig::codex("/c", "/h", "/w");
+        config.api_key = Some(Secret::new("sk-FAKE-very-secret"));
+        assert!(!format!("{config:?}").contains("very-secret"));
+    }
+
+    /// Whether process group `pgid` is empty within a few seconds.
+    async fn group_gone(pgid: u32) -> bool {
+        let pgid = nix::unistd::Pid::from_raw(i32::try_from(pgid).unwrap());
+        for _ in 0..100 {
+            if nix::sys::signal::killpg(pgid, None).is_err() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+}
