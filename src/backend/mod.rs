@@ -1,8 +1,10 @@
 //! Backends: which kind of agent CLI holds a conversation (issue 17). Owns the backend
 //! notion ([`BackendKind`]), the configuration surface of CLI backends
 //! ([`CliBackendConfig`], submodule `config`), the event vocabulary every backend's turn
-//! speaks ([`BackendEvent`], the names of the daemon's SSE events) and the first CLI
-//! backend, Claude Code as one live stdio process per conversation ([`claude_live`]).
+//! speaks ([`BackendEvent`], the names of the daemon's SSE events), the first CLI
+//! backend, Claude Code as one live stdio process per conversation ([`claude_live`]), and
+//! what Gemini CLI needs around its process-per-turn runs ([`gemini`]: its settings file,
+//! its JSON output and exit codes, where its transcripts live).
 //!
 //! Library only so far: the pool's leasing, keys, caps and metrics do not route to these
 //! backends yet; a caller drives a [`claude_live::ClaudeLive`] directly.
@@ -10,6 +12,7 @@
 pub mod claude_live;
 mod config;
 mod event;
+pub mod gemini;
 
 pub use config::{
     CliBackendConfig, ConfigError, DEFAULT_MAX_TURN_LINES, DEFAULT_MAX_TURN_RAW_CHARS, ImageMode,
