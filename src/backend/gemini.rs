@@ -105,14 +105,19 @@ pub enum GeminiError {
         /// The CLI's message.
         message: String,
     },
-    /// Any other failure (exit 1: the model call failed, e.g. the endpoint is unreachable).
+    /// Any other failure: the model call failed (the endpoint is unreachable, or answered
+    /// with an error status) or the CLI broke.
     #[error(
         "Gemini CLI failed ({exit}): {message}; check the model endpoint and key the backend \
          was given"
     )]
     Failed {
-        /// How it ended (`exit code 1`).
+        /// How it ended (`exit code 1`; after an error answer the exit code is its HTTP status
+        /// modulo 256: `exit code 247` for a 503).
         exit: String,
+        /// The `error.code` of the CLI's JSON error: the model's HTTP status when the model
+        /// answered with one (429, 503, ...), 1 when it could not be reached.
+        code: Option<i64>,
         /// The CLI's message, or the end of its stderr.
         message: String,
     },
@@ -284,8 +289,9 @@ fn set_path(root: &mut Value, keys: &[&str], value: Value) {
 
 /// One run's result from how it exited, its stdout (`--output-format json`: one JSON
 /// object) and the end of its stderr. Exit 0 with a `response` is the answer; everything
-/// else is a [`GeminiError`] carrying the CLI's own message (`error.message` of the JSON
-/// when there is one, else the end of stderr without the CLI's start-up noise).
+/// else is a [`GeminiError`] carrying the CLI's own message: `error.message` of its JSON
+/// error (on stdout, or pretty-printed at the end of stderr, where 0.61.0 puts it after a
+/// failed model call), else the end of stderr without the CLI's start-up noise.
 pub fn parse_output(
     exit: ExitInfo,
     stdout: &str,
@@ -300,10 +306,18 @@ pub fn parse_output(
             });
         }
     };
-    let json_error = document
-        .as_ref()
-        .and_then(|d| d.get("error"))
-        .filter(|e| !e.is_null());
+    let error_of = |d: Option<&Value>| {
+        d.and_then(|d| d.get("error"))
+            .filter(|e| !e.is_null())
+            .cloned()
+    };
+    let json_error = error_of(document.as_ref()).or_else(|| {
+        if code == 0 {
+            None
+        } else {
+            error_of(trailing_json(stderr).as_ref())
+        }
+    });
     if code == 0 && json_error.is_none() {
         let Some(document) = document else {
             return Err(GeminiError::Unreadable {
@@ -331,10 +345,15 @@ pub fn parse_output(
         });
     }
     let message = json_error
+        .as_ref()
         .and_then(|e| e.get("message"))
         .and_then(Value::as_str)
         .map(str::to_owned)
         .unwrap_or_else(|| stderr_message(stderr));
+    let error_code = json_error
+        .as_ref()
+        .and_then(|e| e.get("code"))
+        .and_then(Value::as_i64);
     Err(match code {
         EXIT_AUTH => GeminiError::Auth { message },
         EXIT_INPUT if is_resume_miss(stderr) || is_resume_miss(&message) => {
@@ -345,6 +364,7 @@ pub fn parse_output(
         EXIT_UNTRUSTED => GeminiError::UntrustedFolder { message },
         _ => GeminiError::Failed {
             exit: exit.to_string(),
+            code: error_code,
             message,
         },
     })
@@ -361,6 +381,23 @@ fn json_document(stdout: &str) -> Option<Value> {
         .rev()
         .filter(|l| l.trim_start().starts_with('{'))
         .find_map(|l| match serde_json::from_str(l.trim()) {
+            Ok(value @ Value::Object(_)) => Some(value),
+            _ => None,
+        })
+}
+
+/// The JSON object that ends `text`: from the last line that opens one (`{` at the start of
+/// a line) to the end.
+fn trailing_json(text: &str) -> Option<Value> {
+    let starts: Vec<usize> = text
+        .match_indices('{')
+        .map(|(i, _)| i)
+        .filter(|&i| i == 0 || text[..i].ends_with('\n'))
+        .collect();
+    starts
+        .into_iter()
+        .rev()
+        .find_map(|i| match serde_json::from_str(text[i..].trim()) {
             Ok(value @ Value::Object(_)) => Some(value),
             _ => None,
         })
@@ -574,13 +611,31 @@ mod tests {
             err,
             GeminiError::Failed {
                 exit: "exit code 1".into(),
+                code: None,
                 message: "Error when talking to Gemini API\nfetch failed".into()
             }
         );
         let json =
             r#"{"session_id":"s","error":{"type":"Error","message":"fetch failed","code":1}}"#;
         let err = parse_output(ExitInfo::Code(1), json, "a long trace").unwrap_err();
-        assert!(matches!(&err, GeminiError::Failed { message, .. } if message == "fetch failed"));
+        assert!(
+            matches!(&err, GeminiError::Failed { message, code: Some(1), .. } if message == "fetch failed")
+        );
+        // A 503 answer as 0.61.0 reports it: exit 503 % 256, the trace and then the
+        // pretty-printed JSON error on stderr, nothing on stdout.
+        let stderr = "Error when talking to Gemini API\n    at async main (gemini.js:1:1) {\n  \
+                      status: 503\n}\n{\n  \"session_id\": \"s\",\n  \"error\": {\n    \
+                      \"type\": \"Error\",\n    \"message\": \"scripted upstream failure\",\n    \
+                      \"code\": 503\n  }\n}\n";
+        let err = parse_output(ExitInfo::Code(247), "", stderr).unwrap_err();
+        assert_eq!(
+            err,
+            GeminiError::Failed {
+                exit: "exit code 247".into(),
+                code: Some(503),
+                message: "scripted upstream failure".into()
+            }
+        );
 
         let err = parse_output(ExitInfo::Signal(9), ANSWER, "").unwrap_err();
         assert!(matches!(err, GeminiError::Killed { .. }), "{err:?}");
