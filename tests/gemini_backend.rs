@@ -2,7 +2,8 @@
 //! npm by the library's installer, run with `node`) and the crate's scripted model speaking
 //! the Gemini API on loopback: a turn (with and without the model router), a resume that
 //! carries the first turn to the model, a tool call of the CLI's own `read_file`, an error
-//! answer and a dead endpoint that both fail after one attempt, and an unknown resume id.
+//! answer tried once, a dead endpoint failing within seconds of the CLI's start-up, and an
+//! unknown resume id.
 //!
 //! Until the process-per-turn runner lands, each run is spawned here directly with the
 //! bundled configuration's argv and environment, the settings `backend::gemini` writes and
@@ -102,6 +103,21 @@ impl Fixture {
         model: Option<&str>,
         base_url: &str,
     ) -> Run {
+        let spec = self.spec(agent, prompt, session, model, base_url).await;
+        spawn_run(&spec, RUN_LIMIT)
+            .await
+            .unwrap_or_else(|stderr| panic!("gemini ran past {RUN_LIMIT:?}: {stderr}"))
+    }
+
+    /// The bundled backend's child for one run (settings written, directories made).
+    async fn spec(
+        &self,
+        agent: &str,
+        prompt: &str,
+        session: Option<&str>,
+        model: Option<&str>,
+        base_url: &str,
+    ) -> ChildSpec {
         let config = CliBackendConfig::google_gemini_cli();
         config
             .validate(gemini::BACKEND_ID)
@@ -133,42 +149,11 @@ impl Fixture {
         let key_var = config.api_key_env.clone().expect("apiKeyEnv");
         env.push((url_var.into(), base_url.into()));
         env.push((key_var.into(), KEY.into()));
-        let spec = ChildSpec {
+        ChildSpec {
             program: launch.program,
             args,
             env,
             cwd,
-        };
-
-        let _slot = SLOTS.acquire().await.expect("slots");
-        let started = Instant::now();
-        let (child, io) = ChildGroup::spawn(&spec).expect("spawn gemini");
-        // Closed stdin: `--prompt` appends piped stdin to the prompt.
-        drop(io.stdin);
-        let mut stdout = io.stdout;
-        let mut out = Vec::new();
-        let exit = tokio::time::timeout(RUN_LIMIT, async {
-            let _ = stdout.read_to_end(&mut out).await;
-            child.wait().await
-        })
-        .await
-        .unwrap_or_else(|_| panic!("gemini ran past {RUN_LIMIT:?}: {}", child.stderr().text()));
-        let took = started.elapsed();
-        child.stderr().settled(Duration::from_secs(2)).await;
-        let pid = child.pid();
-        let stderr = child.stderr().text();
-        drop(child);
-        assert!(
-            wait_group_gone(pid, Duration::from_secs(10))
-                .await
-                .is_empty(),
-            "the run's process group is gone"
-        );
-        Run {
-            exit,
-            stdout: String::from_utf8_lossy(&out).into_owned(),
-            stderr,
-            took,
         }
     }
 
@@ -180,6 +165,44 @@ impl Fixture {
             .filter(|r| r.path.ends_with(":streamGenerateContent"))
             .collect()
     }
+}
+
+/// Spawns `spec` in its own process group with stdin closed (`--prompt` appends piped stdin
+/// to the prompt) and collects it. Past `limit` the group is killed and the end of its
+/// stderr returned instead. Either way the group is gone afterwards.
+async fn spawn_run(spec: &ChildSpec, limit: Duration) -> Result<Run, String> {
+    let _slot = SLOTS.acquire().await.expect("slots");
+    let started = Instant::now();
+    let (child, io) = ChildGroup::spawn(spec).expect("spawn gemini");
+    drop(io.stdin);
+    let mut stdout = io.stdout;
+    let mut out = Vec::new();
+    let exit = tokio::time::timeout(limit, async {
+        let _ = stdout.read_to_end(&mut out).await;
+        child.wait().await
+    })
+    .await;
+    let took = started.elapsed();
+    let pid = child.pid();
+    if exit.is_ok() {
+        child.stderr().settled(Duration::from_secs(2)).await;
+    }
+    let stderr = child.stderr().text();
+    // Dropping the group kills whatever is left of it.
+    drop(child);
+    assert!(
+        wait_group_gone(pid, Duration::from_secs(10))
+            .await
+            .is_empty(),
+        "the run's process group is gone"
+    );
+    let exit = exit.map_err(|_| stderr.clone())?;
+    Ok(Run {
+        exit,
+        stdout: String::from_utf8_lossy(&out).into_owned(),
+        stderr,
+        took,
+    })
 }
 
 /// Every content of a Gemini request as `<role>: <text parts>`, joined (to look for an
@@ -327,10 +350,8 @@ async fn a_tool_call_of_the_clis_own_read_file_reaches_the_model_as_a_function_r
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_error_answer_and_a_dead_endpoint_fail_the_run_after_one_attempt() {
+async fn an_error_answer_is_tried_once_and_fails_the_run_with_its_status() {
     let fx = Fixture::new().await;
-
-    // The endpoint answers 503: exactly one attempt (`general.maxAttempts = 1`).
     let failed = fx
         .run(
             "error",
@@ -349,30 +370,44 @@ async fn an_error_answer_and_a_dead_endpoint_fail_the_run_after_one_attempt() {
     assert_eq!(
         fx.model.requests().len(),
         1,
-        "one attempt, no retries: {:?}",
+        "one attempt (`general.maxAttempts = 1`), no retries: {:?}",
         fx.model.requests()
     );
+}
 
-    // Nothing listens: the CLI gives up at its first failed fetch.
-    let dead = format!("http://127.0.0.1:{}", dead_port());
-    let unreachable = fx
-        .run("dead", "REPLY=never answered", None, Some(MODEL), &dead)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_endpoint_fails_the_run_within_seconds_of_the_clis_start_up() {
+    let fx = Fixture::new().await;
+    // The CLI's own start-up on this machine now (a loaded machine stretches it a lot):
+    // `--version` boots the same bundle.
+    let launch = gemini_launch().await;
+    let mut version = fx
+        .spec("dead", "unused", None, Some(MODEL), &fx.base_url())
         .await;
+    version.args = launch.args.clone();
+    version.args.push("--version".into());
+    let start_up = spawn_run(&version, RUN_LIMIT)
+        .await
+        .expect("--version ends")
+        .took;
+
+    // Nothing listens. Unbounded, the CLI retries for minutes; bounded (one attempt, no
+    // retry of fetch errors) it gives up at the first failed fetch.
+    let limit = start_up + Duration::from_secs(10);
+    let dead = format!("http://127.0.0.1:{}", dead_port());
+    let spec = fx
+        .spec("dead", "REPLY=never answered", None, Some(MODEL), &dead)
+        .await;
+    let run = spawn_run(&spec, limit).await.unwrap_or_else(|stderr| {
+        panic!("a dead endpoint kept the CLI past {limit:?} (start-up {start_up:?}): {stderr}")
+    });
     eprintln!(
-        "measured: dead endpoint to exit {:?} (a 503 run took {:?})",
-        unreachable.took, failed.took
+        "measured: dead endpoint to exit {:?} (--version: {start_up:?})",
+        run.took
     );
-    let err = unreachable.parsed().expect_err("the run fails");
+    let err = run.parsed().expect_err("the run fails");
     assert!(matches!(err, GeminiError::Failed { .. }), "{err:?}");
-    // Unbounded, the CLI retries for minutes. Bounded, a dead endpoint costs no more than a
-    // run that got an answer: node's start-up, which a loaded machine stretches, plus
-    // seconds.
-    assert!(
-        unreachable.took < failed.took + Duration::from_secs(10),
-        "a dead endpoint fails fast: {:?} (an answered run: {:?})",
-        unreachable.took,
-        failed.took
-    );
+    assert!(fx.model.requests().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
