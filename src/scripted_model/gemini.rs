@@ -291,7 +291,7 @@ fn status_name(status: u16) -> &'static str {
         499 => "CANCELLED",
         503 => "UNAVAILABLE",
         504 => "DEADLINE_EXCEEDED",
-        400..=499 => "FAILED_PRECONDITION",
+        402 | 405..=428 | 430..=498 => "FAILED_PRECONDITION",
         _ => "INTERNAL",
     }
 }
@@ -490,6 +490,8 @@ mod tests {
         assert_eq!(error["error"]["status"], "RESOURCE_EXHAUSTED");
         let error: Value = serde_json::from_str(&error_body(500)).unwrap();
         assert_eq!(error["error"]["status"], "INTERNAL");
+        let error: Value = serde_json::from_str(&error_body(418)).unwrap();
+        assert_eq!(error["error"]["status"], "FAILED_PRECONDITION");
     }
 
     #[tokio::test]
