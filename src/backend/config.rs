@@ -1,6 +1,7 @@
 //! The configuration surface of one CLI backend (issue 17, item 2): the product page's
 //! `agents.defaults.cliBackends.<id>` keys with their meaning, as a serde struct read from our
-//! TOML (or JSON), its validation, and the bundled defaults for `claude-cli` and `codex-cli`.
+//! TOML (or JSON), its validation, and the bundled defaults (`claude-cli`, `codex-cli`,
+//! `google-gemini-cli`).
 //!
 //! Keys keep the page's camelCase spelling (`resumeArgs`, `maxPromptArgChars`, ...), so a
 //! configuration written for the page reads the same here; unknown keys are refused.
@@ -219,6 +220,14 @@ pub struct CliBackendConfig {
     /// Extra environment of the child (no credentials: those go in the backend's secret).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// The environment variable that carries the backend's secret (the model key) into the
+    /// child, and only there (`GEMINI_API_KEY`). Not set: the CLI gets no key from the pool.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    /// The environment variable that carries the model endpoint's base URL, when the pool
+    /// points the CLI at one (`GOOGLE_GEMINI_BASE_URL`). Not set: the CLI's own default.
+    #[serde(default)]
+    pub base_url_env: Option<String>,
     /// Limits on the output a turn retains.
     #[serde(default)]
     pub output_limits: OutputLimits,
@@ -273,6 +282,8 @@ impl CliBackendConfig {
             image_mode: ImageMode::default(),
             serialize: false,
             env: BTreeMap::new(),
+            api_key_env: None,
+            base_url_env: None,
             output_limits: OutputLimits::default(),
             text_transforms: TextTransforms::default(),
         }
@@ -391,11 +402,56 @@ impl CliBackendConfig {
         config
     }
 
-    /// The bundled default of a backend id, if there is one (`claude-cli`, `codex-cli`).
+    /// The bundled `google-gemini-cli` backend (reference: `cli-backends.md` §5): a process
+    /// per turn, `--output-format json --prompt {prompt}` (one JSON object: `response`,
+    /// `session_id`, usage under `stats.models.*.tokens`), `--resume {sessionId}` to continue
+    /// a stored session (the CLI's own transcript must exist: see
+    /// [`crate::backend::gemini::transcript_path`]), `--model` so each turn makes one model
+    /// call instead of a router call first. The key goes in `GEMINI_API_KEY` and the endpoint
+    /// in `GOOGLE_GEMINI_BASE_URL`, both only in the child's environment; the workspace is
+    /// trusted by `GEMINI_CLI_TRUST_WORKSPACE` (else exit 55) and the self-relaunch (a second
+    /// Node boot, 1–4 s) is off.
+    ///
+    /// Not expressible here and required before the first run: the auth type, telemetry,
+    /// auto-update and the retry bound in `<home>/.gemini/settings.json`
+    /// ([`crate::backend::gemini::write_settings`]); stdin must be closed or `/dev/null`
+    /// (`--prompt` appends piped stdin to the prompt).
+    pub fn google_gemini_cli() -> Self {
+        let strings = |list: &[&str]| list.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let mut config = Self::new("gemini");
+        config.kind = BackendKind::CliOneshot;
+        config.args = strings(&["--output-format", "json", "--prompt", PROMPT_PLACEHOLDER]);
+        config.resume_args = Some(strings(&[
+            "--resume",
+            SESSION_ID_PLACEHOLDER,
+            "--output-format",
+            "json",
+            "--prompt",
+            PROMPT_PLACEHOLDER,
+        ]));
+        config.output = OutputFormat::Json;
+        config.input = InputMode::Arg;
+        config.model_arg = Some("--model".to_owned());
+        config.session_mode = SessionMode::Existing;
+        config.session_id_fields = strings(&["session_id"]);
+        // A resume must see the previous turn's transcript: one run at a time.
+        config.serialize = true;
+        config.env = BTreeMap::from([
+            ("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "true".to_owned()),
+            ("GEMINI_CLI_NO_RELAUNCH".to_owned(), "true".to_owned()),
+        ]);
+        config.api_key_env = Some("GEMINI_API_KEY".to_owned());
+        config.base_url_env = Some("GOOGLE_GEMINI_BASE_URL".to_owned());
+        config
+    }
+
+    /// The bundled default of a backend id, if there is one (`claude-cli`, `codex-cli`,
+    /// `google-gemini-cli`).
     pub fn bundled(id: &str) -> Option<Self> {
         match id {
             "claude-cli" => Some(Self::claude_cli()),
             "codex-cli" => Some(Self::codex_cli()),
+            "google-gemini-cli" => Some(Self::google_gemini_cli()),
             _ => None,
         }
     }
@@ -618,6 +674,30 @@ impl CliBackendConfig {
                 ));
             }
         }
+        let routed = [
+            ("apiKeyEnv", &self.api_key_env),
+            ("baseUrlEnv", &self.base_url_env),
+        ];
+        for (key, name) in routed {
+            let Some(name) = name else { continue };
+            if !is_env_name(name) {
+                return fail(format!(
+                    "`{key}` is `{name}`, which is not an environment variable name; use \
+                     letters, digits and `_`, not starting with a digit (e.g. `GEMINI_API_KEY`)"
+                ));
+            }
+            if self.env.contains_key(name) {
+                return fail(format!(
+                    "`{key}` names `{name}`, which `env` also sets; remove it from `env`: the \
+                     pool fills it for each run"
+                ));
+            }
+        }
+        if self.api_key_env.is_some() && self.api_key_env == self.base_url_env {
+            return fail(
+                "`apiKeyEnv` and `baseUrlEnv` name the same variable; give each its own".to_owned(),
+            );
+        }
         let limits = self.output_limits;
         if limits.max_turn_raw_chars == 0 || limits.max_turn_raw_chars > MAX_TURN_RAW_CHARS_CAP {
             return fail(format!(
@@ -676,6 +756,15 @@ fn unknown_placeholder(arg: &str) -> Option<String> {
         rest = &after[end + 1..];
     }
     None
+}
+
+/// A portable environment variable name: `[A-Za-z_][A-Za-z0-9_]*`.
+fn is_env_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
 /// Environment names that hold credentials (`*_API_KEY`, `*_TOKEN`, `*_SECRET`, `*PASSWORD*`).
@@ -744,6 +833,64 @@ mod tests {
             1,
             "{resumed:?}"
         );
+    }
+
+    #[test]
+    fn the_bundled_gemini_backend_is_a_valid_oneshot_with_json_output_resume_and_trust() {
+        let gemini = CliBackendConfig::bundled("google-gemini-cli").expect("bundled");
+        gemini.validate("google-gemini-cli").expect("valid");
+        assert_eq!(gemini.kind, BackendKind::CliOneshot);
+        assert_eq!(gemini.output, OutputFormat::Json);
+        assert_eq!(gemini.session_id_fields, ["session_id"]);
+        assert_eq!(gemini.env["GEMINI_CLI_TRUST_WORKSPACE"], "true");
+        assert_eq!(gemini.env["GEMINI_CLI_NO_RELAUNCH"], "true");
+        assert_eq!(gemini.api_key_env.as_deref(), Some("GEMINI_API_KEY"));
+        assert_eq!(
+            gemini.base_url_env.as_deref(),
+            Some("GOOGLE_GEMINI_BASE_URL")
+        );
+        assert_eq!(
+            gemini.argv(None, Some("gemini-2.5-pro")),
+            [
+                "--output-format",
+                "json",
+                "--prompt",
+                "{prompt}",
+                "--model",
+                "gemini-2.5-pro"
+            ]
+        );
+        assert_eq!(
+            gemini.argv(Some("95642bd1-0b6b"), None),
+            [
+                "--resume",
+                "95642bd1-0b6b",
+                "--output-format",
+                "json",
+                "--prompt",
+                "{prompt}"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_key_and_endpoint_variables_must_be_names_the_env_table_does_not_also_set() {
+        let mut c = CliBackendConfig::google_gemini_cli();
+        c.api_key_env = Some("GEMINI API KEY".into());
+        assert!(problem(&c).contains("not an environment variable name"));
+        let mut c = CliBackendConfig::google_gemini_cli();
+        c.base_url_env = Some("GEMINI_CLI_NO_RELAUNCH".into());
+        assert!(problem(&c).contains("which `env` also sets"));
+        let mut c = CliBackendConfig::google_gemini_cli();
+        c.base_url_env = c.api_key_env.clone();
+        assert!(problem(&c).contains("name the same variable"));
+        let read: CliBackendConfig = serde_json::from_str(
+            r#"{"command":"gemini","sessionMode":"none","apiKeyEnv":"K","baseUrlEnv":"U"}"#,
+        )
+        .expect("camelCase keys");
+        assert_eq!(read.api_key_env.as_deref(), Some("K"));
+        assert_eq!(read.base_url_env.as_deref(), Some("U"));
+        read.validate("g").expect("valid");
     }
 
     #[test]

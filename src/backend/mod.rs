@@ -1,9 +1,11 @@
 //! Backends: which kind of agent CLI holds a conversation (issue 17). Owns the backend
 //! notion ([`BackendKind`]), the configuration surface of CLI backends
 //! ([`CliBackendConfig`], submodule `config`), the event vocabulary every backend's turn
-//! speaks ([`BackendEvent`], the names of the daemon's SSE events) and the two CLI
-//! runners: Claude Code as one live stdio process per conversation ([`claude_live`]), and
-//! a process per turn for `cli-oneshot` backends such as Codex ([`oneshot`]).
+//! speaks ([`BackendEvent`], the names of the daemon's SSE events), the two CLI runners:
+//! Claude Code as one live stdio process per conversation ([`claude_live`]) and a process
+//! per turn for `cli-oneshot` backends such as Codex ([`oneshot`]), and what Gemini CLI
+//! needs around its runs ([`gemini`]: its settings file, its JSON output and exit codes,
+//! where its transcripts live).
 //!
 //! Library only so far: the pool's leasing, keys, caps and metrics do not route to these
 //! backends yet; a caller drives a [`claude_live::ClaudeLive`] or a [`oneshot::Oneshot`]
@@ -12,6 +14,7 @@
 pub mod claude_live;
 mod config;
 mod event;
+pub mod gemini;
 pub mod oneshot;
 
 pub use config::{

@@ -15,8 +15,8 @@
 //!   installs, then `copilot` on `PATH`.
 //! * [`find_or_install_node_sdk`] does the same for the official Node SDK
 //!   (`@github/copilot-sdk`), which `copilot-pool bench` and the SDK endpoint's tests drive.
-//! * [`install_agent_cli`] installs another agent CLI ([`AgentCli`]: Claude Code, Codex) the
-//!   same way, for the CLI backends of [`crate::backend`].
+//! * [`install_agent_cli`] installs another agent CLI ([`AgentCli`]: Claude Code, Codex,
+//!   Gemini CLI) the same way, for the CLI backends of [`crate::backend`].
 //!
 //! Every function that reads the environment takes a lookup closure (`Fn(&str) ->
 //! Option<OsString>`); pass [`process_env`] to read the real process environment.
@@ -31,7 +31,7 @@ mod platform;
 
 pub use agent_cli::{
     AgentCli, CLAUDE_CODE_VERSION, CLAUDE_PATH_ENV, CODEX_PATH_ENV, CODEX_VERSION,
-    InstalledAgentCli, install_agent_cli,
+    GEMINI_CLI_VERSION, GEMINI_PATH_ENV, InstalledAgentCli, Launch, NodeMissing, install_agent_cli,
 };
 pub use cache::{CACHE_DIR_ENV, CacheDirError, cache_dir};
 pub use flavour::{CLI_VERSION, Flavour, ParseFlavourError, RUNTIME_VERSION};

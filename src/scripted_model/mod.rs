@@ -3,9 +3,10 @@
 //!
 //! It speaks every wire format a BYOK provider shape uses, chosen by the path a model call
 //! is posted to ([`WireFormat`]): OpenAI chat completions (`…/chat/completions`: `openai`,
-//! azure, OpenAI-compatible local servers), the OpenAI responses API (`…/responses`) and
-//! Anthropic messages (`…/messages`), each as one JSON document or as server-sent events,
-//! tool calls included. Real Copilot CLI processes reach it either over HTTP — a BYOK
+//! azure, OpenAI-compatible local servers), the OpenAI responses API (`…/responses`),
+//! Anthropic messages (`…/messages`) and the Gemini API (`…/models/<m>:generateContent`,
+//! `:streamGenerateContent`), each as one JSON document or as server-sent events, tool calls
+//! included. Real Copilot CLI processes reach it either over HTTP — a BYOK
 //! provider whose base URL points at [`ScriptedModel::serve_http`] — or through the
 //! JSON-RPC model tunnel, for which [`ScriptedModel`] implements
 //! [`crate::tunnel::ModelTunnel`]. Both transports share one decision function and the same
@@ -23,7 +24,9 @@
 //! * `openai` — rendering an answer as `chat.completion` JSON or SSE chunks;
 //! * `responses` — reading a responses-API request, rendering a `response` or its events;
 //! * `anthropic` — reading a messages request, rendering a `message` or its events;
-//! * `stream` — the timing of the responses and messages streams (slow, flood, hang);
+//! * `gemini` — reading a `generateContent` request, rendering a `GenerateContentResponse`
+//!   or its SSE chunks, and answering Gemini CLI's JSON-mode router calls from their schema;
+//! * `stream` — the timing of the responses, messages and Gemini streams (slow, flood, hang);
 //! * `model` — the shared state and the request router;
 //! * `log` — the request log;
 //! * `http` — the loopback axum endpoint;
@@ -35,6 +38,7 @@
 mod anthropic;
 pub mod copilot_api;
 mod error;
+mod gemini;
 mod http;
 mod log;
 mod model;

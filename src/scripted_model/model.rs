@@ -12,11 +12,11 @@ use tokio::sync::watch;
 use super::log::{Answer, RecordedRequest, RequestLog, Transport};
 use super::openai::{self, Completion};
 use super::script::{self, ChatRequest, Decision, Reply};
-use super::{anthropic, responses, stream};
+use super::{anthropic, gemini, responses, stream};
 use crate::tunnel::ModelResponse;
 
 /// A scripted model for tests and the demo: OpenAI chat completions, the OpenAI responses
-/// API and Anthropic messages.
+/// API, Anthropic messages and the Gemini API.
 ///
 /// Cheap to clone (all clones share one state). Answers are decided by
 /// [`script`](super::script) rules or by replies queued with [`ScriptedModel::push_reply`].
@@ -79,12 +79,21 @@ pub enum WireFormat {
     Responses,
     /// Anthropic messages: `POST …/messages`.
     AnthropicMessages,
+    /// The Gemini API, one document: `POST …/models/<model>:generateContent`.
+    GeminiGenerateContent,
+    /// The Gemini API, SSE: `POST …/models/<model>:streamGenerateContent` (`?alt=sse`).
+    GeminiStreamGenerateContent,
 }
 
 impl WireFormat {
     /// The format a `POST` to `path` (no query, no trailing slash) speaks, if any.
     pub fn of_path(path: &str) -> Option<Self> {
-        if path.ends_with("/chat/completions") {
+        if let Some((_, method)) = gemini::route(path) {
+            Some(match method {
+                gemini::Method::Generate => Self::GeminiGenerateContent,
+                gemini::Method::Stream => Self::GeminiStreamGenerateContent,
+            })
+        } else if path.ends_with("/chat/completions") {
             Some(Self::ChatCompletions)
         } else if path.ends_with("/responses") {
             Some(Self::Responses)
@@ -95,11 +104,27 @@ impl WireFormat {
         }
     }
 
-    fn parse(self, body: &Value) -> Result<ChatRequest, String> {
+    fn parse(self, body: &Value, path: &str) -> Result<ChatRequest, String> {
         match self {
             Self::ChatCompletions => ChatRequest::from_json(body),
             Self::Responses => responses::parse(body),
             Self::AnthropicMessages => anthropic::parse(body),
+            Self::GeminiGenerateContent | Self::GeminiStreamGenerateContent => {
+                let (model, method) = gemini::route(path)
+                    .ok_or_else(|| format!("`{path}` names no model and method"))?;
+                gemini::parse(body, model, method)
+            }
+        }
+    }
+
+    /// The answer to a side call that the script does not decide (Gemini's JSON-mode
+    /// calls, answered from their schema), if this is one.
+    fn side_answer(self, body: &Value) -> Option<String> {
+        match self {
+            Self::GeminiGenerateContent | Self::GeminiStreamGenerateContent => {
+                gemini::json_mode_answer(body)
+            }
+            Self::ChatCompletions | Self::Responses | Self::AnthropicMessages => None,
         }
     }
 
@@ -108,6 +133,9 @@ impl WireFormat {
             Self::ChatCompletions => openai::error_body(status),
             Self::Responses => responses::error_body(status),
             Self::AnthropicMessages => anthropic::error_body(status),
+            Self::GeminiGenerateContent | Self::GeminiStreamGenerateContent => {
+                gemini::error_body(status)
+            }
         }
     }
 
@@ -117,6 +145,9 @@ impl WireFormat {
                 openai::invalid_request_body(reason, "bad_request")
             }
             Self::AnthropicMessages => anthropic::invalid_request_body(reason),
+            Self::GeminiGenerateContent | Self::GeminiStreamGenerateContent => {
+                gemini::invalid_request_body(reason)
+            }
         }
     }
 }
@@ -155,12 +186,22 @@ impl Rendering {
         }
     }
 
+    fn content(&self) -> gemini::ContentMeta {
+        gemini::ContentMeta {
+            response_id: format!("scripted-{}", self.number),
+            model: self.model.clone(),
+        }
+    }
+
     /// The whole body of a text or tool-call answer.
     fn body(&self, decision: &Decision) -> String {
         match self.format {
             WireFormat::ChatCompletions => openai::completion_body(&self.completion(), decision),
             WireFormat::Responses => responses::response_body(&self.response(), decision),
             WireFormat::AnthropicMessages => anthropic::message_body(&self.message(), decision),
+            WireFormat::GeminiGenerateContent | WireFormat::GeminiStreamGenerateContent => {
+                gemini::response_body(&self.content(), decision)
+            }
         }
     }
 
@@ -182,6 +223,13 @@ impl Rendering {
                 decision,
                 shutdown,
             ),
+            WireFormat::GeminiGenerateContent | WireFormat::GeminiStreamGenerateContent => {
+                stream::stream(
+                    gemini::ContentStream::new(self.content()),
+                    decision,
+                    shutdown,
+                )
+            }
         }
     }
 }
@@ -283,7 +331,7 @@ impl ScriptedModel {
     async fn model_call(&self, format: WireFormat, request: Incoming<'_>) -> ModelResponse {
         let parsed = serde_json::from_slice::<Value>(request.body)
             .map_err(|e| (Value::Null, format!("request body is not JSON: {e}")))
-            .and_then(|body| match format.parse(&body) {
+            .and_then(|body| match format.parse(&body, request.path) {
                 Ok(chat) => Ok((body, chat)),
                 Err(reason) => Err((body, reason)),
             });
@@ -295,12 +343,22 @@ impl ScriptedModel {
                 return ModelResponse::full(400, JSON, answer);
             }
         };
+        let side = format.side_answer(&body);
         let (number, queued) = {
             let mut state = self.lock();
             state.served += 1;
-            (state.served, state.queue.pop_front())
+            // A side call never takes a reply queued for the conversation.
+            let queued = if side.is_none() {
+                state.queue.pop_front()
+            } else {
+                None
+            };
+            (state.served, queued)
         };
-        let decision = script::decide(&chat, number, queued);
+        let decision = match side {
+            Some(text) => Decision::Text(text),
+            None => script::decide(&chat, number, queued),
+        };
         self.record(
             &request,
             body,
@@ -518,6 +576,90 @@ mod tests {
         let log = model.requests();
         assert_eq!(log[0].answer, Answer::Reachable);
         assert_eq!(log[1].query.as_deref(), Some("beta=true"));
+    }
+
+    #[tokio::test]
+    async fn gemini_calls_are_routed_by_path_and_the_router_call_leaves_queued_replies_alone() {
+        let model = ScriptedModel::new();
+        model.push_reply(Reply::Text("queued for the turn".into()));
+        let router = serde_json::to_vec(&json!({
+            "contents": [{"role": "user", "parts": [{"text": "hi"}]}],
+            "generationConfig": {
+                "responseMimeType": "application/json",
+                "responseJsonSchema": {"type": "OBJECT", "properties": {
+                    "complexity_score": {"type": "INTEGER"}
+                }}
+            }
+        }))
+        .unwrap();
+        let mut request = incoming(
+            "POST",
+            "/v1beta/models/gemini-3.5-flash-lite:generateContent",
+            &router,
+        );
+        request.headers = vec![("x-goog-api-key".into(), "AIza-FAKE".into())];
+        let r = model.respond(request).await;
+        assert_eq!(r.status, 200);
+        let answer: Value = serde_json::from_str(&body_text(r).await).unwrap();
+        let text = answer["candidates"][0]["content"]["parts"][0]["text"]
+            .as_str()
+            .unwrap();
+        assert_eq!(text, r#"{"complexity_score":1}"#);
+        assert_eq!(model.pending_replies(), 1, "the router call took no reply");
+
+        let turn = serde_json::to_vec(&json!({
+            "contents": [{"role": "user", "parts": [{"text": "hello"}]}]
+        }))
+        .unwrap();
+        let mut request = incoming(
+            "POST",
+            "/v1beta/models/gemini-2.5-pro:streamGenerateContent",
+            &turn,
+        );
+        request.query = Some("alt=sse");
+        let r = model.respond(request).await;
+        assert_eq!(r.status, 200);
+        assert!(
+            r.headers
+                .iter()
+                .any(|(n, v)| n == "content-type" && v == "text/event-stream")
+        );
+        let body = body_text(r).await;
+        assert!(body.starts_with("data: {"), "{body}");
+        let text: String = body
+            .split("\n\n")
+            .filter_map(|event| event.strip_prefix("data: "))
+            .map(|data| serde_json::from_str::<Value>(data).unwrap())
+            .filter_map(|chunk| {
+                chunk["candidates"][0]["content"]["parts"][0]["text"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .collect();
+        assert_eq!(text, "queued for the turn", "{body}");
+
+        let failing = serde_json::to_vec(&json!({
+            "contents": [{"role": "user", "parts": [{"text": "SCENARIO:error STATUS=503"}]}]
+        }))
+        .unwrap();
+        let r = model
+            .respond(incoming(
+                "POST",
+                "/v1beta/models/gemini-2.5-pro:streamGenerateContent",
+                &failing,
+            ))
+            .await;
+        assert_eq!(r.status, 503);
+        let error: Value = serde_json::from_str(&body_text(r).await).unwrap();
+        assert_eq!(error["error"]["status"], "UNAVAILABLE");
+
+        let log = model.requests();
+        assert_eq!(log[0].header("x-goog-api-key"), ["AIza-FAKE"]);
+        assert_eq!(log[1].query.as_deref(), Some("alt=sse"));
+        assert_eq!(
+            log[1].decision(),
+            Some(&Decision::Text("queued for the turn".into()))
+        );
     }
 
     #[tokio::test]

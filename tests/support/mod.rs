@@ -6,6 +6,7 @@
 pub mod api;
 pub mod claude;
 pub mod codex;
+pub mod gemini;
 pub mod http;
 pub mod node_sdk;
 pub mod pool_fixture;

@@ -1,0 +1,757 @@
+//! What Gemini CLI (`google-gemini-cli`, reference `cli-backends.md` §5) needs beyond the
+//! configuration surface of [`CliBackendConfig::google_gemini_cli`](super::CliBackendConfig):
+//!
+//! * [`write_settings`]: the settings file in the agent's home
+//!   (`<home>/.gemini/settings.json`) that selects the `gemini-api-key` auth type (env-only
+//!   auth is refused with exit 41), turns usage statistics, telemetry and auto-update off
+//!   (no outbound traffic) and bounds retries to one attempt (a dead endpoint fails in
+//!   seconds instead of retrying for minutes). Idempotent (unchanged settings are not
+//!   rewritten; the user's other keys are kept) and atomic (temp file, fsync, rename).
+//! * [`parse_output`]: one run's result from its exit status and `--output-format json`
+//!   stdout: `response`, `session_id`, usage summed over `stats.models.*.tokens`. Stdout may be
+//!   empty on failure; the documented exit codes 41 (auth), 42 (input: an unknown resume id),
+//!   53 (turn limit) and 55 (untrusted folder) become typed [`GeminiError`]s.
+//! * [`transcript_path`]: where the CLI keeps a session's transcript
+//!   (`<home>/.gemini/tmp/<project slug>/chats/session-<time>-<first 8 of id>.jsonl`, the slug
+//!   from `<home>/.gemini/projects.json`), so a resume can be refused as
+//!   [`GeminiError::TranscriptMissing`] before the CLI starts, never turned into a silent fresh
+//!   session.
+//!
+//! Nothing here spawns a process: the process-per-turn runner does, with the bundled
+//! configuration's argv and environment.
+
+use std::io::{BufRead, Write};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value, json};
+
+use crate::process::ExitInfo;
+use crate::turn::Usage;
+
+/// The backend id of the bundled configuration.
+pub const BACKEND_ID: &str = "google-gemini-cli";
+
+/// Exit code: authentication failed or the auth method is not usable headless.
+pub const EXIT_AUTH: i32 = 41;
+/// Exit code: bad input (an unknown `--resume` id among them).
+pub const EXIT_INPUT: i32 = 42;
+/// Exit code: the session reached its turn limit.
+pub const EXIT_TURN_LIMIT: i32 = 53;
+/// Exit code: the working directory is not trusted.
+pub const EXIT_UNTRUSTED: i32 = 55;
+
+/// How much of stderr an error message repeats (its end).
+const STDERR_MESSAGE_CHARS: usize = 600;
+
+/// Stderr lines Gemini CLI prints on every run; never the reason of a failure.
+const STDERR_NOISE: [&str; 2] = ["Warning: 256-color support", "Ripgrep is not available"];
+
+/// A Gemini CLI run that did not produce an answer, or a session that cannot be resumed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GeminiError {
+    /// The settings file could not be read, merged or written.
+    #[error(
+        "cannot prepare Gemini CLI's settings at {path}: {problem}; fix or remove the file \
+         (the pool rewrites its own keys)"
+    )]
+    Settings {
+        /// `<home>/.gemini/settings.json`.
+        path: PathBuf,
+        /// What went wrong.
+        problem: String,
+    },
+    /// Exit 41: the credentials or the auth method were refused.
+    #[error(
+        "Gemini CLI refused its credentials (exit 41): {message}; check the key the backend \
+         was given, and that `.gemini/settings.json` in the agent's home selects \
+         `gemini-api-key` (`backend::gemini::write_settings` writes it)"
+    )]
+    Auth {
+        /// The CLI's message.
+        message: String,
+    },
+    /// Exit 42 on `--resume`: the CLI has no session with that id in this project.
+    #[error(
+        "Gemini CLI has no session to resume (exit 42): {message}; the stored session id is \
+         stale or belongs to another working directory: drop it and start a new conversation"
+    )]
+    ResumeNotFound {
+        /// The CLI's message.
+        message: String,
+    },
+    /// Exit 42 for another reason.
+    #[error("Gemini CLI refused its input (exit 42): {message}; check the prompt and arguments")]
+    Input {
+        /// The CLI's message.
+        message: String,
+    },
+    /// Exit 53: the session reached its turn limit.
+    #[error(
+        "Gemini CLI ended the session at its turn limit (exit 53): {message}; start a new \
+         conversation, or raise `model.maxSessionTurns` in its settings"
+    )]
+    TurnLimit {
+        /// The CLI's message.
+        message: String,
+    },
+    /// Exit 55: the working directory is not trusted.
+    #[error(
+        "Gemini CLI does not trust its working directory (exit 55): {message}; set \
+         GEMINI_CLI_TRUST_WORKSPACE=true in the backend's `env` (the bundled default does)"
+    )]
+    UntrustedFolder {
+        /// The CLI's message.
+        message: String,
+    },
+    /// Any other failure: the model call failed (the endpoint is unreachable, or answered
+    /// with an error status) or the CLI broke.
+    #[error(
+        "Gemini CLI failed ({exit}): {message}; check the model endpoint and key the backend \
+         was given"
+    )]
+    Failed {
+        /// How it ended (`exit code 1`; after an error answer the exit code is its HTTP status
+        /// modulo 256: `exit code 247` for a 503).
+        exit: String,
+        /// The `error.code` of the CLI's JSON error: the model's HTTP status when the model
+        /// answered with one (429, 503, ...), 1 when it could not be reached.
+        code: Option<i64>,
+        /// The CLI's message, or the end of its stderr.
+        message: String,
+    },
+    /// The process was killed by a signal.
+    #[error("Gemini CLI was killed ({exit}); the next turn resumes the stored session")]
+    Killed {
+        /// How it ended (`signal 9 (SIGKILL)`).
+        exit: String,
+    },
+    /// It exited 0 but stdout held no JSON answer.
+    #[error(
+        "Gemini CLI exited 0 without a JSON answer ({detail}); the backend must pass \
+         `--output-format json`"
+    )]
+    Unreadable {
+        /// What was wrong with stdout.
+        detail: String,
+    },
+    /// The CLI's transcript of the stored session is not where a resume looks for it.
+    #[error(
+        "transcript-missing: Gemini CLI has no transcript of session {session_id} (looked in \
+         {searched}); a resume would fail, so the stored id is dropped: start a new \
+         conversation"
+    )]
+    TranscriptMissing {
+        /// The stored session id.
+        session_id: String,
+        /// Where it was looked for.
+        searched: PathBuf,
+    },
+}
+
+/// What one successful run produced.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GeminiReply {
+    /// The final text (`response`).
+    pub text: String,
+    /// The CLI's session id (`session_id`), to store and resume with.
+    pub session_id: Option<String>,
+    /// Tokens of this run's model calls, summed over `stats.models.*.tokens` (they cover
+    /// this invocation only, resumed or not): `input_tokens` is the prompt without its
+    /// cached part plus tool-use prompt tokens, `cache_read_tokens` the cached part,
+    /// `output_tokens` candidates plus thoughts.
+    pub usage: Usage,
+    /// Model calls of this run (`stats.models.*.api.totalRequests`).
+    pub model_calls: u64,
+    /// Tool calls of this run (`stats.tools.totalCalls`).
+    pub tool_calls: u64,
+}
+
+/// `<home>/.gemini`.
+pub fn gemini_dir(home: &Path) -> PathBuf {
+    home.join(".gemini")
+}
+
+/// `<home>/.gemini/settings.json`.
+pub fn settings_path(home: &Path) -> PathBuf {
+    gemini_dir(home).join("settings.json")
+}
+
+/// The settings the pool owns, as (key path, value).
+fn owned_settings() -> [(&'static [&'static str], Value); 7] {
+    [
+        (
+            &["security", "auth", "selectedType"],
+            json!("gemini-api-key"),
+        ),
+        (&["privacy", "usageStatisticsEnabled"], json!(false)),
+        (&["telemetry", "enabled"], json!(false)),
+        (&["general", "enableAutoUpdate"], json!(false)),
+        (&["general", "enableAutoUpdateNotification"], json!(false)),
+        (&["general", "maxAttempts"], json!(1)),
+        (&["general", "retryFetchErrors"], json!(false)),
+    ]
+}
+
+/// Whether [`write_settings`] changed the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettingsWrite {
+    /// The file was created or rewritten.
+    Written,
+    /// It already held the pool's settings; it was not touched.
+    Unchanged,
+}
+
+/// Makes `<home>/.gemini/settings.json` hold the pool's settings (auth type
+/// `gemini-api-key`, usage statistics, telemetry and auto-update off, one attempt per model
+/// call, no retry of fetch errors), keeping every other key the file has. Creates
+/// `<home>/.gemini` (0700) when missing. Writes only when something changes, through a
+/// temporary file that is fsync'd and renamed over the old one, so the CLI never reads a
+/// half-written file. Blocking (small file I/O): call it before the run, off the async
+/// threads.
+pub fn write_settings(home: &Path) -> Result<SettingsWrite, GeminiError> {
+    let path = settings_path(home);
+    let fail = |problem: String| GeminiError::Settings {
+        path: path.clone(),
+        problem,
+    };
+    let dir = gemini_dir(home);
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| fail(format!("cannot create {}: {e}", dir.display())))?;
+    let current = match std::fs::read_to_string(&path) {
+        Ok(text) if text.trim().is_empty() => Map::new(),
+        Ok(text) => match serde_json::from_str::<Value>(&text) {
+            Ok(Value::Object(map)) => map,
+            Ok(_) => return Err(fail("it is not a JSON object".to_owned())),
+            Err(e) => {
+                return Err(fail(format!(
+                    "it is not plain JSON ({e}; comments are not supported here)"
+                )));
+            }
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Map::new(),
+        Err(e) => return Err(fail(format!("cannot read it: {e}"))),
+    };
+    let mut merged = Value::Object(current.clone());
+    for (keys, value) in owned_settings() {
+        set_path(&mut merged, keys, value);
+    }
+    if merged == Value::Object(current) && path.is_file() {
+        return Ok(SettingsWrite::Unchanged);
+    }
+    let text = serde_json::to_string_pretty(&merged)
+        .map_err(|e| fail(format!("cannot serialize: {e}")))?;
+    let tmp = dir.join(format!(
+        ".settings.json.tmp-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let write = || -> std::io::Result<()> {
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(text.as_bytes())?;
+        file.write_all(b"\n")?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, &path)
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(fail(format!("cannot write it: {e}")));
+    }
+    Ok(SettingsWrite::Written)
+}
+
+/// Sets `value` at `keys` inside `root`, turning whatever is in the way into objects.
+fn set_path(root: &mut Value, keys: &[&str], value: Value) {
+    let Some((last, parents)) = keys.split_last() else {
+        return;
+    };
+    let mut node = root;
+    for key in parents {
+        if !node.is_object() {
+            *node = Value::Object(Map::new());
+        }
+        let Value::Object(map) = node else { return };
+        node = map
+            .entry((*key).to_owned())
+            .or_insert_with(|| Value::Object(Map::new()));
+    }
+    if !node.is_object() {
+        *node = Value::Object(Map::new());
+    }
+    if let Value::Object(map) = node {
+        map.insert((*last).to_owned(), value);
+    }
+}
+
+/// One run's result from how it exited, its stdout (`--output-format json`: one JSON
+/// object) and the end of its stderr. Exit 0 with a `response` is the answer; everything
+/// else is a [`GeminiError`] carrying the CLI's own message: `error.message` of its JSON
+/// error (on stdout, or pretty-printed at the end of stderr, where 0.61.0 puts it after a
+/// failed model call), else the end of stderr without the CLI's start-up noise.
+pub fn parse_output(
+    exit: ExitInfo,
+    stdout: &str,
+    stderr: &str,
+) -> Result<GeminiReply, GeminiError> {
+    let document = json_document(stdout);
+    let code = match exit {
+        ExitInfo::Code(code) => code,
+        ExitInfo::Signal(_) | ExitInfo::Unknown => {
+            return Err(GeminiError::Killed {
+                exit: exit.to_string(),
+            });
+        }
+    };
+    let error_of = |d: Option<&Value>| {
+        d.and_then(|d| d.get("error"))
+            .filter(|e| !e.is_null())
+            .cloned()
+    };
+    let json_error = error_of(document.as_ref()).or_else(|| {
+        if code == 0 {
+            None
+        } else {
+            error_of(trailing_json(stderr).as_ref())
+        }
+    });
+    if code == 0 && json_error.is_none() {
+        let Some(document) = document else {
+            return Err(GeminiError::Unreadable {
+                detail: if stdout.trim().is_empty() {
+                    "stdout was empty".to_owned()
+                } else {
+                    "stdout was not one JSON object".to_owned()
+                },
+            });
+        };
+        let Some(text) = document.get("response").and_then(Value::as_str) else {
+            return Err(GeminiError::Unreadable {
+                detail: "the JSON object has no `response` text".to_owned(),
+            });
+        };
+        return Ok(GeminiReply {
+            text: text.to_owned(),
+            session_id: document
+                .get("session_id")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            usage: usage_of(&document),
+            model_calls: sum_models(&document, |m| number(m, &["api", "totalRequests"])),
+            tool_calls: number(&document, &["stats", "tools", "totalCalls"]),
+        });
+    }
+    let message = json_error
+        .as_ref()
+        .and_then(|e| e.get("message"))
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .unwrap_or_else(|| stderr_message(stderr));
+    let error_code = json_error
+        .as_ref()
+        .and_then(|e| e.get("code"))
+        .and_then(Value::as_i64);
+    Err(match code {
+        EXIT_AUTH => GeminiError::Auth { message },
+        EXIT_INPUT if is_resume_miss(stderr) || is_resume_miss(&message) => {
+            GeminiError::ResumeNotFound { message }
+        }
+        EXIT_INPUT => GeminiError::Input { message },
+        EXIT_TURN_LIMIT => GeminiError::TurnLimit { message },
+        EXIT_UNTRUSTED => GeminiError::UntrustedFolder { message },
+        _ => GeminiError::Failed {
+            exit: exit.to_string(),
+            code: error_code,
+            message,
+        },
+    })
+}
+
+/// The JSON object on stdout: all of it, else its last line that is one.
+fn json_document(stdout: &str) -> Option<Value> {
+    let whole = stdout.trim();
+    if let Ok(value @ Value::Object(_)) = serde_json::from_str(whole) {
+        return Some(value);
+    }
+    stdout
+        .lines()
+        .rev()
+        .filter(|l| l.trim_start().starts_with('{'))
+        .find_map(|l| match serde_json::from_str(l.trim()) {
+            Ok(value @ Value::Object(_)) => Some(value),
+            _ => None,
+        })
+}
+
+/// The JSON object that ends `text`: from the last line that opens one (`{` at the start of
+/// a line) to the end.
+fn trailing_json(text: &str) -> Option<Value> {
+    let starts: Vec<usize> = text
+        .match_indices('{')
+        .map(|(i, _)| i)
+        .filter(|&i| i == 0 || text[..i].ends_with('\n'))
+        .collect();
+    starts
+        .into_iter()
+        .rev()
+        .find_map(|i| match serde_json::from_str(text[i..].trim()) {
+            Ok(value @ Value::Object(_)) => Some(value),
+            _ => None,
+        })
+}
+
+fn is_resume_miss(text: &str) -> bool {
+    text.contains("Error resuming session") || text.contains("Invalid session identifier")
+}
+
+/// The end of stderr without the start-up noise, at most [`STDERR_MESSAGE_CHARS`].
+fn stderr_message(stderr: &str) -> String {
+    let kept: Vec<&str> = stderr
+        .lines()
+        .map(str::trim_end)
+        .filter(|l| !l.trim().is_empty() && !STDERR_NOISE.iter().any(|n| l.starts_with(n)))
+        .collect();
+    let text = kept.join("\n");
+    if text.is_empty() {
+        return "no message (stdout and stderr were empty)".to_owned();
+    }
+    let start = text
+        .char_indices()
+        .rev()
+        .nth(STDERR_MESSAGE_CHARS - 1)
+        .map(|(i, _)| i)
+        .unwrap_or(0);
+    text[start..].to_owned()
+}
+
+/// The unsigned number at `keys` under `value` (0 when absent).
+fn number(value: &Value, keys: &[&str]) -> u64 {
+    keys.iter()
+        .try_fold(value, |v, k| v.get(k))
+        .and_then(Value::as_u64)
+        .unwrap_or(0)
+}
+
+/// `f` summed over `stats.models.*`.
+fn sum_models(document: &Value, f: impl Fn(&Value) -> u64) -> u64 {
+    document
+        .pointer("/stats/models")
+        .and_then(Value::as_object)
+        .map(|models| models.values().map(&f).fold(0u64, u64::saturating_add))
+        .unwrap_or(0)
+}
+
+/// Usage summed over `stats.models.*.tokens`: `prompt` counts the cached tokens too.
+fn usage_of(document: &Value) -> Usage {
+    let tokens = |key: &'static str| sum_models(document, move |m| number(m, &["tokens", key]));
+    let cached = tokens("cached");
+    Usage {
+        input_tokens: tokens("prompt")
+            .saturating_sub(cached)
+            .saturating_add(tokens("tool")),
+        output_tokens: tokens("candidates").saturating_add(tokens("thoughts")),
+        cache_read_tokens: cached,
+        cache_write_tokens: 0,
+    }
+}
+
+/// The transcript Gemini CLI keeps of `session_id` for a run in `cwd`:
+/// `<home>/.gemini/tmp/<slug>/chats/session-<time>-<first 8 of id>.jsonl` whose first line
+/// names the session, where `<slug>` is what `<home>/.gemini/projects.json` maps `cwd` to
+/// (the CLI resumes only sessions of the current project). [`GeminiError::TranscriptMissing`]
+/// when there is none: resuming would fail (exit 42), so the stored id must be dropped
+/// rather than the run started. Blocking (small file reads).
+pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<PathBuf, GeminiError> {
+    let dir = gemini_dir(home);
+    let missing = |searched: PathBuf| GeminiError::TranscriptMissing {
+        session_id: session_id.to_owned(),
+        searched,
+    };
+    let projects = dir.join("projects.json");
+    let well_formed = session_id.len() >= 8
+        && session_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-');
+    if !well_formed {
+        return Err(missing(dir.join("tmp")));
+    }
+    let Some(slug) = project_slug(&projects, cwd) else {
+        return Err(missing(projects));
+    };
+    let chats = dir.join("tmp").join(slug).join("chats");
+    let suffix = format!("-{}.jsonl", &session_id[..8]);
+    let Ok(entries) = std::fs::read_dir(&chats) else {
+        return Err(missing(chats));
+    };
+    entries
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("session-") && n.ends_with(&suffix))
+        })
+        .find(|p| first_line_names(p, session_id))
+        .ok_or_else(|| missing(chats))
+}
+
+/// The slug `projects.json` gives `cwd` (as given, or canonicalized). Slugs that could leave
+/// the `tmp` folder are ignored.
+fn project_slug(projects: &Path, cwd: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(projects).ok()?;
+    let document: Value = serde_json::from_str(&text).ok()?;
+    let map = document.get("projects")?.as_object()?;
+    let canonical = std::fs::canonicalize(cwd).ok();
+    let keys = std::iter::once(cwd.to_path_buf()).chain(canonical);
+    keys.filter_map(|k| k.to_str().map(str::to_owned))
+        .find_map(|k| map.get(&k).and_then(Value::as_str).map(str::to_owned))
+        .filter(|slug| !slug.is_empty() && !slug.contains('/') && slug != "." && slug != "..")
+}
+
+/// Whether the transcript's header line has `"sessionId": session_id`.
+fn first_line_names(path: &Path, session_id: &str) -> bool {
+    let Ok(file) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut line = String::new();
+    if std::io::BufReader::new(file).read_line(&mut line).is_err() {
+        return false;
+    }
+    serde_json::from_str::<Value>(&line)
+        .ok()
+        .is_some_and(|header| header.get("sessionId").and_then(Value::as_str) == Some(session_id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Trimmed stdout of a real 0.61.0 run (`--output-format json`, router call included).
+    const ANSWER: &str = r#"{
+      "session_id": "95642bd1-0b6b-49cf-9ddd-06d68bd0870f",
+      "response": "FAKE-REPLY #2",
+      "stats": {
+        "models": {
+          "gemini-3.8-flash": {
+            "api": {"totalRequests": 1, "totalErrors": 0, "totalLatencyMs": 119},
+            "tokens": {"input": 70, "prompt": 110, "candidates": 7, "total": 117, "cached": 40, "thoughts": 3, "tool": 0}
+          },
+          "gemini-3.5-flash-lite": {
+            "api": {"totalRequests": 1, "totalErrors": 0, "totalLatencyMs": 20},
+            "tokens": {"input": 90, "prompt": 90, "candidates": 5, "total": 95, "cached": 0, "thoughts": 0, "tool": 2}
+          }
+        },
+        "tools": {"totalCalls": 1, "totalSuccess": 1, "totalFail": 0}
+      }
+    }"#;
+
+    #[test]
+    fn a_successful_run_reads_the_response_the_session_id_and_usage_summed_over_models() {
+        let reply = parse_output(ExitInfo::Code(0), ANSWER, "Warning: 256-color support")
+            .expect("an answer");
+        assert_eq!(reply.text, "FAKE-REPLY #2");
+        assert_eq!(
+            reply.session_id.as_deref(),
+            Some("95642bd1-0b6b-49cf-9ddd-06d68bd0870f")
+        );
+        assert_eq!(reply.usage.input_tokens, (110 - 40) + 90 + 2);
+        assert_eq!(reply.usage.cache_read_tokens, 40);
+        assert_eq!(reply.usage.output_tokens, 7 + 3 + 5);
+        assert_eq!(reply.model_calls, 2);
+        assert_eq!(reply.tool_calls, 1);
+    }
+
+    #[test]
+    fn documented_exit_codes_become_typed_errors_with_the_clis_message() {
+        let auth = r#"{"session_id":"s","error":{"type":"Error","message":"Invalid auth method selected.","code":41}}"#;
+        let err = parse_output(ExitInfo::Code(41), auth, "").unwrap_err();
+        assert_eq!(
+            err,
+            GeminiError::Auth {
+                message: "Invalid auth method selected.".into()
+            }
+        );
+        assert!(err.to_string().contains("gemini-api-key"), "{err}");
+
+        // The unknown resume id: plain text on stderr, empty stdout, even in JSON mode.
+        let stderr = "Warning: 256-color support not detected.\nError resuming session: Invalid \
+                      session identifier \"0000\".\n  Searched for sessions in /h/.gemini/tmp/w/chats.";
+        let err = parse_output(ExitInfo::Code(42), "", stderr).unwrap_err();
+        let GeminiError::ResumeNotFound { message } = &err else {
+            panic!("{err:?}");
+        };
+        assert!(message.starts_with("Error resuming session"), "{message}");
+        assert!(
+            !message.contains("256-color"),
+            "noise is dropped: {message}"
+        );
+
+        let err = parse_output(ExitInfo::Code(42), "", "Unknown argument: --bogus").unwrap_err();
+        assert!(matches!(err, GeminiError::Input { .. }), "{err:?}");
+        let err = parse_output(ExitInfo::Code(53), "", "Reached max session turns").unwrap_err();
+        assert!(matches!(err, GeminiError::TurnLimit { .. }), "{err:?}");
+        let err =
+            parse_output(ExitInfo::Code(55), "", "not running in a trusted directory").unwrap_err();
+        assert!(
+            err.to_string().contains("GEMINI_CLI_TRUST_WORKSPACE"),
+            "{err}"
+        );
+
+        // A dead endpoint: exit 1, stdout empty or a JSON error.
+        let err = parse_output(
+            ExitInfo::Code(1),
+            "",
+            "Error when talking to Gemini API\nfetch failed",
+        )
+        .unwrap_err();
+        assert_eq!(
+            err,
+            GeminiError::Failed {
+                exit: "exit code 1".into(),
+                code: None,
+                message: "Error when talking to Gemini API\nfetch failed".into()
+            }
+        );
+        let json =
+            r#"{"session_id":"s","error":{"type":"Error","message":"fetch failed","code":1}}"#;
+        let err = parse_output(ExitInfo::Code(1), json, "a long trace").unwrap_err();
+        assert!(
+            matches!(&err, GeminiError::Failed { message, code: Some(1), .. } if message == "fetch failed")
+        );
+        // A 503 answer as 0.61.0 reports it: exit 503 % 256, the trace and then the
+        // pretty-printed JSON error on stderr, nothing on stdout.
+        let stderr = "Error when talking to Gemini API\n    at async main (gemini.js:1:1) {\n  \
+                      status: 503\n}\n{\n  \"session_id\": \"s\",\n  \"error\": {\n    \
+                      \"type\": \"Error\",\n    \"message\": \"scripted upstream failure\",\n    \
+                      \"code\": 503\n  }\n}\n";
+        let err = parse_output(ExitInfo::Code(247), "", stderr).unwrap_err();
+        assert_eq!(
+            err,
+            GeminiError::Failed {
+                exit: "exit code 247".into(),
+                code: Some(503),
+                message: "scripted upstream failure".into()
+            }
+        );
+
+        let err = parse_output(ExitInfo::Signal(9), ANSWER, "").unwrap_err();
+        assert!(matches!(err, GeminiError::Killed { .. }), "{err:?}");
+        let err = parse_output(ExitInfo::Code(0), "", "").unwrap_err();
+        assert!(err.to_string().contains("--output-format json"), "{err}");
+        let err = parse_output(ExitInfo::Code(0), r#"{"session_id":"s"}"#, "").unwrap_err();
+        assert!(matches!(err, GeminiError::Unreadable { .. }), "{err:?}");
+        let err = parse_output(ExitInfo::Code(1), "", "").unwrap_err();
+        assert!(err.to_string().contains("no message"), "{err}");
+    }
+
+    #[test]
+    fn settings_are_written_once_keep_the_users_keys_and_replace_only_the_pools() {
+        let home = tempfile::tempdir().unwrap();
+        assert_eq!(write_settings(home.path()).unwrap(), SettingsWrite::Written);
+        let path = settings_path(home.path());
+        let written: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(
+            written["security"]["auth"]["selectedType"],
+            "gemini-api-key"
+        );
+        assert_eq!(written["privacy"]["usageStatisticsEnabled"], false);
+        assert_eq!(written["telemetry"]["enabled"], false);
+        assert_eq!(written["general"]["enableAutoUpdate"], false);
+        assert_eq!(written["general"]["maxAttempts"], 1);
+        assert_eq!(written["general"]["retryFetchErrors"], false);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(gemini_dir(home.path()))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700);
+
+        let before = std::fs::metadata(&path).unwrap().modified().unwrap();
+        assert_eq!(
+            write_settings(home.path()).unwrap(),
+            SettingsWrite::Unchanged
+        );
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().modified().unwrap(),
+            before
+        );
+
+        std::fs::write(
+            &path,
+            r#"{"mcpServers":{"x":{"command":"y"}},"general":{"maxAttempts":10,"vimMode":true},"telemetry":true}"#,
+        )
+        .unwrap();
+        assert_eq!(write_settings(home.path()).unwrap(), SettingsWrite::Written);
+        let merged: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(merged["mcpServers"]["x"]["command"], "y");
+        assert_eq!(merged["general"]["vimMode"], true);
+        assert_eq!(merged["general"]["maxAttempts"], 1);
+        assert_eq!(merged["telemetry"]["enabled"], false);
+        let leftovers: Vec<_> = std::fs::read_dir(gemini_dir(home.path()))
+            .unwrap()
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
+
+        std::fs::write(&path, "// a comment\n{}").unwrap();
+        let err = write_settings(home.path()).unwrap_err();
+        assert!(err.to_string().contains("fix or remove the file"), "{err}");
+    }
+
+    #[test]
+    fn a_transcript_is_found_by_project_slug_id_prefix_and_header_and_missing_otherwise() {
+        let home = tempfile::tempdir().unwrap();
+        let work = tempfile::tempdir().unwrap();
+        let cwd = work.path().canonicalize().unwrap();
+        let id = "dfb439f3-b82c-4ec3-a3d8-31c7df9ac3f9";
+        let err = transcript_path(home.path(), &cwd, id).unwrap_err();
+        assert!(
+            matches!(&err, GeminiError::TranscriptMissing { searched, .. } if searched.ends_with("projects.json")),
+            "{err:?}"
+        );
+        assert!(err.to_string().starts_with("transcript-missing"), "{err}");
+
+        let gemini = gemini_dir(home.path());
+        std::fs::create_dir_all(gemini.join("tmp/work/chats")).unwrap();
+        std::fs::write(
+            gemini.join("projects.json"),
+            json!({"projects": {cwd.to_str().unwrap(): "work"}}).to_string(),
+        )
+        .unwrap();
+        let chats = gemini.join("tmp/work/chats");
+        let err = transcript_path(home.path(), &cwd, id).unwrap_err();
+        assert!(
+            matches!(&err, GeminiError::TranscriptMissing { searched, .. } if *searched == chats),
+            "{err:?}"
+        );
+        // Same 8-character prefix, another session: not it.
+        std::fs::write(
+            chats.join("session-2026-12-01T16-07-dfb439f3.jsonl"),
+            format!(
+                "{}\n",
+                json!({"sessionId": "dfb439f3-0000-0000-0000-000000000000"})
+            ),
+        )
+        .unwrap();
+        assert!(transcript_path(home.path(), &cwd, id).is_err());
+        let file = chats.join("session-2026-12-01T16-09-dfb439f3.jsonl");
+        std::fs::write(
+            &file,
+            format!(
+                "{}\n{{\"type\":\"user\"}}\n",
+                json!({"sessionId": id, "kind": "main"})
+            ),
+        )
+        .unwrap();
+        assert_eq!(transcript_path(home.path(), &cwd, id).unwrap(), file);
+        let elsewhere = tempfile::tempdir().unwrap();
+        assert!(transcript_path(home.path(), elsewhere.path(), id).is_err());
+        assert!(transcript_path(home.path(), &cwd, "../../x").is_err());
+        assert!(transcript_path(home.path(), &cwd, "short").is_err());
+    }
+}
