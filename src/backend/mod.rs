@@ -2,7 +2,9 @@
 //! notion ([`BackendKind`]), the configuration surface of CLI backends
 //! ([`CliBackendConfig`], submodule `config`), the event vocabulary every backend's turn
 //! speaks ([`BackendEvent`], the names of the daemon's SSE events) and the first CLI
-//! backend, Claude Code as one live stdio process per conversation ([`claude_live`]).
+//! backend, Claude Code as one live stdio process per conversation ([`claude_live`]), and
+//! the loopback MCP bridge that serves a conversation's gateway tools to a CLI backend
+//! (`mcp_bridge`, feature `mcp-bridge`).
 //!
 //! Library only so far: the pool's leasing, keys, caps and metrics do not route to these
 //! backends yet; a caller drives a [`claude_live::ClaudeLive`] directly.
@@ -10,6 +12,8 @@
 pub mod claude_live;
 mod config;
 mod event;
+#[cfg(feature = "mcp-bridge")]
+pub mod mcp_bridge;
 
 pub use config::{
     CliBackendConfig, ConfigError, DEFAULT_MAX_TURN_LINES, DEFAULT_MAX_TURN_RAW_CHARS, ImageMode,
