@@ -153,7 +153,18 @@ async fn claude_calls_a_gateway_tool_through_the_bridge_and_the_result_reaches_t
         .iter()
         .flat_map(|r| r.body["tools"].as_array().cloned().unwrap_or_default())
         .find(|t| t["name"] == "mcp__gateway__lookup")
-        .expect("the model was offered mcp__gateway__lookup");
+        .unwrap_or_else(|| {
+            let names: Vec<Vec<String>> = first
+                .iter()
+                .map(|r| {
+                    r.body["tools"]
+                        .as_array()
+                        .map(|t| t.iter().map(|t| t["name"].to_string()).collect())
+                        .unwrap_or_default()
+                })
+                .collect();
+            panic!("mcp__gateway__lookup not offered: {names:?}; {outcome:?}; {events:?}")
+        });
     assert_eq!(
         offered["input_schema"]["required"],
         json!(["key"]),

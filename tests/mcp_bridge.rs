@@ -263,7 +263,7 @@ async fn the_bridge_stops_by_itself_after_its_idle_ttl_and_when_its_handle_is_dr
     let url = bridge.url();
     let (status, _) = post(
         &url,
-        Some(&bridge.token().expose().to_owned()),
+        Some(bridge.token().expose()),
         json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": initialize_params()}),
     )
     .await;

@@ -261,19 +261,13 @@ impl ClaudeLive {
     /// the process first when none is running. Read the turn's events with
     /// [`ClaudeTurn::next`] until [`BackendEvent::TurnEnd`].
     pub async fn start_turn(&mut self, prompt: &str) -> Result<ClaudeTurn<'_>, ClaudeLiveError> {
-        let mut running = self
+        let running = self
             .process
             .as_ref()
             .is_some_and(|p| p.child.exit_info().is_none());
-        #[cfg(feature = "mcp-bridge")]
-        if running && self.bridge.as_ref().is_some_and(|b| !b.is_running()) {
-            // The bridge stopped after its idle TTL: the process's MCP config points at a
-            // dead port, so restart both (the session resumes).
-            tracing::debug!("the MCP bridge expired; restarting claude with a new one");
-            self.process = None;
-            running = false;
-        }
-        if !running {
+        // A bridge stopped by its idle TTL leaves the process's MCP config pointing at a
+        // dead port: restart both (the session resumes).
+        if !running || self.bridge_expired() {
             self.process = None;
             self.spawn().await?;
         }
@@ -340,6 +334,16 @@ impl ClaudeLive {
             Ok(info) => Some(info),
             Err(_) => Some(child.terminate(grace).await),
         }
+    }
+
+    /// The process's MCP bridge stopped (idle TTL) while the process runs.
+    fn bridge_expired(&self) -> bool {
+        #[cfg(feature = "mcp-bridge")]
+        if self.bridge.as_ref().is_some_and(|b| !b.is_running()) {
+            tracing::debug!("the MCP bridge expired; restarting claude with a new one");
+            return true;
+        }
+        false
     }
 
     async fn spawn(&mut self) -> Result<(), ClaudeLiveError> {

@@ -320,7 +320,8 @@ impl McpBridge {
     }
 
     /// Claude Code's `--mcp-config` (an `http` server whose `Authorization` header is
-    /// `Bearer ${COPILOT_POOL_MCP_TOKEN}`, expanded by Claude from its environment),
+    /// `Bearer ${COPILOT_POOL_MCP_TOKEN}`, expanded by Claude from its environment, with
+    /// `alwaysLoad` so the tools are in every request rather than behind ToolSearch),
     /// `--strict-mcp-config` (no other MCP server from the agent's home or project), and,
     /// when `allow_without_asking`, `--allowedTools=mcp__<server>__*`: the gateway's tools
     /// are trusted as a Copilot turn trusts them (`skipPermission`); otherwise each call is
@@ -332,6 +333,9 @@ impl McpBridge {
                 name: {
                     "type": "http",
                     "url": self.url(),
+                    // Offered to the model directly, as a Copilot turn offers them, not
+                    // deferred behind Claude's ToolSearch.
+                    "alwaysLoad": true,
                     "headers": {"Authorization": format!("Bearer ${{{TOKEN_ENV}}}")},
                 }
             }
