@@ -185,6 +185,7 @@ async fn tools_call_runs_the_gateway_handler_with_the_arguments_and_returns_its_
     let bridge = bridge(calls.clone(), config).await;
     bridge.set_session_id("session-42");
     rpc(&bridge, 1, "initialize", initialize_params()).await;
+    let started = std::time::Instant::now();
     let answer = rpc(
         &bridge,
         2,
@@ -193,6 +194,10 @@ async fn tools_call_runs_the_gateway_handler_with_the_arguments_and_returns_its_
                "_meta": {"claudecode/toolUseId": "toolu_7"}}),
     )
     .await;
+    eprintln!(
+        "measured: one tools/call over loopback HTTP (new connection) {:?}",
+        started.elapsed()
+    );
     let result = &answer["result"];
     assert_eq!(result["isError"], false, "{answer}");
     assert_eq!(result["content"][0]["type"], "text", "{answer}");

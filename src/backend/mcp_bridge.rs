@@ -34,7 +34,7 @@ use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
     JsonObject, ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
 };
-use rmcp::service::RequestContext;
+use rmcp::service::{NotificationContext, RequestContext};
 use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::{ErrorData, RoleServer, ServerHandler};
@@ -454,6 +454,11 @@ impl ServerHandler for Bridge {
                 env!("CARGO_PKG_VERSION"),
             ),
         )
+    }
+
+    /// Quiet: rmcp's default logs every client's `initialized` at info level.
+    async fn on_initialized(&self, _context: NotificationContext<RoleServer>) {
+        tracing::trace!("MCP bridge client initialized");
     }
 
     async fn list_tools(
