@@ -86,6 +86,37 @@ pub struct ClaudeLiveConfig {
     pub close_grace: Duration,
     /// `PATH` of the child (default: the caller's own `PATH`).
     pub path_var: Option<OsString>,
+    /// The conversation's gateway tools, served to Claude by a loopback MCP bridge
+    /// (`mcp__<server>__<tool>`). `None`, or no tools: no bridge, nothing changes.
+    #[cfg(feature = "mcp-bridge")]
+    pub gateway_tools: Option<ClaudeGatewayTools>,
+}
+
+/// The gateway tools of a Claude conversation and how their bridge runs.
+#[cfg(feature = "mcp-bridge")]
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ClaudeGatewayTools {
+    /// The tools; their handlers answer Claude's calls as they answer a Copilot turn's.
+    pub tools: Vec<crate::turn::GatewayTool>,
+    /// Server name, idle TTL, default tool timeout.
+    pub bridge: super::mcp_bridge::McpBridgeConfig,
+    /// False (the default): the tools run without a `can_use_tool` request
+    /// (`--allowedTools=mcp__<server>__*`), as a Copilot turn runs gateway tools with
+    /// `skipPermission`. True: each call is put to the conversation's permission policy.
+    pub ask_permission: bool,
+}
+
+#[cfg(feature = "mcp-bridge")]
+impl ClaudeGatewayTools {
+    /// `tools` on a bridge with the default settings, run without asking.
+    pub fn new(tools: Vec<crate::turn::GatewayTool>) -> Self {
+        Self {
+            tools,
+            bridge: super::mcp_bridge::McpBridgeConfig::default(),
+            ask_permission: false,
+        }
+    }
 }
 
 impl ClaudeLiveConfig {
@@ -111,6 +142,8 @@ impl ClaudeLiveConfig {
             interrupt_grace: Duration::from_secs(5),
             close_grace: Duration::from_secs(2),
             path_var: std::env::var_os("PATH"),
+            #[cfg(feature = "mcp-bridge")]
+            gateway_tools: None,
         }
     }
 }
@@ -155,6 +188,10 @@ pub enum ClaudeLiveError {
          `copilot_pool::runtime::install_agent_cli`)?"
     )]
     Spawn(#[from] SpawnError),
+    /// The MCP bridge for the conversation's gateway tools could not start.
+    #[cfg(feature = "mcp-bridge")]
+    #[error(transparent)]
+    McpBridge(#[from] super::mcp_bridge::McpBridgeError),
 }
 
 /// The running process and its pipes.
@@ -172,6 +209,10 @@ pub struct ClaudeLive {
     config: ClaudeLiveConfig,
     session_id: Option<String>,
     process: Option<LiveProcess>,
+    /// The gateway tools' bridge of the running process (declared after `process`, so the
+    /// process is killed before its bridge stops).
+    #[cfg(feature = "mcp-bridge")]
+    bridge: Option<super::mcp_bridge::McpBridge>,
 }
 
 impl std::fmt::Debug for ClaudeLive {
@@ -192,12 +233,20 @@ impl ClaudeLive {
             config,
             session_id,
             process: None,
+            #[cfg(feature = "mcp-bridge")]
+            bridge: None,
         })
     }
 
     /// The CLI session id to store (learned from the process, or the configured one).
     pub fn session_id(&self) -> Option<&str> {
         self.session_id.as_deref()
+    }
+
+    /// The gateway tools' MCP bridge, while one serves the running process.
+    #[cfg(feature = "mcp-bridge")]
+    pub fn mcp_bridge(&self) -> Option<&super::mcp_bridge::McpBridge> {
+        self.bridge.as_ref()
     }
 
     /// The process's pid (= its process group id) while one is running.
@@ -216,7 +265,9 @@ impl ClaudeLive {
             .process
             .as_ref()
             .is_some_and(|p| p.child.exit_info().is_none());
-        if !running {
+        // A bridge stopped by its idle TTL leaves the process's MCP config pointing at a
+        // dead port: restart both (the session resumes).
+        if !running || self.bridge_expired() {
             self.process = None;
             self.spawn().await?;
         }
@@ -285,6 +336,16 @@ impl ClaudeLive {
         }
     }
 
+    /// The process's MCP bridge stopped (idle TTL) while the process runs.
+    fn bridge_expired(&self) -> bool {
+        #[cfg(feature = "mcp-bridge")]
+        if self.bridge.as_ref().is_some_and(|b| !b.is_running()) {
+            tracing::debug!("the MCP bridge expired; restarting claude with a new one");
+            return true;
+        }
+        false
+    }
+
     async fn spawn(&mut self) -> Result<(), ClaudeLiveError> {
         let config = &self.config;
         let claude_dir = config.home.join(".claude");
@@ -329,6 +390,34 @@ impl ClaudeLive {
         }
         if let Some(key) = config.api_key.as_ref().filter(|k| !k.is_empty()) {
             env.push(("ANTHROPIC_API_KEY".into(), key.expose().into()));
+        }
+        #[cfg(feature = "mcp-bridge")]
+        {
+            self.bridge = None;
+            if let Some(gateway) = config
+                .gateway_tools
+                .as_ref()
+                .filter(|g| !g.tools.is_empty())
+            {
+                let mut bridge_config = gateway.bridge.clone();
+                if bridge_config.working_directory.is_none() {
+                    bridge_config.working_directory = Some(config.cwd.display().to_string());
+                }
+                let bridge =
+                    super::mcp_bridge::McpBridge::start(gateway.tools.clone(), bridge_config)
+                        .await?;
+                if let Some(id) = &self.session_id {
+                    bridge.set_session_id(id);
+                }
+                let mcp = bridge.claude_args(!gateway.ask_permission);
+                args.extend(mcp.args);
+                env.extend(
+                    mcp.env
+                        .iter()
+                        .map(|(k, v)| (OsString::from(k), OsString::from(v.expose()))),
+                );
+                self.bridge = Some(bridge);
+            }
         }
         let spec = ChildSpec {
             program: PathBuf::from(&backend.command),
@@ -505,6 +594,10 @@ impl ClaudeTurn<'_> {
             {
                 if self.live.session_id.as_deref() != Some(id) {
                     self.live.session_id = Some(id.to_owned());
+                    #[cfg(feature = "mcp-bridge")]
+                    if let Some(bridge) = &self.live.bridge {
+                        bridge.set_session_id(id);
+                    }
                 }
                 return;
             }

@@ -3,9 +3,10 @@
 //! ([`CliBackendConfig`], submodule `config`), the event vocabulary every backend's turn
 //! speaks ([`BackendEvent`], the names of the daemon's SSE events), the two CLI runners:
 //! Claude Code as one live stdio process per conversation ([`claude_live`]) and a process
-//! per turn for `cli-oneshot` backends such as Codex ([`oneshot`]), and what Gemini CLI
-//! needs around its runs ([`gemini`]: its settings file, its JSON output and exit codes,
-//! where its transcripts live).
+//! per turn for `cli-oneshot` backends such as Codex ([`oneshot`]), what Gemini CLI needs
+//! around its runs ([`gemini`]: its settings file, its JSON output and exit codes, where its
+//! transcripts live), and the loopback MCP bridge that serves a conversation's gateway tools
+//! to a CLI backend (`mcp_bridge`, feature `mcp-bridge`).
 //!
 //! Library only so far: the pool's leasing, keys, caps and metrics do not route to these
 //! backends yet; a caller drives a [`claude_live::ClaudeLive`] or a [`oneshot::Oneshot`]
@@ -15,6 +16,8 @@ pub mod claude_live;
 mod config;
 mod event;
 pub mod gemini;
+#[cfg(feature = "mcp-bridge")]
+pub mod mcp_bridge;
 pub mod oneshot;
 
 pub use config::{

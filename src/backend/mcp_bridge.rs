@@ -1,0 +1,665 @@
+//! The MCP bridge (issue 17, item 9): a turn's gateway tools served to a CLI backend (Claude
+//! Code, Codex) by a loopback MCP server, so a Claude or Codex turn calls the same gateway
+//! tools, answered by the same [`ToolHandler`]s, as a Copilot turn.
+//!
+//! Owns that server: MCP streamable HTTP (the official SDK, `rmcp`, stateless with JSON
+//! responses) on `127.0.0.1` at an ephemeral port, path `/mcp`, and the per-backend settings
+//! that point a CLI at it ([`McpBridge::claude_args`], [`McpBridge::codex_overrides`]).
+//!
+//! Invariants:
+//! * every request must carry `Authorization: Bearer <token>`, a random per-run token held as
+//!   a [`Secret`]; any other request gets 401 and does not count as activity. The token is
+//!   never logged and never put in argv: the CLIs read it from their environment;
+//! * `tools/list` lists exactly the [`GatewayTool`]s the bridge was started with (name,
+//!   description, `inputSchema` = the tool's JSON schema); `tools/call` runs the tool's own
+//!   handler with the tool's timeout (else the bridge's), sequential tools one at a time as in
+//!   a Copilot turn; a handler error, an unknown tool, a timeout or a panic is an `isError`
+//!   result, never a protocol error or a panic of the server;
+//! * the server stops by itself after `idle_ttl` without an authenticated request while no
+//!   call is running, and when the [`McpBridge`] handle is dropped.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
+    JsonObject, ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+};
+use rmcp::service::{NotificationContext, RequestContext};
+use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+use rmcp::{ErrorData, RoleServer, ServerHandler};
+use serde_json::{Value, json};
+use tokio::sync::{RwLock, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::{self, ToolOutcome};
+use crate::panic_guard::call_guarded;
+use crate::secret::Secret;
+use crate::turn::{GatewayTool, ToolCall, ToolConcurrency};
+
+/// The MCP server name the CLIs see (tools appear to Claude as `mcp__gateway__<tool>`).
+pub const DEFAULT_SERVER_NAME: &str = "gateway";
+/// The environment variable that carries the bearer token to the CLI.
+pub const TOKEN_ENV: &str = "COPILOT_POOL_MCP_TOKEN";
+/// Default idle TTL (the reference's `mcp.sessionIdleTtlMs`, 10 minutes).
+pub const DEFAULT_IDLE_TTL: Duration = Duration::from_secs(600);
+/// Default per-call limit when a tool has none (a Copilot turn's default tool timeout).
+pub const DEFAULT_TOOL_TIMEOUT: Duration = Duration::from_secs(600);
+/// The path of the MCP endpoint.
+const MCP_PATH: &str = "/mcp";
+
+/// How to run a bridge.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct McpBridgeConfig {
+    /// The MCP server name in the CLI's config: letters, digits, `_` and `-`.
+    pub server_name: String,
+    /// The server stops after this long without an authenticated request (none running).
+    pub idle_ttl: Duration,
+    /// The limit of a call whose tool sets no timeout of its own.
+    pub tool_timeout: Duration,
+    /// The conversation's working directory, passed to each [`ToolCall`].
+    pub working_directory: Option<String>,
+}
+
+impl Default for McpBridgeConfig {
+    fn default() -> Self {
+        Self {
+            server_name: DEFAULT_SERVER_NAME.to_owned(),
+            idle_ttl: DEFAULT_IDLE_TTL,
+            tool_timeout: DEFAULT_TOOL_TIMEOUT,
+            working_directory: None,
+        }
+    }
+}
+
+/// Why a bridge could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum McpBridgeError {
+    /// The server name is not usable in a CLI's config.
+    #[error(
+        "MCP server name {0:?} is not valid: use 1 to 64 ASCII letters, digits, `_` or `-` \
+         (the default is `gateway`)"
+    )]
+    ServerName(String),
+    /// Two tools share a name.
+    #[error("two gateway tools are named {0:?}: tool names must be unique in a conversation")]
+    DuplicateTool(String),
+    /// A tool's `parameters` is not a JSON object (MCP needs an object schema).
+    #[error(
+        "gateway tool {0:?} has `parameters` that is not a JSON object: give it a JSON schema \
+         object such as {{\"type\":\"object\",\"properties\":{{}}}}"
+    )]
+    Schema(String),
+    /// The loopback port could not be bound.
+    #[error("could not listen on 127.0.0.1 for the MCP bridge: {0}; is the loopback interface up?")]
+    Bind(#[source] std::io::Error),
+}
+
+/// The CLI arguments and environment that point Claude Code at a bridge.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ClaudeMcpArgs {
+    /// `--mcp-config=<json>`, `--strict-mcp-config` and, unless the tools are to be asked
+    /// about, `--allowedTools=mcp__<server>__*`.
+    pub args: Vec<String>,
+    /// `COPILOT_POOL_MCP_TOKEN=<token>` for the child's environment.
+    pub env: Vec<(String, Secret)>,
+}
+
+/// Resolves when a bridge's server has stopped; see [`McpBridge::stop_signal`].
+#[derive(Debug, Clone)]
+pub struct StopSignal(watch::Receiver<bool>);
+
+impl StopSignal {
+    /// Waits for the stop (returns at once if it already happened).
+    pub async fn wait(mut self) {
+        // An error means the server task is gone, which is a stop too.
+        let _ = self.0.wait_for(|stopped| *stopped).await;
+    }
+}
+
+/// What is shared between the handle, the HTTP layer and the MCP handler.
+struct Shared {
+    token: Secret,
+    tools: HashMap<String, GatewayTool>,
+    listed: Vec<Tool>,
+    config: McpBridgeConfig,
+    session_id: Mutex<String>,
+    sequential: Arc<RwLock<()>>,
+    /// Time of the last authenticated request.
+    last_activity: Mutex<Instant>,
+    /// Authenticated requests being served now.
+    in_flight: AtomicUsize,
+}
+
+/// A running bridge. Dropping it stops the server.
+pub struct McpBridge {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    cancel: CancellationToken,
+    stopped: watch::Receiver<bool>,
+}
+
+impl std::fmt::Debug for McpBridge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("McpBridge")
+            .field("addr", &self.addr)
+            .field("server_name", &self.shared.config.server_name)
+            .field("tools", &self.shared.listed.len())
+            .field("running", &self.is_running())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for McpBridge {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+impl McpBridge {
+    /// Starts a bridge serving `tools` on a fresh loopback port with a fresh token.
+    pub async fn start(
+        tools: Vec<GatewayTool>,
+        config: McpBridgeConfig,
+    ) -> Result<Self, McpBridgeError> {
+        let name = &config.server_name;
+        if name.is_empty()
+            || name.len() > 64
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            return Err(McpBridgeError::ServerName(name.clone()));
+        }
+        let mut by_name = HashMap::new();
+        let mut listed = Vec::new();
+        for tool in tools {
+            let Value::Object(schema) = &tool.parameters else {
+                return Err(McpBridgeError::Schema(tool.name.clone()));
+            };
+            listed.push(Tool::new(
+                tool.name.clone(),
+                tool.description.clone(),
+                Arc::new(schema.clone()),
+            ));
+            if by_name.insert(tool.name.clone(), tool).is_some() {
+                let name = listed
+                    .pop()
+                    .map(|t| t.name.into_owned())
+                    .unwrap_or_default();
+                return Err(McpBridgeError::DuplicateTool(name));
+            }
+        }
+        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .await
+            .map_err(McpBridgeError::Bind)?;
+        let addr = listener.local_addr().map_err(McpBridgeError::Bind)?;
+        let shared = Arc::new(Shared {
+            token: Secret::new(format!(
+                "{}{}",
+                uuid::Uuid::new_v4().simple(),
+                uuid::Uuid::new_v4().simple()
+            )),
+            tools: by_name,
+            listed,
+            config,
+            session_id: Mutex::new(String::new()),
+            sequential: Arc::new(RwLock::new(())),
+            last_activity: Mutex::new(Instant::now()),
+            in_flight: AtomicUsize::new(0),
+        });
+        let cancel = CancellationToken::new();
+        let handler_shared = shared.clone();
+        let service = StreamableHttpService::new(
+            move || {
+                Ok(Bridge {
+                    shared: handler_shared.clone(),
+                })
+            },
+            Arc::new(NeverSessionManager::default()),
+            StreamableHttpServerConfig::default()
+                .with_legacy_session_mode(false)
+                .with_json_response(true)
+                .with_sse_keep_alive(None)
+                .with_cancellation_token(cancel.child_token()),
+        );
+        let router = Router::new()
+            .nest_service(MCP_PATH, service)
+            .layer(middleware::from_fn_with_state(shared.clone(), authenticate));
+        let (stopped_tx, stopped) = watch::channel(false);
+        let server_cancel = cancel.clone();
+        tokio::spawn(async move {
+            let shutdown = server_cancel.clone().cancelled_owned();
+            let serve = axum::serve(listener, router).with_graceful_shutdown(shutdown);
+            tokio::select! {
+                result = serve => {
+                    if let Err(error) = result {
+                        tracing::warn!(%error, "the MCP bridge's server failed");
+                    }
+                }
+                // A connection that does not close within a second of the stop is dropped.
+                () = async {
+                    server_cancel.cancelled().await;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                } => {}
+            }
+            server_cancel.cancel();
+            let _ = stopped_tx.send(true);
+        });
+        tokio::spawn(idle_watch(shared.clone(), cancel.clone()));
+        tracing::debug!(%addr, tools = shared.listed.len(), "MCP bridge started");
+        Ok(Self {
+            shared,
+            addr,
+            cancel,
+            stopped,
+        })
+    }
+
+    /// `http://127.0.0.1:<port>/mcp`.
+    pub fn url(&self) -> String {
+        format!("http://{}{MCP_PATH}", self.addr)
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The bearer token of this run (pass it to the CLI through its environment only).
+    pub fn token(&self) -> &Secret {
+        &self.shared.token
+    }
+
+    /// The MCP server name.
+    pub fn server_name(&self) -> &str {
+        &self.shared.config.server_name
+    }
+
+    /// False once the server has stopped (idle TTL, or [`McpBridge::stop`]).
+    pub fn is_running(&self) -> bool {
+        !*self.stopped.borrow() && !self.cancel.is_cancelled()
+    }
+
+    /// Resolves once the server has stopped accepting requests.
+    pub async fn stopped(&self) {
+        self.stop_signal().wait().await;
+    }
+
+    /// A signal of the server's stop that outlives this handle (to see a drop take effect).
+    pub fn stop_signal(&self) -> StopSignal {
+        StopSignal(self.stopped.clone())
+    }
+
+    /// Stops the server (as dropping the handle does).
+    pub fn stop(&self) {
+        self.cancel.cancel();
+    }
+
+    /// The CLI session id that later [`ToolCall`]s carry.
+    pub fn set_session_id(&self, session_id: &str) {
+        if let Ok(mut id) = self.shared.session_id.lock()
+            && *id != session_id
+        {
+            session_id.clone_into(&mut id);
+        }
+    }
+
+    /// Claude Code's `--mcp-config` (an `http` server whose `Authorization` header is
+    /// `Bearer ${COPILOT_POOL_MCP_TOKEN}`, expanded by Claude from its environment, with
+    /// `alwaysLoad` so the tools are in every request rather than behind ToolSearch),
+    /// `--strict-mcp-config` (no other MCP server from the agent's home or project), and,
+    /// when `allow_without_asking`, `--allowedTools=mcp__<server>__*`: the gateway's tools
+    /// are trusted as a Copilot turn trusts them (`skipPermission`); otherwise each call is
+    /// a `can_use_tool` request for the conversation's permission policy.
+    pub fn claude_args(&self, allow_without_asking: bool) -> ClaudeMcpArgs {
+        let name = self.server_name();
+        let config = json!({
+            "mcpServers": {
+                name: {
+                    "type": "http",
+                    "url": self.url(),
+                    // Offered to the model directly, as a Copilot turn offers them, not
+                    // deferred behind Claude's ToolSearch.
+                    "alwaysLoad": true,
+                    "headers": {"Authorization": format!("Bearer ${{{TOKEN_ENV}}}")},
+                }
+            }
+        });
+        let mut args = vec![
+            format!("--mcp-config={config}"),
+            "--strict-mcp-config".to_owned(),
+        ];
+        if allow_without_asking {
+            args.push(format!("--allowedTools=mcp__{name}__*"));
+        }
+        ClaudeMcpArgs {
+            args,
+            env: vec![(TOKEN_ENV.to_owned(), self.token().clone())],
+        }
+    }
+
+    /// Codex's `-c` overrides for `mcp_servers.<server>` (`url`, and
+    /// `bearer_token_env_var = "COPILOT_POOL_MCP_TOKEN"`, so the token stays out of argv),
+    /// as `["-c", "mcp_servers.gateway.url=\"…\"", "-c", …]`, with the environment to add.
+    pub fn codex_overrides(&self) -> ClaudeMcpArgs {
+        let name = self.server_name();
+        let url = Value::String(self.url());
+        let env_var = Value::String(TOKEN_ENV.to_owned());
+        ClaudeMcpArgs {
+            args: vec![
+                "-c".to_owned(),
+                format!("mcp_servers.{name}.url={url}"),
+                "-c".to_owned(),
+                format!("mcp_servers.{name}.bearer_token_env_var={env_var}"),
+            ],
+            env: vec![(TOKEN_ENV.to_owned(), self.token().clone())],
+        }
+    }
+}
+
+/// Rejects requests without the run's bearer token (401); counts the others as activity.
+async fn authenticate(State(shared): State<Arc<Shared>>, request: Request, next: Next) -> Response {
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if !constant_time_eq(presented.as_bytes(), shared.token.expose().as_bytes()) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            [(header::WWW_AUTHENTICATE, "Bearer")],
+            Body::from(
+                "the MCP bridge needs `Authorization: Bearer <token>` with this run's token",
+            ),
+        )
+            .into_response();
+    }
+    shared.in_flight.fetch_add(1, Ordering::SeqCst);
+    touch(&shared);
+    let response = next.run(request).await;
+    touch(&shared);
+    shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+    response
+}
+
+fn touch(shared: &Shared) {
+    if let Ok(mut last) = shared.last_activity.lock() {
+        *last = Instant::now();
+    }
+}
+
+/// Compares without an early exit on the first differing byte.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Stops the server once `idle_ttl` has passed since the last authenticated request with
+/// none in flight. The timer is the TTL itself (re-armed at each look), not a poll.
+async fn idle_watch(shared: Arc<Shared>, cancel: CancellationToken) {
+    let ttl = shared.config.idle_ttl;
+    loop {
+        let last = shared
+            .last_activity
+            .lock()
+            .map(|l| *l)
+            .unwrap_or_else(|_| Instant::now());
+        let expires = last + ttl;
+        if Instant::now() >= expires && shared.in_flight.load(Ordering::SeqCst) == 0 {
+            tracing::debug!(?ttl, "MCP bridge idle; stopping");
+            cancel.cancel();
+            return;
+        }
+        // A request in flight past the TTL: look again one TTL later.
+        let wake = if Instant::now() >= expires {
+            Instant::now() + ttl
+        } else {
+            expires
+        };
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep_until(wake) => {}
+        }
+    }
+}
+
+/// The MCP handler of one request (the service builds one per request; all share `Shared`).
+struct Bridge {
+    shared: Arc<Shared>,
+}
+
+impl ServerHandler for Bridge {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_server_info(
+            Implementation::new(
+                format!("copilot-pool-{}", self.shared.config.server_name),
+                env!("CARGO_PKG_VERSION"),
+            ),
+        )
+    }
+
+    /// Quiet: rmcp's default logs every client's `initialized` at info level.
+    async fn on_initialized(&self, _context: NotificationContext<RoleServer>) {
+        tracing::trace!("MCP bridge client initialized");
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(self.shared.listed.clone()))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let id = tool_use_id(Some(&(context.meta.0).0))
+            .or_else(|| tool_use_id(request.meta.as_ref().map(|m| &(m.0).0)));
+        tokio::select! {
+            result = run_call(&self.shared, request, id) => Ok(result.into()),
+            // The client cancelled the call (`notifications/cancelled`): the handler is
+            // dropped, and nobody reads an answer.
+            () = context.ct.cancelled() => Err(ErrorData::internal_error(
+                "the client cancelled this tool call",
+                None,
+            )),
+        }
+    }
+}
+
+/// Runs one `tools/call` through the tool's handler; every failure is an `isError` result.
+async fn run_call(
+    shared: &Shared,
+    request: CallToolRequestParams,
+    tool_call_id: Option<String>,
+) -> CallToolResult {
+    let name = request.name.as_ref();
+    let Some(tool) = shared.tools.get(name) else {
+        metrics::tool_call(ToolOutcome::Error);
+        return CallToolResult::error(vec![ContentBlock::text(format!(
+            "unknown tool {name:?}: this MCP server offers {:?}",
+            shared.tools.keys().collect::<Vec<_>>()
+        ))]);
+    };
+    let call = ToolCall {
+        tool_name: tool.name.clone(),
+        tool_call_id: tool_call_id
+            .unwrap_or_else(|| format!("mcp-{}", uuid::Uuid::new_v4().simple())),
+        arguments: Value::Object(request.arguments.unwrap_or_default()),
+        session_id: shared
+            .session_id
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_default(),
+        working_directory: shared.config.working_directory.clone(),
+    };
+    let limit = tool.timeout.unwrap_or(shared.config.tool_timeout);
+    let handler = tool.handler();
+    let run = async {
+        // Sequential tools take the lock exclusively, concurrent ones shared (as in a turn).
+        let _guard = match tool.concurrency {
+            ToolConcurrency::Sequential => {
+                Guard::Write(shared.sequential.clone().write_owned().await)
+            }
+            ToolConcurrency::Concurrent => {
+                Guard::Read(shared.sequential.clone().read_owned().await)
+            }
+        };
+        call_guarded(|| handler.call(call)).await
+    };
+    let (outcome, result) = match tokio::time::timeout(limit, run).await {
+        Ok(Ok(Ok(text))) => (
+            ToolOutcome::Ok,
+            CallToolResult::success(vec![ContentBlock::text(text)]),
+        ),
+        Ok(Ok(Err(message))) => (
+            ToolOutcome::Error,
+            CallToolResult::error(vec![ContentBlock::text(message)]),
+        ),
+        Ok(Err(panic)) => (
+            ToolOutcome::Error,
+            CallToolResult::error(vec![ContentBlock::text(format!(
+                "the tool handler panicked: {panic}"
+            ))]),
+        ),
+        Err(_) => (
+            ToolOutcome::Timeout,
+            CallToolResult::error(vec![ContentBlock::text(format!(
+                "the tool {name:?} did not answer within {limit:?} (GatewayTool::with_timeout \
+                 sets its limit)"
+            ))]),
+        ),
+    };
+    metrics::tool_call(outcome);
+    result
+}
+
+enum Guard {
+    Read(#[expect(dead_code, reason = "held for its drop")] tokio::sync::OwnedRwLockReadGuard<()>),
+    Write(
+        #[expect(dead_code, reason = "held for its drop")] tokio::sync::OwnedRwLockWriteGuard<()>,
+    ),
+}
+
+/// The model's id of the call, when the CLI says it in `_meta` (Claude Code sends
+/// `claudecode/toolUseId`).
+fn tool_use_id(meta: Option<&JsonObject>) -> Option<String> {
+    meta?
+        .iter()
+        .find(|(key, _)| key.ends_with("toolUseId"))
+        .and_then(|(_, value)| value.as_str())
+        .map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn echo() -> GatewayTool {
+        GatewayTool::new(
+            "echo",
+            "Echoes",
+            json!({"type": "object"}),
+            |c: ToolCall| async move { Ok(c.arguments.to_string()) },
+        )
+    }
+
+    #[tokio::test]
+    async fn a_bridge_refuses_duplicate_names_bad_schemas_and_bad_server_names() {
+        let err = McpBridge::start(vec![echo(), echo()], McpBridgeConfig::default())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, McpBridgeError::DuplicateTool(ref n) if n == "echo"),
+            "{err}"
+        );
+        let bad = GatewayTool::new("bad", "d", json!(true), |_c: ToolCall| async {
+            Ok(String::new())
+        });
+        let err = McpBridge::start(vec![bad], McpBridgeConfig::default())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, McpBridgeError::Schema(_)), "{err}");
+        let config = McpBridgeConfig {
+            server_name: "has space".to_owned(),
+            ..McpBridgeConfig::default()
+        };
+        let err = McpBridge::start(vec![echo()], config).await.unwrap_err();
+        assert!(
+            err.to_string().contains("the default is `gateway`"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_cli_settings_carry_the_url_but_never_the_token() {
+        let bridge = McpBridge::start(vec![echo()], McpBridgeConfig::default())
+            .await
+            .expect("bridge");
+        let token = bridge.token().expose().to_owned();
+        let claude = bridge.claude_args(true);
+        let joined = claude.args.join(" ");
+        assert!(!joined.contains(&token), "{joined}");
+        assert!(joined.contains(&bridge.url()), "{joined}");
+        assert!(
+            joined.contains("Bearer ${COPILOT_POOL_MCP_TOKEN}"),
+            "{joined}"
+        );
+        assert!(
+            claude
+                .args
+                .contains(&"--allowedTools=mcp__gateway__*".to_owned())
+        );
+        assert!(
+            !bridge
+                .claude_args(false)
+                .args
+                .iter()
+                .any(|a| a.starts_with("--allowedTools"))
+        );
+        assert_eq!(claude.env[0].0, TOKEN_ENV);
+        assert_eq!(claude.env[0].1.expose(), token);
+        let codex = bridge.codex_overrides();
+        assert_eq!(
+            codex.args[1],
+            format!("mcp_servers.gateway.url=\"{}\"", bridge.url())
+        );
+        assert_eq!(
+            codex.args[3],
+            "mcp_servers.gateway.bearer_token_env_var=\"COPILOT_POOL_MCP_TOKEN\""
+        );
+        assert!(!format!("{bridge:?}").contains(&token));
+    }
+
+    #[test]
+    fn the_tool_use_id_comes_from_any_meta_key_naming_it() {
+        let meta: JsonObject =
+            serde_json::from_value(json!({"claudecode/toolUseId": "toolu_1"})).expect("object");
+        assert_eq!(tool_use_id(Some(&meta)).as_deref(), Some("toolu_1"));
+        assert_eq!(tool_use_id(None), None);
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+}
