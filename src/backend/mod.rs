@@ -4,11 +4,12 @@
 //! speaks ([`BackendEvent`], the names of the daemon's SSE events) and the first CLI
 //! backend, Claude Code as one live stdio process per conversation ([`claude_live`]).
 //!
-//! Library only so far: the pool's leasing, keys, caps and metrics do not route to these
-//! backends yet; a caller drives a [`claude_live::ClaudeLive`] directly.
+//! The pool leases them (`crate::pool::Pool::lease_cli`) as [`CliConversation`]s: one enum
+//! over the runners, so a new runner is one more arm.
 
 pub mod claude_live;
 mod config;
+mod conversation;
 mod event;
 
 pub use config::{
@@ -17,6 +18,7 @@ pub use config::{
     OutputLimits, PROMPT_PLACEHOLDER, SESSION_ID_PLACEHOLDER, SessionMode, SystemPromptWhen,
     TextRewrite, TextTransforms,
 };
+pub use conversation::{CliConversation, CliStartError, CliTurn};
 pub use event::{BackendEvent, CliTurnOutcome, TurnFailure};
 
 use serde::{Deserialize, Serialize};
