@@ -228,8 +228,13 @@ async fn two_claude_turns_over_http_stream_the_pools_events_carry_history_and_le
         );
     }
 
+    let started = std::time::Instant::now();
     let status = daemon.terminate().await;
     assert!(status.success(), "{status:?}");
+    eprintln!(
+        "measured: serve's SIGTERM to exit with a parked Claude process {:?}",
+        started.elapsed()
+    );
     let left = wait_none(|| fx.claude_processes(), Duration::from_secs(5)).await;
     assert!(
         left.is_empty(),

@@ -34,13 +34,15 @@ pub(crate) fn identity(creds: &CliCredentials) -> String {
     }
 }
 
-/// The credential a CLI process is started with (endpoint and key, whatever the profile): a
-/// process holds its key in its environment, so a refreshed key needs a new process (which
-/// resumes the session when the identity is the same).
+/// The credential a CLI process is started with (endpoint, profile and key): a process holds
+/// its key in its environment, so a refreshed key needs a new process (which resumes the
+/// session when the identity is the same), and a process never serves another identity
+/// (another profile with the same key is another process, whose open drops the session).
 pub(crate) fn credential(creds: &CliCredentials) -> String {
     let base = creds.base_url.as_deref().unwrap_or("");
+    let profile = creds.profile_id.as_deref().unwrap_or("");
     let key = creds.api_key.as_ref().map_or("", Secret::expose);
-    fingerprint(&format!("{base}\n{key}"))
+    fingerprint(&format!("{base}\n{profile}\n{key}"))
 }
 
 /// The stored CLI session of a (conversation, backend).
@@ -110,6 +112,14 @@ mod tests {
         let after = creds("http://m", "key-2", Some("team-a"));
         assert_eq!(identity(&before), identity(&after));
         assert_ne!(credential(&before), credential(&after));
+    }
+
+    #[test]
+    fn another_identity_with_the_same_key_is_another_credential_so_no_process_is_shared() {
+        let a = creds("http://m", "key-1", Some("team-a"));
+        let b = creds("http://m", "key-1", Some("team-b"));
+        assert_ne!(identity(&a), identity(&b));
+        assert_ne!(credential(&a), credential(&b));
     }
 
     #[test]
