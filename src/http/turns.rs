@@ -60,7 +60,7 @@ pub(super) struct TurnQuery {
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
         (status = 404, description = "A named resource does not exist (`not_found`)", body = ErrorBody),
         (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
-        (status = 409, description = "The conversation runs another turn (`busy`)", body = ErrorBody),
+        (status = 409, description = "The conversation runs another turn (`busy`), or its CLI backend's stored session has no transcript left (`transcript_missing`)", body = ErrorBody),
         (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
         (status = 500, description = "A fault of the daemon (`internal`, `io`)", body = ErrorBody),
         (status = 502, description = "The runtime failed to open the conversation (`runtime`)", body = ErrorBody),

@@ -67,6 +67,7 @@ pub(crate) struct CliPool {
     bindings: Arc<BindingStore>,
     leased: watch::Sender<usize>,
     closed: std::sync::atomic::AtomicBool,
+    max_waiters: usize,
 }
 
 impl std::fmt::Debug for CliPool {
@@ -115,6 +116,7 @@ impl CliPool {
             bindings,
             leased: watch::channel(0).0,
             closed: std::sync::atomic::AtomicBool::new(false),
+            max_waiters,
         })
     }
 
@@ -160,7 +162,7 @@ impl CliPool {
                 }
                 Effect::Fail { id, why } => {
                     if let Some(port) = shell.waiters.remove(&id) {
-                        let _ = port.send(Err(refusal(why)));
+                        let _ = port.send(Err(refusal(why, self.max_waiters)));
                     }
                 }
                 Effect::Close { conversation } => {
@@ -230,7 +232,12 @@ impl CliPool {
         let reuse = match tokio::time::timeout(ask.wait, rx).await {
             Ok(Ok(result)) => {
                 guard.armed = false;
-                result?
+                result.map_err(|e| match e {
+                    PoolError::ConversationBusy { .. } => PoolError::ConversationBusy {
+                        session_key: ask.conversation.clone(),
+                    },
+                    other => other,
+                })?
             }
             Ok(Err(_)) => {
                 guard.armed = false;
@@ -380,13 +387,13 @@ impl CliPool {
     }
 }
 
-/// Fails an ask that cannot be granted.
-fn refusal(why: Refusal) -> PoolError {
+/// Fails an ask that cannot be granted (a busy one's session key is filled in by its lease).
+fn refusal(why: Refusal, max_waiters: usize) -> PoolError {
     match why {
         Refusal::Busy => PoolError::ConversationBusy {
             session_key: String::new(),
         },
-        Refusal::WaitersFull => PoolError::WaitersFull { max: 0 },
+        Refusal::WaitersFull => PoolError::WaitersFull { max: max_waiters },
         Refusal::Quarantined(left) => PoolError::RestartIntensityExceeded {
             key_hash: "cli".to_owned(),
             retry_after: left,
