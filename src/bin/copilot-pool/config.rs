@@ -858,6 +858,40 @@ mod tests {
     }
 
     #[test]
+    fn a_backends_table_overrides_the_bundled_default_and_a_new_id_needs_a_command() {
+        let c: ServeConfig = toml::from_str(
+            "[backends.claude-cli]\ncommand = \"/opt/claude\"\n\
+             [backends.my-cli]\ncommand = \"my\"\nargs = [\"--json\"]\nsessionMode = \"none\"\n",
+        )
+        .unwrap();
+        let pool = c.pool_config(PathBuf::from("/bin/true")).unwrap();
+        let claude = &pool.cli_backends["claude-cli"];
+        assert_eq!(claude.command, "/opt/claude");
+        assert_eq!(
+            claude.args,
+            CliBackendConfig::claude_cli().args,
+            "the bundled keys stay"
+        );
+        assert_eq!(pool.cli_backends["my-cli"].args, ["--json"]);
+        // The bundled id is configured without a table too.
+        let plain: ServeConfig = toml::from_str("").unwrap();
+        let pool = plain.pool_config(PathBuf::from("/bin/true")).unwrap();
+        assert!(pool.cli_backends.contains_key("claude-cli"));
+        // A new id without a command, or an unknown key, is refused naming the table.
+        for bad in [
+            "[backends.x-cli]\nargs = []\n",
+            "[backends.claude-cli]\ncomand = \"typo\"\n",
+        ] {
+            let c: ServeConfig = toml::from_str(bad).unwrap();
+            let error = format!(
+                "{:#}",
+                c.pool_config(PathBuf::from("/bin/true")).unwrap_err()
+            );
+            assert!(error.contains("[backends."), "{error}");
+        }
+    }
+
+    #[test]
     fn defaults_and_overrides() {
         let c: ServeConfig =
             toml::from_str("listen = \"127.0.0.1:9000\"\n[pool]\nmax_processes = 3\n").unwrap();
