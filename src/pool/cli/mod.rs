@@ -167,9 +167,7 @@ impl CliPool {
                 }
                 Effect::Close { conversation } => {
                     if let Some(parked) = shell.parked.remove(&conversation) {
-                        tokio::spawn(async move {
-                            let _ = parked.close().await;
-                        });
+                        close_in_background(parked);
                     }
                 }
             }
@@ -329,11 +327,7 @@ impl CliPool {
             Some(runner) if kept => {
                 shell.parked.insert(conversation.to_owned(), runner);
             }
-            Some(runner) => {
-                tokio::spawn(async move {
-                    let _ = runner.close().await;
-                });
-            }
+            Some(runner) => close_in_background(runner),
             None => {}
         }
         self.apply(&mut shell, effects);
@@ -347,9 +341,7 @@ impl CliPool {
             let effects = shell.core.forget(&conversation, now);
             if let Some(parked) = shell.parked.remove(&conversation) {
                 crate::metrics::process_exited(crate::metrics::ProcessExit::Evicted);
-                tokio::spawn(async move {
-                    let _ = parked.close().await;
-                });
+                close_in_background(parked);
             }
             self.apply(&mut shell, effects);
         }
@@ -384,6 +376,19 @@ impl CliPool {
         }
         let mut leased = self.leased.subscribe();
         let _ = tokio::time::timeout(grace, leased.wait_for(|n| *n == 0)).await;
+    }
+}
+
+/// Closes a runner's process gracefully in a task; outside a runtime (a lease dropped on a
+/// plain thread) it is dropped, which kills its process group at once.
+fn close_in_background(runner: CliConversation) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => {
+            handle.spawn(async move {
+                let _ = runner.close().await;
+            });
+        }
+        Err(_) => drop(runner),
     }
 }
 
