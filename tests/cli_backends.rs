@@ -152,11 +152,16 @@ async fn two_claude_turns_over_http_stream_the_pools_events_carry_history_and_le
     let fx = Fixture::new().await;
     let daemon = fx.daemon().await;
 
+    let started = std::time::Instant::now();
     let (events, first) = turn(
         &daemon,
         &fx.body("c1", "REPLY=pong one", "sk-ant-FAKE-1", None),
     )
     .await;
+    eprintln!(
+        "measured: first claude-cli turn over HTTP (spawn included) {:?}",
+        started.elapsed()
+    );
     assert_eq!(first["status"], "idle", "{first}");
     assert_eq!(first["backend"], "claude-cli");
     assert_eq!(first["final_text"], "pong one");
@@ -180,11 +185,16 @@ async fn two_claude_turns_over_http_stream_the_pools_events_carry_history_and_le
         "one live process per conversation"
     );
 
+    let started = std::time::Instant::now();
     let (_, second) = turn(
         &daemon,
         &fx.body("c1", "REPLY=pong two", "sk-ant-FAKE-1", None),
     )
     .await;
+    eprintln!(
+        "measured: second claude-cli turn over HTTP (live process) {:?}",
+        started.elapsed()
+    );
     assert_eq!(second["status"], "idle", "{second}");
     assert_eq!(second["final_text"], "pong two");
     assert_eq!(
