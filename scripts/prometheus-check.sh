@@ -128,6 +128,8 @@ for panel in panels(dashboard.get("panels", [])):
             continue
         n += 1
         expr = expr.replace("$__rate_interval", "5m").replace("$__interval", "1m").replace("$__range", "5m")
+        # The `backend` variable's "All" value.
+        expr = expr.replace("$backend", ".*")
         r = query(expr)
         if r.get("status") != "success":
             failures.append(f"panel {panel.get('title')!r}: invalid: {expr}: {r.get('error')}")

@@ -14,7 +14,7 @@
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
-//! | [`PROCESSES`] | gauge | `state`: `live`, `draining`, `spare` |
+//! | [`PROCESSES`] | gauge | `state`: `live`, `draining`, `spare`; `backend`: `copilot` or a configured CLI backend id |
 //! | [`PROCESS_SPAWNS_TOTAL`] | counter | `result`: `ok`, `error`, `resource_exhausted` |
 //! | [`PROCESS_EXITS_TOTAL`] | counter | `reason`: `crash`, `evicted`, `shutdown` |
 //! | [`PROCESS_START_SECONDS`] | histogram | — |
@@ -24,8 +24,8 @@
 //! | [`LEASES_ACTIVE`], [`LEASE_WAITERS`] | gauge | — |
 //! | [`LEASE_WAIT_SECONDS`] | histogram | — |
 //! | [`LEASE_REJECTIONS_TOTAL`] | counter | `reason`: [`ErrorKind::rejection_label`] |
-//! | [`TURNS_TOTAL`] | counter | `outcome`: [`TurnEnd::label`] |
-//! | [`TURN_DURATION_SECONDS`] | histogram | — |
+//! | [`TURNS_TOTAL`] | counter | `outcome`: [`TurnEnd::label`]; `backend` |
+//! | [`TURN_DURATION_SECONDS`] | histogram | `backend` |
 //! | [`LLM_CALLS_TOTAL`] | counter | — |
 //! | [`TOOL_CALLS_TOTAL`] | counter | `outcome`: `ok`, `error`, `timeout` |
 //! | [`EVICTIONS_TOTAL`] | counter | `reason`: `idle`, `full`, `drained`, `detach_failed`, `unsettled` |
@@ -44,6 +44,9 @@
 //! | [`DAEMON_TASKS`] | gauge | — (set by the daemon at each scrape) |
 //! | [`DAEMON_HEAP_BYTES`] | gauge | — (set by the daemon at each scrape) |
 //! | [`SANDBOX_ENFORCED`] | gauge | `rule`: [`SandboxRule::as_str`] (`filesystem`, `tcp_connect`, `signals`, `abstract_unix_sockets`, `capabilities`) |
+//!
+//! The `backend` label takes `copilot` or one of the pool's configured CLI backend ids
+//! (`PoolConfig::cli_backends`, the daemon's `[backends.<id>]`): a bounded set fixed at start.
 //!
 //! The gauges are absolute values set by the pool actor: with more than one pool in a
 //! process they overwrite each other (the daemon runs one).
@@ -224,9 +227,7 @@ pub fn register_zeroes() {
     for reason in ErrorKind::ALL.map(ErrorKind::rejection_label) {
         counter!(LEASE_REJECTIONS_TOTAL, "reason" => reason).absolute(0);
     }
-    for end in TurnEnd::ALL {
-        counter!(TURNS_TOTAL, "outcome" => end.label()).absolute(0);
-    }
+    register_backend_zeroes(COPILOT_BACKEND);
     for outcome in ["ok", "error", "timeout"] {
         counter!(TOOL_CALLS_TOTAL, "outcome" => outcome).absolute(0);
     }
@@ -247,6 +248,21 @@ pub fn register_zeroes() {
     }
     for reason in BlockReason::ALL {
         counter!(MODEL_BLOCKED_TOTAL, "reason" => reason.label()).absolute(0);
+    }
+}
+
+/// The `backend` label of the Copilot runtime's workers.
+pub const COPILOT_BACKEND: &str = "copilot";
+
+/// Registers the series of one backend id (`copilot`, or a configured CLI backend) at zero.
+/// [`register_zeroes`] does `copilot`; the daemon calls this for each configured CLI id.
+pub fn register_backend_zeroes(backend: &str) {
+    for end in TurnEnd::ALL {
+        counter!(TURNS_TOTAL, "outcome" => end.label(), "backend" => backend.to_owned())
+            .absolute(0);
+    }
+    if backend != COPILOT_BACKEND {
+        gauge!(PROCESSES, "state" => "live", "backend" => backend.to_owned()).set(0.0);
     }
 }
 
@@ -620,9 +636,10 @@ pub(crate) struct PoolGauges {
 
 impl PoolGauges {
     pub(crate) fn publish(&self) {
-        gauge!(PROCESSES, "state" => "live").set(self.live as f64);
-        gauge!(PROCESSES, "state" => "draining").set(self.draining as f64);
-        gauge!(PROCESSES, "state" => "spare").set(self.spare as f64);
+        let copilot = COPILOT_BACKEND;
+        gauge!(PROCESSES, "state" => "live", "backend" => copilot).set(self.live as f64);
+        gauge!(PROCESSES, "state" => "draining", "backend" => copilot).set(self.draining as f64);
+        gauge!(PROCESSES, "state" => "spare", "backend" => copilot).set(self.spare as f64);
         gauge!(PROCESS_RESIDENT_MEMORY_BYTES).set(self.rss_bytes as f64);
         gauge!(CONVERSATIONS_ATTACHED).set(self.conversations as f64);
         gauge!(LEASES_ACTIVE).set(self.leases as f64);
@@ -661,8 +678,19 @@ pub(crate) fn lease_rejected(kind: ErrorKind) {
 }
 
 pub(crate) fn turn_finished(end: TurnEnd, elapsed: Duration) {
-    counter!(TURNS_TOTAL, "outcome" => end.label()).increment(1);
-    histogram!(TURN_DURATION_SECONDS).record(elapsed.as_secs_f64());
+    cli_turn_finished(COPILOT_BACKEND, end, elapsed);
+}
+
+/// A turn of backend `backend` (`copilot` or a configured CLI id) ended.
+pub(crate) fn cli_turn_finished(backend: &str, end: TurnEnd, elapsed: Duration) {
+    counter!(TURNS_TOTAL, "outcome" => end.label(), "backend" => backend.to_owned()).increment(1);
+    histogram!(TURN_DURATION_SECONDS, "backend" => backend.to_owned())
+        .record(elapsed.as_secs_f64());
+}
+
+/// The live processes of CLI backend `backend` (conversations holding one).
+pub(crate) fn cli_processes(backend: &str, n: usize) {
+    gauge!(PROCESSES, "state" => "live", "backend" => backend.to_owned()).set(n as f64);
 }
 
 pub(crate) fn llm_call() {
@@ -1001,7 +1029,13 @@ mod tests {
             counter_of(LEASE_REJECTIONS_TOTAL, &[("reason", "waiters_full")]),
             1
         );
-        assert_eq!(counter_of(TURNS_TOTAL, &[("outcome", "timeout")]), 1);
+        assert_eq!(
+            counter_of(
+                TURNS_TOTAL,
+                &[("outcome", "timeout"), ("backend", "copilot")]
+            ),
+            1
+        );
         assert_eq!(
             counter_of(SESSION_RESUMES_TOTAL, &[("result", "resumed")]),
             1
@@ -1043,9 +1077,10 @@ mod tests {
                 .count(),
             1
         );
-        assert_eq!(gauge_of(PROCESSES, &[("state", "live")]), 3.0);
-        assert_eq!(gauge_of(PROCESSES, &[("state", "spare")]), 2.0);
-        assert_eq!(gauge_of(PROCESSES, &[("state", "draining")]), 1.0);
+        let copilot = ("backend", "copilot");
+        assert_eq!(gauge_of(PROCESSES, &[("state", "live"), copilot]), 3.0);
+        assert_eq!(gauge_of(PROCESSES, &[("state", "spare"), copilot]), 2.0);
+        assert_eq!(gauge_of(PROCESSES, &[("state", "draining"), copilot]), 1.0);
         assert_eq!(gauge_of(PROCESS_RESIDENT_MEMORY_BYTES, &[]), 1048576.0);
         assert_eq!(gauge_of(CONVERSATIONS_ATTACHED, &[]), 7.0);
         assert_eq!(gauge_of(LEASES_ACTIVE, &[]), 2.0);

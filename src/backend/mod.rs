@@ -8,12 +8,13 @@
 //! transcripts live), and the loopback MCP bridge that serves a conversation's gateway tools
 //! to a CLI backend (`mcp_bridge`, feature `mcp-bridge`).
 //!
-//! Library only so far: the pool's leasing, keys, caps and metrics do not route to these
-//! backends yet; a caller drives a [`claude_live::ClaudeLive`] or a [`oneshot::Oneshot`]
-//! directly.
+//! The pool leases the live ones (`crate::pool::Pool::lease_cli`) as [`CliConversation`]s:
+//! one enum over the runners, so a new runner is one more arm; the one-shot runner is not
+//! leased yet (a caller drives a [`oneshot::Oneshot`] directly).
 
 pub mod claude_live;
 mod config;
+mod conversation;
 mod event;
 pub mod gemini;
 #[cfg(feature = "mcp-bridge")]
@@ -26,6 +27,7 @@ pub use config::{
     OutputLimits, PROMPT_PLACEHOLDER, SESSION_ID_PLACEHOLDER, SessionMode, SystemPromptWhen,
     TextRewrite, TextTransforms,
 };
+pub use conversation::{CliConversation, CliStartError, CliTurn};
 pub use event::{BackendEvent, CliTurnOutcome, TurnFailure};
 
 use serde::{Deserialize, Serialize};

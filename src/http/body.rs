@@ -255,6 +255,17 @@ pub(super) struct TurnBody {
     /// The hooks the gateway answers or is told about (over the event stream).
     #[serde(default)]
     pub hooks: Vec<crate::kinds::HookName>,
+    /// The backend that holds the conversation: `copilot` (default) or a CLI backend id
+    /// configured in the daemon (`[backends.<id>]`, e.g. `claude-cli`). Each backend keeps
+    /// its own session of the conversation. A CLI backend's turn streams the same events
+    /// (`assistant.message_delta`, `assistant.message`, `tool.call` for the CLI's own
+    /// tools, `permission.request` answered by the gateway, `turn.end` with usage); its
+    /// model endpoint and key are `provider.base_url` and `provider.api_key`, and its auth
+    /// identity `auth.auth_profile_id` (else `auth.profile_id`, else the key itself).
+    /// Gateway tools, hooks and attachments are not offered to CLI backends.
+    #[serde(default)]
+    #[schema(example = "claude-cli")]
+    pub backend: Option<String>,
 }
 
 impl TurnBody {

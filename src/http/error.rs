@@ -14,8 +14,8 @@ use crate::pool::PoolError;
 pub(super) struct ErrorBody<'a> {
     /// A stable word for programs: `bad_request`, `bad_body`, `unauthorized`, `not_found`,
     /// `body_timeout`, `busy`, `too_large`, `draining`, `no_capacity`, `quarantined`,
-    /// `state_unwritable`, `resource_exhausted`, `pool_closed`, `too_many_connections`,
-    /// `runtime`, `io`, `internal`.
+    /// `state_unwritable`, `resource_exhausted`, `pool_closed`, `transcript_missing`,
+    /// `too_many_connections`, `runtime`, `io`, `internal`.
     code: &'a str,
     /// What went wrong and how to fix it, for people.
     message: String,
@@ -42,6 +42,10 @@ pub(super) fn rejection(rejection: impl std::fmt::Display) -> Response {
 
 /// The HTTP status and code for a pool error before a turn starts.
 pub(super) fn pool_error(e: &PoolError) -> Response {
+    if let PoolError::TranscriptMissing { .. } = e {
+        // Its own code: the conversation exists, its CLI's history does not.
+        return error(StatusCode::CONFLICT, "transcript_missing", e.to_string());
+    }
     let (status, code) = match e.kind() {
         ErrorKind::Invalid => (StatusCode::BAD_REQUEST, "bad_request"),
         ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),

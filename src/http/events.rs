@@ -85,10 +85,12 @@ impl TurnEvent {
 }
 
 /// `tool.call`: the model called a gateway tool of the turn. Answer with
-/// `{"result": "<text>"}` or `{"error": "<message>"}`.
+/// `{"result": "<text>"}` or `{"error": "<message>"}`. On a CLI backend's turn it tells of a
+/// tool of the CLI itself (the CLI runs it, after a `permission.request` where its rules
+/// ask): its `request_id` is empty and nothing is answered.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub(super) struct ToolCallEvent {
-    /// Answer on `POST /v1/requests/{request_id}`.
+    /// Answer on `POST /v1/requests/{request_id}` (empty: a CLI backend's own tool).
     pub request_id: String,
     /// The tool's name (one of the turn's `tools`).
     pub tool_name: String,
@@ -201,6 +203,8 @@ impl From<&SessionEvent> for SessionEventData {
 pub(super) struct TurnEndEvent {
     /// How the turn ended.
     pub status: TurnEnd,
+    /// The backend that ran the turn: `copilot` or a configured CLI backend id.
+    pub backend: String,
     /// The runtime's session id of the conversation.
     pub session_id: String,
     /// Whether the runtime still had the conversation's context (`open_reason` is
@@ -388,6 +392,7 @@ mod tests {
             }),
             TurnEvent::TurnEnd(TurnEndEvent {
                 status: TurnEnd::Idle,
+                backend: "copilot".into(),
                 session_id: "s".into(),
                 resumed: false,
                 open_reason: Some(OpenReason::New),

@@ -21,10 +21,12 @@ use super::attachments::{check_off_thread, write_off_thread};
 use super::body::{ToolBody, TurnBody, create_work_dir, lease_request, parse, read_body};
 use super::error::ErrorBody;
 use super::error::{error, pool_error, rejection};
-use super::events::{SessionEventData, TurnEndEvent, TurnEvent, TurnEventStream};
+use super::events::{SessionEventData, ToolCallEvent, TurnEndEvent, TurnEvent, TurnEventStream};
 use super::gateway::Link;
-use crate::kinds::TurnEnd;
-use crate::pool::Lease;
+use crate::backend::{BackendEvent, CliTurnOutcome};
+use crate::kinds::{OpenReason, TurnEnd};
+use crate::permission::{DecisionFuture, PermissionPolicy, PermissionRequest};
+use crate::pool::{COPILOT_BACKEND, CliLease, Lease};
 use crate::turn::Message;
 
 /// A gateway that does not read its event stream for this long is treated as gone (the
@@ -58,7 +60,7 @@ pub(super) struct TurnQuery {
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
         (status = 404, description = "A named resource does not exist (`not_found`)", body = ErrorBody),
         (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
-        (status = 409, description = "The conversation runs another turn (`busy`)", body = ErrorBody),
+        (status = 409, description = "The conversation runs another turn (`busy`), or its CLI backend's stored session has no transcript left (`transcript_missing`)", body = ErrorBody),
         (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
         (status = 500, description = "A fault of the daemon (`internal`, `io`)", body = ErrorBody),
         (status = 502, description = "The runtime failed to open the conversation (`runtime`)", body = ErrorBody),
@@ -91,10 +93,20 @@ pub(super) async fn post_turn(
         Err(r) => return r,
     };
     let conv = body.take_conversation();
+    let backend = body.backend.take();
+    if let Some(backend) = &backend
+        && let Err(e) = state.pool.check_backend(backend)
+    {
+        return pool_error(&e);
+    }
     let mut req = match lease_request(&state, &body.agent_id, &body.session_key, conv).await {
         Ok(r) => r,
         Err(r) => return r,
     };
+    if let Some(backend) = backend.filter(|b| b != COPILOT_BACKEND) {
+        req.backend = backend;
+        return post_cli_turn(state, query, body, req).await;
+    }
     if let Some(ms) = body.timeout_ms {
         // A turn may ask for less time than the daemon's absolute limit, never more.
         let limit = state.config.timeouts.absolute;
@@ -187,6 +199,93 @@ pub(super) async fn post_turn(
         body.agent_id,
     ));
 
+    respond(streaming, events_rx).await
+}
+
+/// A CLI backend's turn (`backend` names one): its lease, then its events in the same
+/// vocabulary, ending with `turn.end`.
+async fn post_cli_turn(
+    state: Arc<AppState>,
+    query: TurnQuery,
+    body: TurnBody,
+    mut req: crate::pool::LeaseRequest,
+) -> Response {
+    let refuse = |what: &str| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!(
+                "{what} are not offered to CLI backends (backend `{}`); drop them, or run the \
+                 conversation on `copilot`",
+                req.backend
+            ),
+        )
+    };
+    if !body.tools.is_empty() {
+        return refuse("gateway tools");
+    }
+    if !body.hooks.is_empty() {
+        return refuse("hooks");
+    }
+    if !body.attachments.is_empty() {
+        return refuse("attachments");
+    }
+    if body.mode.is_some() || body.agent_mode.is_some() {
+        return refuse("`mode` and `agent_mode`");
+    }
+    let streaming = query.stream != Some(false);
+    let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
+    if streaming {
+        // The CLI's permission prompts go to the gateway as `permission.request`, denied
+        // when unanswered within the permission timeout (the CLI waits on the answer).
+        let link = Link {
+            events: events_tx.clone(),
+            registry: state.registry.clone(),
+        };
+        req.handlers.permission_policy = Arc::new(TimedPermission {
+            link,
+            limit: state.config.timeouts.permission,
+        });
+    }
+    if let Err(r) = create_work_dir(&req.working_directory).await {
+        return r;
+    }
+    let lease = match state.pool.lease_cli(req).await {
+        Ok(l) => l,
+        Err(e) => return pool_error(&e),
+    };
+    tokio::spawn(run_cli_turn(
+        Running::start(state.clone()),
+        lease,
+        body.prompt,
+        events_tx,
+        body.agent_id,
+    ));
+    respond(streaming, events_rx).await
+}
+
+/// The gateway's permission answers with a time limit: the Copilot path's turn driver
+/// enforces `permission` itself; a CLI backend's turn has no driver, so the policy does.
+struct TimedPermission {
+    link: Link,
+    limit: Duration,
+}
+
+impl PermissionPolicy for TimedPermission {
+    fn decide(&self, request: PermissionRequest) -> DecisionFuture {
+        let asked = self.link.decide(request);
+        let limit = self.limit;
+        Box::pin(async move {
+            tokio::time::timeout(limit, asked)
+                .await
+                .unwrap_or_else(|_| Err("the gateway did not decide in time".to_owned()))
+        })
+    }
+}
+
+/// The answer of a running turn: its events as SSE ending with `turn.end`, or (without the
+/// stream) the `turn.end` summary alone as JSON.
+async fn respond(streaming: bool, events_rx: mpsc::Receiver<TurnEvent>) -> Response {
     if !streaming {
         // Only the final summary, as JSON.
         let mut rx = events_rx;
@@ -252,6 +351,7 @@ fn turn_end(status: TurnEnd, lease: &Lease, error: Option<String>) -> TurnEvent 
     let outcome = lease.outcome();
     TurnEvent::TurnEnd(TurnEndEvent {
         status,
+        backend: COPILOT_BACKEND.to_owned(),
         session_id: lease.cli_session_id().to_string(),
         resumed: lease.reason().continued(),
         open_reason: outcome.open_reason,
@@ -305,6 +405,105 @@ async fn run_turn(
         }
     };
     let summary = tracing::Instrument::instrument(summary, span).await;
+    drop(lease);
+    let _ = events.send_timeout(summary, SEND_TIMEOUT).await;
+}
+
+/// A CLI backend's `turn.end`.
+fn cli_turn_end(
+    lease: &CliLease,
+    reason: OpenReason,
+    outcome: Option<CliTurnOutcome>,
+    status: TurnEnd,
+    error: Option<String>,
+) -> TurnEvent {
+    let outcome = outcome.unwrap_or_default();
+    let error = error.or_else(|| outcome.failure.as_ref().map(|f| f.to_string()));
+    TurnEvent::TurnEnd(TurnEndEvent {
+        status: outcome.end.unwrap_or(status),
+        backend: lease.backend().to_owned(),
+        session_id: outcome
+            .session_id
+            .clone()
+            .or_else(|| lease.session_id().map(str::to_owned))
+            .unwrap_or_default(),
+        resumed: reason.continued(),
+        open_reason: Some(reason),
+        llm_calls: 0,
+        final_text: outcome.text,
+        error,
+        status_code: None,
+        error_type: None,
+        usage: outcome.usage,
+        task_complete: None,
+    })
+}
+
+/// A CLI backend's event in the daemon's vocabulary; `None` for a permission decision (the
+/// gateway's own `permission.request` was streamed when it was asked).
+fn cli_event(event: BackendEvent) -> Option<TurnEvent> {
+    let session = |event: &BackendEvent, ephemeral: bool| {
+        TurnEvent::Session(SessionEventData {
+            id: uuid::Uuid::new_v4().to_string(),
+            timestamp: None,
+            parent_id: None,
+            ephemeral,
+            agent_id: None,
+            event_type: event.name().to_owned(),
+            data: event.data(),
+        })
+    };
+    match event {
+        BackendEvent::MessageDelta { .. } => Some(session(&event, true)),
+        BackendEvent::Message { .. } => Some(session(&event, false)),
+        BackendEvent::ToolCall { id, name, input } => Some(TurnEvent::ToolCall(ToolCallEvent {
+            request_id: String::new(),
+            tool_name: name,
+            tool_call_id: id,
+            arguments: input,
+        })),
+        _ => None,
+    }
+}
+
+/// Runs one CLI backend turn and streams it; a gateway that goes away (or stops reading)
+/// ends the turn (its process is killed; the next turn resumes the session).
+async fn run_cli_turn(
+    _running: Running,
+    mut lease: CliLease,
+    prompt: String,
+    events: mpsc::Sender<TurnEvent>,
+    agent_id: String,
+) {
+    let reason = lease.reason();
+    let span = tracing::info_span!("cli_turn", agent = %agent_id, backend = %lease.backend());
+    let summary = async {
+        let mut turn = match lease.start_turn(&prompt).await {
+            Ok(turn) => turn,
+            Err(e) => return Err((TurnEnd::Error, Some(e.to_string()))),
+        };
+        loop {
+            tokio::select! {
+                event = turn.next() => match event {
+                    Some(BackendEvent::TurnEnd(outcome)) => return Ok(outcome),
+                    Some(event) => {
+                        let Some(sse) = cli_event(event) else { continue };
+                        if events.send_timeout(sse, SEND_TIMEOUT).await.is_err() {
+                            // Dropping the turn before its end kills the process.
+                            return Err((TurnEnd::Aborted, None));
+                        }
+                    }
+                    None => return Err((TurnEnd::Error, Some("the turn ended without turn.end".into()))),
+                },
+                _ = events.closed() => return Err((TurnEnd::Aborted, None)),
+            }
+        }
+    };
+    let result = tracing::Instrument::instrument(summary, span).await;
+    let summary = match result {
+        Ok(outcome) => cli_turn_end(&lease, reason, Some(outcome), TurnEnd::Idle, None),
+        Err((status, error)) => cli_turn_end(&lease, reason, None, status, error),
+    };
     drop(lease);
     let _ = events.send_timeout(summary, SEND_TIMEOUT).await;
 }

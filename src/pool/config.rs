@@ -97,6 +97,11 @@ pub struct PoolConfig {
     /// The guarded model path of BYOK workers: `allow_private_endpoints` (default off),
     /// extra CAs, the request body limit and the connect, first-byte and idle timeouts.
     pub model_guard: ModelGuardConfig,
+    /// The CLI backends leases may name besides `copilot`, by id (default: the bundled
+    /// `claude-cli`, running `claude` from `PATH`). Their processes count in their own
+    /// `max_processes` / `max_processes_per_key` budget (a key: agent home, credential,
+    /// backend id), with the same waiters cap, wait timeout, restart policy and idle TTL.
+    pub cli_backends: std::collections::BTreeMap<String, crate::backend::CliBackendConfig>,
     /// Binding writes to fail on purpose, as a failing disk would (chaos runs; default none).
     /// Transcript writes take theirs from [`crate::TranscriptSettings::with_disk_faults`].
     pub disk_faults: Option<SharedDiskFaults>,
@@ -147,6 +152,10 @@ impl PoolConfig {
             max_resume_crashes: 2,
             model_guard: ModelGuardConfig::default(),
             disk_faults: None,
+            cli_backends: std::collections::BTreeMap::from([(
+                "claude-cli".to_owned(),
+                crate::backend::CliBackendConfig::claude_cli(),
+            )]),
         }
     }
 }
@@ -203,6 +212,10 @@ pub struct LeaseRequest {
     /// endpoint: the SDK's own session id). A new session is created with this id; a stored
     /// session of this id under the agent's home is resumed whatever its binding says.
     pub cli_session_id: Option<CliSessionId>,
+    /// The backend holding the conversation: `copilot` (the default, [`super::Pool::lease`])
+    /// or a configured CLI backend id ([`super::Pool::lease_cli`]). Each backend keeps its
+    /// own session of the conversation.
+    pub backend: String,
 }
 
 impl LeaseRequest {
@@ -231,6 +244,7 @@ impl LeaseRequest {
             handlers: TurnHandlers::default(),
             wire_config: None,
             cli_session_id: None,
+            backend: super::cli::COPILOT_BACKEND.to_owned(),
         }
     }
 }

@@ -56,6 +56,22 @@ pub enum PoolError {
         /// The OS error.
         error: String,
     },
+    /// A CLI backend's stored session has no transcript left where its CLI keeps it:
+    /// resuming would silently lose the conversation's history, so nothing ran.
+    #[error(
+        "the stored `{backend}` session {session_id} of this conversation has no transcript \
+         at {path:?}, so it cannot be resumed with its history and the turn did not run; \
+         restore the file, or start over: a new session_key, or \
+         `Pool::forget_cli_session` (drops the stored session) and lease again"
+    )]
+    TranscriptMissing {
+        /// The backend id.
+        backend: String,
+        /// The stored CLI session id.
+        session_id: String,
+        /// Where the transcript was expected.
+        path: std::path::PathBuf,
+    },
     /// The pool is shut down (or shutting down).
     #[error("the pool is shut down; start a new pool to lease again")]
     Closed,
@@ -124,7 +140,9 @@ impl PoolError {
             | PoolError::Home(_)
             | PoolError::InvalidRequest(_)
             | PoolError::Sandbox(_) => ErrorKind::Invalid,
-            PoolError::NoSuchConversation { .. } => ErrorKind::NotFound,
+            PoolError::NoSuchConversation { .. } | PoolError::TranscriptMissing { .. } => {
+                ErrorKind::NotFound
+            }
             PoolError::ConversationBusy { .. } => ErrorKind::Busy,
             PoolError::ConversationWaitTimeout { .. } => ErrorKind::BusyTimeout,
             PoolError::WaitTimeout { .. } => ErrorKind::NoCapacity,

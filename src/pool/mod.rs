@@ -8,11 +8,14 @@
 //! * `restart` — OTP-style restart intensity and backoff.
 //! * `placement` — the pure core: every placement decision and the ownership of conversations.
 //! * `actor` — the thin actor that feeds the core events and carries out its effects.
+//! * `cli` — conversations of other agent CLIs ([`Pool::lease_cli`]): their pure placement
+//!   core and session rules under a thin shell.
 //!
 //! The pool never parses events or touches stdio: that is the worker's job.
 
 mod actor;
 pub mod bindings;
+mod cli;
 mod config;
 mod error;
 pub mod key;
@@ -50,6 +53,7 @@ pub use status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus};
 
 pub use actor::ProcessLease;
 use actor::{AcquireRequest, Grant, PoolActor, PoolArgs, PoolMsg};
+pub use cli::{COPILOT_BACKEND, CliLease, CliLeaseTurn};
 
 /// Extra time an acquire call may take beyond the wait (a spawn that finishes late).
 const ACQUIRE_SLACK: Duration = Duration::from_secs(5);
@@ -82,6 +86,8 @@ struct PoolInner {
     events: broadcast::Sender<PoolEvent>,
     /// Set by `shutdown`: leases fail at once, also those waiting for their conversation.
     closed: watch::Sender<bool>,
+    /// The conversations of CLI backends.
+    cli: Arc<cli::CliPool>,
 }
 
 impl Drop for PoolInner {
@@ -124,6 +130,17 @@ impl Pool {
         let bindings = Arc::new(
             BindingStore::open(&config.state_dir)?.with_disk_faults(config.disk_faults.clone()),
         );
+        let cli = Arc::new(cli::CliPool::new(
+            config.cli_backends.clone(),
+            (
+                config.max_processes,
+                config.max_processes_per_key,
+                config.max_waiters,
+            ),
+            config.restart.clone(),
+            bindings.clone(),
+        )?);
+        spawn_cli_maintenance(&cli, config.idle_ttl, config.maintenance_interval);
         let (leased_tx, leased_rx) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);
         let args = PoolArgs {
@@ -143,8 +160,111 @@ impl Pool {
                 leased: leased_rx,
                 events,
                 closed: watch::channel(false).0,
+                cli,
             }),
         })
+    }
+
+    /// The backend ids a lease may name: `copilot`, then the configured CLI backends.
+    pub fn backend_ids(&self) -> Vec<String> {
+        self.inner.cli.backend_ids()
+    }
+
+    /// Checks that `backend` is `copilot` or a configured CLI backend; the error lists the
+    /// configured ids and how to add one.
+    pub fn check_backend(&self, backend: &str) -> Result<(), PoolError> {
+        if backend == COPILOT_BACKEND {
+            return Ok(());
+        }
+        self.inner.cli.backend(backend).map(|_| ())
+    }
+
+    /// Leases a conversation of the CLI backend `req.backend` (issue 17): one process per
+    /// conversation (`cli-live`), kept between its leases. The key of its processes is the
+    /// agent's home for the backend (`<agent dir>/<backend id>`), the credential and the
+    /// backend id; the pool's caps, waiters, wait timeout and restart intensity apply. The
+    /// model endpoint and key are the request's `provider` (`base_url`, `api_key`); the
+    /// auth profile (`auth.auth_profile_id`, else `auth.profile_id`) is the identity a key
+    /// refresh keeps. The stored CLI session is resumed when the identity is unchanged and
+    /// its transcript exists (else [`PoolError::TranscriptMissing`]); another identity
+    /// starts a new session. The permission policy is `req.handlers.permission_policy`.
+    pub async fn lease_cli(&self, req: LeaseRequest) -> Result<CliLease, PoolError> {
+        let result = self.lease_cli_inner(req).await;
+        if let Err(error) = &result {
+            crate::metrics::lease_rejected(error.kind());
+        }
+        result
+    }
+
+    async fn lease_cli_inner(&self, req: LeaseRequest) -> Result<CliLease, PoolError> {
+        let inner = &self.inner;
+        if *inner.closed.borrow() {
+            return Err(PoolError::Closed);
+        }
+        inner.cli.backend(&req.backend)?;
+        validate_session_key(&req.session_key)?;
+        if req
+            .provider
+            .as_ref()
+            .is_some_and(|p| p.bearer_token.is_some())
+        {
+            return Err(PoolError::InvalidRequest(format!(
+                "backend `{}` takes its key as provider.api_key; a bearer_token is not passed \
+                 to CLI backends",
+                req.backend
+            )));
+        }
+        let copilot_home = resolve_copilot_home(
+            req.copilot_home.as_deref(),
+            req.agent_dir.as_deref(),
+            &inner.config.agents_base_dir,
+            &req.agent_id,
+        )?;
+        // The backend's own home beside the agent's COPILOT_HOME.
+        let home = copilot_home
+            .parent()
+            .unwrap_or(&copilot_home)
+            .join(&req.backend);
+        let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
+        let bindings_key = format!("{conversation}#backend={}", req.backend);
+        let profile_id = req
+            .auth
+            .auth_profile_id
+            .clone()
+            .or_else(|| req.auth.profile_id.clone());
+        let creds = cli::session::CliCredentials {
+            base_url: req.provider.as_ref().map(|p| p.base_url.clone()),
+            api_key: req.provider.as_ref().and_then(|p| p.api_key.clone()),
+            profile_id,
+        };
+        let ask = cli::CliAsk {
+            backend: req.backend.clone(),
+            conversation: format!("{conversation}#{}", req.backend),
+            home,
+            cwd: req.working_directory.clone(),
+            creds,
+            model: req.model.clone(),
+            permission: req.handlers.permission_policy.clone(),
+            fail_if_busy: req.fail_if_busy,
+            wait: req.wait_timeout.unwrap_or(inner.config.wait_timeout),
+        };
+        inner.cli.lease(ask, bindings_key).await
+    }
+
+    /// Drops the stored session of a conversation on a CLI backend (after
+    /// [`PoolError::TranscriptMissing`], to start over under the same session key).
+    pub fn forget_cli_session(
+        &self,
+        agent_id: &str,
+        session_key: &str,
+        backend: &str,
+    ) -> Result<(), PoolError> {
+        self.inner.cli.backend(backend)?;
+        let conversation = ConversationId::new(agent_id, session_key).key();
+        self.inner
+            .bindings
+            .remove(&format!("{conversation}#backend={backend}"))
+            .map_err(|e| PoolError::Bindings(e.to_string()))
     }
 
     /// Events as they happen (workers started, crashed, evicted; conversations opened).
@@ -194,6 +314,13 @@ impl Pool {
         let inner = &self.inner;
         if *inner.closed.borrow() {
             return Err(PoolError::Closed);
+        }
+        if req.backend != COPILOT_BACKEND {
+            self.check_backend(&req.backend)?;
+            return Err(PoolError::InvalidRequest(format!(
+                "backend `{}` is a CLI backend: lease it with Pool::lease_cli",
+                req.backend
+            )));
         }
         // The session options are checked, and the fields the request has its own field
         // for are moved onto it, before anything is keyed on them.
@@ -463,12 +590,28 @@ impl Pool {
             let _ =
                 tokio::time::timeout(Duration::from_secs(5), leased.wait_for(|n| *n == 0)).await;
         }
+        self.inner.cli.shutdown(grace).await;
         let stop_limit = self.inner.config.worker.kill_grace * 2 + Duration::from_secs(10);
         let _ = actor.call(PoolMsg::StopAll, Some(stop_limit)).await;
         actor.stop(Some("shutdown".to_owned()));
         let _ = actor.wait(Some(stop_limit)).await;
         Ok(report)
     }
+}
+
+/// Closes the CLI backends' parked processes idle for `ttl`, every `every`, while the pool
+/// lives.
+fn spawn_cli_maintenance(cli: &Arc<cli::CliPool>, ttl: Duration, every: Duration) {
+    let weak = Arc::downgrade(cli);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(cli) = weak.upgrade() else { return };
+            cli.close_idle(ttl);
+        }
+    });
 }
 
 /// The `session.create`/`session.resume` params of a lease. Token mode also gives the

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use copilot_pool::backend::CliBackendConfig;
 use copilot_pool::http::AttachmentLimits;
 use copilot_pool::kinds::SandboxMode;
 use copilot_pool::model_guard::ModelGuardConfig;
@@ -88,6 +89,12 @@ pub struct ServeConfig {
     pub sdk: SdkSection,
     /// `[model]`: the guarded model path of BYOK requests.
     pub model: ModelSection,
+    /// `[backends.<id>]`: CLI backends a turn may name besides `copilot` (issue 17). Each
+    /// table holds the keys of `CliBackendConfig` (the product page's `cliBackends.<id>`,
+    /// camelCase); for a bundled id (`claude-cli`) its keys override the bundled default,
+    /// so `command = "/path/to/claude"` is enough. The bundled ids are configured even
+    /// without a table (running their command from `PATH`).
+    pub backends: std::collections::BTreeMap<String, toml::Table>,
 }
 
 /// `[model]`: the guarded model path. Every BYOK model request goes through the daemon's own
@@ -324,6 +331,7 @@ impl Default for ServeConfig {
             auth: AuthSection::default(),
             sdk: SdkSection::default(),
             model: ModelSection::default(),
+            backends: std::collections::BTreeMap::new(),
         }
     }
 }
@@ -593,6 +601,11 @@ impl ServeConfig {
         guard.connect_timeout = Duration::from_secs(m.connect_timeout_secs);
         guard.first_byte_timeout = Duration::from_secs(m.first_byte_timeout_secs);
         guard.idle_timeout = Duration::from_secs(m.idle_timeout_secs);
+        for (id, table) in &self.backends {
+            config
+                .cli_backends
+                .insert(id.clone(), cli_backend(id, table)?);
+        }
         for file in &m.extra_ca_files {
             let pem = std::fs::read(file).with_context(|| {
                 format!("reading model.extra_ca_files entry {}", file.display())
@@ -635,6 +648,29 @@ impl ServeConfig {
             .as_ref()
             .map(|dir| TranscriptSettings::new(dir.clone(), self.turns.transcript_mode))
     }
+}
+
+/// One `[backends.<id>]` table as a CLI backend: its keys over the bundled default of `id`
+/// when there is one, else the table alone; checked by the library's validation.
+fn cli_backend(id: &str, table: &toml::Table) -> Result<CliBackendConfig> {
+    let mut value = match CliBackendConfig::bundled(id) {
+        Some(bundled) => serde_json::to_value(bundled).context("the bundled backend")?,
+        None => serde_json::Value::Object(serde_json::Map::new()),
+    };
+    let overrides = serde_json::to_value(table).context("reading the backend table")?;
+    if let (Some(base), serde_json::Value::Object(keys)) = (value.as_object_mut(), overrides) {
+        base.extend(keys);
+    }
+    let config: CliBackendConfig = serde_json::from_value(value).with_context(|| {
+        format!(
+            "[backends.{id}]: the keys are CliBackendConfig's, camelCase (command, args, \
+             resumeArgs, output, ...); a backend without a bundled default needs `command`"
+        )
+    })?;
+    config
+        .validate(id)
+        .with_context(|| format!("[backends.{id}]"))?;
+    Ok(config)
 }
 
 /// The daemon's token variables for the environment level, read through `var` (the
@@ -818,6 +854,40 @@ mod tests {
             let bad: ServeConfig = toml::from_str(&format!("[pool]\n{text}\n")).unwrap();
             let error = bad.validate().expect_err(text).to_string();
             assert!(error.contains(says), "{text}: {error}");
+        }
+    }
+
+    #[test]
+    fn a_backends_table_overrides_the_bundled_default_and_a_new_id_needs_a_command() {
+        let c: ServeConfig = toml::from_str(
+            "[backends.claude-cli]\ncommand = \"/opt/claude\"\n\
+             [backends.my-cli]\ncommand = \"my\"\nargs = [\"--json\"]\nsessionMode = \"none\"\n",
+        )
+        .unwrap();
+        let pool = c.pool_config(PathBuf::from("/bin/true")).unwrap();
+        let claude = &pool.cli_backends["claude-cli"];
+        assert_eq!(claude.command, "/opt/claude");
+        assert_eq!(
+            claude.args,
+            CliBackendConfig::claude_cli().args,
+            "the bundled keys stay"
+        );
+        assert_eq!(pool.cli_backends["my-cli"].args, ["--json"]);
+        // The bundled id is configured without a table too.
+        let plain: ServeConfig = toml::from_str("").unwrap();
+        let pool = plain.pool_config(PathBuf::from("/bin/true")).unwrap();
+        assert!(pool.cli_backends.contains_key("claude-cli"));
+        // A new id without a command, or an unknown key, is refused naming the table.
+        for bad in [
+            "[backends.x-cli]\nargs = []\n",
+            "[backends.claude-cli]\ncomand = \"typo\"\n",
+        ] {
+            let c: ServeConfig = toml::from_str(bad).unwrap();
+            let error = format!(
+                "{:#}",
+                c.pool_config(PathBuf::from("/bin/true")).unwrap_err()
+            );
+            assert!(error.contains("[backends."), "{error}");
         }
     }
 

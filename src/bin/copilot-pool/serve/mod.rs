@@ -183,6 +183,10 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     pool_config.worker.sandbox = sandbox;
     pool_config.worker.group_ledger = Some(take_over(&pool_config.state_dir).await?);
     let pool = Pool::start(pool_config).await?;
+    for backend in pool.backend_ids() {
+        // The `backend` label's values: `copilot` and the configured CLI ids.
+        copilot_pool::metrics::register_backend_zeroes(&backend);
+    }
     let (app, api) = http::router_with_handle(pool.clone(), api_config);
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut stop: watch::Receiver<bool>| async move {

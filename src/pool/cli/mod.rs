@@ -1,0 +1,586 @@
+//! CLI backends under the pool (issue 17, items 1 and 4): leases of conversations held by
+//! other agent CLIs ([`CliLease`]), with the pool's caps, FIFO waiters, restart intensity,
+//! durable bindings, metrics and shutdown.
+//!
+//! * `slots` — the pure core: slots, caps, waiters, LRU victims, quarantine.
+//! * `session` — the pure session rules: identity, credential, resume / fresh /
+//!   `transcript-missing`.
+//! * this module — the thin shell: a mutex around the core (never held across an await),
+//!   the parked [`CliConversation`]s, the waiters' reply ports, the binding reads and
+//!   writes, closing processes the core names.
+//!
+//! A conversation is (agent, session key, backend id): its CLI session id is bound under
+//! `<agent>/<session key>#backend=<id>` in the pool's binding store, with its auth identity
+//! as the compat key.
+
+pub(crate) mod session;
+pub(crate) mod slots;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{oneshot, watch};
+
+use crate::backend::claude_live::{ClaudeLive, ClaudeLiveConfig};
+use crate::backend::{
+    BackendEvent, BackendKind, CliBackendConfig, CliConversation, CliTurn, CliTurnOutcome,
+};
+use crate::ids::CliSessionId;
+use crate::kinds::{OpenReason, TurnEnd};
+use crate::permission::PermissionPolicy;
+
+use super::bindings::{Binding, BindingStore};
+use super::error::PoolError;
+use super::restart::RestartPolicy;
+use session::{CliCredentials, SessionDecision, StoredSession};
+use slots::{Caps, CliKey, Effect, Refusal, Slots};
+
+/// The backend id of the Copilot runtime (the pool's workers).
+pub const COPILOT_BACKEND: &str = "copilot";
+
+/// What a CLI lease asks for (built by [`super::Pool::lease_cli`] from a `LeaseRequest`).
+pub(crate) struct CliAsk {
+    pub backend: String,
+    pub conversation: String,
+    pub home: PathBuf,
+    pub cwd: PathBuf,
+    pub creds: CliCredentials,
+    pub model: Option<String>,
+    pub permission: Arc<dyn PermissionPolicy>,
+    pub fail_if_busy: bool,
+    pub wait: Duration,
+}
+
+struct Shell {
+    core: Slots,
+    parked: HashMap<String, CliConversation>,
+    waiters: HashMap<u64, oneshot::Sender<Result<bool, PoolError>>>,
+    next_id: u64,
+}
+
+/// The CLI side of a pool.
+pub(crate) struct CliPool {
+    shell: Mutex<Shell>,
+    backends: BTreeMap<String, CliBackendConfig>,
+    bindings: Arc<BindingStore>,
+    leased: watch::Sender<usize>,
+    closed: std::sync::atomic::AtomicBool,
+    max_waiters: usize,
+}
+
+impl std::fmt::Debug for CliPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CliPool")
+            .field("backends", &self.backends.keys())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CliPool {
+    pub(crate) fn new(
+        backends: BTreeMap<String, CliBackendConfig>,
+        caps: (usize, usize, usize),
+        restart: RestartPolicy,
+        bindings: Arc<BindingStore>,
+    ) -> Result<Self, PoolError> {
+        for (id, config) in &backends {
+            if id == COPILOT_BACKEND {
+                return Err(PoolError::InvalidRequest(format!(
+                    "backend id `{COPILOT_BACKEND}` is the Copilot runtime's own; name the CLI \
+                     backend otherwise (e.g. `claude-cli`)"
+                )));
+            }
+            config
+                .validate(id)
+                .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
+        }
+        let (max_processes, max_per_key, max_waiters) = caps;
+        let core = Slots::new(
+            Caps {
+                max_processes,
+                max_per_key,
+                max_waiters,
+            },
+            restart,
+        );
+        Ok(Self {
+            shell: Mutex::new(Shell {
+                core,
+                parked: HashMap::new(),
+                waiters: HashMap::new(),
+                next_id: 1,
+            }),
+            backends,
+            bindings,
+            leased: watch::channel(0).0,
+            closed: std::sync::atomic::AtomicBool::new(false),
+            max_waiters,
+        })
+    }
+
+    /// Every backend id a lease may name: `copilot` first, then the configured CLI ids.
+    pub(crate) fn backend_ids(&self) -> Vec<String> {
+        std::iter::once(COPILOT_BACKEND.to_owned())
+            .chain(self.backends.keys().cloned())
+            .collect()
+    }
+
+    /// The configuration of a CLI backend, or the error naming the configured ids.
+    pub(crate) fn backend(&self, id: &str) -> Result<&CliBackendConfig, PoolError> {
+        self.backends.get(id).ok_or_else(|| {
+            PoolError::InvalidRequest(format!(
+                "unknown backend `{id}`; the configured backends are {}. Add one as a \
+                 `[backends.{id}]` table in the daemon's TOML (command, args, ...; the \
+                 bundled `claude-cli` needs only its `command`), or in \
+                 `PoolConfig::cli_backends`",
+                self.backend_ids()
+                    .iter()
+                    .map(|b| format!("`{b}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shell> {
+        // A panic while holding it left plain bookkeeping: keep going with it.
+        self.shell.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Carries out the core's effects (under the lock; closing runs in tasks).
+    fn apply(&self, shell: &mut Shell, effects: Vec<Effect>) {
+        for effect in effects {
+            match effect {
+                Effect::Grant { id, reuse, .. } => {
+                    if let Some(port) = shell.waiters.remove(&id) {
+                        // A waiter that went away returns its slot when its lease is dropped:
+                        // the receiver side handles a grant nobody takes (below).
+                        let _ = port.send(Ok(reuse));
+                    }
+                }
+                Effect::Fail { id, why } => {
+                    if let Some(port) = shell.waiters.remove(&id) {
+                        let _ = port.send(Err(refusal(why, self.max_waiters)));
+                    }
+                }
+                Effect::Close { conversation } => {
+                    if let Some(parked) = shell.parked.remove(&conversation) {
+                        close_in_background(parked);
+                    }
+                }
+            }
+        }
+        self.publish(shell);
+    }
+
+    fn publish(&self, shell: &Shell) {
+        for id in self.backends.keys() {
+            crate::metrics::cli_processes(id, shell.core.processes_of(id));
+        }
+        self.leased.send_replace(shell.core.leased());
+    }
+
+    /// Leases a conversation of a CLI backend.
+    pub(crate) async fn lease(
+        self: &Arc<Self>,
+        ask: CliAsk,
+        bindings_key: String,
+    ) -> Result<CliLease, PoolError> {
+        let config = self.backend(&ask.backend)?.clone();
+        if config.kind != BackendKind::CliLive {
+            return Err(PoolError::InvalidRequest(format!(
+                "backend `{}` is `{}`, whose runner is not in this build yet; use a \
+                 `cli-live` backend such as `claude-cli`",
+                ask.backend,
+                config.kind.label()
+            )));
+        }
+        let identity = session::identity(&ask.creds);
+        let key = CliKey {
+            home: ask.home.display().to_string(),
+            credential: session::credential(&ask.creds),
+            backend: ask.backend.clone(),
+        };
+        let started = Instant::now();
+        let (tx, rx) = oneshot::channel();
+        let id = {
+            let mut shell = self.lock();
+            let id = shell.next_id;
+            shell.next_id += 1;
+            shell.waiters.insert(id, tx);
+            let effects = shell.core.ask(
+                id,
+                &ask.conversation,
+                key.clone(),
+                ask.fail_if_busy,
+                started,
+            );
+            self.apply(&mut shell, effects);
+            id
+        };
+        // Until the grant is taken, a cancelled wait must hand a granted slot back.
+        let mut guard = WaitGuard {
+            pool: self.clone(),
+            id,
+            conversation: ask.conversation.clone(),
+            armed: true,
+        };
+        let reuse = match tokio::time::timeout(ask.wait, rx).await {
+            Ok(Ok(result)) => {
+                guard.armed = false;
+                result.map_err(|e| match e {
+                    PoolError::ConversationBusy { .. } => PoolError::ConversationBusy {
+                        session_key: ask.conversation.clone(),
+                    },
+                    other => other,
+                })?
+            }
+            Ok(Err(_)) => {
+                guard.armed = false;
+                return Err(PoolError::Closed);
+            }
+            Err(_) => {
+                return Err(PoolError::WaitTimeout { after: ask.wait });
+            }
+        };
+        crate::metrics::lease_granted(started.elapsed());
+        let mut lease = CliLease {
+            pool: self.clone(),
+            backend: ask.backend.clone(),
+            conversation_key: ask.conversation.clone(),
+            bindings_key,
+            identity,
+            conversation: None,
+            reason: OpenReason::Attached,
+            crashed: false,
+            cwd: ask.cwd.clone(),
+            home: ask.home.clone(),
+        };
+        if reuse {
+            lease.conversation = self.lock().parked.remove(&ask.conversation);
+        }
+        if lease.conversation.is_none() {
+            // A new process: resume the stored session, or start one (the rules decide).
+            let (conversation, reason) = self.open(&ask, &config, &lease)?;
+            lease.conversation = Some(conversation);
+            lease.reason = reason;
+        }
+        Ok(lease)
+    }
+
+    /// A new runner for the lease, resuming the stored session when the rules say so.
+    fn open(
+        &self,
+        ask: &CliAsk,
+        config: &CliBackendConfig,
+        lease: &CliLease,
+    ) -> Result<(CliConversation, OpenReason), PoolError> {
+        let stored = self
+            .bindings
+            .get(&lease.bindings_key)
+            .map_err(|e| PoolError::Bindings(e.to_string()))?
+            .map(|b| StoredSession {
+                session_id: b.cli_session_id.into_string(),
+                identity: b.compat_key,
+            });
+        let decision = session::decide(stored.as_ref(), &lease.identity, |id| {
+            CliConversation::transcript_path(&ask.home, &ask.cwd, id).is_file()
+        })
+        .map_err(|missing| PoolError::TranscriptMissing {
+            backend: ask.backend.clone(),
+            session_id: missing.session_id.clone(),
+            path: CliConversation::transcript_path(&ask.home, &ask.cwd, &missing.session_id),
+        })?;
+        let (resume, reason) = match decision {
+            SessionDecision::Resume(id) => (Some(id), OpenReason::Resumed),
+            SessionDecision::New => (None, OpenReason::New),
+            SessionDecision::IdentityChanged => {
+                self.bindings
+                    .remove(&lease.bindings_key)
+                    .map_err(|e| PoolError::Bindings(e.to_string()))?;
+                (None, OpenReason::CompatChanged)
+            }
+        };
+        crate::metrics::session_opened(reason);
+        let mut live = ClaudeLiveConfig::new(&config.command, &ask.home, &ask.cwd);
+        live.backend = config.clone();
+        live.base_url = ask.creds.base_url.clone();
+        live.api_key = ask.creds.api_key.clone();
+        live.model = ask.model.clone();
+        live.session_id = resume;
+        live.permission = ask.permission.clone();
+        let runner = ClaudeLive::new(live)
+            .map_err(|e| PoolError::InvalidRequest(format!("backend `{}`: {e}", ask.backend)))?;
+        Ok((CliConversation::Live(runner), reason))
+    }
+
+    fn give_back(&self, conversation: &str, runner: Option<CliConversation>, crashed: bool) {
+        let closed = self.closed.load(std::sync::atomic::Ordering::SeqCst);
+        let mut shell = self.lock();
+        let kept = runner.is_some() && !closed;
+        let effects = shell
+            .core
+            .returned(conversation, kept, crashed, Instant::now());
+        match runner {
+            Some(runner) if kept => {
+                shell.parked.insert(conversation.to_owned(), runner);
+            }
+            Some(runner) => close_in_background(runner),
+            None => {}
+        }
+        self.apply(&mut shell, effects);
+    }
+
+    /// Closes the parked processes idle for `ttl`.
+    pub(crate) fn close_idle(&self, ttl: Duration) {
+        let mut shell = self.lock();
+        let now = Instant::now();
+        for conversation in shell.core.idle(now, ttl) {
+            let effects = shell.core.forget(&conversation, now);
+            if let Some(parked) = shell.parked.remove(&conversation) {
+                crate::metrics::process_exited(crate::metrics::ProcessExit::Evicted);
+                close_in_background(parked);
+            }
+            self.apply(&mut shell, effects);
+        }
+    }
+
+    /// Stops leasing: waiters fail, parked processes are closed (their groups killed past
+    /// the grace), and running leases get `grace` to come back; a lease returned later
+    /// closes its process.
+    pub(crate) async fn shutdown(&self, grace: Duration) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let parked: Vec<CliConversation> = {
+            let mut shell = self.lock();
+            let effects = shell.core.close();
+            let mut closing = Vec::new();
+            for effect in effects {
+                match effect {
+                    Effect::Close { conversation } => {
+                        if let Some(p) = shell.parked.remove(&conversation) {
+                            closing.push(p);
+                        }
+                    }
+                    other => self.apply(&mut shell, vec![other]),
+                }
+            }
+            closing.extend(shell.parked.drain().map(|(_, p)| p));
+            self.publish(&shell);
+            closing
+        };
+        for runner in parked {
+            crate::metrics::process_exited(crate::metrics::ProcessExit::Shutdown);
+            let _ = runner.close().await;
+        }
+        let mut leased = self.leased.subscribe();
+        let _ = tokio::time::timeout(grace, leased.wait_for(|n| *n == 0)).await;
+    }
+}
+
+/// Closes a runner's process gracefully in a task; outside a runtime (a lease dropped on a
+/// plain thread) it is dropped, which kills its process group at once.
+fn close_in_background(runner: CliConversation) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => {
+            handle.spawn(async move {
+                let _ = runner.close().await;
+            });
+        }
+        Err(_) => drop(runner),
+    }
+}
+
+/// Fails an ask that cannot be granted (a busy one's session key is filled in by its lease).
+fn refusal(why: Refusal, max_waiters: usize) -> PoolError {
+    match why {
+        Refusal::Busy => PoolError::ConversationBusy {
+            session_key: String::new(),
+        },
+        Refusal::WaitersFull => PoolError::WaitersFull { max: max_waiters },
+        Refusal::Quarantined(left) => PoolError::RestartIntensityExceeded {
+            key_hash: "cli".to_owned(),
+            retry_after: left,
+        },
+        Refusal::Closed => PoolError::Closed,
+    }
+}
+
+/// Withdraws an ask whose caller stopped waiting; a grant that raced it is handed back.
+struct WaitGuard {
+    pool: Arc<CliPool>,
+    id: u64,
+    conversation: String,
+    armed: bool,
+}
+
+impl Drop for WaitGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let mut shell = self.pool.lock();
+        if shell.waiters.remove(&self.id).is_some() {
+            shell.core.abandon(self.id);
+            return;
+        }
+        // Granted meanwhile, to nobody: give the conversation back (its parked process,
+        // if any, stays parked).
+        drop(shell);
+        let runner = self.pool.lock().parked.remove(&self.conversation);
+        self.pool.give_back(&self.conversation, runner, false);
+    }
+}
+
+/// Exclusive use of one conversation of a CLI backend until dropped. Dropping it parks the
+/// conversation's process for its next lease (or closes it when the pool is closing).
+pub struct CliLease {
+    pool: Arc<CliPool>,
+    backend: String,
+    conversation_key: String,
+    bindings_key: String,
+    identity: String,
+    conversation: Option<CliConversation>,
+    reason: OpenReason,
+    crashed: bool,
+    cwd: PathBuf,
+    home: PathBuf,
+}
+
+impl std::fmt::Debug for CliLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CliLease")
+            .field("backend", &self.backend)
+            .field("reason", &self.reason)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for CliLease {
+    fn drop(&mut self) {
+        let runner = self.conversation.take();
+        self.pool
+            .give_back(&self.conversation_key, runner, self.crashed);
+    }
+}
+
+impl CliLease {
+    /// The backend id.
+    pub fn backend(&self) -> &str {
+        &self.backend
+    }
+
+    /// How the conversation's CLI session was opened for this lease: `attached` (its live
+    /// process kept from the last lease), `resumed`, `new`, or `compat-changed` (the auth
+    /// identity changed: the stored session was dropped).
+    pub fn reason(&self) -> OpenReason {
+        self.reason
+    }
+
+    /// The CLI session id, once known.
+    pub fn session_id(&self) -> Option<&str> {
+        self.conversation.as_ref().and_then(|c| c.session_id())
+    }
+
+    /// The pid (= process group id) of the CLI process while one runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.conversation.as_ref().and_then(|c| c.pid())
+    }
+
+    /// The agent's home for this backend (`HOME` of the CLI).
+    pub fn home(&self) -> &std::path::Path {
+        &self.home
+    }
+
+    /// The conversation's working directory.
+    pub fn working_directory(&self) -> &std::path::Path {
+        &self.cwd
+    }
+
+    /// Sends `prompt` and returns the running turn; read it with [`CliLeaseTurn::next`] to
+    /// its `turn.end`, which records the CLI session id durably.
+    pub async fn start_turn(&mut self, prompt: &str) -> Result<CliLeaseTurn<'_>, PoolError> {
+        let Some(conversation) = self.conversation.as_mut() else {
+            return Err(PoolError::Internal("a CLI lease without its runner".into()));
+        };
+        let turn = conversation
+            .start_turn(prompt)
+            .await
+            .map_err(|e| PoolError::InvalidRequest(format!("backend `{}`: {e}", self.backend)))?;
+        Ok(CliLeaseTurn {
+            turn,
+            bindings: &self.pool.bindings,
+            bindings_key: &self.bindings_key,
+            identity: &self.identity,
+            backend: &self.backend,
+            crashed: &mut self.crashed,
+            started: Instant::now(),
+        })
+    }
+
+    /// Runs one turn to its end, handing each event to `on_event`.
+    pub async fn run(
+        &mut self,
+        prompt: &str,
+        mut on_event: impl FnMut(&BackendEvent),
+    ) -> Result<CliTurnOutcome, PoolError> {
+        let mut turn = self.start_turn(prompt).await?;
+        while let Some(event) = turn.next().await {
+            on_event(&event);
+            if let BackendEvent::TurnEnd(outcome) = event {
+                return Ok(outcome);
+            }
+        }
+        Err(PoolError::Internal(
+            "a CLI turn ended without turn.end".into(),
+        ))
+    }
+}
+
+/// A running turn of a [`CliLease`].
+pub struct CliLeaseTurn<'a> {
+    turn: CliTurn<'a>,
+    bindings: &'a BindingStore,
+    bindings_key: &'a str,
+    identity: &'a str,
+    backend: &'a str,
+    crashed: &'a mut bool,
+    started: Instant,
+}
+
+impl CliLeaseTurn<'_> {
+    /// A handle that interrupts the turn (it ends `aborted`).
+    pub fn abort_handle(&self) -> crate::backend::claude_live::AbortHandle {
+        self.turn.abort_handle()
+    }
+
+    /// The next event; `None` after `turn.end`. At `turn.end` the CLI session id is bound
+    /// durably (a binding that cannot be written is logged: the session id is still in the
+    /// outcome) and the turn counted in the metrics.
+    pub async fn next(&mut self) -> Option<BackendEvent> {
+        let event = self.turn.next().await?;
+        if let BackendEvent::TurnEnd(outcome) = &event {
+            let end = outcome.end.unwrap_or(TurnEnd::Error);
+            if end == TurnEnd::Crashed {
+                *self.crashed = true;
+            }
+            crate::metrics::cli_turn_finished(self.backend, end, self.started.elapsed());
+            for (kind, n) in outcome.usage.by_kind() {
+                crate::metrics::tokens(kind, n);
+            }
+            if let Some(id) = &outcome.session_id {
+                let binding = Binding {
+                    session_key: self.bindings_key.to_owned(),
+                    cli_session_id: CliSessionId::new(id.clone()),
+                    compat_key: self.identity.to_owned(),
+                    updated_at_ms: super::now_ms(),
+                };
+                if let Err(error) = self.bindings.put(&binding) {
+                    tracing::warn!(%error, "could not record a CLI backend's session id");
+                }
+            }
+        }
+        Some(event)
+    }
+}

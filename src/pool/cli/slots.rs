@@ -1,0 +1,547 @@
+//! The pure core of the CLI backends' placement: which conversation holds a CLI process
+//! slot, the caps (processes in all, per key), one lease per conversation at a time, the
+//! FIFO waiters, the LRU idle victim that makes room, and each key's restart intensity
+//! ([`RestartTracker`]: past it the key is quarantined). Events in, effects out; no
+//! processes, no awaiting, the clock passed in.
+//!
+//! A slot is a conversation that holds a CLI process (parked between turns or leased). Its
+//! key is (agent home, credential fingerprint, backend id): a conversation that comes back
+//! with another key (a refreshed key) gives up its old slot first.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use crate::pool::restart::{RestartDecision, RestartPolicy, RestartTracker};
+
+/// Which processes may serve a CLI lease.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct CliKey {
+    /// The agent's home for this backend.
+    pub home: String,
+    /// [`super::session::credential`] of the lease.
+    pub credential: String,
+    /// The backend id.
+    pub backend: String,
+}
+
+/// The caps.
+#[derive(Clone, Debug)]
+pub(crate) struct Caps {
+    /// Processes in all.
+    pub max_processes: usize,
+    /// Processes of one key.
+    pub max_per_key: usize,
+    /// Leases waiting at once.
+    pub max_waiters: usize,
+}
+
+/// Why an ask failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// The conversation is leased and the ask would not queue.
+    Busy,
+    /// Too many waiters.
+    WaitersFull,
+    /// The key crashed too often; this long is left of the cool-down.
+    Quarantined(Duration),
+    /// The pool is closing.
+    Closed,
+}
+
+/// What the shell must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Effect {
+    /// Hand ask `id` its conversation; `reuse`: the conversation's parked process (same key)
+    /// is still there to take.
+    Grant {
+        id: u64,
+        conversation: String,
+        reuse: bool,
+    },
+    /// Fail ask `id`.
+    Fail { id: u64, why: Refusal },
+    /// Close the parked process of this conversation (a victim, or an old key's process).
+    Close { conversation: String },
+}
+
+#[derive(Debug)]
+struct Held {
+    key: CliKey,
+    leased: bool,
+    last_used: Instant,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    id: u64,
+    conversation: String,
+    key: CliKey,
+}
+
+/// The whole bookkeeping.
+#[derive(Debug)]
+pub(crate) struct Slots {
+    caps: Caps,
+    policy: RestartPolicy,
+    held: HashMap<String, Held>,
+    waiters: VecDeque<Waiter>,
+    restarts: HashMap<CliKey, RestartTracker>,
+    closed: bool,
+}
+
+impl Slots {
+    pub(crate) fn new(caps: Caps, policy: RestartPolicy) -> Self {
+        Self {
+            caps,
+            policy,
+            held: HashMap::new(),
+            waiters: VecDeque::new(),
+            restarts: HashMap::new(),
+            closed: false,
+        }
+    }
+
+    /// Processes held in all.
+    #[cfg(test)]
+    pub(crate) fn processes(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Processes held per backend id.
+    pub(crate) fn processes_of(&self, backend: &str) -> usize {
+        self.held
+            .values()
+            .filter(|h| h.key.backend == backend)
+            .count()
+    }
+
+    /// Conversations leased now.
+    pub(crate) fn leased(&self) -> usize {
+        self.held.values().filter(|h| h.leased).count()
+    }
+
+    fn of_key(&self, key: &CliKey) -> usize {
+        self.held.values().filter(|h| &h.key == key).count()
+    }
+
+    /// A lease asks for `conversation` under `key`.
+    pub(crate) fn ask(
+        &mut self,
+        id: u64,
+        conversation: &str,
+        key: CliKey,
+        fail_if_busy: bool,
+        now: Instant,
+    ) -> Vec<Effect> {
+        if self.closed {
+            return vec![Effect::Fail {
+                id,
+                why: Refusal::Closed,
+            }];
+        }
+        if let Some(until) = self
+            .restarts
+            .get(&key)
+            .and_then(|t| t.quarantined_until(now))
+        {
+            return vec![Effect::Fail {
+                id,
+                why: Refusal::Quarantined(until - now),
+            }];
+        }
+        let leased = self.held.get(conversation).is_some_and(|h| h.leased)
+            || self.waiters.iter().any(|w| w.conversation == conversation);
+        if leased && fail_if_busy {
+            return vec![Effect::Fail {
+                id,
+                why: Refusal::Busy,
+            }];
+        }
+        let mut effects = Vec::new();
+        if !leased && self.try_grant(id, conversation, &key, now, &mut effects) {
+            return effects;
+        }
+        if self.waiters.len() >= self.caps.max_waiters {
+            effects.push(Effect::Fail {
+                id,
+                why: Refusal::WaitersFull,
+            });
+            return effects;
+        }
+        self.waiters.push_back(Waiter {
+            id,
+            conversation: conversation.to_owned(),
+            key,
+        });
+        effects
+    }
+
+    /// Grants when it can (pushing the effects); false when the ask must wait.
+    fn try_grant(
+        &mut self,
+        id: u64,
+        conversation: &str,
+        key: &CliKey,
+        now: Instant,
+        effects: &mut Vec<Effect>,
+    ) -> bool {
+        match self.held.get_mut(conversation) {
+            Some(held) if held.leased => return false,
+            Some(held) if &held.key == key => {
+                held.leased = true;
+                held.last_used = now;
+                effects.push(Effect::Grant {
+                    id,
+                    conversation: conversation.to_owned(),
+                    reuse: true,
+                });
+                return true;
+            }
+            Some(_) => {
+                // Another key (a refreshed credential): its process goes first.
+                self.held.remove(conversation);
+                effects.push(Effect::Close {
+                    conversation: conversation.to_owned(),
+                });
+            }
+            None => {}
+        }
+        let key_full = self.of_key(key) >= self.caps.max_per_key;
+        let pool_full = self.held.len() >= self.caps.max_processes;
+        if key_full || pool_full {
+            // The least recently used parked process makes room: of this key when the key
+            // is full, of any key otherwise.
+            let victim = self
+                .held
+                .iter()
+                .filter(|(_, h)| !h.leased && (!key_full || &h.key == key))
+                .min_by_key(|(_, h)| h.last_used)
+                .map(|(c, _)| c.clone());
+            let Some(victim) = victim else {
+                return false;
+            };
+            self.held.remove(&victim);
+            effects.push(Effect::Close {
+                conversation: victim,
+            });
+        }
+        self.held.insert(
+            conversation.to_owned(),
+            Held {
+                key: key.clone(),
+                leased: true,
+                last_used: now,
+            },
+        );
+        effects.push(Effect::Grant {
+            id,
+            conversation: conversation.to_owned(),
+            reuse: false,
+        });
+        true
+    }
+
+    /// A lease returned its conversation: `kept` whether its process is parked (false: it
+    /// was closed or died), `crashed` whether its process died during the lease. Waiters
+    /// that can now be served are.
+    pub(crate) fn returned(
+        &mut self,
+        conversation: &str,
+        kept: bool,
+        crashed: bool,
+        now: Instant,
+    ) -> Vec<Effect> {
+        let key = self.held.get(conversation).map(|h| h.key.clone());
+        if let Some(key) = &key {
+            let tracker = self.restarts.entry(key.clone()).or_default();
+            if crashed {
+                if let RestartDecision::Quarantine { .. } = tracker.record_crash(now, &self.policy)
+                {
+                    crate::metrics::quarantined();
+                }
+            } else {
+                tracker.record_stable();
+            }
+        }
+        if kept && !self.closed {
+            if let Some(held) = self.held.get_mut(conversation) {
+                held.leased = false;
+                held.last_used = now;
+            }
+        } else {
+            self.held.remove(conversation);
+        }
+        let mut effects = Vec::new();
+        if !kept && self.closed {
+            return effects;
+        }
+        self.serve_waiters(now, &mut effects);
+        effects
+    }
+
+    /// A waiter gave up (its wait ran out, or its caller went away).
+    pub(crate) fn abandon(&mut self, id: u64) {
+        self.waiters.retain(|w| w.id != id);
+    }
+
+    /// A parked conversation's process was closed from outside the leases (idle).
+    pub(crate) fn forget(&mut self, conversation: &str, now: Instant) -> Vec<Effect> {
+        if self.held.get(conversation).is_some_and(|h| !h.leased) {
+            self.held.remove(conversation);
+        }
+        let mut effects = Vec::new();
+        self.serve_waiters(now, &mut effects);
+        effects
+    }
+
+    /// Parked conversations unused for `ttl`.
+    pub(crate) fn idle(&self, now: Instant, ttl: Duration) -> Vec<String> {
+        self.held
+            .iter()
+            .filter(|(_, h)| !h.leased && now.saturating_duration_since(h.last_used) >= ttl)
+            .map(|(c, _)| c.clone())
+            .collect()
+    }
+
+    /// The pool closes: every waiter fails, every parked process closes; leased ones close
+    /// when they come back.
+    pub(crate) fn close(&mut self) -> Vec<Effect> {
+        self.closed = true;
+        let mut effects: Vec<Effect> = self
+            .waiters
+            .drain(..)
+            .map(|w| Effect::Fail {
+                id: w.id,
+                why: Refusal::Closed,
+            })
+            .collect();
+        let parked: Vec<String> = self
+            .held
+            .iter()
+            .filter(|(_, h)| !h.leased)
+            .map(|(c, _)| c.clone())
+            .collect();
+        for conversation in parked {
+            self.held.remove(&conversation);
+            effects.push(Effect::Close { conversation });
+        }
+        effects
+    }
+
+    fn serve_waiters(&mut self, now: Instant, effects: &mut Vec<Effect>) {
+        let mut i = 0;
+        while i < self.waiters.len() {
+            let waiter = &self.waiters[i];
+            let (id, conversation, key) =
+                (waiter.id, waiter.conversation.clone(), waiter.key.clone());
+            // An earlier waiter of the same conversation goes first (one lease at a time).
+            let earlier = self
+                .waiters
+                .iter()
+                .take(i)
+                .any(|w| w.conversation == conversation);
+            if !earlier && self.try_grant(id, &conversation, &key, now, effects) {
+                self.waiters.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: &str) -> CliKey {
+        CliKey {
+            home: format!("/h/{n}"),
+            credential: "c".into(),
+            backend: "claude-cli".into(),
+        }
+    }
+
+    fn slots(max_processes: usize, max_per_key: usize) -> Slots {
+        Slots::new(
+            Caps {
+                max_processes,
+                max_per_key,
+                max_waiters: 2,
+            },
+            RestartPolicy {
+                max_restarts: 1,
+                ..RestartPolicy::default()
+            },
+        )
+    }
+
+    fn granted(effects: &[Effect], want: u64) -> bool {
+        effects
+            .iter()
+            .any(|e| matches!(e, Effect::Grant { id, .. } if *id == want))
+    }
+
+    #[test]
+    fn a_conversation_is_leased_once_at_a_time_and_its_next_lease_reuses_its_process() {
+        let now = Instant::now();
+        let mut s = slots(4, 4);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
+        assert_eq!(
+            s.ask(2, "a/1", key("a"), true, now),
+            [Effect::Fail {
+                id: 2,
+                why: Refusal::Busy
+            }]
+        );
+        assert!(s.ask(3, "a/1", key("a"), false, now).is_empty(), "queued");
+        let effects = s.returned("a/1", true, false, now);
+        assert_eq!(
+            effects,
+            [Effect::Grant {
+                id: 3,
+                conversation: "a/1".into(),
+                reuse: true
+            }]
+        );
+        assert_eq!(s.processes(), 1);
+    }
+
+    #[test]
+    fn at_the_cap_the_least_recently_used_parked_process_makes_room_and_a_leased_one_never_does() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut s = slots(2, 2);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, t0), 1));
+        assert!(granted(&s.ask(2, "b/1", key("b"), false, t0), 2));
+        s.returned("a/1", true, false, t0);
+        // b/1 stays leased: a/1 (parked) is the victim.
+        let effects = s.ask(3, "c/1", key("c"), false, t1);
+        assert_eq!(
+            effects[0],
+            Effect::Close {
+                conversation: "a/1".into()
+            }
+        );
+        assert!(granted(&effects, 3));
+        assert_eq!(s.processes(), 2);
+        // Both leased now: the next one waits for a return, FIFO.
+        assert!(s.ask(4, "d/1", key("d"), false, t1).is_empty());
+        assert!(s.ask(5, "e/1", key("e"), false, t1).is_empty());
+        assert_eq!(
+            s.ask(6, "f/1", key("f"), false, t1),
+            [Effect::Fail {
+                id: 6,
+                why: Refusal::WaitersFull
+            }]
+        );
+        let effects = s.returned("b/1", false, false, t1);
+        assert!(granted(&effects, 4) && !granted(&effects, 5), "{effects:?}");
+        assert!(s.processes() <= 2);
+    }
+
+    #[test]
+    fn a_key_at_its_own_cap_takes_room_only_from_its_own_parked_processes() {
+        let now = Instant::now();
+        let mut s = slots(8, 1);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
+        s.returned("a/1", true, false, now);
+        assert!(granted(&s.ask(2, "b/1", key("b"), false, now), 2));
+        let effects = s.ask(3, "a/2", key("a"), false, now);
+        assert_eq!(
+            effects[0],
+            Effect::Close {
+                conversation: "a/1".into()
+            }
+        );
+        assert!(granted(&effects, 3));
+        assert_eq!(s.processes_of("claude-cli"), 2);
+    }
+
+    #[test]
+    fn a_refreshed_credential_closes_the_old_process_before_the_new_one() {
+        let now = Instant::now();
+        let mut s = slots(4, 4);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
+        s.returned("a/1", true, false, now);
+        let mut refreshed = key("a");
+        refreshed.credential = "c2".into();
+        let effects = s.ask(2, "a/1", refreshed, false, now);
+        assert_eq!(
+            effects,
+            [
+                Effect::Close {
+                    conversation: "a/1".into()
+                },
+                Effect::Grant {
+                    id: 2,
+                    conversation: "a/1".into(),
+                    reuse: false
+                }
+            ]
+        );
+        assert_eq!(s.processes(), 1);
+    }
+
+    #[test]
+    fn crashes_past_the_intensity_quarantine_the_key() {
+        let now = Instant::now();
+        let mut s = slots(4, 4);
+        for id in 1..=2 {
+            assert!(granted(&s.ask(id, "a/1", key("a"), false, now), id));
+            s.returned("a/1", false, true, now);
+        }
+        assert!(matches!(
+            s.ask(9, "a/1", key("a"), false, now).as_slice(),
+            [Effect::Fail {
+                why: Refusal::Quarantined(_),
+                ..
+            }]
+        ));
+        // Another key is unaffected.
+        assert!(granted(&s.ask(10, "b/1", key("b"), false, now), 10));
+    }
+
+    #[test]
+    fn closing_fails_the_waiters_closes_the_parked_and_refuses_new_asks() {
+        let now = Instant::now();
+        let mut s = slots(1, 1);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
+        assert!(s.ask(2, "b/1", key("b"), false, now).is_empty());
+        let effects = s.close();
+        assert_eq!(
+            effects,
+            [Effect::Fail {
+                id: 2,
+                why: Refusal::Closed
+            }]
+        );
+        assert!(s.returned("a/1", true, false, now).is_empty());
+        assert_eq!(
+            s.processes(),
+            0,
+            "a lease returned after the close is not parked"
+        );
+        assert!(matches!(
+            s.ask(3, "a/1", key("a"), false, now).as_slice(),
+            [Effect::Fail {
+                why: Refusal::Closed,
+                ..
+            }]
+        ));
+    }
+
+    #[test]
+    fn idle_parked_conversations_are_found_by_their_ttl() {
+        let t0 = Instant::now();
+        let mut s = slots(4, 4);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, t0), 1));
+        s.returned("a/1", true, false, t0);
+        assert!(s.idle(t0, Duration::from_secs(5)).is_empty());
+        assert_eq!(
+            s.idle(t0 + Duration::from_secs(5), Duration::from_secs(5)),
+            ["a/1"]
+        );
+        s.forget("a/1", t0);
+        assert_eq!(s.processes(), 0);
+    }
+}

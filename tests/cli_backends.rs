@@ -1,0 +1,371 @@
+//! CLI backends over the daemon (issue 17, items 1, 4 and 8): a real `copilot-pool serve`
+//! configured with `[backends.claude-cli]`, the real Claude Code CLI (installed by the
+//! library's installer) and the scripted model speaking Anthropic messages on loopback.
+//! Turns over HTTP with `backend: "claude-cli"` stream the pool's SSE vocabulary, carry
+//! their history, show the `backend` label on `/metrics`, resume across a daemon restart,
+//! fail `transcript_missing` when Claude's transcript is gone, start fresh on another auth
+//! identity and resume on a key refresh; the daemon's shutdown leaves no Claude process.
+//!
+//! The tests take one lock, so at most one conversation's Claude processes run at a time
+//! (at most two processes: one closing while its successor starts).
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use copilot_pool::scripted_model::{HttpEndpoint, RecordedRequest, ScriptedModel};
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+
+use support::claude::claude_path;
+use support::http::{Daemon, SseStream, call};
+use support::procs::{wait_none, with_env_prefix};
+
+/// One test at a time (each runs its own Claude processes).
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+/// A failure guard for one whole turn, not a wait.
+const TURN_LIMIT: Duration = Duration::from_secs(120);
+
+struct Fixture {
+    model: ScriptedModel,
+    endpoint: HttpEndpoint,
+    scratch: support::Scratch,
+}
+
+impl Fixture {
+    async fn new() -> Self {
+        let model = ScriptedModel::new();
+        let endpoint = model.serve_http().await.expect("scripted model");
+        Self {
+            model,
+            endpoint,
+            scratch: support::Scratch::new(),
+        }
+    }
+
+    /// The daemon's TOML: the bundled `claude-cli` with the installed executable.
+    async fn config(&self) -> String {
+        format!(
+            "drain_grace_secs = 5\n[backends.claude-cli]\ncommand = {:?}\n",
+            claude_path().await.display().to_string()
+        )
+    }
+
+    async fn daemon(&self) -> Daemon {
+        Daemon::start(self.scratch.path(), &self.config().await, &[]).await
+    }
+
+    /// A turn body on the `claude-cli` backend with `key` under auth profile `profile`.
+    fn body(&self, session_key: &str, prompt: &str, key: &str, profile: Option<&str>) -> Value {
+        let mut body = json!({
+            "agent_id": "agent-c",
+            "session_key": session_key,
+            "prompt": prompt,
+            "backend": "claude-cli",
+            "provider": {
+                "type": "anthropic",
+                "base_url": format!("http://{}", self.endpoint.addr()),
+                "api_key": key,
+            },
+        });
+        if let Some(profile) = profile {
+            body["auth"] = json!({ "auth_profile_id": profile });
+        }
+        body
+    }
+
+    /// The model call whose last user message is `prompt`.
+    fn call_for(&self, prompt: &str) -> RecordedRequest {
+        self.model
+            .requests()
+            .into_iter()
+            .filter(|r| r.path.ends_with("/messages"))
+            .rfind(|r| history(r).ends_with(prompt))
+            .unwrap_or_else(|| panic!("no model call for {prompt:?}"))
+    }
+
+    /// Claude processes of this fixture (found by their `CLAUDE_CONFIG_DIR`).
+    fn claude_processes(&self) -> Vec<u32> {
+        with_env_prefix(
+            "CLAUDE_CONFIG_DIR",
+            &self.scratch.path().display().to_string(),
+        )
+    }
+}
+
+/// The user messages of a request, joined (to look for earlier turns in the history).
+fn history(request: &RecordedRequest) -> String {
+    request
+        .messages()
+        .iter()
+        .filter(|m| m["role"] == "user")
+        .map(|m| match &m["content"] {
+            Value::String(text) => text.clone(),
+            Value::Array(blocks) => blocks
+                .iter()
+                .filter_map(|b| b["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
+            _ => String::new(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Runs a streamed turn; its event names and its `turn.end`.
+async fn turn(daemon: &Daemon, body: &Value) -> (Vec<String>, Value) {
+    let run = async {
+        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, body).await;
+        assert_eq!(stream.status, 200, "the turn was accepted");
+        let (events, end) = stream.until_end().await;
+        (events.into_iter().map(|e| e.event).collect(), end)
+    };
+    tokio::time::timeout(TURN_LIMIT, run)
+        .await
+        .expect("the turn ended in time")
+}
+
+/// Every Claude transcript under `dir` named `<session id>.jsonl`.
+fn transcripts(dir: &Path, session_id: &str) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(at) = stack.pop() {
+        for entry in std::fs::read_dir(&at).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.file_name().and_then(|n| n.to_str())
+                == Some(&format!("{session_id}.jsonl"))
+            {
+                found.push(path);
+            }
+        }
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_claude_turns_over_http_stream_the_pools_events_carry_history_and_leave_no_process() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+
+    let started = std::time::Instant::now();
+    let (events, first) = turn(
+        &daemon,
+        &fx.body("c1", "REPLY=pong one", "sk-ant-FAKE-1", None),
+    )
+    .await;
+    eprintln!(
+        "measured: first claude-cli turn over HTTP (spawn included) {:?}",
+        started.elapsed()
+    );
+    assert_eq!(first["status"], "idle", "{first}");
+    assert_eq!(first["backend"], "claude-cli");
+    assert_eq!(first["final_text"], "pong one");
+    assert_eq!(first["open_reason"], "new");
+    assert!(
+        first["usage"]["output_tokens"].as_u64().unwrap_or(0) > 0,
+        "usage: {first}"
+    );
+    assert!(
+        events.iter().any(|e| e == "assistant.message_delta"),
+        "deltas stream under the pool's name: {events:?}"
+    );
+    assert_eq!(events.last().map(String::as_str), Some("turn.end"));
+    let session = first["session_id"]
+        .as_str()
+        .expect("a session id")
+        .to_owned();
+    assert_eq!(
+        fx.claude_processes().len(),
+        1,
+        "one live process per conversation"
+    );
+
+    let started = std::time::Instant::now();
+    let (_, second) = turn(
+        &daemon,
+        &fx.body("c1", "REPLY=pong two", "sk-ant-FAKE-1", None),
+    )
+    .await;
+    eprintln!(
+        "measured: second claude-cli turn over HTTP (live process) {:?}",
+        started.elapsed()
+    );
+    assert_eq!(second["status"], "idle", "{second}");
+    assert_eq!(second["final_text"], "pong two");
+    assert_eq!(
+        second["open_reason"], "attached",
+        "the live process was kept"
+    );
+    assert_eq!(second["session_id"], session.as_str());
+    let model_call = fx.call_for("REPLY=pong two");
+    assert!(
+        history(&model_call).contains("REPLY=pong one"),
+        "the second turn carries the first: {}",
+        history(&model_call)
+    );
+
+    // An unknown backend is a 400 that lists the configured ones.
+    let mut unknown = fx.body("c2", "hi", "k", None);
+    unknown["backend"] = json!("nope-cli");
+    let refused = call(daemon.addr, "POST", "/v1/turns", None, Some(&unknown)).await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(
+        refused.body.contains("`copilot`") && refused.body.contains("`claude-cli`"),
+        "{}",
+        refused.body
+    );
+    assert!(
+        refused.body.contains("[backends.nope-cli]"),
+        "{}",
+        refused.body
+    );
+
+    let metrics = call(daemon.addr, "GET", "/metrics", None, None).await;
+    for series in [
+        "copilot_pool_turns_total{outcome=\"idle\",backend=\"claude-cli\"} 2",
+        "copilot_pool_processes{state=\"live\",backend=\"claude-cli\"} 1",
+        "copilot_pool_turns_total{outcome=\"idle\",backend=\"copilot\"} 0",
+    ] {
+        assert!(
+            metrics.body.lines().any(|l| l == series),
+            "{series} missing from:\n{}",
+            metrics.body
+        );
+    }
+
+    let started = std::time::Instant::now();
+    let status = daemon.terminate().await;
+    assert!(status.success(), "{status:?}");
+    eprintln!(
+        "measured: serve's SIGTERM to exit with a parked Claude process {:?}",
+        started.elapsed()
+    );
+    let left = wait_none(|| fx.claude_processes(), Duration::from_secs(5)).await;
+    assert!(
+        left.is_empty(),
+        "Claude processes left after shutdown: {left:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_daemon_resumes_the_stored_session_and_refuses_one_whose_transcript_is_gone() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+
+    let daemon = fx.daemon().await;
+    let (_, first) = turn(
+        &daemon,
+        &fx.body("r1", "REPLY=before restart", "sk-ant-FAKE-r", None),
+    )
+    .await;
+    assert_eq!(first["status"], "idle", "{first}");
+    let session = first["session_id"]
+        .as_str()
+        .expect("a session id")
+        .to_owned();
+    assert!(daemon.terminate().await.success());
+
+    let daemon = fx.daemon().await;
+    let (_, second) = turn(
+        &daemon,
+        &fx.body("r1", "REPLY=after restart", "sk-ant-FAKE-r", None),
+    )
+    .await;
+    assert_eq!(second["status"], "idle", "{second}");
+    assert_eq!(second["open_reason"], "resumed", "{second}");
+    assert_eq!(second["session_id"], session.as_str());
+    assert!(history(&fx.call_for("REPLY=after restart")).contains("REPLY=before restart"));
+    assert!(daemon.terminate().await.success());
+
+    let files = transcripts(fx.scratch.path(), &session);
+    assert_eq!(
+        files.len(),
+        1,
+        "Claude's transcript of the session: {files:?}"
+    );
+    std::fs::remove_file(&files[0]).expect("delete the transcript");
+
+    let daemon = fx.daemon().await;
+    let body = fx.body("r1", "REPLY=must not run", "sk-ant-FAKE-r", None);
+    let refused = call(daemon.addr, "POST", "/v1/turns", None, Some(&body)).await;
+    assert_eq!(refused.status, 409, "{}", refused.body);
+    assert_eq!(
+        refused.json()["code"],
+        "transcript_missing",
+        "{}",
+        refused.body
+    );
+    assert!(refused.body.contains(&session), "{}", refused.body);
+    assert!(
+        !fx.model
+            .requests()
+            .iter()
+            .any(|r| history(r).contains("must not run")),
+        "never a silent fresh start"
+    );
+    assert!(fx.claude_processes().is_empty(), "nothing was started");
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_refresh_under_the_same_profile_resumes_and_another_profile_starts_fresh() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+
+    let (_, first) = turn(
+        &daemon,
+        &fx.body("a1", "REPLY=first", "sk-ant-FAKE-k1", Some("team-a")),
+    )
+    .await;
+    assert_eq!(first["status"], "idle", "{first}");
+    let session = first["session_id"]
+        .as_str()
+        .expect("a session id")
+        .to_owned();
+
+    // A refreshed key of the same profile: a new process (it holds the key), same session.
+    let (_, refreshed) = turn(
+        &daemon,
+        &fx.body("a1", "REPLY=refreshed", "sk-ant-FAKE-k2", Some("team-a")),
+    )
+    .await;
+    assert_eq!(refreshed["status"], "idle", "{refreshed}");
+    assert_eq!(refreshed["open_reason"], "resumed", "{refreshed}");
+    assert_eq!(refreshed["session_id"], session.as_str());
+    let model_call = fx.call_for("REPLY=refreshed");
+    assert!(
+        history(&model_call).contains("REPLY=first"),
+        "{}",
+        history(&model_call)
+    );
+    assert_eq!(
+        model_call.header("x-api-key"),
+        ["sk-ant-FAKE-k2"],
+        "the new key is used"
+    );
+
+    // Another identity: the stored session is dropped.
+    let (_, other) = turn(
+        &daemon,
+        &fx.body("a1", "REPLY=other", "sk-ant-FAKE-k2", Some("team-b")),
+    )
+    .await;
+    assert_eq!(other["status"], "idle", "{other}");
+    assert_eq!(other["open_reason"], "compat-changed", "{other}");
+    assert_ne!(other["session_id"], session.as_str());
+    let model_call = fx.call_for("REPLY=other");
+    assert!(
+        !history(&model_call).contains("REPLY=first"),
+        "a fresh session: {}",
+        history(&model_call)
+    );
+    assert!(daemon.terminate().await.success());
+    let left = wait_none(|| fx.claude_processes(), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+}
