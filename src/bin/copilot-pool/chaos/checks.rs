@@ -138,15 +138,21 @@ pub fn own_resources() -> (u64, u64) {
 /// The value of the counter series `name{labels}` in a Prometheus text rendering (0 if
 /// absent). `labels` is the exact label set as rendered, e.g. `reason="crash"`.
 pub fn counter(rendered: &str, name: &str, labels: &str) -> u64 {
-    let series = if labels.is_empty() {
-        name.to_owned()
-    } else {
-        format!("{name}{{{labels}}}")
-    };
+    // Every series of `name` whose labels include each of `labels` (`k="v"` pairs joined by
+    // commas; none: every series): a series may carry more labels than a check names
+    // (`backend` on turns).
+    let wanted: Vec<&str> = labels.split(',').filter(|l| !l.is_empty()).collect();
     rendered
         .lines()
-        .filter_map(|l| l.strip_prefix(series.as_str()))
-        .filter_map(|rest| rest.strip_prefix(' '))
+        .filter_map(|l| l.strip_prefix(name))
+        .filter_map(|rest| {
+            let (series_labels, value) = match rest.strip_prefix('{') {
+                Some(labelled) => labelled.split_once("} ")?,
+                None => ("", rest.strip_prefix(' ')?),
+            };
+            let have: Vec<&str> = series_labels.split(',').collect();
+            wanted.iter().all(|w| have.contains(w)).then_some(value)
+        })
         .filter_map(|v| v.trim().parse::<f64>().ok())
         .map(|v| v as u64)
         .sum()
@@ -226,10 +232,17 @@ mod tests {
     }
 
     #[test]
-    fn a_counter_is_read_by_its_exact_series() {
-        let text = "# TYPE x counter\nx_total{reason=\"crash\"} 3\nx_total{reason=\"crashy\"} 9\nx_total 4\n";
+    fn a_counter_sums_every_series_of_its_name_that_has_the_labels_named() {
+        let text = "# TYPE x counter\nx_total{reason=\"crash\"} 3\nx_total{reason=\"crashy\"} 9\nx_total 4\nx_total_more{reason=\"crash\"} 5\ny_total{outcome=\"aborted\",backend=\"copilot\"} 2\ny_total{outcome=\"aborted\",backend=\"claude-cli\"} 1\ny_total{outcome=\"idle\",backend=\"copilot\"} 7\n";
         assert_eq!(counter(text, "x_total", "reason=\"crash\""), 3);
-        assert_eq!(counter(text, "x_total", ""), 4);
-        assert_eq!(counter(text, "y_total", ""), 0);
+        // A series with more labels than the check names is counted; every one that has them.
+        assert_eq!(counter(text, "y_total", "outcome=\"aborted\""), 3);
+        assert_eq!(
+            counter(text, "y_total", "outcome=\"aborted\",backend=\"copilot\""),
+            2
+        );
+        // No labels named: every series of the name.
+        assert_eq!(counter(text, "x_total", ""), 16);
+        assert_eq!(counter(text, "z_total", ""), 0);
     }
 }
