@@ -17,7 +17,7 @@ use copilot_pool::{Secret, TurnEnd};
 use serde_json::Value;
 use tempfile::TempDir;
 
-use support::claude::claude_path;
+use support::agent_cli::claude_path;
 use support::procs::wait_group_gone;
 
 /// Upper bound for one whole turn (a failure guard, not a wait).

@@ -21,7 +21,7 @@ use copilot_pool::{Secret, TurnEnd};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
-use support::claude::claude_path;
+use support::agent_cli::claude_path;
 
 /// Upper bound for one whole turn (a failure guard, not a wait).
 const TURN_LIMIT: Duration = Duration::from_secs(90);

@@ -18,7 +18,7 @@ use copilot_pool::scripted_model::{HttpEndpoint, RecordedRequest, ScriptedModel}
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
-use support::claude::claude_path;
+use support::agent_cli::claude_path;
 use support::http::{Daemon, SseStream, call};
 use support::procs::{wait_none, with_env_prefix};
 

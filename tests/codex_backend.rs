@@ -16,7 +16,7 @@ use copilot_pool::scripted_model::{Decision, HttpEndpoint, RecordedRequest, Scri
 use copilot_pool::{Secret, TurnEnd};
 use tempfile::TempDir;
 
-use support::codex::codex_path;
+use support::agent_cli::codex_path;
 use support::procs::wait_group_gone;
 
 /// Upper bound for one whole turn (a failure guard, not a wait).

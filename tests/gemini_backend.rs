@@ -25,7 +25,7 @@ use tempfile::TempDir;
 use tokio::io::AsyncReadExt;
 use tokio::sync::Semaphore;
 
-use support::gemini::gemini_launch;
+use support::agent_cli::gemini_launch;
 use support::procs::wait_group_gone;
 
 /// Upper bound for one whole run (a failure guard, not a wait): node boots a 96 MB bundle,

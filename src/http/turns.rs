@@ -103,10 +103,7 @@ pub(super) async fn post_turn(
         Ok(r) => r,
         Err(r) => return r,
     };
-    if let Some(backend) = backend.filter(|b| b != COPILOT_BACKEND) {
-        req.backend = backend;
-        return post_cli_turn(state, query, body, req).await;
-    }
+    // Checked for every backend: a body the document refuses is refused whatever it names.
     if let Some(ms) = body.timeout_ms {
         // A turn may ask for less time than the daemon's absolute limit, never more.
         let limit = state.config.timeouts.absolute;
@@ -123,6 +120,10 @@ pub(super) async fn post_turn(
             );
         }
         req.handlers.timeouts.absolute = asked;
+    }
+    if let Some(backend) = backend.filter(|b| b != COPILOT_BACKEND) {
+        req.backend = backend;
+        return post_cli_turn(state, query, body, req).await;
     }
     if let Err(message) = check_tools(&body.tools) {
         return error(StatusCode::BAD_REQUEST, "bad_request", message);

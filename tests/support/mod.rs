@@ -3,10 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod agent_cli;
 pub mod api;
-pub mod claude;
-pub mod codex;
-pub mod gemini;
 pub mod http;
 pub mod node_sdk;
 pub mod pool_fixture;
