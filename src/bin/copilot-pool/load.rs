@@ -102,7 +102,7 @@ fn checks(
             "live heap",
             warm.heap_bytes,
             end.heap_bytes,
-            (2 << 20u64).max(warm.heap_bytes / 10),
+            (4 << 20u64).max(warm.heap_bytes / 10),
             &bytes,
         ),
         within(
@@ -594,7 +594,7 @@ mod tests {
     fn growth_past_the_noise_breaks_the_check_of_what_grew() {
         let warm = idle(10, 40, 60, 30);
         assert_eq!(
-            broken(&checks(&warm, &idle(13, 40, 60, 30), 0, None, 120)),
+            broken(&checks(&warm, &idle(15, 40, 60, 30), 0, None, 120)),
             ["live heap flat after warm-up"]
         );
         assert_eq!(
