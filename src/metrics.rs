@@ -127,8 +127,7 @@ pub const OWNERSHIP_VIOLATIONS_TOTAL: &str = "copilot_pool_ownership_violations_
 /// Tasks alive on the daemon's async runtime, set by the daemon at each scrape (the library
 /// never sets it: it owns no runtime).
 pub const DAEMON_TASKS: &str = "copilot_pool_daemon_tasks";
-/// The daemon's live heap (bytes allocated and not freed, as its allocator counts them, less
-/// the blocks its per-thread caches hold for reuse), set
+/// The daemon's live heap (bytes allocated and not freed, as its allocator counts them), set
 /// by the daemon at each scrape (the library never sets it: it sets no allocator).
 pub const DAEMON_HEAP_BYTES: &str = "copilot_pool_daemon_heap_bytes";
 /// Durable writes (a binding, a transcript line) that failed, by `store`.

@@ -76,8 +76,9 @@ pub struct ChaosArgs {
 
 /// How much more live heap than after warm-up the end may hold: structures that fill as the
 /// storm goes on and stay bounded (a metrics series and its summary for each label value
-/// seen, the pool's records of ended processes); measured: +2.1 MiB in a 25 s run, +1.1 MiB
-/// in a 10-minute one. A leak per turn outgrows it in a long run (a planted 24 KiB per turn
+/// seen, the pool's records of ended processes); measured (jemalloc less its thread caches,
+/// before the exact counter): +2.1 MiB in a 25 s run, +1.1 MiB in a 10-minute one; with the
+/// counter, a 30 s run ended 1.0 MiB below its warm-up reading. A leak per turn outgrows it in a long run (a planted 24 KiB per turn
 /// went 13.5 → 23.5 MiB in 60 s).
 const HEAP_SLACK: u64 = 4 << 20;
 /// Warm-up is over once every conversation has ended this many turns: every agent's
