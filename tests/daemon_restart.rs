@@ -106,6 +106,28 @@ async fn kill_9_of_the_daemon_mid_turn_takes_its_runtimes_along_and_the_restart_
     )
     .await;
     slow.until_event("assistant.message_delta").await;
+    // The runtime writes a session's state in the background: a session killed before it
+    // reached the disk has nothing to resume (the pool then says `not-found`, honestly). Wait
+    // for it to be there, so the kill tests the pool's resume, not the runtime's flush.
+    let state = scratch
+        .path()
+        .join("pool-home/agents/agent-s/copilot/session-state");
+    let persisted = || {
+        std::fs::read_dir(&state).is_ok_and(|d| {
+            d.flatten().any(|e| {
+                e.path().join("events.jsonl").is_file() && e.path().join("workspace.yaml").is_file()
+            })
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !persisted() {
+        assert!(
+            Instant::now() < deadline,
+            "the runtime never wrote the session's state under {}",
+            state.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let runtimes = children_under(scratch.path());
     assert!(runtimes.len() >= 2, "one runtime per agent: {runtimes:?}");
 
