@@ -32,7 +32,7 @@
 //! | [`QUARANTINES_TOTAL`] | counter | — |
 //! | [`RPC_DURATION_SECONDS`] | histogram | `method`: [`RPC_METHODS`] or `other` |
 //! | [`HOOK_FAILURES_TOTAL`] | counter | — |
-//! | [`TOKENS_TOTAL`] | counter | `kind`: [`TokenKind::as_str`] (`input`, `output`, `cache_read`, `cache_write`) |
+//! | [`TOKENS_TOTAL`] | counter | `kind`: [`TokenKind::as_str`] (`input`, `output`, `cache_read`, `cache_write`); `backend` |
 //! | [`SDK_CONNECTIONS`] | gauge | — |
 //! | [`SDK_CONNECTIONS_TOTAL`] | counter | `result`: `accepted`, `refused`, `unauthenticated` |
 //! | [`MODEL_REQUESTS_TOTAL`] | counter | `outcome`: [`ModelOutcome::label`] |
@@ -101,7 +101,8 @@ pub const QUARANTINES_TOTAL: &str = "copilot_pool_quarantines_total";
 pub const RPC_DURATION_SECONDS: &str = "copilot_pool_rpc_duration_seconds";
 /// Hooks that failed, panicked or timed out (answered with no output).
 pub const HOOK_FAILURES_TOTAL: &str = "copilot_pool_hook_failures_total";
-/// Tokens of the runtime's model calls (`assistant.usage`), by `kind`.
+/// Tokens of the model calls of every backend's turns (Copilot: `assistant.usage`), by `kind` and
+/// `backend`.
 pub const TOKENS_TOTAL: &str = "copilot_pool_tokens_total";
 /// Model HTTP requests of the runtime served through the tunnel, by `outcome`.
 pub const MODEL_REQUESTS_TOTAL: &str = "copilot_pool_model_requests_total";
@@ -234,9 +235,6 @@ pub fn register_zeroes() {
     for reason in Eviction::ALL {
         counter!(EVICTIONS_TOTAL, "reason" => reason.label()).absolute(0);
     }
-    for kind in TokenKind::ALL {
-        counter!(TOKENS_TOTAL, "kind" => kind.as_str()).absolute(0);
-    }
     for result in SdkConnection::ALL {
         counter!(SDK_CONNECTIONS_TOTAL, "result" => result.label()).absolute(0);
     }
@@ -259,6 +257,10 @@ pub const COPILOT_BACKEND: &str = "copilot";
 pub fn register_backend_zeroes(backend: &str) {
     for end in TurnEnd::ALL {
         counter!(TURNS_TOTAL, "outcome" => end.label(), "backend" => backend.to_owned())
+            .absolute(0);
+    }
+    for kind in TokenKind::ALL {
+        counter!(TOKENS_TOTAL, "kind" => kind.as_str(), "backend" => backend.to_owned())
             .absolute(0);
     }
     if backend != COPILOT_BACKEND {
@@ -720,8 +722,8 @@ pub(crate) fn hook_failed() {
 }
 
 /// One model call used `n` tokens of `kind`.
-pub(crate) fn tokens(kind: TokenKind, n: u64) {
-    counter!(TOKENS_TOTAL, "kind" => kind.as_str()).increment(n);
+pub(crate) fn tokens(backend: &str, kind: TokenKind, n: u64) {
+    counter!(TOKENS_TOTAL, "kind" => kind.as_str(), "backend" => backend.to_owned()).increment(n);
 }
 
 #[cfg(test)]
@@ -986,9 +988,10 @@ mod tests {
             session_opened(OpenReason::Attached);
             session_opened(OpenReason::Resumed);
             tool_call(ToolOutcome::Timeout);
-            tokens(TokenKind::Input, 100);
-            tokens(TokenKind::Input, 20);
-            tokens(TokenKind::CacheRead, 40);
+            tokens(COPILOT_BACKEND, TokenKind::Input, 100);
+            tokens(COPILOT_BACKEND, TokenKind::Input, 20);
+            tokens("claude-cli", TokenKind::Input, 7);
+            tokens(COPILOT_BACKEND, TokenKind::CacheRead, 40);
             model_first_byte(Duration::from_millis(500));
             model_request_finished(ModelOutcome::ServerError, Duration::from_secs(2));
             model_bytes(ModelDirection::Sent, 300);
@@ -1041,8 +1044,19 @@ mod tests {
             1
         );
         assert_eq!(counter_of(TOOL_CALLS_TOTAL, &[("outcome", "timeout")]), 1);
-        assert_eq!(counter_of(TOKENS_TOTAL, &[("kind", "input")]), 120);
-        assert_eq!(counter_of(TOKENS_TOTAL, &[("kind", "cache_read")]), 40);
+        let copilot = ("backend", COPILOT_BACKEND);
+        assert_eq!(counter_of(TOKENS_TOTAL, &[("kind", "input"), copilot]), 120);
+        assert_eq!(
+            counter_of(
+                TOKENS_TOTAL,
+                &[("kind", "input"), ("backend", "claude-cli")]
+            ),
+            7
+        );
+        assert_eq!(
+            counter_of(TOKENS_TOTAL, &[("kind", "cache_read"), copilot]),
+            40
+        );
         assert_eq!(
             counter_of(MODEL_REQUESTS_TOTAL, &[("outcome", "server_error")]),
             1

@@ -230,6 +230,7 @@ async fn two_claude_turns_over_http_stream_the_pools_events_carry_history_and_le
         "copilot_pool_turns_total{outcome=\"idle\",backend=\"claude-cli\"} 2",
         "copilot_pool_processes{state=\"live\",backend=\"claude-cli\"} 1",
         "copilot_pool_turns_total{outcome=\"idle\",backend=\"copilot\"} 0",
+        "copilot_pool_tokens_total{kind=\"output\",backend=\"copilot\"} 0",
     ] {
         assert!(
             metrics.body.lines().any(|l| l == series),
@@ -237,6 +238,19 @@ async fn two_claude_turns_over_http_stream_the_pools_events_carry_history_and_le
             metrics.body
         );
     }
+    // Claude's usage is counted under its own backend label.
+    let claude_output = metrics
+        .body
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("copilot_pool_tokens_total{kind=\"output\",backend=\"claude-cli\"} ")
+        })
+        .and_then(|v| v.parse::<f64>().ok());
+    assert!(
+        claude_output.is_some_and(|n| n > 0.0),
+        "no output tokens counted for claude-cli in:\n{}",
+        metrics.body
+    );
 
     let started = std::time::Instant::now();
     let status = daemon.terminate().await;

@@ -132,7 +132,7 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
         ("cache_write", 0),
     ] {
         let series = format!(
-            "copilot_pool_tokens_total{{kind=\"{kind}\"}} {}",
+            "copilot_pool_tokens_total{{kind=\"{kind}\",backend=\"copilot\"}} {}",
             3 * per_call
         );
         assert!(

@@ -455,7 +455,7 @@ impl TurnDriver {
                 let mut call = super::Usage::default();
                 call.add(u);
                 for (kind, n) in call.by_kind() {
-                    metrics::tokens(kind, n);
+                    metrics::tokens(metrics::COPILOT_BACKEND, kind, n);
                 }
                 self.outcome.usage.add_usage(&call);
             }

@@ -567,7 +567,7 @@ impl CliLeaseTurn<'_> {
             }
             crate::metrics::cli_turn_finished(self.backend, end, self.started.elapsed());
             for (kind, n) in outcome.usage.by_kind() {
-                crate::metrics::tokens(kind, n);
+                crate::metrics::tokens(self.backend, kind, n);
             }
             if let Some(id) = &outcome.session_id {
                 let binding = Binding {
