@@ -1,15 +1,14 @@
-//! `McpBridge::codex_overrides` against the REAL Codex CLI (0.171.0) and the scripted model
-//! (Responses API): `codex exec` with the bridge's `mcp_servers.gateway` overrides and the
-//! token in its environment lists the gateway tools, which reach the model as the
-//! `mcp__gateway` namespace. (A model name Codex has no metadata for is used: for a known
-//! one Codex defers MCP tools behind its client-side `tool_search`. The call itself is not
-//! driven: the scripted model does not emit namespaced Responses function calls yet.)
-//!
-//! Ignored unless asked for: no Codex installer is on this branch yet, so the test needs
-//! `COPILOT_POOL_CODEX_PATH` (a `codex` executable, e.g. from `npm i @openai/codex@0.171.0`)
-//! and `cargo test --test codex_mcp_bridge -- --ignored`.
+//! `McpBridge::codex_overrides` against the REAL Codex CLI (0.171.0, installed from npm by
+//! the tests' installer, `support::agent_cli`) and the scripted model (Responses API):
+//! `codex exec` with the bridge's `mcp_servers.gateway` overrides and the token in its
+//! environment lists the gateway tools, which reach the model as the `mcp__gateway`
+//! namespace. (A model name Codex has no metadata for is used: for a known one Codex defers
+//! MCP tools behind its client-side `tool_search`. The call itself is not driven: the
+//! scripted model does not emit namespaced Responses function calls yet.)
 
 #![cfg(feature = "mcp-bridge")]
+
+mod support;
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -24,10 +23,8 @@ use serde_json::json;
 const RUN_LIMIT: Duration = Duration::from_secs(120);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs COPILOT_POOL_CODEX_PATH: no Codex installer on this branch yet"]
 async fn codex_lists_the_gateway_tools_through_the_bridge_with_the_token_from_its_environment() {
-    let codex = std::env::var_os("COPILOT_POOL_CODEX_PATH")
-        .expect("set COPILOT_POOL_CODEX_PATH to a codex executable");
+    let codex = support::agent_cli::codex_path().await;
     let tool = GatewayTool::new(
         "lookup",
         "Looks a key up in the gateway's table.",
