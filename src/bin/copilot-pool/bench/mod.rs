@@ -235,30 +235,70 @@ pub async fn bench(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// The JSON object: the workload, every figure of every mode, and the ratios to (c).
-fn report(args: &BenchArgs, program: &std::path::Path, runs: &[Vec<Figures>]) -> Value {
-    let baseline = Mode::ALL
+/// The mode every ratio is taken against: (c), the SDK in the product pages' mode.
+fn baseline() -> usize {
+    Mode::ALL
         .iter()
         .position(|m| *m == Mode::SdkResume)
-        .unwrap_or(0);
-    let mut modes = Map::new();
-    let mut vs = Map::new();
-    for (m, mode) in Mode::ALL.iter().enumerate() {
-        let mut figures = Map::new();
-        let mut ratio = Map::new();
-        for (name, _, read) in FIGURES {
-            let values: Vec<Option<f64>> = runs[m].iter().map(read).collect();
-            let base: Vec<Option<f64>> = runs[baseline].iter().map(read).collect();
-            figures.insert(name.to_owned(), json!(Spread::of(&values)));
-            if m != baseline {
-                ratio.insert(name.to_owned(), json!(Spread::of(&ratios(&values, &base))));
+        .unwrap_or(0)
+}
+
+/// One figure summed up across the modes, for the table and the JSON object alike.
+struct FigureRow {
+    name: &'static str,
+    label: &'static str,
+    /// Each mode's spread (in `Mode::ALL` order).
+    per_mode: Vec<Option<Spread>>,
+    /// For each mode but the baseline: its index and the spread of its pair-by-pair ratios
+    /// to the baseline's runs.
+    ratios: Vec<(usize, Option<Spread>)>,
+}
+
+fn figure_rows(runs: &[Vec<Figures>]) -> Vec<FigureRow> {
+    let baseline = baseline();
+    FIGURES
+        .iter()
+        .map(|(name, label, read)| {
+            let values = |m: usize| -> Vec<Option<f64>> { runs[m].iter().map(read).collect() };
+            let base = values(baseline);
+            FigureRow {
+                name,
+                label,
+                per_mode: (0..runs.len()).map(|m| Spread::of(&values(m))).collect(),
+                ratios: (0..runs.len())
+                    .filter(|m| *m != baseline)
+                    .map(|m| (m, Spread::of(&ratios(&values(m), &base))))
+                    .collect(),
             }
+        })
+        .collect()
+}
+
+/// The JSON object: the workload, every figure of every mode, and the ratios to (c).
+fn report(args: &BenchArgs, program: &std::path::Path, runs: &[Vec<Figures>]) -> Value {
+    let mut modes: Vec<Map<String, Value>> = vec![Map::new(); Mode::ALL.len()];
+    let mut vs: Vec<Map<String, Value>> = vec![Map::new(); Mode::ALL.len()];
+    for row in figure_rows(runs) {
+        for (m, spread) in row.per_mode.iter().enumerate() {
+            modes[m].insert(row.name.to_owned(), json!(spread));
         }
-        modes.insert(mode.name().to_owned(), Value::Object(figures));
-        if m != baseline {
-            vs.insert(mode.name().to_owned(), Value::Object(ratio));
+        for (m, spread) in &row.ratios {
+            vs[*m].insert(row.name.to_owned(), json!(spread));
         }
     }
+    let baseline = baseline();
+    let name = |m: usize| Mode::ALL[m].name().to_owned();
+    let modes: Map<String, Value> = modes
+        .into_iter()
+        .enumerate()
+        .map(|(m, figures)| (name(m), Value::Object(figures)))
+        .collect();
+    let vs: Map<String, Value> = vs
+        .into_iter()
+        .enumerate()
+        .filter(|(m, _)| *m != baseline)
+        .map(|(m, ratios)| (name(m), Value::Object(ratios)))
+        .collect();
     json!({
         "workload": Workload {
             agents: args.agents,
@@ -290,7 +330,7 @@ fn machine() -> Value {
     json!({"cpus": cpus, "loadavg": load})
 }
 
-/// One table: a row per figure, the median [min–max] of each mode, then each mode / (c).
+/// One table: a row per figure, the median [min-max] of each mode, then each mode / (c).
 fn print_table(args: &BenchArgs, runs: &[Vec<Figures>]) {
     println!(
         "{} agents x {} conversations x {} turns, {} turns{}, {} pair(s); median [min-max]",
@@ -301,7 +341,7 @@ fn print_table(args: &BenchArgs, runs: &[Vec<Figures>]) {
         if args.streaming { ", streaming" } else { "" },
         args.pairs
     );
-    let baseline = 2;
+    let baseline = baseline();
     let mut header = format!("{:<24}", "");
     for mode in Mode::ALL {
         header.push_str(&format!(" | {:<22}", mode.heading()));
@@ -315,27 +355,19 @@ fn print_table(args: &BenchArgs, runs: &[Vec<Figures>]) {
         }
     }
     println!("{header}");
-    for (_, label, read) in FIGURES {
-        let mut row = format!("{label:<24}");
-        for per_mode in runs {
-            let values: Vec<Option<f64>> = per_mode.iter().map(read).collect();
-            row.push_str(&format!(" | {:<22}", cell(Spread::of(&values), 1)));
+    for row in figure_rows(runs) {
+        let mut line = format!("{:<24}", row.label);
+        for spread in &row.per_mode {
+            line.push_str(&format!(" | {:<22}", cell(spread.as_ref(), 1)));
         }
-        let base: Vec<Option<f64>> = runs[baseline].iter().map(read).collect();
-        for (m, per_mode) in runs.iter().enumerate() {
-            if m != baseline {
-                let values: Vec<Option<f64>> = per_mode.iter().map(read).collect();
-                row.push_str(&format!(
-                    " | {:<17}",
-                    cell(Spread::of(&ratios(&values, &base)), 2)
-                ));
-            }
+        for (_, spread) in &row.ratios {
+            line.push_str(&format!(" | {:<17}", cell(spread.as_ref(), 2)));
         }
-        println!("{row}");
+        println!("{line}");
     }
 }
 
-fn cell(spread: Option<Spread>, decimals: usize) -> String {
+fn cell(spread: Option<&Spread>, decimals: usize) -> String {
     match spread {
         None => "-".to_owned(),
         Some(s) if s.runs.len() == 1 => format!("{:.decimals$}", s.median),
@@ -343,5 +375,54 @@ fn cell(spread: Option<Spread>, decimals: usize) -> String {
             "{:.decimals$} [{:.decimals$}-{:.decimals$}]",
             s.median, s.min, s.max
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runs_of(turns_per_second: [&[f64]; 4]) -> Vec<Vec<Figures>> {
+        turns_per_second
+            .iter()
+            .map(|values| {
+                values
+                    .iter()
+                    .map(|v| Figures {
+                        turns_per_second: Some(*v),
+                        ..Figures::default()
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_mode_but_the_sdk_resume_one_is_compared_to_it_pair_by_pair() {
+        assert_eq!(Mode::ALL[baseline()], Mode::SdkResume);
+        let runs = runs_of([&[4.0, 6.0], &[3.0, 3.0], &[2.0, 3.0], &[1.0, 1.5]]);
+        let rows = figure_rows(&runs);
+        let turns = rows
+            .iter()
+            .find(|r| r.name == "turns_per_second")
+            .expect("the turns/s row");
+        let medians: Vec<Option<f64>> = turns
+            .per_mode
+            .iter()
+            .map(|s| s.as_ref().map(|s| s.median))
+            .collect();
+        assert_eq!(medians, [Some(5.0), Some(3.0), Some(2.5), Some(1.25)]);
+        let ratios: Vec<(usize, Option<f64>)> = turns
+            .ratios
+            .iter()
+            .map(|(m, s)| (*m, s.as_ref().map(|s| s.median)))
+            .collect();
+        assert_eq!(ratios, [(0, Some(2.0)), (1, Some(1.25)), (3, Some(0.5))]);
+        // A figure no run measured has no spread in any mode.
+        let cold = rows
+            .iter()
+            .find(|r| r.name == "cold_first_event_p50_ms")
+            .expect("the cold row");
+        assert!(cold.per_mode.iter().all(Option::is_none));
     }
 }
