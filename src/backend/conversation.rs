@@ -21,10 +21,10 @@ use crate::process::ExitInfo;
 #[non_exhaustive]
 pub enum CliConversation {
     /// One live Claude Code process per conversation (stream-json on stdio).
-    Live(ClaudeLive),
+    Live(Box<ClaudeLive>),
     /// A process per turn (`cli-oneshot`: Codex, Gemini CLI, generic CLIs); between turns
     /// it holds the stored session and no process.
-    Oneshot(Oneshot),
+    Oneshot(Box<Oneshot>),
 }
 
 /// Why a turn of a [`CliConversation`] could not start.
@@ -45,9 +45,9 @@ impl CliConversation {
     pub async fn start_turn(&mut self, prompt: &str) -> Result<CliTurn<'_>, CliStartError> {
         match self {
             CliConversation::Live(live) => Ok(CliTurn::Live(live.start_turn(prompt).await?)),
-            CliConversation::Oneshot(oneshot) => {
-                Ok(CliTurn::Oneshot(oneshot.start_turn(prompt).await?))
-            }
+            CliConversation::Oneshot(oneshot) => Ok(CliTurn::Oneshot(Box::new(
+                oneshot.start_turn(prompt).await?,
+            ))),
         }
     }
 
@@ -131,7 +131,7 @@ pub enum CliTurn<'a> {
     /// A turn of the live Claude Code process.
     Live(ClaudeTurn<'a>),
     /// A turn of the one-shot runner (its own process).
-    Oneshot(OneshotTurn<'a>),
+    Oneshot(Box<OneshotTurn<'a>>),
 }
 
 impl CliTurn<'_> {

@@ -319,7 +319,7 @@ impl CliPool {
             one.model = ask.model.clone();
             one.session = resume.map(crate::backend::oneshot::StoredSession::new);
             let runner = Oneshot::new(one).map_err(|e| invalid(&e))?;
-            return Ok((CliConversation::Oneshot(runner), reason));
+            return Ok((CliConversation::Oneshot(Box::new(runner)), reason));
         }
         let mut live = ClaudeLiveConfig::new(&config.command, &ask.home, &ask.cwd);
         live.backend = config.clone();
@@ -329,7 +329,7 @@ impl CliPool {
         live.session_id = resume;
         live.permission = ask.permission.clone();
         let runner = ClaudeLive::new(live).map_err(|e| invalid(&e))?;
-        Ok((CliConversation::Live(runner), reason))
+        Ok((CliConversation::Live(Box::new(runner)), reason))
     }
 
     fn give_back(&self, conversation: &str, runner: Option<CliConversation>, crashed: bool) {
