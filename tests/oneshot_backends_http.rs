@@ -225,6 +225,11 @@ async fn two_codex_turns_over_http_carry_history_and_a_restarted_daemon_resumes_
     assert_eq!(third["status"], "idle", "{third}");
     assert_eq!(third["open_reason"], "resumed", "{third}");
     assert_eq!(third["session_id"], thread.as_str());
+    assert_eq!(
+        third["usage"]["input_tokens"],
+        ScriptedModel::PROMPT_TOKENS,
+        "the new daemon diffs Codex's thread totals against its rollout's last count: {third}"
+    );
     let history = fx.call_answered("after restart").body["input"].to_string();
     assert!(history.contains("REPLY=pong one"), "{history}");
     assert!(daemon.terminate().await.success());

@@ -135,6 +135,36 @@ impl Dialect {
     }
 }
 
+/// How much of a rollout's end [`codex_rollout_totals`] reads.
+const ROLLOUT_TAIL_BYTES: u64 = 256 * 1024;
+
+/// The thread's usage totals as Codex last recorded them in its rollout (the
+/// `total_token_usage` of the last `token_count` event in the file's last 256 KiB), so a new
+/// runner resuming the thread (the pool restarted) reports the next turn's own usage. `None`
+/// when there is none to read. Blocking (one small read).
+pub fn codex_rollout_totals(rollout: &Path) -> Option<UsageTotals> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(rollout).ok()?;
+    let len = file.metadata().ok()?.len();
+    let start = len.saturating_sub(ROLLOUT_TAIL_BYTES);
+    file.seek(SeekFrom::Start(start)).ok()?;
+    let mut tail = Vec::new();
+    file.take(ROLLOUT_TAIL_BYTES).read_to_end(&mut tail).ok()?;
+    let text = String::from_utf8_lossy(&tail);
+    // A cut first line does not parse and is skipped.
+    text.lines().rev().find_map(|line| {
+        if !line.contains("\"token_count\"") {
+            return None;
+        }
+        let value: Value = serde_json::from_str(line).ok()?;
+        let payload = &value["payload"];
+        if payload["type"] != "token_count" {
+            return None;
+        }
+        usage_of(&payload["info"]["total_token_usage"])
+    })
+}
+
 /// Codex's rollout of thread `thread_id` for an agent homed in `home`:
 /// `<home>/.codex/sessions/YYYY/MM/DD/rollout-<local time>-<thread_id>.jsonl` (reference
 /// `cli-backends.md` §4.3); `Err(<home>/.codex/sessions)` when there is none. Ids that could
@@ -1896,6 +1926,40 @@ i=0; while [ $i -lt 50 ]; do echo '    "x": 1,'; i=$((i+1)); done; sleep 30"#;
             Dialect::Gemini.transcript(home.path(), cwd, id),
             Some(Err(_))
         ));
+    }
+
+    #[test]
+    fn a_rollouts_last_token_count_gives_the_threads_totals() {
+        let dir = tempfile::tempdir().unwrap();
+        let rollout = dir.path().join("rollout.jsonl");
+        let count = |input: u64| {
+            json!({"type": "event_msg", "payload": {"type": "token_count", "info": {
+                "total_token_usage": {"input_tokens": input, "cached_input_tokens": 4, "output_tokens": 3},
+                "last_token_usage": {"input_tokens": 1}}}})
+            .to_string()
+        };
+        std::fs::write(
+            &rollout,
+            format!(
+                "{}\n{}\n{}\n{{\"type\":\"response_item\",\"payload\":{{\"type\":\"token_count\"}}}}\n",
+                count(100),
+                "x".repeat(300 * 1024),
+                count(300)
+            ),
+        )
+        .unwrap();
+        let totals = codex_rollout_totals(&rollout).expect("totals");
+        assert_eq!(
+            (
+                totals.input_tokens,
+                totals.cache_read_tokens,
+                totals.output_tokens
+            ),
+            (300, 4, 3)
+        );
+        std::fs::write(&rollout, format!("{}\n", "y".repeat(10))).unwrap();
+        assert_eq!(codex_rollout_totals(&rollout), None);
+        assert_eq!(codex_rollout_totals(&dir.path().join("missing")), None);
     }
 
     #[test]

@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, watch};
 
 use crate::backend::claude_live::{ClaudeLive, ClaudeLiveConfig};
-use crate::backend::oneshot::{Dialect, Oneshot, OneshotConfig};
+use crate::backend::oneshot::{
+    Dialect, Oneshot, OneshotConfig, codex_rollout_path, codex_rollout_totals,
+};
 use crate::backend::{
     BackendEvent, BackendKind, CliBackendConfig, CliConversation, CliTurn, CliTurnOutcome,
 };
@@ -317,7 +319,19 @@ impl CliPool {
             one.base_url = ask.creds.base_url.clone();
             one.api_key = ask.creds.api_key.clone();
             one.model = ask.model.clone();
-            one.session = resume.map(crate::backend::oneshot::StoredSession::new);
+            one.session = resume.map(|id| {
+                let mut stored = crate::backend::oneshot::StoredSession::new(id);
+                // Codex reports thread totals: start from the last ones it recorded, so the
+                // first resumed turn's usage is its own.
+                if one.dialect == Dialect::Codex
+                    && let Some(totals) = codex_rollout_path(&ask.home, &stored.session_id)
+                        .ok()
+                        .and_then(|rollout| codex_rollout_totals(&rollout))
+                {
+                    stored.usage_totals = totals;
+                }
+                stored
+            });
             let runner = Oneshot::new(one).map_err(|e| invalid(&e))?;
             return Ok((CliConversation::Oneshot(Box::new(runner)), reason));
         }
