@@ -1,36 +1,39 @@
-//! The bundled `google-gemini-cli` backend against the real Gemini CLI 0.61.0 (installed from
-//! npm by the library's installer, run with `node`) and the crate's scripted model speaking
-//! the Gemini API on loopback: a turn (with and without the model router), a resume that
-//! carries the first turn to the model, a tool call of the CLI's own `read_file`, an error
-//! answer tried once, a dead endpoint failing within seconds of the CLI's start-up, and an
-//! unknown resume id.
+//! The bundled `google-gemini-cli` backend on the process-per-turn runner
+//! (`backend::oneshot::Oneshot`, `Dialect::Gemini`) against the real Gemini CLI 0.61.0
+//! (installed from npm by the library's installer; its `bundle/gemini.js` starts with
+//! `#!/usr/bin/env node`) and the crate's scripted model speaking the Gemini API on
+//! loopback: a turn (through the model router) and a resume by a new runner that carries the
+//! first turn to the model, a tool call of the CLI's own `read_file`, a kill mid-turn ending
+//! the turn `crashed` at once and the next turn resuming, an error answer tried once, a dead
+//! endpoint failing within seconds of the CLI's start-up, an unknown resume id, and the
+//! output limit keeping the answer that had arrived.
 //!
-//! Until the process-per-turn runner lands, each run is spawned here directly with the
-//! bundled configuration's argv and environment, the settings `backend::gemini` writes and
-//! `process::ChildGroup` (own process group, reaped, killed on drop); its output is read by
-//! `backend::gemini::parse_output`. At most two Gemini processes run at once.
+//! The runner writes the settings (`backend::gemini::write_settings`) and puts the key and
+//! endpoint in the child's environment; these tests only give it a home, a working
+//! directory, the endpoint and the key. At most two Gemini processes run at once.
 
 mod support;
 
-use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use copilot_pool::backend::CliBackendConfig;
-use copilot_pool::backend::gemini::{self, GeminiError, GeminiReply};
-use copilot_pool::process::{ChildGroup, ChildSpec, ExitInfo};
-use copilot_pool::scripted_model::{Decision, HttpEndpoint, RecordedRequest, ScriptedModel};
+use copilot_pool::backend::gemini::{self, GeminiError};
+use copilot_pool::backend::oneshot::{Dialect, Oneshot, OneshotConfig, StoredSession};
+use copilot_pool::backend::{BackendEvent, CliTurnOutcome, TurnFailure};
+use copilot_pool::process::{ChildGroup, ChildSpec};
+use copilot_pool::scripted_model::{Decision, HttpEndpoint, RecordedRequest, Reply, ScriptedModel};
+use copilot_pool::{Secret, TurnEnd};
 use serde_json::Value;
 use tempfile::TempDir;
 use tokio::io::AsyncReadExt;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, SemaphorePermit};
 
-use support::agent_cli::gemini_launch;
+use support::agent_cli::{gemini_launch, path};
 use support::procs::wait_group_gone;
 
-/// Upper bound for one whole run (a failure guard, not a wait): node boots a 96 MB bundle,
+/// Upper bound for one whole turn (a failure guard, not a wait): node boots a 96 MB bundle,
 /// slowly on a loaded machine.
-const RUN_LIMIT: Duration = Duration::from_secs(180);
+const TURN_LIMIT: Duration = Duration::from_secs(180);
 
 /// The model the runs name (`--model`), so that a turn makes one model call.
 const MODEL: &str = "gemini-2.5-pro";
@@ -45,29 +48,6 @@ struct Fixture {
     model: ScriptedModel,
     endpoint: HttpEndpoint,
     dir: TempDir,
-}
-
-/// One finished run of the CLI.
-struct Run {
-    exit: ExitInfo,
-    stdout: String,
-    stderr: String,
-    took: Duration,
-}
-
-impl Run {
-    fn parsed(&self) -> Result<GeminiReply, GeminiError> {
-        gemini::parse_output(self.exit, &self.stdout, &self.stderr)
-    }
-
-    fn reply(&self) -> GeminiReply {
-        self.parsed().unwrap_or_else(|err| {
-            panic!(
-                "the run failed: {err}\nstdout: {}\nstderr: {}",
-                self.stdout, self.stderr
-            )
-        })
-    }
 }
 
 impl Fixture {
@@ -93,68 +73,20 @@ impl Fixture {
         self.dir.path().join(agent).join("work")
     }
 
-    /// Runs the bundled backend once for `agent` (its own home and working directory):
-    /// fresh, or resuming `session`; `model` through `modelArg`; the endpoint at `base_url`.
-    async fn run(
-        &self,
-        agent: &str,
-        prompt: &str,
-        session: Option<&str>,
-        model: Option<&str>,
-        base_url: &str,
-    ) -> Run {
-        let spec = self.spec(agent, prompt, session, model, base_url).await;
-        spawn_run(&spec, RUN_LIMIT)
-            .await
-            .unwrap_or_else(|stderr| panic!("gemini ran past {RUN_LIMIT:?}: {stderr}"))
+    /// The bundled backend for `agent` (its own home and working directory), pointed at
+    /// the scripted model, naming `MODEL`.
+    async fn config(&self, agent: &str) -> OneshotConfig {
+        let script = path(copilot_pool::runtime::AgentCli::Gemini).await;
+        let mut config = OneshotConfig::gemini(script, self.home(agent), self.cwd(agent));
+        config.base_url = Some(self.base_url());
+        config.api_key = Some(Secret::new(KEY));
+        config.model = Some(MODEL.to_owned());
+        config.turn_timeout = TURN_LIMIT;
+        config
     }
 
-    /// The bundled backend's child for one run (settings written, directories made).
-    async fn spec(
-        &self,
-        agent: &str,
-        prompt: &str,
-        session: Option<&str>,
-        model: Option<&str>,
-        base_url: &str,
-    ) -> ChildSpec {
-        let config = CliBackendConfig::google_gemini_cli();
-        config
-            .validate(gemini::BACKEND_ID)
-            .expect("bundled is valid");
-        let (home, cwd) = (self.home(agent), self.cwd(agent));
-        let tmp = home.join("tmp");
-        for dir in [&home, &cwd, &tmp] {
-            std::fs::create_dir_all(dir).expect("scratch dirs");
-        }
-        gemini::write_settings(&home).expect("settings");
-
-        let launch = gemini_launch().await;
-        let mut args = launch.args.clone();
-        args.extend(
-            config
-                .argv(session, model)
-                .into_iter()
-                .map(|a| OsString::from(a.replace("{prompt}", prompt))),
-        );
-        let mut env: Vec<(OsString, OsString)> = vec![
-            ("HOME".into(), home.clone().into()),
-            ("TMPDIR".into(), tmp.into()),
-        ];
-        if let Some(path) = std::env::var_os("PATH") {
-            env.push(("PATH".into(), path));
-        }
-        env.extend(config.env.iter().map(|(k, v)| (k.into(), v.into())));
-        let url_var = config.base_url_env.clone().expect("baseUrlEnv");
-        let key_var = config.api_key_env.clone().expect("apiKeyEnv");
-        env.push((url_var.into(), base_url.into()));
-        env.push((key_var.into(), KEY.into()));
-        ChildSpec {
-            program: launch.program,
-            args,
-            env,
-            cwd,
-        }
+    async fn oneshot(&self, agent: &str) -> Oneshot {
+        Oneshot::new(self.config(agent).await).expect("valid config")
     }
 
     /// The conversation calls (`streamGenerateContent`) the model received, oldest first.
@@ -167,42 +99,23 @@ impl Fixture {
     }
 }
 
-/// Spawns `spec` in its own process group with stdin closed (`--prompt` appends piped stdin
-/// to the prompt) and collects it. Past `limit` the group is killed and the end of its
-/// stderr returned instead. Either way the group is gone afterwards.
-async fn spawn_run(spec: &ChildSpec, limit: Duration) -> Result<Run, String> {
-    let _slot = SLOTS.acquire().await.expect("slots");
+/// Runs one turn (holding a process slot) with a guard against hanging.
+async fn turn(
+    oneshot: &mut Oneshot,
+    prompt: &str,
+) -> (CliTurnOutcome, Vec<BackendEvent>, Duration) {
+    let _slot = slot().await;
     let started = Instant::now();
-    let (child, io) = ChildGroup::spawn(spec).expect("spawn gemini");
-    drop(io.stdin);
-    let mut stdout = io.stdout;
-    let mut out = Vec::new();
-    let exit = tokio::time::timeout(limit, async {
-        let _ = stdout.read_to_end(&mut out).await;
-        child.wait().await
-    })
-    .await;
-    let took = started.elapsed();
-    let pid = child.pid();
-    if exit.is_ok() {
-        child.stderr().settled(Duration::from_secs(2)).await;
-    }
-    let stderr = child.stderr().text();
-    // Dropping the group kills whatever is left of it.
-    drop(child);
-    assert!(
-        wait_group_gone(pid, Duration::from_secs(10))
-            .await
-            .is_empty(),
-        "the run's process group is gone"
-    );
-    let exit = exit.map_err(|_| stderr.clone())?;
-    Ok(Run {
-        exit,
-        stdout: String::from_utf8_lossy(&out).into_owned(),
-        stderr,
-        took,
-    })
+    let mut events = Vec::new();
+    let outcome = tokio::time::timeout(TURN_LIMIT, oneshot.run(prompt, |e| events.push(e.clone())))
+        .await
+        .expect("the turn ended in time")
+        .expect("the turn started");
+    (outcome, events, started.elapsed())
+}
+
+async fn slot() -> SemaphorePermit<'static> {
+    SLOTS.acquire().await.expect("slots")
 }
 
 /// Every content of a Gemini request as `<role>: <text parts>`, joined (to look for an
@@ -234,76 +147,115 @@ fn dead_port() -> u16 {
         .port()
 }
 
+/// How long `gemini --version` takes here now: the CLI's own start-up (a loaded machine
+/// stretches it a lot), to bound the dead-endpoint turn by.
+async fn start_up(fx: &Fixture) -> Duration {
+    let _slot = slot().await;
+    let launch = gemini_launch().await;
+    let mut args = launch.args.clone();
+    args.push("--version".into());
+    let home = fx.home("version");
+    std::fs::create_dir_all(&home).expect("home");
+    let spec = ChildSpec {
+        program: launch.program,
+        args,
+        env: vec![
+            ("HOME".into(), home.clone().into()),
+            ("PATH".into(), std::env::var_os("PATH").unwrap_or_default()),
+            ("GEMINI_CLI_NO_RELAUNCH".into(), "true".into()),
+        ],
+        cwd: home,
+    };
+    let started = Instant::now();
+    let (child, io) = ChildGroup::spawn(&spec).expect("spawn gemini --version");
+    drop(io.stdin);
+    let mut stdout = io.stdout;
+    let mut out = Vec::new();
+    tokio::time::timeout(TURN_LIMIT, async {
+        let _ = stdout.read_to_end(&mut out).await;
+        child.wait().await
+    })
+    .await
+    .expect("--version ends");
+    started.elapsed()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_turn_returns_the_scripted_text_and_usage_and_a_resume_carries_the_first_turn_to_the_model()
+async fn a_turn_returns_the_scripted_text_and_usage_and_a_new_runner_resumes_carrying_the_first_turn()
  {
     let fx = Fixture::new().await;
 
     // No model named: the CLI's router asks first (JSON mode), then the chosen model.
-    let first = fx
-        .run("a", "REPLY=pong from gemini", None, None, &fx.base_url())
-        .await;
-    eprintln!("measured: first turn, router included, {:?}", first.took);
-    let reply = first.reply();
-    assert_eq!(reply.text, "pong from gemini");
-    let session = reply.session_id.clone().expect("a session id");
+    let mut config = fx.config("a").await;
+    config.model = None;
+    let mut gemini = Oneshot::new(config).expect("valid");
+    let (first, events, took) = turn(&mut gemini, "REPLY=pong from gemini").await;
+    eprintln!("measured: first turn, router included, spawn to exit {took:?}");
+    assert_eq!(first.end, Some(TurnEnd::Idle), "{first:?}");
+    assert_eq!(first.text, "pong from gemini");
+    assert!(!first.resumed);
     assert_eq!(
-        reply.model_calls, 2,
-        "the router call and the turn: {reply:?}"
+        events.iter().map(BackendEvent::name).collect::<Vec<_>>(),
+        ["assistant.message", "turn.end"]
     );
+    let session = first.session_id.clone().expect("a session id");
     let per_call = ScriptedModel::PROMPT_TOKENS - ScriptedModel::CACHED_PROMPT_TOKENS;
-    assert_eq!(reply.usage.input_tokens, 2 * per_call, "{reply:?}");
     assert_eq!(
-        reply.usage.cache_read_tokens,
+        first.usage.input_tokens,
+        2 * per_call,
+        "the router call and the turn: {first:?}"
+    );
+    assert_eq!(
+        first.usage.cache_read_tokens,
         2 * ScriptedModel::CACHED_PROMPT_TOKENS
     );
     assert_eq!(
-        reply.usage.output_tokens,
+        first.usage.output_tokens,
         2 * ScriptedModel::COMPLETION_TOKENS
     );
-    let requests = fx.model.requests();
-    let router = requests
-        .iter()
+    let router = fx
+        .model
+        .requests()
+        .into_iter()
         .find(|r| r.path.ends_with(":generateContent"))
         .expect("the router call");
     let Some(Decision::Text(routed)) = router.decision() else {
         panic!("the router call was answered with text: {router:?}");
     };
     let routed: Value = serde_json::from_str(routed).expect("a JSON answer");
-    let score = routed["complexity_score"].as_i64().expect("a score");
-    assert!((1..=100).contains(&score), "{routed}");
+    assert!((1..=100).contains(&routed["complexity_score"].as_i64().unwrap_or(0)));
     let call = fx.turn_calls().pop().expect("the turn's call");
-    assert_eq!(call.query.as_deref(), Some("alt=sse"));
     assert_eq!(
         call.header("x-goog-api-key"),
         [KEY],
         "the key reached the model"
     );
+    // The runner wrote the settings into the agent's home.
+    let settings = std::fs::read_to_string(gemini::settings_path(&fx.home("a"))).expect("settings");
+    assert!(settings.contains("gemini-api-key"), "{settings}");
 
-    // The CLI's transcript is where a resume looks for it.
-    let transcript =
-        gemini::transcript_path(&fx.home("a"), &fx.cwd("a"), &session).expect("a transcript");
+    // The CLI's transcript is where the pool looks before a resume.
+    let transcript = Dialect::Gemini
+        .transcript(&fx.home("a"), &fx.cwd("a"), &session)
+        .expect("gemini has transcripts")
+        .expect("a transcript");
     assert!(transcript.starts_with(fx.home("a").join(".gemini/tmp")));
 
-    // The resume, naming the model: one call, and it carries the first turn.
+    // A new runner (the pool restarted) with the stored session, naming the model: one
+    // call, and it carries the first turn.
+    let mut config = fx.config("a").await;
+    config.session = Some(StoredSession::new(session.clone()));
+    let mut resumed = Oneshot::new(config).expect("valid");
     let before = fx.model.requests().len();
-    let second = fx
-        .run(
-            "a",
-            "REPLY=second answer",
-            Some(&session),
-            Some(MODEL),
-            &fx.base_url(),
-        )
-        .await;
-    eprintln!("measured: resumed turn, one model call, {:?}", second.took);
-    let reply = second.reply();
-    assert_eq!(reply.text, "second answer");
-    assert_eq!(reply.session_id.as_deref(), Some(session.as_str()));
-    assert_eq!(reply.model_calls, 1, "--model skips the router: {reply:?}");
-    assert_eq!(reply.usage.input_tokens, per_call);
+    let (second, _, took) = turn(&mut resumed, "REPLY=second answer").await;
+    eprintln!("measured: resumed turn, one model call, spawn to exit {took:?}");
+    assert_eq!(second.end, Some(TurnEnd::Idle), "{second:?}");
+    assert_eq!(second.text, "second answer");
+    assert!(second.resumed);
+    assert_eq!(second.session_id.as_deref(), Some(session.as_str()));
+    assert_eq!(second.usage.input_tokens, per_call, "usage is per turn");
     let calls = fx.model.requests().split_off(before);
-    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls.len(), 1, "--model skips the router: {calls:?}");
     assert!(
         calls[0]
             .path
@@ -319,53 +271,111 @@ async fn a_turn_returns_the_scripted_text_and_usage_and_a_resume_carries_the_fir
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tool_call_of_the_clis_own_read_file_reaches_the_model_as_a_function_response() {
+async fn a_tool_call_of_the_clis_own_read_file_reaches_the_model_and_is_counted() {
     let fx = Fixture::new().await;
     std::fs::create_dir_all(fx.cwd("tool")).expect("work dir");
     std::fs::write(fx.cwd("tool").join("note.txt"), "the note says 42\n").expect("note");
-    let run = fx
-        .run(
-            "tool",
-            r#"SCENARIO:tool NAME=read_file ARGS={"file_path":"note.txt"}"#,
-            None,
-            Some(MODEL),
-            &fx.base_url(),
-        )
-        .await;
-    let reply = run.reply();
-    assert_eq!(reply.tool_calls, 1, "{reply:?}");
-    assert_eq!(
-        reply.model_calls, 2,
-        "the call and the answer to its result"
-    );
+    let mut gemini = fx.oneshot("tool").await;
+    let (outcome, _, _) = turn(
+        &mut gemini,
+        r#"SCENARIO:tool NAME=read_file ARGS={"file_path":"note.txt"}"#,
+    )
+    .await;
+    assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+    assert_eq!(outcome.tool_calls, 1, "{outcome:?}");
     assert!(
-        reply.text.starts_with("tool said:") && reply.text.contains("the note says 42"),
+        outcome.text.starts_with("tool said:") && outcome.text.contains("the note says 42"),
         "the model saw the file: {}",
-        reply.text
+        outcome.text
     );
     let calls = fx.turn_calls();
+    assert_eq!(calls.len(), 2, "the call and the answer to its result");
     assert!(
         matches!(calls[0].decision(), Some(Decision::ToolCall { name, .. }) if name == "read_file")
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_error_answer_is_tried_once_and_fails_the_run_with_its_status() {
+async fn killing_the_process_mid_turn_ends_it_crashed_at_once_and_the_next_turn_resumes() {
     let fx = Fixture::new().await;
-    let failed = fx
-        .run(
-            "error",
-            "SCENARIO:error STATUS=503",
-            None,
-            Some(MODEL),
-            &fx.base_url(),
-        )
-        .await;
-    eprintln!("measured: 503 answer to exit {:?}", failed.took);
-    let err = failed.parsed().expect_err("the run fails");
+    let mut gemini = fx.oneshot("crash").await;
+    let (first, _, _) = turn(&mut gemini, "REPLY=remember the first answer").await;
+    assert_eq!(first.end, Some(TurnEnd::Idle), "{first:?}");
+    let session = first.session_id.clone().expect("a session id");
+
+    // The slow answer is queued rather than asked for in the prompt: Gemini CLI keeps the
+    // interrupted prompt in its transcript and sends it with the next one in the same user
+    // content, where a `SCENARIO:` directive would be obeyed again.
+    fx.model.push_reply(Reply::Slow {
+        chunks: 60,
+        interval: Duration::from_millis(250),
+    });
+    let slot = slot().await;
+    let slow = gemini
+        .start_turn("a question the crash interrupts")
+        .await
+        .expect("started");
+    let pid = slow.pid().expect("running");
+    tokio::time::timeout(
+        TURN_LIMIT,
+        fx.model.wait_until(|requests| {
+            requests
+                .iter()
+                .any(|r| matches!(r.decision(), Some(Decision::Slow { .. })))
+        }),
+    )
+    .await
+    .expect("the slow call reached the model");
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid")),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the group");
+    let killed = Instant::now();
+    let crashed = tokio::time::timeout(TURN_LIMIT, slow.finish())
+        .await
+        .expect("ended");
+    let took = killed.elapsed();
+    drop(slot);
+    eprintln!("measured: kill -9 to turn.end {took:?}");
+    assert_eq!(crashed.end, Some(TurnEnd::Crashed), "{crashed:?}");
     assert!(
-        matches!(&err, GeminiError::Failed { code: Some(503), message, .. } if message == "scripted upstream failure"),
-        "{err:?}"
+        matches!(&crashed.failure, Some(TurnFailure::Crashed { exit, .. }) if exit.contains("SIGKILL")),
+        "{crashed:?}"
+    );
+    assert!(
+        took < Duration::from_secs(1),
+        "a crash ends the turn at once, took {took:?}"
+    );
+    assert!(
+        wait_group_gone(pid, Duration::from_secs(10))
+            .await
+            .is_empty()
+    );
+
+    let (after, _, _) = turn(&mut gemini, "REPLY=after the crash").await;
+    assert_eq!(after.end, Some(TurnEnd::Idle), "{after:?}");
+    assert_eq!(after.text, "after the crash");
+    assert!(after.resumed, "the next process resumed the stored session");
+    assert_eq!(after.session_id.as_deref(), Some(session.as_str()));
+    let call = fx.turn_calls().pop().expect("the last call");
+    let history = history_text(&call);
+    assert!(
+        history.contains("REPLY=remember the first answer"),
+        "the resumed run sent the earlier turn: {history}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_answer_is_tried_once_and_fails_the_turn_with_its_status() {
+    let fx = Fixture::new().await;
+    let mut gemini = fx.oneshot("error").await;
+    let (outcome, _, took) = turn(&mut gemini, "SCENARIO:error STATUS=503").await;
+    eprintln!("measured: 503 answer to turn.end {took:?}");
+    assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
+    assert!(
+        matches!(&outcome.failure, Some(TurnFailure::Gemini { error: GeminiError::Failed { code: Some(503), message, .. } }) if message == "scripted upstream failure"),
+        "{outcome:?}"
     );
     assert_eq!(
         fx.model.requests().len(),
@@ -376,37 +386,30 @@ async fn an_error_answer_is_tried_once_and_fails_the_run_with_its_status() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_endpoint_fails_the_run_within_seconds_of_the_clis_start_up() {
+async fn a_dead_endpoint_fails_the_turn_within_seconds_of_the_clis_start_up() {
     let fx = Fixture::new().await;
-    // The CLI's own start-up on this machine now (a loaded machine stretches it a lot):
-    // `--version` boots the same bundle.
-    let launch = gemini_launch().await;
-    let mut version = fx
-        .spec("dead", "unused", None, Some(MODEL), &fx.base_url())
-        .await;
-    version.args = launch.args.clone();
-    version.args.push("--version".into());
-    let start_up = spawn_run(&version, RUN_LIMIT)
-        .await
-        .expect("--version ends")
-        .took;
-
+    let start_up = start_up(&fx).await;
     // Nothing listens. Unbounded, the CLI retries for minutes; bounded (one attempt, no
     // retry of fetch errors) it gives up at the first failed fetch.
-    let limit = start_up + Duration::from_secs(10);
-    let dead = format!("http://127.0.0.1:{}", dead_port());
-    let spec = fx
-        .spec("dead", "REPLY=never answered", None, Some(MODEL), &dead)
-        .await;
-    let run = spawn_run(&spec, limit).await.unwrap_or_else(|stderr| {
-        panic!("a dead endpoint kept the CLI past {limit:?} (start-up {start_up:?}): {stderr}")
-    });
-    eprintln!(
-        "measured: dead endpoint to exit {:?} (--version: {start_up:?})",
-        run.took
+    let mut config = fx.config("dead").await;
+    config.base_url = Some(format!("http://127.0.0.1:{}", dead_port()));
+    let mut gemini = Oneshot::new(config).expect("valid");
+    let (outcome, _, took) = turn(&mut gemini, "REPLY=never answered").await;
+    eprintln!("measured: dead endpoint to turn.end {took:?} (--version: {start_up:?})");
+    assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
+    assert!(
+        matches!(
+            &outcome.failure,
+            Some(TurnFailure::Gemini {
+                error: GeminiError::Failed { .. }
+            })
+        ),
+        "{outcome:?}"
     );
-    let err = run.parsed().expect_err("the run fails");
-    assert!(matches!(err, GeminiError::Failed { .. }), "{err:?}");
+    assert!(
+        took < start_up + Duration::from_secs(10),
+        "a dead endpoint kept the CLI {took:?} (start-up {start_up:?})"
+    );
     assert!(fx.model.requests().is_empty());
 }
 
@@ -414,37 +417,66 @@ async fn a_dead_endpoint_fails_the_run_within_seconds_of_the_clis_start_up() {
 async fn an_unknown_resume_id_has_no_transcript_and_the_cli_refuses_it_with_the_typed_error() {
     let fx = Fixture::new().await;
     let unknown = "00000000-1111-2222-3333-444444444444";
-    let missing = gemini::transcript_path(&fx.home("stale"), &fx.cwd("stale"), unknown)
-        .expect_err("no transcript");
     assert!(
-        matches!(missing, GeminiError::TranscriptMissing { .. }),
-        "{missing:?}"
+        matches!(
+            Dialect::Gemini.transcript(&fx.home("stale"), &fx.cwd("stale"), unknown),
+            Some(Err(_))
+        ),
+        "no transcript"
     );
-    // What the CLI itself says when asked anyway (in a fresh project: no sessions at all; in
-    // a project with sessions: an invalid identifier; both exit 42).
-    let run = fx
-        .run(
-            "stale",
-            "REPLY=not reached",
-            Some(unknown),
-            Some(MODEL),
-            &fx.base_url(),
-        )
-        .await;
-    assert_eq!(
-        run.exit,
-        ExitInfo::Code(gemini::EXIT_INPUT),
-        "{}",
-        run.stderr
-    );
-    let err = run.parsed().expect_err("refused");
-    let GeminiError::ResumeNotFound { message } = &err else {
-        panic!("{err:?}");
+    // What the CLI itself says when asked anyway (the pool never asks: it answers
+    // transcript-missing first).
+    let mut config = fx.config("stale").await;
+    config.session = Some(StoredSession::new(unknown));
+    let mut gemini = Oneshot::new(config).expect("valid");
+    let (outcome, _, _) = turn(&mut gemini, "REPLY=not reached").await;
+    assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
+    let Some(TurnFailure::Gemini {
+        error: GeminiError::ResumeNotFound { message },
+    }) = &outcome.failure
+    else {
+        panic!("{outcome:?}");
     };
     assert!(message.contains("Error resuming session"), "{message}");
     assert!(
         fx.model.requests().is_empty(),
         "no model call was made: {:?}",
         fx.model.requests()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_past_the_line_limit_ends_the_turn_with_a_typed_error_keeping_the_answer_received() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config("limit").await;
+    // The answer is one pretty-printed JSON object: `{`, `session_id`, `response`, then
+    // dozens of `stats` lines. The fifth line passes the limit after the answer arrived.
+    config.backend.output_limits.max_turn_lines = 4;
+    let mut gemini = Oneshot::new(config).expect("valid");
+    let _slot = slot().await;
+    let started = gemini.start_turn("REPLY=kept").await.expect("started");
+    let pid = started.pid().expect("running");
+    let outcome = tokio::time::timeout(TURN_LIMIT, started.finish())
+        .await
+        .expect("ended");
+    assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
+    assert!(
+        matches!(
+            outcome.failure,
+            Some(TurnFailure::OutputLimit {
+                key: "maxTurnLines",
+                limit: 4,
+                ..
+            })
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(outcome.text, "kept", "the answer already received is kept");
+    assert_eq!(outcome.retained_lines, 5);
+    assert!(outcome.session_id.is_some(), "{outcome:?}");
+    assert!(
+        wait_group_gone(pid, Duration::from_secs(10))
+            .await
+            .is_empty()
     );
 }

@@ -442,17 +442,8 @@ impl ClaudeLive {
     }
 }
 
-/// Interrupts a running turn from anywhere (cloneable, `Send`).
-#[derive(Debug, Clone)]
-pub struct AbortHandle(Arc<Notify>);
-
-impl AbortHandle {
-    /// Asks Claude to stop the turn (an `interrupt` control request). The turn ends
-    /// `aborted`; a process that does not end it within `interrupt_grace` is killed.
-    pub fn abort(&self) {
-        self.0.notify_one();
-    }
-}
+/// The handle that interrupts a turn (one type for every runner).
+pub use super::event::AbortHandle;
 
 /// One turn of a [`ClaudeLive`]. Read it with [`ClaudeTurn::next`] to its
 /// [`BackendEvent::TurnEnd`]; dropping it earlier kills the process (the next turn resumes).
@@ -485,7 +476,7 @@ impl Drop for ClaudeTurn<'_> {
 impl ClaudeTurn<'_> {
     /// A handle that interrupts this turn.
     pub fn abort_handle(&self) -> AbortHandle {
-        AbortHandle(self.abort.clone())
+        AbortHandle::new(self.abort.clone())
     }
 
     /// The pid (= process group id) of the process serving this turn, while it runs.

@@ -1,15 +1,19 @@
 //! One conversation of a CLI backend, whatever runner holds it: [`CliConversation`] is the
 //! one type the pool parks, leases and closes, and [`CliTurn`] its running turn. Each
-//! runner is one enum arm (the live Claude Code process today; the process-per-turn runner
-//! is the next arm), so the pool never matches on a backend kind itself.
+//! runner is one enum arm (the live Claude Code process; the process-per-turn runner of
+//! Codex, Gemini CLI and generic `cli-oneshot` backends), so the pool never matches on a
+//! backend kind beyond choosing the arm. Both arms' turns hand out the one
+//! [`AbortHandle`] type.
 //!
-//! Also owns where a runner's CLI keeps its own transcript of a session
-//! ([`CliConversation::transcript_path`]), which the pool checks before it resumes one.
+//! Also owns where each runner's CLI keeps its own transcript of a session
+//! ([`CliConversation::find_transcript`]), which the pool checks before it resumes one.
 
 use std::path::{Path, PathBuf};
 
-use super::claude_live::{AbortHandle, ClaudeLive, ClaudeLiveError, ClaudeTurn};
-use super::event::BackendEvent;
+use super::BackendKind;
+use super::claude_live::{ClaudeLive, ClaudeLiveError, ClaudeTurn};
+use super::event::{AbortHandle, BackendEvent};
+use super::oneshot::{Dialect, Oneshot, OneshotError, OneshotTurn};
 use crate::process::ExitInfo;
 
 /// A conversation held by a CLI runner.
@@ -17,7 +21,10 @@ use crate::process::ExitInfo;
 #[non_exhaustive]
 pub enum CliConversation {
     /// One live Claude Code process per conversation (stream-json on stdio).
-    Live(ClaudeLive),
+    Live(Box<ClaudeLive>),
+    /// A process per turn (`cli-oneshot`: Codex, Gemini CLI, generic CLIs); between turns
+    /// it holds the stored session and no process.
+    Oneshot(Box<Oneshot>),
 }
 
 /// Why a turn of a [`CliConversation`] could not start.
@@ -27,6 +34,9 @@ pub enum CliStartError {
     /// The live runner could not start its process.
     #[error(transparent)]
     Live(#[from] ClaudeLiveError),
+    /// The one-shot runner could not start the turn's process.
+    #[error(transparent)]
+    Oneshot(#[from] OneshotError),
 }
 
 impl CliConversation {
@@ -35,6 +45,9 @@ impl CliConversation {
     pub async fn start_turn(&mut self, prompt: &str) -> Result<CliTurn<'_>, CliStartError> {
         match self {
             CliConversation::Live(live) => Ok(CliTurn::Live(live.start_turn(prompt).await?)),
+            CliConversation::Oneshot(oneshot) => Ok(CliTurn::Oneshot(Box::new(
+                oneshot.start_turn(prompt).await?,
+            ))),
         }
     }
 
@@ -42,13 +55,16 @@ impl CliConversation {
     pub fn session_id(&self) -> Option<&str> {
         match self {
             CliConversation::Live(live) => live.session_id(),
+            CliConversation::Oneshot(oneshot) => oneshot.session_id(),
         }
     }
 
-    /// The pid (= process group id) of the CLI process while one runs.
+    /// The pid (= process group id) of the CLI process while one runs (a one-shot
+    /// conversation runs none between turns; see [`CliTurn::pid`] during one).
     pub fn pid(&self) -> Option<u32> {
         match self {
             CliConversation::Live(live) => live.pid(),
+            CliConversation::Oneshot(_) => None,
         }
     }
 
@@ -56,6 +72,37 @@ impl CliConversation {
     pub async fn close(self) -> Option<ExitInfo> {
         match self {
             CliConversation::Live(live) => live.close().await,
+            // Its turns' processes end with their turns.
+            CliConversation::Oneshot(_) => None,
+        }
+    }
+
+    /// Whether the CLI of backend `backend_id` (of `kind`) still has session `session_id`'s
+    /// transcript, run with `home` in `cwd`: `Ok(Some(path))` when found, `Ok(None)` when the
+    /// runner has no transcript it knows to check (generic one-shot CLIs), `Err(path)` (the
+    /// file or folder looked in) when it is missing. Per runner: Claude Code's
+    /// [`CliConversation::transcript_path`]; Codex's rollout under `<home>/.codex/sessions`;
+    /// Gemini CLI's chat file ([`super::gemini::transcript_path`]). Blocking (small file
+    /// reads).
+    pub fn find_transcript(
+        backend_id: &str,
+        kind: BackendKind,
+        home: &Path,
+        cwd: &Path,
+        session_id: &str,
+    ) -> Result<Option<PathBuf>, PathBuf> {
+        match kind {
+            BackendKind::CliOneshot => Dialect::of_backend(backend_id)
+                .transcript(home, cwd, session_id)
+                .transpose(),
+            _ => {
+                let path = Self::transcript_path(home, cwd, session_id);
+                if path.is_file() {
+                    Ok(Some(path))
+                } else {
+                    Err(path)
+                }
+            }
         }
     }
 
@@ -83,6 +130,8 @@ impl CliConversation {
 pub enum CliTurn<'a> {
     /// A turn of the live Claude Code process.
     Live(ClaudeTurn<'a>),
+    /// A turn of the one-shot runner (its own process).
+    Oneshot(Box<OneshotTurn<'a>>),
 }
 
 impl CliTurn<'_> {
@@ -90,6 +139,7 @@ impl CliTurn<'_> {
     pub async fn next(&mut self) -> Option<BackendEvent> {
         match self {
             CliTurn::Live(turn) => turn.next().await,
+            CliTurn::Oneshot(turn) => turn.next().await,
         }
     }
 
@@ -97,6 +147,15 @@ impl CliTurn<'_> {
     pub fn abort_handle(&self) -> AbortHandle {
         match self {
             CliTurn::Live(turn) => turn.abort_handle(),
+            CliTurn::Oneshot(turn) => turn.abort_handle(),
+        }
+    }
+
+    /// The pid (= process group id) of the process serving this turn, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        match self {
+            CliTurn::Live(turn) => turn.pid(),
+            CliTurn::Oneshot(turn) => turn.pid(),
         }
     }
 }

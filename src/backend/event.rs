@@ -2,13 +2,36 @@
 //! daemon's turn stream (`assistant.message_delta`, `assistant.message`, `tool.call`,
 //! `permission.request`, `turn.end`), the turn's outcome ([`CliTurnOutcome`], with
 //! [`TurnEnd`] and [`Usage`] reused from the Copilot path) and how a started turn failed
-//! ([`TurnFailure`]).
+//! ([`TurnFailure`]), and the one [`AbortHandle`] type every runner's turn hands out.
+
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde_json::{Value, json};
+use tokio::sync::Notify;
 
 use crate::kinds::TurnEnd;
 use crate::turn::Usage;
+
+/// Ends a running turn of any CLI runner from anywhere (cloneable, `Send`). What "end"
+/// means is the runner's: the live Claude runner asks its process to interrupt the turn (a
+/// process that does not within its grace is killed); the one-shot runner kills the turn's
+/// process group. Either way the turn ends `aborted` and the stored session stays, so the
+/// next turn resumes it.
+#[derive(Debug, Clone)]
+pub struct AbortHandle(Arc<Notify>);
+
+impl AbortHandle {
+    /// A handle on `notify`, which the runner's turn waits on.
+    pub(crate) fn new(notify: Arc<Notify>) -> Self {
+        Self(notify)
+    }
+
+    /// Ends the turn (see the type).
+    pub fn abort(&self) {
+        self.0.notify_one();
+    }
+}
 
 /// One event of a CLI backend's turn. The last event of every turn is [`BackendEvent::TurnEnd`].
 #[derive(Debug, Clone, PartialEq)]
@@ -131,6 +154,14 @@ pub enum TurnFailure {
         limit: u64,
         /// The highest value the key accepts.
         cap: u64,
+    },
+    /// Gemini CLI ended the run without an answer: its documented exit codes (41 auth, 42
+    /// input or an unknown resume id, 53 turn limit, 55 untrusted folder) and its other
+    /// failures (a dead or failing endpoint), typed by [`crate::backend::gemini::parse_output`].
+    #[error("{error}")]
+    Gemini {
+        /// The typed failure, with the CLI's own message.
+        error: crate::backend::gemini::GeminiError,
     },
 }
 

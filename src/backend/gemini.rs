@@ -48,7 +48,8 @@ const STDERR_MESSAGE_CHARS: usize = 600;
 const STDERR_NOISE: [&str; 2] = ["Warning: 256-color support", "Ripgrep is not available"];
 
 /// A Gemini CLI run that did not produce an answer, or a session that cannot be resumed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
+#[serde(tag = "error", rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum GeminiError {
     /// The settings file could not be read, merged or written.

@@ -8,9 +8,9 @@
 //! transcripts live), and the loopback MCP bridge that serves a conversation's gateway tools
 //! to a CLI backend (`mcp_bridge`, feature `mcp-bridge`).
 //!
-//! The pool leases the live ones (`crate::pool::Pool::lease_cli`) as [`CliConversation`]s:
-//! one enum over the runners, so a new runner is one more arm; the one-shot runner is not
-//! leased yet (a caller drives a [`oneshot::Oneshot`] directly).
+//! The pool leases both runners' conversations (`crate::pool::Pool::lease_cli`) as
+//! [`CliConversation`]s: one enum over the runners, so a new runner is one more arm; their
+//! turns share one [`AbortHandle`] type.
 
 pub mod claude_live;
 mod config;
@@ -28,7 +28,7 @@ pub use config::{
     TextRewrite, TextTransforms,
 };
 pub use conversation::{CliConversation, CliStartError, CliTurn};
-pub use event::{BackendEvent, CliTurnOutcome, TurnFailure};
+pub use event::{AbortHandle, BackendEvent, CliTurnOutcome, TurnFailure};
 
 use serde::{Deserialize, Serialize};
 

@@ -1,6 +1,10 @@
 //! The `cli-oneshot` runner: one CLI process per turn, driven by a [`CliBackendConfig`], with
 //! session continuity through resume arguments (reference: `cli-backends.md` §4, §6, §7).
-//! The bundled `codex-cli` backend runs on it ([`OneshotConfig::codex`]).
+//! The bundled `codex-cli` backend runs on it ([`OneshotConfig::codex`]), and so does
+//! `google-gemini-cli` ([`OneshotConfig::gemini`], with what [`gemini`] provides: its settings
+//! file before each run, its JSON answer and exit codes, its transcripts). A backend's
+//! [`Dialect`] follows its id ([`Dialect::of_backend`]); [`Dialect::transcript`] says where
+//! each dialect's CLI keeps a session, which the pool checks before it resumes one.
 //!
 //! Owns a conversation's stored CLI session ([`StoredSession`]: the id and, for CLIs that
 //! report usage per thread, the last totals) and each turn's process. A turn
@@ -24,7 +28,8 @@
 //!   default); past it the turn ends with [`TurnFailure::OutputLimit`], keeping the final
 //!   message when it had already arrived;
 //! * the API key is a [`Secret`] put only into the child's environment, under a variable
-//!   the argv names (Codex: the provider's `env_key`), never into the argv or a log;
+//!   the argv names (Codex: the provider's `env_key`) or the backend's `apiKeyEnv` (Gemini:
+//!   `GEMINI_API_KEY`; its endpoint under `baseUrlEnv`), never into the argv or a log;
 //! * usage is per turn: for Codex, which reports thread totals, the totals stored with the
 //!   session are subtracted, so a resumed process diffs right.
 
@@ -48,6 +53,7 @@ use super::config::{
     SessionMode, SystemPromptWhen,
 };
 use super::event::{BackendEvent, CliTurnOutcome, TurnFailure};
+use super::gemini;
 use crate::kinds::TurnEnd;
 use crate::process::{ChildGroup, ChildSpec, ExitInfo, SpawnError};
 use crate::secret::Secret;
@@ -84,6 +90,125 @@ pub enum Dialect {
     /// overrides (bounded retries, `wire_api = "responses"`, the key's variable), usage
     /// de-cumulated (Codex reports thread totals).
     Codex,
+    /// Gemini CLI: its settings written into the agent's home before every run
+    /// ([`gemini::write_settings`]: auth type, no telemetry, bounded retries), the key and
+    /// endpoint in the variables `apiKeyEnv` / `baseUrlEnv` name, the answer read by
+    /// [`gemini::parse_output`] (usage from `stats`, per invocation; its exit codes become
+    /// [`TurnFailure::Gemini`]).
+    Gemini,
+}
+
+impl Dialect {
+    /// The dialect a backend id runs with: the bundled ids' own (`codex-cli` → Codex,
+    /// `google-gemini-cli` → Gemini), [`Dialect::Generic`] for any other id.
+    pub fn of_backend(id: &str) -> Self {
+        match id {
+            CODEX_BACKEND_ID => Dialect::Codex,
+            gemini::BACKEND_ID => Dialect::Gemini,
+            _ => Dialect::Generic,
+        }
+    }
+
+    /// Where this dialect's CLI keeps session `session_id`'s transcript, run with `home`
+    /// in `cwd`: `Some(Ok(path))` when it is there, `Some(Err(where it was looked for))`
+    /// when it is not (a resume would fail or silently start afresh), `None` when the
+    /// dialect has no known transcript to check (generic CLIs). Blocking (small directory
+    /// reads).
+    pub fn transcript(
+        self,
+        home: &Path,
+        cwd: &Path,
+        session_id: &str,
+    ) -> Option<Result<PathBuf, PathBuf>> {
+        match self {
+            Dialect::Generic => None,
+            Dialect::Codex => Some(codex_rollout_path(home, session_id)),
+            Dialect::Gemini => {
+                Some(
+                    gemini::transcript_path(home, cwd, session_id).map_err(|e| match e {
+                        gemini::GeminiError::TranscriptMissing { searched, .. } => searched,
+                        _ => gemini::gemini_dir(home),
+                    }),
+                )
+            }
+        }
+    }
+}
+
+/// How much of a rollout's end [`codex_rollout_totals`] reads.
+const ROLLOUT_TAIL_BYTES: u64 = 256 * 1024;
+
+/// The thread's usage totals as Codex last recorded them in its rollout (the
+/// `total_token_usage` of the last `token_count` event in the file's last 256 KiB), so a new
+/// runner resuming the thread (the pool restarted) reports the next turn's own usage. `None`
+/// when there is none to read. Blocking (one small read).
+pub fn codex_rollout_totals(rollout: &Path) -> Option<UsageTotals> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(rollout).ok()?;
+    let len = file.metadata().ok()?.len();
+    let start = len.saturating_sub(ROLLOUT_TAIL_BYTES);
+    file.seek(SeekFrom::Start(start)).ok()?;
+    let mut tail = Vec::new();
+    file.take(ROLLOUT_TAIL_BYTES).read_to_end(&mut tail).ok()?;
+    let text = String::from_utf8_lossy(&tail);
+    // A cut first line does not parse and is skipped.
+    text.lines().rev().find_map(|line| {
+        if !line.contains("\"token_count\"") {
+            return None;
+        }
+        let value: Value = serde_json::from_str(line).ok()?;
+        let payload = &value["payload"];
+        if payload["type"] != "token_count" {
+            return None;
+        }
+        usage_of(&payload["info"]["total_token_usage"])
+    })
+}
+
+/// Codex's rollout of thread `thread_id` for an agent homed in `home`:
+/// `<home>/.codex/sessions/YYYY/MM/DD/rollout-<local time>-<thread_id>.jsonl` (reference
+/// `cli-backends.md` §4.3); `Err(<home>/.codex/sessions)` when there is none. Ids that could
+/// name a path are never found.
+pub fn codex_rollout_path(home: &Path, thread_id: &str) -> Result<PathBuf, PathBuf> {
+    let sessions = home.join(".codex").join("sessions");
+    let well_formed = !thread_id.is_empty()
+        && thread_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-');
+    if !well_formed {
+        return Err(sessions);
+    }
+    let suffix = format!("-{thread_id}.jsonl");
+    // Three levels of dated folders, newest first (a resumed thread keeps its first file).
+    let mut level = vec![sessions.clone()];
+    for _ in 0..3 {
+        let mut next = Vec::new();
+        for dir in &level {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            next.extend(
+                entries
+                    .filter_map(Result::ok)
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.path()),
+            );
+        }
+        next.sort_unstable_by(|a, b| b.cmp(a));
+        level = next;
+    }
+    level
+        .iter()
+        .filter_map(|dir| std::fs::read_dir(dir).ok())
+        .flat_map(|entries| entries.filter_map(Result::ok))
+        .map(|e| e.path())
+        .find(|p| {
+            p.is_file()
+                && p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("rollout-") && n.ends_with(&suffix))
+        })
+        .ok_or(sessions)
 }
 
 /// Token counts as a CLI reports them, kept with the session for CLIs that report totals.
@@ -167,8 +292,9 @@ pub struct OneshotConfig {
     pub base_url: Option<String>,
     /// The model key: only ever in the child's environment.
     pub api_key: Option<Secret>,
-    /// The variable the key goes in (Codex: [`CODEX_KEY_ENV`] with a `base_url`, else
-    /// `OPENAI_API_KEY`; generic: this, or the key is not passed).
+    /// The variable the key goes in; when `None`, the backend's `apiKeyEnv`, else for
+    /// Codex [`CODEX_KEY_ENV`] with a `base_url` or `OPENAI_API_KEY`, else the key is not
+    /// passed. (`base_url` goes under the backend's `baseUrlEnv` when it names one.)
     pub key_env: Option<String>,
     /// The pool's model name (mapped through `modelAliases`).
     pub model: Option<String>,
@@ -224,6 +350,21 @@ impl OneshotConfig {
         config.dialect = Dialect::Codex;
         config
     }
+
+    /// The bundled `google-gemini-cli` backend running `executable`: Gemini CLI's
+    /// `bundle/gemini.js` (it starts with `#!/usr/bin/env node`, so `node` must be on the
+    /// child's `PATH`) or its `gemini` launcher.
+    pub fn gemini(
+        executable: impl Into<PathBuf>,
+        home: impl Into<PathBuf>,
+        cwd: impl Into<PathBuf>,
+    ) -> Self {
+        let mut backend = CliBackendConfig::google_gemini_cli();
+        backend.command = executable.into().display().to_string();
+        let mut config = Self::new(gemini::BACKEND_ID, backend, home, cwd);
+        config.dialect = Dialect::Gemini;
+        config
+    }
 }
 
 impl std::fmt::Debug for OneshotConfig {
@@ -276,6 +417,9 @@ pub enum OneshotError {
         /// The limit.
         max: usize,
     },
+    /// Gemini CLI's settings could not be written into the agent's home.
+    #[error(transparent)]
+    Gemini(#[from] gemini::GeminiError),
     /// The process could not be started.
     #[error(
         "{0}; is `command` the CLI's executable (install Codex with \
@@ -364,6 +508,16 @@ impl Oneshot {
                     path: dir.clone(),
                     error,
                 })?;
+        }
+        if config.dialect == Dialect::Gemini {
+            let home = config.home.clone();
+            let written = tokio::task::spawn_blocking(move || gemini::write_settings(&home))
+                .await
+                .map_err(|e| gemini::GeminiError::Settings {
+                    path: gemini::settings_path(&config.home),
+                    problem: format!("the writer stopped: {e}"),
+                })?;
+            written?;
         }
         let system_prompt_file = match (&config.system_prompt, self.system_prompt_needs_file()) {
             (Some(text), true) => {
@@ -600,15 +754,21 @@ impl Oneshot {
         ]
     }
 
-    /// The variable the key goes in.
+    /// The variable the key goes in: the runner's `key_env`, else the backend's
+    /// `apiKeyEnv`, else the dialect's own (Codex), else none.
     fn key_env(&self) -> String {
-        if let Some(name) = &self.config.key_env {
+        if let Some(name) = self.config.key_env.as_ref().or(self
+            .config
+            .backend
+            .api_key_env
+            .as_ref())
+        {
             return name.clone();
         }
         match (self.config.dialect, &self.config.base_url) {
             (Dialect::Codex, Some(_)) => CODEX_KEY_ENV.to_owned(),
             (Dialect::Codex, None) => "OPENAI_API_KEY".to_owned(),
-            (Dialect::Generic, _) => String::new(),
+            (Dialect::Generic | Dialect::Gemini, _) => String::new(),
         }
     }
 
@@ -634,6 +794,9 @@ impl Oneshot {
                 .iter()
                 .map(|(k, v)| (OsString::from(k), OsString::from(v))),
         );
+        if let (Some(name), Some(url)) = (&config.backend.base_url_env, &config.base_url) {
+            env.push((name.into(), url.into()));
+        }
         let key_env = self.key_env();
         if let Some(key) = config.api_key.as_ref().filter(|k| !k.is_empty())
             && !key_env.is_empty()
@@ -679,17 +842,9 @@ enum Wake {
     Line(Option<Result<String, LinesCodecError>>),
 }
 
-/// Ends a running turn from anywhere (cloneable, `Send`).
-#[derive(Debug, Clone)]
-pub struct AbortHandle(Arc<Notify>);
-
-impl AbortHandle {
-    /// Kills the turn's process group; the turn ends `aborted`. The stored session stays,
-    /// so the next turn resumes it.
-    pub fn abort(&self) {
-        self.0.notify_one();
-    }
-}
+/// The handle that ends a turn (one type for every runner): here it kills the turn's
+/// process group.
+pub use super::event::AbortHandle;
 
 /// One turn of a [`Oneshot`]: its process and what it printed. Read it with
 /// [`OneshotTurn::next`] to its [`BackendEvent::TurnEnd`]; dropping it earlier kills the
@@ -733,7 +888,7 @@ pub struct OneshotTurn<'a> {
 impl OneshotTurn<'_> {
     /// A handle that aborts this turn.
     pub fn abort_handle(&self) -> AbortHandle {
-        AbortHandle(self.abort.clone())
+        AbortHandle::new(self.abort.clone())
     }
 
     /// The pid (= process group id) of the turn's process while it runs.
@@ -984,9 +1139,21 @@ impl OneshotTurn<'_> {
         tracing::warn!(backend = %self.conversation.config.id, %failure, "cli-oneshot turn stopped");
         self.child = None;
         if self.format != OutputFormat::Jsonl && self.last_text.is_none() {
-            // A one-document answer is unreadable once cut; plain text is kept as far as read.
+            // Plain text is kept as far as read. A one-document answer cut short is not JSON,
+            // but a pretty-printed one (Gemini CLI's) may already hold its answer and session
+            // on lines of their own: those are kept.
             if self.format == OutputFormat::Text && !self.collected.is_empty() {
                 self.last_text = Some(self.collected.trim_end().to_owned());
+            } else if self.format == OutputFormat::Json {
+                for key in &self.conversation.config.backend.session_id_fields {
+                    if let Some(id) = cut_document_field(&self.collected, key) {
+                        self.learned_session = Some(id);
+                        break;
+                    }
+                }
+                self.last_text = ["response", "result"]
+                    .iter()
+                    .find_map(|key| cut_document_field(&self.collected, key));
             }
         }
         self.end_with(TurnEnd::Error, Some(failure));
@@ -1012,16 +1179,22 @@ impl OneshotTurn<'_> {
     /// Stdout closed: wait for the exit status, read a one-document answer, and end the
     /// turn by what the process said and how it ended.
     async fn conclude(&mut self) {
-        let (exit, stderr) = match self.child.take() {
+        let (exit, full_stderr) = match self.child.take() {
             Some(child) => {
                 let exit = tokio::time::timeout(EXIT_WAIT, child.wait()).await.ok();
                 child.stderr().settled(STDERR_WAIT).await;
-                let stderr = tail_chars(&child.stderr().text(), STDERR_TAIL_CHARS);
                 // `child` dropped here: the group is killed if anything is left.
-                (exit, stderr)
+                (exit, child.stderr().text())
             }
             None => (None, String::new()),
         };
+        let stderr = tail_chars(&full_stderr, STDERR_TAIL_CHARS);
+        if self.conversation.config.dialect == Dialect::Gemini
+            && let Some(info @ ExitInfo::Code(_)) = exit
+        {
+            self.conclude_gemini(info, &full_stderr);
+            return;
+        }
         match self.format {
             OutputFormat::Json => {
                 let document = std::mem::take(&mut self.collected);
@@ -1090,6 +1263,32 @@ impl OneshotTurn<'_> {
         self.end_with(end, failure);
     }
 
+    /// Gemini CLI exited (not killed): its one JSON answer, or its typed failure.
+    fn conclude_gemini(&mut self, exit: ExitInfo, stderr: &str) {
+        let document = std::mem::take(&mut self.collected);
+        match gemini::parse_output(exit, &document, stderr) {
+            Ok(reply) => {
+                if let Some(id) = reply.session_id.filter(|id| !id.is_empty()) {
+                    self.learned_session = Some(id);
+                }
+                self.tool_calls = u32::try_from(reply.tool_calls).unwrap_or(u32::MAX);
+                let usage = reply.usage;
+                self.reported = Some(UsageTotals {
+                    input_tokens: usage.input_tokens,
+                    output_tokens: usage.output_tokens,
+                    cache_read_tokens: usage.cache_read_tokens,
+                    cache_write_tokens: usage.cache_write_tokens,
+                });
+                self.message(reply.text);
+                self.end_with(TurnEnd::Idle, None);
+            }
+            Err(error) => {
+                tracing::debug!(backend = %self.conversation.config.id, %error, "gemini run failed");
+                self.end_with(TurnEnd::Error, Some(TurnFailure::Gemini { error }));
+            }
+        }
+    }
+
     /// Ends the turn: stores the session, de-cumulates the usage, queues the `turn.end`.
     fn end_with(&mut self, end: TurnEnd, failure: Option<TurnFailure>) {
         if self.ended {
@@ -1142,6 +1341,17 @@ impl OneshotTurn<'_> {
             retained_bytes: self.retained_bytes,
         }));
     }
+}
+
+/// The string at top-level `key` of a pretty-printed (two-space indented) JSON object that
+/// was cut short: its `  "key": "..."` line, when that line arrived whole.
+fn cut_document_field(document: &str, key: &str) -> Option<String> {
+    let prefix = format!("  \"{key}\":");
+    document.lines().find_map(|line| {
+        let value = line.strip_prefix(&prefix)?.trim();
+        let value = value.strip_suffix(',').unwrap_or(value);
+        serde_json::from_str::<String>(value).ok()
+    })
 }
 
 /// A `usage` object in the names Codex and Claude use; `None` when there is none.
@@ -1565,6 +1775,191 @@ echo "{\"type\":\"turn.completed\",\"usage\":{\"input_tokens\":$((n*100)),\"outp
         let (outcome, _) = run(&mut resumed, "p").await;
         assert!(outcome.resumed);
         assert_eq!(outcome.usage.input_tokens, 100);
+    }
+
+    /// A Gemini-dialect backend whose "CLI" is `/bin/sh -c <script>`, json output.
+    fn gemini_sh(dir: &Path, script: &str) -> OneshotConfig {
+        let mut config = sh_config(dir, script);
+        config.backend.output = OutputFormat::Json;
+        config.backend.session_id_fields = vec!["session_id".into()];
+        config.backend.api_key_env = Some("GEMINI_API_KEY".into());
+        config.backend.base_url_env = Some("GOOGLE_GEMINI_BASE_URL".into());
+        config.dialect = Dialect::Gemini;
+        config.base_url = Some("http://127.0.0.1:9".into());
+        config.api_key = Some(Secret::new("AIza-FAKE-do-not-print"));
+        config
+    }
+
+    #[tokio::test]
+    async fn gemini_gets_its_settings_its_key_and_endpoint_in_the_environment_and_its_answer_read()
+    {
+        let dir = tempfile::tempdir().unwrap();
+        // Answers with what it was given: the variables, and whether the key is in its argv.
+        let script = r#"case "$*" in *do-not-print*) argv=leaked;; *) argv=clean;; esac
+printf '{"session_id":"g-1234567","response":"%s %s %s","stats":{"models":{"m":{"tokens":{"prompt":10,"candidates":2,"cached":4,"thoughts":1,"tool":0}}},"tools":{"totalCalls":1}}}' "$GEMINI_API_KEY" "$GOOGLE_GEMINI_BASE_URL" "$argv""#;
+        let mut oneshot = Oneshot::new(gemini_sh(dir.path(), script)).unwrap();
+        let (outcome, events) = run(&mut oneshot, "p").await;
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        assert_eq!(
+            outcome.text,
+            "AIza-FAKE-do-not-print http://127.0.0.1:9 clean"
+        );
+        assert_eq!(outcome.session_id.as_deref(), Some("g-1234567"));
+        assert_eq!(
+            (
+                outcome.usage.input_tokens,
+                outcome.usage.cache_read_tokens,
+                outcome.usage.output_tokens
+            ),
+            (6, 4, 3),
+            "stats summed as gemini::parse_output reads them"
+        );
+        assert_eq!(outcome.tool_calls, 1);
+        assert_eq!(
+            events.iter().map(BackendEvent::name).collect::<Vec<_>>(),
+            ["assistant.message", "turn.end"]
+        );
+        let settings = std::fs::read_to_string(gemini::settings_path(&dir.path().join("home")))
+            .expect("the settings were written before the run");
+        assert!(settings.contains("gemini-api-key"), "{settings}");
+    }
+
+    #[tokio::test]
+    async fn gemini_exit_codes_are_typed_failures_and_a_kill_is_a_crash() {
+        let dir = tempfile::tempdir().unwrap();
+        let auth = r#"echo '{"session_id":"s","error":{"type":"Error","message":"Invalid auth method selected.","code":41}}'; exit 41"#;
+        let mut oneshot = Oneshot::new(gemini_sh(dir.path(), auth)).unwrap();
+        let (outcome, _) = run(&mut oneshot, "p").await;
+        assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
+        assert!(
+            matches!(&outcome.failure, Some(TurnFailure::Gemini { error: gemini::GeminiError::Auth { message } }) if message == "Invalid auth method selected."),
+            "{outcome:?}"
+        );
+        let json = serde_json::to_value(&outcome).unwrap();
+        assert_eq!(json["failure"]["kind"], "gemini");
+        assert_eq!(json["failure"]["error"]["error"], "auth");
+
+        let mut config = gemini_sh(
+            dir.path(),
+            "echo 'Error resuming session: Invalid session identifier' >&2; exit 42",
+        );
+        config.session = Some(StoredSession::new("0000-stale"));
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let (outcome, _) = run(&mut oneshot, "p").await;
+        assert!(
+            matches!(
+                &outcome.failure,
+                Some(TurnFailure::Gemini {
+                    error: gemini::GeminiError::ResumeNotFound { .. }
+                })
+            ),
+            "{outcome:?}"
+        );
+
+        let mut oneshot = Oneshot::new(gemini_sh(dir.path(), "kill -9 $$")).unwrap();
+        let (outcome, _) = run(&mut oneshot, "p").await;
+        assert_eq!(outcome.end, Some(TurnEnd::Crashed), "{outcome:?}");
+        assert!(matches!(
+            &outcome.failure,
+            Some(TurnFailure::Crashed { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_pretty_json_answer_cut_by_the_line_limit_keeps_the_response_that_had_arrived() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = r#"printf '{\n  "session_id": "g-abcdefgh",\n  "response": "kept \\"as is\\"",\n  "stats": {\n'
+i=0; while [ $i -lt 50 ]; do echo '    "x": 1,'; i=$((i+1)); done; sleep 30"#;
+        let mut config = gemini_sh(dir.path(), script);
+        config.backend.output_limits.max_turn_lines = 6;
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let turn = oneshot.start_turn("p").await.unwrap();
+        let pid = turn.pid().expect("running");
+        let outcome = turn.finish().await;
+        assert!(
+            matches!(
+                outcome.failure,
+                Some(TurnFailure::OutputLimit {
+                    key: "maxTurnLines",
+                    ..
+                })
+            ),
+            "{outcome:?}"
+        );
+        assert_eq!(outcome.text, r#"kept "as is""#);
+        assert_eq!(outcome.session_id.as_deref(), Some("g-abcdefgh"));
+        assert!(group_gone(pid).await);
+        assert_eq!(
+            cut_document_field("{\n    \"response\": \"nested\"", "response"),
+            None
+        );
+    }
+
+    #[test]
+    fn dialects_follow_the_bundled_ids_and_codex_rollouts_are_found_in_dated_folders() {
+        assert_eq!(Dialect::of_backend("codex-cli"), Dialect::Codex);
+        assert_eq!(Dialect::of_backend("google-gemini-cli"), Dialect::Gemini);
+        assert_eq!(Dialect::of_backend("my-cli"), Dialect::Generic);
+        let home = tempfile::tempdir().unwrap();
+        let cwd = home.path();
+        let id = "019a227d-9ace-7703-b7ac-389dd1c45dcf";
+        let sessions = home.path().join(".codex/sessions");
+        assert_eq!(
+            Dialect::Codex.transcript(home.path(), cwd, id),
+            Some(Err(sessions.clone()))
+        );
+        let day = sessions.join("2026/12/01");
+        std::fs::create_dir_all(&day).unwrap();
+        std::fs::write(day.join("rollout-2026-12-01T10-00-00-other.jsonl"), "{}").unwrap();
+        assert!(codex_rollout_path(home.path(), id).is_err());
+        let file = day.join(format!("rollout-2026-12-01T10-00-01-{id}.jsonl"));
+        std::fs::write(&file, "{}").unwrap();
+        assert_eq!(codex_rollout_path(home.path(), id), Ok(file.clone()));
+        assert_eq!(
+            Dialect::Codex.transcript(home.path(), cwd, id),
+            Some(Ok(file))
+        );
+        assert!(codex_rollout_path(home.path(), "../../x").is_err());
+        assert!(codex_rollout_path(home.path(), "").is_err());
+        assert_eq!(Dialect::Generic.transcript(home.path(), cwd, id), None);
+        assert!(matches!(
+            Dialect::Gemini.transcript(home.path(), cwd, id),
+            Some(Err(_))
+        ));
+    }
+
+    #[test]
+    fn a_rollouts_last_token_count_gives_the_threads_totals() {
+        let dir = tempfile::tempdir().unwrap();
+        let rollout = dir.path().join("rollout.jsonl");
+        let count = |input: u64| {
+            json!({"type": "event_msg", "payload": {"type": "token_count", "info": {
+                "total_token_usage": {"input_tokens": input, "cached_input_tokens": 4, "output_tokens": 3},
+                "last_token_usage": {"input_tokens": 1}}}})
+            .to_string()
+        };
+        std::fs::write(
+            &rollout,
+            format!(
+                "{}\n{}\n{}\n{{\"type\":\"response_item\",\"payload\":{{\"type\":\"token_count\"}}}}\n",
+                count(100),
+                "x".repeat(300 * 1024),
+                count(300)
+            ),
+        )
+        .unwrap();
+        let totals = codex_rollout_totals(&rollout).expect("totals");
+        assert_eq!(
+            (
+                totals.input_tokens,
+                totals.cache_read_tokens,
+                totals.output_tokens
+            ),
+            (300, 4, 3)
+        );
+        std::fs::write(&rollout, format!("{}\n", "y".repeat(10))).unwrap();
+        assert_eq!(codex_rollout_totals(&rollout), None);
+        assert_eq!(codex_rollout_totals(&dir.path().join("missing")), None);
     }
 
     #[test]

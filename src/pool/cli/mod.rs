@@ -24,6 +24,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, watch};
 
 use crate::backend::claude_live::{ClaudeLive, ClaudeLiveConfig};
+use crate::backend::oneshot::{
+    Dialect, Oneshot, OneshotConfig, codex_rollout_path, codex_rollout_totals,
+};
 use crate::backend::{
     BackendEvent, BackendKind, CliBackendConfig, CliConversation, CliTurn, CliTurnOutcome,
 };
@@ -189,12 +192,12 @@ impl CliPool {
         bindings_key: String,
     ) -> Result<CliLease, PoolError> {
         let config = self.backend(&ask.backend)?.clone();
-        if config.kind != BackendKind::CliLive {
+        if config.kind == BackendKind::Copilot {
             return Err(PoolError::InvalidRequest(format!(
-                "backend `{}` is `{}`, whose runner is not in this build yet; use a \
-                 `cli-live` backend such as `claude-cli`",
-                ask.backend,
-                config.kind.label()
+                "backend `{}` is of kind `copilot`, which runs on the pool's workers; give a \
+                 `[backends.<id>]` table `kind = \"cli-oneshot\"` or `\"cli-live\"`, or name \
+                 the backend `{COPILOT_BACKEND}`",
+                ask.backend
             )));
         }
         let identity = session::identity(&ask.creds);
@@ -285,13 +288,16 @@ impl CliPool {
                 session_id: b.cli_session_id.into_string(),
                 identity: b.compat_key,
             });
+        let transcript = |id: &str| {
+            CliConversation::find_transcript(&ask.backend, config.kind, &ask.home, &ask.cwd, id)
+        };
         let decision = session::decide(stored.as_ref(), &lease.identity, |id| {
-            CliConversation::transcript_path(&ask.home, &ask.cwd, id).is_file()
+            transcript(id).is_ok()
         })
         .map_err(|missing| PoolError::TranscriptMissing {
             backend: ask.backend.clone(),
             session_id: missing.session_id.clone(),
-            path: CliConversation::transcript_path(&ask.home, &ask.cwd, &missing.session_id),
+            path: transcript(&missing.session_id).err().unwrap_or_default(),
         })?;
         let (resume, reason) = match decision {
             SessionDecision::Resume(id) => (Some(id), OpenReason::Resumed),
@@ -304,6 +310,31 @@ impl CliPool {
             }
         };
         crate::metrics::session_opened(reason);
+        let invalid = |e: &dyn std::fmt::Display| {
+            PoolError::InvalidRequest(format!("backend `{}`: {e}", ask.backend))
+        };
+        if config.kind == BackendKind::CliOneshot {
+            let mut one = OneshotConfig::new(&ask.backend, config.clone(), &ask.home, &ask.cwd);
+            one.dialect = Dialect::of_backend(&ask.backend);
+            one.base_url = ask.creds.base_url.clone();
+            one.api_key = ask.creds.api_key.clone();
+            one.model = ask.model.clone();
+            one.session = resume.map(|id| {
+                let mut stored = crate::backend::oneshot::StoredSession::new(id);
+                // Codex reports thread totals: start from the last ones it recorded, so the
+                // first resumed turn's usage is its own.
+                if one.dialect == Dialect::Codex
+                    && let Some(totals) = codex_rollout_path(&ask.home, &stored.session_id)
+                        .ok()
+                        .and_then(|rollout| codex_rollout_totals(&rollout))
+                {
+                    stored.usage_totals = totals;
+                }
+                stored
+            });
+            let runner = Oneshot::new(one).map_err(|e| invalid(&e))?;
+            return Ok((CliConversation::Oneshot(Box::new(runner)), reason));
+        }
         let mut live = ClaudeLiveConfig::new(&config.command, &ask.home, &ask.cwd);
         live.backend = config.clone();
         live.base_url = ask.creds.base_url.clone();
@@ -311,9 +342,8 @@ impl CliPool {
         live.model = ask.model.clone();
         live.session_id = resume;
         live.permission = ask.permission.clone();
-        let runner = ClaudeLive::new(live)
-            .map_err(|e| PoolError::InvalidRequest(format!("backend `{}`: {e}", ask.backend)))?;
-        Ok((CliConversation::Live(runner), reason))
+        let runner = ClaudeLive::new(live).map_err(|e| invalid(&e))?;
+        Ok((CliConversation::Live(Box::new(runner)), reason))
     }
 
     fn give_back(&self, conversation: &str, runner: Option<CliConversation>, crashed: bool) {
@@ -551,8 +581,13 @@ pub struct CliLeaseTurn<'a> {
 
 impl CliLeaseTurn<'_> {
     /// A handle that interrupts the turn (it ends `aborted`).
-    pub fn abort_handle(&self) -> crate::backend::claude_live::AbortHandle {
+    pub fn abort_handle(&self) -> crate::backend::AbortHandle {
         self.turn.abort_handle()
+    }
+
+    /// The pid (= process group id) of the process serving the turn, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.turn.pid()
     }
 
     /// The next event; `None` after `turn.end`. At `turn.end` the CLI session id is bound

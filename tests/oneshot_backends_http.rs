@@ -1,0 +1,295 @@
+//! `cli-oneshot` backends over the daemon (issue 17, items 1, 3, 4 and 8): a real
+//! `copilot-pool serve` configured with `[backends.codex-cli]` and
+//! `[backends.google-gemini-cli]` (the bundled defaults with the installed executables),
+//! the real CLIs and the scripted model on loopback. A turn body naming the backend streams
+//! the pool's SSE vocabulary and ends with `turn.end` carrying usage; the second turn
+//! carries the first to the model; no CLI process is left once a turn ended (a process per
+//! turn). Codex's stored thread is resumed by a restarted daemon, and refused as
+//! `transcript_missing` once its rollout file is gone.
+//!
+//! The tests take one lock, so at most one CLI process runs at a time.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use copilot_pool::runtime::AgentCli;
+use copilot_pool::scripted_model::{Decision, HttpEndpoint, RecordedRequest, ScriptedModel};
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+
+use support::agent_cli::{codex_path, path};
+use support::http::{Daemon, SseStream, call};
+use support::procs::{wait_none, with_env_prefix};
+
+/// One test at a time (each runs CLI processes).
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+/// A failure guard for one whole turn, not a wait.
+const TURN_LIMIT: Duration = Duration::from_secs(180);
+
+const CODEX: &str = "codex-cli";
+const GEMINI: &str = "google-gemini-cli";
+
+struct Fixture {
+    model: ScriptedModel,
+    endpoint: HttpEndpoint,
+    scratch: support::Scratch,
+}
+
+impl Fixture {
+    async fn new() -> Self {
+        let model = ScriptedModel::new();
+        let endpoint = model.serve_http().await.expect("scripted model");
+        Self {
+            model,
+            endpoint,
+            scratch: support::Scratch::new(),
+        }
+    }
+
+    /// The daemon's TOML: both bundled one-shot backends with the installed executables
+    /// (Gemini CLI's `bundle/gemini.js` runs through its `#!/usr/bin/env node`).
+    async fn config(&self) -> String {
+        format!(
+            "drain_grace_secs = 5\n[backends.{CODEX}]\ncommand = {:?}\n\
+             [backends.{GEMINI}]\ncommand = {:?}\n",
+            codex_path().await.display().to_string(),
+            path(AgentCli::Gemini).await.display().to_string(),
+        )
+    }
+
+    async fn daemon(&self) -> Daemon {
+        Daemon::start(self.scratch.path(), &self.config().await, &[]).await
+    }
+
+    /// A turn body on `backend`.
+    fn body(&self, backend: &str, session_key: &str, prompt: &str) -> Value {
+        let (base_url, key, model) = match backend {
+            CODEX => (
+                format!("http://{}/v1", self.endpoint.addr()),
+                "sk-FAKE-codex-key",
+                "gpt-5.5",
+            ),
+            _ => (
+                format!("http://{}", self.endpoint.addr()),
+                "AIza-FAKE-gemini-key",
+                "gemini-2.5-pro",
+            ),
+        };
+        json!({
+            "agent_id": "agent-o",
+            "session_key": session_key,
+            "prompt": prompt,
+            "backend": backend,
+            "model": model,
+            "provider": { "type": "openai", "base_url": base_url, "api_key": key },
+        })
+    }
+
+    /// The model call answered with `text`.
+    fn call_answered(&self, text: &str) -> RecordedRequest {
+        self.model
+            .requests()
+            .into_iter()
+            .find(|r| matches!(r.decision(), Some(Decision::Text(t)) if t == text))
+            .unwrap_or_else(|| panic!("no model call answered {text:?}"))
+    }
+
+    /// CLI processes of this fixture: Codex's by its `CODEX_HOME`, Gemini CLI's by its
+    /// endpoint variable (both only in the children's environments).
+    fn cli_processes(&self) -> Vec<u32> {
+        let mut found = with_env_prefix("CODEX_HOME", &self.scratch.path().display().to_string());
+        found.extend(with_env_prefix(
+            "GOOGLE_GEMINI_BASE_URL",
+            &format!("http://{}", self.endpoint.addr()),
+        ));
+        found
+    }
+}
+
+/// Runs a streamed turn; its event names and its `turn.end`.
+async fn turn(daemon: &Daemon, body: &Value) -> (Vec<String>, Value) {
+    let run = async {
+        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, body).await;
+        assert_eq!(stream.status, 200, "the turn was accepted");
+        let (events, end) = stream.until_end().await;
+        (events.into_iter().map(|e| e.event).collect(), end)
+    };
+    tokio::time::timeout(TURN_LIMIT, run)
+        .await
+        .expect("the turn ended in time")
+}
+
+/// Every file under `dir` whose name ends with `suffix`.
+fn files_ending(dir: &Path, suffix: &str) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(at) = stack.pop() {
+        for entry in std::fs::read_dir(&at).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.ends_with(suffix))
+            {
+                found.push(path);
+            }
+        }
+    }
+    found
+}
+
+/// Two turns of one conversation on `backend`: both idle with usage, the second carrying
+/// the first in `history_of` its model call, and no CLI process after either.
+async fn two_turns(
+    fx: &Fixture,
+    daemon: &Daemon,
+    backend: &str,
+    history_of: impl Fn(&RecordedRequest) -> String,
+) -> String {
+    let started = std::time::Instant::now();
+    let (events, first) = turn(daemon, &fx.body(backend, "k1", "REPLY=pong one")).await;
+    eprintln!(
+        "measured: first {backend} turn over HTTP {:?}",
+        started.elapsed()
+    );
+    assert_eq!(first["status"], "idle", "{first}");
+    assert_eq!(first["backend"], backend);
+    assert_eq!(first["final_text"], "pong one");
+    assert_eq!(first["open_reason"], "new");
+    assert!(
+        first["usage"]["input_tokens"].as_u64().unwrap_or(0) > 0
+            && first["usage"]["output_tokens"].as_u64().unwrap_or(0) > 0,
+        "usage: {first}"
+    );
+    assert!(
+        events.iter().any(|e| e == "assistant.message"),
+        "the answer streams under the pool's name: {events:?}"
+    );
+    assert_eq!(events.last().map(String::as_str), Some("turn.end"));
+    let session = first["session_id"]
+        .as_str()
+        .filter(|s| !s.is_empty())
+        .expect("a session id")
+        .to_owned();
+    let left = wait_none(|| fx.cli_processes(), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "a process per turn, none after: {left:?}");
+
+    let started = std::time::Instant::now();
+    let (_, second) = turn(daemon, &fx.body(backend, "k1", "REPLY=pong two")).await;
+    eprintln!(
+        "measured: second {backend} turn over HTTP (resumed process) {:?}",
+        started.elapsed()
+    );
+    assert_eq!(second["status"], "idle", "{second}");
+    assert_eq!(second["final_text"], "pong two");
+    assert_eq!(second["session_id"], session.as_str());
+    assert_eq!(
+        second["usage"]["input_tokens"], first["usage"]["input_tokens"],
+        "usage is the turn's own, not the thread's running total: {second}"
+    );
+    let history = history_of(&fx.call_answered("pong two"));
+    assert!(
+        history.contains("REPLY=pong one"),
+        "the second turn carries the first: {history}"
+    );
+    let left = wait_none(|| fx.cli_processes(), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+    session
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_codex_turns_over_http_carry_history_and_a_restarted_daemon_resumes_until_the_rollout_is_gone()
+ {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    let thread = two_turns(&fx, &daemon, CODEX, |r| r.body["input"].to_string()).await;
+
+    let metrics = call(daemon.addr, "GET", "/metrics", None, None).await;
+    let series = "copilot_pool_turns_total{outcome=\"idle\",backend=\"codex-cli\"} 2";
+    assert!(
+        metrics.body.lines().any(|l| l == series),
+        "{series} missing from:\n{}",
+        metrics.body
+    );
+    assert!(daemon.terminate().await.success());
+
+    // A new daemon resumes the stored thread (its rollout is there).
+    let daemon = fx.daemon().await;
+    let (_, third) = turn(&daemon, &fx.body(CODEX, "k1", "REPLY=after restart")).await;
+    assert_eq!(third["status"], "idle", "{third}");
+    assert_eq!(third["open_reason"], "resumed", "{third}");
+    assert_eq!(third["session_id"], thread.as_str());
+    assert_eq!(
+        third["usage"]["input_tokens"],
+        ScriptedModel::PROMPT_TOKENS,
+        "the new daemon diffs Codex's thread totals against its rollout's last count: {third}"
+    );
+    let history = fx.call_answered("after restart").body["input"].to_string();
+    assert!(history.contains("REPLY=pong one"), "{history}");
+    assert!(daemon.terminate().await.success());
+
+    let rollouts = files_ending(fx.scratch.path(), &format!("-{thread}.jsonl"));
+    assert_eq!(
+        rollouts.len(),
+        1,
+        "Codex's rollout of the thread: {rollouts:?}"
+    );
+    assert!(
+        rollouts[0].to_string_lossy().contains("/.codex/sessions/"),
+        "{rollouts:?}"
+    );
+    std::fs::remove_file(&rollouts[0]).expect("delete the rollout");
+
+    let daemon = fx.daemon().await;
+    let body = fx.body(CODEX, "k1", "REPLY=must not run");
+    let refused = call(daemon.addr, "POST", "/v1/turns", None, Some(&body)).await;
+    assert_eq!(refused.status, 409, "{}", refused.body);
+    assert_eq!(
+        refused.json()["code"],
+        "transcript_missing",
+        "{}",
+        refused.body
+    );
+    assert!(refused.body.contains(&thread), "{}", refused.body);
+    assert!(
+        !fx.model
+            .requests()
+            .iter()
+            .any(|r| r.body.to_string().contains("must not run")),
+        "never a silent fresh start"
+    );
+    assert!(daemon.terminate().await.success());
+    assert!(fx.cli_processes().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gemini_turns_over_http_carry_history_with_usage_and_leave_no_process() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    two_turns(&fx, &daemon, GEMINI, |r| {
+        r.body["contents"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|c| c["parts"].as_array().into_iter().flatten())
+            .filter_map(|p| p["text"].as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    })
+    .await;
+    let call = fx.call_answered("pong one");
+    assert_eq!(
+        call.header("x-goog-api-key"),
+        ["AIza-FAKE-gemini-key"],
+        "the key reached the model from the child's environment"
+    );
+    assert!(daemon.terminate().await.success());
+    assert!(fx.cli_processes().is_empty());
+}
