@@ -211,12 +211,17 @@ async fn two_codex_turns_over_http_carry_history_and_a_restarted_daemon_resumes_
     let thread = two_turns(&fx, &daemon, CODEX, |r| r.body["input"].to_string()).await;
 
     let metrics = call(daemon.addr, "GET", "/metrics", None, None).await;
-    let series = "copilot_pool_turns_total{outcome=\"idle\",backend=\"codex-cli\"} 2";
-    assert!(
-        metrics.body.lines().any(|l| l == series),
-        "{series} missing from:\n{}",
-        metrics.body
-    );
+    // Between turns a one-shot conversation runs no process (its slot is still held).
+    for series in [
+        "copilot_pool_turns_total{outcome=\"idle\",backend=\"codex-cli\"} 2",
+        "copilot_pool_processes{state=\"live\",backend=\"codex-cli\"} 0",
+    ] {
+        assert!(
+            metrics.body.lines().any(|l| l == series),
+            "{series} missing from:\n{}",
+            metrics.body
+        );
+    }
     assert!(daemon.terminate().await.success());
 
     // A new daemon resumes the stored thread (its rollout is there).

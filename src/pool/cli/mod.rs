@@ -179,8 +179,14 @@ impl CliPool {
     }
 
     fn publish(&self, shell: &Shell) {
-        for id in self.backends.keys() {
-            crate::metrics::cli_processes(id, shell.core.processes_of(id));
+        for (id, config) in &self.backends {
+            // A parked one-shot conversation holds no process (one runs per turn): its
+            // backend's processes are at most its leased conversations.
+            let processes = match config.kind {
+                BackendKind::CliOneshot => shell.core.leased_of(id),
+                _ => shell.core.processes_of(id),
+            };
+            crate::metrics::cli_processes(id, processes);
         }
         self.leased.send_replace(shell.core.leased());
     }

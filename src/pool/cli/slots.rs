@@ -115,6 +115,14 @@ impl Slots {
             .count()
     }
 
+    /// Conversations of backend `backend` leased now.
+    pub(crate) fn leased_of(&self, backend: &str) -> usize {
+        self.held
+            .values()
+            .filter(|h| h.leased && h.key.backend == backend)
+            .count()
+    }
+
     /// Conversations leased now.
     pub(crate) fn leased(&self) -> usize {
         self.held.values().filter(|h| h.leased).count()
@@ -455,6 +463,11 @@ mod tests {
         );
         assert!(granted(&effects, 3));
         assert_eq!(s.processes_of("claude-cli"), 2);
+        assert_eq!(s.leased_of("claude-cli"), 2);
+        s.returned("a/2", true, false, now);
+        assert_eq!(s.processes_of("claude-cli"), 2);
+        assert_eq!(s.leased_of("claude-cli"), 1);
+        assert_eq!(s.leased_of("codex-cli"), 0);
     }
 
     #[test]
