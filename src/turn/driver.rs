@@ -476,6 +476,10 @@ impl TurnDriver {
             EventKind::CompactionComplete(c) => {
                 let input = self.compaction_start.take().unwrap_or_else(|| json!({}));
                 if c.success {
+                    if let Some(summary) = c.summary_content.as_deref().filter(|s| !s.is_empty()) {
+                        // The fallback prelude starts from it (`crate::fallback`).
+                        self.mirror(Some(&event.id), Role::Summary, summary, None, None)?;
+                    }
                     let output = json!({"success": c.success, "tokensRemoved": c.tokens_removed, "messagesRemoved": c.messages_removed});
                     self.fire_compaction_hooks(input, output);
                 }
