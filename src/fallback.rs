@@ -87,7 +87,13 @@ pub fn classify_status(status: u16) -> Option<FallbackClass> {
 fn classify_words(text: &str) -> Option<FallbackClass> {
     let text = text.to_ascii_lowercase();
     let has = |words: &[&str]| words.iter().any(|w| text.contains(w));
-    if has(&["rate limit", "rate_limit", "ratelimit", "too many requests", "429"]) {
+    if has(&[
+        "rate limit",
+        "rate_limit",
+        "ratelimit",
+        "too many requests",
+        "429",
+    ]) {
         Some(FallbackClass::RateLimit)
     } else if has(&[
         "unauthorized",
@@ -133,8 +139,9 @@ pub fn classify_cli(outcome: &CliTurnOutcome) -> Option<FallbackClass> {
     match &outcome.failure {
         Some(TurnFailure::Crashed { .. }) => Some(FallbackClass::Crash),
         Some(TurnFailure::TimedOut { .. }) => Some(FallbackClass::Timeout),
-        Some(TurnFailure::Cli { message, reason }) => classify_words(message)
-            .or_else(|| reason.as_deref().and_then(classify_words)),
+        Some(TurnFailure::Cli { message, reason }) => {
+            classify_words(message).or_else(|| reason.as_deref().and_then(classify_words))
+        }
         Some(TurnFailure::OutputLimit { .. }) => None,
         None => match outcome.end {
             Some(TurnEnd::Crashed) => Some(FallbackClass::Crash),
@@ -603,8 +610,8 @@ mod tests {
     fn an_oversized_newest_entry_keeps_its_end_and_nothing_to_carry_is_no_prelude() {
         let long = format!("start {} end-marker", "x".repeat(5_000));
         let budget = 1_000;
-        let prelude = build_prelude("copilot", None, &[entry(Role::User, &long)], budget)
-            .expect("a prelude");
+        let prelude =
+            build_prelude("copilot", None, &[entry(Role::User, &long)], budget).expect("a prelude");
         assert!(prelude.contains("end-marker"));
         assert!(!prelude.contains("start"));
         assert!(chars(&prelude) <= budget);

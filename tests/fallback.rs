@@ -23,6 +23,10 @@ use support::procs::with_env_prefix;
 /// One test at a time (each runs its own runtime and Claude processes).
 static SERIAL: Mutex<()> = Mutex::const_new(());
 
+/// How many times the runtime sends a model call that was answered 401 before it fails the
+/// turn (a first try and two retries; measured with runtime 1.0.14).
+const RUNTIME_401_ATTEMPTS: usize = 3;
+
 /// A failure guard for one whole turn, not a wait.
 const TURN_LIMIT: Duration = Duration::from_secs(180);
 
@@ -48,7 +52,11 @@ impl Fixture {
     async fn daemon(&self) -> Daemon {
         let config = format!(
             "drain_grace_secs = 5\n[turns]\ntranscript_dir = {:?}\n[backends.claude-cli]\ncommand = {:?}\n",
-            self.scratch.path().join("transcripts").display().to_string(),
+            self.scratch
+                .path()
+                .join("transcripts")
+                .display()
+                .to_string(),
             claude_path().await.display().to_string()
         );
         Daemon::start(self.scratch.path(), &config, &[]).await
@@ -153,16 +161,23 @@ async fn a_copilot_turn_failing_with_auth_falls_back_to_claude_with_the_earlier_
     }
     assert!(fx.claude_processes().is_empty(), "Claude was not needed");
 
-    // The next model call (the runtime's) is refused: a retryable auth failure.
-    fx.model.push_reply(Reply::Error { status: 401 });
+    // The runtime's next model calls are refused: a retryable auth failure. The runtime
+    // (1.0.14) retries a 401 twice before it fails the turn.
+    for _ in 0..RUNTIME_401_ATTEMPTS {
+        fx.model.push_reply(Reply::Error { status: 401 });
+    }
     let started = std::time::Instant::now();
     let (events, end) = turn(&daemon, &fx.body("f1", "REPLY=answered by claude")).await;
     eprintln!(
         "measured: a failing Copilot turn and its Claude fallback (spawn included) {:?}",
         started.elapsed()
     );
-    assert_eq!(fx.model.pending_replies(), 0, "the runtime met the 401");
     let names = names(&events);
+    assert_eq!(
+        fx.model.pending_replies(),
+        0,
+        "the runtime met every 401: {names:?} {end}"
+    );
     let at = names
         .iter()
         .position(|n| *n == "backend.fallback")
@@ -177,7 +192,9 @@ async fn a_copilot_turn_failing_with_auth_falls_back_to_claude_with_the_earlier_
         "{notice}"
     );
     assert!(
-        !names[..at].iter().any(|n| n.starts_with("assistant.message")),
+        !names[..at]
+            .iter()
+            .any(|n| n.starts_with("assistant.message")),
         "no Copilot output before the fallback: {names:?}"
     );
     assert!(
@@ -226,7 +243,8 @@ async fn a_copilot_turn_failing_with_auth_falls_back_to_claude_with_the_earlier_
     );
 
     let metrics = call_metrics(&daemon).await;
-    let series = "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"auth\"} 1";
+    let series =
+        "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"auth\"} 1";
     assert!(
         metrics.lines().any(|l| l == series),
         "{series} missing from:\n{metrics}"
@@ -263,7 +281,10 @@ async fn a_non_retryable_failure_does_not_fall_back_and_bad_chains_are_refused()
         !fx.model.requests().iter().any(from_claude),
         "Claude was never asked"
     );
-    assert!(fx.claude_processes().is_empty(), "no Claude process started");
+    assert!(
+        fx.claude_processes().is_empty(),
+        "no Claude process started"
+    );
     let metrics = call_metrics(&daemon).await;
     assert!(
         !metrics
@@ -284,22 +305,85 @@ async fn a_non_retryable_failure_does_not_fall_back_and_bad_chains_are_refused()
         }
     };
     let body = fx.body("n2", "hi");
-    let twice = refused(body.clone(), json!({"fallback": ["claude-cli", "claude-cli"]})).await;
+    let twice = refused(
+        body.clone(),
+        json!({"fallback": ["claude-cli", "claude-cli"]}),
+    )
+    .await;
     assert!(twice.contains("`claude-cli` twice"), "{twice}");
     let primary = refused(body.clone(), json!({"fallback": ["copilot"]})).await;
     assert!(primary.contains("`copilot` twice"), "{primary}");
     let unknown = refused(body.clone(), json!({"fallback": ["nope-cli"]})).await;
     assert!(unknown.contains("[backends.nope-cli]"), "{unknown}");
-    let tools = refused(
-        body.clone(),
-        json!({"tools": [{"name": "lookup"}]}),
-    )
-    .await;
+    let tools = refused(body.clone(), json!({"tools": [{"name": "lookup"}]})).await;
     assert!(
         tools.contains("gateway tools") && tools.contains("`fallback` names `claude-cli`"),
         "{tools}"
     );
     let budget = refused(body, json!({"prelude_chars": 0})).await;
     assert!(budget.contains("prelude_chars"), "{budget}");
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_killed_mid_turn_falls_back_to_claude_as_a_crash() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+
+    let (_, first) = turn(&daemon, &fx.body("k1", "remember KESTREL-8")).await;
+    assert_eq!(first["status"], "idle", "{first}");
+
+    // The runtime's next model call hangs; the runtime is killed while it waits.
+    let before = fx.model.requests().len();
+    fx.model.push_reply(Reply::Hang);
+    let run = async {
+        let body = fx.body("k1", "REPLY=after the crash");
+        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, &body).await;
+        assert_eq!(stream.status, 200, "the turn was accepted");
+        fx.model.wait_for_requests(before + 1).await;
+        let pool = call(daemon.addr, "GET", "/v1/pool", None, None)
+            .await
+            .json();
+        let pid = pool["processes"][0]["pid"]
+            .as_u64()
+            .expect("the runtime's pid");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .expect("kill the runtime");
+        stream.until_end().await
+    };
+    let (events, end) = tokio::time::timeout(TURN_LIMIT, run)
+        .await
+        .expect("the turn ended in time");
+    let names = names(&events);
+    let notice = events
+        .iter()
+        .find(|e| e.event == "backend.fallback")
+        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
+    assert_eq!(notice.data["class"], "crash", "{}", notice.data);
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["backend"], "claude-cli", "{end}");
+    assert_eq!(end["fallback_from"], "copilot", "{end}");
+    assert_eq!(end["final_text"], "after the crash", "{end}");
+    let call = fx
+        .calls_with("REPLY=after the crash")
+        .into_iter()
+        .rfind(from_claude)
+        .expect("Claude's model call");
+    assert!(
+        user_text(&call).contains("KESTREL-8"),
+        "the prelude carries the turn before the crash: {}",
+        user_text(&call)
+    );
+    let metrics = call_metrics(&daemon).await;
+    let series =
+        "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"crash\"} 1";
+    assert!(
+        metrics.lines().any(|l| l == series),
+        "{series} missing from:\n{metrics}"
+    );
     assert!(daemon.terminate().await.success());
 }

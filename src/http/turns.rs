@@ -26,8 +26,7 @@ use super::body::{ToolBody, TurnBody, create_work_dir, lease_request, parse, rea
 use super::error::ErrorBody;
 use super::error::{error, pool_error, rejection};
 use super::events::{
-    BackendFallbackEvent, SessionEventData, ToolCallEvent, TurnEndEvent, TurnEvent,
-    TurnEventStream,
+    BackendFallbackEvent, SessionEventData, ToolCallEvent, TurnEndEvent, TurnEvent, TurnEventStream,
 };
 use super::gateway::Link;
 use crate::backend::{BackendEvent, CliTurnOutcome};
@@ -416,8 +415,14 @@ async fn run_chain(
                     {
                         return;
                     }
-                    run_turn(lease, Message::new(prompt), transcript_dir, &events, &agent_id)
-                        .await
+                    run_turn(
+                        lease,
+                        Message::new(prompt),
+                        transcript_dir,
+                        &events,
+                        &agent_id,
+                    )
+                    .await
                 }
                 Err(e) => {
                     tracing::warn!(%e, backend = %next, "the fallback backend could not be leased");
@@ -750,7 +755,11 @@ async fn run_cli_turn(
         }
         Err((status, error)) => {
             let gone = status == TurnEnd::Aborted;
-            (cli_turn_end(&lease, reason, None, status, error), None, gone)
+            (
+                cli_turn_end(&lease, reason, None, status, error),
+                None,
+                gone,
+            )
         }
     };
     drop(lease);
