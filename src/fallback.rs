@@ -40,6 +40,7 @@ const ELLIPSIS: char = '…';
 /// other failure (a bad request, an aborted turn, an output limit, a transcript failure)
 /// does not fall back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum FallbackClass {
     /// The model endpoint refused the credentials (HTTP 401 or 403).
@@ -468,6 +469,16 @@ mod tests {
 
     fn entry(role: Role, text: &str) -> PreludeEntry {
         PreludeEntry::new(role, text)
+    }
+
+    #[test]
+    fn a_class_serializes_as_its_metrics_label() {
+        for class in FallbackClass::ALL {
+            assert_eq!(
+                serde_json::to_value(class).ok(),
+                Some(serde_json::Value::from(class.label()))
+            );
+        }
     }
 
     #[test]

@@ -14,6 +14,7 @@ use utoipa::ToSchema;
 use utoipa::openapi::RefOr;
 use utoipa::openapi::schema::{AnyOfBuilder, ObjectBuilder, Ref, Schema, Type};
 
+use crate::fallback::FallbackClass;
 use crate::kinds::{HookName, OpenReason, TurnEnd};
 use crate::rpc::SessionEvent;
 use crate::turn::Usage;
@@ -211,8 +212,7 @@ pub(super) struct BackendFallbackEvent {
     /// The backend that runs the turn now.
     pub to: String,
     /// Why the failure is retryable: `auth`, `rate_limit`, `timeout` or `crash`.
-    #[schema(value_type = String, example = "auth")]
-    pub class: &'static str,
+    pub class: FallbackClass,
     /// The failed turn's error.
     pub error: Option<String>,
     /// The failing model call's HTTP status, when the model failed.
@@ -419,7 +419,7 @@ mod tests {
             TurnEvent::BackendFallback(BackendFallbackEvent {
                 from: "copilot".into(),
                 to: "claude-cli".into(),
-                class: "auth",
+                class: FallbackClass::Auth,
                 error: None,
                 status_code: Some(401),
                 prelude_chars: 0,

@@ -395,7 +395,7 @@ async fn run_chain(
             TurnEvent::BackendFallback(BackendFallbackEvent {
                 from: from.clone(),
                 to: next.clone(),
-                class: class.label(),
+                class,
                 error: end.summary.error.clone(),
                 status_code: end.summary.status_code,
                 prelude_chars,

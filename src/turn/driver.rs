@@ -148,6 +148,15 @@ impl TurnDriver {
         }
     }
 
+    /// Mirrors the summary of a compaction (a manual one's, which comes as the call's
+    /// answer rather than as an event of a turn) into the transcript as role `summary`.
+    pub(crate) fn mirror_summary(&mut self, summary: &str) -> Result<(), TurnError> {
+        if summary.is_empty() {
+            return Ok(());
+        }
+        self.mirror(None, Role::Summary, summary, None, None)
+    }
+
     pub(crate) fn in_flight(&self) -> bool {
         self.in_flight
     }
