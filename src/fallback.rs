@@ -5,7 +5,8 @@
 //! bounded prelude that seeds the next backend with the failed conversation
 //! ([`build_prelude`]: the compaction summary first, then the newest transcript entries that
 //! fit a character budget, oldest of those first; [`read_transcript_tail`] reads them from a
-//! Copilot transcript mirror with memory bounded by the budget).
+//! Copilot transcript mirror and [`read_claude_transcript_tail`] from Claude Code's own
+//! transcript, with memory bounded by the budget).
 //!
 //! Nothing here leases, runs or streams: the daemon's turn handler (`crate::http`) runs the
 //! chain, and a Rust embedder composes these functions with `Pool::lease` /
@@ -423,6 +424,140 @@ struct Line {
 /// parse (a torn last line) are skipped. Blocks on the disk: async callers run it on a
 /// blocking thread.
 pub fn read_transcript_tail(path: &Path, budget: usize) -> Result<TranscriptTail, FallbackError> {
+    read_tail(path, budget, |line, tail| {
+        let Ok(line) = serde_json::from_str::<Line>(line) else {
+            return;
+        };
+        if line.role == Role::Summary {
+            tail.summary(line.content);
+        } else {
+            tail.push(PreludeEntry {
+                role: line.role,
+                content: line.content,
+                tool_name: line.tool_name,
+            });
+        }
+    })
+}
+
+/// One line of Claude Code's own transcript (`<CLAUDE_CONFIG_DIR>/projects/<cwd
+/// slug>/<session id>.jsonl`), as the prelude reads it: only `user` and `assistant` lines
+/// of the main conversation (not `isMeta` notices, not sub-agents' `isSidechain` lines).
+#[derive(serde::Deserialize)]
+struct ClaudeLine {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default, rename = "isMeta")]
+    is_meta: bool,
+    #[serde(default, rename = "isSidechain")]
+    is_sidechain: bool,
+    #[serde(default, rename = "isCompactSummary")]
+    is_compact_summary: bool,
+    #[serde(default)]
+    message: Option<ClaudeMessage>,
+}
+
+#[derive(serde::Deserialize)]
+struct ClaudeMessage {
+    #[serde(default)]
+    content: serde_json::Value,
+}
+
+/// The text of a Claude message's `content`: a string, or the `text` of its text blocks;
+/// tool results (`tool_result` blocks) separately, with their text.
+fn claude_content(content: &serde_json::Value) -> (String, Vec<String>) {
+    use serde_json::Value;
+    fn text_of(value: &Value) -> String {
+        match value {
+            Value::String(s) => s.clone(),
+            Value::Array(blocks) => blocks
+                .iter()
+                .filter(|b| b["type"] == "text")
+                .filter_map(|b| b["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
+            _ => String::new(),
+        }
+    }
+    let mut results = Vec::new();
+    if let Value::Array(blocks) = content {
+        for block in blocks.iter().filter(|b| b["type"] == "tool_result") {
+            results.push(text_of(&block["content"]));
+        }
+    }
+    (text_of(content), results)
+}
+
+/// Reads the newest user, assistant and tool entries of a Claude Code transcript (its
+/// compaction summary, a user line marked `isCompactSummary`, as the summary), memory bounded
+/// as [`read_transcript_tail`]. A missing file is an empty tail; lines of other types or that
+/// do not parse are skipped. Blocks on the disk.
+pub fn read_claude_transcript_tail(
+    path: &Path,
+    budget: usize,
+) -> Result<TranscriptTail, FallbackError> {
+    read_tail(path, budget, |line, tail| {
+        let Ok(line) = serde_json::from_str::<ClaudeLine>(line) else {
+            return;
+        };
+        let role = match line.kind.as_str() {
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
+            _ => return,
+        };
+        if line.is_meta || line.is_sidechain {
+            return;
+        }
+        let Some(message) = line.message else {
+            return;
+        };
+        let (text, results) = claude_content(&message.content);
+        if line.is_compact_summary {
+            tail.summary(text);
+            return;
+        }
+        for result in results.into_iter().filter(|r| !r.is_empty()) {
+            tail.push(PreludeEntry::new(Role::Tool, result));
+        }
+        if !text.is_empty() {
+            tail.push(PreludeEntry::new(role, text));
+        }
+    })
+}
+
+/// The newest entries of a transcript being read, at most about a budget of characters
+/// (always the newest one), and the last summary.
+struct Tail {
+    budget: usize,
+    summary: Option<String>,
+    kept: VecDeque<PreludeEntry>,
+    kept_chars: usize,
+}
+
+impl Tail {
+    fn summary(&mut self, text: String) {
+        self.summary = Some(text);
+    }
+
+    fn push(&mut self, entry: PreludeEntry) {
+        self.kept_chars += chars(&entry.content);
+        self.kept.push_back(entry);
+        // Older entries beyond the budget can never be shown: keep the newest that could
+        // be, and always the newest one.
+        while self.kept.len() > 1 && self.kept_chars > self.budget {
+            if let Some(old) = self.kept.pop_front() {
+                self.kept_chars -= chars(&old.content);
+            }
+        }
+    }
+}
+
+/// Reads the JSONL file at `path` line by line, handing each to `take`.
+fn read_tail(
+    path: &Path,
+    budget: usize,
+    mut take: impl FnMut(&str, &mut Tail),
+) -> Result<TranscriptTail, FallbackError> {
     let read_error = |source| FallbackError::Read {
         path: path.to_path_buf(),
         source,
@@ -432,34 +567,20 @@ pub fn read_transcript_tail(path: &Path, budget: usize) -> Result<TranscriptTail
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(TranscriptTail::default()),
         Err(e) => return Err(read_error(e)),
     };
-    let mut tail = TranscriptTail::default();
-    let mut kept: VecDeque<PreludeEntry> = VecDeque::new();
-    let mut kept_chars = 0usize;
+    let mut tail = Tail {
+        budget,
+        summary: None,
+        kept: VecDeque::new(),
+        kept_chars: 0,
+    };
     for line in BufReader::new(file).lines() {
         let line = line.map_err(read_error)?;
-        let Ok(line) = serde_json::from_str::<Line>(&line) else {
-            continue;
-        };
-        if line.role == Role::Summary {
-            tail.summary = Some(line.content);
-            continue;
-        }
-        kept_chars += chars(&line.content);
-        kept.push_back(PreludeEntry {
-            role: line.role,
-            content: line.content,
-            tool_name: line.tool_name,
-        });
-        // Older entries beyond the budget can never be shown: keep the newest that could
-        // be, and always the newest one.
-        while kept.len() > 1 && kept_chars > budget {
-            if let Some(old) = kept.pop_front() {
-                kept_chars -= chars(&old.content);
-            }
-        }
+        take(&line, &mut tail);
     }
-    tail.entries = kept.into();
-    Ok(tail)
+    Ok(TranscriptTail {
+        summary: tail.summary,
+        entries: tail.kept.into(),
+    })
 }
 
 #[cfg(test)]
@@ -671,6 +792,35 @@ mod tests {
         assert!(tail.entries.len() >= 5);
         let missing = read_transcript_tail(&dir.path().join("none.jsonl"), 60).expect("missing");
         assert_eq!(missing, TranscriptTail::default());
+    }
+
+    #[test]
+    fn a_claude_transcript_gives_its_user_assistant_and_tool_text_and_its_compact_summary() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("s.jsonl");
+        let lines = [
+            r#"{"type":"queue-operation","operation":"enqueue"}"#,
+            r#"{"type":"user","isCompactSummary":true,"message":{"role":"user","content":"earlier: birds"}}"#,
+            r#"{"type":"user","isMeta":true,"message":{"role":"user","content":"<command caveat>"}}"#,
+            r#"{"type":"user","message":{"role":"user","content":"remember ALBATROSS-3"}}"#,
+            r#"{"type":"attachment","attachment":{"type":"x"}}"#,
+            r#"{"type":"assistant","message":{"role":"assistant","content":[{"type":"thinking","thinking":"hm"},{"type":"text","text":"noted"},{"type":"tool_use","id":"t","name":"Bash","input":{}}]}}"#,
+            r#"{"type":"user","message":{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"ok done"}]}}"#,
+            r#"{"type":"assistant","isSidechain":true,"message":{"role":"assistant","content":[{"type":"text","text":"sub-agent"}]}}"#,
+            r#"{"type":"user","message":{"role":"user","content":[{"type":"text","text":"second"}]}}"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).expect("write");
+        let tail = read_claude_transcript_tail(&path, 1_000).expect("read");
+        assert_eq!(tail.summary.as_deref(), Some("earlier: birds"));
+        assert_eq!(
+            tail.entries,
+            vec![
+                entry(Role::User, "remember ALBATROSS-3"),
+                entry(Role::Assistant, "noted"),
+                entry(Role::Tool, "ok done"),
+                entry(Role::User, "second"),
+            ]
+        );
     }
 
     fn any_role() -> impl Strategy<Value = Role> {

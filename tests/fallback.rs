@@ -387,3 +387,59 @@ async fn a_runtime_killed_mid_turn_falls_back_to_claude_as_a_crash() {
     );
     assert!(daemon.terminate().await.success());
 }
+
+/// How many times Claude Code sends a model call answered 401 before it ends the turn with
+/// its error (`CLAUDE_CODE_MAX_RETRIES=1`: a first try and one retry).
+const CLAUDE_401_ATTEMPTS: usize = 2;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_turn_failing_with_auth_falls_back_to_copilot_with_claudes_transcript_in_its_prelude()
+ {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    let body = |prompt: &str| {
+        let mut body = fx.body("c1", prompt);
+        body["backend"] = json!("claude-cli");
+        body["fallback"] = json!(["copilot"]);
+        body
+    };
+
+    let (_, first) = turn(&daemon, &body("remember ALBATROSS-3")).await;
+    assert_eq!(first["status"], "idle", "{first}");
+    assert_eq!(first["backend"], "claude-cli", "{first}");
+
+    for _ in 0..CLAUDE_401_ATTEMPTS {
+        fx.model.push_reply(Reply::Error { status: 401 });
+    }
+    let (events, end) = turn(&daemon, &body("REPLY=answered by copilot")).await;
+    let names = names(&events);
+    assert_eq!(
+        fx.model.pending_replies(),
+        0,
+        "Claude met every 401: {names:?} {end}"
+    );
+    let notice = events
+        .iter()
+        .find(|e| e.event == "backend.fallback")
+        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
+    assert_eq!(notice.data["from"], "claude-cli", "{}", notice.data);
+    assert_eq!(notice.data["to"], "copilot", "{}", notice.data);
+    assert_eq!(notice.data["class"], "auth", "{}", notice.data);
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["backend"], "copilot", "{end}");
+    assert_eq!(end["fallback_from"], "claude-cli", "{end}");
+    assert_eq!(end["final_text"], "answered by copilot", "{end}");
+    let call = fx
+        .calls_with("REPLY=answered by copilot")
+        .into_iter()
+        .filter(|r| !from_claude(r))
+        .next_back()
+        .expect("the runtime's model call");
+    let text = user_text(&call);
+    assert!(
+        text.contains("ALBATROSS-3") && text.contains("(claude-cli)"),
+        "the prelude carries Claude's earlier turn: {text}"
+    );
+    assert!(daemon.terminate().await.success());
+}

@@ -359,11 +359,19 @@ struct StepEnd {
     /// turn does not fall back (the gateway has seen part of an answer; running the prompt
     /// again could repeat what its tools did).
     streamed: bool,
-    /// The failed conversation's transcript mirror, for the prelude (Copilot with a
-    /// transcript directory only).
-    transcript: Option<PathBuf>,
+    /// Where the prelude of a failure is read from.
+    transcript: Option<PreludeSource>,
     /// The gateway left or stopped reading: nothing more is sent.
     gone: bool,
+}
+
+/// The transcript a failed backend's conversation left, for the prelude.
+enum PreludeSource {
+    /// The Copilot transcript mirror (`<dir>/copilot-<session id>.jsonl`).
+    Copilot(PathBuf),
+    /// A CLI backend's own transcript (Claude Code's `<home>/.claude/projects/…`; none
+    /// there for another CLI, which then gets no prelude).
+    Claude(PathBuf),
 }
 
 /// Runs the rest of a turn's chain after its first backend ended with `end`: while the last
@@ -377,78 +385,55 @@ async fn run_chain(
     events: mpsc::Sender<TurnEvent>,
     agent_id: String,
 ) {
+    // The prelude of the last failed conversation with a transcript: kept across a lease
+    // that fails and across a failed backend without one.
+    let mut prelude: Option<String> = None;
     while !end.gone && !end.streamed {
         let Some(class) = end.class else { break };
         let Some(next) = chain.rest.pop_front() else {
             break;
         };
         let from = end.summary.backend.clone();
-        let prelude = match end.transcript.take() {
-            Some(path) => prelude_from(path, &from, &chain).await,
-            None => None,
-        };
+        if let Some(source) = end.transcript.take()
+            && let Some(fresh) = prelude_from(source, &from, &chain).await
+        {
+            prelude = Some(fresh);
+        }
         let mut req = chain.template.clone();
         req.backend = next.clone();
         let state = running.0.clone();
         set_handlers(&state, &mut req, chain.streaming, &events);
-        let notice = |prelude_chars: usize| {
-            TurnEvent::BackendFallback(BackendFallbackEvent {
-                from: from.clone(),
-                to: next.clone(),
-                class,
-                error: end.summary.error.clone(),
-                status_code: end.summary.status_code,
-                prelude_chars,
-            })
+        let lease = match lease_next(&state, req).await {
+            Ok(lease) => lease,
+            Err(e) => {
+                tracing::warn!(%e, backend = %next, "the fallback backend could not be leased");
+                let note = format!("; the fallback to `{next}` could not be leased: {e}");
+                let error = end.summary.error.get_or_insert_with(String::new);
+                error.push_str(&note);
+                continue;
+            }
         };
+        crate::metrics::fallback(&from, &next, class.label());
+        let notice = TurnEvent::BackendFallback(BackendFallbackEvent {
+            from: from.clone(),
+            to: next.clone(),
+            class,
+            error: end.summary.error.clone(),
+            status_code: end.summary.status_code,
+            prelude_chars: prelude.as_deref().map_or(0, |p| p.chars().count()),
+        });
+        if events.send_timeout(notice, SEND_TIMEOUT).await.is_err() {
+            // The gateway left: dropping the lease returns the conversation.
+            return;
+        }
         let prompt = fallback::seeded_prompt(prelude.as_deref(), &chain.prompt);
-        let prelude_chars = prelude.as_deref().map_or(0, |p| p.chars().count());
-        let next_end = if next == COPILOT_BACKEND {
-            let transcript_dir = req.handlers.transcript.as_ref().map(|t| t.dir.clone());
-            match state.pool.lease(req).await {
-                Ok(lease) => {
-                    crate::metrics::fallback(&from, &next, class.label());
-                    if events
-                        .send_timeout(notice(prelude_chars), SEND_TIMEOUT)
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                    run_turn(
-                        lease,
-                        Message::new(prompt),
-                        transcript_dir,
-                        &events,
-                        &agent_id,
-                    )
-                    .await
-                }
-                Err(e) => {
-                    tracing::warn!(%e, backend = %next, "the fallback backend could not be leased");
-                    continue;
-                }
+        end = match lease {
+            NextLease::Copilot(lease, transcript_dir) => {
+                let message = Message::new(prompt);
+                run_turn(lease, message, transcript_dir, &events, &agent_id).await
             }
-        } else {
-            match state.pool.lease_cli(req).await {
-                Ok(lease) => {
-                    crate::metrics::fallback(&from, &next, class.label());
-                    if events
-                        .send_timeout(notice(prelude_chars), SEND_TIMEOUT)
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                    run_cli_turn(lease, &prompt, &events, &agent_id).await
-                }
-                Err(e) => {
-                    tracing::warn!(%e, backend = %next, "the fallback backend could not be leased");
-                    continue;
-                }
-            }
+            NextLease::Cli(lease) => run_cli_turn(lease, &prompt, &events, &agent_id).await,
         };
-        end = next_end;
         end.summary.fallback_from = Some(from);
     }
     if !end.gone {
@@ -458,12 +443,39 @@ async fn run_chain(
     }
 }
 
+/// The lease of a fallback backend.
+enum NextLease {
+    /// A Copilot conversation, with its transcript mirror's directory.
+    Copilot(Lease, Option<PathBuf>),
+    /// A CLI backend's conversation.
+    Cli(CliLease),
+}
+
+/// Leases `req.backend` for a fallback.
+async fn lease_next(
+    state: &AppState,
+    req: LeaseRequest,
+) -> Result<NextLease, crate::pool::PoolError> {
+    if req.backend == COPILOT_BACKEND {
+        let transcript_dir = req.handlers.transcript.as_ref().map(|t| t.dir.clone());
+        Ok(NextLease::Copilot(
+            state.pool.lease(req).await?,
+            transcript_dir,
+        ))
+    } else {
+        Ok(NextLease::Cli(state.pool.lease_cli(req).await?))
+    }
+}
+
 /// The prelude from the failed conversation's transcript mirror at `path` (read on a
 /// blocking thread); `None` when there is nothing to carry or it cannot be read (logged:
 /// the next backend still runs the prompt).
-async fn prelude_from(path: PathBuf, from: &str, chain: &Chain) -> Option<String> {
+async fn prelude_from(source: PreludeSource, from: &str, chain: &Chain) -> Option<String> {
     let budget = chain.budget;
-    let read = tokio::task::spawn_blocking(move || fallback::read_transcript_tail(&path, budget));
+    let read = tokio::task::spawn_blocking(move || match source {
+        PreludeSource::Copilot(path) => fallback::read_transcript_tail(&path, budget),
+        PreludeSource::Claude(path) => fallback::read_claude_transcript_tail(&path, budget),
+    });
     let tail = match read.await {
         Ok(Ok(tail)) => tail,
         Ok(Err(e)) => {
@@ -636,7 +648,9 @@ async fn run_turn(
     };
     let summary = tracing::Instrument::instrument(summary, span).await;
     let transcript = transcript_dir.and_then(|dir| {
-        crate::transcript::transcript_path(&dir, lease.cli_session_id().as_str()).ok()
+        crate::transcript::transcript_path(&dir, lease.cli_session_id().as_str())
+            .ok()
+            .map(PreludeSource::Copilot)
     });
     drop(lease);
     let class = fallback::classify_copilot(
@@ -722,7 +736,11 @@ async fn run_cli_turn(
 ) -> StepEnd {
     let reason = lease.reason();
     let span = tracing::info_span!("cli_turn", agent = %agent_id, backend = %lease.backend());
+    // Output that reached the gateway: deltas and tool calls, and whole messages (kept to
+    // tell a CLI's own error message, which Claude sends as an assistant message, from an
+    // answer).
     let mut streamed = false;
+    let mut messages: Vec<String> = Vec::new();
     let summary = async {
         let mut turn = match lease.start_turn(prompt).await {
             Ok(turn) => turn,
@@ -733,8 +751,14 @@ async fn run_cli_turn(
                 event = turn.next() => match event {
                     Some(BackendEvent::TurnEnd(outcome)) => return Ok(outcome),
                     Some(event) => {
+                        match &event {
+                            BackendEvent::Message { text } => messages.push(text.clone()),
+                            BackendEvent::MessageDelta { .. } | BackendEvent::ToolCall { .. } => {
+                                streamed = true;
+                            }
+                            _ => {}
+                        }
                         let Some(sse) = cli_event(event) else { continue };
-                        streamed |= is_output(sse.name());
                         if events.send_timeout(sse, SEND_TIMEOUT).await.is_err() {
                             // Dropping the turn before its end kills the process.
                             return Err((TurnEnd::Aborted, None));
@@ -750,11 +774,20 @@ async fn run_cli_turn(
     let (summary, class, gone) = match result {
         Ok(outcome) => {
             let class = fallback::classify_cli(&outcome);
+            // A message that is the CLI's own error is no answer.
+            let error_text = match &outcome.failure {
+                Some(crate::backend::TurnFailure::Cli { message, .. }) => Some(message.as_str()),
+                _ => None,
+            };
+            streamed |= messages
+                .iter()
+                .any(|m| Some(m.trim()) != error_text.map(str::trim));
             let summary = cli_turn_end(&lease, reason, Some(outcome), TurnEnd::Idle, None);
             (summary, class, false)
         }
         Err((status, error)) => {
             let gone = status == TurnEnd::Aborted;
+            streamed |= !messages.is_empty();
             (
                 cli_turn_end(&lease, reason, None, status, error),
                 None,
@@ -762,13 +795,21 @@ async fn run_cli_turn(
             )
         }
     };
+    let transcript = Some(summary.session_id.as_str())
+        .filter(|id| !id.is_empty())
+        .map(|id| {
+            PreludeSource::Claude(crate::backend::CliConversation::transcript_path(
+                lease.home(),
+                lease.working_directory(),
+                id,
+            ))
+        });
     drop(lease);
     StepEnd {
         summary,
         class,
         streamed,
-        // A CLI backend's own transcript is not read for a prelude (yet).
-        transcript: None,
+        transcript,
         gone,
     }
 }
