@@ -270,9 +270,10 @@ pub(super) struct TurnBody {
     /// retryable class (`auth`: the model answered 401/403; `rate_limit`: 429; `timeout`;
     /// `crash`) before any of its output (assistant text, a tool call) was streamed. Each id
     /// is `copilot` or a configured CLI backend, at most 4, none twice (nor `backend`
-    /// itself). The next backend runs the same prompt after a prelude from the failed Copilot
-    /// conversation's transcript mirror (`[turns] transcript_dir`): its compaction summary
-    /// first, then its newest messages within `prelude_chars`. The stream shows
+    /// itself). The next backend runs the same prompt after a prelude from the failed
+    /// conversation's transcript (a Copilot conversation's mirror, `[turns] transcript_dir`,
+    /// or Claude Code's own): its compaction summary first, then its newest messages within
+    /// `prelude_chars`. The stream shows
     /// `backend.fallback`, then the next backend's events; `turn.end` names the backend that
     /// answered. With a CLI backend in the chain, gateway tools, hooks, attachments and
     /// `mode`/`agent_mode` are refused, as for a CLI turn.
