@@ -467,9 +467,9 @@ async fn lease_next(
     }
 }
 
-/// The prelude from the failed conversation's transcript mirror at `path` (read on a
-/// blocking thread); `None` when there is nothing to carry or it cannot be read (logged:
-/// the next backend still runs the prompt).
+/// The prelude from the failed conversation's transcript (`source`, read on a blocking
+/// thread); `None` when there is nothing to carry or it cannot be read (logged: the next
+/// backend still runs the prompt).
 async fn prelude_from(source: PreludeSource, from: &str, chain: &Chain) -> Option<String> {
     let budget = chain.budget;
     let read = tokio::task::spawn_blocking(move || match source {
