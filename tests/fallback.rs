@@ -433,8 +433,7 @@ async fn a_claude_turn_failing_with_auth_falls_back_to_copilot_with_claudes_tran
     let call = fx
         .calls_with("REPLY=answered by copilot")
         .into_iter()
-        .filter(|r| !from_claude(r))
-        .next_back()
+        .rfind(|r| !from_claude(r))
         .expect("the runtime's model call");
     let text = user_text(&call);
     assert!(
