@@ -106,6 +106,7 @@ pub mod auth;
 pub mod backend;
 pub mod confine;
 mod deadline;
+pub mod fallback;
 pub mod faults;
 #[doc(hidden)]
 pub mod fuzzing;

@@ -26,6 +26,7 @@
 //! | [`LEASE_REJECTIONS_TOTAL`] | counter | `reason`: [`ErrorKind::rejection_label`] |
 //! | [`TURNS_TOTAL`] | counter | `outcome`: [`TurnEnd::label`]; `backend` |
 //! | [`TURN_DURATION_SECONDS`] | histogram | `backend` |
+//! | [`FALLBACKS_TOTAL`] | counter | `from`, `to`: backend ids (`backend` label's set); `class`: `auth`, `rate_limit`, `timeout`, `crash` (`crate::fallback::FallbackClass::label`) |
 //! | [`LLM_CALLS_TOTAL`] | counter | — |
 //! | [`TOOL_CALLS_TOTAL`] | counter | `outcome`: `ok`, `error`, `timeout` |
 //! | [`EVICTIONS_TOTAL`] | counter | `reason`: `idle`, `full`, `drained`, `detach_failed`, `unsettled` |
@@ -87,6 +88,8 @@ pub const LEASE_WAIT_SECONDS: &str = "copilot_pool_lease_wait_seconds";
 pub const LEASE_REJECTIONS_TOTAL: &str = "copilot_pool_lease_rejections_total";
 /// Turns that ended, by `outcome`.
 pub const TURNS_TOTAL: &str = "copilot_pool_turns_total";
+/// Turns that ran again on the next backend of their chain, by `from`, `to` and `class`.
+pub const FALLBACKS_TOTAL: &str = "copilot_pool_fallbacks_total";
 /// Time from `session.send` to the end of the turn.
 pub const TURN_DURATION_SECONDS: &str = "copilot_pool_turn_duration_seconds";
 /// Model calls (`assistant.turn_start` events).
@@ -153,6 +156,7 @@ pub const COUNTERS: &[&str] = &[
     MODEL_BLOCKED_TOTAL,
     STORAGE_WRITE_FAILURES_TOTAL,
     OWNERSHIP_VIOLATIONS_TOTAL,
+    FALLBACKS_TOTAL,
 ];
 
 /// Every gauge.
@@ -325,6 +329,12 @@ pub fn describe() {
         TURNS_TOTAL,
         Unit::Count,
         "Turns that ended, by outcome (idle, error, aborted, timeout, crashed)."
+    );
+    describe_counter!(
+        FALLBACKS_TOTAL,
+        Unit::Count,
+        "Turns whose backend failed with a retryable class and ran again on the next backend \
+         of their chain, by from, to and class (auth, rate_limit, timeout, crash)."
     );
     describe_histogram!(
         TURN_DURATION_SECONDS,
@@ -688,6 +698,14 @@ pub(crate) fn cli_turn_finished(backend: &str, end: TurnEnd, elapsed: Duration) 
     counter!(TURNS_TOTAL, "outcome" => end.label(), "backend" => backend.to_owned()).increment(1);
     histogram!(TURN_DURATION_SECONDS, "backend" => backend.to_owned())
         .record(elapsed.as_secs_f64());
+}
+
+/// A turn failed on backend `from` with retryable `class` (a
+/// `crate::fallback::FallbackClass` label) and runs again on `to`. Both are backend ids, so
+/// the series are bounded like the `backend` label's.
+pub fn fallback(from: &str, to: &str, class: &'static str) {
+    counter!(FALLBACKS_TOTAL, "from" => from.to_owned(), "to" => to.to_owned(), "class" => class)
+        .increment(1);
 }
 
 /// The live processes of CLI backend `backend` (conversations holding one).

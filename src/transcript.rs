@@ -68,15 +68,18 @@ pub enum Role {
     Assistant,
     /// A tool's result.
     Tool,
+    /// The summary a compaction wrote in place of the messages it removed.
+    Summary,
 }
 
 impl Role {
-    /// The role as written in the file: `user`, `assistant` or `tool`.
+    /// The role as written in the file: `user`, `assistant`, `tool` or `summary`.
     pub fn as_str(self) -> &'static str {
         match self {
             Role::User => "user",
             Role::Assistant => "assistant",
             Role::Tool => "tool",
+            Role::Summary => "summary",
         }
     }
 }

@@ -155,6 +155,7 @@ fn a_turns_event_stream_documents_each_event_with_its_data_schema() {
             "user_input.request",
             "hook.request",
             "hook.notification",
+            "backend.fallback",
             "turn.end",
             "<session event>"
         ]
@@ -182,6 +183,14 @@ fn the_documents_limits_are_the_librarys() {
     assert_eq!(
         turn["session_key"]["maxLength"],
         copilot_pool::pool::MAX_SESSION_KEY_BYTES
+    );
+    assert_eq!(
+        turn["fallback"]["maxItems"],
+        copilot_pool::fallback::MAX_FALLBACKS
+    );
+    assert_eq!(
+        turn["prelude_chars"]["maximum"],
+        copilot_pool::fallback::MAX_PRELUDE_CHARS
     );
     // Unknown fields are refused, so the document says so.
     assert_eq!(

@@ -484,7 +484,10 @@ async fn compaction_hooks_fire_only_around_a_compaction_that_happened() {
     let hooks = Arc::new(CompactionLog::default());
     let mut req = fx.request("agent-t", "compaction-hooks");
     req.handlers.hooks = Some(hooks.clone());
+    let dir = fx.scratch.path().join("transcripts");
+    req.handlers.transcript = Some(TranscriptSettings::new(dir.clone(), TranscriptMode::Strict));
     let mut lease = pool.lease(req).await.expect("lease");
+    let transcript = dir.join(format!("copilot-{}.jsonl", lease.cli_session_id()));
     // A new conversation has nothing to compact: the runtime refuses, no hook fires.
     let nothing = lease.compact(None).await;
     assert!(nothing.is_err(), "{nothing:?}");
@@ -503,6 +506,11 @@ async fn compaction_hooks_fire_only_around_a_compaction_that_happened() {
     assert_eq!(seen[0].1["customInstructions"], "keep the numbers");
     assert_eq!(seen[1].1["success"], true);
     assert_eq!(seen[1].1["tokensRemoved"], json!(compacted.tokens_removed));
+    // The summary is mirrored (role `summary`), where a fallback's prelude starts.
+    let tail = copilot_pool::fallback::read_transcript_tail(&transcript, 10_000).expect("read");
+    let summary = compacted.summary_content.clone().unwrap_or_default();
+    assert!(!summary.is_empty(), "{compacted:?}");
+    assert_eq!(tail.summary.as_deref(), Some(summary.as_str()));
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }
@@ -522,7 +530,10 @@ async fn a_background_compactions_hooks_fire_in_order_once_it_completed() {
     let hooks = Arc::new(CompactionLog::default());
     let mut req = fx.request("agent-t", "background");
     req.handlers.hooks = Some(hooks.clone());
+    let dir = fx.scratch.path().join("transcripts");
+    req.handlers.transcript = Some(TranscriptSettings::new(dir.clone(), TranscriptMode::Strict));
     let mut lease = pool.lease(req).await.expect("lease");
+    let transcript = dir.join(format!("copilot-{}.jsonl", lease.cli_session_id()));
     let (mut started, mut completed) = (false, false);
     for i in 0..6 {
         lease.send(format!("REPLY=turn {i}")).await.expect("send");
@@ -551,6 +562,12 @@ async fn a_background_compactions_hooks_fire_in_order_once_it_completed() {
     assert_eq!(names, ["before_compaction", "after_compaction"]);
     assert_eq!(seen[0].1["trigger"], "threshold", "{:?}", seen[0].1);
     assert_eq!(seen[1].1["success"], true, "{:?}", seen[1].1);
+    // The summary of `session.compaction_complete` is mirrored (role `summary`).
+    let tail = copilot_pool::fallback::read_transcript_tail(&transcript, 10_000).expect("read");
+    assert!(
+        tail.summary.as_deref().is_some_and(|s| !s.is_empty()),
+        "{tail:?}"
+    );
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }

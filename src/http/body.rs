@@ -266,6 +266,24 @@ pub(super) struct TurnBody {
     #[serde(default)]
     #[schema(example = "claude-cli")]
     pub backend: Option<String>,
+    /// Backends to run the turn on next, in order, when the one before fails with a
+    /// retryable class (`auth`: the model answered 401/403; `rate_limit`: 429; `timeout`;
+    /// `crash`) before any of its output (assistant text, a tool call) was streamed. Each id
+    /// is `copilot` or a configured CLI backend, at most 4, none twice (nor `backend`
+    /// itself). The next backend runs the same prompt after a prelude from the failed
+    /// conversation's transcript (a Copilot conversation's mirror, `[turns] transcript_dir`,
+    /// or Claude Code's own): its compaction summary first, then its newest messages within
+    /// `prelude_chars`. The stream shows
+    /// `backend.fallback`, then the next backend's events; `turn.end` names the backend that
+    /// answered. With a CLI backend in the chain, gateway tools, hooks, attachments and
+    /// `mode`/`agent_mode` are refused, as for a CLI turn.
+    #[serde(default)]
+    #[schema(max_items = 4, example = json!(["claude-cli"]))]
+    pub fallback: Vec<String>,
+    /// The prelude's budget in characters (default 8000, at most 200000).
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 200_000)]
+    pub prelude_chars: Option<usize>,
 }
 
 impl TurnBody {

@@ -14,6 +14,7 @@ use utoipa::ToSchema;
 use utoipa::openapi::RefOr;
 use utoipa::openapi::schema::{AnyOfBuilder, ObjectBuilder, Ref, Schema, Type};
 
+use crate::fallback::FallbackClass;
 use crate::kinds::{HookName, OpenReason, TurnEnd};
 use crate::rpc::SessionEvent;
 use crate::turn::Usage;
@@ -28,6 +29,7 @@ pub(super) enum TurnEvent {
     HookNotification(HookNotificationEvent),
     /// A runtime session event, named by its own `type`.
     Session(SessionEventData),
+    BackendFallback(BackendFallbackEvent),
     TurnEnd(TurnEndEvent),
 }
 
@@ -38,6 +40,7 @@ pub(super) const PERMISSION_REQUEST: &str = "permission.request";
 pub(super) const USER_INPUT_REQUEST: &str = "user_input.request";
 pub(super) const HOOK_REQUEST: &str = "hook.request";
 pub(super) const HOOK_NOTIFICATION: &str = "hook.notification";
+pub(super) const BACKEND_FALLBACK: &str = "backend.fallback";
 pub(super) const TURN_END: &str = "turn.end";
 
 impl TurnEvent {
@@ -50,6 +53,7 @@ impl TurnEvent {
             TurnEvent::HookRequest(_) => HOOK_REQUEST,
             TurnEvent::HookNotification(_) => HOOK_NOTIFICATION,
             TurnEvent::Session(e) => &e.event_type,
+            TurnEvent::BackendFallback(_) => BACKEND_FALLBACK,
             TurnEvent::TurnEnd(_) => TURN_END,
         }
     }
@@ -63,6 +67,7 @@ impl TurnEvent {
             TurnEvent::HookRequest(e) => serde_json::to_value(e),
             TurnEvent::HookNotification(e) => serde_json::to_value(e),
             TurnEvent::Session(e) => serde_json::to_value(e),
+            TurnEvent::BackendFallback(e) => serde_json::to_value(e),
             TurnEvent::TurnEnd(e) => serde_json::to_value(e),
         };
         // Plain structs of strings, numbers and JSON values: serializing cannot fail.
@@ -197,6 +202,26 @@ impl From<&SessionEvent> for SessionEventData {
     }
 }
 
+/// `backend.fallback`: the turn's backend failed with a retryable class before streaming any
+/// output, and the turn runs again on the next backend of its `fallback` list; that
+/// backend's events follow, then one `turn.end` (naming it in `backend`).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub(super) struct BackendFallbackEvent {
+    /// The backend that failed.
+    pub from: String,
+    /// The backend that runs the turn now.
+    pub to: String,
+    /// Why the failure is retryable: `auth`, `rate_limit`, `timeout` or `crash`.
+    pub class: FallbackClass,
+    /// The failed turn's error.
+    pub error: Option<String>,
+    /// The failing model call's HTTP status, when the model failed.
+    pub status_code: Option<u16>,
+    /// Characters of the prelude (summary and newest messages of the failed conversation)
+    /// put before the prompt (0: none, e.g. no transcript mirror is configured).
+    pub prelude_chars: usize,
+}
+
 /// `turn.end`: the last event of every turn's stream (and the whole answer of
 /// `?stream=false`).
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -226,17 +251,21 @@ pub(super) struct TurnEndEvent {
     pub usage: Usage,
     /// The runtime's `session.task_complete` data, if it sent one.
     pub task_complete: Option<Value>,
+    /// The backend whose retryable failure made this turn run on `backend` (the last one,
+    /// when several failed); `null` when the turn's first backend answered.
+    pub fallback_from: Option<String>,
 }
 
 /// The names of the events the daemon defines itself; any other name is a pass-through
 /// session event.
 #[cfg_attr(not(test), allow(dead_code))]
-const DAEMON_EVENTS: [&str; 6] = [
+const DAEMON_EVENTS: [&str; 7] = [
     TOOL_CALL,
     PERMISSION_REQUEST,
     USER_INPUT_REQUEST,
     HOOK_REQUEST,
     HOOK_NOTIFICATION,
+    BACKEND_FALLBACK,
     TURN_END,
 ];
 
@@ -304,6 +333,11 @@ impl utoipa::PartialSchema for TurnEventStream {
                 "A hook to know about (no answer).",
             ),
             pair(
+                named(BACKEND_FALLBACK),
+                data::<BackendFallbackEvent>(),
+                "The backend failed with a retryable class; the next one runs the turn.",
+            ),
+            pair(
                 named(TURN_END),
                 data::<TurnEndEvent>(),
                 "The turn's summary: the last event.",
@@ -338,6 +372,7 @@ impl ToSchema for TurnEventStream {
         add::<UserInputRequestEvent>(schemas);
         add::<HookRequestEvent>(schemas);
         add::<HookNotificationEvent>(schemas);
+        add::<BackendFallbackEvent>(schemas);
         add::<TurnEndEvent>(schemas);
         add::<SessionEventData>(schemas);
     }
@@ -381,6 +416,14 @@ mod tests {
                 hook: HookName::LlmInput,
                 input: json!({}),
             }),
+            TurnEvent::BackendFallback(BackendFallbackEvent {
+                from: "copilot".into(),
+                to: "claude-cli".into(),
+                class: FallbackClass::Auth,
+                error: None,
+                status_code: Some(401),
+                prelude_chars: 0,
+            }),
             TurnEvent::Session(SessionEventData {
                 id: "e".into(),
                 timestamp: None,
@@ -403,6 +446,7 @@ mod tests {
                 error_type: None,
                 usage,
                 task_complete: None,
+                fallback_from: None,
             }),
         ]
     }

@@ -2,9 +2,13 @@
 //! errors), then runs the turn in a task and streams its events as SSE, ending with one
 //! `turn.end` summary (or answers that summary alone with `?stream=false`). A gateway that
 //! goes away, or stops reading for `SEND_TIMEOUT`, aborts its turn; the conversation stays
-//! resumable.
+//! resumable. A turn naming `fallback` backends runs again on the next one when its backend
+//! fails with a retryable class before streaming output (`crate::fallback`), seeded with a
+//! prelude from the failed conversation's transcript, after a `backend.fallback` event.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,12 +25,15 @@ use super::attachments::{check_off_thread, write_off_thread};
 use super::body::{ToolBody, TurnBody, create_work_dir, lease_request, parse, read_body};
 use super::error::ErrorBody;
 use super::error::{error, pool_error, rejection};
-use super::events::{SessionEventData, ToolCallEvent, TurnEndEvent, TurnEvent, TurnEventStream};
+use super::events::{
+    BackendFallbackEvent, SessionEventData, ToolCallEvent, TurnEndEvent, TurnEvent, TurnEventStream,
+};
 use super::gateway::Link;
 use crate::backend::{BackendEvent, CliTurnOutcome};
+use crate::fallback::{self, FallbackClass};
 use crate::kinds::{OpenReason, TurnEnd};
 use crate::permission::{DecisionFuture, PermissionPolicy, PermissionRequest};
-use crate::pool::{COPILOT_BACKEND, CliLease, Lease};
+use crate::pool::{COPILOT_BACKEND, CliLease, Lease, LeaseRequest};
 use crate::turn::Message;
 
 /// A gateway that does not read its event stream for this long is treated as gone (the
@@ -99,6 +106,38 @@ pub(super) async fn post_turn(
     {
         return pool_error(&e);
     }
+    let fallbacks = std::mem::take(&mut body.fallback);
+    let primary = backend.as_deref().unwrap_or(COPILOT_BACKEND);
+    if let Err(e) = fallback::check_chain(primary, &fallbacks) {
+        return error(StatusCode::BAD_REQUEST, "bad_request", e.to_string());
+    }
+    for next in &fallbacks {
+        if let Err(e) = state.pool.check_backend(next) {
+            return pool_error(&e);
+        }
+    }
+    let budget = match body.prelude_chars.map(fallback::check_budget).transpose() {
+        Ok(b) => b.unwrap_or(fallback::DEFAULT_PRELUDE_CHARS),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!("prelude_chars: {e}"),
+            );
+        }
+    };
+    if let Some(cli) = fallbacks.iter().find(|b| *b != COPILOT_BACKEND)
+        && let Err(what) = cli_refusal(&body)
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!(
+                "{what} are not offered to CLI backends, and `fallback` names `{cli}`; drop \
+                 them, or drop `{cli}` from `fallback`"
+            ),
+        );
+    }
     let mut req = match lease_request(&state, &body.agent_id, &body.session_key, conv).await {
         Ok(r) => r,
         Err(r) => return r,
@@ -121,9 +160,18 @@ pub(super) async fn post_turn(
         }
         req.handlers.timeouts.absolute = asked;
     }
+    // What a fallback needs to lease the next backend: the request before any backend's
+    // handlers are set.
+    let chain = Chain {
+        rest: fallbacks.into(),
+        template: req.clone(),
+        prompt: body.prompt.clone(),
+        budget,
+        streaming: query.stream != Some(false),
+    };
     if let Some(backend) = backend.filter(|b| b != COPILOT_BACKEND) {
         req.backend = backend;
-        return post_cli_turn(state, query, body, req).await;
+        return post_cli_turn(state, query, body, req, chain).await;
     }
     if let Err(message) = check_tools(&body.tools) {
         return error(StatusCode::BAD_REQUEST, "bad_request", message);
@@ -178,6 +226,7 @@ pub(super) async fn post_turn(
         return r;
     }
     let work = req.working_directory.clone();
+    let transcript_dir = req.handlers.transcript.as_ref().map(|t| t.dir.clone());
     // The lease is taken before answering, so its errors are real HTTP errors.
     let lease = match state.pool.lease(req).await {
         Ok(l) => l,
@@ -192,15 +241,30 @@ pub(super) async fn post_turn(
     };
     message.mode = body.mode;
     message.agent_mode = body.agent_mode;
-    tokio::spawn(run_turn(
-        Running::start(state.clone()),
-        lease,
-        message,
-        events_tx,
-        body.agent_id,
-    ));
+    let running = Running::start(state.clone());
+    tokio::spawn(async move {
+        let first = run_turn(lease, message, transcript_dir, &events_tx, &body.agent_id).await;
+        run_chain(running, first, chain, events_tx, body.agent_id).await;
+    });
 
     respond(streaming, events_rx).await
+}
+
+/// What a CLI backend's turn refuses in a body, if the body has it.
+fn cli_refusal(body: &TurnBody) -> Result<(), &'static str> {
+    if !body.tools.is_empty() {
+        return Err("gateway tools");
+    }
+    if !body.hooks.is_empty() {
+        return Err("hooks");
+    }
+    if !body.attachments.is_empty() {
+        return Err("attachments");
+    }
+    if body.mode.is_some() || body.agent_mode.is_some() {
+        return Err("`mode` and `agent_mode`");
+    }
+    Ok(())
 }
 
 /// A CLI backend's turn (`backend` names one): its lease, then its events in the same
@@ -209,10 +273,11 @@ async fn post_cli_turn(
     state: Arc<AppState>,
     query: TurnQuery,
     body: TurnBody,
-    mut req: crate::pool::LeaseRequest,
+    mut req: LeaseRequest,
+    chain: Chain,
 ) -> Response {
-    let refuse = |what: &str| {
-        error(
+    if let Err(what) = cli_refusal(&body) {
+        return error(
             StatusCode::BAD_REQUEST,
             "bad_request",
             format!(
@@ -220,34 +285,11 @@ async fn post_cli_turn(
                  conversation on `copilot`",
                 req.backend
             ),
-        )
-    };
-    if !body.tools.is_empty() {
-        return refuse("gateway tools");
-    }
-    if !body.hooks.is_empty() {
-        return refuse("hooks");
-    }
-    if !body.attachments.is_empty() {
-        return refuse("attachments");
-    }
-    if body.mode.is_some() || body.agent_mode.is_some() {
-        return refuse("`mode` and `agent_mode`");
+        );
     }
     let streaming = query.stream != Some(false);
     let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
-    if streaming {
-        // The CLI's permission prompts go to the gateway as `permission.request`, denied
-        // when unanswered within the permission timeout (the CLI waits on the answer).
-        let link = Link {
-            events: events_tx.clone(),
-            registry: state.registry.clone(),
-        };
-        req.handlers.permission_policy = Arc::new(TimedPermission {
-            link,
-            limit: state.config.timeouts.permission,
-        });
-    }
+    set_handlers(&state, &mut req, streaming, &events_tx);
     if let Err(r) = create_work_dir(&req.working_directory).await {
         return r;
     }
@@ -255,14 +297,198 @@ async fn post_cli_turn(
         Ok(l) => l,
         Err(e) => return pool_error(&e),
     };
-    tokio::spawn(run_cli_turn(
-        Running::start(state.clone()),
-        lease,
-        body.prompt,
-        events_tx,
-        body.agent_id,
-    ));
+    let running = Running::start(state.clone());
+    tokio::spawn(async move {
+        let first = run_cli_turn(lease, &body.prompt, &events_tx, &body.agent_id).await;
+        run_chain(running, first, chain, events_tx, body.agent_id).await;
+    });
     respond(streaming, events_rx).await
+}
+
+/// The gateway-facing handlers of a lease on `req.backend` (when the turn streams): a CLI
+/// backend's permission prompts with the permission time limit; a Copilot conversation's
+/// permission prompts and ask_user over the stream (a fallback turn has no gateway tools or
+/// hooks: a chain with a CLI backend refuses them).
+fn set_handlers(
+    state: &Arc<AppState>,
+    req: &mut LeaseRequest,
+    streaming: bool,
+    events: &mpsc::Sender<TurnEvent>,
+) {
+    if !streaming {
+        return;
+    }
+    let link = Link {
+        events: events.clone(),
+        registry: state.registry.clone(),
+    };
+    if req.backend == COPILOT_BACKEND {
+        req.handlers.permission_policy = Arc::new(link.clone());
+        req.handlers.user_input = Some(Arc::new(link));
+    } else {
+        // The CLI's permission prompts go to the gateway as `permission.request`, denied
+        // when unanswered within the permission timeout (the CLI waits on the answer).
+        req.handlers.permission_policy = Arc::new(TimedPermission {
+            link,
+            limit: state.config.timeouts.permission,
+        });
+    }
+}
+
+/// The backends a turn may still fall back to, and what the next one's lease needs.
+struct Chain {
+    /// The backends not tried yet, in order.
+    rest: VecDeque<String>,
+    /// The turn's lease request before any backend's handlers were set.
+    template: LeaseRequest,
+    /// The user's message.
+    prompt: String,
+    /// The prelude's budget in characters.
+    budget: usize,
+    /// Whether the turn streams (handlers that answer over the stream).
+    streaming: bool,
+}
+
+/// How one backend's run of the turn ended.
+struct StepEnd {
+    /// Its `turn.end` summary (sent only if no fallback follows).
+    summary: TurnEndEvent,
+    /// The retryable class of its failure, if it failed with one.
+    class: Option<FallbackClass>,
+    /// Whether any of its output (assistant text, a tool call) reached the gateway: then the
+    /// turn does not fall back (the gateway has seen part of an answer; running the prompt
+    /// again could repeat what its tools did).
+    streamed: bool,
+    /// Where the prelude of a failure is read from.
+    transcript: Option<PreludeSource>,
+    /// The gateway left or stopped reading: nothing more is sent.
+    gone: bool,
+}
+
+/// The transcript a failed backend's conversation left, for the prelude.
+enum PreludeSource {
+    /// The Copilot transcript mirror (`<dir>/copilot-<session id>.jsonl`).
+    Copilot(PathBuf),
+    /// A CLI backend's own transcript (Claude Code's `<home>/.claude/projects/…`; none
+    /// there for another CLI, which then gets no prelude).
+    Claude(PathBuf),
+}
+
+/// Runs the rest of a turn's chain after its first backend ended with `end`: while the last
+/// run failed with a retryable class before streaming output and a backend is left, the next
+/// one is leased, `backend.fallback` is sent, and it runs the prompt after the prelude from
+/// the failed conversation's transcript. Then the last run's `turn.end` is sent.
+async fn run_chain(
+    running: Running,
+    mut end: StepEnd,
+    mut chain: Chain,
+    events: mpsc::Sender<TurnEvent>,
+    agent_id: String,
+) {
+    // The prelude of the last failed conversation with a transcript: kept across a lease
+    // that fails and across a failed backend without one.
+    let mut prelude: Option<String> = None;
+    while !end.gone && !end.streamed {
+        let Some(class) = end.class else { break };
+        let Some(next) = chain.rest.pop_front() else {
+            break;
+        };
+        let from = end.summary.backend.clone();
+        if let Some(source) = end.transcript.take()
+            && let Some(fresh) = prelude_from(source, &from, &chain).await
+        {
+            prelude = Some(fresh);
+        }
+        let mut req = chain.template.clone();
+        req.backend = next.clone();
+        let state = running.0.clone();
+        set_handlers(&state, &mut req, chain.streaming, &events);
+        let lease = match lease_next(&state, req).await {
+            Ok(lease) => lease,
+            Err(e) => {
+                tracing::warn!(%e, backend = %next, "the fallback backend could not be leased");
+                let note = format!("; the fallback to `{next}` could not be leased: {e}");
+                let error = end.summary.error.get_or_insert_with(String::new);
+                error.push_str(&note);
+                continue;
+            }
+        };
+        crate::metrics::fallback(&from, &next, class.label());
+        let notice = TurnEvent::BackendFallback(BackendFallbackEvent {
+            from: from.clone(),
+            to: next.clone(),
+            class,
+            error: end.summary.error.clone(),
+            status_code: end.summary.status_code,
+            prelude_chars: prelude.as_deref().map_or(0, |p| p.chars().count()),
+        });
+        if events.send_timeout(notice, SEND_TIMEOUT).await.is_err() {
+            // The gateway left: dropping the lease returns the conversation.
+            return;
+        }
+        let prompt = fallback::seeded_prompt(prelude.as_deref(), &chain.prompt);
+        end = match lease {
+            NextLease::Copilot(lease, transcript_dir) => {
+                let message = Message::new(prompt);
+                run_turn(lease, message, transcript_dir, &events, &agent_id).await
+            }
+            NextLease::Cli(lease) => run_cli_turn(lease, &prompt, &events, &agent_id).await,
+        };
+        end.summary.fallback_from = Some(from);
+    }
+    if !end.gone {
+        let _ = events
+            .send_timeout(TurnEvent::TurnEnd(end.summary), SEND_TIMEOUT)
+            .await;
+    }
+}
+
+/// The lease of a fallback backend.
+enum NextLease {
+    /// A Copilot conversation, with its transcript mirror's directory.
+    Copilot(Lease, Option<PathBuf>),
+    /// A CLI backend's conversation.
+    Cli(CliLease),
+}
+
+/// Leases `req.backend` for a fallback.
+async fn lease_next(
+    state: &AppState,
+    req: LeaseRequest,
+) -> Result<NextLease, crate::pool::PoolError> {
+    if req.backend == COPILOT_BACKEND {
+        let transcript_dir = req.handlers.transcript.as_ref().map(|t| t.dir.clone());
+        Ok(NextLease::Copilot(
+            state.pool.lease(req).await?,
+            transcript_dir,
+        ))
+    } else {
+        Ok(NextLease::Cli(state.pool.lease_cli(req).await?))
+    }
+}
+
+/// The prelude from the failed conversation's transcript (`source`, read on a blocking
+/// thread); `None` when there is nothing to carry or it cannot be read (logged: the next
+/// backend still runs the prompt).
+async fn prelude_from(source: PreludeSource, from: &str, chain: &Chain) -> Option<String> {
+    let budget = chain.budget;
+    let read = tokio::task::spawn_blocking(move || match source {
+        PreludeSource::Copilot(path) => fallback::read_transcript_tail(&path, budget),
+        PreludeSource::Claude(path) => fallback::read_claude_transcript_tail(&path, budget),
+    });
+    let tail = match read.await {
+        Ok(Ok(tail)) => tail,
+        Ok(Err(e)) => {
+            tracing::warn!(%e, "no fallback prelude");
+            return None;
+        }
+        Err(e) => {
+            tracing::warn!(%e, "no fallback prelude: the reading task did not finish");
+            return None;
+        }
+    };
+    let entries = fallback::without_failed_turn(tail.entries, &chain.prompt);
+    fallback::build_prelude(from, tail.summary.as_deref(), &entries, budget)
 }
 
 /// The gateway's permission answers with a time limit: the Copilot path's turn driver
@@ -348,9 +574,9 @@ pub(super) fn check_tools(tools: &[ToolBody]) -> Result<(), String> {
 /// whether the runtime still had its context), the model calls, the final text, the error
 /// with the failing model call's HTTP status and the runtime's error type, the token usage
 /// and the runtime's `session.task_complete` data, if any.
-fn turn_end(status: TurnEnd, lease: &Lease, error: Option<String>) -> TurnEvent {
+fn turn_end(status: TurnEnd, lease: &Lease, error: Option<String>) -> TurnEndEvent {
     let outcome = lease.outcome();
-    TurnEvent::TurnEnd(TurnEndEvent {
+    TurnEndEvent {
         status,
         backend: COPILOT_BACKEND.to_owned(),
         session_id: lease.cli_session_id().to_string(),
@@ -363,19 +589,29 @@ fn turn_end(status: TurnEnd, lease: &Lease, error: Option<String>) -> TurnEvent 
         error_type: outcome.error_type.clone(),
         usage: outcome.usage,
         task_complete: outcome.task_complete.clone(),
-    })
+        fallback_from: None,
+    }
 }
 
-/// Runs one turn and streams it; a gateway that goes away (or stops reading) aborts the
-/// turn (dropping the lease does), and the conversation stays resumable.
+/// Whether a session event streamed to the gateway is output of the turn (assistant text
+/// or a tool at work): after it, the turn does not fall back.
+fn is_output(event_type: &str) -> bool {
+    event_type.starts_with("assistant.message") || event_type.starts_with("tool.")
+}
+
+/// Runs one Copilot turn and streams its events; a gateway that goes away (or stops
+/// reading) aborts the turn (dropping the lease does), and the conversation stays
+/// resumable. Returns its summary for the chain; `transcript_dir` is the mirror's directory.
 async fn run_turn(
-    _running: Running,
     mut lease: Lease,
     message: Message,
-    events: mpsc::Sender<TurnEvent>,
-    agent_id: String,
-) {
+    transcript_dir: Option<PathBuf>,
+    events: &mpsc::Sender<TurnEvent>,
+    agent_id: &str,
+) -> StepEnd {
     let span = tracing::info_span!("turn", agent = %agent_id, session = %lease.cli_session_id());
+    let mut streamed = false;
+    let mut gone = false;
     let summary = async {
         if let Err(e) = lease.send(message).await {
             return turn_end(TurnEnd::Error, &lease, Some(e.to_string()));
@@ -384,10 +620,12 @@ async fn run_turn(
             tokio::select! {
                 event = lease.next_event() => match event {
                     Some(Ok(event)) => {
-                        let sse = TurnEvent::Session(SessionEventData::from(&event));
-                        if events.send_timeout(sse, SEND_TIMEOUT).await.is_err() {
+                        let sse = SessionEventData::from(&event);
+                        streamed |= is_output(&sse.event_type);
+                        if events.send_timeout(TurnEvent::Session(sse), SEND_TIMEOUT).await.is_err() {
                             // The gateway disconnected or stopped reading: dropping the lease
                             // aborts the turn.
+                            gone = true;
                             return turn_end(TurnEnd::Aborted, &lease, None);
                         }
                     }
@@ -401,13 +639,32 @@ async fn run_turn(
                         return turn_end(status, &lease, o.error.clone());
                     }
                 },
-                _ = events.closed() => return turn_end(TurnEnd::Aborted, &lease, None),
+                _ = events.closed() => {
+                    gone = true;
+                    return turn_end(TurnEnd::Aborted, &lease, None);
+                }
             }
         }
     };
     let summary = tracing::Instrument::instrument(summary, span).await;
+    let transcript = transcript_dir.and_then(|dir| {
+        crate::transcript::transcript_path(&dir, lease.cli_session_id().as_str())
+            .ok()
+            .map(PreludeSource::Copilot)
+    });
     drop(lease);
-    let _ = events.send_timeout(summary, SEND_TIMEOUT).await;
+    let class = fallback::classify_copilot(
+        Some(summary.status),
+        summary.status_code,
+        summary.error_type.as_deref(),
+    );
+    StepEnd {
+        summary,
+        class,
+        streamed,
+        transcript,
+        gone,
+    }
 }
 
 /// A CLI backend's `turn.end`.
@@ -417,10 +674,10 @@ fn cli_turn_end(
     outcome: Option<CliTurnOutcome>,
     status: TurnEnd,
     error: Option<String>,
-) -> TurnEvent {
+) -> TurnEndEvent {
     let outcome = outcome.unwrap_or_default();
     let error = error.or_else(|| outcome.failure.as_ref().map(|f| f.to_string()));
-    TurnEvent::TurnEnd(TurnEndEvent {
+    TurnEndEvent {
         status: outcome.end.unwrap_or(status),
         backend: lease.backend().to_owned(),
         session_id: outcome
@@ -437,7 +694,8 @@ fn cli_turn_end(
         error_type: None,
         usage: outcome.usage,
         task_complete: None,
-    })
+        fallback_from: None,
+    }
 }
 
 /// A CLI backend's event in the daemon's vocabulary; `None` for a permission decision (the
@@ -467,19 +725,24 @@ fn cli_event(event: BackendEvent) -> Option<TurnEvent> {
     }
 }
 
-/// Runs one CLI backend turn and streams it; a gateway that goes away (or stops reading)
-/// ends the turn (its process is killed; the next turn resumes the session).
+/// Runs one CLI backend turn and streams its events; a gateway that goes away (or stops
+/// reading) ends the turn (its process is killed; the next turn resumes the session).
+/// Returns its summary for the chain.
 async fn run_cli_turn(
-    _running: Running,
     mut lease: CliLease,
-    prompt: String,
-    events: mpsc::Sender<TurnEvent>,
-    agent_id: String,
-) {
+    prompt: &str,
+    events: &mpsc::Sender<TurnEvent>,
+    agent_id: &str,
+) -> StepEnd {
     let reason = lease.reason();
     let span = tracing::info_span!("cli_turn", agent = %agent_id, backend = %lease.backend());
+    // Output that reached the gateway: deltas and tool calls, and whole messages (kept to
+    // tell a CLI's own error message, which Claude sends as an assistant message, from an
+    // answer).
+    let mut streamed = false;
+    let mut messages: Vec<String> = Vec::new();
     let summary = async {
-        let mut turn = match lease.start_turn(&prompt).await {
+        let mut turn = match lease.start_turn(prompt).await {
             Ok(turn) => turn,
             Err(e) => return Err((TurnEnd::Error, Some(e.to_string()))),
         };
@@ -488,6 +751,13 @@ async fn run_cli_turn(
                 event = turn.next() => match event {
                     Some(BackendEvent::TurnEnd(outcome)) => return Ok(outcome),
                     Some(event) => {
+                        match &event {
+                            BackendEvent::Message { text } => messages.push(text.clone()),
+                            BackendEvent::MessageDelta { .. } | BackendEvent::ToolCall { .. } => {
+                                streamed = true;
+                            }
+                            _ => {}
+                        }
                         let Some(sse) = cli_event(event) else { continue };
                         if events.send_timeout(sse, SEND_TIMEOUT).await.is_err() {
                             // Dropping the turn before its end kills the process.
@@ -501,12 +771,47 @@ async fn run_cli_turn(
         }
     };
     let result = tracing::Instrument::instrument(summary, span).await;
-    let summary = match result {
-        Ok(outcome) => cli_turn_end(&lease, reason, Some(outcome), TurnEnd::Idle, None),
-        Err((status, error)) => cli_turn_end(&lease, reason, None, status, error),
+    let (summary, class, gone) = match result {
+        Ok(outcome) => {
+            let class = fallback::classify_cli(&outcome);
+            // A message that is the CLI's own error is no answer.
+            let error_text = match &outcome.failure {
+                Some(crate::backend::TurnFailure::Cli { message, .. }) => Some(message.as_str()),
+                _ => None,
+            };
+            streamed |= messages
+                .iter()
+                .any(|m| Some(m.trim()) != error_text.map(str::trim));
+            let summary = cli_turn_end(&lease, reason, Some(outcome), TurnEnd::Idle, None);
+            (summary, class, false)
+        }
+        Err((status, error)) => {
+            let gone = status == TurnEnd::Aborted;
+            streamed |= !messages.is_empty();
+            (
+                cli_turn_end(&lease, reason, None, status, error),
+                None,
+                gone,
+            )
+        }
     };
+    let transcript = Some(summary.session_id.as_str())
+        .filter(|id| !id.is_empty())
+        .map(|id| {
+            PreludeSource::Claude(crate::backend::CliConversation::transcript_path(
+                lease.home(),
+                lease.working_directory(),
+                id,
+            ))
+        });
     drop(lease);
-    let _ = events.send_timeout(summary, SEND_TIMEOUT).await;
+    StepEnd {
+        summary,
+        class,
+        streamed,
+        transcript,
+        gone,
+    }
 }
 
 /// One turn counted in `AppState::running` from its lease until its summary is sent (or

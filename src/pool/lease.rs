@@ -199,6 +199,12 @@ impl Lease {
             .compact(custom_instructions.clone())
             .await
             .map_err(|e| self.lose(e))?;
+        if result.success
+            && let Some(summary) = result.summary_content.as_deref()
+        {
+            // The fallback prelude starts from it (`crate::fallback`).
+            self.driver.mirror_summary(summary)?;
+        }
         if let Some(h) = hooks.filter(|_| result.success) {
             let failures = std::sync::atomic::AtomicU32::new(0);
             let input = json!({"trigger": "manual", "customInstructions": custom_instructions});

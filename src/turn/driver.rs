@@ -148,6 +148,15 @@ impl TurnDriver {
         }
     }
 
+    /// Mirrors the summary of a compaction (a manual one's, which comes as the call's
+    /// answer rather than as an event of a turn) into the transcript as role `summary`.
+    pub(crate) fn mirror_summary(&mut self, summary: &str) -> Result<(), TurnError> {
+        if summary.is_empty() {
+            return Ok(());
+        }
+        self.mirror(None, Role::Summary, summary, None, None)
+    }
+
     pub(crate) fn in_flight(&self) -> bool {
         self.in_flight
     }
@@ -476,6 +485,10 @@ impl TurnDriver {
             EventKind::CompactionComplete(c) => {
                 let input = self.compaction_start.take().unwrap_or_else(|| json!({}));
                 if c.success {
+                    if let Some(summary) = c.summary_content.as_deref().filter(|s| !s.is_empty()) {
+                        // The fallback prelude starts from it (`crate::fallback`).
+                        self.mirror(Some(&event.id), Role::Summary, summary, None, None)?;
+                    }
                     let output = json!({"success": c.success, "tokensRemoved": c.tokens_removed, "messagesRemoved": c.messages_removed});
                     self.fire_compaction_hooks(input, output);
                 }

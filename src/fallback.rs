@@ -1,0 +1,867 @@
+//! Fallback across backends (issue 17, item 6): the pure core. Owns which turn failures
+//! let the next backend of a turn's chain run ([`FallbackClass`]: auth, rate limit,
+//! timeout, crash; [`classify_copilot`], [`classify_cli`]), the check of a chain
+//! ([`check_chain`]: no backend twice, at most [`MAX_FALLBACKS`] after the primary), and the
+//! bounded prelude that seeds the next backend with the failed conversation
+//! ([`build_prelude`]: the compaction summary first, then the newest transcript entries that
+//! fit a character budget, oldest of those first; [`read_transcript_tail`] reads them from a
+//! Copilot transcript mirror and [`read_claude_transcript_tail`] from Claude Code's own
+//! transcript, with memory bounded by the budget).
+//!
+//! Nothing here leases, runs or streams: the daemon's turn handler (`crate::http`) runs the
+//! chain, and a Rust embedder composes these functions with `Pool::lease` /
+//! `Pool::lease_cli` the same way.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{self, BufRead, BufReader};
+use std::path::{Path, PathBuf};
+
+use crate::backend::{CliTurnOutcome, TurnFailure};
+use crate::kinds::TurnEnd;
+use crate::transcript::Role;
+
+/// The default character budget of a prelude (header, summary, entries and footer).
+pub const DEFAULT_PRELUDE_CHARS: usize = 8_000;
+
+/// The largest prelude budget accepted.
+pub const MAX_PRELUDE_CHARS: usize = 200_000;
+
+/// How many backends a turn may name after its primary one.
+pub const MAX_FALLBACKS: usize = 4;
+
+/// The share of the budget the compaction summary may take at most (the rest is for the
+/// newest entries): one half.
+const SUMMARY_SHARE_DIVISOR: usize = 2;
+
+/// What marks text cut to fit the budget.
+const ELLIPSIS: char = '…';
+
+/// Why a failed turn may be run again on the next backend: the retryable classes. Every
+/// other failure (a bad request, an aborted turn, an output limit, a transcript failure)
+/// does not fall back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum FallbackClass {
+    /// The model endpoint refused the credentials (HTTP 401 or 403).
+    Auth,
+    /// The model endpoint answered 429.
+    RateLimit,
+    /// A turn or model call ran out of time (the pool's turn timeouts, HTTP 408 or 504).
+    Timeout,
+    /// The backend's process died, hung or broke its protocol during the turn.
+    Crash,
+}
+
+impl FallbackClass {
+    /// Every class, in a fixed order (the `class` label's values).
+    pub const ALL: [FallbackClass; 4] = [
+        FallbackClass::Auth,
+        FallbackClass::RateLimit,
+        FallbackClass::Timeout,
+        FallbackClass::Crash,
+    ];
+
+    /// `auth`, `rate_limit`, `timeout` or `crash`: the metrics label and the SSE spelling.
+    pub fn label(self) -> &'static str {
+        match self {
+            FallbackClass::Auth => "auth",
+            FallbackClass::RateLimit => "rate_limit",
+            FallbackClass::Timeout => "timeout",
+            FallbackClass::Crash => "crash",
+        }
+    }
+}
+
+/// The retryable class of an HTTP status of a failing model call, if it has one.
+pub fn classify_status(status: u16) -> Option<FallbackClass> {
+    match status {
+        401 | 403 => Some(FallbackClass::Auth),
+        429 => Some(FallbackClass::RateLimit),
+        408 | 504 => Some(FallbackClass::Timeout),
+        _ => None,
+    }
+}
+
+/// The retryable class of an error's words (a runtime's error type, a CLI's message), if
+/// they name one; matched case-insensitively.
+fn classify_words(text: &str) -> Option<FallbackClass> {
+    let text = text.to_ascii_lowercase();
+    let has = |words: &[&str]| words.iter().any(|w| text.contains(w));
+    if has(&[
+        "rate limit",
+        "rate_limit",
+        "ratelimit",
+        "too many requests",
+        "429",
+    ]) {
+        Some(FallbackClass::RateLimit)
+    } else if has(&[
+        "unauthorized",
+        "authentication",
+        "invalid x-api-key",
+        "invalid api key",
+        "forbidden",
+        "401",
+        "403",
+    ]) {
+        Some(FallbackClass::Auth)
+    } else if has(&["timed out", "timeout", "504", "408"]) {
+        Some(FallbackClass::Timeout)
+    } else {
+        None
+    }
+}
+
+/// The retryable class of a Copilot turn that did not end `idle`: its end, the failing
+/// model call's status and the runtime's error type (`TurnOutcome::end`, `status_code`,
+/// `error_type`). A crashed or timed-out turn is retryable; a failed one when its status (or
+/// else its error type) says auth, rate limit or timeout; an idle or aborted turn never.
+pub fn classify_copilot(
+    end: Option<TurnEnd>,
+    status_code: Option<u16>,
+    error_type: Option<&str>,
+) -> Option<FallbackClass> {
+    match end {
+        Some(TurnEnd::Crashed) => Some(FallbackClass::Crash),
+        Some(TurnEnd::Timeout) => Some(FallbackClass::Timeout),
+        Some(TurnEnd::Error) | None => match status_code {
+            Some(status) => classify_status(status),
+            None => error_type.and_then(classify_words),
+        },
+        Some(TurnEnd::Idle) | Some(TurnEnd::Aborted) => None,
+    }
+}
+
+/// The retryable class of a CLI backend's turn outcome: a crash or a time limit, or an error
+/// the CLI reported whose message names auth, a rate limit or a timeout. An output limit or
+/// any other error does not fall back.
+pub fn classify_cli(outcome: &CliTurnOutcome) -> Option<FallbackClass> {
+    match &outcome.failure {
+        Some(TurnFailure::Crashed { .. }) => Some(FallbackClass::Crash),
+        Some(TurnFailure::TimedOut { .. }) => Some(FallbackClass::Timeout),
+        Some(TurnFailure::Cli { message, reason }) => {
+            classify_words(message).or_else(|| reason.as_deref().and_then(classify_words))
+        }
+        Some(TurnFailure::OutputLimit { .. }) => None,
+        None => match outcome.end {
+            Some(TurnEnd::Crashed) => Some(FallbackClass::Crash),
+            Some(TurnEnd::Timeout) => Some(FallbackClass::Timeout),
+            _ => None,
+        },
+    }
+}
+
+/// Why a chain of backends, a prelude budget or a transcript was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FallbackError {
+    /// A backend appears twice in the chain (the primary included).
+    #[error(
+        "fallback names `{backend}` twice (the primary backend counts); list each backend once, \
+         in the order to try them"
+    )]
+    Duplicate {
+        /// The repeated backend id.
+        backend: String,
+    },
+    /// The chain is longer than [`MAX_FALLBACKS`] after the primary.
+    #[error(
+        "fallback names {given} backends; at most {max} may follow the primary backend, so \
+         drop the ones that would never be reached"
+    )]
+    TooMany {
+        /// How many were named.
+        given: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A prelude budget outside 1..=[`MAX_PRELUDE_CHARS`].
+    #[error(
+        "the prelude budget of {given} characters is out of range; choose 1 to {max} (default \
+         {default})"
+    )]
+    Budget {
+        /// The budget asked for.
+        given: usize,
+        /// The largest accepted.
+        max: usize,
+        /// The default.
+        default: usize,
+    },
+    /// The transcript could not be read.
+    #[error(
+        "could not read the transcript {path:?} for the fallback prelude: {source}; check that \
+         the transcript directory is readable by this user"
+    )]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+}
+
+/// Checks a turn's chain: the fallbacks after `primary`, none twice (nor the primary), at
+/// most [`MAX_FALLBACKS`]. Whether each id names a configured backend is the pool's check
+/// (`Pool::check_backend`), which the caller runs on each.
+pub fn check_chain(primary: &str, fallbacks: &[String]) -> Result<(), FallbackError> {
+    if fallbacks.len() > MAX_FALLBACKS {
+        return Err(FallbackError::TooMany {
+            given: fallbacks.len(),
+            max: MAX_FALLBACKS,
+        });
+    }
+    let mut seen = vec![primary];
+    for backend in fallbacks {
+        if seen.contains(&backend.as_str()) {
+            return Err(FallbackError::Duplicate {
+                backend: backend.clone(),
+            });
+        }
+        seen.push(backend);
+    }
+    Ok(())
+}
+
+/// Checks a prelude budget: 1 to [`MAX_PRELUDE_CHARS`] characters.
+pub fn check_budget(budget: usize) -> Result<usize, FallbackError> {
+    if (1..=MAX_PRELUDE_CHARS).contains(&budget) {
+        Ok(budget)
+    } else {
+        Err(FallbackError::Budget {
+            given: budget,
+            max: MAX_PRELUDE_CHARS,
+            default: DEFAULT_PRELUDE_CHARS,
+        })
+    }
+}
+
+/// One message of the failed conversation, as the prelude shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreludeEntry {
+    /// Who said it.
+    pub role: Role,
+    /// What was said.
+    pub content: String,
+    /// The tool's name, for a tool result.
+    pub tool_name: Option<String>,
+}
+
+impl PreludeEntry {
+    /// An entry of `role` saying `content`.
+    pub fn new(role: Role, content: impl Into<String>) -> Self {
+        Self {
+            role,
+            content: content.into(),
+            tool_name: None,
+        }
+    }
+
+    /// The entry as one block of the prelude: `<role>: <content>` (`tool <name>:` for a tool
+    /// result), ending with a newline.
+    fn render(&self) -> String {
+        let who = match (self.role, &self.tool_name) {
+            (Role::Tool, Some(name)) => format!("tool {name}"),
+            (role, _) => role.as_str().to_owned(),
+        };
+        format!("{who}: {}\n", self.content)
+    }
+}
+
+/// What the prelude starts with; `{from}` names the failed backend.
+fn header(from: &str) -> String {
+    format!(
+        "[Context carried over: this conversation ran on another backend ({from}), which \
+         failed. What was said so far, a summary first, then the latest messages, oldest \
+         first:]\n"
+    )
+}
+
+/// What ends the prelude, before the user's message.
+const FOOTER: &str = "[End of the carried-over context. The user's new message follows.]\n\n";
+
+/// The heading of the summary block.
+const SUMMARY_HEADING: &str = "Summary of the earlier conversation:\n";
+
+fn chars(text: &str) -> usize {
+    text.chars().count()
+}
+
+/// `text` cut to at most `max` characters, keeping its start, with `…` where it was cut.
+fn keep_start(text: &str, max: usize) -> String {
+    if chars(text) <= max {
+        return text.to_owned();
+    }
+    if max == 0 {
+        return String::new();
+    }
+    let mut out: String = text.chars().take(max - 1).collect();
+    out.push(ELLIPSIS);
+    out
+}
+
+/// `text` cut to at most `max` characters, keeping its end, with `…` where it was cut.
+fn keep_end(text: &str, max: usize) -> String {
+    let n = chars(text);
+    if n <= max {
+        return text.to_owned();
+    }
+    if max == 0 {
+        return String::new();
+    }
+    let mut out = String::with_capacity(max * 4);
+    out.push(ELLIPSIS);
+    out.extend(text.chars().skip(n - (max - 1)));
+    out
+}
+
+/// The prelude that seeds the next backend with the failed conversation, at most `budget`
+/// characters in all: a header naming the failed backend `from`, the compaction `summary`
+/// (when there is one; at most half the budget, its start kept), then the newest `entries`
+/// that fit whole, oldest of those first (when not even the newest fits, its end is kept,
+/// cut to fit), then a footer. `None` when there is nothing to carry (no summary, no
+/// entries) or the budget cannot hold the header and the footer with any text between.
+pub fn build_prelude(
+    from: &str,
+    summary: Option<&str>,
+    entries: &[PreludeEntry],
+    budget: usize,
+) -> Option<String> {
+    let summary = summary.map(str::trim).filter(|s| !s.is_empty());
+    if summary.is_none() && entries.is_empty() {
+        return None;
+    }
+    let header = header(from);
+    let frame = chars(&header) + chars(FOOTER);
+    // Room for the frame and at least a few characters of text.
+    let mut room = budget.checked_sub(frame)?.checked_sub(1)?;
+    let mut out = header;
+    if let Some(summary) = summary {
+        let share = room / SUMMARY_SHARE_DIVISOR;
+        let heading = chars(SUMMARY_HEADING);
+        if share > heading + 1 {
+            // The summary's block: heading, the text, a blank line.
+            let text = keep_start(summary, share - heading - 1);
+            out.push_str(SUMMARY_HEADING);
+            out.push_str(&text);
+            out.push('\n');
+            room -= heading + chars(&text) + 1;
+        }
+    }
+    // The newest entries that fit whole, newest first while choosing.
+    let mut chosen: Vec<String> = Vec::new();
+    for entry in entries.iter().rev() {
+        let block = entry.render();
+        let n = chars(&block);
+        if n > room {
+            if chosen.is_empty() && room > 1 {
+                // Not even the newest fits: its end, cut to fit (newline included).
+                let mut cut = keep_end(block.trim_end_matches('\n'), room - 1);
+                cut.push('\n');
+                chosen.push(cut);
+            }
+            break;
+        }
+        room -= n;
+        chosen.push(block);
+    }
+    if chosen.is_empty() && summary.is_none() {
+        return None;
+    }
+    for block in chosen.iter().rev() {
+        out.push_str(block);
+    }
+    out.push_str(FOOTER);
+    Some(out)
+}
+
+/// The prompt the next backend runs: the prelude, then the user's message.
+pub fn seeded_prompt(prelude: Option<&str>, prompt: &str) -> String {
+    match prelude {
+        Some(prelude) => format!("{prelude}{prompt}"),
+        None => prompt.to_owned(),
+    }
+}
+
+/// Drops the failed turn itself from the newest entries: from the last user entry whose
+/// content is `prompt` to the end (the next backend gets the prompt as its own message).
+pub fn without_failed_turn(mut entries: Vec<PreludeEntry>, prompt: &str) -> Vec<PreludeEntry> {
+    let prompt = prompt.trim();
+    if let Some(at) = entries
+        .iter()
+        .rposition(|e| e.role == Role::User && e.content.trim() == prompt)
+    {
+        entries.truncate(at);
+    }
+    entries
+}
+
+/// What the prelude needs of a transcript: its last compaction summary and its newest
+/// entries.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TranscriptTail {
+    /// The text of the last `summary` entry (a compaction's), if any.
+    pub summary: Option<String>,
+    /// The newest user, assistant and tool entries, oldest first.
+    pub entries: Vec<PreludeEntry>,
+}
+
+/// One line of a transcript mirror, as the prelude reads it.
+#[derive(serde::Deserialize)]
+struct Line {
+    role: Role,
+    content: String,
+    #[serde(default)]
+    tool_name: Option<String>,
+}
+
+/// Reads the last compaction summary and the newest entries of the transcript mirror at
+/// `path` (`crate::transcript::transcript_path`), keeping in memory at most about `budget`
+/// characters of entries (plus the line being read and the last summary): enough for
+/// [`build_prelude`] with the same budget. A missing file is an empty tail; lines that do not
+/// parse (a torn last line) are skipped. Blocks on the disk: async callers run it on a
+/// blocking thread.
+pub fn read_transcript_tail(path: &Path, budget: usize) -> Result<TranscriptTail, FallbackError> {
+    read_tail(path, budget, |line, tail| {
+        let Ok(line) = serde_json::from_str::<Line>(line) else {
+            return;
+        };
+        if line.role == Role::Summary {
+            tail.summary(line.content);
+        } else {
+            tail.push(PreludeEntry {
+                role: line.role,
+                content: line.content,
+                tool_name: line.tool_name,
+            });
+        }
+    })
+}
+
+/// One line of Claude Code's own transcript (`<CLAUDE_CONFIG_DIR>/projects/<cwd
+/// slug>/<session id>.jsonl`), as the prelude reads it: only `user` and `assistant` lines
+/// of the main conversation (not `isMeta` notices, not sub-agents' `isSidechain` lines).
+#[derive(serde::Deserialize)]
+struct ClaudeLine {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default, rename = "isMeta")]
+    is_meta: bool,
+    #[serde(default, rename = "isSidechain")]
+    is_sidechain: bool,
+    #[serde(default, rename = "isCompactSummary")]
+    is_compact_summary: bool,
+    #[serde(default)]
+    message: Option<ClaudeMessage>,
+}
+
+#[derive(serde::Deserialize)]
+struct ClaudeMessage {
+    #[serde(default)]
+    content: serde_json::Value,
+}
+
+/// The text of a Claude message's `content`: a string, or the `text` of its text blocks;
+/// tool results (`tool_result` blocks) separately, with their text.
+fn claude_content(content: &serde_json::Value) -> (String, Vec<String>) {
+    use serde_json::Value;
+    fn text_of(value: &Value) -> String {
+        match value {
+            Value::String(s) => s.clone(),
+            Value::Array(blocks) => blocks
+                .iter()
+                .filter(|b| b["type"] == "text")
+                .filter_map(|b| b["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
+            _ => String::new(),
+        }
+    }
+    let mut results = Vec::new();
+    if let Value::Array(blocks) = content {
+        for block in blocks.iter().filter(|b| b["type"] == "tool_result") {
+            results.push(text_of(&block["content"]));
+        }
+    }
+    (text_of(content), results)
+}
+
+/// Reads the newest user, assistant and tool entries of a Claude Code transcript (its
+/// compaction summary, a user line marked `isCompactSummary`, as the summary), memory bounded
+/// as [`read_transcript_tail`]. A missing file is an empty tail; lines of other types or that
+/// do not parse are skipped. Blocks on the disk.
+pub fn read_claude_transcript_tail(
+    path: &Path,
+    budget: usize,
+) -> Result<TranscriptTail, FallbackError> {
+    read_tail(path, budget, |line, tail| {
+        let Ok(line) = serde_json::from_str::<ClaudeLine>(line) else {
+            return;
+        };
+        let role = match line.kind.as_str() {
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
+            _ => return,
+        };
+        if line.is_meta || line.is_sidechain {
+            return;
+        }
+        let Some(message) = line.message else {
+            return;
+        };
+        let (text, results) = claude_content(&message.content);
+        if line.is_compact_summary {
+            tail.summary(text);
+            return;
+        }
+        for result in results.into_iter().filter(|r| !r.is_empty()) {
+            tail.push(PreludeEntry::new(Role::Tool, result));
+        }
+        if !text.is_empty() {
+            tail.push(PreludeEntry::new(role, text));
+        }
+    })
+}
+
+/// The newest entries of a transcript being read, at most about a budget of characters
+/// (always the newest one), and the last summary.
+struct Tail {
+    budget: usize,
+    summary: Option<String>,
+    kept: VecDeque<PreludeEntry>,
+    kept_chars: usize,
+}
+
+impl Tail {
+    fn summary(&mut self, text: String) {
+        self.summary = Some(text);
+    }
+
+    fn push(&mut self, entry: PreludeEntry) {
+        self.kept_chars += chars(&entry.content);
+        self.kept.push_back(entry);
+        // Older entries beyond the budget can never be shown: keep the newest that could
+        // be, and always the newest one.
+        while self.kept.len() > 1 && self.kept_chars > self.budget {
+            if let Some(old) = self.kept.pop_front() {
+                self.kept_chars -= chars(&old.content);
+            }
+        }
+    }
+}
+
+/// Reads the JSONL file at `path` line by line, handing each to `take`.
+fn read_tail(
+    path: &Path,
+    budget: usize,
+    mut take: impl FnMut(&str, &mut Tail),
+) -> Result<TranscriptTail, FallbackError> {
+    let read_error = |source| FallbackError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(TranscriptTail::default()),
+        Err(e) => return Err(read_error(e)),
+    };
+    let mut tail = Tail {
+        budget,
+        summary: None,
+        kept: VecDeque::new(),
+        kept_chars: 0,
+    };
+    for line in BufReader::new(file).lines() {
+        let line = line.map_err(read_error)?;
+        take(&line, &mut tail);
+    }
+    Ok(TranscriptTail {
+        summary: tail.summary,
+        entries: tail.kept.into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn entry(role: Role, text: &str) -> PreludeEntry {
+        PreludeEntry::new(role, text)
+    }
+
+    #[test]
+    fn a_class_serializes_as_its_metrics_label() {
+        for class in FallbackClass::ALL {
+            assert_eq!(
+                serde_json::to_value(class).ok(),
+                Some(serde_json::Value::from(class.label()))
+            );
+        }
+    }
+
+    #[test]
+    fn model_statuses_map_to_their_retryable_classes_and_others_to_none() {
+        assert_eq!(classify_status(401), Some(FallbackClass::Auth));
+        assert_eq!(classify_status(403), Some(FallbackClass::Auth));
+        assert_eq!(classify_status(429), Some(FallbackClass::RateLimit));
+        assert_eq!(classify_status(504), Some(FallbackClass::Timeout));
+        assert_eq!(classify_status(408), Some(FallbackClass::Timeout));
+        for status in [200, 400, 404, 413, 422, 500, 502, 503] {
+            assert_eq!(classify_status(status), None, "{status}");
+        }
+    }
+
+    #[test]
+    fn a_copilot_turn_falls_back_on_crash_timeout_auth_and_rate_limit_only() {
+        use FallbackClass::*;
+        assert_eq!(
+            classify_copilot(Some(TurnEnd::Crashed), None, None),
+            Some(Crash)
+        );
+        assert_eq!(
+            classify_copilot(Some(TurnEnd::Timeout), None, None),
+            Some(Timeout)
+        );
+        assert_eq!(
+            classify_copilot(Some(TurnEnd::Error), Some(401), Some("authentication")),
+            Some(Auth)
+        );
+        assert_eq!(
+            classify_copilot(Some(TurnEnd::Error), Some(429), None),
+            Some(RateLimit)
+        );
+        // The status decides over the words when there is one.
+        assert_eq!(
+            classify_copilot(Some(TurnEnd::Error), Some(400), Some("rate_limit")),
+            None
+        );
+        assert_eq!(
+            classify_copilot(Some(TurnEnd::Error), None, Some("rate_limit")),
+            Some(RateLimit)
+        );
+        assert_eq!(
+            classify_copilot(Some(TurnEnd::Error), Some(400), Some("query")),
+            None
+        );
+        assert_eq!(classify_copilot(Some(TurnEnd::Error), None, None), None);
+        assert_eq!(classify_copilot(Some(TurnEnd::Idle), Some(429), None), None);
+        assert_eq!(
+            classify_copilot(Some(TurnEnd::Aborted), None, Some("timeout")),
+            None
+        );
+    }
+
+    #[test]
+    fn a_cli_turn_falls_back_on_its_crash_time_limit_and_auth_or_rate_limit_errors() {
+        let with = |failure: TurnFailure| CliTurnOutcome {
+            failure: Some(failure),
+            end: Some(TurnEnd::Error),
+            ..CliTurnOutcome::default()
+        };
+        let crashed = with(TurnFailure::Crashed {
+            exit: "signal 9".into(),
+            stderr_tail: String::new(),
+        });
+        assert_eq!(classify_cli(&crashed), Some(FallbackClass::Crash));
+        let timed_out = with(TurnFailure::TimedOut {
+            limit_secs: 1,
+            stderr_tail: String::new(),
+        });
+        assert_eq!(classify_cli(&timed_out), Some(FallbackClass::Timeout));
+        let auth = with(TurnFailure::Cli {
+            message: "API Error: 401 {\"type\":\"authentication_error\"}".into(),
+            reason: None,
+        });
+        assert_eq!(classify_cli(&auth), Some(FallbackClass::Auth));
+        let limited = with(TurnFailure::Cli {
+            message: "API Error: Rate limit reached".into(),
+            reason: None,
+        });
+        assert_eq!(classify_cli(&limited), Some(FallbackClass::RateLimit));
+        let bad = with(TurnFailure::Cli {
+            message: "API Error: 400 invalid model".into(),
+            reason: None,
+        });
+        assert_eq!(classify_cli(&bad), None);
+        let limit = with(TurnFailure::OutputLimit {
+            unit: "lines",
+            key: "maxTurnLines",
+            limit: 1,
+            cap: 2,
+        });
+        assert_eq!(classify_cli(&limit), None);
+        assert_eq!(classify_cli(&CliTurnOutcome::default()), None);
+    }
+
+    #[test]
+    fn a_chain_names_each_backend_once_and_not_too_many() {
+        assert!(check_chain("copilot", &["claude-cli".into()]).is_ok());
+        assert!(check_chain("copilot", &[]).is_ok());
+        let twice = check_chain("copilot", &["claude-cli".into(), "claude-cli".into()])
+            .expect_err("a duplicate");
+        assert!(twice.to_string().contains("`claude-cli` twice"), "{twice}");
+        let primary = check_chain("copilot", &["copilot".into()]).expect_err("the primary");
+        assert!(primary.to_string().contains("`copilot` twice"), "{primary}");
+        let many: Vec<String> = (0..=MAX_FALLBACKS).map(|i| format!("b{i}")).collect();
+        let too_many = check_chain("copilot", &many).expect_err("too many");
+        assert!(too_many.to_string().contains("at most 4"), "{too_many}");
+        assert!(check_budget(0).is_err());
+        assert!(check_budget(MAX_PRELUDE_CHARS + 1).is_err());
+        assert_eq!(check_budget(10).ok(), Some(10));
+    }
+
+    #[test]
+    fn the_prelude_puts_the_summary_first_then_the_newest_turns_oldest_first() {
+        let entries = vec![
+            entry(Role::User, "first question"),
+            entry(Role::Assistant, "first answer"),
+            entry(Role::User, "second question"),
+            entry(Role::Assistant, "second answer"),
+        ];
+        let prelude = build_prelude("copilot", Some("they talked about birds"), &entries, 2_000)
+            .expect("a prelude");
+        let at = |needle: &str| prelude.find(needle).unwrap_or_else(|| panic!("{needle}"));
+        assert!(prelude.contains("(copilot)"));
+        assert!(at("they talked about birds") < at("user: first question"));
+        assert!(at("user: first question") < at("assistant: first answer"));
+        assert!(at("assistant: first answer") < at("assistant: second answer"));
+        assert!(prelude.ends_with(FOOTER));
+
+        // A small budget keeps the newest whole entries only.
+        let small = chars(&header("copilot")) + chars(FOOTER) + 60;
+        let prelude = build_prelude("copilot", None, &entries, small).expect("a prelude");
+        assert!(prelude.contains("assistant: second answer"), "{prelude}");
+        assert!(!prelude.contains("first question"), "{prelude}");
+        assert!(chars(&prelude) <= small);
+    }
+
+    #[test]
+    fn an_oversized_newest_entry_keeps_its_end_and_nothing_to_carry_is_no_prelude() {
+        let long = format!("start {} end-marker", "x".repeat(5_000));
+        let budget = 1_000;
+        let prelude =
+            build_prelude("copilot", None, &[entry(Role::User, &long)], budget).expect("a prelude");
+        assert!(prelude.contains("end-marker"));
+        assert!(!prelude.contains("start"));
+        assert!(chars(&prelude) <= budget);
+        assert_eq!(build_prelude("copilot", None, &[], budget), None);
+        assert_eq!(build_prelude("copilot", Some("  "), &[], budget), None);
+        // No room for the frame: nothing rather than a broken prelude.
+        assert_eq!(
+            build_prelude("copilot", None, &[entry(Role::User, "hi")], 20),
+            None
+        );
+    }
+
+    #[test]
+    fn the_failed_turns_own_prompt_is_not_carried_twice() {
+        let entries = vec![
+            entry(Role::User, "earlier"),
+            entry(Role::Assistant, "answer"),
+            entry(Role::User, "the failing prompt"),
+        ];
+        let kept = without_failed_turn(entries.clone(), "the failing prompt\n");
+        assert_eq!(kept, entries[..2].to_vec());
+        assert_eq!(without_failed_turn(entries.clone(), "other"), entries);
+    }
+
+    #[test]
+    fn the_transcript_tail_keeps_the_last_summary_and_the_newest_entries() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("copilot-s.jsonl");
+        let mut text = String::new();
+        for i in 0..50 {
+            text.push_str(&format!(
+                "{{\"id\":\"u{i}\",\"scope\":\"copilot:s\",\"role\":\"user\",\"content\":\"question {i:02}\",\"ts_ms\":1}}\n"
+            ));
+            if i == 10 {
+                text.push_str("{\"id\":\"s\",\"scope\":\"copilot:s\",\"role\":\"summary\",\"content\":\"the summary\",\"ts_ms\":1}\n");
+            }
+        }
+        text.push_str("{\"id\":\"torn\",\"role\":\"assi");
+        std::fs::write(&path, text).expect("write");
+        let tail = read_transcript_tail(&path, 60).expect("read");
+        assert_eq!(tail.summary.as_deref(), Some("the summary"));
+        let last = tail.entries.last().expect("entries");
+        assert_eq!(last.content, "question 49");
+        let total: usize = tail.entries.iter().map(|e| chars(&e.content)).sum();
+        assert!(total <= 60, "{total}");
+        assert!(tail.entries.len() >= 5);
+        let missing = read_transcript_tail(&dir.path().join("none.jsonl"), 60).expect("missing");
+        assert_eq!(missing, TranscriptTail::default());
+    }
+
+    #[test]
+    fn a_claude_transcript_gives_its_user_assistant_and_tool_text_and_its_compact_summary() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("s.jsonl");
+        let lines = [
+            r#"{"type":"queue-operation","operation":"enqueue"}"#,
+            r#"{"type":"user","isCompactSummary":true,"message":{"role":"user","content":"earlier: birds"}}"#,
+            r#"{"type":"user","isMeta":true,"message":{"role":"user","content":"<command caveat>"}}"#,
+            r#"{"type":"user","message":{"role":"user","content":"remember ALBATROSS-3"}}"#,
+            r#"{"type":"attachment","attachment":{"type":"x"}}"#,
+            r#"{"type":"assistant","message":{"role":"assistant","content":[{"type":"thinking","thinking":"hm"},{"type":"text","text":"noted"},{"type":"tool_use","id":"t","name":"Bash","input":{}}]}}"#,
+            r#"{"type":"user","message":{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"ok done"}]}}"#,
+            r#"{"type":"assistant","isSidechain":true,"message":{"role":"assistant","content":[{"type":"text","text":"sub-agent"}]}}"#,
+            r#"{"type":"user","message":{"role":"user","content":[{"type":"text","text":"second"}]}}"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).expect("write");
+        let tail = read_claude_transcript_tail(&path, 1_000).expect("read");
+        assert_eq!(tail.summary.as_deref(), Some("earlier: birds"));
+        assert_eq!(
+            tail.entries,
+            vec![
+                entry(Role::User, "remember ALBATROSS-3"),
+                entry(Role::Assistant, "noted"),
+                entry(Role::Tool, "ok done"),
+                entry(Role::User, "second"),
+            ]
+        );
+    }
+
+    fn any_role() -> impl Strategy<Value = Role> {
+        prop_oneof![Just(Role::User), Just(Role::Assistant), Just(Role::Tool)]
+    }
+
+    proptest! {
+        #[test]
+        fn a_prelude_never_exceeds_its_budget_and_shows_a_suffix_of_the_entries_in_order(
+            summary in proptest::option::of(".{0,400}"),
+            entries in proptest::collection::vec((any_role(), ".{0,300}"), 0..30),
+            budget in 0usize..3_000,
+        ) {
+            let entries: Vec<PreludeEntry> =
+                entries.into_iter().map(|(r, c)| PreludeEntry::new(r, c)).collect();
+            let Some(prelude) = build_prelude("copilot", summary.as_deref(), &entries, budget)
+            else {
+                return Ok(());
+            };
+            prop_assert!(chars(&prelude) <= budget, "{} > {}", chars(&prelude), budget);
+            prop_assert!(prelude.starts_with(&header("copilot")));
+            prop_assert!(prelude.ends_with(FOOTER));
+            // The entries shown whole are the newest ones, oldest first, and the next older
+            // one would not have fitted.
+            let shown: Vec<String> = entries.iter().map(PreludeEntry::render).collect();
+            let body = &prelude[header("copilot").len()..prelude.len() - FOOTER.len()];
+            let oldest = (0..=shown.len())
+                .find(|&k| body.ends_with(&shown[k..].concat()))
+                .unwrap_or(shown.len());
+            if oldest > 0 {
+                prop_assert!(
+                    chars(&prelude) + chars(&shown[oldest - 1]) >= budget,
+                    "entry {} would have fitted", oldest - 1
+                );
+            }
+            if let Some(s) = summary.as_deref().map(str::trim).filter(|s| !s.is_empty())
+                && body.starts_with(SUMMARY_HEADING)
+            {
+                let first = body[SUMMARY_HEADING.len()..].chars().next();
+                prop_assert!(first == s.chars().next() || first == Some(ELLIPSIS));
+            }
+        }
+    }
+}

@@ -1,0 +1,444 @@
+//! Fallback across backends (issue 17, item 6) through a real `copilot-pool serve`: the
+//! real Copilot runtime and the real Claude Code CLI (both installed by the test support)
+//! against one scripted model speaking Anthropic messages on loopback. A Copilot
+//! conversation runs two turns; its third fails with a retryable class (the model answers
+//! 401 to the runtime), and the turn runs again on `claude-cli`, whose model request must
+//! carry the earlier turns in its prelude. A non-retryable failure (400) does not fall back,
+//! and bad chains are refused.
+//!
+//! The tests take one lock, so at most one conversation's processes run at a time.
+
+mod support;
+
+use std::time::Duration;
+
+use copilot_pool::scripted_model::{HttpEndpoint, RecordedRequest, Reply, ScriptedModel};
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+
+use support::agent_cli::claude_path;
+use support::http::{Daemon, Sse, SseStream, call};
+use support::procs::with_env_prefix;
+
+/// One test at a time (each runs its own runtime and Claude processes).
+static SERIAL: Mutex<()> = Mutex::const_new(());
+
+/// How many times the runtime sends a model call that was answered 401 before it fails the
+/// turn (a first try and two retries; measured with runtime 1.0.14).
+const RUNTIME_401_ATTEMPTS: usize = 3;
+
+/// A failure guard for one whole turn, not a wait.
+const TURN_LIMIT: Duration = Duration::from_secs(180);
+
+struct Fixture {
+    model: ScriptedModel,
+    endpoint: HttpEndpoint,
+    scratch: support::Scratch,
+}
+
+impl Fixture {
+    async fn new() -> Self {
+        let model = ScriptedModel::new();
+        let endpoint = model.serve_http().await.expect("scripted model");
+        Self {
+            model,
+            endpoint,
+            scratch: support::Scratch::new(),
+        }
+    }
+
+    /// The daemon: the transcript mirror on (the prelude's source) and the bundled
+    /// `claude-cli` with the installed executable.
+    async fn daemon(&self) -> Daemon {
+        let config = format!(
+            "drain_grace_secs = 5\n[turns]\ntranscript_dir = {:?}\n[backends.claude-cli]\ncommand = {:?}\n",
+            self.scratch
+                .path()
+                .join("transcripts")
+                .display()
+                .to_string(),
+            claude_path().await.display().to_string()
+        );
+        Daemon::start(self.scratch.path(), &config, &[]).await
+    }
+
+    /// A turn body on `copilot` falling back to `claude-cli`; one Anthropic provider serves
+    /// both (the runtime's BYOK and Claude's endpoint and key).
+    fn body(&self, session_key: &str, prompt: &str) -> Value {
+        json!({
+            "agent_id": "agent-f",
+            "session_key": session_key,
+            "prompt": prompt,
+            "model": "claude-sonnet-4-5",
+            "provider": {
+                "type": "anthropic",
+                "base_url": format!("http://{}", self.endpoint.addr()),
+                "api_key": "sk-ant-FAKE-fallback",
+            },
+            "fallback": ["claude-cli"],
+        })
+    }
+
+    /// Claude processes of this fixture (found by their `CLAUDE_CONFIG_DIR`).
+    fn claude_processes(&self) -> Vec<u32> {
+        with_env_prefix(
+            "CLAUDE_CONFIG_DIR",
+            &self.scratch.path().display().to_string(),
+        )
+    }
+
+    /// The model calls whose user text contains `needle`.
+    fn calls_with(&self, needle: &str) -> Vec<RecordedRequest> {
+        self.model
+            .requests()
+            .into_iter()
+            .filter(|r| user_text(r).contains(needle))
+            .collect()
+    }
+}
+
+/// The user messages of a request, joined.
+fn user_text(request: &RecordedRequest) -> String {
+    request
+        .messages()
+        .iter()
+        .filter(|m| m["role"] == "user")
+        .map(|m| match &m["content"] {
+            Value::String(text) => text.clone(),
+            Value::Array(blocks) => blocks
+                .iter()
+                .filter_map(|b| b["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
+            _ => String::new(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Whether a model call came from Claude Code (its own user agent) rather than the runtime.
+fn from_claude(request: &RecordedRequest) -> bool {
+    request
+        .header("user-agent")
+        .iter()
+        .any(|ua| ua.to_ascii_lowercase().contains("claude-cli"))
+}
+
+/// Runs a streamed turn; its events and its `turn.end`.
+async fn turn(daemon: &Daemon, body: &Value) -> (Vec<Sse>, Value) {
+    let run = async {
+        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, body).await;
+        assert_eq!(stream.status, 200, "the turn was accepted");
+        stream.until_end().await
+    };
+    tokio::time::timeout(TURN_LIMIT, run)
+        .await
+        .expect("the turn ended in time")
+}
+
+fn names(events: &[Sse]) -> Vec<&str> {
+    events.iter().map(|e| e.event.as_str()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copilot_turn_failing_with_auth_falls_back_to_claude_with_the_earlier_turns_in_its_prelude()
+ {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+
+    // Two Copilot turns that work: no fallback.
+    for prompt in ["remember PELICAN-17", "and also HERON-42"] {
+        let (events, end) = turn(&daemon, &fx.body("f1", prompt)).await;
+        assert_eq!(end["status"], "idle", "{end}");
+        assert_eq!(end["backend"], "copilot", "{end}");
+        assert_eq!(end["fallback_from"], Value::Null, "{end}");
+        assert!(
+            !names(&events).contains(&"backend.fallback"),
+            "{:?}",
+            names(&events)
+        );
+    }
+    assert!(fx.claude_processes().is_empty(), "Claude was not needed");
+
+    // The runtime's next model calls are refused: a retryable auth failure. The runtime
+    // (1.0.14) retries a 401 twice before it fails the turn.
+    for _ in 0..RUNTIME_401_ATTEMPTS {
+        fx.model.push_reply(Reply::Error { status: 401 });
+    }
+    let started = std::time::Instant::now();
+    let (events, end) = turn(&daemon, &fx.body("f1", "REPLY=answered by claude")).await;
+    eprintln!(
+        "measured: a failing Copilot turn and its Claude fallback (spawn included) {:?}",
+        started.elapsed()
+    );
+    let names = names(&events);
+    assert_eq!(
+        fx.model.pending_replies(),
+        0,
+        "the runtime met every 401: {names:?} {end}"
+    );
+    let at = names
+        .iter()
+        .position(|n| *n == "backend.fallback")
+        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
+    let notice = &events[at].data;
+    assert_eq!(notice["from"], "copilot", "{notice}");
+    assert_eq!(notice["to"], "claude-cli", "{notice}");
+    assert_eq!(notice["class"], "auth", "{notice}");
+    assert_eq!(notice["status_code"], 401, "{notice}");
+    assert!(
+        notice["prelude_chars"].as_u64().unwrap_or(0) > 0,
+        "{notice}"
+    );
+    assert!(
+        !names[..at]
+            .iter()
+            .any(|n| n.starts_with("assistant.message")),
+        "no Copilot output before the fallback: {names:?}"
+    );
+    assert!(
+        names[at..].contains(&"assistant.message_delta"),
+        "Claude's events follow in the same vocabulary: {names:?}"
+    );
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["backend"], "claude-cli", "{end}");
+    assert_eq!(end["fallback_from"], "copilot", "{end}");
+    assert_eq!(end["final_text"], "answered by claude", "{end}");
+
+    // What Claude's model call carried: the prelude with both earlier turns, then the prompt.
+    let claude_calls: Vec<RecordedRequest> = fx
+        .calls_with("REPLY=answered by claude")
+        .into_iter()
+        .filter(from_claude)
+        .collect();
+    let call = claude_calls.last().unwrap_or_else(|| {
+        let agents: Vec<Vec<String>> = fx
+            .model
+            .requests()
+            .iter()
+            .map(|r| {
+                r.header("user-agent")
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect()
+            })
+            .collect();
+        panic!("no Claude model call for the prompt; user agents seen: {agents:?}")
+    });
+    let text = user_text(call);
+    for earlier in ["PELICAN-17", "HERON-42", "scripted reply #"] {
+        assert!(
+            text.contains(earlier),
+            "the prelude carries {earlier:?}: {text}"
+        );
+    }
+    let prelude_at = text.find("PELICAN-17").unwrap_or(usize::MAX);
+    let prompt_at = text.rfind("REPLY=answered by claude").unwrap_or(0);
+    assert!(prelude_at < prompt_at, "the prelude comes first: {text}");
+    assert_eq!(
+        text.matches("REPLY=answered by claude").count(),
+        1,
+        "the failed prompt is not carried twice: {text}"
+    );
+
+    let metrics = call_metrics(&daemon).await;
+    let series =
+        "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"auth\"} 1";
+    assert!(
+        metrics.lines().any(|l| l == series),
+        "{series} missing from:\n{metrics}"
+    );
+    assert!(daemon.terminate().await.success());
+}
+
+async fn call_metrics(daemon: &Daemon) -> String {
+    call(daemon.addr, "GET", "/metrics", None, None).await.body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_retryable_failure_does_not_fall_back_and_bad_chains_are_refused() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+
+    let (_, first) = turn(&daemon, &fx.body("n1", "remember OSPREY-5")).await;
+    assert_eq!(first["status"], "idle", "{first}");
+
+    // A bad request is not retryable: the turn ends with its error on Copilot.
+    fx.model.push_reply(Reply::Error { status: 400 });
+    let (events, end) = turn(&daemon, &fx.body("n1", "REPLY=must stay on copilot")).await;
+    assert_eq!(end["status"], "error", "{end}");
+    assert_eq!(end["backend"], "copilot", "{end}");
+    assert_eq!(end["status_code"], 400, "{end}");
+    assert_eq!(end["fallback_from"], Value::Null, "{end}");
+    assert!(
+        !names(&events).contains(&"backend.fallback"),
+        "{:?}",
+        names(&events)
+    );
+    assert!(
+        !fx.model.requests().iter().any(from_claude),
+        "Claude was never asked"
+    );
+    assert!(
+        fx.claude_processes().is_empty(),
+        "no Claude process started"
+    );
+    let metrics = call_metrics(&daemon).await;
+    assert!(
+        !metrics
+            .lines()
+            .any(|l| l.starts_with("copilot_pool_fallbacks_total{") && !l.ends_with(" 0")),
+        "no fallback counted:\n{metrics}"
+    );
+
+    // Chains the daemon refuses, each a 400 that says how to fix it.
+    let refused = |mut body: Value, patch: Value| {
+        for (k, v) in patch.as_object().cloned().unwrap_or_default() {
+            body[k] = v;
+        }
+        async move {
+            let answer = call(daemon.addr, "POST", "/v1/turns", None, Some(&body)).await;
+            assert_eq!(answer.status, 400, "{}", answer.body);
+            answer.body
+        }
+    };
+    let body = fx.body("n2", "hi");
+    let twice = refused(
+        body.clone(),
+        json!({"fallback": ["claude-cli", "claude-cli"]}),
+    )
+    .await;
+    assert!(twice.contains("`claude-cli` twice"), "{twice}");
+    let primary = refused(body.clone(), json!({"fallback": ["copilot"]})).await;
+    assert!(primary.contains("`copilot` twice"), "{primary}");
+    let unknown = refused(body.clone(), json!({"fallback": ["nope-cli"]})).await;
+    assert!(unknown.contains("[backends.nope-cli]"), "{unknown}");
+    let tools = refused(body.clone(), json!({"tools": [{"name": "lookup"}]})).await;
+    assert!(
+        tools.contains("gateway tools") && tools.contains("`fallback` names `claude-cli`"),
+        "{tools}"
+    );
+    let budget = refused(body, json!({"prelude_chars": 0})).await;
+    assert!(budget.contains("prelude_chars"), "{budget}");
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_killed_mid_turn_falls_back_to_claude_as_a_crash() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+
+    let (_, first) = turn(&daemon, &fx.body("k1", "remember KESTREL-8")).await;
+    assert_eq!(first["status"], "idle", "{first}");
+
+    // The runtime's next model call hangs; the runtime is killed while it waits.
+    let before = fx.model.requests().len();
+    fx.model.push_reply(Reply::Hang);
+    let run = async {
+        let body = fx.body("k1", "REPLY=after the crash");
+        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, &body).await;
+        assert_eq!(stream.status, 200, "the turn was accepted");
+        fx.model.wait_for_requests(before + 1).await;
+        let pool = call(daemon.addr, "GET", "/v1/pool", None, None)
+            .await
+            .json();
+        let pid = pool["processes"][0]["pid"]
+            .as_u64()
+            .expect("the runtime's pid");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(pid).expect("a pid")),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .expect("kill the runtime");
+        stream.until_end().await
+    };
+    let (events, end) = tokio::time::timeout(TURN_LIMIT, run)
+        .await
+        .expect("the turn ended in time");
+    let names = names(&events);
+    let notice = events
+        .iter()
+        .find(|e| e.event == "backend.fallback")
+        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
+    assert_eq!(notice.data["class"], "crash", "{}", notice.data);
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["backend"], "claude-cli", "{end}");
+    assert_eq!(end["fallback_from"], "copilot", "{end}");
+    assert_eq!(end["final_text"], "after the crash", "{end}");
+    let call = fx
+        .calls_with("REPLY=after the crash")
+        .into_iter()
+        .rfind(from_claude)
+        .expect("Claude's model call");
+    assert!(
+        user_text(&call).contains("KESTREL-8"),
+        "the prelude carries the turn before the crash: {}",
+        user_text(&call)
+    );
+    let metrics = call_metrics(&daemon).await;
+    let series =
+        "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"crash\"} 1";
+    assert!(
+        metrics.lines().any(|l| l == series),
+        "{series} missing from:\n{metrics}"
+    );
+    assert!(daemon.terminate().await.success());
+}
+
+/// How many times Claude Code sends a model call answered 401 before it ends the turn with
+/// its error (`CLAUDE_CODE_MAX_RETRIES=1`: a first try and one retry).
+const CLAUDE_401_ATTEMPTS: usize = 2;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_turn_failing_with_auth_falls_back_to_copilot_with_claudes_transcript_in_its_prelude()
+ {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    let body = |prompt: &str| {
+        let mut body = fx.body("c1", prompt);
+        body["backend"] = json!("claude-cli");
+        body["fallback"] = json!(["copilot"]);
+        body
+    };
+
+    let (_, first) = turn(&daemon, &body("remember ALBATROSS-3")).await;
+    assert_eq!(first["status"], "idle", "{first}");
+    assert_eq!(first["backend"], "claude-cli", "{first}");
+
+    for _ in 0..CLAUDE_401_ATTEMPTS {
+        fx.model.push_reply(Reply::Error { status: 401 });
+    }
+    let (events, end) = turn(&daemon, &body("REPLY=answered by copilot")).await;
+    let names = names(&events);
+    assert_eq!(
+        fx.model.pending_replies(),
+        0,
+        "Claude met every 401: {names:?} {end}"
+    );
+    let notice = events
+        .iter()
+        .find(|e| e.event == "backend.fallback")
+        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
+    assert_eq!(notice.data["from"], "claude-cli", "{}", notice.data);
+    assert_eq!(notice.data["to"], "copilot", "{}", notice.data);
+    assert_eq!(notice.data["class"], "auth", "{}", notice.data);
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["backend"], "copilot", "{end}");
+    assert_eq!(end["fallback_from"], "claude-cli", "{end}");
+    assert_eq!(end["final_text"], "answered by copilot", "{end}");
+    let call = fx
+        .calls_with("REPLY=answered by copilot")
+        .into_iter()
+        .rfind(|r| !from_claude(r))
+        .expect("the runtime's model call");
+    let text = user_text(&call);
+    assert!(
+        text.contains("ALBATROSS-3") && text.contains("(claude-cli)"),
+        "the prelude carries Claude's earlier turn: {text}"
+    );
+    assert!(daemon.terminate().await.success());
+}
