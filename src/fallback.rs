@@ -17,6 +17,7 @@ use std::fs::File;
 use std::io::{self, BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
+use crate::backend::gemini::GeminiError;
 use crate::backend::{CliTurnOutcome, TurnFailure};
 use crate::kinds::TurnEnd;
 use crate::transcript::Role;
@@ -144,12 +145,29 @@ pub fn classify_cli(outcome: &CliTurnOutcome) -> Option<FallbackClass> {
         Some(TurnFailure::Cli { message, reason }) => {
             classify_words(message).or_else(|| reason.as_deref().and_then(classify_words))
         }
+        Some(TurnFailure::Gemini { error }) => classify_gemini(error),
         Some(TurnFailure::OutputLimit { .. }) => None,
         None => match outcome.end {
             Some(TurnEnd::Crashed) => Some(FallbackClass::Crash),
             Some(TurnEnd::Timeout) => Some(FallbackClass::Timeout),
             _ => None,
         },
+    }
+}
+
+/// Gemini CLI's typed exits: refused credentials (exit 41), a kill, or a failed model call
+/// whose `error.code` is a retryable HTTP status (or, without one, whose message names
+/// one). A stale resume id, bad input, the turn limit or an untrusted folder do not fall
+/// back: the next backend would be refused the same way or has nothing to recover.
+fn classify_gemini(error: &GeminiError) -> Option<FallbackClass> {
+    match error {
+        GeminiError::Auth { .. } => Some(FallbackClass::Auth),
+        GeminiError::Killed { .. } => Some(FallbackClass::Crash),
+        GeminiError::Failed { code, message, .. } => code
+            .and_then(|c| u16::try_from(c).ok())
+            .and_then(classify_status)
+            .or_else(|| classify_words(message)),
+        _ => None,
     }
 }
 
@@ -694,6 +712,40 @@ mod tests {
         });
         assert_eq!(classify_cli(&limit), None);
         assert_eq!(classify_cli(&CliTurnOutcome::default()), None);
+
+        let gemini = |error: GeminiError| with(TurnFailure::Gemini { error });
+        let message = || "m".to_owned();
+        assert_eq!(
+            classify_cli(&gemini(GeminiError::Auth { message: message() })),
+            Some(FallbackClass::Auth)
+        );
+        assert_eq!(
+            classify_cli(&gemini(GeminiError::Killed {
+                exit: "signal 9 (SIGKILL)".into()
+            })),
+            Some(FallbackClass::Crash)
+        );
+        let failed = |code: Option<i64>, message: &str| {
+            gemini(GeminiError::Failed {
+                exit: "exit code 1".into(),
+                code,
+                message: message.into(),
+            })
+        };
+        assert_eq!(
+            classify_cli(&failed(Some(429), "quota")),
+            Some(FallbackClass::RateLimit)
+        );
+        assert_eq!(classify_cli(&failed(Some(400), "bad request")), None);
+        assert_eq!(classify_cli(&failed(Some(1), "fetch failed")), None);
+        assert_eq!(
+            classify_cli(&failed(None, "Rate limit reached")),
+            Some(FallbackClass::RateLimit)
+        );
+        assert_eq!(
+            classify_cli(&gemini(GeminiError::ResumeNotFound { message: message() })),
+            None
+        );
     }
 
     #[test]
