@@ -383,3 +383,37 @@ async fn a_key_refresh_under_the_same_profile_resumes_and_another_profile_starts
     let left = wait_none(|| fx.claude_processes(), Duration::from_secs(5)).await;
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_turn_past_its_timeout_ms_ends_timeout_and_the_next_turn_is_served() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+
+    // 60 chunks 250 ms apart: 15 s of answer against a 2 s limit.
+    let mut body = fx.body("t1", "SCENARIO:slow SLOW=60x250", "sk-ant-FAKE-k1", None);
+    body["timeout_ms"] = json!(2000);
+    let (events, slow) = turn(&daemon, &body).await;
+    assert_eq!(slow["status"], "timeout", "{slow}");
+    assert!(
+        slow["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("ran past its limit of 2 s")),
+        "{slow}"
+    );
+    assert!(
+        events.iter().any(|e| e == "assistant.message_delta"),
+        "the answer had started streaming: {events:?}"
+    );
+
+    let (_, next) = turn(
+        &daemon,
+        &fx.body("t1", "REPLY=after the timeout", "sk-ant-FAKE-k1", None),
+    )
+    .await;
+    assert_eq!(next["status"], "idle", "{next}");
+    assert_eq!(next["final_text"], "after the timeout", "{next}");
+    assert!(daemon.terminate().await.success());
+    let left = wait_none(|| fx.claude_processes(), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+}

@@ -129,10 +129,12 @@ pub enum TurnFailure {
         /// The last lines of its stderr.
         stderr_tail: String,
     },
-    /// The turn ran past its time limit; the process group was killed.
+    /// The turn ran past its time limit: a one-shot turn's process group was killed, a live
+    /// process was interrupted (and killed if it did not stop within its grace).
     #[error(
-        "the turn ran past its limit of {limit_secs} s and its process was killed; raise the \
-         turn timeout, or check why the CLI stalls (its stderr: {stderr_tail})"
+        "the turn ran past its limit of {limit_secs} s and was stopped; raise the turn \
+         timeout (a turn's `timeout_ms`, the pool's absolute turn timeout), or check why the \
+         CLI stalls (its stderr: {stderr_tail})"
     )]
     TimedOut {
         /// The limit, in seconds.

@@ -247,6 +247,7 @@ impl Pool {
             permission: req.handlers.permission_policy.clone(),
             fail_if_busy: req.fail_if_busy,
             wait: req.wait_timeout.unwrap_or(inner.config.wait_timeout),
+            turn_timeout: Some(req.handlers.timeouts.absolute),
         };
         inner.cli.lease(ask, bindings_key).await
     }

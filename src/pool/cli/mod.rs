@@ -18,6 +18,7 @@ pub(crate) mod slots;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,6 +30,7 @@ use crate::backend::oneshot::{
 };
 use crate::backend::{
     BackendEvent, BackendKind, CliBackendConfig, CliConversation, CliTurn, CliTurnOutcome,
+    TurnFailure,
 };
 use crate::ids::CliSessionId;
 use crate::kinds::{OpenReason, TurnEnd};
@@ -54,6 +56,8 @@ pub(crate) struct CliAsk {
     pub permission: Arc<dyn PermissionPolicy>,
     pub fail_if_busy: bool,
     pub wait: Duration,
+    /// Each turn's time limit (the pool's absolute turn timeout, or the request's).
+    pub turn_timeout: Option<Duration>,
 }
 
 struct Shell {
@@ -69,7 +73,7 @@ pub(crate) struct CliPool {
     backends: BTreeMap<String, CliBackendConfig>,
     bindings: Arc<BindingStore>,
     leased: watch::Sender<usize>,
-    closed: std::sync::atomic::AtomicBool,
+    closed: AtomicBool,
     max_waiters: usize,
 }
 
@@ -118,7 +122,7 @@ impl CliPool {
             backends,
             bindings,
             leased: watch::channel(0).0,
-            closed: std::sync::atomic::AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             max_waiters,
         })
     }
@@ -266,6 +270,7 @@ impl CliPool {
             crashed: false,
             cwd: ask.cwd.clone(),
             home: ask.home.clone(),
+            turn_timeout: ask.turn_timeout,
         };
         if reuse {
             lease.conversation = self.lock().parked.remove(&ask.conversation);
@@ -353,7 +358,7 @@ impl CliPool {
     }
 
     fn give_back(&self, conversation: &str, runner: Option<CliConversation>, crashed: bool) {
-        let closed = self.closed.load(std::sync::atomic::Ordering::SeqCst);
+        let closed = self.closed.load(Ordering::SeqCst);
         let mut shell = self.lock();
         let kept = runner.is_some() && !closed;
         let effects = shell
@@ -387,7 +392,7 @@ impl CliPool {
     /// the grace), and running leases get `grace` to come back; a lease returned later
     /// closes its process.
     pub(crate) async fn shutdown(&self, grace: Duration) {
-        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.closed.store(true, Ordering::SeqCst);
         let parked: Vec<CliConversation> = {
             let mut shell = self.lock();
             let effects = shell.core.close();
@@ -482,6 +487,7 @@ pub struct CliLease {
     crashed: bool,
     cwd: PathBuf,
     home: PathBuf,
+    turn_timeout: Option<Duration>,
 }
 
 impl std::fmt::Debug for CliLease {
@@ -534,6 +540,12 @@ impl CliLease {
         &self.cwd
     }
 
+    /// Each turn's time limit from now on (`None`: only the runner's own). A turn past it is
+    /// interrupted and ends `timeout` ([`crate::backend::TurnFailure::TimedOut`]).
+    pub fn set_turn_timeout(&mut self, limit: Option<Duration>) {
+        self.turn_timeout = limit;
+    }
+
     /// Sends `prompt` and returns the running turn; read it with [`CliLeaseTurn::next`] to
     /// its `turn.end`, which records the CLI session id durably.
     pub async fn start_turn(&mut self, prompt: &str) -> Result<CliLeaseTurn<'_>, PoolError> {
@@ -544,8 +556,25 @@ impl CliLease {
             .start_turn(prompt)
             .await
             .map_err(|e| PoolError::InvalidRequest(format!("backend `{}`: {e}", self.backend)))?;
+        // The limit interrupts the turn through its abort handle (a task, so no read of the
+        // runner is ever cut short); the runner then ends it `aborted`, which `next` reports
+        // as the timeout it was. Each turn has its own handle: a late firing cannot reach
+        // the next turn.
+        let timed_out = Arc::new(AtomicBool::new(false));
+        let timer = self.turn_timeout.map(|limit| {
+            let abort = turn.abort_handle();
+            let flag = timed_out.clone();
+            let timer = tokio::spawn(async move {
+                tokio::time::sleep(limit).await;
+                flag.store(true, Ordering::SeqCst);
+                abort.abort();
+            });
+            (timer, limit)
+        });
         Ok(CliLeaseTurn {
             turn,
+            timer,
+            timed_out,
             bindings: &self.pool.bindings,
             bindings_key: &self.bindings_key,
             identity: &self.identity,
@@ -574,9 +603,21 @@ impl CliLease {
     }
 }
 
+impl Drop for CliLeaseTurn<'_> {
+    fn drop(&mut self) {
+        if let Some((timer, _)) = self.timer.take() {
+            timer.abort();
+        }
+    }
+}
+
 /// A running turn of a [`CliLease`].
 pub struct CliLeaseTurn<'a> {
     turn: CliTurn<'a>,
+    /// The task that interrupts the turn at its time limit, and the limit.
+    timer: Option<(tokio::task::JoinHandle<()>, Duration)>,
+    /// Set when the timer interrupted the turn.
+    timed_out: Arc<AtomicBool>,
     bindings: &'a BindingStore,
     bindings_key: &'a str,
     identity: &'a str,
@@ -600,8 +641,18 @@ impl CliLeaseTurn<'_> {
     /// durably (a binding that cannot be written is logged: the session id is still in the
     /// outcome) and the turn counted in the metrics.
     pub async fn next(&mut self) -> Option<BackendEvent> {
-        let event = self.turn.next().await?;
-        if let BackendEvent::TurnEnd(outcome) = &event {
+        let mut event = self.turn.next().await?;
+        if let BackendEvent::TurnEnd(outcome) = &mut event {
+            if let Some((timer, limit)) = self.timer.take() {
+                timer.abort();
+                if self.timed_out.load(Ordering::SeqCst) && outcome.end == Some(TurnEnd::Aborted) {
+                    outcome.end = Some(TurnEnd::Timeout);
+                    outcome.failure = Some(TurnFailure::TimedOut {
+                        limit_secs: limit.as_secs(),
+                        stderr_tail: String::new(),
+                    });
+                }
+            }
             let end = outcome.end.unwrap_or(TurnEnd::Error);
             if end == TurnEnd::Crashed {
                 *self.crashed = true;
