@@ -266,6 +266,7 @@ impl CliPool {
             crashed: false,
             cwd: ask.cwd.clone(),
             home: ask.home.clone(),
+            kind: config.kind,
         };
         if reuse {
             lease.conversation = self.lock().parked.remove(&ask.conversation);
@@ -482,6 +483,7 @@ pub struct CliLease {
     crashed: bool,
     cwd: PathBuf,
     home: PathBuf,
+    kind: BackendKind,
 }
 
 impl std::fmt::Debug for CliLease {
@@ -532,6 +534,11 @@ impl CliLease {
     /// The conversation's working directory.
     pub fn working_directory(&self) -> &std::path::Path {
         &self.cwd
+    }
+
+    /// The backend's kind (`cli-oneshot` or `cli-live`).
+    pub fn kind(&self) -> BackendKind {
+        self.kind
     }
 
     /// Sends `prompt` and returns the running turn; read it with [`CliLeaseTurn::next`] to
