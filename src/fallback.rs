@@ -689,10 +689,11 @@ pub fn read_codex_transcript_tail(
                         _ => return,
                     };
                     let text = text_blocks(&payload.content, &["input_text", "output_text"]);
-                    let injected = CODEX_INJECTED
-                        .iter()
-                        .any(|marker| text.trim_start().starts_with(marker));
-                    if !text.trim().is_empty() && !(role == Role::User && injected) {
+                    let injected = role == Role::User
+                        && CODEX_INJECTED
+                            .iter()
+                            .any(|marker| text.trim_start().starts_with(marker));
+                    if !text.trim().is_empty() && !injected {
                         tail.push(PreludeEntry::new(role, text));
                     }
                 }

@@ -481,7 +481,7 @@ async fn run_chain(
         end = match lease {
             NextLease::Copilot(lease, transcript_dir) => {
                 let message = Message::new(prompt);
-                run_turn(lease, message, transcript_dir, &events, &agent_id).await
+                run_turn(*lease, message, transcript_dir, &events, &agent_id).await
             }
             NextLease::Cli(lease) => run_cli_turn(lease, &prompt, &events, &agent_id).await,
         };
@@ -496,8 +496,9 @@ async fn run_chain(
 
 /// The lease of a fallback backend.
 enum NextLease {
-    /// A Copilot conversation, with its transcript mirror's directory.
-    Copilot(Lease, Option<PathBuf>),
+    /// A Copilot conversation (boxed: a `Lease` is large), with its transcript mirror's
+    /// directory.
+    Copilot(Box<Lease>, Option<PathBuf>),
     /// A CLI backend's conversation.
     Cli(CliLease),
 }
@@ -510,7 +511,7 @@ async fn lease_next(
     if req.backend == COPILOT_BACKEND {
         let transcript_dir = req.handlers.transcript.as_ref().map(|t| t.dir.clone());
         Ok(NextLease::Copilot(
-            state.pool.lease(req).await?,
+            Box::new(state.pool.lease(req).await?),
             transcript_dir,
         ))
     } else {
