@@ -18,7 +18,8 @@ use std::io::{self, BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use crate::backend::gemini::GeminiError;
-use crate::backend::{CliTurnOutcome, TurnFailure};
+use crate::backend::oneshot::Dialect;
+use crate::backend::{BackendKind, CliTurnOutcome, TurnFailure};
 use crate::kinds::TurnEnd;
 use crate::transcript::Role;
 
@@ -155,14 +156,14 @@ pub fn classify_cli(outcome: &CliTurnOutcome) -> Option<FallbackClass> {
     }
 }
 
-/// Gemini CLI's typed exits: refused credentials (exit 41), a kill, or a failed model call
-/// whose `error.code` is a retryable HTTP status (or, without one, whose message names
-/// one). A stale resume id, bad input, the turn limit or an untrusted folder do not fall
-/// back: the next backend would be refused the same way or has nothing to recover.
+/// The retryable class of a Gemini CLI failure: refused credentials (exit 41) are auth; a
+/// failed model call by the HTTP status the CLI reports (`error.code`), else by its message's
+/// words; a killed process or an answer that broke the CLI's JSON is a crash. A refused input,
+/// a missing session, the turn limit, an untrusted folder or bad settings do not fall back.
 fn classify_gemini(error: &GeminiError) -> Option<FallbackClass> {
     match error {
         GeminiError::Auth { .. } => Some(FallbackClass::Auth),
-        GeminiError::Killed { .. } => Some(FallbackClass::Crash),
+        GeminiError::Killed { .. } | GeminiError::Unreadable { .. } => Some(FallbackClass::Crash),
         GeminiError::Failed { code, message, .. } => code
             .and_then(|c| u16::try_from(c).ok())
             .and_then(classify_status)
@@ -543,6 +544,310 @@ pub fn read_claude_transcript_tail(
     })
 }
 
+/// Which CLI (or the pool's own mirror) wrote a transcript, so which reader reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TranscriptFormat {
+    /// The pool's Copilot transcript mirror ([`read_transcript_tail`]).
+    CopilotMirror,
+    /// Claude Code's own transcript ([`read_claude_transcript_tail`]).
+    ClaudeCode,
+    /// Codex's rollout ([`read_codex_transcript_tail`]).
+    Codex,
+    /// Gemini CLI's chat file ([`read_gemini_transcript_tail`]).
+    Gemini,
+}
+
+impl TranscriptFormat {
+    /// The format of the transcript a CLI backend `backend_id` of `kind` leaves: Claude
+    /// Code's for `cli-live`; for `cli-oneshot` its dialect's (`codex-cli` → Codex,
+    /// `google-gemini-cli` → Gemini); `None` for a generic one-shot CLI (no transcript the
+    /// pool knows to read) or a `copilot` backend.
+    pub fn of_cli(backend_id: &str, kind: BackendKind) -> Option<Self> {
+        match kind {
+            BackendKind::CliLive => Some(TranscriptFormat::ClaudeCode),
+            BackendKind::CliOneshot => match Dialect::of_backend(backend_id) {
+                Dialect::Codex => Some(TranscriptFormat::Codex),
+                Dialect::Gemini => Some(TranscriptFormat::Gemini),
+                _ => None,
+            },
+            BackendKind::Copilot => None,
+        }
+    }
+}
+
+/// Reads the tail of the transcript at `path` written in `format` (the matching reader).
+pub fn read_tail_of(
+    format: TranscriptFormat,
+    path: &Path,
+    budget: usize,
+) -> Result<TranscriptTail, FallbackError> {
+    match format {
+        TranscriptFormat::CopilotMirror => read_transcript_tail(path, budget),
+        TranscriptFormat::ClaudeCode => read_claude_transcript_tail(path, budget),
+        TranscriptFormat::Codex => read_codex_transcript_tail(path, budget),
+        TranscriptFormat::Gemini => read_gemini_transcript_tail(path, budget),
+    }
+}
+
+/// The text blocks of a content array whose `type` is one of `kinds` (or, with no `type`,
+/// any block with a `text`), joined by newlines; a string content as it is.
+fn text_blocks(content: &serde_json::Value, kinds: &[&str]) -> String {
+    use serde_json::Value;
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(blocks) => blocks
+            .iter()
+            .filter(|b| match b.get("type").and_then(Value::as_str) {
+                Some(kind) => kinds.contains(&kind),
+                None => true,
+            })
+            // Gemini marks its thinking parts `thought: true`.
+            .filter(|b| b.get("thought").and_then(Value::as_bool) != Some(true))
+            .filter_map(|b| b.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+/// One line of a Codex rollout (`<home>/.codex/sessions/YYYY/MM/DD/rollout-<time>-<thread
+/// id>.jsonl`): `{"type": "response_item" | "compacted" | "event_msg" | …, "payload": …}`.
+#[derive(serde::Deserialize)]
+struct CodexLine {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    payload: Option<CodexPayload>,
+}
+
+/// The fields of a rollout line's payload the prelude reads (the rest is skipped unread).
+#[derive(serde::Deserialize)]
+struct CodexPayload {
+    /// A response item's type: `message`, `function_call`, `function_call_output`, …
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+    #[serde(default)]
+    role: Option<String>,
+    #[serde(default)]
+    content: serde_json::Value,
+    /// A call's tool name.
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    call_id: Option<String>,
+    /// A call's output: a string, or content blocks.
+    #[serde(default)]
+    output: serde_json::Value,
+    /// A compaction's summary.
+    #[serde(default)]
+    message: Option<String>,
+}
+
+/// How the user messages Codex writes for itself begin (the environment, AGENTS.md and
+/// user instructions it injects): not the user's words, so not carried.
+const CODEX_INJECTED: [&str; 5] = [
+    "<environment_context>",
+    "<user_instructions>",
+    "<INSTRUCTIONS>",
+    "# AGENTS.md instructions",
+    "<user_shell_command>",
+];
+
+/// How many tool calls' names a Codex reader remembers to name their outputs (calls run a
+/// few at a time; an output whose call was forgotten is shown without its name).
+const CODEX_CALL_NAMES: usize = 16;
+
+/// Reads the newest user, assistant and tool entries of a Codex rollout (the `message`,
+/// `function_call_output` and `custom_tool_call_output` response items; the last
+/// `compacted` line's message as the summary), memory bounded as [`read_transcript_tail`].
+/// Developer and system messages, the environment context and instructions Codex injects as
+/// user messages, reasoning, and the `event_msg` lines (which repeat the messages) are
+/// skipped, as are lines that do not parse. A missing file is an empty tail. Blocks on the
+/// disk.
+pub fn read_codex_transcript_tail(
+    path: &Path,
+    budget: usize,
+) -> Result<TranscriptTail, FallbackError> {
+    let mut names: VecDeque<(String, String)> = VecDeque::new();
+    read_tail(path, budget, |line, tail| {
+        let Ok(line) = serde_json::from_str::<CodexLine>(line) else {
+            return;
+        };
+        let Some(payload) = line.payload else { return };
+        match line.kind.as_str() {
+            "compacted" => {
+                if let Some(message) = payload.message.filter(|m| !m.trim().is_empty()) {
+                    tail.summary(message);
+                }
+            }
+            "response_item" => match payload.kind.as_deref() {
+                Some("message") => {
+                    let role = match payload.role.as_deref() {
+                        Some("user") => Role::User,
+                        Some("assistant") => Role::Assistant,
+                        _ => return,
+                    };
+                    let text = text_blocks(&payload.content, &["input_text", "output_text"]);
+                    let injected = role == Role::User
+                        && CODEX_INJECTED
+                            .iter()
+                            .any(|marker| text.trim_start().starts_with(marker));
+                    if !text.trim().is_empty() && !injected {
+                        tail.push(PreludeEntry::new(role, text));
+                    }
+                }
+                Some("function_call" | "custom_tool_call") => {
+                    if let (Some(id), Some(name)) = (payload.call_id, payload.name) {
+                        if names.len() == CODEX_CALL_NAMES {
+                            names.pop_front();
+                        }
+                        names.push_back((id, name));
+                    }
+                }
+                Some("function_call_output" | "custom_tool_call_output") => {
+                    let text = text_blocks(&payload.output, &["input_text", "output_text"]);
+                    if text.trim().is_empty() {
+                        return;
+                    }
+                    let tool_name = payload.call_id.and_then(|id| {
+                        names
+                            .iter()
+                            .rev()
+                            .find(|(call, _)| *call == id)
+                            .map(|(_, name)| name.clone())
+                    });
+                    tail.push(PreludeEntry {
+                        role: Role::Tool,
+                        content: text,
+                        tool_name,
+                    });
+                }
+                _ => {}
+            },
+            _ => {}
+        }
+    })
+}
+
+/// One line of Gemini CLI's chat file (`<home>/.gemini/tmp/<project>/chats/session-<time>-<id
+/// prefix>.jsonl`): a header (`sessionId`, no `type`), a message record (`id`, `type`
+/// `user` | `gemini` | `info` | `error` | `warning`, `content`), a later version of a record
+/// already written (the same `id`, e.g. a `gemini` record with its `toolCalls`), or a
+/// `$set` of the whole record's fields (a resumed run writes `messages`: the history so far).
+#[derive(serde::Deserialize)]
+struct GeminiLine {
+    #[serde(flatten)]
+    message: GeminiMessage,
+    #[serde(default, rename = "$set")]
+    set: Option<GeminiSet>,
+}
+
+#[derive(serde::Deserialize)]
+struct GeminiSet {
+    #[serde(default)]
+    messages: Option<Vec<GeminiMessage>>,
+}
+
+#[derive(serde::Deserialize)]
+struct GeminiMessage {
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+    /// A string, or parts (`text`, `functionCall`, `functionResponse`, …).
+    #[serde(default)]
+    content: serde_json::Value,
+}
+
+/// How the user message Gemini CLI writes for itself begins (the session's context: date,
+/// workspace, folder listing): not the user's words, so not carried.
+const GEMINI_INJECTED: &str = "<session_context>";
+
+impl GeminiMessage {
+    /// The message's entries: a user's text, a `gemini` answer's text, the tool results
+    /// (`functionResponse` parts of a user record, named). Other types give none.
+    fn entries(&self) -> Vec<PreludeEntry> {
+        let role = match self.kind.as_deref() {
+            Some("user") => Role::User,
+            Some("gemini") => Role::Assistant,
+            _ => return Vec::new(),
+        };
+        let mut out = Vec::new();
+        if let serde_json::Value::Array(parts) = &self.content {
+            for response in parts.iter().filter_map(|p| p.get("functionResponse")) {
+                let output = match response.get("response") {
+                    Some(serde_json::Value::Object(fields)) => match fields.get("output") {
+                        Some(serde_json::Value::String(s)) => s.clone(),
+                        _ => serde_json::Value::Object(fields.clone()).to_string(),
+                    },
+                    Some(other) => other.to_string(),
+                    None => String::new(),
+                };
+                if !output.trim().is_empty() {
+                    out.push(PreludeEntry {
+                        role: Role::Tool,
+                        content: output,
+                        tool_name: response
+                            .get("name")
+                            .and_then(serde_json::Value::as_str)
+                            .map(str::to_owned),
+                    });
+                }
+            }
+        }
+        let text = text_blocks(&self.content, &[]);
+        let injected = role == Role::User && text.trim_start().starts_with(GEMINI_INJECTED);
+        if !text.trim().is_empty() && !injected {
+            out.push(PreludeEntry::new(role, text));
+        }
+        out
+    }
+}
+
+/// Reads the newest user, assistant and tool entries of a Gemini CLI chat file, memory
+/// bounded as [`read_transcript_tail`]: a later version of the newest record replaces it, a
+/// `$set` of `messages` replaces everything read so far; the session context Gemini CLI
+/// injects, `info` / `error` / `warning` records and thinking parts are skipped, as are lines
+/// that do not parse. Gemini CLI writes no compaction summary, so there is none. A missing
+/// file is an empty tail. Blocks on the disk.
+pub fn read_gemini_transcript_tail(
+    path: &Path,
+    budget: usize,
+) -> Result<TranscriptTail, FallbackError> {
+    // The newest record's id and how many entries it gave (kept at the tail's end).
+    let mut newest: Option<(String, usize)> = None;
+    read_tail(path, budget, |line, tail| {
+        let Ok(line) = serde_json::from_str::<GeminiLine>(line) else {
+            return;
+        };
+        if let Some(messages) = line.set.and_then(|s| s.messages) {
+            tail.clear();
+            newest = None;
+            for message in &messages {
+                let entries = message.entries();
+                newest = message.id.clone().map(|id| (id, entries.len()));
+                entries.into_iter().for_each(|e| tail.push(e));
+            }
+            return;
+        }
+        let message = line.message;
+        if message.kind.is_none() {
+            return;
+        }
+        if let (Some(id), Some((newest_id, given))) = (&message.id, &newest)
+            && id == newest_id
+        {
+            for _ in 0..*given {
+                tail.pop_newest();
+            }
+        }
+        let entries = message.entries();
+        newest = message.id.clone().map(|id| (id, entries.len()));
+        entries.into_iter().for_each(|e| tail.push(e));
+    })
+}
+
 /// The newest entries of a transcript being read, at most about a budget of characters
 /// (always the newest one), and the last summary.
 struct Tail {
@@ -555,6 +860,19 @@ struct Tail {
 impl Tail {
     fn summary(&mut self, text: String) {
         self.summary = Some(text);
+    }
+
+    /// Forgets every entry (the summary stays).
+    fn clear(&mut self) {
+        self.kept.clear();
+        self.kept_chars = 0;
+    }
+
+    /// Drops the newest entry, if any is kept.
+    fn pop_newest(&mut self) {
+        if let Some(entry) = self.kept.pop_back() {
+            self.kept_chars -= chars(&entry.content);
+        }
     }
 
     fn push(&mut self, entry: PreludeEntry) {
@@ -749,6 +1067,45 @@ mod tests {
     }
 
     #[test]
+    fn a_gemini_failure_falls_back_on_auth_rate_limit_timeout_and_a_killed_cli_only() {
+        let with = |error: GeminiError| CliTurnOutcome {
+            failure: Some(TurnFailure::Gemini { error }),
+            end: Some(TurnEnd::Error),
+            ..CliTurnOutcome::default()
+        };
+        let failed = |code: Option<i64>, message: &str| {
+            with(GeminiError::Failed {
+                exit: "exit code 1".into(),
+                code,
+                message: message.into(),
+            })
+        };
+        use FallbackClass::*;
+        let auth = with(GeminiError::Auth {
+            message: "API key not valid".into(),
+        });
+        assert_eq!(classify_cli(&auth), Some(Auth));
+        assert_eq!(classify_cli(&failed(Some(429), "quota")), Some(RateLimit));
+        assert_eq!(classify_cli(&failed(Some(401), "no")), Some(Auth));
+        assert_eq!(classify_cli(&failed(Some(504), "slow")), Some(Timeout));
+        // No status: the words decide; a 503 or an unreachable endpoint does not fall back.
+        assert_eq!(
+            classify_cli(&failed(Some(1), "Request timed out")),
+            Some(Timeout)
+        );
+        assert_eq!(classify_cli(&failed(Some(503), "upstream failure")), None);
+        assert_eq!(classify_cli(&failed(Some(1), "fetch failed")), None);
+        let killed = with(GeminiError::Killed {
+            exit: "signal 9".into(),
+        });
+        assert_eq!(classify_cli(&killed), Some(Crash));
+        let input = with(GeminiError::Input {
+            message: "bad".into(),
+        });
+        assert_eq!(classify_cli(&input), None);
+    }
+
+    #[test]
     fn a_chain_names_each_backend_once_and_not_too_many() {
         assert!(check_chain("copilot", &["claude-cli".into()]).is_ok());
         assert!(check_chain("copilot", &[]).is_ok());
@@ -873,6 +1230,143 @@ mod tests {
                 entry(Role::User, "second"),
             ]
         );
+    }
+
+    /// Lines of a rollout written by Codex 0.171.0 in `tests/codex_backend.rs`'s set-up (a
+    /// turn, then a resumed turn with an `exec_command` call), long fields shortened; then a
+    /// compaction, a reasoning item, a torn line.
+    const CODEX_ROLLOUT: [&str; 14] = [
+        r#"{"timestamp":"2026-12-01T19:53:14.277Z","ordinal":0,"type":"session_meta","payload":{"session_id":"01a2332b-20a1","id":"01a2332b-20a1","cwd":"/w","originator":"codex_exec","cli_version":"0.171.0","base_instructions":{"text":"You are Codex"}}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.277Z","ordinal":1,"type":"event_msg","payload":{"type":"task_started","turn_id":"t1"}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.310Z","ordinal":2,"type":"response_item","payload":{"type":"message","id":"m0","role":"developer","content":[{"type":"input_text","text":"<skills_instructions>\n## Skills"}]}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.310Z","ordinal":3,"type":"response_item","payload":{"type":"message","id":"m1","role":"user","content":[{"type":"input_text","text":"<environment_context>\n  <cwd>/w</cwd>\n</environment_context>"}],"internal_chat_message_metadata_passthrough":{"content_item_kinds":["environments.environment_context"]}}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.316Z","ordinal":5,"type":"turn_context","payload":{"turn_id":"t1","cwd":"/w","approval_policy":"never","model":"gpt-5.5"}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.330Z","ordinal":7,"type":"response_item","payload":{"type":"message","id":"m2","role":"user","content":[{"type":"input_text","text":"remember PELICAN-17 REPLY=noted pelican"}]},"metadata":{"history_sequence":3}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.332Z","ordinal":8,"type":"event_msg","payload":{"type":"item_completed","item":{"type":"UserMessage","content":[{"type":"text","text":"remember PELICAN-17 REPLY=noted pelican"}]}}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.412Z","ordinal":10,"type":"response_item","payload":{"type":"message","status":"completed","id":"msg_resp_scripted_1","role":"assistant","content":[{"type":"output_text","text":"noted pelican","annotations":[]}]}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.415Z","ordinal":12,"type":"event_msg","payload":{"type":"token_count","info":{"total_token_usage":{"input_tokens":100}}}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.500Z","type":"compacted","payload":{"message":"they spoke of pelicans","replacement_history":[]}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.667Z","ordinal":17,"type":"response_item","payload":{"type":"message","id":"m3","role":"user","content":[{"type":"input_text","text":"SCENARIO:tool NAME=exec_command ARGS={\"cmd\":\"echo hi-from-tool\"}"}]}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.707Z","ordinal":19,"type":"response_item","payload":{"type":"function_call","status":"completed","id":"fc_call_scripted_2","name":"exec_command","arguments":"{\"cmd\":\"echo hi-from-tool\"}","call_id":"call_scripted_2"}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.841Z","ordinal":22,"type":"response_item","payload":{"type":"function_call_output","id":"fco_1","call_id":"call_scripted_2","output":"Process exited with code 0\nOutput:\nhi-from-tool\n"}}"#,
+        r#"{"timestamp":"2026-12-01T19:53:14.874Z","ordinal":25,"type":"response_item","payload":{"type":"reasoning","summary":[],"encrypted_content":"gAAA"}}
+{"timestamp":"2026-12-01T19:53:14.874Z","ordinal":25,"type":"response_item","payload":{"type":"message","status":"completed","id":"msg_resp_scripted_3","role":"assistant","content":[{"type":"output_text","text":"tool said: hi-from-tool","annotations":[]}]}}
+{"timestamp":"2026-12-01T19:53:14.9","type":"response_item","payload":{"type":"message","role":"assi"#,
+    ];
+
+    #[test]
+    fn a_codex_rollout_gives_the_users_words_the_answers_and_tool_output_and_its_compaction() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir
+            .path()
+            .join("rollout-2026-12-01T19-53-14-01a2332b-20a1.jsonl");
+        std::fs::write(&path, CODEX_ROLLOUT.join("\n")).expect("write");
+        let tail = read_codex_transcript_tail(&path, 1_000).expect("read");
+        assert_eq!(tail.summary.as_deref(), Some("they spoke of pelicans"));
+        let tool = PreludeEntry {
+            role: Role::Tool,
+            content: "Process exited with code 0\nOutput:\nhi-from-tool\n".into(),
+            tool_name: Some("exec_command".into()),
+        };
+        assert_eq!(
+            tail.entries,
+            vec![
+                entry(Role::User, "remember PELICAN-17 REPLY=noted pelican"),
+                entry(Role::Assistant, "noted pelican"),
+                entry(
+                    Role::User,
+                    r#"SCENARIO:tool NAME=exec_command ARGS={"cmd":"echo hi-from-tool"}"#
+                ),
+                tool,
+                entry(Role::Assistant, "tool said: hi-from-tool"),
+            ]
+        );
+        // Memory is bounded by the budget: the newest entries only.
+        let small = read_codex_transcript_tail(&path, 30).expect("read");
+        assert_eq!(
+            small.entries.last().map(|e| e.content.as_str()),
+            Some("tool said: hi-from-tool")
+        );
+        assert!(!small.entries.iter().any(|e| e.content.contains("PELICAN")));
+        let missing = read_codex_transcript_tail(&dir.path().join("none"), 30).expect("missing");
+        assert_eq!(missing, TranscriptTail::default());
+    }
+
+    /// Lines of a chat file written by Gemini CLI 0.61.0 in `tests/gemini_backend.rs`'s set-up
+    /// (a turn, then a resumed turn calling `read_file`), the session context shortened; then
+    /// an info record and a torn line.
+    const GEMINI_CHAT: [&str; 16] = [
+        r#"{"sessionId":"df166dcb-f4a4-4f13-87a7-5a16346be29f","projectHash":"5a67","startTime":"2026-12-01T19:53:16.809Z","lastUpdated":"2026-12-01T19:53:16.809Z","kind":"main"}"#,
+        r#"{"$set":{"messages":[{"id":"d049","timestamp":"2026-12-01T19:53:16.810Z","type":"user","content":[{"text":"<session_context>\nThis is the Gemini CLI.\n</session_context>"}]}],"lastUpdated":"2026-12-01T19:53:16.810Z"}}"#,
+        r#"{"id":"1628","timestamp":"2026-12-01T19:53:16.833Z","type":"user","content":[{"text":"remember PELICAN-17 REPLY=noted pelican"}]}"#,
+        r#"{"$set":{"lastUpdated":"2026-12-01T19:53:16.834Z"}}"#,
+        r#"{"id":"e74e","timestamp":"2026-12-01T19:53:16.931Z","type":"gemini","content":"noted pelican","thoughts":[],"tokens":{"input":100,"output":10},"model":"gemini-2.5-pro"}"#,
+        // The resumed run: a new header, then the history so far as one `$set`.
+        r#"{"sessionId":"df166dcb-f4a4-4f13-87a7-5a16346be29f","projectHash":"5a67","startTime":"2026-12-01T19:53:18.789Z","kind":"main"}"#,
+        r#"{"$set":{"sessionId":"df166dcb-f4a4-4f13-87a7-5a16346be29f"}}"#,
+        r#"{"$set":{"messages":[{"id":"d049","type":"user","content":[{"text":"<session_context>\nThis is the Gemini CLI.\n</session_context>"}]},{"id":"1628","type":"user","content":[{"text":"remember PELICAN-17 REPLY=noted pelican"}]},{"id":"e74e","type":"gemini","content":[{"text":"noted pelican"}]}],"lastUpdated":"2026-12-01T19:53:18.805Z"}}"#,
+        r#"{"id":"5b41","timestamp":"2026-12-01T19:53:18.819Z","type":"user","content":[{"text":"SCENARIO:tool NAME=read_file ARGS={\"file_path\":\"note.txt\"}"}]}"#,
+        r#"{"id":"3c58","timestamp":"2026-12-01T19:53:18.952Z","type":"gemini","content":"","thoughts":[],"model":"gemini-2.5-pro"}"#,
+        r#"{"id":"3c58","timestamp":"2026-12-01T19:53:18.952Z","type":"gemini","content":"","thoughts":[],"model":"gemini-2.5-pro","toolCalls":[{"id":"read_file__call_scripted_2","name":"read_file","args":{"file_path":"note.txt"},"result":[{"functionResponse":{"id":"read_file__call_scripted_2","name":"read_file","response":{"output":"the note says 42\n"}}}],"status":"success"}]}"#,
+        r#"{"id":"3741","timestamp":"2026-12-01T19:53:18.979Z","type":"user","content":[{"functionResponse":{"id":"read_file__call_scripted_2","name":"read_file","response":{"output":"the note says 42\n"}}}]}"#,
+        r#"{"id":"579f","timestamp":"2026-12-01T19:53:18.995Z","type":"gemini","content":"tool said: the note","thoughts":[]}"#,
+        // A later version of the newest record replaces it.
+        r#"{"id":"579f","timestamp":"2026-12-01T19:53:18.995Z","type":"gemini","content":[{"text":"thinking","thought":true},{"text":"tool said: the note says 42"}],"thoughts":[]}"#,
+        r#"{"id":"i1","type":"info","content":"Switched model"}"#,
+        r#"{"id":"x","type":"gemini","content":"tor"#,
+    ];
+
+    #[test]
+    fn a_gemini_chat_file_gives_each_record_once_in_its_latest_version_without_the_session_context()
+    {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("session-2026-12-01T19-53-df166dcb.jsonl");
+        std::fs::write(&path, GEMINI_CHAT.join("\n")).expect("write");
+        let tail = read_gemini_transcript_tail(&path, 1_000).expect("read");
+        assert_eq!(tail.summary, None);
+        let tool = PreludeEntry {
+            role: Role::Tool,
+            content: "the note says 42\n".into(),
+            tool_name: Some("read_file".into()),
+        };
+        assert_eq!(
+            tail.entries,
+            vec![
+                entry(Role::User, "remember PELICAN-17 REPLY=noted pelican"),
+                entry(Role::Assistant, "noted pelican"),
+                entry(
+                    Role::User,
+                    r#"SCENARIO:tool NAME=read_file ARGS={"file_path":"note.txt"}"#
+                ),
+                tool,
+                entry(Role::Assistant, "tool said: the note says 42"),
+            ]
+        );
+        let small = read_gemini_transcript_tail(&path, 40).expect("read");
+        assert_eq!(
+            small.entries.last().map(|e| e.content.as_str()),
+            Some("tool said: the note says 42")
+        );
+        assert!(!small.entries.iter().any(|e| e.content.contains("PELICAN")));
+    }
+
+    #[test]
+    fn each_cli_backend_reads_its_own_transcript_format() {
+        use BackendKind::*;
+        assert_eq!(
+            TranscriptFormat::of_cli("claude-cli", CliLive),
+            Some(TranscriptFormat::ClaudeCode)
+        );
+        assert_eq!(
+            TranscriptFormat::of_cli("codex-cli", CliOneshot),
+            Some(TranscriptFormat::Codex)
+        );
+        assert_eq!(
+            TranscriptFormat::of_cli("google-gemini-cli", CliOneshot),
+            Some(TranscriptFormat::Gemini)
+        );
+        assert_eq!(TranscriptFormat::of_cli("my-cli", CliOneshot), None);
+        assert_eq!(TranscriptFormat::of_cli("copilot", Copilot), None);
     }
 
     fn any_role() -> impl Strategy<Value = Role> {

@@ -369,9 +369,60 @@ struct StepEnd {
 enum PreludeSource {
     /// The Copilot transcript mirror (`<dir>/copilot-<session id>.jsonl`).
     Copilot(PathBuf),
-    /// A CLI backend's own transcript (Claude Code's `<home>/.claude/projects/…`; none
-    /// there for another CLI, which then gets no prelude).
-    Claude(PathBuf),
+    /// A CLI backend's own transcript, located when it is read (a directory search for a
+    /// Codex rollout or a Gemini CLI chat file): Claude Code's, Codex's or Gemini CLI's, by
+    /// `fallback::TranscriptFormat::of_cli`; a generic one-shot CLI leaves none the pool can
+    /// read, so its failure gives no prelude.
+    Cli {
+        /// The backend id (the one-shot dialect follows it).
+        backend: String,
+        /// The backend's kind.
+        kind: crate::backend::BackendKind,
+        /// The agent's home for the backend.
+        home: PathBuf,
+        /// The conversation's working directory.
+        cwd: PathBuf,
+        /// The CLI session id.
+        session_id: String,
+    },
+}
+
+impl PreludeSource {
+    /// The newest entries of this transcript (none when there is none to read). Blocking.
+    fn read(self, budget: usize) -> Result<fallback::TranscriptTail, fallback::FallbackError> {
+        match self {
+            PreludeSource::Copilot(path) => fallback::read_transcript_tail(&path, budget),
+            PreludeSource::Cli {
+                backend,
+                kind,
+                home,
+                cwd,
+                session_id,
+            } => {
+                let Some(format) = fallback::TranscriptFormat::of_cli(&backend, kind) else {
+                    return Ok(fallback::TranscriptTail::default());
+                };
+                match crate::backend::CliConversation::find_transcript(
+                    &backend,
+                    kind,
+                    &home,
+                    &cwd,
+                    &session_id,
+                ) {
+                    Ok(Some(path)) => fallback::read_tail_of(format, &path, budget),
+                    Ok(None) => Ok(fallback::TranscriptTail::default()),
+                    Err(searched) => {
+                        tracing::warn!(
+                            backend = %backend,
+                            searched = %searched.display(),
+                            "no fallback prelude: the failed conversation's transcript is not there"
+                        );
+                        Ok(fallback::TranscriptTail::default())
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Runs the rest of a turn's chain after its first backend ended with `end`: while the last
@@ -430,7 +481,7 @@ async fn run_chain(
         end = match lease {
             NextLease::Copilot(lease, transcript_dir) => {
                 let message = Message::new(prompt);
-                run_turn(lease, message, transcript_dir, &events, &agent_id).await
+                run_turn(*lease, message, transcript_dir, &events, &agent_id).await
             }
             NextLease::Cli(lease) => run_cli_turn(lease, &prompt, &events, &agent_id).await,
         };
@@ -445,8 +496,9 @@ async fn run_chain(
 
 /// The lease of a fallback backend.
 enum NextLease {
-    /// A Copilot conversation, with its transcript mirror's directory.
-    Copilot(Lease, Option<PathBuf>),
+    /// A Copilot conversation (boxed: a `Lease` is large), with its transcript mirror's
+    /// directory.
+    Copilot(Box<Lease>, Option<PathBuf>),
     /// A CLI backend's conversation.
     Cli(CliLease),
 }
@@ -459,7 +511,7 @@ async fn lease_next(
     if req.backend == COPILOT_BACKEND {
         let transcript_dir = req.handlers.transcript.as_ref().map(|t| t.dir.clone());
         Ok(NextLease::Copilot(
-            state.pool.lease(req).await?,
+            Box::new(state.pool.lease(req).await?),
             transcript_dir,
         ))
     } else {
@@ -472,10 +524,7 @@ async fn lease_next(
 /// backend still runs the prompt).
 async fn prelude_from(source: PreludeSource, from: &str, chain: &Chain) -> Option<String> {
     let budget = chain.budget;
-    let read = tokio::task::spawn_blocking(move || match source {
-        PreludeSource::Copilot(path) => fallback::read_transcript_tail(&path, budget),
-        PreludeSource::Claude(path) => fallback::read_claude_transcript_tail(&path, budget),
-    });
+    let read = tokio::task::spawn_blocking(move || source.read(budget));
     let tail = match read.await {
         Ok(Ok(tail)) => tail,
         Ok(Err(e)) => {
@@ -797,12 +846,12 @@ async fn run_cli_turn(
     };
     let transcript = Some(summary.session_id.as_str())
         .filter(|id| !id.is_empty())
-        .map(|id| {
-            PreludeSource::Claude(crate::backend::CliConversation::transcript_path(
-                lease.home(),
-                lease.working_directory(),
-                id,
-            ))
+        .map(|id| PreludeSource::Cli {
+            backend: lease.backend().to_owned(),
+            kind: lease.kind(),
+            home: lease.home().to_path_buf(),
+            cwd: lease.working_directory().to_path_buf(),
+            session_id: id.to_owned(),
         });
     drop(lease);
     StepEnd {

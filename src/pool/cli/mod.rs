@@ -271,6 +271,7 @@ impl CliPool {
             cwd: ask.cwd.clone(),
             home: ask.home.clone(),
             turn_timeout: ask.turn_timeout,
+            kind: config.kind,
         };
         if reuse {
             lease.conversation = self.lock().parked.remove(&ask.conversation);
@@ -488,6 +489,7 @@ pub struct CliLease {
     cwd: PathBuf,
     home: PathBuf,
     turn_timeout: Option<Duration>,
+    kind: BackendKind,
 }
 
 impl std::fmt::Debug for CliLease {
@@ -544,6 +546,11 @@ impl CliLease {
     /// interrupted and ends `timeout` ([`crate::backend::TurnFailure::TimedOut`]).
     pub fn set_turn_timeout(&mut self, limit: Option<Duration>) {
         self.turn_timeout = limit;
+    }
+
+    /// The backend's kind (`cli-oneshot` or `cli-live`).
+    pub fn kind(&self) -> BackendKind {
+        self.kind
     }
 
     /// Sends `prompt` and returns the running turn; read it with [`CliLeaseTurn::next`] to
