@@ -13,7 +13,8 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use copilot_pool::backend::claude_live::{ClaudeGatewayTools, ClaudeLive, ClaudeLiveConfig};
+use copilot_pool::backend::claude_live::{ClaudeLive, ClaudeLiveConfig};
+use copilot_pool::backend::mcp_bridge::McpGatewayTools;
 use copilot_pool::backend::{BackendEvent, CliTurnOutcome};
 use copilot_pool::scripted_model::{HttpEndpoint, RecordedRequest, ScriptedModel};
 use copilot_pool::turn::{GatewayTool, ToolCall};
@@ -72,7 +73,7 @@ impl Fixture {
         ]
     }
 
-    async fn config(&self, name: &str, tools: Option<ClaudeGatewayTools>) -> ClaudeLiveConfig {
+    async fn config(&self, name: &str, tools: Option<McpGatewayTools>) -> ClaudeLiveConfig {
         let mut config = ClaudeLiveConfig::new(
             claude_path().await,
             self.dir.path().join(name).join("home"),
@@ -130,7 +131,7 @@ fn result_text(block: &Value) -> String {
 async fn claude_calls_a_gateway_tool_through_the_bridge_and_the_result_reaches_the_model() {
     let fx = Fixture::new().await;
     let config = fx
-        .config("call", Some(ClaudeGatewayTools::new(fx.tools())))
+        .config("call", Some(McpGatewayTools::new(fx.tools())))
         .await;
     let cwd = config.cwd.clone();
     let mut live = ClaudeLive::new(config).expect("valid config");
@@ -228,7 +229,7 @@ async fn a_conversation_without_tools_gets_no_bridge_and_one_that_asks_puts_the_
     let fx = Fixture::new().await;
     // No tools (an empty list counts as none): no bridge, no MCP tool offered.
     let mut live = ClaudeLive::new(
-        fx.config("none", Some(ClaudeGatewayTools::new(Vec::new())))
+        fx.config("none", Some(McpGatewayTools::new(Vec::new())))
             .await,
     )
     .expect("valid");
@@ -247,7 +248,7 @@ async fn a_conversation_without_tools_gets_no_bridge_and_one_that_asks_puts_the_
     live.close().await;
 
     // Asking: the default policy (reject all) denies the call; the handler never runs.
-    let mut tools = ClaudeGatewayTools::new(fx.tools());
+    let mut tools = McpGatewayTools::new(fx.tools());
     tools.ask_permission = true;
     let mut live = ClaudeLive::new(fx.config("ask", Some(tools)).await).expect("valid");
     let (outcome, events) = turn(
@@ -282,7 +283,7 @@ async fn a_conversation_without_tools_gets_no_bridge_and_one_that_asks_puts_the_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bridge_stopped_by_its_idle_ttl_is_replaced_and_the_process_resumes() {
     let fx = Fixture::new().await;
-    let mut tools = ClaudeGatewayTools::new(fx.tools());
+    let mut tools = McpGatewayTools::new(fx.tools());
     tools.bridge.idle_ttl = Duration::from_secs(3);
     let mut live = ClaudeLive::new(fx.config("ttl", Some(tools)).await).expect("valid");
     let (first, _) = turn(

@@ -362,3 +362,65 @@ async fn output_past_the_turn_limit_ends_the_turn_with_a_typed_error_keeping_the
             .is_empty()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_tool_is_called_through_the_mcp_bridge_and_its_result_reaches_the_model() {
+    use copilot_pool::backend::mcp_bridge::McpGatewayTools;
+    use copilot_pool::turn::{GatewayTool, ToolCall};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let fx = Fixture::new().await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = calls.clone();
+    let tool = GatewayTool::new(
+        "lookup",
+        "Looks a key up in the gateway's table.",
+        serde_json::json!({"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}),
+        move |call: ToolCall| {
+            let seen = seen.clone();
+            async move {
+                seen.fetch_add(1, Ordering::SeqCst);
+                Ok(format!("value of {}", call.arguments["key"]))
+            }
+        },
+    );
+    let mut config = fx.config("gateway").await;
+    // A model Codex has no metadata for: for a known one it defers MCP tools behind its
+    // client-side `tool_search` instead of offering them.
+    config.model = Some("fake-model".to_owned());
+    config.gateway_tools = Some(McpGatewayTools::new(vec![tool]));
+    let mut codex = Oneshot::new(config).expect("valid config");
+    let prompt = r#"SCENARIO:tool NAME=mcp__gateway__lookup ARGS={"key":"alpha"}"#;
+    let (outcome, events) = turn(&mut codex, prompt).await;
+    assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the gateway's handler ran once"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, BackendEvent::ToolCall { name, .. } if name == "gateway/lookup")),
+        "{events:?}"
+    );
+    let output = fx
+        .model
+        .requests()
+        .iter()
+        .flat_map(|r| r.body["input"].as_array().cloned().unwrap_or_default())
+        .find(|item| item["type"] == "function_call_output")
+        .expect("the call's output reached the model");
+    assert!(
+        output.to_string().contains("value of \\\"alpha\\\""),
+        "{output}"
+    );
+    // The bridge's token reached Codex through its environment, never its argv.
+    for request in fx.model.requests() {
+        assert!(
+            !request.body.to_string().contains("COPILOT_POOL_MCP_TOKEN="),
+            "no token in the model's requests"
+        );
+    }
+}

@@ -1,10 +1,10 @@
 //! `McpBridge::codex_overrides` against the REAL Codex CLI (0.171.0, installed from npm by
 //! the tests' installer, `support::agent_cli`) and the scripted model (Responses API):
 //! `codex exec` with the bridge's `mcp_servers.gateway` overrides and the token in its
-//! environment lists the gateway tools, which reach the model as the `mcp__gateway`
-//! namespace. (A model name Codex has no metadata for is used: for a known one Codex defers
-//! MCP tools behind its client-side `tool_search`. The call itself is not driven: the
-//! scripted model does not emit namespaced Responses function calls yet.)
+//! environment offers the gateway tools to the model as the `mcp__gateway` namespace, and a
+//! namespaced call the model makes reaches the gateway's handler through the bridge, its
+//! result going back to the model. (A model name Codex has no metadata for is used: for a
+//! known one Codex defers MCP tools behind its client-side `tool_search`.)
 
 #![cfg(feature = "mcp-bridge")]
 
@@ -23,7 +23,7 @@ use serde_json::json;
 const RUN_LIMIT: Duration = Duration::from_secs(120);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn codex_lists_the_gateway_tools_through_the_bridge_with_the_token_from_its_environment() {
+async fn codex_calls_a_gateway_tool_through_the_bridge_with_the_token_from_its_environment() {
     let codex = support::agent_cli::codex_path().await;
     let tool = GatewayTool::new(
         "lookup",
@@ -47,7 +47,7 @@ async fn codex_lists_the_gateway_tools_through_the_bridge_with_the_token_from_it
          wire_api=\"responses\",request_max_retries=1,stream_max_retries=1}}",
         endpoint.addr()
     );
-    let overrides = bridge.codex_overrides();
+    let overrides = bridge.codex_overrides(true);
     let mut command = tokio::process::Command::new(&codex);
     command
         .args([
@@ -110,5 +110,32 @@ async fn codex_lists_the_gateway_tools_through_the_bridge_with_the_token_from_it
         tools[0]["parameters"]["required"],
         json!(["key"]),
         "{namespace}"
+    );
+    assert_the_call_went_through(&model, &stdout);
+}
+
+/// The same run goes on: the namespaced call the scripted model makes is Codex's
+/// `mcp_tool_call` item, served by the gateway's handler through the bridge, and its
+/// result is in the model's next request as the call's output.
+fn assert_the_call_went_through(model: &ScriptedModel, stdout: &str) {
+    let calls: Vec<serde_json::Value> = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["type"] == "item.completed" && e["item"]["type"] == "mcp_tool_call")
+        .map(|e| e["item"].clone())
+        .collect();
+    assert_eq!(calls.len(), 1, "one gateway call in:\n{stdout}");
+    assert_eq!(calls[0]["server"], "gateway", "{}", calls[0]);
+    assert_eq!(calls[0]["tool"], "lookup", "{}", calls[0]);
+    assert_eq!(calls[0]["status"], "completed", "{}", calls[0]);
+    let output = model
+        .requests()
+        .iter()
+        .flat_map(|r| r.body["input"].as_array().cloned().unwrap_or_default())
+        .find(|item| item["type"] == "function_call_output")
+        .unwrap_or_else(|| panic!("no call output reached the model\n{stdout}"));
+    assert!(
+        output.to_string().contains("value of \\\"alpha\\\""),
+        "the handler's result: {output}"
     );
 }

@@ -89,34 +89,7 @@ pub struct ClaudeLiveConfig {
     /// The conversation's gateway tools, served to Claude by a loopback MCP bridge
     /// (`mcp__<server>__<tool>`). `None`, or no tools: no bridge, nothing changes.
     #[cfg(feature = "mcp-bridge")]
-    pub gateway_tools: Option<ClaudeGatewayTools>,
-}
-
-/// The gateway tools of a Claude conversation and how their bridge runs.
-#[cfg(feature = "mcp-bridge")]
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct ClaudeGatewayTools {
-    /// The tools; their handlers answer Claude's calls as they answer a Copilot turn's.
-    pub tools: Vec<crate::turn::GatewayTool>,
-    /// Server name, idle TTL, default tool timeout.
-    pub bridge: super::mcp_bridge::McpBridgeConfig,
-    /// False (the default): the tools run without a `can_use_tool` request
-    /// (`--allowedTools=mcp__<server>__*`), as a Copilot turn runs gateway tools with
-    /// `skipPermission`. True: each call is put to the conversation's permission policy.
-    pub ask_permission: bool,
-}
-
-#[cfg(feature = "mcp-bridge")]
-impl ClaudeGatewayTools {
-    /// `tools` on a bridge with the default settings, run without asking.
-    pub fn new(tools: Vec<crate::turn::GatewayTool>) -> Self {
-        Self {
-            tools,
-            bridge: super::mcp_bridge::McpBridgeConfig::default(),
-            ask_permission: false,
-        }
-    }
+    pub gateway_tools: Option<super::mcp_bridge::McpGatewayTools>,
 }
 
 impl ClaudeLiveConfig {

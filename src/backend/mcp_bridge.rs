@@ -353,21 +353,59 @@ impl McpBridge {
         }
     }
 
-    /// Codex's `-c` overrides for `mcp_servers.<server>` (`url`, and
-    /// `bearer_token_env_var = "COPILOT_POOL_MCP_TOKEN"`, so the token stays out of argv),
-    /// as `["-c", "mcp_servers.gateway.url=\"…\"", "-c", …]`, with the environment to add.
-    pub fn codex_overrides(&self) -> ClaudeMcpArgs {
+    /// Codex's `-c` overrides for `mcp_servers.<server>` (`url`,
+    /// `bearer_token_env_var = "COPILOT_POOL_MCP_TOKEN"`, so the token stays out of argv, and
+    /// `default_tools_approval_mode`), as `["-c", "mcp_servers.gateway.url=\"…\"", "-c", …]`,
+    /// with the environment to add. When `allow_without_asking`, the mode is `approve`: the
+    /// gateway's tools are trusted as a Copilot turn trusts them; otherwise `prompt`, which
+    /// `codex exec` (approval policy `never`) cannot ask, so every call fails closed.
+    pub fn codex_overrides(&self, allow_without_asking: bool) -> ClaudeMcpArgs {
         let name = self.server_name();
         let url = Value::String(self.url());
         let env_var = Value::String(TOKEN_ENV.to_owned());
+        let mode = if allow_without_asking {
+            "approve"
+        } else {
+            "prompt"
+        };
         ClaudeMcpArgs {
             args: vec![
                 "-c".to_owned(),
                 format!("mcp_servers.{name}.url={url}"),
                 "-c".to_owned(),
                 format!("mcp_servers.{name}.bearer_token_env_var={env_var}"),
+                "-c".to_owned(),
+                format!("mcp_servers.{name}.default_tools_approval_mode=\"{mode}\""),
             ],
             env: vec![(TOKEN_ENV.to_owned(), self.token().clone())],
+        }
+    }
+}
+
+/// The gateway tools of a CLI conversation (Claude Code's, Codex's) and how their bridge
+/// runs.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct McpGatewayTools {
+    /// The tools; their handlers answer the CLI's calls as they answer a Copilot turn's.
+    pub tools: Vec<crate::turn::GatewayTool>,
+    /// Server name, idle TTL, default tool timeout.
+    pub bridge: McpBridgeConfig,
+    /// False (the default): the tools run without asking (Claude:
+    /// `--allowedTools=mcp__<server>__*`; Codex: `default_tools_approval_mode = "approve"`),
+    /// as a Copilot turn runs gateway tools with `skipPermission`. True: Claude puts each
+    /// call to the conversation's permission policy; `codex exec` cannot ask, so each call
+    /// fails closed.
+    pub ask_permission: bool,
+}
+
+impl McpGatewayTools {
+    /// `tools` on a bridge with the default settings, run without asking.
+    pub fn new(tools: Vec<crate::turn::GatewayTool>) -> Self {
+        Self {
+            tools,
+            bridge: McpBridgeConfig::default(),
+            ask_permission: false,
         }
     }
 }
@@ -640,7 +678,7 @@ mod tests {
         );
         assert_eq!(claude.env[0].0, TOKEN_ENV);
         assert_eq!(claude.env[0].1.expose(), token);
-        let codex = bridge.codex_overrides();
+        let codex = bridge.codex_overrides(true);
         assert_eq!(
             codex.args[1],
             format!("mcp_servers.gateway.url=\"{}\"", bridge.url())
@@ -649,6 +687,15 @@ mod tests {
             codex.args[3],
             "mcp_servers.gateway.bearer_token_env_var=\"COPILOT_POOL_MCP_TOKEN\""
         );
+        assert_eq!(
+            codex.args[5],
+            "mcp_servers.gateway.default_tools_approval_mode=\"approve\""
+        );
+        assert_eq!(
+            bridge.codex_overrides(false).args[5],
+            "mcp_servers.gateway.default_tools_approval_mode=\"prompt\""
+        );
+        assert!(!codex.args.iter().any(|a| a.contains(&token)));
         assert!(!format!("{bridge:?}").contains(&token));
     }
 

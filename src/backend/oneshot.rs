@@ -309,6 +309,11 @@ pub struct OneshotConfig {
     pub prompt_stdin_fallback: bool,
     /// `PATH` of the child (default: the caller's own `PATH`).
     pub path_var: Option<OsString>,
+    /// The conversation's gateway tools, served to Codex by a loopback MCP bridge (the
+    /// `mcp__<server>` namespace) kept across turns and restarted once its idle TTL ended
+    /// it. `None`, no tools, or another dialect: no bridge.
+    #[cfg(feature = "mcp-bridge")]
+    pub gateway_tools: Option<super::mcp_bridge::McpGatewayTools>,
 }
 
 impl OneshotConfig {
@@ -334,6 +339,8 @@ impl OneshotConfig {
             turn_timeout: DEFAULT_TURN_TIMEOUT,
             prompt_stdin_fallback: true,
             path_var: std::env::var_os("PATH"),
+            #[cfg(feature = "mcp-bridge")]
+            gateway_tools: None,
         }
     }
 
@@ -420,6 +427,10 @@ pub enum OneshotError {
     /// Gemini CLI's settings could not be written into the agent's home.
     #[error(transparent)]
     Gemini(#[from] gemini::GeminiError),
+    /// The MCP bridge for the gateway tools could not start.
+    #[cfg(feature = "mcp-bridge")]
+    #[error(transparent)]
+    McpBridge(#[from] super::mcp_bridge::McpBridgeError),
     /// The process could not be started.
     #[error(
         "{0}; is `command` the CLI's executable (install Codex with \
@@ -444,6 +455,9 @@ struct Invocation {
 pub struct Oneshot {
     config: OneshotConfig,
     session: Option<StoredSession>,
+    /// The gateway tools' bridge (Codex), while it runs.
+    #[cfg(feature = "mcp-bridge")]
+    bridge: Option<super::mcp_bridge::McpBridge>,
 }
 
 impl std::fmt::Debug for Oneshot {
@@ -469,7 +483,12 @@ impl Oneshot {
             .into());
         }
         let session = config.session.clone();
-        Ok(Self { config, session })
+        Ok(Self {
+            config,
+            session,
+            #[cfg(feature = "mcp-bridge")]
+            bridge: None,
+        })
     }
 
     /// The CLI session id to store (learned from the CLI, or the configured one).
@@ -533,7 +552,19 @@ impl Oneshot {
             _ => None,
         };
         let invocation = self.invocation(prompt, images, system_prompt_file.as_deref())?;
-        let spec = self.child_spec(&invocation, tmp_dir);
+        #[allow(unused_mut)]
+        let mut spec = self.child_spec(&invocation, tmp_dir);
+        #[cfg(feature = "mcp-bridge")]
+        if let Some(mcp) = self.bridge_for_turn().await? {
+            // Global `-c` overrides, before the subcommand like the provider's.
+            spec.args
+                .splice(0..0, mcp.args.into_iter().map(OsString::from));
+            spec.env.extend(
+                mcp.env
+                    .iter()
+                    .map(|(k, v)| (OsString::from(k), OsString::from(v.expose()))),
+            );
+        }
         // Never log `spec`: its environment holds the key.
         let (child, stdout) = match &invocation.stdin_prompt {
             None => ChildGroup::spawn_null_stdin(&spec)?,
@@ -770,6 +801,39 @@ impl Oneshot {
             (Dialect::Codex, None) => "OPENAI_API_KEY".to_owned(),
             (Dialect::Generic | Dialect::Gemini, _) => String::new(),
         }
+    }
+
+    /// Codex's overrides for the conversation's gateway tools: the running bridge's, or a
+    /// new bridge's when there is none or its idle TTL ended it. `None` without tools or for
+    /// another dialect.
+    #[cfg(feature = "mcp-bridge")]
+    async fn bridge_for_turn(
+        &mut self,
+    ) -> Result<Option<super::mcp_bridge::ClaudeMcpArgs>, OneshotError> {
+        let config = &self.config;
+        let Some(gateway) = config
+            .gateway_tools
+            .as_ref()
+            .filter(|g| !g.tools.is_empty() && config.dialect == Dialect::Codex)
+        else {
+            return Ok(None);
+        };
+        if !self.bridge.as_ref().is_some_and(|b| b.is_running()) {
+            let mut bridge_config = gateway.bridge.clone();
+            if bridge_config.working_directory.is_none() {
+                bridge_config.working_directory = Some(config.cwd.display().to_string());
+            }
+            let bridge =
+                super::mcp_bridge::McpBridge::start(gateway.tools.clone(), bridge_config).await?;
+            self.bridge = Some(bridge);
+        }
+        let allow = !gateway.ask_permission;
+        Ok(self.bridge.as_ref().map(|b| {
+            if let Some(id) = self.session.as_ref().map(|s| s.session_id.as_str()) {
+                b.set_session_id(id);
+            }
+            b.codex_overrides(allow)
+        }))
     }
 
     fn child_spec(&self, invocation: &Invocation, tmp_dir: PathBuf) -> ChildSpec {

@@ -106,14 +106,23 @@ fn message_item(meta: &ResponseMeta, text: &str, status: &str) -> Value {
 
 /// A `function_call` output item; `arguments` is the JSON text so far.
 fn call_item((id, name, _): &ToolCall, arguments: &str, status: &str) -> Value {
-    json!({
+    let mut item = json!({
         "type": "function_call",
         "id": format!("fc_{id}"),
         "call_id": id,
         "name": name,
         "arguments": arguments,
         "status": status,
-    })
+    });
+    // A tool Codex offered inside a `namespace` (an MCP server's, `mcp__<server>`) is
+    // called by its own name with the namespace beside it.
+    if let Some(rest) = name.strip_prefix("mcp__")
+        && let Some((server, tool)) = rest.split_once("__")
+    {
+        item["namespace"] = json!(format!("mcp__{server}"));
+        item["name"] = json!(tool);
+    }
+    item
 }
 
 /// The `response` object with `output` and `status`.
@@ -291,6 +300,22 @@ impl StreamFormat for ResponseStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_call_of_an_mcp_namespace_member_names_the_namespace_beside_the_tool() {
+        let call = (
+            "c1".to_owned(),
+            "mcp__gateway__lookup".to_owned(),
+            json!({}),
+        );
+        let item = call_item(&call, "{}", "completed");
+        assert_eq!(item["namespace"], "mcp__gateway");
+        assert_eq!(item["name"], "lookup");
+        let plain = ("c2".to_owned(), "shell".to_owned(), json!({}));
+        let item = call_item(&plain, "{}", "completed");
+        assert_eq!(item["name"], "shell");
+        assert!(item.get("namespace").is_none());
+    }
     use crate::scripted_model::stream::{drain, parse_named, stream};
 
     fn meta() -> ResponseMeta {

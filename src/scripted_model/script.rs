@@ -208,8 +208,29 @@ impl ChatRequest {
 pub(super) fn tool_names(body: &serde_json::Map<String, Value>) -> Vec<String> {
     body.get("tools")
         .and_then(Value::as_array)
-        .map(|tools| tools.iter().filter_map(tool_name).collect())
+        .map(|tools| tools.iter().flat_map(tool_names_of).collect())
         .unwrap_or_default()
+}
+
+/// The names one entry of `tools` offers: its own, or for a Responses `namespace` (how
+/// Codex offers an MCP server's tools) each member as `<namespace>__<tool>`.
+fn tool_names_of(tool: &Value) -> Vec<String> {
+    if tool.get("type").and_then(Value::as_str) == Some("namespace")
+        && let Some(namespace) = tool.get("name").and_then(Value::as_str)
+    {
+        return tool
+            .get("tools")
+            .and_then(Value::as_array)
+            .map(|members| {
+                members
+                    .iter()
+                    .filter_map(tool_name)
+                    .map(|name| format!("{namespace}__{name}"))
+                    .collect()
+            })
+            .unwrap_or_default();
+    }
+    tool_name(tool).into_iter().collect()
 }
 
 /// The name of one entry of `tools` (`{type:"function", function:{name}}` or `{name}`).
@@ -439,6 +460,22 @@ fn line_after<'a>(text: &'a str, key: &str) -> Option<&'a str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_responses_namespace_offers_each_member_under_the_namespaces_prefix() {
+        let body = json!({"tools": [
+            {"type": "function", "name": "shell"},
+            {"type": "namespace", "name": "mcp__gateway", "tools": [
+                {"type": "function", "name": "lookup"},
+                {"type": "function", "name": "store"}
+            ]}
+        ]});
+        let body = body.as_object().cloned().unwrap_or_default();
+        assert_eq!(
+            tool_names(&body),
+            ["shell", "mcp__gateway__lookup", "mcp__gateway__store"]
+        );
+    }
 
     fn request(messages: Value, tools: &[&str]) -> ChatRequest {
         let tools: Vec<Value> = tools
