@@ -957,3 +957,23 @@ async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_wa
     assert_eq!(stored, 2, "only the two conversations are stored");
     assert_eq!(fx.model.requests().len(), 2, "one model call per real turn");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cli_lease_with_gateway_tools_is_refused_rather_than_run_without_them() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut req = fx.request("agent-t", "tools-1");
+    req.backend = "claude-cli".to_owned();
+    req.handlers.tools = vec![copilot_pool::turn::GatewayTool::new(
+        "lookup",
+        "Looks a key up.",
+        serde_json::json!({"type": "object"}),
+        |_call: copilot_pool::turn::ToolCall| async move { Ok("v".to_owned()) },
+    )];
+    let refused = pool.lease_cli(req).await.expect_err("refused");
+    assert!(
+        matches!(&refused, PoolError::InvalidRequest(m) if m.contains("gateway_tools")),
+        "{refused}"
+    );
+    shutdown_leaves_nothing(&pool).await;
+}

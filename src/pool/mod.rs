@@ -214,6 +214,14 @@ impl Pool {
                 req.backend
             )));
         }
+        if !req.handlers.tools.is_empty() {
+            // Refused, not dropped: a conversation that counts on its tools must not run
+            // without them.
+            return Err(PoolError::InvalidRequest(format!(
+                "backend `{}` is leased without gateway tools: a lease's tools are not bridged                  to CLI backends yet; drop `handlers.tools`, or run the conversation on its                  runner with `gateway_tools` (`ClaudeLiveConfig` / `OneshotConfig`), which                  serves them over the MCP bridge",
+                req.backend
+            )));
+        }
         let copilot_home = resolve_copilot_home(
             req.copilot_home.as_deref(),
             req.agent_dir.as_deref(),
