@@ -700,6 +700,21 @@ pub(crate) fn cli_turn_finished(backend: &str, end: TurnEnd, elapsed: Duration) 
         .record(elapsed.as_secs_f64());
 }
 
+/// Registers `copilot_pool_fallbacks_total` at zero for every ordered pair of distinct
+/// `backends` and every class in `classes` (`crate::fallback::FallbackClass::label` of each),
+/// so a first fallback is a rate from zero rather than a series appearing. The daemon calls
+/// it with its backend ids: n backends give n(n-1) x 4 series.
+pub fn register_fallback_zeroes(backends: &[String], classes: &[&'static str]) {
+    for from in backends {
+        for to in backends.iter().filter(|to| *to != from) {
+            for class in classes {
+                counter!(FALLBACKS_TOTAL, "from" => from.clone(), "to" => to.clone(), "class" => *class)
+                    .absolute(0);
+            }
+        }
+    }
+}
+
 /// A turn failed on backend `from` with retryable `class` (a
 /// `crate::fallback::FallbackClass` label) and runs again on `to`. Both are backend ids, so
 /// the series are bounded like the `backend` label's.

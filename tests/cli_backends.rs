@@ -14,12 +14,13 @@ mod support;
 use std::path::Path;
 use std::time::Duration;
 
-use copilot_pool::scripted_model::{HttpEndpoint, RecordedRequest, ScriptedModel};
+use copilot_pool::scripted_model::RecordedRequest;
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
 use support::agent_cli::claude_path;
-use support::http::{Daemon, SseStream, call};
+use support::cli_daemon::{CliFixture as Fixture, event_names, streamed_turn, user_text};
+use support::http::{Daemon, call};
 use support::procs::{wait_none, with_env_prefix};
 
 /// One test at a time (each runs its own Claude processes).
@@ -28,23 +29,7 @@ static SERIAL: Mutex<()> = Mutex::const_new(());
 /// A failure guard for one whole turn, not a wait.
 const TURN_LIMIT: Duration = Duration::from_secs(120);
 
-struct Fixture {
-    model: ScriptedModel,
-    endpoint: HttpEndpoint,
-    scratch: support::Scratch,
-}
-
 impl Fixture {
-    async fn new() -> Self {
-        let model = ScriptedModel::new();
-        let endpoint = model.serve_http().await.expect("scripted model");
-        Self {
-            model,
-            endpoint,
-            scratch: support::Scratch::new(),
-        }
-    }
-
     /// The daemon's TOML: the bundled `claude-cli` with the installed executable.
     async fn config(&self) -> String {
         format!(
@@ -82,7 +67,7 @@ impl Fixture {
             .requests()
             .into_iter()
             .filter(|r| r.path.ends_with("/messages"))
-            .rfind(|r| history(r).ends_with(prompt))
+            .rfind(|r| user_text(r).ends_with(prompt))
             .unwrap_or_else(|| panic!("no model call for {prompt:?}"))
     }
 
@@ -95,36 +80,10 @@ impl Fixture {
     }
 }
 
-/// The user messages of a request, joined (to look for earlier turns in the history).
-fn history(request: &RecordedRequest) -> String {
-    request
-        .messages()
-        .iter()
-        .filter(|m| m["role"] == "user")
-        .map(|m| match &m["content"] {
-            Value::String(text) => text.clone(),
-            Value::Array(blocks) => blocks
-                .iter()
-                .filter_map(|b| b["text"].as_str())
-                .collect::<Vec<_>>()
-                .join("\n"),
-            _ => String::new(),
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
 /// Runs a streamed turn; its event names and its `turn.end`.
 async fn turn(daemon: &Daemon, body: &Value) -> (Vec<String>, Value) {
-    let run = async {
-        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, body).await;
-        assert_eq!(stream.status, 200, "the turn was accepted");
-        let (events, end) = stream.until_end().await;
-        (events.into_iter().map(|e| e.event).collect(), end)
-    };
-    tokio::time::timeout(TURN_LIMIT, run)
-        .await
-        .expect("the turn ended in time")
+    let (events, end) = streamed_turn(daemon, body, TURN_LIMIT).await;
+    (event_names(&events), end)
 }
 
 /// Every Claude transcript under `dir` named `<session id>.jsonl`.
@@ -204,9 +163,9 @@ async fn two_claude_turns_over_http_stream_the_pools_events_carry_history_and_le
     assert_eq!(second["session_id"], session.as_str());
     let model_call = fx.call_for("REPLY=pong two");
     assert!(
-        history(&model_call).contains("REPLY=pong one"),
+        user_text(&model_call).contains("REPLY=pong one"),
         "the second turn carries the first: {}",
-        history(&model_call)
+        user_text(&model_call)
     );
 
     // An unknown backend is a 400 that lists the configured ones.
@@ -293,7 +252,7 @@ async fn a_restarted_daemon_resumes_the_stored_session_and_refuses_one_whose_tra
     assert_eq!(second["status"], "idle", "{second}");
     assert_eq!(second["open_reason"], "resumed", "{second}");
     assert_eq!(second["session_id"], session.as_str());
-    assert!(history(&fx.call_for("REPLY=after restart")).contains("REPLY=before restart"));
+    assert!(user_text(&fx.call_for("REPLY=after restart")).contains("REPLY=before restart"));
     assert!(daemon.terminate().await.success());
 
     let files = transcripts(fx.scratch.path(), &session);
@@ -319,7 +278,7 @@ async fn a_restarted_daemon_resumes_the_stored_session_and_refuses_one_whose_tra
         !fx.model
             .requests()
             .iter()
-            .any(|r| history(r).contains("must not run")),
+            .any(|r| user_text(r).contains("must not run")),
         "never a silent fresh start"
     );
     assert!(fx.claude_processes().is_empty(), "nothing was started");
@@ -354,9 +313,9 @@ async fn a_key_refresh_under_the_same_profile_resumes_and_another_profile_starts
     assert_eq!(refreshed["session_id"], session.as_str());
     let model_call = fx.call_for("REPLY=refreshed");
     assert!(
-        history(&model_call).contains("REPLY=first"),
+        user_text(&model_call).contains("REPLY=first"),
         "{}",
-        history(&model_call)
+        user_text(&model_call)
     );
     assert_eq!(
         model_call.header("x-api-key"),
@@ -375,9 +334,9 @@ async fn a_key_refresh_under_the_same_profile_resumes_and_another_profile_starts
     assert_ne!(other["session_id"], session.as_str());
     let model_call = fx.call_for("REPLY=other");
     assert!(
-        !history(&model_call).contains("REPLY=first"),
+        !user_text(&model_call).contains("REPLY=first"),
         "a fresh session: {}",
-        history(&model_call)
+        user_text(&model_call)
     );
     assert!(daemon.terminate().await.success());
     let left = wait_none(|| fx.claude_processes(), Duration::from_secs(5)).await;

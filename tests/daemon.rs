@@ -141,6 +141,18 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
             metrics.body
         );
     }
+    // Every ordered pair of backends (`copilot` and the bundled `claude-cli`) and class is
+    // at zero before any fallback.
+    for series in [
+        "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"auth\"} 0",
+        "copilot_pool_fallbacks_total{from=\"claude-cli\",to=\"copilot\",class=\"crash\"} 0",
+    ] {
+        assert!(
+            metrics.body.lines().any(|l| l == series),
+            "{series} missing from:\n{}",
+            metrics.body
+        );
+    }
     for forbidden in ["session_id=", "agent_id=", "pid="] {
         assert!(
             !metrics.body.contains(forbidden),

@@ -12,11 +12,12 @@ mod support;
 
 use std::time::Duration;
 
-use copilot_pool::scripted_model::{HttpEndpoint, RecordedRequest, Reply, ScriptedModel};
+use copilot_pool::scripted_model::{RecordedRequest, Reply};
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
 use support::agent_cli::claude_path;
+use support::cli_daemon::{CliFixture as Fixture, streamed_turn, user_text};
 use support::http::{Daemon, Sse, SseStream, call};
 use support::procs::with_env_prefix;
 
@@ -30,23 +31,7 @@ const RUNTIME_401_ATTEMPTS: usize = 3;
 /// A failure guard for one whole turn, not a wait.
 const TURN_LIMIT: Duration = Duration::from_secs(180);
 
-struct Fixture {
-    model: ScriptedModel,
-    endpoint: HttpEndpoint,
-    scratch: support::Scratch,
-}
-
 impl Fixture {
-    async fn new() -> Self {
-        let model = ScriptedModel::new();
-        let endpoint = model.serve_http().await.expect("scripted model");
-        Self {
-            model,
-            endpoint,
-            scratch: support::Scratch::new(),
-        }
-    }
-
     /// The daemon: the transcript mirror on (the prelude's source) and the bundled
     /// `claude-cli` with the installed executable.
     async fn daemon(&self) -> Daemon {
@@ -97,25 +82,6 @@ impl Fixture {
     }
 }
 
-/// The user messages of a request, joined.
-fn user_text(request: &RecordedRequest) -> String {
-    request
-        .messages()
-        .iter()
-        .filter(|m| m["role"] == "user")
-        .map(|m| match &m["content"] {
-            Value::String(text) => text.clone(),
-            Value::Array(blocks) => blocks
-                .iter()
-                .filter_map(|b| b["text"].as_str())
-                .collect::<Vec<_>>()
-                .join("\n"),
-            _ => String::new(),
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
 /// Whether a model call came from Claude Code (its own user agent) rather than the runtime.
 fn from_claude(request: &RecordedRequest) -> bool {
     request
@@ -126,14 +92,7 @@ fn from_claude(request: &RecordedRequest) -> bool {
 
 /// Runs a streamed turn; its events and its `turn.end`.
 async fn turn(daemon: &Daemon, body: &Value) -> (Vec<Sse>, Value) {
-    let run = async {
-        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, body).await;
-        assert_eq!(stream.status, 200, "the turn was accepted");
-        stream.until_end().await
-    };
-    tokio::time::timeout(TURN_LIMIT, run)
-        .await
-        .expect("the turn ended in time")
+    streamed_turn(daemon, body, TURN_LIMIT).await
 }
 
 fn names(events: &[Sse]) -> Vec<&str> {

@@ -14,13 +14,14 @@ mod support;
 
 use std::time::Duration;
 
-use copilot_pool::scripted_model::{HttpEndpoint, RecordedRequest, Reply, ScriptedModel};
+use copilot_pool::scripted_model::{RecordedRequest, Reply};
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
 use copilot_pool::runtime::AgentCli;
 use support::agent_cli::{codex_path, path};
-use support::http::{Daemon, Sse, SseStream};
+use support::cli_daemon::{CliFixture as Fixture, streamed_turn, user_text};
+use support::http::{Daemon, Sse};
 
 /// One test at a time (each runs its own Codex and runtime processes).
 static SERIAL: Mutex<()> = Mutex::const_new(());
@@ -43,23 +44,7 @@ const GEMINI_MODEL: &str = "gemini-2.5-pro";
 /// the pool's settings bound; measured with Gemini CLI 0.61.0).
 const GEMINI_401_ATTEMPTS: usize = 1;
 
-struct Fixture {
-    model: ScriptedModel,
-    endpoint: HttpEndpoint,
-    scratch: support::Scratch,
-}
-
 impl Fixture {
-    async fn new() -> Self {
-        let model = ScriptedModel::new();
-        let endpoint = model.serve_http().await.expect("scripted model");
-        Self {
-            model,
-            endpoint,
-            scratch: support::Scratch::new(),
-        }
-    }
-
     /// The daemon with the bundled `codex-cli` and `google-gemini-cli` and the installed
     /// executables (Gemini CLI's `bundle/gemini.js` runs through its `#!/usr/bin/env node`).
     async fn daemon(&self) -> Daemon {
@@ -121,35 +106,9 @@ fn from_codex(request: &RecordedRequest) -> bool {
         .any(|ua| ua.to_ascii_lowercase().contains("codex"))
 }
 
-/// The user messages of a chat-completions request (the runtime's), joined.
-fn user_text(request: &RecordedRequest) -> String {
-    request
-        .messages()
-        .iter()
-        .filter(|m| m["role"] == "user")
-        .map(|m| match &m["content"] {
-            Value::String(text) => text.clone(),
-            Value::Array(parts) => parts
-                .iter()
-                .filter_map(|p| p["text"].as_str())
-                .collect::<Vec<_>>()
-                .join("\n"),
-            _ => String::new(),
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
 /// Runs a streamed turn; its events and its `turn.end`.
 async fn turn(daemon: &Daemon, body: &Value) -> (Vec<Sse>, Value) {
-    let run = async {
-        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, body).await;
-        assert_eq!(stream.status, 200, "the turn was accepted");
-        stream.until_end().await
-    };
-    tokio::time::timeout(TURN_LIMIT, run)
-        .await
-        .expect("the turn ended in time")
+    streamed_turn(daemon, body, TURN_LIMIT).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

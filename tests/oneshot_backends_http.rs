@@ -15,12 +15,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use copilot_pool::runtime::AgentCli;
-use copilot_pool::scripted_model::{Decision, HttpEndpoint, RecordedRequest, ScriptedModel};
+use copilot_pool::scripted_model::{Decision, RecordedRequest, ScriptedModel};
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
 use support::agent_cli::{codex_path, path};
-use support::http::{Daemon, SseStream, call};
+use support::cli_daemon::{CliFixture as Fixture, event_names, streamed_turn};
+use support::http::{Daemon, call};
 use support::procs::{wait_none, with_env_prefix};
 
 /// One test at a time (each runs CLI processes).
@@ -32,23 +33,7 @@ const TURN_LIMIT: Duration = Duration::from_secs(180);
 const CODEX: &str = "codex-cli";
 const GEMINI: &str = "google-gemini-cli";
 
-struct Fixture {
-    model: ScriptedModel,
-    endpoint: HttpEndpoint,
-    scratch: support::Scratch,
-}
-
 impl Fixture {
-    async fn new() -> Self {
-        let model = ScriptedModel::new();
-        let endpoint = model.serve_http().await.expect("scripted model");
-        Self {
-            model,
-            endpoint,
-            scratch: support::Scratch::new(),
-        }
-    }
-
     /// The daemon's TOML: both bundled one-shot backends with the installed executables
     /// (Gemini CLI's `bundle/gemini.js` runs through its `#!/usr/bin/env node`).
     async fn config(&self) -> String {
@@ -111,15 +96,8 @@ impl Fixture {
 
 /// Runs a streamed turn; its event names and its `turn.end`.
 async fn turn(daemon: &Daemon, body: &Value) -> (Vec<String>, Value) {
-    let run = async {
-        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, body).await;
-        assert_eq!(stream.status, 200, "the turn was accepted");
-        let (events, end) = stream.until_end().await;
-        (events.into_iter().map(|e| e.event).collect(), end)
-    };
-    tokio::time::timeout(TURN_LIMIT, run)
-        .await
-        .expect("the turn ended in time")
+    let (events, end) = streamed_turn(daemon, body, TURN_LIMIT).await;
+    (event_names(&events), end)
 }
 
 /// Every file under `dir` whose name ends with `suffix`.

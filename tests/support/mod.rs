@@ -5,6 +5,7 @@
 
 pub mod agent_cli;
 pub mod api;
+pub mod cli_daemon;
 pub mod http;
 pub mod node_sdk;
 pub mod pool_fixture;

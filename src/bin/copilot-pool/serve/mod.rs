@@ -183,10 +183,15 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     pool_config.worker.sandbox = sandbox;
     pool_config.worker.group_ledger = Some(take_over(&pool_config.state_dir).await?);
     let pool = Pool::start(pool_config).await?;
-    for backend in pool.backend_ids() {
+    let backends = pool.backend_ids();
+    for backend in &backends {
         // The `backend` label's values: `copilot` and the configured CLI ids.
-        copilot_pool::metrics::register_backend_zeroes(&backend);
+        copilot_pool::metrics::register_backend_zeroes(backend);
     }
+    copilot_pool::metrics::register_fallback_zeroes(
+        &backends,
+        &copilot_pool::fallback::FallbackClass::ALL.map(|c| c.label()),
+    );
     let (app, api) = http::router_with_handle(pool.clone(), api_config);
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut stop: watch::Receiver<bool>| async move {

@@ -1,0 +1,70 @@
+//! What the tests of CLI backends through the daemon share: the scripted model on loopback
+//! with a scratch directory for the daemon's state and the agents' homes ([`CliFixture`];
+//! each test file adds its own daemon configuration and turn bodies in an `impl` of its
+//! own), a streamed turn ([`streamed_turn`]) and the user text of a model request
+//! ([`user_text`]).
+
+use std::time::Duration;
+
+use copilot_pool::scripted_model::{HttpEndpoint, RecordedRequest, ScriptedModel};
+use serde_json::Value;
+
+use super::Scratch;
+use super::http::{Daemon, Sse, SseStream};
+
+/// The scripted model, its endpoint, and a scratch directory.
+pub struct CliFixture {
+    pub model: ScriptedModel,
+    pub endpoint: HttpEndpoint,
+    pub scratch: Scratch,
+}
+
+impl CliFixture {
+    pub async fn new() -> Self {
+        let model = ScriptedModel::new();
+        let endpoint = model.serve_http().await.expect("scripted model");
+        Self {
+            model,
+            endpoint,
+            scratch: Scratch::new(),
+        }
+    }
+}
+
+/// The user messages of a model request (text content, or its text blocks), joined: where
+/// earlier turns and a prelude show up.
+pub fn user_text(request: &RecordedRequest) -> String {
+    request
+        .messages()
+        .iter()
+        .filter(|m| m["role"] == "user")
+        .map(|m| match &m["content"] {
+            Value::String(text) => text.clone(),
+            Value::Array(blocks) => blocks
+                .iter()
+                .filter_map(|b| b["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
+            _ => String::new(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Runs a streamed turn on `daemon`: its events and its `turn.end`, within `limit` (a
+/// failure guard, not a wait).
+pub async fn streamed_turn(daemon: &Daemon, body: &Value, limit: Duration) -> (Vec<Sse>, Value) {
+    let run = async {
+        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, body).await;
+        assert_eq!(stream.status, 200, "the turn was accepted");
+        stream.until_end().await
+    };
+    tokio::time::timeout(limit, run)
+        .await
+        .expect("the turn ended in time")
+}
+
+/// The events' names, in order.
+pub fn event_names(events: &[Sse]) -> Vec<String> {
+    events.iter().map(|e| e.event.clone()).collect()
+}
