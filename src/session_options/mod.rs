@@ -160,6 +160,13 @@ fn compiled() -> Result<&'static Compiled, SessionOptionsError> {
         .map_err(|e| SessionOptionsError::Schema(e.clone()))
 }
 
+/// Compiles the embedded schema now instead of on the first lease that carries options (a
+/// daemon calls it at start: the compile is the slowest step of a first lease's checks, and a
+/// broken schema is then found before any traffic). Idempotent and cheap after the first call.
+pub fn compile_schema() -> Result<(), SessionOptionsError> {
+    compiled().map(|_| ())
+}
+
 /// Whether a change of `field` changes what a stored conversation means (so the pool starts
 /// a new CLI session), as opposed to how the next turns run.
 pub fn changes_meaning(field: &str) -> bool {

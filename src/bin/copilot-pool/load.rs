@@ -399,7 +399,11 @@ pub(crate) async fn start_daemon(
         .arg("--cli")
         .arg(program)
         .env("COPILOT_POOL_HOME", dir.join("pool-home"))
-        .env("COPILOT_POOL_LOG", "error")
+        // Quiet unless the operator asked for the daemon's log (to see where a run's time goes).
+        .env(
+            "COPILOT_POOL_LOG",
+            std::env::var("COPILOT_POOL_LOG").unwrap_or_else(|_| "error".to_owned()),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());

@@ -126,6 +126,9 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let signals = Signals::new()?;
     let config = args.config()?;
     let located = runtime::locate(config.cli_path.as_deref(), runtime::process_env)?;
+    // Off the first lease's path: compiling the session options schema took ~16 ms there.
+    copilot_pool::session_options::compile_schema()
+        .context("compiling the embedded session options schema")?;
     let metrics = install_metrics()?;
     let upkeep = {
         let handle = metrics.clone();
