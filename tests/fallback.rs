@@ -274,11 +274,16 @@ async fn a_non_retryable_failure_does_not_fall_back_and_bad_chains_are_refused()
     assert!(primary.contains("`copilot` twice"), "{primary}");
     let unknown = refused(body.clone(), json!({"fallback": ["nope-cli"]})).await;
     assert!(unknown.contains("[backends.nope-cli]"), "{unknown}");
-    let tools = refused(body.clone(), json!({"tools": [{"name": "lookup"}]})).await;
+    let hooks = refused(body.clone(), json!({"hooks": ["llm_input"]})).await;
     assert!(
-        tools.contains("gateway tools") && tools.contains("`fallback` names `claude-cli`"),
-        "{tools}"
+        hooks
+            .contains("hooks are not offered to CLI backend `claude-cli`, and `fallback` names it"),
+        "{hooks}"
     );
+    // Gateway tools are not refused for `claude-cli` (its MCP bridge serves them), but
+    // still checked as for any turn.
+    let unnamed = refused(body.clone(), json!({"tools": [{"name": ""}]})).await;
+    assert!(unnamed.contains("tools.0.name is empty"), "{unnamed}");
     let budget = refused(body, json!({"prelude_chars": 0})).await;
     assert!(budget.contains("prelude_chars"), "{budget}");
     assert!(daemon.terminate().await.success());
