@@ -318,13 +318,11 @@ impl ClaudeLive {
         use super::GatewayToolsChange as Change;
         let running = self.pid().is_some();
         let change = match &self.bridge {
-            Some(bridge) if running && bridge.is_running() && bridge.lists(&tools) => {
-                // Same list: `install` cannot refuse it.
-                match bridge.install(tools.clone()) {
-                    Ok(()) => Change::Installed,
-                    Err(_) => Change::Restart,
-                }
-            }
+            // `install` refuses another list than the bridge's.
+            Some(bridge) if running && bridge.is_running() => match bridge.install(tools.clone()) {
+                Ok(()) => Change::Installed,
+                Err(_) => Change::Restart,
+            },
             None if running && tools.is_empty() => Change::Installed,
             _ if running => Change::Restart,
             _ => Change::NotRunning,

@@ -821,12 +821,11 @@ impl Oneshot {
     ) -> super::GatewayToolsChange {
         use super::GatewayToolsChange as Change;
         let change = match &self.bridge {
-            Some(bridge) if bridge.is_running() && bridge.lists(&tools) => {
-                match bridge.install(tools.clone()) {
-                    Ok(()) => Change::Installed,
-                    Err(_) => Change::NotRunning,
-                }
-            }
+            // `install` refuses another list than the bridge's.
+            Some(bridge) if bridge.is_running() => match bridge.install(tools.clone()) {
+                Ok(()) => Change::Installed,
+                Err(_) => Change::NotRunning,
+            },
             _ => Change::NotRunning,
         };
         if change != Change::Installed {
