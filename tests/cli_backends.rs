@@ -5,6 +5,8 @@
 //! their history, show the `backend` label on `/metrics`, resume across a daemon restart,
 //! fail `transcript_missing` when Claude's transcript is gone, start fresh on another auth
 //! identity and resume on a key refresh; the daemon's shutdown leaves no Claude process.
+//! A turn's gateway `tools` reach Claude through the MCP bridge: each call is a `tool.call`
+//! answered on `/v1/requests/{id}`, and the answer reaches the model's next request.
 //!
 //! The tests take one lock, so at most one conversation's Claude processes run at a time
 //! (at most two processes: one closing while its successor starts).
@@ -19,7 +21,9 @@ use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
 use support::agent_cli::claude_path;
-use support::cli_daemon::{CliFixture as Fixture, event_names, streamed_turn, user_text};
+use support::cli_daemon::{
+    CliFixture as Fixture, event_names, streamed_tool_turn, streamed_turn, tool_calls, user_text,
+};
 use support::http::{Daemon, call};
 use support::procs::{wait_none, with_env_prefix};
 
@@ -372,6 +376,112 @@ async fn a_claude_turn_past_its_timeout_ms_ends_timeout_and_the_next_turn_is_ser
     .await;
     assert_eq!(next["status"], "idle", "{next}");
     assert_eq!(next["final_text"], "after the timeout", "{next}");
+    assert!(daemon.terminate().await.success());
+    let left = wait_none(|| fx.claude_processes(), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// The `lookup` gateway tool of a turn body.
+fn lookup_tools() -> Value {
+    json!([{
+        "name": "lookup",
+        "description": "Looks a key up in the gateway's table.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}},
+                       "required": ["key"]},
+    }])
+}
+
+/// The text of the `tool_result` blocks in the model's requests.
+fn tool_results(fx: &Fixture) -> Vec<String> {
+    fx.model
+        .requests()
+        .iter()
+        .filter(|r| r.path.ends_with("/messages"))
+        .flat_map(|r| r.messages().to_vec())
+        .flat_map(|m| m["content"].as_array().cloned().unwrap_or_default())
+        .filter(|b| b["type"] == "tool_result")
+        .map(|b| match &b["content"] {
+            Value::String(text) => text.clone(),
+            Value::Array(parts) => parts
+                .iter()
+                .filter_map(|p| p["text"].as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
+            _ => String::new(),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_turns_gateway_tool_call_is_answered_over_http_and_the_answer_reaches_the_model() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    let answer = |call: &Value| json!({"result": format!("answered {}", call["arguments"]["key"].as_str().unwrap_or("?"))});
+
+    let mut body = fx.body(
+        "g1",
+        r#"SCENARIO:tool NAME=mcp__gateway__lookup ARGS={"key":"alpha"}"#,
+        "sk-ant-FAKE-g",
+        None,
+    );
+    body["tools"] = lookup_tools();
+    let started = std::time::Instant::now();
+    let (events, end) = streamed_tool_turn(&daemon, &body, answer, TURN_LIMIT).await;
+    eprintln!(
+        "measured: claude-cli turn with one gateway tool call over HTTP (spawn included) {:?}",
+        started.elapsed()
+    );
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["final_text"], "tool said: answered alpha", "{end}");
+    // One `tool.call` per call, the one to answer (the CLI's own report of it is not
+    // streamed as a second one).
+    let calls = tool_calls(&events);
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0]["tool_name"], "lookup", "{calls:?}");
+    assert_eq!(calls[0]["arguments"], json!({"key": "alpha"}));
+    assert!(
+        calls[0]["tool_call_id"]
+            .as_str()
+            .is_some_and(|id| !id.is_empty() && !id.starts_with("mcp-")),
+        "the model's own id of the call, not one the bridge made up: {calls:?}"
+    );
+    let results = tool_results(&fx);
+    assert!(
+        results.iter().any(|r| r == "answered alpha"),
+        "the answer reached the model: {results:?}"
+    );
+
+    // The next turn is another lease on the same process: its own stream answers.
+    let mut body = fx.body(
+        "g1",
+        r#"SCENARIO:tool NAME=mcp__gateway__lookup ARGS={"key":"beta"}"#,
+        "sk-ant-FAKE-g",
+        None,
+    );
+    body["tools"] = lookup_tools();
+    let (events, second) = streamed_tool_turn(&daemon, &body, answer, TURN_LIMIT).await;
+    assert_eq!(second["status"], "idle", "{second}");
+    assert_eq!(second["open_reason"], "attached", "{second}");
+    assert_eq!(second["final_text"], "tool said: answered beta", "{second}");
+    assert_eq!(tool_calls(&events).len(), 1, "{events:?}");
+    let results = tool_results(&fx);
+    assert!(
+        results.iter().any(|r| r == "answered beta"),
+        "the second answer reached the model: {results:?}"
+    );
+
+    // `?stream=false` cannot answer tools.
+    let refused = call(
+        daemon.addr,
+        "POST",
+        "/v1/turns?stream=false",
+        None,
+        Some(&body),
+    )
+    .await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(refused.body.contains("event stream"), "{}", refused.body);
     assert!(daemon.terminate().await.success());
     let left = wait_none(|| fx.claude_processes(), Duration::from_secs(5)).await;
     assert!(left.is_empty(), "{left:?}");

@@ -4,7 +4,9 @@
 //! conversation runs two turns; its third fails with a retryable class (the model answers
 //! 401 to the runtime), and the turn runs again on `claude-cli`, whose model request must
 //! carry the earlier turns in its prelude. A non-retryable failure (400) does not fall back,
-//! and bad chains are refused.
+//! and bad chains are refused. A turn's gateway `tools` go with it to the next backend: a
+//! Copilot turn with tools that fails falls back to Claude, whose call of one is answered
+//! over HTTP.
 //!
 //! The tests take one lock, so at most one conversation's processes run at a time.
 
@@ -17,7 +19,9 @@ use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
 use support::agent_cli::claude_path;
-use support::cli_daemon::{CliFixture as Fixture, streamed_turn, user_text};
+use support::cli_daemon::{
+    CliFixture as Fixture, streamed_tool_turn, streamed_turn, tool_calls, user_text,
+};
 use support::http::{Daemon, Sse, SseStream, call};
 use support::procs::with_env_prefix;
 
@@ -274,11 +278,16 @@ async fn a_non_retryable_failure_does_not_fall_back_and_bad_chains_are_refused()
     assert!(primary.contains("`copilot` twice"), "{primary}");
     let unknown = refused(body.clone(), json!({"fallback": ["nope-cli"]})).await;
     assert!(unknown.contains("[backends.nope-cli]"), "{unknown}");
-    let tools = refused(body.clone(), json!({"tools": [{"name": "lookup"}]})).await;
+    let hooks = refused(body.clone(), json!({"hooks": ["llm_input"]})).await;
     assert!(
-        tools.contains("gateway tools") && tools.contains("`fallback` names `claude-cli`"),
-        "{tools}"
+        hooks
+            .contains("hooks are not offered to CLI backend `claude-cli`, and `fallback` names it"),
+        "{hooks}"
     );
+    // Gateway tools are not refused for `claude-cli` (its MCP bridge serves them), but
+    // still checked as for any turn.
+    let unnamed = refused(body.clone(), json!({"tools": [{"name": ""}]})).await;
+    assert!(unnamed.contains("tools.0.name is empty"), "{unnamed}");
     let budget = refused(body, json!({"prelude_chars": 0})).await;
     assert!(budget.contains("prelude_chars"), "{budget}");
     assert!(daemon.terminate().await.success());
@@ -398,6 +407,46 @@ async fn a_claude_turn_failing_with_auth_falls_back_to_copilot_with_claudes_tran
     assert!(
         text.contains("ALBATROSS-3") && text.contains("(claude-cli)"),
         "the prelude carries Claude's earlier turn: {text}"
+    );
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_with_gateway_tools_falls_back_to_claude_whose_tool_call_is_answered_over_http() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    for _ in 0..RUNTIME_401_ATTEMPTS {
+        fx.model.push_reply(Reply::Error { status: 401 });
+    }
+    let mut body = fx.body(
+        "tools-1",
+        r#"SCENARIO:tool NAME=mcp__gateway__lookup ARGS={"key":"chain"}"#,
+    );
+    body["tools"] = json!([{
+        "name": "lookup",
+        "description": "Looks a key up in the gateway's table.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}},
+    }]);
+    let answer = |call: &Value| json!({"result": format!("answered {}", call["arguments"]["key"].as_str().unwrap_or("?"))});
+    let (events, end) = streamed_tool_turn(&daemon, &body, answer, TURN_LIMIT).await;
+    assert_eq!(end["backend"], "claude-cli", "{end}");
+    assert_eq!(end["fallback_from"], "copilot", "{end}");
+    assert_eq!(end["status"], "idle", "{end}");
+    // (Claude appends its own `<system-reminder>` to a tool result for this model.)
+    assert!(
+        end["final_text"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("tool said: answered chain")),
+        "the gateway's answer reached Claude's model: {end}"
+    );
+    let calls = tool_calls(&events);
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0]["tool_name"], "lookup", "{calls:?}");
+    assert!(
+        names(&events).contains(&"backend.fallback"),
+        "{:?}",
+        names(&events)
     );
     assert!(daemon.terminate().await.success());
 }

@@ -284,3 +284,74 @@ async fn the_bridge_stops_by_itself_after_its_idle_ttl_and_when_its_handle_is_dr
         "nothing listens after the drop: {refused:?}"
     );
 }
+
+/// `lookup` with the listed schema, answering `<who>: <key>` (another lease's handler).
+fn lookup_answering(who: &'static str) -> GatewayTool {
+    GatewayTool::new(
+        "lookup",
+        "Looks a key up in the gateway's table.",
+        json!({"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}),
+        move |call: ToolCall| async move {
+            Ok(format!(
+                "{who}: {}",
+                call.arguments["key"].as_str().unwrap_or("?")
+            ))
+        },
+    )
+}
+
+async fn call_lookup(bridge: &McpBridge, id: u64) -> Value {
+    let answer = rpc(
+        bridge,
+        id,
+        "tools/call",
+        json!({"name": "lookup", "arguments": {"key": "k"}}),
+    )
+    .await;
+    answer["result"].clone()
+}
+
+#[tokio::test]
+async fn installed_handlers_answer_until_taken_out_and_then_a_call_is_refused_at_once() {
+    let bridge = McpBridge::start(vec![lookup_answering("first")], McpBridgeConfig::default())
+        .await
+        .expect("the bridge starts");
+    rpc(&bridge, 1, "initialize", initialize_params()).await;
+    let result = call_lookup(&bridge, 2).await;
+    assert_eq!(result["content"][0]["text"], "first: k", "{result}");
+
+    // Another lease's handlers for the same listed tool answer from now on.
+    assert!(bridge.lists(&[lookup_answering("second")]));
+    bridge
+        .install(vec![lookup_answering("second")])
+        .expect("the same list is installed");
+    let result = call_lookup(&bridge, 3).await;
+    assert_eq!(result["content"][0]["text"], "second: k", "{result}");
+
+    // Between leases: refused at once, never a wait for a handler.
+    bridge.uninstall();
+    let started = std::time::Instant::now();
+    let result = call_lookup(&bridge, 4).await;
+    assert_eq!(result["isError"], true, "{result}");
+    let text = result["content"][0]["text"].as_str().unwrap_or("");
+    assert!(text.contains("no lease holds this conversation"), "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "answered at once"
+    );
+    // The list stays what the CLI was given.
+    let listed = rpc(&bridge, 5, "tools/list", json!({})).await;
+    assert_eq!(listed["result"]["tools"][0]["name"], "lookup", "{listed}");
+
+    // Other tools (here another schema) are refused: the CLI would see a stale list.
+    let mut other = lookup_answering("third");
+    other.parameters = json!({"type": "object", "properties": {"id": {"type": "integer"}}});
+    assert!(!bridge.lists(std::slice::from_ref(&other)));
+    let refused = bridge.install(vec![other]).expect_err("another list");
+    assert!(
+        refused.to_string().contains("start the CLI again"),
+        "{refused}"
+    );
+    let result = call_lookup(&bridge, 6).await;
+    assert_eq!(result["isError"], true, "still none installed: {result}");
+}

@@ -5,7 +5,10 @@
 //! the pool's SSE vocabulary and ends with `turn.end` carrying usage; the second turn
 //! carries the first to the model; no CLI process is left once a turn ended (a process per
 //! turn). Codex's stored thread is resumed by a restarted daemon, and refused as
-//! `transcript_missing` once its rollout file is gone.
+//! `transcript_missing` once its rollout file is gone. A Codex turn's gateway `tools` reach
+//! Codex through the MCP bridge: each call is a `tool.call` answered on
+//! `/v1/requests/{id}`, and the answer reaches the model's next request; Gemini CLI
+//! refuses them.
 //!
 //! The tests take one lock, so at most one CLI process runs at a time.
 
@@ -20,7 +23,9 @@ use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
 use support::agent_cli::{codex_path, path};
-use support::cli_daemon::{CliFixture as Fixture, event_names, streamed_turn};
+use support::cli_daemon::{
+    CliFixture as Fixture, event_names, streamed_tool_turn, streamed_turn, tool_calls,
+};
 use support::http::{Daemon, call};
 use support::procs::{wait_none, with_env_prefix};
 
@@ -275,4 +280,104 @@ async fn two_gemini_turns_over_http_carry_history_with_usage_and_leave_no_proces
     );
     assert!(daemon.terminate().await.success());
     assert!(fx.cli_processes().is_empty());
+}
+
+/// The `function_call_output` items the model received.
+fn call_outputs(fx: &Fixture) -> Vec<String> {
+    fx.model
+        .requests()
+        .iter()
+        .flat_map(|r| r.body["input"].as_array().cloned().unwrap_or_default())
+        .filter(|item| item["type"] == "function_call_output")
+        .map(|item| item["output"].to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_codex_turns_gateway_tool_call_is_answered_over_http_and_gemini_refuses_tools() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    let tools = json!([{
+        "name": "lookup",
+        "description": "Looks a key up in the gateway's table.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}},
+                       "required": ["key"]},
+    }]);
+    let answer = |call: &Value| json!({"result": format!("answered {}", call["arguments"]["key"].as_str().unwrap_or("?"))});
+    let body = |key: &str| {
+        let mut body = fx.body(
+            CODEX,
+            "g1",
+            &format!(r#"SCENARIO:tool NAME=mcp__gateway__lookup ARGS={{"key":"{key}"}}"#),
+        );
+        // A model Codex has no metadata for: it offers MCP tools directly (for a known
+        // one it defers them behind its `tool_search`).
+        body["model"] = json!("fake-model");
+        body["tools"] = tools.clone();
+        body
+    };
+
+    let started = std::time::Instant::now();
+    let (events, end) = streamed_tool_turn(&daemon, &body("alpha"), answer, TURN_LIMIT).await;
+    eprintln!(
+        "measured: codex-cli turn with one gateway tool call over HTTP {:?}",
+        started.elapsed()
+    );
+    assert_eq!(end["status"], "idle", "{end}");
+    let calls = tool_calls(&events);
+    assert_eq!(
+        calls.len(),
+        1,
+        "one tool.call, the one to answer: {calls:?}"
+    );
+    assert_eq!(calls[0]["tool_name"], "lookup", "{calls:?}");
+    assert_eq!(calls[0]["arguments"], json!({"key": "alpha"}));
+    assert!(
+        calls[0]["request_id"]
+            .as_str()
+            .is_some_and(|id| !id.is_empty()),
+        "{calls:?}"
+    );
+    let outputs = call_outputs(&fx);
+    assert!(
+        outputs.iter().any(|o| o.contains("answered alpha")),
+        "the answer reached the model: {outputs:?}"
+    );
+    assert!(
+        end["final_text"]
+            .as_str()
+            .is_some_and(|t| t.contains("answered alpha")),
+        "{end}"
+    );
+
+    // The next turn (a new lease, a new Codex process, the bridge kept): its own stream
+    // answers.
+    let (events, second) = streamed_tool_turn(&daemon, &body("beta"), answer, TURN_LIMIT).await;
+    assert_eq!(second["status"], "idle", "{second}");
+    assert_eq!(second["open_reason"], "attached", "{second}");
+    assert_eq!(tool_calls(&events).len(), 1, "{events:?}");
+    let outputs = call_outputs(&fx);
+    assert!(
+        outputs.iter().any(|o| o.contains("answered beta")),
+        "the second answer reached the model: {outputs:?}"
+    );
+    assert!(
+        wait_none(|| fx.cli_processes(), Duration::from_secs(5))
+            .await
+            .is_empty(),
+        "no process after the turns"
+    );
+
+    // Gemini CLI gets no bridge: its turn refuses tools, naming those that take them.
+    let mut gemini = fx.body(GEMINI, "g2", "REPLY=never");
+    gemini["tools"] = tools.clone();
+    let refused = call(daemon.addr, "POST", "/v1/turns", None, Some(&gemini)).await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(
+        refused.body.contains("gateway tools") && refused.body.contains("`codex-cli`"),
+        "{}",
+        refused.body
+    );
+    assert!(daemon.terminate().await.success());
 }

@@ -958,22 +958,130 @@ async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_wa
     assert_eq!(fx.model.requests().len(), 2, "one model call per real turn");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cli_lease_with_gateway_tools_is_refused_rather_than_run_without_them() {
-    let fx = Fixture::new().await;
-    let pool = Pool::start(fx.config().await).await.expect("pool");
-    let mut req = fx.request("agent-t", "tools-1");
-    req.backend = "claude-cli".to_owned();
-    req.handlers.tools = vec![copilot_pool::turn::GatewayTool::new(
+/// `lookup` answering `<who>: <key>` (one lease's handler of the listed tool).
+fn lookup_tool(who: &'static str) -> copilot_pool::turn::GatewayTool {
+    copilot_pool::turn::GatewayTool::new(
         "lookup",
         "Looks a key up.",
-        serde_json::json!({"type": "object"}),
-        |_call: copilot_pool::turn::ToolCall| async move { Ok("v".to_owned()) },
-    )];
+        serde_json::json!({"type": "object", "properties": {"key": {"type": "string"}}}),
+        move |call: copilot_pool::turn::ToolCall| async move {
+            Ok(format!(
+                "{who}: {}",
+                call.arguments["key"].as_str().unwrap_or("?")
+            ))
+        },
+    )
+}
+
+/// Runs one turn of a CLI lease to its end (the limit is a failure guard, not a wait).
+async fn run_cli(
+    lease: &mut copilot_pool::pool::CliLease,
+    prompt: &str,
+) -> copilot_pool::backend::CliTurnOutcome {
+    tokio::time::timeout(Duration::from_secs(120), lease.run(prompt, |_| {}))
+        .await
+        .expect("the turn ended in time")
+        .expect("the turn ran")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cli_lease_serves_its_own_gateway_tool_handlers_and_other_tools_restart_the_cli() {
+    use copilot_pool::backend::CliBackendConfig;
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    let claude = support::agent_cli::claude_path().await;
+    if let Some(backend) = config.cli_backends.get_mut("claude-cli") {
+        backend.command = claude.display().to_string();
+    }
+    // Gemini CLI gets no bridge: never started, its lease is refused first.
+    let mut gemini = CliBackendConfig::google_gemini_cli();
+    gemini.command = "/nonexistent/gemini".to_owned();
+    config
+        .cli_backends
+        .insert("google-gemini-cli".to_owned(), gemini);
+    let pool = Pool::start(config).await.expect("pool");
+    let request = |tools: Vec<copilot_pool::turn::GatewayTool>| {
+        let mut req = fx.request("agent-t", "tools-1");
+        req.backend = "claude-cli".to_owned();
+        req.model = None;
+        req.provider = Some(ProviderConfig::anthropic(
+            format!("http://{}", fx.endpoint.addr()),
+            Some(Secret::new("sk-ant-FAKE-pool-tools")),
+        ));
+        req.handlers.tools = tools;
+        req
+    };
+
+    // The first lease's handler answers its call.
+    let mut first = pool
+        .lease_cli(request(vec![lookup_tool("first")]))
+        .await
+        .expect("first lease");
+    let outcome = run_cli(
+        &mut first,
+        r#"SCENARIO:tool NAME=mcp__gateway__lookup ARGS={"key":"alpha"}"#,
+    )
+    .await;
+    assert_eq!(outcome.text, "tool said: first: alpha", "{outcome:?}");
+    let pid = first.pid().expect("a live process");
+    drop(first);
+
+    // The next lease of the same conversation, same tool: same process, its own handler.
+    let mut second = pool
+        .lease_cli(request(vec![lookup_tool("second")]))
+        .await
+        .expect("second lease");
+    assert_eq!(second.reason(), OpenReason::Attached);
+    assert_eq!(second.pid(), Some(pid), "the process was kept");
+    let outcome = run_cli(
+        &mut second,
+        r#"SCENARIO:tool NAME=mcp__gateway__lookup ARGS={"key":"beta"}"#,
+    )
+    .await;
+    assert_eq!(
+        outcome.text, "tool said: second: beta",
+        "the second lease's handler answered: {outcome:?}"
+    );
+    assert_eq!(second.pid(), Some(pid));
+    drop(second);
+
+    // Another tool set: the CLI is started again (resumed) with a bridge listing it.
+    let extra = copilot_pool::turn::GatewayTool::new(
+        "extra",
+        "Only the third lease has it.",
+        serde_json::json!({"type": "object", "properties": {}}),
+        |_call: copilot_pool::turn::ToolCall| async { Ok("extra ran".to_owned()) },
+    );
+    let mut third = pool
+        .lease_cli(request(vec![lookup_tool("third"), extra]))
+        .await
+        .expect("third lease");
+    assert_eq!(third.reason(), OpenReason::Resumed, "a new process resumes");
+    let outcome = run_cli(&mut third, "SCENARIO:tool NAME=mcp__gateway__extra ARGS={}").await;
+    assert_eq!(outcome.text, "tool said: extra ran", "{outcome:?}");
+    assert!(outcome.resumed, "{outcome:?}");
+    assert_ne!(third.pid(), Some(pid), "a new process");
+    drop(third);
+
+    // A backend whose CLI gets no bridge refuses tools rather than run without them.
+    let mut req = request(vec![lookup_tool("gemini")]);
+    req.backend = "google-gemini-cli".to_owned();
     let refused = pool.lease_cli(req).await.expect_err("refused");
     assert!(
-        matches!(&refused, PoolError::InvalidRequest(m) if m.contains("gateway_tools")),
+        matches!(&refused, PoolError::InvalidRequest(m)
+            if m.contains("cannot be leased with gateway tools") && m.contains("codex-cli")),
         "{refused}"
     );
     shutdown_leaves_nothing(&pool).await;
+    let left = support::procs::wait_none(
+        || {
+            support::procs::with_env_prefix(
+                "CLAUDE_CONFIG_DIR",
+                &fx.scratch.path().display().to_string(),
+            )
+        },
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(left.is_empty(), "Claude processes left: {left:?}");
 }

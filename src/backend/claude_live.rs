@@ -300,12 +300,59 @@ impl ClaudeLive {
     /// ended, if one was running.
     pub async fn close(mut self) -> Option<ExitInfo> {
         let process = self.process.take()?;
-        let LiveProcess { child, stdin, .. } = process;
-        drop(stdin);
-        let grace = self.config.close_grace;
-        match tokio::time::timeout(grace, child.wait()).await {
-            Ok(info) => Some(info),
-            Err(_) => Some(child.terminate(grace).await),
+        Some(close_process(process, self.config.close_grace).await)
+    }
+
+    /// Makes `tools` the conversation's gateway tools from now on (a pool lease installs its
+    /// own handlers this way; the other settings of `gateway_tools` stay). When the running
+    /// process's bridge lists the same tools (names, descriptions, schemas), their handlers
+    /// are swapped in and the process is kept ([`super::GatewayToolsChange::Installed`]); when the
+    /// tools differ from what the process was started with, it is closed (gracefully, as
+    /// [`ClaudeLive::close`]) so the next turn starts one with a bridge listing these
+    /// tools, resuming the session ([`super::GatewayToolsChange::Restart`]): never a stale list.
+    #[cfg(feature = "mcp-bridge")]
+    pub async fn set_gateway_tools(
+        &mut self,
+        tools: Vec<crate::turn::GatewayTool>,
+    ) -> super::GatewayToolsChange {
+        use super::GatewayToolsChange as Change;
+        let running = self.pid().is_some();
+        let change = match &self.bridge {
+            // `install` refuses another list than the bridge's.
+            Some(bridge) if running && bridge.is_running() => match bridge.install(tools.clone()) {
+                Ok(()) => Change::Installed,
+                Err(_) => Change::Restart,
+            },
+            None if running && tools.is_empty() => Change::Installed,
+            _ if running => Change::Restart,
+            _ => Change::NotRunning,
+        };
+        match &mut self.config.gateway_tools {
+            Some(gateway) => gateway.tools = tools,
+            None => {
+                self.config.gateway_tools = Some(super::mcp_bridge::McpGatewayTools::new(tools));
+            }
+        }
+        if change == Change::Restart {
+            tracing::debug!("the gateway tools changed; restarting claude with a new bridge");
+            if let Some(process) = self.process.take() {
+                close_process(process, self.config.close_grace).await;
+            }
+            self.bridge = None;
+        }
+        change
+    }
+
+    /// Takes the gateway tools' handlers out (a pool lease ended): a call that arrives
+    /// before the next [`ClaudeLive::set_gateway_tools`] is an `isError` result at once.
+    /// The bridge and its list stay, for the next lease to install its handlers into.
+    #[cfg(feature = "mcp-bridge")]
+    pub fn clear_gateway_handlers(&mut self) {
+        if let Some(bridge) = &self.bridge {
+            bridge.uninstall();
+        }
+        if let Some(gateway) = &mut self.config.gateway_tools {
+            gateway.tools.clear();
         }
     }
 
@@ -412,6 +459,17 @@ impl ClaudeLive {
             resumed,
         });
         Ok(())
+    }
+}
+
+/// Closes a process: its stdin first (Claude exits after the current turn), `grace`, then
+/// SIGTERM, `grace`, SIGKILL to the group.
+async fn close_process(process: LiveProcess, grace: Duration) -> ExitInfo {
+    let LiveProcess { child, stdin, .. } = process;
+    drop(stdin);
+    match tokio::time::timeout(grace, child.wait()).await {
+        Ok(info) => info,
+        Err(_) => child.terminate(grace).await,
     }
 }
 

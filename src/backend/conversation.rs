@@ -5,7 +5,9 @@
 //! backend kind beyond choosing the arm. Both arms' turns hand out the one
 //! [`AbortHandle`] type.
 //!
-//! Also owns where each runner's CLI keeps its own transcript of a session
+//! Also carries a lease's gateway tools to the runner's MCP bridge
+//! ([`CliConversation::set_gateway_tools`]) and takes their handlers out when the lease
+//! ends, and owns where each runner's CLI keeps its own transcript of a session
 //! ([`CliConversation::find_transcript`]), which the pool checks before it resumes one.
 
 use std::path::{Path, PathBuf};
@@ -48,6 +50,41 @@ impl CliConversation {
             CliConversation::Oneshot(oneshot) => Ok(CliTurn::Oneshot(Box::new(
                 oneshot.start_turn(prompt).await?,
             ))),
+        }
+    }
+
+    /// Whether this conversation serves gateway tools to its CLI through the MCP bridge
+    /// (Claude Code live, Codex; not Gemini CLI nor generic one-shot CLIs, nor a build
+    /// without the `mcp-bridge` feature).
+    pub fn serves_gateway_tools(&self) -> bool {
+        match self {
+            CliConversation::Live(_) => cfg!(feature = "mcp-bridge"),
+            CliConversation::Oneshot(oneshot) => oneshot.serves_gateway_tools(),
+        }
+    }
+
+    /// Makes `tools` (a lease's, with their handlers) the conversation's gateway tools: their
+    /// handlers are swapped into the running CLI's bridge when it lists the same tools, else
+    /// the CLI is started again with a bridge listing these (see
+    /// [`super::GatewayToolsChange`]).
+    #[cfg(feature = "mcp-bridge")]
+    pub async fn set_gateway_tools(
+        &mut self,
+        tools: Vec<crate::turn::GatewayTool>,
+    ) -> super::GatewayToolsChange {
+        match self {
+            CliConversation::Live(live) => live.set_gateway_tools(tools).await,
+            CliConversation::Oneshot(oneshot) => oneshot.set_gateway_tools(tools),
+        }
+    }
+
+    /// Takes a lease's gateway tool handlers out (the lease ended): a call before the next
+    /// [`CliConversation::set_gateway_tools`] is an `isError` result at once.
+    #[cfg(feature = "mcp-bridge")]
+    pub fn clear_gateway_handlers(&mut self) {
+        match self {
+            CliConversation::Live(live) => live.clear_gateway_handlers(),
+            CliConversation::Oneshot(oneshot) => oneshot.clear_gateway_handlers(),
         }
     }
 

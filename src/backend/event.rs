@@ -2,7 +2,8 @@
 //! daemon's turn stream (`assistant.message_delta`, `assistant.message`, `tool.call`,
 //! `permission.request`, `turn.end`), the turn's outcome ([`CliTurnOutcome`], with
 //! [`TurnEnd`] and [`Usage`] reused from the Copilot path) and how a started turn failed
-//! ([`TurnFailure`]), and the one [`AbortHandle`] type every runner's turn hands out.
+//! ([`TurnFailure`]), the one [`AbortHandle`] type every runner's turn hands out, and what
+//! installing a lease's gateway tools did to a runner ([`GatewayToolsChange`]).
 
 use std::sync::Arc;
 
@@ -191,6 +192,19 @@ pub struct CliTurnOutcome {
     pub retained_lines: u64,
     /// Bytes of retained output.
     pub retained_bytes: u64,
+}
+
+/// What a runner's `set_gateway_tools` did (a pool lease installing its gateway tools).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GatewayToolsChange {
+    /// The running CLI already lists these tools: their handlers answer its calls now.
+    Installed,
+    /// The tools differ from what the running CLI was started with: it was closed, and the
+    /// next turn starts it again (resuming the session) with a bridge listing them.
+    Restart,
+    /// No CLI runs now: the next turn starts one with these tools.
+    NotRunning,
 }
 
 #[cfg(test)]

@@ -11,10 +11,16 @@
 //!   a [`Secret`]; any other request gets 401 and does not count as activity. The token is
 //!   never logged and never put in argv: the CLIs read it from their environment;
 //! * `tools/list` lists exactly the [`GatewayTool`]s the bridge was started with (name,
-//!   description, `inputSchema` = the tool's JSON schema); `tools/call` runs the tool's own
-//!   handler with the tool's timeout (else the bridge's), sequential tools one at a time as in
+//!   description, `inputSchema` = the tool's JSON schema), for the bridge's whole life (a CLI
+//!   reads the list once); `tools/call` runs the handler of the tool in the **installed
+//!   table** with the tool's timeout (else the bridge's), sequential tools one at a time as in
 //!   a Copilot turn; a handler error, an unknown tool, a timeout or a panic is an `isError`
 //!   result, never a protocol error or a panic of the server;
+//! * the installed table is swappable: a pool lease installs its own handlers for the same
+//!   listed tools ([`McpBridge::install`], refused when names, descriptions or schemas differ:
+//!   the CLI would be offered a stale list), and takes them out when it ends
+//!   ([`McpBridge::uninstall`]); a call that arrives while none are installed is an `isError`
+//!   result at once, never a wait;
 //! * the server stops by itself after `idle_ttl` without an authenticated request while no
 //!   call is running, and when the [`McpBridge`] handle is dropped.
 
@@ -103,6 +109,12 @@ pub enum McpBridgeError {
          object such as {{\"type\":\"object\",\"properties\":{{}}}}"
     )]
     Schema(String),
+    /// The tools to install are not the ones the bridge lists (a CLI would see a stale list).
+    #[error(
+        "the MCP bridge lists other tools than these (names, descriptions or schemas differ): \
+         start the CLI again with a new bridge for them"
+    )]
+    ToolsDiffer,
     /// The loopback port could not be bound.
     #[error("could not listen on 127.0.0.1 for the MCP bridge: {0}; is the loopback interface up?")]
     Bind(#[source] std::io::Error),
@@ -131,11 +143,18 @@ impl StopSignal {
     }
 }
 
+/// The handlers that answer calls now, by tool name (`None`: no lease holds the
+/// conversation; calls are refused).
+type Installed = Option<Arc<HashMap<String, GatewayTool>>>;
+
 /// What is shared between the handle, the HTTP layer and the MCP handler.
 struct Shared {
     token: Secret,
-    tools: HashMap<String, GatewayTool>,
+    /// The handlers installed now (swapped per lease).
+    installed: Mutex<Installed>,
+    /// What `tools/list` offers (fixed for the bridge's life), and its signature.
     listed: Vec<Tool>,
+    signature: Vec<ToolSignature>,
     config: McpBridgeConfig,
     session_id: Mutex<String>,
     sequential: Arc<RwLock<()>>,
@@ -185,25 +204,19 @@ impl McpBridge {
         {
             return Err(McpBridgeError::ServerName(name.clone()));
         }
-        let mut by_name = HashMap::new();
+        check_tools(&tools)?;
+        let signature = signature(&tools);
         let mut listed = Vec::new();
-        for tool in tools {
-            let Value::Object(schema) = &tool.parameters else {
-                return Err(McpBridgeError::Schema(tool.name.clone()));
-            };
-            listed.push(Tool::new(
-                tool.name.clone(),
-                tool.description.clone(),
-                Arc::new(schema.clone()),
-            ));
-            if by_name.insert(tool.name.clone(), tool).is_some() {
-                let name = listed
-                    .pop()
-                    .map(|t| t.name.into_owned())
-                    .unwrap_or_default();
-                return Err(McpBridgeError::DuplicateTool(name));
+        for tool in &tools {
+            if let Value::Object(schema) = &tool.parameters {
+                listed.push(Tool::new(
+                    tool.name.clone(),
+                    tool.description.clone(),
+                    Arc::new(schema.clone()),
+                ));
             }
         }
+        let by_name = table(tools);
         let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
             .await
             .map_err(McpBridgeError::Bind)?;
@@ -214,8 +227,9 @@ impl McpBridge {
                 uuid::Uuid::new_v4().simple(),
                 uuid::Uuid::new_v4().simple()
             )),
-            tools: by_name,
+            installed: Mutex::new(Some(Arc::new(by_name))),
             listed,
+            signature,
             config,
             session_id: Mutex::new(String::new()),
             sequential: Arc::new(RwLock::new(())),
@@ -308,6 +322,35 @@ impl McpBridge {
     /// Stops the server (as dropping the handle does).
     pub fn stop(&self) {
         self.cancel.cancel();
+    }
+
+    /// Whether `tools` are the ones this bridge lists (names, descriptions, schemas; their
+    /// order, handlers, timeouts and concurrency do not count), so [`McpBridge::install`]
+    /// takes them.
+    pub fn lists(&self, tools: &[GatewayTool]) -> bool {
+        signature(tools) == self.shared.signature
+    }
+
+    /// Answers calls with `tools`' handlers from now on (a call already running finishes
+    /// with the handler it started with). Refused with [`McpBridgeError::ToolsDiffer`] when
+    /// they are not the tools the bridge lists ([`McpBridge::lists`]).
+    pub fn install(&self, tools: Vec<GatewayTool>) -> Result<(), McpBridgeError> {
+        if !self.lists(&tools) {
+            return Err(McpBridgeError::ToolsDiffer);
+        }
+        let table = Arc::new(table(tools));
+        if let Ok(mut installed) = self.shared.installed.lock() {
+            *installed = Some(table);
+        }
+        Ok(())
+    }
+
+    /// Takes the installed handlers out: until the next [`McpBridge::install`], every call
+    /// is an `isError` result at once (no lease holds the conversation to answer it).
+    pub fn uninstall(&self) {
+        if let Ok(mut installed) = self.shared.installed.lock() {
+            *installed = None;
+        }
     }
 
     /// The CLI session id that later [`ToolCall`]s carry.
@@ -408,6 +451,53 @@ impl McpGatewayTools {
             ask_permission: false,
         }
     }
+}
+
+/// Checks tools as a bridge takes them: each `parameters` a JSON object, no name twice.
+pub fn check_tools(tools: &[GatewayTool]) -> Result<(), McpBridgeError> {
+    let mut seen = std::collections::HashSet::new();
+    for tool in tools {
+        if !tool.parameters.is_object() {
+            return Err(McpBridgeError::Schema(tool.name.clone()));
+        }
+        if !seen.insert(tool.name.as_str()) {
+            return Err(McpBridgeError::DuplicateTool(tool.name.clone()));
+        }
+    }
+    Ok(())
+}
+
+/// The gateway tool's name in a CLI's own report of a call of it through the bridge named
+/// [`DEFAULT_SERVER_NAME`]: Claude Code's `mcp__gateway__<tool>`, Codex's `gateway/<tool>`.
+/// `None` for any other tool.
+pub fn gateway_tool_name(cli_name: &str) -> Option<&str> {
+    cli_name
+        .strip_prefix("mcp__")
+        .and_then(|rest| rest.strip_prefix(DEFAULT_SERVER_NAME))
+        .and_then(|rest| rest.strip_prefix("__"))
+        .or_else(|| {
+            cli_name
+                .strip_prefix(DEFAULT_SERVER_NAME)
+                .and_then(|rest| rest.strip_prefix('/'))
+        })
+        .filter(|name| !name.is_empty())
+}
+
+/// What a CLI is told of a tool: its name, description and schema.
+type ToolSignature = (String, String, Value);
+
+/// The tools as the CLI sees them, in name order.
+fn signature(tools: &[GatewayTool]) -> Vec<ToolSignature> {
+    let mut listed: Vec<ToolSignature> = tools
+        .iter()
+        .map(|t| (t.name.clone(), t.description.clone(), t.parameters.clone()))
+        .collect();
+    listed.sort_by(|a, b| a.0.cmp(&b.0));
+    listed
+}
+
+fn table(tools: Vec<GatewayTool>) -> HashMap<String, GatewayTool> {
+    tools.into_iter().map(|t| (t.name.clone(), t)).collect()
 }
 
 /// Rejects requests without the run's bearer token (401); counts the others as activity.
@@ -533,11 +623,19 @@ async fn run_call(
     tool_call_id: Option<String>,
 ) -> CallToolResult {
     let name = request.name.as_ref();
-    let Some(tool) = shared.tools.get(name) else {
+    let installed = shared.installed.lock().ok().and_then(|i| i.clone());
+    let Some(installed) = installed else {
         metrics::tool_call(ToolOutcome::Error);
         return CallToolResult::error(vec![ContentBlock::text(format!(
-            "unknown tool {name:?}: this MCP server offers {:?}",
-            shared.tools.keys().collect::<Vec<_>>()
+            "the tool {name:?} cannot run now: no lease holds this conversation to answer it"
+        ))]);
+    };
+    let Some(tool) = installed.get(name) else {
+        metrics::tool_call(ToolOutcome::Error);
+        let mut offered: Vec<&String> = installed.keys().collect();
+        offered.sort();
+        return CallToolResult::error(vec![ContentBlock::text(format!(
+            "unknown tool {name:?}: this MCP server offers {offered:?}"
         ))]);
     };
     let call = ToolCall {
@@ -697,6 +795,45 @@ mod tests {
         );
         assert!(!codex.args.iter().any(|a| a.contains(&token)));
         assert!(!format!("{bridge:?}").contains(&token));
+    }
+
+    #[test]
+    fn a_gateway_tool_is_recognized_in_either_clis_report_of_its_call() {
+        assert_eq!(gateway_tool_name("mcp__gateway__lookup"), Some("lookup"));
+        assert_eq!(gateway_tool_name("gateway/lookup"), Some("lookup"));
+        assert_eq!(gateway_tool_name("mcp__other__lookup"), None);
+        assert_eq!(gateway_tool_name("other/lookup"), None);
+        assert_eq!(gateway_tool_name("mcp__gateway__"), None);
+        assert_eq!(gateway_tool_name("Bash"), None);
+        assert_eq!(gateway_tool_name("gatewaylookup"), None);
+    }
+
+    #[tokio::test]
+    async fn a_bridge_lists_the_same_tools_whatever_their_order_handlers_or_timeouts() {
+        let other = GatewayTool::new(
+            "other",
+            "Other",
+            json!({"type": "object"}),
+            |_c: ToolCall| async { Ok(String::new()) },
+        );
+        let bridge = McpBridge::start(vec![echo(), other.clone()], McpBridgeConfig::default())
+            .await
+            .expect("bridge");
+        let swapped = GatewayTool::new(
+            "echo",
+            "Echoes",
+            json!({"type": "object"}),
+            |_c: ToolCall| async { Ok("another handler".to_owned()) },
+        )
+        .with_timeout(Duration::from_secs(1))
+        .sequential();
+        assert!(bridge.lists(&[other.clone(), swapped.clone()]));
+        assert!(!bridge.lists(std::slice::from_ref(&swapped)), "one missing");
+        let mut described = echo();
+        described.description = "Echoes twice".to_owned();
+        assert!(!bridge.lists(&[other.clone(), described]), "a description");
+        assert!(!bridge.lists(&[]), "none");
+        assert!(bridge.install(vec![swapped, other]).is_ok());
     }
 
     #[test]

@@ -28,7 +28,7 @@ pub use config::{
     TextRewrite, TextTransforms,
 };
 pub use conversation::{CliConversation, CliStartError, CliTurn};
-pub use event::{AbortHandle, BackendEvent, CliTurnOutcome, TurnFailure};
+pub use event::{AbortHandle, BackendEvent, CliTurnOutcome, GatewayToolsChange, TurnFailure};
 
 use serde::{Deserialize, Serialize};
 

@@ -803,6 +803,55 @@ impl Oneshot {
         }
     }
 
+    /// Whether this conversation serves gateway tools to its CLI (the Codex dialect does,
+    /// through the MCP bridge; Gemini CLI and generic CLIs do not).
+    pub fn serves_gateway_tools(&self) -> bool {
+        cfg!(feature = "mcp-bridge") && self.config.dialect == Dialect::Codex
+    }
+
+    /// Makes `tools` the conversation's gateway tools from now on (a pool lease installs its
+    /// own handlers this way). When the bridge kept from the last turn lists the same tools,
+    /// their handlers are swapped in ([`super::GatewayToolsChange::Installed`]); otherwise the
+    /// bridge is stopped and the next turn's process gets a new one listing these tools
+    /// ([`super::GatewayToolsChange::NotRunning`]: no process runs between turns).
+    #[cfg(feature = "mcp-bridge")]
+    pub fn set_gateway_tools(
+        &mut self,
+        tools: Vec<crate::turn::GatewayTool>,
+    ) -> super::GatewayToolsChange {
+        use super::GatewayToolsChange as Change;
+        let change = match &self.bridge {
+            // `install` refuses another list than the bridge's.
+            Some(bridge) if bridge.is_running() => match bridge.install(tools.clone()) {
+                Ok(()) => Change::Installed,
+                Err(_) => Change::NotRunning,
+            },
+            _ => Change::NotRunning,
+        };
+        if change != Change::Installed {
+            self.bridge = None;
+        }
+        match &mut self.config.gateway_tools {
+            Some(gateway) => gateway.tools = tools,
+            None => {
+                self.config.gateway_tools = Some(super::mcp_bridge::McpGatewayTools::new(tools));
+            }
+        }
+        change
+    }
+
+    /// Takes the gateway tools' handlers out (a pool lease ended): a call that arrives
+    /// before the next [`Oneshot::set_gateway_tools`] is an `isError` result at once.
+    #[cfg(feature = "mcp-bridge")]
+    pub fn clear_gateway_handlers(&mut self) {
+        if let Some(bridge) = &self.bridge {
+            bridge.uninstall();
+        }
+        if let Some(gateway) = &mut self.config.gateway_tools {
+            gateway.tools.clear();
+        }
+    }
+
     /// Codex's overrides for the conversation's gateway tools: the running bridge's, or a
     /// new bridge's when there is none or its idle TTL ended it. `None` without tools or for
     /// another dialect.

@@ -140,7 +140,7 @@ struct AuthBody {
 }
 
 /// A gateway tool of a turn (its calls arrive as `tool.call` events).
-#[derive(Deserialize, ToSchema)]
+#[derive(Deserialize, ToSchema, Clone)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ToolBody {
     /// The tool's name: not empty, unique in the turn, not `catalog_search`.
@@ -262,7 +262,9 @@ pub(super) struct TurnBody {
     /// tools, `permission.request` answered by the gateway, `turn.end` with usage); its
     /// model endpoint and key are `provider.base_url` and `provider.api_key`, and its auth
     /// identity `auth.auth_profile_id` (else `auth.profile_id`, else the key itself).
-    /// Gateway tools, hooks and attachments are not offered to CLI backends.
+    /// `tools` reach `claude-cli` and `codex-cli` through a loopback MCP bridge: each call
+    /// is a `tool.call` with a `request_id`, answered as for `copilot`; other CLI backends
+    /// refuse them. Hooks and attachments are not offered to CLI backends.
     #[serde(default)]
     #[schema(example = "claude-cli")]
     pub backend: Option<String>,
@@ -275,8 +277,9 @@ pub(super) struct TurnBody {
     /// or Claude Code's own): its compaction summary first, then its newest messages within
     /// `prelude_chars`. The stream shows
     /// `backend.fallback`, then the next backend's events; `turn.end` names the backend that
-    /// answered. With a CLI backend in the chain, gateway tools, hooks, attachments and
-    /// `mode`/`agent_mode` are refused, as for a CLI turn.
+    /// answered. With a CLI backend in the chain, hooks, attachments and `mode`/`agent_mode`
+    /// are refused, and gateway tools unless every CLI backend of the chain takes them, as
+    /// for a CLI turn.
     #[serde(default)]
     #[schema(max_items = 4, example = json!(["claude-cli"]))]
     pub fallback: Vec<String>,

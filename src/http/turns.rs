@@ -126,17 +126,21 @@ pub(super) async fn post_turn(
             );
         }
     };
-    if let Some(cli) = fallbacks.iter().find(|b| *b != COPILOT_BACKEND)
-        && let Err(what) = cli_refusal(&body)
-    {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            format!(
-                "{what} are not offered to CLI backends, and `fallback` names `{cli}`; drop \
-                 them, or drop `{cli}` from `fallback`"
-            ),
-        );
+    for cli in fallbacks.iter().filter(|b| *b != COPILOT_BACKEND) {
+        if let Err(what) = cli_refusal(&body, serves_tools(&state, cli)) {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!(
+                    "{what} are not offered to CLI backend `{cli}`, and `fallback` names it; \
+                     drop them, or drop `{cli}` from `fallback`{}",
+                    tools_hint(what)
+                ),
+            );
+        }
+    }
+    if let Err(message) = check_tools(&body.tools) {
+        return error(StatusCode::BAD_REQUEST, "bad_request", message);
     }
     let mut req = match lease_request(&state, &body.agent_id, &body.session_key, conv).await {
         Ok(r) => r,
@@ -168,13 +172,11 @@ pub(super) async fn post_turn(
         prompt: body.prompt.clone(),
         budget,
         streaming: query.stream != Some(false),
+        tools: body.tools.clone(),
     };
     if let Some(backend) = backend.filter(|b| b != COPILOT_BACKEND) {
         req.backend = backend;
         return post_cli_turn(state, query, body, req, chain).await;
-    }
-    if let Err(message) = check_tools(&body.tools) {
-        return error(StatusCode::BAD_REQUEST, "bad_request", message);
     }
     let streaming = query.stream != Some(false);
     if !streaming && !body.tools.is_empty() {
@@ -250,10 +252,11 @@ pub(super) async fn post_turn(
     respond(streaming, events_rx).await
 }
 
-/// What a CLI backend's turn refuses in a body, if the body has it.
-fn cli_refusal(body: &TurnBody) -> Result<(), &'static str> {
-    if !body.tools.is_empty() {
-        return Err("gateway tools");
+/// What a CLI backend's turn refuses in a body, if the body has it; `tools_served`: the
+/// backend takes gateway tools (through the MCP bridge).
+fn cli_refusal(body: &TurnBody, tools_served: bool) -> Result<(), &'static str> {
+    if !body.tools.is_empty() && !tools_served {
+        return Err(GATEWAY_TOOLS);
     }
     if !body.hooks.is_empty() {
         return Err("hooks");
@@ -267,6 +270,23 @@ fn cli_refusal(body: &TurnBody) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// What [`cli_refusal`] names for a body's `tools`.
+const GATEWAY_TOOLS: &str = "gateway tools";
+
+/// Where gateway tools are taken, after a refusal of them.
+fn tools_hint(what: &str) -> &'static str {
+    if what == GATEWAY_TOOLS {
+        " (its CLI gets no MCP bridge for them: `claude-cli` and `codex-cli` take them)"
+    } else {
+        ""
+    }
+}
+
+/// Whether `backend` takes gateway tools (an unknown one was refused before).
+fn serves_tools(state: &AppState, backend: &str) -> bool {
+    state.pool.serves_gateway_tools(backend).unwrap_or(false)
+}
+
 /// A CLI backend's turn (`backend` names one): its lease, then its events in the same
 /// vocabulary, ending with `turn.end`.
 async fn post_cli_turn(
@@ -276,20 +296,29 @@ async fn post_cli_turn(
     mut req: LeaseRequest,
     chain: Chain,
 ) -> Response {
-    if let Err(what) = cli_refusal(&body) {
+    if let Err(what) = cli_refusal(&body, serves_tools(&state, &req.backend)) {
         return error(
             StatusCode::BAD_REQUEST,
             "bad_request",
             format!(
-                "{what} are not offered to CLI backends (backend `{}`); drop them, or run the \
-                 conversation on `copilot`",
-                req.backend
+                "{what} are not offered to CLI backend `{}`; drop them, or run the \
+                 conversation on `copilot`{}",
+                req.backend,
+                tools_hint(what)
             ),
         );
     }
     let streaming = query.stream != Some(false);
+    if !streaming && !body.tools.is_empty() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "tools need the event stream (their calls are answered from it); drop ?stream=false",
+        );
+    }
     let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
-    set_handlers(&state, &mut req, streaming, &events_tx);
+    set_handlers(&state, &mut req, streaming, &events_tx, &body.tools);
+    let bridged = !req.handlers.tools.is_empty();
     if let Err(r) = create_work_dir(&req.working_directory).await {
         return r;
     }
@@ -299,21 +328,23 @@ async fn post_cli_turn(
     };
     let running = Running::start(state.clone());
     tokio::spawn(async move {
-        let first = run_cli_turn(lease, &body.prompt, &events_tx, &body.agent_id).await;
+        let first = run_cli_turn(lease, &body.prompt, &events_tx, &body.agent_id, bridged).await;
         run_chain(running, first, chain, events_tx, body.agent_id).await;
     });
     respond(streaming, events_rx).await
 }
 
-/// The gateway-facing handlers of a lease on `req.backend` (when the turn streams): a CLI
-/// backend's permission prompts with the permission time limit; a Copilot conversation's
-/// permission prompts and ask_user over the stream (a fallback turn has no gateway tools or
-/// hooks: a chain with a CLI backend refuses them).
+/// The gateway-facing handlers of a lease on `req.backend` (when the turn streams): the
+/// turn's gateway `tools`, answered over the stream (`tool.call` with a `request_id`; a CLI
+/// backend's calls come through its MCP bridge); a CLI backend's permission prompts with
+/// the permission time limit; a Copilot conversation's permission prompts and ask_user over
+/// the stream (a fallback turn has no hooks: a chain with a CLI backend refuses them).
 fn set_handlers(
     state: &Arc<AppState>,
     req: &mut LeaseRequest,
     streaming: bool,
     events: &mpsc::Sender<TurnEvent>,
+    tools: &[ToolBody],
 ) {
     if !streaming {
         return;
@@ -322,6 +353,10 @@ fn set_handlers(
         events: events.clone(),
         registry: state.registry.clone(),
     };
+    req.handlers.tools = tools
+        .iter()
+        .map(|t| link.tool(t.name.clone(), t.description.clone(), t.parameters.clone()))
+        .collect();
     if req.backend == COPILOT_BACKEND {
         req.handlers.permission_policy = Arc::new(link.clone());
         req.handlers.user_input = Some(Arc::new(link));
@@ -347,6 +382,8 @@ struct Chain {
     budget: usize,
     /// Whether the turn streams (handlers that answer over the stream).
     streaming: bool,
+    /// The turn's gateway tools, for the next backend's lease.
+    tools: Vec<ToolBody>,
 }
 
 /// How one backend's run of the turn ended.
@@ -453,7 +490,8 @@ async fn run_chain(
         let mut req = chain.template.clone();
         req.backend = next.clone();
         let state = running.0.clone();
-        set_handlers(&state, &mut req, chain.streaming, &events);
+        set_handlers(&state, &mut req, chain.streaming, &events, &chain.tools);
+        let bridged = !req.handlers.tools.is_empty();
         let lease = match lease_next(&state, req).await {
             Ok(lease) => lease,
             Err(e) => {
@@ -483,7 +521,9 @@ async fn run_chain(
                 let message = Message::new(prompt);
                 run_turn(*lease, message, transcript_dir, &events, &agent_id).await
             }
-            NextLease::Cli(lease) => run_cli_turn(lease, &prompt, &events, &agent_id).await,
+            NextLease::Cli(lease) => {
+                run_cli_turn(lease, &prompt, &events, &agent_id, bridged).await
+            }
         };
         end.summary.fallback_from = Some(from);
     }
@@ -748,8 +788,10 @@ fn cli_turn_end(
 }
 
 /// A CLI backend's event in the daemon's vocabulary; `None` for a permission decision (the
-/// gateway's own `permission.request` was streamed when it was asked).
-fn cli_event(event: BackendEvent) -> Option<TurnEvent> {
+/// gateway's own `permission.request` was streamed when it was asked) and, when the turn's
+/// gateway tools are `bridged`, for the CLI's own report of a call of one of them (the
+/// bridge's handler streams that call as the `tool.call` with a `request_id` to answer).
+fn cli_event(event: BackendEvent, bridged: bool) -> Option<TurnEvent> {
     let session = |event: &BackendEvent, ephemeral: bool| {
         TurnEvent::Session(SessionEventData {
             id: uuid::Uuid::new_v4().to_string(),
@@ -764,6 +806,7 @@ fn cli_event(event: BackendEvent) -> Option<TurnEvent> {
     match event {
         BackendEvent::MessageDelta { .. } => Some(session(&event, true)),
         BackendEvent::Message { .. } => Some(session(&event, false)),
+        BackendEvent::ToolCall { name, .. } if bridged && is_bridged_call(&name) => None,
         BackendEvent::ToolCall { id, name, input } => Some(TurnEvent::ToolCall(ToolCallEvent {
             request_id: String::new(),
             tool_name: name,
@@ -774,14 +817,28 @@ fn cli_event(event: BackendEvent) -> Option<TurnEvent> {
     }
 }
 
+/// Whether a CLI's tool call is one of the gateway's, through the MCP bridge.
+fn is_bridged_call(name: &str) -> bool {
+    #[cfg(feature = "mcp-bridge")]
+    {
+        crate::backend::mcp_bridge::gateway_tool_name(name).is_some()
+    }
+    #[cfg(not(feature = "mcp-bridge"))]
+    {
+        let _ = name;
+        false
+    }
+}
+
 /// Runs one CLI backend turn and streams its events; a gateway that goes away (or stops
 /// reading) ends the turn (its process is killed; the next turn resumes the session).
-/// Returns its summary for the chain.
+/// `bridged`: the lease carries the turn's gateway tools. Returns its summary for the chain.
 async fn run_cli_turn(
     mut lease: CliLease,
     prompt: &str,
     events: &mpsc::Sender<TurnEvent>,
     agent_id: &str,
+    bridged: bool,
 ) -> StepEnd {
     let reason = lease.reason();
     let span = tracing::info_span!("cli_turn", agent = %agent_id, backend = %lease.backend());
@@ -807,7 +864,7 @@ async fn run_cli_turn(
                             }
                             _ => {}
                         }
-                        let Some(sse) = cli_event(event) else { continue };
+                        let Some(sse) = cli_event(event, bridged) else { continue };
                         if events.send_timeout(sse, SEND_TIMEOUT).await.is_err() {
                             // Dropping the turn before its end kills the process.
                             return Err((TurnEnd::Aborted, None));

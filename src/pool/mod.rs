@@ -170,6 +170,17 @@ impl Pool {
         self.inner.cli.backend_ids()
     }
 
+    /// Whether a lease of `backend` may carry gateway tools (`LeaseRequest::handlers.tools`):
+    /// `copilot`, and the CLI backends the MCP bridge serves (`cli-live` Claude Code, and
+    /// `codex-cli`); not Gemini CLI nor a generic one-shot CLI. An unknown backend is the
+    /// error of [`Pool::check_backend`].
+    pub fn serves_gateway_tools(&self, backend: &str) -> Result<bool, PoolError> {
+        if backend == COPILOT_BACKEND {
+            return Ok(true);
+        }
+        self.inner.cli.serves_gateway_tools(backend)
+    }
+
     /// Checks that `backend` is `copilot` or a configured CLI backend; the error lists the
     /// configured ids and how to add one.
     pub fn check_backend(&self, backend: &str) -> Result<(), PoolError> {
@@ -188,6 +199,13 @@ impl Pool {
     /// refresh keeps. The stored CLI session is resumed when the identity is unchanged and
     /// its transcript exists (else [`PoolError::TranscriptMissing`]); another identity
     /// starts a new session. The permission policy is `req.handlers.permission_policy`.
+    ///
+    /// The lease's gateway tools (`req.handlers.tools`) are served to the CLI by its
+    /// conversation's MCP bridge, answered by this lease's handlers until it is dropped (a
+    /// call between leases is an `isError` result); a tool without its own timeout gets the
+    /// lease's `timeouts.tool`. A conversation whose CLI was started with other tools
+    /// (names, descriptions, schemas) is started again with these, resuming its session.
+    /// A backend that cannot serve them ([`Pool::serves_gateway_tools`]) refuses them.
     pub async fn lease_cli(&self, req: LeaseRequest) -> Result<CliLease, PoolError> {
         let result = self.lease_cli_inner(req).await;
         if let Err(error) = &result {
@@ -214,14 +232,7 @@ impl Pool {
                 req.backend
             )));
         }
-        if !req.handlers.tools.is_empty() {
-            // Refused, not dropped: a conversation that counts on its tools must not run
-            // without them.
-            return Err(PoolError::InvalidRequest(format!(
-                "backend `{}` is leased without gateway tools: a lease's tools are not bridged                  to CLI backends yet; drop `handlers.tools`, or run the conversation on its                  runner with `gateway_tools` (`ClaudeLiveConfig` / `OneshotConfig`), which                  serves them over the MCP bridge",
-                req.backend
-            )));
-        }
+        let tools = cli_gateway_tools(&inner.cli, &req)?;
         let copilot_home = resolve_copilot_home(
             req.copilot_home.as_deref(),
             req.agent_dir.as_deref(),
@@ -256,6 +267,7 @@ impl Pool {
             fail_if_busy: req.fail_if_busy,
             wait: req.wait_timeout.unwrap_or(inner.config.wait_timeout),
             turn_timeout: Some(req.handlers.timeouts.absolute),
+            tools,
         };
         inner.cli.lease(ask, bindings_key).await
     }
@@ -610,6 +622,41 @@ impl Pool {
 
 /// Closes the CLI backends' parked processes idle for `ttl`, every `every`, while the pool
 /// lives.
+/// The gateway tools of a CLI lease, checked as the MCP bridge takes them, each with a
+/// timeout (its own, else the lease's `timeouts.tool`); refused for a backend that cannot
+/// serve them (refused, not dropped: a conversation that counts on its tools must not run
+/// without them).
+fn cli_gateway_tools(
+    cli: &cli::CliPool,
+    req: &LeaseRequest,
+) -> Result<Vec<crate::turn::GatewayTool>, PoolError> {
+    if req.handlers.tools.is_empty() {
+        return Ok(Vec::new());
+    }
+    if !cli.serves_gateway_tools(&req.backend)? {
+        return Err(PoolError::InvalidRequest(format!(
+            "backend `{}` cannot be leased with gateway tools: its CLI is not given the MCP \
+             bridge that serves them (Claude Code's `cli-live` and `codex-cli` are); drop \
+             `handlers.tools`, or run the conversation on one of those or on `copilot`",
+            req.backend
+        )));
+    }
+    #[cfg(feature = "mcp-bridge")]
+    crate::backend::mcp_bridge::check_tools(&req.handlers.tools)
+        .map_err(|e| PoolError::InvalidRequest(format!("backend `{}`: {e}", req.backend)))?;
+    let limit = req.handlers.timeouts.tool;
+    Ok(req
+        .handlers
+        .tools
+        .iter()
+        .cloned()
+        .map(|mut tool| {
+            tool.timeout.get_or_insert(limit);
+            tool
+        })
+        .collect())
+}
+
 fn spawn_cli_maintenance(cli: &Arc<cli::CliPool>, ttl: Duration, every: Duration) {
     let weak = Arc::downgrade(cli);
     tokio::spawn(async move {

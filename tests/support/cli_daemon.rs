@@ -68,3 +68,55 @@ pub async fn streamed_turn(daemon: &Daemon, body: &Value, limit: Duration) -> (V
 pub fn event_names(events: &[Sse]) -> Vec<String> {
     events.iter().map(|e| e.event.clone()).collect()
 }
+
+/// Runs a streamed turn whose gateway tools the test answers: each `tool.call` with a
+/// `request_id` is answered on `POST /v1/requests/{id}` with `answer(event data)`. Its
+/// events and its `turn.end`, within `limit` (a failure guard, not a wait).
+pub async fn streamed_tool_turn(
+    daemon: &Daemon,
+    body: &Value,
+    answer: impl Fn(&Value) -> Value,
+    limit: Duration,
+) -> (Vec<Sse>, Value) {
+    let run = async {
+        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, body).await;
+        assert_eq!(stream.status, 200, "the turn was accepted");
+        let mut events = Vec::new();
+        while let Some(event) = stream.next().await {
+            if event.event == "turn.end" {
+                let end = event.data.clone();
+                events.push(event);
+                return (events, end);
+            }
+            if event.event == "tool.call"
+                && let Some(id) = event.data["request_id"]
+                    .as_str()
+                    .filter(|id| !id.is_empty())
+            {
+                let answered = super::http::call(
+                    daemon.addr,
+                    "POST",
+                    &format!("/v1/requests/{id}"),
+                    None,
+                    Some(&answer(&event.data)),
+                )
+                .await;
+                assert_eq!(answered.status, 204, "{}", answered.body);
+            }
+            events.push(event);
+        }
+        panic!("the stream ended without turn.end: {events:?}");
+    };
+    tokio::time::timeout(limit, run)
+        .await
+        .expect("the turn ended in time")
+}
+
+/// The `tool.call` events of a turn.
+pub fn tool_calls(events: &[Sse]) -> Vec<Value> {
+    events
+        .iter()
+        .filter(|e| e.event == "tool.call")
+        .map(|e| e.data.clone())
+        .collect()
+}

@@ -97,8 +97,10 @@ fn main() -> std::process::ExitCode {
         ),
         _ => ("warn", false),
     };
+    // The MCP bridge's SDK (rmcp) logs each stateless request's service start and end at
+    // info: three lines per CLI tool call. Its warnings still show.
     let filter = EnvFilter::try_from_env("COPILOT_POOL_LOG")
-        .unwrap_or_else(|_| EnvFilter::new(default_level));
+        .unwrap_or_else(|_| EnvFilter::new(format!("{default_level},rmcp=warn")));
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -58,6 +58,10 @@ pub(crate) struct CliAsk {
     pub wait: Duration,
     /// Each turn's time limit (the pool's absolute turn timeout, or the request's).
     pub turn_timeout: Option<Duration>,
+    /// The lease's gateway tools (checked; each with its timeout), served by the
+    /// conversation's MCP bridge while the lease holds it.
+    #[cfg_attr(not(feature = "mcp-bridge"), allow(dead_code))]
+    pub tools: Vec<crate::turn::GatewayTool>,
 }
 
 struct Shell {
@@ -149,6 +153,19 @@ impl CliPool {
                     .join(", ")
             ))
         })
+    }
+
+    /// Whether backend `id`'s conversations serve gateway tools (see
+    /// `CliConversation::serves_gateway_tools`): a `cli-live` backend (Claude Code's runner)
+    /// and a one-shot backend of the Codex dialect, with the `mcp-bridge` feature.
+    pub(crate) fn serves_gateway_tools(&self, id: &str) -> Result<bool, PoolError> {
+        let config = self.backend(id)?;
+        Ok(cfg!(feature = "mcp-bridge")
+            && match config.kind {
+                BackendKind::CliLive => true,
+                BackendKind::CliOneshot => Dialect::of_backend(id) == Dialect::Codex,
+                BackendKind::Copilot => false,
+            })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Shell> {
@@ -282,6 +299,21 @@ impl CliPool {
             lease.conversation = Some(conversation);
             lease.reason = reason;
         }
+        // This lease's handlers answer the CLI's tool calls until it is dropped; a CLI
+        // started with other tools is started again with these (never a stale list).
+        #[cfg(feature = "mcp-bridge")]
+        if let Some(conversation) = lease.conversation.as_mut()
+            && conversation.serves_gateway_tools()
+        {
+            let change = conversation.set_gateway_tools(ask.tools).await;
+            tracing::debug!(backend = %ask.backend, ?change, "gateway tools installed");
+            if change == crate::backend::GatewayToolsChange::Restart
+                && lease.reason == OpenReason::Attached
+            {
+                // Its process was closed: the next turn resumes the session in a new one.
+                lease.reason = OpenReason::Resumed;
+            }
+        }
         Ok(lease)
     }
 
@@ -359,6 +391,12 @@ impl CliPool {
     }
 
     fn give_back(&self, conversation: &str, runner: Option<CliConversation>, crashed: bool) {
+        // The lease's handlers go with it: a call before the next lease is refused.
+        #[cfg(feature = "mcp-bridge")]
+        let runner = runner.map(|mut runner| {
+            runner.clear_gateway_handlers();
+            runner
+        });
         let closed = self.closed.load(Ordering::SeqCst);
         let mut shell = self.lock();
         let kept = runner.is_some() && !closed;
