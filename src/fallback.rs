@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use crate::backend::gemini::GeminiError;
 use crate::backend::oneshot::Dialect;
 use crate::backend::{BackendKind, CliTurnOutcome, TurnFailure};
-use crate::kinds::TurnEnd;
+use crate::kinds::{ErrorKind, TurnEnd};
 use crate::transcript::Role;
 
 /// The default character budget of a prelude (header, summary, entries and footer).
@@ -82,6 +82,19 @@ pub fn classify_status(status: u16) -> Option<FallbackClass> {
         401 | 403 => Some(FallbackClass::Auth),
         429 => Some(FallbackClass::RateLimit),
         408 | 504 => Some(FallbackClass::Timeout),
+        _ => None,
+    }
+}
+
+/// The retryable class of a lease that failed before its turn could start, by the error's
+/// kind: a backend whose processes cannot be started (the runtime fails at its start, or its
+/// key is quarantined after a crash loop) is a crash, as if it had died in the turn. A refusal
+/// of the request itself, a busy conversation, the pool's capacity, a drain or an unwritable
+/// state directory is not: those are the gateway's or the daemon's to fix, and another backend
+/// would not change them.
+pub fn classify_lease(kind: ErrorKind) -> Option<FallbackClass> {
+    match kind {
+        ErrorKind::Quarantined | ErrorKind::Runtime => Some(FallbackClass::Crash),
         _ => None,
     }
 }
@@ -922,6 +935,33 @@ fn read_tail(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lease_refused_for_a_backend_that_cannot_start_is_a_crash_and_the_requests_own_faults_are_not()
+     {
+        assert_eq!(
+            classify_lease(ErrorKind::Quarantined),
+            Some(FallbackClass::Crash)
+        );
+        assert_eq!(
+            classify_lease(ErrorKind::Runtime),
+            Some(FallbackClass::Crash)
+        );
+        for kind in [
+            ErrorKind::Invalid,
+            ErrorKind::NotFound,
+            ErrorKind::Busy,
+            ErrorKind::BusyTimeout,
+            ErrorKind::NoCapacity,
+            ErrorKind::WaitersFull,
+            ErrorKind::Closed,
+            ErrorKind::StateUnwritable,
+            ErrorKind::ResourceExhausted,
+            ErrorKind::Internal,
+        ] {
+            assert_eq!(classify_lease(kind), None, "{kind:?}");
+        }
+    }
     use proptest::prelude::*;
 
     fn entry(role: Role, text: &str) -> PreludeEntry {

@@ -39,6 +39,11 @@ impl Fixture {
     /// The daemon: the transcript mirror on (the prelude's source) and the bundled
     /// `claude-cli` with the installed executable.
     async fn daemon(&self) -> Daemon {
+        self.daemon_with(&[]).await
+    }
+
+    /// [`Fixture::daemon`] with more `serve` arguments.
+    async fn daemon_with(&self, extra: &[&str]) -> Daemon {
         let config = format!(
             "drain_grace_secs = 5\n[turns]\ntranscript_dir = {:?}\n[backends.claude-cli]\ncommand = {:?}\n",
             self.scratch
@@ -48,7 +53,7 @@ impl Fixture {
                 .to_string(),
             claude_path().await.display().to_string()
         );
-        Daemon::start(self.scratch.path(), &config, &[]).await
+        Daemon::start(self.scratch.path(), &config, extra).await
     }
 
     /// A turn body on `copilot` falling back to `claude-cli`; one Anthropic provider serves
@@ -352,6 +357,54 @@ async fn a_runtime_killed_mid_turn_falls_back_to_claude_as_a_crash() {
     assert!(
         metrics.lines().any(|l| l == series),
         "{series} missing from:\n{metrics}"
+    );
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copilot_runtime_that_cannot_start_falls_back_to_claude_and_without_a_chain_is_the_leases_error()
+ {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    // A broken runtime install: the executable exits at once, so no Copilot process starts.
+    let daemon = fx.daemon_with(&["--cli", "/bin/false"]).await;
+
+    let (events, end) = turn(&daemon, &fx.body("k-broken", "REPLY=from claude")).await;
+    let names = names(&events);
+    let notice = events
+        .iter()
+        .find(|e| e.event == "backend.fallback")
+        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
+    assert_eq!(notice.data["from"], "copilot", "{}", notice.data);
+    assert_eq!(notice.data["to"], "claude-cli", "{}", notice.data);
+    assert_eq!(notice.data["class"], "crash", "{}", notice.data);
+    assert_eq!(notice.data["prelude_chars"], 0, "{}", notice.data);
+    assert!(
+        notice.data["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "the notice says why the lease failed: {}",
+        notice.data
+    );
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["backend"], "claude-cli", "{end}");
+    assert_eq!(end["fallback_from"], "copilot", "{end}");
+    assert_eq!(end["final_text"], "from claude", "{end}");
+    let metrics = call_metrics(&daemon).await;
+    let series =
+        "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"crash\"} 1";
+    assert!(
+        metrics.lines().any(|l| l == series),
+        "{series} missing from:\n{metrics}"
+    );
+
+    // Without a chain the same failure is the lease's own error, before any stream.
+    let mut body = fx.body("k-broken-2", "REPLY=never");
+    body.as_object_mut().expect("an object").remove("fallback");
+    let answer = call(daemon.addr, "POST", "/v1/turns", None, Some(&body)).await;
+    assert!(
+        answer.status == 502 || answer.status == 503,
+        "the lease's error: {} {}",
+        answer.status,
+        answer.json()
     );
     assert!(daemon.terminate().await.success());
 }

@@ -232,7 +232,7 @@ pub(super) async fn post_turn(
     // The lease is taken before answering, so its errors are real HTTP errors.
     let lease = match state.pool.lease(req).await {
         Ok(l) => l,
-        Err(e) => return pool_error(&e),
+        Err(e) => return first_lease_failed(state, e, COPILOT_BACKEND, chain, body.agent_id).await,
     };
     // Inline content is written only for a turn that runs (dropping the lease on a failed
     // write returns the conversation).
@@ -322,15 +322,61 @@ async fn post_cli_turn(
     if let Err(r) = create_work_dir(&req.working_directory).await {
         return r;
     }
+    let backend = req.backend.clone();
     let lease = match state.pool.lease_cli(req).await {
         Ok(l) => l,
-        Err(e) => return pool_error(&e),
+        Err(e) => return first_lease_failed(state, e, &backend, chain, body.agent_id).await,
     };
     let running = Running::start(state.clone());
     tokio::spawn(async move {
         let first = run_cli_turn(lease, &body.prompt, &events_tx, &body.agent_id, bridged).await;
         run_chain(running, first, chain, events_tx, body.agent_id).await;
     });
+    respond(streaming, events_rx).await
+}
+
+/// The turn's first backend could not be leased. With a backend left in the chain and a
+/// retryable class ([`fallback::classify_lease`]: its processes cannot start, or its key is
+/// quarantined), the turn's stream starts and the chain runs on, as after a run that failed
+/// before any output (`backend.fallback` names the lease's error; no prelude, since no run
+/// left a transcript to read); otherwise the lease's error is the answer, as without a chain.
+async fn first_lease_failed(
+    state: Arc<AppState>,
+    e: crate::pool::PoolError,
+    backend: &str,
+    chain: Chain,
+    agent_id: String,
+) -> Response {
+    let class = fallback::classify_lease(e.kind());
+    if class.is_none() || chain.rest.is_empty() {
+        return pool_error(&e);
+    }
+    tracing::warn!(%e, backend, "the turn's backend could not be leased; falling back");
+    let end = StepEnd {
+        summary: TurnEndEvent {
+            status: TurnEnd::Error,
+            backend: backend.to_owned(),
+            session_id: String::new(),
+            resumed: false,
+            open_reason: None,
+            llm_calls: 0,
+            final_text: String::new(),
+            error: Some(e.to_string()),
+            status_code: None,
+            error_type: None,
+            usage: crate::turn::Usage::default(),
+            task_complete: None,
+            fallback_from: None,
+        },
+        class,
+        streamed: false,
+        transcript: None,
+        gone: false,
+    };
+    let streaming = chain.streaming;
+    let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
+    let running = Running::start(state);
+    tokio::spawn(run_chain(running, end, chain, events_tx, agent_id));
     respond(streaming, events_rx).await
 }
 
