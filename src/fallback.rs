@@ -169,6 +169,78 @@ pub fn classify_cli(outcome: &CliTurnOutcome) -> Option<FallbackClass> {
     }
 }
 
+/// The HTTP status of the failed model call a CLI turn's failure reports, if it names one:
+/// Gemini CLI's `error.code` when it is an HTTP error status, else a status in the CLI's
+/// message ([`status_in_words`]: Claude Code's `API Error: 401 …`, Codex's `unexpected status
+/// 401 Unauthorized`). `None` for a crash, a time limit or an output limit.
+pub fn cli_status_code(outcome: &CliTurnOutcome) -> Option<u16> {
+    match &outcome.failure {
+        Some(TurnFailure::Cli { message, reason }) => {
+            status_in_words(message).or_else(|| reason.as_deref().and_then(status_in_words))
+        }
+        Some(TurnFailure::Gemini {
+            error: GeminiError::Failed { code, message, .. },
+        }) => code
+            .and_then(|c| u16::try_from(c).ok())
+            .filter(|c| (400..=599).contains(c))
+            .or_else(|| status_in_words(message)),
+        _ => None,
+    }
+}
+
+/// The first HTTP error status (400–599) a message names: a three-digit number standing alone
+/// right after `status`, `code`, `HTTP` or `error` (`API Error: 401`, `status code 429`), or
+/// right before its reason phrase (`401 Unauthorized`). Other numbers (ports, counts, ids) are
+/// not taken for one.
+pub fn status_in_words(text: &str) -> Option<u16> {
+    const BEFORE: [&str; 4] = ["status", "code", "http", "error"];
+    const REASONS: [&str; 10] = [
+        "unauthorized",
+        "forbidden",
+        "too many requests",
+        "bad request",
+        "not found",
+        "request timeout",
+        "internal server error",
+        "bad gateway",
+        "service unavailable",
+        "gateway timeout",
+    ];
+    let bytes = text.as_bytes();
+    let lower = text.to_ascii_lowercase();
+    let mut i = 0;
+    while i < bytes.len() {
+        if !bytes[i].is_ascii_digit() {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < bytes.len() && bytes[i].is_ascii_digit() {
+            i += 1;
+        }
+        let alone = i - start == 3
+            && (start == 0 || !bytes[start - 1].is_ascii_alphanumeric())
+            && (i == bytes.len() || !bytes[i].is_ascii_alphanumeric());
+        if !alone {
+            continue;
+        }
+        let Ok(status) = text[start..i].parse::<u16>() else {
+            continue;
+        };
+        if !(400..=599).contains(&status) {
+            continue;
+        }
+        let before = lower[..start].trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
+        let after = lower[i..].trim_start_matches(|c: char| c == ' ' || c == ':' || c == '-');
+        if BEFORE.iter().any(|w| before.ends_with(w))
+            || REASONS.iter().any(|r| after.starts_with(r))
+        {
+            return Some(status);
+        }
+    }
+    None
+}
+
 /// The retryable class of a Gemini CLI failure: refused credentials (exit 41) are auth; a
 /// failed model call by the HTTP status the CLI reports (`error.code`), else by its message's
 /// words; a killed process or an answer that broke the CLI's JSON is a crash. A refused input,
@@ -935,6 +1007,29 @@ fn read_tail(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_is_read_from_a_clis_message_only_where_it_names_one() {
+        let cases = [
+            (
+                "Failed to authenticate. API Error: 401 {\"type\":\"error\"}",
+                Some(401),
+            ),
+            ("unexpected status 401 Unauthorized: invalid key", Some(401)),
+            ("stream error: 429 Too Many Requests", Some(429)),
+            ("HTTP 503 from the provider", Some(503)),
+            ("status code: 504", Some(504)),
+            ("error 400", Some(400)),
+            ("connection refused on 127.0.0.1:443", None),
+            ("the turn took 404 ms", None),
+            ("request id 4019 failed with status 4010", None),
+            ("exit code 247", None),
+            ("", None),
+        ];
+        for (text, want) in cases {
+            assert_eq!(status_in_words(text), want, "{text:?}");
+        }
+    }
 
     #[test]
     fn a_lease_refused_for_a_backend_that_cannot_start_is_a_crash_and_the_requests_own_faults_are_not()

@@ -447,6 +447,11 @@ async fn a_claude_turn_failing_with_auth_falls_back_to_copilot_with_claudes_tran
     assert_eq!(notice.data["from"], "claude-cli", "{}", notice.data);
     assert_eq!(notice.data["to"], "copilot", "{}", notice.data);
     assert_eq!(notice.data["class"], "auth", "{}", notice.data);
+    assert_eq!(
+        notice.data["status_code"], 401,
+        "the status Claude's error names: {}",
+        notice.data
+    );
     assert_eq!(end["status"], "idle", "{end}");
     assert_eq!(end["backend"], "copilot", "{end}");
     assert_eq!(end["fallback_from"], "claude-cli", "{end}");

@@ -150,6 +150,11 @@ async fn a_codex_turn_failing_with_auth_falls_back_to_copilot_with_the_codex_rol
     assert_eq!(notice.data["from"], "codex-cli", "{}", notice.data);
     assert_eq!(notice.data["to"], "copilot", "{}", notice.data);
     assert_eq!(notice.data["class"], "auth", "{}", notice.data);
+    assert_eq!(
+        notice.data["status_code"], 401,
+        "the status Codex's error names: {}",
+        notice.data
+    );
     assert!(
         notice.data["prelude_chars"].as_u64().unwrap_or(0) > 0,
         "a prelude from Codex's rollout: {}",

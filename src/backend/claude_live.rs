@@ -317,22 +317,19 @@ impl ClaudeLive {
     ) -> super::GatewayToolsChange {
         use super::GatewayToolsChange as Change;
         let running = self.pid().is_some();
-        let change = match &self.bridge {
-            // `install` refuses another list than the bridge's.
-            Some(bridge) if running && bridge.is_running() => match bridge.install(tools.clone()) {
-                Ok(()) => Change::Installed,
-                Err(_) => Change::Restart,
-            },
-            None if running && tools.is_empty() => Change::Installed,
-            _ if running => Change::Restart,
-            _ => Change::NotRunning,
+        // A process started without a bridge lists no gateway tools: an empty set matches it.
+        let listless = self.bridge.is_none() && tools.is_empty();
+        let installed = super::mcp_bridge::offer_tools(
+            self.bridge.as_ref(),
+            &mut self.config.gateway_tools,
+            tools,
+        );
+        let change = match installed {
+            _ if !running => Change::NotRunning,
+            Some(true) => Change::Installed,
+            None if listless => Change::Installed,
+            _ => Change::Restart,
         };
-        match &mut self.config.gateway_tools {
-            Some(gateway) => gateway.tools = tools,
-            None => {
-                self.config.gateway_tools = Some(super::mcp_bridge::McpGatewayTools::new(tools));
-            }
-        }
         if change == Change::Restart {
             tracing::debug!("the gateway tools changed; restarting claude with a new bridge");
             if let Some(process) = self.process.take() {
@@ -348,12 +345,7 @@ impl ClaudeLive {
     /// The bridge and its list stay, for the next lease to install its handlers into.
     #[cfg(feature = "mcp-bridge")]
     pub fn clear_gateway_handlers(&mut self) {
-        if let Some(bridge) = &self.bridge {
-            bridge.uninstall();
-        }
-        if let Some(gateway) = &mut self.config.gateway_tools {
-            gateway.tools.clear();
-        }
+        super::mcp_bridge::take_out_handlers(self.bridge.as_ref(), &mut self.config.gateway_tools);
     }
 
     /// The process's MCP bridge stopped (idle TTL) while the process runs.

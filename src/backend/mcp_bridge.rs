@@ -500,6 +500,36 @@ fn table(tools: Vec<GatewayTool>) -> HashMap<String, GatewayTool> {
     tools.into_iter().map(|t| (t.name.clone(), t)).collect()
 }
 
+/// A lease's `tools` offered to a runner (Claude's live process, a one-shot conversation):
+/// installed into its bridge when that runs and lists the same tools (`Some(true)`), refused
+/// when it runs with another list (`Some(false)`), `None` when no bridge runs. The runner's
+/// `config` keeps `tools` either way, for the bridge it starts next.
+pub(crate) fn offer_tools(
+    bridge: Option<&McpBridge>,
+    config: &mut Option<McpGatewayTools>,
+    tools: Vec<GatewayTool>,
+) -> Option<bool> {
+    let installed = bridge
+        .filter(|b| b.is_running())
+        .map(|b| b.install(tools.clone()).is_ok());
+    match config {
+        Some(gateway) => gateway.tools = tools,
+        None => *config = Some(McpGatewayTools::new(tools)),
+    }
+    installed
+}
+
+/// A lease's handlers taken out of a runner (the lease ended): a call that arrives before the
+/// next [`offer_tools`] is an `isError` result at once. The bridge and its list stay.
+pub(crate) fn take_out_handlers(bridge: Option<&McpBridge>, config: &mut Option<McpGatewayTools>) {
+    if let Some(bridge) = bridge {
+        bridge.uninstall();
+    }
+    if let Some(gateway) = config {
+        gateway.tools.clear();
+    }
+}
+
 /// Rejects requests without the run's bearer token (401); counts the others as activity.
 async fn authenticate(State(shared): State<Arc<Shared>>, request: Request, next: Next) -> Response {
     let presented = request

@@ -820,36 +820,25 @@ impl Oneshot {
         tools: Vec<crate::turn::GatewayTool>,
     ) -> super::GatewayToolsChange {
         use super::GatewayToolsChange as Change;
-        let change = match &self.bridge {
-            // `install` refuses another list than the bridge's.
-            Some(bridge) if bridge.is_running() => match bridge.install(tools.clone()) {
-                Ok(()) => Change::Installed,
-                Err(_) => Change::NotRunning,
-            },
-            _ => Change::NotRunning,
-        };
-        if change != Change::Installed {
+        let installed = super::mcp_bridge::offer_tools(
+            self.bridge.as_ref(),
+            &mut self.config.gateway_tools,
+            tools,
+        );
+        if installed == Some(true) {
+            Change::Installed
+        } else {
+            // The next run starts a bridge listing the new tools.
             self.bridge = None;
+            Change::NotRunning
         }
-        match &mut self.config.gateway_tools {
-            Some(gateway) => gateway.tools = tools,
-            None => {
-                self.config.gateway_tools = Some(super::mcp_bridge::McpGatewayTools::new(tools));
-            }
-        }
-        change
     }
 
     /// Takes the gateway tools' handlers out (a pool lease ended): a call that arrives
     /// before the next [`Oneshot::set_gateway_tools`] is an `isError` result at once.
     #[cfg(feature = "mcp-bridge")]
     pub fn clear_gateway_handlers(&mut self) {
-        if let Some(bridge) = &self.bridge {
-            bridge.uninstall();
-        }
-        if let Some(gateway) = &mut self.config.gateway_tools {
-            gateway.tools.clear();
-        }
+        super::mcp_bridge::take_out_handlers(self.bridge.as_ref(), &mut self.config.gateway_tools);
     }
 
     /// Codex's overrides for the conversation's gateway tools: the running bridge's, or a

@@ -243,7 +243,8 @@ pub(super) struct TurnEndEvent {
     pub final_text: String,
     /// Why the turn failed, if it did.
     pub error: Option<String>,
-    /// The failing model call's HTTP status, when the model failed.
+    /// The failing model call's HTTP status, when the model failed (for a CLI backend, the
+    /// status its failure message or error code reports).
     pub status_code: Option<u16>,
     /// The runtime's error type, when the turn failed.
     pub error_type: Option<String>,

@@ -812,6 +812,7 @@ fn cli_turn_end(
 ) -> TurnEndEvent {
     let outcome = outcome.unwrap_or_default();
     let error = error.or_else(|| outcome.failure.as_ref().map(|f| f.to_string()));
+    let status_code = fallback::cli_status_code(&outcome);
     TurnEndEvent {
         status: outcome.end.unwrap_or(status),
         backend: lease.backend().to_owned(),
@@ -825,7 +826,7 @@ fn cli_turn_end(
         llm_calls: 0,
         final_text: outcome.text,
         error,
-        status_code: None,
+        status_code,
         error_type: None,
         usage: outcome.usage,
         task_complete: None,
