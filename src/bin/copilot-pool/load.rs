@@ -432,7 +432,11 @@ pub(crate) async fn start_daemon(
 }
 
 /// One streamed turn; its `turn.end` status, or what went wrong.
-async fn turn(http: &reqwest::Client, addr: SocketAddr, body: &Value) -> Result<String, String> {
+pub(crate) async fn turn(
+    http: &reqwest::Client,
+    addr: SocketAddr,
+    body: &Value,
+) -> Result<String, String> {
     let response = http
         .post(format!("http://{addr}/v1/turns"))
         .header(reqwest::header::CONTENT_TYPE, "application/json")
@@ -517,7 +521,11 @@ async fn idle_sample(
     sample(http, pid, addr, done, started).await
 }
 
-async fn get_text(http: &reqwest::Client, addr: SocketAddr, path: &str) -> Option<String> {
+pub(crate) async fn get_text(
+    http: &reqwest::Client,
+    addr: SocketAddr,
+    path: &str,
+) -> Option<String> {
     let response = http.get(format!("http://{addr}{path}")).send().await.ok()?;
     response.text().await.ok()
 }
