@@ -8,16 +8,17 @@ use std::process::Command;
 
 use serde_json::Value;
 
-const SAMPLE_FIGURES: [&str; 7] = [
+const SAMPLE_FIGURES: [&str; 8] = [
     "turns_done",
     "seconds",
     "pool_rss_mib",
     "pool_pss_mib",
+    "pool_heap_mib",
     "runtimes_pss_mib",
     "runtimes_rss_mib",
     "processes",
 ];
-const SUMMARY_FIGURES: [&str; 14] = [
+const SUMMARY_FIGURES: [&str; 15] = [
     "turns",
     "failed_turns",
     "seconds",
@@ -25,6 +26,7 @@ const SUMMARY_FIGURES: [&str; 14] = [
     "warm_up_turns",
     "pool_peak_rss_mib",
     "pool_peak_pss_mib",
+    "pool_peak_heap_mib",
     "runtimes_pss_at_warm_up_mib",
     "runtimes_pss_at_end_mib",
     "runtimes_peak_pss_mib",
@@ -87,6 +89,7 @@ async fn a_tiny_scale_bench_reports_every_figure_as_json_and_draws_a_png() {
     let under_load = &samples[samples.len() - 1];
     assert_eq!(under_load["turns_done"], 20);
     assert!(under_load["pool_rss_mib"].as_f64().is_some_and(|m| m > 1.0));
+    assert!(under_load["pool_heap_mib"].as_f64().is_some_and(|m| m > 0.1));
     assert!(
         under_load["runtimes_pss_mib"]
             .as_f64()

@@ -531,7 +531,7 @@ pub(crate) async fn get_text(
 }
 
 /// The value of an unlabelled gauge in a Prometheus exposition.
-fn gauge(exposition: &str, name: &str) -> Option<f64> {
+pub(crate) fn gauge(exposition: &str, name: &str) -> Option<f64> {
     exposition
         .lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())

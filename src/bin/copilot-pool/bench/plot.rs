@@ -1,5 +1,5 @@
 //! The memory-at-scale chart: two panels against turns completed, the runtimes' total PSS
-//! above and the pool's own RSS (with its 50 MiB target) below, drawn with plotters into an
+//! above and the pool's own RSS and live heap (with its 50 MiB RSS target) below, drawn with plotters into an
 //! RGB buffer and written as a PNG. Text uses one embedded font (Hack, from
 //! `epaint_default_fonts`) registered with plotters' ab_glyph renderer, so the chart draws
 //! the same on a machine without any system font or fontconfig.
@@ -23,6 +23,7 @@ pub struct Point {
     pub turns: f64,
     pub runtimes_pss_mib: f64,
     pub pool_rss_mib: f64,
+    pub pool_heap_mib: f64,
 }
 
 /// What the chart says besides its curves.
@@ -82,39 +83,59 @@ pub fn render(points: &[Point], labels: &Labels) -> Result<Vec<u8>> {
         panel(
             &panels[0],
             "runtimes' total PSS (MiB), every process under serve; grey: warm-up's end",
-            points.iter().map(|p| (p.turns, p.runtimes_pss_mib)),
+            &[(
+                points
+                    .iter()
+                    .map(|p| (p.turns, p.runtimes_pss_mib))
+                    .collect(),
+                BLUE,
+            )],
             max_turns,
             None,
             labels.warm_up_turns,
-            &BLUE,
         )?;
         panel(
             &panels[1],
-            "pool (serve) RSS (MiB); red: the 50 MiB target",
-            points.iter().map(|p| (p.turns, p.pool_rss_mib)),
+            "pool (serve) MiB: RSS green, live heap orange; red: the 50 MiB RSS target",
+            &[
+                (
+                    points.iter().map(|p| (p.turns, p.pool_rss_mib)).collect(),
+                    GREEN_LINE,
+                ),
+                (
+                    points.iter().map(|p| (p.turns, p.pool_heap_mib)).collect(),
+                    ORANGE_LINE,
+                ),
+            ],
             max_turns,
             Some(labels.pool_target_mib),
             labels.warm_up_turns,
-            &RGBColor(0, 128, 0),
         )?;
         root.present().map_err(plot_error)?;
     }
     encode_png(&rgb, SIZE)
 }
 
-/// One panel: a curve against turns, optionally a horizontal target and the warm-up marker.
+/// The pool's RSS curve.
+const GREEN_LINE: RGBColor = RGBColor(0, 128, 0);
+/// The pool's live heap curve.
+const ORANGE_LINE: RGBColor = RGBColor(230, 120, 0);
+
+/// One curve: its points and its colour.
+type Curve = (Vec<(f64, f64)>, RGBColor);
+
+/// One panel: curves against turns, optionally a horizontal target and the warm-up marker.
 fn panel(
     area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
     caption: &str,
-    curve: impl Iterator<Item = (f64, f64)> + Clone,
+    curves: &[Curve],
     max_turns: f64,
     target: Option<f64>,
     warm_up: Option<f64>,
-    color: &RGBColor,
 ) -> Result<()> {
-    let top = curve
-        .clone()
-        .map(|(_, y)| y)
+    let top = curves
+        .iter()
+        .flat_map(|(points, _)| points.iter().map(|(_, y)| *y))
         .chain(target)
         .fold(1.0_f64, f64::max)
         * 1.1;
@@ -151,9 +172,14 @@ fn panel(
             ))
             .map_err(plot_error)?;
     }
-    chart
-        .draw_series(LineSeries::new(curve, color.stroke_width(2)))
-        .map_err(plot_error)?;
+    for (points, color) in curves {
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                color.stroke_width(2),
+            ))
+            .map_err(plot_error)?;
+    }
     Ok(())
 }
 
@@ -191,6 +217,7 @@ mod tests {
                 turns: f64::from(i) * 50.0,
                 runtimes_pss_mib: 400.0 + f64::from(i % 5) * 20.0,
                 pool_rss_mib: 20.0 + f64::from(i) * 0.1,
+                pool_heap_mib: 10.0 + f64::from(i) * 0.1,
             })
             .collect();
         let labels = Labels {
@@ -211,6 +238,7 @@ mod tests {
         // and text was rendered (anti-aliased glyphs leave greys that no line has).
         assert!(count([0, 0, 255]) > 500, "blue curve");
         assert!(count([0, 128, 0]) > 500, "green curve");
+        assert!(count([230, 120, 0]) > 500, "orange curve");
         assert!(count([255, 0, 0]) > 500, "red target");
         let greys = pixels
             .chunks(3)

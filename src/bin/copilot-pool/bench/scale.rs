@@ -4,13 +4,15 @@
 //! of plain turns over HTTP/SSE (a fixed number of clients; turn k goes to conversation
 //! k mod (agents x conversations), so every conversation turns in rotation and warm-up ends
 //! when each has had its first), and samples every N turns completed: the pool's own RSS and
-//! PSS, the total PSS and RSS of every process under it (the runtimes), and their count.
+//! PSS and live heap, the total PSS and RSS of every process under it (the runtimes), and
+//! their count.
 //! Prints the samples, a summary against the targets (pool RSS under 50 MiB; the runtimes'
 //! total flat after warm-up) and one JSON object with `--json`, and draws both curves as a
 //! PNG (`plot`).
 //!
 //! This module owns the run, the samples and the summary; `plot` owns the chart.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,7 +25,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::plot;
-use crate::load::{Daemon, get_text, start_daemon, turn};
+use crate::load::{Daemon, gauge, get_text, start_daemon, turn};
 use crate::procfs;
 
 /// The pool's RSS target (issue 15, item 5).
@@ -81,6 +83,9 @@ pub struct Sample {
     pub seconds: f64,
     pub pool_rss_mib: f64,
     pub pool_pss_mib: f64,
+    /// The pool's live heap (bytes allocated and not freed), from its
+    /// `copilot_pool_daemon_heap_bytes` gauge: what of its RSS it holds, not the allocator.
+    pub pool_heap_mib: f64,
     pub runtimes_pss_mib: f64,
     pub runtimes_rss_mib: f64,
     /// Live processes under the pool (zombies not counted).
@@ -106,6 +111,7 @@ pub struct Summary {
     pub warm_up_turns: u64,
     pub pool_peak_rss_mib: f64,
     pub pool_peak_pss_mib: f64,
+    pub pool_peak_heap_mib: f64,
     pub runtimes_pss_at_warm_up_mib: Option<f64>,
     pub runtimes_pss_at_end_mib: Option<f64>,
     pub runtimes_peak_pss_mib: f64,
@@ -174,10 +180,12 @@ pub async fn scale(args: ScaleArgs) -> Result<()> {
     let first_failure = Arc::new(std::sync::Mutex::new(None::<String>));
     // The clients say when a sample is due (every `every` turns, and at warm-up's end).
     let (due_tx, mut due) = tokio::sync::mpsc::unbounded_channel::<u64>();
+    let sampler_http = http.clone();
     let sampler = tokio::spawn(async move {
-        let mut samples = vec![read(0, daemon_pid, started).await];
+        let http = sampler_http;
+        let mut samples = vec![read(&http, addr, 0, daemon_pid, started).await];
         while let Some(turns) = due.recv().await {
-            samples.push(read(turns, daemon_pid, started).await);
+            samples.push(read(&http, addr, turns, daemon_pid, started).await);
         }
         samples
     });
@@ -271,6 +279,7 @@ pub async fn scale(args: ScaleArgs) -> Result<()> {
             turns: s.turns_done as f64,
             runtimes_pss_mib: s.runtimes_pss_mib,
             pool_rss_mib: s.pool_rss_mib,
+            pool_heap_mib: s.pool_heap_mib,
         })
         .collect();
     plot::draw(
@@ -325,12 +334,21 @@ pub async fn scale(args: ScaleArgs) -> Result<()> {
     Ok(())
 }
 
-/// Reads the pool (`pid`) and every live process under it; `/proc` reads block, so they run
-/// off the runtime's threads.
-async fn read(turns_done: u64, pid: u32, started: Instant) -> Sample {
+/// Reads the pool (`pid`, its heap gauge at `addr`) and every live process under it; `/proc`
+/// reads block, so they run off the runtime's threads.
+async fn read(
+    http: &reqwest::Client,
+    addr: SocketAddr,
+    turns_done: u64,
+    pid: u32,
+    started: Instant,
+) -> Sample {
     let seconds = started.elapsed().as_secs_f64();
+    let mib = |b: u64| b as f64 / 1048576.0;
+    let exposition = get_text(http, addr, "/metrics").await.unwrap_or_default();
+    let pool_heap_mib =
+        mib(gauge(&exposition, copilot_pool::metrics::DAEMON_HEAP_BYTES).unwrap_or(0.0) as u64);
     let read = move || {
-        let mib = |b: u64| b as f64 / 1048576.0;
         let all = procfs::all();
         let under: Vec<u32> = procfs::descendants(&all, pid)
             .iter()
@@ -342,6 +360,7 @@ async fn read(turns_done: u64, pid: u32, started: Instant) -> Sample {
             seconds,
             pool_rss_mib: mib(copilot_pool::process::rss_bytes(pid).unwrap_or(0)),
             pool_pss_mib: mib(procfs::pss_bytes(pid).unwrap_or(0)),
+            pool_heap_mib,
             runtimes_pss_mib: mib(under.iter().filter_map(|p| procfs::pss_bytes(*p)).sum()),
             runtimes_rss_mib: mib(under
                 .iter()
@@ -358,6 +377,7 @@ async fn read(turns_done: u64, pid: u32, started: Instant) -> Sample {
             seconds,
             pool_rss_mib: 0.0,
             pool_pss_mib: 0.0,
+            pool_heap_mib,
             runtimes_pss_mib: 0.0,
             runtimes_rss_mib: 0.0,
             processes: 0,
@@ -401,6 +421,7 @@ pub fn summarize(samples: &[Sample], warm_up: u64) -> Summary {
         warm_up_turns: warm_up,
         pool_peak_rss_mib: peak(|s| s.pool_rss_mib),
         pool_peak_pss_mib: peak(|s| s.pool_pss_mib),
+        pool_peak_heap_mib: peak(|s| s.pool_heap_mib),
         runtimes_pss_at_warm_up_mib: at_warm_up,
         runtimes_pss_at_end_mib: at_end,
         runtimes_peak_pss_mib: peak(|s| s.runtimes_pss_mib),
@@ -466,22 +487,24 @@ fn print_report(args: &ScaleArgs, samples: &[Sample], summary: &Summary, checks:
         args.recycle_rss_mib
     );
     println!(
-        "{:>8} | {:>8} | {:>12} | {:>12} | {:>17} | {:>17} | {:>9}",
+        "{:>8} | {:>8} | {:>12} | {:>12} | {:>13} | {:>17} | {:>17} | {:>9}",
         "turns",
         "seconds",
         "pool RSS MiB",
         "pool PSS MiB",
+        "pool heap MiB",
         "runtimes PSS MiB",
         "runtimes RSS MiB",
         "processes"
     );
     for s in samples {
         println!(
-            "{:>8} | {:>8.1} | {:>12.1} | {:>12.1} | {:>17.1} | {:>17.1} | {:>9}",
+            "{:>8} | {:>8.1} | {:>12.1} | {:>12.1} | {:>13.1} | {:>17.1} | {:>17.1} | {:>9}",
             s.turns_done,
             s.seconds,
             s.pool_rss_mib,
             s.pool_pss_mib,
+            s.pool_heap_mib,
             s.runtimes_pss_mib,
             s.runtimes_rss_mib,
             s.processes
@@ -498,10 +521,11 @@ fn print_report(args: &ScaleArgs, samples: &[Sample], summary: &Summary, checks:
         summary.processes_recycled
     );
     println!(
-        "pool peak RSS {:.1} MiB, peak PSS {:.1} MiB; runtimes' total PSS {} MiB after warm-up ({} turns), \
+        "pool peak RSS {:.1} MiB, peak PSS {:.1} MiB, peak live heap {:.1} MiB; runtimes' total PSS {} MiB after warm-up ({} turns), \
          {} MiB at the end, peak {:.1} MiB, slope {} MiB per 1000 turns; at most {} processes",
         summary.pool_peak_rss_mib,
         summary.pool_peak_pss_mib,
+        summary.pool_peak_heap_mib,
         opt(summary.runtimes_pss_at_warm_up_mib),
         summary.warm_up_turns,
         opt(summary.runtimes_pss_at_end_mib),
@@ -529,6 +553,7 @@ mod tests {
             seconds: turns_done as f64,
             pool_rss_mib,
             pool_pss_mib: pool_rss_mib - 1.0,
+            pool_heap_mib: pool_rss_mib / 2.0,
             runtimes_pss_mib,
             runtimes_rss_mib: runtimes_pss_mib * 2.0,
             processes: 3,
