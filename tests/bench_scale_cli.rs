@@ -89,7 +89,11 @@ async fn a_tiny_scale_bench_reports_every_figure_as_json_and_draws_a_png() {
     let under_load = &samples[samples.len() - 1];
     assert_eq!(under_load["turns_done"], 20);
     assert!(under_load["pool_rss_mib"].as_f64().is_some_and(|m| m > 1.0));
-    assert!(under_load["pool_heap_mib"].as_f64().is_some_and(|m| m > 0.1));
+    assert!(
+        under_load["pool_heap_mib"]
+            .as_f64()
+            .is_some_and(|m| m > 0.1)
+    );
     assert!(
         under_load["runtimes_pss_mib"]
             .as_f64()
