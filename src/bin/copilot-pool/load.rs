@@ -436,7 +436,11 @@ pub(crate) async fn start_daemon(
 }
 
 /// One streamed turn; its `turn.end` status, or what went wrong.
-async fn turn(http: &reqwest::Client, addr: SocketAddr, body: &Value) -> Result<String, String> {
+pub(crate) async fn turn(
+    http: &reqwest::Client,
+    addr: SocketAddr,
+    body: &Value,
+) -> Result<String, String> {
     let response = http
         .post(format!("http://{addr}/v1/turns"))
         .header(reqwest::header::CONTENT_TYPE, "application/json")
@@ -521,13 +525,17 @@ async fn idle_sample(
     sample(http, pid, addr, done, started).await
 }
 
-async fn get_text(http: &reqwest::Client, addr: SocketAddr, path: &str) -> Option<String> {
+pub(crate) async fn get_text(
+    http: &reqwest::Client,
+    addr: SocketAddr,
+    path: &str,
+) -> Option<String> {
     let response = http.get(format!("http://{addr}{path}")).send().await.ok()?;
     response.text().await.ok()
 }
 
 /// The value of an unlabelled gauge in a Prometheus exposition.
-fn gauge(exposition: &str, name: &str) -> Option<f64> {
+pub(crate) fn gauge(exposition: &str, name: &str) -> Option<f64> {
     exposition
         .lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())

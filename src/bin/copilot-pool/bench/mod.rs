@@ -8,10 +8,14 @@
 //! Prints one table, and one JSON object with `--json`. Finds or installs the runtime and the
 //! Node SDK first (cached, under a lock, bounded).
 //!
+//! `copilot-pool bench scale` is the memory-at-scale run instead (`scale`, drawn by `plot`).
+//!
 //! This module owns the command's arguments, the order of the runs and the report;
 //! `run` owns one run, `stats` the arithmetic, `workload.mjs` the clients.
 
+mod plot;
 mod run;
+mod scale;
 mod stats;
 
 use std::path::PathBuf;
@@ -31,7 +35,11 @@ use stats::{Spread, ratios};
 const WORKLOAD: &str = include_str!("workload.mjs");
 
 #[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
+    /// Another bench instead of the side-by-side one.
+    #[command(subcommand)]
+    pub command: Option<BenchCommand>,
     /// Agents (each its own runtime process or more).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub agents: u32,
@@ -63,6 +71,14 @@ pub struct BenchArgs {
     /// The runtime executable (default: COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
     #[arg(long)]
     pub cli: Option<PathBuf>,
+}
+
+#[derive(clap::Subcommand)]
+pub enum BenchCommand {
+    /// Memory at scale: many agents and conversations through `serve` with recycling on,
+    /// sampling the pool's RSS and its runtimes' total PSS every N turns; prints the samples
+    /// and a summary against the targets and draws both curves as a PNG.
+    Scale(scale::ScaleArgs),
 }
 
 /// The four ways of running the workload.
@@ -155,6 +171,9 @@ struct Workload {
 }
 
 pub async fn bench(args: BenchArgs) -> Result<()> {
+    if let Some(BenchCommand::Scale(scale)) = args.command {
+        return scale::scale(scale).await;
+    }
     let started = Instant::now();
     let program = crate::demo::find_or_install(args.cli.as_deref()).await?;
     if !runtime::node_sdk_installed(&runtime::cache_dir(runtime::process_env)?)
