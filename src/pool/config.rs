@@ -69,9 +69,11 @@ pub struct PoolConfig {
     pub wait_timeout: Duration,
     /// A worker with no lease for this long is stopped (default 5 min).
     pub idle_ttl: Duration,
-    /// Recycle a process after this many turns (default 2,000). Runtime 1.0.85 keeps
+    /// Recycle a process after at most this many turns (default 2,000). Runtime 1.0.85 keeps
     /// 0.2–0.6 MiB per turn that detach and delete never return (packing-study §7), so 2,000
-    /// turns bound the growth to roughly +0.4–1.2 GiB before the process is replaced.
+    /// turns bound the growth to roughly +0.4–1.2 GiB before the process is replaced. Each
+    /// process has its own limit between 80 % and 100 % of this, fixed at its start, so the
+    /// processes of an evenly loaded pool do not all drain and restart at once.
     pub max_turns_per_process: u64,
     /// Recycle a process whose resident memory exceeds this (default 1 GiB: a base of
     /// ~105 MiB plus 16 conversations at ~5 MiB leaves ample room for the leak above).

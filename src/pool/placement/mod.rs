@@ -267,8 +267,9 @@ impl Worker {
         }
     }
 
-    fn upkeep_view(&self) -> UpkeepView {
+    fn upkeep_view(&self, id: WorkerId) -> UpkeepView {
         UpkeepView {
+            id,
             leased: self.leased,
             last_used: self.last_used,
             draining: self.draining,
@@ -663,7 +664,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 continue;
             };
             w.rss_bytes = *rss;
-            if recycle(&w.upkeep_view(), &limits) == Some(Recycle::Memory) {
+            if recycle(&w.upkeep_view(*id), &limits) == Some(Recycle::Memory) {
                 tracing::info!(rss = w.rss_bytes, "Recycling a worker above max_rss_bytes.");
                 w.draining = true;
                 w.drain_deadline = Some(crate::deadline::from_std(now, self.limits.drain_grace));
@@ -700,7 +701,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 if retired.contains(id) {
                     return Some((*id, Eviction::Idle));
                 }
-                evict_now(now, &w.upkeep_view(), &limits).map(|r| (*id, r))
+                evict_now(now, &w.upkeep_view(*id), &limits).map(|r| (*id, r))
             })
             .collect();
         evict.sort_unstable_by_key(|(id, _)| *id);
@@ -1388,7 +1389,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                     ks.restart.record_stable();
                 }
             }
-            if let Some(why) = recycle(&w.upkeep_view(), &limits) {
+            if let Some(why) = recycle(&w.upkeep_view(worker_id), &limits) {
                 tracing::info!(
                     turns = w.turns,
                     rss = w.rss_bytes,
