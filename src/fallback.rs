@@ -231,7 +231,7 @@ pub fn status_in_words(text: &str) -> Option<u16> {
             continue;
         }
         let before = lower[..start].trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
-        let after = lower[i..].trim_start_matches(|c: char| c == ' ' || c == ':' || c == '-');
+        let after = lower[i..].trim_start_matches([' ', ':', '-']);
         if BEFORE.iter().any(|w| before.ends_with(w))
             || REASONS.iter().any(|r| after.starts_with(r))
         {
