@@ -248,6 +248,15 @@ impl UsageTotals {
         }
     }
 
+    fn of(usage: Usage) -> Self {
+        Self {
+            input_tokens: usage.input_tokens,
+            output_tokens: usage.output_tokens,
+            cache_read_tokens: usage.cache_read_tokens,
+            cache_write_tokens: usage.cache_write_tokens,
+        }
+    }
+
     fn as_usage(self) -> Usage {
         self.since(UsageTotals::default())
     }
@@ -616,6 +625,9 @@ impl Oneshot {
             reported: None,
             tool_calls: 0,
             started_items: HashSet::new(),
+            gemini: (self.config.dialect == Dialect::Gemini
+                && invocation.output == OutputFormat::Jsonl)
+                .then(gemini::StreamState::default),
             retained_bytes: 0,
             retained_lines: 0,
             max_bytes: limits.max_turn_raw_chars,
@@ -992,6 +1004,9 @@ pub struct OneshotTurn<'a> {
     reported: Option<UsageTotals>,
     tool_calls: u32,
     started_items: HashSet<String>,
+    /// Gemini CLI's `stream-json` run as read so far (the Gemini dialect with `jsonl`
+    /// output).
+    gemini: Option<gemini::StreamState>,
     retained_bytes: u64,
     retained_lines: u64,
     max_bytes: u64,
@@ -1093,6 +1108,10 @@ impl OneshotTurn<'_> {
     }
 
     fn handle_line(&mut self, line: &str) {
+        if self.gemini.is_some() {
+            self.gemini_line(line);
+            return;
+        }
         if !self.retain(line) {
             return;
         }
@@ -1110,6 +1129,37 @@ impl OneshotTurn<'_> {
                     )
                 }
             },
+        }
+    }
+
+    /// One line of Gemini CLI's `stream-json` output: its envelopes (`init`, the prompt's
+    /// echo, `result`) are read without counting against the output limits; chunks of the
+    /// answer stream as deltas, the CLI's tool calls as `tool.call`s.
+    fn gemini_line(&mut self, line: &str) {
+        let Ok(value) = serde_json::from_str::<Value>(line) else {
+            tracing::debug!(bytes = line.len(), "gemini printed a line that is not JSON");
+            self.retain(line);
+            return;
+        };
+        if !gemini::StreamState::is_envelope(&value) && !self.retain(line) {
+            return;
+        }
+        self.note_session_id(&value);
+        let Some(state) = self.gemini.as_mut() else {
+            return;
+        };
+        for item in state.line(&value) {
+            match item {
+                gemini::StreamItem::Delta(delta) => {
+                    self.queue.push_back(BackendEvent::MessageDelta { delta });
+                }
+                gemini::StreamItem::Message(text) => self.message(text),
+                gemini::StreamItem::ToolCall { id, name, input } => {
+                    self.tool_calls += 1;
+                    self.queue
+                        .push_back(BackendEvent::ToolCall { id, name, input });
+                }
+            }
         }
     }
 
@@ -1251,7 +1301,15 @@ impl OneshotTurn<'_> {
         };
         tracing::warn!(backend = %self.conversation.config.id, %failure, "cli-oneshot turn stopped");
         self.child = None;
-        if self.format != OutputFormat::Jsonl && self.last_text.is_none() {
+        if let Some(state) = &self.gemini {
+            // The answer streamed so far (the gateway has its deltas already).
+            if !state.text().is_empty() {
+                self.last_text = Some(state.text().to_owned());
+            }
+            if let Some(usage) = state.usage() {
+                self.reported = Some(UsageTotals::of(usage));
+            }
+        } else if self.format != OutputFormat::Jsonl && self.last_text.is_none() {
             // Plain text is kept as far as read. A one-document answer cut short is not JSON,
             // but a pretty-printed one (Gemini CLI's) may already hold its answer and session
             // on lines of their own: those are kept.
@@ -1376,22 +1434,26 @@ impl OneshotTurn<'_> {
         self.end_with(end, failure);
     }
 
-    /// Gemini CLI exited (not killed): its one JSON answer, or its typed failure.
+    /// Gemini CLI exited (not killed): its answer (read from its stream as it came, or its
+    /// one JSON document), or its typed failure.
     fn conclude_gemini(&mut self, exit: ExitInfo, stderr: &str) {
-        let document = std::mem::take(&mut self.collected);
-        match gemini::parse_output(exit, &document, stderr) {
+        let result = match &self.gemini {
+            Some(state) => {
+                // A failed run's model calls count too.
+                if let Some(usage) = state.usage() {
+                    self.reported = Some(UsageTotals::of(usage));
+                }
+                state.finish(exit, stderr)
+            }
+            None => gemini::parse_output(exit, &std::mem::take(&mut self.collected), stderr),
+        };
+        match result {
             Ok(reply) => {
                 if let Some(id) = reply.session_id.filter(|id| !id.is_empty()) {
                     self.learned_session = Some(id);
                 }
                 self.tool_calls = u32::try_from(reply.tool_calls).unwrap_or(u32::MAX);
-                let usage = reply.usage;
-                self.reported = Some(UsageTotals {
-                    input_tokens: usage.input_tokens,
-                    output_tokens: usage.output_tokens,
-                    cache_read_tokens: usage.cache_read_tokens,
-                    cache_write_tokens: usage.cache_write_tokens,
-                });
+                self.reported = Some(UsageTotals::of(reply.usage));
                 self.message(reply.text);
                 self.end_with(TurnEnd::Idle, None);
             }
