@@ -258,7 +258,8 @@ async fn two_codex_turns_over_http_carry_history_and_a_restarted_daemon_resumes_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gemini_turns_over_http_carry_history_with_usage_stream_deltas_and_tool_calls_and_leave_no_process() {
+async fn gemini_turns_over_http_carry_history_with_usage_stream_deltas_and_tool_calls_and_leave_no_process()
+ {
     let _serial = SERIAL.lock().await;
     let fx = Fixture::new().await;
     let daemon = fx.daemon().await;

@@ -715,7 +715,8 @@ fn usage_of(document: &Value) -> Usage {
 /// The transcript Gemini CLI keeps of `session_id` for a run in `cwd`:
 /// `<home>/.gemini/tmp/<slug>/chats/session-<time>-<first 8 of id>.jsonl` whose first line
 /// names the session, where `<slug>` is what `<home>/.gemini/projects.json` maps `cwd` to
-/// (the CLI resumes only sessions of the current project). [`GeminiError::TranscriptMissing`]
+/// (the CLI resumes only sessions of the current project; of several files for the session,
+/// the largest). [`GeminiError::TranscriptMissing`]
 /// when there is none: resuming would fail (exit 42), so the stored id must be dropped
 /// rather than the run started. Blocking (small file reads).
 pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<PathBuf, GeminiError> {
@@ -740,6 +741,9 @@ pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<Path
     let Ok(entries) = std::fs::read_dir(&chats) else {
         return Err(missing(chats));
     };
+    // A resume started in another minute than the session opens a second file named after
+    // it (measured with 0.61.0: a header and the CLI's context only) and keeps appending
+    // the conversation to the first one: the largest file is the conversation.
     entries
         .filter_map(Result::ok)
         .map(|e| e.path())
@@ -748,7 +752,10 @@ pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<Path
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with("session-") && n.ends_with(&suffix))
         })
-        .find(|p| first_line_names(p, session_id))
+        .filter(|p| first_line_names(p, session_id))
+        .map(|p| (std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0), p))
+        .max()
+        .map(|(_, p)| p)
         .ok_or_else(|| missing(chats))
 }
 
@@ -816,6 +823,166 @@ mod tests {
         assert_eq!(reply.usage.output_tokens, 7 + 3 + 5);
         assert_eq!(reply.model_calls, 2);
         assert_eq!(reply.tool_calls, 1);
+    }
+
+    /// Feeds `lines` (one JSON object each) to a new [`StreamState`]; what they brought.
+    fn stream(lines: &[&str]) -> (StreamState, Vec<StreamItem>) {
+        let mut state = StreamState::default();
+        let mut items = Vec::new();
+        for line in lines {
+            let value: Value = serde_json::from_str(line).expect("a JSON line");
+            items.extend(state.line(&value));
+        }
+        (state, items)
+    }
+
+    /// Lines of a real 0.61.0 run with a call of its `read_file` (timestamps dropped).
+    const TOOL_RUN: [&str; 8] = [
+        r#"{"type":"init","session_id":"89211f50-ea5b-4de1-b563-73c352416ef2","model":"gemini-2.5-pro"}"#,
+        r#"{"type":"message","role":"user","content":"SCENARIO:tool"}"#,
+        r#"{"type":"message","role":"assistant","content":"Let me look.","delta":true}"#,
+        r#"{"type":"tool_use","tool_name":"read_file","tool_id":"read_file__call_4","parameters":{"file_path":"note.txt"}}"#,
+        r#"{"type":"tool_result","tool_id":"read_file__call_4","status":"success","output":""}"#,
+        r#"{"type":"message","role":"assistant","content":"tool said:","delta":true}"#,
+        r#"{"type":"message","role":"assistant","content":" 42","delta":true}"#,
+        r#"{"type":"result","status":"success","stats":{"total_tokens":223,"input_tokens":200,"output_tokens":20,"cached":80,"input":120,"duration_ms":394,"tool_calls":1,"models":{}}}"#,
+    ];
+
+    #[test]
+    fn a_stream_json_run_yields_deltas_the_tool_call_and_the_last_calls_text_with_usage() {
+        let (state, items) = stream(&TOOL_RUN);
+        assert_eq!(
+            items,
+            [
+                StreamItem::Delta("Let me look.".into()),
+                StreamItem::Message("Let me look.".into()),
+                StreamItem::ToolCall {
+                    id: "read_file__call_4".into(),
+                    name: "read_file".into(),
+                    input: json!({"file_path": "note.txt"}),
+                },
+                StreamItem::Delta("tool said:".into()),
+                StreamItem::Delta(" 42".into()),
+            ]
+        );
+        let reply = state
+            .finish(ExitInfo::Code(0), "Warning: 256-color support")
+            .expect("an answer");
+        assert_eq!(reply.text, "tool said: 42", "the last model call's text");
+        assert_eq!(
+            reply.session_id.as_deref(),
+            Some("89211f50-ea5b-4de1-b563-73c352416ef2")
+        );
+        assert_eq!(reply.tool_calls, 1);
+        // `input` is the uncached prompt; output is the total beyond the prompt (thoughts
+        // included), never less than the candidates.
+        assert_eq!(
+            reply.usage,
+            Usage {
+                input_tokens: 120,
+                output_tokens: 23,
+                cache_read_tokens: 80,
+                cache_write_tokens: 0
+            }
+        );
+        for (line, envelope) in TOOL_RUN
+            .iter()
+            .zip([true, true, false, false, false, false, false, true])
+        {
+            let value: Value = serde_json::from_str(line).unwrap();
+            assert_eq!(StreamState::is_envelope(&value), envelope, "{line}");
+        }
+    }
+
+    #[test]
+    fn stream_json_failures_are_the_typed_errors_of_json_mode_with_the_http_status() {
+        let init = r#"{"type":"init","session_id":"s-1","model":"m"}"#;
+        // A 503 as 0.61.0 reports it in stream-json: the wrapped message on stdout, exit
+        // 503 % 256, the status only in Node's print of the error on stderr.
+        let (state, _) = stream(&[
+            init,
+            r#"{"type":"result","status":"error","error":{"type":"unknown","message":"[API Error: scripted upstream failure]"},"stats":{"total_tokens":0}}"#,
+        ]);
+        let stderr = "Attempt 1 failed\nRetryableQuotaError: scripted upstream failure\n    at x \
+                      {\n  cause: { code: 503, message: 'scripted upstream failure' },\n  \
+                      retryDelayMs: undefined,\n  status: 503\n}\n";
+        assert_eq!(
+            state.finish(ExitInfo::Code(247), stderr).unwrap_err(),
+            GeminiError::Failed {
+                exit: "exit code 247".into(),
+                code: Some(503),
+                message: "scripted upstream failure".into()
+            }
+        );
+        // A 401: the API's JSON error inside the wrapping names the status.
+        let (state, _) = stream(&[
+            init,
+            r#"{"type":"result","status":"error","error":{"type":"unknown","message":"[API Error: {\"error\":{\"code\":401,\"message\":\"key refused\",\"status\":\"UNAUTHENTICATED\"}}]"}}"#,
+        ]);
+        assert_eq!(
+            state.finish(ExitInfo::Code(145), "").unwrap_err(),
+            GeminiError::Failed {
+                exit: "exit code 145".into(),
+                code: Some(401),
+                message: "key refused".into()
+            }
+        );
+        // A 429 with the advice appended, and a status suffix.
+        assert_eq!(
+            unwrap_api_error("[API Error: slow down (Status: RESOURCE_EXHAUSTED)]\nPlease wait"),
+            ("slow down".to_owned(), None)
+        );
+        // A dead endpoint: exit 1, no status anywhere.
+        let (state, _) = stream(&[
+            init,
+            r#"{"type":"result","status":"error","error":{"type":"unknown","message":"[API Error: exception TypeError: fetch failed sending request]"}}"#,
+        ]);
+        assert_eq!(
+            state
+                .finish(ExitInfo::Code(1), "TypeError: fetch failed\n    at y")
+                .unwrap_err(),
+            GeminiError::Failed {
+                exit: "exit code 1".into(),
+                code: None,
+                message: "exception TypeError: fetch failed sending request".into()
+            }
+        );
+        // Refused auth and an unknown resume id print nothing on stdout.
+        let (state, _) = stream(&[]);
+        assert_eq!(
+            state
+                .finish(
+                    ExitInfo::Code(41),
+                    "Warning: 256-color support\nInvalid auth method selected."
+                )
+                .unwrap_err(),
+            GeminiError::Auth {
+                message: "Invalid auth method selected.".into()
+            }
+        );
+        let err = state
+            .finish(
+                ExitInfo::Code(42),
+                "Error resuming session: Invalid session identifier \"0000\".",
+            )
+            .unwrap_err();
+        assert!(matches!(err, GeminiError::ResumeNotFound { .. }), "{err:?}");
+        // An invalid stream: an `error` event, then `result` with status error, exit 0.
+        let (state, _) = stream(&[
+            init,
+            r#"{"type":"error","severity":"warning","message":"Loop detected"}"#,
+            r#"{"type":"error","severity":"error","message":"The model returned an empty response."}"#,
+            r#"{"type":"result","status":"error","stats":{}}"#,
+        ]);
+        assert!(matches!(state.finish(ExitInfo::Code(0), "").unwrap_err(),
+                GeminiError::Failed { message, code: None, .. } if message == "The model returned an empty response."),);
+        // Exit 0 without a `result`: nothing to read.
+        let (state, _) = stream(&[init]);
+        let err = state.finish(ExitInfo::Code(0), "").unwrap_err();
+        assert!(matches!(err, GeminiError::Unreadable { .. }), "{err:?}");
+        assert!(err.to_string().contains("stream-json"), "{err}");
+        let err = state.finish(ExitInfo::Signal(9), "").unwrap_err();
+        assert!(matches!(err, GeminiError::Killed { .. }), "{err:?}");
     }
 
     #[test]
@@ -895,6 +1062,10 @@ mod tests {
         assert!(matches!(err, GeminiError::Killed { .. }), "{err:?}");
         let err = parse_output(ExitInfo::Code(0), "", "").unwrap_err();
         assert!(err.to_string().contains("--output-format json"), "{err}");
+        assert!(
+            err.to_string().contains("--output-format stream-json"),
+            "{err}"
+        );
         let err = parse_output(ExitInfo::Code(0), r#"{"session_id":"s"}"#, "").unwrap_err();
         assert!(matches!(err, GeminiError::Unreadable { .. }), "{err:?}");
         let err = parse_output(ExitInfo::Code(1), "", "").unwrap_err();
@@ -1000,6 +1171,13 @@ mod tests {
                 "{}\n{{\"type\":\"user\"}}\n",
                 json!({"sessionId": id, "kind": "main"})
             ),
+        )
+        .unwrap();
+        assert_eq!(transcript_path(home.path(), &cwd, id).unwrap(), file);
+        // A resume in a later minute left a second, smaller file for the same session.
+        std::fs::write(
+            chats.join("session-2026-12-01T16-12-dfb439f3.jsonl"),
+            format!("{}\n", json!({"sessionId": id})),
         )
         .unwrap();
         assert_eq!(transcript_path(home.path(), &cwd, id).unwrap(), file);

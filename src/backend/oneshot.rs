@@ -2000,6 +2000,84 @@ printf '{"session_id":"g-1234567","response":"%s %s %s","stats":{"models":{"m":{
     }
 
     #[tokio::test]
+    async fn gemini_stream_json_streams_deltas_and_tool_calls_as_they_are_printed_and_counts_no_envelope()
+     {
+        let dir = tempfile::tempdir().unwrap();
+        // The second chunk is printed only once the first event was read: a turn that
+        // buffered stdout to its end would never see it.
+        let script = r#"echo '{"type":"init","session_id":"g-7654321","model":"m"}'
+echo '{"type":"message","role":"user","content":"p"}'
+echo '{"type":"tool_use","tool_name":"read_file","tool_id":"t-1","parameters":{"file_path":"a"}}'
+echo '{"type":"tool_result","tool_id":"t-1","status":"success","output":""}'
+echo '{"type":"message","role":"assistant","content":"one","delta":true}'
+read go < "$1"
+echo '{"type":"message","role":"assistant","content":" two","delta":true}'
+echo '{"type":"result","status":"success","stats":{"total_tokens":16,"input_tokens":10,"output_tokens":6,"cached":4,"input":6,"tool_calls":1}}'"#;
+        let fifo = dir.path().join("go");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let mut config = gemini_sh(dir.path(), script);
+        config.backend.output = OutputFormat::Jsonl;
+        config.backend.args.push(fifo.display().to_string());
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let mut turn = oneshot.start_turn("p").await.unwrap();
+        let mut names = Vec::new();
+        loop {
+            let event = tokio::time::timeout(Duration::from_secs(30), turn.next())
+                .await
+                .expect("an event")
+                .expect("not ended");
+            names.push(event.name());
+            if let BackendEvent::MessageDelta { delta } = &event {
+                assert_eq!(delta, "one");
+                break;
+            }
+            if let BackendEvent::ToolCall { id, name, input } = &event {
+                assert_eq!((id.as_str(), name.as_str()), ("t-1", "read_file"));
+                assert_eq!(input["file_path"], "a");
+            }
+        }
+        // The first delta arrived while the process still waits: release it.
+        std::fs::write(&fifo, "go\n").unwrap();
+        let outcome = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                let event = turn.next().await.expect("to the end");
+                names.push(event.name());
+                if let BackendEvent::TurnEnd(outcome) = event {
+                    return outcome;
+                }
+            }
+        })
+        .await
+        .expect("ended");
+        assert_eq!(
+            names,
+            [
+                "tool.call",
+                "assistant.message_delta",
+                "assistant.message_delta",
+                "assistant.message",
+                "turn.end"
+            ]
+        );
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        assert_eq!(outcome.text, "one two");
+        assert_eq!(outcome.session_id.as_deref(), Some("g-7654321"));
+        assert_eq!(outcome.tool_calls, 1);
+        assert_eq!(
+            (
+                outcome.usage.input_tokens,
+                outcome.usage.cache_read_tokens,
+                outcome.usage.output_tokens
+            ),
+            (6, 4, 6)
+        );
+        assert_eq!(
+            outcome.retained_lines, 4,
+            "init, the prompt's echo and result are envelopes"
+        );
+    }
+
+    #[tokio::test]
     async fn gemini_exit_codes_are_typed_failures_and_a_kill_is_a_crash() {
         let dir = tempfile::tempdir().unwrap();
         let auth = r#"echo '{"session_id":"s","error":{"type":"Error","message":"Invalid auth method selected.","code":41}}'; exit 41"#;
