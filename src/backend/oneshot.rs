@@ -2,7 +2,8 @@
 //! session continuity through resume arguments (reference: `cli-backends.md` §4, §6, §7).
 //! The bundled `codex-cli` backend runs on it ([`OneshotConfig::codex`]), and so does
 //! `google-gemini-cli` ([`OneshotConfig::gemini`], with what [`gemini`] provides: its settings
-//! file before each run, its JSON answer and exit codes, its transcripts). A backend's
+//! file before each run, its `stream-json` lines read as they arrive (or its one JSON answer
+//! under `output = "json"`), its exit codes, its transcripts). A backend's
 //! [`Dialect`] follows its id ([`Dialect::of_backend`]); [`Dialect::transcript`] says where
 //! each dialect's CLI keeps a session, which the pool checks before it resumes one.
 //!
@@ -92,9 +93,11 @@ pub enum Dialect {
     Codex,
     /// Gemini CLI: its settings written into the agent's home before every run
     /// ([`gemini::write_settings`]: auth type, no telemetry, bounded retries), the key and
-    /// endpoint in the variables `apiKeyEnv` / `baseUrlEnv` name, the answer read by
-    /// [`gemini::parse_output`] (usage from `stats`, per invocation; its exit codes become
-    /// [`TurnFailure::Gemini`]).
+    /// endpoint in the variables `apiKeyEnv` / `baseUrlEnv` name, its `stream-json` output
+    /// (`output = "jsonl"`, the bundled default) read line by line by
+    /// [`gemini::StreamState`] (answer chunks as deltas, its tool calls as `tool.call`s,
+    /// usage from `result.stats`, per invocation), a `json` one by [`gemini::parse_output`];
+    /// its exit codes become [`TurnFailure::Gemini`].
     Gemini,
 }
 
