@@ -6,7 +6,9 @@
 //! first turn to the model, a tool call of the CLI's own `read_file`, a kill mid-turn ending
 //! the turn `crashed` at once and the next turn resuming, an error answer tried once, a dead
 //! endpoint failing within seconds of the CLI's start-up, an unknown resume id, and the
-//! output limit keeping the answer that had arrived.
+//! output limit keeping the answer that had streamed. The bundled backend runs
+//! `--output-format stream-json`: the answer streams as `assistant.message_delta`s and the
+//! CLI's tool calls as `tool.call`s while the process runs.
 //!
 //! The runner writes the settings (`backend::gemini::write_settings`) and puts the key and
 //! endpoint in the child's environment; these tests only give it a home, a working
@@ -114,6 +116,17 @@ async fn turn(
     (outcome, events, started.elapsed())
 }
 
+/// The assistant text the turn's deltas add up to.
+fn deltas(events: &[BackendEvent]) -> String {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            BackendEvent::MessageDelta { delta } => Some(delta.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
 async fn slot() -> SemaphorePermit<'static> {
     SLOTS.acquire().await.expect("slots")
 }
@@ -194,10 +207,21 @@ async fn a_turn_returns_the_scripted_text_and_usage_and_a_new_runner_resumes_car
     assert_eq!(first.end, Some(TurnEnd::Idle), "{first:?}");
     assert_eq!(first.text, "pong from gemini");
     assert!(!first.resumed);
+    // `--output-format stream-json`: the answer streams as it arrives, one delta a chunk
+    // (the scripted model sends a word a chunk), then the whole message, then the end.
+    let names: Vec<&str> = events.iter().map(BackendEvent::name).collect();
     assert_eq!(
-        events.iter().map(BackendEvent::name).collect::<Vec<_>>(),
-        ["assistant.message", "turn.end"]
+        names,
+        [
+            "assistant.message_delta",
+            "assistant.message_delta",
+            "assistant.message_delta",
+            "assistant.message",
+            "turn.end"
+        ],
+        "{events:?}"
     );
+    assert_eq!(deltas(&events), "pong from gemini");
     let session = first.session_id.clone().expect("a session id");
     let per_call = ScriptedModel::PROMPT_TOKENS - ScriptedModel::CACHED_PROMPT_TOKENS;
     assert_eq!(
@@ -276,13 +300,39 @@ async fn a_tool_call_of_the_clis_own_read_file_reaches_the_model_and_is_counted(
     std::fs::create_dir_all(fx.cwd("tool")).expect("work dir");
     std::fs::write(fx.cwd("tool").join("note.txt"), "the note says 42\n").expect("note");
     let mut gemini = fx.oneshot("tool").await;
-    let (outcome, _, _) = turn(
+    let (outcome, events, _) = turn(
         &mut gemini,
         r#"SCENARIO:tool NAME=read_file ARGS={"file_path":"note.txt"}"#,
     )
     .await;
     assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
     assert_eq!(outcome.tool_calls, 1, "{outcome:?}");
+    // The call streams as `tool.call` when the CLI makes it, before the answer's deltas.
+    let calls: Vec<(usize, &str, &Value)> = events
+        .iter()
+        .enumerate()
+        .filter_map(|(at, e)| match e {
+            BackendEvent::ToolCall { name, input, id } => {
+                assert!(!id.is_empty(), "{e:?}");
+                Some((at, name.as_str(), input))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(calls.len(), 1, "{events:?}");
+    let (at, name, input) = calls[0];
+    assert_eq!(name, "read_file");
+    assert_eq!(input["file_path"], "note.txt");
+    let first_delta = events
+        .iter()
+        .position(|e| matches!(e, BackendEvent::MessageDelta { .. }))
+        .expect("the answer streamed");
+    assert!(at < first_delta, "{events:?}");
+    assert_eq!(deltas(&events), outcome.text);
+    assert!(
+        outcome.usage.input_tokens > 0 && outcome.usage.output_tokens > 0,
+        "{outcome:?}"
+    );
     assert!(
         outcome.text.starts_with("tool said:") && outcome.text.contains("the note says 42"),
         "the model saw the file: {}",
@@ -446,15 +496,18 @@ async fn an_unknown_resume_id_has_no_transcript_and_the_cli_refuses_it_with_the_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn output_past_the_line_limit_ends_the_turn_with_a_typed_error_keeping_the_answer_received() {
+async fn output_past_the_line_limit_ends_the_turn_with_a_typed_error_keeping_the_answer_streamed() {
     let fx = Fixture::new().await;
     let mut config = fx.config("limit").await;
-    // The answer is one pretty-printed JSON object: `{`, `session_id`, `response`, then
-    // dozens of `stats` lines. The fifth line passes the limit after the answer arrived.
-    config.backend.output_limits.max_turn_lines = 4;
+    // The answer streams a word a line; `init` and the prompt's echo are envelopes, not
+    // counted. The fourth word passes the limit: the three before it are kept.
+    config.backend.output_limits.max_turn_lines = 3;
     let mut gemini = Oneshot::new(config).expect("valid");
     let _slot = slot().await;
-    let started = gemini.start_turn("REPLY=kept").await.expect("started");
+    let started = gemini
+        .start_turn("REPLY=kept as streamed but never finished")
+        .await
+        .expect("started");
     let pid = started.pid().expect("running");
     let outcome = tokio::time::timeout(TURN_LIMIT, started.finish())
         .await
@@ -465,14 +518,17 @@ async fn output_past_the_line_limit_ends_the_turn_with_a_typed_error_keeping_the
             outcome.failure,
             Some(TurnFailure::OutputLimit {
                 key: "maxTurnLines",
-                limit: 4,
+                limit: 3,
                 ..
             })
         ),
         "{outcome:?}"
     );
-    assert_eq!(outcome.text, "kept", "the answer already received is kept");
-    assert_eq!(outcome.retained_lines, 5);
+    assert_eq!(
+        outcome.text, "kept as streamed",
+        "the answer that had streamed is kept"
+    );
+    assert_eq!(outcome.retained_lines, 4);
     assert!(outcome.session_id.is_some(), "{outcome:?}");
     assert!(
         wait_group_gone(pid, Duration::from_secs(10))

@@ -8,7 +8,8 @@
 //! `transcript_missing` once its rollout file is gone. A Codex turn's gateway `tools` reach
 //! Codex through the MCP bridge: each call is a `tool.call` answered on
 //! `/v1/requests/{id}`, and the answer reaches the model's next request; Gemini CLI
-//! refuses them.
+//! refuses them. A Gemini turn streams its answer as `assistant.message_delta`s and the
+//! CLI's own tool calls as `tool.call`s (`--output-format stream-json`).
 //!
 //! The tests take one lock, so at most one CLI process runs at a time.
 
@@ -257,7 +258,8 @@ async fn two_codex_turns_over_http_carry_history_and_a_restarted_daemon_resumes_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_gemini_turns_over_http_carry_history_with_usage_and_leave_no_process() {
+async fn gemini_turns_over_http_carry_history_with_usage_stream_deltas_and_tool_calls_and_leave_no_process()
+ {
     let _serial = SERIAL.lock().await;
     let fx = Fixture::new().await;
     let daemon = fx.daemon().await;
@@ -277,6 +279,48 @@ async fn two_gemini_turns_over_http_carry_history_with_usage_and_leave_no_proces
         call.header("x-goog-api-key"),
         ["AIza-FAKE-gemini-key"],
         "the key reached the model from the child's environment"
+    );
+
+    // Gemini CLI runs `--output-format stream-json`: the answer streams as deltas while the
+    // process runs, and the CLI's own tool calls as `tool.call`s, as Codex's and Claude's
+    // do. (The file is missing: the CLI's `read_file` fails and the model says so.)
+    let body = fx.body(
+        GEMINI,
+        "k2",
+        r#"SCENARIO:tool NAME=read_file ARGS={"file_path":"missing-note.txt"}"#,
+    );
+    let (events, end) = streamed_turn(&daemon, &body, TURN_LIMIT).await;
+    let names = event_names(&events);
+    assert_eq!(end["status"], "idle", "{end}");
+    let call_at = names
+        .iter()
+        .position(|n| n == "tool.call")
+        .unwrap_or_else(|| panic!("the CLI's tool call streams: {names:?}"));
+    let calls = tool_calls(&events);
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0]["tool_name"], "read_file", "{calls:?}");
+    assert_eq!(calls[0]["arguments"]["file_path"], "missing-note.txt");
+    let delta_at: Vec<usize> = names
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| *n == "assistant.message_delta")
+        .map(|(at, _)| at)
+        .collect();
+    assert!(
+        delta_at.len() > 1 && delta_at[0] > call_at,
+        "the answer streams in pieces after the call: {names:?}"
+    );
+    let streamed: String = delta_at
+        .iter()
+        .filter_map(|&at| events[at].data["data"]["deltaContent"].as_str())
+        .collect();
+    assert_eq!(Some(streamed.as_str()), end["final_text"].as_str(), "{end}");
+    assert!(streamed.starts_with("tool said:"), "{streamed}");
+    assert_eq!(names.last().map(String::as_str), Some("turn.end"));
+    assert!(
+        end["usage"]["input_tokens"].as_u64().unwrap_or(0) > 0
+            && end["usage"]["output_tokens"].as_u64().unwrap_or(0) > 0,
+        "usage: {end}"
     );
     assert!(daemon.terminate().await.success());
     assert!(fx.cli_processes().is_empty());

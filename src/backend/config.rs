@@ -403,8 +403,10 @@ impl CliBackendConfig {
     }
 
     /// The bundled `google-gemini-cli` backend (reference: `cli-backends.md` §5): a process
-    /// per turn, `--output-format json --prompt {prompt}` (one JSON object: `response`,
-    /// `session_id`, usage under `stats.models.*.tokens`), `--resume {sessionId}` to continue
+    /// per turn, `--output-format stream-json --prompt {prompt}` (JSONL as it happens: `init`
+    /// with the `session_id`, the answer's chunks, the CLI's tool calls and results, a closing
+    /// `result` with usage under `stats`; read by [`crate::backend::gemini::StreamState`]),
+    /// `--resume {sessionId}` to continue
     /// a stored session (the CLI's own transcript must exist: see
     /// [`crate::backend::gemini::transcript_path`]), `--model` so each turn makes one model
     /// call instead of a router call first. The key goes in `GEMINI_API_KEY` and the endpoint
@@ -420,16 +422,21 @@ impl CliBackendConfig {
         let strings = |list: &[&str]| list.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
         let mut config = Self::new("gemini");
         config.kind = BackendKind::CliOneshot;
-        config.args = strings(&["--output-format", "json", "--prompt", PROMPT_PLACEHOLDER]);
+        config.args = strings(&[
+            "--output-format",
+            "stream-json",
+            "--prompt",
+            PROMPT_PLACEHOLDER,
+        ]);
         config.resume_args = Some(strings(&[
             "--resume",
             SESSION_ID_PLACEHOLDER,
             "--output-format",
-            "json",
+            "stream-json",
             "--prompt",
             PROMPT_PLACEHOLDER,
         ]));
-        config.output = OutputFormat::Json;
+        config.output = OutputFormat::Jsonl;
         config.input = InputMode::Arg;
         config.model_arg = Some("--model".to_owned());
         config.session_mode = SessionMode::Existing;
@@ -836,11 +843,11 @@ mod tests {
     }
 
     #[test]
-    fn the_bundled_gemini_backend_is_a_valid_oneshot_with_json_output_resume_and_trust() {
+    fn the_bundled_gemini_backend_is_a_valid_oneshot_with_stream_json_output_resume_and_trust() {
         let gemini = CliBackendConfig::bundled("google-gemini-cli").expect("bundled");
         gemini.validate("google-gemini-cli").expect("valid");
         assert_eq!(gemini.kind, BackendKind::CliOneshot);
-        assert_eq!(gemini.output, OutputFormat::Json);
+        assert_eq!(gemini.output, OutputFormat::Jsonl);
         assert_eq!(gemini.session_id_fields, ["session_id"]);
         assert_eq!(gemini.env["GEMINI_CLI_TRUST_WORKSPACE"], "true");
         assert_eq!(gemini.env["GEMINI_CLI_NO_RELAUNCH"], "true");
@@ -853,7 +860,7 @@ mod tests {
             gemini.argv(None, Some("gemini-2.5-pro")),
             [
                 "--output-format",
-                "json",
+                "stream-json",
                 "--prompt",
                 "{prompt}",
                 "--model",
@@ -866,7 +873,7 @@ mod tests {
                 "--resume",
                 "95642bd1-0b6b",
                 "--output-format",
-                "json",
+                "stream-json",
                 "--prompt",
                 "{prompt}"
             ]

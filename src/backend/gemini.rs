@@ -7,8 +7,11 @@
 //!   (no outbound traffic) and bounds retries to one attempt (a dead endpoint fails in
 //!   seconds instead of retrying for minutes). Idempotent (unchanged settings are not
 //!   rewritten; the user's other keys are kept) and atomic (temp file, fsync, rename).
+//! * [`StreamState`]: one run read line by line from `--output-format stream-json` (what
+//!   the bundled backend passes): the answer's chunks, the CLI's tool calls, and at the end
+//!   the answer or the typed failure, as [`parse_output`] gives them.
 //! * [`parse_output`]: one run's result from its exit status and `--output-format json`
-//!   stdout: `response`, `session_id`, usage summed over `stats.models.*.tokens`. Stdout may be
+//!   stdout (a backend configured with `output = "json"`): `response`, `session_id`, usage summed over `stats.models.*.tokens`. Stdout may be
 //!   empty on failure; the documented exit codes 41 (auth), 42 (input: an unknown resume id),
 //!   53 (turn limit) and 55 (untrusted folder) become typed [`GeminiError`]s.
 //! * [`transcript_path`]: where the CLI keeps a session's transcript
@@ -128,10 +131,11 @@ pub enum GeminiError {
         /// How it ended (`signal 9 (SIGKILL)`).
         exit: String,
     },
-    /// It exited 0 but stdout held no JSON answer.
+    /// It exited 0 but stdout held no answer to read.
     #[error(
-        "Gemini CLI exited 0 without a JSON answer ({detail}); the backend must pass \
-         `--output-format json`"
+        "Gemini CLI exited 0 without an answer the pool can read ({detail}); the backend \
+         must pass `--output-format stream-json` with `output = \"jsonl\"` (the bundled \
+         default), or `--output-format json` with `output = \"json\"`"
     )]
     Unreadable {
         /// What was wrong with stdout.
@@ -355,7 +359,19 @@ pub fn parse_output(
         .as_ref()
         .and_then(|e| e.get("code"))
         .and_then(Value::as_i64);
-    Err(match code {
+    Err(failure(exit, code, message, error_code, stderr))
+}
+
+/// The typed failure of a run that exited with `code` (not killed): the documented exit
+/// codes first, then a failed model call or a broken CLI ([`GeminiError::Failed`]).
+fn failure(
+    exit: ExitInfo,
+    code: i32,
+    message: String,
+    error_code: Option<i64>,
+    stderr: &str,
+) -> GeminiError {
+    match code {
         EXIT_AUTH => GeminiError::Auth { message },
         EXIT_INPUT if is_resume_miss(stderr) || is_resume_miss(&message) => {
             GeminiError::ResumeNotFound { message }
@@ -368,6 +384,243 @@ pub fn parse_output(
             code: error_code,
             message,
         },
+    }
+}
+
+/// What one `--output-format stream-json` line brings to the turn's stream.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum StreamItem {
+    /// A chunk of the assistant's text (`message`, role `assistant`, `delta: true`).
+    Delta(String),
+    /// The assistant's text of one model call, complete: the text before a tool call (its
+    /// `tool_use` line closed it).
+    Message(String),
+    /// The CLI's model called one of the CLI's own tools (`tool_use`).
+    ToolCall {
+        /// `tool_id`.
+        id: String,
+        /// `tool_name` (`read_file`, `run_shell_command`, ...).
+        name: String,
+        /// `parameters`.
+        input: Value,
+    },
+}
+
+/// One run's progress through Gemini CLI's `--output-format stream-json` output (JSONL,
+/// one event a line, as it happens): `init` (`session_id`, `model`), `message` (the
+/// prompt's echo with role `user`, then the answer as role `assistant` chunks with
+/// `delta: true`), `tool_use` / `tool_result` around each call of the CLI's own tools,
+/// `error` (`severity`, `message`: a warning, or why the stream was invalid) and last
+/// `result` (`status` `success` or `error`, `error.message` on a failed model call, usage
+/// under `stats`). Feed it each line with [`StreamState::line`] as it arrives; once the
+/// process exited, [`StreamState::finish`] gives the answer or the typed failure exactly as
+/// [`parse_output`] does for `--output-format json` (same exit codes, same
+/// [`GeminiError`]s). Measured with 0.61.0: the unknown resume id (exit 42) and refused
+/// auth (exit 41) print nothing on stdout, only their message on stderr; a failed model
+/// call prints `result` with status `error` and exits with its HTTP status modulo 256 (or 1
+/// when the endpoint could not be reached).
+#[derive(Debug, Clone, Default)]
+pub struct StreamState {
+    session_id: Option<String>,
+    /// The assistant text of the current model call (JSON mode's `response` is the last
+    /// call's text too).
+    text: String,
+    tool_calls: u64,
+    result: Option<Value>,
+    /// The message of the last `error` event of severity `error`.
+    error_event: Option<String>,
+}
+
+impl StreamState {
+    /// Whether `value` is an envelope rather than output: `init`, the prompt's echo
+    /// (`message` with role `user`) and the closing `result` (status and usage). Output
+    /// limits count the other lines only.
+    pub fn is_envelope(value: &Value) -> bool {
+        match value.get("type").and_then(Value::as_str) {
+            Some("init" | "result") => true,
+            Some("message") => value.get("role").and_then(Value::as_str) == Some("user"),
+            _ => false,
+        }
+    }
+
+    /// Takes one parsed line; what it brings to the stream (nothing for envelopes and
+    /// `tool_result`, which only the CLI's model reads).
+    pub fn line(&mut self, value: &Value) -> Vec<StreamItem> {
+        let text = |key: &str| value.get(key).and_then(Value::as_str).unwrap_or("");
+        match text("type") {
+            "init" => {
+                if !text("session_id").is_empty() {
+                    self.session_id = Some(text("session_id").to_owned());
+                }
+                Vec::new()
+            }
+            "message" if text("role") == "assistant" => {
+                let chunk = text("content");
+                if chunk.is_empty() {
+                    return Vec::new();
+                }
+                self.text.push_str(chunk);
+                vec![StreamItem::Delta(chunk.to_owned())]
+            }
+            "tool_use" => {
+                self.tool_calls += 1;
+                let mut items = Vec::new();
+                let said = std::mem::take(&mut self.text);
+                if !said.is_empty() {
+                    items.push(StreamItem::Message(said));
+                }
+                items.push(StreamItem::ToolCall {
+                    id: text("tool_id").to_owned(),
+                    name: text("tool_name").to_owned(),
+                    input: value.get("parameters").cloned().unwrap_or(Value::Null),
+                });
+                items
+            }
+            "error" => {
+                if text("severity") != "warning" && !text("message").is_empty() {
+                    self.error_event = Some(text("message").to_owned());
+                }
+                Vec::new()
+            }
+            "result" => {
+                self.result = Some(value.clone());
+                Vec::new()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The assistant text of the current model call so far (what streamed since the last
+    /// tool call).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The session id `init` named.
+    pub fn session_id(&self) -> Option<&str> {
+        self.session_id.as_deref()
+    }
+
+    /// The run's usage once `result` arrived (also after a failure: the calls made count).
+    pub fn usage(&self) -> Option<Usage> {
+        self.result
+            .as_ref()
+            .and_then(|r| r.get("stats"))
+            .filter(|s| s.is_object())
+            .map(stream_usage)
+    }
+
+    /// The run's result from how it exited and the end of its stderr, once its stdout
+    /// closed: exit 0 with a `result` of status `success` is the answer (the last model
+    /// call's text, the session id of `init`, usage from `result.stats`); anything else is
+    /// the [`GeminiError`] [`parse_output`] gives the same exit, with the CLI's message:
+    /// `result.error.message` (without its `[API Error: ...]` wrapping), else the last
+    /// `error` event, else the end of stderr. The model's HTTP status of a failed call is
+    /// read from the message when it is the API's JSON error, else from the `status: <n>`
+    /// Node prints on stderr with the error (stream-json has no `error.code`).
+    pub fn finish(&self, exit: ExitInfo, stderr: &str) -> Result<GeminiReply, GeminiError> {
+        let code = match exit {
+            ExitInfo::Code(code) => code,
+            ExitInfo::Signal(_) | ExitInfo::Unknown => {
+                return Err(GeminiError::Killed {
+                    exit: exit.to_string(),
+                });
+            }
+        };
+        let status = self
+            .result
+            .as_ref()
+            .and_then(|r| r.get("status"))
+            .and_then(Value::as_str);
+        if code == 0 && status == Some("success") {
+            return Ok(GeminiReply {
+                text: self.text.clone(),
+                session_id: self.session_id.clone(),
+                usage: self.usage().unwrap_or_default(),
+                model_calls: 0,
+                tool_calls: self.tool_calls,
+            });
+        }
+        if code == 0 && self.result.is_none() {
+            return Err(GeminiError::Unreadable {
+                detail: "stdout had no `result` event".to_owned(),
+            });
+        }
+        let reported = self
+            .result
+            .as_ref()
+            .and_then(|r| r.pointer("/error/message"))
+            .and_then(Value::as_str)
+            .filter(|m| !m.trim().is_empty());
+        let (message, mut error_code) = match reported {
+            Some(message) => unwrap_api_error(message),
+            None => (
+                self.error_event
+                    .clone()
+                    .unwrap_or_else(|| stderr_message(stderr)),
+                None,
+            ),
+        };
+        if error_code.is_none() && code != 0 {
+            error_code = stderr_status(stderr);
+        }
+        Err(failure(exit, code, message, error_code, stderr))
+    }
+}
+
+/// A stream's `result.stats`: `input` is the prompt without its cached part (else
+/// `input_tokens - cached`), `cached` the cached part, and output everything the total has
+/// beyond the prompt (`output_tokens` counts candidates only; the total adds thoughts, which
+/// are billed as output), at least `output_tokens`.
+fn stream_usage(stats: &Value) -> Usage {
+    let n = |key: &str| stats.get(key).and_then(Value::as_u64);
+    let prompt = n("input_tokens").unwrap_or(0);
+    let cached = n("cached").unwrap_or(0);
+    let candidates = n("output_tokens").unwrap_or(0);
+    let beyond_prompt = n("total_tokens").unwrap_or(0).saturating_sub(prompt);
+    Usage {
+        input_tokens: n("input").unwrap_or_else(|| prompt.saturating_sub(cached)),
+        output_tokens: candidates.max(beyond_prompt),
+        cache_read_tokens: cached,
+        cache_write_tokens: 0,
+    }
+}
+
+/// A stream's error message without the CLI's `[API Error: ...]` wrapping (and the advice
+/// it appends after a 429), and the HTTP status when the message is the API's JSON error
+/// (`{"error":{"code":401,"message":...}}`), whose own message is then the message.
+fn unwrap_api_error(message: &str) -> (String, Option<i64>) {
+    let Some(inner) = message.strip_prefix("[API Error: ") else {
+        return (message.to_owned(), None);
+    };
+    let first = inner.split('\n').next().unwrap_or(inner).trim_end();
+    let inner = first.strip_suffix(']').unwrap_or(first);
+    let inner = match inner.rfind(" (Status: ") {
+        Some(at) if inner.ends_with(')') => &inner[..at],
+        _ => inner,
+    };
+    if let Ok(value) = serde_json::from_str::<Value>(inner)
+        && let Some(text) = value.pointer("/error/message").and_then(Value::as_str)
+    {
+        return (
+            text.to_owned(),
+            value.pointer("/error/code").and_then(Value::as_i64),
+        );
+    }
+    (inner.to_owned(), None)
+}
+
+/// The HTTP status Node prints with a failed model call's error at the end of stderr
+/// (`  status: 503`), the last one.
+fn stderr_status(stderr: &str) -> Option<i64> {
+    stderr.lines().rev().find_map(|line| {
+        let value = line.trim().strip_prefix("status: ")?;
+        let value = value.strip_suffix(',').unwrap_or(value);
+        value
+            .parse::<i64>()
+            .ok()
+            .filter(|s| (100..=599).contains(s))
     })
 }
 
@@ -462,7 +715,8 @@ fn usage_of(document: &Value) -> Usage {
 /// The transcript Gemini CLI keeps of `session_id` for a run in `cwd`:
 /// `<home>/.gemini/tmp/<slug>/chats/session-<time>-<first 8 of id>.jsonl` whose first line
 /// names the session, where `<slug>` is what `<home>/.gemini/projects.json` maps `cwd` to
-/// (the CLI resumes only sessions of the current project). [`GeminiError::TranscriptMissing`]
+/// (the CLI resumes only sessions of the current project; of several files for the session,
+/// the largest). [`GeminiError::TranscriptMissing`]
 /// when there is none: resuming would fail (exit 42), so the stored id must be dropped
 /// rather than the run started. Blocking (small file reads).
 pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<PathBuf, GeminiError> {
@@ -487,6 +741,9 @@ pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<Path
     let Ok(entries) = std::fs::read_dir(&chats) else {
         return Err(missing(chats));
     };
+    // A resume started in another minute than the session opens a second file named after
+    // it (measured with 0.61.0: a header and the CLI's context only) and keeps appending
+    // the conversation to the first one: the largest file is the conversation.
     entries
         .filter_map(Result::ok)
         .map(|e| e.path())
@@ -495,7 +752,10 @@ pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<Path
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with("session-") && n.ends_with(&suffix))
         })
-        .find(|p| first_line_names(p, session_id))
+        .filter(|p| first_line_names(p, session_id))
+        .map(|p| (std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0), p))
+        .max()
+        .map(|(_, p)| p)
         .ok_or_else(|| missing(chats))
 }
 
@@ -563,6 +823,166 @@ mod tests {
         assert_eq!(reply.usage.output_tokens, 7 + 3 + 5);
         assert_eq!(reply.model_calls, 2);
         assert_eq!(reply.tool_calls, 1);
+    }
+
+    /// Feeds `lines` (one JSON object each) to a new [`StreamState`]; what they brought.
+    fn stream(lines: &[&str]) -> (StreamState, Vec<StreamItem>) {
+        let mut state = StreamState::default();
+        let mut items = Vec::new();
+        for line in lines {
+            let value: Value = serde_json::from_str(line).expect("a JSON line");
+            items.extend(state.line(&value));
+        }
+        (state, items)
+    }
+
+    /// Lines of a real 0.61.0 run with a call of its `read_file` (timestamps dropped).
+    const TOOL_RUN: [&str; 8] = [
+        r#"{"type":"init","session_id":"89211f50-ea5b-4de1-b563-73c352416ef2","model":"gemini-2.5-pro"}"#,
+        r#"{"type":"message","role":"user","content":"SCENARIO:tool"}"#,
+        r#"{"type":"message","role":"assistant","content":"Let me look.","delta":true}"#,
+        r#"{"type":"tool_use","tool_name":"read_file","tool_id":"read_file__call_4","parameters":{"file_path":"note.txt"}}"#,
+        r#"{"type":"tool_result","tool_id":"read_file__call_4","status":"success","output":""}"#,
+        r#"{"type":"message","role":"assistant","content":"tool said:","delta":true}"#,
+        r#"{"type":"message","role":"assistant","content":" 42","delta":true}"#,
+        r#"{"type":"result","status":"success","stats":{"total_tokens":223,"input_tokens":200,"output_tokens":20,"cached":80,"input":120,"duration_ms":394,"tool_calls":1,"models":{}}}"#,
+    ];
+
+    #[test]
+    fn a_stream_json_run_yields_deltas_the_tool_call_and_the_last_calls_text_with_usage() {
+        let (state, items) = stream(&TOOL_RUN);
+        assert_eq!(
+            items,
+            [
+                StreamItem::Delta("Let me look.".into()),
+                StreamItem::Message("Let me look.".into()),
+                StreamItem::ToolCall {
+                    id: "read_file__call_4".into(),
+                    name: "read_file".into(),
+                    input: json!({"file_path": "note.txt"}),
+                },
+                StreamItem::Delta("tool said:".into()),
+                StreamItem::Delta(" 42".into()),
+            ]
+        );
+        let reply = state
+            .finish(ExitInfo::Code(0), "Warning: 256-color support")
+            .expect("an answer");
+        assert_eq!(reply.text, "tool said: 42", "the last model call's text");
+        assert_eq!(
+            reply.session_id.as_deref(),
+            Some("89211f50-ea5b-4de1-b563-73c352416ef2")
+        );
+        assert_eq!(reply.tool_calls, 1);
+        // `input` is the uncached prompt; output is the total beyond the prompt (thoughts
+        // included), never less than the candidates.
+        assert_eq!(
+            reply.usage,
+            Usage {
+                input_tokens: 120,
+                output_tokens: 23,
+                cache_read_tokens: 80,
+                cache_write_tokens: 0
+            }
+        );
+        for (line, envelope) in TOOL_RUN
+            .iter()
+            .zip([true, true, false, false, false, false, false, true])
+        {
+            let value: Value = serde_json::from_str(line).unwrap();
+            assert_eq!(StreamState::is_envelope(&value), envelope, "{line}");
+        }
+    }
+
+    #[test]
+    fn stream_json_failures_are_the_typed_errors_of_json_mode_with_the_http_status() {
+        let init = r#"{"type":"init","session_id":"s-1","model":"m"}"#;
+        // A 503 as 0.61.0 reports it in stream-json: the wrapped message on stdout, exit
+        // 503 % 256, the status only in Node's print of the error on stderr.
+        let (state, _) = stream(&[
+            init,
+            r#"{"type":"result","status":"error","error":{"type":"unknown","message":"[API Error: scripted upstream failure]"},"stats":{"total_tokens":0}}"#,
+        ]);
+        let stderr = "Attempt 1 failed\nRetryableQuotaError: scripted upstream failure\n    at x \
+                      {\n  cause: { code: 503, message: 'scripted upstream failure' },\n  \
+                      retryDelayMs: undefined,\n  status: 503\n}\n";
+        assert_eq!(
+            state.finish(ExitInfo::Code(247), stderr).unwrap_err(),
+            GeminiError::Failed {
+                exit: "exit code 247".into(),
+                code: Some(503),
+                message: "scripted upstream failure".into()
+            }
+        );
+        // A 401: the API's JSON error inside the wrapping names the status.
+        let (state, _) = stream(&[
+            init,
+            r#"{"type":"result","status":"error","error":{"type":"unknown","message":"[API Error: {\"error\":{\"code\":401,\"message\":\"key refused\",\"status\":\"UNAUTHENTICATED\"}}]"}}"#,
+        ]);
+        assert_eq!(
+            state.finish(ExitInfo::Code(145), "").unwrap_err(),
+            GeminiError::Failed {
+                exit: "exit code 145".into(),
+                code: Some(401),
+                message: "key refused".into()
+            }
+        );
+        // A 429 with the advice appended, and a status suffix.
+        assert_eq!(
+            unwrap_api_error("[API Error: slow down (Status: RESOURCE_EXHAUSTED)]\nPlease wait"),
+            ("slow down".to_owned(), None)
+        );
+        // A dead endpoint: exit 1, no status anywhere.
+        let (state, _) = stream(&[
+            init,
+            r#"{"type":"result","status":"error","error":{"type":"unknown","message":"[API Error: exception TypeError: fetch failed sending request]"}}"#,
+        ]);
+        assert_eq!(
+            state
+                .finish(ExitInfo::Code(1), "TypeError: fetch failed\n    at y")
+                .unwrap_err(),
+            GeminiError::Failed {
+                exit: "exit code 1".into(),
+                code: None,
+                message: "exception TypeError: fetch failed sending request".into()
+            }
+        );
+        // Refused auth and an unknown resume id print nothing on stdout.
+        let (state, _) = stream(&[]);
+        assert_eq!(
+            state
+                .finish(
+                    ExitInfo::Code(41),
+                    "Warning: 256-color support\nInvalid auth method selected."
+                )
+                .unwrap_err(),
+            GeminiError::Auth {
+                message: "Invalid auth method selected.".into()
+            }
+        );
+        let err = state
+            .finish(
+                ExitInfo::Code(42),
+                "Error resuming session: Invalid session identifier \"0000\".",
+            )
+            .unwrap_err();
+        assert!(matches!(err, GeminiError::ResumeNotFound { .. }), "{err:?}");
+        // An invalid stream: an `error` event, then `result` with status error, exit 0.
+        let (state, _) = stream(&[
+            init,
+            r#"{"type":"error","severity":"warning","message":"Loop detected"}"#,
+            r#"{"type":"error","severity":"error","message":"The model returned an empty response."}"#,
+            r#"{"type":"result","status":"error","stats":{}}"#,
+        ]);
+        assert!(matches!(state.finish(ExitInfo::Code(0), "").unwrap_err(),
+                GeminiError::Failed { message, code: None, .. } if message == "The model returned an empty response."),);
+        // Exit 0 without a `result`: nothing to read.
+        let (state, _) = stream(&[init]);
+        let err = state.finish(ExitInfo::Code(0), "").unwrap_err();
+        assert!(matches!(err, GeminiError::Unreadable { .. }), "{err:?}");
+        assert!(err.to_string().contains("stream-json"), "{err}");
+        let err = state.finish(ExitInfo::Signal(9), "").unwrap_err();
+        assert!(matches!(err, GeminiError::Killed { .. }), "{err:?}");
     }
 
     #[test]
@@ -642,6 +1062,10 @@ mod tests {
         assert!(matches!(err, GeminiError::Killed { .. }), "{err:?}");
         let err = parse_output(ExitInfo::Code(0), "", "").unwrap_err();
         assert!(err.to_string().contains("--output-format json"), "{err}");
+        assert!(
+            err.to_string().contains("--output-format stream-json"),
+            "{err}"
+        );
         let err = parse_output(ExitInfo::Code(0), r#"{"session_id":"s"}"#, "").unwrap_err();
         assert!(matches!(err, GeminiError::Unreadable { .. }), "{err:?}");
         let err = parse_output(ExitInfo::Code(1), "", "").unwrap_err();
@@ -747,6 +1171,13 @@ mod tests {
                 "{}\n{{\"type\":\"user\"}}\n",
                 json!({"sessionId": id, "kind": "main"})
             ),
+        )
+        .unwrap();
+        assert_eq!(transcript_path(home.path(), &cwd, id).unwrap(), file);
+        // A resume in a later minute left a second, smaller file for the same session.
+        std::fs::write(
+            chats.join("session-2026-12-01T16-12-dfb439f3.jsonl"),
+            format!("{}\n", json!({"sessionId": id})),
         )
         .unwrap();
         assert_eq!(transcript_path(home.path(), &cwd, id).unwrap(), file);

@@ -4,9 +4,9 @@
 //! speaks ([`BackendEvent`], the names of the daemon's SSE events), the two CLI runners:
 //! Claude Code as one live stdio process per conversation ([`claude_live`]) and a process
 //! per turn for `cli-oneshot` backends such as Codex ([`oneshot`]), what Gemini CLI needs
-//! around its runs ([`gemini`]: its settings file, its JSON output and exit codes, where its
-//! transcripts live), and the loopback MCP bridge that serves a conversation's gateway tools
-//! to a CLI backend (`mcp_bridge`, feature `mcp-bridge`).
+//! around its runs ([`gemini`]: its settings file, its `stream-json` (or JSON) output and
+//! exit codes, where its transcripts live), and the loopback MCP bridge that serves a
+//! conversation's gateway tools to a CLI backend (`mcp_bridge`, feature `mcp-bridge`).
 //!
 //! The pool leases both runners' conversations (`crate::pool::Pool::lease_cli`) as
 //! [`CliConversation`]s: one enum over the runners, so a new runner is one more arm; their

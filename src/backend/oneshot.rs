@@ -2,7 +2,8 @@
 //! session continuity through resume arguments (reference: `cli-backends.md` §4, §6, §7).
 //! The bundled `codex-cli` backend runs on it ([`OneshotConfig::codex`]), and so does
 //! `google-gemini-cli` ([`OneshotConfig::gemini`], with what [`gemini`] provides: its settings
-//! file before each run, its JSON answer and exit codes, its transcripts). A backend's
+//! file before each run, its `stream-json` lines read as they arrive (or its one JSON answer
+//! under `output = "json"`), its exit codes, its transcripts). A backend's
 //! [`Dialect`] follows its id ([`Dialect::of_backend`]); [`Dialect::transcript`] says where
 //! each dialect's CLI keeps a session, which the pool checks before it resumes one.
 //!
@@ -92,9 +93,11 @@ pub enum Dialect {
     Codex,
     /// Gemini CLI: its settings written into the agent's home before every run
     /// ([`gemini::write_settings`]: auth type, no telemetry, bounded retries), the key and
-    /// endpoint in the variables `apiKeyEnv` / `baseUrlEnv` name, the answer read by
-    /// [`gemini::parse_output`] (usage from `stats`, per invocation; its exit codes become
-    /// [`TurnFailure::Gemini`]).
+    /// endpoint in the variables `apiKeyEnv` / `baseUrlEnv` name, its `stream-json` output
+    /// (`output = "jsonl"`, the bundled default) read line by line by
+    /// [`gemini::StreamState`] (answer chunks as deltas, its tool calls as `tool.call`s,
+    /// usage from `result.stats`, per invocation), a `json` one by [`gemini::parse_output`];
+    /// its exit codes become [`TurnFailure::Gemini`].
     Gemini,
 }
 
@@ -245,6 +248,15 @@ impl UsageTotals {
             output_tokens: self.output_tokens - base.output_tokens,
             cache_read_tokens: self.cache_read_tokens - base.cache_read_tokens,
             cache_write_tokens: self.cache_write_tokens - base.cache_write_tokens,
+        }
+    }
+
+    fn of(usage: Usage) -> Self {
+        Self {
+            input_tokens: usage.input_tokens,
+            output_tokens: usage.output_tokens,
+            cache_read_tokens: usage.cache_read_tokens,
+            cache_write_tokens: usage.cache_write_tokens,
         }
     }
 
@@ -616,6 +628,9 @@ impl Oneshot {
             reported: None,
             tool_calls: 0,
             started_items: HashSet::new(),
+            gemini: (self.config.dialect == Dialect::Gemini
+                && invocation.output == OutputFormat::Jsonl)
+                .then(gemini::StreamState::default),
             retained_bytes: 0,
             retained_lines: 0,
             max_bytes: limits.max_turn_raw_chars,
@@ -981,6 +996,9 @@ pub struct OneshotTurn<'a> {
     reported: Option<UsageTotals>,
     tool_calls: u32,
     started_items: HashSet<String>,
+    /// Gemini CLI's `stream-json` run as read so far (the Gemini dialect with `jsonl`
+    /// output).
+    gemini: Option<gemini::StreamState>,
     retained_bytes: u64,
     retained_lines: u64,
     max_bytes: u64,
@@ -1082,6 +1100,10 @@ impl OneshotTurn<'_> {
     }
 
     fn handle_line(&mut self, line: &str) {
+        if self.gemini.is_some() {
+            self.gemini_line(line);
+            return;
+        }
         if !self.retain(line) {
             return;
         }
@@ -1099,6 +1121,37 @@ impl OneshotTurn<'_> {
                     )
                 }
             },
+        }
+    }
+
+    /// One line of Gemini CLI's `stream-json` output: its envelopes (`init`, the prompt's
+    /// echo, `result`) are read without counting against the output limits; chunks of the
+    /// answer stream as deltas, the CLI's tool calls as `tool.call`s.
+    fn gemini_line(&mut self, line: &str) {
+        let Ok(value) = serde_json::from_str::<Value>(line) else {
+            tracing::debug!(bytes = line.len(), "gemini printed a line that is not JSON");
+            self.retain(line);
+            return;
+        };
+        if !gemini::StreamState::is_envelope(&value) && !self.retain(line) {
+            return;
+        }
+        self.note_session_id(&value);
+        let Some(state) = self.gemini.as_mut() else {
+            return;
+        };
+        for item in state.line(&value) {
+            match item {
+                gemini::StreamItem::Delta(delta) => {
+                    self.queue.push_back(BackendEvent::MessageDelta { delta });
+                }
+                gemini::StreamItem::Message(text) => self.message(text),
+                gemini::StreamItem::ToolCall { id, name, input } => {
+                    self.tool_calls += 1;
+                    self.queue
+                        .push_back(BackendEvent::ToolCall { id, name, input });
+                }
+            }
         }
     }
 
@@ -1240,7 +1293,15 @@ impl OneshotTurn<'_> {
         };
         tracing::warn!(backend = %self.conversation.config.id, %failure, "cli-oneshot turn stopped");
         self.child = None;
-        if self.format != OutputFormat::Jsonl && self.last_text.is_none() {
+        if let Some(state) = &self.gemini {
+            // The answer streamed so far (the gateway has its deltas already).
+            if !state.text().is_empty() {
+                self.last_text = Some(state.text().to_owned());
+            }
+            if let Some(usage) = state.usage() {
+                self.reported = Some(UsageTotals::of(usage));
+            }
+        } else if self.format != OutputFormat::Jsonl && self.last_text.is_none() {
             // Plain text is kept as far as read. A one-document answer cut short is not JSON,
             // but a pretty-printed one (Gemini CLI's) may already hold its answer and session
             // on lines of their own: those are kept.
@@ -1365,22 +1426,26 @@ impl OneshotTurn<'_> {
         self.end_with(end, failure);
     }
 
-    /// Gemini CLI exited (not killed): its one JSON answer, or its typed failure.
+    /// Gemini CLI exited (not killed): its answer (read from its stream as it came, or its
+    /// one JSON document), or its typed failure.
     fn conclude_gemini(&mut self, exit: ExitInfo, stderr: &str) {
-        let document = std::mem::take(&mut self.collected);
-        match gemini::parse_output(exit, &document, stderr) {
+        let result = match &self.gemini {
+            Some(state) => {
+                // A failed run's model calls count too.
+                if let Some(usage) = state.usage() {
+                    self.reported = Some(UsageTotals::of(usage));
+                }
+                state.finish(exit, stderr)
+            }
+            None => gemini::parse_output(exit, &std::mem::take(&mut self.collected), stderr),
+        };
+        match result {
             Ok(reply) => {
                 if let Some(id) = reply.session_id.filter(|id| !id.is_empty()) {
                     self.learned_session = Some(id);
                 }
                 self.tool_calls = u32::try_from(reply.tool_calls).unwrap_or(u32::MAX);
-                let usage = reply.usage;
-                self.reported = Some(UsageTotals {
-                    input_tokens: usage.input_tokens,
-                    output_tokens: usage.output_tokens,
-                    cache_read_tokens: usage.cache_read_tokens,
-                    cache_write_tokens: usage.cache_write_tokens,
-                });
+                self.reported = Some(UsageTotals::of(reply.usage));
                 self.message(reply.text);
                 self.end_with(TurnEnd::Idle, None);
             }
@@ -1924,6 +1989,84 @@ printf '{"session_id":"g-1234567","response":"%s %s %s","stats":{"models":{"m":{
         let settings = std::fs::read_to_string(gemini::settings_path(&dir.path().join("home")))
             .expect("the settings were written before the run");
         assert!(settings.contains("gemini-api-key"), "{settings}");
+    }
+
+    #[tokio::test]
+    async fn gemini_stream_json_streams_deltas_and_tool_calls_as_they_are_printed_and_counts_no_envelope()
+     {
+        let dir = tempfile::tempdir().unwrap();
+        // The second chunk is printed only once the first event was read: a turn that
+        // buffered stdout to its end would never see it.
+        let script = r#"echo '{"type":"init","session_id":"g-7654321","model":"m"}'
+echo '{"type":"message","role":"user","content":"p"}'
+echo '{"type":"tool_use","tool_name":"read_file","tool_id":"t-1","parameters":{"file_path":"a"}}'
+echo '{"type":"tool_result","tool_id":"t-1","status":"success","output":""}'
+echo '{"type":"message","role":"assistant","content":"one","delta":true}'
+read go < "$1"
+echo '{"type":"message","role":"assistant","content":" two","delta":true}'
+echo '{"type":"result","status":"success","stats":{"total_tokens":16,"input_tokens":10,"output_tokens":6,"cached":4,"input":6,"tool_calls":1}}'"#;
+        let fifo = dir.path().join("go");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let mut config = gemini_sh(dir.path(), script);
+        config.backend.output = OutputFormat::Jsonl;
+        config.backend.args.push(fifo.display().to_string());
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let mut turn = oneshot.start_turn("p").await.unwrap();
+        let mut names = Vec::new();
+        loop {
+            let event = tokio::time::timeout(Duration::from_secs(30), turn.next())
+                .await
+                .expect("an event")
+                .expect("not ended");
+            names.push(event.name());
+            if let BackendEvent::MessageDelta { delta } = &event {
+                assert_eq!(delta, "one");
+                break;
+            }
+            if let BackendEvent::ToolCall { id, name, input } = &event {
+                assert_eq!((id.as_str(), name.as_str()), ("t-1", "read_file"));
+                assert_eq!(input["file_path"], "a");
+            }
+        }
+        // The first delta arrived while the process still waits: release it.
+        std::fs::write(&fifo, "go\n").unwrap();
+        let outcome = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                let event = turn.next().await.expect("to the end");
+                names.push(event.name());
+                if let BackendEvent::TurnEnd(outcome) = event {
+                    return outcome;
+                }
+            }
+        })
+        .await
+        .expect("ended");
+        assert_eq!(
+            names,
+            [
+                "tool.call",
+                "assistant.message_delta",
+                "assistant.message_delta",
+                "assistant.message",
+                "turn.end"
+            ]
+        );
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        assert_eq!(outcome.text, "one two");
+        assert_eq!(outcome.session_id.as_deref(), Some("g-7654321"));
+        assert_eq!(outcome.tool_calls, 1);
+        assert_eq!(
+            (
+                outcome.usage.input_tokens,
+                outcome.usage.cache_read_tokens,
+                outcome.usage.output_tokens
+            ),
+            (6, 4, 6)
+        );
+        assert_eq!(
+            outcome.retained_lines, 4,
+            "init, the prompt's echo and result are envelopes"
+        );
     }
 
     #[tokio::test]
