@@ -42,17 +42,7 @@ async fn a_tiny_bench_reports_every_figure_of_every_mode_as_json() {
         "5",
         "--json",
     ]);
-    let out = tokio::task::spawn_blocking(move || cmd.output().expect("run copilot-pool bench"))
-        .await
-        .expect("join");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let last = stdout.lines().last().expect("a JSON line");
-    let report: Value = serde_json::from_str(last).expect("the last line is JSON");
+    let (report, stdout): (Value, String) = support::json_report(cmd, "bench").await;
     assert_eq!(report["workload"]["agents"], 1);
     assert_eq!(report["workload"]["pairs"], 1);
     for mode in ["http", "endpoint", "resume", "attached"] {

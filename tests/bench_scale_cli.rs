@@ -62,18 +62,7 @@ async fn a_tiny_scale_bench_reports_every_figure_as_json_and_draws_a_png() {
         "--png",
     ]);
     cmd.arg(&png);
-    let out =
-        tokio::task::spawn_blocking(move || cmd.output().expect("run copilot-pool bench scale"))
-            .await
-            .expect("join");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let last = stdout.lines().last().expect("a JSON line");
-    let report: Value = serde_json::from_str(last).expect("the last line is JSON");
+    let (report, stdout): (Value, String) = support::json_report(cmd, "bench scale").await;
     assert_eq!(report["workload"]["agents"], 2);
     assert_eq!(report["workload"]["conversations"], 4);
     assert_eq!(report["recycling"]["max_turns_per_process"], 3);

@@ -58,6 +58,30 @@ impl Scratch {
     }
 }
 
+/// Runs a `copilot-pool` command that ends with one JSON object (`--json`) off the async
+/// threads; fails the test with its stderr unless it succeeded, and returns that object and
+/// the whole of its standard output.
+pub async fn json_report(
+    mut cmd: std::process::Command,
+    what: &'static str,
+) -> (serde_json::Value, String) {
+    let out = tokio::task::spawn_blocking(move || {
+        cmd.output()
+            .unwrap_or_else(|e| panic!("run copilot-pool {what}: {e}"))
+    })
+    .await
+    .expect("join");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "copilot-pool {what} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = stdout.lines().last().expect("a JSON line");
+    let report = serde_json::from_str(last).expect("the last line is JSON");
+    (report, stdout)
+}
+
 /// A worker config for the real runtime with an isolated home and a short kill grace.
 pub async fn worker_config(scratch: &Scratch) -> WorkerConfig {
     let mut config = WorkerConfig::new(

@@ -91,6 +91,39 @@ impl Drop for Scratch {
     }
 }
 
+/// What a command that drives the pool on the embedded model needs first (`load`, `chaos`,
+/// `bench scale`): the runtime (found or installed), a scratch directory, and the scripted
+/// model served on loopback.
+pub(crate) struct Workbench {
+    /// The runtime executable.
+    pub(crate) program: PathBuf,
+    /// Removed when dropped.
+    pub(crate) scratch: Scratch,
+    /// The model, for its replies and recorded requests.
+    pub(crate) model: ScriptedModel,
+    /// Where it listens; shut down by the command.
+    pub(crate) endpoint: copilot_pool::scripted_model::HttpEndpoint,
+}
+
+impl Workbench {
+    /// Finds or installs the runtime, creates `copilot-pool-<what>-<uuid>` and starts the model.
+    pub(crate) async fn prepare(cli: Option<&Path>, what: &str) -> Result<Workbench> {
+        let program = find_or_install(cli).await?;
+        let scratch = Scratch::create(what)?;
+        let model = ScriptedModel::new();
+        let endpoint = model
+            .serve_http()
+            .await
+            .context("starting the scripted model")?;
+        Ok(Workbench {
+            program,
+            scratch,
+            model,
+            endpoint,
+        })
+    }
+}
+
 pub async fn demo(args: DemoArgs) -> Result<()> {
     let started = Instant::now();
     let program = find_or_install(args.cli.as_deref()).await?;

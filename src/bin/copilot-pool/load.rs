@@ -161,13 +161,12 @@ struct Report {
 }
 
 pub async fn load(args: LoadArgs) -> Result<()> {
-    let program = crate::demo::find_or_install(args.cli.as_deref()).await?;
-    let scratch = crate::demo::Scratch::create("load")?;
-    let model = ScriptedModel::new();
-    let endpoint = model
-        .serve_http()
-        .await
-        .context("starting the scripted model")?;
+    let crate::demo::Workbench {
+        program,
+        scratch,
+        model: _model,
+        endpoint,
+    } = crate::demo::Workbench::prepare(args.cli.as_deref(), "load").await?;
     let model_url = endpoint.base_url();
 
     let config = scratch.0.join("serve.toml");

@@ -36,6 +36,9 @@ const POOL_RSS_TARGET_MIB: f64 = 50.0;
 const FLAT_MIB_PER_TURN: f64 = 0.05;
 /// How long the stopped daemon may take to drain and exit.
 const EXIT_LIMIT: Duration = Duration::from_secs(60);
+/// The longest one request may take, a whole streamed turn included: a minute past the
+/// daemon's default absolute turn timeout (30 min), so a turn normally ends `timeout` first.
+const REQUEST_LIMIT: Duration = Duration::from_secs(30 * 60 + 60);
 
 #[derive(Args)]
 pub struct ScaleArgs {
@@ -125,13 +128,12 @@ pub struct Summary {
 }
 
 pub async fn scale(args: ScaleArgs) -> Result<()> {
-    let program = crate::demo::find_or_install(args.cli.as_deref()).await?;
-    let scratch = crate::demo::Scratch::create("bench-scale")?;
-    let model = ScriptedModel::new();
-    let endpoint = model
-        .serve_http()
-        .await
-        .context("starting the scripted model")?;
+    let crate::demo::Workbench {
+        program,
+        scratch,
+        model: _model,
+        endpoint,
+    } = crate::demo::Workbench::prepare(args.cli.as_deref(), "bench-scale").await?;
     let model_url = endpoint.base_url();
     let conversations = u64::from(args.agents) * u64::from(args.conversations);
 
@@ -169,8 +171,11 @@ pub async fn scale(args: ScaleArgs) -> Result<()> {
         args.recycle_rss_mib
     );
 
+    // Every request is bounded: a turn past this (or a stuck /metrics read) fails the run
+    // instead of hanging it.
     let http = reqwest::Client::builder()
         .no_proxy()
+        .timeout(REQUEST_LIMIT)
         .build()
         .context("an HTTP client")?;
     let started = Instant::now();

@@ -138,15 +138,13 @@ pub async fn chaos(args: ChaosArgs) -> Result<()> {
         args.agents, args.sdk_agents, args.conversations, args.turns, args.fault_every_ms
     );
     let metrics = install_metrics()?;
-    let program = crate::demo::find_or_install(args.cli.as_deref()).await?;
-    let scratch = crate::demo::Scratch::create("chaos")?;
+    let crate::demo::Workbench {
+        program,
+        scratch,
+        model,
+        endpoint,
+    } = crate::demo::Workbench::prepare(args.cli.as_deref(), "chaos").await?;
     let base = scratch.0.clone();
-
-    let model = ScriptedModel::new();
-    let endpoint = model
-        .serve_http()
-        .await
-        .context("starting the scripted model")?;
     let model_url = endpoint.base_url();
     let disk = Arc::new(ChaosDisk::default());
     let shared_disk: SharedDiskFaults = disk.clone();
