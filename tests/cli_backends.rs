@@ -269,22 +269,7 @@ async fn a_restarted_daemon_resumes_the_stored_session_and_refuses_one_whose_tra
 
     let daemon = fx.daemon().await;
     let body = fx.body("r1", "REPLY=must not run", "sk-ant-FAKE-r", None);
-    let refused = call(daemon.addr, "POST", "/v1/turns", None, Some(&body)).await;
-    assert_eq!(refused.status, 409, "{}", refused.body);
-    assert_eq!(
-        refused.json()["code"],
-        "transcript_missing",
-        "{}",
-        refused.body
-    );
-    assert!(refused.body.contains(&session), "{}", refused.body);
-    assert!(
-        !fx.model
-            .requests()
-            .iter()
-            .any(|r| user_text(r).contains("must not run")),
-        "never a silent fresh start"
-    );
+    fx.assert_transcript_missing(&daemon, &body, &session).await;
     assert!(fx.claude_processes().is_empty(), "nothing was started");
     assert!(daemon.terminate().await.success());
 }

@@ -237,22 +237,7 @@ async fn two_codex_turns_over_http_carry_history_and_a_restarted_daemon_resumes_
 
     let daemon = fx.daemon().await;
     let body = fx.body(CODEX, "k1", "REPLY=must not run");
-    let refused = call(daemon.addr, "POST", "/v1/turns", None, Some(&body)).await;
-    assert_eq!(refused.status, 409, "{}", refused.body);
-    assert_eq!(
-        refused.json()["code"],
-        "transcript_missing",
-        "{}",
-        refused.body
-    );
-    assert!(refused.body.contains(&thread), "{}", refused.body);
-    assert!(
-        !fx.model
-            .requests()
-            .iter()
-            .any(|r| r.body.to_string().contains("must not run")),
-        "never a silent fresh start"
-    );
+    fx.assert_transcript_missing(&daemon, &body, &thread).await;
     assert!(daemon.terminate().await.success());
     assert!(fx.cli_processes().is_empty());
 }

@@ -1,8 +1,9 @@
 //! What the tests of CLI backends through the daemon share: the scripted model on loopback
 //! with a scratch directory for the daemon's state and the agents' homes ([`CliFixture`];
 //! each test file adds its own daemon configuration and turn bodies in an `impl` of its
-//! own), a streamed turn ([`streamed_turn`]) and the user text of a model request
-//! ([`user_text`]).
+//! own), a streamed turn ([`streamed_turn`]), the user text of a model request
+//! ([`user_text`]) and the refusal of a conversation whose CLI transcript is gone
+//! ([`CliFixture::assert_transcript_missing`]).
 
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use copilot_pool::scripted_model::{HttpEndpoint, RecordedRequest, ScriptedModel}
 use serde_json::Value;
 
 use super::Scratch;
-use super::http::{Daemon, Sse, SseStream};
+use super::http::{Daemon, Sse, SseStream, call};
 
 /// The scripted model, its endpoint, and a scratch directory.
 pub struct CliFixture {
@@ -119,4 +120,30 @@ pub fn tool_calls(events: &[Sse]) -> Vec<Value> {
         .filter(|e| e.event == "tool.call")
         .map(|e| e.data.clone())
         .collect()
+}
+
+impl CliFixture {
+    /// A turn `body` on a conversation whose CLI transcript was deleted: refused with 409
+    /// `transcript_missing` naming `session`, and its prompt never reached the model (never a
+    /// silent fresh start).
+    pub async fn assert_transcript_missing(&self, daemon: &Daemon, body: &Value, session: &str) {
+        let refused = call(daemon.addr, "POST", "/v1/turns", None, Some(body)).await;
+        assert_eq!(refused.status, 409, "{}", refused.body);
+        assert_eq!(
+            refused.json()["code"],
+            "transcript_missing",
+            "{}",
+            refused.body
+        );
+        assert!(refused.body.contains(session), "{}", refused.body);
+        let prompt = body["prompt"].as_str().expect("a prompt");
+        assert!(
+            !self
+                .model
+                .requests()
+                .iter()
+                .any(|r| r.body.to_string().contains(prompt)),
+            "never a silent fresh start"
+        );
+    }
 }
