@@ -256,6 +256,31 @@ async fn a_dead_endpoint_fails_the_turn_fast_with_the_clis_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_refusing_the_key_fails_the_turn_with_the_status_claude_reports_in_its_result() {
+    let fx = Fixture::new().await;
+    // Every model call is refused (Claude retries once: CLAUDE_CODE_MAX_RETRIES=1).
+    for _ in 0..4 {
+        fx.model
+            .push_reply(copilot_pool::scripted_model::Reply::Error { status: 401 });
+    }
+    let mut live = fx.live("refused").await;
+    let (outcome, _) = turn(&mut live, "REPLY=never answered").await;
+    assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
+    assert!(
+        matches!(
+            &outcome.failure,
+            Some(TurnFailure::Cli {
+                status: Some(401),
+                ..
+            })
+        ),
+        "the result line's api_error_status: {outcome:?}"
+    );
+    assert_eq!(copilot_pool::fallback::cli_status_code(&outcome), Some(401));
+    live.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_permission_request_is_denied_by_default_and_approved_only_by_a_policy_that_says_so()
 {
     let fx = Fixture::new().await;

@@ -1085,3 +1085,182 @@ async fn a_cli_lease_serves_its_own_gateway_tool_handlers_and_other_tools_restar
     .await;
     assert!(left.is_empty(), "Claude processes left: {left:?}");
 }
+
+/// A Rust gateway's side of a chain: every event, in order.
+#[derive(Default)]
+struct RecordingSink {
+    events: std::sync::Mutex<Vec<copilot_pool::fallback::ChainEvent>>,
+}
+
+impl copilot_pool::fallback::ChainSink for RecordingSink {
+    async fn deliver(&self, event: copilot_pool::fallback::ChainEvent) -> bool {
+        if let Ok(mut events) = self.events.lock() {
+            events.push(event);
+        }
+        true
+    }
+}
+
+impl RecordingSink {
+    /// The events, named: a session event by its type, a CLI event by its SSE name, a
+    /// fallback as `fallback`.
+    fn names(&self) -> Vec<String> {
+        use copilot_pool::fallback::ChainEvent;
+        let events = self.events.lock().expect("events");
+        events
+            .iter()
+            .map(|e| match e {
+                ChainEvent::Session(e) => e.event_type().to_owned(),
+                ChainEvent::Cli(e) => format!("cli:{}", e.name()),
+                ChainEvent::Fallback(_) => "fallback".to_owned(),
+                _ => "other".to_owned(),
+            })
+            .collect()
+    }
+
+    fn notices(&self) -> Vec<copilot_pool::fallback::FallbackNotice> {
+        use copilot_pool::fallback::ChainEvent;
+        let events = self.events.lock().expect("events");
+        events
+            .iter()
+            .filter_map(|e| match e {
+                ChainEvent::Fallback(n) => Some(n.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_gateways_chain_runs_a_turn_the_model_refuses_on_claude_with_the_earlier_turn_in_its_prelude()
+ {
+    use copilot_pool::fallback::{ChainOutcome, ChainRequest, FallbackClass};
+    use copilot_pool::scripted_model::Reply;
+    use copilot_pool::transcript::TranscriptMode;
+    use copilot_pool::turn::TranscriptSettings;
+    use std::sync::Arc;
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    let claude = support::agent_cli::claude_path().await;
+    if let Some(backend) = config.cli_backends.get_mut("claude-cli") {
+        backend.command = claude.display().to_string();
+    }
+    let pool = Pool::start(config).await.expect("pool");
+    // One Anthropic provider serves the runtime's BYOK and Claude's endpoint and key; the
+    // transcript mirror is the prelude's source.
+    let chain = |prompt: &str, fallbacks: &[&str]| {
+        let mut req = fx.request("agent-c", "chain-1");
+        req.model = Some("claude-sonnet-4-5".to_owned());
+        req.provider = Some(ProviderConfig::anthropic(
+            format!("http://{}", fx.endpoint.addr()),
+            Some(Secret::new("sk-ant-FAKE-pool-chain")),
+        ));
+        req.handlers.transcript = Some(TranscriptSettings::new(
+            fx.scratch.path().join("transcripts"),
+            TranscriptMode::BestEffort,
+        ));
+        let mut chain = ChainRequest::new(req, prompt);
+        chain.fallbacks = fallbacks.iter().map(|b| (*b).to_owned()).collect();
+        chain
+    };
+    let run = |chain: ChainRequest, sink: Arc<RecordingSink>| {
+        let pool = pool.clone();
+        async move {
+            let lease = pool.lease_chain(chain, sink).await.expect("leased");
+            assert_eq!(lease.leased_backend(), Some("copilot"));
+            tokio::time::timeout(Duration::from_secs(180), lease.run())
+                .await
+                .expect("the turn ended in time")
+        }
+    };
+
+    // A chain whose first backend answers runs nowhere else.
+    let sink = Arc::new(RecordingSink::default());
+    let ChainOutcome {
+        summary,
+        caller_gone,
+        ..
+    } = run(chain("remember PELICAN-17", &["claude-cli"]), sink.clone()).await;
+    assert_eq!(summary.backend, "copilot", "{summary:?}");
+    assert_eq!(summary.status, copilot_pool::TurnEnd::Idle, "{summary:?}");
+    assert_eq!(summary.fallback_from, None, "{summary:?}");
+    assert!(!caller_gone);
+    let names = sink.names();
+    assert!(names.contains(&"assistant.message".to_owned()), "{names:?}");
+    assert!(!names.contains(&"fallback".to_owned()), "{names:?}");
+
+    // The runtime's model calls are refused (401, tried three times by runtime 1.0.14): a
+    // retryable auth failure, so the turn runs on Claude, after the notice.
+    for _ in 0..3 {
+        fx.model.push_reply(Reply::Error { status: 401 });
+    }
+    let sink = Arc::new(RecordingSink::default());
+    let ChainOutcome {
+        summary,
+        caller_gone,
+        ..
+    } = run(
+        chain("REPLY=answered by claude", &["claude-cli"]),
+        sink.clone(),
+    )
+    .await;
+    assert!(!caller_gone);
+    assert_eq!(summary.backend, "claude-cli", "{summary:?}");
+    assert_eq!(summary.status, copilot_pool::TurnEnd::Idle, "{summary:?}");
+    assert_eq!(summary.final_text, "answered by claude", "{summary:?}");
+    assert_eq!(
+        summary.fallback_from.as_deref(),
+        Some("copilot"),
+        "{summary:?}"
+    );
+    let notices = sink.notices();
+    assert_eq!(notices.len(), 1, "{notices:?}");
+    let notice = &notices[0];
+    assert_eq!(
+        (notice.from.as_str(), notice.to.as_str()),
+        ("copilot", "claude-cli")
+    );
+    assert_eq!(notice.class, FallbackClass::Auth, "{notice:?}");
+    assert_eq!(notice.status_code, Some(401), "{notice:?}");
+    assert!(notice.prelude_chars > 0, "{notice:?}");
+    // The notice comes before Claude's events, and Claude's answer streams as CLI events.
+    let names = sink.names();
+    let at = names
+        .iter()
+        .position(|n| n == "fallback")
+        .expect("a notice");
+    assert!(
+        names[at + 1..].contains(&"cli:assistant.message".to_owned()),
+        "{names:?}"
+    );
+    assert!(
+        !names[at + 1..].iter().any(|n| !n.starts_with("cli:")),
+        "only Claude's events after the notice: {names:?}"
+    );
+    // The Claude model call carried the earlier Copilot turn in its prelude.
+    let carried = fx.model.requests().into_iter().any(|r| {
+        let text = support::cli_daemon::user_text(&r);
+        text.contains("answered by claude") && text.contains("PELICAN-17")
+    });
+    assert!(carried, "no model call with the prelude");
+
+    // Bad chains are refused before anything is leased, with what to fix.
+    for (fallbacks, needle) in [
+        (&["nonexistent-cli"][..], "nonexistent-cli"),
+        (&["claude-cli", "claude-cli"][..], "claude-cli"),
+        (&["copilot"][..], "copilot"),
+    ] {
+        let refused = pool
+            .lease_chain(chain("x", fallbacks), RecordingSink::default())
+            .await
+            .err()
+            .expect("refused");
+        assert_eq!(
+            refused.kind(),
+            copilot_pool::kinds::ErrorKind::Invalid,
+            "{refused}"
+        );
+        assert!(refused.to_string().contains(needle), "{refused}");
+    }
+    shutdown_leaves_nothing(&pool).await;
+}

@@ -705,6 +705,7 @@ impl ClaudeTurn<'_> {
             let failure = TurnFailure::Cli {
                 message: result_text.unwrap_or_else(|| "no message".to_owned()),
                 reason: value["terminal_reason"].as_str().map(str::to_owned),
+                status: super::event::reported_status(value),
             };
             self.end_with(TurnEnd::Error, Some(failure), usage);
         } else {

@@ -101,6 +101,15 @@ impl BackendEvent {
     }
 }
 
+/// The HTTP status of a failed model call as a CLI reports it in its result (Claude Code's
+/// `api_error_status`, `null` when no call failed): an error status (400–599), else `None`.
+pub fn reported_status(result: &Value) -> Option<u16> {
+    result["api_error_status"]
+        .as_u64()
+        .and_then(|s| u16::try_from(s).ok())
+        .filter(|s| (400..=599).contains(s))
+}
+
 /// How a started turn failed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -117,6 +126,9 @@ pub enum TurnFailure {
         message: String,
         /// Why it stopped (`terminal_reason`), when it said.
         reason: Option<String>,
+        /// The HTTP status of the failed model call, when the CLI reports it as a field
+        /// (Claude Code's `api_error_status`; [`reported_status`]).
+        status: Option<u16>,
     },
     /// The CLI process exited or its output ended during the turn.
     #[error(
@@ -210,6 +222,23 @@ pub enum GatewayToolsChange {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reported_status_is_an_http_error_status_field_and_nothing_else() {
+        assert_eq!(
+            reported_status(&json!({"api_error_status": 401})),
+            Some(401)
+        );
+        assert_eq!(
+            reported_status(&json!({"api_error_status": 529})),
+            Some(529)
+        );
+        assert_eq!(reported_status(&json!({"api_error_status": null})), None);
+        assert_eq!(reported_status(&json!({"api_error_status": 200})), None);
+        assert_eq!(reported_status(&json!({"api_error_status": "401"})), None);
+        assert_eq!(reported_status(&json!({"api_error_status": 70000})), None);
+        assert_eq!(reported_status(&json!({})), None);
+    }
 
     #[test]
     fn event_names_are_the_daemons_sse_names() {

@@ -1,6 +1,6 @@
 //! The MCP bridge (issue 17, item 9): a turn's gateway tools served to a CLI backend (Claude
 //! Code, Codex) by a loopback MCP server, so a Claude or Codex turn calls the same gateway
-//! tools, answered by the same [`ToolHandler`]s, as a Copilot turn.
+//! tools, answered by the same [`ToolHandler`](crate::turn::ToolHandler)s, as a Copilot turn.
 //!
 //! Owns that server: MCP streamable HTTP (the official SDK, `rmcp`, stateless with JSON
 //! responses) on `127.0.0.1` at an ephemeral port, path `/mcp`, and the per-backend settings

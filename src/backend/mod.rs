@@ -28,7 +28,9 @@ pub use config::{
     TextRewrite, TextTransforms,
 };
 pub use conversation::{CliConversation, CliStartError, CliTurn};
-pub use event::{AbortHandle, BackendEvent, CliTurnOutcome, GatewayToolsChange, TurnFailure};
+pub use event::{
+    AbortHandle, BackendEvent, CliTurnOutcome, GatewayToolsChange, TurnFailure, reported_status,
+};
 
 use serde::{Deserialize, Serialize};
 

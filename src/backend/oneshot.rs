@@ -989,7 +989,7 @@ pub struct OneshotTurn<'a> {
     /// The final assistant text so far (output transforms not applied yet).
     last_text: Option<String>,
     /// The CLI's own report that the turn failed: message and reason.
-    cli_error: Option<(String, Option<String>)>,
+    cli_error: Option<TurnFailure>,
     /// The last non-fatal error event (e.g. Codex's `Reconnecting...`).
     error_event: Option<String>,
     /// The usage the CLI reported (totals for Codex).
@@ -1179,7 +1179,11 @@ impl OneshotTurn<'_> {
                     .or_else(|| value["message"].as_str())
                     .unwrap_or("the turn failed")
                     .to_owned();
-                self.cli_error = Some((message, Some("turn.failed".to_owned())));
+                self.cli_error = Some(TurnFailure::Cli {
+                    message,
+                    reason: Some("turn.failed".to_owned()),
+                    status: None,
+                });
             }
             "error" => {
                 self.error_event = value["message"].as_str().map(str::to_owned);
@@ -1223,15 +1227,17 @@ impl OneshotTurn<'_> {
             .find_map(|key| value[*key].as_str());
         let is_error = value["is_error"].as_bool() == Some(true);
         if is_error {
-            self.cli_error = Some((
-                text.unwrap_or("the CLI reported an error").to_owned(),
-                value["terminal_reason"].as_str().map(str::to_owned),
-            ));
+            self.cli_error = Some(TurnFailure::Cli {
+                message: text.unwrap_or("the CLI reported an error").to_owned(),
+                reason: value["terminal_reason"].as_str().map(str::to_owned),
+                status: super::event::reported_status(value),
+            });
         } else if let Some(message) = value["error"]["message"].as_str() {
-            self.cli_error = Some((
-                message.to_owned(),
-                value["error"]["type"].as_str().map(str::to_owned),
-            ));
+            self.cli_error = Some(TurnFailure::Cli {
+                message: message.to_owned(),
+                reason: value["error"]["type"].as_str().map(str::to_owned),
+                status: None,
+            });
         } else if let Some(text) = text {
             self.message(text.to_owned());
         }
@@ -1396,13 +1402,7 @@ impl OneshotTurn<'_> {
             ),
             Some(info @ ExitInfo::Signal(_)) => (TurnEnd::Crashed, Some(crashed(info.to_string()))),
             Some(info) => match (&self.cli_error, info) {
-                (Some((message, reason)), _) => (
-                    TurnEnd::Error,
-                    Some(TurnFailure::Cli {
-                        message: message.clone(),
-                        reason: reason.clone(),
-                    }),
-                ),
+                (Some(failure), _) => (TurnEnd::Error, Some(failure.clone())),
                 (None, ExitInfo::Code(0)) => (TurnEnd::Idle, None),
                 (None, _) if self.last_text.is_some() || self.error_event.is_some() => {
                     let message = self
@@ -1414,6 +1414,7 @@ impl OneshotTurn<'_> {
                         Some(TurnFailure::Cli {
                             message,
                             reason: Some(info.to_string()),
+                            status: None,
                         }),
                     )
                 }
@@ -1816,15 +1817,15 @@ echo '{"type":"turn.completed","usage":{"input_tokens":7,"output_tokens":3}}'"#;
         assert_eq!(outcome.session_id.as_deref(), Some("s-1"));
         assert_eq!(outcome.usage.cache_read_tokens, 1);
 
-        let failed = r#"echo '{"result":"API Error: refused","is_error":true,"terminal_reason":"api_error"}'; exit 1"#;
+        let failed = r#"echo '{"result":"API Error: refused","is_error":true,"terminal_reason":"api_error","api_error_status":429}'; exit 1"#;
         let mut config = sh_config(dir.path(), failed);
         config.backend.output = OutputFormat::Json;
         let mut oneshot = Oneshot::new(config).unwrap();
         let (outcome, _) = run(&mut oneshot, "p").await;
         assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
         assert!(matches!(&outcome.failure,
-            Some(TurnFailure::Cli { message, reason }) if message == "API Error: refused"
-                && reason.as_deref() == Some("api_error")));
+            Some(TurnFailure::Cli { message, reason, status }) if message == "API Error: refused"
+                && reason.as_deref() == Some("api_error") && *status == Some(429)));
     }
 
     #[tokio::test]

@@ -14,10 +14,8 @@ use utoipa::ToSchema;
 use utoipa::openapi::RefOr;
 use utoipa::openapi::schema::{AnyOfBuilder, ObjectBuilder, Ref, Schema, Type};
 
-use crate::fallback::FallbackClass;
-use crate::kinds::{HookName, OpenReason, TurnEnd};
+use crate::kinds::HookName;
 use crate::rpc::SessionEvent;
-use crate::turn::Usage;
 
 /// One SSE event of a turn.
 #[derive(Debug, Clone)]
@@ -202,60 +200,11 @@ impl From<&SessionEvent> for SessionEventData {
     }
 }
 
-/// `backend.fallback`: the turn's backend failed with a retryable class before streaming any
-/// output, and the turn runs again on the next backend of its `fallback` list; that
-/// backend's events follow, then one `turn.end` (naming it in `backend`).
-#[derive(Debug, Clone, Serialize, ToSchema)]
-pub(super) struct BackendFallbackEvent {
-    /// The backend that failed.
-    pub from: String,
-    /// The backend that runs the turn now.
-    pub to: String,
-    /// Why the failure is retryable: `auth`, `rate_limit`, `timeout` or `crash`.
-    pub class: FallbackClass,
-    /// The failed turn's error.
-    pub error: Option<String>,
-    /// The failing model call's HTTP status, when the model failed.
-    pub status_code: Option<u16>,
-    /// Characters of the prelude (summary and newest messages of the failed conversation)
-    /// put before the prompt (0: none, e.g. no transcript mirror is configured).
-    pub prelude_chars: usize,
-}
+/// `backend.fallback`: the library's notice of a fallback, as it is on the wire.
+pub(super) type BackendFallbackEvent = crate::fallback::FallbackNotice;
 
-/// `turn.end`: the last event of every turn's stream (and the whole answer of
-/// `?stream=false`).
-#[derive(Debug, Clone, Serialize, ToSchema)]
-pub(super) struct TurnEndEvent {
-    /// How the turn ended.
-    pub status: TurnEnd,
-    /// The backend that ran the turn: `copilot` or a configured CLI backend id.
-    pub backend: String,
-    /// The runtime's session id of the conversation.
-    pub session_id: String,
-    /// Whether the runtime still had the conversation's context (`open_reason` is
-    /// `attached` or `resumed`).
-    pub resumed: bool,
-    /// How the conversation's session was opened for this turn (`null` if it was not).
-    pub open_reason: Option<OpenReason>,
-    /// Model calls.
-    pub llm_calls: u32,
-    /// The final assistant message.
-    pub final_text: String,
-    /// Why the turn failed, if it did.
-    pub error: Option<String>,
-    /// The failing model call's HTTP status, when the model failed (for a CLI backend, the
-    /// status its failure message or error code reports).
-    pub status_code: Option<u16>,
-    /// The runtime's error type, when the turn failed.
-    pub error_type: Option<String>,
-    /// Tokens summed over the turn's model calls.
-    pub usage: Usage,
-    /// The runtime's `session.task_complete` data, if it sent one.
-    pub task_complete: Option<Value>,
-    /// The backend whose retryable failure made this turn run on `backend` (the last one,
-    /// when several failed); `null` when the turn's first backend answered.
-    pub fallback_from: Option<String>,
-}
+/// `turn.end`: the library's summary of a turn, as it is on the wire.
+pub(super) type TurnEndEvent = crate::fallback::TurnSummary;
 
 /// The names of the events the daemon defines itself; any other name is a pass-through
 /// session event.
@@ -382,6 +331,9 @@ impl ToSchema for TurnEventStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fallback::FallbackClass;
+    use crate::kinds::{OpenReason, TurnEnd};
+    use crate::turn::Usage;
     use serde_json::json;
 
     fn every_event() -> Vec<TurnEvent> {

@@ -6,9 +6,7 @@
 //! fails with a retryable class before streaming output (`crate::fallback`), seeded with a
 //! prelude from the failed conversation's transcript, after a `backend.fallback` event.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,15 +23,13 @@ use super::attachments::{check_off_thread, write_off_thread};
 use super::body::{ToolBody, TurnBody, create_work_dir, lease_request, parse, read_body};
 use super::error::ErrorBody;
 use super::error::{error, pool_error, rejection};
-use super::events::{
-    BackendFallbackEvent, SessionEventData, ToolCallEvent, TurnEndEvent, TurnEvent, TurnEventStream,
-};
+use super::events::{SessionEventData, ToolCallEvent, TurnEndEvent, TurnEvent, TurnEventStream};
 use super::gateway::Link;
-use crate::backend::{BackendEvent, CliTurnOutcome};
-use crate::fallback::{self, FallbackClass};
-use crate::kinds::{OpenReason, TurnEnd};
+use crate::backend::BackendEvent;
+use crate::fallback::{self, ChainEvent, ChainLease, ChainRequest, ChainSink};
+use crate::kinds::HookName;
 use crate::permission::{DecisionFuture, PermissionPolicy, PermissionRequest};
-use crate::pool::{COPILOT_BACKEND, CliLease, Lease, LeaseRequest};
+use crate::pool::{COPILOT_BACKEND, LeaseRequest};
 use crate::turn::Message;
 
 /// A gateway that does not read its event stream for this long is treated as gone (the
@@ -164,29 +160,42 @@ pub(super) async fn post_turn(
         }
         req.handlers.timeouts.absolute = asked;
     }
-    // What a fallback needs to lease the next backend: the request before any backend's
-    // handlers are set.
-    let chain = Chain {
-        rest: fallbacks.into(),
-        template: req.clone(),
-        prompt: body.prompt.clone(),
-        budget,
-        streaming: query.stream != Some(false),
-        tools: body.tools.clone(),
-    };
-    if let Some(backend) = backend.filter(|b| b != COPILOT_BACKEND) {
-        req.backend = backend;
-        return post_cli_turn(state, query, body, req, chain).await;
-    }
     let streaming = query.stream != Some(false);
-    if !streaming && !body.tools.is_empty() {
+    let sink = StreamSink {
+        state: state.clone(),
+        events: None,
+        streaming,
+        tools: std::mem::take(&mut body.tools),
+        hooks: std::mem::take(&mut body.hooks),
+    };
+    let mut chain = ChainRequest::new(req, Message::new(body.prompt.clone()));
+    chain.fallbacks = fallbacks;
+    chain.prelude_chars = budget;
+    match backend.filter(|b| b != COPILOT_BACKEND) {
+        Some(backend) => {
+            chain.lease.backend = backend;
+            post_cli_turn(state, body, chain, sink).await
+        }
+        None => post_copilot_turn(state, body, chain, sink).await,
+    }
+}
+
+/// A turn whose first backend is Copilot: its attachments checked, the lease taken, the
+/// inline ones written, then its events streamed.
+async fn post_copilot_turn(
+    state: Arc<AppState>,
+    mut body: TurnBody,
+    chain: ChainRequest,
+    mut sink: StreamSink,
+) -> Response {
+    if !sink.streaming && !sink.tools.is_empty() {
         return error(
             StatusCode::BAD_REQUEST,
             "bad_request",
             "tools need the event stream (their calls are answered from it); drop ?stream=false",
         );
     }
-    if !streaming && !body.hooks.is_empty() {
+    if !sink.streaming && !sink.hooks.is_empty() {
         return error(
             StatusCode::BAD_REQUEST,
             "bad_request",
@@ -196,7 +205,7 @@ pub(super) async fn post_turn(
     // Paths resolved and confined, inline content decoded: nothing is written yet.
     let attachments = match check_off_thread(
         std::mem::take(&mut body.attachments),
-        req.working_directory.clone(),
+        chain.lease.working_directory.clone(),
         state.config.allowed_work_roots.clone(),
         state.config.attachments.clone(),
     )
@@ -205,50 +214,29 @@ pub(super) async fn post_turn(
         Ok(a) => a,
         Err(r) => return r,
     };
-    let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
-    if streaming {
-        let link = Link {
-            events: events_tx.clone(),
-            registry: state.registry.clone(),
-        };
-        req.handlers.tools = std::mem::take(&mut body.tools)
-            .into_iter()
-            .map(|t| link.tool(t.name, t.description, t.parameters))
-            .collect();
-        req.handlers.permission_policy = Arc::new(link.clone());
-        if !body.hooks.is_empty() {
-            req.handlers.hooks = Some(Arc::new(link.hooks(body.hooks.iter().copied())));
-        }
-        req.handlers.user_input = Some(Arc::new(link));
-    }
-    // Without the stream nobody could answer: permissions are rejected, ask_user is off.
-
     // Everything is checked: this request runs a turn, so its working directory may exist.
-    if let Err(r) = create_work_dir(&req.working_directory).await {
+    let work = chain.lease.working_directory.clone();
+    if let Err(r) = create_work_dir(&work).await {
         return r;
     }
-    let work = req.working_directory.clone();
-    let transcript_dir = req.handlers.transcript.as_ref().map(|t| t.dir.clone());
+    let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
+    sink.events = Some(events_tx);
+    let streaming = sink.streaming;
     // The lease is taken before answering, so its errors are real HTTP errors.
-    let lease = match state.pool.lease(req).await {
+    let mut lease = match state.pool.lease_chain(chain, sink).await {
         Ok(l) => l,
-        Err(e) => return first_lease_failed(state, e, COPILOT_BACKEND, chain, body.agent_id).await,
+        Err(e) => return pool_error(&e),
     };
     // Inline content is written only for a turn that runs (dropping the lease on a failed
     // write returns the conversation).
-    let mut message = Message::new(body.prompt);
+    let message = lease.message_mut();
     message.attachments = match write_off_thread(attachments, work).await {
         Ok(a) => a,
         Err(r) => return r,
     };
     message.mode = body.mode;
     message.agent_mode = body.agent_mode;
-    let running = Running::start(state.clone());
-    tokio::spawn(async move {
-        let first = run_turn(lease, message, transcript_dir, &events_tx, &body.agent_id).await;
-        run_chain(running, first, chain, events_tx, body.agent_id).await;
-    });
-
+    spawn_run(state, lease);
     respond(streaming, events_rx).await
 }
 
@@ -287,343 +275,145 @@ fn serves_tools(state: &AppState, backend: &str) -> bool {
     state.pool.serves_gateway_tools(backend).unwrap_or(false)
 }
 
-/// A CLI backend's turn (`backend` names one): its lease, then its events in the same
-/// vocabulary, ending with `turn.end`.
+/// A turn whose first backend is a CLI backend (`backend` names one): its lease, then its
+/// events in the same vocabulary, ending with `turn.end`.
 async fn post_cli_turn(
     state: Arc<AppState>,
-    query: TurnQuery,
     body: TurnBody,
-    mut req: LeaseRequest,
-    chain: Chain,
+    chain: ChainRequest,
+    mut sink: StreamSink,
 ) -> Response {
-    if let Err(what) = cli_refusal(&body, serves_tools(&state, &req.backend)) {
+    let backend = chain.lease.backend.clone();
+    // The body's tools and hooks moved to the sink: refused from there.
+    let refusal = if !sink.tools.is_empty() && !serves_tools(&state, &backend) {
+        Err(GATEWAY_TOOLS)
+    } else if !sink.hooks.is_empty() {
+        Err("hooks")
+    } else {
+        cli_refusal(&body, true)
+    };
+    if let Err(what) = refusal {
         return error(
             StatusCode::BAD_REQUEST,
             "bad_request",
             format!(
-                "{what} are not offered to CLI backend `{}`; drop them, or run the \
+                "{what} are not offered to CLI backend `{backend}`; drop them, or run the \
                  conversation on `copilot`{}",
-                req.backend,
                 tools_hint(what)
             ),
         );
     }
-    let streaming = query.stream != Some(false);
-    if !streaming && !body.tools.is_empty() {
+    if !sink.streaming && !sink.tools.is_empty() {
         return error(
             StatusCode::BAD_REQUEST,
             "bad_request",
             "tools need the event stream (their calls are answered from it); drop ?stream=false",
         );
     }
-    let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
-    set_handlers(&state, &mut req, streaming, &events_tx, &body.tools);
-    let bridged = !req.handlers.tools.is_empty();
-    if let Err(r) = create_work_dir(&req.working_directory).await {
+    if let Err(r) = create_work_dir(&chain.lease.working_directory).await {
         return r;
     }
-    let backend = req.backend.clone();
-    let lease = match state.pool.lease_cli(req).await {
-        Ok(l) => l,
-        Err(e) => return first_lease_failed(state, e, &backend, chain, body.agent_id).await,
-    };
-    let running = Running::start(state.clone());
-    tokio::spawn(async move {
-        let first = run_cli_turn(lease, &body.prompt, &events_tx, &body.agent_id, bridged).await;
-        run_chain(running, first, chain, events_tx, body.agent_id).await;
-    });
-    respond(streaming, events_rx).await
-}
-
-/// The turn's first backend could not be leased. With a backend left in the chain and a
-/// retryable class ([`fallback::classify_lease`]: its processes cannot start, or its key is
-/// quarantined), the turn's stream starts and the chain runs on, as after a run that failed
-/// before any output (`backend.fallback` names the lease's error; no prelude, since no run
-/// left a transcript to read); otherwise the lease's error is the answer, as without a chain.
-async fn first_lease_failed(
-    state: Arc<AppState>,
-    e: crate::pool::PoolError,
-    backend: &str,
-    chain: Chain,
-    agent_id: String,
-) -> Response {
-    let class = fallback::classify_lease(e.kind());
-    if class.is_none() || chain.rest.is_empty() {
-        return pool_error(&e);
-    }
-    tracing::warn!(%e, backend, "the turn's backend could not be leased; falling back");
-    let end = StepEnd {
-        summary: TurnEndEvent {
-            status: TurnEnd::Error,
-            backend: backend.to_owned(),
-            session_id: String::new(),
-            resumed: false,
-            open_reason: None,
-            llm_calls: 0,
-            final_text: String::new(),
-            error: Some(e.to_string()),
-            status_code: None,
-            error_type: None,
-            usage: crate::turn::Usage::default(),
-            task_complete: None,
-            fallback_from: None,
-        },
-        class,
-        streamed: false,
-        transcript: None,
-        gone: false,
-    };
-    let streaming = chain.streaming;
     let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
-    let running = Running::start(state);
-    tokio::spawn(run_chain(running, end, chain, events_tx, agent_id));
+    sink.events = Some(events_tx);
+    let streaming = sink.streaming;
+    let lease = match state.pool.lease_chain(chain, sink).await {
+        Ok(l) => l,
+        Err(e) => return pool_error(&e),
+    };
+    spawn_run(state, lease);
     respond(streaming, events_rx).await
 }
 
-/// The gateway-facing handlers of a lease on `req.backend` (when the turn streams): the
-/// turn's gateway `tools`, answered over the stream (`tool.call` with a `request_id`; a CLI
-/// backend's calls come through its MCP bridge); a CLI backend's permission prompts with
-/// the permission time limit; a Copilot conversation's permission prompts and ask_user over
-/// the stream (a fallback turn has no hooks: a chain with a CLI backend refuses them).
-fn set_handlers(
-    state: &Arc<AppState>,
-    req: &mut LeaseRequest,
-    streaming: bool,
-    events: &mpsc::Sender<TurnEvent>,
-    tools: &[ToolBody],
-) {
-    if !streaming {
-        return;
-    }
-    let link = Link {
-        events: events.clone(),
-        registry: state.registry.clone(),
-    };
-    req.handlers.tools = tools
-        .iter()
-        .map(|t| link.tool(t.name.clone(), t.description.clone(), t.parameters.clone()))
-        .collect();
-    if req.backend == COPILOT_BACKEND {
-        req.handlers.permission_policy = Arc::new(link.clone());
-        req.handlers.user_input = Some(Arc::new(link));
-    } else {
-        // The CLI's permission prompts go to the gateway as `permission.request`, denied
-        // when unanswered within the permission timeout (the CLI waits on the answer).
-        req.handlers.permission_policy = Arc::new(TimedPermission {
-            link,
-            limit: state.config.timeouts.permission,
-        });
-    }
-}
-
-/// The backends a turn may still fall back to, and what the next one's lease needs.
-struct Chain {
-    /// The backends not tried yet, in order.
-    rest: VecDeque<String>,
-    /// The turn's lease request before any backend's handlers were set.
-    template: LeaseRequest,
-    /// The user's message.
-    prompt: String,
-    /// The prelude's budget in characters.
-    budget: usize,
-    /// Whether the turn streams (handlers that answer over the stream).
-    streaming: bool,
-    /// The turn's gateway tools, for the next backend's lease.
-    tools: Vec<ToolBody>,
-}
-
-/// How one backend's run of the turn ended.
-struct StepEnd {
-    /// Its `turn.end` summary (sent only if no fallback follows).
-    summary: TurnEndEvent,
-    /// The retryable class of its failure, if it failed with one.
-    class: Option<FallbackClass>,
-    /// Whether any of its output (assistant text, a tool call) reached the gateway: then the
-    /// turn does not fall back (the gateway has seen part of an answer; running the prompt
-    /// again could repeat what its tools did).
-    streamed: bool,
-    /// Where the prelude of a failure is read from.
-    transcript: Option<PreludeSource>,
-    /// The gateway left or stopped reading: nothing more is sent.
-    gone: bool,
-}
-
-/// The transcript a failed backend's conversation left, for the prelude.
-enum PreludeSource {
-    /// The Copilot transcript mirror (`<dir>/copilot-<session id>.jsonl`).
-    Copilot(PathBuf),
-    /// A CLI backend's own transcript, located when it is read (a directory search for a
-    /// Codex rollout or a Gemini CLI chat file): Claude Code's, Codex's or Gemini CLI's, by
-    /// `fallback::TranscriptFormat::of_cli`; a generic one-shot CLI leaves none the pool can
-    /// read, so its failure gives no prelude.
-    Cli {
-        /// The backend id (the one-shot dialect follows it).
-        backend: String,
-        /// The backend's kind.
-        kind: crate::backend::BackendKind,
-        /// The agent's home for the backend.
-        home: PathBuf,
-        /// The conversation's working directory.
-        cwd: PathBuf,
-        /// The CLI session id.
-        session_id: String,
-    },
-}
-
-impl PreludeSource {
-    /// The newest entries of this transcript (none when there is none to read). Blocking.
-    fn read(self, budget: usize) -> Result<fallback::TranscriptTail, fallback::FallbackError> {
-        match self {
-            PreludeSource::Copilot(path) => fallback::read_transcript_tail(&path, budget),
-            PreludeSource::Cli {
-                backend,
-                kind,
-                home,
-                cwd,
-                session_id,
-            } => {
-                let Some(format) = fallback::TranscriptFormat::of_cli(&backend, kind) else {
-                    return Ok(fallback::TranscriptTail::default());
-                };
-                match crate::backend::CliConversation::find_transcript(
-                    &backend,
-                    kind,
-                    &home,
-                    &cwd,
-                    &session_id,
-                ) {
-                    Ok(Some(path)) => fallback::read_tail_of(format, &path, budget),
-                    Ok(None) => Ok(fallback::TranscriptTail::default()),
-                    Err(searched) => {
-                        tracing::warn!(
-                            backend = %backend,
-                            searched = %searched.display(),
-                            "no fallback prelude: the failed conversation's transcript is not there"
-                        );
-                        Ok(fallback::TranscriptTail::default())
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Runs the rest of a turn's chain after its first backend ended with `end`: while the last
-/// run failed with a retryable class before streaming output and a backend is left, the next
-/// one is leased, `backend.fallback` is sent, and it runs the prompt after the prelude from
-/// the failed conversation's transcript. Then the last run's `turn.end` is sent.
-async fn run_chain(
-    running: Running,
-    mut end: StepEnd,
-    mut chain: Chain,
-    events: mpsc::Sender<TurnEvent>,
-    agent_id: String,
-) {
-    // The prelude of the last failed conversation with a transcript: kept across a lease
-    // that fails and across a failed backend without one.
-    let mut prelude: Option<String> = None;
-    while !end.gone && !end.streamed {
-        let Some(class) = end.class else { break };
-        let Some(next) = chain.rest.pop_front() else {
-            break;
-        };
-        let from = end.summary.backend.clone();
-        if let Some(source) = end.transcript.take()
-            && let Some(fresh) = prelude_from(source, &from, &chain).await
+/// Runs a leased turn's chain in a task, counted in `AppState::running` until its
+/// `turn.end` is sent (not sent when the gateway is gone).
+fn spawn_run(state: Arc<AppState>, lease: ChainLease<StreamSink>) {
+    let running = Running::start(state);
+    tokio::spawn(async move {
+        let events = lease.sink().events.clone();
+        let outcome = lease.run().await;
+        if !outcome.caller_gone
+            && let Some(events) = events
         {
-            prelude = Some(fresh);
+            let _ = events
+                .send_timeout(TurnEvent::TurnEnd(outcome.summary), SEND_TIMEOUT)
+                .await;
         }
-        let mut req = chain.template.clone();
-        req.backend = next.clone();
-        let state = running.0.clone();
-        set_handlers(&state, &mut req, chain.streaming, &events, &chain.tools);
-        let bridged = !req.handlers.tools.is_empty();
-        let lease = match lease_next(&state, req).await {
-            Ok(lease) => lease,
-            Err(e) => {
-                tracing::warn!(%e, backend = %next, "the fallback backend could not be leased");
-                let note = format!("; the fallback to `{next}` could not be leased: {e}");
-                let error = end.summary.error.get_or_insert_with(String::new);
-                error.push_str(&note);
-                continue;
-            }
-        };
-        crate::metrics::fallback(&from, &next, class.label());
-        let notice = TurnEvent::BackendFallback(BackendFallbackEvent {
-            from: from.clone(),
-            to: next.clone(),
-            class,
-            error: end.summary.error.clone(),
-            status_code: end.summary.status_code,
-            prelude_chars: prelude.as_deref().map_or(0, |p| p.chars().count()),
-        });
-        if events.send_timeout(notice, SEND_TIMEOUT).await.is_err() {
-            // The gateway left: dropping the lease returns the conversation.
+        drop(running);
+    });
+}
+
+/// A turn's side of the chain: sets each backend's gateway-facing handlers (when the turn
+/// streams) and turns the chain's events into SSE events on the turn's stream.
+struct StreamSink {
+    state: Arc<AppState>,
+    /// The turn's event stream (set once the body is checked).
+    events: Option<mpsc::Sender<TurnEvent>>,
+    /// Whether the turn streams (else nobody could answer: permissions are rejected,
+    /// ask_user is off, and tools and hooks were refused).
+    streaming: bool,
+    /// The turn's gateway tools, for every backend's lease.
+    tools: Vec<ToolBody>,
+    /// The hooks the gateway answers (Copilot only: a chain with a CLI backend refuses
+    /// them).
+    hooks: Vec<HookName>,
+}
+
+impl ChainSink for StreamSink {
+    /// The gateway-facing handlers of a lease on `req.backend`: the turn's gateway `tools`,
+    /// answered over the stream (`tool.call` with a `request_id`; a CLI backend's calls come
+    /// through its MCP bridge); a Copilot conversation's permission prompts, ask_user and
+    /// hooks over the stream; a CLI backend's permission prompts with the permission time
+    /// limit.
+    fn prepare(&self, req: &mut LeaseRequest) {
+        let Some(events) = self.events.as_ref().filter(|_| self.streaming) else {
             return;
-        }
-        let prompt = fallback::seeded_prompt(prelude.as_deref(), &chain.prompt);
-        end = match lease {
-            NextLease::Copilot(lease, transcript_dir) => {
-                let message = Message::new(prompt);
-                run_turn(*lease, message, transcript_dir, &events, &agent_id).await
-            }
-            NextLease::Cli(lease) => {
-                run_cli_turn(lease, &prompt, &events, &agent_id, bridged).await
-            }
         };
-        end.summary.fallback_from = Some(from);
-    }
-    if !end.gone {
-        let _ = events
-            .send_timeout(TurnEvent::TurnEnd(end.summary), SEND_TIMEOUT)
-            .await;
-    }
-}
-
-/// The lease of a fallback backend.
-enum NextLease {
-    /// A Copilot conversation (boxed: a `Lease` is large), with its transcript mirror's
-    /// directory.
-    Copilot(Box<Lease>, Option<PathBuf>),
-    /// A CLI backend's conversation.
-    Cli(CliLease),
-}
-
-/// Leases `req.backend` for a fallback.
-async fn lease_next(
-    state: &AppState,
-    req: LeaseRequest,
-) -> Result<NextLease, crate::pool::PoolError> {
-    if req.backend == COPILOT_BACKEND {
-        let transcript_dir = req.handlers.transcript.as_ref().map(|t| t.dir.clone());
-        Ok(NextLease::Copilot(
-            Box::new(state.pool.lease(req).await?),
-            transcript_dir,
-        ))
-    } else {
-        Ok(NextLease::Cli(state.pool.lease_cli(req).await?))
-    }
-}
-
-/// The prelude from the failed conversation's transcript (`source`, read on a blocking
-/// thread); `None` when there is nothing to carry or it cannot be read (logged: the next
-/// backend still runs the prompt).
-async fn prelude_from(source: PreludeSource, from: &str, chain: &Chain) -> Option<String> {
-    let budget = chain.budget;
-    let read = tokio::task::spawn_blocking(move || source.read(budget));
-    let tail = match read.await {
-        Ok(Ok(tail)) => tail,
-        Ok(Err(e)) => {
-            tracing::warn!(%e, "no fallback prelude");
-            return None;
+        let link = Link {
+            events: events.clone(),
+            registry: self.state.registry.clone(),
+        };
+        req.handlers.tools = self
+            .tools
+            .iter()
+            .map(|t| link.tool(t.name.clone(), t.description.clone(), t.parameters.clone()))
+            .collect();
+        if req.backend == COPILOT_BACKEND {
+            req.handlers.permission_policy = Arc::new(link.clone());
+            if !self.hooks.is_empty() {
+                req.handlers.hooks = Some(Arc::new(link.hooks(self.hooks.iter().copied())));
+            }
+            req.handlers.user_input = Some(Arc::new(link));
+        } else {
+            // The CLI's permission prompts go to the gateway as `permission.request`, denied
+            // when unanswered within the permission timeout (the CLI waits on the answer).
+            req.handlers.permission_policy = Arc::new(TimedPermission {
+                link,
+                limit: self.state.config.timeouts.permission,
+            });
         }
-        Err(e) => {
-            tracing::warn!(%e, "no fallback prelude: the reading task did not finish");
-            return None;
+    }
+
+    async fn deliver(&self, event: ChainEvent) -> bool {
+        let Some(events) = &self.events else {
+            return false;
+        };
+        let sse = match event {
+            ChainEvent::Session(event) => TurnEvent::Session(SessionEventData::from(&event)),
+            ChainEvent::Cli(event) => match cli_event(event) {
+                Some(sse) => sse,
+                None => return true,
+            },
+            ChainEvent::Fallback(notice) => TurnEvent::BackendFallback(notice),
+        };
+        events.send_timeout(sse, SEND_TIMEOUT).await.is_ok()
+    }
+
+    async fn gone(&self) {
+        match &self.events {
+            Some(events) => events.closed().await,
+            None => std::future::pending().await,
         }
-    };
-    let entries = fallback::without_failed_turn(tail.entries, &chain.prompt);
-    fallback::build_prelude(from, tail.summary.as_deref(), &entries, budget)
+    }
 }
 
 /// The gateway's permission answers with a time limit: the Copilot path's turn driver
@@ -705,140 +495,11 @@ pub(super) fn check_tools(tools: &[ToolBody]) -> Result<(), String> {
     Ok(())
 }
 
-/// The `turn.end` summary: how it ended, how the conversation was opened (`open_reason`:
-/// whether the runtime still had its context), the model calls, the final text, the error
-/// with the failing model call's HTTP status and the runtime's error type, the token usage
-/// and the runtime's `session.task_complete` data, if any.
-fn turn_end(status: TurnEnd, lease: &Lease, error: Option<String>) -> TurnEndEvent {
-    let outcome = lease.outcome();
-    TurnEndEvent {
-        status,
-        backend: COPILOT_BACKEND.to_owned(),
-        session_id: lease.cli_session_id().to_string(),
-        resumed: lease.reason().continued(),
-        open_reason: outcome.open_reason,
-        llm_calls: outcome.model_calls,
-        final_text: outcome.text.clone(),
-        error,
-        status_code: outcome.status_code,
-        error_type: outcome.error_type.clone(),
-        usage: outcome.usage,
-        task_complete: outcome.task_complete.clone(),
-        fallback_from: None,
-    }
-}
-
-/// Whether a session event streamed to the gateway is output of the turn (assistant text
-/// or a tool at work): after it, the turn does not fall back.
-fn is_output(event_type: &str) -> bool {
-    event_type.starts_with("assistant.message") || event_type.starts_with("tool.")
-}
-
-/// Runs one Copilot turn and streams its events; a gateway that goes away (or stops
-/// reading) aborts the turn (dropping the lease does), and the conversation stays
-/// resumable. Returns its summary for the chain; `transcript_dir` is the mirror's directory.
-async fn run_turn(
-    mut lease: Lease,
-    message: Message,
-    transcript_dir: Option<PathBuf>,
-    events: &mpsc::Sender<TurnEvent>,
-    agent_id: &str,
-) -> StepEnd {
-    let span = tracing::info_span!("turn", agent = %agent_id, session = %lease.cli_session_id());
-    let mut streamed = false;
-    let mut gone = false;
-    let summary = async {
-        if let Err(e) = lease.send(message).await {
-            return turn_end(TurnEnd::Error, &lease, Some(e.to_string()));
-        }
-        loop {
-            tokio::select! {
-                event = lease.next_event() => match event {
-                    Some(Ok(event)) => {
-                        let sse = SessionEventData::from(&event);
-                        streamed |= is_output(&sse.event_type);
-                        if events.send_timeout(TurnEvent::Session(sse), SEND_TIMEOUT).await.is_err() {
-                            // The gateway disconnected or stopped reading: dropping the lease
-                            // aborts the turn.
-                            gone = true;
-                            return turn_end(TurnEnd::Aborted, &lease, None);
-                        }
-                    }
-                    Some(Err(e)) => {
-                        let status = lease.outcome().end.unwrap_or(TurnEnd::Error);
-                        return turn_end(status, &lease, Some(e.to_string()));
-                    }
-                    None => {
-                        let o = lease.outcome();
-                        let status = o.end.unwrap_or(TurnEnd::Error);
-                        return turn_end(status, &lease, o.error.clone());
-                    }
-                },
-                _ = events.closed() => {
-                    gone = true;
-                    return turn_end(TurnEnd::Aborted, &lease, None);
-                }
-            }
-        }
-    };
-    let summary = tracing::Instrument::instrument(summary, span).await;
-    let transcript = transcript_dir.and_then(|dir| {
-        crate::transcript::transcript_path(&dir, lease.cli_session_id().as_str())
-            .ok()
-            .map(PreludeSource::Copilot)
-    });
-    drop(lease);
-    let class = fallback::classify_copilot(
-        Some(summary.status),
-        summary.status_code,
-        summary.error_type.as_deref(),
-    );
-    StepEnd {
-        summary,
-        class,
-        streamed,
-        transcript,
-        gone,
-    }
-}
-
-/// A CLI backend's `turn.end`.
-fn cli_turn_end(
-    lease: &CliLease,
-    reason: OpenReason,
-    outcome: Option<CliTurnOutcome>,
-    status: TurnEnd,
-    error: Option<String>,
-) -> TurnEndEvent {
-    let outcome = outcome.unwrap_or_default();
-    let error = error.or_else(|| outcome.failure.as_ref().map(|f| f.to_string()));
-    let status_code = fallback::cli_status_code(&outcome);
-    TurnEndEvent {
-        status: outcome.end.unwrap_or(status),
-        backend: lease.backend().to_owned(),
-        session_id: outcome
-            .session_id
-            .clone()
-            .or_else(|| lease.session_id().map(str::to_owned))
-            .unwrap_or_default(),
-        resumed: reason.continued(),
-        open_reason: Some(reason),
-        llm_calls: 0,
-        final_text: outcome.text,
-        error,
-        status_code,
-        error_type: None,
-        usage: outcome.usage,
-        task_complete: None,
-        fallback_from: None,
-    }
-}
-
 /// A CLI backend's event in the daemon's vocabulary; `None` for a permission decision (the
-/// gateway's own `permission.request` was streamed when it was asked) and, when the turn's
-/// gateway tools are `bridged`, for the CLI's own report of a call of one of them (the
-/// bridge's handler streams that call as the `tool.call` with a `request_id` to answer).
-fn cli_event(event: BackendEvent, bridged: bool) -> Option<TurnEvent> {
+/// gateway's own `permission.request` was streamed when it was asked). The CLI's report of
+/// a call of a gateway tool served through its MCP bridge never gets here (the chain drops
+/// it: the bridge's handler streams that call as the `tool.call` with a `request_id`).
+fn cli_event(event: BackendEvent) -> Option<TurnEvent> {
     let session = |event: &BackendEvent, ephemeral: bool| {
         TurnEvent::Session(SessionEventData {
             id: uuid::Uuid::new_v4().to_string(),
@@ -853,7 +514,6 @@ fn cli_event(event: BackendEvent, bridged: bool) -> Option<TurnEvent> {
     match event {
         BackendEvent::MessageDelta { .. } => Some(session(&event, true)),
         BackendEvent::Message { .. } => Some(session(&event, false)),
-        BackendEvent::ToolCall { name, .. } if bridged && is_bridged_call(&name) => None,
         BackendEvent::ToolCall { id, name, input } => Some(TurnEvent::ToolCall(ToolCallEvent {
             request_id: String::new(),
             tool_name: name,
@@ -861,109 +521,6 @@ fn cli_event(event: BackendEvent, bridged: bool) -> Option<TurnEvent> {
             arguments: input,
         })),
         _ => None,
-    }
-}
-
-/// Whether a CLI's tool call is one of the gateway's, through the MCP bridge.
-fn is_bridged_call(name: &str) -> bool {
-    #[cfg(feature = "mcp-bridge")]
-    {
-        crate::backend::mcp_bridge::gateway_tool_name(name).is_some()
-    }
-    #[cfg(not(feature = "mcp-bridge"))]
-    {
-        let _ = name;
-        false
-    }
-}
-
-/// Runs one CLI backend turn and streams its events; a gateway that goes away (or stops
-/// reading) ends the turn (its process is killed; the next turn resumes the session).
-/// `bridged`: the lease carries the turn's gateway tools. Returns its summary for the chain.
-async fn run_cli_turn(
-    mut lease: CliLease,
-    prompt: &str,
-    events: &mpsc::Sender<TurnEvent>,
-    agent_id: &str,
-    bridged: bool,
-) -> StepEnd {
-    let reason = lease.reason();
-    let span = tracing::info_span!("cli_turn", agent = %agent_id, backend = %lease.backend());
-    // Output that reached the gateway: deltas and tool calls, and whole messages (kept to
-    // tell a CLI's own error message, which Claude sends as an assistant message, from an
-    // answer).
-    let mut streamed = false;
-    let mut messages: Vec<String> = Vec::new();
-    let summary = async {
-        let mut turn = match lease.start_turn(prompt).await {
-            Ok(turn) => turn,
-            Err(e) => return Err((TurnEnd::Error, Some(e.to_string()))),
-        };
-        loop {
-            tokio::select! {
-                event = turn.next() => match event {
-                    Some(BackendEvent::TurnEnd(outcome)) => return Ok(outcome),
-                    Some(event) => {
-                        match &event {
-                            BackendEvent::Message { text } => messages.push(text.clone()),
-                            BackendEvent::MessageDelta { .. } | BackendEvent::ToolCall { .. } => {
-                                streamed = true;
-                            }
-                            _ => {}
-                        }
-                        let Some(sse) = cli_event(event, bridged) else { continue };
-                        if events.send_timeout(sse, SEND_TIMEOUT).await.is_err() {
-                            // Dropping the turn before its end kills the process.
-                            return Err((TurnEnd::Aborted, None));
-                        }
-                    }
-                    None => return Err((TurnEnd::Error, Some("the turn ended without turn.end".into()))),
-                },
-                _ = events.closed() => return Err((TurnEnd::Aborted, None)),
-            }
-        }
-    };
-    let result = tracing::Instrument::instrument(summary, span).await;
-    let (summary, class, gone) = match result {
-        Ok(outcome) => {
-            let class = fallback::classify_cli(&outcome);
-            // A message that is the CLI's own error is no answer.
-            let error_text = match &outcome.failure {
-                Some(crate::backend::TurnFailure::Cli { message, .. }) => Some(message.as_str()),
-                _ => None,
-            };
-            streamed |= messages
-                .iter()
-                .any(|m| Some(m.trim()) != error_text.map(str::trim));
-            let summary = cli_turn_end(&lease, reason, Some(outcome), TurnEnd::Idle, None);
-            (summary, class, false)
-        }
-        Err((status, error)) => {
-            let gone = status == TurnEnd::Aborted;
-            streamed |= !messages.is_empty();
-            (
-                cli_turn_end(&lease, reason, None, status, error),
-                None,
-                gone,
-            )
-        }
-    };
-    let transcript = Some(summary.session_id.as_str())
-        .filter(|id| !id.is_empty())
-        .map(|id| PreludeSource::Cli {
-            backend: lease.backend().to_owned(),
-            kind: lease.kind(),
-            home: lease.home().to_path_buf(),
-            cwd: lease.working_directory().to_path_buf(),
-            session_id: id.to_owned(),
-        });
-    drop(lease);
-    StepEnd {
-        summary,
-        class,
-        streamed,
-        transcript,
-        gone,
     }
 }
 

@@ -1,16 +1,21 @@
-//! Fallback across backends (issue 17, item 6): the pure core. Owns which turn failures
-//! let the next backend of a turn's chain run ([`FallbackClass`]: auth, rate limit,
-//! timeout, crash; [`classify_copilot`], [`classify_cli`]), the check of a chain
-//! ([`check_chain`]: no backend twice, at most [`MAX_FALLBACKS`] after the primary), and the
-//! bounded prelude that seeds the next backend with the failed conversation
-//! ([`build_prelude`]: the compaction summary first, then the newest transcript entries that
-//! fit a character budget, oldest of those first; [`read_transcript_tail`] reads them from a
-//! Copilot transcript mirror and [`read_claude_transcript_tail`] from Claude Code's own
+//! Fallback across backends (issue 17, item 6). This module is the pure core: which turn
+//! failures let the next backend of a turn's chain run ([`FallbackClass`]: auth, rate
+//! limit, timeout, crash; [`classify_copilot`], [`classify_cli`], [`classify_lease`]), the
+//! check of a chain ([`check_chain`]: no backend twice, at most [`MAX_FALLBACKS`] after the
+//! primary), and the bounded prelude that seeds the next backend with the failed
+//! conversation ([`build_prelude`]: the compaction summary first, then the newest transcript
+//! entries that fit a character budget, oldest of those first; [`read_transcript_tail`]
+//! reads them from a Copilot transcript mirror and [`read_tail_of`] from a CLI's own
 //! transcript, with memory bounded by the budget).
 //!
-//! Nothing here leases, runs or streams: the daemon's turn handler (`crate::http`) runs the
-//! chain, and a Rust embedder composes these functions with `Pool::lease` /
-//! `Pool::lease_cli` the same way.
+//! [`chain`] is the thin shell that runs a turn across a chain through the pool
+//! ([`crate::Pool::lease_chain`]); the daemon's `POST /v1/turns` runs every turn through it.
+
+pub mod chain;
+
+pub use chain::{
+    ChainEvent, ChainLease, ChainOutcome, ChainRequest, ChainSink, FallbackNotice, TurnSummary,
+};
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -150,15 +155,22 @@ pub fn classify_copilot(
 }
 
 /// The retryable class of a CLI backend's turn outcome: a crash or a time limit, or an error
-/// the CLI reported whose message names auth, a rate limit or a timeout. An output limit or
+/// the CLI reported with a retryable HTTP status as a field (Claude Code's
+/// `api_error_status`) or, without one, whose message names auth, a rate limit or a timeout. An output limit or
 /// any other error does not fall back.
 pub fn classify_cli(outcome: &CliTurnOutcome) -> Option<FallbackClass> {
     match &outcome.failure {
         Some(TurnFailure::Crashed { .. }) => Some(FallbackClass::Crash),
         Some(TurnFailure::TimedOut { .. }) => Some(FallbackClass::Timeout),
-        Some(TurnFailure::Cli { message, reason }) => {
-            classify_words(message).or_else(|| reason.as_deref().and_then(classify_words))
-        }
+        Some(TurnFailure::Cli {
+            message,
+            reason,
+            status,
+        }) => match status {
+            // A status the CLI reports as a field decides; its words only without one.
+            Some(status) => classify_status(*status),
+            None => classify_words(message).or_else(|| reason.as_deref().and_then(classify_words)),
+        },
         Some(TurnFailure::Gemini { error }) => classify_gemini(error),
         Some(TurnFailure::OutputLimit { .. }) => None,
         None => match outcome.end {
@@ -170,14 +182,18 @@ pub fn classify_cli(outcome: &CliTurnOutcome) -> Option<FallbackClass> {
 }
 
 /// The HTTP status of the failed model call a CLI turn's failure reports, if it names one:
-/// Gemini CLI's `error.code` when it is an HTTP error status, else a status in the CLI's
-/// message ([`status_in_words`]: Claude Code's `API Error: 401 …`, Codex's `unexpected status
+/// the status the CLI reports as a field (Claude Code's `api_error_status`), Gemini CLI's
+/// `error.code` when it is an HTTP error status, else a status in the CLI's message ([`status_in_words`]: Claude Code's `API Error: 401 …`, Codex's `unexpected status
 /// 401 Unauthorized`). `None` for a crash, a time limit or an output limit.
 pub fn cli_status_code(outcome: &CliTurnOutcome) -> Option<u16> {
     match &outcome.failure {
-        Some(TurnFailure::Cli { message, reason }) => {
-            status_in_words(message).or_else(|| reason.as_deref().and_then(status_in_words))
-        }
+        Some(TurnFailure::Cli {
+            message,
+            reason,
+            status,
+        }) => status
+            .or_else(|| status_in_words(message))
+            .or_else(|| reason.as_deref().and_then(status_in_words)),
         Some(TurnFailure::Gemini {
             error: GeminiError::Failed { code, message, .. },
         }) => code
@@ -1145,18 +1161,36 @@ mod tests {
         let auth = with(TurnFailure::Cli {
             message: "API Error: 401 {\"type\":\"authentication_error\"}".into(),
             reason: None,
+            status: None,
         });
         assert_eq!(classify_cli(&auth), Some(FallbackClass::Auth));
         let limited = with(TurnFailure::Cli {
             message: "API Error: Rate limit reached".into(),
             reason: None,
+            status: None,
         });
         assert_eq!(classify_cli(&limited), Some(FallbackClass::RateLimit));
         let bad = with(TurnFailure::Cli {
             message: "API Error: 400 invalid model".into(),
             reason: None,
+            status: None,
         });
         assert_eq!(classify_cli(&bad), None);
+        // A status the CLI reports as a field wins over its words.
+        let reported = with(TurnFailure::Cli {
+            message: "Please run /login".into(),
+            reason: Some("api_error".into()),
+            status: Some(403),
+        });
+        assert_eq!(classify_cli(&reported), Some(FallbackClass::Auth));
+        assert_eq!(cli_status_code(&reported), Some(403));
+        let reported_bad = with(TurnFailure::Cli {
+            message: "API Error: 401 in words".into(),
+            reason: None,
+            status: Some(400),
+        });
+        assert_eq!(classify_cli(&reported_bad), None);
+        assert_eq!(cli_status_code(&reported_bad), Some(400));
         let limit = with(TurnFailure::OutputLimit {
             unit: "lines",
             key: "maxTurnLines",
