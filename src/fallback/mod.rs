@@ -105,17 +105,17 @@ pub fn classify_lease(kind: ErrorKind) -> Option<FallbackClass> {
 }
 
 /// The retryable class of an error's words (a runtime's error type, a CLI's message), if
-/// they name one; matched case-insensitively.
+/// they name one: an HTTP status they name decides ([`status_in_words`]: `API Error: 401`,
+/// `401 Unauthorized`, never a number inside a port or an id, such as the `429` of
+/// `127.0.0.1:42943`); without one, words for a rate limit, auth or a timeout, matched
+/// case-insensitively.
 fn classify_words(text: &str) -> Option<FallbackClass> {
+    if let Some(status) = status_in_words(text) {
+        return classify_status(status);
+    }
     let text = text.to_ascii_lowercase();
     let has = |words: &[&str]| words.iter().any(|w| text.contains(w));
-    if has(&[
-        "rate limit",
-        "rate_limit",
-        "ratelimit",
-        "too many requests",
-        "429",
-    ]) {
+    if has(&["rate limit", "rate_limit", "ratelimit", "too many requests"]) {
         Some(FallbackClass::RateLimit)
     } else if has(&[
         "unauthorized",
@@ -123,11 +123,9 @@ fn classify_words(text: &str) -> Option<FallbackClass> {
         "invalid x-api-key",
         "invalid api key",
         "forbidden",
-        "401",
-        "403",
     ]) {
         Some(FallbackClass::Auth)
-    } else if has(&["timed out", "timeout", "504", "408"]) {
+    } else if has(&["timed out", "timeout"]) {
         Some(FallbackClass::Timeout)
     } else {
         None
@@ -1176,6 +1174,22 @@ mod tests {
             status: None,
         });
         assert_eq!(classify_cli(&bad), None);
+        // A number inside a port or an id is no status: Codex's 401 names its URL, whose
+        // port may hold `429` (seen failing as `rate_limit` in tests/fallback_oneshot.rs).
+        let codex = with(TurnFailure::Cli {
+            message: "unexpected status 401 Unauthorized: scripted upstream failure, url: \
+                      http://127.0.0.1:42943/v1/responses"
+                .into(),
+            reason: None,
+            status: None,
+        });
+        assert_eq!(classify_cli(&codex), Some(FallbackClass::Auth));
+        let port = with(TurnFailure::Cli {
+            message: "connecting to 127.0.0.1:4290 timed out".into(),
+            reason: None,
+            status: None,
+        });
+        assert_eq!(classify_cli(&port), Some(FallbackClass::Timeout));
         // A status the CLI reports as a field wins over its words.
         let reported = with(TurnFailure::Cli {
             message: "Please run /login".into(),
