@@ -1264,3 +1264,108 @@ async fn a_rust_gateways_chain_runs_a_turn_the_model_refuses_on_claude_with_the_
     }
     shutdown_leaves_nothing(&pool).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cli_conversations_appended_system_message_reaches_claudes_and_codexs_model_and_runtime_only_options_are_refused()
+ {
+    use copilot_pool::backend::CliBackendConfig;
+    use copilot_pool::session_options::SessionOptions;
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    let claude = support::agent_cli::claude_path().await;
+    let codex = support::agent_cli::codex_path().await;
+    if let Some(backend) = config.cli_backends.get_mut("claude-cli") {
+        backend.command = claude.display().to_string();
+    }
+    let mut codex_config = CliBackendConfig::codex_cli();
+    codex_config.command = codex.display().to_string();
+    config
+        .cli_backends
+        .insert("codex-cli".to_owned(), codex_config);
+    let mut gemini = CliBackendConfig::google_gemini_cli();
+    gemini.command = "/nonexistent/gemini".to_owned();
+    config
+        .cli_backends
+        .insert("google-gemini-cli".to_owned(), gemini);
+    let pool = Pool::start(config).await.expect("pool");
+    let request = |backend: &str, options: serde_json::Value| {
+        let mut req = fx.request("agent-s", &format!("system-{backend}"));
+        req.backend = backend.to_owned();
+        let (base_url, key, model) = if backend == "codex-cli" {
+            (
+                format!("http://{}/v1", fx.endpoint.addr()),
+                "sk-FAKE-codex",
+                Some("gpt-5.5"),
+            )
+        } else {
+            (
+                format!("http://{}", fx.endpoint.addr()),
+                "sk-ant-FAKE-system",
+                None,
+            )
+        };
+        req.model = model.map(str::to_owned);
+        req.provider = Some(if backend == "codex-cli" {
+            ProviderConfig::openai(base_url, Some(Secret::new(key)))
+        } else {
+            ProviderConfig::anthropic(base_url, Some(Secret::new(key)))
+        });
+        req.session_options = SessionOptions::from_value(options).expect("valid options");
+        req
+    };
+    let system =
+        serde_json::json!({"systemMessage": {"mode": "append", "content": "You are OSPREY-9."}});
+
+    for (backend, answer) in [("claude-cli", "claude heard"), ("codex-cli", "codex heard")] {
+        let mut lease = pool
+            .lease_cli(request(backend, system.clone()))
+            .await
+            .unwrap_or_else(|e| panic!("{backend}: {e}"));
+        let outcome = run_cli(&mut lease, &format!("REPLY={answer}")).await;
+        assert_eq!(outcome.text, answer, "{backend}: {outcome:?}");
+        drop(lease);
+        let call = fx
+            .model
+            .requests()
+            .into_iter()
+            .find(|r| {
+                matches!(r.decision(), Some(copilot_pool::scripted_model::Decision::Text(t)) if t == answer)
+            })
+            .unwrap_or_else(|| panic!("no model call answered {answer:?}"));
+        let body = call.body.to_string();
+        assert!(
+            body.contains("You are OSPREY-9."),
+            "{backend}'s model call carries the system message: {body:.2000}"
+        );
+    }
+
+    // What the CLI cannot take is refused, with what to do.
+    let refused = pool
+        .lease_cli(request(
+            "claude-cli",
+            serde_json::json!({"systemMessage": {"mode": "replace", "content": "x"}}),
+        ))
+        .await
+        .expect_err("replace refused");
+    assert!(
+        refused.to_string().contains("use mode `append`"),
+        "{refused}"
+    );
+    let refused = pool
+        .lease_cli(request(
+            "codex-cli",
+            serde_json::json!({"excludedTools": ["bash"]}),
+        ))
+        .await
+        .expect_err("a runtime-only option refused");
+    assert!(refused.to_string().contains("`excludedTools`"), "{refused}");
+    let refused = pool
+        .lease_cli(request("google-gemini-cli", system.clone()))
+        .await
+        .expect_err("no route");
+    assert!(
+        refused.to_string().contains("no system-prompt route"),
+        "{refused}"
+    );
+    shutdown_leaves_nothing(&pool).await;
+}

@@ -67,8 +67,9 @@ impl ChainRequest {
     }
 
     /// Refuses a chain the pool cannot run, before anything is leased: an unknown backend,
-    /// a backend named twice or too many, a budget out of range, or attachments or modes
-    /// with a CLI backend in the chain (a CLI takes only the prompt).
+    /// a backend named twice or too many, a budget out of range, or, with a CLI backend in
+    /// the chain, session options only the Copilot runtime takes, attachments or modes (a
+    /// CLI takes the prompt and an appended system message).
     pub fn check(&self, pool: &Pool) -> Result<(), PoolError> {
         let invalid = |e: FallbackError| PoolError::InvalidRequest(e.to_string());
         pool.check_backend(&self.lease.backend)?;
@@ -78,6 +79,12 @@ impl ChainRequest {
         }
         super::check_budget(self.prelude_chars)
             .map_err(|e| PoolError::InvalidRequest(format!("prelude_chars: {e}")))?;
+        for cli in std::iter::once(&self.lease.backend)
+            .chain(&self.fallbacks)
+            .filter(|b| b.as_str() != COPILOT_BACKEND)
+        {
+            pool.check_cli_options(cli, &self.lease)?;
+        }
         let copilot_only = !self.message.attachments.is_empty()
             || self.message.mode.is_some()
             || self.message.agent_mode.is_some();

@@ -181,6 +181,18 @@ impl Pool {
         self.inner.cli.serves_gateway_tools(backend)
     }
 
+    /// Checks that a lease of `req` on CLI backend `backend` would take its session options
+    /// (only `systemMessage` in mode `append`, besides the lease's own fields), before
+    /// anything is leased.
+    pub(crate) fn check_cli_options(
+        &self,
+        backend: &str,
+        req: &LeaseRequest,
+    ) -> Result<(), PoolError> {
+        let config = self.inner.cli.backend(backend)?;
+        cli::options::system_prompt(backend, config, req).map(|_| ())
+    }
+
     /// Checks that `backend` is `copilot` or a configured CLI backend; the error lists the
     /// configured ids and how to add one.
     pub fn check_backend(&self, backend: &str) -> Result<(), PoolError> {
@@ -231,13 +243,17 @@ impl Pool {
         result
     }
 
-    async fn lease_cli_inner(&self, req: LeaseRequest) -> Result<CliLease, PoolError> {
+    async fn lease_cli_inner(&self, mut req: LeaseRequest) -> Result<CliLease, PoolError> {
         let inner = &self.inner;
         if *inner.closed.borrow() {
             return Err(PoolError::Closed);
         }
-        inner.cli.backend(&req.backend)?;
+        let config = inner.cli.backend(&req.backend)?;
         validate_session_key(&req.session_key)?;
+        // `model` and `workingDirectory` in the options are the lease's, as on Copilot.
+        let options = std::mem::take(&mut req.session_options);
+        req.apply_session_options(options)?;
+        let system_prompt = cli::options::system_prompt(&req.backend, config, &req)?;
         if req
             .provider
             .as_ref()
@@ -285,6 +301,7 @@ impl Pool {
             wait: req.wait_timeout.unwrap_or(inner.config.wait_timeout),
             turn_timeout: Some(req.handlers.timeouts.absolute),
             tools,
+            system_prompt,
         };
         inner.cli.lease(ask, bindings_key).await
     }

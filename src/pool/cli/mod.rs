@@ -13,6 +13,7 @@
 //! `<agent>/<session key>#backend=<id>` in the pool's binding store, with its auth identity
 //! as the compat key.
 
+pub(crate) mod options;
 pub(crate) mod session;
 pub(crate) mod slots;
 
@@ -62,6 +63,9 @@ pub(crate) struct CliAsk {
     /// conversation's MCP bridge while the lease holds it.
     #[cfg_attr(not(feature = "mcp-bridge"), allow(dead_code))]
     pub tools: Vec<crate::turn::GatewayTool>,
+    /// The conversation's system prompt ([`options::system_prompt`]), given to the CLI by
+    /// its backend's route when the conversation's runner is made.
+    pub system_prompt: Option<String>,
 }
 
 struct Shell {
@@ -363,6 +367,7 @@ impl CliPool {
             one.base_url = ask.creds.base_url.clone();
             one.api_key = ask.creds.api_key.clone();
             one.model = ask.model.clone();
+            one.system_prompt = ask.system_prompt.clone();
             one.session = resume.map(|id| {
                 let mut stored = crate::backend::oneshot::StoredSession::new(id);
                 // Codex reports thread totals: start from the last ones it recorded, so the
@@ -384,6 +389,7 @@ impl CliPool {
         live.base_url = ask.creds.base_url.clone();
         live.api_key = ask.creds.api_key.clone();
         live.model = ask.model.clone();
+        live.system_prompt = ask.system_prompt.clone();
         live.session_id = resume;
         live.permission = ask.permission.clone();
         let runner = ClaudeLive::new(live).map_err(|e| invalid(&e))?;
