@@ -410,3 +410,62 @@ async fn a_codex_turns_gateway_tool_call_is_answered_over_http_and_gemini_refuse
     );
     assert!(daemon.terminate().await.success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_refresh_under_the_same_profile_resumes_codex_and_gemini_and_another_profile_starts_fresh()
+ {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    for backend in [CODEX, GEMINI] {
+        let body = |prompt: &str, key: &str, profile: &str| {
+            let mut body = fx.body(backend, "identity-1", prompt);
+            body["provider"]["api_key"] = json!(key);
+            body["auth"] = json!({ "auth_profile_id": profile });
+            body
+        };
+        let first_prompt = format!("REPLY={backend} first");
+        let (_, first) = turn(&daemon, &body(&first_prompt, "k-FAKE-1", "team-a")).await;
+        assert_eq!(first["status"], "idle", "{backend}: {first}");
+        let session = first["session_id"].as_str().unwrap_or_default().to_owned();
+        assert!(!session.is_empty(), "{backend}: {first}");
+
+        // A refreshed key of the same profile: the stored session is resumed.
+        let refreshed_answer = format!("{backend} refreshed");
+        let (_, refreshed) = turn(
+            &daemon,
+            &body(&format!("REPLY={refreshed_answer}"), "k-FAKE-2", "team-a"),
+        )
+        .await;
+        assert_eq!(refreshed["status"], "idle", "{backend}: {refreshed}");
+        assert_eq!(
+            refreshed["open_reason"], "resumed",
+            "{backend}: {refreshed}"
+        );
+        assert_eq!(refreshed["session_id"], session.as_str(), "{backend}");
+        let call = fx.call_answered(&refreshed_answer).body.to_string();
+        assert!(
+            call.contains(&first_prompt),
+            "{backend}: the resumed session carries the first turn: {call:.1500}"
+        );
+
+        // Another identity: the stored session is dropped, the history with it.
+        let other_answer = format!("{backend} other");
+        let (_, other) = turn(
+            &daemon,
+            &body(&format!("REPLY={other_answer}"), "k-FAKE-2", "team-b"),
+        )
+        .await;
+        assert_eq!(other["status"], "idle", "{backend}: {other}");
+        assert_eq!(other["open_reason"], "compat-changed", "{backend}: {other}");
+        assert_ne!(other["session_id"], session.as_str(), "{backend}");
+        let call = fx.call_answered(&other_answer).body.to_string();
+        assert!(
+            !call.contains(&first_prompt),
+            "{backend}: a fresh session: {call:.1500}"
+        );
+    }
+    assert!(daemon.terminate().await.success());
+    let left = wait_none(|| fx.cli_processes(), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+}
