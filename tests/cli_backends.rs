@@ -24,7 +24,7 @@ use support::agent_cli::claude_path;
 use support::cli_daemon::{
     CliFixture as Fixture, event_names, streamed_tool_turn, streamed_turn, tool_calls, user_text,
 };
-use support::http::{Daemon, call};
+use support::http::{Daemon, SseStream, call};
 use support::procs::{wait_none, with_env_prefix};
 
 /// One test at a time (each runs its own Claude processes).
@@ -470,4 +470,63 @@ async fn a_claude_turns_gateway_tool_call_is_answered_over_http_and_the_answer_r
     assert!(daemon.terminate().await.success());
     let left = wait_none(|| fx.claude_processes(), Duration::from_secs(5)).await;
     assert!(left.is_empty(), "{left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_tools_permission_prompt_streams_as_permission_request_and_the_gateways_answer_decides()
+ {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    let prompt = r#"SCENARIO:tool NAME=Bash ARGS={"command":"echo written > approved-by-gateway.txt","description":"write a file"}"#;
+    let run = async {
+        let body = fx.body("p1", prompt, "sk-ant-FAKE-k1", None);
+        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, &body).await;
+        assert_eq!(stream.status, 200, "the turn was accepted");
+        let mut asked = Vec::new();
+        while let Some(event) = stream.next().await {
+            if event.event == "turn.end" {
+                return (asked, event.data);
+            }
+            if event.event == "permission.request" {
+                asked.push(event.data.clone());
+                let id = event.data["request_id"].as_str().unwrap_or_default();
+                let answered = call(
+                    daemon.addr,
+                    "POST",
+                    &format!("/v1/requests/{id}"),
+                    None,
+                    Some(&json!({"decision": "approve-once"})),
+                )
+                .await;
+                assert_eq!(answered.status, 204, "{}", answered.body);
+            }
+        }
+        panic!("the stream ended without turn.end");
+    };
+    let (asked, end) = tokio::time::timeout(TURN_LIMIT, run)
+        .await
+        .expect("the turn ended in time");
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(asked.len(), 1, "one prompt for the Bash call: {asked:?}");
+    assert!(
+        asked[0].to_string().contains("approved-by-gateway.txt"),
+        "the prompt names the command: {}",
+        asked[0]
+    );
+    // The gateway's approval let the tool run in the conversation's working directory.
+    let mut found = Vec::new();
+    let mut stack = vec![fx.scratch.path().to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.ends_with("approved-by-gateway.txt") {
+                found.push(path);
+            }
+        }
+    }
+    assert_eq!(found.len(), 1, "the approved command ran once: {found:?}");
+    assert!(daemon.terminate().await.success());
 }
