@@ -1156,40 +1156,38 @@ mod tests {
             stderr_tail: String::new(),
         });
         assert_eq!(classify_cli(&timed_out), Some(FallbackClass::Timeout));
-        let auth = with(TurnFailure::Cli {
-            message: "API Error: 401 {\"type\":\"authentication_error\"}".into(),
-            reason: None,
-            status: None,
-        });
-        assert_eq!(classify_cli(&auth), Some(FallbackClass::Auth));
-        let limited = with(TurnFailure::Cli {
-            message: "API Error: Rate limit reached".into(),
-            reason: None,
-            status: None,
-        });
-        assert_eq!(classify_cli(&limited), Some(FallbackClass::RateLimit));
-        let bad = with(TurnFailure::Cli {
-            message: "API Error: 400 invalid model".into(),
-            reason: None,
-            status: None,
-        });
-        assert_eq!(classify_cli(&bad), None);
-        // A number inside a port or an id is no status: Codex's 401 names its URL, whose
-        // port may hold `429` (seen failing as `rate_limit` in tests/fallback_oneshot.rs).
-        let codex = with(TurnFailure::Cli {
-            message: "unexpected status 401 Unauthorized: scripted upstream failure, url: \
-                      http://127.0.0.1:42943/v1/responses"
-                .into(),
-            reason: None,
-            status: None,
-        });
-        assert_eq!(classify_cli(&codex), Some(FallbackClass::Auth));
-        let port = with(TurnFailure::Cli {
-            message: "connecting to 127.0.0.1:4290 timed out".into(),
-            reason: None,
-            status: None,
-        });
-        assert_eq!(classify_cli(&port), Some(FallbackClass::Timeout));
+        let cli_error = |message: &str| {
+            with(TurnFailure::Cli {
+                message: message.into(),
+                reason: None,
+                status: None,
+            })
+        };
+        for (message, class) in [
+            (
+                "API Error: 401 {\"type\":\"authentication_error\"}",
+                Some(FallbackClass::Auth),
+            ),
+            (
+                "API Error: Rate limit reached",
+                Some(FallbackClass::RateLimit),
+            ),
+            ("API Error: 400 invalid model", None),
+            // A number inside a port or an id is no status: Codex's 401 names its URL,
+            // whose port may hold `429` (seen failing as `rate_limit` in
+            // tests/fallback_oneshot.rs).
+            (
+                "unexpected status 401 Unauthorized: scripted upstream failure, url: \
+                 http://127.0.0.1:42943/v1/responses",
+                Some(FallbackClass::Auth),
+            ),
+            (
+                "connecting to 127.0.0.1:4290 timed out",
+                Some(FallbackClass::Timeout),
+            ),
+        ] {
+            assert_eq!(classify_cli(&cli_error(message)), class, "{message}");
+        }
         // A status the CLI reports as a field wins over its words.
         let reported = with(TurnFailure::Cli {
             message: "Please run /login".into(),
