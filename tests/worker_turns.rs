@@ -210,7 +210,7 @@ async fn a_resumed_session_in_a_fresh_worker_carries_the_history() {
         .await
         .expect("second worker starts");
     assert_ne!(first.pid(), second.pid());
-    let (mut resumed, _) = second
+    let (mut resumed, answer) = second
         .resume_session(SessionConfig {
             session_id: id.to_string(),
             ..session_config(&endpoint.base_url(), &scratch)
@@ -218,6 +218,10 @@ async fn a_resumed_session_in_a_fresh_worker_carries_the_history() {
         .await
         .expect("resume");
     assert_eq!(resumed.id(), &id);
+    // The session keeps the runtime's answer (as text) and gives it back whole.
+    let kept = serde_json::to_value(resumed.opened().expect("the answer is kept")).expect("json");
+    assert_eq!(kept, serde_json::to_value(&answer).expect("json"));
+    assert!(kept.get("capabilities").is_some(), "{kept}");
     resumed
         .send("what did I ask you to remember?")
         .await

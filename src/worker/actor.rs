@@ -25,7 +25,7 @@ use super::config::WorkerConfig;
 use super::error::{ExitReason, WorkerError, WorkerExit};
 use super::handle::{PendingKind, WorkerInfo};
 use super::health::HealthMisses;
-use super::session::SessionUpdate;
+use super::session::{Routed, SessionUpdate};
 
 /// After stdout closes, how long to wait for the child's exit status before reporting the
 /// closed pipe without it.
@@ -91,7 +91,7 @@ pub(crate) enum WorkerMsg {
 /// A session's new route, and a background detach of the same id still in flight (the
 /// opener waits for it, so that detach cannot undo the new open).
 pub(crate) struct OpenedRoute {
-    pub(crate) updates: mpsc::UnboundedReceiver<SessionUpdate>,
+    pub(crate) updates: mpsc::UnboundedReceiver<Routed>,
     /// Which open of this id the route belongs to.
     pub(crate) generation: u64,
     pub(crate) pending_detach: Option<watch::Receiver<bool>>,
@@ -100,13 +100,13 @@ pub(crate) struct OpenedRoute {
 /// Where one session's updates go.
 pub(crate) struct Route {
     generation: u64,
-    updates: mpsc::UnboundedSender<SessionUpdate>,
+    updates: mpsc::UnboundedSender<Routed>,
 }
 
 impl Route {
     /// Delivers `update`; false when the session's receiver is gone.
     pub(super) fn send(&self, update: SessionUpdate) -> bool {
-        self.updates.send(update).is_ok()
+        self.updates.send(Box::new(update)).is_ok()
     }
 }
 

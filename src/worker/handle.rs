@@ -411,7 +411,7 @@ impl WorkerHandle {
                     self.clone(),
                     updates,
                 );
-                session.set_opened(opened.clone());
+                session.set_opened(&opened);
                 Ok((session, opened))
             }
             Err(err) => {

@@ -50,6 +50,12 @@ pub enum SessionUpdate {
     Ended(WorkerError),
 }
 
+/// What a session's route carries: one update, boxed. A tokio channel allocates its slots 32
+/// at a time (the first block when it is made, a second once 32 updates have passed, and
+/// keeps both for reuse), so with whole updates (hundreds of bytes each) every attached
+/// session held ~20 KiB of slots while idle; with boxes it holds ~0.5 KiB.
+pub(crate) type Routed = Box<SessionUpdate>;
+
 /// A request or notification of the runtime for a session's client, by method name.
 #[derive(Debug, Clone, Serialize)]
 pub struct ClientCall {
@@ -181,13 +187,16 @@ pub struct Session {
     /// Which open of this id on its worker this is (its route's generation).
     generation: u64,
     worker: WorkerHandle,
-    updates: mpsc::UnboundedReceiver<SessionUpdate>,
+    updates: mpsc::UnboundedReceiver<Routed>,
     /// Updates that arrived while the session was being opened, read back first.
-    opening: std::collections::VecDeque<SessionUpdate>,
+    opening: std::collections::VecDeque<Routed>,
     /// The runtime reported the session attached to another process when it was opened.
     already_in_use: bool,
-    /// The runtime's answer to the open (`session.create` / `session.resume`).
-    opened: Option<Box<SessionOpened>>,
+    /// The runtime's answer to the open (`session.create` / `session.resume`) as JSON
+    /// text: parsed (nested maps) it takes several KiB, every parked session keeps it, and
+    /// only the SDK endpoint reads it, through [`Session::opened`], which parses it once.
+    opened_json: Option<Box<str>>,
+    opened: std::sync::OnceLock<Option<SessionOpened>>,
     detached: bool,
 }
 
@@ -205,14 +214,14 @@ impl Session {
         id: CliSessionId,
         generation: u64,
         worker: WorkerHandle,
-        mut updates: mpsc::UnboundedReceiver<SessionUpdate>,
+        mut updates: mpsc::UnboundedReceiver<Routed>,
     ) -> Self {
         // What the runtime said while opening (`session.start` / `session.resume`) is
         // already routed (the caller flushed the worker's mailbox): look at it, keep it.
         let mut opening = std::collections::VecDeque::new();
         let mut already_in_use = false;
         while let Ok(update) = updates.try_recv() {
-            if let SessionUpdate::Event(event) = &update {
+            if let SessionUpdate::Event(event) = &*update {
                 let in_use = match &event.kind {
                     EventKind::SessionStart(d) => d.already_in_use,
                     EventKind::SessionResume(d) => d.already_in_use,
@@ -229,19 +238,28 @@ impl Session {
             updates,
             opening,
             already_in_use,
-            opened: None,
+            opened_json: None,
+            opened: std::sync::OnceLock::new(),
             detached: false,
         }
     }
 
-    pub(crate) fn set_opened(&mut self, opened: SessionOpened) {
-        self.opened = Some(Box::new(opened));
+    pub(crate) fn set_opened(&mut self, opened: &SessionOpened) {
+        self.opened_json = serde_json::to_string(opened)
+            .ok()
+            .map(String::into_boxed_str);
+        self.opened = std::sync::OnceLock::new();
     }
 
     /// The runtime's answer when this session was opened (`session.create` or
     /// `session.resume`: workspace path, capabilities, …).
     pub fn opened(&self) -> Option<&SessionOpened> {
-        self.opened.as_deref()
+        self.opened
+            .get_or_init(|| {
+                let json = self.opened_json.as_deref()?;
+                serde_json::from_str(json).ok()
+            })
+            .as_ref()
     }
 
     /// Whether the runtime reported, when this session was opened, that another process
@@ -263,17 +281,27 @@ impl Session {
 
     /// The next update; `None` after [`SessionUpdate::Ended`] has been delivered.
     pub async fn next(&mut self) -> Option<SessionUpdate> {
-        if let Some(update) = self.opening.pop_front() {
-            return Some(update);
+        if let Some(update) = self.take_opening() {
+            return Some(*update);
         }
-        self.updates.recv().await
+        self.updates.recv().await.map(|update| *update)
+    }
+
+    /// The next update that arrived while the session was being opened; the queue's memory
+    /// is freed once it is empty (a parked session holds none).
+    fn take_opening(&mut self) -> Option<Routed> {
+        let update = self.opening.pop_front();
+        if self.opening.is_empty() && self.opening.capacity() > 0 {
+            self.opening = std::collections::VecDeque::new();
+        }
+        update
     }
 
     /// The next update if one is already waiting, without waiting.
     pub fn try_next(&mut self) -> Option<SessionUpdate> {
-        self.opening
-            .pop_front()
+        self.take_opening()
             .or_else(|| self.updates.try_recv().ok())
+            .map(|update| *update)
     }
 
     /// Whether the session's worker is still serving (false once it ended or stopped).
@@ -557,5 +585,22 @@ impl Drop for Session {
             self.worker
                 .close_route(self.id.as_str(), Some(self.generation), true);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_route_carries_updates_as_pointers_so_an_idle_session_holds_little() {
+        // A tokio channel keeps up to two blocks of 32 slots per attached session (the one
+        // in use and one kept for reuse): with boxed updates that is half a KiB; with whole
+        // updates (hundreds of bytes each) it was ~20 KiB, the most of a session's cost.
+        let slots = 2 * 32 * std::mem::size_of::<Routed>();
+        assert!(
+            slots <= 1024,
+            "an idle route would hold {slots} bytes of slots; keep the routed type a pointer"
+        );
     }
 }
