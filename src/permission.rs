@@ -116,6 +116,14 @@ pub type DecisionFuture = Pin<Box<dyn Future<Output = Result<PermissionDecision,
 pub trait PermissionPolicy: Send + Sync + 'static {
     /// Decides one request.
     fn decide(&self, request: PermissionRequest) -> DecisionFuture;
+
+    /// Whether this policy approves every request without looking at it (the page's
+    /// "YOLO" exec policy). A CLI backend that has its own approve-all mode may then skip
+    /// asking (Claude Code's `--permission-mode bypassPermissions`). Default `false`: only
+    /// [`ApproveAll`] says `true`; a policy that may ever reject must not.
+    fn approves_all(&self) -> bool {
+        false
+    }
 }
 
 /// The default feedback of [`RejectAll`].
@@ -150,6 +158,10 @@ pub struct ApproveAll;
 impl PermissionPolicy for ApproveAll {
     fn decide(&self, _request: PermissionRequest) -> DecisionFuture {
         Box::pin(std::future::ready(Ok(PermissionDecision::Approve)))
+    }
+
+    fn approves_all(&self) -> bool {
+        true
     }
 }
 

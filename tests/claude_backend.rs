@@ -1,8 +1,9 @@
 //! The `claude-cli` live backend against the real Claude Code CLI (installed from npm by the
 //! library's installer) and the crate's scripted model speaking Anthropic messages on
 //! loopback: a turn, history across turns, a crash mid-turn and the resume after it, a dead
-//! endpoint, the default permission denial (and an approving policy for contrast), an
-//! interrupt, and the output limit. At most two Claude processes run at once per test.
+//! endpoint, the default permission denial (and an approving policy for contrast), the
+//! reasoning effort and `bypassPermissions` for an approve-all policy, an interrupt, and the
+//! output limit. At most two Claude processes run at once per test.
 
 mod support;
 
@@ -11,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use copilot_pool::backend::claude_live::{ClaudeLive, ClaudeLiveConfig};
 use copilot_pool::backend::{BackendEvent, CliTurnOutcome, TurnFailure};
-use copilot_pool::permission::ApproveAll;
+use copilot_pool::kinds::ReasoningEffort;
+use copilot_pool::permission::{ApproveAll, RejectAll};
 use copilot_pool::scripted_model::{Decision, HttpEndpoint, RecordedRequest, ScriptedModel};
 use copilot_pool::{Secret, TurnEnd};
 use serde_json::Value;
@@ -333,6 +335,71 @@ async fn a_tool_permission_request_is_denied_by_default_and_approved_only_by_a_p
     );
     let written = std::fs::read_to_string(approved_work.join("out.txt")).expect("the tool ran");
     assert_eq!(written.trim(), "written");
+    live.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reasoning_effort_reaches_the_model_and_a_new_effort_restarts_the_process_resuming_the_session()
+ {
+    let fx = Fixture::new().await;
+    let mut config = fx.config("effort").await;
+    config.reasoning_effort = Some(ReasoningEffort::High);
+    let mut live = ClaudeLive::new(config).expect("valid");
+    let (first, _) = turn(&mut live, "REPLY=thinking hard").await;
+    assert_eq!(first.end, Some(TurnEnd::Idle), "{first:?}");
+    let body = &fx.call_answered("thinking hard").body;
+    assert_eq!(body["output_config"]["effort"], "high", "{body}");
+    let pid = live.pid().expect("running");
+
+    // Same settings: the process stays.
+    assert!(
+        !live
+            .set_lease_settings(Arc::new(RejectAll::default()), Some(ReasoningEffort::High))
+            .await
+    );
+    assert_eq!(live.pid(), Some(pid));
+    // Another effort cannot be applied to a live process: it restarts, resuming.
+    assert!(
+        live.set_lease_settings(Arc::new(RejectAll::default()), Some(ReasoningEffort::Low))
+            .await
+    );
+    let (second, _) = turn(&mut live, "REPLY=thinking less").await;
+    assert_eq!(second.end, Some(TurnEnd::Idle), "{second:?}");
+    assert!(second.resumed, "{second:?}");
+    assert_ne!(live.pid(), Some(pid));
+    let call = fx.call_answered("thinking less");
+    assert_eq!(call.body["output_config"]["effort"], "low");
+    assert!(
+        history_text(&call).contains("assistant: thinking hard"),
+        "the session was resumed"
+    );
+    live.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approve_all_policy_runs_claude_in_bypass_permissions_mode_without_asking() {
+    let fx = Fixture::new().await;
+    let prompt = r#"SCENARIO:tool NAME=Bash ARGS={"command":"echo bypassed > out.txt","description":"write a file"}"#;
+    let mut config = fx.config("bypass").await;
+    config.permission = Arc::new(ApproveAll);
+    // Claude refuses bypassPermissions as root unless it is told it runs sandboxed.
+    config
+        .backend
+        .env
+        .insert("IS_SANDBOX".to_owned(), "1".to_owned());
+    let work = config.cwd.clone();
+    let mut live = ClaudeLive::new(config).expect("valid");
+    let (outcome, events) = turn(&mut live, prompt).await;
+    assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+    assert_eq!(outcome.permission_prompts, 0, "{events:?}");
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, BackendEvent::PermissionRequest { .. })),
+        "{events:?}"
+    );
+    let written = std::fs::read_to_string(work.join("out.txt")).expect("the tool ran");
+    assert_eq!(written.trim(), "bypassed");
     live.close().await;
 }
 

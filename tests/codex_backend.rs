@@ -1,8 +1,8 @@
 //! The `codex-cli` one-shot backend against the real Codex CLI (its vendored native binary,
 //! installed from npm by the library's installer) and the crate's scripted model speaking
 //! the OpenAI Responses API on loopback: a turn, a resume that carries history, a tool call,
-//! a kill mid-turn and the resume after it, a dead endpoint, the output limit, and usage
-//! per turn. At most two Codex processes run at once (the test threads), each test one at a
+//! a kill mid-turn and the resume after it, a dead endpoint, the output limit, usage per
+//! turn, and the reasoning effort. At most two Codex processes run at once (the test threads), each test one at a
 //! time.
 
 mod support;
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use copilot_pool::backend::oneshot::{Oneshot, OneshotConfig};
 use copilot_pool::backend::{BackendEvent, CliTurnOutcome, TurnFailure};
 use copilot_pool::scripted_model::{Decision, HttpEndpoint, RecordedRequest, ScriptedModel};
-use copilot_pool::{Secret, TurnEnd};
+use copilot_pool::{ReasoningEffort, Secret, TurnEnd};
 use tempfile::TempDir;
 
 use support::agent_cli::codex_path;
@@ -169,6 +169,18 @@ fn files_under(dir: &std::path::Path) -> Vec<PathBuf> {
         }
     }
     out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reasoning_effort_reaches_the_model_as_codexs_model_reasoning_effort() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config("effort").await;
+    config.reasoning_effort = Some(ReasoningEffort::High);
+    let mut codex = Oneshot::new(config).expect("valid");
+    let (outcome, _) = turn(&mut codex, "REPLY=effort given").await;
+    assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+    let body = &fx.call_answered("effort given").body;
+    assert_eq!(body["reasoning"]["effort"], "high", "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

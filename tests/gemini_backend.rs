@@ -436,6 +436,22 @@ async fn an_error_answer_is_tried_once_and_fails_the_turn_with_its_status() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workspace_is_trusted_by_the_homes_settings_when_the_env_does_not_trust_it() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config("trust").await;
+    // Names the variable, so the runner leaves it: neither "true" nor "false", the CLI
+    // falls through to its folder-trust setting, which the pool turned off.
+    config
+        .backend
+        .env
+        .insert("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), String::new());
+    let mut gemini = Oneshot::new(config).expect("valid");
+    let (outcome, _, _) = turn(&mut gemini, "REPLY=trusted by settings").await;
+    assert_eq!(outcome.end, Some(TurnEnd::Idle), "not exit 55: {outcome:?}");
+    assert_eq!(outcome.text, "trusted by settings");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_endpoint_fails_the_turn_within_seconds_of_the_clis_start_up() {
     let fx = Fixture::new().await;
     let start_up = start_up(&fx).await;

@@ -37,8 +37,9 @@ use tokio::time::Instant;
 use tokio_util::codec::{FramedRead, LinesCodec, LinesCodecError};
 
 use super::config::{CliBackendConfig, ConfigError, SystemPromptWhen};
+use super::config::{SafetySwitches, claude_effort, claude_permission_mode, names_flag};
 use super::event::{BackendEvent, CliTurnOutcome, TurnFailure};
-use crate::kinds::TurnEnd;
+use crate::kinds::{ReasoningEffort, TurnEnd};
 use crate::permission::{
     PermissionDecision, PermissionPolicy, PermissionRequest, RejectAll, decide_safely,
 };
@@ -77,8 +78,12 @@ pub struct ClaudeLiveConfig {
     pub system_prompt: Option<String>,
     /// The stored CLI session id to resume when the process starts.
     pub session_id: Option<String>,
-    /// Answers `can_use_tool` requests. Default: reject all (fail closed).
+    /// Answers `can_use_tool` requests. Default: reject all (fail closed). A policy that
+    /// approves everything ([`PermissionPolicy::approves_all`]) also starts Claude with
+    /// `--permission-mode bypassPermissions` ([`claude_permission_mode`]).
     pub permission: Arc<dyn PermissionPolicy>,
+    /// `--effort` ([`claude_effort`]); `None`: no flag (Claude's own default).
+    pub reasoning_effort: Option<ReasoningEffort>,
     /// After an interrupt, how long the process has to end the turn before it is killed.
     pub interrupt_grace: Duration,
     /// On [`ClaudeLive::close`], how long the process has to exit after its stdin closed,
@@ -112,6 +117,7 @@ impl ClaudeLiveConfig {
             system_prompt: None,
             session_id: None,
             permission: Arc::new(RejectAll::default()),
+            reasoning_effort: None,
             interrupt_grace: Duration::from_secs(5),
             close_grace: Duration::from_secs(2),
             path_var: std::env::var_os("PATH"),
@@ -174,6 +180,16 @@ struct LiveProcess {
     lines: FramedRead<tokio::process::ChildStdout, LinesCodec>,
     /// Started with `--resume`.
     resumed: bool,
+    /// The `--effort` and `--permission-mode` it was started with.
+    flags: LaunchFlags,
+}
+
+/// The per-lease flags a Claude process is started with; a lease that wants others gets a
+/// new process (resuming the session).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LaunchFlags {
+    effort: Option<&'static str>,
+    permission_mode: &'static str,
 }
 
 /// One conversation's Claude Code process, started on the first turn and restarted (with
@@ -383,6 +399,18 @@ impl ClaudeLive {
                 args.extend([flag.clone(), prompt.clone()]);
             }
         }
+        let flags = self.launch_flags();
+        if !names_flag(&backend.args, "--permission-mode") {
+            args.extend([
+                "--permission-mode".to_owned(),
+                flags.permission_mode.to_owned(),
+            ]);
+        }
+        if let Some(effort) = flags.effort
+            && !names_flag(&backend.args, "--effort")
+        {
+            args.extend(["--effort".to_owned(), effort.to_owned()]);
+        }
         let mut env: Vec<(OsString, OsString)> = vec![
             ("HOME".into(), config.home.clone().into_os_string()),
             ("CLAUDE_CONFIG_DIR".into(), claude_dir.into_os_string()),
@@ -395,6 +423,12 @@ impl ClaudeLive {
             backend
                 .env
                 .iter()
+                .map(|(k, v)| (OsString::from(k), OsString::from(v))),
+        );
+        env.extend(
+            SafetySwitches::CLAUDE
+                .env_for(&backend.env)
+                .into_iter()
                 .map(|(k, v)| (OsString::from(k), OsString::from(v))),
         );
         if let Some(url) = &config.base_url {
@@ -449,8 +483,61 @@ impl ClaudeLive {
             stdin: io.stdin,
             lines: FramedRead::new(io.stdout, LinesCodec::new_with_max_length(max_line)),
             resumed,
+            flags,
         });
         Ok(())
+    }
+
+    /// The `--effort` and `--permission-mode` the current settings start Claude with.
+    fn launch_flags(&self) -> LaunchFlags {
+        let config = &self.config;
+        let root = nix::unistd::geteuid().is_root();
+        let sandboxed = config
+            .backend
+            .env
+            .get("IS_SANDBOX")
+            .is_some_and(|v| v == "1");
+        let approves_all = config.permission.approves_all();
+        if approves_all && root && !sandboxed {
+            tracing::debug!(
+                "the permission policy approves everything, but Claude refuses \
+                 bypassPermissions as root without IS_SANDBOX=1 in the backend's env: \
+                 --permission-mode default, each prompt approved by the policy"
+            );
+        }
+        LaunchFlags {
+            effort: config.reasoning_effort.map(claude_effort),
+            permission_mode: claude_permission_mode(approves_all, root, sandboxed),
+        }
+    }
+
+    /// A lease's settings for the turns to come: its permission policy and its reasoning
+    /// effort. A running process started with another `--effort` or `--permission-mode` is
+    /// closed (gracefully, as [`ClaudeLive::close`]): the next turn starts one with these
+    /// flags, resuming the session (a live process cannot change them). Returns whether it
+    /// was closed.
+    pub async fn set_lease_settings(
+        &mut self,
+        permission: Arc<dyn PermissionPolicy>,
+        reasoning_effort: Option<ReasoningEffort>,
+    ) -> bool {
+        self.config.permission = permission;
+        self.config.reasoning_effort = reasoning_effort;
+        let wanted = self.launch_flags();
+        let differs = self
+            .process
+            .as_ref()
+            .is_some_and(|p| p.child.exit_info().is_none() && p.flags != wanted);
+        if differs {
+            tracing::debug!(
+                ?wanted,
+                "the lease's effort or permission mode changed; restarting claude"
+            );
+            if let Some(process) = self.process.take() {
+                close_process(process, self.config.close_grace).await;
+            }
+        }
+        differs
     }
 }
 
@@ -858,6 +945,91 @@ fn permission_request(tool: &str, request: &Value, cwd: &std::path::Path) -> Per
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
+
+    /// Starts a stand-in for Claude that records its argv and environment into its home and
+    /// exits; returns what it recorded.
+    async fn launch(live: &mut ClaudeLive, home: &std::path::Path) -> (String, String) {
+        let _ = live.run("p", |_| {}).await;
+        let read = |name: &str| std::fs::read_to_string(home.join(name)).unwrap_or_default();
+        (read("args.txt"), read("env.txt"))
+    }
+
+    #[tokio::test]
+    async fn the_safety_switches_effort_and_permission_mode_survive_an_override_of_args_and_env() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().join("home");
+        let mut config = ClaudeLiveConfig::new("/bin/sh", &home, dir.path().join("work"));
+        // An override of both `args` and `env`, as a `[backends.claude-cli]` table makes.
+        config.backend.args = vec![
+            "-c".into(),
+            r#"printf '%s\n' "$@" > "$HOME/args.txt"; env > "$HOME/env.txt""#.into(),
+            "claude".into(),
+        ];
+        config.backend.resume_args = None;
+        config.backend.session_mode = crate::backend::SessionMode::None;
+        config.backend.env = BTreeMap::from([("HTTPS_PROXY".into(), "http://p:3128".into())]);
+        config.reasoning_effort = Some(ReasoningEffort::High);
+        let mut live = ClaudeLive::new(config).unwrap();
+        let (args, env) = launch(&mut live, &home).await;
+        assert!(
+            env.contains("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1\n"),
+            "{env}"
+        );
+        assert!(env.contains("CLAUDE_CODE_MAX_RETRIES=1\n"), "{env}");
+        assert!(env.contains("HTTPS_PROXY=http://p:3128\n"), "{env}");
+        assert!(args.contains("--effort\nhigh\n"), "{args}");
+        assert!(args.contains("--permission-mode\ndefault\n"), "{args}");
+
+        // A variable or flag the configuration names itself is its own.
+        let mut config = ClaudeLiveConfig::new("/bin/sh", &home, dir.path().join("work"));
+        config.backend.args = vec![
+            "-c".into(),
+            r#"printf '%s\n' "$@" > "$HOME/args.txt"; env > "$HOME/env.txt""#.into(),
+            "claude".into(),
+            "--permission-mode".into(),
+            "acceptEdits".into(),
+        ];
+        config.backend.resume_args = None;
+        config.backend.session_mode = crate::backend::SessionMode::None;
+        config.backend.env = BTreeMap::from([
+            ("CLAUDE_CODE_MAX_RETRIES".into(), "3".into()),
+            ("IS_SANDBOX".into(), "1".into()),
+        ]);
+        config.permission = Arc::new(crate::permission::ApproveAll);
+        let mut live = ClaudeLive::new(config).unwrap();
+        let (args, env) = launch(&mut live, &home).await;
+        assert!(env.contains("CLAUDE_CODE_MAX_RETRIES=3\n"), "{env}");
+        assert!(!env.contains("CLAUDE_CODE_MAX_RETRIES=1"), "{env}");
+        assert!(
+            env.contains("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1\n"),
+            "{env}"
+        );
+        assert!(args.contains("--permission-mode\nacceptEdits\n"), "{args}");
+        assert_eq!(args.matches("--permission-mode").count(), 1, "{args}");
+        assert!(!args.contains("--effort"), "no effort, no flag: {args}");
+    }
+
+    #[test]
+    fn an_approve_all_policy_bypasses_permissions_unless_root_without_a_sandbox() {
+        assert_eq!(
+            claude_permission_mode(true, false, false),
+            "bypassPermissions"
+        );
+        assert_eq!(
+            claude_permission_mode(true, true, true),
+            "bypassPermissions"
+        );
+        assert_eq!(claude_permission_mode(true, true, false), "default");
+        assert_eq!(claude_permission_mode(false, false, true), "default");
+        assert!(crate::permission::ApproveAll.approves_all());
+        assert!(!crate::permission::RejectAll::default().approves_all());
+        let efforts: Vec<_> = ReasoningEffort::ALL
+            .into_iter()
+            .map(claude_effort)
+            .collect();
+        assert_eq!(efforts, ["low", "medium", "high", "xhigh"]);
+    }
 
     #[test]
     fn claudes_tool_requests_read_as_the_pools_permission_requests() {

@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::BackendKind;
+use crate::kinds::ReasoningEffort;
 
 /// Placeholder for the stored CLI session id in `sessionArgs` and `resumeArgs`.
 pub const SESSION_ID_PLACEHOLDER: &str = "{sessionId}";
@@ -214,7 +215,13 @@ pub struct CliBackendConfig {
     /// How several image paths are passed.
     #[serde(default)]
     pub image_mode: ImageMode,
-    /// Runs of one conversation are kept in order (one at a time).
+    /// Runs of the same lane are kept in order: with `true`, one lease at a time per agent
+    /// home on this backend (FIFO), whatever the conversation. The pool already runs each
+    /// conversation one lease at a time for every backend, so this is the page's wider
+    /// "provider lane" ("most CLIs serialize on a provider lane"): CLIs that keep shared
+    /// state in their home (Codex's SQLite files, Gemini's `projects.json`, Claude's
+    /// `.claude.json`) never run two turns of one agent at once. `false`: conversations of
+    /// one agent run side by side, within the pool's caps. The bundled backends set it.
     #[serde(default)]
     pub serialize: bool,
     /// Extra environment of the child (no credentials: those go in the backend's secret).
@@ -234,6 +241,128 @@ pub struct CliBackendConfig {
     /// Regex rewrites of the prompt and the answer.
     #[serde(default)]
     pub text_transforms: TextTransforms,
+}
+
+/// The switches the runner of a bundled CLI applies to every process, whatever the
+/// backend's `args` and `env` say (issue 17, item 7: no outbound traffic by default, bounded
+/// retries, a trusted workspace): an override of `args` or `env` cannot drop them. A
+/// configuration that names the very key (the variable in `env`, the `-c` key in `args`)
+/// sets it instead: that is the one way to change a switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SafetySwitches {
+    /// Environment variables and their values.
+    pub env: &'static [(&'static str, &'static str)],
+    /// Codex `-c key=value` config overrides.
+    pub config_overrides: &'static [(&'static str, &'static str)],
+}
+
+impl SafetySwitches {
+    /// Claude Code: no nonessential traffic (telemetry, feature flags: 0 DNS queries) and one
+    /// API retry (a dead endpoint fails in ~1 s instead of retrying for minutes).
+    pub const CLAUDE: Self = Self {
+        env: &[
+            ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
+            ("CLAUDE_CODE_MAX_RETRIES", "1"),
+        ],
+        config_overrides: &[],
+    };
+    /// Codex: analytics, plugins and the update check off (0 DNS queries), no unbounded
+    /// reconnects (else a dead endpoint waits forever).
+    pub const CODEX: Self = Self {
+        env: &[],
+        config_overrides: &[
+            ("analytics.enabled", "false"),
+            ("features.plugins", "false"),
+            ("check_for_update_on_startup", "false"),
+            ("features.unbounded_connection_retries", "false"),
+        ],
+    };
+    /// Gemini CLI: the workspace trusted (else exit 55). Its telemetry, update and retry
+    /// switches live in its settings file ([`crate::backend::gemini::write_settings`]).
+    pub const GEMINI: Self = Self {
+        env: &[("GEMINI_CLI_TRUST_WORKSPACE", "true")],
+        config_overrides: &[],
+    };
+    /// None (a CLI the pool knows nothing about).
+    pub const NONE: Self = Self {
+        env: &[],
+        config_overrides: &[],
+    };
+
+    /// The switch variables `env` does not name, to add to the child's environment.
+    pub fn env_for(&self, env: &BTreeMap<String, String>) -> Vec<(String, String)> {
+        self.env
+            .iter()
+            .filter(|(k, _)| !env.contains_key(*k))
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    /// `-c key=value` pairs for the switches whose key `args` does not set (as `-c key=`,
+    /// `--config key=` or `--config=key=`), to put before the subcommand.
+    pub fn config_args_for(&self, args: &[String]) -> Vec<String> {
+        self.config_overrides
+            .iter()
+            .filter(|(k, _)| !names_config_key(args, k))
+            .flat_map(|(k, v)| ["-c".to_owned(), format!("{k}={v}")])
+            .collect()
+    }
+}
+
+/// Whether `args` set the Codex config key `key` (as `-c key=...`, `--config key=...` or
+/// `--config=key=...`).
+pub fn names_config_key(args: &[String], key: &str) -> bool {
+    args.iter().enumerate().any(|(i, arg)| {
+        let value = match arg.strip_prefix("--config=") {
+            Some(v) => Some(v),
+            None if i > 0 && matches!(args[i - 1].as_str(), "-c" | "--config") => {
+                Some(arg.as_str())
+            }
+            None => None,
+        };
+        value.is_some_and(|v| v.split_once('=').is_some_and(|(k, _)| k.trim() == key))
+    })
+}
+
+/// Whether `args` carry `flag` (as `flag` or `flag=value`).
+pub fn names_flag(args: &[String], flag: &str) -> bool {
+    args.iter().any(|a| {
+        a == flag
+            || a.strip_prefix(flag)
+                .is_some_and(|rest| rest.starts_with('='))
+    })
+}
+
+/// Claude Code's `--effort` level for the lease's reasoning effort (the page: minimal and
+/// low → `low`, adaptive and medium → `medium`, high, xhigh and max as they are; the pool's
+/// [`ReasoningEffort`] has `low`, `medium`, `high`, `xhigh`). No effort: no flag.
+pub fn claude_effort(effort: ReasoningEffort) -> &'static str {
+    match effort {
+        ReasoningEffort::Low => "low",
+        ReasoningEffort::Medium => "medium",
+        ReasoningEffort::High => "high",
+        ReasoningEffort::XHigh => "xhigh",
+    }
+}
+
+/// Codex's `model_reasoning_effort` for the lease's reasoning effort (Codex takes `low`,
+/// `medium`, `high` and `xhigh` as they are).
+pub fn codex_effort(effort: ReasoningEffort) -> &'static str {
+    effort.as_str()
+}
+
+/// Claude Code's `--permission-mode` for a permission policy: `bypassPermissions` when the
+/// policy approves everything (the page: the exec policy is YOLO), else `default` (every
+/// tool that needs approval asks the policy over stdio). Claude refuses
+/// `bypassPermissions` as root unless `IS_SANDBOX=1` is in its environment: as root without
+/// it (`sandboxed` false), `default` stays and the approve-all policy answers each prompt,
+/// which runs the same tools.
+pub fn claude_permission_mode(approves_all: bool, root: bool, sandboxed: bool) -> &'static str {
+    if approves_all && (!root || sandboxed) {
+        "bypassPermissions"
+    } else {
+        "default"
+    }
 }
 
 fn default_kind() -> BackendKind {
@@ -293,9 +422,14 @@ impl CliBackendConfig {
     /// stdio, stream-json in and out (`--verbose` is required for stream-json output with
     /// `-p`), partial messages for deltas, tool permissions asked over stdio
     /// (`--permission-prompt-tool stdio`, answered by the pool's permission policy),
-    /// `--resume {sessionId}` when a stored session is continued, nonessential traffic
-    /// (telemetry, feature flags) off and API retries bounded to one, so a dead endpoint
-    /// fails in about a second instead of retrying for minutes.
+    /// `--resume {sessionId}` when a stored session is continued.
+    ///
+    /// Not in `args`/`env`, applied by the runner whatever they say
+    /// ([`SafetySwitches::CLAUDE`]): nonessential traffic (telemetry, feature flags) off and
+    /// API retries bounded to one, so a dead endpoint fails in about a second instead of
+    /// retrying for minutes; `--permission-mode` from the permission policy
+    /// ([`claude_permission_mode`]) and `--effort` from the lease's reasoning effort
+    /// ([`claude_effort`]), each unless `args` name that flag themselves.
     ///
     /// `CLAUDE_CONFIG_DIR` and `TMPDIR` are not static: the live backend sets them inside
     /// the agent's own home when it spawns the process.
@@ -310,8 +444,6 @@ impl CliBackendConfig {
             "--include-partial-messages",
             "--permission-prompt-tool",
             "stdio",
-            "--permission-mode",
-            "default",
         ]
         .into_iter()
         .map(str::to_owned)
@@ -330,13 +462,6 @@ impl CliBackendConfig {
         config.system_prompt_arg = Some("--append-system-prompt".to_owned());
         config.system_prompt_when = SystemPromptWhen::First;
         config.serialize = true;
-        config.env = BTreeMap::from([
-            (
-                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC".to_owned(),
-                "1".to_owned(),
-            ),
-            ("CLAUDE_CODE_MAX_RETRIES".to_owned(), "1".to_owned()),
-        ]);
         config
     }
 
@@ -347,11 +472,11 @@ impl CliBackendConfig {
     /// * A resume puts `resume {sessionId}` after the exec flags (`exec <flags> resume <id>
     ///   <prompt>`): `--color` and `--sandbox` after `resume` are fatal, and this form keeps
     ///   the JSONL output of a fresh run, so `resumeOutput` stays unset.
-    /// * Outbound traffic off: analytics, plugins (GitHub and chatgpt.com sync) and the
-    ///   update check.
-    /// * Retries bounded: `features.unbounded_connection_retries=false` (otherwise a dead
-    ///   endpoint is retried forever); the per-provider `request_max_retries` and
-    ///   `stream_max_retries` of 1 are set by the runner with the provider itself.
+    /// * Applied by the runner, not in `args` ([`SafetySwitches::CODEX`]): outbound traffic
+    ///   off (analytics, plugins: GitHub and chatgpt.com sync, the update check) and
+    ///   retries bounded (`features.unbounded_connection_retries=false`, otherwise a dead
+    ///   endpoint is retried forever; the provider's `request_max_retries` and
+    ///   `stream_max_retries` of 1 are set with the provider itself).
     /// * The session id is the `thread_id` of `thread.started`; the system prompt goes in a
     ///   file named by `-c model_instructions_file=...` on every run.
     ///
@@ -367,14 +492,6 @@ impl CliBackendConfig {
             "--sandbox",
             "workspace-write",
             "--skip-git-repo-check",
-            "-c",
-            "analytics.enabled=false",
-            "-c",
-            "features.plugins=false",
-            "-c",
-            "check_for_update_on_startup=false",
-            "-c",
-            "features.unbounded_connection_retries=false",
             "--model",
             MODEL_PLACEHOLDER,
         ]
@@ -410,9 +527,10 @@ impl CliBackendConfig {
     /// a stored session (the CLI's own transcript must exist: see
     /// [`crate::backend::gemini::transcript_path`]), `--model` so each turn makes one model
     /// call instead of a router call first. The key goes in `GEMINI_API_KEY` and the endpoint
-    /// in `GOOGLE_GEMINI_BASE_URL`, both only in the child's environment; the workspace is
-    /// trusted by `GEMINI_CLI_TRUST_WORKSPACE` (else exit 55) and the self-relaunch (a second
-    /// Node boot, 1–4 s) is off.
+    /// in `GOOGLE_GEMINI_BASE_URL`, both only in the child's environment; the self-relaunch
+    /// (a second Node boot, 1–4 s) is off. The workspace is trusted (else exit 55) by the
+    /// runner ([`SafetySwitches::GEMINI`]: `GEMINI_CLI_TRUST_WORKSPACE`, and folder trust off
+    /// in the home's settings), whatever `env` says.
     ///
     /// Not expressible here and required before the first run: the auth type, telemetry,
     /// auto-update and the retry bound in `<home>/.gemini/settings.json`
@@ -443,10 +561,7 @@ impl CliBackendConfig {
         config.session_id_fields = strings(&["session_id"]);
         // A resume must see the previous turn's transcript: one run at a time.
         config.serialize = true;
-        config.env = BTreeMap::from([
-            ("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "true".to_owned()),
-            ("GEMINI_CLI_NO_RELAUNCH".to_owned(), "true".to_owned()),
-        ]);
+        config.env = BTreeMap::from([("GEMINI_CLI_NO_RELAUNCH".to_owned(), "true".to_owned())]);
         config.api_key_env = Some("GEMINI_API_KEY".to_owned());
         config.base_url_env = Some("GOOGLE_GEMINI_BASE_URL".to_owned());
         config
@@ -802,8 +917,16 @@ mod tests {
         for flag in ["--verbose", "stream-json", "--permission-prompt-tool"] {
             assert!(claude.args.iter().any(|a| a == flag), "{flag}");
         }
-        assert_eq!(claude.env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"], "1");
-        assert_eq!(claude.env["CLAUDE_CODE_MAX_RETRIES"], "1");
+        // The safety switches and the permission mode are the runner's, not in `args`/`env`
+        // (an override of those cannot drop them).
+        assert!(claude.env.is_empty(), "{:?}", claude.env);
+        assert!(!claude.args.iter().any(|a| a == "--permission-mode"));
+        let switches = SafetySwitches::CLAUDE.env_for(&claude.env);
+        assert!(switches.contains(&("CLAUDE_CODE_MAX_RETRIES".into(), "1".into())));
+        assert!(switches.contains(&(
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC".into(),
+            "1".into()
+        )));
         assert!(CliBackendConfig::bundled("nope").is_none());
     }
 
@@ -822,7 +945,16 @@ mod tests {
             "check_for_update_on_startup=false",
             "features.unbounded_connection_retries=false",
         ] {
-            assert!(codex.args.iter().any(|a| a == switch), "{switch}");
+            assert!(
+                !codex.args.iter().any(|a| a == switch),
+                "the runner's: {switch}"
+            );
+            assert!(
+                SafetySwitches::CODEX
+                    .config_args_for(&codex.args)
+                    .contains(&switch.to_owned()),
+                "{switch}"
+            );
         }
         let fresh = codex.argv(None, None);
         assert_eq!(fresh[..3], ["exec", "--json", "--color"]);
@@ -849,7 +981,10 @@ mod tests {
         assert_eq!(gemini.kind, BackendKind::CliOneshot);
         assert_eq!(gemini.output, OutputFormat::Jsonl);
         assert_eq!(gemini.session_id_fields, ["session_id"]);
-        assert_eq!(gemini.env["GEMINI_CLI_TRUST_WORKSPACE"], "true");
+        assert_eq!(
+            SafetySwitches::GEMINI.env_for(&gemini.env),
+            [("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "true".to_owned())]
+        );
         assert_eq!(gemini.env["GEMINI_CLI_NO_RELAUNCH"], "true");
         assert_eq!(gemini.api_key_env.as_deref(), Some("GEMINI_API_KEY"));
         assert_eq!(

@@ -78,6 +78,27 @@ impl CliConversation {
         }
     }
 
+    /// A lease's settings for its turns: its permission policy and reasoning effort. Claude
+    /// Code's process is restarted (resuming the session) when its `--effort` or
+    /// `--permission-mode` must change (`true` then); a one-shot conversation applies them
+    /// to its next run (Codex: `-c model_reasoning_effort`; other dialects have no effort
+    /// mapping and ignore it, see `OneshotConfig::reasoning_effort`).
+    pub async fn set_lease_settings(
+        &mut self,
+        permission: std::sync::Arc<dyn crate::permission::PermissionPolicy>,
+        reasoning_effort: Option<crate::kinds::ReasoningEffort>,
+    ) -> bool {
+        match self {
+            CliConversation::Live(live) => {
+                live.set_lease_settings(permission, reasoning_effort).await
+            }
+            CliConversation::Oneshot(oneshot) => {
+                oneshot.set_reasoning_effort(reasoning_effort);
+                false
+            }
+        }
+    }
+
     /// Takes a lease's gateway tool handlers out (the lease ended): a call before the next
     /// [`CliConversation::set_gateway_tools`] is an `isError` result at once.
     #[cfg(feature = "mcp-bridge")]

@@ -185,8 +185,11 @@ pub fn settings_path(home: &Path) -> PathBuf {
 }
 
 /// The settings the pool owns, as (key path, value).
-fn owned_settings() -> [(&'static [&'static str], Value); 7] {
+fn owned_settings() -> [(&'static [&'static str], Value); 8] {
     [
+        // The agent's home is the pool's: every workspace in it is trusted (else exit 55),
+        // also when `GEMINI_CLI_TRUST_WORKSPACE` is not in the environment.
+        (&["security", "folderTrust", "enabled"], json!(false)),
         (
             &["security", "auth", "selectedType"],
             json!("gemini-api-key"),
@@ -1088,6 +1091,7 @@ mod tests {
         assert_eq!(written["general"]["enableAutoUpdate"], false);
         assert_eq!(written["general"]["maxAttempts"], 1);
         assert_eq!(written["general"]["retryFetchErrors"], false);
+        assert_eq!(written["security"]["folderTrust"]["enabled"], false);
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(gemini_dir(home.path()))
             .unwrap()

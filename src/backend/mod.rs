@@ -24,8 +24,9 @@ pub mod oneshot;
 pub use config::{
     CliBackendConfig, ConfigError, DEFAULT_MAX_TURN_LINES, DEFAULT_MAX_TURN_RAW_CHARS, ImageMode,
     InputMode, MAX_TURN_LINES_CAP, MAX_TURN_RAW_CHARS_CAP, MODEL_PLACEHOLDER, OutputFormat,
-    OutputLimits, PROMPT_PLACEHOLDER, SESSION_ID_PLACEHOLDER, SessionMode, SystemPromptWhen,
-    TextRewrite, TextTransforms,
+    OutputLimits, PROMPT_PLACEHOLDER, SESSION_ID_PLACEHOLDER, SafetySwitches, SessionMode,
+    SystemPromptWhen, TextRewrite, TextTransforms, claude_effort, claude_permission_mode,
+    codex_effort, names_config_key, names_flag,
 };
 pub use conversation::{CliConversation, CliStartError, CliTurn};
 pub use event::{

@@ -51,11 +51,11 @@ use tokio_util::codec::{FramedRead, LinesCodec, LinesCodecError};
 
 use super::config::{
     CliBackendConfig, ConfigError, ImageMode, InputMode, OutputFormat, PROMPT_PLACEHOLDER,
-    SessionMode, SystemPromptWhen,
+    SafetySwitches, SessionMode, SystemPromptWhen, codex_effort, names_config_key,
 };
 use super::event::{BackendEvent, CliTurnOutcome, TurnFailure};
 use super::gemini;
-use crate::kinds::TurnEnd;
+use crate::kinds::{ReasoningEffort, TurnEnd};
 use crate::process::{ChildGroup, ChildSpec, ExitInfo, SpawnError};
 use crate::secret::Secret;
 use crate::turn::Usage;
@@ -64,6 +64,8 @@ use crate::turn::Usage;
 pub const CODEX_BACKEND_ID: &str = "codex-cli";
 /// The environment variable holding the model key for Codex (the provider's `env_key`).
 pub const CODEX_KEY_ENV: &str = "COPILOT_POOL_MODEL_KEY";
+/// OpenAI's endpoint, the provider's base URL when a Codex lease has a key and no base URL.
+pub const CODEX_OPENAI_BASE_URL: &str = "https://api.openai.com/v1";
 /// The name of the model provider the runner declares for Codex.
 const CODEX_PROVIDER: &str = "copilot_pool";
 
@@ -102,6 +104,15 @@ pub enum Dialect {
 }
 
 impl Dialect {
+    /// The switches this dialect's runner applies whatever `args`/`env` say.
+    pub fn safety_switches(self) -> SafetySwitches {
+        match self {
+            Dialect::Generic => SafetySwitches::NONE,
+            Dialect::Codex => SafetySwitches::CODEX,
+            Dialect::Gemini => SafetySwitches::GEMINI,
+        }
+    }
+
     /// The dialect a backend id runs with: the bundled ids' own (`codex-cli` → Codex,
     /// `google-gemini-cli` → Gemini), [`Dialect::Generic`] for any other id.
     pub fn of_backend(id: &str) -> Self {
@@ -310,6 +321,11 @@ pub struct OneshotConfig {
     pub key_env: Option<String>,
     /// The pool's model name (mapped through `modelAliases`).
     pub model: Option<String>,
+    /// The reasoning effort: Codex gets `-c model_reasoning_effort=<effort>`; other
+    /// dialects have no mapping and ignore it (the page: a CLI's effort flag must be
+    /// declared by its owner; a fallback chain carries one request across backends, so
+    /// refusing would turn an effort into a failed failover).
+    pub reasoning_effort: Option<ReasoningEffort>,
     /// The system prompt (passed as `systemPrompt*` and `systemPromptWhen` say).
     pub system_prompt: Option<String>,
     /// The stored session to continue.
@@ -346,6 +362,7 @@ impl OneshotConfig {
             api_key: None,
             key_env: None,
             model: None,
+            reasoning_effort: None,
             system_prompt: None,
             session: None,
             turn_timeout: DEFAULT_TURN_TIMEOUT,
@@ -692,7 +709,20 @@ impl Oneshot {
             fresh.argv(session_id.as_deref(), model)
         };
         if config.dialect == Dialect::Codex {
-            args.splice(0..0, self.codex_overrides());
+            let mut global = SafetySwitches::CODEX.config_args_for(&args);
+            global.extend(self.codex_overrides());
+            if let Some(effort) = config.reasoning_effort
+                && !names_config_key(&args, "model_reasoning_effort")
+            {
+                global.extend([
+                    "-c".to_owned(),
+                    format!(
+                        "model_reasoning_effort={}",
+                        toml_string(codex_effort(effort))
+                    ),
+                ]);
+            }
+            args.splice(0..0, global);
         }
 
         let pass_system_prompt = match backend.system_prompt_when {
@@ -778,9 +808,31 @@ impl Oneshot {
 
     /// Codex's model provider as `-c` overrides: the endpoint, the Responses API, the key's
     /// variable (when there is a key) and one retry per request and stream.
+    ///
+    /// Without a `base_url` but with a key, the provider is OpenAI's own endpoint
+    /// ([`CODEX_OPENAI_BASE_URL`], the key in `OPENAI_API_KEY`) declared by the pool: Codex
+    /// refuses overrides of its built-in `openai` provider, whose retries are 4 per request
+    /// and 5 per stream (a dead endpoint took 34.5 s to fail, 2.4 s with this provider).
+    /// Without either, the CLI's own login (`codex login` in the agent's home) is used
+    /// through the built-in provider and its retries stay Codex's own; a warning says so
+    /// once per process.
     fn codex_overrides(&self) -> Vec<String> {
-        let Some(url) = &self.config.base_url else {
-            return Vec::new();
+        let url = match (&self.config.base_url, &self.config.api_key) {
+            (Some(url), _) => url.as_str(),
+            (None, Some(_)) => CODEX_OPENAI_BASE_URL,
+            (None, None) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        backend = %self.config.id,
+                        "codex-cli runs on its own login with no base_url and no key: its \
+                         built-in provider keeps Codex's default retries (5 per stream, about \
+                         35 s against a dead endpoint); give the lease a provider (base_url \
+                         and api_key) to bound them to one"
+                    );
+                });
+                return Vec::new();
+            }
         };
         let mut provider = format!(
             "{{name={},base_url={},wire_api=\"responses\",request_max_retries=1,\
@@ -816,6 +868,17 @@ impl Oneshot {
             (Dialect::Codex, None) => "OPENAI_API_KEY".to_owned(),
             (Dialect::Generic | Dialect::Gemini, _) => String::new(),
         }
+    }
+
+    /// The reasoning effort of the next runs ([`OneshotConfig::reasoning_effort`]).
+    pub fn set_reasoning_effort(&mut self, effort: Option<ReasoningEffort>) {
+        if effort.is_some() && self.config.dialect != Dialect::Codex {
+            tracing::debug!(
+                backend = %self.config.id,
+                "this CLI has no reasoning-effort mapping; the lease's effort is ignored"
+            );
+        }
+        self.config.reasoning_effort = effort;
     }
 
     /// Whether this conversation serves gateway tools to its CLI (the Codex dialect does,
@@ -909,6 +972,14 @@ impl Oneshot {
                 .backend
                 .env
                 .iter()
+                .map(|(k, v)| (OsString::from(k), OsString::from(v))),
+        );
+        env.extend(
+            config
+                .dialect
+                .safety_switches()
+                .env_for(&config.backend.env)
+                .into_iter()
                 .map(|(k, v)| (OsString::from(k), OsString::from(v))),
         );
         if let (Some(name), Some(url)) = (&config.backend.base_url_env, &config.base_url) {
@@ -1567,6 +1638,7 @@ fn tail_chars(text: &str, max: usize) -> String {
 mod tests {
     use super::*;
     use crate::backend::{SESSION_ID_PLACEHOLDER, TextRewrite};
+    use std::collections::BTreeMap;
 
     /// A generic backend whose "CLI" is `/bin/sh -c <script> sh [args...] <prompt>`.
     fn sh_config(dir: &Path, script: &str) -> OneshotConfig {
@@ -1616,9 +1688,17 @@ mod tests {
         let fresh = oneshot.invocation("hello", &[], None).unwrap();
         assert!(!fresh.resumed && fresh.stdin_prompt.is_none());
         assert_eq!(fresh.args.last().map(String::as_str), Some("hello"));
-        assert_eq!(fresh.args[0], "-c");
-        assert_eq!(fresh.args[1], r#"model_provider="copilot_pool""#);
-        let provider = &fresh.args[3];
+        let at = fresh
+            .args
+            .iter()
+            .position(|a| a == r#"model_provider="copilot_pool""#)
+            .expect("the provider is declared");
+        assert_eq!(fresh.args[at - 1], "-c");
+        assert!(
+            at < fresh.args.iter().position(|a| a == "exec").unwrap(),
+            "global overrides go before the subcommand"
+        );
+        let provider = &fresh.args[at + 2];
         for part in [
             r#"base_url="http://127.0.0.1:9/v1""#,
             r#"wire_api="responses""#,
@@ -1647,6 +1727,92 @@ mod tests {
         let flag = oneshot.invocation("--help me", &[], None).unwrap();
         assert_eq!(flag.stdin_prompt.as_deref(), Some("--help me"));
         assert_ne!(flag.args.last().map(String::as_str), Some("--help me"));
+    }
+
+    #[test]
+    fn codex_keeps_its_safety_switches_under_overridden_args_and_gets_effort_and_bounded_retries() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = OneshotConfig::codex("/opt/codex", dir.path().join("h"), dir.path());
+        config.backend.args = ["exec", "--json", "-c", "analytics.enabled=true"]
+            .map(String::from)
+            .to_vec();
+        config.backend.resume_args = None;
+        config.backend.session_mode = SessionMode::None;
+        config.backend.env = BTreeMap::from([("RUST_LOG".into(), "warn".into())]);
+        config.reasoning_effort = Some(ReasoningEffort::High);
+        config.api_key = Some(Secret::new("sk-FAKE-do-not-print"));
+        let oneshot = Oneshot::new(config).unwrap();
+        let args = oneshot.invocation("hi", &[], None).unwrap().args;
+        for switch in [
+            "features.plugins=false",
+            "check_for_update_on_startup=false",
+            "features.unbounded_connection_retries=false",
+            r#"model_reasoning_effort="high""#,
+        ] {
+            assert!(args.iter().any(|a| a == switch), "{switch} in {args:?}");
+        }
+        // The key the configuration names is its own.
+        assert!(
+            !args.iter().any(|a| a == "analytics.enabled=false"),
+            "{args:?}"
+        );
+        // No base URL but a key: OpenAI's endpoint, declared by the pool, retries bounded.
+        let provider = args
+            .iter()
+            .find(|a| a.starts_with("model_providers.copilot_pool="))
+            .expect("a provider");
+        for part in [
+            r#"base_url="https://api.openai.com/v1""#,
+            "request_max_retries=1",
+            "stream_max_retries=1",
+            r#"env_key="OPENAI_API_KEY""#,
+        ] {
+            assert!(provider.contains(part), "{part} in {provider}");
+        }
+        // Neither: the CLI's own login through its built-in provider.
+        let mut config = OneshotConfig::codex("/opt/codex", dir.path().join("h"), dir.path());
+        config.backend.args = vec!["exec".into(), "-c".into(), "x=1".into()];
+        config.backend.session_mode = SessionMode::None;
+        let args = Oneshot::new(config)
+            .unwrap()
+            .invocation("hi", &[], None)
+            .unwrap()
+            .args;
+        assert!(
+            !args.iter().any(|a| a.contains("model_provider")),
+            "{args:?}"
+        );
+        assert!(!args.iter().any(|a| a.contains("reasoning")), "{args:?}");
+        assert!(
+            args.iter().any(|a| a == "analytics.enabled=false"),
+            "{args:?}"
+        );
+    }
+
+    #[test]
+    fn gemini_is_trusted_whatever_its_env_unless_the_env_names_the_variable() {
+        let dir = tempfile::tempdir().unwrap();
+        let env_of = |env: &[(&str, &str)]| {
+            let mut config = OneshotConfig::gemini("/opt/gemini", dir.path().join("h"), dir.path());
+            config.backend.env = env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect();
+            let oneshot = Oneshot::new(config).unwrap();
+            let invocation = oneshot.invocation("hi", &[], None).unwrap();
+            oneshot
+                .child_spec(&invocation, dir.path().join("tmp"))
+                .env
+                .into_iter()
+                .filter(|(k, _)| k == "GEMINI_CLI_TRUST_WORKSPACE")
+                .map(|(_, v)| v)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(env_of(&[("HTTPS_PROXY", "http://p:3128")]), ["true"]);
+        assert_eq!(
+            env_of(&[("GEMINI_CLI_TRUST_WORKSPACE", "false")]),
+            ["false"]
+        );
     }
 
     #[test]
@@ -1919,9 +2085,21 @@ echo '{"type":"turn.completed","usage":{"input_tokens":7,"output_tokens":3}}'"#;
         let script = r#"n=$(cat count 2>/dev/null || echo 0); n=$((n+1)); echo $n > count
 echo '{"type":"thread.started","thread_id":"t-1"}'
 echo "{\"type\":\"turn.completed\",\"usage\":{\"input_tokens\":$((n*100)),\"output_tokens\":$((n*10))}}""#;
-        let mut config = sh_config(dir.path(), script);
-        config.dialect = Dialect::Codex;
-        let mut oneshot = Oneshot::new(config).unwrap();
+        // The Codex dialect puts its `-c` switches first: run the script as a file that
+        // takes them as arguments.
+        let file = dir.path().join("codex.sh");
+        std::fs::write(&file, format!("#!/bin/sh\n{script}\n")).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let codex_sh = || {
+            let mut config = sh_config(dir.path(), script);
+            config.dialect = Dialect::Codex;
+            config.backend.command = file.display().to_string();
+            config.backend.args = Vec::new();
+            config.backend.resume_args = Some(vec!["resume".into(), SESSION_ID_PLACEHOLDER.into()]);
+            config
+        };
+        let mut oneshot = Oneshot::new(codex_sh()).unwrap();
         for _ in 0..3 {
             let (outcome, _) = run(&mut oneshot, "p").await;
             assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
@@ -1936,8 +2114,7 @@ echo "{\"type\":\"turn.completed\",\"usage\":{\"input_tokens\":$((n*100)),\"outp
         assert!(text.contains("usageTotals"), "{text}");
 
         // A new process (the pool restarted) resumes from the persisted totals.
-        let mut config = sh_config(dir.path(), script);
-        config.dialect = Dialect::Codex;
+        let mut config = codex_sh();
         config.session = Some(serde_json::from_str(&text).unwrap());
         let mut resumed = Oneshot::new(config).unwrap();
         let (outcome, _) = run(&mut resumed, "p").await;

@@ -296,6 +296,7 @@ impl Pool {
             cwd: req.working_directory.clone(),
             creds,
             model: req.model.clone(),
+            reasoning_effort: req.reasoning_effort,
             permission: req.handlers.permission_policy.clone(),
             fail_if_busy: req.fail_if_busy,
             wait: req.wait_timeout.unwrap_or(inner.config.wait_timeout),

@@ -651,7 +651,12 @@ impl ServeConfig {
 }
 
 /// One `[backends.<id>]` table as a CLI backend: its keys over the bundled default of `id`
-/// when there is one, else the table alone; checked by the library's validation.
+/// when there is one, else the table alone; checked by the library's validation. A key
+/// replaces the default's, except `env`, merged variable by variable (the table's value wins
+/// for a variable it names). The safety switches (telemetry, updates, analytics, bounded
+/// retries, workspace trust) are not in the defaults' `args`/`env`: the runner applies them
+/// whatever the table says (`SafetySwitches`), unless the table names that very variable or
+/// `-c` key.
 fn cli_backend(id: &str, table: &toml::Table) -> Result<CliBackendConfig> {
     let mut value = match CliBackendConfig::bundled(id) {
         Some(bundled) => serde_json::to_value(bundled).context("the bundled backend")?,
@@ -659,7 +664,16 @@ fn cli_backend(id: &str, table: &toml::Table) -> Result<CliBackendConfig> {
     };
     let overrides = serde_json::to_value(table).context("reading the backend table")?;
     if let (Some(base), serde_json::Value::Object(keys)) = (value.as_object_mut(), overrides) {
-        base.extend(keys);
+        for (key, value) in keys {
+            match (key.as_str(), base.get_mut(&key), value) {
+                ("env", Some(serde_json::Value::Object(env)), serde_json::Value::Object(more)) => {
+                    env.extend(more);
+                }
+                (_, _, value) => {
+                    base.insert(key, value);
+                }
+            }
+        }
     }
     let config: CliBackendConfig = serde_json::from_value(value).with_context(|| {
         format!(
@@ -855,6 +869,46 @@ mod tests {
             let error = bad.validate().expect_err(text).to_string();
             assert!(error.contains(says), "{text}: {error}");
         }
+    }
+
+    #[test]
+    fn a_backends_env_merges_variable_by_variable_over_the_bundled_one() {
+        let c: ServeConfig = toml::from_str(
+            "[backends.google-gemini-cli]\nenv = { HTTPS_PROXY = \"http://proxy:3128\" }\n\
+             [backends.codex-cli]\nargs = [\"exec\", \"--json\"]\n\
+             [backends.claude-cli]\nenv = { CLAUDE_CODE_MAX_RETRIES = \"3\" }\n",
+        )
+        .unwrap();
+        let pool = c.pool_config(PathBuf::from("/bin/true")).unwrap();
+        let gemini = &pool.cli_backends["google-gemini-cli"].env;
+        assert_eq!(gemini["HTTPS_PROXY"], "http://proxy:3128");
+        assert_eq!(
+            gemini["GEMINI_CLI_NO_RELAUNCH"], "true",
+            "the bundled variable stays"
+        );
+        // The runner adds the safety switches the table does not name.
+        let switches = copilot_pool::backend::SafetySwitches::GEMINI.env_for(gemini);
+        assert_eq!(
+            switches,
+            [("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "true".to_owned())]
+        );
+        let codex = &pool.cli_backends["codex-cli"].args;
+        let switches = copilot_pool::backend::SafetySwitches::CODEX.config_args_for(codex);
+        assert!(
+            switches.contains(&"analytics.enabled=false".to_owned()),
+            "{switches:?}"
+        );
+        assert!(switches.contains(&"features.unbounded_connection_retries=false".to_owned()));
+        // Naming the very variable is the one way to change a switch.
+        let claude = &pool.cli_backends["claude-cli"].env;
+        assert_eq!(claude["CLAUDE_CODE_MAX_RETRIES"], "3");
+        assert_eq!(
+            copilot_pool::backend::SafetySwitches::CLAUDE.env_for(claude),
+            [(
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC".to_owned(),
+                "1".to_owned()
+            )]
+        );
     }
 
     #[test]

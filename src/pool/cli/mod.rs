@@ -54,6 +54,8 @@ pub(crate) struct CliAsk {
     pub cwd: PathBuf,
     pub creds: CliCredentials,
     pub model: Option<String>,
+    /// The lease's reasoning effort (Claude `--effort`, Codex `model_reasoning_effort`).
+    pub reasoning_effort: Option<crate::kinds::ReasoningEffort>,
     pub permission: Arc<dyn PermissionPolicy>,
     pub fail_if_busy: bool,
     pub wait: Duration,
@@ -236,6 +238,7 @@ impl CliPool {
             home: ask.home.display().to_string(),
             credential: session::credential(&ask.creds),
             backend: ask.backend.clone(),
+            serialize: config.serialize,
         };
         let started = Instant::now();
         let (tx, rx) = oneshot::channel();
@@ -302,6 +305,14 @@ impl CliPool {
             let (conversation, reason) = self.open(&ask, &config, &lease)?;
             lease.conversation = Some(conversation);
             lease.reason = reason;
+        } else if let Some(conversation) = lease.conversation.as_mut()
+            && conversation
+                .set_lease_settings(ask.permission.clone(), ask.reasoning_effort)
+                .await
+            && lease.reason == OpenReason::Attached
+        {
+            // Its process was closed for other flags: the next turn resumes the session.
+            lease.reason = OpenReason::Resumed;
         }
         // This lease's handlers answer the CLI's tool calls until it is dropped; a CLI
         // started with other tools is started again with these (never a stale list).
@@ -368,6 +379,7 @@ impl CliPool {
             one.api_key = ask.creds.api_key.clone();
             one.model = ask.model.clone();
             one.system_prompt = ask.system_prompt.clone();
+            one.reasoning_effort = ask.reasoning_effort;
             one.session = resume.map(|id| {
                 let mut stored = crate::backend::oneshot::StoredSession::new(id);
                 // Codex reports thread totals: start from the last ones it recorded, so the
@@ -392,6 +404,7 @@ impl CliPool {
         live.system_prompt = ask.system_prompt.clone();
         live.session_id = resume;
         live.permission = ask.permission.clone();
+        live.reasoning_effort = ask.reasoning_effort;
         let runner = ClaudeLive::new(live).map_err(|e| invalid(&e))?;
         Ok((CliConversation::Live(Box::new(runner)), reason))
     }

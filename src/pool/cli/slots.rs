@@ -22,6 +22,19 @@ pub(crate) struct CliKey {
     pub credential: String,
     /// The backend id.
     pub backend: String,
+    /// The backend's `serialize`: one lease at a time in its lane (this home and backend,
+    /// any credential or conversation), the others waiting FIFO.
+    pub serialize: bool,
+}
+
+impl CliKey {
+    /// Whether `other` runs in the same serialized lane as this key.
+    fn same_lane(&self, other: &CliKey) -> bool {
+        self.serialize
+            && other.serialize
+            && self.home == other.home
+            && self.backend == other.backend
+    }
 }
 
 /// The caps.
@@ -165,8 +178,10 @@ impl Slots {
                 why: Refusal::Busy,
             }];
         }
+        // A serialized lane keeps its order: behind an earlier waiter of the lane.
+        let lane_queued = self.waiters.iter().any(|w| key.same_lane(&w.key));
         let mut effects = Vec::new();
-        if !leased && self.try_grant(id, conversation, &key, now, &mut effects) {
+        if !leased && !lane_queued && self.try_grant(id, conversation, &key, now, &mut effects) {
             return effects;
         }
         if self.waiters.len() >= self.caps.max_waiters {
@@ -193,6 +208,14 @@ impl Slots {
         now: Instant,
         effects: &mut Vec<Effect>,
     ) -> bool {
+        // A serialized lane runs one lease at a time.
+        if self
+            .held
+            .iter()
+            .any(|(c, h)| h.leased && c != conversation && key.same_lane(&h.key))
+        {
+            return false;
+        }
         match self.held.get_mut(conversation) {
             Some(held) if held.leased => return false,
             Some(held) if &held.key == key => {
@@ -342,12 +365,13 @@ impl Slots {
             let waiter = &self.waiters[i];
             let (id, conversation, key) =
                 (waiter.id, waiter.conversation.clone(), waiter.key.clone());
-            // An earlier waiter of the same conversation goes first (one lease at a time).
+            // An earlier waiter of the same conversation, or of the same serialized lane,
+            // goes first (one lease at a time, in order).
             let earlier = self
                 .waiters
                 .iter()
                 .take(i)
-                .any(|w| w.conversation == conversation);
+                .any(|w| w.conversation == conversation || key.same_lane(&w.key));
             if !earlier && self.try_grant(id, &conversation, &key, now, effects) {
                 self.waiters.remove(i);
             } else {
@@ -366,7 +390,42 @@ mod tests {
             home: format!("/h/{n}"),
             credential: "c".into(),
             backend: "claude-cli".into(),
+            serialize: false,
         }
+    }
+
+    fn serialized(n: &str) -> CliKey {
+        CliKey {
+            serialize: true,
+            ..key(n)
+        }
+    }
+
+    #[test]
+    fn a_serialized_backend_runs_one_lease_per_home_at_a_time_and_its_waiters_in_order() {
+        let now = Instant::now();
+        let mut s = slots(8, 8);
+        s.caps.max_waiters = 8;
+        assert!(granted(&s.ask(1, "a/1", serialized("a"), false, now), 1));
+        // Another conversation of the same home and backend waits, in order.
+        assert!(s.ask(2, "a/2", serialized("a"), false, now).is_empty());
+        assert!(s.ask(3, "a/3", serialized("a"), false, now).is_empty());
+        // Another home's lane, and the same home on a backend that does not serialize, run.
+        assert!(granted(&s.ask(4, "b/1", serialized("b"), false, now), 4));
+        assert!(granted(&s.ask(5, "a/9", key("a"), false, now), 5));
+        // A later ask of a leased conversation's lane queues behind the earlier waiters.
+        let effects = s.returned("a/1", true, false, now);
+        assert_eq!(
+            effects,
+            [Effect::Grant {
+                id: 2,
+                conversation: "a/2".into(),
+                reuse: false
+            }]
+        );
+        assert!(s.ask(6, "a/1", serialized("a"), false, now).is_empty());
+        assert!(granted(&s.returned("a/2", true, false, now), 3));
+        assert!(granted(&s.returned("a/3", true, false, now), 6));
     }
 
     fn slots(max_processes: usize, max_per_key: usize) -> Slots {
