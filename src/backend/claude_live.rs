@@ -17,7 +17,7 @@
 //! * a process that dies mid-turn ends the turn `crashed` as soon as its stdout closes (no
 //!   timeout wait), and the next turn starts a new process with `--resume <session id>`;
 //! * the output a turn retains (every line but the stream's envelopes, [`is_envelope`]: the
-//!   `stream_event`s of partial deltas, the `system` init, the `result`, the control
+//!   `stream_event`s of partial deltas, the `system` lines, the `result`, the control
 //!   protocol's requests and responses) is bounded by the backend's `outputLimits`
 //!   (8 MiB / 20,000 lines by default); an envelope line is still bounded by the byte limit
 //!   alone, as any line read;
@@ -459,15 +459,16 @@ impl ClaudeLive {
 
 /// Whether a stream-json line of Claude Code is an envelope of the stream, not output the
 /// turn retains (so not counted against `outputLimits`): partial deltas (`stream_event`), the
-/// session's `system` init, the closing `result`, and the control protocol
+/// session's `system` lines (`init`, and the `status` Claude Code 2.1 prints before each model
+/// request), the closing `result`, rate limit notices and the control protocol
 /// (`control_request`, `control_response`, `keep_alive`). Assistant messages and tool results
 /// (`user` lines) are retained.
 pub(crate) fn is_envelope(value: &Value) -> bool {
     match value.get("type").and_then(Value::as_str) {
-        Some("stream_event" | "result" | "control_request" | "control_response" | "keep_alive") => {
-            true
-        }
-        Some("system") => value.get("subtype").and_then(Value::as_str) == Some("init"),
+        Some(
+            "stream_event" | "system" | "result" | "control_request" | "control_response"
+            | "keep_alive" | "rate_limit_event",
+        ) => true,
         _ => false,
     }
 }

@@ -1800,7 +1800,8 @@ echo '{"type":"turn.completed","usage":{"input_tokens":7,"output_tokens":3}}'"#;
         assert_eq!(oneshot.session_id(), Some("t-42"));
         assert_eq!(outcome.usage.input_tokens, 7);
         assert_eq!(outcome.tool_calls, 1, "started and completed are one call");
-        assert_eq!(outcome.retained_lines, 6);
+        // thread.started and turn.completed are envelopes: not retained.
+        assert_eq!(outcome.retained_lines, 4);
         let names: Vec<_> = events.iter().map(BackendEvent::name).collect();
         assert_eq!(names, ["tool.call", "assistant.message", "turn.end"]);
 
