@@ -464,13 +464,18 @@ impl ClaudeLive {
 /// (`control_request`, `control_response`, `keep_alive`). Assistant messages and tool results
 /// (`user` lines) are retained.
 pub(crate) fn is_envelope(value: &Value) -> bool {
-    match value.get("type").and_then(Value::as_str) {
+    matches!(
+        value.get("type").and_then(Value::as_str),
         Some(
-            "stream_event" | "system" | "result" | "control_request" | "control_response"
-            | "keep_alive" | "rate_limit_event",
-        ) => true,
-        _ => false,
-    }
+            "stream_event"
+                | "system"
+                | "result"
+                | "control_request"
+                | "control_response"
+                | "keep_alive"
+                | "rate_limit_event"
+        )
+    )
 }
 
 /// Closes a process: its stdin first (Claude exits after the current turn), `grace`, then
