@@ -792,6 +792,10 @@ impl Drop for CliLeaseTurn<'_> {
         if let Some((timer, _)) = self.timer.take() {
             timer.abort();
         }
+        // A one-shot turn dropped before its end took its process with it.
+        if self.oneshot && self.process.take().is_some() {
+            crate::metrics::process_exited(self.backend, ProcessExit::Completed);
+        }
     }
 }
 
