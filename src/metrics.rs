@@ -15,22 +15,22 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | [`PROCESSES`] | gauge | `state`: `live`, `draining`, `spare`; `backend`: `copilot` or a configured CLI backend id |
-//! | [`PROCESS_SPAWNS_TOTAL`] | counter | `result`: `ok`, `error`, `resource_exhausted` |
-//! | [`PROCESS_EXITS_TOTAL`] | counter | `reason`: `crash`, `evicted`, `shutdown` |
-//! | [`PROCESS_START_SECONDS`] | histogram | — |
+//! | [`PROCESS_SPAWNS_TOTAL`] | counter | `result`: `ok`, `error`, `resource_exhausted`; `backend` |
+//! | [`PROCESS_EXITS_TOTAL`] | counter | `reason`: [`ProcessExit::label`] (`crash`, `evicted`, `shutdown`, `recycled`, `completed`); `backend` |
+//! | [`PROCESS_START_SECONDS`] | histogram | `backend` |
 //! | [`PROCESS_RESIDENT_MEMORY_BYTES`] | gauge | — |
 //! | [`CONVERSATIONS_ATTACHED`] | gauge | — |
-//! | [`SESSION_RESUMES_TOTAL`] | counter | `result`: the label of each [`OpenReason`] but `attached` |
-//! | [`LEASES_ACTIVE`], [`LEASE_WAITERS`] | gauge | — |
-//! | [`LEASE_WAIT_SECONDS`] | histogram | — |
-//! | [`LEASE_REJECTIONS_TOTAL`] | counter | `reason`: [`ErrorKind::rejection_label`] |
+//! | [`SESSION_RESUMES_TOTAL`] | counter | `result`: the label of each [`OpenReason`] but `attached`; `backend` |
+//! | [`LEASES_ACTIVE`], [`LEASE_WAITERS`] | gauge | `backend` |
+//! | [`LEASE_WAIT_SECONDS`] | histogram | `backend` |
+//! | [`LEASE_REJECTIONS_TOTAL`] | counter | `reason`: [`ErrorKind::rejection_label`]; `backend` (or `unknown`: a lease naming no configured backend) |
 //! | [`TURNS_TOTAL`] | counter | `outcome`: [`TurnEnd::label`]; `backend` |
 //! | [`TURN_DURATION_SECONDS`] | histogram | `backend` |
 //! | [`FALLBACKS_TOTAL`] | counter | `from`, `to`: backend ids (`backend` label's set); `class`: `auth`, `rate_limit`, `timeout`, `crash` (`crate::fallback::FallbackClass::label`) |
 //! | [`LLM_CALLS_TOTAL`] | counter | — |
 //! | [`TOOL_CALLS_TOTAL`] | counter | `outcome`: `ok`, `error`, `timeout` |
-//! | [`EVICTIONS_TOTAL`] | counter | `reason`: `idle`, `full`, `drained`, `detach_failed`, `unsettled` |
-//! | [`QUARANTINES_TOTAL`] | counter | — |
+//! | [`EVICTIONS_TOTAL`] | counter | `reason`: `idle`, `full`, `drained`, `detach_failed`, `unsettled`; `backend` |
+//! | [`QUARANTINES_TOTAL`] | counter | `backend` |
 //! | [`RPC_DURATION_SECONDS`] | histogram | `method`: [`RPC_METHODS`] or `other` |
 //! | [`HOOK_FAILURES_TOTAL`] | counter | — |
 //! | [`TOKENS_TOTAL`] | counter | `kind`: [`TokenKind::as_str`] (`input`, `output`, `cache_read`, `cache_write`); `backend` |
@@ -48,6 +48,11 @@
 //!
 //! The `backend` label takes `copilot` or one of the pool's configured CLI backend ids
 //! (`PoolConfig::cli_backends`, the daemon's `[backends.<id>]`): a bounded set fixed at start.
+//! A lease naming an id outside it is rejected under [`UNKNOWN_BACKEND`], never its own id.
+//! For a CLI backend a *process* is the CLI's: a live one (Claude Code) per conversation,
+//! started on its first turn and kept between leases; a one-shot one (Codex, Gemini CLI) per
+//! turn, which leaves with its turn (`completed`). Its start time is the spawn alone (a CLI
+//! has no handshake before its first prompt).
 //!
 //! The gauges are absolute values set by the pool actor: with more than one pool in a
 //! process they overwrite each other (the daemon runs one).
@@ -65,9 +70,9 @@ use crate::kinds::{
 
 /// CLI processes of the pool by `state` (`live`, `draining`).
 pub const PROCESSES: &str = "copilot_pool_processes";
-/// Process starts (spawn + handshake) by `result` (`ok`, `error`).
+/// Process starts (spawn + handshake) by `result` (`ok`, `error`) and `backend`.
 pub const PROCESS_SPAWNS_TOTAL: &str = "copilot_pool_process_spawns_total";
-/// Processes that left the pool by `reason` (`crash`, `evicted`, `shutdown`).
+/// Processes that left the pool by `reason` ([`ProcessExit::label`]) and `backend`.
 pub const PROCESS_EXITS_TOTAL: &str = "copilot_pool_process_exits_total";
 /// Time of a successful process start: spawn and handshake.
 pub const PROCESS_START_SECONDS: &str = "copilot_pool_process_start_seconds";
@@ -211,7 +216,6 @@ pub const RPC_OTHER: &str = "other";
 pub fn register_zeroes() {
     for name in [
         LLM_CALLS_TOTAL,
-        QUARANTINES_TOTAL,
         HOOK_FAILURES_TOTAL,
         OWNERSHIP_VIOLATIONS_TOTAL,
     ] {
@@ -220,24 +224,9 @@ pub fn register_zeroes() {
     for store in [Store::Bindings, Store::Transcript, Store::ProcessGroups] {
         counter!(STORAGE_WRITE_FAILURES_TOTAL, "store" => store.as_str()).absolute(0);
     }
-    for result in SpawnResult::ALL {
-        counter!(PROCESS_SPAWNS_TOTAL, "result" => result.label()).absolute(0);
-    }
-    for reason in ["crash", "evicted", "shutdown"] {
-        counter!(PROCESS_EXITS_TOTAL, "reason" => reason).absolute(0);
-    }
-    for result in OpenReason::ALL.into_iter().filter_map(resume_result) {
-        counter!(SESSION_RESUMES_TOTAL, "result" => result).absolute(0);
-    }
-    for reason in ErrorKind::ALL.map(ErrorKind::rejection_label) {
-        counter!(LEASE_REJECTIONS_TOTAL, "reason" => reason).absolute(0);
-    }
     register_backend_zeroes(COPILOT_BACKEND);
     for outcome in ["ok", "error", "timeout"] {
         counter!(TOOL_CALLS_TOTAL, "outcome" => outcome).absolute(0);
-    }
-    for reason in Eviction::ALL {
-        counter!(EVICTIONS_TOTAL, "reason" => reason.label()).absolute(0);
     }
     for result in SdkConnection::ALL {
         counter!(SDK_CONNECTIONS_TOTAL, "result" => result.label()).absolute(0);
@@ -267,10 +256,37 @@ pub fn register_backend_zeroes(backend: &str) {
         counter!(TOKENS_TOTAL, "kind" => kind.as_str(), "backend" => backend.to_owned())
             .absolute(0);
     }
+    for result in SpawnResult::ALL {
+        counter!(PROCESS_SPAWNS_TOTAL, "result" => result.label(), "backend" => backend.to_owned())
+            .absolute(0);
+    }
+    for why in ProcessExit::ALL {
+        counter!(PROCESS_EXITS_TOTAL, "reason" => why.label(), "backend" => backend.to_owned())
+            .absolute(0);
+    }
+    for result in OpenReason::ALL.into_iter().filter_map(resume_result) {
+        counter!(SESSION_RESUMES_TOTAL, "result" => result, "backend" => backend.to_owned())
+            .absolute(0);
+    }
+    for reason in ErrorKind::ALL.map(ErrorKind::rejection_label) {
+        counter!(LEASE_REJECTIONS_TOTAL, "reason" => reason, "backend" => backend.to_owned())
+            .absolute(0);
+    }
+    for reason in Eviction::ALL {
+        counter!(EVICTIONS_TOTAL, "reason" => reason.label(), "backend" => backend.to_owned())
+            .absolute(0);
+    }
+    counter!(QUARANTINES_TOTAL, "backend" => backend.to_owned()).absolute(0);
+    gauge!(LEASES_ACTIVE, "backend" => backend.to_owned()).set(0.0);
+    gauge!(LEASE_WAITERS, "backend" => backend.to_owned()).set(0.0);
     if backend != COPILOT_BACKEND {
         gauge!(PROCESSES, "state" => "live", "backend" => backend.to_owned()).set(0.0);
     }
 }
+
+/// The `backend` label of a lease rejected for naming no configured backend (so a caller
+/// cannot grow the label set).
+pub const UNKNOWN_BACKEND: &str = "unknown";
 
 /// Describes every metric (unit and help) to the installed recorder. Call it once, after
 /// installing the recorder.
@@ -283,12 +299,14 @@ pub fn describe() {
     describe_counter!(
         PROCESS_SPAWNS_TOTAL,
         Unit::Count,
-        "CLI process starts (spawn and handshake), by result (ok, error)."
+        "CLI process starts (spawn and handshake), by result (ok, error, resource_exhausted) \
+         and backend."
     );
     describe_counter!(
         PROCESS_EXITS_TOTAL,
         Unit::Count,
-        "CLI processes that left the pool, by reason (crash, evicted, shutdown)."
+        "CLI processes that left the pool, by reason (crash, evicted, shutdown, recycled, \
+         completed: a one-shot CLI's process ended with its turn) and backend."
     );
     describe_histogram!(
         PROCESS_START_SECONDS,
@@ -312,8 +330,16 @@ pub fn describe() {
         "Conversations opened on a process, by result (resumed, or a new session: new, \
          transcript_missing, not_found, compat_changed)."
     );
-    describe_gauge!(LEASES_ACTIVE, Unit::Count, "Leases currently held.");
-    describe_gauge!(LEASE_WAITERS, Unit::Count, "Leases waiting for capacity.");
+    describe_gauge!(
+        LEASES_ACTIVE,
+        Unit::Count,
+        "Leases currently held, by backend."
+    );
+    describe_gauge!(
+        LEASE_WAITERS,
+        Unit::Count,
+        "Leases waiting for capacity, by backend."
+    );
     describe_histogram!(
         LEASE_WAIT_SECONDS,
         Unit::Seconds,
@@ -380,7 +406,7 @@ pub fn describe() {
     describe_counter!(
         QUARANTINES_TOTAL,
         Unit::Count,
-        "Pool keys quarantined after their processes exceeded the restart intensity."
+        "Pool keys quarantined after their processes exceeded the restart intensity, by backend."
     );
     describe_histogram!(
         RPC_DURATION_SECONDS,
@@ -589,11 +615,14 @@ impl SpawnResult {
     ];
 }
 
-/// A process start finished; `elapsed` (spawn + handshake) is recorded when it succeeded.
-pub(crate) fn process_started(result: SpawnResult, elapsed: Duration) {
-    counter!(PROCESS_SPAWNS_TOTAL, "result" => result.label()).increment(1);
+/// A process start of `backend` finished; `elapsed` (spawn + handshake) is recorded when it
+/// succeeded.
+pub(crate) fn process_started(backend: &str, result: SpawnResult, elapsed: Duration) {
+    counter!(PROCESS_SPAWNS_TOTAL, "result" => result.label(), "backend" => backend.to_owned())
+        .increment(1);
     if result == SpawnResult::Ok {
-        histogram!(PROCESS_START_SECONDS).record(elapsed.as_secs_f64());
+        histogram!(PROCESS_START_SECONDS, "backend" => backend.to_owned())
+            .record(elapsed.as_secs_f64());
     }
 }
 
@@ -606,20 +635,46 @@ pub(crate) enum ProcessExit {
     Evicted,
     /// The pool shut down, or the process ended in an orderly way.
     Shutdown,
+    /// A CLI backend's process stopped to start again at once with other settings (its
+    /// gateway tools changed, or its MCP bridge expired); the session resumes.
+    Recycled,
+    /// A one-shot CLI backend's process ended with its turn (any outcome but a crash).
+    Completed,
 }
 
-pub(crate) fn process_exited(why: ProcessExit) {
-    let reason = match why {
-        ProcessExit::Crash => "crash",
-        ProcessExit::Evicted => "evicted",
-        ProcessExit::Shutdown => "shutdown",
-    };
-    counter!(PROCESS_EXITS_TOTAL, "reason" => reason).increment(1);
+impl ProcessExit {
+    /// Every value, in a stable order.
+    pub(crate) const ALL: [ProcessExit; 5] = [
+        ProcessExit::Crash,
+        ProcessExit::Evicted,
+        ProcessExit::Shutdown,
+        ProcessExit::Recycled,
+        ProcessExit::Completed,
+    ];
+
+    /// The `reason` label.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            ProcessExit::Crash => "crash",
+            ProcessExit::Evicted => "evicted",
+            ProcessExit::Shutdown => "shutdown",
+            ProcessExit::Recycled => "recycled",
+            ProcessExit::Completed => "completed",
+        }
+    }
 }
 
-pub(crate) fn evicted(why: Eviction) {
-    counter!(EVICTIONS_TOTAL, "reason" => why.label()).increment(1);
-    process_exited(ProcessExit::Evicted);
+/// A process of `backend` left the pool.
+pub(crate) fn process_exited(backend: &str, why: ProcessExit) {
+    counter!(PROCESS_EXITS_TOTAL, "reason" => why.label(), "backend" => backend.to_owned())
+        .increment(1);
+}
+
+/// The pool stopped a process of `backend` on its own.
+pub(crate) fn evicted(backend: &str, why: Eviction) {
+    counter!(EVICTIONS_TOTAL, "reason" => why.label(), "backend" => backend.to_owned())
+        .increment(1);
+    process_exited(backend, ProcessExit::Evicted);
 }
 
 pub(crate) fn storage_write_failed(store: Store) {
@@ -630,8 +685,9 @@ pub(crate) fn ownership_violated() {
     counter!(OWNERSHIP_VIOLATIONS_TOTAL).increment(1);
 }
 
-pub(crate) fn quarantined() {
-    counter!(QUARANTINES_TOTAL).increment(1);
+/// A key of `backend` was quarantined.
+pub(crate) fn quarantined(backend: &str) {
+    counter!(QUARANTINES_TOTAL, "backend" => backend.to_owned()).increment(1);
 }
 
 /// The pool's gauges, set together by the pool actor.
@@ -654,9 +710,14 @@ impl PoolGauges {
         gauge!(PROCESSES, "state" => "spare", "backend" => copilot).set(self.spare as f64);
         gauge!(PROCESS_RESIDENT_MEMORY_BYTES).set(self.rss_bytes as f64);
         gauge!(CONVERSATIONS_ATTACHED).set(self.conversations as f64);
-        gauge!(LEASES_ACTIVE).set(self.leases as f64);
-        gauge!(LEASE_WAITERS).set(self.waiters as f64);
+        leases(copilot, self.leases, self.waiters);
     }
+}
+
+/// The leases of `backend` held now and those waiting.
+pub(crate) fn leases(backend: &str, active: usize, waiters: usize) {
+    gauge!(LEASES_ACTIVE, "backend" => backend.to_owned()).set(active as f64);
+    gauge!(LEASE_WAITERS, "backend" => backend.to_owned()).set(waiters as f64);
 }
 
 /// The `result` label of a conversation opened for `reason`; `None` for one that was
@@ -673,20 +734,24 @@ pub(crate) fn resume_result(reason: OpenReason) -> Option<&'static str> {
     })
 }
 
-pub(crate) fn session_opened(reason: OpenReason) {
+/// A conversation of `backend` was opened for `reason`.
+pub(crate) fn session_opened(backend: &str, reason: OpenReason) {
     if let Some(result) = resume_result(reason) {
-        counter!(SESSION_RESUMES_TOTAL, "result" => result).increment(1);
+        counter!(SESSION_RESUMES_TOTAL, "result" => result, "backend" => backend.to_owned())
+            .increment(1);
     }
 }
 
-/// A lease was granted after waiting `waited`.
-pub(crate) fn lease_granted(waited: Duration) {
-    histogram!(LEASE_WAIT_SECONDS).record(waited.as_secs_f64());
+/// A lease of `backend` was granted after waiting `waited`.
+pub(crate) fn lease_granted(backend: &str, waited: Duration) {
+    histogram!(LEASE_WAIT_SECONDS, "backend" => backend.to_owned()).record(waited.as_secs_f64());
 }
 
-/// A lease failed with an error of `kind`.
-pub(crate) fn lease_rejected(kind: ErrorKind) {
-    counter!(LEASE_REJECTIONS_TOTAL, "reason" => kind.rejection_label()).increment(1);
+/// A lease of `backend` (a configured id, or [`UNKNOWN_BACKEND`]) failed with an error of
+/// `kind`.
+pub(crate) fn lease_rejected(backend: &str, kind: ErrorKind) {
+    counter!(LEASE_REJECTIONS_TOTAL, "reason" => kind.rejection_label(), "backend" => backend.to_owned())
+        .increment(1);
 }
 
 pub(crate) fn turn_finished(end: TurnEnd, elapsed: Duration) {
@@ -1012,14 +1077,20 @@ mod tests {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
         ::metrics::with_local_recorder(&recorder, || {
-            process_started(SpawnResult::Ok, Duration::from_secs(2));
-            process_started(SpawnResult::Error, Duration::from_secs(60));
-            evicted(Eviction::Idle);
-            process_exited(ProcessExit::Crash);
-            lease_rejected(ErrorKind::WaitersFull);
+            process_started(COPILOT_BACKEND, SpawnResult::Ok, Duration::from_secs(2));
+            process_started(COPILOT_BACKEND, SpawnResult::Error, Duration::from_secs(60));
+            process_started("claude-cli", SpawnResult::Ok, Duration::from_millis(30));
+            evicted(COPILOT_BACKEND, Eviction::Idle);
+            process_exited(COPILOT_BACKEND, ProcessExit::Crash);
+            process_exited("claude-cli", ProcessExit::Completed);
+            lease_rejected(COPILOT_BACKEND, ErrorKind::WaitersFull);
+            lease_rejected(UNKNOWN_BACKEND, ErrorKind::Invalid);
+            lease_granted("claude-cli", Duration::from_millis(5));
+            quarantined("claude-cli");
             turn_finished(TurnEnd::Timeout, Duration::from_secs(3));
-            session_opened(OpenReason::Attached);
-            session_opened(OpenReason::Resumed);
+            session_opened(COPILOT_BACKEND, OpenReason::Attached);
+            session_opened("claude-cli", OpenReason::Resumed);
+            leases("claude-cli", 1, 2);
             tool_call(ToolOutcome::Timeout);
             tokens(COPILOT_BACKEND, TokenKind::Input, 100);
             tokens(COPILOT_BACKEND, TokenKind::Input, 20);
@@ -1056,15 +1127,57 @@ mod tests {
             Some(DebugValue::Gauge(v)) => v.into_inner(),
             other => panic!("{name} {labels:?}: {other:?}"),
         };
-        assert_eq!(counter_of(PROCESS_SPAWNS_TOTAL, &[("result", "ok")]), 1);
-        assert_eq!(counter_of(PROCESS_SPAWNS_TOTAL, &[("result", "error")]), 1);
-        assert_eq!(counter_of(EVICTIONS_TOTAL, &[("reason", "idle")]), 1);
-        assert_eq!(counter_of(PROCESS_EXITS_TOTAL, &[("reason", "evicted")]), 1);
-        assert_eq!(counter_of(PROCESS_EXITS_TOTAL, &[("reason", "crash")]), 1);
+        let copilot = ("backend", COPILOT_BACKEND);
+        let claude = ("backend", "claude-cli");
         assert_eq!(
-            counter_of(LEASE_REJECTIONS_TOTAL, &[("reason", "waiters_full")]),
+            counter_of(PROCESS_SPAWNS_TOTAL, &[("result", "ok"), copilot]),
             1
         );
+        assert_eq!(
+            counter_of(PROCESS_SPAWNS_TOTAL, &[("result", "ok"), claude]),
+            1
+        );
+        assert_eq!(
+            counter_of(PROCESS_SPAWNS_TOTAL, &[("result", "error"), copilot]),
+            1
+        );
+        assert_eq!(
+            counter_of(EVICTIONS_TOTAL, &[("reason", "idle"), copilot]),
+            1
+        );
+        assert_eq!(
+            counter_of(PROCESS_EXITS_TOTAL, &[("reason", "evicted"), copilot]),
+            1
+        );
+        assert_eq!(
+            counter_of(PROCESS_EXITS_TOTAL, &[("reason", "crash"), copilot]),
+            1
+        );
+        assert_eq!(
+            counter_of(PROCESS_EXITS_TOTAL, &[("reason", "completed"), claude]),
+            1
+        );
+        assert_eq!(
+            counter_of(
+                LEASE_REJECTIONS_TOTAL,
+                &[("reason", "waiters_full"), copilot]
+            ),
+            1
+        );
+        assert_eq!(
+            counter_of(
+                LEASE_REJECTIONS_TOTAL,
+                &[("reason", "invalid"), ("backend", "unknown")]
+            ),
+            1
+        );
+        assert_eq!(counter_of(QUARANTINES_TOTAL, &[claude]), 1);
+        assert_eq!(gauge_of(LEASES_ACTIVE, &[claude]), 1.0);
+        assert_eq!(gauge_of(LEASE_WAITERS, &[claude]), 2.0);
+        assert!(matches!(
+            &snap[&key(MetricKind::Histogram, LEASE_WAIT_SECONDS, &[claude])].2,
+            DebugValue::Histogram(v) if v.len() == 1
+        ));
         assert_eq!(
             counter_of(
                 TURNS_TOTAL,
@@ -1073,11 +1186,10 @@ mod tests {
             1
         );
         assert_eq!(
-            counter_of(SESSION_RESUMES_TOTAL, &[("result", "resumed")]),
+            counter_of(SESSION_RESUMES_TOTAL, &[("result", "resumed"), claude]),
             1
         );
         assert_eq!(counter_of(TOOL_CALLS_TOTAL, &[("outcome", "timeout")]), 1);
-        let copilot = ("backend", COPILOT_BACKEND);
         assert_eq!(counter_of(TOKENS_TOTAL, &[("kind", "input"), copilot]), 120);
         assert_eq!(
             counter_of(
@@ -1116,7 +1228,7 @@ mod tests {
         assert_eq!(phase("first_byte"), [0.5]);
         assert_eq!(phase("total"), [2.0]);
         // Only the successful start is timed; an attached conversation is not a resume.
-        let starts = &snap[&key(MetricKind::Histogram, PROCESS_START_SECONDS, &[])].2;
+        let starts = &snap[&key(MetricKind::Histogram, PROCESS_START_SECONDS, &[copilot])].2;
         assert!(matches!(starts, DebugValue::Histogram(v) if v.len() == 1 && v[0] == 2.0));
         assert_eq!(
             snap.keys()
@@ -1124,13 +1236,12 @@ mod tests {
                 .count(),
             1
         );
-        let copilot = ("backend", "copilot");
         assert_eq!(gauge_of(PROCESSES, &[("state", "live"), copilot]), 3.0);
         assert_eq!(gauge_of(PROCESSES, &[("state", "spare"), copilot]), 2.0);
         assert_eq!(gauge_of(PROCESSES, &[("state", "draining"), copilot]), 1.0);
         assert_eq!(gauge_of(PROCESS_RESIDENT_MEMORY_BYTES, &[]), 1048576.0);
         assert_eq!(gauge_of(CONVERSATIONS_ATTACHED, &[]), 7.0);
-        assert_eq!(gauge_of(LEASES_ACTIVE, &[]), 2.0);
-        assert_eq!(gauge_of(LEASE_WAITERS, &[]), 4.0);
+        assert_eq!(gauge_of(LEASES_ACTIVE, &[copilot]), 2.0);
+        assert_eq!(gauge_of(LEASE_WAITERS, &[copilot]), 4.0);
     }
 }

@@ -447,13 +447,24 @@ async fn an_interrupt_ends_the_turn_aborted_and_the_same_process_takes_the_next_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn output_past_the_turn_limit_ends_the_turn_with_a_typed_error_and_stops_the_process() {
+async fn envelopes_do_not_count_and_output_past_the_turn_limit_ends_the_turn_with_a_typed_error_and_stops_the_process()
+ {
     let fx = Fixture::new().await;
     let mut config = fx.config("limit").await;
-    // A normal turn retains at least an init, an assistant and a result line.
-    config.backend.output_limits.max_turn_lines = 2;
+    // Retained output only: the init, the result and the control lines are envelopes.
+    config.backend.output_limits.max_turn_lines = 1;
     let mut live = ClaudeLive::new(config).expect("valid");
-    let started = live.start_turn("REPLY=too much").await.expect("started");
+    let (fits, _) = turn(&mut live, "REPLY=fits").await;
+    assert_eq!(fits.end, Some(TurnEnd::Idle), "{fits:?}");
+    assert_eq!(fits.text, "fits");
+    assert_eq!(
+        fits.retained_lines, 1,
+        "only the assistant message: {fits:?}"
+    );
+
+    // A tool call retains its request and its result: the second line passes the limit.
+    let prompt = r#"SCENARIO:tool NAME=Bash ARGS={"command":"echo hi","description":"say hi"}"#;
+    let started = live.start_turn(prompt).await.expect("started");
     let pid = started.pid().expect("running");
     let outcome = tokio::time::timeout(TURN_LIMIT, started.finish())
         .await
@@ -464,13 +475,13 @@ async fn output_past_the_turn_limit_ends_the_turn_with_a_typed_error_and_stops_t
             outcome.failure,
             Some(TurnFailure::OutputLimit {
                 key: "maxTurnLines",
-                limit: 2,
+                limit: 1,
                 ..
             })
         ),
         "{outcome:?}"
     );
-    assert_eq!(outcome.retained_lines, 3);
+    assert_eq!(outcome.retained_lines, 2, "{outcome:?}");
     assert!(
         wait_group_gone(pid, Duration::from_secs(10))
             .await

@@ -110,7 +110,8 @@ fn transcripts(dir: &Path, session_id: &str) -> Vec<std::path::PathBuf> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_claude_turns_over_http_stream_the_pools_events_carry_history_and_leave_no_process() {
+async fn claude_turns_over_http_stream_the_pools_events_carry_history_count_spawns_and_crashes_by_backend_and_leave_no_process()
+ {
     let _serial = SERIAL.lock().await;
     let fx = Fixture::new().await;
     let daemon = fx.daemon().await;
@@ -194,6 +195,16 @@ async fn two_claude_turns_over_http_stream_the_pools_events_carry_history_and_le
         "copilot_pool_processes{state=\"live\",backend=\"claude-cli\"} 1",
         "copilot_pool_turns_total{outcome=\"idle\",backend=\"copilot\"} 0",
         "copilot_pool_tokens_total{kind=\"output\",backend=\"copilot\"} 0",
+        // The pool's process, lease and session series cover the CLI backend too.
+        "copilot_pool_process_spawns_total{result=\"ok\",backend=\"claude-cli\"} 1",
+        "copilot_pool_process_start_seconds_count{backend=\"claude-cli\"} 1",
+        "copilot_pool_process_exits_total{reason=\"crash\",backend=\"claude-cli\"} 0",
+        "copilot_pool_session_resumes_total{result=\"new\",backend=\"claude-cli\"} 1",
+        "copilot_pool_lease_wait_seconds_count{backend=\"claude-cli\"} 2",
+        "copilot_pool_leases_active{backend=\"claude-cli\"} 0",
+        "copilot_pool_lease_waiters{backend=\"claude-cli\"} 0",
+        "copilot_pool_leases_active{backend=\"copilot\"} 0",
+        "copilot_pool_process_spawns_total{result=\"ok\",backend=\"copilot\"} 0",
     ] {
         assert!(
             metrics.body.lines().any(|l| l == series),
@@ -214,6 +225,48 @@ async fn two_claude_turns_over_http_stream_the_pools_events_carry_history_and_le
         "no output tokens counted for claude-cli in:\n{}",
         metrics.body
     );
+
+    // A crash of the parked process (SIGKILL of its group) is counted when the next turn
+    // finds it dead, under the backend's label, and the next turn starts a new process.
+    let pids = fx.claude_processes();
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(i32::try_from(pids[0]).expect("pid")),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the group");
+    let gone = wait_none(|| fx.claude_processes(), Duration::from_secs(10)).await;
+    assert!(gone.is_empty(), "{gone:?}");
+    // The next turn finds the process dead and starts one; should the runner not have seen
+    // the exit yet, the prompt's write fails and that turn ends `crashed` instead (the crash
+    // counted once either way), and the turn after it starts the new process.
+    let (_, mut third) = turn(
+        &daemon,
+        &fx.body("c1", "REPLY=pong three", "sk-ant-FAKE-1", None),
+    )
+    .await;
+    if third["status"] == "crashed" {
+        (_, third) = turn(
+            &daemon,
+            &fx.body("c1", "REPLY=pong three", "sk-ant-FAKE-1", None),
+        )
+        .await;
+    }
+    assert_eq!(third["status"], "idle", "{third}");
+    assert_eq!(third["final_text"], "pong three");
+    let metrics = call(daemon.addr, "GET", "/metrics", None, None).await;
+    for series in [
+        "copilot_pool_process_exits_total{reason=\"crash\",backend=\"claude-cli\"} 1",
+        "copilot_pool_process_spawns_total{result=\"ok\",backend=\"claude-cli\"} 2",
+        "copilot_pool_turns_total{outcome=\"idle\",backend=\"claude-cli\"} 3",
+        "copilot_pool_process_exits_total{reason=\"crash\",backend=\"copilot\"} 0",
+    ] {
+        assert!(
+            metrics.body.lines().any(|l| l == series),
+            "{series} missing from:\n{}",
+            metrics.body
+        );
+    }
 
     let started = std::time::Instant::now();
     let status = daemon.terminate().await;

@@ -342,14 +342,31 @@ async fn a_dead_endpoint_fails_the_turn_fast_with_codexs_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn output_past_the_turn_limit_ends_the_turn_with_a_typed_error_keeping_the_final_message() {
+async fn envelopes_do_not_count_and_output_past_the_turn_limit_ends_the_turn_with_a_typed_error() {
     let fx = Fixture::new().await;
     let mut config = fx.config("limit").await;
-    // Codex prints thread.started, turn.started, the agent message, then turn.completed:
-    // the fourth line passes the limit after the final message arrived.
-    config.backend.output_limits.max_turn_lines = 3;
+    // Retained output only: thread.started, turn.started and turn.completed are envelopes
+    // (the keeping of a final message received before a breach is tested in `oneshot`'s
+    // unit tests: Codex prints nothing retained after it).
+    config.backend.output_limits.max_turn_lines = 1;
     let mut codex = Oneshot::new(config).expect("valid");
-    let started = codex.start_turn("REPLY=kept").await.expect("started");
+    let fits = tokio::time::timeout(
+        TURN_LIMIT,
+        codex
+            .start_turn("REPLY=fits")
+            .await
+            .expect("started")
+            .finish(),
+    )
+    .await
+    .expect("ended");
+    assert_eq!(fits.end, Some(TurnEnd::Idle), "{fits:?}");
+    assert_eq!(fits.text, "fits");
+    assert_eq!(fits.retained_lines, 1, "only the agent message: {fits:?}");
+
+    // A command retains its item.started and item.completed: the second passes the limit.
+    let prompt = r#"SCENARIO:tool NAME=exec_command ARGS={"cmd":"echo hi"}"#;
+    let started = codex.start_turn(prompt).await.expect("started");
     let pid = started.pid().expect("running");
     let outcome = tokio::time::timeout(TURN_LIMIT, started.finish())
         .await
@@ -360,14 +377,13 @@ async fn output_past_the_turn_limit_ends_the_turn_with_a_typed_error_keeping_the
             outcome.failure,
             Some(TurnFailure::OutputLimit {
                 key: "maxTurnLines",
-                limit: 3,
+                limit: 1,
                 ..
             })
         ),
         "{outcome:?}"
     );
-    assert_eq!(outcome.text, "kept", "the final message was kept");
-    assert_eq!(outcome.retained_lines, 4);
+    assert_eq!(outcome.retained_lines, 2, "{outcome:?}");
     assert!(
         wait_group_gone(pid, Duration::from_secs(10))
             .await

@@ -187,7 +187,7 @@ async fn two_turns(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_codex_turns_over_http_carry_history_and_a_restarted_daemon_resumes_until_the_rollout_is_gone()
+async fn two_codex_turns_over_http_carry_history_count_a_process_per_turn_and_a_restarted_daemon_resumes_until_the_rollout_is_gone()
  {
     let _serial = SERIAL.lock().await;
     let fx = Fixture::new().await;
@@ -199,6 +199,12 @@ async fn two_codex_turns_over_http_carry_history_and_a_restarted_daemon_resumes_
     for series in [
         "copilot_pool_turns_total{outcome=\"idle\",backend=\"codex-cli\"} 2",
         "copilot_pool_processes{state=\"live\",backend=\"codex-cli\"} 0",
+        // A process per turn: started, and gone with its turn.
+        "copilot_pool_process_spawns_total{result=\"ok\",backend=\"codex-cli\"} 2",
+        "copilot_pool_process_exits_total{reason=\"completed\",backend=\"codex-cli\"} 2",
+        "copilot_pool_process_exits_total{reason=\"crash\",backend=\"codex-cli\"} 0",
+        "copilot_pool_session_resumes_total{result=\"new\",backend=\"codex-cli\"} 1",
+        "copilot_pool_leases_active{backend=\"codex-cli\"} 0",
     ] {
         assert!(
             metrics.body.lines().any(|l| l == series),

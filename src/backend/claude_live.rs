@@ -16,8 +16,11 @@
 //!   [`ClaudeLive`] dropped; its leader is always reaped (by `ChildGroup`);
 //! * a process that dies mid-turn ends the turn `crashed` as soon as its stdout closes (no
 //!   timeout wait), and the next turn starts a new process with `--resume <session id>`;
-//! * the output a turn retains (every line but the `stream_event` envelopes of partial
-//!   deltas) is bounded by the backend's `outputLimits` (8 MiB / 20,000 lines by default);
+//! * the output a turn retains (every line but the stream's envelopes, [`is_envelope`]: the
+//!   `stream_event`s of partial deltas, the `system` lines, the `result`, the control
+//!   protocol's requests and responses) is bounded by the backend's `outputLimits`
+//!   (8 MiB / 20,000 lines by default); an envelope line is still bounded by the byte limit
+//!   alone, as any line read;
 //!   past it the turn ends with [`TurnFailure::OutputLimit`], keeping the last assistant
 //!   message already received;
 //! * the API key is held as a [`Secret`] and put only into the child's environment.
@@ -541,6 +544,27 @@ impl ClaudeLive {
     }
 }
 
+/// Whether a stream-json line of Claude Code is an envelope of the stream, not output the
+/// turn retains (so not counted against `outputLimits`): partial deltas (`stream_event`), the
+/// session's `system` lines (`init`, and the `status` Claude Code 2.1 prints before each model
+/// request), the closing `result`, rate limit notices and the control protocol
+/// (`control_request`, `control_response`, `keep_alive`). Assistant messages and tool results
+/// (`user` lines) are retained.
+pub(crate) fn is_envelope(value: &Value) -> bool {
+    matches!(
+        value.get("type").and_then(Value::as_str),
+        Some(
+            "stream_event"
+                | "system"
+                | "result"
+                | "control_request"
+                | "control_response"
+                | "keep_alive"
+                | "rate_limit_event"
+        )
+    )
+}
+
 /// Closes a process: its stdin first (Claude exits after the current turn), `grace`, then
 /// SIGTERM, `grace`, SIGKILL to the group.
 async fn close_process(process: LiveProcess, grace: Duration) -> ExitInfo {
@@ -650,7 +674,7 @@ impl ClaudeTurn<'_> {
             return;
         };
         let kind = value.get("type").and_then(Value::as_str).unwrap_or("");
-        if kind != "stream_event" && !self.retain(line) {
+        if !is_envelope(&value) && !self.retain(line) {
             return;
         }
         self.note_session_id(&value);
@@ -1051,6 +1075,76 @@ mod tests {
             permission_request("Skill", &json!({}), cwd).kind,
             "custom-tool"
         );
+    }
+
+    /// A stand-in for Claude Code: reads the prompt, prints 200 envelopes (init, control,
+    /// stream events) around an assistant message, then tool results of 100 bytes each.
+    const FAKE_CLAUDE: &str = r#"#!/bin/sh
+read prompt
+echo '{"type":"system","subtype":"init","session_id":"s-1"}'
+i=0
+while [ $i -lt 200 ]; do
+  echo '{"type":"stream_event","event":{"type":"message_start"}}'
+  i=$((i+1))
+done
+echo '{"type":"assistant","message":{"content":[{"type":"text","text":"kept"}]}}'
+echo '{"type":"control_response","response":{}}'
+i=0
+while [ $i -lt 1000 ]; do
+  echo '{"type":"user","message":{"content":"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"}}'
+  i=$((i+1))
+done
+sleep 30
+"#;
+
+    #[tokio::test]
+    async fn output_past_the_byte_limit_ends_the_turn_with_a_typed_error_keeping_the_message_and_envelopes_do_not_count()
+     {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("claude");
+        std::fs::write(&script, FAKE_CLAUDE).unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let mut config = ClaudeLiveConfig::new(
+            script.to_str().unwrap(),
+            dir.path().join("home"),
+            dir.path().join("work"),
+        );
+        config.path_var = Some("/usr/bin:/bin".into());
+        config.backend.output_limits.max_turn_raw_chars = 1000;
+        let mut live = ClaudeLive::new(config).unwrap();
+        let turn = live.start_turn("hello").await.unwrap();
+        let outcome = tokio::time::timeout(Duration::from_secs(30), turn.finish())
+            .await
+            .expect("the turn ended at the limit, not at the script's end");
+        assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
+        assert!(
+            matches!(
+                outcome.failure,
+                Some(TurnFailure::OutputLimit {
+                    unit: "bytes",
+                    key: "maxTurnRawChars",
+                    limit: 1000,
+                    ..
+                })
+            ),
+            "{outcome:?}"
+        );
+        assert_eq!(outcome.text, "kept", "the message already received is kept");
+        // The message and the tool results up to the breach; none of the 202 envelopes.
+        let message =
+            r#"{"type":"assistant","message":{"content":[{"type":"text","text":"kept"}]}}"#;
+        let result = format!(
+            r#"{{"type":"user","message":{{"content":"{}"}}}}"#,
+            "x".repeat(65)
+        );
+        let (message, result) = (message.len() as u64 + 1, result.len() as u64 + 1);
+        assert_eq!(
+            outcome.retained_lines,
+            1 + (1000 - message) / result + 1,
+            "{outcome:?}"
+        );
+        assert_eq!(live.pid(), None, "the process was stopped");
     }
 
     #[test]

@@ -25,8 +25,10 @@
 //! * a process killed by a signal, or exiting non-zero with neither a final message nor an
 //!   error of its own, ends the turn `crashed` as soon as its stdout closes; the stored
 //!   session is kept, so the next turn resumes it;
-//! * the output a turn retains is bounded by `outputLimits` (8 MiB / 20,000 lines by
-//!   default); past it the turn ends with [`TurnFailure::OutputLimit`], keeping the final
+//! * the output a turn retains (every line but the stream's envelopes: Codex's thread and
+//!   turn start/end events, [`is_jsonl_envelope`], and Gemini CLI's init, prompt echo and
+//!   result) is bounded by `outputLimits` (8 MiB / 20,000 lines by default; an envelope line
+//!   is still bounded by the byte limit alone, as any line read); past it the turn ends with [`TurnFailure::OutputLimit`], keeping the final
 //!   message when it had already arrived;
 //! * the API key is a [`Secret`] put only into the child's environment, under a variable
 //!   the argv names (Codex: the provider's `env_key`) or the backend's `apiKeyEnv` (Gemini:
@@ -1175,17 +1177,25 @@ impl OneshotTurn<'_> {
             self.gemini_line(line);
             return;
         }
-        if !self.retain(line) {
-            return;
-        }
         match self.format {
             OutputFormat::Json | OutputFormat::Text => {
+                if !self.retain(line) {
+                    return;
+                }
                 self.collected.push_str(line);
                 self.collected.push('\n');
             }
             OutputFormat::Jsonl => match serde_json::from_str::<Value>(line) {
-                Ok(value) => self.jsonl_event(&value),
+                Ok(value) => {
+                    if !is_jsonl_envelope(&value) && !self.retain(line) {
+                        return;
+                    }
+                    self.jsonl_event(&value)
+                }
                 Err(_) => {
+                    if !self.retain(line) {
+                        return;
+                    }
                     tracing::debug!(
                         bytes = line.len(),
                         "the CLI printed a line that is not JSON"
@@ -1584,6 +1594,18 @@ impl OneshotTurn<'_> {
 
 /// The string at top-level `key` of a pretty-printed (two-space indented) JSON object that
 /// was cut short: its `  "key": "..."` line, when that line arrived whole.
+/// Whether a JSONL event (Codex's `exec --json` vocabulary) is an envelope of the stream,
+/// not output the turn retains (so not counted against `outputLimits`): the thread's and
+/// the turn's start and end (`thread.started`, `turn.started`, `turn.completed`,
+/// `turn.failed`). Items (`item.*`, the final message among them) and `error` lines are
+/// retained.
+pub(crate) fn is_jsonl_envelope(value: &Value) -> bool {
+    matches!(
+        value.get("type").and_then(Value::as_str),
+        Some("thread.started" | "turn.started" | "turn.completed" | "turn.failed")
+    )
+}
+
 fn cut_document_field(document: &str, key: &str) -> Option<String> {
     let prefix = format!("  \"{key}\":");
     document.lines().find_map(|line| {
@@ -1944,7 +1966,8 @@ echo '{"type":"turn.completed","usage":{"input_tokens":7,"output_tokens":3}}'"#;
         assert_eq!(oneshot.session_id(), Some("t-42"));
         assert_eq!(outcome.usage.input_tokens, 7);
         assert_eq!(outcome.tool_calls, 1, "started and completed are one call");
-        assert_eq!(outcome.retained_lines, 6);
+        // thread.started and turn.completed are envelopes: not retained.
+        assert_eq!(outcome.retained_lines, 4);
         let names: Vec<_> = events.iter().map(BackendEvent::name).collect();
         assert_eq!(names, ["tool.call", "assistant.message", "turn.end"]);
 
@@ -2048,6 +2071,47 @@ echo '{"type":"turn.completed","usage":{"input_tokens":7,"output_tokens":3}}'"#;
         ));
         assert_eq!(outcome.text, "done", "the answer already received is kept");
         assert_eq!(outcome.retained_lines, 11);
+        assert!(group_gone(pid).await, "the group was killed");
+    }
+
+    #[tokio::test]
+    async fn output_past_the_byte_limit_ends_the_turn_with_a_typed_error_keeping_the_answer_and_envelopes_do_not_count()
+     {
+        let dir = tempfile::tempdir().unwrap();
+        // 200 envelopes (about 10 KB) around the answer, then items of 100 bytes each.
+        let pad = "x".repeat(70);
+        let script = format!(
+            "echo '{{\"type\":\"thread.started\",\"thread_id\":\"t1\"}}'; i=0; \
+             while [ $i -lt 200 ]; do echo '{{\"type\":\"turn.started\"}}'; i=$((i+1)); done; \
+             echo '{MESSAGE}'; echo '{{\"type\":\"turn.completed\",\"usage\":{{}}}}'; \
+             i=0; while [ $i -lt 1000 ]; do echo '{{\"type\":\"item.updated\",\"p\":\"{pad}\"}}'; \
+             i=$((i+1)); done; sleep 30"
+        );
+        let mut config = sh_config(dir.path(), &script);
+        config.backend.output_limits.max_turn_raw_chars = 1000;
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let turn = oneshot.start_turn("p").await.unwrap();
+        let pid = turn.pid().expect("running");
+        let outcome = turn.finish().await;
+        assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
+        assert!(
+            matches!(
+                outcome.failure,
+                Some(TurnFailure::OutputLimit {
+                    unit: "bytes",
+                    key: "maxTurnRawChars",
+                    limit: 1000,
+                    ..
+                })
+            ),
+            "{outcome:?}"
+        );
+        assert_eq!(outcome.text, "done", "the answer already received is kept");
+        // The answer and the items up to the breach; none of the 203 envelopes.
+        let item = format!(r#"{{"type":"item.updated","p":"{pad}"}}"#).len() as u64 + 1;
+        let expected_lines = 1 + (1000 - (MESSAGE.len() as u64 + 1)) / item + 1;
+        assert_eq!(outcome.retained_lines, expected_lines, "{outcome:?}");
+        assert!(outcome.retained_bytes > 1000);
         assert!(group_gone(pid).await, "the group was killed");
     }
 

@@ -406,7 +406,10 @@ impl Actor for PoolActor {
                         } else {
                             let (known, effects) = state.core.stopped(id, now);
                             if known {
-                                metrics::process_exited(ProcessExit::Shutdown);
+                                metrics::process_exited(
+                                    metrics::COPILOT_BACKEND,
+                                    ProcessExit::Shutdown,
+                                );
                             }
                             effects
                         }
@@ -495,7 +498,7 @@ impl PoolState {
             }
             (None, Ok(handle)) => {
                 // The pool closed while it started.
-                metrics::process_exited(ProcessExit::Shutdown);
+                metrics::process_exited(metrics::COPILOT_BACKEND, ProcessExit::Shutdown);
                 self.stopping.push(tokio::spawn(async move {
                     handle.shutdown().await;
                 }));
@@ -534,7 +537,7 @@ impl PoolState {
                     reason,
                     attached,
                 } => {
-                    metrics::evicted(reason);
+                    metrics::evicted(metrics::COPILOT_BACKEND, reason);
                     let target = self.myself.clone();
                     let handle = self.handles.remove(&worker);
                     self.stopping.retain(|t| !t.is_finished());
@@ -554,9 +557,11 @@ impl PoolState {
                 Effect::Event(event) => {
                     match &event {
                         PoolEvent::WorkerCrashed { .. } => {
-                            metrics::process_exited(ProcessExit::Crash)
+                            metrics::process_exited(metrics::COPILOT_BACKEND, ProcessExit::Crash)
                         }
-                        PoolEvent::KeyQuarantined { .. } => metrics::quarantined(),
+                        PoolEvent::KeyQuarantined { .. } => {
+                            metrics::quarantined(metrics::COPILOT_BACKEND)
+                        }
                         _ => {}
                     }
                     // Nobody listening is fine.
@@ -660,7 +665,7 @@ impl PoolState {
                 Err(WorkerError::ResourceExhausted(_)) => metrics::SpawnResult::ResourceExhausted,
                 _ => metrics::SpawnResult::Error,
             };
-            metrics::process_started(outcome, started.elapsed());
+            metrics::process_started(metrics::COPILOT_BACKEND, outcome, started.elapsed());
             if prime && let Ok(handle) = &result {
                 // Placement counts it as starting until then (the caps hold).
                 let primed = tokio::time::timeout(
@@ -779,7 +784,7 @@ impl PoolState {
             .filter_map(|id| self.handles.remove(&id))
             .collect();
         for _ in &stops {
-            metrics::process_exited(ProcessExit::Shutdown);
+            metrics::process_exited(metrics::COPILOT_BACKEND, ProcessExit::Shutdown);
         }
         stops
     }

@@ -236,9 +236,10 @@ impl Pool {
     /// (names, descriptions, schemas) is started again with these, resuming its session.
     /// A backend that cannot serve them ([`Pool::serves_gateway_tools`]) refuses them.
     pub async fn lease_cli(&self, req: LeaseRequest) -> Result<CliLease, PoolError> {
+        let backend = self.backend_label(&req.backend);
         let result = self.lease_cli_inner(req).await;
         if let Err(error) = &result {
-            crate::metrics::lease_rejected(error.kind());
+            crate::metrics::lease_rejected(&backend, error.kind());
         }
         result
     }
@@ -352,15 +353,26 @@ impl Pool {
         &self.inner.bindings
     }
 
+    /// The `backend` label of a lease naming `id`: `id` when it is `copilot` or a configured
+    /// CLI backend, else `unknown` (a caller never grows the label set).
+    fn backend_label(&self, id: &str) -> String {
+        if id == COPILOT_BACKEND || self.inner.cli.backend(id).is_ok() {
+            id.to_owned()
+        } else {
+            crate::metrics::UNKNOWN_BACKEND.to_owned()
+        }
+    }
+
     /// Leases a conversation: resolves credentials and home, waits for the conversation
     /// (one turn at a time) and for capacity, then attaches the CLI session — reusing the
     /// attached one, resuming the bound one, or creating a new one.
     pub async fn lease(&self, req: LeaseRequest) -> Result<Lease, PoolError> {
         // A span per lease; the key's short hash is recorded once it is known.
         let span = tracing::info_span!("lease", agent = %req.agent_id, key = tracing::field::Empty);
+        let backend = self.backend_label(&req.backend);
         let result = tracing::Instrument::instrument(self.lease_inner(req), span).await;
         if let Err(error) = &result {
-            crate::metrics::lease_rejected(error.kind());
+            crate::metrics::lease_rejected(&backend, error.kind());
         }
         result
     }
@@ -463,7 +475,7 @@ impl Pool {
             }
             _ => return Err(PoolError::Closed),
         };
-        crate::metrics::lease_granted(started.elapsed());
+        crate::metrics::lease_granted(crate::metrics::COPILOT_BACKEND, started.elapsed());
 
         // The open runs in a task of its own: a caller that gives up (a dropped lease
         // future) cannot cut it short between the runtime attaching the session and the
@@ -536,7 +548,7 @@ impl Pool {
     pub async fn lease_process(&self, req: &LeaseRequest) -> Result<ProcessLease, PoolError> {
         let result = self.lease_process_inner(req).await;
         if let Err(error) = &result {
-            crate::metrics::lease_rejected(error.kind());
+            crate::metrics::lease_rejected(COPILOT_BACKEND, error.kind());
         }
         result
     }
@@ -940,7 +952,7 @@ impl Opening {
             grant.opened = Some(session);
             return Err(error.into());
         }
-        crate::metrics::session_opened(reason);
+        crate::metrics::session_opened(crate::metrics::COPILOT_BACKEND, reason);
         let _ = pool.cast(PoolMsg::Opened {
             conversation: conversation.clone(),
             worker_id,

@@ -30,11 +30,12 @@ use crate::backend::oneshot::{
     Dialect, Oneshot, OneshotConfig, codex_rollout_path, codex_rollout_totals,
 };
 use crate::backend::{
-    BackendEvent, BackendKind, CliBackendConfig, CliConversation, CliTurn, CliTurnOutcome,
-    TurnFailure,
+    BackendEvent, BackendKind, CliBackendConfig, CliConversation, CliStartError, CliTurn,
+    CliTurnOutcome, TurnFailure,
 };
 use crate::ids::CliSessionId;
-use crate::kinds::{OpenReason, TurnEnd};
+use crate::kinds::{Eviction, OpenReason, TurnEnd};
+use crate::metrics::{ProcessExit, SpawnResult};
 use crate::permission::PermissionPolicy;
 
 use super::bindings::{Binding, BindingStore};
@@ -72,9 +73,66 @@ pub(crate) struct CliAsk {
 
 struct Shell {
     core: Slots,
-    parked: HashMap<String, CliConversation>,
+    parked: HashMap<String, Parked>,
     waiters: HashMap<u64, oneshot::Sender<Result<bool, PoolError>>>,
     next_id: u64,
+}
+
+/// A conversation between its leases: its runner, and the pid of its process the metrics
+/// count as running (its start counted, its exit not yet).
+struct Parked {
+    runner: CliConversation,
+    backend: String,
+    process: Option<u32>,
+}
+
+/// Why the pool stops a parked conversation's process.
+#[derive(Clone, Copy)]
+enum Stop {
+    Evicted(Eviction),
+    Shutdown,
+}
+
+impl Parked {
+    /// Counts how its process leaves (a crash when it died while parked) and closes it in
+    /// the background.
+    fn close(self, why: Stop) {
+        count_stop(&self.backend, self.process, self.runner.pid(), why);
+        close_in_background(self.runner);
+    }
+}
+
+/// Counts the exit of a process the metrics count as running (`counted`) that the pool
+/// stops for `why`; `running` is the runner's live pid (another or none: it died unseen).
+fn count_stop(backend: &str, counted: Option<u32>, running: Option<u32>, why: Stop) {
+    if counted.is_none() {
+        return;
+    }
+    if running != counted {
+        crate::metrics::process_exited(backend, ProcessExit::Crash);
+        return;
+    }
+    match why {
+        Stop::Evicted(reason) => crate::metrics::evicted(backend, reason),
+        Stop::Shutdown => crate::metrics::process_exited(backend, ProcessExit::Shutdown),
+    }
+}
+
+/// The `result` of a turn's start that failed, when it failed to start a process (a
+/// prompt or configuration the runner refused started none).
+fn failed_start(error: &CliStartError) -> Option<SpawnResult> {
+    use crate::backend::claude_live::ClaudeLiveError as L;
+    use crate::backend::oneshot::OneshotError as O;
+    let spawn = match error {
+        CliStartError::Live(L::Config(_)) | CliStartError::Oneshot(O::Config(_)) => return None,
+        CliStartError::Oneshot(O::PromptTooLong { .. }) => return None,
+        CliStartError::Live(L::Spawn(e)) | CliStartError::Oneshot(O::Spawn(e)) => Some(e),
+        _ => None,
+    };
+    Some(match spawn {
+        Some(e) if e.is_resource_exhaustion() => SpawnResult::ResourceExhausted,
+        _ => SpawnResult::Error,
+    })
 }
 
 /// The CLI side of a pool.
@@ -197,7 +255,7 @@ impl CliPool {
                 }
                 Effect::Close { conversation } => {
                     if let Some(parked) = shell.parked.remove(&conversation) {
-                        close_in_background(parked);
+                        parked.close(Stop::Evicted(Eviction::Full));
                     }
                 }
             }
@@ -214,6 +272,7 @@ impl CliPool {
                 _ => shell.core.processes_of(id),
             };
             crate::metrics::cli_processes(id, processes);
+            crate::metrics::leases(id, shell.core.leased_of(id), shell.core.waiting_of(id));
         }
         self.leased.send_replace(shell.core.leased());
     }
@@ -282,7 +341,7 @@ impl CliPool {
                 return Err(PoolError::WaitTimeout { after: ask.wait });
             }
         };
-        crate::metrics::lease_granted(started.elapsed());
+        crate::metrics::lease_granted(&ask.backend, started.elapsed());
         let mut lease = CliLease {
             pool: self.clone(),
             backend: ask.backend.clone(),
@@ -296,9 +355,13 @@ impl CliPool {
             home: ask.home.clone(),
             turn_timeout: ask.turn_timeout,
             kind: config.kind,
+            process: None,
         };
-        if reuse {
-            lease.conversation = self.lock().parked.remove(&ask.conversation);
+        if reuse && let Some(parked) = self.lock().parked.remove(&ask.conversation) {
+            lease.conversation = Some(parked.runner);
+            lease.process = parked.process;
+            // Its process may have died while parked.
+            lease.settle_process(ProcessExit::Crash);
         }
         if lease.conversation.is_none() {
             // A new process: resume the stored session, or start one (the rules decide).
@@ -328,6 +391,7 @@ impl CliPool {
                 // Its process was closed: the next turn resumes the session in a new one.
                 lease.reason = OpenReason::Resumed;
             }
+            lease.settle_process(ProcessExit::Recycled);
         }
         Ok(lease)
     }
@@ -368,7 +432,7 @@ impl CliPool {
                 (None, OpenReason::CompatChanged)
             }
         };
-        crate::metrics::session_opened(reason);
+        crate::metrics::session_opened(&ask.backend, reason);
         let invalid = |e: &dyn std::fmt::Display| {
             PoolError::InvalidRequest(format!("backend `{}`: {e}", ask.backend))
         };
@@ -409,7 +473,16 @@ impl CliPool {
         Ok((CliConversation::Live(Box::new(runner)), reason))
     }
 
-    fn give_back(&self, conversation: &str, runner: Option<CliConversation>, crashed: bool) {
+    /// Takes a conversation back from its lease; `process` is the pid its lease counted as
+    /// running.
+    fn give_back(
+        &self,
+        conversation: &str,
+        backend: &str,
+        runner: Option<CliConversation>,
+        process: Option<u32>,
+        crashed: bool,
+    ) {
         // The lease's handlers go with it: a call before the next lease is refused.
         #[cfg(feature = "mcp-bridge")]
         let runner = runner.map(|mut runner| {
@@ -422,12 +495,17 @@ impl CliPool {
         let effects = shell
             .core
             .returned(conversation, kept, crashed, Instant::now());
-        match runner {
-            Some(runner) if kept => {
-                shell.parked.insert(conversation.to_owned(), runner);
+        if let Some(runner) = runner {
+            let parked = Parked {
+                runner,
+                backend: backend.to_owned(),
+                process,
+            };
+            if kept {
+                shell.parked.insert(conversation.to_owned(), parked);
+            } else {
+                parked.close(Stop::Shutdown);
             }
-            Some(runner) => close_in_background(runner),
-            None => {}
         }
         self.apply(&mut shell, effects);
     }
@@ -439,8 +517,7 @@ impl CliPool {
         for conversation in shell.core.idle(now, ttl) {
             let effects = shell.core.forget(&conversation, now);
             if let Some(parked) = shell.parked.remove(&conversation) {
-                crate::metrics::process_exited(crate::metrics::ProcessExit::Evicted);
-                close_in_background(parked);
+                parked.close(Stop::Evicted(Eviction::Idle));
             }
             self.apply(&mut shell, effects);
         }
@@ -451,7 +528,7 @@ impl CliPool {
     /// closes its process.
     pub(crate) async fn shutdown(&self, grace: Duration) {
         self.closed.store(true, Ordering::SeqCst);
-        let parked: Vec<CliConversation> = {
+        let parked: Vec<Parked> = {
             let mut shell = self.lock();
             let effects = shell.core.close();
             let mut closing = Vec::new();
@@ -469,9 +546,14 @@ impl CliPool {
             self.publish(&shell);
             closing
         };
-        for runner in parked {
-            crate::metrics::process_exited(crate::metrics::ProcessExit::Shutdown);
-            let _ = runner.close().await;
+        for parked in parked {
+            count_stop(
+                &parked.backend,
+                parked.process,
+                parked.runner.pid(),
+                Stop::Shutdown,
+            );
+            let _ = parked.runner.close().await;
         }
         let mut leased = self.leased.subscribe();
         let _ = tokio::time::timeout(grace, leased.wait_for(|n| *n == 0)).await;
@@ -527,8 +609,19 @@ impl Drop for WaitGuard {
         // Granted meanwhile, to nobody: give the conversation back (its parked process,
         // if any, stays parked).
         drop(shell);
-        let runner = self.pool.lock().parked.remove(&self.conversation);
-        self.pool.give_back(&self.conversation, runner, false);
+        let parked = self.pool.lock().parked.remove(&self.conversation);
+        match parked {
+            Some(p) => self.pool.give_back(
+                &self.conversation,
+                &p.backend,
+                Some(p.runner),
+                p.process,
+                false,
+            ),
+            None => self
+                .pool
+                .give_back(&self.conversation, "", None, None, false),
+        }
     }
 }
 
@@ -547,6 +640,9 @@ pub struct CliLease {
     home: PathBuf,
     turn_timeout: Option<Duration>,
     kind: BackendKind,
+    /// The pid of the conversation's process the metrics count as running: its start
+    /// counted, its exit not yet.
+    process: Option<u32>,
 }
 
 impl std::fmt::Debug for CliLease {
@@ -561,8 +657,13 @@ impl std::fmt::Debug for CliLease {
 impl Drop for CliLease {
     fn drop(&mut self) {
         let runner = self.conversation.take();
-        self.pool
-            .give_back(&self.conversation_key, runner, self.crashed);
+        self.pool.give_back(
+            &self.conversation_key,
+            &self.backend,
+            runner,
+            self.process,
+            self.crashed,
+        );
     }
 }
 
@@ -610,16 +711,52 @@ impl CliLease {
         self.kind
     }
 
+    /// Counts the exit (for `why`) of the process the metrics count as running when the
+    /// conversation no longer runs it.
+    fn settle_process(&mut self, why: ProcessExit) {
+        let running = self.conversation.as_ref().and_then(|c| c.pid());
+        if self.process.is_some() && running != self.process {
+            crate::metrics::process_exited(&self.backend, why);
+            self.process = None;
+        }
+    }
+
     /// Sends `prompt` and returns the running turn; read it with [`CliLeaseTurn::next`] to
     /// its `turn.end`, which records the CLI session id durably.
     pub async fn start_turn(&mut self, prompt: &str) -> Result<CliLeaseTurn<'_>, PoolError> {
+        // A live process that died since the last turn crashed.
+        self.settle_process(ProcessExit::Crash);
         let Some(conversation) = self.conversation.as_mut() else {
             return Err(PoolError::Internal("a CLI lease without its runner".into()));
         };
-        let turn = conversation
-            .start_turn(prompt)
-            .await
-            .map_err(|e| PoolError::InvalidRequest(format!("backend `{}`: {e}", self.backend)))?;
+        let spawning = Instant::now();
+        let turn = match conversation.start_turn(prompt).await {
+            Ok(turn) => turn,
+            Err(e) => {
+                // A turn that fails to start has stopped the process it found running (to
+                // start it again: an expired bridge) before its start failed.
+                if self.process.is_some() {
+                    crate::metrics::process_exited(&self.backend, ProcessExit::Recycled);
+                    self.process = None;
+                }
+                if let Some(result) = failed_start(&e) {
+                    crate::metrics::process_started(&self.backend, result, spawning.elapsed());
+                }
+                return Err(PoolError::InvalidRequest(format!(
+                    "backend `{}`: {e}",
+                    self.backend
+                )));
+            }
+        };
+        let pid = turn.pid();
+        if pid.is_some() && pid != self.process {
+            if self.process.is_some() {
+                // The live runner stopped its process to start one anew (an expired bridge).
+                crate::metrics::process_exited(&self.backend, ProcessExit::Recycled);
+            }
+            crate::metrics::process_started(&self.backend, SpawnResult::Ok, spawning.elapsed());
+            self.process = pid;
+        }
         // The limit interrupts the turn through its abort handle (a task, so no read of the
         // runner is ever cut short); the runner then ends it `aborted`, which `next` reports
         // as the timeout it was. Each turn has its own handle: a late firing cannot reach
@@ -644,6 +781,8 @@ impl CliLease {
             identity: &self.identity,
             backend: &self.backend,
             crashed: &mut self.crashed,
+            process: &mut self.process,
+            oneshot: self.kind == BackendKind::CliOneshot,
             started: Instant::now(),
         })
     }
@@ -672,6 +811,10 @@ impl Drop for CliLeaseTurn<'_> {
         if let Some((timer, _)) = self.timer.take() {
             timer.abort();
         }
+        // A one-shot turn dropped before its end took its process with it.
+        if self.oneshot && self.process.take().is_some() {
+            crate::metrics::process_exited(self.backend, ProcessExit::Completed);
+        }
     }
 }
 
@@ -687,6 +830,10 @@ pub struct CliLeaseTurn<'a> {
     identity: &'a str,
     backend: &'a str,
     crashed: &'a mut bool,
+    /// The lease's counted process (see `CliLease::process`).
+    process: &'a mut Option<u32>,
+    /// A one-shot backend's process ends with its turn.
+    oneshot: bool,
     started: Instant,
 }
 
@@ -720,6 +867,15 @@ impl CliLeaseTurn<'_> {
             let end = outcome.end.unwrap_or(TurnEnd::Error);
             if end == TurnEnd::Crashed {
                 *self.crashed = true;
+            }
+            if self.process.is_some() && (end == TurnEnd::Crashed || self.oneshot) {
+                let why = if end == TurnEnd::Crashed {
+                    ProcessExit::Crash
+                } else {
+                    ProcessExit::Completed
+                };
+                crate::metrics::process_exited(self.backend, why);
+                *self.process = None;
             }
             crate::metrics::cli_turn_finished(self.backend, end, self.started.elapsed());
             for (kind, n) in outcome.usage.by_kind() {

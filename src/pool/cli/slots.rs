@@ -136,6 +136,14 @@ impl Slots {
             .count()
     }
 
+    /// Leases of backend `backend` waiting now.
+    pub(crate) fn waiting_of(&self, backend: &str) -> usize {
+        self.waiters
+            .iter()
+            .filter(|w| w.key.backend == backend)
+            .count()
+    }
+
     /// Conversations leased now.
     pub(crate) fn leased(&self) -> usize {
         self.held.values().filter(|h| h.leased).count()
@@ -288,7 +296,7 @@ impl Slots {
             if crashed {
                 if let RestartDecision::Quarantine { .. } = tracker.record_crash(now, &self.policy)
                 {
-                    crate::metrics::quarantined();
+                    crate::metrics::quarantined(&key.backend);
                 }
             } else {
                 tracker.record_stable();
