@@ -169,9 +169,11 @@ const FIGURES: [(&str, &str, Read); 13] = [
         "returning first idle p50 ms",
         |f| f.returning_first_idle_p50_ms,
     ),
-    ("returning_on_spare_percent", "returning on a spare %", |f| {
-        f.returning_on_spare_percent
-    }),
+    (
+        "returning_on_spare_percent",
+        "returning on a spare %",
+        |f| f.returning_on_spare_percent,
+    ),
 ];
 
 #[derive(Serialize)]

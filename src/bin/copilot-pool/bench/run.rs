@@ -7,10 +7,10 @@
 //! the primed spares it kept, SIGKILLs agent 0's runtime when the workload asks, and stops and
 //! reaps everything it started, whatever happened.
 
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::collections::HashSet;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -39,7 +39,7 @@ const IDLE_TTL_SECS: u64 = 2;
 const AWAY_POLL: Duration = Duration::from_millis(100);
 /// A bound on the agents' absence: idle TTL, tick, a spare's start and priming, with room for
 /// a loaded machine. A failure guard, not a measurement.
-const AWAY_LIMIT: Duration = Duration::from_secs(120);
+const AWAY_LIMIT: Duration = Duration::from_secs(60);
 
 /// What every run shares: the runtime, the SDK, the scripted model, the workload script.
 pub struct Setup {
@@ -303,17 +303,20 @@ async fn talk(
             }
             Some("away") => {
                 away = match daemon {
-                    Some(d) => Some(
-                        tokio::time::timeout(AWAY_LIMIT, pool_away(d.addr, args.agents))
-                            .await
-                            .with_context(|| {
-                                format!(
-                                    "the pool did not evict the agents' processes and keep a \
-                                     primed spare per agent within {AWAY_LIMIT:?} (see its \
-                                     /v1/pool; run with COPILOT_POOL_LOG=info for its log)"
-                                )
-                            })??,
-                    ),
+                    Some(d) => {
+                        let last = std::sync::Mutex::new(Value::Null);
+                        let waited =
+                            tokio::time::timeout(AWAY_LIMIT, pool_away(d.addr, args.agents, &last))
+                                .await;
+                        let last = last.lock().map(|l| l.to_string()).unwrap_or_default();
+                        Some(waited.with_context(|| {
+                            format!(
+                                "the pool did not evict the agents' processes and keep a primed \
+                                 spare per agent within {AWAY_LIMIT:?} (run with \
+                                 COPILOT_POOL_LOG=info for its log); its last /v1/pool: {last}"
+                            )
+                        })??)
+                    }
                     None => {
                         tokio::time::timeout(AWAY_LIMIT, runtimes_gone(node_pid))
                             .await
@@ -373,15 +376,19 @@ async fn pool_status(addr: SocketAddr) -> Result<Value> {
     serde_json::from_str(&text).with_context(|| format!("/v1/pool answered no JSON: {text}"))
 }
 
-/// Polls `/v1/pool` until no process holds a conversation (every agent's was evicted) and a
+/// Polls `/v1/pool` (its `processes`) until no process holds a conversation (every agent's was evicted) and a
 /// spare waits for each of the `agents` keys; answers the spares' pids and the pool's
 /// spawns so far.
-async fn pool_away(addr: SocketAddr, agents: u32) -> Result<(HashSet<u32>, u64)> {
+async fn pool_away(
+    addr: SocketAddr,
+    agents: u32,
+    last: &std::sync::Mutex<Value>,
+) -> Result<(HashSet<u32>, u64)> {
     let mut poll = tokio::time::interval(AWAY_POLL);
     loop {
         poll.tick().await;
         let status = pool_status(addr).await?;
-        let workers = status["workers"].as_array().cloned().unwrap_or_default();
+        let workers = status["processes"].as_array().cloned().unwrap_or_default();
         let serving = workers
             .iter()
             .any(|w| w["conversations"].as_u64().unwrap_or(0) > 0);
@@ -394,13 +401,16 @@ async fn pool_away(addr: SocketAddr, agents: u32) -> Result<(HashSet<u32>, u64)>
             let spawned = status["totals"]["processes_spawned"].as_u64().unwrap_or(0);
             return Ok((spares, spawned));
         }
+        if let Ok(mut l) = last.lock() {
+            *l = status;
+        }
     }
 }
 
 /// The share (percent) of the conversations attached now that sit on one of `spares`, and
 /// how many processes the pool started since it had started `spawned`.
 fn on_spares(status: &Value, spares: &HashSet<u32>, spawned: u64) -> (f64, u64) {
-    let workers = status["workers"].as_array().cloned().unwrap_or_default();
+    let workers = status["processes"].as_array().cloned().unwrap_or_default();
     let (mut total, mut on) = (0u64, 0u64);
     for w in &workers {
         let conversations = w["conversations"].as_u64().unwrap_or(0);
