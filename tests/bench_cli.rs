@@ -1,5 +1,6 @@
 //! End-to-end: `copilot-pool bench` at its smallest size runs all four modes and its JSON
-//! object carries every figure of every mode and every ratio to the SDK alone.
+//! object carries every figure of every mode and every ratio to the SDK alone,
+//! the returning agent's (after its process went away) included.
 
 mod support;
 
@@ -8,7 +9,7 @@ use std::process::Command;
 use serde_json::Value;
 
 /// The figures every mode reports; the pool's own only exist where there is a pool.
-const FIGURES: [&str; 10] = [
+const FIGURES: [&str; 13] = [
     "turns_per_second",
     "cold_first_event_p50_ms",
     "first_idle_p50_ms",
@@ -19,8 +20,15 @@ const FIGURES: [&str; 10] = [
     "runtime_peak_pss_mib",
     "pool_peak_pss_mib",
     "kill_to_ready_ms",
+    "returning_first_event_p50_ms",
+    "returning_first_idle_p50_ms",
+    "returning_on_spare_percent",
 ];
-const POOL_ONLY: [&str; 2] = ["pool_cpu_per_turn_ms", "pool_peak_pss_mib"];
+const POOL_ONLY: [&str; 3] = [
+    "pool_cpu_per_turn_ms",
+    "pool_peak_pss_mib",
+    "returning_on_spare_percent",
+];
 
 #[tokio::test]
 async fn a_tiny_bench_reports_every_figure_of_every_mode_as_json() {
@@ -74,4 +82,10 @@ async fn a_tiny_bench_reports_every_figure_of_every_mode_as_json() {
     assert!(report["ratios_vs_resume"]["resume"].is_null());
     // The table is printed too, one row per figure.
     assert!(stdout.contains("kill to ready ms"), "{stdout}");
+    assert!(stdout.contains("returning first event p50 ms"), "{stdout}");
+    // The returning agent's turn found the primed spare the pool kept (no spawn, no wait).
+    for mode in ["http", "endpoint"] {
+        let on_spare = &report["modes"][mode]["returning_on_spare_percent"]["median"];
+        assert_eq!(on_spare.as_f64(), Some(100.0), "{mode}: {on_spare}");
+    }
 }

@@ -5,6 +5,9 @@
 //! the session resumed before every turn), (d) the Node SDK keeping its sessions attached.
 //! Runs alternate (each pair runs every mode once, the order rotating from pair to pair), and
 //! each figure is the median of the pairs with its spread; the ratios to (c) are the claims.
+//! After the load every agent goes away until its runtime is gone (the pool: evicted after a
+//! short idle TTL, a primed warm spare kept per agent; the SDK: its clients stopped) and
+//! returns with one turn on its first conversation: the returning agent's cold first event.
 //! Prints one table, and one JSON object with `--json`. Finds or installs the runtime and the
 //! Node SDK first (cached, under a lock, bounded).
 //!
@@ -127,7 +130,7 @@ impl Mode {
 type Read = fn(&Figures) -> Option<f64>;
 
 /// Every figure, by its JSON name, with its table label and how it is read from a run.
-const FIGURES: [(&str, &str, Read); 10] = [
+const FIGURES: [(&str, &str, Read); 13] = [
     ("turns_per_second", "turns/s", |f| f.turns_per_second),
     ("cold_first_event_p50_ms", "cold first event p50 ms", |f| {
         f.cold_first_event_p50_ms
@@ -156,6 +159,21 @@ const FIGURES: [(&str, &str, Read); 10] = [
     ("kill_to_ready_ms", "kill to ready ms", |f| {
         f.kill_to_ready_ms
     }),
+    (
+        "returning_first_event_p50_ms",
+        "returning first event p50 ms",
+        |f| f.returning_first_event_p50_ms,
+    ),
+    (
+        "returning_first_idle_p50_ms",
+        "returning first idle p50 ms",
+        |f| f.returning_first_idle_p50_ms,
+    ),
+    (
+        "returning_on_spare_percent",
+        "returning on a spare %",
+        |f| f.returning_on_spare_percent,
+    ),
 ];
 
 #[derive(Serialize)]
@@ -361,7 +379,7 @@ fn print_table(args: &BenchArgs, runs: &[Vec<Figures>]) {
         args.pairs
     );
     let baseline = baseline();
-    let mut header = format!("{:<24}", "");
+    let mut header = format!("{:<28}", "");
     for mode in Mode::ALL {
         header.push_str(&format!(" | {:<22}", mode.heading()));
     }
@@ -375,7 +393,7 @@ fn print_table(args: &BenchArgs, runs: &[Vec<Figures>]) {
     }
     println!("{header}");
     for row in figure_rows(runs) {
-        let mut line = format!("{:<24}", row.label);
+        let mut line = format!("{:<28}", row.label);
         for spread in &row.per_mode {
             line.push_str(&format!(" | {:<22}", cell(spread.as_ref(), 1)));
         }

@@ -2,9 +2,13 @@
 //! `copilot-pool serve` child for the pool's two modes; nothing for the SDK's, whose runtimes
 //! the workload spawns), runs `workload.mjs` under Node, samples the memory (PSS) of the
 //! runtimes and of the pool while it goes, reads their CPU from /proc when the load is done,
-//! SIGKILLs agent 0's runtime when the workload asks, and stops and reaps everything it
-//! started, whatever happened.
+//! waits (polling `/v1/pool`, or `/proc` for the SDK's runtimes) until every agent's runtime is
+//! gone when the workload's agents go away, checks that the pool's returning agents landed on
+//! the primed spares it kept, SIGKILLs agent 0's runtime when the workload asks, and stops and
+//! reaps everything it started, whatever happened.
 
+use std::collections::HashSet;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -27,6 +31,15 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(200);
 const STEP_LIMIT: Duration = Duration::from_secs(600);
 /// How long a stopped workload or daemon may take to exit before its group is killed.
 const EXIT_LIMIT: Duration = Duration::from_secs(30);
+/// The pool's idle TTL in the bench: short, so a returning agent's process is gone within
+/// seconds (evicted at the maintenance tick, each second, after this).
+const IDLE_TTL_SECS: u64 = 2;
+/// How often the harness looks whether the agents' runtimes are gone (and the pool's spares
+/// are up) while they are away.
+const AWAY_POLL: Duration = Duration::from_millis(100);
+/// A bound on the agents' absence: idle TTL, tick, a spare's start and priming, with room for
+/// a loaded machine. A failure guard, not a measurement.
+const AWAY_LIMIT: Duration = Duration::from_secs(60);
 
 /// What every run shares: the runtime, the SDK, the scripted model, the workload script.
 pub struct Setup {
@@ -51,6 +64,13 @@ pub struct Figures {
     pub runtime_peak_pss_mib: Option<f64>,
     pub pool_peak_pss_mib: Option<f64>,
     pub kill_to_ready_ms: Option<f64>,
+    /// From a returning agent's turn (its runtime gone) to its first event, p50 over agents.
+    pub returning_first_event_p50_ms: Option<f64>,
+    /// From a returning agent's turn to its end, p50 over the agents.
+    pub returning_first_idle_p50_ms: Option<f64>,
+    /// The pool only: of the returning conversations, the share that landed on a process
+    /// that was a primed spare while the agents were away.
+    pub returning_on_spare_percent: Option<f64>,
 }
 
 /// The SDK endpoint's token of agent `i` is this prefix and `i`.
@@ -74,8 +94,12 @@ pub async fn run(mode: Mode, args: &BenchArgs, setup: &Setup, index: usize) -> R
 
 /// A fresh `serve` for one run: its own state, the SDK endpoint on for `Mode::Endpoint`.
 async fn start_serve(mode: Mode, args: &BenchArgs, setup: &Setup, dir: &Path) -> Result<Daemon> {
-    let mut config =
-        "[pool]\nmax_sessions = 4096\nmax_waiters = 4096\n\n[model]\nallow_private_endpoints = true\n".to_owned();
+    // A short idle TTL and one warm spare per key, kept well past the agents' absence: a
+    // returning agent finds its process evicted and a primed spare in its place.
+    let mut config = format!(
+        "[pool]\nmax_sessions = 4096\nmax_waiters = 4096\nidle_ttl_secs = {IDLE_TTL_SECS}\n\
+         warm_spares = 1\nwarm_spare_window_secs = 600\n\n[model]\nallow_private_endpoints = true\n"
+    );
     if mode == Mode::Endpoint {
         config.push_str("\n[sdk]\n");
         for a in 0..args.agents {
@@ -176,7 +200,7 @@ async fn drive(
     }
     let mut node = GroupLeader::spawn(&mut command)
         .context("starting node (Node.js 20 or later must be on PATH)")?;
-    let result = talk(mode, &mut node, daemon).await;
+    let result = talk(mode, args, &mut node, daemon).await;
     if result.is_err() {
         node.group().kill();
     }
@@ -189,7 +213,12 @@ async fn drive(
 }
 
 /// Reads the workload's lines and does what they ask, sampling memory in between.
-async fn talk(mode: Mode, node: &mut GroupLeader, daemon: Option<&Daemon>) -> Result<Figures> {
+async fn talk(
+    mode: Mode,
+    args: &BenchArgs,
+    node: &mut GroupLeader,
+    daemon: Option<&Daemon>,
+) -> Result<Figures> {
     let node_pid = node.pid().context("node's pid")?;
     let pool = match daemon {
         Some(d) => Some(d.process.pid().context("the daemon's pid")?),
@@ -205,6 +234,8 @@ async fn talk(mode: Mode, node: &mut GroupLeader, daemon: Option<&Daemon>) -> Re
     let mut figures = Figures::default();
     let mut loading = true;
     let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    // The pool's spares while the agents were away: their pids, and the spawns so far.
+    let mut away: Option<(HashSet<u32>, u64)> = None;
     loop {
         let line = tokio::select! {
             line = tokio::time::timeout(STEP_LIMIT, lines.next_line()) => line,
@@ -270,9 +301,148 @@ async fn talk(mode: Mode, node: &mut GroupLeader, daemon: Option<&Daemon>) -> Re
                     .await
                     .context("telling the workload")?;
             }
+            Some("away") => {
+                away = match daemon {
+                    Some(d) => {
+                        let last = std::sync::Mutex::new(Value::Null);
+                        let waited =
+                            tokio::time::timeout(AWAY_LIMIT, pool_away(d.addr, args.agents, &last))
+                                .await;
+                        let last = last.lock().map(|l| l.to_string()).unwrap_or_default();
+                        Some(waited.with_context(|| {
+                            format!(
+                                "the pool did not evict the agents' processes and keep a primed \
+                                 spare per agent within {AWAY_LIMIT:?} (run with \
+                                 COPILOT_POOL_LOG=info for its log); its last /v1/pool: {last}"
+                            )
+                        })??)
+                    }
+                    None => {
+                        tokio::time::timeout(AWAY_LIMIT, runtimes_gone(node_pid))
+                            .await
+                            .with_context(|| {
+                                format!(
+                                    "the stopped SDK clients' runtimes did not exit within \
+                                     {AWAY_LIMIT:?}"
+                                )
+                            })?;
+                        None
+                    }
+                };
+                stdin
+                    .write_all(b"back\n")
+                    .await
+                    .context("telling the workload")?;
+            }
+            Some("returned") => {
+                let list = |key: &str| -> Vec<f64> {
+                    value[key]
+                        .as_array()
+                        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+                        .unwrap_or_default()
+                };
+                figures.returning_first_event_p50_ms = percentile(&list("firstEvent"), 0.5);
+                figures.returning_first_idle_p50_ms = percentile(&list("firstIdle"), 0.5);
+                if let (Some(d), Some((spares, spawned))) = (daemon, &away) {
+                    let status = pool_status(d.addr).await?;
+                    let (on_spare, spawned_since) = on_spares(&status, spares, *spawned);
+                    if spawned_since > 0 || on_spare < 100.0 {
+                        eprintln!(
+                            "bench: {}: the returning agents' conversations are {on_spare:.0} % \
+                             on the spares kept while they were away; {spawned_since} \
+                             process(es) started for the return",
+                            mode.name()
+                        );
+                    }
+                    figures.returning_on_spare_percent = Some(on_spare);
+                }
+            }
             Some("ready") => figures.kill_to_ready_ms = value["ms"].as_f64(),
             _ if value["done"] == true => return Ok(figures),
             _ => bail!("the workload printed an unexpected line: {line}"),
+        }
+    }
+}
+
+/// `GET /v1/pool` of the run's daemon, as JSON.
+async fn pool_status(addr: SocketAddr) -> Result<Value> {
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .context("an HTTP client")?;
+    let text = crate::load::get_text(&http, addr, "/v1/pool")
+        .await
+        .with_context(|| format!("GET http://{addr}/v1/pool answered nothing"))?;
+    serde_json::from_str(&text).with_context(|| format!("/v1/pool answered no JSON: {text}"))
+}
+
+/// Polls `/v1/pool` (its `processes`) until no process holds a conversation (every agent's was evicted) and a
+/// spare waits for each of the `agents` keys; answers the spares' pids and the pool's
+/// spawns so far.
+async fn pool_away(
+    addr: SocketAddr,
+    agents: u32,
+    last: &std::sync::Mutex<Value>,
+) -> Result<(HashSet<u32>, u64)> {
+    let mut poll = tokio::time::interval(AWAY_POLL);
+    loop {
+        poll.tick().await;
+        let status = pool_status(addr).await?;
+        let workers = status["processes"].as_array().cloned().unwrap_or_default();
+        let serving = workers
+            .iter()
+            .any(|w| w["conversations"].as_u64().unwrap_or(0) > 0);
+        let spares: HashSet<u32> = workers
+            .iter()
+            .filter(|w| w["state"] == "spare")
+            .filter_map(|w| w["pid"].as_u64().map(|p| p as u32))
+            .collect();
+        if !serving && spares.len() >= agents as usize {
+            let spawned = status["totals"]["processes_spawned"].as_u64().unwrap_or(0);
+            return Ok((spares, spawned));
+        }
+        if let Ok(mut l) = last.lock() {
+            *l = status;
+        }
+    }
+}
+
+/// The share (percent) of the conversations attached now that sit on one of `spares`, and
+/// how many processes the pool started since it had started `spawned`.
+fn on_spares(status: &Value, spares: &HashSet<u32>, spawned: u64) -> (f64, u64) {
+    let workers = status["processes"].as_array().cloned().unwrap_or_default();
+    let (mut total, mut on) = (0u64, 0u64);
+    for w in &workers {
+        let conversations = w["conversations"].as_u64().unwrap_or(0);
+        total += conversations;
+        if w["pid"]
+            .as_u64()
+            .is_some_and(|p| spares.contains(&(p as u32)))
+        {
+            on += conversations;
+        }
+    }
+    let now = status["totals"]["processes_spawned"].as_u64().unwrap_or(0);
+    let percent = if total == 0 {
+        0.0
+    } else {
+        on as f64 * 100.0 / total as f64
+    };
+    (percent, now.saturating_sub(spawned))
+}
+
+/// Polls `/proc` until no live process is left under the workload (its stopped clients'
+/// runtimes exited).
+async fn runtimes_gone(node: u32) {
+    let mut poll = tokio::time::interval(AWAY_POLL);
+    loop {
+        poll.tick().await;
+        let all = procfs::all();
+        if procfs::descendants(&all, node)
+            .iter()
+            .all(|p| p.state == 'Z')
+        {
+            return;
         }
     }
 }

@@ -7,12 +7,13 @@
 //   resume    the official Node SDK as its product pages show it: one client and runtime per
 //             agent (RUNTIME, COPILOT_HOME under HOMES), the session resumed before every turn;
 //   attached  the same SDK and runtime per agent, sessions kept attached.
-// Then the harness SIGKILLs agent 0's runtime and this times the next turn of agent 0's first
+// Then every agent goes away until its runtime is gone and returns with one turn on its first
+// conversation (the returning agent's cold first event). Then the harness SIGKILLs agent 0's runtime and this times the next turn of agent 0's first
 // conversation from the kill to its first event (a failed attempt, ATTEMPT_MS at most, is
 // followed by the mode's recovery: the pool resumes by itself; the SDK alone needs a new
 // client, a new runtime and resumeSession).
 //
-// Every step prints one JSON line on stdout; the harness answers `killed` on stdin.
+// Every step prints one JSON line on stdout; the harness answers `back` and `killed` on stdin.
 // Environment: MODE, SDK_DIR (SDK modes), AGENTS, CONVERSATIONS, TURNS, TOOL (1|0),
 // STREAMING (1|0), MODEL_URL, MODEL_ID, ATTEMPT_MS.
 
@@ -201,8 +202,9 @@ function conversationTurn(agent, conversation, text, onFirst) {
     if (!session) {
       session = await client.createSession(sessionConfig());
       state.ids[conversation] = session.sessionId;
-    } else if (MODE === "resume") {
+    } else if (MODE === "resume" || state.stale.has(conversation)) {
       session = await client.resumeSession(state.ids[conversation], sessionConfig());
+      state.stale.delete(conversation);
     }
     state.sessions[conversation] = session;
     await sdkTurn(session, text, onFirst);
@@ -212,7 +214,7 @@ function conversationTurn(agent, conversation, text, onFirst) {
 
 // ---- The workload -----------------------------------------------------------------------------
 
-for (let a = 0; a < AGENTS; a++) agents.push({ started: null, client: null, sessions: [], ids: [] });
+for (let a = 0; a < AGENTS; a++) agents.push({ started: null, client: null, sessions: [], ids: [], stale: new Set() });
 const cold = [];
 const firstIdle = [];
 const warm = [];
@@ -237,6 +239,36 @@ await Promise.all(
 );
 const loadMs = now() - started;
 say({ step: "load", turns: AGENTS * CONVERSATIONS * TURNS, ms: loadMs, cold, firstIdle, warm });
+
+// ---- The returning agent -------------------------------------------------------------------------
+// Every agent goes away: the SDK modes stop their clients (their runtimes exit, as a gateway
+// stops an idle client); the harness then waits until the runtimes are gone (the pool: evicted
+// after its short idle TTL, a primed spare kept in their place) and answers `back`. Then every
+// agent returns at once with one turn on its first conversation (a resume), timed from the
+// return to its first event and to its end.
+
+for (const state of agents) {
+  if (state.client) await within(ATTEMPT_MS, state.client.stop(), "client stop").catch(() => {});
+  state.started = null;
+  state.client = null;
+  // Their sessions belonged to the stopped client: the next turn resumes them.
+  state.stale = new Set(state.sessions.keys());
+}
+say({ step: "away" });
+await waitFor("back");
+const returningFirst = [];
+const returningIdle = [];
+await Promise.all(
+  agents.map(async (_, agent) => {
+    const sent = now();
+    let firstAt = null;
+    await conversationTurn(agent, 0, `back ${agent}/0`, () => { firstAt = now(); });
+    const idleAt = now();
+    returningFirst.push((firstAt ?? idleAt) - sent);
+    returningIdle.push(idleAt - sent);
+  }),
+);
+say({ step: "returned", firstEvent: returningFirst, firstIdle: returningIdle });
 
 // ---- Kill to ready ------------------------------------------------------------------------------
 
