@@ -67,7 +67,7 @@
 //!   stdio process per conversation ([`backend::claude_live`]).
 //! * [`fallback`] — a turn that runs on the next backend of its chain when one fails with a
 //!   retryable class, seeded with a prelude from the failed conversation's transcript:
-//!   [`Pool::lease_chain`], then [`fallback::ChainLease::run`].
+//!   [`fallback::ChainLease::start`], then [`fallback::ChainLease::run`].
 //! * [`replica`] — which of N `serve` replicas an agent goes to (rendezvous hashing).
 //! * [`auth`] — which credentials a lease runs with (precedence, fingerprints).
 //! * [`home`] — each agent's COPILOT_HOME.

@@ -16,7 +16,7 @@
 //! |---|---|---|
 //! | [`PROCESSES`] | gauge | `state`: `live`, `draining`, `spare`; `backend`: `copilot` or a configured CLI backend id |
 //! | [`PROCESS_SPAWNS_TOTAL`] | counter | `result`: `ok`, `error`, `resource_exhausted`; `backend` |
-//! | [`PROCESS_EXITS_TOTAL`] | counter | `reason`: [`ProcessExit::label`] (`crash`, `evicted`, `shutdown`, `recycled`, `completed`); `backend` |
+//! | [`PROCESS_EXITS_TOTAL`] | counter | `reason`: `ProcessExit::label` (`crash`, `evicted`, `shutdown`, `recycled`, `completed`); `backend` |
 //! | [`PROCESS_START_SECONDS`] | histogram | `backend` |
 //! | [`PROCESS_RESIDENT_MEMORY_BYTES`] | gauge | — |
 //! | [`CONVERSATIONS_ATTACHED`] | gauge | — |
@@ -72,7 +72,7 @@ use crate::kinds::{
 pub const PROCESSES: &str = "copilot_pool_processes";
 /// Process starts (spawn + handshake) by `result` (`ok`, `error`) and `backend`.
 pub const PROCESS_SPAWNS_TOTAL: &str = "copilot_pool_process_spawns_total";
-/// Processes that left the pool by `reason` ([`ProcessExit::label`]) and `backend`.
+/// Processes that left the pool by `reason` (`ProcessExit::label`) and `backend`.
 pub const PROCESS_EXITS_TOTAL: &str = "copilot_pool_process_exits_total";
 /// Time of a successful process start: spawn and handshake.
 pub const PROCESS_START_SECONDS: &str = "copilot_pool_process_start_seconds";

@@ -1134,7 +1134,7 @@ impl RecordingSink {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_gateways_chain_runs_a_turn_the_model_refuses_on_claude_with_the_earlier_turn_in_its_prelude()
  {
-    use copilot_pool::fallback::{ChainOutcome, ChainRequest, FallbackClass};
+    use copilot_pool::fallback::{ChainLease, ChainOutcome, ChainRequest, FallbackClass};
     use copilot_pool::scripted_model::Reply;
     use copilot_pool::transcript::TranscriptMode;
     use copilot_pool::turn::TranscriptSettings;
@@ -1166,7 +1166,7 @@ async fn a_rust_gateways_chain_runs_a_turn_the_model_refuses_on_claude_with_the_
     let run = |chain: ChainRequest, sink: Arc<RecordingSink>| {
         let pool = pool.clone();
         async move {
-            let lease = pool.lease_chain(chain, sink).await.expect("leased");
+            let lease = ChainLease::start(&pool, chain, sink).await.expect("leased");
             assert_eq!(lease.leased_backend(), Some("copilot"));
             tokio::time::timeout(Duration::from_secs(180), lease.run())
                 .await
@@ -1250,8 +1250,7 @@ async fn a_rust_gateways_chain_runs_a_turn_the_model_refuses_on_claude_with_the_
         (&["claude-cli", "claude-cli"][..], "claude-cli"),
         (&["copilot"][..], "copilot"),
     ] {
-        let refused = pool
-            .lease_chain(chain("x", fallbacks), RecordingSink::default())
+        let refused = ChainLease::start(&pool, chain("x", fallbacks), RecordingSink::default())
             .await
             .err()
             .expect("refused");

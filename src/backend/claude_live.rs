@@ -16,7 +16,7 @@
 //!   [`ClaudeLive`] dropped; its leader is always reaped (by `ChildGroup`);
 //! * a process that dies mid-turn ends the turn `crashed` as soon as its stdout closes (no
 //!   timeout wait), and the next turn starts a new process with `--resume <session id>`;
-//! * the output a turn retains (every line but the stream's envelopes, [`is_envelope`]: the
+//! * the output a turn retains (every line but the stream's envelopes, `is_envelope`: the
 //!   `stream_event`s of partial deltas, the `system` lines, the `result`, the control
 //!   protocol's requests and responses) is bounded by the backend's `outputLimits`
 //!   (8 MiB / 20,000 lines by default); an envelope line is still bounded by the byte limit

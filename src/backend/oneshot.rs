@@ -26,7 +26,7 @@
 //!   error of its own, ends the turn `crashed` as soon as its stdout closes; the stored
 //!   session is kept, so the next turn resumes it;
 //! * the output a turn retains (every line but the stream's envelopes: Codex's thread and
-//!   turn start/end events, [`is_jsonl_envelope`], and Gemini CLI's init, prompt echo and
+//!   turn start/end events, `is_jsonl_envelope`, and Gemini CLI's init, prompt echo and
 //!   result) is bounded by `outputLimits` (8 MiB / 20,000 lines by default; an envelope line
 //!   is still bounded by the byte limit alone, as any line read); past it the turn ends with [`TurnFailure::OutputLimit`], keeping the final
 //!   message when it had already arrived;

@@ -7,7 +7,7 @@
 //! daemon's `turn.end`.
 //!
 //! The daemon's `POST /v1/turns` is one caller (its sink streams SSE); a Rust gateway is
-//! another (`Pool::lease_chain`, then [`ChainLease::run`]). It owns no policy: which
+//! another ([`ChainLease::start`], then [`ChainLease::run`]). It owns no policy: which
 //! failures fall back, the chain's shape and the prelude are the parent module's.
 
 use std::collections::VecDeque;

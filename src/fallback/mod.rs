@@ -9,7 +9,7 @@
 //! transcript, with memory bounded by the budget).
 //!
 //! [`chain`] is the thin shell that runs a turn across a chain through the pool
-//! ([`crate::Pool::lease_chain`]); the daemon's `POST /v1/turns` runs every turn through it.
+//! ([`ChainLease::start`]; the pool knows nothing of chains); the daemon's `POST /v1/turns` runs every turn through it.
 
 pub mod chain;
 

@@ -223,7 +223,7 @@ async fn post_copilot_turn(
     sink.events = Some(events_tx);
     let streaming = sink.streaming;
     // The lease is taken before answering, so its errors are real HTTP errors.
-    let mut lease = match state.pool.lease_chain(chain, sink).await {
+    let mut lease = match ChainLease::start(&state.pool, chain, sink).await {
         Ok(l) => l,
         Err(e) => return pool_error(&e),
     };
@@ -316,7 +316,7 @@ async fn post_cli_turn(
     let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
     sink.events = Some(events_tx);
     let streaming = sink.streaming;
-    let lease = match state.pool.lease_chain(chain, sink).await {
+    let lease = match ChainLease::start(&state.pool, chain, sink).await {
         Ok(l) => l,
         Err(e) => return pool_error(&e),
     };

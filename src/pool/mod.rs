@@ -202,23 +202,6 @@ impl Pool {
         self.inner.cli.backend(backend).map(|_| ())
     }
 
-    /// Leases the first backend of a turn that may fall back (issue 17, item 6): `request`
-    /// names its backend (`request.lease.backend`), the backends to try after it in order,
-    /// the message and the prelude's budget; `sink` sets each backend's handlers and takes
-    /// the turn's events. [`crate::fallback::ChainLease::run`] runs the turn, and when a
-    /// backend fails with a retryable class (auth, rate limit, timeout, crash) before any
-    /// output reached the sink, runs it on the next one, seeded with a bounded prelude from
-    /// the failed conversation's transcript. The error is the first lease's, as
-    /// [`Pool::lease`] or [`Pool::lease_cli`] would give it, unless its processes cannot start
-    /// (or its key is quarantined) and a fallback is named: then the run starts there.
-    pub async fn lease_chain<S: crate::fallback::ChainSink>(
-        &self,
-        request: crate::fallback::ChainRequest,
-        sink: S,
-    ) -> Result<crate::fallback::ChainLease<S>, PoolError> {
-        crate::fallback::ChainLease::start(self, request, sink).await
-    }
-
     /// Leases a conversation of the CLI backend `req.backend` (issue 17): one process per
     /// conversation (`cli-live`), kept between its leases. The key of its processes is the
     /// agent's home for the backend (`<agent dir>/<backend id>`), the credential and the
