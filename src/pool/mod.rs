@@ -190,7 +190,10 @@ impl Pool {
         req: &LeaseRequest,
     ) -> Result<(), PoolError> {
         let config = self.inner.cli.backend(backend)?;
-        cli::options::system_prompt(backend, config, req).map(|_| ())
+        let mut probe = req.clone();
+        let options = std::mem::take(&mut probe.session_options);
+        probe.apply_session_options(options)?;
+        cli::options::system_prompt(backend, config, &probe.session_options).map(|_| ())
     }
 
     /// Checks that `backend` is `copilot` or a configured CLI backend; the error lists the
@@ -237,7 +240,8 @@ impl Pool {
         // `model` and `workingDirectory` in the options are the lease's, as on Copilot.
         let options = std::mem::take(&mut req.session_options);
         req.apply_session_options(options)?;
-        let system_prompt = cli::options::system_prompt(&req.backend, config, &req)?;
+        let system_prompt =
+            cli::options::system_prompt(&req.backend, config, &req.session_options)?;
         if req
             .provider
             .as_ref()

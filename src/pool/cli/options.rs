@@ -6,25 +6,8 @@
 //! Pure: the request's options in, the prompt or the refusal out.
 
 use crate::backend::{CliBackendConfig, SystemPromptWhen};
-use crate::pool::{LeaseRequest, PoolError};
-
-/// The session options the pool moves onto a lease's own fields
-/// (`LeaseRequest::apply_session_options`): a CLI lease honours `model` and
-/// `workingDirectory` as the Copilot path does, and the others are not the CLI's to refuse
-/// (`streaming`: a CLI turn always streams; `availableTools`, `reasoningEffort`: the
-/// runner's own rules).
-fn applied(req: &LeaseRequest) -> Result<LeaseRequest, PoolError> {
-    let mut probe = LeaseRequest::new(
-        &req.agent_id,
-        &req.session_key,
-        req.working_directory.clone(),
-    );
-    probe.model = req.model.clone();
-    probe.reasoning_effort = req.reasoning_effort;
-    probe.available_tools = req.available_tools.clone();
-    probe.apply_session_options(req.session_options.clone())?;
-    Ok(probe)
-}
+use crate::pool::PoolError;
+use crate::session_options::SessionOptions;
 
 /// Whether `config` gives its CLI a system prompt: a route, and a `systemPromptWhen` other
 /// than `never`.
@@ -36,15 +19,16 @@ fn has_route(config: &CliBackendConfig) -> bool {
 }
 
 /// The system prompt a lease on CLI backend `backend` (configured as `config`) gives its
-/// conversation: the content of `systemMessage` (mode `append` or none). Refused:
-/// `systemMessage` in mode `replace` or `customize`, or for a backend with no system-prompt
-/// route, and any session option the Copilot runtime alone knows.
+/// conversation: the content of `systemMessage` (mode `append` or none). `options` are the
+/// lease's after `LeaseRequest::apply_session_options` moved the fields it has its own field
+/// for (`model`, `workingDirectory`, `streaming`, `reasoningEffort`, `availableTools`).
+/// Refused: `systemMessage` in mode `replace` or `customize`, or for a backend with no
+/// system-prompt route, and any session option the Copilot runtime alone knows.
 pub(crate) fn system_prompt(
     backend: &str,
     config: &CliBackendConfig,
-    req: &LeaseRequest,
+    options: &SessionOptions,
 ) -> Result<Option<String>, PoolError> {
-    let options = applied(req)?.session_options;
     let others: Vec<&str> = options
         .fields()
         .keys()
@@ -90,17 +74,20 @@ pub(crate) fn system_prompt(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::session_options::SessionOptions;
+    use crate::pool::LeaseRequest;
     use serde_json::json;
 
     fn claude() -> CliBackendConfig {
         CliBackendConfig::claude_cli()
     }
 
-    fn request(options: serde_json::Value) -> LeaseRequest {
+    /// A request's options as a lease leaves them: the fields it has its own field for
+    /// moved onto it.
+    fn request(options: serde_json::Value) -> SessionOptions {
         let mut req = LeaseRequest::new("a", "s", std::path::PathBuf::from("/tmp"));
-        req.session_options = SessionOptions::from_value(options).expect("valid options");
-        req
+        let options = SessionOptions::from_value(options).expect("valid options");
+        req.apply_session_options(options).expect("applied");
+        req.session_options
     }
 
     #[test]
