@@ -21,6 +21,10 @@ const MAX_HEADER_BYTES: usize = 8 * 1024;
 /// actually arrives, at most this much ahead of it.
 pub const MAX_RESERVE_AHEAD_BYTES: usize = 64 * 1024;
 
+/// The most read buffer a connection keeps between frames: after a larger frame, an empty
+/// buffer starts afresh instead of keeping that frame's allocation.
+pub const MAX_RETAINED_READ_BYTES: usize = 16 * 1024;
+
 /// Why a byte stream could not be cut into frames.
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
@@ -127,7 +131,13 @@ impl Decoder for FrameCodec {
             return Ok(None);
         }
         self.pending_body = None;
-        Ok(Some(src.split_to(body_len).freeze()))
+        let frame = src.split_to(body_len).freeze();
+        if src.is_empty() && src.capacity() + body_len > MAX_RETAINED_READ_BYTES {
+            // The buffer would otherwise reclaim the large frame's allocation once the frame
+            // is dropped, and every connection would hold its largest frame for good.
+            *src = BytesMut::new();
+        }
+        Ok(Some(frame))
     }
 
     fn decode_eof(&mut self, buf: &mut BytesMut) -> Result<Option<Bytes>, FrameError> {
@@ -307,5 +317,24 @@ mod tests {
         ));
         let mut clean = FrameCodec::default();
         assert!(clean.decode_eof(&mut BytesMut::new()).unwrap().is_none());
+    }
+
+    #[test]
+    fn after_a_large_frame_the_read_buffer_does_not_keep_its_allocation() {
+        let body = vec![b'x'; 200 * 1024];
+        let mut buf = BytesMut::from(format!("Content-Length: {}\r\n\r\n", body.len()).as_bytes());
+        buf.extend_from_slice(&body);
+        let mut codec = FrameCodec::default();
+        let frame = codec.decode(&mut buf).unwrap().unwrap();
+        assert_eq!(frame.len(), body.len());
+        drop(frame);
+        // What the framed reader does before its next read.
+        buf.reserve(1);
+        assert!(
+            buf.capacity() <= MAX_RETAINED_READ_BYTES,
+            "the read buffer kept {} bytes after a {}-byte frame",
+            buf.capacity(),
+            body.len()
+        );
     }
 }

@@ -80,7 +80,10 @@ async function httpTurn(agent, conversation, text, onFirst) {
     prompt: prompt(text),
     model: env("MODEL_ID"),
     provider: { type: "openai", base_url: env("MODEL_URL"), api_key: "bench-key" },
-    session: { streaming: STREAMING },
+    // The same session as the SDK modes' `sessionConfig()`: only the gateway's tools. (The
+    // runtime's built-in tools would enlarge every model request, and their cost, the runtimes'
+    // CPU per turn, would be the workload's difference, not the pool's.)
+    session: { streaming: STREAMING, availableTools: ["custom:*"] },
   };
   if (TOOL) {
     body.tools = [{
