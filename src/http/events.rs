@@ -56,26 +56,31 @@ impl TurnEvent {
         }
     }
 
-    /// The event's data as JSON.
-    pub(super) fn data(&self) -> Value {
-        let value = match self {
-            TurnEvent::ToolCall(e) => serde_json::to_value(e),
-            TurnEvent::PermissionRequest(e) => serde_json::to_value(e),
-            TurnEvent::UserInputRequest(e) => serde_json::to_value(e),
-            TurnEvent::HookRequest(e) => serde_json::to_value(e),
-            TurnEvent::HookNotification(e) => serde_json::to_value(e),
-            TurnEvent::Session(e) => serde_json::to_value(e),
-            TurnEvent::BackendFallback(e) => serde_json::to_value(e),
-            TurnEvent::TurnEnd(e) => serde_json::to_value(e),
-        };
-        // Plain structs of strings, numbers and JSON values: serializing cannot fail.
-        value.unwrap_or(Value::Null)
-    }
-
     /// The SSE frame: `event: <name>`, `data: <JSON>`, a blank line. The JSON is one line
     /// (serde_json escapes newlines inside strings), so one `data:` line carries it.
     pub(super) fn frame(&self) -> String {
-        format!("event: {}\ndata: {}\n\n", self.name(), self.data())
+        // Serialized straight from the typed event: no intermediate `Value` (a copy of the
+        // whole payload per event).
+        let json = match self {
+            TurnEvent::ToolCall(e) => serde_json::to_string(e),
+            TurnEvent::PermissionRequest(e) => serde_json::to_string(e),
+            TurnEvent::UserInputRequest(e) => serde_json::to_string(e),
+            TurnEvent::HookRequest(e) => serde_json::to_string(e),
+            TurnEvent::HookNotification(e) => serde_json::to_string(e),
+            TurnEvent::Session(e) => serde_json::to_string(e),
+            TurnEvent::BackendFallback(e) => serde_json::to_string(e),
+            TurnEvent::TurnEnd(e) => serde_json::to_string(e),
+        };
+        // Plain structs of strings, numbers and JSON values: serializing cannot fail.
+        let json = json.unwrap_or_else(|_| "null".to_owned());
+        let name = self.name();
+        let mut frame = String::with_capacity(name.len() + json.len() + 16);
+        frame.push_str("event: ");
+        frame.push_str(name);
+        frame.push_str("\ndata: ");
+        frame.push_str(&json);
+        frame.push_str("\n\n");
+        frame
     }
 
     /// The `turn.end` summary, if this is it.

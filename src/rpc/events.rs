@@ -42,17 +42,18 @@ struct Envelope {
     agent_id: Option<String>,
     #[serde(rename = "type", default)]
     event_type: String,
-    #[serde(default)]
-    data: Value,
 }
+
+/// `data` of an event that has none.
+static NO_DATA: Value = Value::Null;
 
 impl SessionEvent {
     /// Decodes an event from its JSON. Unknown or unexpected shapes become
     /// [`EventKind::Unknown`]; a value that is not even an object yields an `Unknown` event
     /// with an empty type.
     pub fn from_value(value: Value) -> Self {
-        // Read from a borrow: only the envelope's own fields (and `data`) are copied, not
-        // the whole event (which is kept as `raw`).
+        // Read from a borrow: only the envelope's own fields are copied, and `data` is
+        // decoded from its place in the event (which is kept whole as `raw`).
         match Envelope::deserialize(&value) {
             Ok(env) => Self {
                 id: env.id,
@@ -60,7 +61,7 @@ impl SessionEvent {
                 parent_id: env.parent_id,
                 ephemeral: env.ephemeral.unwrap_or(false),
                 agent_id: env.agent_id,
-                kind: EventKind::decode(env.event_type, env.data),
+                kind: EventKind::decode(env.event_type, value.get("data").unwrap_or(&NO_DATA)),
                 raw: value,
             },
             Err(_) => Self {
@@ -124,18 +125,18 @@ macro_rules! events {
         }
 
         impl EventKind {
-            fn decode(event_type: String, data: Value) -> Self {
+            fn decode(event_type: String, data: &Value) -> Self {
                 match event_type.as_str() {
                     $(
-                        $name => match serde_json::from_value::<$data>(data.clone()) {
+                        $name => match <$data as Deserialize>::deserialize(data) {
                             Ok(d) => EventKind::$variant(d),
                             Err(error) => {
                                 tracing::debug!(event_type = $name, %error, "Event data did not match its type; kept raw.");
-                                EventKind::Unknown { event_type, data }
+                                EventKind::Unknown { event_type, data: data.clone() }
                             }
                         },
                     )*
-                    _ => EventKind::Unknown { event_type, data },
+                    _ => EventKind::Unknown { event_type, data: data.clone() },
                 }
             }
 
