@@ -128,7 +128,8 @@ pub(super) async fn post_turn(
                 StatusCode::BAD_REQUEST,
                 "bad_request",
                 format!(
-                    "{what}; `fallback` names CLI backend `{cli}`: drop the attachment, or drop `{cli}` from `fallback`"
+                    "{what}; `fallback` names CLI backend `{cli}`: drop the attachment, or \
+                     drop `{cli}` from `fallback`"
                 ),
             );
         }
