@@ -1901,7 +1901,9 @@ mod tests {
         std::fs::write(&outside, b"\x89PNG\r\n\x1a\n").unwrap();
         let config = OneshotConfig::gemini("/nonexistent/gemini", dir.path().join("h"), &work);
         let mut oneshot = Oneshot::new(config).unwrap();
-        let run = oneshot.invocation("look", &[inside.clone()], None).unwrap();
+        let run = oneshot
+            .invocation("look", std::slice::from_ref(&inside), None)
+            .unwrap();
         let at = run.args.iter().position(|a| a == "--prompt").unwrap();
         assert_eq!(
             run.args[at + 1],

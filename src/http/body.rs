@@ -276,14 +276,14 @@ pub(super) struct TurnBody {
     /// retryable class (`auth`: the model answered 401/403; `rate_limit`: 429; `timeout`;
     /// `crash`) before any of its output (assistant text, a tool call) was streamed. Each id
     /// is `copilot` or a configured CLI backend, at most 4, none twice (nor `backend`
-    /// itself). The next backend runs the same prompt after a prelude from the failed
-    /// conversation's transcript (a Copilot conversation's mirror, `[turns] transcript_dir`,
-    /// or Claude Code's own): its compaction summary first, then its newest messages within
-    /// `prelude_chars`. The stream shows
+    /// itself). The next backend runs the same prompt and attachments after a prelude from
+    /// the failed conversation's transcript (a Copilot conversation's mirror, `[turns]
+    /// transcript_dir`, or Claude Code's own): its compaction summary first, then its newest
+    /// messages within `prelude_chars`. The stream shows
     /// `backend.fallback`, then the next backend's events; `turn.end` names the backend that
-    /// answered, with the turn's attachments. With a CLI backend in the chain, hooks,
-    /// attachments other than images and `mode`/`agent_mode` are refused, and gateway tools
-    /// unless every CLI backend of the chain takes them, as for a CLI turn.
+    /// answered. With a CLI backend in the chain, hooks, attachments other than images and
+    /// `mode`/`agent_mode` are refused, and gateway tools unless every CLI backend of the
+    /// chain takes them, as for a CLI turn.
     #[serde(default)]
     #[schema(max_items = 4, example = json!(["claude-cli"]))]
     pub fallback: Vec<String>,
