@@ -1460,8 +1460,11 @@ async fn a_turns_image_reaches_claudes_and_codexs_model_over_a_cli_lease_and_eve
         // What is not an image file is refused before the turn starts.
         let notes = work.join("notes.txt");
         std::fs::write(&notes, "text").expect("write");
+        let fake = work.join("fake.png");
+        std::fs::write(&fake, "text").expect("write");
         for (path, needle) in [
             (notes, "not an image by its name"),
+            (fake, "not a PNG, JPEG, GIF or WebP image by its content"),
             (std::path::PathBuf::from("dot.png"), "not an absolute path"),
             (work.join("gone.png"), "cannot be read"),
         ] {

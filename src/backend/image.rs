@@ -194,8 +194,10 @@ pub fn check_paths(images: &[PathBuf]) -> Result<(), ImageError> {
     Ok(())
 }
 
-/// [`check_paths`], then that each path is a regular file that can be looked at.
+/// [`check_paths`], then that each path is a readable regular file whose content starts
+/// like a PNG, JPEG, GIF or WebP image ([`sniff`]).
 pub async fn check_files(images: &[PathBuf]) -> Result<(), ImageError> {
+    use tokio::io::AsyncReadExt;
     check_paths(images)?;
     for path in images {
         let unreadable = |error| ImageError::Unreadable {
@@ -206,9 +208,21 @@ pub async fn check_files(images: &[PathBuf]) -> Result<(), ImageError> {
         if !meta.is_file() {
             return Err(unreadable(std::io::Error::other("not a regular file")));
         }
+        let file = tokio::fs::File::open(path).await.map_err(unreadable)?;
+        let mut head = Vec::with_capacity(SIGNATURE_BYTES);
+        file.take(SIGNATURE_BYTES as u64)
+            .read_to_end(&mut head)
+            .await
+            .map_err(unreadable)?;
+        if sniff(&head).is_none() {
+            return Err(ImageError::NotImageContent { path: path.clone() });
+        }
     }
     Ok(())
 }
+
+/// How much of a file [`sniff`] needs (WebP's `RIFF....WEBP`).
+const SIGNATURE_BYTES: usize = 12;
 
 /// Reads image `path` into the Anthropic content block Claude Code's stream-json input
 /// takes: `{"type":"image","source":{"type":"base64","media_type":…,"data":…}}`, the media
@@ -377,6 +391,10 @@ mod tests {
         assert!(error.to_string().contains("scale it down"), "{error}");
 
         assert!(check_files(std::slice::from_ref(&path)).await.is_ok());
+        assert!(matches!(
+            check_files(std::slice::from_ref(&text)).await,
+            Err(ImageError::NotImageContent { .. })
+        ));
         assert!(matches!(
             check_files(&[dir.path().join("gone.png")]).await,
             Err(ImageError::Unreadable { .. })

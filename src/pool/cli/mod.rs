@@ -758,8 +758,13 @@ impl CliLease {
             Ok(turn) => turn,
             Err(e) => {
                 // A turn that fails to start has stopped the process it found running (to
-                // start it again: an expired bridge) before its start failed.
-                if self.process.is_some() {
+                // start it again: an expired bridge) before its start failed; one whose
+                // image could not be read (read before anything else) stopped nothing.
+                let untouched = matches!(
+                    &e,
+                    CliStartError::Live(crate::backend::claude_live::ClaudeLiveError::Image(_))
+                );
+                if self.process.is_some() && !untouched {
                     crate::metrics::process_exited(&self.backend, ProcessExit::Recycled);
                     self.process = None;
                 }
