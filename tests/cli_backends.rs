@@ -583,3 +583,29 @@ async fn a_claude_tools_permission_prompt_streams_as_permission_request_and_the_
     assert_eq!(found.len(), 1, "the approved command ran once: {found:?}");
     assert!(daemon.terminate().await.success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_turns_images_inline_or_by_path_reach_the_model_as_image_blocks_and_other_attachments_get_a_400()
+ {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    let answered = |text: &str| {
+        fx.model
+            .requests()
+            .into_iter()
+            .find(|r| {
+                matches!(r.decision(), Some(copilot_pool::scripted_model::Decision::Text(t)) if t == text)
+            })
+            .unwrap_or_else(|| panic!("no model call answered {text:?}"))
+    };
+    support::cli_daemon::image_turns(
+        &fx,
+        &daemon,
+        "claude-cli",
+        |prompt| fx.body("images", prompt, "sk-ant-FAKE-images", None),
+        answered,
+        TURN_LIMIT,
+    )
+    .await;
+}

@@ -508,3 +508,51 @@ async fn a_turn_with_gateway_tools_falls_back_to_claude_whose_tool_call_is_answe
     );
     assert!(daemon.terminate().await.success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_turns_image_goes_with_the_turn_to_the_copilot_fallback_as_an_attachment() {
+    use support::cli_daemon::{PNG, images_in};
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    for _ in 0..CLAUDE_401_ATTEMPTS {
+        fx.model.push_reply(Reply::Error { status: 401 });
+    }
+    let mut body = fx.body("image-1", "REPLY=copilot saw the dot");
+    body["backend"] = json!("claude-cli");
+    body["fallback"] = json!(["copilot"]);
+    body["attachments"] =
+        json!([{"type": "inline", "data": PNG, "media_type": "image/png", "name": "dot.png"}]);
+    let (events, end) = turn(&daemon, &body).await;
+    assert_eq!(end["status"], "idle", "{end} {:?}", names(&events));
+    assert_eq!(end["backend"], "copilot", "{end}");
+    assert_eq!(end["fallback_from"], "claude-cli", "{end}");
+    let png = ("image/png".to_owned(), PNG.to_owned());
+    let calls = fx.calls_with("REPLY=copilot saw the dot");
+    let claude: Vec<_> = calls.iter().filter(|r| from_claude(r)).collect();
+    let runtime: Vec<_> = calls.iter().filter(|r| !from_claude(r)).collect();
+    assert!(
+        !claude.is_empty() && claude.iter().all(|r| images_in(r).contains(&png)),
+        "Claude's calls carried the image"
+    );
+    assert!(
+        runtime.iter().any(|r| images_in(r).contains(&png)),
+        "the Copilot fallback's call carried it"
+    );
+
+    // A Copilot turn whose chain names a CLI backend takes images only, too.
+    let mut body = fx.body("image-2", "REPLY=never");
+    body["attachments"] = json!([{"type": "directory", "path": "."}]);
+    let refused = call(daemon.addr, "POST", "/v1/turns", None, Some(&body)).await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    let message = refused.json()["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        message.contains("attachments[0] (directory")
+            && message.contains("`fallback` names CLI backend `claude-cli`"),
+        "{message}"
+    );
+    assert!(daemon.terminate().await.success());
+}

@@ -475,3 +475,24 @@ async fn a_key_refresh_under_the_same_profile_resumes_codex_and_gemini_and_anoth
     let left = wait_none(|| fx.cli_processes(), Duration::from_secs(5)).await;
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_and_gemini_turns_images_inline_or_by_path_reach_the_model_and_other_attachments_get_a_400()
+ {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    for backend in [CODEX, GEMINI] {
+        support::cli_daemon::image_turns(
+            &fx,
+            &daemon,
+            backend,
+            |prompt| fx.body(backend, &format!("images-{backend}"), prompt),
+            |text| fx.call_answered(text),
+            TURN_LIMIT,
+        )
+        .await;
+    }
+    let left = wait_none(|| fx.cli_processes(), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+}

@@ -1368,3 +1368,184 @@ async fn a_cli_conversations_appended_system_message_reaches_claudes_and_codexs_
     );
     shutdown_leaves_nothing(&pool).await;
 }
+
+/// Runs a started CLI turn to its `turn.end` (the limit is a failure guard, not a wait).
+async fn finish_cli(
+    mut turn: copilot_pool::pool::CliLeaseTurn<'_>,
+) -> copilot_pool::backend::CliTurnOutcome {
+    let run = async {
+        while let Some(event) = turn.next().await {
+            if let copilot_pool::backend::BackendEvent::TurnEnd(outcome) = event {
+                return outcome;
+            }
+        }
+        panic!("the turn ended without turn.end");
+    };
+    tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the turn ended in time")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turns_image_reaches_claudes_and_codexs_model_over_a_cli_lease_and_every_backend_of_a_chain()
+ {
+    use base64::Engine;
+    use copilot_pool::backend::CliBackendConfig;
+    use copilot_pool::fallback::{ChainLease, ChainRequest};
+    use copilot_pool::scripted_model::{Decision, Reply};
+    use copilot_pool::turn::Message;
+    use support::cli_daemon::{PNG, images_in};
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    let claude = support::agent_cli::claude_path().await;
+    if let Some(backend) = config.cli_backends.get_mut("claude-cli") {
+        backend.command = claude.display().to_string();
+    }
+    let mut codex = CliBackendConfig::codex_cli();
+    codex.command = support::agent_cli::codex_path().await.display().to_string();
+    config.cli_backends.insert("codex-cli".to_owned(), codex);
+    let pool = Pool::start(config).await.expect("pool");
+    let work = fx.scratch.work();
+    std::fs::create_dir_all(&work).expect("work dir");
+    let image = work.join("dot.png");
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(PNG)
+        .expect("png");
+    std::fs::write(&image, bytes).expect("write the image");
+    let png = ("image/png".to_owned(), PNG.to_owned());
+    let request = |backend: &str| {
+        let mut req = fx.request("agent-i", &format!("image-{backend}"));
+        req.backend = backend.to_owned();
+        if backend == "codex-cli" {
+            req.model = Some("gpt-5.5".to_owned());
+            req.provider = Some(ProviderConfig::openai(
+                format!("http://{}/v1", fx.endpoint.addr()),
+                Some(Secret::new("sk-FAKE-codex-image")),
+            ));
+        } else {
+            req.model = None;
+            req.provider = Some(ProviderConfig::anthropic(
+                format!("http://{}", fx.endpoint.addr()),
+                Some(Secret::new("sk-ant-FAKE-image")),
+            ));
+        }
+        req
+    };
+    let answered = |text: &str| {
+        fx.model
+            .requests()
+            .into_iter()
+            .find(|r| matches!(r.decision(), Some(Decision::Text(t)) if t == text))
+            .unwrap_or_else(|| panic!("no model call answered {text:?}"))
+    };
+
+    // Over a lease: Claude gets an image block of the message, Codex an `input_image`.
+    for (backend, answer) in [
+        ("claude-cli", "claude saw it"),
+        ("codex-cli", "codex saw it"),
+    ] {
+        let mut lease = pool
+            .lease_cli(request(backend))
+            .await
+            .unwrap_or_else(|e| panic!("{backend}: {e}"));
+        let turn = lease
+            .start_turn_with_images(&format!("REPLY={answer}"), std::slice::from_ref(&image))
+            .await
+            .unwrap_or_else(|e| panic!("{backend}: {e}"));
+        let outcome = finish_cli(turn).await;
+        assert_eq!(outcome.text, answer, "{backend}: {outcome:?}");
+        let images = images_in(&answered(answer));
+        assert!(images.contains(&png), "{backend}'s model call: {images:?}");
+
+        // What is not an image file is refused before the turn starts.
+        let notes = work.join("notes.txt");
+        std::fs::write(&notes, "text").expect("write");
+        let fake = work.join("fake.png");
+        std::fs::write(&fake, "text").expect("write");
+        for (path, needle) in [
+            (notes, "not an image by its name"),
+            (fake, "not a PNG, JPEG, GIF or WebP image by its content"),
+            (std::path::PathBuf::from("dot.png"), "not an absolute path"),
+            (work.join("gone.png"), "cannot be read"),
+        ] {
+            let refused = lease
+                .start_turn_with_images("REPLY=never", &[path])
+                .await
+                .err()
+                .expect("refused");
+            assert!(
+                matches!(&refused, PoolError::InvalidRequest(m) if m.contains(needle)),
+                "{backend}: {refused}"
+            );
+        }
+    }
+
+    // A chain: Copilot's model calls are refused (401, three tries by the runtime), so the
+    // turn runs on Claude; both got the image.
+    let chain = |attachment: Message| {
+        let mut req = fx.request("agent-i", "image-chain");
+        req.model = Some("claude-sonnet-4-5".to_owned());
+        req.provider = Some(ProviderConfig::anthropic(
+            format!("http://{}", fx.endpoint.addr()),
+            Some(Secret::new("sk-ant-FAKE-image-chain")),
+        ));
+        let mut chain = ChainRequest::new(req, attachment);
+        chain.fallbacks = vec!["claude-cli".to_owned()];
+        chain
+    };
+    for _ in 0..3 {
+        fx.model.push_reply(Reply::Error { status: 401 });
+    }
+    let asked = fx.model.requests().len();
+    let message = Message::new("REPLY=claude saw the chain's image").with_file(&image);
+    let lease = ChainLease::start(&pool, chain(message), RecordingSink::default())
+        .await
+        .expect("leased");
+    let outcome = tokio::time::timeout(Duration::from_secs(180), lease.run())
+        .await
+        .expect("the chain ended in time");
+    assert_eq!(
+        outcome.summary.backend, "claude-cli",
+        "{:?}",
+        outcome.summary
+    );
+    assert_eq!(
+        outcome.summary.final_text, "claude saw the chain's image",
+        "{:?}",
+        outcome.summary
+    );
+    let requests = fx.model.requests();
+    let by_claude = |r: &copilot_pool::scripted_model::RecordedRequest| {
+        r.header("user-agent")
+            .iter()
+            .any(|ua| ua.starts_with("claude-cli"))
+    };
+    let with_image: Vec<_> = requests[asked..]
+        .iter()
+        .filter(|r| images_in(r).contains(&png))
+        .collect();
+    assert!(
+        with_image.iter().any(|r| !by_claude(r)),
+        "the Copilot runtime's call carried it"
+    );
+    assert!(
+        with_image.iter().any(|r| by_claude(r)),
+        "the fallback's Claude call carried it"
+    );
+
+    // A chain with a CLI backend refuses other attachments, naming them.
+    let refused = ChainLease::start(
+        &pool,
+        chain(Message::new("REPLY=never").with_directory(&work)),
+        RecordingSink::default(),
+    )
+    .await
+    .err()
+    .expect("refused");
+    assert!(
+        matches!(&refused, PoolError::InvalidRequest(m)
+            if m.contains("attachments[0] (directory") && m.contains("claude-cli")),
+        "{refused}"
+    );
+    shutdown_leaves_nothing(&pool).await;
+}

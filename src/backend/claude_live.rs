@@ -5,7 +5,8 @@
 //! process group ([`crate::process::ChildGroup`]), with a home of its own
 //! (`CLAUDE_CONFIG_DIR` and `TMPDIR` inside the agent's home) and the key only in the
 //! child's environment. A turn ([`ClaudeLive::start_turn`], [`ClaudeTurn::next`]) writes one
-//! user line and maps what comes back to [`BackendEvent`]s: partial text deltas, assistant
+//! user line (its images, [`ClaudeLive::start_turn_with_images`], as base64 `image` content
+//! blocks) and maps what comes back to [`BackendEvent`]s: partial text deltas, assistant
 //! messages, tool calls, `can_use_tool` control requests answered by the conversation's
 //! [`PermissionPolicy`] (reject-all by default), and the `result` line as the
 //! `turn.end` with its usage.
@@ -42,6 +43,7 @@ use tokio_util::codec::{FramedRead, LinesCodec, LinesCodecError};
 use super::config::{CliBackendConfig, ConfigError, SystemPromptWhen};
 use super::config::{SafetySwitches, claude_effort, claude_permission_mode, names_flag};
 use super::event::{BackendEvent, CliTurnOutcome, TurnFailure};
+use super::image::{self, ImageError};
 use crate::kinds::{ReasoningEffort, TurnEnd};
 use crate::permission::{
     PermissionDecision, PermissionPolicy, PermissionRequest, RejectAll, decide_safely,
@@ -174,6 +176,9 @@ pub enum ClaudeLiveError {
     #[cfg(feature = "mcp-bridge")]
     #[error(transparent)]
     McpBridge(#[from] super::mcp_bridge::McpBridgeError),
+    /// An image of the turn cannot be read into the message.
+    #[error(transparent)]
+    Image(#[from] ImageError),
 }
 
 /// The running process and its pipes.
@@ -253,6 +258,22 @@ impl ClaudeLive {
     /// the process first when none is running. Read the turn's events with
     /// [`ClaudeTurn::next`] until [`BackendEvent::TurnEnd`].
     pub async fn start_turn(&mut self, prompt: &str) -> Result<ClaudeTurn<'_>, ClaudeLiveError> {
+        self.start_turn_with_images(prompt, &[]).await
+    }
+
+    /// [`ClaudeLive::start_turn`] with image files: each is read (before any process starts)
+    /// into an Anthropic `image` content block (base64, its media type told by its content,
+    /// at most [`image::MAX_IMAGE_BYTES`]) of the user message, after the prompt's text
+    /// block.
+    pub async fn start_turn_with_images(
+        &mut self,
+        prompt: &str,
+        images: &[PathBuf],
+    ) -> Result<ClaudeTurn<'_>, ClaudeLiveError> {
+        let mut blocks = Vec::with_capacity(images.len());
+        for path in images {
+            blocks.push(image::content_block(path).await?);
+        }
         let running = self
             .process
             .as_ref()
@@ -264,9 +285,16 @@ impl ClaudeLive {
             self.spawn().await?;
         }
         let prompt = self.config.backend.transform(prompt, false);
+        let content = if blocks.is_empty() {
+            Value::String(prompt)
+        } else {
+            let mut content = vec![json!({"type": "text", "text": prompt})];
+            content.extend(blocks);
+            Value::Array(content)
+        };
         let line = json!({
             "type": "user",
-            "message": {"role": "user", "content": prompt},
+            "message": {"role": "user", "content": content},
             "parent_tool_use_id": null,
             "session_id": self.session_id.as_deref().unwrap_or(""),
         });

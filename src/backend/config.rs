@@ -86,11 +86,14 @@ pub enum SystemPromptWhen {
     Never,
 }
 
-/// How several image paths are passed with `imageArg`.
+/// How several image paths are passed with `imageArg`. An `imageArg` ending in `=` is joined
+/// to its value in one argument (`--image=a.png`), so an option that takes several values
+/// (Codex's `--image <FILE>...`) cannot swallow the prompt after it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ImageMode {
-    /// `imageArg` before each path: `--image a.png --image b.png`.
+    /// `imageArg` before each path: `--image a.png --image b.png` (`--image=a.png
+    /// --image=b.png` for `imageArg = "--image="`).
     #[default]
     Repeat,
     /// `imageArg` once, then the paths joined with commas: `--image a.png,b.png`.
@@ -209,7 +212,8 @@ pub struct CliBackendConfig {
     /// When the system prompt is passed.
     #[serde(default)]
     pub system_prompt_when: SystemPromptWhen,
-    /// The flag before image paths; without it, paths are appended to the prompt.
+    /// The flag before image paths (one ending in `=` is joined to the path: `--image=`);
+    /// without it, paths are appended to the prompt (Gemini CLI: as `@path` references).
     #[serde(default)]
     pub image_arg: Option<String>,
     /// How several image paths are passed.
@@ -479,6 +483,9 @@ impl CliBackendConfig {
     ///   `stream_max_retries` of 1 are set with the provider itself).
     /// * The session id is the `thread_id` of `thread.started`; the system prompt goes in a
     ///   file named by `-c model_instructions_file=...` on every run.
+    /// * A turn's images go as `--image=<path>` each (joined: exec's `--image <FILE>...`
+    ///   takes several values and would swallow the prompt); Codex sends them to the model
+    ///   as `input_image` data URLs, on a fresh run and on a resume.
     ///
     /// The model provider (`-c model_provider=...`, base URL, `wire_api = "responses"`, the
     /// key's variable), `CODEX_HOME` and `TMPDIR` are not static: the one-shot runner adds
@@ -513,7 +520,9 @@ impl CliBackendConfig {
         config.system_prompt_file_config_arg = Some("-c".to_owned());
         config.system_prompt_file_config_key = Some("model_instructions_file".to_owned());
         config.system_prompt_when = SystemPromptWhen::Always;
-        config.image_arg = Some("--image".to_owned());
+        // `--image=<path>`: exec's `--image <FILE>...` takes several values, so a separate
+        // `--image a.png` would swallow the prompt after it (resume takes both forms).
+        config.image_arg = Some("--image=".to_owned());
         config.image_mode = ImageMode::Repeat;
         config.serialize = true;
         config

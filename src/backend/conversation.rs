@@ -45,10 +45,23 @@ impl CliConversation {
     /// Sends `prompt` as the next user message (starting or resuming the CLI first when it
     /// is not running). Read the turn with [`CliTurn::next`] to its `turn.end`.
     pub async fn start_turn(&mut self, prompt: &str) -> Result<CliTurn<'_>, CliStartError> {
+        self.start_turn_with_images(prompt, &[]).await
+    }
+
+    /// [`CliConversation::start_turn`] with image files (absolute paths, named as images:
+    /// see [`super::image`]), passed as each runner does: Claude Code's `image` content
+    /// blocks, a one-shot backend's `imageArg` / `imageMode` or its prompt.
+    pub async fn start_turn_with_images(
+        &mut self,
+        prompt: &str,
+        images: &[PathBuf],
+    ) -> Result<CliTurn<'_>, CliStartError> {
         match self {
-            CliConversation::Live(live) => Ok(CliTurn::Live(live.start_turn(prompt).await?)),
+            CliConversation::Live(live) => Ok(CliTurn::Live(
+                live.start_turn_with_images(prompt, images).await?,
+            )),
             CliConversation::Oneshot(oneshot) => Ok(CliTurn::Oneshot(Box::new(
-                oneshot.start_turn(prompt).await?,
+                oneshot.start_turn_with_images(prompt, images).await?,
             ))),
         }
     }

@@ -5,8 +5,9 @@
 //! Claude Code as one live stdio process per conversation ([`claude_live`]) and a process
 //! per turn for `cli-oneshot` backends such as Codex ([`oneshot`]), what Gemini CLI needs
 //! around its runs ([`gemini`]: its settings file, its `stream-json` (or JSON) output and
-//! exit codes, where its transcripts live), and the loopback MCP bridge that serves a
-//! conversation's gateway tools to a CLI backend (`mcp_bridge`, feature `mcp-bridge`).
+//! exit codes, where its transcripts live), the images a CLI turn takes ([`image`]), and
+//! the loopback MCP bridge that serves a conversation's gateway tools to a CLI backend
+//! (`mcp_bridge`, feature `mcp-bridge`).
 //!
 //! The pool leases both runners' conversations (`crate::pool::Pool::lease_cli`) as
 //! [`CliConversation`]s: one enum over the runners, so a new runner is one more arm; their
@@ -17,6 +18,7 @@ mod config;
 mod conversation;
 mod event;
 pub mod gemini;
+pub mod image;
 #[cfg(feature = "mcp-bridge")]
 pub mod mcp_bridge;
 pub mod oneshot;

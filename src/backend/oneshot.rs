@@ -57,6 +57,7 @@ use super::config::{
 };
 use super::event::{BackendEvent, CliTurnOutcome, TurnFailure};
 use super::gemini;
+use super::image::{self, ImageError};
 use crate::kinds::{ReasoningEffort, TurnEnd};
 use crate::process::{ChildGroup, ChildSpec, ExitInfo, SpawnError};
 use crate::secret::Secret;
@@ -149,6 +150,33 @@ impl Dialect {
             }
         }
     }
+}
+
+/// Checks that every image lies inside `cwd` once links are resolved (Gemini CLI skips an
+/// `@path` outside its workspace without a word).
+async fn in_workspace(cwd: &Path, images: &[PathBuf]) -> Result<(), ImageError> {
+    if images.is_empty() {
+        return Ok(());
+    }
+    let unreadable = |path: &Path, error| ImageError::Unreadable {
+        path: path.to_path_buf(),
+        error,
+    };
+    let root = tokio::fs::canonicalize(cwd)
+        .await
+        .map_err(|e| unreadable(cwd, e))?;
+    for image in images {
+        let resolved = tokio::fs::canonicalize(image)
+            .await
+            .map_err(|e| unreadable(image, e))?;
+        if !resolved.starts_with(&root) {
+            return Err(ImageError::OutsideWorkspace {
+                path: resolved,
+                cwd: root,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// How much of a rollout's end [`codex_rollout_totals`] reads.
@@ -458,6 +486,9 @@ pub enum OneshotError {
     /// Gemini CLI's settings could not be written into the agent's home.
     #[error(transparent)]
     Gemini(#[from] gemini::GeminiError),
+    /// An image of the turn cannot be passed (Gemini CLI: outside its workspace).
+    #[error(transparent)]
+    Image(#[from] ImageError),
     /// The MCP bridge for the gateway tools could not start.
     #[cfg(feature = "mcp-bridge")]
     #[error(transparent)]
@@ -538,8 +569,11 @@ impl Oneshot {
         self.start_turn_with_images(prompt, &[]).await
     }
 
-    /// [`Oneshot::start_turn`] with image files (`imageArg`, or their paths appended to the
-    /// prompt when the backend has none).
+    /// [`Oneshot::start_turn`] with image files (absolute paths): after `imageArg` as
+    /// `imageMode` says, or appended to the prompt when the backend has none (Gemini CLI: as
+    /// `@path` references, which it reads only inside its workspace, so an image outside the
+    /// working directory is refused with [`ImageError::OutsideWorkspace`] rather than
+    /// skipped by the CLI).
     pub async fn start_turn_with_images(
         &mut self,
         prompt: &str,
@@ -558,6 +592,9 @@ impl Oneshot {
                     path: dir.clone(),
                     error,
                 })?;
+        }
+        if config.dialect == Dialect::Gemini && config.backend.image_arg.is_none() {
+            in_workspace(&config.cwd, images).await?;
         }
         if config.dialect == Dialect::Gemini {
             let home = config.home.clone();
@@ -754,13 +791,28 @@ impl Oneshot {
         let mut prompt = backend.transform(prompt, false);
         if !images.is_empty() {
             let paths: Vec<String> = images.iter().map(|p| p.display().to_string()).collect();
+            // `--image=` is joined to its value; `--image` is followed by it.
+            let flagged = |flag: &str, value: String| {
+                if flag.ends_with('=') {
+                    vec![format!("{flag}{value}")]
+                } else {
+                    vec![flag.to_owned(), value]
+                }
+            };
             match (&backend.image_arg, backend.image_mode) {
                 (Some(flag), ImageMode::Repeat) => {
                     for path in paths {
-                        args.extend([flag.clone(), path]);
+                        args.extend(flagged(flag, path));
                     }
                 }
-                (Some(flag), ImageMode::List) => args.extend([flag.clone(), paths.join(",")]),
+                (Some(flag), ImageMode::List) => args.extend(flagged(flag, paths.join(","))),
+                (None, _) if config.dialect == Dialect::Gemini => {
+                    // Gemini CLI reads `@path` references into the model request.
+                    let refs: Vec<String> =
+                        images.iter().map(|p| image::gemini_reference(p)).collect();
+                    prompt.push_str("\n\n");
+                    prompt.push_str(&refs.join("\n"));
+                }
                 (None, _) => {
                     prompt.push_str("\n\n");
                     prompt.push_str(&paths.join("\n"));
@@ -1837,6 +1889,49 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn gemini_gets_images_as_at_references_in_its_prompt_and_none_from_outside_its_workspace()
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        std::fs::create_dir_all(work.join("my pics")).unwrap();
+        let inside = work.join("my pics").join("a.png");
+        std::fs::write(&inside, b"\x89PNG\r\n\x1a\n").unwrap();
+        let outside = dir.path().join("b.png");
+        std::fs::write(&outside, b"\x89PNG\r\n\x1a\n").unwrap();
+        let config = OneshotConfig::gemini("/nonexistent/gemini", dir.path().join("h"), &work);
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let run = oneshot
+            .invocation("look", std::slice::from_ref(&inside), None)
+            .unwrap();
+        let at = run.args.iter().position(|a| a == "--prompt").unwrap();
+        assert_eq!(
+            run.args[at + 1],
+            format!("look\n\n@{}/my\\ pics/a.png", work.display()),
+            "{:?}",
+            run.args
+        );
+        // Refused before any process: Gemini CLI would skip it without a word.
+        let refused = oneshot
+            .start_turn_with_images("look", &[inside, outside])
+            .await
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(
+                refused,
+                OneshotError::Image(ImageError::OutsideWorkspace { .. })
+            ),
+            "{refused}"
+        );
+        assert!(
+            refused
+                .to_string()
+                .contains("put the image under the working directory"),
+            "{refused}"
+        );
+    }
+
     #[test]
     fn a_prompt_over_max_prompt_arg_chars_goes_to_stdin_or_is_refused_with_a_typed_error() {
         let dir = tempfile::tempdir().unwrap();
@@ -1917,10 +2012,19 @@ mod tests {
         );
         assert!(run.args.contains(&expected), "{:?}", run.args);
         let n = run.args.len();
+        // Joined (`--image=`): Codex's `--image <FILE>...` would swallow the prompt.
+        assert_eq!(run.args[n - 3..], ["--image=a.png", "--image=b.png", "p"]);
+        oneshot.config.backend.image_arg = Some("--image".into());
+        let run = oneshot.invocation("p", &images, None).unwrap();
+        let n = run.args.len();
         assert_eq!(
             run.args[n - 5..],
             ["--image", "a.png", "--image", "b.png", "p"]
         );
+        oneshot.config.backend.image_mode = ImageMode::List;
+        let run = oneshot.invocation("p", &images, None).unwrap();
+        let n = run.args.len();
+        assert_eq!(run.args[n - 3..], ["--image", "a.png,b.png", "p"]);
 
         let mut config = sh_config(dir.path(), "true");
         config.backend.system_prompt_arg = Some("--system".into());

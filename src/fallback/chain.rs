@@ -38,8 +38,9 @@ pub struct ChainRequest {
     /// order: each once, none the first, at most [`super::MAX_FALLBACKS`].
     pub fallbacks: Vec<String>,
     /// The message. The first backend gets it whole; a fallback gets its prompt after the
-    /// prelude. Attachments and modes are Copilot's: a chain naming a CLI backend refuses
-    /// them.
+    /// prelude, with the same attachments. A chain naming a CLI backend takes image files
+    /// only as attachments (each CLI backend gets them as its runner passes images, Copilot
+    /// as attachments; [`crate::backend::image::images_of`]) and refuses modes.
     pub message: Message,
     /// The prelude's budget in characters (at most [`super::MAX_PRELUDE_CHARS`]).
     pub prelude_chars: usize,
@@ -68,8 +69,9 @@ impl ChainRequest {
 
     /// Refuses a chain the pool cannot run, before anything is leased: an unknown backend,
     /// a backend named twice or too many, a budget out of range, or, with a CLI backend in
-    /// the chain, session options only the Copilot runtime takes, attachments or modes (a
-    /// CLI takes the prompt and an appended system message).
+    /// the chain, session options only the Copilot runtime takes, attachments other than
+    /// image files, or modes (a CLI takes the prompt, images and an appended system
+    /// message).
     pub fn check(&self, pool: &Pool) -> Result<(), PoolError> {
         let invalid = |e: FallbackError| PoolError::InvalidRequest(e.to_string());
         pool.check_backend(&self.lease.backend)?;
@@ -85,18 +87,22 @@ impl ChainRequest {
         {
             pool.check_cli_options(cli, &self.lease)?;
         }
-        let copilot_only = !self.message.attachments.is_empty()
-            || self.message.mode.is_some()
-            || self.message.agent_mode.is_some();
         let first = std::iter::once(&self.lease.backend);
-        if copilot_only
-            && let Some(cli) = first
-                .chain(&self.fallbacks)
-                .find(|b| b.as_str() != COPILOT_BACKEND)
-        {
+        let Some(cli) = first
+            .chain(&self.fallbacks)
+            .find(|b| b.as_str() != COPILOT_BACKEND)
+        else {
+            return Ok(());
+        };
+        if self.message.mode.is_some() || self.message.agent_mode.is_some() {
             return Err(PoolError::InvalidRequest(format!(
-                "attachments, `mode` and `agent_mode` are not offered to CLI backend `{cli}`; \
-                 drop them, or drop `{cli}` from the chain"
+                "`mode` and `agent_mode` are not offered to CLI backend `{cli}`; drop them, or \
+                 drop `{cli}` from the chain"
+            )));
+        }
+        if let Err(e) = crate::backend::image::images_of(&self.message.attachments) {
+            return Err(PoolError::InvalidRequest(format!(
+                "{e} (CLI backend `{cli}` is in the chain; or drop `{cli}` from it)"
             )));
         }
         Ok(())
@@ -396,10 +402,17 @@ impl<S: ChainSink> ChainLease<S> {
             budget,
         } = self;
         let prompt = message.prompt.clone();
+        // Every backend gets the attachments: Copilot as they are, a CLI backend its images
+        // (checked again: the message may have been completed after the lease).
+        let attachments = message.attachments.clone();
+        let images = crate::backend::image::images_of(&attachments);
+        let images = images.as_deref();
         let agent = template.agent_id.as_str();
         let mut end = match first {
             FirstRun::Copilot(lease, dir) => run_copilot(*lease, message, dir, agent, &sink).await,
-            FirstRun::Cli(lease, bridged) => run_cli(lease, &prompt, bridged, agent, &sink).await,
+            FirstRun::Cli(lease, bridged) => {
+                run_cli(lease, &prompt, images, bridged, agent, &sink).await
+            }
             FirstRun::Unleased(summary, class) => RunEnd {
                 summary,
                 class: Some(class),
@@ -452,10 +465,12 @@ impl<S: ChainSink> ChainLease<S> {
             let seeded = super::seeded_prompt(prelude.as_deref(), &prompt);
             end = match lease {
                 NextLease::Copilot(lease, dir) => {
-                    run_copilot(*lease, Message::new(seeded), dir, agent, &sink).await
+                    let mut message = Message::new(seeded);
+                    message.attachments = attachments.clone();
+                    run_copilot(*lease, message, dir, agent, &sink).await
                 }
                 NextLease::Cli(lease, bridged) => {
-                    run_cli(lease, &seeded, bridged, agent, &sink).await
+                    run_cli(lease, &seeded, images, bridged, agent, &sink).await
                 }
             };
             end.summary.fallback_from = Some(from);
@@ -593,13 +608,15 @@ fn is_bridged_call(name: &str) -> bool {
     }
 }
 
-/// Runs one CLI backend turn, handing its events to `sink`; a caller that goes away ends
-/// the turn (its process is killed; the next turn resumes the session). `bridged`: the
-/// lease's gateway tools are served through the MCP bridge, so the CLI's own report of a
-/// call of one is not passed on (the tool's handler has the call).
+/// Runs one CLI backend turn with the message's `images` (or the reason its attachments
+/// are not images: the turn fails to start), handing its events to `sink`; a caller that
+/// goes away ends the turn (its process is killed; the next turn resumes the session).
+/// `bridged`: the lease's gateway tools are served through the MCP bridge, so the CLI's own
+/// report of a call of one is not passed on (the tool's handler has the call).
 async fn run_cli<S: ChainSink>(
     mut lease: CliLease,
     prompt: &str,
+    images: Result<&[PathBuf], &crate::backend::image::ImageError>,
     bridged: bool,
     agent: &str,
     sink: &S,
@@ -612,7 +629,14 @@ async fn run_cli<S: ChainSink>(
     let mut streamed = false;
     let mut messages: Vec<String> = Vec::new();
     let result = async {
-        let mut turn = match lease.start_turn(prompt).await {
+        let images = match images {
+            Ok(images) => images,
+            Err(e) => {
+                let error = format!("backend `{}`: {e}", lease.backend());
+                return Err((TurnEnd::Error, Some(error)));
+            }
+        };
+        let mut turn = match lease.start_turn_with_images(prompt, images).await {
             Ok(turn) => turn,
             Err(e) => return Err((TurnEnd::Error, Some(e.to_string()))),
         };

@@ -3,7 +3,8 @@
 //! and `..` is resolved (the runtime is given the resolved path). Inline content is base64,
 //! at most [`AttachmentLimits::max_bytes`] decoded, of a media type in
 //! [`AttachmentLimits::media_types`], and is written into `<work>/attachments/` (0600) and
-//! attached as that file. Everything is checked before anything is written.
+//! attached as that file. Everything is checked before anything is written. A CLI backend's
+//! turn takes images only ([`images_only`]), which its runner passes to the CLI.
 
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -103,6 +104,43 @@ enum Item {
         file_name: String,
         display_name: String,
     },
+}
+
+/// Refuses what a CLI backend's turn does not take: every attachment must be an image, a
+/// whole file named as one (`.png`, `.jpg`, `.jpeg`, `.gif`, `.webp`) or inline content of
+/// an image media type. The error names the first other one and says what to do.
+pub(super) fn images_only(list: &[AttachmentBody]) -> Result<(), String> {
+    use crate::backend::image::{is_image_media_type, media_type_of};
+    for (i, body) in list.iter().enumerate() {
+        let what = match body {
+            AttachmentBody::File {
+                line_range: Some(_),
+                ..
+            } => "a line range of a file".to_owned(),
+            AttachmentBody::File { path, .. } if media_type_of(path).is_none() => {
+                format!("file {}, not an image by its name", path.display())
+            }
+            AttachmentBody::File { .. } => continue,
+            AttachmentBody::Directory { path, .. } => format!("directory {}", path.display()),
+            AttachmentBody::Inline { media_type, .. } => {
+                let media_type = media_type
+                    .split(';')
+                    .next()
+                    .unwrap_or_default()
+                    .trim()
+                    .to_ascii_lowercase();
+                if is_image_media_type(&media_type) {
+                    continue;
+                }
+                format!("inline {media_type}")
+            }
+        };
+        return Err(format!(
+            "attachments[{i}] ({what}) is not offered to CLI backends: they take images only \
+             (PNG, JPEG, GIF or WebP files by path, or inline with an image media_type)"
+        ));
+    }
+    Ok(())
 }
 
 /// Checks `list` against the roots (the agent's `work` directory and `allowed_roots`) and
@@ -369,6 +407,43 @@ mod tests {
             path: path.into(),
             display_name: None,
             line_range: None,
+        }
+    }
+
+    #[test]
+    fn a_cli_turn_takes_image_files_and_inline_images_only() {
+        assert!(
+            images_only(&[
+                file("a.PNG"),
+                file("/w/b.jpeg"),
+                inline("AA==", "Image/WebP; q=1", None)
+            ])
+            .is_ok()
+        );
+        let refused = [
+            (file("notes.md"), "file notes.md, not an image"),
+            (
+                AttachmentBody::File {
+                    path: "a.png".into(),
+                    display_name: None,
+                    line_range: Some(LineRange { start: 1, end: 1 }),
+                },
+                "a line range",
+            ),
+            (
+                AttachmentBody::Directory {
+                    path: "src".into(),
+                    display_name: None,
+                },
+                "directory src",
+            ),
+            (inline("AA==", "text/plain", None), "inline text/plain"),
+        ];
+        for (body, needle) in refused {
+            let error = images_only(&[file("a.png"), body]).expect_err("refused");
+            assert!(error.starts_with("attachments[1] ("), "{error}");
+            assert!(error.contains(needle), "{error}");
+            assert!(error.contains("they take images only"), "{error}");
         }
     }
 

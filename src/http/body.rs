@@ -243,7 +243,11 @@ pub(super) struct TurnBody {
     #[serde(default)]
     #[schema(minimum = 1)]
     pub timeout_ms: Option<u64>,
-    /// Files, directories and inline content sent with the prompt.
+    /// Files, directories and inline content sent with the prompt. A CLI backend takes
+    /// images only (PNG, JPEG, GIF or WebP: a whole file by path named `.png`, `.jpg`,
+    /// `.jpeg`, `.gif` or `.webp`, or inline with an image `media_type`; anything else is a
+    /// 400): Claude Code gets each as an image block of the message, Codex as `--image`,
+    /// Gemini CLI as an `@path` reference (inside the agent's work directory only).
     #[serde(default)]
     pub attachments: Vec<super::attachments::AttachmentBody>,
     /// `enqueue` or `immediate`.
@@ -264,7 +268,7 @@ pub(super) struct TurnBody {
     /// identity `auth.auth_profile_id` (else `auth.profile_id`, else the key itself).
     /// `tools` reach `claude-cli` and `codex-cli` through a loopback MCP bridge: each call
     /// is a `tool.call` with a `request_id`, answered as for `copilot`; other CLI backends
-    /// refuse them. Hooks and attachments are not offered to CLI backends.
+    /// refuse them. Hooks are not offered to CLI backends; of `attachments`, images only.
     #[serde(default)]
     #[schema(example = "claude-cli")]
     pub backend: Option<String>,
@@ -272,14 +276,14 @@ pub(super) struct TurnBody {
     /// retryable class (`auth`: the model answered 401/403; `rate_limit`: 429; `timeout`;
     /// `crash`) before any of its output (assistant text, a tool call) was streamed. Each id
     /// is `copilot` or a configured CLI backend, at most 4, none twice (nor `backend`
-    /// itself). The next backend runs the same prompt after a prelude from the failed
-    /// conversation's transcript (a Copilot conversation's mirror, `[turns] transcript_dir`,
-    /// or Claude Code's own): its compaction summary first, then its newest messages within
-    /// `prelude_chars`. The stream shows
+    /// itself). The next backend runs the same prompt and attachments after a prelude from
+    /// the failed conversation's transcript (a Copilot conversation's mirror, `[turns]
+    /// transcript_dir`, or Claude Code's own): its compaction summary first, then its newest
+    /// messages within `prelude_chars`. The stream shows
     /// `backend.fallback`, then the next backend's events; `turn.end` names the backend that
-    /// answered. With a CLI backend in the chain, hooks, attachments and `mode`/`agent_mode`
-    /// are refused, and gateway tools unless every CLI backend of the chain takes them, as
-    /// for a CLI turn.
+    /// answered. With a CLI backend in the chain, hooks, attachments other than images and
+    /// `mode`/`agent_mode` are refused, and gateway tools unless every CLI backend of the
+    /// chain takes them, as for a CLI turn.
     #[serde(default)]
     #[schema(max_items = 4, example = json!(["claude-cli"]))]
     pub fallback: Vec<String>,

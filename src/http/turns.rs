@@ -19,7 +19,7 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 
 use super::AppState;
-use super::attachments::{check_off_thread, write_off_thread};
+use super::attachments::{check_off_thread, images_only, write_off_thread};
 use super::body::{ToolBody, TurnBody, create_work_dir, lease_request, parse, read_body};
 use super::error::ErrorBody;
 use super::error::{error, pool_error, rejection};
@@ -123,6 +123,16 @@ pub(super) async fn post_turn(
         }
     };
     for cli in fallbacks.iter().filter(|b| *b != COPILOT_BACKEND) {
+        if let Err(what) = images_only(&body.attachments) {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!(
+                    "{what}; `fallback` names CLI backend `{cli}`: drop the attachment, or \
+                     drop `{cli}` from `fallback`"
+                ),
+            );
+        }
         if let Err(what) = cli_refusal(&body, serves_tools(&state, cli)) {
             return error(
                 StatusCode::BAD_REQUEST,
@@ -240,17 +250,15 @@ async fn post_copilot_turn(
     respond(streaming, events_rx).await
 }
 
-/// What a CLI backend's turn refuses in a body, if the body has it; `tools_served`: the
-/// backend takes gateway tools (through the MCP bridge).
+/// What a CLI backend's turn refuses in a body, if the body has it (attachments other than
+/// images are [`images_only`]'s); `tools_served`: the backend takes gateway tools (through
+/// the MCP bridge).
 fn cli_refusal(body: &TurnBody, tools_served: bool) -> Result<(), &'static str> {
     if !body.tools.is_empty() && !tools_served {
         return Err(GATEWAY_TOOLS);
     }
     if !body.hooks.is_empty() {
         return Err("hooks");
-    }
-    if !body.attachments.is_empty() {
-        return Err("attachments");
     }
     if body.mode.is_some() || body.agent_mode.is_some() {
         return Err("`mode` and `agent_mode`");
@@ -275,11 +283,12 @@ fn serves_tools(state: &AppState, backend: &str) -> bool {
     state.pool.serves_gateway_tools(backend).unwrap_or(false)
 }
 
-/// A turn whose first backend is a CLI backend (`backend` names one): its lease, then its
-/// events in the same vocabulary, ending with `turn.end`.
+/// A turn whose first backend is a CLI backend (`backend` names one): its image
+/// attachments checked, the lease taken, the inline ones written, then its events in the
+/// same vocabulary, ending with `turn.end`.
 async fn post_cli_turn(
     state: Arc<AppState>,
-    body: TurnBody,
+    mut body: TurnBody,
     chain: ChainRequest,
     mut sink: StreamSink,
 ) -> Response {
@@ -303,6 +312,13 @@ async fn post_cli_turn(
             ),
         );
     }
+    if let Err(what) = images_only(&body.attachments) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("{what}; drop it, or run the conversation on `copilot` (backend `{backend}`)"),
+        );
+    }
     if !sink.streaming && !sink.tools.is_empty() {
         return error(
             StatusCode::BAD_REQUEST,
@@ -310,15 +326,34 @@ async fn post_cli_turn(
             "tools need the event stream (their calls are answered from it); drop ?stream=false",
         );
     }
-    if let Err(r) = create_work_dir(&chain.lease.working_directory).await {
+    // Paths resolved and confined, inline content decoded: nothing is written yet.
+    let attachments = match check_off_thread(
+        std::mem::take(&mut body.attachments),
+        chain.lease.working_directory.clone(),
+        state.config.allowed_work_roots.clone(),
+        state.config.attachments.clone(),
+    )
+    .await
+    {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let work = chain.lease.working_directory.clone();
+    if let Err(r) = create_work_dir(&work).await {
         return r;
     }
     let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
     sink.events = Some(events_tx);
     let streaming = sink.streaming;
-    let lease = match ChainLease::start(&state.pool, chain, sink).await {
+    let mut lease = match ChainLease::start(&state.pool, chain, sink).await {
         Ok(l) => l,
         Err(e) => return pool_error(&e),
+    };
+    // Inline images are written only for a turn that runs (dropping the lease on a failed
+    // write returns the conversation); the runner passes them to the CLI.
+    lease.message_mut().attachments = match write_off_thread(attachments, work).await {
+        Ok(a) => a,
+        Err(r) => return r,
     };
     spawn_run(state, lease);
     respond(streaming, events_rx).await

@@ -147,3 +147,151 @@ impl CliFixture {
         );
     }
 }
+
+/// A 1x1 PNG, base64.
+pub const PNG: &str = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
+
+/// Another PNG (2x2, red), base64: a second turn's image, told apart from the first one in
+/// the conversation's history.
+pub const RED_PNG: &str = "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAEElEQVR4nGP4z8AARAwQCgAf7gP9i18U1AAAAABJRU5ErkJggg==";
+
+/// Writes base64 `png` to `path`.
+pub fn write_png(path: &std::path::Path, png: &str) {
+    use base64::Engine;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(png)
+        .expect("a PNG");
+    std::fs::write(path, bytes).expect("write the image");
+}
+
+/// The CLI-backend image turn the daemon tests share: an inline PNG (written into the
+/// agent's work directory by the daemon), then a PNG by its path relative to that directory
+/// on the next turn, each reaching the model call answered `REPLY=<answer>` (told by
+/// `answered`) as the same image; then a directory and an inline text attachment refused
+/// with a 400 that says what CLI backends take, and the model not asked. `body(prompt)` is
+/// a turn body of one conversation on the backend.
+pub async fn image_turns(
+    fx: &CliFixture,
+    daemon: &Daemon,
+    backend: &str,
+    body: impl Fn(&str) -> Value,
+    answered: impl Fn(&str) -> RecordedRequest,
+    limit: Duration,
+) {
+    let png = |data: &str| ("image/png".to_owned(), data.to_owned());
+    let mut first = body(&format!("REPLY={backend} saw a dot"));
+    first["attachments"] = serde_json::json!([
+        {"type": "inline", "data": PNG, "media_type": "image/png", "name": "dot.png"}
+    ]);
+    let (_, end) = streamed_turn(daemon, &first, limit).await;
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["backend"], backend, "{end}");
+    let images = images_in(&answered(&format!("{backend} saw a dot")));
+    assert!(images.contains(&png(PNG)), "{backend}: {images:?}");
+
+    // The inline image was written under `<work>/attachments/`; the next turn names a file
+    // of that work directory by its relative path.
+    let written = files_named(fx.scratch.path(), "-dot.png");
+    let work = written
+        .first()
+        .and_then(|f| f.parent())
+        .and_then(|d| d.parent())
+        .unwrap_or_else(|| panic!("the inline image was written: {written:?}"))
+        .to_path_buf();
+    write_png(&work.join("red.png"), RED_PNG);
+    let mut second = body(&format!("REPLY={backend} saw red"));
+    second["attachments"] = serde_json::json!([{"type": "file", "path": "red.png"}]);
+    let (_, end) = streamed_turn(daemon, &second, limit).await;
+    assert_eq!(end["status"], "idle", "{end}");
+    let images = images_in(&answered(&format!("{backend} saw red")));
+    assert!(images.contains(&png(RED_PNG)), "{backend}: {images:?}");
+
+    // Anything else is refused before the turn, saying what to do.
+    let asked = fx.model.requests().len();
+    for (attachment, needle) in [
+        (
+            serde_json::json!({"type": "directory", "path": "."}),
+            "attachments[0] (directory",
+        ),
+        (
+            serde_json::json!({"type": "inline", "data": "aGk=", "media_type": "text/plain"}),
+            "attachments[0] (inline text/plain)",
+        ),
+    ] {
+        let mut refused = body("REPLY=never");
+        refused["attachments"] = serde_json::json!([attachment]);
+        let answer = call(daemon.addr, "POST", "/v1/turns", None, Some(&refused)).await;
+        assert_eq!(answer.status, 400, "{}", answer.body);
+        let message = answer.json()["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            message.contains(needle)
+                && message.contains("they take images only")
+                && message.contains(backend),
+            "{message}"
+        );
+    }
+    assert_eq!(fx.model.requests().len(), asked, "the model was not asked");
+}
+
+/// Every file under `dir` whose name ends with `suffix`.
+pub fn files_named(dir: &std::path::Path, suffix: &str) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(at) = stack.pop() {
+        for entry in std::fs::read_dir(&at).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.ends_with(suffix))
+            {
+                found.push(path);
+            }
+        }
+    }
+    found
+}
+
+/// The images a model request carries, as (media type, base64 data), in each wire shape the
+/// scripted model receives: Anthropic's `image` block (`source`), the Responses API's
+/// `input_image` (a `data:` URL), Gemini's `inlineData`, Chat Completions' `image_url`.
+pub fn images_in(request: &RecordedRequest) -> Vec<(String, String)> {
+    fn data_url(url: &str) -> Option<(String, String)> {
+        let (media, data) = url.strip_prefix("data:")?.split_once(";base64,")?;
+        Some((media.to_owned(), data.to_owned()))
+    }
+    fn walk(value: &Value, found: &mut Vec<(String, String)>) {
+        match value {
+            Value::Object(map) => {
+                let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+                match map.get("type").and_then(Value::as_str) {
+                    Some("image") if map["source"]["type"] == "base64" => found.push((
+                        text(&map["source"]["media_type"]),
+                        text(&map["source"]["data"]),
+                    )),
+                    Some("input_image") => {
+                        found.extend(map["image_url"].as_str().and_then(data_url))
+                    }
+                    Some("image_url") => {
+                        found.extend(map["image_url"]["url"].as_str().and_then(data_url))
+                    }
+                    _ => {}
+                }
+                if let Some(inline) = map.get("inlineData") {
+                    found.push((text(&inline["mimeType"]), text(&inline["data"])));
+                }
+                map.values().for_each(|v| walk(v, found));
+            }
+            Value::Array(items) => items.iter().for_each(|v| walk(v, found)),
+            _ => {}
+        }
+    }
+    let mut found = Vec::new();
+    walk(&request.body, &mut found);
+    found
+}

@@ -125,7 +125,8 @@ fn failed_start(error: &CliStartError) -> Option<SpawnResult> {
     use crate::backend::oneshot::OneshotError as O;
     let spawn = match error {
         CliStartError::Live(L::Config(_)) | CliStartError::Oneshot(O::Config(_)) => return None,
-        CliStartError::Oneshot(O::PromptTooLong { .. }) => return None,
+        CliStartError::Oneshot(O::PromptTooLong { .. } | O::Image(_)) => return None,
+        CliStartError::Live(L::Image(_)) => return None,
         CliStartError::Live(L::Spawn(e)) | CliStartError::Oneshot(O::Spawn(e)) => Some(e),
         _ => None,
     };
@@ -724,18 +725,46 @@ impl CliLease {
     /// Sends `prompt` and returns the running turn; read it with [`CliLeaseTurn::next`] to
     /// its `turn.end`, which records the CLI session id durably.
     pub async fn start_turn(&mut self, prompt: &str) -> Result<CliLeaseTurn<'_>, PoolError> {
+        self.start_turn_with_images(prompt, &[]).await
+    }
+
+    /// [`CliLease::start_turn`] with the turn's images: absolute paths of PNG, JPEG, GIF or
+    /// WebP files the caller has confined (the daemon: inside the agent's work directory or
+    /// an allowed root). Claude Code gets each as an `image` content block of the user
+    /// message; a one-shot backend after its `imageArg` (`codex-cli`: `--image=<path>`), or
+    /// in its prompt (`google-gemini-cli`: `@path`, inside the working directory only). A
+    /// path that is not absolute, not named as an image, unreadable, or (Claude) not an
+    /// image by its content is refused ([`PoolError::InvalidRequest`]) before the turn
+    /// starts. [`crate::backend::image::images_of`] takes them from a message's
+    /// attachments.
+    pub async fn start_turn_with_images(
+        &mut self,
+        prompt: &str,
+        images: &[PathBuf],
+    ) -> Result<CliLeaseTurn<'_>, PoolError> {
+        if let Err(e) = crate::backend::image::check_files(images).await {
+            return Err(PoolError::InvalidRequest(format!(
+                "backend `{}`: {e}",
+                self.backend
+            )));
+        }
         // A live process that died since the last turn crashed.
         self.settle_process(ProcessExit::Crash);
         let Some(conversation) = self.conversation.as_mut() else {
             return Err(PoolError::Internal("a CLI lease without its runner".into()));
         };
         let spawning = Instant::now();
-        let turn = match conversation.start_turn(prompt).await {
+        let turn = match conversation.start_turn_with_images(prompt, images).await {
             Ok(turn) => turn,
             Err(e) => {
                 // A turn that fails to start has stopped the process it found running (to
-                // start it again: an expired bridge) before its start failed.
-                if self.process.is_some() {
+                // start it again: an expired bridge) before its start failed; one whose
+                // image could not be read (read before anything else) stopped nothing.
+                let untouched = matches!(
+                    &e,
+                    CliStartError::Live(crate::backend::claude_live::ClaudeLiveError::Image(_))
+                );
+                if self.process.is_some() && !untouched {
                     crate::metrics::process_exited(&self.backend, ProcessExit::Recycled);
                     self.process = None;
                 }
