@@ -59,6 +59,7 @@ use super::event::{BackendEvent, CliTurnOutcome, TurnFailure};
 use super::gemini;
 use crate::kinds::{ReasoningEffort, TurnEnd};
 use crate::process::{ChildGroup, ChildSpec, ExitInfo, SpawnError};
+use crate::sandbox::Sandbox;
 use crate::secret::Secret;
 use crate::turn::Usage;
 
@@ -339,6 +340,11 @@ pub struct OneshotConfig {
     pub prompt_stdin_fallback: bool,
     /// `PATH` of the child (default: the caller's own `PATH`).
     pub path_var: Option<OsString>,
+    /// Start each turn's CLI through this sandbox's wrapper ([`Sandbox::cli_command`]; the
+    /// pool passes its workers' sandbox made for the agent, [`Sandbox::for_cli_agent`]): the
+    /// agent's directory read and write, TCP to the model endpoint (and the MCP bridge)
+    /// only. `None`: the CLI runs with the caller's rights.
+    pub sandbox: Option<Sandbox>,
     /// The conversation's gateway tools, served to Codex by a loopback MCP bridge (the
     /// `mcp__<server>` namespace) kept across turns and restarted once its idle TTL ended
     /// it. `None`, no tools, or another dialect: no bridge.
@@ -370,6 +376,7 @@ impl OneshotConfig {
             turn_timeout: DEFAULT_TURN_TIMEOUT,
             prompt_stdin_fallback: true,
             path_var: std::env::var_os("PATH"),
+            sandbox: None,
             #[cfg(feature = "mcp-bridge")]
             gateway_tools: None,
         }
@@ -585,8 +592,13 @@ impl Oneshot {
         let invocation = self.invocation(prompt, images, system_prompt_file.as_deref())?;
         #[allow(unused_mut)]
         let mut spec = self.child_spec(&invocation, tmp_dir);
+        #[allow(unused_mut)]
+        let mut ports: Vec<u16> = Vec::new();
         #[cfg(feature = "mcp-bridge")]
         if let Some(mcp) = self.bridge_for_turn().await? {
+            if let Some(bridge) = &self.bridge {
+                ports.push(bridge.addr().port());
+            }
             // Global `-c` overrides, before the subcommand like the provider's.
             spec.args
                 .splice(0..0, mcp.args.into_iter().map(OsString::from));
@@ -595,6 +607,16 @@ impl Oneshot {
                     .iter()
                     .map(|(k, v)| (OsString::from(k), OsString::from(v.expose()))),
             );
+        }
+        if let Some(sandbox) = &self.config.sandbox {
+            let (program, args) = sandbox.cli_command(
+                &spec.program,
+                &spec.args,
+                self.config.path_var.as_deref(),
+                &ports,
+            );
+            spec.program = program;
+            spec.args = args;
         }
         // Never log `spec`: its environment holds the key.
         let (child, stdout) = match &invocation.stdin_prompt {

@@ -277,6 +277,14 @@ impl Pool {
             api_key: req.provider.as_ref().and_then(|p| p.api_key.clone()),
             profile_id,
         };
+        let sandbox = match &inner.config.worker.sandbox {
+            Some(template) => {
+                let sandbox = cli_sandbox(template, &req, &copilot_home, &home, config)?;
+                sandbox.check_working_directory(&req.working_directory)?;
+                Some(sandbox)
+            }
+            None => None,
+        };
         let ask = cli::CliAsk {
             backend: req.backend.clone(),
             conversation: format!("{conversation}#{}", req.backend),
@@ -291,6 +299,7 @@ impl Pool {
             turn_timeout: Some(req.handlers.timeouts.absolute),
             tools,
             system_prompt,
+            sandbox,
         };
         inner.cli.lease(ask, bindings_key).await
     }
@@ -727,6 +736,46 @@ fn agent_sandbox(
         _ => None,
     };
     Ok(template.for_agent(agent_root, provider_port)?)
+}
+
+/// The sandbox of an agent's CLI backend processes: the workers' template with the agent's
+/// own directory read and write (the parent of its `COPILOT_HOME`, which holds each
+/// backend's home and the work directory; with an explicit home, the backend's home alone)
+/// and TCP connect only to the model endpoint's port: the lease's provider `base_url`, else
+/// a `*_BASE_URL` the backend's `env` sets (`ANTHROPIC_BASE_URL`, `GOOGLE_GEMINI_BASE_URL`,
+/// its `baseUrlEnv`), else 443 (the CLI's own vendor API).
+fn cli_sandbox(
+    template: &crate::sandbox::Sandbox,
+    req: &LeaseRequest,
+    copilot_home: &std::path::Path,
+    backend_home: &std::path::Path,
+    config: &crate::backend::CliBackendConfig,
+) -> Result<crate::sandbox::Sandbox, PoolError> {
+    let agent_root = match (&req.copilot_home, copilot_home.parent()) {
+        (None, Some(parent)) => parent,
+        _ => backend_home,
+    };
+    Ok(template.for_cli_agent(agent_root, &cli_model_ports(req, config))?)
+}
+
+/// The TCP ports of a CLI backend's model endpoint (see [`cli_sandbox`]).
+fn cli_model_ports(req: &LeaseRequest, config: &crate::backend::CliBackendConfig) -> Vec<u16> {
+    let from_env = config.env.iter().filter_map(|(name, value)| {
+        let named = name.ends_with("_BASE_URL") || config.base_url_env.as_ref() == Some(name);
+        named.then_some(value.as_str())
+    });
+    let mut ports: Vec<u16> = match &req.provider {
+        Some(provider) => crate::sandbox::url_port(&provider.base_url)
+            .into_iter()
+            .collect(),
+        None => from_env.filter_map(crate::sandbox::url_port).collect(),
+    };
+    if ports.is_empty() {
+        ports.push(crate::sandbox::HTTPS_PORT);
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    ports
 }
 
 fn session_config(
