@@ -200,3 +200,66 @@ async fn without_the_sandbox_the_same_claude_tool_call_writes_outside_and_connec
     );
     assert!(fx.escaped());
 }
+
+/// Over the daemon (`sandbox = "auto"`, its default): the pool puts the `claude-cli`
+/// backend's process in the agent's sandbox, so the same probe, approved by the gateway,
+/// writes at home but not outside and reaches no other port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_runs_a_claude_backend_turn_in_the_agents_sandbox() {
+    use support::http::{Daemon, SseStream, call};
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let scratch = fx.dir.path().join("daemon");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    let config = format!(
+        "drain_grace_secs = 5\n[backends.claude-cli]\ncommand = {:?}\n",
+        claude_path().await.display().to_string()
+    );
+    let daemon = Daemon::start(&scratch, &config, &[]).await;
+    let args = serde_json::json!({"command": fx.probe(), "description": "probe"});
+    let body = serde_json::json!({
+        "agent_id": "walled",
+        "session_key": "s1",
+        "prompt": format!("SCENARIO:tool NAME=Bash ARGS={args}"),
+        "backend": "claude-cli",
+        "provider": {
+            "type": "anthropic",
+            "base_url": format!("http://{}", fx.endpoint.addr()),
+            "api_key": "sk-ant-FAKE-k1",
+        },
+    });
+    let run = async {
+        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, &body).await;
+        assert_eq!(stream.status, 200, "the turn was accepted");
+        while let Some(event) = stream.next().await {
+            if event.event == "turn.end" {
+                return event.data;
+            }
+            if event.event == "permission.request" {
+                let id = event.data["request_id"].as_str().unwrap_or_default();
+                let answered = call(
+                    daemon.addr,
+                    "POST",
+                    &format!("/v1/requests/{id}"),
+                    None,
+                    Some(&serde_json::json!({"decision": "approve-once"})),
+                )
+                .await;
+                assert_eq!(answered.status, 204, "{}", answered.body);
+            }
+        }
+        panic!("the stream ended without turn.end");
+    };
+    let end = tokio::time::timeout(TURN_LIMIT, run)
+        .await
+        .expect("the turn ended in time");
+    assert_eq!(end["status"], "idle", "{end}");
+    let text = end["final_text"].as_str().unwrap_or_default();
+    for verdict in ["inside=open", "outside=shut", "tcp=shut"] {
+        assert!(text.contains(verdict), "{verdict} in {end}");
+    }
+    assert!(
+        !fx.escaped(),
+        "the tool wrote outside the agent's directory"
+    );
+}

@@ -747,6 +747,9 @@ impl Oneshot {
                 ]);
             }
             args.splice(0..0, global);
+            if config.sandbox.is_some() {
+                codex_sandbox_off(&mut args);
+            }
         }
 
         let pass_system_prompt = match backend.system_prompt_when {
@@ -1020,6 +1023,28 @@ impl Oneshot {
             args: invocation.args.iter().map(OsString::from).collect(),
             env,
             cwd: config.cwd.clone(),
+        }
+    }
+}
+
+/// Codex's own command sandbox switched off in `args` (`--sandbox <mode>`, `--sandbox=<mode>`
+/// and `-c sandbox_mode=...` become `danger-full-access`) for a Codex the pool runs inside
+/// its Landlock sandbox: Codex's bubblewrap cannot mount there (Landlock forbids a
+/// sandboxed process to change its mounts), so every shell tool call would fail with
+/// "error building bubblewrap command"; the pool's walls hold its commands instead.
+fn codex_sandbox_off(args: &mut [String]) {
+    const OPEN: &str = "danger-full-access";
+    let mut value_next = false;
+    for arg in args.iter_mut() {
+        if value_next {
+            *arg = OPEN.to_owned();
+            value_next = false;
+        } else if arg == "--sandbox" || arg == "-s" {
+            value_next = true;
+        } else if arg.starts_with("--sandbox=") {
+            *arg = format!("--sandbox={OPEN}");
+        } else if arg.starts_with("sandbox_mode=") {
+            *arg = format!("sandbox_mode={}", toml_string(OPEN));
         }
     }
 }
@@ -1771,6 +1796,34 @@ mod tests {
         let flag = oneshot.invocation("--help me", &[], None).unwrap();
         assert_eq!(flag.stdin_prompt.as_deref(), Some("--help me"));
         assert_ne!(flag.args.last().map(String::as_str), Some("--help me"));
+    }
+
+    #[test]
+    fn codex_in_the_pools_sandbox_runs_its_commands_without_its_own_bubblewrap() {
+        let mut args: Vec<String> = [
+            "-c",
+            "sandbox_mode=\"workspace-write\"",
+            "exec",
+            "--sandbox",
+            "workspace-write",
+            "--sandbox=read-only",
+            "--json",
+        ]
+        .map(String::from)
+        .to_vec();
+        codex_sandbox_off(&mut args);
+        assert_eq!(
+            args,
+            [
+                "-c",
+                "sandbox_mode=\"danger-full-access\"",
+                "exec",
+                "--sandbox",
+                "danger-full-access",
+                "--sandbox=danger-full-access",
+                "--json"
+            ]
+        );
     }
 
     #[test]
