@@ -562,6 +562,81 @@ mod tests {
     }
 
     #[test]
+    fn a_cli_process_reads_its_launcher_interpreter_and_script_installs_and_connects_to_its_model_only()
+     {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("cli");
+        let bin = prefix.join("node_modules/@x/cli/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let launcher = bin.join("cli.js");
+        std::fs::write(
+            &launcher,
+            "#!/usr/bin/env -S mynode --flag\nconsole.log(1)\n",
+        )
+        .unwrap();
+        let node_dir = dir.path().join("node/bin");
+        std::fs::create_dir_all(&node_dir).unwrap();
+        let node = node_dir.join("mynode");
+        std::fs::write(&node, "").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&node, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path_var = std::env::join_paths([node_dir.clone()]).unwrap();
+
+        let roots = cli_install_roots(&launcher, &[], Some(&path_var));
+        assert_eq!(roots, [prefix.clone(), node_dir.clone()]);
+        // `node <script>`: the program by name on PATH, the script's install too.
+        let roots = cli_install_roots(
+            Path::new("mynode"),
+            &[launcher.clone().into()],
+            Some(&path_var),
+        );
+        assert_eq!(roots, [node_dir.clone(), prefix.clone()]);
+
+        let agent = dir.path().join("agents/a1");
+        std::fs::create_dir_all(&agent).unwrap();
+        let mut template = sandbox();
+        template.never_connect = vec![7878];
+        let s = template.for_cli_agent(&agent, &[41234]).unwrap();
+        assert_eq!(s.read_write, std::slice::from_ref(&agent));
+        assert_eq!(
+            s.allowed_ports(),
+            Some(vec![41234]),
+            "443 is the runtime's, not a CLI's"
+        );
+        let (program, argv) = s.cli_command(
+            Path::new("mynode"),
+            &[launcher.clone().into()],
+            Some(&path_var),
+            &[5555, 7878],
+        );
+        assert_eq!(program, PathBuf::from("/opt/cp/copilot-pool"));
+        let argv: Vec<String> = argv
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let after = |flag: &str| -> Vec<&str> {
+            argv.windows(2)
+                .filter(|w| w[0] == flag)
+                .map(|w| w[1].as_str())
+                .collect()
+        };
+        assert_eq!(
+            after("--tcp-connect"),
+            ["5555", "41234"],
+            "the bridge's, never the daemon's"
+        );
+        let exec = after("--rx");
+        for root in [&prefix, &node_dir] {
+            assert!(
+                exec.contains(&root.to_str().unwrap()),
+                "{root:?} in {exec:?}"
+            );
+        }
+        let tail = &argv[argv.iter().position(|a| a == "--").unwrap() + 1..];
+        assert_eq!(tail, [node.to_str().unwrap(), launcher.to_str().unwrap()]);
+    }
+
+    #[test]
     fn a_url_port_is_explicit_or_the_scheme_default() {
         assert_eq!(url_port("http://127.0.0.1:41234/v1"), Some(41234));
         assert_eq!(url_port("https://models.example/v1"), Some(443));

@@ -71,8 +71,8 @@ fn assert_only_the_model(cli: &str, trace: &Trace, model: SocketAddr, took: Dura
     let outbound = trace.outbound_except(model);
     assert!(
         outbound.is_empty(),
-        "{cli} talked to something other than the model at {model} (fix its switches in \
-         src/backend/config.rs):\n{}",
+        "{cli} talked to something other than the model at {model} (fix its switches: \
+         src/backend/config.rs, or Gemini's settings in src/backend/gemini.rs):\n{}",
         outbound
             .iter()
             .map(|a| format!("  {a}"))

@@ -1319,6 +1319,49 @@ mod tests {
     }
 
     #[test]
+    fn a_cli_backend_may_connect_to_its_providers_port_else_its_envs_base_url_else_https() {
+        let claude = crate::backend::CliBackendConfig::claude_cli();
+        let with = |url: &str| {
+            request(
+                LeaseAuth::default(),
+                Some(ProviderConfig::openai(url, None)),
+            )
+        };
+        assert_eq!(
+            cli_model_ports(&with("http://127.0.0.1:41234"), &claude),
+            [41234]
+        );
+        let bare = request(LeaseAuth::default(), None);
+        assert_eq!(cli_model_ports(&bare, &claude), [443]);
+        let mut gemini = crate::backend::CliBackendConfig::google_gemini_cli();
+        gemini
+            .env
+            .insert("GOOGLE_GEMINI_BASE_URL".into(), "http://[::1]:9000".into());
+        gemini.env.insert("OTHER".into(), "http://h:1".into());
+        assert_eq!(cli_model_ports(&bare, &gemini), [9000]);
+        // The provider's endpoint is the one the lease uses.
+        assert_eq!(
+            cli_model_ports(&with("https://m.example/v1"), &gemini),
+            [443]
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let copilot_home = dir.path().join("agents/a/copilot");
+        let backend_home = dir.path().join("agents/a/claude-cli");
+        let template =
+            crate::sandbox::Sandbox::new("/bin/wrapper".into(), vec!["sandbox-exec".into()]);
+        let s = cli_sandbox(&template, &bare, &copilot_home, &backend_home, &claude).unwrap();
+        assert_eq!(s.read_write, [dir.path().join("agents/a")]);
+        assert_eq!(s.allowed_ports(), Some(vec![443]));
+        // An explicit COPILOT_HOME names no agent directory: the backend's home alone.
+        let mut explicit = with("http://127.0.0.1:8080");
+        explicit.copilot_home = Some(copilot_home.clone());
+        let s = cli_sandbox(&template, &explicit, &copilot_home, &backend_home, &claude).unwrap();
+        assert_eq!(s.read_write, [backend_home]);
+        assert_eq!(s.allowed_ports(), Some(vec![8080]));
+    }
+
+    #[test]
     fn every_typed_session_config_field_is_listed_so_options_never_send_one_twice() {
         let config = SessionConfig {
             session_id: "s".into(),
