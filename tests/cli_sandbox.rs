@@ -1,5 +1,5 @@
 //! CLI backends inside the workers' Landlock sandbox (issue 17, item 7): the real Claude
-//! Code (live) and Codex (one-shot) CLIs started through `copilot-pool sandbox-exec` with
+//! Code (live), Codex and Gemini CLI (one-shot) CLIs started through `copilot-pool sandbox-exec` with
 //! the sandbox the pool makes for an agent's CLI processes (`Sandbox::for_cli_agent`: the
 //! agent's directory read and write, TCP to the model's port only). A turn runs; the
 //! model's shell tool call writes inside the agent's work directory but not outside it, and
@@ -24,7 +24,7 @@ use copilot_pool::{Secret, TurnEnd};
 use tempfile::TempDir;
 use tokio::sync::Mutex;
 
-use support::agent_cli::{claude_path, codex_path};
+use support::agent_cli::{claude_path, codex_path, path};
 
 /// One CLI at a time.
 static SERIAL: Mutex<()> = Mutex::const_new(());
@@ -159,6 +159,32 @@ async fn codex_turn(fx: &Fixture, sandbox: Option<Sandbox>) -> (CliTurnOutcome, 
     (outcome, work)
 }
 
+async fn gemini_turn(fx: &Fixture, sandbox: Option<Sandbox>) -> (CliTurnOutcome, PathBuf) {
+    let agent = fx.agent();
+    let script = path(copilot_pool::runtime::AgentCli::Gemini).await;
+    let mut config =
+        OneshotConfig::gemini(script, agent.join("google-gemini-cli"), agent.join("work"));
+    config.base_url = Some(format!("http://{}", fx.endpoint.addr()));
+    config.api_key = Some(Secret::new("AIza-FAKE-not-a-real-key"));
+    config.model = Some("gemini-2.5-pro".to_owned());
+    config.turn_timeout = TURN_LIMIT;
+    // Headless Gemini offers its shell tool only when every call is approved.
+    config
+        .backend
+        .args
+        .extend(["--approval-mode".to_owned(), "yolo".to_owned()]);
+    config.sandbox = sandbox;
+    let work = config.cwd.clone();
+    let mut gemini = Oneshot::new(config).expect("valid config");
+    let args = serde_json::json!({ "command": fx.probe() });
+    let prompt = format!("SCENARIO:tool NAME=run_shell_command ARGS={args}");
+    let outcome = tokio::time::timeout(TURN_LIMIT, gemini.run(&prompt, |_| {}))
+        .await
+        .expect("the turn ended in time")
+        .expect("the turn started");
+    (outcome, work)
+}
+
 fn assert_walled(cli: &str, outcome: &CliTurnOutcome, work: &Path, fx: &Fixture) {
     assert_eq!(outcome.end, Some(TurnEnd::Idle), "{cli}: {outcome:?}");
     assert_eq!(
@@ -177,6 +203,9 @@ async fn a_sandboxed_claude_turn_runs_its_bash_tool_at_home_but_cannot_write_out
     let fx = Fixture::new().await;
     let (outcome, work) = claude_turn(&fx, Some(fx.sandbox())).await;
     assert_walled("claude-cli", &outcome, &work, &fx);
+    // Sandboxed, the approve-all policy runs Claude in bypassPermissions (root included):
+    // the tool call asked nothing.
+    assert_eq!(outcome.permission_prompts, 0, "{outcome:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -189,10 +218,23 @@ async fn a_sandboxed_codex_turn_runs_its_shell_tool_at_home_but_cannot_write_out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandboxed_gemini_turn_runs_its_shell_tool_at_home_but_cannot_write_outside_or_connect_elsewhere()
+ {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let (outcome, work) = gemini_turn(&fx, Some(fx.sandbox())).await;
+    assert_walled("google-gemini-cli", &outcome, &work, &fx);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_sandbox_the_same_claude_tool_call_writes_outside_and_connects() {
     let _serial = SERIAL.lock().await;
     let fx = Fixture::new().await;
     let (outcome, _) = claude_turn(&fx, None).await;
+    if nix::unistd::geteuid().is_root() {
+        // As root and unsandboxed, Claude stays in `default` mode: the policy approved it.
+        assert!(outcome.permission_prompts > 0, "{outcome:?}");
+    }
     assert_eq!(
         verdicts(&outcome),
         ["inside=open", "outside=open", "tcp=open"],
