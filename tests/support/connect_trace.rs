@@ -19,7 +19,8 @@ use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::thread::JoinHandle;
+use std::sync::mpsc;
+use std::time::Duration;
 
 use nix::errno::Errno;
 use nix::sys::ptrace::{self, AddressType, Event, Options};
@@ -90,8 +91,12 @@ impl Trace {
 /// A tracer waiting for (or tracing) one CLI started through [`ConnectTrace::wrapper`].
 pub struct ConnectTrace {
     wrapper: PathBuf,
-    thread: Option<JoinHandle<Result<Trace, String>>>,
+    done: mpsc::Receiver<Result<Trace, String>>,
 }
+
+/// How long [`ConnectTrace::finish`] waits for the traced processes to be gone (a failure
+/// guard: a CLI that leaves a process behind fails the test instead of hanging it).
+const FINISH_LIMIT: Duration = Duration::from_secs(60);
 
 impl ConnectTrace {
     /// Writes the wrapper (and its two FIFOs) into `dir` for `program`, and starts the
@@ -129,11 +134,11 @@ impl ConnectTrace {
         std::fs::write(&wrapper, script).expect("wrapper");
         std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))
             .expect("wrapper mode");
-        let thread = std::thread::spawn(move || trace(&pid_fifo, &go_fifo));
-        Self {
-            wrapper,
-            thread: Some(thread),
-        }
+        let (tx, done) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(trace(&pid_fifo, &go_fifo));
+        });
+        Self { wrapper, done }
     }
 
     /// The program to give the runner as its command.
@@ -143,12 +148,15 @@ impl ConnectTrace {
 
     /// Waits for every traced process to end and returns what they did. Call it once the
     /// CLI's run is over (a live CLI closed).
-    pub fn finish(mut self) -> Trace {
-        let thread = self.thread.take().expect("finished once");
-        match thread.join() {
+    pub fn finish(self) -> Trace {
+        match self.done.recv_timeout(FINISH_LIMIT) {
             Ok(Ok(trace)) => trace,
             Ok(Err(problem)) => panic!("the connect tracer failed: {problem}"),
-            Err(_) => panic!("the connect tracer panicked"),
+            Err(mpsc::RecvTimeoutError::Timeout) => panic!(
+                "a traced process was still running {FINISH_LIMIT:?} after the CLI's run \
+                 ended (the CLI left a process behind, or the wrapper never ran it)"
+            ),
+            Err(mpsc::RecvTimeoutError::Disconnected) => panic!("the connect tracer panicked"),
         }
     }
 }
