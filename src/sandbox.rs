@@ -14,7 +14,7 @@
 //! argv the wrapper parses; [`SandboxStatus`] is what a probe of the wrapper found enforced
 //! on this kernel (for logs, `doctor`, `/v1/pool` and the metrics).
 
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::io;
 use std::path::{Path, PathBuf};
 
@@ -250,6 +250,105 @@ impl Sandbox {
     }
 }
 
+impl Sandbox {
+    /// The program and argv that start one CLI backend process (Claude Code, Codex, Gemini
+    /// CLI, ...) inside this sandbox: as [`Sandbox::command`], with the program resolved on
+    /// `path_var` when it is a bare name, the install roots of [`cli_install_roots`] added to
+    /// what may be read and executed, and `ports` (the model endpoint's, a loopback MCP
+    /// bridge's) to what TCP may connect to (an unrestricted sandbox stays unrestricted).
+    pub fn cli_command(
+        &self,
+        program: &Path,
+        args: &[OsString],
+        path_var: Option<&OsStr>,
+        ports: &[u16],
+    ) -> (PathBuf, Vec<OsString>) {
+        let mut sandbox = self.clone();
+        let program = resolve_program(program, path_var);
+        for root in cli_install_roots(&program, args, path_var) {
+            if !sandbox.read_exec.contains(&root) {
+                sandbox.read_exec.push(root);
+            }
+        }
+        if let Some(allowed) = sandbox.tcp_connect.as_mut() {
+            for port in ports {
+                if !allowed.contains(port) {
+                    allowed.push(*port);
+                }
+            }
+        }
+        sandbox.command(&program, args)
+    }
+
+    /// This sandbox for an agent's CLI backend processes: TCP connect to `model_ports` only
+    /// (the configured ports are the Copilot runtime's; a CLI talks to its model endpoint),
+    /// everything else as [`Sandbox::for_agent`] (the agent's directory, which holds each
+    /// backend's home, read and write; its private temporary directory).
+    pub fn for_cli_agent(
+        &self,
+        agent_root: &Path,
+        model_ports: &[u16],
+    ) -> Result<Sandbox, SandboxError> {
+        let mut sandbox = self.for_agent(agent_root, None)?;
+        if let Some(ports) = sandbox.tcp_connect.as_mut() {
+            ports.clear();
+            ports.extend_from_slice(model_ports);
+        }
+        Ok(sandbox)
+    }
+}
+
+/// `program` as found on `path_var` when it is a bare name (no `/`), else as given.
+fn resolve_program(program: &Path, path_var: Option<&OsStr>) -> PathBuf {
+    let bare = program.components().count() == 1 && !program.is_absolute();
+    match program.to_str() {
+        Some(name) if bare => crate::runtime::find_on_path(name, path_var.map(OsStr::to_owned))
+            .unwrap_or_else(|| program.to_path_buf()),
+        _ => program.to_path_buf(),
+    }
+}
+
+/// What a CLI process must read and execute beyond the system directories: the program's
+/// install root ([`install_root`]); for a `#!` script (an npm `.bin` launcher), its
+/// interpreter's (`#!/usr/bin/env node` resolved on `path_var`); for an interpreter given a
+/// script as its first argument (`node <bundle/gemini.js>`), the script's.
+pub fn cli_install_roots(
+    program: &Path,
+    args: &[OsString],
+    path_var: Option<&OsStr>,
+) -> Vec<PathBuf> {
+    let program = resolve_program(program, path_var);
+    let mut roots = vec![install_root(&program)];
+    if let Some(interpreter) = shebang_interpreter(&program, path_var) {
+        roots.push(install_root(&interpreter));
+    }
+    if let Some(script) = args.first().map(Path::new)
+        && script.is_absolute()
+        && script.is_file()
+    {
+        roots.push(install_root(script));
+    }
+    roots.dedup();
+    roots
+}
+
+/// The interpreter a `#!` line names (`env`'s first operand resolved on `path_var`).
+fn shebang_interpreter(program: &Path, path_var: Option<&OsStr>) -> Option<PathBuf> {
+    use std::io::Read;
+    let mut head = [0u8; 256];
+    let read = std::fs::File::open(program).ok()?.read(&mut head).ok()?;
+    let line = head[..read].strip_prefix(b"#!")?;
+    let line = line.split(|b| *b == b'\n').next()?;
+    let line = std::str::from_utf8(line).ok()?;
+    let mut words = line.split_whitespace();
+    let interpreter = PathBuf::from(words.next()?);
+    if interpreter.file_name().is_some_and(|n| n == "env") {
+        let name = words.find(|w| !w.starts_with('-'))?;
+        return Some(resolve_program(Path::new(name), path_var));
+    }
+    Some(interpreter)
+}
+
 /// The directory a runtime executable is installed in, for read and execute: the directory
 /// above the outermost `node_modules` of its path (an npm prefix holds the launcher, its
 /// native module and its packages), else the executable's own directory.
@@ -460,6 +559,81 @@ mod tests {
             install_root(Path::new("/usr/local/bin/copilot")),
             PathBuf::from("/usr/local/bin")
         );
+    }
+
+    #[test]
+    fn a_cli_process_reads_its_launcher_interpreter_and_script_installs_and_connects_to_its_model_only()
+     {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("cli");
+        let bin = prefix.join("node_modules/@x/cli/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let launcher = bin.join("cli.js");
+        std::fs::write(
+            &launcher,
+            "#!/usr/bin/env -S mynode --flag\nconsole.log(1)\n",
+        )
+        .unwrap();
+        let node_dir = dir.path().join("node/bin");
+        std::fs::create_dir_all(&node_dir).unwrap();
+        let node = node_dir.join("mynode");
+        std::fs::write(&node, "").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&node, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path_var = std::env::join_paths([node_dir.clone()]).unwrap();
+
+        let roots = cli_install_roots(&launcher, &[], Some(&path_var));
+        assert_eq!(roots, [prefix.clone(), node_dir.clone()]);
+        // `node <script>`: the program by name on PATH, the script's install too.
+        let roots = cli_install_roots(
+            Path::new("mynode"),
+            &[launcher.clone().into()],
+            Some(&path_var),
+        );
+        assert_eq!(roots, [node_dir.clone(), prefix.clone()]);
+
+        let agent = dir.path().join("agents/a1");
+        std::fs::create_dir_all(&agent).unwrap();
+        let mut template = sandbox();
+        template.never_connect = vec![7878];
+        let s = template.for_cli_agent(&agent, &[41234]).unwrap();
+        assert_eq!(s.read_write, std::slice::from_ref(&agent));
+        assert_eq!(
+            s.allowed_ports(),
+            Some(vec![41234]),
+            "443 is the runtime's, not a CLI's"
+        );
+        let (program, argv) = s.cli_command(
+            Path::new("mynode"),
+            &[launcher.clone().into()],
+            Some(&path_var),
+            &[5555, 7878],
+        );
+        assert_eq!(program, PathBuf::from("/opt/cp/copilot-pool"));
+        let argv: Vec<String> = argv
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let after = |flag: &str| -> Vec<&str> {
+            argv.windows(2)
+                .filter(|w| w[0] == flag)
+                .map(|w| w[1].as_str())
+                .collect()
+        };
+        assert_eq!(
+            after("--tcp-connect"),
+            ["5555", "41234"],
+            "the bridge's, never the daemon's"
+        );
+        let exec = after("--rx");
+        for root in [&prefix, &node_dir] {
+            assert!(
+                exec.contains(&root.to_str().unwrap()),
+                "{root:?} in {exec:?}"
+            );
+        }
+        let tail = &argv[argv.iter().position(|a| a == "--").unwrap() + 1..];
+        assert_eq!(tail, [node.to_str().unwrap(), launcher.to_str().unwrap()]);
     }
 
     #[test]

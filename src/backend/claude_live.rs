@@ -49,6 +49,7 @@ use crate::permission::{
     PermissionDecision, PermissionPolicy, PermissionRequest, RejectAll, decide_safely,
 };
 use crate::process::{ChildGroup, ChildSpec, ExitInfo, SpawnError};
+use crate::sandbox::Sandbox;
 use crate::secret::Secret;
 use crate::turn::Usage;
 
@@ -96,6 +97,12 @@ pub struct ClaudeLiveConfig {
     pub close_grace: Duration,
     /// `PATH` of the child (default: the caller's own `PATH`).
     pub path_var: Option<OsString>,
+    /// Start Claude through this sandbox's wrapper ([`Sandbox::cli_command`]; the pool passes
+    /// its workers' sandbox made for the agent, [`Sandbox::for_cli_agent`]): the agent's
+    /// directory read and write, TCP to the model endpoint (and the MCP bridge) only. A
+    /// sandboxed Claude gets `IS_SANDBOX=1`, so an approve-all policy runs it in
+    /// `bypassPermissions` even as root. `None`: Claude runs with the caller's rights.
+    pub sandbox: Option<Sandbox>,
     /// The conversation's gateway tools, served to Claude by a loopback MCP bridge
     /// (`mcp__<server>__<tool>`). `None`, or no tools: no bridge, nothing changes.
     #[cfg(feature = "mcp-bridge")]
@@ -126,6 +133,7 @@ impl ClaudeLiveConfig {
             interrupt_grace: Duration::from_secs(5),
             close_grace: Duration::from_secs(2),
             path_var: std::env::var_os("PATH"),
+            sandbox: None,
             #[cfg(feature = "mcp-bridge")]
             gateway_tools: None,
         }
@@ -468,6 +476,12 @@ impl ClaudeLive {
         if let Some(key) = config.api_key.as_ref().filter(|k| !k.is_empty()) {
             env.push(("ANTHROPIC_API_KEY".into(), key.expose().into()));
         }
+        if config.sandbox.is_some() {
+            env.retain(|(k, _)| k != "IS_SANDBOX");
+            env.push(("IS_SANDBOX".into(), "1".into()));
+        }
+        #[allow(unused_mut)]
+        let mut ports: Vec<u16> = Vec::new();
         #[cfg(feature = "mcp-bridge")]
         {
             self.bridge = None;
@@ -486,6 +500,7 @@ impl ClaudeLive {
                 if let Some(id) = &self.session_id {
                     bridge.set_session_id(id);
                 }
+                ports.push(bridge.addr().port());
                 let mcp = bridge.claude_args(!gateway.ask_permission);
                 args.extend(mcp.args);
                 env.extend(
@@ -496,9 +511,17 @@ impl ClaudeLive {
                 self.bridge = Some(bridge);
             }
         }
+        let args: Vec<OsString> = args.into_iter().map(OsString::from).collect();
+        let program = PathBuf::from(&backend.command);
+        let (program, args) = match &config.sandbox {
+            Some(sandbox) => {
+                sandbox.cli_command(&program, &args, config.path_var.as_deref(), &ports)
+            }
+            None => (program, args),
+        };
         let spec = ChildSpec {
-            program: PathBuf::from(&backend.command),
-            args: args.into_iter().map(OsString::from).collect(),
+            program,
+            args,
             env,
             cwd: config.cwd.clone(),
         };
@@ -523,11 +546,12 @@ impl ClaudeLive {
     fn launch_flags(&self) -> LaunchFlags {
         let config = &self.config;
         let root = nix::unistd::geteuid().is_root();
-        let sandboxed = config
-            .backend
-            .env
-            .get("IS_SANDBOX")
-            .is_some_and(|v| v == "1");
+        let sandboxed = config.sandbox.is_some()
+            || config
+                .backend
+                .env
+                .get("IS_SANDBOX")
+                .is_some_and(|v| v == "1");
         let approves_all = config.permission.approves_all();
         if approves_all && root && !sandboxed {
             tracing::debug!(

@@ -358,9 +358,10 @@ pub fn codex_effort(effort: ReasoningEffort) -> &'static str {
 /// Claude Code's `--permission-mode` for a permission policy: `bypassPermissions` when the
 /// policy approves everything (the page: the exec policy is YOLO), else `default` (every
 /// tool that needs approval asks the policy over stdio). Claude refuses
-/// `bypassPermissions` as root unless `IS_SANDBOX=1` is in its environment: as root without
-/// it (`sandboxed` false), `default` stays and the approve-all policy answers each prompt,
-/// which runs the same tools.
+/// `bypassPermissions` as root unless `IS_SANDBOX=1` is in its environment. `sandboxed` is
+/// true when the runner starts Claude in the pool's sandbox (it then sets `IS_SANDBOX=1`
+/// itself) or the backend's `env` sets `IS_SANDBOX=1`; as root without either, `default`
+/// stays and the approve-all policy answers each prompt, which runs the same tools.
 pub fn claude_permission_mode(approves_all: bool, root: bool, sandboxed: bool) -> &'static str {
     if approves_all && (!root || sandboxed) {
         "bypassPermissions"

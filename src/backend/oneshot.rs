@@ -60,6 +60,7 @@ use super::gemini;
 use super::image::{self, ImageError};
 use crate::kinds::{ReasoningEffort, TurnEnd};
 use crate::process::{ChildGroup, ChildSpec, ExitInfo, SpawnError};
+use crate::sandbox::Sandbox;
 use crate::secret::Secret;
 use crate::turn::Usage;
 
@@ -367,6 +368,11 @@ pub struct OneshotConfig {
     pub prompt_stdin_fallback: bool,
     /// `PATH` of the child (default: the caller's own `PATH`).
     pub path_var: Option<OsString>,
+    /// Start each turn's CLI through this sandbox's wrapper ([`Sandbox::cli_command`]; the
+    /// pool passes its workers' sandbox made for the agent, [`Sandbox::for_cli_agent`]): the
+    /// agent's directory read and write, TCP to the model endpoint (and the MCP bridge)
+    /// only. `None`: the CLI runs with the caller's rights.
+    pub sandbox: Option<Sandbox>,
     /// The conversation's gateway tools, served to Codex by a loopback MCP bridge (the
     /// `mcp__<server>` namespace) kept across turns and restarted once its idle TTL ended
     /// it. `None`, no tools, or another dialect: no bridge.
@@ -398,6 +404,7 @@ impl OneshotConfig {
             turn_timeout: DEFAULT_TURN_TIMEOUT,
             prompt_stdin_fallback: true,
             path_var: std::env::var_os("PATH"),
+            sandbox: None,
             #[cfg(feature = "mcp-bridge")]
             gateway_tools: None,
         }
@@ -622,8 +629,13 @@ impl Oneshot {
         let invocation = self.invocation(prompt, images, system_prompt_file.as_deref())?;
         #[allow(unused_mut)]
         let mut spec = self.child_spec(&invocation, tmp_dir);
+        #[allow(unused_mut)]
+        let mut ports: Vec<u16> = Vec::new();
         #[cfg(feature = "mcp-bridge")]
         if let Some(mcp) = self.bridge_for_turn().await? {
+            if let Some(bridge) = &self.bridge {
+                ports.push(bridge.addr().port());
+            }
             // Global `-c` overrides, before the subcommand like the provider's.
             spec.args
                 .splice(0..0, mcp.args.into_iter().map(OsString::from));
@@ -632,6 +644,16 @@ impl Oneshot {
                     .iter()
                     .map(|(k, v)| (OsString::from(k), OsString::from(v.expose()))),
             );
+        }
+        if let Some(sandbox) = &self.config.sandbox {
+            let (program, args) = sandbox.cli_command(
+                &spec.program,
+                &spec.args,
+                self.config.path_var.as_deref(),
+                &ports,
+            );
+            spec.program = program;
+            spec.args = args;
         }
         // Never log `spec`: its environment holds the key.
         let (child, stdout) = match &invocation.stdin_prompt {
@@ -762,6 +784,9 @@ impl Oneshot {
                 ]);
             }
             args.splice(0..0, global);
+            if config.sandbox.is_some() {
+                codex_sandbox_off(&mut args);
+            }
         }
 
         let pass_system_prompt = match backend.system_prompt_when {
@@ -1050,6 +1075,28 @@ impl Oneshot {
             args: invocation.args.iter().map(OsString::from).collect(),
             env,
             cwd: config.cwd.clone(),
+        }
+    }
+}
+
+/// Codex's own command sandbox switched off in `args` (`--sandbox <mode>`, `--sandbox=<mode>`
+/// and `-c sandbox_mode=...` become `danger-full-access`) for a Codex the pool runs inside
+/// its Landlock sandbox: Codex's bubblewrap cannot mount there (Landlock forbids a
+/// sandboxed process to change its mounts), so every shell tool call would fail with
+/// "error building bubblewrap command"; the pool's walls hold its commands instead.
+fn codex_sandbox_off(args: &mut [String]) {
+    const OPEN: &str = "danger-full-access";
+    let mut value_next = false;
+    for arg in args.iter_mut() {
+        if value_next {
+            *arg = OPEN.to_owned();
+            value_next = false;
+        } else if arg == "--sandbox" || arg == "-s" {
+            value_next = true;
+        } else if arg.starts_with("--sandbox=") {
+            *arg = format!("--sandbox={OPEN}");
+        } else if arg.starts_with("sandbox_mode=") {
+            *arg = format!("sandbox_mode={}", toml_string(OPEN));
         }
     }
 }
@@ -1801,6 +1848,34 @@ mod tests {
         let flag = oneshot.invocation("--help me", &[], None).unwrap();
         assert_eq!(flag.stdin_prompt.as_deref(), Some("--help me"));
         assert_ne!(flag.args.last().map(String::as_str), Some("--help me"));
+    }
+
+    #[test]
+    fn codex_in_the_pools_sandbox_runs_its_commands_without_its_own_bubblewrap() {
+        let mut args: Vec<String> = [
+            "-c",
+            "sandbox_mode=\"workspace-write\"",
+            "exec",
+            "--sandbox",
+            "workspace-write",
+            "--sandbox=read-only",
+            "--json",
+        ]
+        .map(String::from)
+        .to_vec();
+        codex_sandbox_off(&mut args);
+        assert_eq!(
+            args,
+            [
+                "-c",
+                "sandbox_mode=\"danger-full-access\"",
+                "exec",
+                "--sandbox",
+                "danger-full-access",
+                "--sandbox=danger-full-access",
+                "--json"
+            ]
+        );
     }
 
     #[test]

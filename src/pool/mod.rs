@@ -277,6 +277,14 @@ impl Pool {
             api_key: req.provider.as_ref().and_then(|p| p.api_key.clone()),
             profile_id,
         };
+        let sandbox = match &inner.config.worker.sandbox {
+            Some(template) => {
+                let sandbox = cli_sandbox(template, &req, &copilot_home, &home, config)?;
+                sandbox.check_working_directory(&req.working_directory)?;
+                Some(sandbox)
+            }
+            None => None,
+        };
         let ask = cli::CliAsk {
             backend: req.backend.clone(),
             conversation: format!("{conversation}#{}", req.backend),
@@ -291,6 +299,7 @@ impl Pool {
             turn_timeout: Some(req.handlers.timeouts.absolute),
             tools,
             system_prompt,
+            sandbox,
         };
         inner.cli.lease(ask, bindings_key).await
     }
@@ -727,6 +736,46 @@ fn agent_sandbox(
         _ => None,
     };
     Ok(template.for_agent(agent_root, provider_port)?)
+}
+
+/// The sandbox of an agent's CLI backend processes: the workers' template with the agent's
+/// own directory read and write (the parent of its `COPILOT_HOME`, which holds each
+/// backend's home and the work directory; with an explicit home, the backend's home alone)
+/// and TCP connect only to the model endpoint's port: the lease's provider `base_url`, else
+/// a `*_BASE_URL` the backend's `env` sets (`ANTHROPIC_BASE_URL`, `GOOGLE_GEMINI_BASE_URL`,
+/// its `baseUrlEnv`), else 443 (the CLI's own vendor API).
+fn cli_sandbox(
+    template: &crate::sandbox::Sandbox,
+    req: &LeaseRequest,
+    copilot_home: &std::path::Path,
+    backend_home: &std::path::Path,
+    config: &crate::backend::CliBackendConfig,
+) -> Result<crate::sandbox::Sandbox, PoolError> {
+    let agent_root = match (&req.copilot_home, copilot_home.parent()) {
+        (None, Some(parent)) => parent,
+        _ => backend_home,
+    };
+    Ok(template.for_cli_agent(agent_root, &cli_model_ports(req, config))?)
+}
+
+/// The TCP ports of a CLI backend's model endpoint (see [`cli_sandbox`]).
+fn cli_model_ports(req: &LeaseRequest, config: &crate::backend::CliBackendConfig) -> Vec<u16> {
+    let from_env = config.env.iter().filter_map(|(name, value)| {
+        let named = name.ends_with("_BASE_URL") || config.base_url_env.as_ref() == Some(name);
+        named.then_some(value.as_str())
+    });
+    let mut ports: Vec<u16> = match &req.provider {
+        Some(provider) => crate::sandbox::url_port(&provider.base_url)
+            .into_iter()
+            .collect(),
+        None => from_env.filter_map(crate::sandbox::url_port).collect(),
+    };
+    if ports.is_empty() {
+        ports.push(crate::sandbox::HTTPS_PORT);
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    ports
 }
 
 fn session_config(
@@ -1267,6 +1316,49 @@ mod tests {
         req.auth = auth;
         req.provider = provider;
         req
+    }
+
+    #[test]
+    fn a_cli_backend_may_connect_to_its_providers_port_else_its_envs_base_url_else_https() {
+        let claude = crate::backend::CliBackendConfig::claude_cli();
+        let with = |url: &str| {
+            request(
+                LeaseAuth::default(),
+                Some(ProviderConfig::openai(url, None)),
+            )
+        };
+        assert_eq!(
+            cli_model_ports(&with("http://127.0.0.1:41234"), &claude),
+            [41234]
+        );
+        let bare = request(LeaseAuth::default(), None);
+        assert_eq!(cli_model_ports(&bare, &claude), [443]);
+        let mut gemini = crate::backend::CliBackendConfig::google_gemini_cli();
+        gemini
+            .env
+            .insert("GOOGLE_GEMINI_BASE_URL".into(), "http://[::1]:9000".into());
+        gemini.env.insert("OTHER".into(), "http://h:1".into());
+        assert_eq!(cli_model_ports(&bare, &gemini), [9000]);
+        // The provider's endpoint is the one the lease uses.
+        assert_eq!(
+            cli_model_ports(&with("https://m.example/v1"), &gemini),
+            [443]
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let copilot_home = dir.path().join("agents/a/copilot");
+        let backend_home = dir.path().join("agents/a/claude-cli");
+        let template =
+            crate::sandbox::Sandbox::new("/bin/wrapper".into(), vec!["sandbox-exec".into()]);
+        let s = cli_sandbox(&template, &bare, &copilot_home, &backend_home, &claude).unwrap();
+        assert_eq!(s.read_write, [dir.path().join("agents/a")]);
+        assert_eq!(s.allowed_ports(), Some(vec![443]));
+        // An explicit COPILOT_HOME names no agent directory: the backend's home alone.
+        let mut explicit = with("http://127.0.0.1:8080");
+        explicit.copilot_home = Some(copilot_home.clone());
+        let s = cli_sandbox(&template, &explicit, &copilot_home, &backend_home, &claude).unwrap();
+        assert_eq!(s.read_write, [backend_home]);
+        assert_eq!(s.allowed_ports(), Some(vec![8080]));
     }
 
     #[test]

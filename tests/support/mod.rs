@@ -6,6 +6,7 @@
 pub mod agent_cli;
 pub mod api;
 pub mod cli_daemon;
+pub mod connect_trace;
 pub mod http;
 pub mod node_sdk;
 pub mod pool_fixture;

@@ -69,6 +69,8 @@ pub(crate) struct CliAsk {
     /// The conversation's system prompt ([`options::system_prompt`]), given to the CLI by
     /// its backend's route when the conversation's runner is made.
     pub system_prompt: Option<String>,
+    /// The agent's CLI sandbox (`super::cli_sandbox`), when the pool's workers run in one.
+    pub sandbox: Option<crate::sandbox::Sandbox>,
 }
 
 struct Shell {
@@ -445,6 +447,7 @@ impl CliPool {
             one.model = ask.model.clone();
             one.system_prompt = ask.system_prompt.clone();
             one.reasoning_effort = ask.reasoning_effort;
+            one.sandbox = ask.sandbox.clone();
             one.session = resume.map(|id| {
                 let mut stored = crate::backend::oneshot::StoredSession::new(id);
                 // Codex reports thread totals: start from the last ones it recorded, so the
@@ -470,6 +473,7 @@ impl CliPool {
         live.session_id = resume;
         live.permission = ask.permission.clone();
         live.reasoning_effort = ask.reasoning_effort;
+        live.sandbox = ask.sandbox.clone();
         let runner = ClaudeLive::new(live).map_err(|e| invalid(&e))?;
         Ok((CliConversation::Live(Box::new(runner)), reason))
     }
