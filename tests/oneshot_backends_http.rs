@@ -477,12 +477,26 @@ async fn a_key_refresh_under_the_same_profile_resumes_codex_and_gemini_and_anoth
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn codex_and_gemini_turns_images_inline_or_by_path_reach_the_model_and_other_attachments_get_a_400()
+async fn codex_turns_images_inline_or_by_path_reach_the_model_other_attachments_get_a_400_and_a_sandboxed_gemini_refuses_images()
  {
     let _serial = SERIAL.lock().await;
     let fx = Fixture::new().await;
     let daemon = fx.daemon().await;
-    for backend in [CODEX, GEMINI] {
+    // Gemini CLI in the daemon's sandbox (the default) reads no `@` image reference: its
+    // image turn is refused, saying where images go instead.
+    let mut refused = fx.body(GEMINI, "images-gemini", "REPLY=gemini saw a dot");
+    refused["attachments"] = json!([
+        {"type": "inline", "data": support::cli_daemon::PNG, "media_type": "image/png", "name": "dot.png"}
+    ]);
+    let (_, end) = support::cli_daemon::streamed_turn(&daemon, &refused, TURN_LIMIT).await;
+    assert_eq!(end["status"], "error", "{end}");
+    let said = end["error"].as_str().unwrap_or_default();
+    assert!(
+        said.contains("sandbox") && said.contains("codex-cli"),
+        "{end}"
+    );
+    {
+        let backend = CODEX;
         support::cli_daemon::image_turns(
             &fx,
             &daemon,

@@ -100,6 +100,14 @@ pub enum ImageError {
         /// The limit.
         max: u64,
     },
+    /// Gemini CLI in the pool's sandbox reads no `@path` reference (seen with Gemini CLI
+    /// 0.61.0: it skips them without a word), so its images would be lost.
+    #[error(
+        "Gemini CLI runs in the pool's sandbox here, where it does not read `@` image \
+         references and would drop the image without a word: send images to `claude-cli` or \
+         `codex-cli`, or run the daemon with sandbox = \"off\""
+    )]
+    GeminiSandboxed,
     /// Gemini CLI reads `@path` references only inside its workspace (the conversation's
     /// working directory); it would skip this one silently.
     #[error(

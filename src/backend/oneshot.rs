@@ -601,6 +601,9 @@ impl Oneshot {
                 })?;
         }
         if config.dialect == Dialect::Gemini && config.backend.image_arg.is_none() {
+            if !images.is_empty() && config.sandbox.is_some() {
+                return Err(ImageError::GeminiSandboxed.into());
+            }
             in_workspace(&config.cwd, images).await?;
         }
         if config.dialect == Dialect::Gemini {
@@ -832,9 +835,14 @@ impl Oneshot {
                 }
                 (Some(flag), ImageMode::List) => args.extend(flagged(flag, paths.join(","))),
                 (None, _) if config.dialect == Dialect::Gemini => {
-                    // Gemini CLI reads `@path` references into the model request.
-                    let refs: Vec<String> =
-                        images.iter().map(|p| image::gemini_reference(p)).collect();
+                    // Gemini CLI reads `@path` references into the model request. Relative
+                    // to its working directory (where `in_workspace` found them): it globs an
+                    // absolute reference from `/`, which the sandbox does not let it read,
+                    // and then skips the image without a word.
+                    let refs: Vec<String> = images
+                        .iter()
+                        .map(|p| image::gemini_reference(p.strip_prefix(&config.cwd).unwrap_or(p)))
+                        .collect();
                     prompt.push_str("\n\n");
                     prompt.push_str(&refs.join("\n"));
                 }
@@ -1982,7 +1990,8 @@ mod tests {
         let at = run.args.iter().position(|a| a == "--prompt").unwrap();
         assert_eq!(
             run.args[at + 1],
-            format!("look\n\n@{}/my\\ pics/a.png", work.display()),
+            // Relative to the working directory (an absolute one Gemini globs from `/`).
+            "look\n\n@my\\ pics/a.png",
             "{:?}",
             run.args
         );
