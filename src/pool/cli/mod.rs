@@ -7,7 +7,11 @@
 //!   `transcript-missing`.
 //! * this module — the thin shell: a mutex around the core (never held across an await),
 //!   the parked [`CliConversation`]s, the waiters' reply ports, the binding reads and
-//!   writes, closing processes the core names.
+//!   writes, closing processes the core names. The same mutex guards the shared process
+//!   budget ([`super::budget`]): the pool actor takes it ([`CliPool::budget`]) around each of
+//!   its placement decisions, tells the core how many Copilot processes there are, and
+//!   closes a parked CLI process when its side needs the room; this side asks the actor
+//!   (a [`Nudge`]) for an idle Copilot worker, and wakes its waiters when room comes free.
 //!
 //! A conversation is (agent, session key, backend id): its CLI session id is bound under
 //! `<agent>/<session key>#backend=<id>` in the pool's binding store, with its auth identity
@@ -20,7 +24,7 @@ pub(crate) mod slots;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{oneshot, watch};
@@ -39,6 +43,7 @@ use crate::metrics::{ProcessExit, SpawnResult};
 use crate::permission::PermissionPolicy;
 
 use super::bindings::{Binding, BindingStore};
+use super::budget::{Nudge, Others};
 use super::error::PoolError;
 use super::restart::RestartPolicy;
 use session::{CliCredentials, SessionDecision, StoredSession};
@@ -76,6 +81,8 @@ struct Shell {
     parked: HashMap<String, Parked>,
     waiters: HashMap<u64, oneshot::Sender<Result<bool, PoolError>>>,
     next_id: u64,
+    /// The core's view when the Copilot side last heard of it (a change wakes it).
+    told: Others,
 }
 
 /// A conversation between its leases: its runner, and the pid of its process the metrics
@@ -143,6 +150,8 @@ pub(crate) struct CliPool {
     leased: watch::Sender<usize>,
     closed: AtomicBool,
     max_waiters: usize,
+    /// Tells the pool actor (set once it runs; before, there is no Copilot side to tell).
+    copilot: OnceLock<Box<dyn Fn(Nudge) + Send + Sync>>,
 }
 
 impl std::fmt::Debug for CliPool {
@@ -186,13 +195,35 @@ impl CliPool {
                 parked: HashMap::new(),
                 waiters: HashMap::new(),
                 next_id: 1,
+                told: Others::default(),
             }),
             backends,
             bindings,
             leased: watch::channel(0).0,
             closed: AtomicBool::new(false),
             max_waiters,
+            copilot: OnceLock::new(),
         })
+    }
+
+    /// Connects the Copilot side: `tell` reaches the pool actor (set once).
+    pub(crate) fn connect_copilot(&self, tell: Box<dyn Fn(Nudge) + Send + Sync>) {
+        let _ = self.copilot.set(tell);
+    }
+
+    fn tell_copilot(&self, nudge: Nudge) {
+        if let Some(tell) = self.copilot.get() {
+            tell(nudge);
+        }
+    }
+
+    /// The shared process budget, locked: the pool actor holds it around each placement
+    /// decision (it never awaits while holding it).
+    pub(crate) fn budget(&self) -> BudgetGuard<'_> {
+        BudgetGuard {
+            pool: self,
+            shell: self.lock(),
+        }
     }
 
     /// Every backend id a lease may name: `copilot` first, then the configured CLI ids.
@@ -258,9 +289,16 @@ impl CliPool {
                         parked.close(Stop::Evicted(Eviction::Full));
                     }
                 }
+                Effect::EvictOther => self.tell_copilot(Nudge::EvictIdle),
             }
         }
         self.publish(shell);
+        // Room given up here, or a process newly idle, may serve a waiting Copilot lease.
+        let view = shell.core.view();
+        if view != shell.told {
+            shell.told = view;
+            self.tell_copilot(Nudge::Changed);
+        }
     }
 
     fn publish(&self, shell: &Shell) {
@@ -557,6 +595,45 @@ impl CliPool {
         }
         let mut leased = self.leased.subscribe();
         let _ = tokio::time::timeout(grace, leased.wait_for(|n| *n == 0)).await;
+    }
+}
+
+/// The shared process budget, locked ([`CliPool::budget`]).
+pub(crate) struct BudgetGuard<'a> {
+    pool: &'a CliPool,
+    shell: std::sync::MutexGuard<'a, Shell>,
+}
+
+impl BudgetGuard<'_> {
+    /// What the Copilot side sees of the CLI processes.
+    pub(crate) fn cli_view(&self) -> Others {
+        self.shell.core.view()
+    }
+
+    /// Processes held now per CLI backend id, as the budget counts them.
+    pub(crate) fn cli_by_backend(&self) -> BTreeMap<String, usize> {
+        self.pool
+            .backends
+            .keys()
+            .map(|id| (id.clone(), self.shell.core.processes_of(id)))
+            .collect()
+    }
+
+    /// The Copilot side needs room and the CLI side's parked process is the oldest idle
+    /// one: it closes (false: none is parked).
+    pub(crate) fn evict_for_copilot(&mut self) -> bool {
+        let (evicted, effects) = self.shell.core.evict_for_other();
+        // The actor asked: it serves its waiters itself (no nudge for this room).
+        self.shell.told = self.shell.core.view();
+        self.pool.apply(&mut self.shell, effects);
+        evicted
+    }
+
+    /// The Copilot side's processes after its decision; when they changed, the CLI waiters
+    /// are served (room it gave up, or a new idle worker to ask for).
+    pub(crate) fn copilot_is(&mut self, copilot: Others) {
+        let effects = self.shell.core.others_changed(copilot, Instant::now());
+        self.pool.apply(&mut self.shell, effects);
     }
 }
 
