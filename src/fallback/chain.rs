@@ -18,6 +18,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::{FallbackClass, FallbackError, TranscriptFormat, TranscriptTail};
+use crate::backend::oneshot::Dialect;
 use crate::backend::{BackendEvent, BackendKind, CliConversation, CliTurnOutcome, TurnFailure};
 use crate::kinds::{OpenReason, TurnEnd};
 use crate::pool::{COPILOT_BACKEND, CliLease, Lease, LeaseRequest, Pool, PoolError};
@@ -675,6 +676,7 @@ async fn run_cli<S: ChainSink>(
         .map(|id| PreludeSource::Cli {
             backend: lease.backend().to_owned(),
             kind: lease.kind(),
+            dialect: lease.dialect(),
             home: lease.home().to_path_buf(),
             cwd: lease.working_directory().to_path_buf(),
             session_id: id.to_owned(),
@@ -698,10 +700,12 @@ enum PreludeSource {
     /// [`TranscriptFormat::of_cli`]; a generic one-shot CLI leaves none the pool can read,
     /// so its failure gives no prelude.
     Cli {
-        /// The backend id (the one-shot dialect follows it).
+        /// The backend id (for the logs).
         backend: String,
         /// The backend's kind.
         kind: BackendKind,
+        /// The backend's dialect (which transcript it leaves).
+        dialect: Dialect,
         /// The agent's home for the backend.
         home: PathBuf,
         /// The conversation's working directory.
@@ -719,10 +723,11 @@ impl PreludeSource {
             PreludeSource::Cli {
                 backend,
                 kind,
+                dialect,
                 home,
                 cwd,
                 session_id,
-            } => read_cli_tail(&backend, kind, &home, &cwd, &session_id, budget),
+            } => read_cli_tail(&backend, kind, dialect, &home, &cwd, &session_id, budget),
         }
     }
 }
@@ -732,15 +737,16 @@ impl PreludeSource {
 fn read_cli_tail(
     backend: &str,
     kind: BackendKind,
+    dialect: Dialect,
     home: &Path,
     cwd: &Path,
     session_id: &str,
     budget: usize,
 ) -> Result<TranscriptTail, FallbackError> {
-    let Some(format) = TranscriptFormat::of_cli(backend, kind) else {
+    let Some(format) = TranscriptFormat::of_cli(dialect, kind) else {
         return Ok(TranscriptTail::default());
     };
-    match CliConversation::find_transcript(backend, kind, home, cwd, session_id) {
+    match CliConversation::find_transcript(dialect, kind, home, cwd, session_id) {
         Ok(Some(path)) => super::read_tail_of(format, &path, budget),
         Ok(None) => Ok(TranscriptTail::default()),
         Err(searched) => {

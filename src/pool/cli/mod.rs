@@ -258,7 +258,7 @@ impl CliPool {
         Ok(cfg!(feature = "mcp-bridge")
             && match config.kind {
                 BackendKind::CliLive => true,
-                BackendKind::CliOneshot => Dialect::of_backend(id) == Dialect::Codex,
+                BackendKind::CliOneshot => config.dialect_of(id) == Dialect::Codex,
                 BackendKind::Copilot => false,
             })
     }
@@ -393,6 +393,7 @@ impl CliPool {
             home: ask.home.clone(),
             turn_timeout: ask.turn_timeout,
             kind: config.kind,
+            dialect: config.dialect_of(&ask.backend),
             process: None,
         };
         if reuse && let Some(parked) = self.lock().parked.remove(&ask.conversation) {
@@ -450,7 +451,13 @@ impl CliPool {
                 identity: b.compat_key,
             });
         let transcript = |id: &str| {
-            CliConversation::find_transcript(&ask.backend, config.kind, &ask.home, &ask.cwd, id)
+            CliConversation::find_transcript(
+                config.dialect_of(&ask.backend),
+                config.kind,
+                &ask.home,
+                &ask.cwd,
+                id,
+            )
         };
         let decision = session::decide(stored.as_ref(), &lease.identity, |id| {
             transcript(id).is_ok()
@@ -476,7 +483,7 @@ impl CliPool {
         };
         if config.kind == BackendKind::CliOneshot {
             let mut one = OneshotConfig::new(&ask.backend, config.clone(), &ask.home, &ask.cwd);
-            one.dialect = Dialect::of_backend(&ask.backend);
+            one.dialect = config.dialect_of(&ask.backend);
             one.base_url = ask.creds.base_url.clone();
             one.api_key = ask.creds.api_key.clone();
             one.model = ask.model.clone();
@@ -717,6 +724,7 @@ pub struct CliLease {
     home: PathBuf,
     turn_timeout: Option<Duration>,
     kind: BackendKind,
+    dialect: Dialect,
     /// The pid of the conversation's process the metrics count as running: its start
     /// counted, its exit not yet.
     process: Option<u32>,
@@ -786,6 +794,11 @@ impl CliLease {
     /// The backend's kind (`cli-oneshot` or `cli-live`).
     pub fn kind(&self) -> BackendKind {
         self.kind
+    }
+
+    /// The backend's dialect ([`CliBackendConfig::dialect_of`]).
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
     }
 
     /// Counts the exit (for `why`) of the process the metrics count as running when the
@@ -971,5 +984,128 @@ impl CliLeaseTurn<'_> {
             }
         }
         Some(event)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pool of one CLI backend `id` with `config`, its bindings under `dir`.
+    fn pool(id: &str, config: CliBackendConfig, dir: &std::path::Path) -> Arc<CliPool> {
+        let bindings = Arc::new(BindingStore::open(dir).expect("bindings"));
+        Arc::new(
+            CliPool::new(
+                BTreeMap::from([(id.to_owned(), config)]),
+                (4, 4, 4),
+                RestartPolicy::default(),
+                bindings,
+            )
+            .expect("valid"),
+        )
+    }
+
+    fn ask(id: &str, home: PathBuf, cwd: PathBuf) -> CliAsk {
+        CliAsk {
+            backend: id.to_owned(),
+            conversation: format!("agent/k#{id}"),
+            home,
+            cwd,
+            creds: CliCredentials {
+                base_url: Some("http://127.0.0.1:9/v1".to_owned()),
+                api_key: Some(crate::secret::Secret::new("sk-FAKE")),
+                profile_id: None,
+            },
+            model: None,
+            reasoning_effort: None,
+            permission: Arc::new(crate::permission::ApproveAll),
+            fail_if_busy: false,
+            wait: Duration::from_secs(5),
+            turn_timeout: None,
+            tools: Vec::new(),
+            system_prompt: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_custom_id_running_codex_checks_its_rollout_and_a_missing_one_is_transcript_missing()
+    {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // `[backends.my-codex]`: the bundled Codex keys under another id, no `dialect` key.
+        let mut config = CliBackendConfig::codex_cli();
+        config.dialect = None;
+        config.command = "/opt/codex/bin/codex".to_owned();
+        assert_eq!(config.dialect_of("my-codex"), Dialect::Codex);
+        let pool = pool("my-codex", config, &dir.path().join("state"));
+        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        let ask = ask("my-codex", home.clone(), cwd);
+        let id = "019a227d-9ace-7703-b7ac-389dd1c45dcf";
+        let bindings_key = "agent/k#backend=my-codex".to_owned();
+        pool.bindings
+            .put(&Binding {
+                session_key: bindings_key.clone(),
+                cli_session_id: CliSessionId::new(id.to_owned()),
+                compat_key: session::identity(&ask.creds),
+                updated_at_ms: 0,
+            })
+            .expect("bound");
+        let error = pool
+            .lease(ask, bindings_key.clone())
+            .await
+            .expect_err("no rollout: no resume");
+        assert!(
+            matches!(&error, PoolError::TranscriptMissing { backend, session_id, .. }
+                if backend == "my-codex" && session_id == id),
+            "{error:?}"
+        );
+        // With the rollout there, the stored thread resumes.
+        let day = home.join(".codex/sessions/2026/12/01");
+        std::fs::create_dir_all(&day).expect("dir");
+        std::fs::write(
+            day.join(format!("rollout-2026-12-01T10-00-00-{id}.jsonl")),
+            "{}",
+        )
+        .expect("rollout");
+        let lease = pool
+            .lease(
+                self::ask("my-codex", home, dir.path().join("work")),
+                bindings_key,
+            )
+            .await
+            .expect("resumed");
+        assert_eq!(lease.reason(), OpenReason::Resumed);
+        assert_eq!(lease.dialect(), Dialect::Codex);
+    }
+
+    #[test]
+    fn a_backends_dialect_is_its_key_else_the_bundled_ids_else_its_commands_name() {
+        let mut generic = CliBackendConfig::new("/usr/local/bin/my-agent");
+        assert_eq!(generic.dialect_of("my-agent"), Dialect::Generic);
+        generic.command = "/opt/gemini-cli/bundle/gemini.js".to_owned();
+        assert_eq!(generic.dialect_of("my-gemini"), Dialect::Gemini);
+        generic.command = "claude".to_owned();
+        assert_eq!(generic.dialect_of("my-claude"), Dialect::Claude);
+        generic.dialect = Some(Dialect::Generic);
+        assert_eq!(
+            generic.dialect_of("my-claude"),
+            Dialect::Generic,
+            "the key wins"
+        );
+        let mut codex = CliBackendConfig::codex_cli();
+        codex.dialect = None;
+        codex.command = "/somewhere/else".to_owned();
+        assert_eq!(
+            codex.dialect_of("codex-cli"),
+            Dialect::Codex,
+            "the bundled id's"
+        );
+        assert_eq!(
+            CliBackendConfig::claude_cli().dialect_of("x"),
+            Dialect::Claude
+        );
+        let mut live = CliBackendConfig::claude_cli();
+        live.dialect = Some(Dialect::Codex);
+        let refused = live.validate("x").expect_err("a live Codex");
+        assert!(refused.problem.contains("cli-live"), "{refused}");
     }
 }
