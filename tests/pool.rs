@@ -1466,3 +1466,44 @@ async fn one_process_budget_a_cli_lease_stops_the_idle_copilot_worker_and_a_copi
     drop(copilot);
     shutdown_leaves_nothing(&pool).await;
 }
+
+/// A sink whose `deliver` never returns: a gateway that stopped reading and holds on.
+struct StuckSink;
+
+impl copilot_pool::fallback::ChainSink for StuckSink {
+    async fn deliver(&self, _event: copilot_pool::fallback::ChainEvent) -> bool {
+        std::future::pending().await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_whose_sink_never_returns_ends_caller_gone_after_its_deliver_timeout_and_frees_the_conversation()
+ {
+    use copilot_pool::fallback::{ChainLease, ChainRequest};
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut chain = ChainRequest::new(fx.request("agent-s", "stuck-1"), "REPLY=never read");
+    chain.deliver_timeout = Duration::from_millis(500);
+    let lease = ChainLease::start(&pool, chain, StuckSink)
+        .await
+        .expect("leased");
+    let outcome = tokio::time::timeout(Duration::from_secs(60), lease.run())
+        .await
+        .expect("the chain did not stall on its sink");
+    assert!(outcome.caller_gone, "{:?}", outcome.summary);
+    assert_eq!(
+        outcome.summary.status,
+        copilot_pool::TurnEnd::Aborted,
+        "{:?}",
+        outcome.summary
+    );
+    // The conversation was returned: the next lease of it is granted.
+    let mut again = pool
+        .lease(fx.request("agent-s", "stuck-1"))
+        .await
+        .expect("the conversation is free");
+    let outcome = again.run("REPLY=read now").await.expect("turn");
+    assert_eq!(outcome.text, "read now");
+    drop(again);
+    shutdown_leaves_nothing(&pool).await;
+}
