@@ -8,6 +8,7 @@ pub mod api;
 pub mod cli_daemon;
 pub mod http;
 pub mod node_sdk;
+pub mod output_limit;
 pub mod pool_fixture;
 pub mod procs;
 pub mod promtool;
