@@ -383,7 +383,10 @@ impl Actor for PoolActor {
                 Vec::new()
             }
             PoolMsg::Cli(Nudge::Changed) => state.core.others_changed(now),
-            PoolMsg::Cli(Nudge::EvictIdle) => state.core.evict_for_other(),
+            PoolMsg::Cli(Nudge::EvictIdle) if budget.cli_wants_room() => {
+                state.core.evict_for_other()
+            }
+            PoolMsg::Cli(Nudge::EvictIdle) => Vec::new(),
         };
         let effects = state.settle_budget(&mut budget, effects, now);
         drop(budget);

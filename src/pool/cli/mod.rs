@@ -626,6 +626,12 @@ impl BudgetGuard<'_> {
             .collect()
     }
 
+    /// Whether a CLI lease still waits for the idle Copilot worker it asked for
+    /// ([`Nudge::EvictIdle`]): a request whose lease was served meanwhile stops nothing.
+    pub(crate) fn cli_wants_room(&self) -> bool {
+        self.shell.core.wants_other()
+    }
+
     /// The Copilot side needs room and the CLI side's parked process is the oldest idle
     /// one: it closes (false: none is parked).
     pub(crate) fn evict_for_copilot(&mut self) -> bool {

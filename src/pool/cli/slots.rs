@@ -108,8 +108,9 @@ pub(crate) struct Slots {
     closed: bool,
     /// The Copilot side's processes, in the shared budget.
     others: Others,
-    /// An [`Effect::EvictOther`] is outstanding.
-    asked_other: bool,
+    /// The ask whose [`Effect::EvictOther`] is outstanding (until the Copilot side's view
+    /// changes).
+    asked_by: Option<u64>,
 }
 
 impl Slots {
@@ -122,7 +123,7 @@ impl Slots {
             restarts: HashMap::new(),
             closed: false,
             others: Others::default(),
-            asked_other: false,
+            asked_by: None,
         }
     }
 
@@ -146,6 +147,13 @@ impl Slots {
             .min_by_key(|(_, h)| h.last_used)
     }
 
+    /// Whether the ask that asked the Copilot side for its idle worker still waits for the
+    /// room (a stale request, its ask served meanwhile or gone, is not carried out).
+    pub(crate) fn wants_other(&self) -> bool {
+        self.asked_by
+            .is_some_and(|id| self.waiters.iter().any(|w| w.id == id))
+    }
+
     /// What the Copilot side sees of this side: its processes and its oldest parked one.
     pub(crate) fn view(&self) -> Others {
         Others {
@@ -161,7 +169,7 @@ impl Slots {
         if others == self.others {
             return Vec::new();
         }
-        self.asked_other = false;
+        self.asked_by = None;
         self.others = others;
         let mut effects = Vec::new();
         self.serve_waiters(now, &mut effects);
@@ -172,7 +180,7 @@ impl Slots {
     /// Sets the Copilot side's view without serving anyone (the actor's own decisions).
     pub(crate) fn set_others(&mut self, others: Others) {
         if others != self.others {
-            self.asked_other = false;
+            self.asked_by = None;
         }
         self.others = others;
     }
@@ -333,8 +341,8 @@ impl Slots {
             let victim = match room {
                 Some(Room::Own) => own.map(|(c, _)| c.clone()),
                 Some(Room::Other) => {
-                    if !self.asked_other {
-                        self.asked_other = true;
+                    if !self.wants_other() {
+                        self.asked_by = Some(id);
                         effects.push(Effect::EvictOther);
                     }
                     None
@@ -713,6 +721,7 @@ mod tests {
             s.ask(3, "c/1", key("c"), false, t1).is_empty(),
             "asked once until the Copilot side answers"
         );
+        assert!(s.wants_other());
         assert_eq!(s.processes(), 1, "a/1 stays parked");
         // The worker is gone: the first waiter takes its room, the next one a/1's.
         let effects = s.others_changed(Others::default(), t1);
@@ -722,6 +731,30 @@ mod tests {
         }));
         assert!(granted(&effects, 3), "{effects:?}");
         assert_eq!(s.processes(), 2);
+    }
+
+    #[test]
+    fn a_request_for_the_copilot_worker_goes_stale_once_its_ask_is_served_and_the_next_asks_again()
+    {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut s = slots(2, 2);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, t1), 1));
+        s.set_others(Others {
+            held: 1,
+            idle_since: Some(t0),
+        });
+        assert_eq!(s.ask(2, "b/1", key("b"), false, t1), [Effect::EvictOther]);
+        assert!(s.wants_other());
+        // a/1's process ends before the Copilot side acts: b/1 takes its room.
+        assert!(granted(&s.returned("a/1", false, false, t1), 2));
+        assert!(
+            !s.wants_other(),
+            "the request is stale: nothing to stop for it"
+        );
+        // A later ask that needs room asks again.
+        assert_eq!(s.ask(3, "c/1", key("c"), false, t1), [Effect::EvictOther]);
+        assert!(s.wants_other());
     }
 
     #[test]
