@@ -469,22 +469,5 @@ async fn envelopes_do_not_count_and_output_past_the_turn_limit_ends_the_turn_wit
     let outcome = tokio::time::timeout(TURN_LIMIT, started.finish())
         .await
         .expect("ended");
-    assert_eq!(outcome.end, Some(TurnEnd::Error), "{outcome:?}");
-    assert!(
-        matches!(
-            outcome.failure,
-            Some(TurnFailure::OutputLimit {
-                key: "maxTurnLines",
-                limit: 1,
-                ..
-            })
-        ),
-        "{outcome:?}"
-    );
-    assert_eq!(outcome.retained_lines, 2, "{outcome:?}");
-    assert!(
-        wait_group_gone(pid, Duration::from_secs(10))
-            .await
-            .is_empty()
-    );
+    support::output_limit::assert_past_line_limit(&outcome, 1, 2, pid).await;
 }

@@ -1549,3 +1549,142 @@ async fn a_turns_image_reaches_claudes_and_codexs_model_over_a_cli_lease_and_eve
     );
     shutdown_leaves_nothing(&pool).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_process_budget_a_cli_lease_stops_the_idle_copilot_worker_and_a_copilot_lease_waits_for_the_busy_cli_process()
+ {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.max_processes = 1;
+    let claude = support::agent_cli::claude_path().await;
+    if let Some(backend) = config.cli_backends.get_mut("claude-cli") {
+        backend.command = claude.display().to_string();
+    }
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+    let cli_request = || {
+        let mut req = fx.request("agent-b", "budget-cli");
+        req.backend = "claude-cli".to_owned();
+        req.model = None;
+        req.provider = Some(ProviderConfig::anthropic(
+            format!("http://{}", fx.endpoint.addr()),
+            Some(Secret::new("sk-ant-FAKE-budget")),
+        ));
+        req
+    };
+
+    // A Copilot turn, then its worker idles: the pool's one process.
+    let mut copilot = pool
+        .lease(fx.request("agent-b", "budget-copilot"))
+        .await
+        .expect("copilot lease");
+    let outcome = copilot.run("REPLY=copilot here").await.expect("turn");
+    assert_eq!(outcome.text, "copilot here");
+    let worker = copilot.worker_pid();
+    drop(copilot);
+
+    // A CLI lease finds the budget full: the idle Copilot worker is stopped for it.
+    let mut cli = pool.lease_cli(cli_request()).await.expect("cli lease");
+    wait_event(&mut events, |e| {
+        matches!(e, PoolEvent::WorkerEvicted { pid, reason: Eviction::Full, .. } if *pid == worker)
+    })
+    .await;
+    assert!(
+        wait_group_gone(worker, Duration::from_secs(20))
+            .await
+            .is_empty()
+    );
+    let outcome = run_cli(&mut cli, "REPLY=claude here").await;
+    assert_eq!(outcome.text, "claude here", "{outcome:?}");
+    let status = pool.status().await.expect("status");
+    assert!(status.workers.is_empty(), "{:?}", status.workers);
+    assert_eq!(status.budget.max_processes, 1);
+    assert_eq!(status.budget.used, 1);
+    assert_eq!(status.budget.by_backend.get("claude-cli"), Some(&1));
+    assert_eq!(status.budget.by_backend.get("copilot"), Some(&0));
+
+    // While the CLI process is leased (busy), a Copilot lease waits, and runs out of time.
+    let mut req = fx.request("agent-b", "budget-copilot");
+    req.wait_timeout = Some(Duration::from_millis(500));
+    let refused = pool.lease(req).await.expect_err("no room");
+    assert!(
+        matches!(refused, PoolError::WaitTimeout { .. }),
+        "{refused}"
+    );
+
+    // A waiting Copilot lease is served once the CLI lease returns: the parked CLI process
+    // (now the idle one) is closed for it.
+    let cli_pid = cli.pid().expect("claude's live process");
+    let waiting = {
+        let pool = pool.clone();
+        let req = fx.request("agent-b", "budget-copilot");
+        tokio::spawn(async move { pool.lease(req).await })
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        // No event says a lease waits: the status is read until it does.
+        while pool.status().await.map(|s| s.waiters).unwrap_or(0) == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the Copilot lease waits");
+    drop(cli);
+    let mut copilot = tokio::time::timeout(Duration::from_secs(60), waiting)
+        .await
+        .expect("granted in time")
+        .expect("task")
+        .expect("copilot lease");
+    assert!(
+        wait_group_gone(cli_pid, Duration::from_secs(20))
+            .await
+            .is_empty()
+    );
+    let outcome = copilot.run("REPLY=copilot again").await.expect("turn");
+    assert_eq!(outcome.text, "copilot again");
+    let status = pool.status().await.expect("status");
+    assert_eq!(status.budget.by_backend.get("claude-cli"), Some(&0));
+    assert_eq!(status.budget.used, 1);
+    drop(copilot);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+/// A sink whose `deliver` never returns: a gateway that stopped reading and holds on.
+struct StuckSink;
+
+impl copilot_pool::fallback::ChainSink for StuckSink {
+    async fn deliver(&self, _event: copilot_pool::fallback::ChainEvent) -> bool {
+        std::future::pending().await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_whose_sink_never_returns_ends_caller_gone_after_its_deliver_timeout_and_frees_the_conversation()
+ {
+    use copilot_pool::fallback::{ChainLease, ChainRequest};
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut chain = ChainRequest::new(fx.request("agent-s", "stuck-1"), "REPLY=never read");
+    chain.deliver_timeout = Duration::from_millis(500);
+    let lease = ChainLease::start(&pool, chain, StuckSink)
+        .await
+        .expect("leased");
+    let outcome = tokio::time::timeout(Duration::from_secs(60), lease.run())
+        .await
+        .expect("the chain did not stall on its sink");
+    assert!(outcome.caller_gone, "{:?}", outcome.summary);
+    assert_eq!(
+        outcome.summary.status,
+        copilot_pool::TurnEnd::Aborted,
+        "{:?}",
+        outcome.summary
+    );
+    // The conversation was returned: the next lease of it is granted.
+    let mut again = pool
+        .lease(fx.request("agent-s", "stuck-1"))
+        .await
+        .expect("the conversation is free");
+    let outcome = again.run("REPLY=read now").await.expect("turn");
+    assert_eq!(outcome.text, "read now");
+    drop(again);
+    shutdown_leaves_nothing(&pool).await;
+}

@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::BackendKind;
+use super::oneshot::Dialect;
 use crate::kinds::ReasoningEffort;
 
 /// Placeholder for the stored CLI session id in `sessionArgs` and `resumeArgs`.
@@ -228,6 +229,14 @@ pub struct CliBackendConfig {
     /// one agent run side by side, within the pool's caps. The bundled backends set it.
     #[serde(default)]
     pub serialize: bool,
+    /// What the runner knows of the CLI beyond these keys ([`Dialect`]: `codex`, `gemini`,
+    /// `claude` or `generic`): its switches, provider or settings, output reader, and the
+    /// transcript checked before a resume (`transcript-missing`). Not set: the bundled id's
+    /// own, else inferred from `command`'s file name ([`CliBackendConfig::dialect_of`]), so
+    /// `[backends.my-codex]` running `codex` is a Codex backend. A `cli-live` backend is
+    /// `claude`.
+    #[serde(default)]
+    pub dialect: Option<Dialect>,
     /// Extra environment of the child (no credentials: those go in the backend's secret).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -415,6 +424,7 @@ impl CliBackendConfig {
             image_arg: None,
             image_mode: ImageMode::default(),
             serialize: false,
+            dialect: None,
             env: BTreeMap::new(),
             api_key_env: None,
             base_url_env: None,
@@ -467,6 +477,7 @@ impl CliBackendConfig {
         config.system_prompt_arg = Some("--append-system-prompt".to_owned());
         config.system_prompt_when = SystemPromptWhen::First;
         config.serialize = true;
+        config.dialect = Some(Dialect::Claude);
         config
     }
 
@@ -526,6 +537,7 @@ impl CliBackendConfig {
         config.image_arg = Some("--image=".to_owned());
         config.image_mode = ImageMode::Repeat;
         config.serialize = true;
+        config.dialect = Some(Dialect::Codex);
         config
     }
 
@@ -574,7 +586,25 @@ impl CliBackendConfig {
         config.env = BTreeMap::from([("GEMINI_CLI_NO_RELAUNCH".to_owned(), "true".to_owned())]);
         config.api_key_env = Some("GEMINI_API_KEY".to_owned());
         config.base_url_env = Some("GOOGLE_GEMINI_BASE_URL".to_owned());
+        config.dialect = Some(Dialect::Gemini);
         config
+    }
+
+    /// The dialect backend `id` runs with: its `dialect` key; else Claude for a `cli-live`
+    /// backend; else the bundled id's ([`Dialect::of_backend`]); else the one `command`'s
+    /// file name names ([`Dialect::of_command`]: `codex`, `gemini`, `gemini.js`, `claude`),
+    /// or generic.
+    pub fn dialect_of(&self, id: &str) -> Dialect {
+        if let Some(dialect) = self.dialect {
+            return dialect;
+        }
+        if self.kind == BackendKind::CliLive {
+            return Dialect::Claude;
+        }
+        match Dialect::of_backend(id) {
+            Dialect::Generic => Dialect::of_command(&self.command),
+            bundled => bundled,
+        }
     }
 
     /// The bundled default of a backend id, if there is one (`claude-cli`, `codex-cli`,
@@ -683,6 +713,15 @@ impl CliBackendConfig {
                 "`command` is empty; set it to the CLI's executable (a path, or a name on PATH)"
                     .to_owned(),
             );
+        }
+        if self.kind == BackendKind::CliLive
+            && let Some(dialect) = self.dialect.filter(|d| *d != Dialect::Claude)
+        {
+            return fail(format!(
+                "a `cli-live` backend runs Claude Code (`dialect = \"claude\"`), not `{}`; \
+                 drop the `dialect` key, or use `kind = \"cli-oneshot\"` for that CLI",
+                dialect.as_str()
+            ));
         }
         if self.kind == BackendKind::CliLive
             && (self.input != InputMode::Stdin || self.output != OutputFormat::Jsonl)

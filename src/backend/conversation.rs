@@ -156,25 +156,18 @@ impl CliConversation {
     /// Gemini CLI's chat file ([`super::gemini::transcript_path`]). Blocking (small file
     /// reads).
     pub fn find_transcript(
-        backend_id: &str,
+        dialect: Dialect,
         kind: BackendKind,
         home: &Path,
         cwd: &Path,
         session_id: &str,
     ) -> Result<Option<PathBuf>, PathBuf> {
-        match kind {
-            BackendKind::CliOneshot => Dialect::of_backend(backend_id)
-                .transcript(home, cwd, session_id)
-                .transpose(),
-            _ => {
-                let path = Self::transcript_path(home, cwd, session_id);
-                if path.is_file() {
-                    Ok(Some(path))
-                } else {
-                    Err(path)
-                }
-            }
-        }
+        // The live runner is Claude Code's, whatever the configuration says.
+        let dialect = match kind {
+            BackendKind::CliOneshot => dialect,
+            _ => Dialect::Claude,
+        };
+        dialect.transcript(home, cwd, session_id).transpose()
     }
 
     /// Where the CLI of a live (Claude Code) conversation keeps session `session_id`'s

@@ -4,8 +4,10 @@
 //! `google-gemini-cli` ([`OneshotConfig::gemini`], with what [`gemini`] provides: its settings
 //! file before each run, its `stream-json` lines read as they arrive (or its one JSON answer
 //! under `output = "json"`), its exit codes, its transcripts). A backend's
-//! [`Dialect`] follows its id ([`Dialect::of_backend`]); [`Dialect::transcript`] says where
-//! each dialect's CLI keeps a session, which the pool checks before it resumes one.
+//! [`Dialect`] is part of its configuration ([`CliBackendConfig::dialect_of`]: the `dialect`
+//! key, else the bundled id's, else inferred from the command's file name);
+//! [`Dialect::transcript`] says where each dialect's CLI keeps a session, which the pool
+//! checks before it resumes one.
 //!
 //! Owns a conversation's stored CLI session ([`StoredSession`]: the id and, for CLIs that
 //! report usage per thread, the last totals) and each turn's process. A turn
@@ -86,8 +88,10 @@ const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(500);
 /// The default time limit of one turn.
 pub const DEFAULT_TURN_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 
-/// CLI-specific behaviour on top of the generic configuration.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// CLI-specific behaviour on top of the generic configuration (a backend's `dialect` key:
+/// `generic`, `codex`, `gemini`, `claude`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 #[non_exhaustive]
 pub enum Dialect {
     /// Only what the configuration says.
@@ -105,6 +109,11 @@ pub enum Dialect {
     /// usage from `result.stats`, per invocation), a `json` one by [`gemini::parse_output`];
     /// its exit codes become [`TurnFailure::Gemini`].
     Gemini,
+    /// Claude Code: the `cli-live` runner's CLI (a `cli-live` backend is always of this
+    /// dialect); as a one-shot CLI (`claude -p`), its switches ([`SafetySwitches::CLAUDE`])
+    /// and its transcript (`<home>/.claude/projects/<cwd slug>/<id>.jsonl`) checked before
+    /// a resume.
+    Claude,
 }
 
 impl Dialect {
@@ -114,16 +123,47 @@ impl Dialect {
             Dialect::Generic => SafetySwitches::NONE,
             Dialect::Codex => SafetySwitches::CODEX,
             Dialect::Gemini => SafetySwitches::GEMINI,
+            Dialect::Claude => SafetySwitches::CLAUDE,
         }
     }
 
-    /// The dialect a backend id runs with: the bundled ids' own (`codex-cli` → Codex,
-    /// `google-gemini-cli` → Gemini), [`Dialect::Generic`] for any other id.
+    /// The dialect of a bundled backend id (`codex-cli` → Codex, `google-gemini-cli` →
+    /// Gemini, `claude-cli` → Claude), [`Dialect::Generic`] for any other id. A backend's
+    /// own dialect is [`CliBackendConfig::dialect_of`] (its configuration first).
     pub fn of_backend(id: &str) -> Self {
         match id {
             CODEX_BACKEND_ID => Dialect::Codex,
             gemini::BACKEND_ID => Dialect::Gemini,
+            "claude-cli" => Dialect::Claude,
             _ => Dialect::Generic,
+        }
+    }
+
+    /// The dialect a CLI's executable names (its file name: `codex…` → Codex, `gemini…`
+    /// (also `gemini.js`) → Gemini, `claude…` → Claude), [`Dialect::Generic`] otherwise.
+    pub fn of_command(command: &str) -> Self {
+        let name = Path::new(command)
+            .file_name()
+            .map(|n| n.to_string_lossy().to_ascii_lowercase())
+            .unwrap_or_default();
+        if name.starts_with("codex") {
+            Dialect::Codex
+        } else if name.starts_with("gemini") {
+            Dialect::Gemini
+        } else if name.starts_with("claude") {
+            Dialect::Claude
+        } else {
+            Dialect::Generic
+        }
+    }
+
+    /// As the configuration's `dialect` key spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dialect::Generic => "generic",
+            Dialect::Codex => "codex",
+            Dialect::Gemini => "gemini",
+            Dialect::Claude => "claude",
         }
     }
 
@@ -140,6 +180,10 @@ impl Dialect {
     ) -> Option<Result<PathBuf, PathBuf>> {
         match self {
             Dialect::Generic => None,
+            Dialect::Claude => {
+                let path = super::CliConversation::transcript_path(home, cwd, session_id);
+                Some(if path.is_file() { Ok(path) } else { Err(path) })
+            }
             Dialect::Codex => Some(codex_rollout_path(home, session_id)),
             Dialect::Gemini => {
                 Some(
@@ -953,7 +997,7 @@ impl Oneshot {
         match (self.config.dialect, &self.config.base_url) {
             (Dialect::Codex, Some(_)) => CODEX_KEY_ENV.to_owned(),
             (Dialect::Codex, None) => "OPENAI_API_KEY".to_owned(),
-            (Dialect::Generic | Dialect::Gemini, _) => String::new(),
+            (Dialect::Generic | Dialect::Gemini | Dialect::Claude, _) => String::new(),
         }
     }
 

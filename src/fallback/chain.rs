@@ -13,11 +13,13 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Serialize;
 use serde_json::Value;
 
 use super::{FallbackClass, FallbackError, TranscriptFormat, TranscriptTail};
+use crate::backend::oneshot::Dialect;
 use crate::backend::{BackendEvent, BackendKind, CliConversation, CliTurnOutcome, TurnFailure};
 use crate::kinds::{OpenReason, TurnEnd};
 use crate::pool::{COPILOT_BACKEND, CliLease, Lease, LeaseRequest, Pool, PoolError};
@@ -44,7 +46,16 @@ pub struct ChainRequest {
     pub message: Message,
     /// The prelude's budget in characters (at most [`super::MAX_PRELUDE_CHARS`]).
     pub prelude_chars: usize,
+    /// How long one [`ChainSink::deliver`] may take (default [`DEFAULT_DELIVER_TIMEOUT`]):
+    /// a sink that has not answered by then counts as a caller gone (the turn is aborted,
+    /// `caller_gone`, nothing falls back), so a sink that never returns cannot hold the
+    /// chain, its lease and its process forever.
+    pub deliver_timeout: Duration,
 }
+
+/// The default bound on one [`ChainSink::deliver`] (the daemon's own SSE sink gives a
+/// client 30 s to take an event too).
+pub const DEFAULT_DELIVER_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl std::fmt::Debug for ChainRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -52,6 +63,7 @@ impl std::fmt::Debug for ChainRequest {
             .field("backend", &self.lease.backend)
             .field("fallbacks", &self.fallbacks)
             .field("prelude_chars", &self.prelude_chars)
+            .field("deliver_timeout", &self.deliver_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -64,6 +76,7 @@ impl ChainRequest {
             fallbacks: Vec::new(),
             message: message.into(),
             prelude_chars: super::DEFAULT_PRELUDE_CHARS,
+            deliver_timeout: DEFAULT_DELIVER_TIMEOUT,
         }
     }
 
@@ -134,7 +147,9 @@ pub trait ChainSink: Send + Sync {
     }
 
     /// Takes one event; `false` when the caller is gone: the run is aborted (dropping its
-    /// lease) and nothing falls back.
+    /// lease) and nothing falls back. The chain waits for it at most
+    /// [`ChainRequest::deliver_timeout`] (and never past [`ChainSink::gone`]): one that
+    /// takes longer counts as `false`, and is dropped (cancelled) where it was.
     fn deliver(&self, event: ChainEvent) -> impl Future<Output = bool> + Send;
 
     /// Resolves when the caller is gone, aborting the run. The default never resolves.
@@ -316,6 +331,40 @@ pub struct ChainLease<S> {
     template: LeaseRequest,
     message: Message,
     budget: usize,
+    deliver_timeout: Duration,
+}
+
+/// A sink whose every delivery is bounded by `limit` and by the caller going away: the
+/// chain runs its backends through this, never the caller's sink directly.
+struct Bounded<'a, S> {
+    sink: &'a S,
+    limit: Duration,
+}
+
+impl<S: ChainSink> ChainSink for Bounded<'_, S> {
+    fn prepare(&self, request: &mut LeaseRequest) {
+        self.sink.prepare(request);
+    }
+
+    async fn deliver(&self, event: ChainEvent) -> bool {
+        tokio::select! {
+            delivered = tokio::time::timeout(self.limit, self.sink.deliver(event)) => {
+                delivered.unwrap_or_else(|_| {
+                    tracing::warn!(
+                        limit_ms = self.limit.as_millis() as u64,
+                        "the chain's sink took no event within its deliver timeout; the turn \
+                         ends as if the caller were gone"
+                    );
+                    false
+                })
+            }
+            () = self.sink.gone() => false,
+        }
+    }
+
+    fn gone(&self) -> impl Future<Output = ()> + Send {
+        self.sink.gone()
+    }
 }
 
 /// The first backend's lease, or why it could not be leased.
@@ -339,6 +388,7 @@ impl<S: ChainSink> ChainLease<S> {
             fallbacks,
             message,
             prelude_chars,
+            deliver_timeout,
         } = request;
         let mut req = template.clone();
         sink.prepare(&mut req);
@@ -362,6 +412,7 @@ impl<S: ChainSink> ChainLease<S> {
             template,
             message,
             budget: prelude_chars,
+            deliver_timeout,
         })
     }
 
@@ -400,7 +451,12 @@ impl<S: ChainSink> ChainLease<S> {
             template,
             message,
             budget,
+            deliver_timeout,
         } = self;
+        let sink = Bounded {
+            sink: &sink,
+            limit: deliver_timeout,
+        };
         let prompt = message.prompt.clone();
         // Every backend gets the attachments: Copilot as they are, a CLI backend its images
         // (checked again: the message may have been completed after the lease).
@@ -699,6 +755,7 @@ async fn run_cli<S: ChainSink>(
         .map(|id| PreludeSource::Cli {
             backend: lease.backend().to_owned(),
             kind: lease.kind(),
+            dialect: lease.dialect(),
             home: lease.home().to_path_buf(),
             cwd: lease.working_directory().to_path_buf(),
             session_id: id.to_owned(),
@@ -722,10 +779,12 @@ enum PreludeSource {
     /// [`TranscriptFormat::of_cli`]; a generic one-shot CLI leaves none the pool can read,
     /// so its failure gives no prelude.
     Cli {
-        /// The backend id (the one-shot dialect follows it).
+        /// The backend id (for the logs).
         backend: String,
         /// The backend's kind.
         kind: BackendKind,
+        /// The backend's dialect (which transcript it leaves).
+        dialect: Dialect,
         /// The agent's home for the backend.
         home: PathBuf,
         /// The conversation's working directory.
@@ -743,10 +802,11 @@ impl PreludeSource {
             PreludeSource::Cli {
                 backend,
                 kind,
+                dialect,
                 home,
                 cwd,
                 session_id,
-            } => read_cli_tail(&backend, kind, &home, &cwd, &session_id, budget),
+            } => read_cli_tail(&backend, kind, dialect, &home, &cwd, &session_id, budget),
         }
     }
 }
@@ -756,15 +816,16 @@ impl PreludeSource {
 fn read_cli_tail(
     backend: &str,
     kind: BackendKind,
+    dialect: Dialect,
     home: &Path,
     cwd: &Path,
     session_id: &str,
     budget: usize,
 ) -> Result<TranscriptTail, FallbackError> {
-    let Some(format) = TranscriptFormat::of_cli(backend, kind) else {
+    let Some(format) = TranscriptFormat::of_cli(dialect, kind) else {
         return Ok(TranscriptTail::default());
     };
-    match CliConversation::find_transcript(backend, kind, home, cwd, session_id) {
+    match CliConversation::find_transcript(dialect, kind, home, cwd, session_id) {
         Ok(Some(path)) => super::read_tail_of(format, &path, budget),
         Ok(None) => Ok(TranscriptTail::default()),
         Err(searched) => {
@@ -801,4 +862,80 @@ async fn prelude_from(
     };
     let entries = super::without_failed_turn(tail.entries, prompt);
     super::build_prelude(from, tail.summary.as_deref(), &entries, budget)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A sink whose `deliver` never returns (a caller that stopped reading but holds on).
+    #[derive(Default)]
+    struct Stuck {
+        asked: AtomicUsize,
+    }
+
+    impl ChainSink for Stuck {
+        async fn deliver(&self, _event: ChainEvent) -> bool {
+            self.asked.fetch_add(1, Ordering::SeqCst);
+            std::future::pending().await
+        }
+    }
+
+    /// A sink that takes every event, but whose caller is gone after `gone` resolves.
+    struct Leaving(tokio::sync::watch::Receiver<bool>);
+
+    impl ChainSink for Leaving {
+        async fn deliver(&self, _event: ChainEvent) -> bool {
+            std::future::pending().await
+        }
+
+        async fn gone(&self) {
+            let _ = self.0.clone().wait_for(|g| *g).await;
+        }
+    }
+
+    fn event() -> ChainEvent {
+        ChainEvent::Cli(BackendEvent::MessageDelta {
+            delta: "x".to_owned(),
+        })
+    }
+
+    #[tokio::test]
+    async fn a_sink_whose_deliver_never_returns_counts_as_gone_after_the_deliver_timeout() {
+        let stuck = Stuck::default();
+        let bounded = Bounded {
+            sink: &stuck,
+            limit: Duration::from_millis(50),
+        };
+        let started = std::time::Instant::now();
+        let delivered = tokio::time::timeout(Duration::from_secs(10), bounded.deliver(event()))
+            .await
+            .expect("the bound ended the wait");
+        assert!(!delivered, "an event not taken in time is a caller gone");
+        assert!(started.elapsed() >= Duration::from_millis(50));
+        assert_eq!(stuck.asked.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_deliver_waiting_on_a_caller_that_leaves_ends_at_once() {
+        let (leave, rx) = tokio::sync::watch::channel(false);
+        let sink = Leaving(rx);
+        let bounded = Bounded {
+            sink: &sink,
+            limit: Duration::from_secs(3600),
+        };
+        let delivering = bounded.deliver(event());
+        leave.send_replace(true);
+        let delivered = tokio::time::timeout(Duration::from_secs(10), delivering)
+            .await
+            .expect("gone ended the wait");
+        assert!(!delivered);
+    }
+
+    #[test]
+    fn a_chain_request_bounds_each_delivery_by_default() {
+        let request = ChainRequest::new(LeaseRequest::new("a", "k", PathBuf::from("/tmp")), "hi");
+        assert_eq!(request.deliver_timeout, DEFAULT_DELIVER_TIMEOUT);
+    }
 }

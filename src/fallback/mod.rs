@@ -658,16 +658,17 @@ pub enum TranscriptFormat {
 }
 
 impl TranscriptFormat {
-    /// The format of the transcript a CLI backend `backend_id` of `kind` leaves: Claude
-    /// Code's for `cli-live`; for `cli-oneshot` its dialect's (`codex-cli` → Codex,
-    /// `google-gemini-cli` → Gemini); `None` for a generic one-shot CLI (no transcript the
-    /// pool knows to read) or a `copilot` backend.
-    pub fn of_cli(backend_id: &str, kind: BackendKind) -> Option<Self> {
+    /// The format of the transcript a CLI backend of `kind` and `dialect` (its configured
+    /// one, `CliBackendConfig::dialect_of`) leaves: Claude Code's for `cli-live`; for
+    /// `cli-oneshot` its dialect's (Codex, Gemini, Claude); `None` for a generic one-shot CLI
+    /// (no transcript the pool knows to read) or a `copilot` backend.
+    pub fn of_cli(dialect: Dialect, kind: BackendKind) -> Option<Self> {
         match kind {
             BackendKind::CliLive => Some(TranscriptFormat::ClaudeCode),
-            BackendKind::CliOneshot => match Dialect::of_backend(backend_id) {
+            BackendKind::CliOneshot => match dialect {
                 Dialect::Codex => Some(TranscriptFormat::Codex),
                 Dialect::Gemini => Some(TranscriptFormat::Gemini),
+                Dialect::Claude => Some(TranscriptFormat::ClaudeCode),
                 _ => None,
             },
             BackendKind::Copilot => None,
@@ -1520,19 +1521,23 @@ mod tests {
     fn each_cli_backend_reads_its_own_transcript_format() {
         use BackendKind::*;
         assert_eq!(
-            TranscriptFormat::of_cli("claude-cli", CliLive),
+            TranscriptFormat::of_cli(Dialect::Claude, CliLive),
             Some(TranscriptFormat::ClaudeCode)
         );
         assert_eq!(
-            TranscriptFormat::of_cli("codex-cli", CliOneshot),
+            TranscriptFormat::of_cli(Dialect::Codex, CliOneshot),
             Some(TranscriptFormat::Codex)
         );
         assert_eq!(
-            TranscriptFormat::of_cli("google-gemini-cli", CliOneshot),
+            TranscriptFormat::of_cli(Dialect::Gemini, CliOneshot),
             Some(TranscriptFormat::Gemini)
         );
-        assert_eq!(TranscriptFormat::of_cli("my-cli", CliOneshot), None);
-        assert_eq!(TranscriptFormat::of_cli("copilot", Copilot), None);
+        assert_eq!(
+            TranscriptFormat::of_cli(Dialect::Claude, CliOneshot),
+            Some(TranscriptFormat::ClaudeCode)
+        );
+        assert_eq!(TranscriptFormat::of_cli(Dialect::Generic, CliOneshot), None);
+        assert_eq!(TranscriptFormat::of_cli(Dialect::Generic, Copilot), None);
     }
 
     fn any_role() -> impl Strategy<Value = Role> {

@@ -3,7 +3,10 @@
 //! and carries out the effects the core answers with: it owns the worker handles and the
 //! reply ports, starts and stops workers, detaches sessions, measures memory, and publishes
 //! events and gauges. It never awaits the runtime: spawns, stops, detaches and aborts run in
-//! tasks that report back by message.
+//! tasks that report back by message. Every decision is taken under the shared process
+//! budget's lock ([`super::cli::CliPool::budget`]): the core hears the CLI side's count
+//! first, a request of the core for the CLI side's idle process is carried out under the
+//! same lock, and the CLI side hears this side's count after.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -16,6 +19,8 @@ use crate::metrics::{self, ProcessExit};
 use crate::rpc::messages::{AbortParams, SessionAbort};
 use crate::worker::{Session, WorkerConfig, WorkerError, WorkerHandle};
 
+use super::budget::Nudge;
+use super::cli::{BudgetGuard, CliPool};
 use super::config::PoolConfig;
 use super::error::PoolError;
 use super::key::PoolKey;
@@ -142,6 +147,8 @@ pub(crate) enum PoolMsg {
     },
     /// Stop every worker and wait until they are gone.
     StopAll(RpcReplyPort<()>),
+    /// The CLI side's processes changed, or it needs an idle worker stopped.
+    Cli(Nudge),
 }
 
 /// The pool actor (its state is [`PoolState`]).
@@ -152,6 +159,8 @@ pub(crate) struct PoolArgs {
     pub(crate) config: PoolConfig,
     pub(crate) leased: watch::Sender<usize>,
     pub(crate) events: broadcast::Sender<PoolEvent>,
+    /// The CLI side, whose processes share `max_processes`.
+    pub(crate) cli: std::sync::Arc<CliPool>,
 }
 
 /// What a runtime's "session not found" answer to a detach means.
@@ -237,6 +246,8 @@ pub(crate) struct PoolState {
     stopping: Vec<tokio::task::JoinHandle<()>>,
     /// A `StopAll` waiting for in-flight spawns to land.
     stop_requested: Option<RpcReplyPort<()>>,
+    /// The CLI side (the shared process budget).
+    cli: std::sync::Arc<CliPool>,
 }
 
 impl Drop for PoolState {
@@ -270,6 +281,7 @@ impl Actor for PoolActor {
             myself,
             stopping: Vec::new(),
             stop_requested: None,
+            cli: args.cli,
         })
     }
 
@@ -281,6 +293,9 @@ impl Actor for PoolActor {
     ) -> Result<(), ActorProcessingErr> {
         state.observe();
         let now = Instant::now();
+        let cli = state.cli.clone();
+        let mut budget = cli.budget();
+        state.core.set_others(budget.cli_view());
         let effects = match msg {
             PoolMsg::Acquire { req, reply } => state.acquire(*req, Reply::Conversation(reply), now),
             PoolMsg::AcquireProcess { req, reply } => {
@@ -330,7 +345,10 @@ impl Actor for PoolActor {
             }
             PoolMsg::Measured(measured) => state.core.measured(&measured, now),
             PoolMsg::Status(reply) => {
-                let _ = reply.send(state.core.status(now));
+                let mut status = state.core.status(now);
+                status.budget.by_backend.extend(budget.cli_by_backend());
+                status.budget.used = status.budget.by_backend.values().sum();
+                let _ = reply.send(status);
                 Vec::new()
             }
             PoolMsg::Close(reply) => {
@@ -364,7 +382,14 @@ impl Actor for PoolActor {
                 state.stop_requested = Some(reply);
                 Vec::new()
             }
+            PoolMsg::Cli(Nudge::Changed) => state.core.others_changed(now),
+            PoolMsg::Cli(Nudge::EvictIdle) if budget.cli_wants_room() => {
+                state.core.evict_for_other()
+            }
+            PoolMsg::Cli(Nudge::EvictIdle) => Vec::new(),
         };
+        let effects = state.settle_budget(&mut budget, effects, now);
+        drop(budget);
         state.perform(effects);
         state.try_finish_stop();
         state.publish();
@@ -380,6 +405,9 @@ impl Actor for PoolActor {
         // Never stop the pool because a worker ended (ractor's default would).
         state.observe();
         let now = Instant::now();
+        let cli = state.cli.clone();
+        let mut budget = cli.budget();
+        state.core.set_others(budget.cli_view());
         let effects = match event {
             SupervisionEvent::ActorFailed(cell, error) => {
                 match state.worker_by_actor(cell.get_id()) {
@@ -419,6 +447,8 @@ impl Actor for PoolActor {
             }
             _ => Vec::new(),
         };
+        let effects = state.settle_budget(&mut budget, effects, now);
+        drop(budget);
         state.perform(effects);
         state.publish();
         Ok(())
@@ -443,6 +473,28 @@ impl Actor for PoolActor {
 }
 
 impl PoolState {
+    /// Carries out, under the budget's lock, the core's requests for the CLI side's idle
+    /// process (each closed one lets the waiters here take its room), then tells the CLI
+    /// side this side's count. Returns the other effects.
+    fn settle_budget(
+        &mut self,
+        budget: &mut BudgetGuard<'_>,
+        mut effects: Vec<Effect<WorkerConfig, Session>>,
+        now: Instant,
+    ) -> Vec<Effect<WorkerConfig, Session>> {
+        loop {
+            let asked = effects.iter().any(|e| matches!(e, Effect::EvictOther));
+            effects.retain(|e| !matches!(e, Effect::EvictOther));
+            if !asked || !budget.evict_for_copilot() {
+                break;
+            }
+            self.core.set_others(budget.cli_view());
+            effects.extend(self.core.others_changed(now));
+        }
+        budget.copilot_is(self.core.view());
+        effects
+    }
+
     /// Tells the core what the handles know already: children that exited (before their
     /// supervision event), and waiters whose caller gave up.
     fn observe(&mut self) {
@@ -554,6 +606,8 @@ impl PoolState {
                 Effect::Forget { worker } => {
                     self.handles.remove(&worker);
                 }
+                // Carried out under the budget's lock (`settle_budget`).
+                Effect::EvictOther => {}
                 Effect::Event(event) => {
                     match &event {
                         PoolEvent::WorkerCrashed { .. } => {

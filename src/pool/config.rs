@@ -29,7 +29,8 @@ pub struct PoolConfig {
     pub state_dir: PathBuf,
     /// Base of per-agent homes: `<base>/agents/<agent_id>/copilot`.
     pub agents_base_dir: PathBuf,
-    /// Live processes in the pool (default 64).
+    /// Live processes in the pool (default 64), of every backend together: Copilot workers
+    /// and CLI backend processes share this one budget.
     pub max_processes: usize,
     /// Processes per key (default 4).
     pub max_processes_per_key: usize,
@@ -100,9 +101,11 @@ pub struct PoolConfig {
     /// extra CAs, the request body limit and the connect, first-byte and idle timeouts.
     pub model_guard: ModelGuardConfig,
     /// The CLI backends leases may name besides `copilot`, by id (default: the bundled
-    /// `claude-cli`, running `claude` from `PATH`). Their processes count in their own
-    /// `max_processes` / `max_processes_per_key` budget (a key: agent home, credential,
-    /// backend id), with the same waiters cap, wait timeout, restart policy and idle TTL.
+    /// `claude-cli`, running `claude` from `PATH`). Their processes count in the same
+    /// `max_processes` as the Copilot workers (one budget: when it is full, a lease of either
+    /// kind stops the oldest idle process of either kind, or waits), and in
+    /// `max_processes_per_key` per key of their own (agent home, credential, backend id),
+    /// with the same waiters cap, wait timeout, restart policy and idle TTL.
     pub cli_backends: std::collections::BTreeMap<String, crate::backend::CliBackendConfig>,
     /// Binding writes to fail on purpose, as a failing disk would (chaos runs; default none).
     /// Transcript writes take theirs from [`crate::TranscriptSettings::with_disk_faults`].

@@ -8,6 +8,8 @@
 //! * `restart` — OTP-style restart intensity and backoff.
 //! * `placement` — the pure core: every placement decision and the ownership of conversations.
 //! * `actor` — the thin actor that feeds the core events and carries out its effects.
+//! * `budget` — the one `max_processes` budget Copilot workers and CLI processes share:
+//!   each side's view of the other, and whose idle process makes room.
 //! * `cli` — conversations of other agent CLIs ([`Pool::lease_cli`]): their pure placement
 //!   core and session rules under a thin shell.
 //!
@@ -15,6 +17,7 @@
 
 mod actor;
 pub mod bindings;
+mod budget;
 mod cli;
 mod config;
 mod error;
@@ -49,7 +52,7 @@ pub use error::PoolError;
 pub use key::{PoolKey, compat_key};
 pub use lease::{Lease, OpenReason};
 pub use restart::{RestartDecision, RestartPolicy};
-pub use status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus};
+pub use status::{PoolEvent, PoolStatus, PoolTotals, ProcessBudget, WorkerState, WorkerStatus};
 
 pub use actor::ProcessLease;
 use actor::{AcquireRequest, Grant, PoolActor, PoolArgs, PoolMsg};
@@ -147,10 +150,17 @@ impl Pool {
             config: config.clone(),
             leased: leased_tx,
             events: events.clone(),
+            cli: cli.clone(),
         };
         let (actor, _) = Actor::spawn(None, PoolActor, args)
             .await
             .map_err(|e| PoolError::Worker(WorkerError::Spawn(format!("pool actor: {e}"))))?;
+        // The CLI side reaches the actor for the shared process budget (a closed mailbox:
+        // the pool is gone, nothing to tell).
+        let to_actor = actor.clone();
+        cli.connect_copilot(Box::new(move |nudge| {
+            let _ = to_actor.cast(PoolMsg::Cli(nudge));
+        }));
         Ok(Pool {
             inner: Arc::new(PoolInner {
                 actor,

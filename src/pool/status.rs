@@ -74,6 +74,21 @@ impl WorkerState {
     }
 }
 
+/// The process budget (`max_processes`) every backend shares, at one moment.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
+#[serde(default)]
+#[non_exhaustive]
+pub struct ProcessBudget {
+    /// The pool's cap on processes of every backend together.
+    pub max_processes: usize,
+    /// Processes counted against it now (the sum of `by_backend`).
+    pub used: usize,
+    /// Processes counted per backend id: `copilot` (workers, and starts in flight), and
+    /// each CLI backend (its conversations holding a process slot, parked or leased).
+    pub by_backend: std::collections::BTreeMap<String, usize>,
+}
+
 /// The pool at one moment. Serialized once for every reader: `GET /v1/pool` sends it as it
 /// is and `copilot-pool status` reads it back.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -98,6 +113,8 @@ pub struct PoolStatus {
     pub closed: bool,
     /// Counters.
     pub totals: PoolTotals,
+    /// The process budget shared by every backend.
+    pub budget: ProcessBudget,
 }
 
 /// Something the pool did, as it happens (for the demo, the daemon and tests).

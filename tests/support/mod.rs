@@ -9,6 +9,7 @@ pub mod cli_daemon;
 pub mod connect_trace;
 pub mod http;
 pub mod node_sdk;
+pub mod output_limit;
 pub mod pool_fixture;
 pub mod procs;
 pub mod promtool;

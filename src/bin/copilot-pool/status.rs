@@ -179,6 +179,22 @@ pub fn render(s: &PoolSnapshot) -> String {
         "totals: spawned {}, restarts {}, crashes {}, resumed {}, created {}, evicted {}, turns {}",
         t.processes_spawned, t.restarts, t.crashes, t.resumed, t.created, t.evicted, t.turns
     );
+    // The process budget every backend shares (a daemon before it sent none).
+    let b = &s.budget;
+    if b.max_processes > 0 {
+        let by: Vec<String> = b
+            .by_backend
+            .iter()
+            .map(|(backend, n)| format!("{backend} {n}"))
+            .collect();
+        let _ = writeln!(
+            out,
+            "budget: {} of {} processes ({})",
+            b.used,
+            b.max_processes,
+            by.join(", ")
+        );
+    }
     if s.workers.is_empty() {
         let _ = writeln!(out, "no runtime processes");
         return out;
@@ -372,6 +388,19 @@ mod tests {
         let row: Vec<&str> = lines[4].split_whitespace().collect();
         assert_eq!(row, ["7", "draining", "0", "0", "2", "1", "0.0", "ffee"]);
         assert_eq!(lines.len(), 5);
+    }
+
+    #[test]
+    fn renders_the_process_budget_every_backend_shares() {
+        let json =
+            r#"{"budget":{"max_processes":4,"used":3,"by_backend":{"claude-cli":1,"copilot":2}}}"#;
+        let snapshot: PoolSnapshot = serde_json::from_str(json).unwrap();
+        let text = render(&snapshot);
+        assert_eq!(
+            text.lines().nth(2),
+            Some("budget: 3 of 4 processes (claude-cli 1, copilot 2)"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -7,7 +7,11 @@
 //!   `transcript-missing`.
 //! * this module — the thin shell: a mutex around the core (never held across an await),
 //!   the parked [`CliConversation`]s, the waiters' reply ports, the binding reads and
-//!   writes, closing processes the core names.
+//!   writes, closing processes the core names. The same mutex guards the shared process
+//!   budget ([`super::budget`]): the pool actor takes it ([`CliPool::budget`]) around each of
+//!   its placement decisions, tells the core how many Copilot processes there are, and
+//!   closes a parked CLI process when its side needs the room; this side asks the actor
+//!   (a [`Nudge`]) for an idle Copilot worker, and wakes its waiters when room comes free.
 //!
 //! A conversation is (agent, session key, backend id): its CLI session id is bound under
 //! `<agent>/<session key>#backend=<id>` in the pool's binding store, with its auth identity
@@ -20,7 +24,7 @@ pub(crate) mod slots;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{oneshot, watch};
@@ -39,6 +43,7 @@ use crate::metrics::{ProcessExit, SpawnResult};
 use crate::permission::PermissionPolicy;
 
 use super::bindings::{Binding, BindingStore};
+use super::budget::{Nudge, Others};
 use super::error::PoolError;
 use super::restart::RestartPolicy;
 use session::{CliCredentials, SessionDecision, StoredSession};
@@ -78,6 +83,8 @@ struct Shell {
     parked: HashMap<String, Parked>,
     waiters: HashMap<u64, oneshot::Sender<Result<bool, PoolError>>>,
     next_id: u64,
+    /// The core's view when the Copilot side last heard of it (a change wakes it).
+    told: Others,
 }
 
 /// A conversation between its leases: its runner, and the pid of its process the metrics
@@ -146,6 +153,8 @@ pub(crate) struct CliPool {
     leased: watch::Sender<usize>,
     closed: AtomicBool,
     max_waiters: usize,
+    /// Tells the pool actor (set once it runs; before, there is no Copilot side to tell).
+    copilot: OnceLock<Box<dyn Fn(Nudge) + Send + Sync>>,
 }
 
 impl std::fmt::Debug for CliPool {
@@ -189,13 +198,35 @@ impl CliPool {
                 parked: HashMap::new(),
                 waiters: HashMap::new(),
                 next_id: 1,
+                told: Others::default(),
             }),
             backends,
             bindings,
             leased: watch::channel(0).0,
             closed: AtomicBool::new(false),
             max_waiters,
+            copilot: OnceLock::new(),
         })
+    }
+
+    /// Connects the Copilot side: `tell` reaches the pool actor (set once).
+    pub(crate) fn connect_copilot(&self, tell: Box<dyn Fn(Nudge) + Send + Sync>) {
+        let _ = self.copilot.set(tell);
+    }
+
+    fn tell_copilot(&self, nudge: Nudge) {
+        if let Some(tell) = self.copilot.get() {
+            tell(nudge);
+        }
+    }
+
+    /// The shared process budget, locked: the pool actor holds it around each placement
+    /// decision (it never awaits while holding it).
+    pub(crate) fn budget(&self) -> BudgetGuard<'_> {
+        BudgetGuard {
+            pool: self,
+            shell: self.lock(),
+        }
     }
 
     /// Every backend id a lease may name: `copilot` first, then the configured CLI ids.
@@ -230,7 +261,7 @@ impl CliPool {
         Ok(cfg!(feature = "mcp-bridge")
             && match config.kind {
                 BackendKind::CliLive => true,
-                BackendKind::CliOneshot => Dialect::of_backend(id) == Dialect::Codex,
+                BackendKind::CliOneshot => config.dialect_of(id) == Dialect::Codex,
                 BackendKind::Copilot => false,
             })
     }
@@ -261,9 +292,16 @@ impl CliPool {
                         parked.close(Stop::Evicted(Eviction::Full));
                     }
                 }
+                Effect::EvictOther => self.tell_copilot(Nudge::EvictIdle),
             }
         }
         self.publish(shell);
+        // Room given up here, or a process newly idle, may serve a waiting Copilot lease.
+        let view = shell.core.view();
+        if view != shell.told {
+            shell.told = view;
+            self.tell_copilot(Nudge::Changed);
+        }
     }
 
     fn publish(&self, shell: &Shell) {
@@ -358,6 +396,7 @@ impl CliPool {
             home: ask.home.clone(),
             turn_timeout: ask.turn_timeout,
             kind: config.kind,
+            dialect: config.dialect_of(&ask.backend),
             process: None,
         };
         if reuse && let Some(parked) = self.lock().parked.remove(&ask.conversation) {
@@ -415,7 +454,13 @@ impl CliPool {
                 identity: b.compat_key,
             });
         let transcript = |id: &str| {
-            CliConversation::find_transcript(&ask.backend, config.kind, &ask.home, &ask.cwd, id)
+            CliConversation::find_transcript(
+                config.dialect_of(&ask.backend),
+                config.kind,
+                &ask.home,
+                &ask.cwd,
+                id,
+            )
         };
         let decision = session::decide(stored.as_ref(), &lease.identity, |id| {
             transcript(id).is_ok()
@@ -441,7 +486,7 @@ impl CliPool {
         };
         if config.kind == BackendKind::CliOneshot {
             let mut one = OneshotConfig::new(&ask.backend, config.clone(), &ask.home, &ask.cwd);
-            one.dialect = Dialect::of_backend(&ask.backend);
+            one.dialect = config.dialect_of(&ask.backend);
             one.base_url = ask.creds.base_url.clone();
             one.api_key = ask.creds.api_key.clone();
             one.model = ask.model.clone();
@@ -565,6 +610,51 @@ impl CliPool {
     }
 }
 
+/// The shared process budget, locked ([`CliPool::budget`]).
+pub(crate) struct BudgetGuard<'a> {
+    pool: &'a CliPool,
+    shell: std::sync::MutexGuard<'a, Shell>,
+}
+
+impl BudgetGuard<'_> {
+    /// What the Copilot side sees of the CLI processes.
+    pub(crate) fn cli_view(&self) -> Others {
+        self.shell.core.view()
+    }
+
+    /// Processes held now per CLI backend id, as the budget counts them.
+    pub(crate) fn cli_by_backend(&self) -> BTreeMap<String, usize> {
+        self.pool
+            .backends
+            .keys()
+            .map(|id| (id.clone(), self.shell.core.processes_of(id)))
+            .collect()
+    }
+
+    /// Whether a CLI lease still waits for the idle Copilot worker it asked for
+    /// ([`Nudge::EvictIdle`]): a request whose lease was served meanwhile stops nothing.
+    pub(crate) fn cli_wants_room(&self) -> bool {
+        self.shell.core.wants_other()
+    }
+
+    /// The Copilot side needs room and the CLI side's parked process is the oldest idle
+    /// one: it closes (false: none is parked).
+    pub(crate) fn evict_for_copilot(&mut self) -> bool {
+        let (evicted, effects) = self.shell.core.evict_for_other();
+        // The actor asked: it serves its waiters itself (no nudge for this room).
+        self.shell.told = self.shell.core.view();
+        self.pool.apply(&mut self.shell, effects);
+        evicted
+    }
+
+    /// The Copilot side's processes after its decision; when they changed, the CLI waiters
+    /// are served (room it gave up, or a new idle worker to ask for).
+    pub(crate) fn copilot_is(&mut self, copilot: Others) {
+        let effects = self.shell.core.others_changed(copilot, Instant::now());
+        self.pool.apply(&mut self.shell, effects);
+    }
+}
+
 /// Closes a runner's process gracefully in a task; outside a runtime (a lease dropped on a
 /// plain thread) it is dropped, which kills its process group at once.
 fn close_in_background(runner: CliConversation) {
@@ -645,6 +735,7 @@ pub struct CliLease {
     home: PathBuf,
     turn_timeout: Option<Duration>,
     kind: BackendKind,
+    dialect: Dialect,
     /// The pid of the conversation's process the metrics count as running: its start
     /// counted, its exit not yet.
     process: Option<u32>,
@@ -714,6 +805,11 @@ impl CliLease {
     /// The backend's kind (`cli-oneshot` or `cli-live`).
     pub fn kind(&self) -> BackendKind {
         self.kind
+    }
+
+    /// The backend's dialect ([`CliBackendConfig::dialect_of`]).
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
     }
 
     /// Counts the exit (for `why`) of the process the metrics count as running when the
@@ -927,5 +1023,128 @@ impl CliLeaseTurn<'_> {
             }
         }
         Some(event)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pool of one CLI backend `id` with `config`, its bindings under `dir`.
+    fn pool(id: &str, config: CliBackendConfig, dir: &std::path::Path) -> Arc<CliPool> {
+        let bindings = Arc::new(BindingStore::open(dir).expect("bindings"));
+        Arc::new(
+            CliPool::new(
+                BTreeMap::from([(id.to_owned(), config)]),
+                (4, 4, 4),
+                RestartPolicy::default(),
+                bindings,
+            )
+            .expect("valid"),
+        )
+    }
+
+    fn ask(id: &str, home: PathBuf, cwd: PathBuf) -> CliAsk {
+        CliAsk {
+            backend: id.to_owned(),
+            conversation: format!("agent/k#{id}"),
+            home,
+            cwd,
+            creds: CliCredentials {
+                base_url: Some("http://127.0.0.1:9/v1".to_owned()),
+                api_key: Some(crate::secret::Secret::new("sk-FAKE")),
+                profile_id: None,
+            },
+            model: None,
+            reasoning_effort: None,
+            permission: Arc::new(crate::permission::ApproveAll),
+            fail_if_busy: false,
+            wait: Duration::from_secs(5),
+            turn_timeout: None,
+            tools: Vec::new(),
+            system_prompt: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_custom_id_running_codex_checks_its_rollout_and_a_missing_one_is_transcript_missing()
+    {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // `[backends.my-codex]`: the bundled Codex keys under another id, no `dialect` key.
+        let mut config = CliBackendConfig::codex_cli();
+        config.dialect = None;
+        config.command = "/opt/codex/bin/codex".to_owned();
+        assert_eq!(config.dialect_of("my-codex"), Dialect::Codex);
+        let pool = pool("my-codex", config, &dir.path().join("state"));
+        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        let ask = ask("my-codex", home.clone(), cwd);
+        let id = "019a227d-9ace-7703-b7ac-389dd1c45dcf";
+        let bindings_key = "agent/k#backend=my-codex".to_owned();
+        pool.bindings
+            .put(&Binding {
+                session_key: bindings_key.clone(),
+                cli_session_id: CliSessionId::new(id.to_owned()),
+                compat_key: session::identity(&ask.creds),
+                updated_at_ms: 0,
+            })
+            .expect("bound");
+        let error = pool
+            .lease(ask, bindings_key.clone())
+            .await
+            .expect_err("no rollout: no resume");
+        assert!(
+            matches!(&error, PoolError::TranscriptMissing { backend, session_id, .. }
+                if backend == "my-codex" && session_id == id),
+            "{error:?}"
+        );
+        // With the rollout there, the stored thread resumes.
+        let day = home.join(".codex/sessions/2026/12/01");
+        std::fs::create_dir_all(&day).expect("dir");
+        std::fs::write(
+            day.join(format!("rollout-2026-12-01T10-00-00-{id}.jsonl")),
+            "{}",
+        )
+        .expect("rollout");
+        let lease = pool
+            .lease(
+                self::ask("my-codex", home, dir.path().join("work")),
+                bindings_key,
+            )
+            .await
+            .expect("resumed");
+        assert_eq!(lease.reason(), OpenReason::Resumed);
+        assert_eq!(lease.dialect(), Dialect::Codex);
+    }
+
+    #[test]
+    fn a_backends_dialect_is_its_key_else_the_bundled_ids_else_its_commands_name() {
+        let mut generic = CliBackendConfig::new("/usr/local/bin/my-agent");
+        assert_eq!(generic.dialect_of("my-agent"), Dialect::Generic);
+        generic.command = "/opt/gemini-cli/bundle/gemini.js".to_owned();
+        assert_eq!(generic.dialect_of("my-gemini"), Dialect::Gemini);
+        generic.command = "claude".to_owned();
+        assert_eq!(generic.dialect_of("my-claude"), Dialect::Claude);
+        generic.dialect = Some(Dialect::Generic);
+        assert_eq!(
+            generic.dialect_of("my-claude"),
+            Dialect::Generic,
+            "the key wins"
+        );
+        let mut codex = CliBackendConfig::codex_cli();
+        codex.dialect = None;
+        codex.command = "/somewhere/else".to_owned();
+        assert_eq!(
+            codex.dialect_of("codex-cli"),
+            Dialect::Codex,
+            "the bundled id's"
+        );
+        assert_eq!(
+            CliBackendConfig::claude_cli().dialect_of("x"),
+            Dialect::Claude
+        );
+        let mut live = CliBackendConfig::claude_cli();
+        live.dialect = Some(Dialect::Codex);
+        let refused = live.validate("x").expect_err("a live Codex");
+        assert!(refused.problem.contains("cli-live"), "{refused}");
     }
 }

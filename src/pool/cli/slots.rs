@@ -1,6 +1,8 @@
 //! The pure core of the CLI backends' placement: which conversation holds a CLI process
 //! slot, the caps (processes in all, per key), one lease per conversation at a time, the
-//! FIFO waiters, the LRU idle victim that makes room, and each key's restart intensity
+//! FIFO waiters, the LRU idle victim that makes room (its own, or the Copilot side's idle
+//! worker when that one is older: `max_processes` is one budget, [`crate::pool::budget`]),
+//! and each key's restart intensity
 //! ([`RestartTracker`]: past it the key is quarantined). Events in, effects out; no
 //! processes, no awaiting, the clock passed in.
 //!
@@ -11,6 +13,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use crate::pool::budget::{Others, Room, has_room, make_room};
 use crate::pool::restart::{RestartDecision, RestartPolicy, RestartTracker};
 
 /// Which processes may serve a CLI lease.
@@ -40,7 +43,7 @@ impl CliKey {
 /// The caps.
 #[derive(Clone, Debug)]
 pub(crate) struct Caps {
-    /// Processes in all.
+    /// Processes in all, of every backend: the Copilot side's count in this budget too.
     pub max_processes: usize,
     /// Processes of one key.
     pub max_per_key: usize,
@@ -75,6 +78,9 @@ pub(crate) enum Effect {
     Fail { id: u64, why: Refusal },
     /// Close the parked process of this conversation (a victim, or an old key's process).
     Close { conversation: String },
+    /// The pool is full and the Copilot side's idle worker is the oldest idle process: ask
+    /// it to stop that worker (once until the Copilot side's view changes).
+    EvictOther,
 }
 
 #[derive(Debug)]
@@ -100,6 +106,11 @@ pub(crate) struct Slots {
     waiters: VecDeque<Waiter>,
     restarts: HashMap<CliKey, RestartTracker>,
     closed: bool,
+    /// The Copilot side's processes, in the shared budget.
+    others: Others,
+    /// The ask whose [`Effect::EvictOther`] is outstanding (until the Copilot side's view
+    /// changes).
+    asked_by: Option<u64>,
 }
 
 impl Slots {
@@ -111,13 +122,83 @@ impl Slots {
             waiters: VecDeque::new(),
             restarts: HashMap::new(),
             closed: false,
+            others: Others::default(),
+            asked_by: None,
         }
     }
 
-    /// Processes held in all.
     #[cfg(test)]
+    /// Processes held in all (parked or leased), as the shared budget counts them.
     pub(crate) fn processes(&self) -> usize {
         self.held.len()
+    }
+
+    #[cfg(test)]
+    /// Leases of every backend waiting now.
+    pub(crate) fn waiting(&self) -> usize {
+        self.waiters.len()
+    }
+
+    /// The least recently used parked conversation (the victim of a full pool).
+    fn lru_parked(&self, of_key: Option<&CliKey>) -> Option<(&String, &Held)> {
+        self.held
+            .iter()
+            .filter(|(_, h)| !h.leased && of_key.is_none_or(|k| &h.key == k))
+            .min_by_key(|(_, h)| h.last_used)
+    }
+
+    /// Whether the ask that asked the Copilot side for its idle worker still waits for the
+    /// room (a stale request, its ask served meanwhile or gone, is not carried out).
+    pub(crate) fn wants_other(&self) -> bool {
+        self.asked_by
+            .is_some_and(|id| self.waiters.iter().any(|w| w.id == id))
+    }
+
+    /// What the Copilot side sees of this side: its processes and its oldest parked one.
+    pub(crate) fn view(&self) -> Others {
+        Others {
+            held: self.held.len(),
+            idle_since: self.lru_parked(None).map(|(_, h)| h.last_used),
+        }
+    }
+
+    /// The Copilot side's processes changed: a new view of them (set under the same lock
+    /// as every decision here), and the waiters are served (room it gave up is taken; a
+    /// changed view lets a waiter ask for its idle worker again).
+    pub(crate) fn others_changed(&mut self, others: Others, now: Instant) -> Vec<Effect> {
+        if others == self.others {
+            return Vec::new();
+        }
+        self.asked_by = None;
+        self.others = others;
+        let mut effects = Vec::new();
+        self.serve_waiters(now, &mut effects);
+        effects
+    }
+
+    #[cfg(test)]
+    /// Sets the Copilot side's view without serving anyone (the actor's own decisions).
+    pub(crate) fn set_others(&mut self, others: Others) {
+        if others != self.others {
+            self.asked_by = None;
+        }
+        self.others = others;
+    }
+
+    /// The Copilot side needs room and this side holds the oldest idle process: its least
+    /// recently used parked process closes (true), its waiters left waiting (the room is
+    /// the asker's).
+    pub(crate) fn evict_for_other(&mut self) -> (bool, Vec<Effect>) {
+        let Some(victim) = self.lru_parked(None).map(|(c, _)| c.clone()) else {
+            return (false, Vec::new());
+        };
+        self.held.remove(&victim);
+        (
+            true,
+            vec![Effect::Close {
+                conversation: victim,
+            }],
+        )
     }
 
     /// Processes held per backend id.
@@ -246,16 +327,28 @@ impl Slots {
             None => {}
         }
         let key_full = self.of_key(key) >= self.caps.max_per_key;
-        let pool_full = self.held.len() >= self.caps.max_processes;
+        let pool_full = !has_room(self.held.len(), &self.others, self.caps.max_processes);
         if key_full || pool_full {
             // The least recently used parked process makes room: of this key when the key
-            // is full, of any key otherwise.
-            let victim = self
-                .held
-                .iter()
-                .filter(|(_, h)| !h.leased && (!key_full || &h.key == key))
-                .min_by_key(|(_, h)| h.last_used)
-                .map(|(c, _)| c.clone());
+            // is full; otherwise of any key, or the Copilot side's idle worker when that one
+            // is older (asked for once; this ask waits until it is gone).
+            let own = self.lru_parked(key_full.then_some(key));
+            let room = if key_full {
+                own.map(|_| Room::Own)
+            } else {
+                make_room(own.map(|(_, h)| h.last_used), self.others.idle_since)
+            };
+            let victim = match room {
+                Some(Room::Own) => own.map(|(c, _)| c.clone()),
+                Some(Room::Other) => {
+                    if !self.wants_other() {
+                        self.asked_by = Some(id);
+                        effects.push(Effect::EvictOther);
+                    }
+                    None
+                }
+                None => None,
+            };
             let Some(victim) = victim else {
                 return false;
             };
@@ -608,6 +701,124 @@ mod tests {
                 ..
             }]
         ));
+    }
+
+    #[test]
+    fn a_full_pool_asks_the_copilot_side_once_for_its_older_idle_worker_and_grants_when_it_is_gone()
+    {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut s = slots(2, 2);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, t1), 1));
+        s.returned("a/1", true, false, t1);
+        // One Copilot worker, idle since before a/1 was parked: it is the oldest idle one.
+        s.set_others(Others {
+            held: 1,
+            idle_since: Some(t0),
+        });
+        assert_eq!(s.ask(2, "b/1", key("b"), false, t1), [Effect::EvictOther]);
+        assert!(
+            s.ask(3, "c/1", key("c"), false, t1).is_empty(),
+            "asked once until the Copilot side answers"
+        );
+        assert!(s.wants_other());
+        assert_eq!(s.processes(), 1, "a/1 stays parked");
+        // The worker is gone: the first waiter takes its room, the next one a/1's.
+        let effects = s.others_changed(Others::default(), t1);
+        assert!(granted(&effects, 2), "{effects:?}");
+        assert!(effects.contains(&Effect::Close {
+            conversation: "a/1".into()
+        }));
+        assert!(granted(&effects, 3), "{effects:?}");
+        assert_eq!(s.processes(), 2);
+    }
+
+    #[test]
+    fn a_request_for_the_copilot_worker_goes_stale_once_its_ask_is_served_and_the_next_asks_again()
+    {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut s = slots(2, 2);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, t1), 1));
+        s.set_others(Others {
+            held: 1,
+            idle_since: Some(t0),
+        });
+        assert_eq!(s.ask(2, "b/1", key("b"), false, t1), [Effect::EvictOther]);
+        assert!(s.wants_other());
+        // a/1's process ends before the Copilot side acts: b/1 takes its room.
+        assert!(granted(&s.returned("a/1", false, false, t1), 2));
+        assert!(
+            !s.wants_other(),
+            "the request is stale: nothing to stop for it"
+        );
+        // A later ask that needs room asks again.
+        assert_eq!(s.ask(3, "c/1", key("c"), false, t1), [Effect::EvictOther]);
+        assert!(s.wants_other());
+    }
+
+    #[test]
+    fn a_full_pool_closes_its_own_parked_process_when_the_copilot_worker_idled_later() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut s = slots(2, 2);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, t0), 1));
+        s.returned("a/1", true, false, t0);
+        s.set_others(Others {
+            held: 1,
+            idle_since: Some(t1),
+        });
+        let effects = s.ask(2, "b/1", key("b"), false, t1);
+        assert_eq!(
+            effects[0],
+            Effect::Close {
+                conversation: "a/1".into()
+            }
+        );
+        assert!(granted(&effects, 2));
+    }
+
+    #[test]
+    fn busy_copilot_workers_count_in_the_cap_and_their_release_wakes_the_waiter() {
+        let t0 = Instant::now();
+        let mut s = slots(1, 1);
+        s.set_others(Others {
+            held: 1,
+            idle_since: None,
+        });
+        assert!(s.ask(1, "a/1", key("a"), false, t0).is_empty(), "waits");
+        assert_eq!(s.waiting(), 1);
+        assert!(granted(&s.others_changed(Others::default(), t0), 1));
+    }
+
+    #[test]
+    fn the_copilot_side_takes_the_oldest_parked_process_and_no_waiter_takes_its_room() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut s = slots(2, 2);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, t0), 1));
+        assert!(granted(&s.ask(2, "b/1", key("b"), false, t1), 2));
+        s.returned("a/1", true, false, t0);
+        s.returned("b/1", true, false, t1);
+        assert_eq!(
+            s.view(),
+            Others {
+                held: 2,
+                idle_since: Some(t0)
+            }
+        );
+        let (evicted, effects) = s.evict_for_other();
+        assert!(evicted);
+        assert_eq!(
+            effects,
+            [Effect::Close {
+                conversation: "a/1".into()
+            }]
+        );
+        assert_eq!(s.view().held, 1);
+        // Nothing parked is left to give once b/1 is leased again.
+        assert!(granted(&s.ask(3, "b/1", key("b"), false, t1), 3));
+        assert_eq!(s.evict_for_other(), (false, Vec::new()));
     }
 
     #[test]

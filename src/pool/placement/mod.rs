@@ -25,12 +25,13 @@ use crate::ids::CliSessionId;
 use crate::kinds::Eviction;
 use crate::worker::WorkerError;
 
+use super::budget::{Others, Room, has_room, make_room};
 use super::config::PoolConfig;
 use super::error::PoolError;
 use super::key::PoolKey;
 use super::lease::OpenReason;
 use super::restart::{RestartDecision, RestartPolicy, RestartTracker};
-use super::status::{PoolEvent, PoolStatus, PoolTotals, WorkerState, WorkerStatus};
+use super::status::{PoolEvent, PoolStatus, PoolTotals, ProcessBudget, WorkerState, WorkerStatus};
 
 use rules::{
     ConversationView, Packing, Recycle, UpkeepLimits, UpkeepView, WorkerView, evict_now,
@@ -203,6 +204,10 @@ pub(crate) enum Effect<Spec, S> {
     },
     /// `worker` is gone by itself (crash or exit): drop its handle.
     Forget { worker: WorkerId },
+    /// The pool is full and the CLI side holds the oldest idle process: ask it to close that
+    /// one ([`Placement::others_changed`] once it has). Emitted once until the CLI side's
+    /// view changes.
+    EvictOther,
     /// Publish this event.
     Event(PoolEvent),
 }
@@ -323,6 +328,10 @@ pub(crate) struct Placement<Spec, S> {
     /// Consecutive resumes that crashed the runtime, per conversation (cleared when it
     /// opens).
     resume_crashes: HashMap<String, u32>,
+    /// The CLI backends' processes, which count in `max_processes` too.
+    others: Others,
+    /// An [`Effect::EvictOther`] is outstanding.
+    asked_other: bool,
     out: Vec<Effect<Spec, S>>,
 }
 
@@ -340,8 +349,55 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             detaching: HashMap::new(),
             stopping: HashMap::new(),
             resume_crashes: HashMap::new(),
+            others: Others::default(),
+            asked_other: false,
             out: Vec::new(),
         }
+    }
+
+    // ---- The shared process budget ----------------------------------------------------------
+
+    /// The CLI side's processes as they are now (set before every decision, under the lock
+    /// both sides decide under). A changed view lets a waiter ask for its idle one again.
+    pub(crate) fn set_others(&mut self, others: Others) {
+        if others != self.others {
+            self.asked_other = false;
+        }
+        self.others = others;
+    }
+
+    /// The CLI side's processes changed (after [`set_others`](Self::set_others)): serve the
+    /// waiters with the room it gave up.
+    pub(crate) fn others_changed(&mut self, now: Instant) -> Vec<Effect<Spec, S>> {
+        self.serve_waiters(now);
+        self.effects()
+    }
+
+    /// What the CLI side sees of this side: workers (and starts in flight), and when the
+    /// idle worker it would stop first ([`idle_victim`]) was last used.
+    pub(crate) fn view(&self) -> Others {
+        let starting = self.keys.values().filter(|k| k.spawning).count();
+        let idle = idle_victim(self.workers.iter().map(|(id, w)| w.view(*id)));
+        Others {
+            held: self.workers.len() + starting,
+            idle_since: idle
+                .and_then(|id| self.workers.get(&id))
+                .map(|w| w.last_used),
+        }
+    }
+
+    /// A CLI lease needs room and this side holds the oldest idle process: its idle victim
+    /// is evicted (the waiters here are not served: the room is the asker's).
+    pub(crate) fn evict_for_other(&mut self) -> Vec<Effect<Spec, S>> {
+        if let Some(id) = idle_victim(self.workers.iter().map(|(id, w)| w.view(*id))) {
+            self.evict(id, Eviction::Full);
+        }
+        self.effects()
+    }
+
+    /// Processes of this side in the budget.
+    fn held(&self) -> usize {
+        self.view().held
     }
 
     fn effects(&mut self) -> Vec<Effect<Spec, S>> {
@@ -537,10 +593,9 @@ impl<Spec: Clone, S> Placement<Spec, S> {
 
     /// The backoff of `key` is over: start its replacement if it still has none.
     pub(crate) fn respawn_due(&mut self, key: &PoolKey, now: Instant) -> Vec<Effect<Spec, S>> {
-        let starting = self.keys.values().filter(|k| k.spawning).count();
         // The pool's cap holds for replacements too: a full pool leaves the replacement to
         // the key's next lease (which may make room by stopping an idle worker).
-        let room = self.workers.len() + starting < self.limits.max_processes;
+        let room = has_room(self.held(), &self.others, self.limits.max_processes);
         if let Some(ks) = self.keys.get_mut(key) {
             ks.backoff_until = None;
             if !self.closed && room && ks.workers.is_empty() && !ks.spawning {
@@ -848,6 +903,14 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 .collect(),
             closed: self.closed,
             totals: self.totals.clone(),
+            budget: ProcessBudget {
+                max_processes: self.limits.max_processes,
+                used: self.held(),
+                by_backend: std::collections::BTreeMap::from([(
+                    crate::metrics::COPILOT_BACKEND.to_owned(),
+                    self.held(),
+                )]),
+            },
         }
     }
 
@@ -1143,8 +1206,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         if self.closed {
             return false;
         }
-        let starting = self.keys.values().filter(|k| k.spawning).count();
-        let room = self.workers.len() + starting < self.limits.max_processes;
+        let room = has_room(self.held(), &self.others, self.limits.max_processes);
         let Some(ks) = self.keys.get_mut(key) else {
             return false;
         };
@@ -1239,17 +1301,28 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         if ks.workers.len() >= self.limits.max_processes_per_key {
             return false;
         }
-        let spawning = self.keys.values().filter(|k| k.spawning).count();
-        if self.workers.len() + spawning >= self.limits.max_processes {
+        if !has_room(self.held(), &self.others, self.limits.max_processes) {
+            // The oldest idle process makes room: a worker of another key here, or the CLI
+            // side's parked process (asked for once; the lease waits until it is gone).
             let victim = idle_victim(
                 self.workers
                     .iter()
                     .filter(|(_, w)| w.key != *key)
                     .map(|(id, w)| w.view(*id)),
             );
-            match victim {
-                Some(id) => self.evict(id, Eviction::Full),
-                None => return false,
+            let own = victim
+                .and_then(|id| self.workers.get(&id))
+                .map(|w| w.last_used);
+            match (make_room(own, self.others.idle_since), victim) {
+                (Some(Room::Own), Some(id)) => self.evict(id, Eviction::Full),
+                (Some(Room::Other), _) => {
+                    if !self.asked_other {
+                        self.asked_other = true;
+                        self.out.push(Effect::EvictOther);
+                    }
+                    return true;
+                }
+                _ => return false,
             }
         }
         if let Some(ks) = self.keys.get_mut(key) {

@@ -84,6 +84,8 @@ struct Sim {
     process_asks: std::collections::HashSet<RequestId>,
     /// Process leases held: (request, worker).
     processes: Vec<(RequestId, WorkerId)>,
+    /// Requests for the CLI side's idle process.
+    evict_other: usize,
 }
 
 impl Sim {
@@ -110,6 +112,7 @@ impl Sim {
             exited: Vec::new(),
             process_asks: std::collections::HashSet::new(),
             processes: Vec::new(),
+            evict_other: 0,
         }
     }
 
@@ -336,6 +339,7 @@ impl Sim {
                     self.workers.retain(|w| *w != worker);
                 }
                 Effect::Forget { worker } => self.workers.retain(|w| *w != worker),
+                Effect::EvictOther => self.evict_other += 1,
                 Effect::Event(_) => {}
             }
         }
@@ -362,9 +366,10 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     fn check_invariants(&self) {
         let spawning = self.keys.values().filter(|k| k.spawning).count();
         assert!(
-            self.workers.len() + spawning <= self.limits.max_processes,
-            "max_processes exceeded: {} workers, {spawning} starting",
-            self.workers.len()
+            self.workers.len() + spawning + self.others.held <= self.limits.max_processes,
+            "max_processes exceeded: {} workers, {spawning} starting, {} of the CLI side",
+            self.workers.len(),
+            self.others.held
         );
         assert!(self.conversations.len() <= self.limits.max_sessions);
         for (id, w) in &self.workers {
@@ -1688,4 +1693,84 @@ proptest! {
         }
         sim.come_to_rest();
     }
+}
+
+#[test]
+fn a_full_pool_asks_the_cli_side_once_for_its_older_parked_process_and_starts_when_it_is_gone() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 1,
+        ..limits()
+    });
+    sim.core.set_others(Others {
+        held: 1,
+        idle_since: Some(sim.now - Duration::from_secs(5)),
+    });
+    let first = sim.ask("a/1", 1);
+    let second = sim.ask("b/1", 2);
+    assert_eq!(sim.evict_other, 1, "asked once until the CLI side answers");
+    assert!(sim.spawns.is_empty(), "no start past the shared cap");
+    assert!(sim.queued.contains(&first) && sim.queued.contains(&second));
+    // The CLI side closed it: the first waiter's key starts its worker, FIFO.
+    sim.core.set_others(Others::default());
+    let effects = sim.core.others_changed(sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.spawns, [key(1)]);
+    let w = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.granted_to(first), Some(w));
+    assert!(sim.queued.contains(&second));
+}
+
+#[test]
+fn a_full_pool_stops_its_own_idle_worker_when_the_cli_sides_parked_process_is_younger() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 2,
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.core.set_others(Others {
+        held: 1,
+        idle_since: Some(sim.now + Duration::from_secs(1)),
+    });
+    sim.now += Duration::from_secs(2);
+    sim.ask("b/1", 2);
+    assert_eq!(sim.evict_other, 0);
+    assert_eq!(sim.evicted.len(), 1, "its own idle worker went");
+    assert_eq!(sim.spawns, [key(2)]);
+}
+
+#[test]
+fn busy_cli_processes_count_in_the_cap_and_the_cli_side_can_take_an_idle_worker() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 2,
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    let w = sim.spawn_ok().expect("kept");
+    // One CLI process, leased (nothing idle): the pool is full, nothing to stop.
+    sim.core.set_others(Others {
+        held: 1,
+        idle_since: None,
+    });
+    let waiting = sim.ask("b/1", 2);
+    assert!(sim.queued.contains(&waiting) && sim.spawns.is_empty());
+    assert_eq!(sim.evict_other, 0);
+    assert_eq!(
+        sim.core.view(),
+        Others {
+            held: 1,
+            idle_since: None
+        },
+        "a leased worker is no victim"
+    );
+    assert!(sim.core.evict_for_other().is_empty());
+    // The waiter gives up and the lease returns: the idle worker is the CLI side's to take.
+    sim.core.withdraw(waiting);
+    sim.give_back("a/1", Settle::Park, 1);
+    assert_eq!(sim.core.view().idle_since, Some(sim.now));
+    let effects = sim.core.evict_for_other();
+    sim.apply(effects);
+    assert_eq!(sim.evicted, [(w, Eviction::Full)]);
+    assert_eq!(sim.core.view().held, 0);
 }
