@@ -1063,6 +1063,7 @@ mod tests {
             turn_timeout: None,
             tools: Vec::new(),
             system_prompt: None,
+            sandbox: None,
         }
     }
 
