@@ -220,6 +220,55 @@ async fn a_copilot_turn_failing_with_auth_falls_back_to_claude_with_the_earlier_
     assert!(daemon.terminate().await.success());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_transcript_mirror_the_prelude_comes_from_the_runtimes_own_event_log() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    // No `[turns] transcript_dir`: the daemon keeps no mirror of its own.
+    let config = format!(
+        "drain_grace_secs = 5\n[backends.claude-cli]\ncommand = {:?}\n",
+        claude_path().await.display().to_string()
+    );
+    let daemon = Daemon::start(fx.scratch.path(), &config, &[]).await;
+    for prompt in ["remember EGRET-8", "and also IBIS-31"] {
+        let (_, end) = turn(&daemon, &fx.body("m1", prompt)).await;
+        assert_eq!(end["status"], "idle", "{end}");
+        assert_eq!(end["backend"], "copilot", "{end}");
+    }
+    for _ in 0..RUNTIME_401_ATTEMPTS {
+        fx.model.push_reply(Reply::Error { status: 401 });
+    }
+    let (events, end) = turn(&daemon, &fx.body("m1", "REPLY=claude without a mirror")).await;
+    assert_eq!(end["backend"], "claude-cli", "{end}");
+    assert_eq!(end["status"], "idle", "{end}");
+    let notice = events
+        .iter()
+        .find(|e| e.event == "backend.fallback")
+        .map(|e| e.data.clone())
+        .unwrap_or_else(|| panic!("no backend.fallback: {:?}", names(&events)));
+    assert!(
+        notice["prelude_chars"].as_u64().unwrap_or(0) > 0,
+        "{notice}"
+    );
+    let call = fx
+        .calls_with("REPLY=claude without a mirror")
+        .into_iter()
+        .rfind(from_claude)
+        .expect("Claude's model call");
+    let text = user_text(&call);
+    for earlier in ["EGRET-8", "IBIS-31", "scripted reply #"] {
+        assert!(
+            text.contains(earlier),
+            "the prelude carries {earlier:?}: {text}"
+        );
+    }
+    assert!(
+        text.find("EGRET-8") < text.rfind("REPLY=claude without a mirror"),
+        "the prelude comes first: {text}"
+    );
+    assert!(daemon.terminate().await.success());
+}
+
 async fn call_metrics(daemon: &Daemon) -> String {
     call(daemon.addr, "GET", "/metrics", None, None).await.body
 }

@@ -152,7 +152,7 @@ pub struct TextTransforms {
     pub output: Vec<TextRewrite>,
 }
 
-/// The configuration of one CLI backend (`[cli_backends.<id>]`).
+/// The configuration of one CLI backend (the daemon's `[backends.<id>]` table).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[non_exhaustive]

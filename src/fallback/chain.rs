@@ -192,7 +192,7 @@ pub struct FallbackNotice {
     /// The failing model call's HTTP status, when the model failed.
     pub status_code: Option<u16>,
     /// Characters of the prelude (summary and newest messages of the failed conversation)
-    /// put before the prompt (0: none, e.g. no transcript mirror is configured).
+    /// put before the prompt (0: none, e.g. the failed conversation had no earlier turns).
     pub prelude_chars: usize,
 }
 
@@ -631,11 +631,16 @@ async fn run_copilot<S: ChainSink>(
         }
     };
     let summary = tracing::Instrument::instrument(summary, span).await;
-    let transcript = transcript_dir.and_then(|dir| {
-        crate::transcript::transcript_path(&dir, lease.cli_session_id().as_str())
+    // The pool's mirror when it keeps one, else the runtime's own event log of the session.
+    let id = lease.cli_session_id().as_str();
+    let transcript = match transcript_dir {
+        Some(dir) => crate::transcript::transcript_path(&dir, id)
             .ok()
-            .map(PreludeSource::Copilot)
-    });
+            .map(PreludeSource::Copilot),
+        None => {
+            super::copilot_events_path(lease.copilot_home(), id).map(PreludeSource::CopilotEvents)
+        }
+    };
     drop(lease);
     let class = super::classify_copilot(
         Some(summary.status),
@@ -774,6 +779,9 @@ async fn run_cli<S: ChainSink>(
 enum PreludeSource {
     /// The Copilot transcript mirror (`<dir>/copilot-<session id>.jsonl`).
     Copilot(PathBuf),
+    /// The Copilot runtime's own event log of the session, when no mirror is kept
+    /// (`super::copilot_events_path`).
+    CopilotEvents(PathBuf),
     /// A CLI backend's own transcript, located when it is read (a directory search for a
     /// Codex rollout or a Gemini CLI chat file): Claude Code's, Codex's or Gemini CLI's, by
     /// [`TranscriptFormat::of_cli`]; a generic one-shot CLI leaves none the pool can read,
@@ -799,6 +807,7 @@ impl PreludeSource {
     fn read(self, budget: usize) -> Result<TranscriptTail, FallbackError> {
         match self {
             PreludeSource::Copilot(path) => super::read_transcript_tail(&path, budget),
+            PreludeSource::CopilotEvents(path) => super::read_copilot_events_tail(&path, budget),
             PreludeSource::Cli {
                 backend,
                 kind,

@@ -558,6 +558,66 @@ pub fn read_transcript_tail(path: &Path, budget: usize) -> Result<TranscriptTail
     })
 }
 
+/// Reads the newest user, assistant and tool entries of the Copilot runtime's own event log
+/// of a session (`<COPILOT_HOME>/session-state/<session id>/events.jsonl`, see
+/// [`copilot_events_path`]), for a conversation the pool keeps no transcript mirror of: the
+/// main agent's `user.message`s, `assistant.message`s with text and
+/// `tool.execution_complete` results, and a successful compaction's summary, as the mirror
+/// records them (`crate::turn::driver`). Memory bounded as [`read_transcript_tail`]; a missing
+/// file is an empty tail; lines that do not parse are skipped. Blocks on the disk.
+pub fn read_copilot_events_tail(
+    path: &Path,
+    budget: usize,
+) -> Result<TranscriptTail, FallbackError> {
+    use crate::rpc::{EventKind, SessionEvent};
+    read_tail(path, budget, |line, tail| {
+        let Ok(value) = serde_json::from_str::<serde_json::Value>(line) else {
+            return;
+        };
+        let event = SessionEvent::from_value(value);
+        if event.agent_id.is_some() {
+            return;
+        }
+        match event.kind {
+            EventKind::UserMessage(m) => tail.push(PreludeEntry::new(Role::User, m.content)),
+            EventKind::AssistantMessage(m) if !m.content.is_empty() => {
+                tail.push(PreludeEntry::new(Role::Assistant, m.content));
+            }
+            EventKind::ToolExecutionComplete(t) => {
+                let content = t
+                    .result
+                    .as_ref()
+                    .and_then(|r| r.get("content"))
+                    .and_then(serde_json::Value::as_str)
+                    .map(str::to_owned)
+                    .or_else(|| t.error.as_ref().map(|e| e.to_string()))
+                    .unwrap_or_default();
+                if !content.is_empty() {
+                    tail.push(PreludeEntry::new(Role::Tool, content));
+                }
+            }
+            EventKind::CompactionComplete(c) if c.success => {
+                if let Some(summary) = c.summary_content.filter(|s| !s.is_empty()) {
+                    tail.summary(summary);
+                }
+            }
+            _ => {}
+        }
+    })
+}
+
+/// Where the Copilot runtime under `copilot_home` keeps its event log of `session_id`;
+/// `None` for an id that cannot name a file.
+pub fn copilot_events_path(copilot_home: &Path, session_id: &str) -> Option<PathBuf> {
+    crate::transcript::validate_session_id(session_id).ok()?;
+    Some(
+        copilot_home
+            .join("session-state")
+            .join(session_id)
+            .join("events.jsonl"),
+    )
+}
+
 /// One line of Claude Code's own transcript (`<CLAUDE_CONFIG_DIR>/projects/<cwd
 /// slug>/<session id>.jsonl`), as the prelude reads it: only `user` and `assistant` lines
 /// of the main conversation (not `isMeta` notices, not sub-agents' `isSidechain` lines).
@@ -1368,6 +1428,39 @@ mod tests {
         assert!(tail.entries.len() >= 5);
         let missing = read_transcript_tail(&dir.path().join("none.jsonl"), 60).expect("missing");
         assert_eq!(missing, TranscriptTail::default());
+    }
+
+    #[test]
+    fn the_runtimes_event_log_gives_the_main_agents_messages_tool_results_and_compaction_summary() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("events.jsonl");
+        // Shapes as runtime 1.0.14 writes them (long fields dropped).
+        let lines = [
+            r#"{"type":"session.start","data":{"sessionId":"s"},"id":"e0"}"#,
+            r#"{"type":"user.message","data":{"content":"remember CRANE-4","transformedContent":"<current_datetime>x</current_datetime>\n\nremember CRANE-4"},"id":"e1"}"#,
+            r#"{"type":"assistant.message","data":{"messageId":"m1","content":"","toolRequests":[{"toolCallId":"c1","name":"get_secret_number","arguments":{},"type":"function"}]},"id":"e2"}"#,
+            r#"{"type":"tool.execution_complete","data":{"toolCallId":"c1","success":true,"result":{"content":"secret number is 42"}},"id":"e3"}"#,
+            r#"{"type":"assistant.message","data":{"messageId":"m2","content":"sub-agent says","toolRequests":[]},"agentId":"task-1","id":"e4"}"#,
+            r#"{"type":"assistant.message","data":{"messageId":"m3","content":"noted crane","toolRequests":[]},"id":"e5"}"#,
+            r#"{"type":"session.compaction_complete","data":{"success":true,"summaryContent":"they spoke of cranes"},"id":"e6"}"#,
+            r#"{"type":"user.message","data":{"content":"torn"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).expect("write");
+        let tail = read_copilot_events_tail(&path, 1_000).expect("read");
+        assert_eq!(tail.summary.as_deref(), Some("they spoke of cranes"));
+        assert_eq!(
+            tail.entries,
+            vec![
+                entry(Role::User, "remember CRANE-4"),
+                entry(Role::Tool, "secret number is 42"),
+                entry(Role::Assistant, "noted crane"),
+            ]
+        );
+        assert_eq!(
+            copilot_events_path(Path::new("/h"), "../x"),
+            None,
+            "an id that is no file name"
+        );
     }
 
     #[test]

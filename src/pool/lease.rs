@@ -44,6 +44,8 @@ pub struct Lease {
     pub(crate) unsettled: bool,
     /// The pool's binding store (for `reset`).
     pub(crate) bindings: std::sync::Arc<super::bindings::BindingStore>,
+    /// The conversation's `COPILOT_HOME` (canonical).
+    pub(crate) copilot_home: std::path::PathBuf,
 }
 
 impl fmt::Debug for Lease {
@@ -75,6 +77,12 @@ impl Lease {
     /// How the session was opened.
     pub fn reason(&self) -> OpenReason {
         self.reason
+    }
+
+    /// The conversation's `COPILOT_HOME` (canonical): where the runtime keeps its own state
+    /// of the session (`session-state/<session id>/events.jsonl`).
+    pub fn copilot_home(&self) -> &std::path::Path {
+        &self.copilot_home
     }
 
     /// Whether a stored session was resumed for this lease.

@@ -1021,6 +1021,7 @@ impl Opening {
             lost: false,
             unsettled: false,
             bindings,
+            copilot_home: home,
         })
     }
 }

@@ -92,8 +92,9 @@ pub struct ServeConfig {
     /// `[backends.<id>]`: CLI backends a turn may name besides `copilot` (issue 17). Each
     /// table holds the keys of `CliBackendConfig` (the product page's `cliBackends.<id>`,
     /// camelCase); for a bundled id (`claude-cli`) its keys override the bundled default,
-    /// so `command = "/path/to/claude"` is enough. The bundled ids are configured even
-    /// without a table (running their command from `PATH`).
+    /// so `command = "/path/to/claude"` is enough. Without any table only `claude-cli` is
+    /// configured (running `claude` from `PATH`); `codex-cli` and `google-gemini-cli` need
+    /// a table, even an empty one, to be offered.
     pub backends: std::collections::BTreeMap<String, toml::Table>,
 }
 
