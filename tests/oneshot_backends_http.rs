@@ -254,7 +254,7 @@ async fn gemini_turns_over_http_carry_history_with_usage_stream_deltas_and_tool_
     let _serial = SERIAL.lock().await;
     let fx = Fixture::new().await;
     let daemon = fx.daemon().await;
-    two_turns(&fx, &daemon, GEMINI, |r| {
+    let session = two_turns(&fx, &daemon, GEMINI, |r| {
         r.body["contents"]
             .as_array()
             .into_iter()
@@ -313,6 +313,26 @@ async fn gemini_turns_over_http_carry_history_with_usage_stream_deltas_and_tool_
             && end["usage"]["output_tokens"].as_u64().unwrap_or(0) > 0,
         "usage: {end}"
     );
+    assert!(daemon.terminate().await.success());
+    assert!(fx.cli_processes().is_empty());
+
+    // Gemini CLI's chat file of the first conversation gone: a new daemon refuses to resume
+    // it (`transcript_missing`), never a silent fresh start.
+    let short = session.get(..8).unwrap_or(&session);
+    let chats = files_ending(fx.scratch.path(), &format!("-{short}.jsonl"));
+    assert!(
+        !chats.is_empty()
+            && chats
+                .iter()
+                .all(|c| c.to_string_lossy().contains("/chats/")),
+        "Gemini CLI's chat file of {session}: {chats:?}"
+    );
+    for chat in &chats {
+        std::fs::remove_file(chat).expect("delete the chat file");
+    }
+    let daemon = fx.daemon().await;
+    let body = fx.body(GEMINI, "k1", "REPLY=must not run");
+    fx.assert_transcript_missing(&daemon, &body, &session).await;
     assert!(daemon.terminate().await.success());
     assert!(fx.cli_processes().is_empty());
 }
