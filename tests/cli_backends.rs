@@ -609,3 +609,57 @@ async fn a_claude_turns_images_inline_or_by_path_reach_the_model_as_image_blocks
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_that_dies_at_every_start_is_quarantined_within_the_restart_intensity() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    // The real Claude Code given an option it does not know: it exits at once, every time.
+    let config = format!(
+        "drain_grace_secs = 5\n[backends.claude-cli]\ncommand = {:?}\nargs = [\"--no-such-option\"]\n",
+        claude_path().await.display().to_string()
+    );
+    let daemon = Daemon::start(fx.scratch.path(), &config, &[]).await;
+    let body = fx.body("q1", "REPLY=never answered", "sk-ant-FAKE-q", None);
+    // The default restart policy: five crashes within 30 s, then the key is quarantined.
+    let mut ends = Vec::new();
+    let refused = loop {
+        let answer = call(
+            daemon.addr,
+            "POST",
+            "/v1/turns?stream=false",
+            None,
+            Some(&body),
+        )
+        .await;
+        if answer.status == 503 || ends.len() > 10 {
+            break answer;
+        }
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let end: Value = serde_json::from_str(&answer.body).expect("turn.end JSON");
+        assert_eq!(end["status"], "crashed", "{end}");
+        ends.push(end);
+    };
+    assert_eq!(
+        refused.status,
+        503,
+        "after {} crashes: {}",
+        ends.len(),
+        refused.body
+    );
+    assert!(
+        (1..=6).contains(&ends.len()),
+        "quarantined after {} crashed turns",
+        ends.len()
+    );
+    assert!(refused.body.contains("quarantined"), "{}", refused.body);
+    let metrics = call(daemon.addr, "GET", "/metrics", None, None).await.body;
+    let series = "copilot_pool_quarantines_total{backend=\"claude-cli\"} 1";
+    assert!(
+        metrics.lines().any(|l| l == series),
+        "{series} missing from:\n{metrics}"
+    );
+    assert!(fx.model.requests().is_empty(), "no model call was made");
+    assert!(daemon.terminate().await.success());
+    assert!(fx.claude_processes().is_empty());
+}
