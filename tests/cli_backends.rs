@@ -638,6 +638,9 @@ async fn a_claude_that_dies_at_every_start_is_quarantined_within_the_restart_int
         assert_eq!(answer.status, 200, "{}", answer.body);
         let end: Value = serde_json::from_str(&answer.body).expect("turn.end JSON");
         assert_eq!(end["status"], "crashed", "{end}");
+        // No turn got as far as a session: none continued a context.
+        assert_eq!(end["open_reason"], "new", "{end}");
+        assert_eq!(end["resumed"], false, "{end}");
         ends.push(end);
     };
     assert_eq!(

@@ -400,6 +400,11 @@ impl CliPool {
             process: None,
         };
         if reuse && let Some(parked) = self.lock().parked.remove(&ask.conversation) {
+            if parked.runner.session_id().is_none() {
+                // Its turns never got as far as a session (they crashed at start, say):
+                // there is no context to continue.
+                lease.reason = OpenReason::New;
+            }
             lease.conversation = Some(parked.runner);
             lease.process = parked.process;
             // Its process may have died while parked.
