@@ -316,3 +316,75 @@ async fn a_copilot_turn_refused_on_copilot_and_on_claude_ends_on_codex_with_the_
     assert_fallbacks_counted(&metrics, "claude-cli", "codex-cli", "auth", 1);
     assert!(daemon.terminate().await.success());
 }
+
+/// How many times the runtime sends a model call answered 429 before it fails the turn (a
+/// first try and five retries, with a backoff: about a minute in all; measured with runtime
+/// 1.0.14).
+const RUNTIME_429_ATTEMPTS: usize = 6;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copilot_turn_the_model_rate_limits_falls_back_to_claude_as_rate_limit() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+
+    let (_, first) = turn(&daemon, &fx.body("rate-1", "remember OSPREY-5")).await;
+    assert_eq!(first["status"], "idle", "{first}");
+    assert_eq!(first["backend"], "copilot", "{first}");
+
+    for _ in 0..RUNTIME_429_ATTEMPTS {
+        fx.model.push_reply(Reply::Error { status: 429 });
+    }
+    let before = fx.model.requests().len();
+    let started = std::time::Instant::now();
+    let (events, end) = turn(&daemon, &fx.body("rate-1", "REPLY=answered by claude")).await;
+    eprintln!(
+        "measured: a rate-limited Copilot turn (the runtime's retries) and its Claude fallback {:?}",
+        started.elapsed()
+    );
+    let names = names(&events);
+    assert_eq!(
+        fx.model.pending_replies(),
+        0,
+        "the runtime met every 429: {names:?} {end}"
+    );
+    assert_eq!(
+        calls_by(&fx, before, Sender::Runtime).len(),
+        RUNTIME_429_ATTEMPTS,
+        "{names:?}"
+    );
+    let notices: Vec<&Value> = events
+        .iter()
+        .filter(|e| e.event == "backend.fallback")
+        .map(|e| &e.data)
+        .collect();
+    assert_eq!(notices.len(), 1, "Claude answered: {names:?} {end}");
+    let notice = notices[0];
+    assert_eq!(notice["from"], "copilot", "{notice}");
+    assert_eq!(notice["to"], "claude-cli", "{notice}");
+    assert_eq!(notice["class"], "rate_limit", "{notice}");
+    assert_eq!(notice["status_code"], 429, "{notice}");
+    assert!(
+        notice["prelude_chars"].as_u64().unwrap_or(0) > 0,
+        "{notice}"
+    );
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["backend"], "claude-cli", "{end}");
+    assert_eq!(end["fallback_from"], "copilot", "{end}");
+    assert_eq!(end["final_text"], "answered by claude", "{end}");
+    assert!(
+        calls_by(&fx, before, Sender::Codex).is_empty(),
+        "the chain stopped at Claude"
+    );
+    let claude = calls_by(&fx, before, Sender::Claude);
+    let text = user_text(claude.last().expect("Claude's model call"));
+    assert!(
+        text.contains("user: remember OSPREY-5"),
+        "Claude's prelude: {text}"
+    );
+
+    let metrics = metrics(&daemon).await;
+    assert_fallbacks_counted(&metrics, "copilot", "claude-cli", "rate_limit", 1);
+    assert_fallbacks_counted(&metrics, "copilot", "claude-cli", "auth", 0);
+    assert!(daemon.terminate().await.success());
+}
