@@ -480,12 +480,17 @@ impl<S: ChainSink> ChainLease<S> {
         // The prelude of the last failed conversation with a transcript: kept across a
         // lease that fails and across a failed backend without one.
         let mut prelude: Option<String> = None;
+        // The text the last run was given: the prompt, or after a fallback the prelude and
+        // the prompt. Its transcript's entry of it (and what follows: the failure) is the
+        // failed turn, not carried again (else a second fallback would nest the first
+        // prelude and carry the prompt twice).
+        let mut ran = prompt.clone();
         while !end.gone && !end.streamed {
             let Some(class) = end.class else { break };
             let Some(next) = rest.pop_front() else { break };
             let from = end.summary.backend.clone();
             if let Some(source) = end.transcript.take()
-                && let Some(fresh) = prelude_from(source, &from, &prompt, budget).await
+                && let Some(fresh) = prelude_from(source, &from, &ran, budget).await
             {
                 prelude = Some(fresh);
             }
@@ -519,6 +524,7 @@ impl<S: ChainSink> ChainLease<S> {
                 break;
             }
             let seeded = super::seeded_prompt(prelude.as_deref(), &prompt);
+            ran.clone_from(&seeded);
             end = match lease {
                 NextLease::Copilot(lease, dir) => {
                     let mut message = Message::new(seeded);
@@ -849,8 +855,9 @@ fn read_cli_tail(
 }
 
 /// The prelude from the failed conversation's transcript (`source`, read on a blocking
-/// thread) without the failed turn's own `prompt`; `None` when there is nothing to carry or
-/// it cannot be read (logged: the next backend still runs the prompt).
+/// thread) without the failed turn, found by the `prompt` that run was given (after an
+/// earlier fallback: that prelude and the user's message); `None` when there is nothing to
+/// carry or it cannot be read (logged: the next backend still runs the prompt).
 async fn prelude_from(
     source: PreludeSource,
     from: &str,
