@@ -13,7 +13,6 @@
 
 mod support;
 
-use std::path::Path;
 use std::time::Duration;
 
 use copilot_pool::scripted_model::RecordedRequest;
@@ -88,25 +87,6 @@ impl Fixture {
 async fn turn(daemon: &Daemon, body: &Value) -> (Vec<String>, Value) {
     let (events, end) = streamed_turn(daemon, body, TURN_LIMIT).await;
     (event_names(&events), end)
-}
-
-/// Every Claude transcript under `dir` named `<session id>.jsonl`.
-fn transcripts(dir: &Path, session_id: &str) -> Vec<std::path::PathBuf> {
-    let mut found = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(at) = stack.pop() {
-        for entry in std::fs::read_dir(&at).into_iter().flatten().flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if path.file_name().and_then(|n| n.to_str())
-                == Some(&format!("{session_id}.jsonl"))
-            {
-                found.push(path);
-            }
-        }
-    }
-    found
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -312,7 +292,7 @@ async fn a_restarted_daemon_resumes_the_stored_session_and_refuses_one_whose_tra
     assert!(user_text(&fx.call_for("REPLY=after restart")).contains("REPLY=before restart"));
     assert!(daemon.terminate().await.success());
 
-    let files = transcripts(fx.scratch.path(), &session);
+    let files = support::cli_daemon::files_named(fx.scratch.path(), &format!("{session}.jsonl"));
     assert_eq!(
         files.len(),
         1,

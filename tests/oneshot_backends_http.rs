@@ -15,7 +15,6 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use copilot_pool::runtime::AgentCli;
@@ -104,27 +103,6 @@ impl Fixture {
 async fn turn(daemon: &Daemon, body: &Value) -> (Vec<String>, Value) {
     let (events, end) = streamed_turn(daemon, body, TURN_LIMIT).await;
     (event_names(&events), end)
-}
-
-/// Every file under `dir` whose name ends with `suffix`.
-fn files_ending(dir: &Path, suffix: &str) -> Vec<PathBuf> {
-    let mut found = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(at) = stack.pop() {
-        for entry in std::fs::read_dir(&at).into_iter().flatten().flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.ends_with(suffix))
-            {
-                found.push(path);
-            }
-        }
-    }
-    found
 }
 
 /// Two turns of one conversation on `backend`: both idle with usage, the second carrying
@@ -229,7 +207,7 @@ async fn two_codex_turns_over_http_carry_history_count_a_process_per_turn_and_a_
     assert!(history.contains("REPLY=pong one"), "{history}");
     assert!(daemon.terminate().await.success());
 
-    let rollouts = files_ending(fx.scratch.path(), &format!("-{thread}.jsonl"));
+    let rollouts = support::cli_daemon::files_named(fx.scratch.path(), &format!("-{thread}.jsonl"));
     assert_eq!(
         rollouts.len(),
         1,
@@ -319,7 +297,7 @@ async fn gemini_turns_over_http_carry_history_with_usage_stream_deltas_and_tool_
     // Gemini CLI's chat file of the first conversation gone: a new daemon refuses to resume
     // it (`transcript_missing`), never a silent fresh start.
     let short = session.get(..8).unwrap_or(&session);
-    let chats = files_ending(fx.scratch.path(), &format!("-{short}.jsonl"));
+    let chats = support::cli_daemon::files_named(fx.scratch.path(), &format!("-{short}.jsonl"));
     assert!(
         !chats.is_empty()
             && chats

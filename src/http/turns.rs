@@ -212,23 +212,11 @@ async fn post_copilot_turn(
             "hooks need the event stream (they are sent and answered there); drop ?stream=false",
         );
     }
-    // Paths resolved and confined, inline content decoded: nothing is written yet.
-    let attachments = match check_off_thread(
-        std::mem::take(&mut body.attachments),
-        chain.lease.working_directory.clone(),
-        state.config.allowed_work_roots.clone(),
-        state.config.attachments.clone(),
-    )
-    .await
-    {
-        Ok(a) => a,
-        Err(r) => return r,
-    };
-    // Everything is checked: this request runs a turn, so its working directory may exist.
-    let work = chain.lease.working_directory.clone();
-    if let Err(r) = create_work_dir(&work).await {
-        return r;
-    }
+    let (attachments, work) =
+        match checked_attachments_and_work_dir(&state, &mut body, &chain).await {
+            Ok(checked) => checked,
+            Err(r) => return r,
+        };
     let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
     sink.events = Some(events_tx);
     let streaming = sink.streaming;
@@ -276,6 +264,26 @@ fn tools_hint(what: &str) -> &'static str {
     } else {
         ""
     }
+}
+
+/// A turn's attachments checked (paths resolved and confined, inline content decoded:
+/// nothing is written yet), then, everything being checked and the request running a turn,
+/// its working directory created. Either refusal is the answer.
+async fn checked_attachments_and_work_dir(
+    state: &AppState,
+    body: &mut TurnBody,
+    chain: &ChainRequest,
+) -> Result<(super::attachments::Checked, std::path::PathBuf), Response> {
+    let attachments = check_off_thread(
+        std::mem::take(&mut body.attachments),
+        chain.lease.working_directory.clone(),
+        state.config.allowed_work_roots.clone(),
+        state.config.attachments.clone(),
+    )
+    .await?;
+    let work = chain.lease.working_directory.clone();
+    create_work_dir(&work).await?;
+    Ok((attachments, work))
 }
 
 /// Whether `backend` takes gateway tools (an unknown one was refused before).
@@ -326,22 +334,11 @@ async fn post_cli_turn(
             "tools need the event stream (their calls are answered from it); drop ?stream=false",
         );
     }
-    // Paths resolved and confined, inline content decoded: nothing is written yet.
-    let attachments = match check_off_thread(
-        std::mem::take(&mut body.attachments),
-        chain.lease.working_directory.clone(),
-        state.config.allowed_work_roots.clone(),
-        state.config.attachments.clone(),
-    )
-    .await
-    {
-        Ok(a) => a,
-        Err(r) => return r,
-    };
-    let work = chain.lease.working_directory.clone();
-    if let Err(r) = create_work_dir(&work).await {
-        return r;
-    }
+    let (attachments, work) =
+        match checked_attachments_and_work_dir(&state, &mut body, &chain).await {
+            Ok(checked) => checked,
+            Err(r) => return r,
+        };
     let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
     sink.events = Some(events_tx);
     let streaming = sink.streaming;
