@@ -493,18 +493,15 @@ async fn codex_turns_images_inline_or_by_path_reach_the_model_other_attachments_
         said.contains("sandbox") && said.contains("codex-cli"),
         "{end}"
     );
-    {
-        let backend = CODEX;
-        support::cli_daemon::image_turns(
-            &fx,
-            &daemon,
-            backend,
-            |prompt| fx.body(backend, &format!("images-{backend}"), prompt),
-            |text| fx.call_answered(text),
-            TURN_LIMIT,
-        )
-        .await;
-    }
+    support::cli_daemon::image_turns(
+        &fx,
+        &daemon,
+        CODEX,
+        |prompt| fx.body(CODEX, "images-codex-cli", prompt),
+        |text| fx.call_answered(text),
+        TURN_LIMIT,
+    )
+    .await;
     let left = wait_none(|| fx.cli_processes(), Duration::from_secs(5)).await;
     assert!(left.is_empty(), "{left:?}");
 }

@@ -37,6 +37,16 @@ const KNOWN_MEDIA_TYPES: &[(&str, &str)] = &[
     ("application/json", "json"),
 ];
 
+/// A media type without its parameters, lower case (`Image/PNG; x=1` → `image/png`).
+fn essence(media_type: &str) -> String {
+    media_type
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase()
+}
+
 /// Limits of inline attachments.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -123,12 +133,7 @@ pub(super) fn images_only(list: &[AttachmentBody]) -> Result<(), String> {
             AttachmentBody::File { .. } => continue,
             AttachmentBody::Directory { path, .. } => format!("directory {}", path.display()),
             AttachmentBody::Inline { media_type, .. } => {
-                let media_type = media_type
-                    .split(';')
-                    .next()
-                    .unwrap_or_default()
-                    .trim()
-                    .to_ascii_lowercase();
+                let media_type = essence(media_type);
                 if is_image_media_type(&media_type) {
                     continue;
                 }
@@ -216,12 +221,7 @@ fn check_one(
             media_type,
             name,
         } => {
-            let media_type = media_type
-                .split(';')
-                .next()
-                .unwrap_or_default()
-                .trim()
-                .to_ascii_lowercase();
+            let media_type = essence(&media_type);
             if !limits.media_types.contains(&media_type) {
                 return Err(format!(
                     "media_type {media_type:?} is not accepted; use one of {} (the daemon's \
