@@ -958,6 +958,82 @@ async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_wa
     assert_eq!(fx.model.requests().len(), 2, "one model call per real turn");
 }
 
+#[tokio::test]
+async fn a_returning_agents_conversation_is_resumed_on_its_warm_spare_ahead_so_its_turn_starts_attached()
+ {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.idle_ttl = Duration::from_millis(500);
+    config.warm_spares = 1;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    let first_pid = lease.worker_pid();
+    lease.run("REPLY=ok MARKER-warm-7").await.expect("turn");
+    drop(lease);
+
+    // The agent goes away: its process idles out, a primed spare takes its place, and the
+    // conversation is resumed there ahead of its return.
+    wait_event(
+        &mut events,
+        |e| matches!(e, PoolEvent::WorkerEvicted { pid, reason: Eviction::Idle, .. } if *pid == first_pid),
+    )
+    .await;
+    let spare_pid = match wait_event(&mut events, |e| {
+        matches!(
+            e,
+            PoolEvent::ConversationOpened {
+                reason: OpenReason::Resumed,
+                ..
+            }
+        )
+    })
+    .await
+    {
+        PoolEvent::ConversationOpened { pid, .. } => pid,
+        other => unreachable!("{other:?}"),
+    };
+    assert_ne!(spare_pid, first_pid);
+    assert!(
+        wait_group_gone(first_pid, Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+    // Parked there, and still the key's spare (past the idle TTL).
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let status = pool.status().await.expect("status");
+    let spare = status
+        .workers
+        .iter()
+        .find(|w| w.pid == spare_pid)
+        .expect("the spare in the status");
+    assert_eq!(spare.state, WorkerState::Spare, "{status:?}");
+    assert_eq!(spare.conversations, 1);
+    assert_eq!(status.workers.len(), 1, "no second spare: {status:?}");
+
+    // The return: attached, no resume on its path, the history intact.
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease on return");
+    assert_eq!(lease.worker_pid(), spare_pid);
+    assert_eq!(lease.reason(), OpenReason::Attached);
+    let outcome = lease.run("REPLY=back").await.expect("turn on return");
+    assert_eq!(outcome.text, "back");
+    assert!(
+        fx.last_model_request().contains("MARKER-warm-7"),
+        "the earlier turn is in the model's context"
+    );
+    drop(lease);
+    let status = pool.status().await.expect("status");
+    assert_eq!(status.totals.resumed, 1, "one resume, ahead: {status:?}");
+    shutdown_leaves_nothing(&pool).await;
+}
+
 /// `lookup` answering `<who>: <key>` (one lease's handler of the listed tool).
 fn lookup_tool(who: &'static str) -> copilot_pool::turn::GatewayTool {
     copilot_pool::turn::GatewayTool::new(

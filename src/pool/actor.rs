@@ -19,6 +19,7 @@ use crate::metrics::{self, ProcessExit};
 use crate::rpc::messages::{AbortParams, SessionAbort};
 use crate::worker::{Session, WorkerConfig, WorkerError, WorkerHandle};
 
+use super::bindings::BindingStore;
 use super::budget::Nudge;
 use super::cli::{BudgetGuard, CliPool};
 use super::config::PoolConfig;
@@ -27,6 +28,7 @@ use super::key::PoolKey;
 use super::lease::OpenReason;
 use super::placement::{Abandon, Ask, DetachTarget, Effect, Granted, Limits, Placement, RequestId};
 use super::status::{PoolEvent, PoolStatus};
+use super::warm::{Recent, Reopen};
 
 pub(crate) use super::placement::{Settle, WorkerId};
 
@@ -97,12 +99,14 @@ pub(crate) enum PoolMsg {
     },
     /// A [`ProcessLease`] was dropped.
     Released(WorkerId),
-    /// A lease opened (created or resumed) its CLI session.
+    /// A lease opened (created or resumed) its CLI session; `reopen`: what it opened with,
+    /// for a warm spare to resume it ahead of its return.
     Opened {
         conversation: String,
         worker_id: WorkerId,
         cli_session_id: CliSessionId,
         reason: OpenReason,
+        reopen: Option<Box<Reopen>>,
     },
     /// A lease ended; `session` is `None` when it was lost or never opened.
     Return {
@@ -161,6 +165,8 @@ pub(crate) struct PoolArgs {
     pub(crate) events: broadcast::Sender<PoolEvent>,
     /// The CLI side, whose processes share `max_processes`.
     pub(crate) cli: std::sync::Arc<CliPool>,
+    /// The conversations' bindings (a resume ahead reads them).
+    pub(crate) bindings: std::sync::Arc<BindingStore>,
 }
 
 /// What a runtime's "session not found" answer to a detach means.
@@ -248,6 +254,9 @@ pub(crate) struct PoolState {
     stop_requested: Option<RpcReplyPort<()>>,
     /// The CLI side (the shared process budget).
     cli: std::sync::Arc<CliPool>,
+    /// Each key's recently opened conversations, for its warm spare.
+    recent: Recent,
+    bindings: std::sync::Arc<BindingStore>,
 }
 
 impl Drop for PoolState {
@@ -282,6 +291,12 @@ impl Actor for PoolActor {
             stopping: Vec::new(),
             stop_requested: None,
             cli: args.cli,
+            recent: Recent::new(if args.config.warm_spares > 0 {
+                args.config.warm_spare_conversations
+            } else {
+                0
+            }),
+            bindings: args.bindings,
         })
     }
 
@@ -296,6 +311,11 @@ impl Actor for PoolActor {
         let cli = state.cli.clone();
         let mut budget = cli.budget();
         state.core.set_others(budget.cli_view());
+        // A spare may have come up, or a conversation come free: resume ahead after these.
+        let resume_ahead = matches!(
+            msg,
+            PoolMsg::Tick | PoolMsg::Spawned { .. } | PoolMsg::EvictionDone { .. }
+        );
         let effects = match msg {
             PoolMsg::Acquire { req, reply } => state.acquire(*req, Reply::Conversation(reply), now),
             PoolMsg::AcquireProcess { req, reply } => {
@@ -307,9 +327,15 @@ impl Actor for PoolActor {
                 worker_id,
                 cli_session_id,
                 reason,
-            } => state
-                .core
-                .opened(&conversation, worker_id, cli_session_id, reason),
+                reopen,
+            } => {
+                if let Some(reopen) = reopen {
+                    state.recent.remember(*reopen);
+                }
+                state
+                    .core
+                    .opened(&conversation, worker_id, cli_session_id, reason)
+            }
             PoolMsg::Return {
                 conversation,
                 worker_id,
@@ -339,6 +365,8 @@ impl Actor for PoolActor {
             PoolMsg::WaiterExpired(id) => state.core.expire(id),
             PoolMsg::Tick => {
                 let effects = state.core.maintain(now);
+                let core = &state.core;
+                state.recent.retain_keys(|key| core.knows_key(key));
                 state.measure();
                 state.stopping.retain(|t| !t.is_finished());
                 effects
@@ -391,6 +419,9 @@ impl Actor for PoolActor {
         let effects = state.settle_budget(&mut budget, effects, now);
         drop(budget);
         state.perform(effects);
+        if resume_ahead {
+            state.resume_ahead(now);
+        }
         state.try_finish_stop();
         state.publish();
         Ok(())
@@ -791,6 +822,55 @@ impl PoolState {
                 ok,
             });
         });
+    }
+
+    /// Resumes each key's remembered conversations onto its spare where placement lets it
+    /// ([`Placement::warm_up`]), each in a task of its own ([`super::warm::resume_ahead`]).
+    fn resume_ahead(&mut self, now: Instant) {
+        if !self.recent.enabled() {
+            return;
+        }
+        for reopen in self.recent.candidates() {
+            let Some(granted) = self.core.warm_up(
+                &reopen.key,
+                &reopen.conversation,
+                &reopen.compat,
+                &reopen.setup,
+                now,
+            ) else {
+                continue;
+            };
+            let Some(worker) = self.handles.get(&granted.worker).cloned() else {
+                // Unreachable while the core grants only workers the actor holds a handle
+                // of; the slot goes back like an abandoned grant's.
+                let _ = self.myself.cast(PoolMsg::Abandoned(Box::new(Abandon {
+                    conversation: granted.conversation,
+                    worker: granted.worker,
+                    carried: None,
+                    opened: None,
+                    maybe_attached: None,
+                    resume_crashed: false,
+                })));
+                continue;
+            };
+            let grant = Grant {
+                conversation: granted.conversation,
+                worker_id: granted.worker,
+                worker,
+                carried: None,
+                resume_crashes: granted.resume_crashes,
+                armed: true,
+                opened: None,
+                maybe_attached: None,
+                resume_crashed: false,
+                pool: self.myself.clone(),
+            };
+            tokio::spawn(super::warm::resume_ahead(
+                grant,
+                reopen,
+                self.bindings.clone(),
+            ));
+        }
     }
 
     /// Sends `session.abort` for a leased, opened conversation (in a task; its turn then ends

@@ -27,6 +27,7 @@ mod placement;
 mod prime;
 pub mod restart;
 mod status;
+mod warm;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -151,6 +152,7 @@ impl Pool {
             leased: leased_tx,
             events: events.clone(),
             cli: cli.clone(),
+            bindings: bindings.clone(),
         };
         let (actor, _) = Actor::spawn(None, PoolActor, args)
             .await
@@ -502,6 +504,8 @@ impl Pool {
             pool: inner.actor.clone(),
             abort_settle_timeout: inner.config.abort_settle_timeout,
             max_resume_crashes: inner.config.max_resume_crashes,
+            remember: (inner.config.warm_spares > 0 && inner.config.warm_spare_conversations > 0)
+                .then(|| key.clone()),
         };
         let span = tracing::Span::current();
         match tokio::spawn(tracing::Instrument::instrument(opening.open(), span)).await {
@@ -912,6 +916,9 @@ struct Opening {
     pool: ActorRef<PoolMsg>,
     abort_settle_timeout: Duration,
     max_resume_crashes: u32,
+    /// The conversation's key when the pool keeps warm spares' conversations: the open is
+    /// remembered ([`warm::Reopen`]).
+    remember: Option<PoolKey>,
 }
 
 impl Opening {
@@ -935,7 +942,18 @@ impl Opening {
             pool,
             abort_settle_timeout,
             max_resume_crashes,
+            remember,
         } = self;
+        let reopen = remember.map(|key| {
+            Box::new(warm::Reopen::new(
+                key,
+                conversation.clone(),
+                compat.clone(),
+                home.clone(),
+                session_config.clone(),
+                pinned.clone(),
+            ))
+        });
         let worker_id = grant.worker_id;
         let worker = grant.worker.clone();
         let carried = grant.carried.take();
@@ -1004,6 +1022,7 @@ impl Opening {
             worker_id,
             cli_session_id: cli_session_id.clone(),
             reason,
+            reopen,
         });
         grant.disarm();
         Ok(Lease {

@@ -280,6 +280,8 @@ pub struct PoolSection {
     pub warm_spares: usize,
     /// How long after a key's last lease its spares are kept.
     pub warm_spare_window_secs: u64,
+    /// Conversations a warm spare resumes ahead of their return (0: none).
+    pub warm_spare_conversations: usize,
     /// How often each runtime is pinged.
     pub health_interval_ms: u64,
     /// How long a ping may take before it counts as missed (shorter than the interval).
@@ -394,6 +396,7 @@ impl Default for PoolSection {
             cpu_processes_per_key: None,
             warm_spares: 0,
             warm_spare_window_secs: 600,
+            warm_spare_conversations: 4,
             health_interval_ms: 10_000,
             health_timeout_ms: 5_000,
             health_misses: copilot_pool::worker::DEFAULT_HEALTH_MISSES,
@@ -588,6 +591,7 @@ impl ServeConfig {
         }
         config.warm_spares = p.warm_spares;
         config.warm_spare_window = Duration::from_secs(p.warm_spare_window_secs);
+        config.warm_spare_conversations = p.warm_spare_conversations;
         // The pool's shutdown grace is the daemon's drain grace.
         config.shutdown_grace = Duration::from_secs(self.drain_grace_secs);
         let m = &self.model;
@@ -818,13 +822,14 @@ mod tests {
     #[test]
     fn warm_spares_and_packing_are_read_from_the_pool_section_and_checked() {
         let c: ServeConfig = toml::from_str(
-            "[pool]\nwarm_spares = 2\nwarm_spare_window_secs = 90\nbusy_leases_per_process = 4\ncpu_processes_per_key = 3\n",
+            "[pool]\nwarm_spares = 2\nwarm_spare_window_secs = 90\nwarm_spare_conversations = 7\nbusy_leases_per_process = 4\ncpu_processes_per_key = 3\n",
         )
         .unwrap();
         c.validate().unwrap();
         let config = c.pool_config(PathBuf::from("/bin/true")).unwrap();
         assert_eq!(config.warm_spares, 2);
         assert_eq!(config.warm_spare_window, Duration::from_secs(90));
+        assert_eq!(config.warm_spare_conversations, 7);
         assert_eq!(config.busy_leases_per_process, 4);
         assert_eq!(config.cpu_processes_per_key, 3);
         let derived: ServeConfig = toml::from_str("").unwrap();

@@ -258,6 +258,9 @@ struct Worker {
     started: Instant,
     /// A conversation was opened on it (it got past its start and served).
     served: bool,
+    /// A spare whose conversations the pool resumed ahead of their return
+    /// ([`Placement::warm_up`]); the first lease that lands on it makes it a serving worker.
+    warm: bool,
 }
 
 impl Worker {
@@ -269,6 +272,7 @@ impl Worker {
             draining: self.draining,
             alive: self.alive,
             last_used: self.last_used,
+            warm: self.warm,
         }
     }
 
@@ -464,6 +468,59 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             _ => self.totals.created += 1,
         }
         self.effects()
+    }
+
+    /// Resumes `conversation` of `key` ahead of its return (the pool remembers the key's
+    /// recently leased ones): granted onto the key's spare when the key keeps spares now, the
+    /// spare has room, and the conversation is attached nowhere, leased by nobody, waited for
+    /// by nobody and not being detached. The spare stays a spare (`warm`), the key's traffic
+    /// clock does not move, and nothing starts or queues. The grant is answered like a
+    /// lease's: [`opened`](Self::opened), then [`returned`](Self::returned) with
+    /// [`Settle::Park`], or [`abandoned`](Self::abandoned).
+    pub(crate) fn warm_up(
+        &mut self,
+        key: &PoolKey,
+        conversation: &str,
+        compat: &str,
+        setup: &str,
+        now: Instant,
+    ) -> Option<Granted<S>> {
+        let wanted = self.keys.get(key).map(|ks| self.spares_wanted(ks, now))?;
+        let free = !self.closed
+            && wanted > 0
+            && !self.conversations.contains_key(conversation)
+            && !self.detaching.contains_key(conversation)
+            && self.resume_crashes(conversation) == 0
+            && !self.waiters.iter().any(|w| w.conversation == conversation)
+            && self.conversations.len() + self.waiters.len() < self.limits.max_sessions;
+        if !free {
+            return None;
+        }
+        let max = self.limits.max_sessions_per_process;
+        let target = spare(self.views_of(key).into_iter().filter(|w| w.attached < max))?;
+        let w = self.workers.get_mut(&target)?;
+        w.attached.insert(conversation.to_owned());
+        w.leased += 1;
+        w.warm = true;
+        self.conversations.insert(
+            conversation.to_owned(),
+            Conversation {
+                worker: target,
+                cli_session_id: None,
+                compat: compat.to_owned(),
+                setup: setup.to_owned(),
+                parked: None,
+                leased: true,
+                last_used: now,
+            },
+        );
+        Some(Granted {
+            request: 0,
+            conversation: conversation.to_owned(),
+            worker: target,
+            carried: None,
+            resume_crashes: 0,
+        })
     }
 
     /// A lease ended after `turns` turns; `session` is its session if it is still alive.
@@ -818,6 +875,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             .collect()
     }
 
+    /// Whether placement still keeps `key` (its workers, spares, backoff or quarantine).
+    pub(crate) fn knows_key(&self, key: &PoolKey) -> bool {
+        self.keys.contains_key(key)
+    }
+
     /// Whether a start is in flight for any key.
     pub(crate) fn any_spawning(&self) -> bool {
         self.keys.values().any(|k| k.spawning)
@@ -1068,6 +1130,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         };
         w.attached.insert(ask.conversation.clone());
         w.leased += 1;
+        w.warm = false;
         w.last_used = now;
         self.conversations.insert(
             ask.conversation.clone(),
@@ -1107,6 +1170,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             return false;
         };
         let (id, w) = w;
+        // A call naming no conversation leaves a warm spare warm.
         w.leased += 1;
         w.last_used = now;
         self.out.push(Effect::GrantProcess {
@@ -1143,6 +1207,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             return false;
         };
         w.leased += 1;
+        w.warm = false;
         w.last_used = now;
         conv.leased = true;
         conv.last_used = now;
@@ -1186,7 +1251,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     fn place_new(&mut self, key: &PoolKey, now: Instant) -> Option<WorkerId> {
         let views = self.views_of(key);
         let max = self.limits.max_sessions_per_process;
-        let spare = spare(views.iter().copied());
+        let spare = spare(views.iter().copied().filter(|w| w.attached < max));
         let Some(joined) = least_loaded(views.iter().copied().filter(|w| w.attached > 0), max)
         else {
             return spare.or_else(|| least_loaded(views.iter().copied(), max));
@@ -1237,6 +1302,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 let view = w.view(*id);
                 view.alive
                     && !view.draining
+                    && !view.warm
                     && view.attached > 0
                     && view.attached < self.limits.max_sessions_per_process
             })
@@ -1557,6 +1623,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                         rss_bytes: 0,
                         started: now,
                         served: false,
+                        warm: false,
                     },
                 );
                 Some(id)

@@ -25,6 +25,9 @@ pub(crate) struct WorkerView {
     pub(crate) alive: bool,
     /// When a lease last came or went.
     pub(crate) last_used: Instant,
+    /// A spare holding conversations the pool resumed ahead of their return (no lease has
+    /// landed on it since): still a spare.
+    pub(crate) warm: bool,
 }
 
 /// The worker of a key that takes one more conversation: live, not draining, with room under
@@ -51,21 +54,24 @@ pub(crate) fn least_busy(workers: impl IntoIterator<Item = WorkerView>) -> Optio
         .map(|w| w.id)
 }
 
-/// The worker to stop so another key can start one when the pool is full: an empty one (a
-/// spare: no conversation to move) before any that holds conversations, then the least
-/// recently used; never one with a lease (`others` are the workers of the other keys).
+/// The worker to stop so another key can start one when the pool is full: a spare (empty,
+/// or holding only conversations resumed ahead of their return) before any that serves
+/// conversations, then the least recently used; never one with a lease (`others` are the
+/// workers of the other keys).
 pub(crate) fn idle_victim(others: impl IntoIterator<Item = WorkerView>) -> Option<WorkerId> {
     others
         .into_iter()
         .filter(|w| w.leased == 0)
-        .min_by_key(|w| (w.attached > 0, w.last_used, w.id))
+        .min_by_key(|w| (w.attached > 0 && !w.warm, w.last_used, w.id))
         .map(|w| w.id)
 }
 
-/// Whether a worker is empty and ready: live, not draining, no conversation, no lease. An
-/// empty worker of a key is its spare: a cold lease takes it without waiting for a start.
+/// Whether a worker is a spare: live, not draining, and either empty (no conversation, no
+/// lease) or warm (holding only conversations the pool resumed ahead of their return, some
+/// perhaps still being resumed). A key's spare takes a cold lease without waiting for a
+/// start.
 pub(crate) fn is_spare(w: &WorkerView) -> bool {
-    w.alive && !w.draining && w.attached == 0 && w.leased == 0
+    w.alive && !w.draining && (w.warm || (w.attached == 0 && w.leased == 0))
 }
 
 /// The spare a cold lease takes: the oldest empty worker of the key.
@@ -233,6 +239,7 @@ mod tests {
             draining: false,
             alive: true,
             last_used: base() - Duration::from_secs(age_secs),
+            warm: false,
         }
     }
 
@@ -300,6 +307,34 @@ mod tests {
         );
         assert_eq!(idle_victim([worker(1, 1, 1, 9), worker(2, 1, 2, 9)]), None);
         assert_eq!(idle_victim([]), None);
+    }
+
+    #[test]
+    fn a_warm_spare_is_still_a_spare_and_the_first_stopped_for_room_while_a_lease_makes_it_live() {
+        let warm = WorkerView {
+            warm: true,
+            ..worker(3, 2, 0, 10)
+        };
+        assert!(
+            is_spare(&warm),
+            "holding conversations resumed ahead: a spare"
+        );
+        let resuming = WorkerView { leased: 1, ..warm };
+        assert!(
+            is_spare(&resuming),
+            "its own resumes in flight do not make it live"
+        );
+        assert!(
+            !is_spare(&worker(3, 2, 0, 10)),
+            "a served worker is no spare"
+        );
+        assert!(!is_spare(&WorkerView {
+            draining: true,
+            ..warm
+        }));
+        assert_eq!(spare([worker(1, 1, 0, 9), warm]), Some(3));
+        // Stopped before an idle worker that serves, even a less recently used one.
+        assert_eq!(idle_victim([worker(2, 1, 0, 300), warm]), Some(3));
     }
 
     #[test]

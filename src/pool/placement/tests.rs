@@ -199,6 +199,24 @@ impl Sim {
         self.ask_with(conversation, k, "c", false)
     }
 
+    /// The pool resumes `conversation` of key `k` ahead of its return, if placement lets it;
+    /// returns the worker it was granted on (held like a lease, under request 0).
+    fn warm_up(
+        &mut self,
+        conversation: &str,
+        k: u8,
+        compat: &str,
+        setup: &str,
+    ) -> Option<WorkerId> {
+        let granted = self
+            .core
+            .warm_up(&key(k), conversation, compat, setup, self.now)?;
+        let worker = granted.worker;
+        self.asked.insert(granted.request, conversation.to_owned());
+        self.apply(vec![Effect::Grant(granted)]);
+        Some(worker)
+    }
+
     /// Answers the oldest pending spawn with a started worker; returns its id.
     fn spawn_ok(&mut self) -> Option<WorkerId> {
         let key = self.spawns.first().cloned()?;
@@ -1034,6 +1052,13 @@ enum Step {
     AskProcess {
         key: u8,
     },
+    /// The pool resumes a remembered conversation ahead of its return.
+    WarmUp {
+        conversation: u8,
+        key: u8,
+        compat: u8,
+        setup: u8,
+    },
     ReleaseProcess {
         pick: usize,
     },
@@ -1068,6 +1093,9 @@ fn step() -> impl Strategy<Value = Step> {
         1 => (0u64..400).prop_map(|secs| Step::Tick { secs }),
         2 => (0u8..3).prop_map(|key| Step::AskProcess { key }),
         2 => pick().prop_map(|pick| Step::ReleaseProcess { pick }),
+        2 => (0u8..6, 0u8..3, 0u8..2, 0u8..2).prop_map(|(conversation, key, compat, setup)| {
+            Step::WarmUp { conversation, key, compat, setup }
+        }),
     ]
 }
 
@@ -1105,6 +1133,15 @@ impl Sim {
                 let name = format!("c/{conversation}");
                 let (compat, setup) = (compat.to_string(), setup.to_string());
                 self.ask_full(&name, key, &compat, &setup, fail_if_busy);
+            }
+            Step::WarmUp {
+                conversation,
+                key,
+                compat,
+                setup,
+            } => {
+                let name = format!("c/{conversation}");
+                self.warm_up(&name, key, &compat.to_string(), &setup.to_string());
             }
             Step::Opened { pick } => {
                 let Some(name) = self
@@ -1623,6 +1660,94 @@ fn a_spare_outlives_the_idle_ttl_within_the_window_and_is_stopped_after_it() {
     );
     assert!(sim.core.workers.is_empty());
     assert!(sim.spawns.is_empty(), "and not replaced");
+}
+
+#[test]
+fn a_returning_conversation_finds_itself_resumed_on_the_warm_spare_which_stays_a_spare_until_then()
+{
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 4,
+        ..spares(1)
+    });
+    sim.ask("a/1", 1);
+    let w1 = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Park, 1);
+    assert!(
+        sim.spawns.is_empty(),
+        "a/1's process has room: no spare yet"
+    );
+    assert_eq!(
+        sim.warm_up("a/2", 1, "c", ""),
+        None,
+        "no spare, nothing to resume onto"
+    );
+
+    // The agent goes away: its process idles out and a spare takes its place.
+    sim.now += Duration::from_secs(61);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.evicted, vec![(w1, Eviction::Idle)]);
+    assert_eq!(
+        sim.warm_up("a/1", 1, "c", ""),
+        None,
+        "still held by the stopping process"
+    );
+    let (conversations, worker) = sim.stops.pop().expect("the eviction");
+    sim.stop_done(conversations, worker);
+    let spare = sim.spawn_ok().expect("the spare");
+    assert_eq!(sim.warm_up("a/1", 2, "c", ""), None, "another key's spare");
+
+    // Resumed onto the spare: still a spare, not another start, kept past the idle TTL.
+    assert_eq!(sim.warm_up("a/1", 1, "c", ""), Some(spare));
+    assert_eq!(sim.warm_up("a/1", 1, "c", ""), None, "once");
+    assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
+    let effects = sim
+        .core
+        .opened("a/1", spare, CliSessionId::random(), OpenReason::Resumed);
+    sim.apply(effects);
+    sim.give_back("a/1", Settle::Park, 0);
+    assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
+    assert!(sim.spawns.is_empty(), "the warm spare is the key's spare");
+    sim.now += Duration::from_secs(120);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.evicted.len(), 1, "the warm spare outlives the idle TTL");
+
+    // The return takes it as attached: no resume, and the spare now serves.
+    let r = sim.ask("a/1", 1);
+    assert_eq!(sim.granted_to(r), Some(spare));
+    assert!(
+        sim.leases["a/1"]
+            .carried
+            .is_some_and(|(_, from, same)| same && from == spare),
+        "granted with its parked session on the same worker"
+    );
+    assert_eq!(sim.state_of(spare), Some(WorkerState::Live));
+}
+
+#[test]
+fn a_conversation_parked_or_waited_for_is_not_resumed_ahead_and_a_full_spare_takes_no_more() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 1,
+        max_processes_per_key: 3,
+        ..spares(1)
+    });
+    sim.ask("a/1", 1);
+    sim.spawn_ok().expect("kept");
+    let spare = sim.spawn_ok().expect("the spare");
+    assert_eq!(sim.warm_up("a/1", 1, "c", ""), None, "leased");
+    sim.give_back("a/1", Settle::Park, 1);
+    assert_eq!(
+        sim.warm_up("a/1", 1, "c", ""),
+        None,
+        "parked on its process"
+    );
+    assert_eq!(sim.warm_up("a/2", 1, "c", ""), Some(spare));
+    assert_eq!(
+        sim.warm_up("a/3", 1, "c", ""),
+        None,
+        "the spare is full (one conversation per process)"
+    );
 }
 
 #[test]

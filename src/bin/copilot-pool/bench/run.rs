@@ -40,6 +40,9 @@ const AWAY_POLL: Duration = Duration::from_millis(100);
 /// A bound on the agents' absence: idle TTL, tick, a spare's start and priming, with room for
 /// a loaded machine. A failure guard, not a measurement.
 const AWAY_LIMIT: Duration = Duration::from_secs(60);
+/// Conversations each agent's spare resumes ahead of its return (`[pool]
+/// warm_spare_conversations`, its default written out).
+const WARM_CONVERSATIONS: u32 = 4;
 
 /// What every run shares: the runtime, the SDK, the scripted model, the workload script.
 pub struct Setup {
@@ -95,10 +98,13 @@ pub async fn run(mode: Mode, args: &BenchArgs, setup: &Setup, index: usize) -> R
 /// A fresh `serve` for one run: its own state, the SDK endpoint on for `Mode::Endpoint`.
 async fn start_serve(mode: Mode, args: &BenchArgs, setup: &Setup, dir: &Path) -> Result<Daemon> {
     // A short idle TTL and one warm spare per key, kept well past the agents' absence: a
-    // returning agent finds its process evicted and a primed spare in its place.
+    // returning agent finds its process evicted and a primed spare in its place, with its
+    // most recent conversations resumed there ahead of its return.
     let mut config = format!(
         "[pool]\nmax_sessions = 4096\nmax_waiters = 4096\nidle_ttl_secs = {IDLE_TTL_SECS}\n\
-         warm_spares = 1\nwarm_spare_window_secs = 600\n\n[model]\nallow_private_endpoints = true\n"
+         warm_spares = 1\nwarm_spare_window_secs = 600\n\
+         warm_spare_conversations = {WARM_CONVERSATIONS}\n\n\
+         [model]\nallow_private_endpoints = true\n"
     );
     if mode == Mode::Endpoint {
         config.push_str("\n[sdk]\n");
@@ -305,14 +311,18 @@ async fn talk(
                 away = match daemon {
                     Some(d) => {
                         let last = std::sync::Mutex::new(Value::Null);
-                        let waited =
-                            tokio::time::timeout(AWAY_LIMIT, pool_away(d.addr, args.agents, &last))
-                                .await;
+                        let warm = args.conversations.min(WARM_CONVERSATIONS);
+                        let waited = tokio::time::timeout(
+                            AWAY_LIMIT,
+                            pool_away(d.addr, args.agents, warm, &last),
+                        )
+                        .await;
                         let last = last.lock().map(|l| l.to_string()).unwrap_or_default();
                         Some(waited.with_context(|| {
                             format!(
                                 "the pool did not evict the agents' processes and keep a primed \
-                                 spare per agent within {AWAY_LIMIT:?} (run with \
+                                 spare per agent, with {warm} conversations resumed on it, \
+                                 within {AWAY_LIMIT:?} (run with \
                                  COPILOT_POOL_LOG=info for its log); its last /v1/pool: {last}"
                             )
                         })??)
@@ -376,12 +386,14 @@ async fn pool_status(addr: SocketAddr) -> Result<Value> {
     serde_json::from_str(&text).with_context(|| format!("/v1/pool answered no JSON: {text}"))
 }
 
-/// Polls `/v1/pool` (its `processes`) until no process holds a conversation (every agent's was evicted) and a
-/// spare waits for each of the `agents` keys; answers the spares' pids and the pool's
-/// spawns so far.
+/// Polls `/v1/pool` (its `processes`) until every process is a spare (every agent's serving
+/// process was evicted), one for each of the `agents` keys, each holding the `warm`
+/// conversations it resumes ahead of their return; answers the spares' pids and the
+/// pool's spawns so far.
 async fn pool_away(
     addr: SocketAddr,
     agents: u32,
+    warm: u32,
     last: &std::sync::Mutex<Value>,
 ) -> Result<(HashSet<u32>, u64)> {
     let mut poll = tokio::time::interval(AWAY_POLL);
@@ -389,15 +401,14 @@ async fn pool_away(
         poll.tick().await;
         let status = pool_status(addr).await?;
         let workers = status["processes"].as_array().cloned().unwrap_or_default();
-        let serving = workers
+        let settled = workers
             .iter()
-            .any(|w| w["conversations"].as_u64().unwrap_or(0) > 0);
+            .all(|w| w["state"] == "spare" && w["conversations"].as_u64() == Some(u64::from(warm)));
         let spares: HashSet<u32> = workers
             .iter()
-            .filter(|w| w["state"] == "spare")
             .filter_map(|w| w["pid"].as_u64().map(|p| p as u32))
             .collect();
-        if !serving && spares.len() >= agents as usize {
+        if settled && spares.len() >= agents as usize {
             let spawned = status["totals"]["processes_spawned"].as_u64().unwrap_or(0);
             return Ok((spares, spawned));
         }

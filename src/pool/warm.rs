@@ -1,0 +1,225 @@
+//! A warm spare's conversations: the pool remembers each key's most recently leased
+//! conversations (what their open needs, at most `warm_spare_conversations` per key) and
+//! resumes those attached nowhere onto the key's spare ahead of their return. A returning
+//! agent then finds its conversation attached and its turn starts at once, where it would
+//! otherwise wait for `session.resume` on the spare (~30 ms on a primed process: all that
+//! is left of a returning agent's wait once the spare has saved the start).
+//!
+//! Placement decides which resume may run ([`Placement::warm_up`]: the key keeps spares,
+//! the spare has room, the conversation is attached nowhere and wanted by no lease); this
+//! module remembers the opens and runs the resumes. A resume ahead is a lease's open with
+//! `existing_only`: it never creates a session, and a failed one is abandoned like any
+//! grant, so whatever it may have attached is detached with confirmation.
+//!
+//! [`Placement::warm_up`]: super::placement::Placement::warm_up
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::ids::CliSessionId;
+use crate::rpc::messages::SessionConfig;
+
+use super::actor::{Grant, PoolMsg, Settle};
+use super::bindings::BindingStore;
+use super::key::PoolKey;
+use super::lease::OpenReason;
+use super::{OpenTarget, setup_key};
+
+/// What a conversation's last open used, kept to resume it ahead of its return.
+#[derive(Debug)]
+pub(crate) struct Reopen {
+    /// The key whose spare may take it.
+    pub(crate) key: PoolKey,
+    /// The pool's conversation id (`<agent_id>/<session_key>`).
+    pub(crate) conversation: String,
+    pub(crate) compat: String,
+    /// The session's settings as placement compares them (`setup_key` of `config`).
+    pub(crate) setup: String,
+    pub(crate) home: PathBuf,
+    pub(crate) config: SessionConfig,
+    /// The CLI session id the caller chose, if it did.
+    pub(crate) pinned: Option<CliSessionId>,
+}
+
+impl Reopen {
+    pub(crate) fn new(
+        key: PoolKey,
+        conversation: String,
+        compat: String,
+        home: PathBuf,
+        config: SessionConfig,
+        pinned: Option<CliSessionId>,
+    ) -> Self {
+        Reopen {
+            setup: setup_key(&config),
+            key,
+            conversation,
+            compat,
+            home,
+            config,
+            pinned,
+        }
+    }
+}
+
+/// Each key's most recently opened conversations, newest last, at most `limit` per key.
+#[derive(Debug, Default)]
+pub(crate) struct Recent {
+    per_key: HashMap<PoolKey, VecDeque<Arc<Reopen>>>,
+    limit: usize,
+}
+
+impl Recent {
+    /// Remembers at most `limit` conversations per key (0: none).
+    pub(crate) fn new(limit: usize) -> Self {
+        Recent {
+            per_key: HashMap::new(),
+            limit,
+        }
+    }
+
+    /// Whether anything is remembered at all.
+    pub(crate) fn enabled(&self) -> bool {
+        self.limit > 0
+    }
+
+    /// `reopen` was the last open of its conversation: it becomes the key's newest, and the
+    /// key's oldest is forgotten past the limit.
+    pub(crate) fn remember(&mut self, reopen: Reopen) {
+        if self.limit == 0 {
+            return;
+        }
+        let recent = self.per_key.entry(reopen.key.clone()).or_default();
+        recent.retain(|r| r.conversation != reopen.conversation);
+        recent.push_back(Arc::new(reopen));
+        while recent.len() > self.limit {
+            recent.pop_front();
+        }
+    }
+
+    /// Every remembered conversation, each key's newest first.
+    pub(crate) fn candidates(&self) -> Vec<Arc<Reopen>> {
+        self.per_key
+            .values()
+            .flat_map(|recent| recent.iter().rev().cloned())
+            .collect()
+    }
+
+    /// Forgets the keys `keep` refuses (placement forgot them: no spare will come).
+    pub(crate) fn retain_keys(&mut self, keep: impl Fn(&PoolKey) -> bool) {
+        self.per_key.retain(|key, _| keep(key));
+    }
+}
+
+/// Resumes `reopen`'s conversation on the granted spare, then parks it there (`Opened`, then
+/// `Return` with [`Settle::Park`]); a resume that fails drops the grant armed, and its guard
+/// gives the conversation back with what it may have left attached.
+pub(crate) async fn resume_ahead(
+    mut grant: Grant,
+    reopen: Arc<Reopen>,
+    bindings: Arc<BindingStore>,
+) {
+    let worker = grant.worker.clone();
+    let target = OpenTarget {
+        worker: &worker,
+        existing_only: true,
+        pinned: reopen.pinned.as_ref(),
+        session_key: &reopen.conversation,
+        compat: &reopen.compat,
+        home: &reopen.home,
+        skip_resume: false,
+    };
+    match target.open(None, &bindings, reopen.config.clone()).await {
+        Ok((session, OpenReason::Resumed)) => {
+            crate::metrics::session_opened(crate::metrics::COPILOT_BACKEND, OpenReason::Resumed);
+            let _ = grant.pool.cast(PoolMsg::Opened {
+                conversation: reopen.conversation.clone(),
+                worker_id: grant.worker_id,
+                cli_session_id: session.id().clone(),
+                reason: OpenReason::Resumed,
+                reopen: None,
+            });
+            grant.disarm();
+            let _ = grant.pool.cast(PoolMsg::Return {
+                conversation: reopen.conversation.clone(),
+                worker_id: grant.worker_id,
+                session: Some(session),
+                settle: Settle::Park,
+                turns: 0,
+            });
+            tracing::debug!(
+                pid = worker.pid(),
+                "Resumed a conversation on its key's spare ahead of its return."
+            );
+        }
+        // Not a resume (nothing else opens with `existing_only`): detached by the guard.
+        Ok((session, _)) => grant.opened = Some(session),
+        Err(failure) => {
+            tracing::debug!(error = %failure.error, "A resume ahead of a conversation's return failed; it resumes when it returns.");
+            grant.maybe_attached = failure.maybe_attached;
+            grant.resume_crashed = failure.resume_crashed;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::AuthMode;
+
+    fn key(n: u8) -> PoolKey {
+        PoolKey {
+            home: PathBuf::from(format!("/agents/{n}")),
+            mode: AuthMode::Token,
+            profile_id: None,
+            profile_version: None,
+            byok: None,
+        }
+    }
+
+    fn reopen(k: u8, conversation: &str) -> Reopen {
+        Reopen::new(
+            key(k),
+            conversation.to_owned(),
+            "c".to_owned(),
+            PathBuf::from("/agents/1"),
+            SessionConfig::default(),
+            None,
+        )
+    }
+
+    fn names(recent: &Recent) -> Vec<String> {
+        recent
+            .candidates()
+            .into_iter()
+            .map(|r| r.conversation.clone())
+            .collect()
+    }
+
+    #[test]
+    fn each_key_keeps_its_newest_conversations_once_each_up_to_the_limit_newest_first() {
+        let mut recent = Recent::new(2);
+        recent.remember(reopen(1, "a/1"));
+        recent.remember(reopen(1, "a/2"));
+        recent.remember(reopen(1, "a/1"));
+        assert_eq!(names(&recent), ["a/1", "a/2"], "reopened: newest, once");
+        recent.remember(reopen(1, "a/3"));
+        assert_eq!(
+            names(&recent),
+            ["a/3", "a/1"],
+            "the oldest goes past the limit"
+        );
+        recent.remember(reopen(2, "b/1"));
+        recent.retain_keys(|k| *k == key(2));
+        assert_eq!(names(&recent), ["b/1"]);
+    }
+
+    #[test]
+    fn a_limit_of_zero_remembers_nothing() {
+        let mut recent = Recent::new(0);
+        recent.remember(reopen(1, "a/1"));
+        assert!(!recent.enabled());
+        assert!(recent.candidates().is_empty());
+    }
+}
