@@ -57,7 +57,7 @@ pub struct PoolConfig {
     /// (or no process) takes one at once instead of waiting for a start and handshake. A
     /// spare counts in `max_processes` and `max_processes_per_key`, is never started by
     /// stopping another worker, and is the first stopped when the pool needs room. A key
-    /// never leased gets none.
+    /// never leased gets none; a spare is started once its key is quiet (no lease running).
     pub warm_spares: usize,
     /// How long after a key's last conversation lease its spares are kept (default 10 min);
     /// then they are stopped.

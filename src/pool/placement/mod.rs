@@ -1318,6 +1318,15 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         )
     }
 
+    /// Whether a lease runs on a process of `ks` (a spare's own resumes ahead aside).
+    fn key_busy(&self, ks: &KeyState<Spec>) -> bool {
+        ks.workers.iter().any(|id| {
+            self.workers
+                .get(id)
+                .is_some_and(|w| w.leased > 0 && !w.warm)
+        })
+    }
+
     /// The spares of `ks` (oldest first).
     fn spares_of(&self, ks: &KeyState<Spec>) -> Vec<WorkerId> {
         let mut spares: Vec<WorkerId> = ks
@@ -1330,9 +1339,12 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         spares
     }
 
-    /// Starts a spare for every key with fewer than it keeps (one start in flight per key;
-    /// never for a key whose processes crashed within the restart window: a crash loop gets
-    /// no spares to burn).
+    /// Starts a spare for every key with fewer than it keeps, once the key is quiet (no
+    /// lease running on any of its processes: a spare's start and priming take ~300 ms of
+    /// CPU, which must not compete with the key's own turns, and a key under load holds no
+    /// idle process beside its busy ones); one start in flight per key; never for a key
+    /// whose processes crashed within the restart window (a crash loop gets no spares to
+    /// burn).
     fn top_up_spares(&mut self, now: Instant) {
         if self.limits.warm_spares == 0 || self.closed {
             return;
@@ -1344,6 +1356,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             .filter(|(_, ks)| {
                 !ks.spawning
                     && ks.restart.restarts_in_window(now, policy) == 0
+                    && !self.key_busy(ks)
                     && self.spares_of(ks).len() < self.spares_wanted(ks, now)
             })
             .map(|(key, _)| key.clone())

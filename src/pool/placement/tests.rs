@@ -1490,6 +1490,8 @@ fn a_key_with_a_lease_in_the_window_gets_a_warm_spare() {
     sim.ask("a/1", 1);
     assert_eq!(sim.spawns.len(), 1, "one start for the lease itself");
     let w1 = sim.spawn_ok().expect("kept");
+    assert!(sim.spawns.is_empty(), "no spare while the key's lease runs");
+    sim.give_back("a/1", Settle::Park, 1);
     assert_eq!(sim.spawns, vec![key(1)], "then a spare");
     let spare = sim.spawn_ok().expect("kept");
     assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
@@ -1512,6 +1514,7 @@ fn a_process_started_ahead_of_demand_is_primed_and_one_a_lease_waits_for_is_not(
     let mut sim = Sim::new(spares(1));
     sim.ask("a/1", 1);
     sim.spawn_ok();
+    sim.give_back("a/1", Settle::Park, 1);
     sim.spawn_ok();
     assert_eq!(
         sim.primes,
@@ -1545,10 +1548,17 @@ fn a_key_keeps_no_spare_while_its_serving_process_has_room_and_one_once_it_is_fu
     );
     let second = sim.ask("a/2", 1);
     assert!(sim.granted_to(second).is_some());
+    assert!(
+        sim.spawns.is_empty(),
+        "full, but its leases run: no spare yet"
+    );
+    sim.give_back("a/1", Settle::Park, 1);
+    assert!(sim.spawns.is_empty(), "one lease still runs");
+    sim.give_back("a/2", Settle::Park, 1);
     assert_eq!(
         sim.spawns,
         vec![key(1)],
-        "the process is full: a spare starts"
+        "the process is full and the key quiet: a spare starts"
     );
     let spare = sim.spawn_ok().expect("the spare");
     assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
@@ -1563,6 +1573,7 @@ fn a_cold_lease_takes_the_spare_without_a_spawn() {
     });
     sim.ask("a/1", 1);
     sim.spawn_ok();
+    sim.give_back("a/1", Settle::Park, 1);
     let spare = sim.spawn_ok().expect("the spare");
     let r = sim.ask("a/2", 1);
     assert_eq!(
@@ -1571,10 +1582,12 @@ fn a_cold_lease_takes_the_spare_without_a_spawn() {
         "granted at once on the spare"
     );
     assert!(!sim.queued.contains(&r));
+    assert!(sim.spawns.is_empty(), "no start while a/2 runs");
+    sim.give_back("a/2", Settle::Park, 1);
     assert_eq!(
         sim.spawns,
         vec![key(1)],
-        "the only start is the next spare, after the grant"
+        "the only start is the next spare, once the key is quiet"
     );
 }
 
@@ -1588,9 +1601,11 @@ fn a_spare_counts_in_the_caps() {
     });
     sim.ask("a/1", 1);
     sim.spawn_ok();
+    sim.give_back("a/1", Settle::Park, 1);
     let spare = sim.spawn_ok().expect("the spare");
     let r = sim.ask("a/2", 1);
     assert_eq!(sim.granted_to(r), Some(spare));
+    sim.give_back("a/2", Settle::Park, 1);
     assert!(sim.spawns.is_empty(), "the key is at its cap: no new spare");
 
     // Pool-wide: the spare fills the last slot, so no spare when the pool is full.
@@ -1600,6 +1615,7 @@ fn a_spare_counts_in_the_caps() {
     });
     sim.ask("a/1", 1);
     sim.spawn_ok();
+    sim.give_back("a/1", Settle::Park, 1);
     sim.spawn_ok().expect("the first spare");
     assert!(sim.spawns.is_empty(), "no room for the second spare");
     assert_eq!(sim.core.workers.len(), 2);
@@ -1639,8 +1655,8 @@ fn a_spare_outlives_the_idle_ttl_within_the_window_and_is_stopped_after_it() {
     let mut sim = Sim::new(spares(1));
     sim.ask("a/1", 1);
     let w1 = sim.spawn_ok().expect("kept");
-    let spare = sim.spawn_ok().expect("the spare");
     sim.give_back("a/1", Settle::Park, 1);
+    let spare = sim.spawn_ok().expect("the spare");
     sim.now += Duration::from_secs(120);
     let effects = sim.core.maintain(sim.now);
     sim.apply(effects);
@@ -1734,9 +1750,9 @@ fn a_conversation_parked_or_waited_for_is_not_resumed_ahead_and_a_full_spare_tak
     });
     sim.ask("a/1", 1);
     sim.spawn_ok().expect("kept");
-    let spare = sim.spawn_ok().expect("the spare");
     assert_eq!(sim.warm_up("a/1", 1, "c", ""), None, "leased");
     sim.give_back("a/1", Settle::Park, 1);
+    let spare = sim.spawn_ok().expect("the spare");
     assert_eq!(
         sim.warm_up("a/1", 1, "c", ""),
         None,
@@ -1770,6 +1786,7 @@ fn a_key_whose_processes_crashed_in_the_window_gets_no_spare() {
     let mut sim = Sim::new(spares(1));
     sim.ask("a/1", 1);
     let w1 = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Park, 1);
     let spare = sim.spawn_ok().expect("the spare");
     // The spare dies before serving (a crash loop's shape): not started again at once.
     sim.core.exited(spare);

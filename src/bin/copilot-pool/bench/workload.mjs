@@ -135,8 +135,12 @@ async function httpTurn(agent, conversation, text, onFirst) {
 
 // ---- The official Node SDK --------------------------------------------------------------------
 
+// Each mode's client library is loaded before the clock starts: the SDK modes import the SDK;
+// the HTTP mode's is Node's built-in fetch (undici), which loads itself on its first call
+// (45-60 ms of one core here), so one call on a `data:` URL (no network, no daemon) loads it.
 let sdk;
 if (MODE !== "http") sdk = await import(pathToFileURL(join(env("SDK_DIR"), "dist", "index.js")).href);
+else await (await fetch("data:,")).text();
 
 const homeOf = (agent) => join(env("HOMES"), "agents", `agent-${agent}`, "copilot");
 const newClient = (agent) => {
