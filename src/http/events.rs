@@ -25,7 +25,10 @@ pub(super) enum TurnEvent {
     UserInputRequest(UserInputRequestEvent),
     HookRequest(HookRequestEvent),
     HookNotification(HookNotificationEvent),
-    /// A runtime session event, named by its own `type`.
+    /// A runtime session event, named by its own `type`: sent as [`SessionEventData`],
+    /// serialized from the event as it came ([`RuntimeEventFrame`]), not copied into one.
+    Runtime(Box<SessionEvent>),
+    /// A CLI backend's event in the same shape.
     Session(SessionEventData),
     BackendFallback(BackendFallbackEvent),
     TurnEnd(TurnEndEvent),
@@ -50,6 +53,7 @@ impl TurnEvent {
             TurnEvent::UserInputRequest(_) => USER_INPUT_REQUEST,
             TurnEvent::HookRequest(_) => HOOK_REQUEST,
             TurnEvent::HookNotification(_) => HOOK_NOTIFICATION,
+            TurnEvent::Runtime(e) => e.event_type(),
             TurnEvent::Session(e) => &e.event_type,
             TurnEvent::BackendFallback(_) => BACKEND_FALLBACK,
             TurnEvent::TurnEnd(_) => TURN_END,
@@ -67,6 +71,7 @@ impl TurnEvent {
             TurnEvent::UserInputRequest(e) => serde_json::to_string(e),
             TurnEvent::HookRequest(e) => serde_json::to_string(e),
             TurnEvent::HookNotification(e) => serde_json::to_string(e),
+            TurnEvent::Runtime(e) => serde_json::to_string(&RuntimeEventFrame(e)),
             TurnEvent::Session(e) => serde_json::to_string(e),
             TurnEvent::BackendFallback(e) => serde_json::to_string(e),
             TurnEvent::TurnEnd(e) => serde_json::to_string(e),
@@ -191,6 +196,32 @@ pub(super) struct SessionEventData {
     pub data: Value,
 }
 
+/// A runtime event serialized as [`SessionEventData`] straight from the event: the
+/// envelope's fields as decoded, `data` from the event as the runtime sent it (every field,
+/// not only those this crate reads; the decoded payload only when the event had no `data`).
+/// No copy of the payload is made.
+struct RuntimeEventFrame<'a>(&'a SessionEvent);
+
+impl Serialize for RuntimeEventFrame<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let e = self.0;
+        let mut frame = serializer.serialize_struct("SessionEventData", 7)?;
+        frame.serialize_field("id", &e.id)?;
+        frame.serialize_field("timestamp", &e.timestamp)?;
+        frame.serialize_field("parentId", &e.parent_id)?;
+        frame.serialize_field("ephemeral", &e.ephemeral)?;
+        frame.serialize_field("agentId", &e.agent_id)?;
+        frame.serialize_field("type", e.event_type())?;
+        match e.raw().get("data") {
+            Some(data) => frame.serialize_field("data", data)?,
+            None => frame.serialize_field("data", &e.kind.data_value())?,
+        }
+        frame.end()
+    }
+}
+
+#[cfg(test)]
 impl From<&SessionEvent> for SessionEventData {
     fn from(event: &SessionEvent) -> Self {
         Self {
@@ -438,5 +469,38 @@ mod tests {
             parsed,
             json!({"hook": "llm_output", "input": {"text": "two\nlines"}})
         );
+    }
+
+    /// The `data:` line of a frame, parsed.
+    fn frame_data(event: TurnEvent) -> (String, Value) {
+        let frame = event.frame();
+        let (head, data) = frame
+            .trim_end()
+            .split_once("\ndata: ")
+            .expect("event and data lines");
+        let name = head.strip_prefix("event: ").expect("event line").to_owned();
+        (name, serde_json::from_str(data).expect("JSON data"))
+    }
+
+    #[test]
+    fn a_runtime_event_goes_out_with_its_data_as_the_runtime_sent_it_every_field_included() {
+        // A typed event with a field this crate does not read, and an unknown event.
+        for sent in [
+            json!({"id": "e1", "timestamp": "2026-12-02T00:00:00Z", "parentId": "e0",
+                   "ephemeral": false, "agentId": null, "type": "assistant.message",
+                   "data": {"messageId": "m", "content": "hi", "newerField": {"a": [1, 2]}}}),
+            json!({"id": "e2", "timestamp": null, "parentId": null, "ephemeral": true,
+                   "agentId": "sub", "type": "runtime.future_event", "data": {"x": 1}}),
+        ] {
+            let event = SessionEvent::from_value(sent.clone());
+            let (name, data) = frame_data(TurnEvent::Runtime(Box::new(event)));
+            assert_eq!(Some(name.as_str()), sent["type"].as_str());
+            assert_eq!(data, sent);
+        }
+        // An event without data: its envelope normalised, its decoded payload, as before.
+        let event = SessionEvent::from_value(json!({"id": "e3", "type": "session.idle"}));
+        let before = serde_json::to_value(SessionEventData::from(&event)).expect("json");
+        let (_, data) = frame_data(TurnEvent::Runtime(Box::new(event)));
+        assert_eq!(data, before);
     }
 }

@@ -430,7 +430,7 @@ impl ChainSink for StreamSink {
             return false;
         };
         let sse = match event {
-            ChainEvent::Session(event) => TurnEvent::Session(SessionEventData::from(&event)),
+            ChainEvent::Session(event) => TurnEvent::Runtime(Box::new(event)),
             ChainEvent::Cli(event) => match cli_event(event) {
                 Some(sse) => sse,
                 None => return true,

@@ -825,7 +825,8 @@ impl PoolState {
     }
 
     /// Resumes each key's remembered conversations onto its spare where placement lets it
-    /// ([`Placement::warm_up`]), each in a task of its own ([`super::warm::resume_ahead`]).
+    /// ([`Placement::warm_up`]), each in a task of its own ([`super::warm::resume_ahead`]);
+    /// one granted is forgotten until its conversation is opened again.
     fn resume_ahead(&mut self, now: Instant) {
         if !self.recent.enabled() {
             return;
@@ -840,6 +841,7 @@ impl PoolState {
             ) else {
                 continue;
             };
+            self.recent.take(&reopen);
             let Some(worker) = self.handles.get(&granted.worker).cloned() else {
                 // Unreachable while the core grants only workers the actor holds a handle
                 // of; the slot goes back like an abandoned grant's.

@@ -106,6 +106,14 @@ impl Recent {
             .collect()
     }
 
+    /// A resume ahead of `reopen` was granted: it is forgotten until its conversation is
+    /// opened again, so one that keeps failing is not retried at every tick.
+    pub(crate) fn take(&mut self, reopen: &Reopen) {
+        if let Some(recent) = self.per_key.get_mut(&reopen.key) {
+            recent.retain(|r| r.conversation != reopen.conversation);
+        }
+    }
+
     /// Forgets the keys `keep` refuses (placement forgot them: no spare will come).
     pub(crate) fn retain_keys(&mut self, keep: impl Fn(&PoolKey) -> bool) {
         self.per_key.retain(|key, _| keep(key));
@@ -213,6 +221,8 @@ mod tests {
         recent.remember(reopen(2, "b/1"));
         recent.retain_keys(|k| *k == key(2));
         assert_eq!(names(&recent), ["b/1"]);
+        recent.take(&reopen(2, "b/1"));
+        assert!(names(&recent).is_empty(), "taken until opened again");
     }
 
     #[test]

@@ -85,6 +85,11 @@ impl SessionEvent {
         &self.raw
     }
 
+    /// The event exactly as the runtime sent it, taken (no copy).
+    pub fn into_raw(self) -> Value {
+        self.raw
+    }
+
     /// The wire type, e.g. `assistant.message`.
     pub fn event_type(&self) -> &str {
         self.kind.event_type()

@@ -465,7 +465,7 @@ impl SdkSession {
                         // not join a turn that is over on a process it may be leaving.
                         self.clear_turn();
                     }
-                    self.forward_event(&event);
+                    self.forward_event(event);
                     if let Some(aborted) = idle {
                         let end = if aborted {
                             TurnEnd::Aborted
@@ -552,7 +552,7 @@ impl SdkSession {
     /// `providerToken.getToken`, …) with their answers back to the process.
     fn forward_update(&self, update: SessionUpdate) {
         match update {
-            SessionUpdate::Event(event) => self.forward_event(&event),
+            SessionUpdate::Event(event) => self.forward_event(event),
             SessionUpdate::UserInput(request) => {
                 self.forward_typed("userInput.request", request);
             }
@@ -573,8 +573,9 @@ impl SdkSession {
         }
     }
 
-    fn forward_event(&self, event: &SessionEvent) {
-        self.notify_event(event.raw().clone());
+    /// Passes a runtime event on as it came (moved, not copied).
+    fn forward_event(&self, event: SessionEvent) {
+        self.notify_event(event.into_raw());
     }
 
     fn notify_event(&self, event: Value) {
