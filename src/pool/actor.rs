@@ -669,15 +669,22 @@ impl PoolState {
             }
             None => None,
         };
+        let answer = self.arm(granted).ok_or_else(|| {
+            PoolError::Internal(
+                "granted a worker the pool holds no handle of; please report this".into(),
+            )
+        });
+        if let Some(reply) = reply {
+            let _ = reply.send(answer);
+        }
+    }
+
+    /// The armed [`Grant`] a grant of the core becomes, on its worker's handle. With no
+    /// handle (unreachable while the core grants only workers the actor holds a handle of)
+    /// the slot, with what it carried, goes back through the same path as an abandoned
+    /// grant's, and there is none.
+    fn arm(&self, granted: Granted<Session>) -> Option<Grant> {
         let Some(worker) = self.handles.get(&granted.worker).cloned() else {
-            // Unreachable while the core grants only workers the actor holds a handle of;
-            // if it ever happens, the caller hears why and the slot (with what it carried)
-            // goes back through the same path as an abandoned grant.
-            if let Some(reply) = reply {
-                let _ = reply.send(Err(PoolError::Internal(
-                    "granted a worker the pool holds no handle of; please report this".into(),
-                )));
-            }
             let carried = granted.carried.and_then(|c| c.session.map(|s| (s, c.from)));
             let _ = self.myself.cast(PoolMsg::Abandoned(Box::new(Abandon {
                 conversation: granted.conversation,
@@ -687,9 +694,9 @@ impl PoolState {
                 maybe_attached: None,
                 resume_crashed: false,
             })));
-            return;
+            return None;
         };
-        let grant = Grant {
+        Some(Grant {
             conversation: granted.conversation,
             worker_id: granted.worker,
             worker,
@@ -700,10 +707,7 @@ impl PoolState {
             maybe_attached: None,
             resume_crashed: false,
             pool: self.myself.clone(),
-        };
-        if let Some(reply) = reply {
-            let _ = reply.send(Ok(grant));
-        }
+        })
     }
 
     /// Hands a process lease to its caller; a caller that is gone drops it here, and its
@@ -842,30 +846,8 @@ impl PoolState {
                 continue;
             };
             self.recent.take(&reopen);
-            let Some(worker) = self.handles.get(&granted.worker).cloned() else {
-                // Unreachable while the core grants only workers the actor holds a handle
-                // of; the slot goes back like an abandoned grant's.
-                let _ = self.myself.cast(PoolMsg::Abandoned(Box::new(Abandon {
-                    conversation: granted.conversation,
-                    worker: granted.worker,
-                    carried: None,
-                    opened: None,
-                    maybe_attached: None,
-                    resume_crashed: false,
-                })));
+            let Some(grant) = self.arm(granted) else {
                 continue;
-            };
-            let grant = Grant {
-                conversation: granted.conversation,
-                worker_id: granted.worker,
-                worker,
-                carried: None,
-                resume_crashes: granted.resume_crashes,
-                armed: true,
-                opened: None,
-                maybe_attached: None,
-                resume_crashed: false,
-                pool: self.myself.clone(),
             };
             tokio::spawn(super::warm::resume_ahead(
                 grant,
