@@ -453,13 +453,14 @@ impl Pool {
             // real provider.
             session_config.provider = Some(ModelGuard::placeholder(provider));
         }
+        let setup = setup_key(&session_config);
         let acquire = AcquireRequest {
             id: 0, // set by the actor
             key: key.clone(),
             spec: spec.clone(),
             conversation: conversation.clone(),
             compat: compat.clone(),
-            setup: setup_key(&session_config),
+            setup: setup.clone(),
             gateway_key: req.session_key.clone(),
             fail_if_busy: req.fail_if_busy,
             wait,
@@ -505,7 +506,7 @@ impl Pool {
             abort_settle_timeout: inner.config.abort_settle_timeout,
             max_resume_crashes: inner.config.max_resume_crashes,
             remember: (inner.config.warm_spares > 0 && inner.config.warm_spare_conversations > 0)
-                .then(|| key.clone()),
+                .then(|| (key.clone(), setup)),
         };
         let span = tracing::Span::current();
         match tokio::spawn(tracing::Instrument::instrument(opening.open(), span)).await {
@@ -916,9 +917,9 @@ struct Opening {
     pool: ActorRef<PoolMsg>,
     abort_settle_timeout: Duration,
     max_resume_crashes: u32,
-    /// The conversation's key when the pool keeps warm spares' conversations: the open is
-    /// remembered ([`warm::Reopen`]).
-    remember: Option<PoolKey>,
+    /// The conversation's key and setup key when the pool keeps warm spares'
+    /// conversations: the open is remembered ([`warm::Reopen`]).
+    remember: Option<(PoolKey, String)>,
 }
 
 impl Opening {
@@ -944,15 +945,16 @@ impl Opening {
             max_resume_crashes,
             remember,
         } = self;
-        let reopen = remember.map(|key| {
-            Box::new(warm::Reopen::new(
+        let reopen = remember.map(|(key, setup)| {
+            Box::new(warm::Reopen {
                 key,
-                conversation.clone(),
-                compat.clone(),
-                home.clone(),
-                session_config.clone(),
-                pinned.clone(),
-            ))
+                conversation: conversation.clone(),
+                compat: compat.clone(),
+                setup,
+                home: home.clone(),
+                config: session_config.clone(),
+                pinned: pinned.clone(),
+            })
         });
         let worker_id = grant.worker_id;
         let worker = grant.worker.clone();

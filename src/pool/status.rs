@@ -12,8 +12,9 @@ pub enum WorkerState {
     Live,
     /// Rotated away or recycled: takes nothing new, ends when its leases end.
     Draining,
-    /// A warm spare: started and empty, kept for its key (traffic within
-    /// `warm_spare_window`); the next lease of the key that finds no room takes it at once.
+    /// A warm spare: started and empty, or holding only conversations the pool resumed
+    /// ahead of their return; kept for its key (traffic within `warm_spare_window`); the
+    /// next lease of the key that finds no room takes it at once.
     Spare,
 }
 

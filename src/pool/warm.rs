@@ -20,11 +20,11 @@ use std::sync::Arc;
 use crate::ids::CliSessionId;
 use crate::rpc::messages::SessionConfig;
 
+use super::OpenTarget;
 use super::actor::{Grant, PoolMsg, Settle};
 use super::bindings::BindingStore;
 use super::key::PoolKey;
 use super::lease::OpenReason;
-use super::{OpenTarget, setup_key};
 
 /// What a conversation's last open used, kept to resume it ahead of its return.
 #[derive(Debug)]
@@ -33,40 +33,25 @@ pub(crate) struct Reopen {
     pub(crate) key: PoolKey,
     /// The pool's conversation id (`<agent_id>/<session_key>`).
     pub(crate) conversation: String,
+    /// The conversation's compat key (model, provider, directory, account).
     pub(crate) compat: String,
     /// The session's settings as placement compares them (`setup_key` of `config`).
     pub(crate) setup: String,
+    /// Its `COPILOT_HOME`.
     pub(crate) home: PathBuf,
+    /// What the lease opened the session with (its provider the guard's placeholder).
     pub(crate) config: SessionConfig,
     /// The CLI session id the caller chose, if it did.
     pub(crate) pinned: Option<CliSessionId>,
 }
 
-impl Reopen {
-    pub(crate) fn new(
-        key: PoolKey,
-        conversation: String,
-        compat: String,
-        home: PathBuf,
-        config: SessionConfig,
-        pinned: Option<CliSessionId>,
-    ) -> Self {
-        Reopen {
-            setup: setup_key(&config),
-            key,
-            conversation,
-            compat,
-            home,
-            config,
-            pinned,
-        }
-    }
-}
-
-/// Each key's most recently opened conversations, newest last, at most `limit` per key.
+/// Each key's most recently opened conversations, newest last, at most `limit` per key; a
+/// conversation is remembered under one key only (its last).
 #[derive(Debug, Default)]
 pub(crate) struct Recent {
     per_key: HashMap<PoolKey, VecDeque<Arc<Reopen>>>,
+    /// The key each remembered conversation is under.
+    key_of: HashMap<String, PoolKey>,
     limit: usize,
 }
 
@@ -75,6 +60,7 @@ impl Recent {
     pub(crate) fn new(limit: usize) -> Self {
         Recent {
             per_key: HashMap::new(),
+            key_of: HashMap::new(),
             limit,
         }
     }
@@ -84,17 +70,34 @@ impl Recent {
         self.limit > 0
     }
 
-    /// `reopen` was the last open of its conversation: it becomes the key's newest, and the
-    /// key's oldest is forgotten past the limit.
+    /// `reopen` was the last open of its conversation: it becomes its key's newest (and is
+    /// forgotten under any other key: after a rotation the old key's spare must not resume
+    /// it with the old credentials), and the key's oldest is forgotten past the limit.
     pub(crate) fn remember(&mut self, reopen: Reopen) {
         if self.limit == 0 {
             return;
         }
+        self.forget(&reopen.conversation);
+        self.key_of
+            .insert(reopen.conversation.clone(), reopen.key.clone());
         let recent = self.per_key.entry(reopen.key.clone()).or_default();
-        recent.retain(|r| r.conversation != reopen.conversation);
         recent.push_back(Arc::new(reopen));
-        while recent.len() > self.limit {
-            recent.pop_front();
+        if recent.len() > self.limit
+            && let Some(oldest) = recent.pop_front()
+        {
+            self.key_of.remove(&oldest.conversation);
+        }
+    }
+
+    /// Forgets `conversation` wherever it is remembered.
+    fn forget(&mut self, conversation: &str) {
+        if let Some(key) = self.key_of.remove(conversation)
+            && let Some(recent) = self.per_key.get_mut(&key)
+        {
+            recent.retain(|r| r.conversation != conversation);
+            if recent.is_empty() {
+                self.per_key.remove(&key);
+            }
         }
     }
 
@@ -109,14 +112,14 @@ impl Recent {
     /// A resume ahead of `reopen` was granted: it is forgotten until its conversation is
     /// opened again, so one that keeps failing is not retried at every tick.
     pub(crate) fn take(&mut self, reopen: &Reopen) {
-        if let Some(recent) = self.per_key.get_mut(&reopen.key) {
-            recent.retain(|r| r.conversation != reopen.conversation);
-        }
+        self.forget(&reopen.conversation);
     }
 
     /// Forgets the keys `keep` refuses (placement forgot them: no spare will come).
     pub(crate) fn retain_keys(&mut self, keep: impl Fn(&PoolKey) -> bool) {
         self.per_key.retain(|key, _| keep(key));
+        let per_key = &self.per_key;
+        self.key_of.retain(|_, key| per_key.contains_key(key));
     }
 }
 
@@ -138,8 +141,22 @@ pub(crate) async fn resume_ahead(
         home: &reopen.home,
         skip_resume: false,
     };
-    match target.open(None, &bindings, reopen.config.clone()).await {
+    // Whatever the client asked for its own resumes, nobody is there to see unfinished work
+    // continue: the runtime must not restart it ahead of the return.
+    let config = SessionConfig {
+        continue_pending_work: Some(false),
+        ..reopen.config.clone()
+    };
+    match target.open(None, &bindings, config).await {
         Ok((session, OpenReason::Resumed)) => {
+            if session.already_in_use() {
+                crate::metrics::ownership_violated();
+                tracing::error!(
+                    cli_session_id = %session.id(),
+                    "The runtime reports this session attached to another process (alreadyInUse); \
+                     the one-owner rule was broken. Please report this."
+                );
+            }
             crate::metrics::session_opened(crate::metrics::COPILOT_BACKEND, OpenReason::Resumed);
             let _ = grant.pool.cast(PoolMsg::Opened {
                 conversation: reopen.conversation.clone(),
@@ -187,14 +204,15 @@ mod tests {
     }
 
     fn reopen(k: u8, conversation: &str) -> Reopen {
-        Reopen::new(
-            key(k),
-            conversation.to_owned(),
-            "c".to_owned(),
-            PathBuf::from("/agents/1"),
-            SessionConfig::default(),
-            None,
-        )
+        Reopen {
+            key: key(k),
+            conversation: conversation.to_owned(),
+            compat: "c".to_owned(),
+            setup: String::new(),
+            home: PathBuf::from("/agents/1"),
+            config: SessionConfig::default(),
+            pinned: None,
+        }
     }
 
     fn names(recent: &Recent) -> Vec<String> {
@@ -223,6 +241,11 @@ mod tests {
         assert_eq!(names(&recent), ["b/1"]);
         recent.take(&reopen(2, "b/1"));
         assert!(names(&recent).is_empty(), "taken until opened again");
+        // Opened under a new key (a rotation): remembered there only.
+        recent.remember(reopen(1, "a/9"));
+        recent.remember(reopen(2, "a/9"));
+        let keys: Vec<PoolKey> = recent.candidates().iter().map(|r| r.key.clone()).collect();
+        assert_eq!(keys, [key(2)]);
     }
 
     #[test]

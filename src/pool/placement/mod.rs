@@ -298,6 +298,8 @@ struct Conversation<S> {
     parked: Option<S>,
     leased: bool,
     last_used: Instant,
+    /// Resumed ahead of its return ([`Placement::warm_up`]) and not leased since.
+    ahead: bool,
 }
 
 impl<S> Conversation<S> {
@@ -306,6 +308,7 @@ impl<S> Conversation<S> {
             key,
             leased: self.leased,
             last_used: self.last_used,
+            ahead: self.ahead,
         }
     }
 }
@@ -497,7 +500,12 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             return None;
         }
         let max = self.limits.max_sessions_per_process;
-        let target = spare(self.views_of(key).into_iter().filter(|w| w.attached < max))?;
+        // One slot stays free: the spare is there for a cold conversation too.
+        let target = spare(
+            self.views_of(key)
+                .into_iter()
+                .filter(|w| w.attached + 1 < max),
+        )?;
         let w = self.workers.get_mut(&target)?;
         w.attached.insert(conversation.to_owned());
         w.leased += 1;
@@ -512,6 +520,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 parked: None,
                 leased: true,
                 last_used: now,
+                ahead: true,
             },
         );
         Some(Granted {
@@ -800,7 +809,12 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             for ks in self.keys.values() {
                 let spares = self.spares_of(ks);
                 match self.spares_wanted(ks, now) {
-                    0 if ks.last_lease.is_some() => retired.extend(spares),
+                    // Not under a lease: a process lease, or a resume ahead in flight.
+                    0 if ks.last_lease.is_some() => retired.extend(
+                        spares
+                            .into_iter()
+                            .filter(|id| self.workers.get(id).is_some_and(|w| w.leased == 0)),
+                    ),
                     wanted => kept.extend(spares.into_iter().take(wanted)),
                 }
             }
@@ -1025,7 +1039,12 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         // One turn at a time per conversation: a leased conversation's next lease waits in
         // the FIFO until the return (or is refused at once with `fail_if_busy`).
         if self.is_leased(&ask.conversation) {
-            if ask.fail_if_busy {
+            // A resume ahead is nobody's lease: the ask waits for it (moments) instead.
+            let ahead = self
+                .conversations
+                .get(&ask.conversation)
+                .is_some_and(|c| c.ahead);
+            if ask.fail_if_busy && !ahead {
                 return Err(PoolError::ConversationBusy {
                     session_key: ask.gateway_key.clone(),
                 });
@@ -1142,6 +1161,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 parked: None,
                 leased: true,
                 last_used: now,
+                ahead: false,
             },
         );
         let resume_crashes = self.resume_crashes(&ask.conversation);
@@ -1210,6 +1230,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         w.warm = false;
         w.last_used = now;
         conv.leased = true;
+        conv.ahead = false;
         conv.last_used = now;
         let session = conv.parked.take();
         self.out.push(Effect::Grant(Granted {

@@ -1,6 +1,6 @@
 //! The placement rules, each a pure function of views: which worker takes a conversation,
-//! when a key brings one more process into play (packing), which empty worker is a warm spare
-//! and how many a key keeps, which idle worker makes room when the pool is full, which parked
+//! when a key brings one more process into play (packing), which worker is a warm spare (empty,
+//! or holding only conversations resumed ahead of their return) and how many a key keeps, which idle worker makes room when the pool is full, which parked
 //! conversation is detached when a cap is reached, and what the maintenance tick does to each
 //! worker (idle TTL, drain, recycling by memory and by turn count).
 
@@ -74,7 +74,7 @@ pub(crate) fn is_spare(w: &WorkerView) -> bool {
     w.alive && !w.draining && (w.warm || (w.attached == 0 && w.leased == 0))
 }
 
-/// The spare a cold lease takes: the oldest empty worker of the key.
+/// The spare a cold lease takes: the key's oldest spare.
 pub(crate) fn spare(workers: impl IntoIterator<Item = WorkerView>) -> Option<WorkerId> {
     workers
         .into_iter()
@@ -141,16 +141,19 @@ pub(crate) struct ConversationView<'a> {
     pub(crate) key: &'a str,
     pub(crate) leased: bool,
     pub(crate) last_used: Instant,
+    /// Resumed ahead of its return and not leased since.
+    pub(crate) ahead: bool,
 }
 
-/// The parked (not leased) conversation to detach to make room: the least recently used.
+/// The parked (not leased) conversation to detach to make room: one resumed ahead of its
+/// return and never leased since first (a guess, not a use), then the least recently used.
 pub(crate) fn lru_parked<'a>(
     conversations: impl IntoIterator<Item = ConversationView<'a>>,
 ) -> Option<&'a str> {
     conversations
         .into_iter()
         .filter(|c| !c.leased)
-        .min_by_key(|c| (c.last_used, c.key))
+        .min_by_key(|c| (!c.ahead, c.last_used, c.key))
         .map(|c| c.key)
 }
 
@@ -345,19 +348,29 @@ mod tests {
                 key: "a/1",
                 leased: true,
                 last_used: t - Duration::from_secs(90),
+                ahead: false,
             },
             ConversationView {
                 key: "a/2",
                 leased: false,
                 last_used: t - Duration::from_secs(60),
+                ahead: false,
             },
             ConversationView {
                 key: "b/1",
                 leased: false,
                 last_used: t - Duration::from_secs(5),
+                ahead: false,
             },
         ];
         assert_eq!(lru_parked(conversations.clone()), Some("a/2"));
+        let mut resumed_ahead = conversations.clone();
+        resumed_ahead[2].ahead = true;
+        assert_eq!(
+            lru_parked(resumed_ahead),
+            Some("b/1"),
+            "one resumed ahead and never used goes first"
+        );
         let all_leased = conversations.map(|c| ConversationView { leased: true, ..c });
         assert_eq!(lru_parked(all_leased), None);
     }

@@ -1742,27 +1742,83 @@ fn a_returning_conversation_finds_itself_resumed_on_the_warm_spare_which_stays_a
 }
 
 #[test]
-fn a_conversation_parked_or_waited_for_is_not_resumed_ahead_and_a_full_spare_takes_no_more() {
+fn a_conversation_parked_or_leased_is_not_resumed_ahead_and_a_spare_keeps_a_slot_for_a_cold_one() {
     let mut sim = Sim::new(Limits {
-        max_sessions_per_process: 1,
+        max_sessions_per_process: 2,
         max_processes_per_key: 3,
         ..spares(1)
     });
     sim.ask("a/1", 1);
     sim.spawn_ok().expect("kept");
+    sim.ask("a/2", 1);
     assert_eq!(sim.warm_up("a/1", 1, "c", ""), None, "leased");
     sim.give_back("a/1", Settle::Park, 1);
-    let spare = sim.spawn_ok().expect("the spare");
+    sim.give_back("a/2", Settle::Park, 1);
+    let spare = sim.spawn_ok().expect("the full process's spare");
     assert_eq!(
         sim.warm_up("a/1", 1, "c", ""),
         None,
         "parked on its process"
     );
-    assert_eq!(sim.warm_up("a/2", 1, "c", ""), Some(spare));
+    assert_eq!(sim.warm_up("a/3", 1, "c", ""), Some(spare));
     assert_eq!(
-        sim.warm_up("a/3", 1, "c", ""),
+        sim.warm_up("a/4", 1, "c", ""),
         None,
-        "the spare is full (one conversation per process)"
+        "the spare's last slot stays for a cold conversation"
+    );
+}
+
+/// A key whose process idled out, with `a/1` resumed ahead on its spare (the resume still
+/// in flight, answered by the caller); returns the spare.
+fn resuming_ahead_on_the_spare(sim: &mut Sim) -> WorkerId {
+    sim.ask("a/1", 1);
+    sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.now += Duration::from_secs(61);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    let (conversations, worker) = sim.stops.pop().expect("the idle eviction");
+    sim.stop_done(conversations, worker);
+    let spare = sim.spawn_ok().expect("the spare");
+    assert_eq!(sim.warm_up("a/1", 1, "c", ""), Some(spare));
+    spare
+}
+
+#[test]
+fn a_lease_that_may_not_wait_waits_for_a_resume_ahead_instead_of_being_refused() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 4,
+        ..spares(1)
+    });
+    let spare = resuming_ahead_on_the_spare(&mut sim);
+    // Nobody's lease: `fail_if_busy` queues behind it.
+    let r = sim.ask_with("a/1", 1, "c", true);
+    assert!(sim.queued.contains(&r), "{:?}", sim.failed);
+    sim.give_back("a/1", Settle::Park, 0);
+    assert_eq!(sim.granted_to(r), Some(spare), "granted once it is parked");
+}
+
+#[test]
+fn a_warm_spare_under_a_call_naming_no_conversation_is_not_stopped_when_its_window_lapses() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 4,
+        ..spares(1)
+    });
+    let spare = resuming_ahead_on_the_spare(&mut sim);
+    sim.give_back("a/1", Settle::Park, 0);
+    let p = sim.ask_process(1);
+    assert_eq!(sim.process_of(p), Some(spare));
+    assert_eq!(sim.state_of(spare), Some(WorkerState::Spare), "still warm");
+    sim.now += Duration::from_secs(700);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert!(sim.core.workers.contains_key(&spare), "{:?}", sim.evicted);
+    sim.release_process(p);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert!(
+        !sim.core.workers.contains_key(&spare),
+        "stopped once released"
     );
 }
 
