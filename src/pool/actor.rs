@@ -311,11 +311,13 @@ impl Actor for PoolActor {
         let cli = state.cli.clone();
         let mut budget = cli.budget();
         state.core.set_others(budget.cli_view());
-        // A spare may have come up, or a conversation come free: resume ahead after these.
-        let resume_ahead = matches!(
-            msg,
-            PoolMsg::Tick | PoolMsg::Spawned { .. } | PoolMsg::EvictionDone { .. }
-        );
+        // A spare may have come up, a conversation come free, or a resume ahead made way for
+        // the next (they run a few at a time): resume ahead after these.
+        let resume_ahead = match &msg {
+            PoolMsg::Tick | PoolMsg::Spawned { .. } | PoolMsg::EvictionDone { .. } => true,
+            PoolMsg::Return { conversation, .. } => state.core.resuming_ahead(conversation),
+            _ => false,
+        };
         let effects = match msg {
             PoolMsg::Acquire { req, reply } => state.acquire(*req, Reply::Conversation(reply), now),
             PoolMsg::AcquireProcess { req, reply } => {

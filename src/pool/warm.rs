@@ -141,13 +141,10 @@ pub(crate) async fn resume_ahead(
         home: &reopen.home,
         skip_resume: false,
     };
-    // Whatever the client asked for its own resumes, nobody is there to see unfinished work
-    // continue: the runtime must not restart it ahead of the return.
-    let config = SessionConfig {
-        continue_pending_work: Some(false),
-        ..reopen.config.clone()
-    };
-    match target.open(None, &bindings, config).await {
+    match target
+        .open(None, &bindings, ahead_config(&reopen.config))
+        .await
+    {
         Ok((session, OpenReason::Resumed)) => {
             if session.already_in_use() {
                 crate::metrics::ownership_violated();
@@ -188,6 +185,16 @@ pub(crate) async fn resume_ahead(
     }
 }
 
+/// What a resume ahead opens with: the conversation's last open, except that whatever the
+/// client asked for its own resumes, nobody is there to see unfinished work continue, so the
+/// runtime must not restart it ahead of the return.
+fn ahead_config(last: &SessionConfig) -> SessionConfig {
+    SessionConfig {
+        continue_pending_work: Some(false),
+        ..last.clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,6 +220,24 @@ mod tests {
             config: SessionConfig::default(),
             pinned: None,
         }
+    }
+
+    #[test]
+    fn a_resume_ahead_never_continues_pending_work_whatever_the_last_open_asked() {
+        let last = SessionConfig {
+            continue_pending_work: Some(true),
+            model: Some("m".into()),
+            ..SessionConfig::default()
+        };
+        let config = ahead_config(&last);
+        assert_eq!(config.continue_pending_work, Some(false));
+        assert_eq!(
+            config.model.as_deref(),
+            Some("m"),
+            "the rest is the last open's"
+        );
+        let wire = serde_json::to_value(&config).expect("serializes");
+        assert_eq!(wire["continuePendingWork"], serde_json::json!(false));
     }
 
     fn names(recent: &Recent) -> Vec<String> {

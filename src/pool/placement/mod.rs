@@ -44,6 +44,12 @@ pub(crate) use rules::{WorkerId, cpu_processes_for};
 /// count restarts for all when it is reached).
 const RESUME_CRASHES_REMEMBERED: usize = 4096;
 
+/// Resumes ahead of a return running at once over the whole pool. Each is ~33 ms of one
+/// runtime's CPU: a crowd of keys whose spares came up in the same tick resumes a few at a
+/// time (the rest at the next chances: a tick, a start, a stop) instead of taking every core
+/// from the turns being served.
+const RESUMES_AHEAD_AT_ONCE: usize = 2;
+
 /// Identifies one acquire (its reply port lives in the actor).
 pub(crate) type RequestId = u64;
 
@@ -496,7 +502,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             && self.resume_crashes(conversation) == 0
             && !self.waiters.iter().any(|w| w.conversation == conversation)
             && self.conversations.len() + self.waiters.len() < self.limits.max_sessions;
-        if !free {
+        if !free || self.resumes_ahead_in_flight() >= RESUMES_AHEAD_AT_ONCE {
             return None;
         }
         let max = self.limits.max_sessions_per_process;
@@ -530,6 +536,22 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             carried: None,
             resume_crashes: 0,
         })
+    }
+
+    /// Whether `conversation` is being resumed ahead of its return (granted by
+    /// [`warm_up`](Self::warm_up), not yet parked or abandoned).
+    pub(crate) fn resuming_ahead(&self, conversation: &str) -> bool {
+        self.conversations
+            .get(conversation)
+            .is_some_and(|c| c.ahead && c.leased)
+    }
+
+    /// Resumes ahead granted and not yet parked or abandoned, over every key.
+    fn resumes_ahead_in_flight(&self) -> usize {
+        self.conversations
+            .values()
+            .filter(|c| c.ahead && c.leased)
+            .count()
     }
 
     /// A lease ended after `turns` turns; `session` is its session if it is still alive.
@@ -720,8 +742,10 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     pub(crate) fn crashed(&mut self, id: WorkerId, now: Instant) -> Vec<Effect<Spec, S>> {
         if let Some(w) = self.workers.get(&id) {
             let key = w.key.clone();
-            // A draining worker was on its way out: it is not replaced.
-            let had_conversations = !w.attached.is_empty() && !w.draining;
+            // A draining worker was on its way out, and a warm spare's conversations were
+            // resumed ahead of anyone asking (the key's next quiet tick owes it a spare, and
+            // a returning conversation's lease starts a process): neither is replaced.
+            let had_conversations = !w.attached.is_empty() && !w.draining && !w.warm;
             // A worker that served and lived past its start period was killed from outside
             // (the OOM killer, an operator): replaced at once, no quarantine. A crash loop
             // (deaths at start, before serving, while resuming) still counts.

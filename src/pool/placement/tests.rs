@@ -1823,6 +1823,75 @@ fn a_warm_spare_under_a_call_naming_no_conversation_is_not_stopped_when_its_wind
 }
 
 #[test]
+fn a_warm_spare_that_dies_is_no_demand_to_respawn_and_the_next_quiet_tick_owes_the_key_nothing() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 4,
+        ..spares(1)
+    });
+    let spare = resuming_ahead_on_the_spare(&mut sim);
+    let effects = sim
+        .core
+        .opened("a/1", spare, CliSessionId::random(), OpenReason::Resumed);
+    sim.apply(effects);
+    sim.give_back("a/1", Settle::Park, 0);
+    // Killed from outside while it only held a conversation resumed ahead of its return.
+    sim.core.exited(spare);
+    let effects = sim.core.crashed(spare, sim.now);
+    sim.apply(effects);
+    assert!(
+        sim.respawns.is_empty(),
+        "a warm spare's conversations are nobody's work: no respawn"
+    );
+    assert!(sim.spawns.is_empty(), "{:?}", sim.spawns);
+    // The returning conversation still gets a process: a start at its lease.
+    let r = sim.ask("a/1", 1);
+    assert!(sim.queued.contains(&r));
+    let w = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.granted_to(r), Some(w));
+}
+
+#[test]
+fn resumes_ahead_run_a_few_at_a_time_over_the_whole_pool() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 8,
+        max_sessions_per_process: 4,
+        ..spares(1)
+    });
+    // Three keys go away together: each process idles out and a spare takes its place.
+    for k in 1..=3u8 {
+        sim.ask(&format!("a{k}/1"), k);
+        sim.spawn_ok().expect("kept");
+        sim.give_back(&format!("a{k}/1"), Settle::Park, 1);
+    }
+    sim.now += Duration::from_secs(61);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    while let Some((conversations, worker)) = sim.stops.pop() {
+        sim.stop_done(conversations, worker);
+    }
+    let mut spares = Vec::new();
+    while !sim.spawns.is_empty() {
+        spares.push(sim.spawn_ok().expect("a spare"));
+    }
+    assert_eq!(spares.len(), 3, "a spare per key");
+    let ahead: Vec<Option<WorkerId>> = (1..=3u8)
+        .map(|k| sim.warm_up(&format!("a{k}/1"), k, "c", ""))
+        .collect();
+    let started = ahead.iter().flatten().count();
+    assert_eq!(started, RESUMES_AHEAD_AT_ONCE, "{ahead:?}");
+    assert!(sim.core.resuming_ahead("a1/1"));
+    // The first one parked: the third goes next.
+    let first = ahead[0].expect("the first key's resume ran");
+    let effects = sim
+        .core
+        .opened("a1/1", first, CliSessionId::random(), OpenReason::Resumed);
+    sim.apply(effects);
+    sim.give_back("a1/1", Settle::Park, 0);
+    assert!(!sim.core.resuming_ahead("a1/1"), "parked");
+    assert!(sim.warm_up("a3/1", 3, "c", "").is_some());
+}
+
+#[test]
 fn a_key_never_leased_gets_no_spare() {
     let mut sim = Sim::new(spares(2));
     // A call naming no conversation starts a process, but is no conversation traffic.
