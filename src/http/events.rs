@@ -62,30 +62,38 @@ impl TurnEvent {
 
     /// The SSE frame: `event: <name>`, `data: <JSON>`, a blank line. The JSON is one line
     /// (serde_json escapes newlines inside strings), so one `data:` line carries it.
+    #[cfg(test)]
     pub(super) fn frame(&self) -> String {
-        // Serialized straight from the typed event: no intermediate `Value` (a copy of the
-        // whole payload per event).
-        let json = match self {
-            TurnEvent::ToolCall(e) => serde_json::to_string(e),
-            TurnEvent::PermissionRequest(e) => serde_json::to_string(e),
-            TurnEvent::UserInputRequest(e) => serde_json::to_string(e),
-            TurnEvent::HookRequest(e) => serde_json::to_string(e),
-            TurnEvent::HookNotification(e) => serde_json::to_string(e),
-            TurnEvent::Runtime(e) => serde_json::to_string(&RuntimeEventFrame(e)),
-            TurnEvent::Session(e) => serde_json::to_string(e),
-            TurnEvent::BackendFallback(e) => serde_json::to_string(e),
-            TurnEvent::TurnEnd(e) => serde_json::to_string(e),
+        let mut frame = Vec::new();
+        self.frame_into(&mut frame);
+        String::from_utf8(frame).unwrap_or_default()
+    }
+
+    /// Appends the SSE frame (see [`frame`](Self::frame)) to `out`, serialized straight from
+    /// the typed event into it: no intermediate `Value` or string (a copy of the whole
+    /// payload per event).
+    pub(super) fn frame_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(self.name().as_bytes());
+        out.extend_from_slice(b"\ndata: ");
+        let start = out.len();
+        let written = match self {
+            TurnEvent::ToolCall(e) => serde_json::to_writer(&mut *out, e),
+            TurnEvent::PermissionRequest(e) => serde_json::to_writer(&mut *out, e),
+            TurnEvent::UserInputRequest(e) => serde_json::to_writer(&mut *out, e),
+            TurnEvent::HookRequest(e) => serde_json::to_writer(&mut *out, e),
+            TurnEvent::HookNotification(e) => serde_json::to_writer(&mut *out, e),
+            TurnEvent::Runtime(e) => serde_json::to_writer(&mut *out, &RuntimeEventFrame(e)),
+            TurnEvent::Session(e) => serde_json::to_writer(&mut *out, e),
+            TurnEvent::BackendFallback(e) => serde_json::to_writer(&mut *out, e),
+            TurnEvent::TurnEnd(e) => serde_json::to_writer(&mut *out, e),
         };
         // Plain structs of strings, numbers and JSON values: serializing cannot fail.
-        let json = json.unwrap_or_else(|_| "null".to_owned());
-        let name = self.name();
-        let mut frame = String::with_capacity(name.len() + json.len() + 16);
-        frame.push_str("event: ");
-        frame.push_str(name);
-        frame.push_str("\ndata: ");
-        frame.push_str(&json);
-        frame.push_str("\n\n");
-        frame
+        if written.is_err() {
+            out.truncate(start);
+            out.extend_from_slice(b"null");
+        }
+        out.extend_from_slice(b"\n\n");
     }
 
     /// The `turn.end` summary, if this is it.
@@ -215,7 +223,7 @@ impl Serialize for RuntimeEventFrame<'_> {
         frame.serialize_field("type", e.event_type())?;
         match e.raw().get("data") {
             Some(data) => frame.serialize_field("data", data)?,
-            None => frame.serialize_field("data", &e.kind.data_value())?,
+            None => frame.serialize_field("data", &e.data_value())?,
         }
         frame.end()
     }
@@ -231,7 +239,7 @@ impl From<&SessionEvent> for SessionEventData {
             ephemeral: event.ephemeral,
             agent_id: event.agent_id.clone(),
             event_type: event.event_type().to_owned(),
-            data: event.kind.data_value(),
+            data: event.data_value(),
         }
     }
 }
@@ -365,14 +373,14 @@ impl ToSchema for TurnEventStream {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::fallback::FallbackClass;
     use crate::kinds::{OpenReason, TurnEnd};
     use crate::turn::Usage;
     use serde_json::json;
 
-    fn every_event() -> Vec<TurnEvent> {
+    pub(in crate::http) fn every_event() -> Vec<TurnEvent> {
         let usage = Usage::default();
         vec![
             TurnEvent::ToolCall(ToolCallEvent {

@@ -489,9 +489,8 @@ async fn respond(streaming: bool, events_rx: mpsc::Receiver<TurnEvent>) -> Respo
         if ended {
             return None;
         }
-        let event = rx.recv().await?;
-        let last = event.as_turn_end().is_some();
-        Some((Ok::<_, Infallible>(Bytes::from(event.frame())), (rx, last)))
+        let (frames, last) = next_frames(&mut rx).await?;
+        Some((Ok::<_, Infallible>(Bytes::from(frames)), (rx, last)))
     });
     Response::builder()
         .status(StatusCode::OK)
@@ -499,6 +498,31 @@ async fn respond(streaming: bool, events_rx: mpsc::Receiver<TurnEvent>) -> Respo
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(stream))
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
+}
+
+/// Bytes of SSE frames put into one write at most (beyond the first frame).
+const SSE_BATCH_BYTES: usize = 64 * 1024;
+
+/// The next event's SSE frame, followed by those of the events already waiting behind it
+/// (the runtime sends events in bursts): one body chunk, so one socket write, where each
+/// frame was a write (and a wake-up of the connection) of its own. Nothing waits for a
+/// batch to fill. `None` once the turn's events are over; `true` with the `turn.end` frame.
+async fn next_frames(rx: &mut mpsc::Receiver<TurnEvent>) -> Option<(Vec<u8>, bool)> {
+    let mut frames = Vec::new();
+    let mut event = rx.recv().await?;
+    loop {
+        event.frame_into(&mut frames);
+        if event.as_turn_end().is_some() {
+            return Some((frames, true));
+        }
+        if frames.len() >= SSE_BATCH_BYTES {
+            return Some((frames, false));
+        }
+        match rx.try_recv() {
+            Ok(next) => event = next,
+            Err(_) => return Some((frames, false)),
+        }
+    }
 }
 
 /// The runtime's own built-in that a gateway tool may not define.
@@ -570,5 +594,36 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.0.running.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::http::events::tests::every_event;
+
+    #[tokio::test]
+    async fn events_already_waiting_go_out_in_one_chunk_and_the_stream_ends_with_turn_end() {
+        let events = every_event();
+        let count = events.len();
+        let expected: Vec<u8> = events.iter().flat_map(|e| e.frame().into_bytes()).collect();
+        let (tx, mut rx) = mpsc::channel(64);
+        // One event waiting: it goes alone, at once.
+        let mut events = events.into_iter();
+        tx.send(events.next().expect("an event"))
+            .await
+            .expect("sent");
+        let (first, last) = next_frames(&mut rx).await.expect("a frame");
+        assert!(!last);
+        assert_eq!(first.as_slice(), every_event()[0].frame().as_bytes());
+        // The rest waiting together, `turn.end` last: one chunk, and the end.
+        for event in events {
+            tx.send(event).await.expect("sent");
+        }
+        let (rest, last) = next_frames(&mut rx).await.expect("frames");
+        assert!(last, "the chunk ends the stream");
+        assert_eq!([first, rest].concat(), expected, "{count} frames in order");
+        drop(tx);
+        assert!(next_frames(&mut rx).await.is_none());
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! Decoding never fails for an event that has an envelope: a type this crate does not model,
 //! or a known type whose data does not match (a newer runtime), becomes
-//! [`EventKind::Unknown`] with the raw data, so one odd event never breaks a stream. The
+//! [`EventKind::Unknown`] (its data is the event's [`SessionEvent::data`], kept once, in the
+//! event as it was sent: the runtime's internal `model.*` events carry tens of KiB each, and a
+//! copy per event was a tenth of the pool's CPU), so one odd event never breaks a stream. The
 //! runtime also streams internal `model.*` events that are in no schema; they land there too.
 
 use serde::{Deserialize, Serialize};
@@ -72,7 +74,6 @@ impl SessionEvent {
                 agent_id: None,
                 kind: EventKind::Unknown {
                     event_type: String::new(),
-                    data: value.clone(),
                 },
                 raw: value,
             },
@@ -95,6 +96,19 @@ impl SessionEvent {
         self.kind.event_type()
     }
 
+    /// `data` exactly as the runtime sent it (`null` when the event had none).
+    pub fn data(&self) -> &Value {
+        self.raw.get("data").unwrap_or(&NO_DATA)
+    }
+
+    /// The data as JSON: what this crate read of a typed event; all of an unknown one's.
+    pub fn data_value(&self) -> Value {
+        match &self.kind {
+            EventKind::Unknown { .. } => self.data().clone(),
+            kind => kind.typed_data_value(),
+        }
+    }
+
     /// The event as JSON, in the wire's envelope shape (`id`, `timestamp`, `parentId`,
     /// `ephemeral`, `agentId`, `type`, `data`).
     pub fn to_value(&self) -> Value {
@@ -105,7 +119,7 @@ impl SessionEvent {
             "ephemeral": self.ephemeral,
             "agentId": self.agent_id,
             "type": self.event_type(),
-            "data": self.kind.data_value(),
+            "data": self.data_value(),
         })
     }
 }
@@ -120,12 +134,11 @@ macro_rules! events {
                 #[doc = concat!("`", $name, "`")]
                 $variant($data),
             )*
-            /// A type this crate does not model (or whose data did not match).
+            /// A type this crate does not model (or whose data did not match): its data is
+            /// the event's [`SessionEvent::data`].
             Unknown {
                 /// The wire type.
                 event_type: String,
-                /// The raw data.
-                data: Value,
             },
         }
 
@@ -137,19 +150,20 @@ macro_rules! events {
                             Ok(d) => EventKind::$variant(d),
                             Err(error) => {
                                 tracing::debug!(event_type = $name, %error, "Event data did not match its type; kept raw.");
-                                EventKind::Unknown { event_type, data: data.clone() }
+                                EventKind::Unknown { event_type }
                             }
                         },
                     )*
-                    _ => EventKind::Unknown { event_type, data: data.clone() },
+                    _ => EventKind::Unknown { event_type },
                 }
             }
 
-            /// The data as JSON (what this crate read of it; unknown events keep all of it).
-            pub fn data_value(&self) -> Value {
+            /// A typed event's data as JSON (what this crate read of it); `null` for
+            /// [`EventKind::Unknown`], whose data only its event holds.
+            fn typed_data_value(&self) -> Value {
                 match self {
                     $( EventKind::$variant(d) => serde_json::to_value(d).unwrap_or(Value::Null), )*
-                    EventKind::Unknown { data, .. } => data.clone(),
+                    EventKind::Unknown { .. } => Value::Null,
                 }
             }
 
@@ -493,9 +507,11 @@ mod tests {
             ev.kind,
             EventKind::Unknown {
                 event_type: "model.call_start".into(),
-                data: json!({"x": 1})
             }
         );
+        assert_eq!(ev.data(), &json!({"x": 1}));
+        assert_eq!(ev.data_value(), json!({"x": 1}));
+        assert_eq!(ev.to_value()["data"], json!({"x": 1}));
         // A known type with data of the wrong shape does not break decoding.
         let ev = SessionEvent::from_value(
             json!({"id": "e", "type": "assistant.message", "data": {"content": 5}}),
