@@ -546,6 +546,7 @@ async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_d
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
     let sink = move |incoming| {
         if let copilot_pool::rpc::Incoming::Notification { method, params } = incoming {
+            let params: Value = serde_json::from_str(params.get()).expect("JSON params");
             let _ = events_tx.send((method, params));
         }
     };
@@ -628,7 +629,7 @@ async fn connected(
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let sink = move |incoming| {
         if let copilot_pool::rpc::Incoming::Notification { params, .. } = incoming {
-            let _ = tx.send(params);
+            let _ = tx.send(serde_json::from_str(params.get()).expect("JSON params"));
         }
     };
     let conn = Connection::start(read, write, ConnectionOptions::default(), Box::new(sink));

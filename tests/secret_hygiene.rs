@@ -58,7 +58,7 @@ async fn sdk_connection(
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let sink = move |incoming| {
         if let Incoming::Notification { params, .. } = incoming {
-            let _ = tx.send(params);
+            let _ = tx.send(serde_json::from_str(params.get()).expect("JSON params"));
         }
     };
     let conn = Connection::start(read, write, ConnectionOptions::default(), Box::new(sink));

@@ -221,9 +221,13 @@ impl Serialize for RuntimeEventFrame<'_> {
         frame.serialize_field("ephemeral", &e.ephemeral)?;
         frame.serialize_field("agentId", &e.agent_id)?;
         frame.serialize_field("type", e.event_type())?;
-        match e.raw().get("data") {
-            Some(data) => frame.serialize_field("data", data)?,
-            None => frame.serialize_field("data", &e.data_value())?,
+        match e.data() {
+            // As sent, unless it spans lines (JSON may have line breaks between its
+            // tokens, and an SSE `data:` line may not): then compacted.
+            Some(data) if !data.get().contains(['\n', '\r']) => {
+                frame.serialize_field("data", data)?
+            }
+            _ => frame.serialize_field("data", &e.data_value())?,
         }
         frame.end()
     }
@@ -505,6 +509,13 @@ pub(super) mod tests {
             assert_eq!(Some(name.as_str()), sent["type"].as_str());
             assert_eq!(data, sent);
         }
+        // Data that spans lines goes out on one line, the same JSON.
+        let pretty =
+            "{\"id\": \"e4\", \"type\": \"model.x\",\n \"data\": {\n  \"a\": [1,\r\n 2]\n}}";
+        let raw = serde_json::value::RawValue::from_string(pretty.to_owned()).expect("JSON");
+        let frame = TurnEvent::Runtime(Box::new(SessionEvent::from_raw(raw))).frame();
+        assert_eq!(frame.matches('\n').count(), 3, "{frame:?}");
+        assert!(frame.ends_with("\"data\":{\"a\":[1,2]}}\n\n"), "{frame:?}");
         // An event without data: its envelope normalised, its decoded payload, as before.
         let event = SessionEvent::from_value(json!({"id": "e3", "type": "session.idle"}));
         let before = serde_json::to_value(SessionEventData::from(&event)).expect("json");

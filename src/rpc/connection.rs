@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, oneshot};
@@ -126,14 +127,23 @@ impl RpcError {
     }
 }
 
+/// `params` of a notification that had none.
+fn null_params() -> Box<RawValue> {
+    RawValue::NULL.to_owned()
+}
+
 /// The id of a request. The runtime numbers its own requests; ids may be numbers or strings.
 pub type RequestId = Value;
 
 /// Something the peer sent that is not an answer to one of our requests.
 #[derive(Debug)]
 pub enum Incoming {
-    /// A notification (no answer expected).
-    Notification { method: String, params: Value },
+    /// A notification (no answer expected); `params` as the JSON text they came as (`null`
+    /// when absent), for the receiver to read what it needs of them.
+    Notification {
+        method: String,
+        params: Box<RawValue>,
+    },
     /// A request the owner must answer through its [`Responder`].
     Request(IncomingRequest),
     /// The transport ended; nothing more will arrive. Sent exactly once.
@@ -428,8 +438,8 @@ impl Connection {
         }
     }
 
-    /// Sends a notification (no answer).
-    pub fn notify(&self, method: &str, params: Value) -> Result<(), RpcError> {
+    /// Sends a notification (no answer); `params` serialized straight into the frame.
+    pub fn notify(&self, method: &str, params: impl Serialize) -> Result<(), RpcError> {
         let closed = |cause| RpcError::Closed {
             method: method.to_owned(),
             cause,
@@ -437,12 +447,21 @@ impl Connection {
         if let Some(cause) = self.shared.closed_cause() {
             return Err(closed(cause));
         }
-        let frame =
-            serde_json::to_vec(&json!({"jsonrpc": "2.0", "method": method, "params": params}))
-                .map_err(|e| RpcError::Encode {
-                    method: method.to_owned(),
-                    detail: e.to_string(),
-                })?;
+        #[derive(Serialize)]
+        struct Notification<'a, P> {
+            jsonrpc: &'static str,
+            method: &'a str,
+            params: P,
+        }
+        let frame = serde_json::to_vec(&Notification {
+            jsonrpc: "2.0",
+            method,
+            params,
+        })
+        .map_err(|e| RpcError::Encode {
+            method: method.to_owned(),
+            detail: e.to_string(),
+        })?;
         self.check_size(method, frame.len())?;
         self.shared
             .out
@@ -553,22 +572,54 @@ where
     let _ = shared.out.send(Outgoing::Close);
 }
 
+/// The members of a JSON-RPC message, read in one pass over the frame: params and a result
+/// stay the JSON text they came as (parsed, if at all, by whoever takes them).
+#[derive(Deserialize)]
+struct Members<'a> {
+    #[serde(default)]
+    method: Option<Value>,
+    #[serde(default)]
+    id: Option<Value>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    params: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    result: Option<&'a RawValue>,
+    #[serde(default, deserialize_with = "present")]
+    error: Option<Value>,
+}
+
+/// A member that is there is `Some`, `null` included (`"result": null` is an answer).
+fn present<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(deserializer).map(Some)
+}
+
 /// Routes one frame. An `Err` means the frame is not JSON-RPC and the stream is broken.
 fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), String> {
-    let message: Value = serde_json::from_slice(frame).map_err(|e| {
+    let not_json = |e: &dyn fmt::Display| {
         format!(
             "frame is not JSON ({e}): {:?}",
             String::from_utf8_lossy(&frame[..frame.len().min(80)])
         )
-    })?;
-    let Value::Object(mut obj) = message else {
-        return Err("frame is not a JSON-RPC object".to_owned());
     };
-    let method = obj.remove("method");
-    let id = obj.remove("id");
-    match (method, id) {
+    // A struct also reads from an array: only an object is a message.
+    if frame.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return match serde_json::from_slice::<serde::de::IgnoredAny>(frame) {
+            Ok(_) => Err("frame is not a JSON-RPC object".to_owned()),
+            Err(e) => Err(not_json(&e)),
+        };
+    }
+    let message: Members = serde_json::from_slice(frame).map_err(|e| not_json(&e))?;
+    let params = || message.params.map(RawValue::to_owned);
+    match (message.method, message.id) {
         (Some(Value::String(method)), Some(id)) if !id.is_null() => {
-            let params = obj.remove("params").unwrap_or(Value::Null);
+            let params = match message.params {
+                Some(raw) => serde_json::from_str(raw.get()).map_err(|e| not_json(&e))?,
+                None => Value::Null,
+            };
             let responder = Responder {
                 id: Some(id),
                 method: method.clone(),
@@ -583,14 +634,14 @@ fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), St
             Ok(())
         }
         (Some(Value::String(method)), _) => {
-            let params = obj.remove("params").unwrap_or(Value::Null);
+            let params = params().unwrap_or_else(null_params);
             sink(Incoming::Notification { method, params });
             Ok(())
         }
         (Some(_), _) => Err("method is not a string".to_owned()),
         (None, Some(id)) => {
             let outcome =
-                if let Some(error) = obj.remove("error") {
+                if let Some(error) = message.error {
                     let error = serde_json::from_value::<ErrorObject>(error.clone())
                         .unwrap_or_else(|_| ErrorObject {
                             code: INTERNAL_ERROR,
@@ -598,8 +649,8 @@ fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), St
                             data: Some(error),
                         });
                     Err(error)
-                } else if let Some(result) = obj.remove("result") {
-                    Ok(result)
+                } else if let Some(result) = message.result {
+                    Ok(serde_json::from_str(result.get()).map_err(|e| not_json(&e))?)
                 } else {
                     return Err("response without result or error".to_owned());
                 };
@@ -797,7 +848,7 @@ mod tests {
         let Some(Incoming::Notification { method, params }) = rx.recv().await else {
             panic!()
         };
-        assert_eq!((method.as_str(), params), ("note", json!([1])));
+        assert_eq!((method.as_str(), params.get()), ("note", "[1]"));
         let answer = read_frame(&mut peer).await;
         assert_eq!(
             answer,
@@ -829,6 +880,45 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[tokio::test]
+    async fn a_null_result_is_an_answer_a_notification_keeps_its_params_text_and_an_array_breaks_the_connection()
+     {
+        let (conn, mut peer, mut rx) = pair();
+        let call = tokio::spawn({
+            let conn = conn.clone();
+            async move { conn.request("m", Value::Null, None).await }
+        });
+        let sent = read_frame(&mut peer).await;
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"jsonrpc":"2.0","id":{},"result":null}}"#, sent["id"]),
+        )
+        .await;
+        assert_eq!(call.await.unwrap().unwrap(), Value::Null);
+        write_frame(
+            &mut peer,
+            r#"{"jsonrpc":"2.0","method":"n","params":{"b": [1, "\u00e9"]}}"#,
+        )
+        .await;
+        let Some(Incoming::Notification { method, params }) = rx.recv().await else {
+            panic!()
+        };
+        assert_eq!(
+            (method.as_str(), params.get()),
+            ("n", r#"{"b": [1, "\u00e9"]}"#)
+        );
+        write_frame(&mut peer, r#"{"jsonrpc":"2.0","method":"n"}"#).await;
+        let Some(Incoming::Notification { params, .. }) = rx.recv().await else {
+            panic!()
+        };
+        assert_eq!(params.get(), "null", "no params");
+        write_frame(&mut peer, r#"["n", 1]"#).await;
+        let Some(Incoming::Closed(CloseCause::ProtocolViolation(detail))) = rx.recv().await else {
+            panic!()
+        };
+        assert!(detail.contains("not a JSON-RPC object"), "{detail}");
     }
 
     #[tokio::test]

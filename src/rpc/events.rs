@@ -9,9 +9,10 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 /// One session event with its envelope.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct SessionEvent {
     /// Event id (uuid).
     pub id: String,
@@ -26,12 +27,38 @@ pub struct SessionEvent {
     /// The typed payload.
     pub kind: EventKind,
     /// The event exactly as the runtime sent it (for passing it on unchanged).
-    raw: Value,
+    raw: Box<RawValue>,
+    /// Its `data` as sent, `None` when it had none.
+    data: Option<Box<RawValue>>,
+}
+
+impl PartialEq for SessionEvent {
+    fn eq(&self, other: &Self) -> bool {
+        // Everything else is read from the event as sent.
+        self.raw.get() == other.raw.get() && self.kind == other.kind
+    }
+}
+
+/// `params` of a `session.event` notification, read without copying the event.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct EventParams<'a> {
+    #[serde(default)]
+    pub(crate) session_id: String,
+    #[serde(default, borrow)]
+    event: Option<&'a RawValue>,
+}
+
+impl EventParams<'_> {
+    /// The event they carry (`null`, an `Unknown` event with no type, when they carry none).
+    pub(crate) fn event(&self) -> SessionEvent {
+        SessionEvent::from_raw(self.event.unwrap_or(RawValue::NULL).to_owned())
+    }
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct Envelope {
+struct Envelope<'a> {
     #[serde(default)]
     id: String,
     #[serde(default)]
@@ -44,29 +71,42 @@ struct Envelope {
     agent_id: Option<String>,
     #[serde(rename = "type", default)]
     event_type: String,
+    #[serde(default, borrow)]
+    data: Option<&'a RawValue>,
 }
 
-/// `data` of an event that has none.
-static NO_DATA: Value = Value::Null;
-
 impl SessionEvent {
-    /// Decodes an event from its JSON. Unknown or unexpected shapes become
-    /// [`EventKind::Unknown`]; a value that is not even an object yields an `Unknown` event
-    /// with an empty type.
-    pub fn from_value(value: Value) -> Self {
-        // Read from a borrow: only the envelope's own fields are copied, and `data` is
-        // decoded from its place in the event (which is kept whole as `raw`).
-        match Envelope::deserialize(&value) {
-            Ok(env) => Self {
-                id: env.id,
-                timestamp: env.timestamp,
-                parent_id: env.parent_id,
-                ephemeral: env.ephemeral.unwrap_or(false),
-                agent_id: env.agent_id,
-                kind: EventKind::decode(env.event_type, value.get("data").unwrap_or(&NO_DATA)),
-                raw: value,
-            },
-            Err(_) => Self {
+    /// Decodes an event from its JSON text, kept as it is. Unknown or unexpected shapes
+    /// become [`EventKind::Unknown`]; a value that is not even an object yields an `Unknown`
+    /// event with an empty type. The text is read once: the envelope's fields are copied, a
+    /// typed payload is decoded from its place in the text, and nothing else is built (a
+    /// runtime's internal event of tens of KiB that is only passed on costs a copy of its
+    /// bytes, not a tree of values).
+    pub fn from_raw(raw: Box<RawValue>) -> Self {
+        let envelope = match raw.get().trim_start().starts_with('{') {
+            // A struct also reads from an array: only an object has an envelope.
+            true => serde_json::from_str::<Envelope>(raw.get()).ok(),
+            false => None,
+        };
+        match envelope {
+            Some(env) => {
+                let data = env.data.map(RawValue::to_owned);
+                let kind = EventKind::decode(
+                    env.event_type,
+                    data.as_deref().map_or("null", RawValue::get),
+                );
+                Self {
+                    id: env.id,
+                    timestamp: env.timestamp,
+                    parent_id: env.parent_id,
+                    ephemeral: env.ephemeral.unwrap_or(false),
+                    agent_id: env.agent_id,
+                    kind,
+                    raw,
+                    data,
+                }
+            }
+            None => Self {
                 id: String::new(),
                 timestamp: None,
                 parent_id: None,
@@ -75,19 +115,28 @@ impl SessionEvent {
                 kind: EventKind::Unknown {
                     event_type: String::new(),
                 },
-                raw: value,
+                data: Some(raw.clone()),
+                raw,
             },
         }
     }
 
+    /// Decodes an event from a JSON value (see [`from_raw`](Self::from_raw)).
+    pub fn from_value(value: Value) -> Self {
+        // A `Value` always serializes.
+        let raw =
+            serde_json::value::to_raw_value(&value).unwrap_or_else(|_| RawValue::NULL.to_owned());
+        Self::from_raw(raw)
+    }
+
     /// The event exactly as the runtime sent it, every field included (what
     /// [`SessionEvent::to_value`] does not model is kept here).
-    pub fn raw(&self) -> &Value {
+    pub fn raw(&self) -> &RawValue {
         &self.raw
     }
 
     /// The event exactly as the runtime sent it, taken (no copy).
-    pub fn into_raw(self) -> Value {
+    pub fn into_raw(self) -> Box<RawValue> {
         self.raw
     }
 
@@ -96,15 +145,18 @@ impl SessionEvent {
         self.kind.event_type()
     }
 
-    /// `data` exactly as the runtime sent it (`null` when the event had none).
-    pub fn data(&self) -> &Value {
-        self.raw.get("data").unwrap_or(&NO_DATA)
+    /// `data` exactly as the runtime sent it, `None` when the event had none.
+    pub fn data(&self) -> Option<&RawValue> {
+        self.data.as_deref()
     }
 
     /// The data as JSON: what this crate read of a typed event; all of an unknown one's.
     pub fn data_value(&self) -> Value {
         match &self.kind {
-            EventKind::Unknown { .. } => self.data().clone(),
+            EventKind::Unknown { .. } => self
+                .data()
+                .and_then(|raw| serde_json::from_str(raw.get()).ok())
+                .unwrap_or(Value::Null),
             kind => kind.typed_data_value(),
         }
     }
@@ -143,10 +195,10 @@ macro_rules! events {
         }
 
         impl EventKind {
-            fn decode(event_type: String, data: &Value) -> Self {
+            fn decode(event_type: String, data: &str) -> Self {
                 match event_type.as_str() {
                     $(
-                        $name => match <$data as Deserialize>::deserialize(data) {
+                        $name => match serde_json::from_str::<$data>(data) {
                             Ok(d) => EventKind::$variant(d),
                             Err(error) => {
                                 tracing::debug!(event_type = $name, %error, "Event data did not match its type; kept raw.");
@@ -479,7 +531,10 @@ mod tests {
             "data": {"messageId": "m1", "content": "hi", "newField": 5}, "newEnvelopeField": true
         });
         let ev = SessionEvent::from_value(sent.clone());
-        assert_eq!(ev.raw(), &sent);
+        assert_eq!(
+            serde_json::from_str::<Value>(ev.raw().get()).expect("JSON"),
+            sent
+        );
         // What the crate models drops the unknown field; the raw event does not.
         assert!(ev.to_value()["data"].get("newField").is_none());
     }
@@ -509,7 +564,7 @@ mod tests {
                 event_type: "model.call_start".into(),
             }
         );
-        assert_eq!(ev.data(), &json!({"x": 1}));
+        assert_eq!(ev.data().map(RawValue::get), Some(r#"{"x":1}"#));
         assert_eq!(ev.data_value(), json!({"x": 1}));
         assert_eq!(ev.to_value()["data"], json!({"x": 1}));
         // A known type with data of the wrong shape does not break decoding.

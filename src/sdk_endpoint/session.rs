@@ -578,8 +578,18 @@ impl SdkSession {
         self.notify_event(event.into_raw());
     }
 
-    fn notify_event(&self, event: Value) {
-        let params = json!({"sessionId": self.id().as_str(), "event": event});
+    fn notify_event(&self, event: impl serde::Serialize) {
+        #[derive(serde::Serialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Params<'a, E> {
+            session_id: &'a str,
+            event: E,
+        }
+        let id = self.id();
+        let params = Params {
+            session_id: id.as_str(),
+            event,
+        };
         if let Err(error) = self.client.notify("session.event", params) {
             tracing::debug!(%error, "An SDK client left before an event reached it.");
         }

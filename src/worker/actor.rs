@@ -262,7 +262,7 @@ impl Actor for Worker {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             WorkerMsg::Incoming(Incoming::Notification { method, params }) => {
-                state.on_notification(&method, params);
+                state.on_notification(&method, &params);
             }
             WorkerMsg::Incoming(Incoming::Request(request)) => {
                 state.on_request(request, &myself);

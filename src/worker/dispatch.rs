@@ -7,15 +7,16 @@
 //! never waits forever.
 
 use ractor::ActorRef;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
+use crate::rpc::IncomingRequest;
 use crate::rpc::connection::{ErrorObject, INVALID_PARAMS};
-use crate::rpc::events::EventKind;
+use crate::rpc::events::{EventKind, EventParams};
 use crate::rpc::messages::{
     HandlePendingPermission, HandlePendingToolCall, HookInvocation, HttpRequestChunk,
     HttpRequestStart, PermissionAnswer, ToolCallAnswer, UserInputRequest,
 };
-use crate::rpc::{IncomingRequest, SessionEvent};
 
 use super::actor::{WorkerMsg, WorkerState};
 use super::error::WorkerError;
@@ -23,10 +24,11 @@ use super::handle::PendingKind;
 use super::session::{ClientCall, ServerRequest, SessionUpdate};
 
 impl WorkerState {
-    pub(super) fn on_notification(&mut self, method: &str, params: Value) {
+    pub(super) fn on_notification(&mut self, method: &str, params: &RawValue) {
         if method != "session.event" {
             // session.lifecycle and anything newer that names a session: to that session as
             // it is; the rest (host.event, …) is not ours to act on.
+            let params: Value = serde_json::from_str(params.get()).unwrap_or(Value::Null);
             match session_of(&params) {
                 Some(session_id) => {
                     let call = ClientCall {
@@ -39,17 +41,14 @@ impl WorkerState {
             }
             return;
         }
-        let session_id = params
-            .get("sessionId")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned();
-        let mut params = params;
-        let event = params
-            .get_mut("event")
-            .map(Value::take)
-            .unwrap_or(Value::Null);
-        let event = SessionEvent::from_value(event);
+        // Read in place: only the session id is copied out, and the event keeps its text.
+        let (session_id, event) = match serde_json::from_str::<EventParams>(params.get()) {
+            Ok(params) => (params.session_id.clone(), params.event()),
+            Err(error) => {
+                tracing::debug!(%error, "Ignored a session.event whose params are not an object.");
+                return;
+            }
+        };
         match &event.kind {
             EventKind::ExternalToolRequested(req) => {
                 self.pending.insert((

@@ -179,7 +179,7 @@ impl SdkClient {
             if let Incoming::Notification { method, params } = incoming
                 && method == "session.event"
             {
-                let _ = events_tx.send(params);
+                let _ = events_tx.send(serde_json::from_str(params.get()).unwrap_or_default());
             }
         };
         let conn = Connection::start(read, write, ConnectionOptions::default(), Box::new(sink));
