@@ -2,7 +2,8 @@
 //! the scripted model: attachments (inline and by path, confined to the agent's work
 //! directory and the allowed roots), the agent mode, hooks answered over
 //! `/v1/requests/{id}`, compaction with custom instructions, and the `turn.end` summary's
-//! usage, model calls, error status and `session.task_complete`.
+//! usage, model calls, error status and `session.task_complete`, and the session events a turn
+//! leaves out of its stream (`omit_events`).
 
 mod support;
 
@@ -413,5 +414,52 @@ async fn compaction_over_http_takes_custom_instructions() {
     let last = fx.model.requests().pop().expect("the summary request");
     let text = serde_json::to_string(last.messages()).expect("json");
     assert!(text.contains("KEEP-THE-ZEBRA"), "{text}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn omitted_event_types_stay_off_the_stream_and_a_bad_pattern_is_refused_naming_it() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+    let types =
+        |events: &[Sse]| -> Vec<String> { events.iter().map(|e| e.event.clone()).collect() };
+
+    // The same turn twice: every event, then without the runtime's internal ones.
+    let body = turn(&url, "agent-o", "conv", "REPLY=first");
+    let (all, end) = SseStream::open(addr, "/v1/turns", None, &body)
+        .await
+        .until_end()
+        .await;
+    assert_eq!(end["status"], "idle", "{end}");
+    let all = types(&all);
+    assert!(
+        all.iter().any(|t| t.starts_with("model.")),
+        "the runtime streams internal model.* events: {all:?}"
+    );
+    let mut body = turn(&url, "agent-o", "conv", "REPLY=second");
+    body["omit_events"] = json!(["model.*", "session.usage_info"]);
+    let (some, end) = SseStream::open(addr, "/v1/turns", None, &body)
+        .await
+        .until_end()
+        .await;
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["final_text"], "second", "{end}");
+    let some = types(&some);
+    assert!(
+        !some
+            .iter()
+            .any(|t| t.starts_with("model.") || t == "session.usage_info"),
+        "{some:?}"
+    );
+    assert!(some.contains(&"assistant.message".to_owned()), "{some:?}");
+    assert_eq!(some.last().map(String::as_str), Some("turn.end"));
+
+    let mut bad = turn(&url, "agent-o", "conv", "REPLY=x");
+    bad["omit_events"] = json!(["model.*", "model*x"]);
+    let refused = call(addr, "POST", "/v1/turns", None, Some(&bad)).await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(refused.body.contains("omit_events[1]"), "{}", refused.body);
     server.stop().await;
 }

@@ -291,6 +291,14 @@ pub(super) struct TurnBody {
     #[serde(default)]
     #[schema(minimum = 1, maximum = 200_000)]
     pub prelude_chars: Option<usize>,
+    /// Session event types not to stream: each a type (`session.usage_info`) or a prefix
+    /// ending in `*` (`model.*`, the runtime's internal events, in no schema, with a whole
+    /// snapshot of the conversation per model call). The daemon's own events (`tool.call`,
+    /// `permission.request`, `user_input.request`, `hook.request`, `hook.notification`,
+    /// `backend.fallback`, `turn.end`) always come. At most 32; default: every event.
+    #[serde(default)]
+    #[schema(max_items = 32, example = json!(["model.*"]))]
+    pub omit_events: Vec<String>,
 }
 
 impl TurnBody {

@@ -376,6 +376,68 @@ impl ToSchema for TurnEventStream {
     }
 }
 
+/// The session events a turn leaves out of its stream (`omit_events`): types named exactly,
+/// and prefixes (a pattern ending in `*`). The daemon's own events always go out.
+#[derive(Debug, Default)]
+pub(super) struct EventFilter {
+    types: Vec<String>,
+    prefixes: Vec<String>,
+}
+
+/// Patterns one turn may name at most.
+const MAX_OMITTED: usize = 32;
+
+impl EventFilter {
+    /// Reads `omit_events`; an `Err` says which pattern is wrong and how to write it.
+    pub(super) fn parse(patterns: &[String]) -> Result<Self, String> {
+        if patterns.len() > MAX_OMITTED {
+            return Err(format!(
+                "omit_events names {} patterns, at most {MAX_OMITTED}: use a prefix such as \
+                 `model.*` for a family of events",
+                patterns.len()
+            ));
+        }
+        let mut filter = EventFilter::default();
+        for (i, pattern) in patterns.iter().enumerate() {
+            let (name, prefix) = match pattern.strip_suffix('*') {
+                Some(name) => (name, true),
+                None => (pattern.as_str(), false),
+            };
+            let valid = (prefix || !name.is_empty())
+                && name.len() <= 128
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+            if !valid {
+                return Err(format!(
+                    "omit_events[{i}] is {pattern:?}: write a session event type (letters, \
+                     digits, `.`, `_`, `-`; at most 128), or a prefix ending in `*` such as \
+                     `model.*`"
+                ));
+            }
+            match prefix {
+                true => filter.prefixes.push(name.to_owned()),
+                false => filter.types.push(name.to_owned()),
+            }
+        }
+        Ok(filter)
+    }
+
+    /// Whether `event` goes out on the stream.
+    pub(super) fn streams(&self, event: &TurnEvent) -> bool {
+        let event_type = match event {
+            TurnEvent::Runtime(e) => e.event_type(),
+            TurnEvent::Session(e) => &e.event_type,
+            _ => return true,
+        };
+        !(self.types.iter().any(|t| t == event_type)
+            || self
+                .prefixes
+                .iter()
+                .any(|p| event_type.starts_with(p.as_str())))
+    }
+}
+
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
@@ -462,6 +524,34 @@ pub(super) mod tests {
         assert_eq!(names[names.len() - 1], TURN_END);
         let distinct: std::collections::HashSet<_> = names.iter().collect();
         assert_eq!(distinct.len(), DAEMON_EVENTS.len() + 1);
+    }
+
+    #[test]
+    fn omitted_events_are_types_and_prefixes_of_session_events_and_the_daemons_own_always_go_out() {
+        let filter =
+            EventFilter::parse(&["model.*".into(), "session.usage_info".into()]).expect("valid");
+        let runtime = |t: &str| {
+            TurnEvent::Runtime(Box::new(SessionEvent::from_value(
+                json!({"id": "e", "type": t, "data": {}}),
+            )))
+        };
+        assert!(!filter.streams(&runtime("model.messages_snapshot")));
+        assert!(!filter.streams(&runtime("session.usage_info")));
+        assert!(filter.streams(&runtime("session.usage_info_v2")), "exact");
+        assert!(filter.streams(&runtime("assistant.message")));
+        let everything = EventFilter::parse(&["*".into()]).expect("valid");
+        assert!(!everything.streams(&runtime("assistant.message")));
+        for daemon in every_event() {
+            if !matches!(daemon, TurnEvent::Session(_)) {
+                assert!(everything.streams(&daemon), "{}", daemon.name());
+            }
+        }
+        for bad in ["", "model*x", "a b", "model.**", &"x".repeat(129)] {
+            let error = EventFilter::parse(&[bad.to_owned()]).expect_err(bad);
+            assert!(error.contains("omit_events[0]"), "{error}");
+        }
+        let many: Vec<String> = (0..33).map(|i| format!("t{i}")).collect();
+        assert!(EventFilter::parse(&many).is_err());
     }
 
     #[test]

@@ -23,7 +23,9 @@ use super::attachments::{check_off_thread, images_only, write_off_thread};
 use super::body::{ToolBody, TurnBody, create_work_dir, lease_request, parse, read_body};
 use super::error::ErrorBody;
 use super::error::{error, pool_error, rejection};
-use super::events::{SessionEventData, ToolCallEvent, TurnEndEvent, TurnEvent, TurnEventStream};
+use super::events::{
+    EventFilter, SessionEventData, ToolCallEvent, TurnEndEvent, TurnEvent, TurnEventStream,
+};
 use super::gateway::Link;
 use crate::backend::BackendEvent;
 use crate::fallback::{self, ChainEvent, ChainLease, ChainRequest, ChainSink};
@@ -148,6 +150,10 @@ pub(super) async fn post_turn(
     if let Err(message) = check_tools(&body.tools) {
         return error(StatusCode::BAD_REQUEST, "bad_request", message);
     }
+    let omitted = match EventFilter::parse(&body.omit_events) {
+        Ok(filter) => filter,
+        Err(message) => return error(StatusCode::BAD_REQUEST, "bad_request", message),
+    };
     let mut req = match lease_request(&state, &body.agent_id, &body.session_key, conv).await {
         Ok(r) => r,
         Err(r) => return r,
@@ -177,6 +183,7 @@ pub(super) async fn post_turn(
         streaming,
         tools: std::mem::take(&mut body.tools),
         hooks: std::mem::take(&mut body.hooks),
+        omitted,
     };
     let mut chain = ChainRequest::new(req, Message::new(body.prompt.clone()));
     chain.fallbacks = fallbacks;
@@ -388,6 +395,8 @@ struct StreamSink {
     /// The hooks the gateway answers (Copilot only: a chain with a CLI backend refuses
     /// them).
     hooks: Vec<HookName>,
+    /// The session events the turn leaves out of its stream (`omit_events`).
+    omitted: EventFilter,
 }
 
 impl ChainSink for StreamSink {
@@ -437,6 +446,9 @@ impl ChainSink for StreamSink {
             },
             ChainEvent::Fallback(notice) => TurnEvent::BackendFallback(notice),
         };
+        if !self.omitted.streams(&sse) {
+            return true;
+        }
         events.send_timeout(sse, SEND_TIMEOUT).await.is_ok()
     }
 

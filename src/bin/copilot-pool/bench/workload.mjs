@@ -84,6 +84,10 @@ async function httpTurn(agent, conversation, text, onFirst) {
     // runtime's built-in tools would enlarge every model request, and their cost, the runtimes'
     // CPU per turn, would be the workload's difference, not the pool's.)
     session: { streaming: STREAMING, availableTools: ["custom:*"] },
+    // What a gateway over HTTP does: it leaves out the runtime's internal events (in no
+    // schema; a snapshot of the whole conversation, tens of KiB, at every model call). The
+    // SDK modes cannot: the runtime sends every event to the SDK.
+    omit_events: ["model.*"],
   };
   if (TOOL) {
     body.tools = [{
