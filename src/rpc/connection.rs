@@ -576,9 +576,9 @@ where
 /// stay the JSON text they came as (parsed, if at all, by whoever takes them).
 #[derive(Deserialize)]
 struct Members<'a> {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "present")]
     method: Option<Value>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "present")]
     id: Option<Value>,
     #[serde(default, borrow, deserialize_with = "present")]
     params: Option<&'a RawValue>,
@@ -588,7 +588,8 @@ struct Members<'a> {
     error: Option<Value>,
 }
 
-/// A member that is there is `Some`, `null` included (`"result": null` is an answer).
+/// A member that is there is `Some`, `null` included (`"result": null` is an answer, and an
+/// error answered with `"id": null` is a response nobody waits for, not a broken stream).
 fn present<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
 where
     D: serde::Deserializer<'de>,
@@ -883,7 +884,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_null_result_is_an_answer_a_notification_keeps_its_params_text_and_an_array_breaks_the_connection()
+    async fn null_results_and_ids_are_answers_params_keep_their_text_and_an_array_breaks_the_connection()
      {
         let (conn, mut peer, mut rx) = pair();
         let call = tokio::spawn({
@@ -914,6 +915,17 @@ mod tests {
             panic!()
         };
         assert_eq!(params.get(), "null", "no params");
+        // An error the peer could not tie to a request: dropped, the stream goes on.
+        write_frame(
+            &mut peer,
+            r#"{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"parse error"}}"#,
+        )
+        .await;
+        write_frame(&mut peer, r#"{"jsonrpc":"2.0","method":"after"}"#).await;
+        let Some(Incoming::Notification { method, .. }) = rx.recv().await else {
+            panic!("the connection broke on an error with a null id")
+        };
+        assert_eq!(method, "after");
         write_frame(&mut peer, r#"["n", 1]"#).await;
         let Some(Incoming::Closed(CloseCause::ProtocolViolation(detail))) = rx.recv().await else {
             panic!()
