@@ -613,7 +613,17 @@ fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), St
             Err(e) => Err(not_json(&e)),
         };
     }
-    let message: Members = serde_json::from_slice(frame).map_err(|e| not_json(&e))?;
+    let read_again;
+    let message: Members = match serde_json::from_slice(frame) {
+        Ok(message) => message,
+        // Text the derive refuses but a `Value` reads (a key twice: the last one counts),
+        // read as a `Value` reads it, as frames were before.
+        Err(e) => {
+            let value: Value = serde_json::from_slice(frame).map_err(|_| not_json(&e))?;
+            read_again = serde_json::to_vec(&value).map_err(|e| not_json(&e))?;
+            serde_json::from_slice(&read_again).map_err(|e| not_json(&e))?
+        }
+    };
     let params = || message.params.map(RawValue::to_owned);
     match (message.method, message.id) {
         (Some(Value::String(method)), Some(id)) if !id.is_null() => {
@@ -926,6 +936,16 @@ mod tests {
             panic!("the connection broke on an error with a null id")
         };
         assert_eq!(method, "after");
+        // A key twice: the last one counts, as a `Value` reads it.
+        write_frame(
+            &mut peer,
+            r#"{"jsonrpc":"2.0","method":"a","params":1,"method":"b"}"#,
+        )
+        .await;
+        let Some(Incoming::Notification { method, params }) = rx.recv().await else {
+            panic!("the connection broke on a key given twice")
+        };
+        assert_eq!((method.as_str(), params.get()), ("b", "1"));
         write_frame(&mut peer, r#"["n", 1]"#).await;
         let Some(Incoming::Closed(CloseCause::ProtocolViolation(detail))) = rx.recv().await else {
             panic!()

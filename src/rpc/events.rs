@@ -56,6 +56,39 @@ impl EventParams<'_> {
     }
 }
 
+/// An event's envelope as read, with its decoded payload and its `data` text.
+struct ReadEnvelope {
+    id: String,
+    timestamp: Option<String>,
+    parent_id: Option<String>,
+    ephemeral: Option<bool>,
+    agent_id: Option<String>,
+    kind: EventKind,
+    data: Option<Box<RawValue>>,
+}
+
+impl Envelope<'_> {
+    /// Reads the envelope of the event `text` and decodes its payload; `None` when `text`
+    /// has no envelope this derive reads.
+    fn read(text: &str) -> Option<ReadEnvelope> {
+        let env = serde_json::from_str::<Envelope>(text).ok()?;
+        let data = env.data.map(RawValue::to_owned);
+        let kind = EventKind::decode(
+            env.event_type,
+            data.as_deref().map_or("null", RawValue::get),
+        );
+        Some(ReadEnvelope {
+            id: env.id,
+            timestamp: env.timestamp,
+            parent_id: env.parent_id,
+            ephemeral: env.ephemeral,
+            agent_id: env.agent_id,
+            kind,
+            data,
+        })
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Envelope<'a> {
@@ -83,29 +116,27 @@ impl SessionEvent {
     /// runtime's internal event of tens of KiB that is only passed on costs a copy of its
     /// bytes, not a tree of values).
     pub fn from_raw(raw: Box<RawValue>) -> Self {
+        // A struct also reads from an array: only an object has an envelope.
         let envelope = match raw.get().trim_start().starts_with('{') {
-            // A struct also reads from an array: only an object has an envelope.
-            true => serde_json::from_str::<Envelope>(raw.get()).ok(),
+            true => Envelope::read(raw.get()).or_else(|| {
+                // Text the derive refuses but a `Value` reads (a key twice: the last one
+                // counts), read as a `Value` reads it, as events were before.
+                let value = serde_json::from_str::<Value>(raw.get()).ok()?;
+                Envelope::read(serde_json::value::to_raw_value(&value).ok()?.get())
+            }),
             false => None,
         };
         match envelope {
-            Some(env) => {
-                let data = env.data.map(RawValue::to_owned);
-                let kind = EventKind::decode(
-                    env.event_type,
-                    data.as_deref().map_or("null", RawValue::get),
-                );
-                Self {
-                    id: env.id,
-                    timestamp: env.timestamp,
-                    parent_id: env.parent_id,
-                    ephemeral: env.ephemeral.unwrap_or(false),
-                    agent_id: env.agent_id,
-                    kind,
-                    raw,
-                    data,
-                }
-            }
+            Some(env) => Self {
+                id: env.id,
+                timestamp: env.timestamp,
+                parent_id: env.parent_id,
+                ephemeral: env.ephemeral.unwrap_or(false),
+                agent_id: env.agent_id,
+                kind: env.kind,
+                raw,
+                data: env.data,
+            },
             None => Self {
                 id: String::new(),
                 timestamp: None,
@@ -198,7 +229,12 @@ macro_rules! events {
             fn decode(event_type: String, data: &str) -> Self {
                 match event_type.as_str() {
                     $(
-                        $name => match serde_json::from_str::<$data>(data) {
+                        // Text the derive refuses but a `Value` reads (a key twice: the
+                        // last counts) decodes as a `Value` reads it.
+                        $name => match serde_json::from_str::<$data>(data).or_else(|_| {
+                            serde_json::from_str::<Value>(data)
+                                .and_then(|value| <$data as Deserialize>::deserialize(&value))
+                        }) {
                             Ok(d) => EventKind::$variant(d),
                             Err(error) => {
                                 tracing::debug!(event_type = $name, %error, "Event data did not match its type; kept raw.");
@@ -579,6 +615,29 @@ mod tests {
         assert!(
             matches!(ev.kind, EventKind::Unknown { ref event_type, .. } if event_type.is_empty())
         );
+    }
+
+    #[test]
+    fn a_key_twice_counts_once_the_last_time_as_a_value_reads_it() {
+        // In the data only (a tool request's `type`), then in the envelope too; the text is
+        // kept as sent.
+        let data = r#""data": {"messageId": "m", "content": "hi", "toolRequests": [{"toolCallId":
+            "c", "name": "n", "type": "bash", "arguments": {}, "type": "function"}]}"#;
+        for sent in [
+            format!(r#"{{"id": "e", "type": "assistant.message", {data}}}"#),
+            format!(
+                r#"{{"id": "e", "type": "session.idle", "type": "assistant.message", {data}}}"#
+            ),
+        ] {
+            let raw = RawValue::from_string(sent.clone()).expect("JSON");
+            let ev = SessionEvent::from_raw(raw);
+            let EventKind::AssistantMessage(message) = &ev.kind else {
+                panic!("{sent}: {:?}", ev.kind)
+            };
+            assert_eq!(message.tool_requests[0].r#type.as_deref(), Some("function"));
+            assert_eq!(ev.raw().get(), sent);
+            assert_eq!(SessionEvent::from_value(ev.to_value()).kind, ev.kind);
+        }
     }
 
     #[test]

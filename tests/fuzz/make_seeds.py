@@ -87,6 +87,9 @@ for name, ev in [("assistant_message", EV_MSG), ("session_idle", EV_IDLE), ("ext
 w("session_event", "not_an_object", '["assistant.message"]')
 w("session_event", "deeply_nested_array", DEEP)
 w("session_event", "deeply_nested_data", '{"id":"e7","type":"assistant.message","data":' + DEEP_OBJ + "}")
+# Found by the fuzzer: a key twice in a tool request; it decodes as a JSON value reads it (the
+# last one counts), as its wire form does.
+w("session_event", "duplicate_key_in_a_tool_request", '{"id": "3f1c2a8e-0b7d-4e55-9c1e-2f8a6d0b9e11", "timestamp": "2026-05-01T10:00:00.000Z", "pareEtId": null, "type": "assistant.message", "data": {"outputTok": "m-1", "c2ntent": "hello", "toolRequests": [{"toolCallId": "call-1", "type": "bash", "arg%uments": {"command": "ls"}, "type": "function"}]}}')
 
 
 # Transcript files (one JSON object per line).
