@@ -598,6 +598,15 @@ where
     T::deserialize(deserializer).map(Some)
 }
 
+/// JSON text that serde's derive refuses but a `Value` reads (a key given twice: the last one
+/// counts), written again as a `Value` reads it; `None` when it is not JSON. The one-pass
+/// readers of frames and events fall back on it, so such text means what it meant when
+/// everything was read into a `Value`.
+pub(crate) fn read_as_a_value_reads(text: &[u8]) -> Option<Vec<u8>> {
+    let value: Value = serde_json::from_slice(text).ok()?;
+    serde_json::to_vec(&value).ok()
+}
+
 /// Routes one frame. An `Err` means the frame is not JSON-RPC and the stream is broken.
 fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), String> {
     let not_json = |e: &dyn fmt::Display| {
@@ -616,15 +625,11 @@ fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), St
     let read_again;
     let message: Members = match serde_json::from_slice(frame) {
         Ok(message) => message,
-        // Text the derive refuses but a `Value` reads (a key twice: the last one counts),
-        // read as a `Value` reads it, as frames were before.
         Err(e) => {
-            let value: Value = serde_json::from_slice(frame).map_err(|_| not_json(&e))?;
-            read_again = serde_json::to_vec(&value).map_err(|e| not_json(&e))?;
+            read_again = read_as_a_value_reads(frame).ok_or_else(|| not_json(&e))?;
             serde_json::from_slice(&read_again).map_err(|e| not_json(&e))?
         }
     };
-    let params = || message.params.map(RawValue::to_owned);
     match (message.method, message.id) {
         (Some(Value::String(method)), Some(id)) if !id.is_null() => {
             let params = match message.params {
@@ -645,7 +650,7 @@ fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), St
             Ok(())
         }
         (Some(Value::String(method)), _) => {
-            let params = params().unwrap_or_else(null_params);
+            let params = message.params.map_or_else(null_params, RawValue::to_owned);
             sink(Incoming::Notification { method, params });
             Ok(())
         }

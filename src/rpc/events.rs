@@ -11,6 +11,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
 
+use super::connection::read_as_a_value_reads;
+
 /// One session event with its envelope.
 #[derive(Debug, Clone)]
 pub struct SessionEvent {
@@ -56,34 +58,24 @@ impl EventParams<'_> {
     }
 }
 
-/// An event's envelope as read, with its decoded payload and its `data` text.
-struct ReadEnvelope {
-    id: String,
-    timestamp: Option<String>,
-    parent_id: Option<String>,
-    ephemeral: Option<bool>,
-    agent_id: Option<String>,
-    kind: EventKind,
-    data: Option<Box<RawValue>>,
-}
-
 impl Envelope<'_> {
-    /// Reads the envelope of the event `text` and decodes its payload; `None` when `text`
-    /// has no envelope this derive reads.
-    fn read(text: &str) -> Option<ReadEnvelope> {
+    /// The event whose text is `text`, its payload decoded, `raw` left for the caller to set
+    /// (the envelope borrows from the text); `None` when `text` has no envelope.
+    fn read(text: &str) -> Option<SessionEvent> {
         let env = serde_json::from_str::<Envelope>(text).ok()?;
         let data = env.data.map(RawValue::to_owned);
         let kind = EventKind::decode(
             env.event_type,
             data.as_deref().map_or("null", RawValue::get),
         );
-        Some(ReadEnvelope {
+        Some(SessionEvent {
             id: env.id,
             timestamp: env.timestamp,
             parent_id: env.parent_id,
-            ephemeral: env.ephemeral,
+            ephemeral: env.ephemeral.unwrap_or(false),
             agent_id: env.agent_id,
             kind,
+            raw: RawValue::NULL.to_owned(),
             data,
         })
     }
@@ -117,26 +109,15 @@ impl SessionEvent {
     /// bytes, not a tree of values).
     pub fn from_raw(raw: Box<RawValue>) -> Self {
         // A struct also reads from an array: only an object has an envelope.
-        let envelope = match raw.get().trim_start().starts_with('{') {
+        let event = match raw.get().trim_start().starts_with('{') {
             true => Envelope::read(raw.get()).or_else(|| {
-                // Text the derive refuses but a `Value` reads (a key twice: the last one
-                // counts), read as a `Value` reads it, as events were before.
-                let value = serde_json::from_str::<Value>(raw.get()).ok()?;
-                Envelope::read(serde_json::value::to_raw_value(&value).ok()?.get())
+                let text = read_as_a_value_reads(raw.get().as_bytes())?;
+                Envelope::read(std::str::from_utf8(&text).ok()?)
             }),
             false => None,
         };
-        match envelope {
-            Some(env) => Self {
-                id: env.id,
-                timestamp: env.timestamp,
-                parent_id: env.parent_id,
-                ephemeral: env.ephemeral.unwrap_or(false),
-                agent_id: env.agent_id,
-                kind: env.kind,
-                raw,
-                data: env.data,
-            },
+        match event {
+            Some(event) => Self { raw, ..event },
             None => Self {
                 id: String::new(),
                 timestamp: None,
@@ -229,11 +210,10 @@ macro_rules! events {
             fn decode(event_type: String, data: &str) -> Self {
                 match event_type.as_str() {
                     $(
-                        // Text the derive refuses but a `Value` reads (a key twice: the
-                        // last counts) decodes as a `Value` reads it.
-                        $name => match serde_json::from_str::<$data>(data).or_else(|_| {
-                            serde_json::from_str::<Value>(data)
-                                .and_then(|value| <$data as Deserialize>::deserialize(&value))
+                        $name => match serde_json::from_str::<$data>(data).or_else(|error| {
+                            read_as_a_value_reads(data.as_bytes())
+                                .and_then(|text| serde_json::from_slice::<$data>(&text).ok())
+                                .ok_or(error)
                         }) {
                             Ok(d) => EventKind::$variant(d),
                             Err(error) => {
