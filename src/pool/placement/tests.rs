@@ -1823,7 +1823,8 @@ fn a_warm_spare_under_a_call_naming_no_conversation_is_not_stopped_when_its_wind
 }
 
 #[test]
-fn a_warm_spare_that_dies_is_no_demand_to_respawn_and_the_next_quiet_tick_owes_the_key_nothing() {
+fn a_warm_spare_that_dies_is_no_demand_to_respawn_and_its_returning_conversation_starts_a_process()
+{
     let mut sim = Sim::new(Limits {
         max_sessions_per_process: 4,
         ..spares(1)
