@@ -481,6 +481,11 @@ impl Connection {
         self.shared.closed_cause()
     }
 
+    /// The largest frame this connection sends or reads.
+    pub(crate) fn max_frame_bytes(&self) -> usize {
+        self.shared.options.max_frame_bytes
+    }
+
     /// Number of our requests still waiting for an answer.
     pub fn pending_requests(&self) -> usize {
         self.shared.pending.lock().map(|p| p.len()).unwrap_or(0)

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use tokio::sync::mpsc::error::TryRecvError;
 use tokio::task::AbortHandle;
 
 use super::{BodyChunk, ModelRequest, ModelResponse, ModelTunnel};
@@ -18,6 +19,9 @@ use crate::rpc::messages::{
 /// The most body text one `httpResponseChunk` carries when pieces that arrived together are
 /// sent as one (a piece larger than this still goes whole).
 const MAX_COALESCED_BYTES: usize = 64 << 10;
+/// The most body text of a response that is not an event stream held back to go in one
+/// chunk with the end (a larger body goes in chunks of this size).
+const MAX_WHOLE_BODY_BYTES: usize = 8 << 20;
 
 /// Requests being received and responses being streamed, by the runtime's request id.
 #[derive(Default)]
@@ -135,12 +139,22 @@ async fn serve(conn: Connection, tunnel: Arc<dyn ModelTunnel>, request: ModelReq
     answer(conn, request_id, response).await;
 }
 
-/// Streams `response` to the runtime as the answer to `request_id`.
+/// Streams `response` to the runtime as the answer to `request_id`: the head, then the body
+/// in as few `httpResponseChunk` calls as it allows, the last piece carrying `end` when the
+/// body is known to be over (no call of its own).
 async fn answer(conn: Connection, request_id: String, mut response: ModelResponse) {
     let mut headers: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (name, value) in response.headers {
         headers.entry(name).or_default().push(value);
     }
+    // A body that is not an event stream is of no use to the runtime before it is whole:
+    // it goes in one chunk (up to `MAX_WHOLE_BODY_BYTES`) with the end.
+    let whole = !headers.iter().any(|(name, values)| {
+        name.eq_ignore_ascii_case("content-type")
+            && values
+                .iter()
+                .any(|v| v.trim_start().starts_with("text/event-stream"))
+    });
     let head = HttpResponseStartParams {
         request_id: request_id.clone(),
         status: response.status,
@@ -156,7 +170,14 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
         end,
         error,
     };
-    // A piece that ended a coalesced chunk's reading and is sent next.
+    // Escaped for JSON, text can grow several times over: a whole body stays well inside
+    // the frame limit.
+    let limit = if whole {
+        MAX_WHOLE_BODY_BYTES.min(conn.max_frame_bytes() / 8)
+    } else {
+        MAX_COALESCED_BYTES
+    };
+    // A piece that ended a chunk's reading and is sent next.
     let mut held: Option<BodyChunk> = None;
     loop {
         let piece = match held.take() {
@@ -168,19 +189,29 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
         };
         let params = match piece {
             Ok(mut data) => {
+                let mut over = false;
                 // The pieces that arrived while the previous chunk's call was out go as one
                 // chunk: one round trip with the runtime instead of one each.
-                while data.len() < MAX_COALESCED_BYTES {
-                    match response.body.try_recv() {
-                        Ok(Ok(more)) => data.push_str(&more),
-                        Ok(Err(message)) => {
+                while data.len() < limit {
+                    let next = match response.body.try_recv() {
+                        Ok(next) => Some(next),
+                        Err(TryRecvError::Disconnected) => None,
+                        Err(TryRecvError::Empty) if whole => response.body.recv().await,
+                        Err(TryRecvError::Empty) => break,
+                    };
+                    match next {
+                        Some(Ok(more)) => data.push_str(&more),
+                        Some(Err(message)) => {
                             held = Some(Err(message));
                             break;
                         }
-                        Err(_) => break,
+                        None => {
+                            over = true;
+                            break;
+                        }
                     }
                 }
-                chunk(data, false, None)
+                chunk(data, over, None)
             }
             Err(message) => chunk(String::new(), true, Some(message)),
         };
@@ -235,9 +266,13 @@ mod tests {
         frame["params"].clone()
     }
 
-    /// Streams a response whose pieces were all queued before the first call went out, and
-    /// returns the chunk params the runtime's side received after the head.
-    async fn chunks_for(pieces: Vec<BodyChunk>) -> Vec<Value> {
+    /// Streams a response of `content_type` whose body comes from `body` (its sender, the
+    /// test's), and returns the chunk params the runtime's side received after the head.
+    async fn chunks_of(
+        content_type: &str,
+        body: mpsc::Receiver<BodyChunk>,
+        between_calls: impl Fn(usize) + Send + 'static,
+    ) -> Vec<Value> {
         let (ours, mut theirs) = duplex(1 << 20);
         let (r, w) = tokio::io::split(ours);
         let options = ConnectionOptions {
@@ -245,14 +280,9 @@ mod tests {
             default_timeout: Duration::from_secs(5),
         };
         let conn = Connection::start(r, w, options, Box::new(|_| {}));
-        let (tx, body) = mpsc::channel(16);
-        for piece in pieces {
-            tx.send(piece).await.expect("queued");
-        }
-        drop(tx);
         let response = ModelResponse {
             status: 200,
-            headers: Vec::new(),
+            headers: vec![("content-type".to_owned(), content_type.to_owned())],
             body,
         };
         let streaming = tokio::spawn(answer(conn, "r1".to_owned(), response));
@@ -260,6 +290,7 @@ mod tests {
         assert_eq!(head["status"], 200);
         let mut chunks = Vec::new();
         loop {
+            between_calls(chunks.len());
             let params = answer_one(&mut theirs).await;
             let end = params["end"] == true;
             chunks.push(params);
@@ -271,13 +302,66 @@ mod tests {
         chunks
     }
 
+    /// The chunks of an event stream whose pieces were all queued, and the body closed,
+    /// before the first call went out.
+    async fn chunks_for(pieces: Vec<BodyChunk>) -> Vec<Value> {
+        let (tx, body) = mpsc::channel(16);
+        for piece in pieces {
+            tx.send(piece).await.expect("queued");
+        }
+        drop(tx);
+        chunks_of("text/event-stream", body, |_| {}).await
+    }
+
     #[tokio::test]
-    async fn pieces_that_arrived_together_go_to_the_runtime_as_one_chunk() {
+    async fn pieces_that_arrived_together_go_to_the_runtime_as_one_chunk_with_the_end() {
         let pieces = ["data: a\n\n", "data: b\n\n", "data: c\n\n"];
         let chunks = chunks_for(pieces.iter().map(|p| Ok(p.to_string())).collect()).await;
-        assert_eq!(chunks.len(), 2, "one data chunk and the end: {chunks:?}");
+        assert_eq!(chunks.len(), 1, "one chunk, the last: {chunks:?}");
         assert_eq!(chunks[0]["data"], pieces.concat());
-        assert_eq!(chunks[1]["data"], "");
+        assert_eq!(chunks[0]["end"], true);
+    }
+
+    #[tokio::test]
+    async fn an_event_stream_goes_on_as_it_arrives_and_ends_with_a_chunk_of_its_own() {
+        let (tx, body) = mpsc::channel(16);
+        tx.send(Ok("data: a\n\n".to_owned())).await.expect("queued");
+        // The next piece comes only after the first chunk reached the runtime, and the end
+        // after the second.
+        let tx = std::sync::Mutex::new(Some(tx));
+        let chunks = chunks_of("text/event-stream", body, move |sent| {
+            let mut tx = tx.lock().expect("the test's sender");
+            match sent {
+                1 => {
+                    let _ = tx
+                        .as_ref()
+                        .expect("open")
+                        .try_send(Ok("data: b\n\n".to_owned()));
+                }
+                2 => *tx = None,
+                _ => {}
+            }
+        })
+        .await;
+        let data: Vec<_> = chunks.iter().map(|c| c["data"].clone()).collect();
+        assert_eq!(data, ["data: a\n\n", "data: b\n\n", ""], "{chunks:?}");
+        assert_eq!(chunks[2]["end"], true);
+    }
+
+    #[tokio::test]
+    async fn a_body_that_is_no_event_stream_waits_to_go_whole_with_the_end() {
+        let (tx, body) = mpsc::channel(16);
+        let sender = tokio::spawn(async move {
+            for piece in ["{\"choices\":", "[]}"] {
+                tx.send(Ok(piece.to_owned())).await.expect("queued");
+                tokio::task::yield_now().await;
+            }
+        });
+        let chunks = chunks_of("application/json", body, |_| {}).await;
+        sender.await.expect("sent");
+        assert_eq!(chunks.len(), 1, "{chunks:?}");
+        assert_eq!(chunks[0]["data"], "{\"choices\":[]}");
+        assert_eq!(chunks[0]["end"], true);
     }
 
     #[tokio::test]
