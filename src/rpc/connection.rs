@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::{SinkExt, StreamExt};
+use futures_util::{FutureExt, SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
@@ -291,6 +291,13 @@ impl Shared {
 /// reader task, so it must be quick (typically: forward into a channel or an actor mailbox).
 pub type IncomingSink = Box<dyn Fn(Incoming) + Send + Sync + 'static>;
 
+/// The callback of [`Connection::start_batched`]: what arrived together, in order, in one
+/// call (one wake-up of the owner instead of one per message).
+pub type IncomingBatchSink = Box<dyn Fn(Vec<Incoming>) + Send + Sync + 'static>;
+
+/// The most messages handed on in one batch.
+const MAX_BATCH: usize = 64;
+
 /// Closes our write half when the last [`Connection`] clone is dropped, so the writer task
 /// ends and the peer sees end of file.
 struct CloseOnDrop(mpsc::UnboundedSender<Outgoing>);
@@ -325,6 +332,22 @@ impl Connection {
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
+        let sink: IncomingBatchSink = Box::new(move |batch| batch.into_iter().for_each(&sink));
+        Self::start_batched(reader, writer, options, sink)
+    }
+
+    /// [`Connection::start`], with the messages that were read together (already in the
+    /// reader's buffer, or in the pipe, when one was read) passed on in one call, in order.
+    pub fn start_batched<R, W>(
+        reader: R,
+        writer: W,
+        options: ConnectionOptions,
+        sink: IncomingBatchSink,
+    ) -> Self
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             next_id: AtomicU64::new(1),
@@ -334,7 +357,7 @@ impl Connection {
             out: out_tx,
             options,
         });
-        let sink: Arc<IncomingSink> = Arc::new(sink);
+        let sink: Arc<IncomingBatchSink> = Arc::new(sink);
         // The writer holds the shared state weakly: it must not keep its own channel open.
         tokio::spawn(write_loop(
             writer,
@@ -509,10 +532,10 @@ impl Connection {
     }
 }
 
-fn report_close(shared: &Shared, sink: &IncomingSink, cause: CloseCause) {
+fn report_close(shared: &Shared, sink: &IncomingBatchSink, cause: CloseCause) {
     shared.close(cause.clone());
     if !shared.close_reported.swap(true, Ordering::SeqCst) {
-        sink(Incoming::Closed(cause));
+        sink(vec![Incoming::Closed(cause)]);
     }
 }
 
@@ -520,7 +543,7 @@ async fn write_loop<W>(
     writer: W,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
     shared: std::sync::Weak<Shared>,
-    sink: Arc<IncomingSink>,
+    sink: Arc<IncomingBatchSink>,
 ) where
     W: AsyncWrite + Unpin + Send + 'static,
 {
@@ -554,23 +577,43 @@ async fn write_loop<W>(
     let _ = framed.close().await;
 }
 
-async fn read_loop<R>(reader: R, shared: Arc<Shared>, sink: Arc<IncomingSink>)
+async fn read_loop<R>(reader: R, shared: Arc<Shared>, sink: Arc<IncomingBatchSink>)
 where
     R: AsyncRead + Unpin + Send + 'static,
 {
     let mut framed = FramedRead::new(reader, FrameCodec::new(shared.options.max_frame_bytes));
+    // What was read together goes on together: the frames the reader can give without
+    // waiting are dispatched into one batch, handed on when it would wait (or is full).
+    let mut batch = Vec::new();
     let cause = loop {
-        match framed.next().await {
+        let next = if batch.is_empty() {
+            framed.next().await
+        } else {
+            match framed.next().now_or_never() {
+                Some(next) => next,
+                None => {
+                    sink(std::mem::take(&mut batch));
+                    continue;
+                }
+            }
+        };
+        match next {
             None => break CloseCause::Eof,
             Some(Err(FrameError::Io(e))) => break CloseCause::Io(e.to_string()),
             Some(Err(e)) => break CloseCause::ProtocolViolation(e.to_string()),
             Some(Ok(frame)) => {
-                if let Err(violation) = dispatch(&frame, &shared, &sink) {
+                if let Err(violation) = dispatch(&frame, &shared, &mut batch, &sink) {
                     break CloseCause::ProtocolViolation(violation);
+                }
+                if batch.len() >= MAX_BATCH {
+                    sink(std::mem::take(&mut batch));
                 }
             }
         }
     };
+    if !batch.is_empty() {
+        sink(batch);
+    }
     tracing::debug!(%cause, "JSON-RPC transport closed.");
     report_close(&shared, &sink, cause);
     // Nothing more can be exchanged: let the writer finish and close our output.
@@ -612,8 +655,16 @@ pub(crate) fn read_as_a_value_reads(text: &[u8]) -> Option<Vec<u8>> {
     serde_json::to_vec(&value).ok()
 }
 
-/// Routes one frame. An `Err` means the frame is not JSON-RPC and the stream is broken.
-fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), String> {
+/// Routes one frame: a response to its waiting caller, anything else onto `batch`. What the
+/// batch holds is handed to `sink` before a response wakes its caller, so the owner sees
+/// everything the peer sent before the response first, as when each went on alone. An
+/// `Err` means the frame is not JSON-RPC and the stream is broken.
+fn dispatch(
+    frame: &[u8],
+    shared: &Shared,
+    batch: &mut Vec<Incoming>,
+    sink: &IncomingBatchSink,
+) -> Result<(), String> {
     let not_json = |e: &dyn fmt::Display| {
         format!(
             "frame is not JSON ({e}): {:?}",
@@ -647,7 +698,7 @@ fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), St
                 out: shared.out.clone(),
                 max_frame_bytes: shared.options.max_frame_bytes,
             };
-            sink(Incoming::Request(IncomingRequest {
+            batch.push(Incoming::Request(IncomingRequest {
                 method,
                 params,
                 responder,
@@ -656,7 +707,7 @@ fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), St
         }
         (Some(Value::String(method)), _) => {
             let params = message.params.map_or_else(null_params, RawValue::to_owned);
-            sink(Incoming::Notification { method, params });
+            batch.push(Incoming::Notification { method, params });
             Ok(())
         }
         (Some(_), _) => Err("method is not a string".to_owned()),
@@ -675,6 +726,9 @@ fn dispatch(frame: &[u8], shared: &Shared, sink: &IncomingSink) -> Result<(), St
                 } else {
                     return Err("response without result or error".to_owned());
                 };
+            if !batch.is_empty() {
+                sink(std::mem::take(batch));
+            }
             let waiter = id
                 .as_u64()
                 .and_then(|n| shared.pending.lock().ok().and_then(|mut p| p.remove(&n)));
@@ -734,6 +788,62 @@ mod tests {
         let mut body = vec![0; n];
         peer.read_exact(&mut body).await.unwrap();
         serde_json::from_slice(&body).unwrap()
+    }
+
+    #[tokio::test]
+    async fn what_was_read_together_goes_on_in_one_batch_and_before_a_response_wakes_its_caller() {
+        let (ours, mut peer) = duplex(1 << 16);
+        let (r, w) = tokio::io::split(ours);
+        let log = Arc::new(Mutex::new(Vec::<Vec<String>>::new()));
+        let sink_log = log.clone();
+        let conn = Connection::start_batched(
+            r,
+            w,
+            ConnectionOptions::default(),
+            Box::new(move |batch| {
+                let names = batch
+                    .into_iter()
+                    .map(|incoming| match incoming {
+                        Incoming::Notification { method, .. } => method,
+                        Incoming::Request(request) => request.method.clone(),
+                        Incoming::Closed(_) => "closed".to_owned(),
+                    })
+                    .collect();
+                sink_log.lock().expect("the log").push(names);
+            }),
+        );
+        let call = tokio::spawn({
+            let conn = conn.clone();
+            async move { conn.request("a", json!({}), None).await }
+        });
+        let request = read_frame(&mut peer).await;
+        let frame = |body: String| format!("Content-Length: {}\r\n\r\n{body}", body.len());
+        let note = |method: &str| frame(format!(r#"{{"jsonrpc":"2.0","method":"{method}"}}"#));
+        let mut bytes = [note("n1"), note("n2"), note("n3")].concat();
+        bytes += &frame(format!(
+            r#"{{"jsonrpc":"2.0","id":{},"result":"A"}}"#,
+            request["id"]
+        ));
+        bytes += &note("n4");
+        peer.write_all(bytes.as_bytes()).await.expect("written");
+        assert_eq!(call.await.expect("joined").expect("answered"), json!("A"));
+        // When the answer woke its caller, what came before it had gone on, in one batch.
+        let before = log.lock().expect("the log").first().cloned();
+        assert_eq!(
+            before,
+            Some(vec!["n1".to_owned(), "n2".to_owned(), "n3".to_owned()])
+        );
+        drop(peer);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while log.lock().expect("the log").len() < 3 {
+            assert!(tokio::time::Instant::now() < deadline, "{:?}", log.lock());
+            tokio::task::yield_now().await;
+        }
+        let batches = log.lock().expect("the log").clone();
+        assert_eq!(
+            batches[1..],
+            [vec!["n4".to_owned()], vec!["closed".to_owned()]]
+        );
     }
 
     #[tokio::test]

@@ -48,8 +48,8 @@ pub(crate) struct StartArgs {
 
 /// Messages of the worker actor.
 pub(crate) enum WorkerMsg {
-    /// Something the child sent (from the connection's reader).
-    Incoming(Incoming),
+    /// What the child sent, in order, as the connection's reader read it together.
+    Incoming(Vec<Incoming>),
     /// The child's leader was reaped.
     ChildExited(ExitInfo),
     /// Time for a health ping.
@@ -177,17 +177,17 @@ impl Actor for Worker {
             record_group(ledger, &child);
         }
         let sink_target = myself.clone();
-        let conn = Connection::start(
+        let conn = Connection::start_batched(
             io.stdout,
             io.stdin,
             ConnectionOptions {
                 max_frame_bytes: config.max_frame_bytes,
                 default_timeout: config.request_timeout,
             },
-            Box::new(move |incoming| {
+            Box::new(move |batch| {
                 // If the actor is gone, an incoming request's responder is dropped here and
                 // answers with an error by itself.
-                let _ = sink_target.cast(WorkerMsg::Incoming(incoming));
+                let _ = sink_target.cast(WorkerMsg::Incoming(batch));
             }),
         );
         let info = match handshake(&conn, &config).await {
@@ -261,23 +261,33 @@ impl Actor for Worker {
         state: &mut WorkerState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            WorkerMsg::Incoming(Incoming::Notification { method, params }) => {
-                state.on_notification(&method, &params);
-            }
-            WorkerMsg::Incoming(Incoming::Request(request)) => {
-                state.on_request(request, &myself);
-            }
-            WorkerMsg::Incoming(Incoming::Closed(cause)) => {
-                let reason = match cause {
-                    CloseCause::ProtocolViolation(detail) => ExitReason::ProtocolViolation(detail),
-                    CloseCause::Eof | CloseCause::Io(_) | CloseCause::Local => {
-                        match tokio::time::timeout(EXIT_AFTER_EOF_WAIT, state.child.wait()).await {
-                            Ok(status) => ExitReason::ChildExited(status),
-                            Err(_) => ExitReason::TransportClosed(None),
+            WorkerMsg::Incoming(batch) => {
+                for incoming in batch {
+                    match incoming {
+                        Incoming::Notification { method, params } => {
+                            state.on_notification(&method, &params);
+                        }
+                        Incoming::Request(request) => state.on_request(request, &myself),
+                        Incoming::Closed(cause) => {
+                            let reason = match cause {
+                                CloseCause::ProtocolViolation(detail) => {
+                                    ExitReason::ProtocolViolation(detail)
+                                }
+                                CloseCause::Eof | CloseCause::Io(_) | CloseCause::Local => {
+                                    let waited = tokio::time::timeout(
+                                        EXIT_AFTER_EOF_WAIT,
+                                        state.child.wait(),
+                                    );
+                                    match waited.await {
+                                        Ok(status) => ExitReason::ChildExited(status),
+                                        Err(_) => ExitReason::TransportClosed(None),
+                                    }
+                                }
+                            };
+                            return Err(state.die(reason).await);
                         }
                     }
-                };
-                return Err(state.die(reason).await);
+                }
             }
             WorkerMsg::ChildExited(status) => {
                 return Err(state.die(ExitReason::ChildExited(status)).await);
