@@ -19,8 +19,9 @@ use crate::rpc::messages::{
 /// The most body text one `httpResponseChunk` carries when pieces that arrived together are
 /// sent as one (a piece larger than this still goes whole).
 const MAX_COALESCED_BYTES: usize = 64 << 10;
-/// The most body text of a response that is not an event stream held back to go in one
-/// chunk with the end (a larger body goes in chunks of this size).
+/// The most body text of a JSON document held back to go in one chunk with the end (at
+/// most an eighth of the connection's frame limit, too); past it, what was held goes as a
+/// chunk of its own, overshooting the limit by at most the piece that crossed it.
 const MAX_WHOLE_BODY_BYTES: usize = 8 << 20;
 
 /// Requests being received and responses being streamed, by the runtime's request id.
@@ -147,14 +148,10 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
     for (name, value) in response.headers {
         headers.entry(name).or_default().push(value);
     }
-    // A body that is not an event stream is of no use to the runtime before it is whole:
-    // it goes in one chunk (up to `MAX_WHOLE_BODY_BYTES`) with the end.
-    let whole = !headers.iter().any(|(name, values)| {
-        name.eq_ignore_ascii_case("content-type")
-            && values
-                .iter()
-                .any(|v| v.trim_start().starts_with("text/event-stream"))
-    });
+    // A JSON document is of no use to the runtime before it is whole: it goes in one chunk
+    // with the end. Anything else (an event stream, NDJSON, no content type) may be a
+    // stream and goes on as it arrives.
+    let whole = is_json_document(&headers);
     let head = HttpResponseStartParams {
         request_id: request_id.clone(),
         status: response.status,
@@ -232,6 +229,19 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
     }
 }
 
+/// Whether the response's content type is `application/json` (media types ignore case;
+/// parameters such as `charset` do not matter).
+fn is_json_document(headers: &BTreeMap<String, Vec<String>>) -> bool {
+    headers
+        .iter()
+        .filter(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+        .flat_map(|(_, values)| values)
+        .any(|value| {
+            let media_type = value.split(';').next().unwrap_or_default().trim();
+            media_type.eq_ignore_ascii_case("application/json")
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -286,12 +296,18 @@ mod tests {
             body,
         };
         let streaming = tokio::spawn(answer(conn, "r1".to_owned(), response));
-        let head = answer_one(&mut theirs).await;
+        // The limits are failure guards: a chunk that never comes fails the test.
+        let limit = Duration::from_secs(10);
+        let head = tokio::time::timeout(limit, answer_one(&mut theirs))
+            .await
+            .expect("the head in time");
         assert_eq!(head["status"], 200);
         let mut chunks = Vec::new();
         loop {
             between_calls(chunks.len());
-            let params = answer_one(&mut theirs).await;
+            let params = tokio::time::timeout(limit, answer_one(&mut theirs))
+                .await
+                .unwrap_or_else(|_| panic!("a chunk in time after {chunks:?}"));
             let end = params["end"] == true;
             chunks.push(params);
             if end {
@@ -322,14 +338,13 @@ mod tests {
         assert_eq!(chunks[0]["end"], true);
     }
 
-    #[tokio::test]
-    async fn an_event_stream_goes_on_as_it_arrives_and_ends_with_a_chunk_of_its_own() {
+    /// The chunks of a body of `content_type` whose first piece is queued, whose second comes
+    /// only after the first chunk reached the runtime, and which ends after the second.
+    async fn chunks_of_a_slow_body(content_type: &str) -> Vec<Value> {
         let (tx, body) = mpsc::channel(16);
         tx.send(Ok("data: a\n\n".to_owned())).await.expect("queued");
-        // The next piece comes only after the first chunk reached the runtime, and the end
-        // after the second.
         let tx = std::sync::Mutex::new(Some(tx));
-        let chunks = chunks_of("text/event-stream", body, move |sent| {
+        chunks_of(content_type, body, move |sent| {
             let mut tx = tx.lock().expect("the test's sender");
             match sent {
                 1 => {
@@ -342,26 +357,45 @@ mod tests {
                 _ => {}
             }
         })
-        .await;
-        let data: Vec<_> = chunks.iter().map(|c| c["data"].clone()).collect();
-        assert_eq!(data, ["data: a\n\n", "data: b\n\n", ""], "{chunks:?}");
-        assert_eq!(chunks[2]["end"], true);
+        .await
     }
 
     #[tokio::test]
-    async fn a_body_that_is_no_event_stream_waits_to_go_whole_with_the_end() {
-        let (tx, body) = mpsc::channel(16);
-        let sender = tokio::spawn(async move {
-            for piece in ["{\"choices\":", "[]}"] {
-                tx.send(Ok(piece.to_owned())).await.expect("queued");
-                tokio::task::yield_now().await;
-            }
-        });
-        let chunks = chunks_of("application/json", body, |_| {}).await;
-        sender.await.expect("sent");
-        assert_eq!(chunks.len(), 1, "{chunks:?}");
-        assert_eq!(chunks[0]["data"], "{\"choices\":[]}");
-        assert_eq!(chunks[0]["end"], true);
+    async fn a_body_that_may_stream_goes_on_as_it_arrives_and_ends_with_a_chunk_of_its_own() {
+        for content_type in [
+            "text/event-stream",
+            "Text/Event-Stream; charset=utf-8",
+            "application/x-ndjson",
+            "",
+        ] {
+            let chunks = chunks_of_a_slow_body(content_type).await;
+            let data: Vec<_> = chunks.iter().map(|c| c["data"].clone()).collect();
+            assert_eq!(
+                data,
+                ["data: a\n\n", "data: b\n\n", ""],
+                "{content_type:?}: {chunks:?}"
+            );
+            assert_eq!(chunks[2]["end"], true);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_json_document_waits_to_go_whole_with_the_end() {
+        for content_type in ["application/json", "Application/JSON; charset=utf-8"] {
+            // Room for one piece: the second is sent only once the first was taken, so the
+            // answer has read the first before the rest of the body exists.
+            let (tx, body) = mpsc::channel(1);
+            let sender = tokio::spawn(async move {
+                for piece in ["{\"choices\":", "[]}"] {
+                    tx.send(Ok(piece.to_owned())).await.expect("queued");
+                }
+            });
+            let chunks = chunks_of(content_type, body, |_| {}).await;
+            sender.await.expect("sent");
+            assert_eq!(chunks.len(), 1, "{content_type:?}: {chunks:?}");
+            assert_eq!(chunks[0]["data"], "{\"choices\":[]}");
+            assert_eq!(chunks[0]["end"], true);
+        }
     }
 
     #[tokio::test]

@@ -74,7 +74,9 @@ pub struct ModelResponse {
     /// Response headers, one entry per value.
     pub headers: Vec<(String, String)>,
     /// Body chunks in order; the body ends when the channel closes. An `Err` ends the body
-    /// with that error message (sent to the runtime as a failed chunk).
+    /// with that error message (sent to the runtime as a failed chunk). A body whose
+    /// `content-type` is `application/json` reaches the runtime only once the channel has
+    /// closed (whole, in one chunk, up to 8 MiB); any other goes on as it arrives.
     pub body: mpsc::Receiver<BodyChunk>,
 }
 
