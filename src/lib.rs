@@ -99,7 +99,8 @@
 //! * [`session_options`] — the runtime's `session.create` fields a caller may set, checked
 //!   against the runtime's schema, and where their directories may lie.
 //!
-//! Also: `low_latency` (TCP tuning of the accepted connections of both surfaces) and a hidden
+//! Also: `low_latency` (TCP tuning of the accepted connections of both surfaces),
+//! `media_type` (a media type's essence, for the attachments and the tunnel) and a hidden
 //! `fuzzing` module (entry points for `tests/fuzz`).
 //!
 //! The library installs nothing global: no tracing subscriber, metrics recorder, signal
@@ -121,6 +122,7 @@ pub mod ids;
 pub mod kinds;
 #[cfg(any(feature = "http", feature = "sdk-endpoint"))]
 mod low_latency;
+mod media_type;
 pub mod metrics;
 pub mod model_guard;
 mod panic_guard;

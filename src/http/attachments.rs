@@ -16,6 +16,7 @@ use base64::Engine;
 use serde::Deserialize;
 
 use super::error::error;
+use crate::media_type::essence;
 use crate::rpc::messages::{Attachment, LineRange};
 
 /// Attachments one turn may carry.
@@ -36,16 +37,6 @@ const KNOWN_MEDIA_TYPES: &[(&str, &str)] = &[
     ("text/csv", "csv"),
     ("application/json", "json"),
 ];
-
-/// A media type without its parameters, lower case (`Image/PNG; x=1` → `image/png`).
-fn essence(media_type: &str) -> String {
-    media_type
-        .split(';')
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_ascii_lowercase()
-}
 
 /// Limits of inline attachments.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -840,6 +840,31 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_batch_holds_at_most_max_batch_messages() {
+        let (ours, mut peer) = duplex(1 << 16);
+        let (r, w) = tokio::io::split(ours);
+        let (batches, mut handed_on) = mpsc::unbounded_channel::<usize>();
+        let _conn = Connection::start_batched(
+            r,
+            w,
+            ConnectionOptions::default(),
+            Box::new(move |batch| {
+                let _ = batches.send(batch.len());
+            }),
+        );
+        let note = r#"{"jsonrpc":"2.0","method":"n"}"#;
+        let bytes = format!("Content-Length: {}\r\n\r\n{note}", note.len()).repeat(MAX_BATCH + 1);
+        peer.write_all(bytes.as_bytes()).await.expect("written");
+        drop(peer);
+        let mut sizes = Vec::new();
+        while let Some(size) = handed_on.recv().await {
+            sizes.push(size);
+        }
+        // Everything was in the buffer at once: one full batch, the rest, and the close.
+        assert_eq!(sizes, [MAX_BATCH, 1, 1]);
+    }
+
+    #[tokio::test]
     async fn correlates_responses_out_of_order() {
         let (conn, mut peer, _rx) = pair();
         let a = tokio::spawn({

@@ -10,6 +10,7 @@ use tokio::sync::mpsc::error::TryRecvError;
 use tokio::task::AbortHandle;
 
 use super::{BodyChunk, ModelRequest, ModelResponse, ModelTunnel};
+use crate::media_type::essence;
 use crate::rpc::Connection;
 use crate::rpc::messages::{
     HttpRequestChunk, HttpRequestStart, HttpResponseChunk, HttpResponseChunkParams,
@@ -229,17 +230,14 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
     }
 }
 
-/// Whether the response's content type is `application/json` (media types ignore case;
-/// parameters such as `charset` do not matter).
+/// Whether the response's content type is `application/json` (in any case, with any
+/// parameters).
 fn is_json_document(headers: &BTreeMap<String, Vec<String>>) -> bool {
     headers
         .iter()
         .filter(|(name, _)| name.eq_ignore_ascii_case("content-type"))
         .flat_map(|(_, values)| values)
-        .any(|value| {
-            let media_type = value.split(';').next().unwrap_or_default().trim();
-            media_type.eq_ignore_ascii_case("application/json")
-        })
+        .any(|value| essence(value) == "application/json")
 }
 
 #[cfg(test)]
