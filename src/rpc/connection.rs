@@ -552,29 +552,54 @@ async fn write_loop<W>(
         .map(|s| s.options.max_frame_bytes)
         .unwrap_or(super::codec::DEFAULT_MAX_FRAME_BYTES);
     let mut framed = FramedWrite::new(writer, FrameCodec::new(max));
-    while let Some(item) = rx.recv().await {
-        match item {
-            Outgoing::Frame(bytes) => match framed.send(bytes).await {
-                Ok(()) => {}
-                Err(FrameError::TooLarge { announced, max }) => {
-                    // Only our own oversized message is lost; the stream stays in sync.
-                    tracing::warn!(
-                        announced,
-                        max,
-                        "Dropped an outgoing frame over the size limit."
-                    );
-                }
-                Err(error) => {
-                    if let Some(shared) = shared.upgrade() {
-                        report_close(&shared, &sink, CloseCause::Io(error.to_string()));
+    let mut closing = false;
+    while !closing && let Some(first) = rx.recv().await {
+        // What was queued together is written together: every frame already waiting goes
+        // into the buffer (which writes itself out past its backpressure boundary), then one
+        // flush, so a burst (a response with the next request, several conversations' sends)
+        // is one write and one wake-up of the peer, not one each.
+        let mut next = Some(first);
+        while let Some(item) = next.take() {
+            match item {
+                Outgoing::Frame(bytes) => match framed.feed(bytes).await {
+                    Ok(()) => {}
+                    Err(FrameError::TooLarge { announced, max }) => {
+                        // Only our own oversized message is lost; the stream stays in sync.
+                        tracing::warn!(
+                            announced,
+                            max,
+                            "Dropped an outgoing frame over the size limit."
+                        );
                     }
-                    return;
+                    Err(error) => {
+                        close_on_write_error(&shared, &sink, error);
+                        return;
+                    }
+                },
+                Outgoing::Close => {
+                    closing = true;
+                    break;
                 }
-            },
-            Outgoing::Close => break,
+            }
+            next = rx.try_recv().ok();
+        }
+        if let Err(error) = framed.flush().await {
+            close_on_write_error(&shared, &sink, error);
+            return;
         }
     }
     let _ = framed.close().await;
+}
+
+/// The writer failed: the connection is closed, and its owner told why.
+fn close_on_write_error(
+    shared: &std::sync::Weak<Shared>,
+    sink: &Arc<IncomingBatchSink>,
+    error: FrameError,
+) {
+    if let Some(shared) = shared.upgrade() {
+        report_close(&shared, sink, CloseCause::Io(error.to_string()));
+    }
 }
 
 async fn read_loop<R>(reader: R, shared: Arc<Shared>, sink: Arc<IncomingBatchSink>)
@@ -837,6 +862,62 @@ mod tests {
             rest.push(batch);
         }
         assert_eq!(rest, [vec!["n4".to_owned()], vec!["closed".to_owned()]]);
+    }
+
+    /// A writer that hands on what each of its write calls was given.
+    struct Writes(mpsc::UnboundedSender<Vec<u8>>);
+
+    impl AsyncWrite for Writes {
+        fn poll_write(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            let _ = self.0.send(buf.to_vec());
+            std::task::Poll::Ready(Ok(buf.len()))
+        }
+
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn frames_queued_together_go_out_in_one_write() {
+        let (writes, mut written) = mpsc::unbounded_channel();
+        let (reader, _peer) = duplex(64);
+        let conn = Connection::start(
+            reader,
+            Writes(writes),
+            ConnectionOptions::default(),
+            Box::new(|_| {}),
+        );
+        // Queued before the writer runs: this test's runtime has one thread, busy here.
+        for method in ["a", "b", "c"] {
+            conn.notify(method, json!({})).expect("queued");
+        }
+        let first = String::from_utf8(written.recv().await.expect("a write")).expect("text");
+        let methods: Vec<&str> = ["\"a\"", "\"b\"", "\"c\""]
+            .into_iter()
+            .filter(|m| first.contains(m))
+            .collect();
+        assert_eq!(methods.len(), 3, "one write held all three frames: {first}");
+        conn.notify("d", json!({})).expect("queued");
+        let second = String::from_utf8(written.recv().await.expect("a write")).expect("text");
+        assert!(
+            second.contains("\"d\"") && !second.contains("\"c\""),
+            "{second}"
+        );
     }
 
     #[tokio::test]
