@@ -10,8 +10,9 @@
 # copilot-pool cache, where the tests look too: $COPILOT_POOL_CACHE_DIR/tools, else
 # $XDG_CACHE_HOME/copilot-pool/tools, else ~/.cache/copilot-pool/tools. It is built in a
 # temporary folder beside it and renamed into place once pip has finished, so concurrent runs
-# never see half an install (the tests also serialize their installs with a lock). Needs
-# python3 with its venv module (Debian: python3-venv) and access to PyPI.
+# never see half an install (the tests also serialize their installs with a lock). The
+# environment comes from scripts/make-venv.sh (the python3 on PATH, else Debian's Python
+# unpacked into the cache); pip needs access to PyPI.
 set -euo pipefail
 
 # The pinned version: the fuzzer's numbers in the README are from this one.
@@ -48,16 +49,11 @@ if [[ -x "${target}/bin/python" ]]; then
     echo "${target}/bin/python"
     exit 0
 fi
-if ! command -v python3 >/dev/null 2>&1; then
-    echo "error: python3 is not on PATH (install python3 and python3-venv)" >&2
-    exit 1
-fi
-
 mkdir -p "${dir}"
 tmp="$(mktemp -d "${dir}/.schemathesis-install.XXXXXX")"
 trap 'rm -rf "${tmp}"' EXIT
-if ! python3 -m venv "${tmp}/venv"; then
-    echo "error: python3 -m venv failed (on Debian: apt-get install python3-venv)" >&2
+if ! bash "$(dirname "${BASH_SOURCE[0]}")/make-venv.sh" "${tmp}/venv" >/dev/null; then
+    echo "error: making the virtual environment failed (its error is above)" >&2
     exit 1
 fi
 "${tmp}/venv/bin/python" -m pip install --quiet --disable-pip-version-check "schemathesis==${version}"

@@ -1,11 +1,12 @@
 //! The official Python SDK (`github-copilot-sdk`, pinned below) for the tests that attach it
 //! to the SDK endpoint, found or installed the way the runtime and the Node SDK are, so that
-//! `cargo test` needs nothing beyond Rust, Node.js and a Python 3 with `venv`.
+//! `cargo test` needs nothing beyond Rust and Node.js on a Debian-like machine.
 //!
 //! Lookup order: `COPILOT_POOL_PYTHON_SDK_PYTHON` (a Python that imports `copilot` at this
 //! version) → `<cache>/tools/python-sdk/<version>/bin/python` (a virtual environment,
-//! complete when its marker is there) → installed there: `python3 -m venv`, then `pip install
-//! github-copilot-sdk==<version>`. `<cache>` is the runtime's cache directory
+//! complete when its marker is there) → installed there: a virtual environment made by
+//! [`MAKE_VENV`] (the `python3` on `PATH`, else Debian's Python unpacked into the cache), then
+//! `pip install github-copilot-sdk==<version>`. `<cache>` is the runtime's cache directory
 //! (`COPILOT_POOL_CACHE_DIR`, `$XDG_CACHE_HOME/copilot-pool`, `~/.cache/copilot-pool`).
 //!
 //! The install runs under an exclusive `flock` on `<cache>/python-sdk-<version>.lock`, into a
@@ -42,6 +43,9 @@ pub const ENV: &str = "COPILOT_POOL_PYTHON_SDK_PYTHON";
 /// How long one install may take in all: waiting for the lock, venv, then pip.
 pub const INSTALL_TIMEOUT: Duration = Duration::from_secs(5 * 60);
 
+/// Makes a virtual environment with pip at its argument, whether or not a Python is installed.
+pub const MAKE_VENV: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/make-venv.sh");
+
 /// Written last into a complete install.
 const MARKER: &str = ".copilot-pool-installed";
 
@@ -62,7 +66,7 @@ fn python_in(prefix: &Path) -> PathBuf {
 
 fn manual_fix(prefix: &Path) -> String {
     format!(
-        "install it by hand with `python3 -m venv {p} && {p}/bin/python -m pip install \
+        "install it by hand with `bash {MAKE_VENV} {p} && {p}/bin/python -m pip install \
          {PACKAGE}=={VERSION}` and `touch {m}`, or set {ENV} to a Python that imports copilot \
          ({PACKAGE} {VERSION})",
         p = prefix.display(),
@@ -102,11 +106,9 @@ async fn install(cache: &Path, prefix: &Path) -> Result<(), String> {
     std::fs::create_dir_all(parent).map_err(|e| format!("creating {}: {e}", parent.display()))?;
     let tmp = parent.join(format!(".{VERSION}.tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    let python3 = runtime::find_on_path("python3", std::env::var_os("PATH"))
-        .ok_or("python3 is not on PATH (install Python 3 with its venv module)")?;
-    let mut venv = Command::new(python3);
-    venv.args(["-m", "venv"]).arg(&tmp);
-    if let Err(error) = run("python3 -m venv", &mut venv, deadline).await {
+    let mut venv = Command::new("bash");
+    venv.arg(MAKE_VENV).arg(&tmp);
+    if let Err(error) = run("make-venv.sh", &mut venv, deadline).await {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(error);
     }

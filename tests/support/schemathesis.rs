@@ -36,8 +36,8 @@ static PYTHON: OnceCell<PathBuf> = OnceCell::const_new();
 
 fn manual_fix() -> String {
     format!(
-        "run `{INSTALL_COMMAND}` from the repository root by hand (it needs python3 with venv \
-         and PyPI), or set {ENV} to a python that has schemathesis=={VERSION}"
+        "run `{INSTALL_COMMAND}` from the repository root by hand (it needs PyPI, and a python3 \
+         with venv or Debian's package archive), or set {ENV} to a python that has schemathesis=={VERSION}"
     )
 }
 

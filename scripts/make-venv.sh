@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Makes a Python virtual environment with pip at DEST and prints the path of its python, for
+# the tests' Python tools (the official Python SDK, schemathesis), so that `cargo test` needs
+# nothing beyond Rust and Node.js on a Debian-like machine:
+#
+#   bash scripts/make-venv.sh DEST              # makes DEST, prints DEST/bin/python
+#   bash scripts/make-venv.sh --no-system DEST  # never the python3 on PATH (the fallback's test)
+#
+# With a python3 on PATH that has venv and ensurepip: `python3 -m venv DEST`. Else Debian's
+# Python (the interpreter and standard library of the version `python3-minimal` depends on,
+# and Debian's pip wheel): `apt-get download` + `dpkg-deb -x`, nothing installed system-wide
+# (root only for one `apt-get update` when the package lists are missing), unpacked once into
+# the tools folder of the copilot-pool cache ($COPILOT_POOL_CACHE_DIR/tools, else
+# $XDG_CACHE_HOME/copilot-pool/tools, else ~/.cache/copilot-pool/tools) as `debian-python`,
+# renamed into place when complete so concurrent runs never see half of it. The environment
+# is made without pip (Debian's ensurepip looks for its wheels only under
+# /usr/share/python-wheels) and pip is installed into it from the unpacked wheel.
+set -euo pipefail
+
+usage="usage: make-venv.sh [--no-system] DEST"
+system=1
+dest=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --no-system) system=0 ;;
+        -*) echo "error: unknown option $1 (${usage})" >&2; exit 2 ;;
+        *)
+            [[ -z "${dest}" ]] || { echo "error: one DEST only (${usage})" >&2; exit 2; }
+            dest="$1"
+            ;;
+    esac
+    shift
+done
+[[ -n "${dest}" ]] || { echo "error: no DEST (${usage})" >&2; exit 2; }
+
+if [[ "${system}" -eq 1 ]] && command -v python3 >/dev/null 2>&1 \
+    && python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    python3 -m venv "${dest}"
+    echo "${dest}/bin/python"
+    exit 0
+fi
+
+if [[ -n "${COPILOT_POOL_CACHE_DIR:-}" ]]; then
+    tools="${COPILOT_POOL_CACHE_DIR}/tools"
+elif [[ "${XDG_CACHE_HOME:-}" == /* ]]; then
+    tools="${XDG_CACHE_HOME}/copilot-pool/tools"
+elif [[ -n "${HOME:-}" ]]; then
+    tools="${HOME}/.cache/copilot-pool/tools"
+else
+    echo "error: none of COPILOT_POOL_CACHE_DIR, XDG_CACHE_HOME or HOME is set, and python3" \
+        "with venv is not on PATH: install python3 and python3-venv" >&2
+    exit 1
+fi
+root="${tools}/debian-python"
+
+# The unpacked Python, if a run before completed it: its interpreter and pip wheel.
+find_unpacked() {
+    python="$(find "${root}/usr/bin" -maxdepth 1 -name 'python3.*' -type f 2>/dev/null | sort | head -n 1)"
+    wheel="$(find "${root}/usr/share/python-wheels" -maxdepth 1 -name 'pip-*.whl' 2>/dev/null | head -n 1)"
+    [[ -n "${python}" && -n "${wheel}" && -f "${root}/.complete" ]]
+}
+
+if ! find_unpacked; then
+    for tool in apt-get apt-cache dpkg-deb; do
+        if ! command -v "${tool}" >/dev/null 2>&1; then
+            echo "error: python3 with venv is not on PATH and ${tool} is missing to fetch" \
+                "Debian's Python: install python3 and python3-venv" >&2
+            exit 1
+        fi
+    done
+    mkdir -p "${tools}"
+    tmp="$(mktemp -d "${tools}/.debian-python.XXXXXX")"
+    trap 'rm -rf "${tmp}"' EXIT
+    version() {
+        apt-cache depends python3-minimal 2>/dev/null | grep -o 'python3\.[0-9]*-minimal' | head -n 1 \
+            | sed 's/^python\(3\.[0-9]*\)-minimal$/\1/'
+    }
+    v="$(version)"
+    if [[ -z "${v}" ]]; then
+        if [[ "$(id -u)" -ne 0 ]]; then
+            echo "error: apt-cache knows no python3-minimal; run 'apt-get update' as root first," \
+                "or install python3 and python3-venv" >&2
+            exit 1
+        fi
+        echo "no package lists; running apt-get update once" >&2
+        apt-get update -qq >&2
+        v="$(version)"
+        [[ -n "${v}" ]] || { echo "error: apt-cache knows no python3-minimal after apt-get update" >&2; exit 1; }
+    fi
+    # As root, apt-get warns that it downloads "unsandboxed" into this private directory:
+    # harmless.
+    (cd "${tmp}" && apt-get download -q "python${v}-minimal" "libpython${v}-minimal" \
+        "libpython${v}-stdlib" "python${v}-venv" python3-pip-whl python3-setuptools-whl >&2)
+    for deb in "${tmp}"/*.deb; do
+        dpkg-deb -x "${deb}" "${tmp}/root"
+    done
+    touch "${tmp}/root/.complete"
+    # Another run may have put its own in place meanwhile: either is whole, keep the first.
+    mv -T "${tmp}/root" "${root}" 2>/dev/null || true
+    find_unpacked || { echo "error: Debian's python${v} packages did not unpack a python and a pip wheel into ${root}" >&2; exit 1; }
+fi
+
+# The unpacked interpreter loads the system's shared libraries (libssl, libexpat, libffi,
+# zlib): a missing one is named here rather than deep inside pip.
+if ! missing="$("${python}" -c 'import ssl, pyexpat, zlib, ctypes, venv' 2>&1)"; then
+    echo "error: Debian's Python in ${root} cannot load its modules (${missing##*$'\n'}):" \
+        "install the system library it names, or install python3 and python3-venv" >&2
+    exit 1
+fi
+"${python}" -m venv --without-pip "${dest}"
+"${dest}/bin/python" "${wheel}/pip" install --quiet --no-index --disable-pip-version-check "${wheel}" >&2
+echo "${dest}/bin/python"

@@ -1,0 +1,69 @@
+//! `scripts/make-venv.sh`, which gives the tests' Python tools (the official Python SDK,
+//! schemathesis) their virtual environments, on a machine without a Python: Debian's Python,
+//! unpacked into the cache, makes an environment whose pip runs. (With a `python3` on `PATH`
+//! the script uses it, so on most machines only this test takes the other path.)
+
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use copilot_pool::process::GroupLeader;
+use copilot_pool::runtime;
+use tokio::process::Command;
+use tokio::time::Instant;
+
+/// A failure guard for one command (the first run downloads ~8 MB of packages).
+const LIMIT: Duration = Duration::from_secs(5 * 60);
+
+/// Runs `program args` to its end in its own process group; its stdout, or a panic with what
+/// it printed.
+async fn run(program: &str, args: &[&str]) -> String {
+    let mut command = Command::new(program);
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let leader = GroupLeader::spawn(&mut command).expect("started");
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = leader
+        .output_until(Instant::now() + LIMIT, Duration::from_secs(5))
+        .await
+        .unwrap_or_else(|_| panic!("{program} {args:?} ran past {LIMIT:?}"))
+        .expect("waited for");
+    let stdout = String::from_utf8_lossy(&stdout).into_owned();
+    assert!(
+        status.success(),
+        "{program} {args:?}: {status}\n{stdout}{}",
+        String::from_utf8_lossy(&stderr)
+    );
+    stdout
+}
+
+#[tokio::test]
+async fn without_a_python_on_path_debians_python_makes_a_virtual_environment_whose_pip_runs() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let dest = dir.path().join("venv");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/make-venv.sh");
+    let dest_text = dest.to_str().expect("a UTF-8 path");
+    let printed = run("bash", &[script, "--no-system", dest_text]).await;
+    let python = dest.join("bin/python");
+    assert_eq!(printed.trim(), python.display().to_string());
+
+    // The environment stands on the Python unpacked into the cache, not on any other.
+    let cache = runtime::cache_dir(runtime::process_env).expect("the cache directory");
+    let unpacked = std::fs::canonicalize(cache.join("tools/debian-python")).expect("unpacked");
+    let python_text = python.to_str().expect("a UTF-8 path");
+    let base = run(python_text, &["-c", "import sys; print(sys.base_prefix)"]).await;
+    assert!(
+        std::path::Path::new(base.trim()).starts_with(&unpacked),
+        "{} is not under {}",
+        base.trim(),
+        unpacked.display()
+    );
+    // Its pip is its own, and runs.
+    let pip = run(python_text, &["-m", "pip", "--version"]).await;
+    assert!(pip.contains(dest_text), "{pip}");
+}
