@@ -33,6 +33,13 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "${dest}" ]] || { echo "error: no DEST (${usage})" >&2; exit 2; }
 
+# What to do when Debian's Python cannot be had either.
+if [[ "${system}" -eq 1 ]]; then
+    fix="install python3 and python3-venv"
+else
+    fix="--no-system needs a Debian-like system (apt-get, apt-cache, dpkg-deb)"
+fi
+
 if [[ "${system}" -eq 1 ]] && command -v python3 >/dev/null 2>&1 \
     && python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
     python3 -m venv "${dest}"
@@ -47,8 +54,8 @@ elif [[ "${XDG_CACHE_HOME:-}" == /* ]]; then
 elif [[ -n "${HOME:-}" ]]; then
     tools="${HOME}/.cache/copilot-pool/tools"
 else
-    echo "error: none of COPILOT_POOL_CACHE_DIR, XDG_CACHE_HOME or HOME is set, and python3" \
-        "with venv is not on PATH: install python3 and python3-venv" >&2
+    echo "error: none of COPILOT_POOL_CACHE_DIR, XDG_CACHE_HOME or HOME is set to unpack" \
+        "Debian's Python under: set one, or ${fix}" >&2
     exit 1
 fi
 root="${tools}/debian-python"
@@ -63,23 +70,30 @@ find_unpacked() {
 if ! find_unpacked; then
     for tool in apt-get apt-cache dpkg-deb; do
         if ! command -v "${tool}" >/dev/null 2>&1; then
-            echo "error: python3 with venv is not on PATH and ${tool} is missing to fetch" \
-                "Debian's Python: install python3 and python3-venv" >&2
+            echo "error: ${tool} is missing to fetch Debian's Python: ${fix}" >&2
             exit 1
         fi
     done
     mkdir -p "${tools}"
+    # What a run killed at its deadline left behind (its EXIT trap did not run).
+    find "${tools}" -maxdepth 1 -name '.debian-python.*' -mmin +60 -exec rm -rf {} + 2>/dev/null || true
     tmp="$(mktemp -d "${tools}/.debian-python.XXXXXX")"
     trap 'rm -rf "${tmp}"' EXIT
+    # The Python version Debian's python3-minimal depends on (3.11 on bookworm); empty when
+    # apt knows no such package (no package lists yet). No pipeline: under pipefail a
+    # consumer that stops reading early would fail the whole script.
     version() {
-        apt-cache depends python3-minimal 2>/dev/null | grep -o 'python3\.[0-9]*-minimal' | head -n 1 \
-            | sed 's/^python\(3\.[0-9]*\)-minimal$/\1/'
+        local deps
+        deps="$(apt-cache depends python3-minimal 2>/dev/null || true)"
+        if [[ "${deps}" =~ python(3\.[0-9]+)-minimal ]]; then
+            echo "${BASH_REMATCH[1]}"
+        fi
     }
     v="$(version)"
     if [[ -z "${v}" ]]; then
         if [[ "$(id -u)" -ne 0 ]]; then
             echo "error: apt-cache knows no python3-minimal; run 'apt-get update' as root first," \
-                "or install python3 and python3-venv" >&2
+                "or ${fix}" >&2
             exit 1
         fi
         echo "no package lists; running apt-get update once" >&2
@@ -95,6 +109,11 @@ if ! find_unpacked; then
         dpkg-deb -x "${deb}" "${tmp}/root"
     done
     touch "${tmp}/root/.complete"
+    # Only a complete unpack is ever renamed into place, so one without its marker is not
+    # another run's work in progress but something left by hand: it goes.
+    if [[ -e "${root}" && ! -f "${root}/.complete" ]]; then
+        rm -rf "${root}"
+    fi
     # Another run may have put its own in place meanwhile: either is whole, keep the first.
     mv -T "${tmp}/root" "${root}" 2>/dev/null || true
     find_unpacked || { echo "error: Debian's python${v} packages did not unpack a python and a pip wheel into ${root}" >&2; exit 1; }
@@ -104,7 +123,7 @@ fi
 # zlib): a missing one is named here rather than deep inside pip.
 if ! missing="$("${python}" -c 'import ssl, pyexpat, zlib, ctypes, venv' 2>&1)"; then
     echo "error: Debian's Python in ${root} cannot load its modules (${missing##*$'\n'}):" \
-        "install the system library it names, or install python3 and python3-venv" >&2
+        "install the system library it names, or ${fix}" >&2
     exit 1
 fi
 "${python}" -m venv --without-pip "${dest}"

@@ -1,7 +1,8 @@
 //! `scripts/make-venv.sh`, which gives the tests' Python tools (the official Python SDK,
 //! schemathesis) their virtual environments, on a machine without a Python: Debian's Python,
 //! unpacked into the cache, makes an environment whose pip runs. (With a `python3` on `PATH`
-//! the script uses it, so on most machines only this test takes the other path.)
+//! the script uses it, so on most machines only this test takes the other path; it needs a
+//! Debian-like system: apt-get, apt-cache and dpkg-deb, and package lists or root.)
 
 use std::process::{Output, Stdio};
 use std::time::Duration;
@@ -57,10 +58,11 @@ async fn without_a_python_on_path_debians_python_makes_a_virtual_environment_who
     let unpacked = std::fs::canonicalize(cache.join("tools/debian-python")).expect("unpacked");
     let python_text = python.to_str().expect("a UTF-8 path");
     let base = run(python_text, &["-c", "import sys; print(sys.base_prefix)"]).await;
+    let base = std::fs::canonicalize(base.trim()).expect("the base prefix exists");
     assert!(
-        std::path::Path::new(base.trim()).starts_with(&unpacked),
+        base.starts_with(&unpacked),
         "{} is not under {}",
-        base.trim(),
+        base.display(),
         unpacked.display()
     );
     // Its pip is its own, and runs.

@@ -11,7 +11,7 @@
 //!
 //! The install runs under an exclusive `flock` on `<cache>/python-sdk-<version>.lock`, into a
 //! temporary directory renamed into place when complete (the environment's `bin/python` is a
-//! link to the system Python and finds its packages relative to itself, so the move keeps it
+//! link to the Python that made it and finds its packages relative to itself, so the move keeps it
 //! working; only `python` is ever run from it), so concurrent test binaries install once.
 //! Waiting for the lock, `venv` and pip share one deadline ([`INSTALL_TIMEOUT`]); each runs
 //! in its own process group, SIGKILLed at the deadline or when the install is dropped. Every
@@ -141,8 +141,9 @@ async fn run(what: &str, command: &mut Command, deadline: Instant) -> Result<(),
     let leader = GroupLeader::spawn(command).map_err(|e| format!("starting {what}: {e}"))?;
     let Ok(output) = leader.output_until(deadline, REAP_AFTER_KILL).await else {
         return Err(format!(
-            "{what} did not finish within {INSTALL_TIMEOUT:?} and was killed (check access \
-             to the Python package index)"
+            "{what} did not finish within {INSTALL_TIMEOUT:?} and was killed (check access to \
+             the Python package index, and to Debian's package archive on a machine without \
+             python3)"
         ));
     };
     let Output {

@@ -1,5 +1,6 @@
 //! schemathesis (the OpenAPI fuzzer, from PyPI) for the contract test, found or installed the
-//! way promtool is, so that `cargo test` needs nothing beyond Rust, Node.js and Python 3.
+//! way promtool is, so that `cargo test` needs nothing beyond Rust and Node.js on a
+//! Debian-like machine (its environment comes from `scripts/make-venv.sh`).
 //!
 //! Lookup order: `SCHEMATHESIS_PYTHON` (a python that has schemathesis) →
 //! `<cache>/tools/schemathesis-<version>/bin/python` → installed there by
