@@ -75,16 +75,9 @@ for tool in cargo c++ flock timeout; do
     fi
 done
 
-if [[ -n "${COPILOT_POOL_CACHE_DIR:-}" ]]; then
-    tools="${COPILOT_POOL_CACHE_DIR}/tools"
-elif [[ "${XDG_CACHE_HOME:-}" == /* ]]; then
-    tools="${XDG_CACHE_HOME}/copilot-pool/tools"
-elif [[ -n "${HOME:-}" ]]; then
-    tools="${HOME}/.cache/copilot-pool/tools"
-else
-    echo "error: none of COPILOT_POOL_CACHE_DIR, XDG_CACHE_HOME or HOME is set" >&2
-    exit 1
-fi
+# shellcheck source=scripts/tools-dir.sh
+source "$(dirname "${BASH_SOURCE[0]}")/tools-dir.sh"
+tools="$(tools_dir)" || { echo "error: none of COPILOT_POOL_CACHE_DIR, XDG_CACHE_HOME or HOME is set" >&2; exit 1; }
 root="${tools}/cargo-fuzz-${CARGO_FUZZ_VERSION}"
 cargo_fuzz="${root}/bin/cargo-fuzz"
 

@@ -32,16 +32,9 @@ while [[ $# -gt 0 ]]; do
 done
 
 if [[ -z "${dir}" ]]; then
-    if [[ -n "${COPILOT_POOL_CACHE_DIR:-}" ]]; then
-        dir="${COPILOT_POOL_CACHE_DIR}/tools"
-    elif [[ "${XDG_CACHE_HOME:-}" == /* ]]; then
-        dir="${XDG_CACHE_HOME}/copilot-pool/tools"
-    elif [[ -n "${HOME:-}" ]]; then
-        dir="${HOME}/.cache/copilot-pool/tools"
-    else
-        echo "error: none of COPILOT_POOL_CACHE_DIR, XDG_CACHE_HOME or HOME is set; pass --dir DIR" >&2
-        exit 1
-    fi
+    # shellcheck source=scripts/tools-dir.sh
+    source "$(dirname "${BASH_SOURCE[0]}")/tools-dir.sh"
+    dir="$(tools_dir)" || { echo "error: none of COPILOT_POOL_CACHE_DIR, XDG_CACHE_HOME or HOME is set; pass --dir DIR" >&2; exit 1; }
 fi
 target="${dir}/${want}"
 

@@ -47,13 +47,9 @@ if [[ "${system}" -eq 1 ]] && command -v python3 >/dev/null 2>&1 \
     exit 0
 fi
 
-if [[ -n "${COPILOT_POOL_CACHE_DIR:-}" ]]; then
-    tools="${COPILOT_POOL_CACHE_DIR}/tools"
-elif [[ "${XDG_CACHE_HOME:-}" == /* ]]; then
-    tools="${XDG_CACHE_HOME}/copilot-pool/tools"
-elif [[ -n "${HOME:-}" ]]; then
-    tools="${HOME}/.cache/copilot-pool/tools"
-else
+# shellcheck source=scripts/tools-dir.sh
+source "$(dirname "${BASH_SOURCE[0]}")/tools-dir.sh"
+if ! tools="$(tools_dir)"; then
     echo "error: none of COPILOT_POOL_CACHE_DIR, XDG_CACHE_HOME or HOME is set to unpack" \
         "Debian's Python under: set one, or ${fix}" >&2
     exit 1
