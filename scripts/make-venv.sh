@@ -12,7 +12,10 @@
 # (root only for one `apt-get update` when the package lists are missing), unpacked once into
 # the tools folder of the copilot-pool cache ($COPILOT_POOL_CACHE_DIR/tools, else
 # $XDG_CACHE_HOME/copilot-pool/tools, else ~/.cache/copilot-pool/tools) as `debian-python`,
-# renamed into place when complete so concurrent runs never see half of it. The environment
+# renamed into place when complete so concurrent runs never see half of it. The shared
+# libraries those packages depend on (libexpat, libssl, libffi, ...: a minimal Debian lacks
+# some, debootstrap's minbase has neither libexpat1 nor libssl3) are unpacked beside it, and
+# the environment's `python` is a wrapper that puts them on LD_LIBRARY_PATH. The environment
 # is made without pip (Debian's ensurepip looks for its wheels only under
 # /usr/share/python-wheels) and pip is installed into it from the unpacked wheel.
 set -euo pipefail
@@ -55,12 +58,17 @@ if ! tools="$(tools_dir)"; then
     exit 1
 fi
 root="${tools}/debian-python"
+# Written last into a complete unpack (named anew when what an unpack holds changes, so an
+# older one is replaced).
+marker=".complete-with-libraries-and-certificates"
+# The CA bundle of the unpack, for a system without its own.
+bundle="etc/ssl/certs/ca-certificates.crt"
 
 # The unpacked Python, if a run before completed it: its interpreter and pip wheel.
 find_unpacked() {
     python="$(find "${root}/usr/bin" -maxdepth 1 -name 'python3.*' -type f 2>/dev/null | sort | head -n 1)"
     wheel="$(find "${root}/usr/share/python-wheels" -maxdepth 1 -name 'pip-*.whl' 2>/dev/null | head -n 1)"
-    [[ -n "${python}" && -n "${wheel}" && -f "${root}/.complete" ]]
+    [[ -n "${python}" && -n "${wheel}" && -f "${root}/${marker}" ]]
 }
 
 if ! find_unpacked; then
@@ -99,15 +107,30 @@ if ! find_unpacked; then
     fi
     # As root, apt-get warns that it downloads "unsandboxed" into this private directory:
     # harmless.
+    # The shared libraries, as the packages name them (so the names fit the release:
+    # libssl3 on bookworm, libssl3t64 after it); libc6 is the system's own.
+    declare -A libs=()
+    while read -r kind name; do
+        [[ "${kind}" == "Depends:" ]] || continue
+        case "${name}" in
+            libc6 | libpython* | "<"*) ;;
+            lib* | zlib1g) libs["${name}"]=1 ;;
+        esac
+    done < <(apt-cache depends "python${v}-minimal" "libpython${v}-minimal" "libpython${v}-stdlib" \
+        2>/dev/null || true)
     (cd "${tmp}" && apt-get download -q "python${v}-minimal" "libpython${v}-minimal" \
-        "libpython${v}-stdlib" "python${v}-venv" python3-pip-whl python3-setuptools-whl >&2)
+        "libpython${v}-stdlib" python3-pip-whl ca-certificates "${!libs[@]}" >&2)
     for deb in "${tmp}"/*.deb; do
         dpkg-deb -x "${deb}" "${tmp}/root"
     done
-    touch "${tmp}/root/.complete"
+    # Debian's pip trusts /etc/ssl/certs/ca-certificates.crt only, which a minimal system
+    # lacks: the bundle that update-ca-certificates would make, from the same package.
+    mkdir -p "${tmp}/root/etc/ssl/certs"
+    cat "${tmp}"/root/usr/share/ca-certificates/mozilla/*.crt > "${tmp}/root/${bundle}"
+    touch "${tmp}/root/${marker}"
     # Only a complete unpack is ever renamed into place, so one without its marker is not
     # another run's work in progress but something left by hand: it goes.
-    if [[ -e "${root}" && ! -f "${root}/.complete" ]]; then
+    if [[ -e "${root}" && ! -f "${root}/${marker}" ]]; then
         rm -rf "${root}"
     fi
     # Another run may have put its own in place meanwhile: either is whole, keep the first.
@@ -115,13 +138,37 @@ if ! find_unpacked; then
     find_unpacked || { echo "error: Debian's python${v} packages did not unpack a python and a pip wheel into ${root}" >&2; exit 1; }
 fi
 
-# The unpacked interpreter loads the system's shared libraries (libssl, libexpat, libffi,
-# zlib): a missing one is named here rather than deep inside pip.
-if ! missing="$("${python}" -c 'import ssl, pyexpat, zlib, ctypes, venv' 2>&1)"; then
+# Where the unpacked libraries are, searched before the system's.
+libpath=""
+for dir in "${root}"/usr/lib/*-linux-gnu "${root}"/lib/*-linux-gnu; do
+    [[ -d "${dir}" ]] && libpath="${libpath:+${libpath}:}${dir}"
+done
+# A library neither unpacked nor the system's is named here rather than deep inside pip.
+if ! missing="$(LD_LIBRARY_PATH="${libpath}${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}" \
+    "${python}" -c 'import ssl, pyexpat, zlib, ctypes, venv' 2>&1)"; then
     echo "error: Debian's Python in ${root} cannot load its modules (${missing##*$'\n'}):" \
         "install the system library it names, or ${fix}" >&2
     exit 1
 fi
-"${python}" -m venv --without-pip "${dest}"
+LD_LIBRARY_PATH="${libpath}${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}" \
+    "${python}" -m venv --without-pip "${dest}"
+# The environment's pythons become one wrapper: the libraries' path, then the interpreter
+# under the name it was called by (a venv is found from that name, as with the link it
+# replaces; "$0" keeps the environment movable).
+rm -f "${dest}"/bin/python*
+{
+    echo '#!/bin/bash'
+    echo "# Debian's Python unpacked by scripts/make-venv.sh, with its libraries; pip gets"
+    echo "# the unpacked CA bundle where the system has none (and SSL_CERT_FILE names none)."
+    printf 'unpacked_bundle=%q\n' "${root}/${bundle}"
+    printf 'if [[ -z "${PIP_CERT:-}" && ! -e /%s ]]; then\n' "${bundle}"
+    echo '    export PIP_CERT="${SSL_CERT_FILE:-${unpacked_bundle}}"'
+    echo 'fi'
+    printf 'LD_LIBRARY_PATH=%q"${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}" exec -a "$0" %q "$@"\n' \
+        "${libpath}" "${python}"
+} > "${dest}/bin/python"
+chmod +x "${dest}/bin/python"
+ln -s python "${dest}/bin/python3"
+ln -s python "${dest}/bin/${python##*/}"
 "${dest}/bin/python" "${wheel}/pip" install --quiet --no-index --disable-pip-version-check "${wheel}" >&2
 echo "${dest}/bin/python"

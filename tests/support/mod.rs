@@ -16,6 +16,7 @@ pub mod promtool;
 pub mod python_sdk;
 pub mod runtime;
 pub mod schemathesis;
+pub mod step;
 pub mod tool_install;
 
 use std::path::{Path, PathBuf};

@@ -22,10 +22,8 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
 use std::time::Duration;
 
-use copilot_pool::process::GroupLeader;
 use copilot_pool::runtime;
 use tokio::process::Command;
 use tokio::sync::OnceCell;
@@ -49,10 +47,20 @@ pub const MAKE_VENV: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/make-v
 /// Written last into a complete install.
 const MARKER: &str = ".copilot-pool-installed";
 
-/// How long to wait for a tool to be reaped after its group was sent SIGKILL.
-const REAP_AFTER_KILL: Duration = Duration::from_secs(5);
-
 static PYTHON: OnceCell<PathBuf> = OnceCell::const_new();
+
+/// One install step by the install's deadline (see [`super::step::run`]).
+async fn run(what: &str, command: &mut Command, deadline: Instant) -> Result<(), String> {
+    super::step::run(
+        what,
+        command,
+        deadline,
+        "check access to the Python package index, and to Debian's package archive on a \
+         machine without python3",
+    )
+    .await
+    .map(drop)
+}
 
 /// The Python of an environment with the SDK installed. Panics with the reason and the
 /// manual fix when it is neither configured, cached nor installable.
@@ -113,15 +121,16 @@ async fn install(cache: &Path, prefix: &Path) -> Result<(), String> {
         return Err(error);
     }
     let mut pip = Command::new(python_in(&tmp));
-    pip.args([
-        "-m",
-        "pip",
-        "install",
-        "--no-input",
-        "--disable-pip-version-check",
-        "--quiet",
-    ])
-    .arg(format!("{PACKAGE}=={VERSION}"));
+    pip.env("PIP_NO_INPUT", "1")
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--no-input",
+            "--disable-pip-version-check",
+            "--quiet",
+        ])
+        .arg(format!("{PACKAGE}=={VERSION}"));
     if let Err(error) = run("pip install", &mut pip, deadline).await {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(error);
@@ -129,40 +138,4 @@ async fn install(cache: &Path, prefix: &Path) -> Result<(), String> {
     std::fs::write(tmp.join(MARKER), VERSION).map_err(|e| format!("writing the marker: {e}"))?;
     let _ = std::fs::remove_dir_all(prefix);
     std::fs::rename(&tmp, prefix).map_err(|e| format!("moving the install into place: {e}"))
-}
-
-/// Runs one install step to its end by `deadline`, in its own process group.
-async fn run(what: &str, command: &mut Command, deadline: Instant) -> Result<(), String> {
-    command
-        .env("PIP_NO_INPUT", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let leader = GroupLeader::spawn(command).map_err(|e| format!("starting {what}: {e}"))?;
-    let Ok(output) = leader.output_until(deadline, REAP_AFTER_KILL).await else {
-        return Err(format!(
-            "{what} did not finish within {INSTALL_TIMEOUT:?} and was killed (check access to \
-             the Python package index, and to Debian's package archive on a machine without \
-             python3)"
-        ));
-    };
-    let Output {
-        status,
-        stdout,
-        stderr,
-    } = output.map_err(|e| format!("waiting for {what}: {e}"))?;
-    if status.success() {
-        return Ok(());
-    }
-    let mut text = String::from_utf8_lossy(&stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&stderr));
-    let tail: String = text
-        .chars()
-        .rev()
-        .take(2000)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect();
-    Err(format!("{what} failed ({status}):\n{tail}"))
 }
