@@ -1034,6 +1034,92 @@ async fn a_returning_agents_conversation_is_resumed_on_its_warm_spare_ahead_so_i
     shutdown_leaves_nothing(&pool).await;
 }
 
+#[tokio::test]
+async fn resumes_ahead_that_end_or_fail_make_way_for_the_next_without_waiting_for_a_tick() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    // One maintenance tick at the start and none after: every resume ahead past the first
+    // two (they run two at a time) must be started by the end of one before it.
+    config.maintenance_interval = Duration::from_secs(3600);
+    config.warm_spares = 1;
+    config.warm_spare_conversations = 5;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+
+    // Five conversations on one process, opened conv-1 first: the newest (conv-5, conv-4)
+    // are resumed ahead first.
+    let mut pid = 0;
+    let mut sessions = Vec::new();
+    for i in 1..=5 {
+        let mut lease = pool
+            .lease(fx.request("agent-a", &format!("conv-{i}")))
+            .await
+            .expect("lease");
+        pid = lease.worker_pid();
+        lease.run("REPLY=ok").await.expect("turn");
+        sessions.push(lease.cli_session_id().to_string());
+        drop(lease);
+    }
+    // The two newest lose their stored state: their resumes ahead fail.
+    let state = fx
+        .scratch
+        .path()
+        .join("agents/agents/agent-a/copilot/session-state");
+    for id in &sessions[3..] {
+        std::fs::remove_dir_all(state.join(id)).expect("remove a session's state");
+    }
+
+    // Killed from outside: the five are attached nowhere, and the replacement is the key's
+    // spare, where they are resumed ahead of their return.
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
+    let spare_pid = match wait_event(&mut events, |e| {
+        matches!(e, PoolEvent::WorkerStarted { restart: true, .. })
+    })
+    .await
+    {
+        PoolEvent::WorkerStarted { pid, .. } => pid,
+        other => unreachable!("{other:?}"),
+    };
+    // conv-5 and conv-4 fail; only their failures can start conv-3 and conv-2, and only
+    // the end of one of those can start conv-1.
+    for n in 1..=3 {
+        match wait_event(&mut events, |e| {
+            matches!(
+                e,
+                PoolEvent::ConversationOpened {
+                    reason: OpenReason::Resumed,
+                    ..
+                }
+            )
+        })
+        .await
+        {
+            PoolEvent::ConversationOpened { pid, .. } => {
+                assert_eq!(pid, spare_pid, "resume ahead {n} on the spare")
+            }
+            other => unreachable!("{other:?}"),
+        }
+    }
+    let status = pool.status().await.expect("status");
+    let spare = status
+        .workers
+        .iter()
+        .find(|w| w.pid == spare_pid)
+        .expect("the spare in the status");
+    assert_eq!(spare.conversations, 3, "{status:?}");
+
+    // The oldest returns attached, its history intact.
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv-1"))
+        .await
+        .expect("lease on return");
+    assert_eq!(lease.worker_pid(), spare_pid);
+    assert_eq!(lease.reason(), OpenReason::Attached);
+    lease.run("REPLY=back").await.expect("turn on return");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
 /// `lookup` answering `<who>: <key>` (one lease's handler of the listed tool).
 fn lookup_tool(who: &'static str) -> copilot_pool::turn::GatewayTool {
     copilot_pool::turn::GatewayTool::new(

@@ -312,10 +312,11 @@ impl Actor for PoolActor {
         let mut budget = cli.budget();
         state.core.set_others(budget.cli_view());
         // A spare may have come up, a conversation come free, or a resume ahead made way for
-        // the next (they run a few at a time): resume ahead after these.
+        // the next by ending or failing (they run a few at a time): resume ahead after these.
         let resume_ahead = match &msg {
             PoolMsg::Tick | PoolMsg::Spawned { .. } | PoolMsg::EvictionDone { .. } => true,
             PoolMsg::Return { conversation, .. } => state.core.resuming_ahead(conversation),
+            PoolMsg::Abandoned(abandon) => state.core.resuming_ahead(&abandon.conversation),
             _ => false,
         };
         let effects = match msg {

@@ -46,8 +46,8 @@ const RESUME_CRASHES_REMEMBERED: usize = 4096;
 
 /// Resumes ahead of a return running at once over the whole pool. Each is ~33 ms of one
 /// runtime's CPU: a crowd of keys whose spares came up in the same tick resumes a few at a
-/// time (the rest at the next chances: a tick, a start, a stop) instead of taking every core
-/// from the turns being served.
+/// time (the rest at the next chances: the end or failure of one, a tick, a start, a stop)
+/// instead of taking every core from the turns being served.
 const RESUMES_AHEAD_AT_ONCE: usize = 2;
 
 /// Identifies one acquire (its reply port lives in the actor).
