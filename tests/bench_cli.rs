@@ -9,7 +9,7 @@ use std::process::Command;
 use serde_json::Value;
 
 /// The figures every mode reports; the pool's own only exist where there is a pool.
-const FIGURES: [&str; 13] = [
+const FIGURES: [&str; 14] = [
     "turns_per_second",
     "cold_first_event_p50_ms",
     "first_idle_p50_ms",
@@ -17,6 +17,7 @@ const FIGURES: [&str; 13] = [
     "warm_turn_p99_ms",
     "runtime_cpu_per_turn_ms",
     "pool_cpu_per_turn_ms",
+    "gateway_cpu_per_turn_ms",
     "runtime_peak_pss_mib",
     "pool_peak_pss_mib",
     "kill_to_ready_ms",

@@ -130,7 +130,7 @@ impl Mode {
 type Read = fn(&Figures) -> Option<f64>;
 
 /// Every figure, by its JSON name, with its table label and how it is read from a run.
-const FIGURES: [(&str, &str, Read); 13] = [
+const FIGURES: [(&str, &str, Read); 14] = [
     ("turns_per_second", "turns/s", |f| f.turns_per_second),
     ("cold_first_event_p50_ms", "cold first event p50 ms", |f| {
         f.cold_first_event_p50_ms
@@ -149,6 +149,9 @@ const FIGURES: [(&str, &str, Read); 13] = [
     }),
     ("pool_cpu_per_turn_ms", "pool CPU/turn ms", |f| {
         f.pool_cpu_per_turn_ms
+    }),
+    ("gateway_cpu_per_turn_ms", "gateway CPU/turn ms", |f| {
+        f.gateway_cpu_per_turn_ms
     }),
     ("runtime_peak_pss_mib", "runtimes peak PSS MiB", |f| {
         f.runtime_peak_pss_mib

@@ -64,6 +64,9 @@ pub struct Figures {
     pub warm_turn_p99_ms: Option<f64>,
     pub runtime_cpu_per_turn_ms: Option<f64>,
     pub pool_cpu_per_turn_ms: Option<f64>,
+    /// The workload's own CPU per turn: the gateway's side (the HTTP client, or the SDK
+    /// client attached to the endpoint or driving its own runtimes).
+    pub gateway_cpu_per_turn_ms: Option<f64>,
     pub runtime_peak_pss_mib: Option<f64>,
     pub pool_peak_pss_mib: Option<f64>,
     pub kill_to_ready_ms: Option<f64>,
@@ -236,6 +239,7 @@ async fn talk(
     let stdout = node.take_stdout().context("node's standard output")?;
     let mut lines = BufReader::new(stdout).lines();
     let (pool_cpu_start, runtime_cpu_start) = procfs::tree_cpu_seconds(root);
+    let gateway_cpu_start = procfs::tree_cpu_seconds(node_pid).0;
     let mut peaks = Peaks::default();
     let mut figures = Figures::default();
     let mut loading = true;
@@ -274,6 +278,7 @@ async fn talk(
                 peaks.sample(root, pool);
                 loading = false;
                 let (pool_cpu, runtime_cpu) = procfs::tree_cpu_seconds(root);
+                let gateway_cpu = procfs::tree_cpu_seconds(node_pid).0;
                 let turns = value["turns"].as_f64().unwrap_or(0.0).max(1.0);
                 let seconds = value["ms"].as_f64().unwrap_or(0.0) / 1000.0;
                 let list = |key: &str| -> Vec<f64> {
@@ -292,6 +297,8 @@ async fn talk(
                     Some((runtime_cpu - runtime_cpu_start) * 1000.0 / turns);
                 figures.pool_cpu_per_turn_ms =
                     pool.map(|_| (pool_cpu - pool_cpu_start) * 1000.0 / turns);
+                figures.gateway_cpu_per_turn_ms =
+                    Some((gateway_cpu - gateway_cpu_start) * 1000.0 / turns);
                 figures.runtime_peak_pss_mib = Some(peaks.runtimes as f64 / 1048576.0);
                 figures.pool_peak_pss_mib = pool.map(|_| peaks.pool as f64 / 1048576.0);
             }
