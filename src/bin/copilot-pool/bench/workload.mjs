@@ -21,6 +21,7 @@ import { pathToFileURL } from "node:url";
 import { join } from "node:path";
 import { mkdirSync } from "node:fs";
 import { createInterface } from "node:readline";
+import http from "node:http";
 
 const env = (name) => {
   const value = process.env[name];
@@ -72,6 +73,28 @@ const toolAnswer = (args) => `secret number for ${args?.key ?? "the key"} is 42`
 
 // ---- HTTP/SSE to serve ----------------------------------------------------------------------
 
+// The gateway's HTTP client: Node's `http` with one keep-alive agent, as a gateway that cares
+// about its own CPU runs it. (Node's `fetch`, undici, cost this gateway 4.6-5.2 ms of CPU per
+// warm tool turn against 2.2-2.3 ms with `http`, on two cores a share of every mode's
+// throughput that is the client's, not the pool's: BENCHMARKS.md, seventh session.)
+const keepAlive = new http.Agent({ keepAlive: true });
+const post = (url, body) => new Promise((resolve, reject) => {
+  const payload = Buffer.from(JSON.stringify(body));
+  const request = http.request(url, {
+    method: "POST",
+    agent: keepAlive,
+    headers: { "content-type": "application/json", "content-length": payload.length },
+  }, resolve);
+  request.on("error", reject);
+  request.end(payload);
+});
+const readAll = async (response) => {
+  let text = "";
+  response.setEncoding("utf8");
+  for await (const chunk of response) text += chunk;
+  return text;
+};
+
 async function httpTurn(agent, conversation, text, onFirst) {
   const base = env("HTTP_URL");
   const body = {
@@ -85,9 +108,10 @@ async function httpTurn(agent, conversation, text, onFirst) {
     // CPU per turn, would be the workload's difference, not the pool's.)
     session: { streaming: STREAMING, availableTools: ["custom:*"] },
     // What a gateway over HTTP does: it leaves out the runtime's internal events (in no
-    // schema; a snapshot of the whole conversation, tens of KiB, at every model call). The
-    // SDK modes cannot: the runtime sends every event to the SDK.
-    omit_events: ["model.*"],
+    // schema; a snapshot of the whole conversation, tens of KiB, at every model call) and the
+    // system prompt the runtime repeats at every turn (`system.message`, 7.7 KiB, nearly half
+    // of a tool turn's stream). The SDK modes cannot: the runtime sends every event to the SDK.
+    omit_events: ["model.*", "system.message"],
   };
   if (TOOL) {
     body.tools = [{
@@ -96,17 +120,15 @@ async function httpTurn(agent, conversation, text, onFirst) {
       parameters: { type: "object", properties: { key: { type: "string" } } },
     }];
   }
-  const response = await fetch(`${base}/v1/turns`, {
-    method: "POST",
-    headers: { "content-type": "application/json" },
-    body: JSON.stringify(body),
-  });
-  if (!response.ok) throw new Error(`POST /v1/turns: HTTP ${response.status}: ${await response.text()}`);
-  const decoder = new TextDecoder();
+  const response = await post(`${base}/v1/turns`, body);
+  if (response.statusCode !== 200) {
+    throw new Error(`POST /v1/turns: HTTP ${response.statusCode}: ${await readAll(response)}`);
+  }
+  response.setEncoding("utf8");
   let buffer = "";
   let first = true;
-  for await (const chunk of response.body) {
-    buffer += decoder.decode(chunk, { stream: true });
+  for await (const chunk of response) {
+    buffer += chunk;
     let end;
     while ((end = buffer.indexOf("\n\n")) >= 0) {
       const block = buffer.slice(0, end);
@@ -121,12 +143,13 @@ async function httpTurn(agent, conversation, text, onFirst) {
       if (first) { first = false; onFirst(); }
       if (type === "tool.call") {
         const call = JSON.parse(data);
-        const answered = await fetch(`${base}/v1/requests/${call.request_id}`, {
-          method: "POST",
-          headers: { "content-type": "application/json" },
-          body: JSON.stringify({ result: toolAnswer(call.arguments) }),
+        const answered = await post(`${base}/v1/requests/${call.request_id}`, {
+          result: toolAnswer(call.arguments),
         });
-        if (answered.status !== 204) throw new Error(`answering the tool call: HTTP ${answered.status}`);
+        const said = await readAll(answered);
+        if (answered.statusCode !== 204) {
+          throw new Error(`answering the tool call: HTTP ${answered.statusCode}: ${said}`);
+        }
       } else if (type === "turn.end") {
         const end = JSON.parse(data);
         if (end.status !== "idle") throw new Error(`turn ended ${end.status}: ${end.error ?? ""}`);
@@ -140,11 +163,9 @@ async function httpTurn(agent, conversation, text, onFirst) {
 // ---- The official Node SDK --------------------------------------------------------------------
 
 // Each mode's client library is loaded before the clock starts: the SDK modes import the SDK;
-// the HTTP mode's is Node's built-in fetch (undici), which loads itself on its first call
-// (45-60 ms of one core here), so one call on a `data:` URL (no network, no daemon) loads it.
+// the HTTP mode's, `node:http`, is loaded with this script.
 let sdk;
 if (MODE !== "http") sdk = await import(pathToFileURL(join(env("SDK_DIR"), "dist", "index.js")).href);
-else await (await fetch("data:,")).text();
 
 const homeOf = (agent) => join(env("HOMES"), "agents", `agent-${agent}`, "copilot");
 const newClient = (agent) => {
