@@ -76,7 +76,7 @@ const toolAnswer = (args) => `secret number for ${args?.key ?? "the key"} is 42`
 // The gateway's HTTP client: Node's `http` with one keep-alive agent, as a gateway that cares
 // about its own CPU runs it. (Node's `fetch`, undici, cost this gateway 4.6-5.2 ms of CPU per
 // warm tool turn against 2.2-2.3 ms with `http`, on two cores a share of every mode's
-// throughput that is the client's, not the pool's: BENCHMARKS.md, seventh session.)
+// throughput that is the client's, not the pool's: BENCHMARKS.md, eighth session.)
 const keepAlive = new http.Agent({ keepAlive: true });
 const post = (url, body) => new Promise((resolve, reject) => {
   const payload = Buffer.from(JSON.stringify(body));
