@@ -10,7 +10,9 @@ use copilot_pool::rpc::messages::ProviderConfig;
 use copilot_pool::secret::Secret;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use support::pool_fixture::{Fixture, shutdown_leaves_nothing, token, wait_event};
+use support::pool_fixture::{
+    Fixture, shutdown_leaves_nothing, status_with_worker, token, wait_event,
+};
 use support::procs::wait_group_gone;
 
 #[tokio::test]
@@ -915,12 +917,7 @@ async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_wa
         PoolEvent::WorkerStarted { pid, .. } => pid,
         other => unreachable!("{other:?}"),
     };
-    let status = pool.status().await.expect("status");
-    let spare = status
-        .workers
-        .iter()
-        .find(|w| w.pid == spare_pid)
-        .expect("the spare in the status");
+    let (status, spare) = status_with_worker(&pool, spare_pid).await;
     assert_eq!(spare.state, WorkerState::Spare);
     assert_eq!(spare.conversations, 0);
     let json = serde_json::to_value(&status).expect("status json");
@@ -1005,12 +1002,7 @@ async fn a_returning_agents_conversation_is_resumed_on_its_warm_spare_ahead_so_i
     );
     // Parked there, and still the key's spare (past the idle TTL).
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let status = pool.status().await.expect("status");
-    let spare = status
-        .workers
-        .iter()
-        .find(|w| w.pid == spare_pid)
-        .expect("the spare in the status");
+    let (status, spare) = status_with_worker(&pool, spare_pid).await;
     assert_eq!(spare.state, WorkerState::Spare, "{status:?}");
     assert_eq!(spare.conversations, 1);
     assert_eq!(status.workers.len(), 1, "no second spare: {status:?}");
@@ -1100,12 +1092,7 @@ async fn resumes_ahead_that_end_or_fail_make_way_for_the_next_without_waiting_fo
             other => unreachable!("{other:?}"),
         }
     }
-    let status = pool.status().await.expect("status");
-    let spare = status
-        .workers
-        .iter()
-        .find(|w| w.pid == spare_pid)
-        .expect("the spare in the status");
+    let (status, spare) = status_with_worker(&pool, spare_pid).await;
     assert_eq!(spare.conversations, 3, "{status:?}");
 
     // The oldest returns attached, its history intact.

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use copilot_pool::auth::LeaseAuth;
-use copilot_pool::pool::{LeaseRequest, Pool, PoolConfig, PoolEvent};
+use copilot_pool::pool::{LeaseRequest, Pool, PoolConfig, PoolEvent, PoolStatus, WorkerStatus};
 use copilot_pool::rpc::messages::ProviderConfig;
 use copilot_pool::scripted_model::{HttpEndpoint, ScriptedModel};
 use copilot_pool::secret::Secret;
@@ -100,6 +100,19 @@ pub async fn wait_event(
             other => panic!("no matching pool event: {other:?}"),
         }
     }
+}
+
+/// The pool's status, and its process `pid` picked out of it (the test fails if it is not
+/// listed).
+pub async fn status_with_worker(pool: &Pool, pid: u32) -> (PoolStatus, WorkerStatus) {
+    let status = pool.status().await.expect("status");
+    let worker = status
+        .workers
+        .iter()
+        .find(|w| w.pid == pid)
+        .cloned()
+        .unwrap_or_else(|| panic!("process {pid} is not in the pool's status: {status:?}"));
+    (status, worker)
 }
 
 pub async fn shutdown_leaves_nothing(pool: &Pool) {
