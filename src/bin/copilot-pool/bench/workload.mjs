@@ -127,6 +127,7 @@ async function httpTurn(agent, conversation, text, onFirst) {
   response.setEncoding("utf8");
   let buffer = "";
   let first = true;
+  let ended = false;
   for await (const chunk of response) {
     buffer += chunk;
     let end;
@@ -153,11 +154,13 @@ async function httpTurn(agent, conversation, text, onFirst) {
       } else if (type === "turn.end") {
         const end = JSON.parse(data);
         if (end.status !== "idle") throw new Error(`turn ended ${end.status}: ${end.error ?? ""}`);
-        return;
+        // Read on to the stream's end, which follows at once: leaving the loop here would
+        // destroy the socket, and the next turn would open a new connection.
+        ended = true;
       }
     }
   }
-  throw new Error("the stream ended without turn.end");
+  if (!ended) throw new Error("the stream ended without turn.end");
 }
 
 // ---- The official Node SDK --------------------------------------------------------------------
