@@ -90,3 +90,66 @@ async fn a_tiny_bench_reports_every_figure_of_every_mode_as_json() {
         assert_eq!(on_spare.as_f64(), Some(100.0), "{mode}: {on_spare}");
     }
 }
+
+#[tokio::test]
+async fn an_interrupted_bench_stops_its_daemon_workload_and_runtimes() {
+    let runtime = support::runtime::runtime_path().await;
+    support::node_sdk::sdk_dir().await;
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+        .env("COPILOT_CLI_PATH", &runtime)
+        .args(["bench", "--agents", "1", "--conversations", "1"])
+        .args(["--turns", "2", "--pairs", "1", "--attempt-secs", "5"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the bench");
+    let bench = child.id().expect("the bench's pid");
+    // Its children lead their own process groups, out of reach of a terminal's Ctrl-C: the
+    // bench must stop them itself. Interrupted once a runtime runs under it (polling /proc:
+    // no event says a grandchild started).
+    let runtime_name = runtime
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .expect("the runtime's file name");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(120);
+    let under = loop {
+        let under = support::procs::descendants(bench);
+        // A runtime serving (`--headless`), not the bench's check of its version.
+        let runs_a_runtime = under.iter().any(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let c = String::from_utf8_lossy(&c);
+                c.contains(&runtime_name) && c.contains("--headless")
+            })
+        });
+        if runs_a_runtime {
+            break under;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no runtime under the bench within 120 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(bench as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .expect("SIGINT");
+    let out = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("the bench, and every child holding its stderr, exits on SIGINT")
+        .expect("its output");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("interrupted by SIGINT"), "{stderr}");
+    let left = support::procs::wait_none(
+        || support::procs::alive(&under),
+        std::time::Duration::from_secs(10),
+    )
+    .await;
+    assert!(
+        left.is_empty(),
+        "left behind by the bench: {left:?} of {under:?}"
+    );
+}

@@ -133,3 +133,11 @@ pub fn with_env_prefix(key: &str, prefix: &str) -> Vec<u32> {
         })
         .collect()
 }
+
+/// Those of `pids` still alive (present and not a zombie).
+pub fn alive(pids: &[u32]) -> Vec<u32> {
+    pids.iter()
+        .copied()
+        .filter(|pid| !is_zombie(*pid))
+        .collect()
+}

@@ -8,6 +8,7 @@ mod demo;
 mod doctor;
 mod heap;
 mod install;
+mod interrupt;
 mod load;
 mod model;
 mod procfs;
@@ -122,10 +123,10 @@ fn main() -> std::process::ExitCode {
     };
     let result: Result<()> = runtime.block_on(async {
         match cli.command {
-            Command::Demo(args) => demo::demo(args).await,
-            Command::Chaos(args) => chaos::chaos(args).await,
-            Command::Load(args) => load::load(args).await,
-            Command::Bench(args) => bench::bench(args).await,
+            Command::Demo(args) => interrupt::until_interrupted(demo::demo(args)).await,
+            Command::Chaos(args) => interrupt::until_interrupted(chaos::chaos(args)).await,
+            Command::Load(args) => interrupt::until_interrupted(load::load(args)).await,
+            Command::Bench(args) => interrupt::until_interrupted(bench::bench(args)).await,
             Command::InstallCli(args) => install::install_cli(args).await,
             Command::Run(args) => run::run(args).await,
             Command::Serve(args) => serve::serve(args).await,

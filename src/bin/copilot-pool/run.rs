@@ -150,7 +150,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let limit = Duration::from_secs(args.timeout_secs);
     let outcome = tokio::select! {
         outcome = start_and_turn(config, session, &args.prompt, limit) => outcome,
-        signal = interrupted() => Err(anyhow!("interrupted by {signal}")),
+        signal = crate::interrupt::interrupted() => Err(anyhow!("interrupted by {signal}")),
     };
     drop(endpoint);
     outcome
@@ -166,22 +166,6 @@ async fn start_and_turn(
     let outcome = turn(&worker, session, prompt, limit).await;
     worker.shutdown().await;
     outcome
-}
-
-/// Resolves on the first SIGINT or SIGTERM, with the signal's name.
-async fn interrupted() -> &'static str {
-    use tokio::signal::unix::{SignalKind, signal};
-    match (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) {
-        (Ok(mut int), Ok(mut term)) => tokio::select! {
-            _ = int.recv() => "SIGINT",
-            _ = term.recv() => "SIGTERM",
-        },
-        // Without handlers the default action (exit) applies; never resolve here.
-        _ => std::future::pending().await,
-    }
 }
 
 async fn turn(
