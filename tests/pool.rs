@@ -1072,8 +1072,9 @@ async fn resumes_ahead_that_end_or_fail_make_way_for_the_next_without_waiting_fo
         PoolEvent::WorkerStarted { pid, .. } => pid,
         other => unreachable!("{other:?}"),
     };
-    // conv-5 and conv-4 fail; only their failures can start conv-3 and conv-2, and only
-    // the end of one of those can start conv-1.
+    // conv-5 and conv-4 fail; with no tick to come, only their failures can start conv-3
+    // and conv-2, and conv-1 starts when one of those four has ended or failed. (Which one
+    // is a race; the Return arm alone is the next test's.)
     for n in 1..=3 {
         match wait_event(&mut events, |e| {
             matches!(
@@ -1104,6 +1105,60 @@ async fn resumes_ahead_that_end_or_fail_make_way_for_the_next_without_waiting_fo
     assert_eq!(lease.reason(), OpenReason::Attached);
     lease.run("REPLY=back").await.expect("turn on return");
     drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_resume_ahead_that_ends_starts_the_next_without_waiting_for_a_tick() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    // One maintenance tick at the start and none after; two resumes ahead run at once.
+    config.maintenance_interval = Duration::from_secs(3600);
+    config.warm_spares = 1;
+    config.warm_spare_conversations = 3;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut pid = 0;
+    for i in 1..=3 {
+        let mut lease = pool
+            .lease(fx.request("agent-a", &format!("conv-{i}")))
+            .await
+            .expect("lease");
+        pid = lease.worker_pid();
+        lease.run("REPLY=ok").await.expect("turn");
+        drop(lease);
+    }
+    // Killed from outside: the three are resumed ahead on the replacement, two at once; the
+    // third can start only when one of the first two has ended (nothing fails here).
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
+    let spare_pid = match wait_event(&mut events, |e| {
+        matches!(e, PoolEvent::WorkerStarted { restart: true, .. })
+    })
+    .await
+    {
+        PoolEvent::WorkerStarted { pid, .. } => pid,
+        other => unreachable!("{other:?}"),
+    };
+    for n in 1..=3 {
+        match wait_event(&mut events, |e| {
+            matches!(
+                e,
+                PoolEvent::ConversationOpened {
+                    reason: OpenReason::Resumed,
+                    ..
+                }
+            )
+        })
+        .await
+        {
+            PoolEvent::ConversationOpened { pid, .. } => {
+                assert_eq!(pid, spare_pid, "resume ahead {n} on the spare")
+            }
+            other => unreachable!("{other:?}"),
+        }
+    }
+    let (status, spare) = status_with_worker(&pool, spare_pid).await;
+    assert_eq!(spare.conversations, 3, "{status:?}");
     shutdown_leaves_nothing(&pool).await;
 }
 

@@ -238,8 +238,8 @@ async fn talk(
     let mut stdin = node.take_stdin().context("node's standard input")?;
     let stdout = node.take_stdout().context("node's standard output")?;
     let mut lines = BufReader::new(stdout).lines();
-    let (pool_cpu_start, runtime_cpu_start) = procfs::tree_cpu_seconds(root);
-    let gateway_cpu_start = procfs::tree_cpu_seconds(node_pid).0;
+    // CPU (pool, runtimes, gateway) when the workload's clock starts.
+    let mut cpu_start: Option<(f64, f64, f64)> = None;
     let mut peaks = Peaks::default();
     let mut figures = Figures::default();
     let mut loading = true;
@@ -274,7 +274,18 @@ async fn talk(
             bail!("the {} workload failed: {error}", mode.name());
         }
         match value["step"].as_str() {
+            Some("start") => {
+                let (pool_cpu, runtime_cpu) = procfs::tree_cpu_seconds(root);
+                let gateway_cpu = procfs::tree_cpu_seconds(node_pid).0;
+                cpu_start = Some((pool_cpu, runtime_cpu, gateway_cpu));
+                stdin
+                    .write_all(b"go\n")
+                    .await
+                    .context("telling the workload")?;
+            }
             Some("load") => {
+                let (pool_cpu_start, runtime_cpu_start, gateway_cpu_start) =
+                    cpu_start.context("the workload reported its load before its start")?;
                 peaks.sample(root, pool);
                 loading = false;
                 let (pool_cpu, runtime_cpu) = procfs::tree_cpu_seconds(root);

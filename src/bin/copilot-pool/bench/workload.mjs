@@ -77,7 +77,9 @@ const toolAnswer = (args) => `secret number for ${args?.key ?? "the key"} is 42`
 // about its own CPU runs it. (Node's `fetch`, undici, cost this gateway 4.6-5.2 ms of CPU per
 // warm tool turn against 2.2-2.3 ms with `http`, on two cores a share of every mode's
 // throughput that is the client's, not the pool's: BENCHMARKS.md, eighth session.)
-const keepAlive = new http.Agent({ keepAlive: true });
+// An idle socket is let go after 5 s, before `serve` closes it (10 s idle timeout): a request
+// never lands on a connection the daemon is closing.
+const keepAlive = new http.Agent({ keepAlive: true, timeout: 5000 });
 const post = (url, body) => new Promise((resolve, reject) => {
   const payload = Buffer.from(JSON.stringify(body));
   const request = http.request(url, {
@@ -253,6 +255,10 @@ for (let a = 0; a < AGENTS; a++) agents.push({ started: null, client: null, sess
 const cold = [];
 const firstIdle = [];
 const warm = [];
+// The clock starts here, each mode's client library loaded: the harness takes its CPU
+// readings (the gateway's figure leaves out Node's start and the SDK's import) and says `go`.
+say({ step: "start" });
+await waitFor("go");
 const started = now();
 await Promise.all(
   Array.from({ length: AGENTS * CONVERSATIONS }, async (_, i) => {
