@@ -1029,29 +1029,14 @@ async fn a_returning_agents_conversation_is_resumed_on_its_warm_spare_ahead_so_i
 #[tokio::test]
 async fn resumes_ahead_that_end_or_fail_make_way_for_the_next_without_waiting_for_a_tick() {
     let fx = Fixture::new().await;
-    let mut config = fx.config().await;
-    // One maintenance tick at the start and none after: every resume ahead past the first
-    // two (they run two at a time) must be started by the end of one before it.
-    config.maintenance_interval = Duration::from_secs(3600);
-    config.warm_spares = 1;
-    config.warm_spare_conversations = 5;
-    let pool = Pool::start(config).await.expect("pool");
+    let pool = Pool::start(one_tick_and_spares(&fx, 5).await)
+        .await
+        .expect("pool");
     let mut events = pool.subscribe();
 
     // Five conversations on one process, opened conv-1 first: the newest (conv-5, conv-4)
     // are resumed ahead first.
-    let mut pid = 0;
-    let mut sessions = Vec::new();
-    for i in 1..=5 {
-        let mut lease = pool
-            .lease(fx.request("agent-a", &format!("conv-{i}")))
-            .await
-            .expect("lease");
-        pid = lease.worker_pid();
-        lease.run("REPLY=ok").await.expect("turn");
-        sessions.push(lease.cli_session_id().to_string());
-        drop(lease);
-    }
+    let (pid, sessions) = turns_on_one_process(&fx, &pool, 5).await;
     // The two newest lose their stored state: their resumes ahead fail.
     let state = fx
         .scratch
@@ -1062,37 +1047,11 @@ async fn resumes_ahead_that_end_or_fail_make_way_for_the_next_without_waiting_fo
     }
 
     // Killed from outside: the five are attached nowhere, and the replacement is the key's
-    // spare, where they are resumed ahead of their return.
-    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
-    let spare_pid = match wait_event(&mut events, |e| {
-        matches!(e, PoolEvent::WorkerStarted { restart: true, .. })
-    })
-    .await
-    {
-        PoolEvent::WorkerStarted { pid, .. } => pid,
-        other => unreachable!("{other:?}"),
-    };
-    // conv-5 and conv-4 fail; with no tick to come, only their failures can start conv-3
-    // and conv-2, and conv-1 starts when one of those four has ended or failed. (Which one
-    // is a race; the Return arm alone is the next test's.)
-    for n in 1..=3 {
-        match wait_event(&mut events, |e| {
-            matches!(
-                e,
-                PoolEvent::ConversationOpened {
-                    reason: OpenReason::Resumed,
-                    ..
-                }
-            )
-        })
-        .await
-        {
-            PoolEvent::ConversationOpened { pid, .. } => {
-                assert_eq!(pid, spare_pid, "resume ahead {n} on the spare")
-            }
-            other => unreachable!("{other:?}"),
-        }
-    }
+    // spare, where they are resumed ahead of their return. conv-5 and conv-4 fail; with no
+    // tick to come, only their failures can start conv-3 and conv-2, and conv-1 starts when
+    // one of those four has ended or failed. (Which one is a race; the end arm alone is the
+    // next test's.)
+    let spare_pid = killed_and_resumed_ahead(&mut events, pid, 3).await;
     let (status, spare) = status_with_worker(&pool, spare_pid).await;
     assert_eq!(spare.conversations, 3, "{status:?}");
 
@@ -1111,27 +1070,57 @@ async fn resumes_ahead_that_end_or_fail_make_way_for_the_next_without_waiting_fo
 #[tokio::test]
 async fn a_resume_ahead_that_ends_starts_the_next_without_waiting_for_a_tick() {
     let fx = Fixture::new().await;
+    let pool = Pool::start(one_tick_and_spares(&fx, 3).await)
+        .await
+        .expect("pool");
+    let mut events = pool.subscribe();
+    let (pid, _) = turns_on_one_process(&fx, &pool, 3).await;
+    // Killed from outside: the three are resumed ahead on the replacement, two at once; the
+    // third can start only when one of the first two has ended (nothing fails here).
+    let spare_pid = killed_and_resumed_ahead(&mut events, pid, 3).await;
+    let (status, spare) = status_with_worker(&pool, spare_pid).await;
+    assert_eq!(spare.conversations, 3, "{status:?}");
+    shutdown_leaves_nothing(&pool).await;
+}
+
+/// A pool with one maintenance tick at its start and none after (every resume ahead past the
+/// first two, which run at once, must be started by the end of one before it), and a warm
+/// spare per key carrying up to `conversations` of its conversations.
+async fn one_tick_and_spares(fx: &Fixture, conversations: usize) -> copilot_pool::pool::PoolConfig {
     let mut config = fx.config().await;
-    // One maintenance tick at the start and none after; two resumes ahead run at once.
     config.maintenance_interval = Duration::from_secs(3600);
     config.warm_spares = 1;
-    config.warm_spare_conversations = 3;
-    let pool = Pool::start(config).await.expect("pool");
-    let mut events = pool.subscribe();
+    config.warm_spare_conversations = conversations;
+    config
+}
+
+/// One turn on each of `n` conversations of agent-a, opened conv-1 first: their process's
+/// pid and their CLI session ids.
+async fn turns_on_one_process(fx: &Fixture, pool: &Pool, n: usize) -> (u32, Vec<String>) {
     let mut pid = 0;
-    for i in 1..=3 {
+    let mut sessions = Vec::new();
+    for i in 1..=n {
         let mut lease = pool
             .lease(fx.request("agent-a", &format!("conv-{i}")))
             .await
             .expect("lease");
         pid = lease.worker_pid();
         lease.run("REPLY=ok").await.expect("turn");
+        sessions.push(lease.cli_session_id().to_string());
         drop(lease);
     }
-    // Killed from outside: the three are resumed ahead on the replacement, two at once; the
-    // third can start only when one of the first two has ended (nothing fails here).
+    (pid, sessions)
+}
+
+/// SIGKILLs `pid`, waits for its replacement and for `resumed` resumes ahead on it; returns
+/// the replacement's pid.
+async fn killed_and_resumed_ahead(
+    events: &mut tokio::sync::broadcast::Receiver<PoolEvent>,
+    pid: u32,
+    resumed: usize,
+) -> u32 {
     kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
-    let spare_pid = match wait_event(&mut events, |e| {
+    let spare_pid = match wait_event(events, |e| {
         matches!(e, PoolEvent::WorkerStarted { restart: true, .. })
     })
     .await
@@ -1139,8 +1128,8 @@ async fn a_resume_ahead_that_ends_starts_the_next_without_waiting_for_a_tick() {
         PoolEvent::WorkerStarted { pid, .. } => pid,
         other => unreachable!("{other:?}"),
     };
-    for n in 1..=3 {
-        match wait_event(&mut events, |e| {
+    for n in 1..=resumed {
+        match wait_event(events, |e| {
             matches!(
                 e,
                 PoolEvent::ConversationOpened {
@@ -1157,9 +1146,7 @@ async fn a_resume_ahead_that_ends_starts_the_next_without_waiting_for_a_tick() {
             other => unreachable!("{other:?}"),
         }
     }
-    let (status, spare) = status_with_worker(&pool, spare_pid).await;
-    assert_eq!(spare.conversations, 3, "{status:?}");
-    shutdown_leaves_nothing(&pool).await;
+    spare_pid
 }
 
 /// `lookup` answering `<who>: <key>` (one lease's handler of the listed tool).
