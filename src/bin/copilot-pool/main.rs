@@ -127,10 +127,12 @@ fn main() -> std::process::ExitCode {
             Command::Chaos(args) => interrupt::until_interrupted(chaos::chaos(args)).await,
             Command::Load(args) => interrupt::until_interrupted(load::load(args)).await,
             Command::Bench(args) => interrupt::until_interrupted(bench::bench(args)).await,
-            Command::InstallCli(args) => install::install_cli(args).await,
+            Command::InstallCli(args) => {
+                interrupt::until_interrupted(install::install_cli(args)).await
+            }
             Command::Run(args) => run::run(args).await,
             Command::Serve(args) => serve::serve(args).await,
-            Command::Doctor(args) => doctor::doctor(args).await,
+            Command::Doctor(args) => interrupt::until_interrupted(doctor::doctor(args)).await,
             Command::ScriptedModel(args) => model::scripted_model(args).await,
             Command::Status(args) => status::status(args).await,
             // Returned from above, before any thread started.

@@ -148,10 +148,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // Interrupts (Ctrl-C, SIGTERM) end the run cleanly at any point, start included: the
     // futures below are dropped, which stops the worker and kills its process group.
     let limit = Duration::from_secs(args.timeout_secs);
-    let outcome = tokio::select! {
-        outcome = start_and_turn(config, session, &args.prompt, limit) => outcome,
-        signal = crate::interrupt::interrupted() => Err(anyhow!("interrupted by {signal}")),
-    };
+    let outcome =
+        crate::interrupt::until_interrupted(start_and_turn(config, session, &args.prompt, limit))
+            .await;
     drop(endpoint);
     outcome
 }

@@ -286,10 +286,16 @@ async fn talk(
             Some("load") => {
                 let (pool_cpu_start, runtime_cpu_start, gateway_cpu_start) =
                     cpu_start.context("the workload reported its load before its start")?;
-                peaks.sample(root, pool);
-                loading = false;
+                // The workload waits for `measured` before it stops anything (the SDK modes'
+                // clients): every figure ends where its clock stopped.
                 let (pool_cpu, runtime_cpu) = procfs::tree_cpu_seconds(root);
                 let gateway_cpu = procfs::tree_cpu_seconds(node_pid).0;
+                peaks.sample(root, pool);
+                loading = false;
+                stdin
+                    .write_all(b"measured\n")
+                    .await
+                    .context("telling the workload")?;
                 let turns = value["turns"].as_f64().unwrap_or(0.0).max(1.0);
                 let seconds = value["ms"].as_f64().unwrap_or(0.0) / 1000.0;
                 let list = |key: &str| -> Vec<f64> {

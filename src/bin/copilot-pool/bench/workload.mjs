@@ -280,6 +280,8 @@ await Promise.all(
 );
 const loadMs = now() - started;
 say({ step: "load", turns: AGENTS * CONVERSATIONS * TURNS, ms: loadMs, cold, firstIdle, warm });
+// The harness reads the CPU and memory figures before anything is stopped.
+await waitFor("measured");
 
 // ---- The returning agent -------------------------------------------------------------------------
 // Every agent goes away: the SDK modes stop their clients (their runtimes exit, as a gateway
