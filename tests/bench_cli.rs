@@ -106,31 +106,21 @@ async fn an_interrupted_bench_stops_its_daemon_workload_and_runtimes() {
         .expect("start the bench");
     let bench = child.id().expect("the bench's pid");
     // Its children lead their own process groups, out of reach of a terminal's Ctrl-C: the
-    // bench must stop them itself. Interrupted once a runtime runs under it (polling /proc:
-    // no event says a grandchild started).
-    let runtime_name = runtime
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .expect("the runtime's file name");
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(120);
-    let under = loop {
+    // bench must stop them itself. Interrupted once a runtime serves (`--headless`, not the
+    // bench's check of its version) under it.
+    let serving = || {
         let under = support::procs::descendants(bench);
-        // A runtime serving (`--headless`), not the bench's check of its version.
-        let runs_a_runtime = under.iter().any(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
-                let c = String::from_utf8_lossy(&c);
-                c.contains(&runtime_name) && c.contains("--headless")
-            })
-        });
-        if runs_a_runtime {
-            break under;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no runtime under the bench within 120 s"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        support::procs::with_cmdline_containing("--headless")
+            .into_iter()
+            .filter(|pid| under.contains(pid))
+            .collect()
     };
+    let runtimes = support::procs::wait_some(serving, std::time::Duration::from_secs(120)).await;
+    assert!(
+        !runtimes.is_empty(),
+        "no runtime under the bench within 120 s"
+    );
+    let under = support::procs::descendants(bench);
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(bench as i32),
         nix::sys::signal::Signal::SIGINT,

@@ -97,11 +97,23 @@ pub fn with_cmdline_containing(needle: &str) -> Vec<u32> {
 
 /// Polls `find` until it returns nothing or `limit` passes; returns what is left.
 pub async fn wait_none(find: impl Fn() -> Vec<u32>, limit: Duration) -> Vec<u32> {
+    poll(find, true, limit).await
+}
+
+/// Polls `find` until it returns something or `limit` passes; returns what it found (empty
+/// past `limit`).
+pub async fn wait_some(find: impl Fn() -> Vec<u32>, limit: Duration) -> Vec<u32> {
+    poll(find, false, limit).await
+}
+
+/// Polls /proc through `find` (no event says a process we did not spawn started or ended)
+/// until its answer is empty (`until_empty`) or not, or `limit` passes.
+async fn poll(find: impl Fn() -> Vec<u32>, until_empty: bool, limit: Duration) -> Vec<u32> {
     let deadline = tokio::time::Instant::now() + limit;
     loop {
-        let left = find();
-        if left.is_empty() || tokio::time::Instant::now() >= deadline {
-            return left;
+        let found = find();
+        if found.is_empty() == until_empty || tokio::time::Instant::now() >= deadline {
+            return found;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -99,11 +99,15 @@ pub fn environ_var(pid: u32, name: &str) -> Option<String> {
 /// descendants' own and their reaped children's, plus what the children `pid` reaped left in
 /// its children's counts. (0, 0) once `pid` is gone.
 pub fn tree_cpu_seconds(pid: u32) -> (f64, f64) {
-    let all = all();
+    tree_cpu_seconds_in(&all(), pid)
+}
+
+/// [`tree_cpu_seconds`] in a snapshot taken by [`all`] (one scan for several trees).
+pub fn tree_cpu_seconds_in(all: &[Stat], pid: u32) -> (f64, f64) {
     let Some(root) = all.iter().find(|p| p.pid == pid) else {
         return (0.0, 0.0);
     };
-    let below: u64 = descendants(&all, pid)
+    let below: u64 = descendants(all, pid)
         .iter()
         .map(|p| p.cpu_ticks + p.children_cpu_ticks)
         .sum();

@@ -167,6 +167,40 @@ impl Peaks {
     }
 }
 
+/// CPU seconds (user + system) of one run's three sides at one moment, from one scan of
+/// `/proc`: the runtimes (everything under the daemon, or under the workload in the SDK
+/// modes), the pool (the daemon itself; unused in the SDK modes) and the gateway (the
+/// workload's own process).
+#[derive(Debug, Clone, Copy)]
+struct Cpu {
+    runtimes: f64,
+    pool: f64,
+    gateway: f64,
+}
+
+impl Cpu {
+    /// `root`: the daemon, or the workload when there is none; `workload`: Node's pid.
+    fn now(root: u32, workload: u32) -> Cpu {
+        let all = procfs::all();
+        let (pool, runtimes) = procfs::tree_cpu_seconds_in(&all, root);
+        let gateway = procfs::tree_cpu_seconds_in(&all, workload).0;
+        Cpu {
+            runtimes,
+            pool,
+            gateway,
+        }
+    }
+
+    /// What was used since `start`.
+    fn since(self, start: Cpu) -> Cpu {
+        Cpu {
+            runtimes: self.runtimes - start.runtimes,
+            pool: self.pool - start.pool,
+            gateway: self.gateway - start.gateway,
+        }
+    }
+}
+
 /// Runs the workload under Node and measures it.
 async fn drive(
     mode: Mode,
@@ -238,8 +272,8 @@ async fn talk(
     let mut stdin = node.take_stdin().context("node's standard input")?;
     let stdout = node.take_stdout().context("node's standard output")?;
     let mut lines = BufReader::new(stdout).lines();
-    // CPU (pool, runtimes, gateway) when the workload's clock starts.
-    let mut cpu_start: Option<(f64, f64, f64)> = None;
+    // CPU when the workload's clock starts.
+    let mut cpu_start: Option<Cpu> = None;
     let mut peaks = Peaks::default();
     let mut figures = Figures::default();
     let mut loading = true;
@@ -275,21 +309,17 @@ async fn talk(
         }
         match value["step"].as_str() {
             Some("start") => {
-                let (pool_cpu, runtime_cpu) = procfs::tree_cpu_seconds(root);
-                let gateway_cpu = procfs::tree_cpu_seconds(node_pid).0;
-                cpu_start = Some((pool_cpu, runtime_cpu, gateway_cpu));
+                cpu_start = Some(Cpu::now(root, node_pid));
                 stdin
                     .write_all(b"go\n")
                     .await
                     .context("telling the workload")?;
             }
             Some("load") => {
-                let (pool_cpu_start, runtime_cpu_start, gateway_cpu_start) =
-                    cpu_start.context("the workload reported its load before its start")?;
+                let start = cpu_start.context("the workload reported its load before its start")?;
                 // The workload waits for `measured` before it stops anything (the SDK modes'
                 // clients): every figure ends where its clock stopped.
-                let (pool_cpu, runtime_cpu) = procfs::tree_cpu_seconds(root);
-                let gateway_cpu = procfs::tree_cpu_seconds(node_pid).0;
+                let used = Cpu::now(root, node_pid).since(start);
                 peaks.sample(root, pool);
                 loading = false;
                 stdin
@@ -310,12 +340,10 @@ async fn talk(
                 figures.first_idle_p50_ms = percentile(&list("firstIdle"), 0.5);
                 figures.warm_turn_p50_ms = percentile(&warm, 0.5);
                 figures.warm_turn_p99_ms = percentile(&warm, 0.99);
-                figures.runtime_cpu_per_turn_ms =
-                    Some((runtime_cpu - runtime_cpu_start) * 1000.0 / turns);
-                figures.pool_cpu_per_turn_ms =
-                    pool.map(|_| (pool_cpu - pool_cpu_start) * 1000.0 / turns);
-                figures.gateway_cpu_per_turn_ms =
-                    Some((gateway_cpu - gateway_cpu_start) * 1000.0 / turns);
+                let per_turn_ms = |seconds: f64| seconds * 1000.0 / turns;
+                figures.runtime_cpu_per_turn_ms = Some(per_turn_ms(used.runtimes));
+                figures.pool_cpu_per_turn_ms = pool.map(|_| per_turn_ms(used.pool));
+                figures.gateway_cpu_per_turn_ms = Some(per_turn_ms(used.gateway));
                 figures.runtime_peak_pss_mib = Some(peaks.runtimes as f64 / 1048576.0);
                 figures.pool_peak_pss_mib = pool.map(|_| peaks.pool as f64 / 1048576.0);
             }
