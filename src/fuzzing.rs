@@ -128,6 +128,8 @@ async fn json_rpc_run(data: &[u8]) {
     let options = ConnectionOptions {
         max_frame_bytes: RPC_MAX_FRAME_BYTES,
         default_timeout: Duration::from_secs(30),
+        // As the worker reads its child: events split off in the pass over the frame.
+        split_session_events: true,
     };
     let conn = Connection::start(
         our_read,
@@ -184,6 +186,7 @@ async fn json_rpc_run(data: &[u8]) {
                     check_event(params.event().into_raw());
                 }
             }
+            Incoming::SessionEvent { event, .. } => check_event(event),
             Incoming::Closed(_) => {
                 closes += 1;
                 break;

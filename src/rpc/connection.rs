@@ -4,7 +4,10 @@
 //! (responses to their waiting caller, requests and notifications to the owner's sink), and a
 //! writer that serializes outgoing frames. It owns id correlation, per-request timeouts and
 //! the rule that every pending request fails at once when the transport closes. It knows
-//! nothing about sessions, workers or what the methods mean.
+//! nothing about sessions, workers or what the methods mean, with one exception an owner asks
+//! for ([`ConnectionOptions::split_session_events`]): the shape of `session.event`'s params,
+//! read in the same pass over the frame, so that an event's text is read once fewer on its
+//! way to the session it names.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -22,6 +25,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::codec::{FramedRead, FramedWrite};
 
 use super::codec::{FrameCodec, FrameError};
+use super::events::EventParams;
 use super::messages::Method;
 
 /// JSON-RPC error code: the method does not exist.
@@ -38,6 +42,12 @@ pub struct ConnectionOptions {
     pub max_frame_bytes: usize,
     /// Timeout applied to requests that do not name their own.
     pub default_timeout: Duration,
+    /// A `session.event` notification comes as [`Incoming::SessionEvent`] (the session it
+    /// names and the event's text, read in the one pass over the frame) instead of
+    /// [`Incoming::Notification`], whose params an owner routing events by session reads
+    /// again. Params that are not an event's (`sessionId` not a string, …) still come as a
+    /// notification. Off by default.
+    pub split_session_events: bool,
 }
 
 impl Default for ConnectionOptions {
@@ -45,6 +55,7 @@ impl Default for ConnectionOptions {
         Self {
             max_frame_bytes: super::codec::DEFAULT_MAX_FRAME_BYTES,
             default_timeout: Duration::from_secs(60),
+            split_session_events: false,
         }
     }
 }
@@ -143,6 +154,13 @@ pub enum Incoming {
     Notification {
         method: String,
         params: Box<RawValue>,
+    },
+    /// A `session.event` notification, with [`ConnectionOptions::split_session_events`]
+    /// only: the session its params name and the event as the JSON text it came as (`null`
+    /// when the params carried none).
+    SessionEvent {
+        session_id: String,
+        event: Box<RawValue>,
     },
     /// A request the owner must answer through its [`Responder`].
     Request(IncomingRequest),
@@ -646,29 +664,120 @@ where
 }
 
 /// The members of a JSON-RPC message, read in one pass over the frame: params and a result
-/// stay the JSON text they came as (parsed, if at all, by whoever takes them).
-#[derive(Deserialize)]
+/// stay the JSON text they came as (parsed, if at all, by whoever takes them). A member that
+/// is there is `Some`, `null` included (`"result": null` is an answer, and an error answered
+/// with `"id": null` is a response nobody waits for, not a broken stream); a member given
+/// twice is an error, as serde's derive has it (the caller then reads the text as a `Value`
+/// reads it).
 struct Members<'a> {
-    #[serde(default, deserialize_with = "present")]
     method: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
     id: Option<Value>,
-    #[serde(default, borrow, deserialize_with = "present")]
-    params: Option<&'a RawValue>,
-    #[serde(default, borrow, deserialize_with = "present")]
+    params: Option<Params<'a>>,
     result: Option<&'a RawValue>,
-    #[serde(default, deserialize_with = "present")]
     error: Option<Value>,
 }
 
-/// A member that is there is `Some`, `null` included (`"result": null` is an answer, and an
-/// error answered with `"id": null` is a response nobody waits for, not a broken stream).
-fn present<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
-where
-    D: serde::Deserializer<'de>,
-    T: Deserialize<'de>,
-{
-    T::deserialize(deserializer).map(Some)
+/// A message's `params` as the pass over the frame left them.
+enum Params<'a> {
+    /// Their JSON text.
+    Text(&'a RawValue),
+    /// A `session.event`'s, read as such (asked for, and its `method` came first).
+    Event(EventParams<'a>),
+}
+
+impl<'a> Params<'a> {
+    /// Whether they were read as a `session.event`'s.
+    fn split(params: &Option<Params<'a>>) -> bool {
+        matches!(params, Some(Params::Event(_)))
+    }
+}
+
+/// The names of the members [`Members`] reads; any other is skipped.
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "lowercase")]
+enum Member {
+    Method,
+    Id,
+    Params,
+    Result,
+    Error,
+    #[serde(other)]
+    Other,
+}
+
+/// Reads a message's [`Members`]; with `split_events`, the params of a `session.event` whose
+/// `method` comes before them are read as [`EventParams`] on the way (the runtime writes
+/// `method` first; params that come first stay text here).
+struct MembersSeed {
+    split_events: bool,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for MembersSeed {
+    type Value = Members<'de>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Members<'de>, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for MembersSeed {
+    type Value = Members<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON-RPC message object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Members<'de>, A::Error> {
+        fn once<T, E: serde::de::Error>(
+            slot: &mut Option<T>,
+            value: T,
+            name: &'static str,
+        ) -> Result<(), E> {
+            if slot.is_some() {
+                return Err(E::duplicate_field(name));
+            }
+            *slot = Some(value);
+            Ok(())
+        }
+        let mut m = Members {
+            method: None,
+            id: None,
+            params: None,
+            result: None,
+            error: None,
+        };
+        while let Some(member) = map.next_key::<Member>()? {
+            match member {
+                Member::Method => once(&mut m.method, map.next_value()?, "method")?,
+                Member::Id => once(&mut m.id, map.next_value()?, "id")?,
+                Member::Params => {
+                    let event = self.split_events
+                        && matches!(&m.method, Some(Value::String(s)) if s == "session.event");
+                    let params = if event {
+                        Params::Event(map.next_value()?)
+                    } else {
+                        Params::Text(map.next_value()?)
+                    };
+                    once(&mut m.params, params, "params")?;
+                }
+                Member::Result => once(&mut m.result, map.next_value()?, "result")?,
+                Member::Error => once(&mut m.error, map.next_value()?, "error")?,
+                Member::Other => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// `text`'s members, the whole text read (nothing may follow the message).
+fn read_members(text: &[u8], split_events: bool) -> serde_json::Result<Members<'_>> {
+    use serde::de::DeserializeSeed;
+    let mut de = serde_json::Deserializer::from_slice(text);
+    let members = MembersSeed { split_events }.deserialize(&mut de)?;
+    de.end()?;
+    Ok(members)
 }
 
 /// JSON text that serde's derive refuses but a `Value` reads (a key given twice: the last one
@@ -703,19 +812,34 @@ fn dispatch(
             Err(e) => Err(not_json(&e)),
         };
     }
+    let split = shared.options.split_session_events;
     let read_again;
-    let message: Members = match serde_json::from_slice(frame) {
-        Ok(message) => message,
-        Err(e) => {
-            read_again = read_as_a_value_reads(frame).ok_or_else(|| not_json(&e))?;
-            serde_json::from_slice(&read_again).map_err(|e| not_json(&e))?
+    let message = match read_members(frame, split) {
+        // A request's params are read whole (a `session.event` request, which no runtime
+        // sends, included).
+        Ok(message)
+            if message.id.as_ref().is_some_and(|id| !id.is_null())
+                && Params::split(&message.params) =>
+        {
+            read_members(frame, false).map_err(|e| not_json(&e))?
         }
+        Ok(message) => message,
+        // Params that are not an event's go on as a notification's, as the text they are.
+        Err(e) => match split.then(|| read_members(frame, false)) {
+            Some(Ok(message)) => message,
+            _ => {
+                read_again = read_as_a_value_reads(frame).ok_or_else(|| not_json(&e))?;
+                read_members(&read_again, false).map_err(|e| not_json(&e))?
+            }
+        },
     };
     match (message.method, message.id) {
         (Some(Value::String(method)), Some(id)) if !id.is_null() => {
             let params = match message.params {
-                Some(raw) => serde_json::from_str(raw.get()).map_err(|e| not_json(&e))?,
-                None => Value::Null,
+                Some(Params::Text(raw)) => {
+                    serde_json::from_str(raw.get()).map_err(|e| not_json(&e))?
+                }
+                Some(Params::Event(_)) | None => Value::Null,
             };
             let responder = Responder {
                 id: Some(id),
@@ -731,8 +855,31 @@ fn dispatch(
             Ok(())
         }
         (Some(Value::String(method)), _) => {
-            let params = message.params.map_or_else(null_params, RawValue::to_owned);
-            batch.push(Incoming::Notification { method, params });
+            // Params that came before the method are read as an event's now (a second pass,
+            // which the runtime's order of members spares).
+            let params = match message.params {
+                Some(Params::Text(text)) if split && method == "session.event" => {
+                    match serde_json::from_str::<EventParams>(text.get()) {
+                        Ok(params) => Some(Params::Event(params)),
+                        Err(_) => Some(Params::Text(text)),
+                    }
+                }
+                params => params,
+            };
+            batch.push(match params {
+                Some(Params::Event(params)) => Incoming::SessionEvent {
+                    session_id: params.session_id,
+                    event: params.event.unwrap_or(RawValue::NULL).to_owned(),
+                },
+                Some(Params::Text(params)) => Incoming::Notification {
+                    method,
+                    params: params.to_owned(),
+                },
+                None => Incoming::Notification {
+                    method,
+                    params: null_params(),
+                },
+            });
             Ok(())
         }
         (Some(_), _) => Err("method is not a string".to_owned()),
@@ -776,16 +923,23 @@ mod tests {
 
     /// A connection whose peer is driven by hand through raw bytes.
     fn pair() -> (Connection, DuplexStream, mpsc::UnboundedReceiver<Incoming>) {
+        pair_with(ConnectionOptions {
+            max_frame_bytes: 1024,
+            default_timeout: Duration::from_secs(5),
+            split_session_events: false,
+        })
+    }
+
+    fn pair_with(
+        options: ConnectionOptions,
+    ) -> (Connection, DuplexStream, mpsc::UnboundedReceiver<Incoming>) {
         let (ours, theirs) = duplex(1 << 16);
         let (r, w) = tokio::io::split(ours);
         let (tx, rx) = mpsc::unbounded_channel();
         let conn = Connection::start(
             r,
             w,
-            ConnectionOptions {
-                max_frame_bytes: 1024,
-                default_timeout: Duration::from_secs(5),
-            },
+            options,
             Box::new(move |m| {
                 let _ = tx.send(m);
             }),
@@ -829,6 +983,7 @@ mod tests {
                     .into_iter()
                     .map(|incoming| match incoming {
                         Incoming::Notification { method, .. } => method,
+                        Incoming::SessionEvent { .. } => "session.event".to_owned(),
                         Incoming::Request(request) => request.method.clone(),
                         Incoming::Closed(_) => "closed".to_owned(),
                     })
@@ -1170,6 +1325,95 @@ mod tests {
             panic!()
         };
         assert!(detail.contains("not a JSON-RPC object"), "{detail}");
+    }
+
+    #[tokio::test]
+    async fn session_events_split_off_in_the_pass_over_the_frame_come_with_their_session_and_text()
+    {
+        let (_conn, mut peer, mut rx) = pair_with(ConnectionOptions {
+            split_session_events: true,
+            ..ConnectionOptions::default()
+        });
+        let event = r#"{"type":"user.message","data":{"content":"a \"quoted\" \u00e9"},"id":"e1"}"#;
+        write_frame(
+            &mut peer,
+            &format!(
+                r#"{{"jsonrpc":"2.0","method":"session.event","params":{{"sessionId":"s1","event":{event}}}}}"#
+            ),
+        )
+        .await;
+        let Some(Incoming::SessionEvent {
+            session_id,
+            event: text,
+        }) = rx.recv().await
+        else {
+            panic!("a session.event did not come split")
+        };
+        assert_eq!((session_id.as_str(), text.get()), ("s1", event));
+        // Params before the method: read as text, then as an event's all the same.
+        write_frame(
+            &mut peer,
+            r#"{"params":{"event":{"type":"x"},"sessionId":"s2"},"method":"session.event"}"#,
+        )
+        .await;
+        let Some(Incoming::SessionEvent { session_id, event }) = rx.recv().await else {
+            panic!("params before the method did not come split")
+        };
+        assert_eq!(
+            (session_id.as_str(), event.get()),
+            ("s2", r#"{"type":"x"}"#)
+        );
+        // No event in them: `null`, as a notification's missing params are.
+        write_frame(
+            &mut peer,
+            r#"{"method":"session.event","params":{"sessionId":"s3"}}"#,
+        )
+        .await;
+        let Some(Incoming::SessionEvent { event, .. }) = rx.recv().await else {
+            panic!()
+        };
+        assert_eq!(event.get(), "null");
+        // Params that are not an event's go on as a notification, the stream unbroken.
+        for params in [r#"[1,2]"#, r#"{"sessionId":7,"event":{}}"#, "null"] {
+            write_frame(
+                &mut peer,
+                &format!(r#"{{"method":"session.event","params":{params}}}"#),
+            )
+            .await;
+            let Some(Incoming::Notification {
+                method,
+                params: text,
+            }) = rx.recv().await
+            else {
+                panic!("params {params} broke the connection")
+            };
+            assert_eq!((method.as_str(), text.get()), ("session.event", params));
+        }
+        // Other notifications, and a request named session.event, are as they always were.
+        write_frame(&mut peer, r#"{"method":"n","params":{"sessionId":"s1"}}"#).await;
+        assert!(
+            matches!(rx.recv().await, Some(Incoming::Notification { method, .. }) if method == "n")
+        );
+        write_frame(
+            &mut peer,
+            r#"{"id":9,"method":"session.event","params":{"sessionId":"s1","event":{}}}"#,
+        )
+        .await;
+        let Some(Incoming::Request(request)) = rx.recv().await else {
+            panic!("a request came split")
+        };
+        assert_eq!(request.params, json!({"sessionId": "s1", "event": {}}));
+        // Without the option, an event is a notification.
+        let (_conn, mut peer, mut rx) = pair();
+        write_frame(
+            &mut peer,
+            r#"{"method":"session.event","params":{"sessionId":"s1","event":{}}}"#,
+        )
+        .await;
+        assert!(matches!(
+            rx.recv().await,
+            Some(Incoming::Notification { .. })
+        ));
     }
 
     #[tokio::test]

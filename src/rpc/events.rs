@@ -48,7 +48,7 @@ pub(crate) struct EventParams<'a> {
     #[serde(default)]
     pub(crate) session_id: String,
     #[serde(default, borrow)]
-    event: Option<&'a RawValue>,
+    pub(crate) event: Option<&'a RawValue>,
 }
 
 impl EventParams<'_> {

@@ -75,6 +75,7 @@ where
     let options = ConnectionOptions {
         max_frame_bytes: shared.config.max_frame_bytes,
         default_timeout: shared.config.request_timeout,
+        ..ConnectionOptions::default()
     };
     let sink = move |incoming: Incoming| {
         // A full queue refuses the request (its responder answers as it is dropped).
@@ -114,7 +115,7 @@ where
                 });
             }
             // Notifications from a client carry nothing the pool acts on.
-            Some(Incoming::Notification { .. }) => {}
+            Some(Incoming::Notification { .. } | Incoming::SessionEvent { .. }) => {}
             Some(Incoming::Closed(_)) | None => break,
         }
     }

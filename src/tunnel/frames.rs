@@ -286,6 +286,7 @@ mod tests {
         let options = ConnectionOptions {
             max_frame_bytes: 1 << 20,
             default_timeout: Duration::from_secs(5),
+            ..ConnectionOptions::default()
         };
         let conn = Connection::start(r, w, options, Box::new(|_| {}));
         let response = ModelResponse {

@@ -18,7 +18,7 @@ use crate::rpc::messages::{
     ClientInfo, Connect, ConnectParams, LlmSetProvider, Method, PROTOCOL_VERSION, Ping, PingParams,
     SessionDetach, SessionIdParams,
 };
-use crate::rpc::{CloseCause, Connection, ConnectionOptions, Incoming, RpcError};
+use crate::rpc::{CloseCause, Connection, ConnectionOptions, Incoming, RpcError, SessionEvent};
 use crate::tunnel::frames::TunnelRequests;
 
 use super::config::WorkerConfig;
@@ -183,6 +183,8 @@ impl Actor for Worker {
             ConnectionOptions {
                 max_frame_bytes: config.max_frame_bytes,
                 default_timeout: config.request_timeout,
+                // Events are routed by the session they name: read once fewer.
+                split_session_events: true,
             },
             Box::new(move |batch| {
                 // If the actor is gone, an incoming request's responder is dropped here and
@@ -264,6 +266,9 @@ impl Actor for Worker {
             WorkerMsg::Incoming(batch) => {
                 for incoming in batch {
                     match incoming {
+                        Incoming::SessionEvent { session_id, event } => {
+                            state.on_session_event(session_id, SessionEvent::from_raw(event));
+                        }
                         Incoming::Notification { method, params } => {
                             state.on_notification(&method, &params);
                         }

@@ -1,4 +1,5 @@
-//! Dispatching what the child sends: `session.event` notifications to the session they name
+//! Dispatching what the child sends: `session.event` notifications (read with the frame, or
+//! from a notification's params) to the session they name
 //! (recording pending tool calls and permission prompts in the ledger on the way), other
 //! notifications naming a session (`session.lifecycle`, …) to it as they are, server requests
 //! (`userInput.request`, `hooks.invoke` typed; `llmInference.*` to the tunnel; any other
@@ -11,6 +12,7 @@ use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use crate::rpc::IncomingRequest;
+use crate::rpc::SessionEvent;
 use crate::rpc::connection::{ErrorObject, INVALID_PARAMS};
 use crate::rpc::events::{EventKind, EventParams};
 use crate::rpc::messages::{
@@ -42,13 +44,17 @@ impl WorkerState {
             return;
         }
         // Read in place: only the session id is copied out, and the event keeps its text.
-        let (session_id, event) = match serde_json::from_str::<EventParams>(params.get()) {
-            Ok(params) => (params.session_id.clone(), params.event()),
+        match serde_json::from_str::<EventParams>(params.get()) {
+            Ok(params) => self.on_session_event(params.session_id.clone(), params.event()),
             Err(error) => {
                 tracing::debug!(%error, "Ignored a session.event whose params are not an object.");
-                return;
             }
-        };
+        }
+    }
+
+    /// A `session.event` of `session_id`: to that session, the ledger of pending tool calls
+    /// and permission prompts kept on the way; a request in it nobody will answer is refused.
+    pub(super) fn on_session_event(&mut self, session_id: String, event: SessionEvent) {
         match &event.kind {
             EventKind::ExternalToolRequested(req) => {
                 self.pending.insert((
