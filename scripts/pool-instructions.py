@@ -13,8 +13,8 @@ warm turns on the same conversations, and off again at its end. Prints the instr
 turn and the crate's functions that take the most, inclusive of what they call.
 
     cargo build --release
-    python3 scripts/pool-instructions.py [--conversations 4] [--turns 10] [--top 25]
-                                         [--save FILE]
+    python3 scripts/pool-instructions.py [--bin target/release/copilot-pool]
+        [--conversations 4] [--turns 10] [--top 25] [--save FILE]
 
 Needs valgrind (`callgrind_control`, `callgrind_annotate`) and Node.js; finds or installs the
 runtime with `copilot-pool install-cli`. Under callgrind the daemon runs ~50x slower, so a
@@ -57,29 +57,69 @@ def wait_for_line(path, pattern, proc, what):
     fail(f"{what} was not ready within {STEP_LIMIT} s")
 
 
-def run_workload(env, turns):
-    """One pass of the bench's gateway: answers its `go`, returns its `load` line."""
+def run_workload(env, turns, children, at_load=None):
+    """One pass of the bench's gateway: answers its `go` and, at its `load` line (every turn
+    done), calls `at_load` before the gateway is stopped (its sockets' close is not counted);
+    returns that line."""
     proc = subprocess.Popen(
         ["node", str(WORKLOAD)],
         env={**env, "TURNS": str(turns)},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
-    try:
-        for line in proc.stdout:
+    children.append(proc)
+    for line in proc.stdout:
+        try:
             step = json.loads(line)
-            if "error" in step:
-                fail(f"the workload failed: {step['error']}")
-            if step.get("step") == "start":
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-            elif step.get("step") == "load":
-                return step
-        fail("the workload ended before its load was done")
-    finally:
-        proc.kill()
-        proc.wait()
+        except json.JSONDecodeError:
+            fail(f"the workload printed a line that is not JSON: {line.strip()[:200]}")
+        if "error" in step:
+            fail(f"the workload failed: {step['error']}")
+        if step.get("step") == "start":
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        elif step.get("step") == "load":
+            if at_load:
+                at_load()
+            stop(proc)
+            return step
+    fail("the workload ended before its load was done")
+
+
+def stop(proc):
+    """Stops `proc`'s process group: SIGTERM, then SIGKILL after 30 s."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def kill_session(sid):
+    """SIGKILLs whatever is left of session `sid` (serve's runtimes lead process groups of
+    their own, in serve's session)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 3 and fields[3] == str(sid):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def main():
@@ -92,19 +132,31 @@ def main():
         "--save", metavar="FILE", help="keep callgrind's profile there (for callgrind_annotate)"
     )
     args = parser.parse_args()
-    for tool in ("valgrind", "callgrind_control", "callgrind_annotate", "node"):
+    for tool, package in (
+        ("valgrind", "valgrind"),
+        ("callgrind_control", "valgrind"),
+        ("callgrind_annotate", "valgrind"),
+        ("node", "Node.js"),
+    ):
         if shutil.which(tool) is None:
-            fail(f"{tool} is not on PATH (valgrind's package has the callgrind tools)")
+            fail(f"{tool} is not on PATH; install {package}")
+    # A SIGTERM or SIGHUP ends the script through its cleanup.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda number, _frame: sys.exit(128 + number))
     binary = Path(args.bin)
     if not binary.exists():
         fail(f"{binary} does not exist; build it with `cargo build --release` or pass --bin")
 
-    installed = subprocess.run(
-        [str(binary), "install-cli"], capture_output=True, text=True, timeout=STEP_LIMIT
-    )
-    if installed.returncode != 0:
-        fail(f"install-cli failed:\n{installed.stderr}")
-    runtime = installed.stdout.strip().splitlines()[-1]
+    try:
+        installed = subprocess.run(
+            [str(binary), "install-cli"], capture_output=True, text=True, timeout=STEP_LIMIT
+        )
+    except subprocess.TimeoutExpired:
+        fail(f"install-cli did not finish within {STEP_LIMIT} s")
+    lines = installed.stdout.strip().splitlines()
+    if installed.returncode != 0 or not lines:
+        fail(f"install-cli failed (exit {installed.returncode}):\n{installed.stderr}")
+    runtime = lines[-1]
 
     scratch = Path(tempfile.mkdtemp(prefix="pool-instructions-"))
     children = []
@@ -147,14 +199,17 @@ def main():
             "MODEL_URL": model_url, "MODEL_ID": "scripted-model", "ATTEMPT_MS": "120000",
             "HTTP_URL": url,
         }
-        run_workload(env, 1)
-        control = lambda *a: subprocess.run(
-            ["callgrind_control", *a, str(serve.pid)], check=True, capture_output=True,
-            timeout=STEP_LIMIT,
-        )
+        def control(*options):
+            done = subprocess.run(
+                ["callgrind_control", *options, str(serve.pid)], capture_output=True,
+                text=True, timeout=STEP_LIMIT,
+            )
+            if done.returncode != 0:
+                fail(f"callgrind_control {' '.join(options)} failed:\n{done.stdout}{done.stderr}")
+
+        run_workload(env, 1, children)
         control("-i", "on")
-        load = run_workload(env, args.turns)
-        control("-i", "off")
+        load = run_workload(env, args.turns, children, at_load=lambda: control("-i", "off"))
         control("-d")
         turns = load["turns"]
 
@@ -176,23 +231,23 @@ def main():
         print(f"\nthe crate's functions, inclusive, per turn (of {instructions / turns:,.0f}):")
         seen = set()
         for line in annotated.splitlines():
-            match = re.match(r"^\s*([\d,]+) \(\s*([\d.]+)%\)\s+(\S+?):(copilot_pool::\S+)", line)
-            if not match or match.group(4) in seen:
+            # `file:function [object]`, the function perhaps `<T as Trait>::f` or with spaces.
+            match = re.match(
+                r"^\s*([\d,]+) \(\s*([\d.]+)%\)\s+\S*?:(<?copilot_pool::.+?)(?: \[[^\]]*\])?$",
+                line,
+            )
+            if not match or match.group(3) in seen:
                 continue
-            seen.add(match.group(4))
+            seen.add(match.group(3))
             count = int(match.group(1).replace(",", "")) / turns
-            print(f"{count:>12,.0f}  {float(match.group(2)):5.1f} %  {match.group(4)}")
+            print(f"{count:>12,.0f}  {float(match.group(2)):5.1f} %  {match.group(3)}")
             if len(seen) >= args.top:
                 break
     finally:
         for child in reversed(children):
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGTERM)
-                try:
-                    child.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(child.pid, signal.SIGKILL)
-                    child.wait()
+            stop(child)
+            # The daemon's runtimes are in its session, in process groups of their own.
+            kill_session(child.pid)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

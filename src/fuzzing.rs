@@ -15,6 +15,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::codec::{Decoder, Encoder};
@@ -108,7 +109,9 @@ pub fn frame_codec(data: &[u8]) {
 /// `session.event`, and reads back all the connection wrote. Checks that the connection
 /// closes, that our waiting requests all end (answered or closed, never timed out), that
 /// every frame it wrote is JSON-RPC 2.0, and that no request is answered twice or answered
-/// without having been asked.
+/// without having been asked. Runs twice, with and without
+/// [`ConnectionOptions::split_session_events`], and checks that the owner is handed the same
+/// in both (a split event as what a notification's params read as an event give).
 pub fn json_rpc(data: &[u8]) {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -117,10 +120,24 @@ pub fn json_rpc(data: &[u8]) {
         Ok(runtime) => runtime,
         Err(e) => panic!("cannot build a tokio runtime for the JSON-RPC target: {e}"),
     };
-    runtime.block_on(json_rpc_run(data));
+    let whole = runtime.block_on(json_rpc_run(data, false));
+    let split = runtime.block_on(json_rpc_run(data, true));
+    assert_eq!(
+        whole, split,
+        "splitting session events off changed what the owner is handed"
+    );
 }
 
-async fn json_rpc_run(data: &[u8]) {
+/// What reached the owner, in order, in a form both ways of reading events agree on.
+#[derive(Debug, PartialEq)]
+enum Handed {
+    Request { method: String, params: Value },
+    Notification { method: String, params: String },
+    Event { session_id: String, event: String },
+    Closed(String),
+}
+
+async fn json_rpc_run(data: &[u8], split_session_events: bool) -> Vec<Handed> {
     let (ours, peer) = tokio::io::duplex(16 * 1024);
     let (our_read, our_write) = tokio::io::split(ours);
     let (mut peer_read, mut peer_write) = tokio::io::split(peer);
@@ -128,8 +145,7 @@ async fn json_rpc_run(data: &[u8]) {
     let options = ConnectionOptions {
         max_frame_bytes: RPC_MAX_FRAME_BYTES,
         default_timeout: Duration::from_secs(30),
-        // As the worker reads its child: events split off in the pass over the frame.
-        split_session_events: true,
+        split_session_events,
     };
     let conn = Connection::start(
         our_read,
@@ -164,9 +180,14 @@ async fn json_rpc_run(data: &[u8]) {
 
     let mut asked = HashSet::new();
     let mut closes = 0;
+    let mut handed = Vec::new();
     while let Some(incoming) = rx.recv().await {
         match incoming {
             Incoming::Request(request) => {
+                handed.push(Handed::Request {
+                    method: request.method.clone(),
+                    params: request.params.clone(),
+                });
                 let id = request.responder.id().cloned();
                 assert!(
                     id.is_some(),
@@ -179,15 +200,33 @@ async fn json_rpc_run(data: &[u8]) {
                 answer(request);
             }
             Incoming::Notification { method, params } => {
-                if method == "session.event"
-                    && let Ok(params) =
-                        serde_json::from_str::<crate::rpc::events::EventParams>(params.get())
-                {
-                    check_event(params.event().into_raw());
+                let event = (method == "session.event")
+                    .then(|| serde_json::from_str::<crate::rpc::events::EventParams>(params.get()))
+                    .and_then(Result::ok);
+                match event {
+                    Some(event) => {
+                        let text = event.event.unwrap_or(RawValue::NULL).get().to_owned();
+                        handed.push(Handed::Event {
+                            session_id: event.session_id.clone(),
+                            event: text,
+                        });
+                        check_event(event.event().into_raw());
+                    }
+                    None => handed.push(Handed::Notification {
+                        method,
+                        params: params.get().to_owned(),
+                    }),
                 }
             }
-            Incoming::SessionEvent { event, .. } => check_event(event),
-            Incoming::Closed(_) => {
+            Incoming::SessionEvent { session_id, event } => {
+                handed.push(Handed::Event {
+                    session_id,
+                    event: event.get().to_owned(),
+                });
+                check_event(event);
+            }
+            Incoming::Closed(cause) => {
+                handed.push(Handed::Closed(cause.to_string()));
                 closes += 1;
                 break;
             }
@@ -241,6 +280,7 @@ async fn json_rpc_run(data: &[u8]) {
         );
         assert!(answered.insert(id), "answered a request twice: {message}");
     }
+    handed
 }
 
 /// Answers a request from the peer as the worker would: typed params for the methods whose

@@ -224,7 +224,7 @@ impl Serialize for RuntimeEventFrame<'_> {
         match e.data() {
             // As sent, unless it spans lines (JSON may have line breaks between its
             // tokens, and an SSE `data:` line may not): then compacted.
-            Some(data) if !data.get().contains(['\n', '\r']) => {
+            Some(data) if memchr::memchr2(b'\n', b'\r', data.get().as_bytes()).is_none() => {
                 frame.serialize_field("data", data)?
             }
             _ => frame.serialize_field("data", &e.data_value())?,

@@ -45,8 +45,8 @@ pub struct ConnectionOptions {
     /// A `session.event` notification comes as [`Incoming::SessionEvent`] (the session it
     /// names and the event's text, read in the one pass over the frame) instead of
     /// [`Incoming::Notification`], whose params an owner routing events by session reads
-    /// again. Params that are not an event's (`sessionId` not a string, …) still come as a
-    /// notification. Off by default.
+    /// again. A `session.event` whose params are not an event's (`sessionId` not a string,
+    /// none at all, …) still comes as a notification. Off by default.
     pub split_session_events: bool,
 }
 
@@ -728,16 +728,12 @@ impl<'de> serde::de::Visitor<'de> for MembersSeed {
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Members<'de>, A::Error> {
-        fn once<T, E: serde::de::Error>(
-            slot: &mut Option<T>,
-            value: T,
-            name: &'static str,
-        ) -> Result<(), E> {
-            if slot.is_some() {
-                return Err(E::duplicate_field(name));
+        // A member given twice is refused at its name, as serde's derive does.
+        fn vacant<T, E: serde::de::Error>(slot: &Option<T>, name: &'static str) -> Result<(), E> {
+            match slot {
+                Some(_) => Err(E::duplicate_field(name)),
+                None => Ok(()),
             }
-            *slot = Some(value);
-            Ok(())
         }
         let mut m = Members {
             method: None,
@@ -748,20 +744,32 @@ impl<'de> serde::de::Visitor<'de> for MembersSeed {
         };
         while let Some(member) = map.next_key::<Member>()? {
             match member {
-                Member::Method => once(&mut m.method, map.next_value()?, "method")?,
-                Member::Id => once(&mut m.id, map.next_value()?, "id")?,
+                Member::Method => {
+                    vacant(&m.method, "method")?;
+                    m.method = Some(map.next_value()?);
+                }
+                Member::Id => {
+                    vacant(&m.id, "id")?;
+                    m.id = Some(map.next_value()?);
+                }
                 Member::Params => {
+                    vacant(&m.params, "params")?;
                     let event = self.split_events
                         && matches!(&m.method, Some(Value::String(s)) if s == "session.event");
-                    let params = if event {
+                    m.params = Some(if event {
                         Params::Event(map.next_value()?)
                     } else {
                         Params::Text(map.next_value()?)
-                    };
-                    once(&mut m.params, params, "params")?;
+                    });
                 }
-                Member::Result => once(&mut m.result, map.next_value()?, "result")?,
-                Member::Error => once(&mut m.error, map.next_value()?, "error")?,
+                Member::Result => {
+                    vacant(&m.result, "result")?;
+                    m.result = Some(map.next_value()?);
+                }
+                Member::Error => {
+                    vacant(&m.error, "error")?;
+                    m.error = Some(map.next_value()?);
+                }
                 Member::Other => {
                     map.next_value::<serde::de::IgnoredAny>()?;
                 }
@@ -824,10 +832,15 @@ fn dispatch(
             read_members(frame, false).map_err(|e| not_json(&e))?
         }
         Ok(message) => message,
-        // Params that are not an event's go on as a notification's, as the text they are.
-        Err(e) => match split.then(|| read_members(frame, false)) {
-            Some(Ok(message)) => message,
-            _ => {
+        // Params that are not an event's go on as a notification's, as the text they are;
+        // what is wrong with a frame is said by the reading that does not split.
+        Err(first) => match if split {
+            read_members(frame, false)
+        } else {
+            Err(first)
+        } {
+            Ok(message) => message,
+            Err(e) => {
                 read_again = read_as_a_value_reads(frame).ok_or_else(|| not_json(&e))?;
                 read_members(&read_again, false).map_err(|e| not_json(&e))?
             }
@@ -1389,6 +1402,33 @@ mod tests {
             };
             assert_eq!((method.as_str(), text.get()), ("session.event", params));
         }
+        // A null id is a notification's; a member twice (the last counts) and an escaped
+        // member name are read as before, and the event still comes split.
+        for frame in [
+            r#"{"id":null,"method":"session.event","params":{"sessionId":"s4","event":{}}}"#,
+            r#"{"method":"x","params":{"sessionId":"s4","event":{}},"method":"session.event"}"#,
+            r#"{"\u006dethod":"session.event","params":{"sessionId":"s4","event":{}}}"#,
+        ] {
+            write_frame(&mut peer, frame).await;
+            let Some(Incoming::SessionEvent { session_id, event }) = rx.recv().await else {
+                panic!("{frame} did not come split")
+            };
+            assert_eq!((session_id.as_str(), event.get()), ("s4", "{}"), "{frame}");
+        }
+        // What is wrong with a broken frame is said as without the option.
+        write_frame(
+            &mut peer,
+            r#"{"method":"session.event","params":{"sessionId":7},"x":}"#,
+        )
+        .await;
+        let Some(Incoming::Closed(CloseCause::ProtocolViolation(detail))) = rx.recv().await else {
+            panic!("a broken frame did not break the connection")
+        };
+        assert!(detail.contains("expected value"), "{detail}");
+        let (_conn, mut peer, mut rx) = pair_with(ConnectionOptions {
+            split_session_events: true,
+            ..ConnectionOptions::default()
+        });
         // Other notifications, and a request named session.event, are as they always were.
         write_frame(&mut peer, r#"{"method":"n","params":{"sessionId":"s1"}}"#).await;
         assert!(
@@ -1403,17 +1443,31 @@ mod tests {
             panic!("a request came split")
         };
         assert_eq!(request.params, json!({"sessionId": "s1", "event": {}}));
-        // Without the option, an event is a notification.
-        let (_conn, mut peer, mut rx) = pair();
         write_frame(
             &mut peer,
-            r#"{"method":"session.event","params":{"sessionId":"s1","event":{}}}"#,
+            r#"{"id":10,"method":"session.event","params":[1]}"#,
         )
         .await;
-        assert!(matches!(
-            rx.recv().await,
-            Some(Incoming::Notification { .. })
-        ));
+        let Some(Incoming::Request(request)) = rx.recv().await else {
+            panic!("a request with params not an event's did not come")
+        };
+        assert_eq!(request.params, json!([1]));
+        // Without the option, an event is a notification, its params as they came.
+        let (_conn, mut peer, mut rx) = pair();
+        let params = r#"{"sessionId":"s1","event":{}}"#;
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"method":"session.event","params":{params}}}"#),
+        )
+        .await;
+        let Some(Incoming::Notification {
+            method,
+            params: text,
+        }) = rx.recv().await
+        else {
+            panic!("without the option an event came split")
+        };
+        assert_eq!((method.as_str(), text.get()), ("session.event", params));
     }
 
     #[tokio::test]

@@ -45,9 +45,12 @@ impl WorkerState {
         }
         // Read in place: only the session id is copied out, and the event keeps its text.
         match serde_json::from_str::<EventParams>(params.get()) {
-            Ok(params) => self.on_session_event(params.session_id.clone(), params.event()),
+            Ok(params) => {
+                let event = params.event();
+                self.on_session_event(params.session_id, event);
+            }
             Err(error) => {
-                tracing::debug!(%error, "Ignored a session.event whose params are not an object.");
+                tracing::debug!(%error, "Ignored a session.event whose params are not an event's.");
             }
         }
     }

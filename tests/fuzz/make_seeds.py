@@ -77,6 +77,17 @@ w("json_rpc", "responses_to_our_calls",
   + frame({"jsonrpc": "2.0", "id": 1, "error": "not an object"}))
 w("json_rpc", "duplicate_request_ids", frame({"jsonrpc": "2.0", "id": 9, "method": "a", "params": None}) * 3)
 w("json_rpc", "deeply_nested_params", frame(b'{"jsonrpc":"2.0","method":"session.event","params":' + DEEP.encode() + b"}"))
+# Session events as the worker's reader splits them off, and what must not come split.
+w("json_rpc", "session_event_shapes",
+  frame(b'{"params":{"event":{"type":"x"},"sessionId":"s-2"},"method":"session.event"}')
+  + frame(b'{"method":"x","params":{"sessionId":"s-3","event":{}},"method":"session.event"}')
+  + frame(b'{"\\u006dethod":"session.event","params":{"sessionId":"s-4","event":{}}}')
+  + frame(b'{"id":null,"method":"session.event","params":{"sessionId":"s-5"}}')
+  + frame(b'{"method":"session.event","params":{"sessionId":7,"event":{}}}')
+  + frame(b'{"method":"session.event","params":["s-6",{"type":"y"}]}')
+  + frame(b'{"method":"session.event"}')
+  + frame(b'{"id":10,"method":"session.event","params":{"sessionId":"s-7","event":{}}}')
+  + frame(b'{"method":"session.event","params":{"sessionId":7},"x":}'))
 w("json_rpc", "not_json", frame(b'{"jsonrpc":"2.0",'))
 w("json_rpc", "huge_content_length", b"Content-Length: 67108864\r\n\r\n{}")
 
