@@ -1388,19 +1388,7 @@ mod tests {
         assert_eq!(event.get(), "null");
         // Params that are not an event's go on as a notification, the stream unbroken.
         for params in [r#"[1,2]"#, r#"{"sessionId":7,"event":{}}"#, "null"] {
-            write_frame(
-                &mut peer,
-                &format!(r#"{{"method":"session.event","params":{params}}}"#),
-            )
-            .await;
-            let Some(Incoming::Notification {
-                method,
-                params: text,
-            }) = rx.recv().await
-            else {
-                panic!("params {params} broke the connection")
-            };
-            assert_eq!((method.as_str(), text.get()), ("session.event", params));
+            comes_as_a_notification(&mut peer, &mut rx, params).await;
         }
         // A null id is a notification's; a member twice (the last counts) and an escaped
         // member name are read as before, and the event still comes split.
@@ -1454,9 +1442,17 @@ mod tests {
         assert_eq!(request.params, json!([1]));
         // Without the option, an event is a notification, its params as they came.
         let (_conn, mut peer, mut rx) = pair();
-        let params = r#"{"sessionId":"s1","event":{}}"#;
+        comes_as_a_notification(&mut peer, &mut rx, r#"{"sessionId":"s1","event":{}}"#).await;
+    }
+
+    /// Sends a `session.event` with `params` and expects it as a notification with them.
+    async fn comes_as_a_notification(
+        peer: &mut DuplexStream,
+        rx: &mut mpsc::UnboundedReceiver<Incoming>,
+        params: &str,
+    ) {
         write_frame(
-            &mut peer,
+            peer,
             &format!(r#"{{"method":"session.event","params":{params}}}"#),
         )
         .await;
@@ -1465,7 +1461,7 @@ mod tests {
             params: text,
         }) = rx.recv().await
         else {
-            panic!("without the option an event came split")
+            panic!("a session.event with params {params} did not come as a notification")
         };
         assert_eq!((method.as_str(), text.get()), ("session.event", params));
     }
