@@ -41,14 +41,64 @@ impl PartialEq for SessionEvent {
     }
 }
 
-/// `params` of a `session.event` notification, read without copying the event.
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
+/// `params` of a `session.event` notification, read without copying the event: an object
+/// with `sessionId` (a string; `""` when missing) and `event` (any JSON; none when missing).
+/// A member given twice is an error; any other member is read as JSON text and dropped, so
+/// that it is checked as the text of the whole params would be (its strings valid UTF-8),
+/// whether the params are read here or in the frame's own pass.
 pub(crate) struct EventParams<'a> {
-    #[serde(default)]
     pub(crate) session_id: String,
-    #[serde(default, borrow)]
     pub(crate) event: Option<&'a RawValue>,
+}
+
+impl<'de> Deserialize<'de> for EventParams<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(field_identifier, rename_all = "camelCase")]
+        enum Member {
+            SessionId,
+            Event,
+            #[serde(other)]
+            Other,
+        }
+        struct Params;
+        impl<'de> serde::de::Visitor<'de> for Params {
+            type Value = EventParams<'de>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("session.event params (an object with sessionId and event)")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<EventParams<'de>, A::Error> {
+                use serde::de::Error;
+                let mut session_id: Option<String> = None;
+                let mut event: Option<&'de RawValue> = None;
+                while let Some(member) = map.next_key::<Member>()? {
+                    match member {
+                        Member::SessionId if session_id.is_some() => {
+                            return Err(A::Error::duplicate_field("sessionId"));
+                        }
+                        Member::SessionId => session_id = Some(map.next_value()?),
+                        Member::Event if event.is_some() => {
+                            return Err(A::Error::duplicate_field("event"));
+                        }
+                        Member::Event => event = Some(map.next_value()?),
+                        Member::Other => {
+                            map.next_value::<&RawValue>()?;
+                        }
+                    }
+                }
+                Ok(EventParams {
+                    session_id: session_id.unwrap_or_default(),
+                    event,
+                })
+            }
+        }
+        d.deserialize_map(Params)
+    }
 }
 
 impl EventParams<'_> {

@@ -88,6 +88,11 @@ w("json_rpc", "session_event_shapes",
   + frame(b'{"method":"session.event"}')
   + frame(b'{"id":10,"method":"session.event","params":{"sessionId":"s-7","event":{}}}')
   + frame(b'{"method":"session.event","params":{"sessionId":7},"x":}'))
+# Found by the fuzzer: a byte that is not UTF-8 in a string of a params member nobody reads.
+# Read as the params' text, the frame breaks the stream; read in the frame's pass, it must too.
+w("json_rpc", "invalid_utf8_in_an_unknown_params_member",
+  frame(b'{"jsonrpc":"2.0","method":"session.event","params":{"sessionId":"s-1","evenp":{"type":"session\xaeidle"}}}')
+  + frame(event_note(EV_TOOL)))
 w("json_rpc", "not_json", frame(b'{"jsonrpc":"2.0",'))
 w("json_rpc", "huge_content_length", b"Content-Length: 67108864\r\n\r\n{}")
 
