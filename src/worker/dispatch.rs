@@ -1,5 +1,5 @@
-//! Dispatching what the child sends: `session.event` notifications (read with the frame, or
-//! from a notification's params) to the session they name
+//! Dispatching what the child sends: `session.event`s (split off by the reader) to the
+//! session they name
 //! (recording pending tool calls and permission prompts in the ledger on the way), other
 //! notifications naming a session (`session.lifecycle`, …) to it as they are, server requests
 //! (`userInput.request`, `hooks.invoke` typed; `llmInference.*` to the tunnel; any other
@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use crate::rpc::IncomingRequest;
 use crate::rpc::SessionEvent;
 use crate::rpc::connection::{ErrorObject, INVALID_PARAMS};
-use crate::rpc::events::{EventKind, EventParams};
+use crate::rpc::events::EventKind;
 use crate::rpc::messages::{
     HandlePendingPermission, HandlePendingToolCall, HookInvocation, HttpRequestChunk,
     HttpRequestStart, PermissionAnswer, ToolCallAnswer, UserInputRequest,
@@ -43,16 +43,10 @@ impl WorkerState {
             }
             return;
         }
-        // Read in place: only the session id is copied out, and the event keeps its text.
-        match serde_json::from_str::<EventParams>(params.get()) {
-            Ok(params) => {
-                let event = params.event();
-                self.on_session_event(params.session_id, event);
-            }
-            Err(error) => {
-                tracing::debug!(%error, "Ignored a session.event whose params are not an event's.");
-            }
-        }
+        // The reader (`ConnectionOptions::split_session_events`, set by the worker) hands on
+        // every session.event whose params are an event's as `Incoming::SessionEvent`; what
+        // still comes as a notification is not one.
+        tracing::debug!("Ignored a session.event whose params are not an event's.");
     }
 
     /// A `session.event` of `session_id`: to that session, the ledger of pending tool calls
