@@ -21,6 +21,11 @@ const MAX_HEADER_BYTES: usize = 8 * 1024;
 /// actually arrives, at most this much ahead of it.
 pub const MAX_RESERVE_AHEAD_BYTES: usize = 64 * 1024;
 
+/// The least room a read is given: a read asks the pipe for whatever is there up to this
+/// much beyond the frame being read, so a burst of frames comes in a few reads, not in reads
+/// sized to one header or one body's remainder (tokio-util's first buffer is this size too).
+pub const MIN_READ_BYTES: usize = 8 * 1024;
+
 /// The most read buffer a connection keeps between frames: after a larger frame, an empty
 /// buffer starts afresh instead of keeping that frame's allocation.
 pub const MAX_RETAINED_READ_BYTES: usize = 16 * 1024;
@@ -116,6 +121,8 @@ impl Decoder for FrameCodec {
                             "no end of header within {MAX_HEADER_BYTES} bytes"
                         )));
                     }
+                    // Room for the header and what follows it in one read.
+                    src.reserve(MIN_READ_BYTES);
                     return Ok(None);
                 };
                 let n = self.parse_header(&src[..end])?;
@@ -125,9 +132,10 @@ impl Decoder for FrameCodec {
             }
         };
         if src.len() < body_len {
-            // Room for what is still to come, at most the read-ahead: the buffer grows with
-            // the bytes that arrive, not with what the header announced.
-            src.reserve((body_len - src.len()).min(MAX_RESERVE_AHEAD_BYTES));
+            // Room for the rest of the body and the start of the next frame, at most the
+            // read-ahead: the buffer grows with the bytes that arrive, not with what the
+            // header announced.
+            src.reserve((body_len - src.len() + MIN_READ_BYTES).min(MAX_RESERVE_AHEAD_BYTES));
             return Ok(None);
         }
         self.pending_body = None;
@@ -317,6 +325,67 @@ mod tests {
         ));
         let mut clean = FrameCodec::default();
         assert!(clean.decode_eof(&mut BytesMut::new()).unwrap().is_none());
+    }
+
+    /// A pipe's read end holding `data`: each read takes what is asked, up to what is left,
+    /// and the sizes asked are kept.
+    struct RecordedPipe {
+        data: Vec<u8>,
+        at: usize,
+        asked: Vec<usize>,
+    }
+
+    impl tokio::io::AsyncRead for RecordedPipe {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            self.asked.push(buf.remaining());
+            let n = buf.remaining().min(self.data.len() - self.at);
+            let at = self.at;
+            buf.put_slice(&self.data[at..at + n]);
+            self.at += n;
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_burst_of_frames_is_read_in_reads_of_at_least_eight_kibibytes() {
+        use futures_util::StreamExt;
+        // What a runtime writes during a turn: small events between large ones, and a
+        // frame larger than the buffer a connection keeps.
+        let mut codec = FrameCodec::default();
+        let mut data = BytesMut::new();
+        let sizes = [300, 10_000, 75, 40_000, 900, 9_000, 20, 14_000];
+        for (i, size) in sizes.iter().enumerate() {
+            codec
+                .encode(Bytes::from(vec![b'a' + i as u8; *size]), &mut data)
+                .unwrap();
+        }
+        let total = data.len();
+        let pipe = RecordedPipe {
+            data: data.to_vec(),
+            at: 0,
+            asked: Vec::new(),
+        };
+        let mut framed = tokio_util::codec::FramedRead::new(pipe, FrameCodec::default());
+        let mut got = Vec::new();
+        while let Some(frame) = framed.next().await {
+            got.push(frame.unwrap().len());
+        }
+        assert_eq!(got, sizes);
+        let asked = &framed.get_ref().asked;
+        assert!(
+            asked.iter().all(|n| *n >= MIN_READ_BYTES),
+            "reads asked for {asked:?} bytes"
+        );
+        // Every read but the last (which finds the end) fills what it asked for.
+        assert!(
+            asked.len() <= total.div_ceil(MIN_READ_BYTES) + 1,
+            "{} reads for {total} bytes: {asked:?}",
+            asked.len()
+        );
     }
 
     #[test]
