@@ -479,6 +479,88 @@ async fn a_dead_endpoint_fails_the_turn_within_seconds_of_the_clis_start_up() {
     assert!(fx.model.requests().is_empty());
 }
 
+/// The chat files of `session` in the project's `chats` folder (`session-*-<id8>.jsonl`).
+fn chat_files(transcript: &std::path::Path, session: &str) -> Vec<PathBuf> {
+    let suffix = format!("-{}.jsonl", &session[..8]);
+    let folder = transcript.parent().expect("the chats folder");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(folder)
+        .expect("the chats folder")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().ends_with(&suffix))
+        .collect();
+    files.sort();
+    files
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_resumed_in_another_minute_survives_the_next_conversations_run_and_resumes()
+{
+    let fx = Fixture::new().await;
+    let mut first = fx.oneshot("minute").await;
+    let (one, _, _) = turn(&mut first, "REPLY=pong one").await;
+    assert_eq!(one.end, Some(TurnEnd::Idle), "{one:?}");
+    let session = one.session_id.clone().expect("a session id");
+    let transcript = Dialect::Gemini
+        .transcript(&fx.home("minute"), &fx.cwd("minute"), &session)
+        .expect("gemini has transcripts")
+        .expect("a transcript");
+
+    // The CLI names a chat file after the minute its run starts. A conversation started in
+    // an earlier minute than its resume (here for sure: the file is renamed back in time)
+    // gets a second file from the resume, holding only the session's header, while the
+    // conversation goes on in the first.
+    let earlier =
+        transcript.with_file_name(format!("session-2000-01-01T00-00-{}.jsonl", &session[..8]));
+    std::fs::rename(&transcript, &earlier).expect("rename the chat file");
+    let mut config = fx.config("minute").await;
+    config.session = Some(StoredSession::new(session.clone()));
+    let mut resumed = Oneshot::new(config).expect("valid");
+    let (two, _, _) = turn(&mut resumed, "REPLY=pong two").await;
+    assert_eq!(two.end, Some(TurnEnd::Idle), "{two:?}");
+    assert!(two.resumed);
+    let files = chat_files(&earlier, &session);
+    assert_eq!(
+        files.len(),
+        2,
+        "the resume in another minute left a second file: {files:?}"
+    );
+
+    // Another conversation's run in the same project. Gemini CLI's session clean-up (on by
+    // default) took the second file for corrupt and deleted every file of the session:
+    // the pool's settings turn it off.
+    let mut other = fx.oneshot("minute").await;
+    let (three, _, _) = turn(&mut other, "REPLY=pong three").await;
+    assert_eq!(three.end, Some(TurnEnd::Idle), "{three:?}");
+    assert_ne!(three.session_id.as_deref(), Some(session.as_str()));
+    assert_eq!(
+        chat_files(&earlier, &session),
+        files,
+        "the first conversation's chat files are kept"
+    );
+    assert_eq!(
+        Dialect::Gemini.transcript(&fx.home("minute"), &fx.cwd("minute"), &session),
+        Some(Ok(earlier))
+    );
+
+    // And it resumes, carrying both of its turns.
+    let mut config = fx.config("minute").await;
+    config.session = Some(StoredSession::new(session.clone()));
+    let mut resumed = Oneshot::new(config).expect("valid");
+    let before = fx.turn_calls().len();
+    let (four, _, _) = turn(&mut resumed, "REPLY=pong four").await;
+    assert_eq!(four.end, Some(TurnEnd::Idle), "{four:?}");
+    assert_eq!(four.session_id.as_deref(), Some(session.as_str()));
+    let call = fx.turn_calls().split_off(before).pop().expect("the call");
+    let history = history_text(&call);
+    assert!(
+        history.contains("REPLY=pong one")
+            && history.contains("REPLY=pong two")
+            && !history.contains("REPLY=pong three"),
+        "{history}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_resume_id_has_no_transcript_and_the_cli_refuses_it_with_the_typed_error() {
     let fx = Fixture::new().await;

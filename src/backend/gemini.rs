@@ -4,8 +4,9 @@
 //! * [`write_settings`]: the settings file in the agent's home
 //!   (`<home>/.gemini/settings.json`) that selects the `gemini-api-key` auth type (env-only
 //!   auth is refused with exit 41), turns usage statistics, telemetry and auto-update off
-//!   (no outbound traffic) and bounds retries to one attempt (a dead endpoint fails in
-//!   seconds instead of retrying for minutes). Idempotent (unchanged settings are not
+//!   (no outbound traffic), bounds retries to one attempt (a dead endpoint fails in
+//!   seconds instead of retrying for minutes) and turns the CLI's session clean-up off (it
+//!   would delete chat files the pool resumes). Idempotent (unchanged settings are not
 //!   rewritten; the user's other keys are kept) and atomic (temp file, fsync, rename).
 //! * [`StreamState`]: one run read line by line from `--output-format stream-json` (what
 //!   the bundled backend passes): the answer's chunks, the CLI's tool calls, and at the end
@@ -185,7 +186,7 @@ pub fn settings_path(home: &Path) -> PathBuf {
 }
 
 /// The settings the pool owns, as (key path, value).
-fn owned_settings() -> [(&'static [&'static str], Value); 8] {
+fn owned_settings() -> [(&'static [&'static str], Value); 9] {
     [
         // The agent's home is the pool's: every workspace in it is trusted (else exit 55),
         // also when `GEMINI_CLI_TRUST_WORKSPACE` is not in the environment.
@@ -200,6 +201,13 @@ fn owned_settings() -> [(&'static [&'static str], Value); 8] {
         (&["general", "enableAutoUpdateNotification"], json!(false)),
         (&["general", "maxAttempts"], json!(1)),
         (&["general", "retryFetchErrors"], json!(false)),
+        // The pool decides which stored sessions it resumes: the CLI's own clean-up (on by
+        // default in 0.61.0, at the start of every run) must not delete a chat file. It
+        // takes a session file without conversation for corrupt and deletes every file of
+        // that session, and a resume started in another minute than the session leaves
+        // such a file (the header only; the conversation goes on in the first file), so the
+        // next run of another session in the project deleted the whole conversation.
+        (&["general", "sessionRetention", "enabled"], json!(false)),
     ]
 }
 
@@ -214,11 +222,11 @@ pub enum SettingsWrite {
 
 /// Makes `<home>/.gemini/settings.json` hold the pool's settings (auth type
 /// `gemini-api-key`, usage statistics, telemetry and auto-update off, one attempt per model
-/// call, no retry of fetch errors), keeping every other key the file has. Creates
-/// `<home>/.gemini` (0700) when missing. Writes only when something changes, through a
-/// temporary file that is fsync'd and renamed over the old one, so the CLI never reads a
-/// half-written file. Blocking (small file I/O): call it before the run, off the async
-/// threads.
+/// call, no retry of fetch errors, no session clean-up), keeping every other key the file
+/// has. Creates `<home>/.gemini` (0700) when missing. Writes only when something changes,
+/// through a temporary file that is fsync'd and renamed over the old one, so the CLI never
+/// reads a half-written file. Blocking (small file I/O): call it before the run, off the
+/// async threads.
 pub fn write_settings(home: &Path) -> Result<SettingsWrite, GeminiError> {
     let path = settings_path(home);
     let fail = |problem: String| GeminiError::Settings {
@@ -1091,6 +1099,7 @@ mod tests {
         assert_eq!(written["general"]["enableAutoUpdate"], false);
         assert_eq!(written["general"]["maxAttempts"], 1);
         assert_eq!(written["general"]["retryFetchErrors"], false);
+        assert_eq!(written["general"]["sessionRetention"]["enabled"], false);
         assert_eq!(written["security"]["folderTrust"]["enabled"], false);
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(gemini_dir(home.path()))
@@ -1111,7 +1120,7 @@ mod tests {
 
         std::fs::write(
             &path,
-            r#"{"mcpServers":{"x":{"command":"y"}},"general":{"maxAttempts":10,"vimMode":true},"telemetry":true}"#,
+            r#"{"mcpServers":{"x":{"command":"y"}},"general":{"maxAttempts":10,"vimMode":true,"sessionRetention":{"enabled":true,"maxAge":"7d"}},"telemetry":true}"#,
         )
         .unwrap();
         assert_eq!(write_settings(home.path()).unwrap(), SettingsWrite::Written);
@@ -1119,6 +1128,8 @@ mod tests {
         assert_eq!(merged["mcpServers"]["x"]["command"], "y");
         assert_eq!(merged["general"]["vimMode"], true);
         assert_eq!(merged["general"]["maxAttempts"], 1);
+        assert_eq!(merged["general"]["sessionRetention"]["enabled"], false);
+        assert_eq!(merged["general"]["sessionRetention"]["maxAge"], "7d");
         assert_eq!(merged["telemetry"]["enabled"], false);
         let leftovers: Vec<_> = std::fs::read_dir(gemini_dir(home.path()))
             .unwrap()
