@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The daemon's own cost per warm turn, counted exactly: instructions, not CPU time.
+"""The daemon's own cost per warm turn, counted exactly: instructions, not CPU time; or,
+with --syscalls, the system calls it makes.
 
 On a 2-core machine the CPU time of one short run moves by 15-30 % from run to run, more
 than most changes to the daemon's hot path. Valgrind's callgrind counts the instructions the
@@ -12,13 +13,18 @@ opens every conversation with one turn; then instrumentation goes on for a secon
 warm turns on the same conversations, and off again at its end. Prints the instructions per
 turn and the crate's functions that take the most, inclusive of what they call.
 
+With --syscalls the daemon runs natively and `strace -f -c` counts the system calls of the
+warm pass instead (per turn, by name): the kernel's share of the daemon's CPU (socket and pipe
+writes, wake-ups, file lookups) is not in the instruction count.
+
     cargo build --release
     python3 scripts/pool-instructions.py [--bin target/release/copilot-pool]
-        [--conversations 4] [--turns 10] [--top 25] [--save FILE]
+        [--conversations 4] [--turns 10] [--top 25] [--save FILE] [--syscalls]
 
-Needs valgrind (`callgrind_control`, `callgrind_annotate`) and Node.js; finds or installs the
-runtime with `copilot-pool install-cli`. Under callgrind the daemon runs ~50x slower, so a
-run takes a minute or two. Nothing is asserted: the numbers are for comparing two builds.
+Needs valgrind (`callgrind_control`, `callgrind_annotate`), or strace for --syscalls, and
+Node.js; finds or installs the runtime with `copilot-pool install-cli`. Under callgrind the
+daemon runs ~50x slower, so a run takes a minute or two. Nothing is asserted: the numbers are
+for comparing two builds.
 """
 
 import argparse
@@ -122,6 +128,46 @@ def kill_session(sid):
                 pass
 
 
+def count_syscalls(pid, env, turns, children, scratch):
+    """Counts the system calls of the daemon's threads (and of nothing it starts: the warm
+    pass starts nothing) over a pass of `turns` warm turns, with `strace -f -c`."""
+    table = scratch / "syscalls"
+    tracer = subprocess.Popen(
+        ["strace", "-f", "-c", "-U", "calls,errors,name", "-o", str(table), "-p", str(pid)],
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    children.append(tracer)
+    # strace says it is attached to every thread before it counts.
+    attached = tracer.stderr.readline()
+    if "attached" not in attached:
+        fail(f"strace could not attach to the daemon: {attached.strip()}")
+
+    def detach():
+        tracer.send_signal(signal.SIGINT)
+        try:
+            tracer.wait(timeout=STEP_LIMIT)
+        except subprocess.TimeoutExpired:
+            fail("strace did not stop")
+
+    load = run_workload(env, turns, children, at_load=detach)
+    done = load["turns"]
+    rows = []
+    for line in table.read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and fields[0].isdigit():
+            calls, name = int(fields[0]), fields[-1]
+            errors = int(fields[1]) if len(fields) == 3 else 0
+            rows.append((calls, errors, name))
+    total = sum(r[0] for r in rows if r[2] != "total")
+    print(f"{done} warm tool turns, {turns} per conversation")
+    print(f"system calls per turn: {total / done:.1f}")
+    for calls, errors, name in sorted(rows, reverse=True):
+        if name == "total":
+            continue
+        failed = f"  ({errors / done:.1f} failed)" if errors else ""
+        print(f"{calls / done:>8.1f}  {name}{failed}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bin", default=str(REPO / "target" / "release" / "copilot-pool"))
@@ -131,13 +177,21 @@ def main():
     parser.add_argument(
         "--save", metavar="FILE", help="keep callgrind's profile there (for callgrind_annotate)"
     )
+    parser.add_argument(
+        "--syscalls", action="store_true",
+        help="count the warm pass's system calls with strace instead of instructions",
+    )
     args = parser.parse_args()
-    for tool, package in (
-        ("valgrind", "valgrind"),
-        ("callgrind_control", "valgrind"),
-        ("callgrind_annotate", "valgrind"),
-        ("node", "Node.js"),
-    ):
+    if args.syscalls:
+        tools = (("strace", "strace"), ("node", "Node.js"))
+    else:
+        tools = (
+            ("valgrind", "valgrind"),
+            ("callgrind_control", "valgrind"),
+            ("callgrind_annotate", "valgrind"),
+            ("node", "Node.js"),
+        )
+    for tool, package in tools:
         if shutil.which(tool) is None:
             fail(f"{tool} is not on PATH; install {package}")
     # A SIGTERM or SIGHUP ends the script through its cleanup.
@@ -177,11 +231,14 @@ def main():
         )
         profile = scratch / "callgrind.out"
         serve_out = scratch / "serve.out"
+        under = [] if args.syscalls else [
+            "valgrind", "--tool=callgrind", "--instr-atstart=no",
+            f"--callgrind-out-file={profile}",
+        ]
         with open(serve_out, "w") as out:
             serve = subprocess.Popen(
                 [
-                    "valgrind", "--tool=callgrind", "--instr-atstart=no",
-                    f"--callgrind-out-file={profile}",
+                    *under,
                     str(binary), "serve", "--config", str(config),
                     "--listen", "127.0.0.1:0", "--state-dir", str(scratch / "state"),
                     "--cli", runtime,
@@ -208,6 +265,9 @@ def main():
                 fail(f"callgrind_control {' '.join(options)} failed:\n{done.stdout}{done.stderr}")
 
         run_workload(env, 1, children)
+        if args.syscalls:
+            count_syscalls(serve.pid, env, args.turns, children, scratch)
+            return
         control("-i", "on")
         load = run_workload(env, args.turns, children, at_load=lambda: control("-i", "off"))
         control("-d")
