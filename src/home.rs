@@ -46,6 +46,19 @@ pub enum HomeError {
         /// The underlying error.
         source: io::Error,
     },
+    /// The agent's `copilot` directory, in the pool's layout, is a symbolic link (or not a
+    /// directory). Its parent is the agent's own directory, which the agent's worker may
+    /// write: a link there would point the agent at another agent's home, and its sandbox
+    /// at that agent's directory.
+    #[error(
+        "the COPILOT_HOME directory {path:?} is a symbolic link or not a directory; in the \
+         pool's layout it must be a plain directory (a link there could point one agent at \
+         another's home): remove it, or pass an explicit COPILOT_HOME"
+    )]
+    NotPlainDirectory {
+        /// The directory.
+        path: PathBuf,
+    },
     /// The agent's working directory could not be created.
     #[error(
         "could not create the agent's working directory {path:?}: {source}; make the agents \
@@ -127,7 +140,21 @@ pub fn resolve_copilot_home(
         source,
     };
     ensure_private_dir(&path).map_err(create_error)?;
-    std::fs::canonicalize(&path).map_err(create_error)
+    if explicit.is_some() {
+        return std::fs::canonicalize(&path).map_err(create_error);
+    }
+    // The layout's `copilot` lies in the agent's own directory, which its worker may write:
+    // only the directory above it is resolved, and it must be a plain directory, so the
+    // home (and the sandbox root, its parent) stays the agent's whatever links appear.
+    let parent = path.parent().unwrap_or(&path);
+    let home = std::fs::canonicalize(parent)
+        .map_err(create_error)?
+        .join("copilot");
+    match std::fs::symlink_metadata(&home) {
+        Ok(meta) if meta.is_dir() => Ok(home),
+        Ok(_) => Err(HomeError::NotPlainDirectory { path: home }),
+        Err(source) => Err(HomeError::Create { path: home, source }),
+    }
 }
 
 /// An agent's default working directory, beside its home: `<base>/agents/<agent_id>/work`.
@@ -313,6 +340,41 @@ mod tests {
         assert_eq!(a, b);
         let c = resolve_copilot_home(None, Some(&dir.join("y/..")), dir, "a").unwrap();
         assert_eq!(a, c);
+    }
+
+    #[test]
+    fn an_agents_home_turned_into_a_link_to_another_agents_home_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().canonicalize().unwrap();
+        let victim = resolve_copilot_home(None, None, &base, "victim").unwrap();
+        let mine = resolve_copilot_home(None, None, &base, "mine").unwrap();
+        assert_eq!(mine, base.join("agents/mine/copilot"));
+        // What a worker allowed to write its own agent directory could do.
+        std::fs::rename(&mine, base.join("agents/mine/copilot.old")).unwrap();
+        std::os::unix::fs::symlink(&victim, &mine).unwrap();
+        let err = resolve_copilot_home(None, None, &base, "mine").unwrap_err();
+        assert!(matches!(err, HomeError::NotPlainDirectory { .. }), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("symbolic link") && text.contains("remove it"),
+            "{text}"
+        );
+        // The same through the gateway's agent directory.
+        let agent_dir = base.join("agents/mine");
+        let err = resolve_copilot_home(None, Some(&agent_dir), &base, "mine").unwrap_err();
+        assert!(matches!(err, HomeError::NotPlainDirectory { .. }), "{err}");
+        // A file where the directory should be is refused too.
+        std::fs::remove_file(&mine).unwrap();
+        std::fs::write(&mine, b"x").unwrap();
+        let err = resolve_copilot_home(None, None, &base, "mine").unwrap_err();
+        assert!(matches!(err, HomeError::Create { .. }), "{err}");
+        // An explicit home is the gateway's choice: a link there is followed.
+        let link = base.join("explicit-link");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        assert_eq!(
+            resolve_copilot_home(Some(&link), None, &base, "mine").unwrap(),
+            victim
+        );
     }
 
     #[test]
