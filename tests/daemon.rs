@@ -482,3 +482,23 @@ async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case(
     );
     assert!(daemon.terminate().await.success());
 }
+
+#[tokio::test]
+async fn the_daemon_runs_one_async_thread_per_eight_cpus_unless_its_config_says_otherwise() {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    for (config, expected) in [("", (cpus / 8).max(1)), ("worker_threads = 3\n", 3)] {
+        let scratch = support::Scratch::new();
+        let log_path = scratch.path().join("serve.log");
+        let log = std::fs::File::create(&log_path).expect("log file");
+        let config = format!("log_format = \"json\"\n{config}");
+        let daemon = Daemon::start_logged(scratch.path(), &config, &[], log).await;
+        assert!(daemon.terminate().await.success());
+        let text = std::fs::read_to_string(&log_path).expect("the log");
+        let up = text
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .find(|line| line["fields"]["message"] == "copilot-pool serve is up.")
+            .unwrap_or_else(|| panic!("no start line in:\n{text}"));
+        assert_eq!(up["fields"]["worker_threads"], expected, "{config}: {up}");
+    }
+}

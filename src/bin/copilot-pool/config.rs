@@ -20,6 +20,18 @@ use serde::Deserialize;
 /// The environment variable that carries the API token.
 pub const API_TOKEN_ENV: &str = "COPILOT_POOL_API_TOKEN";
 
+/// The most async threads `worker_threads` may ask for.
+pub const MAX_WORKER_THREADS: usize = 1024;
+
+/// The daemon's async threads by default on a machine with `cpus` CPUs: one per eight, at
+/// least one. The daemon's own CPU is a few per cent of its runtimes' (BENCHMARKS.md: 3-5
+/// ms a turn against their 60-90), so on a machine its runtimes keep busy it needs well
+/// under a core per eight; more threads than work only wake each other (on 2 CPUs, two
+/// threads made 60 % more context switches and spent ~15 % more CPU a turn than one).
+pub fn default_worker_threads(cpus: usize) -> usize {
+    (cpus / 8).max(1)
+}
+
 /// The largest accepted `max_connections`.
 const MAX_CONNECTIONS_LIMIT: usize = 1 << 20;
 
@@ -59,6 +71,8 @@ pub struct ServeConfig {
     pub max_connections: usize,
     /// On SIGTERM/SIGINT, running turns get this long before they are aborted (default 30).
     pub drain_grace_secs: u64,
+    /// The daemon's async threads (default: [`default_worker_threads`] of the CPUs).
+    pub worker_threads: Option<usize>,
     /// `human` (default) or `json`.
     pub log_format: LogFormat,
     /// Directories a conversation's `session.workingDirectory` and
@@ -322,6 +336,7 @@ impl Default for ServeConfig {
             idle_timeout_secs: 10,
             max_connections: 4096,
             drain_grace_secs: 30,
+            worker_threads: None,
             log_format: LogFormat::Human,
             allowed_work_roots: Vec::new(),
             allow_local_mcp_servers: false,
@@ -470,6 +485,14 @@ impl ServeConfig {
             bail!(
                 "header_read_timeout_secs and idle_timeout_secs must be above 0 (every wait is \
                  finite; the defaults are 30 and 10)"
+            );
+        }
+        if let Some(threads) = self.worker_threads
+            && !(1..=MAX_WORKER_THREADS).contains(&threads)
+        {
+            bail!(
+                "worker_threads must be 1 to {MAX_WORKER_THREADS} ({threads} given); leave it \
+                 out for one per eight CPUs"
             );
         }
         if self.max_connections == 0 || self.max_connections > MAX_CONNECTIONS_LIMIT {
@@ -1046,6 +1069,26 @@ mod tests {
             |name: &str| (name == "GH_TOKEN").then(|| std::ffi::OsString::from_vec(vec![0xff]));
         let err = env_tokens(bad).unwrap_err().to_string();
         assert!(err.contains("GH_TOKEN") && err.contains("UTF-8"), "{err}");
+    }
+
+    #[test]
+    fn the_daemon_runs_one_async_thread_per_eight_cpus_unless_told_and_zero_is_refused() {
+        assert_eq!(
+            [1, 2, 7, 8, 15, 16, 64].map(default_worker_threads),
+            [1, 1, 1, 1, 1, 2, 8]
+        );
+        assert_eq!(ServeConfig::default().worker_threads, None);
+        let c: ServeConfig = toml::from_str("worker_threads = 3").unwrap();
+        assert_eq!(c.worker_threads, Some(3));
+        c.validate().unwrap();
+        for text in ["worker_threads = 0", "worker_threads = 1025"] {
+            let c: ServeConfig = toml::from_str(text).unwrap();
+            let error = c.validate().unwrap_err().to_string();
+            assert!(
+                error.contains("worker_threads must be 1 to 1024"),
+                "{error}"
+            );
+        }
     }
 
     #[test]

@@ -111,10 +111,18 @@ fn main() -> std::process::ExitCode {
         logs.init();
     }
     raise_nofile_limit();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Command::Serve(args) = &cli.command {
+        // From the config file and flags; a bad file is reported by `serve` itself.
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        let threads = args
+            .config()
+            .ok()
+            .and_then(|c| c.worker_threads)
+            .unwrap_or_else(|| config::default_worker_threads(cpus));
+        builder.worker_threads(threads);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("copilot-pool: cannot start the async runtime: {e}");

@@ -44,6 +44,9 @@ pub struct ServeArgs {
     /// `human` or `json` log lines.
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
+    /// The daemon's async threads (default one per eight CPUs, at least one).
+    #[arg(long, value_name = "N")]
+    pub worker_threads: Option<usize>,
     /// The runtime executable.
     #[arg(long)]
     pub cli: Option<PathBuf>,
@@ -74,6 +77,9 @@ impl ServeArgs {
         }
         if let Some(format) = self.log_format {
             config.log_format = format;
+        }
+        if let Some(threads) = self.worker_threads {
+            config.worker_threads = Some(threads);
         }
         if let Some(cli) = &self.cli {
             config.cli_path = Some(cli.clone());
@@ -217,7 +223,8 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         None => None,
     };
     println!("listening on http://{addr}");
-    tracing::info!(%addr, runtime = %located.path.display(), "copilot-pool serve is up.");
+    let threads = tokio::runtime::Handle::current().metrics().num_workers();
+    tracing::info!(%addr, runtime = %located.path.display(), worker_threads = threads, "copilot-pool serve is up.");
 
     let mut limits = ConnectionLimits::default();
     limits.header_read_timeout = config.header_read_timeout();
