@@ -84,17 +84,22 @@ fn main() -> std::process::ExitCode {
         Command::SandboxExec(args) => return sandbox::main(args),
         command => Cli { command },
     };
+    // What `serve`'s config file and flags ask of the logs and the async runtime; a bad
+    // file is reported by `serve` itself.
+    let serve_config = match &cli.command {
+        Command::Serve(args) => args.config().ok(),
+        _ => None,
+    };
     // The demo reports what the pool does itself; its crashes are on purpose.
     let (default_level, json) = match &cli.command {
         Command::Demo(_) | Command::Chaos(_) | Command::Load(_) | Command::Bench(_) => {
             ("error", false)
         }
-        Command::Serve(args) => (
+        Command::Serve(_) => (
             "info",
-            // The config file may ask for JSON; a bad file is reported by `serve` itself.
-            args.config()
-                .map(|c| c.log_format == config::LogFormat::Json)
-                .unwrap_or(false),
+            serve_config
+                .as_ref()
+                .is_some_and(|c| c.log_format == config::LogFormat::Json),
         ),
         _ => ("warn", false),
     };
@@ -112,12 +117,9 @@ fn main() -> std::process::ExitCode {
     }
     raise_nofile_limit();
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Command::Serve(args) = &cli.command {
-        // From the config file and flags; a bad file is reported by `serve` itself.
+    if let Command::Serve(_) = &cli.command {
         let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-        let threads = args
-            .config()
-            .ok()
+        let threads = serve_config
             .and_then(|c| c.worker_threads)
             .unwrap_or_else(|| config::default_worker_threads(cpus));
         builder.worker_threads(threads);
