@@ -52,8 +52,9 @@ pub enum HomeError {
     /// at that agent's directory.
     #[error(
         "the COPILOT_HOME directory {path:?} is a symbolic link or not a directory; in the \
-         pool's layout it must be a plain directory (a link there could point one agent at \
-         another's home): remove it, or pass an explicit COPILOT_HOME"
+         pool's layout it must be a plain directory, and the agent's own worker may have put \
+         the link there (it could point one agent at another's home): check what it points \
+         to, then remove it so the pool makes the directory again"
     )]
     NotPlainDirectory {
         /// The directory.

@@ -135,12 +135,17 @@ impl Decoder for FrameCodec {
             // Room for the rest of the body and the start of the next frame, at most the
             // read-ahead: the buffer grows with the bytes that arrive, not with what the
             // header announced.
-            src.reserve((body_len - src.len() + MIN_READ_BYTES).min(MAX_RESERVE_AHEAD_BYTES));
+            let rest = body_len - src.len();
+            src.reserve(
+                rest.saturating_add(MIN_READ_BYTES)
+                    .min(MAX_RESERVE_AHEAD_BYTES),
+            );
             return Ok(None);
         }
         self.pending_body = None;
         let frame = src.split_to(body_len).freeze();
-        if src.is_empty() && src.capacity() + body_len > MAX_RETAINED_READ_BYTES {
+        // (The read room kept past a frame does not count against what is retained.)
+        if src.is_empty() && src.capacity() + body_len > MAX_RETAINED_READ_BYTES + MIN_READ_BYTES {
             // The buffer would otherwise reclaim the large frame's allocation once the frame
             // is dropped, and every connection would hold its largest frame for good.
             *src = BytesMut::new();
@@ -386,6 +391,25 @@ mod tests {
             "{} reads for {total} bytes: {asked:?}",
             asked.len()
         );
+    }
+
+    #[test]
+    fn a_body_still_arriving_leaves_room_for_the_next_frames_start_within_the_read_ahead() {
+        let mut codec = FrameCodec::default();
+        let mut buf = BytesMut::with_capacity(64);
+        buf.extend_from_slice(b"Content-Length: 100\r\n\r\n{\"a\":");
+        assert!(codec.decode(&mut buf).unwrap().is_none());
+        assert!(
+            buf.capacity() - buf.len() >= 100 - 5 + MIN_READ_BYTES,
+            "{} bytes free for a body's 95 bytes still to come",
+            buf.capacity() - buf.len()
+        );
+        // A codec whose limit is near the address space: no overflow in the reservation.
+        let mut huge = FrameCodec::new(usize::MAX);
+        let header = format!("Content-Length: {}\r\n\r\n{{", usize::MAX);
+        let mut buf = BytesMut::from(header.as_bytes());
+        assert!(huge.decode(&mut buf).unwrap().is_none());
+        assert!(buf.capacity() <= header.len() + 2 * MAX_RESERVE_AHEAD_BYTES);
     }
 
     #[test]

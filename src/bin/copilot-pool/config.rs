@@ -24,10 +24,10 @@ pub const API_TOKEN_ENV: &str = "COPILOT_POOL_API_TOKEN";
 pub const MAX_WORKER_THREADS: usize = 1024;
 
 /// The daemon's async threads by default on a machine with `cpus` CPUs: one per eight, at
-/// least one. The daemon's own CPU is a few per cent of its runtimes' (BENCHMARKS.md: 3-5
-/// ms a turn against their 60-90), so on a machine its runtimes keep busy it needs well
-/// under a core per eight; more threads than work only wake each other (on 2 CPUs, two
-/// threads made 60 % more context switches and spent ~15 % more CPU a turn than one).
+/// least one. The daemon's own CPU was 4-9 % of its runtimes' in the bench (BENCHMARKS.md),
+/// so on a machine its runtimes keep busy it needs under a core per eight; more threads than
+/// work mostly wake each other (on 2 CPUs, two threads made ~60 % more context switches and
+/// spent ~20 % more CPU over the same turns than one).
 pub fn default_worker_threads(cpus: usize) -> usize {
     (cpus / 8).max(1)
 }
