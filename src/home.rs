@@ -127,7 +127,9 @@ pub fn resolve_copilot_home(
     validate_agent_id(agent_id)?;
     let (what, path) = match (explicit, agent_dir) {
         (Some(path), _) => ("explicit COPILOT_HOME", path.to_path_buf()),
-        (None, Some(dir)) => ("agent directory", dir.join("copilot")),
+        // `..` taken lexically: the kernel would take it after following a link, and a
+        // link inside an agent's directory may be the agent's own doing.
+        (None, Some(dir)) => ("agent directory", lexically_normal(dir).join("copilot")),
         (None, None) => (
             "base directory",
             base.join("agents").join(agent_id).join("copilot"),
@@ -156,6 +158,22 @@ pub fn resolve_copilot_home(
         Ok(_) => Err(HomeError::NotPlainDirectory { path: home }),
         Err(source) => Err(HomeError::Create { path: home, source }),
     }
+}
+
+/// `path` with `.` dropped and each `..` taking away the component before it (never above
+/// the root), without looking at the file system.
+fn lexically_normal(path: &Path) -> PathBuf {
+    let mut normal = PathBuf::new();
+    for component in path.components() {
+        match component {
+            std::path::Component::CurDir => {}
+            std::path::Component::ParentDir => {
+                normal.pop();
+            }
+            other => normal.push(other),
+        }
+    }
+    normal
 }
 
 /// An agent's default working directory, beside its home: `<base>/agents/<agent_id>/work`.
@@ -364,6 +382,16 @@ mod tests {
         let agent_dir = base.join("agents/mine");
         let err = resolve_copilot_home(None, Some(&agent_dir), &base, "mine").unwrap_err();
         assert!(matches!(err, HomeError::NotPlainDirectory { .. }), "{err}");
+        // A `..` in the gateway's agent directory is not taken after a link the agent put
+        // in its directory (`work` -> the victim's directory, then `work/..`).
+        let theirs = base.join("agents/theirs");
+        resolve_copilot_home(None, Some(&theirs), &base, "theirs").unwrap();
+        std::os::unix::fs::symlink(base.join("agents/victim"), theirs.join("work")).unwrap();
+        let through = theirs.join("work/..");
+        assert_eq!(
+            resolve_copilot_home(None, Some(&through), &base, "theirs").unwrap(),
+            theirs.join("copilot")
+        );
         // A file where the directory should be is refused too.
         std::fs::remove_file(&mine).unwrap();
         std::fs::write(&mine, b"x").unwrap();
