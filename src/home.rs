@@ -129,7 +129,10 @@ pub fn resolve_copilot_home(
         (Some(path), _) => ("explicit COPILOT_HOME", path.to_path_buf()),
         // `..` taken lexically: the kernel would take it after following a link, and a
         // link inside an agent's directory may be the agent's own doing.
-        (None, Some(dir)) => ("agent directory", lexically_normal(dir).join("copilot")),
+        (None, Some(dir)) => (
+            "agent directory",
+            crate::permission::path::lexically_normal(dir).join("copilot"),
+        ),
         (None, None) => (
             "base directory",
             base.join("agents").join(agent_id).join("copilot"),
@@ -158,22 +161,6 @@ pub fn resolve_copilot_home(
         Ok(_) => Err(HomeError::NotPlainDirectory { path: home }),
         Err(source) => Err(HomeError::Create { path: home, source }),
     }
-}
-
-/// `path` with `.` dropped and each `..` taking away the component before it (never above
-/// the root), without looking at the file system.
-fn lexically_normal(path: &Path) -> PathBuf {
-    let mut normal = PathBuf::new();
-    for component in path.components() {
-        match component {
-            std::path::Component::CurDir => {}
-            std::path::Component::ParentDir => {
-                normal.pop();
-            }
-            other => normal.push(other),
-        }
-    }
-    normal
 }
 
 /// An agent's default working directory, beside its home: `<base>/agents/<agent_id>/work`.

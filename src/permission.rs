@@ -10,7 +10,7 @@
 //! as bash reads it, submodule `shell`) matches; a reject rule applies when any of them does,
 //! or when the line cannot be split with confidence.
 
-mod path;
+pub(crate) mod path;
 mod shell;
 
 use std::future::Future;

@@ -1,35 +1,42 @@
-//! Lexical path normalisation for the permission rules: `.` and empty components dropped,
-//! `..` resolved against the components before it (never above `/`), relative paths taken
-//! against the conversation's working directory. Nothing touches the file system, so
-//! symbolic links are not resolved.
+//! Lexical path normalisation, for the permission rules and for an agent's directory
+//! (`home`): `.` and empty components dropped, `..` resolved against the components before
+//! it (never above `/`), relative paths taken against the conversation's working directory.
+//! Nothing touches the file system, so symbolic links are not resolved.
 
-use std::path::Path;
+use std::path::{Component, Path, PathBuf};
 
 /// The absolute, lexically normal form of `path`, or `None` when it cannot be had: a relative
 /// path without an absolute, UTF-8 working directory to take it against.
 pub(crate) fn normalize(path: &str, working_directory: Option<&Path>) -> Option<String> {
-    let mut parts: Vec<&str> = Vec::new();
-    if !path.starts_with('/') {
-        let base = working_directory?.to_str()?;
-        if !base.starts_with('/') {
+    let absolute = if path.starts_with('/') {
+        PathBuf::from(path)
+    } else {
+        let base = working_directory?;
+        if !base.is_absolute() {
             return None;
         }
-        push_components(&mut parts, base);
-    }
-    push_components(&mut parts, path);
-    Some(format!("/{}", parts.join("/")))
+        base.join(path)
+    };
+    lexically_normal(&absolute)
+        .into_os_string()
+        .into_string()
+        .ok()
 }
 
-fn push_components<'a>(parts: &mut Vec<&'a str>, path: &'a str) {
-    for component in path.split('/') {
+/// `path` with `.` and empty components dropped and each `..` taking away the component
+/// before it (never above the root), without looking at the file system.
+pub(crate) fn lexically_normal(path: &Path) -> PathBuf {
+    let mut normal = PathBuf::new();
+    for component in path.components() {
         match component {
-            "" | "." => {}
-            ".." => {
-                parts.pop();
+            Component::CurDir => {}
+            Component::ParentDir => {
+                normal.pop();
             }
-            normal => parts.push(normal),
+            other => normal.push(other),
         }
     }
+    normal
 }
 
 #[cfg(test)]
