@@ -46,12 +46,12 @@ pub enum HomeError {
         /// The underlying error.
         source: io::Error,
     },
-    /// The agent's `copilot` directory, in the pool's layout, is a symbolic link (or not a
-    /// directory). Its parent is the agent's own directory, which the agent's worker may
+    /// The agent's `copilot` directory (or a CLI backend's home beside it), in the pool's
+    /// layout, is a symbolic link (or not a directory). Its parent is the agent's own directory, which the agent's worker may
     /// write: a link there would point the agent at another agent's home, and its sandbox
     /// at that agent's directory.
     #[error(
-        "the COPILOT_HOME directory {path:?} is a symbolic link or not a directory; in the \
+        "the agent's home directory {path:?} is a symbolic link or not a directory; in the \
          pool's layout it must be a plain directory, and the agent's own worker may have put \
          the link there (it could point one agent at another's home): check what it points \
          to, then remove it so the pool makes the directory again"
@@ -156,10 +156,38 @@ pub fn resolve_copilot_home(
     let home = std::fs::canonicalize(parent)
         .map_err(create_error)?
         .join("copilot");
-    match std::fs::symlink_metadata(&home) {
-        Ok(meta) if meta.is_dir() => Ok(home),
-        Ok(_) => Err(HomeError::NotPlainDirectory { path: home }),
-        Err(source) => Err(HomeError::Create { path: home, source }),
+    plain_directory(home)
+}
+
+/// The home of an agent's CLI backend `backend` (its `HOME`): `<parent of copilot_home>/
+/// <backend>`, beside the agent's `COPILOT_HOME` (from [`resolve_copilot_home`]), created
+/// (mode 0700) if missing. In the pool's layout (`in_layout`: no explicit `COPILOT_HOME`) its
+/// parent is the agent's own directory, which the agent's processes may write, so it must be
+/// a plain directory as the `COPILOT_HOME` must: the pool itself (unsandboxed) writes the
+/// backend's settings there and reads its transcripts, and a link would make those another
+/// agent's. Beside an explicit home, the gateway's layout, it is taken as it is.
+pub fn backend_home(
+    copilot_home: &Path,
+    backend: &str,
+    in_layout: bool,
+) -> Result<PathBuf, HomeError> {
+    let home = copilot_home.parent().unwrap_or(copilot_home).join(backend);
+    if !in_layout {
+        return Ok(home);
+    }
+    ensure_private_dir(&home).map_err(|source| HomeError::Create {
+        path: home.clone(),
+        source,
+    })?;
+    plain_directory(home)
+}
+
+/// `path` if it is a directory and not a symbolic link (else `NotPlainDirectory`).
+fn plain_directory(path: PathBuf) -> Result<PathBuf, HomeError> {
+    match std::fs::symlink_metadata(&path) {
+        Ok(meta) if meta.is_dir() => Ok(path),
+        Ok(_) => Err(HomeError::NotPlainDirectory { path }),
+        Err(source) => Err(HomeError::Create { path, source }),
     }
 }
 
@@ -346,6 +374,27 @@ mod tests {
         assert_eq!(a, b);
         let c = resolve_copilot_home(None, Some(&dir.join("y/..")), dir, "a").unwrap();
         assert_eq!(a, c);
+    }
+
+    #[test]
+    fn a_cli_backends_home_turned_into_a_link_to_another_agents_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().canonicalize().unwrap();
+        let victim = resolve_copilot_home(None, None, &base, "victim").unwrap();
+        let mine = resolve_copilot_home(None, None, &base, "mine").unwrap();
+        let theirs = backend_home(&victim, "gemini-cli", true).unwrap();
+        assert_eq!(theirs, base.join("agents/victim/gemini-cli"));
+        assert_eq!(mode(&theirs), 0o700);
+        let own = backend_home(&mine, "gemini-cli", true).unwrap();
+        assert_eq!(own, base.join("agents/mine/gemini-cli"));
+        // What a process allowed to write its own agent directory could do.
+        std::fs::remove_dir(&own).unwrap();
+        std::os::unix::fs::symlink(&theirs, &own).unwrap();
+        let err = backend_home(&mine, "gemini-cli", true).unwrap_err();
+        assert!(matches!(err, HomeError::NotPlainDirectory { .. }), "{err}");
+        assert!(err.to_string().contains("remove it"), "{err}");
+        // Beside an explicit COPILOT_HOME the layout is the gateway's: taken as it is.
+        assert_eq!(backend_home(&mine, "gemini-cli", false).unwrap(), own);
     }
 
     #[test]

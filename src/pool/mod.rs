@@ -273,10 +273,8 @@ impl Pool {
             &req.agent_id,
         )?;
         // The backend's own home beside the agent's COPILOT_HOME.
-        let home = copilot_home
-            .parent()
-            .unwrap_or(&copilot_home)
-            .join(&req.backend);
+        let home =
+            crate::home::backend_home(&copilot_home, &req.backend, req.copilot_home.is_none())?;
         let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
         let bindings_key = format!("{conversation}#backend={}", req.backend);
         let profile_id = req
