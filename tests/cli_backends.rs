@@ -304,6 +304,37 @@ async fn a_restarted_daemon_resumes_the_stored_session_and_refuses_one_whose_tra
     let body = fx.body("r1", "REPLY=must not run", "sk-ant-FAKE-r", None);
     fx.assert_transcript_missing(&daemon, &body, &session).await;
     assert!(fx.claude_processes().is_empty(), "nothing was started");
+
+    // Deleted over HTTP, the conversation starts over. Deleting it again ends its kept
+    // Claude process and removes the new session's transcript; then nothing is left.
+    let delete = |status: u16| async move {
+        let path = "/v1/sessions/agent-c/r1?backend=claude-cli";
+        let answer = call(daemon.addr, "DELETE", path, None, None).await;
+        assert_eq!(answer.status, status, "DELETE {path}: {}", answer.body);
+    };
+    delete(204).await;
+    let (_, fresh) = turn(
+        &daemon,
+        &fx.body("r1", "REPLY=started over", "sk-ant-FAKE-r", None),
+    )
+    .await;
+    assert_eq!(fresh["status"], "idle", "{fresh}");
+    assert_eq!(fresh["open_reason"], "new", "{fresh}");
+    let fresh_id = fresh["session_id"]
+        .as_str()
+        .expect("a session id")
+        .to_owned();
+    let transcript = format!("{fresh_id}.jsonl");
+    assert_eq!(
+        support::cli_daemon::files_named(fx.scratch.path(), &transcript).len(),
+        1
+    );
+    assert!(!fx.claude_processes().is_empty(), "its process is kept");
+    delete(204).await;
+    assert!(fx.claude_processes().is_empty(), "ended before the answer");
+    let left = support::cli_daemon::files_named(fx.scratch.path(), &transcript);
+    assert!(left.is_empty(), "{left:?}");
+    delete(404).await;
     assert!(daemon.terminate().await.success());
 }
 

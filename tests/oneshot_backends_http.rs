@@ -222,8 +222,36 @@ async fn two_codex_turns_over_http_carry_history_count_a_process_per_turn_and_a_
     let daemon = fx.daemon().await;
     let body = fx.body(CODEX, "k1", "REPLY=must not run");
     fx.assert_transcript_missing(&daemon, &body, &thread).await;
+
+    // The way out over HTTP: delete the conversation on its backend; the next turn starts a
+    // new thread. Deleting that one removes its rollout too; then there is nothing left.
+    delete_conversation(&daemon, CODEX, "k1", 204).await;
+    let (_, fresh) = turn(&daemon, &fx.body(CODEX, "k1", "REPLY=started over")).await;
+    assert_eq!(fresh["status"], "idle", "{fresh}");
+    assert_eq!(fresh["open_reason"], "new", "{fresh}");
+    let new_thread = fresh["session_id"]
+        .as_str()
+        .expect("a thread id")
+        .to_owned();
+    assert_ne!(new_thread, thread);
+    let named = format!("-{new_thread}.jsonl");
+    assert_eq!(
+        support::cli_daemon::files_named(fx.scratch.path(), &named).len(),
+        1
+    );
+    delete_conversation(&daemon, CODEX, "k1", 204).await;
+    let left = support::cli_daemon::files_named(fx.scratch.path(), &named);
+    assert!(left.is_empty(), "the deleted thread's rollout: {left:?}");
+    delete_conversation(&daemon, CODEX, "k1", 404).await;
     assert!(daemon.terminate().await.success());
     assert!(fx.cli_processes().is_empty());
+}
+
+/// `DELETE /v1/sessions/agent-o/<session_key>?backend=<backend>`, expecting `status`.
+async fn delete_conversation(daemon: &Daemon, backend: &str, session_key: &str, status: u16) {
+    let path = format!("/v1/sessions/agent-o/{session_key}?backend={backend}");
+    let answer = call(daemon.addr, "DELETE", &path, None, None).await;
+    assert_eq!(answer.status, status, "DELETE {path}: {}", answer.body);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -311,6 +339,22 @@ async fn gemini_turns_over_http_carry_history_with_usage_stream_deltas_and_tool_
     let daemon = fx.daemon().await;
     let body = fx.body(GEMINI, "k1", "REPLY=must not run");
     fx.assert_transcript_missing(&daemon, &body, &session).await;
+    // Deleted over HTTP, the conversation starts over; deleting k2 removes its chat file.
+    delete_conversation(&daemon, GEMINI, "k1", 204).await;
+    let (_, fresh) = turn(&daemon, &fx.body(GEMINI, "k1", "REPLY=started over")).await;
+    assert_eq!(fresh["status"], "idle", "{fresh}");
+    assert_eq!(fresh["open_reason"], "new", "{fresh}");
+    let chats_of = |session: &str| {
+        let short = session.get(..8).unwrap_or(session).to_owned();
+        support::cli_daemon::files_named(fx.scratch.path(), &format!("-{short}.jsonl"))
+    };
+    let k2 = end["session_id"]
+        .as_str()
+        .expect("k2's session id")
+        .to_owned();
+    assert!(!chats_of(&k2).is_empty());
+    delete_conversation(&daemon, GEMINI, "k2", 204).await;
+    assert!(chats_of(&k2).is_empty(), "{:?}", chats_of(&k2));
     assert!(daemon.terminate().await.success());
     assert!(fx.cli_processes().is_empty());
 }

@@ -731,6 +731,28 @@ fn usage_of(document: &Value) -> Usage {
 /// when there is none: resuming would fail (exit 42), so the stored id must be dropped
 /// rather than the run started. Blocking (small file reads).
 pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<PathBuf, GeminiError> {
+    // A resume started in another minute than the session opens a second file named after
+    // it (measured with 0.61.0: a header and the CLI's context only) and keeps appending
+    // the conversation to the first one: the largest file is the conversation.
+    session_files(home, cwd, session_id)?
+        .into_iter()
+        .map(|p| (std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0), p))
+        .max()
+        .map(|(_, p)| p)
+        .ok_or_else(|| GeminiError::TranscriptMissing {
+            session_id: session_id.to_owned(),
+            searched: gemini_dir(home).join("tmp"),
+        })
+}
+
+/// Every chat file Gemini CLI keeps of `session_id` for a run in `cwd` (see
+/// [`transcript_path`]: one, or two after a resume in another minute), at least one, else
+/// [`GeminiError::TranscriptMissing`]. Blocking (small file reads).
+pub fn session_files(
+    home: &Path,
+    cwd: &Path,
+    session_id: &str,
+) -> Result<Vec<PathBuf>, GeminiError> {
     let dir = gemini_dir(home);
     let missing = |searched: PathBuf| GeminiError::TranscriptMissing {
         session_id: session_id.to_owned(),
@@ -752,10 +774,7 @@ pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<Path
     let Ok(entries) = std::fs::read_dir(&chats) else {
         return Err(missing(chats));
     };
-    // A resume started in another minute than the session opens a second file named after
-    // it (measured with 0.61.0: a header and the CLI's context only) and keeps appending
-    // the conversation to the first one: the largest file is the conversation.
-    entries
+    let files: Vec<PathBuf> = entries
         .filter_map(Result::ok)
         .map(|e| e.path())
         .filter(|p| {
@@ -764,10 +783,11 @@ pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<Path
                 .is_some_and(|n| n.starts_with("session-") && n.ends_with(&suffix))
         })
         .filter(|p| first_line_names(p, session_id))
-        .map(|p| (std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0), p))
-        .max()
-        .map(|(_, p)| p)
-        .ok_or_else(|| missing(chats))
+        .collect();
+    if files.is_empty() {
+        return Err(missing(chats));
+    }
+    Ok(files)
 }
 
 /// The slug `projects.json` gives `cwd` (as given, or canonicalized). Slugs that could leave
@@ -1196,6 +1216,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(transcript_path(home.path(), &cwd, id).unwrap(), file);
+        // Deleting the conversation takes both files of the session, not the other one's.
+        let mut both = session_files(home.path(), &cwd, id).unwrap();
+        both.sort();
+        assert_eq!(
+            both,
+            [
+                file.clone(),
+                chats.join("session-2026-12-01T16-12-dfb439f3.jsonl")
+            ]
+        );
         let elsewhere = tempfile::tempdir().unwrap();
         assert!(transcript_path(home.path(), elsewhere.path(), id).is_err());
         assert!(transcript_path(home.path(), &cwd, "../../x").is_err());

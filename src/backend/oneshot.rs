@@ -195,6 +195,37 @@ impl Dialect {
             }
         }
     }
+
+    /// Everything this dialect's CLI keeps of session `session_id` run with `home` in `cwd`,
+    /// for deleting the conversation: Claude Code's transcript, and a folder beside it named
+    /// after the session if there is one; Codex's rollout;
+    /// every chat file of Gemini CLI's (two after a resume in another minute). Empty when
+    /// there is nothing, and for generic CLIs (nothing known). Blocking (small directory
+    /// reads).
+    pub fn session_files(self, home: &Path, cwd: &Path, session_id: &str) -> Vec<PathBuf> {
+        match self {
+            Dialect::Generic => Vec::new(),
+            // Claude Code's session ids are UUIDs: anything else could name another path.
+            Dialect::Claude
+                if session_id.is_empty()
+                    || !session_id
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-') =>
+            {
+                Vec::new()
+            }
+            Dialect::Claude => {
+                let transcript = super::CliConversation::transcript_path(home, cwd, session_id);
+                let folder = transcript.with_extension("");
+                [transcript, folder]
+                    .into_iter()
+                    .filter(|p| std::fs::symlink_metadata(p).is_ok())
+                    .collect()
+            }
+            Dialect::Codex => codex_rollout_path(home, session_id).into_iter().collect(),
+            Dialect::Gemini => gemini::session_files(home, cwd, session_id).unwrap_or_default(),
+        }
+    }
 }
 
 /// Checks that every image lies inside `cwd` once links are resolved (Gemini CLI skips an

@@ -482,22 +482,7 @@ pub(super) async fn lease_request(
     session_key: &str,
     conv: ConversationBody,
 ) -> Result<LeaseRequest, Response> {
-    // The library's checks: a Rust embedder gets the same errors.
-    crate::pool::validate_session_key(session_key).map_err(|e| pool_error(&e))?;
-    refuse_sdk_session(session_key)?;
-    crate::home::validate_agent_id(agent_id).map_err(|e| {
-        error(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            format!("agent_id: {e}"),
-        )
-    })?;
-    let work = work_dir(state, agent_id)?;
-    let options = match conv.session {
-        Some(session) => Some(session_options(state, &work, session).await?),
-        None => None,
-    };
-    let mut req = LeaseRequest::new(agent_id, session_key, work);
+    let (mut req, options) = place_request(state, agent_id, session_key, conv.session).await?;
     req.auth = lease_auth(
         conv.auth.unwrap_or_default(),
         state.config.env_tokens.clone(),
@@ -524,6 +509,52 @@ pub(super) async fn lease_request(
     req.handlers.timeouts = state.config.timeouts;
     req.handlers.transcript = state.config.transcript.clone();
     Ok(req)
+}
+
+/// Where a conversation lives, without credentials: its agent and session key checked, its
+/// working directory (the agent's, made on demand by a turn) and the options `session`
+/// carries, checked but not applied. [`lease_request`] goes on from here; deleting a CLI
+/// backend's conversation needs no more ([`ConversationBody::place`]).
+async fn place_request(
+    state: &AppState,
+    agent_id: &str,
+    session_key: &str,
+    session: Option<Value>,
+) -> Result<(LeaseRequest, Option<SessionOptions>), Response> {
+    // The library's checks: a Rust embedder gets the same errors.
+    crate::pool::validate_session_key(session_key).map_err(|e| pool_error(&e))?;
+    refuse_sdk_session(session_key)?;
+    crate::home::validate_agent_id(agent_id).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("agent_id: {e}"),
+        )
+    })?;
+    let work = work_dir(state, agent_id)?;
+    let options = match session {
+        Some(session) => Some(session_options(state, &work, session).await?),
+        None => None,
+    };
+    Ok((LeaseRequest::new(agent_id, session_key, work), options))
+}
+
+impl ConversationBody {
+    /// The conversation's place alone (see [`place_request`]), its options applied: the
+    /// credentials, model and provider are not looked at.
+    pub(super) async fn place(
+        self,
+        state: &AppState,
+        agent_id: &str,
+        session_key: &str,
+    ) -> Result<LeaseRequest, Response> {
+        let (mut req, options) = place_request(state, agent_id, session_key, self.session).await?;
+        if let Some(options) = options {
+            req.apply_session_options(options)
+                .map_err(|e| pool_error(&e))?;
+        }
+        Ok(req)
+    }
 }
 
 /// The fuzzer's entry (`crate::fuzzing::http_body`): `data` parsed as each request body and

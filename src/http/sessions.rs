@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, State};
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -16,7 +16,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::AppState;
 use super::body::{CompactBody, ConversationBody, lease_request, optional_body, read_body};
 use super::error::{ErrorBody, error, pool_error, rejection};
-use crate::pool::{ConversationId, Lease};
+use crate::pool::{COPILOT_BACKEND, ConversationId, Lease};
 
 /// A conversation's place in the URL of the routes below.
 #[derive(Deserialize, IntoParams)]
@@ -163,13 +163,27 @@ pub(super) async fn post_compact(
     }
 }
 
+/// Which conversation a reset deletes: the Copilot one (the default) or a CLI backend's.
+#[derive(Deserialize, Default, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub(super) struct ResetQuery {
+    /// The backend whose conversation under this key is deleted (default `copilot`). For a
+    /// CLI backend, the files its CLI keeps of the session (its transcript) are removed with
+    /// the stored session: how a gateway frees their disk (the pool prunes nothing), and how
+    /// it starts over after `transcript_missing`.
+    #[serde(default)]
+    backend: Option<String>,
+}
+
 /// Resets an existing conversation: deletes its runtime session and its binding, so its
-/// next turn starts a new one. The body is optional: the conversation's settings.
+/// next turn starts a new one. The body is optional: the conversation's settings. With
+/// `?backend=<id>` of a CLI backend, the conversation on that backend instead: its kept
+/// process is ended, its CLI's files of the session removed, and its stored session.
 #[utoipa::path(
     delete,
     path = "/v1/sessions/{agent_id}/{session_key}",
     tag = "sessions",
-    params(ConversationPath),
+    params(ConversationPath, ResetQuery),
     request_body(content = Option<ConversationBody>, content_type = "application/json"),
     responses(
         (status = 204, description = "Reset"),
@@ -178,18 +192,23 @@ pub(super) async fn post_compact(
         (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
         (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
         (status = 404, description = "No such conversation: it never ran a turn, or was reset (`not_found`)", body = ErrorBody),
-        (status = 409, description = "The conversation runs a turn (`busy`)", body = ErrorBody),
+        (status = 409, description = "The conversation runs a turn, or a lease waits for it (`busy`)", body = ErrorBody),
         (status = 500, description = "A fault of the daemon (`internal`)", body = ErrorBody),
         (status = 502, description = "The runtime failed (`runtime`)", body = ErrorBody),
-        (status = 503, description = "No room or shutting down: `draining`, `no_capacity`, `quarantined`, `state_unwritable`, `resource_exhausted`, `too_many_connections`", body = ErrorBody),
+        (status = 503, description = "No room or shutting down: `draining`, `no_capacity`, `quarantined`, `state_unwritable` (for a CLI backend: a file of its session could not be removed), `resource_exhausted`, `too_many_connections`", body = ErrorBody),
     ),
     security((), ("api_token" = [])),
 )]
 pub(super) async fn delete_session(
     State(state): State<Arc<AppState>>,
     path: Result<Path<ConversationPath>, PathRejection>,
+    query: Result<Query<ResetQuery>, QueryRejection>,
     body: Body,
 ) -> Response {
+    let Query(query) = match query {
+        Ok(q) => q,
+        Err(e) => return rejection(e),
+    };
     let (
         ConversationPath {
             agent_id,
@@ -200,12 +219,46 @@ pub(super) async fn delete_session(
         Ok(read) => read,
         Err(r) => return r,
     };
+    if let Some(backend) = query.backend.filter(|b| b != COPILOT_BACKEND) {
+        return delete_cli_conversation(&state, &agent_id, &session_key, conv, backend).await;
+    }
     let lease = match existing_lease(&state, &agent_id, &session_key, conv).await {
         Ok(l) => l,
         Err(r) => return r,
     };
     match lease.reset().await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => pool_error(&e),
+    }
+}
+
+/// The reset of a conversation on CLI backend `backend` (see [`delete_session`]).
+async fn delete_cli_conversation(
+    state: &AppState,
+    agent_id: &str,
+    session_key: &str,
+    conv: ConversationBody,
+    backend: String,
+) -> Response {
+    if let Err(e) = state.pool.check_backend(&backend) {
+        return pool_error(&e);
+    }
+    // Where it lives is all a deletion needs: no credentials are asked for.
+    let mut req = match conv.place(state, agent_id, session_key).await {
+        Ok(req) => req,
+        Err(r) => return r,
+    };
+    req.backend = backend.clone();
+    match state.pool.delete_cli_conversation(req).await {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!(
+                "no conversation {session_key:?} of agent {agent_id:?} is stored on backend \
+                 `{backend}`: it never ran a turn there, or was deleted"
+            ),
+        ),
         Err(e) => pool_error(&e),
     }
 }

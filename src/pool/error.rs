@@ -61,8 +61,9 @@ pub enum PoolError {
     #[error(
         "the stored `{backend}` session {session_id} of this conversation has no transcript \
          at {path:?}, so it cannot be resumed with its history and the turn did not run; \
-         restore the file, or start over: a new session_key, or \
-         `Pool::forget_cli_session` (drops the stored session) and lease again"
+         restore the file, or start over: a new session_key, or delete the conversation \
+         (over HTTP `DELETE /v1/sessions/{{agent_id}}/{{session_key}}` with `{{\"backend\": \
+         \"{backend}\"}}`; in Rust `Pool::delete_cli_conversation`) and run the turn again"
     )]
     TranscriptMissing {
         /// The backend id.
@@ -71,6 +72,19 @@ pub enum PoolError {
         session_id: String,
         /// Where the transcript was expected.
         path: std::path::PathBuf,
+    },
+    /// Deleting a CLI backend's conversation could not remove a file its CLI keeps of the
+    /// session; the conversation stays stored.
+    #[error(
+        "could not remove {path:?}, kept by the conversation's CLI session: {error}; the \
+         conversation was not deleted. Make the agent's home writable by the daemon's user \
+         and delete it again"
+    )]
+    TranscriptUnremovable {
+        /// The file or folder.
+        path: std::path::PathBuf,
+        /// The OS error.
+        error: String,
     },
     /// The pool is shut down (or shutting down).
     #[error("the pool is shut down; start a new pool to lease again")]
@@ -150,7 +164,9 @@ impl PoolError {
             PoolError::RestartIntensityExceeded { .. } => ErrorKind::Quarantined,
             PoolError::Closed => ErrorKind::Closed,
             PoolError::Worker(WorkerError::ResourceExhausted(_)) => ErrorKind::ResourceExhausted,
-            PoolError::StateUnwritable { .. } => ErrorKind::StateUnwritable,
+            PoolError::StateUnwritable { .. } | PoolError::TranscriptUnremovable { .. } => {
+                ErrorKind::StateUnwritable
+            }
             PoolError::Internal(_) => ErrorKind::Internal,
             PoolError::Bindings(_) | PoolError::Worker(_) | PoolError::Turn(_) => {
                 ErrorKind::Runtime

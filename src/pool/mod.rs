@@ -314,6 +314,57 @@ impl Pool {
         inner.cli.lease(ask, bindings_key).await
     }
 
+    /// Deletes a conversation of the CLI backend `req.backend` (its agent, session key, home
+    /// and working directory as its leases name them; the rest of `req` is not used): refused
+    /// with [`PoolError::ConversationBusy`] while it runs a turn or a lease waits for it;
+    /// else its kept process is ended, the files its CLI keeps of the stored session (the
+    /// transcript where the backend's dialect says, for Claude Code the folder beside it
+    /// too; a `generic` CLI's are unknown and left) are removed, and then the stored session,
+    /// so the next lease of the session key starts a new one. The way out of
+    /// [`PoolError::TranscriptMissing`], and how a gateway frees the disk a CLI conversation
+    /// took (the pool prunes nothing itself). `Ok(false)`: nothing was stored.
+    pub async fn delete_cli_conversation(&self, mut req: LeaseRequest) -> Result<bool, PoolError> {
+        let inner = &self.inner;
+        if *inner.closed.borrow() {
+            return Err(PoolError::Closed);
+        }
+        inner.cli.backend(&req.backend)?;
+        validate_session_key(&req.session_key)?;
+        let options = std::mem::take(&mut req.session_options);
+        req.apply_session_options(options)?;
+        let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
+        let (slot, bindings_key) = (
+            format!("{conversation}#{}", req.backend),
+            format!("{conversation}#backend={}", req.backend),
+        );
+        // Nothing stored or kept: nothing to find a home for (and none is made).
+        let stored = inner
+            .bindings
+            .get(&bindings_key)
+            .map_err(|e| PoolError::Bindings(e.to_string()))?;
+        if stored.is_none() && !inner.cli.holds(&slot) {
+            return Ok(false);
+        }
+        let copilot_home = resolve_copilot_home(
+            req.copilot_home.as_deref(),
+            req.agent_dir.as_deref(),
+            &inner.config.agents_base_dir,
+            &req.agent_id,
+        )?;
+        let home =
+            crate::home::backend_home(&copilot_home, &req.backend, req.copilot_home.is_none())?;
+        inner
+            .cli
+            .delete(
+                &req.backend,
+                &slot,
+                &home,
+                &req.working_directory,
+                &bindings_key,
+            )
+            .await
+    }
+
     /// Drops the stored session of a conversation on a CLI backend (after
     /// [`PoolError::TranscriptMissing`], to start over under the same session key).
     pub fn forget_cli_session(

@@ -237,6 +237,20 @@ impl CliPool {
     }
 
     /// The configuration of a CLI backend, or the error naming the configured ids.
+    /// The configuration of CLI backend `id`: a table of kind `copilot` is refused (its
+    /// conversations run on the pool's workers).
+    fn cli_backend(&self, id: &str) -> Result<&CliBackendConfig, PoolError> {
+        let config = self.backend(id)?;
+        if config.kind == BackendKind::Copilot {
+            return Err(PoolError::InvalidRequest(format!(
+                "backend `{id}` is of kind `copilot`, which runs on the pool's workers; give a \
+                 `[backends.<id>]` table `kind = \"cli-oneshot\"` or `\"cli-live\"`, or name \
+                 the backend `{COPILOT_BACKEND}`"
+            )));
+        }
+        Ok(config)
+    }
+
     pub(crate) fn backend(&self, id: &str) -> Result<&CliBackendConfig, PoolError> {
         self.backends.get(id).ok_or_else(|| {
             PoolError::InvalidRequest(format!(
@@ -324,15 +338,7 @@ impl CliPool {
         ask: CliAsk,
         bindings_key: String,
     ) -> Result<CliLease, PoolError> {
-        let config = self.backend(&ask.backend)?.clone();
-        if config.kind == BackendKind::Copilot {
-            return Err(PoolError::InvalidRequest(format!(
-                "backend `{}` is of kind `copilot`, which runs on the pool's workers; give a \
-                 `[backends.<id>]` table `kind = \"cli-oneshot\"` or `\"cli-live\"`, or name \
-                 the backend `{COPILOT_BACKEND}`",
-                ask.backend
-            )));
-        }
+        let config = self.cli_backend(&ask.backend)?.clone();
         let identity = session::identity(&ask.creds);
         let key = CliKey {
             home: ask.home.display().to_string(),
@@ -565,6 +571,82 @@ impl CliPool {
         self.apply(&mut shell, effects);
     }
 
+    /// Whether `conversation` holds a process, or is leased, or waited for.
+    pub(crate) fn holds(&self, conversation: &str) -> bool {
+        self.lock().core.holds(conversation)
+    }
+
+    /// Deletes a conversation of backend `backend` homed in `home`, run in `cwd`: refused
+    /// while it runs a turn or a lease waits for it (`ConversationBusy`); else no lease is
+    /// granted it until this returns, its kept process is ended, the files its CLI keeps of
+    /// the stored session are removed ([`Dialect::session_files`], only inside `home`, links
+    /// not followed), then the binding. `Ok(false)`: nothing was stored or kept.
+    pub(crate) async fn delete(
+        &self,
+        backend: &str,
+        conversation: &str,
+        home: &std::path::Path,
+        cwd: &std::path::Path,
+        bindings_key: &str,
+    ) -> Result<bool, PoolError> {
+        let config = self.cli_backend(backend)?;
+        let dialect = match config.kind {
+            BackendKind::CliOneshot => config.dialect_of(backend),
+            // The live runner is Claude Code's, whatever the configuration says.
+            _ => Dialect::Claude,
+        };
+        let parked =
+            {
+                let mut shell = self.lock();
+                let (close, effects) = shell.core.delete(conversation, Instant::now()).map_err(
+                    |why| match refusal(why, self.max_waiters) {
+                        PoolError::ConversationBusy { .. } => PoolError::ConversationBusy {
+                            session_key: conversation.to_owned(),
+                        },
+                        other => other,
+                    },
+                )?;
+                let parked = if close {
+                    shell.parked.remove(conversation)
+                } else {
+                    None
+                };
+                self.apply(&mut shell, effects);
+                parked
+            };
+        // Held for the deletion from here: released on every path, a cancelled one too.
+        let _held = Deleting {
+            pool: self,
+            conversation,
+        };
+        let had_process = parked.is_some();
+        if let Some(parked) = parked {
+            count_stop(
+                &parked.backend,
+                parked.process,
+                parked.runner.pid(),
+                Stop::Shutdown,
+            );
+            // Ended before its files go: a live CLI writes its transcript to the end.
+            let _ = parked.runner.close().await;
+        }
+        let stored = self
+            .bindings
+            .get(bindings_key)
+            .map_err(|e| PoolError::Bindings(e.to_string()))?;
+        if let Some(binding) = &stored {
+            let (home, cwd) = (home.to_path_buf(), cwd.to_path_buf());
+            let id = binding.cli_session_id.as_str().to_owned();
+            tokio::task::spawn_blocking(move || remove_session_files(dialect, &home, &cwd, &id))
+                .await
+                .map_err(|e| PoolError::Bindings(e.to_string()))??;
+            self.bindings
+                .remove(bindings_key)
+                .map_err(|e| PoolError::Bindings(e.to_string()))?;
+        }
+        Ok(had_process || stored.is_some())
+    }
+
     /// Closes the parked processes idle for `ttl`.
     pub(crate) fn close_idle(&self, ttl: Duration) {
         let mut shell = self.lock();
@@ -671,6 +753,63 @@ fn close_in_background(runner: CliConversation) {
         }
         Err(_) => drop(runner),
     }
+}
+
+/// A conversation held for its deletion ([`CliPool::delete`]), released when dropped.
+struct Deleting<'a> {
+    pool: &'a CliPool,
+    conversation: &'a str,
+}
+
+impl Drop for Deleting<'_> {
+    fn drop(&mut self) {
+        let mut shell = self.pool.lock();
+        let effects = shell.core.deleted(self.conversation, Instant::now());
+        self.pool.apply(&mut shell, effects);
+    }
+}
+
+/// Removes what `dialect`'s CLI keeps of session `session_id` ([`Dialect::session_files`])
+/// that lies inside `home` once the folders above it are resolved: a link an agent planted
+/// on the way (its own processes may write its home) must not make the pool, which is not
+/// sandboxed, delete another agent's files. A file already gone is no error.
+fn remove_session_files(
+    dialect: Dialect,
+    home: &std::path::Path,
+    cwd: &std::path::Path,
+    session_id: &str,
+) -> Result<(), PoolError> {
+    let failed = |path: &std::path::Path, error: std::io::Error| PoolError::TranscriptUnremovable {
+        path: path.to_path_buf(),
+        error: error.to_string(),
+    };
+    let Ok(root) = std::fs::canonicalize(home) else {
+        return Ok(());
+    };
+    for path in dialect.session_files(home, cwd, session_id) {
+        let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+            continue;
+        };
+        let inside = std::fs::canonicalize(parent).is_ok_and(|p| p.starts_with(&root));
+        if !inside || name == ".." {
+            tracing::warn!(
+                path = %path.display(),
+                "not removing a CLI session's file outside the agent's home"
+            );
+            continue;
+        }
+        let removed = match std::fs::symlink_metadata(&path) {
+            Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(&path),
+            Ok(_) => std::fs::remove_file(&path),
+            Err(error) => Err(error),
+        };
+        match removed {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => return Err(failed(&path, error)),
+        }
+    }
+    Ok(())
 }
 
 /// Fails an ask that cannot be granted (a busy one's session key is filled in by its lease).
@@ -1120,6 +1259,81 @@ mod tests {
             .expect("resumed");
         assert_eq!(lease.reason(), OpenReason::Resumed);
         assert_eq!(lease.dialect(), Dialect::Codex);
+    }
+
+    #[tokio::test]
+    async fn a_deleted_conversation_loses_its_rollout_and_binding_but_nothing_through_a_link() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = pool(
+            "codex-cli",
+            CliBackendConfig::codex_cli(),
+            &dir.path().join("state"),
+        );
+        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        let ask = ask("codex-cli", home.clone(), cwd.clone());
+        let (slot, key) = (ask.conversation.clone(), "agent/k#backend=codex-cli");
+        let identity = session::identity(&ask.creds);
+        let bind = |id: &str| {
+            pool.bindings
+                .put(&Binding {
+                    session_key: key.to_owned(),
+                    cli_session_id: CliSessionId::new(id.to_owned()),
+                    compat_key: identity.clone(),
+                    updated_at_ms: 0,
+                })
+                .expect("bound");
+        };
+        let rollout = |root: &std::path::Path, id: &str| {
+            let day = root.join(".codex/sessions/2026/12/01");
+            std::fs::create_dir_all(&day).expect("dir");
+            let file = day.join(format!("rollout-2026-12-01T10-00-00-{id}.jsonl"));
+            std::fs::write(&file, "{}").expect("rollout");
+            file
+        };
+        let id = "019a227d-9ace-7703-b7ac-389dd1c45dcf";
+        bind(id);
+        let file = rollout(&home, id);
+        let other = rollout(&home, "019a227d-0000-7703-b7ac-389dd1c45dcf");
+        // While a lease holds it, the deletion is refused and nothing is touched.
+        let lease = pool.lease(ask, key.to_owned()).await.expect("resumed");
+        let busy = pool.delete("codex-cli", &slot, &home, &cwd, key).await;
+        assert!(
+            matches!(busy, Err(PoolError::ConversationBusy { .. })),
+            "{busy:?}"
+        );
+        assert!(file.is_file());
+        drop(lease);
+        assert!(
+            pool.delete("codex-cli", &slot, &home, &cwd, key)
+                .await
+                .expect("deleted")
+        );
+        assert!(
+            !file.exists() && other.is_file(),
+            "only its own rollout goes"
+        );
+        assert!(pool.bindings.get(key).expect("read").is_none());
+        assert!(
+            !pool
+                .delete("codex-cli", &slot, &home, &cwd, key)
+                .await
+                .expect("nothing")
+        );
+        // A link the agent planted in its home to another's sessions: the pool, not
+        // sandboxed, removes nothing through it (and still forgets the session).
+        let victim = dir.path().join("victim");
+        let theirs = rollout(&victim, id);
+        std::fs::remove_dir_all(home.join(".codex/sessions")).expect("rm");
+        std::os::unix::fs::symlink(victim.join(".codex/sessions"), home.join(".codex/sessions"))
+            .expect("link");
+        bind(id);
+        assert!(
+            pool.delete("codex-cli", &slot, &home, &cwd, key)
+                .await
+                .expect("deleted")
+        );
+        assert!(theirs.is_file(), "nothing removed outside the agent's home");
+        assert!(pool.bindings.get(key).expect("read").is_none());
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! key is (agent home, credential fingerprint, backend id): a conversation that comes back
 //! with another key (a refreshed key) gives up its old slot first.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::pool::budget::{Others, Room, has_room, make_room};
@@ -111,6 +111,9 @@ pub(crate) struct Slots {
     /// The ask whose [`Effect::EvictOther`] is outstanding (until the Copilot side's view
     /// changes).
     asked_by: Option<u64>,
+    /// Conversations being deleted ([`Slots::delete`]): held like a lease, without a
+    /// process, until [`Slots::deleted`].
+    deleting: HashSet<String>,
 }
 
 impl Slots {
@@ -124,6 +127,7 @@ impl Slots {
             closed: false,
             others: Others::default(),
             asked_by: None,
+            deleting: HashSet::new(),
         }
     }
 
@@ -260,6 +264,7 @@ impl Slots {
             }];
         }
         let leased = self.held.get(conversation).is_some_and(|h| h.leased)
+            || self.deleting.contains(conversation)
             || self.waiters.iter().any(|w| w.conversation == conversation);
         if leased && fail_if_busy {
             return vec![Effect::Fail {
@@ -297,6 +302,9 @@ impl Slots {
         now: Instant,
         effects: &mut Vec<Effect>,
     ) -> bool {
+        if self.deleting.contains(conversation) {
+            return false;
+        }
         // A serialized lane runs one lease at a time.
         if self
             .held
@@ -407,6 +415,49 @@ impl Slots {
         if !kept && self.closed {
             return effects;
         }
+        self.serve_waiters(now, &mut effects);
+        effects
+    }
+
+    /// Whether `conversation` holds a process (parked or leased), is being deleted, or is
+    /// waited for.
+    pub(crate) fn holds(&self, conversation: &str) -> bool {
+        self.held.contains_key(conversation)
+            || self.deleting.contains(conversation)
+            || self.waiters.iter().any(|w| w.conversation == conversation)
+    }
+
+    /// A deletion asks for `conversation`: refused while the conversation is leased or waited
+    /// for (`Busy`), or the pool closes; else the conversation is held for the deletion (no
+    /// lease is granted it until [`Slots::deleted`]) and its parked process, if any, is let
+    /// go: `true` when the shell must close it (waiters the room serves are granted).
+    pub(crate) fn delete(
+        &mut self,
+        conversation: &str,
+        now: Instant,
+    ) -> Result<(bool, Vec<Effect>), Refusal> {
+        if self.closed {
+            return Err(Refusal::Closed);
+        }
+        let busy = self.held.get(conversation).is_some_and(|h| h.leased)
+            || self.deleting.contains(conversation)
+            || self.waiters.iter().any(|w| w.conversation == conversation);
+        if busy {
+            return Err(Refusal::Busy);
+        }
+        self.deleting.insert(conversation.to_owned());
+        let parked = self.held.remove(conversation).is_some();
+        let mut effects = Vec::new();
+        if parked {
+            self.serve_waiters(now, &mut effects);
+        }
+        Ok((parked, effects))
+    }
+
+    /// The deletion of `conversation` is over: its leases may be granted again.
+    pub(crate) fn deleted(&mut self, conversation: &str, now: Instant) -> Vec<Effect> {
+        self.deleting.remove(conversation);
+        let mut effects = Vec::new();
         self.serve_waiters(now, &mut effects);
         effects
     }
@@ -527,6 +578,39 @@ mod tests {
         assert!(s.ask(6, "a/1", serialized("a"), false, now).is_empty());
         assert!(granted(&s.returned("a/2", true, false, now), 3));
         assert!(granted(&s.returned("a/3", true, false, now), 6));
+    }
+
+    #[test]
+    fn a_deleted_conversation_is_refused_while_leased_and_holds_off_its_leases_until_deleted() {
+        let now = Instant::now();
+        let mut s = slots(1, 1);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
+        // A turn runs: the deletion is refused.
+        assert_eq!(s.delete("a/1", now), Err(Refusal::Busy));
+        s.returned("a/1", true, false, now);
+        // Parked: its process is let go (the shell closes it), its room free.
+        let (close, effects) = s.delete("a/1", now).unwrap();
+        assert!(close);
+        assert!(effects.is_empty());
+        assert_eq!(s.processes(), 0);
+        assert!(granted(&s.ask(2, "b/1", key("a"), false, now), 2));
+        // While it is deleted, a lease of it is busy, or waits when it may.
+        assert_eq!(s.delete("a/1", now), Err(Refusal::Busy));
+        assert!(matches!(
+            s.ask(3, "a/1", key("a"), true, now).as_slice(),
+            [Effect::Fail {
+                why: Refusal::Busy,
+                ..
+            }]
+        ));
+        assert!(s.ask(4, "a/1", key("a"), false, now).is_empty());
+        // Deleted: the waiter is granted once there is room, with a process of its own.
+        assert!(s.deleted("a/1", now).is_empty());
+        assert!(granted(&s.returned("b/1", false, false, now), 4));
+        // A conversation with no process is deleted with nothing to close.
+        s.returned("a/1", false, false, now);
+        assert_eq!(s.delete("c/1", now).map(|(close, _)| close), Ok(false));
+        assert!(s.deleted("c/1", now).is_empty());
     }
 
     fn slots(max_processes: usize, max_per_key: usize) -> Slots {
