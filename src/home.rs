@@ -47,9 +47,9 @@ pub enum HomeError {
         source: io::Error,
     },
     /// The agent's `copilot` directory (or a CLI backend's home beside it), in the pool's
-    /// layout, is a symbolic link (or not a directory). Its parent is the agent's own directory, which the agent's worker may
-    /// write: a link there would point the agent at another agent's home, and its sandbox
-    /// at that agent's directory.
+    /// layout, is a symbolic link (or not a directory). Its parent is the agent's own
+    /// directory, which the agent's worker may write: a link there would point the agent at
+    /// another agent's home, and its sandbox at that agent's directory.
     #[error(
         "the agent's home directory {path:?} is a symbolic link or not a directory; in the \
          pool's layout it must be a plain directory, and the agent's own worker may have put \
@@ -124,6 +124,38 @@ pub fn resolve_copilot_home(
     base: &Path,
     agent_id: &str,
 ) -> Result<PathBuf, HomeError> {
+    let path = chosen_home(explicit, agent_dir, base, agent_id)?;
+    let create_error = |source| HomeError::Create {
+        path: path.clone(),
+        source,
+    };
+    if explicit.is_none() {
+        // A link (a dangling one too) is refused for what it is, not as a failed create.
+        not_a_link(&path)?;
+    }
+    ensure_private_dir(&path).map_err(create_error)?;
+    if explicit.is_some() {
+        return std::fs::canonicalize(&path).map_err(create_error);
+    }
+    // The layout's `copilot` lies in the agent's own directory, which its worker may write:
+    // only the directory above it is resolved, and it must be a plain directory, so the
+    // home (and the sandbox root, its parent) stays the agent's whatever links appear.
+    let parent = path.parent().unwrap_or(&path);
+    let home = std::fs::canonicalize(parent)
+        .map_err(create_error)?
+        .join("copilot");
+    plain_directory(home)
+}
+
+/// The `COPILOT_HOME` path [`resolve_copilot_home`] starts from: `explicit`, else
+/// `<agent_dir>/copilot` (`..` taken lexically), else `<base>/agents/<agent_id>/copilot`;
+/// absolute, the agent id valid. Nothing is looked at on disk.
+fn chosen_home(
+    explicit: Option<&Path>,
+    agent_dir: Option<&Path>,
+    base: &Path,
+    agent_id: &str,
+) -> Result<PathBuf, HomeError> {
     validate_agent_id(agent_id)?;
     let (what, path) = match (explicit, agent_dir) {
         (Some(path), _) => ("explicit COPILOT_HOME", path.to_path_buf()),
@@ -141,22 +173,7 @@ pub fn resolve_copilot_home(
     if !path.is_absolute() {
         return Err(HomeError::NotAbsolute { what, path });
     }
-    let create_error = |source| HomeError::Create {
-        path: path.clone(),
-        source,
-    };
-    ensure_private_dir(&path).map_err(create_error)?;
-    if explicit.is_some() {
-        return std::fs::canonicalize(&path).map_err(create_error);
-    }
-    // The layout's `copilot` lies in the agent's own directory, which its worker may write:
-    // only the directory above it is resolved, and it must be a plain directory, so the
-    // home (and the sandbox root, its parent) stays the agent's whatever links appear.
-    let parent = path.parent().unwrap_or(&path);
-    let home = std::fs::canonicalize(parent)
-        .map_err(create_error)?
-        .join("copilot");
-    plain_directory(home)
+    Ok(path)
 }
 
 /// The home of an agent's CLI backend `backend` (its `HOME`): `<parent of copilot_home>/
@@ -175,11 +192,47 @@ pub fn backend_home(
     if !in_layout {
         return Ok(home);
     }
+    not_a_link(&home)?;
     ensure_private_dir(&home).map_err(|source| HomeError::Create {
         path: home.clone(),
         source,
     })?;
     plain_directory(home)
+}
+
+/// The home [`backend_home`] gives `agent_id`'s CLI backend `backend` (its `COPILOT_HOME`
+/// chosen as [`resolve_copilot_home`] chooses it), found without creating anything:
+/// `Ok(None)` when it does not exist. The same rule: in the pool's layout it must be a plain
+/// directory. For a deletion, which must leave nothing behind.
+pub fn find_backend_home(
+    explicit: Option<&Path>,
+    agent_dir: Option<&Path>,
+    base: &Path,
+    agent_id: &str,
+    backend: &str,
+) -> Result<Option<PathBuf>, HomeError> {
+    let path = chosen_home(explicit, agent_dir, base, agent_id)?;
+    // The directory the backend's home sits in: the explicit home's, or the agent's.
+    let above = match explicit {
+        Some(_) => std::fs::canonicalize(&path).map(|home| home.parent().map(Path::to_path_buf)),
+        None => path
+            .parent()
+            .map_or(Ok(None), |dir| std::fs::canonicalize(dir).map(Some)),
+    };
+    let above = match above {
+        Ok(Some(dir)) => dir,
+        Ok(None) => return Ok(None),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(HomeError::Create { path, source }),
+    };
+    let home = above.join(backend);
+    match std::fs::symlink_metadata(&home) {
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(HomeError::Create { path: home, source }),
+        Ok(_) if explicit.is_some() => Ok(Some(home)),
+        Ok(meta) if meta.is_dir() => Ok(Some(home)),
+        Ok(_) => Err(HomeError::NotPlainDirectory { path: home }),
+    }
 }
 
 /// `path` if it is a directory and not a symbolic link (else `NotPlainDirectory`).
@@ -188,6 +241,16 @@ fn plain_directory(path: PathBuf) -> Result<PathBuf, HomeError> {
         Ok(meta) if meta.is_dir() => Ok(path),
         Ok(_) => Err(HomeError::NotPlainDirectory { path }),
         Err(source) => Err(HomeError::Create { path, source }),
+    }
+}
+
+/// Refuses `path` if it is a symbolic link (dangling or not); missing is fine.
+fn not_a_link(path: &Path) -> Result<(), HomeError> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_symlink() => Err(HomeError::NotPlainDirectory {
+            path: path.to_path_buf(),
+        }),
+        _ => Ok(()),
     }
 }
 
@@ -395,6 +458,24 @@ mod tests {
         assert!(err.to_string().contains("remove it"), "{err}");
         // Beside an explicit COPILOT_HOME the layout is the gateway's: taken as it is.
         assert_eq!(backend_home(&mine, "gemini-cli", false).unwrap(), own);
+        // Found for a deletion without making anything; the link refused there too.
+        let find =
+            |agent: &str, backend: &str| find_backend_home(None, None, &base, agent, backend);
+        assert_eq!(find("victim", "gemini-cli").unwrap(), Some(theirs.clone()));
+        assert!(matches!(
+            find("mine", "gemini-cli"),
+            Err(HomeError::NotPlainDirectory { .. })
+        ));
+        assert_eq!(find("victim", "codex-cli").unwrap(), None);
+        assert_eq!(find("nobody", "codex-cli").unwrap(), None);
+        assert!(
+            !base.join("agents/nobody").exists() && !base.join("agents/victim/codex-cli").exists()
+        );
+        // A dangling link is refused for what it is.
+        std::fs::remove_file(&own).unwrap();
+        std::os::unix::fs::symlink(base.join("gone"), &own).unwrap();
+        let err = backend_home(&mine, "gemini-cli", true).unwrap_err();
+        assert!(matches!(err, HomeError::NotPlainDirectory { .. }), "{err}");
     }
 
     #[test]
@@ -433,6 +514,13 @@ mod tests {
         std::fs::write(&mine, b"x").unwrap();
         let err = resolve_copilot_home(None, None, &base, "mine").unwrap_err();
         assert!(matches!(err, HomeError::Create { .. }), "{err}");
+        // A dangling link is refused as a link, not as a failed create.
+        std::fs::remove_file(&mine).unwrap();
+        std::os::unix::fs::symlink(base.join("gone"), &mine).unwrap();
+        let err = resolve_copilot_home(None, None, &base, "mine").unwrap_err();
+        assert!(matches!(err, HomeError::NotPlainDirectory { .. }), "{err}");
+        std::fs::remove_file(&mine).unwrap();
+        std::fs::write(&mine, b"x").unwrap();
         // An explicit home is the gateway's choice: a link there is followed.
         let link = base.join("explicit-link");
         std::os::unix::fs::symlink(&victim, &link).unwrap();

@@ -243,6 +243,11 @@ async fn two_codex_turns_over_http_carry_history_count_a_process_per_turn_and_a_
     let left = support::cli_daemon::files_named(fx.scratch.path(), &named);
     assert!(left.is_empty(), "the deleted thread's rollout: {left:?}");
     delete_conversation(&daemon, CODEX, "k1", 404).await;
+    // A misspelt query is refused, never taken for the Copilot conversation's reset.
+    let misspelt = "/v1/sessions/agent-o/k1?backnd=codex-cli";
+    let answer = call(daemon.addr, "DELETE", misspelt, None, None).await;
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    assert!(answer.body.contains("backnd"), "{}", answer.body);
     assert!(daemon.terminate().await.success());
     assert!(fx.cli_processes().is_empty());
 }

@@ -162,12 +162,18 @@ impl CliConversation {
         cwd: &Path,
         session_id: &str,
     ) -> Result<Option<PathBuf>, PathBuf> {
-        // The live runner is Claude Code's, whatever the configuration says.
-        let dialect = match kind {
+        Self::runner_dialect(kind, dialect)
+            .transcript(home, cwd, session_id)
+            .transpose()
+    }
+
+    /// The dialect of the runner of a backend of `kind` configured with `dialect`: the live
+    /// runner is Claude Code's, whatever the configuration says.
+    pub fn runner_dialect(kind: BackendKind, dialect: Dialect) -> Dialect {
+        match kind {
             BackendKind::CliOneshot => dialect,
             _ => Dialect::Claude,
-        };
-        dialect.transcript(home, cwd, session_id).transpose()
+        }
     }
 
     /// Where the CLI of a live (Claude Code) conversation keeps session `session_id`'s

@@ -759,11 +759,7 @@ pub fn session_files(
         searched,
     };
     let projects = dir.join("projects.json");
-    let well_formed = session_id.len() >= 8
-        && session_id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-');
-    if !well_formed {
+    if session_id.len() < 8 || !super::oneshot::is_session_id(session_id) {
         return Err(missing(dir.join("tmp")));
     }
     let Some(slug) = project_slug(&projects, cwd) else {

@@ -206,14 +206,7 @@ impl Dialect {
         match self {
             Dialect::Generic => Vec::new(),
             // Claude Code's session ids are UUIDs: anything else could name another path.
-            Dialect::Claude
-                if session_id.is_empty()
-                    || !session_id
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '-') =>
-            {
-                Vec::new()
-            }
+            Dialect::Claude if !is_session_id(session_id) => Vec::new(),
             Dialect::Claude => {
                 let transcript = super::CliConversation::transcript_path(home, cwd, session_id);
                 let folder = transcript.with_extension("");
@@ -285,17 +278,19 @@ pub fn codex_rollout_totals(rollout: &Path) -> Option<UsageTotals> {
     })
 }
 
+/// Whether `id` looks like a CLI's session id (letters, digits and `-`, as UUIDs are), so
+/// it can name no other path when it is part of a file name.
+pub(crate) fn is_session_id(id: &str) -> bool {
+    !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+}
+
 /// Codex's rollout of thread `thread_id` for an agent homed in `home`:
 /// `<home>/.codex/sessions/YYYY/MM/DD/rollout-<local time>-<thread_id>.jsonl` (reference
 /// `cli-backends.md` §4.3); `Err(<home>/.codex/sessions)` when there is none. Ids that could
 /// name a path are never found.
 pub fn codex_rollout_path(home: &Path, thread_id: &str) -> Result<PathBuf, PathBuf> {
     let sessions = home.join(".codex").join("sessions");
-    let well_formed = !thread_id.is_empty()
-        && thread_id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-');
-    if !well_formed {
+    if !is_session_id(thread_id) {
         return Err(sessions);
     }
     let suffix = format!("-{thread_id}.jsonl");

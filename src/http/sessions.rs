@@ -1,7 +1,8 @@
 //! One conversation outside its turns: abort its running turn, compact it (with optional
-//! `custom_instructions` for the summary), reset it. Compact and reset only ever reach an
-//! existing conversation (never open a new session, never create the agent's working
-//! directory).
+//! `custom_instructions` for the summary), reset it, or with `?backend=` delete it on a CLI
+//! backend (its process, its CLI's files of the session, its binding). Compact and reset
+//! only ever reach an existing conversation (never open a new session, never create the
+//! agent's working directory or home).
 
 use std::sync::Arc;
 
@@ -16,7 +17,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::AppState;
 use super::body::{CompactBody, ConversationBody, lease_request, optional_body, read_body};
 use super::error::{ErrorBody, error, pool_error, rejection};
-use crate::pool::{COPILOT_BACKEND, ConversationId, Lease};
+use crate::pool::{COPILOT_BACKEND, ConversationId, Lease, PoolError};
 
 /// A conversation's place in the URL of the routes below.
 #[derive(Deserialize, IntoParams)]
@@ -166,6 +167,7 @@ pub(super) async fn post_compact(
 /// Which conversation a reset deletes: the Copilot one (the default) or a CLI backend's.
 #[derive(Deserialize, Default, IntoParams)]
 #[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
 pub(super) struct ResetQuery {
     /// The backend whose conversation under this key is deleted (default `copilot`). For a
     /// CLI backend, the files its CLI keeps of the session (its transcript) are removed with
@@ -222,9 +224,18 @@ pub(super) async fn delete_session(
     if let Some(backend) = query.backend.filter(|b| b != COPILOT_BACKEND) {
         return delete_cli_conversation(&state, &agent_id, &session_key, conv, backend).await;
     }
-    let lease = match existing_lease(&state, &agent_id, &session_key, conv).await {
-        Ok(l) => l,
+    let mut req = match lease_request(&state, &agent_id, &session_key, conv).await {
+        Ok(req) => req,
         Err(r) => return r,
+    };
+    req.existing_only = true;
+    let lease = match state.pool.lease(req).await {
+        Ok(l) => l,
+        Err(e @ PoolError::NoSuchConversation { .. }) => {
+            let hint = "; a conversation on a CLI backend is deleted with ?backend=<id>";
+            return error(StatusCode::NOT_FOUND, "not_found", format!("{e}{hint}"));
+        }
+        Err(e) => return pool_error(&e),
     };
     match lease.reset().await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),

@@ -62,8 +62,8 @@ pub enum PoolError {
         "the stored `{backend}` session {session_id} of this conversation has no transcript \
          at {path:?}, so it cannot be resumed with its history and the turn did not run; \
          restore the file, or start over: a new session_key, or delete the conversation \
-         (over HTTP `DELETE /v1/sessions/{{agent_id}}/{{session_key}}` with `{{\"backend\": \
-         \"{backend}\"}}`; in Rust `Pool::delete_cli_conversation`) and run the turn again"
+         (over HTTP `DELETE /v1/sessions/{{agent_id}}/{{session_key}}?backend={backend}`; in \
+         Rust `Pool::delete_cli_conversation`) and run the turn again"
     )]
     TranscriptMissing {
         /// The backend id.
@@ -74,11 +74,11 @@ pub enum PoolError {
         path: std::path::PathBuf,
     },
     /// Deleting a CLI backend's conversation could not remove a file its CLI keeps of the
-    /// session; the conversation stays stored.
+    /// session; its stored session is kept (its process may be ended already).
     #[error(
         "could not remove {path:?}, kept by the conversation's CLI session: {error}; the \
-         conversation was not deleted. Make the agent's home writable by the daemon's user \
-         and delete it again"
+         conversation is partly deleted (its process ended, its stored session kept). Make \
+         the agent's home writable by the daemon's user and delete it again"
     )]
     TranscriptUnremovable {
         /// The file or folder.
@@ -266,6 +266,13 @@ mod tests {
             (
                 PoolError::StateUnwritable {
                     dir: "/s".into(),
+                    error: "e".into(),
+                },
+                ErrorKind::StateUnwritable,
+            ),
+            (
+                PoolError::TranscriptUnremovable {
+                    path: "/h/t.jsonl".into(),
                     error: "e".into(),
                 },
                 ErrorKind::StateUnwritable,

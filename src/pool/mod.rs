@@ -266,17 +266,8 @@ impl Pool {
             )));
         }
         let tools = cli_gateway_tools(&inner.cli, &req)?;
-        let copilot_home = resolve_copilot_home(
-            req.copilot_home.as_deref(),
-            req.agent_dir.as_deref(),
-            &inner.config.agents_base_dir,
-            &req.agent_id,
-        )?;
-        // The backend's own home beside the agent's COPILOT_HOME.
-        let home =
-            crate::home::backend_home(&copilot_home, &req.backend, req.copilot_home.is_none())?;
-        let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
-        let bindings_key = format!("{conversation}#backend={}", req.backend);
+        let (copilot_home, home) = self.cli_homes(&req)?;
+        let names = cli::CliNames::new(&req.agent_id, &req.session_key, &req.backend);
         let profile_id = req
             .auth
             .auth_profile_id
@@ -297,7 +288,7 @@ impl Pool {
         };
         let ask = cli::CliAsk {
             backend: req.backend.clone(),
-            conversation: format!("{conversation}#{}", req.backend),
+            conversation: names.slot,
             home,
             cwd: req.working_directory.clone(),
             creds,
@@ -311,7 +302,23 @@ impl Pool {
             system_prompt,
             sandbox,
         };
-        inner.cli.lease(ask, bindings_key).await
+        inner.cli.lease(ask, names.binding).await
+    }
+
+    /// The agent's `COPILOT_HOME` for a CLI lease and, beside it, the backend's own home.
+    fn cli_homes(
+        &self,
+        req: &LeaseRequest,
+    ) -> Result<(std::path::PathBuf, std::path::PathBuf), PoolError> {
+        let copilot_home = resolve_copilot_home(
+            req.copilot_home.as_deref(),
+            req.agent_dir.as_deref(),
+            &self.inner.config.agents_base_dir,
+            &req.agent_id,
+        )?;
+        let home =
+            crate::home::backend_home(&copilot_home, &req.backend, req.copilot_home.is_none())?;
+        Ok((copilot_home, home))
     }
 
     /// Deletes a conversation of the CLI backend `req.backend` (its agent, session key, home
@@ -332,53 +339,27 @@ impl Pool {
         validate_session_key(&req.session_key)?;
         let options = std::mem::take(&mut req.session_options);
         req.apply_session_options(options)?;
-        let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
-        let (slot, bindings_key) = (
-            format!("{conversation}#{}", req.backend),
-            format!("{conversation}#backend={}", req.backend),
-        );
+        let names = cli::CliNames::new(&req.agent_id, &req.session_key, &req.backend);
         // Nothing stored or kept: nothing to find a home for (and none is made).
         let stored = inner
             .bindings
-            .get(&bindings_key)
+            .get(&names.binding)
             .map_err(|e| PoolError::Bindings(e.to_string()))?;
-        if stored.is_none() && !inner.cli.holds(&slot) {
+        if stored.is_none() && !inner.cli.holds(&names.slot) {
             return Ok(false);
         }
-        let copilot_home = resolve_copilot_home(
+        // Found, not made: a deletion leaves nothing behind.
+        let home = crate::home::find_backend_home(
             req.copilot_home.as_deref(),
             req.agent_dir.as_deref(),
             &inner.config.agents_base_dir,
             &req.agent_id,
+            &req.backend,
         )?;
-        let home =
-            crate::home::backend_home(&copilot_home, &req.backend, req.copilot_home.is_none())?;
         inner
             .cli
-            .delete(
-                &req.backend,
-                &slot,
-                &home,
-                &req.working_directory,
-                &bindings_key,
-            )
+            .delete(&req.backend, &names, home, &req.working_directory)
             .await
-    }
-
-    /// Drops the stored session of a conversation on a CLI backend (after
-    /// [`PoolError::TranscriptMissing`], to start over under the same session key).
-    pub fn forget_cli_session(
-        &self,
-        agent_id: &str,
-        session_key: &str,
-        backend: &str,
-    ) -> Result<(), PoolError> {
-        self.inner.cli.backend(backend)?;
-        let conversation = ConversationId::new(agent_id, session_key).key();
-        self.inner
-            .bindings
-            .remove(&format!("{conversation}#backend={backend}"))
-            .map_err(|e| PoolError::Bindings(e.to_string()))
     }
 
     /// Events as they happen (workers started, crashed, evicted; conversations opened).

@@ -109,6 +109,31 @@ impl Parked {
         count_stop(&self.backend, self.process, self.runner.pid(), why);
         close_in_background(self.runner);
     }
+
+    /// Counts how its process leaves and closes it, returning once it is gone.
+    async fn close_now(self, why: Stop) {
+        count_stop(&self.backend, self.process, self.runner.pid(), why);
+        let _ = self.runner.close().await;
+    }
+}
+
+/// The names a conversation of a CLI backend goes by: its slot in the core, and its stored
+/// session (binding).
+pub(crate) struct CliNames {
+    /// `<agent_id>/<session_key>#<backend>`.
+    pub(crate) slot: String,
+    /// `<agent_id>/<session_key>#backend=<backend>`.
+    pub(crate) binding: String,
+}
+
+impl CliNames {
+    pub(crate) fn new(agent_id: &str, session_key: &str, backend: &str) -> Self {
+        let conversation = super::ConversationId::new(agent_id, session_key).key();
+        CliNames {
+            slot: format!("{conversation}#{backend}"),
+            binding: format!("{conversation}#backend={backend}"),
+        }
+    }
 }
 
 /// Counts the exit of a process the metrics count as running (`counted`) that the pool
@@ -236,7 +261,6 @@ impl CliPool {
             .collect()
     }
 
-    /// The configuration of a CLI backend, or the error naming the configured ids.
     /// The configuration of CLI backend `id`: a table of kind `copilot` is refused (its
     /// conversations run on the pool's workers).
     fn cli_backend(&self, id: &str) -> Result<&CliBackendConfig, PoolError> {
@@ -251,6 +275,7 @@ impl CliPool {
         Ok(config)
     }
 
+    /// The configuration of a CLI backend, or the error naming the configured ids.
     pub(crate) fn backend(&self, id: &str) -> Result<&CliBackendConfig, PoolError> {
         self.backends.get(id).ok_or_else(|| {
             PoolError::InvalidRequest(format!(
@@ -571,80 +596,94 @@ impl CliPool {
         self.apply(&mut shell, effects);
     }
 
-    /// Whether `conversation` holds a process, or is leased, or waited for.
+    /// Whether `conversation` holds a process (parked or leased), is being deleted, or is
+    /// waited for.
     pub(crate) fn holds(&self, conversation: &str) -> bool {
         self.lock().core.holds(conversation)
     }
 
-    /// Deletes a conversation of backend `backend` homed in `home`, run in `cwd`: refused
-    /// while it runs a turn or a lease waits for it (`ConversationBusy`); else no lease is
-    /// granted it until this returns, its kept process is ended, the files its CLI keeps of
-    /// the stored session are removed ([`Dialect::session_files`], only inside `home`, links
-    /// not followed), then the binding. `Ok(false)`: nothing was stored or kept.
+    /// Deletes a conversation of backend `backend` (`names`), its backend home `home` (`None`:
+    /// there is none, so no file to remove), run in `cwd`: refused while it runs a turn or a
+    /// lease waits for it (`ConversationBusy`); else no lease is granted it until the
+    /// deletion is done, its kept process is ended, the files its CLI keeps of the session
+    /// (the stored one, and the kept process's if it has another) are removed
+    /// ([`Dialect::session_files`], only inside `home`, links not followed), then the
+    /// binding. The work runs in a task of its own: a caller that goes away does not cut it
+    /// short, and the conversation is held until it ends. `Ok(false)`: nothing was stored
+    /// or kept.
     pub(crate) async fn delete(
-        &self,
+        self: &Arc<Self>,
         backend: &str,
-        conversation: &str,
-        home: &std::path::Path,
+        names: &CliNames,
+        home: Option<std::path::PathBuf>,
         cwd: &std::path::Path,
-        bindings_key: &str,
     ) -> Result<bool, PoolError> {
         let config = self.cli_backend(backend)?;
-        let dialect = match config.kind {
-            BackendKind::CliOneshot => config.dialect_of(backend),
-            // The live runner is Claude Code's, whatever the configuration says.
-            _ => Dialect::Claude,
-        };
-        let parked =
-            {
-                let mut shell = self.lock();
-                let (close, effects) = shell.core.delete(conversation, Instant::now()).map_err(
-                    |why| match refusal(why, self.max_waiters) {
+        let dialect = CliConversation::runner_dialect(config.kind, config.dialect_of(backend));
+        let parked = {
+            let mut shell = self.lock();
+            let (close, effects) =
+                shell
+                    .core
+                    .delete(&names.slot, Instant::now())
+                    .map_err(|why| match refusal(why, self.max_waiters) {
                         PoolError::ConversationBusy { .. } => PoolError::ConversationBusy {
-                            session_key: conversation.to_owned(),
+                            session_key: names.slot.clone(),
                         },
                         other => other,
-                    },
-                )?;
-                let parked = if close {
-                    shell.parked.remove(conversation)
-                } else {
-                    None
-                };
-                self.apply(&mut shell, effects);
-                parked
+                    })?;
+            let parked = if close {
+                shell.parked.remove(&names.slot)
+            } else {
+                None
             };
-        // Held for the deletion from here: released on every path, a cancelled one too.
-        let _held = Deleting {
-            pool: self,
-            conversation,
+            self.apply(&mut shell, effects);
+            parked
         };
-        let had_process = parked.is_some();
-        if let Some(parked) = parked {
-            count_stop(
-                &parked.backend,
-                parked.process,
-                parked.runner.pid(),
-                Stop::Shutdown,
-            );
-            // Ended before its files go: a live CLI writes its transcript to the end.
-            let _ = parked.runner.close().await;
-        }
-        let stored = self
-            .bindings
-            .get(bindings_key)
-            .map_err(|e| PoolError::Bindings(e.to_string()))?;
-        if let Some(binding) = &stored {
-            let (home, cwd) = (home.to_path_buf(), cwd.to_path_buf());
-            let id = binding.cli_session_id.as_str().to_owned();
-            tokio::task::spawn_blocking(move || remove_session_files(dialect, &home, &cwd, &id))
+        // Held for the deletion from here until the task ends, whatever its caller does.
+        let held = Deleting {
+            pool: self.clone(),
+            conversation: names.slot.clone(),
+        };
+        let binding = names.binding.clone();
+        let cwd = cwd.to_path_buf();
+        let task = tokio::spawn(async move {
+            let pool = held.pool.clone();
+            let kept = parked
+                .as_ref()
+                .and_then(|p| p.runner.session_id().map(str::to_owned));
+            let had_process = parked.is_some();
+            if let Some(parked) = parked {
+                // Ended before its files go: a live CLI writes its transcript to the end.
+                parked.close_now(Stop::Shutdown).await;
+            }
+            let unwritable = |e: super::bindings::BindingError| PoolError::StateUnwritable {
+                dir: pool.bindings.dir().to_owned(),
+                error: e.to_string(),
+            };
+            let stored = pool.bindings.get(&binding).map_err(unwritable)?;
+            let mut ids: Vec<String> = stored
+                .iter()
+                .map(|b| b.cli_session_id.as_str().to_owned())
+                .chain(kept)
+                .collect();
+            ids.dedup();
+            if let Some(home) = home {
+                tokio::task::spawn_blocking(move || {
+                    ids.iter()
+                        .try_for_each(|id| remove_session_files(dialect, &home, &cwd, id))
+                })
                 .await
-                .map_err(|e| PoolError::Bindings(e.to_string()))??;
-            self.bindings
-                .remove(bindings_key)
-                .map_err(|e| PoolError::Bindings(e.to_string()))?;
-        }
-        Ok(had_process || stored.is_some())
+                .map_err(|e| PoolError::Internal(format!("removing a session's files: {e}")))??;
+            }
+            if stored.is_some() {
+                pool.bindings.remove(&binding).map_err(unwritable)?;
+            }
+            drop(held);
+            Ok(had_process || stored.is_some())
+        });
+        task.await
+            .map_err(|e| PoolError::Internal(format!("deleting a CLI conversation: {e}")))?
     }
 
     /// Closes the parked processes idle for `ttl`.
@@ -684,13 +723,7 @@ impl CliPool {
             closing
         };
         for parked in parked {
-            count_stop(
-                &parked.backend,
-                parked.process,
-                parked.runner.pid(),
-                Stop::Shutdown,
-            );
-            let _ = parked.runner.close().await;
+            parked.close_now(Stop::Shutdown).await;
         }
         let mut leased = self.leased.subscribe();
         let _ = tokio::time::timeout(grace, leased.wait_for(|n| *n == 0)).await;
@@ -756,15 +789,15 @@ fn close_in_background(runner: CliConversation) {
 }
 
 /// A conversation held for its deletion ([`CliPool::delete`]), released when dropped.
-struct Deleting<'a> {
-    pool: &'a CliPool,
-    conversation: &'a str,
+struct Deleting {
+    pool: Arc<CliPool>,
+    conversation: String,
 }
 
-impl Drop for Deleting<'_> {
+impl Drop for Deleting {
     fn drop(&mut self) {
         let mut shell = self.pool.lock();
-        let effects = shell.core.deleted(self.conversation, Instant::now());
+        let effects = shell.core.deleted(&self.conversation, Instant::now());
         self.pool.apply(&mut shell, effects);
     }
 }
@@ -772,7 +805,9 @@ impl Drop for Deleting<'_> {
 /// Removes what `dialect`'s CLI keeps of session `session_id` ([`Dialect::session_files`])
 /// that lies inside `home` once the folders above it are resolved: a link an agent planted
 /// on the way (its own processes may write its home) must not make the pool, which is not
-/// sandboxed, delete another agent's files. A file already gone is no error.
+/// sandboxed, delete another agent's files. (A link swapped in between the check and the
+/// removal, by the agent's own running process, is not caught; it would need a file of the
+/// same session id on the other side.) A file already gone is no error.
 fn remove_session_files(
     dialect: Dialect,
     home: &std::path::Path,
@@ -783,18 +818,29 @@ fn remove_session_files(
         path: path.to_path_buf(),
         error: error.to_string(),
     };
-    let Ok(root) = std::fs::canonicalize(home) else {
-        return Ok(());
+    let root = match std::fs::canonicalize(home) {
+        Ok(root) => root,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => return Err(failed(home, error)),
     };
-    for path in dialect.session_files(home, cwd, session_id) {
-        let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
-            continue;
-        };
-        let inside = std::fs::canonicalize(parent).is_ok_and(|p| p.starts_with(&root));
-        if !inside || name == ".." {
+    let files = dialect.session_files(home, cwd, session_id);
+    if files.is_empty() && dialect != Dialect::Generic {
+        tracing::warn!(
+            session = session_id,
+            home = %home.display(),
+            cwd = %cwd.display(),
+            "No file of the deleted CLI session was found; if its turns ran in another \
+             working directory, delete it again naming that one (session.workingDirectory)."
+        );
+    }
+    for path in files {
+        let inside = path.parent().is_some_and(|parent| {
+            std::fs::canonicalize(parent).is_ok_and(|p| p.starts_with(&root))
+        });
+        if !inside {
             tracing::warn!(
                 path = %path.display(),
-                "not removing a CLI session's file outside the agent's home"
+                "Not removing a CLI session's file outside the agent's home."
             );
             continue;
         }
@@ -1261,17 +1307,34 @@ mod tests {
         assert_eq!(lease.dialect(), Dialect::Codex);
     }
 
-    #[tokio::test]
-    async fn a_deleted_conversation_loses_its_rollout_and_binding_but_nothing_through_a_link() {
-        let dir = tempfile::tempdir().expect("tempdir");
+    /// A pool of the bundled Codex backend under `dir`, an agent home and working directory
+    /// there, and the names of conversation `agent/k` on it.
+    fn codex_pool(dir: &std::path::Path) -> (Arc<CliPool>, PathBuf, PathBuf, CliNames) {
         let pool = pool(
             "codex-cli",
             CliBackendConfig::codex_cli(),
-            &dir.path().join("state"),
+            &dir.join("state"),
         );
-        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        let names = CliNames::new("agent", "k", "codex-cli");
+        (pool, dir.join("home"), dir.join("work"), names)
+    }
+
+    /// A Codex rollout of thread `id` under `home`.
+    fn codex_rollout(home: &std::path::Path, id: &str) -> PathBuf {
+        let day = home.join(".codex/sessions/2026/12/01");
+        std::fs::create_dir_all(&day).expect("dir");
+        let file = day.join(format!("rollout-2026-12-01T10-00-00-{id}.jsonl"));
+        std::fs::write(&file, "{}").expect("rollout");
+        file
+    }
+
+    #[tokio::test]
+    async fn a_deleted_conversation_loses_its_rollout_and_binding_but_nothing_through_a_link() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, home, cwd, names) = codex_pool(dir.path());
         let ask = ask("codex-cli", home.clone(), cwd.clone());
-        let (slot, key) = (ask.conversation.clone(), "agent/k#backend=codex-cli");
+        assert_eq!(names.slot, ask.conversation, "the lease's slot");
+        let key = names.binding.as_str();
         let identity = session::identity(&ask.creds);
         let bind = |id: &str| {
             pool.bindings
@@ -1283,20 +1346,15 @@ mod tests {
                 })
                 .expect("bound");
         };
-        let rollout = |root: &std::path::Path, id: &str| {
-            let day = root.join(".codex/sessions/2026/12/01");
-            std::fs::create_dir_all(&day).expect("dir");
-            let file = day.join(format!("rollout-2026-12-01T10-00-00-{id}.jsonl"));
-            std::fs::write(&file, "{}").expect("rollout");
-            file
-        };
         let id = "019a227d-9ace-7703-b7ac-389dd1c45dcf";
         bind(id);
-        let file = rollout(&home, id);
-        let other = rollout(&home, "019a227d-0000-7703-b7ac-389dd1c45dcf");
+        let file = codex_rollout(&home, id);
+        let other = codex_rollout(&home, "019a227d-0000-7703-b7ac-389dd1c45dcf");
         // While a lease holds it, the deletion is refused and nothing is touched.
         let lease = pool.lease(ask, key.to_owned()).await.expect("resumed");
-        let busy = pool.delete("codex-cli", &slot, &home, &cwd, key).await;
+        let busy = pool
+            .delete("codex-cli", &names, Some(home.clone()), &cwd)
+            .await;
         assert!(
             matches!(busy, Err(PoolError::ConversationBusy { .. })),
             "{busy:?}"
@@ -1304,7 +1362,7 @@ mod tests {
         assert!(file.is_file());
         drop(lease);
         assert!(
-            pool.delete("codex-cli", &slot, &home, &cwd, key)
+            pool.delete("codex-cli", &names, Some(home.clone()), &cwd)
                 .await
                 .expect("deleted")
         );
@@ -1315,25 +1373,62 @@ mod tests {
         assert!(pool.bindings.get(key).expect("read").is_none());
         assert!(
             !pool
-                .delete("codex-cli", &slot, &home, &cwd, key)
+                .delete("codex-cli", &names, Some(home.clone()), &cwd)
                 .await
                 .expect("nothing")
         );
         // A link the agent planted in its home to another's sessions: the pool, not
         // sandboxed, removes nothing through it (and still forgets the session).
         let victim = dir.path().join("victim");
-        let theirs = rollout(&victim, id);
+        let theirs = codex_rollout(&victim, id);
         std::fs::remove_dir_all(home.join(".codex/sessions")).expect("rm");
         std::os::unix::fs::symlink(victim.join(".codex/sessions"), home.join(".codex/sessions"))
             .expect("link");
         bind(id);
         assert!(
-            pool.delete("codex-cli", &slot, &home, &cwd, key)
+            pool.delete("codex-cli", &names, Some(home.clone()), &cwd)
                 .await
                 .expect("deleted")
         );
         assert!(theirs.is_file(), "nothing removed outside the agent's home");
         assert!(pool.bindings.get(key).expect("read").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_deletion_whose_caller_goes_away_still_finishes_before_the_conversation_is_free() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, home, cwd, names) = codex_pool(dir.path());
+        let id = "019a227d-9ace-7703-b7ac-389dd1c45dcf";
+        pool.bindings
+            .put(&Binding {
+                session_key: names.binding.clone(),
+                cli_session_id: CliSessionId::new(id.to_owned()),
+                compat_key: "identity".to_owned(),
+                updated_at_ms: 0,
+            })
+            .expect("bound");
+        let file = codex_rollout(&home, id);
+        // Polled once, then dropped: the caller went away mid-way.
+        let deletion = pool.delete("codex-cli", &names, Some(home.clone()), &cwd);
+        let cut = tokio::time::timeout(Duration::ZERO, deletion).await;
+        assert!(
+            cut.is_err(),
+            "the deletion was still running when its caller left"
+        );
+        // The conversation is held until the deletion is done, and then it is all done.
+        let mut freed = pool.leased.subscribe();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while pool.holds(&names.slot) {
+            // Each release publishes the leased count; a bounded wait between looks.
+            let _ = tokio::time::timeout_at(
+                deadline.min(tokio::time::Instant::now() + Duration::from_millis(20)),
+                freed.changed(),
+            )
+            .await;
+            assert!(tokio::time::Instant::now() < deadline, "never released");
+        }
+        assert!(pool.bindings.get(&names.binding).expect("read").is_none());
+        assert!(!file.exists());
     }
 
     #[test]
