@@ -129,11 +129,13 @@ pub fn resolve_copilot_home(
         path: path.clone(),
         source,
     };
-    if explicit.is_none() {
-        // A link (a dangling one too) is refused for what it is, not as a failed create.
-        not_a_link(&path)?;
+    if let Err(error) = ensure_private_dir(&path) {
+        if explicit.is_none() {
+            // A dangling link is refused for what it is, not as a failed create.
+            not_a_link(&path)?;
+        }
+        return Err(create_error(error));
     }
-    ensure_private_dir(&path).map_err(create_error)?;
     if explicit.is_some() {
         return std::fs::canonicalize(&path).map_err(create_error);
     }
@@ -192,11 +194,11 @@ pub fn backend_home(
     if !in_layout {
         return Ok(home);
     }
-    not_a_link(&home)?;
-    ensure_private_dir(&home).map_err(|source| HomeError::Create {
-        path: home.clone(),
-        source,
-    })?;
+    if let Err(source) = ensure_private_dir(&home) {
+        // A dangling link is refused for what it is, not as a failed create.
+        not_a_link(&home)?;
+        return Err(HomeError::Create { path: home, source });
+    }
     plain_directory(home)
 }
 
