@@ -214,16 +214,22 @@ pub fn find_backend_home(
     backend: &str,
 ) -> Result<Option<PathBuf>, HomeError> {
     let path = chosen_home(explicit, agent_dir, base, agent_id)?;
-    // The directory the backend's home sits in: the explicit home's, or the agent's.
+    // The directory the backend's home sits in, as a lease resolves it: the explicit home's
+    // parent (`/` for `/`; a missing home would be made in its parent), or the agent's.
     let above = match explicit {
-        Some(_) => std::fs::canonicalize(&path).map(|home| home.parent().map(Path::to_path_buf)),
+        Some(_) => match std::fs::canonicalize(&path) {
+            Ok(home) => Ok(home.parent().unwrap_or(&home).to_path_buf()),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                path.parent().map_or(Err(err), std::fs::canonicalize)
+            }
+            Err(err) => Err(err),
+        },
         None => path
             .parent()
-            .map_or(Ok(None), |dir| std::fs::canonicalize(dir).map(Some)),
+            .map_or_else(|| Ok(path.clone()), std::fs::canonicalize),
     };
     let above = match above {
-        Ok(Some(dir)) => dir,
-        Ok(None) => return Ok(None),
+        Ok(dir) => dir,
         Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(source) => return Err(HomeError::Create { path, source }),
     };
@@ -439,6 +445,40 @@ mod tests {
         assert_eq!(a, b);
         let c = resolve_copilot_home(None, Some(&dir.join("y/..")), dir, "a").unwrap();
         assert_eq!(a, c);
+    }
+
+    #[test]
+    fn a_deletion_finds_the_backend_home_a_lease_makes_for_each_way_of_naming_the_home() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().canonicalize().unwrap();
+        let gateway_dir = base.join("gw/agent-x");
+        let explicit = base.join("explicit/home");
+        let ways: [(Option<&Path>, Option<&Path>); 3] = [
+            (None, None),
+            (None, Some(&gateway_dir)),
+            (Some(&explicit), None),
+        ];
+        for (explicit, agent_dir) in ways {
+            let find = || find_backend_home(explicit, agent_dir, &base, "agent-x", "codex-cli");
+            assert_eq!(
+                find().unwrap(),
+                None,
+                "nothing yet: {explicit:?} {agent_dir:?}"
+            );
+            let home = resolve_copilot_home(explicit, agent_dir, &base, "agent-x").unwrap();
+            let made = backend_home(&home, "codex-cli", explicit.is_none()).unwrap();
+            std::fs::create_dir_all(&made).unwrap();
+            assert_eq!(
+                find().unwrap(),
+                Some(made.clone()),
+                "{explicit:?} {agent_dir:?}"
+            );
+            // An explicit home removed since: its backend's home is still found beside it.
+            if let Some(explicit) = explicit {
+                std::fs::remove_dir(explicit).unwrap();
+                assert_eq!(find().unwrap(), Some(made));
+            }
+        }
     }
 
     #[test]

@@ -344,7 +344,7 @@ impl Pool {
         let stored = inner
             .bindings
             .get(&names.binding)
-            .map_err(|e| PoolError::Bindings(e.to_string()))?;
+            .map_err(|e| state_unwritable(&inner.bindings, e.to_string()))?;
         if stored.is_none() && !inner.cli.holds(&names.slot) {
             return Ok(false);
         }

@@ -657,9 +657,8 @@ impl CliPool {
                 // Ended before its files go: a live CLI writes its transcript to the end.
                 parked.close_now(Stop::Shutdown).await;
             }
-            let unwritable = |e: super::bindings::BindingError| PoolError::StateUnwritable {
-                dir: pool.bindings.dir().to_owned(),
-                error: e.to_string(),
+            let unwritable = |e: super::bindings::BindingError| {
+                super::state_unwritable(&pool.bindings, e.to_string())
             };
             let stored = pool.bindings.get(&binding).map_err(unwritable)?;
             let mut ids: Vec<String> = stored
@@ -1408,13 +1407,15 @@ mod tests {
             })
             .expect("bound");
         let file = codex_rollout(&home, id);
-        // Polled once, then dropped: the caller went away mid-way.
-        let deletion = pool.delete("codex-cli", &names, Some(home.clone()), &cwd);
-        let cut = tokio::time::timeout(Duration::ZERO, deletion).await;
-        assert!(
-            cut.is_err(),
-            "the deletion was still running when its caller left"
-        );
+        // Polled once, then dropped: the caller went away mid-way. (On this test's one
+        // thread nothing else runs until it yields, so the first poll cannot finish.)
+        let mut deletion = Box::pin(pool.delete("codex-cli", &names, Some(home.clone()), &cwd));
+        let first = std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(deletion.as_mut().poll(cx).is_pending())
+        })
+        .await;
+        assert!(first, "the deletion was still running when its caller left");
+        drop(deletion);
         // The conversation is held until the deletion is done, and then it is all done.
         let mut freed = pool.leased.subscribe();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
