@@ -318,9 +318,11 @@ async fn a_copilot_turn_refused_on_copilot_and_on_claude_ends_on_codex_with_the_
 }
 
 /// How many times the runtime sends a model call answered 429 before it fails the turn (a
-/// first try and five retries, with a backoff: about a minute in all; measured with runtime
-/// 1.0.14).
+/// first try and five retries; measured with runtime 1.0.14).
 const RUNTIME_429_ATTEMPTS: usize = 6;
+/// The wait each 429 asks for (`retry-after-ms`): the runtime's own backoff would take about
+/// a minute over its five retries.
+const RETRY_AFTER: Duration = Duration::from_millis(20);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copilot_turn_the_model_rate_limits_falls_back_to_claude_as_rate_limit() {
@@ -333,7 +335,9 @@ async fn a_copilot_turn_the_model_rate_limits_falls_back_to_claude_as_rate_limit
     assert_eq!(first["backend"], "copilot", "{first}");
 
     for _ in 0..RUNTIME_429_ATTEMPTS {
-        fx.model.push_reply(Reply::Error { status: 429 });
+        fx.model.push_reply(Reply::RateLimited {
+            retry_after: RETRY_AFTER,
+        });
     }
     let before = fx.model.requests().len();
     let started = std::time::Instant::now();

@@ -326,6 +326,26 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_rate_limited_reply_is_a_429_whose_retry_after_ms_header_says_the_wait() {
+        let model = ScriptedModel::new();
+        let endpoint = model.serve_http().await.unwrap();
+        model.push_reply(Reply::RateLimited {
+            retry_after: std::time::Duration::from_millis(25),
+        });
+        let response = exchange(
+            endpoint.addr(),
+            "POST",
+            "/v1/chat/completions",
+            &chat("REPLY=never sent", true),
+        )
+        .await;
+        assert_eq!(response.status, 429);
+        assert_eq!(response.header("retry-after-ms"), Some("25"));
+        let body: Value = serde_json::from_str(&response.body).unwrap();
+        assert!(body["error"].is_object(), "{body}");
+    }
+
+    #[tokio::test]
     async fn streaming_round_trip_with_tool_call() {
         let model = ScriptedModel::new();
         let endpoint = model.serve_http().await.unwrap();

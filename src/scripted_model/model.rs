@@ -386,6 +386,14 @@ impl ScriptedModel {
             Decision::Error { status } => {
                 ModelResponse::full(status, JSON, answer.format.error_body(status))
             }
+            Decision::RateLimited { retry_after } => {
+                let mut response = ModelResponse::full(429, JSON, answer.format.error_body(429));
+                response.headers.push((
+                    "retry-after-ms".to_owned(),
+                    retry_after.as_millis().to_string(),
+                ));
+                response
+            }
             Decision::Hang => {
                 let content_type = if stream { "text/event-stream" } else { JSON };
                 opened(content_type, openai::hang(shutdown))

@@ -341,7 +341,7 @@ async fn produce(
             send_slow(&tx, c, *chunks, *interval, &mut shutdown).await,
             "stop",
         ),
-        Decision::Error { .. } => return,
+        Decision::Error { .. } | Decision::RateLimited { .. } => return,
         Decision::Hang => return hold_open(&tx, &mut shutdown).await,
     };
     if sent {

@@ -55,6 +55,13 @@ pub enum Reply {
         /// HTTP status code.
         status: u16,
     },
+    /// Fail with 429 and a `retry-after-ms` header, as a rate-limited provider does: the
+    /// runtime's model client (and Claude Code's) waits that long before its next try
+    /// instead of its own backoff (about a minute over the runtime's five retries).
+    RateLimited {
+        /// The wait the header asks for.
+        retry_after: Duration,
+    },
     /// Text `slow-chunk 0 slow-chunk 1 …`, one chunk per `interval` when streaming; when not
     /// streaming the whole text after `chunks * interval`.
     Slow {
@@ -104,6 +111,11 @@ pub enum Decision {
         /// HTTP status code.
         status: u16,
     },
+    /// 429 with an OpenAI-style error body and a `retry-after-ms` header.
+    RateLimited {
+        /// The wait the header asks for.
+        retry_after: Duration,
+    },
     /// The body never completes (until the model shuts down).
     Hang,
 }
@@ -123,6 +135,7 @@ impl Decision {
             Decision::ToolCall { .. }
             | Decision::ParallelToolCalls { .. }
             | Decision::Error { .. }
+            | Decision::RateLimited { .. }
             | Decision::Hang => None,
         }
     }
@@ -341,6 +354,7 @@ fn from_reply(reply: Reply, n: u64) -> Decision {
         Reply::Error { status } => Decision::Error {
             status: error_status(status),
         },
+        Reply::RateLimited { retry_after } => Decision::RateLimited { retry_after },
         Reply::Slow { chunks, interval } => Decision::Slow { chunks, interval },
         Reply::Hang => Decision::Hang,
     }

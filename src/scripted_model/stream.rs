@@ -104,7 +104,10 @@ async fn produce<F: StreamFormat>(
             send_slow(&tx, &mut format, chunks, interval, &mut shutdown).await
         }
         Decision::Hang => return hold_open(&tx, &mut shutdown).await,
-        Decision::Error { .. } | Decision::ToolCall { .. } | Decision::ParallelToolCalls { .. } => {
+        Decision::Error { .. }
+        | Decision::RateLimited { .. }
+        | Decision::ToolCall { .. }
+        | Decision::ParallelToolCalls { .. } => {
             return;
         }
     };
