@@ -175,7 +175,8 @@ pub(crate) struct CliPool {
     shell: Mutex<Shell>,
     backends: BTreeMap<String, CliBackendConfig>,
     bindings: Arc<BindingStore>,
-    leased: watch::Sender<usize>,
+    /// Conversations leased or being deleted ([`Slots::in_use`]), published at each change.
+    in_use: watch::Sender<usize>,
     closed: AtomicBool,
     max_waiters: usize,
     /// Tells the pool actor (set once it runs; before, there is no Copilot side to tell).
@@ -227,7 +228,7 @@ impl CliPool {
             }),
             backends,
             bindings,
-            leased: watch::channel(0).0,
+            in_use: watch::channel(0).0,
             closed: AtomicBool::new(false),
             max_waiters,
             copilot: OnceLock::new(),
@@ -354,7 +355,7 @@ impl CliPool {
             crate::metrics::cli_processes(id, processes);
             crate::metrics::leases(id, shell.core.leased_of(id), shell.core.waiting_of(id));
         }
-        self.leased.send_replace(shell.core.leased());
+        self.in_use.send_replace(shell.core.in_use());
     }
 
     /// Leases a conversation of a CLI backend.
@@ -699,8 +700,9 @@ impl CliPool {
     }
 
     /// Stops leasing: waiters fail, parked processes are closed (their groups killed past
-    /// the grace), and running leases get `grace` to come back; a lease returned later
-    /// closes its process.
+    /// the grace), and running leases and deletions get `grace` to end (a deletion cut
+    /// short by the daemon's exit would leave the binding of a session whose files are
+    /// gone); a lease returned later closes its process.
     pub(crate) async fn shutdown(&self, grace: Duration) {
         self.closed.store(true, Ordering::SeqCst);
         let parked: Vec<Parked> = {
@@ -724,8 +726,8 @@ impl CliPool {
         for parked in parked {
             parked.close_now(Stop::Shutdown).await;
         }
-        let mut leased = self.leased.subscribe();
-        let _ = tokio::time::timeout(grace, leased.wait_for(|n| *n == 0)).await;
+        let mut in_use = self.in_use.subscribe();
+        let _ = tokio::time::timeout(grace, in_use.wait_for(|n| *n == 0)).await;
     }
 }
 
@@ -1417,10 +1419,10 @@ mod tests {
         assert!(first, "the deletion was still running when its caller left");
         drop(deletion);
         // The conversation is held until the deletion is done, and then it is all done.
-        let mut freed = pool.leased.subscribe();
+        let mut freed = pool.in_use.subscribe();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while pool.holds(&names.slot) {
-            // Each release publishes the leased count; a bounded wait between looks.
+            // Each release publishes the count in use; a bounded wait between looks.
             let _ = tokio::time::timeout_at(
                 deadline.min(tokio::time::Instant::now() + Duration::from_millis(20)),
                 freed.changed(),
@@ -1430,6 +1432,36 @@ mod tests {
         }
         assert!(pool.bindings.get(&names.binding).expect("read").is_none());
         assert!(!file.exists());
+    }
+
+    #[tokio::test]
+    async fn a_shutdown_waits_for_a_deletion_in_progress_to_remove_the_binding() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, home, cwd, names) = codex_pool(dir.path());
+        let id = "019a227d-9ace-7703-b7ac-389dd1c45dcf";
+        pool.bindings
+            .put(&Binding {
+                session_key: names.binding.clone(),
+                cli_session_id: CliSessionId::new(id.to_owned()),
+                compat_key: "identity".to_owned(),
+                updated_at_ms: 0,
+            })
+            .expect("bound");
+        let file = codex_rollout(&home, id);
+        // Started (on this test's one thread its task has not run yet), then the daemon
+        // shuts down before anyone awaits it.
+        let mut deletion = Box::pin(pool.delete("codex-cli", &names, Some(home.clone()), &cwd));
+        let started = std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(deletion.as_mut().poll(cx).is_pending())
+        })
+        .await;
+        assert!(started, "the deletion was running when the shutdown began");
+        pool.shutdown(Duration::from_secs(10)).await;
+        // The shutdown returned once the deletion was done: files and binding both gone.
+        assert!(!file.exists());
+        assert!(pool.bindings.get(&names.binding).expect("read").is_none());
+        assert!(!pool.holds(&names.slot));
+        drop(deletion);
     }
 
     #[test]

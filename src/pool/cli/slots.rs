@@ -234,6 +234,11 @@ impl Slots {
         self.held.values().filter(|h| h.leased).count()
     }
 
+    /// Conversations leased or being deleted now: what a shutdown waits for.
+    pub(crate) fn in_use(&self) -> usize {
+        self.leased() + self.deleting.len()
+    }
+
     fn of_key(&self, key: &CliKey) -> usize {
         self.held.values().filter(|h| &h.key == key).count()
     }
@@ -611,6 +616,24 @@ mod tests {
         s.returned("a/1", false, false, now);
         assert_eq!(s.delete("c/1", now).map(|(close, _)| close), Ok(false));
         assert!(s.deleted("c/1", now).is_empty());
+    }
+
+    #[test]
+    fn a_deletion_is_in_use_until_it_is_done_as_a_lease_is_until_it_returns() {
+        let now = Instant::now();
+        let mut s = slots(4, 4);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
+        assert_eq!(s.in_use(), 1);
+        s.returned("a/1", true, false, now);
+        assert_eq!(s.in_use(), 0, "a parked conversation is not in use");
+        s.delete("a/1", now).expect("deleting");
+        s.delete("b/1", now).expect("deleting");
+        assert_eq!(s.in_use(), 2);
+        s.close();
+        assert_eq!(s.in_use(), 2, "a close leaves the deletions running");
+        s.deleted("a/1", now);
+        s.deleted("b/1", now);
+        assert_eq!(s.in_use(), 0);
     }
 
     fn slots(max_processes: usize, max_per_key: usize) -> Slots {
