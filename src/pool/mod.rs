@@ -676,8 +676,9 @@ impl Pool {
         }
     }
 
-    /// Stops leasing, lets running turns finish within the grace period, aborts the rest,
-    /// detaches every session and stops every worker (process groups killed).
+    /// Stops leasing, lets running turns (and CLI conversations' deletions) finish within the
+    /// one grace period, aborts the rest, detaches every session and stops every worker
+    /// (process groups killed).
     pub async fn shutdown(&self) -> Result<ShutdownReport, PoolError> {
         let actor = &self.inner.actor;
         self.inner.closed.send_replace(true);
@@ -685,6 +686,8 @@ impl Pool {
         let _ = actor.call(PoolMsg::Close, call).await;
         let mut leased = self.inner.leased.clone();
         let grace = self.inner.config.shutdown_grace;
+        // One grace for every side: the CLI side's turns and deletions ran meanwhile.
+        let deadline = tokio::time::Instant::now() + grace;
         let mut report = ShutdownReport::default();
         if tokio::time::timeout(grace, leased.wait_for(|n| *n == 0))
             .await
@@ -699,7 +702,8 @@ impl Pool {
             let _ =
                 tokio::time::timeout(Duration::from_secs(5), leased.wait_for(|n| *n == 0)).await;
         }
-        self.inner.cli.shutdown(grace).await;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        self.inner.cli.shutdown(left).await;
         let stop_limit = self.inner.config.worker.kill_grace * 2 + Duration::from_secs(10);
         let _ = actor.call(PoolMsg::StopAll, Some(stop_limit)).await;
         actor.stop(Some("shutdown".to_owned()));
