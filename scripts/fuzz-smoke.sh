@@ -6,6 +6,7 @@
 #   bash scripts/fuzz-smoke.sh --seconds 10             # every target, 10 s each (CI; 20 s by default)
 #   bash scripts/fuzz-smoke.sh --release --seconds 600 json_rpc   # one target, 10 minutes
 #   bash scripts/fuzz-smoke.sh --keep-corpus DIR ...    # keep what the fuzzer found in DIR
+#   bash scripts/fuzz-smoke.sh --build-only             # install cargo-fuzz and build, run nothing
 #
 # Each target starts from its committed seeds (tests/fuzz/seeds/<target>, read only) and
 # writes new inputs to a scratch corpus. A panic, a hang past 10 s on one input, or an RSS
@@ -20,9 +21,9 @@
 # and moved into place in one rename. The machine needs only a stable toolchain:
 # RUSTC_BOOTSTRAP=1 lets it take cargo-fuzz's nightly flags. No sanitizer (the crate denies
 # unsafe code; libFuzzer's coverage and the crate's own assertions do the finding), debug
-# assertions on, one build for all targets: by default tests/fuzz's `dev` profile (opt-level
-# 1: a cold build fits CI's budget), with --release the optimised one (several times more
-# inputs a second, for long runs).
+# assertions on, one build for all targets: by default tests/fuzz's `dev` profile (the
+# dependencies at opt-level 1, the library at 0: a cold build fits CI's budget), with
+# --release the optimised one (several times more inputs a second, for long runs).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,6 +32,7 @@ CARGO_FUZZ_VERSION=0.13.2
 seconds="${FUZZ_SECONDS:-20}"
 rss_limit_mb=1024
 keep=""
+build_only=0
 profile=(--dev)
 targets=()
 while [[ $# -gt 0 ]]; do
@@ -46,12 +48,13 @@ while [[ $# -gt 0 ]]; do
             shift
             ;;
         --release) profile=(--release --debug-assertions) ;;
+        --build-only) build_only=1 ;;
         --keep-corpus)
             [[ $# -ge 2 ]] || { echo "error: --keep-corpus needs a directory" >&2; exit 2; }
             keep="$2"
             shift
             ;;
-        -*) echo "error: unknown option $1 (usage: fuzz-smoke.sh [--release] [--seconds N] [--rss-limit-mb N] [--keep-corpus DIR] [TARGET...])" >&2; exit 2 ;;
+        -*) echo "error: unknown option $1 (usage: fuzz-smoke.sh [--release] [--build-only] [--seconds N] [--rss-limit-mb N] [--keep-corpus DIR] [TARGET...])" >&2; exit 2 ;;
         *) targets+=("$1") ;;
     esac
     shift
@@ -127,6 +130,9 @@ common=(--fuzz-dir tests/fuzz --sanitizer none "${profile[@]}")
 start=$(date +%s)
 "${fuzz[@]}" build "${common[@]}"
 echo "fuzz build: $(( $(date +%s) - start )) s" >&2
+if [[ "${build_only}" == 1 ]]; then
+    exit 0
+fi
 
 for t in "${targets[@]}"; do
     corpus="${keep:-${scratch}/corpus}/${t}"

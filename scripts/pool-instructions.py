@@ -13,13 +13,19 @@ opens every conversation with one turn; then instrumentation goes on for a secon
 warm turns on the same conversations, and off again at its end. Prints the instructions per
 turn and the crate's functions that take the most, inclusive of what they call.
 
+With --cold the first pass is counted instead (--turns is then unused): every
+conversation's first turn, all at once on one process started for them (its spawn and
+handshake shared by the turns; each turn's `session.create`, the agent's directories, the
+binding), which the bench's CPU per turn includes and the warm pass does not. The figure per
+turn includes one-time work divided by --conversations; --conversations 1 gives a spawn's.
+
 With --syscalls the daemon runs natively and `strace -f -c` counts the system calls of the
 warm pass instead (per turn, by name): the kernel's share of the daemon's CPU (socket and pipe
 writes, wake-ups, file lookups) is not in the instruction count.
 
     cargo build --release
     python3 scripts/pool-instructions.py [--bin target/release/copilot-pool]
-        [--conversations 4] [--turns 10] [--top 25] [--save FILE] [--syscalls]
+        [--conversations 4] [--turns 10] [--top 25] [--save FILE] [--cold | --syscalls]
 
 Needs valgrind (`callgrind_control`, `callgrind_annotate`), or strace for --syscalls, and
 Node.js; finds or installs the runtime with `copilot-pool install-cli`. Under callgrind the
@@ -177,9 +183,14 @@ def main():
     parser.add_argument(
         "--save", metavar="FILE", help="keep callgrind's profile there (for callgrind_annotate)"
     )
-    parser.add_argument(
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
         "--syscalls", action="store_true",
         help="count the warm pass's system calls with strace instead of instructions",
+    )
+    mode.add_argument(
+        "--cold", action="store_true",
+        help="count the first pass (each conversation's first turn, the process's start) instead",
     )
     args = parser.parse_args()
     if args.syscalls:
@@ -264,14 +275,19 @@ def main():
             if done.returncode != 0:
                 fail(f"callgrind_control {' '.join(options)} failed:\n{done.stdout}{done.stderr}")
 
-        run_workload(env, 1, children)
-        if args.syscalls:
-            count_syscalls(serve.pid, env, args.turns, children, scratch)
-            return
-        control("-i", "on")
-        load = run_workload(env, args.turns, children, at_load=lambda: control("-i", "off"))
+        if args.cold:
+            control("-i", "on")
+            load = run_workload(env, 1, children, at_load=lambda: control("-i", "off"))
+        else:
+            run_workload(env, 1, children)
+            if args.syscalls:
+                count_syscalls(serve.pid, env, args.turns, children, scratch)
+                return
+            control("-i", "on")
+            load = run_workload(env, args.turns, children, at_load=lambda: control("-i", "off"))
         control("-d")
         turns = load["turns"]
+        kind = "first (cold) tool turns," if args.cold else "warm tool turns,"
 
         dumps = sorted(scratch.glob("callgrind.out.*"))
         if not dumps:
@@ -286,7 +302,7 @@ def main():
         if not total:
             fail("callgrind_annotate printed no total")
         instructions = int(total.group(1).replace(",", ""))
-        print(f"{turns} warm tool turns, {args.conversations} conversations on one process")
+        print(f"{turns} {kind} {args.conversations} conversations on one process")
         print(f"instructions per turn: {instructions / turns:,.0f}")
         print(f"\nthe crate's functions, inclusive, per turn (of {instructions / turns:,.0f}):")
         seen = set()

@@ -55,9 +55,11 @@ pub enum Reply {
         /// HTTP status code.
         status: u16,
     },
-    /// Fail with 429 and a `retry-after-ms` header, as a rate-limited provider does: the
-    /// runtime's model client (and Claude Code's) waits that long before its next try
-    /// instead of its own backoff (about a minute over the runtime's five retries).
+    /// Fail with 429, the wire format's error body and a `retry-after-ms` header, as OpenAI's
+    /// and Anthropic's rate limiters answer: clients that read it (the runtime's, measured;
+    /// the OpenAI and Anthropic SDKs') wait that long before the next try instead of their
+    /// own backoff (about a minute over the runtime's five retries). Gemini CLI reads its
+    /// wait from the body instead, which this reply does not carry.
     RateLimited {
         /// The wait the header asks for.
         retry_after: Duration,
@@ -111,7 +113,7 @@ pub enum Decision {
         /// HTTP status code.
         status: u16,
     },
-    /// 429 with an OpenAI-style error body and a `retry-after-ms` header.
+    /// 429 with the wire format's error body and a `retry-after-ms` header.
     RateLimited {
         /// The wait the header asks for.
         retry_after: Duration,
