@@ -248,6 +248,11 @@ impl ClaudeLive {
         self.session_id.as_deref()
     }
 
+    /// The directory its process runs in (Claude Code files its transcript by it).
+    pub fn working_directory(&self) -> &std::path::Path {
+        &self.config.cwd
+    }
+
     /// The gateway tools' MCP bridge, while one serves the running process.
     #[cfg(feature = "mcp-bridge")]
     pub fn mcp_bridge(&self) -> Option<&super::mcp_bridge::McpBridge> {

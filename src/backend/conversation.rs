@@ -130,6 +130,14 @@ impl CliConversation {
         }
     }
 
+    /// The directory its CLI runs in, where Claude Code and Gemini CLI file the session.
+    pub fn working_directory(&self) -> &std::path::Path {
+        match self {
+            CliConversation::Live(live) => live.working_directory(),
+            CliConversation::Oneshot(oneshot) => oneshot.working_directory(),
+        }
+    }
+
     /// The pid (= process group id) of the CLI process while one runs (a one-shot
     /// conversation runs none between turns; see [`CliTurn::pid`] during one).
     pub fn pid(&self) -> Option<u32> {

@@ -635,6 +635,11 @@ impl Oneshot {
         self.session.as_ref().map(|s| s.session_id.as_str())
     }
 
+    /// The directory its turns run in (where its CLI files the session, for some dialects).
+    pub fn working_directory(&self) -> &Path {
+        &self.config.cwd
+    }
+
     /// The session with its usage totals, to persist with the conversation.
     pub fn stored_session(&self) -> Option<&StoredSession> {
         self.session.as_ref()

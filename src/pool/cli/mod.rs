@@ -607,7 +607,8 @@ impl CliPool {
     /// there is none, so no file to remove), run in `cwd`: refused while it runs a turn or a
     /// lease waits for it (`ConversationBusy`); else no lease is granted it until the
     /// deletion is done, its kept process is ended, the files its CLI keeps of the session
-    /// (the stored one, and the kept process's if it has another) are removed
+    /// (the stored one, filed by `cwd`, and the kept process's, filed by the directory that
+    /// process ran in) are removed
     /// ([`Dialect::session_files`], only inside `home`, links not followed), then the
     /// binding. The work runs in a task of its own: a caller that goes away does not cut it
     /// short, and the conversation is held until it ends. `Ok(false)`: nothing was stored
@@ -650,9 +651,11 @@ impl CliPool {
         let cwd = cwd.to_path_buf();
         let task = tokio::spawn(async move {
             let pool = held.pool.clone();
-            let kept = parked
-                .as_ref()
-                .and_then(|p| p.runner.session_id().map(str::to_owned));
+            // The kept process's session, filed by the directory that process runs in.
+            let kept = parked.as_ref().and_then(|p| {
+                let id = p.runner.session_id()?.to_owned();
+                Some((id, p.runner.working_directory().to_path_buf()))
+            });
             let had_process = parked.is_some();
             if let Some(parked) = parked {
                 // Ended before its files go: a live CLI writes its transcript to the end.
@@ -662,16 +665,17 @@ impl CliPool {
                 super::state_unwritable(&pool.bindings, e.to_string())
             };
             let stored = pool.bindings.get(&binding).map_err(unwritable)?;
-            let mut ids: Vec<String> = stored
+            let mut sessions: Vec<(String, std::path::PathBuf)> = stored
                 .iter()
-                .map(|b| b.cli_session_id.as_str().to_owned())
+                .map(|b| (b.cli_session_id.as_str().to_owned(), cwd.clone()))
                 .chain(kept)
                 .collect();
-            ids.dedup();
+            sessions.dedup();
             if let Some(home) = home {
                 tokio::task::spawn_blocking(move || {
-                    ids.iter()
-                        .try_for_each(|id| remove_session_files(dialect, &home, &cwd, id))
+                    sessions
+                        .iter()
+                        .try_for_each(|(id, cwd)| remove_session_files(dialect, &home, cwd, id))
                 })
                 .await
                 .map_err(|e| PoolError::Internal(format!("removing a session's files: {e}")))??;
@@ -1432,6 +1436,60 @@ mod tests {
         }
         assert!(pool.bindings.get(&names.binding).expect("read").is_none());
         assert!(!file.exists());
+    }
+
+    #[tokio::test]
+    async fn a_deletion_removes_a_kept_claude_sessions_transcript_filed_by_the_directory_its_process_runs_in()
+     {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = pool(
+            "claude-cli",
+            CliBackendConfig::claude_cli(),
+            &dir.path().join("state"),
+        );
+        let names = CliNames::new("agent", "k", "claude-cli");
+        let home = dir.path().join("home");
+        let (ran_in, asked_in) = (dir.path().join("ran-in"), dir.path().join("asked-in"));
+        let id = "8f14e45f-ceea-467f-a8f0-3a1b0c6f2d11";
+        // A kept process with a session of its own (nothing stored yet), running in another
+        // directory than the one the deletion names.
+        let mut config = ClaudeLiveConfig::new("claude", &home, &ran_in);
+        config.session_id = Some(id.to_owned());
+        let runner =
+            CliConversation::Live(Box::new(ClaudeLive::new(config).expect("a valid config")));
+        {
+            let now = Instant::now();
+            let mut shell = pool.lock();
+            let key = CliKey {
+                home: home.display().to_string(),
+                credential: "c".to_owned(),
+                backend: "claude-cli".to_owned(),
+                serialize: false,
+            };
+            shell.core.ask(1, &names.slot, key, false, now);
+            shell.core.returned(&names.slot, true, false, now);
+            shell.parked.insert(
+                names.slot.clone(),
+                Parked {
+                    runner,
+                    backend: "claude-cli".to_owned(),
+                    process: None,
+                },
+            );
+        }
+        let transcript = CliConversation::transcript_path(&home, &ran_in, id);
+        std::fs::create_dir_all(transcript.parent().expect("a folder")).expect("dir");
+        std::fs::write(&transcript, "{}").expect("transcript");
+        assert!(
+            pool.delete("claude-cli", &names, Some(home.clone()), &asked_in)
+                .await
+                .expect("deleted")
+        );
+        assert!(
+            !transcript.exists(),
+            "the kept process's transcript is gone"
+        );
+        assert!(!pool.holds(&names.slot));
     }
 
     #[tokio::test]
