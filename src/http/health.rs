@@ -216,7 +216,8 @@ mod tests {
         handle.set_draining();
         assert!(handle.is_draining());
         assert_eq!(status_of(addr, "/readyz").await, 503);
-        let status: crate::PoolStatus = get(addr, "/v1/pool").await.json().await.unwrap();
+        let body = get(addr, "/v1/pool").await.bytes().await.unwrap();
+        let status: crate::PoolStatus = serde_json::from_slice(&body).unwrap();
         assert!(status.closed);
         // The pool itself is still open: draining is the API's.
         assert!(!pool.status().await.unwrap().closed);
