@@ -1399,10 +1399,12 @@ mod tests {
         assert!(pool.bindings.get(key).expect("read").is_none());
     }
 
-    #[tokio::test]
-    async fn a_deletion_whose_caller_goes_away_still_finishes_before_the_conversation_is_free() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (pool, home, cwd, names) = codex_pool(dir.path());
+    /// A Codex pool whose conversation `agent/k` is bound to a thread with a rollout file:
+    /// (pool, home, cwd, names, the rollout).
+    fn bound_codex_conversation(
+        dir: &std::path::Path,
+    ) -> (Arc<CliPool>, PathBuf, PathBuf, CliNames, PathBuf) {
+        let (pool, home, cwd, names) = codex_pool(dir);
         let id = "019a227d-9ace-7703-b7ac-389dd1c45dcf";
         pool.bindings
             .put(&Binding {
@@ -1413,14 +1415,29 @@ mod tests {
             })
             .expect("bound");
         let file = codex_rollout(&home, id);
+        (pool, home, cwd, names, file)
+    }
+
+    /// Polls `future` exactly once: whether it was still pending. (On a test's one thread
+    /// nothing else runs until it yields, so a spawned task has not run by then.)
+    async fn still_pending_after_one_poll<F: std::future::Future>(
+        mut future: std::pin::Pin<&mut F>,
+    ) -> bool {
+        std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx).is_pending()))
+            .await
+    }
+
+    #[tokio::test]
+    async fn a_deletion_whose_caller_goes_away_still_finishes_before_the_conversation_is_free() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, home, cwd, names, file) = bound_codex_conversation(dir.path());
         // Polled once, then dropped: the caller went away mid-way. (On this test's one
         // thread nothing else runs until it yields, so the first poll cannot finish.)
         let mut deletion = Box::pin(pool.delete("codex-cli", &names, Some(home.clone()), &cwd));
-        let first = std::future::poll_fn(|cx| {
-            std::task::Poll::Ready(deletion.as_mut().poll(cx).is_pending())
-        })
-        .await;
-        assert!(first, "the deletion was still running when its caller left");
+        assert!(
+            still_pending_after_one_poll(deletion.as_mut()).await,
+            "the deletion was still running when its caller left"
+        );
         drop(deletion);
         // The conversation is held until the deletion is done, and then it is all done.
         let mut freed = pool.in_use.subscribe();
@@ -1495,25 +1512,14 @@ mod tests {
     #[tokio::test]
     async fn a_shutdown_waits_for_a_deletion_in_progress_to_remove_the_binding() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (pool, home, cwd, names) = codex_pool(dir.path());
-        let id = "019a227d-9ace-7703-b7ac-389dd1c45dcf";
-        pool.bindings
-            .put(&Binding {
-                session_key: names.binding.clone(),
-                cli_session_id: CliSessionId::new(id.to_owned()),
-                compat_key: "identity".to_owned(),
-                updated_at_ms: 0,
-            })
-            .expect("bound");
-        let file = codex_rollout(&home, id);
+        let (pool, home, cwd, names, file) = bound_codex_conversation(dir.path());
         // Started (on this test's one thread its task has not run yet), then the daemon
         // shuts down before anyone awaits it.
         let mut deletion = Box::pin(pool.delete("codex-cli", &names, Some(home.clone()), &cwd));
-        let started = std::future::poll_fn(|cx| {
-            std::task::Poll::Ready(deletion.as_mut().poll(cx).is_pending())
-        })
-        .await;
-        assert!(started, "the deletion was running when the shutdown began");
+        assert!(
+            still_pending_after_one_poll(deletion.as_mut()).await,
+            "the deletion was running when the shutdown began"
+        );
         pool.shutdown(Duration::from_secs(10)).await;
         // The shutdown returned once the deletion was done: files and binding both gone.
         assert!(!file.exists());
