@@ -862,11 +862,20 @@ async fn a_node_sdk_session_moves_to_a_fresh_process_between_turns_when_its_proc
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_node_sdk_client_of_the_agent_resumes_a_session_another_client_left() {
     let fx = Fixture::new().await;
-    let served = Served::start(&fx).await;
+    // One session a process, one process: the second client's own session detaches the first.
+    let served = Served::start_with(&fx, |config| {
+        config.max_sessions_per_process = 1;
+        config.max_processes_per_key = 1;
+    })
+    .await;
     let mut node = Scenario::start("resume", &fx, &served).await;
     let resumed = node.step("resumed").await;
     assert_eq!(resumed["content"], "resumed fine", "{resumed}");
     assert_eq!(resumed["earlier"], true, "{resumed}");
+    // The open's own event reaches a handler registered when the call returned, as the
+    // runtime sends it: after its answer.
+    assert_eq!(resumed["firstAfterCreate"], "session.start", "{resumed}");
+    assert_eq!(resumed["firstAfterResume"], "session.resume", "{resumed}");
     assert!(
         fx.last_model_request().contains("kumquat"),
         "the model saw the turn of the first client"

@@ -17,7 +17,7 @@ use crate::rpc::connection::{
     Incoming, IncomingRequest, METHOD_NOT_FOUND,
 };
 
-use super::session::{self, CallError, SdkSession, SessionSpec, session_not_found};
+use super::session::{self, AfterOpen, CallError, SdkSession, SessionSpec, session_not_found};
 use super::{PROTOCOL_VERSION, Shared};
 
 /// The runtime's code for a call before `connect`.
@@ -135,9 +135,22 @@ impl Client {
             params,
             responder,
         } = request;
-        let result = match self.agent() {
-            None => self.before_connect(&method, &params),
-            Some(_) => self.dispatch(&method, params).await,
+        let result = match (self.agent(), method.as_str()) {
+            (None, _) => self.before_connect(&method, &params),
+            (Some(_), "session.create" | "session.resume") => {
+                match self
+                    .open(&method, &params, method == "session.resume")
+                    .await
+                {
+                    Ok((answer, after)) => {
+                        responder.ok(answer);
+                        after.forward();
+                        return;
+                    }
+                    Err(error) => Err(error),
+                }
+            }
+            (Some(_), _) => self.dispatch(&method, params).await,
         };
         match result {
             Ok(answer) => responder.ok(answer),
@@ -210,8 +223,8 @@ impl Client {
                 "version": self.shared.config.version,
                 "protocolVersion": PROTOCOL_VERSION,
             })),
-            "session.create" => self.open(method, &params, false).await,
-            "session.resume" => self.open(method, &params, true).await,
+            // `session.create` and `session.resume` are answered by `handle`: their events
+            // follow the answer.
             "session.detach" | "session.destroy" => self.let_go(method, &params).await,
             "session.delete" => self.delete(&params).await,
             // Newer SDKs try this first and fall back to session.send on "method not
@@ -257,13 +270,14 @@ impl Client {
     }
 
     /// `session.create` / `session.resume`: the session becomes this connection's (one
-    /// connection at a time holds a session), then the pool opens it.
+    /// connection at a time holds a session), then the pool opens it; the answer, and
+    /// the open's events to pass on once it is out.
     async fn open(
         self: &Arc<Self>,
         method: &str,
         params: &Value,
         resume: bool,
-    ) -> Result<Value, CallError> {
+    ) -> Result<(Value, AfterOpen), CallError> {
         if self.shared.is_draining() {
             return Err(ErrorObject::new(
                 INTERNAL_ERROR,

@@ -269,11 +269,33 @@ pub(super) struct SdkSession {
     /// The client's connection: events and server requests go there, and only there.
     client: Connection,
     turn: Mutex<Option<RunningTurn>>,
-    /// Serializes what takes a lease for this session on this connection.
-    gate: tokio::sync::Mutex<()>,
+    /// Serializes what takes a lease for this session on this connection (an open holds
+    /// it until its events are passed on, after its answer: [`AfterOpen`]).
+    gate: Arc<tokio::sync::Mutex<()>>,
     /// The agent's work directory, once created (for a session that names no
     /// `workingDirectory`): created on its first lease, not on every call.
     work_dir: tokio::sync::OnceCell<PathBuf>,
+}
+
+/// What an open passes on once its answer is out: the runtime answers `session.create` /
+/// `session.resume` before it emits the open's own events (`session.start`,
+/// `session.resume`, then what it loaded; measured on the runtime 1.0.14), and an SDK
+/// client registers its handlers when the call returns, so here too they follow the
+/// answer. The session's gate stays held until they are passed on: no call of the session
+/// gets in between.
+pub(super) struct AfterOpen {
+    session: Arc<SdkSession>,
+    updates: Vec<SessionUpdate>,
+    _gate: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl AfterOpen {
+    /// Passes the open's events on (call it once the answer is written).
+    pub(super) fn forward(self) {
+        for update in self.updates {
+            self.session.forward_update(update);
+        }
+    }
 }
 
 impl SdkSession {
@@ -289,7 +311,7 @@ impl SdkSession {
             spec: Mutex::new(spec),
             client,
             turn: Mutex::new(None),
-            gate: tokio::sync::Mutex::new(()),
+            gate: Arc::new(tokio::sync::Mutex::new(())),
             work_dir: tokio::sync::OnceCell::new(),
         }
     }
@@ -349,17 +371,27 @@ impl SdkSession {
 
     /// `session.create` / `session.resume`: opens the session through the pool (creating
     /// it under the SDK's id, or resuming its stored state) and answers with the runtime's
-    /// own answer. The events of the open reach the client before the answer.
-    pub(super) async fn open(&self, method: &str, resume: bool) -> Result<Value, CallError> {
-        let _gate = self.gate.lock().await;
+    /// own answer. The events of the open follow the answer ([`AfterOpen::forward`]), as
+    /// the runtime sends them.
+    pub(super) async fn open(
+        self: &Arc<Self>,
+        method: &str,
+        resume: bool,
+    ) -> Result<(Value, AfterOpen), CallError> {
+        let gate = self.gate.clone().lock_owned().await;
         let mut lease = self.lease(method, resume).await?;
         let session = lease.passthrough().map_err(|e| pool_error(method, &e))?;
-        self.forward_waiting(session);
+        let updates = std::iter::from_fn(|| session.try_next()).collect();
         let answer = match session.opened() {
             Some(opened) => serde_json::to_value(opened).unwrap_or(Value::Null),
             None => json!({"sessionId": self.id().as_str()}),
         };
-        Ok(answer)
+        let after = AfterOpen {
+            session: self.clone(),
+            updates,
+            _gate: gate,
+        };
+        Ok((answer, after))
     }
 
     /// Replaces the session's config (a `session.resume` on a session this connection

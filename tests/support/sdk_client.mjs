@@ -257,11 +257,18 @@ async function moved() {
 async function resume() {
   const first = client(env("SDK_TOKEN"));
   const session = await first.createSession(sessionConfig());
+  // The runtime answers an open before it emits the open's event: a handler registered when
+  // the call returns sees it (`session.start`, `session.resume`), as with the runtime itself.
+  const created = await firstEventOf(session);
   await session.sendAndWait({ prompt: "REPLY=remember the word kumquat" }, 30000);
   const id = session.sessionId;
   await first.stop();
   const second = client(env("SDK_TOKEN"));
+  // Another session takes the process's one place (the test's pool config), so the first
+  // one is detached there and resumed for real, not found still attached.
+  await second.createSession(sessionConfig());
   const resumed = await second.resumeSession(id, sessionConfig());
+  const reopened = await firstEventOf(resumed);
   const next = await resumed.sendAndWait({ prompt: "REPLY=resumed fine" }, 30000);
   const events = await resumed.getEvents();
   say({
@@ -269,8 +276,18 @@ async function resume() {
     sessionId: id,
     content: next?.data?.content,
     earlier: events.some((e) => e.type === "user.message" && String(e.data?.content).includes("kumquat")),
+    firstAfterCreate: created,
+    firstAfterResume: reopened,
   });
   await second.stop();
+}
+
+// The type of the first event a session's handler sees without a send (null after 5 s).
+function firstEventOf(session) {
+  return new Promise((resolve) => {
+    const timer = setTimeout(() => { off(); resolve(null); }, 5000);
+    const off = session.on((event) => { clearTimeout(timer); off(); resolve(event.type); });
+  });
 }
 
 const scenarios = { turns, crash, isolation, requests, moved, resume };
