@@ -9,7 +9,7 @@ use std::process::Command;
 use serde_json::Value;
 
 /// The figures every mode reports; the pool's own only exist where there is a pool.
-const FIGURES: [&str; 14] = [
+const FIGURES: [&str; 15] = [
     "turns_per_second",
     "cold_first_event_p50_ms",
     "first_idle_p50_ms",
@@ -24,11 +24,13 @@ const FIGURES: [&str; 14] = [
     "returning_first_event_p50_ms",
     "returning_first_idle_p50_ms",
     "returning_on_spare_percent",
+    "spare_pss_mib",
 ];
-const POOL_ONLY: [&str; 3] = [
+const POOL_ONLY: [&str; 4] = [
     "pool_cpu_per_turn_ms",
     "pool_peak_pss_mib",
     "returning_on_spare_percent",
+    "spare_pss_mib",
 ];
 
 #[tokio::test]

@@ -130,7 +130,7 @@ impl Mode {
 type Read = fn(&Figures) -> Option<f64>;
 
 /// Every figure, by its JSON name, with its table label and how it is read from a run.
-const FIGURES: [(&str, &str, Read); 14] = [
+const FIGURES: [(&str, &str, Read); 15] = [
     ("turns_per_second", "turns/s", |f| f.turns_per_second),
     ("cold_first_event_p50_ms", "cold first event p50 ms", |f| {
         f.cold_first_event_p50_ms
@@ -177,6 +177,7 @@ const FIGURES: [(&str, &str, Read); 14] = [
         "returning on a spare %",
         |f| f.returning_on_spare_percent,
     ),
+    ("spare_pss_mib", "spare PSS MiB (each)", |f| f.spare_pss_mib),
 ];
 
 #[derive(Serialize)]

@@ -77,6 +77,9 @@ pub struct Figures {
     /// The pool only: of the returning conversations, the share that landed on a process
     /// that was a primed spare while the agents were away.
     pub returning_on_spare_percent: Option<f64>,
+    /// The pool only: a primed spare's PSS (with its descendants) while the agents were
+    /// away, the mean over the spares: the memory warm spares cost beside the load's peak.
+    pub spare_pss_mib: Option<f64>,
 }
 
 /// The SDK endpoint's token of agent `i` is this prefix and `i`.
@@ -145,11 +148,12 @@ async fn stop_daemon(mut daemon: Daemon) -> Result<()> {
     Ok(())
 }
 
-/// Memory peaks seen so far.
+/// Memory peaks seen so far, and how many samples took them.
 #[derive(Default)]
 struct Peaks {
     runtimes: u64,
     pool: u64,
+    samples: u32,
 }
 
 impl Peaks {
@@ -164,6 +168,7 @@ impl Peaks {
         if let Some(pid) = pool {
             self.pool = self.pool.max(procfs::pss_bytes(pid).unwrap_or(0));
         }
+        self.samples += 1;
     }
 }
 
@@ -310,6 +315,8 @@ async fn talk(
         match value["step"].as_str() {
             Some("start") => {
                 cpu_start = Some(Cpu::now(root, node_pid));
+                // The load's samples count from its clock's start.
+                peaks.samples = 0;
                 stdin
                     .write_all(b"go\n")
                     .await
@@ -320,7 +327,12 @@ async fn talk(
                 // The workload waits for `measured` before it stops anything (the SDK modes'
                 // clients): every figure ends where its clock stopped.
                 let used = Cpu::now(root, node_pid).since(start);
-                peaks.sample(root, pool);
+                // The peak is the load's: the samples taken while its turns ran. Its end is
+                // sampled only when the load was too short for any: at its end the pool may
+                // already be starting a full key's warm spare (measured apart, below).
+                if peaks.samples == 0 {
+                    peaks.sample(root, pool);
+                }
                 loading = false;
                 stdin
                     .write_all(b"measured\n")
@@ -370,14 +382,16 @@ async fn talk(
                         )
                         .await;
                         let last = last.lock().map(|l| l.to_string()).unwrap_or_default();
-                        Some(waited.with_context(|| {
+                        let (spares, spawned) = waited.with_context(|| {
                             format!(
                                 "the pool did not evict the agents' processes and keep a primed \
                                  spare per agent, with {warm} conversations resumed on it, \
                                  within {AWAY_LIMIT:?} (run with \
                                  COPILOT_POOL_LOG=info for its log); its last /v1/pool: {last}"
                             )
-                        })??)
+                        })??;
+                        figures.spare_pss_mib = spares_pss_mib(&spares);
+                        Some((spares, spawned))
                     }
                     None => {
                         tokio::time::timeout(AWAY_LIMIT, runtimes_gone(node_pid))
@@ -424,6 +438,22 @@ async fn talk(
             _ => bail!("the workload printed an unexpected line: {line}"),
         }
     }
+}
+
+/// The mean PSS of the processes `spares` (each with its descendants), in MiB.
+fn spares_pss_mib(spares: &HashSet<u32>) -> Option<f64> {
+    let all = procfs::all();
+    let each: Vec<u64> = spares
+        .iter()
+        .map(|&pid| {
+            let below: u64 = procfs::descendants(&all, pid)
+                .iter()
+                .filter_map(|p| procfs::pss_bytes(p.pid))
+                .sum();
+            procfs::pss_bytes(pid).unwrap_or(0) + below
+        })
+        .collect();
+    (!each.is_empty()).then(|| each.iter().sum::<u64>() as f64 / each.len() as f64 / 1048576.0)
 }
 
 /// `GET /v1/pool` of the run's daemon, as JSON.
