@@ -381,6 +381,15 @@ async fn a_byok_key_rotation_drains_the_old_process_and_keeps_the_conversation()
     shutdown_leaves_nothing(&pool).await;
 }
 
+/// The text of the binding file under `state_dir` that names the CLI session `id`.
+fn binding_file_naming(state_dir: &std::path::Path, id: &str) -> String {
+    let files = std::fs::read_dir(state_dir.join("bindings")).expect("the bindings directory");
+    files
+        .filter_map(|entry| std::fs::read_to_string(entry.ok()?.path()).ok())
+        .find(|text| text.contains(&format!("\"{id}\"")))
+        .unwrap_or_else(|| panic!("no binding names {id}"))
+}
+
 #[tokio::test]
 async fn a_pool_restarted_on_its_state_resumes_from_bindings_or_reports_missing_transcripts() {
     let fx = Fixture::new().await;
@@ -410,13 +419,18 @@ async fn a_pool_restarted_on_its_state_resumes_from_bindings_or_reports_missing_
     std::fs::remove_dir_all(home.join("session-state").join(lost_id.as_str()))
         .expect("remove state");
 
-    let pool = Pool::start(fx.config().await).await.expect("pool again");
+    let config = fx.config().await;
+    let kept_binding = || binding_file_naming(&config.state_dir, kept_id.as_str());
+    let stored = kept_binding();
+    let pool = Pool::start(config.clone()).await.expect("pool again");
     let mut kept = pool
         .lease(fx.request("agent-a", "kept"))
         .await
         .expect("lease");
     assert_eq!(kept.reason(), OpenReason::Resumed);
     assert_eq!(kept.cli_session_id(), &kept_id);
+    // Resumed by its binding, which already names the session: not written again.
+    assert_eq!(kept_binding(), stored);
     kept.run("the marker?").await.expect("turn");
     assert!(fx.last_model_request().contains("MARKER-durable-3"));
     let lost = pool

@@ -1021,6 +1021,9 @@ impl Opening {
         }
         // A conversation still attached since its last lease wrote its binding then; one
         // `stat` checks it is still there (a lost state directory must not go unnoticed).
+        // One resumed by its binding (not pinned) was just read from that binding, which
+        // names this session under this key: nothing to write (a write is two fsyncs on the
+        // turn's path, ~1 ms).
         let binding = Binding {
             session_key: conversation.clone(),
             cli_session_id: cli_session_id.clone(),
@@ -1029,17 +1032,21 @@ impl Opening {
         };
         let store = bindings.clone();
         let attached = reason == OpenReason::Attached;
-        let recorded = tokio::task::spawn_blocking(move || {
-            if attached && store.is_present(&binding.session_key)? {
-                return Ok(());
+        let written = if reason == OpenReason::Resumed && pinned.is_none() {
+            Ok(())
+        } else {
+            let recorded = tokio::task::spawn_blocking(move || {
+                if attached && store.is_present(&binding.session_key)? {
+                    return Ok(());
+                }
+                store.put(&binding)
+            })
+            .await;
+            match recorded {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(e.os_error()),
+                Err(e) => Err(e.to_string()),
             }
-            store.put(&binding)
-        })
-        .await;
-        let written = match recorded {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e.os_error()),
-            Err(e) => Err(e.to_string()),
         };
         if let Err(error) = written {
             // Not recorded, so not attached: a later resume must not miss these turns.
