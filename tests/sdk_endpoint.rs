@@ -667,6 +667,27 @@ async fn until_event(events: &mut tokio::sync::mpsc::UnboundedReceiver<Value>, e
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_event_the_runtime_sends_after_its_answer_reaches_the_client_without_another_call()
+{
+    let fx = Fixture::new().await;
+    // The fake runtime sends `session.start` 300 ms after its answer to `session.create`.
+    let late = fx.fake_runtime_config("late-open-event").await;
+    let served = Served::start_with(&fx, move |config| *config = late).await;
+    let (conn, mut events) = connected(served.addr, "token-a").await;
+    conn.request("session.create", create_params(&fx, "late"), None)
+        .await
+        .expect("create");
+    let first = tokio::time::timeout(Duration::from_secs(5), events.recv())
+        .await
+        .expect("an event without another call")
+        .expect("the connection stays open");
+    assert_eq!(first["event"]["type"], "session.start", "{first}");
+    assert_eq!(first["sessionId"], "late", "{first}");
+    drop(conn);
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_mid_turn_has_its_turn_aborted_and_the_agent_resumes_the_session_later()
  {
     let fx = Fixture::new().await;

@@ -957,8 +957,8 @@ struct Opening {
 }
 
 impl Opening {
-    /// Opens the CLI session on the granted worker, records the binding and the transcript
-    /// mirror, and builds the `Lease`. On any failure the grant is dropped armed, with what
+    /// Opens the CLI session on the granted worker, records the binding (unless the session
+    /// was resumed by it) and the transcript mirror, and builds the `Lease`. On any failure the grant is dropped armed, with what
     /// it may have left attached, and the pool detaches that with confirmation (or stops
     /// the worker) before the conversation is granted again.
     async fn open(self) -> Result<Lease, PoolError> {

@@ -144,7 +144,7 @@ impl Client {
                 {
                     Ok((answer, after)) => {
                         responder.ok(answer);
-                        after.forward();
+                        after.forward().await;
                         return;
                     }
                     Err(error) => Err(error),

@@ -15,7 +15,7 @@ use tokio::sync::watch;
 use crate::auth::{LeaseAuth, fingerprint};
 use crate::ids::{CliSessionId, ConversationId};
 use crate::kinds::TurnEnd;
-use crate::pool::{Lease, LeaseRequest, PoolError};
+use crate::pool::{Lease, LeaseRequest, OpenReason, PoolError};
 use crate::rpc::connection::{Connection, ErrorObject, INTERNAL_ERROR, INVALID_PARAMS};
 use crate::rpc::messages::{ProviderConfig, SessionConfig};
 use crate::rpc::{EventKind, SessionEvent};
@@ -286,14 +286,52 @@ pub(super) struct SdkSession {
 pub(super) struct AfterOpen {
     session: Arc<SdkSession>,
     updates: Vec<SessionUpdate>,
+    /// Held while the open's own event is still to come (the runtime opened the session
+    /// and its `session.start`/`session.resume` was not read with the answer).
+    lease: Option<Lease>,
     _gate: tokio::sync::OwnedMutexGuard<()>,
 }
 
+/// How long a late open event is waited for after the answer (the runtime sends it at
+/// once: 0.2-4 ms after its answer, measured through the Node SDK on 1.0.14).
+const OPEN_EVENT_WAIT: Duration = Duration::from_secs(2);
+
+/// Whether `update` is the event of a session's open.
+fn is_open_event(update: &SessionUpdate) -> bool {
+    matches!(
+        update,
+        SessionUpdate::Event(event)
+            if matches!(event.kind, EventKind::SessionStart(_) | EventKind::SessionResume(_))
+    )
+}
+
 impl AfterOpen {
-    /// Passes the open's events on (call it once the answer is written).
-    pub(super) fn forward(self) {
-        for update in self.updates {
-            self.session.forward_update(update);
+    /// Passes the open's events on (call it once the answer is written), the open's own
+    /// event included when it comes after the answer (within [`OPEN_EVENT_WAIT`]; what else
+    /// reaches the session meanwhile is passed on too).
+    pub(super) async fn forward(self) {
+        let AfterOpen {
+            session,
+            updates,
+            lease,
+            _gate,
+        } = self;
+        for update in updates {
+            session.forward_update(update);
+        }
+        let Some(mut lease) = lease else {
+            return;
+        };
+        let Ok(opened) = lease.passthrough() else {
+            return;
+        };
+        let deadline = tokio::time::Instant::now() + OPEN_EVENT_WAIT;
+        while let Ok(Some(update)) = tokio::time::timeout_at(deadline, opened.next()).await {
+            let done = is_open_event(&update);
+            session.forward_update(update);
+            if done {
+                return;
+            }
         }
     }
 }
@@ -380,15 +418,20 @@ impl SdkSession {
     ) -> Result<(Value, AfterOpen), CallError> {
         let gate = self.gate.clone().lock_owned().await;
         let mut lease = self.lease(method, resume).await?;
+        let opened_now = lease.reason() != OpenReason::Attached;
         let session = lease.passthrough().map_err(|e| pool_error(method, &e))?;
-        let updates = std::iter::from_fn(|| session.try_next()).collect();
+        let updates: Vec<SessionUpdate> = std::iter::from_fn(|| session.try_next()).collect();
         let answer = match session.opened() {
             Some(opened) => serde_json::to_value(opened).unwrap_or(Value::Null),
             None => json!({"sessionId": self.id().as_str()}),
         };
+        // The runtime opened the session for this call: its own event follows the answer
+        // on the runtime's output, usually read with it, and otherwise waited for.
+        let late = opened_now && !updates.iter().any(is_open_event);
         let after = AfterOpen {
             session: self.clone(),
             updates,
+            lease: late.then_some(lease),
             _gate: gate,
         };
         Ok((answer, after))

@@ -13,6 +13,8 @@
 //                    10000) `assistant.message_delta` events in one write, then `session.idle`:
 //                    a synthetic peer for measuring the pool's own framing and routing
 //                    (`cargo bench --bench routing`), so the runtime is not the limit
+//   late-open-event  sends `session.start` / `session.resume` 300 ms after its answer to the
+//                    open (the real runtime sends it right after, usually read with the answer)
 import fs from "node:fs";
 import path from "node:path";
 
@@ -82,7 +84,11 @@ function handle({ id, method, params }) {
       return reply({ message: "pong", timestamp: Date.now(), protocolVersion: 3 });
     case "session.create":
       sessionDir(params.sessionId);
-      return reply({ sessionId: params.sessionId });
+      reply({ sessionId: params.sessionId });
+      if (mode === "late-open-event") {
+        setTimeout(() => event(params.sessionId, "session.start", { sessionId: params.sessionId }), 300);
+      }
+      return;
     case "session.resume":
       if (mode === "crash-on-resume") {
         process.stderr.write(`fake runtime: crashing on resume of ${params.sessionId}\n`);
