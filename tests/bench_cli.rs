@@ -9,7 +9,7 @@ use std::process::Command;
 use serde_json::Value;
 
 /// The figures every mode reports; the pool's own only exist where there is a pool.
-const FIGURES: [&str; 15] = [
+const FIGURES: [&str; 16] = [
     "turns_per_second",
     "cold_first_event_p50_ms",
     "first_idle_p50_ms",
@@ -19,6 +19,7 @@ const FIGURES: [&str; 15] = [
     "pool_cpu_per_turn_ms",
     "gateway_cpu_per_turn_ms",
     "runtime_peak_pss_mib",
+    "runtime_peak_pss_after_load_mib",
     "pool_peak_pss_mib",
     "kill_to_ready_ms",
     "returning_first_event_p50_ms",

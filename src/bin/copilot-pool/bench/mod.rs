@@ -130,7 +130,7 @@ impl Mode {
 type Read = fn(&Figures) -> Option<f64>;
 
 /// Every figure, by its JSON name, with its table label and how it is read from a run.
-const FIGURES: [(&str, &str, Read); 15] = [
+const FIGURES: [(&str, &str, Read); 16] = [
     ("turns_per_second", "turns/s", |f| f.turns_per_second),
     ("cold_first_event_p50_ms", "cold first event p50 ms", |f| {
         f.cold_first_event_p50_ms
@@ -156,6 +156,11 @@ const FIGURES: [(&str, &str, Read); 15] = [
     ("runtime_peak_pss_mib", "runtimes peak PSS MiB", |f| {
         f.runtime_peak_pss_mib
     }),
+    (
+        "runtime_peak_pss_after_load_mib",
+        "runtimes peak PSS after load MiB",
+        |f| f.runtime_peak_pss_after_load_mib,
+    ),
     ("pool_peak_pss_mib", "pool peak PSS MiB", |f| {
         f.pool_peak_pss_mib
     }),

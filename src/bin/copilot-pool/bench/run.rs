@@ -77,6 +77,10 @@ pub struct Figures {
     /// The pool only: of the returning conversations, the share that landed on a process
     /// that was a primed spare while the agents were away.
     pub returning_on_spare_percent: Option<f64>,
+    /// The runtimes' peak PSS from the load's end until the agents return: the pool's warm
+    /// spares beside its serving processes until these idle out; the SDK's runtimes until
+    /// their clients stop.
+    pub runtime_peak_pss_after_load_mib: Option<f64>,
     /// The pool only: a primed spare's PSS (with its descendants) while the agents were
     /// away, the mean over the spares: the memory warm spares cost beside the load's peak.
     pub spare_pss_mib: Option<f64>,
@@ -148,7 +152,7 @@ async fn stop_daemon(mut daemon: Daemon) -> Result<()> {
     Ok(())
 }
 
-/// Memory peaks seen so far, and how many samples took them.
+/// Memory peaks seen so far in one phase, and how many samples were taken.
 #[derive(Default)]
 struct Peaks {
     runtimes: u64,
@@ -280,16 +284,24 @@ async fn talk(
     // CPU when the workload's clock starts.
     let mut cpu_start: Option<Cpu> = None;
     let mut peaks = Peaks::default();
+    // From the load's end until the agents return: the pool's warm spares beside (then
+    // instead of) the agents' processes, the SDK's runtimes until their clients stop.
+    let mut after_load = Peaks::default();
     let mut figures = Figures::default();
-    let mut loading = true;
+    let mut phase = Phase::Load;
     let mut tick = tokio::time::interval(SAMPLE_EVERY);
     // The pool's spares while the agents were away: their pids, and the spawns so far.
     let mut away: Option<(HashSet<u32>, u64)> = None;
     loop {
         let line = tokio::select! {
+            // A line that has come ends its phase before another sample is taken.
+            biased;
             line = tokio::time::timeout(STEP_LIMIT, lines.next_line()) => line,
-            _ = tick.tick(), if loading => {
-                peaks.sample(root, pool);
+            _ = tick.tick(), if phase != Phase::Returning => {
+                match phase {
+                    Phase::Load => peaks.sample(root, pool),
+                    _ => after_load.sample(root, pool),
+                }
                 continue;
             }
         };
@@ -316,7 +328,7 @@ async fn talk(
             Some("start") => {
                 cpu_start = Some(Cpu::now(root, node_pid));
                 // The load's samples count from its clock's start.
-                peaks.samples = 0;
+                peaks = Peaks::default();
                 stdin
                     .write_all(b"go\n")
                     .await
@@ -333,7 +345,7 @@ async fn talk(
                 if peaks.samples == 0 {
                     peaks.sample(root, pool);
                 }
-                loading = false;
+                phase = Phase::AfterLoad;
                 stdin
                     .write_all(b"measured\n")
                     .await
@@ -376,9 +388,14 @@ async fn talk(
                     Some(d) => {
                         let last = std::sync::Mutex::new(Value::Null);
                         let warm = args.conversations.min(WARM_CONVERSATIONS);
-                        let waited = tokio::time::timeout(
-                            AWAY_LIMIT,
-                            pool_away(d.addr, args.agents, warm, &last),
+                        let waited = sampling(
+                            &mut after_load,
+                            root,
+                            pool,
+                            tokio::time::timeout(
+                                AWAY_LIMIT,
+                                pool_away(d.addr, args.agents, warm, &last),
+                            ),
                         )
                         .await;
                         let last = last.lock().map(|l| l.to_string()).unwrap_or_default();
@@ -394,17 +411,25 @@ async fn talk(
                         Some((spares, spawned))
                     }
                     None => {
-                        tokio::time::timeout(AWAY_LIMIT, runtimes_gone(node_pid))
-                            .await
-                            .with_context(|| {
-                                format!(
-                                    "the stopped SDK clients' runtimes did not exit within \
+                        sampling(
+                            &mut after_load,
+                            root,
+                            pool,
+                            tokio::time::timeout(AWAY_LIMIT, runtimes_gone(node_pid)),
+                        )
+                        .await
+                        .with_context(|| {
+                            format!(
+                                "the stopped SDK clients' runtimes did not exit within \
                                      {AWAY_LIMIT:?}"
-                                )
-                            })?;
+                            )
+                        })?;
                         None
                     }
                 };
+                phase = Phase::Returning;
+                figures.runtime_peak_pss_after_load_mib =
+                    Some(after_load.runtimes as f64 / 1048576.0);
                 stdin
                     .write_all(b"back\n")
                     .await
@@ -440,17 +465,42 @@ async fn talk(
     }
 }
 
-/// The mean PSS of the processes `spares` (each with its descendants), in MiB.
+/// What the bench is sampling memory for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Load,
+    AfterLoad,
+    Returning,
+}
+
+/// Awaits `work`, sampling memory into `peaks` every [`SAMPLE_EVERY`] meanwhile.
+async fn sampling<T>(
+    peaks: &mut Peaks,
+    root: u32,
+    pool: Option<u32>,
+    work: impl std::future::Future<Output = T>,
+) -> T {
+    tokio::pin!(work);
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    loop {
+        tokio::select! {
+            out = &mut work => return out,
+            _ = tick.tick() => peaks.sample(root, pool),
+        }
+    }
+}
+
+/// The mean PSS of the processes `spares` still alive (each with its descendants), in MiB.
 fn spares_pss_mib(spares: &HashSet<u32>) -> Option<f64> {
     let all = procfs::all();
     let each: Vec<u64> = spares
         .iter()
-        .map(|&pid| {
+        .filter_map(|&pid| {
             let below: u64 = procfs::descendants(&all, pid)
                 .iter()
                 .filter_map(|p| procfs::pss_bytes(p.pid))
                 .sum();
-            procfs::pss_bytes(pid).unwrap_or(0) + below
+            Some(procfs::pss_bytes(pid)? + below)
         })
         .collect();
     (!each.is_empty()).then(|| each.iter().sum::<u64>() as f64 / each.len() as f64 / 1048576.0)
