@@ -158,7 +158,7 @@ const FIGURES: [(&str, &str, Read); 16] = [
     }),
     (
         "runtime_peak_pss_after_load_mib",
-        "runtimes peak PSS after load MiB",
+        "runtimes after-load PSS MiB",
         |f| f.runtime_peak_pss_after_load_mib,
     ),
     ("pool_peak_pss_mib", "pool peak PSS MiB", |f| {
