@@ -230,13 +230,10 @@ async fn killing_the_process_mid_turn_ends_the_turn_crashed_at_once_and_the_next
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_endpoint_fails_the_turn_fast_with_the_clis_error() {
     let fx = Fixture::new().await;
-    // A port that was just free: nothing listens there.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    // Nothing listens there, and no other test can take the port meanwhile.
+    let dead = support::refusing_port::RefusingPort::new();
     let mut config = fx.config("dead").await;
-    config.base_url = Some(format!("http://127.0.0.1:{port}"));
+    config.base_url = Some(format!("http://127.0.0.1:{}", dead.port()));
     let mut live = ClaudeLive::new(config).expect("valid");
     let started = Instant::now();
     let (outcome, _) = turn(&mut live, "REPLY=never answered").await;

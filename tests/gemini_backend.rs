@@ -152,14 +152,6 @@ fn history_text(request: &RecordedRequest) -> String {
         .join("\n")
 }
 
-/// A port on which nothing listens (it was free a moment ago).
-fn dead_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
 /// How long `gemini --version` takes here now: the CLI's own start-up (a loaded machine
 /// stretches it a lot), to bound the dead-endpoint turn by.
 async fn start_up(fx: &Fixture) -> Duration {
@@ -458,7 +450,8 @@ async fn a_dead_endpoint_fails_the_turn_within_seconds_of_the_clis_start_up() {
     // Nothing listens. Unbounded, the CLI retries for minutes; bounded (one attempt, no
     // retry of fetch errors) it gives up at the first failed fetch.
     let mut config = fx.config("dead").await;
-    config.base_url = Some(format!("http://127.0.0.1:{}", dead_port()));
+    let dead = support::refusing_port::RefusingPort::new();
+    config.base_url = Some(format!("http://127.0.0.1:{}", dead.port()));
     let mut gemini = Oneshot::new(config).expect("valid");
     let (outcome, _, took) = turn(&mut gemini, "REPLY=never answered").await;
     eprintln!("measured: dead endpoint to turn.end {took:?} (--version: {start_up:?})");

@@ -14,6 +14,7 @@ pub mod pool_fixture;
 pub mod procs;
 pub mod promtool;
 pub mod python_sdk;
+pub mod refusing_port;
 pub mod runtime;
 pub mod schemathesis;
 pub mod step;
