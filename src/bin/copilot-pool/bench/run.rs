@@ -1,7 +1,8 @@
 //! One run of the bench's workload in one mode: starts what the mode needs (a fresh
 //! `copilot-pool serve` child for the pool's two modes; nothing for the SDK's, whose runtimes
 //! the workload spawns), runs `workload.mjs` under Node, samples the memory (PSS) of the
-//! runtimes and of the pool while it goes, reads their CPU from /proc when the load is done,
+//! runtimes and of the pool during the load and after it until the agents return (apart),
+//! reads their CPU from /proc when the load is done,
 //! waits (polling `/v1/pool`, or `/proc` for the SDK's runtimes) until every agent's runtime is
 //! gone when the workload's agents go away, checks that the pool's returning agents landed on
 //! the primed spares it kept, SIGKILLs agent 0's runtime when the workload asks, and stops and
