@@ -23,9 +23,13 @@ With --syscalls the daemon runs natively and `strace -f -c` counts the system ca
 warm pass instead (per turn, by name): the kernel's share of the daemon's CPU (socket and pipe
 writes, wake-ups, file lookups) is not in the instruction count.
 
+With --cpu PASSES the daemon runs natively and its CPU time per warm turn is read from
+`/proc` (user and system apart, and its threads' context switches) over PASSES warm passes,
+beside its runtimes' CPU over the same passes: the bench's ratio for warm turns alone.
+
     cargo build --release
     python3 scripts/pool-instructions.py [--bin target/release/copilot-pool]
-        [--conversations 4] [--turns 10] [--top 25] [--save FILE] [--cold | --syscalls]
+        [--conversations 4] [--turns 10] [--top 25] [--save FILE] [--cold | --syscalls | --cpu PASSES]
 
 Needs valgrind (`callgrind_control`, `callgrind_annotate`), or strace for --syscalls, and
 Node.js; finds or installs the runtime with `copilot-pool install-cli`. Under callgrind the
@@ -174,6 +178,89 @@ def count_syscalls(pid, env, turns, children, scratch):
         print(f"{calls / done:>8.1f}  {name}{failed}")
 
 
+def cpu_of(pid):
+    """(user, system) CPU seconds of process `pid` (all its threads), and its threads'
+    context switches."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    switches = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    switches += int(line.split()[1])
+        except OSError:
+            continue
+    return int(fields[11]) / tick, int(fields[12]) / tick, switches
+
+
+def runtimes_of(pid):
+    """The pids of the daemon's runtimes (its children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        if fields[1] == str(pid):
+            found.append(int(entry.name))
+    return found
+
+
+def measure_cpu(pid, env, turns, passes, children, perf_file=None):
+    """The daemon's CPU time per warm turn, user and system apart, over `passes` passes of
+    `turns` warm turns each, beside its runtimes' (their children's CPU is not counted);
+    with `perf_file`, `perf record` samples the daemon's threads over the passes into it."""
+    rows = []
+    recorder = None
+    if perf_file:
+        recorder = subprocess.Popen(
+            ["perf", "record", "-e", "cpu-clock", "-F", "4000", "--call-graph", "dwarf,16384",
+             "-t", ",".join(t.name for t in Path(f"/proc/{pid}/task").iterdir()),
+             "-o", perf_file],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        children.append(recorder)
+    for _ in range(passes):
+        runtimes = runtimes_of(pid)
+        before = cpu_of(pid), [cpu_of(r) for r in runtimes]
+        after = []
+        load = run_workload(
+            env, turns, children,
+            at_load=lambda: after.extend([cpu_of(pid), [cpu_of(r) for r in runtimes]]),
+        )
+        done = load["turns"]
+        user = (after[0][0] - before[0][0]) * 1000 / done
+        system = (after[0][1] - before[0][1]) * 1000 / done
+        switches = (after[0][2] - before[0][2]) / done
+        runtime = sum(
+            (a[0] + a[1]) - (b[0] + b[1]) for a, b in zip(after[1], before[1])
+        ) * 1000 / done
+        rows.append((user, system, switches, runtime))
+        print(
+            f"{done} warm turns: daemon user {user:.2f} ms + system {system:.2f} ms a turn, "
+            f"{switches:.1f} context switches; runtimes {runtime:.1f} ms "
+            f"({(user + system) / runtime * 100:.1f} %)"
+        )
+    if recorder:
+        recorder.send_signal(signal.SIGINT)
+        try:
+            recorder.wait(timeout=STEP_LIMIT)
+        except subprocess.TimeoutExpired:
+            fail("perf record did not stop")
+    mid = lambda values: sorted(values)[len(values) // 2]
+    user, system = mid([r[0] for r in rows]), mid([r[1] for r in rows])
+    total = mid([r[0] + r[1] for r in rows])
+    runtime = mid([r[3] for r in rows])
+    print(
+        f"median of {passes}: daemon {total:.2f} ms a turn (user {user:.2f}, system "
+        f"{system:.2f}), {mid([r[2] for r in rows]):.1f} context switches; runtimes "
+        f"{runtime:.1f} ms; daemon / runtimes {mid([(r[0] + r[1]) / r[3] for r in rows]) * 100:.1f} %"
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bin", default=str(REPO / "target" / "release" / "copilot-pool"))
@@ -189,12 +276,23 @@ def main():
         help="count the warm pass's system calls with strace instead of instructions",
     )
     mode.add_argument(
+        "--cpu", type=int, metavar="PASSES",
+        help="measure the daemon's CPU time (user and system) per warm turn natively, over "
+        "PASSES warm passes, beside its runtimes'",
+    )
+    mode.add_argument(
         "--cold", action="store_true",
         help="count the first pass (each conversation's first turn, the process's start) instead",
+    )
+    parser.add_argument(
+        "--perf", metavar="FILE",
+        help="with --cpu: `perf record` the daemon's threads over the passes into FILE",
     )
     args = parser.parse_args()
     if args.syscalls:
         tools = (("strace", "strace"), ("node", "Node.js"))
+    elif args.cpu:
+        tools = (("node", "Node.js"),)
     else:
         tools = (
             ("valgrind", "valgrind"),
@@ -242,7 +340,7 @@ def main():
         )
         profile = scratch / "callgrind.out"
         serve_out = scratch / "serve.out"
-        under = [] if args.syscalls else [
+        under = [] if args.syscalls or args.cpu else [
             "valgrind", "--tool=callgrind", "--instr-atstart=no",
             f"--callgrind-out-file={profile}",
         ]
@@ -282,6 +380,9 @@ def main():
             run_workload(env, 1, children)
             if args.syscalls:
                 count_syscalls(serve.pid, env, args.turns, children, scratch)
+                return
+            if args.cpu:
+                measure_cpu(serve.pid, env, args.turns, args.cpu, children, args.perf)
                 return
             control("-i", "on")
             load = run_workload(env, args.turns, children, at_load=lambda: control("-i", "off"))
