@@ -575,7 +575,7 @@ pub fn read_copilot_events_tail(
             return;
         };
         let event = SessionEvent::from_value(value);
-        if event.agent_id.is_some() {
+        if event.agent_id().is_some() {
             return;
         }
         match event.kind {

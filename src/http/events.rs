@@ -215,11 +215,11 @@ impl Serialize for RuntimeEventFrame<'_> {
         use serde::ser::SerializeStruct;
         let e = self.0;
         let mut frame = serializer.serialize_struct("SessionEventData", 7)?;
-        frame.serialize_field("id", &e.id)?;
-        frame.serialize_field("timestamp", &e.timestamp)?;
-        frame.serialize_field("parentId", &e.parent_id)?;
-        frame.serialize_field("ephemeral", &e.ephemeral)?;
-        frame.serialize_field("agentId", &e.agent_id)?;
+        frame.serialize_field("id", &e.id())?;
+        frame.serialize_field("timestamp", &e.timestamp())?;
+        frame.serialize_field("parentId", &e.parent_id())?;
+        frame.serialize_field("ephemeral", &e.ephemeral())?;
+        frame.serialize_field("agentId", &e.agent_id())?;
         frame.serialize_field("type", e.event_type())?;
         match e.data() {
             // As sent, unless it spans lines (JSON may have line breaks between its
@@ -237,11 +237,11 @@ impl Serialize for RuntimeEventFrame<'_> {
 impl From<&SessionEvent> for SessionEventData {
     fn from(event: &SessionEvent) -> Self {
         Self {
-            id: event.id.clone(),
-            timestamp: event.timestamp.clone(),
-            parent_id: event.parent_id.clone(),
-            ephemeral: event.ephemeral,
-            agent_id: event.agent_id.clone(),
+            id: event.id().to_owned(),
+            timestamp: event.timestamp().map(str::to_owned),
+            parent_id: event.parent_id().map(str::to_owned),
+            ephemeral: event.ephemeral(),
+            agent_id: event.agent_id().map(str::to_owned),
             event_type: event.event_type().to_owned(),
             data: event.data_value(),
         }

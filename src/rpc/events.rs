@@ -10,28 +10,52 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use serde_json::value::RawValue;
+use std::sync::OnceLock;
 
 use super::connection::read_as_a_value_reads;
 
 /// One session event with its envelope.
-#[derive(Debug, Clone)]
+///
+/// Its type and typed payload ([`SessionEvent::kind`]) are decoded when the event is made. The
+/// rest of the envelope (id, timestamp, parent, `ephemeral`, sub-agent, `data`) is read from
+/// the event's text then for a type this crate models, and on first use for any other: the
+/// runtime's internal `model.*` events, tens of KiB each, are mostly passed on or dropped
+/// unread (a gateway's `omit_events`), and their envelope was a pass over every byte.
+#[derive(Clone)]
 pub struct SessionEvent {
-    /// Event id (uuid).
-    pub id: String,
-    /// ISO 8601 timestamp.
-    pub timestamp: Option<String>,
-    /// The previous event of the session, `None` for the first.
-    pub parent_id: Option<String>,
-    /// Streamed but not persisted (deltas, `session.idle`, …).
-    pub ephemeral: bool,
-    /// Sub-agent that emitted it; `None` for the main agent.
-    pub agent_id: Option<String>,
     /// The typed payload.
     pub kind: EventKind,
     /// The event exactly as the runtime sent it (for passing it on unchanged).
     raw: Box<RawValue>,
-    /// Its `data` as sent, `None` when it had none.
+    /// The envelope's other fields, read from `raw` when first asked for (or with the kind).
+    envelope: OnceLock<EnvelopeFields>,
+}
+
+/// What a [`SessionEvent`] holds of its envelope besides the type.
+#[derive(Debug, Clone, Default)]
+struct EnvelopeFields {
+    id: String,
+    timestamp: Option<String>,
+    parent_id: Option<String>,
+    ephemeral: bool,
+    agent_id: Option<String>,
+    /// `data` as sent, `None` when the event had none.
     data: Option<Box<RawValue>>,
+}
+
+impl std::fmt::Debug for SessionEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let envelope = self.envelope();
+        f.debug_struct("SessionEvent")
+            .field("id", &envelope.id)
+            .field("timestamp", &envelope.timestamp)
+            .field("parent_id", &envelope.parent_id)
+            .field("ephemeral", &envelope.ephemeral)
+            .field("agent_id", &envelope.agent_id)
+            .field("kind", &self.kind)
+            .field("data", &envelope.data)
+            .finish()
+    }
 }
 
 impl PartialEq for SessionEvent {
@@ -109,26 +133,51 @@ impl EventParams<'_> {
 }
 
 impl Envelope<'_> {
-    /// The event whose text is `text`, its payload decoded, `raw` left for the caller to set
-    /// (the envelope borrows from the text); `None` when `text` has no envelope.
-    fn read(text: &str) -> Option<SessionEvent> {
+    /// The envelope of the event whose text is `text`, and its type; `None` when `text` has
+    /// no envelope (serde's derive refuses it).
+    fn read(text: &str) -> Option<(EnvelopeFields, String)> {
         let env = serde_json::from_str::<Envelope>(text).ok()?;
-        let data = env.data.map(RawValue::to_owned);
-        let kind = EventKind::decode(
-            env.event_type,
-            data.as_deref().map_or("null", RawValue::get),
-        );
-        Some(SessionEvent {
+        let fields = EnvelopeFields {
             id: env.id,
             timestamp: env.timestamp,
             parent_id: env.parent_id,
             ephemeral: env.ephemeral.unwrap_or(false),
             agent_id: env.agent_id,
-            kind,
-            raw: RawValue::NULL.to_owned(),
-            data,
+            data: env.data.map(RawValue::to_owned),
+        };
+        Some((fields, env.event_type))
+    }
+
+    /// The envelope of the event whose text is `raw`, and its type: as serde's derive reads
+    /// it, else as a `Value` reads it (a member given twice: the last counts); an event that
+    /// is not an object has none (an empty type, the whole event as its `data`).
+    fn read_any(raw: &RawValue) -> (EnvelopeFields, String) {
+        // A struct also reads from an array: only an object has an envelope.
+        let read = match raw.get().trim_start().starts_with('{') {
+            true => Self::read(raw.get()).or_else(|| {
+                let text = read_as_a_value_reads(raw.get().as_bytes())?;
+                Self::read(std::str::from_utf8(&text).ok()?)
+            }),
+            false => None,
+        };
+        read.unwrap_or_else(|| {
+            let fields = EnvelopeFields {
+                data: Some(raw.to_owned()),
+                ..EnvelopeFields::default()
+            };
+            (fields, String::new())
         })
     }
+}
+
+/// The type of the event whose text is `text`, when the type is its first member, as the
+/// runtime writes events (`{"type":"…","data":…}`), and a plain string (no escapes); `None`
+/// otherwise. A type given twice is read as its first here, where a full read takes the last
+/// (the runtime never sends one twice; see [`SessionEvent::from_raw`]).
+fn leading_type(text: &str) -> Option<&str> {
+    let rest = text.strip_prefix("{\"type\":\"")?;
+    let end = memchr::memchr2(b'"', b'\\', rest.as_bytes())?;
+    (rest.as_bytes()[end] == b'"').then(|| &rest[..end])
 }
 
 #[derive(Deserialize)]
@@ -153,34 +202,64 @@ struct Envelope<'a> {
 impl SessionEvent {
     /// Decodes an event from its JSON text, kept as it is. Unknown or unexpected shapes
     /// become [`EventKind::Unknown`]; a value that is not even an object yields an `Unknown`
-    /// event with an empty type. The text is read once: the envelope's fields are copied, a
-    /// typed payload is decoded from its place in the text, and nothing else is built (a
-    /// runtime's internal event of tens of KiB that is only passed on costs a copy of its
-    /// bytes, not a tree of values).
+    /// event with an empty type. Nothing is built but what is asked for: a typed event's
+    /// envelope and payload are read from their place in the text, in one pass; an event of
+    /// a type this crate does not model, whose text starts with its type as the runtime
+    /// writes it, costs a look at that type until its envelope is asked for (a runtime's
+    /// internal event of tens of KiB that is only passed on or dropped is not read). Such an
+    /// event given a type twice (which the runtime never sends) takes the first, where a
+    /// full read takes the last.
     pub fn from_raw(raw: Box<RawValue>) -> Self {
-        // A struct also reads from an array: only an object has an envelope.
-        let event = match raw.get().trim_start().starts_with('{') {
-            true => Envelope::read(raw.get()).or_else(|| {
-                let text = read_as_a_value_reads(raw.get().as_bytes())?;
-                Envelope::read(std::str::from_utf8(&text).ok()?)
-            }),
-            false => None,
-        };
-        match event {
-            Some(event) => Self { raw, ..event },
-            None => Self {
-                id: String::new(),
-                timestamp: None,
-                parent_id: None,
-                ephemeral: false,
-                agent_id: None,
+        if let Some(event_type) = leading_type(raw.get()).filter(|t| !EventKind::models(t)) {
+            return Self {
                 kind: EventKind::Unknown {
-                    event_type: String::new(),
+                    event_type: event_type.to_owned(),
                 },
-                data: Some(raw.clone()),
                 raw,
-            },
+                envelope: OnceLock::new(),
+            };
         }
+        let (fields, event_type) = Envelope::read_any(&raw);
+        let kind = EventKind::decode(
+            event_type,
+            fields.data.as_deref().map_or("null", RawValue::get),
+        );
+        Self {
+            kind,
+            raw,
+            envelope: OnceLock::from(fields),
+        }
+    }
+
+    /// The envelope's fields, read from the event's text the first time they are asked for.
+    fn envelope(&self) -> &EnvelopeFields {
+        self.envelope
+            .get_or_init(|| Envelope::read_any(&self.raw).0)
+    }
+
+    /// The event id (a uuid; `""` when the event had none).
+    pub fn id(&self) -> &str {
+        &self.envelope().id
+    }
+
+    /// The ISO 8601 timestamp.
+    pub fn timestamp(&self) -> Option<&str> {
+        self.envelope().timestamp.as_deref()
+    }
+
+    /// The previous event of the session, `None` for the first.
+    pub fn parent_id(&self) -> Option<&str> {
+        self.envelope().parent_id.as_deref()
+    }
+
+    /// Streamed but not persisted (deltas, `session.idle`, …).
+    pub fn ephemeral(&self) -> bool {
+        self.envelope().ephemeral
+    }
+
+    /// The sub-agent that emitted it; `None` for the main agent.
+    pub fn agent_id(&self) -> Option<&str> {
+        self.envelope().agent_id.as_deref()
     }
 
     /// Decodes an event from a JSON value (see [`from_raw`](Self::from_raw)).
@@ -209,7 +288,7 @@ impl SessionEvent {
 
     /// `data` exactly as the runtime sent it, `None` when the event had none.
     pub fn data(&self) -> Option<&RawValue> {
-        self.data.as_deref()
+        self.envelope().data.as_deref()
     }
 
     /// The data as JSON: what this crate read of a typed event; all of an unknown one's.
@@ -227,11 +306,11 @@ impl SessionEvent {
     /// `ephemeral`, `agentId`, `type`, `data`).
     pub fn to_value(&self) -> Value {
         serde_json::json!({
-            "id": self.id,
-            "timestamp": self.timestamp,
-            "parentId": self.parent_id,
-            "ephemeral": self.ephemeral,
-            "agentId": self.agent_id,
+            "id": self.id(),
+            "timestamp": self.timestamp(),
+            "parentId": self.parent_id(),
+            "ephemeral": self.ephemeral(),
+            "agentId": self.agent_id(),
             "type": self.event_type(),
             "data": self.data_value(),
         })
@@ -274,6 +353,11 @@ macro_rules! events {
                     )*
                     _ => EventKind::Unknown { event_type },
                 }
+            }
+
+            /// Whether `event_type` is one this crate decodes into a typed payload.
+            fn models(event_type: &str) -> bool {
+                matches!(event_type, $( $name )|*)
             }
 
             /// A typed event's data as JSON (what this crate read of it); `null` for
@@ -580,7 +664,7 @@ mod tests {
             "data": {"messageId": "m1", "content": "hi", "toolRequests": [
                 {"toolCallId": "c1", "name": "get", "arguments": {"k": 1}, "type": "function"}], "newField": 5}
         }));
-        assert_eq!(ev.id, "e1");
+        assert_eq!(ev.id(), "e1");
         assert_eq!(ev.event_type(), "assistant.message");
         let EventKind::AssistantMessage(m) = ev.kind else {
             panic!("{ev:?}")
@@ -605,12 +689,82 @@ mod tests {
         assert!(ev.to_value()["data"].get("newField").is_none());
     }
 
+    /// An event as the runtime writes it: `type` first, then `data`, then the rest.
+    fn as_the_runtime_writes(event_type: &str, data: &str) -> Box<RawValue> {
+        let text = format!(
+            r#"{{"type":"{event_type}","data":{data},"id":"e7","timestamp":"2026-12-04T00:00:00.000Z","parentId":"e6","ephemeral":true,"agentId":"sub-1"}}"#
+        );
+        RawValue::from_string(text).expect("JSON")
+    }
+
+    #[test]
+    fn an_untyped_event_as_the_runtime_writes_it_is_not_read_until_its_envelope_is_asked_for() {
+        let ev = SessionEvent::from_raw(as_the_runtime_writes(
+            "model.messages_snapshot",
+            r#"{"messages":[{"role":"system","content":"a \"long\" prompt\n"}]}"#,
+        ));
+        assert_eq!(ev.event_type(), "model.messages_snapshot");
+        assert!(ev.envelope.get().is_none(), "read too early: {ev:?}");
+        // Asked for, it is what a full read gives.
+        assert_eq!(ev.id(), "e7");
+        assert_eq!(ev.timestamp(), Some("2026-12-04T00:00:00.000Z"));
+        assert_eq!(ev.parent_id(), Some("e6"));
+        assert!(ev.ephemeral());
+        assert_eq!(ev.agent_id(), Some("sub-1"));
+        assert_eq!(
+            ev.data().map(RawValue::get),
+            Some(r#"{"messages":[{"role":"system","content":"a \"long\" prompt\n"}]}"#)
+        );
+        let full = SessionEvent::from_value(serde_json::from_str(ev.raw().get()).expect("JSON"));
+        assert_eq!(ev.to_value(), full.to_value());
+    }
+
+    #[test]
+    fn a_typed_event_as_the_runtime_writes_it_is_read_whole_at_once() {
+        let ev =
+            SessionEvent::from_raw(as_the_runtime_writes("session.idle", r#"{"aborted":true}"#));
+        assert_eq!(
+            ev.kind,
+            EventKind::SessionIdle(SessionIdleData {
+                aborted: Some(true)
+            })
+        );
+        assert!(ev.envelope.get().is_some());
+        assert_eq!(ev.agent_id(), Some("sub-1"));
+    }
+
+    #[test]
+    fn a_type_that_is_not_a_plain_string_first_is_read_whole() {
+        // An escape in the type, the type not first, a typed event: each read in full.
+        for text in [
+            r#"{"type":"model.\u0063all","data":{},"id":"e"}"#,
+            r#"{"id":"e","type":"model.call","data":{}}"#,
+            r#"{ "type":"model.call","data":{},"id":"e"}"#,
+        ] {
+            let ev = SessionEvent::from_raw(RawValue::from_string(text.to_owned()).expect("JSON"));
+            assert_eq!(ev.event_type(), "model.call", "{text}");
+            assert!(ev.envelope.get().is_some(), "{text}");
+            assert_eq!(ev.id(), "e");
+        }
+    }
+
+    #[test]
+    fn an_untyped_event_given_its_type_twice_takes_the_first_where_a_full_read_takes_the_last() {
+        let text = r#"{"type":"model.call","data":{},"type":"session.idle"}"#;
+        let ev = SessionEvent::from_raw(RawValue::from_string(text.to_owned()).expect("JSON"));
+        assert_eq!(ev.event_type(), "model.call");
+        assert_eq!(ev.to_value()["type"], "model.call");
+        let typed = r#"{"type":"session.idle","data":{},"type":"model.call"}"#;
+        let ev = SessionEvent::from_raw(RawValue::from_string(typed.to_owned()).expect("JSON"));
+        assert_eq!(ev.event_type(), "model.call");
+    }
+
     #[test]
     fn idle_carries_aborted() {
         let ev = SessionEvent::from_value(
             json!({"id": "e", "type": "session.idle", "ephemeral": true, "data": {"aborted": true}}),
         );
-        assert!(ev.ephemeral);
+        assert!(ev.ephemeral());
         assert_eq!(
             ev.kind,
             EventKind::SessionIdle(SessionIdleData {

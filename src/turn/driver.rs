@@ -407,7 +407,8 @@ impl TurnDriver {
 
     fn on_event(&mut self, event: &SessionEvent, session: &Session) -> Result<(), TurnError> {
         self.outcome.events += 1;
-        let main_agent = event.agent_id.is_none();
+        // Asked only of the typed events below (an untyped one's envelope is read lazily).
+        let main_agent = || event.agent_id().is_none();
         match &event.kind {
             EventKind::AssistantTurnStart(data) => {
                 self.outcome.model_calls += 1;
@@ -417,19 +418,19 @@ impl TurnDriver {
                 });
             }
             EventKind::AssistantMessage(m) => {
-                if main_agent && !m.content.is_empty() {
+                if main_agent() && !m.content.is_empty() {
                     self.outcome.text = m.content.clone();
                 }
                 let (content, tools) = (m.content.clone(), m.tool_requests.len());
                 self.fire_hook(move |h| {
                     h.llm_output(json!({"content": content, "toolRequests": tools}))
                 });
-                if main_agent && !m.content.is_empty() {
-                    self.mirror(Some(&event.id), Role::Assistant, &m.content, None, None)?;
+                if main_agent() && !m.content.is_empty() {
+                    self.mirror(Some(event.id()), Role::Assistant, &m.content, None, None)?;
                 }
             }
-            EventKind::UserMessage(m) if main_agent => {
-                self.mirror(Some(&event.id), Role::User, &m.content, None, None)?;
+            EventKind::UserMessage(m) if main_agent() => {
+                self.mirror(Some(event.id()), Role::User, &m.content, None, None)?;
             }
             EventKind::ToolExecutionStart(t) => {
                 self.outcome.tool_calls += 1;
@@ -443,7 +444,7 @@ impl TurnDriver {
                     self.async_shell = true;
                 }
             }
-            EventKind::ToolExecutionComplete(t) if main_agent => {
+            EventKind::ToolExecutionComplete(t) if main_agent() => {
                 let content = t
                     .result
                     .as_ref()
@@ -453,7 +454,7 @@ impl TurnDriver {
                     .or_else(|| t.error.as_ref().map(|e| e.to_string()))
                     .unwrap_or_default();
                 self.mirror(
-                    Some(&event.id),
+                    Some(event.id()),
                     Role::Tool,
                     &content,
                     None,
@@ -487,7 +488,7 @@ impl TurnDriver {
                 if c.success {
                     if let Some(summary) = c.summary_content.as_deref().filter(|s| !s.is_empty()) {
                         // The fallback prelude starts from it (`crate::fallback`).
-                        self.mirror(Some(&event.id), Role::Summary, summary, None, None)?;
+                        self.mirror(Some(event.id()), Role::Summary, summary, None, None)?;
                     }
                     let output = json!({"success": c.success, "tokensRemoved": c.tokens_removed, "messagesRemoved": c.messages_removed});
                     self.fire_compaction_hooks(input, output);

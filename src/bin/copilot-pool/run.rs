@@ -195,12 +195,12 @@ async fn stream_reply(session: &mut Session) -> Result<()> {
     while let Some(update) = session.next().await {
         match update {
             SessionUpdate::Event(event) => match event.kind {
-                EventKind::AssistantMessageDelta(delta) if event.agent_id.is_none() => {
+                EventKind::AssistantMessageDelta(delta) if event.agent_id().is_none() => {
                     streamed = true;
                     out.write_all(delta.delta_content.as_bytes()).await?;
                     out.flush().await?;
                 }
-                EventKind::AssistantMessage(message) if event.agent_id.is_none() => {
+                EventKind::AssistantMessage(message) if event.agent_id().is_none() => {
                     if !streamed && !message.content.is_empty() {
                         out.write_all(message.content.as_bytes()).await?;
                     }
