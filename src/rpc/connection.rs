@@ -683,6 +683,9 @@ enum Params<'a> {
     Text(&'a RawValue),
     /// A `session.event`'s, read as such (asked for, and its `method` came first).
     Event(EventParams<'a>),
+    /// A request's, read as a `Value` (its `id` and `method` came first, as the runtime
+    /// writes them: read once, where the text would be read again to build the value).
+    Value(Value),
 }
 
 impl<'a> Params<'a> {
@@ -754,9 +757,13 @@ impl<'de> serde::de::Visitor<'de> for MembersSeed {
                 }
                 Member::Params => {
                     vacant(&m.params, "params")?;
+                    let request = m.id.as_ref().is_some_and(|id| !id.is_null())
+                        && matches!(&m.method, Some(Value::String(_)));
                     let event = self.split_events
                         && matches!(&m.method, Some(Value::String(s)) if s == "session.event");
-                    m.params = Some(if event {
+                    m.params = Some(if request {
+                        Params::Value(map.next_value()?)
+                    } else if event {
                         Params::Event(map.next_value()?)
                     } else {
                         Params::Text(map.next_value()?)
@@ -824,7 +831,7 @@ fn dispatch(
     let read_again;
     let message = match read_members(frame, split) {
         // A request's params are read whole (a `session.event` request, which no runtime
-        // sends, included).
+        // sends, included; its `id` after its params).
         Ok(message)
             if message.id.as_ref().is_some_and(|id| !id.is_null())
                 && Params::split(&message.params) =>
@@ -849,6 +856,7 @@ fn dispatch(
     match (message.method, message.id) {
         (Some(Value::String(method)), Some(id)) if !id.is_null() => {
             let params = match message.params {
+                Some(Params::Value(value)) => value,
                 Some(Params::Text(raw)) => {
                     serde_json::from_str(raw.get()).map_err(|e| not_json(&e))?
                 }
@@ -887,6 +895,12 @@ fn dispatch(
                 Some(Params::Text(params)) => Incoming::Notification {
                     method,
                     params: params.to_owned(),
+                },
+                // Only a request's params are read as a value (its id is not null).
+                Some(Params::Value(params)) => Incoming::Notification {
+                    method,
+                    params: serde_json::value::to_raw_value(&params)
+                        .unwrap_or_else(|_| null_params()),
                 },
                 None => Incoming::Notification {
                     method,
@@ -1255,6 +1269,57 @@ mod tests {
         let answer = read_frame(&mut peer).await;
         assert_eq!(answer["id"], "s8");
         assert_eq!(answer["error"]["code"], INTERNAL_ERROR);
+    }
+
+    #[tokio::test]
+    async fn a_requests_params_are_the_same_value_whatever_the_order_of_its_members() {
+        // The runtime writes id and method first (the params are then read in the frame's
+        // pass); any other order, a key twice, and a session.event request read the same.
+        let (_conn, mut peer, mut rx) = pair_with(ConnectionOptions {
+            split_session_events: true,
+            ..ConnectionOptions::default()
+        });
+        let params = r#"{"data":"{\"a\":\"\\u00e9\\n\"}","n":[1,2.5,null],"k":1,"k":2}"#;
+        let expected = json!({"data": "{\"a\":\"\\u00e9\\n\"}", "n": [1, 2.5, null], "k": 2});
+        for (frame, method) in [
+            (
+                format!(r#"{{"jsonrpc":"2.0","id":1,"method":"m","params":{params}}}"#),
+                "m",
+            ),
+            (
+                format!(r#"{{"params":{params},"method":"m","id":2,"jsonrpc":"2.0"}}"#),
+                "m",
+            ),
+            (format!(r#"{{"method":"m","params":{params},"id":3}}"#), "m"),
+            (
+                format!(r#"{{"id":4,"method":"m","params":{params},"method":"last"}}"#),
+                "last",
+            ),
+            (
+                format!(r#"{{"id":5,"method":"session.event","params":{params}}}"#),
+                "session.event",
+            ),
+        ] {
+            write_frame(&mut peer, &frame).await;
+            let Some(Incoming::Request(request)) = rx.recv().await else {
+                panic!("{frame}")
+            };
+            assert_eq!(
+                (request.method.as_str(), &request.params),
+                (method, &expected),
+                "{frame}"
+            );
+        }
+        // A null id is no request: its params stay text.
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"id":null,"method":"m","params":{params}}}"#),
+        )
+        .await;
+        let Some(Incoming::Notification { params: text, .. }) = rx.recv().await else {
+            panic!()
+        };
+        assert_eq!(text.get(), params);
     }
 
     #[tokio::test]
