@@ -367,7 +367,8 @@ async fn post_cli_turn(
 /// `turn.end` is sent (not sent when the gateway is gone).
 fn spawn_run(state: Arc<AppState>, lease: ChainLease<StreamSink>) {
     let running = Running::start(state);
-    tokio::spawn(async move {
+    // Boxed: a turn's future is tens of KiB, which a spawn would copy more than once.
+    let run = Box::pin(async move {
         let events = lease.sink().events.clone();
         let outcome = lease.run().await;
         if !outcome.caller_gone
@@ -379,6 +380,7 @@ fn spawn_run(state: Arc<AppState>, lease: ChainLease<StreamSink>) {
         }
         drop(running);
     });
+    tokio::spawn(run);
 }
 
 /// A turn's side of the chain: sets each backend's gateway-facing handlers (when the turn

@@ -539,7 +539,9 @@ impl Pool {
                 .then(|| (key.clone(), setup)),
         };
         let span = tracing::Span::current();
-        match tokio::spawn(tracing::Instrument::instrument(opening.open(), span)).await {
+        // Boxed: the open's future is tens of KiB, which a spawn would copy more than once.
+        let open = Box::pin(tracing::Instrument::instrument(opening.open(), span));
+        match tokio::spawn(open).await {
             Ok(result) => result,
             Err(join) => Err(PoolError::Internal(format!(
                 "the lease's open task failed: {join}"

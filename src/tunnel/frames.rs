@@ -95,7 +95,12 @@ impl TunnelRequests {
             *body = Vec::new();
         }
         if !receiving.oversized {
-            body.extend_from_slice(chunk.data.as_bytes());
+            if body.is_empty() {
+                // The first (often the only) chunk becomes the body without a copy.
+                *body = chunk.data.into_bytes();
+            } else {
+                body.extend_from_slice(chunk.data.as_bytes());
+            }
         }
         if chunk.end != Some(true) {
             return true;
@@ -410,5 +415,85 @@ mod tests {
         assert_eq!(chunks[0]["end"], false);
         assert_eq!(chunks[1]["end"], true);
         assert_eq!(chunks[1]["error"], "upstream reset");
+    }
+
+    /// A tunnel that hands each request it is given to the test, and answers 200.
+    struct Capturing {
+        requests: mpsc::UnboundedSender<ModelRequest>,
+        limit: usize,
+    }
+
+    impl ModelTunnel for Capturing {
+        fn serve(&self, request: ModelRequest) -> crate::tunnel::ServeFuture {
+            let _ = self.requests.send(request);
+            Box::pin(async { ModelResponse::full(200, "application/json", "{}".to_owned()) })
+        }
+
+        fn max_request_body_bytes(&self) -> usize {
+            self.limit
+        }
+    }
+
+    /// The body the tunnel is given for a request sent in `pieces`, or `None` when the
+    /// request was answered without being served; and the status the runtime's side got.
+    async fn body_served(pieces: &[&str], limit: usize) -> (Option<Vec<u8>>, Value) {
+        let (ours, mut theirs) = duplex(1 << 20);
+        let (r, w) = tokio::io::split(ours);
+        let conn = Connection::start(r, w, ConnectionOptions::default(), Box::new(|_| {}));
+        let (tx, mut served) = mpsc::unbounded_channel();
+        let tunnel: Arc<dyn ModelTunnel> = Arc::new(Capturing {
+            requests: tx,
+            limit,
+        });
+        let mut requests = TunnelRequests::default();
+        requests.start(HttpRequestStart {
+            request_id: "r1".to_owned(),
+            method: "POST".to_owned(),
+            url: "http://127.0.0.1:9/v1/chat/completions".to_owned(),
+            headers: BTreeMap::new(),
+            session_id: None,
+        });
+        for (i, piece) in pieces.iter().enumerate() {
+            let chunk = HttpRequestChunk {
+                request_id: "r1".to_owned(),
+                data: (*piece).to_owned(),
+                binary: None,
+                end: Some(i + 1 == pieces.len()),
+                cancel: None,
+            };
+            assert!(requests.chunk(chunk, &conn, &tunnel, |_| {}));
+        }
+        // A failure guard: an answer that never comes fails the test.
+        let head = tokio::time::timeout(Duration::from_secs(10), answer_one(&mut theirs))
+            .await
+            .expect("the answer's head in time");
+        (
+            served.try_recv().ok().map(|r| r.body),
+            head["status"].clone(),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_request_body_sent_in_pieces_reaches_the_tunnel_whole() {
+        let (body, status) =
+            body_served(&[r#"{"model":"#, r#""m","#, r#""messages":[]}"#], 1 << 20).await;
+        assert_eq!(
+            body.as_deref(),
+            Some(br#"{"model":"m","messages":[]}"#.as_slice())
+        );
+        assert_eq!(status, 200);
+        let (body, _) = body_served(&["whole"], 1 << 20).await;
+        assert_eq!(body.as_deref(), Some(b"whole".as_slice()));
+    }
+
+    #[tokio::test]
+    async fn a_request_body_over_the_limit_is_answered_413_without_being_served() {
+        let (body, status) = body_served(&["12345", "6789"], 8).await;
+        assert_eq!(body, None);
+        assert_eq!(status, 413);
+        // Over it with its first piece alone, too.
+        let (body, status) = body_served(&["123456789", "0"], 8).await;
+        assert_eq!(body, None);
+        assert_eq!(status, 413);
     }
 }
