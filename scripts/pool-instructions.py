@@ -179,19 +179,22 @@ def count_syscalls(pid, env, turns, children, scratch):
 
 
 def cpu_of(pid):
-    """(user, system) CPU seconds of process `pid` (all its threads), and its threads'
-    context switches."""
+    """(user, system) CPU seconds of process `pid` (all its threads, in clock ticks), its
+    threads' context switches, and their CPU seconds to the nanosecond (`schedstat`; threads
+    that ended are not counted there)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
     tick = os.sysconf("SC_CLK_TCK")
     switches = 0
+    on_cpu_ns = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             for line in (task / "status").read_text().splitlines():
                 if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
                     switches += int(line.split()[1])
-        except OSError:
+            on_cpu_ns += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
             continue
-    return int(fields[11]) / tick, int(fields[12]) / tick, switches
+    return int(fields[11]) / tick, int(fields[12]) / tick, switches, on_cpu_ns / 1e9
 
 
 def runtimes_of(pid):
@@ -235,14 +238,15 @@ def measure_cpu(pid, env, turns, passes, children, perf_file=None):
         user = (after[0][0] - before[0][0]) * 1000 / done
         system = (after[0][1] - before[0][1]) * 1000 / done
         switches = (after[0][2] - before[0][2]) / done
+        precise = (after[0][3] - before[0][3]) * 1000 / done
         runtime = sum(
             (a[0] + a[1]) - (b[0] + b[1]) for a, b in zip(after[1], before[1])
         ) * 1000 / done
-        rows.append((user, system, switches, runtime))
+        rows.append((user, system, switches, runtime, precise))
         print(
-            f"{done} warm turns: daemon user {user:.2f} ms + system {system:.2f} ms a turn, "
-            f"{switches:.1f} context switches; runtimes {runtime:.1f} ms "
-            f"({(user + system) / runtime * 100:.1f} %)"
+            f"{done} warm turns: daemon {precise:.3f} ms a turn (user {user:.2f} + system "
+            f"{system:.2f} in ticks), {switches:.1f} context switches; runtimes {runtime:.1f} ms "
+            f"({precise / runtime * 100:.1f} %)"
         )
     if recorder:
         recorder.send_signal(signal.SIGINT)
@@ -252,12 +256,12 @@ def measure_cpu(pid, env, turns, passes, children, perf_file=None):
             fail("perf record did not stop")
     mid = lambda values: sorted(values)[len(values) // 2]
     user, system = mid([r[0] for r in rows]), mid([r[1] for r in rows])
-    total = mid([r[0] + r[1] for r in rows])
+    total = mid([r[4] for r in rows])
     runtime = mid([r[3] for r in rows])
     print(
-        f"median of {passes}: daemon {total:.2f} ms a turn (user {user:.2f}, system "
-        f"{system:.2f}), {mid([r[2] for r in rows]):.1f} context switches; runtimes "
-        f"{runtime:.1f} ms; daemon / runtimes {mid([(r[0] + r[1]) / r[3] for r in rows]) * 100:.1f} %"
+        f"median of {passes}: daemon {total:.3f} ms a turn (user {user:.2f}, system "
+        f"{system:.2f} in ticks), {mid([r[2] for r in rows]):.1f} context switches; runtimes "
+        f"{runtime:.1f} ms; daemon / runtimes {mid([r[4] / r[3] for r in rows]) * 100:.1f} %"
     )
 
 
