@@ -599,6 +599,12 @@ pub(super) mod tests {
             assert_eq!(Some(name.as_str()), sent["type"].as_str());
             assert_eq!(data, sent);
         }
+        // An untyped event as the runtime writes it (type first: its envelope read only now).
+        let text = r#"{"type":"model.call_start","data":{"turnId":"0","a":"\"q\""},"id":"e5","timestamp":"2026-12-04T00:00:00.000Z","parentId":"e4","ephemeral":true,"agentId":null}"#;
+        let raw = serde_json::value::RawValue::from_string(text.to_owned()).expect("JSON");
+        let (name, data) = frame_data(TurnEvent::Runtime(Box::new(SessionEvent::from_raw(raw))));
+        assert_eq!(name, "model.call_start");
+        assert_eq!(data, serde_json::from_str::<Value>(text).expect("JSON"));
         // Data that spans lines goes out on one line, the same JSON.
         let pretty =
             "{\"id\": \"e4\", \"type\": \"model.x\",\n \"data\": {\n  \"a\": [1,\r\n 2]\n}}";

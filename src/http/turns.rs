@@ -367,7 +367,7 @@ async fn post_cli_turn(
 /// `turn.end` is sent (not sent when the gateway is gone).
 fn spawn_run(state: Arc<AppState>, lease: ChainLease<StreamSink>) {
     let running = Running::start(state);
-    // Boxed: a turn's future is tens of KiB, which a spawn would copy more than once.
+    // Boxed: a turn's future is ~20 KB, which a spawn would move before boxing it itself.
     let run = Box::pin(async move {
         let events = lease.sink().events.clone();
         let outcome = lease.run().await;

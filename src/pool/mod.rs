@@ -539,7 +539,8 @@ impl Pool {
                 .then(|| (key.clone(), setup)),
         };
         let span = tracing::Span::current();
-        // Boxed: the open's future is tens of KiB, which a spawn would copy more than once.
+        // Boxed: the open's future is ~13 KB, which a spawn would copy into its task more
+        // than once (tokio boxes only futures over 16 KiB itself).
         let open = Box::pin(tracing::Instrument::instrument(opening.open(), span));
         match tokio::spawn(open).await {
             Ok(result) => result,

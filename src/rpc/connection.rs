@@ -663,8 +663,10 @@ where
     let _ = shared.out.send(Outgoing::Close);
 }
 
-/// The members of a JSON-RPC message, read in one pass over the frame: params and a result
-/// stay the JSON text they came as (parsed, if at all, by whoever takes them). A member that
+/// The members of a JSON-RPC message, read in one pass over the frame: a request's params
+/// are read as a value when its id and method come first (as the runtime writes them), a
+/// `session.event`'s as an event's when asked for; other params and a result stay the JSON
+/// text they came as (parsed, if at all, by whoever takes them). A member that
 /// is there is `Some`, `null` included (`"result": null` is an answer, and an error answered
 /// with `"id": null` is a response nobody waits for, not a broken stream); a member given
 /// twice is an error, as serde's derive has it (the caller then reads the text as a `Value`
@@ -708,11 +710,14 @@ enum Member {
     Other,
 }
 
-/// Reads a message's [`Members`]; with `split_events`, the params of a `session.event` whose
-/// `method` comes before them are read as [`EventParams`] on the way (the runtime writes
-/// `method` first; params that come first stay text here).
+/// Reads a message's [`Members`]; with `values`, the params of a request whose non-null `id`
+/// and `method` come before them are read as a `Value` on the way; with `split_events`, the
+/// params of a `session.event` notification whose `method` comes before them are read as
+/// [`EventParams`] (the runtime writes `id` and `method` first; params that come first stay
+/// text here).
 struct MembersSeed {
     split_events: bool,
+    values: bool,
 }
 
 impl<'de> serde::de::DeserializeSeed<'de> for MembersSeed {
@@ -757,7 +762,8 @@ impl<'de> serde::de::Visitor<'de> for MembersSeed {
                 }
                 Member::Params => {
                     vacant(&m.params, "params")?;
-                    let request = m.id.as_ref().is_some_and(|id| !id.is_null())
+                    let request = self.values
+                        && m.id.as_ref().is_some_and(|id| !id.is_null())
                         && matches!(&m.method, Some(Value::String(_)));
                     let event = self.split_events
                         && matches!(&m.method, Some(Value::String(s)) if s == "session.event");
@@ -786,11 +792,21 @@ impl<'de> serde::de::Visitor<'de> for MembersSeed {
     }
 }
 
-/// `text`'s members, the whole text read (nothing may follow the message).
-fn read_members(text: &[u8], split_events: bool) -> serde_json::Result<Members<'_>> {
+/// `text`'s members, the whole text read (nothing may follow the message); `in_one_pass`
+/// reads a request's params as a value and, with `split_events`, a `session.event`'s as an
+/// event's (see [`MembersSeed`]).
+fn read_members(
+    text: &[u8],
+    split_events: bool,
+    in_one_pass: bool,
+) -> serde_json::Result<Members<'_>> {
     use serde::de::DeserializeSeed;
     let mut de = serde_json::Deserializer::from_slice(text);
-    let members = MembersSeed { split_events }.deserialize(&mut de)?;
+    let seed = MembersSeed {
+        split_events: split_events && in_one_pass,
+        values: in_one_pass,
+    };
+    let members = seed.deserialize(&mut de)?;
     de.end()?;
     Ok(members)
 }
@@ -829,27 +845,24 @@ fn dispatch(
     }
     let split = shared.options.split_session_events;
     let read_again;
-    let message = match read_members(frame, split) {
+    let message = match read_members(frame, split, true) {
         // A request's params are read whole (a `session.event` request, which no runtime
         // sends, included; its `id` after its params).
         Ok(message)
             if message.id.as_ref().is_some_and(|id| !id.is_null())
                 && Params::split(&message.params) =>
         {
-            read_members(frame, false).map_err(|e| not_json(&e))?
+            read_members(frame, false, false).map_err(|e| not_json(&e))?
         }
         Ok(message) => message,
-        // Params that are not an event's go on as a notification's, as the text they are;
-        // what is wrong with a frame is said by the reading that does not split.
-        Err(first) => match if split {
-            read_members(frame, false)
-        } else {
-            Err(first)
-        } {
+        // Params that do not read as an event's or a value go on as the text they are (a
+        // request's are read as a value below, one level less deep, as before the one pass);
+        // what is wrong with a frame is said by the reading that keeps them text.
+        Err(_) => match read_members(frame, false, false) {
             Ok(message) => message,
             Err(e) => {
                 read_again = read_as_a_value_reads(frame).ok_or_else(|| not_json(&e))?;
-                read_members(&read_again, false).map_err(|e| not_json(&e))?
+                read_members(&read_again, false, false).map_err(|e| not_json(&e))?
             }
         },
     };
@@ -896,7 +909,7 @@ fn dispatch(
                     method,
                     params: params.to_owned(),
                 },
-                // Only a request's params are read as a value (its id is not null).
+                // Not reached: only a request's params (a non-null id) are read as a value.
                 Some(Params::Value(params)) => Incoming::Notification {
                     method,
                     params: serde_json::value::to_raw_value(&params)
@@ -1310,6 +1323,22 @@ mod tests {
                 "{frame}"
             );
         }
+        // Params as deep as a value may be read on its own (127 levels, under serde_json's
+        // limit) are one level too deep to read inside the frame: they are read apart, as
+        // before the one pass.
+        let deep = format!("{}{}", "[".repeat(127), "]".repeat(127));
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"id":6,"method":"deep","params":{deep}}}"#),
+        )
+        .await;
+        let Some(Incoming::Request(request)) = rx.recv().await else {
+            panic!("the connection broke on params 127 levels deep")
+        };
+        assert_eq!(
+            request.params,
+            serde_json::from_str::<Value>(&deep).expect("JSON")
+        );
         // A null id is no request: its params stay text.
         write_frame(
             &mut peer,

@@ -207,8 +207,11 @@ impl SessionEvent {
     /// a type this crate does not model, whose text starts with its type as the runtime
     /// writes it, costs a look at that type until its envelope is asked for (a runtime's
     /// internal event of tens of KiB that is only passed on or dropped is not read). Such an
-    /// event given a type twice (which the runtime never sends) takes the first, where a
-    /// full read takes the last.
+    /// event keeps the type it starts with where a full read would give it another or none
+    /// (neither of which the runtime sends): given a type twice, it takes the first, where a
+    /// full read takes the last; with an envelope that does not read (an `id` that is not a
+    /// string, say), it keeps its type and has the whole event as its data, where a full
+    /// read gives it an empty type.
     pub fn from_raw(raw: Box<RawValue>) -> Self {
         if let Some(event_type) = leading_type(raw.get()).filter(|t| !EventKind::models(t)) {
             return Self {
@@ -757,6 +760,21 @@ mod tests {
         let typed = r#"{"type":"session.idle","data":{},"type":"model.call"}"#;
         let ev = SessionEvent::from_raw(RawValue::from_string(typed.to_owned()).expect("JSON"));
         assert_eq!(ev.event_type(), "model.call");
+    }
+
+    #[test]
+    fn an_untyped_event_whose_envelope_does_not_read_keeps_its_type_and_its_text_as_data() {
+        let text = r#"{"type":"model.call","data":{"x":1},"id":5}"#;
+        let ev = SessionEvent::from_raw(RawValue::from_string(text.to_owned()).expect("JSON"));
+        assert_eq!(ev.event_type(), "model.call");
+        assert_eq!(ev.id(), "");
+        assert_eq!(ev.data().map(RawValue::get), Some(text));
+        // Its wire form reads the same way.
+        let again = SessionEvent::from_value(ev.to_value());
+        assert_eq!(
+            (again.event_type(), &again.kind),
+            (ev.event_type(), &ev.kind)
+        );
     }
 
     #[test]

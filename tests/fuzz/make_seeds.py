@@ -88,6 +88,13 @@ w("json_rpc", "session_event_shapes",
   + frame(b'{"method":"session.event"}')
   + frame(b'{"id":10,"method":"session.event","params":{"sessionId":"s-7","event":{}}}')
   + frame(b'{"method":"session.event","params":{"sessionId":7},"x":}'))
+# Requests as the runtime writes them (id and method first: their params read as a value in the
+# frame's one pass), params at serde_json's depth limit and past it.
+w("json_rpc", "requests_read_in_one_pass",
+  frame(b'{"jsonrpc":"2.0","id":11,"method":"llmInference.httpRequestChunk","params":{"requestId":"r","data":"{\\"a\\":\\"\\\\u00e9\\"}","end":true}}')
+  + frame(b'{"jsonrpc":"2.0","id":12,"method":"deep","params":' + b"[" * 127 + b"]" * 127 + b"}")
+  + frame(b'{"jsonrpc":"2.0","id":13,"method":"deeper","params":' + b"[" * 128 + b"]" * 128 + b"}")
+  + frame(b'{"jsonrpc":"2.0","id":14,"method":"a","params":{"k":1,"k":2},"method":"b"}'))
 # Found by the fuzzer: a byte that is not UTF-8 in a string of a params member nobody reads.
 # Read as the params' text, the frame breaks the stream; read in the frame's pass, it must too.
 w("json_rpc", "invalid_utf8_in_an_unknown_params_member",
@@ -100,6 +107,12 @@ w("json_rpc", "huge_content_length", b"Content-Length: 67108864\r\n\r\n{}")
 for name, ev in [("assistant_message", EV_MSG), ("session_idle", EV_IDLE), ("external_tool_requested", EV_TOOL),
                  ("session_error", EV_ERR), ("unknown_model_event", EV_UNKNOWN), ("known_type_wrong_data", EV_MISMATCH)]:
     w("session_event", name, json.dumps(ev))
+# As the runtime writes events: type first, then data, then the rest (an untyped one is read no
+# further than its type until its envelope is asked for).
+w("session_event", "runtime_order_untyped", '{"type":"model.messages_snapshot","data":{"messages":[{"role":"system","content":"a \\"b\\"\\n"}]},"id":"e8","timestamp":"2026-12-04T00:00:00.000Z","parentId":"e7","ephemeral":true}')
+w("session_event", "runtime_order_typed", '{"type":"session.idle","data":{"aborted":true},"id":"e9","parentId":"e8","ephemeral":true}')
+w("session_event", "runtime_order_type_twice", '{"type":"model.call","data":{},"type":"session.idle"}')
+w("session_event", "runtime_order_envelope_unread", '{"type":"model.call","data":{"x":1},"id":5}')
 w("session_event", "not_an_object", '["assistant.message"]')
 w("session_event", "deeply_nested_array", DEEP)
 w("session_event", "deeply_nested_data", '{"id":"e7","type":"assistant.message","data":' + DEEP_OBJ + "}")
