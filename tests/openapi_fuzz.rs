@@ -32,7 +32,10 @@ const API_TOKEN: &str = "fuzz-token";
 /// outside the machine: a provider URL the daemon would accept is replaced by the scripted
 /// model's, a body without a provider gets it, and MCP servers (which the runtime would
 /// connect to) and credentials are dropped. A body the daemon refuses anyway keeps its
-/// fault, so the negative cases stay negative.
+/// fault, so the negative cases stay negative: only a well-typed credential is dropped (a
+/// `github_token` that is a string, a `use_logged_in_user` that is a boolean, made `false`);
+/// one of the wrong type stays for the daemon to refuse (dropping a `null` one turned a
+/// negative case into an accepted one, which schemathesis reports as a fault).
 const HOOKS: &str = r#"
 import os
 import schemathesis
@@ -50,9 +53,12 @@ def _confine(body):
         url = provider.get("base_url")
         if isinstance(url, str) and url.startswith(("http://", "https://")):
             provider["base_url"] = MODEL
-    if isinstance(body.get("auth"), dict):
-        body["auth"].pop("github_token", None)
-        body["auth"].pop("use_logged_in_user", None)
+    auth = body.get("auth")
+    if isinstance(auth, dict):
+        if isinstance(auth.get("github_token"), str):
+            del auth["github_token"]
+        if isinstance(auth.get("use_logged_in_user"), bool):
+            auth["use_logged_in_user"] = False
     session = body.get("session")
     if isinstance(session, dict):
         session.pop("mcpServers", None)
