@@ -228,6 +228,9 @@ async fn a_query_or_path_the_router_cannot_read_is_answered_with_the_error_body(
     for (method, path, body) in [
         ("POST", "/v1/turns?stream=null", Some(&body)),
         ("POST", "/v1/turns?stream=1&stream=2", Some(&body)),
+        // A parameter the route does not take (a typo of `stream` would stream silently).
+        ("POST", "/v1/turns?steam=false", Some(&body)),
+        ("DELETE", "/v1/sessions/a/k?backnd=codex-cli", None),
         // Not UTF-8 once percent-decoded.
         ("POST", "/v1/sessions/%FF/k/abort", None),
         ("POST", "/v1/sessions/a/%FF/compact", None),
@@ -247,6 +250,18 @@ async fn a_query_or_path_the_router_cannot_read_is_answered_with_the_error_body(
             "{method} {path}: {}",
             response.body
         );
+        // An unknown parameter is what is named (not another fault of the request).
+        for unknown in ["steam", "backnd"] {
+            if path.contains(&format!("?{unknown}=")) {
+                assert!(
+                    error["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains(unknown) && m.contains("fix the URL")),
+                    "{method} {path}: {}",
+                    response.body
+                );
+            }
+        }
     }
     let _ = stop.send(());
     let _ = server.await;

@@ -38,8 +38,11 @@ use crate::turn::Message;
 /// turn is aborted), so a stalled client cannot pin a conversation.
 pub(super) const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The query of `POST /v1/turns`. Any other parameter is refused (a typo of `stream` would
+/// otherwise stream silently), as `ResetQuery` refuses one.
 #[derive(Deserialize, Default, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
 pub(super) struct TurnQuery {
     /// `false`: answer with the `turn.end` summary alone, as JSON (no tools, no hooks, no
     /// permission prompts: those need the stream). Default `true`.
