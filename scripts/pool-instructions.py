@@ -120,9 +120,9 @@ def stop(proc):
             continue
 
 
-def kill_session(sid):
-    """SIGKILLs whatever is left of session `sid` (serve's runtimes lead process groups of
-    their own, in serve's session)."""
+def processes():
+    """Every process as (pid, the fields of its `/proc/<pid>/stat` after the command name:
+    state, parent, group, session, ...)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -130,10 +130,16 @@ def kill_session(sid):
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[-1].split()
+        yield int(entry.name), stat.rsplit(")", 1)[-1].split()
+
+
+def kill_session(sid):
+    """SIGKILLs whatever is left of session `sid` (serve's runtimes lead process groups of
+    their own, in serve's session)."""
+    for pid, fields in processes():
         if len(fields) > 3 and fields[3] == str(sid):
             try:
-                os.kill(int(entry.name), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -199,17 +205,7 @@ def cpu_of(pid):
 
 def runtimes_of(pid):
     """The pids of the daemon's runtimes (its children)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
-        if fields[1] == str(pid):
-            found.append(int(entry.name))
-    return found
+    return [child for child, fields in processes() if len(fields) > 1 and fields[1] == str(pid)]
 
 
 def measure_cpu(pid, env, turns, passes, children, perf_file=None):
@@ -293,10 +289,12 @@ def main():
         help="with --cpu: `perf record` the daemon's threads over the passes into FILE",
     )
     args = parser.parse_args()
+    if args.perf and not args.cpu:
+        parser.error("--perf records the passes of --cpu: give --cpu PASSES too")
     if args.syscalls:
         tools = (("strace", "strace"), ("node", "Node.js"))
     elif args.cpu:
-        tools = (("node", "Node.js"),)
+        tools = (("node", "Node.js"),) + ((("perf", "linux-perf"),) if args.perf else ())
     else:
         tools = (
             ("valgrind", "valgrind"),

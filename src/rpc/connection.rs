@@ -715,9 +715,27 @@ enum Member {
 /// params of a `session.event` notification whose `method` comes before them are read as
 /// [`EventParams`] (the runtime writes `id` and `method` first; params that come first stay
 /// text here).
+#[derive(Clone, Copy)]
 struct MembersSeed {
     split_events: bool,
     values: bool,
+}
+
+impl MembersSeed {
+    /// Every params kept as text.
+    const TEXT: Self = Self {
+        split_events: false,
+        values: false,
+    };
+
+    /// A request's params read as a value, and a `session.event`'s as an event's when
+    /// `split_events`.
+    fn one_pass(split_events: bool) -> Self {
+        Self {
+            split_events,
+            values: true,
+        }
+    }
 }
 
 impl<'de> serde::de::DeserializeSeed<'de> for MembersSeed {
@@ -792,20 +810,11 @@ impl<'de> serde::de::Visitor<'de> for MembersSeed {
     }
 }
 
-/// `text`'s members, the whole text read (nothing may follow the message); `in_one_pass`
-/// reads a request's params as a value and, with `split_events`, a `session.event`'s as an
-/// event's (see [`MembersSeed`]).
-fn read_members(
-    text: &[u8],
-    split_events: bool,
-    in_one_pass: bool,
-) -> serde_json::Result<Members<'_>> {
+/// `text`'s members as `seed` reads them, the whole text read (nothing may follow the
+/// message).
+fn read_members(text: &[u8], seed: MembersSeed) -> serde_json::Result<Members<'_>> {
     use serde::de::DeserializeSeed;
     let mut de = serde_json::Deserializer::from_slice(text);
-    let seed = MembersSeed {
-        split_events: split_events && in_one_pass,
-        values: in_one_pass,
-    };
     let members = seed.deserialize(&mut de)?;
     de.end()?;
     Ok(members)
@@ -845,24 +854,24 @@ fn dispatch(
     }
     let split = shared.options.split_session_events;
     let read_again;
-    let message = match read_members(frame, split, true) {
+    let message = match read_members(frame, MembersSeed::one_pass(split)) {
         // A request's params are read whole (a `session.event` request, which no runtime
         // sends, included; its `id` after its params).
         Ok(message)
             if message.id.as_ref().is_some_and(|id| !id.is_null())
                 && Params::split(&message.params) =>
         {
-            read_members(frame, false, false).map_err(|e| not_json(&e))?
+            read_members(frame, MembersSeed::TEXT).map_err(|e| not_json(&e))?
         }
         Ok(message) => message,
         // Params that do not read as an event's or a value go on as the text they are (a
         // request's are read as a value below, one level less deep, as before the one pass);
         // what is wrong with a frame is said by the reading that keeps them text.
-        Err(_) => match read_members(frame, false, false) {
+        Err(_) => match read_members(frame, MembersSeed::TEXT) {
             Ok(message) => message,
             Err(e) => {
                 read_again = read_as_a_value_reads(frame).ok_or_else(|| not_json(&e))?;
-                read_members(&read_again, false, false).map_err(|e| not_json(&e))?
+                read_members(&read_again, MembersSeed::TEXT).map_err(|e| not_json(&e))?
             }
         },
     };
@@ -1282,6 +1291,43 @@ mod tests {
         let answer = read_frame(&mut peer).await;
         assert_eq!(answer["id"], "s8");
         assert_eq!(answer["error"]["code"], INTERNAL_ERROR);
+    }
+
+    #[test]
+    fn a_requests_params_are_read_as_a_value_in_the_frames_pass_when_its_id_and_method_come_first()
+    {
+        let read = |frame: &str| match read_members(frame.as_bytes(), MembersSeed::one_pass(true))
+            .expect("a message")
+            .params
+        {
+            Some(Params::Value(_)) => "value",
+            Some(Params::Text(_)) => "text",
+            Some(Params::Event(_)) => "event",
+            None => "none",
+        };
+        assert_eq!(read(r#"{"id":1,"method":"m","params":{"a":1}}"#), "value");
+        assert_eq!(
+            read(r#"{"method":"m","params":{"a":1},"id":1}"#),
+            "text",
+            "id after"
+        );
+        assert_eq!(
+            read(r#"{"id":null,"method":"m","params":{"a":1}}"#),
+            "text",
+            "null id"
+        );
+        assert_eq!(
+            read(r#"{"method":"session.event","params":{"event":{}}}"#),
+            "event"
+        );
+        let text = read_members(
+            br#"{"id":1,"method":"m","params":{"a":1}}"#,
+            MembersSeed::TEXT,
+        );
+        assert!(matches!(
+            text.expect("a message").params,
+            Some(Params::Text(_))
+        ));
     }
 
     #[tokio::test]

@@ -21,41 +21,14 @@ use super::connection::read_as_a_value_reads;
 /// the event's text then for a type this crate models, and on first use for any other: the
 /// runtime's internal `model.*` events, tens of KiB each, are mostly passed on or dropped
 /// unread (a gateway's `omit_events`), and their envelope was a pass over every byte.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct SessionEvent {
     /// The typed payload.
     pub kind: EventKind,
     /// The event exactly as the runtime sent it (for passing it on unchanged).
     raw: Box<RawValue>,
-    /// The envelope's other fields, read from `raw` when first asked for (or with the kind).
-    envelope: OnceLock<EnvelopeFields>,
-}
-
-/// What a [`SessionEvent`] holds of its envelope besides the type.
-#[derive(Debug, Clone, Default)]
-struct EnvelopeFields {
-    id: String,
-    timestamp: Option<String>,
-    parent_id: Option<String>,
-    ephemeral: bool,
-    agent_id: Option<String>,
-    /// `data` as sent, `None` when the event had none.
-    data: Option<Box<RawValue>>,
-}
-
-impl std::fmt::Debug for SessionEvent {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let envelope = self.envelope();
-        f.debug_struct("SessionEvent")
-            .field("id", &envelope.id)
-            .field("timestamp", &envelope.timestamp)
-            .field("parent_id", &envelope.parent_id)
-            .field("ephemeral", &envelope.ephemeral)
-            .field("agent_id", &envelope.agent_id)
-            .field("kind", &self.kind)
-            .field("data", &envelope.data)
-            .finish()
-    }
+    /// The envelope, read from `raw` when first asked for (or with the kind).
+    envelope: OnceLock<Envelope>,
 }
 
 impl PartialEq for SessionEvent {
@@ -132,40 +105,22 @@ impl EventParams<'_> {
     }
 }
 
-impl Envelope<'_> {
-    /// The envelope of the event whose text is `text`, and its type; `None` when `text` has
-    /// no envelope (serde's derive refuses it).
-    fn read(text: &str) -> Option<(EnvelopeFields, String)> {
-        let env = serde_json::from_str::<Envelope>(text).ok()?;
-        let fields = EnvelopeFields {
-            id: env.id,
-            timestamp: env.timestamp,
-            parent_id: env.parent_id,
-            ephemeral: env.ephemeral.unwrap_or(false),
-            agent_id: env.agent_id,
-            data: env.data.map(RawValue::to_owned),
-        };
-        Some((fields, env.event_type))
-    }
-
-    /// The envelope of the event whose text is `raw`, and its type: as serde's derive reads
-    /// it, else as a `Value` reads it (a member given twice: the last counts); an event that
-    /// is not an object has none (an empty type, the whole event as its `data`).
-    fn read_any(raw: &RawValue) -> (EnvelopeFields, String) {
+impl Envelope {
+    /// The envelope of the event whose text is `raw`: as serde's derive reads it, else as a
+    /// `Value` reads it (a member given twice: the last counts); an event that is not an
+    /// object has none (an empty type, the whole event as its `data`).
+    fn read(raw: &RawValue) -> Self {
         // A struct also reads from an array: only an object has an envelope.
         let read = match raw.get().trim_start().starts_with('{') {
-            true => Self::read(raw.get()).or_else(|| {
+            true => serde_json::from_str::<Self>(raw.get()).ok().or_else(|| {
                 let text = read_as_a_value_reads(raw.get().as_bytes())?;
-                Self::read(std::str::from_utf8(&text).ok()?)
+                serde_json::from_slice(&text).ok()
             }),
             false => None,
         };
-        read.unwrap_or_else(|| {
-            let fields = EnvelopeFields {
-                data: Some(raw.to_owned()),
-                ..EnvelopeFields::default()
-            };
-            (fields, String::new())
+        read.unwrap_or_else(|| Self {
+            data: Some(raw.to_owned()),
+            ..Self::default()
         })
     }
 }
@@ -180,9 +135,10 @@ fn leading_type(text: &str) -> Option<&str> {
     (rest.as_bytes()[end] == b'"').then(|| &rest[..end])
 }
 
-#[derive(Deserialize)]
+/// An event's envelope as it was sent.
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct Envelope<'a> {
+struct Envelope {
     #[serde(default)]
     id: String,
     #[serde(default)]
@@ -193,10 +149,13 @@ struct Envelope<'a> {
     ephemeral: Option<bool>,
     #[serde(default)]
     agent_id: Option<String>,
+    /// Taken into the event's kind when the envelope is read with it; an envelope read
+    /// later keeps it, unused (the kind's type is the event's).
     #[serde(rename = "type", default)]
     event_type: String,
-    #[serde(default, borrow)]
-    data: Option<&'a RawValue>,
+    /// `data` as sent, `None` when the event had none.
+    #[serde(default)]
+    data: Option<Box<RawValue>>,
 }
 
 impl SessionEvent {
@@ -222,22 +181,21 @@ impl SessionEvent {
                 envelope: OnceLock::new(),
             };
         }
-        let (fields, event_type) = Envelope::read_any(&raw);
+        let mut envelope = Envelope::read(&raw);
         let kind = EventKind::decode(
-            event_type,
-            fields.data.as_deref().map_or("null", RawValue::get),
+            std::mem::take(&mut envelope.event_type),
+            envelope.data.as_deref().map_or("null", RawValue::get),
         );
         Self {
             kind,
             raw,
-            envelope: OnceLock::from(fields),
+            envelope: OnceLock::from(envelope),
         }
     }
 
     /// The envelope's fields, read from the event's text the first time they are asked for.
-    fn envelope(&self) -> &EnvelopeFields {
-        self.envelope
-            .get_or_init(|| Envelope::read_any(&self.raw).0)
+    fn envelope(&self) -> &Envelope {
+        self.envelope.get_or_init(|| Envelope::read(&self.raw))
     }
 
     /// The event id (a uuid; `""` when the event had none).
@@ -257,7 +215,7 @@ impl SessionEvent {
 
     /// Streamed but not persisted (deltas, `session.idle`, …).
     pub fn ephemeral(&self) -> bool {
-        self.envelope().ephemeral
+        self.envelope().ephemeral.unwrap_or(false)
     }
 
     /// The sub-agent that emitted it; `None` for the main agent.
