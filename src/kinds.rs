@@ -4,7 +4,8 @@
 //! * what the crate reports to callers, dashboards and HTTP clients: how a conversation was
 //!   opened ([`OpenReason`]), how a turn ended ([`TurnEnd`]), what kind of failure a pool
 //!   error is ([`ErrorKind`]), how a model request through the tunnel ended
-//!   ([`ModelOutcome`]) and why the model guard refused one ([`BlockReason`]);
+//!   ([`ModelOutcome`]), why the model guard refused one ([`BlockReason`]) and how a process
+//!   started ahead of demand was primed ([`Priming`]);
 //! * what a caller chooses for a conversation's model: [`ReasoningEffort`], and a BYOK
 //!   provider's [`ProviderType`] and [`WireApi`]; for a turn: [`SendMode`], [`AgentMode`]
 //!   and the [`HookName`]s it wants; and the [`TokenKind`]s its usage counts. These parse from their wire spelling
@@ -108,6 +109,43 @@ impl TurnEnd {
             TurnEnd::Aborted => "aborted",
             TurnEnd::Timeout => "timeout",
             TurnEnd::Crashed => "crashed",
+        }
+    }
+}
+
+/// How a process started ahead of demand (a warm spare, one more process for a busy key) was
+/// primed: what became of its throwaway turn's model call (`pool::prime`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Priming {
+    /// The model guard answered it (a BYOK worker's tunnel): the runtime initialised its model
+    /// path on its success path.
+    Answered,
+    /// It failed at once (no tunnel: nothing listens where it went): primed, but the runtime's
+    /// failure path leaves it ~30 MiB bigger.
+    Refused,
+    /// The priming turn failed or ended before its model call: the process serves unprimed.
+    Failed,
+    /// The priming ran past its limit: the process serves unprimed.
+    TimedOut,
+}
+
+impl Priming {
+    /// Every value, in a stable order.
+    pub const ALL: [Priming; 4] = [
+        Priming::Answered,
+        Priming::Refused,
+        Priming::Failed,
+        Priming::TimedOut,
+    ];
+
+    /// The value as serialized.
+    pub fn label(self) -> &'static str {
+        match self {
+            Priming::Answered => "answered",
+            Priming::Refused => "refused",
+            Priming::Failed => "failed",
+            Priming::TimedOut => "timed_out",
         }
     }
 }

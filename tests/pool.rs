@@ -4,7 +4,7 @@ mod support;
 
 use std::time::Duration;
 
-use copilot_pool::kinds::Eviction;
+use copilot_pool::kinds::{Eviction, Priming};
 use copilot_pool::pool::{OpenReason, Pool, PoolError, PoolEvent, RestartPolicy, WorkerState};
 use copilot_pool::rpc::messages::ProviderConfig;
 use copilot_pool::secret::Secret;
@@ -921,16 +921,18 @@ async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_wa
     assert_eq!(outcome.text, "one");
     drop(first);
 
-    // The agent had traffic: a spare starts after its lease.
-    let spare_pid = match wait_event(
+    // The agent had traffic: a spare starts after its lease, primed by a throwaway turn
+    // whose model call the guard answered (the runtime's failure path costs it ~30 MiB).
+    let (spare_pid, primed) = match wait_event(
         &mut events,
         |e| matches!(e, PoolEvent::WorkerStarted { pid, .. } if *pid != first_pid),
     )
     .await
     {
-        PoolEvent::WorkerStarted { pid, .. } => pid,
+        PoolEvent::WorkerStarted { pid, primed, .. } => (pid, primed),
         other => unreachable!("{other:?}"),
     };
+    assert_eq!(primed, Some(Priming::Answered));
     let (status, spare) = status_with_worker(&pool, spare_pid).await;
     assert_eq!(spare.state, WorkerState::Spare);
     assert_eq!(spare.conversations, 0);

@@ -14,7 +14,7 @@ use url::Host;
 
 use super::resolve::RefuseNames;
 use super::target::{self, Refusal};
-use super::{GuardError, ModelGuard, PLACEHOLDER_API_KEY, PLACEHOLDER_BEARER_TOKEN};
+use super::{GuardError, ModelGuard, PLACEHOLDER_API_KEY, PLACEHOLDER_BEARER_TOKEN, priming};
 use crate::kinds::{BlockReason, ModelOutcome};
 use crate::metrics::{self, ModelDirection};
 use crate::rpc::messages::ProviderConfig;
@@ -139,9 +139,11 @@ impl Drop for Record {
 
 impl State {
     async fn serve(self: Arc<Self>, request: ModelRequest) -> ModelResponse {
-        if is_priming(&request.url) {
+        if priming::is_priming(&request.url) {
             tracing::debug!(request_id = %request.request_id, "A priming turn's model call; answered without a provider.");
-            return error_response(503, "priming", "a priming turn calls no model");
+            return priming::answer(&request).unwrap_or_else(|| {
+                error_response(503, "priming", "a priming turn calls no model")
+            });
         }
         let mut record = Record {
             started: Instant::now(),
@@ -532,13 +534,6 @@ fn chain(error: &dyn std::error::Error) -> String {
 }
 
 /// The answer to a request that got no upstream answer, as an OpenAI-style error body.
-/// Whether `url` is under the priming turns' endpoint (exactly; the placeholder URL a BYOK
-/// child gets never is).
-fn is_priming(url: &str) -> bool {
-    url.strip_prefix(super::PRIMING_BASE_URL)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
-}
-
 fn error_response(status: u16, code: &str, message: &str) -> ModelResponse {
     let body = serde_json::json!({
         "error": {
@@ -548,20 +543,4 @@ fn error_response(status: u16, code: &str, message: &str) -> ModelResponse {
         }
     });
     ModelResponse::full(status, "application/json", body.to_string())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_a_call_under_the_priming_endpoint_is_a_priming_call() {
-        assert!(is_priming("http://127.0.0.1:1/v1/chat/completions"));
-        assert!(is_priming("http://127.0.0.1:1/v1"));
-        assert!(!is_priming("http://127.0.0.1:1/v10/chat/completions"));
-        assert!(!is_priming("http://127.0.0.1:10/v1/chat/completions"));
-        assert!(!is_priming(
-            "https://byok.copilot-pool.invalid/v1/chat/completions"
-        ));
-    }
 }

@@ -14,7 +14,8 @@
 //! * `resolve` — the [`Resolve`] trait (the system resolver, or a test's) and the resolver
 //!   reqwest gets, which refuses every name (connections go only to checked addresses);
 //! * `tls` — the client's rustls config (compiled-in Mozilla roots plus extra CAs);
-//! * `forward` — the tunnel itself: check, resolve once, pin, send, stream back, metrics.
+//! * `forward` — the tunnel itself: check, resolve once, pin, send, stream back, metrics;
+//! * `priming` — the pool's priming turns' model calls, answered here without a provider.
 //!
 //! The mechanism that keeps the key out of the child: a BYOK lease's `session.create` gets
 //! [`ModelGuard::placeholder`] (placeholder key, bearer token and base URL, no headers);
@@ -26,6 +27,7 @@
 
 mod address;
 mod forward;
+mod priming;
 mod resolve;
 mod target;
 mod tls;
@@ -52,10 +54,7 @@ pub const PLACEHOLDER_API_KEY: &str = "copilot-pool-placeholder-api-key";
 /// The bearer token a BYOK child gets instead of the real one.
 pub const PLACEHOLDER_BEARER_TOKEN: &str = "copilot-pool-placeholder-bearer-token";
 
-/// The model endpoint of the pool's priming turns (`pool::prime`): nothing listens on
-/// loopback port 1, so a direct call fails at once; through a BYOK worker's tunnel the guard
-/// answers it without a provider, quietly (no warning, no model metric: it is no model call).
-pub(crate) const PRIMING_BASE_URL: &str = "http://127.0.0.1:1/v1";
+pub(crate) use priming::PRIMING_BASE_URL;
 
 /// The guard's switches and limits (part of [`crate::pool::PoolConfig`]; the daemon's
 /// `[model]` section). Nothing here comes from a request.

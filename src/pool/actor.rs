@@ -15,6 +15,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent
 use tokio::sync::{broadcast, watch};
 
 use crate::ids::CliSessionId;
+use crate::kinds::Priming;
 use crate::metrics::{self, ProcessExit};
 use crate::rpc::messages::{AbortParams, SessionAbort};
 use crate::worker::{Session, WorkerConfig, WorkerError, WorkerHandle};
@@ -26,7 +27,9 @@ use super::config::PoolConfig;
 use super::error::PoolError;
 use super::key::PoolKey;
 use super::lease::OpenReason;
-use super::placement::{Abandon, Ask, DetachTarget, Effect, Granted, Limits, Placement, RequestId};
+use super::placement::{
+    Abandon, Ask, DetachTarget, Effect, Granted, Limits, Placement, RequestId, StartedWorker,
+};
 use super::status::{PoolEvent, PoolStatus};
 use super::warm::{Recent, Reopen};
 
@@ -119,6 +122,8 @@ pub(crate) enum PoolMsg {
     Spawned {
         key: PoolKey,
         result: Result<WorkerHandle, WorkerError>,
+        /// How it was primed, when it started ahead of demand.
+        primed: Option<Priming>,
     },
     /// A grant that did not become a `Lease`: give the slot back and detach, with
     /// confirmation, whatever it may have left attached.
@@ -351,7 +356,11 @@ impl Actor for PoolActor {
                     .core
                     .returned(conversation, worker_id, session, settle, turns, now)
             }
-            PoolMsg::Spawned { key, result } => state.on_spawned(key, result, now),
+            PoolMsg::Spawned {
+                key,
+                result,
+                primed,
+            } => state.on_spawned(key, result, primed, now),
             PoolMsg::Abandoned(abandon) => state.core.abandoned(*abandon, now),
             PoolMsg::Detached {
                 conversations_detached,
@@ -566,6 +575,7 @@ impl PoolState {
         &mut self,
         key: PoolKey,
         result: Result<WorkerHandle, WorkerError>,
+        primed: Option<Priming>,
         now: Instant,
     ) -> Vec<Effect<WorkerConfig, Session>> {
         // A worker that died before this message arrived is a crash, not a worker.
@@ -576,7 +586,13 @@ impl PoolState {
             },
             Err(e) => Err(e),
         };
-        let started = result.as_ref().map(|h| h.pid()).map_err(Clone::clone);
+        let started = result
+            .as_ref()
+            .map(|h| StartedWorker {
+                pid: h.pid(),
+                primed,
+            })
+            .map_err(Clone::clone);
         let (id, effects) = self.core.spawned(key, started, now);
         match (id, result) {
             (Some(id), Ok(handle)) => {
@@ -758,28 +774,41 @@ impl PoolState {
                 _ => metrics::SpawnResult::Error,
             };
             metrics::process_started(metrics::COPILOT_BACKEND, outcome, started.elapsed());
+            let mut primed = None;
             if prime && let Ok(handle) = &result {
                 // Placement counts it as starting until then (the caps hold).
-                let primed = tokio::time::timeout(
+                let outcome = tokio::time::timeout(
                     super::prime::PRIME_LIMIT,
                     super::prime::prime(handle, &working_directory),
                 )
                 .await;
-                match primed {
-                    Ok(Ok(())) => tracing::debug!(
-                        pid = handle.pid(),
-                        "Primed a process started ahead of demand."
-                    ),
-                    Ok(Err(error)) => {
-                        tracing::info!(pid = handle.pid(), %error, "Priming a process started ahead of demand failed; it serves unprimed.")
+                primed = Some(match outcome {
+                    Ok(Ok(priming)) => {
+                        tracing::debug!(
+                            pid = handle.pid(),
+                            priming = priming.label(),
+                            "Primed a process started ahead of demand."
+                        );
+                        priming
                     }
-                    Err(_) => tracing::info!(
-                        pid = handle.pid(),
-                        "Priming a process started ahead of demand ran out of time; it serves unprimed."
-                    ),
-                }
+                    Ok(Err(error)) => {
+                        tracing::info!(pid = handle.pid(), %error, "Priming a process started ahead of demand failed; it serves unprimed.");
+                        Priming::Failed
+                    }
+                    Err(_) => {
+                        tracing::info!(
+                            pid = handle.pid(),
+                            "Priming a process started ahead of demand ran out of time; it serves unprimed."
+                        );
+                        Priming::TimedOut
+                    }
+                });
             }
-            let _ = target.cast(PoolMsg::Spawned { key, result });
+            let _ = target.cast(PoolMsg::Spawned {
+                key,
+                result,
+                primed,
+            });
         });
     }
 

@@ -131,6 +131,9 @@ pub enum PoolEvent {
         pid: u32,
         /// Replaces a crashed worker.
         restart: bool,
+        /// How it was primed, when it started ahead of demand (a warm spare, one more
+        /// process for a busy key); `None` for a start a lease waited for.
+        primed: Option<crate::kinds::Priming>,
     },
     /// A worker died (crash, kill, hang, protocol violation).
     WorkerCrashed {

@@ -152,6 +152,7 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
                     pid,
                     restart: true,
                     key_hash,
+                    ..
                 } => {
                     format!("restart: worker {pid} replaces a crashed one (key {key_hash})")
                 }

@@ -22,7 +22,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::ids::CliSessionId;
-use crate::kinds::Eviction;
+use crate::kinds::{Eviction, Priming};
 use crate::worker::WorkerError;
 
 use super::budget::{Others, Room, has_room, make_room};
@@ -231,7 +231,15 @@ pub(crate) enum Settle {
 }
 
 /// A worker's start, as placement hears of it.
-pub(crate) type Started = Result<u32, WorkerError>;
+pub(crate) type Started = Result<StartedWorker, WorkerError>;
+
+/// A worker that started.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StartedWorker {
+    pub(crate) pid: u32,
+    /// How it was primed (`None`: it was not started ahead of demand).
+    pub(crate) primed: Option<Priming>,
+}
 
 struct KeyState<Spec> {
     spec: Spec,
@@ -1650,7 +1658,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         ks.spawning = false;
         match started {
             Ok(_) if closed => None,
-            Ok(pid) => {
+            Ok(StartedWorker { pid, primed }) => {
                 ks.last_start_error = None;
                 let id = self.next_worker_id;
                 self.next_worker_id += 1;
@@ -1665,6 +1673,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                     key_hash: key.short_hash(),
                     pid,
                     restart,
+                    primed,
                 });
                 self.workers.insert(
                     id,

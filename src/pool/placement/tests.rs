@@ -223,7 +223,8 @@ impl Sim {
         self.spawns.remove(0);
         let pid = self.next_pid;
         self.next_pid += 1;
-        let (id, effects) = self.core.spawned(key, Ok(pid), self.now);
+        let started = Ok(StartedWorker { pid, primed: None });
+        let (id, effects) = self.core.spawned(key, started, self.now);
         self.workers.extend(id);
         self.apply(effects);
         id
@@ -1216,7 +1217,10 @@ impl Sim {
                 }
                 let key = self.spawns.remove(pick % self.spawns.len());
                 let started = if ok {
-                    Ok(self.token())
+                    Ok(StartedWorker {
+                        pid: self.token(),
+                        primed: None,
+                    })
                 } else {
                     Err(WorkerError::Spawn("test".into()))
                 };
