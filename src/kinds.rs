@@ -121,8 +121,11 @@ pub enum Priming {
     /// The model guard answered it (a BYOK worker's tunnel): the runtime initialised its model
     /// path on its success path.
     Answered,
-    /// It failed at once (no tunnel: nothing listens where it went): primed, but the runtime's
-    /// failure path leaves it ~30 MiB bigger.
+    /// No tunnel to answer it: the turn was stopped as it began, and the runtime initialised
+    /// its model path up to the call, which the stop dropped before it could fail.
+    Stopped,
+    /// It failed (nothing listens where it went, or the guard refused it): primed, but the
+    /// runtime's failure path leaves it ~30 MiB bigger.
     Refused,
     /// The priming turn failed or ended before its model call: the process serves unprimed.
     Failed,
@@ -132,8 +135,9 @@ pub enum Priming {
 
 impl Priming {
     /// Every value, in a stable order.
-    pub const ALL: [Priming; 4] = [
+    pub const ALL: [Priming; 5] = [
         Priming::Answered,
+        Priming::Stopped,
         Priming::Refused,
         Priming::Failed,
         Priming::TimedOut,
@@ -143,6 +147,7 @@ impl Priming {
     pub fn label(self) -> &'static str {
         match self {
             Priming::Answered => "answered",
+            Priming::Stopped => "stopped",
             Priming::Refused => "refused",
             Priming::Failed => "failed",
             Priming::TimedOut => "timed_out",

@@ -14,6 +14,7 @@ use std::path::Path;
 
 use copilot_pool::auth::{AuthMode, AuthSource, ResolvedAuth, fingerprint};
 use copilot_pool::http::{self, ApiConfig};
+use copilot_pool::kinds::Priming;
 use copilot_pool::pool::{Pool, PoolConfig, PoolEvent, PoolKey};
 use copilot_pool::rpc::messages::{AuthGetStatus, Empty, ProviderConfig, SessionConfig};
 use copilot_pool::scripted_model::{CopilotApiStandIn, ScriptedModel};
@@ -22,7 +23,7 @@ use copilot_pool::worker::{AUTH_TOKEN_ENV, TOKEN_VARIABLES, WorkerHandle};
 use serde_json::{Value, json};
 use support::api::summary;
 use support::http::{Daemon, call};
-use support::pool_fixture::{Fixture, shutdown_leaves_nothing, wait_event};
+use support::pool_fixture::{Fixture, shutdown_leaves_nothing, token, wait_event};
 use support::procs::{environ, group_members};
 
 /// The command line of a live process.
@@ -186,6 +187,44 @@ fn chats(stand_in: &CopilotApiStandIn) -> Vec<Option<String>> {
         .filter(|r| r.path == "/chat/completions")
         .map(|r| r.bearer().map(str::to_owned))
         .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_keys_warm_spare_is_primed_by_a_turn_stopped_before_its_model_call_can_fail() {
+    let fx = Fixture::new().await;
+    let stand_in = fx.model.serve_copilot_api().await.expect("stand-in");
+    let mut config = config_with(&fx, &stand_in).await;
+    // One conversation per process: the key is full after its first lease, so it keeps a
+    // spare.
+    config.max_sessions_per_process = 1;
+    config.warm_spares = 1;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+
+    // A token-mode conversation: no provider, so no tunnel answers its process's calls.
+    let mut req = fx.request("agent-a", "conv-1");
+    req.provider = None;
+    req.auth = token("v1");
+    let mut lease = pool.lease(req).await.expect("lease");
+    let first_pid = lease.worker_pid();
+    let outcome = lease.run("REPLY=one").await.expect("turn");
+    assert_eq!(outcome.text, "one");
+    drop(lease);
+
+    // Its spare's priming turn went up to its model call and was stopped there: the call
+    // never failed (a failed call leaves the runtime ~30 MiB bigger) and reached no model.
+    let primed = match wait_event(
+        &mut events,
+        |e| matches!(e, PoolEvent::WorkerStarted { pid, .. } if *pid != first_pid),
+    )
+    .await
+    {
+        PoolEvent::WorkerStarted { primed, .. } => primed,
+        other => unreachable!("{other:?}"),
+    };
+    assert_eq!(primed, Some(Priming::Stopped));
+    assert_eq!(chats(&stand_in).len(), 1, "only the real turn's model call");
+    shutdown_leaves_nothing(&pool).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

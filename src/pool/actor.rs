@@ -30,6 +30,7 @@ use super::lease::OpenReason;
 use super::placement::{
     Abandon, Ask, DetachTarget, Effect, Granted, Limits, Placement, RequestId, StartedWorker,
 };
+use super::prime::{PrimeVia, PrimingSink};
 use super::status::{PoolEvent, PoolStatus};
 use super::warm::{Recent, Reopen};
 
@@ -262,6 +263,9 @@ pub(crate) struct PoolState {
     /// Each key's recently opened conversations, for its warm spare.
     recent: Recent,
     bindings: std::sync::Arc<BindingStore>,
+    /// Where a priming turn of a worker without a tunnel sends its model call (`None`: the
+    /// loopback listener could not be bound; such a call fails at once).
+    priming_sink: Option<PrimingSink>,
 }
 
 impl Drop for PoolState {
@@ -284,6 +288,13 @@ impl Actor for PoolActor {
     ) -> Result<PoolState, ActorProcessingErr> {
         let interval = args.config.maintenance_interval;
         let tick = (!interval.is_zero()).then(|| myself.send_interval(interval, || PoolMsg::Tick));
+        let priming_sink = match PrimingSink::bind().await {
+            Ok(sink) => Some(sink),
+            Err(error) => {
+                tracing::debug!(%error, "No loopback listener for priming turns; a priming without a tunnel will see its model call fail.");
+                None
+            }
+        };
         Ok(PoolState {
             core: Placement::new(Limits::from(&args.config)),
             handles: HashMap::new(),
@@ -302,6 +313,7 @@ impl Actor for PoolActor {
                 0
             }),
             bindings: args.bindings,
+            priming_sink,
         })
     }
 
@@ -765,6 +777,11 @@ impl PoolState {
         let target = self.myself.clone();
         let supervisor = self.myself.get_cell();
         let working_directory = spec.working_directory.clone();
+        let via = match (&spec.model_tunnel, &self.priming_sink) {
+            (Some(_), _) => PrimeVia::Tunnel,
+            (None, Some(sink)) => PrimeVia::Sink(sink.base_url()),
+            (None, None) => PrimeVia::Nothing,
+        };
         tokio::spawn(async move {
             let started = Instant::now();
             let result = WorkerHandle::start_supervised(spec, supervisor).await;
@@ -779,7 +796,7 @@ impl PoolState {
                 // Placement counts it as starting until then (the caps hold).
                 let outcome = tokio::time::timeout(
                     super::prime::PRIME_LIMIT,
-                    super::prime::prime(handle, &working_directory),
+                    super::prime::prime(handle, &working_directory, &via),
                 )
                 .await;
                 primed = Some(match outcome {
