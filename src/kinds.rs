@@ -652,6 +652,16 @@ mod tests {
     }
 
     #[test]
+    fn every_priming_serializes_as_its_label() {
+        for priming in Priming::ALL {
+            assert_eq!(
+                serde_json::to_value(priming).expect("serialize"),
+                priming.label()
+            );
+        }
+    }
+
+    #[test]
     fn every_turn_end_serializes_as_its_label() {
         for end in TurnEnd::ALL {
             assert_eq!(serde_json::to_value(end).expect("serialize"), end.label());

@@ -24,33 +24,41 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 
 use crate::kinds::Priming;
 use crate::rpc::messages::{ProviderConfig, SessionConfig};
 use crate::secret::Secret;
 use crate::worker::{Session, SessionUpdate, WorkerError, WorkerHandle};
 
-/// How long a priming may take in all (its abort included).
-pub(crate) const PRIME_LIMIT: Duration = Duration::from_secs(5);
+/// How long the priming turn may run, from its send to its `session.idle`.
+const TURN_LIMIT: Duration = Duration::from_secs(4);
+/// How long a priming turn that did not end may take to settle after its abort.
+const SETTLE_LIMIT: Duration = Duration::from_secs(1);
+/// A bound on a whole priming (its session's create and delete included), for the caller.
+pub(crate) const PRIME_LIMIT: Duration = Duration::from_secs(7);
 
 /// The model endpoint of a tunnelled priming turn (the guard answers it) and of one with no
 /// sink: nothing listens on loopback port 1, so a direct call fails at once.
 const PRIMING_ENDPOINT: &str = crate::model_guard::PRIMING_BASE_URL;
 
 /// Connections the sink holds at once; more are closed as they come (a priming holds one,
-/// for well under [`PRIME_LIMIT`]).
+/// for well under [`TURN_LIMIT`]).
 const SINK_CONNECTIONS: usize = 16;
 
-/// A loopback listener that takes a priming turn's model call and never answers it (each
-/// connection read to its end, for at most [`PRIME_LIMIT`], at most [`SINK_CONNECTIONS`] at
-/// once), so the turn can be stopped at its call's start before the call fails. It holds
-/// no state and sends nothing; its task ends when it is dropped.
+/// How long the sink waits after a failed accept (out of file descriptors, say) before the
+/// next, so a failure that persists does not spin.
+const SINK_ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// A loopback listener that takes a priming turn's model call and never answers it: each
+/// connection is read to its end, for at most [`TURN_LIMIT`], at most [`SINK_CONNECTIONS`]
+/// at once (any local process may connect; one that holds them all only makes primings
+/// fail, as without the sink), so the turn can be stopped at its call's start before the
+/// call fails. It holds no state and sends nothing; its listener and every connection it
+/// holds are closed when it is dropped.
 #[derive(Debug)]
 pub(crate) struct PrimingSink {
     addr: SocketAddr,
@@ -62,22 +70,27 @@ impl PrimingSink {
     pub(crate) async fn bind() -> std::io::Result<Self> {
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
         let addr = listener.local_addr()?;
-        let permits = Arc::new(Semaphore::new(SINK_CONNECTIONS));
         let task = tokio::spawn(async move {
+            // The connections' tasks live in the accept task: its abort drops them all.
+            let mut held = JoinSet::new();
             loop {
-                let Ok((mut stream, _)) = listener.accept().await else {
-                    continue;
+                while held.try_join_next().is_some() {}
+                let mut stream = match listener.accept().await {
+                    Ok((stream, _)) => stream,
+                    Err(_) => {
+                        tokio::time::sleep(SINK_ACCEPT_BACKOFF).await;
+                        continue;
+                    }
                 };
-                let Ok(permit) = permits.clone().try_acquire_owned() else {
+                if held.len() >= SINK_CONNECTIONS {
                     continue;
-                };
-                tokio::spawn(async move {
+                }
+                held.spawn(async move {
                     let _ = tokio::time::timeout(
-                        PRIME_LIMIT,
+                        TURN_LIMIT,
                         tokio::io::copy(&mut stream, &mut tokio::io::sink()),
                     )
                     .await;
-                    drop(permit);
                 });
             }
         });
@@ -114,10 +127,15 @@ pub(crate) enum PrimeError {
     Worker(#[from] WorkerError),
     #[error("the priming turn ended before its model call")]
     Ended,
+    #[error("the priming turn ended without an answer to its model call")]
+    Unanswered,
+    #[error("the priming turn did not end within {TURN_LIMIT:?}")]
+    TimedOut,
 }
 
-/// Runs the priming turn on `worker` (see the module doc), its model call going `via`,
-/// bounded by the caller. Returns how its model call went, or why it stopped short.
+/// Runs the priming turn on `worker` (see the module doc), its model call going `via`.
+/// Returns how its model call went, or why it stopped short; the throwaway session is
+/// deleted either way (a failed delete is logged: it leaves that session's state behind).
 pub(crate) async fn prime(
     worker: &WorkerHandle,
     working_directory: &Path,
@@ -139,58 +157,117 @@ pub(crate) async fn prime(
         ..Default::default()
     };
     let mut session = worker.create_session(config).await?;
-    let ran = run_priming_turn(&mut session, matches!(via, PrimeVia::Tunnel)).await;
-    // A turn that got as far as its `session.idle` is over; one cut short by the worker is
-    // stopped, if it still runs. Either way the session is removed (its state too).
-    if matches!(ran, Err(PrimeError::Worker(_))) {
-        let _ = session.abort_and_settle(PRIME_LIMIT).await;
+    let ran = match session.send("copilot-pool priming turn").await {
+        Err(error) => Err(PrimeError::Worker(error)),
+        Ok(_) => {
+            let turn = PrimingTurn::new(matches!(via, PrimeVia::Tunnel));
+            let followed = tokio::time::timeout(TURN_LIMIT, follow(&mut session, turn))
+                .await
+                .unwrap_or(Err(PrimeError::TimedOut));
+            // A turn that got to its `session.idle` is over; any other may still run.
+            if !matches!(
+                followed,
+                Ok(_) | Err(PrimeError::Ended | PrimeError::Unanswered)
+            ) {
+                let _ = session.abort_and_settle(SETTLE_LIMIT).await;
+            }
+            followed
+        }
+    };
+    if let Err(error) = session.delete().await {
+        tracing::info!(%error, "The priming session could not be deleted; its state stays in the agent's home.");
     }
-    session.delete().await?;
     ran
 }
 
-/// Sends the priming turn and follows it to its `session.idle`: when `tunnelled`, to the
-/// end of its answered call; otherwise it is stopped at its call's start. A call that
-/// fails stops it too (the runtime would retry for ~23 s).
-async fn run_priming_turn(session: &mut Session, tunnelled: bool) -> Result<Priming, PrimeError> {
-    session.send("copilot-pool priming turn").await?;
-    let (mut called, mut answered, mut failed, mut stopped) = (false, false, false, false);
+/// Follows the sent priming turn to its `session.idle`, stopping it when `turn` says so.
+async fn follow(session: &mut Session, mut turn: PrimingTurn) -> Result<Priming, PrimeError> {
     while let Some(update) = session.next().await {
-        let event = match update {
-            SessionUpdate::Event(event) => event,
+        match update {
+            SessionUpdate::Event(event) => match turn.on_event(event.event_type()) {
+                Step::Go => {}
+                Step::Stop => {
+                    session.abort().await?;
+                }
+                Step::Done(outcome) => return outcome,
+            },
             SessionUpdate::Ended(error) => return Err(PrimeError::Worker(error)),
             // Nothing is offered to the priming turn: requests are refused by their drop.
-            _ => continue,
-        };
-        let stop = match event.event_type() {
-            "model.call_start" => {
-                called = true;
-                !tunnelled
-            }
-            "assistant.message" => {
-                answered = true;
-                false
-            }
-            "model.call_failure" | "session.error" => {
-                failed = true;
-                true
-            }
-            "session.idle" => {
-                return match (failed, answered, called && stopped) {
-                    (true, _, _) => Ok(Priming::Refused),
-                    (false, true, _) => Ok(Priming::Answered),
-                    (false, false, true) => Ok(Priming::Stopped),
-                    (false, false, false) => Err(PrimeError::Ended),
-                };
-            }
-            _ => false,
-        };
-        if stop && !stopped {
-            stopped = true;
-            session.abort().await?;
+            _ => {}
         }
     }
     Err(PrimeError::Ended)
+}
+
+/// What the priming turn's next event calls for.
+#[derive(Debug)]
+enum Step {
+    Go,
+    /// Abort the turn (once).
+    Stop,
+    /// The turn is over: how its model call went.
+    Done(Result<Priming, PrimeError>),
+}
+
+/// The priming turn as its events tell it (state in, decisions out): tunnelled, it runs to
+/// the end of its answered call; otherwise it is stopped at its call's start. A call that
+/// fails stops it too (the runtime would retry for ~23 s).
+#[derive(Debug)]
+struct PrimingTurn {
+    tunnelled: bool,
+    called: bool,
+    answered: bool,
+    failed: bool,
+    stopped: bool,
+}
+
+impl PrimingTurn {
+    fn new(tunnelled: bool) -> Self {
+        Self {
+            tunnelled,
+            called: false,
+            answered: false,
+            failed: false,
+            stopped: false,
+        }
+    }
+
+    fn on_event(&mut self, event_type: &str) -> Step {
+        let stop = match event_type {
+            "model.call_start" => {
+                self.called = true;
+                !self.tunnelled
+            }
+            "assistant.message" => {
+                self.answered = true;
+                false
+            }
+            "model.call_failure" | "session.error" => {
+                self.failed = true;
+                true
+            }
+            "session.idle" => return Step::Done(self.outcome()),
+            _ => false,
+        };
+        if stop && !self.stopped {
+            self.stopped = true;
+            Step::Stop
+        } else {
+            Step::Go
+        }
+    }
+
+    /// How the turn went, at its end. Without a model call's start the process is not
+    /// primed, whatever else happened.
+    fn outcome(&self) -> Result<Priming, PrimeError> {
+        match (self.called, self.failed, self.answered, self.stopped) {
+            (false, ..) => Err(PrimeError::Ended),
+            (true, true, _, _) => Ok(Priming::Refused),
+            (true, false, true, _) => Ok(Priming::Answered),
+            (true, false, false, true) => Ok(Priming::Stopped),
+            (true, false, false, false) => Err(PrimeError::Unanswered),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -209,8 +286,12 @@ mod tests {
         assert!(sink.base_url().starts_with("http://127.0.0.1:"));
         let mut stream = TcpStream::connect(sink.addr).await.expect("connect");
         stream.write_all(REQUEST).await.expect("the request");
-        // The caller gives up (as a stopped turn's call does): the sink has sent nothing and
-        // closes its side once it has read the whole request.
+        // While the caller waits, nothing comes back and the connection stays open.
+        let mut byte = [0u8; 1];
+        let waited = tokio::time::timeout(Duration::from_millis(200), stream.read(&mut byte)).await;
+        assert!(waited.is_err(), "the sink answered or closed: {waited:?}");
+        // The caller gives up (as a stopped turn's call does): the sink, at the end of what
+        // it reads, closes its side having sent nothing.
         stream.shutdown().await.expect("shutdown");
         let mut answer = Vec::new();
         stream.read_to_end(&mut answer).await.expect("read");
@@ -220,14 +301,27 @@ mod tests {
     #[tokio::test]
     async fn the_sink_holds_at_most_sixteen_connections_and_closes_the_rest_at_once() {
         let sink = PrimingSink::bind().await.expect("bind");
+        let held = fill(&sink).await;
+        // The sixteen are still open (nothing to read, no end).
+        let mut byte = [0u8; 1];
+        for stream in &held {
+            let open = stream.try_read(&mut byte);
+            assert!(
+                matches!(&open, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+                "a held connection was answered or closed: {open:?}"
+            );
+        }
+    }
+
+    /// Connects `SINK_CONNECTIONS` callers that each sent a request, and returns them once
+    /// the sink holds them all (the next connection, accepted after them, is closed unread).
+    async fn fill(sink: &PrimingSink) -> Vec<TcpStream> {
         let mut held = Vec::new();
         for _ in 0..SINK_CONNECTIONS {
             let mut stream = TcpStream::connect(sink.addr).await.expect("connect");
             stream.write_all(REQUEST).await.expect("the request");
             held.push(stream);
         }
-        // The sink takes connections one at a time, so this one is accepted after the others:
-        // with no permit left it is closed unread.
         let mut over = TcpStream::connect(sink.addr).await.expect("connect");
         let mut byte = [0u8; 1];
         let read = tokio::time::timeout(Duration::from_secs(10), over.read(&mut byte)).await;
@@ -235,23 +329,116 @@ mod tests {
             matches!(read, Ok(Ok(0))),
             "the seventeenth connection is closed at once: {read:?}"
         );
-        drop(held);
+        held
     }
 
     #[tokio::test]
-    async fn a_dropped_sink_stops_listening() {
+    async fn a_dropped_sink_closes_its_listener_and_the_connections_it_held() {
         let sink = PrimingSink::bind().await.expect("bind");
         let addr = sink.addr;
+        let held = fill(&sink).await;
         drop(sink);
-        // The aborted task drops the listener on its way out.
-        let mut refused = false;
-        for _ in 0..100 {
-            if TcpStream::connect(addr).await.is_err() {
-                refused = true;
-                break;
-            }
-            tokio::task::yield_now().await;
+        for mut stream in held {
+            // Well before the sink's own limit on a connection would close it.
+            let mut byte = [0u8; 1];
+            let read = tokio::time::timeout(TURN_LIMIT / 2, stream.read(&mut byte)).await;
+            assert!(
+                matches!(read, Ok(Ok(0))),
+                "a held connection is closed with the sink: {read:?}"
+            );
         }
-        assert!(refused, "the sink's port still accepts connections");
+        // The aborted task dropped the listener on its way out.
+        assert!(TcpStream::connect(addr).await.is_err());
+    }
+
+    /// Feeds `events` to a priming turn; returns the stops it asked for and its outcome.
+    fn run(tunnelled: bool, events: &[&str]) -> (usize, Option<Result<Priming, PrimeError>>) {
+        let mut turn = PrimingTurn::new(tunnelled);
+        let mut stops = 0;
+        for event in events {
+            match turn.on_event(event) {
+                Step::Go => {}
+                Step::Stop => stops += 1,
+                Step::Done(outcome) => return (stops, Some(outcome)),
+            }
+        }
+        (stops, None)
+    }
+
+    #[test]
+    fn a_tunnelled_priming_runs_to_the_end_of_its_answered_call() {
+        let (stops, outcome) = run(
+            true,
+            &[
+                "user.message",
+                "model.call_start",
+                "model.call_finished",
+                "assistant.message",
+                "session.idle",
+            ],
+        );
+        assert_eq!(stops, 0);
+        assert!(
+            matches!(outcome, Some(Ok(Priming::Answered))),
+            "{outcome:?}"
+        );
+    }
+
+    #[test]
+    fn a_priming_without_a_tunnel_is_stopped_once_at_its_calls_start() {
+        let (stops, outcome) = run(
+            false,
+            &[
+                "user.message",
+                "model.turn_started",
+                "model.call_start",
+                "model.call_start",
+                "agent.interrupted",
+                "model.turn_failed",
+                "session.idle",
+            ],
+        );
+        assert_eq!(stops, 1);
+        assert!(matches!(outcome, Some(Ok(Priming::Stopped))), "{outcome:?}");
+    }
+
+    #[test]
+    fn a_failed_call_stops_the_turn_and_primes_at_its_cost() {
+        for tunnelled in [true, false] {
+            let (stops, outcome) = run(
+                tunnelled,
+                &[
+                    "model.call_start",
+                    "model.call_failure",
+                    "session.error",
+                    "session.idle",
+                ],
+            );
+            assert_eq!(stops, 1);
+            assert!(matches!(outcome, Some(Ok(Priming::Refused))), "{outcome:?}");
+        }
+    }
+
+    #[test]
+    fn a_turn_that_ends_before_its_call_leaves_the_process_unprimed() {
+        // An error before any call (the model's setup failed), or an early end.
+        let (_, outcome) = run(false, &["user.message", "session.error", "session.idle"]);
+        assert!(
+            matches!(outcome, Some(Err(PrimeError::Ended))),
+            "{outcome:?}"
+        );
+        let (_, outcome) = run(true, &["user.message", "session.idle"]);
+        assert!(
+            matches!(outcome, Some(Err(PrimeError::Ended))),
+            "{outcome:?}"
+        );
+        // A tunnelled call that got no answer and no failure.
+        let (_, outcome) = run(true, &["model.call_start", "session.idle"]);
+        assert!(
+            matches!(outcome, Some(Err(PrimeError::Unanswered))),
+            "{outcome:?}"
+        );
+        // No end yet: nothing decided.
+        assert!(run(false, &["model.call_start"]).1.is_none());
     }
 }
