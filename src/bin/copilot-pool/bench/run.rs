@@ -346,6 +346,10 @@ async fn talk(
                 if peaks.samples == 0 {
                     peaks.sample(root, pool);
                 }
+                // The after-load figure starts here, before the workload stops anything: the
+                // SDK's clients may stop, and their runtimes exit, before the next tick (a
+                // tiny run's after-load figure was then 0).
+                after_load.sample(root, pool);
                 phase = Phase::AfterLoad;
                 stdin
                     .write_all(b"measured\n")
