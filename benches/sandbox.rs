@@ -58,7 +58,7 @@ async fn main() {
         std::fs::create_dir_all(&home).expect("home");
         let mut c = WorkerConfig::new(program.clone(), home.clone(), home);
         if sandboxed {
-            c.sandbox = Some(sandbox().for_agent(&agent, None).expect("sandbox"));
+            c.sandbox = Some(sandbox().for_agent(&agent, &[]).expect("sandbox"));
         } else {
             c.extra_env = vec![("HOME".into(), agent.display().to_string())];
         }

@@ -157,13 +157,9 @@ impl Sandbox {
 
     /// This sandbox for one agent whose directory is `agent_root` (its `COPILOT_HOME` and
     /// work directory lie inside): `agent_root` read and write, `<agent_root>/tmp` (created,
-    /// mode 0700) as the temporary directory, `agent_root` as `HOME`, and `provider_port`
-    /// allowed for TCP connect when given (a BYOK provider reached directly).
-    pub fn for_agent(
-        &self,
-        agent_root: &Path,
-        provider_port: Option<u16>,
-    ) -> Result<Sandbox, SandboxError> {
+    /// mode 0700) as the temporary directory, `agent_root` as `HOME`, and `ports` allowed for
+    /// TCP connect too (a BYOK provider reached directly, the pool's priming sink).
+    pub fn for_agent(&self, agent_root: &Path, ports: &[u16]) -> Result<Sandbox, SandboxError> {
         let mut sandbox = self.clone();
         let temp = agent_root.join("tmp");
         crate::home::ensure_private_dir(&temp).map_err(|source| SandboxError::TempDir {
@@ -173,10 +169,12 @@ impl Sandbox {
         sandbox.read_write.push(agent_root.to_path_buf());
         sandbox.temp_dir = Some(temp);
         sandbox.home = Some(agent_root.to_path_buf());
-        if let (Some(port), Some(ports)) = (provider_port, sandbox.tcp_connect.as_mut())
-            && !ports.contains(&port)
-        {
-            ports.push(port);
+        if let Some(allowed) = sandbox.tcp_connect.as_mut() {
+            for port in ports {
+                if !allowed.contains(port) {
+                    allowed.push(*port);
+                }
+            }
         }
         Ok(sandbox)
     }
@@ -289,7 +287,7 @@ impl Sandbox {
         agent_root: &Path,
         model_ports: &[u16],
     ) -> Result<Sandbox, SandboxError> {
-        let mut sandbox = self.for_agent(agent_root, None)?;
+        let mut sandbox = self.for_agent(agent_root, &[])?;
         if let Some(ports) = sandbox.tcp_connect.as_mut() {
             ports.clear();
             ports.extend_from_slice(model_ports);
@@ -526,7 +524,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let agent = dir.path().join("agents/a1");
         std::fs::create_dir_all(&agent).unwrap();
-        let s = sandbox().for_agent(&agent, Some(8080)).unwrap();
+        let s = sandbox().for_agent(&agent, &[8080]).unwrap();
         assert_eq!(s.read_write, std::slice::from_ref(&agent));
         assert_eq!(s.temp_dir.as_deref(), Some(agent.join("tmp").as_path()));
         assert!(agent.join("tmp").is_dir());
@@ -541,10 +539,7 @@ mod tests {
         // An unrestricted sandbox stays unrestricted.
         let mut open = sandbox();
         open.tcp_connect = None;
-        assert_eq!(
-            open.for_agent(&agent, Some(8080)).unwrap().tcp_connect,
-            None
-        );
+        assert_eq!(open.for_agent(&agent, &[8080]).unwrap().tcp_connect, None);
     }
 
     #[test]

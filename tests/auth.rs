@@ -10,13 +10,14 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use copilot_pool::auth::{AuthMode, AuthSource, ResolvedAuth, fingerprint};
 use copilot_pool::http::{self, ApiConfig};
 use copilot_pool::kinds::Priming;
 use copilot_pool::pool::{Pool, PoolConfig, PoolEvent, PoolKey};
 use copilot_pool::rpc::messages::{AuthGetStatus, Empty, ProviderConfig, SessionConfig};
+use copilot_pool::sandbox::Sandbox;
 use copilot_pool::scripted_model::{CopilotApiStandIn, ScriptedModel};
 use copilot_pool::secret::Secret;
 use copilot_pool::worker::{AUTH_TOKEN_ENV, TOKEN_VARIABLES, WorkerHandle};
@@ -224,6 +225,61 @@ async fn a_token_keys_warm_spare_is_primed_by_a_turn_stopped_before_its_model_ca
     };
     assert_eq!(primed, Some(Priming::Stopped));
     assert_eq!(chats(&stand_in).len(), 1, "only the real turn's model call");
+    shutdown_leaves_nothing(&pool).await;
+}
+
+/// As above, the worker in its sandbox (TCP connect to its template's ports only): the pool
+/// lets it reach the priming sink, so its priming is still stopped before the call fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandboxed_token_keys_spare_reaches_the_priming_sink_too() {
+    let fx = Fixture::new().await;
+    let stand_in = fx.model.serve_copilot_api().await.expect("stand-in");
+    let mut config = config_with(&fx, &stand_in).await;
+    config.max_sessions_per_process = 1;
+    config.warm_spares = 1;
+    let mut sandbox = Sandbox::new(
+        PathBuf::from(env!("CARGO_BIN_EXE_copilot-pool")),
+        vec!["sandbox-exec".into()],
+    );
+    sandbox.required = true;
+    if let Some(dir) = config.worker.program.parent() {
+        sandbox.read_exec.push(dir.to_path_buf());
+    }
+    if let Some(ports) = sandbox.tcp_connect.as_mut() {
+        ports.extend(stand_in.runtime_env().iter().filter_map(|(_, url)| {
+            url.rsplit(':')
+                .next()?
+                .trim_end_matches('/')
+                .parse::<u16>()
+                .ok()
+        }));
+    }
+    config.worker.sandbox = Some(sandbox);
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+
+    let work = fx.scratch.path().join("agents/agents/agent-a/work");
+    std::fs::create_dir_all(&work).expect("work dir");
+    let mut req = fx.request("agent-a", "conv-1");
+    req.working_directory = work;
+    req.provider = None;
+    req.auth = token("v1");
+    let mut lease = pool.lease(req).await.expect("lease");
+    let first_pid = lease.worker_pid();
+    let outcome = lease.run("REPLY=one").await.expect("turn");
+    assert_eq!(outcome.text, "one");
+    drop(lease);
+
+    let primed = match wait_event(
+        &mut events,
+        |e| matches!(e, PoolEvent::WorkerStarted { pid, .. } if *pid != first_pid),
+    )
+    .await
+    {
+        PoolEvent::WorkerStarted { primed, .. } => primed,
+        other => unreachable!("{other:?}"),
+    };
+    assert_eq!(primed, Some(Priming::Stopped));
     shutdown_leaves_nothing(&pool).await;
 }
 

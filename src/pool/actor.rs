@@ -173,6 +173,8 @@ pub(crate) struct PoolArgs {
     pub(crate) cli: std::sync::Arc<CliPool>,
     /// The conversations' bindings (a resume ahead reads them).
     pub(crate) bindings: std::sync::Arc<BindingStore>,
+    /// Where primings without a tunnel send their model call.
+    pub(crate) priming_sink: Option<PrimingSink>,
 }
 
 /// What a runtime's "session not found" answer to a detach means.
@@ -288,13 +290,6 @@ impl Actor for PoolActor {
     ) -> Result<PoolState, ActorProcessingErr> {
         let interval = args.config.maintenance_interval;
         let tick = (!interval.is_zero()).then(|| myself.send_interval(interval, || PoolMsg::Tick));
-        let priming_sink = match PrimingSink::bind().await {
-            Ok(sink) => Some(sink),
-            Err(error) => {
-                tracing::warn!(%error, "No loopback listener for priming turns: a process primed without a tunnel will see its model call fail (~30 MiB more runtime memory each).");
-                None
-            }
-        };
         Ok(PoolState {
             core: Placement::new(Limits::from(&args.config)),
             handles: HashMap::new(),
@@ -313,7 +308,7 @@ impl Actor for PoolActor {
                 0
             }),
             bindings: args.bindings,
-            priming_sink,
+            priming_sink: args.priming_sink,
         })
     }
 

@@ -92,6 +92,9 @@ struct PoolInner {
     closed: watch::Sender<bool>,
     /// The conversations of CLI backends.
     cli: Arc<cli::CliPool>,
+    /// The port of the pool's priming sink (the actor owns it), which a sandboxed worker
+    /// without a tunnel may connect to.
+    priming_port: Option<u16>,
 }
 
 impl Drop for PoolInner {
@@ -147,12 +150,21 @@ impl Pool {
         spawn_cli_maintenance(&cli, config.idle_ttl, config.maintenance_interval);
         let (leased_tx, leased_rx) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);
+        let priming_sink = match prime::PrimingSink::bind().await {
+            Ok(sink) => Some(sink),
+            Err(error) => {
+                tracing::warn!(%error, "No loopback listener for priming turns: a process primed without a tunnel will see its model call fail (~30 MiB more runtime memory each).");
+                None
+            }
+        };
+        let priming_port = priming_sink.as_ref().map(prime::PrimingSink::port);
         let args = PoolArgs {
             config: config.clone(),
             leased: leased_tx,
             events: events.clone(),
             cli: cli.clone(),
             bindings: bindings.clone(),
+            priming_sink,
         };
         let (actor, _) = Actor::spawn(None, PoolActor, args)
             .await
@@ -173,6 +185,7 @@ impl Pool {
                 events,
                 closed: watch::channel(false).0,
                 cli,
+                priming_port,
             }),
         })
     }
@@ -576,7 +589,13 @@ impl Pool {
         // The sandbox's walls follow the spec as set above (a BYOK key's model goes over
         // the tunnel, so its workers need no provider port).
         if let Some(template) = spec.sandbox.take() {
-            spec.sandbox = Some(agent_sandbox(&template, req, home, &spec)?);
+            spec.sandbox = Some(agent_sandbox(
+                &template,
+                req,
+                home,
+                &spec,
+                self.inner.priming_port,
+            )?);
         }
         Ok(spec)
     }
@@ -770,24 +789,46 @@ fn spawn_cli_maintenance(cli: &Arc<cli::CliPool>, ttl: Duration, every: Duration
 /// refuses to combine with a session token ("Cannot specify both gitHubToken and provider").
 /// Logged-in mode sets no session-level credential.
 /// The key's sandbox: the template with the agent's own directory (its `COPILOT_HOME`'s
-/// parent, where the work directory lies too, or the explicit home itself) and, for a BYOK
-/// provider reached directly (no model tunnel), its port. A working directory the runtime
-/// could not write is refused here, before anything starts.
+/// parent, where the work directory lies too, or the explicit home itself) and the ports of
+/// [`worker_model_ports`]. A working directory the runtime could not write is refused here,
+/// before anything starts.
 fn agent_sandbox(
     template: &crate::sandbox::Sandbox,
     req: &LeaseRequest,
     home: &std::path::Path,
     spec: &crate::worker::WorkerConfig,
+    priming_port: Option<u16>,
 ) -> Result<crate::sandbox::Sandbox, PoolError> {
     let agent_root = match (&req.copilot_home, home.parent()) {
         (None, Some(parent)) => parent,
         _ => home,
     };
-    let provider_port = match (&req.provider, &spec.model_tunnel) {
-        (Some(provider), None) => crate::sandbox::url_port(&provider.base_url),
-        _ => None,
-    };
-    Ok(template.for_agent(agent_root, provider_port)?)
+    let ports = worker_model_ports(
+        req.provider.as_ref(),
+        spec.model_tunnel.is_some(),
+        priming_port,
+    );
+    Ok(template.for_agent(agent_root, &ports)?)
+}
+
+/// The TCP ports a sandboxed worker connects to beyond its template's: none for a worker
+/// whose model calls go over its tunnel; otherwise a BYOK provider's port (reached
+/// directly), and the pool's priming sink, so a priming turn's call reaches it instead of
+/// failing (which costs the runtime ~30 MiB). The sink's port adds no reach worth having:
+/// it is one more port on any address, beside the template's 443 on any address.
+fn worker_model_ports(
+    provider: Option<&ProviderConfig>,
+    tunnelled: bool,
+    priming_port: Option<u16>,
+) -> Vec<u16> {
+    if tunnelled {
+        return Vec::new();
+    }
+    provider
+        .and_then(|p| crate::sandbox::url_port(&p.base_url))
+        .into_iter()
+        .chain(priming_port)
+        .collect()
 }
 
 /// The sandbox of an agent's CLI backend processes: the workers' template with the agent's
@@ -1386,6 +1427,22 @@ mod tests {
     use crate::auth::{LeaseAuth, resolve};
     use crate::rpc::messages::ProviderConfig;
     use crate::secret::Secret;
+
+    #[test]
+    fn a_sandboxed_worker_without_a_tunnel_may_reach_the_priming_sink_and_its_provider() {
+        let provider = ProviderConfig::openai("http://10.0.0.7:8080/v1", None);
+        // Token mode: the runtime's own API is the template's 443; the sink is added.
+        assert_eq!(worker_model_ports(None, false, Some(41234)), vec![41234]);
+        // A BYOK provider reached directly: its port and the sink's.
+        assert_eq!(
+            worker_model_ports(Some(&provider), false, Some(41234)),
+            vec![8080, 41234]
+        );
+        // No sink (it could not be bound): the provider's port alone.
+        assert_eq!(worker_model_ports(Some(&provider), false, None), vec![8080]);
+        // Every model call over the tunnel (the guard answers the priming): nothing more.
+        assert!(worker_model_ports(Some(&provider), true, Some(41234)).is_empty());
+    }
 
     fn request(auth: LeaseAuth, provider: Option<ProviderConfig>) -> LeaseRequest {
         let mut req = LeaseRequest::new("a", "s", "/w".into());

@@ -13,9 +13,10 @@
 //!   takes the request and never answers, and the turn is stopped at the call's start: the
 //!   runtime has initialised its model path, and the stop drops the call before it could
 //!   fail ([`Priming::Stopped`]; the next real turn 39–64 ms against ~350 ms unprimed).
-//!   Where the sink cannot be reached (no sink, or a sandbox that allows no such port) the
-//!   call fails at once and the turn is stopped at that failure, as the runtime would retry
-//!   for ~23 s ([`Priming::Refused`]: primed too, at the failure's cost). A stop sent any
+//!   (A sandboxed worker is allowed the sink's port.) Where there is no sink (it could not
+//!   be bound) the call fails at once and the turn is stopped at that failure, as the
+//!   runtime would retry for ~23 s ([`Priming::Refused`]: primed too, at the failure's
+//!   cost). A stop sent any
 //!   earlier is a race: at the turn's `user.message` it ended the turn before its call in 5
 //!   of 12 runs (not primed); against an endpoint that refuses at once, even at
 //!   `model.turn_started` the call failed first in 7 of 10 runs on a loaded machine.
@@ -95,6 +96,11 @@ impl PrimingSink {
             }
         });
         Ok(Self { addr, task })
+    }
+
+    /// The port it listens on (a sandboxed worker is allowed to connect to it).
+    pub(crate) fn port(&self) -> u16 {
+        self.addr.port()
     }
 
     /// The base URL a priming session's provider gets.
