@@ -115,7 +115,8 @@ impl TurnEnd {
 
 /// How a process started ahead of demand (a warm spare, one more process for a busy key) was
 /// primed: what became of its throwaway turn's model call (`pool::prime`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "http", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Priming {
     /// The model guard answered it (a BYOK worker's tunnel): the runtime initialised its model

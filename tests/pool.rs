@@ -936,13 +936,21 @@ async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_wa
     let (status, spare) = status_with_worker(&pool, spare_pid).await;
     assert_eq!(spare.state, WorkerState::Spare);
     assert_eq!(spare.conversations, 0);
+    assert_eq!(spare.primed, Some(Priming::Answered));
     let json = serde_json::to_value(&status).expect("status json");
     assert!(
-        json["processes"]
-            .as_array()
-            .is_some_and(|ps| ps.iter().any(|p| p["state"] == "spare")),
-        "/v1/pool shows the spare: {json}"
+        json["processes"].as_array().is_some_and(|ps| ps
+            .iter()
+            .any(|p| p["state"] == "spare" && p["primed"] == "answered")),
+        "/v1/pool shows the spare and its priming: {json}"
     );
+    // A process a lease waited for was not primed, and says nothing of it.
+    let first = status
+        .workers
+        .iter()
+        .find(|w| w.pid == first_pid)
+        .expect("the first process");
+    assert_eq!(first.primed, None);
 
     // A new conversation of the agent finds the first process full and takes the spare,
     // started before the lease asked: no start on its path.

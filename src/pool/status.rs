@@ -40,6 +40,10 @@ pub struct WorkerStatus {
     pub restarts: u64,
     /// Resident memory at the last maintenance tick.
     pub rss_bytes: u64,
+    /// How it was primed, when it started ahead of demand (a warm spare, one more process
+    /// for a busy key); absent for a start a lease waited for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub primed: Option<crate::kinds::Priming>,
 }
 
 /// Counters since the pool started.

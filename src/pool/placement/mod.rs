@@ -275,6 +275,8 @@ struct Worker {
     /// A spare whose conversations the pool resumed ahead of their return
     /// ([`Placement::warm_up`]); the first lease that lands on it makes it a serving worker.
     warm: bool,
+    /// How it was primed, when it started ahead of demand.
+    primed: Option<Priming>,
 }
 
 impl Worker {
@@ -995,6 +997,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                     .map(|k| k.restart.total_restarts())
                     .unwrap_or(0),
                 rss_bytes: w.rss_bytes,
+                primed: w.primed,
             })
             .collect();
         workers.sort_by(|a, b| a.key_hash.cmp(&b.key_hash).then(a.pid.cmp(&b.pid)));
@@ -1691,6 +1694,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                         started: now,
                         served: false,
                         warm: false,
+                        primed,
                     },
                 );
                 Some(id)
