@@ -190,20 +190,22 @@ fn chats(stand_in: &CopilotApiStandIn) -> Vec<Option<String>> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_token_keys_warm_spare_is_primed_by_a_turn_stopped_before_its_model_call_can_fail() {
-    let fx = Fixture::new().await;
-    let stand_in = fx.model.serve_copilot_api().await.expect("stand-in");
-    let mut config = config_with(&fx, &stand_in).await;
+/// Starts `config`'s pool with one conversation per process and a warm spare, runs one
+/// token-mode turn of `agent-a` in `work` (no provider: no tunnel answers its process's
+/// calls), and returns how the spare its full key then starts was primed.
+async fn token_spare_priming(
+    fx: &Fixture,
+    mut config: PoolConfig,
+    work: PathBuf,
+) -> Option<Priming> {
     // One conversation per process: the key is full after its first lease, so it keeps a
     // spare.
     config.max_sessions_per_process = 1;
     config.warm_spares = 1;
     let pool = Pool::start(config).await.expect("pool");
     let mut events = pool.subscribe();
-
-    // A token-mode conversation: no provider, so no tunnel answers its process's calls.
     let mut req = fx.request("agent-a", "conv-1");
+    req.working_directory = work;
     req.provider = None;
     req.auth = token("v1");
     let mut lease = pool.lease(req).await.expect("lease");
@@ -211,9 +213,6 @@ async fn a_token_keys_warm_spare_is_primed_by_a_turn_stopped_before_its_model_ca
     let outcome = lease.run("REPLY=one").await.expect("turn");
     assert_eq!(outcome.text, "one");
     drop(lease);
-
-    // Its spare's priming turn went up to its model call and was stopped there: the call
-    // never failed (a failed call leaves the runtime ~30 MiB bigger) and reached no model.
     let primed = match wait_event(
         &mut events,
         |e| matches!(e, PoolEvent::WorkerStarted { pid, .. } if *pid != first_pid),
@@ -223,9 +222,20 @@ async fn a_token_keys_warm_spare_is_primed_by_a_turn_stopped_before_its_model_ca
         PoolEvent::WorkerStarted { primed, .. } => primed,
         other => unreachable!("{other:?}"),
     };
+    shutdown_leaves_nothing(&pool).await;
+    primed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_keys_warm_spare_is_primed_by_a_turn_stopped_before_its_model_call_can_fail() {
+    let fx = Fixture::new().await;
+    let stand_in = fx.model.serve_copilot_api().await.expect("stand-in");
+    let config = config_with(&fx, &stand_in).await;
+    let primed = token_spare_priming(&fx, config, fx.scratch.work()).await;
+    // Its spare's priming turn went up to its model call and was stopped there: the call
+    // never failed (a failed call leaves the runtime ~30 MiB bigger) and reached no model.
     assert_eq!(primed, Some(Priming::Stopped));
     assert_eq!(chats(&stand_in).len(), 1, "only the real turn's model call");
-    shutdown_leaves_nothing(&pool).await;
 }
 
 /// As above, the worker in its sandbox (TCP connect to its template's ports only): the pool
@@ -235,8 +245,6 @@ async fn a_sandboxed_token_keys_spare_reaches_the_priming_sink_too() {
     let fx = Fixture::new().await;
     let stand_in = fx.model.serve_copilot_api().await.expect("stand-in");
     let mut config = config_with(&fx, &stand_in).await;
-    config.max_sessions_per_process = 1;
-    config.warm_spares = 1;
     let mut sandbox = Sandbox::new(
         PathBuf::from(env!("CARGO_BIN_EXE_copilot-pool")),
         vec!["sandbox-exec".into()],
@@ -255,32 +263,11 @@ async fn a_sandboxed_token_keys_spare_reaches_the_priming_sink_too() {
         }));
     }
     config.worker.sandbox = Some(sandbox);
-    let pool = Pool::start(config).await.expect("pool");
-    let mut events = pool.subscribe();
-
+    // The work directory inside the agent's, where the sandbox lets it write.
     let work = fx.scratch.path().join("agents/agents/agent-a/work");
     std::fs::create_dir_all(&work).expect("work dir");
-    let mut req = fx.request("agent-a", "conv-1");
-    req.working_directory = work;
-    req.provider = None;
-    req.auth = token("v1");
-    let mut lease = pool.lease(req).await.expect("lease");
-    let first_pid = lease.worker_pid();
-    let outcome = lease.run("REPLY=one").await.expect("turn");
-    assert_eq!(outcome.text, "one");
-    drop(lease);
-
-    let primed = match wait_event(
-        &mut events,
-        |e| matches!(e, PoolEvent::WorkerStarted { pid, .. } if *pid != first_pid),
-    )
-    .await
-    {
-        PoolEvent::WorkerStarted { primed, .. } => primed,
-        other => unreachable!("{other:?}"),
-    };
+    let primed = token_spare_priming(&fx, config, work).await;
     assert_eq!(primed, Some(Priming::Stopped));
-    shutdown_leaves_nothing(&pool).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
