@@ -89,6 +89,8 @@
 //! * `sdk_endpoint` — the runtime's own JSON-RPC protocol on TCP or a Unix socket, so an
 //!   official Copilot SDK attaches to the pool by URL (feature `sdk-endpoint`, on by default
 //!   through `cli`).
+//! * `chat_completion` — the OpenAI chat-completions wire format rendered once, for the
+//!   scripted model and the guard's answer to a priming call;
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`faults`] — faults injected on purpose (failing durable writes) for chaos runs.
@@ -108,6 +110,7 @@
 
 pub mod auth;
 pub mod backend;
+mod chat_completion;
 pub mod confine;
 mod deadline;
 pub mod fallback;

@@ -10,6 +10,7 @@
 
 use serde_json::{Value, json};
 
+use crate::chat_completion::{self, Completion};
 use crate::tunnel::{ModelRequest, ModelResponse};
 
 /// The model endpoint of the pool's priming turns (`pool::prime`): nothing listens on
@@ -35,66 +36,31 @@ pub(super) fn answer(request: &ModelRequest) -> Option<ModelResponse> {
         return None;
     }
     let body: Value = serde_json::from_slice(&request.body).unwrap_or(Value::Null);
-    let model = body
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or("copilot-pool-prime");
-    let usage = json!({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2});
-    let id = "chatcmpl-copilot-pool-prime";
+    let completion = Completion {
+        id: "chatcmpl-copilot-pool-prime".to_owned(),
+        created: 0,
+        model: body
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or("copilot-pool-prime")
+            .to_owned(),
+        include_usage: body
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            == Some(true),
+        usage: json!({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}),
+    };
     if body.get("stream").and_then(Value::as_bool) != Some(true) {
-        let completion = json!({
-            "id": id,
-            "object": "chat.completion",
-            "created": 0,
-            "model": model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": PRIMING_ANSWER},
-                "finish_reason": "stop",
-            }],
-            "usage": usage,
-        });
+        let message = json!({"role": "assistant", "content": PRIMING_ANSWER});
         return Some(ModelResponse::full(
             200,
             "application/json",
-            completion.to_string(),
+            chat_completion::body(&completion, message, "stop"),
         ));
     }
-    let chunk = |delta: Value, finish: Value| {
-        json!({
-            "id": id,
-            "object": "chat.completion.chunk",
-            "created": 0,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-        })
-    };
-    let mut events = vec![
-        chunk(json!({"role": "assistant", "content": ""}), Value::Null),
-        chunk(json!({"content": PRIMING_ANSWER}), Value::Null),
-        chunk(json!({}), json!("stop")),
-    ];
-    if body
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        == Some(true)
-    {
-        events.push(json!({
-            "id": id,
-            "object": "chat.completion.chunk",
-            "created": 0,
-            "model": model,
-            "choices": [],
-            "usage": usage,
-        }));
-    }
-    let mut text = String::new();
-    for event in events {
-        text.push_str("data: ");
-        text.push_str(&event.to_string());
-        text.push_str("\n\n");
-    }
-    text.push_str("data: [DONE]\n\n");
+    let mut text = chat_completion::role_event(&completion);
+    text.push_str(&chat_completion::content_event(&completion, PRIMING_ANSWER));
+    text.extend(chat_completion::closing_events(&completion, "stop"));
     Some(ModelResponse::full(200, "text/event-stream", text))
 }
 

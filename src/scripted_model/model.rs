@@ -168,6 +168,7 @@ impl Rendering {
             created: self.created,
             model: self.model.clone(),
             include_usage: self.include_usage,
+            usage: openai::usage(),
         }
     }
 

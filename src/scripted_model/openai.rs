@@ -24,21 +24,11 @@ const CHANNEL_CAPACITY: usize = 32;
 /// The message a body ends with when the model shuts down mid-answer.
 pub const SHUTDOWN_MESSAGE: &str = "scripted model shut down";
 
-/// The per-request fields every completion object repeats.
-#[derive(Debug, Clone)]
-pub struct Completion {
-    /// `chatcmpl-scripted-<n>`.
-    pub id: String,
-    /// Unix seconds.
-    pub created: u64,
-    /// The model named in the request (or the scripted model's id).
-    pub model: String,
-    /// Whether a streaming answer ends with a usage chunk.
-    pub include_usage: bool,
-}
+pub use crate::chat_completion::Completion;
+use crate::chat_completion::{chunk_event, closing_events, content_event, role_event};
 
 /// The fixed token usage every answer reports.
-fn usage() -> Value {
+pub(super) fn usage() -> Value {
     use super::ScriptedModel as M;
     json!({
         "prompt_tokens": M::PROMPT_TOKENS,
@@ -85,15 +75,7 @@ pub fn completion_body(completion: &Completion, decision: &Decision) -> String {
             "stop",
         ),
     };
-    json!({
-        "id": completion.id,
-        "object": "chat.completion",
-        "created": completion.created,
-        "model": completion.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-        "usage": usage(),
-    })
-    .to_string()
+    crate::chat_completion::body(completion, message, finish)
 }
 
 /// The OpenAI-style error body for a scripted failure with `status`.
@@ -119,53 +101,6 @@ pub fn models_body(model_id: &str) -> String {
         "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "copilot-pool"}],
     })
     .to_string()
-}
-
-/// One SSE event carrying a `chat.completion.chunk` with `delta` and `finish_reason`.
-fn chunk_event(completion: &Completion, delta: Value, finish: Option<&str>) -> String {
-    sse(&json!({
-        "id": completion.id,
-        "object": "chat.completion.chunk",
-        "created": completion.created,
-        "model": completion.model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-    }))
-}
-
-/// `data: <json>` plus the blank line that ends an SSE event.
-fn sse(value: &Value) -> String {
-    format!("data: {value}\n\n")
-}
-
-/// The role chunk that opens a text answer.
-fn role_event(completion: &Completion) -> String {
-    chunk_event(
-        completion,
-        json!({"role": "assistant", "content": ""}),
-        None,
-    )
-}
-
-/// One content delta.
-fn content_event(completion: &Completion, content: &str) -> String {
-    chunk_event(completion, json!({"content": content}), None)
-}
-
-/// The events after the answer itself: finish chunk, optional usage chunk, `[DONE]`.
-fn closing_events(completion: &Completion, finish: &str) -> Vec<String> {
-    let mut events = vec![chunk_event(completion, json!({}), Some(finish))];
-    if completion.include_usage {
-        events.push(sse(&json!({
-            "id": completion.id,
-            "object": "chat.completion.chunk",
-            "created": completion.created,
-            "model": completion.model,
-            "choices": [],
-            "usage": usage(),
-        })));
-    }
-    events.push("data: [DONE]\n\n".to_owned());
-    events
 }
 
 /// The text answer as content deltas, one per word (`w`, ` w`, …).
@@ -389,6 +324,7 @@ mod tests {
             created: 1,
             model: "scripted-model".into(),
             include_usage,
+            usage: usage(),
         }
     }
 
