@@ -135,7 +135,11 @@ async fn leases_wait_in_a_bounded_queue_and_time_out() {
 #[tokio::test]
 async fn a_crash_restarts_the_worker_and_the_conversation_resumes_with_its_history() {
     let fx = Fixture::new().await;
-    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut config = fx.config().await;
+    // The lease itself resumes the conversation here; with a warm spare (the default) the
+    // replacement resumes it ahead of the lease (`a_resume_ahead_that_ends_…` below).
+    config.warm_spares = 0;
+    let pool = Pool::start(config).await.expect("pool");
     let mut events = pool.subscribe();
     let mut lease = pool
         .lease(fx.request("agent-a", "conv"))

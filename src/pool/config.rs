@@ -52,7 +52,7 @@ pub struct PoolConfig {
     /// cores, at least 1; one saturated runtime process uses ~1.5 cores). Beyond them a key
     /// starts another process only when its processes are full.
     pub cpu_processes_per_key: usize,
-    /// Warm spares per key (default 0: off): empty, started processes kept for a key that
+    /// Warm spares per key (default 1; 0 turns them off): empty, started processes kept for a key that
     /// had a conversation lease within `warm_spare_window`, so a lease that finds no room
     /// (or no process) takes one at once instead of waiting for a start and handshake. A
     /// spare counts in `max_processes` and `max_processes_per_key`, is never started by
@@ -146,7 +146,7 @@ impl PoolConfig {
             cpu_processes_per_key: super::placement::cpu_processes_for(
                 std::thread::available_parallelism().map_or(1, |n| n.get()),
             ),
-            warm_spares: 0,
+            warm_spares: 1,
             warm_spare_window: Duration::from_secs(600),
             warm_spare_conversations: 4,
             max_sessions: 1024,

@@ -290,7 +290,7 @@ pub struct PoolSection {
     pub busy_leases_per_process: usize,
     /// Processes of one key worth running for CPU (default: from the machine's cores).
     pub cpu_processes_per_key: Option<usize>,
-    /// Warm spares per key with traffic in the window (default 0: off).
+    /// Warm spares per key with traffic in the window (default 1; 0: off).
     pub warm_spares: usize,
     /// How long after a key's last lease its spares are kept.
     pub warm_spare_window_secs: u64,
@@ -409,7 +409,7 @@ impl Default for PoolSection {
             max_rss_bytes: 1 << 30,
             busy_leases_per_process: 8,
             cpu_processes_per_key: None,
-            warm_spares: 0,
+            warm_spares: 1,
             warm_spare_window_secs: 600,
             warm_spare_conversations: 4,
             health_interval_ms: 10_000,
@@ -981,7 +981,10 @@ mod tests {
         assert_eq!(c.listen.port(), 9000);
         assert_eq!(c.pool.max_processes, 3);
         assert_eq!(c.pool.max_sessions_per_process, 32);
-        assert_eq!(c.pool.warm_spares, 0, "spares are off unless asked for");
+        assert_eq!(
+            c.pool.warm_spares, 1,
+            "a key with traffic keeps one spare unless told otherwise"
+        );
         assert_eq!(c.max_body_bytes, 1 << 20);
         assert!(c.allowed_work_roots.is_empty() && !c.allow_local_mcp_servers);
         c.validate().unwrap();

@@ -1546,8 +1546,12 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         }
     }
 
-    /// Drains every worker of `old` (a rotated-away version of `new`'s family).
+    /// Drains every worker of `old` (a rotated-away version of `new`'s family) and forgets
+    /// its traffic: its credentials are stale, so no warm spare is started for it.
     fn drain_version(&mut self, old: &PoolKey, new: &PoolKey, now: Instant) {
+        if let Some(ks) = self.keys.get_mut(old) {
+            ks.last_lease = None;
+        }
         let deadline = crate::deadline::from_std(now, self.limits.drain_grace);
         let mut drained = Vec::new();
         for (id, w) in &mut self.workers {

@@ -955,6 +955,40 @@ fn a_conversation_back_with_a_new_credential_version_drains_the_old_ones_workers
 }
 
 #[test]
+fn a_rotated_away_credential_version_gets_no_warm_spare() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 2,
+        ..spares(1)
+    });
+    sim.ask_key("a/1", key_version(1, "v1"));
+    let old = sim.spawn_ok().expect("v1 worker");
+    sim.give_back("a/1", Settle::Park, 1);
+    assert!(
+        sim.spawns.is_empty(),
+        "room in the serving process: no spare"
+    );
+    let rotated = sim.ask_key("a/1", key_version(1, "v2"));
+    assert_eq!(sim.evicted, vec![(old, Eviction::Drained)]);
+    sim.confirm_all_detaches();
+    assert_eq!(
+        sim.spawns,
+        vec![key_version(1, "v2")],
+        "only the new version starts"
+    );
+    sim.spawn_ok().expect("v2 worker");
+    assert!(sim.granted_to(rotated).is_some());
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.now += Duration::from_secs(1);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert!(
+        sim.spawns.is_empty(),
+        "the old version's traffic is over: its credentials are stale, no spare for them: {:?}",
+        sim.spawns
+    );
+}
+
+#[test]
 fn two_conversations_on_two_versions_of_one_family_do_not_stop_each_others_workers() {
     let mut sim = Sim::new(limits());
     sim.ask_key("a/1", key_version(1, "user-1"));

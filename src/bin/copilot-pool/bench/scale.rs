@@ -138,13 +138,14 @@ pub async fn scale(args: ScaleArgs) -> Result<()> {
     let conversations = u64::from(args.agents) * u64::from(args.conversations);
 
     // Every conversation attached at once; a process per agent plus room for a recycled
-    // process's successor to start while the old one finishes its turn.
+    // process's successor to start while the old one finishes its turn. No warm spares: this
+    // run measures recycling against the runtime's leak (`copilot-pool bench` measures spares).
     let config = scratch.0.join("serve.toml");
     std::fs::write(
         &config,
         format!(
             "[pool]\nmax_processes = {}\nmax_sessions = {}\nmax_waiters = {}\nwait_timeout_secs = 300\n\
-             max_turns_per_process = {}\nmax_rss_bytes = {}\n\n[model]\nallow_private_endpoints = true\n",
+             max_turns_per_process = {}\nmax_rss_bytes = {}\nwarm_spares = 0\n\n[model]\nallow_private_endpoints = true\n",
             args.agents + args.concurrency,
             conversations.max(1024),
             u64::from(args.concurrency).max(1024),
