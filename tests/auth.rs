@@ -190,17 +190,16 @@ fn chats(stand_in: &CopilotApiStandIn) -> Vec<Option<String>> {
         .collect()
 }
 
-/// Starts `config`'s pool with one conversation per process and a warm spare, runs one
-/// token-mode turn of `agent-a` in `work` (no provider: no tunnel answers its process's
-/// calls), and returns how the spare its full key then starts was primed.
+/// Starts `config`'s pool with a short idle TTL and a warm spare, runs one token-mode turn
+/// of `agent-a` in `work` (no provider: no tunnel answers its process's calls), and returns
+/// how the spare its key then starts (once that process idled out) was primed.
 async fn token_spare_priming(
     fx: &Fixture,
     mut config: PoolConfig,
     work: PathBuf,
 ) -> Option<Priming> {
-    // One conversation per process: the key is full after its first lease, so it keeps a
-    // spare.
-    config.max_sessions_per_process = 1;
+    // The key's process idles out a second after its turn; the spare stands in for it.
+    config.idle_ttl = std::time::Duration::from_secs(1);
     config.warm_spares = 1;
     let pool = Pool::start(config).await.expect("pool");
     let mut events = pool.subscribe();

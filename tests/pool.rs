@@ -909,10 +909,11 @@ async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_wa
 {
     let fx = Fixture::new().await;
     let mut config = fx.config().await;
-    // One conversation per process: without a spare, every new conversation waits for a
-    // start and handshake.
-    config.max_sessions_per_process = 1;
+    // The agent's process idles out a second after its turn: without a spare, its next
+    // conversation would wait for a start and handshake. (Resumes ahead have their own test.)
+    config.idle_ttl = Duration::from_secs(1);
     config.warm_spares = 1;
+    config.warm_spare_conversations = 0;
     let pool = Pool::start(config).await.expect("pool");
     let mut events = pool.subscribe();
 
@@ -923,10 +924,21 @@ async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_wa
     let first_pid = first.worker_pid();
     let outcome = first.run("REPLY=one").await.expect("turn");
     assert_eq!(outcome.text, "one");
+    // A process a lease waited for was not primed, and says nothing of it; while it serves
+    // (it has room for more), no spare stands beside it.
+    let status = pool.status().await.expect("status");
+    let first_status = status
+        .workers
+        .iter()
+        .find(|w| w.pid == first_pid)
+        .expect("the first process");
+    assert_eq!(first_status.primed, None);
+    assert_eq!(status.workers.len(), 1, "{status:?}");
     drop(first);
 
-    // The agent had traffic: a spare starts after its lease, primed by a throwaway turn
-    // whose model call the guard answered (the runtime's failure path costs it ~30 MiB).
+    // The agent had traffic: once its process idled out, a spare stands in for it, primed by
+    // a throwaway turn whose model call the guard answered (the runtime's failure path costs
+    // it ~30 MiB).
     let (spare_pid, primed) = match wait_event(
         &mut events,
         |e| matches!(e, PoolEvent::WorkerStarted { pid, .. } if *pid != first_pid),
@@ -948,16 +960,13 @@ async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_wa
             .any(|p| p["state"] == "spare" && p["primed"] == "answered")),
         "/v1/pool shows the spare and its priming: {json}"
     );
-    // A process a lease waited for was not primed, and says nothing of it.
-    let first = status
-        .workers
-        .iter()
-        .find(|w| w.pid == first_pid)
-        .expect("the first process");
-    assert_eq!(first.primed, None);
+    assert!(
+        status.workers.iter().all(|w| w.pid != first_pid),
+        "the first process idled out: {status:?}"
+    );
 
-    // A new conversation of the agent finds the first process full and takes the spare,
-    // started before the lease asked: no start on its path.
+    // A new conversation of the returning agent takes the spare, started before the lease
+    // asked: no start on its path.
     let mut second = pool
         .lease(fx.request("agent-a", "conv-2"))
         .await

@@ -52,12 +52,15 @@ pub struct PoolConfig {
     /// cores, at least 1; one saturated runtime process uses ~1.5 cores). Beyond them a key
     /// starts another process only when its processes are full.
     pub cpu_processes_per_key: usize,
-    /// Warm spares per key (default 1; 0 turns them off): empty, started processes kept for a key that
-    /// had a conversation lease within `warm_spare_window`, so a lease that finds no room
-    /// (or no process) takes one at once instead of waiting for a start and handshake. A
-    /// spare counts in `max_processes` and `max_processes_per_key`, is never started by
-    /// stopping another worker, and is the first stopped when the pool needs room. A key
-    /// never leased gets none; a spare is started once its key is quiet (no lease running).
+    /// Warm spares per key (default 1; 0 turns them off): empty, started processes kept for a
+    /// key that had a conversation lease within `warm_spare_window`, so a lease that finds no
+    /// process (its key's idled out, was recycled or replaced) takes one at once instead of
+    /// waiting for a start and handshake. None stands beside a process of the key that serves
+    /// conversations, unless all are full and the key outgrew them within the window (a
+    /// conversation found them full). A spare counts in `max_processes` and
+    /// `max_processes_per_key`, is never started by stopping another worker, and is the first
+    /// stopped when the pool needs room. A key never leased gets none; a spare is started
+    /// once its key is quiet (no lease running).
     pub warm_spares: usize,
     /// How long after a key's last conversation lease its spares are kept (default 10 min);
     /// then they are stopped.

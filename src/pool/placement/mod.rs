@@ -35,8 +35,8 @@ use super::status::{PoolEvent, PoolStatus, PoolTotals, ProcessBudget, WorkerStat
 
 use rules::{
     ConversationView, Packing, Recycle, UpkeepLimits, UpkeepView, WorkerView, evict_now,
-    idle_victim, is_spare, least_busy, least_loaded, lru_parked, recycle, spare, spares_wanted,
-    spread,
+    idle_victim, is_spare, least_busy, least_loaded, lru_parked, recycle, serves, spare,
+    spares_wanted, spread,
 };
 pub(crate) use rules::{WorkerId, cpu_processes_for};
 
@@ -253,6 +253,9 @@ struct KeyState<Spec> {
     last_start_error: Option<WorkerError>,
     /// When a conversation of this key was last granted (its warm spares follow it).
     last_lease: Option<Instant>,
+    /// When a conversation of this key last found every process of it that serves full
+    /// (the key outgrew them): only then does a spare stand beside full processes.
+    outgrown: Option<Instant>,
 }
 
 struct Worker {
@@ -1098,6 +1101,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 restart: RestartTracker::default(),
                 last_start_error: None,
                 last_lease: None,
+                outgrown: None,
             });
         if let Some(until) = ks.restart.quarantined_until(now) {
             return Err(PoolError::RestartIntensityExceeded {
@@ -1310,6 +1314,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         let spare = spare(views.iter().copied().filter(|w| w.attached < max));
         let Some(joined) = least_loaded(views.iter().copied().filter(|w| w.attached > 0), max)
         else {
+            if views.iter().any(|w| serves(w) && w.attached >= max)
+                && let Some(ks) = self.keys.get_mut(key)
+            {
+                ks.outgrown = Some(now);
+            }
             return spare.or_else(|| least_loaded(views.iter().copied(), max));
         };
         if spread(views.iter().copied(), &self.packing()) {
@@ -1348,22 +1357,29 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         true
     }
 
-    /// How many spares `ks` keeps now: none while a process of the key that serves
-    /// conversations still has room for one more (the next new conversation goes there at
-    /// once, and an empty process beside it would only cost memory), else `warm_spares`
-    /// within the window after its last lease.
+    /// How many spares `ks` keeps now: `warm_spares` within the window after its last
+    /// lease, but none beside a process of the key that serves conversations: while one has
+    /// room, the next new conversation goes there at once; when all are full, a spare stands
+    /// beside them only if the key outgrew them within the window (a conversation found them
+    /// full), since a key whose conversations all fit would only pay a process's memory for
+    /// it. A spare stands in for serving processes that went (idle TTL, recycling, a crash, a
+    /// drain), so a returning agent's conversation starts at once.
     fn spares_wanted(&self, ks: &KeyState<Spec>, now: Instant) -> usize {
-        let room_in_a_serving_process = ks.workers.iter().any(|id| {
-            self.workers.get(id).is_some_and(|w| {
-                let view = w.view(*id);
-                view.alive
-                    && !view.draining
-                    && !view.warm
-                    && view.attached > 0
-                    && view.attached < self.limits.max_sessions_per_process
-            })
-        });
-        if room_in_a_serving_process {
+        let max = self.limits.max_sessions_per_process;
+        let serving: Vec<WorkerView> = ks
+            .workers
+            .iter()
+            .filter_map(|id| self.workers.get(id).map(|w| w.view(*id)))
+            .filter(serves)
+            .collect();
+        if serving.iter().any(|w| w.attached < max) {
+            return 0;
+        }
+        let window = self.limits.warm_spare_window;
+        let outgrown = ks
+            .outgrown
+            .is_some_and(|t| now.saturating_duration_since(t) < window);
+        if !serving.is_empty() && !outgrown {
             return 0;
         }
         spares_wanted(
@@ -1551,6 +1567,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     fn drain_version(&mut self, old: &PoolKey, new: &PoolKey, now: Instant) {
         if let Some(ks) = self.keys.get_mut(old) {
             ks.last_lease = None;
+            ks.outgrown = None;
         }
         let deadline = crate::deadline::from_std(now, self.limits.drain_grace);
         let mut drained = Vec::new();

@@ -74,6 +74,12 @@ pub(crate) fn is_spare(w: &WorkerView) -> bool {
     w.alive && !w.draining && (w.warm || (w.attached == 0 && w.leased == 0))
 }
 
+/// Whether a worker serves its key's conversations: live, not draining, holding at least one
+/// conversation a lease put there (not a warm spare's resumed-ahead ones).
+pub(crate) fn serves(w: &WorkerView) -> bool {
+    w.alive && !w.draining && !w.warm && w.attached > 0
+}
+
 /// The spare a cold lease takes: the key's oldest spare.
 pub(crate) fn spare(workers: impl IntoIterator<Item = WorkerView>) -> Option<WorkerId> {
     workers

@@ -1418,13 +1418,14 @@ impl Sim {
 
 // ---- Packing and warm spares ----------------------------------------------------------------
 
-/// `n` warm spares, one conversation per process (so a serving process has no room and a
-/// key with one conversation keeps its spares).
+/// `n` warm spares, one conversation per process (so a key's second conversation outgrows
+/// its first process, and a spare stands beside the full ones), three processes per key.
 fn spares(n: usize) -> Limits {
     Limits {
         warm_spares: n,
         idle_ttl: Duration::from_secs(60),
         max_sessions_per_process: 1,
+        max_processes_per_key: 3,
         ..limits()
     }
 }
@@ -1433,6 +1434,24 @@ impl Sim {
     fn state_of(&self, worker: WorkerId) -> Option<WorkerState> {
         let w = self.core.workers.get(&worker)?;
         Some(self.core.state_of(worker, w, self.now))
+    }
+
+    /// Key `k` outgrows its one-conversation process (`spares`' packing): `first` opens on
+    /// a new process, `second` finds it full and waits for another; both are handed back, so
+    /// the key is quiet. Returns the two processes.
+    fn outgrow(&mut self, first: &str, second: &str, k: u8) -> (WorkerId, WorkerId) {
+        self.ask(first, k);
+        let one = self.spawn_ok().expect("the first process");
+        let r = self.ask(second, k);
+        assert!(
+            self.queued.contains(&r),
+            "{second} finds {first}'s process full"
+        );
+        let two = self.spawn_ok().expect("the second process");
+        assert_eq!(self.granted_to(r), Some(two));
+        self.give_back(first, Settle::Park, 1);
+        self.give_back(second, Settle::Park, 1);
+        (one, two)
     }
 }
 
@@ -1523,14 +1542,27 @@ fn a_busy_key_brings_one_more_process_into_play_below_its_cpu_share() {
 }
 
 #[test]
-fn a_key_with_a_lease_in_the_window_gets_a_warm_spare() {
+fn a_key_that_outgrew_its_processes_in_the_window_gets_a_warm_spare_beside_them() {
     let mut sim = Sim::new(spares(1));
     sim.ask("a/1", 1);
     assert_eq!(sim.spawns.len(), 1, "one start for the lease itself");
     let w1 = sim.spawn_ok().expect("kept");
     assert!(sim.spawns.is_empty(), "no spare while the key's lease runs");
+    sim.ask("a/2", 1);
+    assert_eq!(
+        sim.spawns,
+        vec![key(1)],
+        "a/2 finds w1 full: a start it waits for"
+    );
+    sim.spawn_ok().expect("kept");
     sim.give_back("a/1", Settle::Park, 1);
-    assert_eq!(sim.spawns, vec![key(1)], "then a spare");
+    assert!(sim.spawns.is_empty(), "a/2's lease still runs");
+    sim.give_back("a/2", Settle::Park, 1);
+    assert_eq!(
+        sim.spawns,
+        vec![key(1)],
+        "then a spare beside the full processes"
+    );
     let spare = sim.spawn_ok().expect("kept");
     assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
     assert_eq!(sim.state_of(w1), Some(WorkerState::Live));
@@ -1550,14 +1582,12 @@ fn a_key_with_a_lease_in_the_window_gets_a_warm_spare() {
 #[test]
 fn a_process_started_ahead_of_demand_is_primed_and_one_a_lease_waits_for_is_not() {
     let mut sim = Sim::new(spares(1));
-    sim.ask("a/1", 1);
-    sim.spawn_ok();
-    sim.give_back("a/1", Settle::Park, 1);
-    sim.spawn_ok();
+    sim.outgrow("a/1", "a/2", 1);
+    sim.spawn_ok().expect("the spare");
     assert_eq!(
         sim.primes,
-        vec![false, true],
-        "the lease's own start goes straight to it; the spare primes first"
+        vec![false, false, true],
+        "the leases' own starts go straight to them; the spare primes first"
     );
     let mut busy = Sim::new(Limits {
         max_sessions_per_process: 10,
@@ -1572,56 +1602,83 @@ fn a_process_started_ahead_of_demand_is_primed_and_one_a_lease_waits_for_is_not(
 }
 
 #[test]
-fn a_key_keeps_no_spare_while_its_serving_process_has_room_and_one_once_it_is_full() {
+fn a_key_keeps_no_spare_beside_a_serving_process_until_its_conversations_outgrow_it() {
     let mut sim = Sim::new(Limits {
         max_sessions_per_process: 2,
-        max_processes_per_key: 3,
         ..spares(1)
     });
     sim.ask("a/1", 1);
-    sim.spawn_ok();
+    let w1 = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Park, 1);
     assert!(
         sim.spawns.is_empty(),
         "room for the next conversation in the serving process: no spare beside it"
     );
     let second = sim.ask("a/2", 1);
-    assert!(sim.granted_to(second).is_some());
+    assert_eq!(sim.granted_to(second), Some(w1));
+    sim.give_back("a/2", Settle::Park, 1);
     assert!(
         sim.spawns.is_empty(),
-        "full, but its leases run: no spare yet"
+        "full, but every conversation of the key fits: no spare beside it"
     );
-    sim.give_back("a/1", Settle::Park, 1);
-    assert!(sim.spawns.is_empty(), "one lease still runs");
-    sim.give_back("a/2", Settle::Park, 1);
+    let third = sim.ask("a/3", 1);
+    assert!(sim.queued.contains(&third), "a/3 finds w1 full");
+    let w2 = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.granted_to(third), Some(w2));
+    sim.give_back("a/3", Settle::Park, 1);
+    assert!(sim.spawns.is_empty(), "w2 has room: no spare");
+    sim.ask("a/4", 1);
+    sim.give_back("a/4", Settle::Park, 1);
     assert_eq!(
         sim.spawns,
         vec![key(1)],
-        "the process is full and the key quiet: a spare starts"
+        "the key outgrew its processes and they are full again, the key quiet: a spare starts"
     );
     let spare = sim.spawn_ok().expect("the spare");
     assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
 }
 
 #[test]
-fn a_cold_lease_takes_the_spare_without_a_spawn() {
+fn a_key_whose_conversations_fit_gets_its_spare_once_its_serving_process_is_gone() {
     let mut sim = Sim::new(Limits {
-        max_sessions_per_process: 1,
-        max_processes_per_key: 3,
+        max_sessions_per_process: 2,
         ..spares(1)
     });
     sim.ask("a/1", 1);
-    sim.spawn_ok();
+    sim.spawn_ok().expect("kept");
+    sim.ask("a/2", 1);
     sim.give_back("a/1", Settle::Park, 1);
+    sim.give_back("a/2", Settle::Park, 1);
+    assert!(sim.spawns.is_empty(), "full, but nothing outgrew it");
+    sim.now += Duration::from_secs(61);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    let (conversations, worker) = sim.stops.pop().expect("the idle eviction");
+    sim.stop_done(conversations, worker);
+    assert_eq!(
+        sim.spawns,
+        vec![key(1)],
+        "its process idled out within the window: a spare stands in for it"
+    );
+}
+
+#[test]
+fn a_cold_lease_takes_the_spare_without_a_spawn() {
+    let mut sim = Sim::new(Limits {
+        max_processes_per_key: 4,
+        ..spares(1)
+    });
+    sim.outgrow("a/1", "a/2", 1);
     let spare = sim.spawn_ok().expect("the spare");
-    let r = sim.ask("a/2", 1);
+    let r = sim.ask("a/3", 1);
     assert_eq!(
         sim.granted_to(r),
         Some(spare),
         "granted at once on the spare"
     );
     assert!(!sim.queued.contains(&r));
-    assert!(sim.spawns.is_empty(), "no start while a/2 runs");
-    sim.give_back("a/2", Settle::Park, 1);
+    assert!(sim.spawns.is_empty(), "no start while a/3 runs");
+    sim.give_back("a/3", Settle::Park, 1);
     assert_eq!(
         sim.spawns,
         vec![key(1)],
@@ -1631,43 +1688,33 @@ fn a_cold_lease_takes_the_spare_without_a_spawn() {
 
 #[test]
 fn a_spare_counts_in_the_caps() {
-    // Per key: two processes, the spare among them.
-    let mut sim = Sim::new(Limits {
-        max_sessions_per_process: 1,
-        max_processes_per_key: 2,
-        ..spares(1)
-    });
-    sim.ask("a/1", 1);
-    sim.spawn_ok();
-    sim.give_back("a/1", Settle::Park, 1);
+    // Per key: three processes, the spare among them.
+    let mut sim = Sim::new(spares(1));
+    sim.outgrow("a/1", "a/2", 1);
     let spare = sim.spawn_ok().expect("the spare");
-    let r = sim.ask("a/2", 1);
+    let r = sim.ask("a/3", 1);
     assert_eq!(sim.granted_to(r), Some(spare));
-    sim.give_back("a/2", Settle::Park, 1);
+    sim.give_back("a/3", Settle::Park, 1);
     assert!(sim.spawns.is_empty(), "the key is at its cap: no new spare");
 
     // Pool-wide: the spare fills the last slot, so no spare when the pool is full.
     let mut sim = Sim::new(Limits {
-        max_processes: 2,
+        max_processes: 3,
         ..spares(2)
     });
-    sim.ask("a/1", 1);
-    sim.spawn_ok();
-    sim.give_back("a/1", Settle::Park, 1);
+    sim.outgrow("a/1", "a/2", 1);
     sim.spawn_ok().expect("the first spare");
     assert!(sim.spawns.is_empty(), "no room for the second spare");
-    assert_eq!(sim.core.workers.len(), 2);
+    assert_eq!(sim.core.workers.len(), 3);
 }
 
 #[test]
 fn a_spare_is_the_first_stopped_when_the_pool_needs_room() {
     let mut sim = Sim::new(Limits {
-        max_processes: 3,
+        max_processes: 4,
         ..spares(1)
     });
-    sim.ask("b/1", 2);
-    let w_b = sim.spawn_ok().expect("kept");
-    sim.give_back("b/1", Settle::Park, 1);
+    let (w_b, w_b2) = sim.outgrow("b/1", "b/2", 2);
     sim.now += Duration::from_secs(5);
     let spare = sim.spawn_ok().expect("b's spare");
     assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
@@ -1680,7 +1727,11 @@ fn a_spare_is_the_first_stopped_when_the_pool_needs_room() {
     // b's worker is the least recently used, but the spare goes first.
     sim.ask("c/1", 3);
     assert_eq!(sim.evicted, vec![(spare, Eviction::Full)]);
-    assert!(sim.core.workers.contains_key(&w_a) && sim.core.workers.contains_key(&w_b));
+    assert!(
+        [w_a, w_b, w_b2]
+            .iter()
+            .all(|w| sim.core.workers.contains_key(w))
+    );
     assert_eq!(
         sim.spawns,
         vec![key(3)],
@@ -1691,17 +1742,15 @@ fn a_spare_is_the_first_stopped_when_the_pool_needs_room() {
 #[test]
 fn a_spare_outlives_the_idle_ttl_within_the_window_and_is_stopped_after_it() {
     let mut sim = Sim::new(spares(1));
-    sim.ask("a/1", 1);
-    let w1 = sim.spawn_ok().expect("kept");
-    sim.give_back("a/1", Settle::Park, 1);
+    let (w1, w2) = sim.outgrow("a/1", "a/2", 1);
     let spare = sim.spawn_ok().expect("the spare");
     sim.now += Duration::from_secs(120);
     let effects = sim.core.maintain(sim.now);
     sim.apply(effects);
     assert_eq!(
         sim.evicted,
-        vec![(w1, Eviction::Idle)],
-        "the idle TTL (60 s) stops the worker, not the spare"
+        vec![(w1, Eviction::Idle), (w2, Eviction::Idle)],
+        "the idle TTL (60 s) stops the workers, not the spare"
     );
     assert!(sim.spawns.is_empty(), "the spare is there already");
     sim.now += Duration::from_secs(480);
@@ -1792,7 +1841,13 @@ fn a_conversation_parked_or_leased_is_not_resumed_ahead_and_a_spare_keeps_a_slot
     assert_eq!(sim.warm_up("a/1", 1, "c", ""), None, "leased");
     sim.give_back("a/1", Settle::Park, 1);
     sim.give_back("a/2", Settle::Park, 1);
-    let spare = sim.spawn_ok().expect("the full process's spare");
+    // a/5 and a/6 outgrow the first process and fill a second.
+    sim.ask("a/5", 1);
+    sim.spawn_ok().expect("kept");
+    sim.ask("a/6", 1);
+    sim.give_back("a/5", Settle::Park, 1);
+    sim.give_back("a/6", Settle::Park, 1);
+    let spare = sim.spawn_ok().expect("the full processes' spare");
     assert_eq!(
         sim.warm_up("a/1", 1, "c", ""),
         None,
@@ -1948,9 +2003,7 @@ fn a_key_never_leased_gets_no_spare() {
 #[test]
 fn a_key_whose_processes_crashed_in_the_window_gets_no_spare() {
     let mut sim = Sim::new(spares(1));
-    sim.ask("a/1", 1);
-    let w1 = sim.spawn_ok().expect("kept");
-    sim.give_back("a/1", Settle::Park, 1);
+    let (w1, _) = sim.outgrow("a/1", "a/2", 1);
     let spare = sim.spawn_ok().expect("the spare");
     // The spare dies before serving (a crash loop's shape): not started again at once.
     sim.core.exited(spare);
