@@ -258,6 +258,18 @@ struct KeyState<Spec> {
     outgrown: Option<Instant>,
 }
 
+/// A worker evicted and not yet stopped (or whose detach failed, on its way to eviction).
+#[derive(Default)]
+struct Stopping {
+    /// Its key, once evicted: the key's spare waits until its process is gone, so the two
+    /// never add up.
+    key: Option<PoolKey>,
+    /// Conversations whose detach from it failed while it could still hold their sessions:
+    /// they stay in `detaching` until the process is gone
+    /// ([`eviction_done`](Placement::eviction_done)), so none is resumed elsewhere meanwhile.
+    held: Vec<String>,
+}
+
 struct Worker {
     key: PoolKey,
     pid: u32,
@@ -346,11 +358,8 @@ pub(crate) struct Placement<Spec, S> {
     /// are outstanding: they are not granted until each is confirmed (one owner per CLI
     /// session id).
     detaching: HashMap<String, usize>,
-    /// Workers evicted and not yet stopped, each with the conversations whose detach from it
-    /// failed while it could still hold their sessions: those stay in `detaching` until the
-    /// process is gone ([`eviction_done`](Self::eviction_done)), so none is resumed elsewhere
-    /// meanwhile.
-    stopping: HashMap<WorkerId, Vec<String>>,
+    /// Workers evicted and not yet stopped (see [`Stopping`]).
+    stopping: HashMap<WorkerId, Stopping>,
     /// Consecutive resumes that crashed the runtime, per conversation (cleared when it
     /// opens).
     resume_crashes: HashMap<String, u32>,
@@ -641,7 +650,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             self.workers.contains_key(&worker) || self.stopping.contains_key(&worker);
         for key in conversations {
             if !ok && still_running {
-                self.stopping.entry(worker).or_default().push(key.clone());
+                self.stopping
+                    .entry(worker)
+                    .or_default()
+                    .held
+                    .push(key.clone());
             } else {
                 self.detach_done(key);
             }
@@ -661,7 +674,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         worker: WorkerId,
         now: Instant,
     ) -> Vec<Effect<Spec, S>> {
-        let held = self.stopping.remove(&worker).unwrap_or_default();
+        let held = self.stopping.remove(&worker).unwrap_or_default().held;
         for key in conversations.iter().chain(&held) {
             self.detach_done(key);
         }
@@ -1399,6 +1412,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         })
     }
 
+    /// Whether a process of `key` was evicted and is still stopping.
+    fn key_stopping(&self, key: &PoolKey) -> bool {
+        self.stopping.values().any(|s| s.key.as_ref() == Some(key))
+    }
+
     /// The spares of `ks` (oldest first).
     fn spares_of(&self, ks: &KeyState<Spec>) -> Vec<WorkerId> {
         let mut spares: Vec<WorkerId> = ks
@@ -1414,7 +1432,9 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     /// Starts a spare for every key with fewer than it keeps, once the key is quiet (no
     /// lease running on any of its processes: a spare's start and priming take ~300 ms of
     /// CPU, which must not compete with the key's own turns, and a key under load holds no
-    /// idle process beside its busy ones); one start in flight per key; never for a key
+    /// idle process beside its busy ones) and none of its evicted processes is still
+    /// stopping (the spare that stands in for one must not add up with it); one start in
+    /// flight per key; never for a key
     /// whose processes crashed within the restart window (a crash loop gets no spares to
     /// burn).
     fn top_up_spares(&mut self, now: Instant) {
@@ -1425,10 +1445,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         let mut short: Vec<PoolKey> = self
             .keys
             .iter()
-            .filter(|(_, ks)| {
+            .filter(|(key, ks)| {
                 !ks.spawning
                     && ks.restart.restarts_in_window(now, policy) == 0
                     && !self.key_busy(ks)
+                    && !self.key_stopping(key)
                     && self.spares_of(ks).len() < self.spares_wanted(ks, now)
             })
             .map(|(key, _)| key.clone())
@@ -1813,8 +1834,9 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         for key in &attached {
             *self.detaching.entry(key.clone()).or_default() += 1;
         }
+        let key = w.key.clone();
         self.remove_worker(id);
-        self.stopping.entry(id).or_default();
+        self.stopping.entry(id).or_default().key = Some(key);
         tracing::info!(pid, why = reason.describe(), "Evicting a pool worker.");
         self.totals.evicted += 1;
         self.emit(PoolEvent::WorkerEvicted {

@@ -1654,6 +1654,11 @@ fn a_key_whose_conversations_fit_gets_its_spare_once_its_serving_process_is_gone
     let effects = sim.core.maintain(sim.now);
     sim.apply(effects);
     let (conversations, worker) = sim.stops.pop().expect("the idle eviction");
+    assert!(
+        sim.spawns.is_empty(),
+        "not while that process is still stopping (the two would add up): {:?}",
+        sim.spawns
+    );
     sim.stop_done(conversations, worker);
     assert_eq!(
         sim.spawns,
