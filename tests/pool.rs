@@ -628,6 +628,9 @@ async fn idle_workers_are_evicted_and_conversations_resume_afterwards() {
     let fx = Fixture::new().await;
     let mut config = fx.config().await;
     config.idle_ttl = Duration::from_millis(300);
+    // The lease resumes the conversation itself here (a warm spare, the default, would
+    // stand in for the idled process and resume it ahead: tests further down).
+    config.warm_spares = 0;
     let pool = Pool::start(config).await.expect("pool");
     let mut events = pool.subscribe();
     let mut lease = pool
@@ -728,6 +731,8 @@ async fn a_lease_cancelled_while_opening_on_a_silent_runtime_gives_its_slot_back
  {
     let fx = Fixture::new().await;
     let mut config = fx.config().await;
+    // Each round's process count is the subject: no warm spare stands in for the stopped one.
+    config.warm_spares = 0;
     // A peer that completes the handshake and then never answers session.create: every
     // lease hangs while opening its conversation, after the pool granted it a worker.
     let script = fx.scratch.path().join("silent-peer.sh");

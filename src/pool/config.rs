@@ -60,7 +60,8 @@ pub struct PoolConfig {
     /// conversation found them full). A spare counts in `max_processes` and
     /// `max_processes_per_key`, is never started by stopping another worker, and is the first
     /// stopped when the pool needs room. A key never leased gets none; a spare is started
-    /// once its key is quiet (no lease running).
+    /// once its key is quiet (no lease running) and none of its evicted processes is still
+    /// stopping.
     pub warm_spares: usize,
     /// How long after a key's last conversation lease its spares are kept (default 10 min);
     /// then they are stopped.

@@ -851,21 +851,27 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     /// forgotten (their spec holds the old token of a rotation).
     pub(crate) fn maintain(&mut self, now: Instant) -> Vec<Effect<Spec, S>> {
         let limits = self.upkeep_limits();
-        // A key's spares are kept past the idle TTL while it had a lease within the window;
-        // once the window lapses they are stopped.
+        // A key's spares are kept past the idle TTL while it had a lease within the window
+        // and wants them; once the window lapses they are stopped.
         let mut kept = HashSet::new();
         let mut retired = HashSet::new();
         if self.limits.warm_spares > 0 {
+            let (warm_spares, window) = (self.limits.warm_spares, self.limits.warm_spare_window);
             for ks in self.keys.values() {
                 let spares = self.spares_of(ks);
-                match self.spares_wanted(ks, now) {
+                let lapsed = ks.last_lease.is_some()
+                    && spares_wanted(ks.last_lease, now, warm_spares, window) == 0;
+                if lapsed {
                     // Not under a lease: a process lease, or a resume ahead in flight.
-                    0 if ks.last_lease.is_some() => retired.extend(
+                    retired.extend(
                         spares
                             .into_iter()
                             .filter(|id| self.workers.get(id).is_some_and(|w| w.leased == 0)),
-                    ),
-                    wanted => kept.extend(spares.into_iter().take(wanted)),
+                    );
+                } else {
+                    // Empty processes the key keeps no spare in (a busy key's extra process,
+                    // one beside a process with room) go with the idle TTL like any other.
+                    kept.extend(spares.into_iter().take(self.spares_wanted(ks, now)));
                 }
             }
         }
@@ -1150,7 +1156,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             }
         }
 
-        let mut target = self.place_new(&ask.key, now);
+        let new_to_the_key = !self.conversations.contains_key(&ask.conversation);
+        let mut target = self.place_new(&ask.key, new_to_the_key, now);
         if target.is_none() && !self.grow(&ask.key, now) {
             // No room and no new process allowed: a conversation parked (with other
             // settings) on a usable worker of its key takes its own slot there again (its
@@ -1320,14 +1327,17 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     /// least loaded process of the key that already serves and has room; when those are
     /// all busy ([`spread`]), the key's spare instead, or one more process is started for
     /// the next conversation while this one joins; with no serving process with room, the
-    /// key's spare (the oldest empty worker).
-    fn place_new(&mut self, key: &PoolKey, now: Instant) -> Option<WorkerId> {
+    /// key's spare (the oldest empty worker). `grows`: the conversation holds no slot on any
+    /// process now (one that does, back with other settings, finding them full is no sign
+    /// that the key outgrew them).
+    fn place_new(&mut self, key: &PoolKey, grows: bool, now: Instant) -> Option<WorkerId> {
         let views = self.views_of(key);
         let max = self.limits.max_sessions_per_process;
         let spare = spare(views.iter().copied().filter(|w| w.attached < max));
         let Some(joined) = least_loaded(views.iter().copied().filter(|w| w.attached > 0), max)
         else {
-            if views.iter().any(|w| serves(w) && w.attached >= max)
+            if grows
+                && views.iter().any(|w| serves(w) && w.attached >= max)
                 && let Some(ks) = self.keys.get_mut(key)
             {
                 ks.outgrown = Some(now);

@@ -1542,6 +1542,85 @@ fn a_busy_key_brings_one_more_process_into_play_below_its_cpu_share() {
 }
 
 #[test]
+fn a_busy_keys_extra_process_is_not_stopped_as_an_unwanted_spare_while_the_key_has_traffic() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 10,
+        busy_leases_per_process: 2,
+        cpu_processes_per_key: 2,
+        ..spares(1)
+    });
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    sim.ask("a/2", 1);
+    sim.ask("a/3", 1);
+    let extra = sim.spawn_ok().expect("the busy key's extra process");
+    sim.now += Duration::from_secs(1);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert!(
+        sim.evicted.is_empty(),
+        "empty, but started for the busy key's next conversation: {:?}",
+        sim.evicted
+    );
+    // Unused, it goes with the idle TTL like any idle process.
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.give_back("a/2", Settle::Park, 1);
+    sim.give_back("a/3", Settle::Park, 1);
+    sim.now += Duration::from_secs(61);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert!(
+        sim.evicted.contains(&(extra, Eviction::Idle)),
+        "{:?}",
+        sim.evicted
+    );
+}
+
+#[test]
+fn only_a_conversation_new_to_the_key_that_finds_its_processes_full_outgrows_them() {
+    let outgrown = |sim: &Sim| sim.core.keys.get(&key(1)).and_then(|ks| ks.outgrown);
+    let mut sim = Sim::new(spares(1));
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    sim.give_back("a/1", Settle::Park, 1);
+    // Back with other settings, a/1 finds its own process full: no sign of growth.
+    sim.ask_with("a/1", 1, "other", false);
+    assert_eq!(outgrown(&sim), None);
+    let mut sim = Sim::new(spares(1));
+    sim.ask("a/1", 1);
+    sim.spawn_ok();
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.ask("a/2", 1);
+    assert_eq!(
+        outgrown(&sim),
+        Some(sim.now),
+        "a/2 is one conversation more"
+    );
+}
+
+#[test]
+fn an_outgrowth_older_than_the_window_keeps_no_spare_beside_full_processes() {
+    let mut sim = Sim::new(Limits {
+        idle_ttl: Duration::from_secs(3600),
+        ..spares(1)
+    });
+    sim.outgrow("a/1", "a/2", 1);
+    let spare = sim.spawn_ok().expect("the spare");
+    // Past the window the key's traffic goes on, on its two full processes only.
+    sim.now += Duration::from_secs(601);
+    sim.ask("a/1", 1);
+    sim.give_back("a/1", Settle::Park, 1);
+    let effects = sim.core.maintain(sim.now);
+    sim.apply(effects);
+    assert!(sim.spawns.is_empty(), "{:?}", sim.spawns);
+    assert_eq!(
+        sim.state_of(spare),
+        Some(WorkerState::Live),
+        "no longer kept as a spare: an idle process, gone with the idle TTL"
+    );
+}
+
+#[test]
 fn a_key_that_outgrew_its_processes_in_the_window_gets_a_warm_spare_beside_them() {
     let mut sim = Sim::new(spares(1));
     sim.ask("a/1", 1);

@@ -78,9 +78,9 @@ pub struct Figures {
     /// The pool only: of the returning conversations, the share that landed on a process
     /// that was a primed spare while the agents were away.
     pub returning_on_spare_percent: Option<f64>,
-    /// The runtimes' peak PSS from the load's end until the agents return: the pool's warm
-    /// spares beside its serving processes until these idle out; the SDK's runtimes until
-    /// their clients stop.
+    /// The runtimes' peak PSS from the load's end until the agents return: the pool's serving
+    /// processes until they idle out, then the warm spares that stand in for them; the SDK's
+    /// runtimes until their clients stop.
     pub runtime_peak_pss_after_load_mib: Option<f64>,
     /// The pool only: a primed spare's PSS (with its descendants) while the agents were
     /// away, the mean over the spares: the memory warm spares cost beside the load's peak.
@@ -285,8 +285,8 @@ async fn talk(
     // CPU when the workload's clock starts.
     let mut cpu_start: Option<Cpu> = None;
     let mut peaks = Peaks::default();
-    // From the load's end until the agents return: the pool's warm spares beside (then
-    // instead of) the agents' processes, the SDK's runtimes until their clients stop.
+    // From the load's end until the agents return: the agents' processes, then the pool's
+    // warm spares instead of them; the SDK's runtimes until their clients stop.
     let mut after_load = Peaks::default();
     let mut figures = Figures::default();
     let mut phase = Phase::Load;
@@ -342,7 +342,8 @@ async fn talk(
                 let used = Cpu::now(root, node_pid).since(start);
                 // The peak is the load's: the samples taken while its turns ran. Its end is
                 // sampled only when the load was too short for any: at its end the pool may
-                // already be starting a full key's warm spare (measured apart, below).
+                // already be starting a warm spare for a key that outgrew its processes
+                // (measured apart, below).
                 if peaks.samples == 0 {
                     peaks.sample(root, pool);
                 }
