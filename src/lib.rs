@@ -90,7 +90,7 @@
 //!   official Copilot SDK attaches to the pool by URL (feature `sdk-endpoint`, on by default
 //!   through `cli`).
 //! * `chat_completion` — the OpenAI chat-completions wire format rendered once, for the
-//!   scripted model and the guard's answer to a priming call;
+//!   scripted model and the guard's answer to a priming call.
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`faults`] — faults injected on purpose (failing durable writes) for chaos runs.

@@ -36,7 +36,7 @@ use super::status::{PoolEvent, PoolStatus, PoolTotals, ProcessBudget, WorkerStat
 use rules::{
     ConversationView, Packing, Recycle, UpkeepLimits, UpkeepView, WorkerView, evict_now,
     idle_victim, is_spare, least_busy, least_loaded, lru_parked, recycle, serves, spare,
-    spares_wanted, spread,
+    spares_wanted, spread, within,
 };
 pub(crate) use rules::{WorkerId, cpu_processes_for};
 
@@ -259,11 +259,9 @@ struct KeyState<Spec> {
 }
 
 /// A worker evicted and not yet stopped (or whose detach failed, on its way to eviction).
-#[derive(Default)]
 struct Stopping {
-    /// Its key, once evicted: the key's spare waits until its process is gone, so the two
-    /// never add up.
-    key: Option<PoolKey>,
+    /// Its key: the key's spare waits until its process is gone, so the two never add up.
+    key: PoolKey,
     /// Conversations whose detach from it failed while it could still hold their sessions:
     /// they stay in `detaching` until the process is gone
     /// ([`eviction_done`](Placement::eviction_done)), so none is resumed elsewhere meanwhile.
@@ -646,17 +644,19 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         ok: bool,
         now: Instant,
     ) -> Vec<Effect<Spec, S>> {
-        let still_running =
-            self.workers.contains_key(&worker) || self.stopping.contains_key(&worker);
+        // The worker's key while its process still runs (live, or evicted and stopping).
+        let running_key = self
+            .workers
+            .get(&worker)
+            .map(|w| w.key.clone())
+            .or_else(|| self.stopping.get(&worker).map(|s| s.key.clone()));
         for key in conversations {
-            if !ok && still_running {
-                self.stopping
-                    .entry(worker)
-                    .or_default()
+            match &running_key {
+                Some(worker_key) if !ok => self
+                    .stopping_entry(worker, worker_key)
                     .held
-                    .push(key.clone());
-            } else {
-                self.detach_done(key);
+                    .push(key.clone()),
+                _ => self.detach_done(key),
             }
         }
         if !ok && self.workers.contains_key(&worker) {
@@ -674,7 +674,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         worker: WorkerId,
         now: Instant,
     ) -> Vec<Effect<Spec, S>> {
-        let held = self.stopping.remove(&worker).unwrap_or_default().held;
+        let held = self
+            .stopping
+            .remove(&worker)
+            .map(|s| s.held)
+            .unwrap_or_default();
         for key in conversations.iter().chain(&held) {
             self.detach_done(key);
         }
@@ -856,11 +860,10 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         let mut kept = HashSet::new();
         let mut retired = HashSet::new();
         if self.limits.warm_spares > 0 {
-            let (warm_spares, window) = (self.limits.warm_spares, self.limits.warm_spare_window);
+            let window = self.limits.warm_spare_window;
             for ks in self.keys.values() {
                 let spares = self.spares_of(ks);
-                let lapsed = ks.last_lease.is_some()
-                    && spares_wanted(ks.last_lease, now, warm_spares, window) == 0;
+                let lapsed = ks.last_lease.is_some() && !within(ks.last_lease, now, window);
                 if lapsed {
                     // Not under a lease: a process lease, or a resume ahead in flight.
                     retired.extend(
@@ -1389,20 +1392,18 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     /// drain), so a returning agent's conversation starts at once.
     fn spares_wanted(&self, ks: &KeyState<Spec>, now: Instant) -> usize {
         let max = self.limits.max_sessions_per_process;
-        let serving: Vec<WorkerView> = ks
+        let (mut serving, mut room) = (false, false);
+        for view in ks
             .workers
             .iter()
             .filter_map(|id| self.workers.get(id).map(|w| w.view(*id)))
             .filter(serves)
-            .collect();
-        if serving.iter().any(|w| w.attached < max) {
-            return 0;
+        {
+            serving = true;
+            room |= view.attached < max;
         }
         let window = self.limits.warm_spare_window;
-        let outgrown = ks
-            .outgrown
-            .is_some_and(|t| now.saturating_duration_since(t) < window);
-        if !serving.is_empty() && !outgrown {
+        if room || (serving && !within(ks.outgrown, now, window)) {
             return 0;
         }
         spares_wanted(
@@ -1424,7 +1425,15 @@ impl<Spec: Clone, S> Placement<Spec, S> {
 
     /// Whether a process of `key` was evicted and is still stopping.
     fn key_stopping(&self, key: &PoolKey) -> bool {
-        self.stopping.values().any(|s| s.key.as_ref() == Some(key))
+        self.stopping.values().any(|s| s.key == *key)
+    }
+
+    /// `worker`'s entry among the stopping ones (of `key`), made if it has none yet.
+    fn stopping_entry(&mut self, worker: WorkerId, key: &PoolKey) -> &mut Stopping {
+        self.stopping.entry(worker).or_insert_with(|| Stopping {
+            key: key.clone(),
+            held: Vec::new(),
+        })
     }
 
     /// The spares of `ks` (oldest first).
@@ -1846,7 +1855,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         }
         let key = w.key.clone();
         self.remove_worker(id);
-        self.stopping.entry(id).or_default().key = Some(key);
+        self.stopping_entry(id, &key);
         tracing::info!(pid, why = reason.describe(), "Evicting a pool worker.");
         self.totals.evicted += 1;
         self.emit(PoolEvent::WorkerEvicted {

@@ -135,10 +135,16 @@ pub(crate) fn spares_wanted(
     warm_spares: usize,
     window: Duration,
 ) -> usize {
-    match last_lease {
-        Some(t) if now.saturating_duration_since(t) < window => warm_spares,
-        _ => 0,
+    if within(last_lease, now, window) {
+        warm_spares
+    } else {
+        0
     }
+}
+
+/// Whether `at` happened less than `window` before `now` (never, for `None`).
+pub(crate) fn within(at: Option<Instant>, now: Instant, window: Duration) -> bool {
+    at.is_some_and(|t| now.saturating_duration_since(t) < window)
 }
 
 /// A conversation as placement sees it.
