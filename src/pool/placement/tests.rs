@@ -792,14 +792,10 @@ fn a_worker_under_a_process_lease_is_not_stopped_when_idle_and_goes_once_release
     let call = sim.ask_process(1);
     let w = sim.spawn_ok().expect("kept");
     assert_eq!(sim.process_of(call), Some(w));
-    sim.now += Duration::from_secs(400);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(400));
     assert!(sim.evicted.is_empty(), "held past the idle TTL: kept");
     sim.release_process(call);
-    sim.now += Duration::from_secs(400);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(400));
     assert_eq!(sim.evicted, vec![(w, Eviction::Idle)]);
 }
 
@@ -978,9 +974,7 @@ fn a_rotated_away_credential_version_gets_no_warm_spare() {
     sim.spawn_ok().expect("v2 worker");
     assert!(sim.granted_to(rotated).is_some());
     sim.give_back("a/1", Settle::Park, 1);
-    sim.now += Duration::from_secs(1);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(1));
     assert!(
         sim.spawns.is_empty(),
         "the old version's traffic is over: its credentials are stale, no spare for them: {:?}",
@@ -1436,6 +1430,13 @@ impl Sim {
         Some(self.core.state_of(worker, w, self.now))
     }
 
+    /// `by` passes, then the maintenance tick runs (idle TTL, drains, spares).
+    fn tick(&mut self, by: Duration) {
+        self.now += by;
+        let effects = self.core.maintain(self.now);
+        self.apply(effects);
+    }
+
     /// Key `k` outgrows its one-conversation process (`spares`' packing): `first` opens on
     /// a new process, `second` finds it full and waits for another; both are handed back, so
     /// the key is quiet. Returns the two processes.
@@ -1554,9 +1555,7 @@ fn a_busy_keys_extra_process_is_not_stopped_as_an_unwanted_spare_while_the_key_h
     sim.ask("a/2", 1);
     sim.ask("a/3", 1);
     let extra = sim.spawn_ok().expect("the busy key's extra process");
-    sim.now += Duration::from_secs(1);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(1));
     assert!(
         sim.evicted.is_empty(),
         "empty, but started for the busy key's next conversation: {:?}",
@@ -1566,9 +1565,7 @@ fn a_busy_keys_extra_process_is_not_stopped_as_an_unwanted_spare_while_the_key_h
     sim.give_back("a/1", Settle::Park, 1);
     sim.give_back("a/2", Settle::Park, 1);
     sim.give_back("a/3", Settle::Park, 1);
-    sim.now += Duration::from_secs(61);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(61));
     assert!(
         sim.evicted.contains(&(extra, Eviction::Idle)),
         "{:?}",
@@ -1610,8 +1607,7 @@ fn an_outgrowth_older_than_the_window_keeps_no_spare_beside_full_processes() {
     sim.now += Duration::from_secs(601);
     sim.ask("a/1", 1);
     sim.give_back("a/1", Settle::Park, 1);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::ZERO);
     assert!(sim.spawns.is_empty(), "{:?}", sim.spawns);
     assert_eq!(
         sim.state_of(spare),
@@ -1729,9 +1725,7 @@ fn a_key_whose_conversations_fit_gets_its_spare_once_its_serving_process_is_gone
     sim.give_back("a/1", Settle::Park, 1);
     sim.give_back("a/2", Settle::Park, 1);
     assert!(sim.spawns.is_empty(), "full, but nothing outgrew it");
-    sim.now += Duration::from_secs(61);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(61));
     let (conversations, worker) = sim.stops.pop().expect("the idle eviction");
     assert!(
         sim.spawns.is_empty(),
@@ -1828,18 +1822,14 @@ fn a_spare_outlives_the_idle_ttl_within_the_window_and_is_stopped_after_it() {
     let mut sim = Sim::new(spares(1));
     let (w1, w2) = sim.outgrow("a/1", "a/2", 1);
     let spare = sim.spawn_ok().expect("the spare");
-    sim.now += Duration::from_secs(120);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(120));
     assert_eq!(
         sim.evicted,
         vec![(w1, Eviction::Idle), (w2, Eviction::Idle)],
         "the idle TTL (60 s) stops the workers, not the spare"
     );
     assert!(sim.spawns.is_empty(), "the spare is there already");
-    sim.now += Duration::from_secs(480);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(480));
     assert_eq!(
         sim.evicted.last(),
         Some(&(spare, Eviction::Idle)),
@@ -1870,9 +1860,7 @@ fn a_returning_conversation_finds_itself_resumed_on_the_warm_spare_which_stays_a
     );
 
     // The agent goes away: its process idles out and a spare takes its place.
-    sim.now += Duration::from_secs(61);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(61));
     assert_eq!(sim.evicted, vec![(w1, Eviction::Idle)]);
     assert_eq!(
         sim.warm_up("a/1", 1, "c", ""),
@@ -1895,9 +1883,7 @@ fn a_returning_conversation_finds_itself_resumed_on_the_warm_spare_which_stays_a
     sim.give_back("a/1", Settle::Park, 0);
     assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
     assert!(sim.spawns.is_empty(), "the warm spare is the key's spare");
-    sim.now += Duration::from_secs(120);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(120));
     assert_eq!(sim.evicted.len(), 1, "the warm spare outlives the idle TTL");
 
     // The return takes it as attached: no resume, and the spare now serves.
@@ -1951,9 +1937,7 @@ fn resuming_ahead_on_the_spare(sim: &mut Sim) -> WorkerId {
     sim.ask("a/1", 1);
     sim.spawn_ok().expect("kept");
     sim.give_back("a/1", Settle::Park, 1);
-    sim.now += Duration::from_secs(61);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(61));
     let (conversations, worker) = sim.stops.pop().expect("the idle eviction");
     sim.stop_done(conversations, worker);
     let spare = sim.spawn_ok().expect("the spare");
@@ -1986,13 +1970,10 @@ fn a_warm_spare_under_a_call_naming_no_conversation_is_not_stopped_when_its_wind
     let p = sim.ask_process(1);
     assert_eq!(sim.process_of(p), Some(spare));
     assert_eq!(sim.state_of(spare), Some(WorkerState::Spare), "still warm");
-    sim.now += Duration::from_secs(700);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(700));
     assert!(sim.core.workers.contains_key(&spare), "{:?}", sim.evicted);
     sim.release_process(p);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::ZERO);
     assert!(
         !sim.core.workers.contains_key(&spare),
         "stopped once released"
@@ -2041,9 +2022,7 @@ fn resumes_ahead_run_a_few_at_a_time_over_the_whole_pool() {
         sim.spawn_ok().expect("kept");
         sim.give_back(&format!("a{k}/1"), Settle::Park, 1);
     }
-    sim.now += Duration::from_secs(61);
-    let effects = sim.core.maintain(sim.now);
-    sim.apply(effects);
+    sim.tick(Duration::from_secs(61));
     while let Some((conversations, worker)) = sim.stops.pop() {
         sim.stop_done(conversations, worker);
     }
