@@ -309,6 +309,56 @@ async fn token_rotation_drains_the_old_process_and_keeps_the_conversation() {
 }
 
 #[tokio::test]
+async fn token_rotation_after_the_old_process_idled_out_stops_the_old_tokens_warm_spare() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    // The process idles out a second after its turn and a spare of its key takes its place,
+    // holding none of its conversations (so the conversation is attached to nothing old).
+    config.idle_ttl = Duration::from_secs(1);
+    config.warm_spares = 1;
+    config.warm_spare_conversations = 0;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut req = fx.request("agent-a", "conv");
+    req.auth = token("v1");
+    let mut lease = pool.lease(req.clone()).await.expect("lease v1");
+    lease.run("REPLY=one").await.expect("turn v1");
+    let old_pid = lease.worker_pid();
+    drop(lease);
+    let spare_pid = match wait_event(
+        &mut events,
+        |e| matches!(e, PoolEvent::WorkerStarted { pid, .. } if *pid != old_pid),
+    )
+    .await
+    {
+        PoolEvent::WorkerStarted { pid, .. } => pid,
+        other => unreachable!("{other:?}"),
+    };
+
+    req.auth = token("v2");
+    let mut lease = pool.lease(req).await.expect("lease v2");
+    assert_ne!(lease.worker_pid(), spare_pid, "the spare has the old token");
+    lease.run("REPLY=two").await.expect("turn v2");
+    wait_event(&mut events, |e| {
+        matches!(e, PoolEvent::WorkerEvicted { pid, reason: Eviction::Drained, .. }
+            if *pid == spare_pid)
+    })
+    .await;
+    let status = pool.status().await.expect("status");
+    assert!(
+        status.workers.iter().all(|w| w.pid != spare_pid),
+        "the old token's spare is gone: {status:?}"
+    );
+    assert!(
+        wait_group_gone(spare_pid, Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
 async fn a_byok_endpoint_change_starts_a_new_session() {
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.config().await).await.expect("pool");

@@ -361,6 +361,11 @@ pub(crate) struct Placement<Spec, S> {
     /// Consecutive resumes that crashed the runtime, per conversation (cleared when it
     /// opens).
     resume_crashes: HashMap<String, u32>,
+    /// The key of the process each conversation last left (its process stopped, or it was
+    /// detached), kept while that key's state is kept (its spare window): a conversation
+    /// that comes back with another credential version of that key's family is a rotation
+    /// even when the process it was on is gone ([`drain_rotated`](Self::drain_rotated)).
+    former_keys: HashMap<String, PoolKey>,
     /// The CLI backends' processes, which count in `max_processes` too.
     others: Others,
     /// An [`Effect::EvictOther`] is outstanding.
@@ -382,6 +387,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             detaching: HashMap::new(),
             stopping: HashMap::new(),
             resume_crashes: HashMap::new(),
+            former_keys: HashMap::new(),
             others: Others::default(),
             asked_other: false,
             out: Vec::new(),
@@ -536,6 +542,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         w.attached.insert(conversation.to_owned());
         w.leased += 1;
         w.warm = true;
+        self.former_keys.remove(conversation);
         self.conversations.insert(
             conversation.to_owned(),
             Conversation {
@@ -905,6 +912,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 || waiting.contains(key)
                 || spares_wanted(ks.last_lease, now, warm_spares, window) > 0
         });
+        let keys = &self.keys;
+        self.former_keys.retain(|_, key| keys.contains_key(key));
         self.serve_waiters(now);
         self.effects()
     }
@@ -1213,6 +1222,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         w.leased += 1;
         w.warm = false;
         w.last_used = now;
+        self.former_keys.remove(&ask.conversation);
         self.conversations.insert(
             ask.conversation.clone(),
             Conversation {
@@ -1566,6 +1576,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         let conv = self.conversations.remove(&conversation)?;
         if let Some(w) = self.workers.get_mut(&conv.worker) {
             w.attached.remove(&conversation);
+            self.former_keys.insert(conversation.clone(), w.key.clone());
         }
         if let Some(session) = conv.parked {
             self.detach(conversation, conv.worker, DetachTarget::Session(session));
@@ -1591,12 +1602,13 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     /// endpoint) must not stop each other's processes; a version nobody uses any more goes
     /// with the idle TTL.
     fn drain_rotated(&mut self, ask: &Ask<Spec>, now: Instant) {
-        let old = self
-            .conversations
-            .get(&ask.conversation)
-            .and_then(|c| self.workers.get(&c.worker))
-            .map(|w| w.key.clone())
-            .filter(|old| *old != ask.key && old.family() == ask.key.family());
+        let old = match self.conversations.get(&ask.conversation) {
+            Some(c) => self.workers.get(&c.worker).map(|w| &w.key),
+            None => self.former_keys.get(&ask.conversation),
+        };
+        let old = old
+            .filter(|old| **old != ask.key && old.family() == ask.key.family())
+            .cloned();
         if let Some(old) = old {
             self.drain_version(&old, &ask.key, now);
         }
@@ -1701,6 +1713,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 self.conversations.remove(&conversation);
                 if let Some(w) = self.workers.get_mut(&worker_id) {
                     w.attached.remove(&conversation);
+                    self.former_keys.insert(conversation.clone(), w.key.clone());
                 }
                 // Its binding stays for a resume, which waits for this detach.
                 if let Some(session) = session {
@@ -1835,6 +1848,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 .is_some_and(|c| c.worker == id && !c.leased)
             {
                 self.conversations.remove(conversation);
+                self.former_keys.insert(conversation.clone(), w.key.clone());
             }
         }
         true

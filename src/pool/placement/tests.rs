@@ -404,6 +404,10 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             );
         }
         for (name, c) in &self.conversations {
+            assert!(
+                !self.former_keys.contains_key(name),
+                "{name} is placed and remembered as gone at once"
+            );
             if let Some(w) = self.workers.get(&c.worker) {
                 assert!(
                     w.attached.contains(name),
@@ -980,6 +984,62 @@ fn a_rotated_away_credential_version_gets_no_warm_spare() {
         "the old version's traffic is over: its credentials are stale, no spare for them: {:?}",
         sim.spawns
     );
+}
+
+#[test]
+fn a_conversation_back_with_a_new_version_after_its_process_idled_out_stops_the_old_versions_spare()
+{
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 4,
+        ..spares(1)
+    });
+    sim.ask_key("a/1", key_version(1, "v1"));
+    let old = sim.spawn_ok().expect("v1 worker");
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.tick(Duration::from_secs(61));
+    assert_eq!(sim.evicted, vec![(old, Eviction::Idle)]);
+    let (conversations, worker) = sim.stops.pop().expect("the eviction");
+    sim.stop_done(conversations, worker);
+    let spare = sim.spawn_ok().expect("v1's spare in its place");
+    assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
+
+    // a/1 comes back with a new token: the spare holds the old one and nothing of a/1.
+    let rotated = sim.ask_key("a/1", key_version(1, "v2"));
+    assert_eq!(
+        sim.evicted.last(),
+        Some(&(spare, Eviction::Drained)),
+        "the old version's spare is stopped with the rotation"
+    );
+    assert_eq!(sim.spawns, vec![key_version(1, "v2")]);
+    sim.spawn_ok().expect("v2 worker");
+    assert!(sim.granted_to(rotated).is_some());
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.tick(Duration::from_secs(1));
+    assert!(
+        sim.spawns.is_empty(),
+        "no spare for the stale version again: {:?}",
+        sim.spawns
+    );
+}
+
+#[test]
+fn a_new_conversation_on_another_version_of_the_family_leaves_the_first_versions_spare() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 4,
+        ..spares(1)
+    });
+    sim.ask_key("a/1", key_version(1, "user-1"));
+    let old = sim.spawn_ok().expect("user-1's worker");
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.tick(Duration::from_secs(61));
+    assert_eq!(sim.evicted, vec![(old, Eviction::Idle)]);
+    let (conversations, worker) = sim.stops.pop().expect("the eviction");
+    sim.stop_done(conversations, worker);
+    let spare = sim.spawn_ok().expect("user-1's spare");
+    sim.ask_key("a/2", key_version(1, "user-2"));
+    sim.spawn_ok().expect("user-2's worker");
+    assert_eq!(sim.evicted, vec![(old, Eviction::Idle)], "not the spare");
+    assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
 }
 
 #[test]
