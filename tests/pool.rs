@@ -197,6 +197,59 @@ async fn a_crash_restarts_the_worker_and_the_conversation_resumes_with_its_histo
 }
 
 #[tokio::test]
+async fn a_process_killed_from_outside_is_replaced_unprimed_so_its_conversation_waits_for_no_priming_turn()
+ {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    // A warm spare per key (the default) and every served process counted as killed from
+    // outside (replaced at once): the spare must not race the replacement.
+    config.warm_spares = 1;
+    config.restart.healthy_after = Duration::ZERO;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    lease.run("REPLY=one").await.expect("turn");
+    let pid = lease.worker_pid();
+    drop(lease);
+
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
+    let (new_pid, primed) = match wait_event(
+        &mut events,
+        |e| matches!(e, PoolEvent::WorkerStarted { pid: p, .. } if *p != pid),
+    )
+    .await
+    {
+        PoolEvent::WorkerStarted {
+            pid,
+            primed,
+            restart,
+            ..
+        } => {
+            assert!(restart, "the first start after the kill is its replacement");
+            (pid, primed)
+        }
+        other => unreachable!("{other:?}"),
+    };
+    assert_eq!(
+        primed, None,
+        "no priming turn ahead of the returning conversation"
+    );
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease after the kill");
+    assert_eq!(lease.worker_pid(), new_pid);
+    lease.run("REPLY=two").await.expect("turn after the kill");
+    drop(lease);
+    let status = pool.status().await.expect("status");
+    assert_eq!(status.workers.len(), 1, "{status:?}");
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
 async fn restart_intensity_quarantines_a_key_until_the_cool_down_ends() {
     let fx = Fixture::new().await;
     let mut config = fx.config().await;

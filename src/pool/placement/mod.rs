@@ -1475,7 +1475,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             .keys
             .iter()
             .filter(|(key, ks)| {
+                // A crashed worker's replacement is due (`respawn`): it starts unprimed for
+                // the conversations coming back to it, and a primed spare started first
+                // would hold their leases up for its priming turn.
                 !ks.spawning
+                    && !ks.respawn
                     && ks.restart.restarts_in_window(now, policy) == 0
                     && !self.key_busy(ks)
                     && !self.key_stopping(key)

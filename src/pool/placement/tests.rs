@@ -879,6 +879,50 @@ fn a_worker_killed_after_serving_is_replaced_at_once_and_never_quarantines_its_k
 }
 
 #[test]
+fn a_process_killed_from_outside_is_replaced_by_an_unprimed_start_not_by_a_primed_spare() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 4,
+        ..spares(1)
+    });
+    sim.ask("a/1", 1);
+    let w = sim.spawn_ok().expect("a worker");
+    let effects = sim
+        .core
+        .opened("a/1", w, CliSessionId::random(), OpenReason::New);
+    sim.apply(effects);
+    sim.give_back("a/1", Settle::Park, 1);
+    assert!(
+        sim.spawns.is_empty(),
+        "room in the serving process: no spare"
+    );
+
+    // Killed from outside while idle, its conversation parked on it: the conversation
+    // comes back at once, so its replacement must not hold it up with a priming turn.
+    sim.now += Duration::from_secs(2);
+    sim.core.exited(w);
+    let effects = sim.core.crashed(w, sim.now);
+    sim.apply(effects);
+    assert!(
+        sim.spawns.is_empty(),
+        "no spare races the replacement: {:?} (primed: {:?})",
+        sim.spawns,
+        sim.primes
+    );
+    let respawned = sim.respawns.pop().expect("replaced");
+    let effects = sim.core.respawn_due(&respawned, sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.spawns, vec![key(1)]);
+    assert_eq!(
+        sim.primes.last(),
+        Some(&false),
+        "the replacement is not primed"
+    );
+    let back = sim.ask("a/1", 1);
+    let replacement = sim.spawn_ok().expect("the replacement");
+    assert_eq!(sim.granted_to(back), Some(replacement));
+}
+
+#[test]
 fn a_worker_that_dies_before_serving_still_quarantines_its_key() {
     let mut sim = Sim::new(limits());
     sim.ask("a/1", 1);
