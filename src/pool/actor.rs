@@ -253,6 +253,9 @@ pub(crate) struct PoolState {
     replies: HashMap<RequestId, Reply>,
     next_request: RequestId,
     leased: watch::Sender<usize>,
+    /// The gauges as last set: set again only when they changed (each set is a lookup in
+    /// the recorder's registry, and most events of a turn change none of them).
+    gauges: Option<crate::metrics::PoolGauges>,
     events: broadcast::Sender<PoolEvent>,
     tick: Option<tokio::task::JoinHandle<()>>,
     myself: ActorRef<PoolMsg>,
@@ -296,6 +299,7 @@ impl Actor for PoolActor {
             replies: HashMap::new(),
             next_request: 1,
             leased: args.leased,
+            gauges: None,
             events: args.events,
             tick,
             myself,
@@ -983,8 +987,12 @@ impl PoolState {
     }
 
     /// Sets the pool's gauges and the leased count.
-    fn publish(&self) {
-        self.core.gauges(Instant::now()).publish();
+    fn publish(&mut self) {
+        let gauges = self.core.gauges(Instant::now());
+        if self.gauges != Some(gauges) {
+            gauges.publish();
+            self.gauges = Some(gauges);
+        }
         self.leased.send_replace(self.core.leased_count());
     }
 }

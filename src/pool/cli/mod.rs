@@ -85,6 +85,9 @@ struct Shell {
     next_id: u64,
     /// The core's view when the Copilot side last heard of it (a change wakes it).
     told: Others,
+    /// Each backend's gauges as last set (processes, leased, waiting): set again only when
+    /// they changed (every Copilot lease's settle passes here too).
+    gauges: BTreeMap<String, (usize, usize, usize)>,
 }
 
 /// A conversation between its leases: its runner, and the pid of its process the metrics
@@ -225,6 +228,7 @@ impl CliPool {
                 waiters: HashMap::new(),
                 next_id: 1,
                 told: Others::default(),
+                gauges: BTreeMap::new(),
             }),
             backends,
             bindings,
@@ -344,7 +348,7 @@ impl CliPool {
         }
     }
 
-    fn publish(&self, shell: &Shell) {
+    fn publish(&self, shell: &mut Shell) {
         for (id, config) in &self.backends {
             // A parked one-shot conversation holds no process (one runs per turn): its
             // backend's processes are at most its leased conversations.
@@ -352,8 +356,17 @@ impl CliPool {
                 BackendKind::CliOneshot => shell.core.leased_of(id),
                 _ => shell.core.processes_of(id),
             };
-            crate::metrics::cli_processes(id, processes);
-            crate::metrics::leases(id, shell.core.leased_of(id), shell.core.waiting_of(id));
+            let now = (
+                processes,
+                shell.core.leased_of(id),
+                shell.core.waiting_of(id),
+            );
+            if shell.gauges.get(id) == Some(&now) {
+                continue;
+            }
+            crate::metrics::cli_processes(id, now.0);
+            crate::metrics::leases(id, now.1, now.2);
+            shell.gauges.insert(id.clone(), now);
         }
         self.in_use.send_replace(shell.core.in_use());
     }
@@ -724,7 +737,7 @@ impl CliPool {
                 }
             }
             closing.extend(shell.parked.drain().map(|(_, p)| p));
-            self.publish(&shell);
+            self.publish(&mut shell);
             closing
         };
         for parked in parked {
