@@ -207,13 +207,7 @@ async fn a_process_killed_from_outside_is_replaced_unprimed_so_its_conversation_
     config.restart.healthy_after = Duration::ZERO;
     let pool = Pool::start(config).await.expect("pool");
     let mut events = pool.subscribe();
-    let mut lease = pool
-        .lease(fx.request("agent-a", "conv"))
-        .await
-        .expect("lease");
-    lease.run("REPLY=one").await.expect("turn");
-    let pid = lease.worker_pid();
-    drop(lease);
+    let pid = one_turn(&pool, &fx, "conv", "REPLY=one").await;
 
     kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
     let (new_pid, primed) = match wait_event(
@@ -263,13 +257,7 @@ async fn restart_intensity_quarantines_a_key_until_the_cool_down_ends() {
     };
     let pool = Pool::start(config).await.expect("pool");
     let mut events = pool.subscribe();
-    let mut lease = pool
-        .lease(fx.request("agent-a", "conv"))
-        .await
-        .expect("lease");
-    lease.run("REPLY=one").await.expect("turn");
-    let mut pid = lease.worker_pid();
-    drop(lease);
+    let mut pid = one_turn(&pool, &fx, "conv", "REPLY=one").await;
     // Crash 1 is restarted; crash 2 exceeds the intensity.
     kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
     if let PoolEvent::WorkerStarted { pid: p, .. } = wait_event(&mut events, |e| {
@@ -736,13 +724,7 @@ async fn idle_workers_are_evicted_and_conversations_resume_afterwards() {
     config.warm_spares = 0;
     let pool = Pool::start(config).await.expect("pool");
     let mut events = pool.subscribe();
-    let mut lease = pool
-        .lease(fx.request("agent-a", "conv"))
-        .await
-        .expect("lease");
-    lease.run("REPLY=ok MARKER-idle-9").await.expect("turn");
-    let pid = lease.worker_pid();
-    drop(lease);
+    let pid = one_turn(&pool, &fx, "conv", "REPLY=ok MARKER-idle-9").await;
     let evicted = wait_event(&mut events, |e| {
         matches!(e, PoolEvent::WorkerEvicted { .. })
     })
@@ -1237,6 +1219,16 @@ async fn one_tick_and_spares(fx: &Fixture, conversations: usize) -> copilot_pool
     config.warm_spares = 1;
     config.warm_spare_conversations = conversations;
     config
+}
+
+/// One turn of agent-a's `conversation` with `prompt`; its process's pid.
+async fn one_turn(pool: &Pool, fx: &Fixture, conversation: &str, prompt: &str) -> u32 {
+    let mut lease = pool
+        .lease(fx.request("agent-a", conversation))
+        .await
+        .expect("lease");
+    lease.run(prompt).await.expect("turn");
+    lease.worker_pid()
 }
 
 /// One turn on each of `n` conversations of agent-a, opened conv-1 first: their process's

@@ -1030,22 +1030,30 @@ fn a_rotated_away_credential_version_gets_no_warm_spare() {
     );
 }
 
-#[test]
-fn a_conversation_back_with_a_new_version_after_its_process_idled_out_stops_the_old_versions_spare()
-{
+/// `a/1` of `key` opens on a process with room for four, is handed back, and the process
+/// idles out and stops: a primed spare of `key` stands in its place. Returns the simulation,
+/// the stopped process and the spare.
+fn idled_out_into_a_spare(key: PoolKey) -> (Sim, WorkerId, WorkerId) {
     let mut sim = Sim::new(Limits {
         max_sessions_per_process: 4,
         ..spares(1)
     });
-    sim.ask_key("a/1", key_version(1, "v1"));
-    let old = sim.spawn_ok().expect("v1 worker");
+    sim.ask_key("a/1", key);
+    let old = sim.spawn_ok().expect("a/1's process");
     sim.give_back("a/1", Settle::Park, 1);
     sim.tick(Duration::from_secs(61));
     assert_eq!(sim.evicted, vec![(old, Eviction::Idle)]);
     let (conversations, worker) = sim.stops.pop().expect("the eviction");
     sim.stop_done(conversations, worker);
-    let spare = sim.spawn_ok().expect("v1's spare in its place");
+    let spare = sim.spawn_ok().expect("the spare in its place");
     assert_eq!(sim.state_of(spare), Some(WorkerState::Spare));
+    (sim, old, spare)
+}
+
+#[test]
+fn a_conversation_back_with_a_new_version_after_its_process_idled_out_stops_the_old_versions_spare()
+{
+    let (mut sim, _, spare) = idled_out_into_a_spare(key_version(1, "v1"));
 
     // a/1 comes back with a new token: the spare holds the old one and nothing of a/1.
     let rotated = sim.ask_key("a/1", key_version(1, "v2"));
@@ -1068,18 +1076,7 @@ fn a_conversation_back_with_a_new_version_after_its_process_idled_out_stops_the_
 
 #[test]
 fn a_new_conversation_on_another_version_of_the_family_leaves_the_first_versions_spare() {
-    let mut sim = Sim::new(Limits {
-        max_sessions_per_process: 4,
-        ..spares(1)
-    });
-    sim.ask_key("a/1", key_version(1, "user-1"));
-    let old = sim.spawn_ok().expect("user-1's worker");
-    sim.give_back("a/1", Settle::Park, 1);
-    sim.tick(Duration::from_secs(61));
-    assert_eq!(sim.evicted, vec![(old, Eviction::Idle)]);
-    let (conversations, worker) = sim.stops.pop().expect("the eviction");
-    sim.stop_done(conversations, worker);
-    let spare = sim.spawn_ok().expect("user-1's spare");
+    let (mut sim, old, spare) = idled_out_into_a_spare(key_version(1, "user-1"));
     sim.ask_key("a/2", key_version(1, "user-2"));
     sim.spawn_ok().expect("user-2's worker");
     assert_eq!(sim.evicted, vec![(old, Eviction::Idle)], "not the spare");
