@@ -254,7 +254,8 @@ pub(crate) struct PoolState {
     next_request: RequestId,
     leased: watch::Sender<usize>,
     /// The gauges as last set: set again only when they changed (each set is a lookup in
-    /// the recorder's registry, and most events of a turn change none of them).
+    /// the recorder's registry, and most events of a turn change none of them), and all at
+    /// every maintenance tick.
     gauges: Option<crate::metrics::PoolGauges>,
     events: broadcast::Sender<PoolEvent>,
     tick: Option<tokio::task::JoinHandle<()>>,
@@ -387,6 +388,10 @@ impl Actor for PoolActor {
             PoolMsg::Respawn(key) => state.core.respawn_due(&key, now),
             PoolMsg::WaiterExpired(id) => state.core.expire(id),
             PoolMsg::Tick => {
+                // Every gauge is set again once a tick (an exporter that drops gauges not
+                // set for a while, or a recorder installed after the pool, gets them back).
+                state.gauges = None;
+                budget.republish_gauges();
                 let effects = state.core.maintain(now);
                 let core = &state.core;
                 state.recent.retain_keys(|key| core.knows_key(key));

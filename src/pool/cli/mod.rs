@@ -356,17 +356,17 @@ impl CliPool {
                 BackendKind::CliOneshot => shell.core.leased_of(id),
                 _ => shell.core.processes_of(id),
             };
-            let now = (
+            let figures = (
                 processes,
                 shell.core.leased_of(id),
                 shell.core.waiting_of(id),
             );
-            if shell.gauges.get(id) == Some(&now) {
+            if shell.gauges.get(id) == Some(&figures) {
                 continue;
             }
-            crate::metrics::cli_processes(id, now.0);
-            crate::metrics::leases(id, now.1, now.2);
-            shell.gauges.insert(id.clone(), now);
+            crate::metrics::cli_processes(id, figures.0);
+            crate::metrics::leases(id, figures.1, figures.2);
+            shell.gauges.insert(id.clone(), figures);
         }
         self.in_use.send_replace(shell.core.in_use());
     }
@@ -783,6 +783,12 @@ impl BudgetGuard<'_> {
         self.shell.told = self.shell.core.view();
         self.pool.apply(&mut self.shell, effects);
         evicted
+    }
+
+    /// Makes the next publish set every CLI gauge again (the pool's maintenance tick calls
+    /// it, as it does for its own gauges).
+    pub(crate) fn republish_gauges(&mut self) {
+        self.shell.gauges.clear();
     }
 
     /// The Copilot side's processes after its decision; when they changed, the CLI waiters

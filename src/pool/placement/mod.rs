@@ -44,6 +44,11 @@ pub(crate) use rules::{WorkerId, cpu_processes_for};
 /// count restarts for all when it is reached).
 const RESUME_CRASHES_REMEMBERED: usize = 4096;
 
+/// How many conversations' former keys placement remembers at most (when full, it forgets
+/// them all: a rotation then drains the old version only through an attached conversation,
+/// as before the memory existed).
+const FORMER_KEYS_REMEMBERED: usize = 65_536;
+
 /// Resumes ahead of a return running at once over the whole pool. Each is ~33 ms of one
 /// runtime's CPU: a crowd of keys whose spares came up in the same tick resumes a few at a
 /// time (the rest at the next chances: the end or failure of one, a tick, a start, a stop)
@@ -245,7 +250,8 @@ struct KeyState<Spec> {
     spec: Spec,
     workers: Vec<WorkerId>,
     spawning: bool,
-    /// The next spawn replaces a crashed worker.
+    /// The next spawn replaces a crashed worker (while its start is scheduled,
+    /// `backoff_until`, the key gets no warm spare: see `top_up_spares`).
     respawn: bool,
     backoff_until: Option<Instant>,
     restart: RestartTracker,
@@ -258,6 +264,13 @@ struct KeyState<Spec> {
     outgrown: Option<Instant>,
 }
 
+impl<Spec> KeyState<Spec> {
+    /// A crashed worker's replacement is scheduled (its start comes at `backoff_until`).
+    fn replacement_scheduled(&self) -> bool {
+        self.respawn && self.backoff_until.is_some()
+    }
+}
+
 /// A worker evicted and not yet stopped (or whose detach failed, on its way to eviction).
 struct Stopping {
     /// Its key: the key's spare waits until its process is gone, so the two never add up.
@@ -266,6 +279,12 @@ struct Stopping {
     /// they stay in `detaching` until the process is gone
     /// ([`eviction_done`](Placement::eviction_done)), so none is resumed elsewhere meanwhile.
     held: Vec<String>,
+}
+
+/// The key of the process a conversation left, and when the conversation was last used.
+struct FormerKey {
+    key: PoolKey,
+    last_used: Instant,
 }
 
 struct Worker {
@@ -361,11 +380,13 @@ pub(crate) struct Placement<Spec, S> {
     /// Consecutive resumes that crashed the runtime, per conversation (cleared when it
     /// opens).
     resume_crashes: HashMap<String, u32>,
-    /// The key of the process each conversation last left (its process stopped, or it was
-    /// detached), kept while that key's state is kept (its spare window): a conversation
-    /// that comes back with another credential version of that key's family is a rotation
-    /// even when the process it was on is gone ([`drain_rotated`](Self::drain_rotated)).
-    former_keys: HashMap<String, PoolKey>,
+    /// The key of the process each conversation last left (the process stopped or died
+    /// under it, or it was detached), for the spare window after the conversation's last
+    /// use and while that key is kept: a conversation that comes back with another
+    /// credential version of that key's family is a rotation even when the process it was
+    /// on is gone ([`drain_rotated`](Self::drain_rotated)). At most
+    /// [`FORMER_KEYS_REMEMBERED`] entries.
+    former_keys: HashMap<String, FormerKey>,
     /// The CLI backends' processes, which count in `max_processes` too.
     others: Others,
     /// An [`Effect::EvictOther`] is outstanding.
@@ -913,7 +934,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 || spares_wanted(ks.last_lease, now, warm_spares, window) > 0
         });
         let keys = &self.keys;
-        self.former_keys.retain(|_, key| keys.contains_key(key));
+        self.former_keys
+            .retain(|_, f| keys.contains_key(&f.key) && within(Some(f.last_used), now, window));
         self.serve_waiters(now);
         self.effects()
     }
@@ -1475,11 +1497,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             .keys
             .iter()
             .filter(|(key, ks)| {
-                // A crashed worker's replacement is due (`respawn`): it starts unprimed for
-                // the conversations coming back to it, and a primed spare started first
-                // would hold their leases up for its priming turn.
+                // A crashed worker's replacement is scheduled: it starts unprimed for the
+                // conversations coming back to it, and a primed spare started first would
+                // hold their leases up for its priming turn.
                 !ks.spawning
-                    && !ks.respawn
+                    && !ks.replacement_scheduled()
                     && ks.restart.restarts_in_window(now, policy) == 0
                     && !self.key_busy(ks)
                     && !self.key_stopping(key)
@@ -1580,7 +1602,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         let conv = self.conversations.remove(&conversation)?;
         if let Some(w) = self.workers.get_mut(&conv.worker) {
             w.attached.remove(&conversation);
-            self.former_keys.insert(conversation.clone(), w.key.clone());
+            let key = w.key.clone();
+            self.left_key(&conversation, &key, conv.last_used);
         }
         if let Some(session) = conv.parked {
             self.detach(conversation, conv.worker, DetachTarget::Session(session));
@@ -1598,24 +1621,42 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         });
     }
 
-    /// A key of the same account with another credential version is in use: the other
-    /// versions' workers drain (rotation).
     /// A conversation that comes back with another credential version of its key's family
     /// (a token or BYOK key rotation) drains the old version's workers. Nothing else does:
     /// conversations of one family on different versions at once (two users' keys for one
     /// endpoint) must not stop each other's processes; a version nobody uses any more goes
     /// with the idle TTL.
     fn drain_rotated(&mut self, ask: &Ask<Spec>, now: Instant) {
-        let old = match self.conversations.get(&ask.conversation) {
-            Some(c) => self.workers.get(&c.worker).map(|w| &w.key),
-            None => self.former_keys.get(&ask.conversation),
-        };
-        let old = old
+        let attached = self
+            .conversations
+            .get(&ask.conversation)
+            .and_then(|c| self.workers.get(&c.worker))
+            .map(|w| &w.key);
+        let old = attached
+            .or_else(|| self.former_keys.get(&ask.conversation).map(|f| &f.key))
             .filter(|old| **old != ask.key && old.family() == ask.key.family())
             .cloned();
         if let Some(old) = old {
+            // Acted on once: a lease still waiting drains no process started meanwhile.
+            self.former_keys.remove(&ask.conversation);
             self.drain_version(&old, &ask.key, now);
         }
+    }
+
+    /// Remembers that `conversation`, last used at `last_used`, left a process of `key`.
+    fn left_key(&mut self, conversation: &str, key: &PoolKey, last_used: Instant) {
+        if self.former_keys.len() >= FORMER_KEYS_REMEMBERED
+            && !self.former_keys.contains_key(conversation)
+        {
+            self.former_keys.clear();
+        }
+        self.former_keys.insert(
+            conversation.to_owned(),
+            FormerKey {
+                key: key.clone(),
+                last_used,
+            },
+        );
     }
 
     /// Drains every worker of `old` (a rotated-away version of `new`'s family) and forgets
@@ -1717,7 +1758,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 self.conversations.remove(&conversation);
                 if let Some(w) = self.workers.get_mut(&worker_id) {
                     w.attached.remove(&conversation);
-                    self.former_keys.insert(conversation.clone(), w.key.clone());
+                    let key = w.key.clone();
+                    self.left_key(&conversation, &key, now);
                 }
                 // Its binding stays for a resume, which waits for this detach.
                 if let Some(session) = session {
@@ -1846,14 +1888,19 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             ks.workers.retain(|x| *x != id);
         }
         for conversation in &w.attached {
-            if self
+            let Some(c) = self
                 .conversations
                 .get(conversation)
-                .is_some_and(|c| c.worker == id && !c.leased)
-            {
+                .filter(|c| c.worker == id)
+            else {
+                continue;
+            };
+            // A leased one stays until its lease returns; both have left the process.
+            let (leased, last_used) = (c.leased, c.last_used);
+            if !leased {
                 self.conversations.remove(conversation);
-                self.former_keys.insert(conversation.clone(), w.key.clone());
             }
+            self.left_key(conversation, &w.key, last_used);
         }
         true
     }

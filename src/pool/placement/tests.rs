@@ -405,8 +405,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         }
         for (name, c) in &self.conversations {
             assert!(
-                !self.former_keys.contains_key(name),
-                "{name} is placed and remembered as gone at once"
+                !(self.workers.contains_key(&c.worker) && self.former_keys.contains_key(name)),
+                "{name} is on a process and remembered as gone from one at once"
             );
             if let Some(w) = self.workers.get(&c.worker) {
                 assert!(
@@ -923,6 +923,44 @@ fn a_process_killed_from_outside_is_replaced_by_an_unprimed_start_not_by_a_prime
 }
 
 #[test]
+fn a_key_whose_replacement_could_not_start_for_want_of_resources_gets_its_spare_later() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 4,
+        ..spares(1)
+    });
+    sim.ask("a/1", 1);
+    let w = sim.spawn_ok().expect("a worker");
+    let effects = sim
+        .core
+        .opened("a/1", w, CliSessionId::random(), OpenReason::New);
+    sim.apply(effects);
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.now += Duration::from_secs(2);
+    sim.core.exited(w);
+    let effects = sim.core.crashed(w, sim.now);
+    sim.apply(effects);
+    let respawned = sim.respawns.pop().expect("replaced");
+    let effects = sim.core.respawn_due(&respawned, sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.spawns, vec![key(1)]);
+    sim.spawns.clear();
+    let failed = Err(WorkerError::ResourceExhausted("fork: EAGAIN".into()));
+    let (id, effects) = sim.core.spawned(key(1), failed, sim.now);
+    assert_eq!(id, None);
+    sim.apply(effects);
+
+    // The machine's resources are back by the next tick: the key, with traffic in its
+    // window and no process, gets its spare as any such key does.
+    sim.tick(Duration::from_secs(1));
+    assert_eq!(
+        sim.spawns,
+        vec![key(1)],
+        "a spare once the replacement is no longer due"
+    );
+    assert_eq!(sim.primes.last(), Some(&true));
+}
+
+#[test]
 fn a_worker_that_dies_before_serving_still_quarantines_its_key() {
     let mut sim = Sim::new(limits());
     sim.ask("a/1", 1);
@@ -1071,6 +1109,38 @@ fn a_conversation_back_with_a_new_version_after_its_process_idled_out_stops_the_
         sim.spawns.is_empty(),
         "no spare for the stale version again: {:?}",
         sim.spawns
+    );
+}
+
+#[test]
+fn a_conversation_back_with_a_new_version_after_its_process_died_mid_turn_drains_the_old_versions_replacement()
+ {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 4,
+        ..spares(1)
+    });
+    sim.ask_key("a/1", key_version(1, "v1"));
+    let w = sim.spawn_ok().expect("v1 worker");
+    // Dies under the turn; the turn's lease comes back after the death.
+    sim.now += Duration::from_secs(2);
+    sim.core.exited(w);
+    let effects = sim.core.crashed(w, sim.now);
+    sim.apply(effects);
+    sim.leases.remove("a/1");
+    let effects = sim
+        .core
+        .returned("a/1".into(), w, None, Settle::Detach, 0, sim.now);
+    sim.apply(effects);
+    let respawned = sim.respawns.pop().expect("replaced");
+    let effects = sim.core.respawn_due(&respawned, sim.now);
+    sim.apply(effects);
+    let replacement = sim.spawn_ok().expect("the v1 replacement");
+
+    sim.ask_key("a/1", key_version(1, "v2"));
+    assert_eq!(
+        sim.evicted.last(),
+        Some(&(replacement, Eviction::Drained)),
+        "the stale version's replacement goes with the rotation"
     );
 }
 
