@@ -515,7 +515,9 @@ async fn each_auth_level_over_http_selects_its_key_and_process_and_its_token_rea
 
     // Conversations resumed on a new process keep their own tokens as their session
     // identities (`gitHubToken` goes with session.resume as with session.create): the
-    // same-version conversation resumes on the process its neighbour's token started.
+    // same-version conversation resumes on the process its neighbour's token started. The
+    // replacement (started at once, unprimed) may have resumed a conversation ahead of its
+    // lease with what its last open used: it is then `attached` there, its token the same.
     let mut events = pool.subscribe();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(i32::try_from(explicit_pid).expect("a pid")),
@@ -538,7 +540,10 @@ async fn each_auth_level_over_http_selects_its_key_and_process_and_its_token_rea
     ] {
         let body = token_turn("agent-a", key, reply, Some(auth));
         let end = run_token_turn(addr, &stand_in, &body, bearer).await;
-        assert_eq!(end["open_reason"], "resumed", "{end}");
+        assert!(
+            end["open_reason"] == "resumed" || end["open_reason"] == "attached",
+            "{end}"
+        );
     }
     let restarted = pid_of(addr, &explicit_key).await;
     assert_ne!(restarted, explicit_pid);
