@@ -352,13 +352,10 @@ async fn token_rotation_drains_the_old_process_and_keeps_the_conversation() {
 #[tokio::test]
 async fn token_rotation_after_the_old_process_idled_out_stops_the_old_tokens_warm_spare() {
     let fx = Fixture::new().await;
-    let mut config = fx.config().await;
-    // The process idles out a second after its turn and a spare of its key takes its place,
-    // holding none of its conversations (so the conversation is attached to nothing old).
-    config.idle_ttl = Duration::from_secs(1);
-    config.warm_spares = 1;
-    config.warm_spare_conversations = 0;
-    let pool = Pool::start(config).await.expect("pool");
+    // The spare holds none of the conversations: the conversation is attached to nothing old.
+    let pool = Pool::start(idles_into_a_bare_spare(&fx).await)
+        .await
+        .expect("pool");
     let mut events = pool.subscribe();
     let mut req = fx.request("agent-a", "conv");
     req.auth = token("v1");
@@ -998,13 +995,11 @@ async fn a_process_killed_every_two_seconds_is_replaced_each_time_and_its_key_ne
 async fn a_returning_agents_new_conversation_starts_on_its_warm_spare_without_waiting_for_a_start()
 {
     let fx = Fixture::new().await;
-    let mut config = fx.config().await;
-    // The agent's process idles out a second after its turn: without a spare, its next
-    // conversation would wait for a start and handshake. (Resumes ahead have their own test.)
-    config.idle_ttl = Duration::from_secs(1);
-    config.warm_spares = 1;
-    config.warm_spare_conversations = 0;
-    let pool = Pool::start(config).await.expect("pool");
+    // Without a spare, the agent's next conversation would wait for a start and handshake.
+    // (Resumes ahead have their own test.)
+    let pool = Pool::start(idles_into_a_bare_spare(&fx).await)
+        .await
+        .expect("pool");
     let mut events = pool.subscribe();
 
     let mut first = pool
@@ -1218,6 +1213,16 @@ async fn one_tick_and_spares(fx: &Fixture, conversations: usize) -> copilot_pool
     config.maintenance_interval = Duration::from_secs(3600);
     config.warm_spares = 1;
     config.warm_spare_conversations = conversations;
+    config
+}
+
+/// A pool whose processes idle out a second after their last turn, a warm spare of their
+/// key taking their place with none of their conversations resumed on it.
+async fn idles_into_a_bare_spare(fx: &Fixture) -> copilot_pool::pool::PoolConfig {
+    let mut config = fx.config().await;
+    config.idle_ttl = Duration::from_secs(1);
+    config.warm_spares = 1;
+    config.warm_spare_conversations = 0;
     config
 }
 

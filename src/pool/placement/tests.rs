@@ -854,10 +854,7 @@ fn a_worker_killed_after_serving_is_replaced_at_once_and_never_quarantines_its_k
             .opened("a/1", w, CliSessionId::random(), OpenReason::Resumed);
         sim.apply(effects);
         // Killed from outside two seconds into its life, mid-turn.
-        sim.now += Duration::from_secs(2);
-        sim.core.exited(w);
-        let effects = sim.core.crashed(w, sim.now);
-        sim.apply(effects);
+        sim.killed_after(Duration::from_secs(2), w);
         assert!(
             sim.failed.is_empty(),
             "round {round}: {:?}",
@@ -878,8 +875,10 @@ fn a_worker_killed_after_serving_is_replaced_at_once_and_never_quarantines_its_k
     assert!(sim.core.status(sim.now).quarantined_keys.is_empty());
 }
 
-#[test]
-fn a_process_killed_from_outside_is_replaced_by_an_unprimed_start_not_by_a_primed_spare() {
+/// `a/1` opens on a process with room for four (so its key keeps no spare beside it) and is
+/// parked; two seconds later the process is killed from outside, no spare races its
+/// replacement, and the replacement's start is due (its `Spawn` pending).
+fn killed_from_outside_and_replacement_due() -> Sim {
     let mut sim = Sim::new(Limits {
         max_sessions_per_process: 4,
         ..spares(1)
@@ -895,13 +894,7 @@ fn a_process_killed_from_outside_is_replaced_by_an_unprimed_start_not_by_a_prime
         sim.spawns.is_empty(),
         "room in the serving process: no spare"
     );
-
-    // Killed from outside while idle, its conversation parked on it: the conversation
-    // comes back at once, so its replacement must not hold it up with a priming turn.
-    sim.now += Duration::from_secs(2);
-    sim.core.exited(w);
-    let effects = sim.core.crashed(w, sim.now);
-    sim.apply(effects);
+    sim.killed_after(Duration::from_secs(2), w);
     assert!(
         sim.spawns.is_empty(),
         "no spare races the replacement: {:?} (primed: {:?})",
@@ -912,6 +905,14 @@ fn a_process_killed_from_outside_is_replaced_by_an_unprimed_start_not_by_a_prime
     let effects = sim.core.respawn_due(&respawned, sim.now);
     sim.apply(effects);
     assert_eq!(sim.spawns, vec![key(1)]);
+    sim
+}
+
+#[test]
+fn a_process_killed_from_outside_is_replaced_by_an_unprimed_start_not_by_a_primed_spare() {
+    // Killed from outside while idle, its conversation parked on it: the conversation
+    // comes back at once, so its replacement must not hold it up with a priming turn.
+    let mut sim = killed_from_outside_and_replacement_due();
     assert_eq!(
         sim.primes.last(),
         Some(&false),
@@ -924,25 +925,7 @@ fn a_process_killed_from_outside_is_replaced_by_an_unprimed_start_not_by_a_prime
 
 #[test]
 fn a_key_whose_replacement_could_not_start_for_want_of_resources_gets_its_spare_later() {
-    let mut sim = Sim::new(Limits {
-        max_sessions_per_process: 4,
-        ..spares(1)
-    });
-    sim.ask("a/1", 1);
-    let w = sim.spawn_ok().expect("a worker");
-    let effects = sim
-        .core
-        .opened("a/1", w, CliSessionId::random(), OpenReason::New);
-    sim.apply(effects);
-    sim.give_back("a/1", Settle::Park, 1);
-    sim.now += Duration::from_secs(2);
-    sim.core.exited(w);
-    let effects = sim.core.crashed(w, sim.now);
-    sim.apply(effects);
-    let respawned = sim.respawns.pop().expect("replaced");
-    let effects = sim.core.respawn_due(&respawned, sim.now);
-    sim.apply(effects);
-    assert_eq!(sim.spawns, vec![key(1)]);
+    let mut sim = killed_from_outside_and_replacement_due();
     sim.spawns.clear();
     let failed = Err(WorkerError::ResourceExhausted("fork: EAGAIN".into()));
     let (id, effects) = sim.core.spawned(key(1), failed, sim.now);
@@ -1057,15 +1040,35 @@ fn a_rotated_away_credential_version_gets_no_warm_spare() {
         vec![key_version(1, "v2")],
         "only the new version starts"
     );
-    sim.spawn_ok().expect("v2 worker");
-    assert!(sim.granted_to(rotated).is_some());
-    sim.give_back("a/1", Settle::Park, 1);
-    sim.tick(Duration::from_secs(1));
-    assert!(
-        sim.spawns.is_empty(),
-        "the old version's traffic is over: its credentials are stale, no spare for them: {:?}",
-        sim.spawns
-    );
+    sim.new_version_serves_and_no_stale_spare(rotated);
+}
+
+impl Sim {
+    /// The new version's process starts and serves `rotated` (a/1); once a/1 is handed
+    /// back and a tick passed, nothing starts: the old version's traffic is over, its
+    /// credentials stale, so no spare comes for them.
+    fn new_version_serves_and_no_stale_spare(&mut self, rotated: RequestId) {
+        self.spawn_ok().expect("v2 worker");
+        assert!(self.granted_to(rotated).is_some());
+        self.give_back("a/1", Settle::Park, 1);
+        self.tick(Duration::from_secs(1));
+        assert!(
+            self.spawns.is_empty(),
+            "no spare for the stale version: {:?}",
+            self.spawns
+        );
+    }
+}
+
+impl Sim {
+    /// `by` passes and `worker`'s child dies (a SIGKILL from outside, say): its exit, then
+    /// its crash.
+    fn killed_after(&mut self, by: Duration, worker: WorkerId) {
+        self.now += by;
+        self.core.exited(worker);
+        let effects = self.core.crashed(worker, self.now);
+        self.apply(effects);
+    }
 }
 
 /// `a/1` of `key` opens on a process with room for four, is handed back, and the process
@@ -1101,15 +1104,7 @@ fn a_conversation_back_with_a_new_version_after_its_process_idled_out_stops_the_
         "the old version's spare is stopped with the rotation"
     );
     assert_eq!(sim.spawns, vec![key_version(1, "v2")]);
-    sim.spawn_ok().expect("v2 worker");
-    assert!(sim.granted_to(rotated).is_some());
-    sim.give_back("a/1", Settle::Park, 1);
-    sim.tick(Duration::from_secs(1));
-    assert!(
-        sim.spawns.is_empty(),
-        "no spare for the stale version again: {:?}",
-        sim.spawns
-    );
+    sim.new_version_serves_and_no_stale_spare(rotated);
 }
 
 #[test]
@@ -1122,10 +1117,7 @@ fn a_conversation_back_with_a_new_version_after_its_process_died_mid_turn_drains
     sim.ask_key("a/1", key_version(1, "v1"));
     let w = sim.spawn_ok().expect("v1 worker");
     // Dies under the turn; the turn's lease comes back after the death.
-    sim.now += Duration::from_secs(2);
-    sim.core.exited(w);
-    let effects = sim.core.crashed(w, sim.now);
-    sim.apply(effects);
+    sim.killed_after(Duration::from_secs(2), w);
     sim.leases.remove("a/1");
     let effects = sim
         .core
