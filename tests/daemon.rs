@@ -124,6 +124,20 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
             metrics.body
         );
     }
+    // The gauges follow the pool (set when they change): three conversations parked on one
+    // live process, no lease held, none waiting.
+    for series in [
+        "copilot_pool_conversations_attached 3",
+        "copilot_pool_processes{state=\"live\",backend=\"copilot\"} 1",
+        "copilot_pool_leases_active{backend=\"copilot\"} 0",
+        "copilot_pool_lease_waiters{backend=\"copilot\"} 0",
+    ] {
+        assert!(
+            metrics.body.lines().any(|l| l == series),
+            "{series} missing from:\n{}",
+            metrics.body
+        );
+    }
     // Three turns of one model call each, at the scripted model's usage per call.
     for (kind, per_call) in [
         ("input", ScriptedModel::PROMPT_TOKENS),

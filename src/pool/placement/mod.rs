@@ -250,9 +250,10 @@ struct KeyState<Spec> {
     spec: Spec,
     workers: Vec<WorkerId>,
     spawning: bool,
-    /// The next spawn replaces a crashed worker (while its start is scheduled,
-    /// `backoff_until`, the key gets no warm spare: see `top_up_spares`).
+    /// The next spawn replaces a crashed worker.
     respawn: bool,
+    /// A restart of the key is scheduled for then (until `respawn_due` runs): the key gets
+    /// no warm spare meanwhile (see `top_up_spares`).
     backoff_until: Option<Instant>,
     restart: RestartTracker,
     /// Why the last start of this key failed (cleared by a start that works).
@@ -262,13 +263,6 @@ struct KeyState<Spec> {
     /// When a conversation of this key last found every process of it that serves full
     /// (the key outgrew them): only then does a spare stand beside full processes.
     outgrown: Option<Instant>,
-}
-
-impl<Spec> KeyState<Spec> {
-    /// A crashed worker's replacement is scheduled (its start comes at `backoff_until`).
-    fn replacement_scheduled(&self) -> bool {
-        self.respawn && self.backoff_until.is_some()
-    }
 }
 
 /// A worker evicted and not yet stopped (or whose detach failed, on its way to eviction).
@@ -672,19 +666,23 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         ok: bool,
         now: Instant,
     ) -> Vec<Effect<Spec, S>> {
-        // The worker's key while its process still runs (live, or evicted and stopping).
-        let running_key = self
-            .workers
-            .get(&worker)
-            .map(|w| w.key.clone())
-            .or_else(|| self.stopping.get(&worker).map(|s| s.key.clone()));
+        // A failed detach from a process that still runs (live, or evicted and stopping)
+        // waits for its stop: the worker's key, for its stopping entry.
+        let held_by = match ok {
+            true => None,
+            false => self
+                .workers
+                .get(&worker)
+                .map(|w| w.key.clone())
+                .or_else(|| self.stopping.get(&worker).map(|s| s.key.clone())),
+        };
         for key in conversations {
-            match &running_key {
-                Some(worker_key) if !ok => self
+            match &held_by {
+                Some(worker_key) => self
                     .stopping_entry(worker, worker_key)
                     .held
                     .push(key.clone()),
-                _ => self.detach_done(key),
+                None => self.detach_done(key),
             }
         }
         if !ok && self.workers.contains_key(&worker) {
@@ -1497,11 +1495,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             .keys
             .iter()
             .filter(|(key, ks)| {
-                // A crashed worker's replacement is scheduled: it starts unprimed for the
-                // conversations coming back to it, and a primed spare started first would
-                // hold their leases up for its priming turn.
+                // A restart is scheduled (a crashed worker's replacement): it starts
+                // unprimed for the conversations coming back to it, and a primed spare
+                // started first would hold their leases up for its priming turn.
                 !ks.spawning
-                    && !ks.replacement_scheduled()
+                    && ks.backoff_until.is_none()
                     && ks.restart.restarts_in_window(now, policy) == 0
                     && !self.key_busy(ks)
                     && !self.key_stopping(key)
