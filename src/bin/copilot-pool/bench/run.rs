@@ -194,6 +194,10 @@ impl Cpu {
         let all = procfs::all();
         let (pool, runtimes) = procfs::tree_cpu_seconds_in(&all, root);
         let gateway = procfs::tree_cpu_seconds_in(&all, workload).0;
+        // The pool's and the gateway's own figures are small (a few ms a turn): read to the
+        // nanosecond; the runtimes' are many processes, some already reaped, in ticks.
+        let pool = procfs::cpu_seconds_exact(root).unwrap_or(pool);
+        let gateway = procfs::cpu_seconds_exact(workload).unwrap_or(gateway);
         Cpu {
             runtimes,
             pool,
