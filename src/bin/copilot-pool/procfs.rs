@@ -1,7 +1,8 @@
 //! `/proc/<pid>/stat`, read once for every command that looks at processes (the demo's and
 //! the chaos run's orphan and zombie checks, the chaos injector's group members, the load
 //! run's CPU counts, the bench's CPU and memory of a process tree): one parser, so the field
-//! numbering is written once.
+//! numbering is written once. Beside it, one process's CPU to the nanosecond from its
+//! CPU-time clock ([`cpu_seconds_exact`]), where `stat`'s clock ticks are too coarse.
 
 /// What the commands read of one process's `stat`.
 #[derive(Debug, Clone, PartialEq)]
@@ -118,11 +119,20 @@ pub fn tree_cpu_seconds_in(all: &[Stat], pid: u32) -> (f64, f64) {
     )
 }
 
+/// One above the largest pid the kernel hands out (`PID_MAX_LIMIT` on 64-bit).
+const PID_CEILING: u32 = 1 << 22;
+
 /// CPU seconds (user + system, every thread, ended ones included) one process has used, to
 /// the nanosecond: its CPU-time clock (`clock_getcpuclockid`). `stat`'s figures are clock
 /// ticks (10 ms here), too coarse for a daemon that uses ~80 ms over a whole bench load (one
 /// tick either way was 12 % of it). `None` if the process is gone or its clock is not readable.
 pub fn cpu_seconds_exact(pid: u32) -> Option<f64> {
+    // Pid 0 names the caller, and glibc encodes a pid from 2^28 up into a clock id that
+    // overflows into the caller's own process clock: both would read the wrong process. No
+    // pid reaches 2^22 (the kernel's `pid_max` ceiling).
+    if pid == 0 || pid >= PID_CEILING {
+        return None;
+    }
     let pid = nix::unistd::Pid::from_raw(i32::try_from(pid).ok()?);
     let clock = nix::time::clock_getcpuclockid(pid).ok()?;
     let spent = nix::time::clock_gettime(clock).ok()?;
@@ -141,30 +151,52 @@ pub fn ticks_per_second() -> f64 {
 mod tests {
     use super::*;
 
+    /// Whether `seconds` is a whole number of clock ticks (as `stat`'s figures are), to
+    /// within floating-point error.
+    fn whole_ticks(seconds: f64) -> bool {
+        let ticks = seconds * ticks_per_second();
+        (ticks - ticks.round()).abs() < 1e-6
+    }
+
     #[test]
-    fn a_process_cpu_clock_counts_the_work_it_did_to_below_a_tick() {
-        let me = std::process::id();
-        let before = cpu_seconds_exact(me).expect("our own CPU clock is readable");
-        // Work until the clock has counted 15 ms (more than a tick at 100 Hz): a loaded
-        // machine only makes that take longer, within the bound.
+    fn another_process_cpu_is_read_to_below_a_tick_and_agrees_with_its_stat() {
+        use std::os::unix::process::CommandExt;
+        // A child that only burns CPU, in its own process group, killed and reaped below.
+        let mut child = std::process::Command::new("/bin/sh")
+            .args(["-c", "while :; do :; done"])
+            .process_group(0)
+            .spawn()
+            .expect("spawning /bin/sh");
+        let pid = child.id();
+        // Until its clock has counted 50 ms (five ticks at 100 Hz): a loaded machine only
+        // makes that take longer, within the bound.
         let bound = std::time::Instant::now() + std::time::Duration::from_secs(30);
         let mut spent = 0.0;
-        while spent < 0.015 && std::time::Instant::now() < bound {
-            for _ in 0..10_000 {
-                std::hint::black_box(spent);
-            }
-            spent = cpu_seconds_exact(me).expect("still readable") - before;
+        while spent < 0.05 && std::time::Instant::now() < bound {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            spent = cpu_seconds_exact(pid).expect("a live child's CPU clock is readable");
         }
+        let exact = cpu_seconds_exact(pid).expect("still readable");
+        let ticks = stat(pid).expect("its stat").cpu_ticks as f64 / ticks_per_second();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(exact >= 0.05, "the clock counted {exact} s within 30 s");
+        assert!(!whole_ticks(exact), "{exact} s: a whole number of ticks");
+        // `stat` was read after the clock: it may be up to a tick per field past it.
+        let tick = 1.0 / ticks_per_second();
         assert!(
-            spent >= 0.015,
-            "the clock counted {spent} s of 30 s of work"
+            ticks <= exact + 2.0 * tick + 0.05 && ticks >= exact - 2.0 * tick,
+            "the clock says {exact} s, stat {ticks} s"
         );
-        assert_ne!(
-            spent * 100.0,
-            (spent * 100.0).round(),
-            "{spent} s: a whole number of ticks, not nanoseconds"
-        );
-        assert_eq!(cpu_seconds_exact(u32::MAX), None, "no such process");
+        assert_eq!(cpu_seconds_exact(pid), None, "reaped: no clock");
+    }
+
+    #[test]
+    fn pids_no_process_can_have_read_nothing_not_the_callers_clock() {
+        for pid in [0, PID_CEILING, 1 << 28, i32::MAX as u32, u32::MAX] {
+            assert_eq!(cpu_seconds_exact(pid), None, "pid {pid}");
+        }
+        assert!(cpu_seconds_exact(std::process::id()).is_some());
     }
 
     #[test]

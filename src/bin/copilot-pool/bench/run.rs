@@ -177,15 +177,42 @@ impl Peaks {
     }
 }
 
-/// CPU seconds (user + system) of one run's three sides at one moment, from one scan of
-/// `/proc`: the runtimes (everything under the daemon, or under the workload in the SDK
-/// modes), the pool (the daemon itself; unused in the SDK modes) and the gateway (the
-/// workload's own process).
+/// CPU seconds (user + system) of one run's three sides at one moment: the runtimes
+/// (everything under the daemon, or under the workload in the SDK modes), the pool (the daemon
+/// itself; unused in the SDK modes) and the gateway (the workload's own process). One scan of
+/// `/proc` gives all three in clock ticks; the pool's and the gateway's are also read from
+/// their CPU-time clocks, to the nanosecond (a few ms a turn: a 10 ms tick was 12 % of the
+/// pool's figure). The runtimes' (many processes, some already reaped) stay in ticks.
 #[derive(Debug, Clone, Copy)]
 struct Cpu {
     runtimes: f64,
-    pool: f64,
-    gateway: f64,
+    pool: Reading,
+    gateway: Reading,
+}
+
+/// One process's CPU seconds in ticks, and to the nanosecond when its clock was readable.
+#[derive(Debug, Clone, Copy)]
+struct Reading {
+    ticks: f64,
+    exact: Option<f64>,
+}
+
+impl Reading {
+    fn of(pid: u32, ticks: f64) -> Reading {
+        Reading {
+            ticks,
+            exact: procfs::cpu_seconds_exact(pid),
+        }
+    }
+
+    /// The CPU used between `start` and this reading: exact when both readings are, else in
+    /// ticks for both (a process that exited unreaped has a `stat` but no clock).
+    fn since(self, start: Reading) -> f64 {
+        match (self.exact, start.exact) {
+            (Some(end), Some(begin)) => end - begin,
+            _ => self.ticks - start.ticks,
+        }
+    }
 }
 
 impl Cpu {
@@ -194,25 +221,29 @@ impl Cpu {
         let all = procfs::all();
         let (pool, runtimes) = procfs::tree_cpu_seconds_in(&all, root);
         let gateway = procfs::tree_cpu_seconds_in(&all, workload).0;
-        // The pool's and the gateway's own figures are small (a few ms a turn): read to the
-        // nanosecond; the runtimes' are many processes, some already reaped, in ticks.
-        let pool = procfs::cpu_seconds_exact(root).unwrap_or(pool);
-        let gateway = procfs::cpu_seconds_exact(workload).unwrap_or(gateway);
         Cpu {
             runtimes,
-            pool,
-            gateway,
+            pool: Reading::of(root, pool),
+            gateway: Reading::of(workload, gateway),
         }
     }
 
-    /// What was used since `start`.
-    fn since(self, start: Cpu) -> Cpu {
-        Cpu {
+    /// What was used since `start`: (runtimes, pool, gateway).
+    fn since(self, start: Cpu) -> Used {
+        Used {
             runtimes: self.runtimes - start.runtimes,
-            pool: self.pool - start.pool,
-            gateway: self.gateway - start.gateway,
+            pool: self.pool.since(start.pool),
+            gateway: self.gateway.since(start.gateway),
         }
     }
+}
+
+/// CPU seconds each side used over the load.
+#[derive(Debug, Clone, Copy)]
+struct Used {
+    runtimes: f64,
+    pool: f64,
+    gateway: f64,
 }
 
 /// Runs the workload under Node and measures it.
