@@ -186,11 +186,7 @@ async fn claude_turns_over_http_stream_the_pools_events_carry_history_count_spaw
         "copilot_pool_leases_active{backend=\"copilot\"} 0",
         "copilot_pool_process_spawns_total{result=\"ok\",backend=\"copilot\"} 0",
     ] {
-        assert!(
-            metrics.body.lines().any(|l| l == series),
-            "{series} missing from:\n{}",
-            metrics.body
-        );
+        support::http::assert_has_series(&metrics.body, series);
     }
     // Claude's usage is counted under its own backend label.
     let claude_output = metrics
@@ -241,11 +237,7 @@ async fn claude_turns_over_http_stream_the_pools_events_carry_history_count_spaw
         "copilot_pool_turns_total{outcome=\"idle\",backend=\"claude-cli\"} 3",
         "copilot_pool_process_exits_total{reason=\"crash\",backend=\"copilot\"} 0",
     ] {
-        assert!(
-            metrics.body.lines().any(|l| l == series),
-            "{series} missing from:\n{}",
-            metrics.body
-        );
+        support::http::assert_has_series(&metrics.body, series);
     }
 
     let started = std::time::Instant::now();
@@ -669,10 +661,7 @@ async fn a_claude_that_dies_at_every_start_is_quarantined_within_the_restart_int
     assert!(refused.body.contains("quarantined"), "{}", refused.body);
     let metrics = call(daemon.addr, "GET", "/metrics", None, None).await.body;
     let series = "copilot_pool_quarantines_total{backend=\"claude-cli\"} 1";
-    assert!(
-        metrics.lines().any(|l| l == series),
-        "{series} missing from:\n{metrics}"
-    );
+    support::http::assert_has_series(&metrics, series);
     assert!(fx.model.requests().is_empty(), "no model call was made");
     assert!(daemon.terminate().await.success());
     assert!(fx.claude_processes().is_empty());

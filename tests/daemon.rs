@@ -132,11 +132,7 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
         "copilot_pool_leases_active{backend=\"copilot\"} 0",
         "copilot_pool_lease_waiters{backend=\"copilot\"} 0",
     ] {
-        assert!(
-            metrics.body.lines().any(|l| l == series),
-            "{series} missing from:\n{}",
-            metrics.body
-        );
+        support::http::assert_has_series(&metrics.body, series);
     }
     // Three turns of one model call each, at the scripted model's usage per call.
     for (kind, per_call) in [
@@ -149,11 +145,7 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
             "copilot_pool_tokens_total{{kind=\"{kind}\",backend=\"copilot\"}} {}",
             3 * per_call
         );
-        assert!(
-            metrics.body.lines().any(|l| l == series),
-            "{series} missing from:\n{}",
-            metrics.body
-        );
+        support::http::assert_has_series(&metrics.body, &series);
     }
     // Every ordered pair of backends (`copilot` and the bundled `claude-cli`) and class is
     // at zero before any fallback.
@@ -161,11 +153,7 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
         "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"auth\"} 0",
         "copilot_pool_fallbacks_total{from=\"claude-cli\",to=\"copilot\",class=\"crash\"} 0",
     ] {
-        assert!(
-            metrics.body.lines().any(|l| l == series),
-            "{series} missing from:\n{}",
-            metrics.body
-        );
+        support::http::assert_has_series(&metrics.body, series);
     }
     for forbidden in ["session_id=", "agent_id=", "pid="] {
         assert!(

@@ -213,10 +213,7 @@ async fn a_copilot_turn_failing_with_auth_falls_back_to_claude_with_the_earlier_
     let metrics = call_metrics(&daemon).await;
     let series =
         "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"auth\"} 1";
-    assert!(
-        metrics.lines().any(|l| l == series),
-        "{series} missing from:\n{metrics}"
-    );
+    support::http::assert_has_series(&metrics, series);
     assert!(daemon.terminate().await.success());
 }
 
@@ -403,10 +400,7 @@ async fn a_runtime_killed_mid_turn_falls_back_to_claude_as_a_crash() {
     let metrics = call_metrics(&daemon).await;
     let series =
         "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"crash\"} 1";
-    assert!(
-        metrics.lines().any(|l| l == series),
-        "{series} missing from:\n{metrics}"
-    );
+    support::http::assert_has_series(&metrics, series);
     assert!(daemon.terminate().await.success());
 }
 
@@ -440,10 +434,7 @@ async fn a_copilot_runtime_that_cannot_start_falls_back_to_claude_and_without_a_
     let metrics = call_metrics(&daemon).await;
     let series =
         "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"crash\"} 1";
-    assert!(
-        metrics.lines().any(|l| l == series),
-        "{series} missing from:\n{metrics}"
-    );
+    support::http::assert_has_series(&metrics, series);
 
     // Without a chain the same failure is the lease's own error, before any stream.
     let mut body = fx.body("k-broken-2", "REPLY=never");

@@ -148,10 +148,7 @@ fn assert_fallbacks_counted(metrics: &str, from: &str, to: &str, class: &str, co
     let series = format!(
         "copilot_pool_fallbacks_total{{from=\"{from}\",to=\"{to}\",class=\"{class}\"}} {count}"
     );
-    assert!(
-        metrics.lines().any(|l| l == series),
-        "{series} missing from:\n{metrics}"
-    );
+    support::http::assert_has_series(metrics, &series);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -184,11 +184,7 @@ async fn two_codex_turns_over_http_carry_history_count_a_process_per_turn_and_a_
         "copilot_pool_session_resumes_total{result=\"new\",backend=\"codex-cli\"} 1",
         "copilot_pool_leases_active{backend=\"codex-cli\"} 0",
     ] {
-        assert!(
-            metrics.body.lines().any(|l| l == series),
-            "{series} missing from:\n{}",
-            metrics.body
-        );
+        support::http::assert_has_series(&metrics.body, series);
     }
     assert!(daemon.terminate().await.success());
 

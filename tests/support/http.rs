@@ -45,6 +45,15 @@ fn client() -> reqwest::Client {
         .expect("an HTTP client")
 }
 
+/// Asserts that the Prometheus text `metrics` has `series` (name, labels and value) as one
+/// whole line, and prints the text when it has not.
+pub fn assert_has_series(metrics: &str, series: &str) {
+    assert!(
+        metrics.lines().any(|l| l == series),
+        "{series} missing from:\n{metrics}"
+    );
+}
+
 /// A request to the daemon at `addr`, to send with [`send`] (for headers or bodies that
 /// [`call`] does not write).
 pub fn request(addr: SocketAddr, method: &str, path: &str) -> reqwest::RequestBuilder {

@@ -158,28 +158,27 @@ mod tests {
         (ticks - ticks.round()).abs() < 1e-6
     }
 
-    #[test]
-    fn another_process_cpu_is_read_to_below_a_tick_and_agrees_with_its_stat() {
-        use std::os::unix::process::CommandExt;
-        // A child that only burns CPU, in its own process group, killed and reaped below.
-        let mut child = std::process::Command::new("/bin/sh")
-            .args(["-c", "while :; do :; done"])
-            .process_group(0)
-            .spawn()
-            .expect("spawning /bin/sh");
-        let pid = child.id();
+    #[tokio::test]
+    async fn another_process_cpu_is_read_to_below_a_tick_and_agrees_with_its_stat() {
+        // A child that only burns CPU, leading its own group: killed with it on every exit
+        // path, a failed assertion's included.
+        let mut child = copilot_pool::process::GroupLeader::spawn(
+            tokio::process::Command::new("/bin/sh").args(["-c", "while :; do :; done"]),
+        )
+        .expect("spawning /bin/sh");
+        let pid = child.pid().expect("not reaped yet");
         // Until its clock has counted 50 ms (five ticks at 100 Hz): a loaded machine only
         // makes that take longer, within the bound.
         let bound = std::time::Instant::now() + std::time::Duration::from_secs(30);
         let mut spent = 0.0;
         while spent < 0.05 && std::time::Instant::now() < bound {
-            std::thread::sleep(std::time::Duration::from_millis(5));
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             spent = cpu_seconds_exact(pid).expect("a live child's CPU clock is readable");
         }
         let exact = cpu_seconds_exact(pid).expect("still readable");
         let ticks = stat(pid).expect("its stat").cpu_ticks as f64 / ticks_per_second();
-        let _ = child.kill();
-        let _ = child.wait();
+        child.group().kill();
+        let _ = child.wait().await;
         assert!(exact >= 0.05, "the clock counted {exact} s within 30 s");
         assert!(!whole_ticks(exact), "{exact} s: a whole number of ticks");
         // `stat` was read after the clock: it may be up to a tick per field past it.

@@ -668,13 +668,13 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     ) -> Vec<Effect<Spec, S>> {
         // A failed detach from a process that still runs (live, or evicted and stopping)
         // waits for its stop: the worker's key, for its stopping entry.
-        let held_by = match ok {
-            true => None,
-            false => self
-                .workers
+        let held_by = if ok {
+            None
+        } else {
+            self.workers
                 .get(&worker)
                 .map(|w| w.key.clone())
-                .or_else(|| self.stopping.get(&worker).map(|s| s.key.clone())),
+                .or_else(|| self.stopping.get(&worker).map(|s| s.key.clone()))
         };
         for key in conversations {
             match &held_by {

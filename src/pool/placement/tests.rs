@@ -1058,9 +1058,7 @@ impl Sim {
             self.spawns
         );
     }
-}
 
-impl Sim {
     /// `by` passes and `worker`'s child dies (a SIGKILL from outside, say): its exit, then
     /// its crash.
     fn killed_after(&mut self, by: Duration, worker: WorkerId) {
@@ -2157,9 +2155,7 @@ fn a_warm_spare_that_dies_is_no_demand_to_respawn_and_its_returning_conversation
     sim.apply(effects);
     sim.give_back("a/1", Settle::Park, 0);
     // Killed from outside while it only held a conversation resumed ahead of its return.
-    sim.core.exited(spare);
-    let effects = sim.core.crashed(spare, sim.now);
-    sim.apply(effects);
+    sim.killed_after(Duration::ZERO, spare);
     assert!(
         sim.respawns.is_empty(),
         "a warm spare's conversations are nobody's work: no respawn"
@@ -2232,9 +2228,7 @@ fn a_key_whose_processes_crashed_in_the_window_gets_no_spare() {
     let (w1, _) = sim.outgrow("a/1", "a/2", 1);
     let spare = sim.spawn_ok().expect("the spare");
     // The spare dies before serving (a crash loop's shape): not started again at once.
-    sim.core.exited(spare);
-    let effects = sim.core.crashed(spare, sim.now);
-    sim.apply(effects);
+    sim.killed_after(Duration::ZERO, spare);
     assert!(sim.spawns.is_empty(), "{:?}", sim.spawns);
     assert!(sim.core.workers.contains_key(&w1));
 }
