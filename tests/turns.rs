@@ -81,6 +81,69 @@ async fn gateway_tools_answer_and_failures_become_failure_results() {
     shutdown_leaves_nothing(&pool).await;
 }
 
+/// The session event types one tool turn on `lease` yields, and its outcome.
+async fn turn_event_types(
+    lease: &mut copilot_pool::Lease,
+) -> (Vec<String>, copilot_pool::TurnOutcome) {
+    lease
+        .send(call_tool("lookup_number", json!({"key": "alpha"})))
+        .await
+        .expect("send");
+    let mut types = Vec::new();
+    while let Some(event) = lease.next_event().await {
+        types.push(event.expect("event").event_type().to_owned());
+    }
+    (types, lease.outcome())
+}
+
+#[tokio::test]
+async fn events_the_caller_and_the_pool_leave_unread_never_reach_the_lease_and_the_turn_still_completes()
+ {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let unread_by_the_pool = |t: &String| t.starts_with("model.") || t == "system.message";
+
+    // Read whole, a tool turn carries the runtime's internal events and its system prompt.
+    let mut lease = pool
+        .lease(with_tools(&fx, "unread", vec![lookup_tool()]))
+        .await
+        .expect("lease");
+    let (all, outcome) = turn_event_types(&mut lease).await;
+    assert_eq!(outcome.text, "tool said: the number is 42");
+    assert!(all.iter().any(|t| t == "system.message"), "{all:?}");
+    assert!(all.iter().any(|t| t.starts_with("model.")), "{all:?}");
+    drop(lease);
+
+    // A caller that reads nothing: the pool still reads what a turn needs.
+    let mut req = with_tools(&fx, "unread", vec![lookup_tool()]);
+    req.handlers.unread_events = Some(Arc::new(|_: &str| true));
+    let mut lease = pool.lease(req).await.expect("lease");
+    let (read, outcome) = turn_event_types(&mut lease).await;
+    assert_eq!(outcome.text, "tool said: the number is 42");
+    assert_eq!(outcome.gateway_tool_calls, 1);
+    assert_eq!(outcome.model_calls, 2);
+    assert!(!read.iter().any(unread_by_the_pool), "{read:?}");
+    for needed in [
+        "external_tool.requested",
+        "assistant.message",
+        "session.idle",
+    ] {
+        assert!(read.iter().any(|t| t == needed), "{needed} in {read:?}");
+    }
+    assert_eq!(outcome.events, read.len());
+    drop(lease);
+
+    // The next lease reads everything again: nothing is left registered.
+    let mut lease = pool
+        .lease(with_tools(&fx, "unread", vec![lookup_tool()]))
+        .await
+        .expect("lease");
+    let (again, _) = turn_event_types(&mut lease).await;
+    assert!(again.iter().any(|t| t == "system.message"), "{again:?}");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
 /// Runs one turn in which the model calls `step` three times at once, and returns the
 /// largest number of calls that ran at the same time.
 async fn max_overlap(sequential: bool) -> u32 {

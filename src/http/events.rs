@@ -430,11 +430,21 @@ impl EventFilter {
             TurnEvent::Session(e) => &e.event_type,
             _ => return true,
         };
-        !(self.types.iter().any(|t| t == event_type)
+        !self.omits(event_type)
+    }
+
+    /// Whether session events of `event_type` are left out.
+    pub(super) fn omits(&self, event_type: &str) -> bool {
+        self.types.iter().any(|t| t == event_type)
             || self
                 .prefixes
                 .iter()
-                .any(|p| event_type.starts_with(p.as_str())))
+                .any(|p| event_type.starts_with(p.as_str()))
+    }
+
+    /// Whether it leaves nothing out.
+    pub(super) fn is_empty(&self) -> bool {
+        self.types.is_empty() && self.prefixes.is_empty()
     }
 }
 

@@ -186,7 +186,7 @@ pub(super) async fn post_turn(
         streaming,
         tools: std::mem::take(&mut body.tools),
         hooks: std::mem::take(&mut body.hooks),
-        omitted,
+        omitted: Arc::new(omitted),
     };
     let mut chain = ChainRequest::new(req, Message::new(body.prompt.clone()));
     chain.fallbacks = fallbacks;
@@ -401,7 +401,7 @@ struct StreamSink {
     /// them).
     hooks: Vec<HookName>,
     /// The session events the turn leaves out of its stream (`omit_events`).
-    omitted: EventFilter,
+    omitted: Arc<EventFilter>,
 }
 
 impl ChainSink for StreamSink {
@@ -411,6 +411,12 @@ impl ChainSink for StreamSink {
     /// hooks over the stream; a CLI backend's permission prompts with the permission time
     /// limit.
     fn prepare(&self, req: &mut LeaseRequest) {
+        // What the gateway leaves out of its stream is not read at all where the pool does
+        // not read it either (the runtime's `model.*` events and `system.message`).
+        if !self.omitted.is_empty() {
+            let omitted = self.omitted.clone();
+            req.handlers.unread_events = Some(Arc::new(move |t: &str| omitted.omits(t)));
+        }
         let Some(events) = self.events.as_ref().filter(|_| self.streaming) else {
             return;
         };

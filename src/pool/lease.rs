@@ -108,6 +108,9 @@ impl Lease {
         message
             .validate()
             .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
+        if let Some(session) = &self.session {
+            self.driver.leave_unread(session);
+        }
         let session = self.session_mut()?;
         // Leftovers of earlier activity (late events of an aborted turn) are not this turn's;
         // requests among them are refused so the runtime never waits on them.

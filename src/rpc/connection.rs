@@ -26,6 +26,7 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 
 use super::codec::{FrameCodec, FrameError};
 use super::events::EventParams;
+use super::gate::{EventGate, UnreadEvents, UnreadGuard};
 use super::messages::Method;
 
 /// JSON-RPC error code: the method does not exist.
@@ -279,6 +280,9 @@ struct Shared {
     close_reported: AtomicBool,
     out: mpsc::UnboundedSender<Outgoing>,
     options: ConnectionOptions,
+    /// Sessions whose callers leave some event types unread (read only with
+    /// `split_session_events`).
+    gate: Arc<EventGate>,
 }
 
 impl Shared {
@@ -343,6 +347,14 @@ impl fmt::Debug for Connection {
 }
 
 impl Connection {
+    /// Leaves the event types `unread` names of session `session_id` unread while the guard
+    /// lives: those the pool does not read either ([`super::gate::unread_by_the_pool`]) are
+    /// dropped at their frame's head, never parsed or handed on (with
+    /// [`ConnectionOptions::split_session_events`]; without it nothing is dropped).
+    pub(crate) fn leave_unread(&self, session_id: &str, unread: UnreadEvents) -> UnreadGuard {
+        self.shared.gate.leave_unread(session_id, unread)
+    }
+
     /// Starts a connection over `reader`/`writer`; everything that is not a response goes to
     /// `sink`. Must be called inside a tokio runtime.
     pub fn start<R, W>(reader: R, writer: W, options: ConnectionOptions, sink: IncomingSink) -> Self
@@ -374,6 +386,7 @@ impl Connection {
             close_reported: AtomicBool::new(false),
             out: out_tx,
             options,
+            gate: Arc::default(),
         });
         let sink: Arc<IncomingBatchSink> = Arc::new(sink);
         // The writer holds the shared state weakly: it must not keep its own channel open.
@@ -853,6 +866,10 @@ fn dispatch(
         };
     }
     let split = shared.options.split_session_events;
+    // An event nobody reads goes no further than its head.
+    if split && shared.gate.drops(frame) {
+        return Ok(());
+    }
     let read_again;
     let message = match read_members(frame, MembersSeed::one_pass(split)) {
         // A request's params are read whole (a `session.event` request, which no runtime

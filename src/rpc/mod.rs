@@ -4,6 +4,7 @@
 pub mod codec;
 pub mod connection;
 pub mod events;
+pub mod gate;
 pub mod introspect;
 pub mod messages;
 
@@ -13,4 +14,5 @@ pub use connection::{
     RpcError,
 };
 pub use events::{EventKind, SessionEvent};
+pub use gate::{UnreadEvents, unread_by_the_pool};
 pub use messages::{Method, PROTOCOL_VERSION};

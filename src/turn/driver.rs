@@ -20,6 +20,7 @@ use crate::metrics::{self, ToolOutcome};
 use crate::panic_guard::{Guarded, call_guarded};
 use crate::permission::{PermissionRequest, decide_safely};
 use crate::rpc::events::ExternalToolRequestedData;
+use crate::rpc::gate::UnreadGuard;
 use crate::rpc::messages::{HookInvocation, UserInputRequest};
 use crate::rpc::{EventKind, SessionEvent};
 use crate::transcript::{Entry, Role, Transcript};
@@ -77,6 +78,11 @@ pub(crate) struct TurnDriver {
     /// The `session.compaction_start` of a compaction in progress (its hooks fire once it
     /// succeeded).
     compaction_start: Option<Value>,
+    /// The session's event types left unread ([`TurnHandlers::unread_events`]), registered
+    /// with its connection for the lease's life.
+    unread: Option<UnreadGuard>,
+    /// How many unread events had been dropped when the driver last looked.
+    unread_seen: u64,
 }
 
 impl TurnDriver {
@@ -113,7 +119,32 @@ impl TurnDriver {
             hook_failures: Arc::new(AtomicU32::new(0)),
             transcript: None,
             compaction_start: None,
+            unread: None,
+            unread_seen: 0,
         }
+    }
+
+    /// Registers the event types the caller leaves unread for `session` (once: the
+    /// registration lives as long as the driver, the lease's).
+    pub(crate) fn leave_unread(&mut self, session: &Session) {
+        if self.unread.is_none()
+            && let Some(unread) = &self.handlers.unread_events
+        {
+            self.unread = Some(
+                session
+                    .worker()
+                    .leave_unread(session.id().as_str(), unread.clone()),
+            );
+        }
+    }
+
+    /// Whether events were dropped unread since the driver last looked: the runtime was
+    /// active although the turn heard nothing of it.
+    fn heard_unread(&mut self) -> bool {
+        let dropped = self.unread.as_ref().map_or(0, UnreadGuard::dropped);
+        let moved = dropped != self.unread_seen;
+        self.unread_seen = dropped;
+        moved
     }
 
     /// How long an aborted turn may take to reach `session.idle` before the session is
@@ -182,6 +213,7 @@ impl TurnDriver {
         self.hook_failures.store(0, Ordering::SeqCst);
         self.started = Instant::now();
         self.last_activity = self.started;
+        self.heard_unread();
         self.async_shell = false;
         self.in_flight = true;
     }
@@ -255,6 +287,11 @@ impl TurnDriver {
                         // A policy that does not decide in time rejects (fail closed); the
                         // turn goes on.
                         self.reject_late_permission(&label);
+                        continue;
+                    }
+                    // Events dropped unread are the runtime's activity too.
+                    if kind == TimeoutKind::Inactivity && self.heard_unread() {
+                        self.last_activity = Instant::now();
                         continue;
                     }
                     let after = match kind {
@@ -805,5 +842,21 @@ mod tests {
         assert_eq!(failures.load(Ordering::SeqCst), 2);
         assert_eq!(run("postToolUse", &failures).await, Some(json!({"n": 1})));
         assert_eq!(failures.load(Ordering::SeqCst), 2);
+    }
+    #[tokio::test]
+    async fn events_dropped_unread_are_heard_as_the_runtimes_activity_once() {
+        let gate = Arc::new(crate::rpc::gate::EventGate::default());
+        let mut driver = TurnDriver::new(
+            TurnHandlers::default(),
+            PathBuf::from("/"),
+            Duration::from_secs(1),
+        );
+        assert!(!driver.heard_unread(), "nothing registered");
+        driver.unread = Some(gate.leave_unread("s", Arc::new(|_: &str| true)));
+        assert!(!driver.heard_unread(), "nothing dropped yet");
+        let frame = br#"{"jsonrpc":"2.0","method":"session.event","params":{"sessionId":"s","event":{"type":"model.call_start","data":{}}}}"#;
+        assert!(gate.drops(frame));
+        assert!(driver.heard_unread());
+        assert!(!driver.heard_unread(), "heard once");
     }
 }

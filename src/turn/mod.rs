@@ -159,6 +159,12 @@ pub struct TurnHandlers {
     pub timeouts: TurnTimeouts,
     /// The transcript mirror, if any.
     pub transcript: Option<TranscriptSettings>,
+    /// The session event types the caller never reads (a gateway's `omit_events`). Those
+    /// the pool does not read either ([`crate::rpc::unread_by_the_pool`]: the runtime's
+    /// internal `model.*` events and `system.message`, over half of a turn's bytes) are
+    /// dropped where the runtime's output is read, never parsed or handed on:
+    /// [`crate::Lease::next_event`] does not yield them. `None`: every event comes.
+    pub unread_events: Option<crate::rpc::UnreadEvents>,
 }
 
 impl Default for TurnHandlers {
@@ -170,6 +176,7 @@ impl Default for TurnHandlers {
             hooks: None,
             timeouts: TurnTimeouts::default(),
             transcript: None,
+            unread_events: None,
         }
     }
 }
@@ -182,6 +189,7 @@ impl fmt::Debug for TurnHandlers {
             .field("hooks", &self.hooks.is_some())
             .field("timeouts", &self.timeouts)
             .field("transcript", &self.transcript)
+            .field("unread_events", &self.unread_events.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -288,7 +296,7 @@ pub struct TurnOutcome {
     /// `compat-changed`, `transcript-missing`, `not-found`, `resume-failed`), so a gateway
     /// knows when to re-seed it. Set by the lease; later turns of one lease are `attached`.
     pub open_reason: Option<crate::kinds::OpenReason>,
-    /// Events seen.
+    /// Events seen (not those left unread: [`TurnHandlers::unread_events`]).
     pub events: usize,
 }
 

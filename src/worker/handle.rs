@@ -211,6 +211,16 @@ impl WorkerHandle {
         self.conn.pending_requests()
     }
 
+    /// Leaves the event types `unread` names of session `session_id` unread while the guard
+    /// lives (those the pool does not read either are dropped as they are read).
+    pub(crate) fn leave_unread(
+        &self,
+        session_id: &str,
+        unread: crate::rpc::UnreadEvents,
+    ) -> crate::rpc::gate::UnreadGuard {
+        self.conn.leave_unread(session_id, unread)
+    }
+
     /// The actor, e.g. to link or monitor it (ractor plumbing, out of the documented
     /// surface).
     #[doc(hidden)]
