@@ -296,6 +296,8 @@ pub(super) struct TurnBody {
     /// snapshot of the conversation per model call). The daemon's own events (`tool.call`,
     /// `permission.request`, `user_input.request`, `hook.request`, `hook.notification`,
     /// `backend.fallback`, `turn.end`) always come. At most 32; default: every event.
+    /// Omitted `model.*` events and `system.message`, which the daemon does not read
+    /// either, are dropped where the runtime's output is read, unparsed.
     #[serde(default)]
     #[schema(max_items = 32, example = json!(["model.*"]))]
     pub omit_events: Vec<String>,

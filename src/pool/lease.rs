@@ -325,6 +325,8 @@ impl Drop for Lease {
         // The mirror is closed before the conversation goes back, so the next lease finds
         // its cache entry (and reads only what is new).
         self.driver.close_transcript();
+        // What this lease left unread is read again before the conversation goes back.
+        self.driver.forget_unread();
         let session = self.session.take();
         let ret = ReturnTicket {
             pool: self.pool.clone(),

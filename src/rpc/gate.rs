@@ -1,6 +1,7 @@
 //! Session events nobody reads, dropped where the connection's reader meets them.
 //!
-//! The runtime writes two kinds of events every turn that the pool itself never reads: its
+//! The runtime writes two kinds of events every turn that the pool never reads on a lease's
+//! turn (only a spare's priming, which registers nothing, looks at `model.*`): its
 //! internal `model.*` events (a snapshot of the whole conversation, tens of KiB, at every
 //! model call) and `system.message` (its system prompt, ~20 KiB, every turn). Over half of a
 //! tool turn's bytes; read, copied and routed, they were a quarter of the daemon's
@@ -18,6 +19,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Which session event types a caller never reads (`true`: leave it unread). Only the types
 /// the pool does not read either ([`unread_by_the_pool`]) are ever dropped.
@@ -44,7 +46,16 @@ struct Registration {
     /// Tells one registration of a session id from a later one.
     token: u64,
     unread: UnreadEvents,
-    dropped: Arc<AtomicU64>,
+    dropped: Arc<Dropped>,
+}
+
+/// What was dropped of one registration's session: how many, and when the last.
+struct Dropped {
+    count: AtomicU64,
+    /// When the registration was made: [`Dropped::last_ns`] counts from it.
+    since: Instant,
+    /// Nanoseconds from `since` to the last drop.
+    last_ns: AtomicU64,
 }
 
 impl EventGate {
@@ -57,7 +68,11 @@ impl EventGate {
         unread: UnreadEvents,
     ) -> UnreadGuard {
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-        let dropped = Arc::new(AtomicU64::new(0));
+        let dropped = Arc::new(Dropped {
+            count: AtomicU64::new(0),
+            since: Instant::now(),
+            last_ns: AtomicU64::new(0),
+        });
         if let Ok(mut sessions) = self.sessions.lock() {
             sessions.insert(
                 session_id.to_owned(),
@@ -90,16 +105,22 @@ impl EventGate {
         if !unread_by_the_pool(event_type) {
             return false;
         }
-        let Ok(sessions) = self.sessions.lock() else {
+        // The caller's test runs outside the lock, and a panic in it reads nothing as
+        // unread: the reader goes on.
+        let Some((unread, dropped)) = self.sessions.lock().ok().and_then(|sessions| {
+            let r = sessions.get(session_id)?;
+            Some((r.unread.clone(), r.dropped.clone()))
+        }) else {
             return false;
         };
-        match sessions.get(session_id) {
-            Some(r) if (r.unread)(event_type) => {
-                r.dropped.fetch_add(1, Ordering::Relaxed);
-                true
-            }
-            _ => false,
+        let leave = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unread(event_type)));
+        if leave.unwrap_or(false) {
+            let ns = u64::try_from(dropped.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            dropped.last_ns.store(ns, Ordering::Relaxed);
+            dropped.count.fetch_add(1, Ordering::Release);
+            return true;
         }
+        false
     }
 
     fn release(&self, session_id: &str, token: u64) {
@@ -117,14 +138,23 @@ pub(crate) struct UnreadGuard {
     gate: std::sync::Weak<EventGate>,
     session_id: String,
     token: u64,
-    dropped: Arc<AtomicU64>,
+    dropped: Arc<Dropped>,
 }
 
 impl UnreadGuard {
-    /// How many of the session's events were dropped unread so far: the runtime was active
-    /// although its caller heard nothing.
+    /// How many of the session's events were dropped unread so far.
     pub(crate) fn dropped(&self) -> u64 {
-        self.dropped.load(Ordering::Relaxed)
+        self.dropped.count.load(Ordering::Acquire)
+    }
+
+    /// When the last of them was dropped (`None` before the first): the runtime was active
+    /// then, although its caller heard nothing.
+    pub(crate) fn last_dropped(&self) -> Option<Instant> {
+        if self.dropped() == 0 {
+            return None;
+        }
+        let ns = self.dropped.last_ns.load(Ordering::Relaxed);
+        Some(self.dropped.since + Duration::from_nanos(ns))
     }
 }
 
@@ -139,8 +169,12 @@ impl Drop for UnreadGuard {
 /// The session id and event type at the head of `frame` when it begins exactly as the
 /// runtime writes a `session.event` notification,
 /// `{"jsonrpc":"2.0","method":"session.event","params":{"sessionId":"…","event":{"type":"…"`,
-/// both plain strings (no escapes); `None` for any other frame.
+/// both plain strings (no escapes), and ends as one, `}}}` (a request, whose `id` would
+/// follow its params, is answered, never dropped); `None` for any other frame.
 pub(crate) fn runtime_head(frame: &[u8]) -> Option<(&str, &str)> {
+    if !frame.trim_ascii_end().ends_with(b"}}}") {
+        return None;
+    }
     const HEAD: &[u8] = br#"{"jsonrpc":"2.0","method":"session.event","params":{"sessionId":""#;
     const EVENT: &[u8] = br#"","event":{"type":""#;
     let rest = frame.strip_prefix(HEAD)?;
@@ -201,6 +235,8 @@ mod tests {
             r#"{"jsonrpc":"2.0","method":"session.eventx","params":{"sessionId":"s","event":{"type":"model.x"}}}"#,
             r#"{"jsonrpc":"2.0","method":"session.event","params":{"sessionId":"s","event":{"id":"e","type":"model.x"}}}"#,
             r#"{"jsonrpc":"2.0","method":"session.event","params":{"sessionId":"s"#,
+            // A request: its id after its params.
+            r#"{"jsonrpc":"2.0","method":"session.event","params":{"sessionId":"s","event":{"type":"model.x"}},"id":7}"#,
         ] {
             assert_eq!(runtime_head(frame.as_bytes()), None, "{frame}");
         }
@@ -232,6 +268,23 @@ mod tests {
         // Another session's.
         assert!(!gate.drops(&event("another", "model.messages_snapshot")));
         assert_eq!(guard.dropped(), 2);
+        let last = guard.last_dropped().expect("dropped");
+        assert!(last <= Instant::now());
+    }
+
+    #[test]
+    fn a_caller_test_that_panics_leaves_the_event_read_and_the_gate_working() {
+        let gate = Arc::new(EventGate::default());
+        let guard = gate.leave_unread(
+            SESSION,
+            Arc::new(|t: &str| {
+                assert_ne!(t, "system.message", "a caller's bug");
+                true
+            }),
+        );
+        assert!(!gate.drops(&event(SESSION, "system.message")));
+        assert!(gate.drops(&event(SESSION, "model.call_start")));
+        assert_eq!(guard.dropped(), 1);
     }
 
     #[test]

@@ -81,8 +81,6 @@ pub(crate) struct TurnDriver {
     /// The session's event types left unread ([`TurnHandlers::unread_events`]), registered
     /// with its connection for the lease's life.
     unread: Option<UnreadGuard>,
-    /// How many unread events had been dropped when the driver last looked.
-    unread_seen: u64,
 }
 
 impl TurnDriver {
@@ -120,7 +118,6 @@ impl TurnDriver {
             transcript: None,
             compaction_start: None,
             unread: None,
-            unread_seen: 0,
         }
     }
 
@@ -138,13 +135,20 @@ impl TurnDriver {
         }
     }
 
-    /// Whether events were dropped unread since the driver last looked: the runtime was
-    /// active although the turn heard nothing of it.
-    fn heard_unread(&mut self) -> bool {
-        let dropped = self.unread.as_ref().map_or(0, UnreadGuard::dropped);
-        let moved = dropped != self.unread_seen;
-        self.unread_seen = dropped;
-        moved
+    /// Ends the registration of the unread event types (the lease goes back: whoever
+    /// leases the conversation next reads what it asks for from the start).
+    pub(crate) fn forget_unread(&mut self) {
+        self.unread = None;
+    }
+
+    /// The runtime's last sign of activity: the turn's last event, answer or start, or an
+    /// event dropped unread after it.
+    fn last_heard(&self) -> Instant {
+        let dropped = self.unread.as_ref().and_then(UnreadGuard::last_dropped);
+        match dropped.map(Instant::from_std) {
+            Some(dropped) if dropped > self.last_activity => dropped,
+            _ => self.last_activity,
+        }
     }
 
     /// How long an aborted turn may take to reach `session.idle` before the session is
@@ -213,7 +217,6 @@ impl TurnDriver {
         self.hook_failures.store(0, Ordering::SeqCst);
         self.started = Instant::now();
         self.last_activity = self.started;
-        self.heard_unread();
         self.async_shell = false;
         self.in_flight = true;
     }
@@ -289,9 +292,11 @@ impl TurnDriver {
                         self.reject_late_permission(&label);
                         continue;
                     }
-                    // Events dropped unread are the runtime's activity too.
-                    if kind == TimeoutKind::Inactivity && self.heard_unread() {
-                        self.last_activity = Instant::now();
+                    // An event dropped unread since is the runtime's activity too.
+                    if kind == TimeoutKind::Inactivity
+                        && deadline::from(self.last_heard(), self.handlers.timeouts.inactivity)
+                            > Instant::now()
+                    {
                         continue;
                     }
                     let after = match kind {
@@ -319,7 +324,7 @@ impl TurnDriver {
             Some((id, p)) if p.deadline < best.0 => best = (p.deadline, p.kind, id.clone()),
             Some(_) => {}
             None if self.question.is_none() => {
-                let idle = deadline::from(self.last_activity, t.inactivity);
+                let idle = deadline::from(self.last_heard(), t.inactivity);
                 if idle < best.0 {
                     best = (idle, TimeoutKind::Inactivity, String::new());
                 }
@@ -844,19 +849,28 @@ mod tests {
         assert_eq!(failures.load(Ordering::SeqCst), 2);
     }
     #[tokio::test]
-    async fn events_dropped_unread_are_heard_as_the_runtimes_activity_once() {
+    async fn an_event_dropped_unread_after_the_last_one_heard_moves_the_inactivity_clock() {
         let gate = Arc::new(crate::rpc::gate::EventGate::default());
         let mut driver = TurnDriver::new(
             TurnHandlers::default(),
             PathBuf::from("/"),
             Duration::from_secs(1),
         );
-        assert!(!driver.heard_unread(), "nothing registered");
+        driver.begin();
+        // The turn's last event a while ago.
+        driver.last_activity = Instant::now() - Duration::from_secs(1);
+        let started = driver.last_activity;
+        assert_eq!(driver.last_heard(), started, "nothing registered");
         driver.unread = Some(gate.leave_unread("s", Arc::new(|_: &str| true)));
-        assert!(!driver.heard_unread(), "nothing dropped yet");
+        assert_eq!(driver.last_heard(), started, "nothing dropped yet");
         let frame = br#"{"jsonrpc":"2.0","method":"session.event","params":{"sessionId":"s","event":{"type":"model.call_start","data":{}}}}"#;
         assert!(gate.drops(frame));
-        assert!(driver.heard_unread());
-        assert!(!driver.heard_unread(), "heard once");
+        let heard = driver.last_heard();
+        assert!(heard > started, "the drop is heard");
+        // An event heard after the drop counts from itself.
+        driver.last_activity = Instant::now() + Duration::from_millis(5);
+        assert_eq!(driver.last_heard(), driver.last_activity);
+        driver.forget_unread();
+        assert!(!gate.drops(frame), "nothing registered once forgotten");
     }
 }
