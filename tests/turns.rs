@@ -101,6 +101,7 @@ async fn events_the_caller_and_the_pool_leave_unread_never_reach_the_lease_and_t
  {
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.config().await).await.expect("pool");
+    // Written out here, not taken from `rpc::unread_by_the_pool`: the test checks that list.
     let unread_by_the_pool = |t: &String| t.starts_with("model.") || t == "system.message";
 
     // Read whole, a tool turn carries the runtime's internal events and its system prompt.

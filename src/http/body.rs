@@ -293,7 +293,7 @@ pub(super) struct TurnBody {
     pub prelude_chars: Option<usize>,
     /// Session event types not to stream: each a type (`session.usage_info`) or a prefix
     /// ending in `*` (`model.*`, the runtime's internal events, in no schema, with a whole
-    /// snapshot of the conversation per model call). The daemon's own events (`tool.call`,
+    /// snapshot of the conversation every turn). The daemon's own events (`tool.call`,
     /// `permission.request`, `user_input.request`, `hook.request`, `hook.notification`,
     /// `backend.fallback`, `turn.end`) always come. At most 32; default: every event.
     /// Omitted `model.*` events and `system.message`, which the daemon does not read

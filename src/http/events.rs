@@ -8,6 +8,8 @@
 //! `POST /v1/requests/{request_id}`; `hook.notification` needs no answer; every other event
 //! is the runtime's own session event, passed through under its own type as the name.
 
+use std::sync::Arc;
+
 use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
@@ -442,9 +444,14 @@ impl EventFilter {
                 .any(|p| event_type.starts_with(p.as_str()))
     }
 
-    /// Whether it leaves nothing out.
-    pub(super) fn is_empty(&self) -> bool {
-        self.types.is_empty() && self.prefixes.is_empty()
+    /// The types a lease's caller leaves unread for this filter (`None` when it leaves
+    /// nothing out): those the pool does not read either are then not read at all.
+    pub(super) fn unread_events(self: &Arc<Self>) -> Option<crate::rpc::UnreadEvents> {
+        if self.types.is_empty() && self.prefixes.is_empty() {
+            return None;
+        }
+        let filter = self.clone();
+        Some(Arc::new(move |event_type: &str| filter.omits(event_type)))
     }
 }
 
@@ -534,6 +541,19 @@ pub(super) mod tests {
         assert_eq!(names[names.len() - 1], TURN_END);
         let distinct: std::collections::HashSet<_> = names.iter().collect();
         assert_eq!(distinct.len(), DAEMON_EVENTS.len() + 1);
+    }
+
+    #[test]
+    fn the_omitted_types_are_left_unread_and_an_empty_filter_leaves_nothing_unread() {
+        let filter = Arc::new(
+            EventFilter::parse(&["model.*".into(), "system.message".into()]).expect("valid"),
+        );
+        let unread = filter.unread_events().expect("something is left out");
+        assert!(unread("model.messages_snapshot"));
+        assert!(unread("system.message"));
+        assert!(!unread("assistant.message"));
+        assert!(!unread("system.messages"));
+        assert!(Arc::new(EventFilter::default()).unread_events().is_none());
     }
 
     #[test]

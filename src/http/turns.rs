@@ -413,10 +413,7 @@ impl ChainSink for StreamSink {
     fn prepare(&self, req: &mut LeaseRequest) {
         // What the gateway leaves out of its stream is not read at all where the pool does
         // not read it either (the runtime's `model.*` events and `system.message`).
-        if !self.omitted.is_empty() {
-            let omitted = self.omitted.clone();
-            req.handlers.unread_events = Some(Arc::new(move |t: &str| omitted.omits(t)));
-        }
+        req.handlers.unread_events = self.omitted.unread_events();
         let Some(events) = self.events.as_ref().filter(|_| self.streaming) else {
             return;
         };

@@ -867,7 +867,7 @@ fn dispatch(
     }
     let split = shared.options.split_session_events;
     // An event nobody reads goes no further than its head.
-    if split && shared.gate.drops(frame) {
+    if split && shared.gate.drop_if_unread(frame) {
         return Ok(());
     }
     let read_again;

@@ -2,11 +2,11 @@
 //!
 //! The runtime writes two kinds of events every turn that the pool never reads on a lease's
 //! turn (only a spare's priming, which registers nothing, looks at `model.*`): its
-//! internal `model.*` events (a snapshot of the whole conversation, tens of KiB, at every
-//! model call) and `system.message` (its system prompt, ~20 KiB, every turn). Over half of a
-//! tool turn's bytes; read, copied and routed, they were a quarter of the daemon's
-//! instructions a turn, for a gateway that leaves them out of its stream (`omit_events`)
-//! anyway. A caller that says which event types it never reads ([`UnreadEvents`]) has those
+//! internal `model.*` events (among them a snapshot of the whole conversation, tens of KiB,
+//! once a turn) and `system.message` (its system prompt, 8-20 KiB by the tools it describes,
+//! every turn). Over half of a tool turn's bytes; read, copied and routed, they were a sixth
+//! of the daemon's instructions a warm turn, for a gateway that leaves them out of its stream
+//! (`omit_events`) anyway. A caller that says which event types it never reads ([`UnreadEvents`]) has those
 //! of them the pool does not read either ([`unread_by_the_pool`]) dropped by the reader: the
 //! frame's head names the session and the event's type as the runtime writes them
 //! ([`runtime_head`]), and the rest of the frame is never parsed, copied or routed (nor
@@ -14,7 +14,8 @@
 //!
 //! Owns: the per-connection table of sessions whose callers left types unread, and the test of
 //! a frame's head. Knows nothing of leases, turns or HTTP; the turn driver registers a lease's
-//! types ([`EventGate::leave_unread`]) and reads the count of what was dropped as activity.
+//! types ([`EventGate::leave_unread`]) and takes the time of the last drop as the runtime's
+//! activity ([`UnreadGuard::last_dropped`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,7 +23,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Which session event types a caller never reads (`true`: leave it unread). Only the types
-/// the pool does not read either ([`unread_by_the_pool`]) are ever dropped.
+/// the pool does not read either ([`unread_by_the_pool`]) are ever dropped. It runs on the
+/// connection's reader, once for each such frame of the caller's session: it must be cheap
+/// and must not block.
 pub type UnreadEvents = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 
 /// Whether the pool itself never reads events of `event_type` on a lease's turn: the
@@ -92,10 +95,11 @@ impl EventGate {
         }
     }
 
-    /// Whether `frame` is a `session.event` of a registered session whose type its caller
-    /// and the pool leave unread (then counted as dropped). A frame whose head is not as
+    /// Drops `frame` (answers `true`, and records the drop's count and time) when it is a
+    /// `session.event` of a registered session whose type its caller and the pool leave
+    /// unread. A frame whose head is not as
     /// the runtime writes it is never dropped: it is read as any other.
-    pub(crate) fn drops(&self, frame: &[u8]) -> bool {
+    pub(crate) fn drop_if_unread(&self, frame: &[u8]) -> bool {
         if !self.armed.load(Ordering::Acquire) {
             return false;
         }
@@ -246,10 +250,10 @@ mod tests {
     fn only_types_the_caller_and_the_pool_both_leave_unread_are_dropped_and_counted() {
         let gate = Arc::new(EventGate::default());
         let guard = gate.leave_unread(SESSION, Arc::new(|t: &str| t != "model.call_start"));
-        assert!(gate.drops(&event(SESSION, "model.messages_snapshot")));
-        assert!(gate.drops(&event(SESSION, "system.message")));
+        assert!(gate.drop_if_unread(&event(SESSION, "model.messages_snapshot")));
+        assert!(gate.drop_if_unread(&event(SESSION, "system.message")));
         // The caller reads it.
-        assert!(!gate.drops(&event(SESSION, "model.call_start")));
+        assert!(!gate.drop_if_unread(&event(SESSION, "model.call_start")));
         // The pool reads them, whatever the caller says.
         for read_by_the_pool in [
             "external_tool.requested",
@@ -261,12 +265,12 @@ mod tests {
             "modelx.y",
         ] {
             assert!(
-                !gate.drops(&event(SESSION, read_by_the_pool)),
+                !gate.drop_if_unread(&event(SESSION, read_by_the_pool)),
                 "{read_by_the_pool}"
             );
         }
         // Another session's.
-        assert!(!gate.drops(&event("another", "model.messages_snapshot")));
+        assert!(!gate.drop_if_unread(&event("another", "model.messages_snapshot")));
         assert_eq!(guard.dropped(), 2);
         let last = guard.last_dropped().expect("dropped");
         assert!(last <= Instant::now());
@@ -282,8 +286,8 @@ mod tests {
                 true
             }),
         );
-        assert!(!gate.drops(&event(SESSION, "system.message")));
-        assert!(gate.drops(&event(SESSION, "model.call_start")));
+        assert!(!gate.drop_if_unread(&event(SESSION, "system.message")));
+        assert!(gate.drop_if_unread(&event(SESSION, "model.call_start")));
         assert_eq!(guard.dropped(), 1);
     }
 
@@ -292,15 +296,15 @@ mod tests {
         let gate = Arc::new(EventGate::default());
         let frame = event(SESSION, "system.message");
         drop(gate.leave_unread(SESSION, all()));
-        assert!(!gate.drops(&frame));
+        assert!(!gate.drop_if_unread(&frame));
         assert!(!gate.armed.load(Ordering::Acquire));
 
         let old = gate.leave_unread(SESSION, all());
         let new = gate.leave_unread(SESSION, all());
         drop(old);
-        assert!(gate.drops(&frame), "the newer registration stands");
+        assert!(gate.drop_if_unread(&frame), "the newer registration stands");
         assert_eq!(new.dropped(), 1);
         drop(new);
-        assert!(!gate.drops(&frame));
+        assert!(!gate.drop_if_unread(&frame));
     }
 }

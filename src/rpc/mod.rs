@@ -4,7 +4,7 @@
 pub mod codec;
 pub mod connection;
 pub mod events;
-pub mod gate;
+pub(crate) mod gate;
 pub mod introspect;
 pub mod messages;
 

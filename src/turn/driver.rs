@@ -80,7 +80,7 @@ pub(crate) struct TurnDriver {
     compaction_start: Option<Value>,
     /// The session's event types left unread ([`TurnHandlers::unread_events`]), registered
     /// with its connection for the lease's life.
-    unread: Option<UnreadGuard>,
+    unread_registration: Option<UnreadGuard>,
 }
 
 impl TurnDriver {
@@ -117,17 +117,17 @@ impl TurnDriver {
             hook_failures: Arc::new(AtomicU32::new(0)),
             transcript: None,
             compaction_start: None,
-            unread: None,
+            unread_registration: None,
         }
     }
 
     /// Registers the event types the caller leaves unread for `session` (once: the
     /// registration lives as long as the driver, the lease's).
     pub(crate) fn leave_unread(&mut self, session: &Session) {
-        if self.unread.is_none()
+        if self.unread_registration.is_none()
             && let Some(unread) = &self.handlers.unread_events
         {
-            self.unread = Some(
+            self.unread_registration = Some(
                 session
                     .worker()
                     .leave_unread(session.id().as_str(), unread.clone()),
@@ -138,13 +138,22 @@ impl TurnDriver {
     /// Ends the registration of the unread event types (the lease goes back: whoever
     /// leases the conversation next reads what it asks for from the start).
     pub(crate) fn forget_unread(&mut self) {
-        self.unread = None;
+        self.unread_registration = None;
+    }
+
+    /// Whether the runtime was heard from (an event dropped unread included) within the
+    /// inactivity limit before `now`.
+    fn heard_within_limit(&self, now: Instant) -> bool {
+        deadline::from(self.last_heard(), self.handlers.timeouts.inactivity) > now
     }
 
     /// The runtime's last sign of activity: the turn's last event, answer or start, or an
     /// event dropped unread after it.
     fn last_heard(&self) -> Instant {
-        let dropped = self.unread.as_ref().and_then(UnreadGuard::last_dropped);
+        let dropped = self
+            .unread_registration
+            .as_ref()
+            .and_then(UnreadGuard::last_dropped);
         match dropped.map(Instant::from_std) {
             Some(dropped) if dropped > self.last_activity => dropped,
             _ => self.last_activity,
@@ -293,10 +302,7 @@ impl TurnDriver {
                         continue;
                     }
                     // An event dropped unread since is the runtime's activity too.
-                    if kind == TimeoutKind::Inactivity
-                        && deadline::from(self.last_heard(), self.handlers.timeouts.inactivity)
-                            > Instant::now()
-                    {
+                    if kind == TimeoutKind::Inactivity && self.heard_within_limit(Instant::now()) {
                         continue;
                     }
                     let after = match kind {
@@ -848,29 +854,35 @@ mod tests {
         assert_eq!(run("postToolUse", &failures).await, Some(json!({"n": 1})));
         assert_eq!(failures.load(Ordering::SeqCst), 2);
     }
+
     #[tokio::test]
     async fn an_event_dropped_unread_after_the_last_one_heard_moves_the_inactivity_clock() {
         let gate = Arc::new(crate::rpc::gate::EventGate::default());
-        let mut driver = TurnDriver::new(
-            TurnHandlers::default(),
-            PathBuf::from("/"),
-            Duration::from_secs(1),
-        );
+        let mut handlers = TurnHandlers::default();
+        handlers.timeouts.inactivity = Duration::from_secs(1);
+        let mut driver = TurnDriver::new(handlers, PathBuf::from("/"), Duration::from_secs(1));
         driver.begin();
         // The turn's last event a while ago.
         driver.last_activity = Instant::now() - Duration::from_secs(1);
         let started = driver.last_activity;
         assert_eq!(driver.last_heard(), started, "nothing registered");
-        driver.unread = Some(gate.leave_unread("s", Arc::new(|_: &str| true)));
+        driver.unread_registration = Some(gate.leave_unread("s", Arc::new(|_: &str| true)));
         assert_eq!(driver.last_heard(), started, "nothing dropped yet");
         let frame = br#"{"jsonrpc":"2.0","method":"session.event","params":{"sessionId":"s","event":{"type":"model.call_start","data":{}}}}"#;
-        assert!(gate.drops(frame));
+        assert!(gate.drop_if_unread(frame));
         let heard = driver.last_heard();
         assert!(heard > started, "the drop is heard");
+        // The inactivity limit (1 s) counts from the drop, not from the last event.
+        let limit_after_the_event = started + Duration::from_secs(1);
+        assert!(driver.heard_within_limit(limit_after_the_event));
+        assert!(!driver.heard_within_limit(heard + Duration::from_secs(1)));
         // An event heard after the drop counts from itself.
         driver.last_activity = Instant::now() + Duration::from_millis(5);
         assert_eq!(driver.last_heard(), driver.last_activity);
         driver.forget_unread();
-        assert!(!gate.drops(frame), "nothing registered once forgotten");
+        assert!(
+            !gate.drop_if_unread(frame),
+            "nothing registered once forgotten"
+        );
     }
 }

@@ -161,7 +161,7 @@ pub struct TurnHandlers {
     pub transcript: Option<TranscriptSettings>,
     /// The session event types the caller never reads (a gateway's `omit_events`). Those
     /// the pool does not read either ([`crate::rpc::unread_by_the_pool`]: the runtime's
-    /// internal `model.*` events and `system.message`, over half of a turn's bytes) are
+    /// internal `model.*` events and `system.message`, over half of a tool turn's bytes) are
     /// dropped where the runtime's output is read, never parsed or handed on:
     /// [`crate::Lease::next_event`] does not yield them. `None`: every event comes.
     pub unread_events: Option<crate::rpc::UnreadEvents>,
