@@ -33,6 +33,7 @@
 //! | [`QUARANTINES_TOTAL`] | counter | `backend` |
 //! | [`RPC_DURATION_SECONDS`] | histogram | `method`: [`RPC_METHODS`] or `other` |
 //! | [`HOOK_FAILURES_TOTAL`] | counter | — |
+//! | [`SESSION_EVENTS_UNREAD_TOTAL`] | counter | — |
 //! | [`TOKENS_TOTAL`] | counter | `kind`: [`TokenKind::as_str`] (`input`, `output`, `cache_read`, `cache_write`); `backend` |
 //! | [`SDK_CONNECTIONS`] | gauge | — |
 //! | [`SDK_CONNECTIONS_TOTAL`] | counter | `result`: `accepted`, `refused`, `unauthenticated` |
@@ -109,6 +110,10 @@ pub const QUARANTINES_TOTAL: &str = "copilot_pool_quarantines_total";
 pub const RPC_DURATION_SECONDS: &str = "copilot_pool_rpc_duration_seconds";
 /// Hooks that failed, panicked or timed out (answered with no output).
 pub const HOOK_FAILURES_TOTAL: &str = "copilot_pool_hook_failures_total";
+/// Runtime session events dropped unread where the runtime's output is read: their lease's
+/// caller left their type out (a turn's `omit_events`) and the pool reads none of them
+/// (`model.*`, `system.message`).
+pub const SESSION_EVENTS_UNREAD_TOTAL: &str = "copilot_pool_session_events_unread_total";
 /// Tokens of the model calls of every backend's turns (Copilot: `assistant.usage`), by `kind` and
 /// `backend`.
 pub const TOKENS_TOTAL: &str = "copilot_pool_tokens_total";
@@ -154,6 +159,7 @@ pub const COUNTERS: &[&str] = &[
     EVICTIONS_TOTAL,
     QUARANTINES_TOTAL,
     HOOK_FAILURES_TOTAL,
+    SESSION_EVENTS_UNREAD_TOTAL,
     TOKENS_TOTAL,
     SDK_CONNECTIONS_TOTAL,
     MODEL_REQUESTS_TOTAL,
@@ -217,6 +223,7 @@ pub fn register_zeroes() {
     for name in [
         LLM_CALLS_TOTAL,
         HOOK_FAILURES_TOTAL,
+        SESSION_EVENTS_UNREAD_TOTAL,
         OWNERSHIP_VIOLATIONS_TOTAL,
     ] {
         counter!(name).absolute(0);
@@ -417,6 +424,11 @@ pub fn describe() {
         HOOK_FAILURES_TOTAL,
         Unit::Count,
         "Hooks that failed, panicked or timed out (answered with no output)."
+    );
+    describe_counter!(
+        SESSION_EVENTS_UNREAD_TOTAL,
+        Unit::Count,
+        "Runtime session events dropped unread: their caller omitted them and the pool reads none of them (model.*, system.message)."
     );
     describe_counter!(
         TOKENS_TOTAL,
@@ -817,6 +829,11 @@ pub(crate) fn tool_call(outcome: ToolOutcome) {
 
 pub(crate) fn hook_failed() {
     counter!(HOOK_FAILURES_TOTAL).increment(1);
+}
+
+/// A runtime session event was dropped unread (`rpc::gate`).
+pub(crate) fn session_event_unread() {
+    counter!(SESSION_EVENTS_UNREAD_TOTAL).increment(1);
 }
 
 /// One model call used `n` tokens of `kind`.

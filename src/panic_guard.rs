@@ -53,6 +53,11 @@ pub(crate) fn call_guarded<F: Future>(call: impl FnOnce() -> F) -> Guarded<F> {
     }
 }
 
+/// Calls `call` now; a panic in it is `Err(Panicked)`.
+pub(crate) fn call_guarded_now<T>(call: impl FnOnce() -> T) -> Result<T, Panicked> {
+    caught(std::panic::catch_unwind(AssertUnwindSafe(call)))
+}
+
 fn caught<T>(result: std::thread::Result<T>) -> Result<T, Panicked> {
     result.map_err(Panicked::from_payload)
 }

@@ -129,10 +129,20 @@ impl Envelope {
 /// runtime writes events (`{"type":"…","data":…}`), and a plain string (no escapes); `None`
 /// otherwise. A type given twice is read as its first here, where a full read takes the last
 /// (the runtime never sends one twice; see [`SessionEvent::from_raw`]).
-fn leading_type(text: &str) -> Option<&str> {
-    let rest = text.strip_prefix("{\"type\":\"")?;
-    let end = memchr::memchr2(b'"', b'\\', rest.as_bytes())?;
-    (rest.as_bytes()[end] == b'"').then(|| &rest[..end])
+pub(crate) fn leading_type(text: &[u8]) -> Option<&str> {
+    let rest = text.strip_prefix(b"{\"type\":\"")?;
+    plain_string(rest).map(|(event_type, _)| event_type)
+}
+
+/// A JSON string's text up to its closing quote, `text` starting just after its opening
+/// one, when it has no escape (as the runtime writes types and session ids), and what follows
+/// the closing quote; `None` otherwise.
+pub(crate) fn plain_string(text: &[u8]) -> Option<(&str, &[u8])> {
+    let end = memchr::memchr2(b'"', b'\\', text)?;
+    if text[end] != b'"' {
+        return None;
+    }
+    Some((std::str::from_utf8(&text[..end]).ok()?, &text[end + 1..]))
 }
 
 /// An event's envelope as it was sent.
@@ -172,7 +182,9 @@ impl SessionEvent {
     /// string, say), it keeps its type and has the whole event as its data, where a full
     /// read gives it an empty type.
     pub fn from_raw(raw: Box<RawValue>) -> Self {
-        if let Some(event_type) = leading_type(raw.get()).filter(|t| !EventKind::models(t)) {
+        if let Some(event_type) =
+            leading_type(raw.get().as_bytes()).filter(|t| !EventKind::models(t))
+        {
             return Self {
                 kind: EventKind::Unknown {
                     event_type: event_type.to_owned(),

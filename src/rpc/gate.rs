@@ -18,9 +18,12 @@
 //! activity ([`UnreadGuard::last_dropped`]).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use super::events::{leading_type, plain_string};
+use crate::panic_guard::call_guarded_now;
 
 /// Which session event types a caller never reads (`true`: leave it unread). Only the types
 /// the pool does not read either ([`unread_by_the_pool`]) are ever dropped. It runs on the
@@ -39,26 +42,22 @@ pub fn unread_by_the_pool(event_type: &str) -> bool {
 /// One connection's sessions whose callers leave some event types unread.
 #[derive(Default)]
 pub(crate) struct EventGate {
-    /// Whether any session is registered: the reader looks no further when none is.
-    armed: AtomicBool,
     sessions: Mutex<HashMap<String, Registration>>,
-    next_token: AtomicU64,
 }
 
+/// One session's registration: what its caller leaves unread, and when the last of it was
+/// dropped (shared with its guard, which tells its own registration from a later one by it).
 struct Registration {
-    /// Tells one registration of a session id from a later one.
-    token: u64,
     unread: UnreadEvents,
-    dropped: Arc<Dropped>,
+    last_drop: Arc<LastDrop>,
 }
 
-/// What was dropped of one registration's session: how many, and when the last.
-struct Dropped {
-    count: AtomicU64,
-    /// When the registration was made: [`Dropped::last_ns`] counts from it.
+/// When a registration's last event was dropped.
+struct LastDrop {
+    /// When the registration was made.
     since: Instant,
-    /// Nanoseconds from `since` to the last drop.
-    last_ns: AtomicU64,
+    /// Nanoseconds from `since` to the last drop, at least 1; 0 before the first.
+    ns: AtomicU64,
 }
 
 impl EventGate {
@@ -70,69 +69,59 @@ impl EventGate {
         session_id: &str,
         unread: UnreadEvents,
     ) -> UnreadGuard {
-        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-        let dropped = Arc::new(Dropped {
-            count: AtomicU64::new(0),
+        let last_drop = Arc::new(LastDrop {
             since: Instant::now(),
-            last_ns: AtomicU64::new(0),
+            ns: AtomicU64::new(0),
         });
         if let Ok(mut sessions) = self.sessions.lock() {
-            sessions.insert(
-                session_id.to_owned(),
-                Registration {
-                    token,
-                    unread,
-                    dropped: dropped.clone(),
-                },
-            );
-            self.armed.store(true, Ordering::Release);
+            let last_drop = last_drop.clone();
+            sessions.insert(session_id.to_owned(), Registration { unread, last_drop });
         }
         UnreadGuard {
             gate: Arc::downgrade(self),
             session_id: session_id.to_owned(),
-            token,
-            dropped,
+            last_drop,
         }
     }
 
-    /// Drops `frame` (answers `true`, and records the drop's count and time) when it is a
-    /// `session.event` of a registered session whose type its caller and the pool leave
-    /// unread. A frame whose head is not as
-    /// the runtime writes it is never dropped: it is read as any other.
+    /// Drops `frame` (answers `true`, and records when) when it is a `session.event` of a
+    /// registered session whose type its caller and the pool leave unread. A frame whose
+    /// head is not as the runtime writes it is never dropped: it is read as any other.
     pub(crate) fn drop_if_unread(&self, frame: &[u8]) -> bool {
-        if !self.armed.load(Ordering::Acquire) {
-            return false;
-        }
         let Some((session_id, event_type)) = runtime_head(frame) else {
             return false;
         };
         if !unread_by_the_pool(event_type) {
             return false;
         }
-        // The caller's test runs outside the lock, and a panic in it reads nothing as
-        // unread: the reader goes on.
-        let Some((unread, dropped)) = self.sessions.lock().ok().and_then(|sessions| {
+        // The caller's test runs outside the lock; one that panics leaves the event read.
+        let Some((unread, last_drop)) = self.sessions.lock().ok().and_then(|sessions| {
             let r = sessions.get(session_id)?;
-            Some((r.unread.clone(), r.dropped.clone()))
+            Some((r.unread.clone(), r.last_drop.clone()))
         }) else {
             return false;
         };
-        let leave = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unread(event_type)));
-        if leave.unwrap_or(false) {
-            let ns = u64::try_from(dropped.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            dropped.last_ns.store(ns, Ordering::Relaxed);
-            dropped.count.fetch_add(1, Ordering::Release);
-            return true;
+        match call_guarded_now(|| unread(event_type)) {
+            Ok(true) => {}
+            Ok(false) => return false,
+            Err(panicked) => {
+                tracing::debug!(%panicked, event_type, "A lease's unread-events test panicked; the event is read.");
+                return false;
+            }
         }
-        false
+        let ns = u64::try_from(last_drop.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        last_drop.ns.store(ns.max(1), Ordering::Relaxed);
+        crate::metrics::session_event_unread();
+        true
     }
 
-    fn release(&self, session_id: &str, token: u64) {
-        if let Ok(mut sessions) = self.sessions.lock() {
-            if sessions.get(session_id).is_some_and(|r| r.token == token) {
-                sessions.remove(session_id);
-            }
-            self.armed.store(!sessions.is_empty(), Ordering::Release);
+    fn release(&self, session_id: &str, last_drop: &Arc<LastDrop>) {
+        if let Ok(mut sessions) = self.sessions.lock()
+            && sessions
+                .get(session_id)
+                .is_some_and(|r| Arc::ptr_eq(&r.last_drop, last_drop))
+        {
+            sessions.remove(session_id);
         }
     }
 }
@@ -141,31 +130,24 @@ impl EventGate {
 pub(crate) struct UnreadGuard {
     gate: std::sync::Weak<EventGate>,
     session_id: String,
-    token: u64,
-    dropped: Arc<Dropped>,
+    last_drop: Arc<LastDrop>,
 }
 
 impl UnreadGuard {
-    /// How many of the session's events were dropped unread so far.
-    pub(crate) fn dropped(&self) -> u64 {
-        self.dropped.count.load(Ordering::Acquire)
-    }
-
-    /// When the last of them was dropped (`None` before the first): the runtime was active
-    /// then, although its caller heard nothing.
+    /// When the last of the session's events was dropped unread (`None` before the first):
+    /// the runtime was active then, although its caller heard nothing.
     pub(crate) fn last_dropped(&self) -> Option<Instant> {
-        if self.dropped() == 0 {
-            return None;
+        match self.last_drop.ns.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(self.last_drop.since + Duration::from_nanos(ns)),
         }
-        let ns = self.dropped.last_ns.load(Ordering::Relaxed);
-        Some(self.dropped.since + Duration::from_nanos(ns))
     }
 }
 
 impl Drop for UnreadGuard {
     fn drop(&mut self) {
         if let Some(gate) = self.gate.upgrade() {
-            gate.release(&self.session_id, self.token);
+            gate.release(&self.session_id, &self.last_drop);
         }
     }
 }
@@ -180,25 +162,10 @@ pub(crate) fn runtime_head(frame: &[u8]) -> Option<(&str, &str)> {
         return None;
     }
     const HEAD: &[u8] = br#"{"jsonrpc":"2.0","method":"session.event","params":{"sessionId":""#;
-    const EVENT: &[u8] = br#"","event":{"type":""#;
     let rest = frame.strip_prefix(HEAD)?;
     let (session_id, rest) = plain_string(rest)?;
-    let rest = rest.strip_prefix(EVENT)?;
-    let (event_type, _) = plain_string(rest)?;
+    let event_type = leading_type(rest.strip_prefix(br#","event":"#)?)?;
     Some((session_id, event_type))
-}
-
-/// The text up to the next `"` when it has no escape or control character, and what follows
-/// from that quote on.
-fn plain_string(text: &[u8]) -> Option<(&str, &[u8])> {
-    let end = text
-        .iter()
-        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
-    if text[end] != b'"' {
-        return None;
-    }
-    let value = std::str::from_utf8(&text[..end]).ok()?;
-    Some((value, &text[end..]))
 }
 
 #[cfg(test)]
@@ -247,9 +214,10 @@ mod tests {
     }
 
     #[test]
-    fn only_types_the_caller_and_the_pool_both_leave_unread_are_dropped_and_counted() {
+    fn only_types_the_caller_and_the_pool_both_leave_unread_are_dropped_and_timed() {
         let gate = Arc::new(EventGate::default());
         let guard = gate.leave_unread(SESSION, Arc::new(|t: &str| t != "model.call_start"));
+        assert_eq!(guard.last_dropped(), None);
         assert!(gate.drop_if_unread(&event(SESSION, "model.messages_snapshot")));
         assert!(gate.drop_if_unread(&event(SESSION, "system.message")));
         // The caller reads it.
@@ -271,7 +239,6 @@ mod tests {
         }
         // Another session's.
         assert!(!gate.drop_if_unread(&event("another", "model.messages_snapshot")));
-        assert_eq!(guard.dropped(), 2);
         let last = guard.last_dropped().expect("dropped");
         assert!(last <= Instant::now());
     }
@@ -287,8 +254,9 @@ mod tests {
             }),
         );
         assert!(!gate.drop_if_unread(&event(SESSION, "system.message")));
+        assert_eq!(guard.last_dropped(), None);
         assert!(gate.drop_if_unread(&event(SESSION, "model.call_start")));
-        assert_eq!(guard.dropped(), 1);
+        assert!(guard.last_dropped().is_some());
     }
 
     #[test]
@@ -297,13 +265,13 @@ mod tests {
         let frame = event(SESSION, "system.message");
         drop(gate.leave_unread(SESSION, all()));
         assert!(!gate.drop_if_unread(&frame));
-        assert!(!gate.armed.load(Ordering::Acquire));
+        assert!(gate.sessions.lock().expect("lock").is_empty());
 
         let old = gate.leave_unread(SESSION, all());
         let new = gate.leave_unread(SESSION, all());
         drop(old);
         assert!(gate.drop_if_unread(&frame), "the newer registration stands");
-        assert_eq!(new.dropped(), 1);
+        assert!(new.last_dropped().is_some());
         drop(new);
         assert!(!gate.drop_if_unread(&frame));
     }

@@ -141,10 +141,10 @@ impl TurnDriver {
         self.unread_registration = None;
     }
 
-    /// Whether the runtime was heard from (an event dropped unread included) within the
-    /// inactivity limit before `now`.
-    fn heard_within_limit(&self, now: Instant) -> bool {
-        deadline::from(self.last_heard(), self.handlers.timeouts.inactivity) > now
+    /// When the inactivity limit runs out: its length after the runtime was last heard
+    /// from (an event dropped unread included).
+    fn inactivity_deadline(&self) -> Instant {
+        deadline::from(self.last_heard(), self.handlers.timeouts.inactivity)
     }
 
     /// The runtime's last sign of activity: the turn's last event, answer or start, or an
@@ -302,7 +302,7 @@ impl TurnDriver {
                         continue;
                     }
                     // An event dropped unread since is the runtime's activity too.
-                    if kind == TimeoutKind::Inactivity && self.heard_within_limit(Instant::now()) {
+                    if kind == TimeoutKind::Inactivity && self.inactivity_deadline() > Instant::now() {
                         continue;
                     }
                     let after = match kind {
@@ -330,7 +330,7 @@ impl TurnDriver {
             Some((id, p)) if p.deadline < best.0 => best = (p.deadline, p.kind, id.clone()),
             Some(_) => {}
             None if self.question.is_none() => {
-                let idle = deadline::from(self.last_heard(), t.inactivity);
+                let idle = self.inactivity_deadline();
                 if idle < best.0 {
                     best = (idle, TimeoutKind::Inactivity, String::new());
                 }
@@ -873,9 +873,7 @@ mod tests {
         let heard = driver.last_heard();
         assert!(heard > started, "the drop is heard");
         // The inactivity limit (1 s) counts from the drop, not from the last event.
-        let limit_after_the_event = started + Duration::from_secs(1);
-        assert!(driver.heard_within_limit(limit_after_the_event));
-        assert!(!driver.heard_within_limit(heard + Duration::from_secs(1)));
+        assert_eq!(driver.inactivity_deadline(), heard + Duration::from_secs(1));
         // An event heard after the drop counts from itself.
         driver.last_activity = Instant::now() + Duration::from_millis(5);
         assert_eq!(driver.last_heard(), driver.last_activity);
