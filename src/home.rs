@@ -275,7 +275,10 @@ pub fn create_work_dir(path: &Path) -> Result<(), HomeError> {
     ensure_private_dir(path).map_err(|source| HomeError::CreateWorkDir {
         path: path.to_path_buf(),
         source,
-    })
+    })?;
+    // It lies in a directory the agent's processes may write: a link put in its place
+    // would take the turn (and what the pool writes there) elsewhere.
+    plain_directory(path.to_path_buf()).map(|_| ())
 }
 
 /// Creates `path` (and missing parents, mode 0700) if it does not exist, setting the final

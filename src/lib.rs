@@ -72,6 +72,8 @@
 //! * [`auth`] — which credentials a lease runs with (precedence, fingerprints).
 //! * [`home`] — each agent's COPILOT_HOME.
 //! * [`confine`] — paths a caller names, kept inside allowed roots (links and `..` resolved).
+//! * `agent_files` — files in an agent's own directories as the unsandboxed pool opens them:
+//!   never through a link the agent planted, never blocking on a FIFO, reads bounded.
 //! * [`worker`] — one supervised CLI child: [`worker::WorkerHandle`] starts it and opens
 //!   [`worker::Session`]s whose update streams carry events and server requests.
 //! * [`rpc`] — the wire: `Content-Length` framing, the JSON-RPC 2.0 connection, typed
@@ -108,6 +110,7 @@
 //! The library installs nothing global: no tracing subscriber, metrics recorder, signal
 //! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.
 
+mod agent_files;
 pub mod auth;
 pub mod backend;
 mod chat_completion;

@@ -24,8 +24,7 @@
 //! Nothing here spawns a process: the process-per-turn runner does, with the bundled
 //! configuration's argv and environment.
 
-use std::io::{BufRead, Write};
-use std::os::unix::fs::DirBuilderExt;
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
@@ -233,52 +232,48 @@ pub fn write_settings(home: &Path) -> Result<SettingsWrite, GeminiError> {
         path: path.clone(),
         problem,
     };
-    let dir = gemini_dir(home);
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&dir)
-        .map_err(|e| fail(format!("cannot create {}: {e}", dir.display())))?;
-    let current = match std::fs::read_to_string(&path) {
-        Ok(text) if text.trim().is_empty() => Map::new(),
-        Ok(text) => match serde_json::from_str::<Value>(&text) {
-            Ok(Value::Object(map)) => map,
-            Ok(_) => return Err(fail("it is not a JSON object".to_owned())),
-            Err(e) => {
-                return Err(fail(format!(
-                    "it is not plain JSON ({e}; comments are not supported here)"
-                )));
+    // The home is the agent's: its `.gemini` and the file are opened below it without
+    // following a link the agent may have planted (`agent_files`).
+    let rel = Path::new(".gemini").join("settings.json");
+    crate::agent_files::create_dirs(home, Path::new(".gemini"), 0o700)
+        .map_err(|e| fail(format!("cannot create {}: {e}", gemini_dir(home).display())))?;
+    let (current, present) = match crate::agent_files::read(home, &rel, SETTINGS_LIMIT_BYTES) {
+        Ok(bytes) => {
+            let text = String::from_utf8_lossy(&bytes);
+            if text.trim().is_empty() {
+                (Map::new(), true)
+            } else {
+                match serde_json::from_str::<Value>(&text) {
+                    Ok(Value::Object(map)) => (map, true),
+                    Ok(_) => return Err(fail("it is not a JSON object".to_owned())),
+                    Err(e) => {
+                        return Err(fail(format!(
+                            "it is not plain JSON ({e}; comments are not supported here)"
+                        )));
+                    }
+                }
             }
-        },
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Map::new(),
-        Err(e) => return Err(fail(format!("cannot read it: {e}"))),
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => (Map::new(), false),
+        Err(e) => return Err(fail(format!("cannot read it: {e}; remove it"))),
     };
     let mut merged = Value::Object(current.clone());
     for (keys, value) in owned_settings() {
         set_path(&mut merged, keys, value);
     }
-    if merged == Value::Object(current) && path.is_file() {
+    if merged == Value::Object(current) && present {
         return Ok(SettingsWrite::Unchanged);
     }
-    let text = serde_json::to_string_pretty(&merged)
+    let mut text = serde_json::to_string_pretty(&merged)
         .map_err(|e| fail(format!("cannot serialize: {e}")))?;
-    let tmp = dir.join(format!(
-        ".settings.json.tmp-{}",
-        uuid::Uuid::new_v4().simple()
-    ));
-    let write = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(text.as_bytes())?;
-        file.write_all(b"\n")?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, &path)
-    };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(fail(format!("cannot write it: {e}")));
-    }
+    text.push('\n');
+    crate::agent_files::replace(home, &rel, text.as_bytes(), 0o600)
+        .map_err(|e| fail(format!("cannot write it: {e}")))?;
     Ok(SettingsWrite::Written)
 }
+
+/// The largest `settings.json` (and `projects.json`) the pool reads (1 MiB).
+const SETTINGS_LIMIT_BYTES: u64 = 1 << 20;
 
 /// Sets `value` at `keys` inside `root`, turning whatever is in the way into objects.
 fn set_path(root: &mut Value, keys: &[&str], value: Value) {
@@ -736,7 +731,15 @@ pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<Path
     // the conversation to the first one: the largest file is the conversation.
     session_files(home, cwd, session_id)?
         .into_iter()
-        .map(|p| (std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0), p))
+        .map(|p| {
+            let len = p
+                .strip_prefix(home)
+                .ok()
+                .and_then(|rel| crate::agent_files::open_regular(home, rel).ok())
+                .and_then(|f| f.metadata().ok())
+                .map_or(0, |m| m.len());
+            (len, p)
+        })
         .max()
         .map(|(_, p)| p)
         .ok_or_else(|| GeminiError::TranscriptMissing {
@@ -747,7 +750,8 @@ pub fn transcript_path(home: &Path, cwd: &Path, session_id: &str) -> Result<Path
 
 /// Every chat file Gemini CLI keeps of `session_id` for a run in `cwd` (see
 /// [`transcript_path`]: one, or two after a resume in another minute), at least one, else
-/// [`GeminiError::TranscriptMissing`]. Blocking (small file reads).
+/// [`GeminiError::TranscriptMissing`]. Blocking (small file reads, below the agent's home
+/// without following a link: `agent_files`).
 pub fn session_files(
     home: &Path,
     cwd: &Path,
@@ -758,39 +762,38 @@ pub fn session_files(
         session_id: session_id.to_owned(),
         searched,
     };
-    let projects = dir.join("projects.json");
     if session_id.len() < 8 || !super::oneshot::is_session_id(session_id) {
         return Err(missing(dir.join("tmp")));
     }
-    let Some(slug) = project_slug(&projects, cwd) else {
-        return Err(missing(projects));
+    let Some(slug) = project_slug(home, cwd) else {
+        return Err(missing(dir.join("projects.json")));
     };
-    let chats = dir.join("tmp").join(slug).join("chats");
+    let chats = Path::new(".gemini").join("tmp").join(slug).join("chats");
     let suffix = format!("-{}.jsonl", &session_id[..8]);
-    let Ok(entries) = std::fs::read_dir(&chats) else {
-        return Err(missing(chats));
+    let Ok(entries) = crate::agent_files::entries(home, &chats) else {
+        return Err(missing(home.join(chats)));
     };
     let files: Vec<PathBuf> = entries
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("session-") && n.ends_with(&suffix))
-        })
-        .filter(|p| first_line_names(p, session_id))
+        .into_iter()
+        .filter(|(_, kind)| *kind == crate::agent_files::EntryKind::File)
+        .filter_map(|(name, _)| name.into_string().ok())
+        .filter(|n| n.starts_with("session-") && n.ends_with(&suffix))
+        .map(|n| chats.join(n))
+        .filter(|rel| first_line_names(home, rel, session_id))
+        .map(|rel| home.join(rel))
         .collect();
     if files.is_empty() {
-        return Err(missing(chats));
+        return Err(missing(home.join(chats)));
     }
     Ok(files)
 }
 
-/// The slug `projects.json` gives `cwd` (as given, or canonicalized). Slugs that could leave
-/// the `tmp` folder are ignored.
-fn project_slug(projects: &Path, cwd: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(projects).ok()?;
-    let document: Value = serde_json::from_str(&text).ok()?;
+/// The slug `<home>/.gemini/projects.json` gives `cwd` (as given, or canonicalized). Slugs
+/// that could leave the `tmp` folder are ignored.
+fn project_slug(home: &Path, cwd: &Path) -> Option<String> {
+    let rel = Path::new(".gemini").join("projects.json");
+    let bytes = crate::agent_files::read(home, &rel, SETTINGS_LIMIT_BYTES).ok()?;
+    let document: Value = serde_json::from_slice(&bytes).ok()?;
     let map = document.get("projects")?.as_object()?;
     let canonical = std::fs::canonicalize(cwd).ok();
     let keys = std::iter::once(cwd.to_path_buf()).chain(canonical);
@@ -799,13 +802,20 @@ fn project_slug(projects: &Path, cwd: &Path) -> Option<String> {
         .filter(|slug| !slug.is_empty() && !slug.contains('/') && slug != "." && slug != "..")
 }
 
-/// Whether the transcript's header line has `"sessionId": session_id`.
-fn first_line_names(path: &Path, session_id: &str) -> bool {
-    let Ok(file) = std::fs::File::open(path) else {
+/// The longest header line of a transcript the pool reads (64 KiB).
+const HEADER_LIMIT_BYTES: u64 = 64 * 1024;
+
+/// Whether the transcript `home/rel`'s header line has `"sessionId": session_id`.
+fn first_line_names(home: &Path, rel: &Path, session_id: &str) -> bool {
+    use std::io::Read;
+    let Ok(file) = crate::agent_files::open_regular(home, rel) else {
         return false;
     };
     let mut line = String::new();
-    if std::io::BufReader::new(file).read_line(&mut line).is_err() {
+    if std::io::BufReader::new(file.take(HEADER_LIMIT_BYTES))
+        .read_line(&mut line)
+        .is_err()
+    {
         return false;
     }
     serde_json::from_str::<Value>(&line)
@@ -1157,6 +1167,54 @@ mod tests {
         std::fs::write(&path, "// a comment\n{}").unwrap();
         let err = write_settings(home.path()).unwrap_err();
         assert!(err.to_string().contains("fix or remove the file"), "{err}");
+    }
+
+    #[test]
+    fn links_and_fifos_the_agent_planted_are_never_followed_or_waited_on() {
+        let home = tempfile::tempdir().unwrap();
+        let other = tempfile::tempdir().unwrap();
+        let theirs = other.path().join("config.json");
+        std::fs::write(&theirs, r#"{"secret":"theirs"}"#).unwrap();
+        // settings.json a link to another agent's settings: neither read nor written through.
+        std::fs::create_dir(gemini_dir(home.path())).unwrap();
+        std::os::unix::fs::symlink(&theirs, settings_path(home.path())).unwrap();
+        let err = write_settings(home.path()).unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        assert_eq!(
+            std::fs::read_to_string(&theirs).unwrap(),
+            r#"{"secret":"theirs"}"#
+        );
+        // The `.gemini` folder itself a link elsewhere: nothing is made there.
+        std::fs::remove_file(settings_path(home.path())).unwrap();
+        std::fs::remove_dir(gemini_dir(home.path())).unwrap();
+        std::os::unix::fs::symlink(other.path(), gemini_dir(home.path())).unwrap();
+        assert!(write_settings(home.path()).is_err());
+        assert!(!other.path().join("settings.json").exists());
+        // A FIFO as projects.json: the transcript lookup answers at once instead of
+        // blocking the thread that opens it.
+        std::fs::remove_file(gemini_dir(home.path())).unwrap();
+        std::fs::create_dir(gemini_dir(home.path())).unwrap();
+        nix::unistd::mkfifo(
+            &gemini_dir(home.path()).join("projects.json"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let dir = home.path().to_path_buf();
+        std::thread::spawn(move || {
+            let _ = tx.send(transcript_path(
+                &dir,
+                Path::new("/work"),
+                "95642bd1-0b6b-49cf-9ddd-06d68bd0870f",
+            ));
+        });
+        let found = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the lookup came back instead of blocking on the FIFO");
+        assert!(
+            matches!(found, Err(GeminiError::TranscriptMissing { .. })),
+            "{found:?}"
+        );
     }
 
     #[test]

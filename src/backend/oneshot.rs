@@ -182,7 +182,11 @@ impl Dialect {
             Dialect::Generic => None,
             Dialect::Claude => {
                 let path = super::CliConversation::transcript_path(home, cwd, session_id);
-                Some(if path.is_file() { Ok(path) } else { Err(path) })
+                // Below the agent's home, without following a link it planted.
+                let found = path
+                    .strip_prefix(home)
+                    .is_ok_and(|rel| crate::agent_files::is_file(home, rel));
+                Some(if found { Ok(path) } else { Err(path) })
             }
             Dialect::Codex => Some(codex_rollout_path(home, session_id)),
             Dialect::Gemini => {
@@ -248,6 +252,9 @@ async fn in_workspace(cwd: &Path, images: &[PathBuf]) -> Result<(), ImageError> 
     Ok(())
 }
 
+/// The file a system prompt is handed to a CLI in, in the agent's backend home.
+const SYSTEM_PROMPT_FILE: &str = "system-prompt.md";
+
 /// How much of a rollout's end [`codex_rollout_totals`] reads.
 const ROLLOUT_TAIL_BYTES: u64 = 256 * 1024;
 
@@ -255,9 +262,10 @@ const ROLLOUT_TAIL_BYTES: u64 = 256 * 1024;
 /// `total_token_usage` of the last `token_count` event in the file's last 256 KiB), so a new
 /// runner resuming the thread (the pool restarted) reports the next turn's own usage. `None`
 /// when there is none to read. Blocking (one small read).
-pub fn codex_rollout_totals(rollout: &Path) -> Option<UsageTotals> {
+pub fn codex_rollout_totals(home: &Path, rollout: &Path) -> Option<UsageTotals> {
     use std::io::{Read, Seek, SeekFrom};
-    let mut file = std::fs::File::open(rollout).ok()?;
+    let rel = rollout.strip_prefix(home).ok()?;
+    let mut file = crate::agent_files::open_regular(home, rel).ok()?;
     let len = file.metadata().ok()?.len();
     let start = len.saturating_sub(ROLLOUT_TAIL_BYTES);
     file.seek(SeekFrom::Start(start)).ok()?;
@@ -287,43 +295,47 @@ pub(crate) fn is_session_id(id: &str) -> bool {
 /// Codex's rollout of thread `thread_id` for an agent homed in `home`:
 /// `<home>/.codex/sessions/YYYY/MM/DD/rollout-<local time>-<thread_id>.jsonl` (reference
 /// `cli-backends.md` §4.3); `Err(<home>/.codex/sessions)` when there is none. Ids that could
-/// name a path are never found.
+/// name a path are never found; the folders are the agent's, walked without following a
+/// link (`agent_files`).
 pub fn codex_rollout_path(home: &Path, thread_id: &str) -> Result<PathBuf, PathBuf> {
-    let sessions = home.join(".codex").join("sessions");
+    use crate::agent_files::{EntryKind, entries};
+    let sessions = Path::new(".codex").join("sessions");
     if !is_session_id(thread_id) {
-        return Err(sessions);
+        return Err(home.join(sessions));
     }
     let suffix = format!("-{thread_id}.jsonl");
     // Three levels of dated folders, newest first (a resumed thread keeps its first file).
     let mut level = vec![sessions.clone()];
     for _ in 0..3 {
-        let mut next = Vec::new();
-        for dir in &level {
-            let Ok(entries) = std::fs::read_dir(dir) else {
-                continue;
-            };
-            next.extend(
-                entries
-                    .filter_map(Result::ok)
-                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                    .map(|e| e.path()),
-            );
-        }
+        let mut next: Vec<PathBuf> = level
+            .iter()
+            .filter_map(|dir| Some((dir, entries(home, dir).ok()?)))
+            .flat_map(|(dir, found)| {
+                found
+                    .into_iter()
+                    .filter(|(_, kind)| *kind == EntryKind::Dir)
+                    .map(move |(name, _)| dir.join(name))
+            })
+            .collect();
         next.sort_unstable_by(|a, b| b.cmp(a));
         level = next;
     }
     level
         .iter()
-        .filter_map(|dir| std::fs::read_dir(dir).ok())
-        .flat_map(|entries| entries.filter_map(Result::ok))
-        .map(|e| e.path())
-        .find(|p| {
-            p.is_file()
-                && p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("rollout-") && n.ends_with(&suffix))
+        .filter_map(|dir| Some((dir, entries(home, dir).ok()?)))
+        .flat_map(|(dir, found)| {
+            found
+                .into_iter()
+                .filter(|(_, kind)| *kind == EntryKind::File)
+                .map(move |(name, _)| dir.join(name))
         })
-        .ok_or(sessions)
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("rollout-") && n.ends_with(&suffix))
+        })
+        .map(|rel| home.join(rel))
+        .ok_or(home.join(sessions))
 }
 
 /// Token counts as a CLI reports them, kept with the session for CLIs that report totals.
@@ -693,13 +705,20 @@ impl Oneshot {
         }
         let system_prompt_file = match (&config.system_prompt, self.system_prompt_needs_file()) {
             (Some(text), true) => {
-                let path = config.home.join("system-prompt.md");
-                tokio::fs::write(&path, text)
-                    .await
-                    .map_err(|error| OneshotError::Home {
-                        path: path.clone(),
-                        error,
-                    })?;
+                // The home is the agent's: the file is replaced, never written through a
+                // link the agent may have put in its place (`agent_files`).
+                let path = config.home.join(SYSTEM_PROMPT_FILE);
+                let home = config.home.clone();
+                let bytes = text.clone().into_bytes();
+                let written = tokio::task::spawn_blocking(move || {
+                    crate::agent_files::replace(&home, Path::new(SYSTEM_PROMPT_FILE), &bytes, 0o600)
+                })
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+                written.map_err(|error| OneshotError::Home {
+                    path: path.clone(),
+                    error,
+                })?;
                 Some(path)
             }
             _ => None,
@@ -2202,6 +2221,29 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_system_prompt_file_replaces_a_link_in_its_place_and_never_writes_through_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let theirs = dir.path().join("other-agent-AGENTS.md");
+        std::fs::write(&theirs, "theirs").unwrap();
+        let mut config = sh_config(dir.path(), &format!("echo '{MESSAGE}'"));
+        config.backend.system_prompt_file_arg = Some("--system-file".into());
+        config.system_prompt = Some("be brief".into());
+        std::fs::create_dir_all(dir.path().join("home")).unwrap();
+        std::fs::create_dir_all(dir.path().join("work")).unwrap();
+        let planted = dir.path().join("home").join(SYSTEM_PROMPT_FILE);
+        std::os::unix::fs::symlink(&theirs, &planted).unwrap();
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let _ = run(&mut oneshot, "p").await;
+        assert_eq!(std::fs::read_to_string(&theirs).unwrap(), "theirs");
+        let meta = std::fs::symlink_metadata(&planted).unwrap();
+        assert!(
+            meta.is_file(),
+            "the link was replaced by the pool's own file"
+        );
+        assert_eq!(std::fs::read_to_string(&planted).unwrap(), "be brief");
+    }
+
+    #[tokio::test]
     async fn with_input_arg_stdin_is_closed_and_the_jsonl_answer_session_and_tools_are_read() {
         let dir = tempfile::tempdir().unwrap();
         // `cat` would block forever on an open stdin.
@@ -2671,6 +2713,23 @@ i=0; while [ $i -lt 50 ]; do echo '    "x": 1,'; i=$((i+1)); done; sleep 30"#;
         );
         assert!(codex_rollout_path(home.path(), "../../x").is_err());
         assert!(codex_rollout_path(home.path(), "").is_err());
+        // Another agent's rollout reached through a link the agent planted is not found.
+        let other = tempfile::tempdir().unwrap();
+        let theirs = "019a227d-9ace-7703-b7ac-000000000001";
+        let their_day = other.path().join("12/02");
+        std::fs::create_dir_all(&their_day).unwrap();
+        std::fs::write(
+            their_day.join(format!("rollout-2026-12-02T10-00-00-{theirs}.jsonl")),
+            "{}",
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(other.path(), sessions.join("2027")).unwrap();
+        std::os::unix::fs::symlink(
+            their_day.join(format!("rollout-2026-12-02T10-00-00-{theirs}.jsonl")),
+            day.join(format!("rollout-2026-12-01T10-00-02-{theirs}.jsonl")),
+        )
+        .unwrap();
+        assert!(codex_rollout_path(home.path(), theirs).is_err());
         assert_eq!(Dialect::Generic.transcript(home.path(), cwd, id), None);
         assert!(matches!(
             Dialect::Gemini.transcript(home.path(), cwd, id),
@@ -2698,7 +2757,7 @@ i=0; while [ $i -lt 50 ]; do echo '    "x": 1,'; i=$((i+1)); done; sleep 30"#;
             ),
         )
         .unwrap();
-        let totals = codex_rollout_totals(&rollout).expect("totals");
+        let totals = codex_rollout_totals(dir.path(), &rollout).expect("totals");
         assert_eq!(
             (
                 totals.input_tokens,
@@ -2708,8 +2767,15 @@ i=0; while [ $i -lt 50 ]; do echo '    "x": 1,'; i=$((i+1)); done; sleep 30"#;
             (300, 4, 3)
         );
         std::fs::write(&rollout, format!("{}\n", "y".repeat(10))).unwrap();
-        assert_eq!(codex_rollout_totals(&rollout), None);
-        assert_eq!(codex_rollout_totals(&dir.path().join("missing")), None);
+        assert_eq!(codex_rollout_totals(dir.path(), &rollout), None);
+        assert_eq!(
+            codex_rollout_totals(dir.path(), &dir.path().join("missing")),
+            None
+        );
+        // A FIFO the agent put in its place is not opened for reading (it would block).
+        std::fs::remove_file(&rollout).unwrap();
+        nix::unistd::mkfifo(&rollout, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        assert_eq!(codex_rollout_totals(dir.path(), &rollout), None);
     }
 
     #[test]

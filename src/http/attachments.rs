@@ -6,8 +6,6 @@
 //! attached as that file. Everything is checked before anything is written. A CLI backend's
 //! turn takes images only ([`images_only`]), which its runner passes to the CLI.
 
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use axum::http::StatusCode;
@@ -296,9 +294,21 @@ fn inline_file_name(name: Option<&str>, media_type: &str) -> String {
 }
 
 /// Writes the inline contents into `<work>/attachments/` (0700; files 0600, never over an
-/// existing file) and returns the runtime's attachments, in the body's order.
-pub(super) fn write(checked: Checked, work: &Path) -> std::io::Result<Vec<Attachment>> {
-    let dir = work.join(INLINE_DIR);
+/// existing file) and returns the runtime's attachments, in the body's order. `roots` are the
+/// directories `work` may lie in (the agent's work directory, `allowed_work_roots`): below the
+/// one holding it nothing is followed through a link (the agent's processes may write there
+/// and could swap a directory on the way for a link elsewhere: `agent_files`).
+pub(super) fn write(
+    checked: Checked,
+    work: &Path,
+    roots: &[PathBuf],
+) -> std::io::Result<Vec<Attachment>> {
+    let (root, below) = roots
+        .iter()
+        .filter_map(|root| Some((root.as_path(), work.strip_prefix(root).ok()?)))
+        .max_by_key(|(root, _)| root.as_os_str().len())
+        .unwrap_or((work, Path::new("")));
+    let dir = below.join(INLINE_DIR);
     let mut out = Vec::with_capacity(checked.0.len());
     for item in checked.0 {
         match item {
@@ -308,19 +318,10 @@ pub(super) fn write(checked: Checked, work: &Path) -> std::io::Result<Vec<Attach
                 file_name,
                 display_name,
             } => {
-                std::fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(&dir)?;
-                let path = dir.join(file_name);
-                let mut file = std::fs::OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .mode(0o600)
-                    .open(&path)?;
-                file.write_all(&bytes)?;
-                file.sync_all()?;
-                let path = std::fs::canonicalize(&path)?;
+                crate::agent_files::create_dirs(root, &dir, 0o700)?;
+                let rel = dir.join(file_name);
+                crate::agent_files::create_new(root, &rel, &bytes, 0o600)?;
+                let path = std::fs::canonicalize(root)?.join(rel);
                 out.push(Attachment::File {
                     path: utf8(path).map_err(std::io::Error::other)?,
                     display_name,
@@ -357,12 +358,13 @@ pub(super) async fn check_off_thread(
 pub(super) async fn write_off_thread(
     checked: Checked,
     work: PathBuf,
+    roots: Vec<PathBuf>,
 ) -> Result<Vec<Attachment>, Response> {
     if checked.0.is_empty() {
         return Ok(Vec::new());
     }
     let dir = work.join(INLINE_DIR);
-    match tokio::task::spawn_blocking(move || write(checked, &work)).await {
+    match tokio::task::spawn_blocking(move || write(checked, &work, &roots)).await {
         Ok(Ok(list)) => Ok(list),
         Ok(Err(e)) => Err(error(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -540,7 +542,7 @@ mod tests {
         )
         .expect("ok");
         std::fs::create_dir_all(&work).expect("work");
-        let written = write(checked, &work).expect("written");
+        let written = write(checked, &work, std::slice::from_ref(&work)).expect("written");
         let [
             Attachment::File {
                 path, display_name, ..
@@ -569,6 +571,46 @@ mod tests {
         let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
         assert_eq!(mode(path), 0o600);
         assert_eq!(mode(&work.join("attachments")), 0o700);
+    }
+
+    #[test]
+    fn inline_content_is_never_written_through_a_link_the_agent_planted() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let work = tmp.path().join("agent/work");
+        let elsewhere = tmp.path().join("other-agent");
+        std::fs::create_dir_all(work.join("deep")).expect("work");
+        std::fs::create_dir_all(&elsewhere).expect("elsewhere");
+        let limits = AttachmentLimits::default();
+        let one = || {
+            check(
+                vec![inline("aGk=", "text/plain", Some("a.txt"))],
+                &work,
+                &[],
+                &limits,
+            )
+            .expect("ok")
+        };
+        // `attachments` swapped for a link to another agent's directory.
+        std::os::unix::fs::symlink(&elsewhere, work.join("attachments")).expect("link");
+        let roots = [work.clone()];
+        assert!(write(one(), &work, &roots).is_err());
+        // A session's working directory below the work directory, one of its folders on
+        // the way swapped for a link after the turn was checked.
+        std::fs::remove_file(work.join("attachments")).expect("unlink");
+        std::fs::remove_dir(work.join("deep")).expect("rmdir");
+        std::os::unix::fs::symlink(&elsewhere, work.join("deep")).expect("link");
+        assert!(write(one(), &work.join("deep/sub"), &roots).is_err());
+        assert_eq!(
+            std::fs::read_dir(&elsewhere).expect("list").count(),
+            0,
+            "nothing was written outside the agent's directory"
+        );
+        // Without links the same writes land below the work directory.
+        std::fs::remove_file(work.join("deep")).expect("unlink");
+        std::fs::create_dir_all(work.join("deep/sub")).expect("sub");
+        let written = write(one(), &work.join("deep/sub"), &roots).expect("written");
+        assert_eq!(written.len(), 1);
+        assert!(work.join("deep/sub/attachments").is_dir());
     }
 
     #[test]

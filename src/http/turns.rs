@@ -238,7 +238,7 @@ async fn post_copilot_turn(
     // Inline content is written only for a turn that runs (dropping the lease on a failed
     // write returns the conversation).
     let message = lease.message_mut();
-    message.attachments = match write_off_thread(attachments, work).await {
+    message.attachments = match write_off_thread(attachments, work.path, work.roots).await {
         Ok(a) => a,
         Err(r) => return r,
     };
@@ -283,7 +283,7 @@ async fn checked_attachments_and_work_dir(
     state: &AppState,
     body: &mut TurnBody,
     chain: &ChainRequest,
-) -> Result<(super::attachments::Checked, std::path::PathBuf), Response> {
+) -> Result<(super::attachments::Checked, WorkDir), Response> {
     let attachments = check_off_thread(
         std::mem::take(&mut body.attachments),
         chain.lease.working_directory.clone(),
@@ -293,7 +293,26 @@ async fn checked_attachments_and_work_dir(
     .await?;
     let work = chain.lease.working_directory.clone();
     create_work_dir(&work).await?;
-    Ok((attachments, work))
+    let roots = work_roots(state, &chain.lease.agent_id);
+    Ok((attachments, WorkDir { path: work, roots }))
+}
+
+/// A turn's working directory and the directories it may lie in.
+struct WorkDir {
+    path: std::path::PathBuf,
+    roots: Vec<std::path::PathBuf>,
+}
+
+/// The directories a turn's working directory may lie in (the agent's own work directory,
+/// the daemon's `allowed_work_roots`), below which inline attachments are written without
+/// following a link.
+fn work_roots(state: &AppState, agent_id: &str) -> Vec<std::path::PathBuf> {
+    let mut roots: Vec<std::path::PathBuf> =
+        crate::home::work_dir(&state.pool.config().agents_base_dir, agent_id)
+            .into_iter()
+            .collect();
+    roots.extend(state.config.allowed_work_roots.iter().cloned());
+    roots
 }
 
 /// Whether `backend` takes gateway tools (an unknown one was refused before).
@@ -358,10 +377,11 @@ async fn post_cli_turn(
     };
     // Inline images are written only for a turn that runs (dropping the lease on a failed
     // write returns the conversation); the runner passes them to the CLI.
-    lease.message_mut().attachments = match write_off_thread(attachments, work).await {
-        Ok(a) => a,
-        Err(r) => return r,
-    };
+    lease.message_mut().attachments =
+        match write_off_thread(attachments, work.path, work.roots).await {
+            Ok(a) => a,
+            Err(r) => return r,
+        };
     spawn_run(state, lease);
     respond(streaming, events_rx).await
 }

@@ -194,6 +194,15 @@ impl std::fmt::Debug for CliPool {
     }
 }
 
+/// What a lease's open found stored ([`CliPool::stored_session`]).
+struct Found {
+    /// The CLI session to resume.
+    resume: Option<String>,
+    reason: OpenReason,
+    /// Codex's thread totals as its rollout last recorded them.
+    usage_totals: Option<crate::backend::oneshot::UsageTotals>,
+}
+
 impl CliPool {
     pub(crate) fn new(
         backends: BTreeMap<String, CliBackendConfig>,
@@ -457,7 +466,8 @@ impl CliPool {
         }
         if lease.conversation.is_none() {
             // A new process: resume the stored session, or start one (the rules decide).
-            let (conversation, reason) = self.open(&ask, &config, &lease)?;
+            let found = self.stored_session(&ask, &config, &lease).await?;
+            let (conversation, reason) = self.open(&ask, &config, found)?;
             lease.conversation = Some(conversation);
             lease.reason = reason;
         } else if let Some(conversation) = lease.conversation.as_mut()
@@ -488,48 +498,80 @@ impl CliPool {
         Ok(lease)
     }
 
-    /// A new runner for the lease, resuming the stored session when the rules say so.
-    fn open(
+    /// What the lease's conversation resumes, if anything (the rules decide): its binding,
+    /// its transcript where the CLI keeps it, Codex's last totals. File work in the agent's
+    /// home (which the agent may write: a FIFO or a deep tree there must not stall the async
+    /// threads), so one blocking task does it.
+    async fn stored_session(
         &self,
         ask: &CliAsk,
         config: &CliBackendConfig,
         lease: &CliLease,
-    ) -> Result<(CliConversation, OpenReason), PoolError> {
-        let stored = self
-            .bindings
-            .get(&lease.bindings_key)
-            .map_err(|e| PoolError::Bindings(e.to_string()))?
-            .map(|b| StoredSession {
-                session_id: b.cli_session_id.into_string(),
-                identity: b.compat_key,
-            });
-        let transcript = |id: &str| {
-            CliConversation::find_transcript(
-                config.dialect_of(&ask.backend),
-                config.kind,
-                &ask.home,
-                &ask.cwd,
-                id,
-            )
-        };
-        let decision = session::decide(stored.as_ref(), &lease.identity, |id| {
-            transcript(id).is_ok()
+    ) -> Result<Found, PoolError> {
+        let bindings = self.bindings.clone();
+        let bindings_key = lease.bindings_key.clone();
+        let identity = lease.identity.clone();
+        let backend = ask.backend.clone();
+        let (dialect, kind) = (config.dialect_of(&ask.backend), config.kind);
+        let (home, cwd) = (ask.home.clone(), ask.cwd.clone());
+        tokio::task::spawn_blocking(move || {
+            let stored = bindings
+                .get(&bindings_key)
+                .map_err(|e| PoolError::Bindings(e.to_string()))?
+                .map(|b| StoredSession {
+                    session_id: b.cli_session_id.into_string(),
+                    identity: b.compat_key,
+                });
+            let transcript =
+                |id: &str| CliConversation::find_transcript(dialect, kind, &home, &cwd, id);
+            let decision = session::decide(stored.as_ref(), &identity, |id| transcript(id).is_ok())
+                .map_err(|missing| PoolError::TranscriptMissing {
+                    backend: backend.clone(),
+                    session_id: missing.session_id.clone(),
+                    path: transcript(&missing.session_id).err().unwrap_or_default(),
+                })?;
+            let (resume, reason) = match decision {
+                SessionDecision::Resume(id) => (Some(id), OpenReason::Resumed),
+                SessionDecision::New => (None, OpenReason::New),
+                SessionDecision::IdentityChanged => {
+                    bindings
+                        .remove(&bindings_key)
+                        .map_err(|e| PoolError::Bindings(e.to_string()))?;
+                    (None, OpenReason::CompatChanged)
+                }
+            };
+            // Codex reports thread totals: a resumed runner starts from the last ones it
+            // recorded, so the first resumed turn's usage is its own.
+            let usage_totals = match (&resume, kind, dialect) {
+                (Some(id), BackendKind::CliOneshot, Dialect::Codex) => {
+                    codex_rollout_path(&home, id)
+                        .ok()
+                        .and_then(|rollout| codex_rollout_totals(&home, &rollout))
+                }
+                _ => None,
+            };
+            Ok(Found {
+                resume,
+                reason,
+                usage_totals,
+            })
         })
-        .map_err(|missing| PoolError::TranscriptMissing {
-            backend: ask.backend.clone(),
-            session_id: missing.session_id.clone(),
-            path: transcript(&missing.session_id).err().unwrap_or_default(),
-        })?;
-        let (resume, reason) = match decision {
-            SessionDecision::Resume(id) => (Some(id), OpenReason::Resumed),
-            SessionDecision::New => (None, OpenReason::New),
-            SessionDecision::IdentityChanged => {
-                self.bindings
-                    .remove(&lease.bindings_key)
-                    .map_err(|e| PoolError::Bindings(e.to_string()))?;
-                (None, OpenReason::CompatChanged)
-            }
-        };
+        .await
+        .map_err(|e| PoolError::Internal(e.to_string()))?
+    }
+
+    /// A new runner for the lease, resuming what [`Self::stored_session`] found.
+    fn open(
+        &self,
+        ask: &CliAsk,
+        config: &CliBackendConfig,
+        found: Found,
+    ) -> Result<(CliConversation, OpenReason), PoolError> {
+        let Found {
+            resume,
+            reason,
+            usage_totals,
+        } = found;
         crate::metrics::session_opened(&ask.backend, reason);
         let invalid = |e: &dyn std::fmt::Display| {
             PoolError::InvalidRequest(format!("backend `{}`: {e}", ask.backend))
@@ -545,13 +587,7 @@ impl CliPool {
             one.sandbox = ask.sandbox.clone();
             one.session = resume.map(|id| {
                 let mut stored = crate::backend::oneshot::StoredSession::new(id);
-                // Codex reports thread totals: start from the last ones it recorded, so the
-                // first resumed turn's usage is its own.
-                if one.dialect == Dialect::Codex
-                    && let Some(totals) = codex_rollout_path(&ask.home, &stored.session_id)
-                        .ok()
-                        .and_then(|rollout| codex_rollout_totals(&rollout))
-                {
+                if let Some(totals) = usage_totals {
                     stored.usage_totals = totals;
                 }
                 stored

@@ -1,0 +1,429 @@
+//! Files in an agent's own directories (a CLI backend's home, the agent's work directory) as
+//! the pool, which runs unsandboxed, reads and writes them. The agent's processes may write
+//! there, so any entry may be a symbolic link to another agent's files or the daemon's, a FIFO
+//! that blocks whoever opens it for reading, or a file too large to hold.
+//!
+//! Every path is a directory the pool resolved (`root`, whose last component must not be a
+//! link; the agent cannot replace what lies above it) and a relative path below it. Each
+//! component below `root` is opened relative to the one before, never following a link
+//! (`O_NOFOLLOW`), so a link planted anywhere on the way, or swapped in between a check and a
+//! use, is refused rather than followed. A file is opened without blocking (`O_NONBLOCK`: a
+//! FIFO opens at once) and must be a regular file; reads stop at a bound. A write replaces its
+//! file through a new one created beside it (exclusively, never through a link) and renamed
+//! over it, so a link in its place is replaced, never written through.
+//!
+//! Blocking (file system calls): call these off the async threads.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStringExt;
+use std::path::{Component, Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{OFlag, open, openat, renameat};
+use nix::sys::stat::{FileStat, Mode, SFlag, fstat, mkdirat};
+
+/// What an entry of a directory is, as [`entries`] reports it (links are never followed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum EntryKind {
+    /// A directory.
+    Dir,
+    /// A regular file.
+    File,
+    /// Anything else: a link, a FIFO, a socket, a device.
+    Other,
+}
+
+fn io_error(errno: Errno) -> io::Error {
+    io::Error::from_raw_os_error(errno as i32)
+}
+
+/// The error for an entry that is there but not what the pool may open.
+fn not_regular(rel: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!(
+            "{} is not a regular file (a link, a FIFO or a device is never opened by the pool)",
+            rel.display()
+        ),
+    )
+}
+
+/// The components of `rel`, each a plain name (no root, no `.` or `..`).
+fn names(rel: &Path) -> io::Result<Vec<&std::ffi::OsStr>> {
+    rel.components()
+        .map(|c| match c {
+            Component::Normal(name) => Ok(name),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} is not a plain relative path", rel.display()),
+            )),
+        })
+        .collect()
+}
+
+const DIR_FLAGS: OFlag = OFlag::O_RDONLY
+    .union(OFlag::O_DIRECTORY)
+    .union(OFlag::O_NOFOLLOW)
+    .union(OFlag::O_CLOEXEC);
+
+/// `root` itself, opened as a directory that is not a link.
+fn open_root(root: &Path) -> io::Result<OwnedFd> {
+    open(root, DIR_FLAGS, Mode::empty()).map_err(|e| match e {
+        Errno::ELOOP => io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is a link; the pool does not follow it", root.display()),
+        ),
+        other => io_error(other),
+    })
+}
+
+/// The directory `root/rel`, every component below `root` opened without following a link.
+pub(crate) fn open_dir(root: &Path, rel: &Path) -> io::Result<OwnedFd> {
+    let mut dir = open_root(root)?;
+    for name in names(rel)? {
+        dir = openat(&dir, name, DIR_FLAGS, Mode::empty()).map_err(|e| match e {
+            // A link with O_NOFOLLOW | O_DIRECTORY: ELOOP or ENOTDIR.
+            Errno::ELOOP | Errno::ENOTDIR => io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{} is not a directory below {} (a link is never followed)",
+                    rel.display(),
+                    root.display()
+                ),
+            ),
+            other => io_error(other),
+        })?;
+    }
+    Ok(dir)
+}
+
+/// The parent directory of `rel` below `root`, and `rel`'s last name.
+fn parent_and_name<'a>(root: &Path, rel: &'a Path) -> io::Result<(OwnedFd, &'a std::ffi::OsStr)> {
+    let all = names(rel)?;
+    let Some((name, _)) = all.split_last() else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "an empty path names no file",
+        ));
+    };
+    let parent = rel.parent().unwrap_or(Path::new(""));
+    Ok((open_dir(root, parent)?, name))
+}
+
+fn is_regular(stat: &FileStat) -> bool {
+    SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT == SFlag::S_IFREG
+}
+
+/// The regular file `root/rel`, opened for reading (never a link, never blocking on a FIFO).
+pub(crate) fn open_regular(root: &Path, rel: &Path) -> io::Result<File> {
+    let (dir, name) = parent_and_name(root, rel)?;
+    let flags = OFlag::O_RDONLY
+        | OFlag::O_NOFOLLOW
+        | OFlag::O_NONBLOCK
+        | OFlag::O_NOCTTY
+        | OFlag::O_CLOEXEC;
+    let fd = openat(&dir, name, flags, Mode::empty()).map_err(|e| match e {
+        Errno::ELOOP => not_regular(rel),
+        other => io_error(other),
+    })?;
+    let stat = fstat(&fd).map_err(io_error)?;
+    if !is_regular(&stat) {
+        return Err(not_regular(rel));
+    }
+    Ok(File::from(fd))
+}
+
+/// Whether `root/rel` is a regular file (reached without a link).
+pub(crate) fn is_file(root: &Path, rel: &Path) -> bool {
+    open_regular(root, rel).is_ok()
+}
+
+/// The whole of the regular file `root/rel`, refused (`InvalidData`) past `limit` bytes.
+pub(crate) fn read(root: &Path, rel: &Path, limit: u64) -> io::Result<Vec<u8>> {
+    let file = open_regular(root, rel)?;
+    let mut bytes = Vec::new();
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{} is larger than {limit} bytes", rel.display()),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// The entries of the directory `root/rel` (without `.` and `..`), each with what it is;
+/// a link is reported as [`EntryKind::Other`], never followed.
+pub(crate) fn entries(root: &Path, rel: &Path) -> io::Result<Vec<(OsString, EntryKind)>> {
+    let fd = open_dir(root, rel)?;
+    let dir_fd = fd.try_clone()?;
+    let mut dir = nix::dir::Dir::from_fd(fd).map_err(io_error)?;
+    let mut out = Vec::new();
+    for entry in dir.iter() {
+        let entry = entry.map_err(io_error)?;
+        let name = entry.file_name().to_bytes();
+        if name == b"." || name == b".." {
+            continue;
+        }
+        let kind = match entry.file_type() {
+            Some(nix::dir::Type::Directory) => EntryKind::Dir,
+            Some(nix::dir::Type::File) => EntryKind::File,
+            Some(_) => EntryKind::Other,
+            // The file system does not say: ask without following a link.
+            None => match nix::sys::stat::fstatat(
+                &dir_fd,
+                entry.file_name(),
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+            ) {
+                Ok(stat) if is_regular(&stat) => EntryKind::File,
+                Ok(stat)
+                    if SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT
+                        == SFlag::S_IFDIR =>
+                {
+                    EntryKind::Dir
+                }
+                _ => EntryKind::Other,
+            },
+        };
+        out.push((OsString::from_vec(name.to_vec()), kind));
+    }
+    Ok(out)
+}
+
+/// Creates the directories of `rel` below `root` that are missing (each with `mode`), never
+/// through a link: an existing entry on the way must be a directory.
+pub(crate) fn create_dirs(root: &Path, rel: &Path, mode: u32) -> io::Result<()> {
+    let mut dir = open_root(root)?;
+    let mut walked = PathBuf::new();
+    for name in names(rel)? {
+        walked.push(name);
+        match mkdirat(&dir, name, Mode::from_bits_truncate(mode)) {
+            Ok(()) | Err(Errno::EEXIST) => {}
+            Err(other) => return Err(io_error(other)),
+        }
+        dir = openat(&dir, name, DIR_FLAGS, Mode::empty()).map_err(|e| match e {
+            Errno::ELOOP | Errno::ENOTDIR => io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{} below {} is not a directory (a link is never followed)",
+                    walked.display(),
+                    root.display()
+                ),
+            ),
+            other => io_error(other),
+        })?;
+    }
+    Ok(())
+}
+
+const CREATE_FLAGS: OFlag = OFlag::O_WRONLY
+    .union(OFlag::O_CREAT)
+    .union(OFlag::O_EXCL)
+    .union(OFlag::O_NOFOLLOW)
+    .union(OFlag::O_CLOEXEC);
+
+/// Creates the file `root/rel` (it must not exist, not even as a link) with `mode`, writes
+/// `bytes` into it and syncs it. Its directory must exist.
+pub(crate) fn create_new(root: &Path, rel: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    let (dir, name) = parent_and_name(root, rel)?;
+    let fd = openat(&dir, name, CREATE_FLAGS, Mode::from_bits_truncate(mode)).map_err(io_error)?;
+    let mut file = File::from(fd);
+    file.write_all(bytes)?;
+    file.sync_all()
+}
+
+/// Replaces the file `root/rel` with `bytes` (mode `mode`): written into a new file beside
+/// it, synced, and renamed over it, so a reader never sees half of it and a link in its
+/// place is replaced, never written through. Its directory must exist.
+pub(crate) fn replace(root: &Path, rel: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    let (dir, name) = parent_and_name(root, rel)?;
+    let mut tmp = name.to_os_string();
+    tmp.push(format!(".tmp-{}", uuid::Uuid::new_v4().simple()));
+    let fd = openat(
+        &dir,
+        tmp.as_os_str(),
+        CREATE_FLAGS,
+        Mode::from_bits_truncate(mode),
+    )
+    .map_err(io_error)?;
+    let mut file = File::from(fd);
+    let written = file
+        .write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .and_then(|()| renameat(&dir, tmp.as_os_str(), &dir, name).map_err(io_error));
+    if written.is_err() {
+        let _ = nix::unistd::unlinkat(
+            &dir,
+            tmp.as_os_str(),
+            nix::unistd::UnlinkatFlags::NoRemoveDir,
+        );
+    }
+    written
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn dirs() -> (tempfile::TempDir, PathBuf, PathBuf) {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let root = tmp.path().join("agent");
+        let other = tmp.path().join("other");
+        std::fs::create_dir_all(root.join("sub")).expect("root");
+        std::fs::create_dir_all(&other).expect("other");
+        std::fs::write(other.join("secret.txt"), "theirs").expect("secret");
+        (tmp, root, other)
+    }
+
+    fn mkfifo(path: &Path) {
+        nix::unistd::mkfifo(path, Mode::from_bits_truncate(0o600)).expect("mkfifo");
+    }
+
+    #[test]
+    fn a_regular_file_below_the_root_is_read_whole() {
+        let (_tmp, root, _) = dirs();
+        std::fs::write(root.join("sub/a.json"), "{}").expect("write");
+        let bytes = read(&root, Path::new("sub/a.json"), 10).expect("read");
+        assert_eq!(bytes, b"{}");
+        assert!(is_file(&root, Path::new("sub/a.json")));
+    }
+
+    #[test]
+    fn a_link_in_place_of_the_file_is_refused_not_followed() {
+        let (_tmp, root, other) = dirs();
+        symlink(other.join("secret.txt"), root.join("sub/a.json")).expect("link");
+        let error = read(&root, Path::new("sub/a.json"), 100).expect_err("a link");
+        assert!(error.to_string().contains("not a regular file"), "{error}");
+        assert!(!is_file(&root, Path::new("sub/a.json")));
+    }
+
+    #[test]
+    fn a_link_in_place_of_a_directory_on_the_way_is_refused() {
+        let (_tmp, root, other) = dirs();
+        symlink(&other, root.join("via")).expect("link");
+        let error = read(&root, Path::new("via/secret.txt"), 100).expect_err("a link");
+        assert!(error.to_string().contains("not a directory"), "{error}");
+        assert!(entries(&root, Path::new("via")).is_err());
+        assert!(create_dirs(&root, Path::new("via/deeper"), 0o700).is_err());
+        assert!(
+            !other.join("deeper").exists(),
+            "nothing made through the link"
+        );
+    }
+
+    #[test]
+    fn the_root_itself_must_not_be_a_link() {
+        let (tmp, _root, other) = dirs();
+        let linked = tmp.path().join("linked");
+        symlink(&other, &linked).expect("link");
+        assert!(read(&linked, Path::new("secret.txt"), 100).is_err());
+    }
+
+    #[test]
+    fn a_fifo_is_refused_at_once_instead_of_blocking_the_reader() {
+        let (_tmp, root, _) = dirs();
+        mkfifo(&root.join("sub/pipe.json"));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = root.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(read(&reader, Path::new("sub/pipe.json"), 100));
+        });
+        let result = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the read came back instead of blocking on the FIFO");
+        let error = result.expect_err("a FIFO");
+        assert!(error.to_string().contains("not a regular file"), "{error}");
+    }
+
+    #[test]
+    fn a_file_past_the_limit_is_refused() {
+        let (_tmp, root, _) = dirs();
+        std::fs::write(root.join("big"), "x".repeat(11)).expect("write");
+        let error = read(&root, Path::new("big"), 10).expect_err("too large");
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+        assert_eq!(read(&root, Path::new("big"), 11).expect("read").len(), 11);
+    }
+
+    #[test]
+    fn paths_that_climb_or_start_at_the_root_are_refused() {
+        let (_tmp, root, _) = dirs();
+        for rel in [
+            "../other/secret.txt",
+            "/etc/passwd",
+            "sub/../../other/secret.txt",
+        ] {
+            assert!(read(&root, Path::new(rel), 100).is_err(), "{rel}");
+        }
+    }
+
+    #[test]
+    fn entries_report_links_as_other_and_never_follow_them() {
+        let (_tmp, root, other) = dirs();
+        std::fs::write(root.join("sub/f"), "").expect("file");
+        std::fs::create_dir(root.join("sub/d")).expect("dir");
+        symlink(&other, root.join("sub/l")).expect("link");
+        let mut found = entries(&root, Path::new("sub")).expect("entries");
+        found.sort();
+        assert_eq!(
+            found,
+            vec![
+                (OsString::from("d"), EntryKind::Dir),
+                (OsString::from("f"), EntryKind::File),
+                (OsString::from("l"), EntryKind::Other),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_replace_over_a_link_replaces_the_link_and_leaves_its_target_alone() {
+        let (_tmp, root, other) = dirs();
+        symlink(other.join("secret.txt"), root.join("sub/settings.json")).expect("link");
+        replace(&root, Path::new("sub/settings.json"), b"ours", 0o600).expect("replace");
+        assert_eq!(
+            std::fs::read_to_string(other.join("secret.txt")).expect("target"),
+            "theirs"
+        );
+        let meta = std::fs::symlink_metadata(root.join("sub/settings.json")).expect("meta");
+        assert!(meta.is_file(), "the link itself was replaced by a file");
+        assert_eq!(
+            read(&root, Path::new("sub/settings.json"), 10).expect("read"),
+            b"ours"
+        );
+        let left: Vec<_> = std::fs::read_dir(root.join("sub"))
+            .expect("list")
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+            .collect();
+        assert!(left.is_empty(), "no temporary file left: {left:?}");
+    }
+
+    #[test]
+    fn create_new_never_writes_through_a_link() {
+        let (_tmp, root, other) = dirs();
+        symlink(other.join("secret.txt"), root.join("sub/x.md")).expect("link");
+        assert!(create_new(&root, Path::new("sub/x.md"), b"ours", 0o600).is_err());
+        assert_eq!(
+            std::fs::read_to_string(other.join("secret.txt")).expect("target"),
+            "theirs"
+        );
+        create_new(&root, Path::new("sub/y.md"), b"ours", 0o600).expect("create");
+        assert_eq!(std::fs::read(root.join("sub/y.md")).expect("read"), b"ours");
+    }
+
+    #[test]
+    fn create_dirs_makes_what_is_missing_with_its_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let (_tmp, root, _) = dirs();
+        create_dirs(&root, Path::new("a/b"), 0o700).expect("create");
+        create_dirs(&root, Path::new("a/b"), 0o700).expect("again");
+        let mode = std::fs::metadata(root.join("a/b"))
+            .expect("meta")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o077, 0, "{mode:o}");
+    }
+}
