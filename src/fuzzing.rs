@@ -146,6 +146,7 @@ async fn json_rpc_run(data: &[u8], split_session_events: bool) -> Vec<Handed> {
         max_frame_bytes: RPC_MAX_FRAME_BYTES,
         default_timeout: Duration::from_secs(30),
         split_session_events,
+        ..ConnectionOptions::default()
     };
     let conn = Connection::start(
         our_read,

@@ -1396,6 +1396,24 @@ async fn a_cli_lease_serves_its_own_gateway_tool_handlers_and_other_tools_restar
     assert_ne!(third.pid(), Some(pid), "a new process");
     drop(third);
 
+    // A base URL carrying a credential is refused before any CLI starts (it would reach
+    // the CLI's command line), as a Copilot lease's is.
+    for base_url in [
+        format!("http://user:sk-in-url@{}", fx.endpoint.addr()),
+        format!("http://{}/v1?api_key=sk-in-query", fx.endpoint.addr()),
+    ] {
+        let mut req = request(Vec::new());
+        req.provider = Some(ProviderConfig::anthropic(
+            base_url,
+            Some(Secret::new("sk-ant-FAKE-pool-tools")),
+        ));
+        let refused = pool.lease_cli(req).await.expect_err("refused");
+        assert!(
+            matches!(&refused, PoolError::InvalidRequest(m) if m.contains("base_url")),
+            "{refused}"
+        );
+    }
+
     // A backend whose CLI gets no bridge refuses tools rather than run without them.
     let mut req = request(vec![lookup_tool("gemini")]);
     req.backend = "google-gemini-cli".to_owned();

@@ -133,6 +133,25 @@ async fn a_call_before_connect_is_minus_32001_and_a_wrong_token_minus_32002() {
     let missing = raw_client(served.addr).await;
     let none = remote_error(missing.request("connect", json!({}), None).await);
     assert_eq!(none.code, -32002, "{none:?}");
+    // Before `connect` a frame over 64 KiB closes the connection unread; after it, the same
+    // frame is read (and answered).
+    let big = json!({"message": "x".repeat(100 * 1024)});
+    let early = raw_client(served.addr).await;
+    let refused = early.request("ping", big.clone(), None).await;
+    assert!(
+        matches!(refused, Err(RpcError::Closed { .. })),
+        "{refused:?}"
+    );
+    let late = raw_client(served.addr).await;
+    late.request("connect", json!({"token": "token-a"}), None)
+        .await
+        .expect("connect");
+    let pong = late.request("ping", big, None).await.expect("ping");
+    assert!(
+        pong["message"]
+            .as_str()
+            .is_some_and(|m| m.len() > 100 * 1024)
+    );
     served.shut_down().await;
 }
 
@@ -256,6 +275,30 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         let refused = remote_error(conn.request(method, json!({}), None).await);
         assert!(
             refused.message.contains("may only read"),
+            "{method}: {refused:?}"
+        );
+    }
+    // Naming a session this connection holds does not make a call outside the session's
+    // own (`session.*`) one of its calls: opening, forking or deleting sessions outside the
+    // pool, or account and MCP changes, stay refused.
+    for (method, params) in [
+        (
+            "sessions.open",
+            json!({"kind": "resume", "sessionId": "guarded-1", "options": {"provider": {"type": "openai", "baseUrl": "https://10.0.0.7/v1", "apiKey": "real"}}}),
+        ),
+        ("sessions.fork", json!({"sessionId": "guarded-1"})),
+        ("sessions.delete", json!({"sessionId": "guarded-1"})),
+        ("account.getAllUsers", json!({"sessionId": "guarded-1"})),
+        (
+            "mcp.config.add",
+            json!({"sessionId": "guarded-1", "name": "x"}),
+        ),
+    ] {
+        let refused = remote_error(conn.request(method, params, None).await);
+        assert!(
+            refused
+                .message
+                .contains("not one of the session's own calls"),
             "{method}: {refused:?}"
         );
     }

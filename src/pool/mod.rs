@@ -278,6 +278,11 @@ impl Pool {
                 req.backend
             )));
         }
+        // The shape and the guard's rules, as a Copilot lease's: a base URL carrying a
+        // credential (userinfo, a key in its query) would reach the CLI's command line.
+        if let Some(provider) = &req.provider {
+            self.check_provider(provider)?;
+        }
         let tools = cli_gateway_tools(&inner.cli, &req)?;
         let (copilot_home, home) = self.cli_homes(&req)?;
         let names = cli::CliNames::new(&req.agent_id, &req.session_key, &req.backend);

@@ -51,6 +51,9 @@ pub enum FrameError {
 #[derive(Debug, Clone)]
 pub struct FrameCodec {
     max_frame_bytes: usize,
+    /// When set, the maximum for reading a frame's header, as it is at that moment (raised
+    /// by the owner once its peer may send more; see `ConnectionOptions::read_limit_until_lifted`).
+    read_max: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
     /// Body length of the frame whose header has been consumed, if any.
     pending_body: Option<usize>,
 }
@@ -60,7 +63,20 @@ impl FrameCodec {
     pub fn new(max_frame_bytes: usize) -> Self {
         Self {
             max_frame_bytes,
+            read_max: None,
             pending_body: None,
+        }
+    }
+
+    /// A codec whose frames read may be at most what `read_max` holds when each header is
+    /// read (written frames: at most `max_frame_bytes`).
+    pub fn with_read_max(
+        max_frame_bytes: usize,
+        read_max: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ) -> Self {
+        Self {
+            read_max: Some(read_max),
+            ..Self::new(max_frame_bytes)
         }
     }
 
@@ -87,11 +103,11 @@ impl FrameCodec {
         }
         let n =
             length.ok_or_else(|| FrameError::MalformedHeader("no Content-Length header".into()))?;
-        if n > self.max_frame_bytes {
-            return Err(FrameError::TooLarge {
-                announced: n,
-                max: self.max_frame_bytes,
-            });
+        let max = self.read_max.as_ref().map_or(self.max_frame_bytes, |m| {
+            m.load(std::sync::atomic::Ordering::Relaxed)
+        });
+        if n > max {
+            return Err(FrameError::TooLarge { announced: n, max });
         }
         Ok(n)
     }

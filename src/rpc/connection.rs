@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -49,6 +49,11 @@ pub struct ConnectionOptions {
     /// again. A `session.event` whose params are not an event's (`sessionId` not a string,
     /// none at all, …) still comes as a notification. Off by default.
     pub split_session_events: bool,
+    /// Frames read above this size close the connection until
+    /// [`Connection::lift_read_limit`] (then `max_frame_bytes` holds): for a peer that must
+    /// first authenticate with a small call, so one that has not cannot make the reader
+    /// parse a large frame. `None` (the default): `max_frame_bytes` from the start.
+    pub read_limit_until_lifted: Option<usize>,
 }
 
 impl Default for ConnectionOptions {
@@ -57,6 +62,7 @@ impl Default for ConnectionOptions {
             max_frame_bytes: super::codec::DEFAULT_MAX_FRAME_BYTES,
             default_timeout: Duration::from_secs(60),
             split_session_events: false,
+            read_limit_until_lifted: None,
         }
     }
 }
@@ -283,6 +289,9 @@ struct Shared {
     /// Sessions whose callers leave some event types unread (read only with
     /// `split_session_events`).
     gate: Arc<EventGate>,
+    /// The largest frame the reader takes now (`read_limit_until_lifted` until lifted),
+    /// read by its codec at each header.
+    read_limit: Arc<AtomicUsize>,
 }
 
 impl Shared {
@@ -379,6 +388,11 @@ impl Connection {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (out_tx, out_rx) = mpsc::unbounded_channel();
+        let read_limit = options
+            .read_limit_until_lifted
+            .map_or(options.max_frame_bytes, |limit| {
+                limit.min(options.max_frame_bytes)
+            });
         let shared = Arc::new(Shared {
             next_id: AtomicU64::new(1),
             pending: Mutex::new(HashMap::new()),
@@ -387,6 +401,7 @@ impl Connection {
             out: out_tx,
             options,
             gate: Arc::default(),
+            read_limit: Arc::new(AtomicUsize::new(read_limit)),
         });
         let sink: Arc<IncomingBatchSink> = Arc::new(sink);
         // The writer holds the shared state weakly: it must not keep its own channel open.
@@ -540,6 +555,14 @@ impl Connection {
         self.shared.options.max_frame_bytes
     }
 
+    /// Lifts [`ConnectionOptions::read_limit_until_lifted`]: frames up to `max_frame_bytes`
+    /// are read from now on (the peer authenticated).
+    pub fn lift_read_limit(&self) {
+        self.shared
+            .read_limit
+            .store(self.shared.options.max_frame_bytes, Ordering::SeqCst);
+    }
+
     /// Number of our requests still waiting for an answer.
     pub fn pending_requests(&self) -> usize {
         self.shared.pending.lock().map(|p| p.len()).unwrap_or(0)
@@ -637,7 +660,10 @@ async fn read_loop<R>(reader: R, shared: Arc<Shared>, sink: Arc<IncomingBatchSin
 where
     R: AsyncRead + Unpin + Send + 'static,
 {
-    let mut framed = FramedRead::new(reader, FrameCodec::new(shared.options.max_frame_bytes));
+    let mut framed = FramedRead::new(
+        reader,
+        FrameCodec::with_read_max(shared.options.max_frame_bytes, shared.read_limit.clone()),
+    );
     // What was read together goes on together: the frames the reader can give without
     // waiting are dispatched into one batch, handed on when it would wait (or is full).
     let mut batch = Vec::new();
@@ -852,12 +878,9 @@ fn dispatch(
     batch: &mut Vec<Incoming>,
     sink: &IncomingBatchSink,
 ) -> Result<(), String> {
-    let not_json = |e: &dyn fmt::Display| {
-        format!(
-            "frame is not JSON ({e}): {:?}",
-            String::from_utf8_lossy(&frame[..frame.len().min(80)])
-        )
-    };
+    // Its length, never its text: a frame may carry a token (an SDK client's `connect`).
+    let not_json =
+        |e: &dyn fmt::Display| format!("frame of {} bytes is not JSON ({e})", frame.len());
     // A struct also reads from an array: only an object is a message.
     if frame.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return match serde_json::from_slice::<serde::de::IgnoredAny>(frame) {
@@ -993,6 +1016,7 @@ mod tests {
             max_frame_bytes: 1024,
             default_timeout: Duration::from_secs(5),
             split_session_events: false,
+            read_limit_until_lifted: None,
         })
     }
 
@@ -1415,6 +1439,38 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn frames_above_the_first_limit_close_the_connection_until_it_is_lifted() {
+        let small = || ConnectionOptions {
+            read_limit_until_lifted: Some(64),
+            ..ConnectionOptions::default()
+        };
+        let big = format!(
+            r#"{{"jsonrpc":"2.0","method":"n","params":"{}"}}"#,
+            "x".repeat(100)
+        );
+        // Not lifted: the large frame closes the connection unread.
+        let (_conn, mut peer, mut rx) = pair_with(small());
+        write_frame(&mut peer, &big).await;
+        let Some(Incoming::Closed(CloseCause::ProtocolViolation(detail))) = rx.recv().await else {
+            panic!("the connection stays open")
+        };
+        assert!(detail.contains("exceeds"), "{detail}");
+        // Lifted after a small first call: the same frame is read.
+        let (conn, mut peer, mut rx) = pair_with(small());
+        write_frame(&mut peer, r#"{"jsonrpc":"2.0","method":"hello"}"#).await;
+        assert!(matches!(
+            rx.recv().await,
+            Some(Incoming::Notification { .. })
+        ));
+        conn.lift_read_limit();
+        write_frame(&mut peer, &big).await;
+        let Some(Incoming::Notification { method, .. }) = rx.recv().await else {
+            panic!("the frame was not read")
+        };
+        assert_eq!(method, "n");
+    }
+
+    #[tokio::test]
     async fn malformed_json_breaks_the_connection() {
         let (conn, mut peer, mut rx) = pair();
         let call = tokio::spawn({
@@ -1422,11 +1478,17 @@ mod tests {
             async move { conn.request("m", Value::Null, None).await }
         });
         read_frame(&mut peer).await;
-        write_frame(&mut peer, "{not json").await;
+        // A broken `connect` frame: its token never reaches the close reason (it is logged).
+        write_frame(
+            &mut peer,
+            r#"{"jsonrpc":"2.0","id":1,"method":"connect","params":{"token":"tok-SECRET"#,
+        )
+        .await;
         let Some(Incoming::Closed(CloseCause::ProtocolViolation(detail))) = rx.recv().await else {
             panic!()
         };
         assert!(detail.contains("not JSON"), "{detail}");
+        assert!(!detail.contains("tok-"), "{detail}");
         let err = call.await.unwrap().unwrap_err();
         assert!(matches!(
             err,

@@ -47,6 +47,10 @@ const BESIDE_SESSIONS: &[&str] = &[
     "account.getCurrentAuth",
 ];
 
+/// The largest frame read from a client before its `connect` succeeded (64 KiB: a `connect`
+/// is a few hundred bytes); a larger one closes the connection.
+pub const UNAUTHENTICATED_MAX_FRAME_BYTES: usize = 64 * 1024;
+
 /// Incoming messages queued per connection beyond those being handled; more are refused.
 const QUEUE: usize = 256;
 
@@ -75,6 +79,9 @@ where
     let options = ConnectionOptions {
         max_frame_bytes: shared.config.max_frame_bytes,
         default_timeout: shared.config.request_timeout,
+        // Until `connect` succeeds a client sends small frames only: one that has not
+        // authenticated cannot make the reader parse megabytes.
+        read_limit_until_lifted: Some(UNAUTHENTICATED_MAX_FRAME_BYTES),
         ..ConnectionOptions::default()
     };
     let sink = move |incoming: Incoming| {
@@ -181,6 +188,7 @@ impl Client {
             ));
         };
         let _ = self.agent.set(agent.to_owned());
+        self.conn.lift_read_limit();
         tracing::info!(agent, "An SDK client connected.");
         Ok(self.connect_answer())
     }
@@ -242,7 +250,22 @@ impl Client {
                 ),
             )),
             _ => match session_id(&params) {
-                Some(id) => self.session_call(method, &id, params).await,
+                // Only a session's own calls go to it: `sessions.open`, `sessions.fork`,
+                // `account.*` or `mcp.*` with a `sessionId` added are not (they would open,
+                // fork or delete sessions outside the pool, or change what other
+                // conversations share).
+                Some(id) if method.starts_with("session.") => {
+                    self.session_call(method, &id, params).await
+                }
+                Some(_) => Err(ErrorObject::new(
+                    METHOD_NOT_FOUND,
+                    format!(
+                        "{method} is not available through copilot-pool: it names a session \
+                         but is not one of the session's own calls (`session.*`); sessions are \
+                         opened with session.create or session.resume and deleted with \
+                         session.delete"
+                    ),
+                )),
                 None if BESIDE_SESSIONS.contains(&method) => {
                     self.beside_sessions(method, params).await
                 }

@@ -185,6 +185,7 @@ impl Actor for Worker {
                 default_timeout: config.request_timeout,
                 // Events are routed by the session they name: read once fewer.
                 split_session_events: true,
+                ..ConnectionOptions::default()
             },
             Box::new(move |batch| {
                 // If the actor is gone, an incoming request's responder is dropped here and
