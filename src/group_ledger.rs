@@ -326,6 +326,23 @@ impl GroupLedger {
         Some(entry)
     }
 
+    /// Keeps `child`'s group in the ledger from now until its leader is reaped (a task
+    /// waits for the reap), so a daemon restarted after a crash finds it if it survived:
+    /// a runtime's, and a CLI backend's (whose tools may outlive a leader that the
+    /// parent-death signal reached). Call it in a tokio runtime.
+    pub fn track(self: &Arc<Self>, child: &crate::process::ChildGroup) {
+        let Some(entry) = self.started(child.pid()) else {
+            return;
+        };
+        let ledger = Arc::clone(self);
+        let mut exit = child.exit_watch();
+        tokio::spawn(async move {
+            // Reaped, or the reaper is gone with the child (its group was killed on drop).
+            let _ = exit.wait_for(|e| e.is_some()).await;
+            ledger.reaped(&entry);
+        });
+    }
+
     /// Removes a group whose leader was reaped.
     pub fn reaped(&self, entry: &GroupEntry) {
         let mut live = lock(&self.live);

@@ -103,6 +103,10 @@ pub struct ClaudeLiveConfig {
     /// sandboxed Claude gets `IS_SANDBOX=1`, so an approve-all policy runs it in
     /// `bypassPermissions` even as root. `None`: Claude runs with the caller's rights.
     pub sandbox: Option<Sandbox>,
+    /// The daemon's ledger of process groups: each CLI process started is recorded until
+    /// it is reaped, so a daemon restarted after a crash kills what survived of it (its
+    /// tools; the CLI itself dies with the daemon). `None`: not recorded.
+    pub group_ledger: Option<std::sync::Arc<crate::group_ledger::GroupLedger>>,
     /// The conversation's gateway tools, served to Claude by a loopback MCP bridge
     /// (`mcp__<server>__<tool>`). `None`, or no tools: no bridge, nothing changes.
     #[cfg(feature = "mcp-bridge")]
@@ -134,6 +138,7 @@ impl ClaudeLiveConfig {
             close_grace: Duration::from_secs(2),
             path_var: std::env::var_os("PATH"),
             sandbox: None,
+            group_ledger: None,
             #[cfg(feature = "mcp-bridge")]
             gateway_tools: None,
         }
@@ -532,6 +537,9 @@ impl ClaudeLive {
         };
         // Never log `spec`: its environment holds the key.
         let (child, io) = ChildGroup::spawn(&spec)?;
+        if let Some(ledger) = &config.group_ledger {
+            ledger.track(&child);
+        }
         let resumed = self.session_id.is_some();
         tracing::debug!(pid = child.pid(), resumed, "claude process started");
         let max_line = usize::try_from(backend.output_limits.max_turn_raw_chars)

@@ -455,6 +455,10 @@ pub struct OneshotConfig {
     /// agent's directory read and write, TCP to the model endpoint (and the MCP bridge)
     /// only. `None`: the CLI runs with the caller's rights.
     pub sandbox: Option<Sandbox>,
+    /// The daemon's ledger of process groups: each CLI process started is recorded until
+    /// it is reaped, so a daemon restarted after a crash kills what survived of it (its
+    /// tools; the CLI itself dies with the daemon). `None`: not recorded.
+    pub group_ledger: Option<std::sync::Arc<crate::group_ledger::GroupLedger>>,
     /// The conversation's gateway tools, served to Codex by a loopback MCP bridge (the
     /// `mcp__<server>` namespace) kept across turns and restarted once its idle TTL ended
     /// it. `None`, no tools, or another dialect: no bridge.
@@ -487,6 +491,7 @@ impl OneshotConfig {
             prompt_stdin_fallback: true,
             path_var: std::env::var_os("PATH"),
             sandbox: None,
+            group_ledger: None,
             #[cfg(feature = "mcp-bridge")]
             gateway_tools: None,
         }
@@ -770,6 +775,9 @@ impl Oneshot {
                 (child, io.stdout)
             }
         };
+        if let Some(ledger) = &self.config.group_ledger {
+            ledger.track(&child);
+        }
         tracing::debug!(
             backend = %self.config.id,
             pid = child.pid(),
@@ -2218,6 +2226,47 @@ mod tests {
             resumed.args.last().map(String::as_str),
             Some("p\n\na.png\nb.png")
         );
+    }
+
+    #[tokio::test]
+    async fn a_cli_process_is_in_the_daemons_group_ledger_while_it_runs_and_leaves_it_when_reaped()
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger_path = dir.path().join("state/process-groups.json");
+        let ledger = crate::group_ledger::GroupLedger::open(&ledger_path).unwrap();
+        let seen = dir.path().join("seen.json");
+        let pid = dir.path().join("pid");
+        let script = format!(
+            "cp '{}' '{}'; echo $$ > '{}'; echo '{MESSAGE}'",
+            ledger_path.display(),
+            seen.display(),
+            pid.display()
+        );
+        let mut config = sh_config(dir.path(), &script);
+        config.group_ledger = Some(ledger.clone());
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let (outcome, _) = run(&mut oneshot, "p").await;
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        let pid: u32 = std::fs::read_to_string(&pid)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let during = std::fs::read_to_string(&seen).unwrap();
+        assert!(
+            during.contains(&format!("\"pgid\":{pid}"))
+                || during.contains(&format!("\"pgid\": {pid}")),
+            "the running CLI's group is recorded: {during}"
+        );
+        // Reaped: its entry is removed (by a task that waits for the reap).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while ledger.live().iter().any(|e| e.pgid == pid) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "still recorded after the reap"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     #[tokio::test]

@@ -158,8 +158,10 @@ pub(crate) fn parse_base(base_url: &str) -> Result<Url, GuardError> {
 }
 
 /// The child's base URL for a provider's: scheme `https`, host [`PLACEHOLDER_HOST`], no
-/// port or userinfo, the same path and query. An unparsable URL (refused before this is
-/// used) maps to the bare placeholder.
+/// port, userinfo or query, the same path. The query stays with the guard, which adds it to
+/// each upstream request ([`upstream_url`]): a key in a parameter no name check knows
+/// (Azure Functions' `code`, say) never reaches the child. An unparsable URL (refused before
+/// this is used) maps to the bare placeholder.
 pub(crate) fn placeholder_base(base_url: &str) -> String {
     let bare = format!("https://{PLACEHOLDER_HOST}");
     let Ok(url) = Url::parse(base_url) else {
@@ -170,16 +172,13 @@ pub(crate) fn placeholder_base(base_url: &str) -> String {
     if path != "/" || base_url.trim_end().ends_with('/') {
         child.push_str(path);
     }
-    if let Some(query) = url.query() {
-        child.push('?');
-        child.push_str(query);
-    }
     child
 }
 
 /// The upstream URL of a request the child made to `requested`: the provider's scheme, host
-/// and port with the request's path and query. Refused unless the request is for the
-/// placeholder host and under the base URL's path.
+/// and port with the request's path and query, and the base URL's query parameters the
+/// request does not give itself. Refused unless the request is for the placeholder host and
+/// under the base URL's path.
 pub(crate) fn upstream_url(requested: &str, base: &Url) -> Result<Url, Refusal> {
     let foreign = || {
         (
@@ -202,5 +201,17 @@ pub(crate) fn upstream_url(requested: &str, base: &Url) -> Result<Url, Refusal> 
     url.set_scheme(base.scheme()).map_err(|_| foreign())?;
     url.set_host(base.host_str()).map_err(|_| foreign())?;
     url.set_port(base.port()).map_err(|_| foreign())?;
+    let given: Vec<String> = url
+        .query_pairs()
+        .map(|(name, _)| name.into_owned())
+        .collect();
+    let missing: Vec<(String, String)> = base
+        .query_pairs()
+        .filter(|(name, _)| !given.iter().any(|g| g == name))
+        .map(|(name, value)| (name.into_owned(), value.into_owned()))
+        .collect();
+    if !missing.is_empty() {
+        url.query_pairs_mut().extend_pairs(missing);
+    }
     Ok(url)
 }

@@ -744,13 +744,36 @@ async fn a_request_outside_the_providers_base_url_is_refused() {
 
 #[test]
 fn the_child_gets_placeholders_for_the_key_the_token_the_url_and_no_headers() {
-    let mut real = provider("https://models.example:8443/openai/v1?api-version=2024-10-21");
+    let mut real =
+        provider("https://models.example:8443/openai/v1?api-version=2024-10-21&code=fn-key-0815");
     real.bearer_token = Some(Secret::new("bearer-real-99"));
     real.headers = Some([("x-secret-header".to_owned(), "hidden".to_owned())].into());
     let child = ModelGuard::placeholder(&real);
+    // The query stays with the guard: a key in a parameter no check knows never reaches the
+    // child; the guard puts the query on each upstream request.
     assert_eq!(
         child.base_url,
-        format!("https://{PLACEHOLDER_HOST}/openai/v1?api-version=2024-10-21")
+        format!("https://{PLACEHOLDER_HOST}/openai/v1")
+    );
+    let base = url::Url::parse(&real.base_url).expect("base");
+    let upstream = target::upstream_url(
+        &format!("https://{PLACEHOLDER_HOST}/openai/v1/chat/completions"),
+        &base,
+    )
+    .expect("upstream");
+    assert_eq!(
+        upstream.as_str(),
+        "https://models.example:8443/openai/v1/chat/completions?api-version=2024-10-21&code=fn-key-0815"
+    );
+    // A parameter the request gives itself is not given twice.
+    let upstream = target::upstream_url(
+        &format!("https://{PLACEHOLDER_HOST}/openai/v1/chat/completions?api-version=2025-01-01"),
+        &base,
+    )
+    .expect("upstream");
+    assert_eq!(
+        upstream.query(),
+        Some("api-version=2025-01-01&code=fn-key-0815")
     );
     assert_eq!(
         child.api_key.as_ref().map(Secret::expose),
@@ -767,6 +790,7 @@ fn the_child_gets_placeholders_for_the_key_the_token_the_url_and_no_headers() {
         "bearer-real-99",
         "hidden",
         "models.example",
+        "fn-key-0815",
     ] {
         assert!(!wire.contains(secret), "{secret} in {wire}");
     }

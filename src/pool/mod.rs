@@ -319,6 +319,7 @@ impl Pool {
             tools,
             system_prompt,
             sandbox,
+            group_ledger: inner.config.worker.group_ledger.clone(),
         };
         inner.cli.lease(ask, names.binding).await
     }

@@ -5,14 +5,12 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
-use crate::group_ledger::GroupLedger;
 use crate::process::{ChildGroup, ExitInfo};
 use crate::rpc::messages::{
     ClientInfo, Connect, ConnectParams, LlmSetProvider, Method, PROTOCOL_VERSION, Ping, PingParams,
@@ -174,7 +172,7 @@ impl Actor for Worker {
         let spec = config.child_spec().map_err(boxed)?;
         let (child, io) = ChildGroup::spawn(&spec).map_err(|e| boxed(e.into()))?;
         if let Some(ledger) = &config.group_ledger {
-            record_group(ledger, &child);
+            ledger.track(&child);
         }
         let sink_target = myself.clone();
         let conn = Connection::start_batched(
@@ -469,21 +467,6 @@ impl Actor for Worker {
         tracing::debug!(pid = state.child.pid(), %status, "Copilot worker stopped.");
         Ok(())
     }
-}
-
-/// Keeps the child's group in the daemon's ledger from now until its leader is reaped, so a
-/// daemon restarted after a crash finds it if it survived.
-fn record_group(ledger: &Arc<GroupLedger>, child: &ChildGroup) {
-    let Some(entry) = ledger.started(child.pid()) else {
-        return;
-    };
-    let ledger = Arc::clone(ledger);
-    let mut exit = child.exit_watch();
-    tokio::spawn(async move {
-        // Reaped, or the reaper is gone with the runtime (the group was killed on drop).
-        let _ = exit.wait_for(|e| e.is_some()).await;
-        ledger.reaped(&entry);
-    });
 }
 
 fn boxed(err: WorkerError) -> ActorProcessingErr {

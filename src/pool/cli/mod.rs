@@ -76,6 +76,9 @@ pub(crate) struct CliAsk {
     pub system_prompt: Option<String>,
     /// The agent's CLI sandbox (`super::cli_sandbox`), when the pool's workers run in one.
     pub sandbox: Option<crate::sandbox::Sandbox>,
+    /// The daemon's ledger of process groups (`WorkerConfig::group_ledger`): the CLI's
+    /// processes are recorded there too.
+    pub group_ledger: Option<Arc<crate::group_ledger::GroupLedger>>,
 }
 
 struct Shell {
@@ -585,6 +588,7 @@ impl CliPool {
             one.system_prompt = ask.system_prompt.clone();
             one.reasoning_effort = ask.reasoning_effort;
             one.sandbox = ask.sandbox.clone();
+            one.group_ledger = ask.group_ledger.clone();
             one.session = resume.map(|id| {
                 let mut stored = crate::backend::oneshot::StoredSession::new(id);
                 if let Some(totals) = usage_totals {
@@ -605,6 +609,7 @@ impl CliPool {
         live.permission = ask.permission.clone();
         live.reasoning_effort = ask.reasoning_effort;
         live.sandbox = ask.sandbox.clone();
+        live.group_ledger = ask.group_ledger.clone();
         let runner = ClaudeLive::new(live).map_err(|e| invalid(&e))?;
         Ok((CliConversation::Live(Box::new(runner)), reason))
     }
@@ -1314,6 +1319,7 @@ mod tests {
             tools: Vec::new(),
             system_prompt: None,
             sandbox: None,
+            group_ledger: None,
         }
     }
 
