@@ -88,6 +88,10 @@ struct Shell {
     next_id: u64,
     /// The core's view when the Copilot side last heard of it (a change wakes it).
     told: Others,
+    /// Processes of conversations being closed in the background, by conversation: `true`
+    /// once gone. A new process of the same conversation (a refreshed credential) starts
+    /// only after its old one is gone: two CLI processes never hold one session.
+    closing: HashMap<String, watch::Receiver<bool>>,
     /// Each backend's gauges as last set (processes, leased, waiting): set again only when
     /// they changed (every Copilot lease's settle passes here too).
     gauges: BTreeMap<String, (usize, usize, usize)>,
@@ -110,10 +114,10 @@ enum Stop {
 
 impl Parked {
     /// Counts how its process leaves (a crash when it died while parked) and closes it in
-    /// the background.
-    fn close(self, why: Stop) {
+    /// the background; the receiver turns `true` once it is gone.
+    fn close(self, why: Stop) -> watch::Receiver<bool> {
         count_stop(&self.backend, self.process, self.runner.pid(), why);
-        close_in_background(self.runner);
+        close_in_background(self.runner)
     }
 
     /// Counts how its process leaves and closes it, returning once it is gone.
@@ -240,6 +244,7 @@ impl CliPool {
                 waiters: HashMap::new(),
                 next_id: 1,
                 told: Others::default(),
+                closing: HashMap::new(),
                 gauges: BTreeMap::new(),
             }),
             backends,
@@ -345,7 +350,9 @@ impl CliPool {
                 }
                 Effect::Close { conversation } => {
                     if let Some(parked) = shell.parked.remove(&conversation) {
-                        parked.close(Stop::Evicted(Eviction::Full));
+                        let gone = parked.close(Stop::Evicted(Eviction::Full));
+                        shell.closing.retain(|_, gone| !*gone.borrow());
+                        shell.closing.insert(conversation, gone);
                     }
                 }
                 Effect::EvictOther => self.tell_copilot(Nudge::EvictIdle),
@@ -468,6 +475,12 @@ impl CliPool {
             lease.settle_process(ProcessExit::Crash);
         }
         if lease.conversation.is_none() {
+            // Its old process (closed for a refreshed credential) goes first: two CLI
+            // processes must not write one session.
+            let closing = self.lock().closing.remove(&ask.conversation);
+            if let Some(mut gone) = closing {
+                let _ = gone.wait_for(|gone| *gone).await;
+            }
             // A new process: resume the stored session, or start one (the rules decide).
             let found = self.stored_session(&ask, &config, &lease).await?;
             let (conversation, reason) = self.open(&ask, &config, found)?;
@@ -751,7 +764,9 @@ impl CliPool {
         for conversation in shell.core.idle(now, ttl) {
             let effects = shell.core.forget(&conversation, now);
             if let Some(parked) = shell.parked.remove(&conversation) {
-                parked.close(Stop::Evicted(Eviction::Idle));
+                let gone = parked.close(Stop::Evicted(Eviction::Idle));
+                shell.closing.retain(|_, gone| !*gone.borrow());
+                shell.closing.insert(conversation.clone(), gone);
             }
             self.apply(&mut shell, effects);
         }
@@ -842,15 +857,21 @@ impl BudgetGuard<'_> {
 
 /// Closes a runner's process gracefully in a task; outside a runtime (a lease dropped on a
 /// plain thread) it is dropped, which kills its process group at once.
-fn close_in_background(runner: CliConversation) {
+fn close_in_background(runner: CliConversation) -> watch::Receiver<bool> {
+    let (gone, receiver) = watch::channel(false);
     match tokio::runtime::Handle::try_current() {
         Ok(handle) => {
             handle.spawn(async move {
                 let _ = runner.close().await;
+                let _ = gone.send(true);
             });
         }
-        Err(_) => drop(runner),
+        Err(_) => {
+            drop(runner);
+            let _ = gone.send(true);
+        }
     }
+    receiver
 }
 
 /// A conversation held for its deletion ([`CliPool::delete`]), released when dropped.
@@ -1321,6 +1342,66 @@ mod tests {
             sandbox: None,
             group_ledger: None,
         }
+    }
+
+    #[tokio::test]
+    async fn a_refreshed_credential_starts_the_new_claude_process_only_after_the_old_one_is_gone() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("log");
+        let script = dir.path().join("claude");
+        let id = "8f14e45f-ceea-467f-a8f0-3a1b0c6f2d11";
+        // Answers one turn, then takes half a second to go once its input closes.
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\necho \"start $$\" >> '{log}'\nread prompt\n\
+                 echo '{{\"type\":\"system\",\"subtype\":\"init\",\"session_id\":\"{id}\"}}'\n\
+                 echo '{{\"type\":\"result\",\"subtype\":\"success\",\"is_error\":false,\"result\":\"hi\",\"session_id\":\"{id}\",\"usage\":{{}}}}'\n\
+                 while read line; do :; done\n/bin/sleep 0.5\necho \"exit $$\" >> '{log}'\n",
+                log = log.display()
+            ),
+        )
+        .expect("script");
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("mode");
+        let mut config = CliBackendConfig::claude_cli();
+        config.command = script.display().to_string();
+        let pool = pool("claude-cli", config, &dir.path().join("state"));
+        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        std::fs::create_dir_all(&cwd).expect("work");
+        let names = CliNames::new("agent", "k", "claude-cli");
+        let mut first = ask("claude-cli", home.clone(), cwd.clone());
+        first.conversation = names.slot.clone();
+        let mut lease = pool
+            .lease(first, names.binding.clone())
+            .await
+            .expect("lease");
+        let outcome = lease.run("hello", |_| {}).await.expect("turn");
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        drop(lease);
+        // The same conversation with a refreshed key: its parked process is closed, and the
+        // new one starts only once the old one is gone.
+        let mut second = ask("claude-cli", home, cwd);
+        second.conversation = names.slot.clone();
+        second.creds.api_key = Some(crate::secret::Secret::new("sk-FAKE-refreshed"));
+        let mut lease = pool
+            .lease(second, names.binding.clone())
+            .await
+            .expect("lease");
+        let outcome = lease.run("again", |_| {}).await.expect("turn");
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        let text = std::fs::read_to_string(&log).expect("log");
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        let old = lines[0].trim_start_matches("start ");
+        assert_eq!(
+            lines[1],
+            format!("exit {old}"),
+            "the old process was gone before the new one started: {text}"
+        );
+        assert!(lines[2].starts_with("start "), "{text}");
+        drop(lease);
+        pool.shutdown(Duration::from_secs(5)).await;
     }
 
     #[tokio::test]
