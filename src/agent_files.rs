@@ -84,20 +84,30 @@ fn open_root(root: &Path) -> io::Result<OwnedFd> {
 pub(crate) fn open_dir(root: &Path, rel: &Path) -> io::Result<OwnedFd> {
     let mut dir = open_root(root)?;
     for name in names(rel)? {
-        dir = openat(&dir, name, DIR_FLAGS, Mode::empty()).map_err(|e| match e {
-            // A link with O_NOFOLLOW | O_DIRECTORY: ELOOP or ENOTDIR.
-            Errno::ELOOP | Errno::ENOTDIR => io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "{} is not a directory below {} (a link is never followed)",
-                    rel.display(),
-                    root.display()
-                ),
-            ),
-            other => io_error(other),
-        })?;
+        dir = open_child_dir(&dir, name, root, rel)?;
     }
     Ok(dir)
+}
+
+/// The directory `name` in `dir`, not a link; `root` and `shown` name it in an error.
+fn open_child_dir(
+    dir: &OwnedFd,
+    name: &std::ffi::OsStr,
+    root: &Path,
+    shown: &Path,
+) -> io::Result<OwnedFd> {
+    openat(dir, name, DIR_FLAGS, Mode::empty()).map_err(|e| match e {
+        // A link with O_NOFOLLOW | O_DIRECTORY: ELOOP or ENOTDIR.
+        Errno::ELOOP | Errno::ENOTDIR => io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{} below {} is not a directory (a link is never followed)",
+                shown.display(),
+                root.display()
+            ),
+        ),
+        other => io_error(other),
+    })
 }
 
 /// The parent directory of `rel` below `root`, and `rel`'s last name.
@@ -204,17 +214,7 @@ pub(crate) fn create_dirs(root: &Path, rel: &Path, mode: u32) -> io::Result<()> 
             Ok(()) | Err(Errno::EEXIST) => {}
             Err(other) => return Err(io_error(other)),
         }
-        dir = openat(&dir, name, DIR_FLAGS, Mode::empty()).map_err(|e| match e {
-            Errno::ELOOP | Errno::ENOTDIR => io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "{} below {} is not a directory (a link is never followed)",
-                    walked.display(),
-                    root.display()
-                ),
-            ),
-            other => io_error(other),
-        })?;
+        dir = open_child_dir(&dir, name, root, &walked)?;
     }
     Ok(())
 }

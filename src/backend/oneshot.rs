@@ -304,31 +304,28 @@ pub fn codex_rollout_path(home: &Path, thread_id: &str) -> Result<PathBuf, PathB
         return Err(home.join(sessions));
     }
     let suffix = format!("-{thread_id}.jsonl");
-    // Three levels of dated folders, newest first (a resumed thread keeps its first file).
-    let mut level = vec![sessions.clone()];
-    for _ in 0..3 {
-        let mut next: Vec<PathBuf> = level
+    // The entries of `kind` in every folder of `level`, as paths below the home.
+    let children = |level: &[PathBuf], kind: EntryKind| -> Vec<PathBuf> {
+        level
             .iter()
             .filter_map(|dir| Some((dir, entries(home, dir).ok()?)))
             .flat_map(|(dir, found)| {
                 found
                     .into_iter()
-                    .filter(|(_, kind)| *kind == EntryKind::Dir)
+                    .filter(move |(_, k)| *k == kind)
                     .map(move |(name, _)| dir.join(name))
             })
-            .collect();
+            .collect()
+    };
+    // Three levels of dated folders, newest first (a resumed thread keeps its first file).
+    let mut level = vec![sessions.clone()];
+    for _ in 0..3 {
+        let mut next = children(&level, EntryKind::Dir);
         next.sort_unstable_by(|a, b| b.cmp(a));
         level = next;
     }
-    level
-        .iter()
-        .filter_map(|dir| Some((dir, entries(home, dir).ok()?)))
-        .flat_map(|(dir, found)| {
-            found
-                .into_iter()
-                .filter(|(_, kind)| *kind == EntryKind::File)
-                .map(move |(name, _)| dir.join(name))
-        })
+    children(&level, EntryKind::File)
+        .into_iter()
         .find(|p| {
             p.file_name()
                 .and_then(|n| n.to_str())

@@ -1370,26 +1370,23 @@ mod tests {
         let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
         std::fs::create_dir_all(&cwd).expect("work");
         let names = CliNames::new("agent", "k", "claude-cli");
-        let mut first = ask("claude-cli", home.clone(), cwd.clone());
-        first.conversation = names.slot.clone();
-        let mut lease = pool
-            .lease(first, names.binding.clone())
-            .await
-            .expect("lease");
-        let outcome = lease.run("hello", |_| {}).await.expect("turn");
-        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
-        drop(lease);
+        // One turn of the conversation with `key`; the lease is kept until the next.
+        let turn = async |key: &str| {
+            let mut asked = ask("claude-cli", home.clone(), cwd.clone());
+            asked.conversation = names.slot.clone();
+            asked.creds.api_key = Some(crate::secret::Secret::new(key));
+            let mut lease = pool
+                .lease(asked, names.binding.clone())
+                .await
+                .expect("lease");
+            let outcome = lease.run("hello", |_| {}).await.expect("turn");
+            assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+            lease
+        };
+        drop(turn("sk-FAKE").await);
         // The same conversation with a refreshed key: its parked process is closed, and the
         // new one starts only once the old one is gone.
-        let mut second = ask("claude-cli", home, cwd);
-        second.conversation = names.slot.clone();
-        second.creds.api_key = Some(crate::secret::Secret::new("sk-FAKE-refreshed"));
-        let mut lease = pool
-            .lease(second, names.binding.clone())
-            .await
-            .expect("lease");
-        let outcome = lease.run("again", |_| {}).await.expect("turn");
-        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        let lease = turn("sk-FAKE-refreshed").await;
         let text = std::fs::read_to_string(&log).expect("log");
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3, "{text}");
