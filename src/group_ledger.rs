@@ -310,7 +310,7 @@ impl GroupLedger {
         let Some(stat) = read_stat(pgid) else {
             tracing::warn!(
                 pgid,
-                "A new runtime's /proc entry cannot be read; it is not in the process-group ledger."
+                "A new child's /proc entry cannot be read (it ended at once?); it is not in the process-group ledger."
             );
             return None;
         };

@@ -184,7 +184,8 @@ fn chosen_home(
 /// parent is the agent's own directory, which the agent's processes may write, so it must be
 /// a plain directory as the `COPILOT_HOME` must: the pool itself (unsandboxed) writes the
 /// backend's settings there and reads its transcripts, and a link would make those another
-/// agent's. Beside an explicit home, the gateway's layout, it is taken as it is.
+/// agent's. Beside an explicit home, the gateway's layout, it is taken as the gateway made it,
+/// resolved once here (a link there is the gateway's own).
 pub fn backend_home(
     copilot_home: &Path,
     backend: &str,
@@ -192,7 +193,10 @@ pub fn backend_home(
 ) -> Result<PathBuf, HomeError> {
     let home = copilot_home.parent().unwrap_or(copilot_home).join(backend);
     if !in_layout {
-        return Ok(home);
+        // The gateway's own layout: a link it made there is followed once, here, so the
+        // pool opens files below the resolved directory without following anything
+        // (`agent_files`).
+        return Ok(std::fs::canonicalize(&home).unwrap_or(home));
     }
     if let Err(source) = ensure_private_dir(&home) {
         // A dangling link is refused for what it is, not as a failed create.
@@ -237,7 +241,7 @@ pub fn find_backend_home(
     match std::fs::symlink_metadata(&home) {
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(HomeError::Create { path: home, source }),
-        Ok(_) if explicit.is_some() => Ok(Some(home)),
+        Ok(_) if explicit.is_some() => Ok(Some(std::fs::canonicalize(&home).unwrap_or(home))),
         Ok(meta) if meta.is_dir() => Ok(Some(home)),
         Ok(_) => Err(HomeError::NotPlainDirectory { path: home }),
     }
@@ -278,7 +282,17 @@ pub fn create_work_dir(path: &Path) -> Result<(), HomeError> {
     })?;
     // It lies in a directory the agent's processes may write: a link put in its place
     // would take the turn (and what the pool writes there) elsewhere.
-    plain_directory(path.to_path_buf()).map(|_| ())
+    plain_directory(path.to_path_buf())
+        .map(|_| ())
+        .map_err(|_| HomeError::CreateWorkDir {
+            path: path.to_path_buf(),
+            source: io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "it is a symbolic link or not a directory, which the agent's own processes may \
+                 have put there (it could lead elsewhere): check what it points to, then \
+                 remove it so the pool makes the directory again",
+            ),
+        })
 }
 
 /// Creates `path` (and missing parents, mode 0700) if it does not exist, setting the final
@@ -485,6 +499,24 @@ mod tests {
     }
 
     #[test]
+    fn a_work_directory_turned_into_a_link_is_refused_with_the_fix() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().canonicalize().unwrap();
+        let work = work_dir(&base, "agent-w").unwrap();
+        create_work_dir(&work).unwrap();
+        create_work_dir(&work).unwrap();
+        std::fs::remove_dir(&work).unwrap();
+        std::os::unix::fs::symlink(base.join("elsewhere"), &work).unwrap();
+        std::fs::create_dir(base.join("elsewhere")).unwrap();
+        let err = create_work_dir(&work).unwrap_err();
+        assert!(matches!(err, HomeError::CreateWorkDir { .. }), "{err}");
+        assert!(
+            err.to_string().contains("symbolic link") && err.to_string().contains("remove it"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn a_cli_backends_home_turned_into_a_link_to_another_agents_is_refused() {
         let tmp = tempfile::tempdir().unwrap();
         let base = tmp.path().canonicalize().unwrap();
@@ -501,8 +533,9 @@ mod tests {
         let err = backend_home(&mine, "gemini-cli", true).unwrap_err();
         assert!(matches!(err, HomeError::NotPlainDirectory { .. }), "{err}");
         assert!(err.to_string().contains("remove it"), "{err}");
-        // Beside an explicit COPILOT_HOME the layout is the gateway's: taken as it is.
-        assert_eq!(backend_home(&mine, "gemini-cli", false).unwrap(), own);
+        // Beside an explicit COPILOT_HOME the layout is the gateway's: a link it made is
+        // followed once, there, and the resolved directory is the backend's home.
+        assert_eq!(backend_home(&mine, "gemini-cli", false).unwrap(), theirs);
         // Found for a deletion without making anything; the link refused there too.
         let find =
             |agent: &str, backend: &str| find_backend_home(None, None, &base, agent, backend);

@@ -239,7 +239,8 @@ pub fn write_settings(home: &Path) -> Result<SettingsWrite, GeminiError> {
         .map_err(|e| fail(format!("cannot create {}: {e}", gemini_dir(home).display())))?;
     let (current, present) = match crate::agent_files::read(home, &rel, SETTINGS_LIMIT_BYTES) {
         Ok(bytes) => {
-            let text = String::from_utf8_lossy(&bytes);
+            let text =
+                String::from_utf8(bytes).map_err(|_| fail("it is not UTF-8 text".to_owned()))?;
             if text.trim().is_empty() {
                 (Map::new(), true)
             } else {

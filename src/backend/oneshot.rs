@@ -2233,11 +2233,15 @@ mod tests {
         let ledger = crate::group_ledger::GroupLedger::open(&ledger_path).unwrap();
         let seen = dir.path().join("seen.json");
         let pid = dir.path().join("pid");
+        // The script waits (boundedly) until the pool has recorded it: the record is made
+        // right after the spawn, which the script may outrun.
         let script = format!(
-            "cp '{}' '{}'; echo $$ > '{}'; echo '{MESSAGE}'",
-            ledger_path.display(),
-            seen.display(),
-            pid.display()
+            "i=0; until grep -Eq '\"pgid\": ?'$$'[,}}]' '{ledger}' 2>/dev/null || [ $i -ge 1000 ]; \
+             do i=$((i+1)); sleep 0.01; done; cp '{ledger}' '{seen}'; echo $$ > '{pid}'; \
+             echo '{MESSAGE}'",
+            ledger = ledger_path.display(),
+            seen = seen.display(),
+            pid = pid.display()
         );
         let mut config = sh_config(dir.path(), &script);
         config.group_ledger = Some(ledger.clone());

@@ -1048,17 +1048,39 @@ impl Tail {
     }
 }
 
-/// Reads the JSONL file at `path` line by line, handing each to `take`.
+/// The longest transcript line read (16 MiB); a longer one is skipped.
+const MAX_LINE_BYTES: u64 = 16 << 20;
+
+/// Reads the JSONL file at `path` line by line, handing each to `take`. The file lies in the
+/// agent's directory, which its processes may write: a link or a FIFO in its place is not
+/// opened (`O_NOFOLLOW`, `O_NONBLOCK`, regular files only), and a line past
+/// [`MAX_LINE_BYTES`] is skipped, not held.
 fn read_tail(
     path: &Path,
     budget: usize,
     mut take: impl FnMut(&str, &mut Tail),
 ) -> Result<TranscriptTail, FallbackError> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
     let read_error = |source| FallbackError::Read {
         path: path.to_path_buf(),
         source,
     };
-    let file = match File::open(path) {
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)
+        .and_then(|f| {
+            if f.metadata()?.is_file() {
+                Ok(f)
+            } else {
+                Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "not a regular file (a FIFO or a device is never read)",
+                ))
+            }
+        });
+    let file: File = match opened {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(TranscriptTail::default()),
         Err(e) => return Err(read_error(e)),
@@ -1069,9 +1091,40 @@ fn read_tail(
         kept: VecDeque::new(),
         kept_chars: 0,
     };
-    for line in BufReader::new(file).lines() {
-        let line = line.map_err(read_error)?;
-        take(&line, &mut tail);
+    let mut reader = BufReader::new(file);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let n = (&mut reader)
+            .take(MAX_LINE_BYTES + 1)
+            .read_until(b'\n', &mut line)
+            .map_err(read_error)?;
+        if n == 0 {
+            break;
+        }
+        if line.last() != Some(&b'\n') && n as u64 > MAX_LINE_BYTES {
+            // Too long: the rest of it is skipped.
+            loop {
+                let buf = reader.fill_buf().map_err(read_error)?;
+                if buf.is_empty() {
+                    break;
+                }
+                match buf.iter().position(|b| *b == b'\n') {
+                    Some(i) => {
+                        reader.consume(i + 1);
+                        break;
+                    }
+                    None => {
+                        let all = buf.len();
+                        reader.consume(all);
+                    }
+                }
+            }
+            continue;
+        }
+        let text = std::str::from_utf8(&line)
+            .map_err(|e| read_error(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+        take(text.trim_end_matches(['\n', '\r']), &mut tail);
     }
     Ok(TranscriptTail {
         summary: tail.summary,
@@ -1428,6 +1481,42 @@ mod tests {
         assert!(tail.entries.len() >= 5);
         let missing = read_transcript_tail(&dir.path().join("none.jsonl"), 60).expect("missing");
         assert_eq!(missing, TranscriptTail::default());
+    }
+
+    #[test]
+    fn a_transcript_that_is_a_link_or_a_fifo_is_not_read_and_an_overlong_line_is_skipped() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let line = |content: &str| {
+            format!(
+                "{{\"id\":\"u\",\"scope\":\"copilot:s\",\"role\":\"user\",\"content\":\"{content}\",\"ts_ms\":1}}\n"
+            )
+        };
+        let theirs = dir.path().join("other-agents.jsonl");
+        std::fs::write(&theirs, line("their secret")).expect("write");
+        let linked = dir.path().join("linked.jsonl");
+        std::os::unix::fs::symlink(&theirs, &linked).expect("link");
+        assert!(read_transcript_tail(&linked, 60).is_err());
+        let fifo = dir.path().join("fifo.jsonl");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("fifo");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(read_transcript_tail(&fifo, 60).is_err());
+        });
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_secs(10))
+                .expect("answered instead of blocking on the FIFO"),
+            "a FIFO is refused"
+        );
+        let long = dir.path().join("long.jsonl");
+        let huge = "x".repeat(usize::try_from(MAX_LINE_BYTES).expect("fits") + 10);
+        std::fs::write(
+            &long,
+            format!("{}{huge}\n{}", line("before"), line("after")),
+        )
+        .expect("write");
+        let tail = read_transcript_tail(&long, 600).expect("read");
+        let contents: Vec<&str> = tail.entries.iter().map(|e| e.content.as_str()).collect();
+        assert_eq!(contents, ["before", "after"]);
     }
 
     #[test]

@@ -303,8 +303,20 @@ pub(super) fn write(
     work: &Path,
     roots: &[PathBuf],
 ) -> std::io::Result<Vec<Attachment>> {
-    let (root, below) = roots
+    // The roots as the confinement resolved the working directory (the folders above each
+    // resolved; its last component kept, so a link there is still refused below).
+    let resolved: Vec<PathBuf> = roots
         .iter()
+        .map(|root| match (root.parent(), root.file_name()) {
+            (Some(parent), Some(name)) => std::fs::canonicalize(parent)
+                .map(|p| p.join(name))
+                .unwrap_or_else(|_| root.clone()),
+            _ => root.clone(),
+        })
+        .collect();
+    let (root, below) = resolved
+        .iter()
+        .chain(roots)
         .filter_map(|root| Some((root.as_path(), work.strip_prefix(root).ok()?)))
         .max_by_key(|(root, _)| root.as_os_str().len())
         .unwrap_or((work, Path::new("")));
@@ -579,7 +591,8 @@ mod tests {
         let work = tmp.path().join("agent/work");
         let elsewhere = tmp.path().join("other-agent");
         std::fs::create_dir_all(work.join("deep")).expect("work");
-        std::fs::create_dir_all(&elsewhere).expect("elsewhere");
+        // Another agent's directory, with a `sub` folder a link could lead to.
+        std::fs::create_dir_all(elsewhere.join("sub")).expect("elsewhere");
         let limits = AttachmentLimits::default();
         let one = || {
             check(
@@ -600,9 +613,14 @@ mod tests {
         std::fs::remove_dir(work.join("deep")).expect("rmdir");
         std::os::unix::fs::symlink(&elsewhere, work.join("deep")).expect("link");
         assert!(write(one(), &work.join("deep/sub"), &roots).is_err());
-        assert_eq!(
-            std::fs::read_dir(&elsewhere).expect("list").count(),
-            0,
+        // The roots as configured may name the directory through a link of the operator's:
+        // the folders below the root are still not followed.
+        std::os::unix::fs::symlink(tmp.path().join("agent"), tmp.path().join("linked-agent"))
+            .expect("operator's link");
+        let configured = [tmp.path().join("linked-agent/work")];
+        assert!(write(one(), &work.join("deep/sub"), &configured).is_err());
+        assert!(
+            !elsewhere.join("attachments").exists() && !elsewhere.join("sub/attachments").exists(),
             "nothing was written outside the agent's directory"
         );
         // Without links the same writes land below the work directory.

@@ -313,11 +313,16 @@ impl State {
             Err(_) => Err(Failure::Timeout(format!(
                 "{host} sent no response head within {limit:?}"
             ))),
+            // Without the URL: its query may hold the provider's key, and the message goes
+            // to the child and the log.
             Ok(Err(e)) if e.is_timeout() => Err(Failure::Timeout(format!(
                 "connecting to {host}: {}",
-                chain(&e)
+                chain(&e.without_url())
             ))),
-            Ok(Err(e)) => Err(Failure::Connect(format!("{host}: {}", chain(&e)))),
+            Ok(Err(e)) => Err(Failure::Connect(format!(
+                "{host}: {}",
+                chain(&e.without_url())
+            ))),
             Ok(Ok(response)) => Ok(response),
         }
     }
@@ -454,7 +459,7 @@ async fn stream_body(
                 let _ = tx
                     .send(Err(format!(
                         "the model provider's response broke off: {}",
-                        chain(&e)
+                        chain(&e.without_url())
                     )))
                     .await;
                 return ModelOutcome::StreamError;

@@ -225,10 +225,10 @@ impl ModelGuard {
         Ok(Arc::new(tunnel))
     }
 
-    /// What the child gets instead of `provider`: the placeholder base URL (same path and
+    /// What the child gets instead of `provider`: the placeholder base URL (same path, no
     /// query, host [`PLACEHOLDER_HOST`]), placeholder key and bearer token where the real
-    /// ones are set, and no headers (the guard adds them upstream). Every other field is
-    /// kept.
+    /// ones are set, and no headers (the guard adds them and the base URL's query upstream).
+    /// Every other field is kept.
     pub fn placeholder(provider: &ProviderConfig) -> ProviderConfig {
         let mut child = provider.clone();
         child.base_url = target::placeholder_base(&provider.base_url);

@@ -201,17 +201,26 @@ pub(crate) fn upstream_url(requested: &str, base: &Url) -> Result<Url, Refusal> 
     url.set_scheme(base.scheme()).map_err(|_| foreign())?;
     url.set_host(base.host_str()).map_err(|_| foreign())?;
     url.set_port(base.port()).map_err(|_| foreign())?;
+    // The base URL's parameters as they are written (no decoding and encoding again), after
+    // the request's own; one the request gives itself is not given twice.
+    let name = |segment: &str| segment.split('=').next().unwrap_or_default().to_owned();
     let given: Vec<String> = url
-        .query_pairs()
-        .map(|(name, _)| name.into_owned())
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .filter(|s| !s.is_empty())
+        .map(name)
         .collect();
-    let missing: Vec<(String, String)> = base
-        .query_pairs()
-        .filter(|(name, _)| !given.iter().any(|g| g == name))
-        .map(|(name, value)| (name.into_owned(), value.into_owned()))
-        .collect();
-    if !missing.is_empty() {
-        url.query_pairs_mut().extend_pairs(missing);
+    let mut query = url.query().unwrap_or_default().to_owned();
+    for segment in base.query().unwrap_or_default().split('&') {
+        if segment.is_empty() || given.contains(&name(segment)) {
+            continue;
+        }
+        if !query.is_empty() {
+            query.push('&');
+        }
+        query.push_str(segment);
     }
+    url.set_query((!query.is_empty()).then_some(query.as_str()));
     Ok(url)
 }

@@ -601,11 +601,14 @@ async fn upstream_errors_reach_the_runtime_with_their_status_and_retry_headers()
         let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         l.local_addr().expect("addr").port()
     };
-    let base = format!("http://127.0.0.1:{closed}/v1");
+    // Its base URL's query holds a key: the answer the child gets does not.
+    let base = format!("http://127.0.0.1:{closed}/v1?code=fn-key-in-query");
     let tunnel = guard.tunnel_for(&provider(&base)).expect("tunnel");
     let mut response = tunnel.serve(request(&base, "/chat/completions")).await;
     assert_eq!(response.status, 502);
-    assert_eq!(refusal_code(&mut response).await, "connect_error");
+    let text = body(&mut response).await.unwrap_or_else(|e| e);
+    assert!(text.contains("connect_error"), "{text}");
+    assert!(!text.contains("fn-key-in-query"), "{text}");
 }
 
 #[tokio::test]
@@ -775,6 +778,11 @@ fn the_child_gets_placeholders_for_the_key_the_token_the_url_and_no_headers() {
         upstream.query(),
         Some("api-version=2025-01-01&code=fn-key-0815")
     );
+    // Written as the operator wrote them: nothing decoded and encoded again.
+    let spaced = url::Url::parse("https://models.example/v1?q=a%20b&flag").expect("base");
+    let upstream = target::upstream_url(&format!("https://{PLACEHOLDER_HOST}/v1/x"), &spaced)
+        .expect("upstream");
+    assert_eq!(upstream.query(), Some("q=a%20b&flag"));
     assert_eq!(
         child.api_key.as_ref().map(Secret::expose),
         Some(PLACEHOLDER_API_KEY)

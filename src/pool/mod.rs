@@ -234,7 +234,10 @@ impl Pool {
     /// conversation (`cli-live`), kept between its leases. The key of its processes is the
     /// agent's home for the backend (`<agent dir>/<backend id>`), the credential and the
     /// backend id; the pool's caps, waiters, wait timeout and restart intensity apply. The
-    /// model endpoint and key are the request's `provider` (`base_url`, `api_key`); the
+    /// model endpoint and key are the request's `provider` (`base_url`, `api_key`), checked
+    /// as a Copilot lease's ([`Pool::check_provider`]: its shape and the guard's rules, so a
+    /// loopback or private endpoint needs `allow_private_endpoints` or `private_endpoints`,
+    /// and a base URL with a credential in it is refused); the
     /// auth profile (`auth.auth_profile_id`, else `auth.profile_id`) is the identity a key
     /// refresh keeps. The stored CLI session is resumed when the identity is unchanged and
     /// its transcript exists (else [`PoolError::TranscriptMissing`]); another identity

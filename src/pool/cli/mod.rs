@@ -477,7 +477,8 @@ impl CliPool {
         if lease.conversation.is_none() {
             // Its old process (closed for a refreshed credential) goes first: two CLI
             // processes must not write one session.
-            let closing = self.lock().closing.remove(&ask.conversation);
+            // (A copy: a lease cancelled while it waits leaves the next one waiting too.)
+            let closing = self.lock().closing.get(&ask.conversation).cloned();
             if let Some(mut gone) = closing {
                 let _ = gone.wait_for(|gone| *gone).await;
             }
@@ -707,8 +708,9 @@ impl CliPool {
                 None
             };
             self.apply(&mut shell, effects);
-            parked
+            (parked, shell.closing.get(&names.slot).cloned())
         };
+        let (parked, closing) = parked;
         // Held for the deletion from here until the task ends, whatever its caller does.
         let held = Deleting {
             pool: self.clone(),
@@ -727,6 +729,10 @@ impl CliPool {
             if let Some(parked) = parked {
                 // Ended before its files go: a live CLI writes its transcript to the end.
                 parked.close_now(Stop::Shutdown).await;
+            }
+            // Likewise one closing in the background (evicted idle just before).
+            if let Some(mut gone) = closing {
+                let _ = gone.wait_for(|gone| *gone).await;
             }
             let unwritable = |e: super::bindings::BindingError| {
                 super::state_unwritable(&pool.bindings, e.to_string())
@@ -1385,7 +1391,17 @@ mod tests {
         };
         drop(turn("sk-FAKE").await);
         // The same conversation with a refreshed key: its parked process is closed, and the
-        // new one starts only once the old one is gone.
+        // new one starts only once the old one is gone; a lease that gives up while it
+        // waits leaves the next one waiting too.
+        let mut asked = ask("claude-cli", home.clone(), cwd.clone());
+        asked.conversation = names.slot.clone();
+        asked.creds.api_key = Some(crate::secret::Secret::new("sk-FAKE-refreshed"));
+        let given_up = tokio::time::timeout(
+            Duration::from_millis(100),
+            pool.lease(asked, names.binding.clone()),
+        )
+        .await;
+        assert!(given_up.is_err(), "the lease was still waiting");
         let lease = turn("sk-FAKE-refreshed").await;
         let text = std::fs::read_to_string(&log).expect("log");
         let lines: Vec<&str> = text.lines().collect();
