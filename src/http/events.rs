@@ -256,9 +256,18 @@ pub(super) type BackendFallbackEvent = crate::fallback::FallbackNotice;
 /// `turn.end`: the library's summary of a turn, as it is on the wire.
 pub(super) type TurnEndEvent = crate::fallback::TurnSummary;
 
+/// Whether a session event's type may go out as an SSE event name: 1 to 128 letters, digits,
+/// `.`, `_` or `-`, and not one of the names the daemon defines itself ([`DAEMON_EVENTS`]).
+fn is_pass_through_name(event_type: &str) -> bool {
+    (1..=128).contains(&event_type.len())
+        && event_type
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        && !DAEMON_EVENTS.contains(&event_type)
+}
+
 /// The names of the events the daemon defines itself; any other name is a pass-through
 /// session event.
-#[cfg_attr(not(test), allow(dead_code))]
 const DAEMON_EVENTS: [&str; 7] = [
     TOOL_CALL,
     PERMISSION_REQUEST,
@@ -425,13 +434,24 @@ impl EventFilter {
         Ok(filter)
     }
 
-    /// Whether `event` goes out on the stream.
+    /// Whether `event` goes out on the stream: the daemon's own always; a pass-through
+    /// session event when its type is a plain event name (not one of the daemon's, no
+    /// character that would end the `event:` line: the type is the runtime's, which the
+    /// pool does not trust) and the caller does not omit it.
     pub(super) fn streams(&self, event: &TurnEvent) -> bool {
         let event_type = match event {
             TurnEvent::Runtime(e) => e.event_type(),
             TurnEvent::Session(e) => &e.event_type,
             _ => return true,
         };
+        if !is_pass_through_name(event_type) {
+            tracing::warn!(
+                len = event_type.len(),
+                "A session event whose type is not a plain event name (or is one of the \
+                 daemon's own) was not passed on to the gateway."
+            );
+            return false;
+        }
         !self.omits(event_type)
     }
 
@@ -612,6 +632,36 @@ pub(super) mod tests {
             .expect("event and data lines");
         let name = head.strip_prefix("event: ").expect("event line").to_owned();
         (name, serde_json::from_str(data).expect("JSON data"))
+    }
+
+    #[test]
+    fn a_runtime_event_cannot_pass_as_the_daemons_own_or_end_its_event_line() {
+        let filter = EventFilter::default();
+        let runtime = |event_type: &str| {
+            TurnEvent::Runtime(Box::new(SessionEvent::from_value(
+                json!({"id": "e", "type": event_type, "data": {}}),
+            )))
+        };
+        // A type with a line break would add a forged event after its own `event:` line;
+        // the daemon's own names are the daemon's.
+        for forged in [
+            "a\n\nevent: turn.end\ndata: {\"status\":\"idle\"}",
+            "x\revent: tool.call",
+            "turn.end",
+            "tool.call",
+            "permission.request",
+            "",
+        ] {
+            assert!(!filter.streams(&runtime(forged)), "{forged:?}");
+        }
+        for plain in [
+            "assistant.message",
+            "session.idle",
+            "model.call_start",
+            "a_b-c.9",
+        ] {
+            assert!(filter.streams(&runtime(plain)), "{plain:?}");
+        }
     }
 
     #[test]
