@@ -146,12 +146,22 @@ async fn connection<C>(
     let mut closing = false;
     loop {
         let idle_at = activity.last() + idle;
+        // A response the peer stopped reading (a write waiting on its full window) for as
+        // long as the idle timeout: the connection is dropped, graceful close or not (a
+        // quiet response, no write waiting, is left to go on).
+        let stalled_at = activity.blocked_since().map(|since| since + idle);
         tokio::select! {
             done = conn.as_mut() => {
                 if let Err(e) = done {
                     tracing::debug!(error = %e, "HTTP connection ended with an error.");
                 }
                 return;
+            }
+            _ = tokio::time::sleep_until(stalled_at.unwrap_or(idle_at)), if stalled_at.is_some() => {
+                if activity.blocked_since().is_some_and(|since| since + idle <= Instant::now()) {
+                    tracing::debug!("An HTTP client stopped reading a response; its connection is dropped.");
+                    return;
+                }
             }
             _ = tokio::time::sleep_until(idle_at), if !closing => {
                 if activity.last() + idle > Instant::now() {
@@ -204,11 +214,15 @@ fn refuse(stream: TcpStream) {
     let _ = stream.try_write(response.as_bytes());
 }
 
-/// When a byte last moved on a connection, and how many requests it has carried.
+/// When a byte last moved on a connection, how many requests it has carried, and since when
+/// a write has waited for the peer to read.
 struct Activity {
     start: Instant,
     last_ms: AtomicU64,
     requests: AtomicU64,
+    /// Milliseconds after `start` (plus one; 0: no write waiting) when a write first found
+    /// the peer's window full.
+    blocked_ms: AtomicU64,
 }
 
 impl Activity {
@@ -217,6 +231,27 @@ impl Activity {
             start: Instant::now(),
             last_ms: AtomicU64::new(0),
             requests: AtomicU64::new(0),
+            blocked_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// A write found the peer not reading (kept from the first such write until one goes).
+    fn write_blocked(&self) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        let _ = self
+            .blocked_ms
+            .compare_exchange(0, ms + 1, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    fn write_went(&self) {
+        self.blocked_ms.store(0, Ordering::Relaxed);
+    }
+
+    /// Since when a write has waited for the peer to read, if one is waiting.
+    fn blocked_since(&self) -> Option<Instant> {
+        match self.blocked_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(self.start + Duration::from_millis(ms - 1)),
         }
     }
 
@@ -244,6 +279,19 @@ struct Tracked {
     activity: Arc<Activity>,
 }
 
+impl Tracked {
+    fn wrote(&self, polled: &std::task::Poll<std::io::Result<usize>>) {
+        match polled {
+            std::task::Poll::Ready(Ok(n)) if *n > 0 => {
+                self.activity.touch();
+                self.activity.write_went();
+            }
+            std::task::Poll::Pending => self.activity.write_blocked(),
+            _ => {}
+        }
+    }
+}
+
 impl AsyncRead for Tracked {
     fn poll_read(
         self: std::pin::Pin<&mut Self>,
@@ -268,9 +316,7 @@ impl AsyncWrite for Tracked {
     ) -> std::task::Poll<std::io::Result<usize>> {
         let this = self.get_mut();
         let polled = std::pin::Pin::new(&mut this.inner).poll_write(cx, buf);
-        if matches!(polled, std::task::Poll::Ready(Ok(n)) if n > 0) {
-            this.activity.touch();
-        }
+        this.wrote(&polled);
         polled
     }
 
@@ -281,9 +327,7 @@ impl AsyncWrite for Tracked {
     ) -> std::task::Poll<std::io::Result<usize>> {
         let this = self.get_mut();
         let polled = std::pin::Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        if matches!(polled, std::task::Poll::Ready(Ok(n)) if n > 0) {
-            this.activity.touch();
-        }
+        this.wrote(&polled);
         polled
     }
 
@@ -420,6 +464,34 @@ mod tests {
             .unwrap();
         let answer = read_until_closed(&mut used).await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let _ = server.stop.send(());
+    }
+
+    #[tokio::test]
+    async fn a_client_that_stops_reading_a_response_is_dropped_after_the_idle_timeout() {
+        const BODY: usize = 32 << 20;
+        let router = Router::new().route("/big", axum::routing::get(|| async { "x".repeat(BODY) }));
+        let limits = ConnectionLimits {
+            idle_timeout: Duration::from_millis(300),
+            ..ConnectionLimits::default()
+        };
+        let server = start(router, limits).await;
+        let mut c = TcpStream::connect(server.addr).await.unwrap();
+        c.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        // Not reading for longer than the idle timeout twice over (the time itself is
+        // what is tested): the server gives up on the response.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(LIMIT, c.read_to_end(&mut got))
+            .await
+            .expect("the server closed the connection");
+        assert!(
+            got.len() < BODY,
+            "the whole response ({} bytes) was kept for a reader that stopped",
+            got.len()
+        );
         let _ = server.stop.send(());
     }
 
