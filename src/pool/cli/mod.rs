@@ -136,12 +136,17 @@ pub(crate) struct CliNames {
     pub(crate) binding: String,
 }
 
+/// What sets a CLI conversation's binding key apart from a Copilot conversation's
+/// (`<agent_id>/<session_key>`): no session key may contain it
+/// ([`crate::pool::validate_session_key`]), so the two never name one binding.
+pub(crate) const CLI_BINDING_SEPARATOR: &str = "#backend=";
+
 impl CliNames {
     pub(crate) fn new(agent_id: &str, session_key: &str, backend: &str) -> Self {
         let conversation = super::ConversationId::new(agent_id, session_key).key();
         CliNames {
             slot: format!("{conversation}#{backend}"),
-            binding: format!("{conversation}#backend={backend}"),
+            binding: format!("{conversation}{CLI_BINDING_SEPARATOR}{backend}"),
         }
     }
 }
