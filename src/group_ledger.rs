@@ -39,7 +39,7 @@ pub struct GroupEntry {
     pub pgid: u32,
     /// The leader's start time (clock ticks after boot).
     pub start_time: u64,
-    /// The leader's session id (the daemon's, as the leader does not call `setsid`).
+    /// The leader's session id (a runtime's or CLI's own: `ChildGroup` starts each in a new session).
     pub sid: u32,
     /// The boot the leader ran in.
     pub boot_id: String,

@@ -182,7 +182,7 @@ pub struct ChildIo {
     pub stdout: ChildStdout,
 }
 
-/// The kill switch of one process group whose leader we spawned (with `process_group(0)`,
+/// The kill switch of one process group whose leader we spawned (with `process_group(0)`, or `setsid` for a `ChildGroup`,
 /// so the group id is the leader's pid).
 ///
 /// Signals reach every member of the group while its leader is unreaped: an exited but
@@ -476,9 +476,10 @@ impl ChildGroup {
             })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .process_group(0)
             .kill_on_drop(true);
-        die_with_parent(&mut cmd);
+        // Its own session (so its own group too): no controlling terminal, so nothing it
+        // runs can open the daemon's `/dev/tty` (read it, or type into it with TIOCSTI).
+        own_session_dying_with_parent(&mut cmd);
         let mut child = spawn_on_spawner_thread(cmd).map_err(|source| SpawnError::Start {
             program: spec.program.display().to_string(),
             source,
@@ -589,15 +590,17 @@ impl ChildGroup {
     }
 }
 
-/// Makes the child get SIGKILL when the thread that forks it exits (`PR_SET_PDEATHSIG`; it
-/// survives `execve`, also through the sandbox wrapper, which execs in place). Fork it with
-/// [`spawn_on_spawner_thread`], whose thread lives as long as the process, so the signal
-/// means "the daemon is gone". A child whose parent died before the `prctl` (the signal would
-/// never come) is not started.
+/// Starts the child in a session of its own (`setsid`: the leader of a new session and
+/// process group, with no controlling terminal) and makes it get SIGKILL when the thread that
+/// forks it exits (`PR_SET_PDEATHSIG`; it survives `execve`, also through the sandbox
+/// wrapper, which execs in place). Fork it with [`spawn_on_spawner_thread`], whose thread
+/// lives as long as the process, so the signal means "the daemon is gone". A child whose
+/// parent died before the `prctl` (the signal would never come) is not started.
 #[allow(unsafe_code)]
-fn die_with_parent(cmd: &mut Command) {
+fn own_session_dying_with_parent(cmd: &mut Command) {
     let parent = std::process::id();
     let set = move || -> std::io::Result<()> {
+        nix::unistd::setsid().map_err(|errno| std::io::Error::from_raw_os_error(errno as i32))?;
         nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)
             .map_err(|errno| std::io::Error::from_raw_os_error(errno as i32))?;
         // Reparented already: the parent died between the fork and the prctl.
@@ -607,7 +610,8 @@ fn die_with_parent(cmd: &mut Command) {
         Ok(())
     };
     // SAFETY: the closure runs in the forked child before exec, where only
-    // async-signal-safe calls are allowed. It makes two system calls (prctl, getppid) and
+    // async-signal-safe calls are allowed. It makes three system calls (setsid, prctl,
+    // getppid) and
     // builds an `io::Error` from a raw code (no allocation); it takes no lock, touches no
     // shared state and allocates nothing.
     unsafe {
@@ -728,6 +732,21 @@ mod tests {
             }
         }
         out
+    }
+
+    #[tokio::test]
+    async fn a_child_leads_a_session_of_its_own_with_no_controlling_terminal() {
+        let (child, _io) = ChildGroup::spawn(&sh("read line")).unwrap();
+        let pid = child.pid();
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+        let rest = stat.rsplit_once(')').map(|(_, r)| r).expect("fields");
+        // After the name: state, ppid, pgrp, session, tty_nr.
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        assert_eq!(fields[2], pid.to_string(), "its own group: {stat}");
+        assert_eq!(fields[3], pid.to_string(), "its own session: {stat}");
+        assert_eq!(fields[4], "0", "no controlling terminal: {stat}");
+        child.signal_group(Signal::SIGKILL);
+        let _ = child.wait().await;
     }
 
     #[tokio::test]

@@ -182,7 +182,9 @@ fn confine(args: &SandboxExecArgs) -> Result<SandboxStatus> {
     let files = restricted.ruleset != RulesetStatus::NotEnforced && landlock_abi >= 1;
     let mut status = SandboxStatus::default();
     status.landlock_abi = landlock_abi;
-    status.filesystem = files;
+    // Below ABI 3 (Linux 6.2) truncating a file is not a right Landlock controls: any file
+    // the worker may read could be emptied. The walls are up, but not all of them.
+    status.filesystem = files && landlock_abi >= 3;
     status.tcp_connect = files && !args.any_tcp && landlock_abi >= 4;
     status.signals = files && landlock_abi >= 6;
     status.abstract_unix_sockets = files && landlock_abi >= 6;
