@@ -179,17 +179,23 @@ fn confine(args: &SandboxExecArgs) -> Result<SandboxStatus> {
         LandlockStatus::Available { effective_abi, .. } => effective_abi as u32,
         _ => 0,
     };
-    let files = restricted.ruleset != RulesetStatus::NotEnforced && landlock_abi >= 1;
+    let applied = restricted.ruleset != RulesetStatus::NotEnforced;
+    Ok(status_of(applied, landlock_abi, args.any_tcp, capabilities))
+}
+
+/// What a ruleset `applied` (or not) at `landlock_abi` enforces.
+fn status_of(applied: bool, landlock_abi: u32, any_tcp: bool, capabilities: bool) -> SandboxStatus {
+    let files = applied && landlock_abi >= 1;
     let mut status = SandboxStatus::default();
     status.landlock_abi = landlock_abi;
     // Below ABI 3 (Linux 6.2) truncating a file is not a right Landlock controls: any file
     // the worker may read could be emptied. The walls are up, but not all of them.
     status.filesystem = files && landlock_abi >= 3;
-    status.tcp_connect = files && !args.any_tcp && landlock_abi >= 4;
+    status.tcp_connect = files && !any_tcp && landlock_abi >= 4;
     status.signals = files && landlock_abi >= 6;
     status.abstract_unix_sockets = files && landlock_abi >= 6;
     status.capabilities = capabilities;
-    Ok(status)
+    status
 }
 
 /// Adds `path` with `access` (only the rights a file can have when it is not a directory);
@@ -307,6 +313,22 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         args: SandboxExecArgs,
+    }
+
+    #[test]
+    fn what_each_landlock_abi_enforces_and_file_walls_need_truncation_rights() {
+        let at = |abi| status_of(true, abi, false, true);
+        // ABI 1-2: files written, created and removed are confined, truncation is not.
+        assert!(!at(1).filesystem && !at(2).filesystem);
+        assert!(at(3).filesystem && !at(3).tcp_connect);
+        assert!(at(4).tcp_connect && !at(4).signals);
+        assert!(at(6).signals && at(6).abstract_unix_sockets);
+        assert!(
+            !status_of(true, 6, true, true).tcp_connect,
+            "any TCP allowed"
+        );
+        let none = status_of(false, 6, false, false);
+        assert!(!none.filesystem && !none.tcp_connect && !none.signals && !none.capabilities);
     }
 
     #[test]
