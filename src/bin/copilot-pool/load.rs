@@ -492,7 +492,7 @@ async fn sample(
 }
 
 /// A sample of the daemon once it is idle: no lease held or waiting, and its descriptor count
-/// settled (the last streams' connections closed); bounded, then read as it is.
+/// settled for a second (the last streams' connections closed); bounded, then read as it is.
 async fn idle_sample(
     http: &reqwest::Client,
     pid: u32,
@@ -505,9 +505,13 @@ async fn idle_sample(
             .map(|d| d.count())
             .unwrap_or(0)
     };
+    // Settled: idle, and the same descriptor count for a second (five readings 200 ms
+    // apart): on a loaded machine the last connections take more than one tick to go.
+    const STABLE_READINGS: u32 = 5;
     let settle = async {
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         let mut last = None;
+        let mut same = 0;
         loop {
             tick.tick().await;
             let status: Option<Value> = get_text(http, addr, "/v1/pool")
@@ -517,7 +521,12 @@ async fn idle_sample(
                 s["leased"].as_u64() == Some(0) && s["waiters"].as_u64() == Some(0)
             });
             let now = fds();
-            if idle && last == Some(now) {
+            same = if idle && last == Some(now) {
+                same + 1
+            } else {
+                0
+            };
+            if same + 1 >= STABLE_READINGS {
                 return;
             }
             last = idle.then_some(now);
