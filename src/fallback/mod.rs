@@ -1061,25 +1061,19 @@ fn read_tail(
     mut take: impl FnMut(&str, &mut Tail),
 ) -> Result<TranscriptTail, FallbackError> {
     use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
     let read_error = |source| FallbackError::Read {
         path: path.to_path_buf(),
         source,
     };
-    let opened = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
-        .open(path)
-        .and_then(|f| {
-            if f.metadata()?.is_file() {
-                Ok(f)
-            } else {
-                Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    "not a regular file (a FIFO or a device is never read)",
-                ))
-            }
-        });
+    // The file's own name is not followed (its folders are the transcript's as resolved).
+    let opened = match (path.parent(), path.file_name()) {
+        (Some(dir), Some(name)) => std::fs::canonicalize(dir)
+            .and_then(|dir| crate::agent_files::open_regular(&dir, Path::new(name))),
+        _ => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a file path",
+        )),
+    };
     let file: File = match opened {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(TranscriptTail::default()),
