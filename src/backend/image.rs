@@ -9,8 +9,12 @@
 //! `imageMode`, or appended to the prompt (Gemini CLI as `@path` references, which it only
 //! reads inside its workspace); the live Claude Code runner as content blocks of the user
 //! message. The caller confines the paths (the daemon resolves them inside the agent's work
-//! directory or an allowed root); nothing here decides where an image may live.
+//! directory or an allowed root); nothing here decides where an image may live. What the pool
+//! reads itself it opens through [`crate::agent_files`] from `/`: a link the agent put on the
+//! checked path since (to a file only the daemon may read) is refused, never followed, and a
+//! FIFO never holds a thread.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use base64::Engine;
@@ -69,7 +73,11 @@ pub enum ImageError {
         path: PathBuf,
     },
     /// The file could not be read (or is not a regular file).
-    #[error("image {} cannot be read: {error}; attach an existing, readable file", path.display())]
+    #[error(
+        "image {} cannot be read: {error}; attach an existing, readable regular file by its \
+         resolved path (the pool follows no link to an image)",
+        path.display()
+    )]
     Unreadable {
         /// The path.
         path: PathBuf,
@@ -203,30 +211,51 @@ pub fn check_paths(images: &[PathBuf]) -> Result<(), ImageError> {
 }
 
 /// [`check_paths`], then that each path is a readable regular file whose content starts
-/// like a PNG, JPEG, GIF or WebP image ([`sniff`]).
+/// like a PNG, JPEG, GIF or WebP image ([`sniff`]). Each is opened as [`content_block`] opens
+/// it (no link followed, no FIFO waited on).
 pub async fn check_files(images: &[PathBuf]) -> Result<(), ImageError> {
-    use tokio::io::AsyncReadExt;
     check_paths(images)?;
     for path in images {
-        let unreadable = |error| ImageError::Unreadable {
-            path: path.clone(),
-            error,
-        };
-        let meta = tokio::fs::metadata(path).await.map_err(unreadable)?;
-        if !meta.is_file() {
-            return Err(unreadable(std::io::Error::other("not a regular file")));
-        }
-        let file = tokio::fs::File::open(path).await.map_err(unreadable)?;
-        let mut head = Vec::with_capacity(SIGNATURE_BYTES);
-        file.take(SIGNATURE_BYTES as u64)
-            .read_to_end(&mut head)
-            .await
-            .map_err(unreadable)?;
+        let owned = path.clone();
+        let head = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, ImageError> {
+            let file = open_image(&owned)?;
+            let mut head = Vec::with_capacity(SIGNATURE_BYTES);
+            file.take(SIGNATURE_BYTES as u64)
+                .read_to_end(&mut head)
+                .map_err(|error| unreadable(&owned, error))?;
+            Ok(head)
+        })
+        .await
+        .map_err(|e| unreadable(path, std::io::Error::other(e)))??;
         if sniff(&head).is_none() {
             return Err(ImageError::NotImageContent { path: path.clone() });
         }
     }
     Ok(())
+}
+
+/// Opens image `path` for reading as the pool, which runs unsandboxed, must open a file the
+/// agent may have written: every component from `/` without following a link, without
+/// waiting on a FIFO, a regular file only ([`crate::agent_files::open_regular`]). The daemon
+/// checked the path resolved inside the agent's work directory or an allowed root when the
+/// turn was requested; the agent's processes may since have put a link in its place (to a
+/// file only the daemon may read) or a FIFO (which would hold a thread), and neither is
+/// followed. Blocking.
+fn open_image(path: &Path) -> Result<std::fs::File, ImageError> {
+    let relative = path
+        .strip_prefix("/")
+        .map_err(|_| ImageError::NotAbsolute {
+            path: path.to_path_buf(),
+        })?;
+    crate::agent_files::open_regular(Path::new("/"), relative)
+        .map_err(|error| unreadable(path, error))
+}
+
+fn unreadable(path: &Path, error: std::io::Error) -> ImageError {
+    ImageError::Unreadable {
+        path: path.to_path_buf(),
+        error,
+    }
 }
 
 /// How much of a file [`sniff`] needs (WebP's `RIFF....WEBP`).
@@ -236,30 +265,33 @@ const SIGNATURE_BYTES: usize = 12;
 /// takes: `{"type":"image","source":{"type":"base64","media_type":…,"data":…}}`, the media
 /// type told by the content. At most [`MAX_IMAGE_BYTES`].
 pub async fn content_block(path: &Path) -> Result<Value, ImageError> {
-    let unreadable = |error| ImageError::Unreadable {
-        path: path.to_path_buf(),
-        error,
-    };
-    let meta = tokio::fs::metadata(path).await.map_err(unreadable)?;
-    if !meta.is_file() {
-        return Err(unreadable(std::io::Error::other("not a regular file")));
-    }
-    if meta.len() > MAX_IMAGE_BYTES {
-        return Err(ImageError::TooLarge {
-            path: path.to_path_buf(),
-            bytes: meta.len(),
+    let owned = path.to_path_buf();
+    let bytes = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, ImageError> {
+        let file = open_image(&owned)?;
+        let too_large = |bytes| ImageError::TooLarge {
+            path: owned.clone(),
+            bytes,
             max: MAX_IMAGE_BYTES,
-        });
-    }
-    let bytes = tokio::fs::read(path).await.map_err(unreadable)?;
-    // The file may have grown since it was measured.
-    if bytes.len() as u64 > MAX_IMAGE_BYTES {
-        return Err(ImageError::TooLarge {
-            path: path.to_path_buf(),
-            bytes: bytes.len() as u64,
-            max: MAX_IMAGE_BYTES,
-        });
-    }
+        };
+        let size = file
+            .metadata()
+            .map_err(|error| unreadable(&owned, error))?
+            .len();
+        if size > MAX_IMAGE_BYTES {
+            return Err(too_large(size));
+        }
+        let mut bytes = Vec::new();
+        file.take(MAX_IMAGE_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|error| unreadable(&owned, error))?;
+        // The file may have grown since it was measured.
+        if bytes.len() as u64 > MAX_IMAGE_BYTES {
+            return Err(too_large(bytes.len() as u64));
+        }
+        Ok(bytes)
+    })
+    .await
+    .map_err(|e| unreadable(path, std::io::Error::other(e)))??;
     let media_type = sniff(&bytes).ok_or_else(|| ImageError::NotImageContent {
         path: path.to_path_buf(),
     })?;
@@ -420,6 +452,66 @@ mod tests {
             content_block(&folder).await,
             Err(ImageError::Unreadable { .. })
         ));
+    }
+
+    #[tokio::test]
+    async fn an_image_is_never_read_through_a_link_or_a_fifo_the_agent_planted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().canonicalize().expect("resolve");
+        // What only the daemon may read, and the agent's links to it: in the image's place,
+        // and as a folder on the image's way.
+        let secret = root.join("secret");
+        std::fs::create_dir(&secret).expect("mkdir");
+        std::fs::write(secret.join("token.png"), PNG).expect("write");
+        let work = root.join("work");
+        std::fs::create_dir(&work).expect("mkdir");
+        let linked = work.join("linked.png");
+        std::os::unix::fs::symlink(secret.join("token.png"), &linked).expect("link");
+        let folder = work.join("shots");
+        std::os::unix::fs::symlink(&secret, &folder).expect("link");
+        for path in [linked, folder.join("token.png")] {
+            let error = content_block(&path)
+                .await
+                .expect_err("a link is not followed");
+            assert!(
+                matches!(error, ImageError::Unreadable { .. })
+                    && error.to_string().contains("follows no link"),
+                "{error}"
+            );
+            assert!(
+                matches!(
+                    check_files(std::slice::from_ref(&path)).await,
+                    Err(ImageError::Unreadable { .. })
+                ),
+                "{}",
+                path.display()
+            );
+        }
+        // A FIFO in an image's place is refused at once (opening it to read would wait for
+        // a writer for ever).
+        let fifo = work.join("pipe.png");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).expect("mkfifo");
+        let read = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            (
+                content_block(&fifo).await,
+                check_files(std::slice::from_ref(&fifo)).await,
+            )
+        })
+        .await
+        .expect("a FIFO does not hold the read");
+        assert!(
+            matches!(read.0, Err(ImageError::Unreadable { .. })),
+            "{:?}",
+            read.0
+        );
+        assert!(
+            matches!(read.1, Err(ImageError::Unreadable { .. })),
+            "{:?}",
+            read.1
+        );
+        // The image itself, by its resolved path, is read.
+        std::fs::write(work.join("real.png"), PNG).expect("write");
+        assert!(content_block(&work.join("real.png")).await.is_ok());
     }
 
     #[test]
