@@ -791,6 +791,105 @@ async fn the_transcript_has_no_duplicate_after_resume_and_restart() {
     assert!(lines.iter().all(|l| l["scope"] == format!("copilot:{id}")));
 }
 
+/// The roles and contents of a transcript mirror's lines.
+fn mirrored_rows(file: &std::path::Path) -> Vec<(String, String)> {
+    std::fs::read_to_string(file)
+        .expect("transcript")
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("json line"))
+        .map(|l| {
+            let role = l["role"].as_str().unwrap_or_default().to_owned();
+            let content = l["content"].as_str().unwrap_or_default().to_owned();
+            (role, content)
+        })
+        .collect()
+}
+
+/// Waits until the runtime's own event log of a session holds `text` (the runtime wrote the
+/// event that carries it). The log is the only witness of what the runtime produced while
+/// the lease reads nothing; read every 20 ms, for at most 30 s.
+async fn runtime_logged(copilot_home: &std::path::Path, session_id: &str, text: &str) {
+    let log = copilot_pool::fallback::copilot_events_path(copilot_home, session_id)
+        .expect("a valid session id");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if std::fs::read_to_string(&log).is_ok_and(|l| l.contains(text)) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the runtime did not log {text:?} in {} within 30 s",
+            log.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_dropped_mid_way_still_mirrors_what_the_runtime_produced_before_the_conversation_goes_back()
+ {
+    let fx = Fixture::new().await;
+    let dir = fx.scratch.path().join("transcripts");
+    let settings = TranscriptSettings::new(dir.clone(), TranscriptMode::Strict);
+    let (called_tx, mut called) = mpsc::unbounded_channel::<()>();
+    let request = || {
+        let called_tx = called_tx.clone();
+        let answering = GatewayTool::new(
+            "lookup_number",
+            "Looks up the number for a key",
+            json!({"type": "object"}),
+            move |_c: ToolCall| {
+                let _ = called_tx.send(());
+                async { Ok::<_, String>("the number is 42".to_owned()) }
+            },
+        );
+        let mut req = with_tools(&fx, "dropped-mirror", vec![answering]);
+        req.handlers.transcript = Some(settings.clone());
+        req
+    };
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut lease = pool.lease(request()).await.expect("lease");
+    let id = lease.cli_session_id().to_owned();
+    let file = dir.join(format!("copilot-{id}.jsonl"));
+    // The caller reads the turn until its tool is called, then reads nothing more: the
+    // tool's result and the model's answer stay undelivered in the lease.
+    lease
+        .send(call_tool("lookup_number", json!({})))
+        .await
+        .expect("send");
+    let pull = async {
+        while let Some(event) = lease.next_event().await {
+            event.expect("event");
+        }
+    };
+    tokio::select! {
+        _ = pull => panic!("the turn ended before its tool was called"),
+        called = called.recv() => called.expect("the tool was called"),
+    }
+    runtime_logged(
+        lease.copilot_home(),
+        id.as_str(),
+        "tool said: the number is 42",
+    )
+    .await;
+    // The caller goes: the pool aborts the turn and drains it in a task of its own, and the
+    // next lease of the conversation waits until that drain gave it back.
+    drop(lease);
+    let mut lease = pool.lease(request()).await.expect("lease again");
+    assert_eq!(lease.cli_session_id(), &id);
+    let rows = mirrored_rows(&file);
+    let roles: Vec<&str> = rows.iter().map(|(role, _)| role.as_str()).collect();
+    assert_eq!(roles, ["user", "tool", "assistant"], "{rows:?}");
+    assert_eq!(rows[1].1, "the number is 42", "{rows:?}");
+    assert_eq!(rows[2].1, "tool said: the number is 42", "{rows:?}");
+
+    let next = lease.run("REPLY=after").await.expect("the next turn works");
+    assert_eq!(next.text, "after");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+    assert_eq!(count_duplicates(&file).expect("read"), 0);
+}
+
 #[tokio::test]
 async fn strict_transcript_mode_aborts_the_turn_on_a_failing_write() {
     let fx = Fixture::new().await;

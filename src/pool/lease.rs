@@ -13,7 +13,8 @@ use crate::ids::CliSessionId;
 use crate::panic_guard::call_guarded;
 use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
-use crate::turn::driver::{TurnDriver, run_hook};
+use crate::transcript::Transcript;
+use crate::turn::driver::{TurnDriver, mirror_drained, run_hook};
 use crate::turn::{Message, TurnError, TurnOutcome};
 use crate::worker::{Session, Settled, WorkerError};
 
@@ -322,17 +323,15 @@ fn state_error(message: &'static str) -> PoolError {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        // The mirror is closed before the conversation goes back, so the next lease finds
-        // its cache entry (and reads only what is new).
-        self.driver.close_transcript();
         // What this lease left unread is read again before the conversation goes back.
         self.driver.forget_unread();
         let session = self.session.take();
-        let ret = ReturnTicket {
+        let mut ret = ReturnTicket {
             pool: self.pool.clone(),
             conversation: std::mem::take(&mut self.conversation),
             worker_id: self.worker_id,
             turns: self.turns,
+            transcript: self.driver.take_transcript(),
         };
         if self.unsettled || self.driver.poisoned() {
             // A turn that did not reach `session.idle` after its abort (a timeout), or a
@@ -358,9 +357,11 @@ impl Drop for Lease {
         // A turn is running: abort it and wait for its end before returning. A turn that
         // does not end in time leaves the process in an unknown state: the pool stops it
         // before the conversation is granted anywhere else.
+        // What the runtime produced and the caller never read is mirrored on the way.
         let wait = self.driver.abort_drain();
         rt.spawn(async move {
-            let settle = match session.abort_and_settle(wait).await {
+            let seen = |event: &SessionEvent| mirror_drained(&mut ret.transcript, event);
+            let settle = match session.abort_and_settle_seeing(wait, seen).await {
                 Settled::Idle => Settle::Park,
                 Settled::WorkerEnded | Settled::Unsettled => Settle::Unsettled,
             };
@@ -375,10 +376,15 @@ struct ReturnTicket {
     conversation: String,
     worker_id: WorkerId,
     turns: u64,
+    /// The lease's transcript mirror, kept through an aborted turn's drain (which mirrors
+    /// what the caller never read) and closed before the conversation goes back, so the
+    /// next lease finds its cache entry (and reads only what is new).
+    transcript: Option<Transcript>,
 }
 
 impl ReturnTicket {
     fn send(self, session: Option<Session>, settle: Settle) {
+        drop(self.transcript);
         let _ = self.pool.cast(PoolMsg::Return {
             conversation: self.conversation,
             worker_id: self.worker_id,

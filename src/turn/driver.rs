@@ -166,9 +166,11 @@ impl TurnDriver {
         self.abort_drain
     }
 
-    /// Closes the transcript mirror (its cache entry goes back for the next lease).
-    pub(crate) fn close_transcript(&mut self) {
-        self.transcript = None;
+    /// Takes the transcript mirror out of the driver, as the lease goes back: dropping it
+    /// closes it (its cache entry goes back for the next lease); an aborted turn's drain
+    /// mirrors on the way with [`mirror_drained`] first.
+    pub(crate) fn take_transcript(&mut self) -> Option<Transcript> {
+        self.transcript.take()
     }
 
     /// Opens the transcript mirror of `session_id` (if configured), on a blocking thread and
@@ -198,7 +200,14 @@ impl TurnDriver {
         if summary.is_empty() {
             return Ok(());
         }
-        self.mirror(None, Role::Summary, summary, None, None)
+        let entry = Entry {
+            event_id: None,
+            role: Role::Summary,
+            content: summary,
+            tool_name: None,
+            tool_call_id: None,
+        };
+        append(&mut self.transcript, &entry)
     }
 
     pub(crate) fn in_flight(&self) -> bool {
@@ -382,7 +391,11 @@ impl TurnDriver {
     async fn abort_with(&mut self, session: &mut Session, error: TurnError) -> TurnError {
         tracing::warn!(%error, "Aborting a turn.");
         self.cancel_pending();
-        let reached_idle = session.abort_and_settle(self.abort_drain).await == Settled::Idle;
+        let transcript = &mut self.transcript;
+        let reached_idle = session
+            .abort_and_settle_seeing(self.abort_drain, |event| mirror_drained(transcript, event))
+            .await
+            == Settled::Idle;
         if !reached_idle {
             tracing::warn!(
                 "An aborted turn did not reach session.idle; the session will not be reused."
@@ -455,6 +468,7 @@ impl TurnDriver {
 
     fn on_event(&mut self, event: &SessionEvent, session: &Session) -> Result<(), TurnError> {
         self.outcome.events += 1;
+        mirror_event(&mut self.transcript, event)?;
         // Asked only of the typed events below (an untyped one's envelope is read lazily).
         let main_agent = || event.agent_id().is_none();
         match &event.kind {
@@ -473,12 +487,6 @@ impl TurnDriver {
                 self.fire_hook(move |h| {
                     h.llm_output(json!({"content": content, "toolRequests": tools}))
                 });
-                if main_agent() && !m.content.is_empty() {
-                    self.mirror(Some(event.id()), Role::Assistant, &m.content, None, None)?;
-                }
-            }
-            EventKind::UserMessage(m) if main_agent() => {
-                self.mirror(Some(event.id()), Role::User, &m.content, None, None)?;
             }
             EventKind::ToolExecutionStart(t) => {
                 self.outcome.tool_calls += 1;
@@ -491,23 +499,6 @@ impl TurnDriver {
                 {
                     self.async_shell = true;
                 }
-            }
-            EventKind::ToolExecutionComplete(t) if main_agent() => {
-                let content = t
-                    .result
-                    .as_ref()
-                    .and_then(|r| r.get("content"))
-                    .and_then(Value::as_str)
-                    .map(str::to_owned)
-                    .or_else(|| t.error.as_ref().map(|e| e.to_string()))
-                    .unwrap_or_default();
-                self.mirror(
-                    Some(event.id()),
-                    Role::Tool,
-                    &content,
-                    None,
-                    Some(&t.tool_call_id),
-                )?;
             }
             EventKind::AssistantUsage(u) => {
                 let mut call = super::Usage::default();
@@ -534,10 +525,6 @@ impl TurnDriver {
             EventKind::CompactionComplete(c) => {
                 let input = self.compaction_start.take().unwrap_or_else(|| json!({}));
                 if c.success {
-                    if let Some(summary) = c.summary_content.as_deref().filter(|s| !s.is_empty()) {
-                        // The fallback prelude starts from it (`crate::fallback`).
-                        self.mirror(Some(event.id()), Role::Summary, summary, None, None)?;
-                    }
                     let output = json!({"success": c.success, "tokensRemoved": c.tokens_removed, "messagesRemoved": c.messages_removed});
                     self.fire_compaction_hooks(input, output);
                 }
@@ -549,37 +536,6 @@ impl TurnDriver {
             _ => {}
         }
         Ok(())
-    }
-
-    fn mirror(
-        &mut self,
-        event_id: Option<&str>,
-        role: Role,
-        content: &str,
-        tool_name: Option<&str>,
-        tool_call_id: Option<&str>,
-    ) -> Result<(), TurnError> {
-        let Some(transcript) = self.transcript.as_mut() else {
-            return Ok(());
-        };
-        let entry = Entry {
-            event_id: event_id.filter(|id| !id.is_empty()),
-            role,
-            content,
-            tool_name,
-            tool_call_id,
-        };
-        // The append fsyncs: on a multi-threaded runtime, hand this thread's other tasks
-        // to the rest of the pool while it waits on the disk. Inline (and cancel-safe: the
-        // transcript never leaves `self`) either way.
-        let mut append = || transcript.append(&entry);
-        let appended = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(append),
-            _ => append(),
-        };
-        appended
-            .map(|_| ())
-            .map_err(|e| TurnError::TranscriptPersistence(e.to_string()))
     }
 
     fn on_tool_call(&mut self, req: &ExternalToolRequestedData, answerer: Answerer) {
@@ -818,6 +774,89 @@ pub(crate) async fn run_hook(
             None
         }
     }
+}
+
+/// What a turn's event adds to the transcript mirror: the main agent's user messages, its
+/// assistant messages with text, its tool results (the result's `content`, else the error),
+/// and the summary of a successful compaction (the fallback prelude starts from it,
+/// `crate::fallback`). One place, for the running turn and for an aborted turn's drain.
+fn mirror_entry(event: &SessionEvent) -> Option<(Role, std::borrow::Cow<'_, str>, Option<&str>)> {
+    use std::borrow::Cow;
+    let main_agent = || event.agent_id().is_none();
+    match &event.kind {
+        EventKind::AssistantMessage(m) if main_agent() && !m.content.is_empty() => {
+            Some((Role::Assistant, Cow::Borrowed(m.content.as_str()), None))
+        }
+        EventKind::UserMessage(m) if main_agent() => {
+            Some((Role::User, Cow::Borrowed(m.content.as_str()), None))
+        }
+        EventKind::ToolExecutionComplete(t) if main_agent() => {
+            let content = match t
+                .result
+                .as_ref()
+                .and_then(|r| r.get("content"))
+                .and_then(Value::as_str)
+            {
+                Some(text) => Cow::Borrowed(text),
+                None => Cow::Owned(t.error.as_ref().map(|e| e.to_string()).unwrap_or_default()),
+            };
+            Some((Role::Tool, content, Some(t.tool_call_id.as_str())))
+        }
+        EventKind::CompactionComplete(c) if c.success => c
+            .summary_content
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .map(|summary| (Role::Summary, Cow::Borrowed(summary), None)),
+        _ => None,
+    }
+}
+
+/// Appends what `event` adds to the transcript mirror ([`mirror_entry`]), if one is open.
+fn mirror_event(
+    transcript: &mut Option<Transcript>,
+    event: &SessionEvent,
+) -> Result<(), TurnError> {
+    if transcript.is_none() {
+        return Ok(());
+    }
+    let Some((role, content, tool_call_id)) = mirror_entry(event) else {
+        return Ok(());
+    };
+    let entry = Entry {
+        event_id: Some(event.id()).filter(|id| !id.is_empty()),
+        role,
+        content: &content,
+        tool_name: None,
+        tool_call_id,
+    };
+    append(transcript, &entry)
+}
+
+/// [`mirror_event`] for an event an aborted turn's drain read: the runtime produced it and
+/// keeps it in its own history, so the mirror keeps it too. The turn has already ended with
+/// its error, so a failed append is logged, not returned.
+pub(crate) fn mirror_drained(transcript: &mut Option<Transcript>, event: &SessionEvent) {
+    if let Err(error) = mirror_event(transcript, event) {
+        tracing::warn!(%error, "An aborted turn's event could not be mirrored to the transcript.");
+    }
+}
+
+/// Appends `entry` to the transcript mirror, if one is open.
+fn append(transcript: &mut Option<Transcript>, entry: &Entry<'_>) -> Result<(), TurnError> {
+    let Some(transcript) = transcript.as_mut() else {
+        return Ok(());
+    };
+    // The append fsyncs: on a multi-threaded runtime, hand this thread's other tasks to the
+    // rest of the pool while it waits on the disk. Inline (and cancel-safe: the transcript
+    // never leaves its owner) either way.
+    let mut append = || transcript.append(entry);
+    let appended = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(append),
+        _ => append(),
+    };
+    appended
+        .map(|_| ())
+        .map_err(|e| TurnError::TranscriptPersistence(e.to_string()))
 }
 
 #[cfg(test)]

@@ -340,6 +340,17 @@ impl Session {
     /// will run them), other server requests are answered by their drop; the updates read
     /// are not kept.
     pub async fn abort_and_settle(&mut self, limit: Duration) -> Settled {
+        self.abort_and_settle_seeing(limit, |_| {}).await
+    }
+
+    /// [`Session::abort_and_settle`], showing each event read on the way to `seen` first
+    /// (the turn driver mirrors the transcript's among them: the runtime produced them and
+    /// keeps them in its history).
+    pub(crate) async fn abort_and_settle_seeing(
+        &mut self,
+        limit: Duration,
+        mut seen: impl FnMut(&SessionEvent),
+    ) -> Settled {
         let answerer = self.answerer();
         let settled = tokio::time::timeout(limit, async {
             if self.abort().await.is_err() {
@@ -350,6 +361,9 @@ impl Session {
                 };
             }
             while let Some(update) = self.next().await {
+                if let SessionUpdate::Event(e) = &update {
+                    seen(e);
+                }
                 match update {
                     SessionUpdate::Event(e) if matches!(e.kind, EventKind::SessionIdle(_)) => {
                         return Settled::Idle;
