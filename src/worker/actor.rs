@@ -141,7 +141,11 @@ impl Drop for WorkerState {
         }
         self.tunnel.abort_all();
         if self.exit.borrow().is_none() {
-            // Killed or panicked: ractor skipped `post_stop`, so report here.
+            // Killed or panicked: ractor skipped `post_stop`, so report here, once the group
+            // has its SIGKILL (as `die` kills before it publishes: whoever reads `Died` may
+            // resume the conversation elsewhere). The reap is the exit watcher's, or the
+            // child's drop below.
+            self.child.signal_group(nix::sys::signal::Signal::SIGKILL);
             let exit = WorkerExit {
                 reason: ExitReason::Killed,
                 pid: self.child.pid(),
