@@ -465,6 +465,9 @@ wire_enum! {
         Filesystem = "filesystem",
         /// TCP connect only to the allowed ports (Landlock ABI 4+).
         TcpConnect = "tcp_connect",
+        /// TCP bind only to an ephemeral port (port 0: the kernel picks a free one), so no
+        /// agent takes a fixed port another party listens on (Landlock ABI 4+).
+        TcpBind = "tcp_bind",
         /// No signal to a process outside the worker's own sandbox (ABI 6+).
         Signals = "signals",
         /// No connection to an abstract Unix socket made outside it (ABI 6+).

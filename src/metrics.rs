@@ -45,7 +45,7 @@
 //! | [`OWNERSHIP_VIOLATIONS_TOTAL`] | counter | — |
 //! | [`DAEMON_TASKS`] | gauge | — (set by the daemon at each scrape) |
 //! | [`DAEMON_HEAP_BYTES`] | gauge | — (set by the daemon at each scrape) |
-//! | [`SANDBOX_ENFORCED`] | gauge | `rule`: [`SandboxRule::as_str`] (`filesystem`, `tcp_connect`, `signals`, `abstract_unix_sockets`, `capabilities`) |
+//! | [`SANDBOX_ENFORCED`] | gauge | `rule`: [`SandboxRule::as_str`] (`filesystem`, `tcp_connect`, `tcp_bind`, `signals`, `abstract_unix_sockets`, `capabilities`) |
 //!
 //! The `backend` label takes `copilot` or one of the pool's configured CLI backend ids
 //! (`PoolConfig::cli_backends`, the daemon's `[backends.<id>]`): a bounded set fixed at start.
@@ -475,7 +475,7 @@ pub fn describe() {
         SANDBOX_ENFORCED,
         Unit::Count,
         "Whether each wall of the workers' sandbox is enforced (1) or not (0), by rule \
-         (filesystem, tcp_connect, signals, abstract_unix_sockets, capabilities)."
+         (filesystem, tcp_connect, tcp_bind, signals, abstract_unix_sockets, capabilities)."
     );
 }
 

@@ -1,6 +1,7 @@
 //! The walls around one worker, as a description: which directories its runtime (and every
 //! tool the runtime starts, bash included) may read, write or execute, which files of
-//! `/proc` it may read, which TCP ports it may connect to, and the wrapper program that
+//! `/proc` it may read, which TCP ports it may connect to (and, whenever TCP is confined,
+//! binding only to an ephemeral port, never a fixed one), and the wrapper program that
 //! enforces them. The library enforces nothing itself and depends on no sandboxing crate: a
 //! worker whose [`crate::worker::WorkerConfig::sandbox`] is set is started as
 //! `<wrapper> <wrapper args> <rules> -- <runtime> <runtime args>`, and the wrapper (the
@@ -80,8 +81,10 @@ pub struct Sandbox {
     pub devices: Vec<PathBuf>,
     /// Files of `/proc` to read.
     pub proc_files: Vec<PathBuf>,
-    /// TCP ports the worker may connect to; `None` leaves TCP unrestricted, an empty list
-    /// allows none.
+    /// TCP ports the worker may connect to; `None` leaves TCP unrestricted (connect and
+    /// bind), an empty list allows none. While TCP is confined, the worker may bind only to
+    /// an ephemeral port (port 0), so no agent takes a fixed port another agent or service
+    /// listens on.
     pub tcp_connect: Option<Vec<u16>>,
     /// Ports never allowed, whatever a provider names (the daemon's own listeners).
     pub never_connect: Vec<u16>,
@@ -123,7 +126,8 @@ pub enum SandboxError {
 impl Sandbox {
     /// Flags of the wrapper's argv (after `wrapper_args`), each followed by one value, then
     /// `--` and the runtime's argv: `--rw`, `--rx`, `--ro`, `--dev`, `--proc` (paths),
-    /// `--tcp-connect` (a port); `--any-tcp` (TCP unrestricted) and `--required` stand alone.
+    /// `--tcp-connect` (a port); `--any-tcp` (TCP connect and bind unrestricted; without it
+    /// a bind takes an ephemeral port only) and `--required` stand alone.
     pub const SANDBOX_ARGS: &'static [&'static str] = &[
         "--rw",
         "--rx",
@@ -403,6 +407,8 @@ pub struct SandboxStatus {
     pub filesystem: bool,
     /// TCP connect confined to the allowed ports.
     pub tcp_connect: bool,
+    /// TCP bind confined to ephemeral ports (port 0).
+    pub tcp_bind: bool,
     /// Signals scoped to the worker's own sandbox.
     pub signals: bool,
     /// Abstract Unix sockets scoped to the worker's own sandbox.
@@ -417,6 +423,7 @@ impl SandboxStatus {
         match rule {
             SandboxRule::Filesystem => self.filesystem,
             SandboxRule::TcpConnect => self.tcp_connect,
+            SandboxRule::TcpBind => self.tcp_bind,
             SandboxRule::Signals => self.signals,
             SandboxRule::AbstractUnixSockets => self.abstract_unix_sockets,
             SandboxRule::Capabilities => self.capabilities,
@@ -655,6 +662,7 @@ mod tests {
             status.missing(),
             [
                 SandboxRule::TcpConnect,
+                SandboxRule::TcpBind,
                 SandboxRule::Signals,
                 SandboxRule::AbstractUnixSockets
             ]
@@ -662,7 +670,7 @@ mod tests {
         assert_eq!(
             status.summary(),
             "Landlock ABI 3; enforced: filesystem, capabilities; not enforced: tcp_connect, \
-             signals, abstract_unix_sockets"
+             tcp_bind, signals, abstract_unix_sockets"
         );
     }
 }

@@ -314,3 +314,58 @@ async fn with_the_sandbox_off_serve_refuses_to_start_without_an_api_token() {
         "{stderr}"
     );
 }
+
+/// Runs `node` inside `copilot-pool sandbox-exec <rules>`, listening on port 0 and then on
+/// `fixed`; returns its `ephemeral=<ok|code> fixed=<ok|code>` line.
+async fn binds_in_the_wrapper(rules: &[&str], fixed: u16) -> String {
+    let script = "const net = require('net');\
+        const tryListen = (port) => new Promise((resolve) => {\
+          const s = net.createServer();\
+          s.once('error', (e) => resolve(e.code));\
+          s.listen(port, '127.0.0.1', () => { s.close(); resolve('ok'); });\
+        });\
+        (async () => { console.log(`ephemeral=${await tryListen(0)} \
+        fixed=${await tryListen(Number(process.argv[1]))}`); })();";
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+        .arg("sandbox-exec")
+        .args(rules)
+        .args(["--rx", "/", "--", "node", "-e", script, &fixed.to_string()])
+        .kill_on_drop(true)
+        .output()
+        .await
+        .expect("run the wrapper (Node.js on PATH, as the README asks)");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+#[tokio::test]
+async fn a_sandboxed_tool_listens_on_an_ephemeral_port_but_never_takes_a_fixed_one() {
+    // A port free now, which a sandboxed process must not take.
+    let fixed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let probe = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+        .args(["sandbox-exec", "--probe", "--rx", "/"])
+        .output()
+        .await
+        .expect("probe");
+    let status: Value = serde_json::from_slice(&probe.stdout).expect("the probe's JSON");
+    let confined = binds_in_the_wrapper(&[], fixed).await;
+    if status["tcp_bind"] == true {
+        assert_eq!(confined, "ephemeral=ok fixed=EACCES", "{status}");
+    } else {
+        // A kernel without Landlock's TCP rules (before ABI 4) says so, and binds freely.
+        assert!(status["landlock_abi"].as_u64() < Some(4), "{status}");
+        assert_eq!(confined, "ephemeral=ok fixed=ok", "{status}");
+    }
+    // `--any-tcp` leaves bind unrestricted too.
+    assert_eq!(
+        binds_in_the_wrapper(&["--any-tcp"], fixed).await,
+        "ephemeral=ok fixed=ok"
+    );
+}

@@ -1,8 +1,9 @@
 //! `copilot-pool sandbox-exec` (hidden): the wrapper a sandboxed worker is started through
 //! (see `copilot_pool::sandbox`). In one process, before any thread starts: drop every
 //! capability (root included: the bounding, inheritable and ambient sets too, so the exec
-//! grants none back), apply a Landlock ruleset (files, TCP connect, signal and abstract Unix
-//! socket scopes; best effort unless `--required`), then exec the runtime. The pid survives
+//! grants none back), apply a Landlock ruleset (files, TCP connect, TCP bind to ephemeral
+//! ports only, signal and abstract Unix socket scopes; best effort unless `--required`), then
+//! exec the runtime. The pid survives
 //! the exec, so the ruleset can allow the runtime's own `/proc/<pid>` and nothing else of
 //! `/proc` beyond the system-wide files it is given.
 //!
@@ -60,7 +61,8 @@ pub struct SandboxExecArgs {
     /// A TCP port the runtime may connect to (none given: no TCP connect at all).
     #[arg(long = "tcp-connect", value_name = "PORT")]
     pub tcp_connect: Vec<u16>,
-    /// Leave TCP connect unrestricted.
+    /// Leave TCP connect and bind unrestricted (without it, a bind takes an ephemeral port
+    /// only).
     #[arg(long)]
     pub any_tcp: bool,
     /// Print what is enforced as JSON and exit instead of exec'ing.
@@ -117,7 +119,7 @@ fn wanted_missing(args: &SandboxExecArgs, status: &SandboxStatus) -> Vec<Sandbox
     status
         .missing()
         .into_iter()
-        .filter(|r| !(args.any_tcp && *r == SandboxRule::TcpConnect))
+        .filter(|r| !(args.any_tcp && matches!(r, SandboxRule::TcpConnect | SandboxRule::TcpBind)))
         .collect()
 }
 
@@ -139,8 +141,8 @@ fn confine(args: &SandboxExecArgs) -> Result<SandboxStatus> {
         .context("handling file access")?;
     if !args.any_tcp {
         ruleset = ruleset
-            .handle_access(AccessNet::ConnectTcp)
-            .context("handling TCP connect")?;
+            .handle_access(AccessNet::ConnectTcp | AccessNet::BindTcp)
+            .context("handling TCP connect and bind")?;
     }
     let mut created = ruleset
         .scope(Scope::from_all(abi))
@@ -166,6 +168,11 @@ fn confine(args: &SandboxExecArgs) -> Result<SandboxStatus> {
     }
     created = add_path(created, &own_proc, read)?;
     if !args.any_tcp {
+        // Port 0 is the kernel's choice of a free ephemeral port: servers a tool starts on
+        // port 0 work, a fixed port (another agent's, a service's on this host) is refused.
+        created = created
+            .add_rule(NetPort::new(0, AccessNet::BindTcp))
+            .context("allowing TCP bind to an ephemeral port")?;
         for port in &args.tcp_connect {
             created = created
                 .add_rule(NetPort::new(*port, AccessNet::ConnectTcp))
@@ -192,6 +199,7 @@ fn status_of(applied: bool, landlock_abi: u32, any_tcp: bool, capabilities: bool
     // the worker may read could be emptied. The walls are up, but not all of them.
     status.filesystem = files && landlock_abi >= 3;
     status.tcp_connect = files && !any_tcp && landlock_abi >= 4;
+    status.tcp_bind = status.tcp_connect;
     status.signals = files && landlock_abi >= 6;
     status.abstract_unix_sockets = files && landlock_abi >= 6;
     status.capabilities = capabilities;
@@ -321,12 +329,11 @@ mod tests {
         // ABI 1-2: files written, created and removed are confined, truncation is not.
         assert!(!at(1).filesystem && !at(2).filesystem);
         assert!(at(3).filesystem && !at(3).tcp_connect);
-        assert!(at(4).tcp_connect && !at(4).signals);
+        assert!(at(4).tcp_connect && at(4).tcp_bind && !at(4).signals);
+        assert!(!at(3).tcp_bind);
         assert!(at(6).signals && at(6).abstract_unix_sockets);
-        assert!(
-            !status_of(true, 6, true, true).tcp_connect,
-            "any TCP allowed"
-        );
+        let open = status_of(true, 6, true, true);
+        assert!(!open.tcp_connect && !open.tcp_bind, "any TCP allowed");
         let none = status_of(false, 6, false, false);
         assert!(!none.filesystem && !none.tcp_connect && !none.signals && !none.capabilities);
     }
@@ -369,6 +376,7 @@ mod tests {
             wanted_missing(&args, &status),
             [
                 SandboxRule::TcpConnect,
+                SandboxRule::TcpBind,
                 SandboxRule::Signals,
                 SandboxRule::AbstractUnixSockets
             ]
