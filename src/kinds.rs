@@ -459,14 +459,15 @@ wire_enum! {
 
 wire_enum! {
     /// One wall of a worker's sandbox (`copilot_pool_sandbox_enforced{rule}`).
+    #[non_exhaustive]
     pub enum SandboxRule as "rule" {
         /// Files: read and write only in the agent's own directories, read and execute in
         /// the system and runtime directories, of `/proc` only its own entry.
         Filesystem = "filesystem",
         /// TCP connect only to the allowed ports (Landlock ABI 4+).
         TcpConnect = "tcp_connect",
-        /// TCP bind only to an ephemeral port (port 0: the kernel picks a free one), so no
-        /// agent takes a fixed port another party listens on (Landlock ABI 4+).
+        /// TCP bind only to an ephemeral port (port 0: the kernel picks a free one) or a
+        /// configured fixed one, so no agent takes a port another party needs (ABI 4+).
         TcpBind = "tcp_bind",
         /// No signal to a process outside the worker's own sandbox (ABI 6+).
         Signals = "signals",

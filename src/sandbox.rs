@@ -1,7 +1,7 @@
 //! The walls around one worker, as a description: which directories its runtime (and every
 //! tool the runtime starts, bash included) may read, write or execute, which files of
-//! `/proc` it may read, which TCP ports it may connect to (and, whenever TCP is confined,
-//! binding only to an ephemeral port, never a fixed one), and the wrapper program that
+//! `/proc` it may read, which TCP ports it may connect to and bind (by default an ephemeral
+//! port only, never a fixed one), and the wrapper program that
 //! enforces them. The library enforces nothing itself and depends on no sandboxing crate: a
 //! worker whose [`crate::worker::WorkerConfig::sandbox`] is set is started as
 //! `<wrapper> <wrapper args> <rules> -- <runtime> <runtime args>`, and the wrapper (the
@@ -81,11 +81,13 @@ pub struct Sandbox {
     pub devices: Vec<PathBuf>,
     /// Files of `/proc` to read.
     pub proc_files: Vec<PathBuf>,
-    /// TCP ports the worker may connect to; `None` leaves TCP unrestricted (connect and
-    /// bind), an empty list allows none. While TCP is confined, the worker may bind only to
-    /// an ephemeral port (port 0), so no agent takes a fixed port another agent or service
-    /// listens on.
+    /// TCP ports the worker may connect to; `None` leaves TCP connect unrestricted, an empty
+    /// list allows none.
     pub tcp_connect: Option<Vec<u16>>,
+    /// Fixed TCP ports the worker may bind besides an ephemeral one (port 0, the kernel's
+    /// pick, always allowed); `None` leaves TCP bind unrestricted. Default empty: no agent
+    /// takes a fixed port another agent, a local model or the daemon after a restart needs.
+    pub tcp_bind: Option<Vec<u16>>,
     /// Ports never allowed, whatever a provider names (the daemon's own listeners).
     pub never_connect: Vec<u16>,
     /// The worker's private temporary directory (`TMPDIR`, `TMP`, `TEMP`), set per key.
@@ -126,8 +128,9 @@ pub enum SandboxError {
 impl Sandbox {
     /// Flags of the wrapper's argv (after `wrapper_args`), each followed by one value, then
     /// `--` and the runtime's argv: `--rw`, `--rx`, `--ro`, `--dev`, `--proc` (paths),
-    /// `--tcp-connect` (a port); `--any-tcp` (TCP connect and bind unrestricted; without it
-    /// a bind takes an ephemeral port only) and `--required` stand alone.
+    /// `--tcp-connect`, `--tcp-bind` (a port); `--any-tcp` (TCP connect unrestricted),
+    /// `--any-tcp-bind` (TCP bind unrestricted; without it a bind takes an ephemeral port or
+    /// a `--tcp-bind` port) and `--required` stand alone.
     pub const SANDBOX_ARGS: &'static [&'static str] = &[
         "--rw",
         "--rx",
@@ -136,11 +139,14 @@ impl Sandbox {
         "--proc",
         "--tcp-connect",
         "--any-tcp",
+        "--tcp-bind",
+        "--any-tcp-bind",
         "--required",
     ];
 
     /// A sandbox run by `wrapper wrapper_args`, with the system directories, devices and
-    /// `/proc` files above, TCP connect to port 443 only, and nothing writable yet.
+    /// `/proc` files above, TCP connect to port 443 only, TCP bind to an ephemeral port only,
+    /// and nothing writable yet.
     pub fn new(wrapper: PathBuf, wrapper_args: Vec<OsString>) -> Self {
         let paths = |list: &[&str]| list.iter().map(PathBuf::from).collect::<Vec<_>>();
         Self {
@@ -153,6 +159,7 @@ impl Sandbox {
             devices: paths(DEVICES),
             proc_files: paths(PROC_FILES),
             tcp_connect: Some(vec![HTTPS_PORT]),
+            tcp_bind: Some(Vec::new()),
             never_connect: Vec::new(),
             temp_dir: None,
             home: None,
@@ -241,6 +248,15 @@ impl Sandbox {
             Some(ports) => {
                 for port in ports {
                     argv.push("--tcp-connect".into());
+                    argv.push(port.to_string().into());
+                }
+            }
+        }
+        match &self.tcp_bind {
+            None => argv.push("--any-tcp-bind".into()),
+            Some(ports) => {
+                for port in ports {
+                    argv.push("--tcp-bind".into());
                     argv.push(port.to_string().into());
                 }
             }
@@ -407,7 +423,7 @@ pub struct SandboxStatus {
     pub filesystem: bool,
     /// TCP connect confined to the allowed ports.
     pub tcp_connect: bool,
-    /// TCP bind confined to ephemeral ports (port 0).
+    /// TCP bind confined to an ephemeral port and the configured fixed ones.
     pub tcp_bind: bool,
     /// Signals scoped to the worker's own sandbox.
     pub signals: bool,

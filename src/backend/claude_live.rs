@@ -282,7 +282,8 @@ impl ClaudeLive {
     /// [`ClaudeLive::start_turn`] with image files: each is read (before any process starts)
     /// into an Anthropic `image` content block (base64, its media type told by its content,
     /// at most [`image::MAX_IMAGE_BYTES`]) of the user message, after the prompt's text
-    /// block.
+    /// block. Each path is opened from `/` without following a link ([`image::content_block`]):
+    /// give resolved paths.
     pub async fn start_turn_with_images(
         &mut self,
         prompt: &str,

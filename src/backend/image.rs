@@ -73,15 +73,26 @@ pub enum ImageError {
         path: PathBuf,
     },
     /// The file could not be read (or is not a regular file).
-    #[error(
-        "image {} cannot be read: {error}; attach an existing, readable regular file by its \
-         resolved path (the pool follows no link to an image)",
-        path.display()
-    )]
+    #[error("image {} cannot be read: {error}; attach an existing, readable file", path.display())]
     Unreadable {
         /// The path.
         path: PathBuf,
         /// The error.
+        #[source]
+        error: std::io::Error,
+    },
+    /// A link, a FIFO or a device on the path or in the image's place: the pool, which runs
+    /// unsandboxed, opens an image from `/` without following a link (the agent may have put
+    /// one on the path since it was checked) and reads regular files only.
+    #[error(
+        "image {} was not read: {error}; attach the image file itself by its resolved path \
+         (std::fs::canonicalize, realpath): the pool follows no link to an image",
+        path.display()
+    )]
+    NotPlainFile {
+        /// The path.
+        path: PathBuf,
+        /// What was found.
         #[source]
         error: std::io::Error,
     },
@@ -247,8 +258,17 @@ fn open_image(path: &Path) -> Result<std::fs::File, ImageError> {
         .map_err(|_| ImageError::NotAbsolute {
             path: path.to_path_buf(),
         })?;
-    crate::agent_files::open_regular(Path::new("/"), relative)
-        .map_err(|error| unreadable(path, error))
+    crate::agent_files::open_regular(Path::new("/"), relative).map_err(|error| {
+        // `agent_files` refuses a link, a FIFO or a device as invalid input.
+        if error.kind() == std::io::ErrorKind::InvalidInput {
+            ImageError::NotPlainFile {
+                path: path.to_path_buf(),
+                error,
+            }
+        } else {
+            unreadable(path, error)
+        }
+    })
 }
 
 fn unreadable(path: &Path, error: std::io::Error) -> ImageError {
@@ -263,7 +283,8 @@ const SIGNATURE_BYTES: usize = 12;
 
 /// Reads image `path` into the Anthropic content block Claude Code's stream-json input
 /// takes: `{"type":"image","source":{"type":"base64","media_type":…,"data":…}}`, the media
-/// type told by the content. At most [`MAX_IMAGE_BYTES`].
+/// type told by the content. At most [`MAX_IMAGE_BYTES`]. `path` must be resolved: it is
+/// opened from `/` without following a link ([`ImageError::NotPlainFile`] otherwise).
 pub async fn content_block(path: &Path) -> Result<Value, ImageError> {
     let owned = path.to_path_buf();
     let bytes = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, ImageError> {
@@ -450,7 +471,7 @@ mod tests {
         std::fs::create_dir(&folder).expect("mkdir");
         assert!(matches!(
             content_block(&folder).await,
-            Err(ImageError::Unreadable { .. })
+            Err(ImageError::NotPlainFile { .. })
         ));
     }
 
@@ -474,14 +495,14 @@ mod tests {
                 .await
                 .expect_err("a link is not followed");
             assert!(
-                matches!(error, ImageError::Unreadable { .. })
+                matches!(error, ImageError::NotPlainFile { .. })
                     && error.to_string().contains("follows no link"),
                 "{error}"
             );
             assert!(
                 matches!(
                     check_files(std::slice::from_ref(&path)).await,
-                    Err(ImageError::Unreadable { .. })
+                    Err(ImageError::NotPlainFile { .. })
                 ),
                 "{}",
                 path.display()
@@ -500,12 +521,12 @@ mod tests {
         .await
         .expect("a FIFO does not hold the read");
         assert!(
-            matches!(read.0, Err(ImageError::Unreadable { .. })),
+            matches!(read.0, Err(ImageError::NotPlainFile { .. })),
             "{:?}",
             read.0
         );
         assert!(
-            matches!(read.1, Err(ImageError::Unreadable { .. })),
+            matches!(read.1, Err(ImageError::NotPlainFile { .. })),
             "{:?}",
             read.1
         );

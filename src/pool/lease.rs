@@ -14,7 +14,7 @@ use crate::panic_guard::call_guarded;
 use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
 use crate::transcript::Transcript;
-use crate::turn::driver::{TurnDriver, mirror_drained, run_hook};
+use crate::turn::driver::{DrainedEntry, TurnDriver, mirror_drained, run_hook};
 use crate::turn::{Message, TurnError, TurnOutcome};
 use crate::worker::{Session, Settled, WorkerError};
 
@@ -360,11 +360,13 @@ impl Drop for Lease {
         // What the runtime produced and the caller never read is mirrored on the way.
         let wait = self.driver.abort_drain();
         rt.spawn(async move {
-            let seen = |event: &SessionEvent| mirror_drained(&mut ret.transcript, event);
+            let mut drained = Vec::new();
+            let seen = |event: &SessionEvent| drained.extend(DrainedEntry::of(event));
             let settle = match session.abort_and_settle_seeing(wait, seen).await {
                 Settled::Idle => Settle::Park,
                 Settled::WorkerEnded | Settled::Unsettled => Settle::Unsettled,
             };
+            mirror_drained(&mut ret.transcript, drained);
             ret.send(Some(session), settle);
         });
     }

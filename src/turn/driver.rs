@@ -391,11 +391,19 @@ impl TurnDriver {
     async fn abort_with(&mut self, session: &mut Session, error: TurnError) -> TurnError {
         tracing::warn!(%error, "Aborting a turn.");
         self.cancel_pending();
-        let transcript = &mut self.transcript;
+        // What the drain reads is mirrored once it is over (unless the mirror itself failed:
+        // nothing is written after a gap).
+        let mirror = !matches!(error, TurnError::TranscriptPersistence(_));
+        let mut drained = Vec::new();
         let reached_idle = session
-            .abort_and_settle_seeing(self.abort_drain, |event| mirror_drained(transcript, event))
+            .abort_and_settle_seeing(self.abort_drain, |event| {
+                if mirror {
+                    drained.extend(DrainedEntry::of(event));
+                }
+            })
             .await
             == Settled::Idle;
+        mirror_drained(&mut self.transcript, drained);
         if !reached_idle {
             tracing::warn!(
                 "An aborted turn did not reach session.idle; the session will not be reused."
@@ -468,7 +476,6 @@ impl TurnDriver {
 
     fn on_event(&mut self, event: &SessionEvent, session: &Session) -> Result<(), TurnError> {
         self.outcome.events += 1;
-        mirror_event(&mut self.transcript, event)?;
         // Asked only of the typed events below (an untyped one's envelope is read lazily).
         let main_agent = || event.agent_id().is_none();
         match &event.kind {
@@ -535,7 +542,7 @@ impl TurnDriver {
             }
             _ => {}
         }
-        Ok(())
+        mirror_event(&mut self.transcript, event)
     }
 
     fn on_tool_call(&mut self, req: &ExternalToolRequestedData, answerer: Answerer) {
@@ -832,12 +839,47 @@ fn mirror_event(
     append(transcript, &entry)
 }
 
-/// [`mirror_event`] for an event an aborted turn's drain read: the runtime produced it and
-/// keeps it in its own history, so the mirror keeps it too. The turn has already ended with
-/// its error, so a failed append is logged, not returned.
-pub(crate) fn mirror_drained(transcript: &mut Option<Transcript>, event: &SessionEvent) {
-    if let Err(error) = mirror_event(transcript, event) {
-        tracing::warn!(%error, "An aborted turn's event could not be mirrored to the transcript.");
+/// What an event an aborted turn's drain read adds to the transcript mirror
+/// ([`mirror_entry`]), kept to be appended once the drain is over: each append fsyncs, and
+/// the drain's time limit is for the runtime to settle, not for the disk.
+pub(crate) struct DrainedEntry {
+    event_id: String,
+    role: Role,
+    content: String,
+    tool_call_id: Option<String>,
+}
+
+impl DrainedEntry {
+    /// The entry `event` adds to the mirror, if any.
+    pub(crate) fn of(event: &SessionEvent) -> Option<Self> {
+        let (role, content, tool_call_id) = mirror_entry(event)?;
+        Some(DrainedEntry {
+            event_id: event.id().to_owned(),
+            role,
+            content: content.into_owned(),
+            tool_call_id: tool_call_id.map(str::to_owned),
+        })
+    }
+}
+
+/// Appends what an aborted turn's drain read: the runtime produced it and keeps it in its
+/// own history, so the mirror keeps it too. The turn has already ended with its error, so a
+/// failed append is logged, not returned, and closes the mirror (nothing is written after a
+/// gap; the next lease reopens it).
+pub(crate) fn mirror_drained(transcript: &mut Option<Transcript>, drained: Vec<DrainedEntry>) {
+    for entry in &drained {
+        let entry = Entry {
+            event_id: Some(entry.event_id.as_str()).filter(|id| !id.is_empty()),
+            role: entry.role,
+            content: &entry.content,
+            tool_name: None,
+            tool_call_id: entry.tool_call_id.as_deref(),
+        };
+        if let Err(error) = append(transcript, &entry) {
+            tracing::warn!(%error, "An aborted turn's events could not be mirrored to the transcript.");
+            *transcript = None;
+            return;
+        }
     }
 }
 

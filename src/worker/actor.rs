@@ -143,8 +143,7 @@ impl Drop for WorkerState {
         if self.exit.borrow().is_none() {
             // Killed or panicked: ractor skipped `post_stop`, so report here, once the group
             // has its SIGKILL (as `die` kills before it publishes: whoever reads `Died` may
-            // resume the conversation elsewhere). The reap is the exit watcher's, or the
-            // child's drop below.
+            // resume the conversation elsewhere). The child's drop below reaps it.
             self.child.signal_group(nix::sys::signal::Signal::SIGKILL);
             let exit = WorkerExit {
                 reason: ExitReason::Killed,

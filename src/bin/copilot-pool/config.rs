@@ -40,6 +40,54 @@ pub const TOKEN_ON_ARGV: &str = "--api-token is not accepted: a token on the com
      visible to every local user in `ps`; set COPILOT_POOL_API_TOKEN or pass --api-token-file \
      PATH (a file readable by its owner only)";
 
+/// `sandbox_tcp_bind`: the fixed ports a sandboxed worker's tools may listen on besides an
+/// ephemeral one, or `"any"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SandboxTcpBind {
+    /// These fixed ports, and an ephemeral one (port 0).
+    Ports(Vec<u16>),
+    /// Any port.
+    Any,
+}
+
+impl Default for SandboxTcpBind {
+    fn default() -> Self {
+        SandboxTcpBind::Ports(Vec::new())
+    }
+}
+
+impl SandboxTcpBind {
+    /// The library's form: `None` for any port.
+    pub fn ports(&self) -> Option<&[u16]> {
+        match self {
+            SandboxTcpBind::Ports(ports) => Some(ports),
+            SandboxTcpBind::Any => None,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for SandboxTcpBind {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Ports(Vec<u16>),
+            Word(String),
+        }
+        let wrong = || {
+            serde::de::Error::custom(
+                "sandbox_tcp_bind must be a list of ports (e.g. [3000, 5173]; [] for an \
+                 ephemeral port only, the default) or \"any\"",
+            )
+        };
+        match Raw::deserialize(deserializer).map_err(|_| wrong())? {
+            Raw::Ports(ports) => Ok(SandboxTcpBind::Ports(ports)),
+            Raw::Word(word) if word == "any" => Ok(SandboxTcpBind::Any),
+            Raw::Word(_) => Err(wrong()),
+        }
+    }
+}
+
 /// `copilot-pool serve` settings. See README for every field and its default.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -88,6 +136,9 @@ pub struct ServeConfig {
     /// GitHub); a BYOK provider's port is added for its workers. The daemon's own ports are
     /// never allowed.
     pub sandbox_tcp_ports: Vec<u16>,
+    /// Fixed TCP ports a sandboxed worker's tools may listen on besides an ephemeral one
+    /// (default `[]`: an ephemeral port only), or `"any"` (TCP bind unrestricted).
+    pub sandbox_tcp_bind: SandboxTcpBind,
     /// More directories a sandboxed worker may read (default none), e.g. where the logged-in
     /// user's stored credentials live when `allow_logged_in_user` is on.
     pub sandbox_read_paths: Vec<PathBuf>,
@@ -342,6 +393,7 @@ impl Default for ServeConfig {
             allow_local_mcp_servers: false,
             sandbox: SandboxMode::Auto,
             sandbox_tcp_ports: vec![copilot_pool::sandbox::HTTPS_PORT],
+            sandbox_tcp_bind: SandboxTcpBind::default(),
             sandbox_read_paths: Vec::new(),
             pool: PoolSection::default(),
             turns: TurnsSection::default(),
@@ -1072,6 +1124,22 @@ mod tests {
             |name: &str| (name == "GH_TOKEN").then(|| std::ffi::OsString::from_vec(vec![0xff]));
         let err = env_tokens(bad).unwrap_err().to_string();
         assert!(err.contains("GH_TOKEN") && err.contains("UTF-8"), "{err}");
+    }
+
+    #[test]
+    fn sandboxed_tools_listen_on_an_ephemeral_port_unless_fixed_ports_or_any_are_configured() {
+        assert_eq!(
+            ServeConfig::default().sandbox_tcp_bind.ports(),
+            Some(&[][..])
+        );
+        let c: ServeConfig = toml::from_str("sandbox_tcp_bind = [3000, 5173]").unwrap();
+        assert_eq!(c.sandbox_tcp_bind.ports(), Some(&[3000, 5173][..]));
+        let c: ServeConfig = toml::from_str("sandbox_tcp_bind = \"any\"").unwrap();
+        assert_eq!(c.sandbox_tcp_bind.ports(), None);
+        for text in ["sandbox_tcp_bind = \"all\"", "sandbox_tcp_bind = [70000]"] {
+            let error = toml::from_str::<ServeConfig>(text).unwrap_err().to_string();
+            assert!(error.contains("a list of ports"), "{text}: {error}");
+        }
     }
 
     #[test]

@@ -406,6 +406,7 @@ async fn check_sandbox(report: &mut Report, config: &ServeConfig) {
         &config.allowed_work_roots,
         &config.sandbox_read_paths,
         &config.sandbox_tcp_ports,
+        config.sandbox_tcp_bind.ports(),
         &own_ports,
     ) {
         Ok(Some(template)) => template,

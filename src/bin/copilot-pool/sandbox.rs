@@ -1,9 +1,9 @@
 //! `copilot-pool sandbox-exec` (hidden): the wrapper a sandboxed worker is started through
 //! (see `copilot_pool::sandbox`). In one process, before any thread starts: drop every
 //! capability (root included: the bounding, inheritable and ambient sets too, so the exec
-//! grants none back), apply a Landlock ruleset (files, TCP connect, TCP bind to ephemeral
-//! ports only, signal and abstract Unix socket scopes; best effort unless `--required`), then
-//! exec the runtime. The pid survives
+//! grants none back), apply a Landlock ruleset (files, TCP connect, TCP bind to an ephemeral
+//! port or a `--tcp-bind` one, signal and abstract Unix socket scopes; best effort unless
+//! `--required`), then exec the runtime. The pid survives
 //! the exec, so the ruleset can allow the runtime's own `/proc/<pid>` and nothing else of
 //! `/proc` beyond the system-wide files it is given.
 //!
@@ -61,10 +61,16 @@ pub struct SandboxExecArgs {
     /// A TCP port the runtime may connect to (none given: no TCP connect at all).
     #[arg(long = "tcp-connect", value_name = "PORT")]
     pub tcp_connect: Vec<u16>,
-    /// Leave TCP connect and bind unrestricted (without it, a bind takes an ephemeral port
-    /// only).
+    /// Leave TCP connect unrestricted.
     #[arg(long)]
     pub any_tcp: bool,
+    /// A fixed TCP port the runtime may bind besides an ephemeral one (port 0).
+    #[arg(long = "tcp-bind", value_name = "PORT")]
+    pub tcp_bind: Vec<u16>,
+    /// Leave TCP bind unrestricted (without it, a bind takes an ephemeral port or a
+    /// `--tcp-bind` one).
+    #[arg(long)]
+    pub any_tcp_bind: bool,
     /// Print what is enforced as JSON and exit instead of exec'ing.
     #[arg(long)]
     pub probe: bool,
@@ -119,7 +125,10 @@ fn wanted_missing(args: &SandboxExecArgs, status: &SandboxStatus) -> Vec<Sandbox
     status
         .missing()
         .into_iter()
-        .filter(|r| !(args.any_tcp && matches!(r, SandboxRule::TcpConnect | SandboxRule::TcpBind)))
+        .filter(|r| {
+            !(args.any_tcp && *r == SandboxRule::TcpConnect
+                || args.any_tcp_bind && *r == SandboxRule::TcpBind)
+        })
         .collect()
 }
 
@@ -141,8 +150,13 @@ fn confine(args: &SandboxExecArgs) -> Result<SandboxStatus> {
         .context("handling file access")?;
     if !args.any_tcp {
         ruleset = ruleset
-            .handle_access(AccessNet::ConnectTcp | AccessNet::BindTcp)
-            .context("handling TCP connect and bind")?;
+            .handle_access(AccessNet::ConnectTcp)
+            .context("handling TCP connect")?;
+    }
+    if !args.any_tcp_bind {
+        ruleset = ruleset
+            .handle_access(AccessNet::BindTcp)
+            .context("handling TCP bind")?;
     }
     let mut created = ruleset
         .scope(Scope::from_all(abi))
@@ -167,12 +181,17 @@ fn confine(args: &SandboxExecArgs) -> Result<SandboxStatus> {
         }
     }
     created = add_path(created, &own_proc, read)?;
-    if !args.any_tcp {
+    if !args.any_tcp_bind {
         // Port 0 is the kernel's choice of a free ephemeral port: servers a tool starts on
-        // port 0 work, a fixed port (another agent's, a service's on this host) is refused.
-        created = created
-            .add_rule(NetPort::new(0, AccessNet::BindTcp))
-            .context("allowing TCP bind to an ephemeral port")?;
+        // port 0 work, a fixed port (another agent's, a service's on this host) is refused
+        // unless listed.
+        for port in std::iter::once(&0).chain(&args.tcp_bind) {
+            created = created
+                .add_rule(NetPort::new(*port, AccessNet::BindTcp))
+                .with_context(|| format!("allowing TCP bind to port {port}"))?;
+        }
+    }
+    if !args.any_tcp {
         for port in &args.tcp_connect {
             created = created
                 .add_rule(NetPort::new(*port, AccessNet::ConnectTcp))
@@ -187,19 +206,34 @@ fn confine(args: &SandboxExecArgs) -> Result<SandboxStatus> {
         _ => 0,
     };
     let applied = restricted.ruleset != RulesetStatus::NotEnforced;
-    Ok(status_of(applied, landlock_abi, args.any_tcp, capabilities))
+    Ok(status_of(
+        applied,
+        landlock_abi,
+        Tcp {
+            any_connect: args.any_tcp,
+            any_bind: args.any_tcp_bind,
+        },
+        capabilities,
+    ))
+}
+
+/// Which TCP walls were left open on purpose.
+#[derive(Clone, Copy, Default)]
+struct Tcp {
+    any_connect: bool,
+    any_bind: bool,
 }
 
 /// What a ruleset `applied` (or not) at `landlock_abi` enforces.
-fn status_of(applied: bool, landlock_abi: u32, any_tcp: bool, capabilities: bool) -> SandboxStatus {
+fn status_of(applied: bool, landlock_abi: u32, tcp: Tcp, capabilities: bool) -> SandboxStatus {
     let files = applied && landlock_abi >= 1;
     let mut status = SandboxStatus::default();
     status.landlock_abi = landlock_abi;
     // Below ABI 3 (Linux 6.2) truncating a file is not a right Landlock controls: any file
     // the worker may read could be emptied. The walls are up, but not all of them.
     status.filesystem = files && landlock_abi >= 3;
-    status.tcp_connect = files && !any_tcp && landlock_abi >= 4;
-    status.tcp_bind = status.tcp_connect;
+    status.tcp_connect = files && !tcp.any_connect && landlock_abi >= 4;
+    status.tcp_bind = files && !tcp.any_bind && landlock_abi >= 4;
     status.signals = files && landlock_abi >= 6;
     status.abstract_unix_sockets = files && landlock_abi >= 6;
     status.capabilities = capabilities;
@@ -297,6 +331,7 @@ pub fn template(
     read_write: &[PathBuf],
     read_only: &[PathBuf],
     tcp_connect: &[u16],
+    tcp_bind: Option<&[u16]>,
     never_connect: &[u16],
 ) -> Result<Option<Sandbox>> {
     if mode == SandboxMode::Off {
@@ -308,6 +343,7 @@ pub fn template(
     sandbox.read_write.extend(read_write.iter().cloned());
     sandbox.read_only.extend(read_only.iter().cloned());
     sandbox.tcp_connect = Some(tcp_connect.to_vec());
+    sandbox.tcp_bind = tcp_bind.map(<[u16]>::to_vec);
     sandbox.never_connect = never_connect.to_vec();
     Ok(Some(sandbox))
 }
@@ -325,16 +361,27 @@ mod tests {
 
     #[test]
     fn what_each_landlock_abi_enforces_and_file_walls_need_truncation_rights() {
-        let at = |abi| status_of(true, abi, false, true);
+        let at = |abi| status_of(true, abi, Tcp::default(), true);
         // ABI 1-2: files written, created and removed are confined, truncation is not.
         assert!(!at(1).filesystem && !at(2).filesystem);
         assert!(at(3).filesystem && !at(3).tcp_connect);
         assert!(at(4).tcp_connect && at(4).tcp_bind && !at(4).signals);
         assert!(!at(3).tcp_bind);
         assert!(at(6).signals && at(6).abstract_unix_sockets);
-        let open = status_of(true, 6, true, true);
-        assert!(!open.tcp_connect && !open.tcp_bind, "any TCP allowed");
-        let none = status_of(false, 6, false, false);
+        let any = |any_connect, any_bind| {
+            status_of(
+                true,
+                6,
+                Tcp {
+                    any_connect,
+                    any_bind,
+                },
+                true,
+            )
+        };
+        assert!(!any(true, false).tcp_connect && any(true, false).tcp_bind);
+        assert!(any(false, true).tcp_connect && !any(false, true).tcp_bind);
+        let none = status_of(false, 6, Tcp::default(), false);
         assert!(!none.filesystem && !none.tcp_connect && !none.signals && !none.capabilities);
     }
 
@@ -343,6 +390,7 @@ mod tests {
         let mut sandbox = Sandbox::new("/x/copilot-pool".into(), vec![SUBCOMMAND.into()]);
         sandbox.read_write = vec!["/a/agent".into()];
         sandbox.tcp_connect = Some(vec![443, 9000]);
+        sandbox.tcp_bind = Some(vec![5173]);
         sandbox.required = true;
         let (_, argv) = sandbox.command(Path::new("/rt/copilot"), &["--stdio".into()]);
         let cli = Cli::try_parse_from(argv).expect("the wrapper parses the library's argv");
@@ -355,6 +403,8 @@ mod tests {
         assert!(args.devices.contains(&PathBuf::from("/dev/null")));
         assert!(args.proc_files.contains(&PathBuf::from("/proc/stat")));
         assert_eq!(args.tcp_connect, [443, 9000]);
+        assert_eq!(args.tcp_bind, [5173]);
+        assert!(!args.any_tcp_bind);
         assert_eq!(args.command, ["/rt/copilot", "--stdio"].map(OsString::from));
         for flag in Sandbox::SANDBOX_ARGS {
             assert!(
@@ -382,6 +432,15 @@ mod tests {
             ]
         );
         args.any_tcp = true;
+        assert_eq!(
+            wanted_missing(&args, &status),
+            [
+                SandboxRule::TcpBind,
+                SandboxRule::Signals,
+                SandboxRule::AbstractUnixSockets
+            ]
+        );
+        args.any_tcp_bind = true;
         assert_eq!(
             wanted_missing(&args, &status),
             [SandboxRule::Signals, SandboxRule::AbstractUnixSockets]

@@ -1120,9 +1120,10 @@ impl CliLease {
     /// an allowed root). Claude Code gets each as an `image` content block of the user
     /// message; a one-shot backend after its `imageArg` (`codex-cli`: `--image=<path>`), or
     /// in its prompt (`google-gemini-cli`: `@path`, inside the working directory only). A
-    /// path that is not absolute, not named as an image, unreadable, or (Claude) not an
-    /// image by its content is refused ([`PoolError::InvalidRequest`]) before the turn
-    /// starts. [`crate::backend::image::images_of`] takes them from a message's
+    /// path that is not absolute, not named as an image, unreadable, reached through a link
+    /// (give resolved paths: the pool, unsandboxed, follows no link to an image, since the
+    /// agent may have planted it), or (Claude) not an image by its content is refused
+    /// ([`PoolError::InvalidRequest`]) before the turn starts. [`crate::backend::image::images_of`] takes them from a message's
     /// attachments.
     pub async fn start_turn_with_images(
         &mut self,

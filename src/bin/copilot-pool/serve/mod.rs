@@ -386,6 +386,7 @@ async fn sandbox_setup(
         &config.allowed_work_roots,
         &config.sandbox_read_paths,
         &config.sandbox_tcp_ports,
+        config.sandbox_tcp_bind.ports(),
         own_ports,
     )?;
     let Some(template) = template else {
