@@ -153,6 +153,55 @@ async fn ten_agents_stream_turns_at_once_and_a_tool_call_is_answered_over_http()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_token_the_api_answers_this_machines_clients_and_no_web_page() {
+    let fx = Fixture::new().await;
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+    // A client of this machine (curl, a gateway on loopback).
+    assert_eq!(call(addr, "GET", "/v1/pool", None, None).await.status, 200);
+    let local_page = send(
+        request(addr, "GET", "/v1/pool")
+            .header("origin", format!("http://localhost:{}", addr.port())),
+    )
+    .await;
+    assert_eq!(local_page.status, 200, "{}", local_page.body);
+    // A page that rebound its own name onto 127.0.0.1: the browser sends that name as Host.
+    let rebound = send(request(addr, "GET", "/v1/pool").header("host", "evil.example:7878")).await;
+    assert_eq!(rebound.status, 403, "{}", rebound.body);
+    assert!(
+        rebound.body.contains("set an API token"),
+        "{}",
+        rebound.body
+    );
+    // A cross-site request (a form or `fetch` with text/plain needs no preflight).
+    let cross_site = send(
+        request(addr, "POST", "/v1/turns")
+            .header("origin", "https://evil.example")
+            .header("content-type", "text/plain")
+            .body(json!({"agent_id": "a", "session_key": "k", "prompt": "hi"}).to_string()),
+    )
+    .await;
+    assert_eq!(cross_site.status, 403, "{}", cross_site.body);
+    // The open routes stay open.
+    let health = send(request(addr, "GET", "/healthz").header("host", "evil.example")).await;
+    assert_eq!(health.status, 200);
+    server.stop().await;
+
+    // An empty token would match a request without one: refused as a misconfiguration.
+    let mut config = ApiConfig::default();
+    config.api_token = Some(Secret::new(""));
+    let server = InProcess::start(fx.config().await, config).await;
+    let empty = call(server.addr, "GET", "/v1/pool", None, None).await;
+    assert_eq!(empty.status, 500, "{}", empty.body);
+    assert!(
+        empty.body.contains("the API token is empty"),
+        "{}",
+        empty.body
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();

@@ -94,8 +94,10 @@ impl std::fmt::Debug for MetricsRender {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ApiConfig {
-    /// Bearer token every `/v1` call must carry; `None` leaves `/v1` open (listen on
-    /// loopback only then).
+    /// Bearer token every `/v1` call must carry; `None` leaves `/v1` to this machine's
+    /// clients: a request must name `localhost`, `127.x.y.z` or `[::1]` as its host and carry
+    /// no `Origin` of another host (no web page can drive it; listen on loopback only then).
+    /// An empty token is refused as a misconfiguration (every `/v1` call answers 500).
     pub api_token: Option<Secret>,
     /// The timeouts of every turn (a request's `timeout_ms` overrides the absolute one).
     pub timeouts: TurnTimeouts,
