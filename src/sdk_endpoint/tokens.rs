@@ -20,6 +20,17 @@ pub enum TokenError {
         /// The agent it was given for.
         agent: String,
     },
+    /// The hash of the empty string: the hash `printf %s "$TOKEN" | sha256sum` prints with
+    /// `$TOKEN` unset, which a client sending no token at all would match.
+    #[error(
+        "the token hash for agent {agent:?} is the SHA-256 of an empty token (was $TOKEN unset \
+         when it was computed?), which a client sending no token would match; give the agent \
+         a real token and list its hash"
+    )]
+    EmptyToken {
+        /// The agent it was given for.
+        agent: String,
+    },
     /// The agent id is not valid.
     #[error("connection token for agent {agent:?}: {reason}")]
     BadAgent {
@@ -75,6 +86,11 @@ impl AgentTokens {
                 agent: agent.to_owned(),
             });
         }
+        if hash == self::sha256_hex("") {
+            return Err(TokenError::EmptyToken {
+                agent: agent.to_owned(),
+            });
+        }
         if let Some(first) = self.by_hash.get(&hash)
             && first != agent
         {
@@ -92,8 +108,11 @@ impl AgentTokens {
         self.add_hash(agent, &sha256_hex(token.expose()))
     }
 
-    /// The agent a presented token names, if any.
+    /// The agent a presented token names, if any (an empty token names none).
     pub fn agent_for(&self, token: &str) -> Option<&str> {
+        if token.is_empty() {
+            return None;
+        }
         self.by_hash.get(&sha256_hex(token)).map(String::as_str)
     }
 
@@ -128,6 +147,16 @@ mod tests {
             .add_hash("agent-b", &sha256_hex("tok-b").to_ascii_uppercase())
             .unwrap();
         assert_eq!(tokens.agent_for("tok-a"), Some("agent-a"));
+        // The hash of an empty token (`$TOKEN` unset when it was computed) is refused: a
+        // client sending no token would match it.
+        for hash in [sha256_hex(""), sha256_hex("").to_ascii_uppercase()] {
+            assert!(matches!(
+                tokens.add_hash("agent-c", &hash),
+                Err(TokenError::EmptyToken { .. })
+            ));
+        }
+        assert!(tokens.add_token("agent-c", &Secret::new("")).is_err());
+        assert_eq!(tokens.agent_for(""), None);
         assert_eq!(tokens.agent_for("tok-b"), Some("agent-b"));
         assert_eq!(tokens.agent_for("tok-c"), None);
         assert_eq!(tokens.agent_for(""), None);
