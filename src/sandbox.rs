@@ -207,6 +207,21 @@ impl Sandbox {
         })
     }
 
+    /// The directory of this sandbox that every worker may read (the system directories,
+    /// `read_exec`, `read_only`, the devices, and `read_write` as far as it is shared: the
+    /// daemon's `allowed_work_roots`) under which `path` lies, if any. What the daemon keeps
+    /// from its agents (its state, the agents' homes, the transcripts, the API token) must
+    /// lie under none. Compares the paths as given: resolve both first.
+    pub fn shared_root_of(&self, path: &Path) -> Option<&Path> {
+        self.read_exec
+            .iter()
+            .chain(&self.read_only)
+            .chain(&self.devices)
+            .chain(&self.read_write)
+            .map(PathBuf::as_path)
+            .find(|root| path.starts_with(root))
+    }
+
     /// The TCP ports the wrapper allows: `tcp_connect` without `never_connect`, sorted, each
     /// once (`None`: unrestricted).
     pub fn allowed_ports(&self) -> Option<Vec<u16>> {
@@ -663,6 +678,23 @@ mod tests {
         assert_eq!(url_port("http://[::1]/v1"), Some(80));
         assert_eq!(url_port("file:///etc/passwd"), None);
         assert_eq!(url_port("http://host:notaport/"), None);
+    }
+
+    #[test]
+    fn what_every_worker_may_read_is_found_above_a_path() {
+        let mut s = sandbox();
+        s.read_only.push("/srv/shared".into());
+        s.read_write.push("/work/roots".into());
+        let root = |p: &str| s.shared_root_of(Path::new(p)).map(Path::to_path_buf);
+        assert_eq!(root("/opt/copilot-pool/state"), Some("/opt".into()));
+        assert_eq!(root("/etc/copilot-pool/token"), Some("/etc".into()));
+        assert_eq!(root("/srv/shared/agents"), Some("/srv/shared".into()));
+        assert_eq!(root("/work/roots/team/state"), Some("/work/roots".into()));
+        assert_eq!(root("/var/lib/copilot-pool"), None);
+        assert_eq!(root("/run/copilot-pool/token"), None);
+        // Components, not prefixes of names.
+        assert_eq!(root("/optional/state"), None);
+        assert_eq!(root("/srv/shared-not/x"), None);
     }
 
     #[test]

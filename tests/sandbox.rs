@@ -315,6 +315,64 @@ async fn with_the_sandbox_off_serve_refuses_to_start_without_an_api_token() {
     );
 }
 
+#[tokio::test]
+async fn serve_refuses_to_keep_its_state_or_token_where_every_agent_may_read() {
+    let scratch = support::Scratch::new();
+    let shared = scratch.path().join("shared");
+    std::fs::create_dir_all(&shared).expect("shared");
+    let token_file = shared.join("api-token");
+    std::fs::write(&token_file, "a-token").expect("token");
+    std::fs::set_permissions(
+        &token_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .expect("chmod");
+    let config = scratch.path().join("serve.toml");
+    std::fs::write(
+        &config,
+        format!("sandbox_read_paths = [\"{}\"]\n", shared.display()),
+    )
+    .expect("config");
+    let serve = |extra: Vec<std::ffi::OsString>| {
+        let config = config.clone();
+        let home = scratch.path().join("pool-home");
+        async move {
+            let runtime = support::runtime::runtime_path().await;
+            tokio::time::timeout(
+                std::time::Duration::from_secs(60),
+                tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+                    .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+                    .arg(&config)
+                    .args(extra)
+                    .env("COPILOT_CLI_PATH", runtime)
+                    .env("COPILOT_POOL_HOME", home)
+                    .env("COPILOT_POOL_API_TOKEN", "a-token")
+                    .kill_on_drop(true)
+                    .output(),
+            )
+            .await
+            .expect("serve exits")
+            .expect("serve runs")
+        }
+    };
+    // The state directory below a directory every agent may read (through a link too).
+    std::os::unix::fs::symlink(&shared, scratch.path().join("linked")).expect("link");
+    for state in [shared.join("state"), scratch.path().join("linked/state")] {
+        let output = serve(vec!["--state-dir".into(), state.into()]).await;
+        assert!(!output.status.success());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("state_dir") && stderr.contains("which every sandboxed agent may read"),
+            "{stderr}"
+        );
+    }
+    // The API token's file there.
+    let output = serve(vec!["--api-token-file".into(), token_file.into()]).await;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("api_token_file"), "{stderr}");
+}
+
 /// Runs `node` inside `copilot-pool sandbox-exec <rules>`, listening on port 0 and then on
 /// `fixed`; returns its `ephemeral=<ok|code> fixed=<ok|code>` line.
 async fn binds_in_the_wrapper(rules: &[&str], fixed: u16) -> String {

@@ -348,6 +348,57 @@ pub fn template(
     Ok(Some(sandbox))
 }
 
+/// Refuses what the daemon keeps from its agents when it lies where every sandboxed worker
+/// may read it: `places` (a name for the message, and the path) under a system directory,
+/// `sandbox_read_paths` or `allowed_work_roots` of `template`, both sides resolved.
+pub fn refuse_shared_places(template: &Sandbox, places: &[(&str, &Path)]) -> Result<()> {
+    let mut resolved = template.clone();
+    for list in [
+        &mut resolved.read_exec,
+        &mut resolved.read_only,
+        &mut resolved.devices,
+        &mut resolved.read_write,
+    ] {
+        for root in list.iter_mut() {
+            *root = resolve_existing_part(root);
+        }
+    }
+    for (name, path) in places {
+        let place = resolve_existing_part(path);
+        if let Some(root) = resolved.shared_root_of(&place) {
+            bail!(
+                "{name} {} lies under {}, which every sandboxed agent may read (a system \
+                 directory, sandbox_read_paths or allowed_work_roots): put it elsewhere (the \
+                 defaults live under $COPILOT_POOL_HOME; the API token belongs in a file such \
+                 as /run/copilot-pool/api-token)",
+                place.display(),
+                root.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `path` made absolute with its longest existing part resolved (links, `..`), the rest
+/// appended as given: a place not created yet is judged by where it will be.
+fn resolve_existing_part(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(resolved) = existing.canonicalize() {
+            return rest.iter().rev().fold(resolved, |p, name| p.join(name));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                existing = parent;
+            }
+            _ => return absolute,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -189,6 +189,9 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     }
     api_config.sandbox = Some(sandbox_status);
     let mut pool_config = config.pool_config(located.path.clone())?;
+    if let Some(template) = &sandbox {
+        refuse_shared_places(&args, &config, &pool_config, template)?;
+    }
     pool_config.worker.sandbox = sandbox;
     pool_config.worker.group_ledger = Some(take_over(&pool_config.state_dir).await?);
     let pool = Pool::start(pool_config).await?;
@@ -431,6 +434,36 @@ async fn sandbox_setup(
         );
     }
     Ok((Some(template), status))
+}
+
+/// Refuses to start when the daemon's state, the agents' homes, the transcripts or the
+/// API token's file lie where every sandboxed agent may read them.
+fn refuse_shared_places(
+    args: &ServeArgs,
+    config: &ServeConfig,
+    pool_config: &copilot_pool::pool::PoolConfig,
+    template: &Sandbox,
+) -> Result<()> {
+    let mut places: Vec<(&str, &std::path::Path)> = vec![
+        ("state_dir", pool_config.state_dir.as_path()),
+        ("agents_dir", pool_config.agents_base_dir.as_path()),
+    ];
+    if let Some(dir) = &config.turns.transcript_dir {
+        places.push(("turns.transcript_dir", dir));
+    }
+    if let Some(file) = &args.api_token_file {
+        places.push(("api_token_file", file));
+    }
+    let token_in_file = args.api_token_file.is_none()
+        && args
+            .config
+            .as_deref()
+            .and_then(|path| ServeConfig::load(Some(path)).ok())
+            .is_some_and(|file| file.api_token.is_some());
+    if token_in_file && let Some(file) = &args.config {
+        places.push(("the config file (it holds api_token)", file));
+    }
+    crate::sandbox::refuse_shared_places(template, &places)
 }
 
 /// Why the daemon refuses to start without an API token when its workers could reach it.
