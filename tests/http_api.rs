@@ -159,12 +159,10 @@ async fn without_a_token_the_api_answers_this_machines_clients_and_no_web_page()
     let addr = server.addr;
     // A client of this machine (curl, a gateway on loopback).
     assert_eq!(call(addr, "GET", "/v1/pool", None, None).await.status, 200);
-    let local_page = send(
-        request(addr, "GET", "/v1/pool")
-            .header("origin", format!("http://localhost:{}", addr.port())),
-    )
-    .await;
-    assert_eq!(local_page.status, 200, "{}", local_page.body);
+    // A page another local server serves (an agent's dev server on an ephemeral port).
+    let local_page =
+        send(request(addr, "GET", "/v1/pool").header("origin", "http://127.0.0.1:41234")).await;
+    assert_eq!(local_page.status, 403, "{}", local_page.body);
     // A page that rebound its own name onto 127.0.0.1: the browser sends that name as Host.
     let rebound = send(request(addr, "GET", "/v1/pool").header("host", "evil.example:7878")).await;
     assert_eq!(rebound.status, 403, "{}", rebound.body);
@@ -198,6 +196,15 @@ async fn without_a_token_the_api_answers_this_machines_clients_and_no_web_page()
         "{}",
         empty.body
     );
+    server.stop().await;
+
+    // An app that authenticates before the router lets anyone through.
+    let mut config = ApiConfig::default();
+    config.tokenless_access = http::TokenlessAccess::Anyone;
+    let server = InProcess::start(fx.config().await, config).await;
+    let behind_an_app =
+        send(request(server.addr, "GET", "/v1/pool").header("host", "gateway.example")).await;
+    assert_eq!(behind_an_app.status, 200, "{}", behind_an_app.body);
     server.stop().await;
 }
 

@@ -333,8 +333,7 @@ async fn serve_refuses_to_keep_its_state_or_token_where_every_agent_may_read() {
         format!("sandbox_read_paths = [\"{}\"]\n", shared.display()),
     )
     .expect("config");
-    let serve = |extra: Vec<std::ffi::OsString>| {
-        let config = config.clone();
+    let serve = |config: std::path::PathBuf, extra: Vec<std::ffi::OsString>| {
         let home = scratch.path().join("pool-home");
         async move {
             let runtime = support::runtime::runtime_path().await;
@@ -358,7 +357,7 @@ async fn serve_refuses_to_keep_its_state_or_token_where_every_agent_may_read() {
     // The state directory below a directory every agent may read (through a link too).
     std::os::unix::fs::symlink(&shared, scratch.path().join("linked")).expect("link");
     for state in [shared.join("state"), scratch.path().join("linked/state")] {
-        let output = serve(vec!["--state-dir".into(), state.into()]).await;
+        let output = serve(config.clone(), vec!["--state-dir".into(), state.into()]).await;
         assert!(!output.status.success());
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(
@@ -367,10 +366,72 @@ async fn serve_refuses_to_keep_its_state_or_token_where_every_agent_may_read() {
         );
     }
     // The API token's file there.
-    let output = serve(vec!["--api-token-file".into(), token_file.into()]).await;
+    let output = serve(
+        config.clone(),
+        vec!["--api-token-file".into(), token_file.into()],
+    )
+    .await;
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("api_token_file"), "{stderr}");
+
+    // A config file there that holds the token is refused; one without it (the container
+    // image's `/etc/copilot-pool/serve.toml`, the token in the environment) is not.
+    let shared_config = shared.join("serve.toml");
+    let with_token = format!(
+        "sandbox_read_paths = [\"{}\"]\napi_token = \"a-token\"\n",
+        shared.display()
+    );
+    std::fs::write(&shared_config, with_token).expect("config");
+    std::fs::set_permissions(
+        &shared_config,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .expect("chmod");
+    let output = serve(shared_config.clone(), vec![]).await;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("the config file (it holds api_token)"),
+        "{stderr}"
+    );
+    std::fs::write(
+        &shared_config,
+        format!("sandbox_read_paths = [\"{}\"]\n", shared.display()),
+    )
+    .expect("config");
+    let mut daemon = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&shared_config)
+        .env("COPILOT_CLI_PATH", support::runtime::runtime_path().await)
+        .env("COPILOT_POOL_HOME", scratch.path().join("pool-home"))
+        .env("COPILOT_POOL_API_TOKEN", "a-token")
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("serve");
+    let stdout = daemon.stdout.take().expect("stdout");
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+    let up = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.starts_with("listening on") {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(
+        up,
+        Ok(true),
+        "serve did not start with its config in a shared place"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(daemon.id().expect("pid") as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    assert!(daemon.wait().await.expect("exit").success());
 }
 
 /// Runs `node` inside `copilot-pool sandbox-exec <rules>`, listening on port 0 and then on

@@ -1,7 +1,8 @@
 //! Who may call `/v1`: with a token, a request carrying it (compared in constant time, the
-//! scheme in any case); without one, only this machine's own clients: the request names a
-//! loopback host and comes from no web page of another origin, so a page the operator opens
-//! cannot drive the API (a cross-site request, or DNS rebinding a name onto 127.0.0.1).
+//! scheme in any case); without one, by default only this machine's own clients: the request
+//! names a loopback host and comes from no web page (no `Origin`: the API serves no page),
+//! so a page the operator opens cannot drive the API (a cross-site request, a page another
+//! local server serves, or DNS rebinding a name onto 127.0.0.1).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -15,8 +16,19 @@ use sha2::{Digest, Sha256};
 use super::AppState;
 use super::error::error;
 
+/// Who may call `/v1` when no API token is set ([`super::ApiConfig::tokenless_access`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum TokenlessAccess {
+    /// This machine's clients only: a loopback `Host` and no `Origin` (the default).
+    #[default]
+    ThisMachine,
+    /// Anyone: the embedding app authenticates every request before it reaches the router.
+    Anyone,
+}
+
 /// Lets a `/v1` request through when it carries the configured token, or, with none set,
-/// when it comes from this machine ([`from_this_machine`]).
+/// as [`TokenlessAccess`] says ([`from_this_machine`] by default).
 pub(super) async fn require_token(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -46,21 +58,22 @@ pub(super) async fn require_token(
                 );
             }
         }
+        None if state.config.tokenless_access == TokenlessAccess::Anyone => {}
         None => {
-            let host = headers
-                .get(header::HOST)
-                .and_then(|v| v.to_str().ok())
-                .or_else(|| request.uri().authority().map(|a| a.as_str()));
-            let origin = headers
-                .get(header::ORIGIN)
-                .map(|v| v.to_str().unwrap_or(""));
-            if !from_this_machine(host, origin) {
+            // An absolute-form target's authority is the request's host (RFC 9112 §3.2.2).
+            let host = request
+                .uri()
+                .authority()
+                .map(|a| a.as_str())
+                .or_else(|| headers.get(header::HOST).and_then(|v| v.to_str().ok()));
+            let from_a_page = headers.contains_key(header::ORIGIN);
+            if !from_this_machine(host, from_a_page) {
                 return error(
                     StatusCode::FORBIDDEN,
                     "forbidden",
                     "without an API token the API answers this machine's clients only: the \
                      request must name localhost, 127.0.0.1 or [::1] as its host and come from \
-                     no web page of another origin; set an API token to call it otherwise",
+                     no web page (no Origin header); set an API token to call it otherwise",
                 );
             }
         }
@@ -68,21 +81,13 @@ pub(super) async fn require_token(
     next.run(request).await
 }
 
-/// Whether a request without a token may pass: its host (`Host`, else the URI's authority)
-/// is a loopback name or address, and its `Origin`, if any, is an `http` origin on one.
-/// A browser sends `Origin` with a cross-site request and the page's own host as `Host`
-/// after DNS rebinding, so neither reaches the API.
-fn from_this_machine(host: Option<&str>, origin: Option<&str>) -> bool {
-    let Some(host) = host else {
-        return false;
-    };
-    let origin_ok = match origin {
-        None => true,
-        Some(origin) => origin
-            .strip_prefix("http://")
-            .is_some_and(|rest| !rest.contains('/') && is_loopback_authority(rest)),
-    };
-    is_loopback_authority(host) && origin_ok
+/// Whether a request without a token may pass: its host is a loopback name or address and
+/// it comes from no web page (`from_a_page`: it has an `Origin`). A browser sends `Origin`
+/// with a cross-site request (also from a page another local server serves, on another
+/// port), and the page's own name as `Host` after DNS rebinding: neither reaches the API,
+/// which serves no page of its own.
+fn from_this_machine(host: Option<&str>, from_a_page: bool) -> bool {
+    host.is_some_and(is_loopback_authority) && !from_a_page
 }
 
 /// `localhost`, `127.x.y.z` or `[::1]`, with or without a port.
@@ -153,11 +158,9 @@ mod tests {
             "[::1]:7878",
             "127.1.2.3",
         ] {
-            assert!(from_this_machine(Some(host), None), "{host}");
-            assert!(
-                from_this_machine(Some(host), Some("http://127.0.0.1:7878")),
-                "{host}"
-            );
+            assert!(from_this_machine(Some(host), false), "{host}");
+            // Any web page, a local one on another port included.
+            assert!(!from_this_machine(Some(host), true), "{host}");
         }
         // DNS rebinding: the page's own name, resolved to 127.0.0.1.
         for host in [
@@ -165,28 +168,16 @@ mod tests {
             "evil.example",
             "10.0.0.1:7878",
             "[::2]",
+            "[::ffff:127.0.0.1]",
+            "0.0.0.0",
             "localhost.evil.example",
             "127.0.0.1:port",
             "[::1]x",
             "",
         ] {
-            assert!(!from_this_machine(Some(host), None), "{host}");
+            assert!(!from_this_machine(Some(host), false), "{host}");
         }
-        assert!(!from_this_machine(None, None));
-        // A web page of another origin (a cross-site request keeps the target's Host).
-        for origin in [
-            "https://evil.example",
-            "http://evil.example:7878",
-            "null",
-            "",
-            "http://127.0.0.1/x",
-            "https://localhost",
-        ] {
-            assert!(
-                !from_this_machine(Some("127.0.0.1:7878"), Some(origin)),
-                "{origin}"
-            );
-        }
+        assert!(!from_this_machine(None, false));
     }
 
     #[test]

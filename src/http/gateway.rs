@@ -46,6 +46,7 @@ use crate::turn::{Answer, GatewayTool, Question, ToolCall, TurnHooks, UserInputH
         (status = 204, description = "Answered"),
         (status = 400, description = "Not JSON, or not the shape of the request's kind (`bad_request`, `bad_body`); the message shows the shape", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
         (status = 404, description = "No pending request with this id: answered already, or its turn ended (`not_found`)", body = ErrorBody),
         (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
         (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),

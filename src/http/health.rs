@@ -98,6 +98,7 @@ struct PoolAnswer {
     responses(
         (status = 200, description = "The pool now", body = PoolAnswer),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
         (status = 503, description = "The pool is closed (`pool_closed`), or `too_many_connections`", body = ErrorBody),
     ),
     security((), ("api_token" = [])),

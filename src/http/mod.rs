@@ -12,6 +12,9 @@
 //! let app = axum::Router::new()
 //!     .route("/", axum::routing::get(|| async { "the gateway" }))
 //!     .nest("/pool", http::router(pool, ApiConfig::default()));
+//! // Without an API token, the router answers `/v1` for this machine's clients only (a
+//! // loopback `Host`, no `Origin`); an app that authenticates every request before it
+//! // reaches the router says so with `TokenlessAccess::Anyone`.
 //! # let _ = app;
 //! # }
 //! ```
@@ -22,7 +25,8 @@
 //!
 //! - `attachments` — a turn's attachments: paths confined to the agent's work directory or
 //!   the allowed roots, inline content checked and written into the work directory.
-//! - `auth` — the bearer token on `/v1`.
+//! - `auth` — who may call `/v1`: the bearer token, or without one this machine's clients
+//!   ([`TokenlessAccess`]).
 //! - `body` — reading and parsing request bodies into lease requests.
 //! - `error` — `{code, message}` answers and the status of each pool error kind.
 //! - `events` — the SSE events of a turn, typed (what the document shows is what is sent).
@@ -64,6 +68,7 @@ use crate::secret::Secret;
 use crate::turn::{TranscriptSettings, TurnTimeouts};
 
 pub use attachments::AttachmentLimits;
+pub use auth::TokenlessAccess;
 pub(crate) use body::fuzz_request_bodies;
 pub use listener::{ConnectionLimits, serve};
 pub use openapi::{document as openapi_document, document_json as openapi_json};
@@ -94,11 +99,15 @@ impl std::fmt::Debug for MetricsRender {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ApiConfig {
-    /// Bearer token every `/v1` call must carry; `None` leaves `/v1` to this machine's
-    /// clients: a request must name `localhost`, `127.x.y.z` or `[::1]` as its host and carry
-    /// no `Origin` of another host (no web page can drive it; listen on loopback only then).
-    /// An empty token is refused as a misconfiguration (every `/v1` call answers 500).
+    /// Bearer token every `/v1` call must carry; `None` leaves `/v1` to whom
+    /// [`ApiConfig::tokenless_access`] says. An empty token is refused as a misconfiguration
+    /// (every `/v1` call answers 500).
     pub api_token: Option<Secret>,
+    /// Who may call `/v1` without a token (when `api_token` is `None`): this machine's
+    /// clients only (the default: a request must name `localhost`, `127.x.y.z` or `[::1]` as
+    /// its host and carry no `Origin`, so no web page can drive it), or anyone (an embedding
+    /// app that authenticates every request before it reaches the router).
+    pub tokenless_access: TokenlessAccess,
     /// The timeouts of every turn (a request's `timeout_ms` overrides the absolute one).
     pub timeouts: TurnTimeouts,
     /// Mirror every conversation's transcript, if set.
@@ -139,6 +148,7 @@ impl Default for ApiConfig {
     fn default() -> Self {
         Self {
             api_token: None,
+            tokenless_access: TokenlessAccess::ThisMachine,
             timeouts: TurnTimeouts::default(),
             transcript: None,
             max_body_bytes: 1 << 20,

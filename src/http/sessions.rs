@@ -40,6 +40,7 @@ pub(super) struct ConversationPath {
     responses(
         (status = 204, description = "The running turn was aborted"),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
         (status = 404, description = "No running turn for this conversation (`not_found`)", body = ErrorBody),
         (status = 500, description = "A fault of the daemon (`internal`)", body = ErrorBody),
         (status = 503, description = "The pool is shutting down (`draining`), or `too_many_connections`", body = ErrorBody),
@@ -123,6 +124,7 @@ async fn existing_lease(
         (status = 200, description = "Compacted", body = CompactResult),
         (status = 400, description = "The body or a field is wrong (`bad_request`, `bad_body`); the message names it", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
         (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
         (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
         (status = 404, description = "No such conversation: it never ran a turn, or was reset (`not_found`)", body = ErrorBody),
@@ -191,6 +193,7 @@ pub(super) struct ResetQuery {
         (status = 204, description = "Reset"),
         (status = 400, description = "The body or a field is wrong (`bad_request`, `bad_body`); the message names it", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
         (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
         (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
         (status = 404, description = "No such conversation: it never ran a turn, or was reset (`not_found`)", body = ErrorBody),

@@ -66,6 +66,7 @@ pub(super) struct TurnQuery {
             )),
         (status = 400, description = "The body or a field is wrong (`bad_request`, `bad_body`); the message names it", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
+        (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
         (status = 404, description = "A named resource does not exist (`not_found`)", body = ErrorBody),
         (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
         (status = 409, description = "The conversation runs another turn (`busy`), or its CLI backend's stored session has no transcript left (`transcript_missing`)", body = ErrorBody),

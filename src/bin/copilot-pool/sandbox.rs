@@ -380,23 +380,29 @@ pub fn refuse_shared_places(template: &Sandbox, places: &[(&str, &Path)]) -> Res
 }
 
 /// `path` made absolute with its longest existing part resolved (links, `..`), the rest
-/// appended as given: a place not created yet is judged by where it will be.
+/// appended with its `..` taken back lexically (as creating it would): a place not created
+/// yet is judged by where it will be.
 fn resolve_existing_part(path: &Path) -> PathBuf {
+    use std::path::Component;
     let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    let mut existing = absolute.as_path();
-    let mut rest = Vec::new();
-    loop {
-        if let Ok(resolved) = existing.canonicalize() {
-            return rest.iter().rev().fold(resolved, |p, name| p.join(name));
-        }
-        match (existing.parent(), existing.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_owned());
-                existing = parent;
+    let components: Vec<Component> = absolute.components().collect();
+    for split in (1..=components.len()).rev() {
+        let existing: PathBuf = components[..split].iter().collect();
+        let Ok(mut resolved) = existing.canonicalize() else {
+            continue;
+        };
+        for component in &components[split..] {
+            match component {
+                Component::ParentDir => {
+                    resolved.pop();
+                }
+                Component::Normal(name) => resolved.push(name),
+                _ => {}
             }
-            _ => return absolute,
         }
+        return resolved;
     }
+    absolute
 }
 
 #[cfg(test)]
@@ -434,6 +440,23 @@ mod tests {
         assert!(any(false, true).tcp_connect && !any(false, true).tcp_bind);
         let none = status_of(false, 6, Tcp::default(), false);
         assert!(!none.filesystem && !none.tcp_connect && !none.signals && !none.capabilities);
+    }
+
+    #[test]
+    fn a_place_not_made_yet_is_judged_by_where_it_will_be() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().canonicalize().expect("resolve");
+        std::fs::create_dir(root.join("real")).expect("mkdir");
+        std::os::unix::fs::symlink(root.join("real"), root.join("link")).expect("link");
+        assert_eq!(
+            resolve_existing_part(&root.join("link/new/state")),
+            root.join("real/new/state")
+        );
+        assert_eq!(
+            resolve_existing_part(&root.join("missing/a/../../opt/x")),
+            root.join("opt/x")
+        );
+        assert_eq!(resolve_existing_part(&root.join("link")), root.join("real"));
     }
 
     #[test]

@@ -190,7 +190,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     api_config.sandbox = Some(sandbox_status);
     let mut pool_config = config.pool_config(located.path.clone())?;
     if let Some(template) = &sandbox {
-        refuse_shared_places(&args, &config, &pool_config, template)?;
+        refuse_shared_places(&args, &config, &pool_config, template, &located.path)?;
     }
     pool_config.worker.sandbox = sandbox;
     pool_config.worker.group_ledger = Some(take_over(&pool_config.state_dir).await?);
@@ -443,6 +443,7 @@ fn refuse_shared_places(
     config: &ServeConfig,
     pool_config: &copilot_pool::pool::PoolConfig,
     template: &Sandbox,
+    runtime: &std::path::Path,
 ) -> Result<()> {
     let mut places: Vec<(&str, &std::path::Path)> = vec![
         ("state_dir", pool_config.state_dir.as_path()),
@@ -454,16 +455,24 @@ fn refuse_shared_places(
     if let Some(file) = &args.api_token_file {
         places.push(("api_token_file", file));
     }
-    let token_in_file = args.api_token_file.is_none()
-        && args
-            .config
-            .as_deref()
-            .and_then(|path| ServeConfig::load(Some(path)).ok())
-            .is_some_and(|file| file.api_token.is_some());
+    // The file's own text decides (`ServeConfig::load` also fills the token from the
+    // environment).
+    let token_in_file = args.config.as_deref().is_some_and(|path| {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|text| toml::from_str::<ServeConfig>(&text).ok())
+            .and_then(|file| file.api_token)
+            .is_some_and(|token| !token.expose().is_empty())
+    });
     if token_in_file && let Some(file) = &args.config {
         places.push(("the config file (it holds api_token)", file));
     }
-    crate::sandbox::refuse_shared_places(template, &places)
+    // What every worker may read includes the runtime's install, added at each spawn.
+    let mut template = template.clone();
+    template
+        .read_exec
+        .push(copilot_pool::sandbox::install_root(runtime));
+    crate::sandbox::refuse_shared_places(&template, &places)
 }
 
 /// Why the daemon refuses to start without an API token when its workers could reach it.
