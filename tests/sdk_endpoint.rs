@@ -156,6 +156,63 @@ async fn a_call_before_connect_is_minus_32001_and_a_wrong_token_minus_32002() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_never_authenticate_cannot_take_every_connection_from_the_agents() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut tokens = AgentTokens::new();
+    tokens
+        .add_token("agent-a", &Secret::new("token-a"))
+        .expect("token a");
+    let mut config = SdkConfig::new(tokens);
+    config.max_connections = 8;
+    config.max_unauthenticated_connections = 2;
+    let endpoint = SdkEndpoint::new(pool.clone(), config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, mut stopped) = watch::channel(false);
+    let server = tokio::spawn(async move {
+        sdk_endpoint::serve_tcp(&endpoint, listener, async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })
+        .await;
+    });
+    // Two clients that have not authenticated hold both of their slots: a third is closed.
+    let first = raw_client(addr).await;
+    let second = raw_client(addr).await;
+    let third = raw_client(addr).await;
+    let refused = third
+        .request("connect", json!({"token": "token-a"}), None)
+        .await;
+    assert!(
+        matches!(refused, Err(RpcError::Closed { .. })),
+        "{refused:?}"
+    );
+    // An authenticated client gives its slot back: the next one gets in.
+    first
+        .request("connect", json!({"token": "token-a"}), None)
+        .await
+        .expect("connect");
+    let fourth = raw_client(addr).await;
+    fourth
+        .request("connect", json!({"token": "token-a"}), None)
+        .await
+        .expect("a slot was given back");
+    second
+        .request("connect", json!({"token": "token-a"}), None)
+        .await
+        .expect("connect");
+    first.request("ping", json!({}), None).await.expect("ping");
+    stop.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(20), server)
+        .await
+        .expect("the listener stops")
+        .expect("listener task");
+    pool.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_ping_and_status_answer_protocol_3_and_the_pools_version() {
     let fx = Fixture::new().await;
     let served = Served::start(&fx).await;

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::{Value, json};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use crate::rpc::connection::{
     CloseCause, Connection, ConnectionOptions, ErrorObject, INTERNAL_ERROR, INVALID_PARAMS,
@@ -61,6 +61,8 @@ struct Client {
     conn: Connection,
     /// The agent, once `connect` succeeded.
     agent: OnceLock<String>,
+    /// The slot among the connections not authenticated yet, given back at `connect`.
+    unauthenticated: Mutex<Option<OwnedSemaphorePermit>>,
     /// Sessions opened on this connection, by SDK session id.
     sessions: Mutex<HashMap<String, Arc<SdkSession>>>,
     /// The session used last, whose process answers calls that name no session.
@@ -69,8 +71,12 @@ struct Client {
 
 /// Serves one accepted client until it leaves or the listener stops; then aborts its turns
 /// and lets go of its sessions.
-pub(super) async fn run<S>(shared: Arc<Shared>, stream: S, mut stop: watch::Receiver<bool>)
-where
+pub(super) async fn run<S>(
+    shared: Arc<Shared>,
+    stream: S,
+    mut stop: watch::Receiver<bool>,
+    unauthenticated: OwnedSemaphorePermit,
+) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     crate::metrics::sdk_connection_opened();
@@ -94,6 +100,7 @@ where
         shared: shared.clone(),
         conn: conn.clone(),
         agent: OnceLock::new(),
+        unauthenticated: Mutex::new(Some(unauthenticated)),
         sessions: Mutex::new(HashMap::new()),
         last: Mutex::new(None),
     });
@@ -188,6 +195,9 @@ impl Client {
             ));
         };
         let _ = self.agent.set(agent.to_owned());
+        if let Ok(mut slot) = self.unauthenticated.lock() {
+            slot.take();
+        }
         self.conn.lift_read_limit();
         tracing::info!(agent, "An SDK client connected.");
         Ok(self.connect_answer())

@@ -1,5 +1,6 @@
-//! Accepting SDK clients on a TCP or Unix-socket listener: the connection cap (a connection
-//! over it is closed at once, unread, and counted), and the stop (no more accepts; every
+//! Accepting SDK clients on a TCP or Unix-socket listener: the connection caps (all
+//! connections, and those not authenticated yet; a connection over either is closed at
+//! once, unread, and counted), and the stop (no more accepts; every
 //! open connection is closed, its turns aborted and its sessions parked, before the call
 //! returns).
 
@@ -58,6 +59,8 @@ where
     let shared = endpoint.shared.clone();
     let max = shared.config.max_connections;
     let permits = Arc::new(Semaphore::new(max));
+    let max_unauthenticated = shared.config.max_unauthenticated_connections.max(1);
+    let unauthenticated_permits = Arc::new(Semaphore::new(max_unauthenticated));
     let (stop_tx, stop) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
     let mut refused: u64 = 0;
@@ -75,6 +78,21 @@ where
                     () = shutdown.as_mut() => break,
                 }
             }
+        };
+        let Ok(unauthenticated) = unauthenticated_permits.clone().try_acquire_owned() else {
+            refused += 1;
+            crate::metrics::sdk_connection(crate::metrics::SdkConnection::Refused);
+            if refused == 1 || refused.is_multiple_of(1024) {
+                tracing::warn!(
+                    refused,
+                    max_unauthenticated_connections = max_unauthenticated,
+                    "SDK connections that have not authenticated yet are over \
+                     max_unauthenticated_connections: new ones are closed at once until some \
+                     authenticate or time out (connect_timeout)."
+                );
+            }
+            drop(stream);
+            continue;
         };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             refused += 1;
@@ -94,7 +112,7 @@ where
         let shared = shared.clone();
         let stop = stop.clone();
         tokio::spawn(async move {
-            connection::run(shared, stream, stop).await;
+            connection::run(shared, stream, stop, unauthenticated).await;
             drop(permit);
         });
     }

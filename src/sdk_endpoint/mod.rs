@@ -52,6 +52,11 @@ pub struct SdkConfig {
     pub tokens: AgentTokens,
     /// Open client connections at most (default 1024); one more is closed at once.
     pub max_connections: usize,
+    /// Of those, connections that have not authenticated yet (`connect`) at most (default
+    /// 64); one more is closed at once. A client that never authenticates holds its slot for
+    /// `connect_timeout`: this keeps such clients from taking every connection from the
+    /// agents.
+    pub max_unauthenticated_connections: usize,
     /// A client must have authenticated (`connect`) this long after its connection was
     /// accepted (default 10 s), else the connection is closed.
     pub connect_timeout: Duration,
@@ -87,6 +92,7 @@ impl SdkConfig {
         Self {
             tokens,
             max_connections: 1024,
+            max_unauthenticated_connections: 64,
             connect_timeout: Duration::from_secs(10),
             request_timeout: Duration::from_secs(60),
             client_request_timeout: Duration::from_secs(600),

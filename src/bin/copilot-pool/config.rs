@@ -231,6 +231,8 @@ pub struct SdkSection {
     pub listen: Option<String>,
     /// Open SDK connections at most (default 1024).
     pub max_connections: usize,
+    /// Of those, connections not authenticated yet at most (default 64).
+    pub max_unauthenticated_connections: usize,
     /// Each agent's connection token, as its SHA-256 in hex.
     pub tokens: Vec<SdkToken>,
 }
@@ -250,6 +252,7 @@ impl Default for SdkSection {
         Self {
             listen: None,
             max_connections: 1024,
+            max_unauthenticated_connections: 64,
             tokens: Vec::new(),
         }
     }
@@ -568,8 +571,11 @@ impl ServeConfig {
                 );
             }
             self.sdk.tokens()?;
-            if self.sdk.max_connections == 0 {
-                bail!("sdk.max_connections must be above 0 (default 1024)");
+            if self.sdk.max_connections == 0 || self.sdk.max_unauthenticated_connections == 0 {
+                bail!(
+                    "sdk.max_connections and sdk.max_unauthenticated_connections must be above \
+                     0 (defaults 1024 and 64)"
+                );
             }
         }
         if let Some(path) = self.sandbox_read_paths.iter().find(|r| !r.is_absolute()) {
