@@ -145,6 +145,40 @@ async fn doctor_fails_when_the_state_dir_is_a_file() {
 }
 
 #[tokio::test]
+async fn doctor_fails_when_the_agents_homes_lie_where_every_agent_may_read() {
+    let runtime = support::runtime::runtime_path().await;
+    let scratch = tempfile::tempdir().expect("scratch");
+    let shared = scratch.path().join("shared");
+    let config = scratch.path().join("copilot-pool.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = {:?}\nagents_dir = {:?}\nsandbox_read_paths = [{:?}]\n",
+            scratch.path().join("state").display().to_string(),
+            shared.join("agents").display().to_string(),
+            shared.display().to_string(),
+        ),
+    )
+    .expect("config");
+    let mut cmd = bin(scratch.path());
+    cmd.env("COPILOT_CLI_PATH", &runtime)
+        .args(["doctor", "--config"])
+        .arg(&config);
+    let out = output(cmd).await;
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let fail = stdout
+        .lines()
+        .find(|l| l.starts_with("FAIL sandbox places"))
+        .unwrap_or_else(|| panic!("no FAIL line about the sandbox places:\n{stdout}"));
+    assert!(
+        fail.contains("agents_dir") && fail.contains("which every sandboxed agent may read"),
+        "{fail}"
+    );
+    assert_nothing_left(scratch.path()).await;
+}
+
+#[tokio::test]
 async fn doctor_fails_on_a_missing_runtime() {
     let scratch = tempfile::tempdir().expect("scratch");
     let config = write_config(scratch.path(), &scratch.path().join("state"));

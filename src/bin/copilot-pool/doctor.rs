@@ -96,8 +96,10 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
         .cli
         .clone()
         .or_else(|| config.as_ref().and_then(|c| c.cli_path.clone()));
+    let mut runtime_path = None;
     match runtime::locate(explicit.as_deref(), runtime::process_env) {
         Ok(located) => {
+            runtime_path = Some(located.path.clone());
             report.ok(
                 "runtime",
                 format!("{} (from {})", located.path.display(), located.source),
@@ -123,7 +125,13 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
 
     // sandbox
     if let Some(config) = &config {
-        check_sandbox(&mut report, config).await;
+        check_sandbox(
+            &mut report,
+            config,
+            args.config.as_deref(),
+            runtime_path.as_deref(),
+        )
+        .await;
     }
 
     // directories and bindings
@@ -397,7 +405,12 @@ fn check_bindings(report: &mut Report, state_dir: &Path) {
 
 /// What the workers' sandbox enforces on this machine (the wrapper probed as `serve` probes
 /// it): a failure only when `sandbox = "required"` and something is missing.
-async fn check_sandbox(report: &mut Report, config: &ServeConfig) {
+async fn check_sandbox(
+    report: &mut Report,
+    config: &ServeConfig,
+    config_file: Option<&std::path::Path>,
+    runtime: Option<&std::path::Path>,
+) {
     const CHECK: &str = "sandbox";
     let mut own_ports = vec![config.listen.port()];
     own_ports.extend(config.metrics_listen.map(|a| a.port()));
@@ -428,6 +441,16 @@ async fn check_sandbox(report: &mut Report, config: &ServeConfig) {
         }
     };
     let required = config.sandbox == SandboxMode::Required;
+    // What serve refuses to start with: its own places where every agent may read.
+    if let Err(e) =
+        crate::sandbox::refuse_shared_daemon_places(&template, runtime, config, config_file, None)
+    {
+        report.fail(
+            "sandbox places",
+            format!("{e:#}"),
+            "move the place named, or narrow the root named",
+        );
+    }
     match crate::sandbox::probe(&template).await {
         Ok(status) if status.missing().is_empty() => report.ok(CHECK, status.summary()),
         Ok(status) if required => report.fail(

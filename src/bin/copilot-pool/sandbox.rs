@@ -16,6 +16,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::config::ServeConfig;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use copilot_pool::kinds::{SandboxMode, SandboxRule};
@@ -346,6 +347,47 @@ pub fn template(
     sandbox.tcp_bind = tcp_bind.map(<[u16]>::to_vec);
     sandbox.never_connect = never_connect.to_vec();
     Ok(Some(sandbox))
+}
+
+/// Refuses to start when the daemon's state, the agents' homes, the transcripts, the API
+/// token's file, or a config file holding the token (`config_file`, judged by its own text:
+/// loading it also fills the token from the environment) lie where every sandboxed agent
+/// may read them, the `runtime`'s install included (added to every worker at its spawn).
+/// `serve` and `doctor` run it.
+pub fn refuse_shared_daemon_places(
+    template: &Sandbox,
+    runtime: Option<&Path>,
+    config: &ServeConfig,
+    config_file: Option<&Path>,
+    api_token_file: Option<&Path>,
+) -> Result<()> {
+    let state_dir = config.state_dir()?;
+    let agents_dir = config.agents_dir()?;
+    let mut places: Vec<(&str, &Path)> =
+        vec![("state_dir", &state_dir), ("agents_dir", &agents_dir)];
+    if let Some(dir) = &config.turns.transcript_dir {
+        places.push(("turns.transcript_dir", dir));
+    }
+    if let Some(file) = api_token_file {
+        places.push(("api_token_file", file));
+    }
+    let token_in_file = config_file.is_some_and(|path| {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|text| toml::from_str::<ServeConfig>(&text).ok())
+            .and_then(|file| file.api_token)
+            .is_some_and(|token| !token.expose().is_empty())
+    });
+    if token_in_file && let Some(file) = config_file {
+        places.push(("the config file (it holds api_token)", file));
+    }
+    let mut template = template.clone();
+    if let Some(runtime) = runtime {
+        template
+            .read_exec
+            .push(copilot_pool::sandbox::install_root(runtime));
+    }
+    refuse_shared_places(&template, &places)
 }
 
 /// Refuses what the daemon keeps from its agents when it lies where every sandboxed worker

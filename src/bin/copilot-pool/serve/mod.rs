@@ -190,7 +190,13 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     api_config.sandbox = Some(sandbox_status);
     let mut pool_config = config.pool_config(located.path.clone())?;
     if let Some(template) = &sandbox {
-        refuse_shared_places(&args, &config, &pool_config, template, &located.path)?;
+        crate::sandbox::refuse_shared_daemon_places(
+            template,
+            Some(&located.path),
+            &config,
+            args.config.as_deref(),
+            args.api_token_file.as_deref(),
+        )?;
     }
     pool_config.worker.sandbox = sandbox;
     pool_config.worker.group_ledger = Some(take_over(&pool_config.state_dir).await?);
@@ -435,45 +441,6 @@ async fn sandbox_setup(
         );
     }
     Ok((Some(template), status))
-}
-
-/// Refuses to start when the daemon's state, the agents' homes, the transcripts or the
-/// API token's file lie where every sandboxed agent may read them.
-fn refuse_shared_places(
-    args: &ServeArgs,
-    config: &ServeConfig,
-    pool_config: &copilot_pool::pool::PoolConfig,
-    template: &Sandbox,
-    runtime: &std::path::Path,
-) -> Result<()> {
-    let mut places: Vec<(&str, &std::path::Path)> = vec![
-        ("state_dir", pool_config.state_dir.as_path()),
-        ("agents_dir", pool_config.agents_base_dir.as_path()),
-    ];
-    if let Some(dir) = &config.turns.transcript_dir {
-        places.push(("turns.transcript_dir", dir));
-    }
-    if let Some(file) = &args.api_token_file {
-        places.push(("api_token_file", file));
-    }
-    // The file's own text decides (`ServeConfig::load` also fills the token from the
-    // environment).
-    let token_in_file = args.config.as_deref().is_some_and(|path| {
-        std::fs::read_to_string(path)
-            .ok()
-            .and_then(|text| toml::from_str::<ServeConfig>(&text).ok())
-            .and_then(|file| file.api_token)
-            .is_some_and(|token| !token.expose().is_empty())
-    });
-    if token_in_file && let Some(file) = &args.config {
-        places.push(("the config file (it holds api_token)", file));
-    }
-    // What every worker may read includes the runtime's install, added at each spawn.
-    let mut template = template.clone();
-    template
-        .read_exec
-        .push(copilot_pool::sandbox::install_root(runtime));
-    crate::sandbox::refuse_shared_places(&template, &places)
 }
 
 /// Why the daemon refuses to start without an API token when its workers could reach it.
