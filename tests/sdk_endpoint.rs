@@ -156,7 +156,7 @@ async fn a_call_before_connect_is_minus_32001_and_a_wrong_token_minus_32002() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn clients_that_never_authenticate_cannot_take_every_connection_from_the_agents() {
+async fn clients_that_never_authenticate_make_way_for_new_ones_and_cannot_keep_the_agents_out() {
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.config().await).await.expect("pool");
     let mut tokens = AgentTokens::new();
@@ -178,32 +178,38 @@ async fn clients_that_never_authenticate_cannot_take_every_connection_from_the_a
         })
         .await;
     });
-    // Two clients that have not authenticated hold both of their slots: a third is closed.
+    // Two clients wait without authenticating; a third takes the oldest one's slot, and the
+    // oldest is closed.
     let first = raw_client(addr).await;
     let second = raw_client(addr).await;
     let third = raw_client(addr).await;
-    let refused = third
+    third
+        .request("connect", json!({"token": "token-a"}), None)
+        .await
+        .expect("the newest client gets in");
+    let closed = first
         .request("connect", json!({"token": "token-a"}), None)
         .await;
-    assert!(
-        matches!(refused, Err(RpcError::Closed { .. })),
-        "{refused:?}"
+    assert!(matches!(closed, Err(RpcError::Closed { .. })), "{closed:?}");
+    // Clients that are gone (a wrong token, a client that left) never keep two new ones from
+    // getting in (their slots are given back as they close, or taken first).
+    let wrong = remote_error(
+        second
+            .request("connect", json!({"token": "nope"}), None)
+            .await,
     );
-    // An authenticated client gives its slot back: the next one gets in.
-    first
-        .request("connect", json!({"token": "token-a"}), None)
-        .await
-        .expect("connect");
+    assert_eq!(wrong.code, -32002, "{wrong:?}");
+    let leaving = raw_client(addr).await;
+    drop(leaving);
     let fourth = raw_client(addr).await;
-    fourth
-        .request("connect", json!({"token": "token-a"}), None)
-        .await
-        .expect("a slot was given back");
-    second
-        .request("connect", json!({"token": "token-a"}), None)
-        .await
-        .expect("connect");
-    first.request("ping", json!({}), None).await.expect("ping");
+    let fifth = raw_client(addr).await;
+    for client in [&fourth, &fifth] {
+        client
+            .request("connect", json!({"token": "token-a"}), None)
+            .await
+            .expect("a slot was free");
+    }
+    third.request("ping", json!({}), None).await.expect("ping");
     stop.send_replace(true);
     tokio::time::timeout(Duration::from_secs(20), server)
         .await

@@ -10,13 +10,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::{Value, json};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 
 use crate::rpc::connection::{
     CloseCause, Connection, ConnectionOptions, ErrorObject, INTERNAL_ERROR, INVALID_PARAMS,
     Incoming, IncomingRequest, METHOD_NOT_FOUND,
 };
 
+use super::admission::Slot;
 use super::session::{self, AfterOpen, CallError, SdkSession, SessionSpec, session_not_found};
 use super::{PROTOCOL_VERSION, Shared};
 
@@ -61,8 +62,8 @@ struct Client {
     conn: Connection,
     /// The agent, once `connect` succeeded.
     agent: OnceLock<String>,
-    /// The slot among the connections not authenticated yet, given back at `connect`.
-    unauthenticated: Mutex<Option<OwnedSemaphorePermit>>,
+    /// The slot among the connections waiting to authenticate, given back at `connect`.
+    waiting: Mutex<Option<Slot>>,
     /// Sessions opened on this connection, by SDK session id.
     sessions: Mutex<HashMap<String, Arc<SdkSession>>>,
     /// The session used last, whose process answers calls that name no session.
@@ -75,7 +76,7 @@ pub(super) async fn run<S>(
     shared: Arc<Shared>,
     stream: S,
     mut stop: watch::Receiver<bool>,
-    unauthenticated: OwnedSemaphorePermit,
+    slot: Slot,
 ) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
@@ -95,12 +96,13 @@ pub(super) async fn run<S>(
         let _ = tx.try_send(incoming);
     };
     let conn = Connection::start(read, write, options, Box::new(sink));
+    let mut displaced = slot.displaced.clone();
     let client = Arc::new(Client {
         id: shared.next_connection_id(),
         shared: shared.clone(),
         conn: conn.clone(),
         agent: OnceLock::new(),
-        unauthenticated: Mutex::new(Some(unauthenticated)),
+        waiting: Mutex::new(Some(slot)),
         sessions: Mutex::new(HashMap::new()),
         last: Mutex::new(None),
     });
@@ -113,6 +115,18 @@ pub(super) async fn run<S>(
             _ = stop.wait_for(|s| *s) => break,
             () = tokio::time::sleep_until(connect_deadline), if !authenticated => {
                 tracing::info!("An SDK client did not authenticate in time; closing its connection.");
+                crate::metrics::sdk_connection(crate::metrics::SdkConnection::Unauthenticated);
+                break;
+            }
+            now = displaced.wait_for(|d| *d), if !authenticated => {
+                // Closed without a displacement: the slot was given back at `connect`.
+                if now.is_err() {
+                    continue;
+                }
+                tracing::info!(
+                    "An SDK client that had not authenticated made way for a newer connection; \
+                     closing it."
+                );
                 crate::metrics::sdk_connection(crate::metrics::SdkConnection::Unauthenticated);
                 break;
             }
@@ -195,7 +209,7 @@ impl Client {
             ));
         };
         let _ = self.agent.set(agent.to_owned());
-        if let Ok(mut slot) = self.unauthenticated.lock() {
+        if let Ok(mut slot) = self.waiting.lock() {
             slot.take();
         }
         self.conn.lift_read_limit();

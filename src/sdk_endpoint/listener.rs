@@ -1,6 +1,6 @@
-//! Accepting SDK clients on a TCP or Unix-socket listener: the connection caps (all
-//! connections, and those not authenticated yet; a connection over either is closed at
-//! once, unread, and counted), and the stop (no more accepts; every
+//! Accepting SDK clients on a TCP or Unix-socket listener: the connection cap (a connection
+//! over it is closed at once, unread, and counted), the room for connections not
+//! authenticated yet (`admission`: a new one past it closes the oldest), and the stop (no more accepts; every
 //! open connection is closed, its turns aborted and its sessions parked, before the call
 //! returns).
 
@@ -14,6 +14,7 @@ use crate::low_latency::QuickAck;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{Semaphore, watch};
 
+use super::admission::Admission;
 use super::{SdkEndpoint, connection};
 
 /// After a failed `accept` (descriptors exhausted, for example) the loop waits this long:
@@ -59,8 +60,8 @@ where
     let shared = endpoint.shared.clone();
     let max = shared.config.max_connections;
     let permits = Arc::new(Semaphore::new(max));
-    let max_unauthenticated = shared.config.max_unauthenticated_connections.max(1);
-    let unauthenticated_permits = Arc::new(Semaphore::new(max_unauthenticated));
+    let admission = Admission::new(shared.config.max_unauthenticated_connections);
+    let mut displaced: u64 = 0;
     let (stop_tx, stop) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
     let mut refused: u64 = 0;
@@ -79,21 +80,6 @@ where
                 }
             }
         };
-        let Ok(unauthenticated) = unauthenticated_permits.clone().try_acquire_owned() else {
-            refused += 1;
-            crate::metrics::sdk_connection(crate::metrics::SdkConnection::Refused);
-            if refused == 1 || refused.is_multiple_of(1024) {
-                tracing::warn!(
-                    refused,
-                    max_unauthenticated_connections = max_unauthenticated,
-                    "SDK connections that have not authenticated yet are over \
-                     max_unauthenticated_connections: new ones are closed at once until some \
-                     authenticate or time out (connect_timeout)."
-                );
-            }
-            drop(stream);
-            continue;
-        };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             refused += 1;
             crate::metrics::sdk_connection(crate::metrics::SdkConnection::Refused);
@@ -109,10 +95,23 @@ where
             continue;
         };
         crate::metrics::sdk_connection(crate::metrics::SdkConnection::Accepted);
+        let (slot, displaced_one) = admission.admit();
+        if displaced_one {
+            displaced += 1;
+            if displaced == 1 || displaced.is_multiple_of(1024) {
+                tracing::warn!(
+                    displaced,
+                    max_unauthenticated_connections = shared.config.max_unauthenticated_connections,
+                    "More SDK connections wait to authenticate than \
+                     max_unauthenticated_connections: each new one closes the oldest (a client \
+                     that connects and sends no connect)."
+                );
+            }
+        }
         let shared = shared.clone();
         let stop = stop.clone();
         tokio::spawn(async move {
-            connection::run(shared, stream, stop, unauthenticated).await;
+            connection::run(shared, stream, stop, slot).await;
             drop(permit);
         });
     }

@@ -20,9 +20,11 @@
 //!   process. A client that goes away has its turns aborted and its sessions parked.
 //!
 //! Modules: `tokens` (token → agent), `listener` (accept loops: the connection cap, the
-//! `connect` deadline, the stop), `connection` (one client: the handshake and where each
+//! stop), `admission` (room for connections not authenticated yet: a new one past it
+//! closes the oldest), `connection` (one client: the handshake and where each
 //! method goes), `session` (one SDK session: leases, the turn pump, crashes).
 
+mod admission;
 mod connection;
 mod listener;
 mod session;
@@ -53,9 +55,9 @@ pub struct SdkConfig {
     /// Open client connections at most (default 1024); one more is closed at once.
     pub max_connections: usize,
     /// Of those, connections that have not authenticated yet (`connect`) at most (default
-    /// 64); one more is closed at once. A client that never authenticates holds its slot for
-    /// `connect_timeout`: this keeps such clients from taking every connection from the
-    /// agents.
+    /// 64; 0 counts as 1): a new one past it closes the oldest waiting one, so clients that
+    /// connect and never authenticate (each may wait `connect_timeout`) cannot keep the
+    /// agents' clients out.
     pub max_unauthenticated_connections: usize,
     /// A client must have authenticated (`connect`) this long after its connection was
     /// accepted (default 10 s), else the connection is closed.

@@ -743,7 +743,7 @@ impl ServeConfig {
 /// retries, workspace trust) are not in the defaults' `args`/`env`: the runner applies them
 /// whatever the table says (`SafetySwitches`), unless the table names that very variable or
 /// `-c` key.
-fn cli_backend(id: &str, table: &toml::Table) -> Result<CliBackendConfig> {
+pub fn cli_backend(id: &str, table: &toml::Table) -> Result<CliBackendConfig> {
     let mut value = match CliBackendConfig::bundled(id) {
         Some(bundled) => serde_json::to_value(bundled).context("the bundled backend")?,
         None => serde_json::Value::Object(serde_json::Map::new()),
@@ -898,6 +898,17 @@ mod tests {
         )
         .unwrap();
         assert!(format!("{:#}", bad.validate().unwrap_err()).contains("sha256sum"));
+        // Room for clients not authenticated yet: 64 by default, never none.
+        assert_eq!(c.sdk.max_unauthenticated_connections, 64);
+        let none: ServeConfig = toml::from_str(&format!(
+            "[sdk]\nlisten = \"127.0.0.1:7879\"\nmax_unauthenticated_connections = 0\n[[sdk.tokens]]\nagent = \"agent-a\"\nsha256 = \"{hash}\"\n"
+        ))
+        .unwrap();
+        let refused = format!("{:#}", none.validate().unwrap_err());
+        assert!(
+            refused.contains("max_unauthenticated_connections"),
+            "{refused}"
+        );
     }
 
     #[test]

@@ -26,6 +26,9 @@ pub struct DoctorArgs {
     /// COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
     #[arg(long)]
     pub cli: Option<PathBuf>,
+    /// The API token's file `serve` is given (checked for where it lies; not read).
+    #[arg(long, value_name = "PATH")]
+    pub api_token_file: Option<PathBuf>,
 }
 
 /// Prints check results as they come and counts the failures.
@@ -129,6 +132,7 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
             &mut report,
             config,
             args.config.as_deref(),
+            args.api_token_file.as_deref(),
             runtime_path.as_deref(),
         )
         .await;
@@ -409,6 +413,7 @@ async fn check_sandbox(
     report: &mut Report,
     config: &ServeConfig,
     config_file: Option<&std::path::Path>,
+    api_token_file: Option<&std::path::Path>,
     runtime: Option<&std::path::Path>,
 ) {
     const CHECK: &str = "sandbox";
@@ -441,18 +446,30 @@ async fn check_sandbox(
         }
     };
     let required = config.sandbox == SandboxMode::Required;
-    // What serve refuses to start with: its own places where every agent may read.
-    if let Err(e) =
-        crate::sandbox::refuse_shared_daemon_places(&template, runtime, config, config_file, None)
+    let probed = crate::sandbox::probe(&template).await;
+    // What serve refuses to start with, where it runs its workers sandboxed: its own places
+    // where every agent may read.
+    if (probed.is_ok() || required)
+        && let Err(e) = crate::sandbox::refuse_shared_daemon_places(
+            &template,
+            runtime,
+            config,
+            config_file,
+            api_token_file,
+        )
     {
         report.fail(
             "sandbox places",
             format!("{e:#}"),
-            "move the place named, or narrow the root named",
+            "put it outside that root (the defaults live under $COPILOT_POOL_HOME; the API \
+             token belongs in --api-token-file), or take the root out of sandbox_read_paths \
+             or allowed_work_roots",
         );
     }
-    match crate::sandbox::probe(&template).await {
-        Ok(status) if status.missing().is_empty() => report.ok(CHECK, status.summary()),
+    match probed {
+        Ok(status) if crate::sandbox::unmet_by(&template, &status).is_empty() => {
+            report.ok(CHECK, status.summary())
+        }
         Ok(status) if required => report.fail(
             CHECK,
             format!("sandbox = \"required\" but {}", status.summary()),

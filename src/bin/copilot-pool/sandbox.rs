@@ -123,12 +123,27 @@ fn run(args: SandboxExecArgs) -> Result<()> {
 
 /// The rules asked for that are not enforced (TCP only when it was to be restricted).
 fn wanted_missing(args: &SandboxExecArgs, status: &SandboxStatus) -> Vec<SandboxRule> {
+    unmet(status, args.any_tcp, args.any_tcp_bind)
+}
+
+/// The rules a sandbox like `template` asks for that `status` does not enforce: TCP connect
+/// and bind only when they were to be restricted (`sandbox_tcp_bind = "any"` leaves bind
+/// open on purpose). What `required` refuses to start without, and `auto` warns about.
+pub fn unmet_by(template: &Sandbox, status: &SandboxStatus) -> Vec<SandboxRule> {
+    unmet(
+        status,
+        template.tcp_connect.is_none(),
+        template.tcp_bind.is_none(),
+    )
+}
+
+fn unmet(status: &SandboxStatus, any_connect: bool, any_bind: bool) -> Vec<SandboxRule> {
     status
         .missing()
         .into_iter()
         .filter(|r| {
-            !(args.any_tcp && *r == SandboxRule::TcpConnect
-                || args.any_tcp_bind && *r == SandboxRule::TcpBind)
+            !(any_connect && *r == SandboxRule::TcpConnect
+                || any_bind && *r == SandboxRule::TcpBind)
         })
         .collect()
 }
@@ -352,8 +367,9 @@ pub fn template(
 /// Refuses to start when the daemon's state, the agents' homes, the transcripts, the API
 /// token's file, or a config file holding the token (`config_file`, judged by its own text:
 /// loading it also fills the token from the environment) lie where every sandboxed agent
-/// may read them, the `runtime`'s install included (added to every worker at its spawn).
-/// `serve` and `doctor` run it.
+/// may read them, the `runtime`'s install and the configured CLI backends' included (added
+/// to their processes at each spawn). `serve` and `doctor` run it; a place whose default
+/// cannot be found (no home) is left to the checks that report that.
 pub fn refuse_shared_daemon_places(
     template: &Sandbox,
     runtime: Option<&Path>,
@@ -361,10 +377,15 @@ pub fn refuse_shared_daemon_places(
     config_file: Option<&Path>,
     api_token_file: Option<&Path>,
 ) -> Result<()> {
-    let state_dir = config.state_dir()?;
-    let agents_dir = config.agents_dir()?;
-    let mut places: Vec<(&str, &Path)> =
-        vec![("state_dir", &state_dir), ("agents_dir", &agents_dir)];
+    let state_dir = config.state_dir().ok();
+    let agents_dir = config.agents_dir().ok();
+    let mut places: Vec<(&str, &Path)> = Vec::new();
+    if let Some(dir) = &state_dir {
+        places.push(("state_dir", dir));
+    }
+    if let Some(dir) = &agents_dir {
+        places.push(("agents_dir", dir));
+    }
     if let Some(dir) = &config.turns.transcript_dir {
         places.push(("turns.transcript_dir", dir));
     }
@@ -386,6 +407,20 @@ pub fn refuse_shared_daemon_places(
         template
             .read_exec
             .push(copilot_pool::sandbox::install_root(runtime));
+    }
+    let path_var = std::env::var_os("PATH");
+    for (id, table) in &config.backends {
+        let Ok(backend) = crate::config::cli_backend(id, table) else {
+            continue;
+        };
+        let args: Vec<OsString> = backend.args.iter().map(OsString::from).collect();
+        template
+            .read_exec
+            .extend(copilot_pool::sandbox::cli_install_roots(
+                Path::new(&backend.command),
+                &args,
+                path_var.as_deref(),
+            ));
     }
     refuse_shared_places(&template, &places)
 }
@@ -410,9 +445,11 @@ pub fn refuse_shared_places(template: &Sandbox, places: &[(&str, &Path)]) -> Res
         if let Some(root) = resolved.shared_root_of(&place) {
             bail!(
                 "{name} {} lies under {}, which every sandboxed agent may read (a system \
-                 directory, sandbox_read_paths or allowed_work_roots): put it elsewhere (the \
-                 defaults live under $COPILOT_POOL_HOME; the API token belongs in a file such \
-                 as /run/copilot-pool/api-token)",
+                 directory, an install of the runtime or a CLI backend, sandbox_read_paths or \
+                 allowed_work_roots): put it outside that root (the defaults live under \
+                 $COPILOT_POOL_HOME; the API token belongs in a file such as \
+                 /run/copilot-pool/api-token given with --api-token-file), or take the root out \
+                 of sandbox_read_paths or allowed_work_roots",
                 place.display(),
                 root.display()
             );
@@ -561,5 +598,15 @@ mod tests {
             wanted_missing(&args, &status),
             [SandboxRule::Signals, SandboxRule::AbstractUnixSockets]
         );
+        // The daemon's view of the same: `sandbox_tcp_bind = "any"` is asked for, not missing
+        // (else `required` refused to start with it).
+        let mut template = Sandbox::new("/x/copilot-pool".into(), vec![SUBCOMMAND.into()]);
+        status.landlock_abi = 6;
+        status.tcp_connect = true;
+        status.signals = true;
+        status.abstract_unix_sockets = true;
+        assert_eq!(unmet_by(&template, &status), [SandboxRule::TcpBind]);
+        template.tcp_bind = None;
+        assert!(unmet_by(&template, &status).is_empty());
     }
 }

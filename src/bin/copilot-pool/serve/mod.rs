@@ -424,7 +424,7 @@ async fn sandbox_setup(
     };
     status.mode = Some(config.sandbox);
     copilot_pool::metrics::sandbox_enforced(|rule| status.enforced(rule));
-    let missing = status.missing();
+    let missing = crate::sandbox::unmet_by(&template, &status);
     if missing.is_empty() {
         tracing::info!(summary = %status.summary(), "Every worker runs in its own sandbox.");
     } else if config.sandbox == SandboxMode::Required {
