@@ -130,7 +130,8 @@ pub const MODEL_BLOCKED_TOTAL: &str = "copilot_pool_model_blocked_total";
 /// Client connections open on the SDK endpoint.
 pub const SDK_CONNECTIONS: &str = "copilot_pool_sdk_connections";
 /// SDK endpoint connections by `result`: `accepted`, `refused` (over the connection cap),
-/// `unauthenticated` (a wrong token, or no `connect` in time).
+/// `unauthenticated` (a wrong token, no `connect` in time, or closed to make way for a newer
+/// connection not authenticated yet).
 pub const SDK_CONNECTIONS_TOTAL: &str = "copilot_pool_sdk_connections_total";
 
 /// Whether each wall of the workers' sandbox is enforced (1) or not (0), by `rule`.
@@ -487,7 +488,8 @@ pub(crate) enum SdkConnection {
     Accepted,
     /// Over the connection cap: closed at once.
     Refused,
-    /// A wrong token, or no `connect` in time.
+    /// A wrong token, no `connect` in time, or closed before `connect` to make way for a
+    /// newer connection (`max_unauthenticated_connections`).
     Unauthenticated,
 }
 
