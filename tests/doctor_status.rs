@@ -46,6 +46,15 @@ fn write_config(scratch: &Path, state_dir: &Path) -> std::path::PathBuf {
     path
 }
 
+/// `copilot-pool doctor --config <config>` with the runtime at `runtime`, run to its end.
+async fn doctor_with(scratch: &Path, runtime: &Path, config: &Path) -> Output {
+    let mut cmd = bin(scratch);
+    cmd.env("COPILOT_CLI_PATH", runtime)
+        .args(["doctor", "--config"])
+        .arg(config);
+    output(cmd).await
+}
+
 /// Nothing the doctor started or created is left behind.
 async fn assert_nothing_left(scratch: &Path) {
     let left = procs::wait_none(
@@ -68,11 +77,7 @@ async fn doctor_passes_on_a_good_setup() {
     let runtime = support::runtime::runtime_path().await;
     let scratch = tempfile::tempdir().expect("scratch");
     let config = write_config(scratch.path(), &scratch.path().join("state"));
-    let mut cmd = bin(scratch.path());
-    cmd.env("COPILOT_CLI_PATH", &runtime)
-        .args(["doctor", "--config"])
-        .arg(&config);
-    let out = output(cmd).await;
+    let out = doctor_with(scratch.path(), &runtime, &config).await;
     let stdout = text(&out.stdout);
     assert!(
         out.status.success(),
@@ -119,11 +124,7 @@ async fn doctor_fails_when_the_state_dir_is_a_file() {
     let state = scratch.path().join("state-file");
     std::fs::write(&state, "not a directory").expect("file");
     let config = write_config(scratch.path(), &state);
-    let mut cmd = bin(scratch.path());
-    cmd.env("COPILOT_CLI_PATH", &runtime)
-        .args(["doctor", "--config"])
-        .arg(&config);
-    let out = output(cmd).await;
+    let out = doctor_with(scratch.path(), &runtime, &config).await;
     let stdout = text(&out.stdout);
     let stderr = text(&out.stderr);
     assert_eq!(
@@ -160,11 +161,7 @@ async fn doctor_fails_when_the_agents_homes_lie_where_every_agent_may_read() {
         ),
     )
     .expect("config");
-    let mut cmd = bin(scratch.path());
-    cmd.env("COPILOT_CLI_PATH", &runtime)
-        .args(["doctor", "--config"])
-        .arg(&config);
-    let out = output(cmd).await;
+    let out = doctor_with(scratch.path(), &runtime, &config).await;
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{stdout}");
     let fail = stdout
