@@ -33,6 +33,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use sha2::{Digest, Sha256};
 
 use crate::faults::{self, SharedDiskFaults, Store};
+use crate::rpc::{EventKind, SessionEvent};
 
 /// The longest session id accepted.
 pub const MAX_SESSION_ID_LEN: usize = 128;
@@ -56,6 +57,64 @@ pub enum TranscriptMode {
     BestEffort,
     /// Return [`TranscriptError::PersistenceFailed`]; the caller aborts the turn.
     Strict,
+}
+
+/// What a runtime session event adds to a conversation's record: the main agent's user
+/// messages, its assistant messages with text, its tool results (the result's `content`,
+/// else the error), and the summary of a successful compaction (the fallback prelude starts
+/// from it). One place, for the mirror (a running turn, an aborted turn's drain:
+/// `crate::turn::driver`) and for reading the runtime's own event log where no mirror is kept
+/// (`crate::fallback::read_copilot_events_tail`).
+pub(crate) struct EventEntry<'a> {
+    /// Who the message is from.
+    pub(crate) role: Role,
+    /// Its text.
+    pub(crate) content: std::borrow::Cow<'a, str>,
+    /// The tool call a tool result answers.
+    pub(crate) tool_call_id: Option<&'a str>,
+}
+
+impl<'a> EventEntry<'a> {
+    /// The entry `event` adds, if any.
+    pub(crate) fn of(event: &'a SessionEvent) -> Option<Self> {
+        use std::borrow::Cow;
+        if event.agent_id().is_some() {
+            return None;
+        }
+        let entry = |role, content, tool_call_id| EventEntry {
+            role,
+            content,
+            tool_call_id,
+        };
+        match &event.kind {
+            EventKind::AssistantMessage(m) if !m.content.is_empty() => Some(entry(
+                Role::Assistant,
+                Cow::Borrowed(m.content.as_str()),
+                None,
+            )),
+            EventKind::UserMessage(m) => {
+                Some(entry(Role::User, Cow::Borrowed(m.content.as_str()), None))
+            }
+            EventKind::ToolExecutionComplete(t) => {
+                let content = match t
+                    .result
+                    .as_ref()
+                    .and_then(|r| r.get("content"))
+                    .and_then(serde_json::Value::as_str)
+                {
+                    Some(text) => Cow::Borrowed(text),
+                    None => Cow::Owned(t.error.as_ref().map(|e| e.to_string()).unwrap_or_default()),
+                };
+                Some(entry(Role::Tool, content, Some(t.tool_call_id.as_str())))
+            }
+            EventKind::CompactionComplete(c) if c.success => c
+                .summary_content
+                .as_deref()
+                .filter(|s| !s.is_empty())
+                .map(|summary| entry(Role::Summary, Cow::Borrowed(summary), None)),
+            _ => None,
+        }
+    }
 }
 
 /// Who a message is from.

@@ -563,45 +563,25 @@ pub fn read_transcript_tail(path: &Path, budget: usize) -> Result<TranscriptTail
 /// [`copilot_events_path`]), for a conversation the pool keeps no transcript mirror of: the
 /// main agent's `user.message`s, `assistant.message`s with text and
 /// `tool.execution_complete` results, and a successful compaction's summary, as the mirror
-/// records them (`crate::turn::driver`). Memory bounded as [`read_transcript_tail`]; a missing
+/// records them (`crate::transcript::EventEntry`). Memory bounded as [`read_transcript_tail`]; a missing
 /// file is an empty tail; lines that do not parse are skipped. Blocks on the disk.
 pub fn read_copilot_events_tail(
     path: &Path,
     budget: usize,
 ) -> Result<TranscriptTail, FallbackError> {
-    use crate::rpc::{EventKind, SessionEvent};
     read_tail(path, budget, |line, tail| {
         let Ok(value) = serde_json::from_str::<serde_json::Value>(line) else {
             return;
         };
-        let event = SessionEvent::from_value(value);
-        if event.agent_id().is_some() {
+        let event = crate::rpc::SessionEvent::from_value(value);
+        let Some(entry) = crate::transcript::EventEntry::of(&event) else {
             return;
-        }
-        match event.kind {
-            EventKind::UserMessage(m) => tail.push(PreludeEntry::new(Role::User, m.content)),
-            EventKind::AssistantMessage(m) if !m.content.is_empty() => {
-                tail.push(PreludeEntry::new(Role::Assistant, m.content));
-            }
-            EventKind::ToolExecutionComplete(t) => {
-                let content = t
-                    .result
-                    .as_ref()
-                    .and_then(|r| r.get("content"))
-                    .and_then(serde_json::Value::as_str)
-                    .map(str::to_owned)
-                    .or_else(|| t.error.as_ref().map(|e| e.to_string()))
-                    .unwrap_or_default();
-                if !content.is_empty() {
-                    tail.push(PreludeEntry::new(Role::Tool, content));
-                }
-            }
-            EventKind::CompactionComplete(c) if c.success => {
-                if let Some(summary) = c.summary_content.filter(|s| !s.is_empty()) {
-                    tail.summary(summary);
-                }
-            }
-            _ => {}
+        };
+        match entry.role {
+            Role::Summary => tail.summary(entry.content.into_owned()),
+            // A tool result with no text says nothing a prelude could use.
+            Role::Tool if entry.content.is_empty() => {}
+            role => tail.push(PreludeEntry::new(role, entry.content.into_owned())),
         }
     })
 }

@@ -23,7 +23,7 @@ use crate::rpc::events::ExternalToolRequestedData;
 use crate::rpc::gate::UnreadGuard;
 use crate::rpc::messages::{HookInvocation, UserInputRequest};
 use crate::rpc::{EventKind, SessionEvent};
-use crate::transcript::{Entry, Role, Transcript};
+use crate::transcript::{Entry, EventEntry, Role, Transcript};
 use crate::worker::{Answerer, ServerRequest, Session, SessionUpdate, Settled, ToolResult};
 
 use super::hooks::{HookFuture, TurnHooks, for_hook_type};
@@ -783,42 +783,7 @@ pub(crate) async fn run_hook(
     }
 }
 
-/// What a turn's event adds to the transcript mirror: the main agent's user messages, its
-/// assistant messages with text, its tool results (the result's `content`, else the error),
-/// and the summary of a successful compaction (the fallback prelude starts from it,
-/// `crate::fallback`). One place, for the running turn and for an aborted turn's drain.
-fn mirror_entry(event: &SessionEvent) -> Option<(Role, std::borrow::Cow<'_, str>, Option<&str>)> {
-    use std::borrow::Cow;
-    let main_agent = || event.agent_id().is_none();
-    match &event.kind {
-        EventKind::AssistantMessage(m) if main_agent() && !m.content.is_empty() => {
-            Some((Role::Assistant, Cow::Borrowed(m.content.as_str()), None))
-        }
-        EventKind::UserMessage(m) if main_agent() => {
-            Some((Role::User, Cow::Borrowed(m.content.as_str()), None))
-        }
-        EventKind::ToolExecutionComplete(t) if main_agent() => {
-            let content = match t
-                .result
-                .as_ref()
-                .and_then(|r| r.get("content"))
-                .and_then(Value::as_str)
-            {
-                Some(text) => Cow::Borrowed(text),
-                None => Cow::Owned(t.error.as_ref().map(|e| e.to_string()).unwrap_or_default()),
-            };
-            Some((Role::Tool, content, Some(t.tool_call_id.as_str())))
-        }
-        EventKind::CompactionComplete(c) if c.success => c
-            .summary_content
-            .as_deref()
-            .filter(|s| !s.is_empty())
-            .map(|summary| (Role::Summary, Cow::Borrowed(summary), None)),
-        _ => None,
-    }
-}
-
-/// Appends what `event` adds to the transcript mirror ([`mirror_entry`]), if one is open.
+/// Appends what `event` adds to the transcript mirror ([`EventEntry::of`]), if one is open.
 fn mirror_event(
     transcript: &mut Option<Transcript>,
     event: &SessionEvent,
@@ -826,7 +791,12 @@ fn mirror_event(
     if transcript.is_none() {
         return Ok(());
     }
-    let Some((role, content, tool_call_id)) = mirror_entry(event) else {
+    let Some(EventEntry {
+        role,
+        content,
+        tool_call_id,
+    }) = EventEntry::of(event)
+    else {
         return Ok(());
     };
     let entry = Entry {
@@ -840,7 +810,7 @@ fn mirror_event(
 }
 
 /// What an event an aborted turn's drain read adds to the transcript mirror
-/// ([`mirror_entry`]), kept to be appended once the drain is over: each append fsyncs, and
+/// ([`EventEntry::of`]), kept to be appended once the drain is over: each append fsyncs, and
 /// the drain's time limit is for the runtime to settle, not for the disk.
 pub(crate) struct DrainedEntry {
     event_id: String,
@@ -852,7 +822,11 @@ pub(crate) struct DrainedEntry {
 impl DrainedEntry {
     /// The entry `event` adds to the mirror, if any.
     pub(crate) fn of(event: &SessionEvent) -> Option<Self> {
-        let (role, content, tool_call_id) = mirror_entry(event)?;
+        let EventEntry {
+            role,
+            content,
+            tool_call_id,
+        } = EventEntry::of(event)?;
         Some(DrainedEntry {
             event_id: event.id().to_owned(),
             role,
