@@ -90,28 +90,23 @@ fn from_this_machine(host: Option<&str>, from_a_page: bool) -> bool {
     host.is_some_and(is_loopback_authority) && !from_a_page
 }
 
-/// `localhost`, `127.x.y.z` or `[::1]`, with or without a port.
+/// `localhost`, `127.x.y.z` or `[::1]`, with or without a port (parsed as an HTTP
+/// authority: no user, nothing after the port).
 fn is_loopback_authority(authority: &str) -> bool {
-    let host = if let Some(rest) = authority.strip_prefix('[') {
-        match rest.split_once(']') {
-            Some((inside, after)) if after.is_empty() || is_port(after) => inside,
-            _ => return false,
-        }
-    } else {
-        match authority.rsplit_once(':') {
-            Some((name, port)) if is_port(&format!(":{port}")) => name,
-            Some(_) => return false,
-            None => authority,
-        }
+    let Ok(parsed) = authority.parse::<axum::http::uri::Authority>() else {
+        return false;
     };
+    let host = parsed.host();
+    // No user before the host; a port, if any, a number.
+    if authority.len() != host.len() && parsed.port_u16().is_none() || authority.contains('@') {
+        return false;
+    }
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
     host.eq_ignore_ascii_case("localhost")
         || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
-}
-
-/// `:<digits>`.
-fn is_port(text: &str) -> bool {
-    text.strip_prefix(':')
-        .is_some_and(|p| !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// The token of an `Authorization: Bearer <token>` value; the scheme is case-insensitive
