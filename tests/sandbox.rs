@@ -395,43 +395,23 @@ async fn serve_refuses_to_keep_its_state_or_token_where_every_agent_may_read() {
         stderr.contains("the config file (it holds api_token)"),
         "{stderr}"
     );
-    std::fs::write(
-        &shared_config,
-        format!("sandbox_read_paths = [\"{}\"]\n", shared.display()),
-    )
-    .expect("config");
-    let mut daemon = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-        .arg(&shared_config)
-        .env("COPILOT_CLI_PATH", support::runtime::runtime_path().await)
-        .env("COPILOT_POOL_HOME", scratch.path().join("pool-home"))
-        .env("COPILOT_POOL_API_TOKEN", "a-token")
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("serve");
-    let stdout = daemon.stdout.take().expect("stdout");
-    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
-    let up = tokio::time::timeout(std::time::Duration::from_secs(60), async {
-        while let Ok(Some(line)) = lines.next_line().await {
-            if line.starts_with("listening on") {
-                return true;
-            }
-        }
-        false
-    })
-    .await;
-    assert_eq!(
-        up,
-        Ok(true),
-        "serve did not start with its config in a shared place"
+    // Started by the tests' own launcher: the config is written into `shared`, the state and
+    // the agents' homes kept elsewhere, the token in the environment.
+    let config = format!(
+        "sandbox_read_paths = [{:?}]\nstate_dir = {:?}\nagents_dir = {:?}\n",
+        shared.display().to_string(),
+        scratch.path().join("state").display().to_string(),
+        scratch.path().join("agents").display().to_string(),
     );
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(daemon.id().expect("pid") as i32),
-        nix::sys::signal::Signal::SIGTERM,
+    let daemon = Daemon::start_with(
+        &shared,
+        &config,
+        &[],
+        &[("COPILOT_POOL_API_TOKEN", "a-token")],
+        None,
     )
-    .expect("SIGTERM");
-    assert!(daemon.wait().await.expect("exit").success());
+    .await;
+    assert!(daemon.terminate().await.success());
 }
 
 /// Runs `node` inside `copilot-pool sandbox-exec <rules>`, listening on port 0 and then on
