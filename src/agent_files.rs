@@ -153,7 +153,12 @@ pub(crate) fn is_file(root: &Path, rel: &Path) -> bool {
 
 /// The whole of the regular file `root/rel`, refused (`InvalidData`) past `limit` bytes.
 pub(crate) fn read(root: &Path, rel: &Path, limit: u64) -> io::Result<Vec<u8>> {
-    let file = open_regular(root, rel)?;
+    read_opened(open_regular(root, rel)?, rel, limit)
+}
+
+/// The rest of `file` (opened by [`open_regular`]; `rel` names it in the error), refused
+/// (`InvalidData`) past `limit` bytes.
+pub(crate) fn read_opened(file: File, rel: &Path, limit: u64) -> io::Result<Vec<u8>> {
     let mut bytes = Vec::new();
     file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > limit {

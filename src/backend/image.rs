@@ -301,15 +301,14 @@ pub async fn content_block(path: &Path) -> Result<Value, ImageError> {
         if size > MAX_IMAGE_BYTES {
             return Err(too_large(size));
         }
-        let mut bytes = Vec::new();
-        file.take(MAX_IMAGE_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .map_err(|error| unreadable(&owned, error))?;
         // The file may have grown since it was measured.
-        if bytes.len() as u64 > MAX_IMAGE_BYTES {
-            return Err(too_large(bytes.len() as u64));
-        }
-        Ok(bytes)
+        crate::agent_files::read_opened(file, &owned, MAX_IMAGE_BYTES).map_err(|error| {
+            if error.kind() == std::io::ErrorKind::InvalidData {
+                too_large(MAX_IMAGE_BYTES + 1)
+            } else {
+                unreadable(&owned, error)
+            }
+        })
     })
     .await
     .map_err(|e| unreadable(path, std::io::Error::other(e)))??;
