@@ -170,13 +170,16 @@ pub async fn load(args: LoadArgs) -> Result<()> {
     let model_url = endpoint.base_url();
 
     let config = scratch.0.join("serve.toml");
-    // No warm spares: one starts on its key's first quiet tick after the load, which the
-    // warm-up's idle reading may or may not have seen, so the daemon's descriptors and tasks
-    // at the end would differ from it by a process or two whatever the daemon keeps.
+    // One process per key and no warm spares: placement may open a second process for a
+    // key under the load's concurrency (and a spare starts on its key's first quiet tick
+    // after it), which the warm-up's idle reading may or may not have seen, so the daemon's
+    // descriptors and tasks at the end would differ from it by a process or two (its pipes
+    // and its actor's tasks) whatever the daemon keeps. The check is for what the daemon
+    // keeps; its processes are counted elsewhere.
     std::fs::write(
         &config,
         format!(
-            "[pool]\nmax_sessions = {}\nmax_waiters = {}\nwait_timeout_secs = {}\nwarm_spares = 0\n\n[model]\nallow_private_endpoints = true\n",
+            "[pool]\nmax_sessions = {}\nmax_waiters = {}\nwait_timeout_secs = {}\nwarm_spares = 0\nmax_processes_per_key = 1\n\n[model]\nallow_private_endpoints = true\n",
             args.clients.max(1024),
             args.clients.max(1024),
             args.wait_timeout_secs
