@@ -2,8 +2,9 @@
 //! ([`ProcessGroup`]), a long-lived child with its stderr tail and exit watch
 //! ([`ChildGroup`]), and a short-lived command run to its end by a deadline ([`GroupLeader`]).
 //!
-//! A [`ChildGroup`] also dies with the daemon: it is started with a parent-death signal
-//! (SIGKILL, `PR_SET_PDEATHSIG`), so a `kill -9` of the daemon takes every runtime with it.
+//! A [`ChildGroup`]'s and a [`GroupLeader`]'s leader also die with the daemon: they are
+//! started with a parent-death signal (SIGKILL, `PR_SET_PDEATHSIG`), so a `kill -9` of the
+//! daemon takes every runtime and installer with it.
 //! The kernel sends that signal when the *thread* that forked the child exits, not the
 //! process: a tokio worker thread can become a blocking-pool thread (`block_in_place`) and
 //! end after its idle keep-alive, so every such child is forked from one spawner thread
@@ -303,7 +304,10 @@ fn forget(id: &Mutex<Option<Pid>>) {
 }
 
 /// A short-lived child that leads its own process group (spawned with `process_group(0)`),
-/// for commands run to their end, such as an installer. Dropping it kills the group.
+/// for commands run to their end, such as an installer. Dropping it kills the group. Like a
+/// [`ChildGroup`]'s leader it gets SIGKILL when the daemon dies (forked from the spawner
+/// thread with a parent-death signal), so an installer does not run on into a cache that the
+/// next daemon's installer then writes too.
 #[derive(Debug)]
 pub struct GroupLeader {
     child: Child,
@@ -318,9 +322,12 @@ pub struct GroupLeader {
 pub struct PastDeadline;
 
 impl GroupLeader {
-    /// Starts `command` as the leader of a new process group (killed with it on drop).
-    pub fn spawn(command: &mut Command) -> std::io::Result<Self> {
-        let child = command.process_group(0).kill_on_drop(true).spawn()?;
+    /// Starts `command` as the leader of a new process group (killed with it on drop, and
+    /// when this process dies). Must be called inside a tokio runtime.
+    pub fn spawn(mut command: Command) -> std::io::Result<Self> {
+        command.process_group(0).kill_on_drop(true);
+        dying_with_parent(&mut command);
+        let child = spawn_on_spawner_thread(command)?;
         // `id` is `None` only once the child was reaped (then there is no group to signal).
         let pid = child.id().unwrap_or(0);
         let group = ProcessGroup::of_leader(pid);
@@ -596,11 +603,25 @@ impl ChildGroup {
 /// wrapper, which execs in place). Fork it with [`spawn_on_spawner_thread`], whose thread
 /// lives as long as the process, so the signal means "the daemon is gone". A child whose
 /// parent died before the `prctl` (the signal would never come) is not started.
-#[allow(unsafe_code)]
 fn own_session_dying_with_parent(cmd: &mut Command) {
+    before_exec(cmd, true);
+}
+
+/// Makes the child get SIGKILL when the thread that forks it exits, as
+/// [`own_session_dying_with_parent`] does, without a session of its own (for a
+/// [`GroupLeader`], whose `process_group(0)` makes its group).
+fn dying_with_parent(cmd: &mut Command) {
+    before_exec(cmd, false);
+}
+
+#[allow(unsafe_code)]
+fn before_exec(cmd: &mut Command, new_session: bool) {
     let parent = std::process::id();
     let set = move || -> std::io::Result<()> {
-        nix::unistd::setsid().map_err(|errno| std::io::Error::from_raw_os_error(errno as i32))?;
+        if new_session {
+            nix::unistd::setsid()
+                .map_err(|errno| std::io::Error::from_raw_os_error(errno as i32))?;
+        }
         nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)
             .map_err(|errno| std::io::Error::from_raw_os_error(errno as i32))?;
         // Reparented already: the parent died between the fork and the prctl.
@@ -610,10 +631,9 @@ fn own_session_dying_with_parent(cmd: &mut Command) {
         Ok(())
     };
     // SAFETY: the closure runs in the forked child before exec, where only
-    // async-signal-safe calls are allowed. It makes three system calls (setsid, prctl,
-    // getppid) and
-    // builds an `io::Error` from a raw code (no allocation); it takes no lock, touches no
-    // shared state and allocates nothing.
+    // async-signal-safe calls are allowed. It makes at most three system calls (setsid,
+    // prctl, getppid) and builds an `io::Error` from a raw code (no allocation); it takes no
+    // lock, touches no shared state and allocates nothing.
     unsafe {
         cmd.pre_exec(set);
     }
@@ -873,6 +893,72 @@ mod tests {
         assert_eq!(child.wait().await, ExitInfo::Signal(9));
     }
 
+    /// The environment variable that makes [`a_group_leaders_helper_process`] run.
+    const LEADER_HELPER: &str = "COPILOT_POOL_TEST_GROUP_LEADER_HELPER";
+
+    /// Run by the test below in a process of its own (this test binary again): starts a
+    /// [`GroupLeader`], prints its pid, then waits to be killed.
+    #[test]
+    #[ignore = "a helper that a_group_leader_dies_with_the_process_that_started_it runs"]
+    fn a_group_leaders_helper_process() {
+        if std::env::var_os(LEADER_HELPER).is_none() {
+            return;
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let leader = GroupLeader::spawn(sh_command("exec sleep 300")).unwrap();
+            println!("leader-pid={}", leader.pid().unwrap());
+            std::future::pending::<()>().await;
+        });
+    }
+
+    #[tokio::test]
+    async fn a_group_leader_dies_with_the_process_that_started_it() {
+        use tokio::io::AsyncBufReadExt;
+        let mut helper = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "process::tests::a_group_leaders_helper_process",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(LEADER_HELPER, "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = tokio::io::BufReader::new(helper.stdout.take().unwrap()).lines();
+        let pid = loop {
+            let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+                .await
+                .expect("the helper prints its leader's pid")
+                .unwrap()
+                .expect("the helper prints its leader's pid before it ends");
+            // After the test harness's own words on the same line.
+            if let Some(pid) = line
+                .split_once("leader-pid=")
+                .and_then(|(_, pid)| pid.trim().parse::<u32>().ok())
+            {
+                break pid;
+            }
+        };
+        assert!(!is_zombie(pid), "the leader runs while the helper does");
+        helper.kill().await.unwrap();
+        let left = group_left_after(pid, Duration::from_secs(5)).await;
+        if !left.is_empty() {
+            let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+        }
+        assert!(
+            left.is_empty(),
+            "outlived the process that started it: {left:?}"
+        );
+    }
+
     fn sh_command(script: &str) -> Command {
         let mut command = Command::new("/bin/sh");
         command
@@ -895,7 +981,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_group_leader_reports_its_status_and_both_outputs() {
-        let leader = GroupLeader::spawn(&mut sh_command("echo out; echo err >&2; exit 3")).unwrap();
+        let leader = GroupLeader::spawn(sh_command("echo out; echo err >&2; exit 3")).unwrap();
         let deadline = Instant::now() + Duration::from_secs(30);
         let output = leader
             .output_until(deadline, Duration::from_secs(5))
@@ -911,7 +997,7 @@ mod tests {
     async fn a_group_leader_past_its_deadline_is_killed_with_its_whole_group() {
         let mut command = sh_command("trap '' TERM; sleep 300 & echo started; sleep 300");
         command.stdout(Stdio::null());
-        let leader = GroupLeader::spawn(&mut command).unwrap();
+        let leader = GroupLeader::spawn(command).unwrap();
         let pgid = leader.pid().unwrap();
         let started = std::time::Instant::now();
         let deadline = Instant::now() + Duration::from_millis(300);
@@ -927,7 +1013,7 @@ mod tests {
         // The leader exits at once; a leftover keeps the output pipe open.
         let mut command = sh_command("sleep 300 & echo started; exit 0");
         command.stdout(Stdio::piped()).stderr(Stdio::piped());
-        let leader = GroupLeader::spawn(&mut command).unwrap();
+        let leader = GroupLeader::spawn(command).unwrap();
         let pgid = leader.pid().unwrap();
         let started = std::time::Instant::now();
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -949,8 +1035,8 @@ mod tests {
 
     #[tokio::test]
     async fn dropping_a_group_leader_kills_its_whole_group() {
-        let mut command = sh_command("sleep 300 & echo started; sleep 300");
-        let mut leader = GroupLeader::spawn(&mut command).unwrap();
+        let command = sh_command("sleep 300 & echo started; sleep 300");
+        let mut leader = GroupLeader::spawn(command).unwrap();
         let pgid = leader.pid().unwrap();
         // Wait until the background sleep exists (the script reports it).
         let mut stdout = leader.child.stdout.take().unwrap();
@@ -968,7 +1054,7 @@ mod tests {
         // `cat` runs until its stdin closes.
         let mut command = sh_command("cat");
         command.stdin(Stdio::piped());
-        let mut leader = GroupLeader::spawn(&mut command).unwrap();
+        let mut leader = GroupLeader::spawn(command).unwrap();
         let stdin = leader.child.stdin.take();
         assert!(
             leader.group().signal(Signal::SIGCONT),

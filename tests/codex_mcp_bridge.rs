@@ -78,7 +78,7 @@ async fn codex_calls_a_gateway_tool_through_the_bridge_with_the_token_from_its_e
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let leader = GroupLeader::spawn(&mut command).expect("codex starts");
+    let leader = GroupLeader::spawn(command).expect("codex starts");
     let output = leader
         .output_until(
             tokio::time::Instant::now() + RUN_LIMIT,

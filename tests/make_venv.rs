@@ -21,14 +21,9 @@ async fn run(program: &str, args: &[&str]) -> String {
     let mut command = Command::new(program);
     command.args(args);
     let what = format!("{program} {args:?}");
-    support::step::run(
-        &what,
-        &mut command,
-        Instant::now() + LIMIT,
-        "a failure guard",
-    )
-    .await
-    .unwrap_or_else(|error| panic!("{error}"))
+    support::step::run(&what, command, Instant::now() + LIMIT, "a failure guard")
+        .await
+        .unwrap_or_else(|error| panic!("{error}"))
 }
 
 #[tokio::test]

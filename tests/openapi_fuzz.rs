@@ -148,8 +148,7 @@ async fn the_api_answers_every_generated_request_as_its_openapi_document_says() 
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    let fuzzer =
-        copilot_pool::process::GroupLeader::spawn(&mut command).expect("start schemathesis");
+    let fuzzer = copilot_pool::process::GroupLeader::spawn(command).expect("start schemathesis");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(MAX_TIME_SECS + 60);
     let output = fuzzer
         .output_until(deadline, Duration::from_secs(5))

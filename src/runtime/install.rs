@@ -455,7 +455,7 @@ async fn run_npm(npm: &NpmCommand, run: NpmRun<'_>) -> Result<(), InstallError> 
         .stderr(Stdio::piped());
     tracing::debug!(?command, "running npm");
     // Its own group, so that a kill reaches the processes npm starts too.
-    let npm_process = GroupLeader::spawn(&mut command).map_err(|error| {
+    let npm_process = GroupLeader::spawn(command).map_err(|error| {
         if error.kind() == io::ErrorKind::NotFound {
             InstallError::NpmMissing
         } else {

@@ -50,7 +50,7 @@ const MARKER: &str = ".copilot-pool-installed";
 static PYTHON: OnceCell<PathBuf> = OnceCell::const_new();
 
 /// One install step by the install's deadline (see [`super::step::run`]).
-async fn run(what: &str, command: &mut Command, deadline: Instant) -> Result<(), String> {
+async fn run(what: &str, command: Command, deadline: Instant) -> Result<(), String> {
     super::step::run(
         what,
         command,
@@ -116,7 +116,7 @@ async fn install(cache: &Path, prefix: &Path) -> Result<(), String> {
     let _ = std::fs::remove_dir_all(&tmp);
     let mut venv = Command::new("bash");
     venv.arg(MAKE_VENV).arg(&tmp);
-    if let Err(error) = run("make-venv.sh", &mut venv, deadline).await {
+    if let Err(error) = run("make-venv.sh", venv, deadline).await {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(error);
     }
@@ -131,7 +131,7 @@ async fn install(cache: &Path, prefix: &Path) -> Result<(), String> {
             "--quiet",
         ])
         .arg(format!("{PACKAGE}=={VERSION}"));
-    if let Err(error) = run("pip install", &mut pip, deadline).await {
+    if let Err(error) = run("pip install", pip, deadline).await {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(error);
     }

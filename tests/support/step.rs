@@ -22,7 +22,7 @@ const TAIL_CHARS: usize = 2000;
 /// with `hint`.
 pub async fn run(
     what: &str,
-    command: &mut Command,
+    mut command: Command,
     deadline: Instant,
     hint: &str,
 ) -> Result<String, String> {

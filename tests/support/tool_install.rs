@@ -191,7 +191,7 @@ async fn run_installer(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     // Its own group, so that a kill reaches apt-get, pip and everything else it starts.
-    let installer = GroupLeader::spawn(&mut command).map_err(io_err(
+    let installer = GroupLeader::spawn(command).map_err(io_err(
         tool,
         "start bash for the installer",
         &tool.script,

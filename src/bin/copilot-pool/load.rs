@@ -418,7 +418,7 @@ pub(crate) async fn start_daemon(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
-    let mut process = GroupLeader::spawn(&mut command).context("starting the daemon")?;
+    let mut process = GroupLeader::spawn(command).context("starting the daemon")?;
     let stdout = process
         .take_stdout()
         .context("the daemon's standard output")?;

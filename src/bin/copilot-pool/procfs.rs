@@ -162,10 +162,10 @@ mod tests {
     async fn another_process_cpu_is_read_to_below_a_tick_and_agrees_with_its_stat() {
         // A child that only burns CPU, leading its own group: killed with it on every exit
         // path, a failed assertion's included.
-        let mut child = copilot_pool::process::GroupLeader::spawn(
-            tokio::process::Command::new("/bin/sh").args(["-c", "while :; do :; done"]),
-        )
-        .expect("spawning /bin/sh");
+        let mut command = tokio::process::Command::new("/bin/sh");
+        command.args(["-c", "while :; do :; done"]);
+        let mut child =
+            copilot_pool::process::GroupLeader::spawn(command).expect("spawning /bin/sh");
         let pid = child.pid().expect("not reaped yet");
         // Until its clock has counted 50 ms (five ticks at 100 Hz): a loaded machine only
         // makes that take longer, within the bound.

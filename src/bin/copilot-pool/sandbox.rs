@@ -317,7 +317,7 @@ pub async fn probe(template: &Sandbox) -> Result<SandboxStatus> {
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    let leader = GroupLeader::spawn(&mut command)
+    let leader = GroupLeader::spawn(command)
         .with_context(|| format!("starting the sandbox probe {}", program.display()))?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let output = leader

@@ -286,7 +286,7 @@ async fn drive(
         }
         _ => bail!("mode {} was started without what it needs", mode.name()),
     }
-    let mut node = GroupLeader::spawn(&mut command)
+    let mut node = GroupLeader::spawn(command)
         .context("starting node (Node.js 20 or later must be on PATH)")?;
     let result = talk(mode, args, &mut node, daemon).await;
     if result.is_err() {
