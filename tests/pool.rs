@@ -1190,6 +1190,35 @@ async fn resumes_ahead_that_end_or_fail_make_way_for_the_next_without_waiting_fo
 }
 
 #[tokio::test]
+async fn a_spare_resumes_the_conversations_leased_last_not_the_ones_opened_last() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(one_tick_and_spares(&fx, 2).await)
+        .await
+        .expect("pool");
+    let mut events = pool.subscribe();
+    // conv-1 and conv-2 opened, then conv-1 leased again (attached: no open), then conv-3
+    // opened: the two leased last are conv-3 and conv-1, though conv-2 was opened later.
+    let (pid, _) = turns_on_one_process(&fx, &pool, 2).await;
+    assert_eq!(one_turn(&pool, &fx, "conv-1", "REPLY=again").await, pid);
+    assert_eq!(one_turn(&pool, &fx, "conv-3", "REPLY=ok").await, pid);
+
+    let spare_pid = killed_and_resumed_ahead(&mut events, pid, 2).await;
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv-1"))
+        .await
+        .expect("lease on return");
+    assert_eq!(lease.worker_pid(), spare_pid);
+    assert_eq!(
+        lease.reason(),
+        OpenReason::Attached,
+        "conv-1 was resumed ahead"
+    );
+    lease.run("REPLY=back").await.expect("turn on return");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
 async fn a_resume_ahead_that_ends_starts_the_next_without_waiting_for_a_tick() {
     let fx = Fixture::new().await;
     let pool = Pool::start(one_tick_and_spares(&fx, 3).await)

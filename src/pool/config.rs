@@ -66,11 +66,14 @@ pub struct PoolConfig {
     /// How long after a key's last conversation lease its spares are kept (default 10 min);
     /// then they are stopped.
     pub warm_spare_window: Duration,
-    /// Conversations a warm spare resumes ahead of their return (default 4): the key's most
-    /// recently leased ones that are attached nowhere (their process idled out, was recycled
-    /// or replaced), so a returning agent's turn starts on an attached session instead of
-    /// waiting for a resume. Each costs the runtime's memory of a resumed conversation; 0
-    /// turns it off. Only with `warm_spares`.
+    /// Conversations a warm spare resumes ahead of their return (default 32, so as many as
+    /// the spare holds with one slot left free at the default `max_sessions_per_process`):
+    /// the key's most recently leased ones that are attached nowhere (their process idled
+    /// out, was recycled or replaced), so a returning agent's turn starts on an attached
+    /// session instead of waiting for a resume, whichever of its conversations it comes back
+    /// to. Each costs the runtime's memory of a resumed conversation (~2 MiB, runtime 1.0.85;
+    /// the spare stays smaller than the process that held them); 0 turns it off. Only with
+    /// `warm_spares`.
     pub warm_spare_conversations: usize,
     /// Conversations attached in the whole pool (default 1024).
     pub max_sessions: usize,
@@ -152,7 +155,7 @@ impl PoolConfig {
             ),
             warm_spares: 1,
             warm_spare_window: Duration::from_secs(600),
-            warm_spare_conversations: 4,
+            warm_spare_conversations: 32,
             max_sessions: 1024,
             max_waiters: 1024,
             wait_timeout: Duration::from_secs(30),

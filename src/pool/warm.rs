@@ -1,6 +1,7 @@
 //! A warm spare's conversations: the pool remembers each key's most recently leased
-//! conversations (what their open needs, at most `warm_spare_conversations` per key) and
-//! resumes those attached nowhere onto the key's spare ahead of their return. A returning
+//! conversations (what their last open needed, at most `warm_spare_conversations` per key;
+//! every lease's open counts, an attached conversation's included) and resumes those
+//! attached nowhere onto the key's spare ahead of their return. A returning
 //! agent then finds its conversation attached and its turn starts at once, where it would
 //! otherwise wait for `session.resume` on the spare (~30 ms on a primed process: all that
 //! is left of a returning agent's wait once the spare has saved the start).

@@ -466,7 +466,7 @@ impl Default for PoolSection {
             cpu_processes_per_key: None,
             warm_spares: 1,
             warm_spare_window_secs: 600,
-            warm_spare_conversations: 4,
+            warm_spare_conversations: 32,
             health_interval_ms: 10_000,
             health_timeout_ms: 5_000,
             health_misses: copilot_pool::worker::DEFAULT_HEALTH_MISSES,

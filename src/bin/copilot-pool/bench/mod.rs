@@ -74,6 +74,32 @@ pub struct BenchArgs {
     /// The runtime executable (default: COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
     #[arg(long)]
     pub cli: Option<PathBuf>,
+    /// Conversations each agent's warm spare resumes ahead of its return (`[pool]
+    /// warm_spare_conversations`; default: the pool's).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1024))]
+    pub warm_spare_conversations: Option<u32>,
+}
+
+impl BenchArgs {
+    /// What the pool's runs set `[pool] warm_spare_conversations` to.
+    pub fn warm_spare_conversations(&self) -> u32 {
+        self.warm_spare_conversations.unwrap_or_else(|| {
+            u32::try_from(crate::config::PoolSection::default().warm_spare_conversations)
+                .unwrap_or(u32::MAX)
+        })
+    }
+
+    /// How many conversations each agent's spare holds once it has resumed what it may
+    /// ahead of the agent's return: its remembered ones, at most the agent's conversations,
+    /// and one slot of the process stays free (for a cold conversation).
+    pub fn resumed_on_each_spare(&self) -> u32 {
+        let room = crate::config::PoolSection::default()
+            .max_sessions_per_process
+            .saturating_sub(1);
+        self.conversations
+            .min(self.warm_spare_conversations())
+            .min(u32::try_from(room).unwrap_or(u32::MAX))
+    }
 }
 
 #[derive(clap::Subcommand)]
@@ -193,6 +219,8 @@ struct Workload {
     tool: bool,
     streaming: bool,
     pairs: u32,
+    /// `[pool] warm_spare_conversations` in the pool's runs.
+    warm_spare_conversations: u32,
     runtime: String,
     node_sdk: &'static str,
 }
@@ -353,6 +381,7 @@ fn report(args: &BenchArgs, program: &std::path::Path, runs: &[Vec<Figures>]) ->
             tool: !args.plain,
             streaming: args.streaming,
             pairs: args.pairs,
+            warm_spare_conversations: args.warm_spare_conversations(),
             runtime: program.display().to_string(),
             node_sdk: runtime::NODE_SDK_VERSION,
         },
@@ -379,13 +408,15 @@ fn machine() -> Value {
 /// One table: a row per figure, the median [min-max] of each mode, then each mode / (c).
 fn print_table(args: &BenchArgs, runs: &[Vec<Figures>]) {
     println!(
-        "{} agents x {} conversations x {} turns, {} turns{}, {} pair(s); median [min-max]",
+        "{} agents x {} conversations x {} turns, {} turns{}, {} pair(s), {} conversation(s) \
+         resumed on each spare; median [min-max]",
         args.agents,
         args.conversations,
         args.turns,
         if args.plain { "plain" } else { "tool" },
         if args.streaming { ", streaming" } else { "" },
-        args.pairs
+        args.pairs,
+        args.resumed_on_each_spare()
     );
     let baseline = baseline();
     let mut header = format!("{:<28}", "");

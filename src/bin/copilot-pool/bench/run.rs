@@ -41,9 +41,6 @@ const AWAY_POLL: Duration = Duration::from_millis(100);
 /// A bound on the agents' absence: idle TTL, tick, a spare's start and priming, with room for
 /// a loaded machine. A failure guard, not a measurement.
 const AWAY_LIMIT: Duration = Duration::from_secs(60);
-/// Conversations each agent's spare resumes ahead of its return (`[pool]
-/// warm_spare_conversations`, its default written out).
-const WARM_CONVERSATIONS: u32 = 4;
 
 /// What every run shares: the runtime, the SDK, the scripted model, the workload script.
 pub struct Setup {
@@ -111,10 +108,11 @@ async fn start_serve(mode: Mode, args: &BenchArgs, setup: &Setup, dir: &Path) ->
     // A short idle TTL and one warm spare per key, kept well past the agents' absence: a
     // returning agent finds its process evicted and a primed spare in its place, with its
     // most recent conversations resumed there ahead of its return.
+    let warm = args.warm_spare_conversations();
     let mut config = format!(
         "[pool]\nmax_sessions = 4096\nmax_waiters = 4096\nidle_ttl_secs = {IDLE_TTL_SECS}\n\
          warm_spares = 1\nwarm_spare_window_secs = 600\n\
-         warm_spare_conversations = {WARM_CONVERSATIONS}\n\n\
+         warm_spare_conversations = {warm}\n\n\
          [model]\nallow_private_endpoints = true\n"
     );
     if mode == Mode::Endpoint {
@@ -428,7 +426,7 @@ async fn talk(
                 away = match daemon {
                     Some(d) => {
                         let last = std::sync::Mutex::new(Value::Null);
-                        let warm = args.conversations.min(WARM_CONVERSATIONS);
+                        let warm = args.resumed_on_each_spare();
                         let waited = sampling(
                             &mut after_load,
                             root,
