@@ -36,7 +36,7 @@
 //! | [`SESSION_EVENTS_UNREAD_TOTAL`] | counter | — |
 //! | [`TOKENS_TOTAL`] | counter | `kind`: [`TokenKind::as_str`] (`input`, `output`, `cache_read`, `cache_write`); `backend` |
 //! | [`SDK_CONNECTIONS`] | gauge | — |
-//! | [`SDK_CONNECTIONS_TOTAL`] | counter | `result`: `accepted`, `refused`, `unauthenticated` |
+//! | [`SDK_CONNECTIONS_TOTAL`] | counter | `result`: `accepted`, `refused`, `unauthenticated`, `agent_limit` |
 //! | [`MODEL_REQUESTS_TOTAL`] | counter | `outcome`: [`ModelOutcome::label`] |
 //! | [`MODEL_REQUEST_SECONDS`] | histogram | `phase`: `first_byte`, `total` |
 //! | [`MODEL_BYTES_TOTAL`] | counter | `direction`: `sent`, `received` |
@@ -491,14 +491,18 @@ pub(crate) enum SdkConnection {
     /// A wrong token, no `connect` in time, or closed before `connect` to make way for a
     /// newer connection (`max_unauthenticated_connections`).
     Unauthenticated,
+    /// A right token whose agent holds `max_connections_per_agent` connections already:
+    /// `connect` refused, the connection closed.
+    AgentLimit,
 }
 
 impl SdkConnection {
     /// Every value, in a stable order.
-    pub(crate) const ALL: [SdkConnection; 3] = [
+    pub(crate) const ALL: [SdkConnection; 4] = [
         SdkConnection::Accepted,
         SdkConnection::Refused,
         SdkConnection::Unauthenticated,
+        SdkConnection::AgentLimit,
     ];
 
     /// The `result` label.
@@ -507,6 +511,7 @@ impl SdkConnection {
             SdkConnection::Accepted => "accepted",
             SdkConnection::Refused => "refused",
             SdkConnection::Unauthenticated => "unauthenticated",
+            SdkConnection::AgentLimit => "agent_limit",
         }
     }
 }

@@ -219,6 +219,82 @@ async fn clients_that_never_authenticate_make_way_for_new_ones_and_cannot_keep_t
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_agents_clients_cannot_take_more_than_its_share_of_connections() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut tokens = AgentTokens::new();
+    for (agent, token) in [("agent-a", "token-a"), ("agent-b", "token-b")] {
+        tokens
+            .add_token(agent, &Secret::new(token))
+            .expect("a token");
+    }
+    let mut config = SdkConfig::new(tokens);
+    config.max_connections_per_agent = 2;
+    let endpoint = SdkEndpoint::new(pool.clone(), config);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, mut stopped) = watch::channel(false);
+    let server = tokio::spawn(async move {
+        sdk_endpoint::serve_tcp(&endpoint, listener, async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })
+        .await;
+    });
+    let connect = |token: &'static str| async move {
+        let client = raw_client(addr).await;
+        let answer = client
+            .request("connect", json!({"token": token}), None)
+            .await;
+        (client, answer)
+    };
+    let (first, answer) = connect("token-a").await;
+    answer.expect("agent-a's first client");
+    let (second, answer) = connect("token-a").await;
+    answer.expect("agent-a's second client");
+    let (third, answer) = connect("token-a").await;
+    let refused = remote_error(answer);
+    assert_eq!(
+        refused.code,
+        sdk_endpoint::TOO_MANY_CONNECTIONS,
+        "{refused:?}"
+    );
+    assert!(
+        refused.message.contains("max_connections_per_agent"),
+        "the refusal names the setting: {refused:?}"
+    );
+    let closed = third.request("ping", json!({}), None).await;
+    assert!(matches!(closed, Err(RpcError::Closed { .. })), "{closed:?}");
+    // The other agent has room of its own, and agent-a's clients go on.
+    let (_b, answer) = connect("token-b").await;
+    answer.expect("agent-b's client");
+    second
+        .request("ping", json!({}), None)
+        .await
+        .expect("agent-a's open clients go on");
+    // A client that leaves gives its seat back (once the endpoint has seen it go).
+    drop(first);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_again, answer) = connect("token-a").await;
+        match answer {
+            Ok(_) => break,
+            Err(error) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "the seat was never given back: {error:?}"
+            ),
+        }
+    }
+    stop.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(20), server)
+        .await
+        .expect("the listener stops")
+        .expect("listener task");
+    pool.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_ping_and_status_answer_protocol_3_and_the_pools_version() {
     let fx = Fixture::new().await;
     let served = Served::start(&fx).await;

@@ -1,12 +1,18 @@
-//! Room for connections that have not authenticated yet: at most
+//! Room for connections. Those that have not authenticated yet ([`Admission`]): at most
 //! [`super::SdkConfig::max_unauthenticated_connections`] at once. A new connection past that
 //! takes the slot of the oldest, which is closed: a real client sends `connect` within
 //! milliseconds of connecting, so the oldest is the likeliest to be one that never will, and
 //! clients that open connections and send nothing cannot keep the agents' clients out (a
 //! refusal instead would let 64 idle sockets, reopened every `connect_timeout`, shut out
 //! every new client). A slot is given back when its connection authenticates or closes.
+//!
+//! Those of one agent ([`AgentSeats`]): at most
+//! [`super::SdkConfig::max_connections_per_agent`] authenticated at once, so one agent's
+//! clients cannot take every connection the endpoint allows from the others. Past it the
+//! agent's `connect` is refused (its open connections go on); a seat is given back when its
+//! connection closes.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::watch;
@@ -79,6 +85,76 @@ impl Admission {
     }
 }
 
+/// Authenticated connections per agent.
+#[derive(Debug)]
+pub(super) struct AgentSeats {
+    max: usize,
+    taken: Mutex<HashMap<String, usize>>,
+}
+
+/// One authenticated connection's seat among its agent's; dropping it gives it back.
+#[derive(Debug)]
+pub(super) struct Seat {
+    seats: Arc<AgentSeats>,
+    agent: String,
+}
+
+impl AgentSeats {
+    /// Room for `max` connections of each agent (at least one).
+    pub(super) fn new(max: usize) -> Arc<Self> {
+        Arc::new(AgentSeats {
+            max: max.max(1),
+            taken: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The most connections one agent may hold.
+    pub(super) fn max(&self) -> usize {
+        self.max
+    }
+
+    /// A seat for one more connection of `agent`; `None` when it holds `max` already.
+    pub(super) fn take(self: &Arc<Self>, agent: &str) -> Option<Seat> {
+        let mut taken = self.taken.lock().unwrap_or_else(PoisonError::into_inner);
+        let held = taken.entry(agent.to_owned()).or_insert(0);
+        if *held >= self.max {
+            return None;
+        }
+        *held += 1;
+        Some(Seat {
+            seats: self.clone(),
+            agent: agent.to_owned(),
+        })
+    }
+
+    /// How many connections `agent` holds.
+    #[cfg(test)]
+    fn held(&self, agent: &str) -> usize {
+        self.taken
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(agent)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        let mut taken = self
+            .seats
+            .taken
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(held) = taken.get_mut(&self.agent) {
+            *held = held.saturating_sub(1);
+            if *held == 0 {
+                taken.remove(&self.agent);
+            }
+        }
+    }
+}
+
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut state = self
@@ -93,6 +169,22 @@ impl Drop for Slot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_agent_holds_at_most_its_seats_and_a_closed_connection_gives_its_seat_back() {
+        let seats = AgentSeats::new(2);
+        let first = seats.take("agent-a").expect("a first seat");
+        let _second = seats.take("agent-a").expect("a second seat");
+        assert!(seats.take("agent-a").is_none(), "past the cap");
+        let _other = seats
+            .take("agent-b")
+            .expect("another agent has seats of its own");
+        drop(first);
+        assert_eq!(seats.held("agent-a"), 1);
+        let _third = seats.take("agent-a").expect("the seat given back");
+        assert!(seats.take("agent-a").is_none());
+        assert_eq!(AgentSeats::new(0).max(), 1, "0 counts as 1");
+    }
 
     #[test]
     fn a_new_connection_past_the_cap_takes_the_oldest_waiting_ones_slot() {

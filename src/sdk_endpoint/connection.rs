@@ -17,7 +17,7 @@ use crate::rpc::connection::{
     Incoming, IncomingRequest, METHOD_NOT_FOUND,
 };
 
-use super::admission::Slot;
+use super::admission::{Seat, Slot};
 use super::session::{self, AfterOpen, CallError, SdkSession, SessionSpec, session_not_found};
 use super::{PROTOCOL_VERSION, Shared};
 
@@ -25,6 +25,9 @@ use super::{PROTOCOL_VERSION, Shared};
 pub const AUTHENTICATION_REQUIRED: i64 = -32001;
 /// The runtime's code for a wrong connection token.
 pub const AUTHENTICATION_FAILED: i64 = -32002;
+/// The pool's code for a `connect` of an agent that holds `max_connections_per_agent`
+/// connections already (the runtime has no such limit).
+pub const TOO_MANY_CONNECTIONS: i64 = -32003;
 
 /// Calls refused because they change a process that other clients share.
 const PROCESS_WIDE: &[&str] = &[
@@ -64,6 +67,8 @@ struct Client {
     agent: OnceLock<String>,
     /// The slot among the connections waiting to authenticate, given back at `connect`.
     waiting: Mutex<Option<Slot>>,
+    /// The seat among its agent's connections, taken at `connect`, given back at the close.
+    seat: Mutex<Option<Seat>>,
     /// Sessions opened on this connection, by SDK session id.
     sessions: Mutex<HashMap<String, Arc<SdkSession>>>,
     /// The session used last, whose process answers calls that name no session.
@@ -103,6 +108,7 @@ pub(super) async fn run<S>(
         conn: conn.clone(),
         agent: OnceLock::new(),
         waiting: Mutex::new(Some(slot)),
+        seat: Mutex::new(None),
         sessions: Mutex::new(HashMap::new()),
         last: Mutex::new(None),
     });
@@ -208,7 +214,30 @@ impl Client {
                  (its SHA-256 must be listed for the agent in the daemon's [sdk] tokens)",
             ));
         };
-        let _ = self.agent.set(agent.to_owned());
+        let Some(seat) = self.shared.seats.take(agent) else {
+            let max = self.shared.seats.max();
+            tracing::warn!(
+                agent,
+                max_connections_per_agent = max,
+                "An SDK client was refused: its agent holds max_connections_per_agent \
+                 connections already."
+            );
+            crate::metrics::sdk_connection(crate::metrics::SdkConnection::AgentLimit);
+            return Err(ErrorObject::new(
+                TOO_MANY_CONNECTIONS,
+                format!(
+                    "TOO_MANY_CONNECTIONS: agent {agent} has {max} open connections to this \
+                     endpoint already (the daemon's [sdk] max_connections_per_agent); close \
+                     the ones it no longer uses (one client runs all of an agent's sessions) \
+                     or raise the limit"
+                ),
+            ));
+        };
+        if self.agent.set(agent.to_owned()).is_ok()
+            && let Ok(mut held) = self.seat.lock()
+        {
+            *held = Some(seat);
+        }
         if let Ok(mut slot) = self.waiting.lock() {
             slot.take();
         }
@@ -526,6 +555,9 @@ impl Client {
         futures_util::future::join_all(stops).await;
         if let Some(agent) = self.agent() {
             tracing::info!(agent, sessions = sessions.len(), "An SDK client left.");
+        }
+        if let Ok(mut seat) = self.seat.lock() {
+            seat.take();
         }
     }
 }

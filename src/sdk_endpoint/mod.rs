@@ -6,8 +6,9 @@
 //! * A client authenticates in `connect` with its connection token; [`AgentTokens`] (SHA-256
 //!   hashes only) names the agent the connection is for: its home, its processes, its
 //!   sessions. Any other call first is refused with `-32001`, a wrong token with `-32002`
-//!   (the runtime's codes). `connect`, `ping` and `status.get` answer with protocol version 3
-//!   and the pool's version.
+//!   (the runtime's codes); an agent already holding `max_connections_per_agent`
+//!   connections is refused with `-32003` (the pool's). `connect`, `ping` and `status.get`
+//!   answer with protocol version 3 and the pool's version.
 //! * Each SDK session is the pool conversation `(agent, "sdk:<session id>")`, run under the
 //!   SDK's own session id. It is leased for each turn (`session.send` until `session.idle`)
 //!   and for each call between turns, so the pool's caps, waiters, recycling and rotation
@@ -20,8 +21,8 @@
 //!   process. A client that goes away has its turns aborted and its sessions parked.
 //!
 //! Modules: `tokens` (token → agent), `listener` (accept loops: the connection cap, the
-//! stop), `admission` (room for connections not authenticated yet: a new one past it
-//! closes the oldest), `connection` (one client: the handshake and where each
+//! stop), `admission` (room for connections: those not authenticated yet, where a new one
+//! past the cap closes the oldest, and each agent's), `connection` (one client: the handshake and where each
 //! method goes), `session` (one SDK session: leases, the turn pump, crashes).
 
 mod admission;
@@ -39,6 +40,7 @@ use tokio::sync::watch;
 
 use crate::pool::Pool;
 
+pub use connection::TOO_MANY_CONNECTIONS;
 pub use listener::{serve_tcp, serve_unix};
 pub use session::PROCESS_CRASHED;
 pub use tokens::{AgentTokens, TokenError, sha256_hex};
@@ -59,6 +61,11 @@ pub struct SdkConfig {
     /// connect and never authenticate (each may wait `connect_timeout`) cannot keep the
     /// agents' clients out.
     pub max_unauthenticated_connections: usize,
+    /// Authenticated connections of one agent at most (default 64; 0 counts as 1): past it
+    /// the agent's `connect` is refused ([`TOO_MANY_CONNECTIONS`]), so one agent's clients
+    /// cannot take every connection from the others. One client runs all of an agent's
+    /// sessions.
+    pub max_connections_per_agent: usize,
     /// A client must have authenticated (`connect`) this long after its connection was
     /// accepted (default 10 s), else the connection is closed.
     pub connect_timeout: Duration,
@@ -95,6 +102,7 @@ impl SdkConfig {
             tokens,
             max_connections: 1024,
             max_unauthenticated_connections: 64,
+            max_connections_per_agent: 64,
             connect_timeout: Duration::from_secs(10),
             request_timeout: Duration::from_secs(60),
             client_request_timeout: Duration::from_secs(600),
@@ -126,6 +134,8 @@ struct Shared {
     next_connection: AtomicU64,
     draining: watch::Sender<bool>,
     running_turns: watch::Sender<usize>,
+    /// Each agent's authenticated connections, endpoint-wide (over every listener).
+    seats: std::sync::Arc<admission::AgentSeats>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -190,11 +200,12 @@ impl SdkEndpoint {
         Self {
             shared: std::sync::Arc::new(Shared {
                 pool,
-                config,
                 owners: Mutex::new(HashMap::new()),
                 next_connection: AtomicU64::new(1),
                 draining: watch::channel(false).0,
                 running_turns: watch::channel(0).0,
+                seats: admission::AgentSeats::new(config.max_connections_per_agent),
+                config,
             }),
         }
     }

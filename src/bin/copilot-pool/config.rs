@@ -233,6 +233,8 @@ pub struct SdkSection {
     pub max_connections: usize,
     /// Of those, connections not authenticated yet at most (default 64).
     pub max_unauthenticated_connections: usize,
+    /// Of those, one agent's authenticated connections at most (default 64).
+    pub max_connections_per_agent: usize,
     /// Each agent's connection token, as its SHA-256 in hex.
     pub tokens: Vec<SdkToken>,
 }
@@ -253,6 +255,7 @@ impl Default for SdkSection {
             listen: None,
             max_connections: 1024,
             max_unauthenticated_connections: 64,
+            max_connections_per_agent: 64,
             tokens: Vec::new(),
         }
     }
@@ -571,10 +574,13 @@ impl ServeConfig {
                 );
             }
             self.sdk.tokens()?;
-            if self.sdk.max_connections == 0 || self.sdk.max_unauthenticated_connections == 0 {
+            if self.sdk.max_connections == 0
+                || self.sdk.max_unauthenticated_connections == 0
+                || self.sdk.max_connections_per_agent == 0
+            {
                 bail!(
-                    "sdk.max_connections and sdk.max_unauthenticated_connections must be above \
-                     0 (defaults 1024 and 64)"
+                    "sdk.max_connections, sdk.max_unauthenticated_connections and \
+                     sdk.max_connections_per_agent must be above 0 (defaults 1024, 64 and 64)"
                 );
             }
         }
@@ -909,6 +915,14 @@ mod tests {
             refused.contains("max_unauthenticated_connections"),
             "{refused}"
         );
+        // Each agent's connections: 64 by default, never none.
+        assert_eq!(c.sdk.max_connections_per_agent, 64);
+        let none: ServeConfig = toml::from_str(&format!(
+            "[sdk]\nlisten = \"127.0.0.1:7879\"\nmax_connections_per_agent = 0\n[[sdk.tokens]]\nagent = \"agent-a\"\nsha256 = \"{hash}\"\n"
+        ))
+        .unwrap();
+        let refused = format!("{:#}", none.validate().unwrap_err());
+        assert!(refused.contains("max_connections_per_agent"), "{refused}");
     }
 
     #[test]

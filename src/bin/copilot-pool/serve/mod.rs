@@ -224,6 +224,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             let mut sdk_config = SdkConfig::new(config.sdk.tokens()?);
             sdk_config.max_connections = config.sdk.max_connections;
             sdk_config.max_unauthenticated_connections = config.sdk.max_unauthenticated_connections;
+            sdk_config.max_connections_per_agent = config.sdk.max_connections_per_agent;
             sdk_config.allow_logged_in_user = config.auth.allow_logged_in_user;
             sdk_config.allow_local_mcp_servers = config.allow_local_mcp_servers;
             let endpoint = SdkEndpoint::new(pool.clone(), sdk_config);
