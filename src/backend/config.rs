@@ -482,12 +482,14 @@ impl CliBackendConfig {
     }
 
     /// The bundled `codex-cli` backend: a Codex process per turn (`cli-oneshot`), JSONL
-    /// events on stdout (`exec --json`), the prompt as the last argument with stdin closed
-    /// (Codex waits forever on an open stdin), commands sandboxed (`workspace-write`).
+    /// events on stdout (`exec --json`), the prompt written to stdin, which is then closed
+    /// (Codex reads its instructions from stdin when none is on its command line, and waits
+    /// forever on a stdin left open), so it is never in the process's command line, where
+    /// the host's other users could read it; commands sandboxed (`workspace-write`).
     ///
-    /// * A resume puts `resume {sessionId}` after the exec flags (`exec <flags> resume <id>
-    ///   <prompt>`): `--color` and `--sandbox` after `resume` are fatal, and this form keeps
-    ///   the JSONL output of a fresh run, so `resumeOutput` stays unset.
+    /// * A resume puts `resume {sessionId}` after the exec flags (`exec <flags> resume
+    ///   <id>`, the prompt on stdin): `--color` and `--sandbox` after `resume` are fatal, and
+    ///   this form keeps the JSONL output of a fresh run, so `resumeOutput` stays unset.
     /// * Applied by the runner, not in `args` ([`SafetySwitches::CODEX`]): outbound traffic
     ///   off (analytics, plugins: GitHub and chatgpt.com sync, the update check) and
     ///   retries bounded (`features.unbounded_connection_retries=false`, otherwise a dead
@@ -524,8 +526,7 @@ impl CliBackendConfig {
         config.args = args;
         config.resume_args = Some(resume_args);
         config.output = OutputFormat::Jsonl;
-        config.input = InputMode::Arg;
-        config.max_prompt_arg_chars = Some(100_000);
+        config.input = InputMode::Stdin;
         config.model_arg = Some("--model".to_owned());
         config.session_mode = SessionMode::Existing;
         config.session_id_fields = vec!["thread_id".to_owned()];
@@ -542,7 +543,9 @@ impl CliBackendConfig {
     }
 
     /// The bundled `google-gemini-cli` backend (reference: `cli-backends.md` §5): a process
-    /// per turn, `--output-format stream-json --prompt {prompt}` (JSONL as it happens: `init`
+    /// per turn, `--output-format stream-json` with the prompt written to stdin, which is then
+    /// closed (non-interactive: stdin is not a terminal; never on the process's command line,
+    /// where the host's other users could read it) (JSONL as it happens: `init`
     /// with the `session_id`, the answer's chunks, the CLI's tool calls and results, a closing
     /// `result` with usage under `stats`; read by [`crate::backend::gemini::StreamState`]),
     /// `--resume {sessionId}` to continue
@@ -556,28 +559,20 @@ impl CliBackendConfig {
     ///
     /// Not expressible here and required before the first run: the auth type, telemetry,
     /// auto-update and the retry bound in `<home>/.gemini/settings.json`
-    /// ([`crate::backend::gemini::write_settings`]); stdin must be closed or `/dev/null`
-    /// (`--prompt` appends piped stdin to the prompt).
+    /// ([`crate::backend::gemini::write_settings`]).
     pub fn google_gemini_cli() -> Self {
         let strings = |list: &[&str]| list.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
         let mut config = Self::new("gemini");
         config.kind = BackendKind::CliOneshot;
-        config.args = strings(&[
-            "--output-format",
-            "stream-json",
-            "--prompt",
-            PROMPT_PLACEHOLDER,
-        ]);
+        config.args = strings(&["--output-format", "stream-json"]);
         config.resume_args = Some(strings(&[
             "--resume",
             SESSION_ID_PLACEHOLDER,
             "--output-format",
             "stream-json",
-            "--prompt",
-            PROMPT_PLACEHOLDER,
         ]));
         config.output = OutputFormat::Jsonl;
-        config.input = InputMode::Arg;
+        config.input = InputMode::Stdin;
         config.model_arg = Some("--model".to_owned());
         config.session_mode = SessionMode::Existing;
         config.session_id_fields = strings(&["session_id"]);
@@ -986,7 +981,7 @@ mod tests {
         assert_eq!(codex.kind, BackendKind::CliOneshot);
         assert_eq!(codex.output, OutputFormat::Jsonl);
         assert_eq!(codex.resume_output, None, "a resume keeps the JSONL");
-        assert_eq!(codex.input, InputMode::Arg);
+        assert_eq!(codex.input, InputMode::Stdin, "never on the command line");
         assert_eq!(codex.session_id_fields, ["thread_id"]);
         for switch in [
             "analytics.enabled=false",
@@ -1045,8 +1040,6 @@ mod tests {
             [
                 "--output-format",
                 "stream-json",
-                "--prompt",
-                "{prompt}",
                 "--model",
                 "gemini-2.5-pro"
             ]
@@ -1058,8 +1051,6 @@ mod tests {
                 "95642bd1-0b6b",
                 "--output-format",
                 "stream-json",
-                "--prompt",
-                "{prompt}"
             ]
         );
     }

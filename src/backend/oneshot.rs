@@ -77,6 +77,10 @@ const CODEX_PROVIDER: &str = "copilot_pool";
 
 /// The longest single argument Linux accepts (`MAX_ARG_STRLEN`, 128 KiB with its NUL).
 const MAX_ARG_BYTES: usize = 128 * 1024 - 1;
+
+/// What Gemini CLI reads of stdin (`MAX_STDIN_SIZE` in its bundle, 0.61.0); past it the
+/// input is cut with a warning on stderr.
+const GEMINI_MAX_STDIN_BYTES: usize = 8 * 1024 * 1024;
 /// How much of the process's stderr a failure reports (its end).
 const STDERR_TAIL_CHARS: usize = 2000;
 /// How long the end of a turn waits for the leader's exit status once stdout closed.
@@ -154,6 +158,16 @@ impl Dialect {
             Dialect::Claude
         } else {
             Dialect::Generic
+        }
+    }
+
+    /// The most bytes of a prompt this dialect's CLI reads from stdin, where it cuts a
+    /// longer one short with no more than a warning (Gemini CLI: 8 MiB), so the runner
+    /// refuses it instead ([`OneshotError::PromptTooLongForStdin`]).
+    pub fn stdin_prompt_limit(self) -> Option<usize> {
+        match self {
+            Dialect::Gemini => Some(GEMINI_MAX_STDIN_BYTES),
+            Dialect::Generic | Dialect::Codex | Dialect::Claude => None,
         }
     }
 
@@ -574,6 +588,18 @@ pub enum OneshotError {
         /// The limit.
         max: usize,
     },
+    /// The prompt is longer than the CLI reads from stdin (it would cut the rest off).
+    #[error(
+        "the prompt has {bytes} bytes, over the {max} this CLI reads from stdin (it would \
+         drop the rest with only a warning); shorten the prompt, or pass large inputs as \
+         files in the working directory"
+    )]
+    PromptTooLongForStdin {
+        /// The prompt's length in bytes.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
     /// Gemini CLI's settings could not be written into the agent's home.
     #[error(transparent)]
     Gemini(#[from] gemini::GeminiError),
@@ -970,6 +996,15 @@ impl Oneshot {
             }
             InputMode::Arg => false,
         };
+        if on_stdin
+            && let Some(max) = config.dialect.stdin_prompt_limit()
+            && prompt.len() > max
+        {
+            return Err(OneshotError::PromptTooLongForStdin {
+                bytes: prompt.len(),
+                max,
+            });
+        }
         if on_stdin {
             args = without_prompt_placeholder(args);
         } else if args.iter().any(|a| a.contains(PROMPT_PLACEHOLDER)) {
@@ -1914,8 +1949,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut oneshot = codex(dir.path());
         let fresh = oneshot.invocation("hello", &[], None).unwrap();
-        assert!(!fresh.resumed && fresh.stdin_prompt.is_none());
-        assert_eq!(fresh.args.last().map(String::as_str), Some("hello"));
+        assert!(!fresh.resumed);
+        assert_eq!(fresh.stdin_prompt.as_deref(), Some("hello"), "on stdin");
+        assert!(!fresh.args.iter().any(|a| a == "hello"));
         let at = fresh
             .args
             .iter()
@@ -1942,7 +1978,8 @@ mod tests {
         let resumed = oneshot.invocation("again", &[], None).unwrap();
         assert!(resumed.resumed);
         let n = resumed.args.len();
-        assert_eq!(resumed.args[n - 3..], ["resume", "thread-1", "again"]);
+        assert_eq!(resumed.args[n - 2..], ["resume", "thread-1"]);
+        assert_eq!(resumed.stdin_prompt.as_deref(), Some("again"));
         assert_eq!(resumed.output, OutputFormat::Jsonl);
         let spec = oneshot.child_spec(&resumed, dir.path().join("home/tmp"));
         let env: std::collections::HashMap<_, _> = spec.env.into_iter().collect();
@@ -2071,6 +2108,49 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_bundled_codex_and_gemini_never_put_the_prompt_on_their_command_line() {
+        // The host's other users read every process's command line (`/proc/<pid>/cmdline`).
+        let dir = tempfile::tempdir().unwrap();
+        let prompt = "the secret is 4242";
+        let made = |dialect: Dialect, session: Option<&str>| {
+            let (home, work) = (dir.path().join("h"), dir.path().join("w"));
+            let mut config = match dialect {
+                Dialect::Codex => OneshotConfig::codex("/nonexistent/codex", home, work),
+                _ => OneshotConfig::gemini("/nonexistent/gemini", home, work),
+            };
+            config.session = session.map(StoredSession::new);
+            Oneshot::new(config).expect("valid")
+        };
+        for dialect in [Dialect::Codex, Dialect::Gemini] {
+            for session in [None, Some("0199a213-81c0-7800-8aa1-bbab2a035a53")] {
+                let run = made(dialect, session)
+                    .invocation(prompt, &[], None)
+                    .expect("an invocation");
+                assert_eq!(run.resumed, session.is_some());
+                assert_eq!(run.stdin_prompt.as_deref(), Some(prompt), "{dialect:?}");
+                assert!(
+                    !run.args.iter().any(|a| a.contains("4242")),
+                    "{dialect:?}: {:?}",
+                    run.args
+                );
+            }
+        }
+        // Past what Gemini CLI reads of stdin it would drop the rest: refused, not cut.
+        let long = "x".repeat(GEMINI_MAX_STDIN_BYTES + 1);
+        let refused = made(Dialect::Gemini, None)
+            .invocation(&long, &[], None)
+            .expect_err("refused");
+        assert!(
+            matches!(refused, OneshotError::PromptTooLongForStdin { max, .. } if max == GEMINI_MAX_STDIN_BYTES),
+            "{refused}"
+        );
+        assert!(refused.to_string().contains("shorten the prompt"));
+        made(Dialect::Codex, None)
+            .invocation(&long, &[], None)
+            .expect("Codex reads all of it");
+    }
+
     #[tokio::test]
     async fn gemini_gets_images_as_at_references_in_its_prompt_and_none_from_outside_its_workspace()
     {
@@ -2086,11 +2166,10 @@ mod tests {
         let run = oneshot
             .invocation("look", std::slice::from_ref(&inside), None)
             .unwrap();
-        let at = run.args.iter().position(|a| a == "--prompt").unwrap();
         assert_eq!(
-            run.args[at + 1],
+            run.stdin_prompt.as_deref(),
             // Relative to the working directory (an absolute one Gemini globs from `/`).
-            "look\n\n@my\\ pics/a.png",
+            Some("look\n\n@my\\ pics/a.png"),
             "{:?}",
             run.args
         );
@@ -2185,6 +2264,8 @@ mod tests {
     fn the_system_prompt_and_images_are_passed_as_configured() {
         let dir = tempfile::tempdir().unwrap();
         let mut oneshot = codex(dir.path());
+        // The prompt as an argument (the bundled Codex writes it to stdin), after the images.
+        oneshot.config.backend.input = InputMode::Arg;
         oneshot.config.system_prompt = Some("be brief".into());
         let file = dir.path().join("sp.md");
         let images = [PathBuf::from("a.png"), PathBuf::from("b.png")];

@@ -174,7 +174,9 @@ fn failed_start(error: &CliStartError) -> Option<SpawnResult> {
     use crate::backend::oneshot::OneshotError as O;
     let spawn = match error {
         CliStartError::Live(L::Config(_)) | CliStartError::Oneshot(O::Config(_)) => return None,
-        CliStartError::Oneshot(O::PromptTooLong { .. } | O::Image(_)) => return None,
+        CliStartError::Oneshot(
+            O::PromptTooLong { .. } | O::PromptTooLongForStdin { .. } | O::Image(_),
+        ) => return None,
         CliStartError::Live(L::Image(_)) => return None,
         CliStartError::Live(L::Spawn(e)) | CliStartError::Oneshot(O::Spawn(e)) => Some(e),
         _ => None,
