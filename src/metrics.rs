@@ -445,7 +445,7 @@ pub fn describe() {
         SDK_CONNECTIONS_TOTAL,
         Unit::Count,
         "SDK endpoint connections, by result (accepted, refused over the cap, \
-         unauthenticated)."
+         unauthenticated, agent_limit: refused at connect over the agent's cap)."
     );
     describe_counter!(
         MODEL_REQUESTS_TOTAL,

@@ -4,7 +4,8 @@
 //!
 //! A [`ChildGroup`]'s and a [`GroupLeader`]'s leader also die with the daemon: they are
 //! started with a parent-death signal (SIGKILL, `PR_SET_PDEATHSIG`), so a `kill -9` of the
-//! daemon takes every runtime and installer with it.
+//! daemon takes every runtime and installer process it started with it (their own
+//! children are not signalled: a runtime's are found by the group ledger after a restart).
 //! The kernel sends that signal when the *thread* that forked the child exits, not the
 //! process: a tokio worker thread can become a blocking-pool thread (`block_in_place`) and
 //! end after its idle keep-alive, so every such child is forked from one spawner thread
@@ -307,7 +308,8 @@ fn forget(id: &Mutex<Option<Pid>>) {
 /// for commands run to their end, such as an installer. Dropping it kills the group. Like a
 /// [`ChildGroup`]'s leader it gets SIGKILL when the daemon dies (forked from the spawner
 /// thread with a parent-death signal), so an installer does not run on into a cache that the
-/// next daemon's installer then writes too.
+/// next daemon's installer then writes too; what the leader itself started is not signalled
+/// (npm runs with `--ignore-scripts`).
 #[derive(Debug)]
 pub struct GroupLeader {
     child: Child,

@@ -73,7 +73,14 @@ def before_call(ctx, case, kwargs):
 /// 502 (the runtime refused what it was asked, e.g. compacting a conversation with nothing
 /// to compact) and 503 (no room, draining) are answers the document declares; a 500 is
 /// always a bug.
+// The response-time check's limit is the request timeout (`--checks all` sets 10 s until
+// the headers): a turn's headers wait for its lease, which may wait for capacity up to the
+// pool's `wait_timeout` (30 s) by design, so 10 s was a timing check that a loaded 2-core
+// machine failed by chance (10.06 s once in CI), not a contract of the document.
 const CONFIG: &str = r#"
+[checks]
+max_response_time = 40.0
+
 [checks.not_a_server_error]
 expected-statuses = ["2XX", "3XX", "4XX", "502", "503"]
 "#;

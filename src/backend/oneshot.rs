@@ -788,7 +788,9 @@ impl Oneshot {
                 let mut stdin = io.stdin;
                 let text = text.clone();
                 // A task, so a CLI that prints before reading all of stdin cannot deadlock
-                // us; the pipe closes when it is done (or the process is gone).
+                // us; the pipe closes when it is done (or the process is gone). Started at
+                // once after the spawn: Gemini CLI takes an empty prompt if nothing arrives
+                // on stdin within 500 ms of its read, so this write must never wait.
                 tokio::spawn(async move {
                     if let Err(error) = stdin.write_all(text.as_bytes()).await {
                         tracing::debug!(%error, "could not write the prompt to the CLI's stdin");

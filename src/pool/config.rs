@@ -66,8 +66,8 @@ pub struct PoolConfig {
     /// How long after a key's last conversation lease its spares are kept (default 10 min);
     /// then they are stopped.
     pub warm_spare_window: Duration,
-    /// Conversations a warm spare resumes ahead of their return (default 32, so as many as
-    /// the spare holds with one slot left free at the default `max_sessions_per_process`):
+    /// Conversations a warm spare resumes ahead of their return (default 32; a spare takes
+    /// at most `max_sessions_per_process` − 1 of them, 31 by default, one slot left free):
     /// the key's most recently leased ones that are attached nowhere (their process idled
     /// out, was recycled or replaced), so a returning agent's turn starts on an attached
     /// session instead of waiting for a resume, whichever of its conversations it comes back

@@ -46,8 +46,9 @@ pub(crate) struct Reopen {
     pub(crate) pinned: Option<CliSessionId>,
 }
 
-/// Each key's most recently opened conversations, newest last, at most `limit` per key; a
-/// conversation is remembered under one key only (its last).
+/// Each key's most recently leased conversations (each lease's open remembers its
+/// conversation, attached or not), newest last, at most `limit` per key; a conversation is
+/// remembered under one key only (its last).
 #[derive(Debug, Default)]
 pub(crate) struct Recent {
     per_key: HashMap<PoolKey, VecDeque<Arc<Reopen>>>,

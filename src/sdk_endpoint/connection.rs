@@ -543,6 +543,11 @@ impl Client {
     /// may open one now; its lease queues in the pool behind the turn being settled), and
     /// its running turns are aborted and settled.
     async fn close(&self) {
+        // The seat first: a client that reconnects at its cap must not wait for this one's
+        // turns to settle.
+        if let Ok(mut seat) = self.seat.lock() {
+            seat.take();
+        }
         let sessions: Vec<(String, Arc<SdkSession>)> = self
             .sessions
             .lock()
@@ -555,9 +560,6 @@ impl Client {
         futures_util::future::join_all(stops).await;
         if let Some(agent) = self.agent() {
             tracing::info!(agent, sessions = sessions.len(), "An SDK client left.");
-        }
-        if let Ok(mut seat) = self.seat.lock() {
-            seat.take();
         }
     }
 }

@@ -754,7 +754,24 @@ pub fn cli_backend(id: &str, table: &toml::Table) -> Result<CliBackendConfig> {
         Some(bundled) => serde_json::to_value(bundled).context("the bundled backend")?,
         None => serde_json::Value::Object(serde_json::Map::new()),
     };
-    let overrides = serde_json::to_value(table).context("reading the backend table")?;
+    let mut overrides = serde_json::to_value(table).context("reading the backend table")?;
+    // The bundled `codex-cli` and `google-gemini-cli` took the prompt as an argument until
+    // they wrote it to stdin (kept off the command line); a table written for that may still
+    // bound the argument, which would now refuse the whole config.
+    let bundled_reads_stdin = CliBackendConfig::bundled(id)
+        .is_some_and(|b| b.input == copilot_pool::backend::InputMode::Stdin);
+    if let Some(keys) = overrides.as_object_mut()
+        && bundled_reads_stdin
+        && !keys.contains_key("input")
+        && keys.remove("maxPromptArgChars").is_some()
+    {
+        tracing::warn!(
+            backend = id,
+            "[backends.{id}] maxPromptArgChars is ignored: this bundled backend writes the \
+             prompt to stdin (off the command line); remove the key, or set input = \"arg\" \
+             to pass the prompt as an argument again"
+        );
+    }
     if let (Some(base), serde_json::Value::Object(keys)) = (value.as_object_mut(), overrides) {
         for (key, value) in keys {
             match (key.as_str(), base.get_mut(&key), value) {
@@ -1055,6 +1072,25 @@ mod tests {
             );
             assert!(error.contains("[backends."), "{error}");
         }
+    }
+
+    #[test]
+    fn a_codex_table_written_for_the_prompt_as_an_argument_still_starts() {
+        // Before the bundled Codex wrote its prompt to stdin, bounding the argument was right.
+        let old = "[backends.codex-cli]\nmaxPromptArgChars = 50000\n";
+        let c: ServeConfig = toml::from_str(old).unwrap();
+        let pool = c.pool_config(PathBuf::from("/bin/true")).unwrap();
+        let codex = &pool.cli_backends["codex-cli"];
+        assert_eq!(codex.input, copilot_pool::backend::InputMode::Stdin);
+        assert_eq!(codex.max_prompt_arg_chars, None, "ignored, with a warning");
+        // Asking for the argument again keeps the bound.
+        let arg = format!("{old}input = \"arg\"\n");
+        let c: ServeConfig = toml::from_str(&arg).unwrap();
+        let pool = c.pool_config(PathBuf::from("/bin/true")).unwrap();
+        assert_eq!(
+            pool.cli_backends["codex-cli"].max_prompt_arg_chars,
+            Some(50_000)
+        );
     }
 
     #[test]
