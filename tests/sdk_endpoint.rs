@@ -42,6 +42,16 @@ impl Served {
         fx: &Fixture,
         change: impl FnOnce(&mut copilot_pool::PoolConfig),
     ) -> Served {
+        Served::start_with_endpoint(fx, change, |_| {}).await
+    }
+
+    /// An endpoint (agent-a's token `token-a`, agent-b's `token-b`) over a pool, each
+    /// config changed first.
+    async fn start_with_endpoint(
+        fx: &Fixture,
+        change: impl FnOnce(&mut copilot_pool::PoolConfig),
+        change_endpoint: impl FnOnce(&mut SdkConfig),
+    ) -> Served {
         let mut config = fx.config().await;
         change(&mut config);
         let pool = Pool::start(config).await.expect("pool");
@@ -52,7 +62,9 @@ impl Served {
         tokens
             .add_hash("agent-b", &sdk_endpoint::sha256_hex("token-b"))
             .expect("token b");
-        let endpoint = SdkEndpoint::new(pool.clone(), SdkConfig::new(tokens));
+        let mut sdk_config = SdkConfig::new(tokens);
+        change_endpoint(&mut sdk_config);
+        let endpoint = SdkEndpoint::new(pool.clone(), sdk_config);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -158,26 +170,16 @@ async fn a_call_before_connect_is_minus_32001_and_a_wrong_token_minus_32002() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_never_authenticate_make_way_for_new_ones_and_cannot_keep_the_agents_out() {
     let fx = Fixture::new().await;
-    let pool = Pool::start(fx.config().await).await.expect("pool");
-    let mut tokens = AgentTokens::new();
-    tokens
-        .add_token("agent-a", &Secret::new("token-a"))
-        .expect("token a");
-    let mut config = SdkConfig::new(tokens);
-    config.max_connections = 8;
-    config.max_unauthenticated_connections = 2;
-    let endpoint = SdkEndpoint::new(pool.clone(), config);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (stop, mut stopped) = watch::channel(false);
-    let server = tokio::spawn(async move {
-        sdk_endpoint::serve_tcp(&endpoint, listener, async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        })
-        .await;
-    });
+    let served = Served::start_with_endpoint(
+        &fx,
+        |_| {},
+        |config| {
+            config.max_connections = 8;
+            config.max_unauthenticated_connections = 2;
+        },
+    )
+    .await;
+    let addr = served.addr;
     // Two clients wait without authenticating; a third takes the oldest one's slot, and the
     // oldest is closed.
     let first = raw_client(addr).await;
@@ -210,38 +212,16 @@ async fn clients_that_never_authenticate_make_way_for_new_ones_and_cannot_keep_t
             .expect("a slot was free");
     }
     third.request("ping", json!({}), None).await.expect("ping");
-    stop.send_replace(true);
-    tokio::time::timeout(Duration::from_secs(20), server)
-        .await
-        .expect("the listener stops")
-        .expect("listener task");
-    pool.shutdown().await.expect("shutdown");
+    served.shut_down().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_agents_clients_cannot_take_more_than_its_share_of_connections() {
     let fx = Fixture::new().await;
-    let pool = Pool::start(fx.config().await).await.expect("pool");
-    let mut tokens = AgentTokens::new();
-    for (agent, token) in [("agent-a", "token-a"), ("agent-b", "token-b")] {
-        tokens
-            .add_token(agent, &Secret::new(token))
-            .expect("a token");
-    }
-    let mut config = SdkConfig::new(tokens);
-    config.max_connections_per_agent = 2;
-    let endpoint = SdkEndpoint::new(pool.clone(), config);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (stop, mut stopped) = watch::channel(false);
-    let server = tokio::spawn(async move {
-        sdk_endpoint::serve_tcp(&endpoint, listener, async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        })
-        .await;
-    });
+    let served =
+        Served::start_with_endpoint(&fx, |_| {}, |config| config.max_connections_per_agent = 2)
+            .await;
+    let addr = served.addr;
     let connect = |token: &'static str| async move {
         let client = raw_client(addr).await;
         let answer = client
@@ -286,12 +266,7 @@ async fn one_agents_clients_cannot_take_more_than_its_share_of_connections() {
             ),
         }
     }
-    stop.send_replace(true);
-    tokio::time::timeout(Duration::from_secs(20), server)
-        .await
-        .expect("the listener stops")
-        .expect("listener task");
-    pool.shutdown().await.expect("shutdown");
+    served.shut_down().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
