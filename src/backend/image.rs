@@ -10,7 +10,7 @@
 //! reads inside its workspace); the live Claude Code runner as content blocks of the user
 //! message. The caller confines the paths (the daemon resolves them inside the agent's work
 //! directory or an allowed root); nothing here decides where an image may live. What the pool
-//! reads itself it opens through [`crate::agent_files`] from `/`: a link the agent put on the
+//! reads itself it opens through `crate::agent_files` from `/`: a link the agent put on the
 //! checked path since (to a file only the daemon may read) is refused, never followed, and a
 //! FIFO never holds a thread.
 
