@@ -736,7 +736,11 @@ async fn the_transcript_has_no_duplicate_after_resume_and_restart() {
         req.handlers.transcript = Some(settings.clone());
         req
     };
-    let pool = Pool::start(fx.config().await).await.expect("pool");
+    // The lease after the crash resumes the conversation itself (a warm spare, the default,
+    // could resume it ahead and the lease would find it attached).
+    let mut config = fx.config().await;
+    config.warm_spares = 0;
+    let pool = Pool::start(config).await.expect("pool");
     let mut lease = pool.lease(request()).await.expect("lease");
     let id = lease.cli_session_id().to_owned();
     lease.run("REPLY=one").await.expect("turn");
