@@ -340,6 +340,14 @@ fn agree<T: PartialEq + std::fmt::Debug>(
 /// The longest gateway session key a lease accepts.
 pub const MAX_SESSION_KEY_BYTES: usize = 512;
 
+/// How many conversations a warm spare resumes ahead of their return at most: every slot of
+/// its process but one (`max_sessions_per_process` - 1), which stays free for a cold
+/// conversation; `warm_spare_conversations` and the key's remembered conversations bound it
+/// further.
+pub fn spare_room(max_sessions_per_process: usize) -> usize {
+    max_sessions_per_process.saturating_sub(1)
+}
+
 /// Checks a gateway session key: 1 to 512 bytes. The pool checks every lease's key with it;
 /// the daemon checks a request's key with it before it creates anything.
 pub fn validate_session_key(session_key: &str) -> Result<(), super::PoolError> {

@@ -47,7 +47,8 @@ pub use crate::turn::TurnOutcome;
 pub use bindings::{Binding, BindingError, BindingStore};
 pub use config::InfiniteSessions;
 pub use config::{
-    LeaseRequest, MAX_SESSION_KEY_BYTES, PoolConfig, validate_provider, validate_session_key,
+    LeaseRequest, MAX_SESSION_KEY_BYTES, PoolConfig, spare_room, validate_provider,
+    validate_session_key,
 };
 pub use error::PoolError;
 pub use key::{PoolKey, compat_key};

@@ -546,13 +546,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         if !free || self.resumes_ahead_in_flight() >= RESUMES_AHEAD_AT_ONCE {
             return None;
         }
-        let max = self.limits.max_sessions_per_process;
-        // One slot stays free: the spare is there for a cold conversation too.
-        let target = spare(
-            self.views_of(key)
-                .into_iter()
-                .filter(|w| w.attached + 1 < max),
-        )?;
+        let room = super::config::spare_room(self.limits.max_sessions_per_process);
+        let target = spare(self.views_of(key).into_iter().filter(|w| w.attached < room))?;
         let w = self.workers.get_mut(&target)?;
         w.attached.insert(conversation.to_owned());
         w.leased += 1;

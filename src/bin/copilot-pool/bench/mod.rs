@@ -90,12 +90,12 @@ impl BenchArgs {
     }
 
     /// How many conversations each agent's spare holds once it has resumed what it may
-    /// ahead of the agent's return: its remembered ones, at most the agent's conversations,
-    /// and one slot of the process stays free (for a cold conversation).
+    /// ahead of the agent's return: its remembered ones, at most the agent's conversations
+    /// and the spare's room (the pool's rule, [`copilot_pool::pool::spare_room`]).
     pub fn resumed_on_each_spare(&self) -> u32 {
-        let room = crate::config::PoolSection::default()
-            .max_sessions_per_process
-            .saturating_sub(1);
+        let room = copilot_pool::pool::spare_room(
+            crate::config::PoolSection::default().max_sessions_per_process,
+        );
         self.conversations
             .min(self.warm_spare_conversations())
             .min(u32::try_from(room).unwrap_or(u32::MAX))
