@@ -255,7 +255,8 @@ async fn claude_turns_over_http_stream_the_pools_events_carry_history_count_spaw
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_daemon_resumes_the_stored_session_and_refuses_one_whose_transcript_is_gone() {
+async fn a_restarted_daemon_resumes_the_stored_session_even_from_where_earlier_versions_kept_it_and_refuses_one_whose_transcript_is_gone()
+ {
     let _serial = SERIAL.lock().await;
     let fx = Fixture::new().await;
 
@@ -271,6 +272,18 @@ async fn a_restarted_daemon_resumes_the_stored_session_and_refuses_one_whose_tra
         .expect("a session id")
         .to_owned();
     assert!(daemon.terminate().await.success());
+    // Versions before the CLI backends' store of their own kept its bindings among the
+    // Copilot runtime's: put this one back there, as such a version left it.
+    let state = fx.scratch.path().join("pool-home/state");
+    let cli_bindings = state.join("cli-bindings");
+    for entry in std::fs::read_dir(&cli_bindings).expect("the CLI backends' bindings") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_some_and(|e| e == "json") {
+            let name = path.file_name().expect("a name");
+            std::fs::rename(&path, state.join("bindings").join(name)).expect("moved back");
+        }
+    }
+    std::fs::remove_dir_all(&cli_bindings).expect("no CLI store yet");
 
     let daemon = fx.daemon().await;
     let (_, second) = turn(

@@ -220,7 +220,7 @@ pub(super) struct TurnBody {
     /// The agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit.
     #[schema(pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64)]
     pub agent_id: String,
-    /// The gateway's key of the conversation (1 to 512 bytes, not containing `#backend=`).
+    /// The gateway's key of the conversation (1 to 512 bytes).
     #[schema(min_length = 1, max_length = 512)]
     pub session_key: String,
     /// The user's message.

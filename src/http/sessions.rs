@@ -26,7 +26,7 @@ pub(super) struct ConversationPath {
     /// The conversation's agent: lowercase letters, digits, `_` and `-`, starting with a letter or digit
     #[param(pattern = "^[a-z0-9][a-z0-9_-]*$", min_length = 1, max_length = 64)]
     agent_id: String,
-    /// The gateway's key of the conversation (1 to 512 bytes, not containing `#backend=`)
+    /// The gateway's key of the conversation (1 to 512 bytes)
     #[param(min_length = 1, max_length = 512)]
     session_key: String,
 }

@@ -1,7 +1,10 @@
 //! Durable `session_key` → CLI session id records: one JSON file per binding under
-//! `<state_dir>/bindings`, named by the SHA-256 of the session key (caller strings never
-//! reach a path), written atomically (temp file, fsync, rename, fsync of the directory).
-//! Unreadable or foreign files are treated as absent, never as fatal.
+//! `<state_dir>/bindings` (the Copilot runtime's conversations) or another directory of the
+//! state directory (a namespace of its own: the CLI backends' are in `cli-bindings`), named
+//! by the SHA-256 of the session key (caller strings never reach a path), written atomically
+//! (temp file, fsync, rename, fsync of the directory). Unreadable or foreign files are
+//! treated as absent, never as fatal. Bindings move between stores once
+//! ([`BindingStore::take_once_from`]) when a version of the pool moves a namespace.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -19,6 +22,9 @@ pub const SCHEMA_VERSION: u32 = 1;
 
 /// The suffix of binding files.
 const EXTENSION: &str = "json";
+
+/// The directory of the Copilot runtime's bindings in the state directory.
+const COPILOT_BINDINGS: &str = "bindings";
 
 /// Which CLI session a caller's session key is bound to.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -101,10 +107,17 @@ pub struct BindingStore {
 }
 
 impl BindingStore {
-    /// Opens the store in `<state_dir>/bindings`, creating it (mode 0700) if missing, and
-    /// removes temp files that a write cut short (a crash between write and rename) left.
+    /// Opens the store of the Copilot runtime's conversations, `<state_dir>/bindings`,
+    /// creating it (mode 0700) if missing, and removes temp files that a write cut short (a
+    /// crash between write and rename) left.
     pub fn open(state_dir: &Path) -> Result<Self, BindingError> {
-        let dir = state_dir.join("bindings");
+        Self::open_named(state_dir, COPILOT_BINDINGS)
+    }
+
+    /// Opens the store `<state_dir>/<name>`, as [`BindingStore::open`] does: a namespace of
+    /// its own, where no key can name a binding of another store.
+    pub(crate) fn open_named(state_dir: &Path, name: &str) -> Result<Self, BindingError> {
+        let dir = state_dir.join(name);
         create_private_dir(&dir).map_err(|source| BindingError::CreateDir {
             path: dir.clone(),
             source,
@@ -282,6 +295,55 @@ impl BindingStore {
                 path: self.dir.clone(),
                 source,
             })
+    }
+
+    /// Moves the bindings of `from` that `belongs_here` picks into this store, once: the
+    /// move is done when this store holds the file `marker` (written last, so a move cut
+    /// short is done again at the next open), and a binding that `from` gets later stays
+    /// there. Each file is renamed whole (same key, same name), so a binding is in one store
+    /// or the other, never in neither; several pools opening one state directory at once each
+    /// move what is still there. Returns how many this call moved.
+    pub(crate) fn take_once_from(
+        &self,
+        from: &BindingStore,
+        marker: &str,
+        belongs_here: impl Fn(&Binding) -> bool,
+    ) -> Result<usize, BindingError> {
+        let marker = self.dir.join(marker);
+        if marker.exists() {
+            return Ok(0);
+        }
+        let mut moved = 0;
+        for binding in from.list()?.into_iter().filter(|b| belongs_here(b)) {
+            let source = from.path_for(&binding.session_key);
+            let target = self.path_for(&binding.session_key);
+            match fs::rename(&source, &target) {
+                Ok(()) => moved += 1,
+                // Another pool on this state directory moved it first.
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    return Err(BindingError::Io {
+                        op: "move",
+                        path: target,
+                        source,
+                    });
+                }
+            }
+        }
+        self.sync_dir()?;
+        from.sync_dir()?;
+        write_synced(&marker, b"")
+            .or_else(|err| match err.kind() {
+                io::ErrorKind::AlreadyExists => Ok(()),
+                _ => Err(err),
+            })
+            .map_err(|source| BindingError::Io {
+                op: "write",
+                path: marker,
+                source,
+            })?;
+        self.sync_dir()?;
+        Ok(moved)
     }
 }
 
@@ -506,6 +568,39 @@ mod tests {
         let value: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(value["schema_version"], 1);
         assert_eq!(value["cli_session_id"], "s");
+    }
+
+    #[test]
+    fn bindings_another_store_held_move_once_and_what_it_gets_later_stays_there() {
+        let tmp = tempfile::tempdir().unwrap();
+        let old = BindingStore::open(tmp.path()).unwrap();
+        old.put(&binding("a/k#backend=x", "s-1")).unwrap();
+        old.put(&binding("a/k", "s-2")).unwrap();
+        let new = BindingStore::open_named(tmp.path(), "moved").unwrap();
+        let picks = |b: &Binding| b.session_key.contains("#backend=");
+        assert_eq!(new.take_once_from(&old, ".marker", picks).unwrap(), 1);
+        assert_eq!(new.list().unwrap(), vec![binding("a/k#backend=x", "s-1")]);
+        assert_eq!(old.list().unwrap(), vec![binding("a/k", "s-2")]);
+        // Done once: a binding the old store gets later is its own.
+        old.put(&binding("b/k#backend=x", "s-3")).unwrap();
+        let again = BindingStore::open_named(tmp.path(), "moved").unwrap();
+        assert_eq!(again.take_once_from(&old, ".marker", picks).unwrap(), 0);
+        assert!(old.get("b/k#backend=x").unwrap().is_some());
+        assert_eq!(again.list().unwrap().len(), 1, "the marker is no binding");
+    }
+
+    #[test]
+    fn a_move_cut_short_before_its_marker_is_done_again_at_the_next_open() {
+        let tmp = tempfile::tempdir().unwrap();
+        let old = BindingStore::open(tmp.path()).unwrap();
+        let new = BindingStore::open_named(tmp.path(), "moved").unwrap();
+        // One binding already moved (the crash came before the marker), one still to move.
+        new.put(&binding("a/k#backend=x", "s-1")).unwrap();
+        old.put(&binding("a/j#backend=x", "s-2")).unwrap();
+        let picks = |b: &Binding| b.session_key.contains("#backend=");
+        assert_eq!(new.take_once_from(&old, ".marker", picks).unwrap(), 1);
+        assert_eq!(new.list().unwrap().len(), 2);
+        assert!(old.list().unwrap().is_empty());
     }
 
     #[test]

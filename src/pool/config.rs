@@ -358,14 +358,6 @@ pub fn validate_session_key(session_key: &str) -> Result<(), super::PoolError> {
             session_key.len()
         )));
     }
-    let separator = super::cli::CLI_BINDING_SEPARATOR;
-    if session_key.contains(separator) {
-        return Err(super::PoolError::InvalidRequest(format!(
-            "session_key must not contain {separator:?}: the pool keeps CLI backends' \
-             conversations under keys with it, which this key could take; use another \
-             character or a hash of the gateway's own key"
-        )));
-    }
     Ok(())
 }
 
@@ -401,14 +393,10 @@ mod tests {
     }
 
     #[test]
-    fn a_session_key_cannot_take_a_cli_conversations_binding() {
-        // `agent/alice#backend=claude-cli` is Alice's Claude conversation's binding: a
-        // Copilot conversation keyed so would read and overwrite it.
-        let taken = validate_session_key("alice#backend=claude-cli")
-            .unwrap_err()
-            .to_string();
-        assert!(taken.contains("#backend="), "{taken}");
-        assert!(validate_session_key("alice#claude-cli").is_ok());
+    fn a_session_key_may_hold_what_names_a_cli_conversations_binding() {
+        // The CLI backends' bindings (`agent/alice#backend=claude-cli`) are a store of their
+        // own: this key names a Copilot conversation only.
+        assert!(validate_session_key("alice#backend=claude-cli").is_ok());
         assert!(validate_session_key("a=b#c").is_ok());
     }
 

@@ -138,6 +138,10 @@ impl Pool {
         let bindings = Arc::new(
             BindingStore::open(&config.state_dir)?.with_disk_faults(config.disk_faults.clone()),
         );
+        let cli_bindings = Arc::new(
+            cli::open_bindings(&config.state_dir, &bindings)?
+                .with_disk_faults(config.disk_faults.clone()),
+        );
         let cli = Arc::new(cli::CliPool::new(
             config.cli_backends.clone(),
             (
@@ -146,7 +150,7 @@ impl Pool {
                 config.max_waiters,
             ),
             config.restart.clone(),
-            bindings.clone(),
+            cli_bindings,
         )?);
         spawn_cli_maintenance(&cli, config.idle_ttl, config.maintenance_interval);
         let (leased_tx, leased_rx) = watch::channel(0);
@@ -364,11 +368,7 @@ impl Pool {
         req.apply_session_options(options)?;
         let names = cli::CliNames::new(&req.agent_id, &req.session_key, &req.backend);
         // Nothing stored or kept: nothing to find a home for (and none is made).
-        let stored = inner
-            .bindings
-            .get(&names.binding)
-            .map_err(|e| state_unwritable(&inner.bindings, e.to_string()))?;
-        if stored.is_none() && !inner.cli.holds(&names.slot) {
+        if !inner.cli.is_stored(&names)? && !inner.cli.holds(&names.slot) {
             return Ok(false);
         }
         // Found, not made: a deletion leaves nothing behind.
@@ -409,7 +409,8 @@ impl Pool {
             .map_err(|e| PoolError::InvalidRequest(e.to_string()))
     }
 
-    /// The durable bindings (read-only use: the pool writes them).
+    /// The durable bindings of the Copilot runtime's conversations (read-only use: the pool
+    /// writes them; the CLI backends' are a store of their own, `<state_dir>/cli-bindings`).
     pub fn bindings(&self) -> &BindingStore {
         &self.inner.bindings
     }

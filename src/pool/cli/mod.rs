@@ -14,8 +14,9 @@
 //!   (a [`Nudge`]) for an idle Copilot worker, and wakes its waiters when room comes free.
 //!
 //! A conversation is (agent, session key, backend id): its CLI session id is bound under
-//! `<agent>/<session key>#backend=<id>` in the pool's binding store, with its auth identity
-//! as the compat key.
+//! `<agent>/<session key>#backend=<id>` in the CLI backends' binding store
+//! (`<state_dir>/cli-bindings`, [`open_bindings`]: apart from the Copilot runtime's, so no
+//! session key can name the other's binding), with its auth identity as the compat key.
 
 pub(crate) mod options;
 pub(crate) mod session;
@@ -136,10 +137,40 @@ pub(crate) struct CliNames {
     pub(crate) binding: String,
 }
 
-/// What sets a CLI conversation's binding key apart from a Copilot conversation's
-/// (`<agent_id>/<session_key>`): no session key may contain it
-/// ([`crate::pool::validate_session_key`]), so the two never name one binding.
-pub(crate) const CLI_BINDING_SEPARATOR: &str = "#backend=";
+/// What joins a CLI conversation's backend id to its conversation in its binding's key
+/// (backend ids have no `#`, so the key names one conversation whatever its session key
+/// holds).
+const CLI_BINDING_SEPARATOR: &str = "#backend=";
+
+/// The CLI backends' binding store in the state directory.
+const CLI_BINDINGS: &str = "cli-bindings";
+
+/// Written into the CLI backends' store once the bindings that versions before it kept among
+/// the Copilot runtime's have been moved there.
+const MOVED_MARKER: &str = ".moved-from-bindings";
+
+/// Opens the CLI backends' binding store, `<state_dir>/cli-bindings`: a namespace of its own
+/// beside the Copilot runtime's (`<state_dir>/bindings`), so a Copilot conversation's session key may
+/// be anything (`alice#backend=claude-cli` included) without naming a CLI conversation's
+/// binding. Versions before it kept the CLI bindings in the Copilot store, where no session
+/// key could contain `#backend=`: every binding there whose key does is moved here, once.
+pub(crate) fn open_bindings(
+    state_dir: &std::path::Path,
+    copilot: &BindingStore,
+) -> Result<BindingStore, super::bindings::BindingError> {
+    let store = BindingStore::open_named(state_dir, CLI_BINDINGS)?;
+    let moved = store.take_once_from(copilot, MOVED_MARKER, |binding| {
+        binding.session_key.contains(CLI_BINDING_SEPARATOR)
+    })?;
+    if moved > 0 {
+        tracing::info!(
+            moved,
+            to = %store.dir().display(),
+            "Moved the CLI backends' bindings into a store of their own."
+        );
+    }
+    Ok(store)
+}
 
 impl CliNames {
     pub(crate) fn new(agent_id: &str, session_key: &str, backend: &str) -> Self {
@@ -676,6 +707,13 @@ impl CliPool {
     /// waited for.
     pub(crate) fn holds(&self, conversation: &str) -> bool {
         self.lock().core.holds(conversation)
+    }
+
+    /// Whether the conversation `names` has a stored session (a binding).
+    pub(crate) fn is_stored(&self, names: &CliNames) -> Result<bool, PoolError> {
+        self.bindings
+            .is_present(&names.binding)
+            .map_err(|e| super::state_unwritable(&self.bindings, e.to_string()))
     }
 
     /// Deletes a conversation of backend `backend` (`names`), its backend home `home` (`None`:
@@ -1332,6 +1370,42 @@ mod tests {
             )
             .expect("valid"),
         )
+    }
+
+    #[test]
+    fn cli_bindings_an_earlier_version_kept_among_the_copilot_runtimes_move_to_a_store_of_their_own()
+     {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bound = |key: &str, id: &str| Binding {
+            session_key: key.to_owned(),
+            cli_session_id: CliSessionId::new(id.to_owned()),
+            compat_key: "c".to_owned(),
+            updated_at_ms: 0,
+        };
+        let claude = CliNames::new("agent", "k", "claude-cli").binding;
+        let copilot = BindingStore::open(dir.path()).expect("bindings");
+        copilot.put(&bound(&claude, "claude-1")).expect("put");
+        copilot.put(&bound("agent/k", "copilot-1")).expect("put");
+        let cli = open_bindings(dir.path(), &copilot).expect("opened");
+        assert_eq!(cli.list().expect("list"), vec![bound(&claude, "claude-1")]);
+        assert_eq!(
+            copilot.list().expect("list"),
+            vec![bound("agent/k", "copilot-1")]
+        );
+        // Now a Copilot conversation may be keyed so: it is bound in its own store, and the
+        // Claude conversation's binding is not touched, at this open or the next.
+        let copilot_key = super::super::ConversationId::new("agent", "k#backend=claude-cli").key();
+        assert_eq!(copilot_key, claude);
+        copilot.put(&bound(&copilot_key, "copilot-2")).expect("put");
+        let cli = open_bindings(dir.path(), &copilot).expect("opened again");
+        assert_eq!(
+            cli.get(&claude).expect("read"),
+            Some(bound(&claude, "claude-1"))
+        );
+        assert_eq!(
+            copilot.get(&copilot_key).expect("read"),
+            Some(bound(&copilot_key, "copilot-2"))
+        );
     }
 
     fn ask(id: &str, home: PathBuf, cwd: PathBuf) -> CliAsk {
