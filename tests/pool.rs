@@ -68,41 +68,59 @@ async fn twenty_conversations_pack_into_two_processes_within_the_caps() {
 }
 
 #[tokio::test]
-async fn leases_wait_in_a_bounded_queue_and_time_out() {
+async fn leases_wait_in_a_bounded_queue_with_a_share_per_agent_and_time_out() {
     let fx = Fixture::new().await;
     let mut config = fx.config().await;
     config.max_processes = 1;
     config.max_processes_per_key = 1;
     config.max_sessions_per_process = 1;
-    config.max_waiters = 1;
+    config.max_waiters = 2;
+    config.max_waiters_per_agent = 1;
     let pool = Pool::start(config).await.expect("pool");
     let held = pool
         .lease(fx.request("agent-a", "one"))
         .await
         .expect("first lease");
 
-    let mut waiting = fx.request("agent-a", "two");
-    waiting.wait_timeout = Some(Duration::from_millis(500));
-    let waiter = tokio::spawn({
+    let waits = |agent: &str, key: &str| {
+        let mut waiting = fx.request(agent, key);
+        waiting.wait_timeout = Some(Duration::from_millis(500));
         let pool = pool.clone();
-        async move { pool.lease(waiting).await }
-    });
-    // Once the first waiter is queued, a second one overflows the queue.
-    let queued = async {
-        loop {
-            if pool.status().await.map(|s| s.waiters).unwrap_or(0) == 1 {
-                break;
-            }
-            tokio::task::yield_now().await;
+        tokio::spawn(async move { pool.lease(waiting).await })
+    };
+    let queued = |n: usize| {
+        let pool = pool.clone();
+        async move {
+            let queued = async {
+                while pool.status().await.map(|s| s.waiters).unwrap_or(0) != n {
+                    tokio::task::yield_now().await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(10), queued)
+                .await
+                .expect("queued");
         }
     };
-    tokio::time::timeout(Duration::from_secs(10), queued)
-        .await
-        .expect("queued");
+    let waiter = waits("agent-a", "two");
+    queued(1).await;
+    // The agent's share of the queue is taken: its next lease is refused, another agent's
+    // still waits, and then the queue is full for everyone.
     let overflow = pool.lease(fx.request("agent-a", "three")).await;
     assert!(
-        matches!(overflow, Err(PoolError::WaitersFull { max: 1 })),
+        matches!(overflow, Err(PoolError::AgentWaitersFull { max: 1 })),
         "{overflow:?}"
+    );
+    let other = waits("agent-b", "one");
+    queued(2).await;
+    let overflow = pool.lease(fx.request("agent-c", "one")).await;
+    assert!(
+        matches!(overflow, Err(PoolError::WaitersFull { max: 2 })),
+        "{overflow:?}"
+    );
+    let timed_out = other.await.expect("join");
+    assert!(
+        matches!(timed_out, Err(PoolError::WaitTimeout { .. })),
+        "{timed_out:?}"
     );
     let timed_out = waiter.await.expect("join");
     assert!(

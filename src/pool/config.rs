@@ -79,6 +79,10 @@ pub struct PoolConfig {
     pub max_sessions: usize,
     /// Leases waiting for capacity (default 1024); more fail with `WaitersFull`.
     pub max_waiters: usize,
+    /// Leases of one agent (its home) waiting at once (default 256); more fail with
+    /// `AgentWaitersFull`, so one agent's flood cannot take every place in the queue and
+    /// leave the other agents' leases refused.
+    pub max_waiters_per_agent: usize,
     /// How long a lease waits for capacity or for its conversation (default 30 s).
     pub wait_timeout: Duration,
     /// A worker with no lease for this long is stopped (default 5 min).
@@ -158,6 +162,7 @@ impl PoolConfig {
             warm_spare_conversations: 32,
             max_sessions: 1024,
             max_waiters: 1024,
+            max_waiters_per_agent: 256,
             wait_timeout: Duration::from_secs(30),
             idle_ttl: Duration::from_secs(300),
             max_turns_per_process: 2000,

@@ -103,6 +103,15 @@ pub enum PoolError {
         /// The configured limit.
         max: usize,
     },
+    /// Too many leases of this agent are already waiting; other agents' still queue.
+    #[error(
+        "{max} leases of this agent are already waiting for capacity (max_waiters_per_agent); \
+         retry when some are served, or raise max_waiters_per_agent"
+    )]
+    AgentWaitersFull {
+        /// The configured limit.
+        max: usize,
+    },
     /// Another lease holds this conversation and the request asked not to queue.
     #[error(
         "conversation {session_key:?} is leased by another caller (one turn at a time); \
@@ -160,7 +169,9 @@ impl PoolError {
             PoolError::ConversationBusy { .. } => ErrorKind::Busy,
             PoolError::ConversationWaitTimeout { .. } => ErrorKind::BusyTimeout,
             PoolError::WaitTimeout { .. } => ErrorKind::NoCapacity,
-            PoolError::WaitersFull { .. } => ErrorKind::WaitersFull,
+            PoolError::WaitersFull { .. } | PoolError::AgentWaitersFull { .. } => {
+                ErrorKind::WaitersFull
+            }
             PoolError::RestartIntensityExceeded { .. } => ErrorKind::Quarantined,
             PoolError::Closed => ErrorKind::Closed,
             PoolError::Worker(WorkerError::ResourceExhausted(_)) => ErrorKind::ResourceExhausted,
@@ -251,6 +262,10 @@ mod tests {
                 ErrorKind::NoCapacity,
             ),
             (PoolError::WaitersFull { max: 1 }, ErrorKind::WaitersFull),
+            (
+                PoolError::AgentWaitersFull { max: 1 },
+                ErrorKind::WaitersFull,
+            ),
             (
                 PoolError::RestartIntensityExceeded {
                     key_hash: "h".into(),

@@ -126,6 +126,13 @@ impl Pool {
                  at most 96 or raise fs.inotify.max_user_instances."
             );
         }
+        if config.max_waiters_per_agent == 0 {
+            return Err(PoolError::InvalidRequest(
+                "max_waiters_per_agent must be at least 1 (with 0 no lease of any agent could \
+                 wait for capacity); the default is 256"
+                    .to_owned(),
+            ));
+        }
         if config.max_resume_crashes == 0 {
             return Err(PoolError::InvalidRequest(
                 "max_resume_crashes must be at least 1 (with 0 no conversation would ever be \
@@ -144,11 +151,12 @@ impl Pool {
         );
         let cli = Arc::new(cli::CliPool::new(
             config.cli_backends.clone(),
-            (
-                config.max_processes,
-                config.max_processes_per_key,
-                config.max_waiters,
-            ),
+            cli::slots::Caps {
+                max_processes: config.max_processes,
+                max_per_key: config.max_processes_per_key,
+                max_waiters: config.max_waiters,
+                max_waiters_per_agent: config.max_waiters_per_agent,
+            },
             config.restart.clone(),
             cli_bindings,
         )?);

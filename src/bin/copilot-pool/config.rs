@@ -339,6 +339,7 @@ pub struct PoolSection {
     pub max_sessions_per_process: usize,
     pub max_sessions: usize,
     pub max_waiters: usize,
+    pub max_waiters_per_agent: usize,
     pub wait_timeout_secs: u64,
     pub idle_ttl_secs: u64,
     pub max_turns_per_process: u64,
@@ -461,6 +462,7 @@ impl Default for PoolSection {
             max_sessions_per_process: 32,
             max_sessions: 1024,
             max_waiters: 1024,
+            max_waiters_per_agent: 256,
             wait_timeout_secs: 30,
             idle_ttl_secs: 300,
             max_turns_per_process: 2000,
@@ -668,6 +670,7 @@ impl ServeConfig {
         config.max_sessions_per_process = p.max_sessions_per_process;
         config.max_sessions = p.max_sessions;
         config.max_waiters = p.max_waiters;
+        config.max_waiters_per_agent = p.max_waiters_per_agent;
         config.wait_timeout = Duration::from_secs(p.wait_timeout_secs);
         config.idle_ttl = Duration::from_secs(p.idle_ttl_secs);
         config.max_turns_per_process = p.max_turns_per_process;

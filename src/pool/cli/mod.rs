@@ -226,7 +226,7 @@ pub(crate) struct CliPool {
     /// Conversations leased or being deleted ([`Slots::in_use`]), published at each change.
     in_use: watch::Sender<usize>,
     closed: AtomicBool,
-    max_waiters: usize,
+    caps: Caps,
     /// Tells the pool actor (set once it runs; before, there is no Copilot side to tell).
     copilot: OnceLock<Box<dyn Fn(Nudge) + Send + Sync>>,
 }
@@ -251,7 +251,7 @@ struct Found {
 impl CliPool {
     pub(crate) fn new(
         backends: BTreeMap<String, CliBackendConfig>,
-        caps: (usize, usize, usize),
+        caps: Caps,
         restart: RestartPolicy,
         bindings: Arc<BindingStore>,
     ) -> Result<Self, PoolError> {
@@ -266,15 +266,7 @@ impl CliPool {
                 .validate(id)
                 .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
         }
-        let (max_processes, max_per_key, max_waiters) = caps;
-        let core = Slots::new(
-            Caps {
-                max_processes,
-                max_per_key,
-                max_waiters,
-            },
-            restart,
-        );
+        let core = Slots::new(caps.clone(), restart);
         Ok(Self {
             shell: Mutex::new(Shell {
                 core,
@@ -289,7 +281,7 @@ impl CliPool {
             bindings,
             in_use: watch::channel(0).0,
             closed: AtomicBool::new(false),
-            max_waiters,
+            caps,
             copilot: OnceLock::new(),
         })
     }
@@ -383,7 +375,7 @@ impl CliPool {
                 }
                 Effect::Fail { id, why } => {
                     if let Some(port) = shell.waiters.remove(&id) {
-                        let _ = port.send(Err(refusal(why, self.max_waiters)));
+                        let _ = port.send(Err(refusal(why, &self.caps)));
                     }
                 }
                 Effect::Close { conversation } => {
@@ -741,7 +733,7 @@ impl CliPool {
                 shell
                     .core
                     .delete(&names.slot, Instant::now())
-                    .map_err(|why| match refusal(why, self.max_waiters) {
+                    .map_err(|why| match refusal(why, &self.caps) {
                         PoolError::ConversationBusy { .. } => PoolError::ConversationBusy {
                             session_key: names.slot.clone(),
                         },
@@ -996,12 +988,17 @@ fn remove_session_files(
 }
 
 /// Fails an ask that cannot be granted (a busy one's session key is filled in by its lease).
-fn refusal(why: Refusal, max_waiters: usize) -> PoolError {
+fn refusal(why: Refusal, caps: &Caps) -> PoolError {
     match why {
         Refusal::Busy => PoolError::ConversationBusy {
             session_key: String::new(),
         },
-        Refusal::WaitersFull => PoolError::WaitersFull { max: max_waiters },
+        Refusal::WaitersFull => PoolError::WaitersFull {
+            max: caps.max_waiters,
+        },
+        Refusal::AgentWaitersFull => PoolError::AgentWaitersFull {
+            max: caps.max_waiters_per_agent,
+        },
         Refusal::Quarantined(left) => PoolError::RestartIntensityExceeded {
             key_hash: "cli".to_owned(),
             retry_after: left,
@@ -1364,7 +1361,12 @@ mod tests {
         Arc::new(
             CliPool::new(
                 BTreeMap::from([(id.to_owned(), config)]),
-                (4, 4, 4),
+                Caps {
+                    max_processes: 4,
+                    max_per_key: 4,
+                    max_waiters: 4,
+                    max_waiters_per_agent: 4,
+                },
                 RestartPolicy::default(),
                 bindings,
             )

@@ -49,6 +49,8 @@ pub(crate) struct Caps {
     pub max_per_key: usize,
     /// Leases waiting at once.
     pub max_waiters: usize,
+    /// Leases of one agent (its home for the backend) waiting at once.
+    pub max_waiters_per_agent: usize,
 }
 
 /// Why an ask failed.
@@ -58,6 +60,8 @@ pub(crate) enum Refusal {
     Busy,
     /// Too many waiters.
     WaitersFull,
+    /// Too many waiters of the ask's agent.
+    AgentWaitersFull,
     /// The key crashed too often; this long is left of the cool-down.
     Quarantined(Duration),
     /// The pool is closing.
@@ -287,6 +291,14 @@ impl Slots {
             effects.push(Effect::Fail {
                 id,
                 why: Refusal::WaitersFull,
+            });
+            return effects;
+        }
+        let agents = self.waiters.iter().filter(|w| w.key.home == key.home);
+        if agents.count() >= self.caps.max_waiters_per_agent {
+            effects.push(Effect::Fail {
+                id,
+                why: Refusal::AgentWaitersFull,
             });
             return effects;
         }
@@ -642,6 +654,7 @@ mod tests {
                 max_processes,
                 max_per_key,
                 max_waiters: 2,
+                max_waiters_per_agent: 2,
             },
             RestartPolicy {
                 max_restarts: 1,
@@ -679,6 +692,24 @@ mod tests {
             }]
         );
         assert_eq!(s.processes(), 1);
+    }
+
+    #[test]
+    fn one_agents_waiters_are_capped_and_another_agents_ask_still_queues() {
+        let now = Instant::now();
+        let mut s = slots(1, 1);
+        s.caps.max_waiters = 8;
+        s.caps.max_waiters_per_agent = 1;
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
+        assert!(s.ask(2, "a/2", key("a"), false, now).is_empty());
+        assert_eq!(
+            s.ask(3, "a/3", key("a"), false, now),
+            [Effect::Fail {
+                id: 3,
+                why: Refusal::AgentWaitersFull
+            }]
+        );
+        assert!(s.ask(4, "b/1", key("b"), false, now).is_empty(), "queued");
     }
 
     #[test]

@@ -66,6 +66,7 @@ pub(crate) struct Limits {
     pub(crate) max_sessions_per_process: usize,
     pub(crate) max_sessions: usize,
     pub(crate) max_waiters: usize,
+    pub(crate) max_waiters_per_agent: usize,
     pub(crate) idle_ttl: Duration,
     pub(crate) max_rss_bytes: u64,
     pub(crate) max_turns_per_process: u64,
@@ -85,6 +86,7 @@ impl From<&PoolConfig> for Limits {
             max_sessions_per_process: c.max_sessions_per_process,
             max_sessions: c.max_sessions,
             max_waiters: c.max_waiters,
+            max_waiters_per_agent: c.max_waiters_per_agent,
             idle_ttl: c.idle_ttl,
             max_rss_bytes: c.max_rss_bytes,
             max_turns_per_process: c.max_turns_per_process,
@@ -477,6 +479,21 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                     request: ask.id,
                     error: PoolError::WaitersFull {
                         max: self.limits.max_waiters,
+                    },
+                })
+            }
+            Ok(false)
+                if self
+                    .waiters
+                    .iter()
+                    .filter(|w| w.key.home == ask.key.home)
+                    .count()
+                    >= self.limits.max_waiters_per_agent =>
+            {
+                self.out.push(Effect::Fail {
+                    request: ask.id,
+                    error: PoolError::AgentWaitersFull {
+                        max: self.limits.max_waiters_per_agent,
                     },
                 })
             }

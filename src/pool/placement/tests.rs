@@ -30,6 +30,7 @@ fn limits() -> Limits {
         max_sessions_per_process: 2,
         max_sessions: 100,
         max_waiters: 100,
+        max_waiters_per_agent: 100,
         idle_ttl: Duration::from_secs(300),
         max_rss_bytes: 1 << 30,
         max_turns_per_process: 1000,
@@ -482,6 +483,35 @@ fn waiters_are_served_in_the_order_they_asked() {
         sim.confirm_all_detaches();
     }
     assert_eq!(served, order);
+}
+
+#[test]
+fn one_agents_waiters_are_capped_and_another_agents_lease_still_queues() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 1,
+        max_processes_per_key: 1,
+        max_sessions_per_process: 1,
+        max_waiters: 10,
+        max_waiters_per_agent: 2,
+        ..limits()
+    });
+    sim.ask("a/0", 1);
+    sim.spawn_ok();
+    let queued: Vec<RequestId> = (1..=2).map(|i| sim.ask(&format!("a/{i}"), 1)).collect();
+    assert_eq!(sim.queued, queued);
+    let over = sim.ask("a/3", 1);
+    assert!(
+        matches!(
+            sim.failed.last(),
+            Some((r, PoolError::AgentWaitersFull { max: 2 })) if *r == over
+        ),
+        "{:?}",
+        sim.failed
+    );
+    // Another agent's lease still waits for its place.
+    let other = sim.ask("b/1", 2);
+    assert!(sim.queued.contains(&other), "{:?}", sim.failed);
+    assert_eq!(sim.failed.len(), 1);
 }
 
 #[test]
