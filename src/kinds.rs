@@ -221,6 +221,8 @@ pub enum ErrorKind {
     NoCapacity,
     /// Too many leases are waiting already.
     WaitersFull,
+    /// Too many leases of the agent are waiting already; other agents' still queue.
+    AgentWaitersFull,
     /// The key crashed too often; retry after the cool-down.
     Quarantined,
     /// The pool is shut down or draining.
@@ -237,13 +239,14 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every value, in a stable order.
-    pub const ALL: [ErrorKind; 12] = [
+    pub const ALL: [ErrorKind; 13] = [
         ErrorKind::Invalid,
         ErrorKind::NotFound,
         ErrorKind::Busy,
         ErrorKind::BusyTimeout,
         ErrorKind::NoCapacity,
         ErrorKind::WaitersFull,
+        ErrorKind::AgentWaitersFull,
         ErrorKind::Quarantined,
         ErrorKind::Closed,
         ErrorKind::ResourceExhausted,
@@ -259,6 +262,7 @@ impl ErrorKind {
             ErrorKind::Busy => "busy",
             ErrorKind::BusyTimeout | ErrorKind::NoCapacity => "wait_timeout",
             ErrorKind::WaitersFull => "waiters_full",
+            ErrorKind::AgentWaitersFull => "agent_waiters_full",
             ErrorKind::Quarantined => "quarantined",
             ErrorKind::Closed => "closed",
             ErrorKind::ResourceExhausted => "resource_exhausted",

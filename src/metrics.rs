@@ -356,8 +356,8 @@ pub fn describe() {
     describe_counter!(
         LEASE_REJECTIONS_TOTAL,
         Unit::Count,
-        "Leases that failed, by reason (wait_timeout, waiters_full, busy, quarantined, closed, \
-         invalid, error)."
+        "Leases that failed, by reason (wait_timeout, waiters_full, agent_waiters_full, busy, \
+         quarantined, closed, invalid, error)."
     );
     describe_counter!(
         TURNS_TOTAL,

@@ -118,6 +118,37 @@ async fn doctor_passes_on_a_good_setup() {
 }
 
 #[tokio::test]
+async fn doctor_counts_the_cli_backends_bindings_and_fails_on_a_directory_others_can_read() {
+    use std::os::unix::fs::PermissionsExt;
+    let runtime = support::runtime::runtime_path().await;
+    let scratch = tempfile::tempdir().expect("scratch");
+    let state = scratch.path().join("state");
+    let cli = state.join("cli-bindings");
+    std::fs::create_dir_all(&cli).expect("cli bindings");
+    std::fs::write(cli.join(format!("{}.json", "a".repeat(64))), "{}").expect("binding");
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    std::fs::set_permissions(&cli, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let config = write_config(scratch.path(), &state);
+    let out = doctor_with(scratch.path(), &runtime, &config).await;
+    let stdout = text(&out.stdout);
+    let fail = stdout
+        .lines()
+        .find(|l| l.starts_with("FAIL cli bindings: "))
+        .unwrap_or_else(|| panic!("no FAIL line for the CLI bindings:\n{stdout}"));
+    assert!(fail.contains("chmod 700"), "{fail}");
+    std::fs::set_permissions(&cli, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let out = doctor_with(scratch.path(), &runtime, &config).await;
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("ok   cli bindings: 1 CLI backend conversation bound in ")),
+        "{stdout}"
+    );
+    assert_nothing_left(scratch.path()).await;
+}
+
+#[tokio::test]
 async fn doctor_fails_when_the_state_dir_is_a_file() {
     let runtime = support::runtime::runtime_path().await;
     let scratch = tempfile::tempdir().expect("scratch");

@@ -50,7 +50,7 @@ pub(super) fn pool_error(e: &PoolError) -> Response {
         ErrorKind::Invalid => (StatusCode::BAD_REQUEST, "bad_request"),
         ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),
         ErrorKind::Busy | ErrorKind::BusyTimeout => (StatusCode::CONFLICT, "busy"),
-        ErrorKind::NoCapacity | ErrorKind::WaitersFull => {
+        ErrorKind::NoCapacity | ErrorKind::WaitersFull | ErrorKind::AgentWaitersFull => {
             (StatusCode::SERVICE_UNAVAILABLE, "no_capacity")
         }
         ErrorKind::Quarantined => (StatusCode::SERVICE_UNAVAILABLE, "quarantined"),

@@ -26,6 +26,10 @@ const EXTENSION: &str = "json";
 /// The directory of the Copilot runtime's bindings in the state directory.
 const COPILOT_BINDINGS: &str = "bindings";
 
+/// The directory of the CLI backends' bindings in the state directory (opened by
+/// `pool::cli`, which moves the ones earlier versions kept among the Copilot runtime's).
+pub const CLI_BINDINGS_DIR: &str = "cli-bindings";
+
 /// Which CLI session a caller's session key is bound to.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Binding {
@@ -300,9 +304,12 @@ impl BindingStore {
     /// Moves the bindings of `from` that `belongs_here` picks into this store, once: the
     /// move is done when this store holds the file `marker` (written last, so a move cut
     /// short is done again at the next open), and a binding that `from` gets later stays
-    /// there. Each file is renamed whole (same key, same name), so a binding is in one store
-    /// or the other, never in neither; several pools opening one state directory at once each
-    /// move what is still there. Returns how many this call moved.
+    /// there. Each file is linked here whole (same key, same name), then removed there, so a
+    /// binding is never in neither store, and one this store already holds is kept (a move
+    /// cut short between the two steps left the same file in both). A file that cannot be
+    /// read is left where it is, with a warning: it is no binding to anyone. Several pools
+    /// opening one state directory at once each move what is still there. Returns how many
+    /// this call moved.
     pub(crate) fn take_once_from(
         &self,
         from: &BindingStore,
@@ -313,19 +320,51 @@ impl BindingStore {
         if marker.exists() {
             return Ok(0);
         }
+        let list_error = |source| BindingError::Io {
+            op: "list",
+            path: from.dir.clone(),
+            source,
+        };
         let mut moved = 0;
-        for binding in from.list()?.into_iter().filter(|b| belongs_here(b)) {
-            let source = from.path_for(&binding.session_key);
+        for entry in fs::read_dir(&from.dir).map_err(list_error)? {
+            let source = entry.map_err(list_error)?.path();
+            if binding_file_stem(&source).is_none() {
+                continue;
+            }
+            let binding = match read_binding(&source) {
+                Ok(Some(binding)) => binding,
+                Ok(None) => continue,
+                Err(error) => {
+                    tracing::warn!(%error, "Left a binding file that could not be read where it is.");
+                    continue;
+                }
+            };
+            if !belongs_here(&binding) || source != from.path_for(&binding.session_key) {
+                continue;
+            }
             let target = self.path_for(&binding.session_key);
-            match fs::rename(&source, &target) {
+            match fs::hard_link(&source, &target) {
                 Ok(()) => moved += 1,
+                // Held here already (the same file, from a move cut short).
+                Err(err) if err.kind() == io::ErrorKind::AlreadyExists => {}
                 // Another pool on this state directory moved it first.
-                Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
                 Err(source) => {
                     return Err(BindingError::Io {
                         op: "move",
                         path: target,
                         source,
+                    });
+                }
+            }
+            match fs::remove_file(&source) {
+                Ok(()) => {}
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    return Err(BindingError::Io {
+                        op: "remove the moved",
+                        path: source,
+                        source: error,
                     });
                 }
             }
@@ -594,13 +633,25 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let old = BindingStore::open(tmp.path()).unwrap();
         let new = BindingStore::open_named(tmp.path(), "moved").unwrap();
-        // One binding already moved (the crash came before the marker), one still to move.
+        // One binding already moved (the crash came before its removal there: this store's
+        // copy is kept), one still to move, and a file no one can read, left alone.
         new.put(&binding("a/k#backend=x", "s-1")).unwrap();
+        old.put(&binding("a/k#backend=x", "s-1-earlier")).unwrap();
         old.put(&binding("a/j#backend=x", "s-2")).unwrap();
+        let unreadable = old.path_for("a/i#backend=x");
+        fs::create_dir(&unreadable).unwrap();
         let picks = |b: &Binding| b.session_key.contains("#backend=");
         assert_eq!(new.take_once_from(&old, ".marker", picks).unwrap(), 1);
-        assert_eq!(new.list().unwrap().len(), 2);
-        assert!(old.list().unwrap().is_empty());
+        assert_eq!(
+            new.list().unwrap(),
+            vec![
+                binding("a/j#backend=x", "s-2"),
+                binding("a/k#backend=x", "s-1")
+            ]
+        );
+        assert_eq!(old.get("a/k#backend=x").unwrap(), None);
+        assert_eq!(old.get("a/j#backend=x").unwrap(), None);
+        assert!(unreadable.is_dir());
     }
 
     #[test]

@@ -25,7 +25,8 @@ pub struct PoolConfig {
     /// Template for every worker: program, timeouts, environment, tunnel. Its
     /// `copilot_home`, `working_directory` and `auth_token` are set per key.
     pub worker: WorkerConfig,
-    /// Where durable bindings live (`<state_dir>/bindings`).
+    /// Where durable bindings live (`<state_dir>/bindings`, and the CLI backends' in
+    /// `<state_dir>/cli-bindings`).
     pub state_dir: PathBuf,
     /// Base of per-agent homes: `<base>/agents/<agent_id>/copilot`.
     pub agents_base_dir: PathBuf,

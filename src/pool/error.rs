@@ -169,9 +169,8 @@ impl PoolError {
             PoolError::ConversationBusy { .. } => ErrorKind::Busy,
             PoolError::ConversationWaitTimeout { .. } => ErrorKind::BusyTimeout,
             PoolError::WaitTimeout { .. } => ErrorKind::NoCapacity,
-            PoolError::WaitersFull { .. } | PoolError::AgentWaitersFull { .. } => {
-                ErrorKind::WaitersFull
-            }
+            PoolError::WaitersFull { .. } => ErrorKind::WaitersFull,
+            PoolError::AgentWaitersFull { .. } => ErrorKind::AgentWaitersFull,
             PoolError::RestartIntensityExceeded { .. } => ErrorKind::Quarantined,
             PoolError::Closed => ErrorKind::Closed,
             PoolError::Worker(WorkerError::ResourceExhausted(_)) => ErrorKind::ResourceExhausted,
@@ -264,7 +263,7 @@ mod tests {
             (PoolError::WaitersFull { max: 1 }, ErrorKind::WaitersFull),
             (
                 PoolError::AgentWaitersFull { max: 1 },
-                ErrorKind::WaitersFull,
+                ErrorKind::AgentWaitersFull,
             ),
             (
                 PoolError::RestartIntensityExceeded {

@@ -4,7 +4,8 @@
 //! * [`Lease`] — exclusive use of one conversation with the basic turn API.
 //! * [`PoolConfig`], [`LeaseRequest`] — caps, timeouts, what a lease asks for.
 //! * `key` — [`PoolKey`] (which processes), its family (rotation) and the compat key (resume).
-//! * `bindings` — durable `session_key` → CLI session id records.
+//! * `bindings` — durable `session_key` → CLI session id records, a store per namespace (the
+//!   Copilot runtime's conversations, the CLI backends').
 //! * `restart` — OTP-style restart intensity and backoff.
 //! * `placement` — the pure core: every placement decision and the ownership of conversations.
 //! * `actor` — the thin actor that feeds the core events and carries out its effects.
@@ -44,7 +45,7 @@ use crate::worker::{Session, WorkerError, WorkerHandle};
 
 pub use crate::ids::{CliSessionId, ConversationId};
 pub use crate::turn::TurnOutcome;
-pub use bindings::{Binding, BindingError, BindingStore};
+pub use bindings::{Binding, BindingError, BindingStore, CLI_BINDINGS_DIR};
 pub use config::InfiniteSessions;
 pub use config::{
     LeaseRequest, MAX_SESSION_KEY_BYTES, PoolConfig, spare_room, validate_provider,
@@ -146,7 +147,7 @@ impl Pool {
             BindingStore::open(&config.state_dir)?.with_disk_faults(config.disk_faults.clone()),
         );
         let cli_bindings = Arc::new(
-            cli::open_bindings(&config.state_dir, &bindings)?
+            cli::open_bindings(&config.state_dir, &bindings, config.cli_backends.keys())?
                 .with_disk_faults(config.disk_faults.clone()),
         );
         let cli = Arc::new(cli::CliPool::new(
@@ -421,6 +422,12 @@ impl Pool {
     /// writes them; the CLI backends' are a store of their own, `<state_dir>/cli-bindings`).
     pub fn bindings(&self) -> &BindingStore {
         &self.inner.bindings
+    }
+
+    /// The durable bindings of the CLI backends' conversations, under
+    /// `<agent_id>/<session_key>#backend=<backend id>` (read-only use: the pool writes them).
+    pub fn cli_bindings(&self) -> &BindingStore {
+        self.inner.cli.bindings()
     }
 
     /// The `backend` label of a lease naming `id`: `id` when it is `copilot` or a configured

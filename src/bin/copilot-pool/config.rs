@@ -641,7 +641,8 @@ impl ServeConfig {
             .context("finding the pool's home (set HOME or COPILOT_POOL_HOME)")
     }
 
-    /// Where bindings live.
+    /// Where bindings live (the Copilot runtime's and the CLI backends', and the
+    /// process-group ledger).
     pub fn state_dir(&self) -> Result<PathBuf> {
         match &self.state_dir {
             Some(dir) => Ok(dir.clone()),

@@ -163,7 +163,10 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
                 ),
             }
             match (state_ok, config.state_dir()) {
-                (true, Ok(dir)) => check_bindings(&mut report, &dir),
+                (true, Ok(dir)) => {
+                    check_bindings(&mut report, &dir);
+                    check_cli_bindings(&mut report, &dir);
+                }
                 _ => report.skip("bindings", "the state dir is not usable"),
             }
         }
@@ -404,6 +407,52 @@ fn check_bindings(report: &mut Report, state_dir: &Path) {
             err,
             "fix the permissions of the bindings directory, or move unreadable files out of it",
         ),
+    }
+}
+
+/// The CLI backends' bindings (`<state_dir>/cli-bindings`), when there are any: counted and
+/// their directory's mode checked, read only (the daemon makes the directory, and moves
+/// into it what earlier versions kept among the Copilot runtime's bindings).
+fn check_cli_bindings(report: &mut Report, state_dir: &Path) {
+    const CHECK: &str = "cli bindings";
+    let dir = state_dir.join(copilot_pool::pool::CLI_BINDINGS_DIR);
+    let entries = match fs::read_dir(&dir) {
+        Ok(entries) => entries,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return,
+        Err(err) => {
+            report.fail(
+                CHECK,
+                format!("cannot list {}: {err}", dir.display()),
+                format!("fix the permissions of {}", dir.display()),
+            );
+            return;
+        }
+    };
+    let count = entries
+        .filter_map(Result::ok)
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .count();
+    let mode = fs::metadata(&dir)
+        .map(|m| m.permissions().mode() & 0o7777)
+        .unwrap_or(0o700);
+    if mode & 0o077 != 0 {
+        report.fail(
+            CHECK,
+            format!(
+                "{} has mode {mode:04o}; other users can read the bindings",
+                dir.display()
+            ),
+            format!("chmod 700 {}", dir.display()),
+        );
+    } else {
+        report.ok(
+            CHECK,
+            format!(
+                "{count} CLI backend conversation{} bound in {}",
+                if count == 1 { "" } else { "s" },
+                dir.display()
+            ),
+        );
     }
 }
 

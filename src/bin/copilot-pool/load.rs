@@ -184,7 +184,8 @@ pub async fn load(args: LoadArgs) -> Result<()> {
     std::fs::write(
         &config,
         format!(
-            "[pool]\nmax_sessions = {}\nmax_waiters = {}\nwait_timeout_secs = {}\nwarm_spares = 0\nmax_processes_per_key = 1\n\n[model]\nallow_private_endpoints = true\n",
+            "[pool]\nmax_sessions = {}\nmax_waiters = {}\nmax_waiters_per_agent = {}\nwait_timeout_secs = {}\nwarm_spares = 0\nmax_processes_per_key = 1\n\n[model]\nallow_private_endpoints = true\n",
+            args.clients.max(1024),
             args.clients.max(1024),
             args.clients.max(1024),
             args.wait_timeout_secs

@@ -142,9 +142,6 @@ pub(crate) struct CliNames {
 /// holds).
 const CLI_BINDING_SEPARATOR: &str = "#backend=";
 
-/// The CLI backends' binding store in the state directory.
-const CLI_BINDINGS: &str = "cli-bindings";
-
 /// Written into the CLI backends' store once the bindings that versions before it kept among
 /// the Copilot runtime's have been moved there.
 const MOVED_MARKER: &str = ".moved-from-bindings";
@@ -153,14 +150,22 @@ const MOVED_MARKER: &str = ".moved-from-bindings";
 /// beside the Copilot runtime's (`<state_dir>/bindings`), so a Copilot conversation's session key may
 /// be anything (`alice#backend=claude-cli` included) without naming a CLI conversation's
 /// binding. Versions before it kept the CLI bindings in the Copilot store, where no session
-/// key could contain `#backend=`: every binding there whose key does is moved here, once.
-pub(crate) fn open_bindings(
+/// key could contain `#backend=`: every binding there whose key ends in `#backend=<id>` of
+/// a backend in `backends` is moved here, once. (Earlier still, a Copilot session key could
+/// hold `#backend=`; one that ends so with a configured id is taken for a CLI conversation's:
+/// that Copilot conversation starts anew.)
+pub(crate) fn open_bindings<'a>(
     state_dir: &std::path::Path,
     copilot: &BindingStore,
+    backends: impl IntoIterator<Item = &'a String>,
 ) -> Result<BindingStore, super::bindings::BindingError> {
-    let store = BindingStore::open_named(state_dir, CLI_BINDINGS)?;
+    let store = BindingStore::open_named(state_dir, super::bindings::CLI_BINDINGS_DIR)?;
+    let backends: std::collections::HashSet<&String> = backends.into_iter().collect();
     let moved = store.take_once_from(copilot, MOVED_MARKER, |binding| {
-        binding.session_key.contains(CLI_BINDING_SEPARATOR)
+        binding
+            .session_key
+            .rsplit_once(CLI_BINDING_SEPARATOR)
+            .is_some_and(|(_, id)| backends.contains(&id.to_owned()))
     })?;
     if moved > 0 {
         tracing::info!(
@@ -699,6 +704,11 @@ impl CliPool {
     /// waited for.
     pub(crate) fn holds(&self, conversation: &str) -> bool {
         self.lock().core.holds(conversation)
+    }
+
+    /// The CLI backends' binding store.
+    pub(crate) fn bindings(&self) -> &BindingStore {
+        &self.bindings
     }
 
     /// Whether the conversation `names` has a stored session (a binding).
@@ -1388,25 +1398,29 @@ mod tests {
         let copilot = BindingStore::open(dir.path()).expect("bindings");
         copilot.put(&bound(&claude, "claude-1")).expect("put");
         copilot.put(&bound("agent/k", "copilot-1")).expect("put");
-        let cli = open_bindings(dir.path(), &copilot).expect("opened");
+        // Of a backend not configured: no CLI conversation's, left where it is.
+        let other = CliNames::new("agent", "k", "gone-cli").binding;
+        copilot.put(&bound(&other, "copilot-2")).expect("put");
+        let backends = ["claude-cli".to_owned()];
+        let cli = open_bindings(dir.path(), &copilot, &backends).expect("opened");
         assert_eq!(cli.list().expect("list"), vec![bound(&claude, "claude-1")]);
         assert_eq!(
             copilot.list().expect("list"),
-            vec![bound("agent/k", "copilot-1")]
+            vec![bound("agent/k", "copilot-1"), bound(&other, "copilot-2")]
         );
         // Now a Copilot conversation may be keyed so: it is bound in its own store, and the
         // Claude conversation's binding is not touched, at this open or the next.
         let copilot_key = super::super::ConversationId::new("agent", "k#backend=claude-cli").key();
         assert_eq!(copilot_key, claude);
-        copilot.put(&bound(&copilot_key, "copilot-2")).expect("put");
-        let cli = open_bindings(dir.path(), &copilot).expect("opened again");
+        copilot.put(&bound(&copilot_key, "copilot-3")).expect("put");
+        let cli = open_bindings(dir.path(), &copilot, &backends).expect("opened again");
         assert_eq!(
             cli.get(&claude).expect("read"),
             Some(bound(&claude, "claude-1"))
         );
         assert_eq!(
             copilot.get(&copilot_key).expect("read"),
-            Some(bound(&copilot_key, "copilot-2"))
+            Some(bound(&copilot_key, "copilot-3"))
         );
     }
 

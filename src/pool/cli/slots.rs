@@ -49,7 +49,7 @@ pub(crate) struct Caps {
     pub max_per_key: usize,
     /// Leases waiting at once.
     pub max_waiters: usize,
-    /// Leases of one agent (its home for the backend) waiting at once.
+    /// Leases of one agent (every CLI backend's) waiting at once.
     pub max_waiters_per_agent: usize,
 }
 
@@ -99,6 +99,13 @@ struct Waiter {
     id: u64,
     conversation: String,
     key: CliKey,
+}
+
+/// The agent of a conversation (`<agent>/<session key>#<backend>`; agent ids have no `/`).
+fn agent_of(conversation: &str) -> &str {
+    conversation
+        .split_once('/')
+        .map_or(conversation, |(agent, _)| agent)
 }
 
 /// The whole bookkeeping.
@@ -294,7 +301,11 @@ impl Slots {
             });
             return effects;
         }
-        let agents = self.waiters.iter().filter(|w| w.key.home == key.home);
+        let agent = agent_of(conversation);
+        let agents = self
+            .waiters
+            .iter()
+            .filter(|w| agent_of(&w.conversation) == agent);
         if agents.count() >= self.caps.max_waiters_per_agent {
             effects.push(Effect::Fail {
                 id,
@@ -709,7 +720,19 @@ mod tests {
                 why: Refusal::AgentWaitersFull
             }]
         );
-        assert!(s.ask(4, "b/1", key("b"), false, now).is_empty(), "queued");
+        // Its conversations on another backend count in the same share.
+        let codex = CliKey {
+            backend: "codex-cli".into(),
+            ..key("a-codex")
+        };
+        assert_eq!(
+            s.ask(4, "a/4", codex, false, now),
+            [Effect::Fail {
+                id: 4,
+                why: Refusal::AgentWaitersFull
+            }]
+        );
+        assert!(s.ask(5, "b/1", key("b"), false, now).is_empty(), "queued");
     }
 
     #[test]

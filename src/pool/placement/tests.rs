@@ -423,6 +423,15 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         for ks in self.keys.values() {
             assert!(ks.workers.len() <= self.limits.max_processes_per_key);
         }
+        assert!(self.waiters.len() <= self.limits.max_waiters);
+        for w in &self.waiters {
+            let agents = self.waiters.iter().filter(|o| o.key.home == w.key.home);
+            assert!(
+                agents.count() <= self.limits.max_waiters_per_agent,
+                "max_waiters_per_agent exceeded for {}",
+                w.key.home.display()
+            );
+        }
     }
 }
 
@@ -508,10 +517,37 @@ fn one_agents_waiters_are_capped_and_another_agents_lease_still_queues() {
         "{:?}",
         sim.failed
     );
+    // The agent under another credential (a rotated token: another key, the same home)
+    // is the same agent.
+    let rotated = Ask {
+        id: 99,
+        key: PoolKey {
+            profile_version: Some("v2".into()),
+            ..key(1)
+        },
+        spec: (),
+        conversation: "a/4".to_owned(),
+        compat: "c".to_owned(),
+        setup: String::new(),
+        gateway_key: "a/4".to_owned(),
+        fail_if_busy: false,
+        wait: Duration::from_secs(60),
+        process_only: false,
+    };
+    let effects = sim.core.acquire(rotated, sim.now);
+    sim.apply(effects);
+    assert!(
+        matches!(
+            sim.failed.last(),
+            Some((99, PoolError::AgentWaitersFull { max: 2 }))
+        ),
+        "{:?}",
+        sim.failed
+    );
     // Another agent's lease still waits for its place.
     let other = sim.ask("b/1", 2);
     assert!(sim.queued.contains(&other), "{:?}", sim.failed);
-    assert_eq!(sim.failed.len(), 1);
+    assert_eq!(sim.failed.len(), 2);
 }
 
 #[test]
@@ -2281,7 +2317,7 @@ proptest! {
         busy_leases_per_process in 1usize..3,
     ) {
         let limits = if small {
-            Limits { max_processes: 2, max_processes_per_key: 1, max_sessions_per_process: 2, max_sessions: 3, max_turns_per_process: 4, ..limits() }
+            Limits { max_processes: 2, max_processes_per_key: 1, max_sessions_per_process: 2, max_sessions: 3, max_turns_per_process: 4, max_waiters: 6, max_waiters_per_agent: 2, ..limits() }
         } else {
             limits()
         };

@@ -110,7 +110,7 @@ async fn start_serve(mode: Mode, args: &BenchArgs, setup: &Setup, dir: &Path) ->
     // most recent conversations resumed there ahead of its return.
     let warm = args.warm_spare_conversations();
     let mut config = format!(
-        "[pool]\nmax_sessions = 4096\nmax_waiters = 4096\nidle_ttl_secs = {IDLE_TTL_SECS}\n\
+        "[pool]\nmax_sessions = 4096\nmax_waiters = 4096\nmax_waiters_per_agent = 4096\nidle_ttl_secs = {IDLE_TTL_SECS}\n\
          warm_spares = 1\nwarm_spare_window_secs = 600\n\
          warm_spare_conversations = {warm}\n\n\
          [model]\nallow_private_endpoints = true\n"

@@ -144,13 +144,14 @@ pub async fn scale(args: ScaleArgs) -> Result<()> {
     std::fs::write(
         &config,
         format!(
-            "[pool]\nmax_processes = {}\nmax_sessions = {}\nmax_waiters = {}\nwait_timeout_secs = 300\n\
+            "[pool]\nmax_processes = {}\nmax_sessions = {}\nmax_waiters = {waiters}\n\
+             max_waiters_per_agent = {waiters}\nwait_timeout_secs = 300\n\
              max_turns_per_process = {}\nmax_rss_bytes = {}\nwarm_spares = 0\n\n[model]\nallow_private_endpoints = true\n",
             args.agents + args.concurrency,
             conversations.max(1024),
-            u64::from(args.concurrency).max(1024),
             args.recycle_turns,
             args.recycle_rss_mib << 20,
+            waiters = u64::from(args.concurrency).max(1024),
         ),
     )
     .context("writing the daemon's config")?;
