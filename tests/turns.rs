@@ -746,12 +746,13 @@ async fn the_transcript_has_no_duplicate_after_resume_and_restart() {
     lease.run("REPLY=one").await.expect("turn");
     let pid = lease.worker_pid();
     drop(lease);
+    // Subscribed before the kill: the crash's event may come before the next line runs.
+    let mut events = pool.subscribe();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid as i32),
         nix::sys::signal::Signal::SIGKILL,
     )
     .expect("kill");
-    let mut events = pool.subscribe();
     support::pool_fixture::wait_event(
         &mut events,
         |e| matches!(e, copilot_pool::pool::PoolEvent::WorkerCrashed { pid: p, .. } if *p == pid),
