@@ -378,29 +378,7 @@ fn check_bindings(report: &mut Report, state_dir: &Path) {
     };
     match store.list() {
         Ok(bindings) => {
-            let mode = fs::metadata(store.dir())
-                .map(|m| m.permissions().mode() & 0o7777)
-                .unwrap_or(0o700);
-            if mode & 0o077 != 0 {
-                report.fail(
-                    CHECK,
-                    format!(
-                        "{} has mode {mode:04o}; other users can read the bindings",
-                        store.dir().display()
-                    ),
-                    format!("chmod 700 {}", store.dir().display()),
-                );
-            } else {
-                report.ok(
-                    CHECK,
-                    format!(
-                        "{} conversation{} bound in {}",
-                        bindings.len(),
-                        if bindings.len() == 1 { "" } else { "s" },
-                        store.dir().display()
-                    ),
-                );
-            }
+            report_bindings(report, CHECK, store.dir(), bindings.len(), "conversation");
         }
         Err(err) => report.fail(
             CHECK,
@@ -432,12 +410,18 @@ fn check_cli_bindings(report: &mut Report, state_dir: &Path) {
         .filter_map(Result::ok)
         .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
         .count();
-    let mode = fs::metadata(&dir)
+    report_bindings(report, CHECK, &dir, count, "CLI backend conversation");
+}
+
+/// A bindings directory's line: a failure when others may read it (it names sessions),
+/// else how many `what`s it binds.
+fn report_bindings(report: &mut Report, check: &str, dir: &Path, count: usize, what: &str) {
+    let mode = fs::metadata(dir)
         .map(|m| m.permissions().mode() & 0o7777)
         .unwrap_or(0o700);
     if mode & 0o077 != 0 {
         report.fail(
-            CHECK,
+            check,
             format!(
                 "{} has mode {mode:04o}; other users can read the bindings",
                 dir.display()
@@ -446,9 +430,9 @@ fn check_cli_bindings(report: &mut Report, state_dir: &Path) {
         );
     } else {
         report.ok(
-            CHECK,
+            check,
             format!(
-                "{count} CLI backend conversation{} bound in {}",
+                "{count} {what}{} bound in {}",
                 if count == 1 { "" } else { "s" },
                 dir.display()
             ),
