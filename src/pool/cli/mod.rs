@@ -147,9 +147,9 @@ const CLI_BINDING_SEPARATOR: &str = "#backend=";
 const MOVED_MARKER: &str = ".moved-from-bindings";
 
 /// Opens the CLI backends' binding store, `<state_dir>/cli-bindings`: a namespace of its own
-/// beside the Copilot runtime's (`<state_dir>/bindings`), so a Copilot conversation's session key may
-/// be anything (`alice#backend=claude-cli` included) without naming a CLI conversation's
-/// binding. Versions before it kept the CLI bindings in the Copilot store, where no session
+/// beside the Copilot runtime's (`<state_dir>/bindings`), so a Copilot conversation's session
+/// key may be anything (`alice#backend=claude-cli` included) without naming a CLI
+/// conversation's binding. Versions before it kept the CLI bindings in the Copilot store, where no session
 /// key could contain `#backend=`: every binding there whose key ends in `#backend=<id>` of
 /// a backend in `backends` is moved here, once. (Earlier still, a Copilot session key could
 /// hold `#backend=`; one that ends so with a configured id is taken for a CLI conversation's:
@@ -160,12 +160,13 @@ pub(crate) fn open_bindings<'a>(
     backends: impl IntoIterator<Item = &'a String>,
 ) -> Result<BindingStore, super::bindings::BindingError> {
     let store = BindingStore::open_named(state_dir, super::bindings::CLI_BINDINGS_DIR)?;
-    let backends: std::collections::HashSet<&String> = backends.into_iter().collect();
+    let backends: std::collections::HashSet<&str> =
+        backends.into_iter().map(String::as_str).collect();
     let moved = store.take_once_from(copilot, MOVED_MARKER, |binding| {
         binding
             .session_key
             .rsplit_once(CLI_BINDING_SEPARATOR)
-            .is_some_and(|(_, id)| backends.contains(&id.to_owned()))
+            .is_some_and(|(_, id)| backends.contains(id))
     })?;
     if moved > 0 {
         tracing::info!(
