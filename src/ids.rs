@@ -38,6 +38,13 @@ impl ConversationId {
     pub(crate) fn key(&self) -> String {
         self.to_string()
     }
+
+    /// The agent id and the rest of a [`ConversationId::key`] (a CLI conversation's slot or
+    /// binding key too: its session key is followed by its backend); `None` for text that
+    /// is no such key.
+    pub(crate) fn split_key(key: &str) -> Option<(&str, &str)> {
+        key.split_once('/')
+    }
 }
 
 impl fmt::Display for ConversationId {

@@ -1348,23 +1348,16 @@ impl OpenTarget<'_> {
             Ok(Err(e)) => return Err(state_unwritable(bindings, e.os_error()).into()),
             Err(e) => return Err(PoolError::Internal(e.to_string()).into()),
         };
-        let agent = self
-            .session_key
-            .split_once('/')
-            .map_or("", |(agent, _)| agent);
+        let agent = ConversationId::split_key(self.session_key).map_or("", |(agent, _)| agent);
         let owner = all.into_iter().find(|b| {
             b.cli_session_id == *id
                 && b.session_key != self.session_key
-                && b.session_key
-                    .split_once('/')
-                    .is_some_and(|(a, _)| a == agent)
+                && ConversationId::split_key(&b.session_key).is_some_and(|(a, _)| a == agent)
         });
         match owner {
             None => Ok(()),
             Some(owner) => {
-                let key = owner
-                    .session_key
-                    .split_once('/')
+                let key = ConversationId::split_key(&owner.session_key)
                     .map_or("", |(_, key)| key)
                     .to_owned();
                 let kind = if key.starts_with(crate::ids::SDK_SESSION_KEY_PREFIX) {

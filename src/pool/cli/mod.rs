@@ -232,7 +232,6 @@ pub(crate) struct CliPool {
     /// Conversations leased or being deleted ([`Slots::in_use`]), published at each change.
     in_use: watch::Sender<usize>,
     closed: AtomicBool,
-    caps: Caps,
     /// Tells the pool actor (set once it runs; before, there is no Copilot side to tell).
     copilot: OnceLock<Box<dyn Fn(Nudge) + Send + Sync>>,
 }
@@ -272,7 +271,7 @@ impl CliPool {
                 .validate(id)
                 .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
         }
-        let core = Slots::new(caps.clone(), restart);
+        let core = Slots::new(caps, restart);
         Ok(Self {
             shell: Mutex::new(Shell {
                 core,
@@ -287,7 +286,6 @@ impl CliPool {
             bindings,
             in_use: watch::channel(0).0,
             closed: AtomicBool::new(false),
-            caps,
             copilot: OnceLock::new(),
         })
     }
@@ -381,7 +379,7 @@ impl CliPool {
                 }
                 Effect::Fail { id, why } => {
                     if let Some(port) = shell.waiters.remove(&id) {
-                        let _ = port.send(Err(refusal(why, &self.caps)));
+                        let _ = port.send(Err(refusal(why)));
                     }
                 }
                 Effect::Close { conversation } => {
@@ -738,26 +736,25 @@ impl CliPool {
     ) -> Result<bool, PoolError> {
         let config = self.cli_backend(backend)?;
         let dialect = CliConversation::runner_dialect(config.kind, config.dialect_of(backend));
-        let parked = {
-            let mut shell = self.lock();
-            let (close, effects) =
-                shell
-                    .core
-                    .delete(&names.slot, Instant::now())
-                    .map_err(|why| match refusal(why, &self.caps) {
+        let parked =
+            {
+                let mut shell = self.lock();
+                let (close, effects) = shell.core.delete(&names.slot, Instant::now()).map_err(
+                    |why| match refusal(why) {
                         PoolError::ConversationBusy { .. } => PoolError::ConversationBusy {
                             session_key: names.slot.clone(),
                         },
                         other => other,
-                    })?;
-            let parked = if close {
-                shell.parked.remove(&names.slot)
-            } else {
-                None
+                    },
+                )?;
+                let parked = if close {
+                    shell.parked.remove(&names.slot)
+                } else {
+                    None
+                };
+                self.apply(&mut shell, effects);
+                (parked, shell.closing.get(&names.slot).cloned())
             };
-            self.apply(&mut shell, effects);
-            (parked, shell.closing.get(&names.slot).cloned())
-        };
         let (parked, closing) = parked;
         // Held for the deletion from here until the task ends, whatever its caller does.
         let held = Deleting {
@@ -999,17 +996,13 @@ fn remove_session_files(
 }
 
 /// Fails an ask that cannot be granted (a busy one's session key is filled in by its lease).
-fn refusal(why: Refusal, caps: &Caps) -> PoolError {
+fn refusal(why: Refusal) -> PoolError {
     match why {
         Refusal::Busy => PoolError::ConversationBusy {
             session_key: String::new(),
         },
-        Refusal::WaitersFull => PoolError::WaitersFull {
-            max: caps.max_waiters,
-        },
-        Refusal::AgentWaitersFull => PoolError::AgentWaitersFull {
-            max: caps.max_waiters_per_agent,
-        },
+        Refusal::WaitersFull { max } => PoolError::WaitersFull { max },
+        Refusal::AgentWaitersFull { max } => PoolError::AgentWaitersFull { max },
         Refusal::Quarantined(left) => PoolError::RestartIntensityExceeded {
             key_hash: "cli".to_owned(),
             retry_after: left,

@@ -58,10 +58,10 @@ pub(crate) struct Caps {
 pub(crate) enum Refusal {
     /// The conversation is leased and the ask would not queue.
     Busy,
-    /// Too many waiters.
-    WaitersFull,
-    /// Too many waiters of the ask's agent.
-    AgentWaitersFull,
+    /// `max` waiters wait already.
+    WaitersFull { max: usize },
+    /// `max` waiters of the ask's agent wait already.
+    AgentWaitersFull { max: usize },
     /// The key crashed too often; this long is left of the cool-down.
     Quarantined(Duration),
     /// The pool is closing.
@@ -101,11 +101,9 @@ struct Waiter {
     key: CliKey,
 }
 
-/// The agent of a conversation (`<agent>/<session key>#<backend>`; agent ids have no `/`).
+/// The agent of a conversation (`<agent>/<session key>#<backend>`).
 fn agent_of(conversation: &str) -> &str {
-    conversation
-        .split_once('/')
-        .map_or(conversation, |(agent, _)| agent)
+    crate::ids::ConversationId::split_key(conversation).map_or(conversation, |(agent, _)| agent)
 }
 
 /// The whole bookkeeping.
@@ -297,7 +295,9 @@ impl Slots {
         if self.waiters.len() >= self.caps.max_waiters {
             effects.push(Effect::Fail {
                 id,
-                why: Refusal::WaitersFull,
+                why: Refusal::WaitersFull {
+                    max: self.caps.max_waiters,
+                },
             });
             return effects;
         }
@@ -309,7 +309,9 @@ impl Slots {
         if agents.count() >= self.caps.max_waiters_per_agent {
             effects.push(Effect::Fail {
                 id,
-                why: Refusal::AgentWaitersFull,
+                why: Refusal::AgentWaitersFull {
+                    max: self.caps.max_waiters_per_agent,
+                },
             });
             return effects;
         }
@@ -717,7 +719,7 @@ mod tests {
             s.ask(3, "a/3", key("a"), false, now),
             [Effect::Fail {
                 id: 3,
-                why: Refusal::AgentWaitersFull
+                why: Refusal::AgentWaitersFull { max: 1 }
             }]
         );
         // Its conversations on another backend count in the same share.
@@ -729,7 +731,7 @@ mod tests {
             s.ask(4, "a/4", codex, false, now),
             [Effect::Fail {
                 id: 4,
-                why: Refusal::AgentWaitersFull
+                why: Refusal::AgentWaitersFull { max: 1 }
             }]
         );
         assert!(s.ask(5, "b/1", key("b"), false, now).is_empty(), "queued");
@@ -760,7 +762,7 @@ mod tests {
             s.ask(6, "f/1", key("f"), false, t1),
             [Effect::Fail {
                 id: 6,
-                why: Refusal::WaitersFull
+                why: Refusal::WaitersFull { max: 2 }
             }]
         );
         let effects = s.returned("b/1", false, false, t1);
