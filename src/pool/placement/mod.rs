@@ -451,6 +451,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         self.effects()
     }
 
+    /// Leases of the agent whose home is `home` waiting (every credential of it).
+    fn waiting_of(&self, home: &std::path::Path) -> usize {
+        self.waiters.iter().filter(|w| w.key.home == home).count()
+    }
+
     /// Processes of this side in the budget.
     fn held(&self) -> usize {
         self.view().held
@@ -482,14 +487,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                     },
                 })
             }
-            Ok(false)
-                if self
-                    .waiters
-                    .iter()
-                    .filter(|w| w.key.home == ask.key.home)
-                    .count()
-                    >= self.limits.max_waiters_per_agent =>
-            {
+            Ok(false) if self.waiting_of(&ask.key.home) >= self.limits.max_waiters_per_agent => {
                 self.out.push(Effect::Fail {
                     request: ask.id,
                     error: PoolError::AgentWaitersFull {

@@ -425,9 +425,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         }
         assert!(self.waiters.len() <= self.limits.max_waiters);
         for w in &self.waiters {
-            let agents = self.waiters.iter().filter(|o| o.key.home == w.key.home);
             assert!(
-                agents.count() <= self.limits.max_waiters_per_agent,
+                self.waiting_of(&w.key.home) <= self.limits.max_waiters_per_agent,
                 "max_waiters_per_agent exceeded for {}",
                 w.key.home.display()
             );
