@@ -821,6 +821,7 @@ impl CliPool {
             }
             self.apply(&mut shell, effects);
         }
+        shell.core.forget_quiet_keys(now);
     }
 
     /// Stops leasing: waiters fail, parked processes are closed (their groups killed past

@@ -507,6 +507,31 @@ impl Slots {
         effects
     }
 
+    /// Forgets the restart records of keys with nothing left to remember: not quarantined,
+    /// no crash within the restart window, no conversation held and no lease waiting under
+    /// them. Every lease's return makes its key a record, and a key changes with each
+    /// rotated credential, so without this the records of every key ever seen would stay
+    /// for the daemon's life.
+    pub(crate) fn forget_quiet_keys(&mut self, now: Instant) {
+        let Slots {
+            policy,
+            held,
+            waiters,
+            restarts,
+            ..
+        } = self;
+        let in_use: HashSet<&CliKey> = held
+            .values()
+            .map(|h| &h.key)
+            .chain(waiters.iter().map(|w| &w.key))
+            .collect();
+        restarts.retain(|key, tracker| {
+            in_use.contains(key)
+                || tracker.quarantined_until(now).is_some()
+                || tracker.restarts_in_window(now, policy) > 0
+        });
+    }
+
     /// Parked conversations unused for `ttl`.
     pub(crate) fn idle(&self, now: Instant, ttl: Duration) -> Vec<String> {
         self.held
@@ -835,6 +860,45 @@ mod tests {
         ));
         // Another key is unaffected.
         assert!(granted(&s.ask(10, "b/1", key("b"), false, now), 10));
+    }
+
+    #[test]
+    fn the_restart_records_of_quiet_keys_are_forgotten_and_a_quarantine_is_kept() {
+        let now = Instant::now();
+        let mut s = slots(4, 4);
+        for i in 0..100 {
+            let conversation = format!("a{i}/1");
+            assert!(granted(
+                &s.ask(i, &conversation, key(&format!("a{i}")), false, now),
+                i
+            ));
+            s.returned(&conversation, false, false, now);
+        }
+        // One key still holds a parked conversation, one crashed into quarantine.
+        assert!(granted(&s.ask(200, "held/1", key("held"), false, now), 200));
+        s.returned("held/1", true, false, now);
+        for id in 300..=301 {
+            assert!(granted(&s.ask(id, "q/1", key("q"), false, now), id));
+            s.returned("q/1", false, true, now);
+        }
+        assert_eq!(s.restarts.len(), 102);
+
+        let later = now + s.policy.window + Duration::from_secs(1);
+        s.forget_quiet_keys(later);
+        let mut kept: Vec<&str> = s.restarts.keys().map(|k| k.home.as_str()).collect();
+        kept.sort_unstable();
+        assert_eq!(
+            kept,
+            ["/h/held", "/h/q"],
+            "the held key and the quarantined one"
+        );
+        assert!(matches!(
+            s.ask(9, "q/1", key("q"), false, later).as_slice(),
+            [Effect::Fail {
+                why: Refusal::Quarantined(_),
+                ..
+            }]
+        ));
     }
 
     #[test]
