@@ -54,6 +54,11 @@ pub struct ConnectionOptions {
     /// first authenticate with a small call, so one that has not cannot make the reader
     /// parse a large frame. `None` (the default): `max_frame_bytes` from the start.
     pub read_limit_until_lifted: Option<usize>,
+    /// Limits for a peer that may stop reading or never close (a network client, not a
+    /// child's pipe): what is queued for it and how long a write waits for it are bounded,
+    /// and our close lets go of its input at once. `None` (the default): unbounded, and the
+    /// reader runs until the peer closes its side.
+    pub peer_limits: Option<PeerLimits>,
 }
 
 impl Default for ConnectionOptions {
@@ -63,8 +68,21 @@ impl Default for ConnectionOptions {
             default_timeout: Duration::from_secs(60),
             split_session_events: false,
             read_limit_until_lifted: None,
+            peer_limits: None,
         }
     }
+}
+
+/// Bounds on a peer that may stop reading ([`ConnectionOptions::peer_limits`]). Past
+/// either, the connection closes ([`CloseCause::Io`], the owner told as for any close),
+/// and the peer's socket is let go whether or not it ever closes its side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerLimits {
+    /// Bytes queued for the peer and not yet written, at most: a frame past it is dropped
+    /// and the connection closes.
+    pub max_queued_bytes: usize,
+    /// How long one write may wait for the peer to read.
+    pub write_stall_timeout: Duration,
 }
 
 /// A JSON-RPC error object as it travels on the wire.
@@ -191,7 +209,7 @@ pub struct IncomingRequest {
 pub struct Responder {
     id: Option<RequestId>,
     method: String,
-    out: mpsc::UnboundedSender<Outgoing>,
+    out: Outbox,
     max_frame_bytes: usize,
 }
 
@@ -251,7 +269,7 @@ impl Responder {
             }
         }
         // A closed writer means the peer is gone; there is nobody left to answer.
-        let _ = self.out.send(Outgoing::Frame(Bytes::from(bytes)));
+        self.out.frame(Bytes::from(bytes));
     }
 }
 
@@ -277,6 +295,44 @@ enum Outgoing {
     Close,
 }
 
+/// The writer's queue, as everything that sends holds it: with [`PeerLimits`], the bytes
+/// in it are counted, and a frame past the limit is dropped and stops the writer.
+#[derive(Clone)]
+struct Outbox {
+    tx: mpsc::UnboundedSender<Outgoing>,
+    backlog: Option<Arc<Backlog>>,
+}
+
+/// The bytes queued for a peer that may stop reading.
+struct Backlog {
+    queued: AtomicUsize,
+    max: usize,
+    /// Wakes the writer to give up: a frame did not fit.
+    overflowed: tokio::sync::Notify,
+}
+
+impl Outbox {
+    /// Queues a frame for the writer; false when the writer is gone or the frame does not
+    /// fit in the peer's backlog (the writer then closes the connection).
+    fn frame(&self, bytes: Bytes) -> bool {
+        if let Some(backlog) = &self.backlog {
+            let len = bytes.len();
+            let queued = backlog.queued.fetch_add(len, Ordering::SeqCst) + len;
+            if queued > backlog.max {
+                backlog.queued.fetch_sub(len, Ordering::SeqCst);
+                backlog.overflowed.notify_one();
+                return false;
+            }
+        }
+        self.tx.send(Outgoing::Frame(bytes)).is_ok()
+    }
+
+    /// Asks the writer to close our write half once what is queued before is written.
+    fn close(&self) {
+        let _ = self.tx.send(Outgoing::Close);
+    }
+}
+
 type Pending = oneshot::Sender<Result<Value, ErrorObject>>;
 
 struct Shared {
@@ -284,7 +340,7 @@ struct Shared {
     pending: Mutex<HashMap<u64, (String, Pending)>>,
     closed: Mutex<Option<CloseCause>>,
     close_reported: AtomicBool,
-    out: mpsc::UnboundedSender<Outgoing>,
+    out: Outbox,
     options: ConnectionOptions,
     /// Sessions whose callers leave some event types unread (read only with
     /// `split_session_events`).
@@ -292,9 +348,22 @@ struct Shared {
     /// The largest frame the reader takes now (`read_limit_until_lifted` until lifted),
     /// read by its codec at each header.
     read_limit: Arc<AtomicUsize>,
+    /// The reader task, stopped at our close when the peer may never close its side
+    /// ([`ConnectionOptions::peer_limits`]).
+    reader: Mutex<Option<tokio::task::AbortHandle>>,
 }
 
 impl Shared {
+    /// Stops the reader when the peer may never close its side: its input is let go now.
+    fn stop_reading(&self) {
+        if self.options.peer_limits.is_some()
+            && let Ok(mut reader) = self.reader.lock()
+            && let Some(reader) = reader.take()
+        {
+            reader.abort();
+        }
+    }
+
     fn closed_cause(&self) -> Option<CloseCause> {
         self.closed
             .lock()
@@ -331,16 +400,18 @@ const MAX_BATCH: usize = 64;
 
 /// Closes our write half when the last [`Connection`] clone is dropped, so the writer task
 /// ends and the peer sees end of file.
-struct CloseOnDrop(mpsc::UnboundedSender<Outgoing>);
+struct CloseOnDrop(Arc<Shared>);
 
 impl Drop for CloseOnDrop {
     fn drop(&mut self) {
-        let _ = self.0.send(Outgoing::Close);
+        self.0.out.close();
+        self.0.stop_reading();
     }
 }
 
 /// A cloneable handle to one JSON-RPC connection. Dropping the last clone closes the
-/// connection's output; the reader keeps routing until the peer closes its side.
+/// connection's output; the reader keeps routing until the peer closes its side (with
+/// [`ConnectionOptions::peer_limits`], it stops there too).
 #[derive(Clone)]
 pub struct Connection {
     shared: Arc<Shared>,
@@ -388,6 +459,13 @@ impl Connection {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (out_tx, out_rx) = mpsc::unbounded_channel();
+        let backlog = options.peer_limits.map(|limits| {
+            Arc::new(Backlog {
+                queued: AtomicUsize::new(0),
+                max: limits.max_queued_bytes,
+                overflowed: tokio::sync::Notify::new(),
+            })
+        });
         let read_limit = options
             .read_limit_until_lifted
             .map_or(options.max_frame_bytes, |limit| {
@@ -398,10 +476,14 @@ impl Connection {
             pending: Mutex::new(HashMap::new()),
             closed: Mutex::new(None),
             close_reported: AtomicBool::new(false),
-            out: out_tx,
+            out: Outbox {
+                tx: out_tx,
+                backlog: backlog.clone(),
+            },
             options,
             gate: Arc::default(),
             read_limit: Arc::new(AtomicUsize::new(read_limit)),
+            reader: Mutex::new(None),
         });
         let sink: Arc<IncomingBatchSink> = Arc::new(sink);
         // The writer holds the shared state weakly: it must not keep its own channel open.
@@ -410,9 +492,15 @@ impl Connection {
             out_rx,
             Arc::downgrade(&shared),
             sink.clone(),
+            backlog,
         ));
-        tokio::spawn(read_loop(reader, shared.clone(), sink));
-        let close_on_drop = Arc::new(CloseOnDrop(shared.out.clone()));
+        let reading = tokio::spawn(read_loop(reader, shared.clone(), sink));
+        if shared.options.peer_limits.is_some()
+            && let Ok(mut slot) = shared.reader.lock()
+        {
+            *slot = Some(reading.abort_handle());
+        }
+        let close_on_drop = Arc::new(CloseOnDrop(shared.clone()));
         Self {
             shared,
             _close_on_drop: close_on_drop,
@@ -476,12 +564,7 @@ impl Connection {
             self.forget(id);
             return Err(closed(cause));
         }
-        if self
-            .shared
-            .out
-            .send(Outgoing::Frame(Bytes::from(frame)))
-            .is_err()
-        {
+        if !self.shared.out.frame(Bytes::from(frame)) {
             self.forget(id);
             return Err(closed(
                 self.shared.closed_cause().unwrap_or(CloseCause::Local),
@@ -532,17 +615,23 @@ impl Connection {
             detail: e.to_string(),
         })?;
         self.check_size(method, frame.len())?;
-        self.shared
-            .out
-            .send(Outgoing::Frame(Bytes::from(frame)))
-            .map_err(|_| closed(CloseCause::Local))
+        if self.shared.out.frame(Bytes::from(frame)) {
+            Ok(())
+        } else {
+            Err(closed(
+                self.shared.closed_cause().unwrap_or(CloseCause::Local),
+            ))
+        }
     }
 
     /// Closes the connection: pending requests fail with `cause`, and our write half is
-    /// closed once the frames queued before it are written.
+    /// closed once the frames queued before it are written (with
+    /// [`ConnectionOptions::peer_limits`], the reader stops at once too, and the writer
+    /// within the write stall timeout).
     pub fn close(&self, cause: CloseCause) {
         self.shared.close(cause);
-        let _ = self.shared.out.send(Outgoing::Close);
+        self.shared.out.close();
+        self.shared.stop_reading();
     }
 
     /// Why the connection closed, if it has.
@@ -598,13 +687,18 @@ async fn write_loop<W>(
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
     shared: std::sync::Weak<Shared>,
     sink: Arc<IncomingBatchSink>,
+    backlog: Option<Arc<Backlog>>,
 ) where
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    let max = shared
+    let (max, limits) = shared
         .upgrade()
-        .map(|s| s.options.max_frame_bytes)
-        .unwrap_or(super::codec::DEFAULT_MAX_FRAME_BYTES);
+        .map(|s| (s.options.max_frame_bytes, s.options.peer_limits))
+        .unwrap_or((super::codec::DEFAULT_MAX_FRAME_BYTES, None));
+    let guard = limits.zip(backlog).map(|(limits, backlog)| WriteGuard {
+        stall: limits.write_stall_timeout,
+        backlog,
+    });
     let mut framed = FramedWrite::new(writer, FrameCodec::new(max));
     let mut closing = false;
     while !closing && let Some(first) = rx.recv().await {
@@ -615,21 +709,25 @@ async fn write_loop<W>(
         let mut next = Some(first);
         while let Some(item) = next.take() {
             match item {
-                Outgoing::Frame(bytes) => match framed.feed(bytes).await {
-                    Ok(()) => {}
-                    Err(FrameError::TooLarge { announced, max }) => {
-                        // Only our own oversized message is lost; the stream stays in sync.
-                        tracing::warn!(
-                            announced,
-                            max,
-                            "Dropped an outgoing frame over the size limit."
-                        );
+                Outgoing::Frame(bytes) => {
+                    match guarded(feed_one(&mut framed, bytes, guard.as_ref()), guard.as_ref())
+                        .await
+                    {
+                        Ok(()) => {}
+                        Err(FrameError::TooLarge { announced, max }) => {
+                            // Only our own oversized message is lost; the stream stays in sync.
+                            tracing::warn!(
+                                announced,
+                                max,
+                                "Dropped an outgoing frame over the size limit."
+                            );
+                        }
+                        Err(error) => {
+                            close_on_write_error(&shared, &sink, error);
+                            return;
+                        }
                     }
-                    Err(error) => {
-                        close_on_write_error(&shared, &sink, error);
-                        return;
-                    }
-                },
+                }
                 Outgoing::Close => {
                     closing = true;
                     break;
@@ -637,12 +735,62 @@ async fn write_loop<W>(
             }
             next = rx.try_recv().ok();
         }
-        if let Err(error) = framed.flush().await {
+        if let Err(error) = guarded(framed.flush(), guard.as_ref()).await {
             close_on_write_error(&shared, &sink, error);
             return;
         }
     }
-    let _ = framed.close().await;
+    let _ = guarded(framed.close(), guard.as_ref()).await;
+}
+
+/// Feeds one frame into the writer's buffer; once it is in, its bytes leave the backlog.
+async fn feed_one<W>(
+    framed: &mut FramedWrite<W, FrameCodec>,
+    bytes: Bytes,
+    guard: Option<&WriteGuard>,
+) -> Result<(), FrameError>
+where
+    W: AsyncWrite + Unpin,
+{
+    let len = bytes.len();
+    let fed = framed.feed(bytes).await;
+    if let Some(guard) = guard {
+        guard.backlog.queued.fetch_sub(len, Ordering::SeqCst);
+    }
+    fed
+}
+
+/// What bounds the writer for a peer that may stop reading ([`PeerLimits`]).
+struct WriteGuard {
+    stall: Duration,
+    backlog: Arc<Backlog>,
+}
+
+/// `io` (a frame fed into the writer's buffer, a flush, the close), with a guard bounded by
+/// the write stall timeout and given up when a frame overflowed the backlog.
+async fn guarded<F>(io: F, guard: Option<&WriteGuard>) -> Result<(), FrameError>
+where
+    F: std::future::Future<Output = Result<(), FrameError>>,
+{
+    let Some(guard) = guard else {
+        return io.await;
+    };
+    tokio::select! {
+        done = io => done,
+        () = tokio::time::sleep(guard.stall) => Err(FrameError::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "the peer read nothing for {} s while a write waited for it",
+                guard.stall.as_secs_f64()
+            ),
+        ))),
+        () = guard.backlog.overflowed.notified() => Err(FrameError::Io(std::io::Error::other(
+            format!(
+                "the peer stopped reading: more than {} bytes were queued for it",
+                guard.backlog.max
+            ),
+        ))),
+    }
 }
 
 /// The writer failed: the connection is closed, and its owner told why.
@@ -653,6 +801,7 @@ fn close_on_write_error(
 ) {
     if let Some(shared) = shared.upgrade() {
         report_close(&shared, sink, CloseCause::Io(error.to_string()));
+        shared.stop_reading();
     }
 }
 
@@ -699,7 +848,7 @@ where
     tracing::debug!(%cause, "JSON-RPC transport closed.");
     report_close(&shared, &sink, cause);
     // Nothing more can be exchanged: let the writer finish and close our output.
-    let _ = shared.out.send(Outgoing::Close);
+    shared.out.close();
 }
 
 /// The members of a JSON-RPC message, read in one pass over the frame: a request's params
@@ -1017,6 +1166,7 @@ mod tests {
             default_timeout: Duration::from_secs(5),
             split_session_events: false,
             read_limit_until_lifted: None,
+            peer_limits: None,
         })
     }
 
@@ -1035,6 +1185,112 @@ mod tests {
             }),
         );
         (conn, theirs, rx)
+    }
+
+    /// A connection with [`PeerLimits`] over a pipe of `pipe` bytes, whose peer is driven by
+    /// hand.
+    fn limited(
+        pipe: usize,
+        limits: PeerLimits,
+    ) -> (Connection, DuplexStream, mpsc::UnboundedReceiver<Incoming>) {
+        let (ours, theirs) = duplex(pipe);
+        let (r, w) = tokio::io::split(ours);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let options = ConnectionOptions {
+            peer_limits: Some(limits),
+            ..ConnectionOptions::default()
+        };
+        let conn = Connection::start(
+            r,
+            w,
+            options,
+            Box::new(move |m| {
+                let _ = tx.send(m);
+            }),
+        );
+        (conn, theirs, rx)
+    }
+
+    /// The close the owner is told of, skipping what came before it.
+    async fn closed_cause(rx: &mut mpsc::UnboundedReceiver<Incoming>) -> CloseCause {
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), rx.recv()).await {
+                Ok(Some(Incoming::Closed(cause))) => return cause,
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the sink went away before the close"),
+                Err(_) => panic!("no close reported"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn with_peer_limits_our_close_lets_go_of_a_peer_that_keeps_sending_and_never_closes() {
+        let limits = PeerLimits {
+            max_queued_bytes: 1 << 20,
+            write_stall_timeout: Duration::from_secs(60),
+        };
+        let (conn, mut peer, _rx) = limited(1 << 16, limits);
+        conn.close(CloseCause::Local);
+        // The peer goes on sending valid frames: once our reader has let go of its input
+        // (and our writer of its output), its writes fail.
+        let note = r#"{"jsonrpc":"2.0","method":"still.here"}"#;
+        let frame = format!("Content-Length: {}\r\n\r\n{note}", note.len());
+        let sending = async {
+            loop {
+                peer.write_all(frame.as_bytes()).await?;
+                tokio::task::yield_now().await;
+            }
+        };
+        let ended: Result<std::io::Result<()>, _> =
+            tokio::time::timeout(Duration::from_secs(3), sending).await;
+        match ended {
+            Ok(Err(e)) => assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "{e}"),
+            other => panic!("the peer's input was still read after our close: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_stops_reading_closes_the_connection_once_its_backlog_is_full() {
+        let limits = PeerLimits {
+            max_queued_bytes: 8 * 1024,
+            write_stall_timeout: Duration::from_secs(600),
+        };
+        // A pipe of 1 KiB the peer never reads: the writer blocks at once, and what is
+        // sent after queues up.
+        let (conn, _peer, mut rx) = limited(1024, limits);
+        let big = "x".repeat(1024);
+        let mut sent = 0;
+        while conn.notify("n", json!({ "big": big })).is_ok() {
+            sent += 1;
+            assert!(
+                sent < 1000,
+                "every notification was queued: nothing bounds the backlog"
+            );
+        }
+        assert!(sent >= 4, "only {sent} were queued");
+        let CloseCause::Io(why) = closed_cause(&mut rx).await else {
+            panic!("not an i/o close");
+        };
+        assert!(why.contains("stopped reading"), "{why}");
+        assert!(matches!(
+            conn.notify("n", json!({})),
+            Err(RpcError::Closed { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_write_the_peer_does_not_read_within_the_stall_timeout_closes_the_connection() {
+        let limits = PeerLimits {
+            max_queued_bytes: 1 << 20,
+            write_stall_timeout: Duration::from_millis(100),
+        };
+        let (conn, _peer, mut rx) = limited(64, limits);
+        conn.notify("n", json!({ "big": "x".repeat(1024) }))
+            .expect("queued");
+        let CloseCause::Io(why) = closed_cause(&mut rx).await else {
+            panic!("not an i/o close");
+        };
+        assert!(why.contains("read nothing for 0.1 s"), "{why}");
     }
 
     async fn write_frame(peer: &mut DuplexStream, body: &str) {

@@ -10,8 +10,8 @@ pub mod messages;
 
 pub use codec::{DEFAULT_MAX_FRAME_BYTES, FrameCodec, FrameError};
 pub use connection::{
-    CloseCause, Connection, ConnectionOptions, ErrorObject, Incoming, IncomingRequest, Responder,
-    RpcError,
+    CloseCause, Connection, ConnectionOptions, ErrorObject, Incoming, IncomingRequest, PeerLimits,
+    Responder, RpcError,
 };
 pub use events::{EventKind, SessionEvent};
 pub use gate::{UnreadEvents, unread_by_the_pool};

@@ -14,7 +14,7 @@ use tokio::sync::{Semaphore, mpsc, watch};
 
 use crate::rpc::connection::{
     CloseCause, Connection, ConnectionOptions, ErrorObject, INTERNAL_ERROR, INVALID_PARAMS,
-    Incoming, IncomingRequest, METHOD_NOT_FOUND,
+    Incoming, IncomingRequest, METHOD_NOT_FOUND, PeerLimits,
 };
 
 use super::admission::{Seat, Slot};
@@ -28,6 +28,10 @@ pub const AUTHENTICATION_FAILED: i64 = -32002;
 /// The pool's code for a `connect` of an agent that holds `max_connections_per_agent`
 /// connections already (the runtime has no such limit).
 pub const TOO_MANY_CONNECTIONS: i64 = -32003;
+
+/// How long one write to a client may wait for it to read before its connection closes (as
+/// the HTTP API's event stream waits for a slow reader).
+const WRITE_STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Calls refused because they change a process that other clients share.
 const PROCESS_WIDE: &[&str] = &[
@@ -94,6 +98,13 @@ pub(super) async fn run<S>(
         // Until `connect` succeeds a client sends small frames only: one that has not
         // authenticated cannot make the reader parse megabytes.
         read_limit_until_lifted: Some(UNAUTHENTICATED_MAX_FRAME_BYTES),
+        // A client that stops reading, or never closes its side, holds no more than this:
+        // its answers and events queue up to two full frames, one write waits for it
+        // `WRITE_STALL_TIMEOUT`, and its socket is let go at our close.
+        peer_limits: Some(PeerLimits {
+            max_queued_bytes: shared.config.max_frame_bytes.saturating_mul(2),
+            write_stall_timeout: WRITE_STALL_TIMEOUT,
+        }),
         ..ConnectionOptions::default()
     };
     let sink = move |incoming: Incoming| {
