@@ -18,7 +18,7 @@ use copilot_pool::sdk_endpoint::{self, AgentTokens, SdkConfig, SdkEndpoint};
 use copilot_pool::secret::Secret;
 use serde_json::{Value, json};
 use support::pool_fixture::Fixture;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
@@ -212,6 +212,32 @@ async fn clients_that_never_authenticate_make_way_for_new_ones_and_cannot_keep_t
             .expect("a slot was free");
     }
     third.request("ping", json!({}), None).await.expect("ping");
+
+    // A client made way for is let go of even though it never closes its side: its socket
+    // is closed, so what it goes on sending fails (a reader left running would keep taking
+    // it, and the socket would outlive the connection's slot).
+    let mut silent = TcpStream::connect(addr).await.expect("connect");
+    let _newer = raw_client(addr).await;
+    let _newest = raw_client(addr).await;
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), silent.read_to_end(&mut rest))
+        .await
+        .expect("the oldest waiting client is closed")
+        .expect("read to the end");
+    let ping = r#"{"jsonrpc":"2.0","id":1,"method":"ping","params":{}}"#;
+    let frame = format!("Content-Length: {}\r\n\r\n{ping}", ping.len());
+    let sending = async {
+        loop {
+            silent.write_all(frame.as_bytes()).await?;
+            tokio::task::yield_now().await;
+        }
+    };
+    let sent: Result<std::io::Result<()>, _> =
+        tokio::time::timeout(Duration::from_secs(5), sending).await;
+    assert!(
+        matches!(sent, Ok(Err(_))),
+        "the closed client's frames were still read: {sent:?}"
+    );
     served.shut_down().await;
 }
 
