@@ -46,15 +46,16 @@ pub enum HomeError {
         /// The underlying error.
         source: io::Error,
     },
-    /// The agent's `copilot` directory (or a CLI backend's home beside it), in the pool's
-    /// layout, is a symbolic link (or not a directory). Its parent is the agent's own
-    /// directory, which the agent's worker may write: a link there would point the agent at
-    /// another agent's home, and its sandbox at that agent's directory.
+    /// The agent's `copilot` directory in the pool's layout, or a CLI backend's home (in
+    /// the agent's directory, or in an explicit `COPILOT_HOME`), is a symbolic link (or not
+    /// a directory). Its parent is the agent's own directory, which the agent's processes
+    /// may write: a link there would point the agent at another agent's home, and its
+    /// sandbox at that agent's directory.
     #[error(
-        "the agent's home directory {path:?} is a symbolic link or not a directory; in the \
-         pool's layout it must be a plain directory, and the agent's own worker may have put \
-         the link there (it could point one agent at another's home): check what it points \
-         to, then remove it so the pool makes the directory again"
+        "the agent's home directory {path:?} is a symbolic link or not a directory; it must \
+         be a plain directory, and the agent's own processes may have put the link there (it \
+         could point one agent at another's home): check what it points to, then remove it \
+         so the pool makes the directory again"
     )]
     NotPlainDirectory {
         /// The directory.
@@ -178,26 +179,27 @@ fn chosen_home(
     Ok(path)
 }
 
-/// The home of an agent's CLI backend `backend` (its `HOME`): `<parent of copilot_home>/
-/// <backend>`, beside the agent's `COPILOT_HOME` (from [`resolve_copilot_home`]), created
-/// (mode 0700) if missing. In the pool's layout (`in_layout`: no explicit `COPILOT_HOME`) its
-/// parent is the agent's own directory, which the agent's processes may write, so it must be
-/// a plain directory as the `COPILOT_HOME` must: the pool itself (unsandboxed) writes the
-/// backend's settings there and reads its transcripts, and a link would make those another
-/// agent's. Beside an explicit home, the gateway's layout, it is taken as the gateway made it,
-/// resolved once here (a link there is the gateway's own).
+/// The home of an agent's CLI backend `backend` (its `HOME`): `<agent's directory>/<backend>`,
+/// created (mode 0700) if missing. The agent's directory is where its sandbox is rooted: in
+/// the pool's layout (`in_layout`: no explicit `COPILOT_HOME`) the parent of
+/// `copilot_home` (from [`resolve_copilot_home`]), beside the `copilot` directory; with an
+/// explicit `COPILOT_HOME` the home itself, since the gateway's layout names no directory
+/// of the agent's around it (its parent, e.g. `/var/lib/gw/homes`, holds every agent's
+/// home, and a backend's home there would be shared by all of them). Either way the
+/// directory lies in one the agent's processes may write, so it must be a plain directory
+/// as the `COPILOT_HOME` must: the pool itself (unsandboxed) writes the backend's settings
+/// there and reads its transcripts, and a link would make those another agent's.
 pub fn backend_home(
     copilot_home: &Path,
     backend: &str,
     in_layout: bool,
 ) -> Result<PathBuf, HomeError> {
-    let home = copilot_home.parent().unwrap_or(copilot_home).join(backend);
-    if !in_layout {
-        // The gateway's own layout: a link it made there is followed once, here, so the
-        // pool opens files below the resolved directory without following anything
-        // (`agent_files`).
-        return Ok(std::fs::canonicalize(&home).unwrap_or(home));
-    }
+    let agent_dir = if in_layout {
+        copilot_home.parent().unwrap_or(copilot_home)
+    } else {
+        copilot_home
+    };
+    let home = agent_dir.join(backend);
     if let Err(source) = ensure_private_dir(&home) {
         // A dangling link is refused for what it is, not as a failed create.
         not_a_link(&home)?;
@@ -208,8 +210,8 @@ pub fn backend_home(
 
 /// The home [`backend_home`] gives `agent_id`'s CLI backend `backend` (its `COPILOT_HOME`
 /// chosen as [`resolve_copilot_home`] chooses it), found without creating anything:
-/// `Ok(None)` when it does not exist. The same rule: in the pool's layout it must be a plain
-/// directory. For a deletion, which must leave nothing behind.
+/// `Ok(None)` when it does not exist. The same rule: it must be a plain directory. For a
+/// deletion, which must leave nothing behind.
 pub fn find_backend_home(
     explicit: Option<&Path>,
     agent_dir: Option<&Path>,
@@ -218,16 +220,10 @@ pub fn find_backend_home(
     backend: &str,
 ) -> Result<Option<PathBuf>, HomeError> {
     let path = chosen_home(explicit, agent_dir, base, agent_id)?;
-    // The directory the backend's home sits in, as a lease resolves it: the explicit home's
-    // parent (`/` for `/`; a missing home would be made in its parent), or the agent's.
+    // The directory the backend's home sits in, as a lease resolves it: the explicit home
+    // itself (resolved), or the agent's directory around its `copilot`.
     let above = match explicit {
-        Some(_) => match std::fs::canonicalize(&path) {
-            Ok(home) => Ok(home.parent().unwrap_or(&home).to_path_buf()),
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                path.parent().map_or(Err(err), std::fs::canonicalize)
-            }
-            Err(err) => Err(err),
-        },
+        Some(_) => std::fs::canonicalize(&path),
         None => path
             .parent()
             .map_or_else(|| Ok(path.clone()), std::fs::canonicalize),
@@ -241,7 +237,6 @@ pub fn find_backend_home(
     match std::fs::symlink_metadata(&home) {
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(HomeError::Create { path: home, source }),
-        Ok(_) if explicit.is_some() => Ok(Some(std::fs::canonicalize(&home).unwrap_or(home))),
         Ok(meta) if meta.is_dir() => Ok(Some(home)),
         Ok(_) => Err(HomeError::NotPlainDirectory { path: home }),
     }
@@ -318,6 +313,18 @@ pub(crate) fn ensure_private_dir(path: &Path) -> io::Result<()> {
         }
         Err(err) => Err(err),
     }
+}
+
+/// [`ensure_private_dir`] for each of `dirs` in turn, off the async threads; the first that
+/// fails is returned with its error.
+pub(crate) async fn ensure_private_dirs(dirs: Vec<PathBuf>) -> Result<(), (PathBuf, io::Error)> {
+    let first = dirs.first().cloned().unwrap_or_default();
+    tokio::task::spawn_blocking(move || {
+        dirs.iter()
+            .try_for_each(|dir| ensure_private_dir(dir).map_err(|error| (dir.clone(), error)))
+    })
+    .await
+    .unwrap_or_else(|e| Err((first, io::Error::other(e.to_string()))))
 }
 
 #[cfg(test)]
@@ -484,18 +491,60 @@ mod tests {
             );
             let home = resolve_copilot_home(explicit, agent_dir, &base, "agent-x").unwrap();
             let made = backend_home(&home, "codex-cli", explicit.is_none()).unwrap();
-            std::fs::create_dir_all(&made).unwrap();
+            assert!(made.is_dir());
             assert_eq!(
                 find().unwrap(),
                 Some(made.clone()),
                 "{explicit:?} {agent_dir:?}"
             );
-            // An explicit home removed since: its backend's home is still found beside it.
+            // An explicit home removed since: nothing of its backend's is left to find.
             if let Some(explicit) = explicit {
-                std::fs::remove_dir(explicit).unwrap();
-                assert_eq!(find().unwrap(), Some(made));
+                std::fs::remove_dir_all(explicit).unwrap();
+                assert_eq!(find().unwrap(), None);
             }
         }
+    }
+
+    #[test]
+    fn agents_with_explicit_sibling_homes_get_cli_backend_homes_of_their_own() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().canonicalize().unwrap();
+        let homes = base.join("gw/homes");
+        // A gateway's layout: one explicit COPILOT_HOME per agent, side by side; one agent
+        // named as a backend is.
+        let resolve = |agent: &str| {
+            let explicit = homes.join(agent);
+            resolve_copilot_home(Some(&explicit), None, &base, agent).unwrap()
+        };
+        let (a, b, named) = (resolve("a"), resolve("b"), resolve("claude-cli"));
+        let of_a = backend_home(&a, "claude-cli", false).unwrap();
+        let of_b = backend_home(&b, "claude-cli", false).unwrap();
+        let of_named = backend_home(&named, "claude-cli", false).unwrap();
+        assert_ne!(of_a, of_b);
+        for (mine, own_home, others) in [
+            (&of_a, &a, [&b, &named]),
+            (&of_b, &b, [&a, &named]),
+            (&of_named, &named, [&a, &b]),
+        ] {
+            // Inside the agent's own home (its sandbox root), so no other agent reaches it.
+            assert!(mine.starts_with(own_home), "{mine:?} in {own_home:?}");
+            for other in others {
+                assert!(!mine.starts_with(other), "{mine:?} under {other:?}");
+                assert!(!other.starts_with(mine), "{other:?} under {mine:?}");
+            }
+            assert_eq!(mode(mine), 0o700);
+        }
+        // Found again for a deletion where a lease made it.
+        let found = find_backend_home(Some(&homes.join("a")), None, &base, "a", "claude-cli");
+        assert_eq!(found.unwrap(), Some(of_a.clone()));
+        // The agent's own processes may write its explicit home: a link put in place of the
+        // backend's home (to another agent's) is refused, as in the pool's layout.
+        std::fs::remove_dir(&of_a).unwrap();
+        std::os::unix::fs::symlink(&of_b, &of_a).unwrap();
+        let err = backend_home(&a, "claude-cli", false).unwrap_err();
+        assert!(matches!(err, HomeError::NotPlainDirectory { .. }), "{err}");
+        let found = find_backend_home(Some(&homes.join("a")), None, &base, "a", "claude-cli");
+        assert!(matches!(found, Err(HomeError::NotPlainDirectory { .. })));
     }
 
     #[test]
@@ -533,9 +582,6 @@ mod tests {
         let err = backend_home(&mine, "gemini-cli", true).unwrap_err();
         assert!(matches!(err, HomeError::NotPlainDirectory { .. }), "{err}");
         assert!(err.to_string().contains("remove it"), "{err}");
-        // Beside an explicit COPILOT_HOME the layout is the gateway's: a link it made is
-        // followed once, there, and the resolved directory is the backend's home.
-        assert_eq!(backend_home(&mine, "gemini-cli", false).unwrap(), theirs);
         // Found for a deletion without making anything; the link refused there too.
         let find =
             |agent: &str, backend: &str| find_backend_home(None, None, &base, agent, backend);

@@ -289,16 +289,34 @@ impl Sandbox {
     /// `path_var` when it is a bare name, the install roots of [`cli_install_roots`] added to
     /// what may be read and executed, and `ports` (the model endpoint's, a loopback MCP
     /// bridge's) to what TCP may connect to (an unrestricted sandbox stays unrestricted).
+    ///
+    /// `configured` are the backend's argument lists as its configuration writes them (its
+    /// `args` and `resumeArgs`, placeholders not filled in). The first of `args` is taken as
+    /// a script the program runs (`node <bundle.js>`), and its install root granted, only
+    /// when it is the first of one of these lists as written: an argument filled in from a
+    /// caller's prompt, model or a session id (`{prompt}` first) names no script, so a
+    /// prompt that is a path grants nothing.
     pub fn cli_command(
         &self,
         program: &Path,
         args: &[OsString],
+        configured: &[&[String]],
         path_var: Option<&OsStr>,
         ports: &[u16],
     ) -> (PathBuf, Vec<OsString>) {
         let mut sandbox = self.clone();
         let program = resolve_program(program, path_var);
-        for root in cli_install_roots(&program, args, path_var) {
+        let script = match args.first() {
+            Some(first)
+                if configured
+                    .iter()
+                    .any(|list| list.first().is_some_and(|arg| OsStr::new(arg) == first)) =>
+            {
+                &args[..1]
+            }
+            _ => &[],
+        };
+        for root in cli_install_roots(&program, script, path_var) {
             if !sandbox.read_exec.contains(&root) {
                 sandbox.read_exec.push(root);
             }
@@ -344,7 +362,10 @@ fn resolve_program(program: &Path, path_var: Option<&OsStr>) -> PathBuf {
 /// What a CLI process must read and execute beyond the system directories: the program's
 /// install root ([`install_root`]); for a `#!` script (an npm `.bin` launcher), its
 /// interpreter's (`#!/usr/bin/env node` resolved on `path_var`); for an interpreter given a
-/// script as its first argument (`node <bundle/gemini.js>`), the script's.
+/// script as its first argument (`node <bundle/gemini.js>`), the script's. `args` must be
+/// arguments as configured, never ones filled in from a request (see
+/// [`Sandbox::cli_command`]): their first, when it is an existing file, has its install root
+/// granted.
 pub fn cli_install_roots(
     program: &Path,
     args: &[OsString],
@@ -636,9 +657,11 @@ mod tests {
             Some(vec![41234]),
             "443 is the runtime's, not a CLI's"
         );
+        let configured = [launcher.display().to_string()];
         let (program, argv) = s.cli_command(
             Path::new("mynode"),
             &[launcher.clone().into()],
+            &[&configured],
             Some(&path_var),
             &[5555, 7878],
         );
@@ -667,6 +690,47 @@ mod tests {
         }
         let tail = &argv[argv.iter().position(|a| a == "--").unwrap() + 1..];
         assert_eq!(tail, [node.to_str().unwrap(), launcher.to_str().unwrap()]);
+    }
+
+    #[test]
+    fn a_prompt_or_model_that_names_another_agents_file_grants_nothing_to_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let bob = dir.path().join("agents/bob");
+        std::fs::create_dir_all(bob.join("claude-cli")).unwrap();
+        std::fs::create_dir_all(bob.join("node_modules/x")).unwrap();
+        let credentials = bob.join("claude-cli/.claude.json");
+        let module = bob.join("node_modules/x/index.js");
+        for file in [&credentials, &module] {
+            std::fs::write(file, "{}").unwrap();
+        }
+        let agent = dir.path().join("agents/alice");
+        let s = sandbox().for_cli_agent(&agent, &[443]).unwrap();
+        let exec_of = |args: &[OsString], configured: &[&[String]]| -> Vec<String> {
+            let (_, argv) = s.cli_command(Path::new("/bin/sh"), args, configured, None, &[]);
+            argv.windows(2)
+                .filter(|w| w[0] == "--rx")
+                .map(|w| w[1].to_string_lossy().into_owned())
+                .collect()
+        };
+        let plain = exec_of(&[], &[]);
+        // A generic backend whose `args` start with `{prompt}` or `{model}`: the caller's
+        // text is argv[0], and names a file of bob's (or a module in his directory).
+        let prompt_first = [crate::backend::PROMPT_PLACEHOLDER.to_owned()];
+        let model_first = [
+            crate::backend::MODEL_PLACEHOLDER.to_owned(),
+            "-p".to_owned(),
+        ];
+        for path in [&credentials, &module] {
+            for configured in [&prompt_first[..], &model_first[..]] {
+                let exec = exec_of(&[path.into()], &[configured, &[]]);
+                assert_eq!(exec, plain, "{path:?} as {configured:?}");
+                assert!(!exec.iter().any(|p| Path::new(p).starts_with(&bob)));
+            }
+        }
+        // The same file written first in the configuration is a script the program runs.
+        let written = [module.display().to_string(), "{prompt}".to_owned()];
+        let exec = exec_of(&[module.clone().into()], &[&prompt_first, &written]);
+        assert!(exec.contains(&bob.display().to_string()), "{exec:?}");
     }
 
     #[test]

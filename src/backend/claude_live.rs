@@ -428,14 +428,17 @@ impl ClaudeLive {
         let config = &self.config;
         let claude_dir = config.home.join(".claude");
         let tmp_dir = config.home.join("tmp");
-        for dir in [&config.home, &claude_dir, &tmp_dir, &config.cwd] {
-            tokio::fs::create_dir_all(dir)
-                .await
-                .map_err(|error| ClaudeLiveError::Home {
-                    path: dir.clone(),
-                    error,
-                })?;
-        }
+        // Private (0700, whatever the umask): Claude keeps its transcripts and credentials
+        // there.
+        let dirs = vec![
+            config.home.clone(),
+            claude_dir.clone(),
+            tmp_dir.clone(),
+            config.cwd.clone(),
+        ];
+        crate::home::ensure_private_dirs(dirs)
+            .await
+            .map_err(|(path, error)| ClaudeLiveError::Home { path, error })?;
         let backend = &config.backend;
         let mut args = backend.argv(self.session_id.as_deref(), config.model.as_deref());
         let first = self.session_id.is_none();
@@ -526,7 +529,15 @@ impl ClaudeLive {
         let program = PathBuf::from(&backend.command);
         let (program, args) = match &config.sandbox {
             Some(sandbox) => {
-                sandbox.cli_command(&program, &args, config.path_var.as_deref(), &ports)
+                // Only a script the configuration names is granted, never a filled-in model.
+                let resume = backend.resume_args.as_deref().unwrap_or_default();
+                sandbox.cli_command(
+                    &program,
+                    &args,
+                    &[&backend.args, resume],
+                    config.path_var.as_deref(),
+                    &ports,
+                )
             }
             None => (program, args),
         };
@@ -1098,6 +1109,30 @@ mod tests {
         assert!(args.contains("--permission-mode\nacceptEdits\n"), "{args}");
         assert_eq!(args.matches("--permission-mode").count(), 1, "{args}");
         assert!(!args.contains("--effort"), "no effort, no flag: {args}");
+    }
+
+    #[tokio::test]
+    async fn a_process_started_in_a_fresh_home_finds_its_directories_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().join("agent/claude-cli");
+        let work = dir.path().join("agent/work");
+        let mut config = ClaudeLiveConfig::new("/bin/sh", &home, &work);
+        config.backend.args = vec!["-c".into(), "exit 0".into()];
+        config.backend.resume_args = None;
+        config.backend.session_mode = crate::backend::SessionMode::None;
+        let mut live = ClaudeLive::new(config).unwrap();
+        launch(&mut live, &home).await;
+        for made in [
+            dir.path().join("agent"),
+            home.clone(),
+            home.join(".claude"),
+            home.join("tmp"),
+            work,
+        ] {
+            let mode = std::fs::metadata(&made).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o700, "{made:?}");
+        }
     }
 
     #[test]

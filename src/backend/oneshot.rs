@@ -707,14 +707,11 @@ impl Oneshot {
         if config.dialect == Dialect::Codex {
             dirs.push(config.home.join(".codex"));
         }
-        for dir in &dirs {
-            tokio::fs::create_dir_all(dir)
-                .await
-                .map_err(|error| OneshotError::Home {
-                    path: dir.clone(),
-                    error,
-                })?;
-        }
+        // Private (0700, whatever the umask): the CLI keeps its transcripts and
+        // credentials there.
+        crate::home::ensure_private_dirs(dirs)
+            .await
+            .map_err(|(path, error)| OneshotError::Home { path, error })?;
         if config.dialect == Dialect::Gemini && config.backend.image_arg.is_none() {
             if !images.is_empty() && config.sandbox.is_some() {
                 return Err(ImageError::GeminiSandboxed.into());
@@ -771,9 +768,13 @@ impl Oneshot {
             );
         }
         if let Some(sandbox) = &self.config.sandbox {
+            // Only a script the configuration names is granted, never a filled-in prompt.
+            let backend = &self.config.backend;
+            let resume = backend.resume_args.as_deref().unwrap_or_default();
             let (program, args) = sandbox.cli_command(
                 &spec.program,
                 &spec.args,
+                &[&backend.args, resume],
                 self.config.path_var.as_deref(),
                 &ports,
             );
@@ -1944,6 +1945,82 @@ mod tests {
         .expect("the turn ended")
         .expect("the turn started");
         (outcome, events)
+    }
+
+    fn mode(path: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[tokio::test]
+    async fn a_run_in_a_fresh_home_makes_its_directories_private() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut oneshot = Oneshot::new(sh_config(dir.path(), "exit 0")).unwrap();
+        let _ = oneshot.run("hello", |_| {}).await;
+        let home = dir.path().join("home");
+        for made in [home.clone(), home.join("tmp"), dir.path().join("work")] {
+            assert_eq!(mode(&made), 0o700, "{made:?}");
+        }
+        // Codex's own home too (its CLI is missing here: the run fails after them).
+        let dir = tempfile::tempdir().unwrap();
+        let _ = codex(dir.path()).run("hello", |_| {}).await;
+        let home = dir.path().join("home");
+        for made in [home.clone(), home.join("tmp"), home.join(".codex")] {
+            assert_eq!(mode(&made), 0o700, "{made:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_prompt_that_names_another_agents_file_is_not_granted_by_the_sandbox() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let bob = root.join("agents/bob/claude-cli");
+        std::fs::create_dir_all(&bob).unwrap();
+        let credentials = bob.join(".claude.json");
+        std::fs::write(&credentials, "{}").unwrap();
+        // A wrapper that records the rules it is given, and runs nothing.
+        let rules = root.join("rules.txt");
+        let wrapper = crate::sandbox::Sandbox::new(
+            "/bin/sh".into(),
+            vec![
+                "-c".into(),
+                format!(r#"printf '%s\n' "$@" > '{}'"#, rules.display()).into(),
+                "sh".into(),
+            ],
+        );
+        let alice = root.join("agents/alice");
+        // A generic backend whose `args` start with the prompt.
+        let mut backend = CliBackendConfig::new("/bin/echo");
+        backend.args = vec![crate::backend::PROMPT_PLACEHOLDER.into()];
+        backend.output = OutputFormat::Text;
+        backend.session_mode = SessionMode::None;
+        let mut config = OneshotConfig::new(
+            "generic",
+            backend,
+            alice.join("generic"),
+            alice.join("work"),
+        );
+        config.path_var = Some("/usr/bin:/bin".into());
+        config.sandbox = Some(wrapper.for_cli_agent(&alice, &[443]).unwrap());
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let _ = oneshot.run(credentials.to_str().unwrap(), |_| {}).await;
+        let rules = std::fs::read_to_string(&rules).unwrap();
+        let lines: Vec<&str> = rules.lines().collect();
+        let granted: Vec<&str> = lines
+            .windows(2)
+            .filter(|w| ["--rx", "--ro", "--rw"].contains(&w[0]))
+            .map(|w| w[1])
+            .collect();
+        assert!(
+            lines.contains(&credentials.to_str().unwrap()),
+            "the prompt is the argument: {rules}"
+        );
+        assert!(
+            granted
+                .iter()
+                .all(|p| !Path::new(p).starts_with(root.join("agents/bob"))),
+            "{granted:?}"
+        );
     }
 
     #[test]
