@@ -340,7 +340,12 @@ async fn connect_ping_and_status_answer_protocol_3_and_the_pools_version() {
 #[tokio::test]
 async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
     let fx = Fixture::new().await;
-    let served = Served::start(&fx).await;
+    let allowed = fx.scratch.path().join("repos/project");
+    std::fs::create_dir_all(&allowed).expect("repos");
+    let roots = vec![fx.scratch.path().join("repos")];
+    let served =
+        Served::start_with_endpoint(&fx, |_| {}, move |config| config.allowed_work_roots = roots)
+            .await;
     let conn = raw_client(served.addr).await;
     conn.request("connect", json!({"token": "token-a"}), None)
         .await
@@ -356,6 +361,7 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         ("copilotUrl", json!("https://10.0.0.7")),
         ("hasBearerTokenProvider", json!(true)),
         ("configDir", json!("/tmp")),
+        ("gitHubTokenProviderRegistrationId", json!("registration-1")),
     ] {
         let mut params = create_params(&fx, "guarded-1");
         params[field] = value;
@@ -374,13 +380,63 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
             && refused.message.contains("allow_local_mcp_servers"),
         "{refused:?}"
     );
+    // Directories outside the agent's work directory and the allowed roots are refused, as
+    // over HTTP (another agent's directory among them: `..` and symlinks resolved first).
+    let another_agents = fx.scratch.path().join("agents/agents/agent-b");
+    for (field, value) in [
+        ("workingDirectory", json!("/")),
+        (
+            "workingDirectory",
+            json!(
+                allowed
+                    .join("../../agents/agents/agent-b")
+                    .display()
+                    .to_string()
+            ),
+        ),
+        (
+            "additionalDirectories",
+            json!([allowed.display().to_string(), "/etc"]),
+        ),
+        (
+            "skillDirectories",
+            json!([another_agents.display().to_string()]),
+        ),
+        ("instructionDirectories", json!(["/root"])),
+    ] {
+        let mut params = create_params(&fx, "guarded-1");
+        params[field] = value;
+        let refused = remote_error(conn.request("session.create", params, None).await);
+        assert!(
+            refused.message.contains(field) && refused.message.contains("allowed_work_roots"),
+            "{field}: {refused:?}"
+        );
+    }
     assert!(
         pool_processes(&served).await == 0,
         "a refused create starts nothing"
     );
-    conn.request("session.create", create_params(&fx, "guarded-1"), None)
+    // One inside an allowed root is taken.
+    let mut params = create_params(&fx, "guarded-1");
+    params["workingDirectory"] = json!(allowed.display().to_string());
+    params["additionalDirectories"] = json!([allowed.display().to_string()]);
+    conn.request("session.create", params, None)
         .await
         .expect("create");
+    // Moving the session's directory out afterwards is refused too.
+    let refused = remote_error(
+        conn.request(
+            "session.options.update",
+            json!({"sessionId": "guarded-1", "workingDirectory": "/"}),
+            None,
+        )
+        .await,
+    );
+    assert!(
+        refused.message.contains("workingDirectory")
+            && refused.message.contains("allowed_work_roots"),
+        "{refused:?}"
+    );
     // Changing the session's provider or endpoint afterwards is refused too.
     for (method, params) in [
         (

@@ -374,7 +374,10 @@ impl Client {
                 ),
             ));
         }
-        let spec = SessionSpec::from_params(params)?;
+        let agent = self.agent().unwrap_or_default().to_owned();
+        let params =
+            session::confine_directories(&self.shared, &agent, method, params.clone()).await?;
+        let spec = SessionSpec::from_params(&params)?;
         if !self.shared.config.allow_local_mcp_servers
             && let Some(field) = params.as_object().and_then(|p| {
                 crate::session_options::local_mcp_servers(p)
@@ -391,7 +394,6 @@ impl Client {
             ));
         }
         let id = spec.id.to_string();
-        let agent = self.agent().unwrap_or_default().to_owned();
         let conversation = session::conversation(&agent, &id).key();
         if !self.shared.claim(&conversation, self.id) {
             return Err(ErrorObject::new(
@@ -513,6 +515,12 @@ impl Client {
             "session.tools.handlePendingToolCall" => session.answer_tool(&params).await,
             "session.permissions.handlePendingPermissionRequest" => {
                 session.answer_permission(&params).await
+            }
+            "session.options.update" => {
+                let agent = self.agent().unwrap_or_default();
+                let params =
+                    session::confine_directories(&self.shared, agent, method, params).await?;
+                session.call(method, params).await
             }
             _ => session.call(method, params).await,
         }

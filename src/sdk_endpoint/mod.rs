@@ -93,6 +93,11 @@ pub struct SdkConfig {
     /// Sessions may start MCP servers that run local commands (default false; the daemon's
     /// `allow_local_mcp_servers`, as for the HTTP API).
     pub allow_local_mcp_servers: bool,
+    /// Directories besides the agent's own work directory that a session's directories
+    /// (`workingDirectory`, `additionalDirectories`, skill, plugin and instruction
+    /// directories) may lie in (default none; the daemon's `allowed_work_roots`, as for the
+    /// HTTP API). Absolute paths.
+    pub allowed_work_roots: Vec<std::path::PathBuf>,
 }
 
 impl SdkConfig {
@@ -113,6 +118,7 @@ impl SdkConfig {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             allow_logged_in_user: false,
             allow_local_mcp_servers: false,
+            allowed_work_roots: Vec::new(),
         }
     }
 }

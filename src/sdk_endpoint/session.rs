@@ -5,7 +5,7 @@
 //! next call resumes the session on a fresh process) or the client goes away (the turn is
 //! aborted and settled, the session parked).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -108,7 +108,100 @@ pub(super) const SDK_REFUSED_FIELDS: &[&str] = &[
     "copilotUrl",
     "hasBearerTokenProvider",
     "configDir",
+    // A GitHub identity the runtime would ask the client for, which the pool's process key
+    // would not know (a session's own identity is its `gitHubToken`).
+    "gitHubTokenProviderRegistrationId",
 ];
+
+/// What to do instead of setting one of [`SDK_REFUSED_FIELDS`].
+fn refused_because(field: &str) -> &'static str {
+    match field {
+        "configDir" => "every agent has its own COPILOT_HOME, chosen by the pool",
+        "gitHubTokenProviderRegistrationId" => {
+            "give the session its own GitHub identity with `gitHubToken` (the pool runs it on \
+             processes of that token)"
+        }
+        _ => {
+            "give the session one `provider`, which the pool serves through its guarded model \
+             path"
+        }
+    }
+}
+
+/// Session fields naming one directory the runtime works in or reads.
+const DIRECTORY_FIELDS: &[&str] = &["workingDirectory"];
+
+/// Session fields naming directories the runtime reads.
+const DIRECTORY_LIST_FIELDS: &[&str] = &[
+    "additionalDirectories",
+    "skillDirectories",
+    "pluginDirectories",
+    "instructionDirectories",
+];
+
+/// The directories a `session.create`, `session.resume` or `session.options.update` names,
+/// confined as the HTTP API confines a conversation's: inside the agent's work directory or
+/// one of [`SdkConfig::allowed_work_roots`](super::SdkConfig::allowed_work_roots) (symlinks
+/// and `..` resolved), and passed on as resolved. Without a sandbox nothing else would keep
+/// one agent's session out of another agent's directory.
+pub(super) async fn confine_directories(
+    shared: &Shared,
+    agent: &str,
+    method: &str,
+    mut params: Value,
+) -> Result<Value, CallError> {
+    let named = |name: &&str| params.get(*name).is_some_and(|v| !v.is_null());
+    if !DIRECTORY_FIELDS
+        .iter()
+        .chain(DIRECTORY_LIST_FIELDS)
+        .any(named)
+    {
+        return Ok(params);
+    }
+    let work = crate::home::work_dir(&shared.pool.config().agents_base_dir, agent)
+        .map_err(|e| pool_error(method, &PoolError::from(e)))?;
+    let mut roots = vec![work];
+    roots.extend(shared.config.allowed_work_roots.iter().cloned());
+    let method_name = method.to_owned();
+    // Resolving paths is file work: off the async threads.
+    tokio::task::spawn_blocking(move || {
+        let bad = |message: String| ErrorObject::new(INVALID_PARAMS, message);
+        let Some(map) = params.as_object_mut() else {
+            return Err(bad("params must be an object".to_owned()));
+        };
+        let confined = |field: &str, dir: &Value| -> Result<Value, CallError> {
+            let Some(dir) = dir.as_str() else {
+                return Err(bad(format!("{field} must be a string")));
+            };
+            crate::confine::confine(field, Path::new(dir), &roots)
+                .map(|path| Value::String(path.to_string_lossy().into_owned()))
+                .map_err(|e| bad(format!("Request {method_name} failed with message: {e}")))
+        };
+        for field in DIRECTORY_FIELDS {
+            if let Some(dir) = map.get(*field).filter(|v| !v.is_null()) {
+                let resolved = confined(field, dir)?;
+                map.insert((*field).to_owned(), resolved);
+            }
+        }
+        for field in DIRECTORY_LIST_FIELDS {
+            let Some(dirs) = map.get(*field).filter(|v| !v.is_null()) else {
+                continue;
+            };
+            let Some(dirs) = dirs.as_array() else {
+                return Err(bad(format!("{field} must be an array of directories")));
+            };
+            let resolved = dirs
+                .iter()
+                .enumerate()
+                .map(|(i, dir)| confined(&format!("{field}.{i}"), dir))
+                .collect::<Result<Vec<_>, _>>()?;
+            map.insert((*field).to_owned(), Value::Array(resolved));
+        }
+        Ok(params)
+    })
+    .await
+    .map_err(|e| pool_error(method, &PoolError::Internal(e.to_string())))?
+}
 
 /// `session.create`/`session.resume` params.
 #[derive(Clone, Debug)]
@@ -140,7 +233,8 @@ impl SessionSpec {
             return Err(ErrorObject::new(
                 INVALID_PARAMS,
                 format!(
-                    "{field} is not accepted through copilot-pool: give the session one                      `provider`, which the pool serves through its guarded model path"
+                    "{field} is not accepted through copilot-pool: {}",
+                    refused_because(field)
                 ),
             ));
         }
@@ -845,6 +939,13 @@ fn refuse_unguarded_call(method: &str, params: &Value) -> Result<(), CallError> 
         _ => None,
     };
     match refused {
+        Some(field @ ("configDir" | "gitHubTokenProviderRegistrationId")) => Err(ErrorObject::new(
+            INVALID_PARAMS,
+            format!(
+                "{method} with {field} is not accepted through copilot-pool: {}",
+                refused_because(field)
+            ),
+        )),
         Some(field) => Err(ErrorObject::new(
             INVALID_PARAMS,
             format!(

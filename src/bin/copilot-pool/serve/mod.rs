@@ -227,6 +227,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             sdk_config.max_connections_per_agent = config.sdk.max_connections_per_agent;
             sdk_config.allow_logged_in_user = config.auth.allow_logged_in_user;
             sdk_config.allow_local_mcp_servers = config.allow_local_mcp_servers;
+            sdk_config.allowed_work_roots = config.allowed_work_roots.clone();
             let endpoint = SdkEndpoint::new(pool.clone(), sdk_config);
             servers.push(serve_sdk(&endpoint, listener, stopped(stop_rx.clone())));
             Some(endpoint)
