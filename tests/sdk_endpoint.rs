@@ -986,6 +986,124 @@ async fn a_client_that_leaves_mid_turn_has_its_turn_aborted_and_the_agent_resume
     served.shut_down().await;
 }
 
+/// Writes one JSON-RPC frame on a raw stream.
+async fn write_raw_frame(stream: &mut TcpStream, message: &Value) {
+    let body = message.to_string();
+    let frame = format!("Content-Length: {}\r\n\r\n{body}", body.len());
+    stream.write_all(frame.as_bytes()).await.expect("write");
+}
+
+/// Reads one JSON-RPC frame from a raw stream.
+async fn read_raw_frame(stream: &mut TcpStream) -> Value {
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        head.push(stream.read_u8().await.expect("a frame header"));
+    }
+    let head = String::from_utf8(head).expect("ASCII header");
+    let length: usize = head
+        .trim()
+        .strip_prefix("Content-Length: ")
+        .and_then(|n| n.parse().ok())
+        .expect("Content-Length");
+    let mut body = vec![0; length];
+    stream.read_exact(&mut body).await.expect("a frame body");
+    serde_json::from_slice(&body).expect("JSON")
+}
+
+/// Polls `check` (each an RPC round trip) until it holds, for at most 10 s.
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !check().await {
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::task::yield_now().await;
+    }
+}
+
+// One thread: the endpoint reads the call and the client's end together, and runs the
+// client's close before the call's handler (as a busy endpoint may).
+#[tokio::test]
+async fn a_session_opened_as_its_client_leaves_is_not_left_held_by_the_gone_connection() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let (second, _second_events) = connected(served.addr, "token-a").await;
+    for round in 0..3 {
+        // The create and the client's end reach the endpoint together (one thread: it reads
+        // both before the create's handler runs, and closes the client first).
+        let mut first = TcpStream::connect(served.addr).await.expect("connect");
+        write_raw_frame(&mut first, &json!({"jsonrpc": "2.0", "id": 1, "method": "connect", "params": {"token": "token-a"}})).await;
+        let answer = read_raw_frame(&mut first).await;
+        assert_eq!(answer["result"]["ok"], true, "{answer}");
+        let id = format!("leaving-{round}");
+        let create = json!({"jsonrpc": "2.0", "id": 2, "method": "session.create", "params": create_params(&fx, &id)});
+        write_raw_frame(&mut first, &create).await;
+        first.shutdown().await.expect("shutdown");
+        let mut rest = Vec::new();
+        let _ = first.read_to_end(&mut rest).await;
+        // Another connection of the agent may then take the session (deleting it here):
+        // the gone connection holds nothing.
+        eventually(
+            &format!("{id} stays held by the connection that left"),
+            || async {
+                match second
+                    .request("session.delete", json!({"sessionId": id}), None)
+                    .await
+                {
+                    Err(RpcError::Remote { error, .. }) => {
+                        !error.message.contains("another connection")
+                    }
+                    _ => true,
+                }
+            },
+        )
+        .await;
+    }
+    served.shut_down().await;
+}
+
+// One thread: the endpoint reads the call and the client's end together, and runs the
+// client's close before the call's handler (as a busy endpoint may).
+#[tokio::test]
+async fn a_turn_sent_as_its_client_leaves_does_not_run_on_with_nobody_to_stop_it() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let (first, _events) = connected(served.addr, "token-a").await;
+    first
+        .request("session.create", create_params(&fx, "orphan"), None)
+        .await
+        .expect("create");
+    // A slow turn (30 s) sent, and the client gone right behind it.
+    let send = tokio::spawn({
+        let first = first.clone();
+        async move {
+            first
+                .request(
+                    "session.send",
+                    json!({"sessionId": "orphan", "prompt": "SCENARIO:slow SLOW=300x100"}),
+                    None,
+                )
+                .await
+        }
+    });
+    tokio::task::yield_now().await;
+    first.close(copilot_pool::rpc::CloseCause::Local);
+    drop(first);
+    let _ = send.await;
+    // Its lease comes back within the abort's settling, not when the 30 s turn ends.
+    eventually(
+        "the turn of the client that left still holds its lease",
+        || async {
+            let status = served.pool.status().await.expect("status");
+            status.leased == 0 && served.endpoint.running_turns() == 0
+        },
+    )
+    .await;
+    served.shut_down().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_naming_no_session_are_answered_by_a_process_of_the_agent_before_any_session() {
     let fx = Fixture::new().await;

@@ -6,6 +6,7 @@
 //! refused. When the client goes, its turns are aborted and its sessions let go.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::{Value, json};
@@ -75,6 +76,9 @@ struct Client {
     seat: Mutex<Option<Seat>>,
     /// Sessions opened on this connection, by SDK session id.
     sessions: Mutex<HashMap<String, Arc<SdkSession>>>,
+    /// Set, under the `sessions` lock, when the client is gone: an open still running then
+    /// takes no session (its claim would never be released).
+    gone: AtomicBool,
     /// The session used last, whose process answers calls that name no session.
     last: Mutex<Option<String>>,
 }
@@ -121,6 +125,7 @@ pub(super) async fn run<S>(
         waiting: Mutex::new(Some(slot)),
         seat: Mutex::new(None),
         sessions: Mutex::new(HashMap::new()),
+        gone: AtomicBool::new(false),
         last: Mutex::new(None),
     });
     let in_flight = Arc::new(Semaphore::new(shared.config.max_requests_per_connection));
@@ -395,32 +400,48 @@ impl Client {
         }
         let id = spec.id.to_string();
         let conversation = session::conversation(&agent, &id).key();
-        if !self.shared.claim(&conversation, self.id) {
-            return Err(ErrorObject::new(
-                INTERNAL_ERROR,
-                format!(
-                    "Request {method} failed with message: session {id} is open on another \
-                     connection of this agent; disconnect it there first"
-                ),
-            ));
-        }
-        let existing = self.session(&id);
-        let fresh = existing.is_none();
-        let sdk_session = match existing {
-            Some(held) => {
-                held.set_spec(spec);
-                held
+        // The claim and the session's place on this connection are taken together, under
+        // the lock the client's close takes: a close either finds the session (and lets it
+        // go) or comes first (and no claim is taken).
+        let (sdk_session, fresh) = {
+            let Ok(mut sessions) = self.sessions.lock() else {
+                return Err(ErrorObject::new(
+                    INTERNAL_ERROR,
+                    "connection state poisoned",
+                ));
+            };
+            if self.gone.load(Ordering::SeqCst) {
+                return Err(ErrorObject::new(
+                    INTERNAL_ERROR,
+                    format!("Request {method} failed with message: the connection is closing"),
+                ));
             }
-            None => Arc::new(SdkSession::new(
-                self.shared.clone(),
-                agent,
-                spec,
-                self.conn.clone(),
-            )),
+            if !self.shared.claim(&conversation, self.id) {
+                return Err(ErrorObject::new(
+                    INTERNAL_ERROR,
+                    format!(
+                        "Request {method} failed with message: session {id} is open on another \
+                         connection of this agent; disconnect it there first"
+                    ),
+                ));
+            }
+            match sessions.get(&id) {
+                Some(held) => {
+                    held.set_spec(spec);
+                    (held.clone(), false)
+                }
+                None => {
+                    let created = Arc::new(SdkSession::new(
+                        self.shared.clone(),
+                        agent,
+                        spec,
+                        self.conn.clone(),
+                    ));
+                    sessions.insert(id.clone(), created.clone());
+                    (created, true)
+                }
+            }
         };
-        if fresh && let Ok(mut sessions) = self.sessions.lock() {
-            sessions.insert(id.clone(), sdk_session.clone());
-        }
         match sdk_session.open(method, resume).await {
             Ok(answer) => {
                 self.touch(&id);
@@ -570,7 +591,10 @@ impl Client {
         let sessions: Vec<(String, Arc<SdkSession>)> = self
             .sessions
             .lock()
-            .map(|mut s| s.drain().collect())
+            .map(|mut s| {
+                self.gone.store(true, Ordering::SeqCst);
+                s.drain().collect()
+            })
             .unwrap_or_default();
         for (_, session) in &sessions {
             self.shared.release(&session.conversation().key(), self.id);

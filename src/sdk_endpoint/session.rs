@@ -363,6 +363,10 @@ pub(super) struct SdkSession {
     /// The client's connection: events and server requests go there, and only there.
     client: Connection,
     turn: Mutex<Option<RunningTurn>>,
+    /// Set, under the `turn` lock, once the session's turns were stopped for good (its
+    /// client left, it was detached or deleted): a turn whose send was already on its way
+    /// then starts stopped, aborted at once, instead of running with nobody to stop it.
+    stopped: std::sync::atomic::AtomicBool,
     /// Serializes what takes a lease for this session on this connection (an open holds
     /// it until its events are passed on, after its answer: [`AfterOpen`]).
     gate: Arc<tokio::sync::Mutex<()>>,
@@ -443,6 +447,7 @@ impl SdkSession {
             spec: Mutex::new(spec),
             client,
             turn: Mutex::new(None),
+            stopped: std::sync::atomic::AtomicBool::new(false),
             gate: Arc::new(tokio::sync::Mutex::new(())),
             work_dir: tokio::sync::OnceCell::new(),
         }
@@ -561,6 +566,14 @@ impl SdkSession {
             ));
         }
         let mut lease = self.lease(METHOD, false).await?;
+        if self.stopped.load(std::sync::atomic::Ordering::SeqCst) {
+            // Let go while the lease was waited for: the prompt is not sent at all.
+            return Err(ErrorObject::new(
+                INTERNAL_ERROR,
+                "Request session.send failed with message: the session was let go (detached, \
+                 deleted, or its connection closed) before its turn could start",
+            ));
+        }
         let session = lease.passthrough().map_err(|e| pool_error(METHOD, &e))?;
         self.forward_waiting(session);
         let worker = session.worker().clone();
@@ -577,6 +590,9 @@ impl SdkSession {
         let (stop_tx, stop_rx) = watch::channel(false);
         let (done_tx, done_rx) = watch::channel(false);
         if let Ok(mut turn) = self.turn.lock() {
+            if self.stopped.load(std::sync::atomic::Ordering::SeqCst) {
+                let _ = stop_tx.send(true);
+            }
             *turn = Some(RunningTurn {
                 worker,
                 answerer,
@@ -894,10 +910,14 @@ impl SdkSession {
     /// (bounded by the settle limit and a margin).
     pub(super) async fn stop_turn(&self) {
         let done = match self.turn.lock() {
-            Ok(turn) => turn.as_ref().map(|t| {
-                let _ = t.stop.send(true);
-                t.done.clone()
-            }),
+            Ok(turn) => {
+                self.stopped
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+                turn.as_ref().map(|t| {
+                    let _ = t.stop.send(true);
+                    t.done.clone()
+                })
+            }
             Err(_) => None,
         };
         if let Some(mut done) = done {
