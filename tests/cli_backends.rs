@@ -6,7 +6,8 @@
 //! fail `transcript_missing` when Claude's transcript is gone, start fresh on another auth
 //! identity and resume on a key refresh; the daemon's shutdown leaves no Claude process.
 //! A turn's gateway `tools` reach Claude through the MCP bridge: each call is a `tool.call`
-//! answered on `/v1/requests/{id}`, and the answer reaches the model's next request.
+//! answered on `/v1/requests/{id}`, and the answer reaches the model's next request. An
+//! abort over HTTP ends a running Claude turn `aborted`.
 //!
 //! The tests take one lock, so at most one conversation's Claude processes run at a time
 //! (at most two processes: one closing while its successor starts).
@@ -430,6 +431,59 @@ async fn a_claude_turn_past_its_timeout_ms_ends_timeout_and_the_next_turn_is_ser
     .await;
     assert_eq!(next["status"], "idle", "{next}");
     assert_eq!(next["final_text"], "after the timeout", "{next}");
+    assert!(daemon.terminate().await.success());
+    let left = wait_none(|| fx.claude_processes(), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_over_http_ends_a_running_claude_turn_aborted_and_the_next_turn_is_served() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    let abort = "/v1/sessions/agent-c/a1/abort";
+
+    // 60 chunks 250 ms apart: 15 s of answer, aborted once it streams.
+    let body = fx.body("a1", "SCENARIO:slow SLOW=60x250", "sk-ant-FAKE-k1", None);
+    let run = async {
+        let mut stream = SseStream::open(daemon.addr, "/v1/turns", None, &body).await;
+        assert_eq!(stream.status, 200, "the turn was accepted");
+        let mut aborted = false;
+        while let Some(event) = stream.next().await {
+            if event.event == "turn.end" {
+                return (aborted, event.data);
+            }
+            if event.event == "assistant.message_delta" && !aborted {
+                let answered = call(daemon.addr, "POST", abort, None, None).await;
+                assert_eq!(answered.status, 204, "{}", answered.body);
+                aborted = true;
+            }
+        }
+        panic!("the stream ended without turn.end");
+    };
+    let started = std::time::Instant::now();
+    let (aborted, end) = tokio::time::timeout(TURN_LIMIT, run)
+        .await
+        .expect("the turn ended in time");
+    assert!(aborted, "the answer streamed before its end: {end}");
+    assert_eq!(end["status"], "aborted", "{end}");
+    assert_eq!(end["backend"], "claude-cli", "{end}");
+    assert!(
+        started.elapsed() < Duration::from_secs(14),
+        "ended by the abort, not by the answer's end: {:?}",
+        started.elapsed()
+    );
+    // Nothing runs now: nothing to abort.
+    let again = call(daemon.addr, "POST", abort, None, None).await;
+    assert_eq!(again.status, 404, "{}", again.body);
+
+    let (_, next) = turn(
+        &daemon,
+        &fx.body("a1", "REPLY=after the abort", "sk-ant-FAKE-k1", None),
+    )
+    .await;
+    assert_eq!(next["status"], "idle", "{next}");
+    assert_eq!(next["final_text"], "after the abort", "{next}");
     assert!(daemon.terminate().await.success());
     let left = wait_none(|| fx.claude_processes(), Duration::from_secs(5)).await;
     assert!(left.is_empty(), "{left:?}");

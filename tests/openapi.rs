@@ -88,6 +88,10 @@ fn every_status_a_handler_answers_is_documented_with_the_error_body() {
     for status in [204, 400, 401, 404, 408, 413] {
         assert!(answer.contains(&status), "POST /v1/requests lacks {status}");
     }
+    let abort = statuses(&doc, "post", "/v1/sessions/{agent_id}/{session_key}/abort");
+    for status in [204, 400, 401, 403, 404, 500, 503] {
+        assert!(abort.contains(&status), "POST …/abort lacks {status}");
+    }
     let error = &doc["components"]["schemas"]["ErrorBody"];
     assert_eq!(
         error["required"],
@@ -263,6 +267,35 @@ async fn a_query_or_path_the_router_cannot_read_is_answered_with_the_error_body(
             }
         }
     }
+    let _ = stop.send(());
+    let _ = server.await;
+    pool.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test]
+async fn an_abort_naming_an_invalid_agent_id_or_session_key_is_a_400_naming_the_field() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pool, addr, stop, server) = idle_api(dir.path()).await;
+    let long_key = "k".repeat(513);
+    for (path, field) in [
+        ("/v1/sessions/Not-Lowercase/k/abort".to_owned(), "agent_id"),
+        ("/v1/sessions/-dash-first/k/abort".to_owned(), "agent_id"),
+        (format!("/v1/sessions/a/{long_key}/abort"), "session_key"),
+    ] {
+        let response = support::http::call(addr, "POST", &path, Some("s3cret"), None).await;
+        assert_eq!(response.status, 400, "{path}: {}", response.body);
+        let error = response.json();
+        assert_eq!(error["code"], "bad_request", "{path}: {}", response.body);
+        assert!(
+            error["message"].as_str().is_some_and(|m| m.contains(field)),
+            "{path}: the message names {field}: {}",
+            response.body
+        );
+    }
+    // A valid conversation without a running turn is still a 404.
+    let response =
+        support::http::call(addr, "POST", "/v1/sessions/a/k/abort", Some("s3cret"), None).await;
+    assert_eq!(response.status, 404, "{}", response.body);
     let _ = stop.send(());
     let _ = server.await;
     pool.shutdown().await.expect("shutdown");

@@ -476,6 +476,21 @@ pub(super) fn refuse_sdk_session(session_key: &str) -> Result<(), Response> {
     Ok(())
 }
 
+/// A conversation's agent id and session key checked as the library checks them (a Rust
+/// embedder gets the same errors), and its session key not an SDK session's: a 400 naming
+/// the field.
+pub(super) fn check_conversation(agent_id: &str, session_key: &str) -> Result<(), Response> {
+    crate::pool::validate_session_key(session_key).map_err(|e| pool_error(&e))?;
+    refuse_sdk_session(session_key)?;
+    crate::home::validate_agent_id(agent_id).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("agent_id: {e}"),
+        )
+    })
+}
+
 /// The lease request for a conversation; the working directory is the agent's own unless
 /// its `session` names another one (not created here: compact and reset must not create it).
 pub(super) async fn lease_request(
@@ -523,16 +538,7 @@ async fn place_request(
     session_key: &str,
     session: Option<Value>,
 ) -> Result<(LeaseRequest, Option<SessionOptions>), Response> {
-    // The library's checks: a Rust embedder gets the same errors.
-    crate::pool::validate_session_key(session_key).map_err(|e| pool_error(&e))?;
-    refuse_sdk_session(session_key)?;
-    crate::home::validate_agent_id(agent_id).map_err(|e| {
-        error(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            format!("agent_id: {e}"),
-        )
-    })?;
+    check_conversation(agent_id, session_key)?;
     let work = work_dir(state, agent_id)?;
     let options = match session {
         Some(session) => Some(session_options(state, &work, session).await?),

@@ -124,8 +124,9 @@ pub(super) struct ToolCallEvent {
 }
 
 /// `permission.request`: the runtime asks whether it may do something. Answer with
-/// `{"decision": "approve-once" | "approve-for-session" | "reject", "feedback"?: "..."}`;
-/// without an answer it is rejected.
+/// `{"decision": "approve-once" | "approve-for-session" | "reject", "feedback"?: "..."}`
+/// (`approve-for-session` approves this request only, as `approve-once`: the runtime asks
+/// again next time); without an answer it is rejected.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub(super) struct PermissionRequestEvent {
     /// Answer on `POST /v1/requests/{request_id}`.
@@ -145,7 +146,9 @@ pub(super) struct PermissionRequestEvent {
 }
 
 /// `user_input.request`: the agent asks the user a question (ask_user). Answer with
-/// `{"answer": "...", "was_freeform"?: bool}` or `{"choice": <index>}`.
+/// `{"answer": "...", "was_freeform"?: bool}` or `{"choice": <index>}`: an index of
+/// `choices`, a label of `choices`, or free text where `allow_freeform` is true; any other
+/// answer is a 400 naming the valid ones, and the request stays pending.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub(super) struct UserInputRequestEvent {
     /// Answer on `POST /v1/requests/{request_id}`.

@@ -44,7 +44,7 @@ use crate::turn::{Answer, GatewayTool, Question, ToolCall, TurnHooks, UserInputH
     request_body(content = AnswerBody, content_type = "application/json"),
     responses(
         (status = 204, description = "Answered"),
-        (status = 400, description = "Not JSON, or not the shape of the request's kind (`bad_request`, `bad_body`); the message shows the shape", body = ErrorBody),
+        (status = 400, description = "Not JSON, or not the shape of the request's kind (`bad_request`, `bad_body`); the message shows the shape. For a `user_input.request`, also an answer that fits none of the question's answers (`bad_request`): a choice index past its choices, or a label or text that is none of its choices where it takes no free text (`allow_freeform: false`); the message names the answers it takes. The request stays pending: answer it again", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
         (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
         (status = 404, description = "No pending request with this id: answered already, or its turn ended (`not_found`)", body = ErrorBody),
@@ -83,11 +83,13 @@ pub(super) async fn post_answer(
 }
 
 /// What kind of answer a pending request needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Kind {
     ToolCall,
     Permission,
-    UserInput,
+    /// The question asked (its choices and whether it takes free text decide which
+    /// answers fit).
+    UserInput(Arc<Question>),
     Hook(HookName),
 }
 
@@ -138,9 +140,10 @@ impl Registry {
         let kind = self
             .pending
             .get(id)
-            .map(|p| p.kind)
+            .map(|p| p.kind.clone())
             .ok_or(AnswerError::Unknown)?;
-        let answer = parse_answer(kind, body).map_err(AnswerError::Shape)?;
+        // A refused answer leaves the request pending: the gateway may answer it again.
+        let answer = parse_answer(&kind, body).map_err(AnswerError::Shape)?;
         let (_, pending) = self.pending.remove(id).ok_or(AnswerError::Unknown)?;
         // The turn may have ended in between: then nobody waits any more.
         pending
@@ -179,11 +182,16 @@ pub(super) struct ToolError {
     error: String,
 }
 
-/// A gateway's decision on a `permission.request`.
+/// A gateway's decision on a `permission.request`: `approve-once`, `approve-for-session`
+/// or `reject`. `approve-for-session` approves this request only, as `approve-once` does:
+/// the runtime is told `approve-once` and remembers nothing, so its next request of the
+/// same kind is a `permission.request` again (a gateway that means the whole session
+/// answers each one, or runs the conversation with an approving permission policy).
 #[derive(Deserialize, ToSchema, Clone, Copy)]
 #[serde(rename_all = "kebab-case")]
 pub(super) enum Decision {
     ApproveOnce,
+    /// For now the same as `approve-once` (see the type).
     ApproveForSession,
     Reject,
 }
@@ -231,7 +239,7 @@ fn typed<T: for<'de> Deserialize<'de>>(body: &Value, shape: &str) -> Result<T, S
     T::deserialize(body).map_err(|e| format!("{shape} ({e})"))
 }
 
-fn parse_answer(kind: Kind, body: &Value) -> Result<GatewayAnswer, String> {
+fn parse_answer(kind: &Kind, body: &Value) -> Result<GatewayAnswer, String> {
     if !body.is_object() {
         return Err("the answer must be a JSON object".to_owned());
     }
@@ -254,6 +262,7 @@ fn parse_answer(kind: Kind, body: &Value) -> Result<GatewayAnswer, String> {
             const SHAPE: &str = r#"a permission.request answer is {"decision": "approve-once"|"approve-for-session"|"reject", "feedback"?: "..."}"#;
             let answer: PermissionAnswer = typed(body, SHAPE)?;
             Ok(GatewayAnswer::Permission(match answer.decision {
+                // The library's decision has no session-wide approval: this request only.
                 Decision::ApproveOnce | Decision::ApproveForSession => PermissionDecision::Approve,
                 Decision::Reject => PermissionDecision::Reject {
                     feedback: answer
@@ -262,7 +271,7 @@ fn parse_answer(kind: Kind, body: &Value) -> Result<GatewayAnswer, String> {
                 },
             }))
         }
-        Kind::UserInput => {
+        Kind::UserInput(question) => {
             const SHAPE: &str = r#"a user_input.request answer is {"answer": "...", "was_freeform": true|false} or {"choice": <non-negative index>}"#;
             #[derive(Deserialize)]
             #[serde(untagged)]
@@ -270,18 +279,24 @@ fn parse_answer(kind: Kind, body: &Value) -> Result<GatewayAnswer, String> {
                 Text(UserInputText),
                 Choice(UserInputChoice),
             }
-            Ok(GatewayAnswer::UserInput(
-                match typed::<UserInput>(body, SHAPE)? {
-                    UserInput::Text(t) if t.was_freeform.unwrap_or(true) => {
-                        Answer::FreeText(t.answer)
-                    }
-                    UserInput::Text(t) => Answer::Label(t.answer),
-                    UserInput::Choice(c) => Answer::Choice(c.choice),
-                },
-            ))
+            let answer = match typed::<UserInput>(body, SHAPE)? {
+                UserInput::Text(t) if t.was_freeform.unwrap_or(true) => Answer::FreeText(t.answer),
+                UserInput::Text(t) => Answer::Label(t.answer),
+                UserInput::Choice(c) => Answer::Choice(c.choice),
+            };
+            // The runtime would be given an empty answer for one that does not fit.
+            crate::turn::user_input::check(question, &answer).map_err(|e| {
+                format!(
+                    "{e} ({{\"choice\": <index>}}, {{\"answer\": \"<label>\", \"was_freeform\": \
+                     false}}, or {{\"answer\": \"<text>\"}} where free text is taken); the \
+                     request is still pending"
+                )
+            })?;
+            Ok(GatewayAnswer::UserInput(answer))
         }
         Kind::Hook(hook) => {
             // The hook's own message lists its output fields.
+            let hook = *hook;
             let answer: HookAnswer =
                 typed(body, &hook_shape(hook)).map_err(|_| hook_shape(hook))?;
             parse_hook_output(hook, answer.output).map(GatewayAnswer::Hook)
@@ -560,6 +575,7 @@ impl UserInputHandler for Link {
     fn ask(&self, question: Question) -> AnswerFuture {
         let link = self.clone();
         Box::pin(async move {
+            let kind = Kind::UserInput(Arc::new(question.clone()));
             let event = |request_id| {
                 TurnEvent::UserInputRequest(UserInputRequestEvent {
                     request_id,
@@ -568,7 +584,7 @@ impl UserInputHandler for Link {
                     allow_freeform: question.allow_freeform,
                 })
             };
-            match Link::ask(&link, Kind::UserInput, event).await {
+            match Link::ask(&link, kind, event).await {
                 Some(GatewayAnswer::UserInput(answer)) => Some(answer),
                 _ => None,
             }
@@ -618,7 +634,7 @@ mod tests {
             rx.try_recv(),
             Ok(GatewayAnswer::Permission(PermissionDecision::Reject { feedback })) if feedback == "no"
         ));
-        let (id, mut rx) = registry.register(Kind::UserInput);
+        let (id, mut rx) = registry.register(user_input(&["red", "blue"], false));
         assert!(matches!(
             registry.answer(&id, &json!({"choice": -1})),
             Err(AnswerError::Shape(_))
@@ -630,6 +646,45 @@ mod tests {
         assert!(matches!(
             rx.try_recv(),
             Ok(GatewayAnswer::UserInput(Answer::Label(label))) if label == "blue"
+        ));
+    }
+
+    /// A pending `user_input.request`'s kind: a question with `choices`.
+    fn user_input(choices: &[&str], allow_freeform: bool) -> Kind {
+        Kind::UserInput(Arc::new(Question {
+            question: "Which?".to_owned(),
+            choices: choices.iter().map(|c| (*c).to_owned()).collect(),
+            allow_freeform,
+        }))
+    }
+
+    #[test]
+    fn a_user_input_answer_that_fits_none_of_the_questions_answers_is_refused_and_the_request_stays_answerable()
+     {
+        let registry = Registry::default();
+        let (id, mut rx) = registry.register(user_input(&["a", "b"], false));
+        for wrong in [
+            json!({"choice": 5}),
+            json!({"answer": "c", "was_freeform": false}),
+            json!({"answer": "some free text"}),
+        ] {
+            match registry.answer(&id, &wrong) {
+                Err(AnswerError::Shape(m)) => assert!(
+                    m.contains(r#""a", "b""#) && m.contains("0 to 1") && m.contains("no free text"),
+                    "{wrong}: the message names the valid answers: {m}"
+                ),
+                Err(AnswerError::Unknown) => panic!("{wrong}: refused as unknown"),
+                Ok(()) => panic!("{wrong} was taken"),
+            }
+            assert!(rx.try_recv().is_err(), "{wrong}: nothing reached the turn");
+        }
+        registry
+            .answer(&id, &json!({"choice": 1}))
+            .map_err(|_| "refused")
+            .unwrap();
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(GatewayAnswer::UserInput(Answer::Choice(1)))
         ));
     }
 

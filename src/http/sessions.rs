@@ -31,7 +31,9 @@ pub(super) struct ConversationPath {
     session_key: String,
 }
 
-/// Aborts the conversation's running turn (its stream ends with `turn.end` `aborted`).
+/// Aborts the conversation's running turn, on Copilot or a CLI backend.
+///
+/// The turn's stream ends with `turn.end` `aborted`; the conversation continues.
 #[utoipa::path(
     post,
     path = "/v1/sessions/{agent_id}/{session_key}/abort",
@@ -39,6 +41,7 @@ pub(super) struct ConversationPath {
     params(ConversationPath),
     responses(
         (status = 204, description = "The running turn was aborted"),
+        (status = 400, description = "A wrong path: `agent_id` or `session_key` is not a valid one, or names an SDK session (`bad_request`); the message names the field", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
         (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
         (status = 404, description = "No running turn for this conversation (`not_found`)", body = ErrorBody),
@@ -58,7 +61,7 @@ pub(super) async fn post_abort(
         Ok(Path(p)) => p,
         Err(e) => return rejection(e),
     };
-    if let Err(refused) = super::body::refuse_sdk_session(&session_key) {
+    if let Err(refused) = super::body::check_conversation(&agent_id, &session_key) {
         return refused;
     }
     let conversation = ConversationId::new(agent_id, session_key);

@@ -150,7 +150,8 @@ pub(crate) enum PoolMsg {
     Close(RpcReplyPort<()>),
     /// Abort the running turns of leased conversations; replies with how many.
     AbortLeased(RpcReplyPort<usize>),
-    /// Abort the running turn of one conversation; replies whether it is leased and open.
+    /// Abort the running turn of one conversation, on Copilot or a CLI backend; replies
+    /// whether there was one (a Copilot lease with an open session, or a CLI turn).
     Abort {
         conversation: String,
         reply: RpcReplyPort<bool>,
@@ -427,11 +428,13 @@ impl Actor for PoolActor {
                 conversation,
                 reply,
             } => {
-                let aborted = state
+                let copilot = state
                     .core
                     .open_lease(&conversation)
                     .is_some_and(|(w, id)| state.abort_turn(w, &id, "aborted by the gateway"));
-                let _ = reply.send(aborted);
+                // A turn on a CLI backend: its lease is the CLI side's, not the placement's.
+                let cli = state.cli.abort(&conversation);
+                let _ = reply.send(copilot || cli);
                 Vec::new()
             }
             PoolMsg::StopAll(reply) => {

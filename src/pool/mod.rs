@@ -690,9 +690,10 @@ impl Pool {
         }
     }
 
-    /// Aborts the running turn of a conversation, wherever it runs; its lease sees the turn
-    /// end `aborted` and the conversation continues. `Ok(false)` when the conversation has no
-    /// lease with an open session (nothing to abort).
+    /// Aborts the running turn of a conversation, wherever it runs (Copilot or a CLI
+    /// backend); its lease sees the turn end `aborted` and the conversation continues.
+    /// `Ok(false)` when the conversation has neither a Copilot lease with an open session nor
+    /// a turn running on a CLI backend (nothing to abort).
     pub async fn abort(&self, conversation: &ConversationId) -> Result<bool, PoolError> {
         match self
             .inner

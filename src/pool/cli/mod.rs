@@ -35,8 +35,8 @@ use crate::backend::oneshot::{
     Dialect, Oneshot, OneshotConfig, codex_rollout_path, codex_rollout_totals,
 };
 use crate::backend::{
-    BackendEvent, BackendKind, CliBackendConfig, CliConversation, CliStartError, CliTurn,
-    CliTurnOutcome, TurnFailure,
+    AbortHandle, BackendEvent, BackendKind, CliBackendConfig, CliConversation, CliStartError,
+    CliTurn, CliTurnOutcome, TurnFailure,
 };
 use crate::ids::CliSessionId;
 use crate::kinds::{Eviction, OpenReason, TurnEnd};
@@ -182,9 +182,14 @@ impl CliNames {
     pub(crate) fn new(agent_id: &str, session_key: &str, backend: &str) -> Self {
         let conversation = super::ConversationId::new(agent_id, session_key).key();
         CliNames {
-            slot: format!("{conversation}#{backend}"),
+            slot: Self::slot_of(&conversation, backend),
             binding: format!("{conversation}{CLI_BINDING_SEPARATOR}{backend}"),
         }
+    }
+
+    /// The slot of `conversation` (its [`super::ConversationId::key`]) on `backend`.
+    fn slot_of(conversation: &str, backend: &str) -> String {
+        format!("{conversation}#{backend}")
     }
 }
 
@@ -234,6 +239,10 @@ pub(crate) struct CliPool {
     closed: AtomicBool,
     /// Tells the pool actor (set once it runs; before, there is no Copilot side to tell).
     copilot: OnceLock<Box<dyn Fn(Nudge) + Send + Sync>>,
+    /// The abort handles of the turns running now, by their conversation's slot
+    /// ([`CliNames::slot`]): how [`CliPool::abort`] reaches a turn on a CLI backend. A slot
+    /// has one lease, and a lease one turn at a time: at most one entry per slot.
+    running: Mutex<HashMap<String, AbortHandle>>,
 }
 
 impl std::fmt::Debug for CliPool {
@@ -287,6 +296,7 @@ impl CliPool {
             in_use: watch::channel(0).0,
             closed: AtomicBool::new(false),
             copilot: OnceLock::new(),
+            running: Mutex::new(HashMap::new()),
         })
     }
 
@@ -364,6 +374,28 @@ impl CliPool {
     fn lock(&self) -> std::sync::MutexGuard<'_, Shell> {
         // A panic while holding it left plain bookkeeping: keep going with it.
         self.shell.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, AbortHandle>> {
+        // As `lock`: a map of handles, never left half-changed.
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Aborts the running turn of conversation `conversation` (`<agent>/<session key>`,
+    /// [`super::ConversationId::key`]) on every CLI backend it runs one on: the turn ends
+    /// `aborted` and the stored session stays, so the next turn resumes it. `false` when
+    /// it runs no turn on a CLI backend.
+    pub(crate) fn abort(&self, conversation: &str) -> bool {
+        let running = self.running();
+        let mut aborted = false;
+        for backend in self.backends.keys() {
+            let slot = CliNames::slot_of(conversation, backend);
+            if let Some(turn) = running.get(&slot) {
+                turn.abort();
+                aborted = true;
+            }
+        }
+        aborted
     }
 
     /// Carries out the core's effects (under the lock; closing runs in tasks).
@@ -1221,6 +1253,11 @@ impl CliLease {
         // as the timeout it was. Each turn has its own handle: a late firing cannot reach
         // the next turn.
         let timed_out = Arc::new(AtomicBool::new(false));
+        // The gateway's abort ([`CliPool::abort`]) reaches the turn through its handle too,
+        // until the turn ends or is dropped.
+        self.pool
+            .running()
+            .insert(self.conversation_key.clone(), turn.abort_handle());
         let timer = self.turn_timeout.map(|limit| {
             let abort = turn.abort_handle();
             let flag = timed_out.clone();
@@ -1235,6 +1272,8 @@ impl CliLease {
             turn,
             timer,
             timed_out,
+            pool: &self.pool,
+            slot: &self.conversation_key,
             bindings: &self.pool.bindings,
             bindings_key: &self.bindings_key,
             identity: &self.identity,
@@ -1267,6 +1306,7 @@ impl CliLease {
 
 impl Drop for CliLeaseTurn<'_> {
     fn drop(&mut self) {
+        self.pool.running().remove(self.slot);
         if let Some((timer, _)) = self.timer.take() {
             timer.abort();
         }
@@ -1284,6 +1324,9 @@ pub struct CliLeaseTurn<'a> {
     timer: Option<(tokio::task::JoinHandle<()>, Duration)>,
     /// Set when the timer interrupted the turn.
     timed_out: Arc<AtomicBool>,
+    /// The pool, which holds the turn's abort handle under `slot` while it runs.
+    pool: &'a CliPool,
+    slot: &'a str,
     bindings: &'a BindingStore,
     bindings_key: &'a str,
     identity: &'a str,
@@ -1313,6 +1356,8 @@ impl CliLeaseTurn<'_> {
     pub async fn next(&mut self) -> Option<BackendEvent> {
         let mut event = self.turn.next().await?;
         if let BackendEvent::TurnEnd(outcome) = &mut event {
+            // Ended: nothing is left to abort.
+            self.pool.running().remove(self.slot);
             if let Some((timer, limit)) = self.timer.take() {
                 timer.abort();
                 if self.timed_out.load(Ordering::SeqCst) && outcome.end == Some(TurnEnd::Aborted) {
@@ -1441,6 +1486,51 @@ mod tests {
             sandbox: None,
             group_ledger: None,
         }
+    }
+
+    #[tokio::test]
+    async fn the_gateways_abort_ends_a_turn_running_on_a_cli_backend_and_reaches_no_other() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // A generic one-shot CLI whose turn would run for 30 s.
+        let mut config = CliBackendConfig::new("/bin/sh");
+        config.args = vec!["-c".into(), "sleep 30 & wait".into(), "sh".into()];
+        config.output = crate::backend::OutputFormat::Jsonl;
+        config.session_mode = crate::backend::SessionMode::None;
+        let pool = pool("sh-cli", config, &dir.path().join("state"));
+        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        std::fs::create_dir_all(&cwd).expect("work");
+        let names = CliNames::new("agent", "k", "sh-cli");
+        let conversation = super::super::ConversationId::new("agent", "k").key();
+        let mut asked = ask("sh-cli", home, cwd);
+        asked.conversation = names.slot.clone();
+        let mut lease = pool
+            .lease(asked, names.binding.clone())
+            .await
+            .expect("lease");
+        assert!(!pool.abort(&conversation), "a lease without a turn");
+        let mut turn = lease.start_turn("hello").await.expect("turn");
+        let other = super::super::ConversationId::new("agent", "other").key();
+        assert!(!pool.abort(&other), "another conversation runs nothing");
+        assert!(pool.abort(&conversation), "the running turn was reached");
+        let outcome = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match turn.next().await {
+                    Some(BackendEvent::TurnEnd(outcome)) => return outcome,
+                    Some(_) => {}
+                    None => panic!("the turn ended without turn.end"),
+                }
+            }
+        })
+        .await
+        .expect("the aborted turn ended at once, not after its 30 s");
+        assert_eq!(outcome.end, Some(TurnEnd::Aborted), "{outcome:?}");
+        assert!(
+            !pool.abort(&conversation),
+            "an ended turn is no longer there to abort"
+        );
+        drop(turn);
+        drop(lease);
+        pool.shutdown(Duration::from_secs(5)).await;
     }
 
     #[tokio::test]
