@@ -111,9 +111,21 @@ pub(super) async fn run<S>(
         }),
         ..ConnectionOptions::default()
     };
+    let queue_full = format!(
+        "copilot-pool: more than {QUEUE} calls of this connection are waiting to be handled \
+         (beyond the {} it handles at once, the endpoint's max_requests_per_connection); \
+         wait for answers before sending more",
+        shared.config.max_requests_per_connection
+    );
     let sink = move |incoming: Incoming| {
-        // A full queue refuses the request (its responder answers as it is dropped).
-        let _ = tx.try_send(incoming);
+        // A full queue refuses the request, saying why.
+        if let Err(mpsc::error::TrySendError::Full(Incoming::Request(request))) =
+            tx.try_send(incoming)
+        {
+            request
+                .responder
+                .err(ErrorObject::new(INTERNAL_ERROR, queue_full.clone()));
+        }
     };
     let conn = Connection::start(read, write, options, Box::new(sink));
     let mut displaced = slot.displaced.clone();
@@ -249,10 +261,22 @@ impl Client {
                 ),
             ));
         };
-        if self.agent.set(agent.to_owned()).is_ok()
-            && let Ok(mut held) = self.seat.lock()
-        {
-            *held = Some(seat);
+        match self.agent.set(agent.to_owned()) {
+            Ok(()) => {
+                if let Ok(mut held) = self.seat.lock() {
+                    *held = Some(seat);
+                }
+            }
+            // Two `connect`s at once with the same agent's tokens: its seat is taken once.
+            Err(_) if self.agent() == Some(agent) => {}
+            Err(_) => {
+                return Err(ErrorObject::new(
+                    AUTHENTICATION_FAILED,
+                    "AUTHENTICATION_FAILED: this connection is authenticated for another agent \
+                     already (a connect with another agent's token raced it); open one \
+                     connection per agent",
+                ));
+            }
         }
         if let Ok(mut slot) = self.waiting.lock() {
             slot.take();

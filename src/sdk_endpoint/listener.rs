@@ -30,12 +30,33 @@ pub async fn serve_tcp(
     shutdown: impl Future<Output = ()>,
 ) {
     serve(endpoint, shutdown, || async {
-        listener
-            .accept()
-            .await
-            .map(|(stream, _)| QuickAck::new(stream, "an SDK connection"))
+        listener.accept().await.map(|(stream, _)| {
+            keep_alive(&stream);
+            QuickAck::new(stream, "an SDK connection")
+        })
     })
     .await;
+}
+
+/// A client's connection silent this long is probed by the kernel...
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
+/// ...this often...
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// ...and counts as dead after this many probes go unanswered.
+const KEEPALIVE_PROBES: u32 = 3;
+
+/// Turns on TCP keepalive for an accepted client: a client whose host vanished without
+/// closing (rebooted, its NAT forgot the flow) is found within ~90 s, and its connection
+/// closed, so its seat and its sessions go back to the agent's next connection (a session is
+/// open on one connection at a time).
+fn keep_alive(stream: &tokio::net::TcpStream) {
+    let probes = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_PROBES);
+    if let Err(error) = socket2::SockRef::from(stream).set_tcp_keepalive(&probes) {
+        tracing::debug!(%error, "Could not turn on TCP keepalive for an SDK connection.");
+    }
 }
 
 /// [`serve_tcp`] on a Unix socket (give the socket file owner-only permissions: anyone who
@@ -119,4 +140,23 @@ where
     // Every connection holds a permit until it is closed.
     let all = u32::try_from(max).unwrap_or(u32::MAX);
     let _ = permits.acquire_many(all).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_accepted_client_is_probed_so_a_vanished_one_is_found() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        keep_alive(&accepted);
+        let socket = socket2::SockRef::from(&accepted);
+        assert!(socket.keepalive().unwrap());
+        assert_eq!(socket.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
+        assert_eq!(socket.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
+        assert_eq!(socket.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
+    }
 }
