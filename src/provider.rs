@@ -201,8 +201,20 @@ fn check_headers(
             ),
         ));
     }
+    let mut seen = std::collections::HashSet::new();
     for (name, value) in headers {
         let field = format!("provider.headers.{name}");
+        // Header names are case-insensitive: two spellings of one would be one header,
+        // whose value depends on which the client sends last.
+        if !seen.insert(name.to_ascii_lowercase()) {
+            return Err(ProviderShapeError::new(
+                "provider.headers",
+                format!(
+                    "names the header {name:?} more than once (header names are \
+                     case-insensitive); keep one"
+                ),
+            ));
+        }
         if name.is_empty() || !name.bytes().all(is_token_byte) {
             return Err(ProviderShapeError::new(
                 "provider.headers",
@@ -379,6 +391,19 @@ mod tests {
                     ..base.clone()
                 },
                 "provider.headers.X-A must be printable",
+            ),
+            (
+                ProviderConfig {
+                    headers: Some(
+                        [
+                            ("X-Org".to_owned(), "a".to_owned()),
+                            ("x-org".to_owned(), "b".to_owned()),
+                        ]
+                        .into(),
+                    ),
+                    ..base.clone()
+                },
+                "provider.headers names the header \"x-org\" more than once",
             ),
             (
                 ProviderConfig {

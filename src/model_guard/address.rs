@@ -97,6 +97,8 @@ const METADATA: &[IpAddr] = &[
     IpAddr::V4(Ipv4Addr::new(100, 100, 100, 200)),
     IpAddr::V6(Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254)),
     IpAddr::V6(Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x23)),
+    // Google Cloud's metadata server over IPv6.
+    IpAddr::V6(Ipv6Addr::new(0xfd20, 0xce, 0, 0, 0, 0, 0, 0x254)),
 ];
 
 fn v4(a: u8, b: u8, c: u8, d: u8, prefix: u8) -> Ipv4Net {
@@ -152,7 +154,9 @@ fn classify_v4(ip: Ipv4Addr) -> Option<AddressClass> {
 
 /// The IPv4 address an IPv6 address carries and stands for, if any: IPv4-mapped
 /// (`::ffff:a.b.c.d`), IPv4-compatible (`::a.b.c.d`, deprecated), 6to4 (`2002:AABB:CCDD::/48`)
-/// and NAT64 (`64:ff9b::/96`, `64:ff9b:1::/48`).
+/// and the well-known NAT64 prefix (`64:ff9b::/96`). The local-use NAT64 prefix
+/// (`64:ff9b:1::/48`) is not read: the IPv4 address sits where the operator's prefix length
+/// puts it (RFC 6052: /48 to /96), so it is classified as a whole instead (reserved).
 pub fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
     let s = ip.segments();
     let tail = Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8);
@@ -171,18 +175,21 @@ pub fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
             s[2] as u8,
         ));
     }
-    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || (s[0] == 0x64 && s[1] == 0xff9b && s[2] == 1) {
+    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
         return Some(tail);
     }
     None
 }
 
-fn v6_ranges() -> [(Ipv6Net, AddressClass); 11] {
+fn v6_ranges() -> [(Ipv6Net, AddressClass); 12] {
     use AddressClass::*;
     [
         (v6([0, 0, 0, 0, 0, 0, 0, 0], 128), Unspecified),
         (v6([0, 0, 0, 0, 0, 0, 0, 1], 128), Loopback),
         (v6([0x0100, 0, 0, 0, 0, 0, 0, 0], 64), Reserved),
+        // Local-use NAT64 (RFC 8215): where the IPv4 address sits depends on the operator's
+        // prefix length, so none of it is taken for a global address.
+        (v6([0x64, 0xff9b, 1, 0, 0, 0, 0, 0], 48), Reserved),
         (v6([0x2001, 0, 0, 0, 0, 0, 0, 0], 23), Reserved),
         (v6([0x2001, 0x0db8, 0, 0, 0, 0, 0, 0], 32), Documentation),
         (v6([0x3fff, 0, 0, 0, 0, 0, 0, 0], 20), Documentation),
@@ -282,6 +289,7 @@ mod tests {
             ("fc00::1", Some(UniqueLocal)),
             ("fd12:3456::1", Some(UniqueLocal)),
             ("fd00:ec2::254", Some(Metadata)),
+            ("fd20:ce::254", Some(Metadata)),
             ("ff02::1", Some(Multicast)),
             ("2001:db8::1", Some(Documentation)),
             ("3fff:1::1", Some(Documentation)),
@@ -303,7 +311,10 @@ mod tests {
             ("64:ff9b::7f00:1", Some(Loopback)),
             ("64:ff9b::10.0.0.1", Some(Private)),
             ("64:ff9b::169.254.169.254", Some(Metadata)),
-            ("64:ff9b:1::a00:1", Some(Private)),
+            // Local-use NAT64: the IPv4 address may sit anywhere (169.254.169.254 in the /48
+            // layout here, 8.8.8.8 read from the last 32 bits): none of it is global.
+            ("64:ff9b:1::a00:1", Some(Reserved)),
+            ("64:ff9b:1:a9fe:a9:fe00:808:808", Some(Reserved)),
             ("::ffff:8.8.8.8", None),
             ("2002:808:808::1", None),
             ("64:ff9b::8.8.8.8", None),
@@ -332,6 +343,7 @@ mod tests {
         for never in [
             "169.254.169.254",
             "fd00:ec2::254",
+            "fd20:ce::254",
             "0.0.0.0",
             "::",
             "224.0.0.1",

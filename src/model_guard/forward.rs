@@ -250,6 +250,14 @@ impl State {
                 format!("the HTTP method {:?} is not valid", request.method),
             ))
         })?;
+        // A model call reads (GET: the models) or posts (completions, responses); any other
+        // method (TRACE echoes the request, the real key with it) is not one.
+        if method != reqwest::Method::POST && method != reqwest::Method::GET {
+            return Err(Failure::Blocked((
+                BlockReason::ForeignUrl,
+                format!("the HTTP method {method} is not one a model call uses (POST or GET)"),
+            )));
+        }
         let headers = request_headers(&request.headers, &self.provider);
         Ok(Prepared {
             client,

@@ -717,6 +717,35 @@ async fn redirects_are_followed_on_the_same_origin_only() {
 }
 
 #[tokio::test]
+async fn a_request_with_a_method_no_model_call_uses_is_refused_before_a_connection() {
+    let upstream = Upstream::answering(
+        "127.0.0.1",
+        0,
+        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+    )
+    .await;
+    let base = format!("http://127.0.0.1:{}/v1", upstream.addr.port());
+    let guard = ModelGuard::new(config(true, ScriptedResolver::new(&[&[]]))).expect("guard");
+    let tunnel = guard.tunnel_for(&provider(&base)).expect("tunnel");
+    for method in ["TRACE", "PUT", "DELETE", "CONNECT", "OPTIONS"] {
+        let mut req = request(&base, "/chat/completions");
+        req.method = method.into();
+        let mut response = tunnel.serve(req).await;
+        assert_eq!(response.status, 403, "{method}");
+        assert_eq!(refusal_code(&mut response).await, "foreign_url", "{method}");
+    }
+    assert_eq!(upstream.accepted(), 0);
+    // The methods model calls use still go through.
+    for method in ["POST", "GET"] {
+        let mut req = request(&base, "/chat/completions");
+        req.method = method.into();
+        let mut response = tunnel.serve(req).await;
+        assert_eq!(response.status, 200, "{method}");
+        body(&mut response).await.expect("body");
+    }
+}
+
+#[tokio::test]
 async fn a_request_outside_the_providers_base_url_is_refused() {
     let upstream = Upstream::answering(
         "127.0.0.1",

@@ -30,7 +30,23 @@ const MAX_WHOLE_BODY_BYTES: usize = 8 << 20;
 pub(crate) struct TunnelRequests {
     receiving: HashMap<String, Receiving>,
     serving: HashMap<String, AbortHandle>,
+    /// The bytes of the bodies still arriving, all requests together.
+    buffered: usize,
 }
+
+/// Requests of one process whose body is still arriving, at most: a start past it is
+/// refused (the runtime's model call fails at once). A runtime has one model call in flight
+/// per session and subagent; a runtime that opens more and never ends them must not make
+/// the daemon, which every tenant shares, hold them.
+pub(crate) const MAX_RECEIVING: usize = 256;
+
+/// Why a request head was refused.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "copilot-pool: {MAX_RECEIVING} model requests of this process are still receiving their \
+     body; end or cancel one first"
+)]
+pub(crate) struct TooManyReceiving;
 
 /// A request whose body is still arriving.
 struct Receiving {
@@ -41,14 +57,17 @@ struct Receiving {
 }
 
 impl TunnelRequests {
-    /// A request head arrived.
-    pub(crate) fn start(&mut self, head: HttpRequestStart) {
+    /// A request head arrived; refused past [`MAX_RECEIVING`] requests receiving their body.
+    pub(crate) fn start(&mut self, head: HttpRequestStart) -> Result<(), TooManyReceiving> {
+        if self.receiving.len() >= MAX_RECEIVING && !self.receiving.contains_key(&head.request_id) {
+            return Err(TooManyReceiving);
+        }
         let headers = head
             .headers
             .into_iter()
             .flat_map(|(name, values)| values.into_iter().map(move |v| (name.clone(), v)))
             .collect();
-        self.receiving.insert(
+        let replaced = self.receiving.insert(
             head.request_id.clone(),
             Receiving {
                 request: ModelRequest {
@@ -62,6 +81,10 @@ impl TunnelRequests {
                 oversized: false,
             },
         );
+        if let Some(replaced) = replaced {
+            self.buffered -= replaced.request.body.len();
+        }
+        Ok(())
     }
 
     /// A body chunk arrived. On the last chunk the request is served (or, past the tunnel's
@@ -76,7 +99,9 @@ impl TunnelRequests {
         on_done: impl FnOnce(String) + Send + 'static,
     ) -> bool {
         if chunk.cancel == Some(true) {
-            self.receiving.remove(&chunk.request_id);
+            if let Some(gone) = self.receiving.remove(&chunk.request_id) {
+                self.buffered -= gone.request.body.len();
+            }
             if let Some(task) = self.serving.remove(&chunk.request_id) {
                 task.abort();
             }
@@ -90,11 +115,18 @@ impl TunnelRequests {
         }
         let limit = tunnel.max_request_body_bytes();
         let body = &mut receiving.request.body;
-        if !receiving.oversized && body.len().saturating_add(chunk.data.len()) > limit {
+        // Past the body limit, or past twice that for every body still arriving together
+        // (one request at the limit still passes beside a few ordinary ones).
+        if !receiving.oversized
+            && (body.len().saturating_add(chunk.data.len()) > limit
+                || self.buffered.saturating_add(chunk.data.len()) > limit.saturating_mul(2))
+        {
             receiving.oversized = true;
+            self.buffered -= body.len();
             *body = Vec::new();
         }
         if !receiving.oversized {
+            self.buffered += chunk.data.len();
             if body.is_empty() {
                 // The first (often the only) chunk becomes the body without a copy.
                 *body = chunk.data.into_bytes();
@@ -109,6 +141,7 @@ impl TunnelRequests {
         else {
             return false;
         };
+        self.buffered -= request.body.len();
         let id = request.request_id.clone();
         let conn = conn.clone();
         let tunnel = tunnel.clone();
@@ -134,6 +167,7 @@ impl TunnelRequests {
     /// Stops every response still streaming.
     pub(crate) fn abort_all(&mut self) {
         self.receiving.clear();
+        self.buffered = 0;
         for (_, task) in self.serving.drain() {
             task.abort();
         }
@@ -446,13 +480,7 @@ mod tests {
             limit,
         });
         let mut requests = TunnelRequests::default();
-        requests.start(HttpRequestStart {
-            request_id: "r1".to_owned(),
-            method: "POST".to_owned(),
-            url: "http://127.0.0.1:9/v1/chat/completions".to_owned(),
-            headers: BTreeMap::new(),
-            session_id: None,
-        });
+        requests.start(head("r1")).expect("started");
         for (i, piece) in pieces.iter().enumerate() {
             let chunk = HttpRequestChunk {
                 request_id: "r1".to_owned(),
@@ -471,6 +499,69 @@ mod tests {
             served.try_recv().ok().map(|r| r.body),
             head["status"].clone(),
         )
+    }
+
+    fn head(id: &str) -> HttpRequestStart {
+        HttpRequestStart {
+            request_id: id.to_owned(),
+            method: "POST".to_owned(),
+            url: "http://127.0.0.1:9/v1/chat/completions".to_owned(),
+            headers: BTreeMap::new(),
+            session_id: None,
+        }
+    }
+
+    fn piece(id: &str, data: &str, end: bool) -> HttpRequestChunk {
+        HttpRequestChunk {
+            request_id: id.to_owned(),
+            data: data.to_owned(),
+            binary: None,
+            end: Some(end),
+            cancel: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_runtime_cannot_make_the_daemon_hold_unended_requests_without_bound() {
+        let (ours, mut theirs) = duplex(1 << 20);
+        let (r, w) = tokio::io::split(ours);
+        let conn = Connection::start(r, w, ConnectionOptions::default(), Box::new(|_| {}));
+        let (tx, mut served) = mpsc::unbounded_channel();
+        let tunnel: Arc<dyn ModelTunnel> = Arc::new(Capturing {
+            requests: tx,
+            limit: 1000,
+        });
+        let mut requests = TunnelRequests::default();
+        // Requests whose body never ends: past the count, a start is refused.
+        for i in 0..MAX_RECEIVING {
+            requests.start(head(&format!("open-{i}"))).expect("room");
+        }
+        assert!(requests.start(head("one-more")).is_err());
+        requests.abort_all();
+        // Bodies still arriving hold at most twice the body limit together: the request
+        // whose piece would pass it is answered too large, not served, and the others are.
+        for id in ["a", "b", "c"] {
+            requests.start(head(id)).expect("room");
+            assert!(requests.chunk(piece(id, &"x".repeat(900), false), &conn, &tunnel, |_| {}));
+        }
+        for id in ["a", "b", "c"] {
+            assert!(requests.chunk(piece(id, "", true), &conn, &tunnel, |_| {}));
+        }
+        let mut statuses = Vec::new();
+        for _ in 0..3 {
+            let answer = tokio::time::timeout(Duration::from_secs(10), answer_one(&mut theirs))
+                .await
+                .expect("an answer in time");
+            statuses.push(answer["status"].as_u64().unwrap_or_default());
+        }
+        statuses.sort_unstable();
+        assert_eq!(statuses, [200, 200, 413], "{statuses:?}");
+        let mut bodies = Vec::new();
+        while let Ok(request) = served.try_recv() {
+            bodies.push(request.body.len());
+        }
+        assert_eq!(bodies, [900, 900]);
+        assert_eq!(requests.buffered, 0);
     }
 
     #[tokio::test]

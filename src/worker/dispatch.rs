@@ -162,10 +162,13 @@ impl WorkerState {
             },
             "llmInference.httpRequestStart" if self.config.model_tunnel.is_some() => {
                 match serde_json::from_value::<HttpRequestStart>(params) {
-                    Ok(head) => {
-                        self.tunnel.start(head);
-                        responder.ok(json!({}));
-                    }
+                    Ok(head) => match self.tunnel.start(head) {
+                        Ok(()) => responder.ok(json!({})),
+                        Err(refused) => {
+                            tracing::warn!(%refused, "Refused a model request of a runtime.");
+                            responder.err(ErrorObject::new(INVALID_PARAMS, refused.to_string()));
+                        }
+                    },
                     Err(e) => responder.err(invalid_params(&method, e)),
                 }
             }
