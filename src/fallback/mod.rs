@@ -1096,8 +1096,11 @@ fn read_tail(
             }
             continue;
         }
-        let text = std::str::from_utf8(&line)
-            .map_err(|e| read_error(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+        // A line that is not UTF-8 (a CLI killed mid-write cut a character) does not parse
+        // as any entry: it is skipped like one that is not JSON.
+        let Ok(text) = std::str::from_utf8(&line) else {
+            continue;
+        };
         take(text.trim_end_matches(['\n', '\r']), &mut tail);
     }
     Ok(TranscriptTail {
@@ -1444,8 +1447,11 @@ mod tests {
                 text.push_str("{\"id\":\"s\",\"scope\":\"copilot:s\",\"role\":\"summary\",\"content\":\"the summary\",\"ts_ms\":1}\n");
             }
         }
-        text.push_str("{\"id\":\"torn\",\"role\":\"assi");
-        std::fs::write(&path, text).expect("write");
+        // A line cut inside a character (not UTF-8), then a torn last line: both skipped.
+        let mut bytes = text.into_bytes();
+        bytes.extend_from_slice(b"{\"id\":\"cut\",\"role\":\"user\",\"content\":\"\xE2\x82\n");
+        bytes.extend_from_slice(b"{\"id\":\"torn\",\"role\":\"assi");
+        std::fs::write(&path, bytes).expect("write");
         let tail = read_transcript_tail(&path, 60).expect("read");
         assert_eq!(tail.summary.as_deref(), Some("the summary"));
         let last = tail.entries.last().expect("entries");
