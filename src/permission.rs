@@ -81,6 +81,62 @@ impl PermissionRequest {
         self.working_directory = Some(dir.into());
         self
     }
+
+    /// What an `approve-for-session` of this request has the runtime remember, from the
+    /// fields the runtime sent: a shell request's command identifiers (`commands[].identifier`;
+    /// where the runtime says it cannot offer a session approval, `canOfferSessionApproval:
+    /// false`, only when the one identifier is the whole line, so that exact line), file
+    /// writes (unless `canOfferSessionApproval: false`), file reads, this MCP tool
+    /// (`serverName`, `toolName`), this custom tool, memory writes, or a url request's origin.
+    /// `None` when it names none of these (another kind, a field missing); such a request is
+    /// approved once.
+    pub fn session_approval(&self) -> Option<SessionApproval> {
+        let raw = &self.raw;
+        let text = |key: &str| {
+            raw.get(key)
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+        };
+        let offered = raw.get("canOfferSessionApproval").and_then(Value::as_bool);
+        match self.kind.as_str() {
+            "shell" => {
+                let mut identifiers: Vec<String> = Vec::new();
+                for command in raw.get("commands").and_then(Value::as_array)? {
+                    let identifier = command
+                        .get("identifier")
+                        .and_then(Value::as_str)
+                        .filter(|s| !s.is_empty())?;
+                    if !identifiers.iter().any(|known| known == identifier) {
+                        identifiers.push(identifier.to_owned());
+                    }
+                }
+                // Where the runtime offers no session approval for the line's commands, the
+                // line itself (its only identifier, as runtime 1.0.14 sends every line) is
+                // remembered and nothing wider: the runtime runs that exact line unasked.
+                let exact_line = identifiers.len() == 1
+                    && self.command.as_deref() == Some(identifiers[0].as_str());
+                (!identifiers.is_empty() && (offered == Some(true) || exact_line))
+                    .then_some(SessionApproval::Commands(identifiers))
+            }
+            "read" => Some(SessionApproval::Read),
+            "write" => (offered != Some(false)).then_some(SessionApproval::Write),
+            "mcp" => Some(SessionApproval::Mcp {
+                server: text("serverName")?,
+                tool: text("toolName")?,
+            }),
+            "custom-tool" => text("toolName").map(SessionApproval::CustomTool),
+            "memory" => Some(SessionApproval::Memory),
+            "url" => {
+                let url = url::Url::parse(self.url.as_deref()?).ok()?;
+                let origin = url.origin();
+                origin
+                    .is_tuple()
+                    .then(|| SessionApproval::UrlOrigin(origin.ascii_serialization()))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// The client's answer to a permission request.
@@ -88,6 +144,13 @@ impl PermissionRequest {
 pub enum PermissionDecision {
     /// Allow this one use (`approve-once`).
     Approve,
+    /// Allow this use and have the runtime remember the approval for the rest of the session
+    /// (`approve-for-session`, with what [`PermissionRequest::session_approval`] names): the
+    /// runtime then runs requests that approval covers without asking again, so no policy is
+    /// asked about them either. A request that names nothing the runtime can remember (or
+    /// that the runtime says cannot be approved for the session) is approved once. A CLI
+    /// backend other than Copilot takes it as [`Approve`](Self::Approve).
+    ApproveForSession,
     /// Refuse; the feedback is shown to the model.
     Reject { feedback: String },
 }
@@ -100,12 +163,89 @@ impl PermissionDecision {
         }
     }
 
-    /// The wire shape: `{"kind":"approve-once"}` or `{"kind":"reject","feedback":…}`.
+    /// True for [`Approve`](Self::Approve) and [`ApproveForSession`](Self::ApproveForSession).
+    pub fn approves(&self) -> bool {
+        !matches!(self, Self::Reject { .. })
+    }
+
+    /// The wire shape without the request: `{"kind":"approve-once"}` or
+    /// `{"kind":"reject","feedback":…}`. [`ApproveForSession`](Self::ApproveForSession) needs
+    /// the request to name what the runtime is to remember, so here it is `approve-once`; use
+    /// [`to_wire_for`](Self::to_wire_for) to answer a request.
     pub fn to_wire(&self) -> Value {
+        self.to_wire_with(None)
+    }
+
+    /// The wire shape answering `request`: as [`to_wire`](Self::to_wire), except that
+    /// [`ApproveForSession`](Self::ApproveForSession) is `{"kind":"approve-for-session",
+    /// "approval":…}` (`"domain":…` for a url request) when the request names something the
+    /// runtime can remember ([`PermissionRequest::session_approval`]), else `approve-once`.
+    pub fn to_wire_for(&self, request: &PermissionRequest) -> Value {
         match self {
-            Self::Approve => json!({ "kind": "approve-once" }),
-            Self::Reject { feedback } => json!({ "kind": "reject", "feedback": feedback }),
+            Self::ApproveForSession => self.to_wire_with(request.session_approval()),
+            _ => self.to_wire_with(None),
         }
+    }
+
+    /// The wire shape, `approval` being what an `approve-for-session` remembers.
+    pub(crate) fn to_wire_with(&self, approval: Option<SessionApproval>) -> Value {
+        match (self, approval) {
+            (Self::ApproveForSession, Some(approval)) => approval.to_decision(),
+            (Self::Approve | Self::ApproveForSession, _) => json!({ "kind": "approve-once" }),
+            (Self::Reject { feedback }, _) => json!({ "kind": "reject", "feedback": feedback }),
+        }
+    }
+}
+
+/// What the runtime remembers for the rest of a session when a request is answered
+/// `approve-for-session` (the decision's `approval`, or its `domain` for a url request):
+/// later requests it covers run without a `permission.requested`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionApproval {
+    /// Shell lines made of commands with these identifiers, the request's
+    /// `commands[].identifier` (runtime 1.0.14 sends the whole line as the one identifier,
+    /// so that exact line): `{"kind":"commands","commandIdentifiers":[…]}`.
+    Commands(Vec<String>),
+    /// File reads (`{"kind":"read"}`); a path outside the allowed directories is still asked
+    /// for on its own (a `read` request per new path).
+    Read,
+    /// Every file write: `{"kind":"write"}`.
+    Write,
+    /// This tool of this MCP server (never the whole server): `{"kind":"mcp",…}`.
+    Mcp {
+        /// The request's `serverName`.
+        server: String,
+        /// The request's `toolName`.
+        tool: String,
+    },
+    /// This custom tool: `{"kind":"custom-tool","toolName":…}`.
+    CustomTool(String),
+    /// Writes to long-term memory: `{"kind":"memory"}`.
+    Memory,
+    /// Fetching URLs of this origin (`https://example.com`, `http://127.0.0.1:8080`; another
+    /// scheme, port or subdomain is asked again), sent as the decision's `domain`.
+    UrlOrigin(String),
+}
+
+impl SessionApproval {
+    /// The `approve-for-session` decision that has the runtime remember this.
+    pub fn to_decision(&self) -> Value {
+        let approval = match self {
+            Self::Commands(identifiers) => {
+                json!({ "kind": "commands", "commandIdentifiers": identifiers })
+            }
+            Self::Read => json!({ "kind": "read" }),
+            Self::Write => json!({ "kind": "write" }),
+            Self::Mcp { server, tool } => {
+                json!({ "kind": "mcp", "serverName": server, "toolName": tool })
+            }
+            Self::CustomTool(name) => json!({ "kind": "custom-tool", "toolName": name }),
+            Self::Memory => json!({ "kind": "memory" }),
+            Self::UrlOrigin(origin) => {
+                return json!({ "kind": "approve-for-session", "domain": origin });
+            }
+        };
+        json!({ "kind": "approve-for-session", "approval": approval })
     }
 }
 
@@ -169,8 +309,9 @@ impl PermissionPolicy for ApproveAll {
 /// pattern it sets matches; patterns are [globs](glob_match). What "matches" means depends on
 /// the rule's decision, so that a rule never approves more than it says:
 ///
-/// - an **allow** rule ([`PermissionDecision::Approve`]) matches a request's paths when EVERY
-///   path matches after lexical normalisation, and its shell line when the line splits into
+/// - an **allow** rule ([`PermissionDecision::Approve`] or
+///   [`PermissionDecision::ApproveForSession`]) matches a request's paths when EVERY path
+///   matches after lexical normalisation, and its shell line when the line splits into
 ///   simple commands with confidence and EVERY one matches, its wildcards matching no
 ///   redirection operator;
 /// - a **reject** rule matches a request's paths when ANY path matches (normalised or as
@@ -181,6 +322,11 @@ impl PermissionPolicy for ApproveAll {
 /// substitution or a here-document (anywhere), unquoted parentheses, a `${…}` with quotes or
 /// operators, or an unterminated quote is approved by no allow rule. The README's "Permission
 /// rules" section states it all.
+///
+/// An `ApproveForSession` rule approves what it matches as any allow rule does, but the
+/// runtime then remembers the request's [`SessionApproval`] (a shell line's command names,
+/// every write, …), which is wider than the rule's globs: later requests it covers are not
+/// asked about, so no rule sees them. Use `Approve` where the globs must hold for every use.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rule {
     /// `"*"` or a request kind (`shell`, `write`, …), compared exactly.
@@ -203,7 +349,7 @@ impl Rule {
         if self.kind != "*" && self.kind != request.kind {
             return false;
         }
-        let approves = self.decision == PermissionDecision::Approve;
+        let approves = self.decision.approves();
         let url_matches = match &self.url {
             None => true,
             Some(pattern) => request
@@ -469,6 +615,148 @@ mod tests {
             reject("no").to_wire(),
             json!({"kind": "reject", "feedback": "no"})
         );
+    }
+
+    /// A shell request as runtime 1.0.14 sends it: the whole line as its one identifier.
+    fn shell_as_sent(line: &str, offered: bool) -> PermissionRequest {
+        req(json!({
+            "kind": "shell", "fullCommandText": line, "intention": "run it",
+            "commands": [{"identifier": line, "readOnly": false}],
+            "commandSegments": [{"fullCommandText": line, "identifier": "echo"}],
+            "canOfferSessionApproval": offered, "possiblePaths": [], "possibleUrls": [],
+            "hasWriteFileRedirection": false, "toolCallId": "c1",
+        }))
+    }
+
+    #[test]
+    fn approve_for_session_names_what_the_runtime_is_to_remember_for_each_kind() {
+        let session = |request: &PermissionRequest| {
+            PermissionDecision::ApproveForSession.to_wire_for(request)
+        };
+        let once = json!({"kind": "approve-once"});
+        // The exact line, even where the runtime offers no pattern; never the segments'
+        // command names (`echo`), which would cover every echo.
+        assert_eq!(
+            session(&shell_as_sent("echo hi", false)),
+            json!({"kind": "approve-for-session",
+                   "approval": {"kind": "commands", "commandIdentifiers": ["echo hi"]}})
+        );
+        // Identifiers wider than the line only where the runtime offers them.
+        let wider = |offered: bool| {
+            req(
+                json!({"kind": "shell", "fullCommandText": "git status && git log",
+                       "commands": [{"identifier": "git status"}, {"identifier": "git log"}],
+                       "canOfferSessionApproval": offered}),
+            )
+        };
+        assert_eq!(session(&wider(false)), once);
+        assert_eq!(
+            session(&wider(true)),
+            json!({"kind": "approve-for-session", "approval":
+                   {"kind": "commands", "commandIdentifiers": ["git status", "git log"]}})
+        );
+        // A shell request without identifiers, or with one that is not a string.
+        assert_eq!(session(&shell("echo hi")), once);
+        let odd = req(json!({"kind": "shell", "fullCommandText": "x",
+                             "commands": [{"identifier": 5}], "canOfferSessionApproval": true}));
+        assert_eq!(session(&odd), once);
+
+        let write = |offered: bool| {
+            req(json!({"kind": "write", "fileName": "/srv/a", "canOfferSessionApproval": offered}))
+        };
+        assert_eq!(
+            session(&write(true)),
+            json!({"kind": "approve-for-session", "approval": {"kind": "write"}})
+        );
+        assert_eq!(session(&write(false)), once);
+        assert_eq!(
+            session(&req(json!({"kind": "read", "path": "/etc/hostname"}))),
+            json!({"kind": "approve-for-session", "approval": {"kind": "read"}})
+        );
+        assert_eq!(
+            session(&req(
+                json!({"kind": "mcp", "serverName": "gh", "toolName": "search"})
+            )),
+            json!({"kind": "approve-for-session",
+                   "approval": {"kind": "mcp", "serverName": "gh", "toolName": "search"}})
+        );
+        // Never the whole server: no tool name, no session approval.
+        assert_eq!(
+            session(&req(json!({"kind": "mcp", "serverName": "gh"}))),
+            once
+        );
+        assert_eq!(
+            session(&req(json!({"kind": "custom-tool", "toolName": "lookup"}))),
+            json!({"kind": "approve-for-session",
+                   "approval": {"kind": "custom-tool", "toolName": "lookup"}})
+        );
+        assert_eq!(
+            session(&req(json!({"kind": "memory", "action": "store"}))),
+            json!({"kind": "approve-for-session", "approval": {"kind": "memory"}})
+        );
+        // A url: its origin, port included (a bare host is taken as https by the runtime).
+        assert_eq!(
+            session(&req(
+                json!({"kind": "url", "url": "http://127.0.0.1:9/a?b"})
+            )),
+            json!({"kind": "approve-for-session", "domain": "http://127.0.0.1:9"})
+        );
+        assert_eq!(
+            session(&req(json!({"kind": "url", "url": "https://Docs.rs/serde"}))),
+            json!({"kind": "approve-for-session", "domain": "https://docs.rs"})
+        );
+        assert_eq!(
+            session(&req(json!({"kind": "url", "url": "not a url"}))),
+            once
+        );
+        assert_eq!(
+            session(&req(json!({"kind": "url", "url": "data:text/plain,x"}))),
+            once
+        );
+        // Kinds with nothing to remember are approved once.
+        assert_eq!(
+            session(&req(json!({"kind": "hook", "toolName": "bash"}))),
+            once
+        );
+        assert_eq!(session(&req(json!({}))), once);
+
+        // Without the request there is nothing to name: approve-once. Other decisions are
+        // the same whatever the request.
+        assert_eq!(PermissionDecision::ApproveForSession.to_wire(), once);
+        assert_eq!(PermissionDecision::Approve.to_wire_for(&write(true)), once);
+        assert_eq!(
+            reject("no").to_wire_for(&write(true)),
+            json!({"kind": "reject", "feedback": "no"})
+        );
+    }
+
+    #[test]
+    fn an_approve_for_session_rule_matches_as_narrowly_as_an_approve_rule() {
+        let for_session = |pattern: &str| {
+            RulePolicy::new(vec![Rule {
+                command: Some(pattern.into()),
+                path: None,
+                ..rule("*", PermissionDecision::ApproveForSession)
+            }])
+        };
+        let policy = for_session("echo *");
+        assert_eq!(
+            policy.decide_now(&shell("echo hi")),
+            PermissionDecision::ApproveForSession
+        );
+        // As an allow rule: every simple command must match, not any.
+        assert!(!policy.decide_now(&shell("echo hi; rm -rf /")).approves());
+        assert!(!policy.decide_now(&shell("echo $(rm -rf /)")).approves());
+        let paths = RulePolicy::new(vec![Rule {
+            path: Some("/srv/*".into()),
+            ..rule("write", PermissionDecision::ApproveForSession)
+        }]);
+        assert!(
+            !paths
+                .decide_now(&write(&["/srv/a", "/etc/passwd"]))
+                .approves()
+        );
+        assert!(paths.decide_now(&write(&["/srv/a", "/srv/b"])).approves());
     }
 
     #[tokio::test]

@@ -617,3 +617,73 @@ async fn a_state_directory_that_cannot_record_the_conversation_is_a_503_naming_i
     assert!(message.contains("Not a directory"), "{message}");
     server.stop().await;
 }
+
+/// Streams one turn of `body`, answering each `permission.request` with `decision`; returns
+/// how many were asked and the turn's `turn.end`.
+async fn turn_answering(
+    addr: std::net::SocketAddr,
+    body: &serde_json::Value,
+    decision: &str,
+) -> (usize, serde_json::Value) {
+    let mut stream = SseStream::open(addr, "/v1/turns", None, body).await;
+    assert_eq!(stream.status, 200);
+    let mut asked = 0;
+    while let Some(event) = stream.next().await {
+        match event.event.as_str() {
+            "permission.request" => {
+                asked += 1;
+                let body = json!({"decision": decision});
+                let answered = answer(addr, &request_id(&event), &body).await;
+                assert_eq!(answered.status, 204, "{}", answered.body);
+            }
+            "turn.end" => return (asked, event.data),
+            _ => {}
+        }
+    }
+    panic!("the turn's stream ended without turn.end");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approve_for_session_over_http_lets_the_same_shell_line_and_later_writes_run_unasked() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+    let dir = fx.scratch.path().to_path_buf();
+    let bash = |command: &str| {
+        let args = json!({"command": command, "description": "run it", "mode": "sync", "initial_wait": 10});
+        format!("SCENARIO:tool NAME=bash ARGS={args}")
+    };
+    let create = |name: &str| {
+        let args = json!({"path": dir.join(name), "file_text": "written"});
+        format!("SCENARIO:tool NAME=create ARGS={args}")
+    };
+    for (decision, key, expected) in [
+        ("approve-for-session", "session", [1, 0, 1, 0]),
+        ("approve-once", "once", [1, 1, 1, 1]),
+    ] {
+        let prompts = [
+            bash("echo asked-once"),
+            bash("echo asked-once"),
+            create(&format!("{key}-a.txt")),
+            create(&format!("{key}-b.txt")),
+        ];
+        let mut asked = Vec::new();
+        for prompt in &prompts {
+            let (n, end) =
+                turn_answering(addr, &turn(&url, "agent-p", key, prompt), decision).await;
+            assert_eq!(end["status"], "idle", "{end}");
+            asked.push(n);
+            if prompt.contains("echo") {
+                let text = end["final_text"].as_str().unwrap_or_default();
+                assert!(text.contains("asked-once\n"), "the line ran: {end}");
+            }
+        }
+        assert_eq!(asked, expected, "{decision}");
+        for name in ["a", "b"] {
+            let path = dir.join(format!("{key}-{name}.txt"));
+            assert_eq!(std::fs::read_to_string(&path).expect("written"), "written");
+        }
+    }
+    server.stop().await;
+}

@@ -770,6 +770,21 @@ async fn idle_workers_are_evicted_and_conversations_resume_afterwards() {
 }
 
 #[tokio::test]
+async fn a_zero_maintenance_interval_is_refused_at_start_naming_what_to_set() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    // With no tick, idle processes would never be evicted nor keys pruned.
+    config.maintenance_interval = Duration::ZERO;
+    let refused = Pool::start(config).await.expect_err("refused");
+    assert!(
+        matches!(&refused, PoolError::InvalidRequest(m)
+            if m.contains("maintenance_interval") && m.contains("default is 1s")),
+        "{refused}"
+    );
+    assert_eq!(refused.kind(), copilot_pool::kinds::ErrorKind::Invalid);
+}
+
+#[tokio::test]
 async fn a_worker_is_recycled_after_its_turn_budget() {
     let fx = Fixture::new().await;
     let mut config = fx.config().await;

@@ -296,6 +296,82 @@ impl PermissionPolicy for Recording {
     }
 }
 
+/// Runs each prompt as one turn of the conversation `key`, whose policy answers every
+/// permission request `decision`; returns each turn's permission prompts and text.
+async fn turns_answered(
+    fx: &Fixture,
+    pool: &Pool,
+    key: &str,
+    decision: PermissionDecision,
+    prompts: &[String],
+) -> Vec<(u32, String)> {
+    let mut req = fx.request("agent-t", key);
+    req.available_tools = None;
+    req.handlers.permission_policy = Arc::new(RulePolicy::new(vec![]).otherwise(decision));
+    let mut lease = pool.lease(req).await.expect("lease");
+    let mut turns = Vec::new();
+    for prompt in prompts {
+        let outcome = lease.run(prompt.as_str()).await.expect("turn");
+        turns.push((outcome.permission_prompts, outcome.text));
+    }
+    turns
+}
+
+#[tokio::test]
+async fn approve_for_session_runs_the_same_shell_line_and_later_writes_unasked_and_approve_once_asks_each_time()
+ {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let dir = fx.scratch.path().to_path_buf();
+    let create = |name: &str| {
+        call_tool(
+            "create",
+            json!({"path": dir.join(name), "file_text": format!("{name} written")}),
+        )
+    };
+    let prompts = |tag: &str| {
+        vec![
+            bash("echo remembered-line"),
+            // Not the approved line: a command after it is asked for.
+            bash("echo remembered-line && echo chained"),
+            bash("echo remembered-line"),
+            create(&format!("{tag}-first.txt")),
+            create(&format!("{tag}-second.txt")),
+        ]
+    };
+    let asked = |turns: &[(u32, String)]| turns.iter().map(|t| t.0).collect::<Vec<_>>();
+
+    let session = turns_answered(
+        &fx,
+        &pool,
+        "for-session",
+        PermissionDecision::ApproveForSession,
+        &prompts("session"),
+    )
+    .await;
+    assert_eq!(asked(&session), [1, 1, 0, 1, 0], "{session:?}");
+    // What ran unasked ran: the line's output, the second file.
+    assert!(session[2].1.contains("remembered-line\n"), "{session:?}");
+    assert!(session[1].1.contains("chained"), "{session:?}");
+    for name in ["session-first.txt", "session-second.txt"] {
+        let text = std::fs::read_to_string(dir.join(name)).expect(name);
+        assert_eq!(text, format!("{name} written"));
+    }
+
+    let once = turns_answered(
+        &fx,
+        &pool,
+        "once",
+        PermissionDecision::Approve,
+        &prompts("once"),
+    )
+    .await;
+    assert_eq!(asked(&once), [1, 1, 1, 1, 1], "{once:?}");
+    assert!(once[2].1.contains("remembered-line\n"), "{once:?}");
+    assert!(dir.join("once-second.txt").exists());
+    shutdown_leaves_nothing(&pool).await;
+}
+
 fn ask(choices_freeform: bool) -> String {
     call_tool(
         "ask_user",

@@ -24,7 +24,13 @@
 //!   alone, as any line read;
 //!   past it the turn ends with [`TurnFailure::OutputLimit`], keeping the last assistant
 //!   message already received;
-//! * the API key is held as a [`Secret`] and put only into the child's environment.
+//! * the API key is held as a [`Secret`] and put only into the child's environment;
+//! * no wait of a turn outlasts its abort (the pool's time limit) by more than
+//!   `interrupt_grace`: its lines to stdin (the user message, of megabytes with images;
+//!   control responses; the interrupt) are written by the process's own writer task, never
+//!   awaited, and the permission policy's decision races the abort, so a process that stops
+//!   reading stdin or a policy that never answers ends the turn `aborted` (the pool reports
+//!   `timeout` when its limit fired).
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
@@ -62,6 +68,8 @@ const CRASH_STDERR_CHARS: usize = 2000;
 const CRASH_EXIT_WAIT: Duration = Duration::from_secs(2);
 /// How long a crash waits for the rest of stderr once the leader has exited.
 const CRASH_STDERR_WAIT: Duration = Duration::from_millis(500);
+/// The feedback of a permission request answered while (or after) its turn was aborted.
+const INTERRUPTED_FEEDBACK: &str = "the turn was interrupted before the permission was decided";
 
 /// How to run one conversation's Claude Code process.
 #[non_exhaustive]
@@ -192,17 +200,114 @@ pub enum ClaudeLiveError {
     /// An image of the turn cannot be read into the message.
     #[error(transparent)]
     Image(#[from] ImageError),
+    /// The system prompt (the gateway's `systemMessage`) is too long to pass as the one
+    /// argument `systemPromptArg` gives it; nothing was started.
+    #[error(
+        "the systemMessage has {bytes} bytes, over the {max} Claude Code takes as one \
+         argument (`systemPromptArg`); shorten the systemMessage (put long instructions in a \
+         file in the working directory and point to it)"
+    )]
+    SystemMessageTooLong {
+        /// The system prompt's length in bytes.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
 }
 
 /// The running process and its pipes.
 struct LiveProcess {
     child: ChildGroup,
-    stdin: ChildStdin,
+    /// Writes its stdin.
+    writer: StdinWriter,
     lines: FramedRead<tokio::process::ChildStdout, LinesCodec>,
     /// Started with `--resume`.
     resumed: bool,
     /// The `--effort` and `--permission-mode` it was started with.
     flags: LaunchFlags,
+}
+
+/// The writer of a process's stdin: a task writing the queued lines in order, so nobody
+/// waits on a process that stops reading (a user line of megabytes with its images, a
+/// control response, an interrupt). A turn's waits are its abort and `interrupt_grace`,
+/// never a write. Dropping it stops the task, which closes stdin.
+struct StdinWriter {
+    shared: Arc<WriterShared>,
+    /// Changes (or closes) when a write failed: the process no longer reads its stdin.
+    failed: tokio::sync::watch::Receiver<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// What a [`StdinWriter`] shares with its task.
+#[derive(Default)]
+struct WriterShared {
+    /// The lines not begun yet, each with its newline.
+    lines: std::sync::Mutex<VecDeque<Vec<u8>>>,
+    /// Wakes the task for a queued line.
+    queued: Notify,
+}
+
+impl WriterShared {
+    fn lines(&self) -> std::sync::MutexGuard<'_, VecDeque<Vec<u8>>> {
+        self.lines
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl StdinWriter {
+    fn start(stdin: ChildStdin) -> Self {
+        let shared = Arc::new(WriterShared::default());
+        let (failed_tx, failed) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(write_lines(stdin, shared.clone(), failed_tx));
+        Self {
+            shared,
+            failed,
+            task,
+        }
+    }
+
+    /// Queues `value` as one line.
+    fn queue(&self, value: &Value) {
+        let mut line = value.to_string().into_bytes();
+        line.push(b'\n');
+        self.shared.lines().push_back(line);
+        self.shared.queued.notify_one();
+    }
+
+    /// Drops the lines not begun (at a turn's end: an interrupt written later would
+    /// interrupt the next turn); a line being written is finished.
+    fn drop_unbegun_lines(&self) {
+        self.shared.lines().clear();
+    }
+}
+
+impl Drop for StdinWriter {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A [`StdinWriter`]'s task: writes each queued line whole, in order, until a write fails
+/// (then says so on `failed`) or the writer is dropped.
+async fn write_lines(
+    mut stdin: ChildStdin,
+    shared: Arc<WriterShared>,
+    failed: tokio::sync::watch::Sender<bool>,
+) {
+    loop {
+        let next = shared.lines().pop_front();
+        let Some(line) = next else {
+            // `notify_one` keeps a permit: a line queued since the look is not missed.
+            shared.queued.notified().await;
+            continue;
+        };
+        if let Err(error) = stdin.write_all(&line).await {
+            tracing::debug!(%error, "could not write to claude's stdin");
+            failed.send_replace(true);
+            return;
+        }
+    }
 }
 
 /// The per-lease flags a Claude process is started with; a lease that wants others gets a
@@ -334,10 +439,10 @@ impl ClaudeLive {
             max_bytes: limits.max_turn_raw_chars,
             max_lines: limits.max_turn_lines,
         };
-        if let Err(error) = turn.write_line(&line).await {
-            tracing::debug!(%error, "could not send the prompt to claude");
-            turn.crash().await;
-        }
+        // Written by the process's writer task: a line of megabytes (images) into a process
+        // that stopped reading must not hold the caller before the turn, and its time
+        // limit, exist.
+        turn.send(&line);
         Ok(turn)
     }
 
@@ -426,6 +531,26 @@ impl ClaudeLive {
 
     async fn spawn(&mut self) -> Result<(), ClaudeLiveError> {
         let config = &self.config;
+        let backend = &config.backend;
+        let pass = match backend.system_prompt_when {
+            SystemPromptWhen::Always => true,
+            SystemPromptWhen::First => self.session_id.is_none(),
+            SystemPromptWhen::Never => false,
+        };
+        // The flag and the text, when this start passes them.
+        let system_prompt = (backend.system_prompt_arg.as_ref())
+            .zip(config.system_prompt.as_ref())
+            .filter(|_| pass);
+        // Checked before anything is made or started, as a one-shot backend checks it: past
+        // the limit the spawn would fail with E2BIG, read as a CLI that cannot start.
+        if let Some((_, prompt)) = system_prompt
+            && prompt.len() > super::MAX_ARG_BYTES
+        {
+            return Err(ClaudeLiveError::SystemMessageTooLong {
+                bytes: prompt.len(),
+                max: super::MAX_ARG_BYTES,
+            });
+        }
         let claude_dir = config.home.join(".claude");
         let tmp_dir = config.home.join("tmp");
         // Private (0700, whatever the umask): Claude keeps its transcripts and credentials
@@ -439,18 +564,9 @@ impl ClaudeLive {
         crate::home::ensure_private_dirs(dirs)
             .await
             .map_err(|(path, error)| ClaudeLiveError::Home { path, error })?;
-        let backend = &config.backend;
         let mut args = backend.argv(self.session_id.as_deref(), config.model.as_deref());
-        let first = self.session_id.is_none();
-        if let (Some(flag), Some(prompt)) = (&backend.system_prompt_arg, &config.system_prompt) {
-            let pass = match backend.system_prompt_when {
-                SystemPromptWhen::Always => true,
-                SystemPromptWhen::First => first,
-                SystemPromptWhen::Never => false,
-            };
-            if pass {
-                args.extend([flag.clone(), prompt.clone()]);
-            }
+        if let Some((flag, prompt)) = system_prompt {
+            args.extend([flag.clone(), prompt.clone()]);
         }
         let flags = self.launch_flags();
         if !names_flag(&backend.args, "--permission-mode") {
@@ -559,7 +675,7 @@ impl ClaudeLive {
             .saturating_add(1);
         self.process = Some(LiveProcess {
             child,
-            stdin: io.stdin,
+            writer: StdinWriter::start(io.stdin),
             lines: FramedRead::new(io.stdout, LinesCodec::new_with_max_length(max_line)),
             resumed,
             flags,
@@ -645,8 +761,8 @@ pub(crate) fn is_envelope(value: &Value) -> bool {
 /// Closes a process: its stdin first (Claude exits after the current turn), `grace`, then
 /// SIGTERM, `grace`, SIGKILL to the group.
 async fn close_process(process: LiveProcess, grace: Duration) -> ExitInfo {
-    let LiveProcess { child, stdin, .. } = process;
-    drop(stdin);
+    let LiveProcess { child, writer, .. } = process;
+    drop(writer);
     match tokio::time::timeout(grace, child.wait()).await {
         Ok(info) => info,
         Err(_) => child.terminate(grace).await,
@@ -709,24 +825,29 @@ impl ClaudeTurn<'_> {
                 continue;
             };
             let deadline = self.interrupt_deadline;
-            let line = tokio::select! {
+            // Stdin is written by its own task: nothing here waits on a process that stops
+            // reading it, beyond the abort and the interrupt's grace. What it printed before
+            // a write failed is read first.
+            let wake = tokio::select! {
                 biased;
-                () = self.abort.notified(), if !self.interrupted => {
-                    self.interrupt().await;
-                    continue;
-                }
-                () = sleep_until_opt(deadline), if deadline.is_some() => {
+                () = self.abort.notified(), if !self.interrupted => Wake::Abort,
+                () = sleep_until_opt(deadline), if deadline.is_some() => Wake::Grace,
+                line = process.lines.next() => Wake::Line(line),
+                _ = process.writer.failed.changed() => Wake::WriteFailed,
+            };
+            match wake {
+                Wake::Abort => self.interrupt(),
+                Wake::Grace => {
                     tracing::debug!("claude did not end an interrupted turn in time; killing it");
                     self.live.process = None;
                     self.end_with(TurnEnd::Aborted, None, Usage::default());
-                    continue;
                 }
-                line = process.lines.next() => line,
-            };
-            match line {
-                None | Some(Err(LinesCodecError::Io(_))) => self.crash().await,
-                Some(Err(LinesCodecError::MaxLineLengthExceeded)) => self.over_limit(true),
-                Some(Ok(line)) => self.handle_line(&line).await,
+                Wake::WriteFailed => self.crash().await,
+                Wake::Line(None | Some(Err(LinesCodecError::Io(_)))) => self.crash().await,
+                Wake::Line(Some(Err(LinesCodecError::MaxLineLengthExceeded))) => {
+                    self.over_limit(true)
+                }
+                Wake::Line(Some(Ok(line))) => self.handle_line(&line).await,
             }
         }
     }
@@ -844,19 +965,20 @@ impl ClaudeTurn<'_> {
                     "error": format!("copilot-pool does not handle `{subtype}` requests"),
                 },
             });
-            if self.write_line(&reply).await.is_err() {
-                self.crash().await;
-            }
+            self.send(&reply);
             return;
         }
         let tool_name = request["tool_name"].as_str().unwrap_or("").to_owned();
         let input = request["input"].clone();
         let asked = permission_request(&tool_name, request, &self.live.config.cwd);
-        let decision = decide_safely(self.live.config.permission.as_ref(), asked).await;
+        let (decision, aborted) = self.decide(asked).await;
         self.permission_prompts += 1;
-        let approved = decision == PermissionDecision::Approve;
+        let approved = decision.approves();
         let answer = match &decision {
-            PermissionDecision::Approve => json!({"behavior": "allow", "updatedInput": input}),
+            // Claude is not told to remember: approve-for-session approves this use.
+            PermissionDecision::Approve | PermissionDecision::ApproveForSession => {
+                json!({"behavior": "allow", "updatedInput": input})
+            }
             PermissionDecision::Reject { feedback } => {
                 json!({"behavior": "deny", "message": feedback})
             }
@@ -871,8 +993,28 @@ impl ClaudeTurn<'_> {
             "type": "control_response",
             "response": {"subtype": "success", "request_id": request_id, "response": answer},
         });
-        if self.write_line(&reply).await.is_err() {
-            self.crash().await;
+        self.send(&reply);
+        if aborted {
+            self.interrupt();
+        }
+    }
+
+    /// The permission policy's decision on `asked`, raced against the turn's abort (a
+    /// policy may wait for a human who never answers): aborted first, the request is
+    /// rejected and `true` says the turn must now be interrupted. An interrupted turn asks
+    /// the policy nothing more.
+    async fn decide(&mut self, asked: PermissionRequest) -> (PermissionDecision, bool) {
+        if self.interrupted {
+            return (PermissionDecision::reject(INTERRUPTED_FEEDBACK), false);
+        }
+        let policy = self.live.config.permission.clone();
+        tokio::select! {
+            biased;
+            () = self.abort.notified() => {
+                tracing::debug!("the turn was aborted while its permission policy decided");
+                (PermissionDecision::reject(INTERRUPTED_FEEDBACK), true)
+            }
+            decision = decide_safely(policy.as_ref(), asked) => (decision, false),
         }
     }
 
@@ -904,7 +1046,9 @@ impl ClaudeTurn<'_> {
         }
     }
 
-    async fn interrupt(&mut self) {
+    /// Asks the process to interrupt the turn; past `interrupt_grace` it is killed (`next`),
+    /// whether it answered or never read the request.
+    fn interrupt(&mut self) {
         self.interrupted = true;
         self.interrupt_deadline = Some(Instant::now() + self.live.config.interrupt_grace);
         let request = json!({
@@ -912,9 +1056,7 @@ impl ClaudeTurn<'_> {
             "request_id": format!("interrupt-{}", uuid::Uuid::new_v4().simple()),
             "request": {"subtype": "interrupt"},
         });
-        if self.write_line(&request).await.is_err() {
-            self.crash().await;
-        }
+        self.send(&request);
     }
 
     fn over_limit(&mut self, bytes: bool) {
@@ -970,6 +1112,9 @@ impl ClaudeTurn<'_> {
             return;
         }
         self.ended = true;
+        if let Some(process) = &self.live.process {
+            process.writer.drop_unbegun_lines();
+        }
         let text = self.live.config.backend.transform(&self.last_text, true);
         self.queue.push_back(BackendEvent::TurnEnd(CliTurnOutcome {
             text,
@@ -985,15 +1130,25 @@ impl ClaudeTurn<'_> {
         }));
     }
 
-    async fn write_line(&mut self, value: &Value) -> std::io::Result<()> {
-        let Some(process) = self.live.process.as_mut() else {
-            return Err(std::io::ErrorKind::BrokenPipe.into());
-        };
-        let mut line = value.to_string();
-        line.push('\n');
-        process.stdin.write_all(line.as_bytes()).await?;
-        process.stdin.flush().await
+    /// Queues `value` as a line for the process's stdin (its writer task writes it); a turn
+    /// without a process ends `crashed` in [`ClaudeTurn::next`].
+    fn send(&mut self, value: &Value) {
+        if let Some(process) = &self.live.process {
+            process.writer.queue(value);
+        }
     }
+}
+
+/// What woke a turn's [`ClaudeTurn::next`].
+enum Wake {
+    /// The turn's abort handle fired.
+    Abort,
+    /// The interrupt's grace is over.
+    Grace,
+    /// A write to stdin failed.
+    WriteFailed,
+    /// A line of stdout (or its end).
+    Line(Option<Result<String, LinesCodecError>>),
 }
 
 async fn sleep_until_opt(deadline: Option<Instant>) {
@@ -1246,6 +1401,168 @@ sleep 30
             "{outcome:?}"
         );
         assert_eq!(live.pid(), None, "the process was stopped");
+    }
+
+    /// `script` as an executable fake `claude` in `dir`, and a config running it.
+    fn fake_claude(dir: &std::path::Path, script: &str) -> ClaudeLiveConfig {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join("claude");
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let mut config =
+            ClaudeLiveConfig::new(path.to_str().unwrap(), dir.join("home"), dir.join("work"));
+        config.path_var = Some("/usr/bin:/bin".into());
+        config
+    }
+
+    /// Aborts `turn` once `limit` is over, as a pool lease's turn timeout does
+    /// (`CliLease::set_turn_timeout`, which reports that `aborted` as `timeout`).
+    fn time_limit(turn: &ClaudeTurn<'_>, limit: Duration) -> tokio::task::JoinHandle<()> {
+        let abort = turn.abort_handle();
+        tokio::spawn(async move {
+            tokio::time::sleep(limit).await;
+            abort.abort();
+        })
+    }
+
+    #[tokio::test]
+    async fn a_process_that_stops_reading_stdin_cannot_hold_a_large_prompt_or_its_turn_past_the_time_limit()
+     {
+        let dir = tempfile::tempdir().unwrap();
+        // Never reads its stdin: 200 KiB is over the pipe's buffer.
+        let mut config = fake_claude(dir.path(), "#!/bin/sh\nexec sleep 30\n");
+        config.interrupt_grace = Duration::from_millis(500);
+        let mut live = ClaudeLive::new(config).unwrap();
+        let started = Instant::now();
+        let prompt = "p".repeat(200 * 1024);
+        let turn = tokio::time::timeout(Duration::from_secs(5), live.start_turn(&prompt))
+            .await
+            .expect("the turn started without waiting for the prompt to be read")
+            .unwrap();
+        assert!(turn.pid().is_some(), "running");
+        let timer = time_limit(&turn, Duration::from_secs(1));
+        let outcome = tokio::time::timeout(Duration::from_secs(5), turn.finish())
+            .await
+            .expect("the turn ended at its time limit and grace");
+        timer.await.unwrap();
+        assert_eq!(outcome.end, Some(TurnEnd::Aborted), "{outcome:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(live.pid(), None, "the process was killed");
+    }
+
+    /// A permission policy that never answers (a human who is away).
+    struct NeverAnswers;
+
+    impl PermissionPolicy for NeverAnswers {
+        fn decide(&self, _: PermissionRequest) -> crate::permission::DecisionFuture {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    /// A stand-in for Claude Code that asks to run a tool, records what it reads after, and
+    /// ends the turn when asked to interrupt it.
+    const ASKING_CLAUDE: &str = r#"#!/bin/sh
+read prompt
+echo '{"type":"system","subtype":"init","session_id":"s-1"}'
+echo '{"type":"control_request","request_id":"r-1","request":{"subtype":"can_use_tool","tool_name":"Bash","input":{"command":"ls"}}}'
+while read line; do
+  printf '%s\n' "$line" >> "$HOME/stdin.txt"
+  case "$line" in
+    *'"interrupt"'*) echo '{"type":"result","subtype":"success","is_error":false,"result":"stopped"}' ;;
+  esac
+done
+"#;
+
+    #[tokio::test]
+    async fn a_permission_policy_that_never_answers_cannot_hold_the_turn_past_its_time_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = fake_claude(dir.path(), ASKING_CLAUDE);
+        config.permission = Arc::new(NeverAnswers);
+        let mut live = ClaudeLive::new(config).unwrap();
+        let started = Instant::now();
+        let mut turn = live.start_turn("run ls").await.unwrap();
+        let timer = time_limit(&turn, Duration::from_secs(1));
+        let mut events = Vec::new();
+        let outcome = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match turn.next().await {
+                    Some(BackendEvent::TurnEnd(outcome)) => return outcome,
+                    Some(event) => events.push(event),
+                    None => panic!("no turn.end"),
+                }
+            }
+        })
+        .await
+        .expect("the turn ended at its time limit, not when the policy answered");
+        drop(turn);
+        timer.await.unwrap();
+        assert_eq!(outcome.end, Some(TurnEnd::Aborted), "{outcome:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            events,
+            [BackendEvent::PermissionRequest {
+                tool_name: "Bash".into(),
+                input: json!({"command": "ls"}),
+                approved: false,
+            }]
+        );
+        // Claude was told no, then asked to interrupt; the process is kept for the next turn.
+        let read = std::fs::read_to_string(dir.path().join("home/stdin.txt")).unwrap();
+        let lines: Vec<Value> = read
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 2, "{read}");
+        assert_eq!(lines[0]["response"]["request_id"], "r-1", "{read}");
+        assert_eq!(
+            lines[0]["response"]["response"]["behavior"], "deny",
+            "{read}"
+        );
+        assert_eq!(lines[1]["request"]["subtype"], "interrupt", "{read}");
+        assert!(
+            live.pid().is_some(),
+            "the process answered the interrupt: kept"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_system_message_too_long_for_one_argument_is_refused_naming_it_before_any_spawn() {
+        let dir = tempfile::tempdir().unwrap();
+        let started = dir.path().join("started");
+        let mut config = fake_claude(
+            dir.path(),
+            &format!("#!/bin/sh\ntouch '{}'\n", started.display()),
+        );
+        config.system_prompt = Some("s".repeat(200 * 1024));
+        let mut live = ClaudeLive::new(config).unwrap();
+        let Err(err) = live.start_turn("p").await else {
+            panic!("a 200 KiB system message was passed as an argument");
+        };
+        assert!(
+            matches!(
+                err,
+                ClaudeLiveError::SystemMessageTooLong {
+                    bytes: 204_800,
+                    max: super::super::MAX_ARG_BYTES
+                }
+            ),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("systemMessage") && text.contains("131071"),
+            "{text}"
+        );
+        assert!(!started.exists(), "no process was started");
+        assert!(!dir.path().join("home").exists(), "nothing was made");
     }
 
     #[test]

@@ -379,6 +379,24 @@ pub fn claude_permission_mode(approves_all: bool, root: bool, sandboxed: bool) -
     }
 }
 
+/// The ids a CLI backend may not take (compared ignoring ASCII case). A backend's home is
+/// `<agent's directory>/<id>`, or `<COPILOT_HOME>/<id>` with an explicit `COPILOT_HOME`
+/// ([`crate::home::backend_home`]): beside the agent's `copilot` home and `work` directory
+/// and the sandbox's `tmp` ([`crate::sandbox::Sandbox::for_agent`]), or among what the
+/// Copilot runtime keeps in its home (`session-state`, `logs`, `installed-plugins`; its files
+/// have a `.`, which no id has; reference `copilot-protocol.md` §9), and `pkg`, where the
+/// `copilot` executable unpacks its packages (under its cache directory in the reference;
+/// kept free in case a version unpacks into its home).
+const RESERVED_BACKEND_IDS: &[&str] = &[
+    "copilot",
+    "work",
+    "tmp",
+    "session-state",
+    "logs",
+    "installed-plugins",
+    "pkg",
+];
+
 fn default_kind() -> BackendKind {
     BackendKind::CliOneshot
 }
@@ -695,6 +713,22 @@ impl CliBackendConfig {
                 "a backend id is made of ASCII letters, digits, `-` and `_` (e.g. `claude-cli`)"
                     .to_owned(),
             );
+        }
+        if let Some(reserved) = RESERVED_BACKEND_IDS
+            .iter()
+            .find(|name| name.eq_ignore_ascii_case(id))
+        {
+            return fail(format!(
+                "the id `{reserved}` is reserved: a backend's home is the directory named by \
+                 its id in the agent's directory (or in an explicit COPILOT_HOME), where {} \
+                 are the pool's or the Copilot runtime's own; name the backend otherwise \
+                 (e.g. `{reserved}-cli`)",
+                RESERVED_BACKEND_IDS
+                    .iter()
+                    .map(|name| format!("`{name}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
         }
         if self.kind == BackendKind::Copilot {
             return fail(
@@ -1241,6 +1275,33 @@ mod tests {
 
         let err = base().validate("bad id!").expect_err("bad id");
         assert!(err.to_string().contains("ASCII letters"), "{err}");
+    }
+
+    #[test]
+    fn a_backend_id_naming_a_directory_of_the_pool_or_the_runtime_in_the_agents_home_is_refused_listing_the_reserved_names()
+     {
+        let mut config = CliBackendConfig::new("my-cli");
+        config.session_mode = SessionMode::None;
+        for id in [
+            "copilot",
+            "work",
+            "tmp",
+            "session-state",
+            "logs",
+            "installed-plugins",
+            "pkg",
+            "Work",
+        ] {
+            let err = config.validate(id).expect_err("a reserved id");
+            let text = err.to_string();
+            assert!(text.contains("is reserved"), "{text}");
+            for name in RESERVED_BACKEND_IDS {
+                assert!(text.contains(&format!("`{name}`")), "{id}: {text}");
+            }
+        }
+        for id in ["work-cli", "copilot2", "my-logs", "claude-cli"] {
+            config.validate(id).expect("not reserved");
+        }
     }
 
     #[test]

@@ -37,6 +37,11 @@ pub use event::{
 
 use serde::{Deserialize, Serialize};
 
+/// The longest single argument Linux accepts (`MAX_ARG_STRLEN`, 128 KiB with its NUL): a
+/// prompt or system prompt a CLI runner passes as one argument must fit, or the spawn fails
+/// with `E2BIG`.
+const MAX_ARG_BYTES: usize = 128 * 1024 - 1;
+
 /// How a backend runs its agent CLI.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

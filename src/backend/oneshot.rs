@@ -53,6 +53,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::codec::{FramedRead, LinesCodec, LinesCodecError};
 
+use super::MAX_ARG_BYTES;
 use super::config::{
     CliBackendConfig, ConfigError, ImageMode, InputMode, OutputFormat, PROMPT_PLACEHOLDER,
     SafetySwitches, SessionMode, SystemPromptWhen, codex_effort, names_config_key,
@@ -74,9 +75,6 @@ pub const CODEX_KEY_ENV: &str = "COPILOT_POOL_MODEL_KEY";
 pub const CODEX_OPENAI_BASE_URL: &str = "https://api.openai.com/v1";
 /// The name of the model provider the runner declares for Codex.
 const CODEX_PROVIDER: &str = "copilot_pool";
-
-/// The longest single argument Linux accepts (`MAX_ARG_STRLEN`, 128 KiB with its NUL).
-const MAX_ARG_BYTES: usize = 128 * 1024 - 1;
 
 /// What Gemini CLI reads of stdin (`MAX_STDIN_SIZE` in its bundle, 0.61.0); past it the
 /// input is cut with a warning on stderr.
@@ -588,6 +586,20 @@ pub enum OneshotError {
         /// The limit.
         max: usize,
     },
+    /// The system prompt (the gateway's `systemMessage`) is too long to pass as the one
+    /// argument `systemPromptArg` gives it.
+    #[error(
+        "the systemMessage has {bytes} bytes, over the {max} a CLI takes as one argument \
+         (`systemPromptArg`); shorten the systemMessage (put long instructions in a file in \
+         the working directory and point to it), or, if the CLI reads its system prompt \
+         from a file, configure `systemPromptFileArg` instead"
+    )]
+    SystemMessageTooLong {
+        /// The system prompt's length in bytes.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
     /// The prompt is longer than the CLI reads from stdin (it would cut the rest off).
     #[error(
         "the prompt has {bytes} bytes, over the {max} this CLI reads from stdin (it would \
@@ -927,6 +939,14 @@ impl Oneshot {
         };
         if let (true, Some(text)) = (pass_system_prompt, &config.system_prompt) {
             if let Some(flag) = &backend.system_prompt_arg {
+                // Checked here, as the prompt is: past the limit the spawn would fail with
+                // E2BIG, read as a CLI that cannot start.
+                if text.len() > MAX_ARG_BYTES {
+                    return Err(OneshotError::SystemMessageTooLong {
+                        bytes: text.len(),
+                        max: MAX_ARG_BYTES,
+                    });
+                }
                 args.extend([flag.clone(), text.clone()]);
             } else if let (Some(flag), Some(path)) =
                 (&backend.system_prompt_file_arg, system_prompt_file)
@@ -2383,6 +2403,39 @@ mod tests {
             resumed.args.last().map(String::as_str),
             Some("p\n\na.png\nb.png")
         );
+    }
+
+    #[tokio::test]
+    async fn a_system_message_too_long_for_one_argument_is_refused_naming_it_before_any_spawn() {
+        let dir = tempfile::tempdir().unwrap();
+        let started = dir.path().join("started");
+        let mut config = sh_config(dir.path(), &format!("touch '{}'", started.display()));
+        config.backend.system_prompt_arg = Some("--system".into());
+        config.system_prompt = Some("s".repeat(200 * 1024));
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let Err(err) = oneshot.start_turn("p").await else {
+            panic!("a 200 KiB system message was passed as an argument");
+        };
+        assert!(
+            matches!(
+                err,
+                OneshotError::SystemMessageTooLong {
+                    bytes: 204_800,
+                    max: MAX_ARG_BYTES
+                }
+            ),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("systemMessage") && text.contains("131071"),
+            "{text}"
+        );
+        assert!(!started.exists(), "no process was started");
+        // At the limit it still goes as an argument.
+        oneshot.config.system_prompt = Some("s".repeat(MAX_ARG_BYTES));
+        let run = oneshot.invocation("p", &[], None).unwrap();
+        assert!(run.args.iter().any(|a| a.len() == MAX_ARG_BYTES));
     }
 
     #[tokio::test]

@@ -125,8 +125,10 @@ pub(super) struct ToolCallEvent {
 
 /// `permission.request`: the runtime asks whether it may do something. Answer with
 /// `{"decision": "approve-once" | "approve-for-session" | "reject", "feedback"?: "..."}`
-/// (`approve-for-session` approves this request only, as `approve-once`: the runtime asks
-/// again next time); without an answer it is rejected.
+/// (`approve-for-session` also has the Copilot runtime remember the approval for the rest of
+/// the session: this exact shell line, file writes, file reads, this MCP or custom tool,
+/// memory writes, or this URL's origin; what it covers then runs without a
+/// `permission.request`); without an answer it is rejected.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub(super) struct PermissionRequestEvent {
     /// Answer on `POST /v1/requests/{request_id}`.

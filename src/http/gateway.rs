@@ -183,15 +183,17 @@ pub(super) struct ToolError {
 }
 
 /// A gateway's decision on a `permission.request`: `approve-once`, `approve-for-session`
-/// or `reject`. `approve-for-session` approves this request only, as `approve-once` does:
-/// the runtime is told `approve-once` and remembers nothing, so its next request of the
-/// same kind is a `permission.request` again (a gateway that means the whole session
-/// answers each one, or runs the conversation with an approving permission policy).
+/// or `reject`. `approve-for-session` approves this request and has the Copilot runtime
+/// remember the approval for the rest of the conversation's session: a shell request's
+/// `commands[].identifier` (the runtime sends the whole line, so that exact line), every
+/// file write, file reads, this MCP tool, this custom tool, memory writes, or the URL's
+/// origin. Requests it covers then run without a `permission.request`. A request that names
+/// none of these is approved once, as is any request of a CLI backend (Claude Code).
 #[derive(Deserialize, ToSchema, Clone, Copy)]
 #[serde(rename_all = "kebab-case")]
 pub(super) enum Decision {
     ApproveOnce,
-    /// For now the same as `approve-once` (see the type).
+    /// Approve, and have the runtime remember it for the session (see the type).
     ApproveForSession,
     Reject,
 }
@@ -262,8 +264,8 @@ fn parse_answer(kind: &Kind, body: &Value) -> Result<GatewayAnswer, String> {
             const SHAPE: &str = r#"a permission.request answer is {"decision": "approve-once"|"approve-for-session"|"reject", "feedback"?: "..."}"#;
             let answer: PermissionAnswer = typed(body, SHAPE)?;
             Ok(GatewayAnswer::Permission(match answer.decision {
-                // The library's decision has no session-wide approval: this request only.
-                Decision::ApproveOnce | Decision::ApproveForSession => PermissionDecision::Approve,
+                Decision::ApproveOnce => PermissionDecision::Approve,
+                Decision::ApproveForSession => PermissionDecision::ApproveForSession,
                 Decision::Reject => PermissionDecision::Reject {
                     feedback: answer
                         .feedback

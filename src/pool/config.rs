@@ -103,7 +103,8 @@ pub struct PoolConfig {
     pub shutdown_grace: Duration,
     /// Crash restart backoff and intensity.
     pub restart: RestartPolicy,
-    /// How often idle, lifetime and memory limits are checked (default 1 s).
+    /// How often idle, lifetime and memory limits are checked (default 1 s; zero is refused
+    /// by `Pool::start`).
     pub maintenance_interval: Duration,
     /// The runtime's `infiniteSessions` settings, passed to every session as they are.
     pub infinite_sessions: Option<InfiniteSessions>,

@@ -134,6 +134,13 @@ impl Pool {
                     .to_owned(),
             ));
         }
+        if config.maintenance_interval.is_zero() {
+            return Err(PoolError::InvalidRequest(
+                "maintenance_interval must be more than zero (with 0 the pool would never evict \
+                 idle processes, recycle them, nor prune its keys); the default is 1s"
+                    .to_owned(),
+            ));
+        }
         if config.max_resume_crashes == 0 {
             return Err(PoolError::InvalidRequest(
                 "max_resume_crashes must be at least 1 (with 0 no conversation would ever be \

@@ -137,11 +137,14 @@ pub(crate) enum PrimeError {
     Unanswered,
     #[error("the priming turn did not end within {TURN_LIMIT:?}")]
     TimedOut,
+    #[error("the priming task panicked: {0}")]
+    Panicked(String),
 }
 
 /// Runs the priming turn on `worker` (see the module doc), its model call going `via`.
 /// Returns how its model call went, or why it stopped short; the throwaway session is
-/// deleted either way (a failed delete is logged: it leaves that session's state behind).
+/// deleted either way, also when this future is dropped before its end (a failed delete is
+/// logged: it leaves that session's state behind).
 pub(crate) async fn prime(
     worker: &WorkerHandle,
     working_directory: &Path,
@@ -162,28 +165,39 @@ pub(crate) async fn prime(
         streaming: false,
         ..Default::default()
     };
-    let mut session = worker.create_session(config).await?;
-    let ran = match session.send("copilot-pool priming turn").await {
-        Err(error) => Err(PrimeError::Worker(error)),
-        Ok(_) => {
-            let turn = PrimingTurn::new(matches!(via, PrimeVia::Tunnel));
-            let followed = tokio::time::timeout(TURN_LIMIT, follow(&mut session, turn))
-                .await
-                .unwrap_or(Err(PrimeError::TimedOut));
-            // A turn that got to its `session.idle` is over; any other may still run.
-            if !matches!(
-                followed,
-                Ok(_) | Err(PrimeError::Ended | PrimeError::Unanswered)
-            ) {
-                let _ = session.abort_and_settle(SETTLE_LIMIT).await;
-            }
-            followed
+    // The session is created, used and deleted in a task of its own, so that it is deleted
+    // even when the caller stops waiting (its [`PRIME_LIMIT`] drops this future): dropped
+    // in the middle of its create or its turn, the session would stay in the agent's home
+    // (`session-state/<id>`; `Session`'s drop only detaches). The task ends within the
+    // worker's request timeout, [`TURN_LIMIT`] and [`SETTLE_LIMIT`].
+    let worker = worker.clone();
+    let tunnelled = matches!(via, PrimeVia::Tunnel);
+    let task = tokio::spawn(async move {
+        let mut session = worker.create_session(config).await?;
+        let ran = run_turn(&mut session, tunnelled).await;
+        if let Err(error) = session.delete().await {
+            tracing::info!(%error, "The priming session could not be deleted; its state stays in the agent's home.");
         }
-    };
-    if let Err(error) = session.delete().await {
-        tracing::info!(%error, "The priming session could not be deleted; its state stays in the agent's home.");
+        ran
+    });
+    task.await
+        .unwrap_or_else(|error| Err(PrimeError::Panicked(error.to_string())))
+}
+
+/// Sends the priming turn and follows it to its end, stopping it where it has to.
+async fn run_turn(session: &mut Session, tunnelled: bool) -> Result<Priming, PrimeError> {
+    session.send("copilot-pool priming turn").await?;
+    let followed = tokio::time::timeout(TURN_LIMIT, follow(session, PrimingTurn::new(tunnelled)))
+        .await
+        .unwrap_or(Err(PrimeError::TimedOut));
+    // A turn that got to its `session.idle` is over; any other may still run.
+    if !matches!(
+        followed,
+        Ok(_) | Err(PrimeError::Ended | PrimeError::Unanswered)
+    ) {
+        let _ = session.abort_and_settle(SETTLE_LIMIT).await;
     }
-    ran
+    followed
 }
 
 /// Follows the sent priming turn to its `session.idle`, stopping it when `turn` says so.
@@ -355,6 +369,60 @@ mod tests {
         }
         // The aborted task dropped the listener on its way out.
         assert!(TcpStream::connect(addr).await.is_err());
+    }
+
+    /// The real runtime (`COPILOT_CLI_PATH`, else the pinned one in the cache).
+    async fn runtime() -> std::path::PathBuf {
+        if let Some(path) = std::env::var_os(crate::runtime::CLI_PATH_ENV) {
+            return path.into();
+        }
+        let cache = crate::runtime::cache_dir(crate::runtime::process_env).expect("cache dir");
+        crate::runtime::install(crate::runtime::Flavour::default(), &cache)
+            .await
+            .expect("the runtime is installed")
+            .executable
+    }
+
+    /// The session directories in a runtime home.
+    fn stored_sessions(home: &Path) -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(home.join("session-state"))
+            .map(|dir| dir.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default()
+    }
+
+    #[tokio::test]
+    async fn a_priming_dropped_by_its_callers_limit_still_deletes_its_throwaway_session() {
+        let scratch = tempfile::tempdir().expect("scratch");
+        let home = scratch.path().join("copilot");
+        let work = scratch.path().join("work");
+        std::fs::create_dir_all(&home).expect("home");
+        std::fs::create_dir_all(&work).expect("work");
+        let mut config =
+            crate::worker::WorkerConfig::new(runtime().await, home.clone(), work.clone());
+        config.extra_env = vec![("HOME".to_owned(), scratch.path().display().to_string())];
+        config.kill_grace = Duration::from_secs(2);
+        let worker = WorkerHandle::start(config).await.expect("worker");
+
+        // The caller's limit fires mid-way: as soon as the throwaway session is stored (the
+        // runtime writes it while it answers the create), long before the priming is over.
+        let priming = prime(&worker, &work, &PrimeVia::Nothing);
+        let stored = async {
+            while stored_sessions(&home).is_empty() {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        };
+        tokio::select! {
+            outcome = priming => panic!("the priming ended before it was dropped: {outcome:?}"),
+            () = stored => {}
+        }
+        // The dropped priming's session is deleted, from its home too.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !stored_sessions(&home).is_empty() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let left = stored_sessions(&home);
+        worker.shutdown().await;
+        assert!(left.is_empty(), "the throwaway session stayed: {left:?}");
     }
 
     /// Feeds `events` to a priming turn; returns the stops it asked for and its outcome.

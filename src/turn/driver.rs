@@ -622,9 +622,13 @@ impl TurnDriver {
         let id = request_id.to_owned();
         let done = self.done_tx.clone();
         let pending_answerer = answerer.clone();
+        // What an approve-for-session has the runtime remember, read before the policy
+        // takes the request.
+        let session_approval = request.session_approval();
         let task = tokio::spawn(async move {
             let decision = decide_safely(policy.as_ref(), request).await;
-            if let Err(error) = answerer.answer_permission(&id, decision.to_wire()).await {
+            let answer = decision.to_wire_with(session_approval);
+            if let Err(error) = answerer.answer_permission(&id, answer).await {
                 tracing::warn!(%error, "Could not deliver a permission decision.");
             }
             let _ = done.send(Done::Request(id));
