@@ -227,15 +227,41 @@ async fn without_a_transcript_mirror_the_prelude_comes_from_the_runtimes_own_eve
         claude_path().await.display().to_string()
     );
     let daemon = Daemon::start(fx.scratch.path(), &config, &[]).await;
-    for prompt in ["remember EGRET-8", "and also IBIS-31"] {
-        let (_, end) = turn(&daemon, &fx.body("m1", prompt)).await;
+    prelude_from_the_runtimes_event_log(&fx, &daemon, "EGRET-8", "IBIS-31").await;
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_best_effort_mirror_that_could_not_open_leaves_the_prelude_to_the_runtimes_event_log() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let daemon = fx.daemon().await;
+    // A file where the mirror's directory would be made: every lease's best-effort open
+    // fails, and the turns go on without a mirror.
+    let dir = fx.scratch.path().join("transcripts");
+    std::fs::write(&dir, "not a directory").expect("a file in its place");
+    prelude_from_the_runtimes_event_log(&fx, &daemon, "HERON-5", "AVOCET-12").await;
+    assert!(daemon.terminate().await.success());
+}
+
+/// Two Copilot turns naming `first` and `second`, then one whose model calls fail 401 and
+/// which falls back to Claude: its prelude carries both earlier turns, read from the
+/// runtime's own event log.
+async fn prelude_from_the_runtimes_event_log(
+    fx: &Fixture,
+    daemon: &Daemon,
+    first: &str,
+    second: &str,
+) {
+    for prompt in [format!("remember {first}"), format!("and also {second}")] {
+        let (_, end) = turn(daemon, &fx.body("m1", &prompt)).await;
         assert_eq!(end["status"], "idle", "{end}");
         assert_eq!(end["backend"], "copilot", "{end}");
     }
     for _ in 0..RUNTIME_401_ATTEMPTS {
         fx.model.push_reply(Reply::Error { status: 401 });
     }
-    let (events, end) = turn(&daemon, &fx.body("m1", "REPLY=claude without a mirror")).await;
+    let (events, end) = turn(daemon, &fx.body("m1", "REPLY=claude without a mirror")).await;
     assert_eq!(end["backend"], "claude-cli", "{end}");
     assert_eq!(end["status"], "idle", "{end}");
     let notice = events
@@ -253,17 +279,16 @@ async fn without_a_transcript_mirror_the_prelude_comes_from_the_runtimes_own_eve
         .rfind(from_claude)
         .expect("Claude's model call");
     let text = user_text(&call);
-    for earlier in ["EGRET-8", "IBIS-31", "scripted reply #"] {
+    for earlier in [first, second, "scripted reply #"] {
         assert!(
             text.contains(earlier),
             "the prelude carries {earlier:?}: {text}"
         );
     }
     assert!(
-        text.find("EGRET-8") < text.rfind("REPLY=claude without a mirror"),
+        text.find(first) < text.rfind("REPLY=claude without a mirror"),
         "the prelude comes first: {text}"
     );
-    assert!(daemon.terminate().await.success());
 }
 
 async fn call_metrics(daemon: &Daemon) -> String {

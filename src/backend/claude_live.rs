@@ -26,7 +26,8 @@
 //!   message already received;
 //! * the API key is held as a [`Secret`] and put only into the child's environment;
 //! * no wait of a turn outlasts its abort (the pool's time limit) by more than
-//!   `interrupt_grace`: its lines to stdin (the user message, of megabytes with images;
+//!   `interrupt_grace` (and, when the process breaks its pipes then, the crash's own wait
+//!   for its exit and stderr, 2.5 s, ending the turn `crashed`): its lines to stdin (the user message, of megabytes with images;
 //!   control responses; the interrupt) are written by the process's own writer task, never
 //!   awaited, and the permission policy's decision races the abort, so a process that stops
 //!   reading stdin or a policy that never answers ends the turn `aborted` (the pool reports

@@ -637,15 +637,14 @@ async fn run_copilot<S: ChainSink>(
         }
     };
     let summary = tracing::Instrument::instrument(summary, span).await;
-    // The pool's mirror when it keeps one, else the runtime's own event log of the session.
+    // The pool's mirror when it keeps one (configured and opened: a best-effort mirror
+    // whose open failed has no file), else the runtime's own event log of the session.
     let id = lease.cli_session_id().as_str();
     let transcript = match transcript_dir {
-        Some(dir) => crate::transcript::transcript_path(&dir, id)
+        Some(dir) if lease.mirrors_transcript() => crate::transcript::transcript_path(&dir, id)
             .ok()
             .map(PreludeSource::Copilot),
-        None => {
-            super::copilot_events_path(lease.copilot_home(), id).map(PreludeSource::CopilotEvents)
-        }
+        _ => super::copilot_events_path(lease.copilot_home(), id).map(PreludeSource::CopilotEvents),
     };
     drop(lease);
     let class = super::classify_copilot(

@@ -80,6 +80,12 @@ impl Lease {
         self.reason
     }
 
+    /// Whether the lease keeps a transcript mirror: configured, and opened (a best-effort
+    /// mirror whose open failed keeps none).
+    pub(crate) fn mirrors_transcript(&self) -> bool {
+        self.driver.mirrors_transcript()
+    }
+
     /// The conversation's `COPILOT_HOME` (canonical): where the runtime keeps its own state
     /// of the session (`session-state/<session id>/events.jsonl`).
     pub fn copilot_home(&self) -> &std::path::Path {
@@ -359,8 +365,9 @@ impl Drop for Lease {
         // before the conversation is granted anywhere else.
         // What the runtime produced and the caller never read is mirrored on the way.
         let wait = self.driver.abort_drain();
+        // What a drain cut short (the caller gone mid-abort) already read comes first.
+        let mut drained = self.driver.take_drained();
         rt.spawn(async move {
-            let mut drained = Vec::new();
             let seen = |event: &SessionEvent| drained.extend(DrainedEntry::of(event));
             let settle = match session.abort_and_settle_seeing(wait, seen).await {
                 Settled::Idle => Settle::Park,

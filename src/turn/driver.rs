@@ -75,6 +75,10 @@ pub(crate) struct TurnDriver {
     outcome: TurnOutcome,
     hook_failures: Arc<AtomicU32>,
     transcript: Option<Transcript>,
+    /// What an abort's drain read and did not mirror yet: kept here, not in the drain's
+    /// future, so a drain cut short (its caller gone) loses none of it; the lease's drop
+    /// mirrors it before its own drain's ([`TurnDriver::take_drained`]).
+    drained: Vec<DrainedEntry>,
     /// The `session.compaction_start` of a compaction in progress (its hooks fire once it
     /// succeeded).
     compaction_start: Option<Value>,
@@ -116,6 +120,7 @@ impl TurnDriver {
             outcome: TurnOutcome::default(),
             hook_failures: Arc::new(AtomicU32::new(0)),
             transcript: None,
+            drained: Vec::new(),
             compaction_start: None,
             unread_registration: None,
         }
@@ -171,6 +176,16 @@ impl TurnDriver {
     /// mirrors on the way with [`mirror_drained`] first.
     pub(crate) fn take_transcript(&mut self) -> Option<Transcript> {
         self.transcript.take()
+    }
+
+    /// What an abort's drain cut short read and did not mirror (see `drained`).
+    pub(crate) fn take_drained(&mut self) -> Vec<DrainedEntry> {
+        std::mem::take(&mut self.drained)
+    }
+
+    /// Whether the lease keeps a transcript mirror (configured, and opened).
+    pub(crate) fn mirrors_transcript(&self) -> bool {
+        self.transcript.is_some()
     }
 
     /// Opens the transcript mirror of `session_id` (if configured), on a blocking thread and
@@ -394,7 +409,7 @@ impl TurnDriver {
         // What the drain reads is mirrored once it is over (unless the mirror itself failed:
         // nothing is written after a gap).
         let mirror = !matches!(error, TurnError::TranscriptPersistence(_));
-        let mut drained = Vec::new();
+        let drained = &mut self.drained;
         let reached_idle = session
             .abort_and_settle_seeing(self.abort_drain, |event| {
                 if mirror {
@@ -403,7 +418,7 @@ impl TurnDriver {
             })
             .await
             == Settled::Idle;
-        mirror_drained(&mut self.transcript, drained);
+        mirror_drained(&mut self.transcript, std::mem::take(&mut self.drained));
         if !reached_idle {
             tracing::warn!(
                 "An aborted turn did not reach session.idle; the session will not be reused."

@@ -217,9 +217,12 @@ fn failed_start(error: &CliStartError) -> Option<SpawnResult> {
     let spawn = match error {
         CliStartError::Live(L::Config(_)) | CliStartError::Oneshot(O::Config(_)) => return None,
         CliStartError::Oneshot(
-            O::PromptTooLong { .. } | O::PromptTooLongForStdin { .. } | O::Image(_),
+            O::PromptTooLong { .. }
+            | O::PromptTooLongForStdin { .. }
+            | O::SystemMessageTooLong { .. }
+            | O::Image(_),
         ) => return None,
-        CliStartError::Live(L::Image(_)) => return None,
+        CliStartError::Live(L::Image(_) | L::SystemMessageTooLong { .. }) => return None,
         CliStartError::Live(L::Spawn(e)) | CliStartError::Oneshot(O::Spawn(e)) => Some(e),
         _ => None,
     };
@@ -1485,6 +1488,20 @@ mod tests {
             system_prompt: None,
             sandbox: None,
             group_ledger: None,
+        }
+    }
+
+    #[test]
+    fn a_start_the_runner_refused_before_any_process_counts_no_failed_spawn() {
+        use crate::backend::claude_live::ClaudeLiveError as L;
+        use crate::backend::oneshot::OneshotError as O;
+        let refused = [
+            CliStartError::Live(L::SystemMessageTooLong { bytes: 2, max: 1 }),
+            CliStartError::Oneshot(O::SystemMessageTooLong { bytes: 2, max: 1 }),
+            CliStartError::Oneshot(O::PromptTooLong { chars: 2, max: 1 }),
+        ];
+        for error in &refused {
+            assert_eq!(failed_start(error), None, "{error}");
         }
     }
 
