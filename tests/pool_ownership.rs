@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use copilot_pool::kinds::TurnEnd;
 use copilot_pool::pool::{LeaseRequest, OpenReason, Pool, PoolError, PoolEvent};
-use copilot_pool::turn::TurnError;
+use copilot_pool::transcript::TranscriptMode;
+use copilot_pool::turn::{TranscriptSettings, TurnError};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use support::pool_fixture::{Fixture, shutdown_leaves_nothing, wait_event};
@@ -241,6 +242,27 @@ async fn a_turn_that_times_out_and_never_settles_stops_its_process_and_the_conve
     assert_eq!(lease.outcome().end, Some(TurnEnd::Timeout));
     drop(lease);
     stopped_then_resumed_elsewhere(&pool, &mut events, req, &id, stuck_pid).await;
+}
+
+#[tokio::test]
+async fn a_compaction_the_runtime_finishes_between_turns_is_mirrored_as_the_next_turn_starts() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.fake_runtime_config("compaction-between-turns").await)
+        .await
+        .expect("pool");
+    let dir = fx.scratch.path().join("transcripts");
+    let mut req = fx.request("agent-a", "conv");
+    req.handlers.transcript = Some(TranscriptSettings::new(dir.clone(), TranscriptMode::Strict));
+    let mut lease = pool.lease(req).await.expect("lease");
+    let transcript = dir.join(format!("copilot-{}.jsonl", lease.cli_session_id()));
+    lease.run("first").await.expect("first turn");
+    // The first turn's compaction ended after its `session.idle`: it waits, unread, and is
+    // mirrored when the next turn starts (before, it was dropped there).
+    lease.run("second").await.expect("second turn");
+    let tail = copilot_pool::fallback::read_transcript_tail(&transcript, 10_000).expect("read");
+    assert_eq!(tail.summary.as_deref(), Some("SUMMARY-AFTER-first"));
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
 }
 
 /// A pool of the fake runtime in `stray-after-abort` mode: after an abort it asks for a

@@ -118,10 +118,15 @@ impl Lease {
         if let Some(session) = &self.session {
             self.driver.leave_unread(session);
         }
+        // Leftovers of earlier activity (late events of an aborted turn, a compaction the
+        // runtime finished between turns) are not this turn's: requests among them are
+        // refused so the runtime never waits on them, and what they add to the history is
+        // mirrored.
+        let mut between = Vec::new();
+        self.session_mut()?
+            .discard_waiting_seeing(|event| between.extend(DrainedEntry::of(event)));
+        self.driver.mirror_between_turns(between);
         let session = self.session_mut()?;
-        // Leftovers of earlier activity (late events of an aborted turn) are not this turn's;
-        // requests among them are refused so the runtime never waits on them.
-        session.discard_waiting();
         session
             .send_message(message.into_params())
             .await

@@ -178,6 +178,13 @@ impl TurnDriver {
         self.transcript.take()
     }
 
+    /// Mirrors what the runtime produced between turns (read as a new turn starts): it is
+    /// in the runtime's own history, so the mirror keeps it too (a failure is logged, as
+    /// for a drain).
+    pub(crate) fn mirror_between_turns(&mut self, entries: Vec<DrainedEntry>) {
+        mirror_drained(&mut self.transcript, entries);
+    }
+
     /// What an abort's drain cut short read and did not mirror (see `drained`).
     pub(crate) fn take_drained(&mut self) -> Vec<DrainedEntry> {
         std::mem::take(&mut self.drained)

@@ -15,6 +15,9 @@
 //                    (`cargo bench --bench routing`), so the runtime is not the limit
 //   late-open-event  sends `session.start` / `session.resume` 300 ms after its answer to the
 //                    open (the real runtime sends it right after, usually read with the answer)
+//   compaction-between-turns  answers each `session.send` with an `assistant.message` and
+//                    `session.idle`, then a successful `session.compaction_complete` (a
+//                    background compaction that ends after the turn)
 import fs from "node:fs";
 import path from "node:path";
 
@@ -99,6 +102,14 @@ function handle({ id, method, params }) {
     case "session.send":
       reply({ messageId: `m-${Date.now()}` });
       if (mode === "flood") flood(params.sessionId);
+      if (mode === "compaction-between-turns") {
+        event(params.sessionId, "assistant.message", { messageId: "m-1", content: "fake reply" });
+        event(params.sessionId, "session.idle", {});
+        event(params.sessionId, "session.compaction_complete", {
+          success: true,
+          summaryContent: `SUMMARY-AFTER-${params.prompt}`,
+        });
+      }
       return;
     case "session.abort":
       // never-idle: the abort is acknowledged, and no session.idle ever follows.
