@@ -291,6 +291,73 @@ async fn prelude_from_the_runtimes_event_log(
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_waiting_for_its_backends_capacity_stops_waiting_when_its_caller_leaves() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    // One Claude process per key: a conversation's fallback to Claude waits while another
+    // conversation of the agent runs a Claude turn.
+    let config = format!(
+        "drain_grace_secs = 5\n[pool]\nmax_processes_per_key = 1\n[backends.claude-cli]\ncommand = {:?}\n",
+        claude_path().await.display().to_string()
+    );
+    let daemon = Daemon::start(fx.scratch.path(), &config, &[]).await;
+    let mut hold = fx.body("holder", "SCENARIO:slow SLOW=120x250");
+    hold["backend"] = json!("claude-cli");
+    hold.as_object_mut().expect("an object").remove("fallback");
+    let mut holding = SseStream::open(daemon.addr, "/v1/turns", None, &hold).await;
+    holding.until_event("assistant.message_delta").await;
+    for _ in 0..RUNTIME_401_ATTEMPTS {
+        fx.model.push_reply(Reply::Error { status: 401 });
+    }
+    let waiters = || async {
+        call(daemon.addr, "GET", "/v1/pool", None, None)
+            .await
+            .json()["waiters"]
+            .as_u64()
+            .unwrap_or(u64::MAX)
+    };
+    let mut leaving = SseStream::open(
+        daemon.addr,
+        "/v1/turns",
+        None,
+        &fx.body("leaver", "REPLY=x"),
+    )
+    .await;
+    let queued = tokio::time::timeout(TURN_LIMIT, async {
+        while waiters().await == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(queued.is_ok(), "the fallback never waited for Claude");
+    // The caller leaves while its fallback waits: the wait ends with it, not at the pool's
+    // 30 s wait timeout.
+    drop(leaving.next());
+    drop(leaving);
+    let gone = tokio::time::timeout(Duration::from_secs(10), async {
+        while waiters().await != 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(
+        gone.is_ok(),
+        "the waiter of the caller that left stayed queued"
+    );
+    let abort = call(
+        daemon.addr,
+        "POST",
+        "/v1/sessions/agent-f/holder/abort",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(abort.status, 204);
+    holding.until_end().await;
+    assert!(daemon.terminate().await.success());
+}
+
 async fn call_metrics(daemon: &Daemon) -> String {
     call(daemon.addr, "GET", "/metrics", None, None).await.body
 }

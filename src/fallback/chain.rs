@@ -489,15 +489,32 @@ impl<S: ChainSink> ChainLease<S> {
             let Some(class) = end.class else { break };
             let Some(next) = rest.pop_front() else { break };
             let from = end.summary.backend.clone();
-            if let Some(source) = end.transcript.take()
-                && let Some(fresh) = prelude_from(source, &from, &ran, budget).await
-            {
-                prelude = Some(fresh);
+            // Reading the prelude and waiting for the next backend's lease (its capacity, a
+            // spawn) end when the caller leaves: a waiter must not stay queued for nobody.
+            if let Some(source) = end.transcript.take() {
+                tokio::select! {
+                    fresh = prelude_from(source, &from, &ran, budget) => {
+                        if let Some(fresh) = fresh {
+                            prelude = Some(fresh);
+                        }
+                    }
+                    () = sink.gone() => {
+                        end.gone = true;
+                        break;
+                    }
+                }
             }
             let mut req = template.clone();
             req.backend = next.clone();
             sink.prepare(&mut req);
-            let lease = match lease(&pool, req).await {
+            let leased = tokio::select! {
+                leased = lease(&pool, req) => leased,
+                () = sink.gone() => {
+                    end.gone = true;
+                    break;
+                }
+            };
+            let lease = match leased {
                 Ok(lease) => lease,
                 Err(e) => {
                     tracing::warn!(%e, backend = %next, "the fallback backend could not be leased");

@@ -405,6 +405,7 @@ impl Actor for PoolActor {
                 let mut status = state.core.status(now);
                 status.budget.by_backend.extend(budget.cli_by_backend());
                 status.budget.used = status.budget.by_backend.values().sum();
+                status.waiters += budget.cli_waiting();
                 let _ = reply.send(status);
                 Vec::new()
             }

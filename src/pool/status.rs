@@ -104,7 +104,7 @@ pub struct PoolStatus {
     /// Every worker (`processes` on the wire).
     #[serde(rename = "processes")]
     pub workers: Vec<WorkerStatus>,
-    /// Leases waiting for capacity.
+    /// Leases waiting for capacity, of every backend (Copilot workers and CLI backends).
     pub waiters: usize,
     /// Conversations attached to workers.
     pub conversations: usize,

@@ -912,6 +912,11 @@ impl BudgetGuard<'_> {
             .collect()
     }
 
+    /// CLI leases waiting for capacity now.
+    pub(crate) fn cli_waiting(&self) -> usize {
+        self.shell.core.waiting()
+    }
+
     /// Whether a CLI lease still waits for the idle Copilot worker it asked for
     /// ([`Nudge::EvictIdle`]): a request whose lease was served meanwhile stops nothing.
     pub(crate) fn cli_wants_room(&self) -> bool {

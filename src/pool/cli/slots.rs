@@ -146,7 +146,6 @@ impl Slots {
         self.held.len()
     }
 
-    #[cfg(test)]
     /// Leases of every backend waiting now.
     pub(crate) fn waiting(&self) -> usize {
         self.waiters.len()
