@@ -372,6 +372,34 @@ async fn approve_for_session_runs_the_same_shell_line_and_later_writes_unasked_a
     shutdown_leaves_nothing(&pool).await;
 }
 
+/// A policy that never decides.
+struct Undecided;
+
+impl PermissionPolicy for Undecided {
+    fn decide(&self, _request: PermissionRequest) -> DecisionFuture {
+        Box::pin(std::future::pending())
+    }
+}
+
+#[tokio::test]
+async fn a_permission_the_policy_does_not_decide_in_time_is_rejected_and_the_turn_goes_on() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut req = fx.request("agent-t", "undecided");
+    req.available_tools = None;
+    req.handlers.permission_policy = Arc::new(Undecided);
+    req.handlers.timeouts.permission = Duration::from_millis(300);
+    let mut lease = pool.lease(req).await.expect("lease");
+    let outcome = lease
+        .run(bash("echo never-approved").as_str())
+        .await
+        .expect("the turn goes on past the late rejection");
+    assert_eq!(outcome.permission_prompts, 1, "{outcome:?}");
+    assert!(!outcome.text.contains("never-approved\n"), "{outcome:?}");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
 fn ask(choices_freeform: bool) -> String {
     call_tool(
         "ask_user",
