@@ -716,8 +716,9 @@ async fn redirects_are_followed_on_the_same_origin_only() {
     assert_eq!(other.accepted(), 0);
 }
 
-#[tokio::test]
-async fn a_request_with_a_method_no_model_call_uses_is_refused_before_a_connection() {
+/// An upstream on loopback answering every request 200 with no body, its base URL, and the
+/// tunnel of a provider there under a guard that allows private endpoints.
+async fn loopback_tunnel() -> (Upstream, String, Arc<dyn ModelTunnel>) {
     let upstream = Upstream::answering(
         "127.0.0.1",
         0,
@@ -727,6 +728,12 @@ async fn a_request_with_a_method_no_model_call_uses_is_refused_before_a_connecti
     let base = format!("http://127.0.0.1:{}/v1", upstream.addr.port());
     let guard = ModelGuard::new(config(true, ScriptedResolver::new(&[&[]]))).expect("guard");
     let tunnel = guard.tunnel_for(&provider(&base)).expect("tunnel");
+    (upstream, base, tunnel)
+}
+
+#[tokio::test]
+async fn a_request_with_a_method_no_model_call_uses_is_refused_before_a_connection() {
+    let (upstream, base, tunnel) = loopback_tunnel().await;
     for method in ["TRACE", "PUT", "DELETE", "CONNECT", "OPTIONS"] {
         let mut req = request(&base, "/chat/completions");
         req.method = method.into();
@@ -747,15 +754,7 @@ async fn a_request_with_a_method_no_model_call_uses_is_refused_before_a_connecti
 
 #[tokio::test]
 async fn a_request_outside_the_providers_base_url_is_refused() {
-    let upstream = Upstream::answering(
-        "127.0.0.1",
-        0,
-        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
-    )
-    .await;
-    let base = format!("http://127.0.0.1:{}/v1", upstream.addr.port());
-    let guard = ModelGuard::new(config(true, ScriptedResolver::new(&[&[]]))).expect("guard");
-    let tunnel = guard.tunnel_for(&provider(&base)).expect("tunnel");
+    let (upstream, base, tunnel) = loopback_tunnel().await;
     for url in [
         "https://api.githubcopilot.com/chat/completions".to_owned(),
         format!("https://{PLACEHOLDER_HOST}/v2/chat/completions"),

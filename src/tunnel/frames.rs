@@ -468,17 +468,31 @@ mod tests {
         }
     }
 
-    /// The body the tunnel is given for a request sent in `pieces`, or `None` when the
-    /// request was answered without being served; and the status the runtime's side got.
-    async fn body_served(pieces: &[&str], limit: usize) -> (Option<Vec<u8>>, Value) {
-        let (ours, mut theirs) = duplex(1 << 20);
+    /// A connection whose runtime side is `theirs`, and a [`Capturing`] tunnel with a body
+    /// limit of `limit` whose served requests come out of the receiver.
+    fn capturing(
+        limit: usize,
+    ) -> (
+        Connection,
+        DuplexStream,
+        Arc<dyn ModelTunnel>,
+        mpsc::UnboundedReceiver<ModelRequest>,
+    ) {
+        let (ours, theirs) = duplex(1 << 20);
         let (r, w) = tokio::io::split(ours);
         let conn = Connection::start(r, w, ConnectionOptions::default(), Box::new(|_| {}));
-        let (tx, mut served) = mpsc::unbounded_channel();
+        let (tx, served) = mpsc::unbounded_channel();
         let tunnel: Arc<dyn ModelTunnel> = Arc::new(Capturing {
             requests: tx,
             limit,
         });
+        (conn, theirs, tunnel, served)
+    }
+
+    /// The body the tunnel is given for a request sent in `pieces`, or `None` when the
+    /// request was answered without being served; and the status the runtime's side got.
+    async fn body_served(pieces: &[&str], limit: usize) -> (Option<Vec<u8>>, Value) {
+        let (conn, mut theirs, tunnel, mut served) = capturing(limit);
         let mut requests = TunnelRequests::default();
         requests.start(head("r1")).expect("started");
         for (i, piece) in pieces.iter().enumerate() {
@@ -523,14 +537,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_runtime_cannot_make_the_daemon_hold_unended_requests_without_bound() {
-        let (ours, mut theirs) = duplex(1 << 20);
-        let (r, w) = tokio::io::split(ours);
-        let conn = Connection::start(r, w, ConnectionOptions::default(), Box::new(|_| {}));
-        let (tx, mut served) = mpsc::unbounded_channel();
-        let tunnel: Arc<dyn ModelTunnel> = Arc::new(Capturing {
-            requests: tx,
-            limit: 1000,
-        });
+        let (conn, mut theirs, tunnel, mut served) = capturing(1000);
         let mut requests = TunnelRequests::default();
         // Requests whose body never ends: past the count, a start is refused.
         for i in 0..MAX_RECEIVING {
