@@ -149,6 +149,34 @@ async fn doctor_counts_the_cli_backends_bindings_and_fails_on_a_directory_others
 }
 
 #[tokio::test]
+async fn doctor_counts_a_token_file_for_a_listener_off_loopback_as_serve_does() {
+    let runtime = support::runtime::runtime_path().await;
+    let scratch = tempfile::tempdir().expect("scratch");
+    let config = write_config(scratch.path(), &scratch.path().join("state"));
+    let mut text_of = std::fs::read_to_string(&config).expect("config");
+    text_of.insert_str(0, "listen = \"0.0.0.0:0\"\n");
+    std::fs::write(&config, text_of).expect("config");
+    let token = scratch.path().join("api-token");
+    std::fs::write(&token, "a-long-api-token-for-the-doctor").expect("token");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let mut cmd = bin(scratch.path());
+    cmd.env("COPILOT_CLI_PATH", &runtime)
+        .args(["doctor", "--config"])
+        .arg(&config)
+        .arg("--api-token-file")
+        .arg(&token);
+    let out = output(cmd).await;
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.lines().any(|l| l.starts_with("ok   config: ")),
+        "the token file is the token serve would use:\n{stdout}"
+    );
+    assert!(!stdout.contains("a-long-api-token"), "{stdout}");
+    assert_nothing_left(scratch.path()).await;
+}
+
+#[tokio::test]
 async fn doctor_fails_when_the_state_dir_is_a_file() {
     let runtime = support::runtime::runtime_path().await;
     let scratch = tempfile::tempdir().expect("scratch");

@@ -850,6 +850,35 @@ async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_d
     // The runtime's session.lifecycle notifications reach the session's connection too.
     assert!(!lifecycle.is_empty(), "no session.lifecycle notification");
 
+    // A second daemon configured on the same socket refuses to start, and leaves the first
+    // one's socket alone (it used to remove it as stale first).
+    let second = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+        .arg("serve")
+        .arg("--config")
+        .arg(dir.join("serve.toml"))
+        .args(["--listen", "127.0.0.1:0", "--sdk-listen", &listen])
+        .env("COPILOT_CLI_PATH", support::runtime::runtime_path().await)
+        .env("COPILOT_POOL_HOME", dir.join("pool-home"))
+        .env_remove("COPILOT_POOL_API_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .output();
+    let second = tokio::time::timeout(SCENARIO_LIMIT, second)
+        .await
+        .expect("the second daemon is refused in time")
+        .expect("it ran");
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("socket") && stderr.contains("in use"),
+        "{stderr}"
+    );
+    tokio::net::UnixStream::connect(&socket)
+        .await
+        .expect("the first daemon's socket still answers");
+
     let status = daemon.terminate().await;
     assert!(status.success(), "{status}");
     assert!(

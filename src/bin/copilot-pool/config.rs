@@ -495,6 +495,17 @@ impl Default for TurnsSection {
     }
 }
 
+/// ` (line L, column C)` of a byte span's start in `text`, or nothing without one.
+fn where_in(text: &str, span: Option<std::ops::Range<usize>>) -> String {
+    let Some(span) = span else {
+        return String::new();
+    };
+    let before = text.get(..span.start).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    format!(" (line {line}, column {column})")
+}
+
 impl ServeConfig {
     /// Reads `path` (when given) over the defaults, then the API token from the environment
     /// when the file has none.
@@ -503,8 +514,16 @@ impl ServeConfig {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading the config file {}", path.display()))?;
-                let config = toml::from_str::<ServeConfig>(&text)
-                    .with_context(|| format!("invalid config file {}", path.display()))?;
+                // toml's error quotes the line it failed on, which may hold the API token (a
+                // misspelled `api_token` key is still its line): only where and what.
+                let config = toml::from_str::<ServeConfig>(&text).map_err(|e| {
+                    anyhow::anyhow!(
+                        "invalid config file {}{}: {}",
+                        path.display(),
+                        where_in(&text, e.span()),
+                        e.message()
+                    )
+                })?;
                 if config.api_token.as_ref().is_some_and(|t| !t.is_empty()) {
                     refuse_shared_secret_file(path)?;
                 }
@@ -621,6 +640,25 @@ impl ServeConfig {
         }
         if self.turns.hook_secs == 0 {
             bail!("turns.hook_secs must be above 0 (the default is 30)");
+        }
+        // A zero here would not turn a limit off: every turn would time out at once, or no
+        // lease would ever be placed. (A zero `max_waiters` or `wait_timeout_secs` is a
+        // choice: a lease that must wait fails at once.)
+        let (t, p) = (&self.turns, &self.pool);
+        let zero = [
+            ("turns.inactivity_secs", t.inactivity_secs == 0),
+            ("turns.absolute_secs", t.absolute_secs == 0),
+            ("turns.tool_secs", t.tool_secs == 0),
+            ("turns.permission_secs", t.permission_secs == 0),
+            ("turns.user_input_secs", t.user_input_secs == 0),
+            ("pool.max_processes_per_key", p.max_processes_per_key == 0),
+            ("pool.max_sessions", p.max_sessions == 0),
+        ];
+        if let Some((key, _)) = zero.iter().find(|(_, is_zero)| *is_zero) {
+            bail!(
+                "{key} must be above 0 (a zero does not turn the limit off; leave the key out \
+                 for its default, listed in the README's config table)"
+            );
         }
         Ok(())
     }
@@ -1147,6 +1185,51 @@ mod tests {
             let c: ServeConfig = toml::from_str(text).unwrap();
             assert!(c.validate().is_err(), "{text}");
         }
+    }
+
+    #[test]
+    fn a_zero_timeout_or_placement_cap_is_refused_naming_its_key() {
+        for (text, key) in [
+            ("[turns]\ninactivity_secs = 0", "turns.inactivity_secs"),
+            ("[turns]\nabsolute_secs = 0", "turns.absolute_secs"),
+            ("[turns]\ntool_secs = 0", "turns.tool_secs"),
+            ("[turns]\npermission_secs = 0", "turns.permission_secs"),
+            ("[turns]\nuser_input_secs = 0", "turns.user_input_secs"),
+            (
+                "[pool]\nmax_processes_per_key = 0",
+                "pool.max_processes_per_key",
+            ),
+            ("[pool]\nmax_sessions = 0", "pool.max_sessions"),
+        ] {
+            let c: ServeConfig = toml::from_str(text).unwrap();
+            let err = c.validate().expect_err(text).to_string();
+            assert!(
+                err.contains(key) && err.contains("above 0"),
+                "{text}: {err}"
+            );
+        }
+        // A zero queue or wait is a choice: a lease that must wait fails at once.
+        let c: ServeConfig =
+            toml::from_str("[pool]\nmax_waiters = 0\nwait_timeout_secs = 0").unwrap();
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn a_config_file_that_does_not_parse_is_refused_without_quoting_its_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("serve.toml");
+        // The token's key misspelled: its line must not reach the error (nor a log).
+        std::fs::write(
+            &path,
+            "listen = \"127.0.0.1:7878\"\napi-token = \"s3cret-token\"\n",
+        )
+        .unwrap();
+        let err = format!("{:#}", ServeConfig::load(Some(&path)).unwrap_err());
+        assert!(!err.contains("s3cret"), "{err}");
+        assert!(
+            err.contains("line 2, column 1") && err.contains("api-token"),
+            "{err}"
+        );
     }
 
     #[test]

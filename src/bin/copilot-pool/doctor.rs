@@ -57,7 +57,14 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
 
     // config
     let config = match ServeConfig::load(args.config.as_deref()) {
-        Ok(config) => {
+        Ok(mut config) => {
+            // A token `serve` would read from --api-token-file counts as set (the file is
+            // checked below with the places; its contents are not needed here).
+            if config.api_token.is_none() && args.api_token_file.is_some() {
+                config.api_token = Some(copilot_pool::secret::Secret::new(
+                    "from --api-token-file".to_owned(),
+                ));
+            }
             let source = match &args.config {
                 Some(path) => format!("{} loaded", path.display()),
                 None => "no --config, using the defaults".to_owned(),

@@ -321,6 +321,16 @@ async fn bind_sdk(listen: SdkListen) -> Result<SdkListener> {
         SdkListen::Unix(path) => {
             use std::os::unix::fs::{FileTypeExt, PermissionsExt};
             if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_socket()) {
+                // A socket someone still answers on is another daemon's, not a stale one:
+                // removing it would cut that daemon's SDK clients off.
+                if std::os::unix::net::UnixStream::connect(&path).is_ok() {
+                    bail!(
+                        "the SDK endpoint's socket {} is in use (another copilot-pool serve \
+                         answers on it); stop that daemon, or give this one another \
+                         [sdk] listen path",
+                        path.display()
+                    );
+                }
                 std::fs::remove_file(&path)
                     .with_context(|| format!("removing the stale socket {}", path.display()))?;
             }
