@@ -25,6 +25,7 @@ use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
 use crate::faults::{SharedDiskFaults, Store};
+use crate::process::read_stat;
 
 /// File name of the ledger inside the state directory.
 pub const LEDGER_FILE: &str = "process-groups.json";
@@ -231,7 +232,7 @@ impl GroupLedger {
             }
             match LeaderState::of(entry) {
                 LeaderState::Same => {
-                    let live: Vec<u32> = group_members(entry.pgid)
+                    let live: Vec<u32> = leftovers(entry)
                         .into_iter()
                         .filter(|p| is_alive(*p))
                         .collect();
@@ -240,15 +241,21 @@ impl GroupLedger {
                     {
                         tracing::warn!(pgid = entry.pgid, %error, "Could not kill a process group of the previous run.");
                     }
+                    // What left the group but not the session the leader made.
+                    for member in &live {
+                        if read_stat(*member).is_some_and(|stat| stat.pgrp != entry.pgid) {
+                            let _ = kill(pid(*member), Signal::SIGKILL);
+                        }
+                    }
                     report.killed.extend(live);
                     must_vanish.push(entry.pgid);
                 }
                 LeaderState::Reused => report.not_ours += 1,
                 LeaderState::Gone => {
-                    // The id of a group cannot be handed out again while a member is left,
-                    // so members still in it are the leader's; the session and start time
-                    // are checked as well.
-                    for member in group_members(entry.pgid) {
+                    // The id of a group (or of a session) cannot be handed out again while a
+                    // member is left, so members still in it are the leader's; the session
+                    // and start time are checked as well.
+                    for member in leftovers(entry) {
                         let Some(stat) = read_stat(member) else {
                             continue;
                         };
@@ -404,45 +411,29 @@ impl LeaderState {
     }
 }
 
-/// The fields of `/proc/<pid>/stat` the ledger needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stat {
-    state: char,
-    pgrp: u32,
-    sid: u32,
-    start_time: u64,
-}
-
-fn parse_stat(text: &str) -> Option<Stat> {
-    // The command name is in parentheses and may hold spaces: fields count from the last ')'.
-    let rest = text.get(text.rfind(')')? + 1..)?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // fields[0] is field 3 (state): field n is fields[n - 3].
-    Some(Stat {
-        state: fields.first()?.chars().next()?,
-        pgrp: fields.get(2)?.parse().ok()?,
-        sid: fields.get(3)?.parse().ok()?,
-        start_time: fields.get(19)?.parse().ok()?,
-    })
-}
-
-fn read_stat(pid: u32) -> Option<Stat> {
-    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
-}
-
 /// A process that is there and not a zombie (a zombie holds no session and runs nothing).
 fn is_alive(pid: u32) -> bool {
     read_stat(pid).is_some_and(|stat| stat.state != 'Z' && stat.state != 'X')
 }
 
-/// Pids of the processes in group `pgid` now.
-fn group_members(pgid: u32) -> Vec<u32> {
+/// Pids of the processes now in `entry`'s group, and, when its leader made a session of its
+/// own (its session id is its group id, as every `ChildGroup` does), in that session: a tool
+/// that left the group (`setpgid`, as GNU `timeout` does) but not the session. Never this
+/// process.
+fn leftovers(entry: &GroupEntry) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
+    let own_session = entry.sid == entry.pgid;
+    let me = std::process::id();
     dir.flatten()
         .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|p| read_stat(*p).is_some_and(|stat| stat.pgrp == pgid))
+        .filter(|p| *p != me)
+        .filter(|p| {
+            read_stat(*p).is_some_and(|stat| {
+                stat.pgrp == entry.pgid || (own_session && stat.sid == entry.sid)
+            })
+        })
         .collect()
 }
 
@@ -465,6 +456,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::process::{Stat, parse_stat};
 
     #[test]
     fn the_stat_fields_are_read_after_a_command_name_with_spaces_and_parentheses() {

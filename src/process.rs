@@ -408,6 +408,54 @@ impl GroupLeader {
     }
 }
 
+/// The fields of `/proc/<pid>/stat` the pool reads (the group ledger, the session sweep).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Stat {
+    pub(crate) state: char,
+    pub(crate) pgrp: u32,
+    pub(crate) sid: u32,
+    pub(crate) start_time: u64,
+}
+
+pub(crate) fn parse_stat(text: &str) -> Option<Stat> {
+    // The command name is in parentheses and may hold spaces: fields count from the last ')'.
+    let rest = text.get(text.rfind(')')? + 1..)?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // fields[0] is field 3 (state): field n is fields[n - 3].
+    Some(Stat {
+        state: fields.first()?.chars().next()?,
+        pgrp: fields.get(2)?.parse().ok()?,
+        sid: fields.get(3)?.parse().ok()?,
+        start_time: fields.get(19)?.parse().ok()?,
+    })
+}
+
+pub(crate) fn read_stat(pid: u32) -> Option<Stat> {
+    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// SIGKILLs the processes of session `sid` (the session a [`ChildGroup`]'s leader made,
+/// whose id is the leader's pid) that left its process group (a tool that ran `setpgid`,
+/// as GNU `timeout` does): the group kill does not reach them. Called while the leader is
+/// exited but not reaped, so the session id cannot have been handed out again. Reads all of
+/// `/proc`: on the exit-watch thread, never on an async one.
+fn kill_session_leftovers(sid: u32) {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for pid in dir
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| *p != sid)
+    {
+        if read_stat(pid).is_some_and(|stat| stat.sid == sid && stat.pgrp != sid)
+            && let Ok(raw) = i32::try_from(pid)
+        {
+            let _ = nix::sys::signal::kill(Pid::from_raw(raw), Signal::SIGKILL);
+        }
+    }
+}
+
 /// Resolves once `pid` (our child) has exited, without reaping it (`waitid` with WNOWAIT on
 /// a small thread): the zombie keeps its process group id reserved, so the rest of the group
 /// can be killed before the leader is reaped. `None` if no thread could be started (then the
@@ -423,6 +471,9 @@ fn exited_unreaped(pid: u32) -> Option<tokio::sync::oneshot::Receiver<()>> {
                 Id::Pid(watch_pid),
                 WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT,
             ) {}
+            // The leader is a zombie (reaped only after this thread says so): what left its
+            // group but not its session dies here; the group itself is swept next.
+            kill_session_leftovers(pid);
             let _ = exited_tx.send(());
         });
     match watcher {
@@ -841,6 +892,46 @@ mod tests {
         assert!(left.is_empty(), "left behind: {left:?}");
         // The leader itself was reaped by us: not even a zombie remains.
         assert!(!std::path::Path::new(&format!("/proc/{pgid}")).exists());
+    }
+
+    #[tokio::test]
+    async fn what_left_the_group_but_not_the_session_dies_with_the_leader() {
+        // GNU timeout puts itself (and the command it runs) in a process group of its own,
+        // in the leader's session: the group kill does not reach it.
+        let (child, _io) = ChildGroup::spawn(&sh(
+            "timeout 300 sleep 300 & echo \"escaped $!\" >&2; while :; do sleep 1; done",
+        ))
+        .unwrap();
+        let sid = child.pid();
+        assert!(
+            child
+                .stderr()
+                .wait_for_text("escaped", Duration::from_secs(10))
+                .await
+        );
+        let escaped: u32 = child
+            .stderr()
+            .text()
+            .split_whitespace()
+            .nth(1)
+            .and_then(|pid| pid.parse().ok())
+            .expect("the escaped pid");
+        let in_session = |pid: u32| read_stat(pid).is_some_and(|s| s.sid == sid && s.state != 'Z');
+        // Its own group (timeout's setpgid), once it ran that far.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while read_stat(escaped).is_none_or(|s| s.pgrp != escaped) {
+            assert!(Instant::now() < deadline, "timeout never left the group");
+            tokio::task::yield_now().await;
+        }
+        child.terminate(Duration::from_millis(200)).await;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while in_session(escaped) {
+            assert!(
+                Instant::now() < deadline,
+                "a process that left the group outlived its session's leader"
+            );
+            tokio::task::yield_now().await;
+        }
     }
 
     #[tokio::test]

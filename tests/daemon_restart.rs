@@ -276,6 +276,46 @@ async fn the_takeover_kills_what_is_left_of_a_group_whose_leader_is_gone() {
     let _ = kill(Pid::from_raw(member as i32), Signal::SIGKILL);
 }
 
+#[tokio::test]
+async fn the_takeover_kills_what_left_the_group_but_not_the_session_its_leader_made() {
+    let scratch = support::Scratch::new();
+    // A leader in a session of its own (as every runtime is) starts a tool that moves to a
+    // process group of its own (GNU timeout does), then exits.
+    // setsid(1) makes the session itself (our child leads no group, so it does not fork).
+    let mut cmd = Command::new("setsid");
+    cmd.args(["/bin/sh", "-c", "timeout 300 sleep 300 & echo $!"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
+    let mut leader = cmd.spawn().expect("spawn");
+    let sid = leader.id();
+    let (_, _, leader_start) = stat(sid);
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(leader.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let escaped: u32 = line.trim().parse().expect("the tool's pid");
+    let recorded = entry(sid, leader_start);
+    assert!(leader.wait().expect("leader exits").success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stat(escaped).0 != escaped {
+        assert!(Instant::now() < deadline, "timeout never left the group");
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(stat(escaped).1, sid, "still in the leader's session");
+    let path = scratch.path().join(LEDGER_FILE);
+    write_ledger(&path, &[recorded]);
+
+    let ledger = GroupLedger::open(&path).expect("ledger");
+    let report = ledger
+        .take_over(Duration::from_secs(5))
+        .await
+        .expect("take over");
+    assert!(report.killed.contains(&escaped), "{:?}", report.killed);
+    let _ = kill(Pid::from_raw(escaped as i32), Signal::SIGKILL);
+}
+
 /// Pids of the runtime group leaders the daemon recorded in its ledger (`state_dir`).
 fn recorded_leaders(state_dir: &std::path::Path) -> Vec<u32> {
     let text = std::fs::read_to_string(state_dir.join(LEDGER_FILE)).expect("ledger");
