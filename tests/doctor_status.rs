@@ -177,6 +177,40 @@ async fn doctor_counts_a_token_file_for_a_listener_off_loopback_as_serve_does() 
 }
 
 #[tokio::test]
+async fn doctor_fails_as_serve_refuses_an_api_without_a_token_that_unsandboxed_workers_can_reach() {
+    let runtime = support::runtime::runtime_path().await;
+    let scratch = tempfile::tempdir().expect("scratch");
+    let config = write_config(scratch.path(), &scratch.path().join("state"));
+    let mut text_of = std::fs::read_to_string(&config).expect("config");
+    text_of.insert_str(0, "sandbox = \"off\"\n");
+    std::fs::write(&config, text_of).expect("config");
+    let out = doctor_with(scratch.path(), &runtime, &config).await;
+    let stdout = text(&out.stdout);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("FAIL api token: refusing to serve without an API token")),
+        "{stdout}"
+    );
+    // With the token serve would use, that check passes.
+    let token = scratch.path().join("api-token");
+    std::fs::write(&token, "a-long-api-token-for-the-doctor").expect("token");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let mut cmd = bin(scratch.path());
+    cmd.env("COPILOT_CLI_PATH", &runtime)
+        .args(["doctor", "--config"])
+        .arg(&config)
+        .arg("--api-token-file")
+        .arg(&token);
+    let out = output(cmd).await;
+    let stdout = text(&out.stdout);
+    assert!(!stdout.contains("api token"), "{stdout}");
+    assert_nothing_left(scratch.path()).await;
+}
+
+#[tokio::test]
 async fn doctor_fails_when_the_state_dir_is_a_file() {
     let runtime = support::runtime::runtime_path().await;
     let scratch = tempfile::tempdir().expect("scratch");

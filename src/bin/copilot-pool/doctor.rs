@@ -447,6 +447,22 @@ fn report_bindings(report: &mut Report, check: &str, dir: &Path, count: usize, w
     }
 }
 
+/// Fails as `serve` refuses to start: no API token while the workers' sandbox does not keep
+/// them off the daemon's ports (`status`: the probe's finding, `None` when it did not run).
+fn refuse_unguarded_api(
+    report: &mut Report,
+    config: &ServeConfig,
+    status: Option<&copilot_pool::sandbox::SandboxStatus>,
+) {
+    if config.api_token.is_none() && !status.is_some_and(|s| s.tcp_connect) {
+        report.fail(
+            "api token",
+            crate::serve::api_unguarded_message(config.sandbox, status),
+            "set the token (COPILOT_POOL_API_TOKEN or --api-token-file PATH)",
+        );
+    }
+}
+
 /// What the workers' sandbox enforces on this machine (the wrapper probed as `serve` probes
 /// it): a failure only when `sandbox = "required"` and something is missing.
 async fn check_sandbox(
@@ -474,6 +490,7 @@ async fn check_sandbox(
                 "sandbox = \"off\": workers run with the daemon's own rights; serve needs an \
                  API token",
             );
+            refuse_unguarded_api(report, config, None);
             return;
         }
         Err(e) => {
@@ -506,6 +523,7 @@ async fn check_sandbox(
              or allowed_work_roots",
         );
     }
+    refuse_unguarded_api(report, config, probed.as_ref().ok());
     match probed {
         Ok(status) if crate::sandbox::unmet_by(&template, &status).is_empty() => {
             report.ok(CHECK, status.summary())

@@ -185,7 +185,10 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     }
     let (sandbox, sandbox_status) = sandbox_setup(&config, &own_ports).await?;
     if !sandbox_status.tcp_connect && config.api_token.is_none() {
-        bail!("{}", api_unguarded_message(config.sandbox, &sandbox_status));
+        bail!(
+            "{}",
+            api_unguarded_message(config.sandbox, Some(&sandbox_status))
+        );
     }
     api_config.sandbox = Some(sandbox_status);
     let mut pool_config = config.pool_config(located.path.clone())?;
@@ -456,10 +459,14 @@ async fn sandbox_setup(
 }
 
 /// Why the daemon refuses to start without an API token when its workers could reach it.
-fn api_unguarded_message(mode: SandboxMode, status: &SandboxStatus) -> String {
-    let why = match mode {
-        SandboxMode::Off => "sandbox = \"off\"".to_owned(),
-        _ => format!("this kernel does not confine TCP ({})", status.summary()),
+/// Why `serve` refuses to start without an API token when its workers' sandbox does not keep
+/// them off the daemon's ports (`status`: what the sandbox probe found, if it ran); `doctor`
+/// says the same.
+pub(crate) fn api_unguarded_message(mode: SandboxMode, status: Option<&SandboxStatus>) -> String {
+    let why = match (mode, status) {
+        (SandboxMode::Off, _) => "sandbox = \"off\"".to_owned(),
+        (_, Some(status)) => format!("this kernel does not confine TCP ({})", status.summary()),
+        (_, None) => "no sandbox on this machine".to_owned(),
     };
     format!(
         "refusing to serve without an API token: workers run tools (bash) as this user and, \
