@@ -55,6 +55,27 @@ async fn doctor_with(scratch: &Path, runtime: &Path, config: &Path) -> Output {
     output(cmd).await
 }
 
+/// Puts `line` first in the config file at `config`.
+fn prepend(config: &Path, line: &str) {
+    let text = std::fs::read_to_string(config).expect("config");
+    std::fs::write(config, format!("{line}\n{text}")).expect("config");
+}
+
+/// [`doctor_with`], given an API token file (0600) as `serve` would be.
+async fn doctor_with_token_file(scratch: &Path, runtime: &Path, config: &Path) -> Output {
+    let token = scratch.join("api-token");
+    std::fs::write(&token, "a-long-api-token-for-the-doctor").expect("token");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let mut cmd = bin(scratch);
+    cmd.env("COPILOT_CLI_PATH", runtime)
+        .args(["doctor", "--config"])
+        .arg(config)
+        .arg("--api-token-file")
+        .arg(&token);
+    output(cmd).await
+}
+
 /// Nothing the doctor started or created is left behind.
 async fn assert_nothing_left(scratch: &Path) {
     let left = procs::wait_none(
@@ -153,20 +174,8 @@ async fn doctor_counts_a_token_file_for_a_listener_off_loopback_as_serve_does() 
     let runtime = support::runtime::runtime_path().await;
     let scratch = tempfile::tempdir().expect("scratch");
     let config = write_config(scratch.path(), &scratch.path().join("state"));
-    let mut text_of = std::fs::read_to_string(&config).expect("config");
-    text_of.insert_str(0, "listen = \"0.0.0.0:0\"\n");
-    std::fs::write(&config, text_of).expect("config");
-    let token = scratch.path().join("api-token");
-    std::fs::write(&token, "a-long-api-token-for-the-doctor").expect("token");
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).expect("chmod");
-    let mut cmd = bin(scratch.path());
-    cmd.env("COPILOT_CLI_PATH", &runtime)
-        .args(["doctor", "--config"])
-        .arg(&config)
-        .arg("--api-token-file")
-        .arg(&token);
-    let out = output(cmd).await;
+    prepend(&config, "listen = \"0.0.0.0:0\"");
+    let out = doctor_with_token_file(scratch.path(), &runtime, &config).await;
     let stdout = text(&out.stdout);
     assert!(
         stdout.lines().any(|l| l.starts_with("ok   config: ")),
@@ -181,9 +190,7 @@ async fn doctor_fails_as_serve_refuses_an_api_without_a_token_that_unsandboxed_w
     let runtime = support::runtime::runtime_path().await;
     let scratch = tempfile::tempdir().expect("scratch");
     let config = write_config(scratch.path(), &scratch.path().join("state"));
-    let mut text_of = std::fs::read_to_string(&config).expect("config");
-    text_of.insert_str(0, "sandbox = \"off\"\n");
-    std::fs::write(&config, text_of).expect("config");
+    prepend(&config, "sandbox = \"off\"");
     let out = doctor_with(scratch.path(), &runtime, &config).await;
     let stdout = text(&out.stdout);
     assert!(!out.status.success(), "{stdout}");
@@ -194,17 +201,7 @@ async fn doctor_fails_as_serve_refuses_an_api_without_a_token_that_unsandboxed_w
         "{stdout}"
     );
     // With the token serve would use, that check passes.
-    let token = scratch.path().join("api-token");
-    std::fs::write(&token, "a-long-api-token-for-the-doctor").expect("token");
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).expect("chmod");
-    let mut cmd = bin(scratch.path());
-    cmd.env("COPILOT_CLI_PATH", &runtime)
-        .args(["doctor", "--config"])
-        .arg(&config)
-        .arg("--api-token-file")
-        .arg(&token);
-    let out = output(cmd).await;
+    let out = doctor_with_token_file(scratch.path(), &runtime, &config).await;
     let stdout = text(&out.stdout);
     assert!(!stdout.contains("api token"), "{stdout}");
     assert_nothing_left(scratch.path()).await;
