@@ -317,7 +317,7 @@ async fn a_fallback_waiting_for_its_backends_capacity_stops_waiting_when_its_cal
             .as_u64()
             .unwrap_or(u64::MAX)
     };
-    let mut leaving = SseStream::open(
+    let leaving = SseStream::open(
         daemon.addr,
         "/v1/turns",
         None,
@@ -333,7 +333,6 @@ async fn a_fallback_waiting_for_its_backends_capacity_stops_waiting_when_its_cal
     assert!(queued.is_ok(), "the fallback never waited for Claude");
     // The caller leaves while its fallback waits: the wait ends with it, not at the pool's
     // 30 s wait timeout.
-    drop(leaving.next());
     drop(leaving);
     let gone = tokio::time::timeout(Duration::from_secs(10), async {
         while waiters().await != 0 {

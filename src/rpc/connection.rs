@@ -1279,6 +1279,23 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_peer_that_reads_is_never_closed_by_its_backlog_however_much_it_gets() {
+        let limits = PeerLimits {
+            max_queued_bytes: 8 * 1024,
+            write_stall_timeout: Duration::from_secs(600),
+        };
+        let (conn, mut peer, _rx) = limited(1 << 16, limits);
+        let big = "x".repeat(1024);
+        // Twelve times the backlog in all, each frame read before the next is sent: what was
+        // written leaves the count.
+        for i in 0..100 {
+            conn.notify("n", json!({ "i": i, "big": big }))
+                .expect("a reading peer's frame is queued");
+            assert_eq!(read_frame(&mut peer).await["params"]["i"], i);
+        }
+    }
+
+    #[tokio::test]
     async fn a_write_the_peer_does_not_read_within_the_stall_timeout_closes_the_connection() {
         let limits = PeerLimits {
             max_queued_bytes: 1 << 20,

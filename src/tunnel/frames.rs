@@ -30,8 +30,6 @@ const MAX_WHOLE_BODY_BYTES: usize = 8 << 20;
 pub(crate) struct TunnelRequests {
     receiving: HashMap<String, Receiving>,
     serving: HashMap<String, AbortHandle>,
-    /// The bytes of the bodies still arriving, all requests together.
-    buffered: usize,
 }
 
 /// Requests of one process whose body is still arriving, at most: a start past it is
@@ -67,7 +65,7 @@ impl TunnelRequests {
             .into_iter()
             .flat_map(|(name, values)| values.into_iter().map(move |v| (name.clone(), v)))
             .collect();
-        let replaced = self.receiving.insert(
+        self.receiving.insert(
             head.request_id.clone(),
             Receiving {
                 request: ModelRequest {
@@ -81,9 +79,6 @@ impl TunnelRequests {
                 oversized: false,
             },
         );
-        if let Some(replaced) = replaced {
-            self.buffered -= replaced.request.body.len();
-        }
         Ok(())
     }
 
@@ -99,14 +94,14 @@ impl TunnelRequests {
         on_done: impl FnOnce(String) + Send + 'static,
     ) -> bool {
         if chunk.cancel == Some(true) {
-            if let Some(gone) = self.receiving.remove(&chunk.request_id) {
-                self.buffered -= gone.request.body.len();
-            }
+            self.receiving.remove(&chunk.request_id);
             if let Some(task) = self.serving.remove(&chunk.request_id) {
                 task.abort();
             }
             return true;
         }
+        // The bodies still arriving, all requests together (at most MAX_RECEIVING of them).
+        let buffered: usize = self.receiving.values().map(|r| r.request.body.len()).sum();
         let Some(receiving) = self.receiving.get_mut(&chunk.request_id) else {
             return false;
         };
@@ -119,14 +114,12 @@ impl TunnelRequests {
         // (one request at the limit still passes beside a few ordinary ones).
         if !receiving.oversized
             && (body.len().saturating_add(chunk.data.len()) > limit
-                || self.buffered.saturating_add(chunk.data.len()) > limit.saturating_mul(2))
+                || buffered.saturating_add(chunk.data.len()) > limit.saturating_mul(2))
         {
             receiving.oversized = true;
-            self.buffered -= body.len();
             *body = Vec::new();
         }
         if !receiving.oversized {
-            self.buffered += chunk.data.len();
             if body.is_empty() {
                 // The first (often the only) chunk becomes the body without a copy.
                 *body = chunk.data.into_bytes();
@@ -141,7 +134,6 @@ impl TunnelRequests {
         else {
             return false;
         };
-        self.buffered -= request.body.len();
         let id = request.request_id.clone();
         let conn = conn.clone();
         let tunnel = tunnel.clone();
@@ -167,7 +159,6 @@ impl TunnelRequests {
     /// Stops every response still streaming.
     pub(crate) fn abort_all(&mut self) {
         self.receiving.clear();
-        self.buffered = 0;
         for (_, task) in self.serving.drain() {
             task.abort();
         }
@@ -568,7 +559,7 @@ mod tests {
             bodies.push(request.body.len());
         }
         assert_eq!(bodies, [900, 900]);
-        assert_eq!(requests.buffered, 0);
+        assert!(requests.receiving.is_empty());
     }
 
     #[tokio::test]

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -44,10 +44,6 @@ struct Pending {
     task: AbortHandle,
     /// Answers the request if it is cancelled, so the runtime never waits on it.
     answerer: Answerer,
-    /// Set by the task once it decided and is delivering its answer (which takes the
-    /// ledger's entry first): past that, a late rejection would find nothing to answer, and
-    /// aborting the task would leave the runtime waiting; it is let finish instead.
-    answering: Arc<AtomicBool>,
 }
 
 /// The pending ask_user question: cancelling it answers it with an empty free-form answer.
@@ -399,10 +395,6 @@ impl TurnDriver {
 
     fn reject_late_permission(&mut self, request_id: &str) {
         if let Some(p) = self.pending.remove(request_id) {
-            if p.answering.load(Ordering::SeqCst) {
-                // Decided just in time: its answer is on its way.
-                return;
-            }
             p.task.abort();
             let id = request_id.to_owned();
             tokio::spawn(async move {
@@ -640,7 +632,6 @@ impl TurnDriver {
                 label: tool.name.clone(),
                 task: task.abort_handle(),
                 answerer: pending_answerer,
-                answering: Arc::new(AtomicBool::new(false)),
             },
         );
     }
@@ -656,16 +647,19 @@ impl TurnDriver {
         // What an approve-for-session has the runtime remember, read before the policy
         // takes the request.
         let session_approval = request.session_approval();
-        let answering = Arc::new(AtomicBool::new(false));
-        let delivering = answering.clone();
         let task = tokio::spawn(async move {
             let decision = decide_safely(policy.as_ref(), request).await;
-            delivering.store(true, Ordering::SeqCst);
+            // Once decided, the answer goes out in a task of its own: aborting the policy
+            // (its time is up, the turn ended) must not cut a delivery that has already
+            // taken the ledger's entry, else nobody answers and the runtime waits. Whichever
+            // of this answer and the abort's rejection takes the entry first is the one sent.
             let answer = decision.to_wire_with(session_approval);
-            if let Err(error) = answerer.answer_permission(&id, answer).await {
-                tracing::warn!(%error, "Could not deliver a permission decision.");
-            }
-            let _ = done.send(Done::Request(id));
+            tokio::spawn(async move {
+                if let Err(error) = answerer.answer_permission(&id, answer).await {
+                    tracing::warn!(%error, "Could not deliver a permission decision.");
+                }
+                let _ = done.send(Done::Request(id));
+            });
         });
         self.pending.insert(
             request_id.to_owned(),
@@ -676,7 +670,6 @@ impl TurnDriver {
                 label: String::new(),
                 task: task.abort_handle(),
                 answerer: pending_answerer,
-                answering,
             },
         );
     }

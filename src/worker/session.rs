@@ -384,13 +384,9 @@ impl Session {
     }
 
     /// Drops the updates already waiting (late events of an earlier, aborted turn), refusing
-    /// the tool calls and permission prompts among them so the runtime never waits on them.
-    pub fn discard_waiting(&mut self) {
-        self.discard_waiting_seeing(|_| {});
-    }
-
-    /// [`Session::discard_waiting`], showing `seen` each event on the way (what the runtime
-    /// did between turns, a background compaction's end, is still its history).
+    /// the tool calls and permission prompts among them so the runtime never waits on them,
+    /// and showing `seen` each event on the way (what the runtime did between turns, a
+    /// background compaction's end, is still its history).
     pub fn discard_waiting_seeing(&mut self, mut seen: impl FnMut(&SessionEvent)) {
         let answerer = self.answerer();
         while let Some(update) = self.try_next() {

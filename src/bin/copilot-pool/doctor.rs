@@ -58,12 +58,19 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
     // config
     let config = match ServeConfig::load(args.config.as_deref()) {
         Ok(mut config) => {
-            // A token `serve` would read from --api-token-file counts as set (the file is
-            // checked below with the places; its contents are not needed here).
-            if config.api_token.is_none() && args.api_token_file.is_some() {
-                config.api_token = Some(copilot_pool::secret::Secret::new(
-                    "from --api-token-file".to_owned(),
-                ));
+            // The token `serve` would read from --api-token-file, read as it reads it (an
+            // unreadable, empty or shared file fails here as it fails there).
+            if config.api_token.is_none()
+                && let Some(path) = &args.api_token_file
+            {
+                match crate::config::read_token_file(path) {
+                    Ok(token) => config.api_token = Some(token),
+                    Err(e) => report.fail(
+                        "api token file",
+                        format!("{e:#}"),
+                        "make it a private (0600) file holding the token",
+                    ),
+                }
             }
             let source = match &args.config {
                 Some(path) => format!("{} loaded", path.display()),
