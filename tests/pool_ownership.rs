@@ -257,7 +257,15 @@ async fn a_compaction_the_runtime_finishes_between_turns_is_mirrored_as_the_next
     let transcript = dir.join(format!("copilot-{}.jsonl", lease.cli_session_id()));
     lease.run("first").await.expect("first turn");
     // The first turn's compaction ended after its `session.idle`: it waits, unread, and is
-    // mirrored when the next turn starts (before, it was dropped there).
+    // mirrored when the next turn starts (before, it was dropped there). Another
+    // conversation opened on the same process makes sure it is waiting: an open returns
+    // once what the runtime sent before its answer is routed.
+    let other = pool
+        .lease(fx.request("agent-a", "other"))
+        .await
+        .expect("other lease");
+    assert_eq!(other.worker_pid(), lease.worker_pid(), "one process");
+    drop(other);
     lease.run("second").await.expect("second turn");
     let tail = copilot_pool::fallback::read_transcript_tail(&transcript, 10_000).expect("read");
     assert_eq!(tail.summary.as_deref(), Some("SUMMARY-AFTER-first"));

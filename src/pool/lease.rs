@@ -120,11 +120,17 @@ impl Lease {
         }
         // Leftovers of earlier activity (late events of an aborted turn, a compaction the
         // runtime finished between turns) are not this turn's: requests among them are
-        // refused so the runtime never waits on them, and what they add to the history is
-        // mirrored.
+        // refused so the runtime never waits on them, what they add to the history is
+        // mirrored, and a compaction that ended among them fires its hooks.
+        self.session_mut()?;
+        let (session, driver) = (self.session.as_mut(), &mut self.driver);
         let mut between = Vec::new();
-        self.session_mut()?
-            .discard_waiting_seeing(|event| between.extend(DrainedEntry::of(event)));
+        if let Some(session) = session {
+            session.discard_waiting_seeing(|event| {
+                driver.on_compaction(event);
+                between.extend(DrainedEntry::of(event));
+            });
+        }
         self.driver.mirror_between_turns(between);
         let session = self.session_mut()?;
         session

@@ -546,17 +546,8 @@ impl TurnDriver {
                 self.outcome.task_complete = Some(Value::Object(raw.0.clone()));
             }
             EventKind::SessionIdle(idle) => self.outcome.aborted = idle.aborted == Some(true),
-            EventKind::CompactionStart(c) => {
-                // Held until the compaction is known to have happened.
-                self.compaction_start =
-                    Some(json!({"trigger": c.trigger, "currentTokens": c.current_tokens}));
-            }
-            EventKind::CompactionComplete(c) => {
-                let input = self.compaction_start.take().unwrap_or_else(|| json!({}));
-                if c.success {
-                    let output = json!({"success": c.success, "tokensRemoved": c.tokens_removed, "messagesRemoved": c.messages_removed});
-                    self.fire_compaction_hooks(input, output);
-                }
+            EventKind::CompactionStart(_) | EventKind::CompactionComplete(_) => {
+                self.on_compaction(event)
             }
             EventKind::ExternalToolRequested(req) => self.on_tool_call(req, session.answerer()),
             EventKind::PermissionRequested(req) if req.resolved_by_hook != Some(true) => {
@@ -734,6 +725,25 @@ impl TurnDriver {
                 None => request.respond(json!({})),
             }
         });
+    }
+
+    /// A background compaction's start (held until the compaction is known to have
+    /// happened) or end (its hooks fire if it succeeded), read in a turn or between turns.
+    pub(crate) fn on_compaction(&mut self, event: &SessionEvent) {
+        match &event.kind {
+            EventKind::CompactionStart(c) => {
+                self.compaction_start =
+                    Some(json!({"trigger": c.trigger, "currentTokens": c.current_tokens}));
+            }
+            EventKind::CompactionComplete(c) => {
+                let input = self.compaction_start.take().unwrap_or_else(|| json!({}));
+                if c.success {
+                    let output = json!({"success": c.success, "tokensRemoved": c.tokens_removed, "messagesRemoved": c.messages_removed});
+                    self.fire_compaction_hooks(input, output);
+                }
+            }
+            _ => {}
+        }
     }
 
     /// `before_compaction` then `after_compaction`, in that order, for a compaction that

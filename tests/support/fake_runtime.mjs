@@ -103,6 +103,7 @@ function handle({ id, method, params }) {
       reply({ messageId: `m-${Date.now()}` });
       if (mode === "flood") flood(params.sessionId);
       if (mode === "compaction-between-turns") {
+        event(params.sessionId, "session.compaction_start", { trigger: "threshold", currentTokens: 9 });
         event(params.sessionId, "assistant.message", { messageId: "m-1", content: "fake reply" });
         event(params.sessionId, "session.idle", {});
         event(params.sessionId, "session.compaction_complete", {
