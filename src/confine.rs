@@ -1,6 +1,7 @@
 //! Where a path a caller names may lie: inside one of a list of roots (the daemon passes the
 //! agent's own working directory and its `allowed_work_roots`, for a conversation's
-//! directories and for a turn's attachments by path). A path is resolved
+//! directories and for a turn's attachments by path), and which session fields name
+//! directories (one list, for the HTTP API and the SDK endpoint). A path is resolved
 //! the way the kernel will resolve it (symlinks followed, `..` applied to what it reaches), so
 //! no spelling of a path outside the roots passes: not `..`, not a symlink that points out,
 //! not a dangling symlink whose target may appear later.
@@ -12,6 +13,20 @@
 
 use std::io;
 use std::path::{Component, Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+/// Session fields (the runtime's `session.create` names) naming one directory the runtime
+/// works in or reads.
+const DIRECTORY_FIELDS: &[&str] = &["workingDirectory"];
+
+/// Session fields naming directories the runtime reads.
+const DIRECTORY_LIST_FIELDS: &[&str] = &[
+    "additionalDirectories",
+    "skillDirectories",
+    "pluginDirectories",
+    "instructionDirectories",
+];
 
 /// Why a path was refused.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +51,14 @@ pub enum ConfineError {
         field: String,
         /// The path as given.
         path: PathBuf,
+    },
+    /// A directory field whose value is not a path (or, for a list, not a list of paths).
+    #[error("{field} must be {expected}")]
+    Shape {
+        /// The field.
+        field: String,
+        /// What it must be.
+        expected: &'static str,
     },
     /// The path cannot be resolved (a dangling symlink, a `..` past a missing directory, a
     /// component that cannot be read).
@@ -115,6 +138,61 @@ pub fn confine(field: &str, path: &Path, roots: &[PathBuf]) -> Result<PathBuf, C
     }
 }
 
+/// Whether a session's `fields` name any directory: confining them is file work, which a
+/// caller may then move off its async threads.
+pub fn names_directories(fields: &Map<String, Value>) -> bool {
+    DIRECTORY_FIELDS
+        .iter()
+        .chain(DIRECTORY_LIST_FIELDS)
+        .any(|name| fields.get(*name).is_some_and(|v| !v.is_null()))
+}
+
+/// Confines every directory a session's `fields` name (`workingDirectory`,
+/// `additionalDirectories`, skill, plugin and instruction directories) with [`confine`], and
+/// replaces each by its resolved path, which is what the runtime must get. `prefix` goes
+/// before each field's name in an error (`session.` where the fields are a request's
+/// `session` object). The one list of those fields, for the HTTP API and the SDK endpoint.
+pub fn confine_session_directories(
+    fields: &mut Map<String, Value>,
+    prefix: &str,
+    roots: &[PathBuf],
+) -> Result<(), ConfineError> {
+    let confined = |field: String, dir: &Value| -> Result<Value, ConfineError> {
+        let Some(dir) = dir.as_str() else {
+            return Err(ConfineError::Shape {
+                field,
+                expected: "a directory's absolute path",
+            });
+        };
+        let resolved = confine(&field, Path::new(dir), roots)?;
+        Ok(Value::String(resolved.to_string_lossy().into_owned()))
+    };
+    for name in DIRECTORY_FIELDS {
+        if let Some(dir) = fields.get(*name).filter(|v| !v.is_null()) {
+            let resolved = confined(format!("{prefix}{name}"), dir)?;
+            fields.insert((*name).to_owned(), resolved);
+        }
+    }
+    for name in DIRECTORY_LIST_FIELDS {
+        let Some(dirs) = fields.get(*name).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let Some(dirs) = dirs.as_array() else {
+            return Err(ConfineError::Shape {
+                field: format!("{prefix}{name}"),
+                expected: "an array of directories' absolute paths",
+            });
+        };
+        let resolved = dirs
+            .iter()
+            .enumerate()
+            .map(|(i, dir)| confined(format!("{prefix}{name}.{i}"), dir))
+            .collect::<Result<Vec<_>, _>>()?;
+        fields.insert((*name).to_owned(), Value::Array(resolved));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +229,65 @@ mod tests {
         assert!(missing.ends_with("root/new/deeper"));
         // `..` that stays inside is fine.
         assert!(confine("w", &l.root.join("project/../project"), &roots).is_ok());
+    }
+
+    #[test]
+    fn every_directory_a_session_names_is_confined_and_passed_on_resolved() {
+        let l = layout();
+        let roots = [l.root.clone()];
+        let inside = l
+            .root
+            .join("project/../project")
+            .to_string_lossy()
+            .into_owned();
+        let resolved = std::fs::canonicalize(l.root.join("project")).unwrap();
+        let resolved = Value::String(resolved.to_string_lossy().into_owned());
+        let outside = l.outside.to_string_lossy().into_owned();
+        let mut fields = Map::new();
+        fields.insert("workingDirectory".into(), inside.clone().into());
+        fields.insert("model".into(), outside.clone().into());
+        for name in DIRECTORY_LIST_FIELDS {
+            fields.insert((*name).into(), Value::from(vec![inside.clone()]));
+        }
+        assert!(names_directories(&fields));
+        confine_session_directories(&mut fields, "session.", &roots).unwrap();
+        assert_eq!(fields["workingDirectory"], resolved);
+        for name in DIRECTORY_LIST_FIELDS {
+            assert_eq!(fields[*name], Value::from(vec![resolved.clone()]), "{name}");
+        }
+        // Not a directory field: left as it is.
+        assert_eq!(fields["model"], Value::String(outside.clone()));
+        // Each list field is confined, its entry named by index.
+        for name in DIRECTORY_LIST_FIELDS {
+            let mut fields = Map::new();
+            fields.insert(
+                (*name).into(),
+                Value::from(vec![inside.clone(), outside.clone()]),
+            );
+            let e = confine_session_directories(&mut fields, "session.", &roots).unwrap_err();
+            assert!(matches!(e, ConfineError::Outside { .. }), "{e}");
+            assert!(
+                e.to_string().starts_with(&format!("session.{name}.1:")),
+                "{e}"
+            );
+        }
+        // A value of the wrong shape is refused by name, never passed on.
+        let mut fields = Map::new();
+        fields.insert("skillDirectories".into(), outside.clone().into());
+        let e = confine_session_directories(&mut fields, "", &roots).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "skillDirectories must be an array of directories' absolute paths"
+        );
+        let mut fields = Map::new();
+        fields.insert("workingDirectory".into(), Value::from(7));
+        let e = confine_session_directories(&mut fields, "", &roots).unwrap_err();
+        assert!(matches!(e, ConfineError::Shape { .. }), "{e}");
+        // Nothing named (a null is nothing): no file work needed.
+        let mut fields = Map::new();
+        fields.insert("workingDirectory".into(), Value::Null);
+        assert!(!names_directories(&fields));
+        confine_session_directories(&mut fields, "", &roots).unwrap();
     }
 
     #[test]

@@ -16,7 +16,6 @@ use utoipa::ToSchema;
 use super::AppState;
 use super::error::{error, pool_error};
 use crate::auth::LeaseAuth;
-use crate::confine::{ConfineError, confine};
 use crate::pool::LeaseRequest;
 use crate::rpc::messages::{AzureOptions, ProviderConfig};
 use crate::secret::Secret;
@@ -423,39 +422,15 @@ async fn session_options(
     confined.map_err(bad)
 }
 
-/// Replaces `workingDirectory` and every `additionalDirectories` entry by its resolved
-/// path, refusing any outside `roots`.
+/// Replaces every directory the options name by its resolved path, refusing any outside
+/// `roots` ([`crate::confine::confine_session_directories`]).
 fn confine_directories(
     mut options: SessionOptions,
     roots: &[PathBuf],
 ) -> Result<SessionOptions, String> {
-    let text = |path: PathBuf| path.to_string_lossy().into_owned();
-    if let Some(Value::String(dir)) = options.get("workingDirectory") {
-        let resolved =
-            confine("session.workingDirectory", Path::new(dir), roots).map_err(message)?;
-        options
-            .set("workingDirectory", text(resolved))
-            .map_err(|e| e.to_string())?;
-    }
-    if let Some(Value::Array(dirs)) = options.get("additionalDirectories") {
-        let mut resolved = Vec::with_capacity(dirs.len());
-        for (i, dir) in dirs.iter().enumerate() {
-            // The schema check made every entry a string.
-            let dir = dir.as_str().unwrap_or_default();
-            let field = format!("session.additionalDirectories.{i}");
-            resolved.push(text(
-                confine(&field, Path::new(dir), roots).map_err(message)?,
-            ));
-        }
-        options
-            .set("additionalDirectories", resolved)
-            .map_err(|e| e.to_string())?;
-    }
+    crate::confine::confine_session_directories(options.fields_mut(), "session.", roots)
+        .map_err(|e| e.to_string())?;
     Ok(options)
-}
-
-fn message(e: ConfineError) -> String {
-    e.to_string()
 }
 
 /// An SDK session (`sdk:<session id>`) is its SDK connection's: the HTTP API neither runs,

@@ -5,7 +5,7 @@
 //! next call resumes the session on a fresh process) or the client goes away (the turn is
 //! aborted and settled, the session parked).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -128,17 +128,6 @@ fn refused_because(field: &str) -> &'static str {
     }
 }
 
-/// Session fields naming one directory the runtime works in or reads.
-const DIRECTORY_FIELDS: &[&str] = &["workingDirectory"];
-
-/// Session fields naming directories the runtime reads.
-const DIRECTORY_LIST_FIELDS: &[&str] = &[
-    "additionalDirectories",
-    "skillDirectories",
-    "pluginDirectories",
-    "instructionDirectories",
-];
-
 /// The directories a `session.create`, `session.resume` or `session.options.update` names,
 /// confined as the HTTP API confines a conversation's: inside the agent's work directory or
 /// one of [`SdkConfig::allowed_work_roots`](super::SdkConfig::allowed_work_roots) (symlinks
@@ -150,11 +139,9 @@ pub(super) async fn confine_directories(
     method: &str,
     mut params: Value,
 ) -> Result<Value, CallError> {
-    let named = |name: &&str| params.get(*name).is_some_and(|v| !v.is_null());
-    if !DIRECTORY_FIELDS
-        .iter()
-        .chain(DIRECTORY_LIST_FIELDS)
-        .any(named)
+    if !params
+        .as_object()
+        .is_some_and(crate::confine::names_directories)
     {
         return Ok(params);
     }
@@ -165,37 +152,13 @@ pub(super) async fn confine_directories(
     let method_name = method.to_owned();
     // Resolving paths is file work: off the async threads.
     tokio::task::spawn_blocking(move || {
-        let bad = |message: String| ErrorObject::new(INVALID_PARAMS, message);
-        let Some(map) = params.as_object_mut() else {
-            return Err(bad("params must be an object".to_owned()));
-        };
-        let confined = |field: &str, dir: &Value| -> Result<Value, CallError> {
-            let Some(dir) = dir.as_str() else {
-                return Err(bad(format!("{field} must be a string")));
-            };
-            crate::confine::confine(field, Path::new(dir), &roots)
-                .map(|path| Value::String(path.to_string_lossy().into_owned()))
-                .map_err(|e| bad(format!("Request {method_name} failed with message: {e}")))
-        };
-        for field in DIRECTORY_FIELDS {
-            if let Some(dir) = map.get(*field).filter(|v| !v.is_null()) {
-                let resolved = confined(field, dir)?;
-                map.insert((*field).to_owned(), resolved);
-            }
-        }
-        for field in DIRECTORY_LIST_FIELDS {
-            let Some(dirs) = map.get(*field).filter(|v| !v.is_null()) else {
-                continue;
-            };
-            let Some(dirs) = dirs.as_array() else {
-                return Err(bad(format!("{field} must be an array of directories")));
-            };
-            let resolved = dirs
-                .iter()
-                .enumerate()
-                .map(|(i, dir)| confined(&format!("{field}.{i}"), dir))
-                .collect::<Result<Vec<_>, _>>()?;
-            map.insert((*field).to_owned(), Value::Array(resolved));
+        if let Some(fields) = params.as_object_mut() {
+            crate::confine::confine_session_directories(fields, "", &roots).map_err(|e| {
+                ErrorObject::new(
+                    INVALID_PARAMS,
+                    format!("Request {method_name} failed with message: {e}"),
+                )
+            })?;
         }
         Ok(params)
     })

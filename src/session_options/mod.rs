@@ -253,6 +253,12 @@ impl SessionOptions {
         &self.fields
     }
 
+    /// The fields, to replace values in place (the directories, by their resolved paths;
+    /// what goes in is not checked again).
+    pub(crate) fn fields_mut(&mut self) -> &mut Map<String, Value> {
+        &mut self.fields
+    }
+
     /// Adds every field of `other` (its values win), checked with the others.
     pub fn extend(&mut self, other: SessionOptions) -> Result<(), SessionOptionsError> {
         let mut fields = self.fields.clone();
