@@ -208,6 +208,51 @@ async fn doctor_fails_as_serve_refuses_an_api_without_a_token_that_unsandboxed_w
 }
 
 #[tokio::test]
+async fn doctor_fails_on_a_backend_table_or_a_model_setting_serve_would_refuse_at_start() {
+    let runtime = support::runtime::runtime_path().await;
+    let scratch = tempfile::tempdir().expect("scratch");
+    let config = write_config(scratch.path(), &scratch.path().join("state"));
+    let good = std::fs::read_to_string(&config).expect("config");
+    let not_pem = scratch.path().join("not-a-certificate.pem");
+    std::fs::write(&not_pem, "hello").expect("file");
+    let cases = [
+        (
+            "[backends.copilot]\ncommand = \"claude\"\n".to_owned(),
+            "the Copilot runtime's own",
+        ),
+        (
+            format!(
+                "[model]\nextra_ca_files = [{:?}]\n",
+                not_pem.display().to_string()
+            ),
+            "BEGIN CERTIFICATE",
+        ),
+    ];
+    for (table, says) in cases {
+        std::fs::write(&config, format!("{good}{table}")).expect("config");
+        let out = doctor_with(scratch.path(), &runtime, &config).await;
+        let stdout = text(&out.stdout);
+        assert!(!out.status.success(), "{table}: {stdout}");
+        let fail = stdout
+            .lines()
+            .find(|l| l.starts_with("FAIL pool settings: "))
+            .unwrap_or_else(|| panic!("{table}: no FAIL line for the pool settings:\n{stdout}"));
+        assert!(fail.contains(says) && fail.contains(" — fix: "), "{fail}");
+    }
+    // The bundled backends and the default guard pass, and are named.
+    std::fs::write(&config, good).expect("config");
+    let out = doctor_with(scratch.path(), &runtime, &config).await;
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("ok   pool settings: CLI backends: claude-cli")),
+        "{stdout}"
+    );
+    assert_nothing_left(scratch.path()).await;
+}
+
+#[tokio::test]
 async fn doctor_fails_when_the_state_dir_is_a_file() {
     let runtime = support::runtime::runtime_path().await;
     let scratch = tempfile::tempdir().expect("scratch");

@@ -10,12 +10,13 @@ use crate::auth::LeaseAuth;
 use crate::faults::SharedDiskFaults;
 use crate::ids::CliSessionId;
 use crate::kinds::ReasoningEffort;
-use crate::model_guard::ModelGuardConfig;
+use crate::model_guard::{ModelGuard, ModelGuardConfig};
 use crate::rpc::messages::{ProviderConfig, SessionConfig};
 use crate::session_options::SessionOptions;
 use crate::turn::TurnHandlers;
 use crate::worker::WorkerConfig;
 
+use super::PoolError;
 use super::restart::RestartPolicy;
 
 /// Pool-wide settings.
@@ -183,6 +184,50 @@ impl PoolConfig {
                 crate::backend::CliBackendConfig::claude_cli(),
             )]),
         }
+    }
+
+    /// Checks what [`Pool::start`](super::Pool::start) would refuse, without starting
+    /// anything (no process, no store opened): a zero that would stop the pool from working,
+    /// the model guard's settings (its extra root certificates parsed), every CLI backend.
+    /// `copilot-pool doctor` runs it; the error names the setting and the fix.
+    pub fn check(&self) -> Result<(), PoolError> {
+        self.checked().map(drop)
+    }
+
+    /// [`PoolConfig::check`], keeping the model guard it built.
+    pub(super) fn checked(&self) -> Result<ModelGuard, PoolError> {
+        let invalid = |message: &str| Err(PoolError::InvalidRequest(message.to_owned()));
+        if self.max_waiters_per_agent == 0 {
+            return invalid(
+                "max_waiters_per_agent must be at least 1 (with 0 no lease of any agent could \
+                 wait for capacity); the default is 256",
+            );
+        }
+        if self.maintenance_interval.is_zero() {
+            return invalid(
+                "maintenance_interval must be more than zero (with 0 the pool would never evict \
+                 idle processes, recycle them, nor prune its keys); the default is 1s",
+            );
+        }
+        if self.max_resume_crashes == 0 {
+            return invalid(
+                "max_resume_crashes must be at least 1 (with 0 no conversation would ever be \
+                 resumed); the default is 2",
+            );
+        }
+        for (id, config) in &self.cli_backends {
+            if id == super::cli::COPILOT_BACKEND {
+                return Err(PoolError::InvalidRequest(format!(
+                    "backend id `{id}` is the Copilot runtime's own; name the CLI backend \
+                     otherwise (e.g. `claude-cli`)"
+                )));
+            }
+            config
+                .validate(id)
+                .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
+        }
+        ModelGuard::new(self.model_guard.clone())
+            .map_err(|e| PoolError::InvalidRequest(e.to_string()))
     }
 }
 

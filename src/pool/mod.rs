@@ -127,29 +127,7 @@ impl Pool {
                  at most 96 or raise fs.inotify.max_user_instances."
             );
         }
-        if config.max_waiters_per_agent == 0 {
-            return Err(PoolError::InvalidRequest(
-                "max_waiters_per_agent must be at least 1 (with 0 no lease of any agent could \
-                 wait for capacity); the default is 256"
-                    .to_owned(),
-            ));
-        }
-        if config.maintenance_interval.is_zero() {
-            return Err(PoolError::InvalidRequest(
-                "maintenance_interval must be more than zero (with 0 the pool would never evict \
-                 idle processes, recycle them, nor prune its keys); the default is 1s"
-                    .to_owned(),
-            ));
-        }
-        if config.max_resume_crashes == 0 {
-            return Err(PoolError::InvalidRequest(
-                "max_resume_crashes must be at least 1 (with 0 no conversation would ever be \
-                 resumed); the default is 2"
-                    .to_owned(),
-            ));
-        }
-        let guard = ModelGuard::new(config.model_guard.clone())
-            .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
+        let guard = config.checked()?;
         let bindings = Arc::new(
             BindingStore::open(&config.state_dir)?.with_disk_faults(config.disk_faults.clone()),
         );
@@ -167,7 +145,7 @@ impl Pool {
             },
             config.restart.clone(),
             cli_bindings,
-        )?);
+        ));
         spawn_cli_maintenance(&cli, config.idle_ttl, config.maintenance_interval);
         let (leased_tx, leased_rx) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);

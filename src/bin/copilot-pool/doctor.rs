@@ -108,6 +108,11 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
         }
     };
 
+    // pool settings: what the pool refuses at start ([backends.*], [model])
+    if let Some(config) = &config {
+        check_pool_settings(&mut report, config);
+    }
+
     // runtime
     let explicit = args
         .cli
@@ -199,6 +204,42 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Builds the pool's config as `serve` does (`[backends.*]` tables over their bundled
+/// defaults, the model guard's endpoints and extra root certificates read) and checks what
+/// `Pool::start` would refuse, without starting it.
+fn check_pool_settings(report: &mut Report, config: &ServeConfig) {
+    const CHECK: &str = "pool settings";
+    // The runtime's path plays no part in the check.
+    let pool = config
+        .pool_config(PathBuf::from("copilot"))
+        .and_then(|pool| pool.check().map(|()| pool).map_err(anyhow::Error::from));
+    match pool {
+        Ok(pool) => {
+            let backends: Vec<&str> = pool.cli_backends.keys().map(String::as_str).collect();
+            report.ok(
+                CHECK,
+                format!(
+                    "CLI backends: {}; model guard: {} private endpoint(s) allowed, {} extra \
+                     root certificate file(s)",
+                    if backends.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        backends.join(", ")
+                    },
+                    pool.model_guard.private_endpoints.len(),
+                    pool.model_guard.extra_root_certificates_pem.len(),
+                ),
+            )
+        }
+        Err(err) => report.fail(
+            CHECK,
+            format!("{err:#}"),
+            "change the [backends.*] or [model] setting the message names (serve refuses to \
+             start with it)",
+        ),
+    }
 }
 
 /// A directory removed on drop.

@@ -271,20 +271,9 @@ impl CliPool {
         caps: Caps,
         restart: RestartPolicy,
         bindings: Arc<BindingStore>,
-    ) -> Result<Self, PoolError> {
-        for (id, config) in &backends {
-            if id == COPILOT_BACKEND {
-                return Err(PoolError::InvalidRequest(format!(
-                    "backend id `{COPILOT_BACKEND}` is the Copilot runtime's own; name the CLI \
-                     backend otherwise (e.g. `claude-cli`)"
-                )));
-            }
-            config
-                .validate(id)
-                .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
-        }
+    ) -> Self {
         let core = Slots::new(caps, restart);
-        Ok(Self {
+        Self {
             shell: Mutex::new(Shell {
                 core,
                 parked: HashMap::new(),
@@ -300,7 +289,7 @@ impl CliPool {
             closed: AtomicBool::new(false),
             copilot: OnceLock::new(),
             running: Mutex::new(HashMap::new()),
-        })
+        }
     }
 
     /// Connects the Copilot side: `tell` reaches the pool actor (set once).
@@ -1416,20 +1405,17 @@ mod tests {
     /// A pool of one CLI backend `id` with `config`, its bindings under `dir`.
     fn pool(id: &str, config: CliBackendConfig, dir: &std::path::Path) -> Arc<CliPool> {
         let bindings = Arc::new(BindingStore::open(dir).expect("bindings"));
-        Arc::new(
-            CliPool::new(
-                BTreeMap::from([(id.to_owned(), config)]),
-                Caps {
-                    max_processes: 4,
-                    max_per_key: 4,
-                    max_waiters: 4,
-                    max_waiters_per_agent: 4,
-                },
-                RestartPolicy::default(),
-                bindings,
-            )
-            .expect("valid"),
-        )
+        Arc::new(CliPool::new(
+            BTreeMap::from([(id.to_owned(), config)]),
+            Caps {
+                max_processes: 4,
+                max_per_key: 4,
+                max_waiters: 4,
+                max_waiters_per_agent: 4,
+            },
+            RestartPolicy::default(),
+            bindings,
+        ))
     }
 
     #[test]
