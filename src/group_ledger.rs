@@ -25,7 +25,7 @@ use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
 use crate::faults::{SharedDiskFaults, Store};
-use crate::process::read_stat;
+use crate::process::{processes_where, read_stat};
 
 /// File name of the ledger inside the state directory.
 pub const LEDGER_FILE: &str = "process-groups.json";
@@ -421,20 +421,8 @@ fn is_alive(pid: u32) -> bool {
 /// that left the group (`setpgid`, as GNU `timeout` does) but not the session. Never this
 /// process.
 fn leftovers(entry: &GroupEntry) -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
     let own_session = entry.sid == entry.pgid;
-    let me = std::process::id();
-    dir.flatten()
-        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|p| *p != me)
-        .filter(|p| {
-            read_stat(*p).is_some_and(|stat| {
-                stat.pgrp == entry.pgid || (own_session && stat.sid == entry.sid)
-            })
-        })
-        .collect()
+    processes_where(|stat| stat.pgrp == entry.pgid || (own_session && stat.sid == entry.sid))
 }
 
 /// This boot's id, `None` if it cannot be read (then no recorded group is ever killed).

@@ -434,23 +434,27 @@ pub(crate) fn read_stat(pid: u32) -> Option<Stat> {
     parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
 
+/// Pids of the processes whose `/proc/<pid>/stat` `matches` (never this process). Reads
+/// all of `/proc`: on a blocking or dedicated thread, never on an async one.
+pub(crate) fn processes_where(matches: impl Fn(&Stat) -> bool) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let me = std::process::id();
+    dir.flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != me && read_stat(*pid).is_some_and(|stat| matches(&stat)))
+        .collect()
+}
+
 /// SIGKILLs the processes of session `sid` (the session a [`ChildGroup`]'s leader made,
 /// whose id is the leader's pid) that left its process group (a tool that ran `setpgid`,
 /// as GNU `timeout` does): the group kill does not reach them. Called while the leader is
-/// exited but not reaped, so the session id cannot have been handed out again. Reads all of
-/// `/proc`: on the exit-watch thread, never on an async one.
+/// exited but not reaped, so the session id cannot have been handed out again; on the
+/// exit-watch thread.
 fn kill_session_leftovers(sid: u32) {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return;
-    };
-    for pid in dir
-        .flatten()
-        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|p| *p != sid)
-    {
-        if read_stat(pid).is_some_and(|stat| stat.sid == sid && stat.pgrp != sid)
-            && let Ok(raw) = i32::try_from(pid)
-        {
+    for pid in processes_where(|stat| stat.sid == sid && stat.pgrp != sid) {
+        if let Ok(raw) = i32::try_from(pid) {
             let _ = nix::sys::signal::kill(Pid::from_raw(raw), Signal::SIGKILL);
         }
     }
@@ -782,29 +786,9 @@ mod tests {
         assert!(!SpawnError::MissingPipe(1, "stdin").is_resource_exhaustion());
     }
 
-    /// Pids of live (non-zombie) processes in process group `pgid`, from /proc.
-    pub(crate) fn live_group_members(pgid: u32) -> Vec<u32> {
-        let mut out = Vec::new();
-        let Ok(dir) = std::fs::read_dir("/proc") else {
-            return out;
-        };
-        for entry in dir.flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                continue;
-            };
-            // Fields after the command name (which is in parentheses and may contain spaces).
-            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-                continue;
-            };
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            if fields.len() > 2 && fields[2] == pgid.to_string() {
-                out.push(pid);
-            }
-        }
-        out
+    /// Pids of the processes in process group `pgid` (a zombie not yet reaped included).
+    pub(crate) fn group_members(pgid: u32) -> Vec<u32> {
+        processes_where(|stat| stat.pgrp == pgid)
     }
 
     #[tokio::test]
@@ -883,7 +867,7 @@ mod tests {
                 .wait_for_text("started", Duration::from_secs(10))
                 .await
         );
-        assert!(live_group_members(pgid).len() >= 2);
+        assert!(group_members(pgid).len() >= 2);
         let info = child.terminate(Duration::from_millis(200)).await;
         assert_eq!(info, ExitInfo::Signal(9));
         assert_eq!(info.to_string(), "signal 9 (SIGKILL)");
@@ -1136,7 +1120,7 @@ mod tests {
         let mut line = [0u8; 8];
         stdout.read_exact(&mut line).await.unwrap();
         assert_eq!(&line, b"started\n");
-        assert!(live_group_members(pgid).len() >= 2);
+        assert!(group_members(pgid).len() >= 2);
         drop(leader);
         let left = group_left_after(pgid, Duration::from_secs(5)).await;
         assert!(left.is_empty(), "left behind: {left:?}");
@@ -1167,7 +1151,7 @@ mod tests {
     async fn group_left_after(pgid: u32, limit: Duration) -> Vec<u32> {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
-            let left: Vec<u32> = live_group_members(pgid)
+            let left: Vec<u32> = group_members(pgid)
                 .into_iter()
                 .filter(|pid| !is_zombie(*pid))
                 .collect();
