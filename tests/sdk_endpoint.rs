@@ -11,7 +11,9 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use bytes::{BufMut, Bytes, BytesMut};
 use copilot_pool::Pool;
+use copilot_pool::rpc::FrameCodec;
 use copilot_pool::rpc::connection::{Connection, ConnectionOptions, ErrorObject, RpcError};
 use copilot_pool::scripted_model::ScriptedModel;
 use copilot_pool::sdk_endpoint::{self, AgentTokens, SdkConfig, SdkEndpoint};
@@ -21,6 +23,7 @@ use support::pool_fixture::Fixture;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
+use tokio_util::codec::{Decoder, Encoder};
 
 /// Bound of one Node scenario (a failure guard, not a wait).
 const SCENARIO_LIMIT: Duration = Duration::from_secs(180);
@@ -224,11 +227,10 @@ async fn clients_that_never_authenticate_make_way_for_new_ones_and_cannot_keep_t
         .await
         .expect("the oldest waiting client is closed")
         .expect("read to the end");
-    let ping = r#"{"jsonrpc":"2.0","id":1,"method":"ping","params":{}}"#;
-    let frame = format!("Content-Length: {}\r\n\r\n{ping}", ping.len());
+    let ping = frame(r#"{"jsonrpc":"2.0","id":1,"method":"ping","params":{}}"#);
     let sending = async {
         loop {
-            silent.write_all(frame.as_bytes()).await?;
+            silent.write_all(&ping).await?;
             tokio::task::yield_now().await;
         }
     };
@@ -1015,28 +1017,31 @@ async fn a_client_that_leaves_mid_turn_has_its_turn_aborted_and_the_agent_resume
     served.shut_down().await;
 }
 
-/// Writes one JSON-RPC frame on a raw stream.
-async fn write_raw_frame(stream: &mut TcpStream, message: &Value) {
-    let body = message.to_string();
-    let frame = format!("Content-Length: {}\r\n\r\n{body}", body.len());
-    stream.write_all(frame.as_bytes()).await.expect("write");
+/// One JSON-RPC frame, as the endpoint reads them (`rpc::FrameCodec`).
+fn frame(message: &str) -> BytesMut {
+    let mut frame = BytesMut::new();
+    FrameCodec::default()
+        .encode(Bytes::copy_from_slice(message.as_bytes()), &mut frame)
+        .expect("a frame");
+    frame
 }
 
-/// Reads one JSON-RPC frame from a raw stream.
+/// Writes one JSON-RPC frame on a raw stream.
+async fn write_raw_frame(stream: &mut TcpStream, message: &Value) {
+    let frame = frame(&message.to_string());
+    stream.write_all(&frame).await.expect("write");
+}
+
+/// Reads one JSON-RPC frame from a raw stream, and not a byte more (what follows is the
+/// next read's).
 async fn read_raw_frame(stream: &mut TcpStream) -> Value {
-    let mut head = Vec::new();
-    while !head.ends_with(b"\r\n\r\n") {
-        head.push(stream.read_u8().await.expect("a frame header"));
+    let (mut codec, mut read) = (FrameCodec::default(), BytesMut::new());
+    loop {
+        if let Some(body) = codec.decode(&mut read).expect("a frame") {
+            return serde_json::from_slice(&body).expect("JSON");
+        }
+        read.put_u8(stream.read_u8().await.expect("a frame's next byte"));
     }
-    let head = String::from_utf8(head).expect("ASCII header");
-    let length: usize = head
-        .trim()
-        .strip_prefix("Content-Length: ")
-        .and_then(|n| n.parse().ok())
-        .expect("Content-Length");
-    let mut body = vec![0; length];
-    stream.read_exact(&mut body).await.expect("a frame body");
-    serde_json::from_slice(&body).expect("JSON")
 }
 
 /// Polls `check` (each an RPC round trip) until it holds, for at most 10 s.
