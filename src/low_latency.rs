@@ -26,6 +26,12 @@ impl QuickAck {
         QuickAck(stream)
     }
 
+    /// The stream underneath.
+    #[cfg(test)]
+    pub(crate) fn stream(&self) -> &TcpStream {
+        &self.0
+    }
+
     fn quick_ack(&self) {
         #[cfg(target_os = "linux")]
         if let Err(error) = socket2::SockRef::from(&self.0).set_tcp_quickack(true) {

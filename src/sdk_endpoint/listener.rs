@@ -29,13 +29,15 @@ pub async fn serve_tcp(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) {
-    serve(endpoint, shutdown, || async {
-        listener.accept().await.map(|(stream, _)| {
-            keep_alive(&stream);
-            QuickAck::new(stream, "an SDK connection")
-        })
-    })
-    .await;
+    serve(endpoint, shutdown, || accept_client(&listener)).await;
+}
+
+/// The next client of `listener`, its socket probed ([`keep_alive`]) and tuned for small
+/// frames ([`QuickAck`]).
+async fn accept_client(listener: &TcpListener) -> std::io::Result<QuickAck> {
+    let (stream, _) = listener.accept().await?;
+    keep_alive(&stream);
+    Ok(QuickAck::new(stream, "an SDK connection"))
 }
 
 /// A client's connection silent this long is probed by the kernel...
@@ -151,9 +153,9 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (accepted, _) = listener.accept().await.unwrap();
-        keep_alive(&accepted);
-        let socket = socket2::SockRef::from(&accepted);
+        let accepted = accept_client(&listener).await.unwrap();
+        let socket = socket2::SockRef::from(accepted.stream());
+        assert!(socket.tcp_nodelay().unwrap());
         assert!(socket.keepalive().unwrap());
         assert_eq!(socket.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
         assert_eq!(socket.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
