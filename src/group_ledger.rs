@@ -232,22 +232,26 @@ impl GroupLedger {
             }
             match LeaderState::of(entry) {
                 LeaderState::Same => {
-                    let live: Vec<u32> = leftovers(entry)
-                        .into_iter()
-                        .filter(|p| is_alive(*p))
-                        .collect();
-                    if !live.is_empty()
-                        && let Err(error) = killpg(pid(entry.pgid), Signal::SIGKILL)
-                    {
-                        tracing::warn!(pgid = entry.pgid, %error, "Could not kill a process group of the previous run.");
-                    }
-                    // What left the group but not the session the leader made.
-                    for member in &live {
-                        if read_stat(*member).is_some_and(|stat| stat.pgrp != entry.pgid) {
-                            let _ = kill(pid(*member), Signal::SIGKILL);
-                        }
-                    }
-                    report.killed.extend(live);
+                    let killed = kill_until_none_left(
+                        || {
+                            leftovers(entry)
+                                .into_iter()
+                                .filter(|p| is_alive(*p))
+                                .collect()
+                        },
+                        |live| {
+                            if let Err(error) = killpg(pid(entry.pgid), Signal::SIGKILL) {
+                                tracing::warn!(pgid = entry.pgid, %error, "Could not kill a process group of the previous run.");
+                            }
+                            // What left the group but not the session the leader made.
+                            for member in live {
+                                if read_stat(*member).is_some_and(|stat| stat.pgrp != entry.pgid) {
+                                    let _ = kill(pid(*member), Signal::SIGKILL);
+                                }
+                            }
+                        },
+                    );
+                    report.killed.extend(killed);
                     must_vanish.push(entry.pgid);
                 }
                 LeaderState::Reused => report.not_ours += 1,
@@ -255,18 +259,27 @@ impl GroupLedger {
                     // The id of a group (or of a session) cannot be handed out again while a
                     // member is left, so members still in it are the leader's; the session
                     // and start time are checked as well.
-                    for member in leftovers(entry) {
-                        let Some(stat) = read_stat(member) else {
-                            continue;
-                        };
-                        if stat.sid == entry.sid && stat.start_time >= entry.start_time {
-                            if is_alive(member) {
-                                let _ = kill(pid(member), Signal::SIGKILL);
-                                report.killed.push(member);
+                    let members = || -> Vec<u32> {
+                        leftovers(entry)
+                            .into_iter()
+                            .filter(|member| {
+                                read_stat(*member).is_some_and(|stat| {
+                                    stat.sid == entry.sid && stat.start_time >= entry.start_time
+                                })
+                            })
+                            .collect()
+                    };
+                    // Zombies among them must vanish too (be reaped), not be killed.
+                    must_vanish.extend(members());
+                    let killed = kill_until_none_left(
+                        || members().into_iter().filter(|p| is_alive(*p)).collect(),
+                        |live| {
+                            for member in live {
+                                let _ = kill(pid(*member), Signal::SIGKILL);
                             }
-                            must_vanish.push(member);
-                        }
-                    }
+                        },
+                    );
+                    report.killed.extend(killed);
                 }
             }
         }
@@ -411,6 +424,32 @@ impl LeaderState {
     }
 }
 
+/// The most scans [`kill_until_none_left`] makes.
+const KILL_ROUNDS: usize = 16;
+
+/// Kills what `live` finds with `kill`, and scans again until a scan finds nothing alive it
+/// has not killed already: a process may fork between one scan and its kill (its child,
+/// unseen, would be left; once a SIGKILL is pending it forks no more). Returns every pid
+/// killed. At most [`KILL_ROUNDS`] scans: what is left after them is still waited for, and
+/// reported, by the caller.
+fn kill_until_none_left(
+    mut live: impl FnMut() -> Vec<u32>,
+    mut kill: impl FnMut(&[u32]),
+) -> Vec<u32> {
+    let mut killed: Vec<u32> = Vec::new();
+    for _ in 0..KILL_ROUNDS {
+        // One killed and not yet dead is still found alive: not new.
+        let mut found = live();
+        found.retain(|pid| !killed.contains(pid));
+        if found.is_empty() {
+            break;
+        }
+        kill(&found);
+        killed.extend(found);
+    }
+    killed
+}
+
 /// A process that is there and not a zombie (a zombie holds no session and runs nothing).
 fn is_alive(pid: u32) -> bool {
     read_stat(pid).is_some_and(|stat| stat.state != 'Z' && stat.state != 'X')
@@ -445,6 +484,38 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 mod tests {
     use super::*;
     use crate::process::{Stat, parse_stat};
+
+    #[test]
+    fn a_child_forked_while_its_parent_is_killed_is_found_by_the_next_scan_and_killed() {
+        // The world: 10 alive; killing 10 reveals 11, forked just before the kill.
+        let world = Mutex::new(vec![10_u32]);
+        let kills = Mutex::new(Vec::new());
+        let killed = kill_until_none_left(
+            || lock(&world).clone(),
+            |pids| {
+                lock(&kills).push(pids.to_vec());
+                let mut world = lock(&world);
+                if pids.contains(&10) {
+                    // 10 is dying but still listed for a while; its child appears.
+                    world.push(11);
+                }
+            },
+        );
+        assert_eq!(killed, vec![10, 11]);
+        // 10 was killed once, though still listed alive after its kill.
+        assert_eq!(*lock(&kills), vec![vec![10], vec![11]]);
+        // Nothing found: nothing killed, one scan.
+        let scans = Mutex::new(0);
+        let none = kill_until_none_left(
+            || {
+                *lock(&scans) += 1;
+                Vec::new()
+            },
+            |_| panic!("nothing to kill"),
+        );
+        assert!(none.is_empty());
+        assert_eq!(*lock(&scans), 1);
+    }
 
     #[test]
     fn the_stat_fields_are_read_after_a_command_name_with_spaces_and_parentheses() {
