@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Checks the deployment artefacts: the kustomize base and example overlay (rendered with
 # `kubectl kustomize`, validated with `kubernetes-validate --strict`; only the Prometheus
-# Operator kinds PodMonitor/PrometheusRule may warn, having no schema), the alert rules
-# (`promtool check rules`, `promtool test rules`), that the PrometheusRule carries exactly the
-# rules of deploy/prometheus/alerts.yml, and the Grafana dashboard (lint + every query parsed
-# by promtool).
+# Operator kinds PodMonitor/PrometheusRule may warn, having no schema; the grace period covers
+# the daemon's shutdown, the NetworkPolicy keeps HTTPS egress off private ranges), the alert
+# rules (`promtool check rules`, `promtool test rules`), that the PrometheusRule carries exactly
+# the rules of deploy/prometheus/alerts.yml, and the Grafana dashboard (lint, every selector
+# scoped by the namespace/job/instance variables, every query parsed by promtool).
 #
 #   bash scripts/check-deploy.sh                 # run every check (from anywhere)
 #   bash scripts/check-deploy.sh --update-rules  # regenerate the PrometheusRule from alerts.yml
@@ -108,6 +109,7 @@ echo "${rule_cr} is up to date"
 
 step "consistency of manifests, rules, tests and dashboard"
 "${py}" - "${work}" "${alerts}" "${alerts_test}" "${dashboard}" "${metrics_rs}" <<'PY'
+import ipaddress
 import json
 import re
 import sys
@@ -186,15 +188,21 @@ for name in ("base", "example"):
     sts = by_kind["StatefulSet"][0]
     pod = sts["spec"]["template"]["spec"]
     ctr = pod["containers"][0]
-    # The pool config and the grace period.
+    # The pool config and the grace period. After the drain (drain_grace_secs) the daemon
+    # takes up to ~30 s more: 5 s for aborted turns, 9 s to stop the workers (detach 2 s +
+    # kill grace 5 s + 2 s margin, in parallel), up to 5 s each for the API's turns, the SDK
+    # endpoint's turns and the servers (src/pool/mod.rs Pool::shutdown, serve's shutdown).
+    # Below drain + 25 a slow stop is SIGKILLed mid-teardown, leaving runtimes' tools behind.
+    TEARDOWN = 25
     cm = by_kind["ConfigMap"][0]
     serve = tomllib.loads(cm["data"]["serve.toml"])
     drain = serve.get("drain_grace_secs", 30)
     grace = pod.get("terminationGracePeriodSeconds", 30)
-    if not grace > drain:
-        err(f"{name}: terminationGracePeriodSeconds {grace} must exceed drain_grace_secs {drain}")
+    if not grace >= drain + TEARDOWN:
+        err(f"{name}: terminationGracePeriodSeconds {grace} must be at least drain_grace_secs "
+            f"{drain} + {TEARDOWN} (the shutdown after the drain)")
     else:
-        ok(f"{name}: terminationGracePeriodSeconds {grace} > drain_grace_secs {drain}")
+        ok(f"{name}: terminationGracePeriodSeconds {grace} >= drain_grace_secs {drain} + {TEARDOWN}")
     if serve.get("listen") != "0.0.0.0:7878":
         err(f"{name}: serve.toml listen is {serve.get('listen')!r}, expected 0.0.0.0:7878")
     # The API token reaches the daemon as a 0600 file (an init container copies it out of the
@@ -274,6 +282,30 @@ for name in ("base", "example"):
     pm = by_kind["PodMonitor"][0]["spec"]["podMetricsEndpoints"][0]
     if pm.get("port") != "http" or pm.get("path") != "/metrics":
         err(f"{name}: PodMonitor must scrape port http path /metrics")
+    # Egress: an ipBlock that spans a private range must except it (agents' tools reach
+    # whatever the pod may reach: the cluster's pods and services, the node, the metadata
+    # service). A block narrowed to the provider's public ranges overlaps none of them.
+    private = [ipaddress.ip_network(n) for n in (
+        "10.0.0.0/8", "100.64.0.0/10", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16",
+        "fc00::/7", "fe80::/10")]
+    holes = []
+    for np in by_kind.get("NetworkPolicy", []):
+        for rule in np["spec"].get("egress", []):
+            for peer in rule.get("to", []):
+                block = peer.get("ipBlock")
+                if not block:
+                    continue
+                cidr = ipaddress.ip_network(block["cidr"])
+                excepted = [ipaddress.ip_network(e) for e in block.get("except", [])]
+                for net in private:
+                    if net.version != cidr.version or not net.overlaps(cidr):
+                        continue
+                    if not any(net.version == e.version and net.subnet_of(e) for e in excepted):
+                        holes.append(f"{cidr} lets {net} through")
+    if holes:
+        err(f"{name}: NetworkPolicy egress reaches private ranges: {'; '.join(holes)}")
+    else:
+        ok(f"{name}: NetworkPolicy egress excepts the private, CGNAT, link-local and unique-local ranges")
 
 # --- alerts and their tests -------------------------------------------------------------------
 alert_names = [r["alert"] for r in plain_rules if "alert" in r]
@@ -312,6 +344,18 @@ if dash is not None:
     variables = dash.get("templating", {}).get("list", [])
     if not any(v.get("name") == "datasource" and v.get("type") == "datasource" and v.get("query") == "prometheus" for v in variables):
         err("dashboard lacks the datasource variable `datasource` (type datasource, query prometheus)")
+    # One Prometheus may scrape several installs: every selector is scoped by these target
+    # label variables (multi-select with All, values from copilot_pool_processes).
+    SCOPE = ("namespace", "job", "instance")
+    by_name = {v.get("name"): v for v in variables}
+    for label in SCOPE:
+        v = by_name.get(label, {})
+        query = v.get("query", {})
+        query = query.get("query", "") if isinstance(query, dict) else query
+        if not (v.get("type") == "query" and v.get("multi") is True and v.get("includeAll") is True
+                and re.match(rf"label_values\(copilot_pool_processes\b.*,\s*{label}\)$", query)):
+            err(f"dashboard lacks the variable `{label}` (query label_values(copilot_pool_processes..., {label}), multi, includeAll)")
+    query_vars = {v.get("name") for v in variables if v.get("type") in ("query", "custom")}
 
     # Every uid anywhere but the dashboard's own must be the variable.
     def walk(node, path):
@@ -355,12 +399,23 @@ if dash is not None:
             if not re.search(r"\bor\s+(on\s*\(\s*\)\s*)?vector\(0\)\s*$", expr):
                 err(f"panel {p.get('id')} target {t.get('refId')}: end the query with `or vector(0)` (or `or on() vector(0)` after a `by`)")
             grouped = {l.strip() for g in re.findall(r"\bby\s*\(([^)]*)\)", expr) for l in g.split(",")} - {"le", ""}
+            for sel in re.finditer(r"\b(copilot_pool_[a-z0-9_]+|up)\b(\{[^}]*\})?", expr):
+                matchers = sel.group(2) or ""
+                missing = [l for l in SCOPE if f'{l}=~"${l}"' not in matchers]
+                if missing:
+                    err(f"panel {p.get('id')} target {t.get('refId')}: {sel.group(1)} lacks "
+                        + ", ".join(f'{l}=~"${l}"' for l in missing))
             if grouped and not re.search(r"\bor\s+on\s*\(\s*\)\s*vector\(0\)\s*$", expr):
                 err(f"panel {p.get('id')} target {t.get('refId')}: a grouped query needs `or on() vector(0)` (plain `or vector(0)` adds a stray series)")
             exprs.append((p["id"], t.get("refId"), expr))
-    # promtool parses every query (as a recording rule, $__rate_interval -> 5m).
+    # promtool parses every query (as a recording rule) as Prometheus gets it with every
+    # variable at All: $__rate_interval -> 5m, each query variable ($job, ${job}) -> .*.
+    def interpolate(e):
+        e = e.replace("$__rate_interval", "5m")
+        return re.sub(r"\$\{?(\w+)\}?", lambda m: ".*" if m.group(1) in query_vars else m.group(0), e)
+
     rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:panel_{pid}_{ref}", "expr": e.replace("$__rate_interval", "5m")} for pid, ref, e in exprs
+        {"record": f"dashboard:panel_{pid}_{ref}", "expr": interpolate(e)} for pid, ref, e in exprs
     ]}]}
     with open(f"{work}/dashboard-rules.yml", "w") as f:
         yaml.safe_dump(rules, f, sort_keys=False)

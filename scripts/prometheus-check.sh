@@ -2,8 +2,9 @@
 # Checks the dashboard and the alert rules against a real Prometheus: starts the scripted
 # model, `copilot-pool serve` and a Prometheus (Debian's `prometheus` package) scraping it,
 # runs a short workload, then runs every PromQL expression of dashboards/copilot-pool.json and
-# deploy/prometheus/alerts.yml through Prometheus' HTTP API. Fails if an expression is
-# invalid, or if a dashboard panel's query returns no series.
+# deploy/prometheus/alerts.yml through Prometheus' HTTP API, the dashboard's with every
+# variable at All. Fails if an expression is invalid, or if a dashboard panel's query or a
+# variable's label_values() selector returns no series.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -120,7 +121,23 @@ def panels(items):
     for p in items:
         yield p
         yield from panels(p.get("panels", []))
+# The dashboard's variables (namespace, job, instance, backend) at All: `.*`.
+variables = {v["name"] for v in dashboard.get("templating", {}).get("list", []) if v.get("type") in ("query", "custom")}
+def at_all(expr):
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: ".*" if m.group(1) in variables else m.group(0), expr)
 n = 0
+for v in dashboard.get("templating", {}).get("list", []):
+    q = v.get("query")
+    q = q.get("query", "") if isinstance(q, dict) else (q or "")
+    m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", q.strip())
+    if v.get("type") != "query" or not m:
+        continue
+    n += 1
+    r = query(at_all(m.group(1)))
+    if r.get("status") != "success":
+        failures.append(f"variable {v['name']!r}: invalid: {m.group(1)}: {r.get('error')}")
+    elif not r["data"]["result"]:
+        failures.append(f"variable {v['name']!r}: no series: {m.group(1)}")
 for panel in panels(dashboard.get("panels", [])):
     for target in panel.get("targets", []):
         expr = target.get("expr")
@@ -128,8 +145,7 @@ for panel in panels(dashboard.get("panels", [])):
             continue
         n += 1
         expr = expr.replace("$__rate_interval", "5m").replace("$__interval", "1m").replace("$__range", "5m")
-        # The `backend` variable's "All" value.
-        expr = expr.replace("$backend", ".*")
+        expr = at_all(expr)
         r = query(expr)
         if r.get("status") != "success":
             failures.append(f"panel {panel.get('title')!r}: invalid: {expr}: {r.get('error')}")
