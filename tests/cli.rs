@@ -210,3 +210,111 @@ async fn demo_runs_every_turn_survives_a_kill_and_a_rotation_and_leaves_no_orpha
     }
     assert_eq!(n("transcript_duplicates"), 0);
 }
+
+#[tokio::test]
+async fn the_demo_installs_the_pinned_runtime_instead_of_running_a_copilot_found_on_path() {
+    let scratch = tempfile::tempdir().expect("scratch");
+    // A `copilot` on PATH that says so when it runs.
+    let bin_dir = scratch.path().join("bin");
+    std::fs::create_dir(&bin_dir).expect("bin");
+    let ran = scratch.path().join("ran");
+    let copilot = bin_dir.join("copilot");
+    std::fs::write(
+        &copilot,
+        format!("#!/bin/sh\ntouch {:?}\nexit 1\n", ran.display().to_string()),
+    )
+    .expect("script");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&copilot, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    // An empty cache, and a registry that refuses at once: the install is tried, and fails.
+    let registry = support::refusing_port::RefusingPort::new();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut cmd = bin();
+    cmd.env("PATH", path)
+        .env("COPILOT_POOL_CACHE_DIR", scratch.path().join("cache"))
+        .env(
+            "npm_config_registry",
+            format!("http://127.0.0.1:{}/", registry.port()),
+        )
+        .env("npm_config_fetch_retries", "0")
+        .args([
+            "demo",
+            "--agents",
+            "1",
+            "--conversations",
+            "1",
+            "--turns",
+            "1",
+        ]);
+    let out = output(cmd).await;
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("installing the pinned Copilot runtime")
+            && stderr.contains(&format!("{} on PATH is not used", copilot.display())),
+        "{stderr}"
+    );
+    assert!(!ran.exists(), "the copilot on PATH was run: {stderr}");
+}
+
+/// Runs `cmd` to its end, failing the test after `limit` (the process is killed).
+async fn output_within(cmd: Command, limit: std::time::Duration) -> Output {
+    let mut cmd = tokio::process::Command::from(cmd);
+    cmd.kill_on_drop(true);
+    tokio::time::timeout(limit, cmd.output())
+        .await
+        .unwrap_or_else(|_| panic!("{cmd:?} did not end within {limit:?}"))
+        .expect("run copilot-pool")
+}
+
+#[tokio::test]
+async fn the_smallest_demo_finishes_and_a_runtime_that_never_starts_fails_it() {
+    let runtime = support::runtime::runtime_path().await;
+    let scratch = tempfile::tempdir().expect("scratch");
+    let broken = scratch.path().join("copilot");
+    std::fs::write(&broken, "#!/bin/sh\nexit 1\n").expect("script");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&broken, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let limit = std::time::Duration::from_secs(120);
+    // One agent, one turn: the turn that waits for the token rotation is the only one, and
+    // the worker to kill never comes before it (the demo waited for both, forever).
+    let mut cmd = bin();
+    cmd.env("COPILOT_CLI_PATH", &runtime).args([
+        "demo",
+        "--agents",
+        "1",
+        "--conversations",
+        "1",
+        "--turns",
+        "1",
+        "--json",
+    ]);
+    let out = output_within(cmd, limit).await;
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}\n{stdout}", text(&out.stderr));
+    let summary: serde_json::Value =
+        serde_json::from_str(stdout.lines().last().expect("a summary")).expect("JSON");
+    assert_eq!(summary["turns_ok"], 1, "{summary}");
+    // A runtime that exits at once: every turn fails, and so does the demo, saying so.
+    let mut cmd = bin();
+    cmd.env("COPILOT_CLI_PATH", &broken).args([
+        "demo",
+        "--agents",
+        "2",
+        "--conversations",
+        "1",
+        "--turns",
+        "2",
+    ]);
+    let out = output_within(cmd, limit).await;
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("no turn succeeded") && stderr.contains("copilot-pool doctor"),
+        "{stderr}"
+    );
+}

@@ -14,7 +14,7 @@ use clap::Args;
 use copilot_pool::auth::LeaseAuth;
 use copilot_pool::pool::{LeaseRequest, Pool, PoolConfig, PoolError, PoolEvent};
 use copilot_pool::rpc::messages::ProviderConfig;
-use copilot_pool::runtime::{self, Flavour, LocateError};
+use copilot_pool::runtime::{self, CLI_PATH_ENV, Flavour, LocateError, LocatedBy};
 use copilot_pool::scripted_model::ScriptedModel;
 use copilot_pool::secret::Secret;
 use copilot_pool::transcript::{TranscriptMode, count_duplicates};
@@ -217,7 +217,10 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
     // Mid-run: kill one child, then rotate agent 0's token. Agent 0's last turns wait for the
     // rotation, so it always happens while agent 0 still has work (never deadlocks: the
     // rotation comes at the latest when everything else is done).
-    let rotate_at = (total * 2 / 3).min(total - u64::from(args.conversations));
+    // Agent 0's last turn of each conversation waits for the rotation: every other turn can
+    // be done before it.
+    let ungated = total - u64::from(args.conversations);
+    let rotate_at = (total * 2 / 3).min(ungated);
     let kill_at = (total / 3).min(rotate_at);
     let chaos = {
         let rotated = rotated.clone();
@@ -234,7 +237,10 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
                 if let Some(pid) = agent_pids.lock().await.get(&victim).copied() {
                     break Some(pid);
                 }
-                if done.load(Ordering::SeqCst) >= total {
+                // Every turn that could still open a lease waits for the rotation (one agent
+                // of one turn), or failed without one (a runtime that never starts): no
+                // worker to kill.
+                if done.load(Ordering::SeqCst) >= ungated {
                     break None;
                 }
                 notified.await;
@@ -311,6 +317,12 @@ pub async fn demo(args: DemoArgs) -> Result<()> {
     }
     if orphans > 0 {
         bail!("{orphans} pool processes were still alive after shutdown");
+    }
+    if summary.turns_ok == 0 {
+        bail!(
+            "no turn succeeded (each failure is printed above); check the runtime with \
+             `copilot-pool doctor`"
+        );
     }
     if transcript_duplicates > 0 {
         bail!("{transcript_duplicates} duplicate transcript entries");
@@ -503,23 +515,33 @@ async fn wait_progress(done: &AtomicU64, progress: &Notify, target: u64) {
     }
 }
 
-/// The runtime to use; installs the pinned default flavour when none is found.
+/// The runtime to use: the one given (`--cli`, `COPILOT_CLI_PATH`) or the managed pinned
+/// install, installed on first use. A `copilot` on `PATH` is not taken: its version is
+/// whatever was installed there, and the demo, the benchmarks and the tests run the pinned
+/// one.
 pub(crate) async fn find_or_install(explicit: Option<&Path>) -> Result<PathBuf> {
-    match runtime::locate(explicit, runtime::process_env) {
-        Ok(located) => Ok(located.path),
-        Err(LocateError::Missing { .. }) => {
-            let cache = runtime::cache_dir(runtime::process_env)?;
-            eprintln!(
-                "demo: no Copilot runtime found; installing {} {} with npm into {} (first run only)",
-                Flavour::default(),
-                Flavour::default().version(),
-                cache.display()
-            );
-            let installed = runtime::install(Flavour::default(), &cache).await?;
-            Ok(installed.executable)
-        }
-        Err(e) => Err(e.into()),
-    }
+    let on_path = match runtime::locate(explicit, runtime::process_env) {
+        Ok(located) if located.source != LocatedBy::Path => return Ok(located.path),
+        Ok(located) => Some(located.path),
+        Err(LocateError::Missing { .. }) => None,
+        Err(e) => return Err(e.into()),
+    };
+    let cache = runtime::cache_dir(runtime::process_env)?;
+    let ignored = match &on_path {
+        Some(path) => format!(
+            " ({} on PATH is not used: pass --cli or set {CLI_PATH_ENV} to run it)",
+            path.display()
+        ),
+        None => String::new(),
+    };
+    eprintln!(
+        "installing the pinned Copilot runtime {} {} with npm into {} (first run only){ignored}",
+        Flavour::default(),
+        Flavour::default().version(),
+        cache.display()
+    );
+    let installed = runtime::install(Flavour::default(), &cache).await?;
+    Ok(installed.executable)
 }
 
 /// Pool processes still alive after shutdown: the workers' groups, and anything whose
