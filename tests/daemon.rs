@@ -460,6 +460,22 @@ async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case(
         "{}",
         String::from_utf8_lossy(&status.stderr)
     );
+    // A container's health check knows no token: `--healthz` needs none, the snapshot does.
+    let status_without_token = |extra: &'static [&'static str]| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+            .args(["status", "--url", &format!("http://{addr}")])
+            .args(extra)
+            .env_remove("COPILOT_POOL_API_TOKEN")
+            .output()
+    };
+    let health = status_without_token(&["--healthz"]).await.expect("status");
+    let said = String::from_utf8_lossy(&health.stderr);
+    assert!(health.status.success(), "{said}");
+    assert_eq!(String::from_utf8_lossy(&health.stdout), "ok\n");
+    let refused = status_without_token(&[]).await.expect("status");
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(said.contains("needs an API token"), "{said}");
     assert!(daemon.terminate().await.success());
 
     // From the environment.

@@ -31,6 +31,10 @@ pub struct StatusArgs {
     /// (default: the COPILOT_POOL_API_TOKEN environment variable).
     #[arg(long, value_name = "PATH")]
     pub api_token_file: Option<std::path::PathBuf>,
+    /// Asks only `GET /healthz` (no token needed) and exits 0 when the daemon answers 200:
+    /// a container's health check, whatever way the daemon was given its token.
+    #[arg(long)]
+    pub healthz: bool,
     /// Refused: a token on the command line is visible to every local user in `ps`.
     #[arg(long, hide = true, value_name = "TOKEN")]
     pub api_token: Option<String>,
@@ -43,6 +47,19 @@ pub type PoolSnapshot = copilot_pool::PoolStatus;
 pub async fn status(args: StatusArgs) -> Result<()> {
     if args.api_token.is_some() {
         bail!("{}", crate::config::TOKEN_ON_ARGV);
+    }
+    if args.healthz {
+        let (code, body) = get(&args.url, "/healthz", None).await?;
+        if code != StatusCode::OK {
+            bail!(
+                "GET {}/healthz answered {}: {}",
+                args.url.trim_end_matches('/'),
+                code.as_u16(),
+                body.trim()
+            );
+        }
+        println!("ok");
+        return Ok(());
     }
     let token = match &args.api_token_file {
         Some(path) => Some(crate::config::read_token_file(path)?),
@@ -60,7 +77,36 @@ pub async fn status(args: StatusArgs) -> Result<()> {
 /// Every failure says what to do: no daemon, a refused token, https, a non-2xx answer
 /// (with its body), or a body that is not a snapshot.
 pub async fn fetch(base: &str, token: Option<&Secret>) -> Result<PoolSnapshot> {
-    let url = format!("{}/v1/pool", base.trim_end_matches('/'));
+    let (code, body) = get(base, "/v1/pool", token).await?;
+    match code {
+        StatusCode::OK => {}
+        StatusCode::UNAUTHORIZED => bail!(
+            "the daemon needs an API token (--api-token-file PATH or {API_TOKEN_ENV}){}",
+            if token.is_some() {
+                "; the one given was refused"
+            } else {
+                ""
+            }
+        ),
+        other => bail!(
+            "GET {}/v1/pool answered {}: {}",
+            base.trim_end_matches('/'),
+            other.as_u16(),
+            body.trim()
+        ),
+    }
+    serde_json::from_str(&body).with_context(|| {
+        format!(
+            "GET {}/v1/pool answered 200 with an unexpected body: {body}",
+            base.trim_end_matches('/')
+        )
+    })
+}
+
+/// `GET {base}{path}`, with the bearer token when given: the answer's status and body.
+/// Every failure to get one says what to do: no daemon, https, a body too large.
+async fn get(base: &str, path: &str, token: Option<&Secret>) -> Result<(StatusCode, String)> {
+    let url = format!("{}{path}", base.trim_end_matches('/'));
     let parsed = reqwest::Url::parse(&url)
         .with_context(|| format!("{base}: not a URL; use http://host:port"))?;
     match parsed.scheme() {
@@ -112,21 +158,7 @@ pub async fn fetch(base: &str, token: Option<&Secret>) -> Result<PoolSnapshot> {
             code.as_u16()
         );
     };
-    let body = String::from_utf8_lossy(&body);
-    match code {
-        StatusCode::OK => {}
-        StatusCode::UNAUTHORIZED => bail!(
-            "the daemon needs an API token (--api-token-file PATH or {API_TOKEN_ENV}){}",
-            if token.is_some() {
-                "; the one given was refused"
-            } else {
-                ""
-            }
-        ),
-        other => bail!("GET {url} answered {}: {}", other.as_u16(), body.trim()),
-    }
-    serde_json::from_str(&body)
-        .with_context(|| format!("GET {url} answered 200 with an unexpected body: {body}"))
+    Ok((code, String::from_utf8_lossy(&body).into_owned()))
 }
 
 /// Sends `request` and reads the answer's body; `None` for a body larger than
