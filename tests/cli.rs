@@ -168,17 +168,8 @@ async fn install_cli_refuses_an_unknown_flavour() {
 #[tokio::test]
 async fn demo_runs_every_turn_survives_a_kill_and_a_rotation_and_leaves_no_orphans() {
     let runtime = support::runtime::runtime_path().await;
-    let mut cmd = bin();
-    cmd.env("COPILOT_CLI_PATH", &runtime).args([
-        "demo",
-        "--agents",
-        "2",
-        "--conversations",
-        "2",
-        "--turns",
-        "3",
-        "--json",
-    ]);
+    let mut cmd = demo_on(&runtime, 2, 2, 3);
+    cmd.arg("--json");
     let out = output(cmd).await;
     let stdout = text(&out.stdout);
     let stderr = text(&out.stderr);
@@ -261,6 +252,20 @@ async fn the_demo_installs_the_pinned_runtime_instead_of_running_a_copilot_found
     assert!(!ran.exists(), "the copilot on PATH was run: {stderr}");
 }
 
+/// `copilot-pool demo` of `agents` x `conversations` x `turns` on the runtime at `cli`.
+fn demo_on(cli: &std::path::Path, agents: u32, conversations: u32, turns: u32) -> Command {
+    let mut cmd = bin();
+    cmd.env("COPILOT_CLI_PATH", cli).arg("demo");
+    for (flag, n) in [
+        ("--agents", agents),
+        ("--conversations", conversations),
+        ("--turns", turns),
+    ] {
+        cmd.arg(flag).arg(n.to_string());
+    }
+    cmd
+}
+
 /// Runs `cmd` to its end, failing the test after `limit` (the process is killed).
 async fn output_within(cmd: Command, limit: std::time::Duration) -> Output {
     let mut cmd = tokio::process::Command::from(cmd);
@@ -282,17 +287,8 @@ async fn the_smallest_demo_finishes_and_a_runtime_that_never_starts_fails_it() {
     let limit = std::time::Duration::from_secs(120);
     // One agent, one turn: the turn that waits for the token rotation is the only one, and
     // the worker to kill never comes before it (the demo waited for both, forever).
-    let mut cmd = bin();
-    cmd.env("COPILOT_CLI_PATH", &runtime).args([
-        "demo",
-        "--agents",
-        "1",
-        "--conversations",
-        "1",
-        "--turns",
-        "1",
-        "--json",
-    ]);
+    let mut cmd = demo_on(&runtime, 1, 1, 1);
+    cmd.arg("--json");
     let out = output_within(cmd, limit).await;
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{}\n{stdout}", text(&out.stderr));
@@ -300,17 +296,7 @@ async fn the_smallest_demo_finishes_and_a_runtime_that_never_starts_fails_it() {
         serde_json::from_str(stdout.lines().last().expect("a summary")).expect("JSON");
     assert_eq!(summary["turns_ok"], 1, "{summary}");
     // A runtime that exits at once: every turn fails, and so does the demo, saying so.
-    let mut cmd = bin();
-    cmd.env("COPILOT_CLI_PATH", &broken).args([
-        "demo",
-        "--agents",
-        "2",
-        "--conversations",
-        "1",
-        "--turns",
-        "2",
-    ]);
-    let out = output_within(cmd, limit).await;
+    let out = output_within(demo_on(&broken, 2, 1, 2), limit).await;
     let stderr = text(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(

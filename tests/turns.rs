@@ -634,6 +634,16 @@ impl CompactionLog {
         let mut rx = self.1.subscribe();
         let _ = tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|len| *len >= n)).await;
     }
+    /// Waits for the two compaction hooks, and checks they fired in order for a background
+    /// compaction the runtime started at its threshold, which succeeded.
+    async fn assert_a_threshold_compaction_fired(&self) {
+        self.wait_for(2).await;
+        let seen = self.seen();
+        let names: Vec<_> = seen.iter().map(|(name, _)| *name).collect();
+        assert_eq!(names, ["before_compaction", "after_compaction"]);
+        assert_eq!(seen[0].1["trigger"], "threshold", "{:?}", seen[0].1);
+        assert_eq!(seen[1].1["success"], true, "{:?}", seen[1].1);
+    }
 }
 
 impl TurnHooks for CompactionLog {
@@ -707,12 +717,7 @@ async fn a_compaction_the_runtime_finishes_between_turns_fires_its_hooks_as_the_
     assert_eq!(other.worker_pid(), lease.worker_pid(), "one process");
     drop(other);
     lease.run("second").await.expect("second turn");
-    hooks.wait_for(2).await;
-    let seen = hooks.seen();
-    let names: Vec<_> = seen.iter().map(|(name, _)| *name).collect();
-    assert_eq!(names, ["before_compaction", "after_compaction"]);
-    assert_eq!(seen[0].1["trigger"], "threshold", "{:?}", seen[0].1);
-    assert_eq!(seen[1].1["success"], true, "{:?}", seen[1].1);
+    hooks.assert_a_threshold_compaction_fired().await;
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }
@@ -765,12 +770,7 @@ async fn a_background_compactions_hooks_fire_in_order_once_it_completed() {
         hooks.seen().len() >= 2,
         "no background compaction in {TURNS} turns (started: {started}, completed: {completed})"
     );
-    hooks.wait_for(2).await;
-    let seen = hooks.seen();
-    let names: Vec<_> = seen.iter().map(|(name, _)| *name).collect();
-    assert_eq!(names, ["before_compaction", "after_compaction"]);
-    assert_eq!(seen[0].1["trigger"], "threshold", "{:?}", seen[0].1);
-    assert_eq!(seen[1].1["success"], true, "{:?}", seen[1].1);
+    hooks.assert_a_threshold_compaction_fired().await;
     // The summary of `session.compaction_complete` is mirrored (role `summary`).
     let tail = copilot_pool::fallback::read_transcript_tail(&transcript, 10_000).expect("read");
     assert!(
