@@ -603,23 +603,35 @@ async fn each_hook_fires_once_per_occasion_and_compaction_reports_what_it_remove
         .await
         .expect("turn after compaction");
     assert_eq!(after.text, "still here");
+    // The runtime's own events of that compaction, read as the turn started, are the same
+    // compaction: its hooks do not fire again.
+    assert_eq!(hooks.count("before_compaction"), 1);
+    assert_eq!(hooks.count("after_compaction"), 1);
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }
 
 /// Records the compaction hooks in the order they ran, with their input or output.
+/// [`CompactionLog::failing`]: each hook fails once recorded.
 struct CompactionLog(
     Mutex<Vec<(&'static str, Value)>>,
     tokio::sync::watch::Sender<usize>,
+    bool,
 );
 
 impl Default for CompactionLog {
     fn default() -> Self {
-        Self(Mutex::default(), tokio::sync::watch::channel(0).0)
+        Self(Mutex::default(), tokio::sync::watch::channel(0).0, false)
     }
 }
 
 impl CompactionLog {
+    fn failing() -> Self {
+        Self {
+            2: true,
+            ..Self::default()
+        }
+    }
     fn seen(&self) -> Vec<(&'static str, Value)> {
         self.0.lock().expect("lock").clone()
     }
@@ -627,22 +639,30 @@ impl CompactionLog {
         let mut log = self.0.lock().expect("lock");
         log.push((name, value));
         self.1.send_replace(log.len());
-        Box::pin(async { Ok(None) })
+        let fail = self.2;
+        Box::pin(async move {
+            match fail {
+                true => Err("the gateway's hook failed".to_owned()),
+                false => Ok(None),
+            }
+        })
     }
     /// Waits until `n` hooks ran (hooks fed from events run in tasks).
     async fn wait_for(&self, n: usize) {
         let mut rx = self.1.subscribe();
         let _ = tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|len| *len >= n)).await;
     }
-    /// Waits for the two compaction hooks, and checks they fired in order for a background
-    /// compaction the runtime started at its threshold, which succeeded.
-    async fn assert_a_threshold_compaction_fired(&self) {
+    /// Waits for the two compaction hooks, and checks the first two fired in order for a
+    /// background compaction the runtime started at its threshold, which succeeded. Returns
+    /// how many hooks fired (a later compaction may have fired two more).
+    async fn assert_a_threshold_compaction_fired(&self) -> usize {
         self.wait_for(2).await;
         let seen = self.seen();
-        let names: Vec<_> = seen.iter().map(|(name, _)| *name).collect();
-        assert_eq!(names, ["before_compaction", "after_compaction"]);
+        let names: Vec<_> = seen.iter().take(2).map(|(name, _)| *name).collect();
+        assert_eq!(names, ["before_compaction", "after_compaction"], "{seen:?}");
         assert_eq!(seen[0].1["trigger"], "threshold", "{:?}", seen[0].1);
         assert_eq!(seen[1].1["success"], true, "{:?}", seen[1].1);
+        seen.len()
     }
 }
 
@@ -689,6 +709,20 @@ async fn compaction_hooks_fire_only_around_a_compaction_that_happened() {
     let summary = compacted.summary_content.clone().unwrap_or_default();
     assert!(!summary.is_empty(), "{compacted:?}");
     assert_eq!(tail.summary.as_deref(), Some(summary.as_str()));
+    // Once: the runtime's events of the compaction, read again as the next turn starts,
+    // neither fire the hooks again nor add the summary again.
+    lease
+        .run("REPLY=after")
+        .await
+        .expect("turn after compaction");
+    assert_eq!(hooks.seen().len(), 2, "{:?}", hooks.seen());
+    let summaries = std::fs::read_to_string(&transcript)
+        .expect("transcript")
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|entry| entry["role"] == "summary")
+        .count();
+    assert_eq!(summaries, 1);
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }
@@ -701,12 +735,20 @@ async fn a_compaction_the_runtime_finishes_between_turns_fires_its_hooks_as_the_
     let pool = Pool::start(fx.fake_runtime_config("compaction-between-turns").await)
         .await
         .expect("pool");
-    let hooks = Arc::new(CompactionLog::default());
-    let mut req = fx.request("agent-t", "between");
-    req.handlers.hooks = Some(hooks.clone());
-    let mut lease = pool.lease(req).await.expect("lease");
+    // Hooks that fail: their failures count in the turn that fired them.
+    let hooks = Arc::new(CompactionLog::failing());
+    let request = || {
+        let mut req = fx.request("agent-t", "between");
+        req.handlers.hooks = Some(hooks.clone());
+        req
+    };
+    let mut lease = pool.lease(request()).await.expect("lease");
     lease.run("first").await.expect("first turn");
     assert_eq!(hooks.seen(), vec![], "started, not known to have happened");
+    let pid = lease.worker_pid();
+    // The conversation goes back, its end unread: the next lease (the HTTP API takes one
+    // per turn) reads it, with the start the first lease saw.
+    drop(lease);
     // Another conversation opened on the same process: its open waits until what the
     // runtime sent before (the first turn's late `session.compaction_complete`) is routed,
     // so the end waits, unread, as the second turn starts.
@@ -714,10 +756,13 @@ async fn a_compaction_the_runtime_finishes_between_turns_fires_its_hooks_as_the_
         .lease(fx.request("agent-t", "other"))
         .await
         .expect("other lease");
-    assert_eq!(other.worker_pid(), lease.worker_pid(), "one process");
+    assert_eq!(other.worker_pid(), pid, "one process");
     drop(other);
-    lease.run("second").await.expect("second turn");
-    hooks.assert_a_threshold_compaction_fired().await;
+    let mut lease = pool.lease(request()).await.expect("lease again");
+    assert_eq!(lease.worker_pid(), pid, "parked, not moved");
+    let second = lease.run("second").await.expect("second turn");
+    assert_eq!(hooks.assert_a_threshold_compaction_fired().await, 2);
+    assert_eq!(second.hook_failures, 2, "{second:?}");
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }
@@ -770,6 +815,7 @@ async fn a_background_compactions_hooks_fire_in_order_once_it_completed() {
         hooks.seen().len() >= 2,
         "no background compaction in {TURNS} turns (started: {started}, completed: {completed})"
     );
+    // A second compaction may have ended in the turn after the first's end.
     hooks.assert_a_threshold_compaction_fired().await;
     // The summary of `session.compaction_complete` is mirrored (role `summary`).
     let tail = copilot_pool::fallback::read_transcript_tail(&transcript, 10_000).expect("read");

@@ -7,14 +7,12 @@
 use std::fmt;
 
 use ractor::ActorRef;
-use serde_json::json;
 
 use crate::ids::CliSessionId;
-use crate::panic_guard::call_guarded;
 use crate::rpc::messages::CompactResult;
 use crate::rpc::{EventKind, SessionEvent};
 use crate::transcript::Transcript;
-use crate::turn::driver::{DrainedEntry, TurnDriver, mirror_drained, run_hook};
+use crate::turn::driver::{DrainedEntry, TurnDriver, mirror_drained};
 use crate::turn::{Message, TurnError, TurnOutcome};
 use crate::worker::{Session, Settled, WorkerError};
 
@@ -122,16 +120,10 @@ impl Lease {
         // runtime finished between turns) are not this turn's: requests among them are
         // refused so the runtime never waits on them, what they add to the history is
         // mirrored, and a compaction that ended among them fires its hooks.
-        self.session_mut()?;
-        let (session, driver) = (self.session.as_mut(), &mut self.driver);
-        let mut between = Vec::new();
-        if let Some(session) = session {
-            session.discard_waiting_seeing(|event| {
-                driver.on_compaction(event);
-                between.extend(DrainedEntry::of(event));
-            });
-        }
-        self.driver.mirror_between_turns(between);
+        self.driver.prepare();
+        let session = self.session_mut()?;
+        let between = session.take_waiting();
+        self.take_in(between)?;
         let session = self.session_mut()?;
         session
             .send_message(message.into_params())
@@ -211,9 +203,11 @@ impl Lease {
     }
 
     /// Compacts the conversation (`session.history.compact`), focused by
-    /// `custom_instructions`. The `before_compaction` and `after_compaction` hooks fire, in
-    /// that order, once the compaction has happened (`success`); a compaction that did not
-    /// happen (nothing to compact, a failure) fires neither.
+    /// `custom_instructions`. The runtime reports the compaction in its events, as it does a
+    /// background one: before this returns, the `before_compaction` and `after_compaction`
+    /// hooks are started, in that order, once the compaction happened (`success`; one that
+    /// did not, with nothing to compact or a failure, fires neither), and its summary is
+    /// mirrored (role `summary`).
     pub async fn compact(
         &mut self,
         custom_instructions: Option<String>,
@@ -221,39 +215,19 @@ impl Lease {
         if self.driver.in_flight() {
             return Err(state_error("compact between turns, not during one"));
         }
-        let hooks = self.driver.hooks();
-        let limit = self.driver.hook_timeout();
         let session = self.session_mut()?;
         let result = session
-            .compact(custom_instructions.clone())
+            .compact(custom_instructions)
             .await
             .map_err(|e| self.lose(e))?;
-        if result.success
-            && let Some(summary) = result.summary_content.as_deref()
-        {
-            // The fallback prelude starts from it (`crate::fallback`).
-            self.driver.mirror_summary(summary)?;
-        }
-        if let Some(h) = hooks.filter(|_| result.success) {
-            let failures = std::sync::atomic::AtomicU32::new(0);
-            let input = json!({"trigger": "manual", "customInstructions": custom_instructions});
-            run_hook(
-                call_guarded(|| h.before_compaction(input)),
-                limit,
-                &failures,
-            )
-            .await;
-            let output = json!({
-                "success": result.success,
-                "tokensRemoved": result.tokens_removed,
-                "messagesRemoved": result.messages_removed,
-            });
-            run_hook(
-                call_guarded(|| h.after_compaction(output)),
-                limit,
-                &failures,
-            )
-            .await;
+        // The runtime reports the compaction in events sent before its answer: routed once
+        // the worker is flushed, and taken in as any (the hooks fire once, the summary is
+        // mirrored; the fallback prelude starts from it, `crate::fallback`). Events routed
+        // late are taken in as the next turn starts.
+        let session = self.session_mut()?;
+        if session.worker().flush().await.is_ok() {
+            let events = session.take_waiting();
+            self.take_in(events)?;
         }
         Ok(result)
     }
@@ -312,6 +286,16 @@ impl Lease {
     /// what is left instead of parking it.
     pub(crate) fn set_lost(&mut self) {
         self.lost = true;
+    }
+
+    /// [`TurnDriver::take_in`] of `events`, read outside a turn from this lease's session.
+    fn take_in(&mut self, events: Vec<SessionEvent>) -> Result<(), PoolError> {
+        let Some(session) = self.session.as_mut() else {
+            return Ok(());
+        };
+        self.driver
+            .take_in(session, events)
+            .map_err(PoolError::Turn)
     }
 
     fn session_mut(&mut self) -> Result<&mut Session, PoolError> {

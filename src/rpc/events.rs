@@ -493,6 +493,8 @@ data!(
         // histories).
         tokens_removed: Option<i64>,
         summary_content: Option<String>,
+        /// What a compaction asked for (`session.history.compact`) was told to keep.
+        custom_instructions: Option<String>,
     }
 );
 data!(

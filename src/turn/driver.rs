@@ -79,9 +79,6 @@ pub(crate) struct TurnDriver {
     /// future, so a drain cut short (its caller gone) loses none of it; the lease's drop
     /// mirrors it before its own drain's ([`TurnDriver::take_drained`]).
     drained: Vec<DrainedEntry>,
-    /// The `session.compaction_start` of a compaction in progress (its hooks fire once it
-    /// succeeded).
-    compaction_start: Option<Value>,
     /// The session's event types left unread ([`TurnHandlers::unread_events`]), registered
     /// with its connection for the lease's life.
     unread_registration: Option<UnreadGuard>,
@@ -121,7 +118,6 @@ impl TurnDriver {
             hook_failures: Arc::new(AtomicU32::new(0)),
             transcript: None,
             drained: Vec::new(),
-            compaction_start: None,
             unread_registration: None,
         }
     }
@@ -178,11 +174,20 @@ impl TurnDriver {
         self.transcript.take()
     }
 
-    /// Mirrors what the runtime produced between turns (read as a new turn starts): it is
-    /// in the runtime's own history, so the mirror keeps it too (a failure is logged, as
-    /// for a drain).
-    pub(crate) fn mirror_between_turns(&mut self, entries: Vec<DrainedEntry>) {
-        mirror_drained(&mut self.transcript, entries);
+    /// Takes in what the runtime produced outside a turn (read as the next turn starts, or
+    /// as a compaction the caller asked for returns): a compaction's start and end (its hooks
+    /// fire once it happened) and what the events add to the history, mirrored (a strict
+    /// mirror's failure is returned, as in a turn).
+    pub(crate) fn take_in(
+        &mut self,
+        session: &mut Session,
+        events: Vec<SessionEvent>,
+    ) -> Result<(), TurnError> {
+        for event in &events {
+            self.on_compaction(event, session);
+            mirror_event(&mut self.transcript, event)?;
+        }
+        Ok(())
     }
 
     /// What an abort's drain cut short read and did not mirror (see `drained`).
@@ -216,22 +221,6 @@ impl TurnDriver {
         }
     }
 
-    /// Mirrors the summary of a compaction (a manual one's, which comes as the call's
-    /// answer rather than as an event of a turn) into the transcript as role `summary`.
-    pub(crate) fn mirror_summary(&mut self, summary: &str) -> Result<(), TurnError> {
-        if summary.is_empty() {
-            return Ok(());
-        }
-        let entry = Entry {
-            event_id: None,
-            role: Role::Summary,
-            content: summary,
-            tool_name: None,
-            tool_call_id: None,
-        };
-        append(&mut self.transcript, &entry)
-    }
-
     pub(crate) fn in_flight(&self) -> bool {
         self.in_flight
     }
@@ -241,20 +230,18 @@ impl TurnDriver {
         self.poisoned
     }
 
-    pub(crate) fn hooks(&self) -> Option<Arc<dyn TurnHooks>> {
-        self.handlers.hooks.clone()
-    }
-
-    pub(crate) fn hook_timeout(&self) -> Duration {
-        self.handlers.timeouts.hook
-    }
-
     /// Marks a turn started (after `session.send`).
-    pub(crate) fn begin(&mut self) {
+    /// Clears the last turn's tally, before a new turn takes in what came since (whose hook
+    /// failures are the new turn's) and is sent.
+    pub(crate) fn prepare(&mut self) {
         // Completions of an earlier turn's tasks are not this turn's.
         while self.done_rx.try_recv().is_ok() {}
         self.outcome = TurnOutcome::default();
         self.hook_failures.store(0, Ordering::SeqCst);
+    }
+
+    /// The turn was sent: its clocks start.
+    pub(crate) fn begin(&mut self) {
         self.started = Instant::now();
         self.last_activity = self.started;
         self.async_shell = false;
@@ -496,7 +483,7 @@ impl TurnDriver {
         }
     }
 
-    fn on_event(&mut self, event: &SessionEvent, session: &Session) -> Result<(), TurnError> {
+    fn on_event(&mut self, event: &SessionEvent, session: &mut Session) -> Result<(), TurnError> {
         self.outcome.events += 1;
         // Asked only of the typed events below (an untyped one's envelope is read lazily).
         let main_agent = || event.agent_id().is_none();
@@ -547,7 +534,7 @@ impl TurnDriver {
             }
             EventKind::SessionIdle(idle) => self.outcome.aborted = idle.aborted == Some(true),
             EventKind::CompactionStart(_) | EventKind::CompactionComplete(_) => {
-                self.on_compaction(event)
+                self.on_compaction(event, session)
             }
             EventKind::ExternalToolRequested(req) => self.on_tool_call(req, session.answerer()),
             EventKind::PermissionRequested(req) if req.resolved_by_hook != Some(true) => {
@@ -727,18 +714,22 @@ impl TurnDriver {
         });
     }
 
-    /// A background compaction's start (held until the compaction is known to have
-    /// happened) or end (its hooks fire if it succeeded), read in a turn or between turns.
-    pub(crate) fn on_compaction(&mut self, event: &SessionEvent) {
+    /// A compaction's start (held with the session until the compaction is known to have
+    /// happened) or end (its hooks fire if it succeeded, with its start and what it was asked
+    /// to keep as the input), read in a turn, between turns or as a compaction asked for
+    /// returns: the one place a compaction is reported.
+    fn on_compaction(&mut self, event: &SessionEvent, session: &mut Session) {
         match &event.kind {
-            EventKind::CompactionStart(c) => {
-                self.compaction_start =
-                    Some(json!({"trigger": c.trigger, "currentTokens": c.current_tokens}));
-            }
-            EventKind::CompactionComplete(c) => {
-                let input = self.compaction_start.take().unwrap_or_else(|| json!({}));
-                if c.success {
-                    let output = json!({"success": c.success, "tokensRemoved": c.tokens_removed, "messagesRemoved": c.messages_removed});
+            EventKind::CompactionStart(start) => session.compaction_started(start.clone()),
+            EventKind::CompactionComplete(end) => {
+                let start = session.compaction_ended().unwrap_or_default();
+                if end.success {
+                    let mut input =
+                        json!({"trigger": start.trigger, "currentTokens": start.current_tokens});
+                    if let Some(keep) = &end.custom_instructions {
+                        input["customInstructions"] = json!(keep);
+                    }
+                    let output = json!({"success": end.success, "tokensRemoved": end.tokens_removed, "messagesRemoved": end.messages_removed});
                     self.fire_compaction_hooks(input, output);
                 }
             }

@@ -22,7 +22,7 @@ fn nothing() -> HookFuture {
 /// | `llm_input` | `assistant.turn_start` (one model call begins) |
 /// | `llm_output` | `assistant.message` |
 /// | `agent_end` | `hooks.invoke agentStop` |
-/// | `before_compaction` / `after_compaction` | a compaction that happened: `Lease::compact` once it succeeded, and a background compaction's `session.compaction_complete` with `success`, read in a turn or (one the runtime finished between turns) as the next turn starts (the input is its `session.compaction_start`); both fire, in order, after the fact, and neither for a compaction that did not happen |
+/// | `before_compaction` / `after_compaction` | a compaction that happened, a background one or one asked for with `Lease::compact`: its `session.compaction_complete` with `success`, read in a turn, between turns (as the next starts) or as `Lease::compact` returns; the input is its `session.compaction_start` (`trigger`, `currentTokens`) with `customInstructions` when it was asked to keep something; both fire, in order, after the fact, once, and neither for a compaction that did not happen |
 /// | `before_tool_call` | `hooks.invoke preToolUse` (output, e.g. a permission decision, goes back) |
 /// | `after_tool_call` | `hooks.invoke postToolUse` and `postToolUseFailure` |
 pub trait TurnHooks: Send + Sync + 'static {

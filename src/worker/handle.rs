@@ -413,7 +413,7 @@ impl WorkerHandle {
             Ok(opened) => {
                 // Events the runtime sent before its answer are routed once the actor has
                 // handled everything queued before this call.
-                self.ask(WorkerMsg::Flush).await?;
+                self.flush().await?;
                 guard.armed = false;
                 let mut session = Session::new(
                     CliSessionId::new(id.clone()),
@@ -497,6 +497,12 @@ impl WorkerHandle {
         tokio::time::timeout(EXIT_REPORT_WAIT, self.ended())
             .await
             .unwrap_or_else(|_| self.killed())
+    }
+
+    /// Returns once the actor has routed everything the runtime sent before this call
+    /// (what an answer just read was preceded by is then in its sessions' streams).
+    pub(crate) async fn flush(&self) -> Result<(), WorkerError> {
+        self.ask(WorkerMsg::Flush).await
     }
 
     async fn ask<T>(

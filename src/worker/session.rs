@@ -17,6 +17,7 @@ use crate::ids::CliSessionId;
 use crate::permission::PermissionDecision;
 
 use crate::rpc::connection::{ErrorObject, INTERNAL_ERROR};
+use crate::rpc::events::CompactionStartData;
 use crate::rpc::messages::{
     AbortParams, CompactParams, CompactResult, HandlePendingPermission, HandlePendingToolCall,
     HookInvocation, PermissionAnswer, SendParams, SessionAbort, SessionCompact, SessionDetach,
@@ -198,6 +199,10 @@ pub struct Session {
     opened_json: Option<Box<str>>,
     opened: std::sync::OnceLock<Option<SessionOpened>>,
     detached: bool,
+    /// The `session.compaction_start` of a compaction the runtime has not finished: kept
+    /// with the session, which outlives a lease (a compaction started in one lease's turn
+    /// may end after it, read by the next lease).
+    compaction_start: Option<CompactionStartData>,
 }
 
 impl fmt::Debug for Session {
@@ -241,6 +246,7 @@ impl Session {
             opened_json: None,
             opened: std::sync::OnceLock::new(),
             detached: false,
+            compaction_start: None,
         }
     }
 
@@ -383,18 +389,30 @@ impl Session {
         settled.unwrap_or(Settled::Unsettled)
     }
 
-    /// Drops the updates already waiting (late events of an earlier, aborted turn), refusing
-    /// the tool calls and permission prompts among them so the runtime never waits on them,
-    /// and showing `seen` each event on the way (what the runtime did between turns, a
-    /// background compaction's end, is still its history).
-    pub fn discard_waiting_seeing(&mut self, mut seen: impl FnMut(&SessionEvent)) {
+    /// Takes the updates already waiting (late events of an earlier, aborted turn, what the
+    /// runtime did between turns or for a compaction asked of it), refusing the tool calls
+    /// and permission prompts among them so the runtime never waits on them, and returns
+    /// their events: still the runtime's history.
+    pub fn take_waiting(&mut self) -> Vec<SessionEvent> {
         let answerer = self.answerer();
+        let mut events = Vec::new();
         while let Some(update) = self.try_next() {
             if let SessionUpdate::Event(event) = update {
-                seen(&event);
                 answerer.refuse_stray(&event);
+                events.push(event);
             }
         }
+        events
+    }
+
+    /// Notes the start of a compaction the runtime began (its `session.compaction_start`).
+    pub(crate) fn compaction_started(&mut self, start: CompactionStartData) {
+        self.compaction_start = Some(start);
+    }
+
+    /// The start of the compaction that just ended, if it was seen.
+    pub(crate) fn compaction_ended(&mut self) -> Option<CompactionStartData> {
+        self.compaction_start.take()
     }
 
     /// Answers a client tool call of this session (`external_tool.requested`).
