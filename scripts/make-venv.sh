@@ -118,8 +118,24 @@ if ! find_unpacked; then
         esac
     done < <(apt-cache depends "python${v}-minimal" "libpython${v}-minimal" "libpython${v}-stdlib" \
         2>/dev/null || true)
-    (cd "${tmp}" && apt-get download -q "python${v}-minimal" "libpython${v}-minimal" \
-        "libpython${v}-stdlib" python3-pip-whl ca-certificates "${!libs[@]}" >&2)
+    download() {
+        (cd "${tmp}" && apt-get download -q "python${v}-minimal" "libpython${v}-minimal" \
+            "libpython${v}-stdlib" python3-pip-whl ca-certificates "${!libs[@]}" >&2)
+    }
+    if ! download; then
+        # Package lists older than the mirror (a listed version replaced there: 404): refresh
+        # them once and retry.
+        if [[ "$(id -u)" -ne 0 ]]; then
+            echo "error: apt-get download of Debian's python${v} failed; run 'apt-get update' as" \
+                "root first, or ${fix}" >&2
+            exit 1
+        fi
+        echo "apt-get download failed; running apt-get update once and retrying" >&2
+        apt-get update -qq >&2
+        # What did download may be of versions replaced too: all anew.
+        rm -f "${tmp}"/*.deb
+        download
+    fi
     for deb in "${tmp}"/*.deb; do
         dpkg-deb -x "${deb}" "${tmp}/root"
     done

@@ -17,11 +17,21 @@ venv="${repo}/target/tools/venv"
 if [[ ! -x "${venv}/bin/python" ]]; then
     python3 -m venv "${venv}"
 fi
-"${venv}/bin/python" -c 'import yaml' 2>/dev/null || "${venv}/bin/pip" install -q pyyaml
+# The version scripts/check-deploy.sh pins into the same environment.
+if ! "${venv}/bin/python" -c 'import yaml' 2>/dev/null; then
+    timeout 300 "${venv}/bin/pip" install -q --disable-pip-version-check pyyaml==6.0.4 || {
+        echo "error: pip install pyyaml==6.0.4 into ${venv} failed or took over 5 minutes" \
+            "(exit $?): check access to PyPI, then run this again" >&2
+        exit 1
+    }
+fi
 
 cargo build --quiet
 bin="${CARGO_TARGET_DIR:-${repo}/target}/debug/copilot-pool"
-runtime="$("${bin}" install-cli 2>/dev/null)"
+runtime="$("${bin}" install-cli)" || {
+    echo "error: copilot-pool install-cli failed (its error is above)" >&2
+    exit 1
+}
 
 work="$(mktemp -d)"
 pids=()

@@ -175,12 +175,25 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", promtool.display()));
     use tokio::io::AsyncWriteExt;
     let mut stdin = check.stdin.take().expect("stdin");
-    stdin
-        .write_all(metrics.body.as_bytes())
-        .await
-        .expect("write");
-    drop(stdin);
-    let out = check.wait_with_output().await.expect("promtool");
+    // A failure guard (it takes well under a second); on the timeout the dropped child is
+    // killed.
+    let limit = Duration::from_secs(60);
+    let out = tokio::time::timeout(limit, async move {
+        stdin
+            .write_all(metrics.body.as_bytes())
+            .await
+            .expect("write");
+        drop(stdin);
+        check.wait_with_output().await.expect("promtool")
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "{p} check metrics did not finish within {limit:?} and was killed; see whether \
+             `{p} --version` hangs too, or set PROMTOOL to another promtool",
+            p = promtool.display()
+        )
+    });
     assert!(
         out.status.success(),
         "promtool check metrics failed:\n{}{}",

@@ -34,7 +34,7 @@ pub async fn codex_path() -> PathBuf {
 }
 
 /// How to start the Gemini CLI the tests spawn (`node <bundle/gemini.js>`); panics when
-/// there is no `node`.
+/// there is no `node`, or one too old (see [`path`]).
 pub async fn gemini_launch() -> Launch {
     let script = path(AgentCli::Gemini).await;
     AgentCli::Gemini
@@ -43,8 +43,12 @@ pub async fn gemini_launch() -> Launch {
 }
 
 /// `cli`'s executable (or script). Panics with the reason when it is neither configured nor
-/// installable.
+/// installable, or when it runs on Node.js and the `node` on `PATH` is too old for it
+/// (`tool_install::require_node`).
 pub async fn path(cli: AgentCli) -> PathBuf {
+    if cli.runs_on_node() {
+        super::tool_install::require_node(cli.package()).await;
+    }
     let cell = match cli {
         AgentCli::ClaudeCode => &CLAUDE,
         AgentCli::Codex => &CODEX,

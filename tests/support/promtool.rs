@@ -85,6 +85,9 @@ pub async fn install(
         target: PathBuf::from("promtool"),
         manual_fix: manual_fix(),
         timeout_hint: "check access to the Debian package mirror (apt-get download prometheus)",
+        // Its download folder is the system's temporary one; in `<cache>/tools` it leaves
+        // only a part file for the moment of one copy.
+        leftovers: None,
     };
     tool_install::install(&tool, cache, timeout).await
 }

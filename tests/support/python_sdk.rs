@@ -83,8 +83,9 @@ fn manual_fix(prefix: &Path) -> String {
 }
 
 async fn resolve() -> PathBuf {
-    if let Some(python) = std::env::var_os(ENV).filter(|p| !p.is_empty()) {
-        return PathBuf::from(python);
+    let fix = format!("set it to a Python that imports copilot ({PACKAGE} {VERSION})");
+    if let Some(python) = super::tool_install::configured(ENV, &fix) {
+        return python;
     }
     let cache = runtime::cache_dir(runtime::process_env)
         .unwrap_or_else(|err| panic!("cannot find or install the Python SDK for tests: {err}"));
@@ -112,8 +113,10 @@ async fn install(cache: &Path, prefix: &Path) -> Result<(), String> {
     }
     let parent = prefix.parent().unwrap_or(cache);
     std::fs::create_dir_all(parent).map_err(|e| format!("creating {}: {e}", parent.display()))?;
-    let tmp = parent.join(format!(".{VERSION}.tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
+    // What installs killed at their deadline left (any process's: the lock is held).
+    let tmp_prefix = format!(".{VERSION}.tmp-");
+    super::tool_install::remove_leftovers(parent, &tmp_prefix);
+    let tmp = parent.join(format!("{tmp_prefix}{}", std::process::id()));
     let mut venv = Command::new("bash");
     venv.arg(MAKE_VENV).arg(&tmp);
     if let Err(error) = run("make-venv.sh", venv, deadline).await {

@@ -78,6 +78,7 @@ pub async fn install(cache: &Path, timeout: Duration) -> Result<PathBuf, String>
         target: python_in_tools(),
         manual_fix: manual_fix(),
         timeout_hint: "check access to PyPI",
+        leftovers: Some(".schemathesis-install."),
     };
     tool_install::install(&tool, cache, timeout)
         .await

@@ -4,7 +4,8 @@
 //! waiting for the lock and running the installer, the installer in its own process group
 //! (SIGKILLed at the deadline or when the install is dropped), and every failure naming the
 //! manual fix. The one place for this; `promtool` and `schemathesis` say only what they
-//! install.
+//! install. Also the one check of the `node` the tests' Node tools run on (the official Node
+//! SDK, Gemini CLI): [`require_node`].
 
 #![allow(dead_code)]
 
@@ -18,6 +19,7 @@ use copilot_pool::runtime;
 use nix::errno::Errno;
 use nix::fcntl::Flock;
 use tokio::process::Command;
+use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 /// How much of the installer's output a failure keeps (its end).
@@ -25,6 +27,16 @@ const OUTPUT_TAIL_BYTES: usize = 4096;
 
 /// How long to wait for the installer to be reaped after its group was sent SIGKILL.
 const REAP_AFTER_KILL: Duration = Duration::from_secs(5);
+
+/// The Node.js versions the tests' Node tools run on: the official Node SDK's `engines`
+/// (Gemini CLI's, `>=20`, is wider).
+pub const NODE_ENGINES: &str = "^20.19.0 || >=22.12.0";
+
+/// How long `node --version` may take (a failure guard).
+const NODE_VERSION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The outcome of checking the `node` on `PATH`, once per test binary.
+static NODE: OnceCell<Result<(), String>> = OnceCell::const_new();
 
 /// One tool and the script that installs it (`bash <script> --dir <cache>/tools`).
 #[derive(Debug, Clone)]
@@ -38,6 +50,10 @@ pub struct ToolScript {
     pub manual_fix: String,
     /// What a timeout most likely means (`check access to PyPI`).
     pub timeout_hint: &'static str,
+    /// How the temporary folders the installer makes in `<cache>/tools` begin
+    /// (`.schemathesis-install.`): one killed at its deadline leaves its folder, which the
+    /// next install removes under the lock.
+    pub leftovers: Option<&'static str>,
 }
 
 /// Why [`install`] failed. Each message ends with how to fix it by hand.
@@ -151,6 +167,9 @@ pub async fn install(
     if runtime::is_executable_file(&target) {
         return Ok(target);
     }
+    if let Some(prefix) = tool.leftovers {
+        remove_leftovers(&dir, prefix);
+    }
     run_installer(tool, &dir, deadline, timeout).await?;
     if runtime::is_executable_file(&target) {
         Ok(target)
@@ -161,6 +180,21 @@ pub async fn install(
             path: target,
             fix: tool.manual_fix.clone(),
         })
+    }
+}
+
+/// Removes the folders `<dir>/<prefix>*` that installs killed at their deadline left (their
+/// SIGKILL ran no cleanup), as the runtime's installer does; call it with the install's lock
+/// held, so that none of them is another install's work in progress.
+pub fn remove_leftovers(dir: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(prefix) {
+            // Best effort: what stays is tried again by the next install.
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 
@@ -246,6 +280,54 @@ async fn lock_exclusive(
     }
 }
 
+/// Panics, naming the versions needed and the one found, unless the first `node` on `PATH`
+/// is one [`NODE_ENGINES`] accepts; `what` (`the official Node SDK`) is what needs it. Asks
+/// `node --version` once per test binary, by a deadline.
+pub async fn require_node(what: &str) {
+    if let Err(error) = NODE.get_or_init(check_node).await {
+        panic!("cannot run {what} for tests: {error}");
+    }
+}
+
+async fn check_node() -> Result<(), String> {
+    let fix = "install Node.js 22.12 or later (or 20.19 or later of Node.js 20; Debian 12's \
+               own nodejs is 18: take it from nodejs.org or NodeSource) and put it first on PATH";
+    let node = runtime::find_on_path("node", std::env::var_os("PATH"))
+        .ok_or_else(|| format!("there is no `node` on PATH; {fix}"))?;
+    let mut command = Command::new(&node);
+    command.arg("--version");
+    let what = format!("{} --version", node.display());
+    let deadline = Instant::now() + NODE_VERSION_TIMEOUT;
+    let printed = super::step::run(&what, command, deadline, "a failure guard")
+        .await
+        .map_err(|error| format!("{error}; {fix}"))?;
+    let version = printed.trim();
+    if node_version_supported(version) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is Node.js {version}, but the tests' Node tools need {NODE_ENGINES} (the \
+             official Node SDK's `engines`); {fix}",
+            node.display()
+        ))
+    }
+}
+
+/// Whether `node --version`'s `version` (`v20.19.0`) is one [`NODE_ENGINES`] accepts.
+pub fn node_version_supported(version: &str) -> bool {
+    let Some(numbers) = version.strip_prefix('v') else {
+        return false;
+    };
+    // A pre-release (`v23.0.0-rc.1`) counts as its release.
+    let numbers = numbers.split('-').next().unwrap_or_default();
+    let parsed: Vec<u64> = numbers.split('.').map_while(|n| n.parse().ok()).collect();
+    let &[major, minor, patch] = parsed.as_slice() else {
+        return false;
+    };
+    let version = (major, minor, patch);
+    (major == 20 && version >= (20, 19, 0)) || version >= (22, 12, 0)
+}
+
 fn tail(bytes: &[u8], max: usize) -> String {
     let start = bytes.len().saturating_sub(max);
     String::from_utf8_lossy(&bytes[start..]).trim().to_owned()
@@ -263,5 +345,30 @@ fn io_err(
         path,
         error,
         fix,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::node_version_supported;
+
+    #[test]
+    fn node_versions_are_checked_against_the_node_sdks_engines() {
+        for refused in [
+            "v18.20.4", "v20.18.0", "v20.18.9", "v21.0.0", "v21.7.3", "v22.11.0", "20.19.0",
+            "v20.19", "", "node",
+        ] {
+            assert!(!node_version_supported(refused), "{refused} accepted");
+        }
+        for accepted in [
+            "v20.19.0",
+            "v20.20.2",
+            "v22.12.0",
+            "v23.0.0",
+            "v24.1.0",
+            "v25.0.0-rc.1",
+        ] {
+            assert!(node_version_supported(accepted), "{accepted} refused");
+        }
     }
 }
