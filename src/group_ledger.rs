@@ -102,6 +102,12 @@ pub enum TakeOverError {
         /// How long they were waited for.
         waited: Duration,
     },
+    /// The scan for them did not finish (the async runtime is shutting down).
+    #[error(
+        "the search for processes of the previous run did not finish (the daemon is \
+         stopping); start it again"
+    )]
+    Interrupted,
 }
 
 /// The ledger; shared by every worker of a daemon (`WorkerConfig::group_ledger`).
@@ -216,73 +222,24 @@ impl GroupLedger {
     /// limit; zombies left at the limit (an init that does not reap) are logged.
     pub async fn take_over(&self, limit: Duration) -> Result<TakeOver, TakeOverError> {
         let previous = std::mem::take(&mut *lock(&self.previous));
-        let mut report = TakeOver {
-            recorded: previous.len(),
-            ..TakeOver::default()
+        // Reading /proc (every process, again after each kill) is file work: off the async
+        // threads.
+        let boot_id = self.boot_id.clone();
+        let entries = previous.clone();
+        let scanned =
+            tokio::task::spawn_blocking(move || kill_previous(&entries, boot_id.as_deref())).await;
+        let (mut report, mut must_vanish) = match scanned {
+            Ok(found) => found,
+            Err(error) => {
+                // Kept for the next try.
+                lock(&self.previous).extend(previous);
+                if error.is_panic() {
+                    std::panic::resume_unwind(error.into_panic());
+                }
+                return Err(TakeOverError::Interrupted);
+            }
         };
-        // Every process of the previous run that must be gone, zombies included: the
-        // runtime's in-use lock (`session-state/<id>/inuse.<pid>.lock`) takes a pid that
-        // exists for a live owner, so a leader that is only a zombie (killed by its
-        // parent-death signal, not yet reaped by init) would make its sessions look attached.
-        let mut must_vanish = Vec::new();
-        for entry in &previous {
-            if self.boot_id.as_deref() != Some(entry.boot_id.as_str()) {
-                report.not_ours += 1;
-                continue;
-            }
-            match LeaderState::of(entry) {
-                LeaderState::Same => {
-                    let killed = kill_until_none_left(
-                        || {
-                            leftovers(entry)
-                                .into_iter()
-                                .filter(|p| is_alive(*p))
-                                .collect()
-                        },
-                        |live| {
-                            if let Err(error) = killpg(pid(entry.pgid), Signal::SIGKILL) {
-                                tracing::warn!(pgid = entry.pgid, %error, "Could not kill a process group of the previous run.");
-                            }
-                            // What left the group but not the session the leader made.
-                            for member in live {
-                                if read_stat(*member).is_some_and(|stat| stat.pgrp != entry.pgid) {
-                                    let _ = kill(pid(*member), Signal::SIGKILL);
-                                }
-                            }
-                        },
-                    );
-                    report.killed.extend(killed);
-                    must_vanish.push(entry.pgid);
-                }
-                LeaderState::Reused => report.not_ours += 1,
-                LeaderState::Gone => {
-                    // The id of a group (or of a session) cannot be handed out again while a
-                    // member is left, so members still in it are the leader's; the session
-                    // and start time are checked as well.
-                    let members = || -> Vec<u32> {
-                        leftovers(entry)
-                            .into_iter()
-                            .filter(|member| {
-                                read_stat(*member).is_some_and(|stat| {
-                                    stat.sid == entry.sid && stat.start_time >= entry.start_time
-                                })
-                            })
-                            .collect()
-                    };
-                    // Zombies among them must vanish too (be reaped), not be killed.
-                    must_vanish.extend(members());
-                    let killed = kill_until_none_left(
-                        || members().into_iter().filter(|p| is_alive(*p)).collect(),
-                        |live| {
-                            for member in live {
-                                let _ = kill(pid(*member), Signal::SIGKILL);
-                            }
-                        },
-                    );
-                    report.killed.extend(killed);
-                }
-            }
-        }
+        report.recorded = previous.len();
         report.killed.sort_unstable();
         report.killed.dedup();
         must_vanish.extend(report.killed.iter().copied());
@@ -422,6 +379,77 @@ impl LeaderState {
             None => LeaderState::Gone,
         }
     }
+}
+
+/// SIGKILLs what is left of the `previous` run's groups ([`GroupLedger::take_over`]):
+/// returns the report (without `recorded`) and every pid that must vanish. Reads all of
+/// `/proc`, more than once: on a blocking thread.
+fn kill_previous(previous: &BTreeSet<GroupEntry>, boot_id: Option<&str>) -> (TakeOver, Vec<u32>) {
+    let mut report = TakeOver::default();
+    // Every process of the previous run that must be gone, zombies included: the
+    // runtime's in-use lock (`session-state/<id>/inuse.<pid>.lock`) takes a pid that
+    // exists for a live owner, so a leader that is only a zombie (killed by its
+    // parent-death signal, not yet reaped by init) would make its sessions look attached.
+    let mut must_vanish = Vec::new();
+    for entry in previous {
+        if boot_id != Some(entry.boot_id.as_str()) {
+            report.not_ours += 1;
+            continue;
+        }
+        match LeaderState::of(entry) {
+            LeaderState::Same => {
+                let killed = kill_until_none_left(
+                    || {
+                        leftovers(entry)
+                            .into_iter()
+                            .filter(|p| is_alive(*p))
+                            .collect()
+                    },
+                    |live| {
+                        if let Err(error) = killpg(pid(entry.pgid), Signal::SIGKILL) {
+                            tracing::warn!(pgid = entry.pgid, %error, "Could not kill a process group of the previous run.");
+                        }
+                        // What left the group but not the session the leader made.
+                        for member in live {
+                            if read_stat(*member).is_some_and(|stat| stat.pgrp != entry.pgid) {
+                                let _ = kill(pid(*member), Signal::SIGKILL);
+                            }
+                        }
+                    },
+                );
+                report.killed.extend(killed);
+                must_vanish.push(entry.pgid);
+            }
+            LeaderState::Reused => report.not_ours += 1,
+            LeaderState::Gone => {
+                // The id of a group (or of a session) cannot be handed out again while a
+                // member is left, so members still in it are the leader's; the session
+                // and start time are checked as well.
+                let members = || -> Vec<u32> {
+                    leftovers(entry)
+                        .into_iter()
+                        .filter(|member| {
+                            read_stat(*member).is_some_and(|stat| {
+                                stat.sid == entry.sid && stat.start_time >= entry.start_time
+                            })
+                        })
+                        .collect()
+                };
+                // Zombies among them must vanish too (be reaped), not be killed.
+                must_vanish.extend(members());
+                let killed = kill_until_none_left(
+                    || members().into_iter().filter(|p| is_alive(*p)).collect(),
+                    |live| {
+                        for member in live {
+                            let _ = kill(pid(*member), Signal::SIGKILL);
+                        }
+                    },
+                );
+                report.killed.extend(killed);
+            }
+        }
+    }
+    (report, must_vanish)
 }
 
 /// The most scans [`kill_until_none_left`] makes.

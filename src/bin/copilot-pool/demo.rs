@@ -38,7 +38,8 @@ pub struct DemoArgs {
     /// End with one JSON summary line on stdout.
     #[arg(long)]
     json: bool,
-    /// The runtime executable (default: COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
+    /// The runtime executable (default: COPILOT_CLI_PATH, else the managed pinned install,
+    /// installed on first use; a `copilot` on PATH is not used).
     #[arg(long)]
     cli: Option<PathBuf>,
 }

@@ -236,8 +236,7 @@ fn check_pool_settings(report: &mut Report, config: &ServeConfig) {
         Err(err) => report.fail(
             CHECK,
             format!("{err:#}"),
-            "change the [backends.*] or [model] setting the message names (serve refuses to \
-             start with it)",
+            "change the setting the message names (serve refuses to start with it)",
         ),
     }
 }

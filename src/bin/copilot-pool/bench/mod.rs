@@ -71,7 +71,8 @@ pub struct BenchArgs {
     /// End with one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
-    /// The runtime executable (default: COPILOT_CLI_PATH, the managed install, `copilot` on PATH).
+    /// The runtime executable (default: COPILOT_CLI_PATH, else the managed pinned install,
+    /// installed on first use; a `copilot` on PATH is not used).
     #[arg(long)]
     pub cli: Option<PathBuf>,
     /// Conversations each agent's warm spare resumes ahead of its return (`[pool]
