@@ -40,9 +40,44 @@ use rules::{
 };
 pub(crate) use rules::{WorkerId, cpu_processes_for};
 
-/// Conversations whose resume crashes are remembered at most (a bound on memory; the
-/// count restarts for all when it is reached).
+/// Conversations whose resume crashes are remembered at most (a bound on memory; when it is
+/// reached, the conversation whose last resume crash is oldest is forgotten).
 const RESUME_CRASHES_REMEMBERED: usize = 4096;
+
+/// A conversation's resumes that crashed the runtime in a row, and when the last one did.
+#[derive(Debug, Clone, Copy)]
+struct ResumeCrashes {
+    count: u32,
+    last: Instant,
+}
+
+/// Counts a resume of `conversation` that crashed the runtime at `now`. With
+/// [`RESUME_CRASHES_REMEMBERED`] other conversations counted already, the one whose last
+/// crash is oldest is forgotten first (the scan of all happens only then): a conversation
+/// crashing its runtime in a loop keeps its count however many others crashed once.
+fn count_resume_crash(
+    counts: &mut HashMap<String, ResumeCrashes>,
+    conversation: &str,
+    now: Instant,
+) {
+    if counts.len() >= RESUME_CRASHES_REMEMBERED && !counts.contains_key(conversation) {
+        let oldest = counts
+            .iter()
+            .min_by_key(|(_, crashes)| crashes.last)
+            .map(|(name, _)| name.clone());
+        if let Some(oldest) = oldest {
+            counts.remove(&oldest);
+        }
+    }
+    let crashes = counts
+        .entry(conversation.to_owned())
+        .or_insert(ResumeCrashes {
+            count: 0,
+            last: now,
+        });
+    crashes.count += 1;
+    crashes.last = now;
+}
 
 /// How many conversations' former keys placement remembers at most (when full, it forgets
 /// them all: a rotation then drains the old version only through an attached conversation,
@@ -375,7 +410,7 @@ pub(crate) struct Placement<Spec, S> {
     stopping: HashMap<WorkerId, Stopping>,
     /// Consecutive resumes that crashed the runtime, per conversation (cleared when it
     /// opens).
-    resume_crashes: HashMap<String, u32>,
+    resume_crashes: HashMap<String, ResumeCrashes>,
     /// The key of the process each conversation last left (the process stopped or died
     /// under it, or it was detached), for the spare window after the conversation's last
     /// use and while that key is kept: a conversation that comes back with another
@@ -646,10 +681,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         } = abandon;
         self.settle_return(conversation.clone(), worker, None, Settle::Detach, 0, now);
         if resume_crashed {
-            if self.resume_crashes.len() >= RESUME_CRASHES_REMEMBERED {
-                self.resume_crashes.clear();
-            }
-            *self.resume_crashes.entry(conversation.clone()).or_default() += 1;
+            count_resume_crash(&mut self.resume_crashes, &conversation, now);
         }
         if let Some((session, from)) = carried {
             self.detach(conversation.clone(), from, DetachTarget::Session(session));
@@ -1317,7 +1349,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     }
 
     fn resume_crashes(&self, conversation: &str) -> u32 {
-        self.resume_crashes.get(conversation).copied().unwrap_or(0)
+        self.resume_crashes.get(conversation).map_or(0, |c| c.count)
     }
 
     fn grant_attached(&mut self, ask: &Ask<Spec>, id: WorkerId, now: Instant) -> bool {

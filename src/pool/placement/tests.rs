@@ -435,6 +435,27 @@ impl<Spec: Clone, S> Placement<Spec, S> {
 }
 
 #[test]
+fn a_conversation_crashing_its_resume_in_a_loop_keeps_its_count_however_many_others_crash_once() {
+    let mut counts = HashMap::new();
+    let start = Instant::now();
+    let at = |n: u64| start + Duration::from_millis(n);
+    count_resume_crash(&mut counts, "poison", at(0));
+    for n in 1..RESUME_CRASHES_REMEMBERED as u64 {
+        count_resume_crash(&mut counts, &format!("once-{n}"), at(n));
+    }
+    assert_eq!(counts.len(), RESUME_CRASHES_REMEMBERED);
+    // Full: the loop's second crash is counted on top of its first.
+    count_resume_crash(&mut counts, "poison", at(5000));
+    assert_eq!(counts["poison"].count, 2);
+    // A newcomer takes the place of the conversation whose last crash is oldest.
+    count_resume_crash(&mut counts, "newcomer", at(5001));
+    assert_eq!(counts.len(), RESUME_CRASHES_REMEMBERED);
+    assert!(!counts.contains_key("once-1"));
+    assert_eq!(counts["poison"].count, 2);
+    assert_eq!(counts["newcomer"].count, 1);
+}
+
+#[test]
 fn a_conversation_is_granted_on_the_worker_its_spawn_brings_and_reused_when_parked() {
     let mut sim = Sim::new(limits());
     let first = sim.ask("a/1", 1);
