@@ -93,15 +93,18 @@ if ! find_unpacked; then
             echo "${BASH_REMATCH[1]}"
         fi
     }
-    v="$(version)"
-    if [[ -z "${v}" ]]; then
+    # Refreshes the package lists as root (`$1` says why); otherwise fails saying to.
+    refresh_lists() {
         if [[ "$(id -u)" -ne 0 ]]; then
-            echo "error: apt-cache knows no python3-minimal; run 'apt-get update' as root first," \
-                "or ${fix}" >&2
+            echo "error: $1; run 'apt-get update' as root first, or ${fix}" >&2
             exit 1
         fi
-        echo "no package lists; running apt-get update once" >&2
+        echo "$1; running apt-get update once" >&2
         apt-get update -qq >&2
+    }
+    v="$(version)"
+    if [[ -z "${v}" ]]; then
+        refresh_lists "apt-cache knows no python3-minimal (no package lists)"
         v="$(version)"
         [[ -n "${v}" ]] || { echo "error: apt-cache knows no python3-minimal after apt-get update" >&2; exit 1; }
     fi
@@ -125,13 +128,7 @@ if ! find_unpacked; then
     if ! download; then
         # Package lists older than the mirror (a listed version replaced there: 404): refresh
         # them once and retry.
-        if [[ "$(id -u)" -ne 0 ]]; then
-            echo "error: apt-get download of Debian's python${v} failed; run 'apt-get update' as" \
-                "root first, or ${fix}" >&2
-            exit 1
-        fi
-        echo "apt-get download failed; running apt-get update once and retrying" >&2
-        apt-get update -qq >&2
+        refresh_lists "apt-get download of Debian's python${v} failed"
         # What did download may be of versions replaced too: all anew.
         rm -f "${tmp}"/*.deb
         download
