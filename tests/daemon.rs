@@ -419,7 +419,8 @@ async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case(
     let scratch = support::Scratch::new();
     // On the command line: refused, and the message names the alternatives (not the token).
     let out = serve_output(&["--api-token", "argv-token-123"]).await;
-    assert!(!out.status.success());
+    // A refused configuration exits 78 (EX_CONFIG): a supervisor need not restart it.
+    assert_eq!(out.status.code(), Some(78));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("COPILOT_POOL_API_TOKEN"), "{stderr}");
     assert!(stderr.contains("--api-token-file"), "{stderr}");
@@ -427,7 +428,7 @@ async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case(
     // A file others can read: refused with the fix.
     let open = token_file(scratch.path(), "open-token", "t0k\n", 0o644);
     let out = serve_output(&["--api-token-file", &open.display().to_string()]).await;
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(78));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains(&format!("chmod 600 {}", open.display())),
@@ -436,9 +437,19 @@ async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case(
     // An empty file: refused.
     let empty = token_file(scratch.path(), "empty-token", "\n", 0o600);
     let out = serve_output(&["--api-token-file", &empty.display().to_string()]).await;
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(78));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("empty"), "{stderr}");
+    // Pool settings Pool::start would refuse: a configuration too. A runtime that is not
+    // there is not: 1.
+    let config = scratch.path().join("reserved-backend.toml");
+    std::fs::write(&config, "[backends.copilot]\ncommand = \"claude\"\n").expect("config");
+    let out = serve_output(&["--config", &config.display().to_string()]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{stderr}");
+    assert!(stderr.contains("the Copilot runtime's own"), "{stderr}");
+    let out = serve_output(&["--cli", "/nonexistent/copilot"]).await;
+    assert_eq!(out.status.code(), Some(1));
 
     // A private file: its trailing newline is not part of the token.
     let file = token_file(scratch.path(), "token", "file-token\n", 0o600);

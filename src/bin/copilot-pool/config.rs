@@ -20,6 +20,17 @@ use serde::Deserialize;
 /// The environment variable that carries the API token.
 pub const API_TOKEN_ENV: &str = "COPILOT_POOL_API_TOKEN";
 
+/// The exit status of a `serve` whose configuration is refused (sysexits' `EX_CONFIG`): a
+/// supervisor can tell it from a failure a restart may cure (systemd:
+/// `RestartPreventExitStatus=78`).
+pub const EXIT_CONFIG: u8 = 78;
+
+/// A configuration `serve` refuses (the file, the flags, the token file, the pool settings):
+/// the process exits with [`EXIT_CONFIG`].
+#[derive(Debug, thiserror::Error)]
+#[error("{0:#}")]
+pub struct ConfigRefused(pub anyhow::Error);
+
 /// The most async threads `worker_threads` may ask for.
 pub const MAX_WORKER_THREADS: usize = 1024;
 

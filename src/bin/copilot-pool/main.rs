@@ -153,7 +153,11 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("copilot-pool: {e:#}");
-            std::process::ExitCode::FAILURE
+            if e.chain().any(|cause| cause.is::<config::ConfigRefused>()) {
+                std::process::ExitCode::from(config::EXIT_CONFIG)
+            } else {
+                std::process::ExitCode::FAILURE
+            }
         }
     }
 }

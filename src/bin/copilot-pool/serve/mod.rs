@@ -18,7 +18,7 @@ use copilot_pool::sdk_endpoint::{self, SdkConfig, SdkEndpoint};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::sync::watch;
 
-use crate::config::{API_TOKEN_ENV, LogFormat, SdkListen, ServeConfig};
+use crate::config::{API_TOKEN_ENV, ConfigRefused, LogFormat, SdkListen, ServeConfig};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -130,7 +130,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         .context("marking the daemon non-dumpable (prctl PR_SET_DUMPABLE)")?;
     // Signal handlers first: a SIGTERM at any point after this drains cleanly.
     let signals = Signals::new()?;
-    let config = args.config()?;
+    let config = args.config().map_err(ConfigRefused)?;
     let located = runtime::locate(config.cli_path.as_deref(), runtime::process_env)?;
     // Off the first lease's path: compiling the session options schema took ~16 ms there.
     copilot_pool::session_options::compile_schema()
@@ -191,7 +191,10 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         );
     }
     api_config.sandbox = Some(sandbox_status);
-    let mut pool_config = config.pool_config(located.path.clone())?;
+    let mut pool_config = config
+        .pool_config(located.path.clone())
+        .and_then(|pool| pool.check().map(|()| pool).map_err(anyhow::Error::from))
+        .map_err(ConfigRefused)?;
     if let Some(template) = &sandbox {
         crate::sandbox::refuse_shared_daemon_places(
             template,
