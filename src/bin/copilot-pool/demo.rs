@@ -536,7 +536,8 @@ pub(crate) async fn find_or_install(explicit: Option<&Path>) -> Result<PathBuf> 
         None => String::new(),
     };
     eprintln!(
-        "installing the pinned Copilot runtime {} {} with npm into {} (first run only){ignored}",
+        "installing the pinned Copilot runtime ({} flavour, {}) with npm into {} (first run \
+         only){ignored}",
         Flavour::default(),
         Flavour::default().version(),
         cache.display()
