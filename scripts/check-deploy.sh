@@ -202,8 +202,8 @@ for name in ("base", "example"):
     # takes up to ~30 s more: 5 s for aborted turns, 9 s to stop the workers (detach 2 s +
     # kill grace 5 s + 2 s margin, in parallel), up to 5 s each for the API's turns, the SDK
     # endpoint's turns and the servers (src/pool/mod.rs Pool::shutdown, serve's shutdown).
-    # Below drain + 25 a slow stop is SIGKILLed mid-teardown, leaving runtimes' tools behind.
-    TEARDOWN = 25
+    # Below drain + 30 a slow stop is SIGKILLed mid-teardown, leaving runtimes' tools behind.
+    TEARDOWN = 30
     cm = by_kind["ConfigMap"][0]
     serve = tomllib.loads(cm["data"]["serve.toml"])
     drain = serve.get("drain_grace_secs", 30)
@@ -300,7 +300,13 @@ for name in ("base", "example"):
         "fc00::/7", "fe80::/10")]
     holes = []
     for np in by_kind.get("NetworkPolicy", []):
+        # Without Egress in policyTypes the egress rules do not apply: everything is open.
+        if "Egress" not in np["spec"].get("policyTypes", []):
+            holes.append("policyTypes lacks Egress")
         for rule in np["spec"].get("egress", []):
+            # A rule with no `to` (or an empty one) reaches every destination on its ports.
+            if not rule.get("to"):
+                holes.append(f"a rule without `to` reaches everything on {rule.get('ports', 'every port')}")
             for peer in rule.get("to", []):
                 block = peer.get("ipBlock")
                 if not block:

@@ -333,7 +333,8 @@ impl GroupLeader {
         // `id` is `None` only once the child was reaped (then there is no group to signal).
         let pid = child.id().unwrap_or(0);
         let group = ProcessGroup::of_leader(pid);
-        let exited = exited_unreaped(pid);
+        // A group of its own, in our session: nothing of its session to sweep.
+        let exited = exited_unreaped(pid, false);
         Ok(GroupLeader {
             child,
             group,
@@ -462,9 +463,11 @@ fn kill_session_leftovers(sid: u32) {
 
 /// Resolves once `pid` (our child) has exited, without reaping it (`waitid` with WNOWAIT on
 /// a small thread): the zombie keeps its process group id reserved, so the rest of the group
-/// can be killed before the leader is reaped. `None` if no thread could be started (then the
-/// group is swept only on terminate or drop).
-fn exited_unreaped(pid: u32) -> Option<tokio::sync::oneshot::Receiver<()>> {
+/// can be killed before the leader is reaped; with `own_session` (it made a session of its
+/// own, as a [`ChildGroup`] does) what left its group but not its session is killed first
+/// ([`kill_session_leftovers`]: a walk of `/proc`, so only where such a session exists).
+/// `None` if no thread could be started (then the group is swept only on terminate or drop).
+fn exited_unreaped(pid: u32, own_session: bool) -> Option<tokio::sync::oneshot::Receiver<()>> {
     let (exited_tx, exited_rx) = tokio::sync::oneshot::channel::<()>();
     let watch_pid = Pid::from_raw(i32::try_from(pid).ok()?);
     let watcher = std::thread::Builder::new()
@@ -477,7 +480,9 @@ fn exited_unreaped(pid: u32) -> Option<tokio::sync::oneshot::Receiver<()>> {
             ) {}
             // The leader is a zombie (reaped only after this thread says so): what left its
             // group but not its session dies here; the group itself is swept next.
-            kill_session_leftovers(pid);
+            if own_session {
+                kill_session_leftovers(pid);
+            }
             let _ = exited_tx.send(());
         });
     match watcher {
@@ -590,7 +595,7 @@ impl ChildGroup {
 
         // The reaper task, which owns the `Child`, sweeps the group once the leader has
         // exited (still unreaped), then reaps it and publishes the status once.
-        let exited = exited_unreaped(pid);
+        let exited = exited_unreaped(pid, true);
         tokio::spawn(async move {
             if let Some(exited) = exited {
                 let _ = exited.await;

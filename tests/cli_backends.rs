@@ -20,7 +20,6 @@ use copilot_pool::scripted_model::RecordedRequest;
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
-use support::agent_cli::claude_path;
 use support::cli_daemon::{
     CliFixture as Fixture, event_names, streamed_tool_turn, streamed_turn, tool_calls, user_text,
 };
@@ -36,10 +35,7 @@ const TURN_LIMIT: Duration = Duration::from_secs(120);
 impl Fixture {
     /// The daemon's TOML: the bundled `claude-cli` with the installed executable.
     async fn config(&self) -> String {
-        format!(
-            "drain_grace_secs = 5\n[backends.claude-cli]\ncommand = {:?}\n",
-            claude_path().await.display().to_string()
-        )
+        support::agent_cli::claude_daemon_config("", "").await
     }
 
     async fn daemon(&self) -> Daemon {
@@ -685,10 +681,8 @@ async fn a_claude_that_dies_at_every_start_is_quarantined_within_the_restart_int
     let _serial = SERIAL.lock().await;
     let fx = Fixture::new().await;
     // The real Claude Code given an option it does not know: it exits at once, every time.
-    let config = format!(
-        "drain_grace_secs = 5\n[backends.claude-cli]\ncommand = {:?}\nargs = [\"--no-such-option\"]\n",
-        claude_path().await.display().to_string()
-    );
+    let config =
+        support::agent_cli::claude_daemon_config("", "args = [\"--no-such-option\"]\n").await;
     let daemon = Daemon::start(fx.scratch.path(), &config, &[]).await;
     let body = fx.body("q1", "REPLY=never answered", "sk-ant-FAKE-q", None);
     // The default restart policy: five crashes within 30 s, then the key is quarantined.

@@ -253,10 +253,7 @@ async fn the_daemon_runs_a_claude_backend_turn_in_the_agents_sandbox() {
     let fx = Fixture::new().await;
     let scratch = fx.dir.path().join("daemon");
     std::fs::create_dir_all(&scratch).expect("scratch");
-    let config = format!(
-        "drain_grace_secs = 5\n[backends.claude-cli]\ncommand = {:?}\n",
-        claude_path().await.display().to_string()
-    );
+    let config = support::agent_cli::claude_daemon_config("", "").await;
     let daemon = Daemon::start(&scratch, &config, &[]).await;
     let args = serde_json::json!({"command": fx.probe(), "description": "probe"});
     let body = serde_json::json!({

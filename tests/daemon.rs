@@ -150,9 +150,17 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
     }
     // Every ordered pair of backends (`copilot` and the bundled `claude-cli`) and class is
     // at zero before any fallback.
+    // And the counters the alerts read with increase(): at zero from the start, so their
+    // first event after a start is seen.
     for series in [
         "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"auth\"} 0",
         "copilot_pool_fallbacks_total{from=\"claude-cli\",to=\"copilot\",class=\"crash\"} 0",
+        "copilot_pool_quarantines_total{backend=\"copilot\"} 0",
+        "copilot_pool_quarantines_total{backend=\"claude-cli\"} 0",
+        "copilot_pool_storage_write_failures_total{store=\"bindings\"} 0",
+        "copilot_pool_storage_write_failures_total{store=\"transcript\"} 0",
+        "copilot_pool_storage_write_failures_total{store=\"process_groups\"} 0",
+        "copilot_pool_ownership_violations_total 0",
     ] {
         support::http::assert_has_series(&metrics.body, series);
     }

@@ -231,6 +231,14 @@ async fn a_restarted_daemon_kills_the_recorded_groups_that_survived_and_spares_a
     let _ = bystander.wait();
 }
 
+/// The pid `child` prints on the first line of its stdout (`... & echo $!`).
+fn first_line_pid(child: &mut std::process::Child) -> u32 {
+    let mut line = String::new();
+    let stdout = child.stdout.take().expect("piped stdout");
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).expect("a line");
+    line.trim().parse().expect("a pid")
+}
+
 #[tokio::test]
 async fn the_takeover_kills_what_is_left_of_a_group_whose_leader_is_gone() {
     let scratch = support::Scratch::new();
@@ -239,13 +247,7 @@ async fn the_takeover_kills_what_is_left_of_a_group_whose_leader_is_gone() {
     let mut leader = group_leader("sleep 300 & echo $!");
     let pgid = leader.id();
     let (_, _, leader_start) = stat(pgid);
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(leader.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    let member: u32 = line.trim().parse().expect("member pid");
+    let member = first_line_pid(&mut leader);
     let recorded = entry(pgid, leader_start);
     assert!(leader.wait().expect("leader exits").success());
     assert_eq!(stat(member).0, pgid, "the member is still in the group");
@@ -289,13 +291,7 @@ async fn the_takeover_kills_what_left_the_group_but_not_the_session_its_leader_m
     let mut leader = cmd.spawn().expect("spawn");
     let sid = leader.id();
     let (_, _, leader_start) = stat(sid);
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(leader.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    let escaped: u32 = line.trim().parse().expect("the tool's pid");
+    let escaped = first_line_pid(&mut leader);
     let recorded = entry(sid, leader_start);
     assert!(leader.wait().expect("leader exits").success());
     let deadline = Instant::now() + Duration::from_secs(10);

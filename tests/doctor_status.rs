@@ -186,6 +186,35 @@ async fn doctor_counts_a_token_file_for_a_listener_off_loopback_as_serve_does() 
 }
 
 #[tokio::test]
+async fn doctor_reads_the_token_file_even_with_a_token_in_the_environment_as_serve_does() {
+    let runtime = support::runtime::runtime_path().await;
+    let scratch = tempfile::tempdir().expect("scratch");
+    let config = write_config(scratch.path(), &scratch.path().join("state"));
+    // A token file every local user can read: serve refuses it whatever else gives a token.
+    let token = scratch.path().join("shared-token");
+    std::fs::write(&token, "a-long-api-token-others-can-read").expect("token");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let mut cmd = bin(scratch.path());
+    cmd.env("COPILOT_CLI_PATH", &runtime)
+        .env("COPILOT_POOL_API_TOKEN", "a-token-from-the-environment")
+        .args(["doctor", "--config"])
+        .arg(&config)
+        .arg("--api-token-file")
+        .arg(&token);
+    let out = output(cmd).await;
+    let stdout = text(&out.stdout);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("FAIL api token file: ")),
+        "{stdout}"
+    );
+    assert_nothing_left(scratch.path()).await;
+}
+
+#[tokio::test]
 async fn doctor_fails_as_serve_refuses_an_api_without_a_token_that_unsandboxed_workers_can_reach() {
     let runtime = support::runtime::runtime_path().await;
     let scratch = tempfile::tempdir().expect("scratch");

@@ -18,7 +18,6 @@ use copilot_pool::scripted_model::{RecordedRequest, Reply};
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
-use support::agent_cli::claude_path;
 use support::cli_daemon::{
     CliFixture as Fixture, streamed_tool_turn, streamed_turn, tool_calls, user_text,
 };
@@ -44,15 +43,12 @@ impl Fixture {
 
     /// [`Fixture::daemon`] with more `serve` arguments.
     async fn daemon_with(&self, extra: &[&str]) -> Daemon {
-        let config = format!(
-            "drain_grace_secs = 5\n[turns]\ntranscript_dir = {:?}\n[backends.claude-cli]\ncommand = {:?}\n",
-            self.scratch
-                .path()
-                .join("transcripts")
-                .display()
-                .to_string(),
-            claude_path().await.display().to_string()
+        let transcripts = self.scratch.path().join("transcripts");
+        let turns = format!(
+            "[turns]\ntranscript_dir = {:?}\n",
+            transcripts.display().to_string()
         );
+        let config = support::agent_cli::claude_daemon_config(&turns, "").await;
         Daemon::start(self.scratch.path(), &config, extra).await
     }
 
@@ -222,10 +218,7 @@ async fn without_a_transcript_mirror_the_prelude_comes_from_the_runtimes_own_eve
     let _serial = SERIAL.lock().await;
     let fx = Fixture::new().await;
     // No `[turns] transcript_dir`: the daemon keeps no mirror of its own.
-    let config = format!(
-        "drain_grace_secs = 5\n[backends.claude-cli]\ncommand = {:?}\n",
-        claude_path().await.display().to_string()
-    );
+    let config = support::agent_cli::claude_daemon_config("", "").await;
     let daemon = Daemon::start(fx.scratch.path(), &config, &[]).await;
     prelude_from_the_runtimes_event_log(&fx, &daemon, "EGRET-8", "IBIS-31").await;
     assert!(daemon.terminate().await.success());
@@ -297,10 +290,8 @@ async fn a_fallback_waiting_for_its_backends_capacity_stops_waiting_when_its_cal
     let fx = Fixture::new().await;
     // One Claude process per key: a conversation's fallback to Claude waits while another
     // conversation of the agent runs a Claude turn.
-    let config = format!(
-        "drain_grace_secs = 5\n[pool]\nmax_processes_per_key = 1\n[backends.claude-cli]\ncommand = {:?}\n",
-        claude_path().await.display().to_string()
-    );
+    let config =
+        support::agent_cli::claude_daemon_config("[pool]\nmax_processes_per_key = 1\n", "").await;
     let daemon = Daemon::start(fx.scratch.path(), &config, &[]).await;
     let mut hold = fx.body("holder", "SCENARIO:slow SLOW=120x250");
     hold["backend"] = json!("claude-cli");

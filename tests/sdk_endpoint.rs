@@ -1026,6 +1026,12 @@ fn frame(message: &str) -> BytesMut {
     frame
 }
 
+#[test]
+fn the_raw_frames_are_the_wire_format_the_sdks_speak() {
+    // Pinned here, not only by the codec both sides of these tests share.
+    assert_eq!(&frame("{}")[..], b"Content-Length: 2\r\n\r\n{}");
+}
+
 /// Writes one JSON-RPC frame on a raw stream.
 async fn write_raw_frame(stream: &mut TcpStream, message: &Value) {
     let frame = frame(&message.to_string());

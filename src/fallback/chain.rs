@@ -491,24 +491,20 @@ impl<S: ChainSink> ChainLease<S> {
             let from = end.summary.backend.clone();
             // Reading the prelude and waiting for the next backend's lease (its capacity, a
             // spawn) end when the caller leaves: a waiter must not stay queued for nobody.
-            if let Some(source) = end.transcript.take() {
-                tokio::select! {
-                    fresh = prelude_from(source, &from, &ran, budget) => {
-                        if let Some(fresh) = fresh {
-                            prelude = Some(fresh);
-                        }
-                    }
-                    () = sink.gone() => {
-                        end.gone = true;
-                        break;
-                    }
-                }
-            }
+            let source = end.transcript.take();
             let mut req = template.clone();
             req.backend = next.clone();
             sink.prepare(&mut req);
+            let prelude_then_lease = async {
+                if let Some(source) = source
+                    && let Some(fresh) = prelude_from(source, &from, &ran, budget).await
+                {
+                    prelude = Some(fresh);
+                }
+                lease(&pool, req).await
+            };
             let leased = tokio::select! {
-                leased = lease(&pool, req) => leased,
+                leased = prelude_then_lease => leased,
                 () = sink.gone() => {
                     end.gone = true;
                     break;

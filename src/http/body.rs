@@ -413,6 +413,9 @@ async fn session_options(
     options
         .check_mcp_servers(state.config.allow_local_mcp_servers)
         .map_err(|e| bad(e.to_string()))?;
+    if !crate::confine::names_directories(options.fields()) {
+        return Ok(options);
+    }
     let mut roots = vec![work.to_path_buf()];
     roots.extend(state.config.allowed_work_roots.iter().cloned());
     // Resolving paths is file work: off the async threads.

@@ -197,6 +197,24 @@ impl PoolConfig {
     /// [`PoolConfig::check`], keeping the model guard it built.
     pub(super) fn checked(&self) -> Result<ModelGuard, PoolError> {
         let invalid = |message: &str| Err(PoolError::InvalidRequest(message.to_owned()));
+        // A zero cap does not turn the cap off: no lease would ever be placed.
+        let zero = [
+            ("max_processes", self.max_processes == 0),
+            ("max_processes_per_key", self.max_processes_per_key == 0),
+            (
+                "max_sessions_per_process",
+                self.max_sessions_per_process == 0,
+            ),
+            ("max_sessions", self.max_sessions == 0),
+            ("busy_leases_per_process", self.busy_leases_per_process == 0),
+            ("cpu_processes_per_key", self.cpu_processes_per_key == 0),
+        ];
+        if let Some((field, _)) = zero.iter().find(|(_, is_zero)| *is_zero) {
+            return Err(PoolError::InvalidRequest(format!(
+                "{field} must be at least 1 (a zero does not turn the cap off: no lease would \
+                 ever be placed); leave it at its default"
+            )));
+        }
         if self.max_waiters_per_agent == 0 {
             return invalid(
                 "max_waiters_per_agent must be at least 1 (with 0 no lease of any agent could \
@@ -431,6 +449,35 @@ pub fn validate_provider(provider: &ProviderConfig) -> Result<(), super::PoolErr
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_zero_cap_is_refused_by_name_before_anything_starts() {
+        let config = || {
+            let worker = WorkerConfig::new("copilot".into(), PathBuf::new(), PathBuf::new());
+            PoolConfig::new(worker, PathBuf::from("/state"), PathBuf::from("/agents"))
+        };
+        assert!(config().check().is_ok());
+        type Zero = fn(&mut PoolConfig);
+        let zeroes: [(&str, Zero); 6] = [
+            ("max_processes", |c| c.max_processes = 0),
+            ("max_processes_per_key", |c| c.max_processes_per_key = 0),
+            ("max_sessions_per_process", |c| {
+                c.max_sessions_per_process = 0
+            }),
+            ("max_sessions", |c| c.max_sessions = 0),
+            ("busy_leases_per_process", |c| c.busy_leases_per_process = 0),
+            ("cpu_processes_per_key", |c| c.cpu_processes_per_key = 0),
+        ];
+        for (field, zero) in zeroes {
+            let mut c = config();
+            zero(&mut c);
+            let refused = c.check().expect_err(field).to_string();
+            assert!(
+                refused.contains(&format!("{field} must be at least 1")),
+                "{refused}"
+            );
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -28,6 +28,15 @@ pub async fn claude_path() -> PathBuf {
     path(AgentCli::ClaudeCode).await
 }
 
+/// A `serve` config with the bundled `claude-cli` backend on the installed Claude Code:
+/// `tables` (whole TOML tables, `[pool]\n...`) go before its table, `backend_keys` into it.
+pub async fn claude_daemon_config(tables: &str, backend_keys: &str) -> String {
+    format!(
+        "drain_grace_secs = 5\n{tables}[backends.claude-cli]\ncommand = {:?}\n{backend_keys}",
+        claude_path().await.display().to_string()
+    )
+}
+
 /// The Codex executable (its vendored native binary) the tests spawn.
 pub async fn codex_path() -> PathBuf {
     path(AgentCli::Codex).await

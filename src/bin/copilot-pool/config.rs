@@ -757,6 +757,8 @@ impl ServeConfig {
             })?;
             guard.extra_root_certificates_pem.push(pem);
         }
+        // What `Pool::start` would refuse, refused here (doctor and serve build it so).
+        config.check()?;
         Ok(config)
     }
 

@@ -60,9 +60,8 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
         Ok(mut config) => {
             // The token `serve` would read from --api-token-file, read as it reads it (an
             // unreadable, empty or shared file fails here as it fails there).
-            if config.api_token.is_none()
-                && let Some(path) = &args.api_token_file
-            {
+            // Over the config's and the environment's, as serve takes it.
+            if let Some(path) = &args.api_token_file {
                 match crate::config::read_token_file(path) {
                     Ok(token) => config.api_token = Some(token),
                     Err(e) => report.fail(
@@ -212,9 +211,7 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
 fn check_pool_settings(report: &mut Report, config: &ServeConfig) {
     const CHECK: &str = "pool settings";
     // The runtime's path plays no part in the check.
-    let pool = config
-        .pool_config(PathBuf::from("copilot"))
-        .and_then(|pool| pool.check().map(|()| pool).map_err(anyhow::Error::from));
+    let pool = config.pool_config(PathBuf::from("copilot"));
     match pool {
         Ok(pool) => {
             let backends: Vec<&str> = pool.cli_backends.keys().map(String::as_str).collect();

@@ -193,7 +193,6 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     api_config.sandbox = Some(sandbox_status);
     let mut pool_config = config
         .pool_config(located.path.clone())
-        .and_then(|pool| pool.check().map(|()| pool).map_err(anyhow::Error::from))
         .map_err(ConfigRefused)?;
     if let Some(template) = &sandbox {
         crate::sandbox::refuse_shared_daemon_places(
