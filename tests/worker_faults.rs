@@ -4,11 +4,11 @@
 
 mod support;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use copilot_pool::kinds::TurnEnd;
-use copilot_pool::pool::{Pool, PoolError, PoolEvent};
+use copilot_pool::pool::{OpenReason, Pool, PoolError, PoolEvent};
 use copilot_pool::process::ExitInfo;
 use copilot_pool::rpc::EventKind;
 use copilot_pool::rpc::messages::SessionConfig;
@@ -300,6 +300,46 @@ async fn a_runtime_stopped_mid_turn_is_declared_hung_within_two_intervals_and_th
     .await;
     let left = wait_group_gone(pid, Duration::from_secs(5)).await;
     assert!(left.is_empty(), "{left:?}");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_killed_worker_actors_process_is_reaped_before_its_conversation_resumes_elsewhere() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    // The lease after the kill resumes the conversation itself (no spare resumes it ahead).
+    config.warm_spares = 0;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut events = pool.subscribe();
+    let mut lease = pool
+        .lease(fx.request("agent-k", "conv"))
+        .await
+        .expect("lease");
+    lease.run("REPLY=one MARKER-killed").await.expect("turn");
+    let pid = lease.worker_pid();
+    let actor = lease.worker_actor().expect("an open session");
+    drop(lease);
+    // A kill (or a panic) skips post_stop, and ractor tells the pool before the actor's state
+    // drops, which is what SIGKILLs the group: the pool must wait for the reap.
+    actor.kill();
+    wait_event(
+        &mut events,
+        |event| matches!(event, PoolEvent::WorkerCrashed { pid: p, .. } if *p == pid),
+    )
+    .await;
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "the pool counted the crash of {pid} before its process was reaped"
+    );
+    let mut lease = pool
+        .lease(fx.request("agent-k", "conv"))
+        .await
+        .expect("lease after the kill");
+    assert_eq!(lease.reason(), OpenReason::Resumed);
+    assert_ne!(lease.worker_pid(), pid);
+    lease.run("REPLY=two").await.expect("turn after the kill");
+    assert!(fx.last_model_request().contains("MARKER-killed"));
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }

@@ -160,6 +160,12 @@ pub(crate) enum PoolMsg {
     StopAll(RpcReplyPort<()>),
     /// The CLI side's processes changed, or it needs an idle worker stopped.
     Cli(Nudge),
+    /// A worker's actor ended (`failed`: with an error, a crash) and its process has been
+    /// reaped: only now may its conversations resume elsewhere.
+    WorkerGone {
+        worker_id: WorkerId,
+        failed: bool,
+    },
 }
 
 /// The pool actor (its state is [`PoolState`]).
@@ -447,6 +453,7 @@ impl Actor for PoolActor {
                 state.core.evict_for_other()
             }
             PoolMsg::Cli(Nudge::EvictIdle) => Vec::new(),
+            PoolMsg::WorkerGone { worker_id, failed } => state.worker_gone(worker_id, failed, now),
         };
         let effects = state.settle_budget(&mut budget, effects, now);
         drop(budget);
@@ -471,44 +478,38 @@ impl Actor for PoolActor {
         let cli = state.cli.clone();
         let mut budget = cli.budget();
         state.core.set_others(budget.cli_view());
-        let effects = match event {
+        let ended = match &event {
             SupervisionEvent::ActorFailed(cell, error) => {
-                match state.worker_by_actor(cell.get_id()) {
-                    Some(id) => {
-                        tracing::warn!(%error, "Pool worker failed.");
-                        state.core.exited(id);
-                        state.core.crashed(id, now)
+                tracing::warn!(%error, "Pool worker failed.");
+                Some((cell.get_id(), true))
+            }
+            // Stopped by us (eviction) or killed: either way it is gone.
+            SupervisionEvent::ActorTerminated(cell, _, _) => Some((cell.get_id(), false)),
+            _ => None,
+        };
+        let effects = match ended
+            .and_then(|(actor, failed)| state.worker_by_actor(actor).map(|id| (id, failed)))
+        {
+            Some((worker_id, failed)) => {
+                state.core.exited(worker_id);
+                match state.handles.get(&worker_id) {
+                    // ractor tells the supervisor before a killed or panicked actor's state
+                    // drops, and that drop is what SIGKILLs the group: the process may still
+                    // run (and hold its sessions' locks) now. Its conversations resume
+                    // elsewhere once it is reaped.
+                    Some(handle) if !handle.is_reaped() => {
+                        let handle = handle.clone();
+                        let pool = state.myself.clone();
+                        tokio::spawn(async move {
+                            handle.reaped().await;
+                            let _ = pool.cast(PoolMsg::WorkerGone { worker_id, failed });
+                        });
+                        Vec::new()
                     }
-                    None => Vec::new(),
+                    _ => state.worker_gone(worker_id, failed, now),
                 }
             }
-            SupervisionEvent::ActorTerminated(cell, _, _) => {
-                // Stopped by us (eviction) or killed: either way it is gone.
-                match state.worker_by_actor(cell.get_id()) {
-                    Some(id) => {
-                        let killed = state
-                            .handles
-                            .get(&id)
-                            .and_then(|h| h.exit())
-                            .is_some_and(|e| !e.is_shutdown());
-                        state.core.exited(id);
-                        if killed {
-                            state.core.crashed(id, now)
-                        } else {
-                            let (known, effects) = state.core.stopped(id, now);
-                            if known {
-                                metrics::process_exited(
-                                    metrics::COPILOT_BACKEND,
-                                    ProcessExit::Shutdown,
-                                );
-                            }
-                            effects
-                        }
-                    }
-                    None => Vec::new(),
-                }
-            }
-            _ => Vec::new(),
+            None => Vec::new(),
         };
         let effects = state.settle_budget(&mut budget, effects, now);
         drop(budget);
@@ -986,6 +987,30 @@ impl PoolState {
                 .collect();
             let _ = target.cast(PoolMsg::Measured(measured));
         });
+    }
+
+    /// A worker whose actor ended is gone with its process: a crash (`failed`, or killed
+    /// from outside) is the core's to replace or quarantine, an orderly stop is forgotten.
+    fn worker_gone(
+        &mut self,
+        id: WorkerId,
+        failed: bool,
+        now: Instant,
+    ) -> Vec<Effect<WorkerConfig, Session>> {
+        let killed = failed
+            || self
+                .handles
+                .get(&id)
+                .and_then(|h| h.exit())
+                .is_some_and(|e| !e.is_shutdown());
+        if killed {
+            return self.core.crashed(id, now);
+        }
+        let (known, effects) = self.core.stopped(id, now);
+        if known {
+            metrics::process_exited(metrics::COPILOT_BACKEND, ProcessExit::Shutdown);
+        }
+        effects
     }
 
     fn worker_by_actor(&self, id: ractor::ActorId) -> Option<WorkerId> {

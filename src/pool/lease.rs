@@ -73,6 +73,13 @@ impl Lease {
         self.worker_pid
     }
 
+    /// The actor of the worker serving the conversation, e.g. to kill it in a fault test
+    /// (ractor plumbing, out of the documented surface, as [`crate::worker::WorkerHandle::actor`]).
+    #[doc(hidden)]
+    pub fn worker_actor(&self) -> Option<ractor::ActorCell> {
+        self.session.as_ref().map(|s| s.worker().actor())
+    }
+
     /// How the session was opened.
     pub fn reason(&self) -> OpenReason {
         self.reason

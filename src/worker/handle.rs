@@ -228,6 +228,27 @@ impl WorkerHandle {
         self.actor.get_cell()
     }
 
+    /// Whether the child's leader has been reaped: the process is gone.
+    pub(crate) fn is_reaped(&self) -> bool {
+        self.reaped.borrow().is_some()
+    }
+
+    /// Waits until the child's leader has been reaped (the process, which may hold its
+    /// sessions' locks, is gone), at most [`REAP_WAIT`]: the leader has its SIGKILL by then on
+    /// every path that ends the actor, so a longer wait is a kernel's (logged).
+    pub(crate) async fn reaped(&self) {
+        let mut reaped = self.reaped.clone();
+        if tokio::time::timeout(REAP_WAIT, reaped.wait_for(|r| r.is_some()))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                pid = self.info.pid,
+                "Copilot worker's process was not reaped within {REAP_WAIT:?} of its stop."
+            );
+        }
+    }
+
     /// How the worker ended, once it has.
     pub fn exit(&self) -> Option<WorkerExit> {
         self.exit.borrow().clone()
@@ -484,16 +505,7 @@ impl WorkerHandle {
         // A killed actor's state SIGKILLs the group without waiting: the process (which may
         // hold its sessions' locks) is gone only once it is reaped, and a caller moving its
         // conversations elsewhere must not go on before that.
-        let mut reaped = self.reaped.clone();
-        if tokio::time::timeout(REAP_WAIT, reaped.wait_for(|r| r.is_some()))
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                pid = self.info.pid,
-                "Copilot worker's process was not reaped within {REAP_WAIT:?} of its stop."
-            );
-        }
+        self.reaped().await;
         tokio::time::timeout(EXIT_REPORT_WAIT, self.ended())
             .await
             .unwrap_or_else(|_| self.killed())
