@@ -46,6 +46,7 @@
 //! | [`DAEMON_TASKS`] | gauge | — (set by the daemon at each scrape) |
 //! | [`DAEMON_HEAP_BYTES`] | gauge | — (set by the daemon at each scrape) |
 //! | [`SANDBOX_ENFORCED`] | gauge | `rule`: [`SandboxRule::as_str`] (`filesystem`, `tcp_connect`, `tcp_bind`, `signals`, `abstract_unix_sockets`, `capabilities`) |
+//! | [`SANDBOX_WANTED`] | gauge | `rule`, as [`SANDBOX_ENFORCED`] |
 //!
 //! The `backend` label takes `copilot` or one of the pool's configured CLI backend ids
 //! (`PoolConfig::cli_backends`, the daemon's `[backends.<id>]`): a bounded set fixed at start.
@@ -136,6 +137,10 @@ pub const SDK_CONNECTIONS_TOTAL: &str = "copilot_pool_sdk_connections_total";
 
 /// Whether each wall of the workers' sandbox is enforced (1) or not (0), by `rule`.
 pub const SANDBOX_ENFORCED: &str = "copilot_pool_sandbox_enforced";
+/// Whether the configuration asks for each wall of the workers' sandbox (1) or leaves it
+/// open on purpose (0: `sandbox = "off"`, or a TCP wall set to `"any"`), by `rule`: a wall
+/// wanted and not enforced is what an alert reads.
+pub const SANDBOX_WANTED: &str = "copilot_pool_sandbox_wanted";
 /// Opens whose session the runtime reported attached to another process (`alreadyInUse`):
 /// the one-owner rule broken. Should stay 0; alert on any increase.
 pub const OWNERSHIP_VIOLATIONS_TOTAL: &str = "copilot_pool_ownership_violations_total";
@@ -180,6 +185,7 @@ pub const GAUGES: &[&str] = &[
     LEASE_WAITERS,
     SDK_CONNECTIONS,
     SANDBOX_ENFORCED,
+    SANDBOX_WANTED,
     DAEMON_TASKS,
     DAEMON_HEAP_BYTES,
 ];
@@ -478,6 +484,12 @@ pub fn describe() {
         "Whether each wall of the workers' sandbox is enforced (1) or not (0), by rule \
          (filesystem, tcp_connect, tcp_bind, signals, abstract_unix_sockets, capabilities)."
     );
+    describe_gauge!(
+        SANDBOX_WANTED,
+        Unit::Count,
+        "Whether the configuration asks for each wall of the workers' sandbox (1) or leaves \
+         it open on purpose (0: sandbox = off, or a TCP wall set to any), by rule."
+    );
 }
 
 /// What became of one SDK endpoint connection (the `result` label of
@@ -543,6 +555,14 @@ pub fn sandbox_enforced(enforced: impl Fn(SandboxRule) -> bool) {
         } else {
             0.0
         });
+    }
+}
+
+/// Sets [`SANDBOX_WANTED`] for every rule: 1 where `wanted` says the configuration asks
+/// for the wall, else 0 (the daemon calls it once, beside [`sandbox_enforced`]).
+pub fn sandbox_wanted(wanted: impl Fn(SandboxRule) -> bool) {
+    for rule in SandboxRule::ALL {
+        gauge!(SANDBOX_WANTED, "rule" => rule.as_str()).set(if wanted(rule) { 1.0 } else { 0.0 });
     }
 }
 
@@ -920,24 +940,22 @@ mod tests {
         let snapshotter = recorder.snapshotter();
         ::metrics::with_local_recorder(&recorder, || {
             sandbox_enforced(|rule| rule != SandboxRule::TcpConnect);
+            sandbox_wanted(|rule| rule != SandboxRule::TcpBind);
         });
         let snap = snapshot(&snapshotter);
-        for rule in SandboxRule::ALL {
-            let (_, _, value) = snap
-                .get(&key(
-                    MetricKind::Gauge,
-                    SANDBOX_ENFORCED,
-                    &[("rule", rule.as_str())],
-                ))
-                .unwrap_or_else(|| panic!("{rule} not recorded"));
-            let expected = if rule == SandboxRule::TcpConnect {
-                0.0
-            } else {
-                1.0
-            };
-            assert_eq!(*value, DebugValue::Gauge(expected.into()), "{rule}");
+        for (name, open) in [
+            (SANDBOX_ENFORCED, SandboxRule::TcpConnect),
+            (SANDBOX_WANTED, SandboxRule::TcpBind),
+        ] {
+            for rule in SandboxRule::ALL {
+                let (_, _, value) = snap
+                    .get(&key(MetricKind::Gauge, name, &[("rule", rule.as_str())]))
+                    .unwrap_or_else(|| panic!("{name} {rule} not recorded"));
+                let expected = if rule == open { 0.0 } else { 1.0 };
+                assert_eq!(*value, DebugValue::Gauge(expected.into()), "{name} {rule}");
+            }
         }
-        assert_eq!(snap.len(), SandboxRule::ALL.len());
+        assert_eq!(snap.len(), 2 * SandboxRule::ALL.len());
     }
 
     #[test]

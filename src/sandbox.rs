@@ -126,6 +126,19 @@ pub enum SandboxError {
 }
 
 impl Sandbox {
+    /// Whether this sandbox asks for `rule`'s wall: every one but TCP connect and bind left
+    /// unrestricted (`tcp_connect`, `tcp_bind` `None`), which are open on purpose.
+    pub fn asks_for(&self, rule: SandboxRule) -> bool {
+        match rule {
+            SandboxRule::TcpConnect => self.tcp_connect.is_some(),
+            SandboxRule::TcpBind => self.tcp_bind.is_some(),
+            SandboxRule::Filesystem
+            | SandboxRule::Signals
+            | SandboxRule::AbstractUnixSockets
+            | SandboxRule::Capabilities => true,
+        }
+    }
+
     /// Flags of the wrapper's argv (after `wrapper_args`), each followed by one value, then
     /// `--` and the runtime's argv: `--rw`, `--rx`, `--ro`, `--dev`, `--proc` (paths),
     /// `--tcp-connect`, `--tcp-bind` (a port); `--any-tcp` (TCP connect unrestricted),

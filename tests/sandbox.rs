@@ -162,6 +162,52 @@ fn probe_script(
     .join("\n")
 }
 
+/// The sandbox's walls, by rule, as the daemon's `/metrics` reports them.
+const RULES: [&str; 6] = [
+    "filesystem",
+    "tcp_connect",
+    "tcp_bind",
+    "signals",
+    "abstract_unix_sockets",
+    "capabilities",
+];
+
+/// `"wanted <rule>"` and `"enforced <rule>"` to their values in `/metrics`.
+async fn wall_metrics(addr: SocketAddr) -> BTreeMap<String, String> {
+    let body = call(addr, "GET", "/metrics", None, None).await.body;
+    let mut walls = BTreeMap::new();
+    for line in body.lines() {
+        for (metric, name) in [
+            ("copilot_pool_sandbox_wanted{rule=\"", "wanted"),
+            ("copilot_pool_sandbox_enforced{rule=\"", "enforced"),
+        ] {
+            if let Some((rule, value)) = line
+                .strip_prefix(metric)
+                .and_then(|rest| rest.split_once("\"} "))
+            {
+                walls.insert(format!("{name} {rule}"), value.to_owned());
+            }
+        }
+    }
+    walls
+}
+
+#[tokio::test]
+async fn a_tcp_bind_wall_left_open_on_purpose_is_not_wanted() {
+    let scratch = support::Scratch::new();
+    let config =
+        format!("sandbox = \"auto\"\nsandbox_tcp_bind = \"any\"\napi_token = \"{TOKEN}\"\n");
+    let daemon = Daemon::start_through(scratch.path(), &config, &[]).await;
+    let metrics = wall_metrics(daemon.addr).await;
+    for rule in RULES {
+        let wanted = if rule == "tcp_bind" { "0" } else { "1" };
+        assert_eq!(metrics[&format!("wanted {rule}")], wanted, "{metrics:?}");
+    }
+    // Not enforced, since it is not asked for (the wrapper gets --any-tcp-bind).
+    assert_eq!(metrics["enforced tcp_bind"], "0", "{metrics:?}");
+    daemon.terminate().await;
+}
+
 fn alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
@@ -175,6 +221,21 @@ async fn a_sandboxed_agents_bash_cannot_reach_other_agents_the_daemon_or_its_api
         .json();
     assert_eq!(pool["sandbox"]["mode"], "auto", "{pool}");
     assert_eq!(pool["sandbox"]["filesystem"], true, "{pool}");
+    // Every wall is asked for; each is enforced as far as this kernel goes.
+    let metrics = wall_metrics(setup.daemon.addr).await;
+    for rule in RULES {
+        assert_eq!(metrics[&format!("wanted {rule}")], "1", "{metrics:?}");
+        let enforced = if pool["sandbox"][rule] == true {
+            "1"
+        } else {
+            "0"
+        };
+        assert_eq!(
+            metrics[&format!("enforced {rule}")],
+            enforced,
+            "{metrics:?}"
+        );
+    }
     let (found, sibling) = escapes(&setup).await;
     for escape in [
         "home",
@@ -211,6 +272,12 @@ async fn without_the_sandbox_the_same_bash_escapes_but_the_daemon_stays_unreadab
         .await
         .json();
     assert_eq!(pool["sandbox"]["mode"], "off", "{pool}");
+    // Off on purpose: no wall asked for, none enforced (no alert reads this as a fault).
+    let metrics = wall_metrics(setup.daemon.addr).await;
+    for rule in RULES {
+        assert_eq!(metrics[&format!("wanted {rule}")], "0", "{metrics:?}");
+        assert_eq!(metrics[&format!("enforced {rule}")], "0", "{metrics:?}");
+    }
     let (found, sibling) = escapes(&setup).await;
     for escape in ["home", "transcript", "work", "sibling", "api", "kill"] {
         assert_eq!(

@@ -130,11 +130,11 @@ fn wanted_missing(args: &SandboxExecArgs, status: &SandboxStatus) -> Vec<Sandbox
 /// and bind only when they were to be restricted (`sandbox_tcp_bind = "any"` leaves bind
 /// open on purpose). What `required` refuses to start without, and `auto` warns about.
 pub fn unmet_by(template: &Sandbox, status: &SandboxStatus) -> Vec<SandboxRule> {
-    unmet(
-        status,
-        template.tcp_connect.is_none(),
-        template.tcp_bind.is_none(),
-    )
+    status
+        .missing()
+        .into_iter()
+        .filter(|r| template.asks_for(*r))
+        .collect()
 }
 
 fn unmet(status: &SandboxStatus, any_connect: bool, any_bind: bool) -> Vec<SandboxRule> {

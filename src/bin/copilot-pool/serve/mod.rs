@@ -421,9 +421,11 @@ async fn sandbox_setup(
             "sandbox = \"off\": workers and their tools run with the daemon's own rights (other \
              agents' homes, the daemon's state and every local port are within their reach)."
         );
+        copilot_pool::metrics::sandbox_wanted(|_| false);
         copilot_pool::metrics::sandbox_enforced(|_| false);
         return Ok((None, off));
     };
+    copilot_pool::metrics::sandbox_wanted(|rule| template.asks_for(rule));
     let mut status = match crate::sandbox::probe(&template).await {
         Ok(status) => status,
         Err(e) if config.sandbox == SandboxMode::Required => {
