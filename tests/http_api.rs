@@ -372,7 +372,11 @@ async fn a_gateway_that_disconnects_aborts_its_turn_and_the_conversation_continu
 async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resumes() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();
-    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    // The next turn resumes the conversation itself: the crashed process's replacement, a
+    // spare while empty, could resume it ahead ("attached").
+    let mut config = fx.config().await;
+    config.warm_spares = 0;
+    let server = InProcess::start(config, ApiConfig::default()).await;
     let addr = server.addr;
     let first = summary(
         addr,
