@@ -305,7 +305,7 @@ async fn a_runtime_stopped_mid_turn_is_declared_hung_within_two_intervals_and_th
 }
 
 #[tokio::test]
-async fn a_killed_worker_actors_process_is_reaped_before_its_conversation_resumes_elsewhere() {
+async fn a_killed_worker_actor_counts_as_crashed_once_its_process_is_reaped() {
     let fx = Fixture::new().await;
     let mut config = fx.config().await;
     // The lease after the kill resumes the conversation itself (no spare resumes it ahead).
@@ -340,6 +340,63 @@ async fn a_killed_worker_actors_process_is_reaped_before_its_conversation_resume
     assert_ne!(lease.worker_pid(), pid);
     lease.run("REPLY=two").await.expect("turn after the kill");
     assert!(fx.last_model_request().contains("MARKER-killed"));
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_turn_whose_worker_actor_is_killed_ends_died_only_once_the_process_is_gone() {
+    let fx = Fixture::new().await;
+    // A warm spare (the default) stands by: the conversation could move at once.
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut lease = pool
+        .lease(fx.request("agent-k", "conv"))
+        .await
+        .expect("lease");
+    lease.run("REPLY=one MARKER-mid-turn").await.expect("turn");
+    let pid = lease.worker_pid();
+    let actor = lease.worker_actor().expect("an open session");
+    lease
+        .send("SCENARIO:slow SLOW=200x100")
+        .await
+        .expect("a slow turn starts");
+    loop {
+        match lease.next_event().await {
+            Some(Ok(event)) if event.event_type() == "assistant.turn_start" => break,
+            Some(Ok(_)) => continue,
+            other => panic!("the turn ended before its model call: {other:?}"),
+        }
+    }
+    // Killed mid-turn: whoever reads `Died` may resume the conversation elsewhere, so it
+    // must come once the runtime (which holds the session) is gone.
+    actor.kill();
+    let ended = loop {
+        match lease.next_event().await {
+            Some(Ok(_)) => continue,
+            other => break other,
+        }
+    };
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "the turn ended ({ended:?}) while process {pid} still existed"
+    );
+    assert!(
+        matches!(
+            &ended,
+            Some(Err(PoolError::Worker(WorkerError::Died(exit))))
+                | Some(Err(PoolError::Turn(TurnError::Worker(WorkerError::Died(exit)))))
+                if exit.reason == ExitReason::Killed
+        ),
+        "{ended:?}"
+    );
+    drop(lease);
+    let mut lease = pool
+        .lease(fx.request("agent-k", "conv"))
+        .await
+        .expect("lease after the kill");
+    assert_ne!(lease.worker_pid(), pid);
+    lease.run("REPLY=two").await.expect("turn after the kill");
+    assert!(fx.last_model_request().contains("MARKER-mid-turn"));
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }

@@ -18,7 +18,7 @@ use crate::ids::CliSessionId;
 use crate::kinds::Priming;
 use crate::metrics::{self, ProcessExit};
 use crate::rpc::messages::{AbortParams, SessionAbort};
-use crate::worker::{Session, WorkerConfig, WorkerError, WorkerHandle};
+use crate::worker::{Session, WorkerConfig, WorkerError, WorkerExit, WorkerHandle};
 
 use super::bindings::BindingStore;
 use super::budget::Nudge;
@@ -160,12 +160,35 @@ pub(crate) enum PoolMsg {
     StopAll(RpcReplyPort<()>),
     /// The CLI side's processes changed, or it needs an idle worker stopped.
     Cli(Nudge),
-    /// A worker's actor ended (`failed`: with an error, a crash) and its process has been
-    /// reaped: only now may its conversations resume elsewhere.
+    /// A worker's actor ended and its process has been reaped (`crashed`: not an orderly
+    /// stop): only now may its conversations resume elsewhere.
     WorkerGone {
         worker_id: WorkerId,
-        failed: bool,
+        crashed: bool,
     },
+}
+
+/// How a worker's actor ended, as its supervision event says.
+enum ActorEnd {
+    /// Its handler failed or panicked, or it ended on its child's death (`die`).
+    Failed(String),
+    /// Killed: no `post_stop`, no state handed back.
+    Killed,
+    /// Stopped: `post_stop` ran.
+    Stopped,
+}
+
+impl ActorEnd {
+    /// Whether the worker crashed, given its exit report: a failure always; a kill unless its
+    /// orderly stop had begun (a stop that overran its limit is killed); a stop when its
+    /// report says the process was not shut down.
+    fn crashed(&self, exit: Option<WorkerExit>) -> bool {
+        match self {
+            ActorEnd::Failed(_) => true,
+            ActorEnd::Killed => !exit.is_some_and(|e| e.is_shutdown()),
+            ActorEnd::Stopped => exit.is_some_and(|e| !e.is_shutdown()),
+        }
+    }
 }
 
 /// The pool actor (its state is [`PoolState`]).
@@ -453,7 +476,9 @@ impl Actor for PoolActor {
                 state.core.evict_for_other()
             }
             PoolMsg::Cli(Nudge::EvictIdle) => Vec::new(),
-            PoolMsg::WorkerGone { worker_id, failed } => state.worker_gone(worker_id, failed, now),
+            PoolMsg::WorkerGone { worker_id, crashed } => {
+                state.worker_gone(worker_id, crashed, now)
+            }
         };
         let effects = state.settle_budget(&mut budget, effects, now);
         drop(budget);
@@ -480,37 +505,49 @@ impl Actor for PoolActor {
         state.core.set_others(budget.cli_view());
         let ended = match &event {
             SupervisionEvent::ActorFailed(cell, error) => {
-                tracing::warn!(%error, "Pool worker failed.");
-                Some((cell.get_id(), true))
+                Some((cell.get_id(), ActorEnd::Failed(error.to_string())))
             }
-            // Stopped by us (eviction) or killed: either way it is gone.
-            SupervisionEvent::ActorTerminated(cell, _, _) => Some((cell.get_id(), false)),
+            // No state handed back: killed (ractor skipped `post_stop`).
+            SupervisionEvent::ActorTerminated(cell, None, _) => {
+                Some((cell.get_id(), ActorEnd::Killed))
+            }
+            // Stopped by us (eviction, shutdown) or after its child died (`die`).
+            SupervisionEvent::ActorTerminated(cell, Some(_), _) => {
+                Some((cell.get_id(), ActorEnd::Stopped))
+            }
             _ => None,
         };
-        let effects = match ended
-            .and_then(|(actor, failed)| state.worker_by_actor(actor).map(|id| (id, failed)))
-        {
-            Some((worker_id, failed)) => {
-                state.core.exited(worker_id);
-                match state.handles.get(&worker_id) {
-                    // ractor tells the supervisor before a killed or panicked actor's state
-                    // drops, and that drop is what SIGKILLs the group: the process may still
-                    // run (and hold its sessions' locks) now. Its conversations resume
-                    // elsewhere once it is reaped.
-                    Some(handle) if !handle.is_reaped() => {
-                        let handle = handle.clone();
-                        let pool = state.myself.clone();
-                        tokio::spawn(async move {
-                            handle.reaped().await;
-                            let _ = pool.cast(PoolMsg::WorkerGone { worker_id, failed });
-                        });
-                        Vec::new()
+        let effects =
+            match ended.and_then(|(actor, end)| state.worker_by_actor(actor).map(|id| (id, end))) {
+                Some((worker_id, end)) => {
+                    if let ActorEnd::Failed(error) = &end {
+                        tracing::warn!(%error, "Pool worker failed.");
                     }
-                    _ => state.worker_gone(worker_id, failed, now),
+                    state.core.exited(worker_id);
+                    match state.handles.get(&worker_id) {
+                        Some(handle) if handle.is_reaped() && handle.exit().is_some() => {
+                            state.worker_gone(worker_id, end.crashed(handle.exit()), now)
+                        }
+                        // ractor tells the supervisor before a killed or panicked actor's state
+                        // drops, and that drop is what SIGKILLs the group and reports the exit
+                        // once the process is reaped: the process may still run (and hold its
+                        // sessions' locks) now. It counts as gone once reaped and reported.
+                        Some(handle) => {
+                            let handle = handle.clone();
+                            let pool = state.myself.clone();
+                            tokio::spawn(async move {
+                                handle.reaped().await;
+                                let exit = handle.reported().await;
+                                let crashed = end.crashed(exit);
+                                let _ = pool.cast(PoolMsg::WorkerGone { worker_id, crashed });
+                            });
+                            Vec::new()
+                        }
+                        None => Vec::new(),
+                    }
                 }
-            }
-            None => Vec::new(),
-        };
+                None => Vec::new(),
+            };
         let effects = state.settle_budget(&mut budget, effects, now);
         drop(budget);
         state.perform(effects);
@@ -966,8 +1003,15 @@ impl PoolState {
             .into_iter()
             .filter_map(|id| self.handles.remove(&id))
             .collect();
-        for _ in &stops {
-            metrics::process_exited(metrics::COPILOT_BACKEND, ProcessExit::Shutdown);
+        for handle in &stops {
+            // One whose crash was still on its way (its process being reaped) is a crash.
+            let crashed = handle.exit().is_some_and(|e| !e.is_shutdown());
+            let exit = if crashed {
+                ProcessExit::Crash
+            } else {
+                ProcessExit::Shutdown
+            };
+            metrics::process_exited(metrics::COPILOT_BACKEND, exit);
         }
         stops
     }
@@ -989,21 +1033,15 @@ impl PoolState {
         });
     }
 
-    /// A worker whose actor ended is gone with its process: a crash (`failed`, or killed
-    /// from outside) is the core's to replace or quarantine, an orderly stop is forgotten.
+    /// A worker whose actor ended is gone with its process: a crash is the core's to replace
+    /// or quarantine, an orderly stop is forgotten.
     fn worker_gone(
         &mut self,
         id: WorkerId,
-        failed: bool,
+        crashed: bool,
         now: Instant,
     ) -> Vec<Effect<WorkerConfig, Session>> {
-        let killed = failed
-            || self
-                .handles
-                .get(&id)
-                .and_then(|h| h.exit())
-                .is_some_and(|e| !e.is_shutdown());
-        if killed {
+        if crashed {
             return self.core.crashed(id, now);
         }
         let (known, effects) = self.core.stopped(id, now);

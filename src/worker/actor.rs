@@ -21,7 +21,7 @@ use crate::tunnel::frames::TunnelRequests;
 
 use super::config::WorkerConfig;
 use super::error::{ExitReason, WorkerError, WorkerExit};
-use super::handle::{PendingKind, WorkerInfo};
+use super::handle::{PendingKind, REAP_WAIT, WorkerInfo};
 use super::health::HealthMisses;
 use super::session::{Routed, SessionUpdate};
 
@@ -141,17 +141,38 @@ impl Drop for WorkerState {
         }
         self.tunnel.abort_all();
         if self.exit.borrow().is_none() {
-            // Killed or panicked: ractor skipped `post_stop`, so report here, once the group
-            // has its SIGKILL (as `die` kills before it publishes: whoever reads `Died` may
-            // resume the conversation elsewhere). The child's drop below reaps it.
+            // Killed or panicked: ractor skipped `post_stop`, so report here, once the process
+            // is gone, as `die` does (whoever reads `Died` may resume the conversation
+            // elsewhere). The group gets its SIGKILL now; the reaper task reaps the leader.
             self.child.signal_group(nix::sys::signal::Signal::SIGKILL);
             let exit = WorkerExit {
                 reason: ExitReason::Killed,
                 pid: self.child.pid(),
                 stderr_tail: self.child.stderr().text(),
             };
-            self.exit.send_replace(Some(exit.clone()));
-            self.fail_routes(WorkerError::Died(exit));
+            let routes: Vec<Route> = self.routes.drain().map(|(_, route)| route).collect();
+            self.pending.clear();
+            let publish = {
+                let exit_tx = self.exit.clone();
+                move || {
+                    exit_tx.send_replace(Some(exit.clone()));
+                    for route in routes {
+                        let _ = route.send(SessionUpdate::Ended(WorkerError::Died(exit.clone())));
+                    }
+                }
+            };
+            let mut reaped = self.child.exit_watch();
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn(async move {
+                        let _ =
+                            tokio::time::timeout(REAP_WAIT, reaped.wait_for(|r| r.is_some())).await;
+                        publish();
+                    });
+                }
+                // No runtime to wait on (it is being torn down): report at once.
+                Err(_) => publish(),
+            }
         }
         // `child` drops after this and kills the group.
     }

@@ -36,7 +36,7 @@ const ACTOR_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 const STOP_MARGIN: Duration = Duration::from_secs(2);
 /// How long [`WorkerHandle::shutdown`] waits, after the actor is gone, for the child to be
 /// reaped (it was SIGKILLed at the latest when the actor's state dropped).
-const REAP_WAIT: Duration = Duration::from_secs(5);
+pub(super) const REAP_WAIT: Duration = Duration::from_secs(5);
 
 /// Which kind of pending runtime request an answer is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -247,6 +247,14 @@ impl WorkerHandle {
                 "Copilot worker's process was not reaped within {REAP_WAIT:?} of its stop."
             );
         }
+    }
+
+    /// How the worker ended, waiting at most [`EXIT_REPORT_WAIT`] for the report (written
+    /// once the process is gone, on every path: `die`, or a killed actor's state).
+    pub(crate) async fn reported(&self) -> Option<WorkerExit> {
+        tokio::time::timeout(EXIT_REPORT_WAIT, self.ended())
+            .await
+            .ok()
     }
 
     /// How the worker ended, once it has.

@@ -950,6 +950,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             .workers
             .iter()
             .filter(|(id, _)| !kept.contains(*id))
+            // A dead worker's end (a crash) is on its way; evicting it would count a stop.
+            .filter(|(_, w)| w.alive)
             .filter_map(|(id, w)| {
                 if retired.contains(id) {
                     return Some((*id, Eviction::Idle));

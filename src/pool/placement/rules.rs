@@ -56,12 +56,13 @@ pub(crate) fn least_busy(workers: impl IntoIterator<Item = WorkerView>) -> Optio
 
 /// The worker to stop so another key can start one when the pool is full: a spare (empty,
 /// or holding only conversations resumed ahead of their return) before any that serves
-/// conversations, then the least recently used; never one with a lease (`others` are the
-/// workers of the other keys).
+/// conversations, then the least recently used; never one with a lease, nor a dead one
+/// (its end, a crash, is on its way: evicting it would count it as stopped) (`others` are
+/// the workers of the other keys).
 pub(crate) fn idle_victim(others: impl IntoIterator<Item = WorkerView>) -> Option<WorkerId> {
     others
         .into_iter()
-        .filter(|w| w.leased == 0)
+        .filter(|w| w.leased == 0 && w.alive)
         .min_by_key(|w| (w.attached > 0 && !w.warm, w.last_used, w.id))
         .map(|w| w.id)
 }
@@ -322,6 +323,10 @@ mod tests {
         );
         assert_eq!(idle_victim([worker(1, 1, 1, 9), worker(2, 1, 2, 9)]), None);
         assert_eq!(idle_victim([]), None);
+        // A dead worker is not stopped for room: its crash is on its way.
+        let mut dead = worker(3, 0, 0, 10);
+        dead.alive = false;
+        assert_eq!(idle_victim([worker(2, 2, 0, 300), dead]), Some(2));
     }
 
     #[test]
