@@ -138,8 +138,9 @@ pub const SDK_CONNECTIONS_TOTAL: &str = "copilot_pool_sdk_connections_total";
 /// Whether each wall of the workers' sandbox is enforced (1) or not (0), by `rule`.
 pub const SANDBOX_ENFORCED: &str = "copilot_pool_sandbox_enforced";
 /// Whether the configuration asks for each wall of the workers' sandbox (1) or leaves it
-/// open on purpose (0: `sandbox = "off"`, or a TCP wall set to `"any"`), by `rule`: a wall
-/// wanted and not enforced is what an alert reads.
+/// open on purpose (0: every rule with `sandbox = "off"`, `tcp_bind` with
+/// `sandbox_tcp_bind = "any"`), by `rule`: a wall wanted and not enforced is what an alert
+/// reads.
 pub const SANDBOX_WANTED: &str = "copilot_pool_sandbox_wanted";
 /// Opens whose session the runtime reported attached to another process (`alreadyInUse`):
 /// the one-owner rule broken. Should stay 0; alert on any increase.
@@ -488,7 +489,7 @@ pub fn describe() {
         SANDBOX_WANTED,
         Unit::Count,
         "Whether the configuration asks for each wall of the workers' sandbox (1) or leaves \
-         it open on purpose (0: sandbox = off, or a TCP wall set to any), by rule."
+         it open on purpose (0: sandbox = off, or tcp_bind with sandbox_tcp_bind = any), by rule."
     );
 }
 

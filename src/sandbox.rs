@@ -96,6 +96,21 @@ pub struct Sandbox {
     pub home: Option<PathBuf>,
 }
 
+/// Whether a sandbox asks for `rule`'s wall, given whether it restricts TCP connect and TCP
+/// bind: every wall but those two left unrestricted, which are open on purpose. The one
+/// place of that rule, for [`Sandbox::asks_for`] and the wrapper's own flags (`--any-tcp`,
+/// `--any-tcp-bind`).
+pub fn wall_wanted(rule: SandboxRule, restricts_connect: bool, restricts_bind: bool) -> bool {
+    match rule {
+        SandboxRule::TcpConnect => restricts_connect,
+        SandboxRule::TcpBind => restricts_bind,
+        SandboxRule::Filesystem
+        | SandboxRule::Signals
+        | SandboxRule::AbstractUnixSockets
+        | SandboxRule::Capabilities => true,
+    }
+}
+
 /// A sandbox the pool could not prepare for a key.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -129,14 +144,7 @@ impl Sandbox {
     /// Whether this sandbox asks for `rule`'s wall: every one but TCP connect and bind left
     /// unrestricted (`tcp_connect`, `tcp_bind` `None`), which are open on purpose.
     pub fn asks_for(&self, rule: SandboxRule) -> bool {
-        match rule {
-            SandboxRule::TcpConnect => self.tcp_connect.is_some(),
-            SandboxRule::TcpBind => self.tcp_bind.is_some(),
-            SandboxRule::Filesystem
-            | SandboxRule::Signals
-            | SandboxRule::AbstractUnixSockets
-            | SandboxRule::Capabilities => true,
-        }
+        wall_wanted(rule, self.tcp_connect.is_some(), self.tcp_bind.is_some())
     }
 
     /// Flags of the wrapper's argv (after `wrapper_args`), each followed by one value, then

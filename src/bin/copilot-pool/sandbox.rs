@@ -21,7 +21,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use copilot_pool::kinds::{SandboxMode, SandboxRule};
 use copilot_pool::process::GroupLeader;
-use copilot_pool::sandbox::{Sandbox, SandboxStatus};
+use copilot_pool::sandbox::{Sandbox, SandboxStatus, wall_wanted};
 use landlock::{
     ABI, Access, AccessFs, AccessNet, BitFlags, LandlockStatus, NetPort, PathBeneath, PathFd,
     Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus, Scope,
@@ -123,7 +123,11 @@ fn run(args: SandboxExecArgs) -> Result<()> {
 
 /// The rules asked for that are not enforced (TCP only when it was to be restricted).
 fn wanted_missing(args: &SandboxExecArgs, status: &SandboxStatus) -> Vec<SandboxRule> {
-    unmet(status, args.any_tcp, args.any_tcp_bind)
+    status
+        .missing()
+        .into_iter()
+        .filter(|r| wall_wanted(*r, !args.any_tcp, !args.any_tcp_bind))
+        .collect()
 }
 
 /// The rules a sandbox like `template` asks for that `status` does not enforce: TCP connect
@@ -134,17 +138,6 @@ pub fn unmet_by(template: &Sandbox, status: &SandboxStatus) -> Vec<SandboxRule> 
         .missing()
         .into_iter()
         .filter(|r| template.asks_for(*r))
-        .collect()
-}
-
-fn unmet(status: &SandboxStatus, any_connect: bool, any_bind: bool) -> Vec<SandboxRule> {
-    status
-        .missing()
-        .into_iter()
-        .filter(|r| {
-            !(any_connect && *r == SandboxRule::TcpConnect
-                || any_bind && *r == SandboxRule::TcpBind)
-        })
         .collect()
 }
 
