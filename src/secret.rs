@@ -119,9 +119,109 @@ impl<V: fmt::Debug> HeaderPair for (&String, &V) {
     }
 }
 
+/// A JSON decoding error's message without the value serde found where another was
+/// expected: a field of the wrong type may hold a secret (`"auth": "ghp_…"` reads `invalid
+/// type: string "ghp_…", expected struct AuthBody`). The kind of value stays (`invalid type:
+/// string, expected struct AuthBody at line 1 column 20`), and so does everything else serde
+/// says (a missing or unknown field, an unknown variant, where).
+pub fn json_error_without_values(error: &serde_json::Error) -> String {
+    without_found_value(&error.to_string())
+}
+
+fn without_found_value(message: &str) -> String {
+    for lead in ["invalid type: ", "invalid value: "] {
+        let Some(start) = message.find(lead).map(|at| at + lead.len()) else {
+            continue;
+        };
+        // The value ends where serde's expectation begins (the last one: a string value
+        // may itself contain ", expected ").
+        let Some(end) = message[start..].rfind(", expected ").map(|at| start + at) else {
+            return format!("{}[a value]", &message[..start]);
+        };
+        let kind = found_kind(&message[start..end]);
+        return format!("{}{kind}{}", &message[..start], &message[end..]);
+    }
+    message.to_owned()
+}
+
+/// The kind of a value as serde's `Unexpected` prints it (`string "…"`, `integer `7``,
+/// `floating point `1.5``, `boolean `true``, `character `c``, `unit value`, `map`, ...),
+/// without the value itself.
+fn found_kind(found: &str) -> &str {
+    for kind in [
+        "string",
+        "integer",
+        "floating point",
+        "boolean",
+        "character",
+        "byte array",
+    ] {
+        if found.starts_with(kind) {
+            return kind;
+        }
+    }
+    if found.contains(['"', '`']) {
+        "a value"
+    } else {
+        found
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_json_error_names_the_kind_of_value_found_never_the_value() {
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Body {
+            auth: Auth,
+            #[serde(default)]
+            limit: Option<u32>,
+            #[serde(default)]
+            kind: Option<Kind>,
+        }
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Auth {
+            token: String,
+        }
+        #[derive(Debug, serde::Deserialize)]
+        enum Kind {
+            #[serde(rename = "openai")]
+            OpenAi,
+        }
+        let message = |text: &str| {
+            json_error_without_values(&serde_json::from_str::<Body>(text).expect_err(text))
+        };
+        let secret = "ghp_SECRET, expected here too";
+        let found = message(&format!(r#"{{"auth": "{secret}"}}"#));
+        assert!(!found.contains("SECRET"), "{found}");
+        assert!(
+            found.starts_with("invalid type: string, expected struct Auth at line 1"),
+            "{found}"
+        );
+        let found = message(r#"{"auth": {"token": 12345678}}"#);
+        assert!(!found.contains("12345678"), "{found}");
+        assert!(
+            found.starts_with("invalid type: integer, expected a string"),
+            "{found}"
+        );
+        let found = message(r#"{"auth": {"token": "t"}, "limit": -5}"#);
+        assert!(!found.contains("-5"), "{found}");
+        assert!(
+            found.starts_with("invalid value: integer, expected u32"),
+            "{found}"
+        );
+        // What serde says besides a value stays: the missing field, the unknown variant.
+        assert!(message("{}").starts_with("missing field `auth`"));
+        let found = message(r#"{"auth": {"token": "t"}, "kind": "opnai"}"#);
+        assert!(
+            found.starts_with("unknown variant `opnai`, expected `openai`"),
+            "{found}"
+        );
+    }
 
     #[test]
     fn sensitive_headers_are_redacted() {

@@ -404,6 +404,29 @@ async fn no_secret_surfaces_anywhere_but_its_own_childs_environment() {
         )
         .await,
     ));
+    // A secret where an object belongs: serde's message names the value it found.
+    for (what, field, value) in [
+        ("a token given as the auth object", "auth", json!(a.token)),
+        ("a key given as the provider", "provider", json!(a.key)),
+    ] {
+        let mut wrong = turn_body(&model_url, a, "conv-8", "REPLY=x");
+        wrong[field] = value;
+        let answer = call(addr, "POST", "/v1/turns?stream=false", bearer, Some(&wrong)).await;
+        refused.push((what, answer));
+    }
+    let mut unparsable = turn_body(&model_url, a, "conv-9", "REPLY=x");
+    unparsable["provider"]["base_url"] = json!(format!("https://[::1/v1?api-key={}", a.key));
+    refused.push((
+        "a key in a base URL that does not parse",
+        call(
+            addr,
+            "POST",
+            "/v1/turns?stream=false",
+            bearer,
+            Some(&unparsable),
+        )
+        .await,
+    ));
     for (what, answer) in &refused {
         assert!(
             (400..500).contains(&answer.status),

@@ -59,13 +59,17 @@ pub(super) async fn read_body(state: &AppState, body: Body) -> Result<Bytes, Res
     }
 }
 
-/// Parses a JSON body; the error names the field serde complained about.
+/// Parses a JSON body; the error names the field serde complained about, never the value it
+/// found there (a wrong-typed field may hold a secret).
 pub(super) fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Response> {
     serde_json::from_slice(body).map_err(|e| {
         error(
             StatusCode::BAD_REQUEST,
             "bad_request",
-            format!("invalid JSON body: {e}"),
+            format!(
+                "invalid JSON body: {}",
+                crate::secret::json_error_without_values(&e)
+            ),
         )
     })
 }

@@ -153,7 +153,8 @@ pub(crate) fn ip_host(url: &Url) -> Option<IpAddr> {
 pub(crate) fn parse_base(base_url: &str) -> Result<Url, GuardError> {
     Url::parse(base_url).map_err(|e| GuardError::Refused {
         reason: BlockReason::Scheme,
-        message: format!("{base_url:?} is not a URL ({e}); give an https:// URL"),
+        // Not echoed: a URL that does not parse may still carry a key.
+        message: format!("the provider's base URL is not a URL ({e}); give an https:// URL"),
     })
 }
 

@@ -215,8 +215,11 @@ impl SessionSpec {
         let provider = match map.get("provider") {
             None | Some(Value::Null) => None,
             Some(raw) => {
-                let provider: ProviderConfig = serde_json::from_value(raw.clone())
-                    .map_err(|e| ErrorObject::new(INVALID_PARAMS, format!("provider: {e}")))?;
+                let provider: ProviderConfig =
+                    serde_json::from_value(raw.clone()).map_err(|e| {
+                        let e = crate::secret::json_error_without_values(&e);
+                        ErrorObject::new(INVALID_PARAMS, format!("provider: {e}"))
+                    })?;
                 crate::pool::validate_provider(&provider)
                     .map_err(|e| ErrorObject::new(INVALID_PARAMS, e.to_string()))?;
                 Some(provider)
