@@ -460,6 +460,58 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
             "{method}: {refused:?}"
         );
     }
+    // A session's calls are its reads, its own settings and answers: one that would run work
+    // outside a supervised turn, widen what the session may touch or change its identity is
+    // refused before it reaches the runtime.
+    for (method, extra) in [
+        (
+            "session.sendMessages",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "session.schedule.add",
+            json!({"interval": "10s", "prompt": "again"}),
+        ),
+        (
+            "session.metadata.setWorkingDirectory",
+            json!({"workingDirectory": "/etc"}),
+        ),
+        ("session.permissions.paths.add", json!({"path": "/usr"})),
+        (
+            "session.permissions.setApproveAll",
+            json!({"enabled": true}),
+        ),
+        (
+            "session.gitHubAuth.setCredentials",
+            json!({"token": "other"}),
+        ),
+        ("session.shell.exec", json!({"command": "id"})),
+        ("session.sandbox.disableForSession", json!({})),
+        ("session.mcp.startServer", json!({"name": "x"})),
+        ("session.tools.execute", json!({"toolName": "bash"})),
+    ] {
+        let mut params = extra;
+        params["sessionId"] = json!("guarded-1");
+        let refused = remote_error(conn.request(method, params, None).await);
+        assert!(
+            refused.message.contains(method)
+                && refused
+                    .message
+                    .contains("not available through copilot-pool"),
+            "{method}: {refused:?}"
+        );
+    }
+    // Its reads and own settings still reach the runtime.
+    conn.request(
+        "session.name.set",
+        json!({"sessionId": "guarded-1", "name": "renamed"}),
+        None,
+    )
+    .await
+    .expect("session.name.set");
+    conn.request("session.mode.get", json!({"sessionId": "guarded-1"}), None)
+        .await
+        .expect("session.mode.get");
     // Calls naming no session may only read: writes to the agent's home or to a shared
     // process are refused, reads are answered.
     for method in [

@@ -56,6 +56,98 @@ const BESIDE_SESSIONS: &[&str] = &[
     "account.getCurrentAuth",
 ];
 
+/// A session's own calls the pool forwards to its runtime, besides those it answers itself
+/// (`session.send`, `session.abort`, the tool and permission answers, `session.options.update`
+/// with its directories confined, `session.delete`, `session.detach`): reads, the session's
+/// own settings (model, mode, name, agent, plan, history) and the answers to what the runtime
+/// asks the client. Every other `session.*` call is refused: it would run work outside a turn
+/// the pool supervises (`sendMessages`, `schedule.*`, `fleet.*`, `tasks.*`, `factory.*`,
+/// `shell.*`, `tools.execute`, `queue.*`), widen what the session may touch
+/// (`metadata.setWorkingDirectory`, `permissions.*` changes, `mcp.*` servers, `sandbox.*`),
+/// or change its identity (`gitHubAuth.*`). Newer methods are refused until listed here.
+const SESSION_CALLS: &[&str] = &[
+    // Reads.
+    "session.getMessages",
+    "session.getMetadata",
+    "session.eventLog.read",
+    "session.eventLog.tail",
+    "session.eventLog.registerInterest",
+    "session.eventLog.releaseInterest",
+    "session.metadata.activity",
+    "session.metadata.contextInfo",
+    "session.metadata.getClientMetadata",
+    "session.metadata.getContextAttribution",
+    "session.metadata.getContextHeaviestMessages",
+    "session.metadata.isProcessing",
+    "session.metadata.snapshot",
+    "session.mode.get",
+    "session.model.getCurrent",
+    "session.model.list",
+    "session.name.get",
+    "session.usage.getMetrics",
+    "session.plan.read",
+    "session.plan.readSqlTodos",
+    "session.plan.readSqlTodosWithDependencies",
+    "session.permissions.getMode",
+    "session.permissions.pendingRequests",
+    "session.permissions.paths.list",
+    "session.permissions.paths.isPathWithinAllowedDirectories",
+    "session.permissions.paths.isPathWithinWorkspace",
+    "session.agent.getCurrent",
+    "session.agent.list",
+    "session.skills.list",
+    "session.skills.getInvoked",
+    "session.tools.getBuiltinDescriptors",
+    "session.tools.getCurrentMetadata",
+    "session.history.listRewindPoints",
+    "session.history.previewRewind",
+    "session.instructions.getSources",
+    "session.limitPrediction.predict",
+    "session.visibility.get",
+    "session.sandbox.getEnforcementStatus",
+    "session.mcp.list",
+    "session.mcp.listTools",
+    "session.mcp.isServerRunning",
+    "session.queue.hasPending",
+    "session.queue.pendingItems",
+    "session.queue.snapshot",
+    "session.tasks.list",
+    "session.tasks.getProgress",
+    // The session's own settings and history.
+    "session.log",
+    "session.interruptMainTurn",
+    "session.cancelAllBackgroundAgents",
+    "session.mode.set",
+    "session.name.set",
+    "session.name.setAuto",
+    "session.model.switchTo",
+    "session.model.switchAutoTier",
+    "session.model.setReasoningEffort",
+    "session.agent.select",
+    "session.agent.deselect",
+    "session.tools.set",
+    "session.plan.update",
+    "session.plan.delete",
+    "session.visibility.set",
+    "session.metadata.updateClientMetadata",
+    "session.history.compact",
+    "session.history.abortManualCompaction",
+    "session.history.cancelBackgroundCompaction",
+    "session.history.truncate",
+    "session.history.rewind",
+    "session.history.clearContext",
+    // Answers to what the runtime asks the client.
+    "session.ui.elicitation",
+    "session.ui.handlePendingUserInput",
+    "session.ui.handlePendingElicitation",
+    "session.ui.handlePendingExitPlanMode",
+    "session.ui.handlePendingSampling",
+    "session.ui.handlePendingAutoModeSwitch",
+    "session.ui.handlePendingSessionLimitsExhausted",
+    "session.commands.handlePendingCommand",
+    "session.mcp.oauth.handlePendingRequest",
+];
+
 /// The largest frame read from a client before its `connect` succeeded (64 KiB: a `connect`
 /// is a few hundred bytes); a larger one closes the connection.
 pub const UNAUTHENTICATED_MAX_FRAME_BYTES: usize = 64 * 1024;
@@ -554,6 +646,27 @@ impl Client {
             return Err(session_not_found(method, id));
         };
         self.touch(id);
+        const ANSWERED_HERE: &[&str] = &[
+            "session.send",
+            "session.abort",
+            "session.tools.handlePendingToolCall",
+            "session.permissions.handlePendingPermissionRequest",
+            "session.options.update",
+            "session.provider.add",
+        ];
+        if !ANSWERED_HERE.contains(&method) && !SESSION_CALLS.contains(&method) {
+            return Err(ErrorObject::new(
+                METHOD_NOT_FOUND,
+                format!(
+                    "{method} is not available through copilot-pool: a session's calls are its \
+                     reads, its own settings (model, mode, name, agent, plan, history) and the \
+                     answers to what the runtime asks; this one would run work outside a turn \
+                     the pool supervises, widen what the session may touch, or change its \
+                     identity. Send turns with session.send; give directories, tools and MCP \
+                     servers at session.create"
+                ),
+            ));
+        }
         match method {
             "session.send" => session.send(params).await,
             "session.abort" => session.abort(params).await,
