@@ -1010,6 +1010,67 @@ async fn an_open_event_the_runtime_sends_after_its_answer_reaches_the_client_wit
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_sent_during_a_turn_runs_in_it_and_its_events_reach_the_client_before_the_idle() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let (conn, mut events) = connected(served.addr, "token-a").await;
+    conn.request("session.create", create_params(&fx, "queued"), None)
+        .await
+        .expect("create");
+    conn.request(
+        "session.send",
+        json!({"sessionId": "queued", "prompt": "SCENARIO:slow SLOW=5x100"}),
+        None,
+    )
+    .await
+    .expect("send");
+    until_event(&mut events, "assistant.message_delta").await;
+    // The SDK's enqueue: a second prompt while the first turn runs. The runtime (measured,
+    // 1.0.14) runs it in the same agent loop, after the first's `assistant.turn_end`, and
+    // sends one `session.idle` after both: the pump passes both on until then.
+    conn.request(
+        "session.send",
+        json!({"sessionId": "queued", "prompt": "REPLY=the queued answer", "mode": "enqueue"}),
+        None,
+    )
+    .await
+    .expect("a send during the turn");
+    let until_idle = async {
+        let mut replied = false;
+        while let Some(params) = events.recv().await {
+            match params["event"]["type"].as_str() {
+                Some("assistant.message") => {
+                    replied |= params["event"]["data"]["content"] == "the queued answer";
+                }
+                Some("session.idle") => return replied,
+                _ => {}
+            }
+        }
+        panic!("the connection closed before the idle");
+    };
+    let replied = tokio::time::timeout(SCENARIO_LIMIT, until_idle)
+        .await
+        .expect("the turn ends");
+    assert!(
+        replied,
+        "the queued prompt's answer reached the client before the idle"
+    );
+    tokio::time::timeout(Duration::from_secs(15), served.endpoint.turns_finished())
+        .await
+        .expect("the turn ends in the pool");
+    // The next send takes the session again.
+    conn.request(
+        "session.send",
+        json!({"sessionId": "queued", "prompt": "REPLY=third"}),
+        None,
+    )
+    .await
+    .expect("a third send");
+    until_event(&mut events, "session.idle").await;
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_mid_turn_has_its_turn_aborted_and_the_agent_resumes_the_session_later()
  {
     let fx = Fixture::new().await;
