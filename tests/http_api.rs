@@ -153,6 +153,45 @@ async fn ten_agents_stream_turns_at_once_and_a_tool_call_is_answered_over_http()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_turn_keeps_its_stream_alive_with_comments_a_proxy_sees() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let mut config = ApiConfig::default();
+    config.sse_keepalive = Duration::from_millis(100);
+    let server = InProcess::start(fx.config().await, config).await;
+    // The model answers in three chunks 400 ms apart: quiet stretches on the stream.
+    let answer = call(
+        server.addr,
+        "POST",
+        "/v1/turns",
+        None,
+        Some(&turn(&url, "agent-q", "quiet", "SCENARIO:slow SLOW=3x400")),
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert!(
+        answer
+            .headers
+            .iter()
+            .any(|(name, value)| name == "x-accel-buffering" && value == "no"),
+        "{:?}",
+        answer.headers
+    );
+    assert!(
+        answer.body.contains("\n: keep-alive\n\n"),
+        "{}",
+        answer.body
+    );
+    // Comments only: the events and the summary are whole.
+    assert!(
+        answer.body.contains("event: turn.end") && answer.body.contains("\"status\":\"idle\""),
+        "{}",
+        answer.body
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_token_the_api_answers_this_machines_clients_and_no_web_page() {
     let fx = Fixture::new().await;
     let server = InProcess::start(fx.config().await, ApiConfig::default()).await;

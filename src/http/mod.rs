@@ -142,6 +142,11 @@ pub struct ApiConfig {
     /// What the workers' sandbox enforces, reported as `sandbox` in `GET /v1/pool` (the
     /// daemon fills it from its probe; `None` leaves the field out).
     pub sandbox: Option<crate::sandbox::SandboxStatus>,
+    /// A turn's event stream sends an SSE comment (`: keep-alive`) after this long without an
+    /// event (default 15 s; zero: never), so a proxy between the gateway and the daemon
+    /// (nginx's and most load balancers' 60 s idle limit) does not cut a turn that waits
+    /// quietly on a tool, a permission or the model, which would abort it.
+    pub sse_keepalive: std::time::Duration,
 }
 
 impl Default for ApiConfig {
@@ -159,6 +164,7 @@ impl Default for ApiConfig {
             env_tokens: BTreeMap::new(),
             allow_logged_in_user: false,
             sandbox: None,
+            sse_keepalive: std::time::Duration::from_secs(15),
         }
     }
 }

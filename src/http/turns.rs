@@ -245,8 +245,9 @@ async fn post_copilot_turn(
     };
     message.mode = body.mode;
     message.agent_mode = body.agent_mode;
+    let keepalive = state.config.sse_keepalive;
     spawn_run(state, lease);
-    respond(streaming, events_rx).await
+    respond(streaming, keepalive, events_rx).await
 }
 
 /// What a CLI backend's turn refuses in a body, if the body has it (attachments other than
@@ -383,8 +384,9 @@ async fn post_cli_turn(
             Ok(a) => a,
             Err(r) => return r,
         };
+    let keepalive = state.config.sse_keepalive;
     spawn_run(state, lease);
-    respond(streaming, events_rx).await
+    respond(streaming, keepalive, events_rx).await
 }
 
 /// Runs a leased turn's chain in a task, counted in `AppState::running` until its
@@ -508,9 +510,17 @@ impl PermissionPolicy for TimedPermission {
     }
 }
 
-/// The answer of a running turn: its events as SSE ending with `turn.end`, or (without the
-/// stream) the `turn.end` summary alone as JSON.
-async fn respond(streaming: bool, events_rx: mpsc::Receiver<TurnEvent>) -> Response {
+/// An SSE comment: no event, bytes on the connection so a proxy sees it alive.
+const SSE_KEEPALIVE: &[u8] = b": keep-alive\n\n";
+
+/// The answer of a running turn: its events as SSE ending with `turn.end` (with a comment
+/// after `keepalive` without one, unless zero), or (without the stream) the `turn.end`
+/// summary alone as JSON.
+async fn respond(
+    streaming: bool,
+    keepalive: Duration,
+    events_rx: mpsc::Receiver<TurnEvent>,
+) -> Response {
     if !streaming {
         // Only the final summary, as JSON.
         let mut rx = events_rx;
@@ -526,17 +536,31 @@ async fn respond(streaming: bool, events_rx: mpsc::Receiver<TurnEvent>) -> Respo
         );
     }
     // The stream ends with `turn.end`: nothing the turn still emits comes after it.
-    let stream = futures_util::stream::unfold((events_rx, false), |(mut rx, ended)| async move {
-        if ended {
-            return None;
-        }
-        let (frames, last) = next_frames(&mut rx).await?;
-        Some((Ok::<_, Infallible>(Bytes::from(frames)), (rx, last)))
-    });
+    let stream =
+        futures_util::stream::unfold((events_rx, false), move |(mut rx, ended)| async move {
+            if ended {
+                return None;
+            }
+            // `next_frames` waits only in its first `recv`, which loses nothing when dropped.
+            let next = if keepalive.is_zero() {
+                Ok(next_frames(&mut rx).await)
+            } else {
+                tokio::time::timeout(keepalive, next_frames(&mut rx)).await
+            };
+            match next {
+                Ok(next) => {
+                    let (frames, last) = next?;
+                    Some((Ok::<_, Infallible>(Bytes::from(frames)), (rx, last)))
+                }
+                Err(_) => Some((Ok(Bytes::from_static(SSE_KEEPALIVE)), (rx, false))),
+            }
+        });
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
+        // nginx would otherwise hold the events back in its buffer.
+        .header("x-accel-buffering", "no")
         .body(Body::from_stream(stream))
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
 }
