@@ -624,7 +624,16 @@ async fn no_work_directory_is_made_for_a_rejected_request_a_compact_or_a_reset()
             "{} was created",
             work(agent).display()
         );
+        // Nor its home: a compact or a reset of a conversation that was never started is
+        // refused before anything is made for it.
+        let home = work(agent).with_file_name("copilot");
+        assert!(!home.exists(), "{} was created", home.display());
     }
+    let status = server.pool.status().await.expect("status");
+    assert!(
+        status.workers.is_empty(),
+        "no runtime started for a refused compact or reset: {status:?}"
+    );
     // A turn that runs gets it, private.
     let ran = summary(addr, Some("tok"), &turn(&url, "agent-w", "c", "REPLY=yes")).await;
     assert_eq!(ran.json()["status"], "idle", "{}", ran.body);

@@ -461,6 +461,25 @@ impl Pool {
         if let Some(provider) = &req.provider {
             self.check_provider(provider)?;
         }
+        // A call on an existing conversation only (a compact, a reset) of one that was never
+        // recorded is refused before anything is made for it: no home, no process.
+        let bound = if req.existing_only && req.cli_session_id.is_none() {
+            let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
+            let store = inner.bindings.clone();
+            match tokio::task::spawn_blocking(move || store.get(&conversation)).await {
+                Ok(Ok(Some(binding))) => Some(binding),
+                Ok(Ok(None)) => {
+                    return Err(PoolError::NoSuchConversation {
+                        session_key: req.session_key,
+                        why: "it was never started",
+                    });
+                }
+                Ok(Err(e)) => return Err(state_unwritable(&inner.bindings, e.os_error())),
+                Err(e) => return Err(PoolError::Internal(e.to_string())),
+            }
+        } else {
+            None
+        };
         let home = resolve_copilot_home(
             req.copilot_home.as_deref(),
             req.agent_dir.as_deref(),
@@ -475,6 +494,14 @@ impl Pool {
             &req.working_directory,
             &req.session_options,
         );
+        // Nor one recorded with other settings: it would be detached from its process only
+        // to be refused at the open.
+        if bound.is_some_and(|binding| binding.compat_key != compat) {
+            return Err(PoolError::NoSuchConversation {
+                session_key: req.session_key,
+                why: "its model, provider, directory or account differ",
+            });
+        }
         let wait = req.wait_timeout.unwrap_or(inner.config.wait_timeout);
         // A conversation is (agent, session key): two agents may use the same key. One turn
         // at a time per conversation: the pool actor queues a lease behind the conversation's
