@@ -80,6 +80,18 @@ pub enum HomeError {
     NoBaseDir,
 }
 
+impl HomeError {
+    /// Whether the caller can fix it by asking differently (an agent id or a path it gave);
+    /// otherwise the machine's directories are at fault (full, read-only, a link where a
+    /// directory belongs, no base directory): the operator's to fix.
+    pub fn is_callers(&self) -> bool {
+        matches!(
+            self,
+            HomeError::InvalidAgentId { .. } | HomeError::NotAbsolute { .. }
+        )
+    }
+}
+
 /// Checks that `agent_id` matches `^[a-z0-9][a-z0-9_-]{0,63}$`, so it is safe as a path
 /// component.
 pub fn validate_agent_id(agent_id: &str) -> Result<(), HomeError> {

@@ -272,6 +272,20 @@ async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
     assert_eq!(call(addr, "GET", "/healthz", None, None).await.status, 200);
     assert_eq!(call(addr, "GET", "/readyz", None, None).await.status, 200);
     assert_eq!(call(addr, "GET", "/nope", None, None).await.status, 404);
+    // A route asked with a method it lacks: 405 with the error body and where to look.
+    let wrong_method = call(addr, "GET", "/v1/turns", Some("s3cret-token"), None).await;
+    assert_eq!(wrong_method.status, 405, "{}", wrong_method.body);
+    assert_eq!(
+        wrong_method.json()["code"],
+        "method_not_allowed",
+        "{}",
+        wrong_method.body
+    );
+    assert!(
+        wrong_method.body.contains("/openapi.json"),
+        "{}",
+        wrong_method.body
+    );
 
     let garbage = send(
         request(addr, "POST", "/v1/turns")
@@ -351,6 +365,11 @@ async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
     let big = json!({"agent_id": "a", "session_key": "k", "prompt": "x".repeat(10_000)});
     let oversized = call(addr, "POST", "/v1/turns", Some("s3cret-token"), Some(&big)).await;
     assert_eq!(oversized.status, 413, "{}", oversized.body);
+    assert!(
+        oversized.body.contains("attachments by path"),
+        "{}",
+        oversized.body
+    );
     // A body shorter than announced: the connection closes, the server survives.
     // The client half-closes after the short body.
     let sent = Instant::now();
@@ -499,6 +518,25 @@ async fn abort_compact_and_reset_a_conversation_over_http() {
         if e.event == "assistant.message_delta" || e.event == "assistant.turn_start" {
             break;
         }
+    }
+    // A compact or a reset of a conversation running a turn is a 409 at once, not a wait.
+    for (method, path) in [
+        ("POST", "/v1/sessions/agent-c/conv/compact"),
+        ("DELETE", "/v1/sessions/agent-c/conv"),
+    ] {
+        let asked = Instant::now();
+        let busy = call(addr, method, path, None, Some(&conv("scripted-key"))).await;
+        assert_eq!(busy.status, 409, "{path}: {}", busy.body);
+        // Refused as busy, not after waiting out the lease wait ("stayed leased ... for").
+        assert!(
+            busy.body.contains("is leased by another caller"),
+            "{}",
+            busy.body
+        );
+        println!(
+            "{method} {path} during a turn: 409 after {:?}",
+            asked.elapsed()
+        );
     }
     let aborted = call(addr, "POST", "/v1/sessions/agent-c/conv/abort", None, None).await;
     assert_eq!(aborted.status, 204, "{}", aborted.body);

@@ -41,7 +41,11 @@ pub(super) async fn read_body(state: &AppState, body: Body) -> Result<Bytes, Res
                 Err(error(
                     StatusCode::PAYLOAD_TOO_LARGE,
                     "too_large",
-                    format!("the body exceeds max_body_bytes ({limit} bytes)"),
+                    format!(
+                        "the body exceeds max_body_bytes ({limit} bytes); send large files \
+                         as attachments by path, or raise max_body_bytes in the daemon's \
+                         config"
+                    ),
                 ))
             } else {
                 Err(error(

@@ -13,7 +13,8 @@ use crate::pool::PoolError;
 #[derive(Debug, Serialize, ToSchema)]
 pub(super) struct ErrorBody<'a> {
     /// A stable word for programs: `bad_request`, `bad_body`, `unauthorized`, `not_found`,
-    /// `body_timeout`, `busy`, `too_large`, `draining`, `no_capacity`, `quarantined`,
+    /// `method_not_allowed`, `body_timeout`, `busy`, `too_large`, `draining`, `no_capacity`,
+    /// `quarantined`,
     /// `state_unwritable`, `resource_exhausted`, `pool_closed`, `transcript_missing`,
     /// `too_many_connections`, `runtime`, `io`, `internal`.
     code: &'a str,

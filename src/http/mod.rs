@@ -255,6 +255,16 @@ pub fn router_with_handle(pool: Pool, config: ApiConfig) -> (Router, ApiHandle) 
         .merge(v1)
         .merge(open)
         .fallback(|| async { error::error(StatusCode::NOT_FOUND, "not_found", "no such route") })
+        .method_not_allowed_fallback(|method: axum::http::Method| async move {
+            error::error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                format!(
+                    "{method} is not a method of this route; GET /openapi.json lists each \
+                     route's methods"
+                ),
+            )
+        })
         .with_state(state.clone());
     (router, ApiHandle { state })
 }

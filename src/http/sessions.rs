@@ -112,6 +112,8 @@ async fn existing_lease(
 ) -> Result<Lease, Response> {
     let mut req = lease_request(state, agent_id, session_key, conv).await?;
     req.existing_only = true;
+    // A conversation running a turn is a 409 now, as documented, not a wait.
+    req.fail_if_busy = true;
     state.pool.lease(req).await.map_err(|e| pool_error(&e))
 }
 
@@ -235,6 +237,7 @@ pub(super) async fn delete_session(
         Err(r) => return r,
     };
     req.existing_only = true;
+    req.fail_if_busy = true;
     let lease = match state.pool.lease(req).await {
         Ok(l) => l,
         Err(e @ PoolError::NoSuchConversation { .. }) => {

@@ -159,6 +159,7 @@ impl PoolError {
     /// layer both map from this.
     pub fn kind(&self) -> ErrorKind {
         match self {
+            PoolError::Home(home) if !home.is_callers() => ErrorKind::StateUnwritable,
             PoolError::Auth(_)
             | PoolError::Home(_)
             | PoolError::InvalidRequest(_)
@@ -174,13 +175,11 @@ impl PoolError {
             PoolError::RestartIntensityExceeded { .. } => ErrorKind::Quarantined,
             PoolError::Closed => ErrorKind::Closed,
             PoolError::Worker(WorkerError::ResourceExhausted(_)) => ErrorKind::ResourceExhausted,
-            PoolError::StateUnwritable { .. } | PoolError::TranscriptUnremovable { .. } => {
-                ErrorKind::StateUnwritable
-            }
+            PoolError::StateUnwritable { .. }
+            | PoolError::TranscriptUnremovable { .. }
+            | PoolError::Bindings(_) => ErrorKind::StateUnwritable,
             PoolError::Internal(_) => ErrorKind::Internal,
-            PoolError::Bindings(_) | PoolError::Worker(_) | PoolError::Turn(_) => {
-                ErrorKind::Runtime
-            }
+            PoolError::Worker(_) | PoolError::Turn(_) => ErrorKind::Runtime,
         }
     }
 }
@@ -232,8 +231,25 @@ mod tests {
 
     #[test]
     fn each_error_has_the_kind_a_caller_acts_on() {
+        let home = |e: HomeError| PoolError::from(e);
         let cases = [
             (PoolError::InvalidRequest("x".into()), ErrorKind::Invalid),
+            (
+                home(HomeError::InvalidAgentId { shown: "A".into() }),
+                ErrorKind::Invalid,
+            ),
+            // The machine's directories, not the request: the operator's to fix.
+            (
+                home(HomeError::Create {
+                    path: "/x".into(),
+                    source: std::io::Error::from_raw_os_error(28),
+                }),
+                ErrorKind::StateUnwritable,
+            ),
+            (
+                PoolError::Bindings("EIO".into()),
+                ErrorKind::StateUnwritable,
+            ),
             (
                 PoolError::NoSuchConversation {
                     session_key: "k".into(),
@@ -292,7 +308,6 @@ mod tests {
                 ErrorKind::StateUnwritable,
             ),
             (PoolError::Worker(WorkerError::Stopped), ErrorKind::Runtime),
-            (PoolError::Bindings("x".into()), ErrorKind::Runtime),
             (PoolError::Internal("x".into()), ErrorKind::Internal),
         ];
         for (error, kind) in cases {
