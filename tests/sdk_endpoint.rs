@@ -1071,6 +1071,66 @@ async fn a_prompt_sent_during_a_turn_runs_in_it_and_its_events_reach_the_client_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_past_the_endpoints_limit_is_aborted_and_its_client_told_why() {
+    let fx = Fixture::new().await;
+    let served = Served::start_with_endpoint(
+        &fx,
+        |_| {},
+        |config| config.max_turn_duration = Duration::from_millis(600),
+    )
+    .await;
+    let (conn, mut events) = connected(served.addr, "token-a").await;
+    conn.request("session.create", create_params(&fx, "long"), None)
+        .await
+        .expect("create");
+    conn.request(
+        "session.send",
+        json!({"sessionId": "long", "prompt": "SCENARIO:slow SLOW=100x100"}),
+        None,
+    )
+    .await
+    .expect("send");
+    // The client hears why, then the idle that ends its `sendAndWait`.
+    let told = async {
+        let mut error = None;
+        while let Some(params) = events.recv().await {
+            match params["event"]["type"].as_str() {
+                Some("session.error") => error = Some(params["event"]["data"].clone()),
+                Some("session.idle") => return (error, params["event"]["data"].clone()),
+                _ => {}
+            }
+        }
+        panic!("the connection closed before the idle");
+    };
+    let (error, idle) = tokio::time::timeout(SCENARIO_LIMIT, told)
+        .await
+        .expect("the client is told its turn ended");
+    let error = error.expect("a session.error before the idle");
+    assert_eq!(
+        error["errorType"],
+        copilot_pool::sdk_endpoint::TURN_LIMIT,
+        "{error}"
+    );
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("max_turn_duration")),
+        "{error}"
+    );
+    assert_eq!(idle["aborted"], true, "{idle}");
+    // The session goes on: the next turn runs.
+    conn.request(
+        "session.send",
+        json!({"sessionId": "long", "prompt": "REPLY=after the limit"}),
+        None,
+    )
+    .await
+    .expect("a send after the limit");
+    until_event(&mut events, "session.idle").await;
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_mid_turn_has_its_turn_aborted_and_the_agent_resumes_the_session_later()
  {
     let fx = Fixture::new().await;

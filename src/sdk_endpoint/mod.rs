@@ -42,7 +42,7 @@ use crate::pool::Pool;
 
 pub use connection::TOO_MANY_CONNECTIONS;
 pub use listener::{serve_tcp, serve_unix};
-pub use session::PROCESS_CRASHED;
+pub use session::{PROCESS_CRASHED, TURN_LIMIT};
 pub use tokens::{AgentTokens, TokenError, sha256_hex};
 
 /// The protocol version the endpoint speaks (the runtime's; SDK 1.0.14 accepts only 3).
@@ -74,7 +74,9 @@ pub struct SdkConfig {
     /// The runtime's questions passed to a client (`userInput.request`, `hooks.invoke`)
     /// wait this long for its answer (default 10 min: a person may be answering).
     pub client_request_timeout: Duration,
-    /// A turn running longer than this is aborted (default 30 min).
+    /// A turn running longer than this is aborted, and its client told so with a
+    /// `session.error` of type [`TURN_LIMIT`] (default 30 min; `copilot-pool serve` sets its
+    /// `[turns] absolute_secs`).
     pub max_turn_duration: Duration,
     /// Requests of one connection handled at once (default 64); more wait, and past the
     /// queue they are refused.

@@ -36,6 +36,10 @@ const MAX_SESSION_ID_BYTES: usize = 128;
 /// died.
 pub const PROCESS_CRASHED: &str = "process_crashed";
 
+/// The `errorType` of the `session.error` a client gets when its turn ran past the
+/// endpoint's `max_turn_duration` and was aborted.
+pub const TURN_LIMIT: &str = "turn_limit";
+
 /// A JSON-RPC error for the client.
 pub(super) type CallError = ErrorObject;
 
@@ -587,6 +591,7 @@ impl SdkSession {
         let mut limit = std::pin::pin!(limit);
         let settle_limit = self.shared.pool.config().abort_settle_timeout;
         let mut failed = false;
+        let mut past_limit = false;
         let Ok(session) = lease.passthrough() else {
             return;
         };
@@ -598,7 +603,10 @@ impl SdkSession {
             };
             let update = match next {
                 Ok(update) => update,
-                Err(why) => break self.settle(session, settle_limit, why).await,
+                Err(why) => {
+                    past_limit = why == "turn limit";
+                    break self.settle(session, settle_limit, why).await;
+                }
             };
             match update {
                 Some(SessionUpdate::Event(event)) => {
@@ -649,7 +657,28 @@ impl SdkSession {
         crate::metrics::turn_finished(end, started.elapsed());
         // No new turn can have started yet: it needs this lease.
         self.clear_turn();
+        if past_limit {
+            // The settle read the aborted turn's own events: the client, still there, hears
+            // why its turn ended (once cleared: a send after the idle takes a lease of its own).
+            self.past_limit(started.elapsed());
+        }
         drop(lease);
+    }
+
+    /// The turn ran past `max_turn_duration` and was aborted: the client gets a
+    /// `session.error` saying so, then `session.idle`, so its `sendAndWait` ends now.
+    fn past_limit(&self, ran: Duration) {
+        let limit = self.shared.config.max_turn_duration;
+        let message = format!(
+            "copilot-pool aborted this turn after {ran:.1?}: it ran past the SDK endpoint's \
+             max_turn_duration ({limit:?}); split the work into shorter turns, or raise the \
+             limit ([turns] absolute_secs in copilot-pool serve's config)"
+        );
+        self.notify_event(synthetic_event(
+            "session.error",
+            json!({"errorType": TURN_LIMIT, "message": message}),
+        ));
+        self.notify_event(synthetic_event("session.idle", json!({"aborted": true})));
     }
 
     /// The running turn is over: later calls take a lease of their own.

@@ -233,6 +233,8 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             sdk_config.allow_logged_in_user = config.auth.allow_logged_in_user;
             sdk_config.allow_local_mcp_servers = config.allow_local_mcp_servers;
             sdk_config.allowed_work_roots = config.allowed_work_roots.clone();
+            // One limit on a turn's length, over HTTP and through the SDK endpoint.
+            sdk_config.max_turn_duration = config.timeouts().absolute;
             let endpoint = SdkEndpoint::new(pool.clone(), sdk_config);
             servers.push(serve_sdk(&endpoint, listener, stopped(stop_rx.clone())));
             Some(endpoint)
