@@ -791,6 +791,9 @@ async fn two_agents_with_their_own_tokens_never_see_each_others_sessions() {
         let said = seen[attempt].as_str().unwrap_or("ok");
         assert!(said.contains("Session not found"), "{attempt}: {seen}");
     }
+    // A resume says why there is nothing to resume (not "resume it first").
+    let said = seen["resumeByB"].as_str().unwrap_or("ok");
+    assert!(said.contains("another agent's token"), "{seen}");
     assert!(
         seen["wrongToken"]
             .as_str()

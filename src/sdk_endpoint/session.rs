@@ -78,6 +78,20 @@ pub(super) fn session_not_found(method: &str, id: &str) -> CallError {
     )
 }
 
+/// The error for a session this agent has no stored state of (a resume of an unknown id,
+/// a call after its delete), in the runtime's words, with the pool's reasons.
+pub(super) fn no_stored_session(method: &str, id: &str) -> CallError {
+    ErrorObject::new(
+        INTERNAL_ERROR,
+        format!(
+            "Request {method} failed with message: Session not found for sessionId: {id} \
+             (copilot-pool: this agent has no stored session with this id: it was deleted, \
+             never created, or created with another agent's token; create it with \
+             session.create)"
+        ),
+    )
+}
+
 /// A pool error as the client sees it: the runtime's message shape, the pool's words, and
 /// the error's kind in `data`.
 pub(super) fn pool_error(method: &str, error: &PoolError) -> CallError {
@@ -471,7 +485,7 @@ impl SdkSession {
             req.working_directory = dir.clone();
         }
         self.shared.pool.lease(req).await.map_err(|e| match e {
-            PoolError::NoSuchConversation { .. } => session_not_found(method, self.id().as_str()),
+            PoolError::NoSuchConversation { .. } => no_stored_session(method, self.id().as_str()),
             other => pool_error(method, &other),
         })
     }
