@@ -1074,6 +1074,46 @@ async fn a_prompt_sent_during_a_turn_runs_in_it_and_its_events_reach_the_client_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connections_waiting_calls_hold_at_most_twice_the_largest_frame() {
+    let fx = Fixture::new().await;
+    let served = Served::start_with_endpoint(
+        &fx,
+        |_| {},
+        |config| {
+            config.max_frame_bytes = 64 * 1024;
+            config.max_requests_per_connection = 1;
+        },
+    )
+    .await;
+    let (conn, _events) = connected(served.addr, "token-a").await;
+    // The create holds the one slot while its process starts; the pings behind it wait,
+    // each holding its 50 KB frame: the third would pass 128 KiB and is refused at once.
+    let big = || json!({"message": "x".repeat(50_000)});
+    let (created, first, second, third) = tokio::join!(
+        conn.request("session.create", create_params(&fx, "bounded"), None),
+        conn.request("ping", big(), None),
+        conn.request("ping", big(), None),
+        conn.request("ping", big(), None),
+    );
+    created.expect("create");
+    first.expect("the first waiting ping");
+    second.expect("the second waiting ping");
+    assert!(third.is_err(), "the third waiting ping was taken");
+    let refused = remote_error(third);
+    assert!(
+        refused.message.contains("twice") && refused.message.contains("max_frame_bytes"),
+        "{refused:?}"
+    );
+    // Once answered, their bytes are given back: the same pings pass again.
+    for _ in 0..3 {
+        conn.request("ping", big(), None)
+            .await
+            .expect("a ping after");
+    }
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_past_the_endpoints_limit_is_aborted_and_its_client_told_why() {
     let fx = Fixture::new().await;
     let served = Served::start_with_endpoint(

@@ -202,6 +202,8 @@ pub struct IncomingRequest {
     pub params: Value,
     /// Answers the request; dropping it unanswered sends an internal error.
     pub responder: Responder,
+    /// The size of the frame it came in, in bytes (what holding it costs, about).
+    pub frame_bytes: usize,
 }
 
 /// Answers one incoming request. If it is dropped without an answer, the peer gets an
@@ -1083,6 +1085,7 @@ fn dispatch(
                 method,
                 params,
                 responder,
+                frame_bytes: frame.len(),
             }));
             Ok(())
         }

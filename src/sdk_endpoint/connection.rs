@@ -6,7 +6,7 @@
 //! refused. When the client goes, its turns are aborted and its sessions let go.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::{Value, json};
@@ -209,14 +209,43 @@ pub(super) async fn run<S>(
          wait for answers before sending more",
         shared.config.max_requests_per_connection
     );
-    let sink = move |incoming: Incoming| {
-        // A full queue refuses the request, saying why.
-        if let Err(mpsc::error::TrySendError::Full(Incoming::Request(request))) =
-            tx.try_send(incoming)
-        {
-            request
-                .responder
-                .err(ErrorObject::new(INTERNAL_ERROR, queue_full.clone()));
+    // The calls waiting or being handled hold their frames' bytes (their params, parsed):
+    // at most twice the largest frame per connection, whatever their number.
+    let held = Arc::new(AtomicUsize::new(0));
+    let held_limit = shared.config.max_frame_bytes.saturating_mul(2);
+    let too_much = move |held: usize, bytes: usize| {
+        format!(
+            "copilot-pool: this connection's calls waiting or being handled hold {held} \
+             bytes, and this one of {bytes} bytes would pass the bound of {held_limit} (twice \
+             the endpoint's max_frame_bytes); wait for answers before sending more"
+        )
+    };
+    let sink = {
+        let held = held.clone();
+        move |incoming: Incoming| {
+            if let Incoming::Request(request) = &incoming {
+                // One call is always taken, however large (it is within max_frame_bytes).
+                let bytes = request.frame_bytes;
+                let before = held.fetch_add(bytes, Ordering::SeqCst);
+                if before > 0 && before + bytes > held_limit {
+                    held.fetch_sub(bytes, Ordering::SeqCst);
+                    if let Incoming::Request(request) = incoming {
+                        request
+                            .responder
+                            .err(ErrorObject::new(INTERNAL_ERROR, too_much(before, bytes)));
+                    }
+                    return;
+                }
+            }
+            // A full queue refuses the request, saying why.
+            if let Err(mpsc::error::TrySendError::Full(Incoming::Request(request))) =
+                tx.try_send(incoming)
+            {
+                held.fetch_sub(request.frame_bytes, Ordering::SeqCst);
+                request
+                    .responder
+                    .err(ErrorObject::new(INTERNAL_ERROR, queue_full.clone()));
+            }
         }
     };
     let conn = Connection::start(read, write, options, Box::new(sink));
@@ -263,8 +292,11 @@ pub(super) async fn run<S>(
                     break;
                 };
                 let client = client.clone();
+                let held = held.clone();
                 tokio::spawn(async move {
+                    let bytes = request.frame_bytes;
                     client.handle(request).await;
+                    held.fetch_sub(bytes, Ordering::SeqCst);
                     drop(permit);
                 });
             }
@@ -288,6 +320,7 @@ impl Client {
             method,
             params,
             responder,
+            ..
         } = request;
         let result = match (self.agent(), method.as_str()) {
             (None, _) => self.before_connect(&method, &params),

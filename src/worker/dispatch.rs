@@ -141,6 +141,7 @@ impl WorkerState {
             method,
             params,
             responder,
+            ..
         } = request;
         match method.as_str() {
             "userInput.request" => match serde_json::from_value::<UserInputRequest>(params) {
