@@ -153,6 +153,54 @@ async fn ten_agents_stream_turns_at_once_and_a_tool_call_is_answered_over_http()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_also_stops_a_turn_still_waiting_for_its_conversation_before_its_prompt_is_sent() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+    // A turn runs...
+    let mut running = SseStream::open(
+        addr,
+        "/v1/turns",
+        None,
+        &turn(&url, "agent-s", "conv", "SCENARIO:slow SLOW=200x100"),
+    )
+    .await;
+    running.until_event("assistant.turn_start").await;
+    // ...and the gateway's next one for the same conversation waits behind it.
+    let queued_body = turn(&url, "agent-s", "conv", "REPLY=never MARKER-queued");
+    let queued = tokio::spawn(async move { summary(addr, None, &queued_body).await });
+    let waiting = async {
+        while server.pool.status().await.expect("status").waiters == 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("the second turn waits for the conversation");
+    // The user presses stop: both end aborted, and the waiting one's prompt is never sent.
+    let aborted = call(addr, "POST", "/v1/sessions/agent-s/conv/abort", None, None).await;
+    assert_eq!(aborted.status, 204, "{}", aborted.body);
+    let (_, end) = running.until_end().await;
+    assert_eq!(end["status"], "aborted", "{end}");
+    let queued = queued.await.expect("the waiting turn's request");
+    assert_eq!(queued.json()["status"], "aborted", "{}", queued.body);
+    assert!(
+        fx.model
+            .requests()
+            .iter()
+            .all(|r| !serde_json::to_string(r.messages())
+                .unwrap_or_default()
+                .contains("MARKER-queued")),
+        "the waiting turn's prompt reached the model"
+    );
+    // Once over, the conversation runs the next turn as usual.
+    let next = summary(addr, None, &turn(&url, "agent-s", "conv", "REPLY=after")).await;
+    assert_eq!(next.json()["status"], "idle", "{}", next.body);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quiet_turn_keeps_its_stream_alive_with_comments_a_proxy_sees() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();

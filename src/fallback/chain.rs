@@ -156,6 +156,15 @@ pub trait ChainSink: Send + Sync {
     fn gone(&self) -> impl Future<Output = ()> + Send {
         std::future::pending()
     }
+
+    /// Whether the caller asked to stop the turn (an abort, which may come before its prompt
+    /// was sent or between backends): the chain sends nothing more, aborts what it sent, and
+    /// ends `aborted` with its summary. Read before and after each backend's prompt goes
+    /// out, so an abort that the pool could not pass on (no turn running yet) still stops it.
+    /// The default never stops.
+    fn stop_requested(&self) -> bool {
+        false
+    }
 }
 
 /// A shared sink (the caller keeps a clone to read what it gathered).
@@ -170,6 +179,10 @@ impl<T: ChainSink> ChainSink for std::sync::Arc<T> {
 
     fn gone(&self) -> impl Future<Output = ()> + Send {
         T::gone(self)
+    }
+
+    fn stop_requested(&self) -> bool {
+        T::stop_requested(self)
     }
 }
 
@@ -365,6 +378,10 @@ impl<S: ChainSink> ChainSink for Bounded<'_, S> {
     fn gone(&self) -> impl Future<Output = ()> + Send {
         self.sink.gone()
     }
+
+    fn stop_requested(&self) -> bool {
+        self.sink.stop_requested()
+    }
 }
 
 /// The first backend's lease, or why it could not be leased.
@@ -488,6 +505,17 @@ impl<S: ChainSink> ChainLease<S> {
         while !end.gone && !end.streamed {
             let Some(class) = end.class else { break };
             let Some(next) = rest.pop_front() else { break };
+            if sink.stop_requested() {
+                // Asked to stop: no backend after this one runs the prompt.
+                end.summary.status = TurnEnd::Aborted;
+                let note =
+                    format!("; the fallback to `{next}` was not tried: the turn was aborted");
+                end.summary
+                    .error
+                    .get_or_insert_with(String::new)
+                    .push_str(&note);
+                break;
+            }
             let from = end.summary.backend.clone();
             // Reading the prelude and waiting for the next backend's lease (its capacity, a
             // spawn) end when the caller leaves: a waiter must not stay queued for nobody.
@@ -617,8 +645,15 @@ async fn run_copilot<S: ChainSink>(
     let mut streamed = false;
     let mut gone = false;
     let summary = async {
+        if sink.stop_requested() {
+            return TurnSummary::of_copilot(TurnEnd::Aborted, &lease, None);
+        }
         if let Err(e) = lease.send(message).await {
             return TurnSummary::of_copilot(TurnEnd::Error, &lease, Some(e.to_string()));
+        }
+        // An abort asked for while the prompt went out may have found no turn to abort.
+        if sink.stop_requested() {
+            let _ = lease.abort().await;
         }
         loop {
             tokio::select! {
@@ -674,6 +709,9 @@ async fn run_copilot<S: ChainSink>(
     }
 }
 
+/// The error of a CLI turn stopped before its prompt went out.
+const STOPPED_BEFORE_START: &str = "aborted before the prompt was sent";
+
 /// Whether a CLI's tool call is one of the gateway's, through the MCP bridge.
 fn is_bridged_call(name: &str) -> bool {
     #[cfg(feature = "mcp-bridge")]
@@ -715,10 +753,17 @@ async fn run_cli<S: ChainSink>(
                 return Err((TurnEnd::Error, Some(error)));
             }
         };
+        if sink.stop_requested() {
+            return Err((TurnEnd::Aborted, Some(STOPPED_BEFORE_START.to_owned())));
+        }
         let mut turn = match lease.start_turn_with_images(prompt, images).await {
             Ok(turn) => turn,
             Err(e) => return Err((TurnEnd::Error, Some(e.to_string()))),
         };
+        // An abort asked for while the turn started may have found no turn to abort.
+        if sink.stop_requested() {
+            turn.abort_handle().abort();
+        }
         loop {
             tokio::select! {
                 event = turn.next() => match event {
@@ -764,7 +809,9 @@ async fn run_cli<S: ChainSink>(
             (summary, class, false)
         }
         Err((status, error)) => {
-            let gone = status == TurnEnd::Aborted;
+            // Aborted because the caller left, not because it asked to stop (it still
+            // reads the summary).
+            let gone = status == TurnEnd::Aborted && !sink.stop_requested();
             streamed |= !messages.is_empty();
             (
                 TurnSummary::of_cli(&lease, reason, None, status, error),

@@ -179,11 +179,74 @@ struct AppState {
     running: watch::Sender<usize>,
     /// The OpenAPI document of this router, as JSON.
     openapi: axum::body::Bytes,
+    /// The stop flags of the turns asked for and not yet over, by conversation key: an
+    /// abort stops them wherever they are (waiting for their lease, between backends,
+    /// about to send), not only one whose prompt the runtime already has.
+    stops: std::sync::Mutex<std::collections::HashMap<String, Vec<Arc<AtomicBool>>>>,
 }
 
 impl AppState {
     fn draining(&self) -> bool {
         self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Registers a turn of `conversation` (its key) that an abort may stop until the
+    /// returned guard drops.
+    fn turn_stop(self: &Arc<Self>, conversation: String) -> TurnStop {
+        let flag = Arc::new(AtomicBool::new(false));
+        if let Ok(mut stops) = self.stops.lock() {
+            stops
+                .entry(conversation.clone())
+                .or_default()
+                .push(flag.clone());
+        }
+        TurnStop {
+            state: self.clone(),
+            conversation,
+            flag,
+        }
+    }
+
+    /// Asks every registered turn of `conversation` to stop; whether there was one.
+    fn stop_turns(&self, conversation: &str) -> bool {
+        let Ok(stops) = self.stops.lock() else {
+            return false;
+        };
+        let flags = stops
+            .get(conversation)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        for flag in flags {
+            flag.store(true, Ordering::SeqCst);
+        }
+        !flags.is_empty()
+    }
+}
+
+/// A turn's stop flag, registered with the router until it drops (with the turn's sink).
+struct TurnStop {
+    state: Arc<AppState>,
+    conversation: String,
+    flag: Arc<AtomicBool>,
+}
+
+impl TurnStop {
+    /// Whether an abort asked this turn to stop.
+    fn requested(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for TurnStop {
+    fn drop(&mut self) {
+        if let Ok(mut stops) = self.state.stops.lock()
+            && let Some(flags) = stops.get_mut(&self.conversation)
+        {
+            flags.retain(|f| !Arc::ptr_eq(f, &self.flag));
+            if flags.is_empty() {
+                stops.remove(&self.conversation);
+            }
+        }
     }
 }
 
@@ -246,6 +309,7 @@ pub fn router_with_handle(pool: Pool, config: ApiConfig) -> (Router, ApiHandle) 
         draining: AtomicBool::new(false),
         running: watch::Sender::new(0),
         openapi,
+        stops: std::sync::Mutex::default(),
     });
     let v1 = v1.route_layer(middleware::from_fn_with_state(
         state.clone(),

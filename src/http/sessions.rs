@@ -31,20 +31,22 @@ pub(super) struct ConversationPath {
     session_key: String,
 }
 
-/// Aborts the conversation's running turn, on Copilot or a CLI backend.
+/// Aborts the conversation's turns, on Copilot or a CLI backend: the running one and those
+/// asked for and not yet started (waiting for the conversation or for room, between
+/// fallback backends); a turn whose prompt was not sent yet never sends it.
 ///
-/// The turn's stream ends with `turn.end` `aborted`; the conversation continues.
+/// Each turn's stream ends with `turn.end` `aborted`; the conversation continues.
 #[utoipa::path(
     post,
     path = "/v1/sessions/{agent_id}/{session_key}/abort",
     tag = "sessions",
     params(ConversationPath),
     responses(
-        (status = 204, description = "The running turn was aborted"),
+        (status = 204, description = "The conversation's turns were aborted"),
         (status = 400, description = "A wrong path: `agent_id` or `session_key` is not a valid one, or names an SDK session (`bad_request`); the message names the field", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
         (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
-        (status = 404, description = "No running turn for this conversation (`not_found`)", body = ErrorBody),
+        (status = 404, description = "No turn of this conversation is running or asked for (`not_found`)", body = ErrorBody),
         (status = 500, description = "A fault of the daemon (`internal`)", body = ErrorBody),
         (status = 503, description = "The pool is shutting down (`draining`), or `too_many_connections`", body = ErrorBody),
     ),
@@ -65,8 +67,12 @@ pub(super) async fn post_abort(
         return refused;
     }
     let conversation = ConversationId::new(agent_id, session_key);
+    // First the turns asked for and not over (waiting for their lease, about to send, between
+    // backends): each stops where it is. Then the runtime's running one, if any.
+    let stopped = state.stop_turns(&conversation.key());
     match state.pool.abort(&conversation).await {
         Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) | Err(_) if stopped => StatusCode::NO_CONTENT.into_response(),
         Ok(false) => error(
             StatusCode::NOT_FOUND,
             "not_found",

@@ -31,7 +31,7 @@ use crate::backend::BackendEvent;
 use crate::fallback::{self, ChainEvent, ChainLease, ChainRequest, ChainSink};
 use crate::kinds::HookName;
 use crate::permission::{DecisionFuture, PermissionPolicy, PermissionRequest};
-use crate::pool::{COPILOT_BACKEND, LeaseRequest};
+use crate::pool::{COPILOT_BACKEND, ConversationId, LeaseRequest};
 use crate::turn::Message;
 
 /// A gateway that does not read its event stream for this long is treated as gone (the
@@ -181,8 +181,10 @@ pub(super) async fn post_turn(
         req.handlers.timeouts.absolute = asked;
     }
     let streaming = query.stream != Some(false);
+    let stop = state.turn_stop(ConversationId::new(&body.agent_id, &body.session_key).key());
     let sink = StreamSink {
         state: state.clone(),
+        stop,
         events: None,
         streaming,
         tools: std::mem::take(&mut body.tools),
@@ -413,6 +415,8 @@ fn spawn_run(state: Arc<AppState>, lease: ChainLease<StreamSink>) {
 /// streams) and turns the chain's events into SSE events on the turn's stream.
 struct StreamSink {
     state: Arc<AppState>,
+    /// Set by an abort of the conversation, from the turn's request until its end.
+    stop: super::TurnStop,
     /// The turn's event stream (set once the body is checked).
     events: Option<mpsc::Sender<TurnEvent>>,
     /// Whether the turn streams (else nobody could answer: permissions are rejected,
@@ -488,6 +492,10 @@ impl ChainSink for StreamSink {
             Some(events) => events.closed().await,
             None => std::future::pending().await,
         }
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.stop.requested()
     }
 }
 
