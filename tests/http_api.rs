@@ -410,6 +410,22 @@ async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
         "{}",
         refused.body
     );
+    let mut schemaless = turn(&url, "agent-z", "c", "REPLY=no");
+    schemaless["tools"] = json!([{"name": "lookup", "parameters": "a string"}]);
+    let refused = call(
+        addr,
+        "POST",
+        "/v1/turns",
+        Some("s3cret-token"),
+        Some(&schemaless),
+    )
+    .await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(
+        refused.body.contains("tools.0.parameters"),
+        "{}",
+        refused.body
+    );
     let big = json!({"agent_id": "a", "session_key": "k", "prompt": "x".repeat(10_000)});
     let oversized = call(addr, "POST", "/v1/turns", Some("s3cret-token"), Some(&big)).await;
     assert_eq!(oversized.status, 413, "{}", oversized.body);

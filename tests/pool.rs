@@ -1675,6 +1675,19 @@ async fn a_rust_gateways_chain_runs_a_turn_the_model_refuses_on_claude_with_the_
         );
         assert!(refused.to_string().contains(needle), "{refused}");
     }
+    // A bearer token a CLI fallback could never take: refused up front, not in the outage.
+    let mut bearer = chain("x", &["claude-cli"]);
+    if let Some(provider) = bearer.lease.provider.as_mut() {
+        provider.bearer_token = Some(Secret::new("bearer-FAKE"));
+    }
+    let refused = ChainLease::start(&pool, bearer, RecordingSink::default())
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        refused.to_string().contains("bearer_token") && refused.to_string().contains("claude-cli"),
+        "{refused}"
+    );
     shutdown_leaves_nothing(&pool).await;
 }
 

@@ -620,6 +620,14 @@ pub(super) fn check_tools(tools: &[ToolBody]) -> Result<(), String> {
                 tool.name
             ));
         }
+        // Every model API takes a function's parameters as a JSON Schema object: anything
+        // else fails at the model call, on every turn.
+        if !tool.parameters.is_object() {
+            return Err(format!(
+                "tools.{i}.parameters must be a JSON Schema object (e.g. {{\"type\": \
+                 \"object\", \"properties\": {{}}}}); leave it out for a tool without arguments"
+            ));
+        }
     }
     Ok(())
 }

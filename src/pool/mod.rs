@@ -214,10 +214,29 @@ impl Pool {
         req: &LeaseRequest,
     ) -> Result<(), PoolError> {
         let config = self.inner.cli.backend(backend)?;
+        Self::refuse_cli_bearer_token(backend, req)?;
         let mut probe = req.clone();
         let options = std::mem::take(&mut probe.session_options);
         probe.apply_session_options(options)?;
         cli::options::system_prompt(backend, config, &probe.session_options).map(|_| ())
+    }
+
+    /// A CLI backend takes its key as `provider.api_key`: a request with a bearer token is
+    /// refused for one (when its lease is taken, and before a chain naming it runs, so a
+    /// fallback that could never be leased is refused up front, not found out in an outage).
+    fn refuse_cli_bearer_token(backend: &str, req: &LeaseRequest) -> Result<(), PoolError> {
+        if req
+            .provider
+            .as_ref()
+            .is_some_and(|p| p.bearer_token.is_some())
+        {
+            return Err(PoolError::InvalidRequest(format!(
+                "backend `{backend}` takes its key as provider.api_key; a bearer_token is not \
+                 passed to CLI backends (give the key as api_key, or drop `{backend}` from the \
+                 chain)"
+            )));
+        }
+        Ok(())
     }
 
     /// Checks that `backend` is `copilot` or a configured CLI backend; the error lists the
@@ -269,17 +288,7 @@ impl Pool {
         req.apply_session_options(options)?;
         let system_prompt =
             cli::options::system_prompt(&req.backend, config, &req.session_options)?;
-        if req
-            .provider
-            .as_ref()
-            .is_some_and(|p| p.bearer_token.is_some())
-        {
-            return Err(PoolError::InvalidRequest(format!(
-                "backend `{}` takes its key as provider.api_key; a bearer_token is not passed \
-                 to CLI backends",
-                req.backend
-            )));
-        }
+        Self::refuse_cli_bearer_token(&req.backend, &req)?;
         // The shape and the guard's rules, as a Copilot lease's: a base URL carrying a
         // credential (userinfo, a key in its query) would reach the CLI's command line.
         if let Some(provider) = &req.provider {
