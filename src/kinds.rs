@@ -275,7 +275,10 @@ impl ErrorKind {
 /// A value read from a caller (an HTTP body, a config, a string) that is not in its closed
 /// set.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{what} {value:?} is not allowed; use one of {allowed}")]
+#[error(
+    "{what} {} is not allowed; use one of {allowed}",
+    crate::secret::shown_if_a_word(value)
+)]
 pub struct UnknownValue {
     /// What was read, e.g. `provider.type`.
     pub what: &'static str,

@@ -128,9 +128,36 @@ pub fn json_error_without_values(error: &serde_json::Error) -> String {
     without_found_value(&error.to_string())
 }
 
+/// A value a caller gave, quoted when it is a short word (a mistyped choice: `"opnai"`),
+/// else only its length: a long or unusual one may be a secret put in the wrong field.
+pub fn shown_if_a_word(value: &str) -> String {
+    let word = value.len() <= 24
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if word {
+        format!("{value:?}")
+    } else {
+        format!(
+            "(a value of {} characters, not shown)",
+            value.chars().count()
+        )
+    }
+}
+
 fn without_found_value(message: &str) -> String {
+    // serde's "unknown variant `…`": the value, shown only when it is a short word.
+    if let Some(rest) = message.strip_prefix("unknown variant `")
+        && let Some((value, after)) = rest.split_once("`, expected")
+    {
+        return format!(
+            "unknown variant {}, expected{after}",
+            shown_if_a_word(value)
+        );
+    }
     for lead in ["invalid type: ", "invalid value: "] {
-        let Some(start) = message.find(lead).map(|at| at + lead.len()) else {
+        // Only serde's own lead, at the start: a value may itself hold the words.
+        let Some(start) = message.starts_with(lead).then_some(lead.len()) else {
             continue;
         };
         // The value ends where serde's expectation begins (the last one: a string value
@@ -218,9 +245,17 @@ mod tests {
         assert!(message("{}").starts_with("missing field `auth`"));
         let found = message(r#"{"auth": {"token": "t"}, "kind": "opnai"}"#);
         assert!(
-            found.starts_with("unknown variant `opnai`, expected `openai`"),
+            found.starts_with("unknown variant \"opnai\", expected `openai`"),
             "{found}"
         );
+        // A long one in a choice's place (a key in the wrong field) is not shown.
+        let found =
+            message(r#"{"auth": {"token": "t"}, "kind": "sk-live-0123456789abcdefSECRET"}"#);
+        assert!(!found.contains("SECRET"), "{found}");
+        assert!(found.contains("expected `openai`"), "{found}");
+        // A value holding serde's words does not move where the cut is made.
+        let found = message(r#"{"auth": {"token": ["SECRET invalid type: x, expected y"]}}"#);
+        assert!(!found.contains("SECRET"), "{found}");
     }
 
     #[test]

@@ -153,48 +153,59 @@ async fn ten_agents_stream_turns_at_once_and_a_tool_call_is_answered_over_http()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_abort_also_stops_a_turn_still_waiting_for_its_conversation_before_its_prompt_is_sent() {
+async fn an_abort_stops_a_turn_still_waiting_for_room_before_its_prompt_is_sent() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();
-    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let mut config = fx.config().await;
+    config.max_processes = 1;
+    let server = InProcess::start(config, ApiConfig::default()).await;
     let addr = server.addr;
-    // A turn runs...
+    // Another agent's turn holds the only process...
     let mut running = SseStream::open(
         addr,
         "/v1/turns",
         None,
-        &turn(&url, "agent-s", "conv", "SCENARIO:slow SLOW=200x100"),
+        &turn(&url, "agent-r", "conv", "SCENARIO:slow SLOW=200x100"),
     )
     .await;
     running.until_event("assistant.turn_start").await;
-    // ...and the gateway's next one for the same conversation waits behind it.
-    let queued_body = turn(&url, "agent-s", "conv", "REPLY=never MARKER-queued");
-    let queued = tokio::spawn(async move { summary(addr, None, &queued_body).await });
-    let waiting = async {
+    // ...so this agent's turn waits for room.
+    let waiting_body = turn(&url, "agent-s", "conv", "REPLY=never MARKER-waiting");
+    let waiting = tokio::spawn(async move { summary(addr, None, &waiting_body).await });
+    let queued = async {
         while server.pool.status().await.expect("status").waiters == 0 {
             tokio::task::yield_now().await;
         }
     };
-    tokio::time::timeout(Duration::from_secs(30), waiting)
+    tokio::time::timeout(Duration::from_secs(30), queued)
         .await
-        .expect("the second turn waits for the conversation");
-    // The user presses stop: both end aborted, and the waiting one's prompt is never sent.
+        .expect("the second agent's turn waits for room");
+    // The user presses stop on it: it ends aborted, its prompt never sent.
     let aborted = call(addr, "POST", "/v1/sessions/agent-s/conv/abort", None, None).await;
     assert_eq!(aborted.status, 204, "{}", aborted.body);
+    let other = call(addr, "POST", "/v1/sessions/agent-r/conv/abort", None, None).await;
+    assert_eq!(other.status, 204, "{}", other.body);
     let (_, end) = running.until_end().await;
     assert_eq!(end["status"], "aborted", "{end}");
-    let queued = queued.await.expect("the waiting turn's request");
-    assert_eq!(queued.json()["status"], "aborted", "{}", queued.body);
+    let waited = waiting.await.expect("the waiting turn's request");
+    assert_eq!(waited.json()["status"], "aborted", "{}", waited.body);
+    assert!(
+        waited.json()["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("before the prompt was sent")),
+        "{}",
+        waited.body
+    );
     assert!(
         fx.model
             .requests()
             .iter()
             .all(|r| !serde_json::to_string(r.messages())
                 .unwrap_or_default()
-                .contains("MARKER-queued")),
+                .contains("MARKER-waiting")),
         "the waiting turn's prompt reached the model"
     );
-    // Once over, the conversation runs the next turn as usual.
+    // A turn asked for after an abort runs as usual.
     let next = summary(addr, None, &turn(&url, "agent-s", "conv", "REPLY=after")).await;
     assert_eq!(next.json()["status"], "idle", "{}", next.body);
     server.stop().await;

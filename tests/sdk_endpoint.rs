@@ -364,6 +364,7 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         ("hasBearerTokenProvider", json!(true)),
         ("configDir", json!("/tmp")),
         ("gitHubTokenProviderRegistrationId", json!("registration-1")),
+        ("manageScheduleEnabled", json!(true)),
     ] {
         let mut params = create_params(&fx, "guarded-1");
         params[field] = value;

@@ -646,7 +646,8 @@ async fn run_copilot<S: ChainSink>(
     let mut gone = false;
     let summary = async {
         if sink.stop_requested() {
-            return TurnSummary::of_copilot(TurnEnd::Aborted, &lease, None);
+            let error = Some(STOPPED_BEFORE_START.to_owned());
+            return TurnSummary::of_copilot(TurnEnd::Aborted, &lease, error);
         }
         if let Err(e) = lease.send(message).await {
             return TurnSummary::of_copilot(TurnEnd::Error, &lease, Some(e.to_string()));

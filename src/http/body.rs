@@ -374,8 +374,13 @@ fn token_limit(field: &str, value: Option<Value>) -> Result<Option<u64>, Respons
             StatusCode::BAD_REQUEST,
             "bad_request",
             format!(
-                "{field} must be a whole number of tokens from 1 to {} (it is {value})",
-                crate::provider::MAX_TOKEN_LIMIT
+                "{field} must be a whole number of tokens from 1 to {} (it is {})",
+                crate::provider::MAX_TOKEN_LIMIT,
+                match &value {
+                    Value::Number(n) => n.to_string(),
+                    Value::String(_) => "a string".to_owned(),
+                    other => crate::secret::shown_if_a_word(&other.to_string()),
+                }
             ),
         )),
     }

@@ -238,7 +238,8 @@ pub(super) struct HookAnswer {
 
 /// `body` read as a `T`, or `shape` (what the request's kind expects).
 fn typed<T: for<'de> Deserialize<'de>>(body: &Value, shape: &str) -> Result<T, String> {
-    T::deserialize(body).map_err(|e| format!("{shape} ({e})"))
+    T::deserialize(body)
+        .map_err(|e| format!("{shape} ({})", crate::secret::json_error_without_values(&e)))
 }
 
 fn parse_answer(kind: &Kind, body: &Value) -> Result<GatewayAnswer, String> {

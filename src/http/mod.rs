@@ -207,19 +207,21 @@ impl AppState {
         }
     }
 
-    /// Asks every registered turn of `conversation` to stop; whether there was one.
-    fn stop_turns(&self, conversation: &str) -> bool {
+    /// Asks the conversation's earliest registered turn to stop (the one running, or the
+    /// one waiting for its lease: a conversation's leases are granted in order), not those
+    /// asked for after it (a gateway may send its next message, then stop the current one);
+    /// whether there was one.
+    fn stop_turn(&self, conversation: &str) -> bool {
         let Ok(stops) = self.stops.lock() else {
             return false;
         };
-        let flags = stops
-            .get(conversation)
-            .map(Vec::as_slice)
-            .unwrap_or_default();
-        for flag in flags {
-            flag.store(true, Ordering::SeqCst);
+        match stops.get(conversation).and_then(|flags| flags.first()) {
+            Some(flag) => {
+                flag.store(true, Ordering::SeqCst);
+                true
+            }
+            None => false,
         }
-        !flags.is_empty()
     }
 }
 

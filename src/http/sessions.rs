@@ -1,4 +1,5 @@
-//! One conversation outside its turns: abort its running turn, compact it (with optional
+//! One conversation outside its turns: abort its current turn (running, or still waiting
+//! for room), compact it (with optional
 //! `custom_instructions` for the summary), reset it, or with `?backend=` delete it on a CLI
 //! backend (its process, its CLI's files of the session, its binding). Compact and reset
 //! only ever reach an existing conversation (never open a new session, never create the
@@ -31,22 +32,22 @@ pub(super) struct ConversationPath {
     session_key: String,
 }
 
-/// Aborts the conversation's turns, on Copilot or a CLI backend: the running one and those
-/// asked for and not yet started (waiting for the conversation or for room, between
-/// fallback backends); a turn whose prompt was not sent yet never sends it.
+/// Aborts the conversation's current turn, on Copilot or a CLI backend: the one running, or
+/// the one still waiting for room or between fallback backends (its prompt is then never
+/// sent). Turns asked for after it are not aborted.
 ///
-/// Each turn's stream ends with `turn.end` `aborted`; the conversation continues.
+/// The turn's stream ends with `turn.end` `aborted`; the conversation continues.
 #[utoipa::path(
     post,
     path = "/v1/sessions/{agent_id}/{session_key}/abort",
     tag = "sessions",
     params(ConversationPath),
     responses(
-        (status = 204, description = "The conversation's turns were aborted"),
+        (status = 204, description = "The conversation's current turn was aborted"),
         (status = 400, description = "A wrong path: `agent_id` or `session_key` is not a valid one, or names an SDK session (`bad_request`); the message names the field", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token (when the daemon has one)", body = ErrorBody),
         (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
-        (status = 404, description = "No turn of this conversation is running or asked for (`not_found`)", body = ErrorBody),
+        (status = 404, description = "No turn of this conversation is running or waiting (`not_found`)", body = ErrorBody),
         (status = 500, description = "A fault of the daemon (`internal`)", body = ErrorBody),
         (status = 503, description = "The pool is shutting down (`draining`), or `too_many_connections`", body = ErrorBody),
     ),
@@ -67,9 +68,9 @@ pub(super) async fn post_abort(
         return refused;
     }
     let conversation = ConversationId::new(agent_id, session_key);
-    // First the turns asked for and not over (waiting for their lease, about to send, between
-    // backends): each stops where it is. Then the runtime's running one, if any.
-    let stopped = state.stop_turns(&conversation.key());
+    // First the earliest turn asked for and not over (running, waiting for its lease, about
+    // to send, between backends): it stops where it is. Then the runtime's running one.
+    let stopped = state.stop_turn(&conversation.key());
     match state.pool.abort(&conversation).await {
         Ok(true) => StatusCode::NO_CONTENT.into_response(),
         Ok(false) | Err(_) if stopped => StatusCode::NO_CONTENT.into_response(),

@@ -1003,6 +1003,10 @@ const SESSION_CONFIG_FIELDS: &[&str] = &[
 /// A fingerprint of what a session was opened with beyond its compat key (tools, handler
 /// flags, reasoning effort, the session options): an attached session opened differently is
 /// resumed anew.
+/// Why a pinned session is refused after its resumes crashed the runtime (it is stored: a
+/// new session cannot take its id).
+pub(crate) const RESUME_CRASHED_REPEATEDLY: &str = "resuming it crashed the runtime repeatedly";
+
 fn setup_key(config: &SessionConfig) -> String {
     let text = serde_json::json!({
         "systemMessage": config.system_message,
@@ -1330,7 +1334,7 @@ impl OpenTarget<'_> {
             // A new session cannot take the id of a stored one.
             return Err(PoolError::NoSuchConversation {
                 session_key: self.session_key.to_owned(),
-                why: "resuming it crashed the runtime repeatedly",
+                why: RESUME_CRASHED_REPEATEDLY,
             }
             .into());
         }

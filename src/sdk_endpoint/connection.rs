@@ -128,7 +128,6 @@ const SESSION_CALLS: &[&str] = &[
     "session.tools.set",
     "session.plan.update",
     "session.plan.delete",
-    "session.visibility.set",
     "session.metadata.updateClientMetadata",
     "session.history.compact",
     "session.history.abortManualCompaction",
@@ -223,6 +222,14 @@ pub(super) async fn run<S>(
     let sink = {
         let held = held.clone();
         move |incoming: Incoming| {
+            // A client's notifications carry nothing the pool acts on: dropped here, so none
+            // waits in the queue holding its params.
+            if matches!(
+                incoming,
+                Incoming::Notification { .. } | Incoming::SessionEvent { .. }
+            ) {
+                return;
+            }
             if let Incoming::Request(request) = &incoming {
                 // One call is always taken, however large (it is within max_frame_bytes).
                 let bytes = request.frame_bytes;
@@ -292,11 +299,13 @@ pub(super) async fn run<S>(
                     break;
                 };
                 let client = client.clone();
-                let held = held.clone();
+                let held = HeldBytes {
+                    held: held.clone(),
+                    bytes: request.frame_bytes,
+                };
                 tokio::spawn(async move {
-                    let bytes = request.frame_bytes;
                     client.handle(request).await;
-                    held.fetch_sub(bytes, Ordering::SeqCst);
+                    drop(held);
                     drop(permit);
                 });
             }
@@ -308,6 +317,19 @@ pub(super) async fn run<S>(
     client.close().await;
     conn.close(CloseCause::Local);
     crate::metrics::sdk_connection_closed();
+}
+
+/// A handled call's share of its connection's held bytes, given back when it drops (its
+/// handler returned, or panicked).
+struct HeldBytes {
+    held: Arc<AtomicUsize>,
+    bytes: usize,
+}
+
+impl Drop for HeldBytes {
+    fn drop(&mut self) {
+        self.held.fetch_sub(self.bytes, Ordering::SeqCst);
+    }
 }
 
 impl Client {
@@ -679,6 +701,7 @@ impl Client {
             return Err(session_not_found(method, id));
         };
         self.touch(id);
+        // Handled below, or refused there with their own reasons (`session.provider.add`).
         const ANSWERED_HERE: &[&str] = &[
             "session.send",
             "session.abort",

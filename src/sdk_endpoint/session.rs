@@ -129,12 +129,19 @@ pub(super) const SDK_REFUSED_FIELDS: &[&str] = &[
     // A GitHub identity the runtime would ask the client for, which the pool's process key
     // would not know (a session's own identity is its `gitHubToken`).
     "gitHubTokenProviderRegistrationId",
+    // The runtime's `manage_schedule` tool: the model would schedule turns that run with no
+    // lease, unsupervised (`false`, which the Node SDK's "empty" mode sends, passes).
+    "manageScheduleEnabled",
 ];
 
 /// What to do instead of setting one of [`SDK_REFUSED_FIELDS`].
 fn refused_because(field: &str) -> &'static str {
     match field {
         "configDir" => "every agent has its own COPILOT_HOME, chosen by the pool",
+        "manageScheduleEnabled" => {
+            "scheduled turns would run outside the turns the pool supervises; schedule them \
+             from the gateway, each a session.send"
+        }
         "gitHubTokenProviderRegistrationId" => {
             "give the session its own GitHub identity with `gitHubToken` (the pool runs it on \
              processes of that token)"
@@ -485,6 +492,12 @@ impl SdkSession {
             req.working_directory = dir.clone();
         }
         self.shared.pool.lease(req).await.map_err(|e| match e {
+            // Stored, but its resumes crashed the runtime: no create would help.
+            PoolError::NoSuchConversation { why, .. }
+                if why == crate::pool::RESUME_CRASHED_REPEATEDLY =>
+            {
+                pool_error(method, &e)
+            }
             PoolError::NoSuchConversation { .. } => no_stored_session(method, self.id().as_str()),
             other => pool_error(method, &other),
         })
@@ -968,7 +981,9 @@ fn refuse_unguarded_call(method: &str, params: &Value) -> Result<(), CallError> 
         _ => None,
     };
     match refused {
-        Some(field @ ("configDir" | "gitHubTokenProviderRegistrationId")) => Err(ErrorObject::new(
+        Some(
+            field @ ("configDir" | "gitHubTokenProviderRegistrationId" | "manageScheduleEnabled"),
+        ) => Err(ErrorObject::new(
             INVALID_PARAMS,
             format!(
                 "{method} with {field} is not accepted through copilot-pool: {}",
