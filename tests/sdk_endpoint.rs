@@ -1115,6 +1115,39 @@ async fn a_connections_waiting_calls_hold_at_most_twice_the_largest_frame() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_holds_at_most_its_share_of_sessions_until_it_lets_one_go() {
+    let fx = Fixture::new().await;
+    let served =
+        Served::start_with_endpoint(&fx, |_| {}, |config| config.max_sessions_per_connection = 2)
+            .await;
+    let (conn, _events) = connected(served.addr, "token-a").await;
+    for id in ["held-1", "held-2"] {
+        conn.request("session.create", create_params(&fx, id), None)
+            .await
+            .expect("create");
+    }
+    let refused = remote_error(
+        conn.request("session.create", create_params(&fx, "held-3"), None)
+            .await,
+    );
+    assert!(
+        refused.message.contains("max_sessions_per_connection"),
+        "{refused:?}"
+    );
+    // Letting one go makes room; reopening one it holds needs none.
+    conn.request("session.resume", create_params(&fx, "held-2"), None)
+        .await
+        .expect("a session it holds reopens");
+    conn.request("session.detach", json!({"sessionId": "held-1"}), None)
+        .await
+        .expect("detach");
+    conn.request("session.create", create_params(&fx, "held-3"), None)
+        .await
+        .expect("create after letting one go");
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_past_the_endpoints_limit_is_aborted_and_its_client_told_why() {
     let fx = Fixture::new().await;
     let served = Served::start_with_endpoint(

@@ -587,6 +587,19 @@ impl Client {
                     format!("Request {method} failed with message: the connection is closing"),
                 ));
             }
+            let limit = self.shared.config.max_sessions_per_connection;
+            if !sessions.contains_key(&id) && sessions.len() >= limit {
+                return Err(ErrorObject::new(
+                    INTERNAL_ERROR,
+                    format!(
+                        "Request {method} failed with message: this connection holds {} \
+                         sessions, copilot-pool's max_sessions_per_connection; disconnect the \
+                         ones it no longer uses (the SDK's disconnect, session.detach), or use \
+                         another connection",
+                        sessions.len()
+                    ),
+                ));
+            }
             if !self.shared.claim(&conversation, self.id) {
                 return Err(ErrorObject::new(
                     INTERNAL_ERROR,

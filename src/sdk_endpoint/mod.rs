@@ -81,6 +81,10 @@ pub struct SdkConfig {
     /// Requests of one connection handled at once (default 64); more wait, and past the
     /// queue they are refused.
     pub max_requests_per_connection: usize,
+    /// Sessions one connection holds at once (default 1024: each keeps its config, up to a
+    /// frame, for the connection's life); one more is refused until it lets one go
+    /// (`session.detach`, the SDKs' `disconnect`).
+    pub max_sessions_per_connection: usize,
     /// Largest frame a client may send (default 16 MiB).
     pub max_frame_bytes: usize,
     /// Overrides the pool's wait for capacity and for a busy session.
@@ -115,6 +119,7 @@ impl SdkConfig {
             client_request_timeout: Duration::from_secs(600),
             max_turn_duration: Duration::from_secs(1800),
             max_requests_per_connection: 64,
+            max_sessions_per_connection: 1024,
             max_frame_bytes: 16 << 20,
             wait_timeout: None,
             version: env!("CARGO_PKG_VERSION").to_owned(),

@@ -246,6 +246,8 @@ pub struct SdkSection {
     pub max_unauthenticated_connections: usize,
     /// Of those, one agent's authenticated connections at most (default 64).
     pub max_connections_per_agent: usize,
+    /// Sessions one connection holds at once (default 1024).
+    pub max_sessions_per_connection: usize,
     /// Each agent's connection token, as its SHA-256 in hex.
     pub tokens: Vec<SdkToken>,
 }
@@ -267,6 +269,7 @@ impl Default for SdkSection {
             max_connections: 1024,
             max_unauthenticated_connections: 64,
             max_connections_per_agent: 64,
+            max_sessions_per_connection: 1024,
             tokens: Vec::new(),
         }
     }
@@ -609,10 +612,12 @@ impl ServeConfig {
             if self.sdk.max_connections == 0
                 || self.sdk.max_unauthenticated_connections == 0
                 || self.sdk.max_connections_per_agent == 0
+                || self.sdk.max_sessions_per_connection == 0
             {
                 bail!(
-                    "sdk.max_connections, sdk.max_unauthenticated_connections and \
-                     sdk.max_connections_per_agent must be above 0 (defaults 1024, 64 and 64)"
+                    "sdk.max_connections, sdk.max_unauthenticated_connections, \
+                     sdk.max_connections_per_agent and sdk.max_sessions_per_connection must be \
+                     above 0 (defaults 1024, 64, 64 and 1024)"
                 );
             }
         }

@@ -230,6 +230,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             sdk_config.max_connections = config.sdk.max_connections;
             sdk_config.max_unauthenticated_connections = config.sdk.max_unauthenticated_connections;
             sdk_config.max_connections_per_agent = config.sdk.max_connections_per_agent;
+            sdk_config.max_sessions_per_connection = config.sdk.max_sessions_per_connection;
             sdk_config.allow_logged_in_user = config.auth.allow_logged_in_user;
             sdk_config.allow_local_mcp_servers = config.allow_local_mcp_servers;
             sdk_config.allowed_work_roots = config.allowed_work_roots.clone();
