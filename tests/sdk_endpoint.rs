@@ -1148,6 +1148,62 @@ async fn a_connection_holds_at_most_its_share_of_sessions_until_it_lets_one_go()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switched_model_stays_switched_when_the_session_resumes_on_another_process() {
+    let fx = Fixture::new().await;
+    // A warm spare (the default) may resume the session ahead, with its create-time config.
+    let served = Served::start(&fx).await;
+    let (conn, mut events) = connected(served.addr, "token-a").await;
+    conn.request("session.create", create_params(&fx, "switched"), None)
+        .await
+        .expect("create");
+    conn.request(
+        "session.model.switchTo",
+        json!({"sessionId": "switched", "modelId": "scripted-model-2"}),
+        None,
+    )
+    .await
+    .expect("switchTo");
+    let model_of_last_call =
+        || fx.model.requests().pop().expect("a model call").body["model"].clone();
+    conn.request(
+        "session.send",
+        json!({"sessionId": "switched", "prompt": "REPLY=one"}),
+        None,
+    )
+    .await
+    .expect("send");
+    until_event(&mut events, "session.idle").await;
+    assert_eq!(model_of_last_call(), "scripted-model-2");
+    // The process goes (an OOM kill, say): the next call resumes the session elsewhere, and
+    // the runtime's resume selects the create-time model.
+    let pid = served.pool.status().await.expect("status").workers[0].pid;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    assert!(
+        support::procs::wait_group_gone(pid, Duration::from_secs(10))
+            .await
+            .is_empty()
+    );
+    conn.request(
+        "session.send",
+        json!({"sessionId": "switched", "prompt": "REPLY=two"}),
+        None,
+    )
+    .await
+    .expect("send after the kill");
+    until_event(&mut events, "session.idle").await;
+    assert_eq!(
+        model_of_last_call(),
+        "scripted-model-2",
+        "the switch was lost with the process"
+    );
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_past_the_endpoints_limit_is_aborted_and_its_client_told_why() {
     let fx = Fixture::new().await;
     let served = Served::start_with_endpoint(

@@ -743,6 +743,7 @@ impl Client {
             "session.permissions.handlePendingPermissionRequest" => {
                 session.answer_permission(&params).await
             }
+            "session.model.switchTo" => session.switch_model(params).await,
             "session.options.update" => {
                 let agent = self.agent().unwrap_or_default();
                 let params =

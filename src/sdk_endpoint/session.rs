@@ -36,6 +36,9 @@ const MAX_SESSION_ID_BYTES: usize = 128;
 /// died.
 pub const PROCESS_CRASHED: &str = "process_crashed";
 
+/// The client's model switch, applied again where the session moves.
+const SWITCH_MODEL: &str = "session.model.switchTo";
+
 /// The `errorType` of the `session.error` a client gets when its turn ran past the
 /// endpoint's `max_turn_duration` and was aborted.
 pub const TURN_LIMIT: &str = "turn_limit";
@@ -364,6 +367,11 @@ pub(super) struct SdkSession {
     /// The agent's work directory, once created (for a session that names no
     /// `workingDirectory`): created on its first lease, not on every call.
     work_dir: tokio::sync::OnceCell<PathBuf>,
+    /// The client's last `session.model.switchTo` (its params) and the process that took it:
+    /// the runtime's `session.resume` selects the model the session was created with
+    /// (measured, 1.0.14: whatever the resume's own `model`), so a lease on another process
+    /// applies the switch again before anything else.
+    switched_model: Mutex<Option<(Value, u32)>>,
 }
 
 /// What an open passes on once its answer is out: the runtime answers `session.create` /
@@ -441,6 +449,7 @@ impl SdkSession {
             stopped: std::sync::atomic::AtomicBool::new(false),
             gate: Arc::new(tokio::sync::Mutex::new(())),
             work_dir: tokio::sync::OnceCell::new(),
+            switched_model: Mutex::new(None),
         }
     }
 
@@ -491,7 +500,7 @@ impl SdkSession {
                 .await?;
             req.working_directory = dir.clone();
         }
-        self.shared.pool.lease(req).await.map_err(|e| match e {
+        let mut lease = self.shared.pool.lease(req).await.map_err(|e| match e {
             // Stored, but its resumes crashed the runtime: no create would help.
             PoolError::NoSuchConversation { why, .. }
                 if why == crate::pool::RESUME_CRASHED_REPEATEDLY =>
@@ -500,7 +509,51 @@ impl SdkSession {
             }
             PoolError::NoSuchConversation { .. } => no_stored_session(method, self.id().as_str()),
             other => pool_error(method, &other),
-        })
+        })?;
+        self.reapply_model_switch(&mut lease).await;
+        Ok(lease)
+    }
+
+    /// A lease on another process than the one that took the client's model switch (a
+    /// resume after a crash, recycling, a rotation, or a spare's resume ahead): the switch is
+    /// applied again, so the session keeps the model its client chose.
+    async fn reapply_model_switch(&self, lease: &mut Lease) {
+        let pid = lease.worker_pid();
+        let switch = match self.switched_model.lock() {
+            Ok(switched) => switched.as_ref().filter(|(_, on)| *on != pid).cloned(),
+            Err(_) => None,
+        };
+        let Some((params, _)) = switch else {
+            return;
+        };
+        let Ok(session) = lease.passthrough() else {
+            return;
+        };
+        let worker = session.worker().clone();
+        let timeout = self.shared.config.request_timeout;
+        match call(&worker, SWITCH_MODEL, params.clone(), timeout).await {
+            Ok(_) => {
+                if let Ok(mut switched) = self.switched_model.lock() {
+                    *switched = Some((params, pid));
+                }
+            }
+            Err(error) => tracing::warn!(
+                session = %self.id(),
+                error = %error.message,
+                "Could not apply the client's model switch again on the process the session \
+                 moved to; it runs with the model it was created with."
+            ),
+        }
+    }
+
+    /// `session.model.switchTo`: passed on as any call, then remembered with the process
+    /// that took it ([`Self::reapply_model_switch`]).
+    pub(super) async fn switch_model(&self, params: Value) -> Result<Value, CallError> {
+        let (answer, pid) = self.call_on(SWITCH_MODEL, params.clone()).await?;
+        if let Ok(mut switched) = self.switched_model.lock() {
+            *switched = Some((params, pid));
+        }
+        Ok(answer)
     }
 
     /// `session.create` / `session.resume`: opens the session through the pool (creating
@@ -889,16 +942,28 @@ impl SdkSession {
     /// Any other call on the session: to the process running its turn, or, between turns,
     /// to the process the pool leases it on for the call.
     pub(super) async fn call(&self, method: &str, params: Value) -> Result<Value, CallError> {
+        self.call_on(method, params).await.map(|(answer, _)| answer)
+    }
+
+    /// [`Self::call`], with the pid of the process that answered.
+    async fn call_on(&self, method: &str, params: Value) -> Result<(Value, u32), CallError> {
         refuse_unguarded_call(method, &params)?;
         let timeout = self.shared.config.request_timeout;
         if let Some((worker, _)) = self.running() {
-            return call(&worker, method, params, timeout).await;
+            let pid = worker.pid();
+            return call(&worker, method, params, timeout)
+                .await
+                .map(|a| (a, pid));
         }
         let _gate = self.gate.lock().await;
         if let Some((worker, _)) = self.running() {
-            return call(&worker, method, params, timeout).await;
+            let pid = worker.pid();
+            return call(&worker, method, params, timeout)
+                .await
+                .map(|a| (a, pid));
         }
         let mut lease = self.lease(method, true).await?;
+        let pid = lease.worker_pid();
         let session = lease.passthrough().map_err(|e| pool_error(method, &e))?;
         self.forward_waiting(session);
         let worker = session.worker().clone();
@@ -907,7 +972,7 @@ impl SdkSession {
         if answer.is_err() && !session.is_alive() {
             lease.set_lost();
         }
-        answer
+        answer.map(|a| (a, pid))
     }
 
     /// What a process lease of this session's key asks for (a call naming no session).
