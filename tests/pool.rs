@@ -808,15 +808,10 @@ async fn a_worker_is_recycled_after_its_turn_budget() {
         |e| matches!(e, PoolEvent::WorkerEvicted { pid: p, reason: Eviction::Drained, .. } if *p == pid),
     )
     .await;
-    let mut lease = pool
-        .lease(fx.request("agent-a", "conv"))
-        .await
-        .expect("lease on a fresh process");
-    assert_ne!(lease.worker_pid(), pid);
-    assert_eq!(lease.reason(), OpenReason::Resumed);
-    lease.run("the marker?").await.expect("turn");
-    assert!(fx.last_model_request().contains("MARKER-recycle-2"));
-    drop(lease);
+    let reason = fx
+        .goes_on_elsewhere(&pool, "agent-a", "conv", pid, "MARKER-recycle-2")
+        .await;
+    assert_eq!(reason, OpenReason::Resumed);
     shutdown_leaves_nothing(&pool).await;
 }
 

@@ -332,15 +332,10 @@ async fn a_killed_worker_actor_counts_as_crashed_once_its_process_is_reaped() {
         !Path::new(&format!("/proc/{pid}")).exists(),
         "the pool counted the crash of {pid} before its process was reaped"
     );
-    let mut lease = pool
-        .lease(fx.request("agent-k", "conv"))
-        .await
-        .expect("lease after the kill");
-    assert_eq!(lease.reason(), OpenReason::Resumed);
-    assert_ne!(lease.worker_pid(), pid);
-    lease.run("REPLY=two").await.expect("turn after the kill");
-    assert!(fx.last_model_request().contains("MARKER-killed"));
-    drop(lease);
+    let reason = fx
+        .goes_on_elsewhere(&pool, "agent-k", "conv", pid, "MARKER-killed")
+        .await;
+    assert_eq!(reason, OpenReason::Resumed);
     shutdown_leaves_nothing(&pool).await;
 }
 
@@ -390,14 +385,8 @@ async fn a_turn_whose_worker_actor_is_killed_ends_died_only_once_the_process_is_
         "{ended:?}"
     );
     drop(lease);
-    let mut lease = pool
-        .lease(fx.request("agent-k", "conv"))
-        .await
-        .expect("lease after the kill");
-    assert_ne!(lease.worker_pid(), pid);
-    lease.run("REPLY=two").await.expect("turn after the kill");
-    assert!(fx.last_model_request().contains("MARKER-mid-turn"));
-    drop(lease);
+    fx.goes_on_elsewhere(&pool, "agent-k", "conv", pid, "MARKER-mid-turn")
+        .await;
     shutdown_leaves_nothing(&pool).await;
 }
 

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use copilot_pool::auth::LeaseAuth;
-use copilot_pool::pool::{LeaseRequest, Pool, PoolConfig, PoolEvent, PoolStatus, WorkerStatus};
+use copilot_pool::pool::{
+    LeaseRequest, OpenReason, Pool, PoolConfig, PoolEvent, PoolStatus, WorkerStatus,
+};
 use copilot_pool::rpc::messages::ProviderConfig;
 use copilot_pool::scripted_model::{HttpEndpoint, ScriptedModel};
 use copilot_pool::secret::Secret;
@@ -72,6 +74,33 @@ impl Fixture {
     }
 
     /// The text of every message of the last model request.
+    /// The conversation goes on after its process `gone` went: a lease of `agent` /
+    /// `session_key` lands on another process, and the next turn's model call carries
+    /// `marker`, sent before (its history was kept). Returns how the lease opened it.
+    pub async fn goes_on_elsewhere(
+        &self,
+        pool: &Pool,
+        agent: &str,
+        session_key: &str,
+        gone: u32,
+        marker: &str,
+    ) -> OpenReason {
+        let mut lease = pool
+            .lease(self.request(agent, session_key))
+            .await
+            .expect("lease after the process went");
+        assert_ne!(lease.worker_pid(), gone, "the process that went serves it");
+        lease
+            .run("REPLY=going on")
+            .await
+            .expect("a turn after the process went");
+        assert!(
+            self.last_model_request().contains(marker),
+            "{marker} was lost with the process"
+        );
+        lease.reason()
+    }
+
     pub fn last_model_request(&self) -> String {
         let last = self.model.requests().pop().expect("a model request");
         serde_json::to_string(last.messages()).expect("json")
