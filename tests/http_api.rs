@@ -180,14 +180,18 @@ async fn an_abort_stops_a_turn_still_waiting_for_room_before_its_prompt_is_sent(
     tokio::time::timeout(Duration::from_secs(30), queued)
         .await
         .expect("the second agent's turn waits for room");
-    // The user presses stop on it: it ends aborted, its prompt never sent.
+    // The user presses stop on it: it ends aborted now, still waiting, its prompt never sent
+    // (the other agent's turn runs on).
     let aborted = call(addr, "POST", "/v1/sessions/agent-s/conv/abort", None, None).await;
     assert_eq!(aborted.status, 204, "{}", aborted.body);
+    let waited = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the aborted turn stops waiting for room")
+        .expect("the waiting turn's request");
     let other = call(addr, "POST", "/v1/sessions/agent-r/conv/abort", None, None).await;
     assert_eq!(other.status, 204, "{}", other.body);
     let (_, end) = running.until_end().await;
     assert_eq!(end["status"], "aborted", "{end}");
-    let waited = waiting.await.expect("the waiting turn's request");
     assert_eq!(waited.json()["status"], "aborted", "{}", waited.body);
     assert!(
         waited.json()["error"]

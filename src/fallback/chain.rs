@@ -165,6 +165,12 @@ pub trait ChainSink: Send + Sync {
     fn stop_requested(&self) -> bool {
         false
     }
+
+    /// Resolves once the caller asks to stop the turn ([`ChainSink::stop_requested`]): a
+    /// wait for a backend's lease ends there, the turn `aborted`. The default never resolves.
+    fn stopped(&self) -> impl Future<Output = ()> + Send {
+        std::future::pending()
+    }
 }
 
 /// A shared sink (the caller keeps a clone to read what it gathered).
@@ -183,6 +189,10 @@ impl<T: ChainSink> ChainSink for std::sync::Arc<T> {
 
     fn stop_requested(&self) -> bool {
         T::stop_requested(self)
+    }
+
+    fn stopped(&self) -> impl Future<Output = ()> + Send {
+        T::stopped(self)
     }
 }
 
@@ -382,6 +392,10 @@ impl<S: ChainSink> ChainSink for Bounded<'_, S> {
     fn stop_requested(&self) -> bool {
         self.sink.stop_requested()
     }
+
+    fn stopped(&self) -> impl Future<Output = ()> + Send {
+        self.sink.stopped()
+    }
 }
 
 /// The first backend's lease, or why it could not be leased.
@@ -390,6 +404,8 @@ enum FirstRun {
     Cli(CliLease, bool),
     /// Not leased, with a retryable class; the next backend runs without a prelude.
     Unleased(TurnSummary, FallbackClass),
+    /// Stopped by the caller while its lease was waited for: nothing runs.
+    Stopped(TurnSummary),
 }
 
 impl<S: ChainSink> ChainLease<S> {
@@ -410,7 +426,24 @@ impl<S: ChainSink> ChainLease<S> {
         let mut req = template.clone();
         sink.prepare(&mut req);
         let backend = req.backend.clone();
-        let first = match lease(pool, req).await {
+        let leased = tokio::select! {
+            leased = lease(pool, req) => leased,
+            () = sink.stopped() => {
+                let mut summary = TurnSummary::unleased(&backend, STOPPED_BEFORE_START.to_owned());
+                summary.status = TurnEnd::Aborted;
+                return Ok(Self {
+                    pool: pool.clone(),
+                    sink,
+                    first: FirstRun::Stopped(summary),
+                    rest: fallbacks.into(),
+                    template,
+                    message,
+                    budget: prelude_chars,
+                    deliver_timeout,
+                });
+            }
+        };
+        let first = match leased {
             Ok(NextLease::Copilot(lease, dir)) => FirstRun::Copilot(lease, dir),
             Ok(NextLease::Cli(lease, bridged)) => FirstRun::Cli(lease, bridged),
             Err(e) => match super::classify_lease(e.kind()) {
@@ -439,7 +472,7 @@ impl<S: ChainSink> ChainLease<S> {
         match &self.first {
             FirstRun::Copilot(..) => Some(COPILOT_BACKEND),
             FirstRun::Cli(lease, _) => Some(lease.backend()),
-            FirstRun::Unleased(..) => None,
+            FirstRun::Unleased(..) | FirstRun::Stopped(..) => None,
         }
     }
 
@@ -493,6 +526,13 @@ impl<S: ChainSink> ChainLease<S> {
                 transcript: None,
                 gone: false,
             },
+            FirstRun::Stopped(summary) => RunEnd {
+                summary,
+                class: None,
+                streamed: false,
+                transcript: None,
+                gone: false,
+            },
         };
         // The prelude of the last failed conversation with a transcript: kept across a
         // lease that fails and across a failed backend without one.
@@ -535,6 +575,10 @@ impl<S: ChainSink> ChainLease<S> {
                 leased = prelude_then_lease => leased,
                 () = sink.gone() => {
                     end.gone = true;
+                    break;
+                }
+                () = sink.stopped() => {
+                    end.summary.status = TurnEnd::Aborted;
                     break;
                 }
             };

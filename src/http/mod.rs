@@ -58,6 +58,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use tokio_util::sync::CancellationToken;
+
 use axum::Router;
 use axum::http::StatusCode;
 use axum::middleware;
@@ -182,7 +184,7 @@ struct AppState {
     /// The stop flags of the turns asked for and not yet over, by conversation key: an
     /// abort stops them wherever they are (waiting for their lease, between backends,
     /// about to send), not only one whose prompt the runtime already has.
-    stops: std::sync::Mutex<std::collections::HashMap<String, Vec<Arc<AtomicBool>>>>,
+    stops: std::sync::Mutex<std::collections::HashMap<String, Vec<Arc<CancellationToken>>>>,
 }
 
 impl AppState {
@@ -193,17 +195,17 @@ impl AppState {
     /// Registers a turn of `conversation` (its key) that an abort may stop until the
     /// returned guard drops.
     fn turn_stop(self: &Arc<Self>, conversation: String) -> TurnStop {
-        let flag = Arc::new(AtomicBool::new(false));
+        let token = Arc::new(CancellationToken::new());
         if let Ok(mut stops) = self.stops.lock() {
             stops
                 .entry(conversation.clone())
                 .or_default()
-                .push(flag.clone());
+                .push(token.clone());
         }
         TurnStop {
             state: self.clone(),
             conversation,
-            flag,
+            token,
         }
     }
 
@@ -215,9 +217,9 @@ impl AppState {
         let Ok(stops) = self.stops.lock() else {
             return false;
         };
-        match stops.get(conversation).and_then(|flags| flags.first()) {
-            Some(flag) => {
-                flag.store(true, Ordering::SeqCst);
+        match stops.get(conversation).and_then(|tokens| tokens.first()) {
+            Some(token) => {
+                token.cancel();
                 true
             }
             None => false,
@@ -225,17 +227,22 @@ impl AppState {
     }
 }
 
-/// A turn's stop flag, registered with the router until it drops (with the turn's sink).
+/// A turn's stop, registered with the router until it drops (with the turn's sink).
 struct TurnStop {
     state: Arc<AppState>,
     conversation: String,
-    flag: Arc<AtomicBool>,
+    token: Arc<CancellationToken>,
 }
 
 impl TurnStop {
     /// Whether an abort asked this turn to stop.
     fn requested(&self) -> bool {
-        self.flag.load(Ordering::SeqCst)
+        self.token.is_cancelled()
+    }
+
+    /// Resolves once an abort asks this turn to stop.
+    async fn asked(&self) {
+        self.token.cancelled().await;
     }
 }
 
@@ -244,7 +251,7 @@ impl Drop for TurnStop {
         if let Ok(mut stops) = self.state.stops.lock()
             && let Some(flags) = stops.get_mut(&self.conversation)
         {
-            flags.retain(|f| !Arc::ptr_eq(f, &self.flag));
+            flags.retain(|t| !Arc::ptr_eq(t, &self.token));
             if flags.is_empty() {
                 stops.remove(&self.conversation);
             }

@@ -497,6 +497,10 @@ impl ChainSink for StreamSink {
     fn stop_requested(&self) -> bool {
         self.stop.requested()
     }
+
+    async fn stopped(&self) {
+        self.stop.asked().await;
+    }
 }
 
 /// The gateway's permission answers with a time limit: the Copilot path's turn driver
