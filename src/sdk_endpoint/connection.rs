@@ -714,28 +714,6 @@ impl Client {
             return Err(session_not_found(method, id));
         };
         self.touch(id);
-        // Handled below, or refused there with their own reasons (`session.provider.add`).
-        const ANSWERED_HERE: &[&str] = &[
-            "session.send",
-            "session.abort",
-            "session.tools.handlePendingToolCall",
-            "session.permissions.handlePendingPermissionRequest",
-            "session.options.update",
-            "session.provider.add",
-        ];
-        if !ANSWERED_HERE.contains(&method) && !SESSION_CALLS.contains(&method) {
-            return Err(ErrorObject::new(
-                METHOD_NOT_FOUND,
-                format!(
-                    "{method} is not available through copilot-pool: a session's calls are its \
-                     reads, its own settings (model, mode, name, agent, plan, history) and the \
-                     answers to what the runtime asks; this one would run work outside a turn \
-                     the pool supervises, widen what the session may touch, or change its \
-                     identity. Send turns with session.send; give directories, tools and MCP \
-                     servers at session.create"
-                ),
-            ));
-        }
         match method {
             "session.send" => session.send(params).await,
             "session.abort" => session.abort(params).await,
@@ -750,7 +728,20 @@ impl Client {
                     session::confine_directories(&self.shared, agent, method, params).await?;
                 session.call(method, params).await
             }
-            _ => session.call(method, params).await,
+            // Refused in `call` with its own reason.
+            "session.provider.add" => session.call(method, params).await,
+            _ if SESSION_CALLS.contains(&method) => session.call(method, params).await,
+            _ => Err(ErrorObject::new(
+                METHOD_NOT_FOUND,
+                format!(
+                    "{method} is not available through copilot-pool: a session's calls are its \
+                     reads, its own settings (model, mode, name, agent, plan, history) and the \
+                     answers to what the runtime asks; this one would run work outside a turn \
+                     the pool supervises, widen what the session may touch, or change its \
+                     identity. Send turns with session.send; give directories, tools and MCP \
+                     servers at session.create"
+                ),
+            )),
         }
     }
 

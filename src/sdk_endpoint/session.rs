@@ -137,22 +137,20 @@ pub(super) const SDK_REFUSED_FIELDS: &[&str] = &[
     "manageScheduleEnabled",
 ];
 
-/// What to do instead of setting one of [`SDK_REFUSED_FIELDS`].
-fn refused_because(field: &str) -> &'static str {
+/// What to do instead of setting one of [`SDK_REFUSED_FIELDS`], for those with a reason of
+/// their own; `None` for the model endpoints and providers, refused for the guarded path.
+fn refused_because(field: &str) -> Option<&'static str> {
     match field {
-        "configDir" => "every agent has its own COPILOT_HOME, chosen by the pool",
-        "manageScheduleEnabled" => {
+        "configDir" => Some("every agent has its own COPILOT_HOME, chosen by the pool"),
+        "manageScheduleEnabled" => Some(
             "scheduled turns would run outside the turns the pool supervises; schedule them \
-             from the gateway, each a session.send"
-        }
-        "gitHubTokenProviderRegistrationId" => {
+             from the gateway, each a session.send",
+        ),
+        "gitHubTokenProviderRegistrationId" => Some(
             "give the session its own GitHub identity with `gitHubToken` (the pool runs it on \
-             processes of that token)"
-        }
-        _ => {
-            "give the session one `provider`, which the pool serves through its guarded model \
-             path"
-        }
+             processes of that token)",
+        ),
+        _ => None,
     }
 }
 
@@ -225,7 +223,10 @@ impl SessionSpec {
                 INVALID_PARAMS,
                 format!(
                     "{field} is not accepted through copilot-pool: {}",
-                    refused_because(field)
+                    refused_because(field).unwrap_or(
+                        "give the session one `provider`, which the pool serves through its \
+                         guarded model path"
+                    )
                 ),
             ));
         }
@@ -671,6 +672,8 @@ impl SdkSession {
         let mut limit = std::pin::pin!(limit);
         let settle_limit = self.shared.pool.config().abort_settle_timeout;
         let mut failed = false;
+        // Set when the limit, not the turn's own end, stopped it (the deadline may pass while
+        // a turn's last events are read: that is no limit).
         let mut past_limit = false;
         let Ok(session) = lease.passthrough() else {
             return;
@@ -679,14 +682,14 @@ impl SdkSession {
             let next = tokio::select! {
                 update = session.next() => Ok(update),
                 _ = stop.wait_for(|s| *s) => Err("stopped"),
-                () = limit.as_mut() => Err("turn limit"),
+                () = limit.as_mut() => {
+                    past_limit = true;
+                    Err("turn limit")
+                }
             };
             let update = match next {
                 Ok(update) => update,
-                Err(why) => {
-                    past_limit = why == "turn limit";
-                    break self.settle(session, settle_limit, why).await;
-                }
+                Err(why) => break self.settle(session, settle_limit, why).await,
             };
             match update {
                 Some(SessionUpdate::Event(event)) => {
@@ -754,11 +757,22 @@ impl SdkSession {
              max_turn_duration ({limit:?}); split the work into shorter turns, or raise the \
              limit ([turns] absolute_secs in copilot-pool serve's config)"
         );
+        self.end_turn_with(TURN_LIMIT, message, true);
+    }
+
+    /// Tells the client its turn ended with `error_type`: a `session.error`, then the
+    /// `session.idle` that ends its `sendAndWait`.
+    fn end_turn_with(&self, error_type: &str, message: String, aborted: bool) {
         self.notify_event(synthetic_event(
             "session.error",
-            json!({"errorType": TURN_LIMIT, "message": message}),
+            json!({"errorType": error_type, "message": message}),
         ));
-        self.notify_event(synthetic_event("session.idle", json!({"aborted": true})));
+        let idle = if aborted {
+            json!({"aborted": true})
+        } else {
+            json!({})
+        };
+        self.notify_event(synthetic_event("session.idle", idle));
     }
 
     /// The running turn is over: later calls take a lease of their own.
@@ -792,11 +806,7 @@ impl SdkSession {
             "The Copilot runtime process running this session died ({error}). copilot-pool \
              resumes the session on a fresh process at the next call; send again to go on."
         );
-        self.notify_event(synthetic_event(
-            "session.error",
-            json!({"errorType": PROCESS_CRASHED, "message": message}),
-        ));
-        self.notify_event(synthetic_event("session.idle", json!({})));
+        self.end_turn_with(PROCESS_CRASHED, message, false);
     }
 
     /// Passes on what reached the session while no turn was pumped (late events of an
@@ -1046,21 +1056,14 @@ fn refuse_unguarded_call(method: &str, params: &Value) -> Result<(), CallError> 
         _ => None,
     };
     match refused {
-        Some(
-            field @ ("configDir" | "gitHubTokenProviderRegistrationId" | "manageScheduleEnabled"),
-        ) => Err(ErrorObject::new(
-            INVALID_PARAMS,
-            format!(
-                "{method} with {field} is not accepted through copilot-pool: {}",
-                refused_because(field)
-            ),
-        )),
         Some(field) => Err(ErrorObject::new(
             INVALID_PARAMS,
             format!(
-                "{method} with {field} is not accepted through copilot-pool: a session's model \
-                 provider is the one it was created with, served through the pool's guarded \
-                 model path"
+                "{method} with {field} is not accepted through copilot-pool: {}",
+                refused_because(field).unwrap_or(
+                    "a session's model provider is the one it was created with, served \
+                     through the pool's guarded model path"
+                )
             ),
         )),
         None => Ok(()),
