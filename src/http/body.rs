@@ -378,8 +378,7 @@ fn token_limit(field: &str, value: Option<Value>) -> Result<Option<u64>, Respons
                 crate::provider::MAX_TOKEN_LIMIT,
                 match &value {
                     Value::Number(n) => n.to_string(),
-                    Value::String(_) => "a string".to_owned(),
-                    other => crate::secret::shown_if_a_word(&other.to_string()),
+                    other => crate::session_options::json_type(other).to_owned(),
                 }
             ),
         )),

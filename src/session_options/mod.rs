@@ -376,7 +376,7 @@ fn local_servers_in(servers: &Value, prefix: &str, out: &mut Vec<String>) {
     }
 }
 
-fn json_type(value: &Value) -> &'static str {
+pub(crate) fn json_type(value: &Value) -> &'static str {
     match value {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",

@@ -514,9 +514,7 @@ impl WorkerHandle {
         // hold its sessions' locks) is gone only once it is reaped, and a caller moving its
         // conversations elsewhere must not go on before that.
         self.reaped().await;
-        tokio::time::timeout(EXIT_REPORT_WAIT, self.ended())
-            .await
-            .unwrap_or_else(|_| self.killed())
+        self.reported().await.unwrap_or_else(|| self.killed())
     }
 
     /// Returns once the actor has routed everything the runtime sent before this call
@@ -540,18 +538,18 @@ impl WorkerHandle {
 
     /// The error for "the actor or the connection is gone".
     async fn gone(&self) -> WorkerError {
-        match tokio::time::timeout(EXIT_REPORT_WAIT, self.ended()).await {
-            Ok(exit) if exit.is_shutdown() => WorkerError::Stopped,
-            Ok(exit) => WorkerError::Died(exit),
-            Err(_) => WorkerError::Stopped,
+        match self.reported().await {
+            Some(exit) if exit.is_shutdown() => WorkerError::Stopped,
+            Some(exit) => WorkerError::Died(exit),
+            None => WorkerError::Stopped,
         }
     }
 
     async fn explain_closed(&self, err: RpcError) -> WorkerError {
-        match tokio::time::timeout(EXIT_REPORT_WAIT, self.ended()).await {
-            Ok(exit) if exit.is_shutdown() => WorkerError::Stopped,
-            Ok(exit) => WorkerError::Died(exit),
-            Err(_) => WorkerError::Rpc(err),
+        match self.reported().await {
+            Some(exit) if exit.is_shutdown() => WorkerError::Stopped,
+            Some(exit) => WorkerError::Died(exit),
+            None => WorkerError::Rpc(err),
         }
     }
 }
