@@ -516,12 +516,18 @@ impl SdkSession {
     }
 
     /// A lease on another process than the one that took the client's model switch (a
-    /// resume after a crash, recycling, a rotation, or a spare's resume ahead): the switch is
-    /// applied again, so the session keeps the model its client chose.
+    /// resume after a crash, recycling, a rotation, or a spare's resume ahead), or one that
+    /// resumed the session on the same process: the switch is applied again, so the session
+    /// keeps the model its client chose.
     async fn reapply_model_switch(&self, lease: &mut Lease) {
         let pid = lease.worker_pid();
+        // Resumed here, on the same process too, the session has its create-time model.
+        let resumed = lease.reason() == OpenReason::Resumed;
         let switch = match self.switched_model.lock() {
-            Ok(switched) => switched.as_ref().filter(|(_, on)| *on != pid).cloned(),
+            Ok(switched) => switched
+                .as_ref()
+                .filter(|(_, on)| *on != pid || resumed)
+                .cloned(),
             Err(_) => None,
         };
         let Some((params, _)) = switch else {
