@@ -1014,6 +1014,105 @@ async fn an_open_event_the_runtime_sends_after_its_answer_reaches_the_client_wit
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_while_its_calls_wait_for_a_slot_gives_its_seat_back_at_once() {
+    let fx = Fixture::new().await;
+    // One session in the pool, one call of a connection handled at a time, one connection
+    // per agent; a call waits up to 60 s for room.
+    let served = Served::start_with_endpoint(
+        &fx,
+        |config| {
+            config.max_sessions = 1;
+            config.wait_timeout = Duration::from_secs(60);
+        },
+        |config| {
+            config.max_connections_per_agent = 1;
+            config.max_requests_per_connection = 1;
+        },
+    )
+    .await;
+    // A raw client, so the order of its frames and its end on the wire is exact.
+    let mut first = TcpStream::connect(served.addr).await.expect("connect");
+    let call = |id: u64, method: &str, params: Value| json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+    write_raw_frame(&mut first, &call(1, "connect", json!({"token": "token-a"}))).await;
+    write_raw_frame(
+        &mut first,
+        &call(2, "session.create", create_params(&fx, "busy")),
+    )
+    .await;
+    let slow = json!({"sessionId": "busy", "prompt": "SCENARIO:slow SLOW=300x100"});
+    write_raw_frame(&mut first, &call(3, "session.send", slow)).await;
+    until_answer(&mut first, 3).await;
+    // A second session's create waits for room (the slow turn holds the pool's only
+    // session), holding the connection's only call slot...
+    write_raw_frame(
+        &mut first,
+        &call(4, "session.create", create_params(&fx, "waiting")),
+    )
+    .await;
+    eventually("the second create waits for room in the pool", || async {
+        served.pool.status().await.expect("status").waiters == 1
+    })
+    .await;
+    // ...and a call behind it waits for that slot when the client leaves.
+    write_raw_frame(&mut first, &call(5, "ping", json!({}))).await;
+    first.shutdown().await.expect("shutdown");
+    drop(first);
+    // The endpoint sees the client go at once (its seat back well inside the 60 s wait).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let client = raw_client(served.addr).await;
+        match client
+            .request("connect", json!({"token": "token-a"}), None)
+            .await
+        {
+            Ok(_) => break,
+            Err(error) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "the connection that left kept its seat while its calls waited: {error:?}"
+            ),
+        }
+    }
+    served.shut_down().await;
+}
+
+// One thread: the call's handler reaches the session's gate before the detach runs.
+#[tokio::test]
+async fn a_call_waiting_when_its_session_is_let_go_does_not_reach_the_session() {
+    let fx = Fixture::new().await;
+    // The open holds the session's gate until its late `session.start` (300 ms).
+    let late = fx.fake_runtime_config("late-open-event").await;
+    let served = Served::start_with(&fx, move |config| *config = late).await;
+    let (conn, _events) = connected(served.addr, "token-a").await;
+    conn.request("session.create", create_params(&fx, "let-go"), None)
+        .await
+        .expect("create");
+    let rename = tokio::spawn({
+        let conn = conn.clone();
+        async move {
+            conn.request(
+                "session.name.set",
+                json!({"sessionId": "let-go", "name": "after the detach"}),
+                None,
+            )
+            .await
+        }
+    });
+    tokio::task::yield_now().await;
+    let detached = conn
+        .request("session.detach", json!({"sessionId": "let-go"}), None)
+        .await
+        .expect("detach");
+    assert_eq!(detached["success"], true, "{detached}");
+    let error = remote_error(rename.await.expect("rename task"));
+    assert!(
+        error.message.contains("let go"),
+        "a call that waited while its session was let go must not run on it: {error:?}"
+    );
+    drop(conn);
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_sent_during_a_turn_runs_in_it_and_its_events_reach_the_client_before_the_idle() {
     let fx = Fixture::new().await;
     let served = Served::start(&fx).await;
@@ -1353,6 +1452,16 @@ async fn read_raw_frame(stream: &mut TcpStream) -> Value {
             return serde_json::from_slice(&body).expect("JSON");
         }
         read.put_u8(stream.read_u8().await.expect("a frame's next byte"));
+    }
+}
+
+/// Reads frames until the answer to call `id` (events and requests on the way are skipped).
+async fn until_answer(stream: &mut TcpStream, id: u64) -> Value {
+    loop {
+        let frame = read_raw_frame(stream).await;
+        if frame["id"] == id && frame.get("method").is_none() {
+            return frame;
+        }
     }
 }
 

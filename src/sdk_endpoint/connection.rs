@@ -219,9 +219,16 @@ pub(super) async fn run<S>(
              the endpoint's max_frame_bytes); wait for answers before sending more"
         )
     };
+    // Set by the reader when the client is gone, so the loop below notices it even while it
+    // waits for a free request slot (and stops reading its queue).
+    let closed = tokio_util::sync::CancellationToken::new();
     let sink = {
         let held = held.clone();
+        let closed = closed.clone();
         move |incoming: Incoming| {
+            if matches!(incoming, Incoming::Closed(_)) {
+                closed.cancel();
+            }
             // A client's notifications carry nothing the pool acts on: dropped here, so none
             // waits in the queue holding its params.
             if matches!(
@@ -295,7 +302,15 @@ pub(super) async fn run<S>(
         };
         match incoming {
             Some(Incoming::Request(request)) => {
-                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                // Every slot busy: the call waits here, and a close of either side still ends
+                // the connection now (its turns aborted, its seat given back), not once a
+                // slot frees.
+                let permit = tokio::select! {
+                    permit = in_flight.clone().acquire_owned() => permit,
+                    _ = stop.wait_for(|s| *s) => break,
+                    () = closed.cancelled() => break,
+                };
+                let Ok(permit) = permit else {
                     break;
                 };
                 let client = client.clone();

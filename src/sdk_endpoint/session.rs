@@ -623,14 +623,8 @@ impl SdkSession {
             ));
         }
         let mut lease = self.lease(METHOD, false).await?;
-        if self.stopped.load(std::sync::atomic::Ordering::SeqCst) {
-            // Let go while the lease was waited for: the prompt is not sent at all.
-            return Err(ErrorObject::new(
-                INTERNAL_ERROR,
-                "Request session.send failed with message: the session was let go (detached, \
-                 deleted, or its connection closed) before its turn could start",
-            ));
-        }
+        // Let go while the lease was waited for: the prompt is not sent at all.
+        self.refuse_if_let_go(METHOD)?;
         let session = lease.passthrough().map_err(|e| pool_error(METHOD, &e))?;
         self.forward_waiting(session);
         let worker = session.worker().clone();
@@ -923,14 +917,9 @@ impl SdkSession {
     pub(super) async fn answer_tool(&self, params: &Value) -> Result<Value, CallError> {
         const METHOD: &str = "session.tools.handlePendingToolCall";
         let request_id = request_id(params)?;
+        let result = tool_result(params)?;
         let Some((_, answerer)) = self.running() else {
             return Err(no_pending(METHOD, request_id));
-        };
-        let result = match (params.get("result"), params.get("error")) {
-            (Some(Value::String(text)), _) => ToolResult::Text(text.clone()),
-            (Some(object @ Value::Object(_)), _) => ToolResult::Object(object.clone()),
-            (_, Some(Value::String(message))) => ToolResult::Error(message.clone()),
-            _ => ToolResult::Text(String::new()),
         };
         answerer
             .answer_tool_call(request_id, result)
@@ -979,6 +968,9 @@ impl SdkSession {
                 .map(|a| (a, pid));
         }
         let mut lease = self.lease(method, true).await?;
+        // Let go while the lease was waited for (another connection may hold the session by
+        // now): neither the call nor the session's waiting events go anywhere.
+        self.refuse_if_let_go(method)?;
         let pid = lease.worker_pid();
         let session = lease.passthrough().map_err(|e| pool_error(method, &e))?;
         self.forward_waiting(session);
@@ -989,6 +981,22 @@ impl SdkSession {
             lease.set_lost();
         }
         answer.map(|a| (a, pid))
+    }
+
+    /// A call that waited while the session was let go (detached, deleted, or its
+    /// connection closed) is refused: the session is no longer this connection's.
+    fn refuse_if_let_go(&self, method: &str) -> Result<(), CallError> {
+        if !self.stopped.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
+        Err(ErrorObject::new(
+            INTERNAL_ERROR,
+            format!(
+                "Request {method} failed with message: the session was let go (detached, \
+                 deleted, or its connection closed) while this call waited for it; resume the \
+                 session to call it again"
+            ),
+        ))
     }
 
     /// What a process lease of this session's key asks for (a call naming no session).
@@ -1027,6 +1035,33 @@ impl SdkSession {
             let limit = self.shared.pool.config().abort_settle_timeout + Duration::from_secs(5);
             let _ = tokio::time::timeout(limit, done.wait_for(|d| *d)).await;
         }
+    }
+}
+
+/// The answer a `session.tools.handlePendingToolCall` gives: its `result` (a string or an
+/// `ExternalToolResult` object), else its `error` (a string), else an empty result (what the
+/// official SDKs send for a handler that returned nothing). A value of another type is
+/// refused, not passed on as an empty success.
+fn tool_result(params: &Value) -> Result<ToolResult, CallError> {
+    let given = |name: &str| params.get(name).filter(|v| !v.is_null());
+    let wrong = |name: &str, expected: &str, value: &Value| {
+        ErrorObject::new(
+            INVALID_PARAMS,
+            format!(
+                "session.tools.handlePendingToolCall: `{name}` must be {expected}, not {}; \
+                 send the tool's output as a string (or an ExternalToolResult object), or its \
+                 failure as `error`",
+                crate::session_options::json_type(value)
+            ),
+        )
+    };
+    match (given("result"), given("error")) {
+        (Some(Value::String(text)), _) => Ok(ToolResult::Text(text.clone())),
+        (Some(object @ Value::Object(_)), _) => Ok(ToolResult::Object(object.clone())),
+        (Some(other), _) => Err(wrong("result", "a string or an object", other)),
+        (None, Some(Value::String(message))) => Ok(ToolResult::Error(message.clone())),
+        (None, Some(other)) => Err(wrong("error", "a string", other)),
+        (None, None) => Ok(ToolResult::Text(String::new())),
     }
 }
 
@@ -1174,5 +1209,40 @@ mod tests {
         )
         .unwrap_err();
         assert!(bad.message.contains("base_url"), "{}", bad.message);
+    }
+
+    #[test]
+    fn a_tool_answer_is_its_result_or_its_error_and_a_value_of_another_type_is_refused() {
+        let answer = |params: Value| tool_result(&params).map_err(|e| e.message);
+        assert!(matches!(answer(json!({"result": "42"})), Ok(ToolResult::Text(t)) if t == "42"));
+        assert!(matches!(
+            answer(json!({"result": {"textResultForLlm": "x", "resultType": "success"}})),
+            Ok(ToolResult::Object(_))
+        ));
+        assert!(
+            matches!(answer(json!({"error": "boom"})), Ok(ToolResult::Error(m)) if m == "boom")
+        );
+        assert!(matches!(
+            answer(json!({"result": null, "error": "boom"})),
+            Ok(ToolResult::Error(_))
+        ));
+        assert!(matches!(answer(json!({})), Ok(ToolResult::Text(t)) if t.is_empty()));
+        for (params, named) in [
+            (
+                json!({"result": 42}),
+                "`result` must be a string or an object, not a number",
+            ),
+            (
+                json!({"result": [1]}),
+                "`result` must be a string or an object, not an array",
+            ),
+            (
+                json!({"error": true}),
+                "`error` must be a string, not a boolean",
+            ),
+        ] {
+            let refused = answer(params.clone()).expect_err("refused");
+            assert!(refused.contains(named), "{params}: {refused}");
+        }
     }
 }

@@ -2,7 +2,8 @@
 // A fake Copilot runtime for faults the real one cannot be told to produce. It speaks the
 // runtime's JSON-RPC (Content-Length frames on stdio) just far enough for the pool:
 // `connect`, `llmInference.setProvider`, `ping`, `session.create`/`resume` (creating `$COPILOT_HOME/session-state/<id>`
-// like the real one), `session.send`, `session.abort`, `session.detach`, `session.delete`.
+// like the real one), `session.send`, `session.abort`, `session.detach`, `session.delete`,
+// `session.name.set`.
 //
 // FAKE_RUNTIME_MODE picks the fault:
 //   never-idle       acknowledges `session.abort` but never sends `session.idle`
@@ -134,6 +135,9 @@ function handle({ id, method, params }) {
     case "session.detach":
     case "session.delete":
       return reply({ success: true });
+    case "session.name.set":
+      // A session call with an effect, for the endpoint's let-go tests.
+      return reply({});
     default:
       if (id !== undefined) {
         write({ id, error: { code: -32601, message: `fake runtime: no method ${method}` } });
