@@ -224,6 +224,42 @@ pub(crate) fn create_dirs(root: &Path, rel: &Path, mode: u32) -> io::Result<()> 
     Ok(())
 }
 
+/// Removes the directory `root/rel` and the entries directly in it (files, links: a link is
+/// removed, never followed), reached without following a link. A directory inside it is left,
+/// and so is `rel` then (`Ok(false)`); one already gone is `Ok(true)`.
+pub(crate) fn remove_flat_dir(root: &Path, rel: &Path) -> io::Result<bool> {
+    use nix::unistd::{UnlinkatFlags, unlinkat};
+    let (parent, name) = match parent_and_name(root, rel) {
+        Ok(found) => found,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(true),
+        Err(e) => return Err(e),
+    };
+    let dir = match open_child_dir(&parent, name, root, rel) {
+        Ok(dir) => dir,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(true),
+        Err(e) => return Err(e),
+    };
+    let mut kept = false;
+    for (entry, kind) in entries(root, rel)? {
+        if kind == EntryKind::Dir {
+            kept = true;
+            continue;
+        }
+        match unlinkat(&dir, entry.as_os_str(), UnlinkatFlags::NoRemoveDir) {
+            Ok(()) | Err(Errno::ENOENT) => {}
+            Err(other) => return Err(io_error(other)),
+        }
+    }
+    if kept {
+        return Ok(false);
+    }
+    match unlinkat(&parent, name, UnlinkatFlags::RemoveDir) {
+        Ok(()) | Err(Errno::ENOENT) => Ok(true),
+        Err(Errno::ENOTEMPTY) => Ok(false),
+        Err(other) => Err(io_error(other)),
+    }
+}
+
 const CREATE_FLAGS: OFlag = OFlag::O_WRONLY
     .union(OFlag::O_CREAT)
     .union(OFlag::O_EXCL)
@@ -318,6 +354,32 @@ mod tests {
             !other.join("deeper").exists(),
             "nothing made through the link"
         );
+    }
+
+    #[test]
+    fn removing_a_flat_directory_removes_its_files_and_links_never_what_they_point_to() {
+        let (_tmp, root, other) = dirs();
+        std::fs::write(root.join("sub/a.png"), "png").expect("write");
+        symlink(other.join("secret.txt"), root.join("sub/link.txt")).expect("link");
+        assert!(remove_flat_dir(&root, Path::new("sub")).expect("removed"));
+        assert!(!root.join("sub").exists());
+        assert_eq!(
+            std::fs::read_to_string(other.join("secret.txt")).expect("theirs"),
+            "theirs",
+            "a link's target is left alone"
+        );
+        // Gone already: nothing to do.
+        assert!(remove_flat_dir(&root, Path::new("sub")).expect("gone"));
+        // Through a link on the way: refused, the other side untouched.
+        symlink(&other, root.join("via")).expect("link");
+        assert!(remove_flat_dir(&root, Path::new("via")).is_err());
+        assert!(remove_flat_dir(&root, Path::new("via/x")).is_err());
+        assert!(other.join("secret.txt").exists());
+        // A directory inside is left, and so is the directory holding it.
+        std::fs::create_dir_all(root.join("kept/inner")).expect("mkdir");
+        std::fs::write(root.join("kept/b.txt"), "b").expect("write");
+        assert!(!remove_flat_dir(&root, Path::new("kept")).expect("partly"));
+        assert!(root.join("kept/inner").is_dir() && !root.join("kept/b.txt").exists());
     }
 
     #[test]

@@ -5,11 +5,25 @@
 //!   history (what bindings store and `session.resume` takes).
 //!
 //! The wire (`rpc::messages`) keeps the protocol's plain `sessionId` strings; these types
-//! are what the library's own API speaks.
+//! are what the library's own API speaks. [`sha256_hex`] turns a key into a file name.
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+
+/// The lowercase hex SHA-256 of `text` (64 characters): a file name for a key that may hold
+/// any character (a binding's, a conversation's attachments directory), and a token's hash.
+pub fn sha256_hex(text: &str) -> String {
+    use sha2::{Digest, Sha256};
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let digest = Sha256::digest(text.as_bytes());
+    let mut out = String::with_capacity(64);
+    for byte in digest.iter() {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
+    }
+    out
+}
 
 /// The prefix of the session keys of the SDK endpoint's sessions: an SDK session is the
 /// conversation `(agent, "sdk:<session id>")`. The HTTP API refuses keys with this prefix, so

@@ -82,15 +82,17 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
             .any(|p| p["image_url"]["url"] == image.as_str()),
         "{parts:?}"
     );
-    let written: Vec<_> = std::fs::read_dir(
-        fx.scratch
-            .path()
-            .join("agents/agents/agent-a/work/attachments"),
-    )
-    .expect("the attachments directory")
-    .filter_map(Result::ok)
-    .map(|e| e.file_name().to_string_lossy().into_owned())
-    .collect();
+    // In the conversation's own directory (its key's hash), which outlives the turn.
+    let conversation_files = fx
+        .scratch
+        .path()
+        .join("agents/agents/agent-a/work/attachments")
+        .join(copilot_pool::sdk_endpoint::sha256_hex("conv"));
+    let written: Vec<_> = std::fs::read_dir(&conversation_files)
+        .expect("the attachments directory")
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
     assert!(
         written.len() == 1 && written[0].ends_with("-dot.png"),
         "{written:?}"
@@ -150,6 +152,34 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
         assert!(refused.body.contains(says), "{}", refused.body);
     }
     assert_eq!(fx.model.requests().len(), asked);
+
+    // Deleting the conversation removes its inline contents; another conversation's stay.
+    let mut body = turn(&url, "agent-a", "other", "REPLY=seen");
+    body["attachments"] =
+        json!([{"type": "inline", "data": "aGk=", "media_type": "text/plain", "name": "a.txt"}]);
+    let done = summary(addr, None, &body).await;
+    assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    let reset = json!({"provider": body["provider"].clone(), "model": body["model"].clone()});
+    let deleted = call(
+        addr,
+        "DELETE",
+        "/v1/sessions/agent-a/conv",
+        None,
+        Some(&reset),
+    )
+    .await;
+    assert_eq!(deleted.status, 204, "{}", deleted.body);
+    assert!(
+        !conversation_files.exists(),
+        "the deleted conversation's attachments are gone"
+    );
+    let others = conversation_files.with_file_name(copilot_pool::sdk_endpoint::sha256_hex("other"));
+    assert_eq!(
+        std::fs::read_dir(&others)
+            .expect("the other conversation's")
+            .count(),
+        1
+    );
     server.stop().await;
 }
 

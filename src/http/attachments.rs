@@ -2,8 +2,9 @@
 //! work directory or under one of the daemon's `allowed_work_roots` once every symbolic link
 //! and `..` is resolved (the runtime is given the resolved path). Inline content is base64,
 //! at most [`AttachmentLimits::max_bytes`] decoded, of a media type in
-//! [`AttachmentLimits::media_types`], and is written into `<work>/attachments/` (0600) and
-//! attached as that file. Everything is checked before anything is written. A CLI backend's
+//! [`AttachmentLimits::media_types`], and is written into the conversation's directory
+//! `<work>/attachments/<hash of its key>/` (0600) and attached as that file, until the
+//! conversation is deleted. Everything is checked before anything is written. A CLI backend's
 //! turn takes images only ([`images_only`]), which its runner passes to the CLI.
 
 use std::path::{Path, PathBuf};
@@ -293,16 +294,32 @@ fn inline_file_name(name: Option<&str>, media_type: &str) -> String {
     format!("{}-{safe}", uuid::Uuid::new_v4())
 }
 
-/// Writes the inline contents into `<work>/attachments/` (0700; files 0600, never over an
-/// existing file) and returns the runtime's attachments, in the body's order. `roots` are the
-/// directories `work` may lie in (the agent's work directory, `allowed_work_roots`): below the
-/// one holding it nothing is followed through a link (the agent's processes may write there
-/// and could swap a directory on the way for a link elsewhere: `agent_files`).
-pub(super) fn write(
-    checked: Checked,
-    work: &Path,
-    roots: &[PathBuf],
-) -> std::io::Result<Vec<Attachment>> {
+/// The directories a turn's working directory may lie in (the agent's own work directory,
+/// the daemon's `allowed_work_roots`), below which inline attachments are written without
+/// following a link.
+pub(super) fn work_roots(state: &super::AppState, agent_id: &str) -> Vec<PathBuf> {
+    let mut roots: Vec<PathBuf> =
+        crate::home::work_dir(&state.pool.config().agents_base_dir, agent_id)
+            .into_iter()
+            .collect();
+    roots.extend(state.config.allowed_work_roots.iter().cloned());
+    roots
+}
+
+/// Where a conversation's inline contents go, below the agent's work directory:
+/// `attachments/<SHA-256 of its session key>/` (any key makes a safe name), so they are
+/// removed with the conversation ([`remove_conversation_files`]). They must outlive the
+/// turn: the runtime embeds an image in the conversation, but names a text file only by
+/// its path (`<tagged_files>`), for the model to read when it wants to, in a later turn too.
+fn conversation_dir(session_key: &str) -> PathBuf {
+    Path::new(INLINE_DIR).join(crate::ids::sha256_hex(session_key))
+}
+
+/// `work` as a directory the pool resolved and a relative path below it: the one of `roots`
+/// holding it (the agent's work directory, `allowed_work_roots`), below which nothing is
+/// followed through a link (the agent's processes may write there and could swap a
+/// directory on the way for a link elsewhere: `agent_files`).
+fn root_and_below(work: &Path, roots: &[PathBuf]) -> (PathBuf, PathBuf) {
     // The roots as the confinement resolved the working directory (the folders above each
     // resolved; its last component kept, so a link there is still refused below).
     let resolved: Vec<PathBuf> = roots
@@ -320,7 +337,20 @@ pub(super) fn write(
         .filter_map(|root| Some((root.as_path(), work.strip_prefix(root).ok()?)))
         .max_by_key(|(root, _)| root.as_os_str().len())
         .unwrap_or((work, Path::new("")));
-    let dir = below.join(INLINE_DIR);
+    (root.to_path_buf(), below.to_path_buf())
+}
+
+/// Writes the inline contents into the conversation's directory ([`conversation_dir`];
+/// 0700, files 0600, never over an existing file) and returns the runtime's attachments, in
+/// the body's order.
+pub(super) fn write(
+    checked: Checked,
+    work: &Path,
+    roots: &[PathBuf],
+    session_key: &str,
+) -> std::io::Result<Vec<Attachment>> {
+    let (root, below) = root_and_below(work, roots);
+    let dir = below.join(conversation_dir(session_key));
     let mut out = Vec::with_capacity(checked.0.len());
     for item in checked.0 {
         match item {
@@ -330,10 +360,10 @@ pub(super) fn write(
                 file_name,
                 display_name,
             } => {
-                crate::agent_files::create_dirs(root, &dir, 0o700)?;
+                crate::agent_files::create_dirs(&root, &dir, 0o700)?;
                 let rel = dir.join(file_name);
-                crate::agent_files::create_new(root, &rel, &bytes, 0o600)?;
-                let path = std::fs::canonicalize(root)?.join(rel);
+                crate::agent_files::create_new(&root, &rel, &bytes, 0o600)?;
+                let path = std::fs::canonicalize(&root)?.join(rel);
                 out.push(Attachment::File {
                     path: utf8(path).map_err(std::io::Error::other)?,
                     display_name,
@@ -343,6 +373,35 @@ pub(super) fn write(
         }
     }
     Ok(out)
+}
+
+/// Removes the inline contents of conversation `session_key` run in `work` (once the
+/// conversation is deleted). A failure is logged: the conversation is gone either way.
+pub(super) async fn remove_conversation_files(
+    work: PathBuf,
+    roots: Vec<PathBuf>,
+    session_key: &str,
+) {
+    let rel = conversation_dir(session_key);
+    let removed = tokio::task::spawn_blocking(move || {
+        let (root, below) = root_and_below(&work, &roots);
+        let dir = below.join(&rel);
+        crate::agent_files::remove_flat_dir(&root, &dir).map(|all| (all, root.join(dir)))
+    })
+    .await;
+    match removed {
+        Ok(Ok((true, _))) => {}
+        Ok(Ok((false, dir))) => tracing::warn!(
+            dir = %dir.display(),
+            "A deleted conversation's attachments directory holds a directory the pool did \
+             not write; its files were removed, the directory was left."
+        ),
+        Ok(Err(error)) => tracing::warn!(
+            %error,
+            "Could not remove a deleted conversation's inline attachments."
+        ),
+        Err(error) => tracing::warn!(%error, "The removal of inline attachments failed."),
+    }
 }
 
 /// [`check`] off the async threads; a refusal is a 400.
@@ -371,12 +430,14 @@ pub(super) async fn write_off_thread(
     checked: Checked,
     work: PathBuf,
     roots: Vec<PathBuf>,
+    session_key: &str,
 ) -> Result<Vec<Attachment>, Response> {
     if checked.0.is_empty() {
         return Ok(Vec::new());
     }
-    let dir = work.join(INLINE_DIR);
-    match tokio::task::spawn_blocking(move || write(checked, &work, &roots)).await {
+    let dir = work.join(conversation_dir(session_key));
+    let key = session_key.to_owned();
+    match tokio::task::spawn_blocking(move || write(checked, &work, &roots, &key)).await {
         Ok(Ok(list)) => Ok(list),
         Ok(Err(e)) => Err(error(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -554,7 +615,7 @@ mod tests {
         )
         .expect("ok");
         std::fs::create_dir_all(&work).expect("work");
-        let written = write(checked, &work, std::slice::from_ref(&work)).expect("written");
+        let written = write(checked, &work, std::slice::from_ref(&work), "conv").expect("written");
         let [
             Attachment::File {
                 path, display_name, ..
@@ -568,9 +629,12 @@ mod tests {
         assert_eq!(
             path.parent(),
             Some(
-                std::fs::canonicalize(work.join("attachments"))
-                    .expect("dir")
-                    .as_path()
+                std::fs::canonicalize(
+                    work.join("attachments")
+                        .join(crate::ids::sha256_hex("conv"))
+                )
+                .expect("dir")
+                .as_path()
             )
         );
         let name = path
@@ -594,31 +658,32 @@ mod tests {
         // Another agent's directory, with a `sub` folder a link could lead to.
         std::fs::create_dir_all(elsewhere.join("sub")).expect("elsewhere");
         let limits = AttachmentLimits::default();
-        let one = || {
-            check(
+        let write_one = |work: &Path, roots: &[PathBuf]| {
+            let one = check(
                 vec![inline("aGk=", "text/plain", Some("a.txt"))],
-                &work,
+                work,
                 &[],
                 &limits,
             )
-            .expect("ok")
+            .expect("ok");
+            write(one, work, roots, "conv")
         };
         // `attachments` swapped for a link to another agent's directory.
         std::os::unix::fs::symlink(&elsewhere, work.join("attachments")).expect("link");
         let roots = [work.clone()];
-        assert!(write(one(), &work, &roots).is_err());
+        assert!(write_one(&work, &roots).is_err());
         // A session's working directory below the work directory, one of its folders on
         // the way swapped for a link after the turn was checked.
         std::fs::remove_file(work.join("attachments")).expect("unlink");
         std::fs::remove_dir(work.join("deep")).expect("rmdir");
         std::os::unix::fs::symlink(&elsewhere, work.join("deep")).expect("link");
-        assert!(write(one(), &work.join("deep/sub"), &roots).is_err());
+        assert!(write_one(&work.join("deep/sub"), &roots).is_err());
         // The roots as configured may name the directory through a link of the operator's:
         // the folders below the root are still not followed.
         std::os::unix::fs::symlink(tmp.path().join("agent"), tmp.path().join("linked-agent"))
             .expect("operator's link");
         let configured = [tmp.path().join("linked-agent/work")];
-        assert!(write(one(), &work.join("deep/sub"), &configured).is_err());
+        assert!(write_one(&work.join("deep/sub"), &configured).is_err());
         assert!(
             !elsewhere.join("attachments").exists() && !elsewhere.join("sub/attachments").exists(),
             "nothing was written outside the agent's directory"
@@ -626,7 +691,7 @@ mod tests {
         // Without links the same writes land below the work directory.
         std::fs::remove_file(work.join("deep")).expect("unlink");
         std::fs::create_dir_all(work.join("deep/sub")).expect("sub");
-        let written = write(one(), &work.join("deep/sub"), &roots).expect("written");
+        let written = write_one(&work.join("deep/sub"), &roots).expect("written");
         assert_eq!(written.len(), 1);
         assert!(work.join("deep/sub/attachments").is_dir());
     }

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::AppState;
+use super::attachments::{remove_conversation_files, work_roots};
 use super::body::{CompactBody, ConversationBody, lease_request, optional_body, read_body};
 use super::error::{ErrorBody, error, pool_error, rejection};
 use crate::pool::{COPILOT_BACKEND, ConversationId, Lease, PoolError};
@@ -191,8 +192,9 @@ pub(super) struct ResetQuery {
     backend: Option<String>,
 }
 
-/// Resets an existing conversation: deletes its runtime session and its binding, so its
-/// next turn starts a new one. The body is optional: the conversation's settings. With
+/// Resets an existing conversation: deletes its runtime session, its binding and the inline
+/// attachments its turns were given, so its next turn starts a new one. The body is
+/// optional: the conversation's settings. With
 /// `?backend=<id>` of a CLI backend, the conversation on that backend instead: its kept
 /// process is ended, its CLI's files of the session removed, and its stored session.
 #[utoipa::path(
@@ -245,6 +247,7 @@ pub(super) async fn delete_session(
     };
     req.existing_only = true;
     req.fail_if_busy = true;
+    let work = req.working_directory.clone();
     let lease = match state.pool.lease(req).await {
         Ok(l) => l,
         Err(e @ PoolError::NoSuchConversation { .. }) => {
@@ -254,7 +257,11 @@ pub(super) async fn delete_session(
         Err(e) => return pool_error(&e),
     };
     match lease.reset().await {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Ok(()) => {
+            let roots = work_roots(&state, &agent_id);
+            remove_conversation_files(work, roots, &session_key).await;
+            StatusCode::NO_CONTENT.into_response()
+        }
         Err(e) => pool_error(&e),
     }
 }
@@ -276,8 +283,13 @@ async fn delete_cli_conversation(
         Err(r) => return r,
     };
     req.backend = backend.clone();
+    let work = req.working_directory.clone();
     match state.pool.delete_cli_conversation(req).await {
-        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(true) => {
+            let roots = work_roots(state, agent_id);
+            remove_conversation_files(work, roots, session_key).await;
+            StatusCode::NO_CONTENT.into_response()
+        }
         Ok(false) => error(
             StatusCode::NOT_FOUND,
             "not_found",

@@ -19,7 +19,7 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 
 use super::AppState;
-use super::attachments::{check_off_thread, images_only, write_off_thread};
+use super::attachments::{check_off_thread, images_only, work_roots, write_off_thread};
 use super::body::{ToolBody, TurnBody, create_work_dir, lease_request, parse, read_body};
 use super::error::ErrorBody;
 use super::error::{error, pool_error, rejection};
@@ -241,10 +241,11 @@ async fn post_copilot_turn(
     // Inline content is written only for a turn that runs (dropping the lease on a failed
     // write returns the conversation).
     let message = lease.message_mut();
-    message.attachments = match write_off_thread(attachments, work.path, work.roots).await {
-        Ok(a) => a,
-        Err(r) => return r,
-    };
+    message.attachments =
+        match write_off_thread(attachments, work.path, work.roots, &body.session_key).await {
+            Ok(a) => a,
+            Err(r) => return r,
+        };
     message.mode = body.mode;
     message.agent_mode = body.agent_mode;
     let keepalive = state.config.sse_keepalive;
@@ -305,18 +306,6 @@ async fn checked_attachments_and_work_dir(
 struct WorkDir {
     path: std::path::PathBuf,
     roots: Vec<std::path::PathBuf>,
-}
-
-/// The directories a turn's working directory may lie in (the agent's own work directory,
-/// the daemon's `allowed_work_roots`), below which inline attachments are written without
-/// following a link.
-fn work_roots(state: &AppState, agent_id: &str) -> Vec<std::path::PathBuf> {
-    let mut roots: Vec<std::path::PathBuf> =
-        crate::home::work_dir(&state.pool.config().agents_base_dir, agent_id)
-            .into_iter()
-            .collect();
-    roots.extend(state.config.allowed_work_roots.iter().cloned());
-    roots
 }
 
 /// Whether `backend` takes gateway tools (an unknown one was refused before).
@@ -382,7 +371,7 @@ async fn post_cli_turn(
     // Inline images are written only for a turn that runs (dropping the lease on a failed
     // write returns the conversation); the runner passes them to the CLI.
     lease.message_mut().attachments =
-        match write_off_thread(attachments, work.path, work.roots).await {
+        match write_off_thread(attachments, work.path, work.roots, &body.session_key).await {
             Ok(a) => a,
             Err(r) => return r,
         };

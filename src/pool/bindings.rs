@@ -12,10 +12,9 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use crate::faults::{self, SharedDiskFaults, Store};
-use crate::ids::CliSessionId;
+use crate::ids::{CliSessionId, sha256_hex as hex_sha256};
 
 /// The version of the stored JSON this code reads and writes.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -474,18 +473,6 @@ fn create_private_dir(dir: &Path) -> io::Result<()> {
         Err(err) if err.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
         Err(err) => Err(err),
     }
-}
-
-/// The lowercase hex SHA-256 of `text` (64 characters).
-fn hex_sha256(text: &str) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let digest = Sha256::digest(text.as_bytes());
-    let mut out = String::with_capacity(64);
-    for byte in digest.iter() {
-        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        out.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
-    }
-    out
 }
 
 #[cfg(test)]

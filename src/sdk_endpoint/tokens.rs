@@ -3,8 +3,6 @@
 
 use std::collections::HashMap;
 
-use sha2::{Digest, Sha256};
-
 use crate::home::validate_agent_id;
 use crate::secret::Secret;
 
@@ -127,13 +125,7 @@ impl AgentTokens {
     }
 }
 
-/// The SHA-256 of `text` as 64 lowercase hex digits.
-pub fn sha256_hex(text: &str) -> String {
-    Sha256::digest(text.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
+pub use crate::ids::sha256_hex;
 
 #[cfg(test)]
 mod tests {

@@ -189,12 +189,19 @@ pub async fn image_turns(
     let images = images_in(&answered(&format!("{backend} saw a dot")));
     assert!(images.contains(&png(PNG)), "{backend}: {images:?}");
 
-    // The inline image was written under `<work>/attachments/`; the next turn names a file
-    // of that work directory by its relative path.
+    // The inline image was written under `<work>/attachments/<key hash>/`; the next turn
+    // names a file of that work directory by its relative path.
+    let key =
+        copilot_pool::sdk_endpoint::sha256_hex(first["session_key"].as_str().unwrap_or_default());
     let written = files_named(fx.scratch.path(), "-dot.png");
-    let work = written
-        .first()
-        .and_then(|f| f.parent())
+    let conversation_files = written
+        .iter()
+        .filter_map(|f| f.parent())
+        .find(|dir| dir.ends_with(&key))
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_else(|| panic!("the inline image was written: {written:?}"));
+    let work = conversation_files
+        .parent()
         .and_then(|d| d.parent())
         .unwrap_or_else(|| panic!("the inline image was written: {written:?}"))
         .to_path_buf();
@@ -234,6 +241,19 @@ pub async fn image_turns(
         );
     }
     assert_eq!(fx.model.requests().len(), asked, "the model was not asked");
+
+    // Deleting the conversation removes its inline images.
+    let path = format!(
+        "/v1/sessions/{}/{}?backend={backend}",
+        first["agent_id"].as_str().unwrap_or_default(),
+        first["session_key"].as_str().unwrap_or_default()
+    );
+    let deleted = call(daemon.addr, "DELETE", &path, None, None).await;
+    assert_eq!(deleted.status, 204, "DELETE {path}: {}", deleted.body);
+    assert!(
+        !conversation_files.exists(),
+        "the deleted conversation's inline images are gone"
+    );
 }
 
 /// Every file under `dir` whose name ends with `suffix`.

@@ -73,7 +73,6 @@ impl Fixture {
         req
     }
 
-    /// The text of every message of the last model request.
     /// The conversation goes on after its process `gone` went: a lease of `agent` /
     /// `session_key` lands on another process, and the next turn's model call carries
     /// `marker`, sent before (its history was kept). Returns how the lease opened it.
@@ -101,6 +100,7 @@ impl Fixture {
         lease.reason()
     }
 
+    /// The text of every message of the last model request.
     pub fn last_model_request(&self) -> String {
         let last = self.model.requests().pop().expect("a model request");
         serde_json::to_string(last.messages()).expect("json")
