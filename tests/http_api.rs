@@ -506,6 +506,85 @@ async fn a_gateway_that_disconnects_aborts_its_turn_and_the_conversation_continu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_turn_with_its_idempotency_key_gets_its_end_again_instead_of_running_twice() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let addr = server.addr;
+    let keyed = |key: &str, body: &serde_json::Value, path: &str| {
+        request(addr, "POST", path)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+    };
+    let replayed = |r: &support::http::Response| {
+        r.headers
+            .iter()
+            .any(|(k, v)| k == "idempotent-replayed" && v == "true")
+    };
+    // A turn whose answer was lost on the way: its retry gets the same end, the prompt
+    // is not run again.
+    let body = turn(&url, "agent-i", "conv", "REPLY=once");
+    let first = send(keyed("key-1", &body, "/v1/turns?stream=false")).await;
+    assert_eq!(first.json()["final_text"], "once", "{}", first.body);
+    assert!(!replayed(&first));
+    let asked = fx.model.requests().len();
+    let again = send(keyed("key-1", &body, "/v1/turns?stream=false")).await;
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert!(replayed(&again), "{:?}", again.headers);
+    assert_eq!(again.json(), first.json());
+    let mut streamed = SseStream::from_request(keyed("key-1", &body, "/v1/turns")).await;
+    let (events, end) = streamed.until_end().await;
+    assert_eq!(
+        events.len(),
+        1,
+        "the stream of a replay is its turn.end: {events:?}"
+    );
+    assert_eq!(end, first.json());
+    assert_eq!(fx.model.requests().len(), asked, "the prompt ran once");
+    // The key with another body: refused, saying so.
+    let other = turn(&url, "agent-i", "conv", "REPLY=other");
+    let refused = send(keyed("key-1", &other, "/v1/turns?stream=false")).await;
+    assert_eq!(refused.status, 422, "{}", refused.body);
+    assert_eq!(refused.json()["code"], "idempotency_key_reused");
+
+    // During its turn a retry is told the turn runs; after it, it gets the end.
+    let slow = turn(&url, "agent-i", "conv", "SCENARIO:slow SLOW=5x100");
+    let mut running = SseStream::from_request(keyed("key-2", &slow, "/v1/turns")).await;
+    running.until_event("assistant.turn_start").await;
+    let during = send(keyed("key-2", &slow, "/v1/turns?stream=false")).await;
+    assert_eq!(during.status, 409, "{}", during.body);
+    assert!(during.body.contains("Idempotency-Key"), "{}", during.body);
+    let (_, ended) = running.until_end().await;
+    let after = send(keyed("key-2", &slow, "/v1/turns?stream=false")).await;
+    assert!(replayed(&after), "{}", after.body);
+    assert_eq!(after.json(), ended);
+
+    // A turn whose gateway left was aborted: its retry runs it (once the abort settled).
+    let left = turn(&url, "agent-i", "conv", "SCENARIO:slow SLOW=100x100");
+    let mut stream = SseStream::from_request(keyed("key-3", &left, "/v1/turns")).await;
+    stream.until_event("assistant.turn_start").await;
+    drop(stream);
+    let asked = fx.model.requests().len();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut retry = loop {
+        let retry = SseStream::from_request(keyed("key-3", &left, "/v1/turns")).await;
+        if retry.status != 409 {
+            break retry;
+        }
+        assert!(Instant::now() < deadline, "the aborted turn kept its key");
+    };
+    assert_eq!(retry.status, 200);
+    retry.until_event("assistant.turn_start").await;
+    assert!(
+        fx.model.requests().len() > asked,
+        "the retry of an aborted turn runs it"
+    );
+    drop(retry);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resumes() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();

@@ -258,6 +258,12 @@ pub struct TurnSummary {
 }
 
 impl TurnSummary {
+    /// An empty summary (a failed turn with no session), for tests to fill in.
+    #[cfg(test)]
+    pub(crate) fn for_tests() -> Self {
+        Self::unleased(COPILOT_BACKEND, String::new())
+    }
+
     /// The summary of a turn whose `backend` could not be leased (`error`): no session.
     fn unleased(backend: &str, error: String) -> Self {
         Self {

@@ -49,6 +49,7 @@ mod error;
 mod events;
 mod gateway;
 mod health;
+mod idempotency;
 mod listener;
 mod openapi;
 mod sessions;
@@ -72,6 +73,7 @@ use crate::turn::{TranscriptSettings, TurnTimeouts};
 pub use attachments::AttachmentLimits;
 pub use auth::TokenlessAccess;
 pub(crate) use body::fuzz_request_bodies;
+pub use idempotency::IdempotencyLimits;
 pub use listener::{ConnectionLimits, serve};
 pub use openapi::{document as openapi_document, document_json as openapi_json};
 
@@ -149,6 +151,9 @@ pub struct ApiConfig {
     /// (nginx's and most load balancers' 60 s idle limit) does not cut a turn that waits
     /// quietly on a tool, a permission or the model, which would abort it.
     pub sse_keepalive: std::time::Duration,
+    /// How long, and within how many bytes, a turn asked with an `Idempotency-Key` header
+    /// answers the gateway's retry of it with its `turn.end` instead of running again.
+    pub idempotency: IdempotencyLimits,
 }
 
 impl Default for ApiConfig {
@@ -167,6 +172,7 @@ impl Default for ApiConfig {
             allow_logged_in_user: false,
             sandbox: None,
             sse_keepalive: std::time::Duration::from_secs(15),
+            idempotency: IdempotencyLimits::default(),
         }
     }
 }
@@ -185,6 +191,8 @@ struct AppState {
     /// abort stops them wherever they are (waiting for their lease, between backends,
     /// about to send), not only one whose prompt the runtime already has.
     stops: std::sync::Mutex<std::collections::HashMap<String, Vec<Arc<CancellationToken>>>>,
+    /// The turns asked with an `Idempotency-Key`, for their retries.
+    replays: Arc<idempotency::Replays>,
 }
 
 impl AppState {
@@ -311,6 +319,7 @@ pub fn router_with_handle(pool: Pool, config: ApiConfig) -> (Router, ApiHandle) 
             serde_json::json!({"code": "internal", "message": e.to_string()}).to_string(),
         ),
     };
+    let replays = idempotency::Replays::new(config.idempotency);
     let state = Arc::new(AppState {
         pool,
         config,
@@ -319,6 +328,7 @@ pub fn router_with_handle(pool: Pool, config: ApiConfig) -> (Router, ApiHandle) 
         running: watch::Sender::new(0),
         openapi,
         stops: std::sync::Mutex::default(),
+        replays,
     });
     let v1 = v1.route_layer(middleware::from_fn_with_state(
         state.clone(),

@@ -8,7 +8,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::QueryRejection;
@@ -27,6 +27,7 @@ use super::events::{
     EventFilter, SessionEventData, ToolCallEvent, TurnEndEvent, TurnEvent, TurnEventStream,
 };
 use super::gateway::Link;
+use super::idempotency::{self, Claim, Pending};
 use crate::backend::BackendEvent;
 use crate::fallback::{self, ChainEvent, ChainLease, ChainRequest, ChainSink};
 use crate::kinds::HookName;
@@ -56,7 +57,11 @@ pub(super) struct TurnQuery {
     post,
     path = "/v1/turns",
     tag = "turns",
-    params(TurnQuery),
+    params(
+        TurnQuery,
+        ("Idempotency-Key" = Option<String>, Header, max_length = 255,
+            description = "One key per turn the gateway means to run (a UUID, say). A retry with the same key and the same body, after the turn ended, gets that turn's `turn.end` again (marked `Idempotent-Replayed: true`; as the stream's one event, or as JSON with `?stream=false`) instead of running the prompt twice; during the turn it gets 409. A turn whose gateway left before its end was aborted, and its retry runs. Kept in memory for `idempotency.ttl` (default one hour) per conversation"),
+    ),
     request_body(content = TurnBody, content_type = "application/json"),
     responses(
         (status = 200, description = "The turn runs: its events (`text/event-stream`, ending with `turn.end`), or with `?stream=false` the `turn.end` summary alone",
@@ -69,8 +74,9 @@ pub(super) struct TurnQuery {
         (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
         (status = 404, description = "A named resource does not exist (`not_found`)", body = ErrorBody),
         (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
-        (status = 409, description = "The conversation runs another turn (`busy`), or its CLI backend's stored session has no transcript left (`transcript_missing`)", body = ErrorBody),
+        (status = 409, description = "The conversation runs another turn, or the turn of this `Idempotency-Key` runs (`busy`), or its CLI backend's stored session has no transcript left (`transcript_missing`)", body = ErrorBody),
         (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
+        (status = 422, description = "The `Idempotency-Key` was used for a turn with another body (`idempotency_key_reused`)", body = ErrorBody),
         (status = 500, description = "A fault of the daemon (`internal`, `io`)", body = ErrorBody),
         (status = 502, description = "The runtime failed to open the conversation (`runtime`)", body = ErrorBody),
         (status = 503, description = "No room or shutting down: `draining`, `no_capacity`, `quarantined`, `state_unwritable`, `resource_exhausted`, `too_many_connections`", body = ErrorBody),
@@ -80,11 +86,16 @@ pub(super) struct TurnQuery {
 pub(super) async fn post_turn(
     State(state): State<Arc<AppState>>,
     query: Result<Query<TurnQuery>, QueryRejection>,
+    headers: axum::http::HeaderMap,
     body: Body,
 ) -> Response {
     let Query(query) = match query {
         Ok(q) => q,
         Err(e) => return rejection(e),
+    };
+    let idempotency_key = match idempotency::key_of(&headers) {
+        Ok(key) => key,
+        Err(message) => return error(StatusCode::BAD_REQUEST, "bad_request", message),
     };
     if state.draining() {
         return error(
@@ -97,6 +108,9 @@ pub(super) async fn post_turn(
         Ok(b) => b,
         Err(r) => return r,
     };
+    let body_hash = idempotency_key
+        .as_ref()
+        .map(|_| idempotency::body_hash(&body));
     let mut body: TurnBody = match parse(&body) {
         Ok(b) => b,
         Err(r) => return r,
@@ -181,7 +195,37 @@ pub(super) async fn post_turn(
         req.handlers.timeouts.absolute = asked;
     }
     let streaming = query.stream != Some(false);
-    let stop = state.turn_stop(ConversationId::new(&body.agent_id, &body.session_key).key());
+    let conversation = ConversationId::new(&body.agent_id, &body.session_key).key();
+    // Everything checked: a key is claimed for a turn that would run.
+    let pending = match (idempotency_key, body_hash) {
+        (Some(key), Some(hash)) => {
+            match state
+                .replays
+                .claim(conversation.clone(), key, hash, Instant::now())
+            {
+                Claim::Run(pending) => Some(pending),
+                Claim::Running => {
+                    return error(
+                        StatusCode::CONFLICT,
+                        "busy",
+                        "a turn with this Idempotency-Key is running; its answer goes to the \
+                         request that started it. Retry once it has ended to get its turn.end",
+                    );
+                }
+                Claim::Ended(summary) => return replayed(streaming, &summary),
+                Claim::OtherBody => {
+                    return error(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "idempotency_key_reused",
+                        "this Idempotency-Key was used for a turn with another body; send a \
+                         new key for a new turn (a retry must repeat its body exactly)",
+                    );
+                }
+            }
+        }
+        _ => None,
+    };
+    let stop = state.turn_stop(conversation);
     let sink = StreamSink {
         state: state.clone(),
         stop,
@@ -197,9 +241,9 @@ pub(super) async fn post_turn(
     match backend.filter(|b| b != COPILOT_BACKEND) {
         Some(backend) => {
             chain.lease.backend = backend;
-            post_cli_turn(state, body, chain, sink).await
+            post_cli_turn(state, body, chain, sink, pending).await
         }
-        None => post_copilot_turn(state, body, chain, sink).await,
+        None => post_copilot_turn(state, body, chain, sink, pending).await,
     }
 }
 
@@ -210,6 +254,7 @@ async fn post_copilot_turn(
     mut body: TurnBody,
     chain: ChainRequest,
     mut sink: StreamSink,
+    pending: Option<Pending>,
 ) -> Response {
     if !sink.streaming && !sink.tools.is_empty() {
         return error(
@@ -249,7 +294,7 @@ async fn post_copilot_turn(
     message.mode = body.mode;
     message.agent_mode = body.agent_mode;
     let keepalive = state.config.sse_keepalive;
-    spawn_run(state, lease);
+    spawn_run(state, lease, pending);
     respond(streaming, keepalive, events_rx).await
 }
 
@@ -321,6 +366,7 @@ async fn post_cli_turn(
     mut body: TurnBody,
     chain: ChainRequest,
     mut sink: StreamSink,
+    pending: Option<Pending>,
 ) -> Response {
     let backend = chain.lease.backend.clone();
     // The body's tools and hooks moved to the sink: refused from there.
@@ -376,18 +422,26 @@ async fn post_cli_turn(
             Err(r) => return r,
         };
     let keepalive = state.config.sse_keepalive;
-    spawn_run(state, lease);
+    spawn_run(state, lease, pending);
     respond(streaming, keepalive, events_rx).await
 }
 
 /// Runs a leased turn's chain in a task, counted in `AppState::running` until its
 /// `turn.end` is sent (not sent when the gateway is gone).
-fn spawn_run(state: Arc<AppState>, lease: ChainLease<StreamSink>) {
+fn spawn_run(state: Arc<AppState>, lease: ChainLease<StreamSink>, pending: Option<Pending>) {
     let running = Running::start(state);
     // Boxed: a turn's future is ~20 KB, which a spawn would move before boxing it itself.
     let run = Box::pin(async move {
         let events = lease.sink().events.clone();
         let outcome = lease.run().await;
+        // A turn its gateway left was aborted: its key is forgotten (the retry runs it).
+        // One that ran to its end answers a retry with its summary, recorded before it is
+        // sent (a retry may follow the first answer at once).
+        if !outcome.caller_gone
+            && let Some(pending) = pending
+        {
+            pending.ended(&outcome.summary);
+        }
         if !outcome.caller_gone
             && let Some(events) = events
         {
@@ -509,6 +563,28 @@ impl PermissionPolicy for TimedPermission {
                 .unwrap_or_else(|_| Err("the gateway did not decide in time".to_owned()))
         })
     }
+}
+
+/// The answer to a retry of a turn that ended (same `Idempotency-Key`, same body): its
+/// `turn.end` again, as the stream's one event or as JSON, marked `Idempotent-Replayed`.
+fn replayed(streaming: bool, summary: &TurnEndEvent) -> Response {
+    let mut response = if streaming {
+        let mut frames = Vec::new();
+        TurnEvent::TurnEnd(summary.clone()).frame_into(&mut frames);
+        Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(Body::from(frames))
+            .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
+    } else {
+        axum::Json(summary).into_response()
+    };
+    response.headers_mut().insert(
+        "idempotent-replayed",
+        axum::http::HeaderValue::from_static("true"),
+    );
+    response
 }
 
 /// An SSE comment: no event, bytes on the connection so a proxy sees it alive.

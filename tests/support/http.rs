@@ -172,6 +172,16 @@ impl SseStream {
         }
     }
 
+    /// Sends `request` (a `POST /v1/turns` with whatever headers the test adds); the events
+    /// follow.
+    pub async fn from_request(request: reqwest::RequestBuilder) -> SseStream {
+        let response = request.send().await.expect("the daemon answers");
+        SseStream {
+            status: response.status().as_u16(),
+            events: Box::pin(response.bytes_stream().eventsource()),
+        }
+    }
+
     /// The next event, or `None` at the end of the stream (or when the connection breaks).
     pub async fn next(&mut self) -> Option<Sse> {
         let event = self.events.next().await?.ok()?;

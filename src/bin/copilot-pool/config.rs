@@ -117,6 +117,11 @@ pub struct ServeConfig {
     pub cli_path: Option<PathBuf>,
     /// Largest accepted request body in bytes (default 1 MiB).
     pub max_body_bytes: usize,
+    /// How long a turn asked with an `Idempotency-Key` answers a retry of it with its
+    /// `turn.end` after it ended (default 3600; 0: never).
+    pub idempotency_ttl_secs: u64,
+    /// Bytes of such answers kept at most, the oldest forgotten first (default 16 MiB).
+    pub idempotency_max_bytes: usize,
     /// A request head must be complete within this many seconds from when the server starts
     /// waiting for it: after the connection is accepted, and again after each response
     /// (default 30).
@@ -404,6 +409,8 @@ impl Default for ServeConfig {
             api_token: None,
             cli_path: None,
             max_body_bytes: 1 << 20,
+            idempotency_ttl_secs: 3600,
+            idempotency_max_bytes: 16 << 20,
             header_read_timeout_secs: 30,
             idle_timeout_secs: 10,
             max_connections: 4096,

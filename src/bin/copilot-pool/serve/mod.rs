@@ -491,6 +491,8 @@ fn api_config(config: &ServeConfig, metrics: &PrometheusHandle) -> ApiConfig {
     api.timeouts = config.timeouts();
     api.transcript = config.transcript();
     api.max_body_bytes = config.max_body_bytes;
+    api.idempotency.ttl = Duration::from_secs(config.idempotency_ttl_secs);
+    api.idempotency.max_bytes = config.idempotency_max_bytes;
     api.allowed_work_roots = config.allowed_work_roots.clone();
     api.allow_local_mcp_servers = config.allow_local_mcp_servers;
     api.attachments = config.attachment_limits();
