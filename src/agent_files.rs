@@ -173,7 +173,11 @@ pub(crate) fn read_opened(file: File, rel: &Path, limit: u64) -> io::Result<Vec<
 /// The entries of the directory `root/rel` (without `.` and `..`), each with what it is;
 /// a link is reported as [`EntryKind::Other`], never followed.
 pub(crate) fn entries(root: &Path, rel: &Path) -> io::Result<Vec<(OsString, EntryKind)>> {
-    let fd = open_dir(root, rel)?;
+    entries_of(open_dir(root, rel)?)
+}
+
+/// The entries of the opened directory `fd`, as [`entries`] reports them.
+fn entries_of(fd: OwnedFd) -> io::Result<Vec<(OsString, EntryKind)>> {
     let dir_fd = fd.try_clone()?;
     let mut dir = nix::dir::Dir::from_fd(fd).map_err(io_error)?;
     let mut out = Vec::new();
@@ -225,8 +229,9 @@ pub(crate) fn create_dirs(root: &Path, rel: &Path, mode: u32) -> io::Result<()> 
 }
 
 /// Removes the directory `root/rel` and the entries directly in it (files, links: a link is
-/// removed, never followed), reached without following a link. A directory inside it is left,
-/// and so is `rel` then (`Ok(false)`); one already gone is `Ok(true)`.
+/// removed, never followed), reached without following a link; a link (or anything else)
+/// in place of `rel` itself is removed too. A directory inside it is left, and so is `rel`
+/// then (`Ok(false)`); one already gone is `Ok(true)`.
 pub(crate) fn remove_flat_dir(root: &Path, rel: &Path) -> io::Result<bool> {
     use nix::unistd::{UnlinkatFlags, unlinkat};
     let (parent, name) = match parent_and_name(root, rel) {
@@ -234,13 +239,21 @@ pub(crate) fn remove_flat_dir(root: &Path, rel: &Path) -> io::Result<bool> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(true),
         Err(e) => return Err(e),
     };
-    let dir = match open_child_dir(&parent, name, root, rel) {
+    let dir = match openat(&parent, name, DIR_FLAGS, Mode::empty()) {
         Ok(dir) => dir,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(true),
-        Err(e) => return Err(e),
+        Err(Errno::ENOENT) => return Ok(true),
+        // Not a directory (a link planted in its place, say): the entry itself goes.
+        Err(Errno::ELOOP | Errno::ENOTDIR) => {
+            return match unlinkat(&parent, name, UnlinkatFlags::NoRemoveDir) {
+                Ok(()) | Err(Errno::ENOENT) => Ok(true),
+                Err(other) => Err(io_error(other)),
+            };
+        }
+        Err(other) => return Err(io_error(other)),
     };
     let mut kept = false;
-    for (entry, kind) in entries(root, rel)? {
+    // Listed through the directory opened above, not by its path again.
+    for (entry, kind) in entries_of(dir.try_clone()?)? {
         if kind == EntryKind::Dir {
             kept = true;
             continue;
@@ -370,10 +383,12 @@ mod tests {
         );
         // Gone already: nothing to do.
         assert!(remove_flat_dir(&root, Path::new("sub")).expect("gone"));
-        // Through a link on the way: refused, the other side untouched.
+        // Through a link on the way: refused, the other side untouched; a link in its
+        // place: the link goes, never what it points to.
         symlink(&other, root.join("via")).expect("link");
-        assert!(remove_flat_dir(&root, Path::new("via")).is_err());
         assert!(remove_flat_dir(&root, Path::new("via/x")).is_err());
+        assert!(remove_flat_dir(&root, Path::new("via")).expect("the link goes"));
+        assert!(std::fs::symlink_metadata(root.join("via")).is_err());
         assert!(other.join("secret.txt").exists());
         // A directory inside is left, and so is the directory holding it.
         std::fs::create_dir_all(root.join("kept/inner")).expect("mkdir");

@@ -216,19 +216,7 @@ pub fn resolve_for_lease(auth: &LeaseAuth, byok: bool) -> Result<ResolvedAuth, A
 /// lowercase hex digits (128 bits) of its SHA-256.
 pub fn fingerprint(secret: &str) -> String {
     let digest = Sha256::digest(secret.as_bytes());
-    let mut out = String::with_capacity(7 + 32);
-    out.push_str("sha256:");
-    for byte in digest.iter().take(16) {
-        push_hex(&mut out, *byte);
-    }
-    out
-}
-
-/// Appends the two lowercase hex digits of `byte`.
-fn push_hex(out: &mut String, byte: u8) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-    out.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
+    format!("sha256:{}", crate::ids::hex(&digest[..16]))
 }
 
 fn logged_in(source: AuthSource) -> ResolvedAuth {

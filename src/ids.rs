@@ -15,10 +15,14 @@ use serde::{Deserialize, Serialize};
 /// any character (a binding's, a conversation's attachments directory), and a token's hash.
 pub fn sha256_hex(text: &str) -> String {
     use sha2::{Digest, Sha256};
+    hex(&Sha256::digest(text.as_bytes()))
+}
+
+/// `bytes` as lowercase hex, two digits each (a digest, or the first bytes of one).
+pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let digest = Sha256::digest(text.as_bytes());
-    let mut out = String::with_capacity(64);
-    for byte in digest.iter() {
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
         out.push(char::from(DIGITS[usize::from(byte >> 4)]));
         out.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
     }

@@ -258,18 +258,7 @@ pub fn entry_id(entry: &Entry<'_>) -> String {
     hasher.update(b"\n");
     hasher.update(entry.content.as_bytes());
     let digest = hasher.finalize();
-    let mut id = String::with_capacity(role.len() + 1 + HASH_HEX_CHARS);
-    id.push_str(role);
-    id.push(':');
-    for byte in digest.iter().take(HASH_HEX_CHARS / 2) {
-        id.push(hex_digit(byte >> 4));
-        id.push(hex_digit(byte & 0x0f));
-    }
-    id
-}
-
-fn hex_digit(nibble: u8) -> char {
-    char::from(b"0123456789abcdef"[usize::from(nibble & 0x0f)])
+    format!("{role}:{}", crate::ids::hex(&digest[..HASH_HEX_CHARS / 2]))
 }
 
 /// The scope string of a session: `copilot:<sessionId>`.

@@ -573,13 +573,18 @@ async fn a_retried_turn_with_its_idempotency_key_gets_its_end_again_instead_of_r
             break retry;
         }
         assert!(Instant::now() < deadline, "the aborted turn kept its key");
+        // The abort settles within moments: poll, not spin.
+        tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(retry.status, 200);
     retry.until_event("assistant.turn_start").await;
-    assert!(
-        fx.model.requests().len() > asked,
-        "the retry of an aborted turn runs it"
-    );
+    // The retry of an aborted turn runs it: its model call comes.
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        fx.model.wait_for_requests(asked + 1),
+    )
+    .await
+    .expect("the retry of an aborted turn calls the model");
     drop(retry);
     server.stop().await;
 }

@@ -82,12 +82,13 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
             .any(|p| p["image_url"]["url"] == image.as_str()),
         "{parts:?}"
     );
-    // In the conversation's own directory (its key's hash), which outlives the turn.
+    // In the conversation's own directory (its agent's and key's hash), which outlives the
+    // turn.
     let conversation_files = fx
         .scratch
         .path()
         .join("agents/agents/agent-a/work/attachments")
-        .join(copilot_pool::sdk_endpoint::sha256_hex("conv"));
+        .join(copilot_pool::ids::sha256_hex("agent-a/conv"));
     let written: Vec<_> = std::fs::read_dir(&conversation_files)
         .expect("the attachments directory")
         .filter_map(Result::ok)
@@ -153,12 +154,48 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
     }
     assert_eq!(fx.model.requests().len(), asked);
 
-    // Deleting the conversation removes its inline contents; another conversation's stay.
+    // Deleting the conversation removes its inline contents; another conversation's stay,
+    // another agent's of the same key in a shared working directory too.
     let mut body = turn(&url, "agent-a", "other", "REPLY=seen");
     body["attachments"] =
         json!([{"type": "inline", "data": "aGk=", "media_type": "text/plain", "name": "a.txt"}]);
     let done = summary(addr, None, &body).await;
     assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    let in_shared = |agent: &str| {
+        let mut body = turn(&url, agent, "same-key", "REPLY=seen");
+        body["session"] = json!({"workingDirectory": shared.clone()});
+        body["attachments"] =
+            json!([{"type": "inline", "data": "aGk=", "media_type": "text/plain"}]);
+        body
+    };
+    for agent in ["agent-a", "agent-b"] {
+        let done = summary(addr, None, &in_shared(agent)).await;
+        assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    }
+    let full = in_shared("agent-a");
+    let reset_shared =
+        json!({"provider": full["provider"], "model": full["model"], "session": full["session"]});
+    let deleted = call(
+        addr,
+        "DELETE",
+        "/v1/sessions/agent-a/same-key",
+        None,
+        Some(&reset_shared),
+    )
+    .await;
+    assert_eq!(deleted.status, 204, "{}", deleted.body);
+    let shared_files = |agent: &str| {
+        shared
+            .join("attachments")
+            .join(copilot_pool::ids::sha256_hex(&format!("{agent}/same-key")))
+    };
+    assert!(!shared_files("agent-a").exists());
+    assert_eq!(
+        std::fs::read_dir(shared_files("agent-b"))
+            .expect("agent-b's stay")
+            .count(),
+        1
+    );
     let reset = json!({"provider": body["provider"].clone(), "model": body["model"].clone()});
     let deleted = call(
         addr,
@@ -173,7 +210,7 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
         !conversation_files.exists(),
         "the deleted conversation's attachments are gone"
     );
-    let others = conversation_files.with_file_name(copilot_pool::sdk_endpoint::sha256_hex("other"));
+    let others = conversation_files.with_file_name(copilot_pool::ids::sha256_hex("agent-a/other"));
     assert_eq!(
         std::fs::read_dir(&others)
             .expect("the other conversation's")

@@ -1071,7 +1071,58 @@ async fn a_client_that_leaves_while_its_calls_wait_for_a_slot_gives_its_seat_bac
                 "the connection that left kept its seat while its calls waited: {error:?}"
             ),
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byok_session_another_connection_left_is_deleted_once_resumed_with_its_provider() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let (first, _) = connected(served.addr, "token-a").await;
+    let (second, _) = connected(served.addr, "token-a").await;
+    first
+        .request("session.create", create_params(&fx, "doomed"), None)
+        .await
+        .expect("create");
+    first
+        .request("session.detach", json!({"sessionId": "doomed"}), None)
+        .await
+        .expect("detach");
+    // Known by its id alone, it cannot be opened (its provider is the client's): the
+    // answer says how to delete it.
+    let refused = second
+        .request("session.delete", json!({"sessionId": "doomed"}), None)
+        .await
+        .expect("an answer");
+    assert_eq!(refused["success"], false, "{refused}");
+    let why = refused["error"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("resume it on this connection (with its provider or token), then delete it"),
+        "{why}"
+    );
+    // Resumed with its provider, then deleted: gone for good.
+    second
+        .request("session.resume", create_params(&fx, "doomed"), None)
+        .await
+        .expect("resume");
+    let deleted = second
+        .request("session.delete", json!({"sessionId": "doomed"}), None)
+        .await
+        .expect("delete");
+    assert_eq!(deleted["success"], true, "{deleted}");
+    let gone = remote_error(
+        second
+            .request("session.resume", create_params(&fx, "doomed"), None)
+            .await,
+    );
+    assert!(
+        gone.message
+            .contains("Session not found for sessionId: doomed"),
+        "{gone:?}"
+    );
+    drop((first, second));
     served.shut_down().await;
 }
 

@@ -346,7 +346,9 @@ impl TurnSummary {
 pub struct ChainOutcome {
     /// The last run's summary (`fallback_from` names the backend that failed before it).
     pub summary: TurnSummary,
-    /// The sink refused an event or resolved [`ChainSink::gone`]: the turn was aborted.
+    /// The sink refused an event or resolved [`ChainSink::gone`]: the turn was aborted
+    /// (`summary.status` then says `aborted`), unless its backend had ended it already (its
+    /// caller left as its last events were passed on: `summary` is how it ended).
     pub caller_gone: bool,
 }
 
@@ -635,6 +637,17 @@ impl<S: ChainSink> ChainLease<S> {
     }
 }
 
+/// The summary of a Copilot turn whose caller left: how it ended when the runtime had ended
+/// it already (its caller left as its last events were passed on: it ran whole), else
+/// aborted (dropping the lease aborts it).
+fn ended_or_aborted(lease: &Lease) -> TurnSummary {
+    let outcome = lease.outcome();
+    match outcome.end {
+        Some(end) => TurnSummary::of_copilot(end, lease, outcome.error),
+        None => TurnSummary::of_copilot(TurnEnd::Aborted, lease, None),
+    }
+}
+
 /// A backend's lease.
 enum NextLease {
     /// A Copilot conversation (boxed: a `Lease` is large), with its transcript mirror's
@@ -713,9 +726,9 @@ async fn run_copilot<S: ChainSink>(
                         streamed |= is_output(event.event_type());
                         if !sink.deliver(ChainEvent::Session(event)).await {
                             // The caller left or stopped reading: dropping the lease aborts
-                            // the turn.
+                            // the turn, unless it had ended (its end was the event refused).
                             gone = true;
-                            return TurnSummary::of_copilot(TurnEnd::Aborted, &lease, None);
+                            return ended_or_aborted(&lease);
                         }
                     }
                     Some(Err(e)) => {
@@ -730,7 +743,7 @@ async fn run_copilot<S: ChainSink>(
                 },
                 _ = sink.gone() => {
                     gone = true;
-                    return TurnSummary::of_copilot(TurnEnd::Aborted, &lease, None);
+                    return ended_or_aborted(&lease);
                 }
             }
         }

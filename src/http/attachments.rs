@@ -15,6 +15,7 @@ use base64::Engine;
 use serde::Deserialize;
 
 use super::error::error;
+use crate::ids::ConversationId;
 use crate::media_type::essence;
 use crate::rpc::messages::{Attachment, LineRange};
 
@@ -306,13 +307,16 @@ pub(super) fn work_roots(state: &super::AppState, agent_id: &str) -> Vec<PathBuf
     roots
 }
 
-/// Where a conversation's inline contents go, below the agent's work directory:
-/// `attachments/<SHA-256 of its session key>/` (any key makes a safe name), so they are
-/// removed with the conversation ([`remove_conversation_files`]). They must outlive the
-/// turn: the runtime embeds an image in the conversation, but names a text file only by
-/// its path (`<tagged_files>`), for the model to read when it wants to, in a later turn too.
-fn conversation_dir(session_key: &str) -> PathBuf {
-    Path::new(INLINE_DIR).join(crate::ids::sha256_hex(session_key))
+/// Where a conversation's inline contents go, below its working directory:
+/// `attachments/<SHA-256 of the conversation's key>/` (`<agent>/<session key>`: any key
+/// makes a safe name, and two agents sharing a work root and a key do not share it), so
+/// they are removed with the conversation ([`remove_conversation_files`]). They must
+/// outlive the turn: the runtime embeds an image in the conversation, but names a text file
+/// only by its path (`<tagged_files>`), for the model to read when it wants to, in a later
+/// turn too. One directory for every backend of the conversation (a fallback's turn is
+/// given the files its first backend's were).
+fn conversation_dir(conversation: &ConversationId) -> PathBuf {
+    Path::new(INLINE_DIR).join(crate::ids::sha256_hex(&conversation.key()))
 }
 
 /// `work` as a directory the pool resolved and a relative path below it: the one of `roots`
@@ -347,10 +351,10 @@ pub(super) fn write(
     checked: Checked,
     work: &Path,
     roots: &[PathBuf],
-    session_key: &str,
+    conversation: &ConversationId,
 ) -> std::io::Result<Vec<Attachment>> {
     let (root, below) = root_and_below(work, roots);
-    let dir = below.join(conversation_dir(session_key));
+    let dir = below.join(conversation_dir(conversation));
     let mut out = Vec::with_capacity(checked.0.len());
     for item in checked.0 {
         match item {
@@ -375,14 +379,26 @@ pub(super) fn write(
     Ok(out)
 }
 
-/// Removes the inline contents of conversation `session_key` run in `work` (once the
-/// conversation is deleted). A failure is logged: the conversation is gone either way.
+/// Removes the inline contents of `conversation`, run in `work` (as its deletion asks:
+/// the compatibility check makes it the directory its turns ran in), unless another backend
+/// still stores the conversation. Call it while the conversation's lease is held, so no
+/// turn writes there meanwhile. A failure is logged: the deletion goes on either way.
 pub(super) async fn remove_conversation_files(
+    state: &super::AppState,
     work: PathBuf,
-    roots: Vec<PathBuf>,
-    session_key: &str,
+    conversation: &ConversationId,
+    backend: &str,
 ) {
-    let rel = conversation_dir(session_key);
+    match state.pool.stored_on_another_backend(conversation, backend) {
+        Ok(false) => {}
+        Ok(true) => return,
+        Err(error) => {
+            tracing::warn!(%error, "Could not tell whether another backend keeps a deleted conversation; its inline attachments are left.");
+            return;
+        }
+    }
+    let roots = work_roots(state, &conversation.agent_id);
+    let rel = conversation_dir(conversation);
     let removed = tokio::task::spawn_blocking(move || {
         let (root, below) = root_and_below(&work, &roots);
         let dir = below.join(&rel);
@@ -430,14 +446,14 @@ pub(super) async fn write_off_thread(
     checked: Checked,
     work: PathBuf,
     roots: Vec<PathBuf>,
-    session_key: &str,
+    conversation: &ConversationId,
 ) -> Result<Vec<Attachment>, Response> {
     if checked.0.is_empty() {
         return Ok(Vec::new());
     }
-    let dir = work.join(conversation_dir(session_key));
-    let key = session_key.to_owned();
-    match tokio::task::spawn_blocking(move || write(checked, &work, &roots, &key)).await {
+    let dir = work.join(conversation_dir(conversation));
+    let conversation = conversation.clone();
+    match tokio::task::spawn_blocking(move || write(checked, &work, &roots, &conversation)).await {
         Ok(Ok(list)) => Ok(list),
         Ok(Err(e)) => Err(error(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -459,6 +475,10 @@ pub(super) async fn write_off_thread(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn conv() -> ConversationId {
+        ConversationId::new("agent-a", "conv")
+    }
 
     fn inline(data: &str, media_type: &str, name: Option<&str>) -> AttachmentBody {
         AttachmentBody::Inline {
@@ -615,7 +635,7 @@ mod tests {
         )
         .expect("ok");
         std::fs::create_dir_all(&work).expect("work");
-        let written = write(checked, &work, std::slice::from_ref(&work), "conv").expect("written");
+        let written = write(checked, &work, std::slice::from_ref(&work), &conv()).expect("written");
         let [
             Attachment::File {
                 path, display_name, ..
@@ -631,7 +651,7 @@ mod tests {
             Some(
                 std::fs::canonicalize(
                     work.join("attachments")
-                        .join(crate::ids::sha256_hex("conv"))
+                        .join(crate::ids::sha256_hex(&conv().key()))
                 )
                 .expect("dir")
                 .as_path()
@@ -666,7 +686,7 @@ mod tests {
                 &limits,
             )
             .expect("ok");
-            write(one, work, roots, "conv")
+            write(one, work, roots, &conv())
         };
         // `attachments` swapped for a link to another agent's directory.
         std::os::unix::fs::symlink(&elsewhere, work.join("attachments")).expect("link");

@@ -24,6 +24,10 @@ use crate::fallback::TurnSummary;
 /// The longest `Idempotency-Key` taken (as Stripe's: 255 characters).
 pub(super) const MAX_KEY_CHARS: usize = 255;
 
+/// What an ended entry takes besides its summary's JSON and its scope: the map's and the
+/// order's slots, the hash, the counters.
+const ENTRY_OVERHEAD: usize = 160;
+
 /// How long, and within how many bytes, the ends of turns asked with an `Idempotency-Key`
 /// are kept for their retries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,8 +36,9 @@ pub struct IdempotencyLimits {
     /// How long after its end a turn's summary answers a retry (default one hour; zero
     /// keeps none: a retry after the end runs again).
     pub ttl: Duration,
-    /// Bytes of summaries kept at most, the final text counted (default 16 MiB); past it
-    /// the oldest are forgotten first.
+    /// Bytes of ended turns kept at most, each counted as its summary's JSON and its keys
+    /// (default 16 MiB); past it the oldest are forgotten first, and a summary larger than
+    /// the whole bound is not kept.
     pub max_bytes: usize,
 }
 
@@ -160,15 +165,22 @@ impl Replays {
         {
             return;
         }
-        let Some(summary) = summary.filter(|_| !self.limits.ttl.is_zero()) else {
+        // What an ended entry holds: the summary as its JSON would be, and its scope twice
+        // (the map's key, the order's).
+        let bytes = summary.map(|s| {
+            serde_json::to_vec(s).map_or(usize::MAX, |json| json.len())
+                + 2 * (scope.0.len() + scope.1.len())
+                + ENTRY_OVERHEAD
+        });
+        // None kept (no summary, no TTL, or one larger than the whole bound): forgotten.
+        let (Some(summary), Some(bytes)) = (summary, bytes) else {
             core.entries.remove(scope);
             return;
         };
-        // The final text and error are most of a summary; the rest is a few hundred bytes.
-        let bytes = 512
-            + summary.final_text.len()
-            + summary.error.as_ref().map_or(0, String::len)
-            + summary.session_id.len();
+        if self.limits.ttl.is_zero() || bytes > self.limits.max_bytes {
+            core.entries.remove(scope);
+            return;
+        }
         if let Some(entry) = core.entries.get_mut(scope) {
             entry.state = State::Ended(Arc::new(summary.clone()));
         }
@@ -358,6 +370,19 @@ mod tests {
         ));
         assert!(matches!(
             claim(&replays, "b", b"body", start),
+            Claim::Ended(_)
+        ));
+        // One larger than the whole bound is not kept (nor does it push the others out).
+        let Claim::Run(pending) = claim(&replays, "huge", b"body", start) else {
+            panic!("runs");
+        };
+        pending.ended(&summary(&"h".repeat(5000)));
+        assert!(matches!(
+            claim(&replays, "huge", b"body", start),
+            Claim::Run(_)
+        ));
+        assert!(matches!(
+            claim(&replays, "c", b"body", start),
             Claim::Ended(_)
         ));
         // Past the TTL nothing ended is kept.

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::AppState;
-use super::attachments::{remove_conversation_files, work_roots};
+use super::attachments::remove_conversation_files;
 use super::body::{CompactBody, ConversationBody, lease_request, optional_body, read_body};
 use super::error::{ErrorBody, error, pool_error, rejection};
 use crate::pool::{COPILOT_BACKEND, ConversationId, Lease, PoolError};
@@ -256,12 +256,11 @@ pub(super) async fn delete_session(
         }
         Err(e) => return pool_error(&e),
     };
+    // Removed while the lease is held: no turn of the conversation writes there meanwhile.
+    let conversation = ConversationId::new(&agent_id, &session_key);
+    remove_conversation_files(&state, work, &conversation, COPILOT_BACKEND).await;
     match lease.reset().await {
-        Ok(()) => {
-            let roots = work_roots(&state, &agent_id);
-            remove_conversation_files(work, roots, &session_key).await;
-            StatusCode::NO_CONTENT.into_response()
-        }
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => pool_error(&e),
     }
 }
@@ -286,8 +285,8 @@ async fn delete_cli_conversation(
     let work = req.working_directory.clone();
     match state.pool.delete_cli_conversation(req).await {
         Ok(true) => {
-            let roots = work_roots(state, agent_id);
-            remove_conversation_files(work, roots, session_key).await;
+            let conversation = ConversationId::new(agent_id, session_key);
+            remove_conversation_files(state, work, &conversation, &backend).await;
             StatusCode::NO_CONTENT.into_response()
         }
         Ok(false) => error(

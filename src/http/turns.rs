@@ -30,7 +30,7 @@ use super::gateway::Link;
 use super::idempotency::{self, Claim, Pending};
 use crate::backend::BackendEvent;
 use crate::fallback::{self, ChainEvent, ChainLease, ChainRequest, ChainSink};
-use crate::kinds::HookName;
+use crate::kinds::{HookName, TurnEnd};
 use crate::permission::{DecisionFuture, PermissionPolicy, PermissionRequest};
 use crate::pool::{COPILOT_BACKEND, ConversationId, LeaseRequest};
 use crate::turn::Message;
@@ -59,7 +59,7 @@ pub(super) struct TurnQuery {
     tag = "turns",
     params(
         TurnQuery,
-        ("Idempotency-Key" = Option<String>, Header, max_length = 255,
+        ("Idempotency-Key" = Option<String>, Header, nullable = false, max_length = 255,
             description = "One key per turn the gateway means to run (a UUID, say). A retry with the same key and the same body, after the turn ended, gets that turn's `turn.end` again (marked `Idempotent-Replayed: true`; as the stream's one event, or as JSON with `?stream=false`) instead of running the prompt twice; during the turn it gets 409. A turn whose gateway left before its end was aborted, and its retry runs. Kept in memory for `idempotency.ttl` (default one hour) per conversation"),
     ),
     request_body(content = TurnBody, content_type = "application/json"),
@@ -286,11 +286,17 @@ async fn post_copilot_turn(
     // Inline content is written only for a turn that runs (dropping the lease on a failed
     // write returns the conversation).
     let message = lease.message_mut();
-    message.attachments =
-        match write_off_thread(attachments, work.path, work.roots, &body.session_key).await {
-            Ok(a) => a,
-            Err(r) => return r,
-        };
+    message.attachments = match write_off_thread(
+        attachments,
+        work.path,
+        work.roots,
+        &ConversationId::new(&body.agent_id, &body.session_key),
+    )
+    .await
+    {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
     message.mode = body.mode;
     message.agent_mode = body.agent_mode;
     let keepalive = state.config.sse_keepalive;
@@ -416,11 +422,17 @@ async fn post_cli_turn(
     };
     // Inline images are written only for a turn that runs (dropping the lease on a failed
     // write returns the conversation); the runner passes them to the CLI.
-    lease.message_mut().attachments =
-        match write_off_thread(attachments, work.path, work.roots, &body.session_key).await {
-            Ok(a) => a,
-            Err(r) => return r,
-        };
+    lease.message_mut().attachments = match write_off_thread(
+        attachments,
+        work.path,
+        work.roots,
+        &ConversationId::new(&body.agent_id, &body.session_key),
+    )
+    .await
+    {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
     let keepalive = state.config.sse_keepalive;
     spawn_run(state, lease, pending);
     respond(streaming, keepalive, events_rx).await
@@ -435,11 +447,11 @@ fn spawn_run(state: Arc<AppState>, lease: ChainLease<StreamSink>, pending: Optio
         let events = lease.sink().events.clone();
         let outcome = lease.run().await;
         // A turn its gateway left was aborted: its key is forgotten (the retry runs it).
-        // One that ran to its end answers a retry with its summary, recorded before it is
-        // sent (a retry may follow the first answer at once).
-        if !outcome.caller_gone
-            && let Some(pending) = pending
-        {
+        // One that ran to its end (its gateway still there, or gone only as its last events
+        // went out) answers a retry with its summary, recorded before it is sent (a retry
+        // may follow the first answer at once).
+        let ran_whole = !outcome.caller_gone || outcome.summary.status != TurnEnd::Aborted;
+        if ran_whole && let Some(pending) = pending {
             pending.ended(&outcome.summary);
         }
         if !outcome.caller_gone
@@ -571,12 +583,7 @@ fn replayed(streaming: bool, summary: &TurnEndEvent) -> Response {
     let mut response = if streaming {
         let mut frames = Vec::new();
         TurnEvent::TurnEnd(summary.clone()).frame_into(&mut frames);
-        Response::builder()
-            .status(StatusCode::OK)
-            .header(header::CONTENT_TYPE, "text/event-stream")
-            .header(header::CACHE_CONTROL, "no-cache")
-            .body(Body::from(frames))
-            .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
+        event_stream(Body::from(frames))
     } else {
         axum::Json(summary).into_response()
     };
@@ -632,13 +639,18 @@ async fn respond(
                 Err(_) => Some((Ok(Bytes::from_static(SSE_KEEPALIVE)), (rx, false))),
             }
         });
+    event_stream(Body::from_stream(stream))
+}
+
+/// A turn's `200 text/event-stream` answer with `body` as its events.
+fn event_stream(body: Body) -> Response {
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
         // nginx would otherwise hold the events back in its buffer.
         .header("x-accel-buffering", "no")
-        .body(Body::from_stream(stream))
+        .body(body)
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
 }
 

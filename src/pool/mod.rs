@@ -351,6 +351,38 @@ impl Pool {
         Ok((copilot_home, home))
     }
 
+    /// Whether a backend other than `except` (`copilot` or a CLI backend id) has conversation
+    /// `conversation` stored: a gateway conversation whose turns fell back from one backend
+    /// to another is stored on each, and what they share (its inline attachments) stays
+    /// until the last is deleted.
+    pub fn stored_on_another_backend(
+        &self,
+        conversation: &ConversationId,
+        except: &str,
+    ) -> Result<bool, PoolError> {
+        let inner = &self.inner;
+        if except != COPILOT_BACKEND
+            && inner
+                .bindings
+                .is_present(&conversation.key())
+                .map_err(|e| state_unwritable(&inner.bindings, e.os_error()))?
+        {
+            return Ok(true);
+        }
+        let clis = self.backend_ids();
+        for backend in clis
+            .iter()
+            .filter(|b| *b != except && *b != COPILOT_BACKEND)
+        {
+            let names =
+                cli::CliNames::new(&conversation.agent_id, &conversation.session_key, backend);
+            if inner.cli.is_stored(&names)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// Deletes a conversation of the CLI backend `req.backend` (its agent, session key, home
     /// and working directory as its leases name them; the rest of `req` is not used): refused
     /// with [`PoolError::ConversationBusy`] while it runs a turn or a lease waits for it;

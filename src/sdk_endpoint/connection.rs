@@ -687,16 +687,16 @@ impl Client {
         const METHOD: &str = "session.delete";
         let id = session_id(params).unwrap_or_default();
         let agent = self.agent().unwrap_or_default().to_owned();
-        let session = match self.session(&id) {
+        let held = self.session(&id);
+        let opened_here = held.is_some();
+        let session = match held {
             Some(session) => session,
             None => {
                 let spec = SessionSpec::bare(&id)?;
                 let conversation = session::conversation(&agent, &id).key();
-                if self
-                    .shared
-                    .holder(&conversation)
-                    .is_some_and(|holder| holder != self.id)
-                {
+                // Claimed for the deletion: another connection's resume meanwhile is
+                // refused, not deleted under it once it has the session.
+                if !self.shared.claim(&conversation, self.id) {
                     return Err(ErrorObject::new(
                         INTERNAL_ERROR,
                         format!(
@@ -715,7 +715,23 @@ impl Client {
         };
         let deleted = session.delete().await;
         self.forget(&id);
-        deleted.or_else(|error| Ok(json!({"success": false, "error": error.message})))
+        self.shared.release(&session.conversation().key(), self.id);
+        deleted.or_else(|error| {
+            let refused = error.data.as_ref().is_some_and(|d| d["kind"] == "invalid");
+            let message = if refused && !opened_here {
+                // Known only by its id here: its credentials and provider are the client's.
+                format!(
+                    "{}; copilot-pool opens a session to delete it, with its own credentials \
+                     or BYOK provider, which a session this connection has not opened does not \
+                     carry: resume it on this connection (with its provider or token), then \
+                     delete it",
+                    error.message
+                )
+            } else {
+                error.message
+            };
+            Ok(json!({"success": false, "error": message}))
+        })
     }
 
     /// A call naming a session: this connection must hold it.

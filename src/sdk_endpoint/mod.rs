@@ -195,13 +195,6 @@ impl Shared {
         }
     }
 
-    fn holder(&self, conversation: &str) -> Option<u64> {
-        self.owners
-            .lock()
-            .ok()
-            .and_then(|o| o.get(conversation).copied())
-    }
-
     fn next_connection_id(&self) -> u64 {
         self.next_connection.fetch_add(1, Ordering::Relaxed)
     }

@@ -607,10 +607,12 @@ impl SdkSession {
     /// same process (the runtime queues it).
     pub(super) async fn send(self: &Arc<Self>, params: Value) -> Result<Value, CallError> {
         const METHOD: &str = "session.send";
+        self.refuse_if_let_go(METHOD)?;
         if let Some((worker, _)) = self.running() {
             return call(&worker, METHOD, params, self.shared.config.request_timeout).await;
         }
         let _gate = self.gate.lock().await;
+        self.refuse_if_let_go(METHOD)?;
         if let Some((worker, _)) = self.running() {
             return call(&worker, METHOD, params, self.shared.config.request_timeout).await;
         }
@@ -953,6 +955,7 @@ impl SdkSession {
     /// [`Self::call`], with the pid of the process that answered.
     async fn call_on(&self, method: &str, params: Value) -> Result<(Value, u32), CallError> {
         refuse_unguarded_call(method, &params)?;
+        self.refuse_if_let_go(method)?;
         let timeout = self.shared.config.request_timeout;
         if let Some((worker, _)) = self.running() {
             let pid = worker.pid();
@@ -961,6 +964,7 @@ impl SdkSession {
                 .map(|a| (a, pid));
         }
         let _gate = self.gate.lock().await;
+        self.refuse_if_let_go(method)?;
         if let Some((worker, _)) = self.running() {
             let pid = worker.pid();
             return call(&worker, method, params, timeout)

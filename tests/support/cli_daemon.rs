@@ -189,10 +189,13 @@ pub async fn image_turns(
     let images = images_in(&answered(&format!("{backend} saw a dot")));
     assert!(images.contains(&png(PNG)), "{backend}: {images:?}");
 
-    // The inline image was written under `<work>/attachments/<key hash>/`; the next turn
-    // names a file of that work directory by its relative path.
-    let key =
-        copilot_pool::sdk_endpoint::sha256_hex(first["session_key"].as_str().unwrap_or_default());
+    // The inline image was written under `<work>/attachments/<conversation hash>/`; the
+    // next turn names a file of that work directory by its relative path.
+    let key = copilot_pool::ids::sha256_hex(&format!(
+        "{}/{}",
+        first["agent_id"].as_str().unwrap_or_default(),
+        first["session_key"].as_str().unwrap_or_default()
+    ));
     let written = files_named(fx.scratch.path(), "-dot.png");
     let conversation_files = written
         .iter()
