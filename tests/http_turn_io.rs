@@ -485,6 +485,55 @@ async fn compaction_over_http_takes_custom_instructions() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compaction_between_tool_turns_keeps_the_session_attached_as_it_was_opened() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let mut config = fx.config().await;
+    // No spare resumes anything ahead: every resume counted is the leases'.
+    config.warm_spares = 0;
+    let server = InProcess::start(config, ApiConfig::default()).await;
+    let addr = server.addr;
+    let tool_turn = |key: &'static str| {
+        let url = url.clone();
+        async move {
+            let body = lookup_turn(&url, "agent-t", "conv", key);
+            let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
+            let id = request_id(&stream.until_event("tool.call").await);
+            assert_eq!(
+                answer(addr, &id, &json!({"result": "42"})).await.status,
+                204
+            );
+            let (_, end) = stream.until_end().await;
+            assert_eq!(end["status"], "idle", "{end}");
+            end
+        }
+    };
+    tool_turn("alpha").await;
+    let settings = json!({
+        "model": ScriptedModel::MODEL_ID,
+        "provider": {"type": "openai", "base_url": url, "api_key": "scripted-key"},
+    });
+    let compacted = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-t/conv/compact",
+        None,
+        Some(&settings),
+    )
+    .await;
+    assert_eq!(compacted.status, 200, "{}", compacted.body);
+    let end = tool_turn("beta").await;
+    // The compaction used the session as its turns opened it (their tools and handlers),
+    // and the next turn found it so: no detach and resume for either.
+    assert_eq!(end["open_reason"], "attached", "{end}");
+    assert_eq!(
+        server.pool.status().await.expect("status").totals.resumed,
+        0
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn omitted_event_types_stay_off_the_stream_and_a_bad_pattern_is_refused_naming_it() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();

@@ -122,6 +122,7 @@ async fn existing_lease(
     req.existing_only = true;
     // A conversation running a turn is a 409 now, as documented, not a wait.
     req.fail_if_busy = true;
+    req.runs_no_turn = true;
     state.pool.lease(req).await.map_err(|e| pool_error(&e))
 }
 
@@ -247,6 +248,7 @@ pub(super) async fn delete_session(
     };
     req.existing_only = true;
     req.fail_if_busy = true;
+    req.runs_no_turn = true;
     let work = req.working_directory.clone();
     let lease = match state.pool.lease(req).await {
         Ok(l) => l,

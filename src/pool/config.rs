@@ -290,6 +290,10 @@ pub struct LeaseRequest {
     /// Only continue an existing conversation (attached or resumable with these settings);
     /// never start a new CLI session. For operations like compact or reset.
     pub existing_only: bool,
+    /// The lease runs no turn (a compact, a reset): a session parked with other tools or
+    /// handlers (those its turns opened it with) is used as it is, not detached and resumed
+    /// to match this lease's, which would cost a resume now and another at the next turn.
+    pub runs_no_turn: bool,
     /// Tools, permission policy, ask_user, hooks, timeouts and the transcript mirror.
     pub handlers: TurnHandlers,
     /// The session's config as a client put it on the wire (the SDK endpoint passes its
@@ -330,6 +334,7 @@ impl LeaseRequest {
             fail_if_busy: false,
             wait_timeout: None,
             existing_only: false,
+            runs_no_turn: false,
             handlers: TurnHandlers::default(),
             wire_config: None,
             cli_session_id: None,

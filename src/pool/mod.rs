@@ -587,6 +587,7 @@ impl Pool {
             fail_if_busy: req.fail_if_busy,
             wait,
             process_only: false,
+            any_setup: req.runs_no_turn,
         };
         let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
         let grant: Grant = match inner
@@ -725,6 +726,7 @@ impl Pool {
             fail_if_busy: false,
             wait,
             process_only: true,
+            any_setup: false,
         };
         match inner
             .actor

@@ -148,6 +148,9 @@ pub(crate) struct Ask<Spec> {
     /// What the session is opened with (tools, handler flags): a parked session opened
     /// differently is resumed anew rather than reused.
     pub(crate) setup: String,
+    /// The lease runs no turn (a compact, a reset): a parked session is reused as it was
+    /// opened, whatever its `setup` (no tool call nor prompt of it reaches this lease).
+    pub(crate) any_setup: bool,
     /// The gateway's own key of the conversation (for errors).
     pub(crate) gateway_key: String,
     /// Refuse at once if the conversation is leased, instead of queueing behind its lease.
@@ -1220,7 +1223,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         // Still attached to a usable worker of this key with the same settings: reuse it.
         if let Some(conv) = self.conversations.get(&ask.conversation) {
             let same = conv.compat == ask.compat
-                && conv.setup == ask.setup
+                && (conv.setup == ask.setup || ask.any_setup)
                 && self.worker_usable(conv.worker)
                 && self
                     .workers

@@ -133,6 +133,7 @@ impl Sim {
             fail_if_busy: false,
             wait: Duration::from_secs(60),
             process_only: true,
+            any_setup: false,
         };
         let effects = self.core.acquire(ask, self.now);
         self.apply(effects);
@@ -165,7 +166,7 @@ impl Sim {
         compat: &str,
         fail_if_busy: bool,
     ) -> RequestId {
-        self.ask_full(conversation, k, compat, "", fail_if_busy)
+        self.ask_full(conversation, k, compat, "", fail_if_busy, false)
     }
 
     fn ask_full(
@@ -175,6 +176,7 @@ impl Sim {
         compat: &str,
         setup: &str,
         fail_if_busy: bool,
+        any_setup: bool,
     ) -> RequestId {
         let id = self.next_request;
         self.next_request += 1;
@@ -190,6 +192,7 @@ impl Sim {
             fail_if_busy,
             wait: Duration::from_secs(60),
             process_only: false,
+            any_setup,
         };
         let effects = self.core.acquire(ask, self.now);
         self.apply(effects);
@@ -474,6 +477,39 @@ fn a_conversation_is_granted_on_the_worker_its_spawn_brings_and_reused_when_park
 }
 
 #[test]
+fn a_lease_that_runs_no_turn_uses_the_parked_session_whatever_it_was_opened_with() {
+    let mut sim = Sim::new(limits());
+    sim.ask_full("a/1", 1, "c", "with tools", false, false);
+    let w = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Park, 1);
+    // A compact (no tools, no handlers): the parked session as it is.
+    let compact = sim.ask_full("a/1", 1, "c", "bare", true, true);
+    assert_eq!(sim.granted_to(compact), Some(w));
+    let held = sim.leases.get("a/1").expect("leased");
+    assert!(
+        held.carried.as_ref().is_some_and(|(_, _, same)| *same),
+        "reused where it is parked, not moved"
+    );
+    sim.give_back("a/1", Settle::Park, 0);
+    // The next turn finds it as its turns opened it; a turn with other settings does not.
+    let turn = sim.ask_full("a/1", 1, "c", "with tools", false, false);
+    assert!(
+        sim.leases
+            .get("a/1")
+            .is_some_and(|h| h.carried.as_ref().is_some_and(|(_, _, same)| *same))
+    );
+    assert_eq!(sim.granted_to(turn), Some(w));
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.ask_full("a/1", 1, "c", "bare", false, false);
+    assert!(
+        sim.leases
+            .get("a/1")
+            .is_some_and(|h| !h.carried.as_ref().is_some_and(|(_, _, same)| *same)),
+        "a turn opened otherwise is moved"
+    );
+}
+
+#[test]
 fn a_leased_conversation_waits_for_its_return_or_is_refused_at_once_when_asked() {
     let mut sim = Sim::new(limits());
     sim.ask("a/1", 1);
@@ -553,6 +589,7 @@ fn one_agents_waiters_are_capped_and_another_agents_lease_still_queues() {
         fail_if_busy: false,
         wait: Duration::from_secs(60),
         process_only: false,
+        any_setup: false,
     };
     let effects = sim.core.acquire(rotated, sim.now);
     sim.apply(effects);
@@ -1081,6 +1118,7 @@ impl Sim {
             fail_if_busy: false,
             wait: Duration::from_secs(60),
             process_only: false,
+            any_setup: false,
         };
         let effects = self.core.acquire(ask, self.now);
         self.apply(effects);
@@ -1408,7 +1446,7 @@ impl Sim {
             } => {
                 let name = format!("c/{conversation}");
                 let (compat, setup) = (compat.to_string(), setup.to_string());
-                self.ask_full(&name, key, &compat, &setup, fail_if_busy);
+                self.ask_full(&name, key, &compat, &setup, fail_if_busy, false);
             }
             Step::WarmUp {
                 conversation,
