@@ -12,7 +12,7 @@ use std::time::Duration;
 use copilot_pool::http::ApiConfig;
 use copilot_pool::scripted_model::{Answer, ScriptedModel};
 use serde_json::{Value, json};
-use support::api::{InProcess, answer, lookup_turn, request_id, summary, turn};
+use support::api::{InProcess, answer, answered_tool_turn, lookup_turn, request_id, summary, turn};
 use support::http::{Sse, SseStream, call};
 use support::pool_fixture::Fixture;
 
@@ -398,14 +398,7 @@ async fn usage_adds_up_to_what_the_model_reported_and_a_failed_model_call_carrie
     // A turn with a tool call: two model calls.
     let before = fx.model.requests().len();
     let body = lookup_turn(&url, "agent-u", "conv", "alpha");
-    let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
-    let id = request_id(&stream.until_event("tool.call").await);
-    assert_eq!(
-        answer(addr, &id, &json!({"result": "42"})).await.status,
-        204
-    );
-    let (_, end) = stream.until_end().await;
-    assert_eq!(end["status"], "idle", "{end}");
+    let end = answered_tool_turn(addr, &body, "42").await;
     let served = fx.model.requests()[before..]
         .iter()
         .filter(|r| matches!(r.answer, Answer::Chat { .. }))
@@ -493,22 +486,7 @@ async fn a_compaction_between_tool_turns_keeps_the_session_attached_as_it_was_op
     config.warm_spares = 0;
     let server = InProcess::start(config, ApiConfig::default()).await;
     let addr = server.addr;
-    let tool_turn = |key: &'static str| {
-        let url = url.clone();
-        async move {
-            let body = lookup_turn(&url, "agent-t", "conv", key);
-            let mut stream = SseStream::open(addr, "/v1/turns", None, &body).await;
-            let id = request_id(&stream.until_event("tool.call").await);
-            assert_eq!(
-                answer(addr, &id, &json!({"result": "42"})).await.status,
-                204
-            );
-            let (_, end) = stream.until_end().await;
-            assert_eq!(end["status"], "idle", "{end}");
-            end
-        }
-    };
-    tool_turn("alpha").await;
+    answered_tool_turn(addr, &lookup_turn(&url, "agent-t", "conv", "alpha"), "42").await;
     let settings = json!({
         "model": ScriptedModel::MODEL_ID,
         "provider": {"type": "openai", "base_url": url, "api_key": "scripted-key"},
@@ -522,7 +500,7 @@ async fn a_compaction_between_tool_turns_keeps_the_session_attached_as_it_was_op
     )
     .await;
     assert_eq!(compacted.status, 200, "{}", compacted.body);
-    let end = tool_turn("beta").await;
+    let end = answered_tool_turn(addr, &lookup_turn(&url, "agent-t", "conv", "beta"), "42").await;
     // The compaction used the session as its turns opened it (their tools and handlers),
     // and the next turn found it so: no detach and resume for either.
     assert_eq!(end["open_reason"], "attached", "{end}");

@@ -286,14 +286,7 @@ async fn post_copilot_turn(
     // Inline content is written only for a turn that runs (dropping the lease on a failed
     // write returns the conversation).
     let message = lease.message_mut();
-    message.attachments = match write_off_thread(
-        attachments,
-        work.path,
-        work.roots,
-        &ConversationId::new(&body.agent_id, &body.session_key),
-    )
-    .await
-    {
+    message.attachments = match write_inline(attachments, work, &body).await {
         Ok(a) => a,
         Err(r) => return r,
     };
@@ -302,6 +295,17 @@ async fn post_copilot_turn(
     let keepalive = state.config.sse_keepalive;
     spawn_run(state, lease, pending);
     respond(streaming, keepalive, events_rx).await
+}
+
+/// The turn's checked attachments as the runtime takes them, its inline contents written
+/// into the conversation's directory of its working directory.
+async fn write_inline(
+    attachments: super::attachments::Checked,
+    work: WorkDir,
+    body: &TurnBody,
+) -> Result<Vec<crate::rpc::messages::Attachment>, Response> {
+    let conversation = ConversationId::new(&body.agent_id, &body.session_key);
+    write_off_thread(attachments, work.path, work.roots, &conversation).await
 }
 
 /// What a CLI backend's turn refuses in a body, if the body has it (attachments other than
@@ -422,14 +426,7 @@ async fn post_cli_turn(
     };
     // Inline images are written only for a turn that runs (dropping the lease on a failed
     // write returns the conversation); the runner passes them to the CLI.
-    lease.message_mut().attachments = match write_off_thread(
-        attachments,
-        work.path,
-        work.roots,
-        &ConversationId::new(&body.agent_id, &body.session_key),
-    )
-    .await
-    {
+    lease.message_mut().attachments = match write_inline(attachments, work, &body).await {
         Ok(a) => a,
         Err(r) => return r,
     };

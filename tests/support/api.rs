@@ -113,3 +113,15 @@ pub async fn answer(addr: SocketAddr, id: &str, body: &Value) -> super::http::Re
     )
     .await
 }
+
+/// Runs a `lookup_turn` body over SSE, answers its tool call with `result`, and returns
+/// the `turn.end` summary of a turn that ended `idle`.
+pub async fn answered_tool_turn(addr: SocketAddr, body: &Value, result: &str) -> Value {
+    let mut stream = super::http::SseStream::open(addr, "/v1/turns", None, body).await;
+    let id = request_id(&stream.until_event("tool.call").await);
+    let answered = answer(addr, &id, &serde_json::json!({ "result": result })).await;
+    assert_eq!(answered.status, 204, "{}", answered.body);
+    let (_, end) = stream.until_end().await;
+    assert_eq!(end["status"], "idle", "{end}");
+    end
+}
