@@ -285,7 +285,8 @@ async fn prelude_from_the_runtimes_event_log(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fallback_waiting_for_its_backends_capacity_stops_waiting_when_its_caller_leaves() {
+async fn a_fallback_waiting_for_its_backends_capacity_stops_waiting_when_its_caller_leaves_or_aborts()
+ {
     let _serial = SERIAL.lock().await;
     let fx = Fixture::new().await;
     // One Claude process per key: a conversation's fallback to Claude waits while another
@@ -334,6 +335,52 @@ async fn a_fallback_waiting_for_its_backends_capacity_stops_waiting_when_its_cal
     assert!(
         gone.is_ok(),
         "the waiter of the caller that left stayed queued"
+    );
+    // A caller that stays and aborts its turn while the fallback waits: the wait ends at
+    // once, the turn ends aborted, and its prompt is never sent to the fallback.
+    for _ in 0..RUNTIME_401_ATTEMPTS {
+        fx.model.push_reply(Reply::Error { status: 401 });
+    }
+    let mut stopping = SseStream::open(
+        daemon.addr,
+        "/v1/turns",
+        None,
+        &fx.body("stopper", "REPLY=never MARKER-stopped"),
+    )
+    .await;
+    let queued = tokio::time::timeout(TURN_LIMIT, async {
+        while waiters().await == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(
+        queued.is_ok(),
+        "the second fallback never waited for Claude"
+    );
+    let stop = call(
+        daemon.addr,
+        "POST",
+        "/v1/sessions/agent-f/stopper/abort",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(stop.status, 204, "{}", stop.body);
+    let (_, end) = tokio::time::timeout(Duration::from_secs(10), stopping.until_end())
+        .await
+        .expect("the aborted turn stops waiting for its fallback");
+    assert_eq!(end["status"], "aborted", "{end}");
+    assert_eq!(waiters().await, 0, "the aborted turn's waiter is gone");
+    assert!(
+        fx.model
+            .requests()
+            .iter()
+            .filter(|r| from_claude(r))
+            .all(|r| !serde_json::to_string(r.messages())
+                .unwrap_or_default()
+                .contains("MARKER-stopped")),
+        "the aborted turn's prompt reached the fallback"
     );
     let abort = call(
         daemon.addr,
