@@ -347,8 +347,9 @@ pub struct ChainOutcome {
     /// The last run's summary (`fallback_from` names the backend that failed before it).
     pub summary: TurnSummary,
     /// The sink refused an event or resolved [`ChainSink::gone`]: the turn was aborted
-    /// (`summary.status` then says `aborted`), unless its backend had ended it already (its
-    /// caller left as its last events were passed on: `summary` is how it ended).
+    /// (`summary.status` then says `aborted`), unless its backend had ended it already with
+    /// no fallback due (its caller left as its last events were passed on: `summary` is how
+    /// it ended).
     pub caller_gone: bool,
 }
 
@@ -582,7 +583,9 @@ impl<S: ChainSink> ChainLease<S> {
             let leased = tokio::select! {
                 leased = prelude_then_lease => leased,
                 () = sink.gone() => {
+                    // Its fallback did not run: the turn did not end, it was abandoned.
                     end.gone = true;
+                    end.summary.status = TurnEnd::Aborted;
                     break;
                 }
                 () = sink.stopped() => {
@@ -612,8 +615,10 @@ impl<S: ChainSink> ChainLease<S> {
                 prelude_chars: prelude.as_deref().map_or(0, |p| p.chars().count()),
             };
             if !sink.deliver(ChainEvent::Fallback(notice)).await {
-                // The caller left: dropping the lease returns the conversation.
+                // The caller left: dropping the lease returns the conversation, and the
+                // turn, its fallback not run, is abandoned.
                 end.gone = true;
+                end.summary.status = TurnEnd::Aborted;
                 break;
             }
             let seeded = super::seeded_prompt(prelude.as_deref(), &prompt);
@@ -629,6 +634,11 @@ impl<S: ChainSink> ChainLease<S> {
                 }
             };
             end.summary.fallback_from = Some(from);
+        }
+        // A caller that left as its backend failed with a fallback still due: the turn did
+        // not end (the next backend was to run it), it was abandoned.
+        if end.gone && !end.streamed && end.class.is_some() && !rest.is_empty() {
+            end.summary.status = TurnEnd::Aborted;
         }
         ChainOutcome {
             summary: end.summary,

@@ -389,32 +389,33 @@ pub(super) async fn remove_conversation_files(
     conversation: &ConversationId,
     backend: &str,
 ) {
-    match state.pool.stored_on_another_backend(conversation, backend) {
-        Ok(false) => {}
-        Ok(true) => return,
-        Err(error) => {
-            tracing::warn!(%error, "Could not tell whether another backend keeps a deleted conversation; its inline attachments are left.");
-            return;
-        }
-    }
     let roots = work_roots(state, &conversation.agent_id);
-    let rel = conversation_dir(conversation);
+    let pool = state.pool.clone();
+    let conversation = conversation.clone();
+    let backend = backend.to_owned();
+    // The bindings' lookups and the removal: file work, off the async threads.
     let removed = tokio::task::spawn_blocking(move || {
+        if pool.stored_on_another_backend(&conversation, &backend)? {
+            return Ok(None);
+        }
         let (root, below) = root_and_below(&work, &roots);
-        let dir = below.join(&rel);
-        crate::agent_files::remove_flat_dir(&root, &dir).map(|all| (all, root.join(dir)))
+        let dir = below.join(conversation_dir(&conversation));
+        let all = crate::agent_files::remove_flat_dir(&root, &dir)
+            .map_err(|e| crate::pool::PoolError::Internal(e.to_string()))?;
+        Ok::<_, crate::pool::PoolError>(Some((all, root.join(dir))))
     })
     .await;
     match removed {
-        Ok(Ok((true, _))) => {}
-        Ok(Ok((false, dir))) => tracing::warn!(
+        // Another backend keeps the conversation, and its files with it.
+        Ok(Ok(None | Some((true, _)))) => {}
+        Ok(Ok(Some((false, dir)))) => tracing::warn!(
             dir = %dir.display(),
             "A deleted conversation's attachments directory holds a directory the pool did \
              not write; its files were removed, the directory was left."
         ),
         Ok(Err(error)) => tracing::warn!(
             %error,
-            "Could not remove a deleted conversation's inline attachments."
+            "Could not remove a deleted conversation's inline attachments; they are left."
         ),
         Err(error) => tracing::warn!(%error, "The removal of inline attachments failed."),
     }

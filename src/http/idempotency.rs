@@ -168,9 +168,9 @@ impl Replays {
         // What an ended entry holds: the summary as its JSON would be, and its scope twice
         // (the map's key, the order's).
         let bytes = summary.map(|s| {
-            serde_json::to_vec(s).map_or(usize::MAX, |json| json.len())
-                + 2 * (scope.0.len() + scope.1.len())
-                + ENTRY_OVERHEAD
+            serde_json::to_vec(s)
+                .map_or(usize::MAX, |json| json.len())
+                .saturating_add(2 * (scope.0.len() + scope.1.len()) + ENTRY_OVERHEAD)
         });
         // None kept (no summary, no TTL, or one larger than the whole bound): forgotten.
         let (Some(summary), Some(bytes)) = (summary, bytes) else {

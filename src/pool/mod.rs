@@ -352,9 +352,10 @@ impl Pool {
     }
 
     /// Whether a backend other than `except` (`copilot` or a CLI backend id) has conversation
-    /// `conversation` stored: a gateway conversation whose turns fell back from one backend
-    /// to another is stored on each, and what they share (its inline attachments) stays
-    /// until the last is deleted.
+    /// `conversation` stored, or (a CLI backend) holds it now: a gateway conversation whose
+    /// turns fell back from one backend to another is stored on each, and what they share
+    /// (its inline attachments) stays until the last is deleted. Blocking (file lookups):
+    /// call it off the async threads.
     pub fn stored_on_another_backend(
         &self,
         conversation: &ConversationId,
@@ -365,7 +366,7 @@ impl Pool {
             && inner
                 .bindings
                 .is_present(&conversation.key())
-                .map_err(|e| state_unwritable(&inner.bindings, e.os_error()))?
+                .map_err(|e| PoolError::Bindings(e.to_string()))?
         {
             return Ok(true);
         }
@@ -376,7 +377,9 @@ impl Pool {
         {
             let names =
                 cli::CliNames::new(&conversation.agent_id, &conversation.session_key, backend);
-            if inner.cli.is_stored(&names)? {
+            // Held too: a first turn (or a chain's fallback) runs there before its binding
+            // is written, at its end.
+            if inner.cli.holds(&names.slot) || inner.cli.is_stored(&names)? {
                 return Ok(true);
             }
         }
@@ -628,7 +631,11 @@ impl Pool {
             pool: inner.actor.clone(),
             abort_settle_timeout: inner.config.abort_settle_timeout,
             max_resume_crashes: inner.config.max_resume_crashes,
-            remember: (inner.config.warm_spares > 0 && inner.config.warm_spare_conversations > 0)
+            // A compact's or reset's open is not how the conversation's turns open it (a
+            // reset is about to delete it): a spare reopens it as its turns did.
+            remember: (inner.config.warm_spares > 0
+                && inner.config.warm_spare_conversations > 0
+                && !req.runs_no_turn)
                 .then(|| (key.clone(), setup)),
         };
         let span = tracing::Span::current();

@@ -334,6 +334,20 @@ pub(super) async fn run<S>(
     crate::metrics::sdk_connection_closed();
 }
 
+/// A conversation claimed by a connection for one call (a deletion of a session it had not
+/// opened), given back when the call ends, or panics.
+struct Claimed {
+    shared: Arc<Shared>,
+    conversation: String,
+    connection: u64,
+}
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        self.shared.release(&self.conversation, self.connection);
+    }
+}
+
 /// A handled call's share of its connection's held bytes, given back when it drops (its
 /// handler returned, or panicked).
 struct HeldBytes {
@@ -689,13 +703,15 @@ impl Client {
         let agent = self.agent().unwrap_or_default().to_owned();
         let held = self.session(&id);
         let opened_here = held.is_some();
+        let mut _claimed = None;
         let session = match held {
             Some(session) => session,
             None => {
                 let spec = SessionSpec::bare(&id)?;
                 let conversation = session::conversation(&agent, &id).key();
-                // Claimed for the deletion: another connection's resume meanwhile is
-                // refused, not deleted under it once it has the session.
+                // Claimed for the deletion (given back when it ends, however it ends):
+                // another connection's resume meanwhile is refused, not deleted under it
+                // once it has the session.
                 if !self.shared.claim(&conversation, self.id) {
                     return Err(ErrorObject::new(
                         INTERNAL_ERROR,
@@ -705,6 +721,11 @@ impl Client {
                         ),
                     ));
                 }
+                _claimed = Some(Claimed {
+                    shared: self.shared.clone(),
+                    conversation,
+                    connection: self.id,
+                });
                 Arc::new(SdkSession::new(
                     self.shared.clone(),
                     agent,
@@ -715,7 +736,6 @@ impl Client {
         };
         let deleted = session.delete().await;
         self.forget(&id);
-        self.shared.release(&session.conversation().key(), self.id);
         deleted.or_else(|error| {
             let refused = error.data.as_ref().is_some_and(|d| d["kind"] == "invalid");
             let message = if refused && !opened_here {
