@@ -590,6 +590,52 @@ async fn a_retried_turn_with_its_idempotency_key_gets_its_end_again_instead_of_r
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compact_or_reset_during_a_conversations_first_turn_is_busy_not_unknown() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let mut config = fx.config().await;
+    config.warm_spares = 0;
+    let server = InProcess::start(config, ApiConfig::default()).await;
+    let addr = server.addr;
+    // The conversation's first turn waits for its process to start (no binding yet).
+    let first_body = turn(&url, "agent-f", "fresh", "REPLY=first");
+    let first = tokio::spawn(async move { summary(addr, None, &first_body).await });
+    let waiting = async {
+        while server.pool.status().await.expect("status").waiters == 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("the first turn waits for its process");
+    let settings = json!({
+        "model": ScriptedModel::MODEL_ID,
+        "provider": {"type": "openai", "base_url": url, "api_key": "scripted-key"},
+    });
+    for (method, path) in [
+        ("POST", "/v1/sessions/agent-f/fresh/compact"),
+        ("DELETE", "/v1/sessions/agent-f/fresh"),
+    ] {
+        let answer = call(addr, method, path, None, Some(&settings)).await;
+        assert_eq!(answer.status, 409, "{method} {path}: {}", answer.body);
+        assert_eq!(answer.json()["code"], "busy", "{}", answer.body);
+    }
+    let first = first.await.expect("the first turn's request");
+    assert_eq!(first.json()["final_text"], "first", "{}", first.body);
+    // Never started at all: still unknown.
+    let unknown = call(
+        addr,
+        "POST",
+        "/v1/sessions/agent-f/never/compact",
+        None,
+        Some(&settings),
+    )
+    .await;
+    assert_eq!(unknown.status, 404, "{}", unknown.body);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resumes() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();

@@ -156,6 +156,11 @@ pub(crate) enum PoolMsg {
         conversation: String,
         reply: RpcReplyPort<bool>,
     },
+    /// Whether a conversation is leased or waited for (`Placement::is_busy`).
+    IsBusy {
+        conversation: String,
+        reply: RpcReplyPort<bool>,
+    },
     /// Stop every worker and wait until they are gone.
     StopAll(RpcReplyPort<()>),
     /// The CLI side's processes changed, or it needs an idle worker stopped.
@@ -465,6 +470,13 @@ impl Actor for PoolActor {
                 // A turn on a CLI backend: its lease is the CLI side's, not the placement's.
                 let cli = state.cli.abort(&conversation);
                 let _ = reply.send(copilot || cli);
+                Vec::new()
+            }
+            PoolMsg::IsBusy {
+                conversation,
+                reply,
+            } => {
+                let _ = reply.send(state.core.is_busy(&conversation));
                 Vec::new()
             }
             PoolMsg::StopAll(reply) => {

@@ -512,6 +512,12 @@ impl Pool {
             let store = inner.bindings.clone();
             match tokio::task::spawn_blocking(move || store.get(&conversation)).await {
                 Ok(Ok(Some(binding))) => Some(binding),
+                // Its first lease holds it or waits for its process: busy, not unknown.
+                Ok(Ok(None)) if req.fail_if_busy && self.is_busy(&req).await => {
+                    return Err(PoolError::ConversationBusy {
+                        session_key: req.session_key,
+                    });
+                }
                 Ok(Ok(None)) => {
                     return Err(PoolError::NoSuchConversation {
                         session_key: req.session_key,
@@ -772,6 +778,25 @@ impl Pool {
             Ok(ractor::rpc::CallResult::Success(aborted)) => Ok(aborted),
             _ => Err(PoolError::Closed),
         }
+    }
+
+    /// Whether the conversation of `req` is leased or a lease of it waits (a pool that
+    /// does not answer counts as not busy: the caller's own checks follow).
+    async fn is_busy(&self, req: &LeaseRequest) -> bool {
+        let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
+        matches!(
+            self.inner
+                .actor
+                .call(
+                    |reply| PoolMsg::IsBusy {
+                        conversation,
+                        reply,
+                    },
+                    Some(Duration::from_secs(10)),
+                )
+                .await,
+            Ok(ractor::rpc::CallResult::Success(true))
+        )
     }
 
     /// A snapshot of workers, waiters and counters.

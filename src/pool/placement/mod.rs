@@ -1142,6 +1142,12 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             .is_some_and(|c| c.leased)
     }
 
+    /// Whether `conversation` is leased, or a lease of it waits (its first turn's, for one,
+    /// while its process starts: it has no binding yet).
+    pub(crate) fn is_busy(&self, conversation: &str) -> bool {
+        self.is_leased(conversation) || self.waiters.iter().any(|a| a.conversation == conversation)
+    }
+
     fn worker_usable(&self, id: WorkerId) -> bool {
         self.workers
             .get(&id)
