@@ -649,3 +649,48 @@ async fn a_hung_runtime_is_gone_before_its_conversation_resumes_elsewhere() {
     );
     shutdown_leaves_nothing(&pool).await;
 }
+
+#[tokio::test]
+async fn a_reset_the_runtime_refuses_keeps_the_conversation_for_a_retry_that_deletes_it() {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.fake_runtime_config("delete-fails-once").await)
+        .await
+        .expect("pool");
+    let opened = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    // The bindings are filed by "<agent>/<session key>".
+    let key = "agent-a/conv";
+    drop(opened);
+    let existing = || {
+        let mut req = fx.request("agent-a", "conv");
+        req.existing_only = true;
+        req
+    };
+    // The runtime refuses the deletion: the reset fails, the conversation stays findable.
+    let refused = pool
+        .lease(existing())
+        .await
+        .expect("lease")
+        .reset()
+        .await
+        .expect_err("the runtime refused");
+    assert!(
+        refused.to_string().contains("could not delete"),
+        "{refused}"
+    );
+    assert!(
+        pool.bindings().get(key).expect("bindings").is_some(),
+        "the binding of a conversation the runtime still holds stays"
+    );
+    // The retry finds it (on a fresh process: the refusing one was stopped) and deletes it.
+    pool.lease(existing())
+        .await
+        .expect("the retry finds the conversation")
+        .reset()
+        .await
+        .expect("deleted");
+    assert!(pool.bindings().get(key).expect("bindings").is_none());
+    shutdown_leaves_nothing(&pool).await;
+}

@@ -240,7 +240,9 @@ impl Lease {
     }
 
     /// Forgets the conversation: deletes the CLI session and the binding. The next lease of
-    /// this `session_key` starts a new session.
+    /// this `session_key` starts a new session. When the runtime refuses the deletion, the
+    /// binding stays (its process is stopped): a retry finds the conversation and deletes it,
+    /// where a binding removed first left the runtime's session files for good.
     pub async fn reset(mut self) -> Result<(), PoolError> {
         if self.driver.in_flight() {
             return Err(state_error("reset between turns, not during one"));
@@ -252,21 +254,22 @@ impl Lease {
         // The conversation is not parked again: the return gives no session back.
         self.lost = true;
         let deleted = session.delete().await;
-        if let Err(error) = &deleted
+        // A process that went during the deletion holds nothing in memory: the binding goes
+        // as after a deletion (a retry would resume what may be half deleted).
+        if let Err(error) = deleted
             && !matches!(error, WorkerError::Died(_) | WorkerError::Stopped)
         {
-            // The runtime may still hold the session: its process is stopped on drop.
+            // The runtime may still hold the session: its process is stopped on drop, and
+            // the binding stays for a retry.
             self.unsettled = true;
+            return Err(PoolError::Worker(error));
         }
         let store = self.bindings.clone();
         let key = self.conversation.clone();
         tokio::task::spawn_blocking(move || store.remove(&key))
             .await
             .map_err(|e| PoolError::Bindings(e.to_string()))??;
-        match deleted {
-            Ok(()) | Err(WorkerError::Died(_) | WorkerError::Stopped) => Ok(()),
-            Err(e) => Err(PoolError::Worker(e)),
-        }
+        Ok(())
     }
 
     /// The session itself, for a caller that passes every update on to its own client

@@ -16,6 +16,8 @@
 //                    (`cargo bench --bench routing`), so the runtime is not the limit
 //   late-open-event  sends `session.start` / `session.resume` 300 ms after its answer to the
 //                    open (the real runtime sends it right after, usually read with the answer)
+//   delete-fails-once  refuses the first `session.delete` in its `COPILOT_HOME` (a marker
+//                    file there), answers every later one
 //   compaction-between-turns  answers each `session.send` with an `assistant.message` and
 //                    `session.idle`, then a successful `session.compaction_complete` (a
 //                    background compaction that ends after the turn)
@@ -132,8 +134,17 @@ function handle({ id, method, params }) {
         event(params.sessionId, "session.idle", { aborted: true });
       }
       return;
-    case "session.detach":
     case "session.delete":
+      if (mode === "delete-fails-once") {
+        // The first deletion in this home is refused; the next (any process) succeeds.
+        const marker = path.join(home, "delete-refused-once");
+        if (!fs.existsSync(marker)) {
+          fs.writeFileSync(marker, "");
+          return write({ id, error: { code: -32603, message: "fake runtime: could not delete the session" } });
+        }
+      }
+      return reply({ success: true });
+    case "session.detach":
       return reply({ success: true });
     case "session.name.set":
       // A session call with an effect, for the endpoint's let-go tests.
