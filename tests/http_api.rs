@@ -14,7 +14,7 @@ use copilot_pool::secret::Secret;
 use serde_json::json;
 use support::api::{InProcess, answer, lookup_turn, request_id, summary, turn};
 use support::http::{SseStream, call, request, send};
-use support::pool_fixture::Fixture;
+use support::pool_fixture::{Fixture, until_a_lease_waits};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_api_mounted_in_a_foreign_axum_app_runs_a_turn_beside_the_apps_own_routes() {
@@ -172,14 +172,7 @@ async fn an_abort_stops_a_turn_still_waiting_for_room_before_its_prompt_is_sent(
     // ...so this agent's turn waits for room.
     let waiting_body = turn(&url, "agent-s", "conv", "REPLY=never MARKER-waiting");
     let waiting = tokio::spawn(async move { summary(addr, None, &waiting_body).await });
-    let queued = async {
-        while server.pool.status().await.expect("status").waiters == 0 {
-            tokio::task::yield_now().await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), queued)
-        .await
-        .expect("the second agent's turn waits for room");
+    until_a_lease_waits(&server.pool, "the second agent's turn waits for room").await;
     // The user presses stop on it: it ends aborted now, still waiting, its prompt never sent
     // (the other agent's turn runs on).
     let aborted = call(addr, "POST", "/v1/sessions/agent-s/conv/abort", None, None).await;
@@ -600,14 +593,7 @@ async fn a_compact_or_reset_during_a_conversations_first_turn_is_busy_not_unknow
     // The conversation's first turn waits for its process to start (no binding yet).
     let first_body = turn(&url, "agent-f", "fresh", "REPLY=first");
     let first = tokio::spawn(async move { summary(addr, None, &first_body).await });
-    let waiting = async {
-        while server.pool.status().await.expect("status").waiters == 0 {
-            tokio::task::yield_now().await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), waiting)
-        .await
-        .expect("the first turn waits for its process");
+    until_a_lease_waits(&server.pool, "the first turn waits for its process").await;
     let settings = json!({
         "model": ScriptedModel::MODEL_ID,
         "provider": {"type": "openai", "base_url": url, "api_key": "scripted-key"},

@@ -116,6 +116,19 @@ pub fn token(version: &str) -> LeaseAuth {
     }
 }
 
+/// Waits (at most 30 s, a failure guard) until a lease of `pool` waits: for room, or for
+/// its process to start. `what` says which, in the failure.
+pub async fn until_a_lease_waits(pool: &Pool, what: &str) {
+    let waiting = async {
+        while pool.status().await.expect("status").waiters == 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .unwrap_or_else(|_| panic!("{what}"));
+}
+
 /// Waits for the first event that `want` accepts (events are how the pool reports).
 pub async fn wait_event(
     events: &mut broadcast::Receiver<PoolEvent>,
