@@ -12,7 +12,7 @@ use copilot_pool::http::{self, ApiConfig};
 use copilot_pool::scripted_model::ScriptedModel;
 use copilot_pool::secret::Secret;
 use serde_json::json;
-use support::api::{InProcess, answer, lookup_turn, request_id, summary, turn};
+use support::api::{InProcess, answer, lookup_turn, request_id, settings, summary, turn};
 use support::http::{SseStream, call, request, send};
 use support::pool_fixture::{Fixture, until_a_lease_waits};
 
@@ -594,10 +594,7 @@ async fn a_compact_or_reset_during_a_conversations_first_turn_is_busy_not_unknow
     let first_body = turn(&url, "agent-f", "fresh", "REPLY=first");
     let first = tokio::spawn(async move { summary(addr, None, &first_body).await });
     until_a_lease_waits(&server.pool, "the first turn waits for its process").await;
-    let settings = json!({
-        "model": ScriptedModel::MODEL_ID,
-        "provider": {"type": "openai", "base_url": url, "api_key": "scripted-key"},
-    });
+    let settings = settings(&url);
     for (method, path) in [
         ("POST", "/v1/sessions/agent-f/fresh/compact"),
         ("DELETE", "/v1/sessions/agent-f/fresh"),

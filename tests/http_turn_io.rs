@@ -12,7 +12,9 @@ use std::time::Duration;
 use copilot_pool::http::ApiConfig;
 use copilot_pool::scripted_model::{Answer, ScriptedModel};
 use serde_json::{Value, json};
-use support::api::{InProcess, answer, answered_tool_turn, lookup_turn, request_id, summary, turn};
+use support::api::{
+    InProcess, answer, answered_tool_turn, lookup_turn, request_id, settings, summary, turn,
+};
 use support::http::{Sse, SseStream, call};
 use support::pool_fixture::Fixture;
 
@@ -172,9 +174,8 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
         let done = summary(addr, None, &in_shared(agent)).await;
         assert_eq!(done.json()["status"], "idle", "{}", done.body);
     }
-    let full = in_shared("agent-a");
-    let reset_shared =
-        json!({"provider": full["provider"], "model": full["model"], "session": full["session"]});
+    let mut reset_shared = settings(&url);
+    reset_shared["session"] = json!({"workingDirectory": shared.clone()});
     let deleted = call(
         addr,
         "DELETE",
@@ -196,7 +197,7 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
             .count(),
         1
     );
-    let reset = json!({"provider": body["provider"].clone(), "model": body["model"].clone()});
+    let reset = settings(&url);
     let deleted = call(
         addr,
         "DELETE",
@@ -445,11 +446,9 @@ async fn compaction_over_http_takes_custom_instructions() {
     let done = summary(addr, None, &turn(&url, "agent-c", "conv", "REPLY=one")).await;
     assert_eq!(done.json()["status"], "idle", "{}", done.body);
     let settings = |instructions: Value| {
-        json!({
-            "model": ScriptedModel::MODEL_ID,
-            "provider": {"type": "openai", "base_url": url, "api_key": "scripted-key"},
-            "custom_instructions": instructions,
-        })
+        let mut body = settings(&url);
+        body["custom_instructions"] = instructions;
+        body
     };
     let wrong = call(
         addr,
@@ -487,10 +486,7 @@ async fn a_compaction_between_tool_turns_keeps_the_session_attached_as_it_was_op
     let server = InProcess::start(config, ApiConfig::default()).await;
     let addr = server.addr;
     answered_tool_turn(addr, &lookup_turn(&url, "agent-t", "conv", "alpha"), "42").await;
-    let settings = json!({
-        "model": ScriptedModel::MODEL_ID,
-        "provider": {"type": "openai", "base_url": url, "api_key": "scripted-key"},
-    });
+    let settings = settings(&url);
     let compacted = call(
         addr,
         "POST",

@@ -108,9 +108,8 @@ pub(super) async fn post_turn(
         Ok(b) => b,
         Err(r) => return r,
     };
-    let body_hash = idempotency_key
-        .as_ref()
-        .map(|_| idempotency::body_hash(&body));
+    // The key with what a retry must repeat: the body, as sent.
+    let idempotency = idempotency_key.map(|key| (key, idempotency::body_hash(&body)));
     let mut body: TurnBody = match parse(&body) {
         Ok(b) => b,
         Err(r) => return r,
@@ -197,8 +196,8 @@ pub(super) async fn post_turn(
     let streaming = query.stream != Some(false);
     let conversation = ConversationId::new(&body.agent_id, &body.session_key).key();
     // Everything checked: a key is claimed for a turn that would run.
-    let pending = match (idempotency_key, body_hash) {
-        (Some(key), Some(hash)) => {
+    let pending = match idempotency {
+        Some((key, hash)) => {
             match state
                 .replays
                 .claim(conversation.clone(), key, hash, Instant::now())
@@ -223,7 +222,7 @@ pub(super) async fn post_turn(
                 }
             }
         }
-        _ => None,
+        None => None,
     };
     let stop = state.turn_stop(conversation);
     let sink = StreamSink {

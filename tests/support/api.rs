@@ -71,10 +71,17 @@ pub async fn serve(router: axum::Router) -> (SocketAddr, oneshot::Sender<()>, Jo
 
 /// A `POST /v1/turns` body on the scripted model at `model_url`.
 pub fn turn(model_url: &str, agent: &str, key: &str, prompt: &str) -> Value {
+    let mut body = settings(model_url);
+    body["agent_id"] = json!(agent);
+    body["session_key"] = json!(key);
+    body["prompt"] = json!(prompt);
+    body
+}
+
+/// The conversation's settings as [`turn`] sends them (the model and its provider): what a
+/// compact or a reset of that conversation names.
+pub fn settings(model_url: &str) -> Value {
     json!({
-        "agent_id": agent,
-        "session_key": key,
-        "prompt": prompt,
         "model": ScriptedModel::MODEL_ID,
         "provider": {"type": "openai", "base_url": model_url, "api_key": "scripted-key"},
     })
