@@ -2110,3 +2110,33 @@ async fn a_chain_whose_sink_never_returns_ends_caller_gone_after_its_deliver_tim
     drop(again);
     shutdown_leaves_nothing(&pool).await;
 }
+
+#[tokio::test]
+async fn a_conversation_stored_on_another_backend_is_told_apart_from_one_on_its_own() {
+    use copilot_pool::pool::{Binding, CliSessionId, ConversationId};
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let conversation = ConversationId::new("agent-s", "shared");
+    let stored = |key: &str| Binding {
+        session_key: key.to_owned(),
+        cli_session_id: CliSessionId::new("s-1"),
+        compat_key: "c".to_owned(),
+        updated_at_ms: 0,
+    };
+    let elsewhere = |except: &str| {
+        pool.stored_on_another_backend(&conversation, except)
+            .expect("bindings")
+    };
+    assert!(!elsewhere("copilot") && !elsewhere("claude-cli"));
+    // Stored on Claude Code (filed as "<agent>/<key>#backend=<id>"): another backend for
+    // Copilot, its own for Claude Code.
+    pool.cli_bindings()
+        .put(&stored("agent-s/shared#backend=claude-cli"))
+        .expect("put");
+    assert!(elsewhere("copilot"));
+    assert!(!elsewhere("claude-cli"));
+    // Stored on Copilot too: another backend for Claude Code.
+    pool.bindings().put(&stored("agent-s/shared")).expect("put");
+    assert!(elsewhere("claude-cli"));
+    shutdown_leaves_nothing(&pool).await;
+}
