@@ -1126,6 +1126,95 @@ async fn a_byok_session_another_connection_left_is_deleted_once_resumed_with_its
     served.shut_down().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_being_deleted_is_not_opened_on_the_same_connection_until_the_delete_answers() {
+    let fx = Fixture::new().await;
+    // One session in the pool; a lease waits up to 60 s for room.
+    let served = Served::start_with(&fx, |config| {
+        config.max_sessions = 1;
+        config.wait_timeout = Duration::from_secs(60);
+    })
+    .await;
+    let (first, mut first_events) = connected(served.addr, "token-a").await;
+    let (second, _second_events) = connected(served.addr, "token-a").await;
+    first
+        .request("session.create", create_params(&fx, "doomed"), None)
+        .await
+        .expect("create");
+    // A turn, so the runtime stores the session when its room is taken.
+    first
+        .request(
+            "session.send",
+            json!({"sessionId": "doomed", "prompt": "REPLY=stored"}),
+            None,
+        )
+        .await
+        .expect("send");
+    until_event(&mut first_events, "session.idle").await;
+    tokio::time::timeout(Duration::from_secs(15), served.endpoint.turns_finished())
+        .await
+        .expect("the turn ends in the pool");
+    // Another session's slow turn takes the pool's only room...
+    second
+        .request("session.create", create_params(&fx, "busy"), None)
+        .await
+        .expect("create");
+    let slow = json!({"sessionId": "busy", "prompt": "SCENARIO:slow SLOW=300x100"});
+    second
+        .request("session.send", slow, None)
+        .await
+        .expect("send");
+    // ...so the deletion waits for room, and a resume of the same id on its connection
+    // meanwhile is refused at once (it would wait behind it, then be deleted under the
+    // client or dropped from the connection by the deletion's end).
+    let delete = tokio::spawn({
+        let first = first.clone();
+        async move {
+            first
+                .request("session.delete", json!({"sessionId": "doomed"}), None)
+                .await
+        }
+    });
+    eventually("the deletion waits for room in the pool", || async {
+        served.pool.status().await.expect("status").waiters == 1
+    })
+    .await;
+    let refused = remote_error(
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            first.request("session.resume", create_params(&fx, "doomed"), None),
+        )
+        .await
+        .expect("the resume is answered while the deletion waits"),
+    );
+    assert!(
+        refused
+            .message
+            .contains("session doomed is being deleted on this connection"),
+        "{refused:?}"
+    );
+    // Room again: the deletion runs, and once it has answered the id is no longer refused
+    // as being deleted (it is gone).
+    second
+        .request("session.detach", json!({"sessionId": "busy"}), None)
+        .await
+        .expect("detach");
+    let answered = delete.await.expect("the delete's task").expect("an answer");
+    assert_eq!(answered["success"], true, "{answered}");
+    let gone = remote_error(
+        first
+            .request("session.resume", create_params(&fx, "doomed"), None)
+            .await,
+    );
+    assert!(
+        gone.message
+            .contains("Session not found for sessionId: doomed"),
+        "{gone:?}"
+    );
+    drop((first, second));
+    served.shut_down().await;
+}
+
 // One thread: the call's handler reaches the session's gate before the detach runs.
 #[tokio::test]
 async fn a_call_waiting_when_its_session_is_let_go_does_not_reach_the_session() {

@@ -5,7 +5,7 @@
 //! process shared with other clients (`runtime.shutdown`, process-wide providers) are
 //! refused. When the client goes, its turns are aborted and its sessions let go.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -165,13 +165,39 @@ struct Client {
     waiting: Mutex<Option<Slot>>,
     /// The seat among its agent's connections, taken at `connect`, given back at the close.
     seat: Mutex<Option<Seat>>,
-    /// Sessions opened on this connection, by SDK session id.
-    sessions: Mutex<HashMap<String, Arc<SdkSession>>>,
+    /// Sessions opened on this connection, and those it is deleting.
+    sessions: Mutex<Sessions>,
     /// Set, under the `sessions` lock, when the client is gone: an open still running then
     /// takes no session (its claim would never be released).
     gone: AtomicBool,
     /// The session used last, whose process answers calls that name no session.
     last: Mutex<Option<String>>,
+}
+
+/// A connection's sessions, under one lock so that an open and a deletion of one id see each
+/// other.
+#[derive(Default)]
+struct Sessions {
+    /// Opened on this connection, by SDK session id.
+    open: HashMap<String, Arc<SdkSession>>,
+    /// Ids whose `session.delete` is running: an open of one is refused until it answers (it
+    /// would be deleted under the client, or removed from the connection by the deletion).
+    deleting: HashSet<String>,
+}
+
+/// The mark of a `session.delete` running on a connection, taken off when it drops (the
+/// deletion answered, or was cancelled).
+struct Deleting<'a> {
+    sessions: &'a Mutex<Sessions>,
+    id: String,
+}
+
+impl Drop for Deleting<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut sessions) = self.sessions.lock() {
+            sessions.deleting.remove(&self.id);
+        }
+    }
 }
 
 /// Serves one accepted client until it leaves or the listener stops; then aborts its turns
@@ -271,7 +297,7 @@ pub(super) async fn run<S>(
         agent: OnceLock::new(),
         waiting: Mutex::new(Some(slot)),
         seat: Mutex::new(None),
-        sessions: Mutex::new(HashMap::new()),
+        sessions: Mutex::new(Sessions::default()),
         gone: AtomicBool::new(false),
         last: Mutex::new(None),
     });
@@ -552,7 +578,10 @@ impl Client {
     }
 
     fn session(&self, id: &str) -> Option<Arc<SdkSession>> {
-        self.sessions.lock().ok().and_then(|s| s.get(id).cloned())
+        self.sessions
+            .lock()
+            .ok()
+            .and_then(|s| s.open.get(id).cloned())
     }
 
     fn touch(&self, id: &str) {
@@ -616,8 +645,17 @@ impl Client {
                     format!("Request {method} failed with message: the connection is closing"),
                 ));
             }
+            if sessions.deleting.contains(&id) {
+                return Err(ErrorObject::new(
+                    INTERNAL_ERROR,
+                    format!(
+                        "Request {method} failed with message: session {id} is being deleted \
+                         on this connection; wait for its session.delete to answer"
+                    ),
+                ));
+            }
             let limit = self.shared.config.max_sessions_per_connection;
-            if !sessions.contains_key(&id) && sessions.len() >= limit {
+            if !sessions.open.contains_key(&id) && sessions.open.len() >= limit {
                 return Err(ErrorObject::new(
                     INTERNAL_ERROR,
                     format!(
@@ -625,7 +663,7 @@ impl Client {
                          sessions, copilot-pool's max_sessions_per_connection; disconnect the \
                          ones it no longer uses (the SDK's disconnect, session.detach), or use \
                          another connection",
-                        sessions.len()
+                        sessions.open.len()
                     ),
                 ));
             }
@@ -638,7 +676,7 @@ impl Client {
                     ),
                 ));
             }
-            match sessions.get(&id) {
+            match sessions.open.get(&id) {
                 Some(held) => {
                     held.set_spec(spec);
                     (held.clone(), false)
@@ -650,7 +688,7 @@ impl Client {
                         spec,
                         self.conn.clone(),
                     ));
-                    sessions.insert(id.clone(), created.clone());
+                    sessions.open.insert(id.clone(), created.clone());
                     (created, true)
                 }
             }
@@ -671,7 +709,11 @@ impl Client {
 
     /// Removes a session from this connection and lets go of it.
     fn forget(&self, id: &str) {
-        let removed = self.sessions.lock().ok().and_then(|mut s| s.remove(id));
+        let removed = self
+            .sessions
+            .lock()
+            .ok()
+            .and_then(|mut s| s.open.remove(id));
         if let Some(session) = removed {
             self.shared.release(&session.conversation().key(), self.id);
         }
@@ -701,7 +743,30 @@ impl Client {
         const METHOD: &str = "session.delete";
         let id = session_id(params).unwrap_or_default();
         let agent = self.agent().unwrap_or_default().to_owned();
-        let held = self.session(&id);
+        // Marked as being deleted under the lock an open takes: an open of the id on this
+        // connection meanwhile is refused, not deleted under the client once it answers.
+        let (held, _deleting) = {
+            let Ok(mut sessions) = self.sessions.lock() else {
+                return Err(ErrorObject::new(
+                    INTERNAL_ERROR,
+                    "connection state poisoned",
+                ));
+            };
+            if !sessions.deleting.insert(id.clone()) {
+                return Err(ErrorObject::new(
+                    INTERNAL_ERROR,
+                    format!(
+                        "Request {METHOD} failed with message: session {id} is already being \
+                         deleted on this connection; wait for that session.delete to answer"
+                    ),
+                ));
+            }
+            let deleting = Deleting {
+                sessions: &self.sessions,
+                id: id.clone(),
+            };
+            (sessions.open.get(&id).cloned(), deleting)
+        };
         let opened_here = held.is_some();
         let mut _claimed = None;
         let session = match held {
@@ -808,7 +873,7 @@ impl Client {
             self.sessions
                 .lock()
                 .ok()
-                .and_then(|s| s.values().next().cloned())
+                .and_then(|s| s.open.values().next().cloned())
         });
         let agent = self.agent().unwrap_or_default();
         let request = match session {
@@ -842,7 +907,7 @@ impl Client {
             .lock()
             .map(|mut s| {
                 self.gone.store(true, Ordering::SeqCst);
-                s.drain().collect()
+                s.open.drain().collect()
             })
             .unwrap_or_default();
         for (_, session) in &sessions {
