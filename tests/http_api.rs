@@ -216,6 +216,7 @@ async fn a_quiet_turn_keeps_its_stream_alive_with_comments_a_proxy_sees() {
     config.sse_keepalive = Duration::from_millis(100);
     let server = InProcess::start(fx.config().await, config).await;
     // The model answers in three chunks 400 ms apart: quiet stretches on the stream.
+    let started = std::time::Instant::now();
     let answer = call(
         server.addr,
         "POST",
@@ -237,6 +238,13 @@ async fn a_quiet_turn_keeps_its_stream_alive_with_comments_a_proxy_sees() {
         answer.body.contains("\n: keep-alive\n\n"),
         "{}",
         answer.body
+    );
+    // One after each quiet 100 ms at most: the timer starts again after each chunk.
+    let comments = answer.body.matches(": keep-alive\n\n").count();
+    let most = started.elapsed().as_millis() / 100;
+    assert!(
+        comments as u128 <= most,
+        "{comments} keep-alives in {most} x 100 ms"
     );
     // Comments only: the events and the summary are whole.
     assert!(

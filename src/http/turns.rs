@@ -615,26 +615,33 @@ async fn respond(
             "the turn ended without a summary",
         );
     }
-    // The stream ends with `turn.end`: nothing the turn still emits comes after it.
-    let stream =
-        futures_util::stream::unfold((events_rx, false), move |(mut rx, ended)| async move {
+    // The stream ends with `turn.end`: nothing the turn still emits comes after it. One
+    // timer for the keep-alive, moved on after each chunk (not one made and dropped for each).
+    let quiet = (!keepalive.is_zero()).then(|| Box::pin(tokio::time::sleep(keepalive)));
+    let stream = futures_util::stream::unfold(
+        (events_rx, quiet, false),
+        move |(mut rx, mut quiet, ended)| async move {
             if ended {
                 return None;
             }
             // `next_frames` waits only in its first `recv`, which loses nothing when dropped.
-            let next = if keepalive.is_zero() {
-                Ok(next_frames(&mut rx).await)
-            } else {
-                tokio::time::timeout(keepalive, next_frames(&mut rx)).await
-            };
-            match next {
-                Ok(next) => {
-                    let (frames, last) = next?;
-                    Some((Ok::<_, Infallible>(Bytes::from(frames)), (rx, last)))
+            let chunk = match quiet.as_mut() {
+                None => next_frames(&mut rx).await,
+                Some(sleep) => {
+                    let chunk = tokio::select! {
+                        next = next_frames(&mut rx) => next,
+                        () = sleep.as_mut() => Some((SSE_KEEPALIVE.to_vec(), false)),
+                    };
+                    sleep
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + keepalive);
+                    chunk
                 }
-                Err(_) => Some((Ok(Bytes::from_static(SSE_KEEPALIVE)), (rx, false))),
-            }
-        });
+            };
+            let (frames, last) = chunk?;
+            Some((Ok::<_, Infallible>(Bytes::from(frames)), (rx, quiet, last)))
+        },
+    );
     event_stream(Body::from_stream(stream))
 }
 
