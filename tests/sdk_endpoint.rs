@@ -1077,51 +1077,78 @@ async fn a_client_that_leaves_while_its_calls_wait_for_a_slot_gives_its_seat_bac
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_byok_session_another_connection_left_is_deleted_once_resumed_with_its_provider() {
+async fn a_byok_session_another_connection_left_is_deleted_by_its_id_alone() {
     let fx = Fixture::new().await;
     let served = Served::start(&fx).await;
-    let (first, _) = connected(served.addr, "token-a").await;
+    let (first, mut first_events) = connected(served.addr, "token-a").await;
     let (second, _) = connected(served.addr, "token-a").await;
-    first
-        .request("session.create", create_params(&fx, "doomed"), None)
-        .await
-        .expect("create");
-    first
-        .request("session.detach", json!({"sessionId": "doomed"}), None)
-        .await
-        .expect("detach");
-    // Known by its id alone, it cannot be opened (its provider is the client's): the
-    // answer says how to delete it.
-    let refused = second
-        .request("session.delete", json!({"sessionId": "doomed"}), None)
+    for id in ["parked", "stored"] {
+        first
+            .request("session.create", create_params(&fx, id), None)
+            .await
+            .expect("create");
+        first
+            .request(
+                "session.send",
+                json!({"sessionId": id, "prompt": "REPLY=kept"}),
+                None,
+            )
+            .await
+            .expect("send");
+        until_event(&mut first_events, "session.idle").await;
+        tokio::time::timeout(Duration::from_secs(15), served.endpoint.turns_finished())
+            .await
+            .expect("the turn ends in the pool");
+        first
+            .request("session.detach", json!({"sessionId": id}), None)
+            .await
+            .expect("detach");
+    }
+    // The official SDKs' deleteSession names the id alone: no provider, no token. A session
+    // parked on its BYOK process is deleted, and gone for good...
+    let gone = |id: &'static str| {
+        let second = second.clone();
+        let params = create_params(&fx, id);
+        async move {
+            let error = remote_error(second.request("session.resume", params, None).await);
+            assert!(
+                error
+                    .message
+                    .contains(&format!("Session not found for sessionId: {id}")),
+                "{id}: {error:?}"
+            );
+        }
+    };
+    let deleted = second
+        .request("session.delete", json!({"sessionId": "parked"}), None)
         .await
         .expect("an answer");
-    assert_eq!(refused["success"], false, "{refused}");
-    let why = refused["error"].as_str().unwrap_or_default();
-    assert!(
-        why.contains("resume it on this connection (with its provider or token), then delete it"),
-        "{why}"
-    );
-    // Resumed with its provider, then deleted: gone for good.
-    second
-        .request("session.resume", create_params(&fx, "doomed"), None)
-        .await
-        .expect("resume");
-    let deleted = second
-        .request("session.delete", json!({"sessionId": "doomed"}), None)
-        .await
-        .expect("delete");
     assert_eq!(deleted["success"], true, "{deleted}");
-    let gone = remote_error(
-        second
-            .request("session.resume", create_params(&fx, "doomed"), None)
-            .await,
-    );
-    assert!(
-        gone.message
-            .contains("Session not found for sessionId: doomed"),
-        "{gone:?}"
-    );
+    gone("parked").await;
+    // ...and so is one no process holds (its BYOK process killed).
+    let status = served.pool.status().await.expect("status");
+    let holder = status
+        .workers
+        .iter()
+        .find(|w| w.conversations > 0)
+        .unwrap_or_else(|| panic!("the process holding \"stored\": {status:?}"))
+        .pid;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(holder as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    eventually("the pool sees its process gone", || async {
+        let status = served.pool.status().await.expect("status");
+        status.workers.iter().all(|w| w.pid != holder)
+    })
+    .await;
+    let deleted = second
+        .request("session.delete", json!({"sessionId": "stored"}), None)
+        .await
+        .expect("an answer");
+    assert_eq!(deleted["success"], true, "{deleted}");
+    gone("stored").await;
     drop((first, second));
     served.shut_down().await;
 }

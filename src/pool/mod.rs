@@ -473,17 +473,52 @@ impl Pool {
     /// (one turn at a time) and for capacity, then attaches the CLI session — reusing the
     /// attached one, resuming the bound one, or creating a new one.
     pub async fn lease(&self, req: LeaseRequest) -> Result<Lease, PoolError> {
+        self.lease_for(req, LeasePurpose::Turns).await
+    }
+
+    /// A lease of the conversation stored under the CLI session id the caller chose
+    /// (`req.cli_session_id`), only for deleting it ([`Lease::reset`]): it needs no credentials
+    /// of the conversation's own (none of its turns' token or BYOK provider). Deleting a
+    /// session is the runtime's file work, which a process of the agent's home with no
+    /// identity does (measured, runtime 1.0.14), so the lease goes to a process of the key
+    /// `req.auth` gives, a process with no GitHub identity when it carries none; a session
+    /// parked on a process of its own key is detached there first, as after a rotation. The
+    /// lease is no traffic of its key: no warm spare is kept for it. The SDK endpoint's
+    /// `session.delete` of a session its connection has not opened (the official SDKs' call
+    /// names the session id alone).
+    pub(crate) async fn lease_to_delete(&self, mut req: LeaseRequest) -> Result<Lease, PoolError> {
+        if req.cli_session_id.is_none() {
+            return Err(PoolError::InvalidRequest(
+                "a lease to delete names the conversation's CLI session id \
+                 (LeaseRequest::cli_session_id)"
+                    .into(),
+            ));
+        }
+        req.existing_only = true;
+        req.runs_no_turn = true;
+        self.lease_for(req, LeasePurpose::Deletion).await
+    }
+
+    async fn lease_for(
+        &self,
+        req: LeaseRequest,
+        purpose: LeasePurpose,
+    ) -> Result<Lease, PoolError> {
         // A span per lease; the key's short hash is recorded once it is known.
         let span = tracing::info_span!("lease", agent = %req.agent_id, key = tracing::field::Empty);
         let backend = self.backend_label(&req.backend);
-        let result = tracing::Instrument::instrument(self.lease_inner(req), span).await;
+        let result = tracing::Instrument::instrument(self.lease_inner(req, purpose), span).await;
         if let Err(error) = &result {
             crate::metrics::lease_rejected(&backend, error.kind());
         }
         result
     }
 
-    async fn lease_inner(&self, mut req: LeaseRequest) -> Result<Lease, PoolError> {
+    async fn lease_inner(
+        &self,
+        mut req: LeaseRequest,
+        purpose: LeasePurpose,
+    ) -> Result<Lease, PoolError> {
         let started = std::time::Instant::now();
         let inner = &self.inner;
         if *inner.closed.borrow() {
@@ -500,7 +535,11 @@ impl Pool {
         // for are moved onto it, before anything is keyed on them.
         let options = std::mem::take(&mut req.session_options);
         req.apply_session_options(options)?;
-        let auth = resolve_for_lease(&req.auth, req.provider.is_some())?;
+        let auth = match purpose {
+            LeasePurpose::Turns => resolve_for_lease(&req.auth, req.provider.is_some())?,
+            // No model is called: a process with no identity will do.
+            LeasePurpose::Deletion => crate::auth::resolve(&req.auth)?,
+        };
         validate_session_key(&req.session_key)?;
         if let Some(provider) = &req.provider {
             self.check_provider(provider)?;
@@ -597,6 +636,7 @@ impl Pool {
             wait,
             process_only: false,
             any_setup: req.runs_no_turn,
+            traffic: purpose == LeasePurpose::Turns,
         };
         let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
         let grant: Grant = match inner
@@ -740,6 +780,7 @@ impl Pool {
             wait,
             process_only: true,
             any_setup: false,
+            traffic: false,
         };
         match inner
             .actor
@@ -1065,6 +1106,15 @@ const SESSION_CONFIG_FIELDS: &[&str] = &[
     "envValueMode",
     "continuePendingWork",
 ];
+
+/// What a lease is for: the credentials it needs and whether it is traffic of its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LeasePurpose {
+    /// Turns, a compaction, a reset with the conversation's own credentials.
+    Turns,
+    /// Deleting a stored conversation ([`Pool::lease_to_delete`]).
+    Deletion,
+}
 
 /// A fingerprint of what a session was opened with beyond its compat key (tools, handler
 /// flags, reasoning effort, the session options): an attached session opened differently is

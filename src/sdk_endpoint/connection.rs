@@ -799,24 +799,11 @@ impl Client {
                 ))
             }
         };
-        let deleted = session.delete().await;
+        // Known here by its id alone, it is deleted through a lease that needs none of its
+        // credentials (the client's token or BYOK provider, which only its opener gave).
+        let deleted = session.delete(!opened_here).await;
         self.forget(&id);
-        deleted.or_else(|error| {
-            let refused = error.data.as_ref().is_some_and(|d| d["kind"] == "invalid");
-            let message = if refused && !opened_here {
-                // Known only by its id here: its credentials and provider are the client's.
-                format!(
-                    "{}; copilot-pool opens a session to delete it, with its own credentials \
-                     or BYOK provider, which a session this connection has not opened does not \
-                     carry: resume it on this connection (with its provider or token), then \
-                     delete it",
-                    error.message
-                )
-            } else {
-                error.message
-            };
-            Ok(json!({"success": false, "error": message}))
-        })
+        deleted.or_else(|error| Ok(json!({"success": false, "error": error.message})))
     }
 
     /// A call naming a session: this connection must hold it.

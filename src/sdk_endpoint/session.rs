@@ -478,6 +478,17 @@ impl SdkSession {
     }
 
     async fn lease(&self, method: &str, existing_only: bool) -> Result<Lease, CallError> {
+        self.lease_for(method, existing_only, false).await
+    }
+
+    /// [`SdkSession::lease`], or with `to_delete` a lease only for deleting the session
+    /// ([`crate::Pool::lease_to_delete`]: no credentials of its own needed).
+    async fn lease_for(
+        &self,
+        method: &str,
+        existing_only: bool,
+        to_delete: bool,
+    ) -> Result<Lease, CallError> {
         let mut req = self
             .spec()
             .lease_request(&self.shared, &self.agent, existing_only);
@@ -501,7 +512,12 @@ impl SdkSession {
                 .await?;
             req.working_directory = dir.clone();
         }
-        let mut lease = self.shared.pool.lease(req).await.map_err(|e| match e {
+        let leased = if to_delete {
+            self.shared.pool.lease_to_delete(req).await
+        } else {
+            self.shared.pool.lease(req).await
+        };
+        let mut lease = leased.map_err(|e| match e {
             // Stored, but its resumes crashed the runtime: no create would help.
             PoolError::NoSuchConversation { why, .. }
                 if why == crate::pool::RESUME_CRASHED_REPEATEDLY =>
@@ -1009,11 +1025,14 @@ impl SdkSession {
     }
 
     /// `session.delete`: ends a running turn, then deletes the session and its binding.
-    pub(super) async fn delete(&self) -> Result<Value, CallError> {
+    /// `session.delete` of this session: with `by_id_alone` (a session its connection has
+    /// not opened, known by its id alone) through a lease that needs none of its
+    /// credentials, else through the session's own lease.
+    pub(super) async fn delete(&self, by_id_alone: bool) -> Result<Value, CallError> {
         const METHOD: &str = "session.delete";
         self.stop_turn().await;
         let _gate = self.gate.lock().await;
-        let lease = self.lease(METHOD, true).await?;
+        let lease = self.lease_for(METHOD, true, by_id_alone).await?;
         lease
             .reset()
             .await

@@ -162,6 +162,9 @@ pub(crate) struct Ask<Spec> {
     /// if the key has none); it counts as a lease of that worker (never evicted or drained
     /// away under it) until [`Placement::released`].
     pub(crate) process_only: bool,
+    /// The ask is traffic of its key: the key's warm spares are kept for the window from
+    /// now. False for a process-only ask and a deletion's lease (it predicts no turn).
+    pub(crate) traffic: bool,
 }
 
 /// A conversation that was attached to a worker when its lease was granted.
@@ -1213,7 +1216,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 retry_after: until.saturating_duration_since(now),
             });
         }
-        if !ask.process_only {
+        if ask.traffic {
             // Traffic of this key: its warm spares are kept for the window from now.
             ks.last_lease = Some(now);
         }

@@ -134,6 +134,7 @@ impl Sim {
             wait: Duration::from_secs(60),
             process_only: true,
             any_setup: false,
+            traffic: false,
         };
         let effects = self.core.acquire(ask, self.now);
         self.apply(effects);
@@ -178,22 +179,21 @@ impl Sim {
         fail_if_busy: bool,
         any_setup: bool,
     ) -> RequestId {
-        let id = self.next_request;
-        self.next_request += 1;
-        self.asked.insert(id, conversation.to_owned());
-        let ask = Ask {
-            id,
-            key: key(k),
-            spec: (),
-            conversation: conversation.to_owned(),
+        self.submit(Ask {
             compat: compat.to_owned(),
             setup: setup.to_owned(),
-            gateway_key: conversation.to_owned(),
             fail_if_busy,
-            wait: Duration::from_secs(60),
-            process_only: false,
             any_setup,
-        };
+            ..ask_of(conversation, k)
+        })
+    }
+
+    /// Makes `ask` (under the next request id).
+    fn submit(&mut self, mut ask: Ask<()>) -> RequestId {
+        let id = self.next_request;
+        self.next_request += 1;
+        self.asked.insert(id, ask.conversation.clone());
+        ask.id = id;
         let effects = self.core.acquire(ask, self.now);
         self.apply(effects);
         id
@@ -581,15 +581,7 @@ fn one_agents_waiters_are_capped_and_another_agents_lease_still_queues() {
             profile_version: Some("v2".into()),
             ..key(1)
         },
-        spec: (),
-        conversation: "a/4".to_owned(),
-        compat: "c".to_owned(),
-        setup: String::new(),
-        gateway_key: "a/4".to_owned(),
-        fail_if_busy: false,
-        wait: Duration::from_secs(60),
-        process_only: false,
-        any_setup: false,
+        ..ask_of("a/4", 1)
     };
     let effects = sim.core.acquire(rotated, sim.now);
     sim.apply(effects);
@@ -1104,25 +1096,10 @@ fn key_version(n: u8, version: &str) -> PoolKey {
 
 impl Sim {
     fn ask_key(&mut self, conversation: &str, key: PoolKey) -> RequestId {
-        let id = self.next_request;
-        self.next_request += 1;
-        self.asked.insert(id, conversation.to_owned());
-        let ask = Ask {
-            id,
+        self.submit(Ask {
             key,
-            spec: (),
-            conversation: conversation.to_owned(),
-            compat: "c".to_owned(),
-            setup: String::new(),
-            gateway_key: conversation.to_owned(),
-            fail_if_busy: false,
-            wait: Duration::from_secs(60),
-            process_only: false,
-            any_setup: false,
-        };
-        let effects = self.core.acquire(ask, self.now);
-        self.apply(effects);
-        id
+            ..ask_of(conversation, 1)
+        })
     }
 }
 
@@ -1699,6 +1676,25 @@ impl Sim {
 
 /// `n` warm spares, one conversation per process (so a key's second conversation outgrows
 /// its first process, and a spare stands beside the full ones), three processes per key.
+/// An ask of `conversation` on key `k` (compat `c`, no setup, a turn's: traffic of its key,
+/// none of the other flags), for a test to change before [`Sim::submit`].
+fn ask_of(conversation: &str, k: u8) -> Ask<()> {
+    Ask {
+        id: 0,
+        key: key(k),
+        spec: (),
+        conversation: conversation.to_owned(),
+        compat: "c".to_owned(),
+        setup: String::new(),
+        gateway_key: conversation.to_owned(),
+        fail_if_busy: false,
+        wait: Duration::from_secs(60),
+        process_only: false,
+        any_setup: false,
+        traffic: true,
+    }
+}
+
 fn spares(n: usize) -> Limits {
     Limits {
         warm_spares: n,
@@ -2023,6 +2019,24 @@ fn a_key_whose_conversations_fit_gets_its_spare_once_its_serving_process_is_gone
         vec![key(1)],
         "its process idled out within the window: a spare stands in for it"
     );
+}
+
+#[test]
+fn a_key_whose_only_lease_was_no_traffic_gets_no_spare_once_its_process_is_gone() {
+    let mut sim = Sim::new(spares(1));
+    // A deletion's lease (no traffic of its key) starts a process of its own key...
+    sim.submit(Ask {
+        any_setup: true,
+        traffic: false,
+        ..ask_of("a/1", 1)
+    });
+    sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Park, 0);
+    sim.tick(Duration::from_secs(61));
+    let (conversations, worker) = sim.stops.pop().expect("the idle eviction");
+    sim.stop_done(conversations, worker);
+    // ...which no spare stands in for once it idled out: nothing predicts a turn of the key.
+    assert!(sim.spawns.is_empty(), "{:?}", sim.spawns);
 }
 
 #[test]
