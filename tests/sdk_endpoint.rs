@@ -1154,6 +1154,44 @@ async fn a_byok_session_another_connection_left_is_deleted_by_its_id_alone() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deletion_by_id_the_runtime_refuses_leaves_the_binding_its_turns_wrote() {
+    let fx = Fixture::new().await;
+    // The fake runtime refuses the first session.delete (a fault the real one cannot give).
+    let refusing = fx.fake_runtime_config("delete-fails-once").await;
+    let served = Served::start_with(&fx, move |config| *config = refusing).await;
+    let (first, _first_events) = connected(served.addr, "token-a").await;
+    let (second, _second_events) = connected(served.addr, "token-a").await;
+    first
+        .request("session.create", create_params(&fx, "kept"), None)
+        .await
+        .expect("create");
+    first
+        .request("session.detach", json!({"sessionId": "kept"}), None)
+        .await
+        .expect("detach");
+    let bound = || {
+        served
+            .pool
+            .bindings()
+            .get("agent-a/sdk:kept")
+            .expect("bindings")
+            .expect("bound")
+    };
+    let before = bound();
+    let refused = second
+        .request("session.delete", json!({"sessionId": "kept"}), None)
+        .await
+        .expect("an answer");
+    assert_eq!(refused["success"], false, "{refused}");
+    // Still bound as its turns left it (not under the deletion's key, which has no identity).
+    let after = bound();
+    assert_eq!(after.compat_key, before.compat_key);
+    assert_eq!(after.cli_session_id, before.cli_session_id);
+    drop((first, second));
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_being_deleted_is_not_opened_on_the_same_connection_until_the_delete_answers() {
     let fx = Fixture::new().await;
     // One session in the pool; a lease waits up to 60 s for room.
@@ -1219,6 +1257,17 @@ async fn a_session_being_deleted_is_not_opened_on_the_same_connection_until_the_
             .message
             .contains("session doomed is being deleted on this connection"),
         "{refused:?}"
+    );
+    // Nor is it let go meanwhile (its claim would go to another connection mid-deletion).
+    let kept = remote_error(
+        first
+            .request("session.detach", json!({"sessionId": "doomed"}), None)
+            .await,
+    );
+    assert!(
+        kept.message
+            .contains("session doomed is being deleted on this connection"),
+        "{kept:?}"
     );
     // Room again: the deletion runs, and once it has answered the id is no longer refused
     // as being deleted (it is gone).

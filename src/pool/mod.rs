@@ -683,6 +683,7 @@ impl Pool {
                 && inner.config.warm_spare_conversations > 0
                 && !req.runs_no_turn)
                 .then(|| (key.clone(), setup)),
+            purpose,
         };
         let span = tracing::Span::current();
         // Boxed: the open's future is ~13 KB, which a spawn would copy into its task more
@@ -1166,6 +1167,10 @@ struct Opening {
     /// The conversation's key and setup key when the pool keeps warm spares'
     /// conversations: the open is remembered ([`warm::Reopen`]).
     remember: Option<(PoolKey, String)>,
+    /// What the lease is for: a deletion's open records no binding (its key's compat is
+    /// not the conversation's; should the deletion be refused, the binding stays as its
+    /// turns wrote it).
+    purpose: LeasePurpose,
 }
 
 impl Opening {
@@ -1190,6 +1195,7 @@ impl Opening {
             abort_settle_timeout,
             max_resume_crashes,
             remember,
+            purpose,
         } = self;
         let reopen = remember.map(|(key, setup)| {
             Box::new(warm::Reopen {
@@ -1244,7 +1250,9 @@ impl Opening {
         };
         let store = bindings.clone();
         let attached = reason == OpenReason::Attached;
-        let written = if reason == OpenReason::Resumed && pinned.is_none() {
+        let written = if reason == OpenReason::Resumed && pinned.is_none()
+            || purpose == LeasePurpose::Deletion
+        {
             Ok(())
         } else {
             let recorded = tokio::task::spawn_blocking(move || {

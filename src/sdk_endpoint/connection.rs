@@ -729,7 +729,24 @@ impl Client {
     /// agent on any connection.
     async fn let_go(&self, method: &str, params: &Value) -> Result<Value, CallError> {
         let id = session_id(params).unwrap_or_default();
-        let Some(session) = self.session(&id) else {
+        let (session, deleting) = match self.sessions.lock() {
+            Ok(sessions) => (
+                sessions.open.get(&id).cloned(),
+                sessions.deleting.contains(&id),
+            ),
+            Err(_) => (None, false),
+        };
+        if deleting {
+            // Its deletion holds it: letting go now would give its claim away mid-deletion.
+            return Err(ErrorObject::new(
+                INTERNAL_ERROR,
+                format!(
+                    "Request {method} failed with message: session {id} is being deleted on \
+                     this connection; wait for its session.delete to answer"
+                ),
+            ));
+        }
+        let Some(session) = session else {
             return Err(session_not_found(method, &id));
         };
         session.stop_turn().await;
@@ -768,36 +785,32 @@ impl Client {
             (sessions.open.get(&id).cloned(), deleting)
         };
         let opened_here = held.is_some();
-        let mut _claimed = None;
+        let conversation = session::conversation(&agent, &id).key();
+        // Claimed for the deletion (given back when it ends, however it ends, even when the
+        // client leaves meanwhile): another connection's resume meanwhile is refused, not
+        // deleted under it once it has the session. A session opened here is claimed already.
+        if !self.shared.claim(&conversation, self.id) {
+            return Err(ErrorObject::new(
+                INTERNAL_ERROR,
+                format!(
+                    "Request {METHOD} failed with message: session {id} is open on another \
+                     connection of this agent; disconnect it there first"
+                ),
+            ));
+        }
+        let _claimed = Claimed {
+            shared: self.shared.clone(),
+            conversation,
+            connection: self.id,
+        };
         let session = match held {
             Some(session) => session,
-            None => {
-                let spec = SessionSpec::bare(&id)?;
-                let conversation = session::conversation(&agent, &id).key();
-                // Claimed for the deletion (given back when it ends, however it ends):
-                // another connection's resume meanwhile is refused, not deleted under it
-                // once it has the session.
-                if !self.shared.claim(&conversation, self.id) {
-                    return Err(ErrorObject::new(
-                        INTERNAL_ERROR,
-                        format!(
-                            "Request {METHOD} failed with message: session {id} is open on \
-                             another connection of this agent; disconnect it there first"
-                        ),
-                    ));
-                }
-                _claimed = Some(Claimed {
-                    shared: self.shared.clone(),
-                    conversation,
-                    connection: self.id,
-                });
-                Arc::new(SdkSession::new(
-                    self.shared.clone(),
-                    agent,
-                    spec,
-                    self.conn.clone(),
-                ))
-            }
+            None => Arc::new(SdkSession::new(
+                self.shared.clone(),
+                agent,
+                SessionSpec::bare(&id)?,
+                self.conn.clone(),
+            )),
         };
         // Known here by its id alone, it is deleted through a lease that needs none of its
         // credentials (the client's token or BYOK provider, which only its opener gave).
@@ -889,16 +902,20 @@ impl Client {
         if let Ok(mut seat) = self.seat.lock() {
             seat.take();
         }
-        let sessions: Vec<(String, Arc<SdkSession>)> = self
+        let (sessions, deleting): (Vec<(String, Arc<SdkSession>)>, HashSet<String>) = self
             .sessions
             .lock()
             .map(|mut s| {
                 self.gone.store(true, Ordering::SeqCst);
-                s.open.drain().collect()
+                (s.open.drain().collect(), s.deleting.clone())
             })
             .unwrap_or_default();
-        for (_, session) in &sessions {
-            self.shared.release(&session.conversation().key(), self.id);
+        // A session being deleted stays claimed until its deletion ends (its claim guard
+        // gives it back then).
+        for (id, session) in &sessions {
+            if !deleting.contains(id) {
+                self.shared.release(&session.conversation().key(), self.id);
+            }
         }
         let stops = sessions.iter().map(|(_, session)| session.stop_turn());
         futures_util::future::join_all(stops).await;

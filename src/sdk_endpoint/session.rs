@@ -1024,10 +1024,9 @@ impl SdkSession {
         self.spec().lease_request(&self.shared, &self.agent, true)
     }
 
-    /// `session.delete`: ends a running turn, then deletes the session and its binding.
-    /// `session.delete` of this session: with `by_id_alone` (a session its connection has
-    /// not opened, known by its id alone) through a lease that needs none of its
-    /// credentials, else through the session's own lease.
+    /// `session.delete`: ends a running turn, then deletes the session and its binding: with
+    /// `by_id_alone` (a session its connection has not opened, known by its id alone)
+    /// through a lease that needs none of its credentials, else through its own lease.
     pub(super) async fn delete(&self, by_id_alone: bool) -> Result<Value, CallError> {
         const METHOD: &str = "session.delete";
         self.stop_turn().await;

@@ -1674,8 +1674,6 @@ impl Sim {
 
 // ---- Packing and warm spares ----------------------------------------------------------------
 
-/// `n` warm spares, one conversation per process (so a key's second conversation outgrows
-/// its first process, and a spare stands beside the full ones), three processes per key.
 /// An ask of `conversation` on key `k` (compat `c`, no setup, a turn's: traffic of its key,
 /// none of the other flags), for a test to change before [`Sim::submit`].
 fn ask_of(conversation: &str, k: u8) -> Ask<()> {
@@ -1695,6 +1693,8 @@ fn ask_of(conversation: &str, k: u8) -> Ask<()> {
     }
 }
 
+/// `n` warm spares, one conversation per process (so a key's second conversation outgrows
+/// its first process, and a spare stands beside the full ones), three processes per key.
 fn spares(n: usize) -> Limits {
     Limits {
         warm_spares: n,
