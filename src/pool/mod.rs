@@ -1249,9 +1249,12 @@ impl Opening {
             updated_at_ms: now_ms(),
         };
         let store = bindings.clone();
+        // Still attached: its binding is checked with one `stat` here (no hop to the
+        // blocking threads on a warm turn's path); written off the async threads otherwise.
         let attached = reason == OpenReason::Attached;
         let written = if reason == OpenReason::Resumed && pinned.is_none()
             || purpose == LeasePurpose::Deletion
+            || attached && matches!(bindings.is_present(&binding.session_key), Ok(true))
         {
             Ok(())
         } else {
