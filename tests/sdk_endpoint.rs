@@ -977,6 +977,28 @@ fn create_params(fx: &Fixture, id: &str) -> Value {
     })
 }
 
+/// Runs one turn of session `id` on `conn` (the model answers `reply`) to its
+/// `session.idle`, and until the pool has its lease back.
+async fn turn_to_idle(
+    conn: &Connection,
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<Value>,
+    served: &Served,
+    id: &str,
+    reply: &str,
+) {
+    conn.request(
+        "session.send",
+        json!({"sessionId": id, "prompt": format!("REPLY={reply}")}),
+        None,
+    )
+    .await
+    .expect("send");
+    until_event(events, "session.idle").await;
+    tokio::time::timeout(Duration::from_secs(15), served.endpoint.turns_finished())
+        .await
+        .expect("the turn ends in the pool");
+}
+
 /// Reads notifications until an event of `event_type`.
 async fn until_event(events: &mut tokio::sync::mpsc::UnboundedReceiver<Value>, event_type: &str) {
     let found = async {
@@ -1087,18 +1109,7 @@ async fn a_byok_session_another_connection_left_is_deleted_by_its_id_alone() {
             .request("session.create", create_params(&fx, id), None)
             .await
             .expect("create");
-        first
-            .request(
-                "session.send",
-                json!({"sessionId": id, "prompt": "REPLY=kept"}),
-                None,
-            )
-            .await
-            .expect("send");
-        until_event(&mut first_events, "session.idle").await;
-        tokio::time::timeout(Duration::from_secs(15), served.endpoint.turns_finished())
-            .await
-            .expect("the turn ends in the pool");
+        turn_to_idle(&first, &mut first_events, &served, id, "kept").await;
         first
             .request("session.detach", json!({"sessionId": id}), None)
             .await
@@ -1207,18 +1218,7 @@ async fn a_session_being_deleted_is_not_opened_on_the_same_connection_until_the_
         .await
         .expect("create");
     // A turn, so the runtime stores the session when its room is taken.
-    first
-        .request(
-            "session.send",
-            json!({"sessionId": "doomed", "prompt": "REPLY=stored"}),
-            None,
-        )
-        .await
-        .expect("send");
-    until_event(&mut first_events, "session.idle").await;
-    tokio::time::timeout(Duration::from_secs(15), served.endpoint.turns_finished())
-        .await
-        .expect("the turn ends in the pool");
+    turn_to_idle(&first, &mut first_events, &served, "doomed", "stored").await;
     // Another session's slow turn takes the pool's only room...
     second
         .request("session.create", create_params(&fx, "busy"), None)
@@ -1803,14 +1803,7 @@ async fn calls_naming_no_session_are_answered_by_a_process_of_the_agent_before_a
     conn.request("session.create", create_params(&fx, "listed-1"), None)
         .await
         .expect("create");
-    conn.request(
-        "session.send",
-        json!({"sessionId": "listed-1", "prompt": "REPLY=listed"}),
-        None,
-    )
-    .await
-    .expect("send");
-    until_event(&mut events, "session.idle").await;
+    turn_to_idle(&conn, &mut events, &served, "listed-1", "listed").await;
     let listed = conn
         .request("session.list", json!({}), None)
         .await

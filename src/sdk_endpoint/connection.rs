@@ -646,13 +646,7 @@ impl Client {
                 ));
             }
             if sessions.deleting.contains(&id) {
-                return Err(ErrorObject::new(
-                    INTERNAL_ERROR,
-                    format!(
-                        "Request {method} failed with message: session {id} is being deleted \
-                         on this connection; wait for its session.delete to answer"
-                    ),
-                ));
+                return Err(being_deleted(method, &id));
             }
             let limit = self.shared.config.max_sessions_per_connection;
             if !sessions.open.contains_key(&id) && sessions.open.len() >= limit {
@@ -668,13 +662,7 @@ impl Client {
                 ));
             }
             if !self.shared.claim(&conversation, self.id) {
-                return Err(ErrorObject::new(
-                    INTERNAL_ERROR,
-                    format!(
-                        "Request {method} failed with message: session {id} is open on another \
-                         connection of this agent; disconnect it there first"
-                    ),
-                ));
+                return Err(open_elsewhere(method, &id));
             }
             match sessions.open.get(&id) {
                 Some(held) => {
@@ -738,13 +726,7 @@ impl Client {
         };
         if deleting {
             // Its deletion holds it: letting go now would give its claim away mid-deletion.
-            return Err(ErrorObject::new(
-                INTERNAL_ERROR,
-                format!(
-                    "Request {method} failed with message: session {id} is being deleted on \
-                     this connection; wait for its session.delete to answer"
-                ),
-            ));
+            return Err(being_deleted(method, &id));
         }
         let Some(session) = session else {
             return Err(session_not_found(method, &id));
@@ -790,13 +772,7 @@ impl Client {
         // client leaves meanwhile): another connection's resume meanwhile is refused, not
         // deleted under it once it has the session. A session opened here is claimed already.
         if !self.shared.claim(&conversation, self.id) {
-            return Err(ErrorObject::new(
-                INTERNAL_ERROR,
-                format!(
-                    "Request {METHOD} failed with message: session {id} is open on another \
-                     connection of this agent; disconnect it there first"
-                ),
-            ));
+            return Err(open_elsewhere(METHOD, &id));
         }
         let _claimed = Claimed {
             shared: self.shared.clone(),
@@ -923,6 +899,28 @@ impl Client {
             tracing::info!(agent, sessions = sessions.len(), "An SDK client left.");
         }
     }
+}
+
+/// The refusal of a call on session `id` while another connection of the agent holds it.
+fn open_elsewhere(method: &str, id: &str) -> ErrorObject {
+    ErrorObject::new(
+        INTERNAL_ERROR,
+        format!(
+            "Request {method} failed with message: session {id} is open on another connection \
+             of this agent; disconnect it there first"
+        ),
+    )
+}
+
+/// The refusal of an open or a let-go of session `id` while this connection deletes it.
+fn being_deleted(method: &str, id: &str) -> ErrorObject {
+    ErrorObject::new(
+        INTERNAL_ERROR,
+        format!(
+            "Request {method} failed with message: session {id} is being deleted on this \
+             connection; wait for its session.delete to answer"
+        ),
+    )
 }
 
 /// The `sessionId` a call names, if any.
