@@ -1203,6 +1203,65 @@ async fn a_deletion_by_id_the_runtime_refuses_leaves_the_binding_its_turns_wrote
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_being_deleted_stays_claimed_when_its_own_open_fails_meanwhile() {
+    let fx = Fixture::new().await;
+    // One session in the pool; a lease waits 2 s for room.
+    let served = Served::start_with(&fx, |config| {
+        config.max_sessions = 1;
+        config.wait_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let (first, _first_events) = connected(served.addr, "token-a").await;
+    let (second, _second_events) = connected(served.addr, "token-a").await;
+    second
+        .request("session.create", create_params(&fx, "busy"), None)
+        .await
+        .expect("create");
+    let slow = json!({"sessionId": "busy", "prompt": "SCENARIO:slow SLOW=300x100"});
+    second
+        .request("session.send", slow, None)
+        .await
+        .expect("send");
+    // A create that waits for room, and its deletion on the same connection behind it.
+    let create = tokio::spawn({
+        let (first, params) = (first.clone(), create_params(&fx, "contested"));
+        async move { first.request("session.create", params, None).await }
+    });
+    eventually("the create waits for room in the pool", || async {
+        served.pool.status().await.expect("status").waiters == 1
+    })
+    .await;
+    let delete = tokio::spawn({
+        let first = first.clone();
+        async move {
+            first
+                .request("session.delete", json!({"sessionId": "contested"}), None)
+                .await
+        }
+    });
+    // The create gives up (no room within 2 s) while the deletion still runs: the session
+    // stays the deleting connection's, so another connection's resume is refused (it was
+    // claimed, then deleted under it).
+    remote_error(create.await.expect("the create's task"));
+    let refused = remote_error(
+        second
+            .request("session.resume", create_params(&fx, "contested"), None)
+            .await,
+    );
+    assert!(
+        refused.message.contains("open on another connection"),
+        "{refused:?}"
+    );
+    second
+        .request("session.detach", json!({"sessionId": "busy"}), None)
+        .await
+        .expect("detach");
+    delete.await.expect("the delete's task").expect("an answer");
+    drop((first, second));
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_being_deleted_is_not_opened_on_the_same_connection_until_the_delete_answers() {
     let fx = Fixture::new().await;
     // One session in the pool; a lease waits up to 60 s for room.

@@ -394,9 +394,9 @@ fn work_dir(state: &AppState, agent_id: &str) -> Result<PathBuf, Response> {
 /// Creates the agent's working directory, mode 0700. Called only for a request that passed
 /// authentication and validation and is about to run a turn.
 pub(super) async fn create_work_dir(work: &Path) -> Result<(), Response> {
-    // A mkdir and a stat of a directory that exists after the agent's first turn: done
-    // here, as the lease's home is, where a hop to the blocking threads cost the turn two
-    // context switches.
+    // Two mkdirs and three stats of a directory that exists after the agent's first turn:
+    // done here, as the lease's home is, where a hop to the blocking threads cost the turn
+    // two context switches.
     crate::home::create_work_dir(work)
         .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, "io", e.to_string()))
 }

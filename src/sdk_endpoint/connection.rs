@@ -360,8 +360,8 @@ pub(super) async fn run<S>(
     crate::metrics::sdk_connection_closed();
 }
 
-/// A conversation claimed by a connection for one call (a deletion of a session it had not
-/// opened), given back when the call ends, or panics.
+/// A conversation claimed by a connection for one call (a deletion), given back when the
+/// call ends, or panics.
 struct Claimed {
     shared: Arc<Shared>,
     conversation: String,
@@ -697,11 +697,12 @@ impl Client {
 
     /// Removes a session from this connection and lets go of it.
     fn forget(&self, id: &str) {
-        let removed = self
-            .sessions
-            .lock()
-            .ok()
-            .and_then(|mut s| s.open.remove(id));
+        // A session being deleted keeps its claim: the deletion's guard gives it back when
+        // the deletion ends (an open of it that failed meanwhile must not give it away).
+        let removed = self.sessions.lock().ok().and_then(|mut s| {
+            let removed = s.open.remove(id);
+            removed.filter(|_| !s.deleting.contains(id))
+        });
         if let Some(session) = removed {
             self.shared.release(&session.conversation().key(), self.id);
         }
