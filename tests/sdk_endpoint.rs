@@ -999,6 +999,27 @@ async fn turn_to_idle(
         .expect("the turn ends in the pool");
 }
 
+/// An endpoint over a pool of one session, whose leases wait `wait` for room.
+async fn one_room(fx: &Fixture, wait: Duration) -> Served {
+    Served::start_with(fx, |config| {
+        config.max_sessions = 1;
+        config.wait_timeout = wait;
+    })
+    .await
+}
+
+/// Takes the pool's room: session `busy` of `conn` runs a slow turn (30 s), until its
+/// `session.detach`.
+async fn take_the_room(conn: &Connection, fx: &Fixture) {
+    conn.request("session.create", create_params(fx, "busy"), None)
+        .await
+        .expect("create");
+    let slow = json!({"sessionId": "busy", "prompt": "SCENARIO:slow SLOW=300x100"});
+    conn.request("session.send", slow, None)
+        .await
+        .expect("send");
+}
+
 /// Reads notifications until an event of `event_type`.
 async fn until_event(events: &mut tokio::sync::mpsc::UnboundedReceiver<Value>, event_type: &str) {
     let found = async {
@@ -1205,23 +1226,10 @@ async fn a_deletion_by_id_the_runtime_refuses_leaves_the_binding_its_turns_wrote
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_being_deleted_stays_claimed_when_its_own_open_fails_meanwhile() {
     let fx = Fixture::new().await;
-    // One session in the pool; a lease waits 2 s for room.
-    let served = Served::start_with(&fx, |config| {
-        config.max_sessions = 1;
-        config.wait_timeout = Duration::from_secs(2);
-    })
-    .await;
+    let served = one_room(&fx, Duration::from_secs(2)).await;
     let (first, _first_events) = connected(served.addr, "token-a").await;
     let (second, _second_events) = connected(served.addr, "token-a").await;
-    second
-        .request("session.create", create_params(&fx, "busy"), None)
-        .await
-        .expect("create");
-    let slow = json!({"sessionId": "busy", "prompt": "SCENARIO:slow SLOW=300x100"});
-    second
-        .request("session.send", slow, None)
-        .await
-        .expect("send");
+    take_the_room(&second, &fx).await;
     // A create that waits for room, and its deletion on the same connection behind it.
     let create = tokio::spawn({
         let (first, params) = (first.clone(), create_params(&fx, "contested"));
@@ -1264,12 +1272,7 @@ async fn a_session_being_deleted_stays_claimed_when_its_own_open_fails_meanwhile
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_being_deleted_is_not_opened_on_the_same_connection_until_the_delete_answers() {
     let fx = Fixture::new().await;
-    // One session in the pool; a lease waits up to 60 s for room.
-    let served = Served::start_with(&fx, |config| {
-        config.max_sessions = 1;
-        config.wait_timeout = Duration::from_secs(60);
-    })
-    .await;
+    let served = one_room(&fx, Duration::from_secs(60)).await;
     let (first, mut first_events) = connected(served.addr, "token-a").await;
     let (second, _second_events) = connected(served.addr, "token-a").await;
     first
@@ -1279,15 +1282,7 @@ async fn a_session_being_deleted_is_not_opened_on_the_same_connection_until_the_
     // A turn, so the runtime stores the session when its room is taken.
     turn_to_idle(&first, &mut first_events, &served, "doomed", "stored").await;
     // Another session's slow turn takes the pool's only room...
-    second
-        .request("session.create", create_params(&fx, "busy"), None)
-        .await
-        .expect("create");
-    let slow = json!({"sessionId": "busy", "prompt": "SCENARIO:slow SLOW=300x100"});
-    second
-        .request("session.send", slow, None)
-        .await
-        .expect("send");
+    take_the_room(&second, &fx).await;
     // ...so the deletion waits for room, and a resume of the same id on its connection
     // meanwhile is refused at once (it would wait behind it, then be deleted under the
     // client or dropped from the connection by the deletion's end).
