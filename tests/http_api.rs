@@ -156,9 +156,7 @@ async fn ten_agents_stream_turns_at_once_and_a_tool_call_is_answered_over_http()
 async fn an_abort_stops_a_turn_still_waiting_for_room_before_its_prompt_is_sent() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();
-    let mut config = fx.config().await;
-    config.max_processes = 1;
-    let server = InProcess::start(config, ApiConfig::default()).await;
+    let server = InProcess::over_pool(&fx, |config| config.max_processes = 1).await;
     let addr = server.addr;
     // Another agent's turn holds the only process...
     let mut running = SseStream::open(
@@ -594,9 +592,7 @@ async fn a_retried_turn_with_its_idempotency_key_gets_its_end_again_instead_of_r
 async fn a_compact_or_reset_during_a_conversations_first_turn_is_busy_not_unknown() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();
-    let mut config = fx.config().await;
-    config.warm_spares = 0;
-    let server = InProcess::start(config, ApiConfig::default()).await;
+    let server = InProcess::over_pool(&fx, |config| config.warm_spares = 0).await;
     let addr = server.addr;
     // The conversation's first turn waits for its process to start (no binding yet).
     let first_body = turn(&url, "agent-f", "fresh", "REPLY=first");
@@ -632,9 +628,7 @@ async fn a_killed_child_ends_the_streamed_turn_as_crashed_and_the_next_turn_resu
     let url = fx.endpoint.base_url();
     // The next turn resumes the conversation itself: the crashed process's replacement, a
     // spare while empty, could resume it ahead ("attached").
-    let mut config = fx.config().await;
-    config.warm_spares = 0;
-    let server = InProcess::start(config, ApiConfig::default()).await;
+    let server = InProcess::over_pool(&fx, |config| config.warm_spares = 0).await;
     let addr = server.addr;
     let first = summary(
         addr,

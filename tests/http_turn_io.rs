@@ -480,10 +480,8 @@ async fn compaction_over_http_takes_custom_instructions() {
 async fn a_compaction_between_tool_turns_keeps_the_session_attached_as_it_was_opened() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();
-    let mut config = fx.config().await;
     // No spare resumes anything ahead: every resume counted is the leases'.
-    config.warm_spares = 0;
-    let server = InProcess::start(config, ApiConfig::default()).await;
+    let server = InProcess::over_pool(&fx, |config| config.warm_spares = 0).await;
     let addr = server.addr;
     answered_tool_turn(addr, &lookup_turn(&url, "agent-t", "conv", "alpha"), "42").await;
     let settings = settings(&url);

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use super::pool_fixture::shutdown_leaves_nothing;
+use super::pool_fixture::{Fixture, shutdown_leaves_nothing};
 
 /// A router served on loopback over its own pool.
 pub struct InProcess {
@@ -26,6 +26,13 @@ pub struct InProcess {
 }
 
 impl InProcess {
+    /// The API with its defaults over a pool of `fx`'s config as `change` leaves it.
+    pub async fn over_pool(fx: &Fixture, change: impl FnOnce(&mut PoolConfig)) -> InProcess {
+        let mut config = fx.config().await;
+        change(&mut config);
+        InProcess::start(config, ApiConfig::default()).await
+    }
+
     /// Starts a pool with `pool_config` and serves the API over it with `api_config`.
     pub async fn start(pool_config: PoolConfig, api_config: ApiConfig) -> InProcess {
         let pool = Pool::start(pool_config).await.expect("pool");
