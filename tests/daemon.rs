@@ -1,6 +1,7 @@
 //! End to end through the binary: `copilot-pool serve` with real runtime processes, for what
 //! only the daemon does: signals and the drain, the Prometheus text, the API token from a
-//! file or the environment, and its listeners under connection floods. The API itself is
+//! file or the environment, its listeners under connection floods, and the API on a Unix
+//! socket. The API itself is
 //! driven in-process in `http_api.rs`.
 
 mod support;
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 use copilot_pool::scripted_model::ScriptedModel;
 use serde_json::json;
 use support::api::{answer, lookup_turn, request_id, summary, turn};
-use support::http::{Daemon, SseStream, call, request, send};
+use support::http::{Daemon, SocketDaemon, SseStream, call, request, send};
 
 /// Processes whose COPILOT_HOME lies under `dir` (the daemon's children).
 fn children_under(dir: &std::path::Path) -> Vec<u32> {
@@ -405,12 +406,18 @@ fn token_file(dir: &std::path::Path, name: &str, text: &str, mode: u32) -> std::
     path
 }
 
+/// `serve` with `args` run to its exit (on a free loopback port unless `args` say where).
 async fn serve_output(args: &[&str]) -> std::process::Output {
+    let listen: &[&str] = if args.contains(&"--listen") {
+        &[]
+    } else {
+        &["--listen", "127.0.0.1:0"]
+    };
     tokio::time::timeout(
         Duration::from_secs(30),
         tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
             .arg("serve")
-            .args(["--listen", "127.0.0.1:0"])
+            .args(listen)
             .args(args)
             .env_remove("COPILOT_POOL_API_TOKEN")
             .stdin(std::process::Stdio::null())
@@ -552,4 +559,87 @@ async fn the_daemon_runs_one_async_thread_per_eight_cpus_unless_its_config_says_
             .unwrap_or_else(|| panic!("no start line in:\n{text}"));
         assert_eq!(up["fields"]["worker_threads"], expected, "{config}: {up}");
     }
+}
+
+#[tokio::test]
+async fn a_gateway_on_the_same_host_runs_turns_over_the_apis_unix_socket_which_needs_a_token() {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let socket = scratch.path().join("api.sock");
+    let listen = format!("unix:{}", socket.display());
+    // Without an API token: refused, with the fix, and no socket is left behind.
+    let out = serve_output(&["--listen", &listen]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{stderr}");
+    assert!(stderr.contains("COPILOT_POOL_API_TOKEN"), "{stderr}");
+    assert!(stderr.contains("--api-token-file"), "{stderr}");
+    assert!(!socket.exists());
+
+    // A socket file an earlier run left (no one answers on it) is replaced.
+    drop(std::os::unix::net::UnixListener::bind(&socket).expect("a stale socket"));
+    let token = "unix-socket-token";
+    let daemon = SocketDaemon::start(
+        scratch.path(),
+        &format!("api_token = \"{token}\"\n"),
+        &socket,
+    )
+    .await;
+    assert_eq!(daemon.socket, socket);
+    let meta = std::fs::symlink_metadata(&socket).expect("the socket");
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600, "owner-only");
+
+    // A second daemon on the same socket is refused while the first answers on it.
+    let config = token_file(
+        scratch.path(),
+        "second.toml",
+        &format!("api_token = \"{token}\"\n"),
+        0o600,
+    );
+    let out = serve_output(&[
+        "--listen",
+        &listen,
+        "--config",
+        &config.display().to_string(),
+    ])
+    .await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("is in use"), "{stderr}");
+
+    let client = daemon.client();
+    let body = turn(
+        &endpoint.base_url(),
+        "agent-u",
+        "over-the-socket",
+        "REPLY=through the socket",
+    );
+    let post = |token: Option<&str>| {
+        let request = client
+            .post("http://localhost/v1/turns")
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.to_string());
+        match token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
+    };
+    let refused = SseStream::from_request(post(None)).await;
+    assert_eq!(refused.status, 401);
+    for _ in 0..2 {
+        let mut events = SseStream::from_request(post(Some(token))).await;
+        assert_eq!(events.status, 200);
+        let (_, end) = events.until_end().await;
+        assert_eq!(end["status"], "idle", "{end}");
+        assert_eq!(end["final_text"], "through the socket");
+    }
+
+    let status = daemon.terminate().await;
+    assert!(status.success(), "{status:?}");
+    assert!(
+        !socket.exists(),
+        "the socket is removed when the daemon stops"
+    );
 }

@@ -1,7 +1,7 @@
 //! Accepting HTTP connections (the API, or any router, such as a daemon's metrics
-//! listener): the connection cap, the header-read and idle timeouts, and the graceful
-//! stop. Owns nothing of the API itself: every accepted connection is served by the router
-//! it is given.
+//! listener) on TCP or a Unix socket ([`Acceptor`]): the connection cap, the header-read and
+//! idle timeouts, and the graceful stop. Owns nothing of the API itself: every accepted
+//! connection is served by the router it is given.
 //!
 //! - Over `max_connections`, a connection is answered `503 too_many_connections` and
 //!   closed at once, without reading it and without reaching the router or the pool.
@@ -21,11 +21,66 @@ use hyper::service::Service as _;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
 use crate::low_latency::QuickAck;
 use tokio::time::Instant;
+
+/// A listening socket [`serve`] accepts connections on: a [`TcpListener`], or a
+/// [`UnixListener`] for a gateway on the same host (no TCP on either side of the loopback:
+/// each write is a copy into the peer's queue, where on TCP the sender's CPU also runs the
+/// receiver's protocol work).
+pub trait Acceptor: Send + 'static {
+    /// A connection as accepted.
+    type Accepted: Send + 'static;
+    /// The connection as served (a TCP one tuned for small exchanges).
+    type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+
+    /// The next connection.
+    fn accept_next(&self) -> impl Future<Output = std::io::Result<Self::Accepted>> + Send;
+
+    /// Writes `answer` to a connection not served, without blocking (what does not fit in
+    /// the socket's buffer is dropped); the connection closes when it is dropped after.
+    fn try_answer(accepted: &Self::Accepted, answer: &[u8]);
+
+    /// The connection as served.
+    fn io(accepted: Self::Accepted) -> Self::Io;
+}
+
+impl Acceptor for TcpListener {
+    type Accepted = TcpStream;
+    type Io = QuickAck;
+
+    async fn accept_next(&self) -> std::io::Result<TcpStream> {
+        self.accept().await.map(|(stream, _)| stream)
+    }
+
+    fn try_answer(accepted: &TcpStream, answer: &[u8]) {
+        let _ = accepted.try_write(answer);
+    }
+
+    fn io(accepted: TcpStream) -> QuickAck {
+        QuickAck::new(accepted, "an HTTP connection")
+    }
+}
+
+impl Acceptor for UnixListener {
+    type Accepted = UnixStream;
+    type Io = UnixStream;
+
+    async fn accept_next(&self) -> std::io::Result<UnixStream> {
+        self.accept().await.map(|(stream, _)| stream)
+    }
+
+    fn try_answer(accepted: &UnixStream, answer: &[u8]) {
+        let _ = accepted.try_write(answer);
+    }
+
+    fn io(accepted: UnixStream) -> UnixStream {
+        accepted
+    }
+}
 
 /// The limits of one listener.
 #[derive(Debug, Clone, Copy)]
@@ -60,8 +115,8 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// connection to finish (responses in progress complete, idle connections close) and returns
 /// when all are closed. The caller bounds the wait (a running event stream keeps its
 /// connection open until its turn ends).
-pub async fn serve(
-    listener: TcpListener,
+pub async fn serve<L: Acceptor>(
+    listener: L,
     router: Router,
     limits: ConnectionLimits,
     shutdown: impl Future<Output = ()>,
@@ -77,11 +132,11 @@ pub async fn serve(
     let mut refused: u64 = 0;
     loop {
         let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
+            accepted = listener.accept_next() => accepted,
             () = shutdown.as_mut() => break,
         };
         let stream = match accepted {
-            Ok((stream, _)) => stream,
+            Ok(stream) => stream,
             Err(e) => {
                 tracing::warn!(error = %e, "Accepting a connection failed; retrying.");
                 tokio::select! {
@@ -99,12 +154,12 @@ pub async fn serve(
                     "Connections over max_connections are answered 503 and closed."
                 );
             }
-            refuse(stream);
+            L::try_answer(&stream, too_many_connections().as_bytes());
             continue;
         };
         let activity = Arc::new(Activity::new());
         let io = TokioIo::new(Tracked {
-            inner: QuickAck::new(stream, "an HTTP connection"),
+            inner: L::io(stream),
             activity: activity.clone(),
         });
         let counted = {
@@ -202,16 +257,15 @@ where
     }
 }
 
-/// Answers a connection over the cap and closes it. One non-blocking write into an empty
-/// socket buffer; the request (if one was sent already) is not read.
-fn refuse(stream: TcpStream) {
+/// The answer to a connection over the cap, written once into its empty socket buffer
+/// before it is closed; the request (if one was sent already) is not read.
+fn too_many_connections() -> String {
     let body = r#"{"code":"too_many_connections","message":"the daemon has max_connections open connections; retry later or raise max_connections"}"#;
-    let response = format!(
+    format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
          connection: close\r\nretry-after: 1\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
-    );
-    let _ = stream.try_write(response.as_bytes());
+    )
 }
 
 /// When a byte last moved on a connection, how many requests it has carried, and since when
@@ -273,13 +327,13 @@ impl Activity {
     }
 }
 
-/// A TCP stream that records when bytes move.
-struct Tracked {
-    inner: QuickAck,
+/// A connection that records when bytes move.
+struct Tracked<S> {
+    inner: S,
     activity: Arc<Activity>,
 }
 
-impl Tracked {
+impl<S> Tracked<S> {
     fn wrote(&self, polled: &std::task::Poll<std::io::Result<usize>>) {
         match polled {
             std::task::Poll::Ready(Ok(n)) if *n > 0 => {
@@ -292,7 +346,7 @@ impl Tracked {
     }
 }
 
-impl AsyncRead for Tracked {
+impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
     fn poll_read(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -308,7 +362,7 @@ impl AsyncRead for Tracked {
     }
 }
 
-impl AsyncWrite for Tracked {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
     fn poll_write(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -377,7 +431,7 @@ mod tests {
     }
 
     /// Everything the peer sends until it closes (bounded by `LIMIT`).
-    async fn read_until_closed(stream: &mut TcpStream) -> String {
+    async fn read_until_closed<S: AsyncRead + Unpin>(stream: &mut S) -> String {
         let mut all = Vec::new();
         tokio::time::timeout(LIMIT, stream.read_to_end(&mut all))
             .await
@@ -406,17 +460,16 @@ mod tests {
         )
     }
 
-    #[tokio::test]
-    async fn a_connection_over_the_cap_is_answered_503_without_reaching_the_router() {
-        let hits = Arc::new(AtomicUsize::new(0));
-        let limits = ConnectionLimits {
-            max_connections: 2,
-            ..ConnectionLimits::default()
-        };
-        let server = start(counting_router(hits.clone()), limits).await;
+    /// Two connections served and held, then a third over the cap of two answered 503 and
+    /// closed, never reaching the router (`hits`).
+    async fn the_cap_of_two_holds<S, F>(connect: impl Fn() -> F, hits: &AtomicUsize)
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+        F: Future<Output = S>,
+    {
         let mut held = Vec::new();
         for _ in 0..2 {
-            let mut c = TcpStream::connect(server.addr).await.unwrap();
+            let mut c = connect().await;
             // A complete exchange proves the server accepted (and counted) it.
             c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
                 .await
@@ -429,7 +482,7 @@ mod tests {
             assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
             held.push(c);
         }
-        let mut third = TcpStream::connect(server.addr).await.unwrap();
+        let mut third = connect().await;
         third
             .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             .await
@@ -438,8 +491,51 @@ mod tests {
         assert!(refusal.starts_with("HTTP/1.1 503"), "{refusal}");
         assert!(refusal.contains("too_many_connections"), "{refusal}");
         assert_eq!(hits.load(Ordering::SeqCst), 2);
-        drop(held);
+    }
+
+    #[tokio::test]
+    async fn a_connection_over_the_cap_is_answered_503_without_reaching_the_router() {
+        let hits = Arc::new(AtomicUsize::new(0));
+        let limits = ConnectionLimits {
+            max_connections: 2,
+            ..ConnectionLimits::default()
+        };
+        let server = start(counting_router(hits.clone()), limits).await;
+        let addr = server.addr;
+        the_cap_of_two_holds(
+            || async move { TcpStream::connect(addr).await.unwrap() },
+            &hits,
+        )
+        .await;
         let _ = server.stop.send(());
+    }
+
+    #[tokio::test]
+    async fn a_unix_socket_is_served_under_the_same_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("api.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let limits = ConnectionLimits {
+            max_connections: 2,
+            ..ConnectionLimits::default()
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(serve(
+            listener,
+            counting_router(hits.clone()),
+            limits,
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        let connect = || {
+            let path = path.clone();
+            async move { UnixStream::connect(path).await.unwrap() }
+        };
+        the_cap_of_two_holds(connect, &hits).await;
+        let _ = stop.send(());
+        tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
     }
 
     #[tokio::test]

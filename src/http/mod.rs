@@ -74,7 +74,7 @@ pub use attachments::AttachmentLimits;
 pub use auth::TokenlessAccess;
 pub(crate) use body::fuzz_request_bodies;
 pub use idempotency::IdempotencyLimits;
-pub use listener::{ConnectionLimits, serve};
+pub use listener::{Acceptor, ConnectionLimits, serve};
 pub use openapi::{document as openapi_document, document_json as openapi_json};
 
 /// Renders the metrics text `/metrics` answers with (for example a Prometheus recorder's

@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::Stdio;
 use std::time::Duration;
@@ -278,70 +278,13 @@ impl Daemon {
         prefix: &[String],
         stderr: Stdio,
     ) -> Daemon {
-        let runtime = super::runtime::runtime_path().await;
-        let config_path = dir.join("serve.toml");
-        // The scripted model listens on loopback: the daemon's BYOK turns go through the
-        // guarded model path with private endpoints allowed (unless the test says otherwise).
-        let config = if config.contains("[model]") {
-            config.to_owned()
-        } else {
-            format!("{config}\n[model]\nallow_private_endpoints = true\n")
-        };
-        std::fs::write(&config_path, config).expect("config");
-        // It may hold the API token: private, as serve requires.
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&config_path, std::fs::Permissions::from_mode(0o600))
-            .expect("chmod the config");
-        let bin = env!("CARGO_BIN_EXE_copilot-pool");
-        let mut cmd = match prefix.split_first() {
-            Some((program, args)) => {
-                let mut cmd = tokio::process::Command::new(program);
-                cmd.args(args).arg(bin);
-                cmd
-            }
-            None => tokio::process::Command::new(bin),
-        };
-        cmd.arg("serve")
-            .arg("--config")
-            .arg(&config_path)
-            .args(["--listen", "127.0.0.1:0"])
-            .args(extra)
-            .env("COPILOT_CLI_PATH", runtime)
-            .env("COPILOT_POOL_HOME", dir.join("pool-home"))
-            .env_remove("COPILOT_POOL_API_TOKEN")
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(stderr);
-        let mut child = cmd.spawn().expect("spawn serve");
-        let stdout = child.stdout.take().expect("stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let mut addr = None;
-        let mut metrics_addr = None;
-        let mut sdk_addr = None;
-        let read = async {
-            while let Ok(Some(line)) = lines.next_line().await {
-                if let Some(a) = line.strip_prefix("sdk on ") {
-                    sdk_addr = Some(a.to_owned());
-                }
-                if let Some(a) = line.strip_prefix("metrics on http://") {
-                    metrics_addr = a.parse().ok();
-                }
-                if let Some(a) = line.strip_prefix("listening on http://") {
-                    addr = a.parse().ok();
-                    break;
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(60), read)
-            .await
-            .expect("daemon started");
-        // Keep draining stdout so the daemon never blocks on it.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let (child, announced) =
+            spawn_serve(dir, config, "127.0.0.1:0", extra, env, prefix, stderr).await;
         Daemon {
             child,
-            addr: addr.expect("listen address"),
-            metrics_addr,
-            sdk_addr,
+            addr: announced.addr.expect("listen address"),
+            metrics_addr: announced.metrics_addr,
+            sdk_addr: announced.sdk_addr,
         }
     }
 
@@ -351,12 +294,7 @@ impl Daemon {
 
     /// SIGTERM and wait for the exit status.
     pub async fn terminate(mut self) -> std::process::ExitStatus {
-        let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        tokio::time::timeout(Duration::from_secs(60), self.child.wait())
-            .await
-            .expect("daemon exits after SIGTERM")
-            .expect("wait")
+        terminate(&mut self.child).await
     }
 }
 
@@ -369,4 +307,147 @@ impl Drop for Daemon {
             );
         }
     }
+}
+
+/// A running `copilot-pool serve` whose API listens on a Unix socket; sent SIGTERM on drop.
+pub struct SocketDaemon {
+    pub child: tokio::process::Child,
+    /// The API's socket, as the daemon announced it.
+    pub socket: PathBuf,
+}
+
+impl SocketDaemon {
+    /// Starts the daemon with `config` (TOML text, which must set the API token) in `dir`,
+    /// its API on the Unix socket `socket`.
+    pub async fn start(dir: &Path, config: &str, socket: &Path) -> SocketDaemon {
+        let listen = format!("unix:{}", socket.display());
+        let (child, announced) =
+            spawn_serve(dir, config, &listen, &[], &[], &[], Stdio::inherit()).await;
+        SocketDaemon {
+            child,
+            socket: announced.socket.expect("the API's socket"),
+        }
+    }
+
+    /// SIGTERM and wait for the exit status.
+    pub async fn terminate(mut self) -> std::process::ExitStatus {
+        terminate(&mut self.child).await
+    }
+
+    /// A client whose every connection goes to the API's socket (any `http://` URL).
+    pub fn client(&self) -> reqwest::Client {
+        reqwest::Client::builder()
+            .unix_socket(self.socket.clone())
+            .build()
+            .expect("reqwest client")
+    }
+}
+
+impl Drop for SocketDaemon {
+    fn drop(&mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+    }
+}
+
+/// SIGTERM to a daemon, and its exit status.
+async fn terminate(child: &mut tokio::process::Child) -> std::process::ExitStatus {
+    if let Some(pid) = child.id() {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+    }
+    tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .expect("daemon exits after SIGTERM")
+        .expect("wait")
+}
+
+/// What a starting `serve` printed on its stdout: where it listens.
+#[derive(Default)]
+struct Announced {
+    addr: Option<SocketAddr>,
+    socket: Option<PathBuf>,
+    metrics_addr: Option<SocketAddr>,
+    sdk_addr: Option<String>,
+}
+
+/// Starts `copilot-pool serve` with `config` (TOML text) in `dir`, its API on `listen`, and
+/// reads what it announces up to where its API listens.
+async fn spawn_serve(
+    dir: &Path,
+    config: &str,
+    listen: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+    prefix: &[String],
+    stderr: Stdio,
+) -> (tokio::process::Child, Announced) {
+    let runtime = super::runtime::runtime_path().await;
+    let config_path = dir.join("serve.toml");
+    // The scripted model listens on loopback: the daemon's BYOK turns go through the
+    // guarded model path with private endpoints allowed (unless the test says otherwise).
+    let config = if config.contains("[model]") {
+        config.to_owned()
+    } else {
+        format!("{config}\n[model]\nallow_private_endpoints = true\n")
+    };
+    std::fs::write(&config_path, config).expect("config");
+    // It may hold the API token: private, as serve requires.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&config_path, std::fs::Permissions::from_mode(0o600))
+        .expect("chmod the config");
+    let bin = env!("CARGO_BIN_EXE_copilot-pool");
+    let mut cmd = match prefix.split_first() {
+        Some((program, args)) => {
+            let mut cmd = tokio::process::Command::new(program);
+            cmd.args(args).arg(bin);
+            cmd
+        }
+        None => tokio::process::Command::new(bin),
+    };
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(&config_path)
+        .args(["--listen", listen])
+        .args(extra)
+        .env("COPILOT_CLI_PATH", runtime)
+        .env("COPILOT_POOL_HOME", dir.join("pool-home"))
+        .env_remove("COPILOT_POOL_API_TOKEN")
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(stderr);
+    let mut child = cmd.spawn().expect("spawn serve");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let mut announced = Announced::default();
+    let read = async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(a) = line.strip_prefix("sdk on ") {
+                announced.sdk_addr = Some(a.to_owned());
+            }
+            if let Some(a) = line.strip_prefix("metrics on http://") {
+                announced.metrics_addr = a.parse().ok();
+            }
+            if let Some(a) = line.strip_prefix("listening on http://") {
+                announced.addr = a.parse().ok();
+                break;
+            }
+            if let Some(path) = line.strip_prefix("listening on unix:") {
+                announced.socket = Some(PathBuf::from(path));
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), read)
+        .await
+        .expect("daemon started");
+    // Keep draining stdout so the daemon never blocks on it.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (child, announced)
 }

@@ -103,8 +103,9 @@ impl<'de> Deserialize<'de> for SandboxTcpBind {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServeConfig {
-    /// HTTP API address (default `127.0.0.1:7878`).
-    pub listen: SocketAddr,
+    /// HTTP API address: `HOST:PORT` (default `127.0.0.1:7878`), or `unix:PATH` for a Unix
+    /// socket (needs an API token).
+    pub listen: ListenAddress,
     /// Separate address for `/metrics` (default: served on `listen` only).
     pub metrics_listen: Option<SocketAddr>,
     /// Bindings live here (default `$COPILOT_POOL_HOME/state` or `~/.copilot-pool/state`).
@@ -293,39 +294,65 @@ pub struct AuthSection {
     pub allow_logged_in_user: bool,
 }
 
-/// Where the SDK endpoint listens.
+/// Where a listener of the daemon listens (the API's `listen`, `[sdk] listen`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SdkListen {
+pub enum ListenAddress {
     /// A TCP address.
     Tcp(SocketAddr),
     /// A Unix socket path.
     Unix(PathBuf),
 }
 
-impl std::str::FromStr for SdkListen {
+impl std::str::FromStr for ListenAddress {
     type Err = anyhow::Error;
 
     fn from_str(text: &str) -> Result<Self> {
         if let Some(path) = text.strip_prefix("unix:") {
             if path.is_empty() {
-                bail!(
-                    "sdk listen address `unix:` names no socket path; use unix:/path/to/sdk.sock"
-                );
+                bail!("listen address `unix:` names no socket path; use unix:/path/to/api.sock");
             }
-            return Ok(SdkListen::Unix(PathBuf::from(path)));
+            return Ok(ListenAddress::Unix(PathBuf::from(path)));
         }
         text.parse::<SocketAddr>()
-            .map(SdkListen::Tcp)
-            .with_context(|| {
-                format!("sdk listen address {text:?} is neither HOST:PORT nor unix:PATH")
-            })
+            .map(ListenAddress::Tcp)
+            .with_context(|| format!("listen address {text:?} is neither HOST:PORT nor unix:PATH"))
+    }
+}
+
+impl<'de> Deserialize<'de> for ListenAddress {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse()
+            .map_err(|e: anyhow::Error| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
+
+impl ListenAddress {
+    /// The port, for a TCP address.
+    pub fn tcp_port(&self) -> Option<u16> {
+        match self {
+            ListenAddress::Tcp(addr) => Some(addr.port()),
+            ListenAddress::Unix(_) => None,
+        }
+    }
+}
+
+impl std::fmt::Display for ListenAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ListenAddress::Tcp(addr) => write!(f, "{addr}"),
+            ListenAddress::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
     }
 }
 
 impl SdkSection {
     /// Where to listen, if anywhere.
-    pub fn listen(&self) -> Result<Option<SdkListen>> {
-        self.listen.as_deref().map(str::parse).transpose()
+    pub fn listen(&self) -> Result<Option<ListenAddress>> {
+        self.listen
+            .as_deref()
+            .map(|text| text.parse().context("[sdk] listen"))
+            .transpose()
     }
 
     /// The token table.
@@ -402,7 +429,7 @@ pub struct TurnsSection {
 impl Default for ServeConfig {
     fn default() -> Self {
         Self {
-            listen: SocketAddr::from(([127, 0, 0, 1], 7878)),
+            listen: ListenAddress::Tcp(SocketAddr::from(([127, 0, 0, 1], 7878))),
             metrics_listen: None,
             state_dir: None,
             agents_dir: None,
@@ -566,15 +593,26 @@ impl ServeConfig {
 
     /// Checks what cannot work, with the fix in the message.
     pub fn validate(&self) -> Result<()> {
-        if !self.listen.ip().is_loopback() && self.api_token.is_none() {
-            bail!(
-                "refusing to listen on {} without an API token: set {API_TOKEN_ENV} or pass \
-                 --api-token-file PATH (or listen on 127.0.0.1)",
-                self.listen
-            );
+        match &self.listen {
+            ListenAddress::Tcp(addr) if !addr.ip().is_loopback() && self.api_token.is_none() => {
+                bail!(
+                    "refusing to listen on {addr} without an API token: set {API_TOKEN_ENV} or \
+                     pass --api-token-file PATH (or listen on 127.0.0.1)"
+                );
+            }
+            ListenAddress::Unix(path) if self.api_token.is_none() => {
+                bail!(
+                    "refusing to listen on the Unix socket {} without an API token: any \
+                     process of this user can connect to a socket file, an agent's tools \
+                     included (the sandbox does not confine connecting to one); set \
+                     {API_TOKEN_ENV} or pass --api-token-file PATH",
+                    path.display()
+                );
+            }
+            _ => {}
         }
         if let Some(addr) = self.metrics_listen
-            && addr == self.listen
+            && self.listen == ListenAddress::Tcp(addr)
         {
             bail!("metrics_listen must differ from listen ({addr})");
         }
@@ -607,7 +645,13 @@ impl ServeConfig {
                 root.display()
             );
         }
-        if self.sdk.listen()?.is_some() {
+        if let Some(sdk) = self.sdk.listen()? {
+            if sdk == self.listen {
+                bail!(
+                    "[sdk] listen and listen are both {sdk}: the SDK endpoint and the HTTP API \
+                     need an address each"
+                );
+            }
             if self.sdk.tokens.is_empty() {
                 bail!(
                     "the SDK endpoint is on but [[sdk.tokens]] lists no agent, so every \
@@ -959,6 +1003,40 @@ mod tests {
     }
 
     #[test]
+    fn the_api_listens_on_a_unix_socket_only_with_a_token_and_never_on_the_sdk_endpoints() {
+        let c: ServeConfig =
+            toml::from_str("listen = \"unix:/run/copilot-pool/api.sock\"").unwrap();
+        assert_eq!(
+            c.listen,
+            ListenAddress::Unix("/run/copilot-pool/api.sock".into())
+        );
+        let refused = format!("{:#}", c.validate().unwrap_err());
+        assert!(
+            refused.contains("API token") && refused.contains("--api-token-file"),
+            "{refused}"
+        );
+        let with_token: ServeConfig =
+            toml::from_str("listen = \"unix:/run/copilot-pool/api.sock\"\napi_token = \"t\"\n")
+                .unwrap();
+        with_token.validate().unwrap();
+        // Neither shape of address parses: the error says which two it takes.
+        let wrong = toml::from_str::<ServeConfig>("listen = \"api.sock\"").unwrap_err();
+        assert!(
+            wrong.to_string().contains("HOST:PORT nor unix:PATH"),
+            "{wrong}"
+        );
+        // One address each.
+        let hash = copilot_pool::sdk_endpoint::sha256_hex("t");
+        let shared: ServeConfig = toml::from_str(&format!(
+            "listen = \"unix:/run/a.sock\"\napi_token = \"t\"\n[sdk]\nlisten = \"unix:/run/a.sock\"\n\
+             [[sdk.tokens]]\nagent = \"agent-a\"\nsha256 = \"{hash}\"\n"
+        ))
+        .unwrap();
+        let refused = format!("{:#}", shared.validate().unwrap_err());
+        assert!(refused.contains("an address each"), "{refused}");
+    }
+
+    #[test]
     fn the_sdk_endpoint_listens_on_tcp_or_a_unix_socket_and_needs_a_token_per_agent() {
         let hash = copilot_pool::sdk_endpoint::sha256_hex("t");
         let c: ServeConfig = toml::from_str(&format!(
@@ -968,15 +1046,15 @@ mod tests {
         c.validate().unwrap();
         assert_eq!(
             c.sdk.listen().unwrap(),
-            Some(SdkListen::Tcp(([127, 0, 0, 1], 7879).into()))
+            Some(ListenAddress::Tcp(([127, 0, 0, 1], 7879).into()))
         );
         assert_eq!(c.sdk.tokens().unwrap().agent_for("t"), Some("agent-a"));
         assert_eq!(
-            "unix:/run/sdk.sock".parse::<SdkListen>().unwrap(),
-            SdkListen::Unix("/run/sdk.sock".into())
+            "unix:/run/sdk.sock".parse::<ListenAddress>().unwrap(),
+            ListenAddress::Unix("/run/sdk.sock".into())
         );
-        assert!("unix:".parse::<SdkListen>().is_err());
-        assert!("sdk.sock".parse::<SdkListen>().is_err());
+        assert!("unix:".parse::<ListenAddress>().is_err());
+        assert!("sdk.sock".parse::<ListenAddress>().is_err());
         // Off by default; on without tokens every connect would fail: refused.
         assert_eq!(ServeConfig::default().sdk.listen().unwrap(), None);
         let mut bare = ServeConfig::default();
@@ -1164,7 +1242,7 @@ mod tests {
     fn defaults_and_overrides() {
         let c: ServeConfig =
             toml::from_str("listen = \"127.0.0.1:9000\"\n[pool]\nmax_processes = 3\n").unwrap();
-        assert_eq!(c.listen.port(), 9000);
+        assert_eq!(c.listen, ListenAddress::Tcp(([127, 0, 0, 1], 9000).into()));
         assert_eq!(c.pool.max_processes, 3);
         assert_eq!(c.pool.max_sessions_per_process, 32);
         assert_eq!(

@@ -517,7 +517,7 @@ async fn check_sandbox(
     runtime: Option<&std::path::Path>,
 ) {
     const CHECK: &str = "sandbox";
-    let mut own_ports = vec![config.listen.port()];
+    let mut own_ports: Vec<u16> = config.listen.tcp_port().into_iter().collect();
     own_ports.extend(config.metrics_listen.map(|a| a.port()));
     let template = match crate::sandbox::template(
         config.sandbox,

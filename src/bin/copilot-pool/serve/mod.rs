@@ -18,16 +18,17 @@ use copilot_pool::sdk_endpoint::{self, SdkConfig, SdkEndpoint};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::sync::watch;
 
-use crate::config::{API_TOKEN_ENV, ConfigRefused, LogFormat, SdkListen, ServeConfig};
+use crate::config::{API_TOKEN_ENV, ConfigRefused, ListenAddress, LogFormat, ServeConfig};
 
 #[derive(Args)]
 pub struct ServeArgs {
     /// TOML config file (every field is optional; see README).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// HTTP API address (default 127.0.0.1:7878; port 0 picks a free one).
-    #[arg(long)]
-    pub listen: Option<SocketAddr>,
+    /// HTTP API address: HOST:PORT (default 127.0.0.1:7878; port 0 picks a free one), or
+    /// unix:PATH for a Unix socket (created owner-only; needs an API token).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<ListenAddress>,
     /// Where bindings are stored.
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
@@ -60,8 +61,8 @@ impl ServeArgs {
     /// The configuration: file, then flags.
     pub fn config(&self) -> Result<ServeConfig> {
         let mut config = ServeConfig::load(self.config.as_deref())?;
-        if let Some(listen) = self.listen {
-            config.listen = listen;
+        if let Some(listen) = &self.listen {
+            config.listen = listen.clone();
         }
         if let Some(dir) = &self.state_dir {
             config.state_dir = Some(dir.clone());
@@ -160,10 +161,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         }
     }
     // The listeners are bound first: their ports are walls of the workers' sandbox.
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .with_context(|| format!("binding {}", config.listen))?;
-    let addr = listener.local_addr().context("local address")?;
+    let listener = bind(&config.listen, "the API", "listen").await?;
     let metrics_listener = match config.metrics_listen {
         Some(metrics_addr) => Some(
             tokio::net::TcpListener::bind(metrics_addr)
@@ -173,14 +171,16 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         None => None,
     };
     let sdk_listener = match config.sdk.listen()? {
-        Some(listen) => Some(bind_sdk(listen).await?),
+        Some(listen) => Some(bind(&listen, "the SDK endpoint", "[sdk] listen").await?),
         None => None,
     };
-    let mut own_ports = vec![addr.port()];
-    if let Some(l) = &metrics_listener {
-        own_ports.push(l.local_addr().context("local address")?.port());
+    let mut own_ports = Vec::new();
+    for bound in std::iter::once(&listener).chain(&sdk_listener) {
+        if let Bound::Tcp(l) = bound {
+            own_ports.push(l.local_addr().context("local address")?.port());
+        }
     }
-    if let Some(SdkListener::Tcp(l)) = &sdk_listener {
+    if let Some(l) = &metrics_listener {
         own_ports.push(l.local_addr().context("local address")?.port());
     }
     let (sandbox, sandbox_status) = sandbox_setup(&config, &own_ports).await?;
@@ -242,9 +242,13 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         }
         None => None,
     };
-    println!("listening on http://{addr}");
+    let at = match &listener {
+        Bound::Tcp(l) => format!("http://{}", l.local_addr().context("local address")?),
+        Bound::Unix(_, path) => format!("unix:{}", path.display()),
+    };
+    println!("listening on {at}");
     let threads = tokio::runtime::Handle::current().metrics().num_workers();
-    tracing::info!(%addr, runtime = %located.path.display(), worker_threads = threads, "copilot-pool serve is up.");
+    tracing::info!(%at, runtime = %located.path.display(), worker_threads = threads, "copilot-pool serve is up.");
 
     let mut limits = ConnectionLimits::default();
     limits.header_read_timeout = config.header_read_timeout();
@@ -272,12 +276,14 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             stopped(stop_rx.clone()),
         )));
     }
-    servers.push(tokio::spawn(http::serve(
-        listener,
-        app,
-        limits,
-        stopped(stop_rx.clone()),
-    )));
+    let api_stopped = stopped(stop_rx.clone());
+    servers.push(match listener {
+        Bound::Tcp(l) => tokio::spawn(http::serve(l, app, limits, api_stopped)),
+        Bound::Unix(l, path) => tokio::spawn(async move {
+            http::serve(l, app, limits, api_stopped).await;
+            let _ = std::fs::remove_file(&path);
+        }),
+    });
 
     let signal = signals.first().await;
     tracing::info!(signal, "Draining.");
@@ -309,48 +315,45 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// The SDK endpoint's bound listener.
-enum SdkListener {
+/// A bound listener of the API or the SDK endpoint.
+enum Bound {
     Tcp(tokio::net::TcpListener),
+    /// A Unix socket and its file (removed when the listener's server ends).
     Unix(tokio::net::UnixListener, PathBuf),
 }
 
-/// Binds the SDK endpoint's listener (before the pool starts: a TCP port is one of the walls
-/// of the workers' sandbox). A Unix socket is created owner-only (a stale socket file from an
-/// earlier run is replaced).
-async fn bind_sdk(listen: SdkListen) -> Result<SdkListener> {
+/// Binds `what`'s listener (before the pool starts: a TCP port is one of the walls of the
+/// workers' sandbox); `key` is the setting that names the address. A Unix socket is created
+/// owner-only (a stale socket file from an earlier run is replaced; one another daemon
+/// answers on is refused).
+async fn bind(listen: &ListenAddress, what: &str, key: &str) -> Result<Bound> {
     match listen {
-        SdkListen::Tcp(addr) => {
+        ListenAddress::Tcp(addr) => {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
-                .with_context(|| format!("binding the SDK endpoint on {addr}"))?;
-            Ok(SdkListener::Tcp(listener))
+                .with_context(|| format!("binding {what} on {addr}"))?;
+            Ok(Bound::Tcp(listener))
         }
-        SdkListen::Unix(path) => {
+        ListenAddress::Unix(path) => {
             use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-            if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_socket()) {
+            if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
                 // A socket someone still answers on is another daemon's, not a stale one:
-                // removing it would cut that daemon's SDK clients off.
-                if std::os::unix::net::UnixStream::connect(&path).is_ok() {
+                // removing it would cut that daemon's clients off.
+                if std::os::unix::net::UnixStream::connect(path).is_ok() {
                     bail!(
-                        "the SDK endpoint's socket {} is in use (another copilot-pool serve \
-                         answers on it); stop that daemon, or give this one another \
-                         [sdk] listen path",
+                        "{what}'s socket {} is in use (another copilot-pool serve answers on \
+                         it); stop that daemon, or give this one another {key} path",
                         path.display()
                     );
                 }
-                std::fs::remove_file(&path)
+                std::fs::remove_file(path)
                     .with_context(|| format!("removing the stale socket {}", path.display()))?;
             }
-            let listener = tokio::net::UnixListener::bind(&path).with_context(|| {
-                format!(
-                    "binding the SDK endpoint on the Unix socket {}",
-                    path.display()
-                )
-            })?;
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+            let listener = tokio::net::UnixListener::bind(path)
+                .with_context(|| format!("binding {what} on the Unix socket {}", path.display()))?;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
                 .with_context(|| format!("making {} owner-only", path.display()))?;
-            Ok(SdkListener::Unix(listener, path))
+            Ok(Bound::Unix(listener, path.clone()))
         }
     }
 }
@@ -378,12 +381,12 @@ async fn take_over(state_dir: &std::path::Path) -> Result<std::sync::Arc<GroupLe
 /// socket file is removed after).
 fn serve_sdk(
     endpoint: &SdkEndpoint,
-    listener: SdkListener,
+    listener: Bound,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> tokio::task::JoinHandle<()> {
     let endpoint = endpoint.clone();
     match listener {
-        SdkListener::Tcp(listener) => {
+        Bound::Tcp(listener) => {
             if let Ok(addr) = listener.local_addr() {
                 println!("sdk on {addr}");
                 tracing::info!(%addr, "The SDK endpoint is up.");
@@ -392,7 +395,7 @@ fn serve_sdk(
                 sdk_endpoint::serve_tcp(&endpoint, listener, stop).await;
             })
         }
-        SdkListener::Unix(listener, path) => {
+        Bound::Unix(listener, path) => {
             println!("sdk on unix:{}", path.display());
             tracing::info!(path = %path.display(), "The SDK endpoint is up.");
             tokio::spawn(async move {
