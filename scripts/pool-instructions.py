@@ -29,7 +29,8 @@ beside its runtimes' CPU over the same passes: the bench's ratio for warm turns 
 
     cargo build --release
     python3 scripts/pool-instructions.py [--bin target/release/copilot-pool]
-        [--conversations 4] [--turns 10] [--top 25] [--save FILE] [--cold | --syscalls | --cpu PASSES]
+        [--conversations 4] [--turns 10] [--top 25] [--save FILE] [--unix-socket]
+        [--cold | --syscalls | --cpu PASSES]
 
 Needs valgrind (`callgrind_control`, `callgrind_annotate`), or strace for --syscalls, and
 Node.js; finds or installs the runtime with `copilot-pool install-cli`. Under callgrind the
@@ -285,6 +286,11 @@ def main():
         help="count the first pass (each conversation's first turn, the process's start) instead",
     )
     parser.add_argument(
+        "--unix-socket", action="store_true",
+        help="the gateway reaches the API over a Unix socket (serve --listen unix:PATH, with an "
+        "API token) instead of loopback TCP",
+    )
+    parser.add_argument(
         "--perf", metavar="FILE",
         help="with --cpu: `perf record` the daemon's threads over the passes into FILE",
     )
@@ -346,27 +352,35 @@ def main():
             "valgrind", "--tool=callgrind", "--instr-atstart=no",
             f"--callgrind-out-file={profile}",
         ]
+        # Over a Unix socket the API needs a token (the sandbox does not wall socket files).
+        token = "pool-instructions-token"
+        listen = f"unix:{scratch / 'api.sock'}" if args.unix_socket else "127.0.0.1:0"
+        serve_env = {**os.environ, "COPILOT_POOL_HOME": str(scratch / "home"),
+                     "COPILOT_POOL_LOG": "error"}
+        if args.unix_socket:
+            serve_env["COPILOT_POOL_API_TOKEN"] = token
         with open(serve_out, "w") as out:
             serve = subprocess.Popen(
                 [
                     *under,
                     str(binary), "serve", "--config", str(config),
-                    "--listen", "127.0.0.1:0", "--state-dir", str(scratch / "state"),
+                    "--listen", listen, "--state-dir", str(scratch / "state"),
                     "--cli", runtime,
                 ],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "COPILOT_POOL_HOME": str(scratch / "home"),
-                     "COPILOT_POOL_LOG": "error"},
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=serve_env,
             )
         children.append(serve)
-        url = wait_for_line(serve_out, r"listening on (http://\S+)", serve, "serve")
+        at = wait_for_line(serve_out, r"listening on (\S+)", serve, "serve")
 
         env = {
             **os.environ, "MODE": "http", "AGENTS": "1",
             "CONVERSATIONS": str(args.conversations), "TOOL": "1", "STREAMING": "0",
             "MODEL_URL": model_url, "MODEL_ID": "scripted-model", "ATTEMPT_MS": "120000",
-            "HTTP_URL": url,
+            "HTTP_URL": at,
         }
+        if args.unix_socket:
+            env.update({"HTTP_URL": "http://localhost", "HTTP_SOCKET": at.removeprefix("unix:"),
+                        "API_TOKEN": token})
         def control(*options):
             done = subprocess.run(
                 ["callgrind_control", *options, str(serve.pid)], capture_output=True,

@@ -599,11 +599,13 @@ async fn a_compact_or_reset_during_a_conversations_first_turn_is_busy_not_unknow
     let first = tokio::spawn(async move { summary(addr, None, &first_body).await });
     until_a_lease_waits(&server.pool, "the first turn waits for its process").await;
     let settings = settings(&url);
-    for (method, path) in [
-        ("POST", "/v1/sessions/agent-f/fresh/compact"),
-        ("DELETE", "/v1/sessions/agent-f/fresh"),
+    for (method, path, body) in [
+        ("POST", "/v1/sessions/agent-f/fresh/compact", Some(&settings)),
+        ("DELETE", "/v1/sessions/agent-f/fresh", Some(&settings)),
+        // By its name alone: busy too.
+        ("DELETE", "/v1/sessions/agent-f/fresh", None),
     ] {
-        let answer = call(addr, method, path, None, Some(&settings)).await;
+        let answer = call(addr, method, path, None, body).await;
         assert_eq!(answer.status, 409, "{method} {path}: {}", answer.body);
         assert_eq!(answer.json()["code"], "busy", "{}", answer.body);
     }

@@ -170,9 +170,16 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
             json!([{"type": "inline", "data": "aGk=", "media_type": "text/plain"}]);
         body
     };
+    let mut shared_sessions = Vec::new();
     for agent in ["agent-a", "agent-b"] {
         let done = summary(addr, None, &in_shared(agent)).await;
         assert_eq!(done.json()["status"], "idle", "{}", done.body);
+        shared_sessions.push(
+            done.json()["session_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+        );
     }
     let mut reset_shared = settings(&url);
     reset_shared["session"] = json!({"workingDirectory": shared.clone()});
@@ -197,6 +204,49 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
             .count(),
         1
     );
+    // By its name alone (no body: no credentials, no settings): agent-b's conversation is
+    // deleted, its runtime session and its attachments in the directory its binding recorded
+    // (not the agent's own, which a DELETE naming none would mean).
+    let deleted = call(addr, "DELETE", "/v1/sessions/agent-b/same-key", None, None).await;
+    assert_eq!(deleted.status, 204, "{}", deleted.body);
+    assert!(
+        !shared_files("agent-b").exists(),
+        "agent-b's attachments are gone"
+    );
+    let state_of_b = fx
+        .scratch
+        .path()
+        .join("agents/agents/agent-b/copilot/session-state")
+        .join(&shared_sessions[1]);
+    assert!(!state_of_b.exists(), "{} is left", state_of_b.display());
+    let again = call(addr, "DELETE", "/v1/sessions/agent-b/same-key", None, None).await;
+    assert_eq!(again.status, 404, "{}", again.body);
+    let fresh = summary(addr, None, &in_shared("agent-b")).await;
+    assert_eq!(fresh.json()["resumed"], false, "{}", fresh.body);
+    assert_ne!(fresh.json()["session_id"], shared_sessions[1].as_str());
+    // Also when the directory its turns ran in is gone since (a project removed).
+    let project = shared.join("project");
+    std::fs::create_dir_all(&project).expect("mkdir");
+    let mut body = turn(&url, "agent-c", "in-project", "REPLY=seen");
+    body["session"] = json!({"workingDirectory": project.clone()});
+    let done = summary(addr, None, &body).await;
+    assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    std::fs::remove_dir_all(&project).expect("rm -r the project");
+    let deleted = call(
+        addr,
+        "DELETE",
+        "/v1/sessions/agent-c/in-project",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(deleted.status, 204, "{}", deleted.body);
+    let state_of_c = fx
+        .scratch
+        .path()
+        .join("agents/agents/agent-c/copilot/session-state")
+        .join(done.json()["session_id"].as_str().unwrap_or_default());
+    assert!(!state_of_c.exists(), "{} is left", state_of_c.display());
     let reset = settings(&url);
     let deleted = call(
         addr,

@@ -2122,6 +2122,7 @@ async fn a_conversation_stored_on_another_backend_is_told_apart_from_one_on_its_
         cli_session_id: CliSessionId::new("s-1"),
         compat_key: "c".to_owned(),
         updated_at_ms: 0,
+        working_directory: None,
     };
     let elsewhere = |except: &str| {
         pool.stored_on_another_backend(&conversation, except)

@@ -195,7 +195,10 @@ pub(super) struct ResetQuery {
 
 /// Resets an existing conversation: deletes its runtime session, its binding and the inline
 /// attachments its turns were given, so its next turn starts a new one. The body is
-/// optional: the conversation's settings. With
+/// optional: the conversation's settings, as its turns send them. Without credentials (or
+/// without a body) the conversation is deleted by its name alone: the session its binding
+/// names, in the working directory the binding recorded, by a process of the agent's home
+/// with no identity. With
 /// `?backend=<id>` of a CLI backend, the conversation on that backend instead: its kept
 /// process is ended, its CLI's files of the session removed, and its stored session.
 #[utoipa::path(
@@ -242,15 +245,26 @@ pub(super) async fn delete_session(
     if let Some(backend) = query.backend.filter(|b| b != COPILOT_BACKEND) {
         return delete_cli_conversation(&state, &agent_id, &session_key, conv, backend).await;
     }
-    let mut req = match lease_request(&state, &agent_id, &session_key, conv).await {
+    let by_name_alone = conv.names_no_credentials(&state);
+    let req = if by_name_alone {
+        // No credentials: the deletion needs none.
+        conv.place(&state, &agent_id, &session_key).await
+    } else {
+        lease_request(&state, &agent_id, &session_key, conv).await
+    };
+    let mut req = match req {
         Ok(req) => req,
         Err(r) => return r,
     };
     req.existing_only = true;
     req.fail_if_busy = true;
     req.runs_no_turn = true;
-    let work = req.working_directory.clone();
-    let lease = match state.pool.lease(req).await {
+    let leased = if by_name_alone {
+        state.pool.lease_to_delete(req).await
+    } else {
+        state.pool.lease(req).await
+    };
+    let lease = match leased {
         Ok(l) => l,
         Err(e @ PoolError::NoSuchConversation { .. }) => {
             let hint = "; a conversation on a CLI backend is deleted with ?backend=<id>";
@@ -259,7 +273,9 @@ pub(super) async fn delete_session(
         Err(e) => return pool_error(&e),
     };
     // Removed while the lease is held: no turn of the conversation writes there meanwhile.
+    // Its directory is the lease's (by name alone, the one its binding recorded).
     let conversation = ConversationId::new(&agent_id, &session_key);
+    let work = lease.working_directory().to_path_buf();
     remove_conversation_files(&state, work, &conversation, COPILOT_BACKEND).await;
     match lease.reset().await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),

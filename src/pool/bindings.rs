@@ -40,6 +40,11 @@ pub struct Binding {
     pub compat_key: String,
     /// When the binding was last written, in milliseconds since the Unix epoch.
     pub updated_at_ms: u64,
+    /// The conversation's working directory when the binding was written (where its inline
+    /// attachments are), so a deletion that names none finds them; absent in bindings
+    /// written before the pool recorded it, and in the CLI backends'.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub working_directory: Option<PathBuf>,
 }
 
 /// The stored form: the binding with a schema version.
@@ -485,6 +490,7 @@ mod tests {
             cli_session_id: session.into(),
             compat_key: "compat-1".to_owned(),
             updated_at_ms: 1_700_000_000_000,
+            working_directory: None,
         }
     }
 
@@ -594,6 +600,34 @@ mod tests {
         let value: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(value["schema_version"], 1);
         assert_eq!(value["cli_session_id"], "s");
+    }
+
+    #[test]
+    fn a_binding_keeps_its_working_directory_and_one_written_before_it_was_recorded_reads_without()
+    {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        let with = Binding {
+            working_directory: Some(PathBuf::from("/work/agent-a/project")),
+            ..binding("with", "s-1")
+        };
+        store.put(&with).unwrap();
+        assert_eq!(store.get("with").unwrap(), Some(with));
+        // As an earlier version wrote it: no such field.
+        let earlier = serde_json::json!({
+            "schema_version": 1, "session_key": "earlier", "cli_session_id": "s-2",
+            "compat_key": "compat-1", "updated_at_ms": 1,
+        });
+        let path = store.dir().join(format!("{}.json", hex_sha256("earlier")));
+        fs::write(&path, earlier.to_string()).unwrap();
+        let read = store.get("earlier").unwrap().expect("the earlier binding");
+        assert_eq!(read.working_directory, None);
+        assert_eq!(read.cli_session_id.as_str(), "s-2");
+        // And none is written when there is none.
+        store.put(&binding("without", "s-3")).unwrap();
+        let text = fs::read_to_string(store.dir().join(format!("{}.json", hex_sha256("without"))))
+            .unwrap();
+        assert!(!text.contains("working_directory"), "{text}");
     }
 
     #[test]

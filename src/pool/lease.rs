@@ -97,6 +97,12 @@ impl Lease {
         &self.copilot_home
     }
 
+    /// The conversation's working directory (for a lease to delete it, the one its binding
+    /// recorded): where its inline attachments are.
+    pub(crate) fn working_directory(&self) -> &std::path::Path {
+        self.driver.working_directory()
+    }
+
     /// Whether a stored session was resumed for this lease.
     pub fn resumed(&self) -> bool {
         self.reason == OpenReason::Resumed

@@ -476,24 +476,19 @@ impl Pool {
         self.lease_for(req, LeasePurpose::Turns).await
     }
 
-    /// A lease of the conversation stored under the CLI session id the caller chose
-    /// (`req.cli_session_id`), only for deleting it ([`Lease::reset`]): it needs no credentials
-    /// of the conversation's own (none of its turns' token or BYOK provider). Deleting a
+    /// A lease of a stored conversation only for deleting it ([`Lease::reset`]): it needs no
+    /// credentials of the conversation's own (none of its turns' token or BYOK provider), and
+    /// its settings are not compared with the conversation's. The conversation is the one
+    /// stored under the CLI session id the caller chose (`req.cli_session_id`: the SDK
+    /// endpoint's `session.delete` of a session its connection has not opened, which names the
+    /// session id alone), else the one its binding names (an HTTP reset by the conversation's
+    /// name alone), in the working directory the binding recorded when it did. Deleting a
     /// session is the runtime's file work, which a process of the agent's home with no
     /// identity does (measured, runtime 1.0.14), so the lease goes to a process of the key
     /// `req.auth` gives, a process with no GitHub identity when it carries none; a session
     /// parked on a process of its own key is detached there first, as after a rotation. The
-    /// lease is no traffic of its key: no warm spare is kept for it. The SDK endpoint's
-    /// `session.delete` of a session its connection has not opened (the official SDKs' call
-    /// names the session id alone).
+    /// lease is no traffic of its key: no warm spare is kept for it.
     pub(crate) async fn lease_to_delete(&self, mut req: LeaseRequest) -> Result<Lease, PoolError> {
-        if req.cli_session_id.is_none() {
-            return Err(PoolError::InvalidRequest(
-                "a lease to delete names the conversation's CLI session id \
-                 (LeaseRequest::cli_session_id)"
-                    .into(),
-            ));
-        }
         req.existing_only = true;
         req.runs_no_turn = true;
         self.lease_for(req, LeasePurpose::Deletion).await
@@ -569,12 +564,30 @@ impl Pool {
         } else {
             None
         };
+        // A deletion goes to the session its binding names, in the directory the binding
+        // recorded, whatever settings the lease carries.
+        let bound = match bound {
+            Some(binding) if purpose == LeasePurpose::Deletion => {
+                req.cli_session_id = Some(binding.cli_session_id);
+                if let Some(dir) = binding.working_directory {
+                    req.working_directory = dir;
+                }
+                None
+            }
+            other => other,
+        };
         let home = resolve_copilot_home(
             req.copilot_home.as_deref(),
             req.agent_dir.as_deref(),
             &inner.config.agents_base_dir,
             &req.agent_id,
         )?;
+        // A deletion resumes its session only to delete it: where its directory is gone (a
+        // project removed, or the agent's own never made), the agent's home stands in, since
+        // the runtime refuses to resume a session in a directory that does not exist.
+        if purpose == LeasePurpose::Deletion && !req.working_directory.is_dir() {
+            req.working_directory = home.clone();
+        }
         let key = PoolKey::new(&home, &auth, req.provider.as_ref(), req.model.as_deref());
         tracing::Span::current().record("key", tracing::field::display(key.short_hash()));
         let compat = compat_key(
@@ -1247,6 +1260,7 @@ impl Opening {
             cli_session_id: cli_session_id.clone(),
             compat_key: compat,
             updated_at_ms: now_ms(),
+            working_directory: Some(working_directory.clone()),
         };
         let store = bindings.clone();
         // Still attached: its binding is checked with one `stat` here (no hop to the

@@ -85,6 +85,11 @@ pub(crate) struct TurnDriver {
 }
 
 impl TurnDriver {
+    /// The conversation's working directory (its tools' and attachments').
+    pub(crate) fn working_directory(&self) -> &std::path::Path {
+        &self.working_directory
+    }
+
     /// A driver for one conversation's turns; an aborted turn gets `abort_drain` to reach
     /// `session.idle` (the pool's `abort_settle_timeout`).
     pub(crate) fn new(

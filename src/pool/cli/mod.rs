@@ -1388,6 +1388,7 @@ impl CliLeaseTurn<'_> {
                     cli_session_id: CliSessionId::new(id.clone()),
                     compat_key: self.identity.to_owned(),
                     updated_at_ms: super::now_ms(),
+                    working_directory: None,
                 };
                 if let Err(error) = self.bindings.put(&binding) {
                     tracing::warn!(%error, "could not record a CLI backend's session id");
@@ -1427,6 +1428,7 @@ mod tests {
             cli_session_id: CliSessionId::new(id.to_owned()),
             compat_key: "c".to_owned(),
             updated_at_ms: 0,
+            working_directory: None,
         };
         let claude = CliNames::new("agent", "k", "claude-cli").binding;
         let copilot = BindingStore::open(dir.path()).expect("bindings");
@@ -1628,6 +1630,7 @@ mod tests {
                 cli_session_id: CliSessionId::new(id.to_owned()),
                 compat_key: session::identity(&ask.creds),
                 updated_at_ms: 0,
+                working_directory: None,
             })
             .expect("bound");
         let error = pool
@@ -1694,6 +1697,7 @@ mod tests {
                     cli_session_id: CliSessionId::new(id.to_owned()),
                     compat_key: identity.clone(),
                     updated_at_ms: 0,
+                    working_directory: None,
                 })
                 .expect("bound");
         };
@@ -1758,6 +1762,7 @@ mod tests {
                 cli_session_id: CliSessionId::new(id.to_owned()),
                 compat_key: "identity".to_owned(),
                 updated_at_ms: 0,
+                working_directory: None,
             })
             .expect("bound");
         let file = codex_rollout(&home, id);

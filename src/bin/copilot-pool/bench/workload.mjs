@@ -15,7 +15,8 @@
 //
 // Every step prints one JSON line on stdout; the harness answers `back` and `killed` on stdin.
 // Environment: MODE, SDK_DIR (SDK modes), AGENTS, CONVERSATIONS, TURNS, TOOL (1|0),
-// STREAMING (1|0), MODEL_URL, MODEL_ID, ATTEMPT_MS.
+// STREAMING (1|0), MODEL_URL, MODEL_ID, ATTEMPT_MS; HTTP_URL, and HTTP_SOCKET and API_TOKEN
+// when the daemon's API is on a Unix socket (mode http).
 
 import { pathToFileURL } from "node:url";
 import { join } from "node:path";
@@ -79,13 +80,18 @@ const toolAnswer = (args) => `secret number for ${args?.key ?? "the key"} is 42`
 // throughput that is the client's, not the pool's: BENCHMARKS.md, eighth session.)
 // An idle socket is let go after 5 s, before `serve` closes it (10 s idle timeout): a request
 // never lands on a connection the daemon is closing.
+// With HTTP_SOCKET set, every request goes to the daemon's Unix socket (HTTP_URL then only
+// names the paths), with API_TOKEN as its bearer token when set.
 const keepAlive = new http.Agent({ keepAlive: true, timeout: 5000 });
+const SOCKET = process.env.HTTP_SOCKET || undefined;
+const AUTH = process.env.API_TOKEN ? { authorization: `Bearer ${process.env.API_TOKEN}` } : {};
 const post = (url, body) => new Promise((resolve, reject) => {
   const payload = Buffer.from(JSON.stringify(body));
   const request = http.request(url, {
     method: "POST",
     agent: keepAlive,
-    headers: { "content-type": "application/json", "content-length": payload.length },
+    socketPath: SOCKET,
+    headers: { "content-type": "application/json", "content-length": payload.length, ...AUTH },
   }, resolve);
   request.on("error", reject);
   request.end(payload);
