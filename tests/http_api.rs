@@ -600,7 +600,11 @@ async fn a_compact_or_reset_during_a_conversations_first_turn_is_busy_not_unknow
     until_a_lease_waits(&server.pool, "the first turn waits for its process").await;
     let settings = settings(&url);
     for (method, path, body) in [
-        ("POST", "/v1/sessions/agent-f/fresh/compact", Some(&settings)),
+        (
+            "POST",
+            "/v1/sessions/agent-f/fresh/compact",
+            Some(&settings),
+        ),
         ("DELETE", "/v1/sessions/agent-f/fresh", Some(&settings)),
         // By its name alone: busy too.
         ("DELETE", "/v1/sessions/agent-f/fresh", None),

@@ -187,6 +187,25 @@ async fn two_codex_turns_over_http_carry_history_count_a_process_per_turn_and_a_
         support::http::assert_has_series(&metrics.body, series);
     }
     assert!(daemon.terminate().await.success());
+    // Its binding records the directory its turns ran in (a DELETE naming none finds its
+    // files there).
+    let cli_bindings = fx.scratch.path().join("pool-home/state/cli-bindings");
+    let recorded: Vec<Value> = std::fs::read_dir(&cli_bindings)
+        .expect("the CLI backends' bindings")
+        .filter_map(Result::ok)
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .map(|e| {
+            let text = std::fs::read_to_string(e.path()).expect("a binding");
+            serde_json::from_str::<Value>(&text).expect("JSON")["working_directory"].clone()
+        })
+        .collect();
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    assert!(
+        recorded[0]
+            .as_str()
+            .is_some_and(|dir| dir.ends_with("/agent-o/work")),
+        "{recorded:?}"
+    );
 
     // A new daemon resumes the stored thread (its rollout is there).
     let daemon = fx.daemon().await;

@@ -300,14 +300,14 @@ async fn delete_cli_conversation(
         Err(r) => return r,
     };
     req.backend = backend.clone();
-    let work = req.working_directory.clone();
     match state.pool.delete_cli_conversation(req).await {
-        Ok(true) => {
+        // Its directory: the one its binding recorded, else the request's.
+        Ok(Some(work)) => {
             let conversation = ConversationId::new(agent_id, session_key);
             remove_conversation_files(state, work, &conversation, &backend).await;
             StatusCode::NO_CONTENT.into_response()
         }
-        Ok(false) => error(
+        Ok(None) => error(
             StatusCode::NOT_FOUND,
             "not_found",
             format!(

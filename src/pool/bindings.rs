@@ -41,8 +41,8 @@ pub struct Binding {
     /// When the binding was last written, in milliseconds since the Unix epoch.
     pub updated_at_ms: u64,
     /// The conversation's working directory when the binding was written (where its inline
-    /// attachments are), so a deletion that names none finds them; absent in bindings
-    /// written before the pool recorded it, and in the CLI backends'.
+    /// attachments are, and where a CLI files its transcript), so a deletion that names none
+    /// finds them; absent in bindings written before the pool recorded it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub working_directory: Option<PathBuf>,
 }

@@ -386,16 +386,21 @@ impl Pool {
         Ok(false)
     }
 
-    /// Deletes a conversation of the CLI backend `req.backend` (its agent, session key, home
-    /// and working directory as its leases name them; the rest of `req` is not used): refused
+    /// Deletes a conversation of the CLI backend `req.backend` (its agent, session key and
+    /// home as its leases name them, and the working directory its turns ran in when its
+    /// binding did not record it; the rest of `req` is not used): refused
     /// with [`PoolError::ConversationBusy`] while it runs a turn or a lease waits for it;
     /// else its kept process is ended, the files its CLI keeps of the stored session (the
     /// transcript where the backend's dialect says, for Claude Code the folder beside it
     /// too; a `generic` CLI's are unknown and left) are removed, and then the stored session,
     /// so the next lease of the session key starts a new one. The way out of
     /// [`PoolError::TranscriptMissing`], and how a gateway frees the disk a CLI conversation
-    /// took (the pool prunes nothing itself). `Ok(false)`: nothing was stored.
-    pub async fn delete_cli_conversation(&self, mut req: LeaseRequest) -> Result<bool, PoolError> {
+    /// took (the pool prunes nothing itself). `Ok(Some(dir))`: deleted; its turns ran in
+    /// `dir` (where a gateway's inline attachments of it are). `Ok(None)`: nothing was stored.
+    pub async fn delete_cli_conversation(
+        &self,
+        mut req: LeaseRequest,
+    ) -> Result<Option<std::path::PathBuf>, PoolError> {
         let inner = &self.inner;
         if *inner.closed.borrow() {
             return Err(PoolError::Closed);
@@ -407,7 +412,7 @@ impl Pool {
         let names = cli::CliNames::new(&req.agent_id, &req.session_key, &req.backend);
         // Nothing stored or kept: nothing to find a home for (and none is made).
         if !inner.cli.is_stored(&names)? && !inner.cli.holds(&names.slot) {
-            return Ok(false);
+            return Ok(None);
         }
         // Found, not made: a deletion leaves nothing behind.
         let home = crate::home::find_backend_home(

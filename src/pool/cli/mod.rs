@@ -745,19 +745,19 @@ impl CliPool {
     /// there is none, so no file to remove), run in `cwd`: refused while it runs a turn or a
     /// lease waits for it (`ConversationBusy`); else no lease is granted it until the
     /// deletion is done, its kept process is ended, the files its CLI keeps of the session
-    /// (the stored one, filed by `cwd`, and the kept process's, filed by the directory that
-    /// process ran in) are removed
+    /// (the stored one, filed by the working directory its binding recorded, else by `cwd`,
+    /// and the kept process's, filed by the directory that process ran in) are removed
     /// ([`Dialect::session_files`], only inside `home`, links not followed), then the
     /// binding. The work runs in a task of its own: a caller that goes away does not cut it
-    /// short, and the conversation is held until it ends. `Ok(false)`: nothing was stored
-    /// or kept.
+    /// short, and the conversation is held until it ends. `Ok(Some(dir))`: deleted, its
+    /// stored session filed by `dir`; `Ok(None)`: nothing was stored or kept.
     pub(crate) async fn delete(
         self: &Arc<Self>,
         backend: &str,
         names: &CliNames,
         home: Option<std::path::PathBuf>,
         cwd: &std::path::Path,
-    ) -> Result<bool, PoolError> {
+    ) -> Result<Option<std::path::PathBuf>, PoolError> {
         let config = self.cli_backend(backend)?;
         let dialect = CliConversation::runner_dialect(config.kind, config.dialect_of(backend));
         let parked =
@@ -807,6 +807,12 @@ impl CliPool {
                 super::state_unwritable(&pool.bindings, e.to_string())
             };
             let stored = pool.bindings.get(&binding).map_err(unwritable)?;
+            // Where the stored session's turns ran: its binding says (since the twenty-ninth
+            // session), else the deletion's request.
+            let cwd = stored
+                .as_ref()
+                .and_then(|b| b.working_directory.clone())
+                .unwrap_or(cwd);
             let mut sessions: Vec<(String, std::path::PathBuf)> = stored
                 .iter()
                 .map(|b| (b.cli_session_id.as_str().to_owned(), cwd.clone()))
@@ -826,7 +832,7 @@ impl CliPool {
                 pool.bindings.remove(&binding).map_err(unwritable)?;
             }
             drop(held);
-            Ok(had_process || stored.is_some())
+            Ok((had_process || stored.is_some()).then_some(cwd))
         });
         task.await
             .map_err(|e| PoolError::Internal(format!("deleting a CLI conversation: {e}")))?
@@ -1274,6 +1280,7 @@ impl CliLease {
             bindings: &self.pool.bindings,
             bindings_key: &self.bindings_key,
             identity: &self.identity,
+            cwd: &self.cwd,
             backend: &self.backend,
             crashed: &mut self.crashed,
             process: &mut self.process,
@@ -1327,6 +1334,8 @@ pub struct CliLeaseTurn<'a> {
     bindings: &'a BindingStore,
     bindings_key: &'a str,
     identity: &'a str,
+    /// The conversation's working directory (recorded in its binding).
+    cwd: &'a std::path::Path,
     backend: &'a str,
     crashed: &'a mut bool,
     /// The lease's counted process (see `CliLease::process`).
@@ -1388,7 +1397,7 @@ impl CliLeaseTurn<'_> {
                     cli_session_id: CliSessionId::new(id.clone()),
                     compat_key: self.identity.to_owned(),
                     updated_at_ms: super::now_ms(),
-                    working_directory: None,
+                    working_directory: Some(self.cwd.to_path_buf()),
                 };
                 if let Err(error) = self.bindings.put(&binding) {
                     tracing::warn!(%error, "could not record a CLI backend's session id");
@@ -1716,21 +1725,22 @@ mod tests {
         );
         assert!(file.is_file());
         drop(lease);
-        assert!(
+        assert_eq!(
             pool.delete("codex-cli", &names, Some(home.clone()), &cwd)
                 .await
-                .expect("deleted")
+                .expect("deleted"),
+            Some(cwd.clone())
         );
         assert!(
             !file.exists() && other.is_file(),
             "only its own rollout goes"
         );
         assert!(pool.bindings.get(key).expect("read").is_none());
-        assert!(
-            !pool
-                .delete("codex-cli", &names, Some(home.clone()), &cwd)
+        assert_eq!(
+            pool.delete("codex-cli", &names, Some(home.clone()), &cwd)
                 .await
-                .expect("nothing")
+                .expect("nothing"),
+            None
         );
         // A link the agent planted in its home to another's sessions: the pool, not
         // sandboxed, removes nothing through it (and still forgets the session).
@@ -1744,6 +1754,7 @@ mod tests {
             pool.delete("codex-cli", &names, Some(home.clone()), &cwd)
                 .await
                 .expect("deleted")
+                .is_some()
         );
         assert!(theirs.is_file(), "nothing removed outside the agent's home");
         assert!(pool.bindings.get(key).expect("read").is_none());
@@ -1852,12 +1863,54 @@ mod tests {
             pool.delete("claude-cli", &names, Some(home.clone()), &asked_in)
                 .await
                 .expect("deleted")
+                .is_some()
         );
         assert!(
             !transcript.exists(),
             "the kept process's transcript is gone"
         );
         assert!(!pool.holds(&names.slot));
+    }
+
+    #[tokio::test]
+    async fn a_deletion_removes_a_stored_claude_sessions_transcript_filed_by_the_directory_its_binding_recorded()
+     {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = pool(
+            "claude-cli",
+            CliBackendConfig::claude_cli(),
+            &dir.path().join("state"),
+        );
+        let names = CliNames::new("agent", "k", "claude-cli");
+        let home = dir.path().join("home");
+        let (ran_in, asked_in) = (dir.path().join("ran-in"), dir.path().join("asked-in"));
+        let id = "8f14e45f-ceea-467f-a8f0-3a1b0c6f2d12";
+        // Stored (no process kept) by turns that ran in another directory than the one the
+        // deletion names (a DELETE that names none: the agent's own).
+        pool.bindings
+            .put(&Binding {
+                session_key: names.binding.clone(),
+                cli_session_id: CliSessionId::new(id.to_owned()),
+                compat_key: "c".to_owned(),
+                updated_at_ms: 0,
+                working_directory: Some(ran_in.clone()),
+            })
+            .expect("bound");
+        let transcript = CliConversation::transcript_path(&home, &ran_in, id);
+        std::fs::create_dir_all(transcript.parent().expect("a folder")).expect("dir");
+        std::fs::write(&transcript, "{}").expect("transcript");
+        assert_eq!(
+            pool.delete("claude-cli", &names, Some(home.clone()), &asked_in)
+                .await
+                .expect("deleted"),
+            Some(ran_in.clone()),
+            "where its attachments are looked for"
+        );
+        assert!(
+            !transcript.exists(),
+            "the stored session's transcript is gone"
+        );
+        assert!(pool.bindings.get(&names.binding).expect("read").is_none());
     }
 
     #[tokio::test]
