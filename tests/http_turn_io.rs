@@ -219,6 +219,26 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
         .join("agents/agents/agent-b/copilot/session-state")
         .join(&shared_sessions[1]);
     assert!(!state_of_b.exists(), "{} is left", state_of_b.display());
+    // On a process with no identity, never as the logged-in user the daemon does not allow:
+    // each runtime of agent-b's home runs with `--no-auto-login`.
+    let home_of_b = fx.scratch.path().join("agents/agents/agent-b/copilot");
+    let runtimes_of_b: Vec<String> =
+        support::procs::with_env_prefix("COPILOT_HOME", &home_of_b.display().to_string())
+            .into_iter()
+            .filter_map(|pid| std::fs::read(format!("/proc/{pid}/cmdline")).ok())
+            .map(|argv| String::from_utf8_lossy(&argv).replace('\0', " "))
+            .filter(|argv| argv.contains("--stdio"))
+            .collect();
+    assert!(
+        runtimes_of_b.len() >= 2,
+        "its own and the deletion's: {runtimes_of_b:?}"
+    );
+    assert!(
+        runtimes_of_b
+            .iter()
+            .all(|argv| argv.contains("--no-auto-login")),
+        "{runtimes_of_b:?}"
+    );
     let again = call(addr, "DELETE", "/v1/sessions/agent-b/same-key", None, None).await;
     assert_eq!(again.status, 404, "{}", again.body);
     let fresh = summary(addr, None, &in_shared("agent-b")).await;

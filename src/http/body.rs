@@ -126,7 +126,7 @@ struct AzureBody {
 
 /// The credentials of a conversation; the levels and their precedence are
 /// [`crate::auth::resolve`]'s.
-#[derive(Deserialize, Default, Clone, ToSchema)]
+#[derive(Deserialize, Default, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct AuthBody {
     #[serde(default)]
@@ -528,19 +528,12 @@ async fn place_request(
 }
 
 impl ConversationBody {
-    /// Whether the body names no BYOK provider and no GitHub identity, and the daemon gives
-    /// none either (its environment's tokens, the logged-in user): a reset of the conversation
-    /// then goes by its name alone ([`crate::pool::Pool::lease_to_delete`]), where one that
-    /// carries credentials leases the conversation with them, as its turns do.
-    pub(super) fn names_no_credentials(&self, state: &AppState) -> bool {
-        let auth = lease_auth(
-            self.auth.clone().unwrap_or_default(),
-            state.config.env_tokens.clone(),
-            !state.config.allow_logged_in_user,
-        );
-        self.provider.is_none()
-            && crate::auth::resolve(&auth)
-                .is_ok_and(|r| r.mode == crate::auth::AuthMode::NoIdentity)
+    /// Whether the body names no credentials (no `auth`, no `provider`): a reset of the
+    /// conversation then goes by its name alone ([`crate::pool::Pool::lease_to_delete`]),
+    /// which needs none, whatever the daemon's own fallbacks would give a turn; one that
+    /// carries them leases the conversation with them, as its turns do.
+    pub(super) fn names_no_credentials(&self) -> bool {
+        self.auth.is_none() && self.provider.is_none()
     }
 
     /// The conversation's place alone (see [`place_request`]), its options applied: the

@@ -195,8 +195,8 @@ pub(super) struct ResetQuery {
 
 /// Resets an existing conversation: deletes its runtime session, its binding and the inline
 /// attachments its turns were given, so its next turn starts a new one. The body is
-/// optional: the conversation's settings, as its turns send them. Without credentials (or
-/// without a body) the conversation is deleted by its name alone: the session its binding
+/// optional: the conversation's settings, as its turns send them. A body without `auth` and
+/// `provider` (or none) deletes the conversation by its name alone: the session its binding
 /// names, in the working directory the binding recorded, by a process of the agent's home
 /// with no identity. With
 /// `?backend=<id>` of a CLI backend, the conversation on that backend instead: its kept
@@ -245,7 +245,7 @@ pub(super) async fn delete_session(
     if let Some(backend) = query.backend.filter(|b| b != COPILOT_BACKEND) {
         return delete_cli_conversation(&state, &agent_id, &session_key, conv, backend).await;
     }
-    let by_name_alone = conv.names_no_credentials(&state);
+    let by_name_alone = conv.names_no_credentials();
     let req = if by_name_alone {
         // No credentials: the deletion needs none.
         conv.place(&state, &agent_id, &session_key).await

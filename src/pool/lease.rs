@@ -97,8 +97,9 @@ impl Lease {
         &self.copilot_home
     }
 
-    /// The conversation's working directory (for a lease to delete it, the one its binding
-    /// recorded): where its inline attachments are.
+    /// The directory the session was opened in: the conversation's working directory (for a
+    /// lease to delete it, the one its binding recorded when it did, and the agent's home
+    /// when that is gone or no longer allowed), where its inline attachments are.
     pub(crate) fn working_directory(&self) -> &std::path::Path {
         self.driver.working_directory()
     }

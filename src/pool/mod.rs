@@ -496,6 +496,10 @@ impl Pool {
     pub(crate) async fn lease_to_delete(&self, mut req: LeaseRequest) -> Result<Lease, PoolError> {
         req.existing_only = true;
         req.runs_no_turn = true;
+        // No identity is needed: never the logged-in user unless the request asks for it.
+        if !req.auth.use_logged_in_user {
+            req.auth.forbid_logged_in_user = true;
+        }
         self.lease_for(req, LeasePurpose::Deletion).await
     }
 
@@ -587,12 +591,6 @@ impl Pool {
             &inner.config.agents_base_dir,
             &req.agent_id,
         )?;
-        // A deletion resumes its session only to delete it: where its directory is gone (a
-        // project removed, or the agent's own never made), the agent's home stands in, since
-        // the runtime refuses to resume a session in a directory that does not exist.
-        if purpose == LeasePurpose::Deletion && !req.working_directory.is_dir() {
-            req.working_directory = home.clone();
-        }
         let key = PoolKey::new(&home, &auth, req.provider.as_ref(), req.model.as_deref());
         tracing::Span::current().record("key", tracing::field::display(key.short_hash()));
         let compat = compat_key(
@@ -617,8 +615,20 @@ impl Pool {
         let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
 
         let spec = self.worker_spec(&req, &home, &auth)?;
-        if let Some(sandbox) = &spec.sandbox {
-            sandbox.check_working_directory(&req.working_directory)?;
+        let allowed = match &spec.sandbox {
+            Some(sandbox) => sandbox.check_working_directory(&req.working_directory),
+            None => Ok(()),
+        };
+        match allowed {
+            // A deletion resumes its session only to delete it: where its directory is gone
+            // (a project removed, or the agent's own never made) or no longer allowed (the
+            // roots changed since its binding recorded it), the agent's home stands in, since
+            // the runtime refuses to resume a session in a directory that does not exist.
+            Err(_) if purpose == LeasePurpose::Deletion => req.working_directory = home.clone(),
+            Ok(()) if purpose == LeasePurpose::Deletion && !req.working_directory.is_dir() => {
+                req.working_directory = home.clone();
+            }
+            allowed => allowed?,
         }
         let mut session_config = match &req.wire_config {
             // A client's own config (the SDK endpoint): sent as it is; the open sets the id.

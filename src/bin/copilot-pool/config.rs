@@ -646,7 +646,12 @@ impl ServeConfig {
             );
         }
         if let Some(sdk) = self.sdk.listen()? {
-            if sdk == self.listen {
+            // Port 0 is a free port each: two listeners may both ask for one.
+            let shared = match (&sdk, &self.listen) {
+                (ListenAddress::Tcp(a), ListenAddress::Tcp(b)) => a == b && a.port() != 0,
+                (a, b) => a == b,
+            };
+            if shared {
                 bail!(
                     "[sdk] listen and listen are both {sdk}: the SDK endpoint and the HTTP API \
                      need an address each"
@@ -1034,6 +1039,19 @@ mod tests {
         .unwrap();
         let refused = format!("{:#}", shared.validate().unwrap_err());
         assert!(refused.contains("an address each"), "{refused}");
+        // A free port each is two addresses.
+        let free: ServeConfig = toml::from_str(&format!(
+            "listen = \"127.0.0.1:0\"\n[sdk]\nlisten = \"127.0.0.1:0\"\n\
+             [[sdk.tokens]]\nagent = \"agent-a\"\nsha256 = \"{hash}\"\n"
+        ))
+        .unwrap();
+        free.validate().unwrap();
+        let same: ServeConfig = toml::from_str(&format!(
+            "listen = \"127.0.0.1:7000\"\n[sdk]\nlisten = \"127.0.0.1:7000\"\n\
+             [[sdk.tokens]]\nagent = \"agent-a\"\nsha256 = \"{hash}\"\n"
+        ))
+        .unwrap();
+        assert!(same.validate().is_err());
     }
 
     #[test]

@@ -808,14 +808,17 @@ impl CliPool {
             };
             let stored = pool.bindings.get(&binding).map_err(unwritable)?;
             // Where the stored session's turns ran: its binding says (since the twenty-ninth
-            // session), else the deletion's request.
-            let cwd = stored
-                .as_ref()
-                .and_then(|b| b.working_directory.clone())
-                .unwrap_or(cwd);
+            // session), else the deletion's request. The conversation's directory, answered:
+            // that, or the kept process's when nothing is stored.
+            let recorded = stored.as_ref().and_then(|b| b.working_directory.clone());
+            let ran_in = recorded
+                .clone()
+                .or_else(|| kept.as_ref().map(|(_, dir)| dir.clone()))
+                .unwrap_or_else(|| cwd.clone());
+            let stored_in = recorded.unwrap_or(cwd);
             let mut sessions: Vec<(String, std::path::PathBuf)> = stored
                 .iter()
-                .map(|b| (b.cli_session_id.as_str().to_owned(), cwd.clone()))
+                .map(|b| (b.cli_session_id.as_str().to_owned(), stored_in.clone()))
                 .chain(kept)
                 .collect();
             sessions.dedup();
@@ -832,7 +835,7 @@ impl CliPool {
                 pool.bindings.remove(&binding).map_err(unwritable)?;
             }
             drop(held);
-            Ok((had_process || stored.is_some()).then_some(cwd))
+            Ok((had_process || stored.is_some()).then_some(ran_in))
         });
         task.await
             .map_err(|e| PoolError::Internal(format!("deleting a CLI conversation: {e}")))?
@@ -1859,11 +1862,12 @@ mod tests {
         let transcript = CliConversation::transcript_path(&home, &ran_in, id);
         std::fs::create_dir_all(transcript.parent().expect("a folder")).expect("dir");
         std::fs::write(&transcript, "{}").expect("transcript");
-        assert!(
+        assert_eq!(
             pool.delete("claude-cli", &names, Some(home.clone()), &asked_in)
                 .await
-                .expect("deleted")
-                .is_some()
+                .expect("deleted"),
+            Some(ran_in.clone()),
+            "nothing stored: the directory its process ran in"
         );
         assert!(
             !transcript.exists(),

@@ -244,7 +244,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     };
     let at = match &listener {
         Bound::Tcp(l) => format!("http://{}", l.local_addr().context("local address")?),
-        Bound::Unix(_, path) => format!("unix:{}", path.display()),
+        Bound::Unix(_, file) => format!("unix:{}", file.0.display()),
     };
     println!("listening on {at}");
     let threads = tokio::runtime::Handle::current().metrics().num_workers();
@@ -279,9 +279,9 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     let api_stopped = stopped(stop_rx.clone());
     servers.push(match listener {
         Bound::Tcp(l) => tokio::spawn(http::serve(l, app, limits, api_stopped)),
-        Bound::Unix(l, path) => tokio::spawn(async move {
+        Bound::Unix(l, file) => tokio::spawn(async move {
             http::serve(l, app, limits, api_stopped).await;
-            let _ = std::fs::remove_file(&path);
+            drop(file);
         }),
     });
 
@@ -318,8 +318,18 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
 /// A bound listener of the API or the SDK endpoint.
 enum Bound {
     Tcp(tokio::net::TcpListener),
-    /// A Unix socket and its file (removed when the listener's server ends).
-    Unix(tokio::net::UnixListener, PathBuf),
+    /// A Unix socket and its file.
+    Unix(tokio::net::UnixListener, SocketFile),
+}
+
+/// A Unix socket's file, removed when dropped: when its listener's server ends, or when the
+/// daemon fails to start after binding it.
+struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// Binds `what`'s listener (before the pool starts: a TCP port is one of the walls of the
@@ -351,9 +361,10 @@ async fn bind(listen: &ListenAddress, what: &str, key: &str) -> Result<Bound> {
             }
             let listener = tokio::net::UnixListener::bind(path)
                 .with_context(|| format!("binding {what} on the Unix socket {}", path.display()))?;
+            let file = SocketFile(path.clone());
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
                 .with_context(|| format!("making {} owner-only", path.display()))?;
-            Ok(Bound::Unix(listener, path.clone()))
+            Ok(Bound::Unix(listener, file))
         }
     }
 }
@@ -395,12 +406,12 @@ fn serve_sdk(
                 sdk_endpoint::serve_tcp(&endpoint, listener, stop).await;
             })
         }
-        Bound::Unix(listener, path) => {
-            println!("sdk on unix:{}", path.display());
-            tracing::info!(path = %path.display(), "The SDK endpoint is up.");
+        Bound::Unix(listener, file) => {
+            println!("sdk on unix:{}", file.0.display());
+            tracing::info!(path = %file.0.display(), "The SDK endpoint is up.");
             tokio::spawn(async move {
                 sdk_endpoint::serve_unix(&endpoint, listener, stop).await;
-                let _ = std::fs::remove_file(&path);
+                drop(file);
             })
         }
     }
