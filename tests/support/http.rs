@@ -300,12 +300,7 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        if let Some(pid) = self.child.id() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            );
-        }
+        sigterm(&self.child);
     }
 }
 
@@ -345,23 +340,23 @@ impl SocketDaemon {
 
 impl Drop for SocketDaemon {
     fn drop(&mut self) {
-        if let Some(pid) = self.child.id() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            );
-        }
+        sigterm(&self.child);
     }
 }
 
-/// SIGTERM to a daemon, and its exit status.
-async fn terminate(child: &mut tokio::process::Child) -> std::process::ExitStatus {
+/// SIGTERM to a daemon still running (it then drains and stops its children itself).
+fn sigterm(child: &tokio::process::Child) {
     if let Some(pid) = child.id() {
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid as i32),
             nix::sys::signal::Signal::SIGTERM,
         );
     }
+}
+
+/// SIGTERM to a daemon, and its exit status.
+async fn terminate(child: &mut tokio::process::Child) -> std::process::ExitStatus {
+    sigterm(child);
     tokio::time::timeout(Duration::from_secs(60), child.wait())
         .await
         .expect("daemon exits after SIGTERM")

@@ -1820,18 +1820,54 @@ mod tests {
         assert!(!file.exists());
     }
 
+    /// A Claude pool in `dir` and its conversation `agent/k`, the agent's home, the directory
+    /// its turns ran in and another one a deletion names: (pool, names, home, ran in, asked
+    /// in).
+    fn claude_deletion(
+        dir: &std::path::Path,
+    ) -> (Arc<CliPool>, CliNames, PathBuf, PathBuf, PathBuf) {
+        let pool = pool(
+            "claude-cli",
+            CliBackendConfig::claude_cli(),
+            &dir.join("state"),
+        );
+        let names = CliNames::new("agent", "k", "claude-cli");
+        (
+            pool,
+            names,
+            dir.join("home"),
+            dir.join("ran-in"),
+            dir.join("asked-in"),
+        )
+    }
+
+    /// What deleting `names` answers, the deletion naming `asked_in` as its directory.
+    async fn claude_deleted(
+        pool: &Arc<CliPool>,
+        names: &CliNames,
+        home: &std::path::Path,
+        asked_in: &std::path::Path,
+    ) -> Option<PathBuf> {
+        let home = Some(home.to_path_buf());
+        pool.delete("claude-cli", names, home, asked_in)
+            .await
+            .expect("deleted")
+    }
+
+    /// Claude's transcript of session `id` in `home`, as its CLI files it for a session run
+    /// in `ran_in`: written, its path.
+    fn claude_transcript(home: &std::path::Path, ran_in: &std::path::Path, id: &str) -> PathBuf {
+        let transcript = CliConversation::transcript_path(home, ran_in, id);
+        std::fs::create_dir_all(transcript.parent().expect("a folder")).expect("dir");
+        std::fs::write(&transcript, "{}").expect("transcript");
+        transcript
+    }
+
     #[tokio::test]
     async fn a_deletion_removes_a_kept_claude_sessions_transcript_filed_by_the_directory_its_process_runs_in()
      {
         let dir = tempfile::tempdir().expect("tempdir");
-        let pool = pool(
-            "claude-cli",
-            CliBackendConfig::claude_cli(),
-            &dir.path().join("state"),
-        );
-        let names = CliNames::new("agent", "k", "claude-cli");
-        let home = dir.path().join("home");
-        let (ran_in, asked_in) = (dir.path().join("ran-in"), dir.path().join("asked-in"));
+        let (pool, names, home, ran_in, asked_in) = claude_deletion(dir.path());
         let id = "8f14e45f-ceea-467f-a8f0-3a1b0c6f2d11";
         // A kept process with a session of its own (nothing stored yet), running in another
         // directory than the one the deletion names.
@@ -1859,13 +1895,9 @@ mod tests {
                 },
             );
         }
-        let transcript = CliConversation::transcript_path(&home, &ran_in, id);
-        std::fs::create_dir_all(transcript.parent().expect("a folder")).expect("dir");
-        std::fs::write(&transcript, "{}").expect("transcript");
+        let transcript = claude_transcript(&home, &ran_in, id);
         assert_eq!(
-            pool.delete("claude-cli", &names, Some(home.clone()), &asked_in)
-                .await
-                .expect("deleted"),
+            claude_deleted(&pool, &names, &home, &asked_in).await,
             Some(ran_in.clone()),
             "nothing stored: the directory its process ran in"
         );
@@ -1880,14 +1912,7 @@ mod tests {
     async fn a_deletion_removes_a_stored_claude_sessions_transcript_filed_by_the_directory_its_binding_recorded()
      {
         let dir = tempfile::tempdir().expect("tempdir");
-        let pool = pool(
-            "claude-cli",
-            CliBackendConfig::claude_cli(),
-            &dir.path().join("state"),
-        );
-        let names = CliNames::new("agent", "k", "claude-cli");
-        let home = dir.path().join("home");
-        let (ran_in, asked_in) = (dir.path().join("ran-in"), dir.path().join("asked-in"));
+        let (pool, names, home, ran_in, asked_in) = claude_deletion(dir.path());
         let id = "8f14e45f-ceea-467f-a8f0-3a1b0c6f2d12";
         // Stored (no process kept) by turns that ran in another directory than the one the
         // deletion names (a DELETE that names none: the agent's own).
@@ -1900,13 +1925,9 @@ mod tests {
                 working_directory: Some(ran_in.clone()),
             })
             .expect("bound");
-        let transcript = CliConversation::transcript_path(&home, &ran_in, id);
-        std::fs::create_dir_all(transcript.parent().expect("a folder")).expect("dir");
-        std::fs::write(&transcript, "{}").expect("transcript");
+        let transcript = claude_transcript(&home, &ran_in, id);
         assert_eq!(
-            pool.delete("claude-cli", &names, Some(home.clone()), &asked_in)
-                .await
-                .expect("deleted"),
+            claude_deleted(&pool, &names, &home, &asked_in).await,
             Some(ran_in.clone()),
             "where its attachments are looked for"
         );
