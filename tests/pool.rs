@@ -532,14 +532,43 @@ async fn a_pool_restarted_on_its_state_resumes_from_bindings_or_reports_missing_
 
     let config = fx.config().await;
     let kept_binding = || binding_file_naming(&config.state_dir, kept_id.as_str());
-    let stored = kept_binding();
+    let recorded = |text: &str| {
+        serde_json::from_str::<serde_json::Value>(text).expect("JSON")["working_directory"]
+            .as_str()
+            .map(str::to_owned)
+    };
+    let work = recorded(&kept_binding()).expect("the binding records its directory");
+    // As a version before the record wrote it: no directory.
+    let mut earlier: serde_json::Value = serde_json::from_str(&kept_binding()).expect("JSON");
+    earlier
+        .as_object_mut()
+        .expect("an object")
+        .remove("working_directory");
+    let file = config.state_dir.join("bindings").join(format!(
+        "{}.json",
+        copilot_pool::ids::sha256_hex("agent-a/kept")
+    ));
+    std::fs::write(&file, earlier.to_string()).expect("the earlier binding");
     let pool = Pool::start(config.clone()).await.expect("pool again");
-    let mut kept = pool
+    let kept = pool
         .lease(fx.request("agent-a", "kept"))
         .await
         .expect("lease");
     assert_eq!(kept.reason(), OpenReason::Resumed);
     assert_eq!(kept.cli_session_id(), &kept_id);
+    // Resumed by a binding without the directory: written once, with it.
+    let stored = kept_binding();
+    assert_eq!(recorded(&stored).as_deref(), Some(work.as_str()));
+    drop(kept);
+    shutdown_leaves_nothing(&pool).await;
+    let pool = Pool::start(config.clone())
+        .await
+        .expect("pool a third time");
+    let mut kept = pool
+        .lease(fx.request("agent-a", "kept"))
+        .await
+        .expect("lease");
+    assert_eq!(kept.reason(), OpenReason::Resumed);
     // Resumed by its binding, which already names the session: not written again.
     assert_eq!(kept_binding(), stored);
     kept.run("the marker?").await.expect("turn");

@@ -1247,6 +1247,7 @@ impl Opening {
             compat: &compat,
             home: &home,
             skip_resume: grant.resume_crashes >= max_resume_crashes,
+            binding_lacks_directory: std::sync::atomic::AtomicBool::new(false),
         };
         let (session, reason) = match target.open(carried, &bindings, session_config).await {
             Ok(opened) => opened,
@@ -1256,6 +1257,9 @@ impl Opening {
                 return Err(failure.error);
             }
         };
+        let binding_lacks_directory = target
+            .binding_lacks_directory
+            .load(std::sync::atomic::Ordering::Relaxed);
         let cli_session_id = session.id().clone();
         if reason != OpenReason::Attached && session.already_in_use() {
             crate::metrics::ownership_violated();
@@ -1269,7 +1273,7 @@ impl Opening {
         // `stat` checks it is still there (a lost state directory must not go unnoticed).
         // One resumed by its binding (not pinned) was just read from that binding, which
         // names this session under this key: nothing to write (a write is two fsyncs on the
-        // turn's path, ~1 ms).
+        // turn's path, ~1 ms), unless the binding predates the working directory's record.
         let binding = Binding {
             session_key: conversation.clone(),
             cli_session_id: cli_session_id.clone(),
@@ -1281,25 +1285,26 @@ impl Opening {
         // Still attached: its binding is checked with one `stat` here (no hop to the
         // blocking threads on a warm turn's path); written off the async threads otherwise.
         let attached = reason == OpenReason::Attached;
-        let written = if reason == OpenReason::Resumed && pinned.is_none()
-            || purpose == LeasePurpose::Deletion
-            || attached && matches!(bindings.is_present(&binding.session_key), Ok(true))
-        {
-            Ok(())
-        } else {
-            let recorded = tokio::task::spawn_blocking(move || {
-                if attached && store.is_present(&binding.session_key)? {
-                    return Ok(());
+        let written =
+            if reason == OpenReason::Resumed && pinned.is_none() && !binding_lacks_directory
+                || purpose == LeasePurpose::Deletion
+                || attached && matches!(bindings.is_present(&binding.session_key), Ok(true))
+            {
+                Ok(())
+            } else {
+                let recorded = tokio::task::spawn_blocking(move || {
+                    if attached && store.is_present(&binding.session_key)? {
+                        return Ok(());
+                    }
+                    store.put(&binding)
+                })
+                .await;
+                match recorded {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(e)) => Err(e.os_error()),
+                    Err(e) => Err(e.to_string()),
                 }
-                store.put(&binding)
-            })
-            .await;
-            match recorded {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => Err(e.os_error()),
-                Err(e) => Err(e.to_string()),
-            }
-        };
+            };
         if let Err(error) = written {
             // Not recorded, so not attached: a later resume must not miss these turns.
             grant.opened = Some(session);
@@ -1379,6 +1384,9 @@ struct OpenTarget<'a> {
     home: &'a Path,
     /// Earlier resumes of this conversation crashed the runtime too often.
     skip_resume: bool,
+    /// Set when the session is resumed by a binding written before bindings recorded the
+    /// working directory: the open rewrites it once, with the directory.
+    binding_lacks_directory: std::sync::atomic::AtomicBool,
 }
 
 impl OpenTarget<'_> {
@@ -1434,6 +1442,10 @@ impl OpenTarget<'_> {
         if binding.compat_key != self.compat {
             return self.create(config, OpenReason::CompatChanged).await;
         }
+        self.binding_lacks_directory.store(
+            binding.working_directory.is_none(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let id = binding.cli_session_id;
         if !self.home.join("session-state").join(id.as_str()).is_dir() {
             return self.create(config, OpenReason::TranscriptMissing).await;

@@ -142,6 +142,8 @@ pub(crate) async fn resume_ahead(
         compat: &reopen.compat,
         home: &reopen.home,
         skip_resume: false,
+        // Parked ahead of the conversation's lease, whose open writes the binding.
+        binding_lacks_directory: std::sync::atomic::AtomicBool::new(false),
     };
     match target
         .open(None, &bindings, ahead_config(&reopen.config))
