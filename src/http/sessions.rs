@@ -301,7 +301,8 @@ async fn delete_cli_conversation(
     };
     req.backend = backend.clone();
     match state.pool.delete_cli_conversation(req).await {
-        // Its directory: the one its binding recorded, else the request's.
+        // Its directory: the one its binding recorded, else its kept process's, else the
+        // request's.
         Ok(Some(work)) => {
             let conversation = ConversationId::new(agent_id, session_key);
             remove_conversation_files(state, work, &conversation, &backend).await;

@@ -396,7 +396,9 @@ impl Pool {
     /// so the next lease of the session key starts a new one. The way out of
     /// [`PoolError::TranscriptMissing`], and how a gateway frees the disk a CLI conversation
     /// took (the pool prunes nothing itself). `Ok(Some(dir))`: deleted; its turns ran in
-    /// `dir` (where a gateway's inline attachments of it are). `Ok(None)`: nothing was stored.
+    /// `dir` (where a gateway's inline attachments of it are: the directory its binding
+    /// recorded, else its kept process's, else `req`'s). `Ok(None)`: nothing was stored or
+    /// kept.
     pub async fn delete_cli_conversation(
         &self,
         mut req: LeaseRequest,
@@ -624,7 +626,18 @@ impl Pool {
             // (a project removed, or the agent's own never made) or no longer allowed (the
             // roots changed since its binding recorded it), the agent's home stands in, since
             // the runtime refuses to resume a session in a directory that does not exist.
-            Err(_) if purpose == LeasePurpose::Deletion => req.working_directory = home.clone(),
+            // (The lease's compat, computed above with the recorded directory, only matches
+            // it to a session parked on a process of its own no-identity key.) Files in a
+            // directory no longer allowed are not touched: its attachments stay.
+            Err(error) if purpose == LeasePurpose::Deletion => {
+                tracing::warn!(
+                    %error,
+                    "The conversation's recorded working directory is outside the agent's \
+                     sandbox now; its session is deleted from the agent's home, and its inline \
+                     attachments there are left."
+                );
+                req.working_directory = home.clone();
+            }
             Ok(()) if purpose == LeasePurpose::Deletion && !req.working_directory.is_dir() => {
                 req.working_directory = home.clone();
             }

@@ -142,7 +142,8 @@ pub(crate) async fn resume_ahead(
         compat: &reopen.compat,
         home: &reopen.home,
         skip_resume: false,
-        // Parked ahead of the conversation's lease, whose open writes the binding.
+        // Only a conversation leased in this run is reopened ahead: that lease's open
+        // resumed it, and so rewrote a binding without the directory already.
         binding_lacks_directory: std::sync::atomic::AtomicBool::new(false),
     };
     match target

@@ -749,8 +749,9 @@ impl CliPool {
     /// and the kept process's, filed by the directory that process ran in) are removed
     /// ([`Dialect::session_files`], only inside `home`, links not followed), then the
     /// binding. The work runs in a task of its own: a caller that goes away does not cut it
-    /// short, and the conversation is held until it ends. `Ok(Some(dir))`: deleted, its
-    /// stored session filed by `dir`; `Ok(None)`: nothing was stored or kept.
+    /// short, and the conversation is held until it ends. `Ok(Some(dir))`: deleted; `dir` is
+    /// where its turns ran (the binding's record, else the kept process's directory, else
+    /// `cwd`); `Ok(None)`: nothing was stored or kept.
     pub(crate) async fn delete(
         self: &Arc<Self>,
         backend: &str,
