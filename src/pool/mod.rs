@@ -1260,9 +1260,8 @@ impl Opening {
             compat: &compat,
             home: &home,
             skip_resume: grant.resume_crashes >= max_resume_crashes,
-            binding_lacks_directory: std::sync::atomic::AtomicBool::new(false),
         };
-        let (session, reason) = match target.open(carried, &bindings, session_config).await {
+        let opened = match target.open(carried, &bindings, session_config).await {
             Ok(opened) => opened,
             Err(failure) => {
                 grant.maybe_attached = failure.maybe_attached;
@@ -1270,9 +1269,11 @@ impl Opening {
                 return Err(failure.error);
             }
         };
-        let binding_lacks_directory = target
-            .binding_lacks_directory
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let Opened {
+            session,
+            reason,
+            stale_binding,
+        } = opened;
         let cli_session_id = session.id().clone();
         if reason != OpenReason::Attached && session.already_in_use() {
             crate::metrics::ownership_violated();
@@ -1298,26 +1299,25 @@ impl Opening {
         // Still attached: its binding is checked with one `stat` here (no hop to the
         // blocking threads on a warm turn's path); written off the async threads otherwise.
         let attached = reason == OpenReason::Attached;
-        let written =
-            if reason == OpenReason::Resumed && pinned.is_none() && !binding_lacks_directory
-                || purpose == LeasePurpose::Deletion
-                || attached && matches!(bindings.is_present(&binding.session_key), Ok(true))
-            {
-                Ok(())
-            } else {
-                let recorded = tokio::task::spawn_blocking(move || {
-                    if attached && store.is_present(&binding.session_key)? {
-                        return Ok(());
-                    }
-                    store.put(&binding)
-                })
-                .await;
-                match recorded {
-                    Ok(Ok(())) => Ok(()),
-                    Ok(Err(e)) => Err(e.os_error()),
-                    Err(e) => Err(e.to_string()),
+        let written = if reason == OpenReason::Resumed && pinned.is_none() && !stale_binding
+            || purpose == LeasePurpose::Deletion
+            || attached && matches!(bindings.is_present(&binding.session_key), Ok(true))
+        {
+            Ok(())
+        } else {
+            let recorded = tokio::task::spawn_blocking(move || {
+                if attached && store.is_present(&binding.session_key)? {
+                    return Ok(());
                 }
-            };
+                store.put(&binding)
+            })
+            .await;
+            match recorded {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(e.os_error()),
+                Err(e) => Err(e.to_string()),
+            }
+        };
         if let Err(error) = written {
             // Not recorded, so not attached: a later resume must not miss these turns.
             grant.opened = Some(session);
@@ -1397,9 +1397,25 @@ struct OpenTarget<'a> {
     home: &'a Path,
     /// Earlier resumes of this conversation crashed the runtime too often.
     skip_resume: bool,
-    /// Set when the session is resumed by a binding written before bindings recorded the
-    /// working directory: the open rewrites it once, with the directory.
-    binding_lacks_directory: std::sync::atomic::AtomicBool,
+}
+
+/// A lease's CLI session, opened.
+struct Opened {
+    session: Session,
+    reason: OpenReason,
+    /// Resumed by a binding written before bindings recorded the working directory: the
+    /// lease's open writes it again, once, with the directory.
+    stale_binding: bool,
+}
+
+impl From<(Session, OpenReason)> for Opened {
+    fn from((session, reason): (Session, OpenReason)) -> Self {
+        Opened {
+            session,
+            reason,
+            stale_binding: false,
+        }
+    }
 }
 
 impl OpenTarget<'_> {
@@ -1410,11 +1426,11 @@ impl OpenTarget<'_> {
         carried: Option<actor::Carried>,
         bindings: &Arc<BindingStore>,
         config: SessionConfig,
-    ) -> Result<(Session, OpenReason), OpenFailure> {
+    ) -> Result<Opened, OpenFailure> {
         if let Some(carried) = carried {
             match carried.session {
                 Some(session) if carried.same_worker && session.is_alive() => {
-                    return Ok((session, OpenReason::Attached));
+                    return Ok((session, OpenReason::Attached).into());
                 }
                 // One owner per CLI session id: detach from the old worker before resuming.
                 Some(session) => {
@@ -1447,28 +1463,35 @@ impl OpenTarget<'_> {
         if let Some(id) = self.pinned {
             return self
                 .open_pinned(id, config, binding.is_some(), bindings)
-                .await;
+                .await
+                .map(Opened::from);
         }
         let Some(binding) = binding else {
-            return self.create(config, OpenReason::New).await;
+            return self.create(config, OpenReason::New).await.map(Opened::from);
         };
         if binding.compat_key != self.compat {
-            return self.create(config, OpenReason::CompatChanged).await;
+            return self
+                .create(config, OpenReason::CompatChanged)
+                .await
+                .map(Opened::from);
         }
-        self.binding_lacks_directory.store(
-            binding.working_directory.is_none(),
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        let stale_binding = binding.working_directory.is_none();
         let id = binding.cli_session_id;
         if !self.home.join("session-state").join(id.as_str()).is_dir() {
-            return self.create(config, OpenReason::TranscriptMissing).await;
+            return self
+                .create(config, OpenReason::TranscriptMissing)
+                .await
+                .map(Opened::from);
         }
         if self.skip_resume {
             tracing::warn!(
                 cli_session_id = %id,
                 "Resuming this conversation crashed the runtime repeatedly; starting a new session."
             );
-            return self.create(config, OpenReason::ResumeFailed).await;
+            return self
+                .create(config, OpenReason::ResumeFailed)
+                .await
+                .map(Opened::from);
         }
         let resume = SessionConfig {
             session_id: id.to_string(),
@@ -1476,8 +1499,15 @@ impl OpenTarget<'_> {
             ..config.clone()
         };
         match self.worker.open_for_pool(resume, true).await {
-            Ok((session, _)) => Ok((session, OpenReason::Resumed)),
-            Err(error) if is_not_found(&error) => self.create(config, OpenReason::NotFound).await,
+            Ok((session, _)) => Ok(Opened {
+                session,
+                reason: OpenReason::Resumed,
+                stale_binding,
+            }),
+            Err(error) if is_not_found(&error) => self
+                .create(config, OpenReason::NotFound)
+                .await
+                .map(Opened::from),
             Err(error @ WorkerError::Died(_)) => Err(OpenFailure {
                 error: error.into(),
                 maybe_attached: None,

@@ -21,11 +21,11 @@ use std::sync::Arc;
 use crate::ids::CliSessionId;
 use crate::rpc::messages::SessionConfig;
 
-use super::OpenTarget;
 use super::actor::{Grant, PoolMsg, Settle};
 use super::bindings::BindingStore;
 use super::key::PoolKey;
 use super::lease::OpenReason;
+use super::{OpenTarget, Opened};
 
 /// What a conversation's last open used, kept to resume it ahead of its return.
 #[derive(Debug)]
@@ -142,15 +142,19 @@ pub(crate) async fn resume_ahead(
         compat: &reopen.compat,
         home: &reopen.home,
         skip_resume: false,
-        // Only a conversation leased in this run is reopened ahead: that lease's open
-        // resumed it, and so rewrote a binding without the directory already.
-        binding_lacks_directory: std::sync::atomic::AtomicBool::new(false),
     };
     match target
         .open(None, &bindings, ahead_config(&reopen.config))
         .await
     {
-        Ok((session, OpenReason::Resumed)) => {
+        // (A binding without the working directory is left to the conversation's own lease
+        // to write again: only a conversation leased in this run is reopened ahead, and
+        // that lease's open resumed it already.)
+        Ok(Opened {
+            session,
+            reason: OpenReason::Resumed,
+            ..
+        }) => {
             if session.already_in_use() {
                 crate::metrics::ownership_violated();
                 tracing::error!(
@@ -181,7 +185,7 @@ pub(crate) async fn resume_ahead(
             );
         }
         // Not a resume (nothing else opens with `existing_only`): detached by the guard.
-        Ok((session, _)) => grant.opened = Some(session),
+        Ok(Opened { session, .. }) => grant.opened = Some(session),
         Err(failure) => {
             tracing::debug!(error = %failure.error, "A resume ahead of a conversation's return failed; it resumes when it returns.");
             grant.maybe_attached = failure.maybe_attached;
