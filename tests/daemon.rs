@@ -609,6 +609,31 @@ async fn a_gateway_on_the_same_host_runs_turns_over_the_apis_unix_socket_which_n
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("is in use"), "{stderr}");
 
+    // A start that fails after its socket was bound (the metrics port is taken) leaves no
+    // socket file behind.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port to take");
+    let other = scratch.path().join("other.sock");
+    let config = token_file(
+        scratch.path(),
+        "metrics.toml",
+        &format!(
+            "api_token = \"{token}\"\nmetrics_listen = \"{}\"\n",
+            taken.local_addr().expect("its address")
+        ),
+        0o600,
+    );
+    let out = serve_output(&[
+        "--listen",
+        &format!("unix:{}", other.display()),
+        "--config",
+        &config.display().to_string(),
+    ])
+    .await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("binding 127.0.0.1:"), "{stderr}");
+    assert!(!other.exists(), "the socket of a failed start is removed");
+
     let client = daemon.client();
     let body = turn(
         &endpoint.base_url(),

@@ -244,7 +244,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     };
     let at = match &listener {
         Bound::Tcp(l) => format!("http://{}", l.local_addr().context("local address")?),
-        Bound::Unix(_, file) => format!("unix:{}", file.0.display()),
+        Bound::Unix(_, file) => format!("unix:{}", file.path.display()),
     };
     println!("listening on {at}");
     let threads = tokio::runtime::Handle::current().metrics().num_workers();
@@ -323,13 +323,37 @@ enum Bound {
 }
 
 /// A Unix socket's file, removed when dropped: when its listener's server ends, or when the
-/// daemon fails to start after binding it.
-struct SocketFile(PathBuf);
+/// daemon fails to start after binding it. Only the file this daemon bound is removed: a
+/// successor started on the same path meanwhile (it replaced the file as stale once this
+/// daemon stopped answering) keeps its own.
+struct SocketFile {
+    path: PathBuf,
+    /// The bound file's device and inode.
+    identity: Option<(u64, u64)>,
+}
+
+impl SocketFile {
+    /// The file just bound at `path`.
+    fn bound(path: PathBuf) -> Self {
+        let identity = socket_identity(&path);
+        Self { path, identity }
+    }
+}
 
 impl Drop for SocketFile {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        if self.identity.is_some() && socket_identity(&self.path) == self.identity {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
+}
+
+/// The device and inode of the file at `path`, not following a link.
+fn socket_identity(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|meta| (meta.dev(), meta.ino()))
 }
 
 /// Binds `what`'s listener (before the pool starts: a TCP port is one of the walls of the
@@ -361,7 +385,7 @@ async fn bind(listen: &ListenAddress, what: &str, key: &str) -> Result<Bound> {
             }
             let listener = tokio::net::UnixListener::bind(path)
                 .with_context(|| format!("binding {what} on the Unix socket {}", path.display()))?;
-            let file = SocketFile(path.clone());
+            let file = SocketFile::bound(path.clone());
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
                 .with_context(|| format!("making {} owner-only", path.display()))?;
             Ok(Bound::Unix(listener, file))
@@ -407,8 +431,8 @@ fn serve_sdk(
             })
         }
         Bound::Unix(listener, file) => {
-            println!("sdk on unix:{}", file.0.display());
-            tracing::info!(path = %file.0.display(), "The SDK endpoint is up.");
+            println!("sdk on unix:{}", file.path.display());
+            tracing::info!(path = %file.path.display(), "The SDK endpoint is up.");
             tokio::spawn(async move {
                 sdk_endpoint::serve_unix(&endpoint, listener, stop).await;
                 drop(file);
@@ -596,5 +620,30 @@ mod tests {
         );
         assert_eq!(cap_for_descriptors(4096, 64, 100), 16, "never below 16");
         assert_eq!(cap_for_descriptors(10, 64, 100), 10, "never raised");
+    }
+
+    #[tokio::test]
+    async fn a_stopping_daemon_removes_its_own_socket_file_and_never_a_successors() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join("api.sock");
+        let listen = ListenAddress::Unix(path.clone());
+
+        let bound = bind(&listen, "the API", "listen").await.expect("bound");
+        drop(bound);
+        assert!(
+            !path.exists(),
+            "the socket file is removed with its listener"
+        );
+
+        let bound = bind(&listen, "the API", "listen")
+            .await
+            .expect("bound again");
+        // A successor bound the path while this daemon stopped answering on it.
+        std::fs::remove_file(&path).expect("the stale file removed");
+        let successor = std::os::unix::net::UnixListener::bind(&path).expect("bound by another");
+        drop(bound);
+        assert!(path.exists(), "the successor's socket file is left");
+        std::os::unix::net::UnixStream::connect(&path).expect("the successor still answers");
+        drop(successor);
     }
 }
