@@ -195,6 +195,18 @@ impl BindingStore {
         Ok(Some(binding))
     }
 
+    /// Whether the conversation's binding still names `read`'s CLI session (`None`: it has
+    /// no binding now): a deletion pinned by `read` checks this once it holds the
+    /// conversation.
+    pub(crate) fn names_the_same_session(
+        &self,
+        read: &Binding,
+    ) -> Result<Option<bool>, BindingError> {
+        Ok(self
+            .get(&read.session_key)?
+            .map(|now| now.cli_session_id == read.cli_session_id))
+    }
+
     /// Whether a binding file for `session_key` exists (one `stat`, nothing parsed).
     pub fn is_present(&self, session_key: &str) -> Result<bool, BindingError> {
         let path = self.path_for(session_key);
@@ -492,6 +504,25 @@ mod tests {
             updated_at_ms: 1_700_000_000_000,
             working_directory: None,
         }
+    }
+
+    #[test]
+    fn a_deletion_pinned_by_a_binding_learns_whether_it_still_names_that_session() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        let read = binding("a/k", "s-1");
+        store.put(&read).unwrap();
+        assert_eq!(store.names_the_same_session(&read).unwrap(), Some(true));
+        // Rewritten with its working directory: the same session.
+        let mut recorded = binding("a/k", "s-1");
+        recorded.working_directory = Some("/w".into());
+        store.put(&recorded).unwrap();
+        assert_eq!(store.names_the_same_session(&read).unwrap(), Some(true));
+        // A turn in between started another session.
+        store.put(&binding("a/k", "s-2")).unwrap();
+        assert_eq!(store.names_the_same_session(&read).unwrap(), Some(false));
+        store.remove("a/k").unwrap();
+        assert_eq!(store.names_the_same_session(&read).unwrap(), None);
     }
 
     #[test]

@@ -577,12 +577,14 @@ impl Pool {
         };
         // A deletion goes to the session its binding names, in the directory the binding
         // recorded, whatever settings the lease carries.
+        let mut deleting_by = None;
         let bound = match bound {
             Some(binding) if purpose == LeasePurpose::Deletion => {
-                req.cli_session_id = Some(binding.cli_session_id);
-                if let Some(dir) = binding.working_directory {
-                    req.working_directory = dir;
+                req.cli_session_id = Some(binding.cli_session_id.clone());
+                if let Some(dir) = &binding.working_directory {
+                    req.working_directory = dir.clone();
                 }
+                deleting_by = Some(binding);
                 None
             }
             other => other,
@@ -725,6 +727,7 @@ impl Pool {
                 && !req.runs_no_turn)
                 .then(|| (key.clone(), setup)),
             purpose,
+            deleting_by,
         };
         let span = tracing::Span::current();
         // Boxed: the open's future is ~13 KB, which a spawn would copy into its task more
@@ -1212,6 +1215,9 @@ struct Opening {
     /// not the conversation's; should the deletion be refused, the binding stays as its
     /// turns wrote it).
     purpose: LeasePurpose,
+    /// The binding a deletion by name was pinned by, read before its grant: checked again
+    /// once the deletion holds the conversation.
+    deleting_by: Option<Binding>,
 }
 
 impl Opening {
@@ -1237,7 +1243,26 @@ impl Opening {
             max_resume_crashes,
             remember,
             purpose,
+            deleting_by,
         } = self;
+        // A turn that ran between the deletion's read of the binding and its grant may have
+        // started another session (its settings changed): that session is the one to
+        // delete, so the deletion is refused as busy and retried, never run on the old one.
+        if let Some(read) = deleting_by {
+            let store = bindings.clone();
+            match tokio::task::spawn_blocking(move || store.names_the_same_session(&read)).await {
+                Ok(Ok(Some(true))) => {}
+                Ok(Ok(Some(false))) => return Err(PoolError::ConversationBusy { session_key }),
+                Ok(Ok(None)) => {
+                    return Err(PoolError::NoSuchConversation {
+                        session_key,
+                        why: "it was deleted meanwhile",
+                    });
+                }
+                Ok(Err(e)) => return Err(state_unwritable(&bindings, e.os_error())),
+                Err(e) => return Err(PoolError::Internal(e.to_string())),
+            }
+        }
         let reopen = remember.map(|(key, setup)| {
             Box::new(warm::Reopen {
                 key,
