@@ -583,9 +583,7 @@ impl<S: ChainSink> ChainLease<S> {
             let leased = tokio::select! {
                 leased = prelude_then_lease => leased,
                 () = sink.gone() => {
-                    // Its fallback did not run: the turn did not end, it was abandoned.
-                    end.gone = true;
-                    end.summary.status = TurnEnd::Aborted;
+                    end.abandon();
                     break;
                 }
                 () = sink.stopped() => {
@@ -615,10 +613,8 @@ impl<S: ChainSink> ChainLease<S> {
                 prelude_chars: prelude.as_deref().map_or(0, |p| p.chars().count()),
             };
             if !sink.deliver(ChainEvent::Fallback(notice)).await {
-                // The caller left: dropping the lease returns the conversation, and the
-                // turn, its fallback not run, is abandoned.
-                end.gone = true;
-                end.summary.status = TurnEnd::Aborted;
+                // The caller left: dropping the lease returns the conversation.
+                end.abandon();
                 break;
             }
             let seeded = super::seeded_prompt(prelude.as_deref(), &prompt);
@@ -635,10 +631,9 @@ impl<S: ChainSink> ChainLease<S> {
             };
             end.summary.fallback_from = Some(from);
         }
-        // A caller that left as its backend failed with a fallback still due: the turn did
-        // not end (the next backend was to run it), it was abandoned.
+        // A caller that left as its backend failed with a fallback still due.
         if end.gone && !end.streamed && end.class.is_some() && !rest.is_empty() {
-            end.summary.status = TurnEnd::Aborted;
+            end.abandon();
         }
         ChainOutcome {
             summary: end.summary,
@@ -696,6 +691,15 @@ struct RunEnd {
     transcript: Option<PreludeSource>,
     /// The caller left or stopped reading: nothing more is sent.
     gone: bool,
+}
+
+impl RunEnd {
+    /// The caller left with the turn's fallback not run: the turn did not end (the next
+    /// backend was to run it), it was abandoned.
+    fn abandon(&mut self) {
+        self.gone = true;
+        self.summary.status = TurnEnd::Aborted;
+    }
 }
 
 /// Whether a Copilot session event is output of the turn (assistant text or a tool at
