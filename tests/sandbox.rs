@@ -5,6 +5,7 @@
 //! a signal to the sibling worker, a connection to the daemon's API port. With the sandbox
 //! every one fails and the agent's own directories work; with `sandbox = "off"` the same
 //! script escapes (so the walls are what stops it). The daemon is not dumpable either way.
+//! And a conversation whose recorded directory the sandbox no longer allows is still deleted.
 
 mod support;
 
@@ -545,4 +546,54 @@ async fn a_sandboxed_tool_listens_on_an_ephemeral_port_but_never_takes_a_fixed_o
             "ephemeral=ok fixed=EACCES"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deletion_by_name_whose_recorded_directory_the_sandbox_no_longer_allows_runs_in_the_agents_home()
+ {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    let roots = scratch.path().join("projects");
+    let project = roots.join("mover");
+    std::fs::create_dir_all(&project).expect("the project");
+    let config = |roots: &str| {
+        format!("sandbox = \"auto\"\napi_token = \"{TOKEN}\"\nallowed_work_roots = [{roots}]\n")
+    };
+
+    // A conversation whose turns ran in an allowed root: its binding records the directory.
+    let daemon = Daemon::start(
+        scratch.path(),
+        &config(&format!("\"{}\"", roots.display())),
+        &[],
+    )
+    .await;
+    let mut body = turn(&url, "mover", "k", "REPLY=in the project");
+    body["session"] = json!({"workingDirectory": project});
+    let end = run_approved(daemon.addr, &body).await;
+    assert_eq!(end["status"], "idle", "{end}");
+    let session = end["session_id"]
+        .as_str()
+        .expect("the session id")
+        .to_owned();
+    let state = scratch
+        .path()
+        .join("pool-home/agents/mover/copilot/session-state")
+        .join(&session);
+    assert!(state.exists(), "{} is the session's state", state.display());
+    daemon.terminate().await;
+
+    // The roots changed: the recorded directory is outside the agent's sandbox now. A
+    // DELETE by name still deletes the conversation (its session resumed in the agent's
+    // home), where the runtime would refuse the directory.
+    let daemon = Daemon::start(scratch.path(), &config(""), &[]).await;
+    let path = "/v1/sessions/mover/k";
+    let deleted = call(daemon.addr, "DELETE", path, Some(TOKEN), None).await;
+    assert_eq!(deleted.status, 204, "{}", deleted.body);
+    let again = call(daemon.addr, "DELETE", path, Some(TOKEN), None).await;
+    assert_eq!(again.status, 404, "{}", again.body);
+    assert!(!state.exists(), "{} is left", state.display());
+    assert!(project.is_dir(), "the project itself is not touched");
+    daemon.terminate().await;
 }
