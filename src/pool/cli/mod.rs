@@ -111,6 +111,8 @@ struct Parked {
 enum Stop {
     Evicted(Eviction),
     Shutdown,
+    /// Its conversation's next lease wants another working directory.
+    Recycled,
 }
 
 impl Parked {
@@ -206,6 +208,7 @@ fn count_stop(backend: &str, counted: Option<u32>, running: Option<u32>, why: St
     match why {
         Stop::Evicted(reason) => crate::metrics::evicted(backend, reason),
         Stop::Shutdown => crate::metrics::process_exited(backend, ProcessExit::Shutdown),
+        Stop::Recycled => crate::metrics::process_exited(backend, ProcessExit::Recycled),
     }
 }
 
@@ -521,7 +524,21 @@ impl CliPool {
             dialect: config.dialect_of(&ask.backend),
             process: None,
         };
-        if reuse && let Some(parked) = self.lock().parked.remove(&ask.conversation) {
+        let parked = reuse
+            .then(|| self.lock().parked.remove(&ask.conversation))
+            .flatten();
+        let parked = match parked {
+            // Its runner works in another directory than this lease asks for: it is closed,
+            // and a new runner in the lease's directory continues the conversation where its
+            // CLI finds the stored session there (Claude Code and Gemini CLI file a session
+            // by directory: else `transcript-missing`), never a turn run elsewhere.
+            Some(parked) if parked.runner.working_directory() != ask.cwd => {
+                parked.close_now(Stop::Recycled).await;
+                None
+            }
+            other => other,
+        };
+        if let Some(parked) = parked {
             if parked.runner.session_id().is_none() {
                 // Its turns never got as far as a session (they crashed at start, say):
                 // there is no context to continue.
@@ -1762,6 +1779,41 @@ mod tests {
         );
         assert!(theirs.is_file(), "nothing removed outside the agent's home");
         assert!(pool.bindings.get(key).expect("read").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_kept_conversation_asked_for_in_another_directory_continues_in_that_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, home, cwd, names) = codex_pool(dir.path());
+        let elsewhere = dir.path().join("elsewhere");
+        let runs_in = |lease: &CliLease| {
+            lease
+                .conversation
+                .as_ref()
+                .map(|c| c.working_directory().to_path_buf())
+        };
+        let first = pool
+            .lease(
+                ask("codex-cli", home.clone(), cwd.clone()),
+                names.binding.clone(),
+            )
+            .await
+            .expect("leased");
+        assert_eq!(runs_in(&first), Some(cwd.clone()));
+        drop(first);
+        let next = pool
+            .lease(
+                ask("codex-cli", home.clone(), elsewhere.clone()),
+                names.binding.clone(),
+            )
+            .await
+            .expect("leased again");
+        assert_eq!(
+            runs_in(&next),
+            Some(elsewhere.clone()),
+            "its turns run where the lease asks, not where its kept runner was started"
+        );
+        assert_eq!(next.working_directory(), elsewhere);
     }
 
     /// A Codex pool whose conversation `agent/k` is bound to a thread with a rollout file:
