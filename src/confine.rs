@@ -1,7 +1,7 @@
 //! Where a path a caller names may lie: inside one of a list of roots (the daemon passes the
 //! agent's own working directory and its `allowed_work_roots`, for a conversation's
-//! directories and for a turn's attachments by path), and which session fields name
-//! directories (one list, for the HTTP API and the SDK endpoint). A path is resolved
+//! directories and for a turn's attachments by path), and which session fields and which
+//! attachments name paths (one list each, for the HTTP API and the SDK endpoint). A path is resolved
 //! the way the kernel will resolve it (symlinks followed, `..` applied to what it reaches), so
 //! no spelling of a path outside the roots passes: not `..`, not a symlink that points out,
 //! not a dangling symlink whose target may appear later.
@@ -16,9 +16,10 @@ use std::path::{Component, Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-/// Session fields (the runtime's `session.create` names) naming one directory the runtime
-/// works in or reads.
-const DIRECTORY_FIELDS: &[&str] = &["workingDirectory"];
+/// Session fields (the runtime's `session.create` names) naming one path the runtime works
+/// in, reads or writes: its working directory, where it writes the session's event log, and
+/// the file it writes a trajectory to.
+const PATH_FIELDS: &[&str] = &["workingDirectory", "eventsLogDirectory", "trajectoryFile"];
 
 /// Session fields naming directories the runtime reads.
 const DIRECTORY_LIST_FIELDS: &[&str] = &[
@@ -141,14 +142,15 @@ pub fn confine(field: &str, path: &Path, roots: &[PathBuf]) -> Result<PathBuf, C
 /// Whether a session's `fields` name any directory: confining them is file work, which a
 /// caller may then move off its async threads.
 pub fn names_directories(fields: &Map<String, Value>) -> bool {
-    DIRECTORY_FIELDS
+    PATH_FIELDS
         .iter()
         .chain(DIRECTORY_LIST_FIELDS)
         .any(|name| fields.get(*name).is_some_and(|v| !v.is_null()))
 }
 
-/// Confines every directory a session's `fields` name (`workingDirectory`,
-/// `additionalDirectories`, skill, plugin and instruction directories) with [`confine`], and
+/// Confines every path a session's `fields` name (`workingDirectory`, `eventsLogDirectory`,
+/// `trajectoryFile`, `additionalDirectories`, skill, plugin and instruction directories) with
+/// [`confine`], and
 /// replaces each by its resolved path, which is what the runtime must get. `prefix` goes
 /// before each field's name in an error (`session.` where the fields are a request's
 /// `session` object). The one list of those fields, for the HTTP API and the SDK endpoint.
@@ -167,7 +169,7 @@ pub fn confine_session_directories(
         let resolved = confine(&field, Path::new(dir), roots)?;
         Ok(Value::String(resolved.to_string_lossy().into_owned()))
     };
-    for name in DIRECTORY_FIELDS {
+    for name in PATH_FIELDS {
         if let Some(dir) = fields.get(*name).filter(|v| !v.is_null()) {
             let resolved = confined(format!("{prefix}{name}"), dir)?;
             fields.insert((*name).to_owned(), resolved);
@@ -189,6 +191,56 @@ pub fn confine_session_directories(
             .map(|(i, dir)| confined(format!("{prefix}{name}.{i}"), dir))
             .collect::<Result<Vec<_>, _>>()?;
         fields.insert((*name).to_owned(), Value::Array(resolved));
+    }
+    Ok(())
+}
+
+/// Confines the local paths a message's `attachments` name, as the runtime's `session.send`
+/// takes them (a `file`'s or a `directory`'s `path`, a `selection`'s `filePath`; a relative
+/// one against `base`, the session's working directory), with [`confine`], and replaces each
+/// by its resolved path. Other attachments (GitHub references, blobs, extension context)
+/// name no local path and pass as they are.
+pub fn confine_attachment_paths(
+    params: &mut Map<String, Value>,
+    base: &Path,
+    roots: &[PathBuf],
+) -> Result<(), ConfineError> {
+    let Some(attachments) = params.get_mut("attachments").filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    let Some(attachments) = attachments.as_array_mut() else {
+        return Err(ConfineError::Shape {
+            field: "attachments".to_owned(),
+            expected: "an array of attachments",
+        });
+    };
+    for (i, attachment) in attachments.iter_mut().enumerate() {
+        let Some(attachment) = attachment.as_object_mut() else {
+            return Err(ConfineError::Shape {
+                field: format!("attachments.{i}"),
+                expected: "an attachment object",
+            });
+        };
+        let name = match attachment.get("type").and_then(Value::as_str) {
+            Some("file" | "directory") => "path",
+            Some("selection") => "filePath",
+            _ => continue,
+        };
+        let field = format!("attachments.{i}.{name}");
+        let Some(path) = attachment.get(name).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let Some(path) = path.as_str() else {
+            return Err(ConfineError::Shape {
+                field,
+                expected: "a file's or a directory's path",
+            });
+        };
+        let resolved = confine(&field, &base.join(path), roots)?;
+        attachment.insert(
+            name.to_owned(),
+            Value::String(resolved.to_string_lossy().into_owned()),
+        );
     }
     Ok(())
 }
@@ -229,6 +281,59 @@ mod tests {
         assert!(missing.ends_with("root/new/deeper"));
         // `..` that stays inside is fine.
         assert!(confine("w", &l.root.join("project/../project"), &roots).is_ok());
+    }
+
+    #[test]
+    fn a_messages_attachments_by_path_are_confined_and_the_others_pass() {
+        let l = layout();
+        let roots = [l.root.clone()];
+        let project = std::fs::canonicalize(l.root.join("project")).unwrap();
+        let mut params = serde_json::json!({"attachments": [
+            {"type": "file", "path": "notes.md"},
+            {"type": "selection", "filePath": l.root.join("project/../project/a.rs")},
+            {"type": "github_reference", "number": 1, "url": "/etc/passwd"},
+            {"type": "blob", "data": "aGk="},
+        ]});
+        let fields = params.as_object_mut().unwrap();
+        confine_attachment_paths(fields, &l.root.join("project"), &roots).unwrap();
+        assert_eq!(
+            fields["attachments"][0]["path"],
+            project.join("notes.md").to_string_lossy().as_ref(),
+            "a relative path against the base, resolved"
+        );
+        assert_eq!(
+            fields["attachments"][1]["filePath"],
+            project.join("a.rs").to_string_lossy().as_ref()
+        );
+        assert_eq!(
+            fields["attachments"][2]["url"], "/etc/passwd",
+            "no local path"
+        );
+        let refused = |params: serde_json::Value| {
+            let mut params = params;
+            let fields = params.as_object_mut().unwrap();
+            confine_attachment_paths(fields, &l.root, &roots)
+                .unwrap_err()
+                .to_string()
+        };
+        let outside = l.outside.join("x");
+        let e = refused(serde_json::json!({"attachments": [
+            {"type": "file", "path": "project/x"},
+            {"type": "directory", "path": outside},
+        ]}));
+        assert!(e.starts_with("attachments.1.path:"), "{e}");
+        let e =
+            refused(serde_json::json!({"attachments": [{"type": "file", "path": "../outside"}]}));
+        assert!(e.starts_with("attachments.0.path:"), "{e}");
+        let e = refused(serde_json::json!({"attachments": "x"}));
+        assert_eq!(e, "attachments must be an array of attachments");
+        let e = refused(serde_json::json!({"attachments": [1]}));
+        assert_eq!(e, "attachments.0 must be an attachment object");
+        let e = refused(serde_json::json!({"attachments": [{"type": "file", "path": 5}]}));
+        assert_eq!(
+            e,
+            "attachments.0.path must be a file's or a directory's path"
+        );
     }
 
     #[test]

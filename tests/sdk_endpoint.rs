@@ -364,6 +364,10 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         ("hasBearerTokenProvider", json!(true)),
         ("configDir", json!("/tmp")),
         ("gitHubTokenProviderRegistrationId", json!("registration-1")),
+        (
+            "authInfo",
+            json!({"type": "token", "host": "https://github.com", "token": "other"}),
+        ),
         ("manageScheduleEnabled", json!(true)),
     ] {
         let mut params = create_params(&fx, "guarded-1");
@@ -406,6 +410,11 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
             json!([another_agents.display().to_string()]),
         ),
         ("instructionDirectories", json!(["/root"])),
+        (
+            "eventsLogDirectory",
+            json!(another_agents.join("events").display().to_string()),
+        ),
+        ("trajectoryFile", json!("/etc/trajectory.json")),
     ] {
         let mut params = create_params(&fx, "guarded-1");
         params[field] = value;
@@ -426,6 +435,28 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
     conn.request("session.create", params, None)
         .await
         .expect("create");
+    // A message's attachments by path are confined the same way (a relative one against
+    // the session's directory), before anything is sent.
+    for (i, attachment) in [
+        json!({"type": "file", "path": "/etc/hostname"}),
+        json!({"type": "directory", "path": another_agents.display().to_string()}),
+        json!({"type": "file", "path": "../../agents/agents/agent-b/notes.md"}),
+        json!({"type": "selection", "filePath": "/etc/passwd", "displayName": "p", "text": "",
+               "selection": {"start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 0}}}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let inside = json!({"type": "file", "path": allowed.join("notes.md").display().to_string()});
+        let params = json!({"sessionId": "guarded-1", "prompt": "read it",
+                            "attachments": [inside, attachment]});
+        let refused = remote_error(conn.request("session.send", params, None).await);
+        assert!(
+            refused.message.contains("attachments.1.")
+                && refused.message.contains("allowed_work_roots"),
+            "{i}: {refused:?}"
+        );
+    }
     // Moving the session's directory out afterwards is refused too.
     let refused = remote_error(
         conn.request(

@@ -808,7 +808,13 @@ impl Client {
         };
         self.touch(id);
         match method {
-            "session.send" => session.send(params).await,
+            "session.send" => {
+                let agent = self.agent().unwrap_or_default();
+                let base = session.working_directory();
+                let params =
+                    session::confine_attachments(&self.shared, agent, base, params).await?;
+                session.send(params).await
+            }
             "session.abort" => session.abort(params).await,
             "session.tools.handlePendingToolCall" => session.answer_tool(&params).await,
             "session.permissions.handlePendingPermissionRequest" => {

@@ -132,6 +132,8 @@ pub(super) const SDK_REFUSED_FIELDS: &[&str] = &[
     // A GitHub identity the runtime would ask the client for, which the pool's process key
     // would not know (a session's own identity is its `gitHubToken`).
     "gitHubTokenProviderRegistrationId",
+    // The same as an initial authentication of the session.
+    "authInfo",
     // The runtime's `manage_schedule` tool: the model would schedule turns that run with no
     // lease, unsupervised (`false`, which the Node SDK's "empty" mode sends, passes).
     "manageScheduleEnabled",
@@ -146,7 +148,7 @@ fn refused_because(field: &str) -> Option<&'static str> {
             "scheduled turns would run outside the turns the pool supervises; schedule them \
              from the gateway, each a session.send",
         ),
-        "gitHubTokenProviderRegistrationId" => Some(
+        "gitHubTokenProviderRegistrationId" | "authInfo" => Some(
             "give the session its own GitHub identity with `gitHubToken` (the pool runs it on \
              processes of that token)",
         ),
@@ -190,6 +192,50 @@ pub(super) async fn confine_directories(
     })
     .await
     .map_err(|e| pool_error(method, &PoolError::Internal(e.to_string())))?
+}
+
+/// The local paths a `session.send`'s attachments name, confined as the HTTP API confines a
+/// turn's (inside the agent's work directory or one of the allowed roots, relative ones
+/// against the session's working directory `base`) and passed on as resolved. A send with no
+/// attachment by path is passed on untouched, without a hop to the blocking threads.
+pub(super) async fn confine_attachments(
+    shared: &Shared,
+    agent: &str,
+    base: PathBuf,
+    mut params: Value,
+) -> Result<Value, CallError> {
+    const METHOD: &str = "session.send";
+    let names_any = match params.get("attachments") {
+        None | Some(Value::Null) => false,
+        Some(Value::Array(list)) => !list.is_empty(),
+        // Refused for its shape below.
+        Some(_) => true,
+    };
+    if !names_any {
+        return Ok(params);
+    }
+    let work = crate::home::work_dir(&shared.pool.config().agents_base_dir, agent)
+        .map_err(|e| pool_error(METHOD, &PoolError::from(e)))?;
+    let base = if base.as_os_str().is_empty() {
+        work.clone()
+    } else {
+        base
+    };
+    let mut roots = vec![work];
+    roots.extend(shared.config.allowed_work_roots.iter().cloned());
+    tokio::task::spawn_blocking(move || {
+        if let Some(fields) = params.as_object_mut() {
+            crate::confine::confine_attachment_paths(fields, &base, &roots).map_err(|e| {
+                ErrorObject::new(
+                    INVALID_PARAMS,
+                    format!("Request {METHOD} failed with message: {e}"),
+                )
+            })?;
+        }
+        Ok(params)
+    })
+    .await
+    .map_err(|e| pool_error(METHOD, &PoolError::Internal(e.to_string())))?
 }
 
 /// `session.create`/`session.resume` params.
@@ -461,6 +507,14 @@ impl SdkSession {
     /// The pool's conversation of this session.
     pub(super) fn conversation(&self) -> ConversationId {
         conversation(&self.agent, self.id().as_str())
+    }
+
+    /// The session's working directory as its client named it (empty: the agent's own).
+    pub(super) fn working_directory(&self) -> PathBuf {
+        self.spec
+            .lock()
+            .map(|s| s.working_directory.clone())
+            .unwrap_or_else(|p| p.into_inner().working_directory.clone())
     }
 
     fn spec(&self) -> SessionSpec {
