@@ -288,6 +288,31 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
             .count(),
         1
     );
+    // And when its stored state is gone already (its process gone, the agent's home cleaned
+    // by hand): what is left of it, its binding and its attachments, goes.
+    let done = summary(addr, None, &in_shared("agent-d")).await;
+    assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    let state_of_d = fx
+        .scratch
+        .path()
+        .join("agents/agents/agent-d/copilot/session-state")
+        .join(done.json()["session_id"].as_str().unwrap_or_default());
+    server.stop().await;
+    std::fs::remove_dir_all(&state_of_d).expect("the stored state removed");
+    assert!(shared_files("agent-d").exists());
+    let mut config = ApiConfig::default();
+    config.allowed_work_roots = vec![shared.clone()];
+    let server = InProcess::start(fx.config().await, config).await;
+    let path = "/v1/sessions/agent-d/same-key";
+    let deleted = call(server.addr, "DELETE", path, None, None).await;
+    assert_eq!(deleted.status, 204, "{}", deleted.body);
+    assert!(
+        !shared_files("agent-d").exists(),
+        "its attachments are gone"
+    );
+    assert!(!state_of_d.exists(), "{} is back", state_of_d.display());
+    let again = call(server.addr, "DELETE", path, None, None).await;
+    assert_eq!(again.status, 404, "its binding is gone: {}", again.body);
     server.stop().await;
 }
 

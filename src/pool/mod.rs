@@ -634,9 +634,9 @@ impl Pool {
             Err(error) if purpose == LeasePurpose::Deletion => {
                 tracing::warn!(
                     %error,
-                    "The conversation's recorded working directory is outside the agent's \
-                     sandbox now; its session is deleted from the agent's home, and its inline \
-                     attachments there are left."
+                    "The working directory of the conversation being deleted is outside the \
+                     agent's sandbox now; its session is deleted from the agent's home, and \
+                     files of it in that directory (inline attachments) are left."
                 );
                 req.working_directory = home.clone();
             }
@@ -1285,6 +1285,7 @@ impl Opening {
             compat: &compat,
             home: &home,
             skip_resume: grant.resume_crashes >= max_resume_crashes,
+            deleting: purpose == LeasePurpose::Deletion,
         };
         let opened = match target.open(carried, &bindings, session_config).await {
             Ok(opened) => opened,
@@ -1422,6 +1423,10 @@ struct OpenTarget<'a> {
     home: &'a Path,
     /// Earlier resumes of this conversation crashed the runtime too often.
     skip_resume: bool,
+    /// The open is a deletion's: a conversation whose stored state is gone is opened as an
+    /// empty session under its id (which the deletion removes with its binding), where
+    /// `existing_only` would refuse it and leave the binding for good.
+    deleting: bool,
 }
 
 /// A lease's CLI session, opened.
@@ -1654,7 +1659,7 @@ impl OpenTarget<'_> {
         reason: OpenReason,
         id: CliSessionId,
     ) -> Result<(Session, OpenReason), OpenFailure> {
-        if self.existing_only {
+        if self.existing_only && !(self.deleting && reason == OpenReason::TranscriptMissing) {
             let why = match reason {
                 OpenReason::CompatChanged => "its model, provider, directory or account differ",
                 OpenReason::TranscriptMissing => "its stored state is gone",

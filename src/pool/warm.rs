@@ -142,6 +142,7 @@ pub(crate) async fn resume_ahead(
         compat: &reopen.compat,
         home: &reopen.home,
         skip_resume: false,
+        deleting: false,
     };
     match target
         .open(None, &bindings, ahead_config(&reopen.config))
