@@ -383,7 +383,13 @@ async fn bind(listen: &ListenAddress, what: &str, key: &str) -> Result<Bound> {
                 std::fs::remove_file(path)
                     .with_context(|| format!("removing the stale socket {}", path.display()))?;
             }
-            let listener = tokio::net::UnixListener::bind(path)
+            // Created owner-only (the umask for this one bind, during start-up when nothing
+            // else creates files), so no other user connects before the mode below is set.
+            use nix::sys::stat::{Mode, umask};
+            let umask_before = umask(Mode::from_bits_truncate(0o177));
+            let bound = tokio::net::UnixListener::bind(path);
+            umask(umask_before);
+            let listener = bound
                 .with_context(|| format!("binding {what} on the Unix socket {}", path.display()))?;
             let file = SocketFile::bound(path.clone());
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
