@@ -313,6 +313,18 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
     assert!(!state_of_d.exists(), "{} is back", state_of_d.display());
     let again = call(server.addr, "DELETE", path, None, None).await;
     assert_eq!(again.status, 404, "its binding is gone: {}", again.body);
+    // A conversation whose directory's root was taken out of allowed_work_roots since: it
+    // is deleted, and the pool touches nothing there, not even the attachments it wrote.
+    let done = summary(server.addr, None, &in_shared("agent-e")).await;
+    assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    server.stop().await;
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let path = "/v1/sessions/agent-e/same-key";
+    let deleted = call(server.addr, "DELETE", path, None, None).await;
+    assert_eq!(deleted.status, 204, "{}", deleted.body);
+    assert!(shared_files("agent-e").exists(), "left outside the roots");
+    let again = call(server.addr, "DELETE", path, None, None).await;
+    assert_eq!(again.status, 404, "{}", again.body);
     server.stop().await;
 }
 

@@ -322,8 +322,9 @@ fn conversation_dir(conversation: &ConversationId) -> PathBuf {
 /// `work` as a directory the pool resolved and a relative path below it: the one of `roots`
 /// holding it (the agent's work directory, `allowed_work_roots`), below which nothing is
 /// followed through a link (the agent's processes may write there and could swap a
-/// directory on the way for a link elsewhere: `agent_files`).
-fn root_and_below(work: &Path, roots: &[PathBuf]) -> (PathBuf, PathBuf) {
+/// directory on the way for a link elsewhere: `agent_files`). `None` when no root holds it
+/// (a directory a conversation ran in whose root was removed from the config since).
+fn root_and_below(work: &Path, roots: &[PathBuf]) -> Option<(PathBuf, PathBuf)> {
     // The roots as the confinement resolved the working directory (the folders above each
     // resolved; its last component kept, so a link there is still refused below).
     let resolved: Vec<PathBuf> = roots
@@ -335,13 +336,12 @@ fn root_and_below(work: &Path, roots: &[PathBuf]) -> (PathBuf, PathBuf) {
             _ => root.clone(),
         })
         .collect();
-    let (root, below) = resolved
+    resolved
         .iter()
         .chain(roots)
         .filter_map(|root| Some((root.as_path(), work.strip_prefix(root).ok()?)))
         .max_by_key(|(root, _)| root.as_os_str().len())
-        .unwrap_or((work, Path::new("")));
-    (root.to_path_buf(), below.to_path_buf())
+        .map(|(root, below)| (root.to_path_buf(), below.to_path_buf()))
 }
 
 /// Writes the inline contents into the conversation's directory ([`conversation_dir`];
@@ -353,7 +353,13 @@ pub(super) fn write(
     roots: &[PathBuf],
     conversation: &ConversationId,
 ) -> std::io::Result<Vec<Attachment>> {
-    let (root, below) = root_and_below(work, roots);
+    // The turn's directory was confined to the roots before anything is written.
+    let (root, below) = root_and_below(work, roots).ok_or_else(|| {
+        std::io::Error::other(format!(
+            "{} lies outside the agent's work directory and allowed_work_roots",
+            work.display()
+        ))
+    })?;
     let dir = below.join(conversation_dir(conversation));
     let mut out = Vec::with_capacity(checked.0.len());
     for item in checked.0 {
@@ -398,17 +404,25 @@ pub(super) async fn remove_conversation_files(
         if pool.stored_on_another_backend(&conversation, &backend)? {
             return Ok(None);
         }
-        let (root, below) = root_and_below(&work, &roots);
+        let Some((root, below)) = root_and_below(&work, &roots) else {
+            return Ok(Some(Removal::Outside(work)));
+        };
         let dir = below.join(conversation_dir(&conversation));
         let all = crate::agent_files::remove_flat_dir(&root, &dir)
             .map_err(|e| crate::pool::PoolError::Internal(e.to_string()))?;
-        Ok::<_, crate::pool::PoolError>(Some((all, root.join(dir))))
+        Ok::<_, crate::pool::PoolError>(Some(Removal::Done(all, root.join(dir))))
     })
     .await;
     match removed {
         // Another backend keeps the conversation, and its files with it.
-        Ok(Ok(None | Some((true, _)))) => {}
-        Ok(Ok(Some((false, dir)))) => tracing::warn!(
+        Ok(Ok(None | Some(Removal::Done(true, _)))) => {}
+        // The pool touches nothing outside the agents' roots, not even what it wrote there.
+        Ok(Ok(Some(Removal::Outside(work)))) => tracing::warn!(
+            dir = %work.display(),
+            "A deleted conversation's working directory lies outside the agent's work \
+             directory and allowed_work_roots now; its inline attachments there are left."
+        ),
+        Ok(Ok(Some(Removal::Done(false, dir)))) => tracing::warn!(
             dir = %dir.display(),
             "A deleted conversation's attachments directory holds a directory the pool did \
              not write; its files were removed, the directory was left."
@@ -419,6 +433,15 @@ pub(super) async fn remove_conversation_files(
         ),
         Err(error) => tracing::warn!(%error, "The removal of inline attachments failed."),
     }
+}
+
+/// What the removal of a conversation's attachments did.
+enum Removal {
+    /// Done: whether everything went (else a directory the pool did not write stayed), and
+    /// the directory.
+    Done(bool, PathBuf),
+    /// Nothing: the working directory lies under none of the roots.
+    Outside(PathBuf),
 }
 
 /// [`check`] off the async threads; a refusal is a 400.
