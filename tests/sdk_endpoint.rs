@@ -1262,6 +1262,7 @@ async fn a_session_being_deleted_stays_claimed_when_its_own_open_fails_meanwhile
     let (second, _second_events) = connected(served.addr, "token-a").await;
     take_the_room(&second, &fx).await;
     // A create that waits for room, and its deletion on the same connection behind it.
+    let asked = tokio::time::Instant::now();
     let create = tokio::spawn({
         let (first, params) = (first.clone(), create_params(&fx, "contested"));
         async move { first.request("session.create", params, None).await }
@@ -1270,6 +1271,10 @@ async fn a_session_being_deleted_stays_claimed_when_its_own_open_fails_meanwhile
         served.pool.status().await.expect("status").waiters == 1
     })
     .await;
+    // Not a wait for an event: both wait the pool's 2 s for room, so the deletion asks a
+    // second after the create to give up a second after it, leaving the resume below that
+    // second whatever the machine's load (asked at once, it had a few milliseconds).
+    tokio::time::sleep_until(asked + Duration::from_secs(1)).await;
     let delete = tokio::spawn({
         let first = first.clone();
         async move {
