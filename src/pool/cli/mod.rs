@@ -607,25 +607,44 @@ impl CliPool {
         let (dialect, kind) = (config.dialect_of(&ask.backend), config.kind);
         let (home, cwd) = (ask.home.clone(), ask.cwd.clone());
         tokio::task::spawn_blocking(move || {
-            let stored = bindings
+            let binding = bindings
                 .get(&bindings_key)
-                .map_err(|e| PoolError::Bindings(e.to_string()))?
-                .map(|b| StoredSession {
-                    session_id: b.cli_session_id.into_string(),
-                    identity: b.compat_key,
-                });
-            let transcript =
-                |id: &str| CliConversation::find_transcript(dialect, kind, &home, &cwd, id);
-            let decision = session::decide(stored.as_ref(), &identity, |id| transcript(id).is_ok())
-                .map_err(|missing| PoolError::TranscriptMissing {
-                    backend: backend.clone(),
-                    session_id: missing.session_id.clone(),
-                    path: transcript(&missing.session_id).err().unwrap_or_default(),
-                })?;
+                .map_err(|e| PoolError::Bindings(e.to_string()))?;
+            let ran_in = binding
+                .as_ref()
+                .and_then(|b| b.working_directory.clone())
+                .filter(|dir| *dir != cwd);
+            let stored = binding.map(|b| StoredSession {
+                session_id: b.cli_session_id.into_string(),
+                identity: b.compat_key,
+                moved: ran_in.is_some(),
+            });
+            let transcript_in = |dir: &std::path::Path, id: &str| {
+                CliConversation::find_transcript(dialect, kind, &home, dir, id)
+            };
+            let decision = session::decide(
+                stored.as_ref(),
+                &identity,
+                |id| transcript_in(&cwd, id).is_ok(),
+                |id| {
+                    ran_in
+                        .as_ref()
+                        .is_some_and(|dir| transcript_in(dir, id).is_ok())
+                },
+            )
+            .map_err(|missing| PoolError::TranscriptMissing {
+                backend: backend.clone(),
+                session_id: missing.session_id.clone(),
+                path: transcript_in(&cwd, &missing.session_id)
+                    .err()
+                    .unwrap_or_default(),
+            })?;
             let (resume, reason) = match decision {
                 SessionDecision::Resume(id) => (Some(id), OpenReason::Resumed),
                 SessionDecision::New => (None, OpenReason::New),
-                SessionDecision::IdentityChanged => {
+                // Its old session's files stay where they were filed, as a conversation's
+                // earlier sessions do after a changed identity.
+                SessionDecision::IdentityChanged | SessionDecision::Moved => {
                     bindings
                         .remove(&bindings_key)
                         .map_err(|e| PoolError::Bindings(e.to_string()))?;
@@ -1814,6 +1833,41 @@ mod tests {
             "its turns run where the lease asks, not where its kept runner was started"
         );
         assert_eq!(next.working_directory(), elsewhere);
+    }
+
+    #[tokio::test]
+    async fn a_claude_conversation_moved_to_another_directory_starts_a_session_there() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, names, home, ran_in, moved_to) = claude_deletion(dir.path());
+        let id = "8f14e45f-ceea-467f-a8f0-3a1b0c6f2d13";
+        let ask = |cwd: &std::path::Path| ask("claude-cli", home.clone(), cwd.to_path_buf());
+        let identity = session::identity(&ask(&ran_in).creds);
+        pool.bindings
+            .put(&Binding {
+                session_key: names.binding.clone(),
+                cli_session_id: CliSessionId::new(id.to_owned()),
+                compat_key: identity,
+                updated_at_ms: 0,
+                working_directory: Some(ran_in.clone()),
+            })
+            .expect("bound");
+        let transcript = claude_transcript(&home, &ran_in, id);
+        // Where its turns ran, it resumes.
+        let lease = pool
+            .lease(ask(&ran_in), names.binding.clone())
+            .await
+            .expect("resumed");
+        assert_eq!(lease.reason, OpenReason::Resumed);
+        drop(lease);
+        // Elsewhere Claude Code cannot find it: a new session there, not `transcript-missing`
+        // for as long as the gateway asks for the new directory.
+        let lease = pool
+            .lease(ask(&moved_to), names.binding.clone())
+            .await
+            .expect("a new session");
+        assert_eq!(lease.reason, OpenReason::CompatChanged);
+        assert!(pool.bindings.get(&names.binding).expect("read").is_none());
+        assert!(transcript.exists(), "the old session's transcript stays");
     }
 
     /// A Codex pool whose conversation `agent/k` is bound to a thread with a rollout file:

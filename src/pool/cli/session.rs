@@ -52,6 +52,8 @@ pub(crate) struct StoredSession {
     pub session_id: String,
     /// The identity ([`identity`]) it was created under.
     pub identity: String,
+    /// Its turns ran in another directory than the lease's (as its binding recorded).
+    pub moved: bool,
 }
 
 /// How a lease opens its CLI session.
@@ -63,6 +65,10 @@ pub(crate) enum SessionDecision {
     New,
     /// The auth identity changed: the stored session is dropped and a new one starts.
     IdentityChanged,
+    /// The lease runs in another directory than the turns did, and the CLI filed the
+    /// session by the directory they ran in (Claude Code, Gemini CLI): a new session starts
+    /// here, as the Copilot runtime's conversation does when its directory changes.
+    Moved,
 }
 
 /// The stored session's transcript is gone: resuming it would not carry the history.
@@ -73,11 +79,13 @@ pub(crate) struct TranscriptMissing {
 }
 
 /// Decides how a lease under `identity` opens its session, given the stored one and
-/// whether its transcript exists (asked only when it would be resumed).
+/// whether its transcript exists where the lease runs (asked only when it would be resumed)
+/// and, for a moved conversation whose transcript is not found there, where its turns ran.
 pub(crate) fn decide(
     stored: Option<&StoredSession>,
     identity: &str,
     transcript_exists: impl FnOnce(&str) -> bool,
+    transcript_where_it_ran: impl FnOnce(&str) -> bool,
 ) -> Result<SessionDecision, TranscriptMissing> {
     let Some(stored) = stored else {
         return Ok(SessionDecision::New);
@@ -87,6 +95,8 @@ pub(crate) fn decide(
     }
     if transcript_exists(&stored.session_id) {
         Ok(SessionDecision::Resume(stored.session_id.clone()))
+    } else if stored.moved && transcript_where_it_ran(&stored.session_id) {
+        Ok(SessionDecision::Moved)
     } else {
         Err(TranscriptMissing {
             session_id: stored.session_id.clone(),
@@ -147,15 +157,40 @@ mod tests {
         let stored = StoredSession {
             session_id: "s1".into(),
             identity: "id-a".into(),
+            moved: false,
         };
-        assert_eq!(decide(None, "id-a", |_| true), Ok(SessionDecision::New));
+        let nowhere = |_: &str| false;
         assert_eq!(
-            decide(Some(&stored), "id-a", |id| id == "s1"),
+            decide(None, "id-a", |_| true, nowhere),
+            Ok(SessionDecision::New)
+        );
+        assert_eq!(
+            decide(Some(&stored), "id-a", |id| id == "s1", nowhere),
             Ok(SessionDecision::Resume("s1".into()))
         );
         // Never a silent fresh start when the transcript is gone.
         assert_eq!(
-            decide(Some(&stored), "id-a", |_| false),
+            decide(Some(&stored), "id-a", |_| false, |_| true),
+            Err(TranscriptMissing {
+                session_id: "s1".into()
+            })
+        );
+        // Moved to another directory: resumed where the CLI finds it from there (Codex),
+        // else a new session when it is filed where the turns ran, else still missing.
+        let moved = StoredSession {
+            moved: true,
+            ..stored.clone()
+        };
+        assert_eq!(
+            decide(Some(&moved), "id-a", |_| true, nowhere),
+            Ok(SessionDecision::Resume("s1".into()))
+        );
+        assert_eq!(
+            decide(Some(&moved), "id-a", |_| false, |id| id == "s1"),
+            Ok(SessionDecision::Moved)
+        );
+        assert_eq!(
+            decide(Some(&moved), "id-a", |_| false, nowhere),
             Err(TranscriptMissing {
                 session_id: "s1".into()
             })
@@ -163,10 +198,15 @@ mod tests {
         // Another identity drops the session, whatever is on disk.
         let mut asked = false;
         assert_eq!(
-            decide(Some(&stored), "id-b", |_| {
-                asked = true;
-                true
-            }),
+            decide(
+                Some(&stored),
+                "id-b",
+                |_| {
+                    asked = true;
+                    true
+                },
+                nowhere
+            ),
             Ok(SessionDecision::IdentityChanged)
         );
         assert!(
