@@ -44,7 +44,7 @@ pub enum ConfineError {
     /// The path resolves outside every root.
     #[error(
         "{field}: {path:?} lies outside the agent's working directory and the \
-         daemon's allowed_work_roots (symlinks and `..` are resolved first); use a directory \
+         daemon's allowed_work_roots (symlinks and `..` are resolved first); use a path \
          inside them, or add a root to allowed_work_roots in the daemon's config"
     )]
     Outside {
@@ -64,8 +64,8 @@ pub enum ConfineError {
     /// The path cannot be resolved (a dangling symlink, a `..` past a missing directory, a
     /// component that cannot be read).
     #[error(
-        "{field}: {path:?} cannot be resolved ({why}); pass an existing directory, or \
-         one whose missing part is plain names"
+        "{field}: {path:?} cannot be resolved ({why}); pass an existing path, or one \
+         whose missing part is plain names"
     )]
     Unresolvable {
         /// What named the path.
@@ -196,13 +196,11 @@ pub fn confine_session_directories(
 }
 
 /// Confines the local paths a message's `attachments` name, as the runtime's `session.send`
-/// takes them (a `file`'s or a `directory`'s `path`, a `selection`'s `filePath`; a relative
-/// one against `base`, the session's working directory), with [`confine`], and replaces each
-/// by its resolved path. Other attachments (GitHub references, blobs, extension context)
-/// name no local path and pass as they are.
+/// takes them (a `file`'s or a `directory`'s `path`, a `selection`'s `filePath`: absolute),
+/// with [`confine`], and replaces each by its resolved path. Other attachments (GitHub
+/// references, blobs, extension context) name no local path and pass as they are.
 pub fn confine_attachment_paths(
     params: &mut Map<String, Value>,
-    base: &Path,
     roots: &[PathBuf],
 ) -> Result<(), ConfineError> {
     let Some(attachments) = params.get_mut("attachments").filter(|v| !v.is_null()) else {
@@ -236,7 +234,7 @@ pub fn confine_attachment_paths(
                 expected: "a file's or a directory's path",
             });
         };
-        let resolved = confine(&field, &base.join(path), roots)?;
+        let resolved = confine(&field, Path::new(path), roots)?;
         attachment.insert(
             name.to_owned(),
             Value::String(resolved.to_string_lossy().into_owned()),
@@ -289,17 +287,16 @@ mod tests {
         let roots = [l.root.clone()];
         let project = std::fs::canonicalize(l.root.join("project")).unwrap();
         let mut params = serde_json::json!({"attachments": [
-            {"type": "file", "path": "notes.md"},
+            {"type": "file", "path": l.root.join("project/notes.md")},
             {"type": "selection", "filePath": l.root.join("project/../project/a.rs")},
             {"type": "github_reference", "number": 1, "url": "/etc/passwd"},
             {"type": "blob", "data": "aGk="},
         ]});
         let fields = params.as_object_mut().unwrap();
-        confine_attachment_paths(fields, &l.root.join("project"), &roots).unwrap();
+        confine_attachment_paths(fields, &roots).unwrap();
         assert_eq!(
             fields["attachments"][0]["path"],
-            project.join("notes.md").to_string_lossy().as_ref(),
-            "a relative path against the base, resolved"
+            project.join("notes.md").to_string_lossy().as_ref()
         );
         assert_eq!(
             fields["attachments"][1]["filePath"],
@@ -312,19 +309,21 @@ mod tests {
         let refused = |params: serde_json::Value| {
             let mut params = params;
             let fields = params.as_object_mut().unwrap();
-            confine_attachment_paths(fields, &l.root, &roots)
+            confine_attachment_paths(fields, &roots)
                 .unwrap_err()
                 .to_string()
         };
         let outside = l.outside.join("x");
         let e = refused(serde_json::json!({"attachments": [
-            {"type": "file", "path": "project/x"},
+            {"type": "file", "path": l.root.join("project/x")},
             {"type": "directory", "path": outside},
         ]}));
         assert!(e.starts_with("attachments.1.path:"), "{e}");
+        assert!(e.contains("allowed_work_roots"), "{e}");
         let e =
             refused(serde_json::json!({"attachments": [{"type": "file", "path": "../outside"}]}));
         assert!(e.starts_with("attachments.0.path:"), "{e}");
+        assert!(e.contains("must be an absolute path"), "{e}");
         let e = refused(serde_json::json!({"attachments": "x"}));
         assert_eq!(e, "attachments must be an array of attachments");
         let e = refused(serde_json::json!({"attachments": [1]}));

@@ -329,6 +329,42 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_attachment_under_a_root_that_is_a_link_is_written_and_deleted_there() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    // `allowed_work_roots` names a link (`/srv/work` → `/data/work`, say).
+    let target = fx.scratch.path().join("data-work");
+    let linked = fx.scratch.path().join("srv-work");
+    std::fs::create_dir_all(target.join("project")).expect("mkdir");
+    std::os::unix::fs::symlink(&target, &linked).expect("the root's link");
+    let mut config = ApiConfig::default();
+    config.allowed_work_roots = vec![linked.clone()];
+    let server = InProcess::start(fx.config().await, config).await;
+    let mut body = turn(&url, "agent-l", "linked", "REPLY=seen");
+    body["session"] = json!({"workingDirectory": linked.join("project")});
+    body["attachments"] =
+        json!([{"type": "inline", "data": "aGk=", "media_type": "text/plain", "name": "a.txt"}]);
+    let done = summary(server.addr, None, &body).await;
+    assert_eq!(done.status, 200, "{}", done.body);
+    assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    let files = target
+        .join("project/attachments")
+        .join(copilot_pool::ids::sha256_hex("agent-l/linked"));
+    assert_eq!(std::fs::read_dir(&files).expect("written").count(), 1);
+    let deleted = call(
+        server.addr,
+        "DELETE",
+        "/v1/sessions/agent-l/linked",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(deleted.status, 204, "{}", deleted.body);
+    assert!(!files.exists(), "{} is left", files.display());
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_mode_reaches_the_runtime_and_task_complete_ends_up_in_turn_end() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();

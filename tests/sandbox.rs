@@ -588,6 +588,11 @@ async fn a_deletion_by_name_whose_recorded_directory_the_sandbox_no_longer_allow
     // DELETE by name still deletes the conversation (its session resumed in the agent's
     // home), where the runtime would refuse the directory.
     let daemon = Daemon::start(scratch.path(), &config(""), &[]).await;
+    // The fallback is the sandbox's: without one the directory would still be used.
+    let pool = call(daemon.addr, "GET", "/v1/pool", Some(TOKEN), None)
+        .await
+        .json();
+    assert_eq!(pool["sandbox"]["filesystem"], true, "{pool}");
     let path = "/v1/sessions/mover/k";
     let deleted = call(daemon.addr, "DELETE", path, Some(TOKEN), None).await;
     assert_eq!(deleted.status, 204, "{}", deleted.body);

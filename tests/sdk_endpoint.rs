@@ -435,8 +435,8 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
     conn.request("session.create", params, None)
         .await
         .expect("create");
-    // A message's attachments by path are confined the same way (a relative one against
-    // the session's directory), before anything is sent.
+    // A message's attachments by path are confined the same way (absolute), before
+    // anything is sent.
     for (i, attachment) in [
         json!({"type": "file", "path": "/etc/hostname"}),
         json!({"type": "directory", "path": another_agents.display().to_string()}),
@@ -451,9 +451,13 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         let params = json!({"sessionId": "guarded-1", "prompt": "read it",
                             "attachments": [inside, attachment]});
         let refused = remote_error(conn.request("session.send", params, None).await);
+        let why = if i == 2 {
+            "must be an absolute path"
+        } else {
+            "allowed_work_roots"
+        };
         assert!(
-            refused.message.contains("attachments.1.")
-                && refused.message.contains("allowed_work_roots"),
+            refused.message.contains("attachments.1.") && refused.message.contains(why),
             "{i}: {refused:?}"
         );
     }

@@ -322,9 +322,9 @@ fn conversation_dir(conversation: &ConversationId) -> PathBuf {
 /// `work` as a directory the pool resolved and a relative path below it: the one of `roots`
 /// holding it (the agent's work directory, `allowed_work_roots`), below which nothing is
 /// followed through a link (the agent's processes may write there and could swap a
-/// directory on the way for a link elsewhere: `agent_files`). `None` when no root holds it
-/// (a directory a conversation ran in whose root was removed from the config since).
-fn root_and_below(work: &Path, roots: &[PathBuf]) -> Option<(PathBuf, PathBuf)> {
+/// directory on the way for a link elsewhere: `agent_files`). A root that is itself a link
+/// matches no root here (the confinement resolved it whole): `work` is its own root then.
+fn root_and_below(work: &Path, roots: &[PathBuf]) -> (PathBuf, PathBuf) {
     // The roots as the confinement resolved the working directory (the folders above each
     // resolved; its last component kept, so a link there is still refused below).
     let resolved: Vec<PathBuf> = roots
@@ -341,7 +341,10 @@ fn root_and_below(work: &Path, roots: &[PathBuf]) -> Option<(PathBuf, PathBuf)> 
         .chain(roots)
         .filter_map(|root| Some((root.as_path(), work.strip_prefix(root).ok()?)))
         .max_by_key(|(root, _)| root.as_os_str().len())
-        .map(|(root, below)| (root.to_path_buf(), below.to_path_buf()))
+        .map_or_else(
+            || (work.to_path_buf(), PathBuf::new()),
+            |(root, below)| (root.to_path_buf(), below.to_path_buf()),
+        )
 }
 
 /// Writes the inline contents into the conversation's directory ([`conversation_dir`];
@@ -353,13 +356,7 @@ pub(super) fn write(
     roots: &[PathBuf],
     conversation: &ConversationId,
 ) -> std::io::Result<Vec<Attachment>> {
-    // The turn's directory was confined to the roots before anything is written.
-    let (root, below) = root_and_below(work, roots).ok_or_else(|| {
-        std::io::Error::other(format!(
-            "{} lies outside the agent's work directory and allowed_work_roots",
-            work.display()
-        ))
-    })?;
+    let (root, below) = root_and_below(work, roots);
     let dir = below.join(conversation_dir(conversation));
     let mut out = Vec::with_capacity(checked.0.len());
     for item in checked.0 {
@@ -404,9 +401,13 @@ pub(super) async fn remove_conversation_files(
         if pool.stored_on_another_backend(&conversation, &backend)? {
             return Ok(None);
         }
-        let Some((root, below)) = root_and_below(&work, &roots) else {
-            return Ok(Some(Removal::Outside(work)));
-        };
+        // Under none of the roots now (its root taken out of allowed_work_roots, or the
+        // agent's home a deletion fell back to): the pool follows nothing there.
+        if crate::confine::confine("workingDirectory", &work, &roots).is_err() {
+            let left = std::fs::symlink_metadata(work.join(conversation_dir(&conversation)));
+            return Ok(Some(Removal::Outside(work, left.is_ok())));
+        }
+        let (root, below) = root_and_below(&work, &roots);
         let dir = below.join(conversation_dir(&conversation));
         let all = crate::agent_files::remove_flat_dir(&root, &dir)
             .map_err(|e| crate::pool::PoolError::Internal(e.to_string()))?;
@@ -416,8 +417,9 @@ pub(super) async fn remove_conversation_files(
     match removed {
         // Another backend keeps the conversation, and its files with it.
         Ok(Ok(None | Some(Removal::Done(true, _)))) => {}
+        Ok(Ok(Some(Removal::Outside(_, false)))) => {}
         // The pool touches nothing outside the agents' roots, not even what it wrote there.
-        Ok(Ok(Some(Removal::Outside(work)))) => tracing::warn!(
+        Ok(Ok(Some(Removal::Outside(work, true)))) => tracing::warn!(
             dir = %work.display(),
             "A deleted conversation's working directory lies outside the agent's work \
              directory and allowed_work_roots now; its inline attachments there are left."
@@ -440,8 +442,9 @@ enum Removal {
     /// Done: whether everything went (else a directory the pool did not write stayed), and
     /// the directory.
     Done(bool, PathBuf),
-    /// Nothing: the working directory lies under none of the roots.
-    Outside(PathBuf),
+    /// Nothing: the working directory lies under none of the roots; whether the
+    /// conversation's attachments directory is there (left).
+    Outside(PathBuf, bool),
 }
 
 /// [`check`] off the async threads; a refusal is a 400.

@@ -810,9 +810,7 @@ impl Client {
         match method {
             "session.send" => {
                 let agent = self.agent().unwrap_or_default();
-                let base = session.working_directory();
-                let params =
-                    session::confine_attachments(&self.shared, agent, base, params).await?;
+                let params = session::confine_attachments(&self.shared, agent, params).await?;
                 session.send(params).await
             }
             "session.abort" => session.abort(params).await,

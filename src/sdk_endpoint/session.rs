@@ -195,13 +195,13 @@ pub(super) async fn confine_directories(
 }
 
 /// The local paths a `session.send`'s attachments name, confined as the HTTP API confines a
-/// turn's (inside the agent's work directory or one of the allowed roots, relative ones
-/// against the session's working directory `base`) and passed on as resolved. A send with no
-/// attachment by path is passed on untouched, without a hop to the blocking threads.
+/// turn's (inside the agent's work directory or one of the allowed roots; absolute, since the
+/// session's directory may have moved since the pool last saw it) and passed on as resolved.
+/// A send with no attachment by path is passed on untouched, without a hop to the blocking
+/// threads.
 pub(super) async fn confine_attachments(
     shared: &Shared,
     agent: &str,
-    base: PathBuf,
     mut params: Value,
 ) -> Result<Value, CallError> {
     const METHOD: &str = "session.send";
@@ -216,16 +216,11 @@ pub(super) async fn confine_attachments(
     }
     let work = crate::home::work_dir(&shared.pool.config().agents_base_dir, agent)
         .map_err(|e| pool_error(METHOD, &PoolError::from(e)))?;
-    let base = if base.as_os_str().is_empty() {
-        work.clone()
-    } else {
-        base
-    };
     let mut roots = vec![work];
     roots.extend(shared.config.allowed_work_roots.iter().cloned());
     tokio::task::spawn_blocking(move || {
         if let Some(fields) = params.as_object_mut() {
-            crate::confine::confine_attachment_paths(fields, &base, &roots).map_err(|e| {
+            crate::confine::confine_attachment_paths(fields, &roots).map_err(|e| {
                 ErrorObject::new(
                     INVALID_PARAMS,
                     format!("Request {METHOD} failed with message: {e}"),
@@ -507,14 +502,6 @@ impl SdkSession {
     /// The pool's conversation of this session.
     pub(super) fn conversation(&self) -> ConversationId {
         conversation(&self.agent, self.id().as_str())
-    }
-
-    /// The session's working directory as its client named it (empty: the agent's own).
-    pub(super) fn working_directory(&self) -> PathBuf {
-        self.spec
-            .lock()
-            .map(|s| s.working_directory.clone())
-            .unwrap_or_else(|p| p.into_inner().working_directory.clone())
     }
 
     fn spec(&self) -> SessionSpec {

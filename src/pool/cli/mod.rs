@@ -529,9 +529,10 @@ impl CliPool {
             .flatten();
         let parked = match parked {
             // Its runner works in another directory than this lease asks for: it is closed,
-            // and a new runner in the lease's directory continues the conversation where its
-            // CLI finds the stored session there (Claude Code and Gemini CLI file a session
-            // by directory: else `transcript-missing`), never a turn run elsewhere.
+            // and a new runner in the lease's directory continues the conversation as
+            // `session::decide` says (resumed where its CLI finds the session from there, a
+            // new session where the CLI filed it by the old directory), never a turn run
+            // elsewhere.
             Some(parked) if parked.runner.working_directory() != ask.cwd => {
                 parked.close_now(Stop::Recycled).await;
                 None
