@@ -165,7 +165,7 @@ pub(super) async fn confine_directories(
     shared: &Shared,
     agent: &str,
     method: &str,
-    mut params: Value,
+    params: Value,
 ) -> Result<Value, CallError> {
     if !params
         .as_object()
@@ -173,25 +173,10 @@ pub(super) async fn confine_directories(
     {
         return Ok(params);
     }
-    let work = crate::home::work_dir(&shared.pool.config().agents_base_dir, agent)
-        .map_err(|e| pool_error(method, &PoolError::from(e)))?;
-    let mut roots = vec![work];
-    roots.extend(shared.config.allowed_work_roots.iter().cloned());
-    let method_name = method.to_owned();
-    // Resolving paths is file work: off the async threads.
-    tokio::task::spawn_blocking(move || {
-        if let Some(fields) = params.as_object_mut() {
-            crate::confine::confine_session_directories(fields, "", &roots).map_err(|e| {
-                ErrorObject::new(
-                    INVALID_PARAMS,
-                    format!("Request {method_name} failed with message: {e}"),
-                )
-            })?;
-        }
-        Ok(params)
+    confined(shared, agent, method, params, |fields, roots| {
+        crate::confine::confine_session_directories(fields, "", roots)
     })
     .await
-    .map_err(|e| pool_error(method, &PoolError::Internal(e.to_string())))?
 }
 
 /// The local paths a `session.send`'s attachments name, confined as the HTTP API confines a
@@ -202,9 +187,8 @@ pub(super) async fn confine_directories(
 pub(super) async fn confine_attachments(
     shared: &Shared,
     agent: &str,
-    mut params: Value,
+    params: Value,
 ) -> Result<Value, CallError> {
-    const METHOD: &str = "session.send";
     let names_any = match params.get("attachments") {
         None | Some(Value::Null) => false,
         Some(Value::Array(list)) => !list.is_empty(),
@@ -214,23 +198,49 @@ pub(super) async fn confine_attachments(
     if !names_any {
         return Ok(params);
     }
+    confined(
+        shared,
+        agent,
+        "session.send",
+        params,
+        crate::confine::confine_attachment_paths,
+    )
+    .await
+}
+
+/// `params` with `confine` applied to its fields under the agent's roots (its work directory
+/// and the allowed roots), off the async threads (resolving paths is file work); a refusal is
+/// `method`'s invalid-params error naming the field.
+async fn confined(
+    shared: &Shared,
+    agent: &str,
+    method: &str,
+    mut params: Value,
+    confine: impl FnOnce(
+        &mut serde_json::Map<String, Value>,
+        &[PathBuf],
+    ) -> Result<(), crate::confine::ConfineError>
+    + Send
+    + 'static,
+) -> Result<Value, CallError> {
     let work = crate::home::work_dir(&shared.pool.config().agents_base_dir, agent)
-        .map_err(|e| pool_error(METHOD, &PoolError::from(e)))?;
+        .map_err(|e| pool_error(method, &PoolError::from(e)))?;
     let mut roots = vec![work];
     roots.extend(shared.config.allowed_work_roots.iter().cloned());
+    let method_name = method.to_owned();
     tokio::task::spawn_blocking(move || {
         if let Some(fields) = params.as_object_mut() {
-            crate::confine::confine_attachment_paths(fields, &roots).map_err(|e| {
+            confine(fields, &roots).map_err(|e| {
                 ErrorObject::new(
                     INVALID_PARAMS,
-                    format!("Request {METHOD} failed with message: {e}"),
+                    format!("Request {method_name} failed with message: {e}"),
                 )
             })?;
         }
         Ok(params)
     })
     .await
-    .map_err(|e| pool_error(METHOD, &PoolError::Internal(e.to_string())))?
+    .map_err(|e| pool_error(method, &PoolError::Internal(e.to_string())))?
 }
 
 /// `session.create`/`session.resume` params.
