@@ -105,7 +105,7 @@ impl ModelTunnel for GuardedTunnel {
 
     fn request_too_large(&self, request: &ModelRequest, limit: usize) -> ModelResponse {
         tracing::warn!(
-            request_id = %request.request_id,
+            request_id = ?request.request_id,
             limit,
             "Model request body over the limit; answered 413 without calling the provider."
         );
@@ -140,7 +140,7 @@ impl Drop for Record {
 impl State {
     async fn serve(self: Arc<Self>, request: ModelRequest) -> ModelResponse {
         if priming::is_priming(&request.url) {
-            tracing::debug!(request_id = %request.request_id, "A priming turn's model call; answered without a provider.");
+            tracing::debug!(request_id = ?request.request_id, "A priming turn's model call; answered without a provider.");
             return priming::answer(&request).unwrap_or_else(|| {
                 error_response(503, "priming", "a priming turn calls no model")
             });
@@ -160,7 +160,7 @@ impl State {
                 let (outcome, status, code, message) = match failure {
                     Failure::Blocked((reason, message)) => {
                         tracing::warn!(
-                            request_id = %request.request_id,
+                            request_id = ?request.request_id,
                             reason = reason.label(),
                             "Model request refused by the guard: {message}"
                         );
@@ -168,11 +168,11 @@ impl State {
                         (ModelOutcome::Blocked, 403, reason.label(), message)
                     }
                     Failure::Connect(message) => {
-                        tracing::warn!(request_id = %request.request_id, "Model provider unreachable: {message}");
+                        tracing::warn!(request_id = ?request.request_id, "Model provider unreachable: {message}");
                         (ModelOutcome::ConnectError, 502, "connect_error", message)
                     }
                     Failure::Timeout(message) => {
-                        tracing::warn!(request_id = %request.request_id, "Model provider timed out: {message}");
+                        tracing::warn!(request_id = ?request.request_id, "Model provider timed out: {message}");
                         (ModelOutcome::Timeout, 504, "timeout", message)
                     }
                 };
@@ -183,7 +183,7 @@ impl State {
         metrics::model_bytes(ModelDirection::Sent, sent);
         metrics::model_first_byte(record.started.elapsed());
         let status = response.status().as_u16();
-        tracing::debug!(request_id = %request.request_id, status, "Model provider answered.");
+        tracing::debug!(request_id = ?request.request_id, status, "Model provider answered.");
         let headers = response_headers(response.headers());
         let (tx, rx) = mpsc::channel(BODY_CHANNEL);
         let idle = self.guard.config().idle_timeout;

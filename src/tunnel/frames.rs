@@ -29,22 +29,45 @@ const MAX_WHOLE_BODY_BYTES: usize = 8 << 20;
 #[derive(Default)]
 pub(crate) struct TunnelRequests {
     receiving: HashMap<String, Receiving>,
-    serving: HashMap<String, AbortHandle>,
+    serving: HashMap<String, Serving>,
 }
 
-/// Requests of one process whose body is still arriving, at most: a start past it is
+/// Requests of one process receiving their body or being served, at most: a start past it is
 /// refused (the runtime's model call fails at once). A runtime has one model call in flight
-/// per session and subagent; a runtime that opens more and never ends them must not make
-/// the daemon, which every tenant shares, hold them.
-pub(crate) const MAX_RECEIVING: usize = 256;
+/// per session and subagent; a runtime that opens more (and never ends them, or ends each at
+/// once against a slow provider) must not make the daemon, which every tenant shares, hold
+/// them.
+pub(crate) const MAX_IN_FLIGHT: usize = 256;
+
+/// The largest request head (its id, method, URL, session id and headers together): the
+/// runtime's are under a few KiB; the frame limit alone would let 256 heads hold GiBs.
+pub(crate) const MAX_HEAD_BYTES: usize = 64 << 10;
+
+/// The longest request id (the runtime's are UUIDs): it is logged.
+const MAX_REQUEST_ID_BYTES: usize = 256;
 
 /// Why a request head was refused.
 #[derive(Debug, thiserror::Error)]
-#[error(
-    "copilot-pool: {MAX_RECEIVING} model requests of this process are still receiving their \
-     body; end or cancel one first"
-)]
-pub(crate) struct TooManyReceiving;
+pub(crate) enum StartRefused {
+    #[error(
+        "copilot-pool: {MAX_IN_FLIGHT} model requests of this process are receiving their \
+         body or being served; end or cancel one first"
+    )]
+    TooMany,
+    #[error(
+        "copilot-pool: a model request's head (its id, URL and headers) is over \
+         {MAX_HEAD_BYTES} bytes, or its id over {MAX_REQUEST_ID_BYTES}"
+    )]
+    TooLarge,
+    #[error("copilot-pool: a model request of this process with this id is being served")]
+    IdInUse,
+}
+
+/// A request being served: its task, and the body it holds until sent.
+struct Serving {
+    task: AbortHandle,
+    body_bytes: usize,
+}
 
 /// A request whose body is still arriving.
 struct Receiving {
@@ -55,10 +78,29 @@ struct Receiving {
 }
 
 impl TunnelRequests {
-    /// A request head arrived; refused past [`MAX_RECEIVING`] requests receiving their body.
-    pub(crate) fn start(&mut self, head: HttpRequestStart) -> Result<(), TooManyReceiving> {
-        if self.receiving.len() >= MAX_RECEIVING && !self.receiving.contains_key(&head.request_id) {
-            return Err(TooManyReceiving);
+    /// A request head arrived; refused past [`MAX_IN_FLIGHT`] requests receiving their body
+    /// or being served, past [`MAX_HEAD_BYTES`], or under the id of one being served (its
+    /// task could no longer be stopped).
+    pub(crate) fn start(&mut self, head: HttpRequestStart) -> Result<(), StartRefused> {
+        let head_bytes = head.request_id.len()
+            + head.method.len()
+            + head.url.len()
+            + head.session_id.as_ref().map_or(0, String::len)
+            + head
+                .headers
+                .iter()
+                .map(|(name, values)| values.iter().map(|v| name.len() + v.len()).sum::<usize>())
+                .sum::<usize>();
+        if head_bytes > MAX_HEAD_BYTES || head.request_id.len() > MAX_REQUEST_ID_BYTES {
+            return Err(StartRefused::TooLarge);
+        }
+        if self.serving.contains_key(&head.request_id) {
+            return Err(StartRefused::IdInUse);
+        }
+        if self.receiving.len() + self.serving.len() >= MAX_IN_FLIGHT
+            && !self.receiving.contains_key(&head.request_id)
+        {
+            return Err(StartRefused::TooMany);
         }
         let headers = head
             .headers
@@ -95,18 +137,24 @@ impl TunnelRequests {
     ) -> bool {
         if chunk.cancel == Some(true) {
             self.receiving.remove(&chunk.request_id);
-            if let Some(task) = self.serving.remove(&chunk.request_id) {
-                task.abort();
+            if let Some(serving) = self.serving.remove(&chunk.request_id) {
+                serving.task.abort();
             }
             return true;
         }
-        // The bodies still arriving, all requests together (at most MAX_RECEIVING of them).
-        let buffered: usize = self.receiving.values().map(|r| r.request.body.len()).sum();
+        // The bodies still arriving or being sent, all requests together (at most
+        // MAX_IN_FLIGHT of them).
+        let buffered: usize = self
+            .receiving
+            .values()
+            .map(|r| r.request.body.len())
+            .chain(self.serving.values().map(|s| s.body_bytes))
+            .sum();
         let Some(receiving) = self.receiving.get_mut(&chunk.request_id) else {
             return false;
         };
         if chunk.binary == Some(true) {
-            tracing::warn!(request_id = %chunk.request_id, "Binary model request bodies are not supported; passing the data on as text.");
+            tracing::warn!(request_id = ?chunk.request_id, "Binary model request bodies are not supported; passing the data on as text.");
         }
         let limit = tunnel.max_request_body_bytes();
         let body = &mut receiving.request.body;
@@ -135,6 +183,7 @@ impl TunnelRequests {
             return false;
         };
         let id = request.request_id.clone();
+        let body_bytes = request.body.len();
         let conn = conn.clone();
         let tunnel = tunnel.clone();
         let done_id = id.clone();
@@ -147,7 +196,13 @@ impl TunnelRequests {
             }
             on_done(done_id);
         });
-        self.serving.insert(id, task.abort_handle());
+        self.serving.insert(
+            id,
+            Serving {
+                task: task.abort_handle(),
+                body_bytes,
+            },
+        );
         true
     }
 
@@ -159,8 +214,8 @@ impl TunnelRequests {
     /// Stops every response still streaming.
     pub(crate) fn abort_all(&mut self) {
         self.receiving.clear();
-        for (_, task) in self.serving.drain() {
-            task.abort();
+        for (_, serving) in self.serving.drain() {
+            serving.task.abort();
         }
     }
 }
@@ -189,7 +244,7 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
         headers,
     };
     if let Err(error) = conn.call::<HttpResponseStart>(&head).await {
-        tracing::debug!(%error, %request_id, "Tunnelled response head not delivered.");
+        tracing::debug!(%error, ?request_id, "Tunnelled response head not delivered.");
         return;
     }
     let chunk = |data: String, end: bool, error: Option<String>| HttpResponseChunkParams {
@@ -245,7 +300,7 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
         };
         let last = params.end;
         if let Err(error) = conn.call::<HttpResponseChunk>(&params).await {
-            tracing::debug!(%error, %request_id, "Tunnelled response chunk not delivered.");
+            tracing::debug!(%error, ?request_id, "Tunnelled response chunk not delivered.");
             return;
         }
         if last {
@@ -256,7 +311,7 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
         .call::<HttpResponseChunk>(&chunk(String::new(), true, None))
         .await
     {
-        tracing::debug!(%error, %request_id, "Tunnelled response end not delivered.");
+        tracing::debug!(%error, ?request_id, "Tunnelled response end not delivered.");
     }
 }
 
@@ -531,10 +586,13 @@ mod tests {
         let (conn, mut theirs, tunnel, mut served) = capturing(1000);
         let mut requests = TunnelRequests::default();
         // Requests whose body never ends: past the count, a start is refused.
-        for i in 0..MAX_RECEIVING {
+        for i in 0..MAX_IN_FLIGHT {
             requests.start(head(&format!("open-{i}"))).expect("room");
         }
-        assert!(requests.start(head("one-more")).is_err());
+        assert!(matches!(
+            requests.start(head("one-more")),
+            Err(StartRefused::TooMany)
+        ));
         requests.abort_all();
         // Bodies still arriving hold at most twice the body limit together: the request
         // whose piece would pass it is answered too large, not served, and the others are.
@@ -560,6 +618,58 @@ mod tests {
         }
         assert_eq!(bodies, [900, 900]);
         assert!(requests.receiving.is_empty());
+    }
+
+    #[tokio::test]
+    async fn requests_being_served_count_towards_the_bounds_and_so_does_a_head() {
+        // This side never answers a response's head: every request served stays in flight.
+        let (conn, _theirs, tunnel, _served) = capturing(1000);
+        let mut requests = TunnelRequests::default();
+        for i in 0..MAX_IN_FLIGHT {
+            let id = format!("served-{i}");
+            requests.start(head(&id)).expect("room");
+            assert!(requests.chunk(piece(&id, "", true), &conn, &tunnel, |_| {}));
+        }
+        assert_eq!(requests.serving.len(), MAX_IN_FLIGHT);
+        assert!(matches!(
+            requests.start(head("one-more")),
+            Err(StartRefused::TooMany)
+        ));
+        // An id being served is not started again: its task could no longer be stopped.
+        requests.done("served-1");
+        assert!(matches!(
+            requests.start(head("served-0")),
+            Err(StartRefused::IdInUse)
+        ));
+        requests.abort_all();
+        // A head past its bound, or an overlong id.
+        let mut large = head("large");
+        large.url = format!("https://{}/", "a".repeat(MAX_HEAD_BYTES));
+        assert!(matches!(requests.start(large), Err(StartRefused::TooLarge)));
+        let mut headers = head("headers");
+        headers
+            .headers
+            .insert("x-pad".to_owned(), vec!["p".repeat(1 << 10); 64]);
+        assert!(matches!(
+            requests.start(headers),
+            Err(StartRefused::TooLarge)
+        ));
+        assert!(matches!(
+            requests.start(head(&"i".repeat(300))),
+            Err(StartRefused::TooLarge)
+        ));
+        // Bodies being sent count in the byte budget (twice the body limit): two of 900
+        // served, a third's piece would pass it and is answered too large.
+        for id in ["a", "b"] {
+            requests.start(head(id)).expect("room");
+            assert!(requests.chunk(piece(id, &"x".repeat(900), true), &conn, &tunnel, |_| {}));
+        }
+        requests.start(head("c")).expect("room");
+        assert!(requests.chunk(piece("c", &"x".repeat(900), false), &conn, &tunnel, |_| {}));
+        assert!(
+            requests.receiving["c"].oversized,
+            "over the budget with a and b"
+        );
     }
 
     #[tokio::test]
