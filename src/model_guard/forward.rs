@@ -363,6 +363,20 @@ fn same_origin_redirects() -> reqwest::redirect::Policy {
     })
 }
 
+/// The real credential for an auth header whose value is the placeholder alone, or `Bearer`
+/// and the placeholder: the runtime's auth headers take one of those forms, and nothing a
+/// child puts around the placeholder goes upstream with the key (a provider that echoes a
+/// wrong key back would show it the real one inside its own text).
+fn with_credential(value: &str, placeholder: &str, key: &crate::secret::Secret) -> Option<String> {
+    let value = value.trim();
+    if value == placeholder {
+        return Some(key.expose().to_owned());
+    }
+    let (scheme, rest) = value.split_once(' ')?;
+    (scheme.eq_ignore_ascii_case("bearer") && rest.trim() == placeholder)
+        .then(|| format!("Bearer {}", key.expose()))
+}
+
 /// The upstream request headers: the runtime's allowlisted ones, its auth header with the
 /// placeholder replaced by the real credential, then the provider's own headers.
 pub(crate) fn request_headers(
@@ -373,17 +387,15 @@ pub(crate) fn request_headers(
     for (name, value) in runtime {
         let lower = name.to_ascii_lowercase();
         let value = if AUTH_HEADERS.contains(&lower.as_str()) {
-            let mut real = None;
-            if let Some(key) = &provider.bearer_token
-                && value.contains(PLACEHOLDER_BEARER_TOKEN)
-            {
-                real = Some(value.replace(PLACEHOLDER_BEARER_TOKEN, key.expose()));
-            } else if let Some(key) = &provider.api_key
-                && value.contains(PLACEHOLDER_API_KEY)
-            {
-                real = Some(value.replace(PLACEHOLDER_API_KEY, key.expose()));
-            }
-            // A credential header without our placeholder is not ours to pass on.
+            let real = provider
+                .bearer_token
+                .as_ref()
+                .and_then(|key| with_credential(value, PLACEHOLDER_BEARER_TOKEN, key))
+                .or_else(|| {
+                    let key = provider.api_key.as_ref()?;
+                    with_credential(value, PLACEHOLDER_API_KEY, key)
+                });
+            // A credential header without our placeholder (alone) is not ours to pass on.
             let Some(real) = real else { continue };
             real
         } else if FORWARDED_REQUEST_HEADERS.contains(&lower.as_str())

@@ -856,6 +856,25 @@ fn the_bearer_token_wins_and_a_credential_header_without_the_placeholder_is_drop
     assert_eq!(headers["api-key"], "sk-real-key-4711");
     assert!(headers.get("x-api-key").is_none());
     assert!(headers["authorization"].is_sensitive());
+    // The placeholder inside other text is not replaced: the header is dropped.
+    let headers = forward::request_headers(
+        &[
+            (
+                "authorization".into(),
+                format!("Bearer echo-{PLACEHOLDER_BEARER_TOKEN}"),
+            ),
+            (
+                "api-key".into(),
+                format!("{PLACEHOLDER_API_KEY} {PLACEHOLDER_API_KEY}"),
+            ),
+            ("x-api-key".into(), format!(" {PLACEHOLDER_API_KEY} ")),
+        ],
+        &p,
+    );
+    assert!(headers.get("authorization").is_none(), "{headers:?}");
+    assert!(headers.get("api-key").is_none(), "{headers:?}");
+    assert_eq!(headers["x-api-key"], "sk-real-key-4711");
+    assert!(headers["x-api-key"].is_sensitive());
 }
 
 #[test]
