@@ -739,8 +739,10 @@ impl CliPool {
             runner.clear_gateway_handlers();
             runner
         });
-        let closed = self.closed.load(Ordering::SeqCst);
         let mut shell = self.lock();
+        // Read under the lock: a shutdown sets it before it takes the lock to empty
+        // `parked`, so a runner kept here is either emptied by it or not kept at all.
+        let closed = self.closed.load(Ordering::SeqCst);
         let kept = runner.is_some() && !closed;
         let effects = shell
             .core
@@ -901,26 +903,37 @@ impl CliPool {
     /// gone); a lease returned later closes its process.
     pub(crate) async fn shutdown(&self, grace: Duration) {
         self.closed.store(true, Ordering::SeqCst);
-        let parked: Vec<Parked> = {
+        let closing: Vec<watch::Receiver<bool>> = {
             let mut shell = self.lock();
             let effects = shell.core.close();
-            let mut closing = Vec::new();
+            let mut parked = Vec::new();
             for effect in effects {
                 match effect {
                     Effect::Close { conversation } => {
                         if let Some(p) = shell.parked.remove(&conversation) {
-                            closing.push(p);
+                            parked.push((conversation, p));
                         }
                     }
                     other => self.apply(&mut shell, vec![other]),
                 }
             }
-            closing.extend(shell.parked.drain().map(|(_, p)| p));
+            parked.extend(shell.parked.drain());
+            // Closed all at once, each recorded as closing: a lease granted just before the
+            // shutdown (its runner still parked) waits for its old process to be gone before
+            // it starts another on the same session.
+            let closing = parked
+                .into_iter()
+                .map(|(conversation, p)| {
+                    let gone = p.close(Stop::Shutdown);
+                    shell.closing.insert(conversation, gone.clone());
+                    gone
+                })
+                .collect();
             self.publish(&mut shell);
             closing
         };
-        for parked in parked {
-            parked.close_now(Stop::Shutdown).await;
+        for mut gone in closing {
+            let _ = gone.wait_for(|gone| *gone).await;
         }
         let mut in_use = self.in_use.subscribe();
         let _ = tokio::time::timeout(grace, in_use.wait_for(|n| *n == 0)).await;
