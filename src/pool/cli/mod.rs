@@ -1116,7 +1116,8 @@ impl Drop for WaitGuard {
         }
         let mut shell = self.pool.lock();
         if shell.waiters.remove(&self.id).is_some() {
-            shell.core.abandon(self.id);
+            let effects = shell.core.abandon(self.id, Instant::now());
+            self.pool.apply(&mut shell, effects);
             return;
         }
         // Granted meanwhile, to nobody: give the conversation back (its parked process,

@@ -492,8 +492,14 @@ impl Slots {
     }
 
     /// A waiter gave up (its wait ran out, or its caller went away).
-    pub(crate) fn abandon(&mut self, id: u64) {
+    pub(crate) fn abandon(&mut self, id: u64, now: Instant) -> Vec<Effect> {
         self.waiters.retain(|w| w.id != id);
+        // It may have held the ones behind it back: an earlier waiter of the same
+        // conversation or lane goes first, and it may be the one that asked the Copilot side
+        // for room (a request that is stale now; the next waiter asks again).
+        let mut effects = Vec::new();
+        self.serve_waiters(now, &mut effects);
+        effects
     }
 
     /// A parked conversation's process was closed from outside the leases (idle).
@@ -957,6 +963,26 @@ mod tests {
         }));
         assert!(granted(&effects, 3), "{effects:?}");
         assert_eq!(s.processes(), 2);
+    }
+
+    #[test]
+    fn a_waiter_that_gives_up_lets_the_one_behind_it_ask_the_copilot_side_for_room() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut s = slots(2, 2);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, t1), 1));
+        s.returned("a/1", true, false, t1);
+        s.set_others(Others {
+            held: 1,
+            idle_since: Some(t0),
+        });
+        // Two waiters of one conversation: the first asks for the Copilot worker, the second
+        // waits behind it.
+        assert_eq!(s.ask(2, "b/1", key("b"), false, t1), [Effect::EvictOther]);
+        assert!(s.ask(3, "b/1", key("b"), false, t1).is_empty());
+        // The first gives up: the second asks in its place, not after its own timeout.
+        assert_eq!(s.abandon(2, t1), [Effect::EvictOther]);
+        assert!(s.wants_other());
     }
 
     #[test]
