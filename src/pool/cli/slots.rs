@@ -579,6 +579,20 @@ impl Slots {
                 (waiter.id, waiter.conversation.clone(), waiter.key.clone());
             // An earlier waiter of the same conversation, or of the same serialized lane,
             // goes first (one lease at a time, in order).
+            // A key quarantined while its waiters waited (a crash inside `returned`) fails
+            // them as it fails a new ask: each would start a process into the crash loop.
+            if let Some(until) = self
+                .restarts
+                .get(&key)
+                .and_then(|t| t.quarantined_until(now))
+            {
+                self.waiters.remove(i);
+                effects.push(Effect::Fail {
+                    id,
+                    why: Refusal::Quarantined(until - now),
+                });
+                continue;
+            }
             let earlier = self
                 .waiters
                 .iter()
@@ -865,6 +879,29 @@ mod tests {
         ));
         // Another key is unaffected.
         assert!(granted(&s.ask(10, "b/1", key("b"), false, now), 10));
+    }
+
+    #[test]
+    fn a_key_quarantined_while_its_waiters_wait_fails_them_instead_of_starting_each() {
+        let now = Instant::now();
+        let mut s = slots(4, 4);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
+        s.returned("a/1", false, true, now);
+        assert!(granted(&s.ask(2, "a/1", key("a"), false, now), 2));
+        // Waiting behind the lease that is about to crash into quarantine.
+        assert!(s.ask(3, "a/1", key("a"), false, now).is_empty());
+        let effects = s.returned("a/1", false, true, now);
+        assert!(
+            matches!(
+                effects.as_slice(),
+                [Effect::Fail {
+                    id: 3,
+                    why: Refusal::Quarantined(_)
+                }]
+            ),
+            "{effects:?}"
+        );
+        assert!(!s.holds("a/1"));
     }
 
     #[test]
