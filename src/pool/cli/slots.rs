@@ -972,19 +972,25 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn a_full_pool_asks_the_copilot_side_once_for_its_older_idle_worker_and_grants_when_it_is_gone()
-    {
+    /// A pool of two: `a/1` parked at the returned instant, and one Copilot worker idle since
+    /// before it (the oldest idle process).
+    fn full_beside_an_older_copilot_worker() -> (Slots, Instant) {
         let t0 = Instant::now();
         let t1 = t0 + Duration::from_secs(1);
         let mut s = slots(2, 2);
         assert!(granted(&s.ask(1, "a/1", key("a"), false, t1), 1));
         s.returned("a/1", true, false, t1);
-        // One Copilot worker, idle since before a/1 was parked: it is the oldest idle one.
         s.set_others(Others {
             held: 1,
             idle_since: Some(t0),
         });
+        (s, t1)
+    }
+
+    #[test]
+    fn a_full_pool_asks_the_copilot_side_once_for_its_older_idle_worker_and_grants_when_it_is_gone()
+    {
+        let (mut s, t1) = full_beside_an_older_copilot_worker();
         assert_eq!(s.ask(2, "b/1", key("b"), false, t1), [Effect::EvictOther]);
         assert!(
             s.ask(3, "c/1", key("c"), false, t1).is_empty(),
@@ -1004,15 +1010,7 @@ mod tests {
 
     #[test]
     fn a_waiter_that_gives_up_lets_the_one_behind_it_ask_the_copilot_side_for_room() {
-        let t0 = Instant::now();
-        let t1 = t0 + Duration::from_secs(1);
-        let mut s = slots(2, 2);
-        assert!(granted(&s.ask(1, "a/1", key("a"), false, t1), 1));
-        s.returned("a/1", true, false, t1);
-        s.set_others(Others {
-            held: 1,
-            idle_since: Some(t0),
-        });
+        let (mut s, t1) = full_beside_an_older_copilot_worker();
         // Two waiters of one conversation: the first asks for the Copilot worker, the second
         // waits behind it.
         assert_eq!(s.ask(2, "b/1", key("b"), false, t1), [Effect::EvictOther]);
