@@ -440,6 +440,40 @@ async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
         "{}",
         refused.body
     );
+    // An array where the document says object (serde's structs would read one as their
+    // fields in order): a 400 at every level, and for compact and reset too.
+    let whole = json!(["agent-a", "k", "hi"]);
+    let mut as_arrays = vec![("body", whole.clone())];
+    for (field, value) in [
+        ("auth", json!([])),
+        ("provider", json!([url.clone()])),
+        ("tools", json!([["lookup"]])),
+        ("attachments", json!([["file", "/tmp/x"]])),
+        (
+            "attachments",
+            json!([{"type": "file", "path": "/tmp/x", "line_range": [1, 2]}]),
+        ),
+    ] {
+        let mut body = turn(&url, "agent-a", "k", "hi");
+        body[field] = value;
+        as_arrays.push((field, body));
+    }
+    for (field, body) in &as_arrays {
+        let refused = call(addr, "POST", "/v1/turns", Some("s3cret-token"), Some(body)).await;
+        assert_eq!(refused.status, 400, "{field}: {}", refused.body);
+        assert!(
+            refused.body.contains("expected a JSON object"),
+            "{field}: {}",
+            refused.body
+        );
+    }
+    for (method, path) in [
+        ("POST", "/v1/sessions/agent-a/k/compact"),
+        ("DELETE", "/v1/sessions/agent-a/k"),
+    ] {
+        let refused = call(addr, method, path, Some("s3cret-token"), Some(&json!([]))).await;
+        assert_eq!(refused.status, 400, "{method} {path}: {}", refused.body);
+    }
     let big = json!({"agent_id": "a", "session_key": "k", "prompt": "x".repeat(10_000)});
     let oversized = call(addr, "POST", "/v1/turns", Some("s3cret-token"), Some(&big)).await;
     assert_eq!(oversized.status, 413, "{}", oversized.body);

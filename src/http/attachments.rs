@@ -72,7 +72,7 @@ pub(super) enum AttachmentBody {
         path: PathBuf,
         #[serde(default)]
         display_name: Option<String>,
-        #[serde(default)]
+        #[serde(default, deserialize_with = "super::object::optional")]
         line_range: Option<LineRange>,
     },
     /// A directory by path.

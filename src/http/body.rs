@@ -15,6 +15,7 @@ use utoipa::ToSchema;
 
 use super::AppState;
 use super::error::{error, pool_error};
+use super::object::{self, Object};
 use crate::auth::LeaseAuth;
 use crate::pool::LeaseRequest;
 use crate::rpc::messages::{AzureOptions, ProviderConfig};
@@ -65,7 +66,12 @@ pub(super) async fn read_body(state: &AppState, body: Body) -> Result<Bytes, Res
 
 /// Parses a JSON body; the error names the field serde complained about, never the value it
 /// found there (a wrong-typed field may hold a secret).
+/// The body must be a JSON object ([`super::object`]).
 pub(super) fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Response> {
+    parse_json::<Object<T>>(body).map(|o| o.0)
+}
+
+fn parse_json<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, Response> {
     serde_json::from_slice(body).map_err(|e| {
         error(
             StatusCode::BAD_REQUEST,
@@ -96,7 +102,7 @@ struct ProviderBody {
     bearer_token: Option<Secret>,
     #[serde(default)]
     wire_api: Option<crate::kinds::WireApi>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object::optional")]
     azure: Option<AzureBody>,
     #[serde(default)]
     headers: Option<BTreeMap<String, String>>,
@@ -169,11 +175,11 @@ fn empty_schema() -> Value {
 #[derive(Deserialize, Default, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ConversationBody {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object::optional")]
     auth: Option<AuthBody>,
     #[serde(default)]
     model: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object::optional")]
     provider: Option<ProviderBody>,
     #[serde(default)]
     reasoning_effort: Option<crate::kinds::ReasoningEffort>,
@@ -191,11 +197,11 @@ pub(super) struct CompactBody {
     /// What the summary should focus on or keep.
     #[serde(default)]
     custom_instructions: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object::optional")]
     auth: Option<AuthBody>,
     #[serde(default)]
     model: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object::optional")]
     provider: Option<ProviderBody>,
     #[serde(default)]
     reasoning_effort: Option<crate::kinds::ReasoningEffort>,
@@ -232,11 +238,11 @@ pub(super) struct TurnBody {
     pub session_key: String,
     /// The user's message.
     pub prompt: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object::optional")]
     auth: Option<AuthBody>,
     #[serde(default)]
     model: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object::optional")]
     provider: Option<ProviderBody>,
     #[serde(default)]
     reasoning_effort: Option<crate::kinds::ReasoningEffort>,
@@ -244,7 +250,7 @@ pub(super) struct TurnBody {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     session: Option<Value>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object::each")]
     pub tools: Vec<ToolBody>,
     /// The turn's absolute time limit: above 0, at most the daemon's own.
     #[serde(default)]
@@ -255,7 +261,7 @@ pub(super) struct TurnBody {
     /// `.jpeg`, `.gif` or `.webp`, or inline with an image `media_type`; anything else is a
     /// 400): Claude Code gets each as an image block of the message, Codex as `--image`,
     /// Gemini CLI as an `@path` reference (inside the agent's work directory only).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object::each")]
     pub attachments: Vec<super::attachments::AttachmentBody>,
     /// `enqueue` or `immediate`.
     #[serde(default)]
@@ -330,7 +336,9 @@ pub(super) fn optional_body<T: Default + for<'de> Deserialize<'de>>(
     if body.iter().all(|b| b.is_ascii_whitespace()) {
         return Ok(T::default());
     }
-    Ok(parse::<Option<T>>(body)?.unwrap_or_default())
+    Ok(parse_json::<Option<Object<T>>>(body)?
+        .map(|o| o.0)
+        .unwrap_or_default())
 }
 
 fn provider_config(p: ProviderBody) -> Result<ProviderConfig, Response> {

@@ -38,6 +38,7 @@
 //! - `sessions` — abort, compact and reset of a conversation.
 //! - `turns` — `POST /v1/turns` and its event stream.
 //! - `listener` — accepting connections with a cap, timeouts and a graceful stop.
+//! - `object` — request bodies' objects read from JSON objects only (never from arrays).
 
 // Early returns carry the HTTP response itself; boxing every one would only add noise.
 #![allow(clippy::result_large_err)]
@@ -51,6 +52,7 @@ mod gateway;
 mod health;
 mod idempotency;
 mod listener;
+mod object;
 mod openapi;
 mod sessions;
 mod turns;
