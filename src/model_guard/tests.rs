@@ -760,6 +760,10 @@ async fn a_request_outside_the_providers_base_url_is_refused() {
         format!("https://{PLACEHOLDER_HOST}/v2/chat/completions"),
         format!("https://{PLACEHOLDER_HOST}/v1x"),
         format!("https://{PLACEHOLDER_HOST}/v1/../admin"),
+        // Separators spelled encoded: a server that decodes them climbs out of the base.
+        format!("https://{PLACEHOLDER_HOST}/v1/..%2F..%2Fadmin"),
+        format!("https://{PLACEHOLDER_HOST}/v1/%2e%2e%2fadmin"),
+        format!("https://{PLACEHOLDER_HOST}/v1/..%5Cadmin"),
         format!("https://{PLACEHOLDER_HOST}:8443/v1/chat/completions"),
         format!("http://{PLACEHOLDER_HOST}/v1/chat/completions"),
         format!("https://user@{PLACEHOLDER_HOST}/v1/chat/completions"),
