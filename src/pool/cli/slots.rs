@@ -251,6 +251,14 @@ impl Slots {
         self.held.values().filter(|h| &h.key == key).count()
     }
 
+    /// The refusal of a lease of `key` while the key is quarantined, for how long is left.
+    fn quarantined(&self, key: &CliKey, now: Instant) -> Option<Refusal> {
+        self.restarts
+            .get(key)
+            .and_then(|t| t.quarantined_until(now))
+            .map(|until| Refusal::Quarantined(until - now))
+    }
+
     /// A lease asks for `conversation` under `key`.
     pub(crate) fn ask(
         &mut self,
@@ -266,15 +274,8 @@ impl Slots {
                 why: Refusal::Closed,
             }];
         }
-        if let Some(until) = self
-            .restarts
-            .get(&key)
-            .and_then(|t| t.quarantined_until(now))
-        {
-            return vec![Effect::Fail {
-                id,
-                why: Refusal::Quarantined(until - now),
-            }];
+        if let Some(why) = self.quarantined(&key, now) {
+            return vec![Effect::Fail { id, why }];
         }
         let leased = self.held.get(conversation).is_some_and(|h| h.leased)
             || self.deleting.contains(conversation)
@@ -577,22 +578,15 @@ impl Slots {
             let waiter = &self.waiters[i];
             let (id, conversation, key) =
                 (waiter.id, waiter.conversation.clone(), waiter.key.clone());
-            // An earlier waiter of the same conversation, or of the same serialized lane,
-            // goes first (one lease at a time, in order).
             // A key quarantined while its waiters waited (a crash inside `returned`) fails
             // them as it fails a new ask: each would start a process into the crash loop.
-            if let Some(until) = self
-                .restarts
-                .get(&key)
-                .and_then(|t| t.quarantined_until(now))
-            {
+            if let Some(why) = self.quarantined(&key, now) {
                 self.waiters.remove(i);
-                effects.push(Effect::Fail {
-                    id,
-                    why: Refusal::Quarantined(until - now),
-                });
+                effects.push(Effect::Fail { id, why });
                 continue;
             }
+            // An earlier waiter of the same conversation, or of the same serialized lane,
+            // goes first (one lease at a time, in order).
             let earlier = self
                 .waiters
                 .iter()
