@@ -487,9 +487,10 @@ impl CliPool {
             pool: self.clone(),
             id,
             conversation: ask.conversation.clone(),
+            answer: rx,
             armed: true,
         };
-        let reuse = match tokio::time::timeout(ask.wait, rx).await {
+        let reuse = match tokio::time::timeout(ask.wait, &mut guard.answer).await {
             Ok(Ok(result)) => {
                 guard.armed = false;
                 result.map_err(|e| match e {
@@ -1106,6 +1107,9 @@ struct WaitGuard {
     pool: Arc<CliPool>,
     id: u64,
     conversation: String,
+    /// The pool's answer to the ask (sent under the pool's lock as the ask leaves its
+    /// waiters).
+    answer: oneshot::Receiver<Result<bool, PoolError>>,
     armed: bool,
 }
 
@@ -1118,6 +1122,11 @@ impl Drop for WaitGuard {
         if shell.waiters.remove(&self.id).is_some() {
             let effects = shell.core.abandon(self.id, Instant::now());
             self.pool.apply(&mut shell, effects);
+            return;
+        }
+        // Answered meanwhile. A refusal (the pool shutting down, the key quarantined) holds
+        // nothing: handing the conversation back would free another lease's.
+        if !matches!(self.answer.try_recv(), Ok(Ok(_))) {
             return;
         }
         // Granted meanwhile, to nobody: give the conversation back (its parked process,
@@ -1813,6 +1822,35 @@ mod tests {
         );
         assert!(theirs.is_file(), "nothing removed outside the agent's home");
         assert!(pool.bindings.get(key).expect("read").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_waiter_refused_by_the_shutdown_and_then_dropped_leaves_the_holders_lease_alone() {
+        use futures_util::FutureExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, home, cwd, names) = codex_pool(dir.path());
+        let holder = pool
+            .lease(
+                ask("codex-cli", home.clone(), cwd.clone()),
+                names.binding.clone(),
+            )
+            .await
+            .expect("leased");
+        let waiter = pool.lease(ask("codex-cli", home, cwd), names.binding.clone());
+        let mut waiter = Box::pin(waiter);
+        assert!(
+            (&mut waiter).now_or_never().is_none(),
+            "waits behind the holder"
+        );
+        // The shutdown refuses the waiter; its caller goes away before it reads the refusal.
+        pool.shutdown(Duration::ZERO).await;
+        drop(waiter);
+        assert_eq!(
+            pool.lock().core.view().held,
+            1,
+            "the holder's conversation is still held"
+        );
+        drop(holder);
     }
 
     #[tokio::test]
