@@ -21,13 +21,20 @@ use serde_json::{Map, Value};
 /// the file it writes a trajectory to.
 const PATH_FIELDS: &[&str] = &["workingDirectory", "eventsLogDirectory", "trajectoryFile"];
 
-/// Session fields naming directories the runtime reads.
+/// Session fields naming directories the runtime reads (skills, plugins, agents and hooks
+/// from there are code it runs).
 const DIRECTORY_LIST_FIELDS: &[&str] = &[
     "additionalDirectories",
     "skillDirectories",
     "pluginDirectories",
     "instructionDirectories",
+    "agentDirectories",
+    "hookDirectories",
 ];
+
+/// Paths inside a session field's object: the directory the runtime writes large tool
+/// outputs to (`largeOutput.outputDir`, the SDKs' `outputDirectory` on the wire).
+const NESTED_PATH_FIELDS: &[(&str, &str)] = &[("largeOutput", "outputDir")];
 
 /// Why a path was refused.
 #[derive(Debug, thiserror::Error)]
@@ -146,10 +153,22 @@ pub fn names_directories(fields: &Map<String, Value>) -> bool {
         .iter()
         .chain(DIRECTORY_LIST_FIELDS)
         .any(|name| fields.get(*name).is_some_and(|v| !v.is_null()))
+        || NESTED_PATH_FIELDS
+            .iter()
+            .any(|(outer, inner)| nested(fields, outer, inner).is_some())
+}
+
+/// `fields[outer][inner]`, when set.
+fn nested<'a>(fields: &'a Map<String, Value>, outer: &str, inner: &str) -> Option<&'a Value> {
+    fields
+        .get(outer)
+        .and_then(|o| o.get(inner))
+        .filter(|v| !v.is_null())
 }
 
 /// Confines every path a session's `fields` name (`workingDirectory`, `eventsLogDirectory`,
-/// `trajectoryFile`, `additionalDirectories`, skill, plugin and instruction directories) with
+/// `trajectoryFile`, `largeOutput.outputDir`, `additionalDirectories`, skill, plugin,
+/// instruction, agent and hook directories) with
 /// [`confine`], and
 /// replaces each by its resolved path, which is what the runtime must get. `prefix` goes
 /// before each field's name in an error (`session.` where the fields are a request's
@@ -173,6 +192,14 @@ pub fn confine_session_directories(
         if let Some(dir) = fields.get(*name).filter(|v| !v.is_null()) {
             let resolved = confined(format!("{prefix}{name}"), dir)?;
             fields.insert((*name).to_owned(), resolved);
+        }
+    }
+    for (outer, inner) in NESTED_PATH_FIELDS {
+        if let Some(dir) = nested(fields, outer, inner) {
+            let resolved = confined(format!("{prefix}{outer}.{inner}"), dir)?;
+            if let Some(Value::Object(o)) = fields.get_mut(*outer) {
+                o.insert((*inner).to_owned(), resolved);
+            }
         }
     }
     for name in DIRECTORY_LIST_FIELDS {
@@ -375,6 +402,24 @@ mod tests {
                 "{e}"
             );
         }
+        // A path inside a field's object: confined, resolved, its siblings kept.
+        let mut fields = Map::new();
+        fields.insert(
+            "largeOutput".into(),
+            serde_json::json!({"enabled": true, "outputDir": inside.clone()}),
+        );
+        assert!(names_directories(&fields));
+        confine_session_directories(&mut fields, "", &roots).unwrap();
+        assert_eq!(
+            fields["largeOutput"],
+            serde_json::json!({"enabled": true, "outputDir": resolved.clone()})
+        );
+        fields.insert(
+            "largeOutput".into(),
+            serde_json::json!({"outputDir": outside.clone()}),
+        );
+        let e = confine_session_directories(&mut fields, "", &roots).unwrap_err();
+        assert!(e.to_string().starts_with("largeOutput.outputDir:"), "{e}");
         // A value of the wrong shape is refused by name, never passed on.
         let mut fields = Map::new();
         fields.insert("skillDirectories".into(), outside.clone().into());

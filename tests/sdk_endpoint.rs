@@ -369,6 +369,14 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
             json!({"type": "token", "host": "https://github.com", "token": "other"}),
         ),
         ("manageScheduleEnabled", json!(true)),
+        // Code from the daemon's host, and a field no SDK sends (which may reach past the
+        // agent's directories: the runtime takes more than the SDKs offer).
+        ("extensionSdkPath", json!("/opt/copilot-sdk")),
+        (
+            "shell",
+            json!({"initScripts": [{"path": "/etc/profile", "shell": "bash"}]}),
+        ),
+        ("agentContext", json!("from elsewhere")),
     ] {
         let mut params = create_params(&fx, "guarded-1");
         params[field] = value;
@@ -415,6 +423,12 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
             json!(another_agents.join("events").display().to_string()),
         ),
         ("trajectoryFile", json!("/etc/trajectory.json")),
+        ("hookDirectories", json!(["/etc"])),
+        (
+            "agentDirectories",
+            json!([another_agents.display().to_string()]),
+        ),
+        ("largeOutput", json!({"enabled": true, "outputDir": "/tmp"})),
     ] {
         let mut params = create_params(&fx, "guarded-1");
         params[field] = value;
@@ -459,6 +473,38 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         assert!(
             refused.message.contains("attachments.1.") && refused.message.contains(why),
             "{i}: {refused:?}"
+        );
+    }
+    // What the SDKs' "empty" mode sends after an open passes; host code, the runtime's shell
+    // and fields no SDK sends do not.
+    conn.request(
+        "session.options.update",
+        json!({"sessionId": "guarded-1", "skipCustomInstructions": true,
+               "customAgentsLocalOnly": true, "coauthorEnabled": false,
+               "manageScheduleEnabled": false, "installedPlugins": [],
+               "includedBuiltinSkills": []}),
+        None,
+    )
+    .await
+    .expect("the empty mode's options");
+    for (field, value) in [
+        (
+            "installedPlugins",
+            json!([{"name": "p", "marketplace": "m", "cache_path": "/root/plugins/p"}]),
+        ),
+        (
+            "shell",
+            json!({"initScripts": [{"path": "/etc/profile", "shell": "bash"}]}),
+        ),
+        ("shellProcessFlags", json!(["--rcfile", "/etc/profile"])),
+        ("agentContext", json!("from elsewhere")),
+    ] {
+        let mut params = json!({"sessionId": "guarded-1"});
+        params[field] = value;
+        let refused = remote_error(conn.request("session.options.update", params, None).await);
+        assert!(
+            refused.message.contains(field) && refused.message.contains("copilot-pool"),
+            "{field}: {refused:?}"
         );
     }
     // Moving the session's directory out afterwards is refused too.

@@ -611,7 +611,7 @@ impl Client {
         let agent = self.agent().unwrap_or_default().to_owned();
         let params =
             session::confine_directories(&self.shared, &agent, method, params.clone()).await?;
-        let spec = SessionSpec::from_params(&params)?;
+        let spec = SessionSpec::from_params(method, &params)?;
         if !self.shared.config.allow_local_mcp_servers
             && let Some(field) = params.as_object().and_then(|p| {
                 crate::session_options::local_mcp_servers(p)

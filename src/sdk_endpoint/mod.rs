@@ -23,10 +23,12 @@
 //! Modules: `tokens` (token → agent), `listener` (accept loops: the connection cap, the
 //! stop), `admission` (room for connections: those not authenticated yet, where a new one
 //! past the cap closes the oldest, and each agent's), `connection` (one client: the handshake and where each
-//! method goes), `session` (one SDK session: leases, the turn pump, crashes).
+//! method goes), `session` (one SDK session: leases, the turn pump, crashes), `fields` (which session
+//! fields a client may set).
 
 mod admission;
 mod connection;
+mod fields;
 mod listener;
 mod session;
 mod tokens;

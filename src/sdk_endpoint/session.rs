@@ -25,6 +25,7 @@ use crate::worker::{
 };
 
 use super::Shared;
+use super::fields::{self, Refusal};
 
 /// The prefix of an SDK session's conversation key: `(agent, "sdk:<session id>")`.
 pub(super) const SESSION_KEY_PREFIX: &str = crate::ids::SDK_SESSION_KEY_PREFIX;
@@ -114,45 +115,6 @@ pub(super) fn worker_error(method: &str, error: &WorkerError) -> CallError {
             INTERNAL_ERROR,
             format!("Request {method} failed with message: {other}"),
         ),
-    }
-}
-
-/// What a lease of this session asks the pool for, read from the client's
-/// Session fields an SDK client may not set, on create, resume or `session.options.update`:
-/// providers and endpoints besides the session's one `provider` (their credentials would
-/// reach the child outside the guard), a bearer-token provider whose token the runtime
-/// would ask the client for, and the agent's config directory.
-pub(super) const SDK_REFUSED_FIELDS: &[&str] = &[
-    "providers",
-    "models",
-    "capi",
-    "copilotUrl",
-    "hasBearerTokenProvider",
-    "configDir",
-    // A GitHub identity the runtime would ask the client for, which the pool's process key
-    // would not know (a session's own identity is its `gitHubToken`).
-    "gitHubTokenProviderRegistrationId",
-    // The same as an initial authentication of the session.
-    "authInfo",
-    // The runtime's `manage_schedule` tool: the model would schedule turns that run with no
-    // lease, unsupervised (`false`, which the Node SDK's "empty" mode sends, passes).
-    "manageScheduleEnabled",
-];
-
-/// What to do instead of setting one of [`SDK_REFUSED_FIELDS`], for those with a reason of
-/// their own; `None` for the model endpoints and providers, refused for the guarded path.
-fn refused_because(field: &str) -> Option<&'static str> {
-    match field {
-        "configDir" => Some("every agent has its own COPILOT_HOME, chosen by the pool"),
-        "manageScheduleEnabled" => Some(
-            "scheduled turns would run outside the turns the pool supervises; schedule them \
-             from the gateway, each a session.send",
-        ),
-        "gitHubTokenProviderRegistrationId" | "authInfo" => Some(
-            "give the session its own GitHub identity with `gitHubToken` (the pool runs it on \
-             processes of that token)",
-        ),
-        _ => None,
     }
 }
 
@@ -259,28 +221,15 @@ pub(super) struct SessionSpec {
 impl SessionSpec {
     /// Reads the params of `session.create`/`session.resume`. The SDK always sends its own
     /// `sessionId`; the provider and the session-level `gitHubToken` choose the processes.
-    pub(super) fn from_params(params: &Value) -> Result<SessionSpec, CallError> {
+    pub(super) fn from_params(method: &str, params: &Value) -> Result<SessionSpec, CallError> {
         let Some(mut map) = params.as_object().cloned() else {
             return Err(ErrorObject::new(INVALID_PARAMS, "params must be an object"));
         };
-        // Fields that would bypass the pool: other model providers and endpoints reach the
-        // child with their real credentials, outside the guarded model path; the pool owns
-        // the agent's home. (`provider` itself is the session's own, guarded, below.)
-        if let Some(field) = SDK_REFUSED_FIELDS.iter().find(|f| {
-            map.get(**f)
-                .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
-        }) {
-            return Err(ErrorObject::new(
-                INVALID_PARAMS,
-                format!(
-                    "{field} is not accepted through copilot-pool: {}",
-                    refused_because(field).unwrap_or(
-                        "give the session one `provider`, which the pool serves through its \
-                         guarded model path"
-                    )
-                ),
-            ));
-        }
+        // Fields that would bypass the pool (other model endpoints, host code, the agent's
+        // home) and those no SDK sends. (`provider` itself is the session's own, guarded,
+        // below.)
+        fields::check_open(&map)
+            .map_err(|refusal| ErrorObject::new(INVALID_PARAMS, refusal.message(method)))?;
         let id = match map.remove("sessionId") {
             Some(Value::String(id)) => id,
             _ => {
@@ -359,7 +308,7 @@ impl SessionSpec {
     /// A spec for a session this connection never opened (to delete it): no config of its
     /// own, so it is resumed as stored.
     pub(super) fn bare(id: &str) -> Result<SessionSpec, CallError> {
-        SessionSpec::from_params(&json!({"sessionId": id}))
+        SessionSpec::from_params("session.delete", &json!({"sessionId": id}))
     }
 
     fn lease_request(&self, shared: &Shared, agent: &str, existing_only: bool) -> LeaseRequest {
@@ -1156,30 +1105,29 @@ pub(super) fn conversation(agent: &str, session_id: &str) -> ConversationId {
 /// `session.provider.add`, and `session.options.update` with a provider, an endpoint or a
 /// bearer-token provider.
 fn refuse_unguarded_call(method: &str, params: &Value) -> Result<(), CallError> {
-    let refused = match method {
-        "session.provider.add" => Some("providers"),
-        "session.options.update" => ["provider"]
-            .iter()
-            .chain(SDK_REFUSED_FIELDS)
-            .find(|f| {
-                params
-                    .get(**f)
-                    .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
-            })
-            .copied(),
+    let refusal = match method {
+        "session.provider.add" => Some(Refusal::Refused("providers")),
+        "session.options.update" => match params.as_object() {
+            Some(fields) if fields.get("provider").is_some_and(|v| !v.is_null()) => {
+                Some(Refusal::Refused("provider"))
+            }
+            Some(fields) => fields::check_update(fields).err(),
+            None => None,
+        },
         _ => None,
     };
-    match refused {
-        Some(field) => Err(ErrorObject::new(
+    match refusal {
+        Some(Refusal::Refused(field)) => Err(ErrorObject::new(
             INVALID_PARAMS,
             format!(
                 "{method} with {field} is not accepted through copilot-pool: {}",
-                refused_because(field).unwrap_or(
+                fields::refused_because(field).unwrap_or(
                     "a session's model provider is the one it was created with, served \
                      through the pool's guarded model path"
                 )
             ),
         )),
+        Some(unknown) => Err(ErrorObject::new(INVALID_PARAMS, unknown.message(method))),
         None => Ok(()),
     }
 }
@@ -1249,9 +1197,9 @@ mod tests {
             "streaming": true,
             "gitHubToken": "ghu_secret",
             "continuePendingWork": true,
-            "newField": {"a": 1},
+            "infiniteSessions": {"enabled": false, "newField": 1},
         });
-        let spec = SessionSpec::from_params(&params).unwrap();
+        let spec = SessionSpec::from_params("session.create", &params).unwrap();
         assert_eq!(spec.id.as_str(), "s-1");
         assert_eq!(spec.model.as_deref(), Some("m"));
         assert_eq!(
@@ -1260,7 +1208,7 @@ mod tests {
         );
         let mut wire = serde_json::to_value(&spec.wire).unwrap();
         wire["sessionId"] = json!("s-1");
-        // Every field the client sent is there once, unchanged (the provider's fields this
+        // Every field the client sent is there once, unchanged (the fields inside them this
         // crate does not model included); the flags it left out are false.
         let mut expected = params.clone();
         expected["requestUserInput"] = json!(false);
@@ -1276,8 +1224,9 @@ mod tests {
 
     #[test]
     fn create_params_without_a_session_id_or_with_a_bad_provider_are_refused() {
-        assert!(SessionSpec::from_params(&json!({"model": "m"})).is_err());
+        assert!(SessionSpec::from_params("session.create", &json!({"model": "m"})).is_err());
         let bad = SessionSpec::from_params(
+            "session.create",
             &json!({"sessionId": "s", "provider": {"baseUrl": "file:///etc"}}),
         )
         .unwrap_err();
