@@ -48,7 +48,7 @@ use super::budget::{Nudge, Others};
 use super::error::PoolError;
 use super::restart::RestartPolicy;
 use session::{CliCredentials, SessionDecision, StoredSession};
-use slots::{Caps, CliKey, Effect, Refusal, Slots};
+use slots::{Caps, CliKey, Effect, Kept, Refusal, Slots};
 
 /// The backend id of the Copilot runtime (the pool's workers).
 pub const COPILOT_BACKEND: &str = "copilot";
@@ -745,9 +745,16 @@ impl CliPool {
         // `parked`, so a runner kept here is either emptied by it or not kept at all.
         let closed = self.closed.load(Ordering::SeqCst);
         let kept = runner.is_some() && !closed;
+        // A conversation without a process (a one-shot's between turns, one whose process
+        // died) is parked for its next lease but takes no process slot meanwhile.
+        let parked = match (kept, process) {
+            (false, _) => Kept::Nothing,
+            (true, Some(_)) => Kept::Process,
+            (true, None) => Kept::Conversation,
+        };
         let effects = shell
             .core
-            .returned(conversation, kept, crashed, Instant::now());
+            .returned(conversation, parked, crashed, Instant::now());
         if let Some(runner) = runner {
             let parked = Parked {
                 runner,
@@ -2045,7 +2052,7 @@ mod tests {
                 serialize: false,
             };
             shell.core.ask(1, &names.slot, key, false, now);
-            shell.core.returned(&names.slot, true, false, now);
+            shell.core.returned(&names.slot, Kept::Process, false, now);
             shell.parked.insert(
                 names.slot.clone(),
                 Parked {

@@ -8,7 +8,10 @@
 //!
 //! A slot is a conversation that holds a CLI process (parked between turns or leased). Its
 //! key is (agent home, credential fingerprint, backend id): a conversation that comes back
-//! with another key (a refreshed key) gives up its old slot first.
+//! with another key (a refreshed key) gives up its old slot first. A conversation parked
+//! without a process (a `cli-oneshot` one between turns, one whose process died) is held,
+//! so it is reused, but takes no slot: it counts in no cap and is no victim for room; its
+//! next lease takes a slot as a new one does.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -91,7 +94,29 @@ pub(crate) enum Effect {
 struct Held {
     key: CliKey,
     leased: bool,
+    /// Parked with its process (a leased conversation counts as holding one: its turn may
+    /// start one).
+    process: bool,
     last_used: Instant,
+}
+
+impl Held {
+    /// Whether it takes a slot (a process in the caps).
+    fn takes_slot(&self) -> bool {
+        self.leased || self.process
+    }
+}
+
+/// What a lease gave back with its conversation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kept {
+    /// The conversation with its process, parked.
+    Process,
+    /// The conversation without a process (a `cli-oneshot` one between turns, one whose
+    /// process died), parked: reused by its next lease, in no cap meanwhile.
+    Conversation,
+    /// Nothing: the conversation was closed.
+    Nothing,
 }
 
 #[derive(Debug)]
@@ -143,7 +168,12 @@ impl Slots {
     #[cfg(test)]
     /// Processes held in all (parked or leased), as the shared budget counts them.
     pub(crate) fn processes(&self) -> usize {
-        self.held.len()
+        self.slots_taken()
+    }
+
+    /// Slots taken: conversations leased, or parked with their process.
+    fn slots_taken(&self) -> usize {
+        self.held.values().filter(|h| h.takes_slot()).count()
     }
 
     /// Leases of every backend waiting now.
@@ -151,11 +181,12 @@ impl Slots {
         self.waiters.len()
     }
 
-    /// The least recently used parked conversation (the victim of a full pool).
+    /// The least recently used conversation parked with its process (the victim of a full
+    /// pool).
     fn lru_parked(&self, of_key: Option<&CliKey>) -> Option<(&String, &Held)> {
         self.held
             .iter()
-            .filter(|(_, h)| !h.leased && of_key.is_none_or(|k| &h.key == k))
+            .filter(|(_, h)| !h.leased && h.process && of_key.is_none_or(|k| &h.key == k))
             .min_by_key(|(_, h)| h.last_used)
     }
 
@@ -169,7 +200,7 @@ impl Slots {
     /// What the Copilot side sees of this side: its processes and its oldest parked one.
     pub(crate) fn view(&self) -> Others {
         Others {
-            held: self.held.len(),
+            held: self.slots_taken(),
             idle_since: self.lru_parked(None).map(|(_, h)| h.last_used),
         }
     }
@@ -217,7 +248,7 @@ impl Slots {
     pub(crate) fn processes_of(&self, backend: &str) -> usize {
         self.held
             .values()
-            .filter(|h| h.key.backend == backend)
+            .filter(|h| h.takes_slot() && h.key.backend == backend)
             .count()
     }
 
@@ -248,7 +279,10 @@ impl Slots {
     }
 
     fn of_key(&self, key: &CliKey) -> usize {
-        self.held.values().filter(|h| &h.key == key).count()
+        self.held
+            .values()
+            .filter(|h| h.takes_slot() && &h.key == key)
+            .count()
     }
 
     /// The refusal of a lease of `key` while the key is quarantined, for how long is left.
@@ -343,29 +377,45 @@ impl Slots {
         {
             return false;
         }
-        match self.held.get_mut(conversation) {
+        let reused = match self.held.get(conversation) {
             Some(held) if held.leased => return false,
-            Some(held) if &held.key == key => {
-                held.leased = true;
-                held.last_used = now;
-                effects.push(Effect::Grant {
-                    id,
-                    conversation: conversation.to_owned(),
-                    reuse: true,
-                });
-                return true;
-            }
+            Some(held) if &held.key == key => Some(held.process),
             Some(_) => {
                 // Another key (a refreshed credential): its process goes first.
                 self.held.remove(conversation);
                 effects.push(Effect::Close {
                     conversation: conversation.to_owned(),
                 });
+                None
             }
-            None => {}
+            None => None,
+        };
+        // Its own process parked: its slot is taken already.
+        if reused == Some(true) || self.room_for(id, key, effects) {
+            self.held.insert(
+                conversation.to_owned(),
+                Held {
+                    key: key.clone(),
+                    leased: true,
+                    process: true,
+                    last_used: now,
+                },
+            );
+            effects.push(Effect::Grant {
+                id,
+                conversation: conversation.to_owned(),
+                reuse: reused.is_some(),
+            });
+            return true;
         }
+        false
+    }
+
+    /// Whether a slot of `key` is free, or is made free (the least recently used parked
+    /// process closed) for ask `id`.
+    fn room_for(&mut self, id: u64, key: &CliKey, effects: &mut Vec<Effect>) -> bool {
         let key_full = self.of_key(key) >= self.caps.max_per_key;
-        let pool_full = !has_room(self.held.len(), &self.others, self.caps.max_processes);
+        let pool_full = !has_room(self.slots_taken(), &self.others, self.caps.max_processes);
         if key_full || pool_full {
             // The least recently used parked process makes room: of this key when the key
             // is full; otherwise of any key, or the Copilot side's idle worker when that one
@@ -395,29 +445,15 @@ impl Slots {
                 conversation: victim,
             });
         }
-        self.held.insert(
-            conversation.to_owned(),
-            Held {
-                key: key.clone(),
-                leased: true,
-                last_used: now,
-            },
-        );
-        effects.push(Effect::Grant {
-            id,
-            conversation: conversation.to_owned(),
-            reuse: false,
-        });
         true
     }
 
-    /// A lease returned its conversation: `kept` whether its process is parked (false: it
-    /// was closed or died), `crashed` whether its process died during the lease. Waiters
-    /// that can now be served are.
+    /// A lease returned its conversation: `kept` what of it is parked, `crashed` whether its
+    /// process died during the lease. Waiters that can now be served are.
     pub(crate) fn returned(
         &mut self,
         conversation: &str,
-        kept: bool,
+        kept: Kept,
         crashed: bool,
         now: Instant,
     ) -> Vec<Effect> {
@@ -433,16 +469,19 @@ impl Slots {
                 tracker.record_stable();
             }
         }
-        if kept && !self.closed {
-            if let Some(held) = self.held.get_mut(conversation) {
+        let parked = kept != Kept::Nothing && !self.closed;
+        match self.held.get_mut(conversation) {
+            Some(held) if parked => {
                 held.leased = false;
+                held.process = kept == Kept::Process;
                 held.last_used = now;
             }
-        } else {
-            self.held.remove(conversation);
+            _ => {
+                self.held.remove(conversation);
+            }
         }
         let mut effects = Vec::new();
-        if !kept && self.closed {
+        if kept == Kept::Nothing && self.closed {
             return effects;
         }
         self.serve_waiters(now, &mut effects);
@@ -634,7 +673,7 @@ mod tests {
         assert!(granted(&s.ask(4, "b/1", serialized("b"), false, now), 4));
         assert!(granted(&s.ask(5, "a/9", key("a"), false, now), 5));
         // A later ask of a leased conversation's lane queues behind the earlier waiters.
-        let effects = s.returned("a/1", true, false, now);
+        let effects = s.returned("a/1", Kept::Process, false, now);
         assert_eq!(
             effects,
             [Effect::Grant {
@@ -644,8 +683,8 @@ mod tests {
             }]
         );
         assert!(s.ask(6, "a/1", serialized("a"), false, now).is_empty());
-        assert!(granted(&s.returned("a/2", true, false, now), 3));
-        assert!(granted(&s.returned("a/3", true, false, now), 6));
+        assert!(granted(&s.returned("a/2", Kept::Process, false, now), 3));
+        assert!(granted(&s.returned("a/3", Kept::Process, false, now), 6));
     }
 
     #[test]
@@ -655,7 +694,7 @@ mod tests {
         assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
         // A turn runs: the deletion is refused.
         assert_eq!(s.delete("a/1", now), Err(Refusal::Busy));
-        s.returned("a/1", true, false, now);
+        s.returned("a/1", Kept::Process, false, now);
         // Parked: its process is let go (the shell closes it), its room free.
         let (close, effects) = s.delete("a/1", now).unwrap();
         assert!(close);
@@ -674,11 +713,53 @@ mod tests {
         assert!(s.ask(4, "a/1", key("a"), false, now).is_empty());
         // Deleted: the waiter is granted once there is room, with a process of its own.
         assert!(s.deleted("a/1", now).is_empty());
-        assert!(granted(&s.returned("b/1", false, false, now), 4));
+        assert!(granted(&s.returned("b/1", Kept::Nothing, false, now), 4));
         // A conversation with no process is deleted with nothing to close.
-        s.returned("a/1", false, false, now);
+        s.returned("a/1", Kept::Nothing, false, now);
         assert_eq!(s.delete("c/1", now).map(|(close, _)| close), Ok(false));
         assert!(s.deleted("c/1", now).is_empty());
+    }
+
+    #[test]
+    fn a_conversation_parked_without_a_process_takes_no_slot_until_its_next_lease() {
+        let now = Instant::now();
+        let mut s = slots(2, 2);
+        // Two one-shot conversations between turns: parked, with no process.
+        for (id, c) in [(1, "a/1"), (2, "a/2")] {
+            assert!(granted(&s.ask(id, c, key("a"), false, now), id));
+            s.returned(c, Kept::Conversation, false, now);
+        }
+        assert_eq!(s.processes(), 0);
+        assert_eq!(s.view().held, 0, "the Copilot side sees no process held");
+        assert_eq!(s.view().idle_since, None, "nor one to ask for");
+        // A full pool's worth of new conversations is granted without closing either.
+        assert_eq!(
+            s.ask(3, "b/1", key("b"), false, now),
+            [Effect::Grant {
+                id: 3,
+                conversation: "b/1".into(),
+                reuse: false
+            }]
+        );
+        assert!(granted(&s.ask(4, "b/2", key("b"), false, now), 4));
+        // A parked one's next lease takes a slot as a new one would: it waits for room (none
+        // of the leased ones is parked), then reuses its conversation.
+        assert!(s.ask(5, "a/1", key("a"), false, now).is_empty());
+        assert_eq!(s.processes(), 2);
+        assert_eq!(
+            s.returned("b/1", Kept::Process, false, now),
+            [
+                Effect::Close {
+                    conversation: "b/1".into()
+                },
+                Effect::Grant {
+                    id: 5,
+                    conversation: "a/1".into(),
+                    reuse: true
+                }
+            ]
+        );
+        assert_eq!(s.processes(), 2);
     }
 
     #[test]
@@ -687,7 +768,7 @@ mod tests {
         let mut s = slots(4, 4);
         assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
         assert_eq!(s.in_use(), 1);
-        s.returned("a/1", true, false, now);
+        s.returned("a/1", Kept::Process, false, now);
         assert_eq!(s.in_use(), 0, "a parked conversation is not in use");
         s.delete("a/1", now).expect("deleting");
         s.delete("b/1", now).expect("deleting");
@@ -733,7 +814,7 @@ mod tests {
             }]
         );
         assert!(s.ask(3, "a/1", key("a"), false, now).is_empty(), "queued");
-        let effects = s.returned("a/1", true, false, now);
+        let effects = s.returned("a/1", Kept::Process, false, now);
         assert_eq!(
             effects,
             [Effect::Grant {
@@ -782,7 +863,7 @@ mod tests {
         let mut s = slots(2, 2);
         assert!(granted(&s.ask(1, "a/1", key("a"), false, t0), 1));
         assert!(granted(&s.ask(2, "b/1", key("b"), false, t0), 2));
-        s.returned("a/1", true, false, t0);
+        s.returned("a/1", Kept::Process, false, t0);
         // b/1 stays leased: a/1 (parked) is the victim.
         let effects = s.ask(3, "c/1", key("c"), false, t1);
         assert_eq!(
@@ -803,7 +884,7 @@ mod tests {
                 why: Refusal::WaitersFull { max: 2 }
             }]
         );
-        let effects = s.returned("b/1", false, false, t1);
+        let effects = s.returned("b/1", Kept::Nothing, false, t1);
         assert!(granted(&effects, 4) && !granted(&effects, 5), "{effects:?}");
         assert!(s.processes() <= 2);
     }
@@ -813,7 +894,7 @@ mod tests {
         let now = Instant::now();
         let mut s = slots(8, 1);
         assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
-        s.returned("a/1", true, false, now);
+        s.returned("a/1", Kept::Process, false, now);
         assert!(granted(&s.ask(2, "b/1", key("b"), false, now), 2));
         let effects = s.ask(3, "a/2", key("a"), false, now);
         assert_eq!(
@@ -825,7 +906,7 @@ mod tests {
         assert!(granted(&effects, 3));
         assert_eq!(s.processes_of("claude-cli"), 2);
         assert_eq!(s.leased_of("claude-cli"), 2);
-        s.returned("a/2", true, false, now);
+        s.returned("a/2", Kept::Process, false, now);
         assert_eq!(s.processes_of("claude-cli"), 2);
         assert_eq!(s.leased_of("claude-cli"), 1);
         assert_eq!(s.leased_of("codex-cli"), 0);
@@ -836,7 +917,7 @@ mod tests {
         let now = Instant::now();
         let mut s = slots(4, 4);
         assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
-        s.returned("a/1", true, false, now);
+        s.returned("a/1", Kept::Process, false, now);
         let mut refreshed = key("a");
         refreshed.credential = "c2".into();
         let effects = s.ask(2, "a/1", refreshed, false, now);
@@ -862,7 +943,7 @@ mod tests {
         let mut s = slots(4, 4);
         for id in 1..=2 {
             assert!(granted(&s.ask(id, "a/1", key("a"), false, now), id));
-            s.returned("a/1", false, true, now);
+            s.returned("a/1", Kept::Nothing, true, now);
         }
         assert!(matches!(
             s.ask(9, "a/1", key("a"), false, now).as_slice(),
@@ -880,11 +961,11 @@ mod tests {
         let now = Instant::now();
         let mut s = slots(4, 4);
         assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
-        s.returned("a/1", false, true, now);
+        s.returned("a/1", Kept::Nothing, true, now);
         assert!(granted(&s.ask(2, "a/1", key("a"), false, now), 2));
         // Waiting behind the lease that is about to crash into quarantine.
         assert!(s.ask(3, "a/1", key("a"), false, now).is_empty());
-        let effects = s.returned("a/1", false, true, now);
+        let effects = s.returned("a/1", Kept::Nothing, true, now);
         assert!(
             matches!(
                 effects.as_slice(),
@@ -908,14 +989,14 @@ mod tests {
                 &s.ask(i, &conversation, key(&format!("a{i}")), false, now),
                 i
             ));
-            s.returned(&conversation, false, false, now);
+            s.returned(&conversation, Kept::Nothing, false, now);
         }
         // One key still holds a parked conversation, one crashed into quarantine.
         assert!(granted(&s.ask(200, "held/1", key("held"), false, now), 200));
-        s.returned("held/1", true, false, now);
+        s.returned("held/1", Kept::Process, false, now);
         for id in 300..=301 {
             assert!(granted(&s.ask(id, "q/1", key("q"), false, now), id));
-            s.returned("q/1", false, true, now);
+            s.returned("q/1", Kept::Nothing, true, now);
         }
         assert_eq!(s.restarts.len(), 102);
 
@@ -951,7 +1032,7 @@ mod tests {
                 why: Refusal::Closed
             }]
         );
-        assert!(s.returned("a/1", true, false, now).is_empty());
+        assert!(s.returned("a/1", Kept::Process, false, now).is_empty());
         assert_eq!(
             s.processes(),
             0,
@@ -973,7 +1054,7 @@ mod tests {
         let t1 = t0 + Duration::from_secs(1);
         let mut s = slots(2, 2);
         assert!(granted(&s.ask(1, "a/1", key("a"), false, t1), 1));
-        s.returned("a/1", true, false, t1);
+        s.returned("a/1", Kept::Process, false, t1);
         s.set_others(Others {
             held: 1,
             idle_since: Some(t0),
@@ -1028,7 +1109,7 @@ mod tests {
         assert_eq!(s.ask(2, "b/1", key("b"), false, t1), [Effect::EvictOther]);
         assert!(s.wants_other());
         // a/1's process ends before the Copilot side acts: b/1 takes its room.
-        assert!(granted(&s.returned("a/1", false, false, t1), 2));
+        assert!(granted(&s.returned("a/1", Kept::Nothing, false, t1), 2));
         assert!(
             !s.wants_other(),
             "the request is stale: nothing to stop for it"
@@ -1044,7 +1125,7 @@ mod tests {
         let t1 = t0 + Duration::from_secs(1);
         let mut s = slots(2, 2);
         assert!(granted(&s.ask(1, "a/1", key("a"), false, t0), 1));
-        s.returned("a/1", true, false, t0);
+        s.returned("a/1", Kept::Process, false, t0);
         s.set_others(Others {
             held: 1,
             idle_since: Some(t1),
@@ -1079,8 +1160,8 @@ mod tests {
         let mut s = slots(2, 2);
         assert!(granted(&s.ask(1, "a/1", key("a"), false, t0), 1));
         assert!(granted(&s.ask(2, "b/1", key("b"), false, t1), 2));
-        s.returned("a/1", true, false, t0);
-        s.returned("b/1", true, false, t1);
+        s.returned("a/1", Kept::Process, false, t0);
+        s.returned("b/1", Kept::Process, false, t1);
         assert_eq!(
             s.view(),
             Others {
@@ -1107,7 +1188,7 @@ mod tests {
         let t0 = Instant::now();
         let mut s = slots(4, 4);
         assert!(granted(&s.ask(1, "a/1", key("a"), false, t0), 1));
-        s.returned("a/1", true, false, t0);
+        s.returned("a/1", Kept::Process, false, t0);
         assert!(s.idle(t0, Duration::from_secs(5)).is_empty());
         assert_eq!(
             s.idle(t0 + Duration::from_secs(5), Duration::from_secs(5)),
