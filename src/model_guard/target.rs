@@ -179,7 +179,7 @@ pub(crate) fn placeholder_base(base_url: &str) -> String {
 /// The upstream URL of a request the child made to `requested`: the provider's scheme, host
 /// and port with the request's path and query, and the base URL's query parameters the
 /// request does not give itself. Refused unless the request is for the placeholder host and
-/// under the base URL's path (no separator spelled encoded).
+/// under the base URL's path (no encoded separator or `..;` below it).
 pub(crate) fn upstream_url(requested: &str, base: &Url) -> Result<Url, Refusal> {
     let foreign = || {
         (
@@ -196,12 +196,16 @@ pub(crate) fn upstream_url(requested: &str, base: &Url) -> Result<Url, Refusal> 
     let under = path == prefix
         || (path.starts_with(prefix) && path[prefix.len()..].starts_with('/'))
         || prefix.is_empty();
-    // `..` is applied by the parse, but a separator spelled encoded (`..%2F`, `..%5C`) is
-    // not, and a server that decodes it would climb out of the base path. No model API's
-    // path holds one.
-    let lower = path.to_ascii_lowercase();
-    let encoded_separator = lower.contains("%2f") || lower.contains("%5c");
-    if !under || encoded_separator || !url.username().is_empty() || url.password().is_some() {
+    // `..` is applied by the parse, but not a separator spelled encoded (`..%2F`, `..%5C`)
+    // or a `..;` segment (`..` to some Java servers): a server that reads them so would
+    // climb out of the base path. Below the base path no model API's path holds one (the
+    // base path itself is the operator's, and may).
+    let below = path
+        .get(prefix.len()..)
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    let climbs = below.contains("%2f") || below.contains("%5c") || below.contains("/..;");
+    if !under || climbs || !url.username().is_empty() || url.password().is_some() {
         return Err(foreign());
     }
     url.set_scheme(base.scheme()).map_err(|_| foreign())?;

@@ -764,6 +764,7 @@ async fn a_request_outside_the_providers_base_url_is_refused() {
         format!("https://{PLACEHOLDER_HOST}/v1/..%2F..%2Fadmin"),
         format!("https://{PLACEHOLDER_HOST}/v1/%2e%2e%2fadmin"),
         format!("https://{PLACEHOLDER_HOST}/v1/..%5Cadmin"),
+        format!("https://{PLACEHOLDER_HOST}/v1/..;/admin"),
         format!("https://{PLACEHOLDER_HOST}:8443/v1/chat/completions"),
         format!("http://{PLACEHOLDER_HOST}/v1/chat/completions"),
         format!("https://user@{PLACEHOLDER_HOST}/v1/chat/completions"),
@@ -815,6 +816,14 @@ fn the_child_gets_placeholders_for_the_key_the_token_the_url_and_no_headers() {
     let upstream = target::upstream_url(&format!("https://{PLACEHOLDER_HOST}/v1/x"), &spaced)
         .expect("upstream");
     assert_eq!(upstream.query(), Some("q=a%20b&flag"));
+    // An encoded separator in the operator's own base path is the operator's: passed.
+    let encoded = url::Url::parse("https://models.example/proxy%2Fopenai/v1").expect("base");
+    let upstream = target::upstream_url(
+        &format!("https://{PLACEHOLDER_HOST}/proxy%2Fopenai/v1/chat/completions"),
+        &encoded,
+    )
+    .expect("upstream");
+    assert_eq!(upstream.path(), "/proxy%2Fopenai/v1/chat/completions");
     assert_eq!(
         child.api_key.as_ref().map(Secret::expose),
         Some(PLACEHOLDER_API_KEY)
