@@ -377,6 +377,10 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
             json!({"initScripts": [{"path": "/etc/profile", "shell": "bash"}]}),
         ),
         ("agentContext", json!("from elsewhere")),
+        // Turns run or steered outside the pool; the runtime's own sandbox settings.
+        ("cloud", json!({"repository": {"owner": "o", "name": "r"}})),
+        ("remoteSession", json!("on")),
+        ("sandboxConfig", json!({"auth": {"git": true}})),
     ] {
         let mut params = create_params(&fx, "guarded-1");
         params[field] = value;
@@ -395,6 +399,20 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
             && refused.message.contains("allow_local_mcp_servers"),
         "{refused:?}"
     );
+    // So are hooks and discovered configuration, which run commands from files.
+    for (field, value) in [
+        ("enableFileHooks", json!(true)),
+        ("enableConfigDiscovery", json!(true)),
+        ("hookDirectories", json!([allowed.display().to_string()])),
+    ] {
+        let mut params = create_params(&fx, "guarded-1");
+        params[field] = value;
+        let refused = remote_error(conn.request("session.create", params, None).await);
+        assert!(
+            refused.message.contains(field) && refused.message.contains("allow_local_mcp_servers"),
+            "{field}: {refused:?}"
+        );
+    }
     // Directories outside the agent's work directory and the allowed roots are refused, as
     // over HTTP (another agent's directory among them: `..` and symlinks resolved first).
     let another_agents = fx.scratch.path().join("agents/agents/agent-b");

@@ -613,19 +613,31 @@ impl Client {
             session::confine_directories(&self.shared, &agent, method, params.clone()).await?;
         let spec = SessionSpec::from_params(method, &params)?;
         if !self.shared.config.allow_local_mcp_servers
-            && let Some(field) = params.as_object().and_then(|p| {
-                crate::session_options::local_mcp_servers(p)
-                    .into_iter()
-                    .next()
-            })
+            && let Some(fields) = params.as_object()
         {
-            return Err(ErrorObject::new(
-                INVALID_PARAMS,
-                format!(
-                    "{field} starts a local command, which copilot-pool's config does not \
-                     allow (allow_local_mcp_servers); use a remote (http or sse) MCP server"
-                ),
-            ));
+            if let Some(field) = crate::session_options::local_mcp_servers(fields)
+                .into_iter()
+                .next()
+            {
+                return Err(ErrorObject::new(
+                    INVALID_PARAMS,
+                    format!(
+                        "{field} starts a local command, which copilot-pool's config does not \
+                         allow (allow_local_mcp_servers); use a remote (http or sse) MCP server"
+                    ),
+                ));
+            }
+            if let Some(field) = super::fields::local_command_source(fields) {
+                return Err(ErrorObject::new(
+                    INVALID_PARAMS,
+                    format!(
+                        "{field} has the runtime run commands from files in the agent's \
+                         directories (hooks, or MCP servers in configuration it discovers), \
+                         which copilot-pool's config does not allow (allow_local_mcp_servers); \
+                         leave it out, or set allow_local_mcp_servers = true"
+                    ),
+                ));
+            }
         }
         let id = spec.id.to_string();
         let conversation = session::conversation(&agent, &id).key();

@@ -28,7 +28,6 @@ const OPEN_FIELDS: &[&str] = &[
     "canvasProvider",
     "canvases",
     "clientName",
-    "cloud",
     "commands",
     "contextTier",
     "continuePendingWork",
@@ -85,7 +84,6 @@ const OPEN_FIELDS: &[&str] = &[
     "reasoningEffort",
     "reasoningSummary",
     "refreshCustomInstructions",
-    "remoteSession",
     "requestAutoModeSwitch",
     "requestCanvasRenderer",
     "requestElicitation",
@@ -94,7 +92,6 @@ const OPEN_FIELDS: &[&str] = &[
     "requestMcpApps",
     "requestPermission",
     "requestUserInput",
-    "sandboxConfig",
     "sessionLimits",
     "skillDirectories",
     "skipEmbeddingRetrieval",
@@ -149,8 +146,10 @@ const UPDATE_FIELDS: &[&str] = &[
 /// session's one `provider` (their credentials would reach the child outside the guard), a
 /// bearer-token provider whose token the runtime would ask the client for, another GitHub
 /// identity than the session's `gitHubToken`, the agent's config directory, scheduled turns,
-/// and code or commands from the daemon's host (extensions, installed plugins, the shell's
-/// init scripts and flags).
+/// code or commands from the daemon's host (extensions, installed plugins, the shell's init
+/// scripts and flags), sessions run or steered from elsewhere (`cloud`, `remoteSession` other
+/// than `"off"`), and the runtime's own sandbox settings (its credential helpers are the
+/// daemon host's).
 pub(super) const REFUSED: &[&str] = &[
     "providers",
     "models",
@@ -165,6 +164,17 @@ pub(super) const REFUSED: &[&str] = &[
     "installedPlugins",
     "shell",
     "shellInitProfile",
+    "shellProcessFlags",
+    "cloud",
+    "remoteSession",
+    "sandboxConfig",
+];
+
+/// [`REFUSED`] fields that are lists: `[]` turns them off.
+const LIST_FIELDS: &[&str] = &[
+    "providers",
+    "models",
+    "installedPlugins",
     "shellProcessFlags",
 ];
 
@@ -188,6 +198,14 @@ pub(super) fn refused_because(field: &str) -> Option<&'static str> {
         "shell" | "shellInitProfile" | "shellProcessFlags" => Some(
             "the agent's shell would run the daemon host's init scripts or flags; the pool \
              starts the runtime's shell as it is",
+        ),
+        "cloud" | "remoteSession" => Some(
+            "its turns would run or be steered outside the pool (in the cloud, from \
+             github.com), where no lease supervises them; run them through the pool",
+        ),
+        "sandboxConfig" => Some(
+            "the runtime's sandbox would reach the daemon host's credential helpers; the pool \
+             sandboxes every worker itself (its [sandbox] settings)",
         ),
         _ => None,
     }
@@ -234,7 +252,10 @@ pub(super) fn check_update(params: &Map<String, Value>) -> Result<(), Refusal> {
 }
 
 fn check(params: &Map<String, Value>, passed: &[&str]) -> Result<(), Refusal> {
-    if let Some(field) = REFUSED.iter().find(|f| params.get(**f).is_some_and(is_set)) {
+    if let Some(field) = REFUSED
+        .iter()
+        .find(|f| params.get(**f).is_some_and(|v| is_set(f, v)))
+    {
         return Err(Refusal::Refused(field));
     }
     match params.iter().find(|(name, value)| {
@@ -248,12 +269,36 @@ fn check(params: &Map<String, Value>, passed: &[&str]) -> Result<(), Refusal> {
     }
 }
 
-/// Whether a field is set: anything but `null`, `false` and `[]` (which the SDKs send to
-/// turn a feature off: `manageScheduleEnabled: false`, `installedPlugins: []`).
-fn is_set(value: &Value) -> bool {
+/// Session fields that have the runtime run commands from files in the agent's directories
+/// (hooks from `.github/hooks/` or named directories, configuration it discovers there,
+/// which may name local MCP servers).
+const LOCAL_COMMAND_FIELDS: &[&str] = &[
+    "enableConfigDiscovery",
+    "enableFileHooks",
+    "hookDirectories",
+];
+
+/// The first field of a create or resume that would start local commands from files: refused
+/// where the daemon does not allow local commands (`allow_local_mcp_servers`), as an
+/// `mcpServers` entry that starts one is.
+pub(super) fn local_command_source(params: &Map<String, Value>) -> Option<&'static str> {
+    LOCAL_COMMAND_FIELDS.iter().copied().find(|field| {
+        params.get(*field).is_some_and(|v| match v {
+            Value::Null | Value::Bool(false) => false,
+            Value::Array(items) => !items.is_empty(),
+            _ => true,
+        })
+    })
+}
+
+/// Whether a [`REFUSED`] field is set: anything but `null`, `false`, `[]` for a list (which
+/// the SDKs send to turn a feature off: `manageScheduleEnabled: false`, `installedPlugins:
+/// []`) and `remoteSession: "off"`.
+fn is_set(field: &str, value: &Value) -> bool {
     match value {
         Value::Null | Value::Bool(false) => false,
-        Value::Array(items) => !items.is_empty(),
+        Value::Array(items) if LIST_FIELDS.contains(&field) => !items.is_empty(),
+        Value::String(mode) if field == "remoteSession" => mode != "off",
         _ => true,
     }
 }
@@ -285,6 +330,27 @@ mod tests {
     }
 
     #[test]
+    fn hooks_and_discovered_configuration_are_sources_of_local_commands_when_set() {
+        assert_eq!(
+            local_command_source(&map(
+                json!({"enableFileHooks": false, "hookDirectories": [],
+                                              "enableConfigDiscovery": null})
+            )),
+            None
+        );
+        for field in ["enableConfigDiscovery", "enableFileHooks"] {
+            assert_eq!(
+                local_command_source(&map(json!({field: true}))),
+                Some(field)
+            );
+        }
+        assert_eq!(
+            local_command_source(&map(json!({"hookDirectories": ["/w/hooks"]}))),
+            Some("hookDirectories")
+        );
+    }
+
+    #[test]
     fn host_code_other_endpoints_and_unlisted_fields_are_refused_naming_the_field() {
         for (params, refusal) in [
             (
@@ -308,6 +374,22 @@ mod tests {
             assert_eq!(check_open(&params).as_ref(), Err(&refusal));
             assert_eq!(check_update(&params), Err(refusal));
         }
+        for (params, refusal) in [
+            (json!({"cloud": {}}), Refusal::Refused("cloud")),
+            (
+                json!({"remoteSession": "on"}),
+                Refusal::Refused("remoteSession"),
+            ),
+            (
+                json!({"sandboxConfig": {"auth": {"git": true}}}),
+                Refusal::Refused("sandboxConfig"),
+            ),
+            // `[]` turns off a list, not another field.
+            (json!({"capi": []}), Refusal::Refused("capi")),
+        ] {
+            assert_eq!(check_open(&map(params)), Err(refusal));
+        }
+        assert_eq!(check_open(&map(json!({"remoteSession": "off"}))), Ok(()));
         let shell =
             map(json!({"shell": {"initScripts": [{"path": "/etc/x.sh", "shell": "bash"}]}}));
         assert_eq!(check_update(&shell), Err(Refusal::Refused("shell")));
