@@ -745,12 +745,14 @@ impl CliPool {
         // `parked`, so a runner kept here is either emptied by it or not kept at all.
         let closed = self.closed.load(Ordering::SeqCst);
         let kept = runner.is_some() && !closed;
-        // A conversation without a process (a one-shot's between turns, one whose process
-        // died) is parked for its next lease but takes no process slot meanwhile.
-        let parked = match (kept, process) {
+        // A conversation without a running process (a one-shot's between turns, one whose
+        // process died or was closed) is parked for its next lease but takes no process slot
+        // meanwhile.
+        let live = runner.as_ref().is_some_and(|r| r.pid().is_some());
+        let parked = match (kept, live) {
             (false, _) => Kept::Nothing,
-            (true, Some(_)) => Kept::Process,
-            (true, None) => Kept::Conversation,
+            (true, true) => Kept::Process,
+            (true, false) => Kept::Conversation,
         };
         let effects = shell
             .core
@@ -770,8 +772,8 @@ impl CliPool {
         self.apply(&mut shell, effects);
     }
 
-    /// Whether `conversation` holds a process (parked or leased), is being deleted, or is
-    /// waited for.
+    /// Whether `conversation` is held (leased, or parked with or without its process), is
+    /// being deleted, or is waited for.
     pub(crate) fn holds(&self, conversation: &str) -> bool {
         self.lock().core.holds(conversation)
     }

@@ -11,7 +11,9 @@
 //! with another key (a refreshed key) gives up its old slot first. A conversation parked
 //! without a process (a `cli-oneshot` one between turns, one whose process died) is held,
 //! so it is reused, but takes no slot: it counts in no cap and is no victim for room; its
-//! next lease takes a slot as a new one does.
+//! next lease takes a slot as a new one does. Such conversations are at most
+//! `max_processes` (each keeps its runner: its session, a Codex conversation's tools
+//! bridge); past it the least recently used is closed.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -74,8 +76,8 @@ pub(crate) enum Refusal {
 /// What the shell must do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Effect {
-    /// Hand ask `id` its conversation; `reuse`: the conversation's parked process (same key)
-    /// is still there to take.
+    /// Hand ask `id` its conversation; `reuse`: the conversation parked under the same key
+    /// (with or without its process) is still there to take.
     Grant {
         id: u64,
         conversation: String,
@@ -484,12 +486,35 @@ impl Slots {
         if kept == Kept::Nothing && self.closed {
             return effects;
         }
+        if parked && kept == Kept::Conversation {
+            self.bound_parked_without_process(&mut effects);
+        }
         self.serve_waiters(now, &mut effects);
         effects
     }
 
-    /// Whether `conversation` holds a process (parked or leased), is being deleted, or is
-    /// waited for.
+    /// Closes the least recently used conversations parked without a process past
+    /// `max_processes` of them.
+    fn bound_parked_without_process(&mut self, effects: &mut Vec<Effect>) {
+        let mut without: Vec<(Instant, String)> = self
+            .held
+            .iter()
+            .filter(|(_, h)| !h.takes_slot())
+            .map(|(c, h)| (h.last_used, c.clone()))
+            .collect();
+        let past = without.len().saturating_sub(self.caps.max_processes);
+        if past == 0 {
+            return;
+        }
+        without.sort();
+        for (_, conversation) in without.into_iter().take(past) {
+            self.held.remove(&conversation);
+            effects.push(Effect::Close { conversation });
+        }
+    }
+
+    /// Whether `conversation` is held (leased, or parked with or without its process), is
+    /// being deleted, or is waited for.
     pub(crate) fn holds(&self, conversation: &str) -> bool {
         self.held.contains_key(conversation)
             || self.deleting.contains(conversation)
@@ -760,6 +785,29 @@ mod tests {
             ]
         );
         assert_eq!(s.processes(), 2);
+    }
+
+    #[test]
+    fn conversations_parked_without_a_process_are_at_most_max_processes() {
+        let start = Instant::now();
+        let mut s = slots(2, 2);
+        for (n, c) in ["a/1", "a/2", "a/3"].into_iter().enumerate() {
+            let now = start + Duration::from_secs(n as u64);
+            assert!(granted(&s.ask(n as u64, c, key("a"), false, now), n as u64));
+            let effects = s.returned(c, Kept::Conversation, false, now);
+            if n < 2 {
+                assert!(effects.is_empty(), "{c}: {effects:?}");
+            } else {
+                // The least recently used goes.
+                assert_eq!(
+                    effects,
+                    [Effect::Close {
+                        conversation: "a/1".into()
+                    }]
+                );
+            }
+        }
+        assert!(s.holds("a/2") && s.holds("a/3") && !s.holds("a/1"));
     }
 
     #[test]
