@@ -122,7 +122,7 @@ impl Default for ModelGuardConfig {
             connect_timeout: Duration::from_secs(10),
             first_byte_timeout: Duration::from_secs(300),
             idle_timeout: Duration::from_secs(120),
-            resolver: Arc::new(SystemResolver),
+            resolver: Arc::new(SystemResolver::default()),
         }
     }
 }

@@ -7,6 +7,9 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio::sync::Semaphore;
 
 /// The future a [`Resolve`] returns.
 pub type ResolveFuture = Pin<Box<dyn Future<Output = io::Result<Vec<IpAddr>>> + Send>>;
@@ -17,18 +20,64 @@ pub trait Resolve: Send + Sync + 'static {
     fn lookup(&self, host: &str, port: u16) -> ResolveFuture;
 }
 
-/// The operating system's resolver (`getaddrinfo`, on a blocking thread).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SystemResolver;
+/// Lookups of a [`SystemResolver`] running at once (by default). `getaddrinfo` cannot be
+/// cancelled: a lookup that outlives its caller's timeout (a name whose DNS server does not
+/// answer) keeps its blocking thread until the C library gives up, so without a bound a
+/// tenant's base URL on such a name could take every blocking thread the daemon's file work
+/// needs. Past the bound a lookup waits for a place, within its caller's timeout.
+pub const MAX_SYSTEM_LOOKUPS: usize = 32;
+
+/// The operating system's resolver (`getaddrinfo`, on a blocking thread), at most
+/// [`MAX_SYSTEM_LOOKUPS`] at once.
+#[derive(Debug, Clone)]
+pub struct SystemResolver {
+    in_flight: Arc<Semaphore>,
+}
+
+impl Default for SystemResolver {
+    fn default() -> Self {
+        Self::with_limit(MAX_SYSTEM_LOOKUPS)
+    }
+}
+
+impl SystemResolver {
+    /// A resolver running at most `lookups` lookups at once (at least one).
+    pub fn with_limit(lookups: usize) -> Self {
+        Self {
+            in_flight: Arc::new(Semaphore::new(lookups.max(1))),
+        }
+    }
+}
 
 impl Resolve for SystemResolver {
     fn lookup(&self, host: &str, port: u16) -> ResolveFuture {
         let host = host.to_owned();
-        Box::pin(async move {
-            let addrs = tokio::net::lookup_host((host.as_str(), port)).await?;
-            Ok(addrs.map(|a: SocketAddr| a.ip()).collect())
-        })
+        Box::pin(bounded_blocking(self.in_flight.clone(), move || {
+            use std::net::ToSocketAddrs;
+            Ok((host.as_str(), port)
+                .to_socket_addrs()?
+                .map(|a: SocketAddr| a.ip())
+                .collect())
+        }))
     }
+}
+
+/// Runs `lookup` on a blocking thread once `in_flight` has a place; the place is held until
+/// `lookup` returns, also when its caller stopped waiting.
+async fn bounded_blocking(
+    in_flight: Arc<Semaphore>,
+    lookup: impl FnOnce() -> io::Result<Vec<IpAddr>> + Send + 'static,
+) -> io::Result<Vec<IpAddr>> {
+    let place = in_flight
+        .acquire_owned()
+        .await
+        .map_err(|_| io::Error::other("the resolver is closed"))?;
+    tokio::task::spawn_blocking(move || {
+        let _place = place;
+        lookup()
+    })
+    .await
+    .map_err(io::Error::other)?
 }
 
 /// reqwest's resolver: refuses every name, so nothing but a pinned address is connected to.
@@ -41,5 +90,53 @@ impl reqwest::dns::Resolve for RefuseNames {
         Box::pin(async move {
             Err(format!("{name} was not checked by the model guard; refusing to resolve it").into())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::FutureExt;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    #[tokio::test]
+    async fn a_lookup_its_caller_gave_up_on_keeps_its_place_until_it_returns() {
+        let in_flight = Arc::new(Semaphore::new(1));
+        let (release, stuck) = std::sync::mpsc::channel::<()>();
+        let (started, running) = tokio::sync::oneshot::channel();
+        let first = tokio::spawn(bounded_blocking(in_flight.clone(), move || {
+            let _ = started.send(());
+            let _ = stuck.recv();
+            Ok(Vec::new())
+        }));
+        running.await.expect("the first lookup runs");
+        // Its caller's timeout: the lookup itself cannot be stopped, and keeps its place.
+        first.abort();
+        assert!(first.await.is_err_and(|e| e.is_cancelled()));
+        assert_eq!(in_flight.available_permits(), 0);
+        let ran = Arc::new(AtomicBool::new(false));
+        let second = bounded_blocking(in_flight.clone(), {
+            let ran = ran.clone();
+            move || {
+                ran.store(true, Ordering::SeqCst);
+                Ok(vec![IpAddr::from([127, 0, 0, 1])])
+            }
+        });
+        let mut second = Box::pin(second);
+        assert!((&mut second).now_or_never().is_none(), "waits for a place");
+        assert!(!ran.load(Ordering::SeqCst), "no second thread meanwhile");
+        release.send(()).expect("release the first");
+        let addresses = second.await.expect("the second lookup");
+        assert_eq!(addresses, vec![IpAddr::from([127, 0, 0, 1])]);
+    }
+
+    #[tokio::test]
+    async fn the_system_resolver_finds_localhost() {
+        let addresses = SystemResolver::default()
+            .lookup("localhost", 443)
+            .await
+            .expect("localhost");
+        assert!(addresses.iter().all(IpAddr::is_loopback), "{addresses:?}");
+        assert!(!addresses.is_empty());
     }
 }
