@@ -117,6 +117,19 @@ async fn raw_client(addr: std::net::SocketAddr) -> Connection {
     Connection::start(read, write, ConnectionOptions::default(), Box::new(|_| {}))
 }
 
+/// The error of a `session.create` of session `id` with `field` set to `value`.
+async fn create_refused(
+    conn: &Connection,
+    fx: &Fixture,
+    id: &str,
+    field: &str,
+    value: Value,
+) -> ErrorObject {
+    let mut params = create_params(fx, id);
+    params[field] = value;
+    remote_error(conn.request("session.create", params, None).await)
+}
+
 fn remote_error(result: Result<Value, RpcError>) -> ErrorObject {
     match result {
         Err(RpcError::Remote { error, .. }) => error,
@@ -382,18 +395,15 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         ("remoteSession", json!("on")),
         ("sandboxConfig", json!({"auth": {"git": true}})),
     ] {
-        let mut params = create_params(&fx, "guarded-1");
-        params[field] = value;
-        let refused = remote_error(conn.request("session.create", params, None).await);
+        let refused = create_refused(&conn, &fx, "guarded-1", field, value).await;
         assert!(
             refused.message.contains(field) && refused.message.contains("copilot-pool"),
             "{field}: {refused:?}"
         );
     }
     // A local MCP server is refused as over HTTP (the daemon's allow_local_mcp_servers).
-    let mut params = create_params(&fx, "guarded-1");
-    params["mcpServers"] = json!({"local": {"command": "/bin/sh", "args": ["-c", "true"]}});
-    let refused = remote_error(conn.request("session.create", params, None).await);
+    let local = json!({"local": {"command": "/bin/sh", "args": ["-c", "true"]}});
+    let refused = create_refused(&conn, &fx, "guarded-1", "mcpServers", local).await;
     assert!(
         refused.message.contains("mcpServers.local")
             && refused.message.contains("allow_local_mcp_servers"),
@@ -405,9 +415,7 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         ("enableConfigDiscovery", json!(true)),
         ("hookDirectories", json!([allowed.display().to_string()])),
     ] {
-        let mut params = create_params(&fx, "guarded-1");
-        params[field] = value;
-        let refused = remote_error(conn.request("session.create", params, None).await);
+        let refused = create_refused(&conn, &fx, "guarded-1", field, value).await;
         assert!(
             refused.message.contains(field) && refused.message.contains("allow_local_mcp_servers"),
             "{field}: {refused:?}"
@@ -448,9 +456,7 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         ),
         ("largeOutput", json!({"enabled": true, "outputDir": "/tmp"})),
     ] {
-        let mut params = create_params(&fx, "guarded-1");
-        params[field] = value;
-        let refused = remote_error(conn.request("session.create", params, None).await);
+        let refused = create_refused(&conn, &fx, "guarded-1", field, value).await;
         assert!(
             refused.message.contains(field) && refused.message.contains("allowed_work_roots"),
             "{field}: {refused:?}"
