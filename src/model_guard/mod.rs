@@ -41,7 +41,7 @@ use crate::secret::Secret;
 use crate::tunnel::ModelTunnel;
 
 pub use address::{AddressClass, allowed, classify, embedded_v4};
-pub use resolve::{Resolve, ResolveFuture, SystemResolver};
+pub use resolve::{MAX_SYSTEM_LOOKUPS, Resolve, ResolveFuture, SystemResolver};
 pub use target::{check_url, credential_query};
 
 /// The largest model request body the guard forwards by default (32 MiB).

@@ -1,14 +1,17 @@
 //! Which session fields an SDK client may set through the endpoint (pure: a call's params
 //! in, the first field refused out). The runtime takes more than the SDKs offer (its own
 //! shell's init scripts, plugins by host path, other model endpoints), and every release adds
-//! some, so the endpoint passes on a list, not everything but a list:
+//! some, so the endpoint passes on the fields it lists, not everything it does not refuse:
 //!
 //! * `session.create` and `session.resume`: the fields the official SDKs send
 //!   ([`OPEN_FIELDS`], those of the Node SDK 1.0.14 and the Python SDK 1.0.27 the tests drive);
 //! * `session.options.update`: what the SDKs' "empty" mode sends after an open, and the
 //!   session's own settings ([`UPDATE_FIELDS`]);
-//! * on all three, [`REFUSED`] fields are refused set (anything but absent, `null`, `false`
-//!   or `[]`), each with what to do instead.
+//! * on all three, [`REFUSED`] fields are refused set (anything but absent, `null`, `false`,
+//!   `[]` for a list, `"off"` for `remoteSession`), each with what to do instead;
+//! * any other field is refused unless absent or `null`;
+//! * without `allow_local_mcp_servers`, the connection also refuses the fields that run
+//!   commands from files ([`local_command_source`]).
 //!
 //! A field named here is passed on as the client wrote it, except the paths, which
 //! `confine` confines ([`crate::confine::confine_session_directories`]).
@@ -150,7 +153,7 @@ const UPDATE_FIELDS: &[&str] = &[
 /// scripts and flags), sessions run or steered from elsewhere (`cloud`, `remoteSession` other
 /// than `"off"`), and the runtime's own sandbox settings (its credential helpers are the
 /// daemon host's).
-pub(super) const REFUSED: &[&str] = &[
+const REFUSED: &[&str] = &[
     "providers",
     "models",
     "capi",
