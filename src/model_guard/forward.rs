@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use reqwest::Url;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use url::Host;
 
 use super::resolve::RefuseNames;
@@ -74,7 +74,16 @@ struct State {
     provider: ProviderConfig,
     base: Url,
     clients: Mutex<Vec<(PinKey, reqwest::Client)>>,
+    /// The worker's lookups running at once ([`LOOKUPS_PER_WORKER`]).
+    lookups: Arc<Semaphore>,
 }
+
+/// Lookups of one worker's provider host running at once. Each keeps its place until the
+/// resolver returns, also past its request's timeout, so a provider host whose DNS never
+/// answers holds at most this many of the resolver's places (the system resolver's are
+/// shared by every worker, `MAX_SYSTEM_LOOKUPS`): it stalls its own worker's requests, not
+/// the other tenants'.
+pub(super) const LOOKUPS_PER_WORKER: usize = 4;
 
 /// A host and the checked addresses its connections are pinned to.
 type PinKey = (String, Vec<SocketAddr>);
@@ -88,6 +97,7 @@ impl GuardedTunnel {
                 provider,
                 base,
                 clients: Mutex::new(Vec::new()),
+                lookups: Arc::new(Semaphore::new(LOOKUPS_PER_WORKER)),
             }),
         })
     }
@@ -198,6 +208,25 @@ impl State {
         }
     }
 
+    /// `domain`'s addresses by the guard's resolver, once one of the worker's places is free;
+    /// the lookup runs in a task of its own that keeps the place until it returns.
+    async fn lookup(&self, domain: &str, port: u16) -> std::io::Result<Vec<IpAddr>> {
+        let place = self
+            .lookups
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| std::io::Error::other("the worker's resolver places are closed"))?;
+        let lookup = self.guard.config().resolver.lookup(domain, port);
+        tokio::spawn(async move {
+            let addresses = lookup.await;
+            drop(place);
+            addresses
+        })
+        .await
+        .map_err(std::io::Error::other)?
+    }
+
     /// Everything before a connection: the URL, its checks, one resolution, the checks of
     /// every address, the pinned client and the upstream headers.
     async fn prepare(&self, request: &ModelRequest) -> Result<Prepared, Failure> {
@@ -210,7 +239,7 @@ impl State {
             Some(Host::Ipv4(ip)) => (ip.to_string(), vec![IpAddr::V4(ip)]),
             Some(Host::Ipv6(ip)) => (ip.to_string(), vec![IpAddr::V6(ip)]),
             Some(Host::Domain(domain)) => {
-                let lookup = config.resolver.lookup(domain, port);
+                let lookup = self.lookup(domain, port);
                 let addresses = match tokio::time::timeout(config.connect_timeout, lookup).await {
                     Err(_) => {
                         return Err(Failure::Timeout(format!(

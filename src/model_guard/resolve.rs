@@ -24,8 +24,10 @@ pub trait Resolve: Send + Sync + 'static {
 /// cancelled: a lookup that outlives its caller's timeout (a name whose DNS server does not
 /// answer) keeps its blocking thread until the C library gives up, so without a bound a
 /// tenant's base URL on such a name could take every blocking thread the daemon's file work
-/// needs. Past the bound a lookup waits for a place, within its caller's timeout.
-pub const MAX_SYSTEM_LOOKUPS: usize = 32;
+/// needs. Past the bound a lookup waits for a place, within its caller's timeout. One
+/// worker holds at most a few of them (the guard's `LOOKUPS_PER_WORKER`), so a tenant whose
+/// provider host never answers stalls its own requests, not the others'.
+pub const MAX_SYSTEM_LOOKUPS: usize = 64;
 
 /// The operating system's resolver (`getaddrinfo`, on a blocking thread), at most
 /// [`MAX_SYSTEM_LOOKUPS`] at once.

@@ -14,7 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
-use super::forward::{GuardedTunnel, Utf8Decoder};
+use super::forward::{GuardedTunnel, LOOKUPS_PER_WORKER, Utf8Decoder};
 use super::*;
 use crate::tunnel::{ModelRequest, ModelResponse};
 
@@ -966,4 +966,71 @@ async fn an_operator_listed_private_endpoint_passes_and_no_other_private_one_doe
         let error = ModelGuardConfig::private_endpoint(bad).expect_err(bad);
         assert!(error.to_string().contains("is not an origin"), "{error}");
     }
+}
+
+/// A resolver whose lookups of `stuck.test` never return until released (a DNS server that
+/// does not answer), and whose `model.test` is loopback.
+struct StuckResolver {
+    started: AtomicUsize,
+    release: Arc<Notify>,
+}
+
+impl Resolve for StuckResolver {
+    fn lookup(&self, host: &str, _port: u16) -> ResolveFuture {
+        if host != "stuck.test" {
+            return Box::pin(async { Ok(vec![IpAddr::from([127, 0, 0, 1])]) });
+        }
+        self.started.fetch_add(1, Ordering::SeqCst);
+        let release = self.release.clone();
+        Box::pin(async move {
+            release.notified().await;
+            Err(std::io::Error::other("released"))
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_provider_host_whose_dns_never_answers_holds_a_few_lookups_and_stalls_no_other_worker() {
+    let upstream = Upstream::answering(
+        "127.0.0.1",
+        0,
+        "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+    )
+    .await;
+    let port = upstream.addr.port();
+    let resolver = Arc::new(StuckResolver {
+        started: AtomicUsize::new(0),
+        release: Arc::new(Notify::new()),
+    });
+    let mut config = config(true, resolver.clone());
+    // The bound the test waits out: each stuck request gives up after it.
+    config.connect_timeout = Duration::from_secs(1);
+    let guard = ModelGuard::new(config).expect("guard");
+    let stuck_base = format!("http://stuck.test:{port}/v1");
+    let stuck = tunnel(&guard, &stuck_base);
+    let answers = futures_util::future::join_all(
+        (0..LOOKUPS_PER_WORKER + 2).map(|_| stuck.serve(request(&stuck_base, "/chat/completions"))),
+    )
+    .await;
+    assert!(answers.iter().all(|a| a.status != 200));
+    assert_eq!(
+        resolver.started.load(Ordering::SeqCst),
+        LOOKUPS_PER_WORKER,
+        "the requests past the worker's places waited for one and gave up without a lookup"
+    );
+    // Another worker's provider resolves meanwhile.
+    let other_base = format!("http://model.test:{port}/v1");
+    let mut other = tunnel(&guard, &other_base)
+        .serve(request(&other_base, "/chat/completions"))
+        .await;
+    assert_eq!(other.status, 200);
+    assert_eq!(body(&mut other).await.as_deref(), Ok("ok"));
+    // The stuck lookups return: their places are free for the worker's next request.
+    resolver.release.notify_waiters();
+    let next = stuck.serve(request(&stuck_base, "/chat/completions")).await;
+    assert_ne!(next.status, 200);
+    assert_eq!(
+        resolver.started.load(Ordering::SeqCst),
+        LOOKUPS_PER_WORKER + 1
+    );
 }

@@ -10,8 +10,8 @@
 //! * on all three, [`REFUSED`] fields are refused set (anything but absent, `null`, `false`,
 //!   `[]` for a list, `"off"` for `remoteSession`), each with what to do instead;
 //! * any other field is refused unless absent or `null`;
-//! * without `allow_local_mcp_servers`, the connection also refuses the fields that run
-//!   commands from files ([`local_command_source`]).
+//! * on create and resume without `allow_local_mcp_servers`, the connection also refuses
+//!   the fields that run commands from files ([`local_command_source`]).
 //!
 //! A field named here is passed on as the client wrote it, except the paths, which
 //! `confine` confines ([`crate::confine::confine_session_directories`]).
