@@ -475,28 +475,39 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         .expect("create");
     // A message's attachments by path are confined the same way (absolute), before
     // anything is sent.
-    for (i, attachment) in [
-        json!({"type": "file", "path": "/etc/hostname"}),
-        json!({"type": "directory", "path": another_agents.display().to_string()}),
-        json!({"type": "file", "path": "../../agents/agents/agent-b/notes.md"}),
-        json!({"type": "selection", "filePath": "/etc/passwd", "displayName": "p", "text": "",
-               "selection": {"start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 0}}}),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let inside = json!({"type": "file", "path": allowed.join("notes.md").display().to_string()});
+    let escape = allowed.join("../../agents/agents/agent-b/notes.md");
+    for (attachment, why) in [
+        (
+            json!({"type": "file", "path": "/etc/hostname"}),
+            "allowed_work_roots",
+        ),
+        (
+            json!({"type": "directory", "path": another_agents.display().to_string()}),
+            "allowed_work_roots",
+        ),
+        // `..` out of the allowed root, resolved before the check.
+        (
+            json!({"type": "file", "path": escape.display().to_string()}),
+            "allowed_work_roots",
+        ),
+        (
+            json!({"type": "file", "path": "../../agents/agents/agent-b/notes.md"}),
+            "must be an absolute path",
+        ),
+        (
+            json!({"type": "selection", "filePath": "/etc/passwd", "displayName": "p", "text": "",
+                   "selection": {"start": {"line": 0, "character": 0}, "end": {"line": 0, "character": 0}}}),
+            "allowed_work_roots",
+        ),
+    ] {
+        let inside =
+            json!({"type": "file", "path": allowed.join("notes.md").display().to_string()});
         let params = json!({"sessionId": "guarded-1", "prompt": "read it",
-                            "attachments": [inside, attachment]});
+                            "attachments": [inside, attachment.clone()]});
         let refused = remote_error(conn.request("session.send", params, None).await);
-        let why = if i == 2 {
-            "must be an absolute path"
-        } else {
-            "allowed_work_roots"
-        };
         assert!(
             refused.message.contains("attachments.1.") && refused.message.contains(why),
-            "{i}: {refused:?}"
+            "{attachment}: {refused:?}"
         );
     }
     // What the SDKs' "empty" mode sends after an open passes; host code, the runtime's shell

@@ -173,12 +173,13 @@ const REFUSED: &[&str] = &[
     "sandboxConfig",
 ];
 
-/// [`REFUSED`] fields that are lists: `[]` turns them off.
+/// Fields checked for being set that are lists: `[]` turns them off.
 const LIST_FIELDS: &[&str] = &[
     "providers",
     "models",
     "installedPlugins",
     "shellProcessFlags",
+    "hookDirectories",
 ];
 
 /// What to do instead of setting one of [`REFUSED`]; `None` for the model endpoints and
@@ -228,10 +229,10 @@ impl Refusal {
     pub(super) fn message(&self, method: &str) -> String {
         match self {
             Refusal::Refused(field) => format!(
-                "{field} is not accepted through copilot-pool: {}",
+                "{field} is not accepted through copilot-pool (in {method}): {}",
                 refused_because(field).unwrap_or(
-                    "give the session one `provider`, which the pool serves through its \
-                     guarded model path"
+                    "a session's one model endpoint is the `provider` it is created with, \
+                     which the pool serves through its guarded model path"
                 )
             ),
             Refusal::Unknown(field) => format!(
@@ -249,8 +250,12 @@ pub(super) fn check_open(params: &Map<String, Value>) -> Result<(), Refusal> {
     check(params, OPEN_FIELDS)
 }
 
-/// The first field of a `session.options.update` refused.
+/// The first field of a `session.options.update` refused (a session's `provider` is the one
+/// it was created with).
 pub(super) fn check_update(params: &Map<String, Value>) -> Result<(), Refusal> {
+    if params.get("provider").is_some_and(|v| !v.is_null()) {
+        return Err(Refusal::Refused("provider"));
+    }
     check(params, UPDATE_FIELDS)
 }
 
@@ -285,16 +290,14 @@ const LOCAL_COMMAND_FIELDS: &[&str] = &[
 /// where the daemon does not allow local commands (`allow_local_mcp_servers`), as an
 /// `mcpServers` entry that starts one is.
 pub(super) fn local_command_source(params: &Map<String, Value>) -> Option<&'static str> {
-    LOCAL_COMMAND_FIELDS.iter().copied().find(|field| {
-        params.get(*field).is_some_and(|v| match v {
-            Value::Null | Value::Bool(false) => false,
-            Value::Array(items) => !items.is_empty(),
-            _ => true,
-        })
-    })
+    LOCAL_COMMAND_FIELDS
+        .iter()
+        .copied()
+        .find(|field| params.get(*field).is_some_and(|v| is_set(field, v)))
 }
 
-/// Whether a [`REFUSED`] field is set: anything but `null`, `false`, `[]` for a list (which
+/// Whether a field checked for being set ([`REFUSED`], [`LOCAL_COMMAND_FIELDS`]) is set:
+/// anything but `null`, `false`, `[]` for a list (which
 /// the SDKs send to turn a feature off: `manageScheduleEnabled: false`, `installedPlugins:
 /// []`) and `remoteSession: "off"`.
 fn is_set(field: &str, value: &Value) -> bool {

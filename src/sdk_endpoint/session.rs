@@ -1105,29 +1105,13 @@ pub(super) fn conversation(agent: &str, session_id: &str) -> ConversationId {
 /// `session.provider.add`, and `session.options.update` with a provider, an endpoint or a
 /// bearer-token provider.
 fn refuse_unguarded_call(method: &str, params: &Value) -> Result<(), CallError> {
-    let refusal = match method {
-        "session.provider.add" => Some(Refusal::Refused("providers")),
-        "session.options.update" => match params.as_object() {
-            Some(fields) if fields.get("provider").is_some_and(|v| !v.is_null()) => {
-                Some(Refusal::Refused("provider"))
-            }
-            Some(fields) => fields::check_update(fields).err(),
-            None => None,
-        },
+    let refusal = match (method, params.as_object()) {
+        ("session.provider.add", _) => Some(Refusal::Refused("providers")),
+        ("session.options.update", Some(fields)) => fields::check_update(fields).err(),
         _ => None,
     };
     match refusal {
-        Some(Refusal::Refused(field)) => Err(ErrorObject::new(
-            INVALID_PARAMS,
-            format!(
-                "{method} with {field} is not accepted through copilot-pool: {}",
-                fields::refused_because(field).unwrap_or(
-                    "a session's model provider is the one it was created with, served \
-                     through the pool's guarded model path"
-                )
-            ),
-        )),
-        Some(unknown) => Err(ErrorObject::new(INVALID_PARAMS, unknown.message(method))),
+        Some(refusal) => Err(ErrorObject::new(INVALID_PARAMS, refusal.message(method))),
         None => Ok(()),
     }
 }
