@@ -98,6 +98,16 @@ struct Shell {
     gauges: BTreeMap<String, (usize, usize, usize)>,
 }
 
+impl Shell {
+    /// Closes `parked` in the background, recorded as `conversation`'s closing (the records
+    /// of processes gone since are let go).
+    fn close_parked(&mut self, conversation: String, parked: Parked, why: Stop) {
+        let gone = parked.close(why);
+        self.closing.retain(|_, gone| !*gone.borrow());
+        self.closing.insert(conversation, gone);
+    }
+}
+
 /// A conversation between its leases: its runner, and the pid of its process the metrics
 /// count as running (its start counted, its exit not yet).
 struct Parked {
@@ -411,9 +421,7 @@ impl CliPool {
                 }
                 Effect::Close { conversation } => {
                     if let Some(parked) = shell.parked.remove(&conversation) {
-                        let gone = parked.close(Stop::Evicted(Eviction::Full));
-                        shell.closing.retain(|_, gone| !*gone.borrow());
-                        shell.closing.insert(conversation, gone);
+                        shell.close_parked(conversation, parked, Stop::Evicted(Eviction::Full));
                     }
                 }
                 Effect::EvictOther => self.tell_copilot(Nudge::EvictIdle),
@@ -558,6 +566,10 @@ impl CliPool {
             let closing = self.lock().closing.get(&ask.conversation).cloned();
             if let Some(mut gone) = closing {
                 let _ = gone.wait_for(|gone| *gone).await;
+            }
+            // The pool shut down meanwhile: no new process (dropping the lease gives it back).
+            if self.closed.load(Ordering::SeqCst) {
+                return Err(PoolError::Closed);
             }
             // A new process: resume the stored session, or start one (the rules decide).
             let found = self.stored_session(&ask, &config, &lease).await?;
@@ -766,7 +778,8 @@ impl CliPool {
             if kept {
                 shell.parked.insert(conversation.to_owned(), parked);
             } else {
-                parked.close(Stop::Shutdown);
+                // Recorded, so a shutdown waits for it too.
+                shell.close_parked(conversation.to_owned(), parked, Stop::Shutdown);
             }
         }
         self.apply(&mut shell, effects);
@@ -898,9 +911,7 @@ impl CliPool {
         for conversation in shell.core.idle(now, ttl) {
             let effects = shell.core.forget(&conversation, now);
             if let Some(parked) = shell.parked.remove(&conversation) {
-                let gone = parked.close(Stop::Evicted(Eviction::Idle));
-                shell.closing.retain(|_, gone| !*gone.borrow());
-                shell.closing.insert(conversation.clone(), gone);
+                shell.close_parked(conversation.clone(), parked, Stop::Evicted(Eviction::Idle));
             }
             self.apply(&mut shell, effects);
         }
@@ -910,43 +921,37 @@ impl CliPool {
     /// Stops leasing: waiters fail, parked processes are closed (their groups killed past
     /// the grace), and running leases and deletions get `grace` to end (a deletion cut
     /// short by the daemon's exit would leave the binding of a session whose files are
-    /// gone); a lease returned later closes its process.
+    /// gone); a lease returned later closes its process, and the shutdown waits for every
+    /// process closing by then.
     pub(crate) async fn shutdown(&self, grace: Duration) {
         self.closed.store(true, Ordering::SeqCst);
-        let closing: Vec<watch::Receiver<bool>> = {
+        {
             let mut shell = self.lock();
+            // The core's effects: its waiters fail; the parked ones it names are closed with
+            // the rest below.
             let effects = shell.core.close();
-            let mut parked = Vec::new();
-            for effect in effects {
-                match effect {
-                    Effect::Close { conversation } => {
-                        if let Some(p) = shell.parked.remove(&conversation) {
-                            parked.push((conversation, p));
-                        }
-                    }
-                    other => self.apply(&mut shell, vec![other]),
-                }
-            }
-            parked.extend(shell.parked.drain());
-            // Closed all at once, each recorded as closing: a lease granted just before the
-            // shutdown (its runner still parked) waits for its old process to be gone before
-            // it starts another on the same session.
-            let closing = parked
+            let failed = effects
                 .into_iter()
-                .map(|(conversation, p)| {
-                    let gone = p.close(Stop::Shutdown);
-                    shell.closing.insert(conversation, gone.clone());
-                    gone
-                })
+                .filter(|e| !matches!(e, Effect::Close { .. }))
                 .collect();
+            self.apply(&mut shell, failed);
+            // Closed all at once, each recorded as closing: a lease granted just before the
+            // shutdown (its runner still parked) waits for its old process to be gone.
+            let parked: Vec<(String, Parked)> = shell.parked.drain().collect();
+            for (conversation, p) in parked {
+                shell.close_parked(conversation, p, Stop::Shutdown);
+            }
             self.publish(&mut shell);
-            closing
-        };
+        }
+        // The leases and deletions running get `grace`; the closes run meanwhile.
+        let mut in_use = self.in_use.subscribe();
+        let _ = tokio::time::timeout(grace, in_use.wait_for(|n| *n == 0)).await;
+        // Every process closing now (parked ones, and those of the leases returned), each
+        // bounded by its close's own grace and kill.
+        let closing: Vec<watch::Receiver<bool>> = self.lock().closing.values().cloned().collect();
         for mut gone in closing {
             let _ = gone.wait_for(|gone| *gone).await;
         }
-        let mut in_use = self.in_use.subscribe();
-        let _ = tokio::time::timeout(grace, in_use.wait_for(|n| *n == 0)).await;
     }
 }
 
@@ -1831,6 +1836,23 @@ mod tests {
         );
         assert!(theirs.is_file(), "nothing removed outside the agent's home");
         assert!(pool.bindings.get(key).expect("read").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_one_shot_conversation_given_back_is_parked_for_its_next_lease_without_a_slot() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, home, cwd, names) = codex_pool(dir.path());
+        let lease = pool
+            .lease(
+                ask("codex-cli", home.clone(), cwd.clone()),
+                names.binding.clone(),
+            )
+            .await
+            .expect("leased");
+        assert_eq!(pool.lock().core.view().held, 1, "a lease takes a slot");
+        drop(lease);
+        assert!(pool.holds(&names.slot), "parked for its next lease");
+        assert_eq!(pool.lock().core.view().held, 0, "with no process, no slot");
     }
 
     #[tokio::test]
