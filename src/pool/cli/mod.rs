@@ -631,7 +631,6 @@ impl CliPool {
             let stored = binding.map(|b| StoredSession {
                 session_id: b.cli_session_id.into_string(),
                 identity: b.compat_key,
-                moved: ran_in.is_some(),
             });
             let transcript_in = |dir: &std::path::Path, id: &str| {
                 CliConversation::find_transcript(dialect, kind, &home, dir, id)
@@ -1144,9 +1143,9 @@ impl Drop for WaitGuard {
             return;
         }
         // Granted meanwhile, to nobody: give the conversation back (its parked process,
-        // if any, stays parked).
+        // if any, stays parked), taken out under the same lock.
+        let parked = shell.parked.remove(&self.conversation);
         drop(shell);
-        let parked = self.pool.lock().parked.remove(&self.conversation);
         match parked {
             Some(p) => self.pool.give_back(
                 &self.conversation,

@@ -52,8 +52,6 @@ pub(crate) struct StoredSession {
     pub session_id: String,
     /// The identity ([`identity`]) it was created under.
     pub identity: String,
-    /// Its turns ran in another directory than the lease's (as its binding recorded).
-    pub moved: bool,
 }
 
 /// How a lease opens its CLI session.
@@ -80,7 +78,8 @@ pub(crate) struct TranscriptMissing {
 
 /// Decides how a lease under `identity` opens its session, given the stored one and
 /// whether its transcript exists where the lease runs (asked only when it would be resumed)
-/// and, for a moved conversation whose transcript is not found there, where its turns ran.
+/// and, when it is not found there, whether it is where the conversation's turns ran (`false`
+/// when they ran where the lease runs: the binding recorded no other directory).
 pub(crate) fn decide(
     stored: Option<&StoredSession>,
     identity: &str,
@@ -95,7 +94,7 @@ pub(crate) fn decide(
     }
     if transcript_exists(&stored.session_id) {
         Ok(SessionDecision::Resume(stored.session_id.clone()))
-    } else if stored.moved && transcript_where_it_ran(&stored.session_id) {
+    } else if transcript_where_it_ran(&stored.session_id) {
         Ok(SessionDecision::Moved)
     } else {
         Err(TranscriptMissing {
@@ -157,7 +156,6 @@ mod tests {
         let stored = StoredSession {
             session_id: "s1".into(),
             identity: "id-a".into(),
-            moved: false,
         };
         let nowhere = |_: &str| false;
         assert_eq!(
@@ -170,17 +168,14 @@ mod tests {
         );
         // Never a silent fresh start when the transcript is gone.
         assert_eq!(
-            decide(Some(&stored), "id-a", |_| false, |_| true),
+            decide(Some(&stored), "id-a", |_| false, nowhere),
             Err(TranscriptMissing {
                 session_id: "s1".into()
             })
         );
         // Moved to another directory: resumed where the CLI finds it from there (Codex),
         // else a new session when it is filed where the turns ran, else still missing.
-        let moved = StoredSession {
-            moved: true,
-            ..stored.clone()
-        };
+        let moved = stored.clone();
         assert_eq!(
             decide(Some(&moved), "id-a", |_| true, nowhere),
             Ok(SessionDecision::Resume("s1".into()))
