@@ -179,7 +179,8 @@ pub(crate) fn placeholder_base(base_url: &str) -> String {
 /// The upstream URL of a request the child made to `requested`: the provider's scheme, host
 /// and port with the request's path and query, and the base URL's query parameters the
 /// request does not give itself. Refused unless the request is for the placeholder host and
-/// under the base URL's path (no encoded separator or `..;` below it).
+/// under the base URL's path (no encoded separator, percent sign encoded again, or `..;` below
+/// it).
 pub(crate) fn upstream_url(requested: &str, base: &Url) -> Result<Url, Refusal> {
     let foreign = || {
         (
@@ -196,15 +197,18 @@ pub(crate) fn upstream_url(requested: &str, base: &Url) -> Result<Url, Refusal> 
     let under = path == prefix
         || (path.starts_with(prefix) && path[prefix.len()..].starts_with('/'))
         || prefix.is_empty();
-    // `..` is applied by the parse, but not a separator spelled encoded (`..%2F`, `..%5C`)
-    // or a `..;` segment (`..` to some Java servers): a server that reads them so would
-    // climb out of the base path. Below the base path no model API's path holds one (the
-    // base path itself is the operator's, and may).
+    // `..` is applied by the parse, but not a separator spelled encoded (`..%2F`, `..%5C`),
+    // a `..;` segment (`..` to some Java servers), or anything encoded twice (`%252F`,
+    // `%252e%252e`: `/` and `..` to a server, or a proxy before it, that decodes twice): a
+    // server that reads them so would climb out of the base path. Below the base path no
+    // model API's path holds one (the base path itself is the operator's, and may).
     let below = path
         .get(prefix.len()..)
         .unwrap_or_default()
         .to_ascii_lowercase();
-    let climbs = below.contains("%2f") || below.contains("%5c") || below.contains("/..;");
+    let climbs = ["%2f", "%5c", "%25", "/..;"]
+        .iter()
+        .any(|spelling| below.contains(spelling));
     if !under || climbs || !url.username().is_empty() || url.password().is_some() {
         return Err(foreign());
     }

@@ -765,6 +765,9 @@ async fn a_request_outside_the_providers_base_url_is_refused() {
         format!("https://{PLACEHOLDER_HOST}/v1/%2e%2e%2fadmin"),
         format!("https://{PLACEHOLDER_HOST}/v1/..%5Cadmin"),
         format!("https://{PLACEHOLDER_HOST}/v1/..;/admin"),
+        // Encoded twice: a server (or a proxy before it) that decodes twice climbs too.
+        format!("https://{PLACEHOLDER_HOST}/v1/..%252F..%252Fadmin"),
+        format!("https://{PLACEHOLDER_HOST}/v1/%252e%252e/admin"),
         format!("https://{PLACEHOLDER_HOST}:8443/v1/chat/completions"),
         format!("http://{PLACEHOLDER_HOST}/v1/chat/completions"),
         format!("https://user@{PLACEHOLDER_HOST}/v1/chat/completions"),
