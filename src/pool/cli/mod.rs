@@ -1884,6 +1884,39 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_waiter_that_gives_up_waiting_or_once_granted_passes_the_conversation_to_the_one_behind_it()
+     {
+        use futures_util::FutureExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, home, cwd, names) = codex_pool(dir.path());
+        let lease = || {
+            pool.lease(
+                ask("codex-cli", home.clone(), cwd.clone()),
+                names.binding.clone(),
+            )
+        };
+        let holder = lease().await.expect("leased");
+        // Three callers wait for the held conversation, in turn.
+        let mut first = Box::pin(lease());
+        let mut second = Box::pin(lease());
+        let mut third = Box::pin(lease());
+        for waiter in [&mut first, &mut second, &mut third] {
+            assert!(waiter.now_or_never().is_none(), "waits behind the holder");
+        }
+        // The first gives up while it waits.
+        drop(first);
+        // The holder is done: the second is granted, but its caller goes away before it reads
+        // the grant.
+        drop(holder);
+        drop(second);
+        // The third gets the conversation, within its wait.
+        let third = third.await.expect("the third waiter is granted");
+        assert_eq!(pool.lock().core.view().held, 1, "held by the third alone");
+        drop(third);
+        assert_eq!(pool.lock().core.view().held, 0);
+    }
+
+    #[tokio::test]
     async fn a_kept_conversation_asked_for_in_another_directory_continues_in_that_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (pool, home, cwd, names) = codex_pool(dir.path());
