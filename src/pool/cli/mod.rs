@@ -108,12 +108,77 @@ impl Shell {
     }
 }
 
-/// A conversation between its leases: its runner, and the pid of its process the metrics
-/// count as running (its start counted, its exit not yet).
+/// A conversation between its leases: its runner, the pid of its process the metrics count
+/// as running (its start counted, its exit not yet), and where its session id is bound.
 struct Parked {
     runner: CliConversation,
     backend: String,
     process: Option<u32>,
+    /// `None`: its session is not to be bound when it is closed (it is being deleted).
+    record: Option<SessionRecord>,
+}
+
+/// Where a conversation's CLI session id is bound, and the id its leases know is bound
+/// there. A session id its runner learned that no turn's end bound (a turn dropped before its
+/// end, a binding write that failed) is bound when the runner is closed (evicted, recycled,
+/// shut down), once its process is gone, if its CLI filed a transcript of it (resuming one
+/// it did not file would fail `transcript-missing`): without it the conversation's next
+/// lease would start a new session.
+#[derive(Clone)]
+struct SessionRecord {
+    bindings: Arc<BindingStore>,
+    key: String,
+    identity: String,
+    home: PathBuf,
+    dialect: Dialect,
+    kind: BackendKind,
+    bound: Option<String>,
+}
+
+/// A session id to bind once its runner is closed: the record, the id, and the directory its
+/// turns ran in.
+struct Unbound(SessionRecord, String, PathBuf);
+
+impl Unbound {
+    /// `runner`'s session id, when `record` does not have it bound.
+    fn of(runner: &CliConversation, record: Option<&SessionRecord>) -> Option<Unbound> {
+        let record = record?;
+        let id = runner.session_id()?;
+        (record.bound.as_deref() != Some(id)).then(|| {
+            Unbound(
+                record.clone(),
+                id.to_owned(),
+                runner.working_directory().to_path_buf(),
+            )
+        })
+    }
+
+    /// Binds the id if its CLI filed a transcript of it. File work in the agent's home: run
+    /// it on a blocking thread.
+    fn bind(self) {
+        let Unbound(record, id, cwd) = self;
+        let filed =
+            CliConversation::find_transcript(record.dialect, record.kind, &record.home, &cwd, &id)
+                .is_ok();
+        if !filed {
+            tracing::debug!(session = %id, "a CLI session id with no transcript is not bound");
+            return;
+        }
+        if let Err(error) = record.bindings.put(&Binding {
+            session_key: record.key,
+            cli_session_id: CliSessionId::new(id),
+            compat_key: record.identity,
+            updated_at_ms: super::now_ms(),
+            working_directory: Some(cwd),
+        }) {
+            tracing::warn!(%error, "could not record a closed CLI conversation's session id");
+        }
+    }
+
+    /// [`Unbound::bind`] on a blocking thread, awaited.
+    async fn bind_blocking(self) {
+        let _ = tokio::task::spawn_blocking(move || self.bind()).await;
+    }
 }
 
 /// Why the pool stops a parked conversation's process.
@@ -130,13 +195,19 @@ impl Parked {
     /// the background; the receiver turns `true` once it is gone.
     fn close(self, why: Stop) -> watch::Receiver<bool> {
         count_stop(&self.backend, self.process, self.runner.pid(), why);
-        close_in_background(self.runner)
+        let unbound = Unbound::of(&self.runner, self.record.as_ref());
+        close_in_background(self.runner, unbound)
     }
 
-    /// Counts how its process leaves and closes it, returning once it is gone.
+    /// Counts how its process leaves and closes it (binding an unbound session id), returning
+    /// once it is gone.
     async fn close_now(self, why: Stop) {
         count_stop(&self.backend, self.process, self.runner.pid(), why);
+        let unbound = Unbound::of(&self.runner, self.record.as_ref());
         let _ = self.runner.close().await;
+        if let Some(unbound) = unbound {
+            unbound.bind_blocking().await;
+        }
     }
 }
 
@@ -532,6 +603,7 @@ impl CliPool {
             kind: config.kind,
             dialect: config.dialect_of(&ask.backend),
             process: None,
+            bound: None,
         };
         let parked = reuse
             .then(|| self.lock().parked.remove(&ask.conversation))
@@ -556,6 +628,7 @@ impl CliPool {
             }
             lease.conversation = Some(parked.runner);
             lease.process = parked.process;
+            lease.bound = parked.record.and_then(|r| r.bound);
             // Its process may have died while parked.
             lease.settle_process(ProcessExit::Crash);
         }
@@ -573,6 +646,7 @@ impl CliPool {
             }
             // A new process: resume the stored session, or start one (the rules decide).
             let found = self.stored_session(&ask, &config, &lease).await?;
+            lease.bound = found.resume.clone();
             let (conversation, reason) = self.open(&ask, &config, found)?;
             lease.conversation = Some(conversation);
             lease.reason = reason;
@@ -735,45 +809,32 @@ impl CliPool {
         Ok((CliConversation::Live(Box::new(runner)), reason))
     }
 
-    /// Takes a conversation back from its lease; `process` is the pid its lease counted as
-    /// running.
-    fn give_back(
-        &self,
-        conversation: &str,
-        backend: &str,
-        runner: Option<CliConversation>,
-        process: Option<u32>,
-        crashed: bool,
-    ) {
+    /// Takes a conversation back from its lease: its runner, if it has one, to park.
+    fn give_back(&self, conversation: &str, parked: Option<Parked>, crashed: bool) {
         // The lease's handlers go with it: a call before the next lease is refused.
         #[cfg(feature = "mcp-bridge")]
-        let runner = runner.map(|mut runner| {
-            runner.clear_gateway_handlers();
-            runner
+        let parked = parked.map(|mut parked| {
+            parked.runner.clear_gateway_handlers();
+            parked
         });
         let mut shell = self.lock();
         // Read under the lock: a shutdown sets it before it takes the lock to empty
         // `parked`, so a runner kept here is either emptied by it or not kept at all.
         let closed = self.closed.load(Ordering::SeqCst);
-        let kept = runner.is_some() && !closed;
+        let kept = parked.is_some() && !closed;
         // A conversation without a running process (a one-shot's between turns, one whose
         // process died or was closed) is parked for its next lease but takes no process slot
         // meanwhile.
-        let live = runner.as_ref().is_some_and(|r| r.pid().is_some());
-        let parked = match (kept, live) {
+        let live = parked.as_ref().is_some_and(|p| p.runner.pid().is_some());
+        let held = match (kept, live) {
             (false, _) => Kept::Nothing,
             (true, true) => Kept::Process,
             (true, false) => Kept::Conversation,
         };
         let effects = shell
             .core
-            .returned(conversation, parked, crashed, Instant::now());
-        if let Some(runner) = runner {
-            let parked = Parked {
-                runner,
-                backend: backend.to_owned(),
-                process,
-            };
+            .returned(conversation, held, crashed, Instant::now());
+        if let Some(parked) = parked {
             if kept {
                 shell.parked.insert(conversation.to_owned(), parked);
             } else {
@@ -857,8 +918,10 @@ impl CliPool {
                 Some((id, p.runner.working_directory().to_path_buf()))
             });
             let had_process = parked.is_some();
-            if let Some(parked) = parked {
+            if let Some(mut parked) = parked {
                 // Ended before its files go: a live CLI writes its transcript to the end.
+                // Its session is not bound: it goes.
+                parked.record = None;
                 parked.close_now(Stop::Shutdown).await;
             }
             // Likewise one closing in the background (evicted idle just before).
@@ -1012,17 +1075,25 @@ impl BudgetGuard<'_> {
 
 /// Closes a runner's process gracefully in a task; outside a runtime (a lease dropped on a
 /// plain thread) it is dropped, which kills its process group at once.
-fn close_in_background(runner: CliConversation) -> watch::Receiver<bool> {
+fn close_in_background(runner: CliConversation, unbound: Option<Unbound>) -> watch::Receiver<bool> {
     let (gone, receiver) = watch::channel(false);
     match tokio::runtime::Handle::try_current() {
         Ok(handle) => {
             handle.spawn(async move {
                 let _ = runner.close().await;
+                // Bound before it counts as gone: the conversation's next lease, which waits
+                // for that, finds the session.
+                if let Some(unbound) = unbound {
+                    unbound.bind_blocking().await;
+                }
                 let _ = gone.send(true);
             });
         }
         Err(_) => {
             drop(runner);
+            if let Some(unbound) = unbound {
+                unbound.bind();
+            }
             let _ = gone.send(true);
         }
     }
@@ -1146,18 +1217,7 @@ impl Drop for WaitGuard {
         // if any, stays parked), taken out under the same lock.
         let parked = shell.parked.remove(&self.conversation);
         drop(shell);
-        match parked {
-            Some(p) => self.pool.give_back(
-                &self.conversation,
-                &p.backend,
-                Some(p.runner),
-                p.process,
-                false,
-            ),
-            None => self
-                .pool
-                .give_back(&self.conversation, "", None, None, false),
-        }
+        self.pool.give_back(&self.conversation, parked, false);
     }
 }
 
@@ -1180,6 +1240,8 @@ pub struct CliLease {
     /// The pid of the conversation's process the metrics count as running: its start
     /// counted, its exit not yet.
     process: Option<u32>,
+    /// The CLI session id its binding holds, as far as the lease knows ([`SessionRecord`]).
+    bound: Option<String>,
 }
 
 impl std::fmt::Debug for CliLease {
@@ -1193,14 +1255,22 @@ impl std::fmt::Debug for CliLease {
 
 impl Drop for CliLease {
     fn drop(&mut self) {
-        let runner = self.conversation.take();
-        self.pool.give_back(
-            &self.conversation_key,
-            &self.backend,
+        let parked = self.conversation.take().map(|runner| Parked {
             runner,
-            self.process,
-            self.crashed,
-        );
+            backend: self.backend.clone(),
+            process: self.process,
+            record: Some(SessionRecord {
+                bindings: self.pool.bindings.clone(),
+                key: self.bindings_key.clone(),
+                identity: self.identity.clone(),
+                home: self.home.clone(),
+                dialect: self.dialect,
+                kind: self.kind,
+                bound: self.bound.take(),
+            }),
+        });
+        self.pool
+            .give_back(&self.conversation_key, parked, self.crashed);
     }
 }
 
@@ -1361,6 +1431,7 @@ impl CliLease {
             backend: &self.backend,
             crashed: &mut self.crashed,
             process: &mut self.process,
+            bound: &mut self.bound,
             oneshot: self.kind == BackendKind::CliOneshot,
             started: Instant::now(),
         })
@@ -1417,6 +1488,8 @@ pub struct CliLeaseTurn<'a> {
     crashed: &'a mut bool,
     /// The lease's counted process (see `CliLease::process`).
     process: &'a mut Option<u32>,
+    /// The lease's bound session id (see `CliLease::bound`).
+    bound: &'a mut Option<String>,
     /// A one-shot backend's process ends with its turn.
     oneshot: bool,
     started: Instant,
@@ -1476,8 +1549,12 @@ impl CliLeaseTurn<'_> {
                     updated_at_ms: super::now_ms(),
                     working_directory: Some(self.cwd.to_path_buf()),
                 };
-                if let Err(error) = self.bindings.put(&binding) {
-                    tracing::warn!(%error, "could not record a CLI backend's session id");
+                match self.bindings.put(&binding) {
+                    Ok(()) => *self.bound = Some(id.clone()),
+                    // Tried again when the runner is closed ([`SessionRecord`]).
+                    Err(error) => {
+                        tracing::warn!(%error, "could not record a CLI backend's session id")
+                    }
                 }
             }
         }
@@ -1917,6 +1994,85 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_session_id_no_turns_end_bound_is_bound_when_its_runner_is_closed_if_its_cli_filed_it()
+     {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Codex's output as far as a turn's first tool call: the thread (its id read from the
+        // working directory), then a command; then the turn runs on.
+        let mut config = CliBackendConfig::codex_cli();
+        let script = dir.path().join("codex");
+        std::fs::write(
+            &script,
+            r#"#!/bin/sh
+printf '{"type":"thread.started","thread_id":"%s"}\n' "$(cat id)"
+echo '{"type":"item.started","item":{"type":"command_execution","id":"c1","command":"ls"}}'
+sleep 30 & wait
+"#,
+        )
+        .expect("script");
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .expect("executable");
+        config.command = script.display().to_string();
+        let pool = pool("codex-cli", config, &dir.path().join("state"));
+        let names = CliNames::new("agent", "k", "codex-cli");
+        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        std::fs::create_dir_all(&cwd).expect("work");
+        // A turn that learns thread `id` is dropped before its end; the conversation's
+        // runner is then closed (idle).
+        let dropped_turn_then_closed = |id: &'static str| {
+            let (pool, home, cwd, key, slot) = (&pool, &home, &cwd, &names.binding, &names.slot);
+            async move {
+                std::fs::write(cwd.join("id"), id).expect("id");
+                let mut lease = pool
+                    .lease(ask("codex-cli", home.clone(), cwd.clone()), key.clone())
+                    .await
+                    .expect("leased");
+                let mut turn = lease.start_turn("hello").await.expect("started");
+                while let Some(event) = turn.next().await {
+                    assert!(!matches!(event, BackendEvent::TurnEnd(_)), "{event:?}");
+                    if matches!(event, BackendEvent::ToolCall { .. }) {
+                        break;
+                    }
+                }
+                drop(turn);
+                assert_eq!(
+                    lease.session_id(),
+                    Some(id),
+                    "the runner keeps what it learned"
+                );
+                drop(lease);
+                pool.close_idle(Duration::ZERO);
+                let closing = pool.lock().closing.get(slot).cloned();
+                let mut gone = closing.expect("closing");
+                let _ = gone.wait_for(|gone| *gone).await;
+                pool.bindings
+                    .get(key)
+                    .expect("read")
+                    .map(|b| b.cli_session_id.into_string())
+            }
+        };
+        // Codex filed no rollout of it: resuming it would fail, so it is not bound.
+        let unfiled = "0199aaaa-0000-7000-8000-000000000001";
+        assert_eq!(dropped_turn_then_closed(unfiled).await, None);
+        // Filed: bound, and the next lease resumes it.
+        let filed = "0199aaaa-0000-7000-8000-000000000002";
+        codex_rollout(&home, filed);
+        assert_eq!(
+            dropped_turn_then_closed(filed).await.as_deref(),
+            Some(filed)
+        );
+        let lease = pool
+            .lease(
+                ask("codex-cli", home.clone(), cwd.clone()),
+                names.binding.clone(),
+            )
+            .await
+            .expect("leased");
+        assert_eq!(lease.reason(), OpenReason::Resumed);
+        assert_eq!(lease.session_id(), Some(filed));
+    }
+
+    #[tokio::test]
     async fn a_kept_conversation_asked_for_in_another_directory_continues_in_that_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (pool, home, cwd, names) = codex_pool(dir.path());
@@ -2115,6 +2271,7 @@ mod tests {
                     runner,
                     backend: "claude-cli".to_owned(),
                     process: None,
+                    record: None,
                 },
             );
         }
