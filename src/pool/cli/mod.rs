@@ -2073,6 +2073,57 @@ sleep 30 & wait
     }
 
     #[tokio::test]
+    async fn a_lease_returned_during_the_shutdowns_grace_is_closed_not_parked() {
+        use futures_util::FutureExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, home, cwd, names) = codex_pool(dir.path());
+        let lease = pool
+            .lease(ask("codex-cli", home, cwd), names.binding.clone())
+            .await
+            .expect("leased");
+        // The shutdown starts and gives the running lease its grace.
+        let mut shutdown = Box::pin(pool.shutdown(Duration::from_secs(30)));
+        assert!(
+            (&mut shutdown).now_or_never().is_none(),
+            "waits for the lease"
+        );
+        drop(lease);
+        assert!(
+            pool.lock().parked.is_empty(),
+            "a lease returned after the shutdown began is not parked"
+        );
+        shutdown.await;
+        assert!(!pool.holds(&names.slot));
+    }
+
+    #[tokio::test]
+    async fn a_lease_granted_just_before_the_shutdown_starts_no_process_after_it() {
+        use futures_util::FutureExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, home, cwd, names) = codex_pool(dir.path());
+        let lease = || {
+            pool.lease(
+                ask("codex-cli", home.clone(), cwd.clone()),
+                names.binding.clone(),
+            )
+        };
+        let holder = lease().await.expect("leased");
+        let mut waiter = Box::pin(lease());
+        assert!(
+            (&mut waiter).now_or_never().is_none(),
+            "waits behind the holder"
+        );
+        // Granted the conversation (its runner parked for it), not yet running when the
+        // shutdown closes what is parked.
+        drop(holder);
+        pool.shutdown(Duration::ZERO).await;
+        assert!(
+            matches!(waiter.await, Err(PoolError::Closed)),
+            "no new runner once the pool is closed"
+        );
+    }
+
+    #[tokio::test]
     async fn a_kept_conversation_asked_for_in_another_directory_continues_in_that_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (pool, home, cwd, names) = codex_pool(dir.path());
