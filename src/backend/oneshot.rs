@@ -1342,27 +1342,6 @@ pub struct OneshotTurn<'a> {
     max_lines: u64,
 }
 
-impl Drop for OneshotTurn<'_> {
-    /// A turn dropped before its end (its process killed) keeps the session id it learned,
-    /// as the live runner does: its CLI may have filed the session already, and the
-    /// conversation's next turn continues it (the pool binds it when the runner is closed,
-    /// if its CLI filed a transcript of it).
-    fn drop(&mut self) {
-        if self.ended || self.conversation.config.backend.session_mode == SessionMode::None {
-            return;
-        }
-        if let Some(id) = self.learned_session.take()
-            && self
-                .conversation
-                .session
-                .as_ref()
-                .is_none_or(|s| s.session_id != id)
-        {
-            self.conversation.session = Some(StoredSession::new(id));
-        }
-    }
-}
-
 impl OneshotTurn<'_> {
     /// A handle that aborts this turn.
     pub fn abort_handle(&self) -> AbortHandle {

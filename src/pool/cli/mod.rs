@@ -114,16 +114,17 @@ struct Parked {
     runner: CliConversation,
     backend: String,
     process: Option<u32>,
-    /// `None`: its session is not to be bound when it is closed (it is being deleted).
+    /// Where its session id is bound (`None`: nowhere, a runner a test parked).
     record: Option<SessionRecord>,
 }
 
 /// Where a conversation's CLI session id is bound, and the id its leases know is bound
-/// there. A session id its runner learned that no turn's end bound (a turn dropped before its
-/// end, a binding write that failed) is bound when the runner is closed (evicted, recycled,
-/// shut down), once its process is gone, if its CLI filed a transcript of it (resuming one
-/// it did not file would fail `transcript-missing`): without it the conversation's next
-/// lease would start a new session.
+/// there. A session id its runner learned that no turn's end bound (a live turn dropped
+/// before its end, a binding write that failed) is bound when the runner is closed in the
+/// background (evicted, recycled, shut down; not deleted), once its process is gone, if its
+/// CLI filed a transcript of it (resuming one it did not file would fail
+/// `transcript-missing`; a generic CLI's, with no transcript to check, is bound as a turn's
+/// end would): without it the conversation's next lease would start a new session.
 #[derive(Clone)]
 struct SessionRecord {
     bindings: Arc<BindingStore>,
@@ -199,15 +200,11 @@ impl Parked {
         close_in_background(self.runner, unbound)
     }
 
-    /// Counts how its process leaves and closes it (binding an unbound session id), returning
-    /// once it is gone.
+    /// Counts how its process leaves and closes it, returning once it is gone; its session
+    /// is not bound (the deletion's close: the session goes).
     async fn close_now(self, why: Stop) {
         count_stop(&self.backend, self.process, self.runner.pid(), why);
-        let unbound = Unbound::of(&self.runner, self.record.as_ref());
         let _ = self.runner.close().await;
-        if let Some(unbound) = unbound {
-            unbound.bind_blocking().await;
-        }
     }
 }
 
@@ -615,7 +612,11 @@ impl CliPool {
             // new session where the CLI filed it by the old directory), never a turn run
             // elsewhere.
             Some(parked) if parked.runner.working_directory() != ask.cwd => {
-                parked.close_now(Stop::Recycled).await;
+                // Closed in the background and recorded as closing (its session id bound
+                // first, if no turn's end bound it): the wait for it below reads the binding
+                // after, and a lease cancelled meanwhile cuts nothing short.
+                self.lock()
+                    .close_parked(ask.conversation.clone(), parked, Stop::Recycled);
                 None
             }
             other => other,
@@ -918,10 +919,8 @@ impl CliPool {
                 Some((id, p.runner.working_directory().to_path_buf()))
             });
             let had_process = parked.is_some();
-            if let Some(mut parked) = parked {
+            if let Some(parked) = parked {
                 // Ended before its files go: a live CLI writes its transcript to the end.
-                // Its session is not bound: it goes.
-                parked.record = None;
                 parked.close_now(Stop::Shutdown).await;
             }
             // Likewise one closing in the background (evicted idle just before).
@@ -1569,6 +1568,11 @@ mod tests {
     /// A pool of one CLI backend `id` with `config`, its bindings under `dir`.
     fn pool(id: &str, config: CliBackendConfig, dir: &std::path::Path) -> Arc<CliPool> {
         let bindings = Arc::new(BindingStore::open(dir).expect("bindings"));
+        pool_with(id, config, bindings)
+    }
+
+    /// A pool of one CLI backend `id` with `config` and `bindings`.
+    fn pool_with(id: &str, config: CliBackendConfig, bindings: Arc<BindingStore>) -> Arc<CliPool> {
         Arc::new(CliPool::new(
             BTreeMap::from([(id.to_owned(), config)]),
             Caps {
@@ -1993,53 +1997,63 @@ mod tests {
         assert_eq!(pool.lock().core.view().held, 0);
     }
 
+    /// A disk that is full while `full` is set (the bindings' writes fail).
+    #[derive(Debug, Default)]
+    struct FullWhile {
+        full: AtomicBool,
+    }
+
+    impl crate::faults::DiskFaults for FullWhile {
+        fn before_write(&self, _: crate::faults::Store) -> Option<std::io::Error> {
+            self.full
+                .load(Ordering::SeqCst)
+                .then(|| std::io::Error::from_raw_os_error(nix::libc::ENOSPC))
+        }
+    }
+
     #[tokio::test]
-    async fn a_session_id_no_turns_end_bound_is_bound_when_its_runner_is_closed_if_its_cli_filed_it()
+    async fn a_session_id_whose_binding_write_failed_is_bound_when_its_runner_is_closed_if_its_cli_filed_it()
      {
         let dir = tempfile::tempdir().expect("tempdir");
-        // Codex's output as far as a turn's first tool call: the thread (its id read from the
-        // working directory), then a command; then the turn runs on.
+        // A whole Codex turn on thread `$(cat id)` (the id read from the working directory).
         let mut config = CliBackendConfig::codex_cli();
         let script = dir.path().join("codex");
         std::fs::write(
             &script,
             r#"#!/bin/sh
 printf '{"type":"thread.started","thread_id":"%s"}\n' "$(cat id)"
-echo '{"type":"item.started","item":{"type":"command_execution","id":"c1","command":"ls"}}'
-sleep 30 & wait
+echo '{"type":"item.completed","item":{"id":"m1","type":"agent_message","text":"hi"}}'
+echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0,"output_tokens":1}}'
 "#,
         )
         .expect("script");
         std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .expect("executable");
         config.command = script.display().to_string();
-        let pool = pool("codex-cli", config, &dir.path().join("state"));
+        let disk = Arc::new(FullWhile::default());
+        let bindings = BindingStore::open(&dir.path().join("state"))
+            .expect("bindings")
+            .with_disk_faults(Some(disk.clone()));
+        let pool = pool_with("codex-cli", config, Arc::new(bindings));
         let names = CliNames::new("agent", "k", "codex-cli");
         let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
         std::fs::create_dir_all(&cwd).expect("work");
-        // A turn that learns thread `id` is dropped before its end; the conversation's
-        // runner is then closed (idle).
-        let dropped_turn_then_closed = |id: &'static str| {
-            let (pool, home, cwd, key, slot) = (&pool, &home, &cwd, &names.binding, &names.slot);
+        // A turn on thread `id` whose binding cannot be written (the disk full), then the
+        // conversation's runner closed (idle) once the disk has room again.
+        let turn_unbound_then_closed = |id: &'static str| {
+            let (pool, home, cwd, disk) = (&pool, &home, &cwd, &disk);
+            let (key, slot) = (&names.binding, &names.slot);
             async move {
                 std::fs::write(cwd.join("id"), id).expect("id");
                 let mut lease = pool
                     .lease(ask("codex-cli", home.clone(), cwd.clone()), key.clone())
                     .await
                     .expect("leased");
-                let mut turn = lease.start_turn("hello").await.expect("started");
-                while let Some(event) = turn.next().await {
-                    assert!(!matches!(event, BackendEvent::TurnEnd(_)), "{event:?}");
-                    if matches!(event, BackendEvent::ToolCall { .. }) {
-                        break;
-                    }
-                }
-                drop(turn);
-                assert_eq!(
-                    lease.session_id(),
-                    Some(id),
-                    "the runner keeps what it learned"
-                );
+                disk.full.store(true, Ordering::SeqCst);
+                let outcome = lease.run("hello", |_| {}).await.expect("ran");
+                assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+                assert_eq!(pool.bindings.get(key).expect("read"), None, "not bound");
+                disk.full.store(false, Ordering::SeqCst);
                 drop(lease);
                 pool.close_idle(Duration::ZERO);
                 let closing = pool.lock().closing.get(slot).cloned();
@@ -2053,12 +2067,12 @@ sleep 30 & wait
         };
         // Codex filed no rollout of it: resuming it would fail, so it is not bound.
         let unfiled = "0199aaaa-0000-7000-8000-000000000001";
-        assert_eq!(dropped_turn_then_closed(unfiled).await, None);
+        assert_eq!(turn_unbound_then_closed(unfiled).await, None);
         // Filed: bound, and the next lease resumes it.
         let filed = "0199aaaa-0000-7000-8000-000000000002";
         codex_rollout(&home, filed);
         assert_eq!(
-            dropped_turn_then_closed(filed).await.as_deref(),
+            turn_unbound_then_closed(filed).await.as_deref(),
             Some(filed)
         );
         let lease = pool
