@@ -176,6 +176,30 @@ pub(crate) fn placeholder_base(base_url: &str) -> String {
     child
 }
 
+/// Whether a request's path below the base path (lowercased) could climb out of it on a
+/// server that decodes it otherwise than the URL parser does: a separator spelled encoded
+/// (`%2f`, `%5c`), a `..;` segment, anything encoded twice (`%25`), a `%` that is no escape
+/// (`%%32%66` and `%2%66` are `%2f` once decoded; IIS's `%u002f`), or escapes that are not
+/// UTF-8 once decoded (an overlong `/`, `%c0%af`). No model API's path holds any of them.
+fn could_climb(below: &str) -> bool {
+    if ["%2f", "%5c", "%25", "/..;"]
+        .iter()
+        .any(|spelling| below.contains(spelling))
+    {
+        return true;
+    }
+    let bytes = below.as_bytes();
+    let not_an_escape = bytes.iter().enumerate().any(|(at, byte)| {
+        *byte == b'%'
+            && !(bytes.get(at + 1).is_some_and(u8::is_ascii_hexdigit)
+                && bytes.get(at + 2).is_some_and(u8::is_ascii_hexdigit))
+    });
+    not_an_escape
+        || percent_encoding::percent_decode_str(below)
+            .decode_utf8()
+            .is_err()
+}
+
 /// The upstream URL of a request the child made to `requested`: the provider's scheme, host
 /// and port with the request's path and query, and the base URL's query parameters the
 /// request does not give itself. Refused unless the request is for the placeholder host and
@@ -206,9 +230,7 @@ pub(crate) fn upstream_url(requested: &str, base: &Url) -> Result<Url, Refusal> 
         .get(prefix.len()..)
         .unwrap_or_default()
         .to_ascii_lowercase();
-    let climbs = ["%2f", "%5c", "%25", "/..;"]
-        .iter()
-        .any(|spelling| below.contains(spelling));
+    let climbs = could_climb(&below);
     if !under || climbs || !url.username().is_empty() || url.password().is_some() {
         return Err(foreign());
     }

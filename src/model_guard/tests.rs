@@ -768,6 +768,11 @@ async fn a_request_outside_the_providers_base_url_is_refused() {
         // Encoded twice: a server (or a proxy before it) that decodes twice climbs too.
         format!("https://{PLACEHOLDER_HOST}/v1/..%252F..%252Fadmin"),
         format!("https://{PLACEHOLDER_HOST}/v1/%252e%252e/admin"),
+        // A `%` that is no escape, decoded once, becomes one; an overlong `/`.
+        format!("https://{PLACEHOLDER_HOST}/v1/..%%32%66admin"),
+        format!("https://{PLACEHOLDER_HOST}/v1/..%2%66admin"),
+        format!("https://{PLACEHOLDER_HOST}/v1/..%u002fadmin"),
+        format!("https://{PLACEHOLDER_HOST}/v1/..%c0%afadmin"),
         format!("https://{PLACEHOLDER_HOST}:8443/v1/chat/completions"),
         format!("http://{PLACEHOLDER_HOST}/v1/chat/completions"),
         format!("https://user@{PLACEHOLDER_HOST}/v1/chat/completions"),
