@@ -312,8 +312,12 @@ fn forget(id: &Mutex<Option<Pid>>) {
 /// (npm runs with `--ignore-scripts`).
 #[derive(Debug)]
 pub struct GroupLeader {
-    child: Child,
+    /// Dropped first (fields drop in order): the group is killed while its leader, if it
+    /// exited, is still an unreaped zombie holding the group's id; the `Child`'s drop then
+    /// reaps it. The other way round, a leader reaped by that drop freed the id before the
+    /// group's kill signalled it.
     group: ProcessGroup,
+    child: Child,
     /// Resolves when the leader has exited, before it is reaped.
     exited: Option<tokio::sync::oneshot::Receiver<()>>,
 }
