@@ -861,6 +861,66 @@ async fn a_stuck_tool_call_ends_in_turn_timeout_and_the_next_turn_works() {
 }
 
 #[tokio::test]
+async fn a_caller_reading_a_turns_events_too_slowly_has_the_turn_aborted_and_the_conversation_goes_on()
+ {
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut req = fx.request("agent-b", "backlog");
+    // Above one event of the turn (the largest, 20 KiB), under two: the runtime's own
+    // `model.*` events (the whole conversation each) and its system message left out.
+    req.handlers.max_unread_event_bytes = 24 * 1024;
+    req.handlers.unread_events = Some(Arc::new(|t: &str| {
+        t.starts_with("model.") || t == "system.message"
+    }));
+    let mut lease = pool.lease(req).await.expect("lease");
+    // The prompt and the answer, 20 KiB each, come back in the turn's events.
+    let long = "x".repeat(20 * 1024);
+    lease.send(format!("REPLY={long}")).await.expect("sent");
+    // The runtime writes them while nothing reads them. No event says "written" (the only
+    // one is the turn's events themselves, unread here): the count is watched.
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while lease.unread_event_bytes() <= 40 * 1024 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the runtime wrote the turn's events");
+    // The event at the head comes, then the turn is aborted: what waited behind it is past
+    // the limit.
+    lease
+        .next_event()
+        .await
+        .expect("an item")
+        .expect("the first event");
+    let err = lease
+        .next_event()
+        .await
+        .expect("an item")
+        .expect_err("the turn is aborted");
+    assert!(
+        matches!(
+            err,
+            PoolError::Turn(TurnError::Backlog { limit: 24576, .. })
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("read too slowly"), "{err}");
+    assert!(lease.next_event().await.is_none(), "the turn ended");
+    assert!(
+        lease.unread_event_bytes() < 24 * 1024,
+        "what waited was drained: {}",
+        lease.unread_event_bytes()
+    );
+    let next = lease
+        .run("REPLY=recovered")
+        .await
+        .expect("the next turn works");
+    assert_eq!(next.text, "recovered");
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
 async fn an_inactive_turn_times_out_with_a_typed_error() {
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.config().await).await.expect("pool");

@@ -198,6 +198,13 @@ impl Lease {
         Ok(outcome)
     }
 
+    /// The bytes of the conversation's events waiting to be read ([`Lease::next_event`]):
+    /// how far the caller is behind the runtime. Past the lease's
+    /// [`crate::turn::TurnHandlers::max_unread_event_bytes`] the running turn is aborted.
+    pub fn unread_event_bytes(&self) -> usize {
+        self.session.as_ref().map_or(0, |s| s.unread_bytes())
+    }
+
     /// The outcome of the current or last turn, as tallied so far.
     pub fn outcome(&self) -> TurnOutcome {
         let mut outcome = self.driver.outcome();

@@ -67,6 +67,9 @@ pub(crate) struct TurnDriver {
     next_question: u64,
     /// An aborted turn did not reach `session.idle`: the session must not be reused.
     poisoned: bool,
+    /// The bytes left unread behind an event the caller took, when over the limit: the turn
+    /// is aborted at the next call (`TurnError::Backlog`).
+    backlog: Option<usize>,
     abort_drain: Duration,
     started: Instant,
     last_activity: Instant,
@@ -114,6 +117,7 @@ impl TurnDriver {
             question: None,
             next_question: 0,
             poisoned: false,
+            backlog: None,
             abort_drain,
             started: Instant::now(),
             last_activity: Instant::now(),
@@ -250,6 +254,7 @@ impl TurnDriver {
         self.started = Instant::now();
         self.last_activity = self.started;
         self.async_shell = false;
+        self.backlog = None;
         self.in_flight = true;
     }
 
@@ -268,6 +273,17 @@ impl TurnDriver {
         if !self.in_flight {
             return None;
         }
+        // A caller that reads slower than the runtime writes leaves the route holding what it
+        // has not read: past the limit the turn ends (the abort drains it) at the call after
+        // the event that showed it, so the caller gets that event first.
+        if let Some(unread_bytes) = self.backlog.take() {
+            let limit = self.handlers.max_unread_event_bytes;
+            let error = TurnError::Backlog {
+                unread_bytes,
+                limit,
+            };
+            return Some(Err(self.abort_with(session, error).await));
+        }
         loop {
             let (deadline, kind, label) = self.next_deadline();
             tokio::select! {
@@ -278,6 +294,12 @@ impl TurnDriver {
                     self.last_activity = Instant::now();
                     match update {
                         Some(SessionUpdate::Event(event)) => {
+                            // What waits behind this event, not the event itself: one large
+                            // event read at once is no backlog.
+                            let unread = session.unread_bytes();
+                            if unread > self.handlers.max_unread_event_bytes {
+                                self.backlog = Some(unread);
+                            }
                             match self.on_event(&event, session) {
                                 Ok(()) => {}
                                 Err(e) => return Some(Err(self.abort_with(session, e).await)),

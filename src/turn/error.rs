@@ -44,6 +44,18 @@ pub enum TurnError {
     )]
     TranscriptPersistence(String),
     /// The worker died or stopped under the turn.
+    /// The caller read the turn's events slower than the runtime wrote them, and more than
+    /// [`super::TurnHandlers::max_unread_event_bytes`] waited unread: the turn was aborted
+    /// (what waited was drained), the conversation stays resumable.
+    #[error(
+        "the turn's events were read too slowly: {unread_bytes} bytes of them waited unread, over the limit of {limit} (max_unread_event_bytes); the turn was aborted, the conversation can continue. Read the events as they come (over HTTP, the SSE response as it streams)"
+    )]
+    Backlog {
+        /// The bytes waiting when the turn was aborted.
+        unread_bytes: usize,
+        /// The limit.
+        limit: usize,
+    },
     #[error(transparent)]
     Worker(WorkerError),
 }

@@ -165,7 +165,17 @@ pub struct TurnHandlers {
     /// dropped where the runtime's output is read, never parsed or handed on:
     /// [`crate::Lease::next_event`] does not yield them. `None`: every event comes.
     pub unread_events: Option<crate::rpc::UnreadEvents>,
+    /// The most bytes of events (their JSON text) that may wait in the conversation's route
+    /// while the caller reads slower than the runtime writes (a gateway that reads its event
+    /// stream slowly): past it the turn is aborted with [`TurnError::Backlog`], and the
+    /// waiting events are drained. Default [`DEFAULT_MAX_UNREAD_EVENT_BYTES`].
+    pub max_unread_event_bytes: usize,
 }
+
+/// The default [`TurnHandlers::max_unread_event_bytes`]: 32 MiB, far above what a reader
+/// that keeps up leaves waiting (an event or two), and a bound on what one that does not can
+/// make the daemon hold.
+pub const DEFAULT_MAX_UNREAD_EVENT_BYTES: usize = 32 << 20;
 
 impl Default for TurnHandlers {
     fn default() -> Self {
@@ -177,6 +187,7 @@ impl Default for TurnHandlers {
             timeouts: TurnTimeouts::default(),
             transcript: None,
             unread_events: None,
+            max_unread_event_bytes: DEFAULT_MAX_UNREAD_EVENT_BYTES,
         }
     }
 }
@@ -190,6 +201,7 @@ impl fmt::Debug for TurnHandlers {
             .field("timeouts", &self.timeouts)
             .field("transcript", &self.transcript)
             .field("unread_events", &self.unread_events.is_some())
+            .field("max_unread_event_bytes", &self.max_unread_event_bytes)
             .finish_non_exhaustive()
     }
 }

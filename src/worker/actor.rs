@@ -23,7 +23,7 @@ use super::config::WorkerConfig;
 use super::error::{ExitReason, WorkerError, WorkerExit};
 use super::handle::{PendingKind, REAP_WAIT, WorkerInfo};
 use super::health::HealthMisses;
-use super::session::{Routed, SessionUpdate};
+use super::session::{Routed, SessionUpdate, Unread};
 
 /// After stdout closes, how long to wait for the child's exit status before reporting the
 /// closed pipe without it.
@@ -90,6 +90,8 @@ pub(crate) enum WorkerMsg {
 /// opener waits for it, so that detach cannot undo the new open).
 pub(crate) struct OpenedRoute {
     pub(crate) updates: mpsc::UnboundedReceiver<Routed>,
+    /// What the route holds unread.
+    pub(crate) unread: Unread,
     /// Which open of this id the route belongs to.
     pub(crate) generation: u64,
     pub(crate) pending_detach: Option<watch::Receiver<bool>>,
@@ -99,12 +101,20 @@ pub(crate) struct OpenedRoute {
 pub(crate) struct Route {
     generation: u64,
     updates: mpsc::UnboundedSender<Routed>,
+    unread: Unread,
 }
 
 impl Route {
-    /// Delivers `update`; false when the session's receiver is gone.
+    /// Delivers `update`, counted unread until the session takes it; false when the
+    /// session's receiver is gone.
     pub(super) fn send(&self, update: SessionUpdate) -> bool {
-        self.updates.send(Box::new(update)).is_ok()
+        let weight = update.unread_weight();
+        self.unread.add(weight);
+        let sent = self.updates.send(Box::new(update)).is_ok();
+        if !sent {
+            self.unread.take(weight);
+        }
+        sent
     }
 }
 
@@ -366,9 +376,11 @@ impl Actor for Worker {
                 let generation = state.next_generation;
                 state.next_generation += 1;
                 let (tx, updates) = mpsc::unbounded_channel();
+                let unread = Unread::default();
                 let route = Route {
                     generation,
                     updates: tx,
+                    unread: unread.clone(),
                 };
                 let result = match state.routes.entry(session_id) {
                     // A route whose receiver is gone (its opener was cancelled, or its
@@ -385,6 +397,7 @@ impl Actor for Worker {
                 };
                 let result = result.map(|()| OpenedRoute {
                     updates,
+                    unread,
                     generation,
                     pending_detach,
                 });

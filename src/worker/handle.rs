@@ -418,7 +418,7 @@ impl WorkerHandle {
                 reply,
             })
             .await??;
-        let updates = route.updates;
+        let (updates, unread) = (route.updates, route.unread);
         let generation = route.generation;
         // From here, a dropped future (or a failed request) closes the route; the runtime may
         // have opened the session anyway, so it is detached unless the caller takes that on.
@@ -449,6 +449,7 @@ impl WorkerHandle {
                     generation,
                     self.clone(),
                     updates,
+                    unread,
                 );
                 session.set_opened(&opened);
                 Ok((session, opened))

@@ -7,6 +7,8 @@
 //! only answer its own requests.
 
 use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -49,6 +51,39 @@ pub enum SessionUpdate {
     Notification(ClientCall),
     /// The worker ended; nothing more will arrive. Carries why.
     Ended(WorkerError),
+}
+
+impl SessionUpdate {
+    /// What it counts for in its route's [`Unread`] bytes: an event its JSON text; a request
+    /// or notification a kibibyte (the runtime's requests of a session are small and few).
+    pub(crate) fn unread_weight(&self) -> usize {
+        match self {
+            SessionUpdate::Event(event) => event.raw().get().len(),
+            SessionUpdate::Ended(_) => 0,
+            _ => 1024,
+        }
+    }
+}
+
+/// The bytes a session's route holds that its reader has not taken yet
+/// ([`SessionUpdate::unread_weight`]): added as the worker routes an update, taken off as the
+/// session's reader takes it. A reader that falls behind (a gateway reading its events slower
+/// than the runtime writes them) shows here; the turn driver aborts a turn past its limit.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Unread(Arc<AtomicUsize>);
+
+impl Unread {
+    pub(crate) fn add(&self, bytes: usize) {
+        self.0.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn take(&self, bytes: usize) {
+        self.0.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 /// What a session's route carries: one update, boxed. A tokio channel allocates its slots 32
@@ -189,6 +224,8 @@ pub struct Session {
     generation: u64,
     worker: WorkerHandle,
     updates: mpsc::UnboundedReceiver<Routed>,
+    /// What the route holds unread (the updates in `opening` too).
+    unread: Unread,
     /// Updates that arrived while the session was being opened, read back first.
     opening: std::collections::VecDeque<Routed>,
     /// The runtime reported the session attached to another process when it was opened.
@@ -220,6 +257,7 @@ impl Session {
         generation: u64,
         worker: WorkerHandle,
         mut updates: mpsc::UnboundedReceiver<Routed>,
+        unread: Unread,
     ) -> Self {
         // What the runtime said while opening (`session.start` / `session.resume`) is
         // already routed (the caller flushed the worker's mailbox): look at it, keep it.
@@ -241,6 +279,7 @@ impl Session {
             generation,
             worker,
             updates,
+            unread,
             opening,
             already_in_use,
             opened_json: None,
@@ -287,10 +326,17 @@ impl Session {
 
     /// The next update; `None` after [`SessionUpdate::Ended`] has been delivered.
     pub async fn next(&mut self) -> Option<SessionUpdate> {
-        if let Some(update) = self.take_opening() {
-            return Some(*update);
-        }
-        self.updates.recv().await.map(|update| *update)
+        let update = match self.take_opening() {
+            Some(update) => update,
+            None => self.updates.recv().await?,
+        };
+        self.unread.take(update.unread_weight());
+        Some(*update)
+    }
+
+    /// The bytes of updates waiting in the session's route, not read yet.
+    pub fn unread_bytes(&self) -> usize {
+        self.unread.bytes()
     }
 
     /// The next update that arrived while the session was being opened; the queue's memory
@@ -305,9 +351,11 @@ impl Session {
 
     /// The next update if one is already waiting, without waiting.
     pub fn try_next(&mut self) -> Option<SessionUpdate> {
-        self.take_opening()
-            .or_else(|| self.updates.try_recv().ok())
-            .map(|update| *update)
+        let update = self
+            .take_opening()
+            .or_else(|| self.updates.try_recv().ok())?;
+        self.unread.take(update.unread_weight());
+        Some(*update)
     }
 
     /// Whether the session's worker is still serving (false once it ended or stopped).
