@@ -212,19 +212,36 @@ async fn metrics_are_valid_prometheus_text_with_the_documented_names() {
     assert!(daemon.terminate().await.success());
 }
 
+/// `command`'s output, killed (and an error) if it has not ended within a minute: a command
+/// expected to exit at once must not hang the test, nor outlive it.
+async fn within_a_minute(
+    command: &mut tokio::process::Command,
+) -> std::io::Result<std::process::Output> {
+    let output = command.kill_on_drop(true).output();
+    tokio::time::timeout(Duration::from_secs(60), output)
+        .await
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "did not end within a minute (killed)",
+            ))
+        })
+}
+
 #[tokio::test]
 async fn an_empty_api_token_does_not_open_the_api() {
     let scratch = support::Scratch::new();
     let config = scratch.path().join("open.toml");
     std::fs::write(&config, "listen = \"0.0.0.0:0\"\napi_token = \"\"\n").expect("config");
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
-        .arg("serve")
-        .arg("--config")
-        .arg(&config)
-        .env_remove("COPILOT_POOL_API_TOKEN")
-        .output()
-        .await
-        .expect("run serve");
+    let out = within_a_minute(
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+            .arg("serve")
+            .arg("--config")
+            .arg(&config)
+            .env_remove("COPILOT_POOL_API_TOKEN"),
+    )
+    .await
+    .expect("run serve");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("API token"), "{stderr}");
@@ -486,14 +503,15 @@ async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case(
     assert_eq!(get("Bearer file-token-x").await, 401);
     assert_eq!(get("Basic file-token").await, 401);
     // `status` reads the same file.
-    let status = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
-        .args(["status", "--url", &format!("http://{addr}")])
-        .arg("--api-token-file")
-        .arg(&file)
-        .env_remove("COPILOT_POOL_API_TOKEN")
-        .output()
-        .await
-        .expect("status");
+    let status = within_a_minute(
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+            .args(["status", "--url", &format!("http://{addr}")])
+            .arg("--api-token-file")
+            .arg(&file)
+            .env_remove("COPILOT_POOL_API_TOKEN"),
+    )
+    .await
+    .expect("status");
     assert!(
         status.status.success(),
         "{}",
@@ -501,11 +519,12 @@ async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case(
     );
     // A container's health check knows no token: `--healthz` needs none, the snapshot does.
     let status_without_token = |extra: &'static [&'static str]| {
-        tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"));
+        command
             .args(["status", "--url", &format!("http://{addr}")])
             .args(extra)
-            .env_remove("COPILOT_POOL_API_TOKEN")
-            .output()
+            .env_remove("COPILOT_POOL_API_TOKEN");
+        async move { within_a_minute(&mut command).await }
     };
     let health = status_without_token(&["--healthz"]).await.expect("status");
     let said = String::from_utf8_lossy(&health.stderr);

@@ -62,19 +62,32 @@ impl Scratch {
     }
 }
 
-/// Runs a `copilot-pool` command that ends with one JSON object (`--json`) off the async
-/// threads; fails the test with its stderr unless it succeeded, and returns that object and
+/// How long a `copilot-pool` command run by [`json_report`] may take (a bench at the tests'
+/// sizes takes a few minutes on a loaded 2-core machine).
+const JSON_REPORT_DEADLINE: Duration = Duration::from_secs(20 * 60);
+
+/// Runs a `copilot-pool` command that ends with one JSON object (`--json`) in a process group
+/// of its own, killed with it at [`JSON_REPORT_DEADLINE`] or when the test's future is
+/// dropped; fails the test with its stderr unless it succeeded, and returns that object and
 /// the whole of its standard output.
 pub async fn json_report(
-    mut cmd: std::process::Command,
+    cmd: std::process::Command,
     what: &'static str,
 ) -> (serde_json::Value, String) {
-    let out = tokio::task::spawn_blocking(move || {
-        cmd.output()
-            .unwrap_or_else(|e| panic!("run copilot-pool {what}: {e}"))
-    })
-    .await
-    .expect("join");
+    let mut cmd = tokio::process::Command::from(cmd);
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let leader = copilot_pool::process::GroupLeader::spawn(cmd)
+        .unwrap_or_else(|e| panic!("run copilot-pool {what}: {e}"));
+    let deadline = tokio::time::Instant::now() + JSON_REPORT_DEADLINE;
+    let out = leader
+        .output_until(deadline, Duration::from_secs(5))
+        .await
+        .unwrap_or_else(|_| {
+            panic!("copilot-pool {what} did not finish in {JSON_REPORT_DEADLINE:?}; its process group was killed")
+        })
+        .unwrap_or_else(|e| panic!("waiting for copilot-pool {what}: {e}"));
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
