@@ -231,7 +231,8 @@ pub enum ErrorKind {
     ResourceExhausted,
     /// The state directory cannot record the conversation.
     StateUnwritable,
-    /// The runtime or the turn failed (a crash, a timeout, an error answer).
+    /// The runtime or the turn failed (a crash, a timeout, an error answer, a caller that read
+    /// the turn's events too slowly).
     Runtime,
     /// A bug.
     Internal,

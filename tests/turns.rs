@@ -866,9 +866,10 @@ async fn a_caller_reading_a_turns_events_too_slowly_has_the_turn_aborted_and_the
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.config().await).await.expect("pool");
     let mut req = fx.request("agent-b", "backlog");
-    // Above one event of the turn (the largest, 20 KiB), under two: the runtime's own
-    // `model.*` events (the whole conversation each) and its system message left out.
-    req.handlers.max_unread_event_bytes = 24 * 1024;
+    // Under each of the turn's two large events (20 KiB), so that one of them waits behind
+    // each of the first two events read; the runtime's own `model.*` events (the whole
+    // conversation each) and its system message left out.
+    req.handlers.max_unread_event_bytes = 12 * 1024;
     req.handlers.unread_events = Some(Arc::new(|t: &str| {
         t.starts_with("model.") || t == "system.message"
     }));
@@ -885,13 +886,14 @@ async fn a_caller_reading_a_turns_events_too_slowly_has_the_turn_aborted_and_the
     })
     .await
     .expect("the runtime wrote the turn's events");
-    // The event at the head comes, then the turn is aborted: what waited behind it is past
-    // the limit.
-    lease
-        .next_event()
-        .await
-        .expect("an item")
-        .expect("the first event");
+    // Two events come (what waited behind each is past the limit), then the turn is aborted.
+    for _ in 0..2 {
+        lease
+            .next_event()
+            .await
+            .expect("an item")
+            .expect("an event");
+    }
     let err = lease
         .next_event()
         .await
@@ -900,14 +902,14 @@ async fn a_caller_reading_a_turns_events_too_slowly_has_the_turn_aborted_and_the
     assert!(
         matches!(
             err,
-            PoolError::Turn(TurnError::Backlog { limit: 24576, .. })
+            PoolError::Turn(TurnError::Backlog { limit: 12288, .. })
         ),
         "{err}"
     );
     assert!(err.to_string().contains("read too slowly"), "{err}");
     assert!(lease.next_event().await.is_none(), "the turn ended");
     assert!(
-        lease.unread_event_bytes() < 24 * 1024,
+        lease.unread_event_bytes() < 12 * 1024,
         "what waited was drained: {}",
         lease.unread_event_bytes()
     );
@@ -916,6 +918,13 @@ async fn a_caller_reading_a_turns_events_too_slowly_has_the_turn_aborted_and_the
         .await
         .expect("the next turn works");
     assert_eq!(next.text, "recovered");
+    // Read as they come, the same large events are no backlog: each waits behind one event
+    // only (the model's call lies between the prompt's and the answer's).
+    let read = lease
+        .run(format!("REPLY={long}"))
+        .await
+        .expect("a caller that keeps up is not cut off");
+    assert_eq!(read.text, long);
     drop(lease);
     shutdown_leaves_nothing(&pool).await;
 }

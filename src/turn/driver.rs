@@ -67,8 +67,10 @@ pub(crate) struct TurnDriver {
     next_question: u64,
     /// An aborted turn did not reach `session.idle`: the session must not be reused.
     poisoned: bool,
-    /// The bytes left unread behind an event the caller took, when over the limit: the turn
-    /// is aborted at the next call (`TurnError::Backlog`).
+    /// Whether more than the limit waited unread behind the last event the caller took.
+    over_limit: bool,
+    /// The bytes left unread behind each of two events in a row the caller took, over the
+    /// limit: the turn is aborted at the next call (`TurnError::Backlog`).
     backlog: Option<usize>,
     abort_drain: Duration,
     started: Instant,
@@ -117,6 +119,7 @@ impl TurnDriver {
             question: None,
             next_question: 0,
             poisoned: false,
+            over_limit: false,
             backlog: None,
             abort_drain,
             started: Instant::now(),
@@ -254,6 +257,7 @@ impl TurnDriver {
         self.started = Instant::now();
         self.last_activity = self.started;
         self.async_shell = false;
+        self.over_limit = false;
         self.backlog = None;
         self.in_flight = true;
     }
@@ -294,12 +298,15 @@ impl TurnDriver {
                     self.last_activity = Instant::now();
                     match update {
                         Some(SessionUpdate::Event(event)) => {
-                            // What waits behind this event, not the event itself: one large
-                            // event read at once is no backlog.
+                            // What waits behind this event, not the event itself, and behind
+                            // two in a row: one large event, or a small one and a large one
+                            // written together, read at once, is no backlog.
                             let unread = session.unread_bytes();
-                            if unread > self.handlers.max_unread_event_bytes {
+                            let over = unread > self.handlers.max_unread_event_bytes;
+                            if over && self.over_limit {
                                 self.backlog = Some(unread);
                             }
+                            self.over_limit = over;
                             match self.on_event(&event, session) {
                                 Ok(()) => {}
                                 Err(e) => return Some(Err(self.abort_with(session, e).await)),

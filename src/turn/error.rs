@@ -43,10 +43,10 @@ pub enum TurnError {
         "transcript mirror write failed (strict mode): {0}; fix the transcript directory or use best-effort mode"
     )]
     TranscriptPersistence(String),
-    /// The worker died or stopped under the turn.
-    /// The caller read the turn's events slower than the runtime wrote them, and more than
-    /// [`super::TurnHandlers::max_unread_event_bytes`] waited unread: the turn was aborted
-    /// (what waited was drained), the conversation stays resumable.
+    /// The caller read the turn's events slower than the runtime wrote them: more than
+    /// [`super::TurnHandlers::max_unread_event_bytes`] waited unread behind each of two
+    /// events in a row it took. The turn was aborted (what waited was drained, and is in the
+    /// transcript mirror), the conversation stays resumable.
     #[error(
         "the turn's events were read too slowly: {unread_bytes} bytes of them waited unread, over the limit of {limit} (max_unread_event_bytes); the turn was aborted, the conversation can continue. Read the events as they come (over HTTP, the SSE response as it streams)"
     )]
@@ -56,6 +56,7 @@ pub enum TurnError {
         /// The limit.
         limit: usize,
     },
+    /// The worker died or stopped under the turn.
     #[error(transparent)]
     Worker(WorkerError),
 }

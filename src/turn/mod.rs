@@ -167,8 +167,12 @@ pub struct TurnHandlers {
     pub unread_events: Option<crate::rpc::UnreadEvents>,
     /// The most bytes of events (their JSON text) that may wait in the conversation's route
     /// while the caller reads slower than the runtime writes (a gateway that reads its event
-    /// stream slowly): past it the turn is aborted with [`TurnError::Backlog`], and the
-    /// waiting events are drained. Default [`DEFAULT_MAX_UNREAD_EVENT_BYTES`].
+    /// stream slowly): when more waits behind each of two events in a row the caller takes,
+    /// the turn is aborted at its next call with [`TurnError::Backlog`] (even when the
+    /// turn's `session.idle` is among what waits), and the waiting events are drained (into
+    /// the transcript mirror, not to the caller). Default [`DEFAULT_MAX_UNREAD_EVENT_BYTES`].
+    /// What the daemon holds is this plus what the runtime writes while the caller is on one
+    /// event (over HTTP, at most 30 s for each).
     pub max_unread_event_bytes: usize,
 }
 
