@@ -1840,6 +1840,19 @@ mod tests {
         (pool, dir.join("home"), dir.join("work"), names)
     }
 
+    /// A lease of [`codex_pool`]'s conversation `names` (its home and work directory under
+    /// `dir`).
+    fn codex_lease<'a>(
+        pool: &'a Arc<CliPool>,
+        dir: &std::path::Path,
+        names: &CliNames,
+    ) -> impl std::future::Future<Output = Result<CliLease, PoolError>> + 'a {
+        pool.lease(
+            ask("codex-cli", dir.join("home"), dir.join("work")),
+            names.binding.clone(),
+        )
+    }
+
     /// A Codex rollout of thread `id` under `home`.
     fn codex_rollout(home: &std::path::Path, id: &str) -> PathBuf {
         let day = home.join(".codex/sessions/2026/12/01");
@@ -1921,12 +1934,8 @@ mod tests {
     #[tokio::test]
     async fn a_one_shot_conversation_given_back_is_parked_for_its_next_lease_without_a_slot() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (pool, home, cwd, names) = codex_pool(dir.path());
-        let lease = pool
-            .lease(
-                ask("codex-cli", home.clone(), cwd.clone()),
-                names.binding.clone(),
-            )
+        let (pool, _, _, names) = codex_pool(dir.path());
+        let lease = codex_lease(&pool, dir.path(), &names)
             .await
             .expect("leased");
         assert_eq!(pool.lock().core.view().held, 1, "a lease takes a slot");
@@ -1940,11 +1949,7 @@ mod tests {
         use futures_util::FutureExt;
         let dir = tempfile::tempdir().expect("tempdir");
         let (pool, home, cwd, names) = codex_pool(dir.path());
-        let holder = pool
-            .lease(
-                ask("codex-cli", home.clone(), cwd.clone()),
-                names.binding.clone(),
-            )
+        let holder = codex_lease(&pool, dir.path(), &names)
             .await
             .expect("leased");
         let waiter = pool.lease(ask("codex-cli", home, cwd), names.binding.clone());
@@ -1969,13 +1974,8 @@ mod tests {
      {
         use futures_util::FutureExt;
         let dir = tempfile::tempdir().expect("tempdir");
-        let (pool, home, cwd, names) = codex_pool(dir.path());
-        let lease = || {
-            pool.lease(
-                ask("codex-cli", home.clone(), cwd.clone()),
-                names.binding.clone(),
-            )
-        };
+        let (pool, _, _, names) = codex_pool(dir.path());
+        let lease = || codex_lease(&pool, dir.path(), &names);
         let holder = lease().await.expect("leased");
         // Three callers wait for the held conversation, in turn.
         let mut first = Box::pin(lease());
@@ -2075,11 +2075,7 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
             turn_unbound_then_closed(filed).await.as_deref(),
             Some(filed)
         );
-        let lease = pool
-            .lease(
-                ask("codex-cli", home.clone(), cwd.clone()),
-                names.binding.clone(),
-            )
+        let lease = codex_lease(&pool, dir.path(), &names)
             .await
             .expect("leased");
         assert_eq!(lease.reason(), OpenReason::Resumed);
@@ -2114,13 +2110,8 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
     async fn a_lease_granted_just_before_the_shutdown_starts_no_process_after_it() {
         use futures_util::FutureExt;
         let dir = tempfile::tempdir().expect("tempdir");
-        let (pool, home, cwd, names) = codex_pool(dir.path());
-        let lease = || {
-            pool.lease(
-                ask("codex-cli", home.clone(), cwd.clone()),
-                names.binding.clone(),
-            )
-        };
+        let (pool, _, _, names) = codex_pool(dir.path());
+        let lease = || codex_lease(&pool, dir.path(), &names);
         let holder = lease().await.expect("leased");
         let mut waiter = Box::pin(lease());
         assert!(
@@ -2148,11 +2139,7 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
                 .as_ref()
                 .map(|c| c.working_directory().to_path_buf())
         };
-        let first = pool
-            .lease(
-                ask("codex-cli", home.clone(), cwd.clone()),
-                names.binding.clone(),
-            )
+        let first = codex_lease(&pool, dir.path(), &names)
             .await
             .expect("leased");
         assert_eq!(runs_in(&first), Some(cwd.clone()));
