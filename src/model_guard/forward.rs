@@ -211,20 +211,9 @@ impl State {
     /// `domain`'s addresses by the guard's resolver, once one of the worker's places is free;
     /// the lookup runs in a task of its own that keeps the place until it returns.
     async fn lookup(&self, domain: &str, port: u16) -> std::io::Result<Vec<IpAddr>> {
-        let place = self
-            .lookups
-            .clone()
-            .acquire_owned()
+        let resolver = &self.guard.config().resolver;
+        super::resolve::holding_a_place(self.lookups.clone(), || resolver.lookup(domain, port))
             .await
-            .map_err(|_| std::io::Error::other("the worker's resolver places are closed"))?;
-        let lookup = self.guard.config().resolver.lookup(domain, port);
-        tokio::spawn(async move {
-            let addresses = lookup.await;
-            drop(place);
-            addresses
-        })
-        .await
-        .map_err(std::io::Error::other)?
     }
 
     /// Everything before a connection: the URL, its checks, one resolution, the checks of

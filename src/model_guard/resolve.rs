@@ -54,29 +54,43 @@ impl SystemResolver {
 impl Resolve for SystemResolver {
     fn lookup(&self, host: &str, port: u16) -> ResolveFuture {
         let host = host.to_owned();
-        Box::pin(bounded_blocking(self.in_flight.clone(), move || {
-            use std::net::ToSocketAddrs;
-            Ok((host.as_str(), port)
-                .to_socket_addrs()?
-                .map(|a: SocketAddr| a.ip())
-                .collect())
-        }))
+        // `getaddrinfo` on a blocking thread.
+        Box::pin(holding_a_place(
+            self.in_flight.clone(),
+            move || async move {
+                tokio::task::spawn_blocking(move || {
+                    use std::net::ToSocketAddrs;
+                    Ok((host.as_str(), port)
+                        .to_socket_addrs()?
+                        .map(|a: SocketAddr| a.ip())
+                        .collect())
+                })
+                .await
+                .map_err(io::Error::other)?
+            },
+        ))
     }
 }
 
-/// Runs `lookup` on a blocking thread once `in_flight` has a place; the place is held until
-/// `lookup` returns, also when its caller stopped waiting.
-async fn bounded_blocking(
+/// Starts `lookup` once `in_flight` has a place, in a task of its own that holds the place
+/// until the lookup returns, also when its caller stopped waiting (a lookup cannot be
+/// cancelled: `getaddrinfo` runs on).
+pub(super) async fn holding_a_place<F>(
     in_flight: Arc<Semaphore>,
-    lookup: impl FnOnce() -> io::Result<Vec<IpAddr>> + Send + 'static,
-) -> io::Result<Vec<IpAddr>> {
+    lookup: impl FnOnce() -> F,
+) -> io::Result<Vec<IpAddr>>
+where
+    F: std::future::Future<Output = io::Result<Vec<IpAddr>>> + Send + 'static,
+{
     let place = in_flight
         .acquire_owned()
         .await
-        .map_err(|_| io::Error::other("the resolver is closed"))?;
-    tokio::task::spawn_blocking(move || {
-        let _place = place;
-        lookup()
+        .map_err(|_| io::Error::other("the resolver's places are closed"))?;
+    let lookup = lookup();
+    tokio::spawn(async move {
+        let addresses = lookup.await;
+        drop(place);
+        addresses
     })
     .await
     .map_err(io::Error::other)?
@@ -104,11 +118,11 @@ mod tests {
     #[tokio::test]
     async fn a_lookup_its_caller_gave_up_on_keeps_its_place_until_it_returns() {
         let in_flight = Arc::new(Semaphore::new(1));
-        let (release, stuck) = std::sync::mpsc::channel::<()>();
+        let (release, stuck) = tokio::sync::oneshot::channel::<()>();
         let (started, running) = tokio::sync::oneshot::channel();
-        let first = tokio::spawn(bounded_blocking(in_flight.clone(), move || {
+        let first = tokio::spawn(holding_a_place(in_flight.clone(), move || async move {
             let _ = started.send(());
-            let _ = stuck.recv();
+            let _ = stuck.await;
             Ok(Vec::new())
         }));
         running.await.expect("the first lookup runs");
@@ -117,16 +131,16 @@ mod tests {
         assert!(first.await.is_err_and(|e| e.is_cancelled()));
         assert_eq!(in_flight.available_permits(), 0);
         let ran = Arc::new(AtomicBool::new(false));
-        let second = bounded_blocking(in_flight.clone(), {
+        let second = holding_a_place(in_flight.clone(), {
             let ran = ran.clone();
             move || {
                 ran.store(true, Ordering::SeqCst);
-                Ok(vec![IpAddr::from([127, 0, 0, 1])])
+                async { Ok(vec![IpAddr::from([127, 0, 0, 1])]) }
             }
         });
         let mut second = Box::pin(second);
         assert!((&mut second).now_or_never().is_none(), "waits for a place");
-        assert!(!ran.load(Ordering::SeqCst), "no second thread meanwhile");
+        assert!(!ran.load(Ordering::SeqCst), "no second lookup meanwhile");
         release.send(()).expect("release the first");
         let addresses = second.await.expect("the second lookup");
         assert_eq!(addresses, vec![IpAddr::from([127, 0, 0, 1])]);

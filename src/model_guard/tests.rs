@@ -1026,6 +1026,15 @@ async fn a_provider_host_whose_dns_never_answers_holds_a_few_lookups_and_stalls_
         LOOKUPS_PER_WORKER,
         "the requests past the worker's places waited for one and gave up without a lookup"
     );
+    // Their requests gave up, but the lookups still run and keep their places: the next
+    // request of the worker waits for one and gives up too, starting no lookup.
+    let later = stuck.serve(request(&stuck_base, "/chat/completions")).await;
+    assert_ne!(later.status, 200);
+    assert_eq!(
+        resolver.started.load(Ordering::SeqCst),
+        LOOKUPS_PER_WORKER,
+        "a lookup that outlived its request still holds its place"
+    );
     // Another worker's provider resolves meanwhile.
     let other_base = format!("http://model.test:{port}/v1");
     let mut other = tunnel(&guard, &other_base)

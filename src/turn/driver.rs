@@ -67,11 +67,9 @@ pub(crate) struct TurnDriver {
     next_question: u64,
     /// An aborted turn did not reach `session.idle`: the session must not be reused.
     poisoned: bool,
-    /// Whether more than the limit waited unread behind the last event the caller took.
-    over_limit: bool,
-    /// The bytes left unread behind each of two events in a row the caller took, over the
-    /// limit: the turn is aborted at the next call (`TurnError::Backlog`).
-    backlog: Option<usize>,
+    /// The events in a row the caller took with more than the limit unread behind each: at
+    /// two the turn is aborted at the next call (`TurnError::Backlog`).
+    over_limit_in_a_row: u8,
     abort_drain: Duration,
     started: Instant,
     last_activity: Instant,
@@ -119,8 +117,7 @@ impl TurnDriver {
             question: None,
             next_question: 0,
             poisoned: false,
-            over_limit: false,
-            backlog: None,
+            over_limit_in_a_row: 0,
             abort_drain,
             started: Instant::now(),
             last_activity: Instant::now(),
@@ -257,8 +254,7 @@ impl TurnDriver {
         self.started = Instant::now();
         self.last_activity = self.started;
         self.async_shell = false;
-        self.over_limit = false;
-        self.backlog = None;
+        self.over_limit_in_a_row = 0;
         self.in_flight = true;
     }
 
@@ -280,11 +276,10 @@ impl TurnDriver {
         // A caller that reads slower than the runtime writes leaves the route holding what it
         // has not read: past the limit the turn ends (the abort drains it) at the call after
         // the event that showed it, so the caller gets that event first.
-        if let Some(unread_bytes) = self.backlog.take() {
-            let limit = self.handlers.max_unread_event_bytes;
+        if self.over_limit_in_a_row >= 2 {
             let error = TurnError::Backlog {
-                unread_bytes,
-                limit,
+                unread_bytes: session.unread_bytes(),
+                limit: self.handlers.max_unread_event_bytes,
             };
             return Some(Err(self.abort_with(session, error).await));
         }
@@ -301,12 +296,11 @@ impl TurnDriver {
                             // What waits behind this event, not the event itself, and behind
                             // two in a row: one large event, or a small one and a large one
                             // written together, read at once, is no backlog.
-                            let unread = session.unread_bytes();
-                            let over = unread > self.handlers.max_unread_event_bytes;
-                            if over && self.over_limit {
-                                self.backlog = Some(unread);
+                            if session.unread_bytes() > self.handlers.max_unread_event_bytes {
+                                self.over_limit_in_a_row = self.over_limit_in_a_row.saturating_add(1);
+                            } else {
+                                self.over_limit_in_a_row = 0;
                             }
-                            self.over_limit = over;
                             match self.on_event(&event, session) {
                                 Ok(()) => {}
                                 Err(e) => return Some(Err(self.abort_with(session, e).await)),

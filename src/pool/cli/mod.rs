@@ -1948,12 +1948,11 @@ mod tests {
     async fn a_waiter_refused_by_the_shutdown_and_then_dropped_leaves_the_holders_lease_alone() {
         use futures_util::FutureExt;
         let dir = tempfile::tempdir().expect("tempdir");
-        let (pool, home, cwd, names) = codex_pool(dir.path());
+        let (pool, _, _, names) = codex_pool(dir.path());
         let holder = codex_lease(&pool, dir.path(), &names)
             .await
             .expect("leased");
-        let waiter = pool.lease(ask("codex-cli", home, cwd), names.binding.clone());
-        let mut waiter = Box::pin(waiter);
+        let mut waiter = Box::pin(codex_lease(&pool, dir.path(), &names));
         assert!(
             (&mut waiter).now_or_never().is_none(),
             "waits behind the holder"
@@ -2104,6 +2103,16 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
         );
         shutdown.await;
         assert!(!pool.holds(&names.slot));
+        let closed = pool
+            .lock()
+            .closing
+            .get(&names.slot)
+            .map(|gone| *gone.borrow());
+        assert_eq!(
+            closed,
+            Some(true),
+            "its close was recorded, and the shutdown waited for it"
+        );
     }
 
     #[tokio::test]
