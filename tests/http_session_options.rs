@@ -3,7 +3,8 @@
 //! `session.create` fields reach the model (system message, tool filters), options that
 //! change what the conversation means start a new CLI session while the others do not, and
 //! what the pool refuses is a 400 naming the field before anything runs (a wrong type, a
-//! field the pool owns, a local MCP server, a directory outside the allowed roots).
+//! field the pool owns, a local MCP server, a directory outside the allowed roots), and hook
+//! files in a conversation's directory run nothing.
 
 mod support;
 
@@ -11,6 +12,7 @@ use copilot_pool::http::ApiConfig;
 use copilot_pool::scripted_model::RecordedRequest;
 use serde_json::{Value, json};
 use support::api::{InProcess, summary, turn};
+use support::hook_files::PlantedHooks;
 use support::http::{SseStream, call};
 use support::pool_fixture::Fixture;
 
@@ -297,5 +299,22 @@ async fn working_directories_outside_the_agents_own_and_the_allowed_roots_are_re
     .await;
     assert_eq!(own_dir.json()["status"], "idle", "{}", own_dir.body);
     assert!(own.join("sub").is_dir(), "the turn's directory was created");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hook_files_in_a_conversations_working_directory_run_no_command() {
+    let fx = Fixture::new().await;
+    let server = InProcess::start(fx.config().await, ApiConfig::default()).await;
+    let agents = server.pool.config().agents_base_dir.clone();
+    // The agent's own work directory: a turn with no workingDirectory runs there.
+    let own = copilot_pool::home::work_dir(&agents, "agent-h").expect("agent id");
+    let hooks = PlantedHooks::plant(&own, fx.scratch.path());
+    let body = turn(&fx.endpoint.base_url(), "agent-h", "conv", "REPLY=ok");
+    for _ in 0..2 {
+        let answer = summary(server.addr, None, &body).await;
+        assert_eq!(answer.json()["status"], "idle", "{}", answer.body);
+    }
+    assert_eq!(hooks.ran(), None, "a hook file's command ran");
     server.stop().await;
 }

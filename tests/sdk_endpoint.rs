@@ -19,6 +19,7 @@ use copilot_pool::scripted_model::ScriptedModel;
 use copilot_pool::sdk_endpoint::{self, AgentTokens, SdkConfig, SdkEndpoint};
 use copilot_pool::secret::Secret;
 use serde_json::{Value, json};
+use support::hook_files::PlantedHooks;
 use support::pool_fixture::Fixture;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -1059,6 +1060,29 @@ async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_d
         !socket.exists(),
         "the socket file is removed after the drain"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hook_files_in_an_sdk_sessions_working_directory_run_no_command() {
+    let fx = Fixture::new().await;
+    let project = fx.scratch.path().join("repos/project");
+    std::fs::create_dir_all(&project).expect("project");
+    let hooks = PlantedHooks::plant(&project, fx.scratch.path());
+    let roots = vec![fx.scratch.path().join("repos")];
+    let served =
+        Served::start_with_endpoint(&fx, |_| {}, move |config| config.allowed_work_roots = roots)
+            .await;
+    let (conn, mut events) = connected(served.addr, "token-a").await;
+    // As the SDKs' default mode sends it: enableFileHooks left out.
+    let mut params = create_params(&fx, "hooked-1");
+    params["workingDirectory"] = json!(project.display().to_string());
+    conn.request("session.create", params, None)
+        .await
+        .expect("create");
+    turn_to_idle(&conn, &mut events, &served, "hooked-1", "ok").await;
+    assert_eq!(hooks.ran(), None, "a hook file's command ran");
+    drop(conn);
+    served.shut_down().await;
 }
 
 /// A raw client authenticated as `token`, with the notifications it receives.

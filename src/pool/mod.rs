@@ -1082,6 +1082,12 @@ fn session_config(
     };
     let handlers = &req.handlers;
     let mut extra = serde_json::Map::new();
+    // Hooks from files in the session's directories (`.github/hooks/*.json`, a
+    // `.claude/settings.json`) are commands the runtime runs on its own at every session
+    // start and prompt, past the permission policy: the runtime loads them unless told not
+    // to, and a conversation's working directory holds whatever its tenant put there. The
+    // session options cannot turn them on (not a field of theirs).
+    extra.insert(FILE_HOOKS.to_owned(), false.into());
     if let Some(infinite) = infinite_sessions
         && let Ok(value) = serde_json::to_value(infinite)
     {
@@ -1128,6 +1134,10 @@ fn session_config(
         ..Default::default()
     }
 }
+
+/// The `session.create` field that has the runtime load hooks from files in the session's
+/// directories (on when absent); the pool's sessions set it `false`.
+pub(crate) const FILE_HOOKS: &str = "enableFileHooks";
 
 /// The wire fields `SessionConfig` has typed fields for (and `session_config` sets from the
 /// lease request itself); a caller's options never fill them through `extra`.

@@ -163,6 +163,8 @@ pub(crate) async fn prime(
         working_directory: Some(working_directory.display().to_string()),
         available_tools: Some(Vec::new()),
         streaming: false,
+        // No hooks from files in the agent's directory run for a session nobody asked for.
+        extra: serde_json::Map::from_iter([(super::FILE_HOOKS.to_owned(), false.into())]),
         ..Default::default()
     };
     // The session is created, used and deleted in a task of its own, so that it is deleted

@@ -7,6 +7,7 @@ pub mod agent_cli;
 pub mod api;
 pub mod cli_daemon;
 pub mod connect_trace;
+pub mod hook_files;
 pub mod http;
 pub mod node_sdk;
 pub mod output_limit;

@@ -1,0 +1,43 @@
+//! Hook files a tenant could leave in a conversation's working directory: the runtime's own
+//! (`.github/hooks/*.json`) and Claude Code's (`.claude/settings.json`, which runtime 1.0.14
+//! also loads), each a command that appends to a marker file at every session start and
+//! prompt. Planted in a directory the runtime loads them from (the probe that found them
+//! ran with the runtime's defaults and the marker was written six times in two turns).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+
+/// The hook files planted in a directory, and the marker their commands write.
+pub struct PlantedHooks {
+    marker: PathBuf,
+}
+
+impl PlantedHooks {
+    /// Plants both kinds of hook file in `dir`; their commands write to `marker_dir/hook-ran`
+    /// (outside `dir`, so a listing of `dir` is unchanged by them).
+    pub fn plant(dir: &Path, marker_dir: &Path) -> Self {
+        let marker = marker_dir.join("hook-ran");
+        let command = |tag: &str| format!("echo {tag} >> '{}'", marker.display());
+        let hooks = dir.join(".github/hooks");
+        std::fs::create_dir_all(&hooks).expect("hooks directory");
+        let github = json!({"version": 1, "hooks": {
+            "sessionStart": [{"type": "command", "bash": command("github-start"), "timeoutSec": 10}],
+            "userPromptSubmitted": [{"type": "command", "bash": command("github-prompt"), "timeoutSec": 10}],
+        }});
+        std::fs::write(hooks.join("tenant.json"), github.to_string()).expect("hook file");
+        std::fs::create_dir_all(dir.join(".claude")).expect(".claude");
+        let claude = json!({"hooks": {
+            "SessionStart": [{"hooks": [{"type": "command", "command": command("claude-start")}]}],
+            "UserPromptSubmit": [{"hooks": [{"type": "command", "command": command("claude-prompt")}]}],
+        }});
+        std::fs::write(dir.join(".claude/settings.json"), claude.to_string())
+            .expect("claude settings");
+        Self { marker }
+    }
+
+    /// What the hooks' commands wrote, if any ran.
+    pub fn ran(&self) -> Option<String> {
+        std::fs::read_to_string(&self.marker).ok()
+    }
+}
