@@ -20,6 +20,7 @@ use serde_json::Value;
 use tempfile::TempDir;
 
 use support::agent_cli::claude_path;
+use support::hook_files::PlantedHooks;
 use support::procs::wait_group_gone;
 
 /// Upper bound for one whole turn (a failure guard, not a wait).
@@ -332,6 +333,32 @@ async fn a_tool_permission_request_is_denied_by_default_and_approved_only_by_a_p
     );
     let written = std::fs::read_to_string(approved_work.join("out.txt")).expect("the tool ran");
     assert_eq!(written.trim(), "written");
+    live.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn project_settings_in_the_working_directory_neither_run_hooks_nor_allow_tools() {
+    let fx = Fixture::new().await;
+    let config = fx.config("project").await;
+    let work = config.cwd.clone();
+    std::fs::create_dir_all(&work).expect("work");
+    let hooks = PlantedHooks::plant(&work, fx.dir.path());
+    let mut live = ClaudeLive::new(config).expect("valid");
+    let prompt = r#"SCENARIO:tool NAME=Bash ARGS={"command":"echo written > out.txt","description":"write a file"}"#;
+    let (outcome, events) = turn(&mut live, prompt).await;
+    assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            BackendEvent::PermissionRequest {
+                approved: false,
+                ..
+            }
+        )),
+        "the pool's policy was asked: {events:?}"
+    );
+    assert!(!work.join("out.txt").exists(), "the tool did not run");
+    assert_eq!(hooks.ran(), None, "a hook file's command ran");
     live.close().await;
 }
 

@@ -642,6 +642,8 @@ impl ClaudeLive {
                 self.bridge = Some(bridge);
             }
         }
+        let switches = SafetySwitches::CLAUDE.flag_args_for(&args);
+        args.extend(switches);
         let args: Vec<OsString> = args.into_iter().map(OsString::from).collect();
         let program = PathBuf::from(&backend.command);
         let (program, args) = match &config.sandbox {

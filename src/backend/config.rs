@@ -267,17 +267,28 @@ pub struct SafetySwitches {
     pub env: &'static [(&'static str, &'static str)],
     /// Codex `-c key=value` config overrides.
     pub config_overrides: &'static [(&'static str, &'static str)],
+    /// Command-line flags and their values (`None`: a flag that takes none).
+    pub flags: &'static [(&'static str, Option<&'static str>)],
 }
 
 impl SafetySwitches {
     /// Claude Code: no nonessential traffic (telemetry, feature flags: 0 DNS queries) and one
-    /// API retry (a dead endpoint fails in ~1 s instead of retrying for minutes).
+    /// API retry (a dead endpoint fails in ~1 s instead of retrying for minutes); settings
+    /// from the agent's own config directory only (`--setting-sources user`), never the
+    /// working directory's `.claude/settings.json` or `.claude/settings.local.json`, whose
+    /// hooks Claude runs at every session start and prompt, past the permission policy (a
+    /// conversation's directory holds whatever its tenant put there), and no MCP server but
+    /// the pool's (`--strict-mcp-config`: a project's `.mcp.json` starts none).
     pub const CLAUDE: Self = Self {
         env: &[
             ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
             ("CLAUDE_CODE_MAX_RETRIES", "1"),
         ],
         config_overrides: &[],
+        flags: &[
+            ("--setting-sources", Some("user")),
+            ("--strict-mcp-config", None),
+        ],
     };
     /// Codex: analytics, plugins and the update check off (0 DNS queries), no unbounded
     /// reconnects (else a dead endpoint waits forever).
@@ -289,17 +300,20 @@ impl SafetySwitches {
             ("check_for_update_on_startup", "false"),
             ("features.unbounded_connection_retries", "false"),
         ],
+        flags: &[],
     };
     /// Gemini CLI: the workspace trusted (else exit 55). Its telemetry, update and retry
     /// switches live in its settings file ([`crate::backend::gemini::write_settings`]).
     pub const GEMINI: Self = Self {
         env: &[("GEMINI_CLI_TRUST_WORKSPACE", "true")],
         config_overrides: &[],
+        flags: &[],
     };
     /// None (a CLI the pool knows nothing about).
     pub const NONE: Self = Self {
         env: &[],
         config_overrides: &[],
+        flags: &[],
     };
 
     /// The switch variables `env` does not name, to add to the child's environment.
@@ -308,6 +322,17 @@ impl SafetySwitches {
             .iter()
             .filter(|(k, _)| !env.contains_key(*k))
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    /// The switch flags `args` do not carry (as `flag` or `flag=value`), each followed by
+    /// its value, to append to them.
+    pub fn flag_args_for(&self, args: &[String]) -> Vec<String> {
+        self.flags
+            .iter()
+            .filter(|(flag, _)| !names_flag(args, flag))
+            .flat_map(|(flag, value)| std::iter::once(*flag).chain(*value))
+            .map(str::to_owned)
             .collect()
     }
 
@@ -1006,6 +1031,26 @@ mod tests {
             "1".into()
         )));
         assert!(CliBackendConfig::bundled("nope").is_none());
+    }
+
+    #[test]
+    fn claudes_settings_come_from_the_agents_home_alone_unless_the_args_say_otherwise() {
+        let claude = CliBackendConfig::bundled("claude-cli").expect("bundled");
+        assert_eq!(
+            SafetySwitches::CLAUDE.flag_args_for(&claude.args),
+            ["--setting-sources", "user", "--strict-mcp-config"]
+        );
+        // Flags the arguments carry already (the MCP bridge's `--strict-mcp-config`, an
+        // operator's own setting sources) are not repeated.
+        let args: Vec<String> = [
+            "-p",
+            "--setting-sources=user,project",
+            "--strict-mcp-config",
+        ]
+        .map(str::to_owned)
+        .into();
+        assert!(SafetySwitches::CLAUDE.flag_args_for(&args).is_empty());
+        assert!(SafetySwitches::CODEX.flag_args_for(&[]).is_empty());
     }
 
     #[test]

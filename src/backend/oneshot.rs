@@ -931,6 +931,8 @@ impl Oneshot {
                 codex_sandbox_off(&mut args);
             }
         }
+        let switches = config.dialect.safety_switches().flag_args_for(&args);
+        args.extend(switches);
 
         let pass_system_prompt = match backend.system_prompt_when {
             SystemPromptWhen::Always => true,
