@@ -168,11 +168,17 @@ async fn gemini_turn(fx: &Fixture, sandbox: Option<Sandbox>) -> (CliTurnOutcome,
     config.api_key = Some(Secret::new("AIza-FAKE-not-a-real-key"));
     config.model = Some("gemini-2.5-pro".to_owned());
     config.turn_timeout = TURN_LIMIT;
-    // Headless Gemini offers its shell tool only when every call is approved.
+    // Headless Gemini offers its shell tool only when every call is approved, and takes
+    // that approval mode only in a trusted workspace (whose own settings it then loads: the
+    // pool leaves it untrusted unless the backend's env names the variable).
     config
         .backend
         .args
         .extend(["--approval-mode".to_owned(), "yolo".to_owned()]);
+    config
+        .backend
+        .env
+        .insert("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "true".to_owned());
     config.sandbox = sandbox;
     let work = config.cwd.clone();
     let mut gemini = Oneshot::new(config).expect("valid config");

@@ -31,6 +31,7 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
 use support::agent_cli::{gemini_launch, path};
+use support::hook_files::PlantedHooks;
 use support::procs::wait_group_gone;
 
 /// Upper bound for one whole turn (a failure guard, not a wait): node boots a 96 MB bundle,
@@ -424,6 +425,29 @@ async fn an_error_answer_is_tried_once_and_fails_the_turn_with_its_status() {
         1,
         "one attempt (`general.maxAttempts = 1`), no retries: {:?}",
         fx.model.requests()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workspace_settings_in_the_working_directory_neither_run_commands_nor_allow_the_shell() {
+    let fx = Fixture::new().await;
+    std::fs::create_dir_all(fx.cwd("planted")).expect("work dir");
+    let planted = PlantedHooks::plant_gemini(&fx.cwd("planted"), fx.dir.path());
+    let mut gemini = fx.oneshot("planted").await;
+    let (outcome, _, _) = turn(
+        &mut gemini,
+        r#"SCENARIO:tool NAME=run_shell_command ARGS={"command":"touch shell-ran"}"#,
+    )
+    .await;
+    assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+    assert!(
+        !fx.cwd("planted").join("shell-ran").exists(),
+        "the shell ran without asking"
+    );
+    assert_eq!(
+        planted.ran(),
+        None,
+        "a command of the workspace's settings ran"
     );
 }
 

@@ -302,10 +302,15 @@ impl SafetySwitches {
         ],
         flags: &[],
     };
-    /// Gemini CLI: the workspace trusted (else exit 55). Its telemetry, update and retry
-    /// switches live in its settings file ([`crate::backend::gemini::write_settings`]).
+    /// Gemini CLI: the workspace not trusted, so the CLI loads none of its settings: a
+    /// working directory's `.gemini/settings.json` has hooks run at session start and before
+    /// every prompt, local MCP servers started and tools allowed without asking, and its
+    /// `.gemini/.env` set variables (a conversation's directory holds whatever its tenant put
+    /// there). With folder trust off in the home's settings an untrusted workspace is no
+    /// exit 55. Its telemetry, update and retry switches live in its settings file
+    /// ([`crate::backend::gemini::write_settings`]).
     pub const GEMINI: Self = Self {
-        env: &[("GEMINI_CLI_TRUST_WORKSPACE", "true")],
+        env: &[("GEMINI_CLI_TRUST_WORKSPACE", "false")],
         config_overrides: &[],
         flags: &[],
     };
@@ -596,9 +601,10 @@ impl CliBackendConfig {
     /// [`crate::backend::gemini::transcript_path`]), `--model` so each turn makes one model
     /// call instead of a router call first. The key goes in `GEMINI_API_KEY` and the endpoint
     /// in `GOOGLE_GEMINI_BASE_URL`, both only in the child's environment; the self-relaunch
-    /// (a second Node boot, 1–4 s) is off. The workspace is trusted (else exit 55) by the
-    /// runner ([`SafetySwitches::GEMINI`]: `GEMINI_CLI_TRUST_WORKSPACE`, and folder trust off
-    /// in the home's settings), whatever `env` says.
+    /// (a second Node boot, 1–4 s) is off. The workspace is left untrusted by the runner
+    /// ([`SafetySwitches::GEMINI`]: `GEMINI_CLI_TRUST_WORKSPACE=false`, with folder trust off
+    /// in the home's settings, so no exit 55) unless `env` names the variable: its own
+    /// settings are not loaded, and the CLI ignores `--approval-mode yolo` there.
     ///
     /// Not expressible here and required before the first run: the auth type, telemetry,
     /// auto-update and the retry bound in `<home>/.gemini/settings.json`
@@ -1106,7 +1112,7 @@ mod tests {
         assert_eq!(gemini.session_id_fields, ["session_id"]);
         assert_eq!(
             SafetySwitches::GEMINI.env_for(&gemini.env),
-            [("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "true".to_owned())]
+            [("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "false".to_owned())]
         );
         assert_eq!(gemini.env["GEMINI_CLI_NO_RELAUNCH"], "true");
         assert_eq!(gemini.api_key_env.as_deref(), Some("GEMINI_API_KEY"));

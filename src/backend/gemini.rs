@@ -102,8 +102,10 @@ pub enum GeminiError {
     },
     /// Exit 55: the working directory is not trusted.
     #[error(
-        "Gemini CLI does not trust its working directory (exit 55): {message}; set \
-         GEMINI_CLI_TRUST_WORKSPACE=true in the backend's `env` (the bundled default does)"
+        "Gemini CLI does not trust its working directory (exit 55): {message}; folder trust \
+         was turned on (the pool writes security.folderTrust.enabled = false to the agent's \
+         .gemini/settings.json): turn it off there, or set GEMINI_CLI_TRUST_WORKSPACE=true in \
+         the backend's `env` (which also has the CLI load the workspace's own settings)"
     )]
     UntrustedFolder {
         /// The CLI's message.
@@ -187,8 +189,9 @@ pub fn settings_path(home: &Path) -> PathBuf {
 /// The settings the pool owns, as (key path, value).
 fn owned_settings() -> [(&'static [&'static str], Value); 9] {
     [
-        // The agent's home is the pool's: every workspace in it is trusted (else exit 55),
-        // also when `GEMINI_CLI_TRUST_WORKSPACE` is not in the environment.
+        // Folder trust off: a workspace the environment leaves untrusted (the runner's
+        // `GEMINI_CLI_TRUST_WORKSPACE=false`) runs without its own settings instead of
+        // failing with exit 55, and one it does not decide on is trusted.
         (&["security", "folderTrust", "enabled"], json!(false)),
         (
             &["security", "auth", "selectedType"],

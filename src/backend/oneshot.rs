@@ -2202,11 +2202,8 @@ mod tests {
                 .map(|(_, v)| v)
                 .collect::<Vec<_>>()
         };
-        assert_eq!(env_of(&[("HTTPS_PROXY", "http://p:3128")]), ["true"]);
-        assert_eq!(
-            env_of(&[("GEMINI_CLI_TRUST_WORKSPACE", "false")]),
-            ["false"]
-        );
+        assert_eq!(env_of(&[("HTTPS_PROXY", "http://p:3128")]), ["false"]);
+        assert_eq!(env_of(&[("GEMINI_CLI_TRUST_WORKSPACE", "true")]), ["true"]);
     }
 
     #[test]
