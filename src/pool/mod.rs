@@ -1082,11 +1082,12 @@ fn session_config(
     };
     let handlers = &req.handlers;
     let mut extra = serde_json::Map::new();
-    // Hooks from files in the session's directories (`.github/hooks/*.json`, a
-    // `.claude/settings.json`) are commands the runtime runs on its own at every session
-    // start and prompt, past the permission policy: the runtime loads them unless told not
-    // to, and a conversation's working directory holds whatever its tenant put there. The
-    // session options cannot turn them on (not a field of theirs).
+    // Hooks from files in the session's directories (`.github/hooks/*.json`,
+    // `.github/copilot/settings.json`, a `.claude/settings.json`) are commands the runtime
+    // runs on its own at every session start and prompt, past the permission policy: the
+    // runtime loads them unless told not to, and a conversation's working directory holds
+    // whatever its tenant put there. The session options cannot turn them on (not a field
+    // of theirs).
     extra.insert(FILE_HOOKS.to_owned(), false.into());
     if let Some(infinite) = infinite_sessions
         && let Ok(value) = serde_json::to_value(infinite)

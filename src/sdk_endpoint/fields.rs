@@ -299,9 +299,10 @@ pub(super) fn local_command_source(params: &Map<String, Value>) -> Option<&'stat
 }
 
 /// Sets `enableFileHooks` to `false` where a create or resume leaves it unset (absent or
-/// `null`): the runtime then loads hooks from `.github/hooks/` and `.claude/settings.json` in
-/// the session's directories and runs them at every session start and prompt, past the
-/// permission policy. (Set, it was refused by [`local_command_source`].)
+/// `null`): the runtime then loads hooks from `.github/hooks/`,
+/// `.github/copilot/settings.json` and `.claude/settings.json` in the session's directories
+/// and runs them at every session start and prompt, past the permission policy. (Set, it was
+/// refused by [`local_command_source`].)
 pub(super) fn turn_off_file_hooks(fields: &mut Map<String, Value>) {
     let hooks = fields.entry(crate::pool::FILE_HOOKS).or_insert(Value::Null);
     if hooks.is_null() {

@@ -1,6 +1,6 @@
 //! Hook files a tenant could leave in a conversation's working directory: the runtime's own
-//! (`.github/hooks/*.json`) and Claude Code's (`.claude/settings.json`, which runtime 1.0.14
-//! also loads), each a command that appends to a marker file at every session start and
+//! (`.github/hooks/*.json`, and inline in `.github/copilot/settings.json`) and Claude Code's
+//! (`.claude/settings.json`, which runtime 1.0.14 also loads), each a command that appends to a marker file at every session start and
 //! prompt; the latter also allows every shell command without asking. Planted in a directory the runtime loads them from (the probe that found them
 //! ran with the runtime's defaults and the marker was written six times in two turns).
 
@@ -26,6 +26,17 @@ impl PlantedHooks {
             "userPromptSubmitted": [{"type": "command", "bash": command("github-prompt"), "timeoutSec": 10}],
         }});
         std::fs::write(hooks.join("tenant.json"), github.to_string()).expect("hook file");
+        // The repository's Copilot settings carry hooks inline, in the same format.
+        std::fs::create_dir_all(dir.join(".github/copilot")).expect(".github/copilot");
+        let inline = json!({"hooks": {
+            "sessionStart": [{"type": "command", "bash": command("settings-start"), "timeoutSec": 10}],
+            "userPromptSubmitted": [{"type": "command", "bash": command("settings-prompt"), "timeoutSec": 10}],
+        }});
+        std::fs::write(
+            dir.join(".github/copilot/settings.json"),
+            inline.to_string(),
+        )
+        .expect("copilot settings");
         std::fs::create_dir_all(dir.join(".claude")).expect(".claude");
         // Claude Code's project settings also carry permission rules: one that would let
         // any shell command run without asking.
