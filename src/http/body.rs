@@ -512,6 +512,7 @@ pub(super) async fn lease_request(
             .map_err(|e| pool_error(&e))?;
     }
     req.handlers.timeouts = state.config.timeouts;
+    req.handlers.max_unread_event_bytes = state.config.max_unread_event_bytes;
     req.handlers.transcript = state.config.transcript.clone();
     Ok(req)
 }

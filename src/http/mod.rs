@@ -116,6 +116,11 @@ pub struct ApiConfig {
     pub tokenless_access: TokenlessAccess,
     /// The timeouts of every turn (a request's `timeout_ms` overrides the absolute one).
     pub timeouts: TurnTimeouts,
+    /// A turn whose gateway leaves more than this many bytes of its events unread (an SSE
+    /// stream read too slowly) is aborted
+    /// ([`crate::turn::TurnHandlers::max_unread_event_bytes`]; default
+    /// [`crate::turn::DEFAULT_MAX_UNREAD_EVENT_BYTES`]).
+    pub max_unread_event_bytes: usize,
     /// Mirror every conversation's transcript, if set.
     pub transcript: Option<TranscriptSettings>,
     /// Largest accepted request body, in bytes (larger ones are answered 413).
@@ -164,6 +169,7 @@ impl Default for ApiConfig {
             api_token: None,
             tokenless_access: TokenlessAccess::ThisMachine,
             timeouts: TurnTimeouts::default(),
+            max_unread_event_bytes: crate::turn::DEFAULT_MAX_UNREAD_EVENT_BYTES,
             transcript: None,
             max_body_bytes: 1 << 20,
             metrics: None,

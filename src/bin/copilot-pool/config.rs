@@ -424,7 +424,15 @@ pub struct TurnsSection {
     pub transcript_dir: Option<PathBuf>,
     /// `best-effort` (default) or `strict`.
     pub transcript_mode: TranscriptMode,
+    /// A turn whose gateway leaves more than this many bytes of its events unread is aborted
+    /// (default 32 MiB; at least [`MIN_UNREAD_EVENT_BYTES`]).
+    pub max_unread_event_bytes: usize,
 }
+
+/// The least `[turns] max_unread_event_bytes` taken: one event of a turn can be tens of KiB
+/// (a snapshot of the conversation), and a lower limit would abort turns whose gateway reads
+/// as they come.
+const MIN_UNREAD_EVENT_BYTES: usize = 1 << 20;
 
 impl Default for ServeConfig {
     fn default() -> Self {
@@ -539,6 +547,7 @@ impl Default for TurnsSection {
             hook_secs: t.hook.as_secs(),
             transcript_dir: None,
             transcript_mode: TranscriptMode::BestEffort,
+            max_unread_event_bytes: copilot_pool::turn::DEFAULT_MAX_UNREAD_EVENT_BYTES,
         }
     }
 }
@@ -712,6 +721,14 @@ impl ServeConfig {
         }
         if self.turns.hook_secs == 0 {
             bail!("turns.hook_secs must be above 0 (the default is 30)");
+        }
+        if self.turns.max_unread_event_bytes < MIN_UNREAD_EVENT_BYTES {
+            bail!(
+                "turns.max_unread_event_bytes must be at least {MIN_UNREAD_EVENT_BYTES} (1 MiB): \
+                 one event of a turn can be tens of KiB, and a lower limit would abort turns \
+                 whose gateway reads them as they come (the default is {})",
+                copilot_pool::turn::DEFAULT_MAX_UNREAD_EVENT_BYTES
+            );
         }
         // A zero here would not turn a limit off: every turn would time out at once, or no
         // lease would ever be placed. (A zero `max_waiters` or `wait_timeout_secs` is a
@@ -1299,6 +1316,10 @@ mod tests {
         assert_eq!(limits.max_bytes, 2048);
         assert_eq!(limits.media_types, ["image/png"]);
         assert_eq!(c.timeouts().hook, Duration::from_secs(5));
+        assert_eq!(
+            c.turns.max_unread_event_bytes,
+            copilot_pool::turn::DEFAULT_MAX_UNREAD_EVENT_BYTES
+        );
         let defaults = ServeConfig::default();
         assert_eq!(defaults.attachment_limits(), AttachmentLimits::default());
         assert_eq!(defaults.timeouts(), TurnTimeouts::default());
@@ -1306,6 +1327,15 @@ mod tests {
             let c: ServeConfig = toml::from_str(text).unwrap();
             assert!(c.validate().is_err(), "{text}");
         }
+        let c: ServeConfig = toml::from_str("[turns]\nmax_unread_event_bytes = 4194304").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.turns.max_unread_event_bytes, 4 << 20);
+        let c: ServeConfig = toml::from_str("[turns]\nmax_unread_event_bytes = 65536").unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("turns.max_unread_event_bytes must be at least 1048576"),
+            "{err}"
+        );
     }
 
     #[test]

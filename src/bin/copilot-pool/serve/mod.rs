@@ -533,6 +533,7 @@ fn api_config(config: &ServeConfig, metrics: &PrometheusHandle) -> ApiConfig {
     let mut api = ApiConfig::default();
     api.api_token = config.api_token.clone();
     api.timeouts = config.timeouts();
+    api.max_unread_event_bytes = config.turns.max_unread_event_bytes;
     api.transcript = config.transcript();
     api.max_body_bytes = config.max_body_bytes;
     api.idempotency.ttl = Duration::from_secs(config.idempotency_ttl_secs);
@@ -651,5 +652,41 @@ mod tests {
         assert!(path.exists(), "the successor's socket file is left");
         std::os::unix::net::UnixStream::connect(&path).expect("the successor still answers");
         drop(successor);
+    }
+
+    #[tokio::test]
+    async fn the_api_socket_is_owner_only_whatever_the_umask() {
+        use nix::sys::stat::{Mode, umask};
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join("api.sock");
+        let before = umask(Mode::empty());
+        let bound = bind(&ListenAddress::Unix(path.clone()), "the API", "listen").await;
+        umask(before);
+        let bound = bound.expect("bound");
+        let mode = std::fs::metadata(&path)
+            .expect("the socket file")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+        drop(bound);
+    }
+
+    #[test]
+    fn the_apis_settings_come_from_the_daemons() {
+        let config: ServeConfig = toml::from_str(
+            "allow_local_mcp_servers = true\nmax_body_bytes = 4096\n\
+             [turns]\ntool_secs = 7\nmax_unread_event_bytes = 4194304\n",
+        )
+        .expect("a config");
+        let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .build_recorder()
+            .handle();
+        let api = api_config(&config, &metrics);
+        assert_eq!(api.max_unread_event_bytes, 4 << 20);
+        assert_eq!(api.timeouts.tool, Duration::from_secs(7));
+        assert_eq!(api.max_body_bytes, 4096);
+        assert!(api.allow_local_mcp_servers);
+        assert!(api.metrics.is_some(), "/metrics on the API's listener");
     }
 }
