@@ -1569,6 +1569,51 @@ impl RecordingSink {
     }
 }
 
+/// A gateway that leaves when it is handed its first event of type `leave_at`.
+struct LeavingAt {
+    leave_at: &'static str,
+}
+
+impl copilot_pool::fallback::ChainSink for LeavingAt {
+    async fn deliver(&self, event: copilot_pool::fallback::ChainEvent) -> bool {
+        !matches!(&event, copilot_pool::fallback::ChainEvent::Session(e) if e.event_type() == self.leave_at)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_leaving_at_the_turns_last_event_gets_it_ended_as_it_ran_and_one_leaving_earlier_gets_it_aborted()
+ {
+    use copilot_pool::TurnEnd;
+    use copilot_pool::fallback::{ChainLease, ChainRequest};
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let run = |leave_at: &'static str, prompt: &str| {
+        let pool = pool.clone();
+        let chain = ChainRequest::new(fx.request("agent-l", "leaving"), prompt);
+        async move {
+            let sink = std::sync::Arc::new(LeavingAt { leave_at });
+            let lease = ChainLease::start(&pool, chain, sink).await.expect("leased");
+            tokio::time::timeout(Duration::from_secs(60), lease.run())
+                .await
+                .expect("the turn ended in time")
+        }
+    };
+    // The runtime had ended the turn when its idle was refused: it ran whole.
+    let whole = run("session.idle", "REPLY=whole").await;
+    assert!(whole.caller_gone);
+    assert_eq!(whole.summary.status, TurnEnd::Idle, "{:?}", whole.summary);
+    // Refused at its first message, the turn was still running: aborted.
+    let cut = run("assistant.message", "REPLY=cut").await;
+    assert!(cut.caller_gone);
+    assert_eq!(cut.summary.status, TurnEnd::Aborted, "{:?}", cut.summary);
+    // The conversation goes on.
+    let next = run("never", "REPLY=next").await;
+    assert!(!next.caller_gone);
+    assert_eq!(next.summary.status, TurnEnd::Idle, "{:?}", next.summary);
+    assert_eq!(next.summary.final_text, "next");
+    pool.shutdown().await.expect("shutdown");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rust_gateways_chain_runs_a_turn_the_model_refuses_on_claude_with_the_earlier_turn_in_its_prelude()
  {
@@ -1841,6 +1886,7 @@ async fn finish_cli(
 async fn a_turns_image_reaches_claudes_and_codexs_model_over_a_cli_lease_and_every_backend_of_a_chain()
  {
     use base64::Engine;
+    use copilot_pool::TurnEnd;
     use copilot_pool::backend::CliBackendConfig;
     use copilot_pool::fallback::{ChainLease, ChainRequest};
     use copilot_pool::scripted_model::{Decision, Reply};
@@ -2111,6 +2157,7 @@ impl copilot_pool::fallback::ChainSink for StuckSink {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_whose_sink_never_returns_ends_caller_gone_after_its_deliver_timeout_and_frees_the_conversation()
  {
+    use copilot_pool::TurnEnd;
     use copilot_pool::fallback::{ChainLease, ChainRequest};
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.config().await).await.expect("pool");
