@@ -1886,7 +1886,6 @@ async fn finish_cli(
 async fn a_turns_image_reaches_claudes_and_codexs_model_over_a_cli_lease_and_every_backend_of_a_chain()
  {
     use base64::Engine;
-    use copilot_pool::TurnEnd;
     use copilot_pool::backend::CliBackendConfig;
     use copilot_pool::fallback::{ChainLease, ChainRequest};
     use copilot_pool::scripted_model::{Decision, Reply};
@@ -2157,7 +2156,6 @@ impl copilot_pool::fallback::ChainSink for StuckSink {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_whose_sink_never_returns_ends_caller_gone_after_its_deliver_timeout_and_frees_the_conversation()
  {
-    use copilot_pool::TurnEnd;
     use copilot_pool::fallback::{ChainLease, ChainRequest};
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.config().await).await.expect("pool");
