@@ -38,6 +38,11 @@ use tokio::time::Instant;
 /// Bytes of stderr kept per child (the most recent ones).
 pub const STDERR_TAIL_BYTES: usize = 64 * 1024;
 
+/// How long a child's stderr is still read after its leader was reaped: what the group wrote
+/// is in the pipe by then, and a process that left the group (`setsid`) would otherwise hold
+/// the pipe, and its reader, open as long as it lives.
+const STDERR_READ_AFTER_EXIT: Duration = Duration::from_secs(1);
+
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct ChildSpec {
@@ -168,10 +173,14 @@ impl StderrTail {
         }
     }
 
-    /// Waits until stderr reached end of file, at most `limit`.
-    pub async fn settled(&self, limit: Duration) {
+    /// Waits until stderr is read to its end (end of file, or a second after the leader was
+    /// reaped), at most `limit`. Returns whether it was.
+    pub async fn settled(&self, limit: Duration) -> bool {
         let mut rx = self.done.subscribe();
-        let _ = tokio::time::timeout(limit, rx.wait_for(|done| *done)).await;
+        matches!(
+            tokio::time::timeout(limit, rx.wait_for(|done| *done)).await,
+            Ok(Ok(_))
+        )
     }
 }
 
@@ -585,13 +594,22 @@ impl ChildGroup {
         let reaper = group.group.reaper();
 
         let tail = group.stderr.clone();
+        let mut reaped = group.exit.clone();
         tokio::spawn(async move {
             let mut pipe = stderr_pipe;
             let mut chunk = vec![0u8; 8192];
+            let read_no_more = async {
+                let _ = reaped.wait_for(|e| e.is_some()).await;
+                tokio::time::sleep(STDERR_READ_AFTER_EXIT).await;
+            };
+            tokio::pin!(read_no_more);
             loop {
-                match pipe.read(&mut chunk).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => tail.push(&chunk[..n]),
+                tokio::select! {
+                    read = pipe.read(&mut chunk) => match read {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => tail.push(&chunk[..n]),
+                    },
+                    () = &mut read_no_more => break,
                 }
             }
             tail.done.send_replace(true);
@@ -821,6 +839,31 @@ mod tests {
         assert_eq!(child.wait().await, ExitInfo::Code(3));
         child.stderr().settled(Duration::from_secs(5)).await;
         assert_eq!(child.stderr().text(), "oops\n");
+    }
+
+    #[tokio::test]
+    async fn a_process_that_left_the_group_does_not_keep_its_stderr_reader_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("escapee");
+        // The escapee keeps the stderr pipe it inherited, in a session of its own; the
+        // leader exits once it is there (before, the group's sweep would take it).
+        let script = format!(
+            "setsid sh -c 'echo $$ > {0}; exec sleep 60' & \
+             until [ -s {0} ]; do sleep 0.01; done; echo left >&2; exit 0",
+            pidfile.display()
+        );
+        let (child, _io) = ChildGroup::spawn(&sh(&script)).unwrap();
+        assert_eq!(child.wait().await, ExitInfo::Code(0));
+        let settled = child.stderr().settled(Duration::from_secs(20)).await;
+        let escapee = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok());
+        if let Some(pid) = escapee {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        assert!(escapee.is_some(), "the escapee started");
+        assert!(settled, "the reader ended while the escapee lived");
+        assert_eq!(child.stderr().text(), "left\n");
     }
 
     #[tokio::test]

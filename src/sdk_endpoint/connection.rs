@@ -609,10 +609,11 @@ impl Client {
             ));
         }
         let agent = self.agent().unwrap_or_default().to_owned();
-        let mut params =
+        let params =
             session::confine_directories(&self.shared, &agent, method, params.clone()).await?;
+        let spec = SessionSpec::from_params(method, &params)?;
         if !self.shared.config.allow_local_mcp_servers
-            && let Some(fields) = params.as_object_mut()
+            && let Some(fields) = params.as_object()
         {
             if let Some(field) = crate::session_options::local_mcp_servers(fields)
                 .into_iter()
@@ -637,10 +638,7 @@ impl Client {
                     ),
                 ));
             }
-            // Left unset, the runtime loads them (the SDKs' default mode leaves it unset).
-            super::fields::turn_off_file_hooks(fields);
         }
-        let spec = SessionSpec::from_params(method, &params)?;
         let id = spec.id.to_string();
         let conversation = session::conversation(&agent, &id).key();
         // The claim and the session's place on this connection are taken together, under
