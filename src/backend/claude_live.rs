@@ -642,7 +642,7 @@ impl ClaudeLive {
                 self.bridge = Some(bridge);
             }
         }
-        let switches = SafetySwitches::CLAUDE.flag_args_for(&args);
+        let switches = SafetySwitches::CLAUDE.flag_args_for(backend);
         args.extend(switches);
         let args: Vec<OsString> = args.into_iter().map(OsString::from).collect();
         let program = PathBuf::from(&backend.command);

@@ -330,23 +330,28 @@ impl SafetySwitches {
             .collect()
     }
 
-    /// The switch flags `args` do not carry (as `flag` or `flag=value`), each followed by
-    /// its value, to append to them.
-    pub fn flag_args_for(&self, args: &[String]) -> Vec<String> {
+    /// The switch flags the backend's configured `args` and `resumeArgs` do not carry (as
+    /// `flag` or `flag=value`), each followed by its value, to append to a run's arguments.
+    /// Only the configuration is read, never a run's filled-in values: a model name or a
+    /// system prompt that reads like a flag cannot take a switch off.
+    pub fn flag_args_for(&self, backend: &CliBackendConfig) -> Vec<String> {
+        let configured = backend.configured_args();
         self.flags
             .iter()
-            .filter(|(flag, _)| !names_flag(args, flag))
+            .filter(|(flag, _)| !names_flag(&configured, flag))
             .flat_map(|(flag, value)| std::iter::once(*flag).chain(*value))
             .map(str::to_owned)
             .collect()
     }
 
-    /// `-c key=value` pairs for the switches whose key `args` does not set (as `-c key=`,
-    /// `--config key=` or `--config=key=`), to put before the subcommand.
-    pub fn config_args_for(&self, args: &[String]) -> Vec<String> {
+    /// `-c key=value` pairs for the switches whose key the backend's configured `args` and
+    /// `resumeArgs` do not set (as `-c key=`, `--config key=` or `--config=key=`), to put
+    /// before the subcommand (as [`SafetySwitches::flag_args_for`], the configuration only).
+    pub fn config_args_for(&self, backend: &CliBackendConfig) -> Vec<String> {
+        let configured = backend.configured_args();
         self.config_overrides
             .iter()
-            .filter(|(k, _)| !names_config_key(args, k))
+            .filter(|(k, _)| !names_config_key(&configured, k))
             .flat_map(|(k, v)| ["-c".to_owned(), format!("{k}={v}")])
             .collect()
     }
@@ -634,6 +639,12 @@ impl CliBackendConfig {
         config
     }
 
+    /// The arguments the configuration names, fresh and resumed (placeholders unfilled).
+    fn configured_args(&self) -> Vec<String> {
+        let resume = self.resume_args.as_deref().unwrap_or_default();
+        self.args.iter().chain(resume).cloned().collect()
+    }
+
     /// The dialect backend `id` runs with: its `dialect` key; else Claude for a `cli-live`
     /// backend; else the bundled id's ([`Dialect::of_backend`]); else the one `command`'s
     /// file name names ([`Dialect::of_command`]: `codex`, `gemini`, `gemini.js`, `claude`),
@@ -771,6 +782,19 @@ impl CliBackendConfig {
         if self.command.trim().is_empty() {
             return fail(
                 "`command` is empty; set it to the CLI's executable (a path, or a name on PATH)"
+                    .to_owned(),
+            );
+        }
+        if self.dialect_of(id) == Dialect::Gemini
+            && gemini_approves_without_asking(&self.configured_args())
+            && !self.env.contains_key("GEMINI_CLI_TRUST_WORKSPACE")
+        {
+            return fail(
+                "Gemini CLI takes `--approval-mode yolo` or `auto_edit` (`--yolo`) only in a \
+                 trusted workspace, and the pool leaves the working directory untrusted (so the \
+                 CLI loads none of its `.gemini/` settings, hooks or MCP servers); set \
+                 `GEMINI_CLI_TRUST_WORKSPACE = \"true\"` in `env` to trust it (the workspace's \
+                 settings are then loaded too), or drop the approval mode"
                     .to_owned(),
             );
         }
@@ -998,6 +1022,18 @@ fn is_env_name(name: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
+/// Whether Gemini CLI arguments ask for an approval mode that runs tools without asking
+/// (`--approval-mode yolo|auto_edit`, `--approval-mode=…`, `--yolo`, `-y`).
+fn gemini_approves_without_asking(args: &[String]) -> bool {
+    let unasked = |mode: &str| matches!(mode, "yolo" | "auto_edit");
+    args.iter().enumerate().any(|(i, arg)| {
+        arg == "--yolo"
+            || arg == "-y"
+            || arg.strip_prefix("--approval-mode=").is_some_and(unasked)
+            || (arg == "--approval-mode" && args.get(i + 1).is_some_and(|m| unasked(m)))
+    })
+}
+
 /// Environment names that hold credentials (`*_API_KEY`, `*_TOKEN`, `*_SECRET`, `*PASSWORD*`).
 fn looks_like_credential(name: &str) -> bool {
     let upper = name.to_ascii_uppercase();
@@ -1040,23 +1076,47 @@ mod tests {
     }
 
     #[test]
+    fn a_gemini_approval_mode_that_needs_a_trusted_workspace_is_refused_unless_env_trusts_it() {
+        for args in [
+            vec!["--approval-mode", "yolo"],
+            vec!["--approval-mode=auto_edit"],
+            vec!["--yolo"],
+        ] {
+            let mut gemini = CliBackendConfig::bundled("google-gemini-cli").expect("bundled");
+            gemini.args.extend(args.iter().map(|a| (*a).to_owned()));
+            let e = gemini
+                .validate("google-gemini-cli")
+                .expect_err("refused")
+                .to_string();
+            assert!(e.contains("GEMINI_CLI_TRUST_WORKSPACE"), "{args:?}: {e}");
+            gemini
+                .env
+                .insert("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "true".to_owned());
+            gemini
+                .validate("google-gemini-cli")
+                .expect("trusted by the operator");
+        }
+        let mut gemini = CliBackendConfig::bundled("google-gemini-cli").expect("bundled");
+        gemini
+            .args
+            .extend(["--approval-mode".to_owned(), "default".to_owned()]);
+        gemini.validate("google-gemini-cli").expect("asks");
+    }
+
+    #[test]
     fn claudes_settings_come_from_the_agents_home_alone_unless_the_args_say_otherwise() {
         let claude = CliBackendConfig::bundled("claude-cli").expect("bundled");
         assert_eq!(
-            SafetySwitches::CLAUDE.flag_args_for(&claude.args),
+            SafetySwitches::CLAUDE.flag_args_for(&claude),
             ["--setting-sources", "user", "--strict-mcp-config"]
         );
-        // Flags the arguments carry already (the MCP bridge's `--strict-mcp-config`, an
-        // operator's own setting sources) are not repeated.
-        let args: Vec<String> = [
-            "-p",
-            "--setting-sources=user,project",
-            "--strict-mcp-config",
-        ]
-        .map(str::to_owned)
-        .into();
-        assert!(SafetySwitches::CLAUDE.flag_args_for(&args).is_empty());
-        assert!(SafetySwitches::CODEX.flag_args_for(&[]).is_empty());
+        // Flags the operator's arguments carry already (fresh or resumed) are not repeated.
+        let mut own = claude.clone();
+        own.args.push("--setting-sources=user,project".to_owned());
+        own.resume_args = Some(vec!["--strict-mcp-config".to_owned()]);
+        assert!(SafetySwitches::CLAUDE.flag_args_for(&own).is_empty());
+        let codex = CliBackendConfig::bundled("codex-cli").expect("bundled");
+        assert!(SafetySwitches::CODEX.flag_args_for(&codex).is_empty());
     }
 
     #[test]
@@ -1080,7 +1140,7 @@ mod tests {
             );
             assert!(
                 SafetySwitches::CODEX
-                    .config_args_for(&codex.args)
+                    .config_args_for(&codex)
                     .contains(&switch.to_owned()),
                 "{switch}"
             );

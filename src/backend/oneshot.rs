@@ -913,7 +913,7 @@ impl Oneshot {
             fresh.argv(session_id.as_deref(), model)
         };
         if config.dialect == Dialect::Codex {
-            let mut global = SafetySwitches::CODEX.config_args_for(&args);
+            let mut global = SafetySwitches::CODEX.config_args_for(backend);
             global.extend(self.codex_overrides());
             if let Some(effort) = config.reasoning_effort
                 && !names_config_key(&args, "model_reasoning_effort")
@@ -931,7 +931,7 @@ impl Oneshot {
                 codex_sandbox_off(&mut args);
             }
         }
-        let switches = config.dialect.safety_switches().flag_args_for(&args);
+        let switches = config.dialect.safety_switches().flag_args_for(backend);
         args.extend(switches);
 
         let pass_system_prompt = match backend.system_prompt_when {
@@ -2120,6 +2120,43 @@ mod tests {
                 "--sandbox=danger-full-access",
                 "--json"
             ]
+        );
+    }
+
+    #[test]
+    fn a_model_name_that_reads_like_a_flag_takes_no_safety_switch_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = OneshotConfig::codex("/opt/codex", dir.path().join("h"), dir.path());
+        config.model = Some("--config=analytics.enabled=true".to_owned());
+        let args = Oneshot::new(config)
+            .unwrap()
+            .invocation("hi", &[], None)
+            .unwrap()
+            .args;
+        assert!(
+            args.iter().any(|a| a == "analytics.enabled=false"),
+            "{args:?}"
+        );
+        // Claude Code run as a one-shot CLI keeps its setting sources the same way.
+        let mut claude = CliBackendConfig::bundled("claude-cli").unwrap();
+        claude.kind = crate::backend::BackendKind::CliOneshot;
+        let mut config = OneshotConfig::new("claude-cli", claude, dir.path().join("h"), dir.path());
+        config.dialect = Dialect::Claude;
+        config.model = Some("--setting-sources=user,project".to_owned());
+        config.system_prompt = Some("--strict-mcp-config=false".to_owned());
+        let args = Oneshot::new(config)
+            .unwrap()
+            .invocation("hi", &[], None)
+            .unwrap()
+            .args;
+        let at = args
+            .iter()
+            .rposition(|a| a == "--setting-sources")
+            .expect("the switch");
+        assert_eq!(args[at + 1], "user", "{args:?}");
+        assert!(
+            args.iter().filter(|a| *a == "--strict-mcp-config").count() == 1,
+            "{args:?}"
         );
     }
 

@@ -657,6 +657,7 @@ impl Pool {
                 if req.provider.is_some() {
                     config.extra.remove("provider");
                 }
+                without_file_hooks(&mut config.extra);
                 config
             }
             None => session_config(&req, &auth, inner.config.infinite_sessions.as_ref()),
@@ -1082,13 +1083,8 @@ fn session_config(
     };
     let handlers = &req.handlers;
     let mut extra = serde_json::Map::new();
-    // Hooks from files in the session's directories (`.github/hooks/*.json`,
-    // `.github/copilot/settings.json`, a `.claude/settings.json`) are commands the runtime
-    // runs on its own at every session start and prompt, past the permission policy: the
-    // runtime loads them unless told not to, and a conversation's working directory holds
-    // whatever its tenant put there. The session options cannot turn them on (not a field
-    // of theirs).
-    extra.insert(FILE_HOOKS.to_owned(), false.into());
+    // The session options cannot turn them on (not a field of theirs).
+    without_file_hooks(&mut extra);
     if let Some(infinite) = infinite_sessions
         && let Ok(value) = serde_json::to_value(infinite)
     {
@@ -1137,8 +1133,22 @@ fn session_config(
 }
 
 /// The `session.create` field that has the runtime load hooks from files in the session's
-/// directories (on when absent); the pool's sessions set it `false`.
-pub(crate) const FILE_HOOKS: &str = "enableFileHooks";
+/// directories (on when absent or `null`): [`without_file_hooks`].
+pub const FILE_HOOKS: &str = "enableFileHooks";
+
+/// Sets [`FILE_HOOKS`] `false` in a session's config where it is unset (absent or `null`),
+/// for every session the pool opens, resumes or deletes: hooks from files in the session's
+/// directories (`.github/hooks/*.json`, `.github/copilot/settings.json`, a
+/// `.claude/settings.json`) are commands the runtime runs on its own at every session start
+/// and prompt, past the permission policy, and a conversation's working directory holds
+/// whatever its tenant put there. An explicit `true` stays (a client's own config, which the
+/// SDK endpoint passes only where the daemon allows local commands).
+pub(crate) fn without_file_hooks(extra: &mut serde_json::Map<String, serde_json::Value>) {
+    let hooks = extra.entry(FILE_HOOKS).or_insert(serde_json::Value::Null);
+    if hooks.is_null() {
+        *hooks = serde_json::Value::Bool(false);
+    }
+}
 
 /// The wire fields `SessionConfig` has typed fields for (and `session_config` sets from the
 /// lease request itself); a caller's options never fill them through `extra`.
@@ -1721,6 +1731,26 @@ fn is_not_found(error: &WorkerError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn file_hooks_left_unset_are_turned_off_and_an_answer_given_is_kept() {
+        use serde_json::{Value, json};
+        for unset in [json!({}), json!({"enableFileHooks": null})] {
+            let Value::Object(mut extra) = unset else {
+                unreachable!()
+            };
+            without_file_hooks(&mut extra);
+            assert_eq!(Value::Object(extra), json!({"enableFileHooks": false}));
+        }
+        let Value::Object(mut on) = json!({"enableFileHooks": true, "model": "m"}) else {
+            unreachable!()
+        };
+        without_file_hooks(&mut on);
+        assert_eq!(
+            Value::Object(on),
+            json!({"enableFileHooks": true, "model": "m"})
+        );
+    }
     use crate::auth::{LeaseAuth, resolve};
     use crate::rpc::messages::ProviderConfig;
     use crate::secret::Secret;

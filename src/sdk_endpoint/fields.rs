@@ -11,9 +11,8 @@
 //!   `[]` for a list, `"off"` for `remoteSession`), each with what to do instead;
 //! * any other field is refused unless absent or `null`;
 //! * on create and resume without `allow_local_mcp_servers`, the connection also refuses
-//!   the fields that run commands from files ([`local_command_source`]), and turns off the
-//!   hooks from files that the runtime loads when nothing says otherwise
-//!   ([`turn_off_file_hooks`]).
+//!   the fields that run commands from files ([`local_command_source`]) (left unset, the
+//!   pool turns file hooks off: `pool::without_file_hooks`).
 //!
 //! A field named here is passed on as the client wrote it, except the paths, which
 //! `confine` confines ([`crate::confine::confine_session_directories`]).
@@ -298,18 +297,6 @@ pub(super) fn local_command_source(params: &Map<String, Value>) -> Option<&'stat
         .find(|field| params.get(*field).is_some_and(|v| is_set(field, v)))
 }
 
-/// Sets `enableFileHooks` to `false` where a create or resume leaves it unset (absent or
-/// `null`): the runtime then loads hooks from `.github/hooks/`,
-/// `.github/copilot/settings.json` and `.claude/settings.json` in the session's directories
-/// and runs them at every session start and prompt, past the permission policy. (Set, it was
-/// refused by [`local_command_source`].)
-pub(super) fn turn_off_file_hooks(fields: &mut Map<String, Value>) {
-    let hooks = fields.entry(crate::pool::FILE_HOOKS).or_insert(Value::Null);
-    if hooks.is_null() {
-        *hooks = Value::Bool(false);
-    }
-}
-
 /// Whether a field checked for being set ([`REFUSED`], [`LOCAL_COMMAND_FIELDS`]) is set:
 /// anything but `null`, `false`, `[]` for a list (which
 /// the SDKs send to turn a feature off: `manageScheduleEnabled: false`, `installedPlugins:
@@ -367,21 +354,6 @@ mod tests {
         assert_eq!(
             local_command_source(&map(json!({"hookDirectories": ["/w/hooks"]}))),
             Some("hookDirectories")
-        );
-    }
-
-    #[test]
-    fn file_hooks_left_unset_are_turned_off_and_an_answer_given_is_kept() {
-        for unset in [json!({}), json!({"enableFileHooks": null})] {
-            let mut fields = map(unset);
-            turn_off_file_hooks(&mut fields);
-            assert_eq!(Value::Object(fields), json!({"enableFileHooks": false}));
-        }
-        let mut off = map(json!({"enableFileHooks": false, "model": "m"}));
-        turn_off_file_hooks(&mut off);
-        assert_eq!(
-            Value::Object(off),
-            json!({"enableFileHooks": false, "model": "m"})
         );
     }
 

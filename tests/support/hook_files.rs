@@ -17,6 +17,7 @@ impl PlantedHooks {
     /// Plants both kinds of hook file in `dir`; their commands write to `marker_dir/hook-ran`
     /// (outside `dir`, so a listing of `dir` is unchanged by them).
     pub fn plant(dir: &Path, marker_dir: &Path) -> Self {
+        std::fs::create_dir_all(marker_dir).expect("marker directory");
         let marker = marker_dir.join("hook-ran");
         let command = |tag: &str| format!("echo {tag} >> '{}'", marker.display());
         let hooks = dir.join(".github/hooks");

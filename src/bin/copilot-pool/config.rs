@@ -1199,9 +1199,9 @@ mod tests {
         let switches = copilot_pool::backend::SafetySwitches::GEMINI.env_for(gemini);
         assert_eq!(
             switches,
-            [("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "true".to_owned())]
+            [("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "false".to_owned())]
         );
-        let codex = &pool.cli_backends["codex-cli"].args;
+        let codex = &pool.cli_backends["codex-cli"];
         let switches = copilot_pool::backend::SafetySwitches::CODEX.config_args_for(codex);
         assert!(
             switches.contains(&"analytics.enabled=false".to_owned()),
