@@ -2125,14 +2125,14 @@ mod tests {
 
     #[test]
     fn a_model_name_that_reads_like_a_flag_takes_no_safety_switch_off() {
+        let argv = |config: OneshotConfig| {
+            let oneshot = Oneshot::new(config).unwrap();
+            oneshot.invocation("hi", &[], None).unwrap().args
+        };
         let dir = tempfile::tempdir().unwrap();
         let mut config = OneshotConfig::codex("/opt/codex", dir.path().join("h"), dir.path());
         config.model = Some("--config=analytics.enabled=true".to_owned());
-        let args = Oneshot::new(config)
-            .unwrap()
-            .invocation("hi", &[], None)
-            .unwrap()
-            .args;
+        let args = argv(config);
         assert!(
             args.iter().any(|a| a == "analytics.enabled=false"),
             "{args:?}"
@@ -2144,11 +2144,7 @@ mod tests {
         config.dialect = Dialect::Claude;
         config.model = Some("--setting-sources=user,project".to_owned());
         config.system_prompt = Some("--strict-mcp-config=false".to_owned());
-        let args = Oneshot::new(config)
-            .unwrap()
-            .invocation("hi", &[], None)
-            .unwrap()
-            .args;
+        let args = argv(config);
         let at = args
             .iter()
             .rposition(|a| a == "--setting-sources")
