@@ -657,7 +657,7 @@ impl Pool {
                 if req.provider.is_some() {
                     config.extra.remove("provider");
                 }
-                without_file_hooks(&mut config.extra);
+                without_command_files(&mut config.extra);
                 config
             }
             None => session_config(&req, &auth, inner.config.infinite_sessions.as_ref()),
@@ -1084,7 +1084,7 @@ fn session_config(
     let handlers = &req.handlers;
     let mut extra = serde_json::Map::new();
     // The session options cannot turn them on (not a field of theirs).
-    without_file_hooks(&mut extra);
+    without_command_files(&mut extra);
     if let Some(infinite) = infinite_sessions
         && let Ok(value) = serde_json::to_value(infinite)
     {
@@ -1132,21 +1132,25 @@ fn session_config(
     }
 }
 
-/// The `session.create` field that has the runtime load hooks from files in the session's
-/// directories (on when absent or `null`): [`without_file_hooks`].
-pub const FILE_HOOKS: &str = "enableFileHooks";
+/// The `session.create` fields that have the runtime take commands from files in the
+/// session's directories: hooks (`.github/hooks/*.json`, `.github/copilot/settings.json`,
+/// a `.claude/settings.json`; on when absent in runtime 1.0.14), and configuration it
+/// discovers there, which may start local MCP servers (`.mcp.json`, `.vscode/mcp.json`;
+/// off when absent, set all the same so that a runtime whose default changes stays shut).
+pub const COMMAND_FILE_FIELDS: [&str; 2] = ["enableFileHooks", "enableConfigDiscovery"];
 
-/// Sets [`FILE_HOOKS`] `false` in a session's config where it is unset (absent or `null`),
-/// for every session the pool opens, resumes or deletes: hooks from files in the session's
-/// directories (`.github/hooks/*.json`, `.github/copilot/settings.json`, a
-/// `.claude/settings.json`) are commands the runtime runs on its own at every session start
-/// and prompt, past the permission policy, and a conversation's working directory holds
-/// whatever its tenant put there. An explicit `true` stays (a client's own config, which the
-/// SDK endpoint passes only where the daemon allows local commands).
-pub(crate) fn without_file_hooks(extra: &mut serde_json::Map<String, serde_json::Value>) {
-    let hooks = extra.entry(FILE_HOOKS).or_insert(serde_json::Value::Null);
-    if hooks.is_null() {
-        *hooks = serde_json::Value::Bool(false);
+/// Sets each of [`COMMAND_FILE_FIELDS`] `false` in a session's config where it is unset
+/// (absent or `null`), for every session the pool opens, resumes or deletes: hooks from
+/// files are commands the runtime runs on its own at every session start and prompt, past
+/// the permission policy, and a conversation's working directory holds whatever its tenant
+/// put there. An explicit `true` stays (a client's own config, which the SDK endpoint passes
+/// only where the daemon allows local commands).
+pub fn without_command_files(extra: &mut serde_json::Map<String, serde_json::Value>) {
+    for field in COMMAND_FILE_FIELDS {
+        let value = extra.entry(field).or_insert(serde_json::Value::Null);
+        if value.is_null() {
+            *value = serde_json::Value::Bool(false);
+        }
     }
 }
 
@@ -1733,22 +1737,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn file_hooks_left_unset_are_turned_off_and_an_answer_given_is_kept() {
+    fn command_files_left_unset_are_turned_off_and_an_answer_given_is_kept() {
         use serde_json::{Value, json};
+        let off = json!({"enableFileHooks": false, "enableConfigDiscovery": false});
         for unset in [json!({}), json!({"enableFileHooks": null})] {
             let Value::Object(mut extra) = unset else {
                 unreachable!()
             };
-            without_file_hooks(&mut extra);
-            assert_eq!(Value::Object(extra), json!({"enableFileHooks": false}));
+            without_command_files(&mut extra);
+            assert_eq!(Value::Object(extra), off);
         }
         let Value::Object(mut on) = json!({"enableFileHooks": true, "model": "m"}) else {
             unreachable!()
         };
-        without_file_hooks(&mut on);
+        without_command_files(&mut on);
         assert_eq!(
             Value::Object(on),
-            json!({"enableFileHooks": true, "model": "m"})
+            json!({"enableFileHooks": true, "enableConfigDiscovery": false, "model": "m"})
         );
     }
     use crate::auth::{LeaseAuth, resolve};

@@ -154,7 +154,7 @@ pub(crate) async fn prime(
         PrimeVia::Sink(url) => url.as_str(),
         PrimeVia::Tunnel | PrimeVia::Nothing => PRIMING_ENDPOINT,
     };
-    let config = SessionConfig {
+    let mut config = SessionConfig {
         model: Some("copilot-pool-prime".to_owned()),
         provider: Some(ProviderConfig::openai(
             endpoint,
@@ -163,10 +163,10 @@ pub(crate) async fn prime(
         working_directory: Some(working_directory.display().to_string()),
         available_tools: Some(Vec::new()),
         streaming: false,
-        // No hooks from files in the agent's directory run for a session nobody asked for.
-        extra: serde_json::Map::from_iter([(super::FILE_HOOKS.to_owned(), false.into())]),
         ..Default::default()
     };
+    // No hook from a file in the agent's directory runs for a session nobody asked for.
+    super::without_command_files(&mut config.extra);
     // The session is created, used and deleted in a task of its own, so that it is deleted
     // even when the caller stops waiting (its [`PRIME_LIMIT`] drops this future): dropped
     // in the middle of its create or its turn, the session would stay in the agent's home

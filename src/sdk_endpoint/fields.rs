@@ -12,7 +12,7 @@
 //! * any other field is refused unless absent or `null`;
 //! * on create and resume without `allow_local_mcp_servers`, the connection also refuses
 //!   the fields that run commands from files ([`local_command_source`]) (left unset, the
-//!   pool turns file hooks off: `pool::without_file_hooks`).
+//!   pool turns file hooks off: `pool::without_command_files`).
 //!
 //! A field named here is passed on as the client wrote it, except the paths, which
 //! `confine` confines ([`crate::confine::confine_session_directories`]).

@@ -100,13 +100,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
         working_directory: Some(cwd.display().to_string()),
         env_value_mode: Some("direct".to_owned()),
         tool_filter_precedence: Some("excluded".to_owned()),
-        // The current directory's hook files (a cloned repository's) run nothing.
-        extra: serde_json::Map::from_iter([(
-            copilot_pool::pool::FILE_HOOKS.to_owned(),
-            false.into(),
-        )]),
         ..Default::default()
     };
+    // The current directory's hook files (a cloned repository's) run nothing.
+    copilot_pool::pool::without_command_files(&mut session.extra);
     if args.logged_in {
         config.auto_login = true;
         session.model = args.model.clone();
