@@ -67,9 +67,8 @@ pub(crate) struct TurnDriver {
     next_question: u64,
     /// An aborted turn did not reach `session.idle`: the session must not be reused.
     poisoned: bool,
-    /// The events in a row the caller took with more than the limit unread behind each: at
-    /// two the turn is aborted at the next call (`TurnError::Backlog`).
-    over_limit_in_a_row: u8,
+    /// Whether the caller falls behind the runtime (`TurnError::Backlog`).
+    backlog: BacklogWatch,
     abort_drain: Duration,
     started: Instant,
     last_activity: Instant,
@@ -117,7 +116,7 @@ impl TurnDriver {
             question: None,
             next_question: 0,
             poisoned: false,
-            over_limit_in_a_row: 0,
+            backlog: BacklogWatch::default(),
             abort_drain,
             started: Instant::now(),
             last_activity: Instant::now(),
@@ -254,7 +253,7 @@ impl TurnDriver {
         self.started = Instant::now();
         self.last_activity = self.started;
         self.async_shell = false;
-        self.over_limit_in_a_row = 0;
+        self.backlog = BacklogWatch::default();
         self.in_flight = true;
     }
 
@@ -276,7 +275,7 @@ impl TurnDriver {
         // A caller that reads slower than the runtime writes leaves the route holding what it
         // has not read: past the limit the turn ends (the abort drains it) at the call after
         // the event that showed it, so the caller gets that event first.
-        if self.over_limit_in_a_row >= 2 {
+        if self.backlog.fell_behind() {
             let error = TurnError::Backlog {
                 unread_bytes: session.unread_bytes(),
                 limit: self.handlers.max_unread_event_bytes,
@@ -293,14 +292,10 @@ impl TurnDriver {
                     self.last_activity = Instant::now();
                     match update {
                         Some(SessionUpdate::Event(event)) => {
-                            // What waits behind this event, not the event itself, and behind
-                            // two in a row: one large event, or a small one and a large one
-                            // written together, read at once, is no backlog.
-                            if session.unread_bytes() > self.handlers.max_unread_event_bytes {
-                                self.over_limit_in_a_row = self.over_limit_in_a_row.saturating_add(1);
-                            } else {
-                                self.over_limit_in_a_row = 0;
-                            }
+                            self.backlog.took_event(
+                                session.unread_bytes(),
+                                self.handlers.max_unread_event_bytes,
+                            );
                             match self.on_event(&event, session) {
                                 Ok(()) => {}
                                 Err(e) => return Some(Err(self.abort_with(session, e).await)),
@@ -936,9 +931,60 @@ fn append(transcript: &mut Option<Transcript>, entry: &Entry<'_>) -> Result<(), 
         .map_err(|e| TurnError::TranscriptPersistence(e.to_string()))
 }
 
+/// Whether a caller falls behind the runtime (pure): what waits unread behind each event it
+/// takes, not the event itself, and behind two in a row. One large event, or a small one and
+/// a large one written together and read at once, is no backlog.
+#[derive(Debug, Default)]
+struct BacklogWatch {
+    /// The events in a row taken with more than the limit unread behind each.
+    over_limit_in_a_row: u8,
+}
+
+impl BacklogWatch {
+    /// The caller took an event, with `unread` bytes waiting behind it.
+    fn took_event(&mut self, unread: usize, limit: usize) {
+        self.over_limit_in_a_row = if unread > limit {
+            self.over_limit_in_a_row.saturating_add(1)
+        } else {
+            0
+        };
+    }
+
+    /// Two events in a row had more than the limit behind them: the turn is aborted at the
+    /// next call.
+    fn fell_behind(&self) -> bool {
+        self.over_limit_in_a_row >= 2
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_caller_falls_behind_when_more_than_the_limit_waits_behind_two_events_in_a_row() {
+        const LIMIT: usize = 12 * 1024;
+        let mut watch = BacklogWatch::default();
+        // A large event read as it comes: nothing waits behind it.
+        for unread in [0, 100, 0] {
+            watch.took_event(unread, LIMIT);
+            assert!(!watch.fell_behind());
+        }
+        // A small event and a large one written together: only the first has it behind.
+        watch.took_event(20 * 1024, LIMIT);
+        assert!(!watch.fell_behind(), "one event is no backlog");
+        watch.took_event(0, LIMIT);
+        assert!(!watch.fell_behind());
+        // More than the limit behind two in a row.
+        watch.took_event(LIMIT + 1, LIMIT);
+        watch.took_event(40 * 1024, LIMIT);
+        assert!(watch.fell_behind());
+        // The limit itself is not over it.
+        let mut at = BacklogWatch::default();
+        at.took_event(LIMIT, LIMIT);
+        at.took_event(LIMIT, LIMIT);
+        assert!(!at.fell_behind());
+    }
 
     struct Exploding;
 
