@@ -1735,6 +1735,9 @@ fn is_not_found(error: &WorkerError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::{LeaseAuth, resolve};
+    use crate::rpc::messages::ProviderConfig;
+    use crate::secret::Secret;
 
     #[test]
     fn command_files_left_unset_are_turned_off_and_an_answer_given_is_kept() {
@@ -1756,9 +1759,6 @@ mod tests {
             json!({"enableFileHooks": true, "enableConfigDiscovery": false, "model": "m"})
         );
     }
-    use crate::auth::{LeaseAuth, resolve};
-    use crate::rpc::messages::ProviderConfig;
-    use crate::secret::Secret;
 
     #[test]
     fn a_sandboxed_worker_without_a_tunnel_may_reach_the_priming_sink_and_its_provider() {
