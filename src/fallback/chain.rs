@@ -410,7 +410,7 @@ impl<S: ChainSink> ChainSink for Bounded<'_, S> {
 /// The first backend's lease, or why it could not be leased.
 enum FirstRun {
     Copilot(Box<Lease>, Option<PathBuf>),
-    Cli(CliLease, bool),
+    Cli(Box<CliLease>, bool),
     /// Not leased, with a retryable class; the next backend runs without a prelude.
     Unleased(TurnSummary, FallbackClass),
     /// Stopped by the caller while its lease was waited for: nothing runs.
@@ -526,7 +526,7 @@ impl<S: ChainSink> ChainLease<S> {
         let mut end = match first {
             FirstRun::Copilot(lease, dir) => run_copilot(*lease, message, dir, agent, &sink).await,
             FirstRun::Cli(lease, bridged) => {
-                run_cli(lease, &prompt, images, bridged, agent, &sink).await
+                run_cli(*lease, &prompt, images, bridged, agent, &sink).await
             }
             FirstRun::Unleased(summary, class) => RunEnd {
                 summary,
@@ -626,7 +626,7 @@ impl<S: ChainSink> ChainLease<S> {
                     run_copilot(*lease, message, dir, agent, &sink).await
                 }
                 NextLease::Cli(lease, bridged) => {
-                    run_cli(lease, &seeded, images, bridged, agent, &sink).await
+                    run_cli(*lease, &seeded, images, bridged, agent, &sink).await
                 }
             };
             end.summary.fallback_from = Some(from);
@@ -655,12 +655,12 @@ fn ended_or_aborted(lease: &Lease) -> TurnSummary {
 
 /// A backend's lease.
 enum NextLease {
-    /// A Copilot conversation (boxed: a `Lease` is large), with its transcript mirror's
-    /// directory.
+    /// A Copilot conversation (boxed, as the CLI one: a lease is large), with its transcript
+    /// mirror's directory.
     Copilot(Box<Lease>, Option<PathBuf>),
     /// A CLI backend's conversation, and whether the lease carries gateway tools (served
     /// through its MCP bridge).
-    Cli(CliLease, bool),
+    Cli(Box<CliLease>, bool),
 }
 
 /// Leases `req.backend`.
@@ -673,7 +673,10 @@ async fn lease(pool: &Pool, req: LeaseRequest) -> Result<NextLease, PoolError> {
         ))
     } else {
         let bridged = !req.handlers.tools.is_empty();
-        Ok(NextLease::Cli(pool.lease_cli(req).await?, bridged))
+        Ok(NextLease::Cli(
+            Box::new(pool.lease_cli(req).await?),
+            bridged,
+        ))
     }
 }
 

@@ -43,7 +43,7 @@ use crate::kinds::{Eviction, OpenReason, TurnEnd};
 use crate::metrics::{ProcessExit, SpawnResult};
 use crate::permission::PermissionPolicy;
 
-use super::bindings::{Binding, BindingStore};
+use super::bindings::{Binding, BindingError, BindingStore};
 use super::budget::{Nudge, Others};
 use super::error::PoolError;
 use super::restart::RestartPolicy;
@@ -136,6 +136,22 @@ struct SessionRecord {
     bound: Option<String>,
 }
 
+impl SessionRecord {
+    /// Binds `id` (its turns ran in `cwd`) under the conversation's key durably and notes it
+    /// as bound. Disk work: from a turn's end or a blocking thread.
+    fn bind(&mut self, id: &str, cwd: &std::path::Path) -> Result<(), BindingError> {
+        self.bindings.put(&Binding {
+            session_key: self.key.clone(),
+            cli_session_id: CliSessionId::new(id.to_owned()),
+            compat_key: self.identity.clone(),
+            updated_at_ms: super::now_ms(),
+            working_directory: Some(cwd.to_path_buf()),
+        })?;
+        self.bound = Some(id.to_owned());
+        Ok(())
+    }
+}
+
 /// A session id to bind once its runner is closed: the record, the id, and the directory its
 /// turns ran in.
 struct Unbound(SessionRecord, String, PathBuf);
@@ -157,7 +173,7 @@ impl Unbound {
     /// Binds the id if its CLI filed a transcript of it. File work in the agent's home: run
     /// it on a blocking thread.
     fn bind(self) {
-        let Unbound(record, id, cwd) = self;
+        let Unbound(mut record, id, cwd) = self;
         let filed =
             CliConversation::find_transcript(record.dialect, record.kind, &record.home, &cwd, &id)
                 .is_ok();
@@ -165,13 +181,7 @@ impl Unbound {
             tracing::debug!(session = %id, "a CLI session id with no transcript is not bound");
             return;
         }
-        if let Err(error) = record.bindings.put(&Binding {
-            session_key: record.key,
-            cli_session_id: CliSessionId::new(id),
-            compat_key: record.identity,
-            updated_at_ms: super::now_ms(),
-            working_directory: Some(cwd),
-        }) {
+        if let Err(error) = record.bind(&id, &cwd) {
             tracing::warn!(%error, "could not record a closed CLI conversation's session id");
         }
     }
@@ -589,18 +599,21 @@ impl CliPool {
             pool: self.clone(),
             backend: ask.backend.clone(),
             conversation_key: ask.conversation.clone(),
-            bindings_key,
-            identity,
             conversation: None,
             reason: OpenReason::Attached,
             crashed: false,
             cwd: ask.cwd.clone(),
-            home: ask.home.clone(),
             turn_timeout: ask.turn_timeout,
-            kind: config.kind,
-            dialect: config.dialect_of(&ask.backend),
             process: None,
-            bound: None,
+            record: SessionRecord {
+                bindings: self.bindings.clone(),
+                key: bindings_key,
+                identity,
+                home: ask.home.clone(),
+                dialect: config.dialect_of(&ask.backend),
+                kind: config.kind,
+                bound: None,
+            },
         };
         let parked = reuse
             .then(|| self.lock().parked.remove(&ask.conversation))
@@ -629,7 +642,7 @@ impl CliPool {
             }
             lease.conversation = Some(parked.runner);
             lease.process = parked.process;
-            lease.bound = parked.record.and_then(|r| r.bound);
+            lease.record.bound = parked.record.and_then(|r| r.bound);
             // Its process may have died while parked.
             lease.settle_process(ProcessExit::Crash);
         }
@@ -647,7 +660,7 @@ impl CliPool {
             }
             // A new process: resume the stored session, or start one (the rules decide).
             let found = self.stored_session(&ask, &config, &lease).await?;
-            lease.bound = found.resume.clone();
+            lease.record.bound = found.resume.clone();
             let (conversation, reason) = self.open(&ask, &config, found)?;
             lease.conversation = Some(conversation);
             lease.reason = reason;
@@ -690,8 +703,8 @@ impl CliPool {
         lease: &CliLease,
     ) -> Result<Found, PoolError> {
         let bindings = self.bindings.clone();
-        let bindings_key = lease.bindings_key.clone();
-        let identity = lease.identity.clone();
+        let bindings_key = lease.record.key.clone();
+        let identity = lease.record.identity.clone();
         let backend = ask.backend.clone();
         let (dialect, kind) = (config.dialect_of(&ask.backend), config.kind);
         let (home, cwd) = (ask.home.clone(), ask.cwd.clone());
@@ -1226,21 +1239,17 @@ pub struct CliLease {
     pool: Arc<CliPool>,
     backend: String,
     conversation_key: String,
-    bindings_key: String,
-    identity: String,
     conversation: Option<CliConversation>,
     reason: OpenReason,
     crashed: bool,
     cwd: PathBuf,
-    home: PathBuf,
     turn_timeout: Option<Duration>,
-    kind: BackendKind,
-    dialect: Dialect,
     /// The pid of the conversation's process the metrics count as running: its start
     /// counted, its exit not yet.
     process: Option<u32>,
-    /// The CLI session id its binding holds, as far as the lease knows ([`SessionRecord`]).
-    bound: Option<String>,
+    /// Where its session id is bound (key, identity, the agent's home, the backend's kind
+    /// and dialect) and the id bound there as far as the lease knows.
+    record: SessionRecord,
 }
 
 impl std::fmt::Debug for CliLease {
@@ -1258,15 +1267,7 @@ impl Drop for CliLease {
             runner,
             backend: self.backend.clone(),
             process: self.process,
-            record: Some(SessionRecord {
-                bindings: self.pool.bindings.clone(),
-                key: self.bindings_key.clone(),
-                identity: self.identity.clone(),
-                home: self.home.clone(),
-                dialect: self.dialect,
-                kind: self.kind,
-                bound: self.bound.take(),
-            }),
+            record: Some(self.record.clone()),
         });
         self.pool
             .give_back(&self.conversation_key, parked, self.crashed);
@@ -1298,7 +1299,7 @@ impl CliLease {
 
     /// The agent's home for this backend (`HOME` of the CLI).
     pub fn home(&self) -> &std::path::Path {
-        &self.home
+        &self.record.home
     }
 
     /// The conversation's working directory.
@@ -1314,12 +1315,12 @@ impl CliLease {
 
     /// The backend's kind (`cli-oneshot` or `cli-live`).
     pub fn kind(&self) -> BackendKind {
-        self.kind
+        self.record.kind
     }
 
     /// The backend's dialect ([`CliBackendConfig::dialect_of`]).
     pub fn dialect(&self) -> Dialect {
-        self.dialect
+        self.record.dialect
     }
 
     /// Counts the exit (for `why`) of the process the metrics count as running when the
@@ -1423,15 +1424,11 @@ impl CliLease {
             timed_out,
             pool: &self.pool,
             slot: &self.conversation_key,
-            bindings: &self.pool.bindings,
-            bindings_key: &self.bindings_key,
-            identity: &self.identity,
             cwd: &self.cwd,
             backend: &self.backend,
             crashed: &mut self.crashed,
             process: &mut self.process,
-            bound: &mut self.bound,
-            oneshot: self.kind == BackendKind::CliOneshot,
+            record: &mut self.record,
             started: Instant::now(),
         })
     }
@@ -1462,7 +1459,7 @@ impl Drop for CliLeaseTurn<'_> {
             timer.abort();
         }
         // A one-shot turn dropped before its end took its process with it.
-        if self.oneshot && self.process.take().is_some() {
+        if self.oneshot() && self.process.take().is_some() {
             crate::metrics::process_exited(self.backend, ProcessExit::Completed);
         }
     }
@@ -1478,23 +1475,23 @@ pub struct CliLeaseTurn<'a> {
     /// The pool, which holds the turn's abort handle under `slot` while it runs.
     pool: &'a CliPool,
     slot: &'a str,
-    bindings: &'a BindingStore,
-    bindings_key: &'a str,
-    identity: &'a str,
     /// The conversation's working directory (recorded in its binding).
     cwd: &'a std::path::Path,
     backend: &'a str,
     crashed: &'a mut bool,
     /// The lease's counted process (see `CliLease::process`).
     process: &'a mut Option<u32>,
-    /// The lease's bound session id (see `CliLease::bound`).
-    bound: &'a mut Option<String>,
-    /// A one-shot backend's process ends with its turn.
-    oneshot: bool,
+    /// Where the lease's session id is bound (see `CliLease::record`).
+    record: &'a mut SessionRecord,
     started: Instant,
 }
 
 impl CliLeaseTurn<'_> {
+    /// Whether the backend is one-shot: its process ends with its turn.
+    fn oneshot(&self) -> bool {
+        self.record.kind == BackendKind::CliOneshot
+    }
+
     /// A handle that interrupts the turn (it ends `aborted`).
     pub fn abort_handle(&self) -> crate::backend::AbortHandle {
         self.turn.abort_handle()
@@ -1527,7 +1524,7 @@ impl CliLeaseTurn<'_> {
             if end == TurnEnd::Crashed {
                 *self.crashed = true;
             }
-            if self.process.is_some() && (end == TurnEnd::Crashed || self.oneshot) {
+            if self.process.is_some() && (end == TurnEnd::Crashed || self.oneshot()) {
                 let why = if end == TurnEnd::Crashed {
                     ProcessExit::Crash
                 } else {
@@ -1540,21 +1537,11 @@ impl CliLeaseTurn<'_> {
             for (kind, n) in outcome.usage.by_kind() {
                 crate::metrics::tokens(self.backend, kind, n);
             }
-            if let Some(id) = &outcome.session_id {
-                let binding = Binding {
-                    session_key: self.bindings_key.to_owned(),
-                    cli_session_id: CliSessionId::new(id.clone()),
-                    compat_key: self.identity.to_owned(),
-                    updated_at_ms: super::now_ms(),
-                    working_directory: Some(self.cwd.to_path_buf()),
-                };
-                match self.bindings.put(&binding) {
-                    Ok(()) => *self.bound = Some(id.clone()),
-                    // Tried again when the runner is closed ([`SessionRecord`]).
-                    Err(error) => {
-                        tracing::warn!(%error, "could not record a CLI backend's session id")
-                    }
-                }
+            if let Some(id) = &outcome.session_id
+                && let Err(error) = self.record.bind(id, self.cwd)
+            {
+                // Tried again when the runner is closed ([`SessionRecord`]).
+                tracing::warn!(%error, "could not record a CLI backend's session id");
             }
         }
         Some(event)
