@@ -62,9 +62,11 @@
 //!   (the runtime's id of the CLI session holding a conversation's history).
 //! * [`kinds`] — the closed sets of values the crate reports (open reasons, turn ends,
 //!   error kinds), each spelled once.
-//! * [`backend`] — agent CLIs other than Copilot as backends (issue 17, library only so
-//!   far): the backend kinds, the CLI backend configuration, and Claude Code as one live
-//!   stdio process per conversation ([`backend::claude_live`]).
+//! * [`backend`] — agent CLIs other than Copilot as backends: the backend kinds, the CLI
+//!   backend configuration, the events every backend's turn speaks, and the two runners:
+//!   Claude Code as one live stdio process per conversation ([`backend::claude_live`]) and a
+//!   process per turn for Codex and Gemini CLI ([`backend::oneshot`]). The pool leases their
+//!   conversations ([`pool::Pool::lease_cli`]).
 //! * [`fallback`] — a turn that runs on the next backend of its chain when one fails with a
 //!   retryable class, seeded with a prelude from the failed conversation's transcript:
 //!   [`fallback::ChainLease::start`], then [`fallback::ChainLease::run`].
@@ -96,16 +98,24 @@
 //! * `scripted_model` — the OpenAI-compatible model we own, for tests and the demo
 //!   (feature `scripted-model`, on by default through `cli`).
 //! * [`faults`] — faults injected on purpose (failing durable writes) for chaos runs.
-//! * [`backend`] — other agent CLIs as backends (Claude Code's live stdio process so far; the
-//!   pool does not route to them yet).
 //! * [`secret`] — a redacting wrapper for tokens and keys.
+//! * [`permission`] — the runtime's permission prompts parsed, the policies that answer them
+//!   (fail closed, reject-all by default) and the decision sent back.
+//! * [`provider`] — BYOK provider shapes: which `provider` objects the runtime can serve,
+//!   and the checks that refuse the rest before anything runs.
+//! * [`transcript`] — the transcript mirror: each conversation's append-only JSONL record,
+//!   de-duplicated across re-emissions and restarts.
+//! * [`metrics`] — every Prometheus metric the pool records (names, labels, units), through
+//!   the `metrics` facade; the daemon installs the recorder.
 //! * [`sandbox`] — the walls around a worker, as a description its wrapper enforces.
 //! * [`session_options`] — the runtime's `session.create` fields a caller may set, checked
 //!   against the runtime's schema, and where their directories may lie.
 //!
 //! Also: `low_latency` (TCP tuning of the accepted connections of both surfaces),
-//! `media_type` (a media type's essence, for the attachments and the tunnel) and a hidden
-//! `fuzzing` module (entry points for `tests/fuzz`).
+//! `media_type` (a media type's essence, for the attachments and the tunnel), `deadline`
+//! (deadlines that never overflow), `panic_guard` (a gateway's handler that panics becomes
+//! an answer, never a runtime left waiting) and a hidden `fuzzing` module (entry points for
+//! `tests/fuzz`).
 //!
 //! The library installs nothing global: no tracing subscriber, metrics recorder, signal
 //! handler or registered actor name. See `ARCHITECTURE.md` for the invariants.

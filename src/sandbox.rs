@@ -274,7 +274,10 @@ impl Sandbox {
         };
         paths("--rw", &self.read_write);
         let mut exec = self.read_exec.clone();
-        exec.push(install_root(program));
+        // A program not found has no install to grant (never the root of a relative path).
+        if program.is_absolute() {
+            exec.push(install_root(program));
+        }
         paths("--rx", &exec);
         paths("--ro", &self.read_only);
         paths("--dev", &self.devices);
@@ -393,7 +396,11 @@ pub fn cli_install_roots(
     path_var: Option<&OsStr>,
 ) -> Vec<PathBuf> {
     let program = resolve_program(program, path_var);
-    let mut roots = vec![install_root(&program)];
+    // A program not found (a bare name on no `PATH` entry) has no install to grant.
+    let mut roots = Vec::new();
+    if program.is_absolute() {
+        roots.push(install_root(&program));
+    }
     if let Some(interpreter) = shebang_interpreter(&program, path_var) {
         roots.push(install_root(&interpreter));
     }
@@ -633,6 +640,20 @@ mod tests {
         assert_eq!(
             install_root(Path::new("/usr/local/bin/copilot")),
             PathBuf::from("/usr/local/bin")
+        );
+    }
+
+    #[test]
+    fn a_cli_program_found_nowhere_grants_no_root() {
+        // Its "directory" would be the empty path, under which every path lies.
+        let path = std::env::var_os("PATH");
+        let roots = cli_install_roots(Path::new("not-installed-anywhere"), &[], path.as_deref());
+        assert!(roots.is_empty(), "{roots:?}");
+        let (_, argv) = sandbox().command(Path::new("not-installed-anywhere"), &[]);
+        assert!(
+            argv.windows(2)
+                .all(|w| !(w[0] == "--rx" && w[1].is_empty())),
+            "{argv:?}"
         );
     }
 

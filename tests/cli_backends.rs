@@ -727,3 +727,77 @@ async fn a_claude_that_dies_at_every_start_is_quarantined_within_the_restart_int
     assert!(daemon.terminate().await.success());
     assert!(fx.claude_processes().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_whose_command_is_not_installed_fails_its_turn_naming_the_command_and_the_fix() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    // A bare name found nowhere on the daemon's PATH, for the live runner and the
+    // process-per-turn one, inside the daemon's sandbox (on where the kernel has Landlock)
+    // and outside it.
+    // Unsandboxed, the API needs its token.
+    let token = "missing-command-test-token";
+    for sandbox in ["auto", "off"] {
+        let config = format!(
+            "drain_grace_secs = 5\nsandbox = {sandbox:?}\napi_token = {token:?}\n\
+             [backends.claude-cli]\ncommand = \"claude-not-installed-here\"\n\
+             [backends.codex-cli]\ncommand = \"codex-not-installed-here\"\n"
+        );
+        let daemon = Daemon::start(fx.scratch.path(), &config, &[]).await;
+        for (backend, command) in [
+            ("claude-cli", "claude-not-installed-here"),
+            ("codex-cli", "codex-not-installed-here"),
+        ] {
+            let mut body = fx.body(
+                &format!("{backend}-{sandbox}"),
+                "REPLY=never",
+                "sk-FAKE",
+                None,
+            );
+            body["backend"] = json!(backend);
+            let answer = call(
+                daemon.addr,
+                "POST",
+                "/v1/turns?stream=false",
+                Some(token),
+                Some(&body),
+            )
+            .await;
+            let said = answer.body.clone();
+            assert!(
+                said.contains(command) && said.contains("PATH") && said.contains("command"),
+                "{backend}, sandbox {sandbox}: the answer names the command, where it was \
+                 looked for and the key that fixes it: {} {said}",
+                answer.status
+            );
+            assert!(
+                !said.contains("--rx"),
+                "{backend}: the sandbox wrapper's usage: {said}"
+            );
+            assert!(
+                !said.contains("invalid lease request"),
+                "{backend}: the backend's to fix, not the request's: {said}"
+            );
+            assert!(
+                !said.contains("resumes the stored session"),
+                "{backend}: no session to resume: {said}"
+            );
+        }
+        let metrics = call(daemon.addr, "GET", "/metrics", Some(token), None)
+            .await
+            .body;
+        // Counted as the starts that failed they are (an alert's signal), none as started.
+        for backend in ["claude-cli", "codex-cli"] {
+            for (result, n) in [("ok", 0), ("error", 1)] {
+                support::http::assert_has_series(
+                    &metrics,
+                    &format!(
+                        "copilot_pool_process_spawns_total{{result=\"{result}\",backend=\"{backend}\"}} {n}"
+                    ),
+                );
+            }
+        }
+        assert!(daemon.terminate().await.success());
+    }
+    assert!(fx.model.requests().is_empty(), "no model call was made");
+}

@@ -121,8 +121,11 @@ async fn doctor_passes_on_a_good_setup() {
             "no ok line for {check}:\n{stdout}"
         );
     }
+    // A bundled CLI backend left at its default whose CLI is not installed here is skipped.
     assert!(
-        lines.iter().all(|l| l.starts_with("ok ")),
+        lines
+            .iter()
+            .all(|l| l.starts_with("ok ") || l.starts_with("skip backend ")),
         "not every check passed:\n{stdout}"
     );
     assert!(stdout.contains("protocol 3"), "{stdout}");
@@ -268,6 +271,25 @@ async fn doctor_fails_on_a_backend_table_or_a_model_setting_serve_would_refuse_a
             .unwrap_or_else(|| panic!("{table}: no FAIL line for the pool settings:\n{stdout}"));
         assert!(fail.contains(says) && fail.contains(" — fix: "), "{fail}");
     }
+    // A backend table whose command is not installed: serve would start, and its turns
+    // fail, so the doctor says so, with the command, where it looked and the fix.
+    let table = "[backends.codex-cli]\ncommand = \"codex-not-installed-here\"\n";
+    std::fs::write(&config, format!("{good}{table}")).expect("config");
+    let out = doctor_with(scratch.path(), &runtime, &config).await;
+    let stdout = text(&out.stdout);
+    assert!(!out.status.success(), "{stdout}");
+    let fail = stdout
+        .lines()
+        .find(|l| l.starts_with("FAIL backend codex-cli: "))
+        .unwrap_or_else(|| panic!("no FAIL line for the missing command:\n{stdout}"));
+    assert!(
+        fail.contains("codex-not-installed-here") && fail.contains("PATH"),
+        "{fail}"
+    );
+    assert!(
+        fail.contains(" — fix: ") && fail.contains("[backends.codex-cli]"),
+        "{fail}"
+    );
     // The bundled backends and the default guard pass, and are named.
     std::fs::write(&config, good).expect("config");
     let out = doctor_with(scratch.path(), &runtime, &config).await;

@@ -175,6 +175,10 @@ pub enum ClaudeLiveError {
     /// The backend configuration cannot run.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The backend's `command` is not there ([`CliBackendConfig::check_installed`]): no
+    /// process was started.
+    #[error(transparent)]
+    NotInstalled(ConfigError),
     /// The agent's home (or a folder in it) could not be created.
     #[error(
         "could not create {} for the Claude process: {error}; the agent's home must be on a \
@@ -645,6 +649,9 @@ impl ClaudeLive {
         let switches = SafetySwitches::CLAUDE.flag_args_for(backend);
         args.extend(switches);
         let args: Vec<OsString> = args.into_iter().map(OsString::from).collect();
+        backend
+            .check_installed(BACKEND_ID, config.path_var.as_deref())
+            .map_err(ClaudeLiveError::NotInstalled)?;
         let program = PathBuf::from(&backend.command);
         let (program, args) = match &config.sandbox {
             Some(sandbox) => {

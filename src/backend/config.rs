@@ -738,6 +738,42 @@ impl CliBackendConfig {
         text
     }
 
+    /// Checks, before a process of backend `id` starts, that its `command` is there: a bare
+    /// name an executable file on `path_var` (the `PATH` its processes get), an absolute path
+    /// an executable file. A relative path with a `/` is left to the spawn. The error names
+    /// the command, where it was looked for and how to fix it, where a start would fail with
+    /// the OS's "No such file" (or, sandboxed, inside the sandbox's wrapper).
+    pub fn check_installed(
+        &self,
+        id: &str,
+        path_var: Option<&std::ffi::OsStr>,
+    ) -> Result<(), ConfigError> {
+        let command = std::path::Path::new(&self.command);
+        let bare = !self.command.contains('/');
+        let found = if bare {
+            crate::runtime::find_on_path(&self.command, path_var.map(ToOwned::to_owned)).is_some()
+        } else {
+            !command.is_absolute() || crate::runtime::is_executable_file(command)
+        };
+        if found {
+            return Ok(());
+        }
+        let place = if bare {
+            "found on the PATH the backend's processes get"
+        } else {
+            "an executable file"
+        };
+        Err(ConfigError {
+            backend: id.to_owned(),
+            problem: format!(
+                "its `command` {:?} is not {place}; install the CLI there (the library's \
+                 `copilot_pool::runtime::install_agent_cli` installs Claude Code, Codex and \
+                 Gemini CLI) or set `command` in `[backends.{id}]` to the executable's full path",
+                self.command
+            ),
+        })
+    }
+
     /// Checks that this configuration can run as backend `id`; the error says what to change.
     pub fn validate(&self, id: &str) -> Result<(), ConfigError> {
         let fail = |problem: String| {

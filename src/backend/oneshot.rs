@@ -561,6 +561,10 @@ pub enum OneshotError {
     /// The backend configuration cannot run.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The backend's `command` is not there ([`CliBackendConfig::check_installed`]): no
+    /// process was started.
+    #[error(transparent)]
+    NotInstalled(ConfigError),
     /// The agent's home (or a file in it) could not be written.
     #[error(
         "could not write {} for the CLI process: {error}; the agent's home must be on a \
@@ -760,6 +764,10 @@ impl Oneshot {
             }
             _ => None,
         };
+        config
+            .backend
+            .check_installed(&config.id, config.path_var.as_deref())
+            .map_err(OneshotError::NotInstalled)?;
         let invocation = self.invocation(prompt, images, system_prompt_file.as_deref())?;
         #[allow(unused_mut)]
         let mut spec = self.child_spec(&invocation, tmp_dir);

@@ -146,6 +146,16 @@ pub enum PoolError {
     /// A worker could not be started, or failed while serving the lease.
     #[error(transparent)]
     Worker(#[from] WorkerError),
+    /// A CLI backend's turn could not start its process (its command missing, the OS
+    /// refusing, its configuration, the agent's home): the backend's to fix, not the
+    /// request's. The message says how.
+    #[error("backend `{backend}` could not start the turn: {error}")]
+    CliStart {
+        /// The backend id.
+        backend: String,
+        /// What went wrong, and the fix.
+        error: String,
+    },
     /// The turn failed, timed out, or was asked for in the wrong state.
     #[error(transparent)]
     Turn(TurnError),
@@ -179,7 +189,9 @@ impl PoolError {
             | PoolError::TranscriptUnremovable { .. }
             | PoolError::Bindings(_) => ErrorKind::StateUnwritable,
             PoolError::Internal(_) => ErrorKind::Internal,
-            PoolError::Worker(_) | PoolError::Turn(_) => ErrorKind::Runtime,
+            PoolError::Worker(_) | PoolError::Turn(_) | PoolError::CliStart { .. } => {
+                ErrorKind::Runtime
+            }
         }
     }
 }

@@ -214,6 +214,7 @@ fn check_pool_settings(report: &mut Report, config: &ServeConfig) {
     let pool = config.pool_config(PathBuf::from("copilot"));
     match pool {
         Ok(pool) => {
+            check_cli_commands(report, config, &pool.cli_backends);
             let backends: Vec<&str> = pool.cli_backends.keys().map(String::as_str).collect();
             report.ok(
                 CHECK,
@@ -235,6 +236,39 @@ fn check_pool_settings(report: &mut Report, config: &ServeConfig) {
             format!("{err:#}"),
             "change the setting the message names (serve refuses to start with it)",
         ),
+    }
+}
+
+/// Each CLI backend's `command` where its processes would look for it (the daemon's `PATH`):
+/// one the config's `[backends.<id>]` names must be there (a FAIL); a bundled one left at its
+/// default that is not installed is skipped, named (its turns fail until it is installed).
+fn check_cli_commands(
+    report: &mut Report,
+    config: &ServeConfig,
+    backends: &std::collections::BTreeMap<String, copilot_pool::backend::CliBackendConfig>,
+) {
+    let path_var = std::env::var_os("PATH");
+    for (id, backend) in backends {
+        let check = format!("backend {id}");
+        match backend.check_installed(id, path_var.as_deref()) {
+            Ok(()) => report.ok(&check, format!("command {:?}", backend.command)),
+            Err(err) if config.backends.contains_key(id) => report.fail(
+                &check,
+                &err.problem,
+                format!(
+                    "install the CLI, or set `command` in [backends.{id}] to its full path \
+                     (serve starts without it; its turns fail with this message)"
+                ),
+            ),
+            Err(_) => report.skip(
+                &check,
+                format!(
+                    "the bundled default's command {:?} is not on PATH: turns naming {id} \
+                     fail until it is installed (or set `command` in [backends.{id}])",
+                    backend.command
+                ),
+            ),
+        }
     }
 }
 

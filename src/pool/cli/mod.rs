@@ -307,6 +307,10 @@ fn failed_start(error: &CliStartError) -> Option<SpawnResult> {
     use crate::backend::oneshot::OneshotError as O;
     let spawn = match error {
         CliStartError::Live(L::Config(_)) | CliStartError::Oneshot(O::Config(_)) => return None,
+        // The pool meant to start one, and its command is not there.
+        CliStartError::Live(L::NotInstalled(_)) | CliStartError::Oneshot(O::NotInstalled(_)) => {
+            None
+        }
         CliStartError::Oneshot(
             O::PromptTooLong { .. }
             | O::PromptTooLongForStdin { .. }
@@ -321,6 +325,32 @@ fn failed_start(error: &CliStartError) -> Option<SpawnResult> {
         Some(e) if e.is_resource_exhaustion() => SpawnResult::ResourceExhausted,
         _ => SpawnResult::Error,
     })
+}
+
+/// A turn's start that failed as the pool's error: the caller's prompt, system message or
+/// images refused are the caller's to fix ([`PoolError::InvalidRequest`]); a backend that
+/// could not start its process (its command missing, the OS refusing, its configuration, the
+/// agent's home) is the backend's ([`PoolError::CliStart`]).
+fn start_error(backend: &str, error: CliStartError) -> PoolError {
+    use crate::backend::claude_live::ClaudeLiveError as L;
+    use crate::backend::oneshot::OneshotError as O;
+    let callers = matches!(
+        &error,
+        CliStartError::Oneshot(
+            O::PromptTooLong { .. }
+                | O::PromptTooLongForStdin { .. }
+                | O::SystemMessageTooLong { .. }
+                | O::Image(_),
+        ) | CliStartError::Live(L::Image(_) | L::SystemMessageTooLong { .. })
+    );
+    if callers {
+        PoolError::InvalidRequest(format!("backend `{backend}`: {error}"))
+    } else {
+        PoolError::CliStart {
+            backend: backend.to_owned(),
+            error: error.to_string(),
+        }
+    }
 }
 
 /// The CLI side of a pool.
@@ -1383,10 +1413,7 @@ impl CliLease {
                 if let Some(result) = failed_start(&e) {
                     crate::metrics::process_started(&self.backend, result, spawning.elapsed());
                 }
-                return Err(PoolError::InvalidRequest(format!(
-                    "backend `{}`: {e}",
-                    self.backend
-                )));
+                return Err(start_error(&self.backend, e));
             }
         };
         let pid = turn.pid();
