@@ -235,6 +235,12 @@ async fn a_query_or_path_the_router_cannot_read_is_answered_with_the_error_body(
         // A parameter the route does not take (a typo of `stream` would stream silently).
         ("POST", "/v1/turns?steam=false", Some(&body)),
         ("DELETE", "/v1/sessions/a/k?backnd=codex-cli", None),
+        // Routes that read no query at all refuse one too, never ignore it.
+        ("GET", "/v1/pool?backnd=x", None),
+        ("POST", "/v1/sessions/a/k/abort?backnd=x", None),
+        ("POST", "/v1/sessions/a/k/compact?backnd=x", None),
+        ("POST", "/v1/requests/r1?backnd=x", Some(&body)),
+        ("GET", "/readyz?backnd=x", None),
         // Not UTF-8 once percent-decoded.
         ("POST", "/v1/sessions/%FF/k/abort", None),
         ("POST", "/v1/sessions/a/%FF/compact", None),
@@ -254,7 +260,8 @@ async fn a_query_or_path_the_router_cannot_read_is_answered_with_the_error_body(
             "{method} {path}: {}",
             response.body
         );
-        // An unknown parameter is what is named (not another fault of the request).
+        // An unknown parameter is what is named (not another fault of the request), with
+        // the route and what it takes.
         for unknown in ["steam", "backnd"] {
             if path.contains(&format!("?{unknown}=")) {
                 assert!(

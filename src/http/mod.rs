@@ -54,6 +54,7 @@ mod idempotency;
 mod listener;
 mod object;
 mod openapi;
+mod query_check;
 mod sessions;
 mod turns;
 
@@ -320,6 +321,7 @@ pub fn router_with_handle(pool: Pool, config: ApiConfig) -> (Router, ApiHandle) 
     let (open, open_doc) = openapi::open_routes().split_for_parts();
     let mut doc = v1_doc;
     doc.merge(open_doc);
+    let queries = Arc::new(query_check::RouteQueries::of(&doc));
     let openapi = match openapi::pretty(&openapi::with_info(doc)) {
         Ok(text) => axum::body::Bytes::from(text),
         // Serializing plain strings and maps does not fail; should it, say so.
@@ -345,6 +347,11 @@ pub fn router_with_handle(pool: Pool, config: ApiConfig) -> (Router, ApiHandle) 
     let router = Router::new()
         .merge(v1)
         .merge(open)
+        // Before the token check: what a route takes is public (`/openapi.json`).
+        .route_layer(middleware::from_fn_with_state(
+            queries,
+            query_check::refuse_unknown,
+        ))
         .fallback(|| async { error::error(StatusCode::NOT_FOUND, "not_found", "no such route") })
         .method_not_allowed_fallback(|method: axum::http::Method| async move {
             error::error(
