@@ -109,7 +109,8 @@ pub enum AuthError {
     #[error(
         "{TOKEN_PROFILE_ERROR}: an explicit github_token needs a non-empty profile_id and \
          profile_version (missing: {missing}); pass both so leases with different tokens \
-         never share a pool key, or use resolved_api_key/auth_profile_id instead"
+         never share a pool key, or use resolved_token with auth_profile_id instead \
+         (`LeaseAuth::resolved_api_key` in the library)"
     )]
     TokenProfile {
         /// Which of the two fields are missing or empty.

@@ -87,7 +87,8 @@ pub(super) async fn post_abort(
 /// What a compaction did.
 #[derive(Serialize, ToSchema)]
 pub(super) struct CompactResult {
-    /// The runtime compacted the conversation.
+    /// The runtime compacted the conversation (`false`, with nothing removed, when there was
+    /// nothing to compact).
     success: bool,
     /// Tokens freed (negative when the summary is longer than what it replaced), if the
     /// runtime said.

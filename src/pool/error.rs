@@ -114,8 +114,9 @@ pub enum PoolError {
     },
     /// Another lease holds this conversation and the request asked not to queue.
     #[error(
-        "conversation {session_key:?} is leased by another caller (one turn at a time); \
-         retry after that lease is dropped, or lease without fail_if_busy to queue"
+        "conversation {session_key:?} is in use by another caller (one turn at a time); \
+         retry when that is done (over HTTP: when its turn ends), or, in the library, lease \
+         without fail_if_busy to wait in line"
     )]
     ConversationBusy {
         /// The conversation.

@@ -228,7 +228,9 @@ impl Lease {
     /// background one: before this returns, the `before_compaction` and `after_compaction`
     /// hooks are started, in that order, once the compaction happened (`success`; one that
     /// did not, with nothing to compact or a failure, fires neither), and its summary is
-    /// mirrored (role `summary`).
+    /// mirrored (role `summary`). A conversation with nothing to compact (no turn yet, or
+    /// right after an abort), which the runtime refuses as an error, is `success: false`
+    /// with nothing removed: not a failure of the runtime.
     pub async fn compact(
         &mut self,
         custom_instructions: Option<String>,
@@ -237,10 +239,18 @@ impl Lease {
             return Err(state_error("compact between turns, not during one"));
         }
         let session = self.session_mut()?;
-        let result = session
-            .compact(custom_instructions)
-            .await
-            .map_err(|e| self.lose(e))?;
+        let result = match session.compact(custom_instructions).await {
+            Ok(result) => result,
+            Err(e) if nothing_to_compact(&e) => {
+                return Ok(CompactResult {
+                    success: false,
+                    tokens_removed: Some(0),
+                    messages_removed: Some(0),
+                    summary_content: None,
+                });
+            }
+            Err(e) => return Err(self.lose(e)),
+        };
         // The runtime reports the compaction in events sent before its answer: routed once
         // the worker is flushed, and taken in as any (the hooks fire once, the summary is
         // mirrored; the fallback prelude starts from it, `crate::fallback`). Events routed
@@ -423,4 +433,14 @@ impl ReturnTicket {
         // The conversation stays leased in the actor until it handles this return; the next
         // lease of it waits there until then.
     }
+}
+
+/// The runtime's refusal of a compaction with nothing to compact (its words: "Nothing to
+/// compact."; `session.history.compact` has no error code of its own for it).
+fn nothing_to_compact(error: &WorkerError) -> bool {
+    matches!(
+        error,
+        WorkerError::Rpc(crate::rpc::RpcError::Remote { error, .. })
+            if error.message.to_ascii_lowercase().contains("nothing to compact")
+    )
 }
