@@ -418,7 +418,7 @@ wire_enum! {
 wire_enum! {
     /// The agent mode a turn's message is sent in (`agentMode` of `session.send`; the
     /// runtime's default is the session's current mode).
-    pub enum AgentMode as "agentMode" {
+    pub enum AgentMode as "agent_mode" {
         /// Responding interactively.
         Interactive = "interactive",
         /// Preparing a plan before changing anything.
@@ -729,6 +729,13 @@ mod tests {
             err.to_string().contains(
                 "provider.wire_api \"chat\" is not allowed; use one of completions, responses"
             ),
+            "{err}"
+        );
+        // Named as the HTTP API spells the field.
+        let err = serde_json::from_str::<AgentMode>("\"yolo\"").unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("agent_mode \"yolo\" is not allowed"),
             "{err}"
         );
         // Case matters on the wire, as in the runtime.

@@ -110,6 +110,24 @@ async fn run_fails_with_the_error_when_the_turn_fails() {
 }
 
 #[tokio::test]
+async fn run_refuses_a_plain_http_model_off_the_guard_naming_its_own_flag() {
+    let runtime = support::runtime::runtime_path().await;
+    let mut cmd = bin();
+    // Nothing listens there: the guard refuses before any call.
+    cmd.env("COPILOT_CLI_PATH", &runtime).args([
+        "run",
+        "--prompt",
+        "hi",
+        "--provider-url",
+        "http://127.0.0.1:9/v1",
+    ]);
+    let out = output(cmd).await;
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("--allow-private-endpoints"), "{stderr}");
+}
+
+#[tokio::test]
 async fn run_without_any_runtime_says_how_to_install_one() {
     let empty = tempfile::tempdir().expect("tempdir");
     let mut cmd = bin();

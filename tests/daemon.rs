@@ -482,6 +482,13 @@ async fn the_api_token_never_comes_from_the_command_line_and_bearer_is_any_case(
     assert!(stderr.contains("the Copilot runtime's own"), "{stderr}");
     let out = serve_output(&["--cli", "/nonexistent/copilot"]).await;
     assert_eq!(out.status.code(), Some(1));
+    // A flag's value serve cannot read is a configuration it refuses too.
+    for flag in [&["--listen", "notanaddr"][..], &["--log-format", "xml"][..]] {
+        let out = serve_output(flag).await;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(78), "{flag:?}: {stderr}");
+        assert!(stderr.contains(flag[1]), "{stderr}");
+    }
 
     // A private file: its trailing newline is not part of the token.
     let file = token_file(scratch.path(), "token", "file-token\n", 0o600);

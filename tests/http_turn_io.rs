@@ -129,7 +129,7 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
             .unwrap_or_default()
             .to_owned();
         assert!(
-            message.starts_with("attachments[0]") && message.contains("allowed_work_roots"),
+            message.starts_with("attachments[0]: path: ") && message.contains("allowed_work_roots"),
             "{message}"
         );
     }

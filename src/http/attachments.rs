@@ -250,7 +250,7 @@ fn too_large(limits: &AttachmentLimits) -> String {
 /// `path` (relative ones against `work`) with every link and `..` resolved, if it lies in
 /// one of `roots` (the one confinement of the crate, [`crate::confine`]).
 fn confine(path: &Path, work: &Path, roots: &[PathBuf]) -> Result<PathBuf, String> {
-    crate::confine::confine("attachments: path", &work.join(path), roots).map_err(|e| e.to_string())
+    crate::confine::confine("path", &work.join(path), roots).map_err(|e| e.to_string())
 }
 
 fn utf8(path: PathBuf) -> Result<String, String> {

@@ -236,10 +236,33 @@ pub(super) struct HookAnswer {
     output: Option<Value>,
 }
 
-/// `body` read as a `T`, or `shape` (what the request's kind expects).
+/// `body` read as a `T`, or `shape` (what the request's kind expects) with what was wrong:
+/// serde's words, or, for an answer of several shapes (where serde says only that none
+/// matched), the fields the body has (names only, never values).
 fn typed<T: for<'de> Deserialize<'de>>(body: &Value, shape: &str) -> Result<T, String> {
-    T::deserialize(body)
-        .map_err(|e| format!("{shape} ({})", crate::secret::json_error_without_values(&e)))
+    T::deserialize(body).map_err(|e| {
+        let detail = crate::secret::json_error_without_values(&e);
+        if !detail.contains("did not match any variant") {
+            return format!("{shape} ({detail})");
+        }
+        const SHOWN: usize = 8;
+        let fields: Vec<String> = body
+            .as_object()
+            .map(|o| {
+                o.keys()
+                    .take(SHOWN)
+                    .map(|k| format!("`{}`", k.chars().take(64).collect::<String>()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        match fields.len() {
+            0 => format!("{shape}; this one has no field"),
+            _ => format!(
+                "{shape}, each field of the type shown and no other; this one has {}",
+                fields.join(", ")
+            ),
+        }
+    })
 }
 
 fn parse_answer(kind: &Kind, body: &Value) -> Result<GatewayAnswer, String> {
@@ -623,6 +646,28 @@ mod tests {
             registry.answer("no-such-id", &json!({"result": "x"})),
             Err(AnswerError::Unknown)
         ));
+    }
+
+    #[test]
+    fn an_answer_of_no_shape_is_refused_naming_its_fields_never_serdes_enum() {
+        let registry = Registry::default();
+        let (tool, _rx) = registry.register(Kind::ToolCall);
+        let (question, _qrx) = registry.register(user_input(&["red", "blue"], false));
+        for (id, wrong, field) in [
+            (&tool, json!({"result": "42", "extra": 1}), "`extra`"),
+            (&question, json!({"choice": "blue"}), "`choice`"),
+        ] {
+            match registry.answer(id, &wrong) {
+                Err(AnswerError::Shape(m)) => {
+                    assert!(!m.contains("untagged"), "{m}");
+                    assert!(m.contains(field) && m.contains(" answer is {"), "{m}");
+                    // Names only: a value is never echoed.
+                    assert!(!m.contains("blue\""), "{m}");
+                }
+                Err(AnswerError::Unknown) => panic!("{wrong}: unknown request"),
+                Ok(()) => panic!("{wrong}: taken"),
+            }
+        }
     }
 
     #[test]

@@ -77,8 +77,23 @@ enum Command {
     SandboxExec(sandbox::SandboxExecArgs),
 }
 
+/// A command line clap refused: printed as clap prints it; `serve`'s exits 78 like any
+/// configuration it refuses (a restart will not help), the others as clap does (2; help and
+/// the version 0).
+fn refused_command_line(error: clap::Error) -> std::process::ExitCode {
+    let _ = error.print();
+    let serve = std::env::args_os().nth(1).is_some_and(|a| a == "serve");
+    if serve && error.use_stderr() {
+        return std::process::ExitCode::from(config::EXIT_CONFIG);
+    }
+    std::process::ExitCode::from(u8::try_from(error.exit_code()).unwrap_or(2))
+}
+
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => return refused_command_line(error),
+    };
     // The wrapper execs the runtime from this one thread: no logging, no async runtime.
     let cli = match cli.command {
         Command::SandboxExec(args) => return sandbox::main(args),

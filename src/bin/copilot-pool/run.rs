@@ -121,7 +121,17 @@ pub async fn run(args: RunArgs) -> Result<()> {
         let mut guard = ModelGuardConfig::default();
         guard.allow_private_endpoints = args.allow_private_endpoints;
         let guard = ModelGuard::new(guard)?;
-        config.model_tunnel = Some(guard.tunnel_for(&provider)?);
+        let tunnel = guard.tunnel_for(&provider).map_err(|e| {
+            // The guard's message names the daemon's and the library's switch; here it is
+            // a flag.
+            let text = e.to_string();
+            if text.contains("allow_private_endpoints") {
+                anyhow!("{text}; with `copilot-pool run`, pass --allow-private-endpoints")
+            } else {
+                anyhow::Error::new(e)
+            }
+        })?;
+        config.model_tunnel = Some(tunnel);
         session.provider = Some(ModelGuard::placeholder(&provider));
         session.model = args.model.clone();
     } else {
