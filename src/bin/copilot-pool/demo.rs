@@ -566,10 +566,8 @@ fn live_pool_processes(base: &str, pids: &[u32]) -> usize {
         .iter()
         .filter(|p| p.state != 'Z')
         .filter(|p| {
-            let environ = std::fs::read(format!("/proc/{}/environ", p.pid)).unwrap_or_default();
-            let under_base = environ.split(|b| *b == 0).any(|kv| {
-                kv.starts_with(b"COPILOT_HOME=") && String::from_utf8_lossy(kv).contains(base)
-            });
+            let under_base = crate::procfs::environ_var(p.pid, "COPILOT_HOME")
+                .is_some_and(|home| home.contains(base));
             pids.contains(&p.pgid) || under_base
         })
         .count()

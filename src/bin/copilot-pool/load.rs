@@ -482,9 +482,7 @@ async fn sample(
     started: Instant,
 ) -> Sample {
     let rss_bytes = copilot_pool::process::rss_bytes(pid).unwrap_or(0);
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count() as u64)
-        .unwrap_or(0);
+    let fds = crate::procfs::fd_count(pid);
     let exposition = get_text(http, metrics, "/metrics")
         .await
         .unwrap_or_default();
@@ -511,9 +509,7 @@ async fn idle_sample(
     started: Instant,
 ) -> Sample {
     let fds = || {
-        std::fs::read_dir(format!("/proc/{pid}/fd"))
-            .map(|d| d.count())
-            .unwrap_or(0)
+        crate::procfs::fd_count(pid)
     };
     // Settled: idle, and the same descriptor count for a second (five readings 200 ms
     // apart): on a loaded machine the last connections take more than one tick to go.

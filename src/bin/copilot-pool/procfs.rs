@@ -2,7 +2,10 @@
 //! the chaos run's orphan and zombie checks, the chaos injector's group members, the load
 //! run's CPU counts, the bench's CPU and memory of a process tree): one parser, so the field
 //! numbering is written once. Beside it, one process's CPU to the nanosecond from its
-//! CPU-time clock ([`cpu_seconds_exact`]), where `stat`'s clock ticks are too coarse.
+//! CPU-time clock ([`cpu_seconds_exact`]), where `stat`'s clock ticks are too coarse, and
+//! the binary's other reads of `/proc`: a process's PSS, environment variable and open
+//! descriptors, this process's RSS, the load average. The commands read `/proc` nowhere
+//! else (the sandbox wrapper names paths under it for its ruleset, and reads none).
 
 /// What the commands read of one process's `stat`.
 #[derive(Debug, Clone, PartialEq)]
@@ -94,6 +97,28 @@ pub fn environ_var(pid: u32, name: &str) -> Option<String> {
         let kv = String::from_utf8_lossy(kv);
         kv.strip_prefix(&prefix).map(str::to_owned)
     })
+}
+
+/// The open descriptors of `pid` (`/proc/<pid>/fd`; 0 once it is gone or unreadable).
+pub fn fd_count(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count() as u64)
+        .unwrap_or(0)
+}
+
+/// This process's resident memory in bytes (`VmRSS:` of `/proc/self/status`; 0 if unread).
+pub fn own_rss_bytes() -> u64 {
+    copilot_pool::process::rss_bytes(std::process::id()).unwrap_or(0)
+}
+
+/// The load average over 1, 5 and 15 minutes (`/proc/loadavg`; empty if unread).
+pub fn load_average() -> Vec<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .filter_map(|v| v.parse().ok())
+        .collect()
 }
 
 /// CPU seconds (user + system) of `pid` itself, and of everything under it: its live

@@ -397,13 +397,7 @@ fn machine() -> Value {
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(0);
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let load: Vec<f64> = load
-        .split_whitespace()
-        .take(3)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    json!({"cpus": cpus, "loadavg": load})
+    json!({"cpus": cpus, "loadavg": crate::procfs::load_average()})
 }
 
 /// One table: a row per figure, the median [min-max] of each mode, then each mode / (c).

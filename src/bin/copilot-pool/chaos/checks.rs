@@ -119,20 +119,8 @@ pub fn zombies() -> u64 {
 
 /// This process's resident memory (bytes) and open descriptors.
 pub fn own_resources() -> (u64, u64) {
-    let rss = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024;
-    let fds = std::fs::read_dir("/proc/self/fd")
-        .map(|d| d.count() as u64)
-        .unwrap_or(0);
-    (rss, fds)
+    let me = std::process::id();
+    (crate::procfs::own_rss_bytes(), crate::procfs::fd_count(me))
 }
 
 /// The value of the counter series `name{labels}` in a Prometheus text rendering (0 if
