@@ -12,8 +12,9 @@
 //!   (`FromStr` and serde), so an unknown value fails where it is read, with an
 //!   [`UnknownValue`] error that lists the allowed ones.
 //!
-//! This module depends on nothing else in the crate; `metrics`, `rpc`, `pool`, `turn` and the
-//! HTTP layer all map from it.
+//! This module depends on nothing else in the crate but `secret` (an unknown value is shown
+//! only when it is a word, never a key pasted into the wrong field); `metrics`, `rpc`, `pool`,
+//! `turn` and the HTTP layer all map from it.
 
 use std::fmt;
 use std::str::FromStr;

@@ -1,5 +1,8 @@
-//! The `copilot-pool` binary: installs the pinned runtime and runs one-shot prompts. The
-//! only place that installs a tracing subscriber or signal handlers.
+//! The `copilot-pool` binary: the daemon (`serve`), its operator commands (`doctor`,
+//! `status`, `install-cli`), one prompt (`run`), the workloads that drive the pool on the
+//! embedded model (`demo`, `chaos`, `load`, `bench`), and the hidden `sandbox-exec` wrapper
+//! and `scripted-model`. The only place that installs a tracing subscriber, a metrics
+//! recorder or signal handlers (`interrupt` and `serve`), none of which the library does.
 
 mod bench;
 mod chaos;
