@@ -135,3 +135,70 @@ async fn a_small_load_run_finishes_its_turns_and_leaves_the_idle_daemon_where_wa
     }
     assert!(checks.iter().all(|c| c["held"] == true), "{report}");
 }
+
+#[tokio::test]
+async fn a_load_run_whose_daemon_is_killed_ends_at_once_saying_so() {
+    use tokio::io::AsyncBufReadExt;
+    let runtime = support::runtime::runtime_path().await;
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"));
+    cmd.env_remove("COPILOT_POOL_LOG")
+        .env("COPILOT_CLI_PATH", &runtime)
+        .args([
+            "load",
+            "--clients",
+            "2",
+            "--agents",
+            "1",
+            "--turns",
+            "1000000",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let mut load = cmd.spawn().expect("start load");
+    let mut lines = tokio::io::BufReader::new(load.stderr.take().expect("stderr")).lines();
+    let mut said = Vec::new();
+    // Its daemon's pid, from its first line (`load: daemon <pid> on …`); then the warm-up.
+    let daemon = loop {
+        let line = lines
+            .next_line()
+            .await
+            .expect("read")
+            .expect("load said nothing");
+        said.push(line.clone());
+        if let Some(pid) = line
+            .strip_prefix("load: daemon ")
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|pid| pid.parse::<i32>().ok())
+        {
+            break pid;
+        }
+    };
+    while let Some(line) = lines.next_line().await.expect("read") {
+        let warmed = line.starts_with("load: warmed up");
+        said.push(line);
+        if warmed {
+            break;
+        }
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(daemon),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the daemon");
+    // A failure guard, not a wait: the run ends as its daemon's exit is seen.
+    let status = tokio::time::timeout(std::time::Duration::from_secs(20), load.wait())
+        .await
+        .unwrap_or_else(|_| panic!("load still running 20 s after its daemon died: {said:?}"))
+        .expect("wait");
+    while let Ok(Some(line)) = lines.next_line().await {
+        said.push(line);
+    }
+    assert!(!status.success(), "{said:?}");
+    assert!(
+        said.iter()
+            .any(|l| l.contains("the daemon exited during the load") && l.contains("signal")),
+        "{said:?}"
+    );
+}

@@ -267,7 +267,23 @@ pub async fn load(args: LoadArgs) -> Result<()> {
     let mut samples = vec![after_warm_up];
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            // A daemon that dies (the OOM killer, a crash) ends the run at once: its turns
+            // would only fail, and its readings are gone.
+            status = daemon.wait() => {
+                for client in &clients {
+                    client.abort();
+                }
+                endpoint.shutdown().await;
+                let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
+                bail!(
+                    "the daemon exited during the load ({status}) after {} turns; its log is \
+                     above (COPILOT_POOL_LOG=info shows more of it)",
+                    done.load(Ordering::SeqCst)
+                );
+            }
+        }
         let finished = clients.iter().all(|c| c.is_finished());
         samples.push(sample(&http, daemon_pid, metrics_addr, &done, started).await);
         if finished {
@@ -508,9 +524,7 @@ async fn idle_sample(
     done: &AtomicU64,
     started: Instant,
 ) -> Sample {
-    let fds = || {
-        crate::procfs::fd_count(pid)
-    };
+    let fds = || crate::procfs::fd_count(pid);
     // Settled: idle, and the same descriptor count for a second (five readings 200 ms
     // apart): on a loaded machine the last connections take more than one tick to go.
     const STABLE_READINGS: u32 = 5;
