@@ -1,7 +1,9 @@
 //! The scripted model's loopback HTTP endpoint (axum, HTTP/1.1, `127.0.0.1:0` only).
 //!
-//! Routes (decided by `ScriptedModel::respond`, shared with the tunnel): `POST
-//! …/chat/completions`, `GET …/models`, anything else a 404 JSON error. Bodies stream
+//! Routes (decided by `ScriptedModel::respond`, shared with the tunnel, by the path's
+//! `WireFormat`): OpenAI chat completions and responses, Anthropic messages, the Gemini API's
+//! `generateContent` and `streamGenerateContent`, `GET …/models`; anything else a 404 JSON
+//! error. Bodies stream
 //! straight from the model's chunk receiver, so SSE events reach the client as they are
 //! produced; accepted sockets get `TCP_NODELAY` so small events are not held back.
 //!
