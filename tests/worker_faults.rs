@@ -659,3 +659,74 @@ async fn a_runtime_that_exits_at_once_reports_its_status_and_stderr() {
     assert!(text.contains("cannot load runtime.node"), "{text}");
     assert_fake_gone(&scratch).await;
 }
+
+#[tokio::test]
+async fn a_runtime_that_floods_a_session_nobody_reads_is_stopped_before_the_daemon_holds_it_all() {
+    let scratch = Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let mut config = worker_config(&scratch).await;
+    config.health_interval = Duration::ZERO;
+    config.max_unread_route_bytes = 256 << 10;
+    let worker = WorkerHandle::start(config).await.expect("start");
+    // A session parked between turns: nothing reads its route.
+    let mut session = worker
+        .create_session(session_config(&endpoint.base_url(), &scratch))
+        .await
+        .expect("create");
+    worker.ping().await.expect("ping");
+    // What a tool process can do (the sandbox does not wall a pipe reached through
+    // `/proc/<pid>/fd`): write frames into the runtime's output, here events for the parked
+    // session. Each frame under PIPE_BUF, so no write mixes with the runtime's own.
+    let pid = worker.pid();
+    let output = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/{pid}/fd/1"))
+        .expect("the runtime's output pipe");
+    let id = session.id().to_string();
+    // On a thread of its own: once the runtime is stopped nothing reads the pipe, and a
+    // write would block until this test's process ends.
+    let (wrote_tx, wrote) = std::sync::mpsc::channel();
+    let flood_id = id.clone();
+    std::thread::spawn(move || {
+        use std::io::Write;
+        let mut output = output;
+        let padding = "x".repeat(3500);
+        let mut written = 0;
+        for n in 0..200 {
+            let body = format!(
+                r#"{{"jsonrpc":"2.0","method":"session.event","params":{{"sessionId":"{flood_id}","event":{{"id":"flood-{n}","timestamp":"2026-12-06T00:00:00.000Z","parentId":null,"type":"assistant.message_delta","data":{{"messageId":"m","deltaContent":"{padding}"}}}}}}}}"#
+            );
+            let frame = format!("Content-Length: {}\r\n\r\n{body}", body.len());
+            assert!(frame.len() < 4096);
+            if output.write_all(frame.as_bytes()).is_err() {
+                break; // Nothing reads the pipe any more.
+            }
+            written += frame.len();
+            let _ = wrote_tx.send(written);
+        }
+    });
+    let exit = tokio::time::timeout(Duration::from_secs(10), worker.ended())
+        .await
+        .expect("the flooding runtime is stopped");
+    let written = wrote.try_iter().last().unwrap_or(0);
+    assert!(written > 256 << 10, "stopped after only {written} bytes");
+    let ExitReason::ProtocolViolation(detail) = &exit.reason else {
+        panic!("{exit}")
+    };
+    assert!(
+        detail.contains("max_unread_route_bytes") && detail.contains(&id),
+        "{detail}"
+    );
+    // The parked session learns its worker died; the process group is gone.
+    let ended = loop {
+        match session.next().await {
+            Some(SessionUpdate::Ended(error)) => break error,
+            Some(_) => continue,
+            None => panic!("the route closed without its end"),
+        }
+    };
+    assert!(matches!(ended, WorkerError::Died(_)), "{ended}");
+    let left = wait_group_gone(pid, Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "runtime group left behind: {left:?}");
+}

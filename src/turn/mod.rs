@@ -172,7 +172,9 @@ pub struct TurnHandlers {
     /// turn's `session.idle` is among what waits), and the waiting events are drained (into
     /// the transcript mirror, not to the caller). Default [`DEFAULT_MAX_UNREAD_EVENT_BYTES`].
     /// What the daemon holds is this plus what the runtime writes while the caller is on one
-    /// event (over HTTP, at most 30 s for each).
+    /// event (over HTTP, at most 30 s for each). Keep it well under the worker's
+    /// [`crate::worker::WorkerConfig::max_unread_route_bytes`] (256 MiB by default), past
+    /// which the runtime itself is stopped as flooding the pool.
     pub max_unread_event_bytes: usize,
 }
 

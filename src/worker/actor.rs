@@ -116,6 +116,11 @@ impl Route {
         }
         sent
     }
+
+    /// What the route holds unread, in bytes.
+    pub(super) fn unread_bytes(&self) -> usize {
+        self.unread.bytes()
+    }
 }
 
 /// Everything the worker owns.
@@ -136,6 +141,9 @@ pub(crate) struct WorkerState {
     ping_in_flight: bool,
     /// Health pings missed in a row.
     health: HealthMisses,
+    /// Set when a route holds more unread than `max_unread_route_bytes`: why the runtime is
+    /// killed once the batch being handled is done.
+    pub(super) flooded: Option<String>,
     exit: watch::Sender<Option<WorkerExit>>,
     health_timer: Option<JoinHandle<()>>,
     exit_watcher: Option<JoinHandle<()>>,
@@ -271,6 +279,7 @@ impl Actor for Worker {
             tunnel: TunnelRequests::default(),
             ping_in_flight: false,
             health,
+            flooded: None,
             exit,
             health_timer: None,
             exit_watcher: Some(exit_watcher),
@@ -324,6 +333,9 @@ impl Actor for Worker {
                             };
                             return Err(state.die(reason).await);
                         }
+                    }
+                    if let Some(detail) = state.flooded.take() {
+                        return Err(state.die(ExitReason::ProtocolViolation(detail)).await);
                     }
                 }
             }

@@ -68,6 +68,10 @@ pub const AUTH_TOKEN_ENV: &str = "COPILOT_SDK_AUTH_TOKEN";
 /// Missed health pings in a row after which a runtime is hung, by default.
 pub const DEFAULT_HEALTH_MISSES: u32 = 2;
 
+/// The default [`WorkerConfig::max_unread_route_bytes`]: 256 MiB, eight times a turn's own
+/// backlog limit ([`crate::turn::DEFAULT_MAX_UNREAD_EVENT_BYTES`]).
+pub const DEFAULT_MAX_UNREAD_ROUTE_BYTES: usize = 256 << 20;
+
 /// Everything a worker needs to start and supervise one CLI child.
 #[derive(Clone)]
 pub struct WorkerConfig {
@@ -108,6 +112,13 @@ pub struct WorkerConfig {
     pub kill_grace: Duration,
     /// Largest JSON-RPC frame accepted or sent.
     pub max_frame_bytes: usize,
+    /// The most the runtime may leave unread in one session's route (what it wrote for a
+    /// session that nobody reads: parked between turns, or read far slower than a turn's own
+    /// backlog limit, `TurnHandlers::max_unread_event_bytes`, lets it fall behind). A runtime
+    /// past it is broken or made to write by something else (a tool process can write into
+    /// its output pipe through `/proc/<pid>/fd`): it is killed as having broken the
+    /// protocol, so the daemon's memory stays bounded for every other tenant.
+    pub max_unread_route_bytes: usize,
     /// Record the runtime's process group here while it lives (the daemon's
     /// `<state_dir>/process-groups.json`), so a restart after a crash kills survivors.
     pub group_ledger: Option<Arc<GroupLedger>>,
@@ -159,6 +170,7 @@ impl WorkerConfig {
             health_misses: DEFAULT_HEALTH_MISSES,
             kill_grace: Duration::from_secs(5),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            max_unread_route_bytes: DEFAULT_MAX_UNREAD_ROUTE_BYTES,
             sandbox: None,
             group_ledger: None,
         }

@@ -96,7 +96,9 @@ impl WorkerState {
             .routes
             .get(&session_id)
             .is_some_and(|route| route.send(SessionUpdate::Event(event)));
-        if !delivered {
+        if delivered {
+            self.check_flood(&session_id);
+        } else {
             self.routes.remove(&session_id);
             // A request nobody will answer would block the session forever: refuse it.
             if let Some((kind, request_id)) = unrouted {
@@ -215,10 +217,28 @@ impl WorkerState {
     /// Delivers a server request to its session; with no session attached, the update is
     /// dropped and its request answered by the drop (error, or the default).
     pub(super) fn route(&mut self, session_id: &str, update: SessionUpdate) {
-        if let Some(route) = self.routes.get(session_id)
-            && !route.send(update)
-        {
+        let Some(route) = self.routes.get(session_id) else {
+            return;
+        };
+        if route.send(update) {
+            self.check_flood(session_id);
+        } else {
             self.routes.remove(session_id);
+        }
+    }
+
+    /// Notes a route that holds more unread than `max_unread_route_bytes` (the actor kills
+    /// the runtime once the batch is handled): no reader falls that far behind, since a
+    /// turn's own backlog limit aborts it long before.
+    fn check_flood(&mut self, session_id: &str) {
+        let limit = self.config.max_unread_route_bytes;
+        let unread = self.routes.get(session_id).map_or(0, |r| r.unread_bytes());
+        if unread > limit && self.flooded.is_none() {
+            self.flooded = Some(format!(
+                "it left {unread} bytes unread for session {session_id:?}, over the limit of \
+                 {limit} (max_unread_route_bytes): no reader falls that far behind, so the \
+                 runtime was stopped"
+            ));
         }
     }
 

@@ -19,7 +19,8 @@ mod health;
 mod session;
 
 pub use config::{
-    AUTH_TOKEN_ENV, DEFAULT_HEALTH_MISSES, ENV_ALLOWLIST, TOKEN_VARIABLES, WorkerConfig,
+    AUTH_TOKEN_ENV, DEFAULT_HEALTH_MISSES, DEFAULT_MAX_UNREAD_ROUTE_BYTES, ENV_ALLOWLIST,
+    TOKEN_VARIABLES, WorkerConfig,
 };
 pub use error::{ExitReason, WorkerError, WorkerExit};
 pub use handle::{PendingKind, WorkerHandle, WorkerInfo};

@@ -434,6 +434,11 @@ pub struct TurnsSection {
 /// as they come.
 const MIN_UNREAD_EVENT_BYTES: usize = 1 << 20;
 
+/// The most `[turns] max_unread_event_bytes` taken: half of what a runtime may leave unread
+/// in one session's route before it is stopped as flooding the daemon
+/// (`WorkerConfig::max_unread_route_bytes`), so a slow reader's turn is aborted first.
+const MAX_UNREAD_EVENT_BYTES: usize = copilot_pool::worker::DEFAULT_MAX_UNREAD_ROUTE_BYTES / 2;
+
 impl Default for ServeConfig {
     fn default() -> Self {
         Self {
@@ -721,6 +726,15 @@ impl ServeConfig {
         }
         if self.turns.hook_secs == 0 {
             bail!("turns.hook_secs must be above 0 (the default is 30)");
+        }
+        if self.turns.max_unread_event_bytes > MAX_UNREAD_EVENT_BYTES {
+            bail!(
+                "turns.max_unread_event_bytes must be at most {MAX_UNREAD_EVENT_BYTES} (128 MiB): \
+                 past twice that, a runtime's unread events are taken as a flood and its \
+                 process is stopped, so a slow reader's turn must be aborted before (the \
+                 default is {})",
+                copilot_pool::turn::DEFAULT_MAX_UNREAD_EVENT_BYTES
+            );
         }
         if self.turns.max_unread_event_bytes < MIN_UNREAD_EVENT_BYTES {
             bail!(
@@ -1330,6 +1344,9 @@ mod tests {
         let c: ServeConfig = toml::from_str("[turns]\nmax_unread_event_bytes = 4194304").unwrap();
         c.validate().unwrap();
         assert_eq!(c.turns.max_unread_event_bytes, 4 << 20);
+        let c: ServeConfig = toml::from_str("[turns]\nmax_unread_event_bytes = 268435456").unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("at most 134217728"), "{err}");
         let c: ServeConfig = toml::from_str("[turns]\nmax_unread_event_bytes = 65536").unwrap();
         let err = c.validate().unwrap_err().to_string();
         assert!(
