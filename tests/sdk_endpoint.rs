@@ -940,7 +940,7 @@ async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_d
     let dir = fx.scratch.path();
     let socket = dir.join("sdk.sock");
     let config = format!(
-        "[[sdk.tokens]]\nagent = \"agent-u\"\nsha256 = \"{}\"\n",
+        "drain_grace_secs = 1\n[[sdk.tokens]]\nagent = \"agent-u\"\nsha256 = \"{}\"\n",
         sdk_endpoint::sha256_hex("token-u")
     );
     let listen = format!("unix:{}", socket.display());
@@ -1054,7 +1054,41 @@ async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_d
         .await
         .expect("the first daemon's socket still answers");
 
-    let status = daemon.terminate().await;
+    // A turn still running when the drain's grace ends is aborted, and the client is told
+    // why before its idle (it did not ask for the abort).
+    conn.request(
+        "session.send",
+        json!({"sessionId": "daemon-session-1", "prompt": "SCENARIO:slow SLOW=200x100"}),
+        None,
+    )
+    .await
+    .expect("send the slow turn");
+    let stopping = tokio::spawn(daemon.terminate());
+    let mut shutdown_error = None;
+    let drained = async {
+        while let Some((method, params)) = events.recv().await {
+            let event = &params["event"];
+            if method == "session.event" && event["type"] == "session.error" {
+                shutdown_error = Some(event["data"].clone());
+            }
+            if method == "session.event" && event["type"] == "session.idle" {
+                assert_eq!(event["data"]["aborted"], true, "{event}");
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(SCENARIO_LIMIT, drained)
+        .await
+        .expect("the slow turn ends with the drain");
+    let error = shutdown_error.expect("a session.error before the idle");
+    assert_eq!(error["errorType"], sdk_endpoint::SHUTDOWN, "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("drain_grace_secs")),
+        "{error}"
+    );
+    let status = stopping.await.expect("join");
     assert!(status.success(), "{status}");
     assert!(
         !socket.exists(),

@@ -438,11 +438,15 @@ impl Client {
         let Some(agent) = self.shared.config.tokens.agent_for(token) else {
             tracing::warn!("An SDK client presented an unknown connection token.");
             crate::metrics::sdk_connection(crate::metrics::SdkConnection::Unauthenticated);
-            return Err(ErrorObject::new(
-                AUTHENTICATION_FAILED,
+            let message = if token.is_empty() {
+                "AUTHENTICATION_FAILED: connect carried no connection token; give the agent's \
+                 token to the SDK (Node: `RuntimeConnection.forUri(url, { connectionToken })`, \
+                 Python: `RuntimeConnection.for_uri(url, connection_token=...)`)"
+            } else {
                 "AUTHENTICATION_FAILED: the connection token is not one of this daemon's \
-                 (its SHA-256 must be listed for the agent in the daemon's [sdk] tokens)",
-            ));
+                 (its SHA-256 must be listed for the agent in the daemon's [sdk] tokens)"
+            };
+            return Err(ErrorObject::new(AUTHENTICATION_FAILED, message));
         };
         let Some(seat) = self.shared.seats.take(agent) else {
             let max = self.shared.seats.max();

@@ -44,7 +44,7 @@ use crate::pool::Pool;
 
 pub use connection::TOO_MANY_CONNECTIONS;
 pub use listener::{serve_tcp, serve_unix};
-pub use session::{PROCESS_CRASHED, TURN_LIMIT};
+pub use session::{PROCESS_CRASHED, SHUTDOWN, TURN_LIMIT};
 pub use tokens::{AgentTokens, TokenError, sha256_hex};
 
 /// The protocol version the endpoint speaks (the runtime's; SDK 1.0.14 accepts only 3).

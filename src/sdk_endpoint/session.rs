@@ -44,6 +44,15 @@ const SWITCH_MODEL: &str = "session.model.switchTo";
 /// endpoint's `max_turn_duration` and was aborted.
 pub const TURN_LIMIT: &str = "turn_limit";
 
+/// The `errorType` of the `session.error` a client gets when its turn was still running when
+/// the daemon's drain grace ended (the daemon is shutting down) and was aborted.
+pub const SHUTDOWN: &str = "shutdown";
+
+/// What a [`SHUTDOWN`] `session.error` says.
+const SHUT_DOWN_MESSAGE: &str = "copilot-pool is shutting down: this turn was still running \
+    when the drain's grace ended (drain_grace_secs in copilot-pool serve's config) and was \
+    aborted; send it again once the daemon, or another replica, serves the agent";
+
 /// A JSON-RPC error for the client.
 pub(super) type CallError = ErrorObject;
 
@@ -362,6 +371,9 @@ pub(super) struct SdkSession {
     /// client left, it was detached or deleted): a turn whose send was already on its way
     /// then starts stopped, aborted at once, instead of running with nobody to stop it.
     stopped: std::sync::atomic::AtomicBool,
+    /// Set when the client asked to abort the running turn (`session.abort`), cleared as a
+    /// turn starts: an aborted turn it did not ask for is explained to it.
+    abort_asked: std::sync::atomic::AtomicBool,
     /// Serializes what takes a lease for this session on this connection (an open holds
     /// it until its events are passed on, after its answer: [`AfterOpen`]).
     gate: Arc<tokio::sync::Mutex<()>>,
@@ -448,6 +460,7 @@ impl SdkSession {
             client,
             turn: Mutex::new(None),
             stopped: std::sync::atomic::AtomicBool::new(false),
+            abort_asked: std::sync::atomic::AtomicBool::new(false),
             gate: Arc::new(tokio::sync::Mutex::new(())),
             work_dir: tokio::sync::OnceCell::new(),
             switched_model: Mutex::new(None),
@@ -662,6 +675,8 @@ impl SdkSession {
             if self.stopped.load(std::sync::atomic::Ordering::SeqCst) {
                 let _ = stop_tx.send(true);
             }
+            self.abort_asked
+                .store(false, std::sync::atomic::Ordering::SeqCst);
             *turn = Some(RunningTurn {
                 worker,
                 answerer,
@@ -725,6 +740,12 @@ impl SdkSession {
                         // not join a turn that is over on a process it may be leaving.
                         self.clear_turn();
                     }
+                    if idle == Some(true) && self.aborted_by_the_drain() {
+                        self.notify_event(synthetic_event(
+                            "session.error",
+                            json!({"errorType": SHUTDOWN, "message": SHUT_DOWN_MESSAGE}),
+                        ));
+                    }
                     self.forward_event(event);
                     if let Some(aborted) = idle {
                         let end = if aborted {
@@ -766,14 +787,22 @@ impl SdkSession {
         drop(lease);
     }
 
+    /// Whether an aborted turn was aborted by the daemon's shutdown: the endpoint drains, and
+    /// the client did not ask for the abort (the pool aborts what still runs at the end of
+    /// the drain grace).
+    fn aborted_by_the_drain(&self) -> bool {
+        self.shared.is_draining() && !self.abort_asked.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// The turn ran past `max_turn_duration` and was aborted: the client gets a
     /// `session.error` saying so, then `session.idle`, so its `sendAndWait` ends now.
     fn past_limit(&self, ran: Duration) {
         let limit = self.shared.config.max_turn_duration;
         let message = format!(
-            "copilot-pool aborted this turn after {ran:.1?}: it ran past the SDK endpoint's \
-             max_turn_duration ({limit:?}); split the work into shorter turns, or raise the \
-             limit ([turns] absolute_secs in copilot-pool serve's config)"
+            "copilot-pool aborted this turn after {ran:.1?}: it ran past the limit of \
+             {limit:?} a turn may run ([turns] absolute_secs in copilot-pool serve's config, \
+             SdkConfig::max_turn_duration in the library); split the work into shorter turns, \
+             or raise the limit"
         );
         self.end_turn_with(TURN_LIMIT, message, true);
     }
@@ -918,6 +947,8 @@ impl SdkSession {
     pub(super) async fn abort(&self, params: Value) -> Result<Value, CallError> {
         match self.running() {
             Some((worker, _)) => {
+                self.abort_asked
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
                 call(
                     &worker,
                     "session.abort",
