@@ -185,6 +185,44 @@ async fn a_call_before_connect_is_minus_32001_and_a_wrong_token_minus_32002() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_over_the_connection_cap_is_told_why_before_it_is_closed() {
+    let fx = Fixture::new().await;
+    let served = Served::start_with_endpoint(
+        &fx,
+        |_| {},
+        |config| {
+            config.max_connections = 1;
+        },
+    )
+    .await;
+    let inside = raw_client(served.addr).await;
+    inside
+        .request("connect", json!({"token": "token-a"}), None)
+        .await
+        .expect("the first client gets in");
+    let over = raw_client(served.addr).await;
+    let refused = remote_error(
+        over.request("connect", json!({"token": "token-a"}), None)
+            .await,
+    );
+    assert_eq!(
+        refused.code,
+        sdk_endpoint::TOO_MANY_CONNECTIONS,
+        "{refused:?}"
+    );
+    assert!(
+        refused.message.contains("max_connections (1)"),
+        "{}",
+        refused.message
+    );
+    // And it is closed: nothing more is read from it.
+    let closed = over.request("ping", json!({}), None).await;
+    assert!(matches!(closed, Err(RpcError::Closed { .. })), "{closed:?}");
+    inside.request("ping", json!({}), None).await.expect("ping");
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_never_authenticate_make_way_for_new_ones_and_cannot_keep_the_agents_out() {
     let fx = Fixture::new().await;
     let served = Served::start_with_endpoint(

@@ -1,5 +1,6 @@
 //! Accepting SDK clients on a TCP or Unix-socket listener: the connection cap (a connection
-//! over it is closed at once, unread, and counted), the room for connections not
+//! over it is counted, its first request answered with `TOO_MANY_CONNECTIONS` naming the
+//! setting (16 at a time, each within 2 s; past that closed unread), then closed), the room for connections not
 //! authenticated yet (`admission`: a new one past it closes the oldest), and the stop (no more accepts; every
 //! open connection is closed, its turns aborted and its sessions parked, before the call
 //! returns).
@@ -20,6 +21,13 @@ use super::{SdkEndpoint, connection};
 /// After a failed `accept` (descriptors exhausted, for example) the loop waits this long:
 /// the listener stays readable, so retrying at once would spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Connections over `max_connections` told why at once (their first request answered with
+/// [`connection::TOO_MANY_CONNECTIONS`]); past these, closed unread.
+const REFUSALS_AT_ONCE: usize = 16;
+
+/// How long a refused connection has to send its first request before it is closed unread.
+const REFUSAL_READ_LIMIT: Duration = Duration::from_secs(2);
 
 /// Serves SDK clients on a TCP listener until `shutdown` resolves; then closes every open
 /// connection and returns once all are closed. Bind it to loopback or a private network:
@@ -88,6 +96,7 @@ where
     let (stop_tx, stop) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
     let mut refused: u64 = 0;
+    let refusals = Arc::new(Semaphore::new(REFUSALS_AT_ONCE));
     loop {
         let accepted = tokio::select! {
             accepted = accept() => accepted,
@@ -114,7 +123,13 @@ where
                      max_connections or spread the clients over replicas."
                 );
             }
-            drop(stream);
+            // Told why, while few are: an SDK would otherwise see only a reset connection.
+            if let Ok(refusal) = refusals.clone().try_acquire_owned() {
+                tokio::spawn(async move {
+                    refuse_over_the_cap(stream, max).await;
+                    drop(refusal);
+                });
+            }
             continue;
         };
         crate::metrics::sdk_connection(crate::metrics::SdkConnection::Accepted);
@@ -142,6 +157,43 @@ where
     // Every connection holds a permit until it is closed.
     let all = u32::try_from(max).unwrap_or(u32::MAX);
     let _ = permits.acquire_many(all).await;
+}
+
+/// Answers the first request of a connection over the cap (the SDK's `connect`) with
+/// [`connection::TOO_MANY_CONNECTIONS`] naming the setting, then closes it; a connection that
+/// sends nothing readable within [`REFUSAL_READ_LIMIT`] is closed unread.
+async fn refuse_over_the_cap<S>(stream: S, max: usize)
+where
+    S: AsyncRead + AsyncWrite + Send,
+{
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_util::codec::Framed;
+    let codec = crate::rpc::FrameCodec::new(connection::UNAUTHENTICATED_MAX_FRAME_BYTES);
+    let mut framed = std::pin::pin!(Framed::new(stream, codec));
+    let Ok(Some(Ok(frame))) = tokio::time::timeout(REFUSAL_READ_LIMIT, framed.next()).await else {
+        return;
+    };
+    let id = serde_json::from_slice::<serde_json::Value>(&frame)
+        .ok()
+        .and_then(|request| request.get("id").cloned())
+        .unwrap_or(serde_json::Value::Null);
+    let answer = serde_json::json!({
+        "jsonrpc": "2.0",
+        "id": id,
+        "error": {
+            "code": connection::TOO_MANY_CONNECTIONS,
+            "message": format!(
+                "TOO_MANY_CONNECTIONS: this daemon's SDK endpoint holds its max_connections \
+                 ({max}) connections; retry later, raise [sdk] max_connections, or spread the \
+                 clients over replicas"
+            ),
+        },
+    });
+    let _ = tokio::time::timeout(
+        REFUSAL_READ_LIMIT,
+        framed.send(bytes::Bytes::from(answer.to_string())),
+    )
+    .await;
 }
 
 #[cfg(test)]
