@@ -274,8 +274,9 @@ impl Sandbox {
         };
         paths("--rw", &self.read_write);
         let mut exec = self.read_exec.clone();
-        // A program not found has no install to grant (never the root of a relative path).
-        if program.is_absolute() {
+        // A bare name found nowhere has no install to grant (its "directory" would be the
+        // empty path, under which every path lies).
+        if !is_bare_name(program) {
             exec.push(install_root(program));
         }
         paths("--rx", &exec);
@@ -373,12 +374,18 @@ impl Sandbox {
     }
 }
 
+/// A program named without a directory (`claude`), which only a `PATH` search finds.
+fn is_bare_name(program: &Path) -> bool {
+    program.components().count() == 1 && !program.is_absolute()
+}
+
 /// `program` as found on `path_var` when it is a bare name (no `/`), else as given.
 fn resolve_program(program: &Path, path_var: Option<&OsStr>) -> PathBuf {
-    let bare = program.components().count() == 1 && !program.is_absolute();
     match program.to_str() {
-        Some(name) if bare => crate::runtime::find_on_path(name, path_var.map(OsStr::to_owned))
-            .unwrap_or_else(|| program.to_path_buf()),
+        Some(name) if is_bare_name(program) => {
+            crate::runtime::find_on_path(name, path_var.map(OsStr::to_owned))
+                .unwrap_or_else(|| program.to_path_buf())
+        }
         _ => program.to_path_buf(),
     }
 }
@@ -398,7 +405,7 @@ pub fn cli_install_roots(
     let program = resolve_program(program, path_var);
     // A program not found (a bare name on no `PATH` entry) has no install to grant.
     let mut roots = Vec::new();
-    if program.is_absolute() {
+    if !is_bare_name(&program) {
         roots.push(install_root(&program));
     }
     if let Some(interpreter) = shebang_interpreter(&program, path_var) {

@@ -763,7 +763,7 @@ async fn abort_compact_and_reset_a_conversation_over_http() {
         assert_eq!(busy.status, 409, "{path}: {}", busy.body);
         // Refused as busy, not after waiting out the lease wait ("stayed leased ... for").
         assert!(
-            busy.body.contains("is leased by another caller"),
+            busy.body.contains("is in use by another caller"),
             "{}",
             busy.body
         );

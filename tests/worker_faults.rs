@@ -660,8 +660,37 @@ async fn a_runtime_that_exits_at_once_reports_its_status_and_stderr() {
     assert_fake_gone(&scratch).await;
 }
 
+/// Events for a session parked between turns, each frame under PIPE_BUF (no write mixes
+/// with the runtime's own).
+fn small_events(id: &str, n: usize) -> String {
+    let padding = "x".repeat(3500);
+    format!(
+        r#"{{"jsonrpc":"2.0","method":"session.event","params":{{"sessionId":"{id}","event":{{"id":"flood-{n}","timestamp":"2026-12-06T00:00:00.000Z","parentId":null,"type":"assistant.message_delta","data":{{"messageId":"m","deltaContent":"{padding}"}}}}}}}}"#
+    )
+}
+
+/// A large notification naming the session (routed to it as the runtime sent it).
+fn large_notifications(id: &str, n: usize) -> String {
+    let padding = "x".repeat(100 << 10);
+    format!(
+        r#"{{"jsonrpc":"2.0","method":"flood.note","params":{{"sessionId":"{id}","n":{n},"pad":"{padding}"}}}}"#
+    )
+}
+
 #[tokio::test]
 async fn a_runtime_that_floods_a_session_nobody_reads_is_stopped_before_the_daemon_holds_it_all() {
+    flood_a_parked_session(small_events, 200).await;
+}
+
+#[tokio::test]
+async fn a_runtime_that_floods_a_session_with_large_notifications_is_stopped_too() {
+    // Counted at their size, not as a small request would be.
+    flood_a_parked_session(large_notifications, 8).await;
+}
+
+/// Writes `count` frames of `body(id, n)` for a parked session into the runtime's output
+/// and checks the worker is stopped for leaving more than 256 KiB unread.
+async fn flood_a_parked_session(body: fn(&str, usize) -> String, count: usize) {
     let scratch = Scratch::new();
     let model = ScriptedModel::new();
     let endpoint = model.serve_http().await.expect("model");
@@ -691,14 +720,10 @@ async fn a_runtime_that_floods_a_session_nobody_reads_is_stopped_before_the_daem
     std::thread::spawn(move || {
         use std::io::Write;
         let mut output = output;
-        let padding = "x".repeat(3500);
         let mut written = 0;
-        for n in 0..200 {
-            let body = format!(
-                r#"{{"jsonrpc":"2.0","method":"session.event","params":{{"sessionId":"{flood_id}","event":{{"id":"flood-{n}","timestamp":"2026-12-06T00:00:00.000Z","parentId":null,"type":"assistant.message_delta","data":{{"messageId":"m","deltaContent":"{padding}"}}}}}}}}"#
-            );
+        for n in 0..count {
+            let body = body(&flood_id, n);
             let frame = format!("Content-Length: {}\r\n\r\n{body}", body.len());
-            assert!(frame.len() < 4096);
             if output.write_all(frame.as_bytes()).is_err() {
                 break; // Nothing reads the pipe any more.
             }

@@ -661,7 +661,9 @@ impl ClaudeLive {
                     &program,
                     &args,
                     &[&backend.args, resume],
-                    config.path_var.as_deref(),
+                    backend
+                        .child_path_var(config.path_var.as_deref())
+                        .as_deref(),
                     &ports,
                 )
             }

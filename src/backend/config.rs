@@ -738,6 +738,14 @@ impl CliBackendConfig {
         text
     }
 
+    /// The `PATH` the backend's processes get: its own `env`'s over `path_var` (the daemon's).
+    pub fn child_path_var(&self, path_var: Option<&std::ffi::OsStr>) -> Option<std::ffi::OsString> {
+        self.env
+            .get("PATH")
+            .map(std::ffi::OsString::from)
+            .or_else(|| path_var.map(ToOwned::to_owned))
+    }
+
     /// Checks, before a process of backend `id` starts, that its `command` is there: a bare
     /// name an executable file on `path_var` (the `PATH` its processes get), an absolute path
     /// an executable file. A relative path with a `/` is left to the spawn. The error names
@@ -750,8 +758,10 @@ impl CliBackendConfig {
     ) -> Result<(), ConfigError> {
         let command = std::path::Path::new(&self.command);
         let bare = !self.command.contains('/');
+        let path_var = self.child_path_var(path_var);
         let found = if bare {
-            crate::runtime::find_on_path(&self.command, path_var.map(ToOwned::to_owned)).is_some()
+            // No PATH at all: left to the spawn (the OS's default search).
+            path_var.is_none() || crate::runtime::find_on_path(&self.command, path_var).is_some()
         } else {
             !command.is_absolute() || crate::runtime::is_executable_file(command)
         };

@@ -795,7 +795,9 @@ impl Oneshot {
                 &spec.program,
                 &spec.args,
                 &[&backend.args, resume],
-                self.config.path_var.as_deref(),
+                backend
+                    .child_path_var(self.config.path_var.as_deref())
+                    .as_deref(),
                 &ports,
             );
             spec.program = program;

@@ -53,7 +53,19 @@ impl RouteQueries {
         path: &str,
         query: &'a [(String, String)],
     ) -> Option<(&'a str, &'a [String])> {
-        let taken = self.0.get(&(method.clone(), path.to_owned()))?;
+        // HEAD is served by the GET route; a router nested under a prefix (`nest`) matches
+        // the documented path with the prefix before it.
+        let method = if method == Method::HEAD {
+            &Method::GET
+        } else {
+            method
+        };
+        let taken = self.0.get(&(method.clone(), path.to_owned())).or_else(|| {
+            self.0
+                .iter()
+                .find(|((m, documented), _)| m == method && path.ends_with(documented.as_str()))
+                .map(|(_, taken)| taken)
+        })?;
         query
             .iter()
             .find(|(name, _)| !taken.contains(name))
@@ -165,5 +177,12 @@ mod tests {
                 )
                 .is_none()
         );
+        // Under a gateway's prefix, and for HEAD, the route is still known.
+        assert!(
+            routes
+                .refused(&Method::GET, "/pool-api/v1/pool", &stray)
+                .is_some()
+        );
+        assert!(routes.refused(&Method::HEAD, "/v1/pool", &stray).is_some());
     }
 }

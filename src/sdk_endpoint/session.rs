@@ -945,10 +945,17 @@ impl SdkSession {
     /// `session.abort`: passed to the process running the turn; without a turn there is
     /// nothing to abort.
     pub(super) async fn abort(&self, params: Value) -> Result<Value, CallError> {
-        match self.running() {
-            Some((worker, _)) => {
+        // Noted under the turn lock, for the turn it finds running (a turn started after it
+        // clears the note under the same lock).
+        let running = self.turn.lock().ok().and_then(|t| {
+            t.as_ref().map(|t| {
                 self.abort_asked
                     .store(true, std::sync::atomic::Ordering::SeqCst);
+                t.worker.clone()
+            })
+        });
+        match running {
+            Some(worker) => {
                 call(
                     &worker,
                     "session.abort",

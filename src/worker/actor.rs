@@ -23,7 +23,7 @@ use super::config::WorkerConfig;
 use super::error::{ExitReason, WorkerError, WorkerExit};
 use super::handle::{PendingKind, REAP_WAIT, WorkerInfo};
 use super::health::HealthMisses;
-use super::session::{Routed, SessionUpdate, Unread};
+use super::session::{LEAST_UNREAD_WEIGHT, Routed, SessionUpdate, Unread};
 
 /// After stdout closes, how long to wait for the child's exit status before reporting the
 /// closed pipe without it.
@@ -105,12 +105,16 @@ pub(crate) struct Route {
 }
 
 impl Route {
-    /// Delivers `update`, counted unread until the session takes it; false when the
-    /// session's receiver is gone.
-    pub(super) fn send(&self, update: SessionUpdate) -> bool {
-        let weight = update.unread_weight();
+    /// Delivers `update`, counted as `weight` bytes unread (what the runtime sent for it, at
+    /// least [`LEAST_UNREAD_WEIGHT`]; nothing for the end) until the session takes it; false
+    /// when the session's receiver is gone.
+    pub(super) fn send(&self, update: SessionUpdate, weight: usize) -> bool {
+        let weight = match update {
+            SessionUpdate::Ended(_) => 0,
+            _ => weight.max(LEAST_UNREAD_WEIGHT),
+        };
         self.unread.add(weight);
-        let sent = self.updates.send(Box::new(update)).is_ok();
+        let sent = self.updates.send(Box::new((update, weight))).is_ok();
         if !sent {
             self.unread.take(weight);
         }
@@ -175,7 +179,8 @@ impl Drop for WorkerState {
                 move || {
                     exit_tx.send_replace(Some(exit.clone()));
                     for route in routes {
-                        let _ = route.send(SessionUpdate::Ended(WorkerError::Died(exit.clone())));
+                        let _ =
+                            route.send(SessionUpdate::Ended(WorkerError::Died(exit.clone())), 0);
                     }
                 }
             };

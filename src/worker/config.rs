@@ -117,7 +117,8 @@ pub struct WorkerConfig {
     /// backlog limit, `TurnHandlers::max_unread_event_bytes`, lets it fall behind). A runtime
     /// past it is broken or made to write by something else (a tool process can write into
     /// its output pipe through `/proc/<pid>/fd`): it is killed as having broken the
-    /// protocol, so the daemon's memory stays bounded for every other tenant.
+    /// protocol, so the daemon's memory stays bounded for every other tenant. Its sessions'
+    /// routes together may hold four times this.
     pub max_unread_route_bytes: usize,
     /// Record the runtime's process group here while it lives (the daemon's
     /// `<state_dir>/process-groups.json`), so a restart after a crash kills survivors.

@@ -30,6 +30,7 @@ impl WorkerState {
         if method != "session.event" {
             // session.lifecycle and anything newer that names a session: to that session as
             // it is; the rest (host.event, …) is not ours to act on.
+            let weight = params.get().len();
             let params: Value = serde_json::from_str(params.get()).unwrap_or(Value::Null);
             match session_of(&params) {
                 Some(session_id) => {
@@ -37,7 +38,7 @@ impl WorkerState {
                         method: method.to_owned(),
                         params,
                     };
-                    self.route(&session_id, SessionUpdate::Notification(call));
+                    self.route(&session_id, SessionUpdate::Notification(call), weight);
                 }
                 None => tracing::trace!(method, "Ignored notification."),
             }
@@ -92,10 +93,10 @@ impl WorkerState {
             }
             _ => None,
         };
-        let delivered = self
-            .routes
-            .get(&session_id)
-            .is_some_and(|route| route.send(SessionUpdate::Event(event)));
+        let delivered = self.routes.get(&session_id).is_some_and(|route| {
+            let weight = event.raw().get().len();
+            route.send(SessionUpdate::Event(event), weight)
+        });
         if delivered {
             self.check_flood(&session_id);
         } else {
@@ -143,14 +144,14 @@ impl WorkerState {
             method,
             params,
             responder,
-            ..
+            frame_bytes,
         } = request;
         match method.as_str() {
             "userInput.request" => match serde_json::from_value::<UserInputRequest>(params) {
                 Ok(p) => {
                     let session_id = p.session_id.clone();
                     let request = ServerRequest::new(p, responder, None);
-                    self.route(&session_id, SessionUpdate::UserInput(request));
+                    self.route(&session_id, SessionUpdate::UserInput(request), frame_bytes);
                 }
                 Err(e) => responder.err(invalid_params(&method, e)),
             },
@@ -159,7 +160,7 @@ impl WorkerState {
                     let session_id = p.session_id.clone();
                     // Unanswered hooks get the SDK's default: no output.
                     let request = ServerRequest::new(p, responder, Some(json!({})));
-                    self.route(&session_id, SessionUpdate::Hook(request));
+                    self.route(&session_id, SessionUpdate::Hook(request), frame_bytes);
                 }
                 Err(e) => responder.err(invalid_params(&method, e)),
             },
@@ -204,7 +205,7 @@ impl WorkerState {
                 Some(session_id) if self.routes.contains_key(&session_id) => {
                     let call = ClientCall { method, params };
                     let request = ServerRequest::unhandled_on_drop(call, responder);
-                    self.route(&session_id, SessionUpdate::Request(request));
+                    self.route(&session_id, SessionUpdate::Request(request), frame_bytes);
                 }
                 _ => {
                     tracing::debug!(%method, "Unknown request from the runtime; answered method-not-found.");
@@ -216,39 +217,57 @@ impl WorkerState {
 
     /// Delivers a server request to its session; with no session attached, the update is
     /// dropped and its request answered by the drop (error, or the default).
-    pub(super) fn route(&mut self, session_id: &str, update: SessionUpdate) {
+    pub(super) fn route(&mut self, session_id: &str, update: SessionUpdate, weight: usize) {
         let Some(route) = self.routes.get(session_id) else {
             return;
         };
-        if route.send(update) {
+        if route.send(update, weight) {
             self.check_flood(session_id);
         } else {
             self.routes.remove(session_id);
         }
     }
 
-    /// Notes a route that holds more unread than `max_unread_route_bytes` (the actor kills
-    /// the runtime once the batch is handled): no reader falls that far behind, since a
-    /// turn's own backlog limit aborts it long before.
+    /// Notes a route that holds more unread than `max_unread_route_bytes`, or routes that
+    /// hold more than four times that together (the actor kills the runtime once the batch
+    /// is handled): no reader falls that far behind, since a turn's own backlog limit aborts
+    /// it long before.
     fn check_flood(&mut self, session_id: &str) {
+        if self.flooded.is_some() {
+            return;
+        }
         let limit = self.config.max_unread_route_bytes;
         let unread = self.routes.get(session_id).map_or(0, |r| r.unread_bytes());
-        if unread > limit && self.flooded.is_none() {
+        if unread > limit {
             self.flooded = Some(format!(
                 "it left {unread} bytes unread for session {session_id:?}, over the limit of \
                  {limit} (max_unread_route_bytes): no reader falls that far behind, so the \
                  runtime was stopped"
+            ));
+            return;
+        }
+        let total_limit = limit.saturating_mul(WORKER_UNREAD_ROUTES);
+        let total: usize = self.routes.values().map(|r| r.unread_bytes()).sum();
+        if total > total_limit {
+            self.flooded = Some(format!(
+                "it left {total} bytes unread over its {} sessions, over the limit of \
+                 {total_limit} ({WORKER_UNREAD_ROUTES} times max_unread_route_bytes): no \
+                 readers fall that far behind, so the runtime was stopped",
+                self.routes.len()
             ));
         }
     }
 
     pub(super) fn fail_routes(&mut self, error: WorkerError) {
         for (_, route) in self.routes.drain() {
-            let _ = route.send(SessionUpdate::Ended(error.clone()));
+            let _ = route.send(SessionUpdate::Ended(error.clone()), 0);
         }
         self.pending.clear();
     }
 }
+
+/// How many times `max_unread_route_bytes` a runtime's routes may hold unread together.
+const WORKER_UNREAD_ROUTES: usize = 4;
 
 /// The session a request or notification names (`sessionId`), if any.
 fn session_of(params: &Value) -> Option<String> {

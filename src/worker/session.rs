@@ -53,20 +53,14 @@ pub enum SessionUpdate {
     Ended(WorkerError),
 }
 
-impl SessionUpdate {
-    /// What it counts for in its route's [`Unread`] bytes: an event its JSON text; a request
-    /// or notification a kibibyte (the runtime's requests of a session are small and few).
-    pub(crate) fn unread_weight(&self) -> usize {
-        match self {
-            SessionUpdate::Event(event) => event.raw().get().len(),
-            SessionUpdate::Ended(_) => 0,
-            _ => 1024,
-        }
-    }
-}
+/// What an update counts for in its route's [`Unread`] bytes, at the least: the size of what
+/// the runtime sent (an event's JSON text, a request's frame, a notification's params) is
+/// what the worker weighs it at when it routes it; an update that holds nothing the runtime
+/// sent (the end) counts for nothing.
+pub(crate) const LEAST_UNREAD_WEIGHT: usize = 64;
 
 /// The bytes a session's route holds that its reader has not taken yet
-/// ([`SessionUpdate::unread_weight`]): added as the worker routes an update, taken off as the
+/// (each update weighed as it is routed): added as the worker routes an update, taken off as the
 /// session's reader takes it. A reader that falls behind (a gateway reading its events slower
 /// than the runtime writes them) shows here; the turn driver aborts a turn past its limit.
 #[derive(Debug, Clone, Default)]
@@ -90,7 +84,8 @@ impl Unread {
 /// at a time (the first block when it is made, a second once 32 updates have passed, and
 /// keeps both for reuse), so with whole updates (hundreds of bytes each) every attached
 /// session held ~20 KiB of slots while idle; with boxes it holds ~0.5 KiB.
-pub(crate) type Routed = Box<SessionUpdate>;
+/// The update and what it counts for in the route's [`Unread`] bytes (taken off as it is read).
+pub(crate) type Routed = Box<(SessionUpdate, usize)>;
 
 /// A request or notification of the runtime for a session's client, by method name.
 #[derive(Debug, Clone, Serialize)]
@@ -264,7 +259,7 @@ impl Session {
         let mut opening = std::collections::VecDeque::new();
         let mut already_in_use = false;
         while let Ok(update) = updates.try_recv() {
-            if let SessionUpdate::Event(event) = &*update {
+            if let SessionUpdate::Event(event) = &update.0 {
                 let in_use = match &event.kind {
                     EventKind::SessionStart(d) => d.already_in_use,
                     EventKind::SessionResume(d) => d.already_in_use,
@@ -326,12 +321,13 @@ impl Session {
 
     /// The next update; `None` after [`SessionUpdate::Ended`] has been delivered.
     pub async fn next(&mut self) -> Option<SessionUpdate> {
-        let update = match self.take_opening() {
-            Some(update) => update,
+        let routed = match self.take_opening() {
+            Some(routed) => routed,
             None => self.updates.recv().await?,
         };
-        self.unread.take(update.unread_weight());
-        Some(*update)
+        let (update, weight) = *routed;
+        self.unread.take(weight);
+        Some(update)
     }
 
     /// The bytes of updates waiting in the session's route, not read yet.
@@ -351,11 +347,12 @@ impl Session {
 
     /// The next update if one is already waiting, without waiting.
     pub fn try_next(&mut self) -> Option<SessionUpdate> {
-        let update = self
+        let routed = self
             .take_opening()
             .or_else(|| self.updates.try_recv().ok())?;
-        self.unread.take(update.unread_weight());
-        Some(*update)
+        let (update, weight) = *routed;
+        self.unread.take(weight);
+        Some(update)
     }
 
     /// Whether the session's worker is still serving (false once it ended or stopped).

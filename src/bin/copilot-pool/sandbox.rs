@@ -412,7 +412,7 @@ pub fn refuse_shared_daemon_places(
             .extend(copilot_pool::sandbox::cli_install_roots(
                 Path::new(&backend.command),
                 &args,
-                path_var.as_deref(),
+                backend.child_path_var(path_var.as_deref()).as_deref(),
             ));
     }
     refuse_shared_places(&template, &places)
