@@ -276,7 +276,7 @@ impl Sandbox {
         let mut exec = self.read_exec.clone();
         // A bare name found nowhere has no install to grant (its "directory" would be the
         // empty path, under which every path lies).
-        if !is_bare_name(program) {
+        if !crate::runtime::is_bare_name(program) {
             exec.push(install_root(program));
         }
         paths("--rx", &exec);
@@ -374,15 +374,10 @@ impl Sandbox {
     }
 }
 
-/// A program named without a directory (`claude`), which only a `PATH` search finds.
-fn is_bare_name(program: &Path) -> bool {
-    program.components().count() == 1 && !program.is_absolute()
-}
-
 /// `program` as found on `path_var` when it is a bare name (no `/`), else as given.
 fn resolve_program(program: &Path, path_var: Option<&OsStr>) -> PathBuf {
     match program.to_str() {
-        Some(name) if is_bare_name(program) => {
+        Some(name) if crate::runtime::is_bare_name(program) => {
             crate::runtime::find_on_path(name, path_var.map(OsStr::to_owned))
                 .unwrap_or_else(|| program.to_path_buf())
         }
@@ -405,7 +400,7 @@ pub fn cli_install_roots(
     let program = resolve_program(program, path_var);
     // A program not found (a bare name on no `PATH` entry) has no install to grant.
     let mut roots = Vec::new();
-    if !is_bare_name(&program) {
+    if !crate::runtime::is_bare_name(&program) {
         roots.push(install_root(&program));
     }
     if let Some(interpreter) = shebang_interpreter(&program, path_var) {

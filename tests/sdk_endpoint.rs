@@ -162,6 +162,12 @@ async fn a_call_before_connect_is_minus_32001_and_a_wrong_token_minus_32002() {
     let missing = raw_client(served.addr).await;
     let none = remote_error(missing.request("connect", json!({}), None).await);
     assert_eq!(none.code, -32002, "{none:?}");
+    // Told it gave none, and how the SDKs pass one (not that a token was wrong).
+    assert!(
+        none.message.contains("no connection token") && none.message.contains("connectionToken"),
+        "{}",
+        none.message
+    );
     // Before `connect` a frame over 64 KiB closes the connection unread; after it, the same
     // frame is read (and answered).
     let big = json!({"message": "x".repeat(100 * 1024)});

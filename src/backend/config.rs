@@ -757,7 +757,7 @@ impl CliBackendConfig {
         path_var: Option<&std::ffi::OsStr>,
     ) -> Result<(), ConfigError> {
         let command = std::path::Path::new(&self.command);
-        let bare = !self.command.contains('/');
+        let bare = crate::runtime::is_bare_name(command);
         let path_var = self.child_path_var(path_var);
         let found = if bare {
             // No PATH at all: left to the spawn (the OS's default search).
@@ -1092,6 +1092,44 @@ fn looks_like_credential(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_command_is_looked_for_on_the_path_its_processes_get() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let tool = dir.path().join("my-cli");
+        std::fs::write(&tool, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let daemons = std::ffi::OsString::from("/nonexistent-bin");
+        let mut config = CliBackendConfig::new("my-cli");
+        // Not on the daemon's PATH: refused, naming the command, the PATH and the key.
+        let err = config.check_installed("mine", Some(&daemons)).unwrap_err();
+        assert!(
+            err.problem.contains("\"my-cli\"")
+                && err.problem.contains("PATH")
+                && err.problem.contains("[backends.mine]"),
+            "{err}"
+        );
+        // On the backend's own `env` PATH, which its processes get over the daemon's.
+        config
+            .env
+            .insert("PATH".into(), dir.path().display().to_string());
+        config.check_installed("mine", Some(&daemons)).unwrap();
+        // An absolute path: an executable file, or refused.
+        let mut absolute = CliBackendConfig::new(tool.display().to_string());
+        absolute.check_installed("mine", None).unwrap();
+        absolute.command = dir.path().join("gone").display().to_string();
+        let err = absolute.check_installed("mine", None).unwrap_err();
+        assert!(err.problem.contains("an executable file"), "{err}");
+        // A relative path with a directory, and a bare name with no PATH at all, are left to
+        // the spawn.
+        CliBackendConfig::new("bin/my-cli")
+            .check_installed("mine", Some(&daemons))
+            .unwrap();
+        CliBackendConfig::new("my-cli")
+            .check_installed("mine", None)
+            .unwrap();
+    }
 
     fn problem(config: &CliBackendConfig) -> String {
         config

@@ -41,6 +41,25 @@ pub enum CliStartError {
     Oneshot(#[from] OneshotError),
 }
 
+impl CliStartError {
+    /// Whether the turn's own input was refused (its prompt, system message or images: the
+    /// caller's to fix), not the backend's start (its command, configuration, home, the OS).
+    /// Nothing was started either way.
+    pub fn is_callers(&self) -> bool {
+        use ClaudeLiveError as L;
+        use OneshotError as O;
+        matches!(
+            self,
+            CliStartError::Oneshot(
+                O::PromptTooLong { .. }
+                    | O::PromptTooLongForStdin { .. }
+                    | O::SystemMessageTooLong { .. }
+                    | O::Image(_),
+            ) | CliStartError::Live(L::Image(_) | L::SystemMessageTooLong { .. })
+        )
+    }
+}
+
 impl CliConversation {
     /// Sends `prompt` as the next user message (starting or resuming the CLI first when it
     /// is not running). Read the turn with [`CliTurn::next`] to its `turn.end`.

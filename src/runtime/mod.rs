@@ -62,6 +62,11 @@ fn non_empty(env: &impl Fn(&str) -> Option<OsString>, key: &str) -> Option<OsStr
     env(key).filter(|value| !value.is_empty())
 }
 
+/// A program named without a directory (`claude`), which only a `PATH` search finds.
+pub fn is_bare_name(program: &std::path::Path) -> bool {
+    program.components().count() == 1 && !program.is_absolute()
+}
+
 /// The first `name` on a `PATH`-style list that is an executable file (empty entries, which
 /// would mean the current directory, are skipped).
 pub fn find_on_path(name: &str, path_var: Option<OsString>) -> Option<std::path::PathBuf> {

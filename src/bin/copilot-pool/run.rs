@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
-use copilot_pool::model_guard::{ModelGuard, ModelGuardConfig};
+use copilot_pool::model_guard::{GuardError, ModelGuard, ModelGuardConfig};
 use copilot_pool::rpc::EventKind;
 use copilot_pool::rpc::messages::{ProviderConfig, SessionConfig};
 use copilot_pool::runtime;
@@ -122,11 +122,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
         guard.allow_private_endpoints = args.allow_private_endpoints;
         let guard = ModelGuard::new(guard)?;
         let tunnel = guard.tunnel_for(&provider).map_err(|e| {
-            // The guard's message names the daemon's and the library's switch; here it is
-            // a flag.
-            let text = e.to_string();
-            if text.contains("allow_private_endpoints") {
-                anyhow!("{text}; with `copilot-pool run`, pass --allow-private-endpoints")
+            // The guard's message names the daemon's and the library's switch for a local
+            // model; here it is a flag.
+            use copilot_pool::kinds::BlockReason as R;
+            let local = matches!(
+                &e,
+                GuardError::Refused {
+                    reason: R::Scheme | R::Loopback | R::Private | R::UniqueLocal,
+                    ..
+                }
+            );
+            if local && !args.allow_private_endpoints {
+                anyhow!("{e}; with `copilot-pool run`, pass --allow-private-endpoints")
             } else {
                 anyhow::Error::new(e)
             }

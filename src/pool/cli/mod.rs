@@ -305,19 +305,15 @@ fn count_stop(backend: &str, counted: Option<u32>, running: Option<u32>, why: St
 fn failed_start(error: &CliStartError) -> Option<SpawnResult> {
     use crate::backend::claude_live::ClaudeLiveError as L;
     use crate::backend::oneshot::OneshotError as O;
+    if error.is_callers() {
+        return None;
+    }
     let spawn = match error {
         CliStartError::Live(L::Config(_)) | CliStartError::Oneshot(O::Config(_)) => return None,
         // The pool meant to start one, and its command is not there.
         CliStartError::Live(L::NotInstalled(_)) | CliStartError::Oneshot(O::NotInstalled(_)) => {
             None
         }
-        CliStartError::Oneshot(
-            O::PromptTooLong { .. }
-            | O::PromptTooLongForStdin { .. }
-            | O::SystemMessageTooLong { .. }
-            | O::Image(_),
-        ) => return None,
-        CliStartError::Live(L::Image(_) | L::SystemMessageTooLong { .. }) => return None,
         CliStartError::Live(L::Spawn(e)) | CliStartError::Oneshot(O::Spawn(e)) => Some(e),
         _ => None,
     };
@@ -332,18 +328,7 @@ fn failed_start(error: &CliStartError) -> Option<SpawnResult> {
 /// could not start its process (its command missing, the OS refusing, its configuration, the
 /// agent's home) is the backend's ([`PoolError::CliStart`]).
 fn start_error(backend: &str, error: CliStartError) -> PoolError {
-    use crate::backend::claude_live::ClaudeLiveError as L;
-    use crate::backend::oneshot::OneshotError as O;
-    let callers = matches!(
-        &error,
-        CliStartError::Oneshot(
-            O::PromptTooLong { .. }
-                | O::PromptTooLongForStdin { .. }
-                | O::SystemMessageTooLong { .. }
-                | O::Image(_),
-        ) | CliStartError::Live(L::Image(_) | L::SystemMessageTooLong { .. })
-    );
-    if callers {
+    if error.is_callers() {
         PoolError::InvalidRequest(format!("backend `{backend}`: {error}"))
     } else {
         PoolError::CliStart {
