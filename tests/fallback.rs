@@ -6,7 +6,7 @@
 //! carry the earlier turns in its prelude. A non-retryable failure (400) does not fall back,
 //! and bad chains are refused. A turn's gateway `tools` go with it to the next backend: a
 //! Copilot turn with tools that fails falls back to Claude, whose call of one is answered
-//! over HTTP.
+//! over HTTP. A CLI backend whose command is not installed falls back to Copilot as a crash.
 //!
 //! The tests take one lock, so at most one conversation's processes run at a time.
 
@@ -575,6 +575,44 @@ async fn a_copilot_runtime_that_cannot_start_falls_back_to_claude_and_without_a_
         answer.status,
         answer.json()
     );
+    assert!(daemon.terminate().await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cli_backend_whose_command_is_not_installed_falls_back_to_copilot_as_a_crash() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let config =
+        "drain_grace_secs = 5\n[backends.claude-cli]\ncommand = \"claude-not-installed-here\"\n";
+    let daemon = Daemon::start(fx.scratch.path(), config, &[]).await;
+
+    let mut body = fx.body("k-missing", "REPLY=from copilot");
+    body["backend"] = json!("claude-cli");
+    body["fallback"] = json!(["copilot"]);
+    let (events, end) = turn(&daemon, &body).await;
+    let names = names(&events);
+    let notice = events
+        .iter()
+        .find(|e| e.event == "backend.fallback")
+        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
+    assert_eq!(notice.data["from"], "claude-cli", "{}", notice.data);
+    assert_eq!(notice.data["to"], "copilot", "{}", notice.data);
+    assert_eq!(notice.data["class"], "crash", "{}", notice.data);
+    assert!(
+        notice.data["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("claude-not-installed-here")),
+        "the notice names the command that is missing: {}",
+        notice.data
+    );
+    assert_eq!(end["status"], "idle", "{end}");
+    assert_eq!(end["backend"], "copilot", "{end}");
+    assert_eq!(end["fallback_from"], "claude-cli", "{end}");
+    assert_eq!(end["final_text"], "from copilot", "{end}");
+    let metrics = call_metrics(&daemon).await;
+    let series =
+        "copilot_pool_fallbacks_total{from=\"claude-cli\",to=\"copilot\",class=\"crash\"} 1";
+    support::http::assert_has_series(&metrics, series);
     assert!(daemon.terminate().await.success());
 }
 

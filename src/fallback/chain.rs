@@ -831,15 +831,25 @@ async fn run_cli<S: ChainSink>(
             Ok(images) => images,
             Err(e) => {
                 let error = format!("backend `{}`: {e}", lease.backend());
-                return Err((TurnEnd::Error, Some(error)));
+                return Err((TurnEnd::Error, Some(error), None));
             }
         };
         if sink.stop_requested() {
-            return Err((TurnEnd::Aborted, Some(STOPPED_BEFORE_START.to_owned())));
+            return Err((
+                TurnEnd::Aborted,
+                Some(STOPPED_BEFORE_START.to_owned()),
+                None,
+            ));
         }
         let mut turn = match lease.start_turn_with_images(prompt, images).await {
             Ok(turn) => turn,
-            Err(e) => return Err((TurnEnd::Error, Some(e.to_string()))),
+            // A backend whose process cannot start (its command missing, a spawn that
+            // fails) falls back as a Copilot runtime that cannot start does; a refusal of
+            // the turn's own input does not ([`super::classify_lease`]).
+            Err(e) => {
+                let class = super::classify_lease(e.kind());
+                return Err((TurnEnd::Error, Some(e.to_string()), class));
+            }
         };
         // An abort asked for while the turn started may have found no turn to abort.
         if sink.stop_requested() {
@@ -865,12 +875,12 @@ async fn run_cli<S: ChainSink>(
                         }
                         if !sink.deliver(ChainEvent::Cli(event)).await {
                             // Dropping the turn before its end kills the process.
-                            return Err((TurnEnd::Aborted, None));
+                            return Err((TurnEnd::Aborted, None, None));
                         }
                     }
-                    None => return Err((TurnEnd::Error, Some("the turn ended without turn.end".into()))),
+                    None => return Err((TurnEnd::Error, Some("the turn ended without turn.end".into()), None)),
                 },
-                _ = sink.gone() => return Err((TurnEnd::Aborted, None)),
+                _ = sink.gone() => return Err((TurnEnd::Aborted, None, None)),
             }
         }
     };
@@ -889,14 +899,14 @@ async fn run_cli<S: ChainSink>(
             let summary = TurnSummary::of_cli(&lease, reason, Some(outcome), TurnEnd::Idle, None);
             (summary, class, false)
         }
-        Err((status, error)) => {
+        Err((status, error, class)) => {
             // Aborted because the caller left, not because it asked to stop (it still
             // reads the summary).
             let gone = status == TurnEnd::Aborted && !sink.stop_requested();
             streamed |= !messages.is_empty();
             (
                 TurnSummary::of_cli(&lease, reason, None, status, error),
-                None,
+                class,
                 gone,
             )
         }
