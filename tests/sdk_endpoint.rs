@@ -225,7 +225,39 @@ async fn a_client_over_the_connection_cap_is_told_why_before_it_is_closed() {
     let closed = over.request("ping", json!({}), None).await;
     assert!(matches!(closed, Err(RpcError::Closed { .. })), "{closed:?}");
     inside.request("ping", json!({}), None).await.expect("ping");
-    served.shut_down().await;
+
+    // A connection still being refused (it has 2 s to send its first request) when the
+    // endpoint stops is closed before the stop returns, not left to its time limit.
+    let mut waiting = TcpStream::connect(served.addr).await.expect("connect");
+    // The listener takes connections in order: once a later one's refusal is answered, the
+    // waiting one is being refused.
+    let later = raw_client(served.addr).await;
+    let refused = remote_error(
+        later
+            .request("connect", json!({"token": "token-a"}), None)
+            .await,
+    );
+    assert_eq!(
+        refused.code,
+        sdk_endpoint::TOO_MANY_CONNECTIONS,
+        "{refused:?}"
+    );
+    let Served {
+        pool, stop, server, ..
+    } = served;
+    stop.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(20), server)
+        .await
+        .expect("the listener stops with its connections")
+        .expect("listener task");
+    // Closed already: its end of stream is there within a second (half its time limit).
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(1), waiting.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(read, Ok(Ok(0))),
+        "the refused connection outlived the stop: {read:?}"
+    );
+    pool.shutdown().await.expect("shutdown");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

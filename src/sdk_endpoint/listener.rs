@@ -2,8 +2,8 @@
 //! over it is counted, its first request answered with `TOO_MANY_CONNECTIONS` naming the
 //! setting (16 at a time, each within 2 s; past that closed unread), then closed), the room for connections not
 //! authenticated yet (`admission`: a new one past it closes the oldest), and the stop (no more accepts; every
-//! open connection is closed, its turns aborted and its sessions parked, before the call
-//! returns).
+//! open connection is closed, its turns aborted and its sessions parked, and every one being
+//! refused closed, before the call returns).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -124,9 +124,14 @@ where
                 );
             }
             // Told why, while few are: an SDK would otherwise see only a reset connection.
+            // A stop closes them at once, unanswered (they hold nothing to keep).
             if let Ok(refusal) = refusals.clone().try_acquire_owned() {
+                let mut stop = stop.clone();
                 tokio::spawn(async move {
-                    refuse_over_the_cap(stream, max).await;
+                    tokio::select! {
+                        () = refuse_over_the_cap(stream, max) => {}
+                        _ = stop.wait_for(|stopped| *stopped) => {}
+                    }
                     drop(refusal);
                 });
             }
@@ -154,9 +159,13 @@ where
         });
     }
     stop_tx.send_replace(true);
-    // Every connection holds a permit until it is closed.
+    // Every connection holds a permit until it is closed, and so does every connection
+    // being refused.
     let all = u32::try_from(max).unwrap_or(u32::MAX);
     let _ = permits.acquire_many(all).await;
+    let _ = refusals
+        .acquire_many(u32::try_from(REFUSALS_AT_ONCE).unwrap_or(u32::MAX))
+        .await;
 }
 
 /// Answers the first request of a connection over the cap (the SDK's `connect`) with
