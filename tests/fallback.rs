@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use tokio::sync::Mutex;
 
 use support::cli_daemon::{
-    CliFixture as Fixture, streamed_tool_turn, streamed_turn, tool_calls, user_text,
+    CliFixture as Fixture, FellBack, streamed_tool_turn, streamed_turn, tool_calls, user_text,
 };
 use support::http::{Daemon, Sse, SseStream, call};
 use support::procs::with_env_prefix;
@@ -30,6 +30,13 @@ static SERIAL: Mutex<()> = Mutex::const_new(());
 /// How many times the runtime sends a model call that was answered 401 before it fails the
 /// turn (a first try and two retries; measured with runtime 1.0.14).
 const RUNTIME_401_ATTEMPTS: usize = 3;
+
+/// A Copilot turn that crashed (or whose runtime could not start), answered by Claude.
+const COPILOT_CRASHED: FellBack = FellBack {
+    from: "copilot",
+    to: "claude-cli",
+    class: "crash",
+};
 
 /// A failure guard for one whole turn, not a wait.
 const TURN_LIMIT: Duration = Duration::from_secs(180);
@@ -506,16 +513,7 @@ async fn a_runtime_killed_mid_turn_falls_back_to_claude_as_a_crash() {
     let (events, end) = tokio::time::timeout(TURN_LIMIT, run)
         .await
         .expect("the turn ended in time");
-    let names = names(&events);
-    let notice = events
-        .iter()
-        .find(|e| e.event == "backend.fallback")
-        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
-    assert_eq!(notice.data["class"], "crash", "{}", notice.data);
-    assert_eq!(end["status"], "idle", "{end}");
-    assert_eq!(end["backend"], "claude-cli", "{end}");
-    assert_eq!(end["fallback_from"], "copilot", "{end}");
-    assert_eq!(end["final_text"], "after the crash", "{end}");
+    COPILOT_CRASHED.assert(&events, &end, "after the crash");
     let call = fx
         .calls_with("REPLY=after the crash")
         .into_iter()
@@ -542,24 +540,12 @@ async fn a_copilot_runtime_that_cannot_start_falls_back_to_claude_and_without_a_
     let daemon = fx.daemon_with(&["--cli", "/bin/false"]).await;
 
     let (events, end) = turn(&daemon, &fx.body("k-broken", "REPLY=from claude")).await;
-    let names = names(&events);
-    let notice = events
-        .iter()
-        .find(|e| e.event == "backend.fallback")
-        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
-    assert_eq!(notice.data["from"], "copilot", "{}", notice.data);
-    assert_eq!(notice.data["to"], "claude-cli", "{}", notice.data);
-    assert_eq!(notice.data["class"], "crash", "{}", notice.data);
-    assert_eq!(notice.data["prelude_chars"], 0, "{}", notice.data);
+    let notice = COPILOT_CRASHED.assert(&events, &end, "from claude");
+    assert_eq!(notice["prelude_chars"], 0, "{notice}");
     assert!(
-        notice.data["error"].as_str().is_some_and(|e| !e.is_empty()),
-        "the notice says why the lease failed: {}",
-        notice.data
+        notice["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "the notice says why the lease failed: {notice}"
     );
-    assert_eq!(end["status"], "idle", "{end}");
-    assert_eq!(end["backend"], "claude-cli", "{end}");
-    assert_eq!(end["fallback_from"], "copilot", "{end}");
-    assert_eq!(end["final_text"], "from claude", "{end}");
     let metrics = call_metrics(&daemon).await;
     let series =
         "copilot_pool_fallbacks_total{from=\"copilot\",to=\"claude-cli\",class=\"crash\"} 1";
@@ -590,25 +576,18 @@ async fn a_cli_backend_whose_command_is_not_installed_falls_back_to_copilot_as_a
     body["backend"] = json!("claude-cli");
     body["fallback"] = json!(["copilot"]);
     let (events, end) = turn(&daemon, &body).await;
-    let names = names(&events);
-    let notice = events
-        .iter()
-        .find(|e| e.event == "backend.fallback")
-        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
-    assert_eq!(notice.data["from"], "claude-cli", "{}", notice.data);
-    assert_eq!(notice.data["to"], "copilot", "{}", notice.data);
-    assert_eq!(notice.data["class"], "crash", "{}", notice.data);
+    let fell_back = FellBack {
+        from: "claude-cli",
+        to: "copilot",
+        class: "crash",
+    };
+    let notice = fell_back.assert(&events, &end, "from copilot");
     assert!(
-        notice.data["error"]
+        notice["error"]
             .as_str()
             .is_some_and(|e| e.contains("claude-not-installed-here")),
-        "the notice names the command that is missing: {}",
-        notice.data
+        "the notice names the command that is missing: {notice}"
     );
-    assert_eq!(end["status"], "idle", "{end}");
-    assert_eq!(end["backend"], "copilot", "{end}");
-    assert_eq!(end["fallback_from"], "claude-cli", "{end}");
-    assert_eq!(end["final_text"], "from copilot", "{end}");
     let metrics = call_metrics(&daemon).await;
     let series =
         "copilot_pool_fallbacks_total{from=\"claude-cli\",to=\"copilot\",class=\"crash\"} 1";
@@ -647,22 +626,16 @@ async fn a_claude_turn_failing_with_auth_falls_back_to_copilot_with_claudes_tran
         0,
         "Claude met every 401: {names:?} {end}"
     );
-    let notice = events
-        .iter()
-        .find(|e| e.event == "backend.fallback")
-        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
-    assert_eq!(notice.data["from"], "claude-cli", "{}", notice.data);
-    assert_eq!(notice.data["to"], "copilot", "{}", notice.data);
-    assert_eq!(notice.data["class"], "auth", "{}", notice.data);
+    let fell_back = FellBack {
+        from: "claude-cli",
+        to: "copilot",
+        class: "auth",
+    };
+    let notice = fell_back.assert(&events, &end, "answered by copilot");
     assert_eq!(
-        notice.data["status_code"], 401,
-        "the status Claude's error names: {}",
-        notice.data
+        notice["status_code"], 401,
+        "the status Claude's error names: {notice}"
     );
-    assert_eq!(end["status"], "idle", "{end}");
-    assert_eq!(end["backend"], "copilot", "{end}");
-    assert_eq!(end["fallback_from"], "claude-cli", "{end}");
-    assert_eq!(end["final_text"], "answered by copilot", "{end}");
     let call = fx
         .calls_with("REPLY=answered by copilot")
         .into_iter()

@@ -20,7 +20,7 @@ use tokio::sync::Mutex;
 
 use copilot_pool::runtime::AgentCli;
 use support::agent_cli::{codex_path, path};
-use support::cli_daemon::{CliFixture as Fixture, streamed_turn, user_text};
+use support::cli_daemon::{CliFixture as Fixture, FellBack, streamed_turn, user_text};
 use support::http::{Daemon, Sse};
 
 /// One test at a time (each runs its own Codex and runtime processes).
@@ -143,27 +143,20 @@ async fn a_codex_turn_failing_with_auth_falls_back_to_copilot_with_the_codex_rol
         CODEX_401_ATTEMPTS,
         "Codex met every 401 and asked no more: {names:?} {end}"
     );
-    let notice = events
-        .iter()
-        .find(|e| e.event == "backend.fallback")
-        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
-    assert_eq!(notice.data["from"], "codex-cli", "{}", notice.data);
-    assert_eq!(notice.data["to"], "copilot", "{}", notice.data);
-    assert_eq!(notice.data["class"], "auth", "{}", notice.data);
+    let fell_back = FellBack {
+        from: "codex-cli",
+        to: "copilot",
+        class: "auth",
+    };
+    let notice = fell_back.assert(&events, &end, "answered by copilot");
     assert_eq!(
-        notice.data["status_code"], 401,
-        "the status Codex's error names: {}",
-        notice.data
+        notice["status_code"], 401,
+        "the status Codex's error names: {notice}"
     );
     assert!(
-        notice.data["prelude_chars"].as_u64().unwrap_or(0) > 0,
-        "a prelude from Codex's rollout: {}",
-        notice.data
+        notice["prelude_chars"].as_u64().unwrap_or(0) > 0,
+        "a prelude from Codex's rollout: {notice}"
     );
-    assert_eq!(end["status"], "idle", "{end}");
-    assert_eq!(end["backend"], "copilot", "{end}");
-    assert_eq!(end["fallback_from"], "codex-cli", "{end}");
-    assert_eq!(end["final_text"], "answered by copilot", "{end}");
 
     // The runtime's model call: the prelude (the earlier Codex turn, not Codex's injected
     // environment) before the prompt, the prompt once.
@@ -227,21 +220,16 @@ async fn a_gemini_turn_failing_with_auth_falls_back_to_copilot_with_the_gemini_c
         GEMINI_401_ATTEMPTS,
         "Gemini CLI met every 401 and asked no more: {names:?} {end}"
     );
-    let notice = events
-        .iter()
-        .find(|e| e.event == "backend.fallback")
-        .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
-    assert_eq!(notice.data["from"], "google-gemini-cli", "{}", notice.data);
-    assert_eq!(notice.data["class"], "auth", "{}", notice.data);
+    let fell_back = FellBack {
+        from: "google-gemini-cli",
+        to: "copilot",
+        class: "auth",
+    };
+    let notice = fell_back.assert(&events, &end, "answered by copilot");
     assert!(
-        notice.data["prelude_chars"].as_u64().unwrap_or(0) > 0,
-        "a prelude from Gemini CLI's chat file: {}",
-        notice.data
+        notice["prelude_chars"].as_u64().unwrap_or(0) > 0,
+        "a prelude from Gemini CLI's chat file: {notice}"
     );
-    assert_eq!(end["status"], "idle", "{end}");
-    assert_eq!(end["backend"], "copilot", "{end}");
-    assert_eq!(end["fallback_from"], "google-gemini-cli", "{end}");
-    assert_eq!(end["final_text"], "answered by copilot", "{end}");
 
     let call = requests[before..]
         .iter()

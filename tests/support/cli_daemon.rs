@@ -2,7 +2,8 @@
 //! with a scratch directory for the daemon's state and the agents' homes ([`CliFixture`];
 //! each test file adds its own daemon configuration and turn bodies in an `impl` of its
 //! own), a streamed turn ([`streamed_turn`]), the user text of a model request
-//! ([`user_text`]) and the refusal of a conversation whose CLI transcript is gone
+//! ([`user_text`]), a turn's fallback from one backend to the next ([`FellBack`])
+//! and the refusal of a conversation whose CLI transcript is gone
 //! ([`CliFixture::assert_transcript_missing`]).
 
 use std::time::Duration;
@@ -50,6 +51,36 @@ pub fn user_text(request: &RecordedRequest) -> String {
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// How a turn fell back: from the backend that failed to the one that answered, and the
+/// class of the failure.
+pub struct FellBack<'a> {
+    pub from: &'a str,
+    pub to: &'a str,
+    pub class: &'a str,
+}
+
+impl FellBack<'_> {
+    /// Checks that `events` hold one `backend.fallback` from [`FellBack::from`] to
+    /// [`FellBack::to`] as [`FellBack::class`], and that the turn ended idle on `to` with
+    /// `final_text`, falling back from `from`; returns the notice's data.
+    pub fn assert(&self, events: &[Sse], end: &Value, final_text: &str) -> Value {
+        let names: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+        let notice = events
+            .iter()
+            .find(|e| e.event == "backend.fallback")
+            .map(|e| e.data.clone())
+            .unwrap_or_else(|| panic!("no backend.fallback in {names:?}; turn.end {end}"));
+        assert_eq!(notice["from"], self.from, "{notice}");
+        assert_eq!(notice["to"], self.to, "{notice}");
+        assert_eq!(notice["class"], self.class, "{notice}");
+        assert_eq!(end["status"], "idle", "{end}");
+        assert_eq!(end["backend"], self.to, "{end}");
+        assert_eq!(end["fallback_from"], self.from, "{end}");
+        assert_eq!(end["final_text"], final_text, "{end}");
+        notice
+    }
 }
 
 /// Runs a streamed turn on `daemon`: its events and its `turn.end`, within `limit` (a
