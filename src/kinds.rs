@@ -536,11 +536,13 @@ pub enum BlockReason {
     Documentation,
     /// Another special-purpose or reserved range.
     Reserved,
+    /// A port a CLI backend's provider may not name.
+    Port,
 }
 
 impl BlockReason {
     /// Every value, in a stable order.
-    pub const ALL: [BlockReason; 15] = [
+    pub const ALL: [BlockReason; 16] = [
         BlockReason::Scheme,
         BlockReason::Userinfo,
         BlockReason::CredentialQuery,
@@ -556,6 +558,7 @@ impl BlockReason {
         BlockReason::Unspecified,
         BlockReason::Documentation,
         BlockReason::Reserved,
+        BlockReason::Port,
     ];
 
     /// The label, as serialized.
@@ -576,6 +579,7 @@ impl BlockReason {
             BlockReason::Unspecified => "unspecified",
             BlockReason::Documentation => "documentation",
             BlockReason::Reserved => "reserved",
+            BlockReason::Port => "port",
         }
     }
 }

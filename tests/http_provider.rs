@@ -176,3 +176,31 @@ async fn a_bad_provider_field_is_a_400_naming_it() {
     assert_eq!(status["processes"], json!([]), "nothing started: {status}");
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cli_backends_provider_on_a_port_its_sandbox_would_open_everywhere_is_a_400() {
+    let fx = Fixture::new().await;
+    let server = InProcess::over_pool(&fx, |config| {
+        config.model_guard.allow_private_endpoints = false;
+    })
+    .await;
+    // Claude Code calls its model itself, and its sandbox opens the port it calls on every
+    // address to the agent's tools: port 80 would open the cloud metadata service.
+    let mut body = with_provider(
+        "agent-c",
+        json!({"type": "anthropic", "base_url": "https://llm.example.com:80/", "api_key": "k"}),
+    );
+    body["backend"] = json!("claude-cli");
+    let refused = call(server.addr, "POST", "/v1/turns", None, Some(&body)).await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    let message = refused.json()["message"].as_str().unwrap_or("").to_owned();
+    assert!(
+        message.contains("port 80") && message.contains("cli_provider_ports"),
+        "{message}"
+    );
+    let status = call(server.addr, "GET", "/v1/pool", None, None)
+        .await
+        .json();
+    assert_eq!(status["processes"], json!([]), "nothing started: {status}");
+    server.stop().await;
+}

@@ -83,6 +83,13 @@ pub struct ModelGuardConfig {
     pub idle_timeout: Duration,
     /// Who resolves host names (default: the system resolver). Tests give their own.
     pub resolver: Arc<dyn Resolve>,
+    /// The ports a request's provider may name for a CLI backend (default `[443]`). A CLI
+    /// calls its model itself, and its sandbox opens the port it calls on every address to
+    /// the agent's tools (Landlock walls ports, not addresses), so a tenant who names
+    /// `:80` would open the cloud metadata service to its tools. The origins of
+    /// `private_endpoints` may name any port, and any port goes with
+    /// `allow_private_endpoints` (which already lets model calls reach private addresses).
+    pub cli_provider_ports: Vec<u16>,
 }
 
 impl ModelGuardConfig {
@@ -123,6 +130,7 @@ impl Default for ModelGuardConfig {
             first_byte_timeout: Duration::from_secs(300),
             idle_timeout: Duration::from_secs(120),
             resolver: Arc::new(SystemResolver::default()),
+            cli_provider_ports: vec![crate::sandbox::HTTPS_PORT],
         }
     }
 }
@@ -140,6 +148,7 @@ impl std::fmt::Debug for ModelGuardConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("first_byte_timeout", &self.first_byte_timeout)
             .field("idle_timeout", &self.idle_timeout)
+            .field("cli_provider_ports", &self.cli_provider_ports)
             .finish_non_exhaustive()
     }
 }
@@ -159,6 +168,17 @@ pub enum GuardError {
         "model_guard.private_endpoints: {0:?} is not an origin; give scheme, host and port          only, as `http://127.0.0.1:11434` or `https://llm.internal:8443`"
     )]
     PrivateEndpoint(String),
+    /// A CLI backend's provider host did not resolve, so its addresses could not be checked.
+    #[error(
+        "provider.base_url: {host} did not resolve ({error}); a CLI backend calls its model \
+         itself, so its host's addresses are checked before the turn: check the host name"
+    )]
+    Unresolved {
+        /// The host name.
+        host: String,
+        /// What the resolver said.
+        error: String,
+    },
     /// The provider's base URL is refused.
     #[error("provider.base_url: {message}")]
     Refused {
@@ -215,6 +235,62 @@ impl ModelGuard {
         Ok(())
     }
 
+    /// Checks a provider a CLI backend calls itself, with no tunnel between (Claude Code,
+    /// Codex, Gemini CLI get the base URL): [`ModelGuard::check_provider`], then its port
+    /// (one of [`ModelGuardConfig::cli_provider_ports`] unless private endpoints are allowed
+    /// for it: the CLI's sandbox opens that port on every address to the agent's tools), then
+    /// every address its host resolves to now, by the same rules as a tunnelled request's,
+    /// within `connect_timeout`. The CLI resolves the name again itself, so this refuses a
+    /// name that points inside the network, not one whose answer changes after the check
+    /// (the tunnel's pinning does that for the Copilot runtime). A name that does not
+    /// resolve is refused: the check cannot be made. A refusal counts in
+    /// `copilot_pool_model_blocked_total` (the model requests the CLI would have made).
+    pub async fn check_cli_provider(&self, provider: &ProviderConfig) -> Result<(), GuardError> {
+        let checked = self.check_cli_provider_uncounted(provider).await;
+        if let Err(GuardError::Refused { reason, .. }) = &checked {
+            crate::metrics::model_blocked(*reason);
+        }
+        checked
+    }
+
+    async fn check_cli_provider_uncounted(
+        &self,
+        provider: &ProviderConfig,
+    ) -> Result<(), GuardError> {
+        self.check_provider(provider)?;
+        let url = target::parse_base(&provider.base_url)?;
+        let config = &self.inner.config;
+        let allow = config.allows_private(&url);
+        let port = url
+            .port_or_known_default()
+            .unwrap_or(crate::sandbox::HTTPS_PORT);
+        if !allow && !config.cli_provider_ports.contains(&port) {
+            return Err(refused((
+                BlockReason::Port,
+                format!(
+                    "port {port} is not one a CLI backend's provider may use ({:?}): a CLI \
+                     calls its model itself and its sandbox opens that port on every address \
+                     to the agent's tools; use the provider's https port, or have the \
+                     operator list the port in [model] cli_provider_ports \
+                     (ModelGuardConfig::cli_provider_ports in the library)",
+                    config.cli_provider_ports
+                ),
+            )));
+        }
+        let Some(host) = url.host_str().filter(|_| target::ip_host(&url).is_none()) else {
+            // An IP address host: checked by check_provider.
+            return Ok(());
+        };
+        let lookup = config.resolver.lookup(host, port);
+        let addresses = match tokio::time::timeout(config.connect_timeout, lookup).await {
+            Ok(Ok(addresses)) if !addresses.is_empty() => addresses,
+            Ok(Ok(_)) => return Err(unresolved(host, "no address")),
+            Ok(Err(error)) => return Err(unresolved(host, &error.to_string())),
+            Err(_) => return Err(unresolved(host, "no answer in time")),
+        };
+        target::check_addresses(&url, &addresses, allow).map_err(refused)
+    }
+
     /// The tunnel for a worker serving `provider`, after [`ModelGuard::check_provider`].
     pub fn tunnel_for(
         &self,
@@ -251,6 +327,14 @@ impl ModelGuard {
 
 fn refused((reason, message): (BlockReason, String)) -> GuardError {
     GuardError::Refused { reason, message }
+}
+
+/// The refusal of a CLI backend's provider whose host did not resolve.
+fn unresolved(host: &str, why: &str) -> GuardError {
+    GuardError::Unresolved {
+        host: host.to_owned(),
+        error: why.to_owned(),
+    }
 }
 
 #[cfg(test)]

@@ -1051,3 +1051,73 @@ async fn a_provider_host_whose_dns_never_answers_holds_a_few_lookups_and_stalls_
         LOOKUPS_PER_WORKER + 1
     );
 }
+
+/// The reason a CLI provider check refused `base_url` for, or `None` when it passed.
+async fn cli_refusal(guard: &ModelGuard, base_url: &str) -> Option<(BlockReason, String)> {
+    match guard.check_cli_provider(&provider(base_url)).await {
+        Ok(()) => None,
+        Err(GuardError::Refused { reason, message }) => Some((reason, message)),
+        Err(other) => panic!("{base_url}: {other}"),
+    }
+}
+
+#[tokio::test]
+async fn a_cli_backends_provider_must_name_an_allowed_port_and_a_host_outside_the_network() {
+    let public = || ScriptedResolver::new(&[&["93.184.216.34"]]);
+    let guard = ModelGuard::new(config(false, public())).expect("guard");
+    for allowed in ["https://model.test/v1", "https://model.test:443/v1"] {
+        assert_eq!(cli_refusal(&guard, allowed).await, None, "{allowed}");
+    }
+    // Any other port would open on every address to the agent's tools (the metadata
+    // service's 80, a kubelet's 10250): refused for a CLI, naming the setting; a tunnelled
+    // Copilot provider may use it (its child opens no port for it).
+    for port in [80, 8443, 10250] {
+        let base = format!("https://model.test:{port}/v1");
+        let (reason, message) = cli_refusal(&guard, &base).await.expect("refused");
+        assert_eq!(reason, BlockReason::Port, "{message}");
+        assert!(
+            message.contains(&format!("port {port}")) && message.contains("cli_provider_ports"),
+            "{message}"
+        );
+        guard.check_provider(&provider(&base)).expect("tunnelled");
+    }
+    let mut listed = config(false, public());
+    listed.cli_provider_ports = vec![443, 8443];
+    let listed = ModelGuard::new(listed).expect("guard");
+    assert_eq!(
+        cli_refusal(&listed, "https://model.test:8443/v1").await,
+        None
+    );
+
+    // A name that resolves inside the network is refused as its address is; so is the
+    // metadata service even where private endpoints are allowed (and any port is).
+    let inside =
+        ModelGuard::new(config(false, ScriptedResolver::new(&[&["10.0.0.7"]]))).expect("guard");
+    let (reason, _) = cli_refusal(&inside, "https://model.test/v1")
+        .await
+        .expect("refused");
+    assert_eq!(reason, BlockReason::Private);
+    let private =
+        ModelGuard::new(config(true, ScriptedResolver::new(&[&["10.0.0.7"]]))).expect("guard");
+    assert_eq!(
+        cli_refusal(&private, "https://model.test:8080/v1").await,
+        None
+    );
+    let metadata = ModelGuard::new(config(true, ScriptedResolver::new(&[&["169.254.169.254"]])))
+        .expect("guard");
+    let (reason, _) = cli_refusal(&metadata, "http://model.test:80/latest")
+        .await
+        .expect("refused");
+    assert_eq!(reason, BlockReason::Metadata);
+
+    // A name with no address cannot be checked: refused, saying so.
+    let nowhere = ModelGuard::new(config(false, ScriptedResolver::new(&[&[]]))).expect("guard");
+    let error = nowhere
+        .check_cli_provider(&provider("https://model.test/v1"))
+        .await
+        .expect_err("unresolved");
+    assert!(
+        matches!(error, GuardError::Unresolved { .. }) && error.to_string().contains("model.test"),
+        "{error}"
+    );
+}

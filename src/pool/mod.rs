@@ -255,7 +255,9 @@ impl Pool {
     /// model endpoint and key are the request's `provider` (`base_url`, `api_key`), checked
     /// as a Copilot lease's ([`Pool::check_provider`]: its shape and the guard's rules, so a
     /// loopback or private endpoint needs `allow_private_endpoints` or `private_endpoints`,
-    /// and a base URL with a credential in it is refused); the
+    /// and a base URL with a credential in it is refused), and more, since the CLI calls it
+    /// itself ([`crate::model_guard::ModelGuard::check_cli_provider`]: a port of
+    /// `cli_provider_ports`, the host's addresses resolved and checked now); the
     /// auth profile (`auth.auth_profile_id`, else `auth.profile_id`) is the identity a key
     /// refresh keeps. The stored CLI session is resumed when the identity is unchanged and
     /// its transcript exists (else [`PoolError::TranscriptMissing`]); another identity
@@ -289,10 +291,16 @@ impl Pool {
         let system_prompt =
             cli::options::system_prompt(&req.backend, config, &req.session_options)?;
         Self::refuse_cli_bearer_token(&req.backend, &req)?;
-        // The shape and the guard's rules, as a Copilot lease's: a base URL carrying a
-        // credential (userinfo, a key in its query) would reach the CLI's command line.
+        // The shape and the guard's rules, as a Copilot lease's (a base URL carrying a
+        // credential, userinfo or a key in its query, would reach the CLI's command line),
+        // then the port and the host's addresses: the CLI calls its model itself.
         if let Some(provider) = &req.provider {
-            self.check_provider(provider)?;
+            validate_provider(provider)?;
+            self.inner
+                .guard
+                .check_cli_provider(provider)
+                .await
+                .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
         }
         let tools = cli_gateway_tools(&inner.cli, &req)?;
         let (copilot_home, home) = self.cli_homes(&req)?;

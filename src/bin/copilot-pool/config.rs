@@ -202,6 +202,9 @@ pub struct ModelSection {
     pub first_byte_timeout_secs: u64,
     /// Between two pieces of the response body (default 120).
     pub idle_timeout_secs: u64,
+    /// Ports a request's provider may name for a CLI backend, which calls its model itself
+    /// and whose sandbox opens that port on every address (default `[443]`).
+    pub cli_provider_ports: Vec<u16>,
 }
 
 impl Default for ModelSection {
@@ -215,6 +218,7 @@ impl Default for ModelSection {
             connect_timeout_secs: g.connect_timeout.as_secs(),
             first_byte_timeout_secs: g.first_byte_timeout.as_secs(),
             idle_timeout_secs: g.idle_timeout.as_secs(),
+            cli_provider_ports: g.cli_provider_ports,
         }
     }
 }
@@ -838,6 +842,13 @@ impl ServeConfig {
         guard.connect_timeout = Duration::from_secs(m.connect_timeout_secs);
         guard.first_byte_timeout = Duration::from_secs(m.first_byte_timeout_secs);
         guard.idle_timeout = Duration::from_secs(m.idle_timeout_secs);
+        if m.cli_provider_ports.contains(&0) {
+            bail!(
+                "model.cli_provider_ports lists port 0; list the TCP ports (1-65535) a CLI \
+                 backend's provider may use, e.g. [443, 8443]"
+            );
+        }
+        guard.cli_provider_ports.clone_from(&m.cli_provider_ports);
         for (id, table) in &self.backends {
             config
                 .cli_backends
@@ -1018,6 +1029,23 @@ pub fn read_token_file(path: &Path) -> Result<Secret> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cli_backends_provider_ports_are_the_operators_and_443_by_default() {
+        let default: ServeConfig = toml::from_str("").unwrap();
+        let guard = default.pool_config("/bin/true".into()).unwrap().model_guard;
+        assert_eq!(guard.cli_provider_ports, vec![443]);
+        let listed: ServeConfig =
+            toml::from_str("[model]\ncli_provider_ports = [443, 8443]\n").unwrap();
+        let guard = listed.pool_config("/bin/true".into()).unwrap().model_guard;
+        assert_eq!(guard.cli_provider_ports, vec![443, 8443]);
+        let zero: ServeConfig = toml::from_str("[model]\ncli_provider_ports = [0]\n").unwrap();
+        let refused = format!("{:#}", zero.pool_config("/bin/true".into()).unwrap_err());
+        assert!(
+            refused.contains("model.cli_provider_ports lists port 0"),
+            "{refused}"
+        );
+    }
 
     #[test]
     fn a_config_file_that_holds_the_token_must_be_private() {
