@@ -306,6 +306,18 @@ async fn every_attachment_and_send_option_we_send_matches_the_api_schema() {
         .collect();
     assert_eq!(modes, enum_of("SendMode"));
     assert_eq!(agent_modes, enum_of("SendAgentMode"));
+    // The reason of the pool's own `session.abort`, echoed in the turn's `abort` event.
+    let abort_reasons: Vec<String> = AbortReason::ALL
+        .iter()
+        .map(|r| {
+            serde_json::to_value(r)
+                .expect("json")
+                .as_str()
+                .unwrap_or("")
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(abort_reasons, enum_of("AbortReason"));
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 

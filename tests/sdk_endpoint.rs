@@ -1141,11 +1141,15 @@ async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_d
     .expect("send the slow turn");
     let stopping = tokio::spawn(daemon.terminate());
     let mut shutdown_error = None;
+    let mut abort_reason = None;
     let drained = async {
         while let Some((method, params)) = events.recv().await {
             let event = &params["event"];
             if method == "session.event" && event["type"] == "session.error" {
                 shutdown_error = Some(event["data"].clone());
+            }
+            if method == "session.event" && event["type"] == "abort" {
+                abort_reason = Some(event["data"]["reason"].clone());
             }
             if method == "session.event" && event["type"] == "session.idle" {
                 assert_eq!(event["data"]["aborted"], true, "{event}");
@@ -1158,6 +1162,13 @@ async fn serve_runs_the_sdk_endpoint_on_a_unix_socket_and_removes_it_after_the_d
         .expect("the slow turn ends with the drain");
     let error = shutdown_error.expect("a session.error before the idle");
     assert_eq!(error["errorType"], sdk_endpoint::SHUTDOWN, "{error}");
+    // The abort event's reason is one of the runtime's AbortReason values, which the SDKs
+    // read as an enum (the Python SDK dropped the event for "pool shutdown").
+    assert_eq!(
+        abort_reason,
+        Some(json!("remote_command")),
+        "the abort event's reason"
+    );
     assert!(
         error["message"]
             .as_str()

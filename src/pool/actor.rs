@@ -17,7 +17,7 @@ use tokio::sync::{broadcast, watch};
 use crate::ids::CliSessionId;
 use crate::kinds::Priming;
 use crate::metrics::{self, ProcessExit};
-use crate::rpc::messages::{AbortParams, SessionAbort};
+use crate::rpc::messages::{AbortParams, AbortReason, SessionAbort};
 use crate::worker::{Session, WorkerConfig, WorkerError, WorkerExit, WorkerHandle};
 
 use super::bindings::BindingStore;
@@ -973,17 +973,20 @@ impl PoolState {
 
     /// Sends `session.abort` for a leased, opened conversation (in a task; its turn then ends
     /// `aborted` through its lease).
-    fn abort_turn(&self, worker: WorkerId, cli_session_id: &CliSessionId, reason: &str) -> bool {
+    fn abort_turn(&self, worker: WorkerId, cli_session_id: &CliSessionId, why: &str) -> bool {
         let Some(handle) = self.handles.get(&worker).cloned() else {
             return false;
         };
+        // The runtime echoes the reason in the turn's `abort` event, which SDK clients read
+        // as its enum: the pool's aborts are commands from outside the session.
         let params = AbortParams {
             session_id: cli_session_id.to_string(),
-            reason: Some(reason.to_owned()),
+            reason: Some(AbortReason::RemoteCommand),
         };
+        let why = why.to_owned();
         tokio::spawn(async move {
             if let Err(error) = handle.call::<SessionAbort>(&params).await {
-                tracing::debug!(%error, "Abort of a leased conversation failed.");
+                tracing::debug!(%error, %why, "Abort of a leased conversation failed.");
             }
         });
         true

@@ -600,9 +600,35 @@ pub struct SendResult {
 pub struct AbortParams {
     /// Target session.
     pub session_id: String,
-    /// Why (free text).
+    /// Why: echoed in the turn's `abort` event.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
+    pub reason: Option<AbortReason>,
+}
+
+/// The runtime's `AbortReason` (`api.schema.json`): why a turn was aborted, echoed in its
+/// `abort` event's `reason`. The SDKs read it as this enum (the Python SDK drops an event
+/// with another value, printing an exception), so the pool sends only these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AbortReason {
+    /// The session's user aborted it.
+    UserInitiated,
+    /// A command from outside the session: the pool's, for a gateway's abort or a drain.
+    RemoteCommand,
+    /// The user aborted it (the runtime's other spelling).
+    UserAbort,
+    /// Autopilot ran out of credit.
+    AutopilotCreditLimit,
+}
+
+impl AbortReason {
+    /// Every value, in the schema's order.
+    pub const ALL: [AbortReason; 4] = [
+        AbortReason::UserInitiated,
+        AbortReason::RemoteCommand,
+        AbortReason::UserAbort,
+        AbortReason::AutopilotCreditLimit,
+    ];
 }
 
 /// `{sessionId}`.
