@@ -751,6 +751,65 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         .await
         .expect("session.list");
     assert!(listed["sessions"].is_array(), "{listed}");
+    // The SDKs' lookup of a stored session (a read of the agent's home, as the list is;
+    // `a_stored_sessions_metadata_is_read_on_any_connection_of_its_agent`) is never made for an id that is not one.
+    let refused = remote_error(
+        conn.request(
+            "session.getMetadata",
+            json!({"sessionId": "../agent-b"}),
+            None,
+        )
+        .await,
+    );
+    assert_eq!(refused.code, -32602, "{refused:?}");
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_sessions_metadata_is_read_on_any_connection_of_its_agent() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let (holder, mut events) = connected(served.addr, "token-a").await;
+    holder
+        .request("session.create", create_params(&fx, "stored-1"), None)
+        .await
+        .expect("create");
+    turn_to_idle(&holder, &mut events, &served, "stored-1", "kept").await;
+    // The SDKs' getSessionMetadata: its metadata, or none for an id the agent has none of,
+    // also on a connection that does not hold the session (was "create or resume it on this
+    // connection first").
+    let (reader, _reader_events) = connected(served.addr, "token-a").await;
+    for conn in [&holder, &reader] {
+        let found = conn
+            .request(
+                "session.getMetadata",
+                json!({"sessionId": "stored-1"}),
+                None,
+            )
+            .await
+            .expect("session.getMetadata");
+        assert_eq!(found["session"]["sessionId"], "stored-1", "{found}");
+    }
+    let none = reader
+        .request(
+            "session.getMetadata",
+            json!({"sessionId": "never-made-here"}),
+            None,
+        )
+        .await
+        .expect("session.getMetadata of an unknown id");
+    assert!(none["session"].is_null(), "{none}");
+    // Another agent's connection reads its own home only.
+    let (stranger, _stranger_events) = connected(served.addr, "token-b").await;
+    let elsewhere = stranger
+        .request(
+            "session.getMetadata",
+            json!({"sessionId": "stored-1"}),
+            None,
+        )
+        .await
+        .expect("session.getMetadata of another agent's id");
+    assert!(elsewhere["session"].is_null(), "{elsewhere}");
     served.shut_down().await;
 }
 

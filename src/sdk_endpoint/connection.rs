@@ -820,6 +820,13 @@ impl Client {
         params: Value,
     ) -> Result<Value, CallError> {
         let Some(session) = self.session(id) else {
+            // The SDKs' lookup of a stored session (`getSessionMetadata`: its metadata, or
+            // `null` when there is none) is a read of the agent's home, as `session.list` is:
+            // answered beside the sessions for one this connection does not hold.
+            if method == "session.getMetadata" {
+                session::validate_session_id(id)?;
+                return self.beside_sessions(method, params).await;
+            }
             return Err(session_not_found(method, id));
         };
         self.touch(id);
