@@ -751,6 +751,46 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
         .await
         .expect("session.list");
     assert!(listed["sessions"].is_array(), "{listed}");
+    // A pool process has no foreground session to read or set, and says so.
+    for (method, params) in [
+        ("session.getForeground", json!({})),
+        ("session.setForeground", json!({"sessionId": "guarded-1"})),
+    ] {
+        let refused = remote_error(conn.request(method, params, None).await);
+        assert!(
+            refused.message.contains("no foreground session"),
+            "{method}: {refused:?}"
+        );
+    }
+    // A refused open speaks the SDK's terms: invalid params naming the fix, not the
+    // library's "invalid lease request" or the HTTP API's fields.
+    let plain_http = create_refused(
+        &conn,
+        &fx,
+        "refused-1",
+        "provider",
+        json!({"type": "openai", "baseUrl": "http://10.0.0.7/v1", "apiKey": "k"}),
+    )
+    .await;
+    assert_eq!(plain_http.code, -32602, "{plain_http:?}");
+    assert!(
+        plain_http.message.contains("plain http://")
+            && !plain_http.message.contains("invalid lease request"),
+        "{plain_http:?}"
+    );
+    let mut no_credentials = create_params(&fx, "refused-2");
+    no_credentials
+        .as_object_mut()
+        .expect("an object")
+        .remove("provider");
+    let no_credentials = remote_error(conn.request("session.create", no_credentials, None).await);
+    assert_eq!(no_credentials.code, -32602, "{no_credentials:?}");
+    assert!(
+        no_credentials.message.contains("gitHubToken")
+            && no_credentials.message.contains("provider")
+            && !no_credentials.message.contains("resolved_token"),
+        "{no_credentials:?}"
+    );
     // The SDKs' lookup of a stored session (a read of the agent's home, as the list is;
     // `a_stored_sessions_metadata_is_read_on_any_connection_of_its_agent`) is never made for an id that is not one.
     let refused = remote_error(

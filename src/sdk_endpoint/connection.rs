@@ -56,6 +56,9 @@ const BESIDE_SESSIONS: &[&str] = &[
     "account.getCurrentAuth",
 ];
 
+/// The calls on a process's foreground session (a terminal UI's): a pool process has none.
+const FOREGROUND: &[&str] = &["session.getForeground", "session.setForeground"];
+
 /// A session's own calls the pool forwards to its runtime, besides those it answers itself
 /// (`session.send`, `session.abort`, the tool and permission answers, `session.options.update`
 /// with its directories confined, `session.delete`, `session.detach`): reads, the session's
@@ -540,6 +543,14 @@ impl Client {
                 METHOD_NOT_FOUND,
                 "Unhandled method session.sendAndWait: copilot-pool runs turns through \
                  session.send (the SDK falls back to it)",
+            )),
+            m if FOREGROUND.contains(&m) => Err(ErrorObject::new(
+                METHOD_NOT_FOUND,
+                format!(
+                    "{m} is not available through copilot-pool: its processes serve many \
+                     sessions at once and have no foreground session (a terminal UI's \
+                     notion); each call names the session it is for"
+                ),
             )),
             m if PROCESS_WIDE.contains(&m) => Err(ErrorObject::new(
                 METHOD_NOT_FOUND,

@@ -107,10 +107,34 @@ pub(super) fn no_stored_session(method: &str, id: &str) -> CallError {
 
 /// A pool error as the client sees it: the runtime's message shape, the pool's words, and
 /// the error's kind in `data`.
+///
+/// In the SDK's terms where the pool's own would not fit: a refused request is
+/// `INVALID_PARAMS` with the refusal alone (not the library's "invalid lease request"), a
+/// session with no credentials names the SDK's session options (not the HTTP API's fields),
+/// and a pool shutting down says so as a drain does.
 pub(super) fn pool_error(method: &str, error: &PoolError) -> CallError {
+    let (code, said) = match error {
+        PoolError::InvalidRequest(why) => (INVALID_PARAMS, why.clone()),
+        PoolError::Auth(crate::auth::AuthError::NoCredentials) => (
+            INVALID_PARAMS,
+            "no GitHub credentials for this session: it carries no gitHubToken and no BYOK \
+             provider, and the daemon gives none. Create the session with a provider \
+             (Node `provider: {...}`, Python `provider={...}`) or a gitHubToken; or, on the \
+             daemon, turn on `[auth] env_fallback = true` with a token variable in its \
+             environment, or `[auth] allow_logged_in_user = true`"
+                .to_owned(),
+        ),
+        PoolError::Closed => (
+            INTERNAL_ERROR,
+            "copilot-pool is shutting down; connect to another replica or retry after the \
+             restart"
+                .to_owned(),
+        ),
+        other => (INTERNAL_ERROR, other.to_string()),
+    };
     ErrorObject {
-        code: INTERNAL_ERROR,
-        message: format!("Request {method} failed with message: {error}"),
+        code,
+        message: format!("Request {method} failed with message: {said}"),
         data: Some(json!({"kind": error.kind().rejection_label()})),
     }
 }
