@@ -70,9 +70,10 @@ use crate::kinds::{
     BlockReason, ErrorKind, Eviction, ModelOutcome, OpenReason, SandboxRule, TokenKind, TurnEnd,
 };
 
-/// CLI processes of the pool by `state` (`live`, `draining`).
+/// CLI processes of the pool by `state` (`live`, `draining`, `spare`) and `backend`.
 pub const PROCESSES: &str = "copilot_pool_processes";
-/// Process starts (spawn + handshake) by `result` (`ok`, `error`) and `backend`.
+/// Process starts (spawn + handshake) by `result` (`ok`, `error`, `resource_exhausted`)
+/// and `backend`.
 pub const PROCESS_SPAWNS_TOTAL: &str = "copilot_pool_process_spawns_total";
 /// Processes that left the pool by `reason` (`ProcessExit::label`) and `backend`.
 pub const PROCESS_EXITS_TOTAL: &str = "copilot_pool_process_exits_total";
@@ -303,13 +304,26 @@ pub fn register_backend_zeroes(backend: &str) {
 /// cannot grow the label set).
 pub const UNKNOWN_BACKEND: &str = "unknown";
 
+/// `labels` joined for a help text, each once, in their order: derived from the closed sets
+/// the labels come from, so the help cannot fall behind them.
+fn one_of(labels: impl IntoIterator<Item = &'static str>) -> String {
+    let mut seen: Vec<&str> = Vec::new();
+    for label in labels {
+        if !seen.contains(&label) {
+            seen.push(label);
+        }
+    }
+    seen.join(", ")
+}
+
 /// Describes every metric (unit and help) to the installed recorder. Call it once, after
 /// installing the recorder.
 pub fn describe() {
     describe_gauge!(
         PROCESSES,
         Unit::Count,
-        "CLI processes of the pool, by state (live, draining)."
+        "CLI processes of the pool, by state (live, draining, spare: a warm spare) and \
+         backend."
     );
     describe_counter!(
         PROCESS_SPAWNS_TOTAL,
@@ -326,24 +340,34 @@ pub fn describe() {
     describe_histogram!(
         PROCESS_START_SECONDS,
         Unit::Seconds,
-        "Time to start a CLI process: spawn and the connect handshake."
+        "Time to start a CLI process: spawn and the connect handshake (a CLI backend's: the \
+         spawn alone), by backend."
     );
     describe_gauge!(
         PROCESS_RESIDENT_MEMORY_BYTES,
         Unit::Bytes,
-        "Resident memory (VmRSS) summed over the pool's CLI processes, as of the last \
-         maintenance tick."
+        "Resident memory (VmRSS) summed over the pool's Copilot runtime processes, as of the \
+         last maintenance tick (CLI backends' processes are not counted)."
     );
     describe_gauge!(
         CONVERSATIONS_ATTACHED,
         Unit::Count,
-        "Conversations attached to a CLI process (leased or parked)."
+        "Conversations attached to a Copilot runtime process (leased or parked; CLI \
+         backends' conversations are not counted)."
     );
     describe_counter!(
         SESSION_RESUMES_TOTAL,
         Unit::Count,
-        "Conversations opened on a process, by result (resumed, or a new session: new, \
-         transcript_missing, not_found, compat_changed)."
+        format!(
+            "Conversations opened on a process, by result (resumed, or a new session: {}) and \
+             backend.",
+            one_of(
+                OpenReason::ALL
+                    .into_iter()
+                    .filter_map(resume_result)
+                    .filter(|r| *r != "resumed")
+            )
+        )
     );
     describe_gauge!(
         LEASES_ACTIVE,
@@ -363,13 +387,18 @@ pub fn describe() {
     describe_counter!(
         LEASE_REJECTIONS_TOTAL,
         Unit::Count,
-        "Leases that failed, by reason (wait_timeout, waiters_full, agent_waiters_full, busy, \
-         quarantined, closed, invalid, error)."
+        format!(
+            "Leases that failed, by reason ({}) and backend.",
+            one_of(ErrorKind::ALL.map(ErrorKind::rejection_label))
+        )
     );
     describe_counter!(
         TURNS_TOTAL,
         Unit::Count,
-        "Turns that ended, by outcome (idle, error, aborted, timeout, crashed)."
+        format!(
+            "Turns that ended, by outcome ({}) and backend.",
+            one_of(TurnEnd::ALL.map(TurnEnd::label))
+        )
     );
     describe_counter!(
         FALLBACKS_TOTAL,
@@ -395,8 +424,10 @@ pub fn describe() {
     describe_counter!(
         EVICTIONS_TOTAL,
         Unit::Count,
-        "CLI processes the pool stopped on its own, by reason (idle, full, drained, \
-         detach_failed)."
+        format!(
+            "CLI processes the pool stopped on its own, by reason ({}) and backend.",
+            one_of(Eviction::ALL.map(Eviction::label))
+        )
     );
     describe_counter!(
         OWNERSHIP_VIOLATIONS_TOTAL,
@@ -441,7 +472,10 @@ pub fn describe() {
     describe_counter!(
         TOKENS_TOTAL,
         Unit::Count,
-        "Tokens of the runtime's model calls, by kind (input, output, cache_read, cache_write)."
+        format!(
+            "Tokens of the model calls, by kind ({}) and backend.",
+            one_of(TokenKind::ALL.map(TokenKind::as_str))
+        )
     );
     describe_gauge!(
         SDK_CONNECTIONS,
@@ -1000,6 +1034,54 @@ mod tests {
             }
         }
         assert_eq!(snap.len(), all_names().len());
+        // A help that lists a label's values lists every value the label takes (what an
+        // on-call engineer reads in `# HELP`).
+        let help_of = |kind, name| {
+            snap.get(&key(kind, name, &[]))
+                .and_then(|(_, help, _)| help.as_deref().map(str::to_owned))
+                .unwrap_or_default()
+        };
+        let listed: [(MetricKind, &str, Vec<&str>); 6] = [
+            (
+                MetricKind::Gauge,
+                PROCESSES,
+                vec!["live", "draining", "spare", "backend"],
+            ),
+            (
+                MetricKind::Counter,
+                PROCESS_SPAWNS_TOTAL,
+                vec!["ok", "error", "resource_exhausted"],
+            ),
+            (
+                MetricKind::Counter,
+                LEASE_REJECTIONS_TOTAL,
+                ErrorKind::ALL.map(ErrorKind::rejection_label).to_vec(),
+            ),
+            (
+                MetricKind::Counter,
+                SESSION_RESUMES_TOTAL,
+                OpenReason::ALL
+                    .into_iter()
+                    .filter_map(resume_result)
+                    .collect(),
+            ),
+            (
+                MetricKind::Counter,
+                TURNS_TOTAL,
+                TurnEnd::ALL.map(TurnEnd::label).to_vec(),
+            ),
+            (
+                MetricKind::Counter,
+                EVICTIONS_TOTAL,
+                Eviction::ALL.map(Eviction::label).to_vec(),
+            ),
+        ];
+        for (kind, name, values) in listed {
+            let help = help_of(kind, name);
+            for value in values {
+                assert!(help.contains(value), "{name}'s help lacks {value}: {help}");
+            }
+        }
     }
 
     #[test]
