@@ -126,11 +126,25 @@ pub fn confine(field: &str, path: &Path, roots: &[PathBuf]) -> Result<PathBuf, C
             path: path.to_path_buf(),
         });
     }
-    let resolved = resolve(path).map_err(|why| ConfineError::Unresolvable {
-        field: field.to_owned(),
-        path: path.to_path_buf(),
-        why,
-    })?;
+    let resolved = match resolve(path) {
+        Ok(resolved) => resolved,
+        // Why a path that is not even spelled inside a root cannot be resolved is not said:
+        // a dangling symlink, `..` past a missing directory or a permission error would tell
+        // a caller whether a name exists in another agent's directory.
+        Err(why) if spelled_inside(path, roots) => {
+            return Err(ConfineError::Unresolvable {
+                field: field.to_owned(),
+                path: path.to_path_buf(),
+                why,
+            });
+        }
+        Err(_) => {
+            return Err(ConfineError::Outside {
+                field: field.to_owned(),
+                path: path.to_path_buf(),
+            });
+        }
+    };
     // `Path::starts_with` compares whole components: `/work2` is not under `/work`.
     let inside = roots
         .iter()
@@ -144,6 +158,28 @@ pub fn confine(field: &str, path: &Path, roots: &[PathBuf]) -> Result<PathBuf, C
             path: path.to_path_buf(),
         })
     }
+}
+
+/// Whether `path`, read without the file system (`.` dropped, `..` taking off the name
+/// before it), lies under one of `roots` as given or as resolved.
+fn spelled_inside(path: &Path, roots: &[PathBuf]) -> bool {
+    let lexical = |path: &Path| {
+        let mut out = PathBuf::new();
+        for component in path.components() {
+            match component {
+                Component::CurDir => {}
+                Component::ParentDir => {
+                    out.pop();
+                }
+                other => out.push(other),
+            }
+        }
+        out
+    };
+    let spelled = lexical(path);
+    roots.iter().any(|root| {
+        spelled.starts_with(lexical(root)) || resolve(root).is_ok_and(|r| spelled.starts_with(r))
+    })
 }
 
 /// Whether a session's `fields` name any directory: confining them is file work, which a
@@ -447,7 +483,37 @@ mod tests {
         assert!(matches!(e, ConfineError::Outside { .. }), "{e}");
         assert!(e.to_string().contains("allowed_work_roots"), "{e}");
         let e = confine("w", &l.root.join("missing/../../outside"), &roots).unwrap_err();
+        assert!(matches!(e, ConfineError::Outside { .. }), "{e}");
+        // Inside a root, why it cannot be resolved is said.
+        let e = confine("w", &l.root.join("missing/../project"), &roots).unwrap_err();
         assert!(matches!(e, ConfineError::Unresolvable { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_path_outside_every_root_is_refused_alike_whether_or_not_its_names_exist() {
+        // Another agent's directory: whether a name exists there must not show in the refusal.
+        let l = layout();
+        let roots = [l.root.clone()];
+        std::fs::create_dir_all(l.outside.join("exists")).unwrap();
+        symlink(l.outside.join("later"), l.outside.join("dangling")).unwrap();
+        let refusals: Vec<String> = [
+            "exists/..",
+            "missing/..",
+            "dangling",
+            "dangling/sub",
+            "exists",
+        ]
+        .into_iter()
+        .map(|probe| {
+            let e = confine("w", &l.outside.join(probe), &roots).unwrap_err();
+            assert!(matches!(e, ConfineError::Outside { .. }), "{probe}: {e}");
+            e.to_string().replace(probe, "<probe>")
+        })
+        .collect();
+        assert!(
+            refusals.windows(2).all(|pair| pair[0] == pair[1]),
+            "{refusals:#?}"
+        );
     }
 
     #[test]
