@@ -101,6 +101,57 @@ where
     }
 }
 
+/// Formats a base URL for `Debug` without its query or user info, which may hold a key (an
+/// Azure Functions `?code=`, a SAS signature under a name that does not look like one):
+/// `https://host/path?[redacted]`. Works for `String` and `Option<String>`.
+pub struct RedactedUrl<'a, U: ?Sized>(pub &'a U);
+
+impl fmt::Debug for RedactedUrl<'_, str> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (before_query, query) = match self.0.split_once('?') {
+            Some((before, _)) => (before, "?[redacted]"),
+            None => (self.0, ""),
+        };
+        // User info sits between the scheme's `//` and the host's first `@`.
+        let shown = match before_query.split_once("://") {
+            Some((scheme, rest)) => match rest.split_once('/') {
+                Some((authority, path)) => {
+                    format!("{scheme}://{}/{path}", without_userinfo(authority))
+                }
+                None => format!("{scheme}://{}", without_userinfo(rest)),
+            },
+            None => before_query.to_owned(),
+        };
+        write!(f, "{:?}", format!("{shown}{query}"))
+    }
+}
+
+impl fmt::Debug for RedactedUrl<'_, String> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        RedactedUrl(self.0.as_str()).fmt(f)
+    }
+}
+
+impl fmt::Debug for RedactedUrl<'_, Option<String>> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(url) => f
+                .debug_tuple("Some")
+                .field(&RedactedUrl(url.as_str()))
+                .finish(),
+            None => f.write_str("None"),
+        }
+    }
+}
+
+/// `authority` with its user info, if any, replaced by `[redacted]`.
+fn without_userinfo(authority: &str) -> String {
+    match authority.rsplit_once('@') {
+        Some((_, host)) => format!("[redacted]@{host}"),
+        None => authority.to_owned(),
+    }
+}
+
 /// A header entry seen through [`RedactedHeaders`].
 pub trait HeaderPair {
     /// The name and a printable value.
@@ -197,6 +248,48 @@ fn found_kind(found: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_base_url_prints_without_its_query_or_user_info() {
+        let shown = |url: &str| format!("{:?}", RedactedUrl(url));
+        assert_eq!(
+            shown("https://fn.example/api/chat?code=k3y-4711"),
+            "\"https://fn.example/api/chat?[redacted]\""
+        );
+        assert_eq!(
+            shown("https://user:pw@llm.example:8443/v1"),
+            "\"https://[redacted]@llm.example:8443/v1\""
+        );
+        assert_eq!(
+            shown("https://llm.example/v1"),
+            "\"https://llm.example/v1\""
+        );
+        let some = Some("https://llm.example/v1?sv=2024&sig=s3cr3t".to_owned());
+        let printed = format!("{:?}", RedactedUrl(&some));
+        assert_eq!(printed, "Some(\"https://llm.example/v1?[redacted]\")");
+        // Where it is used: a provider, a Claude and a one-shot CLI's configuration.
+        let provider = crate::rpc::messages::ProviderConfig::openai(
+            "https://fn.example/v1?code=k3y-4711",
+            None,
+        );
+        let mut claude =
+            crate::backend::claude_live::ClaudeLiveConfig::new("/bin/claude", "/h", "/w");
+        claude.base_url = Some("https://fn.example/v1?code=k3y-4711".into());
+        let mut codex = crate::backend::oneshot::OneshotConfig::new(
+            "codex-cli",
+            crate::backend::CliBackendConfig::codex_cli(),
+            "/h",
+            "/w",
+        );
+        codex.base_url = Some("https://fn.example/v1?code=k3y-4711".into());
+        for printed in [
+            format!("{provider:?}"),
+            format!("{claude:?}"),
+            format!("{codex:?}"),
+        ] {
+            assert!(!printed.contains("k3y-4711"), "{printed}");
+        }
+    }
 
     #[test]
     fn a_json_error_names_the_kind_of_value_found_never_the_value() {

@@ -160,7 +160,7 @@ impl std::fmt::Debug for ClaudeLiveConfig {
             .field("backend", &self.backend)
             .field("home", &self.home)
             .field("cwd", &self.cwd)
-            .field("base_url", &self.base_url)
+            .field("base_url", &crate::secret::RedactedUrl(&self.base_url))
             .field("api_key", &self.api_key)
             .field("model", &self.model)
             .field("session_id", &self.session_id)

@@ -544,7 +544,7 @@ impl std::fmt::Debug for OneshotConfig {
             .field("dialect", &self.dialect)
             .field("home", &self.home)
             .field("cwd", &self.cwd)
-            .field("base_url", &self.base_url)
+            .field("base_url", &crate::secret::RedactedUrl(&self.base_url))
             .field("api_key", &self.api_key)
             .field("key_env", &self.key_env)
             .field("model", &self.model)

@@ -306,7 +306,7 @@ impl std::fmt::Debug for ProviderConfig {
         f.debug_struct("ProviderConfig")
             .field("kind", &self.kind)
             .field("wire_api", &self.wire_api)
-            .field("base_url", &self.base_url)
+            .field("base_url", &crate::secret::RedactedUrl(&self.base_url))
             .field("api_key", &self.api_key)
             .field("bearer_token", &self.bearer_token)
             .field("azure", &self.azure)
