@@ -4,8 +4,9 @@
 //!
 //! * [`Replays`] — the keys seen, per conversation: the body's hash and the turn's state
 //!   (running, or ended with its summary). An ended turn's summary is kept for
-//!   [`IdempotencyLimits::ttl`] and within [`IdempotencyLimits::max_bytes`] (the oldest
-//!   forgotten first); a running one for as long as it runs. In memory: a restart of the
+//!   [`IdempotencyLimits::ttl`] and within [`IdempotencyLimits::max_bytes`] (past the bytes,
+//!   the oldest of the agent holding the most is forgotten first, so one busy agent's turns
+//!   push out its own replays, not a quiet agent's); a running one for as long as it runs. In memory: a restart of the
 //!   daemon, or another replica, does not know the key (the retry runs).
 //! * [`Claim`] — what a request with a key gets: to run (holding a [`Pending`] that records
 //!   the turn's end), or the running turn's refusal, or the ended turn's summary, or the
@@ -37,8 +38,8 @@ pub struct IdempotencyLimits {
     /// keeps none: a retry after the end runs again).
     pub ttl: Duration,
     /// Bytes of ended turns kept at most, each counted as its summary's JSON and its keys
-    /// (default 16 MiB); past it the oldest are forgotten first, and a summary larger than
-    /// the whole bound is not kept.
+    /// (default 16 MiB); past it the oldest of the agent holding the most bytes are
+    /// forgotten first, and a summary larger than the whole bound is not kept.
     pub max_bytes: usize,
 }
 
@@ -93,7 +94,14 @@ struct Core {
     /// The ended entries, oldest first.
     ended: VecDeque<Ended>,
     bytes: usize,
+    /// The bytes of the ended entries of each agent (none at 0).
+    agent_bytes: HashMap<String, usize>,
     next_generation: u64,
+}
+
+/// The agent of a conversation's key (`agent/session key`).
+fn agent_of(scope: &Scope) -> &str {
+    crate::ids::ConversationId::split_key(&scope.0).map_or(scope.0.as_str(), |(agent, _)| agent)
 }
 
 /// The keys seen (see the module's documentation).
@@ -185,6 +193,10 @@ impl Replays {
             entry.state = State::Ended(Arc::new(summary.clone()));
         }
         core.bytes += bytes;
+        *core
+            .agent_bytes
+            .entry(agent_of(scope).to_owned())
+            .or_default() += bytes;
         core.ended.push_back(Ended {
             scope: scope.clone(),
             generation,
@@ -201,24 +213,55 @@ impl Replays {
 }
 
 impl Core {
-    /// Forgets the ended turns past the time limit, then the oldest while past the bytes.
+    /// Forgets the ended turns past the time limit, then, while past the bytes, the oldest
+    /// of the agent holding the most bytes.
     fn forget_old(&mut self, now: Instant, limits: &IdempotencyLimits) {
-        while let Some(oldest) = self.ended.front() {
-            let expired = now.saturating_duration_since(oldest.at) >= limits.ttl;
-            if !expired && self.bytes <= limits.max_bytes {
-                break;
-            }
-            let Some(oldest) = self.ended.pop_front() else {
+        while self
+            .ended
+            .front()
+            .is_some_and(|oldest| now.saturating_duration_since(oldest.at) >= limits.ttl)
+        {
+            self.forget_at(0);
+        }
+        while self.bytes > limits.max_bytes {
+            let Some(heaviest) = self
+                .agent_bytes
+                .iter()
+                .max_by_key(|(_, bytes)| **bytes)
+                .map(|(agent, _)| agent.clone())
+            else {
                 break;
             };
-            self.bytes -= oldest.bytes;
-            if self
-                .entries
-                .get(&oldest.scope)
-                .is_some_and(|e| e.generation == oldest.generation)
-            {
-                self.entries.remove(&oldest.scope);
+            let Some(at) = self
+                .ended
+                .iter()
+                .position(|e| agent_of(&e.scope) == heaviest)
+            else {
+                break;
+            };
+            self.forget_at(at);
+        }
+    }
+
+    /// Forgets the ended entry at `at` of the order.
+    fn forget_at(&mut self, at: usize) {
+        let Some(ended) = self.ended.remove(at) else {
+            return;
+        };
+        self.bytes -= ended.bytes;
+        let agent = agent_of(&ended.scope);
+        if let Some(held) = self.agent_bytes.get_mut(agent) {
+            *held -= ended.bytes;
+            if *held == 0 {
+                self.agent_bytes.remove(agent);
             }
+        }
+        if self
+            .entries
+            .get(&ended.scope)
+            .is_some_and(|e| e.generation == ended.generation)
+        {
+            self.entries.remove(&ended.scope);
         }
     }
 }
@@ -395,6 +438,45 @@ mod tests {
             claim(&replays, "c", b"body", later),
             Claim::Run(_)
         ));
+    }
+
+    #[test]
+    fn past_the_bytes_a_busy_agents_replays_go_before_a_quiet_agents() {
+        let replays = Replays::new(IdempotencyLimits {
+            ttl: Duration::from_secs(60),
+            max_bytes: 4700,
+        });
+        let now = Instant::now();
+        let end = |conversation: &str, key: &str| {
+            let Claim::Run(pending) = replays.claim(
+                conversation.to_owned(),
+                key.to_owned(),
+                body_hash(b"body"),
+                now,
+            ) else {
+                panic!("runs");
+            };
+            pending.ended(&summary(&"x".repeat(1000)));
+        };
+        let replayed = |conversation: &str, key: &str| {
+            matches!(
+                replays.claim(
+                    conversation.to_owned(),
+                    key.to_owned(),
+                    body_hash(b"body"),
+                    now
+                ),
+                Claim::Ended(_)
+            )
+        };
+        // The quiet agent's turn ended first; then the busy one's, more than fit.
+        end("quiet/c", "q1");
+        for key in ["b1", "b2", "b3", "b4"] {
+            end("busy/c", key);
+        }
+        assert!(replayed("quiet/c", "q1"), "the quiet agent's oldest stays");
+        assert!(!replayed("busy/c", "b1"), "the busy agent's oldest went");
+        assert!(replayed("busy/c", "b4"));
     }
 
     #[test]
