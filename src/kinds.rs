@@ -501,10 +501,12 @@ wire_enum! {
     }
 }
 
-/// Why the model guard refused a model request before any connection was made (the
-/// `reason` label of `copilot_pool_model_blocked_total`).
+/// Why the model guard refused a model request before any connection was made: a
+/// tunnelled request, or a CLI backend's provider at its lease (the `reason` label of
+/// `copilot_pool_model_blocked_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum BlockReason {
     /// Not `https` (plain `http` only to loopback with `allow_private_endpoints`).
     Scheme,

@@ -508,10 +508,11 @@ pub fn describe() {
     describe_counter!(
         MODEL_BLOCKED_TOTAL,
         Unit::Count,
-        "Model requests the guard refused before any connection, by reason (scheme, userinfo, \
-         credential_query, foreign_url, body_too_large, or the address range: loopback, \
-         private, shared, link_local, unique_local, metadata, multicast, unspecified, \
-         documentation, reserved)."
+        format!(
+            "Model requests the guard refused before any connection (a tunnelled request, or a \
+             CLI backend's provider at its lease), by reason ({}).",
+            one_of(BlockReason::ALL.map(BlockReason::label))
+        )
     );
     describe_gauge!(
         SANDBOX_ENFORCED,
@@ -1041,7 +1042,12 @@ mod tests {
                 .and_then(|(_, help, _)| help.as_deref().map(str::to_owned))
                 .unwrap_or_default()
         };
-        let listed: [(MetricKind, &str, Vec<&str>); 6] = [
+        let listed: [(MetricKind, &str, Vec<&str>); 7] = [
+            (
+                MetricKind::Counter,
+                MODEL_BLOCKED_TOTAL,
+                BlockReason::ALL.map(BlockReason::label).to_vec(),
+            ),
             (
                 MetricKind::Gauge,
                 PROCESSES,

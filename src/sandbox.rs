@@ -453,24 +453,14 @@ pub fn install_root(program: &Path) -> PathBuf {
 }
 
 /// The TCP port of an `http(s)` URL (its explicit port, else 80 or 443); `None` for
-/// anything else.
+/// anything else. Read by the WHATWG URL rules, as the model guard and the CLIs (Node's
+/// `URL`) read it: `https://host\:80/` is port 443 to all of them, so the port the sandbox
+/// opens is the one the CLI connects to and the one the guard checked.
 pub fn url_port(url: &str) -> Option<u16> {
-    let (scheme, rest) = url.split_once("://")?;
-    let default = match scheme.to_ascii_lowercase().as_str() {
-        "http" => 80,
-        "https" => HTTPS_PORT,
-        _ => return None,
-    };
-    let authority = rest.split(['/', '?', '#']).next()?;
-    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    // `[::1]:8080` or `host:8080`; a bare IPv6 literal has its colons inside brackets.
-    let port = match host_port.rsplit_once(']') {
-        Some((_, after)) => after.strip_prefix(':'),
-        None => host_port.rsplit_once(':').map(|(_, p)| p),
-    };
-    match port {
-        Some(p) if !p.is_empty() => p.parse().ok(),
-        _ => Some(default),
+    let parsed = url::Url::parse(url).ok()?;
+    match parsed.scheme() {
+        "http" | "https" => parsed.port_or_known_default(),
+        _ => None,
     }
 }
 
@@ -786,6 +776,11 @@ mod tests {
         assert_eq!(url_port("http://[::1]/v1"), Some(80));
         assert_eq!(url_port("file:///etc/passwd"), None);
         assert_eq!(url_port("http://host:notaport/"), None);
+        // A backslash ends the host as a slash does (WHATWG, as Node's URL and the guard
+        // read it): the port after it is part of the path.
+        assert_eq!(url_port("https://model.test\\:80/v1"), Some(443));
+        assert_eq!(url_port("https://model.test\\@x:80/"), Some(443));
+        assert_eq!(url_port("HTTPS://Model.Test:8443/v1"), Some(8443));
     }
 
     #[test]

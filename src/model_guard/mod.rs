@@ -32,6 +32,7 @@ mod resolve;
 mod target;
 mod tls;
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -86,9 +87,10 @@ pub struct ModelGuardConfig {
     /// The ports a request's provider may name for a CLI backend (default `[443]`). A CLI
     /// calls its model itself, and its sandbox opens the port it calls on every address to
     /// the agent's tools (Landlock walls ports, not addresses), so a tenant who names
-    /// `:80` would open the cloud metadata service to its tools. The origins of
-    /// `private_endpoints` may name any port, and any port goes with
-    /// `allow_private_endpoints` (which already lets model calls reach private addresses).
+    /// `:80` would open the cloud metadata service to its tools. A local model may name any
+    /// port: a provider whose every address is private (loopback, RFC 1918, …) where
+    /// private endpoints are allowed for it (`allow_private_endpoints`, or its origin in
+    /// `private_endpoints`).
     pub cli_provider_ports: Vec<u16>,
 }
 
@@ -171,7 +173,8 @@ pub enum GuardError {
     /// A CLI backend's provider host did not resolve, so its addresses could not be checked.
     #[error(
         "provider.base_url: {host} did not resolve ({error}); a CLI backend calls its model \
-         itself, so its host's addresses are checked before the turn: check the host name"
+         itself, so its host's addresses are checked before the turn: check the host name, \
+         or retry if the daemon's DNS is failing"
     )]
     Unresolved {
         /// The host name.
@@ -199,7 +202,14 @@ pub struct ModelGuard {
 struct Inner {
     config: ModelGuardConfig,
     tls: rustls::ClientConfig,
+    /// The places of CLI providers' lookups ([`CLI_LOOKUPS`]).
+    cli_lookups: Arc<tokio::sync::Semaphore>,
 }
+
+/// Lookups of CLI backends' provider hosts running at once over the pool: a tenant whose
+/// provider host never answers holds at most these of the resolver's places, not the ones
+/// the tunnels' model calls need.
+pub const CLI_LOOKUPS: usize = 4;
 
 impl std::fmt::Debug for Inner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -212,7 +222,11 @@ impl ModelGuard {
     pub fn new(config: ModelGuardConfig) -> Result<Self, GuardError> {
         let tls = tls::client_config(&config.extra_root_certificates_pem)?;
         Ok(Self {
-            inner: Arc::new(Inner { config, tls }),
+            inner: Arc::new(Inner {
+                config,
+                tls,
+                cli_lookups: Arc::new(tokio::sync::Semaphore::new(CLI_LOOKUPS)),
+            }),
         })
     }
 
@@ -247,7 +261,12 @@ impl ModelGuard {
     /// `copilot_pool_model_blocked_total` (the model requests the CLI would have made).
     pub async fn check_cli_provider(&self, provider: &ProviderConfig) -> Result<(), GuardError> {
         let checked = self.check_cli_provider_uncounted(provider).await;
-        if let Err(GuardError::Refused { reason, .. }) = &checked {
+        if let Err(GuardError::Refused { reason, message }) = &checked {
+            tracing::warn!(
+                reason = reason.label(),
+                "Model request refused by the guard: a CLI backend's provider at its lease: \
+                 {message}"
+            );
             crate::metrics::model_blocked(*reason);
         }
         checked
@@ -264,8 +283,8 @@ impl ModelGuard {
         let port = url
             .port_or_known_default()
             .unwrap_or(crate::sandbox::HTTPS_PORT);
-        if !allow && !config.cli_provider_ports.contains(&port) {
-            return Err(refused((
+        let port_refused = || {
+            refused((
                 BlockReason::Port,
                 format!(
                     "port {port} is not one a CLI backend's provider may use ({:?}): a CLI \
@@ -275,20 +294,43 @@ impl ModelGuard {
                      (ModelGuardConfig::cli_provider_ports in the library)",
                     config.cli_provider_ports
                 ),
-            )));
+            ))
+        };
+        let listed = config.cli_provider_ports.contains(&port);
+        if !listed && !allow {
+            return Err(port_refused());
         }
-        let Some(host) = url.host_str().filter(|_| target::ip_host(&url).is_none()) else {
-            // An IP address host: checked by check_provider.
-            return Ok(());
+        let addresses = match target::ip_host(&url) {
+            Some(ip) => vec![ip],
+            None => self.resolve_for_cli(&url, port).await?,
         };
-        let lookup = config.resolver.lookup(host, port);
-        let addresses = match tokio::time::timeout(config.connect_timeout, lookup).await {
-            Ok(Ok(addresses)) if !addresses.is_empty() => addresses,
-            Ok(Ok(_)) => return Err(unresolved(host, "no address")),
-            Ok(Err(error)) => return Err(unresolved(host, &error.to_string())),
-            Err(_) => return Err(unresolved(host, "no answer in time")),
-        };
-        target::check_addresses(&url, &addresses, allow).map_err(refused)
+        target::check_addresses(&url, &addresses, allow).map_err(refused)?;
+        // A port not listed only for a local model (every address private, where private
+        // endpoints are allowed): a public host on :80 would open the metadata service's port.
+        let local = addresses
+            .iter()
+            .all(|ip| address::classify(*ip).is_some_and(AddressClass::private_endpoint));
+        if !listed && !local {
+            return Err(port_refused());
+        }
+        Ok(())
+    }
+
+    /// The addresses of `url`'s host name, for a CLI backend's provider: at most
+    /// [`CLI_LOOKUPS`] at once over the pool (each holds its place until the resolver
+    /// returns, as a tunnel's do), within `connect_timeout`.
+    async fn resolve_for_cli(&self, url: &url::Url, port: u16) -> Result<Vec<IpAddr>, GuardError> {
+        let host = url.host_str().unwrap_or_default();
+        let resolver = &self.inner.config.resolver;
+        let lookup = resolve::holding_a_place(self.inner.cli_lookups.clone(), || {
+            resolver.lookup(host, port)
+        });
+        match tokio::time::timeout(self.inner.config.connect_timeout, lookup).await {
+            Ok(Ok(addresses)) if !addresses.is_empty() => Ok(addresses),
+            Ok(Ok(_)) => Err(unresolved(host, "no address")),
+            Ok(Err(error)) => Err(unresolved(host, &error.to_string())),
+            Err(_) => Err(unresolved(host, "no answer in time")),
+        }
     }
 
     /// The tunnel for a worker serving `provider`, after [`ModelGuard::check_provider`].

@@ -1090,7 +1090,7 @@ async fn a_cli_backends_provider_must_name_an_allowed_port_and_a_host_outside_th
     );
 
     // A name that resolves inside the network is refused as its address is; so is the
-    // metadata service even where private endpoints are allowed (and any port is).
+    // metadata service even where private endpoints are allowed.
     let inside =
         ModelGuard::new(config(false, ScriptedResolver::new(&[&["10.0.0.7"]]))).expect("guard");
     let (reason, _) = cli_refusal(&inside, "https://model.test/v1")
@@ -1103,6 +1103,18 @@ async fn a_cli_backends_provider_must_name_an_allowed_port_and_a_host_outside_th
         cli_refusal(&private, "https://model.test:8080/v1").await,
         None
     );
+    // Private endpoints allowed open any port to a local model only: a public host on :80
+    // would open the metadata service's port to the tools.
+    let allowed_public = ModelGuard::new(config(true, public())).expect("guard");
+    let (reason, _) = cli_refusal(&allowed_public, "https://model.test:80/v1")
+        .await
+        .expect("refused");
+    assert_eq!(reason, BlockReason::Port);
+    // The port the guard reads is the one the sandbox opens and the CLI connects to: a
+    // backslash ends the host, so `\:80` is part of the path and the port is 443.
+    let backslash = "https://model.test\\:80/v1";
+    assert_eq!(cli_refusal(&guard, backslash).await, None);
+    assert_eq!(crate::sandbox::url_port(backslash), Some(443));
     let metadata = ModelGuard::new(config(true, ScriptedResolver::new(&[&["169.254.169.254"]])))
         .expect("guard");
     let (reason, _) = cli_refusal(&metadata, "http://model.test:80/latest")

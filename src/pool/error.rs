@@ -157,6 +157,11 @@ pub enum PoolError {
         /// What went wrong, and the fix.
         error: String,
     },
+    /// A CLI backend's provider could not be checked before its turn (its host did not
+    /// resolve in time): not the request's fault for certain, so a retry or a fallback may
+    /// do. The message says what failed.
+    #[error("{0}")]
+    ProviderUnchecked(String),
     /// The turn failed, timed out, or was asked for in the wrong state.
     #[error(transparent)]
     Turn(TurnError),
@@ -190,9 +195,10 @@ impl PoolError {
             | PoolError::TranscriptUnremovable { .. }
             | PoolError::Bindings(_) => ErrorKind::StateUnwritable,
             PoolError::Internal(_) => ErrorKind::Internal,
-            PoolError::Worker(_) | PoolError::Turn(_) | PoolError::CliStart { .. } => {
-                ErrorKind::Runtime
-            }
+            PoolError::Worker(_)
+            | PoolError::Turn(_)
+            | PoolError::CliStart { .. }
+            | PoolError::ProviderUnchecked(_) => ErrorKind::Runtime,
         }
     }
 }

@@ -300,7 +300,12 @@ impl Pool {
                 .guard
                 .check_cli_provider(provider)
                 .await
-                .map_err(|e| PoolError::InvalidRequest(e.to_string()))?;
+                .map_err(|e| match e {
+                    crate::model_guard::GuardError::Unresolved { .. } => {
+                        PoolError::ProviderUnchecked(e.to_string())
+                    }
+                    e => PoolError::InvalidRequest(e.to_string()),
+                })?;
         }
         let tools = cli_gateway_tools(&inner.cli, &req)?;
         let (copilot_home, home) = self.cli_homes(&req)?;

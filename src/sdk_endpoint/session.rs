@@ -108,8 +108,9 @@ pub(super) fn no_stored_session(method: &str, id: &str) -> CallError {
 /// A pool error as the client sees it: the runtime's message shape, the pool's words, and
 /// the error's kind in `data`.
 ///
-/// In the SDK's terms where the pool's own would not fit: a refused request is
-/// `INVALID_PARAMS` with the refusal alone (not the library's "invalid lease request"), a
+/// In the SDK's terms where the pool's own would not fit: a refused request (kind
+/// `invalid`) is `INVALID_PARAMS`, an invalid lease request with the refusal alone (not the
+/// library's "invalid lease request"), a
 /// session with no credentials names the SDK's session options (not the HTTP API's fields),
 /// and a pool shutting down says so as a drain does.
 pub(super) fn pool_error(method: &str, error: &PoolError) -> CallError {
@@ -130,6 +131,11 @@ pub(super) fn pool_error(method: &str, error: &PoolError) -> CallError {
              restart"
                 .to_owned(),
         ),
+        // Refused for the caller's input (a sandbox that cannot hold its directory, an
+        // agent id or path it gave, other auth it sent): invalid params too.
+        other if other.kind() == crate::kinds::ErrorKind::Invalid => {
+            (INVALID_PARAMS, other.to_string())
+        }
         other => (INTERNAL_ERROR, other.to_string()),
     };
     ErrorObject {

@@ -9,7 +9,7 @@ use crate::secret::Secret;
 
 /// What a CLI backend's lease authenticates with: the model endpoint, the key, and the
 /// profile the key belongs to (a gateway auth profile: the key may be refreshed under it).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub(crate) struct CliCredentials {
     /// The model endpoint (`ANTHROPIC_BASE_URL` for Claude), `None` for the CLI's default.
     pub base_url: Option<String>,
@@ -17,6 +17,16 @@ pub(crate) struct CliCredentials {
     pub api_key: Option<Secret>,
     /// The auth profile (account) the key belongs to, when the gateway named one.
     pub profile_id: Option<String>,
+}
+
+impl std::fmt::Debug for CliCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CliCredentials")
+            .field("base_url", &crate::secret::RedactedUrl(&self.base_url))
+            .field("api_key", &self.api_key)
+            .field("profile_id", &self.profile_id)
+            .finish()
+    }
 }
 
 /// The auth identity of a lease: the endpoint and the profile when one is named (a token
