@@ -87,34 +87,59 @@ pub enum ConfineError {
 /// Resolves `path` (absolute) to the path the kernel would reach: its longest existing
 /// ancestor canonicalized, followed by the missing rest, which must be plain names.
 pub fn resolve(path: &Path) -> Result<PathBuf, String> {
+    resolve_reaching(path).map_err(|(why, _)| why)
+}
+
+/// [`resolve`], and on failure also where the resolution had got to (the deepest ancestor
+/// that canonicalized, and the plain names after it), if anywhere: a failure there is
+/// described only when that place lies inside a root, so a refusal cannot tell whether a
+/// name exists in another agent's directory.
+fn resolve_reaching(path: &Path) -> Result<PathBuf, (String, Option<PathBuf>)> {
     if !path.is_absolute() {
-        return Err("not absolute".to_owned());
+        return Err(("not absolute".to_owned(), None));
     }
+    // A failure other than a missing name (a permission, a file where a directory was
+    // named, a link loop): kept while the walk goes on to the place it got to.
+    let mut failed: Option<String> = None;
     for existing in path.ancestors() {
         match std::fs::canonicalize(existing) {
             Ok(canonical) => {
+                if let Some(why) = failed {
+                    return Err((why, Some(canonical)));
+                }
                 let rest = path
                     .strip_prefix(existing)
-                    .map_err(|e| format!("internal: {e}"))?;
+                    .map_err(|e| (format!("internal: {e}"), None))?;
                 let mut resolved = canonical;
                 for (i, component) in rest.components().enumerate() {
                     let Component::Normal(name) = component else {
-                        return Err("`..` past a directory that does not exist".to_owned());
+                        return Err((
+                            "`..` past a directory that does not exist".to_owned(),
+                            Some(resolved),
+                        ));
                     };
                     // The first missing name could not be canonicalized: it must not exist in
                     // any form (a dangling symlink would be followed once its target appears).
                     if i == 0 && std::fs::symlink_metadata(resolved.join(name)).is_ok() {
-                        return Err("a dangling symlink or an unreadable entry".to_owned());
+                        return Err((
+                            "a dangling symlink or an unreadable entry".to_owned(),
+                            Some(resolved),
+                        ));
                     }
                     resolved.push(name);
                 }
                 return Ok(resolved);
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e.to_string()),
+            Err(e) => {
+                failed.get_or_insert_with(|| e.to_string());
+            }
         }
     }
-    Err("no part of it exists".to_owned())
+    Err((
+        failed.unwrap_or_else(|| "no part of it exists".to_owned()),
+        None,
+    ))
 }
 
 /// Checks that `path` (the option `field`) resolves inside one of `roots` (each resolved the
@@ -126,12 +151,16 @@ pub fn confine(field: &str, path: &Path, roots: &[PathBuf]) -> Result<PathBuf, C
             path: path.to_path_buf(),
         });
     }
-    let resolved = match resolve(path) {
+    let resolved_roots: Vec<PathBuf> = roots.iter().filter_map(|root| resolve(root).ok()).collect();
+    let resolved = match resolve_reaching(path) {
         Ok(resolved) => resolved,
-        // Why a path that is not even spelled inside a root cannot be resolved is not said:
-        // a dangling symlink, `..` past a missing directory or a permission error would tell
-        // a caller whether a name exists in another agent's directory.
-        Err(why) if spelled_inside(path, roots) => {
+        // Why a path cannot be resolved is said only where the resolution got to inside a
+        // root: elsewhere, a dangling symlink, `..` past a missing directory or a permission
+        // error would tell a caller whether a name exists in another agent's directory (also
+        // through a symlink inside a root that points there).
+        Err((why, Some(reached)))
+            if resolved_roots.iter().any(|root| reached.starts_with(root)) =>
+        {
             return Err(ConfineError::Unresolvable {
                 field: field.to_owned(),
                 path: path.to_path_buf(),
@@ -146,10 +175,7 @@ pub fn confine(field: &str, path: &Path, roots: &[PathBuf]) -> Result<PathBuf, C
         }
     };
     // `Path::starts_with` compares whole components: `/work2` is not under `/work`.
-    let inside = roots
-        .iter()
-        .filter_map(|root| resolve(root).ok())
-        .any(|root| resolved.starts_with(&root));
+    let inside = resolved_roots.iter().any(|root| resolved.starts_with(root));
     if inside {
         Ok(resolved)
     } else {
@@ -158,28 +184,6 @@ pub fn confine(field: &str, path: &Path, roots: &[PathBuf]) -> Result<PathBuf, C
             path: path.to_path_buf(),
         })
     }
-}
-
-/// Whether `path`, read without the file system (`.` dropped, `..` taking off the name
-/// before it), lies under one of `roots` as given or as resolved.
-fn spelled_inside(path: &Path, roots: &[PathBuf]) -> bool {
-    let lexical = |path: &Path| {
-        let mut out = PathBuf::new();
-        for component in path.components() {
-            match component {
-                Component::CurDir => {}
-                Component::ParentDir => {
-                    out.pop();
-                }
-                other => out.push(other),
-            }
-        }
-        out
-    };
-    let spelled = lexical(path);
-    roots.iter().any(|root| {
-        spelled.starts_with(lexical(root)) || resolve(root).is_ok_and(|r| spelled.starts_with(r))
-    })
 }
 
 /// Whether a session's `fields` name any directory: confining them is file work, which a
@@ -482,9 +486,9 @@ mod tests {
         let e = confine("workingDirectory", &l.root.join("../outside"), &roots).unwrap_err();
         assert!(matches!(e, ConfineError::Outside { .. }), "{e}");
         assert!(e.to_string().contains("allowed_work_roots"), "{e}");
-        let e = confine("w", &l.root.join("missing/../../outside"), &roots).unwrap_err();
-        assert!(matches!(e, ConfineError::Outside { .. }), "{e}");
         // Inside a root, why it cannot be resolved is said.
+        let e = confine("w", &l.root.join("missing/../../outside"), &roots).unwrap_err();
+        assert!(matches!(e, ConfineError::Unresolvable { .. }), "{e}");
         let e = confine("w", &l.root.join("missing/../project"), &roots).unwrap_err();
         assert!(matches!(e, ConfineError::Unresolvable { .. }), "{e}");
     }
@@ -496,24 +500,31 @@ mod tests {
         let roots = [l.root.clone()];
         std::fs::create_dir_all(l.outside.join("exists")).unwrap();
         symlink(l.outside.join("later"), l.outside.join("dangling")).unwrap();
-        let refusals: Vec<String> = [
-            "exists/..",
-            "missing/..",
-            "dangling",
-            "dangling/sub",
-            "exists",
-        ]
-        .into_iter()
-        .map(|probe| {
-            let e = confine("w", &l.outside.join(probe), &roots).unwrap_err();
-            assert!(matches!(e, ConfineError::Outside { .. }), "{probe}: {e}");
-            e.to_string().replace(probe, "<probe>")
-        })
-        .collect();
-        assert!(
-            refusals.windows(2).all(|pair| pair[0] == pair[1]),
-            "{refusals:#?}"
-        );
+        std::fs::write(l.outside.join("file"), "x").unwrap();
+        // Named directly, or through a symlink inside the root that points there.
+        symlink(&l.outside, l.root.join("link")).unwrap();
+        for base in [l.outside.clone(), l.root.join("link")] {
+            let refusals: Vec<String> = [
+                "exists/..",
+                "missing/..",
+                "dangling",
+                "dangling/sub",
+                "exists",
+                "file/sub",
+            ]
+            .into_iter()
+            .map(|probe| {
+                let path = base.join(probe);
+                let e = confine("w", &path, &roots).unwrap_err();
+                assert!(matches!(e, ConfineError::Outside { .. }), "{probe}: {e}");
+                e.to_string().replace(&*path.to_string_lossy(), "<probe>")
+            })
+            .collect();
+            assert!(
+                refusals.windows(2).all(|pair| pair[0] == pair[1]),
+                "{refusals:#?}"
+            );
+        }
     }
 
     #[test]
