@@ -202,14 +202,20 @@ pub struct ModelGuard {
 struct Inner {
     config: ModelGuardConfig,
     tls: rustls::ClientConfig,
-    /// The places of CLI providers' lookups ([`CLI_LOOKUPS`]).
+    /// The places of CLI providers' lookups over the pool ([`CLI_LOOKUPS`]).
     cli_lookups: Arc<tokio::sync::Semaphore>,
+    /// Each agent's places among them ([`CLI_LOOKUPS_PER_AGENT`]), while it has lookups.
+    agent_lookups: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>,
 }
 
-/// Lookups of CLI backends' provider hosts running at once over the pool: a tenant whose
-/// provider host never answers holds at most these of the resolver's places, not the ones
+/// Lookups of CLI backends' provider hosts running at once over the pool: tenants whose
+/// provider hosts never answer hold at most these of the resolver's places, not the ones
 /// the tunnels' model calls need.
-pub const CLI_LOOKUPS: usize = 4;
+pub const CLI_LOOKUPS: usize = 16;
+
+/// Of [`CLI_LOOKUPS`], one agent's at once: an agent whose provider host never answers
+/// stalls its own CLI turns' checks, not the other agents'.
+pub const CLI_LOOKUPS_PER_AGENT: usize = 2;
 
 impl std::fmt::Debug for Inner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -226,6 +232,7 @@ impl ModelGuard {
                 config,
                 tls,
                 cli_lookups: Arc::new(tokio::sync::Semaphore::new(CLI_LOOKUPS)),
+                agent_lookups: std::sync::Mutex::default(),
             }),
         })
     }
@@ -259,8 +266,12 @@ impl ModelGuard {
     /// (the tunnel's pinning does that for the Copilot runtime). A name that does not
     /// resolve is refused: the check cannot be made. A refusal counts in
     /// `copilot_pool_model_blocked_total` (the model requests the CLI would have made).
-    pub async fn check_cli_provider(&self, provider: &ProviderConfig) -> Result<(), GuardError> {
-        let checked = self.check_cli_provider_uncounted(provider).await;
+    pub async fn check_cli_provider(
+        &self,
+        provider: &ProviderConfig,
+        agent: &str,
+    ) -> Result<(), GuardError> {
+        let checked = self.check_cli_provider_uncounted(provider, agent).await;
         if let Err(GuardError::Refused { reason, message }) = &checked {
             tracing::warn!(
                 reason = reason.label(),
@@ -275,6 +286,7 @@ impl ModelGuard {
     async fn check_cli_provider_uncounted(
         &self,
         provider: &ProviderConfig,
+        agent: &str,
     ) -> Result<(), GuardError> {
         self.check_provider(provider)?;
         let url = target::parse_base(&provider.base_url)?;
@@ -302,7 +314,7 @@ impl ModelGuard {
         }
         let addresses = match target::ip_host(&url) {
             Some(ip) => vec![ip],
-            None => self.resolve_for_cli(&url, port).await?,
+            None => self.resolve_for_cli(&url, port, agent).await?,
         };
         target::check_addresses(&url, &addresses, allow).map_err(refused)?;
         // A port not listed only for a local model (every address private, where private
@@ -316,14 +328,23 @@ impl ModelGuard {
         Ok(())
     }
 
-    /// The addresses of `url`'s host name, for a CLI backend's provider: at most
-    /// [`CLI_LOOKUPS`] at once over the pool (each holds its place until the resolver
-    /// returns, as a tunnel's do), within `connect_timeout`.
-    async fn resolve_for_cli(&self, url: &url::Url, port: u16) -> Result<Vec<IpAddr>, GuardError> {
+    /// The addresses of `url`'s host name, for a CLI backend's provider of `agent`: at most
+    /// [`CLI_LOOKUPS`] at once over the pool and [`CLI_LOOKUPS_PER_AGENT`] of the agent's
+    /// (each holds its places until the resolver returns, as a tunnel's do), within
+    /// `connect_timeout`.
+    async fn resolve_for_cli(
+        &self,
+        url: &url::Url,
+        port: u16,
+        agent: &str,
+    ) -> Result<Vec<IpAddr>, GuardError> {
         let host = url.host_str().unwrap_or_default();
-        let resolver = &self.inner.config.resolver;
-        let lookup = resolve::holding_a_place(self.inner.cli_lookups.clone(), || {
-            resolver.lookup(host, port)
+        // Asked of the resolver only once it holds both places.
+        let resolver = self.inner.config.resolver.clone();
+        let name = host.to_owned();
+        let pool_places = self.inner.cli_lookups.clone();
+        let lookup = resolve::holding_a_place(self.agent_places(agent), move || {
+            resolve::holding_a_place(pool_places, move || resolver.lookup(&name, port))
         });
         match tokio::time::timeout(self.inner.config.connect_timeout, lookup).await {
             Ok(Ok(addresses)) if !addresses.is_empty() => Ok(addresses),
@@ -331,6 +352,19 @@ impl ModelGuard {
             Ok(Err(error)) => Err(unresolved(host, &error.to_string())),
             Err(_) => Err(unresolved(host, "no answer in time")),
         }
+    }
+
+    /// `agent`'s lookup places; the places of agents with no lookup left are let go.
+    fn agent_places(&self, agent: &str) -> Arc<tokio::sync::Semaphore> {
+        let Ok(mut places) = self.inner.agent_lookups.lock() else {
+            // A poisoned map: a place of its own (the pool's bound still holds).
+            return Arc::new(tokio::sync::Semaphore::new(CLI_LOOKUPS_PER_AGENT));
+        };
+        places.retain(|_, held| Arc::strong_count(held) > 1);
+        places
+            .entry(agent.to_owned())
+            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(CLI_LOOKUPS_PER_AGENT)))
+            .clone()
     }
 
     /// The tunnel for a worker serving `provider`, after [`ModelGuard::check_provider`].

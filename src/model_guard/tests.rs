@@ -1054,7 +1054,10 @@ async fn a_provider_host_whose_dns_never_answers_holds_a_few_lookups_and_stalls_
 
 /// The reason a CLI provider check refused `base_url` for, or `None` when it passed.
 async fn cli_refusal(guard: &ModelGuard, base_url: &str) -> Option<(BlockReason, String)> {
-    match guard.check_cli_provider(&provider(base_url)).await {
+    match guard
+        .check_cli_provider(&provider(base_url), "agent-a")
+        .await
+    {
         Ok(()) => None,
         Err(GuardError::Refused { reason, message }) => Some((reason, message)),
         Err(other) => panic!("{base_url}: {other}"),
@@ -1125,11 +1128,47 @@ async fn a_cli_backends_provider_must_name_an_allowed_port_and_a_host_outside_th
     // A name with no address cannot be checked: refused, saying so.
     let nowhere = ModelGuard::new(config(false, ScriptedResolver::new(&[&[]]))).expect("guard");
     let error = nowhere
-        .check_cli_provider(&provider("https://model.test/v1"))
+        .check_cli_provider(&provider("https://model.test/v1"), "agent-a")
         .await
         .expect_err("unresolved");
     assert!(
         matches!(error, GuardError::Unresolved { .. }) && error.to_string().contains("model.test"),
         "{error}"
     );
+}
+
+#[tokio::test]
+async fn an_agent_whose_cli_provider_host_never_answers_stalls_no_other_agents_cli_turns() {
+    let resolver = Arc::new(StuckResolver {
+        started: AtomicUsize::new(0),
+        release: Arc::new(Notify::new()),
+    });
+    let mut config = config(true, resolver.clone());
+    // The bound the test waits out: each stuck check gives up after it.
+    config.connect_timeout = Duration::from_secs(1);
+    let stuck_provider = provider("https://stuck.test/v1");
+    let guard = ModelGuard::new(config).expect("guard");
+    // Agent a asks for as many checks as the pool has places, all on a name that never
+    // answers: it holds its own places only, the rest wait for one and give up.
+    let stuck = futures_util::future::join_all(
+        (0..CLI_LOOKUPS).map(|_| guard.check_cli_provider(&stuck_provider, "agent-a")),
+    )
+    .await;
+    assert!(
+        stuck
+            .iter()
+            .all(|c| matches!(c, Err(GuardError::Unresolved { .. }))),
+        "{stuck:?}"
+    );
+    assert_eq!(
+        resolver.started.load(Ordering::SeqCst),
+        CLI_LOOKUPS_PER_AGENT,
+        "the agent's checks past its places started no lookup"
+    );
+    // Another agent's provider resolves meanwhile (its lookups still running).
+    guard
+        .check_cli_provider(&provider("https://model.test:8080/v1"), "agent-b")
+        .await
+        .expect("agent b's local model");
+    resolver.release.notify_waiters();
 }

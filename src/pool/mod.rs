@@ -298,7 +298,7 @@ impl Pool {
             validate_provider(provider)?;
             self.inner
                 .guard
-                .check_cli_provider(provider)
+                .check_cli_provider(provider, &req.agent_id)
                 .await
                 .map_err(|e| match e {
                     crate::model_guard::GuardError::Unresolved { .. } => {
