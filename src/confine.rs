@@ -104,12 +104,14 @@ fn resolve_reaching(path: &Path) -> Result<PathBuf, (String, Option<PathBuf>)> {
     for existing in path.ancestors() {
         match std::fs::canonicalize(existing) {
             Ok(canonical) => {
-                if let Some(why) = failed {
-                    return Err((why, Some(canonical)));
-                }
                 let rest = path
                     .strip_prefix(existing)
                     .map_err(|e| (format!("internal: {e}"), None))?;
+                if let Some(why) = failed {
+                    // Failed past a symlink: where it points, not here, is where it failed.
+                    let reached = (!first_is_symlink(&canonical, rest)).then_some(canonical);
+                    return Err((why, reached));
+                }
                 let mut resolved = canonical;
                 for (i, component) in rest.components().enumerate() {
                     let Component::Normal(name) = component else {
@@ -120,11 +122,9 @@ fn resolve_reaching(path: &Path) -> Result<PathBuf, (String, Option<PathBuf>)> {
                     };
                     // The first missing name could not be canonicalized: it must not exist in
                     // any form (a dangling symlink would be followed once its target appears).
+                    // Where it got to is unknown: its target may lie anywhere.
                     if i == 0 && std::fs::symlink_metadata(resolved.join(name)).is_ok() {
-                        return Err((
-                            "a dangling symlink or an unreadable entry".to_owned(),
-                            Some(resolved),
-                        ));
+                        return Err(("a dangling symlink or an unreadable entry".to_owned(), None));
                     }
                     resolved.push(name);
                 }
@@ -140,6 +140,15 @@ fn resolve_reaching(path: &Path) -> Result<PathBuf, (String, Option<PathBuf>)> {
         failed.unwrap_or_else(|| "no part of it exists".to_owned()),
         None,
     ))
+}
+
+/// Whether the first name of `rest` is a symlink in `dir`.
+fn first_is_symlink(dir: &Path, rest: &Path) -> bool {
+    match rest.components().next() {
+        Some(Component::Normal(name)) => std::fs::symlink_metadata(dir.join(name))
+            .is_ok_and(|meta| meta.file_type().is_symlink()),
+        _ => false,
+    }
 }
 
 /// Checks that `path` (the option `field`) resolves inside one of `roots` (each resolved the
@@ -501,6 +510,7 @@ mod tests {
         std::fs::create_dir_all(l.outside.join("exists")).unwrap();
         symlink(l.outside.join("later"), l.outside.join("dangling")).unwrap();
         std::fs::write(l.outside.join("file"), "x").unwrap();
+        std::fs::create_dir_all(l.outside.join("closed")).unwrap();
         // Named directly, or through a symlink inside the root that points there.
         symlink(&l.outside, l.root.join("link")).unwrap();
         for base in [l.outside.clone(), l.root.join("link")] {
@@ -525,6 +535,41 @@ mod tests {
                 "{refusals:#?}"
             );
         }
+        // A symlink the agent makes in its root, probing a name outside: a missing target, a
+        // file where a directory is named, one in a directory it may not read. Each refused
+        // as the same symlink to an existing directory is.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(
+            l.outside.join("closed"),
+            std::fs::Permissions::from_mode(0o000),
+        )
+        .unwrap();
+        let probes = [
+            l.outside.join("exists"),
+            l.outside.join("missing"),
+            l.outside.join("file/sub"),
+            l.outside.join("closed/x"),
+        ];
+        let refusals: Vec<String> = probes
+            .iter()
+            .enumerate()
+            .map(|(i, target)| {
+                let link = l.root.join(format!("probe{i}"));
+                symlink(target, &link).unwrap();
+                let e = confine("w", &link, &roots).unwrap_err();
+                assert!(matches!(e, ConfineError::Outside { .. }), "{target:?}: {e}");
+                e.to_string().replace(&*link.to_string_lossy(), "<probe>")
+            })
+            .collect();
+        std::fs::set_permissions(
+            l.outside.join("closed"),
+            std::fs::Permissions::from_mode(0o700),
+        )
+        .unwrap();
+        assert!(
+            refusals.windows(2).all(|pair| pair[0] == pair[1]),
+            "{refusals:#?}"
+        );
     }
 
     #[test]
@@ -545,12 +590,13 @@ mod tests {
         );
         // Below the symlink, existing or not.
         assert!(confine("w", &l.root.join("escape/sub"), &roots).is_err());
-        // A dangling symlink: its target could appear later, outside.
+        // A dangling symlink: its target could appear later, outside. Refused as outside:
+        // whether its target exists is not said.
         symlink(l.outside.join("later"), l.root.join("dangling")).unwrap();
         let e = confine("w", &l.root.join("dangling"), &roots).unwrap_err();
-        assert!(matches!(e, ConfineError::Unresolvable { .. }), "{e}");
+        assert!(matches!(e, ConfineError::Outside { .. }), "{e}");
         let e = confine("w", &l.root.join("dangling/sub"), &roots).unwrap_err();
-        assert!(matches!(e, ConfineError::Unresolvable { .. }), "{e}");
+        assert!(matches!(e, ConfineError::Outside { .. }), "{e}");
     }
 
     #[test]

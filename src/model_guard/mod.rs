@@ -339,13 +339,24 @@ impl ModelGuard {
         agent: &str,
     ) -> Result<Vec<IpAddr>, GuardError> {
         let host = url.host_str().unwrap_or_default();
-        // Asked of the resolver only once it holds both places.
-        let resolver = self.inner.config.resolver.clone();
-        let name = host.to_owned();
+        let agent_places = self.agent_places(agent);
         let pool_places = self.inner.cli_lookups.clone();
-        let lookup = resolve::holding_a_place(self.agent_places(agent), move || {
-            resolve::holding_a_place(pool_places, move || resolver.lookup(&name, port))
-        });
+        let resolver = &self.inner.config.resolver;
+        // Both places are waited for here (a check that gives up meanwhile starts nothing);
+        // once held, the lookup runs in a task that keeps them until the resolver returns.
+        let lookup = async {
+            let closed = |_| std::io::Error::other("the lookup places are closed");
+            let agent_place = agent_places.acquire_owned().await.map_err(closed)?;
+            let pool_place = pool_places.acquire_owned().await.map_err(closed)?;
+            let lookup = resolver.lookup(host, port);
+            tokio::spawn(async move {
+                let addresses = lookup.await;
+                drop((agent_place, pool_place));
+                addresses
+            })
+            .await
+            .map_err(std::io::Error::other)?
+        };
         match tokio::time::timeout(self.inner.config.connect_timeout, lookup).await {
             Ok(Ok(addresses)) if !addresses.is_empty() => Ok(addresses),
             Ok(Ok(_)) => Err(unresolved(host, "no address")),

@@ -176,6 +176,13 @@ impl PoolError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             PoolError::Home(home) if !home.is_callers() => ErrorKind::StateUnwritable,
+            // The agent's temporary directory could not be made: the machine's, not the
+            // request's.
+            PoolError::Sandbox(sandbox)
+                if matches!(**sandbox, crate::sandbox::SandboxError::TempDir { .. }) =>
+            {
+                ErrorKind::StateUnwritable
+            }
             PoolError::Auth(_)
             | PoolError::Home(_)
             | PoolError::InvalidRequest(_)
@@ -328,6 +335,26 @@ mod tests {
             ),
             (PoolError::Worker(WorkerError::Stopped), ErrorKind::Runtime),
             (PoolError::Internal("x".into()), ErrorKind::Internal),
+            (
+                crate::sandbox::SandboxError::TempDir {
+                    path: "/agents/a/tmp".into(),
+                    source: std::io::Error::other("read-only file system"),
+                }
+                .into(),
+                ErrorKind::StateUnwritable,
+            ),
+            (
+                crate::sandbox::SandboxError::WorkingDirectoryOutside {
+                    path: "/elsewhere".into(),
+                    allowed: "/agents/a".into(),
+                }
+                .into(),
+                ErrorKind::Invalid,
+            ),
+            (
+                PoolError::ProviderUnchecked("x did not resolve".into()),
+                ErrorKind::Runtime,
+            ),
         ];
         for (error, kind) in cases {
             assert_eq!(error.kind(), kind, "{error:?}");
