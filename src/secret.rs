@@ -108,21 +108,19 @@ pub struct RedactedUrl<'a, U: ?Sized>(pub &'a U);
 
 impl fmt::Debug for RedactedUrl<'_, str> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (before_query, query) = match self.0.split_once('?') {
-            Some((before, _)) => (before, "?[redacted]"),
-            None => (self.0, ""),
+        // Read as the guard and the CLIs read it; what does not parse is not shown at all.
+        let Ok(mut url) = url::Url::parse(self.0) else {
+            return f.write_str("\"[redacted: not a URL]\"");
         };
-        // User info sits between the scheme's `//` and the host's first `@`.
-        let shown = match before_query.split_once("://") {
-            Some((scheme, rest)) => match rest.split_once('/') {
-                Some((authority, path)) => {
-                    format!("{scheme}://{}/{path}", without_userinfo(authority))
-                }
-                None => format!("{scheme}://{}", without_userinfo(rest)),
-            },
-            None => before_query.to_owned(),
-        };
-        write!(f, "{:?}", format!("{shown}{query}"))
+        if url.query().is_some() {
+            url.set_query(Some("[redacted]"));
+        }
+        if !url.username().is_empty() || url.password().is_some() {
+            let _ = url.set_username("redacted");
+            let _ = url.set_password(None);
+        }
+        url.set_fragment(None);
+        write!(f, "{:?}", url.as_str())
     }
 }
 
@@ -141,14 +139,6 @@ impl fmt::Debug for RedactedUrl<'_, Option<String>> {
                 .finish(),
             None => f.write_str("None"),
         }
-    }
-}
-
-/// `authority` with its user info, if any, replaced by `[redacted]`.
-fn without_userinfo(authority: &str) -> String {
-    match authority.rsplit_once('@') {
-        Some((_, host)) => format!("[redacted]@{host}"),
-        None => authority.to_owned(),
     }
 }
 
@@ -257,8 +247,8 @@ mod tests {
             "\"https://fn.example/api/chat?[redacted]\""
         );
         assert_eq!(
-            shown("https://user:pw@llm.example:8443/v1"),
-            "\"https://[redacted]@llm.example:8443/v1\""
+            shown("https://user:pw@llm.example:8443/v1#frag"),
+            "\"https://redacted@llm.example:8443/v1\""
         );
         assert_eq!(
             shown("https://llm.example/v1"),

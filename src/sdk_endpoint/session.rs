@@ -1231,6 +1231,41 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_pool_error_reaches_an_sdk_client_in_its_terms() {
+        let said = |error: PoolError| pool_error("session.create", &error);
+        // The caller's to fix: invalid params, the refusal alone.
+        let refused = said(PoolError::InvalidRequest("provider.base_url: no".into()));
+        assert_eq!(refused.code, INVALID_PARAMS);
+        assert!(
+            !refused.message.contains("invalid lease request"),
+            "{refused:?}"
+        );
+        // No credentials: the SDK's session options, not the HTTP API's fields.
+        let none = said(PoolError::Auth(crate::auth::AuthError::NoCredentials));
+        assert_eq!(none.code, INVALID_PARAMS);
+        assert!(
+            none.message.contains("gitHubToken") && !none.message.contains("resolved_token"),
+            "{none:?}"
+        );
+        // A pool shutting down says so, as a drain does.
+        let closed = said(PoolError::Closed);
+        assert_eq!(closed.code, INTERNAL_ERROR);
+        assert!(
+            closed.message.contains("shutting down") && !closed.message.contains("new pool"),
+            "{closed:?}"
+        );
+        // The machine's fault is not the caller's.
+        let machine = said(
+            crate::sandbox::SandboxError::TempDir {
+                path: "/agents/a/tmp".into(),
+                source: std::io::Error::other("read-only file system"),
+            }
+            .into(),
+        );
+        assert_eq!(machine.code, INTERNAL_ERROR, "{machine:?}");
+    }
+
+    #[test]
     fn an_sdk_session_id_is_a_plain_name_that_cannot_leave_the_home() {
         assert!(validate_session_id("0b9c6a4e-8f7e-4c43-9d7b-1f0e2a3b4c5d").is_ok());
         for bad in ["", ".", "..", "a/b", "../x", "a b", &"x".repeat(129)] {
