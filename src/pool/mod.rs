@@ -1640,25 +1640,22 @@ impl OpenTarget<'_> {
 
     /// Fails when another conversation of this agent is bound to the CLI session `id`: a CLI
     /// session holds one conversation (an HTTP conversation's session is not an SDK
-    /// session's, and the other way round). Reads every binding: only a pinned open of a
-    /// stored session this conversation never bound gets here.
+    /// session's, and the other way round). Reads the bindings' index entry of `id` and the
+    /// binding it names: what it costs does not grow with the bindings.
     async fn refuse_if_bound_elsewhere(
         &self,
         id: &CliSessionId,
         bindings: &Arc<BindingStore>,
     ) -> Result<(), OpenFailure> {
         let store = bindings.clone();
-        let all = match tokio::task::spawn_blocking(move || store.list()).await {
-            Ok(Ok(all)) => all,
+        let (key, session) = (self.session_key.to_owned(), id.clone());
+        let owner = match tokio::task::spawn_blocking(move || store.bound_elsewhere(&key, &session))
+            .await
+        {
+            Ok(Ok(owner)) => owner,
             Ok(Err(e)) => return Err(state_unwritable(bindings, e.os_error()).into()),
             Err(e) => return Err(PoolError::Internal(e.to_string()).into()),
         };
-        let agent = ConversationId::split_key(self.session_key).map_or("", |(agent, _)| agent);
-        let owner = all.into_iter().find(|b| {
-            b.cli_session_id == *id
-                && b.session_key != self.session_key
-                && ConversationId::split_key(&b.session_key).is_some_and(|(a, _)| a == agent)
-        });
         match owner {
             None => Ok(()),
             Some(owner) => {

@@ -4,7 +4,11 @@
 //! by the SHA-256 of the session key (caller strings never reach a path), written atomically
 //! (temp file, fsync, rename, fsync of the directory). Unreadable or foreign files are
 //! treated as absent, never as fatal. Bindings move between stores once
-//! ([`BindingStore::take_once_from`]) when a version of the pool moves a namespace.
+//! ([`BindingStore::take_once_from`]) when a version of the pool moves a namespace. Each
+//! store keeps an index by agent and CLI session id ([`by_session`]) so finding which
+//! conversation holds a session reads one file.
+
+mod by_session;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -15,6 +19,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::faults::{self, SharedDiskFaults, Store};
 use crate::ids::{CliSessionId, sha256_hex as hex_sha256};
+
+use by_session::SessionIndex;
 
 /// The version of the stored JSON this code reads and writes.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -110,6 +116,8 @@ impl BindingError {
 #[derive(Debug, Clone)]
 pub struct BindingStore {
     dir: PathBuf,
+    /// The bindings by agent and CLI session id.
+    index: SessionIndex,
     /// Writes this plan fails on purpose (chaos runs); `None`: none.
     faults: Option<SharedDiskFaults>,
 }
@@ -130,9 +138,65 @@ impl BindingStore {
             path: dir.clone(),
             source,
         })?;
-        let store = Self { dir, faults: None };
-        store.remove_leftover_temp_files()?;
+        let index = SessionIndex::at(&dir);
+        create_private_dir(index.dir()).map_err(|source| BindingError::CreateDir {
+            path: index.dir().to_path_buf(),
+            source,
+        })?;
+        let store = Self {
+            dir,
+            index,
+            faults: None,
+        };
+        store.remove_leftover_temp_files(&store.dir)?;
+        store.remove_leftover_temp_files(store.index.dir())?;
+        store.build_index_once()?;
         Ok(store)
+    }
+
+    /// Gives every binding an index entry, once: bindings written before the index existed
+    /// have none (and bindings written since have theirs before their file). Done again at
+    /// the next open if cut short (the marker is written last).
+    fn build_index_once(&self) -> Result<(), BindingError> {
+        if self.index.is_built() {
+            return Ok(());
+        }
+        let bindings = self.list()?;
+        for binding in &bindings {
+            self.write_entry(binding, false)?;
+        }
+        // One sync of the whole file system for the entries, rather than one per entry.
+        let index_error = |source: nix::Error| BindingError::Io {
+            op: "sync the index of",
+            path: self.index.dir().to_path_buf(),
+            source: source.into(),
+        };
+        let dir = File::open(self.index.dir()).map_err(|source| BindingError::Io {
+            op: "open the index of",
+            path: self.index.dir().to_path_buf(),
+            source,
+        })?;
+        nix::unistd::syncfs(&dir).map_err(index_error)?;
+        let marker = self.index.built_marker();
+        write_synced(&marker, b"")
+            .or_else(|err| match err.kind() {
+                io::ErrorKind::AlreadyExists => Ok(()),
+                _ => Err(err),
+            })
+            .map_err(|source| BindingError::Io {
+                op: "write",
+                path: marker,
+                source,
+            })?;
+        self.sync_index_dir()?;
+        if !bindings.is_empty() {
+            tracing::info!(
+                bindings = bindings.len(),
+                dir = %self.dir.display(),
+                "Indexed the bindings by CLI session id (once, for bindings an earlier version wrote)."
+            );
+        }
+        Ok(())
     }
 
     /// Fails the writes `plan` says to fail, as a failing disk would (chaos runs).
@@ -141,14 +205,15 @@ impl BindingStore {
         self
     }
 
-    /// Removes `.<hash>.<uuid>.tmp` files: no writer is running before the store is open.
-    fn remove_leftover_temp_files(&self) -> Result<(), BindingError> {
+    /// Removes `.<hash>.<uuid>.tmp` files from `dir` (the store's or its index's): no
+    /// writer is running before the store is open.
+    fn remove_leftover_temp_files(&self, dir: &Path) -> Result<(), BindingError> {
         let list_error = |source| BindingError::Io {
             op: "list",
-            path: self.dir.clone(),
+            path: dir.to_path_buf(),
             source,
         };
-        for entry in fs::read_dir(&self.dir).map_err(list_error)? {
+        for entry in fs::read_dir(dir).map_err(list_error)? {
             let path = entry.map_err(list_error)?.path();
             let is_temp = path
                 .file_name()
@@ -222,7 +287,19 @@ impl BindingStore {
     }
 
     /// Stores `binding`, replacing any binding of its session key, atomically and durably.
+    /// Its index entry is written first, so a binding on disk always has one.
     pub fn put(&self, binding: &Binding) -> Result<(), BindingError> {
+        // Best effort: an unreadable previous binding leaves its entry, a stale hint.
+        let previous = self.get(&binding.session_key).ok().flatten();
+        self.write_entry(binding, true)?;
+        self.write_binding(binding)?;
+        if let Some(previous) = previous.filter(|p| p.cli_session_id != binding.cli_session_id) {
+            self.forget_entry(&previous);
+        }
+        Ok(())
+    }
+
+    fn write_binding(&self, binding: &Binding) -> Result<(), BindingError> {
         let stored = StoredRef {
             schema_version: SCHEMA_VERSION,
             binding,
@@ -260,9 +337,16 @@ impl BindingStore {
 
     /// Removes the binding of `session_key`; removing an absent binding is not an error.
     pub fn remove(&self, session_key: &str) -> Result<(), BindingError> {
+        let previous = self.get(session_key).ok().flatten();
         let path = self.path_for(session_key);
         match fs::remove_file(&path) {
-            Ok(()) => self.sync_dir(),
+            Ok(()) => {
+                self.sync_dir()?;
+                if let Some(previous) = previous {
+                    self.forget_entry(&previous);
+                }
+                Ok(())
+            }
             Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(source) => Err(BindingError::Io {
                 op: "remove",
@@ -300,6 +384,102 @@ impl BindingStore {
         }
         bindings.sort_by(|a, b| a.session_key.cmp(&b.session_key));
         Ok(bindings)
+    }
+
+    /// The binding of another conversation of `session_key`'s agent bound to the CLI
+    /// session `id`, if there is one: one index entry and the binding it names are read.
+    pub(crate) fn bound_elsewhere(
+        &self,
+        session_key: &str,
+        id: &CliSessionId,
+    ) -> Result<Option<Binding>, BindingError> {
+        let Some(entry) = self.index.entry(session_key, id) else {
+            return Ok(None);
+        };
+        let named = SessionIndex::read(&entry).map_err(|source| BindingError::Io {
+            op: "read the index entry",
+            path: entry.clone(),
+            source,
+        })?;
+        let Some(named) = named.filter(|named| named != session_key) else {
+            return Ok(None);
+        };
+        Ok(self
+            .get(&named)?
+            .filter(|binding| binding.cli_session_id == *id))
+    }
+
+    /// Writes `binding`'s index entry unless it already names its key, or names another
+    /// conversation still bound to that session (the first holder stays named). `synced`:
+    /// durable before this returns (every put; a build syncs once at its end).
+    fn write_entry(&self, binding: &Binding, synced: bool) -> Result<(), BindingError> {
+        let Some(entry) = self
+            .index
+            .entry(&binding.session_key, &binding.cli_session_id)
+        else {
+            return Ok(());
+        };
+        let entry_error = |op, source| BindingError::Io {
+            op,
+            path: entry.clone(),
+            source,
+        };
+        match SessionIndex::read(&entry).map_err(|e| entry_error("read the index entry", e))? {
+            Some(named) if named == binding.session_key => return Ok(()),
+            Some(named) => {
+                let holds = self
+                    .get(&named)?
+                    .is_some_and(|other| other.cli_session_id == binding.cli_session_id);
+                if holds {
+                    return Ok(());
+                }
+            }
+            None => {}
+        }
+        let temp = self.index.dir().join(format!(
+            ".{}.{}.tmp",
+            hex_sha256(&binding.session_key),
+            uuid::Uuid::new_v4().simple()
+        ));
+        let written = faults::check(self.faults.as_ref(), Store::Bindings)
+            .and_then(|()| {
+                if synced {
+                    write_synced(&temp, binding.session_key.as_bytes())
+                } else {
+                    fs::write(&temp, binding.session_key.as_bytes())
+                }
+            })
+            .map_err(|e| entry_error("write the index entry", e))
+            .and_then(|()| {
+                fs::rename(&temp, &entry).map_err(|e| entry_error("rename into place", e))
+            });
+        if let Err(err) = written {
+            let _ = fs::remove_file(&temp);
+            crate::metrics::storage_write_failed(Store::Bindings);
+            return Err(err);
+        }
+        if synced {
+            self.sync_index_dir()?;
+        }
+        Ok(())
+    }
+
+    /// Removes `previous`'s index entry if it names its key (best effort).
+    fn forget_entry(&self, previous: &Binding) {
+        if let Some(entry) = self
+            .index
+            .entry(&previous.session_key, &previous.cli_session_id)
+        {
+            SessionIndex::remove_if_names(&entry, &previous.session_key);
+        }
+    }
+
+    fn sync_index_dir(&self) -> Result<(), BindingError> {
+        self.index.sync_dir().map_err(|source| BindingError::Io {
+            op: "sync the index directory of",
+            path: self.index.dir().to_path_buf(),
+            source,
+        })
     }
 
     fn path_for(&self, session_key: &str) -> PathBuf {
@@ -359,6 +539,7 @@ impl BindingStore {
                 continue;
             }
             let target = self.path_for(&binding.session_key);
+            self.write_entry(&binding, true)?;
             match fs::hard_link(&source, &target) {
                 Ok(()) => moved += 1,
                 // Held here already (the same file, from a move cut short).
@@ -526,6 +707,95 @@ mod tests {
     }
 
     #[test]
+    fn another_conversation_of_the_agent_bound_to_a_session_is_found_by_its_index_entry() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        let id = CliSessionId::from("s-1");
+        store.put(&binding("a/k1", "s-1")).unwrap();
+        let owner = store.bound_elsewhere("a/k2", &id).unwrap();
+        assert_eq!(owner.map(|b| b.session_key).as_deref(), Some("a/k1"));
+        // Not itself, not another agent's.
+        assert_eq!(store.bound_elsewhere("a/k1", &id).unwrap(), None);
+        assert_eq!(store.bound_elsewhere("b/k2", &id).unwrap(), None);
+
+        // Bound to another session: the old entry goes, the new one names it.
+        store.put(&binding("a/k1", "s-2")).unwrap();
+        assert_eq!(store.bound_elsewhere("a/k2", &id).unwrap(), None);
+        let moved = store
+            .bound_elsewhere("a/k2", &CliSessionId::from("s-2"))
+            .unwrap();
+        assert_eq!(moved.map(|b| b.session_key).as_deref(), Some("a/k1"));
+
+        // Removed: no entry is left behind.
+        store.remove("a/k1").unwrap();
+        assert_eq!(
+            store
+                .bound_elsewhere("a/k2", &CliSessionId::from("s-2"))
+                .unwrap(),
+            None
+        );
+        assert_eq!(
+            file_names(&tmp.path().join("bindings").join(by_session::DIR)),
+            vec![by_session::BUILT.to_owned()]
+        );
+    }
+
+    #[test]
+    fn bindings_an_earlier_version_wrote_are_indexed_when_the_store_first_opens() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        store.put(&binding("a/k1", "s-1")).unwrap();
+        store.put(&binding("b/k1", "s-2")).unwrap();
+        // An earlier version's state directory: bindings, no index.
+        fs::remove_dir_all(tmp.path().join("bindings").join(by_session::DIR)).unwrap();
+
+        let reopened = BindingStore::open(tmp.path()).unwrap();
+        let owner = reopened
+            .bound_elsewhere("a/k2", &CliSessionId::from("s-1"))
+            .unwrap();
+        assert_eq!(owner.map(|b| b.session_key).as_deref(), Some("a/k1"));
+        let owner = reopened
+            .bound_elsewhere("b/k2", &CliSessionId::from("s-2"))
+            .unwrap();
+        assert_eq!(owner.map(|b| b.session_key).as_deref(), Some("b/k1"));
+    }
+
+    #[test]
+    fn an_index_entry_that_is_stale_torn_or_names_a_missing_binding_names_no_owner() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        let id = CliSessionId::from("s-1");
+        let entry = store.index.entry("a/k2", &id).unwrap();
+        // Names a conversation bound to another session.
+        store.put(&binding("a/k1", "s-9")).unwrap();
+        fs::write(&entry, "a/k1").unwrap();
+        assert_eq!(store.bound_elsewhere("a/k2", &id).unwrap(), None);
+        // Names a conversation with no binding.
+        fs::write(&entry, "a/gone").unwrap();
+        assert_eq!(store.bound_elsewhere("a/k2", &id).unwrap(), None);
+        // Empty (a write torn by a crash before its binding was written).
+        fs::write(&entry, "").unwrap();
+        assert_eq!(store.bound_elsewhere("a/k2", &id).unwrap(), None);
+        // A put over a stale entry takes it.
+        store.put(&binding("a/k3", "s-1")).unwrap();
+        let owner = store.bound_elsewhere("a/k2", &id).unwrap();
+        assert_eq!(owner.map(|b| b.session_key).as_deref(), Some("a/k3"));
+    }
+
+    #[test]
+    fn the_first_conversation_bound_to_a_session_stays_named_while_it_holds_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = BindingStore::open(tmp.path()).unwrap();
+        let id = CliSessionId::from("s-1");
+        store.put(&binding("a/k1", "s-1")).unwrap();
+        store.put(&binding("a/k2", "s-1")).unwrap();
+        let owner = store.bound_elsewhere("a/k3", &id).unwrap();
+        assert_eq!(owner.map(|b| b.session_key).as_deref(), Some("a/k1"));
+        let owner = store.bound_elsewhere("a/k1", &id).unwrap();
+        assert_eq!(owner, None, "the entry names the asker itself");
+    }
+
+    #[test]
     fn temp_files_left_by_an_interrupted_write_are_removed_when_the_store_opens() {
         let tmp = tempfile::tempdir().unwrap();
         let store = BindingStore::open(tmp.path()).unwrap();
@@ -542,10 +812,13 @@ mod tests {
         assert_eq!(store.get("kept").unwrap(), Some(binding("kept", "s-1")));
     }
 
+    /// The names of the files in `dir` (not its directories: the index's).
     fn file_names(dir: &Path) -> Vec<String> {
         let mut names: Vec<String> = fs::read_dir(dir)
             .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .map(|e| e.unwrap())
+            .filter(|e| e.file_type().unwrap().is_file())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect();
         names.sort();
         names
@@ -572,17 +845,22 @@ mod tests {
     fn an_injected_full_disk_fails_the_put_and_keeps_the_previous_binding() {
         let tmp = tempfile::tempdir().unwrap();
         let store = BindingStore::open(tmp.path()).unwrap();
-        store.put(&binding("k", "s-1")).unwrap();
+        store.put(&binding("a/k", "s-1")).unwrap();
         let failing = store
             .clone()
             .with_disk_faults(Some(std::sync::Arc::new(FullDisk)));
-        let error = failing.put(&binding("k", "s-2")).unwrap_err();
+        let error = failing.put(&binding("a/k", "s-2")).unwrap_err();
         assert!(error.to_string().contains("No space left"), "{error}");
         assert_eq!(
-            store.get("k").unwrap().unwrap().cli_session_id.as_str(),
+            store.get("a/k").unwrap().unwrap().cli_session_id.as_str(),
             "s-1"
         );
         assert_eq!(file_names(store.dir()).len(), 1, "no temp file left behind");
+        assert_eq!(
+            file_names(store.index.dir()).len(),
+            2,
+            "the marker and s-1's entry, no temp file"
+        );
     }
 
     #[test]
@@ -768,11 +1046,18 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let store = BindingStore::open(tmp.path()).unwrap();
         for i in 0..5 {
-            store.put(&binding("k", &format!("s{i}"))).unwrap();
+            store.put(&binding("a/k", &format!("s{i}"))).unwrap();
         }
         let names = file_names(store.dir());
-        assert_eq!(names, vec![format!("{}.json", hex_sha256("k"))]);
-        assert!(names.iter().all(|n| !n.ends_with(".tmp")));
+        assert_eq!(names, vec![format!("{}.json", hex_sha256("a/k"))]);
+        // The index: the marker and the last session's entry (the others were forgotten).
+        let entry = store.index.entry("a/k", &CliSessionId::from("s4")).unwrap();
+        let mut expected = vec![
+            by_session::BUILT.to_owned(),
+            entry.file_name().unwrap().to_string_lossy().into_owned(),
+        ];
+        expected.sort();
+        assert_eq!(file_names(store.index.dir()), expected);
     }
 
     #[test]
