@@ -773,7 +773,7 @@ async fn run_copilot<S: ChainSink>(
         Some(dir) if lease.mirrors_transcript() => crate::transcript::transcript_path(&dir, id)
             .ok()
             .map(PreludeSource::Copilot),
-        _ => super::copilot_events_path(lease.copilot_home(), id).map(PreludeSource::CopilotEvents),
+        _ => super::copilot_events_file(lease.copilot_home(), id).map(PreludeSource::CopilotEvents),
     };
     drop(lease);
     let class = super::classify_copilot(
@@ -936,8 +936,8 @@ enum PreludeSource {
     /// The Copilot transcript mirror (`<dir>/copilot-<session id>.jsonl`).
     Copilot(PathBuf),
     /// The Copilot runtime's own event log of the session, when no mirror is kept
-    /// (`super::copilot_events_path`).
-    CopilotEvents(PathBuf),
+    /// (`super::copilot_events_file`: below the agent's home, no link followed).
+    CopilotEvents(super::TranscriptFile),
     /// A CLI backend's own transcript, located when it is read (a directory search for a
     /// Codex rollout or a Gemini CLI chat file): Claude Code's, Codex's or Gemini CLI's, by
     /// [`TranscriptFormat::of_cli`]; a generic one-shot CLI leaves none the pool can read,
@@ -963,7 +963,7 @@ impl PreludeSource {
     fn read(self, budget: usize) -> Result<TranscriptTail, FallbackError> {
         match self {
             PreludeSource::Copilot(path) => super::read_transcript_tail(&path, budget),
-            PreludeSource::CopilotEvents(path) => super::read_copilot_events_tail(&path, budget),
+            PreludeSource::CopilotEvents(file) => super::read_copilot_events_tail(file, budget),
             PreludeSource::Cli {
                 backend,
                 kind,
@@ -991,7 +991,18 @@ fn read_cli_tail(
         return Ok(TranscriptTail::default());
     };
     match CliConversation::find_transcript(dialect, kind, home, cwd, session_id) {
-        Ok(Some(path)) => super::read_tail_of(format, &path, budget),
+        // Read below the agent's home: a link its processes planted on the way is refused.
+        Ok(Some(path)) => match path.strip_prefix(home) {
+            Ok(rel) => super::read_tail_of(format, super::TranscriptFile::below(home, rel), budget),
+            Err(_) => {
+                tracing::warn!(
+                    backend,
+                    path = %path.display(),
+                    "no fallback prelude: the transcript is not below the agent's home"
+                );
+                Ok(TranscriptTail::default())
+            }
+        },
         Ok(None) => Ok(TranscriptTail::default()),
         Err(searched) => {
             tracing::warn!(

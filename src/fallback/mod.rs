@@ -541,8 +541,11 @@ struct Line {
 /// [`build_prelude`] with the same budget. A missing file is an empty tail; lines that do not
 /// parse (a torn last line) are skipped. Blocks on the disk: async callers run it on a
 /// blocking thread.
-pub fn read_transcript_tail(path: &Path, budget: usize) -> Result<TranscriptTail, FallbackError> {
-    read_tail(path, budget, |line, tail| {
+pub fn read_transcript_tail(
+    file: impl Into<TranscriptFile>,
+    budget: usize,
+) -> Result<TranscriptTail, FallbackError> {
+    read_tail(&file.into(), budget, |line, tail| {
         let Ok(line) = serde_json::from_str::<Line>(line) else {
             return;
         };
@@ -566,10 +569,10 @@ pub fn read_transcript_tail(path: &Path, budget: usize) -> Result<TranscriptTail
 /// records them (`crate::transcript::EventEntry`). Memory bounded as [`read_transcript_tail`]; a missing
 /// file is an empty tail; lines that do not parse are skipped. Blocks on the disk.
 pub fn read_copilot_events_tail(
-    path: &Path,
+    file: impl Into<TranscriptFile>,
     budget: usize,
 ) -> Result<TranscriptTail, FallbackError> {
-    read_tail(path, budget, |line, tail| {
+    read_tail(&file.into(), budget, |line, tail| {
         let Ok(value) = serde_json::from_str::<serde_json::Value>(line) else {
             return;
         };
@@ -584,6 +587,19 @@ pub fn read_copilot_events_tail(
             role => tail.push(PreludeEntry::new(role, entry.content.into_owned())),
         }
     })
+}
+
+/// The Copilot runtime's event log of `session_id` as [`read_copilot_events_tail`] reads it
+/// from the agent's home (`copilot_home`, resolved by the caller): nothing below the home
+/// followed through a link. `None` for an id that cannot name a file.
+pub fn copilot_events_file(copilot_home: &Path, session_id: &str) -> Option<TranscriptFile> {
+    crate::transcript::validate_session_id(session_id).ok()?;
+    Some(TranscriptFile::below(
+        copilot_home,
+        Path::new("session-state")
+            .join(session_id)
+            .join("events.jsonl"),
+    ))
 }
 
 /// Where the Copilot runtime under `copilot_home` keeps its event log of `session_id`;
@@ -651,10 +667,10 @@ fn claude_content(content: &serde_json::Value) -> (String, Vec<String>) {
 /// as [`read_transcript_tail`]. A missing file is an empty tail; lines of other types or that
 /// do not parse are skipped. Blocks on the disk.
 pub fn read_claude_transcript_tail(
-    path: &Path,
+    file: impl Into<TranscriptFile>,
     budget: usize,
 ) -> Result<TranscriptTail, FallbackError> {
-    read_tail(path, budget, |line, tail| {
+    read_tail(&file.into(), budget, |line, tail| {
         let Ok(line) = serde_json::from_str::<ClaudeLine>(line) else {
             return;
         };
@@ -719,14 +735,86 @@ impl TranscriptFormat {
 /// Reads the tail of the transcript at `path` written in `format` (the matching reader).
 pub fn read_tail_of(
     format: TranscriptFormat,
-    path: &Path,
+    file: impl Into<TranscriptFile>,
     budget: usize,
 ) -> Result<TranscriptTail, FallbackError> {
     match format {
-        TranscriptFormat::CopilotMirror => read_transcript_tail(path, budget),
-        TranscriptFormat::ClaudeCode => read_claude_transcript_tail(path, budget),
-        TranscriptFormat::Codex => read_codex_transcript_tail(path, budget),
-        TranscriptFormat::Gemini => read_gemini_transcript_tail(path, budget),
+        TranscriptFormat::CopilotMirror => read_transcript_tail(file, budget),
+        TranscriptFormat::ClaudeCode => read_claude_transcript_tail(file, budget),
+        TranscriptFormat::Codex => read_codex_transcript_tail(file, budget),
+        TranscriptFormat::Gemini => read_gemini_transcript_tail(file, budget),
+    }
+}
+
+/// Where a transcript to read lies: a directory the caller resolved and a path below it,
+/// no component of which is followed through a link (an agent's processes may write there,
+/// and a link they plant must not lead the pool into another agent's files).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TranscriptFile {
+    /// The directory (its own last component is not followed either).
+    root: PathBuf,
+    /// The file below it.
+    rel: PathBuf,
+    /// `root` is resolved when the file is opened ([`TranscriptFile::at`]).
+    resolve_root: bool,
+}
+
+impl TranscriptFile {
+    /// The file `rel` below `root`, a directory the caller resolved (an agent's home): a
+    /// link anywhere below `root` is refused, not followed.
+    pub fn below(root: impl Into<PathBuf>, rel: impl Into<PathBuf>) -> Self {
+        Self {
+            root: root.into(),
+            rel: rel.into(),
+            resolve_root: false,
+        }
+    }
+
+    /// The file at `path` in a directory the caller trusts (the pool's own transcript
+    /// directory): its folders are followed as they resolve, the file's own name is not.
+    pub fn at(path: &Path) -> Self {
+        let (root, rel) = match (path.parent(), path.file_name()) {
+            (Some(dir), Some(name)) => (dir.to_path_buf(), PathBuf::from(name)),
+            // Refused when opened: not a file path.
+            _ => (path.to_path_buf(), PathBuf::new()),
+        };
+        Self {
+            root,
+            rel,
+            resolve_root: true,
+        }
+    }
+
+    /// The whole path (for messages).
+    pub fn path(&self) -> PathBuf {
+        self.root.join(&self.rel)
+    }
+
+    fn open(&self) -> io::Result<File> {
+        if self.rel.as_os_str().is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a file path",
+            ));
+        }
+        if self.resolve_root {
+            let root = std::fs::canonicalize(&self.root)?;
+            crate::agent_files::open_regular(&root, &self.rel)
+        } else {
+            crate::agent_files::open_regular(&self.root, &self.rel)
+        }
+    }
+}
+
+impl From<&Path> for TranscriptFile {
+    fn from(path: &Path) -> Self {
+        Self::at(path)
+    }
+}
+
+impl From<&PathBuf> for TranscriptFile {
+    fn from(path: &PathBuf) -> Self {
+        Self::at(path)
     }
 }
 
@@ -806,11 +894,11 @@ const CODEX_CALL_NAMES: usize = 16;
 /// skipped, as are lines that do not parse. A missing file is an empty tail. Blocks on the
 /// disk.
 pub fn read_codex_transcript_tail(
-    path: &Path,
+    file: impl Into<TranscriptFile>,
     budget: usize,
 ) -> Result<TranscriptTail, FallbackError> {
     let mut names: VecDeque<(String, String)> = VecDeque::new();
-    read_tail(path, budget, |line, tail| {
+    read_tail(&file.into(), budget, |line, tail| {
         let Ok(line) = serde_json::from_str::<CodexLine>(line) else {
             return;
         };
@@ -952,12 +1040,12 @@ impl GeminiMessage {
 /// that do not parse. Gemini CLI writes no compaction summary, so there is none. A missing
 /// file is an empty tail. Blocks on the disk.
 pub fn read_gemini_transcript_tail(
-    path: &Path,
+    file: impl Into<TranscriptFile>,
     budget: usize,
 ) -> Result<TranscriptTail, FallbackError> {
     // The newest record's id and how many entries it gave (kept at the tail's end).
     let mut newest: Option<(String, usize)> = None;
-    read_tail(path, budget, |line, tail| {
+    read_tail(&file.into(), budget, |line, tail| {
         let Ok(line) = serde_json::from_str::<GeminiLine>(line) else {
             return;
         };
@@ -1031,41 +1119,57 @@ impl Tail {
 /// The longest transcript line read (16 MiB); a longer one is skipped.
 const MAX_LINE_BYTES: u64 = 16 << 20;
 
-/// Reads the JSONL file at `path` line by line, handing each to `take`. The file lies in the
-/// agent's directory, which its processes may write: a link or a FIFO in its place is not
-/// opened (`O_NOFOLLOW`, `O_NONBLOCK`, regular files only), and a line past
-/// [`MAX_LINE_BYTES`] is skipped, not held.
+/// How much of a transcript's end is read (64 MiB): a file longer than this (an agent's
+/// process may write a sparse terabyte there) is read from this far before its end, its
+/// first, partial line skipped; an older summary is not seen.
+const MAX_TAIL_BYTES: u64 = 4 * MAX_LINE_BYTES;
+
+/// Reads the last [`MAX_TAIL_BYTES`] of the JSONL `file` line by line, handing each to
+/// `take`. The file lies in the agent's directory, which its processes may write: a link
+/// (the file or a folder below its root) or a FIFO in its place is not opened
+/// (`O_NOFOLLOW`, `O_NONBLOCK`, regular files only), and a line past [`MAX_LINE_BYTES`] is
+/// skipped, not held.
 fn read_tail(
-    path: &Path,
+    file: &TranscriptFile,
     budget: usize,
+    take: impl FnMut(&str, &mut Tail),
+) -> Result<TranscriptTail, FallbackError> {
+    read_tail_within(file, budget, MAX_TAIL_BYTES, take)
+}
+
+/// [`read_tail`] reading at most the last `window` bytes.
+fn read_tail_within(
+    file: &TranscriptFile,
+    budget: usize,
+    window: u64,
     mut take: impl FnMut(&str, &mut Tail),
 ) -> Result<TranscriptTail, FallbackError> {
-    use std::io::Read;
+    use std::io::{Read, Seek, SeekFrom};
     let read_error = |source| FallbackError::Read {
-        path: path.to_path_buf(),
+        path: file.path(),
         source,
     };
-    // The file's own name is not followed (its folders are the transcript's as resolved).
-    let opened = match (path.parent(), path.file_name()) {
-        (Some(dir), Some(name)) => std::fs::canonicalize(dir)
-            .and_then(|dir| crate::agent_files::open_regular(&dir, Path::new(name))),
-        _ => Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "not a file path",
-        )),
-    };
-    let file: File = match opened {
+    let mut opened: File = match file.open() {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(TranscriptTail::default()),
         Err(e) => return Err(read_error(e)),
     };
+    let len = opened.metadata().map_err(read_error)?.len();
+    // Started inside a line: its rest is not a line.
+    let mut partial_first = false;
+    if len > window {
+        opened
+            .seek(SeekFrom::Start(len - window))
+            .map_err(read_error)?;
+        partial_first = true;
+    }
+    let mut reader = BufReader::new(opened.take(window));
     let mut tail = Tail {
         budget,
         summary: None,
         kept: VecDeque::new(),
         kept_chars: 0,
     };
-    let mut reader = BufReader::new(file);
     let mut line = Vec::new();
     loop {
         line.clear();
@@ -1076,7 +1180,13 @@ fn read_tail(
         if n == 0 {
             break;
         }
-        if line.last() != Some(&b'\n') && n as u64 > MAX_LINE_BYTES {
+        let overlong = line.last() != Some(&b'\n') && n as u64 > MAX_LINE_BYTES;
+        // The first line of a window that starts inside a line is skipped (an overlong one
+        // below, like any).
+        if std::mem::take(&mut partial_first) && !overlong {
+            continue;
+        }
+        if overlong {
             // Too long: the rest of it is skipped.
             loop {
                 let buf = reader.fill_buf().map_err(read_error)?;
@@ -1497,6 +1607,61 @@ mod tests {
         let tail = read_transcript_tail(&long, 600).expect("read");
         let contents: Vec<&str> = tail.entries.iter().map(|e| e.content.as_str()).collect();
         assert_eq!(contents, ["before", "after"]);
+    }
+
+    #[test]
+    fn a_link_planted_below_the_agents_home_does_not_lead_to_another_agents_event_log() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (mine, theirs) = (dir.path().join("a"), dir.path().join("b"));
+        let their_session = theirs.join("session-state").join("theirs");
+        std::fs::create_dir_all(&their_session).expect("their session");
+        std::fs::create_dir_all(mine.join("session-state")).expect("my session-state");
+        std::fs::write(
+            their_session.join("events.jsonl"),
+            r#"{"type":"user.message","data":{"content":"their secret"},"id":"e1"}"#,
+        )
+        .expect("write");
+        // The agent's tools replace its session's folder with a link to the other's.
+        std::os::unix::fs::symlink(&their_session, mine.join("session-state").join("mine"))
+            .expect("link");
+        let file = copilot_events_file(&mine, "mine").expect("a valid id");
+        let read = read_copilot_events_tail(file, 1_000);
+        assert!(
+            matches!(&read, Err(FallbackError::Read { .. })),
+            "refused, not followed: {read:?}"
+        );
+    }
+
+    #[test]
+    fn a_transcript_longer_than_its_window_is_read_from_its_end_without_the_cut_line() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("copilot-s.jsonl");
+        let line = |content: &str| {
+            format!(
+                "{{\"id\":\"{content}\",\"role\":\"user\",\"content\":\"{content}\",\"ts_ms\":1}}\n"
+            )
+        };
+        let (old, cut, kept) = (line("old"), line("cut-in-two"), line("kept"));
+        std::fs::write(&path, format!("{old}{cut}{kept}")).expect("write");
+        // A window that starts inside the second line.
+        let window = u64::try_from(kept.len() + cut.len() / 2).expect("fits");
+        let tail = read_tail_within(&TranscriptFile::at(&path), 1_000, window, |text, tail| {
+            let line: Line = serde_json::from_str(text).expect("only whole lines are handed on");
+            tail.push(PreludeEntry::new(line.role, line.content));
+        })
+        .expect("read");
+        assert_eq!(tail.entries, vec![entry(Role::User, "kept")]);
+
+        // A sparse terabyte (an agent's process can make one at no cost): its end is read.
+        let sparse = dir.path().join("sparse.jsonl");
+        let mut file = File::create(&sparse).expect("create");
+        use std::io::{Seek, Write};
+        file.seek(std::io::SeekFrom::Start(1 << 40)).expect("seek");
+        file.write_all(format!("\n{}", line("last")).as_bytes())
+            .expect("write");
+        drop(file);
+        let tail = read_transcript_tail(&sparse, 1_000).expect("read");
+        assert_eq!(tail.entries, vec![entry(Role::User, "last")]);
     }
 
     #[test]
