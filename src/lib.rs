@@ -110,6 +110,8 @@
 //! * [`sandbox`] — the walls around a worker, as a description its wrapper enforces.
 //! * [`session_options`] — the runtime's `session.create` fields a caller may set, checked
 //!   against the runtime's schema, and where their directories may lie.
+//! * [`listener`] (features `http`, `mcp-bridge`) — HTTP connections accepted with a cap,
+//!   timeouts and a graceful stop: the API's (also `http::serve`) and each MCP bridge's.
 //!
 //! Also: `low_latency` (TCP tuning of the accepted connections of both surfaces),
 //! `media_type` (a media type's essence, for the attachments and the tunnel), `deadline`
@@ -136,7 +138,9 @@ pub mod home;
 pub mod http;
 pub mod ids;
 pub mod kinds;
-#[cfg(any(feature = "http", feature = "sdk-endpoint"))]
+#[cfg(any(feature = "http", feature = "mcp-bridge"))]
+pub mod listener;
+#[cfg(any(feature = "http", feature = "sdk-endpoint", feature = "mcp-bridge"))]
 mod low_latency;
 mod media_type;
 pub mod metrics;

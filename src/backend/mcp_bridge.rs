@@ -77,6 +77,20 @@ pub struct McpBridgeConfig {
     pub tool_timeout: Duration,
     /// The conversation's working directory, passed to each [`ToolCall`].
     pub working_directory: Option<String>,
+    /// The bridge's connections: the agent's own processes can reach its port (the CLI's
+    /// sandbox opens it), so their number and how long one may sit without a request are
+    /// bounded (default: 16 connections, a request head within 10 s, closed after 60 s
+    /// without a byte either way; a call in progress is never cut).
+    pub connections: crate::listener::ConnectionLimits,
+}
+
+/// The bridge's default connection limits: a CLI makes a few connections at most.
+fn default_connections() -> crate::listener::ConnectionLimits {
+    crate::listener::ConnectionLimits {
+        header_read_timeout: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(60),
+        max_connections: 16,
+    }
 }
 
 impl Default for McpBridgeConfig {
@@ -86,6 +100,7 @@ impl Default for McpBridgeConfig {
             idle_ttl: DEFAULT_IDLE_TTL,
             tool_timeout: DEFAULT_TOOL_TIMEOUT,
             working_directory: None,
+            connections: default_connections(),
         }
     }
 }
@@ -256,15 +271,12 @@ impl McpBridge {
             .layer(middleware::from_fn_with_state(shared.clone(), authenticate));
         let (stopped_tx, stopped) = watch::channel(false);
         let server_cancel = cancel.clone();
+        let limits = shared.config.connections;
         tokio::spawn(async move {
             let shutdown = server_cancel.clone().cancelled_owned();
-            let serve = axum::serve(listener, router).with_graceful_shutdown(shutdown);
+            let serve = crate::listener::serve(listener, router, limits, shutdown);
             tokio::select! {
-                result = serve => {
-                    if let Err(error) = result {
-                        tracing::warn!(%error, "the MCP bridge's server failed");
-                    }
-                }
+                () = serve => {}
                 // A connection that does not close within a second of the stop is dropped.
                 () = async {
                     server_cancel.cancelled().await;
@@ -776,6 +788,53 @@ mod tests {
             err.to_string().contains("the default is `gateway`"),
             "{err}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_bridge_refuses_connections_over_its_cap_and_closes_one_that_sends_no_request() {
+        use tokio::io::AsyncReadExt;
+        let config = McpBridgeConfig {
+            connections: crate::listener::ConnectionLimits {
+                header_read_timeout: Duration::from_millis(300),
+                idle_timeout: Duration::from_secs(60),
+                max_connections: 2,
+            },
+            ..McpBridgeConfig::default()
+        };
+        let bridge = McpBridge::start(vec![echo()], config)
+            .await
+            .expect("bridge");
+        // Two connections that send nothing (an agent's tool holding the port open).
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            held.push(
+                tokio::net::TcpStream::connect(bridge.addr())
+                    .await
+                    .expect("connect"),
+            );
+        }
+        // The third is answered at once, unread.
+        let mut third = tokio::net::TcpStream::connect(bridge.addr())
+            .await
+            .expect("connect");
+        let mut answer = String::new();
+        tokio::time::timeout(Duration::from_secs(10), third.read_to_string(&mut answer))
+            .await
+            .expect("answered, not left waiting")
+            .expect("read");
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(answer.contains("too_many_connections"), "{answer}");
+        // The silent ones are closed once their request head is overdue.
+        for mut silent in held {
+            let mut rest = Vec::new();
+            let read = tokio::time::timeout(Duration::from_secs(10), silent.read_to_end(&mut rest))
+                .await
+                .expect("closed by the bridge, not held open");
+            assert!(
+                read.is_ok_and(|n| n < 200),
+                "closed without a request: {rest:?}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -37,7 +37,8 @@
 //! - `health` — `/healthz`, `/readyz`, `/metrics`, `/v1/pool`.
 //! - `sessions` — abort, compact and reset of a conversation.
 //! - `turns` — `POST /v1/turns` and its event stream.
-//! - `listener` — accepting connections with a cap, timeouts and a graceful stop.
+//! - `serve`, `ConnectionLimits`, `Acceptor` (from the crate's `listener`, which the MCP
+//!   bridge shares) — accepting connections with a cap, timeouts and a graceful stop.
 //! - `object` — request bodies' objects read from JSON objects only (never from arrays).
 
 // Early returns carry the HTTP response itself; boxing every one would only add noise.
@@ -51,7 +52,6 @@ mod events;
 mod gateway;
 mod health;
 mod idempotency;
-mod listener;
 mod object;
 mod openapi;
 mod query_check;
@@ -73,11 +73,11 @@ use crate::pool::Pool;
 use crate::secret::Secret;
 use crate::turn::{TranscriptSettings, TurnTimeouts};
 
+pub use crate::listener::{Acceptor, ConnectionLimits, serve};
 pub use attachments::AttachmentLimits;
 pub use auth::TokenlessAccess;
 pub(crate) use body::fuzz_request_bodies;
 pub use idempotency::IdempotencyLimits;
-pub use listener::{Acceptor, ConnectionLimits, serve};
 pub use openapi::{document as openapi_document, document_json as openapi_json};
 
 /// Renders the metrics text `/metrics` answers with (for example a Prometheus recorder's
