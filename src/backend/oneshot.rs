@@ -264,8 +264,35 @@ async fn in_workspace(cwd: &Path, images: &[PathBuf]) -> Result<(), ImageError> 
     Ok(())
 }
 
-/// The file a system prompt is handed to a CLI in, in the agent's backend home.
-const SYSTEM_PROMPT_FILE: &str = "system-prompt.md";
+/// A run's system prompt handed to its CLI as a file: `system-prompt-<uuid>.md` in the
+/// agent's backend home, a name of the run's own (conversations of one home run at once
+/// unless the backend is serialized, and one must never read another's prompt), created
+/// exclusively (never through a link the agent planted) and removed when the run is dropped.
+struct SystemPromptFile {
+    path: PathBuf,
+}
+
+impl SystemPromptFile {
+    /// Writes `text` into a new file in `home`. Blocking.
+    fn create(home: &Path, text: &str) -> std::io::Result<Self> {
+        let name = format!("system-prompt-{}.md", uuid::Uuid::new_v4().simple());
+        crate::agent_files::create_new(home, Path::new(&name), text.as_bytes(), 0o600)?;
+        Ok(Self {
+            path: home.join(name),
+        })
+    }
+}
+
+impl Drop for SystemPromptFile {
+    fn drop(&mut self) {
+        // One unlink of a name in the home (never followed: it is the entry that goes).
+        if let Err(error) = std::fs::remove_file(&self.path)
+            && error.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::debug!(%error, path = %self.path.display(), "could not remove a run's system prompt file");
+        }
+    }
+}
 
 /// How much of a rollout's end [`codex_rollout_totals`] reads.
 const ROLLOUT_TAIL_BYTES: u64 = 256 * 1024;
@@ -746,21 +773,16 @@ impl Oneshot {
         }
         let system_prompt_file = match (&config.system_prompt, self.system_prompt_needs_file()) {
             (Some(text), true) => {
-                // The home is the agent's: the file is replaced, never written through a
-                // link the agent may have put in its place (`agent_files`).
-                let path = config.home.join(SYSTEM_PROMPT_FILE);
                 let home = config.home.clone();
-                let bytes = text.clone().into_bytes();
-                let written = tokio::task::spawn_blocking(move || {
-                    crate::agent_files::replace(&home, Path::new(SYSTEM_PROMPT_FILE), &bytes, 0o600)
-                })
-                .await
-                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
-                written.map_err(|error| OneshotError::Home {
-                    path: path.clone(),
+                let text = text.clone();
+                let written =
+                    tokio::task::spawn_blocking(move || SystemPromptFile::create(&home, &text))
+                        .await
+                        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+                Some(written.map_err(|error| OneshotError::Home {
+                    path: config.home.clone(),
                     error,
-                })?;
-                Some(path)
+                })?)
             }
             _ => None,
         };
@@ -768,7 +790,11 @@ impl Oneshot {
             .backend
             .check_installed(&config.id, config.path_var.as_deref())
             .map_err(OneshotError::NotInstalled)?;
-        let invocation = self.invocation(prompt, images, system_prompt_file.as_deref())?;
+        let invocation = self.invocation(
+            prompt,
+            images,
+            system_prompt_file.as_ref().map(|f| f.path.as_path()),
+        )?;
         #[allow(unused_mut)]
         let mut spec = self.child_spec(&invocation, tmp_dir);
         #[allow(unused_mut)]
@@ -866,6 +892,7 @@ impl Oneshot {
             retained_lines: 0,
             max_bytes: limits.max_turn_raw_chars,
             max_lines: limits.max_turn_lines,
+            _system_prompt_file: system_prompt_file,
             conversation: self,
         })
     }
@@ -1352,6 +1379,9 @@ pub struct OneshotTurn<'a> {
     retained_lines: u64,
     max_bytes: u64,
     max_lines: u64,
+    /// The run's system prompt file, removed when the turn is dropped (after `child`: the
+    /// process is killed first).
+    _system_prompt_file: Option<SystemPromptFile>,
 }
 
 impl OneshotTurn<'_> {
@@ -2526,26 +2556,56 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_system_prompt_file_replaces_a_link_in_its_place_and_never_writes_through_it() {
+    async fn conversations_of_one_home_each_read_their_own_system_prompt_file_which_goes_with_the_run()
+     {
         let dir = tempfile::tempdir().unwrap();
-        let theirs = dir.path().join("other-agent-AGENTS.md");
-        std::fs::write(&theirs, "theirs").unwrap();
-        let mut config = sh_config(dir.path(), &format!("echo '{MESSAGE}'"));
-        config.backend.system_prompt_file_arg = Some("--system-file".into());
-        config.system_prompt = Some("be brief".into());
         std::fs::create_dir_all(dir.path().join("home")).unwrap();
         std::fs::create_dir_all(dir.path().join("work")).unwrap();
-        let planted = dir.path().join("home").join(SYSTEM_PROMPT_FILE);
-        std::os::unix::fs::symlink(&theirs, &planted).unwrap();
-        let mut oneshot = Oneshot::new(config).unwrap();
-        let _ = run(&mut oneshot, "p").await;
-        assert_eq!(std::fs::read_to_string(&theirs).unwrap(), "theirs");
-        let meta = std::fs::symlink_metadata(&planted).unwrap();
-        assert!(
-            meta.is_file(),
-            "the link was replaced by the pool's own file"
+        // Prints the system prompt file it was given; the first waits for `go` first.
+        let script = |wait: bool| {
+            format!(
+                r#"while [ $# -gt 0 ] && [ "$1" != --system-file ]; do shift; done
+{}echo '{{"type":"item.completed","item":{{"id":"m","type":"agent_message","text":"'"$(cat "$2")"'"}}}}'"#,
+                if wait {
+                    "while [ ! -e go ]; do sleep 0.01; done\n"
+                } else {
+                    ""
+                }
+            )
+        };
+        let conversation = |wait: bool, prompt: &str| {
+            let mut config = sh_config(dir.path(), &script(wait));
+            config.backend.system_prompt_file_arg = Some("--system-file".into());
+            config.system_prompt = Some(prompt.into());
+            Oneshot::new(config).unwrap()
+        };
+        let (mut first, mut second) = (
+            conversation(true, "be brief"),
+            conversation(false, "be long"),
         );
-        assert_eq!(std::fs::read_to_string(&planted).unwrap(), "be brief");
+        let mut waiting = first.start_turn("p").await.expect("started");
+        // The second conversation runs a whole turn while the first's CLI has not read yet.
+        let (outcome, _) = run(&mut second, "p").await;
+        assert_eq!(outcome.text, "be long");
+        std::fs::write(dir.path().join("work").join("go"), "").unwrap();
+        let mut text = None;
+        while let Some(event) = waiting.next().await {
+            if let BackendEvent::TurnEnd(outcome) = event {
+                text = Some(outcome.text);
+            }
+        }
+        assert_eq!(
+            text.as_deref(),
+            Some("be brief"),
+            "its own prompt, not the other's"
+        );
+        drop(waiting);
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("home"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n.to_string_lossy().starts_with("system-prompt"))
+            .collect();
+        assert!(left.is_empty(), "removed with their runs: {left:?}");
     }
 
     #[tokio::test]
