@@ -820,13 +820,14 @@ async fn abort_compact_and_reset_a_conversation_over_http() {
     .await;
     assert_eq!(unknown.status, 404, "{}", unknown.body);
 
-    // Reset: the next turn starts a new session.
+    // Reset, even with settings other than the conversation's (a compact with them is
+    // refused above): the next turn starts a new session.
     let reset = call(
         addr,
         "DELETE",
         "/v1/sessions/agent-c/conv",
         None,
-        Some(&conv("scripted-key")),
+        Some(&other_settings),
     )
     .await;
     assert_eq!(reset.status, 204, "{}", reset.body);

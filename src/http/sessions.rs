@@ -196,10 +196,11 @@ pub(super) struct ResetQuery {
 
 /// Resets an existing conversation: deletes its runtime session, its binding and the inline
 /// attachments its turns were given, so its next turn starts a new one. The body is
-/// optional: the conversation's settings, as its turns send them. A body without `auth` and
-/// `provider` (or none) deletes the conversation by its name alone: the session its binding
-/// names, in the working directory the binding recorded, by a process of the agent's home
-/// with no identity. With
+/// optional: the conversation's settings, as its turns send them. The conversation is
+/// deleted whatever settings the body carries: the session its binding names, in the
+/// working directory the binding recorded; `auth` and `provider`, when given, choose the
+/// process that does it (without them, a process of the agent's home with no identity).
+/// With
 /// `?backend=<id>` of a CLI backend, the conversation on that backend instead: its kept
 /// process is ended, its CLI's files of the session removed, and its stored session.
 #[utoipa::path(
@@ -260,11 +261,10 @@ pub(super) async fn delete_session(
     req.existing_only = true;
     req.fail_if_busy = true;
     req.runs_no_turn = true;
-    let leased = if by_name_alone {
-        state.pool.lease_to_delete(req).await
-    } else {
-        state.pool.lease(req).await
-    };
+    // Deleted whatever settings the request carries (they may differ from the
+    // conversation's: a 404 here would leave its session and files for good); credentials,
+    // when given, only choose the process that does it.
+    let leased = state.pool.lease_to_delete(req).await;
     let lease = match leased {
         Ok(l) => l,
         Err(e @ PoolError::NoSuchConversation { .. }) => {
