@@ -187,6 +187,7 @@ impl GroupLedger {
                 BTreeSet::new()
             }
         };
+        remove_leftover_temp_files(&path);
         Ok(GroupLedger {
             path,
             _lock: lock,
@@ -351,13 +352,41 @@ impl GroupLedger {
             return Err(io::Error::other("the ledger path has no directory"));
         };
         crate::home::ensure_private_dir(dir)?;
-        let temp = dir.join(format!(".{LEDGER_FILE}.{}.tmp", std::process::id()));
+        // One writer (the lock), so one temp name: a write a kill cut short is overwritten.
+        let temp = dir.join(format!(".{LEDGER_FILE}.tmp"));
         let written =
             std::fs::write(&temp, &json).and_then(|()| std::fs::rename(&temp, &self.path));
         if written.is_err() {
             let _ = std::fs::remove_file(&temp);
         }
         written
+    }
+}
+
+/// Removes the temp files of writes cut short beside the ledger at `path` (`.<name>.tmp`,
+/// and `.<name>.<pid>.tmp` of earlier versions, which named them by process): called under
+/// the lock, when no other writer runs.
+fn remove_leftover_temp_files(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let prefix = format!(".{name}.");
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let is_temp = file_name
+            .to_str()
+            .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".tmp"));
+        if is_temp {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 
@@ -578,6 +607,26 @@ mod tests {
         ledger.reaped(&entry);
         let file: LedgerFile = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         assert!(file.groups.is_empty());
+    }
+
+    #[test]
+    fn temp_files_of_writes_a_kill_cut_short_are_removed_when_the_ledger_opens() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LEDGER_FILE);
+        let leftovers = [
+            dir.path().join(format!(".{LEDGER_FILE}.tmp")),
+            dir.path().join(format!(".{LEDGER_FILE}.4242.tmp")),
+        ];
+        for leftover in &leftovers {
+            std::fs::write(leftover, b"{\"version\":1,\"gro").unwrap();
+        }
+        let other = dir.path().join(".bindings.tmp");
+        std::fs::write(&other, b"not the ledger's").unwrap();
+        let _ledger = GroupLedger::open(&path).unwrap();
+        for leftover in &leftovers {
+            assert!(!leftover.exists(), "{} is left", leftover.display());
+        }
+        assert!(other.exists(), "only the ledger's temp files go");
     }
 
     #[test]

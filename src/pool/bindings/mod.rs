@@ -14,6 +14,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +28,10 @@ pub const SCHEMA_VERSION: u32 = 1;
 
 /// The suffix of binding files.
 const EXTENSION: &str = "json";
+
+/// A temp file this old is a write cut short (a write takes milliseconds); a younger one is
+/// left alone when a store opens.
+const LEFTOVER_TEMP_AGE: Duration = Duration::from_secs(60);
 
 /// The directory of the Copilot runtime's bindings in the state directory.
 const COPILOT_BINDINGS: &str = "bindings";
@@ -205,8 +210,9 @@ impl BindingStore {
         self
     }
 
-    /// Removes `.<hash>.<uuid>.tmp` files from `dir` (the store's or its index's): no
-    /// writer is running before the store is open.
+    /// Removes `.<hash>.<uuid>.tmp` files from `dir` (the store's or its index's) older than
+    /// [`LEFTOVER_TEMP_AGE`]: a younger one may be a write in progress of another writer (a
+    /// second pool on this state directory, or the daemon while `doctor` opens it).
     fn remove_leftover_temp_files(&self, dir: &Path) -> Result<(), BindingError> {
         let list_error = |source| BindingError::Io {
             op: "list",
@@ -219,7 +225,14 @@ impl BindingStore {
                 .file_name()
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with('.') && n.ends_with(".tmp"));
-            if is_temp {
+            let is_old = || {
+                fs::symlink_metadata(&path)
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|modified| modified.elapsed().ok())
+                    .is_some_and(|age| age >= LEFTOVER_TEMP_AGE)
+            };
+            if is_temp && is_old() {
                 match fs::remove_file(&path) {
                     Ok(()) => {
                         tracing::info!(path = %path.display(), "Removed a binding temp file left by an interrupted write.")
@@ -676,6 +689,7 @@ fn create_private_dir(dir: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::SystemTime;
 
     fn binding(key: &str, session: &str) -> Binding {
         Binding {
@@ -796,18 +810,30 @@ mod tests {
     }
 
     #[test]
-    fn temp_files_left_by_an_interrupted_write_are_removed_when_the_store_opens() {
+    fn temp_files_left_by_an_interrupted_write_are_removed_when_the_store_opens_not_one_being_written()
+     {
         let tmp = tempfile::tempdir().unwrap();
         let store = BindingStore::open(tmp.path()).unwrap();
         store.put(&binding("kept", "s-1")).unwrap();
-        let leftover = store
-            .dir()
-            .join(format!(".{}.0123456789abcdef.tmp", hex_sha256("kept")));
-        fs::write(&leftover, b"{\"half\":").unwrap();
+        let temp = |dir: &Path, id: &str| dir.join(format!(".{}.{id}.tmp", hex_sha256("kept")));
+        let old = SystemTime::now() - LEFTOVER_TEMP_AGE - Duration::from_secs(1);
+        let leftover = temp(store.dir(), "0123456789abcdef");
+        let index_leftover = temp(store.index.dir(), "0123456789abcdef");
+        for path in [&leftover, &index_leftover] {
+            fs::File::create(path)
+                .and_then(|f| f.set_modified(old))
+                .unwrap();
+        }
+        // Another writer's (a pool beside this one, or the daemon while `doctor` opens its
+        // state directory), between its write and its rename.
+        let in_flight = temp(store.dir(), "fedcba9876543210");
+        fs::write(&in_flight, b"{\"half\":").unwrap();
         let stray = store.dir().join("notes.txt");
         fs::write(&stray, b"not ours").unwrap();
         let store = BindingStore::open(tmp.path()).unwrap();
         assert!(!leftover.exists(), "the temp file is gone");
+        assert!(!index_leftover.exists(), "the index's temp file is gone");
+        assert!(in_flight.exists(), "a write in progress keeps its file");
         assert!(stray.exists(), "other files are left alone");
         assert_eq!(store.get("kept").unwrap(), Some(binding("kept", "s-1")));
     }
