@@ -511,9 +511,29 @@ async fn move_into_place(tmp: &Path, dir: &Path) -> Result<(), InstallError> {
             .await
             .map_err(io_err("remove incomplete install", dir))?;
     }
+    // Everything npm wrote reaches the disk before the rename makes it look complete: after
+    // a power cut a renamed folder with an empty executable would pass `is_complete`, and
+    // every spawn would fail until someone wiped the cache.
+    let synced = tmp.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        let folder = std::fs::File::open(&synced)?;
+        nix::unistd::syncfs(&folder).map_err(std::io::Error::from)
+    })
+    .await
+    .map_err(|e| std::io::Error::other(e.to_string()))
+    .and_then(|synced| synced)
+    .map_err(io_err("sync the finished install in", tmp))?;
     tokio::fs::rename(tmp, dir)
         .await
-        .map_err(io_err("move the finished install into place at", dir))
+        .map_err(io_err("move the finished install into place at", dir))?;
+    if let Some(parent) = dir.parent() {
+        let parent = parent.to_path_buf();
+        let _ = tokio::task::spawn_blocking(move || {
+            std::fs::File::open(&parent).and_then(|folder| folder.sync_all())
+        })
+        .await;
+    }
+    Ok(())
 }
 
 /// Removes `<parent>/<prefix>*` folders left by crashed installs (call with the lock held).

@@ -79,9 +79,10 @@ fn count_resume_crash(
     crashes.last = now;
 }
 
-/// How many conversations' former keys placement remembers at most (when full, it forgets
-/// them all: a rotation then drains the old version only through an attached conversation,
-/// as before the memory existed).
+/// How many conversations' former keys placement remembers at most (when full, the eighth
+/// used longest ago is forgotten: a rotation of those then drains the old version only
+/// through an attached conversation, as before the memory existed; one agent's many
+/// conversations never wipe every other's).
 const FORMER_KEYS_REMEMBERED: usize = 65_536;
 
 /// Resumes ahead of a return running at once over the whole pool. Each is ~33 ms of one
@@ -1702,7 +1703,12 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         if self.former_keys.len() >= FORMER_KEYS_REMEMBERED
             && !self.former_keys.contains_key(conversation)
         {
-            self.former_keys.clear();
+            // The eighth used longest ago goes (amortized: one pass per eighth).
+            let mut used: Vec<Instant> = self.former_keys.values().map(|f| f.last_used).collect();
+            let cut = used.len() / 8;
+            let (_, cutoff, _) = used.select_nth_unstable(cut);
+            let cutoff = *cutoff;
+            self.former_keys.retain(|_, f| f.last_used > cutoff);
         }
         self.former_keys.insert(
             conversation.to_owned(),

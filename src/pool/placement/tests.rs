@@ -2491,3 +2491,27 @@ fn busy_cli_processes_count_in_the_cap_and_the_cli_side_can_take_an_idle_worker(
     assert_eq!(sim.evicted, [(w, Eviction::Full)]);
     assert_eq!(sim.core.view().held, 0);
 }
+
+#[test]
+fn a_full_memory_of_former_keys_forgets_the_ones_used_longest_ago_not_all() {
+    let mut core: Placement<(), Token> = Placement::new(limits());
+    let start = Instant::now();
+    // The agent whose conversation is remembered first, and most recently used.
+    core.left_key("quiet/kept", &key(1), start + Duration::from_secs(3600));
+    for n in 0..FORMER_KEYS_REMEMBERED {
+        let used = start + Duration::from_millis(u64::try_from(n).expect("fits"));
+        core.left_key(&format!("busy/{n}"), &key(2), used);
+    }
+    assert!(core.former_keys.len() <= FORMER_KEYS_REMEMBERED);
+    assert!(
+        core.former_keys.len() > FORMER_KEYS_REMEMBERED / 2,
+        "most are kept: {}",
+        core.former_keys.len()
+    );
+    assert!(core.former_keys.contains_key("quiet/kept"));
+    assert!(!core.former_keys.contains_key("busy/0"), "the oldest went");
+    assert!(
+        core.former_keys
+            .contains_key(&format!("busy/{}", FORMER_KEYS_REMEMBERED - 1))
+    );
+}
