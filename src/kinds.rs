@@ -224,6 +224,8 @@ pub enum ErrorKind {
     WaitersFull,
     /// Too many leases of the agent are waiting already; other agents' still queue.
     AgentWaitersFull,
+    /// The agent ran `max_leases_per_agent` conversations for the whole wait.
+    AgentLeasesFull,
     /// The key crashed too often; retry after the cool-down.
     Quarantined,
     /// The pool is shut down or draining.
@@ -241,7 +243,7 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every value, in a stable order.
-    pub const ALL: [ErrorKind; 13] = [
+    pub const ALL: [ErrorKind; 14] = [
         ErrorKind::Invalid,
         ErrorKind::NotFound,
         ErrorKind::Busy,
@@ -249,6 +251,7 @@ impl ErrorKind {
         ErrorKind::NoCapacity,
         ErrorKind::WaitersFull,
         ErrorKind::AgentWaitersFull,
+        ErrorKind::AgentLeasesFull,
         ErrorKind::Quarantined,
         ErrorKind::Closed,
         ErrorKind::ResourceExhausted,
@@ -265,6 +268,7 @@ impl ErrorKind {
             ErrorKind::BusyTimeout | ErrorKind::NoCapacity => "wait_timeout",
             ErrorKind::WaitersFull => "waiters_full",
             ErrorKind::AgentWaitersFull => "agent_waiters_full",
+            ErrorKind::AgentLeasesFull => "agent_leases_full",
             ErrorKind::Quarantined => "quarantined",
             ErrorKind::Closed => "closed",
             ErrorKind::ResourceExhausted => "resource_exhausted",

@@ -51,9 +51,10 @@ pub(super) fn pool_error(e: &PoolError) -> Response {
         ErrorKind::Invalid => (StatusCode::BAD_REQUEST, "bad_request"),
         ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found"),
         ErrorKind::Busy | ErrorKind::BusyTimeout => (StatusCode::CONFLICT, "busy"),
-        ErrorKind::NoCapacity | ErrorKind::WaitersFull | ErrorKind::AgentWaitersFull => {
-            (StatusCode::SERVICE_UNAVAILABLE, "no_capacity")
-        }
+        ErrorKind::NoCapacity
+        | ErrorKind::WaitersFull
+        | ErrorKind::AgentWaitersFull
+        | ErrorKind::AgentLeasesFull => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
         ErrorKind::Quarantined => (StatusCode::SERVICE_UNAVAILABLE, "quarantined"),
         ErrorKind::Closed => (StatusCode::SERVICE_UNAVAILABLE, "draining"),
         ErrorKind::StateUnwritable => (StatusCode::SERVICE_UNAVAILABLE, "state_unwritable"),

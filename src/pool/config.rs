@@ -85,6 +85,14 @@ pub struct PoolConfig {
     /// `AgentWaitersFull`, so one agent's flood cannot take every place in the queue and
     /// leave the other agents' leases refused.
     pub max_waiters_per_agent: usize,
+    /// Conversations of one agent (its home, every credential of it) leased at once, turns
+    /// running on the Copilot runtime (default `None`: no cap). A multi-tenant pool sets it
+    /// below `max_processes`: each lease of another credential, model or provider can hold
+    /// a process of its own, so one agent with long turns could otherwise take every
+    /// process while the others' leases wait and fail. Past it the agent's next lease waits
+    /// (queued, within `max_waiters_per_agent`) for one of its own to return, and fails
+    /// after its wait with `AgentLeasesFull`; other agents' leases are granted meanwhile.
+    pub max_leases_per_agent: Option<usize>,
     /// How long a lease waits for capacity or for its conversation (default 30 s).
     pub wait_timeout: Duration,
     /// A worker with no lease for this long is stopped (default 5 min).
@@ -166,6 +174,7 @@ impl PoolConfig {
             max_sessions: 1024,
             max_waiters: 1024,
             max_waiters_per_agent: 256,
+            max_leases_per_agent: None,
             wait_timeout: Duration::from_secs(30),
             idle_ttl: Duration::from_secs(300),
             max_turns_per_process: 2000,
@@ -214,6 +223,12 @@ impl PoolConfig {
                 "{field} must be at least 1 (a zero does not turn the cap off: no lease would \
                  ever be placed); leave it at its default"
             )));
+        }
+        if self.max_leases_per_agent == Some(0) {
+            return invalid(
+                "max_leases_per_agent must be at least 1 (with 0 no agent could run a turn); \
+                 leave it unset for no cap",
+            );
         }
         if self.max_waiters_per_agent == 0 {
             return invalid(

@@ -103,6 +103,19 @@ pub enum PoolError {
         /// The configured limit.
         max: usize,
     },
+    /// The agent held `max_leases_per_agent` leases for the whole wait: its lease waited for
+    /// one of its own conversations to return, and none did.
+    #[error(
+        "this agent already runs {max} conversations at once (max_leases_per_agent), and none \
+         returned within {after:?}; wait for one of its turns to end, or raise \
+         max_leases_per_agent"
+    )]
+    AgentLeasesFull {
+        /// The configured limit.
+        max: usize,
+        /// How long the lease waited.
+        after: Duration,
+    },
     /// Too many leases of this agent are already waiting; other agents' still queue.
     #[error(
         "{max} leases of this agent are already waiting for capacity (max_waiters_per_agent); \
@@ -193,6 +206,7 @@ impl PoolError {
             PoolError::ConversationBusy { .. } => ErrorKind::Busy,
             PoolError::ConversationWaitTimeout { .. } => ErrorKind::BusyTimeout,
             PoolError::WaitTimeout { .. } => ErrorKind::NoCapacity,
+            PoolError::AgentLeasesFull { .. } => ErrorKind::AgentLeasesFull,
             PoolError::WaitersFull { .. } => ErrorKind::WaitersFull,
             PoolError::AgentWaitersFull { .. } => ErrorKind::AgentWaitersFull,
             PoolError::RestartIntensityExceeded { .. } => ErrorKind::Quarantined,

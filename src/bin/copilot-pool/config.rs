@@ -390,6 +390,7 @@ pub struct PoolSection {
     pub max_sessions: usize,
     pub max_waiters: usize,
     pub max_waiters_per_agent: usize,
+    pub max_leases_per_agent: Option<usize>,
     pub wait_timeout_secs: u64,
     pub idle_ttl_secs: u64,
     pub max_turns_per_process: u64,
@@ -528,6 +529,7 @@ impl Default for PoolSection {
             max_sessions: 1024,
             max_waiters: 1024,
             max_waiters_per_agent: 256,
+            max_leases_per_agent: None,
             wait_timeout_secs: 30,
             idle_ttl_secs: 300,
             max_turns_per_process: 2000,
@@ -817,6 +819,7 @@ impl ServeConfig {
         config.max_sessions = p.max_sessions;
         config.max_waiters = p.max_waiters;
         config.max_waiters_per_agent = p.max_waiters_per_agent;
+        config.max_leases_per_agent = p.max_leases_per_agent;
         config.wait_timeout = Duration::from_secs(p.wait_timeout_secs);
         config.idle_ttl = Duration::from_secs(p.idle_ttl_secs);
         config.max_turns_per_process = p.max_turns_per_process;

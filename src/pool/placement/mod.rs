@@ -103,6 +103,8 @@ pub(crate) struct Limits {
     pub(crate) max_sessions: usize,
     pub(crate) max_waiters: usize,
     pub(crate) max_waiters_per_agent: usize,
+    /// `usize::MAX` for no cap.
+    pub(crate) max_leases_per_agent: usize,
     pub(crate) idle_ttl: Duration,
     pub(crate) max_rss_bytes: u64,
     pub(crate) max_turns_per_process: u64,
@@ -123,6 +125,7 @@ impl From<&PoolConfig> for Limits {
             max_sessions: c.max_sessions,
             max_waiters: c.max_waiters,
             max_waiters_per_agent: c.max_waiters_per_agent,
+            max_leases_per_agent: c.max_leases_per_agent.unwrap_or(usize::MAX),
             idle_ttl: c.idle_ttl,
             max_rss_bytes: c.max_rss_bytes,
             max_turns_per_process: c.max_turns_per_process,
@@ -493,6 +496,22 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         self.effects()
     }
 
+    /// Leases of the agent whose home is `home` granted and not returned, over the workers
+    /// of its keys (every credential of it).
+    fn leased_of(&self, home: &std::path::Path) -> usize {
+        self.workers
+            .values()
+            .filter(|w| w.key.home == home)
+            .map(|w| w.leased)
+            .sum()
+    }
+
+    /// Whether the agent whose home is `home` holds `max_leases_per_agent` leases.
+    fn agent_at_lease_cap(&self, home: &std::path::Path) -> bool {
+        self.limits.max_leases_per_agent != usize::MAX
+            && self.leased_of(home) >= self.limits.max_leases_per_agent
+    }
+
     /// Leases of the agent whose home is `home` waiting (every credential of it).
     fn waiting_of(&self, home: &std::path::Path) -> usize {
         self.waiters.iter().filter(|w| w.key.home == home).count()
@@ -805,8 +824,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         self.effects()
     }
 
-    /// A waiter's time is up: it fails, saying why (its conversation still leased, its key's
-    /// last start error, or no capacity).
+    /// A waiter's time is up: it fails, saying why (its conversation still leased, its
+    /// agent at its lease cap, its key's last start error, or no capacity).
     pub(crate) fn expire(&mut self, request: RequestId) -> Vec<Effect<Spec, S>> {
         if let Some(pos) = self.waiters.iter().position(|w| w.id == request)
             && let Some(w) = self.waiters.remove(pos)
@@ -817,9 +836,14 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 .get(&w.key)
                 .filter(|ks| ks.workers.is_empty())
                 .and_then(|ks| ks.last_start_error.clone());
+            let at_cap = self.agent_at_lease_cap(&w.key.home);
             let error = match (busy, start_error) {
                 (true, _) => PoolError::ConversationWaitTimeout {
                     session_key: w.gateway_key.clone(),
+                    after: w.wait,
+                },
+                (false, _) if at_cap => PoolError::AgentLeasesFull {
+                    max: self.limits.max_leases_per_agent,
                     after: w.wait,
                 },
                 (false, Some(error)) => PoolError::Worker(error),
@@ -1195,6 +1219,10 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                     session_key: ask.gateway_key.clone(),
                 });
             }
+            return Ok(false);
+        }
+        // The agent's own leases hold its share: it waits for one of them, starting nothing.
+        if self.agent_at_lease_cap(&ask.key.home) {
             return Ok(false);
         }
         let ks = self

@@ -31,6 +31,7 @@ fn limits() -> Limits {
         max_sessions: 100,
         max_waiters: 100,
         max_waiters_per_agent: 100,
+        max_leases_per_agent: usize::MAX,
         idle_ttl: Duration::from_secs(300),
         max_rss_bytes: 1 << 30,
         max_turns_per_process: 1000,
@@ -597,6 +598,61 @@ fn one_agents_waiters_are_capped_and_another_agents_lease_still_queues() {
     let other = sim.ask("b/1", 2);
     assert!(sim.queued.contains(&other), "{:?}", sim.failed);
     assert_eq!(sim.failed.len(), 2);
+}
+
+#[test]
+fn an_agent_at_its_lease_cap_waits_for_its_own_return_while_another_agent_is_granted() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 4,
+        max_processes_per_key: 4,
+        max_leases_per_agent: 2,
+        ..limits()
+    });
+    // Agent 1 holds two leases on two keys (a model of its own each: a process each).
+    let rotated = |n: u8| PoolKey {
+        profile_version: Some(format!("v{n}")),
+        ..key(1)
+    };
+    for (n, conversation) in [(1, "a/1"), (2, "a/2")] {
+        let mut ask = ask_of(conversation, 1);
+        ask.key = rotated(n);
+        sim.submit(ask);
+        sim.spawn_ok();
+        assert!(sim.leases.contains_key(conversation), "{conversation}");
+    }
+    // Its third waits, and starts nothing.
+    let mut third = ask_of("a/3", 1);
+    third.key = rotated(3);
+    let waiting = sim.submit(third);
+    assert!(sim.queued.contains(&waiting));
+    assert!(
+        sim.spawns.is_empty(),
+        "no process started for it: {:?}",
+        sim.spawns
+    );
+    // Another agent is granted meanwhile.
+    sim.ask("b/1", 2);
+    sim.spawn_ok();
+    assert!(sim.leases.contains_key("b/1"));
+    // Its own return lets it in.
+    sim.give_back("a/1", Settle::Park, 1);
+    assert_eq!(sim.spawns.len(), 1, "its process starts now");
+    sim.spawn_ok();
+    assert!(sim.leases.contains_key("a/3"));
+    // At the cap for the whole wait: the error says so.
+    let mut fourth = ask_of("a/4", 1);
+    fourth.key = rotated(4);
+    let expired = sim.submit(fourth);
+    let effects = sim.core.expire(expired);
+    sim.apply(effects);
+    assert!(
+        matches!(
+            sim.failed.last(),
+            Some((r, PoolError::AgentLeasesFull { max: 2, .. })) if *r == expired
+        ),
+        "{:?}",
+        sim.failed
+    );
 }
 
 #[test]
