@@ -617,6 +617,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             && !self.conversations.contains_key(conversation)
             && !self.detaching.contains_key(conversation)
             && self.resume_crashes(conversation) == 0
+            && !self.agent_at_lease_cap(&key.home)
             && !self.waiters.iter().any(|w| w.conversation == conversation)
             && self.conversations.len() + self.waiters.len() < self.limits.max_sessions;
         if !free || self.resumes_ahead_in_flight() >= RESUMES_AHEAD_AT_ONCE {

@@ -428,6 +428,13 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             assert!(ks.workers.len() <= self.limits.max_processes_per_key);
         }
         assert!(self.waiters.len() <= self.limits.max_waiters);
+        for w in self.workers.values() {
+            assert!(
+                self.leased_of(&w.key.home) <= self.limits.max_leases_per_agent,
+                "max_leases_per_agent exceeded for {}",
+                w.key.home.display()
+            );
+        }
         for w in &self.waiters {
             assert!(
                 self.waiting_of(&w.key.home) <= self.limits.max_waiters_per_agent,
@@ -2443,6 +2450,7 @@ proptest! {
         window_secs in 1u64..900,
         cpu_processes_per_key in 1usize..3,
         busy_leases_per_process in 1usize..3,
+        lease_cap in prop::option::weighted(0.3, 1usize..3),
     ) {
         let limits = if small {
             Limits { max_processes: 2, max_processes_per_key: 1, max_sessions_per_process: 2, max_sessions: 3, max_turns_per_process: 4, max_waiters: 6, max_waiters_per_agent: 2, ..limits() }
@@ -2454,6 +2462,7 @@ proptest! {
             warm_spare_window: Duration::from_secs(window_secs),
             cpu_processes_per_key,
             busy_leases_per_process,
+            max_leases_per_agent: lease_cap.unwrap_or(usize::MAX),
             ..limits
         };
         let mut sim = Sim::new(limits);
