@@ -170,14 +170,19 @@ pub(crate) fn read_opened(file: File, rel: &Path, limit: u64) -> io::Result<Vec<
     Ok(bytes)
 }
 
+/// The most entries [`entries`] lists of one directory (the agent's processes can make
+/// millions; a listing past this is refused rather than held).
+const MAX_DIR_ENTRIES: usize = 100_000;
+
 /// The entries of the directory `root/rel` (without `.` and `..`), each with what it is;
-/// a link is reported as [`EntryKind::Other`], never followed.
+/// a link is reported as [`EntryKind::Other`], never followed. A directory of more than
+/// [`MAX_DIR_ENTRIES`] is refused (`InvalidData`).
 pub(crate) fn entries(root: &Path, rel: &Path) -> io::Result<Vec<(OsString, EntryKind)>> {
-    entries_of(open_dir(root, rel)?)
+    entries_of(open_dir(root, rel)?, MAX_DIR_ENTRIES)
 }
 
-/// The entries of the opened directory `fd`, as [`entries`] reports them.
-fn entries_of(fd: OwnedFd) -> io::Result<Vec<(OsString, EntryKind)>> {
+/// The entries of the opened directory `fd`, as [`entries`] reports them, at most `max`.
+fn entries_of(fd: OwnedFd, max: usize) -> io::Result<Vec<(OsString, EntryKind)>> {
     let dir_fd = fd.try_clone()?;
     let mut dir = nix::dir::Dir::from_fd(fd).map_err(io_error)?;
     let mut out = Vec::new();
@@ -207,6 +212,12 @@ fn entries_of(fd: OwnedFd) -> io::Result<Vec<(OsString, EntryKind)>> {
                 _ => EntryKind::Other,
             },
         };
+        if out.len() == max {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("the directory has more than {max} entries; the pool does not list it"),
+            ));
+        }
         out.push((OsString::from_vec(name.to_vec()), kind));
     }
     Ok(out)
@@ -253,7 +264,7 @@ pub(crate) fn remove_flat_dir(root: &Path, rel: &Path) -> io::Result<bool> {
     };
     let mut kept = false;
     // Listed through the directory opened above, not by its path again.
-    for (entry, kind) in entries_of(dir.try_clone()?)? {
+    for (entry, kind) in entries_of(dir.try_clone()?, usize::MAX)? {
         if kind == EntryKind::Dir {
             kept = true;
             continue;
@@ -440,6 +451,21 @@ mod tests {
         ] {
             assert!(read(&root, Path::new(rel), 100).is_err(), "{rel}");
         }
+    }
+
+    #[test]
+    fn a_directory_of_more_entries_than_the_bound_is_refused_not_held() {
+        let (_tmp, root, _other) = dirs();
+        for n in 0..5 {
+            std::fs::write(root.join(format!("sub/f{n}")), "").expect("file");
+        }
+        let listed = entries_of(open_dir(&root, Path::new("sub")).expect("open"), 5);
+        assert_eq!(listed.expect("five fit").len(), 5);
+        let refused = entries_of(open_dir(&root, Path::new("sub")).expect("open"), 4);
+        assert_eq!(
+            refused.expect_err("refused").kind(),
+            io::ErrorKind::InvalidData
+        );
     }
 
     #[test]
