@@ -261,6 +261,19 @@ pub fn entry_id(entry: &Entry<'_>) -> String {
     format!("{role}:{}", crate::ids::hex(&digest[..HASH_HEX_CHARS / 2]))
 }
 
+/// An entry id as the de-duplication remembers it: the first 8 bytes of its SHA-256. A
+/// transcript of millions of lines (and the cache keeps up to 256 of them) holds 8 bytes per
+/// line instead of the id's text; two ids of one file sharing a digest (odds ~n²/2⁶⁵: about
+/// 3 in 100 million for a million lines) would drop the second one's line.
+type IdDigest = u64;
+
+fn id_digest(id: &str) -> IdDigest {
+    let digest = Sha256::digest(id.as_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(first)
+}
+
 /// The scope string of a session: `copilot:<sessionId>`.
 pub fn scope_for(session_id: &str) -> String {
     format!("copilot:{session_id}")
@@ -301,8 +314,8 @@ struct Known {
     last_line: Option<LineFingerprint>,
     /// How many lines end before `len` (for the line numbers of warnings).
     lines: u64,
-    /// The ids of the valid lines before `len`.
-    seen: HashSet<String>,
+    /// The ids of the valid lines before `len` ([`IdDigest`]s).
+    seen: HashSet<IdDigest>,
     /// When it was last put back (the least recent is forgotten first).
     used: u64,
 }
@@ -461,8 +474,8 @@ pub struct Transcript {
     path: PathBuf,
     scope: String,
     file: File,
-    /// Ids already in the file.
-    seen: HashSet<String>,
+    /// Ids already in the file ([`IdDigest`]s: 8 bytes each, however long the id).
+    seen: HashSet<IdDigest>,
     mode: TranscriptMode,
     failed_writes: u64,
     /// A failed write may have left a partial line that could not be cut off: the next
@@ -580,7 +593,7 @@ impl Transcript {
             file.sync_data().map_err(open_err)?;
         }
         let mut seen = from.seen;
-        seen.extend(scan.ids);
+        seen.extend(scan.ids.iter().map(|id| id_digest(id)));
         let last_line = scan.last_line.or(from.last_line);
         Ok(Transcript {
             path,
@@ -612,12 +625,12 @@ impl Transcript {
     /// if the write failed in strict mode.
     pub fn append(&mut self, entry: &Entry<'_>) -> Result<bool, TranscriptError> {
         let id = entry_id(entry);
-        if self.seen.contains(&id) {
+        if self.seen.contains(&id_digest(&id)) {
             return Ok(false);
         }
         match self.write_line(&id, entry) {
             Ok(()) => {
-                self.seen.insert(id);
+                self.seen.insert(id_digest(&id));
                 Ok(true)
             }
             Err(source) => {
@@ -728,7 +741,7 @@ impl Transcript {
 
     /// Whether an entry with `id` is in the file.
     pub fn contains(&self, id: &str) -> bool {
-        self.seen.contains(id)
+        self.seen.contains(&id_digest(id))
     }
 
     /// How many writes failed since this `Transcript` was opened (both modes).
@@ -778,7 +791,7 @@ impl Drop for Transcript {
 /// Where an open starts reading: nothing known (the start of the file) or a cache entry.
 #[derive(Default)]
 struct Scanned {
-    seen: HashSet<String>,
+    seen: HashSet<IdDigest>,
     len: u64,
     last_line: Option<LineFingerprint>,
     lines: u64,
