@@ -1375,6 +1375,7 @@ impl CliLease {
                 self.backend
             )));
         }
+        self.bind_unbound().await?;
         // A live process that died since the last turn crashed.
         self.settle_process(ProcessExit::Crash);
         let Some(conversation) = self.conversation.as_mut() else {
@@ -1443,6 +1444,39 @@ impl CliLease {
             record: &mut self.record,
             started: Instant::now(),
         })
+    }
+
+    /// Binds the session id the runner holds when its last turn's binding could not be
+    /// written (a full disk), before another turn runs: no conversation runs unrecorded,
+    /// since a crash would then start it anew, its history lost. Still failing, the turn is
+    /// refused ([`PoolError::StateUnwritable`]).
+    async fn bind_unbound(&mut self) -> Result<(), PoolError> {
+        let Some(id) = self
+            .conversation
+            .as_ref()
+            .and_then(|c| c.session_id())
+            .filter(|id| self.record.bound.as_deref() != Some(*id))
+            .map(str::to_owned)
+        else {
+            return Ok(());
+        };
+        let (mut record, cwd) = (self.record.clone(), self.cwd.clone());
+        let bound = tokio::task::spawn_blocking(move || {
+            let bound = record.bind(&id, &cwd);
+            (record, bound)
+        })
+        .await;
+        match bound {
+            Ok((record, Ok(()))) => {
+                self.record = record;
+                Ok(())
+            }
+            Ok((_, Err(error))) => Err(PoolError::StateUnwritable {
+                dir: self.record.bindings.dir().to_path_buf(),
+                error: error.os_error(),
+            }),
+            Err(error) => Err(PoolError::Internal(error.to_string())),
+        }
     }
 
     /// Runs one turn to its end, handing each event to `on_event`.
@@ -2007,6 +2041,60 @@ mod tests {
                 .load(Ordering::SeqCst)
                 .then(|| std::io::Error::from_raw_os_error(nix::libc::ENOSPC))
         }
+    }
+
+    #[tokio::test]
+    async fn a_session_id_whose_binding_write_failed_is_bound_before_the_next_turn_or_that_turn_is_refused()
+     {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut config = CliBackendConfig::codex_cli();
+        let script = dir.path().join("codex");
+        std::fs::write(
+            &script,
+            r#"#!/bin/sh
+echo '{"type":"thread.started","thread_id":"0199aaaa-0000-7000-8000-000000000003"}'
+echo '{"type":"item.completed","item":{"id":"m1","type":"agent_message","text":"hi"}}'
+echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0,"output_tokens":1}}'
+"#,
+        )
+        .expect("script");
+        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .expect("executable");
+        config.command = script.display().to_string();
+        let disk = Arc::new(FullWhile::default());
+        let bindings = BindingStore::open(&dir.path().join("state"))
+            .expect("bindings")
+            .with_disk_faults(Some(disk.clone()));
+        let pool = pool_with("codex-cli", config, Arc::new(bindings));
+        let names = CliNames::new("agent", "k", "codex-cli");
+        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        std::fs::create_dir_all(&cwd).expect("work");
+        let mut lease = pool
+            .lease(
+                ask("codex-cli", home.clone(), cwd.clone()),
+                names.binding.clone(),
+            )
+            .await
+            .expect("leased");
+        disk.full.store(true, Ordering::SeqCst);
+        let outcome = lease.run("hello", |_| {}).await.expect("ran");
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        assert_eq!(pool.bindings.get(&names.binding).expect("read"), None);
+        // Still full: the next turn does not run unrecorded.
+        let refused = lease.run("again", |_| {}).await;
+        assert!(
+            matches!(refused, Err(PoolError::StateUnwritable { .. })),
+            "{refused:?}"
+        );
+        // Room again: bound first, then it runs.
+        disk.full.store(false, Ordering::SeqCst);
+        let outcome = lease.run("again", |_| {}).await.expect("ran");
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        let bound = pool.bindings.get(&names.binding).expect("read");
+        assert_eq!(
+            bound.map(|b| b.cli_session_id.into_string()).as_deref(),
+            Some("0199aaaa-0000-7000-8000-000000000003")
+        );
     }
 
     #[tokio::test]
