@@ -423,8 +423,8 @@ impl TurnDriver {
     async fn abort_with(&mut self, session: &mut Session, error: TurnError) -> TurnError {
         tracing::warn!(%error, "Aborting a turn.");
         self.cancel_pending();
-        // What the drain reads is mirrored once it is over (unless the mirror itself failed:
-        // nothing is written after a gap).
+        // What the drain reads is mirrored once it is over (unless the strict mirror itself
+        // failed: nothing is written after a gap).
         let mirror = !matches!(error, TurnError::TranscriptPersistence(_));
         let drained = &mut self.drained;
         let reached_idle = session
