@@ -291,13 +291,17 @@ const CREATE_FLAGS: OFlag = OFlag::O_WRONLY
     .union(OFlag::O_CLOEXEC);
 
 /// Creates the file `root/rel` (it must not exist, not even as a link) with `mode`, writes
-/// `bytes` into it and syncs it. Its directory must exist.
+/// `bytes` into it and syncs it; a write that fails removes it. Its directory must exist.
 pub(crate) fn create_new(root: &Path, rel: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     let (dir, name) = parent_and_name(root, rel)?;
     let fd = openat(&dir, name, CREATE_FLAGS, Mode::from_bits_truncate(mode)).map_err(io_error)?;
     let mut file = File::from(fd);
-    file.write_all(bytes)?;
-    file.sync_all()
+    let written = file.write_all(bytes).and_then(|()| file.sync_all());
+    if written.is_err() {
+        // A part of it under its final name would read as the whole (an attachment).
+        let _ = nix::unistd::unlinkat(&dir, name, nix::unistd::UnlinkatFlags::NoRemoveDir);
+    }
+    written
 }
 
 /// Replaces the file `root/rel` with `bytes` (mode `mode`): written into a new file beside
