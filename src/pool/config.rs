@@ -92,6 +92,9 @@ pub struct PoolConfig {
     /// process while the others' leases wait and fail. Past it the agent's next lease waits
     /// (queued, within `max_waiters_per_agent`) for one of its own to return, and fails
     /// after its wait with `AgentLeasesFull`; other agents' leases are granted meanwhile.
+    /// It counts turns, not processes (a process runs up to `busy_leases_per_process` of
+    /// them). A deletion's lease ([`Pool::lease_to_delete`](super::Pool)) or a lease of a
+    /// process alone (the SDK endpoint's `session.list`) is neither counted nor held back.
     pub max_leases_per_agent: Option<usize>,
     /// How long a lease waits for capacity or for its conversation (default 30 s).
     pub wait_timeout: Duration,

@@ -389,6 +389,9 @@ struct Conversation<S> {
     last_used: Instant,
     /// Resumed ahead of its return ([`Placement::warm_up`]) and not leased since.
     ahead: bool,
+    /// Its lease is for turns (`Ask::traffic`), the kind `max_leases_per_agent` caps; a
+    /// deletion's or a resume ahead is not.
+    for_turns: bool,
 }
 
 impl<S> Conversation<S> {
@@ -496,14 +499,19 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         self.effects()
     }
 
-    /// Leases of the agent whose home is `home` granted and not returned, over the workers
-    /// of its keys (every credential of it).
+    /// Leases for turns of the agent whose home is `home` granted and not returned (every
+    /// credential of it): its leased conversations, by their workers' keys. A pass over the
+    /// attached conversations, made only when the cap is set.
     fn leased_of(&self, home: &std::path::Path) -> usize {
-        self.workers
+        self.conversations
             .values()
-            .filter(|w| w.key.home == home)
-            .map(|w| w.leased)
-            .sum()
+            .filter(|c| c.leased && c.for_turns)
+            .filter(|c| {
+                self.workers
+                    .get(&c.worker)
+                    .is_some_and(|w| w.key.home == home)
+            })
+            .count()
     }
 
     /// Whether the agent whose home is `home` holds `max_leases_per_agent` leases.
@@ -641,6 +649,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 leased: true,
                 last_used: now,
                 ahead: true,
+                for_turns: false,
             },
         );
         Some(Granted {
@@ -837,7 +846,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 .get(&w.key)
                 .filter(|ks| ks.workers.is_empty())
                 .and_then(|ks| ks.last_start_error.clone());
-            let at_cap = self.agent_at_lease_cap(&w.key.home);
+            let at_cap = w.traffic && !w.process_only && self.agent_at_lease_cap(&w.key.home);
             let error = match (busy, start_error) {
                 (true, _) => PoolError::ConversationWaitTimeout {
                     session_key: w.gateway_key.clone(),
@@ -1222,8 +1231,9 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             }
             return Ok(false);
         }
-        // The agent's own leases hold its share: it waits for one of them, starting nothing.
-        if self.agent_at_lease_cap(&ask.key.home) {
+        // The agent's own turns hold its share: a lease for turns waits for one of them,
+        // starting nothing. A deletion's or a process lease (no turn, moments) is not held.
+        if ask.traffic && !ask.process_only && self.agent_at_lease_cap(&ask.key.home) {
             return Ok(false);
         }
         let ks = self
@@ -1340,6 +1350,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 leased: true,
                 last_used: now,
                 ahead: false,
+                for_turns: ask.traffic,
             },
         );
         let resume_crashes = self.resume_crashes(&ask.conversation);
@@ -1409,6 +1420,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         w.last_used = now;
         conv.leased = true;
         conv.ahead = false;
+        conv.for_turns = ask.traffic;
         conv.last_used = now;
         let session = conv.parked.take();
         self.out.push(Effect::Grant(Granted {

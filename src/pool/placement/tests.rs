@@ -646,6 +646,22 @@ fn an_agent_at_its_lease_cap_waits_for_its_own_return_while_another_agent_is_gra
     assert_eq!(sim.spawns.len(), 1, "its process starts now");
     sim.spawn_ok();
     assert!(sim.leases.contains_key("a/3"));
+    // A deletion's lease and a process lease (no turn) are not held back by the cap.
+    let mut deletion = ask_of("a/1", 1);
+    deletion.key = rotated(1);
+    deletion.traffic = false;
+    let deleting = sim.submit(deletion);
+    assert!(
+        !sim.queued.contains(&deleting),
+        "a deletion is granted at the cap"
+    );
+    sim.give_back("a/1", Settle::Park, 0);
+    let process = sim.ask_process(1);
+    assert!(
+        !sim.queued.contains(&process),
+        "a process lease is granted at the cap"
+    );
+    sim.release_process(process);
     // At the cap for the whole wait: the error says so.
     let mut fourth = ask_of("a/4", 1);
     fourth.key = rotated(4);
