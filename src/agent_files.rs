@@ -18,7 +18,7 @@ use std::ffi::OsString;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
-use std::os::unix::ffi::OsStringExt;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
@@ -170,19 +170,48 @@ pub(crate) fn read_opened(file: File, rel: &Path, limit: u64) -> io::Result<Vec<
     Ok(bytes)
 }
 
-/// The most entries [`entries`] lists of one directory (the agent's processes can make
-/// millions; a listing past this is refused rather than held).
+/// The most entries [`entries`] lists of one directory, and the most matches
+/// [`entries_where`] keeps (the agent's processes can make millions; a listing past this is
+/// refused rather than held).
 const MAX_DIR_ENTRIES: usize = 100_000;
 
 /// The entries of the directory `root/rel` (without `.` and `..`), each with what it is;
 /// a link is reported as [`EntryKind::Other`], never followed. A directory of more than
 /// [`MAX_DIR_ENTRIES`] is refused (`InvalidData`).
+#[cfg(test)]
 pub(crate) fn entries(root: &Path, rel: &Path) -> io::Result<Vec<(OsString, EntryKind)>> {
-    entries_of(open_dir(root, rel)?, MAX_DIR_ENTRIES)
+    entries_where(root, rel, |_, _| true)
 }
 
-/// The entries of the opened directory `fd`, as [`entries`] reports them, at most `max`.
-fn entries_of(fd: OwnedFd, max: usize) -> io::Result<Vec<(OsString, EntryKind)>> {
+/// The entries of the directory `root/rel` that `keep` picks, as [`entries`] reports them:
+/// the directory is read through, only what is kept is held, so a directory of millions of
+/// other names costs time, not memory. More than [`MAX_DIR_ENTRIES`] kept is refused
+/// (`InvalidData`, logged).
+pub(crate) fn entries_where(
+    root: &Path,
+    rel: &Path,
+    keep: impl FnMut(&std::ffi::OsStr, EntryKind) -> bool,
+) -> io::Result<Vec<(OsString, EntryKind)>> {
+    let listed = entries_of(open_dir(root, rel)?, MAX_DIR_ENTRIES, keep);
+    if let Err(error) = &listed
+        && error.kind() == io::ErrorKind::InvalidData
+    {
+        tracing::warn!(
+            dir = %root.join(rel).display(),
+            %error,
+            "A directory an agent's processes write holds too many entries to list; what the pool looks for there reads as missing. Remove old files from it."
+        );
+    }
+    listed
+}
+
+/// The entries of the opened directory `fd` that `keep` picks, as [`entries`] reports them,
+/// at most `max`.
+fn entries_of(
+    fd: OwnedFd,
+    max: usize,
+    mut keep: impl FnMut(&std::ffi::OsStr, EntryKind) -> bool,
+) -> io::Result<Vec<(OsString, EntryKind)>> {
     let dir_fd = fd.try_clone()?;
     let mut dir = nix::dir::Dir::from_fd(fd).map_err(io_error)?;
     let mut out = Vec::new();
@@ -212,13 +241,17 @@ fn entries_of(fd: OwnedFd, max: usize) -> io::Result<Vec<(OsString, EntryKind)>>
                 _ => EntryKind::Other,
             },
         };
+        let name = std::ffi::OsStr::from_bytes(name);
+        if !keep(name, kind) {
+            continue;
+        }
         if out.len() == max {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!("the directory has more than {max} entries; the pool does not list it"),
             ));
         }
-        out.push((OsString::from_vec(name.to_vec()), kind));
+        out.push((name.to_os_string(), kind));
     }
     Ok(out)
 }
@@ -264,7 +297,7 @@ pub(crate) fn remove_flat_dir(root: &Path, rel: &Path) -> io::Result<bool> {
     };
     let mut kept = false;
     // Listed through the directory opened above, not by its path again.
-    for (entry, kind) in entries_of(dir.try_clone()?, usize::MAX)? {
+    for (entry, kind) in entries_of(dir.try_clone()?, usize::MAX, |_, _| true)? {
         if kind == EntryKind::Dir {
             kept = true;
             continue;
@@ -463,9 +496,14 @@ mod tests {
         for n in 0..5 {
             std::fs::write(root.join(format!("sub/f{n}")), "").expect("file");
         }
-        let listed = entries_of(open_dir(&root, Path::new("sub")).expect("open"), 5);
+        let all = |_: &std::ffi::OsStr, _| true;
+        let listed = entries_of(open_dir(&root, Path::new("sub")).expect("open"), 5, all);
         assert_eq!(listed.expect("five fit").len(), 5);
-        let refused = entries_of(open_dir(&root, Path::new("sub")).expect("open"), 4);
+        // Only what is kept counts.
+        let one = |name: &std::ffi::OsStr, _| name == "f3";
+        let kept = entries_of(open_dir(&root, Path::new("sub")).expect("open"), 1, one);
+        assert_eq!(kept.expect("one kept").len(), 1);
+        let refused = entries_of(open_dir(&root, Path::new("sub")).expect("open"), 4, all);
         assert_eq!(
             refused.expect_err("refused").kind(),
             io::ErrorKind::InvalidData

@@ -15,7 +15,7 @@ use tokio::net::TcpStream;
 
 /// An accepted stream with `TCP_NODELAY` set, which sets `TCP_QUICKACK` again after every read
 /// that brought bytes (the kernel leaves quick-ACK mode by itself).
-/// (`pub` only as the TCP listener's [`Acceptor::Io`](crate::http::Acceptor::Io); the module is
+/// (`pub` only as the TCP listener's [`Acceptor::Io`](crate::listener::Acceptor::Io); the module is
 /// private, so no one outside the crate names it.)
 pub struct QuickAck(TcpStream);
 

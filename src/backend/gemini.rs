@@ -774,14 +774,19 @@ pub fn session_files(
     };
     let chats = Path::new(".gemini").join("tmp").join(slug).join("chats");
     let suffix = format!("-{}.jsonl", &session_id[..8]);
-    let Ok(entries) = crate::agent_files::entries(home, &chats) else {
+    // Only the session's files are held, however many others the folder has.
+    let of_session = |name: &std::ffi::OsStr, kind| {
+        kind == crate::agent_files::EntryKind::File
+            && name
+                .to_str()
+                .is_some_and(|n| n.starts_with("session-") && n.ends_with(&suffix))
+    };
+    let Ok(entries) = crate::agent_files::entries_where(home, &chats, of_session) else {
         return Err(missing(home.join(chats)));
     };
     let files: Vec<PathBuf> = entries
         .into_iter()
-        .filter(|(_, kind)| *kind == crate::agent_files::EntryKind::File)
         .filter_map(|(name, _)| name.into_string().ok())
-        .filter(|n| n.starts_with("session-") && n.ends_with(&suffix))
         .map(|n| chats.join(n))
         .filter(|rel| first_line_names(home, rel, session_id))
         .map(|rel| home.join(rel))

@@ -337,39 +337,37 @@ pub(crate) fn is_session_id(id: &str) -> bool {
 /// name a path are never found; the folders are the agent's, walked without following a
 /// link (`agent_files`).
 pub fn codex_rollout_path(home: &Path, thread_id: &str) -> Result<PathBuf, PathBuf> {
-    use crate::agent_files::{EntryKind, entries};
+    use crate::agent_files::{EntryKind, entries_where};
     let sessions = Path::new(".codex").join("sessions");
     if !is_session_id(thread_id) {
         return Err(home.join(sessions));
     }
     let suffix = format!("-{thread_id}.jsonl");
-    // The entries of `kind` in every folder of `level`, as paths below the home.
-    let children = |level: &[PathBuf], kind: EntryKind| -> Vec<PathBuf> {
+    // The entries `keep` picks in every folder of `level`, as paths below the home (only
+    // those are held, however many other files a folder has).
+    let children = |level: &[PathBuf], keep: &dyn Fn(&std::ffi::OsStr, EntryKind) -> bool| {
         level
             .iter()
-            .filter_map(|dir| Some((dir, entries(home, dir).ok()?)))
-            .flat_map(|(dir, found)| {
-                found
-                    .into_iter()
-                    .filter(move |(_, k)| *k == kind)
-                    .map(move |(name, _)| dir.join(name))
-            })
-            .collect()
+            .filter_map(|dir| Some((dir, entries_where(home, dir, keep).ok()?)))
+            .flat_map(|(dir, found)| found.into_iter().map(move |(name, _)| dir.join(name)))
+            .collect::<Vec<PathBuf>>()
     };
     // Three levels of dated folders, newest first (a resumed thread keeps its first file).
     let mut level = vec![sessions.clone()];
     for _ in 0..3 {
-        let mut next = children(&level, EntryKind::Dir);
+        let mut next = children(&level, &|_, kind| kind == EntryKind::Dir);
         next.sort_unstable_by(|a, b| b.cmp(a));
         level = next;
     }
-    children(&level, EntryKind::File)
-        .into_iter()
-        .find(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
+    let rollout = |name: &std::ffi::OsStr, kind: EntryKind| {
+        kind == EntryKind::File
+            && name
+                .to_str()
                 .is_some_and(|n| n.starts_with("rollout-") && n.ends_with(&suffix))
-        })
+    };
+    children(&level, &rollout)
+        .into_iter()
+        .next()
         .map(|rel| home.join(rel))
         .ok_or(home.join(sessions))
 }
