@@ -128,9 +128,12 @@ impl Pool {
             );
         }
         let guard = config.checked()?;
-        let bindings = Arc::new(
-            BindingStore::open(&config.state_dir)?.with_disk_faults(config.disk_faults.clone()),
-        );
+        // Off the async threads: the first open after an upgrade indexes every binding.
+        let state_dir = config.state_dir.clone();
+        let opened = tokio::task::spawn_blocking(move || BindingStore::open(&state_dir))
+            .await
+            .map_err(|e| PoolError::Internal(e.to_string()))??;
+        let bindings = Arc::new(opened.with_disk_faults(config.disk_faults.clone()));
         let cli_bindings = Arc::new(
             cli::open_bindings(&config.state_dir, &bindings, config.cli_backends.keys())?
                 .with_disk_faults(config.disk_faults.clone()),

@@ -450,7 +450,14 @@ fn check_private_dir(report: &mut Report, check: &str, setting: &str, dir: &Path
 /// Opens the binding store in `state_dir` and counts what it holds.
 fn check_bindings(report: &mut Report, state_dir: &Path) {
     const CHECK: &str = "bindings";
-    let store = match BindingStore::open(state_dir) {
+    // Beside a running daemon nothing of its store is touched: read it as it is.
+    let existing = state_dir.join("bindings").is_dir();
+    let opened = if existing {
+        Ok(BindingStore::open_to_read(state_dir))
+    } else {
+        BindingStore::open(state_dir)
+    };
+    let store = match opened {
         Ok(store) => store,
         Err(err) => {
             report.fail(

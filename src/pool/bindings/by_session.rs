@@ -4,13 +4,17 @@
 //! of a conversation bound to that session.
 //!
 //! The index is a hint the store checks, never a source of truth: an entry is written
-//! (durably) *before* the binding it indexes, so a binding on disk always has its entry
-//! whatever the moment a crash came; an entry whose conversation was since bound to another
-//! session, or removed, is stale, and the store reads the binding it names to tell
-//! ([`super::BindingStore::bound_elsewhere`]). One entry per agent and session: when two
-//! conversations are bound to one session (which the pool refuses, so only a race can do
-//! it), the entry names the first while it holds it. Bindings written before the index
-//! existed are indexed once, when a store first opens (marker [`BUILT`]).
+//! (durably) *before* the binding it indexes, so a binding on disk has its entry whatever
+//! the moment a crash came; an entry whose conversation was since bound to another session,
+//! or removed, is stale, and the store reads the binding it names to tell
+//! ([`super::BindingStore::bound_elsewhere`]). Each read-then-write of an entry is done
+//! under the store's lock, so one writer cannot undo another's in a process (two pools
+//! writing one state directory at once are not ordered). One entry per agent and session:
+//! when two conversations are bound to one session (which the pool refuses, so only a race
+//! can do it), the entry names the first while it holds it, and the second has none once
+//! the first leaves. Bindings written before the index existed are indexed once, when a
+//! store first opens (marker [`BUILT`]); a state directory an older version wrote to after
+//! that (a rollback) should have its `by-session` folder removed, to be built again.
 
 use std::fs::{self, File};
 use std::io;

@@ -123,6 +123,10 @@ pub struct BindingStore {
     dir: PathBuf,
     /// The bindings by agent and CLI session id.
     index: SessionIndex,
+    /// Held around each read-then-write of an index entry (a write over a stale entry, the
+    /// removal of one that names the key that left it), so one cannot undo another's in
+    /// this process. Shared by the store's clones.
+    index_lock: std::sync::Arc<std::sync::Mutex<()>>,
     /// Writes this plan fails on purpose (chaos runs); `None`: none.
     faults: Option<SharedDiskFaults>,
 }
@@ -151,12 +155,26 @@ impl BindingStore {
         let store = Self {
             dir,
             index,
+            index_lock: Default::default(),
             faults: None,
         };
         store.remove_leftover_temp_files(&store.dir)?;
         store.remove_leftover_temp_files(store.index.dir())?;
         store.build_index_once()?;
         Ok(store)
+    }
+
+    /// The store `<state_dir>/bindings` to read only (`copilot-pool doctor` beside a running
+    /// daemon): nothing is made, removed or indexed. Its reads fail where the directory is
+    /// missing.
+    pub fn open_to_read(state_dir: &Path) -> Self {
+        let dir = state_dir.join(COPILOT_BINDINGS);
+        Self {
+            index: SessionIndex::at(&dir),
+            dir,
+            index_lock: Default::default(),
+            faults: None,
+        }
     }
 
     /// Gives every binding an index entry, once: bindings written before the index existed
@@ -437,6 +455,10 @@ impl BindingStore {
             path: entry.clone(),
             source,
         };
+        let _held = self
+            .index_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         match SessionIndex::read(&entry).map_err(|e| entry_error("read the index entry", e))? {
             Some(named) if named == binding.session_key => return Ok(()),
             Some(named) => {
@@ -459,7 +481,7 @@ impl BindingStore {
                 if synced {
                     write_synced(&temp, binding.session_key.as_bytes())
                 } else {
-                    fs::write(&temp, binding.session_key.as_bytes())
+                    write_private(&temp, binding.session_key.as_bytes()).map(drop)
                 }
             })
             .map_err(|e| entry_error("write the index entry", e))
@@ -483,6 +505,10 @@ impl BindingStore {
             .index
             .entry(&previous.session_key, &previous.cli_session_id)
         {
+            let _held = self
+                .index_lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             SessionIndex::remove_if_names(&entry, &previous.session_key);
         }
     }
@@ -658,13 +684,18 @@ fn read_binding(path: &Path) -> Result<Option<Binding>, BindingError> {
 
 /// Writes `bytes` to a new file at `path` (mode 0600) and fsyncs it.
 fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_private(path, bytes)?.sync_all()
+}
+
+/// Writes `bytes` to a new file at `path` (mode 0600), not synced.
+fn write_private(path: &Path, bytes: &[u8]) -> io::Result<File> {
     let mut file = OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(path)?;
     file.write_all(bytes)?;
-    file.sync_all()
+    Ok(file)
 }
 
 /// Creates `dir` and its parents with mode 0700; a directory we created is set to 0700
@@ -763,7 +794,21 @@ mod tests {
         // An earlier version's state directory: bindings, no index.
         fs::remove_dir_all(tmp.path().join("bindings").join(by_session::DIR)).unwrap();
 
+        // Read only (doctor beside a running daemon): nothing is built.
+        let read = BindingStore::open_to_read(tmp.path());
+        assert_eq!(read.list().unwrap().len(), 2);
+        assert!(!tmp.path().join("bindings").join(by_session::DIR).exists());
+
         let reopened = BindingStore::open(tmp.path()).unwrap();
+        let entry = reopened
+            .index
+            .entry("a/k1", &CliSessionId::from("s-1"))
+            .unwrap();
+        assert_eq!(
+            fs::metadata(&entry).unwrap().permissions().mode() & 0o777,
+            0o600,
+            "private, as the bindings are"
+        );
         let owner = reopened
             .bound_elsewhere("a/k2", &CliSessionId::from("s-1"))
             .unwrap();
