@@ -95,6 +95,9 @@ pub struct ConnectionLimits {
     /// Open connections at most (default 4096); one more is answered 503
     /// `too_many_connections` and closed without being read.
     pub max_connections: usize,
+    /// What raises `max_connections`, as the refusal and the log name it (default
+    /// `max_connections`, the daemon's setting).
+    pub setting: &'static str,
 }
 
 impl Default for ConnectionLimits {
@@ -103,6 +106,7 @@ impl Default for ConnectionLimits {
             header_read_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(10),
             max_connections: 4096,
+            setting: "max_connections",
         }
     }
 }
@@ -151,10 +155,11 @@ pub async fn serve<L: Acceptor>(
                 tracing::warn!(
                     refused,
                     max_connections = limits.max_connections,
-                    "Connections over max_connections are answered 503 and closed."
+                    setting = limits.setting,
+                    "Connections over the cap are answered 503 and closed; raise the setting named if they are wanted."
                 );
             }
-            L::try_answer(&stream, too_many_connections().as_bytes());
+            L::try_answer(&stream, too_many_connections(&limits).as_bytes());
             continue;
         };
         let activity = Arc::new(Activity::new());
@@ -259,8 +264,15 @@ where
 
 /// The answer to a connection over the cap, written once into its empty socket buffer
 /// before it is closed; the request (if one was sent already) is not read.
-fn too_many_connections() -> String {
-    let body = r#"{"code":"too_many_connections","message":"the daemon has max_connections open connections; retry later or raise max_connections"}"#;
+fn too_many_connections(limits: &ConnectionLimits) -> String {
+    let body = serde_json::json!({
+        "code": "too_many_connections",
+        "message": format!(
+            "{} connections are open already (the cap); retry later or raise {}",
+            limits.max_connections, limits.setting
+        ),
+    })
+    .to_string();
     format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
          connection: close\r\nretry-after: 1\r\ncontent-length: {}\r\n\r\n{body}",

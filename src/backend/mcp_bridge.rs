@@ -79,8 +79,9 @@ pub struct McpBridgeConfig {
     pub working_directory: Option<String>,
     /// The bridge's connections: the agent's own processes can reach its port (the CLI's
     /// sandbox opens it), so their number and how long one may sit without a request are
-    /// bounded (default: 16 connections, a request head within 10 s, closed after 60 s
-    /// without a byte either way; a call in progress is never cut).
+    /// bounded (default: 64 connections, each tool call in progress holding one; a request
+    /// head within 10 s; closed after 60 s without a byte either way; a call in progress is
+    /// never cut).
     pub connections: crate::listener::ConnectionLimits,
 }
 
@@ -89,7 +90,8 @@ fn default_connections() -> crate::listener::ConnectionLimits {
     crate::listener::ConnectionLimits {
         header_read_timeout: Duration::from_secs(10),
         idle_timeout: Duration::from_secs(60),
-        max_connections: 16,
+        max_connections: 64,
+        setting: "McpBridgeConfig::connections (the MCP bridge's cap)",
     }
 }
 
@@ -798,6 +800,7 @@ mod tests {
                 header_read_timeout: Duration::from_millis(300),
                 idle_timeout: Duration::from_secs(60),
                 max_connections: 2,
+                setting: "the test's cap",
             },
             ..McpBridgeConfig::default()
         };
@@ -824,6 +827,7 @@ mod tests {
             .expect("read");
         assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
         assert!(answer.contains("too_many_connections"), "{answer}");
+        assert!(answer.contains("raise the test's cap"), "{answer}");
         // The silent ones are closed once their request head is overdue.
         for mut silent in held {
             let mut rest = Vec::new();
