@@ -1155,13 +1155,16 @@ fn read_tail_within(
         Err(e) => return Err(read_error(e)),
     };
     let len = opened.metadata().map_err(read_error)?.len();
-    // Started inside a line: its rest is not a line.
+    // Started inside a line (the byte before the window is not a newline): its rest is not
+    // a line.
     let mut partial_first = false;
     if len > window {
         opened
-            .seek(SeekFrom::Start(len - window))
+            .seek(SeekFrom::Start(len - window - 1))
             .map_err(read_error)?;
-        partial_first = true;
+        let mut before = [0u8; 1];
+        opened.read_exact(&mut before).map_err(read_error)?;
+        partial_first = before[0] != b'\n';
     }
     let mut reader = BufReader::new(opened.take(window));
     let mut tail = Tail {
@@ -1643,14 +1646,24 @@ mod tests {
         };
         let (old, cut, kept) = (line("old"), line("cut-in-two"), line("kept"));
         std::fs::write(&path, format!("{old}{cut}{kept}")).expect("write");
+        let read = |window: usize| {
+            let window = u64::try_from(window).expect("fits");
+            read_tail_within(&TranscriptFile::at(&path), 1_000, window, |text, tail| {
+                let line: Line =
+                    serde_json::from_str(text).expect("only whole lines are handed on");
+                tail.push(PreludeEntry::new(line.role, line.content));
+            })
+            .expect("read")
+        };
         // A window that starts inside the second line.
-        let window = u64::try_from(kept.len() + cut.len() / 2).expect("fits");
-        let tail = read_tail_within(&TranscriptFile::at(&path), 1_000, window, |text, tail| {
-            let line: Line = serde_json::from_str(text).expect("only whole lines are handed on");
-            tail.push(PreludeEntry::new(line.role, line.content));
-        })
-        .expect("read");
+        let tail = read(kept.len() + cut.len() / 2);
         assert_eq!(tail.entries, vec![entry(Role::User, "kept")]);
+        // One that starts at its first byte keeps it whole.
+        let tail = read(kept.len() + cut.len());
+        assert_eq!(
+            tail.entries,
+            vec![entry(Role::User, "cut-in-two"), entry(Role::User, "kept")]
+        );
 
         // A sparse terabyte (an agent's process can make one at no cost): its end is read.
         let sparse = dir.path().join("sparse.jsonl");
