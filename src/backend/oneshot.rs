@@ -273,13 +273,46 @@ struct SystemPromptFile {
 }
 
 impl SystemPromptFile {
-    /// Writes `text` into a new file in `home`. Blocking.
+    /// Writes `text` into a new file in `home`, after removing the files of runs a crash
+    /// cut short (older than [`LEFT_SYSTEM_PROMPT_AGE`]). Blocking.
     fn create(home: &Path, text: &str) -> std::io::Result<Self> {
+        Self::remove_left(home);
         let name = format!("system-prompt-{}.md", uuid::Uuid::new_v4().simple());
         crate::agent_files::create_new(home, Path::new(&name), text.as_bytes(), 0o600)?;
         Ok(Self {
             path: home.join(name),
         })
+    }
+}
+
+/// A run's system prompt file this old was left by a daemon that did not live to remove it
+/// (no turn runs this long).
+const LEFT_SYSTEM_PROMPT_AGE: Duration = Duration::from_secs(24 * 3600);
+
+impl SystemPromptFile {
+    /// Removes `system-prompt*.md` files of `home` older than [`LEFT_SYSTEM_PROMPT_AGE`].
+    fn remove_left(home: &Path) {
+        use crate::agent_files::{EntryKind, entries_where};
+        let left = |name: &std::ffi::OsStr, kind| {
+            kind == EntryKind::File
+                && name
+                    .to_str()
+                    .is_some_and(|n| n.starts_with("system-prompt") && n.ends_with(".md"))
+        };
+        let Ok(found) = entries_where(home, Path::new(""), left) else {
+            return;
+        };
+        for (name, _) in found {
+            let path = home.join(name);
+            let old = std::fs::symlink_metadata(&path)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|modified| modified.elapsed().ok())
+                .is_some_and(|age| age >= LEFT_SYSTEM_PROMPT_AGE);
+            if old {
+                let _ = std::fs::remove_file(&path);
+            }
+        }
     }
 }
 
@@ -2604,6 +2637,23 @@ mod tests {
             .filter(|n| n.to_string_lossy().starts_with("system-prompt"))
             .collect();
         assert!(left.is_empty(), "removed with their runs: {left:?}");
+
+        // One a crash left a day ago goes with the next run's; a recent one (a run of another
+        // conversation) stays.
+        let home = dir.path().join("home");
+        let (stale, recent) = (
+            home.join("system-prompt-old.md"),
+            home.join("system-prompt-new.md"),
+        );
+        let a_day_ago =
+            std::time::SystemTime::now() - LEFT_SYSTEM_PROMPT_AGE - Duration::from_secs(1);
+        std::fs::File::create(&stale)
+            .and_then(|f| f.set_modified(a_day_ago))
+            .unwrap();
+        std::fs::write(&recent, "running").unwrap();
+        let _ = run(&mut second, "p").await;
+        assert!(!stale.exists(), "a crash's leftover is removed");
+        assert!(recent.exists(), "another run's file stays");
     }
 
     #[tokio::test]
