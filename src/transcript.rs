@@ -593,7 +593,7 @@ impl Transcript {
             file.sync_data().map_err(open_err)?;
         }
         let mut seen = from.seen;
-        seen.extend(scan.ids.iter().map(|id| id_digest(id)));
+        seen.extend(scan.ids);
         let last_line = scan.last_line.or(from.last_line);
         Ok(Transcript {
             path,
@@ -809,7 +809,7 @@ pub fn count_duplicates(path: &Path) -> Result<usize, TranscriptError> {
         path: path.to_owned(),
         source,
     })?;
-    let mut counts: HashMap<String, usize> = HashMap::new();
+    let mut counts: HashMap<IdDigest, usize> = HashMap::new();
     for id in scan.ids {
         *counts.entry(id).or_default() += 1;
     }
@@ -818,8 +818,8 @@ pub fn count_duplicates(path: &Path) -> Result<usize, TranscriptError> {
 
 /// What reading a transcript found.
 struct Scan {
-    /// The ids of the complete, valid lines read, in file order (with repeats).
-    ids: Vec<String>,
+    /// The ids (digests) of the complete, valid lines read, in file order (with repeats).
+    ids: Vec<IdDigest>,
     /// The offset just after the last newline (the start offset if none was read).
     complete_len: u64,
     /// The file's length.
@@ -861,7 +861,7 @@ fn scan(file: &File, path: &Path, start: u64, lines_before: u64) -> io::Result<S
         let text = &line[..line.len() - 1];
         if !text.iter().all(u8::is_ascii_whitespace) {
             match serde_json::from_slice::<IdOnly>(text) {
-                Ok(record) => ids.push(record.id),
+                Ok(record) => ids.push(id_digest(&record.id)),
                 Err(e) => tracing::warn!(
                     path = %path.display(),
                     line = line_no,
