@@ -81,7 +81,7 @@ pub struct McpBridgeConfig {
     /// sandbox opens it), so their number and how long one may sit without a request are
     /// bounded (default: 64 connections, each tool call in progress holding one; a request
     /// head within 10 s; closed after 60 s without a byte either way; a call in progress is
-    /// never cut).
+    /// never cut). A library setting: `copilot-pool serve` uses the default.
     pub connections: crate::listener::ConnectionLimits,
 }
 
@@ -91,7 +91,8 @@ fn default_connections() -> crate::listener::ConnectionLimits {
         header_read_timeout: Duration::from_secs(10),
         idle_timeout: Duration::from_secs(60),
         max_connections: 64,
-        setting: "McpBridgeConfig::connections (the MCP bridge's cap)",
+        setting: "McpBridgeConfig::connections (the MCP bridge's cap, a library setting; \
+                  `copilot-pool serve` keeps its default of 64)",
     }
 }
 

@@ -274,9 +274,13 @@ struct SystemPromptFile {
 
 impl SystemPromptFile {
     /// Writes `text` into a new file in `home`, after removing the files of runs a crash
-    /// cut short (older than [`LEFT_SYSTEM_PROMPT_AGE`]). Blocking.
-    fn create(home: &Path, text: &str) -> std::io::Result<Self> {
-        Self::remove_left(home);
+    /// cut short (older than [`LEFT_SYSTEM_PROMPT_AGE`] and twice `turn_timeout`: no run of
+    /// this backend lasts that long). Blocking.
+    fn create(home: &Path, text: &str, turn_timeout: Duration) -> std::io::Result<Self> {
+        Self::remove_left(
+            home,
+            LEFT_SYSTEM_PROMPT_AGE.max(turn_timeout.saturating_mul(2)),
+        );
         let name = format!("system-prompt-{}.md", uuid::Uuid::new_v4().simple());
         crate::agent_files::create_new(home, Path::new(&name), text.as_bytes(), 0o600)?;
         Ok(Self {
@@ -285,34 +289,39 @@ impl SystemPromptFile {
     }
 }
 
-/// A run's system prompt file this old was left by a daemon that did not live to remove it
-/// (no turn runs this long).
+/// A run's system prompt file at least this old (and twice the turn timeout) was left by a
+/// daemon that did not live to remove it.
 const LEFT_SYSTEM_PROMPT_AGE: Duration = Duration::from_secs(24 * 3600);
 
 impl SystemPromptFile {
-    /// Removes `system-prompt*.md` files of `home` older than [`LEFT_SYSTEM_PROMPT_AGE`].
-    fn remove_left(home: &Path) {
+    /// Whether `name` is a run's system prompt file (`system-prompt-<32 hex>.md`) or the one
+    /// earlier versions shared (`system-prompt.md`); no other file of the home.
+    fn is_ours(name: &str) -> bool {
+        name == "system-prompt.md"
+            || name
+                .strip_prefix("system-prompt-")
+                .and_then(|rest| rest.strip_suffix(".md"))
+                .is_some_and(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+    }
+
+    /// Removes the system prompt files of `home` older than `age`, as the listing finds
+    /// them (nothing is held).
+    fn remove_left(home: &Path, age: Duration) {
         use crate::agent_files::{EntryKind, entries_where};
-        let left = |name: &std::ffi::OsStr, kind| {
-            kind == EntryKind::File
-                && name
-                    .to_str()
-                    .is_some_and(|n| n.starts_with("system-prompt") && n.ends_with(".md"))
-        };
-        let Ok(found) = entries_where(home, Path::new(""), left) else {
-            return;
-        };
-        for (name, _) in found {
-            let path = home.join(name);
-            let old = std::fs::symlink_metadata(&path)
-                .and_then(|m| m.modified())
-                .ok()
-                .and_then(|modified| modified.elapsed().ok())
-                .is_some_and(|age| age >= LEFT_SYSTEM_PROMPT_AGE);
-            if old {
-                let _ = std::fs::remove_file(&path);
+        let _ = entries_where(home, Path::new(""), |name, kind| {
+            if kind == EntryKind::File && name.to_str().is_some_and(Self::is_ours) {
+                let path = home.join(name);
+                let old = std::fs::symlink_metadata(&path)
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|modified| modified.elapsed().ok())
+                    .is_some_and(|elapsed| elapsed >= age);
+                if old {
+                    let _ = std::fs::remove_file(&path);
+                }
             }
-        }
+            false
+        });
     }
 }
 
@@ -806,10 +815,12 @@ impl Oneshot {
             (Some(text), true) => {
                 let home = config.home.clone();
                 let text = text.clone();
-                let written =
-                    tokio::task::spawn_blocking(move || SystemPromptFile::create(&home, &text))
-                        .await
-                        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+                let timeout = config.turn_timeout;
+                let written = tokio::task::spawn_blocking(move || {
+                    SystemPromptFile::create(&home, &text, timeout)
+                })
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
                 Some(written.map_err(|error| OneshotError::Home {
                     path: config.home.clone(),
                     error,
@@ -2641,19 +2652,24 @@ mod tests {
         // One a crash left a day ago goes with the next run's; a recent one (a run of another
         // conversation) stays.
         let home = dir.path().join("home");
-        let (stale, recent) = (
-            home.join("system-prompt-old.md"),
-            home.join("system-prompt-new.md"),
+        let (stale, recent, theirs) = (
+            home.join(format!("system-prompt-{}.md", "a".repeat(32))),
+            home.join(format!("system-prompt-{}.md", "b".repeat(32))),
+            home.join("system-prompt-notes.md"),
         );
         let a_day_ago =
             std::time::SystemTime::now() - LEFT_SYSTEM_PROMPT_AGE - Duration::from_secs(1);
         std::fs::File::create(&stale)
             .and_then(|f| f.set_modified(a_day_ago))
             .unwrap();
+        std::fs::File::create(&theirs)
+            .and_then(|f| f.set_modified(a_day_ago))
+            .unwrap();
         std::fs::write(&recent, "running").unwrap();
         let _ = run(&mut second, "p").await;
         assert!(!stale.exists(), "a crash's leftover is removed");
         assert!(recent.exists(), "another run's file stays");
+        assert!(theirs.exists(), "a file the pool did not name stays");
     }
 
     #[tokio::test]

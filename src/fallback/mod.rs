@@ -1163,8 +1163,9 @@ fn read_tail_within(
             .seek(SeekFrom::Start(len - window - 1))
             .map_err(read_error)?;
         let mut before = [0u8; 1];
-        opened.read_exact(&mut before).map_err(read_error)?;
-        partial_first = before[0] != b'\n';
+        // Nothing there (the file shrank since): whatever follows is cut.
+        let read = opened.read(&mut before).map_err(read_error)?;
+        partial_first = read == 0 || before[0] != b'\n';
     }
     let mut reader = BufReader::new(opened.take(window));
     let mut tail = Tail {

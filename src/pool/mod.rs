@@ -128,16 +128,19 @@ impl Pool {
             );
         }
         let guard = config.checked()?;
-        // Off the async threads: the first open after an upgrade indexes every binding.
+        // Off the async threads: the first open after an upgrade indexes every binding, and
+        // the CLI backends' store may move bindings over.
         let state_dir = config.state_dir.clone();
-        let opened = tokio::task::spawn_blocking(move || BindingStore::open(&state_dir))
-            .await
-            .map_err(|e| PoolError::Internal(e.to_string()))??;
-        let bindings = Arc::new(opened.with_disk_faults(config.disk_faults.clone()));
-        let cli_bindings = Arc::new(
-            cli::open_bindings(&config.state_dir, &bindings, config.cli_backends.keys())?
-                .with_disk_faults(config.disk_faults.clone()),
-        );
+        let backends: Vec<String> = config.cli_backends.keys().cloned().collect();
+        let (copilot, cli_store) = tokio::task::spawn_blocking(move || {
+            let copilot = BindingStore::open(&state_dir)?;
+            let cli_store = cli::open_bindings(&state_dir, &copilot, backends.iter())?;
+            Ok::<_, PoolError>((copilot, cli_store))
+        })
+        .await
+        .map_err(|e| PoolError::Internal(e.to_string()))??;
+        let bindings = Arc::new(copilot.with_disk_faults(config.disk_faults.clone()));
+        let cli_bindings = Arc::new(cli_store.with_disk_faults(config.disk_faults.clone()));
         let cli = Arc::new(cli::CliPool::new(
             config.cli_backends.clone(),
             cli::slots::Caps {

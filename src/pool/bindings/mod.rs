@@ -455,22 +455,25 @@ impl BindingStore {
             path: entry.clone(),
             source,
         };
-        let _held = self
-            .index_lock
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match SessionIndex::read(&entry).map_err(|e| entry_error("read the index entry", e))? {
-            Some(named) if named == binding.session_key => return Ok(()),
-            Some(named) => {
-                let holds = self
-                    .get(&named)?
-                    .is_some_and(|other| other.cli_session_id == binding.cli_session_id);
-                if holds {
-                    return Ok(());
-                }
-            }
-            None => {}
+        // Whether the entry may stay as it is: it names this key, or another conversation
+        // still bound to the session (the first holder stays named).
+        let stays = |store: &Self| -> Result<bool, BindingError> {
+            Ok(
+                match SessionIndex::read(&entry)
+                    .map_err(|e| entry_error("read the index entry", e))?
+                {
+                    Some(named) if named == binding.session_key => true,
+                    Some(named) => store
+                        .get(&named)?
+                        .is_some_and(|other| other.cli_session_id == binding.cli_session_id),
+                    None => false,
+                },
+            )
+        };
+        if stays(self)? {
+            return Ok(());
         }
+        // Written (and synced) before the lock: only the check and the rename are held.
         let temp = self.index.dir().join(format!(
             ".{}.{}.tmp",
             hex_sha256(&binding.session_key),
@@ -484,14 +487,30 @@ impl BindingStore {
                     write_private(&temp, binding.session_key.as_bytes()).map(drop)
                 }
             })
-            .map_err(|e| entry_error("write the index entry", e))
-            .and_then(|()| {
-                fs::rename(&temp, &entry).map_err(|e| entry_error("rename into place", e))
-            });
-        if let Err(err) = written {
-            let _ = fs::remove_file(&temp);
-            crate::metrics::storage_write_failed(Store::Bindings);
-            return Err(err);
+            .map_err(|e| entry_error("write the index entry", e));
+        let placed = written.and_then(|()| {
+            let _held = self
+                .index_lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if stays(self)? {
+                return Ok(false);
+            }
+            fs::rename(&temp, &entry)
+                .map(|()| true)
+                .map_err(|e| entry_error("rename into place", e))
+        });
+        match placed {
+            Ok(true) => {}
+            Ok(false) => {
+                let _ = fs::remove_file(&temp);
+                return Ok(());
+            }
+            Err(err) => {
+                let _ = fs::remove_file(&temp);
+                crate::metrics::storage_write_failed(Store::Bindings);
+                return Err(err);
+            }
         }
         if synced {
             self.sync_index_dir()?;

@@ -19,6 +19,7 @@ mod rules;
 mod tests;
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::ids::CliSessionId;
@@ -392,6 +393,8 @@ struct Conversation<S> {
     /// Its lease is for turns (`Ask::traffic`), the kind `max_leases_per_agent` caps; a
     /// deletion's or a resume ahead is not.
     for_turns: bool,
+    /// The agent's home (its last grant's key's), whose turns it counts in.
+    home: PathBuf,
 }
 
 impl<S> Conversation<S> {
@@ -431,6 +434,9 @@ pub(crate) struct Placement<Spec, S> {
     /// on is gone ([`drain_rotated`](Self::drain_rotated)). At most
     /// [`FORMER_KEYS_REMEMBERED`] entries.
     former_keys: HashMap<String, FormerKey>,
+    /// The agents' leases for turns by home, counted for one pass over the waiters
+    /// ([`serve_waiters`](Self::serve_waiters)) when `max_leases_per_agent` is set.
+    turns_by_home: Option<HashMap<PathBuf, usize>>,
     /// The CLI backends' processes, which count in `max_processes` too.
     others: Others,
     /// An [`Effect::EvictOther`] is outstanding.
@@ -453,6 +459,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             stopping: HashMap::new(),
             resume_crashes: HashMap::new(),
             former_keys: HashMap::new(),
+            turns_by_home: None,
             others: Others::default(),
             asked_other: false,
             out: Vec::new(),
@@ -500,18 +507,36 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     }
 
     /// Leases for turns of the agent whose home is `home` granted and not returned (every
-    /// credential of it): its leased conversations, by their workers' keys. A pass over the
-    /// attached conversations, made only when the cap is set.
+    /// credential of it): its leased conversations. Counted once per pass over the waiters
+    /// (`turns_by_home`), else a pass over the attached conversations; only with the cap set.
     fn leased_of(&self, home: &std::path::Path) -> usize {
+        if let Some(counted) = &self.turns_by_home {
+            return counted.get(home).copied().unwrap_or(0);
+        }
         self.conversations
             .values()
-            .filter(|c| c.leased && c.for_turns)
-            .filter(|c| {
-                self.workers
-                    .get(&c.worker)
-                    .is_some_and(|w| w.key.home == home)
-            })
+            .filter(|c| c.leased && c.for_turns && c.home == home)
             .count()
+    }
+
+    /// The leases for turns of every agent, by home.
+    fn turns_by_home(&self) -> HashMap<PathBuf, usize> {
+        let mut counted = HashMap::new();
+        for c in self
+            .conversations
+            .values()
+            .filter(|c| c.leased && c.for_turns)
+        {
+            *counted.entry(c.home.clone()).or_default() += 1;
+        }
+        counted
+    }
+
+    /// A lease for turns of `home` was granted: counted in the pass's tally, if one is kept.
+    fn count_turn(&mut self, home: &std::path::Path) {
+        if let Some(counted) = &mut self.turns_by_home {
+            *counted.entry(home.to_path_buf()).or_default() += 1;
+        }
     }
 
     /// Whether the agent whose home is `home` holds `max_leases_per_agent` leases.
@@ -650,6 +675,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 last_used: now,
                 ahead: true,
                 for_turns: false,
+                home: key.home.clone(),
             },
         );
         Some(Granted {
@@ -1195,6 +1221,11 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     /// Serves waiting leases in FIFO order, as far as capacity allows; then tops up the
     /// warm spares.
     fn serve_waiters(&mut self, now: Instant) {
+        // The agents' turns counted once for the pass (each grant adds its own), not once per
+        // waiter.
+        if self.limits.max_leases_per_agent != usize::MAX && !self.waiters.is_empty() {
+            self.turns_by_home = Some(self.turns_by_home());
+        }
         let mut kept = VecDeque::new();
         while let Some(w) = self.waiters.pop_front() {
             match self.try_grant(&w, now) {
@@ -1207,6 +1238,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             }
         }
         self.waiters = kept;
+        self.turns_by_home = None;
         self.top_up_spares(now);
     }
 
@@ -1351,8 +1383,12 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 last_used: now,
                 ahead: false,
                 for_turns: ask.traffic,
+                home: ask.key.home.clone(),
             },
         );
+        if ask.traffic {
+            self.count_turn(&ask.key.home);
+        }
         let resume_crashes = self.resume_crashes(&ask.conversation);
         self.out.push(Effect::Grant(Granted {
             request: ask.id,
@@ -1421,6 +1457,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         conv.leased = true;
         conv.ahead = false;
         conv.for_turns = ask.traffic;
+        conv.home.clone_from(&ask.key.home);
         conv.last_used = now;
         let session = conv.parked.take();
         self.out.push(Effect::Grant(Granted {
@@ -1434,6 +1471,9 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             }),
             resume_crashes,
         }));
+        if ask.traffic {
+            self.count_turn(&ask.key.home);
+        }
         true
     }
 

@@ -269,6 +269,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         );
         let mut metrics_limits = limits;
         metrics_limits.max_connections = METRICS_MAX_CONNECTIONS;
+        metrics_limits.setting = "nothing: the metrics listener's cap is fixed; scrape less often";
         servers.push(tokio::spawn(http::serve(
             metrics_listener,
             metrics_app,
