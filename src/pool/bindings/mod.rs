@@ -200,17 +200,7 @@ impl BindingStore {
             source,
         })?;
         nix::unistd::syncfs(&dir).map_err(index_error)?;
-        let marker = self.index.built_marker();
-        write_synced(&marker, b"")
-            .or_else(|err| match err.kind() {
-                io::ErrorKind::AlreadyExists => Ok(()),
-                _ => Err(err),
-            })
-            .map_err(|source| BindingError::Io {
-                op: "write",
-                path: marker,
-                source,
-            })?;
+        write_marker(&self.index.built_marker())?;
         self.sync_index_dir()?;
         if !bindings.is_empty() {
             tracing::info!(
@@ -626,16 +616,7 @@ impl BindingStore {
         }
         self.sync_dir()?;
         from.sync_dir()?;
-        write_synced(&marker, b"")
-            .or_else(|err| match err.kind() {
-                io::ErrorKind::AlreadyExists => Ok(()),
-                _ => Err(err),
-            })
-            .map_err(|source| BindingError::Io {
-                op: "write",
-                path: marker,
-                source,
-            })?;
+        write_marker(&marker)?;
         self.sync_dir()?;
         Ok(moved)
     }
@@ -699,6 +680,21 @@ fn read_binding(path: &Path) -> Result<Option<Binding>, BindingError> {
             Ok(None)
         }
     }
+}
+
+/// Writes the empty marker file `path` (a step done once), synced; one already there is
+/// kept. Its directory is the caller's to sync.
+fn write_marker(path: &Path) -> Result<(), BindingError> {
+    write_synced(path, b"")
+        .or_else(|err| match err.kind() {
+            io::ErrorKind::AlreadyExists => Ok(()),
+            _ => Err(err),
+        })
+        .map_err(|source| BindingError::Io {
+            op: "write",
+            path: path.to_path_buf(),
+            source,
+        })
 }
 
 /// Writes `bytes` to a new file at `path` (mode 0600) and fsyncs it.

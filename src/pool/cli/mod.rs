@@ -2043,16 +2043,18 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_session_id_whose_binding_write_failed_is_bound_before_the_next_turn_or_that_turn_is_refused()
-     {
-        let dir = tempfile::tempdir().expect("tempdir");
+    /// A pool of a fake Codex under `dir` (a whole turn on thread `$(cat id)`, the id read
+    /// from the working directory) whose bindings' disk is full while the returned switch is
+    /// set; with the conversation's names, the agent's home and the working directory.
+    fn codex_on_a_disk_that_fills(
+        dir: &std::path::Path,
+    ) -> (Arc<CliPool>, Arc<FullWhile>, CliNames, PathBuf, PathBuf) {
         let mut config = CliBackendConfig::codex_cli();
-        let script = dir.path().join("codex");
+        let script = dir.join("codex");
         std::fs::write(
             &script,
             r#"#!/bin/sh
-echo '{"type":"thread.started","thread_id":"0199aaaa-0000-7000-8000-000000000003"}'
+printf '{"type":"thread.started","thread_id":"%s"}\n' "$(cat id)"
 echo '{"type":"item.completed","item":{"id":"m1","type":"agent_message","text":"hi"}}'
 echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0,"output_tokens":1}}'
 "#,
@@ -2062,13 +2064,22 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
             .expect("executable");
         config.command = script.display().to_string();
         let disk = Arc::new(FullWhile::default());
-        let bindings = BindingStore::open(&dir.path().join("state"))
+        let bindings = BindingStore::open(&dir.join("state"))
             .expect("bindings")
             .with_disk_faults(Some(disk.clone()));
         let pool = pool_with("codex-cli", config, Arc::new(bindings));
         let names = CliNames::new("agent", "k", "codex-cli");
-        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        let (home, cwd) = (dir.join("home"), dir.join("work"));
         std::fs::create_dir_all(&cwd).expect("work");
+        (pool, disk, names, home, cwd)
+    }
+
+    #[tokio::test]
+    async fn a_session_id_whose_binding_write_failed_is_bound_before_the_next_turn_or_that_turn_is_refused()
+     {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, disk, names, home, cwd) = codex_on_a_disk_that_fills(dir.path());
+        std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000003").expect("id");
         let mut lease = pool
             .lease(
                 ask("codex-cli", home.clone(), cwd.clone()),
@@ -2101,29 +2112,7 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
     async fn a_session_id_whose_binding_write_failed_is_bound_when_its_runner_is_closed_if_its_cli_filed_it()
      {
         let dir = tempfile::tempdir().expect("tempdir");
-        // A whole Codex turn on thread `$(cat id)` (the id read from the working directory).
-        let mut config = CliBackendConfig::codex_cli();
-        let script = dir.path().join("codex");
-        std::fs::write(
-            &script,
-            r#"#!/bin/sh
-printf '{"type":"thread.started","thread_id":"%s"}\n' "$(cat id)"
-echo '{"type":"item.completed","item":{"id":"m1","type":"agent_message","text":"hi"}}'
-echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0,"output_tokens":1}}'
-"#,
-        )
-        .expect("script");
-        std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .expect("executable");
-        config.command = script.display().to_string();
-        let disk = Arc::new(FullWhile::default());
-        let bindings = BindingStore::open(&dir.path().join("state"))
-            .expect("bindings")
-            .with_disk_faults(Some(disk.clone()));
-        let pool = pool_with("codex-cli", config, Arc::new(bindings));
-        let names = CliNames::new("agent", "k", "codex-cli");
-        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
-        std::fs::create_dir_all(&cwd).expect("work");
+        let (pool, disk, names, home, cwd) = codex_on_a_disk_that_fills(dir.path());
         // A turn on thread `id` whose binding cannot be written (the disk full), then the
         // conversation's runner closed (idle) once the disk has room again.
         let turn_unbound_then_closed = |id: &'static str| {
