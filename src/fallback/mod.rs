@@ -1666,11 +1666,15 @@ mod tests {
             vec![entry(Role::User, "cut-in-two"), entry(Role::User, "kept")]
         );
 
-        // A sparse terabyte (an agent's process can make one at no cost): its end is read.
+        // A whole line, then a sparse hole past the window (an agent's process makes one at
+        // no cost, of any size), then the last line: only the window at the end is read.
         let sparse = dir.path().join("sparse.jsonl");
         let mut file = File::create(&sparse).expect("create");
         use std::io::{Seek, Write};
-        file.seek(std::io::SeekFrom::Start(1 << 40)).expect("seek");
+        file.write_all(line("before the window").as_bytes())
+            .expect("write");
+        file.seek(std::io::SeekFrom::Start(MAX_TAIL_BYTES + 4096))
+            .expect("seek");
         file.write_all(format!("\n{}", line("last")).as_bytes())
             .expect("write");
         drop(file);
