@@ -134,6 +134,9 @@ struct SessionRecord {
     dialect: Dialect,
     kind: BackendKind,
     bound: Option<String>,
+    /// The working directory the binding of `bound` records, when this record wrote it (or
+    /// took it over from the lease that did); `None`: not known, so a turn's end writes it.
+    bound_in: Option<PathBuf>,
 }
 
 impl SessionRecord {
@@ -148,7 +151,37 @@ impl SessionRecord {
             working_directory: Some(cwd.to_path_buf()),
         })?;
         self.bound = Some(id.to_owned());
+        self.bound_in = Some(cwd.to_path_buf());
         Ok(())
+    }
+
+    /// Whether `id` is bound already as run in `cwd`: a turn's end then writes nothing (each
+    /// write is two fsyncs on a path every turn of the conversation takes).
+    fn holds(&self, id: &str, cwd: &std::path::Path) -> bool {
+        self.bound.as_deref() == Some(id) && self.bound_in.as_deref() == Some(cwd)
+    }
+
+    /// [`SessionRecord::bind`] on a blocking thread (the write's fsyncs stay off the async
+    /// threads), the record updated once the binding is written. Cancelled, the write still
+    /// ends on its thread and the record stays as it was (the next turn binds again).
+    async fn bind_off_thread(&mut self, id: &str, cwd: &std::path::Path) -> Result<(), PoolError> {
+        let (mut record, id, cwd) = (self.clone(), id.to_owned(), cwd.to_path_buf());
+        let bound = tokio::task::spawn_blocking(move || {
+            let bound = record.bind(&id, &cwd);
+            (record, bound)
+        })
+        .await;
+        match bound {
+            Ok((record, Ok(()))) => {
+                *self = record;
+                Ok(())
+            }
+            Ok((_, Err(error))) => Err(PoolError::StateUnwritable {
+                dir: self.bindings.dir().to_path_buf(),
+                error: error.os_error(),
+            }),
+            Err(error) => Err(PoolError::Internal(error.to_string())),
+        }
     }
 }
 
@@ -628,6 +661,7 @@ impl CliPool {
                 dialect: config.dialect_of(&ask.backend),
                 kind: config.kind,
                 bound: None,
+                bound_in: None,
             },
         };
         let parked = reuse
@@ -657,7 +691,11 @@ impl CliPool {
             }
             lease.conversation = Some(parked.runner);
             lease.process = parked.process;
-            lease.record.bound = parked.record.and_then(|r| r.bound);
+            // The same runner, so the same working directory its binding records.
+            if let Some(record) = parked.record {
+                lease.record.bound = record.bound;
+                lease.record.bound_in = record.bound_in;
+            }
             // Its process may have died while parked.
             lease.settle_process(ProcessExit::Crash);
         }
@@ -1443,6 +1481,7 @@ impl CliLease {
             process: &mut self.process,
             record: &mut self.record,
             started: Instant::now(),
+            ending: None,
         })
     }
 
@@ -1460,23 +1499,7 @@ impl CliLease {
         else {
             return Ok(());
         };
-        let (mut record, cwd) = (self.record.clone(), self.cwd.clone());
-        let bound = tokio::task::spawn_blocking(move || {
-            let bound = record.bind(&id, &cwd);
-            (record, bound)
-        })
-        .await;
-        match bound {
-            Ok((record, Ok(()))) => {
-                self.record = record;
-                Ok(())
-            }
-            Ok((_, Err(error))) => Err(PoolError::StateUnwritable {
-                dir: self.record.bindings.dir().to_path_buf(),
-                error: error.os_error(),
-            }),
-            Err(error) => Err(PoolError::Internal(error.to_string())),
-        }
+        self.record.bind_off_thread(&id, &self.cwd).await
     }
 
     /// Runs one turn to its end, handing each event to `on_event`.
@@ -1530,6 +1553,9 @@ pub struct CliLeaseTurn<'a> {
     /// Where the lease's session id is bound (see `CliLease::record`).
     record: &'a mut SessionRecord,
     started: Instant,
+    /// The turn's `turn.end` while its session id is being bound: a `next` cancelled during
+    /// the write loses nothing (the next call binds and returns it).
+    ending: Option<BackendEvent>,
 }
 
 impl CliLeaseTurn<'_> {
@@ -1552,6 +1578,9 @@ impl CliLeaseTurn<'_> {
     /// durably (a binding that cannot be written is logged: the session id is still in the
     /// outcome) and the turn counted in the metrics.
     pub async fn next(&mut self) -> Option<BackendEvent> {
+        if let Some(ending) = self.ending.take() {
+            return self.bound(ending).await;
+        }
         let mut event = self.turn.next().await?;
         if let BackendEvent::TurnEnd(outcome) = &mut event {
             // Ended: nothing is left to abort.
@@ -1583,14 +1612,30 @@ impl CliLeaseTurn<'_> {
             for (kind, n) in outcome.usage.by_kind() {
                 crate::metrics::tokens(self.backend, kind, n);
             }
-            if let Some(id) = &outcome.session_id
-                && let Err(error) = self.record.bind(id, self.cwd)
-            {
-                // Tried again when the runner is closed ([`SessionRecord`]).
-                tracing::warn!(%error, "could not record a CLI backend's session id");
-            }
+            return self.bound(event).await;
         }
         Some(event)
+    }
+
+    /// `ending` (the turn's `turn.end`) once its session id is bound, unless it is bound
+    /// there already (a binding that cannot be written is logged: it is tried again before
+    /// the next turn, or when the runner is closed, [`SessionRecord`]).
+    async fn bound(&mut self, ending: BackendEvent) -> Option<BackendEvent> {
+        let BackendEvent::TurnEnd(outcome) = &ending else {
+            return Some(ending);
+        };
+        let Some(id) = outcome
+            .session_id
+            .clone()
+            .filter(|id| !self.record.holds(id, self.cwd))
+        else {
+            return Some(ending);
+        };
+        self.ending = Some(ending);
+        if let Err(error) = self.record.bind_off_thread(&id, self.cwd).await {
+            tracing::warn!(%error, "could not record a CLI backend's session id");
+        }
+        self.ending.take()
     }
 }
 
@@ -2029,14 +2074,27 @@ mod tests {
         assert_eq!(pool.lock().core.view().held, 0);
     }
 
-    /// A disk that is full while `full` is set (the bindings' writes fail).
+    /// A disk that is full while `full` is set (the bindings' writes fail), and whose next
+    /// write, once `stall` is set, says so on its first channel and waits for the second.
     #[derive(Debug, Default)]
     struct FullWhile {
         full: AtomicBool,
+        #[allow(clippy::type_complexity)]
+        stall: std::sync::Mutex<
+            Option<(
+                tokio::sync::oneshot::Sender<()>,
+                std::sync::mpsc::Receiver<()>,
+            )>,
+        >,
     }
 
     impl crate::faults::DiskFaults for FullWhile {
         fn before_write(&self, _: crate::faults::Store) -> Option<std::io::Error> {
+            let stall = self.stall.lock().expect("stall").take();
+            if let Some((entered, release)) = stall {
+                let _ = entered.send(());
+                let _ = release.recv();
+            }
             self.full
                 .load(Ordering::SeqCst)
                 .then(|| std::io::Error::from_raw_os_error(nix::libc::ENOSPC))
@@ -2072,6 +2130,136 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
         let (home, cwd) = (dir.join("home"), dir.join("work"));
         std::fs::create_dir_all(&cwd).expect("work");
         (pool, disk, names, home, cwd)
+    }
+
+    /// The inode of the one binding file under `store` (each write renames a new file in).
+    fn binding_inode(store: &std::path::Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        let files: Vec<_> = std::fs::read_dir(store)
+            .expect("bindings dir")
+            .map(|e| e.expect("entry").path())
+            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+            .collect();
+        assert_eq!(files.len(), 1, "{files:?}");
+        std::fs::metadata(&files[0]).expect("binding").ino()
+    }
+
+    #[tokio::test]
+    async fn a_turns_end_writes_the_binding_only_when_the_session_or_its_directory_is_new() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, _disk, names, home, cwd) = codex_on_a_disk_that_fills(dir.path());
+        std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000004").expect("id");
+        let mut lease = pool
+            .lease(
+                ask("codex-cli", home.clone(), cwd.clone()),
+                names.binding.clone(),
+            )
+            .await
+            .expect("leased");
+        let outcome = lease.run("hello", |_| {}).await.expect("ran");
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        let store = pool.bindings.dir().to_path_buf();
+        let first = binding_inode(&store);
+        // The same session in the same directory: nothing written.
+        let outcome = lease.run("again", |_| {}).await.expect("ran");
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        assert_eq!(
+            binding_inode(&store),
+            first,
+            "the binding was written again"
+        );
+        // The next lease takes the parked runner over, and with it what is bound.
+        drop(lease);
+        let mut lease = pool
+            .lease(
+                ask("codex-cli", home.clone(), cwd.clone()),
+                names.binding.clone(),
+            )
+            .await
+            .expect("leased");
+        let outcome = lease.run("and again", |_| {}).await.expect("ran");
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        assert_eq!(
+            binding_inode(&store),
+            first,
+            "the binding was written again"
+        );
+        // Another session id: bound.
+        std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000005").expect("id");
+        let outcome = lease.run("a new thread", |_| {}).await.expect("ran");
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        let second = binding_inode(&store);
+        assert_ne!(second, first, "the new session was not bound");
+        let bound = pool.bindings.get(&names.binding).expect("read");
+        assert_eq!(
+            bound.map(|b| b.cli_session_id.into_string()).as_deref(),
+            Some("0199aaaa-0000-7000-8000-000000000005")
+        );
+        // The same session from another working directory (its CLI filed it): bound again,
+        // with the directory.
+        codex_rollout(&home, "0199aaaa-0000-7000-8000-000000000005");
+        drop(lease);
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir_all(&elsewhere).expect("elsewhere");
+        std::fs::write(elsewhere.join("id"), "0199aaaa-0000-7000-8000-000000000005").expect("id");
+        let mut lease = pool
+            .lease(
+                ask("codex-cli", home.clone(), elsewhere.clone()),
+                names.binding.clone(),
+            )
+            .await
+            .expect("leased");
+        let outcome = lease.run("from elsewhere", |_| {}).await.expect("ran");
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        assert_ne!(
+            binding_inode(&store),
+            second,
+            "the new directory was not bound"
+        );
+        let bound = pool.bindings.get(&names.binding).expect("read");
+        assert_eq!(
+            bound.and_then(|b| b.working_directory),
+            Some(elsewhere.clone())
+        );
+    }
+
+    #[tokio::test]
+    async fn a_turn_end_whose_wait_for_its_binding_is_cancelled_is_still_the_next_event() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, disk, names, home, cwd) = codex_on_a_disk_that_fills(dir.path());
+        std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000006").expect("id");
+        let mut lease = pool
+            .lease(ask("codex-cli", home, cwd), names.binding.clone())
+            .await
+            .expect("leased");
+        let (entered_tx, mut entered) = tokio::sync::oneshot::channel();
+        let (release, release_rx) = std::sync::mpsc::channel();
+        *disk.stall.lock().expect("stall") = Some((entered_tx, release_rx));
+        let mut turn = lease.start_turn("hello").await.expect("started");
+        // Events up to the turn's end; its `next` is dropped while the binding is written.
+        loop {
+            tokio::select! {
+                biased;
+                _ = &mut entered => break,
+                event = turn.next() => {
+                    let event = event.expect("an event before the turn's end");
+                    assert!(!matches!(event, BackendEvent::TurnEnd(_)), "{event:?}");
+                }
+            }
+        }
+        release.send(()).expect("release");
+        let event = turn.next().await;
+        assert!(
+            matches!(&event, Some(BackendEvent::TurnEnd(o)) if o.end == Some(TurnEnd::Idle)),
+            "{event:?}"
+        );
+        assert!(turn.next().await.is_none());
+        drop(turn);
+        let bound = pool.bindings.get(&names.binding).expect("read");
+        assert_eq!(
+            bound.map(|b| b.cli_session_id.into_string()).as_deref(),
+            Some("0199aaaa-0000-7000-8000-000000000006")
+        );
     }
 
     #[tokio::test]

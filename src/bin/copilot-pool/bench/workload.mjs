@@ -44,6 +44,11 @@ const fail = (error) => {
 process.on("uncaughtException", fail);
 process.on("unhandledRejection", fail);
 const now = () => performance.now();
+// A turn's first event is the first its prompt caused. The session's own lifecycle events
+// (`session.*`) are left out in every mode: the SDK hands a new or resumed session its
+// `session.start` / `session.resume` as it opens, before the prompt is even sent, and timing
+// that would time the opening, not the turn (the HTTP stream starts at the prompt).
+const isTurnEvent = (type) => typeof type !== "string" || !type.startsWith("session.");
 const within = (ms, promise, what) => {
   let timer;
   return Promise.race([
@@ -149,7 +154,7 @@ async function httpTurn(agent, conversation, text, onFirst) {
         else if (line.startsWith("data:")) data = (data ?? "") + line.slice(5).trim();
       }
       if (type === null && data === null) continue; // a comment
-      if (first) { first = false; onFirst(); }
+      if (first && isTurnEvent(type)) { first = false; onFirst(); }
       if (type === "tool.call") {
         const call = JSON.parse(data);
         const answered = await post(`${base}/v1/requests/${call.request_id}`, {
@@ -215,7 +220,7 @@ function sdkTurn(session, text, onFirst) {
   return new Promise((resolve, reject) => {
     let first = true;
     const off = session.on((event) => {
-      if (first) { first = false; onFirst(); }
+      if (first && isTurnEvent(event.type)) { first = false; onFirst(); }
       if (event.type === "session.idle") { off(); resolve(); }
       else if (event.type === "session.error") { off(); reject(new Error(`session.error: ${event.data?.message}`)); }
     });
