@@ -38,6 +38,8 @@ const POOL_ONLY: [&str; 4] = [
 async fn a_tiny_bench_reports_every_figure_of_every_mode_as_json() {
     let runtime = support::runtime::runtime_path().await;
     support::node_sdk::sdk_dir().await;
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let trace = scratch.path().join("trace.jsonl");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_copilot-pool"));
     cmd.env("COPILOT_CLI_PATH", &runtime).args([
         "bench",
@@ -53,7 +55,9 @@ async fn a_tiny_bench_reports_every_figure_of_every_mode_as_json() {
         "--attempt-secs",
         "5",
         "--json",
+        "--trace",
     ]);
+    cmd.arg(&trace);
     let (report, stdout): (Value, String) = support::json_report(cmd, "bench").await;
     assert_eq!(report["workload"]["agents"], 1);
     assert_eq!(report["workload"]["pairs"], 1);
@@ -91,6 +95,47 @@ async fn a_tiny_bench_reports_every_figure_of_every_mode_as_json() {
     for mode in ["http", "endpoint"] {
         let on_spare = &report["modes"][mode]["returning_on_spare_percent"]["median"];
         assert_eq!(on_spare.as_f64(), Some(100.0), "{mode}: {on_spare}");
+    }
+    each_turn_traced_from_its_prompt(&trace);
+}
+
+/// The trace has every mode's turns (both load turns, the return, the turn after the kill),
+/// each sent, then ready, then its first event, then ended; and every mode's first event is
+/// one the prompt caused, never the session's own `session.start` / `session.resume` the SDK
+/// hands over as a session opens.
+fn each_turn_traced_from_its_prompt(trace: &std::path::Path) {
+    let text = std::fs::read_to_string(trace).expect("the trace file");
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    for mode in ["http", "endpoint", "resume", "attached"] {
+        for (phase, turn) in [("load", 0), ("load", 1), ("return", 0)] {
+            let line = lines
+                .iter()
+                .find(|l| l["mode"] == mode && l["phase"] == phase && l["turn"] == turn)
+                .unwrap_or_else(|| panic!("no {mode} {phase} turn {turn} in {text}"));
+            let at = |k: &str| {
+                line[k]
+                    .as_f64()
+                    .unwrap_or_else(|| panic!("{mode} {phase} {turn}: no {k} in {line}"))
+            };
+            assert!(
+                at("sent") <= at("ready") && at("ready") <= at("first") && at("first") <= at("end"),
+                "{line}"
+            );
+            let first = line["first_type"].as_str().unwrap_or_default();
+            assert!(
+                !first.is_empty() && !first.starts_with("session."),
+                "{mode} {phase} {turn}: first event {first}"
+            );
+        }
+        assert!(
+            lines
+                .iter()
+                .any(|l| l["mode"] == mode && l["phase"] == "kill"),
+            "no {mode} turn after the kill in {text}"
+        );
     }
 }
 

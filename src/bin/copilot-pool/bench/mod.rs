@@ -79,6 +79,13 @@ pub struct BenchArgs {
     /// warm_spare_conversations`; default: the pool's).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1024))]
     pub warm_spare_conversations: Option<u32>,
+    /// Write each turn's timeline to this file, one JSON line a turn (emptied first): its run
+    /// and mode, its phase (`load`, `return`, `kill`) and, in ms from the phase's start, when
+    /// it was sent, when its session was there to send to (over HTTP the answer's head, after
+    /// the pool's lease; through an SDK the session created, resumed or kept), its first event
+    /// (and that event's type) and its end. Where a cold or returning turn's time went.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
 }
 
 impl BenchArgs {
@@ -243,6 +250,14 @@ pub async fn bench(args: BenchArgs) -> Result<()> {
     let sdk =
         runtime::find_or_install_node_sdk(runtime::process_env, runtime::NODE_SDK_INSTALL_TIMEOUT)
             .await?;
+    if let Some(trace) = &args.trace {
+        std::fs::write(trace, b"").with_context(|| {
+            format!(
+                "emptying the trace file {} (give --trace a writable file path)",
+                trace.display()
+            )
+        })?;
+    }
     let scratch = crate::demo::Scratch::create("bench")?;
     let script = scratch.0.join("workload.mjs");
     std::fs::write(&script, WORKLOAD).context("writing the workload script")?;

@@ -95,7 +95,7 @@ pub async fn run(mode: Mode, args: &BenchArgs, setup: &Setup, index: usize) -> R
         Mode::Http | Mode::Endpoint => Some(start_serve(mode, args, setup, &dir).await?),
         Mode::SdkResume | Mode::SdkAttached => None,
     };
-    let outcome = drive(mode, args, setup, &dir, daemon.as_ref()).await;
+    let outcome = drive(mode, args, setup, &dir, daemon.as_ref(), index).await;
     if let Some(daemon) = daemon {
         stop_daemon(daemon).await?;
     }
@@ -251,8 +251,15 @@ async fn drive(
     setup: &Setup,
     dir: &Path,
     daemon: Option<&Daemon>,
+    index: usize,
 ) -> Result<Figures> {
     let mut command = tokio::process::Command::new("node");
+    if let Some(trace) = &args.trace {
+        // Made absolute, so it does not depend on where the workload runs.
+        let trace = std::path::absolute(trace)
+            .with_context(|| format!("the trace file {}", trace.display()))?;
+        command.env("TRACE", trace).env("RUN", index.to_string());
+    }
     command
         .arg(&setup.script)
         .env("MODE", mode.name())

@@ -16,11 +16,12 @@
 // Every step prints one JSON line on stdout; the harness answers `back` and `killed` on stdin.
 // Environment: MODE, SDK_DIR (SDK modes), AGENTS, CONVERSATIONS, TURNS, TOOL (1|0),
 // STREAMING (1|0), MODEL_URL, MODEL_ID, ATTEMPT_MS; HTTP_URL, and HTTP_SOCKET and API_TOKEN
-// when the daemon's API is on a Unix socket (mode http).
+// when the daemon's API is on a Unix socket (mode http); TRACE, a file each turn's timeline
+// is appended to (`bench --trace`), and RUN, the run's number there.
 
 import { pathToFileURL } from "node:url";
 import { join } from "node:path";
-import { mkdirSync } from "node:fs";
+import { appendFileSync, mkdirSync } from "node:fs";
 import { createInterface } from "node:readline";
 import http from "node:http";
 
@@ -49,6 +50,27 @@ const now = () => performance.now();
 // `session.start` / `session.resume` as it opens, before the prompt is even sent, and timing
 // that would time the opening, not the turn (the HTTP stream starts at the prompt).
 const isTurnEvent = (type) => typeof type !== "string" || !type.startsWith("session.");
+// What one turn's clock read: `ready` when its session was there to send to (HTTP: the
+// answer's head, after the pool's lease; the SDK: the session created, resumed or kept),
+// `first` at its first event (of type `firstType`).
+const newMarks = () => ({ ready: null, first: null, firstType: null });
+const firstEvent = (marks, type) => {
+  if (marks.first === null && isTurnEvent(type)) {
+    marks.first = now();
+    marks.firstType = type;
+  }
+};
+// One JSON line per turn in TRACE, its times in ms from `origin` (the load's start, the
+// agents' return, the kill).
+const TRACE = process.env.TRACE;
+const trace = (phase, origin, agent, conversation, turn, sent, marks, idle) => {
+  if (!TRACE) return;
+  const at = (t) => (t === null ? null : Math.round((t - origin) * 10) / 10);
+  appendFileSync(TRACE, JSON.stringify({
+    run: Number(process.env.RUN ?? 0), mode: MODE, phase, agent, conversation, turn, sent: at(sent), ready: at(marks.ready),
+    first: at(marks.first), first_type: marks.firstType, end: at(idle),
+  }) + "\n");
+};
 const within = (ms, promise, what) => {
   let timer;
   return Promise.race([
@@ -108,7 +130,7 @@ const readAll = async (response) => {
   return text;
 };
 
-async function httpTurn(agent, conversation, text, onFirst) {
+async function httpTurn(agent, conversation, text, marks) {
   const base = env("HTTP_URL");
   const body = {
     agent_id: `agent-${agent}`,
@@ -134,12 +156,12 @@ async function httpTurn(agent, conversation, text, onFirst) {
     }];
   }
   const response = await post(`${base}/v1/turns`, body);
+  marks.ready = now();
   if (response.statusCode !== 200) {
     throw new Error(`POST /v1/turns: HTTP ${response.statusCode}: ${await readAll(response)}`);
   }
   response.setEncoding("utf8");
   let buffer = "";
-  let first = true;
   let ended = false;
   for await (const chunk of response) {
     buffer += chunk;
@@ -154,7 +176,7 @@ async function httpTurn(agent, conversation, text, onFirst) {
         else if (line.startsWith("data:")) data = (data ?? "") + line.slice(5).trim();
       }
       if (type === null && data === null) continue; // a comment
-      if (first && isTurnEvent(type)) { first = false; onFirst(); }
+      firstEvent(marks, type);
       if (type === "tool.call") {
         const call = JSON.parse(data);
         const answered = await post(`${base}/v1/requests/${call.request_id}`, {
@@ -215,12 +237,11 @@ const sessionConfig = () => {
   return config;
 };
 
-// One turn on a session object: resolves at session.idle, calls onFirst at its first event.
-function sdkTurn(session, text, onFirst) {
+// One turn on a session object: resolves at session.idle, its first event in `marks`.
+function sdkTurn(session, text, marks) {
   return new Promise((resolve, reject) => {
-    let first = true;
     const off = session.on((event) => {
-      if (first && isTurnEvent(event.type)) { first = false; onFirst(); }
+      firstEvent(marks, event.type);
       if (event.type === "session.idle") { off(); resolve(); }
       else if (event.type === "session.error") { off(); reject(new Error(`session.error: ${event.data?.message}`)); }
     });
@@ -239,10 +260,10 @@ const clientOf = (agent) => {
   return state.started.then(() => state.client);
 };
 
-// One turn of a conversation in the mode's way; `onFirst` at its first event. The whole
+// One turn of a conversation in the mode's way, its clock in `marks`. The whole
 // attempt (a resume included) is bounded by ATTEMPT_MS.
-function conversationTurn(agent, conversation, text, onFirst) {
-  if (MODE === "http") return within(ATTEMPT_MS, httpTurn(agent, conversation, text, onFirst), "turn");
+function conversationTurn(agent, conversation, text, marks) {
+  if (MODE === "http") return within(ATTEMPT_MS, httpTurn(agent, conversation, text, marks), "turn");
   const attempt = async () => {
     const state = agents[agent];
     const client = await clientOf(agent);
@@ -255,7 +276,8 @@ function conversationTurn(agent, conversation, text, onFirst) {
       state.stale.delete(conversation);
     }
     state.sessions[conversation] = session;
-    await sdkTurn(session, text, onFirst);
+    marks.ready = now();
+    await sdkTurn(session, text, marks);
   };
   return within(ATTEMPT_MS, attempt(), "turn");
 }
@@ -277,9 +299,11 @@ await Promise.all(
     const conversation = Math.floor(i / AGENTS);
     for (let t = 0; t < TURNS; t++) {
       const sent = now();
-      let firstAt = null;
-      await conversationTurn(agent, conversation, `turn ${t} of ${agent}/${conversation}`, () => { firstAt = now(); });
+      const marks = newMarks();
+      await conversationTurn(agent, conversation, `turn ${t} of ${agent}/${conversation}`, marks);
       const idleAt = now();
+      const firstAt = marks.first;
+      trace("load", started, agent, conversation, t, sent, marks, idleAt);
       if (t === 0) {
         cold.push((firstAt ?? idleAt) - started);
         firstIdle.push(idleAt - started);
@@ -315,9 +339,11 @@ const returningIdle = [];
 await Promise.all(
   agents.map(async (_, agent) => {
     const sent = now();
-    let firstAt = null;
-    await conversationTurn(agent, 0, `back ${agent}/0`, () => { firstAt = now(); });
+    const marks = newMarks();
+    await conversationTurn(agent, 0, `back ${agent}/0`, marks);
     const idleAt = now();
+    const firstAt = marks.first;
+    trace("return", sent, agent, 0, 0, sent, marks, idleAt);
     returningFirst.push((firstAt ?? idleAt) - sent);
     returningIdle.push(idleAt - sent);
   }),
@@ -333,10 +359,12 @@ const killedAt = now();
 let readyMs = null;
 const attempts = [];
 for (let attempt = 0; attempt < 5 && readyMs === null; attempt++) {
-  let firstAt = null;
+  const marks = newMarks();
+  const sent = now();
   try {
-    await conversationTurn(0, 0, `after the kill ${attempt}`, () => { firstAt = now(); });
-    readyMs = (firstAt ?? now()) - killedAt;
+    await conversationTurn(0, 0, `after the kill ${attempt}`, marks);
+    readyMs = (marks.first ?? now()) - killedAt;
+    trace("kill", killedAt, 0, 0, attempt, sent, marks, now());
   } catch (error) {
     attempts.push(String(error?.message ?? error));
     if (MODE === "resume" || MODE === "attached") {
