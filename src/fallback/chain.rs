@@ -880,7 +880,13 @@ async fn run_cli<S: ChainSink>(
                     }
                     None => return Err((TurnEnd::Error, Some("the turn ended without turn.end".into()), None)),
                 },
-                _ = sink.gone() => return Err((TurnEnd::Aborted, None, None)),
+                _ = sink.gone() => {
+                    // Ended already, only its binding's write under way: it ran to its end.
+                    if let Some(outcome) = turn.take_ended() {
+                        return Ok(outcome);
+                    }
+                    return Err((TurnEnd::Aborted, None, None));
+                }
             }
         }
     };

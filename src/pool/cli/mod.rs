@@ -134,9 +134,14 @@ struct SessionRecord {
     dialect: Dialect,
     kind: BackendKind,
     bound: Option<String>,
-    /// The working directory the binding of `bound` records, when this record wrote it (or
-    /// took it over from the lease that did); `None`: not known, so a turn's end writes it.
+    /// The working directory the binding of `bound` records, when this record wrote it, took
+    /// it over from the lease that did, or resumed by it; `None`: not known, so a turn's end
+    /// writes it.
     bound_in: Option<PathBuf>,
+    /// Held by each binding write of the conversation for its whole length, one abandoned by
+    /// a cancelled caller included: writes land in the order they began, so an older id
+    /// can never be renamed over a newer one. Shared by the record's clones.
+    writes: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl SessionRecord {
@@ -166,7 +171,9 @@ impl SessionRecord {
     /// ends on its thread and the record stays as it was (the next turn binds again).
     async fn bind_off_thread(&mut self, id: &str, cwd: &std::path::Path) -> Result<(), PoolError> {
         let (mut record, id, cwd) = (self.clone(), id.to_owned(), cwd.to_path_buf());
+        let turn = self.writes.clone().lock_owned().await;
         let bound = tokio::task::spawn_blocking(move || {
+            let _turn = turn;
             let bound = record.bind(&id, &cwd);
             (record, bound)
         })
@@ -194,7 +201,7 @@ impl Unbound {
     fn of(runner: &CliConversation, record: Option<&SessionRecord>) -> Option<Unbound> {
         let record = record?;
         let id = runner.session_id()?;
-        (record.bound.as_deref() != Some(id)).then(|| {
+        (!record.holds(id, runner.working_directory())).then(|| {
             Unbound(
                 record.clone(),
                 id.to_owned(),
@@ -214,6 +221,9 @@ impl Unbound {
             tracing::debug!(session = %id, "a CLI session id with no transcript is not bound");
             return;
         }
+        // On a blocking thread (or a plain one): after any write of the conversation still
+        // under way.
+        let _turn = record.writes.clone().blocking_lock_owned();
         if let Err(error) = record.bind(&id, &cwd) {
             tracing::warn!(%error, "could not record a closed CLI conversation's session id");
         }
@@ -402,6 +412,8 @@ struct Found {
     reason: OpenReason,
     /// Codex's thread totals as its rollout last recorded them.
     usage_totals: Option<crate::backend::oneshot::UsageTotals>,
+    /// The lease's working directory, when the session resumed is bound as run there.
+    resumed_in: Option<PathBuf>,
 }
 
 impl CliPool {
@@ -662,6 +674,7 @@ impl CliPool {
                 kind: config.kind,
                 bound: None,
                 bound_in: None,
+                writes: Default::default(),
             },
         };
         let parked = reuse
@@ -695,6 +708,7 @@ impl CliPool {
             if let Some(record) = parked.record {
                 lease.record.bound = record.bound;
                 lease.record.bound_in = record.bound_in;
+                lease.record.writes = record.writes;
             }
             // Its process may have died while parked.
             lease.settle_process(ProcessExit::Crash);
@@ -714,6 +728,7 @@ impl CliPool {
             // A new process: resume the stored session, or start one (the rules decide).
             let found = self.stored_session(&ask, &config, &lease).await?;
             lease.record.bound = found.resume.clone();
+            lease.record.bound_in = found.resumed_in.clone();
             let (conversation, reason) = self.open(&ask, &config, found)?;
             lease.conversation = Some(conversation);
             lease.reason = reason;
@@ -765,10 +780,8 @@ impl CliPool {
             let binding = bindings
                 .get(&bindings_key)
                 .map_err(|e| PoolError::Bindings(e.to_string()))?;
-            let ran_in = binding
-                .as_ref()
-                .and_then(|b| b.working_directory.clone())
-                .filter(|dir| *dir != cwd);
+            let recorded = binding.as_ref().and_then(|b| b.working_directory.clone());
+            let ran_in = recorded.clone().filter(|dir| *dir != cwd);
             let stored = binding.map(|b| StoredSession {
                 session_id: b.cli_session_id.into_string(),
                 identity: b.compat_key,
@@ -815,10 +828,12 @@ impl CliPool {
                 }
                 _ => None,
             };
+            let resumed_in = (resume.is_some() && recorded.as_ref() == Some(&cwd)).then_some(cwd);
             Ok(Found {
                 resume,
                 reason,
                 usage_totals,
+                resumed_in,
             })
         })
         .await
@@ -836,6 +851,7 @@ impl CliPool {
             resume,
             reason,
             usage_totals,
+            resumed_in: _,
         } = found;
         crate::metrics::session_opened(&ask.backend, reason);
         let invalid = |e: &dyn std::fmt::Display| {
@@ -1494,7 +1510,7 @@ impl CliLease {
             .conversation
             .as_ref()
             .and_then(|c| c.session_id())
-            .filter(|id| self.record.bound.as_deref() != Some(*id))
+            .filter(|id| !self.record.holds(id, &self.cwd))
             .map(str::to_owned)
         else {
             return Ok(());
@@ -1615,6 +1631,16 @@ impl CliLeaseTurn<'_> {
             return self.bound(event).await;
         }
         Some(event)
+    }
+
+    /// The turn's outcome when it has ended and only its binding's write was still under way
+    /// (a caller that stops waiting then, its gateway gone, still has the turn's end: the
+    /// session id is bound before the next turn, or when the runner is closed).
+    pub fn take_ended(&mut self) -> Option<CliTurnOutcome> {
+        match self.ending.take()? {
+            BackendEvent::TurnEnd(outcome) => Some(outcome),
+            _ => None,
+        }
     }
 
     /// `ending` (the turn's `turn.end`) once its session id is bound, unless it is bound
@@ -2079,6 +2105,8 @@ mod tests {
     #[derive(Debug, Default)]
     struct FullWhile {
         full: AtomicBool,
+        /// Writes begun (a binding's and its index entry's each count).
+        writes: std::sync::atomic::AtomicUsize,
         #[allow(clippy::type_complexity)]
         stall: std::sync::Mutex<
             Option<(
@@ -2090,6 +2118,7 @@ mod tests {
 
     impl crate::faults::DiskFaults for FullWhile {
         fn before_write(&self, _: crate::faults::Store) -> Option<std::io::Error> {
+            self.writes.fetch_add(1, Ordering::SeqCst);
             let stall = self.stall.lock().expect("stall").take();
             if let Some((entered, release)) = stall {
                 let _ = entered.send(());
@@ -2132,22 +2161,17 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
         (pool, disk, names, home, cwd)
     }
 
-    /// The inode of the one binding file under `store` (each write renames a new file in).
-    fn binding_inode(store: &std::path::Path) -> u64 {
-        use std::os::unix::fs::MetadataExt;
-        let files: Vec<_> = std::fs::read_dir(store)
-            .expect("bindings dir")
-            .map(|e| e.expect("entry").path())
-            .filter(|p| p.extension().is_some_and(|e| e == "json"))
-            .collect();
-        assert_eq!(files.len(), 1, "{files:?}");
-        std::fs::metadata(&files[0]).expect("binding").ino()
-    }
-
     #[tokio::test]
     async fn a_turns_end_writes_the_binding_only_when_the_session_or_its_directory_is_new() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (pool, _disk, names, home, cwd) = codex_on_a_disk_that_fills(dir.path());
+        let (pool, disk, names, home, cwd) = codex_on_a_disk_that_fills(dir.path());
+        let writes = || disk.writes.load(Ordering::SeqCst);
+        let bound = || {
+            pool.bindings
+                .get(&names.binding)
+                .expect("read")
+                .expect("bound")
+        };
         std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000004").expect("id");
         let mut lease = pool
             .lease(
@@ -2158,16 +2182,12 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
             .expect("leased");
         let outcome = lease.run("hello", |_| {}).await.expect("ran");
         assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
-        let store = pool.bindings.dir().to_path_buf();
-        let first = binding_inode(&store);
+        let first = writes();
+        assert!(first > 0, "the new session was not bound");
         // The same session in the same directory: nothing written.
         let outcome = lease.run("again", |_| {}).await.expect("ran");
         assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
-        assert_eq!(
-            binding_inode(&store),
-            first,
-            "the binding was written again"
-        );
+        assert_eq!(writes(), first, "the binding was written again");
         // The next lease takes the parked runner over, and with it what is bound.
         drop(lease);
         let mut lease = pool
@@ -2179,25 +2199,35 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
             .expect("leased");
         let outcome = lease.run("and again", |_| {}).await.expect("ran");
         assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
-        assert_eq!(
-            binding_inode(&store),
-            first,
-            "the binding was written again"
-        );
+        assert_eq!(writes(), first, "the binding was written again");
         // Another session id: bound.
         std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000005").expect("id");
         let outcome = lease.run("a new thread", |_| {}).await.expect("ran");
         assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
-        let second = binding_inode(&store);
-        assert_ne!(second, first, "the new session was not bound");
-        let bound = pool.bindings.get(&names.binding).expect("read");
+        let second = writes();
+        assert!(second > first, "the new session was not bound");
         assert_eq!(
-            bound.map(|b| b.cli_session_id.into_string()).as_deref(),
-            Some("0199aaaa-0000-7000-8000-000000000005")
+            bound().cli_session_id.as_str(),
+            "0199aaaa-0000-7000-8000-000000000005"
         );
-        // The same session from another working directory (its CLI filed it): bound again,
-        // with the directory.
+        // A runner closed (idle) and started again in the same directory resumes the stored
+        // session as bound there: nothing written.
+        drop(lease);
         codex_rollout(&home, "0199aaaa-0000-7000-8000-000000000005");
+        pool.close_idle(Duration::ZERO);
+        let closing = pool.lock().closing.get(&names.slot).cloned();
+        let _ = closing.expect("closing").wait_for(|gone| *gone).await;
+        let mut lease = pool
+            .lease(
+                ask("codex-cli", home.clone(), cwd.clone()),
+                names.binding.clone(),
+            )
+            .await
+            .expect("leased");
+        let outcome = lease.run("resumed", |_| {}).await.expect("ran");
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        assert_eq!(writes(), second, "the resumed binding was written again");
+        // The same session from another working directory: bound again, with it.
         drop(lease);
         let elsewhere = dir.path().join("elsewhere");
         std::fs::create_dir_all(&elsewhere).expect("elsewhere");
@@ -2211,16 +2241,8 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
             .expect("leased");
         let outcome = lease.run("from elsewhere", |_| {}).await.expect("ran");
         assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
-        assert_ne!(
-            binding_inode(&store),
-            second,
-            "the new directory was not bound"
-        );
-        let bound = pool.bindings.get(&names.binding).expect("read");
-        assert_eq!(
-            bound.and_then(|b| b.working_directory),
-            Some(elsewhere.clone())
-        );
+        assert!(writes() > second, "the new directory was not bound");
+        assert_eq!(bound().working_directory, Some(elsewhere.clone()));
     }
 
     #[tokio::test]
@@ -2259,6 +2281,45 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
         assert_eq!(
             bound.map(|b| b.cli_session_id.into_string()).as_deref(),
             Some("0199aaaa-0000-7000-8000-000000000006")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_caller_that_stops_waiting_during_the_binding_write_still_has_the_turns_end() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, disk, names, home, cwd) = codex_on_a_disk_that_fills(dir.path());
+        std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000007").expect("id");
+        let mut lease = pool
+            .lease(ask("codex-cli", home, cwd), names.binding.clone())
+            .await
+            .expect("leased");
+        let (entered_tx, mut entered) = tokio::sync::oneshot::channel();
+        let (release, release_rx) = std::sync::mpsc::channel();
+        *disk.stall.lock().expect("stall") = Some((entered_tx, release_rx));
+        {
+            let mut turn = lease.start_turn("hello").await.expect("started");
+            assert!(turn.take_ended().is_none(), "not ended yet");
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut entered => break,
+                    event = turn.next() => {
+                        assert!(event.is_some_and(|e| !matches!(e, BackendEvent::TurnEnd(_))));
+                    }
+                }
+            }
+            // The gateway left: the turn's end is had without waiting for the write.
+            let ended = turn.take_ended().expect("the turn's end");
+            assert_eq!(ended.end, Some(TurnEnd::Idle), "{ended:?}");
+        }
+        release.send(()).expect("release");
+        // The next turn waits for the abandoned write, then finds the id bound or binds it.
+        let outcome = lease.run("again", |_| {}).await.expect("ran");
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        let bound = pool.bindings.get(&names.binding).expect("read");
+        assert_eq!(
+            bound.map(|b| b.cli_session_id.into_string()).as_deref(),
+            Some("0199aaaa-0000-7000-8000-000000000007")
         );
     }
 
