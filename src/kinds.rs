@@ -226,6 +226,8 @@ pub enum ErrorKind {
     AgentWaitersFull,
     /// The agent ran `max_leases_per_agent` conversations for the whole wait.
     AgentLeasesFull,
+    /// The agent keeps `max_conversations_per_agent` conversations; a new one is refused.
+    AgentConversationsFull,
     /// The key crashed too often; retry after the cool-down.
     Quarantined,
     /// The pool is shut down or draining.
@@ -243,7 +245,7 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every value, in a stable order.
-    pub const ALL: [ErrorKind; 14] = [
+    pub const ALL: [ErrorKind; 15] = [
         ErrorKind::Invalid,
         ErrorKind::NotFound,
         ErrorKind::Busy,
@@ -252,6 +254,7 @@ impl ErrorKind {
         ErrorKind::WaitersFull,
         ErrorKind::AgentWaitersFull,
         ErrorKind::AgentLeasesFull,
+        ErrorKind::AgentConversationsFull,
         ErrorKind::Quarantined,
         ErrorKind::Closed,
         ErrorKind::ResourceExhausted,
@@ -269,6 +272,7 @@ impl ErrorKind {
             ErrorKind::WaitersFull => "waiters_full",
             ErrorKind::AgentWaitersFull => "agent_waiters_full",
             ErrorKind::AgentLeasesFull => "agent_leases_full",
+            ErrorKind::AgentConversationsFull => "agent_conversations_full",
             ErrorKind::Quarantined => "quarantined",
             ErrorKind::Closed => "closed",
             ErrorKind::ResourceExhausted => "resource_exhausted",

@@ -152,6 +152,79 @@ async fn leases_wait_in_a_bounded_queue_with_a_share_per_agent_and_time_out() {
 }
 
 #[tokio::test]
+async fn an_agent_keeping_its_cap_of_conversations_is_refused_a_new_one_until_it_deletes_one() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.max_conversations_per_agent = Some(2);
+    let pool = Pool::start(config.clone()).await.expect("pool");
+    for conversation in ["one", "two"] {
+        drop(
+            pool.lease(fx.request("agent-a", conversation))
+                .await
+                .expect("lease"),
+        );
+    }
+    let refused = pool
+        .lease(fx.request("agent-a", "three"))
+        .await
+        .expect_err("a third conversation");
+    assert!(
+        matches!(refused, PoolError::AgentConversationsFull { max: 2 }),
+        "{refused:?}"
+    );
+    assert!(refused.to_string().contains("DELETE"), "{refused}");
+    assert!(
+        pool.bindings()
+            .get("agent-a/three")
+            .expect("bindings")
+            .is_none(),
+        "nothing was made for it"
+    );
+    // Its kept conversations go on; another agent's count is its own.
+    drop(
+        pool.lease(fx.request("agent-a", "one"))
+            .await
+            .expect("a kept one"),
+    );
+    drop(
+        pool.lease(fx.request("agent-b", "one"))
+            .await
+            .expect("another agent"),
+    );
+    // A deleted one frees its place.
+    let mut existing = fx.request("agent-a", "two");
+    existing.existing_only = true;
+    pool.lease(existing)
+        .await
+        .expect("lease")
+        .reset()
+        .await
+        .expect("deleted");
+    drop(
+        pool.lease(fx.request("agent-a", "three"))
+            .await
+            .expect("its place"),
+    );
+    shutdown_leaves_nothing(&pool).await;
+    // A pool started again counts what the state directory keeps.
+    let pool = Pool::start(config).await.expect("pool");
+    let refused = pool
+        .lease(fx.request("agent-a", "four"))
+        .await
+        .expect_err("a fourth conversation");
+    assert!(
+        matches!(refused, PoolError::AgentConversationsFull { max: 2 }),
+        "{refused:?}"
+    );
+    drop(
+        pool.lease(fx.request("agent-a", "three"))
+            .await
+            .expect("a kept one"),
+    );
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
 async fn a_crash_restarts_the_worker_and_the_conversation_resumes_with_its_history() {
     let fx = Fixture::new().await;
     let mut config = fx.config().await;

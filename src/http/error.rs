@@ -14,7 +14,7 @@ use crate::pool::PoolError;
 pub(super) struct ErrorBody<'a> {
     /// A stable word for programs: `bad_request`, `bad_body`, `unauthorized`, `not_found`,
     /// `method_not_allowed`, `body_timeout`, `busy`, `too_large`, `draining`, `no_capacity`,
-    /// `quarantined`,
+    /// `quarantined`, `conversation_limit`,
     /// `state_unwritable`, `resource_exhausted`, `pool_closed`, `transcript_missing`,
     /// `too_many_connections`, `runtime`, `io`, `internal`.
     code: &'a str,
@@ -55,6 +55,8 @@ pub(super) fn pool_error(e: &PoolError) -> Response {
         | ErrorKind::WaitersFull
         | ErrorKind::AgentWaitersFull
         | ErrorKind::AgentLeasesFull => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
+        // Not capacity that frees itself: the gateway deletes a conversation first.
+        ErrorKind::AgentConversationsFull => (StatusCode::CONFLICT, "conversation_limit"),
         ErrorKind::Quarantined => (StatusCode::SERVICE_UNAVAILABLE, "quarantined"),
         ErrorKind::Closed => (StatusCode::SERVICE_UNAVAILABLE, "draining"),
         ErrorKind::StateUnwritable => (StatusCode::SERVICE_UNAVAILABLE, "state_unwritable"),
@@ -63,4 +65,26 @@ pub(super) fn pool_error(e: &PoolError) -> Response {
         ErrorKind::Runtime => (StatusCode::BAD_GATEWAY, "runtime"),
     };
     error(status, code, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_agent_at_its_conversation_cap_gets_409_conversation_limit_saying_what_to_delete() {
+        let response = pool_error(&PoolError::AgentConversationsFull { max: 2 });
+        assert_eq!(response.status(), StatusCode::CONFLICT);
+        let body = axum::body::to_bytes(response.into_body(), 64 * 1024)
+            .await
+            .expect("body");
+        let body: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+        assert_eq!(body["code"], "conversation_limit", "{body}");
+        let message = body["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("DELETE /v1/sessions/")
+                && message.contains("max_conversations_per_agent"),
+            "{message}"
+        );
+    }
 }

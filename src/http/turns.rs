@@ -74,7 +74,7 @@ pub(super) struct TurnQuery {
         (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
         (status = 404, description = "A named resource does not exist (`not_found`)", body = ErrorBody),
         (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
-        (status = 409, description = "The conversation runs another turn, or the turn of this `Idempotency-Key` runs (`busy`), or its CLI backend's stored session has no transcript left (`transcript_missing`)", body = ErrorBody),
+        (status = 409, description = "The conversation runs another turn, or the turn of this `Idempotency-Key` runs (`busy`), or its CLI backend's stored session has no transcript left (`transcript_missing`), or the conversation would be new and its agent keeps `max_conversations_per_agent` conversations already (`conversation_limit`: delete one first)", body = ErrorBody),
         (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
         (status = 422, description = "The `Idempotency-Key` was used for a turn with another body (`idempotency_key_reused`)", body = ErrorBody),
         (status = 500, description = "A fault of the daemon (`internal`, `io`)", body = ErrorBody),

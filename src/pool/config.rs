@@ -96,6 +96,14 @@ pub struct PoolConfig {
     /// them). A deletion's lease ([`Pool::lease_to_delete`](super::Pool)) or a lease of a
     /// process alone (the SDK endpoint's `session.list`) is neither counted nor held back.
     pub max_leases_per_agent: Option<usize>,
+    /// Conversations one agent keeps on the Copilot runtime, stored (bound) or being opened
+    /// (default `None`: no cap). Each keeps its session state in the agent's home and a
+    /// binding in the state directory until it is deleted, so without a cap one agent's
+    /// conversations can fill the disk the others share. Past it a lease that would start a
+    /// new conversation of the agent fails at once with `AgentConversationsFull` (its
+    /// existing conversations go on); deleting one frees its place. Set, the pool reads every
+    /// binding once at start to count them.
+    pub max_conversations_per_agent: Option<usize>,
     /// How long a lease waits for capacity or for its conversation (default 30 s).
     pub wait_timeout: Duration,
     /// A worker with no lease for this long is stopped (default 5 min).
@@ -178,6 +186,7 @@ impl PoolConfig {
             max_waiters: 1024,
             max_waiters_per_agent: 256,
             max_leases_per_agent: None,
+            max_conversations_per_agent: None,
             wait_timeout: Duration::from_secs(30),
             idle_ttl: Duration::from_secs(300),
             max_turns_per_process: 2000,
@@ -226,6 +235,12 @@ impl PoolConfig {
                 "{field} must be at least 1 (a zero does not turn the cap off: no lease would \
                  ever be placed); leave it at its default"
             )));
+        }
+        if self.max_conversations_per_agent == Some(0) {
+            return invalid(
+                "max_conversations_per_agent must be at least 1 (with 0 no agent could start a \
+                 conversation); leave it unset for no cap",
+            );
         }
         if self.max_leases_per_agent == Some(0) {
             return invalid(

@@ -116,6 +116,17 @@ pub enum PoolError {
         /// How long the lease waited.
         after: Duration,
     },
+    /// The agent keeps `max_conversations_per_agent` conversations: a new one is refused
+    /// until one is deleted.
+    #[error(
+        "this agent already keeps {max} conversations (max_conversations_per_agent); delete \
+         one it no longer needs (DELETE /v1/sessions/{{session_key}}, or the SDK's \
+         deleteSession) and start this one again, or raise max_conversations_per_agent"
+    )]
+    AgentConversationsFull {
+        /// The configured limit.
+        max: usize,
+    },
     /// Too many leases of this agent are already waiting; other agents' still queue.
     #[error(
         "{max} leases of this agent are already waiting for capacity (max_waiters_per_agent); \
@@ -207,6 +218,7 @@ impl PoolError {
             PoolError::ConversationWaitTimeout { .. } => ErrorKind::BusyTimeout,
             PoolError::WaitTimeout { .. } => ErrorKind::NoCapacity,
             PoolError::AgentLeasesFull { .. } => ErrorKind::AgentLeasesFull,
+            PoolError::AgentConversationsFull { .. } => ErrorKind::AgentConversationsFull,
             PoolError::WaitersFull { .. } => ErrorKind::WaitersFull,
             PoolError::AgentWaitersFull { .. } => ErrorKind::AgentWaitersFull,
             PoolError::RestartIntensityExceeded { .. } => ErrorKind::Quarantined,

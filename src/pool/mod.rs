@@ -132,9 +132,16 @@ impl Pool {
         // the CLI backends' store may move bindings over.
         let state_dir = config.state_dir.clone();
         let backends: Vec<String> = config.cli_backends.keys().cloned().collect();
+        let counted = config.max_conversations_per_agent.is_some();
         let (copilot, cli_store) = tokio::task::spawn_blocking(move || {
             let copilot = BindingStore::open(&state_dir)?;
             let cli_store = cli::open_bindings(&state_dir, &copilot, backends.iter())?;
+            // After the CLI store took its bindings over: what is left is the runtime's.
+            let copilot = if counted {
+                copilot.with_agent_tally()?
+            } else {
+                copilot
+            };
             Ok::<_, PoolError>((copilot, cli_store))
         })
         .await
@@ -636,6 +643,15 @@ impl Pool {
         // running one (or refuses it at once with `fail_if_busy`), within the same wait as
         // for capacity.
         let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
+        // A conversation the agent does not keep yet takes a place in its count before
+        // anything is made for it (one in memory: a kept one needs none and reads nothing).
+        let reservation = match inner.config.max_conversations_per_agent {
+            Some(max) if purpose == LeasePurpose::Turns && !req.existing_only => inner
+                .bindings
+                .reserve_new(&conversation, max)
+                .map_err(|_| PoolError::AgentConversationsFull { max })?,
+            _ => None,
+        };
 
         let spec = self.worker_spec(&req, &home, &auth)?;
         let allowed = match &spec.sandbox {
@@ -748,6 +764,7 @@ impl Pool {
                 .then(|| (key.clone(), setup)),
             purpose,
             deleting_by,
+            reservation,
         };
         let span = tracing::Span::current();
         // Boxed: the open's future is ~13 KB, which a spawn would copy into its task more
@@ -1262,6 +1279,9 @@ struct Opening {
     /// The binding a deletion by name was pinned by, read before its grant: checked again
     /// once the deletion holds the conversation.
     deleting_by: Option<Binding>,
+    /// A new conversation's place in its agent's count (`max_conversations_per_agent`),
+    /// given back once its binding is written (which counts in its place) or the open fails.
+    reservation: Option<crate::pool::bindings::Reservation>,
 }
 
 impl Opening {
@@ -1288,6 +1308,7 @@ impl Opening {
             remember,
             purpose,
             deleting_by,
+            reservation,
         } = self;
         // A turn that ran between the deletion's read of the binding and its grant may have
         // started another session (its settings changed): that session is the one to
@@ -1379,7 +1400,10 @@ impl Opening {
                 if attached && store.is_present(&binding.session_key)? {
                     return Ok(());
                 }
-                store.put(&binding)
+                let put = store.put(&binding);
+                // Written, the binding counts in its place.
+                drop(reservation);
+                put
             })
             .await;
             match recorded {

@@ -391,6 +391,7 @@ pub struct PoolSection {
     pub max_waiters: usize,
     pub max_waiters_per_agent: usize,
     pub max_leases_per_agent: Option<usize>,
+    pub max_conversations_per_agent: Option<usize>,
     pub wait_timeout_secs: u64,
     pub idle_ttl_secs: u64,
     pub max_turns_per_process: u64,
@@ -530,6 +531,7 @@ impl Default for PoolSection {
             max_waiters: 1024,
             max_waiters_per_agent: 256,
             max_leases_per_agent: None,
+            max_conversations_per_agent: None,
             wait_timeout_secs: 30,
             idle_ttl_secs: 300,
             max_turns_per_process: 2000,
@@ -820,6 +822,7 @@ impl ServeConfig {
         config.max_waiters = p.max_waiters;
         config.max_waiters_per_agent = p.max_waiters_per_agent;
         config.max_leases_per_agent = p.max_leases_per_agent;
+        config.max_conversations_per_agent = p.max_conversations_per_agent;
         config.wait_timeout = Duration::from_secs(p.wait_timeout_secs);
         config.idle_ttl = Duration::from_secs(p.idle_ttl_secs);
         config.max_turns_per_process = p.max_turns_per_process;

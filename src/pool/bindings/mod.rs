@@ -8,6 +8,7 @@
 //! store keeps an index by agent and CLI session id (`by_session`) so finding which
 //! conversation holds a session reads one file.
 
+mod agent_tally;
 mod by_session;
 
 use std::fs::{self, File, OpenOptions};
@@ -21,6 +22,8 @@ use serde::{Deserialize, Serialize};
 use crate::faults::{self, SharedDiskFaults, Store};
 use crate::ids::{CliSessionId, sha256_hex as hex_sha256};
 
+use agent_tally::AgentTally;
+pub(crate) use agent_tally::Reservation;
 use by_session::SessionIndex;
 
 /// The version of the stored JSON this code reads and writes.
@@ -129,6 +132,9 @@ pub struct BindingStore {
     index_lock: std::sync::Arc<std::sync::Mutex<()>>,
     /// Writes this plan fails on purpose (chaos runs); `None`: none.
     faults: Option<SharedDiskFaults>,
+    /// Each agent's conversations, when the store counts them
+    /// ([`BindingStore::with_agent_tally`]). Shared by the store's clones.
+    tally: Option<std::sync::Arc<AgentTally>>,
 }
 
 impl BindingStore {
@@ -157,6 +163,7 @@ impl BindingStore {
             index,
             index_lock: Default::default(),
             faults: None,
+            tally: None,
         };
         store.remove_leftover_temp_files(&store.dir)?;
         store.remove_leftover_temp_files(store.index.dir())?;
@@ -174,6 +181,7 @@ impl BindingStore {
             dir,
             index_lock: Default::default(),
             faults: None,
+            tally: None,
         }
     }
 
@@ -210,6 +218,31 @@ impl BindingStore {
             );
         }
         Ok(())
+    }
+
+    /// The store counting each agent's conversations from now on (what
+    /// [`BindingStore::reserve_new`] checks): every binding is read once, here, to learn its
+    /// agent. Disk work: off the async threads.
+    pub(crate) fn with_agent_tally(mut self) -> Result<Self, BindingError> {
+        let bindings = self.list()?;
+        let tally = AgentTally::of(bindings.iter().map(|b| b.session_key.as_str()));
+        self.tally = Some(std::sync::Arc::new(tally));
+        Ok(self)
+    }
+
+    /// A place in its agent's count for the new conversation `session_key` while it is
+    /// opened (given back when the [`Reservation`] drops; by then its binding counts), when
+    /// the agent keeps fewer than `max` conversations; else the number it keeps. `Ok(None)`:
+    /// none is needed (a store that does not count, a key bound already).
+    pub(crate) fn reserve_new(
+        &self,
+        session_key: &str,
+        max: usize,
+    ) -> Result<Option<Reservation>, usize> {
+        match &self.tally {
+            Some(tally) => tally.reserve(session_key, max),
+            None => Ok(None),
+        }
     }
 
     /// Fails the writes `plan` says to fail, as a failing disk would (chaos runs).
@@ -314,6 +347,9 @@ impl BindingStore {
         let previous = self.get(&binding.session_key).ok().flatten();
         self.write_entry(binding, true)?;
         self.write_binding(binding)?;
+        if let Some(tally) = &self.tally {
+            tally.bound(&binding.session_key);
+        }
         if let Some(previous) = previous.filter(|p| p.cli_session_id != binding.cli_session_id) {
             self.forget_entry(&previous);
         }
@@ -362,13 +398,22 @@ impl BindingStore {
         let path = self.path_for(session_key);
         match fs::remove_file(&path) {
             Ok(()) => {
+                if let Some(tally) = &self.tally {
+                    tally.unbound(session_key);
+                }
                 self.sync_dir()?;
                 if let Some(previous) = previous {
                     self.forget_entry(&previous);
                 }
                 Ok(())
             }
-            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                // Gone already (removed behind the store's back): not counted either.
+                if let Some(tally) = &self.tally {
+                    tally.unbound(session_key);
+                }
+                Ok(())
+            }
             Err(source) => Err(BindingError::Io {
                 op: "remove",
                 path,
