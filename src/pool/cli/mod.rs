@@ -2245,30 +2245,55 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
         assert_eq!(bound().working_directory, Some(elsewhere.clone()));
     }
 
-    #[tokio::test]
-    async fn a_turn_end_whose_wait_for_its_binding_is_cancelled_is_still_the_next_event() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (pool, disk, names, home, cwd) = codex_on_a_disk_that_fills(dir.path());
-        std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000006").expect("id");
-        let mut lease = pool
+    /// A lease of a fake Codex on thread `id` (under `dir`) whose next binding write stalls:
+    /// with the pool, the names, the signal that the write began and the switch that lets it
+    /// go on.
+    async fn leased_with_a_stalling_write(
+        dir: &std::path::Path,
+        id: &str,
+    ) -> (
+        Arc<CliPool>,
+        CliNames,
+        CliLease,
+        tokio::sync::oneshot::Receiver<()>,
+        std::sync::mpsc::Sender<()>,
+    ) {
+        let (pool, disk, names, home, cwd) = codex_on_a_disk_that_fills(dir);
+        std::fs::write(cwd.join("id"), id).expect("id");
+        let lease = pool
             .lease(ask("codex-cli", home, cwd), names.binding.clone())
             .await
             .expect("leased");
-        let (entered_tx, mut entered) = tokio::sync::oneshot::channel();
+        let (entered_tx, entered) = tokio::sync::oneshot::channel();
         let (release, release_rx) = std::sync::mpsc::channel();
         *disk.stall.lock().expect("stall") = Some((entered_tx, release_rx));
-        let mut turn = lease.start_turn("hello").await.expect("started");
-        // Events up to the turn's end; its `next` is dropped while the binding is written.
+        (pool, names, lease, entered, release)
+    }
+
+    /// `turn`'s events up to its end, its `next` dropped once the binding's write began.
+    async fn next_until_the_write_stalls(
+        turn: &mut CliLeaseTurn<'_>,
+        entered: &mut tokio::sync::oneshot::Receiver<()>,
+    ) {
         loop {
             tokio::select! {
                 biased;
-                _ = &mut entered => break,
+                _ = &mut *entered => return,
                 event = turn.next() => {
                     let event = event.expect("an event before the turn's end");
                     assert!(!matches!(event, BackendEvent::TurnEnd(_)), "{event:?}");
                 }
             }
         }
+    }
+
+    #[tokio::test]
+    async fn a_turn_end_whose_wait_for_its_binding_is_cancelled_is_still_the_next_event() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, names, mut lease, mut entered, release) =
+            leased_with_a_stalling_write(dir.path(), "0199aaaa-0000-7000-8000-000000000006").await;
+        let mut turn = lease.start_turn("hello").await.expect("started");
+        next_until_the_write_stalls(&mut turn, &mut entered).await;
         release.send(()).expect("release");
         let event = turn.next().await;
         assert!(
@@ -2287,27 +2312,12 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
     #[tokio::test]
     async fn a_caller_that_stops_waiting_during_the_binding_write_still_has_the_turns_end() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (pool, disk, names, home, cwd) = codex_on_a_disk_that_fills(dir.path());
-        std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000007").expect("id");
-        let mut lease = pool
-            .lease(ask("codex-cli", home, cwd), names.binding.clone())
-            .await
-            .expect("leased");
-        let (entered_tx, mut entered) = tokio::sync::oneshot::channel();
-        let (release, release_rx) = std::sync::mpsc::channel();
-        *disk.stall.lock().expect("stall") = Some((entered_tx, release_rx));
+        let (pool, names, mut lease, mut entered, release) =
+            leased_with_a_stalling_write(dir.path(), "0199aaaa-0000-7000-8000-000000000007").await;
         {
             let mut turn = lease.start_turn("hello").await.expect("started");
             assert!(turn.take_ended().is_none(), "not ended yet");
-            loop {
-                tokio::select! {
-                    biased;
-                    _ = &mut entered => break,
-                    event = turn.next() => {
-                        assert!(event.is_some_and(|e| !matches!(e, BackendEvent::TurnEnd(_))));
-                    }
-                }
-            }
+            next_until_the_write_stalls(&mut turn, &mut entered).await;
             // The gateway left: the turn's end is had without waiting for the write.
             let ended = turn.take_ended().expect("the turn's end");
             assert_eq!(ended.end, Some(TurnEnd::Idle), "{ended:?}");
