@@ -11,7 +11,7 @@ use copilot_pool::secret::Secret;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use support::pool_fixture::{
-    Fixture, shutdown_leaves_nothing, status_with_worker, token, wait_event,
+    Fixture, shutdown_leaves_nothing, status_with_worker, token, until_a_lease_waits, wait_event,
 };
 use support::procs::wait_group_gone;
 
@@ -164,6 +164,8 @@ async fn an_agent_keeping_its_cap_of_conversations_is_refused_a_new_one_until_it
                 .expect("lease"),
         );
     }
+    let before = pool.status().await.expect("status");
+    assert_eq!(before.conversations, 2);
     let refused = pool
         .lease(fx.request("agent-a", "three"))
         .await
@@ -180,6 +182,31 @@ async fn an_agent_keeping_its_cap_of_conversations_is_refused_a_new_one_until_it
             .is_none(),
         "nothing was made for it"
     );
+    let after = pool.status().await.expect("status");
+    assert_eq!(
+        (after.conversations, after.workers.len()),
+        (before.conversations, before.workers.len()),
+        "no session or process made"
+    );
+    // Two new ones at once with one place left: exactly one gets it.
+    drop(
+        pool.lease(fx.request("agent-c", "one"))
+            .await
+            .expect("lease"),
+    );
+    let (two, three) = tokio::join!(
+        pool.lease(fx.request("agent-c", "two")),
+        pool.lease(fx.request("agent-c", "three"))
+    );
+    let refusals = [&two, &three]
+        .iter()
+        .filter(|r| matches!(r, Err(PoolError::AgentConversationsFull { .. })))
+        .count();
+    assert!(
+        two.is_ok() != three.is_ok() && refusals == 1,
+        "{two:?} {three:?}"
+    );
+    drop((two, three));
     // Its kept conversations go on; another agent's count is its own.
     drop(
         pool.lease(fx.request("agent-a", "one"))
@@ -220,6 +247,91 @@ async fn an_agent_keeping_its_cap_of_conversations_is_refused_a_new_one_until_it
         pool.lease(fx.request("agent-a", "three"))
             .await
             .expect("a kept one"),
+    );
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_kept_conversation_deleted_while_its_turn_waited_counts_as_new_when_the_turn_opens() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.max_conversations_per_agent = Some(2);
+    let pool = Pool::start(config).await.expect("pool");
+    drop(
+        pool.lease(fx.request("agent-a", "two"))
+            .await
+            .expect("lease"),
+    );
+    let held = pool
+        .lease(fx.request("agent-a", "one"))
+        .await
+        .expect("lease");
+    // A turn of the kept conversation waits for it (passing the count as a kept one)...
+    let waiting = tokio::spawn({
+        let pool = pool.clone();
+        let req = fx.request("agent-a", "one");
+        async move { pool.lease(req).await }
+    });
+    until_a_lease_waits(&pool, "the second lease of one waits").await;
+    // ...while its binding goes (a deletion) and a new conversation takes the place.
+    pool.bindings().remove("agent-a/one").expect("removed");
+    drop(
+        pool.lease(fx.request("agent-a", "three"))
+            .await
+            .expect("its place"),
+    );
+    drop(held);
+    let refused = waiting
+        .await
+        .expect("task")
+        .expect_err("no place left for it");
+    assert!(
+        matches!(refused, PoolError::AgentConversationsFull { max: 2 }),
+        "{refused:?}"
+    );
+    assert!(pool.bindings().get("agent-a/one").expect("read").is_none());
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_stored_session_no_binding_holds_counts_as_new_when_a_caller_names_it() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config().await;
+    config.max_conversations_per_agent = Some(1);
+    let pool = Pool::start(config.clone()).await.expect("pool");
+    let mut first = pool
+        .lease(fx.request("agent-a", "first"))
+        .await
+        .expect("lease");
+    first
+        .run("REPLY=stored")
+        .await
+        .expect("a turn, so the session is stored");
+    let stored = first.cli_session_id().clone();
+    drop(first);
+    // Its binding gone, its session stays in the home (its process gone with the pool).
+    pool.bindings().remove("agent-a/first").expect("removed");
+    shutdown_leaves_nothing(&pool).await;
+    let pool = Pool::start(config).await.expect("pool");
+    drop(
+        pool.lease(fx.request("agent-a", "other"))
+            .await
+            .expect("its place"),
+    );
+    // A caller naming that session (the SDK endpoint's resume) would bind it anew.
+    let mut named = fx.request("agent-a", "named");
+    named.existing_only = true;
+    named.cli_session_id = Some(stored);
+    let refused = pool.lease(named).await.expect_err("no place left for it");
+    assert!(
+        matches!(refused, PoolError::AgentConversationsFull { max: 1 }),
+        "{refused:?}"
+    );
+    assert!(
+        pool.bindings()
+            .get("agent-a/named")
+            .expect("read")
+            .is_none()
     );
     shutdown_leaves_nothing(&pool).await;
 }

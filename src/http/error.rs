@@ -82,7 +82,7 @@ mod tests {
         assert_eq!(body["code"], "conversation_limit", "{body}");
         let message = body["message"].as_str().unwrap_or_default();
         assert!(
-            message.contains("DELETE /v1/sessions/")
+            message.contains("DELETE /v1/sessions/{agent_id}/{session_key}")
                 && message.contains("max_conversations_per_agent"),
             "{message}"
         );

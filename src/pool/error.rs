@@ -119,9 +119,11 @@ pub enum PoolError {
     /// The agent keeps `max_conversations_per_agent` conversations: a new one is refused
     /// until one is deleted.
     #[error(
-        "this agent already keeps {max} conversations (max_conversations_per_agent); delete \
-         one it no longer needs (DELETE /v1/sessions/{{session_key}}, or the SDK's \
-         deleteSession) and start this one again, or raise max_conversations_per_agent"
+        "this agent already keeps or is opening {max} conversations \
+         (max_conversations_per_agent); delete one it no longer needs (over HTTP \
+         DELETE /v1/sessions/{{agent_id}}/{{session_key}}; through the SDK endpoint \
+         deleteSession; in the library Lease::reset) and start this one again, or raise \
+         max_conversations_per_agent"
     )]
     AgentConversationsFull {
         /// The configured limit.

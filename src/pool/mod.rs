@@ -643,13 +643,19 @@ impl Pool {
         // running one (or refuses it at once with `fail_if_busy`), within the same wait as
         // for capacity.
         let conversation = ConversationId::new(&req.agent_id, &req.session_key).key();
-        // A conversation the agent does not keep yet takes a place in its count before
+        // A conversation the agent does not keep yet (a new one, or a stored session the
+        // caller names that no binding of it holds) takes a place in its count before
         // anything is made for it (one in memory: a kept one needs none and reads nothing).
         let reservation = match inner.config.max_conversations_per_agent {
-            Some(max) if purpose == LeasePurpose::Turns && !req.existing_only => inner
-                .bindings
-                .reserve_new(&conversation, max)
-                .map_err(|_| PoolError::AgentConversationsFull { max })?,
+            Some(max)
+                if purpose == LeasePurpose::Turns
+                    && (!req.existing_only || req.cli_session_id.is_some()) =>
+            {
+                inner
+                    .bindings
+                    .reserve_new(&conversation, max)
+                    .map_err(|kept| conversations_full(max, kept))?
+            }
             _ => None,
         };
 
@@ -765,6 +771,7 @@ impl Pool {
             purpose,
             deleting_by,
             reservation,
+            max_conversations: inner.config.max_conversations_per_agent,
         };
         let span = tracing::Span::current();
         // Boxed: the open's future is ~13 KB, which a spawn would copy into its task more
@@ -1282,6 +1289,8 @@ struct Opening {
     /// A new conversation's place in its agent's count (`max_conversations_per_agent`),
     /// given back once its binding is written (which counts in its place) or the open fails.
     reservation: Option<crate::pool::bindings::Reservation>,
+    /// `max_conversations_per_agent`, checked again once granted.
+    max_conversations: Option<usize>,
 }
 
 impl Opening {
@@ -1309,7 +1318,16 @@ impl Opening {
             purpose,
             deleting_by,
             reservation,
+            max_conversations,
         } = self;
+        // Checked again once granted: a deletion may have removed the conversation's binding
+        // while the lease waited, and its turn would start it anew.
+        let reservation = match (reservation, max_conversations) {
+            (None, Some(max)) if purpose == LeasePurpose::Turns => bindings
+                .reserve_new(&conversation, max)
+                .map_err(|kept| conversations_full(max, kept))?,
+            (held, _) => held,
+        };
         // A turn that ran between the deletion's read of the binding and its grant may have
         // started another session (its settings changed): that session is the one to
         // delete, so the deletion is refused as busy and retried, never run on the old one.
@@ -1394,6 +1412,10 @@ impl Opening {
             || purpose == LeasePurpose::Deletion
             || attached && matches!(bindings.is_present(&binding.session_key), Ok(true))
         {
+            // Its binding is on disk: one the count missed counts now.
+            if reservation.is_some() {
+                bindings.note_bound(&binding.session_key);
+            }
             Ok(())
         } else {
             let recorded = tokio::task::spawn_blocking(move || {
@@ -1450,6 +1472,17 @@ impl Opening {
             copilot_home: home,
         })
     }
+}
+
+/// The refusal of a new conversation of an agent that keeps `kept` (its `max`).
+fn conversations_full(max: usize, kept: usize) -> PoolError {
+    tracing::info!(
+        kept,
+        max,
+        "A new conversation was refused: the agent keeps max_conversations_per_agent \
+         conversations; it must delete one first."
+    );
+    PoolError::AgentConversationsFull { max }
 }
 
 /// The error for a binding store that cannot be read or written.

@@ -29,6 +29,9 @@ pub const AUTHENTICATION_FAILED: i64 = -32002;
 /// The pool's code for a `connect` of an agent that holds `max_connections_per_agent`
 /// connections already (the runtime has no such limit).
 pub const TOO_MANY_CONNECTIONS: i64 = -32003;
+/// The pool's code for a session its agent may not start: it keeps
+/// `max_conversations_per_agent` conversations already (the runtime has no such limit).
+pub const CONVERSATION_LIMIT: i64 = -32004;
 
 /// How long one write to a client may wait for it to read before its connection closes (as
 /// the HTTP API's event stream waits for a slow reader).

@@ -125,6 +125,14 @@ pub(super) fn pool_error(method: &str, error: &PoolError) -> CallError {
              environment, or `[auth] allow_logged_in_user = true`"
                 .to_owned(),
         ),
+        PoolError::AgentConversationsFull { max } => (
+            super::connection::CONVERSATION_LIMIT,
+            format!(
+                "this agent already keeps or is opening {max} sessions \
+                 (max_conversations_per_agent on the daemon); delete one it no longer needs \
+                 (deleteSession; listSessions shows them) and create this one again"
+            ),
+        ),
         PoolError::Closed => (
             INTERNAL_ERROR,
             "copilot-pool is shutting down; connect to another replica or retry after the \
@@ -1263,6 +1271,17 @@ mod tests {
             .into(),
         );
         assert_eq!(machine.code, INTERNAL_ERROR, "{machine:?}");
+        // An agent at its conversation cap: the pool's own code, the SDK's way out.
+        let full = said(PoolError::AgentConversationsFull { max: 3 });
+        assert_eq!(full.code, super::super::connection::CONVERSATION_LIMIT);
+        assert!(
+            full.message.contains("deleteSession") && !full.message.contains("/v1/"),
+            "{full:?}"
+        );
+        assert_eq!(
+            full.data.as_ref().map(|d| d["kind"].clone()),
+            Some(json!("agent_conversations_full"))
+        );
     }
 
     #[test]

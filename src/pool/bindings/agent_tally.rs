@@ -1,6 +1,7 @@
 //! How many conversations each agent keeps in one binding store, what
 //! `max_conversations_per_agent` is checked against: the bound session keys of each agent
-//! (as 64-bit digests, from a listing when the store opens with a tally, then kept by its
+//! (as SHA-256 digests: the keys are the callers', so no two can be made to collide; from
+//! a listing when the store opens with a tally, then kept by its
 //! `put` and `remove`) and the new conversations being opened, each held by its
 //! [`Reservation`]s until its binding is written or its leases end. A key written again, or
 //! leased twice while it opens, is counted once; a key naming no agent is not counted.
@@ -17,15 +18,15 @@ use crate::ids::ConversationId;
 #[derive(Debug, Default)]
 struct Held {
     /// The digests of its bound session keys.
-    bound: HashSet<u64>,
+    bound: HashSet<Digest32>,
     /// New conversations being opened: their digests and how many reservations hold each.
-    opening: HashMap<u64, usize>,
+    opening: HashMap<Digest32, usize>,
 }
 
 impl Held {
     /// Its conversations: bound, or being opened and not bound yet.
     fn count(&self) -> usize {
-        let unbound = self.opening.keys().filter(|k| !self.bound.contains(k));
+        let unbound = self.opening.keys().filter(|k| !self.bound.contains(*k));
         self.bound.len() + unbound.count()
     }
 }
@@ -36,13 +37,13 @@ pub(crate) struct AgentTally {
     agents: Mutex<HashMap<String, Held>>,
 }
 
+/// A session key's SHA-256.
+type Digest32 = [u8; 32];
+
 /// The agent a session key names and the key's digest; `None` for a key that names none.
-fn agent_and_digest(session_key: &str) -> Option<(&str, u64)> {
+fn agent_and_digest(session_key: &str) -> Option<(&str, Digest32)> {
     let (agent, _) = ConversationId::split_key(session_key)?;
-    let hash = Sha256::digest(session_key.as_bytes());
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&hash[..8]);
-    Some((agent, u64::from_le_bytes(first)))
+    Some((agent, Sha256::digest(session_key.as_bytes()).into()))
 }
 
 impl AgentTally {
@@ -130,7 +131,7 @@ impl AgentTally {
 pub(crate) struct Reservation {
     tally: Arc<AgentTally>,
     agent: String,
-    digest: u64,
+    digest: Digest32,
 }
 
 impl Drop for Reservation {

@@ -245,6 +245,14 @@ impl BindingStore {
         }
     }
 
+    /// Counts `session_key` as bound (its binding found on disk by a lease that held a place
+    /// for it: a binding the count missed). Nothing is read or written.
+    pub(crate) fn note_bound(&self, session_key: &str) {
+        if let Some(tally) = &self.tally {
+            tally.bound(session_key);
+        }
+    }
+
     /// Fails the writes `plan` says to fail, as a failing disk would (chaos runs).
     pub fn with_disk_faults(mut self, plan: Option<SharedDiskFaults>) -> Self {
         self.faults = plan;
@@ -346,10 +354,15 @@ impl BindingStore {
         // Best effort: an unreadable previous binding leaves its entry, a stale hint.
         let previous = self.get(&binding.session_key).ok().flatten();
         self.write_entry(binding, true)?;
-        self.write_binding(binding)?;
-        if let Some(tally) = &self.tally {
+        let written = self.write_binding(binding);
+        // Counted once its file is in place, even where only the directory's sync failed
+        // (a later lease resumes by it and writes nothing again).
+        if let Some(tally) = &self.tally
+            && (written.is_ok() || self.path_for(&binding.session_key).exists())
+        {
             tally.bound(&binding.session_key);
         }
+        written?;
         if let Some(previous) = previous.filter(|p| p.cli_session_id != binding.cli_session_id) {
             self.forget_entry(&previous);
         }
