@@ -1012,7 +1012,13 @@ impl CliPool {
             let unwritable = |e: super::bindings::BindingError| {
                 super::state_unwritable(&pool.bindings, e.to_string())
             };
-            let stored = pool.bindings.get(&binding).map_err(unwritable)?;
+            // The state directory's reads and writes go to the blocking threads.
+            let bindings = pool.bindings.clone();
+            let key = binding.clone();
+            let stored = tokio::task::spawn_blocking(move || bindings.get(&key))
+                .await
+                .map_err(|e| PoolError::Internal(format!("reading a CLI binding: {e}")))?
+                .map_err(unwritable)?;
             // Where the stored session's turns ran: its binding says (since the twenty-ninth
             // session), else the deletion's request. The conversation's directory, answered:
             // that, or the kept process's when nothing is stored.
@@ -1038,7 +1044,11 @@ impl CliPool {
                 .map_err(|e| PoolError::Internal(format!("removing a session's files: {e}")))??;
             }
             if stored.is_some() {
-                pool.bindings.remove(&binding).map_err(unwritable)?;
+                let bindings = pool.bindings.clone();
+                tokio::task::spawn_blocking(move || bindings.remove(&binding))
+                    .await
+                    .map_err(|e| PoolError::Internal(format!("removing a CLI binding: {e}")))?
+                    .map_err(unwritable)?;
             }
             drop(held);
             Ok((had_process || stored.is_some()).then_some(ran_in))
