@@ -646,17 +646,18 @@ impl Pool {
         // A conversation the agent does not keep yet (a new one, or a stored session the
         // caller names that no binding of it holds) takes a place in its count before
         // anything is made for it (one in memory: a kept one needs none and reads nothing).
-        let reservation = match inner.config.max_conversations_per_agent {
-            Some(max)
-                if purpose == LeasePurpose::Turns
-                    && (!req.existing_only || req.cli_session_id.is_some()) =>
-            {
-                inner
-                    .bindings
-                    .reserve_new(&conversation, max)
-                    .map_err(|kept| conversations_full(max, kept))?
-            }
-            _ => None,
+        // A deletion, a compact or a reset of a kept conversation adds none: not counted.
+        let max_conversations = inner.config.max_conversations_per_agent.filter(|_| {
+            purpose == LeasePurpose::Turns
+                && !req.runs_no_turn
+                && (!req.existing_only || req.cli_session_id.is_some())
+        });
+        let reservation = match max_conversations {
+            Some(max) => inner
+                .bindings
+                .reserve_new(&conversation, max)
+                .map_err(|kept| conversations_full(max, kept))?,
+            None => None,
         };
 
         let spec = self.worker_spec(&req, &home, &auth)?;
@@ -771,7 +772,7 @@ impl Pool {
             purpose,
             deleting_by,
             reservation,
-            max_conversations: inner.config.max_conversations_per_agent,
+            max_conversations,
         };
         let span = tracing::Span::current();
         // Boxed: the open's future is ~13 KB, which a spawn would copy into its task more
@@ -1289,7 +1290,8 @@ struct Opening {
     /// A new conversation's place in its agent's count (`max_conversations_per_agent`),
     /// given back once its binding is written (which counts in its place) or the open fails.
     reservation: Option<crate::pool::bindings::Reservation>,
-    /// `max_conversations_per_agent`, checked again once granted.
+    /// `max_conversations_per_agent` where the lease counts toward it, checked again once
+    /// granted.
     max_conversations: Option<usize>,
 }
 
@@ -1323,7 +1325,7 @@ impl Opening {
         // Checked again once granted: a deletion may have removed the conversation's binding
         // while the lease waited, and its turn would start it anew.
         let reservation = match (reservation, max_conversations) {
-            (None, Some(max)) if purpose == LeasePurpose::Turns => bindings
+            (None, Some(max)) => bindings
                 .reserve_new(&conversation, max)
                 .map_err(|kept| conversations_full(max, kept))?,
             (held, _) => held,
@@ -1420,6 +1422,9 @@ impl Opening {
         } else {
             let recorded = tokio::task::spawn_blocking(move || {
                 if attached && store.is_present(&binding.session_key)? {
+                    if reservation.is_some() {
+                        store.note_bound(&binding.session_key);
+                    }
                     return Ok(());
                 }
                 let put = store.put(&binding);

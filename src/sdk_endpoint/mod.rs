@@ -8,7 +8,8 @@
 //!   sessions. Any other call first is refused with `-32001`, a wrong token with `-32002`
 //!   (the runtime's codes); an agent already holding `max_connections_per_agent`
 //!   connections is refused with `-32003` (the pool's). `connect`, `ping` and `status.get`
-//!   answer with protocol version 3 and the pool's version.
+//!   answer with protocol version 3 and the pool's version. A session its agent may not
+//!   start (`max_conversations_per_agent`) is refused with `-32004` (the pool's).
 //! * Each SDK session is the pool conversation `(agent, "sdk:<session id>")`, run under the
 //!   SDK's own session id. It is leased for each turn (`session.send` until `session.idle`)
 //!   and for each call between turns, so the pool's caps, waiters, recycling and rotation
@@ -42,7 +43,7 @@ use tokio::sync::watch;
 
 use crate::pool::Pool;
 
-pub use connection::TOO_MANY_CONNECTIONS;
+pub use connection::{CONVERSATION_LIMIT, TOO_MANY_CONNECTIONS};
 pub use listener::{serve_tcp, serve_unix};
 pub use session::{PROCESS_CRASHED, SHUTDOWN, TURN_LIMIT};
 pub use tokens::{AgentTokens, TokenError, sha256_hex};

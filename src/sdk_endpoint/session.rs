@@ -130,7 +130,7 @@ pub(super) fn pool_error(method: &str, error: &PoolError) -> CallError {
             format!(
                 "this agent already keeps or is opening {max} sessions \
                  (max_conversations_per_agent on the daemon); delete one it no longer needs \
-                 (deleteSession; listSessions shows them) and create this one again"
+                 (deleteSession; listSessions shows them) and open this one again"
             ),
         ),
         PoolError::Closed => (
