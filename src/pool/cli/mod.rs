@@ -2182,38 +2182,32 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
                 .expect("read")
                 .expect("bound")
         };
-        std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000004").expect("id");
-        let mut lease = pool
-            .lease(
+        let lease_in = |cwd: &PathBuf| {
+            pool.lease(
                 ask("codex-cli", home.clone(), cwd.clone()),
                 names.binding.clone(),
             )
-            .await
-            .expect("leased");
-        let outcome = lease.run("hello", |_| {}).await.expect("ran");
-        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        };
+        let ran = |outcome: Result<CliTurnOutcome, PoolError>| {
+            let outcome = outcome.expect("ran");
+            assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        };
+        std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000004").expect("id");
+        let mut lease = lease_in(&cwd).await.expect("leased");
+        ran(lease.run("hello", |_| {}).await);
         let first = writes();
         assert!(first > 0, "the new session was not bound");
         // The same session in the same directory: nothing written.
-        let outcome = lease.run("again", |_| {}).await.expect("ran");
-        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        ran(lease.run("again", |_| {}).await);
         assert_eq!(writes(), first, "the binding was written again");
         // The next lease takes the parked runner over, and with it what is bound.
         drop(lease);
-        let mut lease = pool
-            .lease(
-                ask("codex-cli", home.clone(), cwd.clone()),
-                names.binding.clone(),
-            )
-            .await
-            .expect("leased");
-        let outcome = lease.run("and again", |_| {}).await.expect("ran");
-        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        let mut lease = lease_in(&cwd).await.expect("leased");
+        ran(lease.run("and again", |_| {}).await);
         assert_eq!(writes(), first, "the binding was written again");
         // Another session id: bound.
         std::fs::write(cwd.join("id"), "0199aaaa-0000-7000-8000-000000000005").expect("id");
-        let outcome = lease.run("a new thread", |_| {}).await.expect("ran");
-        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        ran(lease.run("a new thread", |_| {}).await);
         let second = writes();
         assert!(second > first, "the new session was not bound");
         assert_eq!(
@@ -2227,30 +2221,16 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
         pool.close_idle(Duration::ZERO);
         let closing = pool.lock().closing.get(&names.slot).cloned();
         let _ = closing.expect("closing").wait_for(|gone| *gone).await;
-        let mut lease = pool
-            .lease(
-                ask("codex-cli", home.clone(), cwd.clone()),
-                names.binding.clone(),
-            )
-            .await
-            .expect("leased");
-        let outcome = lease.run("resumed", |_| {}).await.expect("ran");
-        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        let mut lease = lease_in(&cwd).await.expect("leased");
+        ran(lease.run("resumed", |_| {}).await);
         assert_eq!(writes(), second, "the resumed binding was written again");
         // The same session from another working directory: bound again, with it.
         drop(lease);
         let elsewhere = dir.path().join("elsewhere");
         std::fs::create_dir_all(&elsewhere).expect("elsewhere");
         std::fs::write(elsewhere.join("id"), "0199aaaa-0000-7000-8000-000000000005").expect("id");
-        let mut lease = pool
-            .lease(
-                ask("codex-cli", home.clone(), elsewhere.clone()),
-                names.binding.clone(),
-            )
-            .await
-            .expect("leased");
-        let outcome = lease.run("from elsewhere", |_| {}).await.expect("ran");
-        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        let mut lease = lease_in(&elsewhere).await.expect("leased");
+        ran(lease.run("from elsewhere", |_| {}).await);
         assert!(writes() > second, "the new directory was not bound");
         assert_eq!(bound().working_directory, Some(elsewhere.clone()));
     }
