@@ -1290,8 +1290,8 @@ struct Opening {
     /// A new conversation's place in its agent's count (`max_conversations_per_agent`),
     /// given back once its binding is written (which counts in its place) or the open fails.
     reservation: Option<crate::pool::bindings::Reservation>,
-    /// `max_conversations_per_agent` where the lease counts toward it, checked again once
-    /// granted.
+    /// `max_conversations_per_agent` where the lease counts toward it, checked again before
+    /// a binding is written without a place.
     max_conversations: Option<usize>,
 }
 
@@ -1322,14 +1322,6 @@ impl Opening {
             reservation,
             max_conversations,
         } = self;
-        // Checked again once granted: a deletion may have removed the conversation's binding
-        // while the lease waited, and its turn would start it anew.
-        let reservation = match (reservation, max_conversations) {
-            (None, Some(max)) => bindings
-                .reserve_new(&conversation, max)
-                .map_err(|kept| conversations_full(max, kept))?,
-            (held, _) => held,
-        };
         // A turn that ran between the deletion's read of the binding and its grant may have
         // started another session (its settings changed): that session is the one to
         // delete, so the deletion is refused as busy and retried, never run on the old one.
@@ -1420,6 +1412,20 @@ impl Opening {
             }
             Ok(())
         } else {
+            // A binding about to be written by a lease that held no place is checked again
+            // (a deletion may have removed it while the lease waited, and its turn would keep
+            // the conversation anew): here, where a binding is written, so a warm turn of a
+            // kept conversation pays nothing.
+            let reservation = match (reservation, max_conversations) {
+                (None, Some(max)) => match bindings.reserve_new(&conversation, max) {
+                    Ok(held) => held,
+                    Err(kept) => {
+                        grant.opened = Some(session);
+                        return Err(conversations_full(max, kept));
+                    }
+                },
+                (held, _) => held,
+            };
             let recorded = tokio::task::spawn_blocking(move || {
                 if attached && store.is_present(&binding.session_key)? {
                     if reservation.is_some() {
