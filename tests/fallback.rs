@@ -365,6 +365,22 @@ async fn a_fallback_waiting_for_its_backends_capacity_stops_waiting_when_its_cal
         queued.is_ok(),
         "the second fallback never waited for Claude"
     );
+    // Meanwhile the conversation's next turn runs on Copilot (the first let its lease go when
+    // it failed) and waits for its gateway tool's answer: the abort is not its.
+    let mut next = fx.body(
+        "stopper",
+        r#"SCENARIO:tool NAME=lookup ARGS={"key":"next"}"#,
+    );
+    next.as_object_mut().expect("an object").remove("fallback");
+    next["tools"] = json!([{
+        "name": "lookup",
+        "description": "Looks a key up in the gateway's table.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}},
+    }]);
+    let mut running = SseStream::open(daemon.addr, "/v1/turns", None, &next).await;
+    let tool_call = tokio::time::timeout(TURN_LIMIT, running.until_event("tool.call"))
+        .await
+        .expect("the next turn calls its tool");
     let stop = call(
         daemon.addr,
         "POST",
@@ -388,6 +404,27 @@ async fn a_fallback_waiting_for_its_backends_capacity_stops_waiting_when_its_cal
                 .unwrap_or_default()
                 .contains("MARKER-stopped")),
         "the aborted turn's prompt reached the fallback"
+    );
+    let request_id = tool_call.data["request_id"].as_str().unwrap_or_default();
+    let answered = call(
+        daemon.addr,
+        "POST",
+        &format!("/v1/requests/{request_id}"),
+        None,
+        Some(&json!({"result": "answered next"})),
+    )
+    .await;
+    assert_eq!(
+        answered.status, 204,
+        "the next turn's tool call is still waiting: {}",
+        answered.body
+    );
+    let (_, end) = tokio::time::timeout(TURN_LIMIT, running.until_end())
+        .await
+        .expect("the next turn ends");
+    assert_eq!(
+        end["status"], "idle",
+        "the next turn was not aborted: {end}"
     );
     let abort = call(
         daemon.addr,

@@ -651,6 +651,79 @@ async fn a_hung_runtime_is_gone_before_its_conversation_resumes_elsewhere() {
 }
 
 #[tokio::test]
+async fn a_reset_whose_caller_stops_waiting_still_deletes_the_conversation_before_it_is_leased_again()
+ {
+    let fx = Fixture::new().await;
+    // The fake runtime takes 500 ms to delete (the real one cannot be made to take long).
+    let pool = Pool::start(fx.fake_runtime_config("slow-answers").await)
+        .await
+        .expect("pool");
+    drop(
+        pool.lease(fx.request("agent-a", "conv"))
+            .await
+            .expect("lease"),
+    );
+    let existing = || {
+        let mut req = fx.request("agent-a", "conv");
+        req.existing_only = true;
+        req
+    };
+    let lease = pool.lease(existing()).await.expect("lease");
+    // The caller (a client that hung up mid-DELETE) stops waiting while the runtime deletes.
+    let cut = tokio::time::timeout(Duration::from_millis(100), lease.reset()).await;
+    assert!(
+        cut.is_err(),
+        "the deletion takes longer than the caller waited"
+    );
+    // The conversation is not handed on before its deletion is done: the next lease finds
+    // it gone, its binding removed.
+    let next = pool.lease(existing()).await;
+    assert!(
+        matches!(next, Err(PoolError::NoSuchConversation { .. })),
+        "{next:?}"
+    );
+    assert!(
+        pool.bindings()
+            .get("agent-a/conv")
+            .expect("bindings")
+            .is_none()
+    );
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_turn_whose_send_the_caller_stopped_waiting_for_is_aborted_before_the_conversation_goes_back()
+ {
+    let fx = Fixture::new().await;
+    // The fake runtime answers `session.send` 500 ms late, having taken the turn.
+    let pool = Pool::start(fx.fake_runtime_config("slow-answers").await)
+        .await
+        .expect("pool");
+    let mut lease = pool
+        .lease(fx.request("agent-a", "conv"))
+        .await
+        .expect("lease");
+    let cut = tokio::time::timeout(Duration::from_millis(100), lease.send("hello")).await;
+    assert!(
+        cut.is_err(),
+        "the send's answer takes longer than the caller waited"
+    );
+    drop(lease);
+    // The next lease of the conversation gets it once the dropped one's turn was aborted.
+    drop(
+        pool.lease(fx.request("agent-a", "conv"))
+            .await
+            .expect("lease"),
+    );
+    let calls = fx.fake_runtime_calls("slow-answers");
+    assert!(
+        calls.iter().any(|method| method == "session.abort"),
+        "the turn the runtime may be running was aborted: {calls:?}"
+    );
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
 async fn a_reset_the_runtime_refuses_keeps_the_conversation_for_a_retry_that_deletes_it() {
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.fake_runtime_config("delete-fails-once").await)

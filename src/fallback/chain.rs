@@ -732,12 +732,16 @@ async fn run_copilot<S: ChainSink>(
         if let Err(e) = lease.send(message).await {
             return TurnSummary::of_copilot(TurnEnd::Error, &lease, Some(e.to_string()));
         }
-        // An abort asked for while the prompt went out may have found no turn to abort.
-        if sink.stop_requested() {
-            let _ = lease.abort().await;
-        }
+        // The turn aborts its own lease when its caller asks it to stop (an abort of the
+        // conversation by key would reach whichever turn holds the conversation then: a later
+        // one, while this one is between backends). Once: the aborted turn's end follows.
+        let mut abort_asked = false;
         loop {
             tokio::select! {
+                () = sink.stopped(), if !abort_asked => {
+                    abort_asked = true;
+                    let _ = lease.abort().await;
+                }
                 event = lease.next_event() => match event {
                     Some(Ok(event)) => {
                         streamed |= is_output(event.event_type());
@@ -851,12 +855,14 @@ async fn run_cli<S: ChainSink>(
                 return Err((TurnEnd::Error, Some(e.to_string()), class));
             }
         };
-        // An abort asked for while the turn started may have found no turn to abort.
-        if sink.stop_requested() {
-            turn.abort_handle().abort();
-        }
+        // The turn aborts itself when its caller asks it to stop (see `run_copilot`); once.
+        let mut abort_asked = false;
         loop {
             tokio::select! {
+                () = sink.stopped(), if !abort_asked => {
+                    abort_asked = true;
+                    turn.abort_handle().abort();
+                }
                 event = turn.next() => match event {
                     Some(BackendEvent::TurnEnd(outcome)) => return Ok(outcome),
                     Some(event) => {

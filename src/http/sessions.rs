@@ -69,12 +69,15 @@ pub(super) async fn post_abort(
         return refused;
     }
     let conversation = ConversationId::new(agent_id, session_key);
-    // First the earliest turn asked for and not over (running, waiting for its lease, about
-    // to send, between backends): it stops where it is. Then the runtime's running one.
-    let stopped = state.stop_turn(&conversation.key());
+    // The earliest turn asked for here and not over (running, waiting for its lease, about
+    // to send, between backends) stops where it is, aborting its own backend's turn; no
+    // other is touched (a later turn may hold the conversation while the earliest is between
+    // backends). Without one, the runtime's running turn (a turn the library started).
+    if state.stop_turn(&conversation.key()) {
+        return StatusCode::NO_CONTENT.into_response();
+    }
     match state.pool.abort(&conversation).await {
         Ok(true) => StatusCode::NO_CONTENT.into_response(),
-        Ok(false) | Err(_) if stopped => StatusCode::NO_CONTENT.into_response(),
         Ok(false) => error(
             StatusCode::NOT_FOUND,
             "not_found",

@@ -10,7 +10,7 @@ use ractor::ActorRef;
 
 use crate::ids::CliSessionId;
 use crate::rpc::messages::CompactResult;
-use crate::rpc::{EventKind, SessionEvent};
+use crate::rpc::{EventKind, RpcError, SessionEvent};
 use crate::transcript::Transcript;
 use crate::turn::driver::{DrainedEntry, TurnDriver, mirror_drained};
 use crate::turn::{Message, TurnError, TurnOutcome};
@@ -41,6 +41,9 @@ pub struct Lease {
     /// The session may still be busy or attached in its process and cannot be detached with
     /// confirmation (a delete that failed): the pool stops the process.
     pub(crate) unsettled: bool,
+    /// A `session.send` is written or on its way and its answer not in: the runtime may have
+    /// started the turn, so a lease dropped meanwhile aborts it as a running one.
+    pub(crate) sending: bool,
     /// The pool's binding store (for `reset`).
     pub(crate) bindings: std::sync::Arc<super::bindings::BindingStore>,
     /// The conversation's `COPILOT_HOME` (canonical).
@@ -138,11 +141,26 @@ impl Lease {
         let session = self.session_mut()?;
         let between = session.take_waiting();
         self.take_in(between)?;
-        let session = self.session_mut()?;
-        session
-            .send_message(message.into_params())
-            .await
-            .map_err(|e| self.lose(e))?;
+        self.sending = true;
+        let sent = match self.session_mut() {
+            Ok(session) => session.send_message(message.into_params()).await,
+            Err(error) => {
+                self.sending = false;
+                return Err(error);
+            }
+        };
+        self.sending = false;
+        if let Err(error) = sent {
+            // No answer in time, or one the pool could not read: the runtime may run the
+            // turn all the same, so it is treated as running (a drop aborts it).
+            if matches!(
+                error,
+                WorkerError::Rpc(RpcError::Timeout { .. } | RpcError::Decode { .. })
+            ) {
+                self.driver.begin();
+            }
+            return Err(self.lose(error));
+        }
         self.driver.begin();
         self.sent += 1;
         Ok(())
@@ -267,7 +285,22 @@ impl Lease {
     /// this `session_key` starts a new session. When the runtime refuses the deletion, the
     /// binding stays (its process is stopped): a retry finds the conversation and deletes it,
     /// where a binding removed first left the runtime's session files for good.
-    pub async fn reset(mut self) -> Result<(), PoolError> {
+    ///
+    /// The deletion runs to its end in a task of its own, even when the caller stops waiting
+    /// (a client that hangs up mid-DELETE): cut off between the runtime's delete and the
+    /// binding's removal, the lease's drop would hand the conversation on while the runtime
+    /// still deleted it (another process could resume what is being deleted) and leave the
+    /// binding of a deleted session behind.
+    pub async fn reset(self) -> Result<(), PoolError> {
+        match tokio::spawn(self.reset_to_its_end()).await {
+            Ok(result) => result,
+            Err(join) => Err(PoolError::Internal(format!(
+                "the conversation's deletion failed: {join}"
+            ))),
+        }
+    }
+
+    async fn reset_to_its_end(mut self) -> Result<(), PoolError> {
         if self.driver.in_flight() {
             return Err(state_error("reset between turns, not during one"));
         }
@@ -277,16 +310,22 @@ impl Lease {
             .ok_or(state_error("this lease has no session"))?;
         // The conversation is not parked again: the return gives no session back.
         self.lost = true;
-        let deleted = session.delete().await;
-        // A process that went during the deletion holds nothing in memory: the binding goes
-        // as after a deletion (a retry would resume what may be half deleted).
-        if let Err(error) = deleted
-            && !matches!(error, WorkerError::Died(_) | WorkerError::Stopped)
-        {
-            // The runtime may still hold the session: its process is stopped on drop, and
-            // the binding stays for a retry.
-            self.unsettled = true;
-            return Err(PoolError::Worker(error));
+        let worker = session.worker().clone();
+        match session.delete().await {
+            // A process that went during the deletion holds nothing in memory: the binding
+            // goes as after a deletion (a retry would resume what may be half deleted).
+            Ok(()) | Err(WorkerError::Died(_)) => {}
+            // An orderly stop under way: the process may hold the session until it is gone,
+            // and the conversation must not move before (`shutdown` returns then).
+            Err(WorkerError::Stopped) => {
+                worker.shutdown().await;
+            }
+            Err(error) => {
+                // The runtime may still hold the session: its process is stopped on drop,
+                // and the binding stays for a retry.
+                self.unsettled = true;
+                return Err(PoolError::Worker(error));
+            }
         }
         let store = self.bindings.clone();
         let key = self.conversation.clone();
@@ -360,6 +399,10 @@ impl Drop for Lease {
     fn drop(&mut self) {
         // What this lease left unread is read again before the conversation goes back.
         self.driver.forget_unread();
+        if self.sending {
+            // Dropped while its `session.send` was out: the runtime may be running the turn.
+            self.driver.begin();
+        }
         let session = self.session.take();
         let mut ret = ReturnTicket {
             pool: self.pool.clone(),

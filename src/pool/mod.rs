@@ -1479,6 +1479,7 @@ impl Opening {
             sent: 0,
             lost: false,
             unsettled: false,
+            sending: false,
             bindings,
             copilot_home: home,
         })

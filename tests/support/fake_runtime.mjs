@@ -21,6 +21,12 @@
 //   compaction-between-turns  answers each `session.send` with an `assistant.message` and
 //                    `session.idle`, then a successful `session.compaction_complete` (a
 //                    background compaction that ends after the turn)
+//   slow-answers     answers `session.send` and `session.delete` 500 ms late (a caller may
+//                    stop waiting meanwhile), and a `session.abort` at once with
+//                    `session.idle {aborted: true}`
+//
+// With FAKE_RUNTIME_LOG set, every method it is called with is appended to that file, one
+// line each.
 import fs from "node:fs";
 import path from "node:path";
 
@@ -78,8 +84,11 @@ function sessionDir(id) {
   fs.mkdirSync(path.join(home, "session-state", id), { recursive: true });
 }
 
+const SLOW_MS = 500;
+
 function handle({ id, method, params }) {
   const reply = (result) => write({ id, result });
+  if (process.env.FAKE_RUNTIME_LOG) fs.appendFileSync(process.env.FAKE_RUNTIME_LOG, `${method}\n`);
   switch (method) {
     case "connect":
       return reply({ ok: true, protocolVersion: 3, version: "fake-runtime" });
@@ -103,6 +112,10 @@ function handle({ id, method, params }) {
       sessionDir(params.sessionId);
       return reply({ sessionId: params.sessionId });
     case "session.send":
+      if (mode === "slow-answers") {
+        setTimeout(() => reply({ messageId: `m-${Date.now()}` }), SLOW_MS);
+        return;
+      }
       reply({ messageId: `m-${Date.now()}` });
       if (mode === "flood") flood(params.sessionId);
       if (mode === "compaction-between-turns") {
@@ -118,6 +131,7 @@ function handle({ id, method, params }) {
     case "session.abort":
       // never-idle: the abort is acknowledged, and no session.idle ever follows.
       reply({ success: true });
+      if (mode === "slow-answers") event(params.sessionId, "session.idle", { aborted: true });
       if (mode === "stray-after-abort") {
         event(params.sessionId, "external_tool.requested", {
           requestId: "stray-1",
@@ -142,6 +156,13 @@ function handle({ id, method, params }) {
           fs.writeFileSync(marker, "");
           return write({ id, error: { code: -32603, message: "fake runtime: could not delete the session" } });
         }
+      }
+      if (mode === "slow-answers") {
+        setTimeout(() => {
+          fs.rmSync(path.join(home, "session-state", params.sessionId), { recursive: true, force: true });
+          reply({ success: true });
+        }, SLOW_MS);
+        return;
       }
       return reply({ success: true });
     case "session.detach":

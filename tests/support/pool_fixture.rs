@@ -197,6 +197,20 @@ impl Fixture {
 
     /// A pool config whose workers are the fake runtime (`tests/support/fake_runtime.mjs`,
     /// run by Node) in `mode`: for faults the real runtime cannot be told to produce.
+    /// The file the fake runtime of `mode` appends every method it is called with to.
+    pub fn fake_runtime_log(&self, mode: &str) -> PathBuf {
+        self.scratch.path().join(format!("fake-runtime-{mode}.log"))
+    }
+
+    /// The methods the fake runtimes of `mode` were called with so far, in order.
+    pub fn fake_runtime_calls(&self, mode: &str) -> Vec<String> {
+        std::fs::read_to_string(self.fake_runtime_log(mode))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
     pub async fn fake_runtime_config(&self, mode: &str) -> PoolConfig {
         let fake = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests")
@@ -206,7 +220,8 @@ impl Fixture {
         std::fs::write(
             &script,
             format!(
-                "#!/bin/sh\nFAKE_RUNTIME_MODE='{mode}' exec node '{}' \"$@\"\n",
+                "#!/bin/sh\nFAKE_RUNTIME_MODE='{mode}' FAKE_RUNTIME_LOG='{}' exec node '{}' \"$@\"\n",
+                self.fake_runtime_log(mode).display(),
                 fake.display()
             ),
         )
