@@ -486,11 +486,14 @@ async fn an_sdk_client_cannot_reach_around_the_guard_or_into_the_agents_home() {
             && refused.message.contains("allow_local_mcp_servers"),
         "{refused:?}"
     );
-    // So are hooks and discovered configuration, which run commands from files.
+    // So are hooks, discovered configuration, plugins and custom agent files, which run
+    // commands from files (a plugin or an agent file may bring hooks or a local MCP server).
     for (field, value) in [
         ("enableFileHooks", json!(true)),
         ("enableConfigDiscovery", json!(true)),
         ("hookDirectories", json!([allowed.display().to_string()])),
+        ("pluginDirectories", json!([allowed.display().to_string()])),
+        ("agentDirectories", json!([allowed.display().to_string()])),
     ] {
         let refused = create_refused(&conn, &fx, "guarded-1", field, value).await;
         assert!(

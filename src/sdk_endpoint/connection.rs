@@ -650,7 +650,8 @@ impl Client {
                     INVALID_PARAMS,
                     format!(
                         "{field} has the runtime run commands from files in the agent's \
-                         directories (hooks, or MCP servers in configuration it discovers), \
+                         directories (hooks, or MCP servers in configuration it discovers, \
+                         plugins or custom agent files), \
                          which copilot-pool's config does not allow (allow_local_mcp_servers); \
                          leave it out, or set allow_local_mcp_servers = true"
                     ),

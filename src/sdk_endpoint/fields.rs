@@ -181,6 +181,8 @@ const LIST_FIELDS: &[&str] = &[
     "installedPlugins",
     "shellProcessFlags",
     "hookDirectories",
+    "pluginDirectories",
+    "agentDirectories",
 ];
 
 /// What to do instead of setting one of [`REFUSED`]; `None` for the model endpoints and
@@ -280,11 +282,13 @@ fn check(params: &Map<String, Value>, passed: &[&str]) -> Result<(), Refusal> {
 
 /// Session fields that have the runtime run commands from files in the agent's directories
 /// (hooks from `.github/hooks/` or named directories, configuration it discovers there,
-/// which may name local MCP servers).
+/// plugins and custom agent files, which may bring hooks and name local MCP servers).
 const LOCAL_COMMAND_FIELDS: &[&str] = &[
+    "agentDirectories",
     "enableConfigDiscovery",
     "enableFileHooks",
     "hookDirectories",
+    "pluginDirectories",
 ];
 
 /// The first field of a create or resume that would start local commands from files: refused
@@ -337,7 +341,8 @@ mod tests {
     }
 
     #[test]
-    fn hooks_and_discovered_configuration_are_sources_of_local_commands_when_set() {
+    fn hooks_discovered_configuration_plugins_and_agent_files_are_sources_of_local_commands_when_set()
+     {
         assert_eq!(
             local_command_source(&map(
                 json!({"enableFileHooks": false, "hookDirectories": [],
@@ -351,10 +356,13 @@ mod tests {
                 Some(field)
             );
         }
-        assert_eq!(
-            local_command_source(&map(json!({"hookDirectories": ["/w/hooks"]}))),
-            Some("hookDirectories")
-        );
+        for field in ["hookDirectories", "pluginDirectories", "agentDirectories"] {
+            assert_eq!(local_command_source(&map(json!({field: []}))), None);
+            assert_eq!(
+                local_command_source(&map(json!({field: ["/w/dir"]}))),
+                Some(field)
+            );
+        }
     }
 
     #[test]
