@@ -139,17 +139,22 @@ fn remote_error(result: Result<Value, RpcError>) -> ErrorObject {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_call_before_connect_is_minus_32001_and_a_wrong_token_minus_32002() {
+async fn a_call_before_connect_is_minus_32001_and_a_wrong_token_minus_32002_each_closing_the_connection()
+ {
     let fx = Fixture::new().await;
     let served = Served::start(&fx).await;
+    // Any call first is answered -32001, and the connection is closed (one answer for a
+    // client that has not authenticated, however many calls it sends).
+    for method in ["ping", "session.create"] {
+        let conn = raw_client(served.addr).await;
+        let early = remote_error(conn.request(method, json!({"sessionId": "s"}), None).await);
+        assert_eq!(early.code, -32001, "{early:?}");
+        let after = conn
+            .request("connect", json!({"token": "token-a"}), None)
+            .await;
+        assert!(matches!(after, Err(RpcError::Closed { .. })), "{after:?}");
+    }
     let conn = raw_client(served.addr).await;
-    let early = remote_error(conn.request("ping", json!({}), None).await);
-    assert_eq!(early.code, -32001, "{early:?}");
-    let early = remote_error(
-        conn.request("session.create", json!({"sessionId": "s"}), None)
-            .await,
-    );
-    assert_eq!(early.code, -32001, "{early:?}");
     let wrong = remote_error(
         conn.request("connect", json!({"token": "token-c"}), None)
             .await,

@@ -426,8 +426,11 @@ impl Client {
             Ok(answer) => responder.ok(answer),
             Err(error) => responder.err(error),
         }
-        if method == "connect" && self.agent().is_none() {
-            // A wrong token closes the connection once the answer is out.
+        if self.agent().is_none() {
+            // A wrong token, or any other call first, closes the connection once the answer
+            // is out: a client that has not authenticated gets one answer, not one per call
+            // it sends (each would repeat the call's id, up to a frame's size, into the
+            // writer's queue of a client that need not read it).
             self.conn.close(CloseCause::Local);
         }
     }

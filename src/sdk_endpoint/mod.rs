@@ -6,7 +6,7 @@
 //! * A client authenticates in `connect` with its connection token; [`AgentTokens`] (SHA-256
 //!   hashes only) names the agent the connection is for: its home, its processes, its
 //!   sessions. Any other call first is refused with `-32001`, a wrong token with `-32002`
-//!   (the runtime's codes); an agent already holding `max_connections_per_agent`
+//!   (the runtime's codes), and the connection closed after that answer; an agent already holding `max_connections_per_agent`
 //!   connections is refused with `-32003` (the pool's). `connect`, `ping` and `status.get`
 //!   answer with protocol version 3 and the pool's version. A session its agent may not
 //!   start (`max_conversations_per_agent`) is refused with `-32004` (the pool's).
