@@ -329,10 +329,19 @@ impl Lease {
         }
         let store = self.bindings.clone();
         let key = self.conversation.clone();
-        tokio::task::spawn_blocking(move || store.remove(&key))
+        let removed = tokio::task::spawn_blocking(move || store.remove(&key))
             .await
-            .map_err(|e| PoolError::Bindings(e.to_string()))??;
-        Ok(())
+            .map_err(|e| e.to_string())
+            .and_then(|removed| removed.map_err(|e| e.to_string()));
+        // The runtime's session is gone already: the caller is told so, and that a retry
+        // (once the state directory is writable) removes what is left.
+        removed.map_err(|error| {
+            PoolError::Bindings(format!(
+                "the conversation's session was deleted, but its binding could not be \
+                 removed: {error}; make the state directory writable and delete the \
+                 conversation again"
+            ))
+        })
     }
 
     /// The session itself, for a caller that passes every update on to its own client

@@ -907,6 +907,7 @@ impl Pool {
             .await
         {
             Ok(ractor::rpc::CallResult::Success(aborted)) => Ok(aborted),
+            Ok(ractor::rpc::CallResult::Timeout) => Err(actor_unanswered("the abort")),
             _ => Err(PoolError::Closed),
         }
     }
@@ -939,6 +940,7 @@ impl Pool {
             .await
         {
             Ok(ractor::rpc::CallResult::Success(status)) => Ok(status),
+            Ok(ractor::rpc::CallResult::Timeout) => Err(actor_unanswered("the status")),
             _ => Err(PoolError::Closed),
         }
     }
@@ -1815,6 +1817,15 @@ fn is_not_found(error: &WorkerError) -> bool {
         }
         _ => false,
     }
+}
+
+/// A call of the pool's actor that got no answer in its time (not a shut down pool, which
+/// drops the call: `PoolError::Closed`).
+fn actor_unanswered(what: &str) -> PoolError {
+    PoolError::Internal(format!(
+        "the pool did not answer {what} within 10 s (its actor is overloaded or stuck); \
+         retry, and if it keeps happening look at the log for what holds it up"
+    ))
 }
 
 #[cfg(test)]
