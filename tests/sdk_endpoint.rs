@@ -1946,6 +1946,58 @@ async fn a_switched_model_stays_switched_when_the_session_resumes_on_another_pro
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn updated_settings_stay_when_the_session_resumes_on_another_process() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let (conn, mut events) = connected(served.addr, "token-a").await;
+    // Created with the client's tools only (none here); a built-in one offered by an update.
+    conn.request("session.create", create_params(&fx, "updated"), None)
+        .await
+        .expect("create");
+    conn.request(
+        "session.options.update",
+        json!({"sessionId": "updated", "availableTools": ["custom:*", "view"]}),
+        None,
+    )
+    .await
+    .expect("update");
+    let tools_of_last_call = || {
+        let body = fx.model.requests().pop().expect("a model call").body;
+        body["tools"]
+            .as_array()
+            .map(|tools| {
+                tools
+                    .iter()
+                    .filter_map(|t| t["function"]["name"].as_str().map(str::to_owned))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    turn_to_idle(&conn, &mut events, &served, "updated", "one").await;
+    assert_eq!(tools_of_last_call(), ["view"], "the update took");
+    // The process goes: the next turn resumes the session elsewhere with its create-time
+    // config, and the update is applied again.
+    let pid = served.pool.status().await.expect("status").workers[0].pid;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    assert!(
+        support::procs::wait_group_gone(pid, Duration::from_secs(10))
+            .await
+            .is_empty()
+    );
+    turn_to_idle(&conn, &mut events, &served, "updated", "two").await;
+    assert_eq!(
+        tools_of_last_call(),
+        ["view"],
+        "the update was lost with the process"
+    );
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_past_the_endpoints_limit_is_aborted_and_its_client_told_why() {
     let fx = Fixture::new().await;
     let served = Served::start_with_endpoint(

@@ -864,7 +864,7 @@ impl Client {
                 let agent = self.agent().unwrap_or_default();
                 let params =
                     session::confine_directories(&self.shared, agent, method, params).await?;
-                session.call(method, params).await
+                session.update_options(params).await
             }
             // Refused in `call` with its own reason.
             "session.provider.add" => session.call(method, params).await,

@@ -40,6 +40,9 @@ pub const PROCESS_CRASHED: &str = "process_crashed";
 /// The client's model switch, applied again where the session moves.
 const SWITCH_MODEL: &str = "session.model.switchTo";
 
+/// The call that changes a session's settings, applied again after a resume.
+const UPDATE_OPTIONS: &str = "session.options.update";
+
 /// The `errorType` of the `session.error` a client gets when its turn ran past the
 /// endpoint's `max_turn_duration` and was aborted.
 pub const TURN_LIMIT: &str = "turn_limit";
@@ -423,6 +426,11 @@ pub(super) struct SdkSession {
     /// (measured, 1.0.14: whatever the resume's own `model`), so a lease on another process
     /// applies the switch again before anything else.
     switched_model: Mutex<Option<(Value, u32)>>,
+    /// The client's `session.options.update`s, merged (a later value of a field replaces an
+    /// earlier one), and the process that took the last: a `session.resume` applies the
+    /// config the session was created with, so a lease on another process applies them
+    /// again, as the model switch.
+    updated_options: Mutex<Option<(Value, u32)>>,
 }
 
 /// What an open passes on once its answer is out: the runtime answers `session.create` /
@@ -502,6 +510,7 @@ impl SdkSession {
             gate: Arc::new(tokio::sync::Mutex::new(())),
             work_dir: tokio::sync::OnceCell::new(),
             switched_model: Mutex::new(None),
+            updated_options: Mutex::new(None),
         }
     }
 
@@ -578,26 +587,46 @@ impl SdkSession {
             PoolError::NoSuchConversation { .. } => no_stored_session(method, self.id().as_str()),
             other => pool_error(method, &other),
         })?;
-        self.reapply_model_switch(&mut lease).await;
+        self.reapply(
+            &mut lease,
+            &self.switched_model,
+            SWITCH_MODEL,
+            "model switch",
+        )
+        .await;
+        self.reapply(
+            &mut lease,
+            &self.updated_options,
+            UPDATE_OPTIONS,
+            "settings update",
+        )
+        .await;
         Ok(lease)
     }
 
-    /// A lease on another process than the one that took the client's model switch (a
-    /// resume after a crash, recycling, a rotation, or a spare's resume ahead), or one that
-    /// resumed the session on the same process: the switch is applied again, so the session
-    /// keeps the model its client chose.
-    async fn reapply_model_switch(&self, lease: &mut Lease) {
+    /// A lease on another process than the one that took the client's model switch or
+    /// settings update (`setting`: its params and that process; a resume after a crash,
+    /// recycling, a rotation, or a spare's resume ahead), or one that resumed the session on
+    /// the same process: it is applied again with `method`, so the session keeps what its
+    /// client chose.
+    async fn reapply(
+        &self,
+        lease: &mut Lease,
+        setting: &Mutex<Option<(Value, u32)>>,
+        method: &str,
+        what: &str,
+    ) {
         let pid = lease.worker_pid();
-        // Resumed here, on the same process too, the session has its create-time model.
+        // Resumed here, on the same process too, the session has its create-time config.
         let resumed = lease.reason() == OpenReason::Resumed;
-        let switch = match self.switched_model.lock() {
-            Ok(switched) => switched
+        let again = match setting.lock() {
+            Ok(set) => set
                 .as_ref()
                 .filter(|(_, on)| *on != pid || resumed)
                 .cloned(),
             Err(_) => None,
         };
-        let Some((params, _)) = switch else {
+        let Some((params, _)) = again else {
             return;
         };
         let Ok(session) = lease.passthrough() else {
@@ -605,23 +634,40 @@ impl SdkSession {
         };
         let worker = session.worker().clone();
         let timeout = self.shared.config.request_timeout;
-        match call(&worker, SWITCH_MODEL, params.clone(), timeout).await {
+        match call(&worker, method, params.clone(), timeout).await {
             Ok(_) => {
-                if let Ok(mut switched) = self.switched_model.lock() {
-                    *switched = Some((params, pid));
+                if let Ok(mut set) = setting.lock() {
+                    *set = Some((params, pid));
                 }
             }
             Err(error) => tracing::warn!(
                 session = %self.id(),
                 error = %error.message,
-                "Could not apply the client's model switch again on the process the session \
-                 moved to; it runs with the model it was created with."
+                "Could not apply the client's {what} again on the process the session moved \
+                 to; it runs with the config it was created with."
             ),
         }
     }
 
+    /// `session.options.update`: passed on as any call, then merged into the updates
+    /// remembered with the process that took it ([`Self::reapply`]).
+    pub(super) async fn update_options(&self, params: Value) -> Result<Value, CallError> {
+        let (answer, pid) = self.call_on(UPDATE_OPTIONS, params.clone()).await?;
+        if let Ok(mut updated) = self.updated_options.lock() {
+            let mut merged = match updated.take() {
+                Some((Value::Object(merged), _)) => merged,
+                _ => Map::new(),
+            };
+            if let Value::Object(fields) = params {
+                merged.extend(fields);
+            }
+            *updated = Some((Value::Object(merged), pid));
+        }
+        Ok(answer)
+    }
+
     /// `session.model.switchTo`: passed on as any call, then remembered with the process
-    /// that took it ([`Self::reapply_model_switch`]).
+    /// that took it ([`Self::reapply`]).
     pub(super) async fn switch_model(&self, params: Value) -> Result<Value, CallError> {
         let (answer, pid) = self.call_on(SWITCH_MODEL, params.clone()).await?;
         if let Ok(mut switched) = self.switched_model.lock() {
@@ -662,9 +708,16 @@ impl SdkSession {
 
     /// Replaces the session's config (a `session.resume` on a session this connection
     /// already holds).
+    /// The client's config replaces what it switched or updated since the earlier open too:
+    /// none of it is applied again over the config it resumes with.
     pub(super) fn set_spec(&self, spec: SessionSpec) {
         if let Ok(mut s) = self.spec.lock() {
             *s = spec;
+        }
+        for setting in [&self.switched_model, &self.updated_options] {
+            if let Ok(mut set) = setting.lock() {
+                *set = None;
+            }
         }
     }
 
