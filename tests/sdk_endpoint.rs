@@ -1554,6 +1554,49 @@ async fn a_byok_session_another_connection_left_is_deleted_by_its_id_alone() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_that_lands_as_its_turn_ends_runs_a_turn_whose_events_reach_the_client() {
+    let fx = Fixture::new().await;
+    // The fake runtime ends the running turn as the second prompt lands and starts a turn
+    // with it (the real one does so only in a race).
+    let fake = fx.fake_runtime_config("idle-as-a-send-lands").await;
+    let served = Served::start_with(&fx, move |config| *config = fake).await;
+    let (conn, mut events) = connected(served.addr, "token-a").await;
+    conn.request("session.create", create_params(&fx, "landing"), None)
+        .await
+        .expect("create");
+    for prompt in ["first", "second"] {
+        conn.request(
+            "session.send",
+            json!({"sessionId": "landing", "prompt": prompt}),
+            None,
+        )
+        .await
+        .expect("send");
+    }
+    // The second prompt's turn is passed on to its end, not left unread on a parked lease.
+    let answered = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut idles = 0;
+        loop {
+            let params = events.recv().await.expect("an event");
+            let event = &params["event"];
+            match event["type"].as_str() {
+                Some("assistant.message") => {
+                    assert_eq!(event["data"]["content"], "REPLY-TO-second", "{event}");
+                    return idles;
+                }
+                Some("session.idle") => idles += 1,
+                _ => {}
+            }
+        }
+    })
+    .await
+    .expect("the second prompt's answer reached the client");
+    assert_eq!(answered, 1, "the first turn's idle came first");
+    until_event(&mut events, "session.idle").await;
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deletion_by_id_the_runtime_refuses_leaves_the_binding_its_turns_wrote() {
     let fx = Fixture::new().await;
     // The fake runtime refuses the first session.delete (a fault the real one cannot give).

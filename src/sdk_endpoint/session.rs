@@ -43,6 +43,61 @@ const SWITCH_MODEL: &str = "session.model.switchTo";
 /// The call that changes a session's settings, applied again after a resume.
 const UPDATE_OPTIONS: &str = "session.options.update";
 
+/// Whether a session still runs a turn (or a background continuation).
+const IS_PROCESSING: &str = "session.metadata.isProcessing";
+
+/// The prompts a client sent into a running turn ([`SdkSession::send_into_turn`]).
+#[derive(Default)]
+struct SentIntoTurn {
+    /// Sent since the pump last looked.
+    sent: std::sync::atomic::AtomicBool,
+    /// Still waiting for the runtime's answer.
+    waiting: std::sync::atomic::AtomicUsize,
+    answered: tokio::sync::Notify,
+}
+
+impl SentIntoTurn {
+    /// One send on its way, until the guard drops (answered, failed, or its call dropped).
+    fn sending(&self) -> SendingIntoTurn<'_> {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.waiting.fetch_add(1, SeqCst);
+        self.sent.store(true, SeqCst);
+        SendingIntoTurn(self)
+    }
+
+    /// Whether a send went into the turn since the last look (and forgets it).
+    fn take(&self) -> bool {
+        self.sent.swap(false, std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Resolves once no send waits for its answer.
+    async fn answered(&self) {
+        loop {
+            let notified = self.answered.notified();
+            if self.waiting.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// A send into a running turn on its way ([`SentIntoTurn::sending`]).
+struct SendingIntoTurn<'a>(&'a SentIntoTurn);
+
+impl Drop for SendingIntoTurn<'_> {
+    fn drop(&mut self) {
+        if self
+            .0
+            .waiting
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+            == 1
+        {
+            self.0.answered.notify_waiters();
+        }
+    }
+}
+
 /// The `errorType` of the `session.error` a client gets when its turn ran past the
 /// endpoint's `max_turn_duration` and was aborted.
 pub const TURN_LIMIT: &str = "turn_limit";
@@ -415,6 +470,11 @@ pub(super) struct SdkSession {
     /// Set when the client asked to abort the running turn (`session.abort`), cleared as a
     /// turn starts: an aborted turn it did not ask for is explained to it.
     abort_asked: std::sync::atomic::AtomicBool,
+    /// Prompts sent into the running turn (`session.send` while one runs goes to its
+    /// process): their count since the pump last looked, and how many still wait for the
+    /// runtime's answer. One may land as the runtime ends the turn, and start a turn of its
+    /// own after the `session.idle` ([`SdkSession::runs_on`]).
+    sent_into_turn: SentIntoTurn,
     /// Serializes what takes a lease for this session on this connection (an open holds
     /// it until its events are passed on, after its answer: [`AfterOpen`]).
     gate: Arc<tokio::sync::Mutex<()>>,
@@ -507,6 +567,7 @@ impl SdkSession {
             turn: Mutex::new(None),
             stopped: std::sync::atomic::AtomicBool::new(false),
             abort_asked: std::sync::atomic::AtomicBool::new(false),
+            sent_into_turn: SentIntoTurn::default(),
             gate: Arc::new(tokio::sync::Mutex::new(())),
             work_dir: tokio::sync::OnceCell::new(),
             switched_model: Mutex::new(None),
@@ -729,12 +790,12 @@ impl SdkSession {
         const METHOD: &str = "session.send";
         self.refuse_if_let_go(METHOD)?;
         if let Some((worker, _)) = self.running() {
-            return call(&worker, METHOD, params, self.shared.config.request_timeout).await;
+            return self.send_into_turn(&worker, params).await;
         }
         let _gate = self.gate.lock().await;
         self.refuse_if_let_go(METHOD)?;
         if let Some((worker, _)) = self.running() {
-            return call(&worker, METHOD, params, self.shared.config.request_timeout).await;
+            return self.send_into_turn(&worker, params).await;
         }
         if self.shared.is_draining() {
             return Err(ErrorObject::new(
@@ -787,6 +848,44 @@ impl SdkSession {
         Ok(answer)
     }
 
+    /// A prompt sent while a turn runs: to its process (the runtime queues it, or, when it
+    /// lands as the turn ends, starts a turn with it), counted for the pump.
+    async fn send_into_turn(
+        &self,
+        worker: &WorkerHandle,
+        params: Value,
+    ) -> Result<Value, CallError> {
+        let _sending = self.sent_into_turn.sending();
+        call(
+            worker,
+            "session.send",
+            params,
+            self.shared.config.request_timeout,
+        )
+        .await
+    }
+
+    /// Whether the runtime runs on after the `session.idle` the pump just read: only when a
+    /// prompt was sent into the turn since the pump last looked (the runtime may have taken
+    /// it after it ended the turn, and started one with it), once those sends have their
+    /// answers, by asking the runtime (`session.metadata.isProcessing`; a runtime that
+    /// cannot say counts as done).
+    async fn runs_on(&self, worker: &WorkerHandle) -> bool {
+        if !self.sent_into_turn.take() {
+            return false;
+        }
+        let timeout = self.shared.config.request_timeout;
+        let _ = tokio::time::timeout(timeout, self.sent_into_turn.answered()).await;
+        let asked = call(
+            worker,
+            IS_PROCESSING,
+            json!({"sessionId": self.id().as_str()}),
+            timeout,
+        )
+        .await;
+        asked.is_ok_and(|answer| answer["processing"] == Value::Bool(true))
+    }
+
     /// Passes the running turn's updates to the client until `session.idle`; ends it with a
     /// `session.error` and `session.idle` of its own when the process dies; aborts and
     /// settles it when asked to stop or when it outlives the turn limit. Gives the lease back.
@@ -825,6 +924,13 @@ impl SdkSession {
                         }
                         _ => None,
                     };
+                    if idle == Some(false) && self.runs_on(session.worker()).await {
+                        // A prompt sent into the turn as it ended started the next one: its
+                        // events are this lease's to pass on, to its own idle.
+                        self.forward_event(event);
+                        failed = false;
+                        continue;
+                    }
                     if idle.is_some() {
                         // The client may send the next prompt as soon as it sees the idle:
                         // that send must take a new lease (queued behind this one's return),

@@ -24,6 +24,12 @@
 //   slow-answers     answers `session.send` and `session.delete` 500 ms late (a caller may
 //                    stop waiting meanwhile), and a `session.abort` at once with
 //                    `session.idle {aborted: true}`
+//   idle-as-a-send-lands  a first `session.send` starts a turn that waits; a second one sent
+//                    into it ends that turn (`session.idle`, written before the send's answer,
+//                    as the runtime does when a prompt lands as its turn ends) and starts a
+//                    turn of its own: `assistant.message` `REPLY-TO-<prompt>`, then
+//                    `session.idle`, 200 ms apart; `session.metadata.isProcessing` says
+//                    whether a turn runs
 //
 // With FAKE_RUNTIME_LOG set, every method it is called with is appended to that file, one
 // line each.
@@ -85,6 +91,8 @@ function sessionDir(id) {
 }
 
 const SLOW_MS = 500;
+// Sessions running a turn (idle-as-a-send-lands).
+const running = new Set();
 
 function handle({ id, method, params }) {
   const reply = (result) => write({ id, result });
@@ -111,7 +119,25 @@ function handle({ id, method, params }) {
       }
       sessionDir(params.sessionId);
       return reply({ sessionId: params.sessionId });
+    case "session.metadata.isProcessing":
+      return reply({ processing: running.has(params.sessionId) });
     case "session.send":
+      if (mode === "idle-as-a-send-lands") {
+        if (!running.has(params.sessionId)) {
+          running.add(params.sessionId);
+          return reply({ messageId: `m-${Date.now()}` });
+        }
+        event(params.sessionId, "session.idle", {});
+        reply({ messageId: `m-${Date.now()}` });
+        setTimeout(() => {
+          event(params.sessionId, "assistant.message", { messageId: "m-2", content: `REPLY-TO-${params.prompt}` });
+          setTimeout(() => {
+            running.delete(params.sessionId);
+            event(params.sessionId, "session.idle", {});
+          }, 200);
+        }, 200);
+        return;
+      }
       if (mode === "slow-answers") {
         setTimeout(() => reply({ messageId: `m-${Date.now()}` }), SLOW_MS);
         return;
