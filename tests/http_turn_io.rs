@@ -108,6 +108,18 @@ async fn an_image_attachment_reaches_the_model_and_paths_outside_the_roots_are_r
     assert_eq!(done.json()["status"], "idle", "{}", done.body);
     let text = serde_json::to_string(&last_user_parts(&fx)).expect("json");
     assert!(text.contains("notes.md"), "{text}");
+    // A conversation working in a folder of the agent's work directory may name any file of
+    // the work directory, by a path relative to its folder too.
+    let agent_work = fx.scratch.path().join("agents/agents/agent-a/work");
+    std::fs::create_dir_all(agent_work.join("project")).expect("mkdir");
+    std::fs::write(agent_work.join("plan.md"), "# plan").expect("write");
+    for path in [json!(agent_work.join("plan.md")), json!("../plan.md")] {
+        let mut body = turn(&url, "agent-a", "in-project", "REPLY=read it");
+        body["session"] = json!({"workingDirectory": agent_work.join("project")});
+        body["attachments"] = json!([{"type": "file", "path": path}]);
+        let done = summary(addr, None, &body).await;
+        assert_eq!(done.json()["status"], "idle", "{path}: {}", done.body);
+    }
 
     // Outside every root, directly, through `..`, or through a link in the work
     // directory: refused before the turn, naming the attachment; the model is not asked.

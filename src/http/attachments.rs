@@ -66,7 +66,8 @@ impl Default for AttachmentLimits {
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub(super) enum AttachmentBody {
-    /// A file by path (relative paths are taken against the agent's work directory).
+    /// A file by path (relative paths are taken against the conversation's working
+    /// directory: its `session.workingDirectory`, else the agent's work directory).
     File {
         #[schema(value_type = String)]
         path: PathBuf,

@@ -343,16 +343,19 @@ async fn checked_attachments_and_work_dir(
     body: &mut TurnBody,
     chain: &ChainRequest,
 ) -> Result<(super::attachments::Checked, WorkDir), Response> {
+    // Relative paths are taken against the conversation's working directory; a path may
+    // lie anywhere in the agent's work directory or an allowed root (a session's own
+    // `workingDirectory` may be a folder of the work directory).
+    let roots = work_roots(state, &chain.lease.agent_id);
     let attachments = check_off_thread(
         std::mem::take(&mut body.attachments),
         chain.lease.working_directory.clone(),
-        state.config.allowed_work_roots.clone(),
+        roots.clone(),
         state.config.attachments.clone(),
     )
     .await?;
     let work = chain.lease.working_directory.clone();
     create_work_dir(&work).await?;
-    let roots = work_roots(state, &chain.lease.agent_id);
     Ok((attachments, WorkDir { path: work, roots }))
 }
 
