@@ -1972,6 +1972,7 @@ async fn a_switched_model_stays_switched_when_the_session_resumes_on_another_pro
             .await
             .is_empty()
     );
+    pool_forgot(&served, pid).await;
     conn.request(
         "session.send",
         json!({"sessionId": "switched", "prompt": "REPLY=two"}),
@@ -2004,8 +2005,17 @@ async fn updated_settings_stay_when_the_session_resumes_on_another_process() {
     )
     .await
     .expect("update");
-    let tools_of_last_call = || {
-        let body = fx.model.requests().pop().expect("a model call").body;
+    // The tools of the turn's model call (the one carrying its prompt: the runtime may make
+    // calls of its own between turns).
+    let tools_of_call_with = |prompt: &str| {
+        let body = fx
+            .model
+            .requests()
+            .into_iter()
+            .rev()
+            .find(|r| r.body["messages"].to_string().contains(prompt))
+            .expect("the turn's model call")
+            .body;
         body["tools"]
             .as_array()
             .map(|tools| {
@@ -2017,7 +2027,7 @@ async fn updated_settings_stay_when_the_session_resumes_on_another_process() {
             .unwrap_or_default()
     };
     turn_to_idle(&conn, &mut events, &served, "updated", "one").await;
-    assert_eq!(tools_of_last_call(), ["view"], "the update took");
+    assert_eq!(tools_of_call_with("REPLY=one"), ["view"], "the update took");
     // The process goes: the next turn resumes the session elsewhere with its create-time
     // config, and the update is applied again.
     let pid = served.pool.status().await.expect("status").workers[0].pid;
@@ -2031,9 +2041,10 @@ async fn updated_settings_stay_when_the_session_resumes_on_another_process() {
             .await
             .is_empty()
     );
+    pool_forgot(&served, pid).await;
     turn_to_idle(&conn, &mut events, &served, "updated", "two").await;
     assert_eq!(
-        tools_of_last_call(),
+        tools_of_call_with("REPLY=two"),
         ["view"],
         "the update was lost with the process"
     );
@@ -2204,6 +2215,19 @@ async fn until_answer(stream: &mut TcpStream, id: u64) -> Value {
 }
 
 /// Polls `check` (each an RPC round trip) until it holds, for at most 10 s.
+/// Waits until the pool has seen its process `pid` go (a turn sent in the moment between a
+/// process's death and the pool hearing of it ends crashed; the next one resumes).
+async fn pool_forgot(served: &Served, pid: u32) {
+    eventually("the pool saw the killed process go", || async {
+        served
+            .pool
+            .status()
+            .await
+            .is_ok_and(|status| status.workers.iter().all(|w| w.pid != pid))
+    })
+    .await;
+}
+
 async fn eventually<F, Fut>(what: &str, mut check: F)
 where
     F: FnMut() -> Fut,

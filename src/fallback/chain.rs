@@ -736,9 +736,11 @@ async fn run_copilot<S: ChainSink>(
         // conversation by key would reach whichever turn holds the conversation then: a later
         // one, while this one is between backends). Once: the aborted turn's end follows.
         let mut abort_asked = false;
+        let stopped = sink.stopped();
+        tokio::pin!(stopped);
         loop {
             tokio::select! {
-                () = sink.stopped(), if !abort_asked => {
+                () = &mut stopped, if !abort_asked => {
                     abort_asked = true;
                     let _ = lease.abort().await;
                 }
@@ -857,9 +859,11 @@ async fn run_cli<S: ChainSink>(
         };
         // The turn aborts itself when its caller asks it to stop (see `run_copilot`); once.
         let mut abort_asked = false;
+        let stopped = sink.stopped();
+        tokio::pin!(stopped);
         loop {
             tokio::select! {
-                () = sink.stopped(), if !abort_asked => {
+                () = &mut stopped, if !abort_asked => {
                     abort_asked = true;
                     turn.abort_handle().abort();
                 }

@@ -516,10 +516,16 @@ impl Client {
                 let token = params.get("token").and_then(Value::as_str).unwrap_or("");
                 match self.shared.config.tokens.agent_for(token) {
                     Some(agent) if Some(agent) == self.agent() => Ok(self.connect_answer()),
-                    _ => Err(ErrorObject::new(
+                    Some(_) => Err(ErrorObject::new(
                         AUTHENTICATION_FAILED,
                         "AUTHENTICATION_FAILED: this connection is authenticated for another \
                          agent; open a new connection for each agent",
+                    )),
+                    None => Err(ErrorObject::new(
+                        AUTHENTICATION_FAILED,
+                        "AUTHENTICATION_FAILED: the connection token is not one of this \
+                         daemon's (its SHA-256 must be listed for the agent in the daemon's \
+                         [sdk] tokens); this connection stays authenticated as before",
                     )),
                 }
             }
@@ -953,7 +959,8 @@ fn open_elsewhere(method: &str, id: &str) -> ErrorObject {
         INTERNAL_ERROR,
         format!(
             "Request {method} failed with message: session {id} is open on another connection \
-             of this agent; disconnect it there first"
+             of this agent, or being deleted there; disconnect it there first, or wait for its \
+             session.delete to answer"
         ),
     )
 }

@@ -125,17 +125,26 @@ pub(super) fn validate_session_id(id: &str) -> Result<(), CallError> {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
     if ok {
-        Ok(())
-    } else {
-        Err(ErrorObject::new(
-            INVALID_PARAMS,
-            format!(
-                "sessionId must be 1 to {MAX_SESSION_ID_BYTES} characters of A-Z, a-z, 0-9, \
-                 '.', '_' and '-' (the SDK's own UUIDs are); got {} bytes",
-                id.len()
-            ),
-        ))
+        return Ok(());
     }
+    // What is wrong with it: its length, or the first character that is not allowed.
+    let got = match id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        Some(c) => format!("it holds {c:?}"),
+        None if id.len() > MAX_SESSION_ID_BYTES || id.is_empty() => {
+            format!("got {} bytes", id.len())
+        }
+        None => format!("{id:?} names a directory"),
+    };
+    Err(ErrorObject::new(
+        INVALID_PARAMS,
+        format!(
+            "sessionId must be 1 to {MAX_SESSION_ID_BYTES} characters of A-Z, a-z, 0-9, '.', \
+             '_' and '-' (the SDK's own UUIDs are), and not '.' or '..'; {got}"
+        ),
+    ))
 }
 
 /// The error the runtime gives for a session it does not hold, so an SDK reacts as it would.
@@ -1446,8 +1455,23 @@ mod tests {
     #[test]
     fn an_sdk_session_id_is_a_plain_name_that_cannot_leave_the_home() {
         assert!(validate_session_id("0b9c6a4e-8f7e-4c43-9d7b-1f0e2a3b4c5d").is_ok());
-        for bad in ["", ".", "..", "a/b", "../x", "a b", &"x".repeat(129)] {
-            assert!(validate_session_id(bad).is_err(), "{bad:?}");
+        let long = "x".repeat(129);
+        // The message says what is wrong with it.
+        for (bad, says) in [
+            ("", "got 0 bytes"),
+            (".", "names a directory"),
+            ("..", "names a directory"),
+            ("a/b", "holds '/'"),
+            ("../x", "holds '/'"),
+            ("a b", "holds ' '"),
+            (long.as_str(), "got 129 bytes"),
+        ] {
+            let refused = validate_session_id(bad).expect_err(bad);
+            assert!(
+                refused.message.contains(says),
+                "{bad:?}: {}",
+                refused.message
+            );
         }
     }
 
