@@ -2214,7 +2214,6 @@ async fn until_answer(stream: &mut TcpStream, id: u64) -> Value {
     }
 }
 
-/// Polls `check` (each an RPC round trip) until it holds, for at most 10 s.
 /// Waits until the pool has seen its process `pid` go (a turn sent in the moment between a
 /// process's death and the pool hearing of it ends crashed; the next one resumes).
 async fn pool_forgot(served: &Served, pid: u32) {
@@ -2228,6 +2227,7 @@ async fn pool_forgot(served: &Served, pid: u32) {
     .await;
 }
 
+/// Polls `check` (each an RPC round trip) until it holds, for at most 10 s.
 async fn eventually<F, Fut>(what: &str, mut check: F)
 where
     F: FnMut() -> Fut,

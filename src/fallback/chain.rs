@@ -160,8 +160,9 @@ pub trait ChainSink: Send + Sync {
     /// Whether the caller asked to stop the turn (an abort, which may come before its prompt
     /// was sent or between backends): the chain sends nothing more, aborts what it sent, and
     /// ends `aborted` with its summary. Read before and after each backend's prompt goes
-    /// out, so an abort that the pool could not pass on (no turn running yet) still stops it.
-    /// The default never stops.
+    /// out; an abort asked for while a backend's turn runs reaches it through
+    /// [`ChainSink::stopped`], which a sink that can be stopped then implements too. The
+    /// default never stops.
     fn stop_requested(&self) -> bool {
         false
     }
@@ -735,7 +736,12 @@ async fn run_copilot<S: ChainSink>(
         // The turn aborts its own lease when its caller asks it to stop (an abort of the
         // conversation by key would reach whichever turn holds the conversation then: a later
         // one, while this one is between backends). Once: the aborted turn's end follows.
-        let mut abort_asked = false;
+        // An abort asked for while the prompt went out may have found no turn to abort (a
+        // sink that says so only through `stop_requested` too).
+        let mut abort_asked = sink.stop_requested();
+        if abort_asked {
+            let _ = lease.abort().await;
+        }
         let stopped = sink.stopped();
         tokio::pin!(stopped);
         loop {
@@ -858,7 +864,11 @@ async fn run_cli<S: ChainSink>(
             }
         };
         // The turn aborts itself when its caller asks it to stop (see `run_copilot`); once.
-        let mut abort_asked = false;
+        // An abort asked for while the turn started may have found no turn to abort.
+        let mut abort_asked = sink.stop_requested();
+        if abort_asked {
+            turn.abort_handle().abort();
+        }
         let stopped = sink.stopped();
         tokio::pin!(stopped);
         loop {

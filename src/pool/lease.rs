@@ -121,7 +121,10 @@ impl Lease {
 
     /// Starts a turn with `message` (a prompt, or a [`Message`] with attachments, delivery
     /// mode and agent mode). Its events follow through [`Lease::next_event`]. A message
-    /// [`Message::validate`] refuses is `PoolError::InvalidRequest`, and nothing is sent.
+    /// [`Message::validate`] refuses is `PoolError::InvalidRequest`, and nothing is sent. A
+    /// send that got no answer in time (or one the pool could not read) is an error, but the
+    /// runtime may run the turn all the same: it counts as running, so read it to its end
+    /// with [`Lease::wait_idle`] or drop the lease (which aborts it).
     pub async fn send(&mut self, message: impl Into<Message>) -> Result<(), PoolError> {
         if self.driver.in_flight() {
             return Err(state_error("a turn is already running on this lease"));
@@ -292,7 +295,9 @@ impl Lease {
     /// still deleted it (another process could resume what is being deleted) and leave the
     /// binding of a deleted session behind.
     pub async fn reset(self) -> Result<(), PoolError> {
-        match tokio::spawn(self.reset_to_its_end()).await {
+        let deleting =
+            tracing::Instrument::instrument(self.reset_to_its_end(), tracing::Span::current());
+        match tokio::spawn(deleting).await {
             Ok(result) => result,
             Err(join) => Err(PoolError::Internal(format!(
                 "the conversation's deletion failed: {join}"

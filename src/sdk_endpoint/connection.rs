@@ -405,6 +405,8 @@ impl Client {
             responder,
             ..
         } = request;
+        // Handled before the client authenticated (a wrong token, or any other call first).
+        let unauthenticated = self.agent().is_none();
         let result = match (self.agent(), method.as_str()) {
             (None, _) => self.before_connect(&method, &params),
             (Some(_), "session.create" | "session.resume") => {
@@ -426,11 +428,12 @@ impl Client {
             Ok(answer) => responder.ok(answer),
             Err(error) => responder.err(error),
         }
-        if self.agent().is_none() {
-            // A wrong token, or any other call first, closes the connection once the answer
-            // is out: a client that has not authenticated gets one answer, not one per call
-            // it sends (each would repeat the call's id, up to a frame's size, into the
-            // writer's queue of a client that need not read it).
+        if unauthenticated && (method != "connect" || self.agent().is_none()) {
+            // A wrong token, or any other call first (even with a `connect` that succeeded
+            // beside it), closes the connection once the answer is out: a client that has
+            // not authenticated gets one answer, not one per call it sends (each would
+            // repeat the call's id, up to a frame's size, into the writer's queue of a
+            // client that need not read it).
             self.conn.close(CloseCause::Local);
         }
     }

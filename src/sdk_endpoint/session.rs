@@ -46,6 +46,10 @@ const UPDATE_OPTIONS: &str = "session.options.update";
 /// Whether a session still runs a turn (or a background continuation).
 const IS_PROCESSING: &str = "session.metadata.isProcessing";
 
+/// How long the pump waits, at a turn's end, for the answers to prompts sent into the turn
+/// and for the runtime to say whether it runs on (each): the pump reads nothing meanwhile.
+const ASK_LIMIT: Duration = Duration::from_secs(2);
+
 /// The prompts a client sent into a running turn ([`SdkSession::send_into_turn`]).
 #[derive(Default)]
 struct SentIntoTurn {
@@ -798,13 +802,13 @@ impl SdkSession {
     pub(super) async fn send(self: &Arc<Self>, params: Value) -> Result<Value, CallError> {
         const METHOD: &str = "session.send";
         self.refuse_if_let_go(METHOD)?;
-        if let Some((worker, _)) = self.running() {
-            return self.send_into_turn(&worker, params).await;
+        if let Some((worker, sending)) = self.sending_into_turn() {
+            return self.send_into_turn(&worker, sending, params).await;
         }
         let _gate = self.gate.lock().await;
         self.refuse_if_let_go(METHOD)?;
-        if let Some((worker, _)) = self.running() {
-            return self.send_into_turn(&worker, params).await;
+        if let Some((worker, sending)) = self.sending_into_turn() {
+            return self.send_into_turn(&worker, sending, params).await;
         }
         if self.shared.is_draining() {
             return Err(ErrorObject::new(
@@ -857,14 +861,23 @@ impl SdkSession {
         Ok(answer)
     }
 
+    /// The running turn's process, with a send into it counted, under the `turn` lock (the
+    /// pump ends a turn under it too: a send either is counted before the pump looks, or
+    /// finds no turn and takes a lease of its own).
+    fn sending_into_turn(&self) -> Option<(WorkerHandle, SendingIntoTurn<'_>)> {
+        let turn = self.turn.lock().ok()?;
+        let worker = turn.as_ref()?.worker.clone();
+        Some((worker, self.sent_into_turn.sending()))
+    }
+
     /// A prompt sent while a turn runs: to its process (the runtime queues it, or, when it
-    /// lands as the turn ends, starts a turn with it), counted for the pump.
+    /// lands as the turn ends, starts a turn with it), counted for the pump until answered.
     async fn send_into_turn(
         &self,
         worker: &WorkerHandle,
+        _sending: SendingIntoTurn<'_>,
         params: Value,
     ) -> Result<Value, CallError> {
-        let _sending = self.sent_into_turn.sending();
         call(
             worker,
             "session.send",
@@ -874,32 +887,44 @@ impl SdkSession {
         .await
     }
 
-    /// Whether the runtime runs on after the `session.idle` the pump just read: only when a
-    /// prompt was sent into the turn since the pump last looked (the runtime may have taken
-    /// it after it ended the turn, and started one with it), once those sends have their
-    /// answers, by asking the runtime (`session.metadata.isProcessing`; a runtime that
-    /// cannot say counts as done).
-    async fn runs_on(&self, worker: &WorkerHandle) -> bool {
-        if !self.sent_into_turn.take() {
-            return false;
+    /// Ends the running turn at the `session.idle` the pump just read, unless the runtime
+    /// runs on: a prompt sent into the turn may have reached it after it ended the turn, and
+    /// started one. Whether any was sent is read, and the turn cleared when none was, under
+    /// the `turn` lock; when some were, once they have their answers the runtime is asked
+    /// (`session.metadata.isProcessing`; a runtime that cannot say within `ASK_LIMIT` counts
+    /// as done), and asked again for any sent meanwhile. True when the turn ended.
+    async fn turn_ends_here(&self, worker: &WorkerHandle) -> bool {
+        loop {
+            {
+                let Ok(mut turn) = self.turn.lock() else {
+                    return true;
+                };
+                if !self.sent_into_turn.take() {
+                    *turn = None;
+                    return true;
+                }
+            }
+            let _ = tokio::time::timeout(ASK_LIMIT, self.sent_into_turn.answered()).await;
+            let asked = call(
+                worker,
+                IS_PROCESSING,
+                json!({"sessionId": self.id().as_str()}),
+                ASK_LIMIT,
+            )
+            .await;
+            if asked.is_ok_and(|answer| answer["processing"] == Value::Bool(true)) {
+                return false;
+            }
         }
-        let timeout = self.shared.config.request_timeout;
-        let _ = tokio::time::timeout(timeout, self.sent_into_turn.answered()).await;
-        let asked = call(
-            worker,
-            IS_PROCESSING,
-            json!({"sessionId": self.id().as_str()}),
-            timeout,
-        )
-        .await;
-        asked.is_ok_and(|answer| answer["processing"] == Value::Bool(true))
     }
 
     /// Passes the running turn's updates to the client until `session.idle`; ends it with a
     /// `session.error` and `session.idle` of its own when the process dies; aborts and
     /// settles it when asked to stop or when it outlives the turn limit. Gives the lease back.
     async fn pump(&self, mut lease: Lease, mut stop: watch::Receiver<bool>) {
-        let started = Instant::now();
+        let mut started = Instant::now();
+        // Turns this lease ran before its last (a prompt sent into one as it ended).
+        let mut lease_turns = 0;
         let limit = tokio::time::sleep(self.shared.config.max_turn_duration);
         let mut limit = std::pin::pin!(limit);
         let settle_limit = self.shared.pool.config().abort_settle_timeout;
@@ -933,18 +958,28 @@ impl SdkSession {
                         }
                         _ => None,
                     };
-                    if idle == Some(false) && self.runs_on(session.worker()).await {
-                        // A prompt sent into the turn as it ended started the next one: its
-                        // events are this lease's to pass on, to its own idle.
+                    // The client may send the next prompt as soon as it sees the idle: that
+                    // send must take a new lease (queued behind this one's return), not join
+                    // a turn that is over on a process it may be leaving. Unless a prompt sent
+                    // into the turn as it ended started the next one: its events are this
+                    // lease's to pass on, to its own idle, a turn of its own.
+                    if idle.is_some() && !self.turn_ends_here(session.worker()).await {
                         self.forward_event(event);
+                        lease_turns += 1;
+                        crate::metrics::turn_finished(
+                            if idle == Some(true) {
+                                TurnEnd::Aborted
+                            } else {
+                                TurnEnd::Idle
+                            },
+                            started.elapsed(),
+                        );
+                        started = Instant::now();
+                        limit.as_mut().reset(
+                            tokio::time::Instant::now() + self.shared.config.max_turn_duration,
+                        );
                         failed = false;
                         continue;
-                    }
-                    if idle.is_some() {
-                        // The client may send the next prompt as soon as it sees the idle:
-                        // that send must take a new lease (queued behind this one's return),
-                        // not join a turn that is over on a process it may be leaving.
-                        self.clear_turn();
                     }
                     if idle == Some(true) && self.aborted_by_the_drain() {
                         self.notify_event(synthetic_event(
@@ -977,6 +1012,9 @@ impl SdkSession {
                 Some(other) => self.forward_update(other),
             }
         };
+        for _ in 0..lease_turns {
+            lease.turn_passed();
+        }
         match after {
             After::Park => lease.turn_passed(),
             After::Lost => lease.set_lost(),

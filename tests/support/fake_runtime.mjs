@@ -28,8 +28,8 @@
 //                    into it ends that turn (`session.idle`, written before the send's answer,
 //                    as the runtime does when a prompt lands as its turn ends) and starts a
 //                    turn of its own: `assistant.message` `REPLY-TO-<prompt>`, then
-//                    `session.idle`, 200 ms apart; `session.metadata.isProcessing` says
-//                    whether a turn runs
+//                    `session.idle`, 200 ms apart, once `session.metadata.isProcessing`
+//                    (which says whether a turn runs) was asked, or 3 s after the prompt
 //
 // With FAKE_RUNTIME_LOG set, every method it is called with is appended to that file, one
 // line each.
@@ -91,8 +91,10 @@ function sessionDir(id) {
 }
 
 const SLOW_MS = 500;
-// Sessions running a turn (idle-as-a-send-lands).
+// Sessions running a turn (idle-as-a-send-lands), and the rest of a turn a late prompt
+// started, by session.
 const running = new Set();
+const landed = new Map();
 
 function handle({ id, method, params }) {
   const reply = (result) => write({ id, result });
@@ -120,7 +122,10 @@ function handle({ id, method, params }) {
       sessionDir(params.sessionId);
       return reply({ sessionId: params.sessionId });
     case "session.metadata.isProcessing":
-      return reply({ processing: running.has(params.sessionId) });
+      reply({ processing: running.has(params.sessionId) });
+      // The turn a late prompt started goes on once the client asked (or 3 s after it began).
+      landed.get(params.sessionId)?.();
+      return;
     case "session.send":
       if (mode === "idle-as-a-send-lands") {
         if (!running.has(params.sessionId)) {
@@ -129,13 +134,16 @@ function handle({ id, method, params }) {
         }
         event(params.sessionId, "session.idle", {});
         reply({ messageId: `m-${Date.now()}` });
-        setTimeout(() => {
+        const goOn = () => {
+          if (!landed.delete(params.sessionId)) return;
           event(params.sessionId, "assistant.message", { messageId: "m-2", content: `REPLY-TO-${params.prompt}` });
           setTimeout(() => {
             running.delete(params.sessionId);
             event(params.sessionId, "session.idle", {});
           }, 200);
-        }, 200);
+        };
+        landed.set(params.sessionId, () => setTimeout(goOn, 50));
+        setTimeout(goOn, 3000);
         return;
       }
       if (mode === "slow-answers") {

@@ -195,8 +195,6 @@ impl Fixture {
         script
     }
 
-    /// A pool config whose workers are the fake runtime (`tests/support/fake_runtime.mjs`,
-    /// run by Node) in `mode`: for faults the real runtime cannot be told to produce.
     /// The file the fake runtime of `mode` appends every method it is called with to.
     pub fn fake_runtime_log(&self, mode: &str) -> PathBuf {
         self.scratch.path().join(format!("fake-runtime-{mode}.log"))
@@ -211,6 +209,8 @@ impl Fixture {
             .collect()
     }
 
+    /// A pool config whose workers are the fake runtime (`tests/support/fake_runtime.mjs`,
+    /// run by Node) in `mode`: for faults the real runtime cannot be told to produce.
     pub async fn fake_runtime_config(&self, mode: &str) -> PoolConfig {
         let fake = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests")
