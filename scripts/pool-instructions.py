@@ -25,7 +25,9 @@ writes, wake-ups, file lookups) is not in the instruction count.
 
 With --cpu PASSES the daemon runs natively and its CPU time per warm turn is read from
 `/proc` (user and system apart, and its threads' context switches) over PASSES warm passes,
-beside its runtimes' CPU over the same passes: the bench's ratio for warm turns alone.
+beside its runtimes' CPU over the same passes: the bench's ratio for warm turns alone. The
+first pass (each conversation's first turn, the process's start shared by them) is printed
+first, the same way.
 
     cargo build --release
     python3 scripts/pool-instructions.py [--bin target/release/copilot-pool]
@@ -393,7 +395,19 @@ def main():
             control("-i", "on")
             load = run_workload(env, 1, children, at_load=lambda: control("-i", "off"))
         else:
-            run_workload(env, 1, children)
+            before = cpu_of(serve.pid)
+            first = run_workload(env, 1, children)
+            if args.cpu:
+                # The first pass too: each conversation's first turn, the process's start
+                # shared by them (what the bench's CPU per turn mixes with warm turns).
+                after = cpu_of(serve.pid)
+                done = first["turns"]
+                runtimes = sum(sum(cpu_of(r)[:2]) for r in runtimes_of(serve.pid))
+                print(
+                    f"{done} first turns: daemon {(after[3] - before[3]) * 1000 / done:.3f} ms a "
+                    f"turn, {(after[2] - before[2]) / done:.1f} context switches; runtimes "
+                    f"{runtimes * 1000 / done:.1f} ms a turn (their start included)"
+                )
             if args.syscalls:
                 count_syscalls(serve.pid, env, args.turns, children, scratch)
                 return

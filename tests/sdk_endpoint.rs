@@ -1961,18 +1961,7 @@ async fn a_switched_model_stays_switched_when_the_session_resumes_on_another_pro
     assert_eq!(model_of_last_call(), "scripted-model-2");
     // The process goes (an OOM kill, say): the next call resumes the session elsewhere, and
     // the runtime's resume selects the create-time model.
-    let pid = served.pool.status().await.expect("status").workers[0].pid;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("kill -9");
-    assert!(
-        support::procs::wait_group_gone(pid, Duration::from_secs(10))
-            .await
-            .is_empty()
-    );
-    pool_forgot(&served, pid).await;
+    kill_the_process(&served).await;
     conn.request(
         "session.send",
         json!({"sessionId": "switched", "prompt": "REPLY=two"}),
@@ -2030,18 +2019,7 @@ async fn updated_settings_stay_when_the_session_resumes_on_another_process() {
     assert_eq!(tools_of_call_with("REPLY=one"), ["view"], "the update took");
     // The process goes: the next turn resumes the session elsewhere with its create-time
     // config, and the update is applied again.
-    let pid = served.pool.status().await.expect("status").workers[0].pid;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("kill -9");
-    assert!(
-        support::procs::wait_group_gone(pid, Duration::from_secs(10))
-            .await
-            .is_empty()
-    );
-    pool_forgot(&served, pid).await;
+    kill_the_process(&served).await;
     turn_to_idle(&conn, &mut events, &served, "updated", "two").await;
     assert_eq!(
         tools_of_call_with("REPLY=two"),
@@ -2214,9 +2192,21 @@ async fn until_answer(stream: &mut TcpStream, id: u64) -> Value {
     }
 }
 
-/// Waits until the pool has seen its process `pid` go (a turn sent in the moment between a
-/// process's death and the pool hearing of it ends crashed; the next one resumes).
-async fn pool_forgot(served: &Served, pid: u32) {
+/// SIGKILLs the pool's (first) process, and waits until its group is gone and the pool has
+/// seen it go (a turn sent in the moment between a process's death and the pool hearing of
+/// it ends crashed; the next one resumes).
+async fn kill_the_process(served: &Served) {
+    let pid = served.pool.status().await.expect("status").workers[0].pid;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    assert!(
+        support::procs::wait_group_gone(pid, Duration::from_secs(10))
+            .await
+            .is_empty()
+    );
     eventually("the pool saw the killed process go", || async {
         served
             .pool

@@ -248,7 +248,7 @@ pub(super) async fn delete_session(
         Err(r) => return r,
     };
     if let Some(backend) = query.backend.filter(|b| b != COPILOT_BACKEND) {
-        return delete_cli_conversation(&state, &agent_id, &session_key, conv, backend).await;
+        return delete_cli_conversation(state, &agent_id, &session_key, conv, backend).await;
     }
     let by_name_alone = conv.names_no_credentials();
     let req = if by_name_alone {
@@ -289,7 +289,7 @@ pub(super) async fn delete_session(
 
 /// The reset of a conversation on CLI backend `backend` (see [`delete_session`]).
 async fn delete_cli_conversation(
-    state: &AppState,
+    state: Arc<AppState>,
     agent_id: &str,
     session_key: &str,
     conv: ConversationBody,
@@ -299,19 +299,30 @@ async fn delete_cli_conversation(
         return pool_error(&e);
     }
     // Where it lives is all a deletion needs: no credentials are asked for.
-    let mut req = match conv.place(state, agent_id, session_key).await {
+    let mut req = match conv.place(&state, agent_id, session_key).await {
         Ok(req) => req,
         Err(r) => return r,
     };
     req.backend = backend.clone();
-    match state.pool.delete_cli_conversation(req).await {
-        // Its directory: the one its binding recorded, else its kept process's, else the
-        // request's.
-        Ok(Some(work)) => {
-            let conversation = ConversationId::new(agent_id, session_key);
-            remove_conversation_files(state, work, &conversation, &backend).await;
-            StatusCode::NO_CONTENT.into_response()
-        }
+    // Its attachments go while the deletion holds it (in its directory: the one its binding
+    // recorded, else its kept process's, else the request's), before a turn let in after
+    // the deletion could write its own there.
+    let remove_files: crate::pool::WhileHeld = {
+        let state = state.clone();
+        let conversation = ConversationId::new(agent_id, session_key);
+        let backend = backend.clone();
+        Box::new(move |work| {
+            Box::pin(async move {
+                remove_conversation_files(&state, work, &conversation, &backend).await;
+            })
+        })
+    };
+    match state
+        .pool
+        .delete_cli_conversation_then(req, Some(remove_files))
+        .await
+    {
+        Ok(Some(_)) => StatusCode::NO_CONTENT.into_response(),
         Ok(None) => error(
             StatusCode::NOT_FOUND,
             "not_found",

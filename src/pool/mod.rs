@@ -46,6 +46,7 @@ use crate::worker::{Session, WorkerError, WorkerHandle};
 pub use crate::ids::{CliSessionId, ConversationId};
 pub use crate::turn::TurnOutcome;
 pub use bindings::{Binding, BindingError, BindingStore, CLI_BINDINGS_DIR};
+pub(crate) use cli::WhileHeld;
 pub use config::InfiniteSessions;
 pub use config::{
     LeaseRequest, MAX_SESSION_KEY_BYTES, PoolConfig, spare_room, validate_provider,
@@ -427,7 +428,18 @@ impl Pool {
     /// kept.
     pub async fn delete_cli_conversation(
         &self,
+        req: LeaseRequest,
+    ) -> Result<Option<std::path::PathBuf>, PoolError> {
+        self.delete_cli_conversation_then(req, None).await
+    }
+
+    /// [`Pool::delete_cli_conversation`], running `while_held` on the conversation's
+    /// working directory before the conversation is let go (the HTTP layer removes its
+    /// inline attachments there, where a turn let in after would write its own).
+    pub(crate) async fn delete_cli_conversation_then(
+        &self,
         mut req: LeaseRequest,
+        while_held: Option<cli::WhileHeld>,
     ) -> Result<Option<std::path::PathBuf>, PoolError> {
         let inner = &self.inner;
         if *inner.closed.borrow() {
@@ -452,7 +464,13 @@ impl Pool {
         )?;
         inner
             .cli
-            .delete(&req.backend, &names, home, &req.working_directory)
+            .delete(
+                &req.backend,
+                &names,
+                home,
+                &req.working_directory,
+                while_held,
+            )
             .await
     }
 

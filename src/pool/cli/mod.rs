@@ -261,6 +261,16 @@ impl Parked {
     }
 }
 
+/// What a deletion's caller does with the conversation's working directory while the
+/// conversation is still held for it (its inline attachments removed: no turn of it can
+/// write there meanwhile).
+pub(crate) type WhileHeld = Box<
+    dyn FnOnce(
+            std::path::PathBuf,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send,
+>;
+
 /// The names a conversation of a CLI backend goes by: its slot in the core, and its stored
 /// session (binding).
 pub(crate) struct CliNames {
@@ -963,6 +973,7 @@ impl CliPool {
         names: &CliNames,
         home: Option<std::path::PathBuf>,
         cwd: &std::path::Path,
+        while_held: Option<WhileHeld>,
     ) -> Result<Option<std::path::PathBuf>, PoolError> {
         let config = self.cli_backend(backend)?;
         let dialect = CliConversation::runner_dialect(config.kind, config.dialect_of(backend));
@@ -1050,8 +1061,14 @@ impl CliPool {
                     .map_err(|e| PoolError::Internal(format!("removing a CLI binding: {e}")))?
                     .map_err(unwritable)?;
             }
+            let found = had_process || stored.is_some();
+            // The caller's own clean-up of the conversation (its attachments), before a turn
+            // of it may run again.
+            if found && let Some(while_held) = while_held {
+                while_held(ran_in.clone()).await;
+            }
             drop(held);
-            Ok((had_process || stored.is_some()).then_some(ran_in))
+            Ok(found.then_some(ran_in))
         });
         task.await
             .map_err(|e| PoolError::Internal(format!("deleting a CLI conversation: {e}")))?
@@ -2002,7 +2019,7 @@ mod tests {
         // While a lease holds it, the deletion is refused and nothing is touched.
         let lease = pool.lease(ask, key.to_owned()).await.expect("resumed");
         let busy = pool
-            .delete("codex-cli", &names, Some(home.clone()), &cwd)
+            .delete("codex-cli", &names, Some(home.clone()), &cwd, None)
             .await;
         assert!(
             matches!(busy, Err(PoolError::ConversationBusy { .. })),
@@ -2011,7 +2028,7 @@ mod tests {
         assert!(file.is_file());
         drop(lease);
         assert_eq!(
-            pool.delete("codex-cli", &names, Some(home.clone()), &cwd)
+            pool.delete("codex-cli", &names, Some(home.clone()), &cwd, None)
                 .await
                 .expect("deleted"),
             Some(cwd.clone())
@@ -2022,7 +2039,7 @@ mod tests {
         );
         assert!(pool.bindings.get(key).expect("read").is_none());
         assert_eq!(
-            pool.delete("codex-cli", &names, Some(home.clone()), &cwd)
+            pool.delete("codex-cli", &names, Some(home.clone()), &cwd, None)
                 .await
                 .expect("nothing"),
             None
@@ -2036,7 +2053,7 @@ mod tests {
             .expect("link");
         bind(id);
         assert!(
-            pool.delete("codex-cli", &names, Some(home.clone()), &cwd)
+            pool.delete("codex-cli", &names, Some(home.clone()), &cwd, None)
                 .await
                 .expect("deleted")
                 .is_some()
@@ -2558,12 +2575,41 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
     }
 
     #[tokio::test]
+    async fn a_deletions_own_clean_up_runs_in_the_conversations_directory_while_it_is_still_held() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, home, cwd, names, _) = bound_codex_conversation(dir.path());
+        let (seen_tx, seen_rx) = tokio::sync::oneshot::channel();
+        let held_pool = pool.clone();
+        let slot = names.slot.clone();
+        let while_held: WhileHeld = Box::new(move |work| {
+            Box::pin(async move {
+                let _ = seen_tx.send((work, held_pool.holds(&slot)));
+            })
+        });
+        let deleted = pool
+            .delete(
+                "codex-cli",
+                &names,
+                Some(home.clone()),
+                &cwd,
+                Some(while_held),
+            )
+            .await
+            .expect("deleted");
+        let (work, held) = seen_rx.await.expect("the clean-up ran");
+        assert_eq!(deleted, Some(work), "in the directory the deletion answers");
+        assert!(held, "before the conversation was let go");
+        assert!(!pool.holds(&names.slot), "let go after it");
+    }
+
+    #[tokio::test]
     async fn a_deletion_whose_caller_goes_away_still_finishes_before_the_conversation_is_free() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (pool, home, cwd, names, file) = bound_codex_conversation(dir.path());
         // Polled once, then dropped: the caller went away mid-way. (On this test's one
         // thread nothing else runs until it yields, so the first poll cannot finish.)
-        let mut deletion = Box::pin(pool.delete("codex-cli", &names, Some(home.clone()), &cwd));
+        let mut deletion =
+            Box::pin(pool.delete("codex-cli", &names, Some(home.clone()), &cwd, None));
         assert!(
             still_pending_after_one_poll(deletion.as_mut()).await,
             "the deletion was still running when its caller left"
@@ -2614,7 +2660,7 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
         asked_in: &std::path::Path,
     ) -> Option<PathBuf> {
         let home = Some(home.to_path_buf());
-        pool.delete("claude-cli", names, home, asked_in)
+        pool.delete("claude-cli", names, home, asked_in, None)
             .await
             .expect("deleted")
     }
@@ -2710,7 +2756,8 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"cached_input_tokens":0
         let (pool, home, cwd, names, file) = bound_codex_conversation(dir.path());
         // Started (on this test's one thread its task has not run yet), then the daemon
         // shuts down before anyone awaits it.
-        let mut deletion = Box::pin(pool.delete("codex-cli", &names, Some(home.clone()), &cwd));
+        let mut deletion =
+            Box::pin(pool.delete("codex-cli", &names, Some(home.clone()), &cwd, None));
         assert!(
             still_pending_after_one_poll(deletion.as_mut()).await,
             "the deletion was running when the shutdown began"
