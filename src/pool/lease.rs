@@ -316,21 +316,14 @@ impl Lease {
         // The conversation is not parked again: the return gives no session back.
         self.lost = true;
         let worker = session.worker().clone();
-        match session.delete().await {
-            // A process that went during the deletion holds nothing in memory: the binding
-            // goes as after a deletion (a retry would resume what may be half deleted).
-            Ok(()) | Err(WorkerError::Died(_)) => {}
-            // An orderly stop under way: the process may hold the session until it is gone,
-            // and the conversation must not move before (`shutdown` returns then).
-            Err(WorkerError::Stopped) => {
-                worker.shutdown().await;
-            }
-            Err(error) => {
-                // The runtime may still hold the session: its process is stopped on drop,
-                // and the binding stays for a retry.
-                self.unsettled = true;
-                return Err(PoolError::Worker(error));
-            }
+        // A process that went (or finished stopping) during the deletion holds nothing: the
+        // binding goes as after a deletion (a retry would resume what may be half deleted).
+        let deleted = session.delete().await;
+        if let Err(error) = super::holds_nothing_after(deleted, &worker).await {
+            // The runtime may still hold the session: its process is stopped on drop, and
+            // the binding stays for a retry.
+            self.unsettled = true;
+            return Err(PoolError::Worker(error));
         }
         let store = self.bindings.clone();
         let key = self.conversation.clone();

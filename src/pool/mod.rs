@@ -1598,18 +1598,11 @@ impl OpenTarget<'_> {
                 // One owner per CLI session id: detach from the old worker before resuming.
                 Some(session) => {
                     let old = session.worker().clone();
-                    match session.detach().await {
-                        // Died is published once the process is gone (`die` reaps first).
-                        Ok(()) | Err(WorkerError::Died(_)) => {}
-                        // An orderly stop under way: `shutdown` returns once it is gone.
-                        Err(WorkerError::Stopped) => {
-                            old.shutdown().await;
-                        }
-                        Err(error) => {
-                            // The old process may still hold the session: it must not live on.
-                            tracing::warn!(%error, pid = old.pid(), "Detach failed; stopping the old worker before resuming.");
-                            old.shutdown().await;
-                        }
+                    let detached = session.detach().await;
+                    if let Err(error) = holds_nothing_after(detached, &old).await {
+                        // The old process may still hold the session: it must not live on.
+                        tracing::warn!(%error, pid = old.pid(), "Detach failed; stopping the old worker before resuming.");
+                        old.shutdown().await;
                     }
                 }
                 None => {}
@@ -1834,6 +1827,25 @@ fn is_not_found(error: &WorkerError) -> bool {
             text.contains("session not found") || text.contains("no such session")
         }
         _ => false,
+    }
+}
+
+/// What a call that lets a session go (`session.detach`, `session.delete`) on `worker`
+/// leaves: `Ok` once the process holds the session no more: it answered, it is gone
+/// (`Died` is published once the process is reaped), or it was stopping in an orderly way
+/// (waited for until it is gone: `shutdown` returns then). Any other error: the process may
+/// still hold the session.
+pub(crate) async fn holds_nothing_after(
+    result: Result<(), WorkerError>,
+    worker: &WorkerHandle,
+) -> Result<(), WorkerError> {
+    match result {
+        Ok(()) | Err(WorkerError::Died(_)) => Ok(()),
+        Err(WorkerError::Stopped) => {
+            worker.shutdown().await;
+            Ok(())
+        }
+        Err(error) => Err(error),
     }
 }
 
