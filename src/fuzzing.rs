@@ -111,7 +111,8 @@ pub fn frame_codec(data: &[u8]) {
 /// every frame it wrote is JSON-RPC 2.0, and that no request is answered twice or answered
 /// without having been asked. Runs twice, with and without
 /// [`ConnectionOptions::split_session_events`], and checks that the owner is handed the same
-/// in both (a split event as what a notification's params read as an event give).
+/// in both (a split event as what a notification's params read as an event give); then
+/// once more with [`ConnectionOptions::max_frame_values`] set low, under the same checks.
 pub fn json_rpc(data: &[u8]) {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -120,12 +121,15 @@ pub fn json_rpc(data: &[u8]) {
         Ok(runtime) => runtime,
         Err(e) => panic!("cannot build a tokio runtime for the JSON-RPC target: {e}"),
     };
-    let whole = runtime.block_on(json_rpc_run(data, false));
-    let split = runtime.block_on(json_rpc_run(data, true));
+    let whole = runtime.block_on(json_rpc_run(data, false, None));
+    let split = runtime.block_on(json_rpc_run(data, true, None));
     assert_eq!(
         whole, split,
         "splitting session events off changed what the owner is handed"
     );
+    // And as the SDK endpoint reads a client, with a bound on each frame's values that
+    // small frames pass (what it hands on differs: only that it stands is checked).
+    runtime.block_on(json_rpc_run(data, false, Some(16)));
 }
 
 /// What reached the owner, in order, in a form both ways of reading events agree on.
@@ -137,7 +141,11 @@ enum Handed {
     Closed(String),
 }
 
-async fn json_rpc_run(data: &[u8], split_session_events: bool) -> Vec<Handed> {
+async fn json_rpc_run(
+    data: &[u8],
+    split_session_events: bool,
+    max_frame_values: Option<usize>,
+) -> Vec<Handed> {
     let (ours, peer) = tokio::io::duplex(16 * 1024);
     let (our_read, our_write) = tokio::io::split(ours);
     let (mut peer_read, mut peer_write) = tokio::io::split(peer);
@@ -146,6 +154,7 @@ async fn json_rpc_run(data: &[u8], split_session_events: bool) -> Vec<Handed> {
         max_frame_bytes: RPC_MAX_FRAME_BYTES,
         default_timeout: Duration::from_secs(30),
         split_session_events,
+        max_frame_values,
         ..ConnectionOptions::default()
     };
     let conn = Connection::start(
@@ -275,8 +284,11 @@ async fn json_rpc_run(data: &[u8], split_session_events: bool) -> Vec<Handed> {
             message.get("result").is_some() != message.get("error").is_some(),
             "a response needs exactly one of result and error: {message}"
         );
+        // A request over the value bound is answered by the connection, never handed on.
+        let refused_unread = max_frame_values.is_some()
+            && message["error"]["code"] == crate::rpc::connection::INVALID_REQUEST;
         assert!(
-            asked.contains(&id),
+            asked.contains(&id) || refused_unread,
             "answered a request never asked: {message}"
         );
         assert!(answered.insert(id), "answered a request twice: {message}");

@@ -114,6 +114,7 @@
 //!   timeouts and a graceful stop: the API's (also `http::serve`) and each MCP bridge's.
 //!
 //! Also: `low_latency` (TCP tuning of the accepted connections of both surfaces),
+//! `json_values` (how many JSON values a peer's message holds, counted before it is parsed),
 //! `media_type` (a media type's essence, for the attachments and the tunnel), `deadline`
 //! (deadlines that never overflow), `panic_guard` (a gateway's handler that panics becomes
 //! an answer, never a runtime left waiting) and a hidden `fuzzing` module (entry points for
@@ -137,6 +138,7 @@ pub mod home;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod ids;
+mod json_values;
 pub mod kinds;
 #[cfg(any(feature = "http", feature = "mcp-bridge"))]
 pub mod listener;

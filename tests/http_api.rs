@@ -310,6 +310,47 @@ async fn without_a_token_the_api_answers_this_machines_clients_and_no_web_page()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_dense_with_values_is_refused_before_it_is_parsed_however_few_its_bytes() {
+    let fx = Fixture::new().await;
+    let mut config = ApiConfig::default();
+    config.api_token = Some(Secret::new("s3cret-token"));
+    let server = InProcess::start(fx.config().await, config).await;
+    // 140 KB, far under the 1 MiB limit, but 70,000 values: parsed, 2 MiB and more.
+    let dense = json!({"agent_id": "a", "session_key": "k", "prompt": "hi",
+        "unknown": vec![0; 70_000]});
+    for path in ["/v1/turns", "/v1/sessions/agent-a/k/compact"] {
+        let refused = call(
+            server.addr,
+            "POST",
+            path,
+            Some("s3cret-token"),
+            Some(&dense),
+        )
+        .await;
+        assert_eq!(refused.status, 413, "{path}: {}", refused.body);
+        assert!(
+            refused.body.contains("more than 65536 JSON values")
+                && refused.body.contains("too_large"),
+            "{path}: {}",
+            refused.body
+        );
+    }
+    // Under the count, the same body is read (and refused for its unknown field).
+    let sparse = json!({"agent_id": "a", "session_key": "k", "prompt": "hi",
+        "unknown": vec![0; 60_000]});
+    let read = call(
+        server.addr,
+        "POST",
+        "/v1/turns",
+        Some("s3cret-token"),
+        Some(&sparse),
+    )
+    .await;
+    assert_eq!(read.status, 400, "{}", read.body);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_token_is_required_and_bad_input_is_refused_without_harm() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();

@@ -1860,6 +1860,28 @@ async fn a_prompt_sent_during_a_turn_runs_in_it_and_its_events_reach_the_client_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_dense_with_values_is_refused_unread_and_the_connection_goes_on() {
+    let fx = Fixture::new().await;
+    let served = Served::start_with_endpoint(&fx, |_| {}, |_| {}).await;
+    let (conn, _events) = connected(served.addr, "token-a").await;
+    // 1.2 MB, under the 16 MiB frame limit, but 600,000 values: parsed, 19 MiB and more.
+    let refused = remote_error(
+        conn.request("ping", json!({"message": vec![0; 600_000]}), None)
+            .await,
+    );
+    assert_eq!(refused.code, -32600, "{refused:?}");
+    assert!(
+        refused.message.contains("more than 524288 JSON values")
+            && refused.message.contains("one string"),
+        "{refused:?}"
+    );
+    conn.request("ping", json!({"message": vec![0; 1000]}), None)
+        .await
+        .expect("a ping after");
+    served.shut_down().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connections_waiting_calls_hold_at_most_twice_the_largest_frame() {
     let fx = Fixture::new().await;
     let served = Served::start_with_endpoint(

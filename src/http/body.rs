@@ -17,6 +17,7 @@ use super::AppState;
 use super::error::{error, pool_error};
 use super::object::{self, Object};
 use crate::auth::LeaseAuth;
+use crate::json_values::value_limit;
 use crate::pool::LeaseRequest;
 use crate::rpc::messages::{AzureOptions, ProviderConfig};
 use crate::secret::Secret;
@@ -26,10 +27,28 @@ use crate::session_options::SessionOptions;
 /// cannot hold a connection open.
 const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Reads a request body with the size limit and the time limit.
+/// Reads a request body with the size limit (its bytes and the JSON values they hold) and
+/// the time limit.
 pub(super) async fn read_body(state: &AppState, body: Body) -> Result<Bytes, Response> {
     let limit = state.config.max_body_bytes;
     match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, limit)).await {
+        // Bodies are parsed into values: one dense with them (`[0,0,…]`) would take many
+        // times its bytes, so their count is bounded too.
+        Ok(Ok(bytes)) if crate::json_values::holds_more_than(&bytes, value_limit(limit)) => {
+            Err(error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!(
+                    "the body holds more than {} JSON values (elements, members and keys: \
+                     one per {} bytes of max_body_bytes, at least {}); send large data as \
+                     one string or as attachments by path, or raise max_body_bytes in the \
+                     daemon's config",
+                    value_limit(limit),
+                    crate::json_values::BYTES_PER_VALUE,
+                    crate::json_values::MIN_VALUE_LIMIT
+                ),
+            ))
+        }
         Ok(Ok(bytes)) => Ok(bytes),
         Ok(Err(e)) => {
             let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&e);

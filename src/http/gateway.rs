@@ -49,7 +49,7 @@ use crate::turn::{Answer, GatewayTool, Question, ToolCall, TurnHooks, UserInputH
         (status = 403, description = "No token is set and the request is not from this machine: its Host is not a loopback name, or it came from a web page (Origin)", body = ErrorBody),
         (status = 404, description = "No pending request with this id: answered already, or its turn ended (`not_found`)", body = ErrorBody),
         (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
-        (status = 413, description = "The body exceeds `max_body_bytes` (`too_large`)", body = ErrorBody),
+        (status = 413, description = "The body exceeds `max_body_bytes`, or holds more JSON values than one per 32 bytes of it (at least 65,536) (`too_large`)", body = ErrorBody),
         (status = 503, description = "`too_many_connections`", body = ErrorBody),
     ),
     security((), ("api_token" = [])),

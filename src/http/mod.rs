@@ -124,7 +124,8 @@ pub struct ApiConfig {
     pub max_unread_event_bytes: usize,
     /// Mirror every conversation's transcript, if set.
     pub transcript: Option<TranscriptSettings>,
-    /// Largest accepted request body, in bytes (larger ones are answered 413).
+    /// Largest accepted request body, in bytes (larger ones are answered 413, and so are
+    /// bodies holding more JSON values than one per 32 bytes of it, at least 65,536).
     pub max_body_bytes: usize,
     /// `/metrics` answers with this; `None` answers 404 (metrics served elsewhere, or not
     /// at all).

@@ -35,6 +35,9 @@ pub const METHOD_NOT_FOUND: i64 = -32601;
 pub const INVALID_PARAMS: i64 = -32602;
 /// JSON-RPC error code: internal error.
 pub const INTERNAL_ERROR: i64 = -32603;
+/// JSON-RPC error code: the message is not a valid request (here: one holding more values
+/// than [`ConnectionOptions::max_frame_values`]).
+pub const INVALID_REQUEST: i64 = -32600;
 
 /// Settings of one connection.
 #[derive(Debug, Clone)]
@@ -59,6 +62,13 @@ pub struct ConnectionOptions {
     /// and our close lets go of its input at once. `None` (the default): unbounded, and the
     /// reader runs until the peer closes its side.
     pub peer_limits: Option<PeerLimits>,
+    /// For a peer whose messages are parsed into values it may shape (a network client): a
+    /// frame holding more JSON values than this (counted by [`crate::json_values`], before
+    /// parsing) is not parsed. A request gets an [`INVALID_REQUEST`] answer saying so, an
+    /// answer fails the call that waits for it the same way, and a notification is
+    /// dropped; the connection goes on. `None` (the default): no bound beyond
+    /// `max_frame_bytes`.
+    pub max_frame_values: Option<usize>,
 }
 
 impl Default for ConnectionOptions {
@@ -69,6 +79,7 @@ impl Default for ConnectionOptions {
             split_session_events: false,
             read_limit_until_lifted: None,
             peer_limits: None,
+            max_frame_values: None,
         }
     }
 }
@@ -853,6 +864,80 @@ where
     shared.out.close();
 }
 
+/// A frame holding more values than [`ConnectionOptions::max_frame_values`], read no
+/// further than its `id` and `method` (unknown members are skipped, never built): a request
+/// is answered [`INVALID_REQUEST`], an answer fails its waiting call with that error, a
+/// notification is dropped. A frame whose head cannot be read that way (not JSON, a member
+/// twice, an id that is not a number or a string) breaks the protocol.
+fn refuse_too_many_values(
+    frame: &[u8],
+    limit: usize,
+    shared: &Shared,
+    batch: &mut Vec<Incoming>,
+    sink: &IncomingBatchSink,
+) -> Result<(), String> {
+    #[derive(serde::Deserialize)]
+    struct Head<'a> {
+        #[serde(borrow)]
+        id: Option<&'a RawValue>,
+        method: Option<String>,
+    }
+    let head: Head = serde_json::from_slice(frame).map_err(|e| {
+        format!(
+            "frame of {} bytes holds more than {limit} JSON values and its head does not read \
+             ({e})",
+            frame.len()
+        )
+    })?;
+    let error = ErrorObject::new(
+        INVALID_REQUEST,
+        format!(
+            "copilot-pool: this message of {} bytes holds more than {limit} JSON values \
+             (elements, members and keys: one per {} bytes of the largest frame allowed); it \
+             was not read. Send large data as one string (a file attachment by path, base64 \
+             text), or split it",
+            frame.len(),
+            crate::json_values::BYTES_PER_VALUE
+        ),
+    );
+    let id = match head.id {
+        Some(raw) if raw.get() != "null" => match serde_json::from_str::<Value>(raw.get()) {
+            Ok(id @ (Value::Number(_) | Value::String(_))) => Some(id),
+            _ => return Err("message id is neither a number nor a string".to_owned()),
+        },
+        _ => None,
+    };
+    match (head.method, id) {
+        (Some(method), Some(id)) => {
+            Responder {
+                id: Some(id),
+                method,
+                out: shared.out.clone(),
+                max_frame_bytes: shared.options.max_frame_bytes,
+            }
+            .err(error);
+        }
+        (Some(method), None) => {
+            tracing::debug!(%method, limit, "Dropped a notification holding too many values.");
+        }
+        (None, Some(id)) => {
+            if !batch.is_empty() {
+                sink(std::mem::take(batch));
+            }
+            let waiter = id
+                .as_u64()
+                .and_then(|n| shared.pending.lock().ok().and_then(|mut p| p.remove(&n)));
+            if let Some((_, tx)) = waiter {
+                let _ = tx.send(Err(error));
+            }
+        }
+        (None, None) => {
+            return Err("message is neither request, notification nor response".to_owned());
+        }
+    }
+    Ok(())
+}
+
 /// The members of a JSON-RPC message, read in one pass over the frame: a request's params
 /// are read as a value when its id and method come first (as the runtime writes them), a
 /// `session.event`'s as an event's when asked for; other params and a result stay the JSON
@@ -1039,6 +1124,11 @@ fn dispatch(
             Err(e) => Err(not_json(&e)),
         };
     }
+    if let Some(limit) = shared.options.max_frame_values
+        && crate::json_values::holds_more_than(frame, limit)
+    {
+        return refuse_too_many_values(frame, limit, shared, batch, sink);
+    }
     let split = shared.options.split_session_events;
     // An event nobody reads goes no further than its head.
     if split && shared.gate.drop_if_unread(frame) {
@@ -1170,6 +1260,7 @@ mod tests {
             split_session_events: false,
             read_limit_until_lifted: None,
             peer_limits: None,
+            max_frame_values: None,
         })
     }
 
@@ -1311,6 +1402,83 @@ mod tests {
             panic!("not an i/o close");
         };
         assert!(why.contains("read nothing for 0.1 s"), "{why}");
+    }
+
+    /// A frame of `n` zeros in an array as its `params` (or `result`), two bytes a value.
+    fn dense(head: &str, n: usize) -> String {
+        let zeros = vec!["0"; n].join(",");
+        format!(r#"{{"jsonrpc":"2.0",{head},"params":[{zeros}]}}"#)
+    }
+
+    #[tokio::test]
+    async fn a_request_holding_more_values_than_allowed_is_refused_unread_and_the_next_is_read() {
+        let (_conn, mut peer, mut rx) = pair_with(ConnectionOptions {
+            max_frame_values: Some(100),
+            ..ConnectionOptions::default()
+        });
+        write_frame(&mut peer, &dense(r#""id":7,"method":"big""#, 100)).await;
+        let answer = tokio::time::timeout(Duration::from_secs(5), read_frame(&mut peer))
+            .await
+            .expect("the request was not answered");
+        assert_eq!(answer["id"], 7);
+        assert_eq!(answer["error"]["code"], INVALID_REQUEST);
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("more than 100 JSON values") && message.contains("one string"),
+            "{message}"
+        );
+        // A notification past the limit is dropped; within it, requests are read as ever.
+        write_frame(&mut peer, &dense(r#""method":"note""#, 100)).await;
+        write_frame(&mut peer, &dense(r#""id":8,"method":"small""#, 90)).await;
+        let Some(Incoming::Request(request)) = rx.recv().await else {
+            panic!("the next request was not handed on");
+        };
+        assert_eq!(request.method, "small");
+        assert_eq!(request.params.as_array().map(Vec::len), Some(90));
+    }
+
+    #[tokio::test]
+    async fn an_answer_holding_more_values_than_allowed_fails_its_call_and_the_connection_goes_on()
+    {
+        let (conn, mut peer, _rx) = pair_with(ConnectionOptions {
+            max_frame_values: Some(100),
+            ..ConnectionOptions::default()
+        });
+        let call = tokio::spawn({
+            let conn = conn.clone();
+            async move { conn.request("asks", json!({}), None).await }
+        });
+        let id = read_frame(&mut peer).await["id"].clone();
+        let zeros = vec!["0"; 200].join(",");
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"jsonrpc":"2.0","id":{id},"result":[{zeros}]}}"#),
+        )
+        .await;
+        match call.await.expect("joined") {
+            Err(RpcError::Remote { error, .. }) => {
+                assert_eq!(error.code, INVALID_REQUEST);
+                assert!(
+                    error.message.contains("more than 100 JSON values"),
+                    "{error:?}"
+                );
+            }
+            other => panic!("the call did not fail for its answer's values: {other:?}"),
+        }
+        let next = tokio::spawn({
+            let conn = conn.clone();
+            async move { conn.request("again", json!({}), None).await }
+        });
+        let id = read_frame(&mut peer).await["id"].clone();
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"jsonrpc":"2.0","id":{id},"result":[1,2]}}"#),
+        )
+        .await;
+        assert_eq!(
+            next.await.expect("joined").expect("answered"),
+            json!([1, 2])
+        );
     }
 
     async fn write_frame(peer: &mut DuplexStream, body: &str) {

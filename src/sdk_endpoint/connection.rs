@@ -225,6 +225,11 @@ pub(super) async fn run<S>(
         // Until `connect` succeeds a client sends small frames only: one that has not
         // authenticated cannot make the reader parse megabytes.
         read_limit_until_lifted: Some(UNAUTHENTICATED_MAX_FRAME_BYTES),
+        // A client's params are parsed into values: a frame dense with them (`[0,0,…]`)
+        // would take many times its bytes, so the count is bounded too.
+        max_frame_values: Some(crate::json_values::value_limit(
+            shared.config.max_frame_bytes,
+        )),
         // A client that stops reading, or never closes its side, holds no more than this:
         // its answers and events queue up to two full frames, one write waits for it
         // `WRITE_STALL_TIMEOUT`, and its socket is let go at our close.

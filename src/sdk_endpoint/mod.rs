@@ -88,7 +88,8 @@ pub struct SdkConfig {
     /// frame, for the connection's life); one more is refused until it lets one go
     /// (`session.detach`, the SDKs' `disconnect`).
     pub max_sessions_per_connection: usize,
-    /// Largest frame a client may send (default 16 MiB).
+    /// Largest frame a client may send (default 16 MiB). A frame also holds at most one JSON
+    /// value per 32 bytes of it (at least 65,536): past that it is refused unread, `-32600`.
     pub max_frame_bytes: usize,
     /// Overrides the pool's wait for capacity and for a busy session.
     pub wait_timeout: Option<Duration>,
