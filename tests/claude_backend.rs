@@ -400,6 +400,19 @@ async fn the_reasoning_effort_reaches_the_model_and_a_new_effort_restarts_the_pr
         history_text(&call).contains("assistant: thinking hard"),
         "the session was resumed"
     );
+    // Another model (a later lease's, on the kept conversation) restarts it too.
+    let pid = live.pid().expect("running");
+    live.set_model(Some("claude-sonnet-4-5".to_owned()), None);
+    assert!(
+        live.set_lease_settings(Arc::new(RejectAll::default()), Some(ReasoningEffort::Low))
+            .await
+    );
+    let (third, _) = turn(&mut live, "REPLY=another model").await;
+    assert_eq!(third.end, Some(TurnEnd::Idle), "{third:?}");
+    assert!(third.resumed, "{third:?}");
+    assert_ne!(live.pid(), Some(pid));
+    let call = fx.call_answered("another model");
+    assert_eq!(call.body["model"], "claude-sonnet-4-5", "{}", call.body);
     live.close().await;
 }
 

@@ -321,6 +321,8 @@ async fn write_lines(
 struct LaunchFlags {
     effort: Option<&'static str>,
     permission_mode: &'static str,
+    model: Option<String>,
+    system_prompt: Option<String>,
 }
 
 /// One conversation's Claude Code process, started on the first turn and restarted (with
@@ -716,14 +718,24 @@ impl ClaudeLive {
         LaunchFlags {
             effort: config.reasoning_effort.map(claude_effort),
             permission_mode: claude_permission_mode(approves_all, root, sandboxed),
+            model: config.model.clone(),
+            system_prompt: config.system_prompt.clone(),
         }
     }
 
+    /// The model and system prompt of the turns to come (a lease's, on a conversation kept
+    /// between leases): the next [`ClaudeLive::set_lease_settings`] closes a process started
+    /// with others, as for its own settings.
+    pub fn set_model(&mut self, model: Option<String>, system_prompt: Option<String>) {
+        self.config.model = model;
+        self.config.system_prompt = system_prompt;
+    }
+
     /// A lease's settings for the turns to come: its permission policy and its reasoning
-    /// effort. A running process started with another `--effort` or `--permission-mode` is
-    /// closed (gracefully, as [`ClaudeLive::close`]): the next turn starts one with these
-    /// flags, resuming the session (a live process cannot change them). Returns whether it
-    /// was closed.
+    /// effort. A running process started with another `--effort` or `--permission-mode` (or
+    /// another model or system prompt, [`ClaudeLive::set_model`]) is closed (gracefully, as
+    /// [`ClaudeLive::close`]): the next turn starts one with these flags, resuming the
+    /// session (a live process cannot change them). Returns whether it was closed.
     pub async fn set_lease_settings(
         &mut self,
         permission: Arc<dyn PermissionPolicy>,
@@ -739,7 +751,8 @@ impl ClaudeLive {
         if differs {
             tracing::debug!(
                 ?wanted,
-                "the lease's effort or permission mode changed; restarting claude"
+                "the lease's model, system prompt, effort or permission mode changed; \
+                 restarting claude"
             );
             if let Some(process) = self.process.take() {
                 close_process(process, self.config.close_grace).await;

@@ -18,6 +18,10 @@ use super::event::{AbortHandle, BackendEvent};
 use super::oneshot::{Dialect, Oneshot, OneshotError, OneshotTurn};
 use crate::process::ExitInfo;
 
+/// What a one-shot run may take beyond its lease's turn limit: the lease's timer ends the
+/// turn first (as `timeout`, with the lease's limit), the runner's own deadline only backs it.
+pub const ONESHOT_LIMIT_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A conversation held by a CLI runner.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -110,24 +114,53 @@ impl CliConversation {
         }
     }
 
-    /// A lease's settings for its turns: its permission policy and reasoning effort. Claude
-    /// Code's process is restarted (resuming the session) when its `--effort` or
-    /// `--permission-mode` must change (`true` then); a one-shot conversation applies them
-    /// to its next run (Codex: `-c model_reasoning_effort`; other dialects have no effort
-    /// mapping and ignore it, see `OneshotConfig::reasoning_effort`).
+    /// A lease's settings for its turns: its permission policy, reasoning effort, model and
+    /// system prompt (a conversation kept between leases runs each lease's, never the ones
+    /// it was opened with). Claude Code's process is restarted (resuming the session) when
+    /// its `--effort`, `--permission-mode`, model or system prompt must change (`true`
+    /// then); a one-shot conversation applies them to its next run (Codex: `-c
+    /// model_reasoning_effort`; other dialects have no effort mapping and ignore it, see
+    /// `OneshotConfig::reasoning_effort`).
     pub async fn set_lease_settings(
         &mut self,
         permission: std::sync::Arc<dyn crate::permission::PermissionPolicy>,
         reasoning_effort: Option<crate::kinds::ReasoningEffort>,
+        model: Option<String>,
+        system_prompt: Option<String>,
     ) -> bool {
         match self {
             CliConversation::Live(live) => {
+                live.set_model(model, system_prompt);
                 live.set_lease_settings(permission, reasoning_effort).await
             }
             CliConversation::Oneshot(oneshot) => {
+                oneshot.set_model(model, system_prompt);
                 oneshot.set_reasoning_effort(reasoning_effort);
                 false
             }
+        }
+    }
+
+    /// The lease's limit on each turn (`None`: none of its own): a one-shot run may take it
+    /// and [`ONESHOT_LIMIT_MARGIN`] more, so the lease's timer, not the runner's default
+    /// ([`crate::backend::oneshot::DEFAULT_TURN_TIMEOUT`]), ends a long turn. Claude Code's
+    /// turns have no limit of their own.
+    pub fn set_turn_limit(&mut self, limit: Option<std::time::Duration>) {
+        if let CliConversation::Oneshot(oneshot) = self {
+            oneshot.set_turn_timeout(
+                limit.map_or(crate::backend::oneshot::DEFAULT_TURN_TIMEOUT, |limit| {
+                    limit.saturating_add(ONESHOT_LIMIT_MARGIN)
+                }),
+            );
+        }
+    }
+
+    /// How long a one-shot run may take (`None` for Claude Code, whose turns have no limit
+    /// of their own).
+    pub fn own_turn_limit(&self) -> Option<std::time::Duration> {
+        match self {
+            CliConversation::Live(_) => None,
+            CliConversation::Oneshot(oneshot) => Some(oneshot.turn_timeout()),
         }
     }
 

@@ -30,7 +30,7 @@ pub use config::{
     SystemPromptWhen, TextRewrite, TextTransforms, claude_effort, claude_permission_mode,
     codex_effort, names_config_key, names_flag,
 };
-pub use conversation::{CliConversation, CliStartError, CliTurn};
+pub use conversation::{CliConversation, CliStartError, CliTurn, ONESHOT_LIMIT_MARGIN};
 pub use event::{
     AbortHandle, BackendEvent, CliTurnOutcome, GatewayToolsChange, TurnFailure, reported_status,
 };

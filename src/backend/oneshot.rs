@@ -1195,6 +1195,24 @@ impl Oneshot {
         }
     }
 
+    /// The model and system prompt of the next runs (a lease's, on a conversation kept
+    /// between leases).
+    pub fn set_model(&mut self, model: Option<String>, system_prompt: Option<String>) {
+        self.config.model = model;
+        self.config.system_prompt = system_prompt;
+    }
+
+    /// How long the next runs may take before the process is killed and the turn ends
+    /// `timeout` ([`OneshotConfig::turn_timeout`]).
+    pub fn set_turn_timeout(&mut self, limit: Duration) {
+        self.config.turn_timeout = limit;
+    }
+
+    /// [`OneshotConfig::turn_timeout`] of the next runs.
+    pub fn turn_timeout(&self) -> Duration {
+        self.config.turn_timeout
+    }
+
     /// The reasoning effort of the next runs ([`OneshotConfig::reasoning_effort`]).
     pub fn set_reasoning_effort(&mut self, effort: Option<ReasoningEffort>) {
         if effort.is_some() && self.config.dialect != Dialect::Codex {
@@ -1424,6 +1442,15 @@ pub struct OneshotTurn<'a> {
     /// The run's system prompt file, removed when the turn is dropped (after `child`: the
     /// process is killed first).
     _system_prompt_file: Option<SystemPromptFile>,
+}
+
+impl Drop for OneshotTurn<'_> {
+    fn drop(&mut self) {
+        // Cut off before its end: what its CLI started is still the conversation's.
+        if !self.ended {
+            self.keep_session();
+        }
+    }
 }
 
 impl OneshotTurn<'_> {
@@ -1887,29 +1914,39 @@ impl OneshotTurn<'_> {
     }
 
     /// Ends the turn: stores the session, de-cumulates the usage, queues the `turn.end`.
+    /// Stores the session this turn ran in (learned from the output, else the one passed)
+    /// in the conversation, for the next turn to continue: at the turn's end, and when the
+    /// turn is dropped before it (its caller gone), since the CLI may have started a
+    /// session by then that holds the exchange so far.
+    fn keep_session(&mut self) {
+        if self.conversation.config.backend.session_mode == SessionMode::None {
+            return;
+        }
+        let Some(id) = self
+            .learned_session
+            .clone()
+            .or_else(|| self.passed_session.clone())
+        else {
+            return;
+        };
+        let same = self
+            .conversation
+            .session
+            .as_ref()
+            .is_some_and(|s| s.session_id == id);
+        if !same {
+            self.conversation.session = Some(StoredSession::new(id));
+        }
+    }
+
     fn end_with(&mut self, end: TurnEnd, failure: Option<TurnFailure>) {
         if self.ended {
             return;
         }
         self.ended = true;
+        self.keep_session();
         let config = &self.conversation.config;
-        let id = self
-            .learned_session
-            .clone()
-            .or_else(|| self.passed_session.clone());
         let mut usage = Usage::default();
-        if config.backend.session_mode != SessionMode::None
-            && let Some(id) = id
-        {
-            let same = self
-                .conversation
-                .session
-                .as_ref()
-                .is_some_and(|s| s.session_id == id);
-            if !same {
-                self.conversation.session = Some(StoredSession::new(id));
-            }
-        }
         if let Some(reported) = self.reported {
             usage = match (config.dialect, self.conversation.session.as_mut()) {
                 (Dialect::Codex, Some(stored)) => {
@@ -2847,6 +2884,36 @@ echo '{"type":"turn.completed","usage":{"input_tokens":7,"output_tokens":3}}'"#;
         assert_eq!(outcome.retained_lines, expected_lines, "{outcome:?}");
         assert!(outcome.retained_bytes > 1000);
         assert!(group_gone(pid).await, "the group was killed");
+    }
+
+    #[tokio::test]
+    async fn a_turn_dropped_before_its_end_leaves_the_session_its_cli_started_to_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = r#"cat >/dev/null
+echo '{"type":"thread.started","thread_id":"t-7"}'
+echo '{"type":"item.completed","item":{"id":"m","type":"agent_message","text":"args: '"$*"'"}}'
+sleep 30 & wait"#;
+        let mut oneshot = Oneshot::new(sh_config(dir.path(), script)).unwrap();
+        let mut turn = oneshot.start_turn("first").await.unwrap();
+        let pid = turn.pid().expect("running");
+        let first = tokio::time::timeout(Duration::from_secs(10), turn.next())
+            .await
+            .expect("an event in time");
+        assert!(
+            matches!(first, Some(BackendEvent::Message { .. })),
+            "{first:?}"
+        );
+        // The caller goes away mid-turn (an SSE client hanging up).
+        drop(turn);
+        assert!(group_gone(pid).await);
+        assert_eq!(oneshot.session_id(), Some("t-7"));
+        let quick = r#"cat >/dev/null
+echo '{"type":"item.completed","item":{"id":"m","type":"agent_message","text":"args: '"$*"'"}}'
+echo '{"type":"turn.completed","usage":{"input_tokens":1,"output_tokens":1}}'"#;
+        oneshot.config.backend.resume_args = sh_config(dir.path(), quick).backend.resume_args;
+        let (next, _) = run(&mut oneshot, "second").await;
+        assert!(next.resumed, "{next:?}");
+        assert!(next.text.contains("resume t-7 second"), "{next:?}");
     }
 
     #[tokio::test]

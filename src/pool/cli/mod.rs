@@ -744,7 +744,12 @@ impl CliPool {
             lease.reason = reason;
         } else if let Some(conversation) = lease.conversation.as_mut()
             && conversation
-                .set_lease_settings(ask.permission.clone(), ask.reasoning_effort)
+                .set_lease_settings(
+                    ask.permission.clone(),
+                    ask.reasoning_effort,
+                    ask.model.clone(),
+                    ask.system_prompt.clone(),
+                )
                 .await
             && lease.reason == OpenReason::Attached
         {
@@ -1462,6 +1467,7 @@ impl CliLease {
         let Some(conversation) = self.conversation.as_mut() else {
             return Err(PoolError::Internal("a CLI lease without its runner".into()));
         };
+        conversation.set_turn_limit(self.turn_timeout);
         let spawning = Instant::now();
         let turn = match conversation.start_turn_with_images(prompt, images).await {
             Ok(turn) => turn,
@@ -1838,6 +1844,65 @@ mod tests {
         );
         drop(turn);
         drop(lease);
+        pool.shutdown(Duration::from_secs(5)).await;
+    }
+
+    #[tokio::test]
+    async fn a_kept_conversation_runs_each_leases_model_system_prompt_and_turn_limit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // A generic one-shot CLI that answers with the arguments it was given.
+        let mut config = CliBackendConfig::new("/bin/sh");
+        let script = r#"echo "{\"type\":\"item.completed\",\"item\":{\"id\":\"m\",\"type\":\"agent_message\",\"text\":\"$*\"}}""#;
+        config.args = vec!["-c".into(), script.into(), "sh".into()];
+        config.output = crate::backend::OutputFormat::Jsonl;
+        config.session_mode = crate::backend::SessionMode::None;
+        config.model_arg = Some("--model".into());
+        config.system_prompt_arg = Some("--system".into());
+        let pool = pool("sh-cli", config, &dir.path().join("state"));
+        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        std::fs::create_dir_all(&cwd).expect("work");
+        let names = CliNames::new("agent", "k", "sh-cli");
+        async fn turn_text(lease: &mut CliLease) -> String {
+            let mut turn = lease.start_turn("hello").await.expect("turn");
+            loop {
+                match turn.next().await {
+                    Some(BackendEvent::TurnEnd(outcome)) => return outcome.text,
+                    Some(_) => {}
+                    None => panic!("the turn ended without turn.end"),
+                }
+            }
+        }
+        for (model, system, limit) in [
+            ("model-one", "first-rules", None),
+            ("model-two", "second-rules", Some(Duration::from_secs(1800))),
+        ] {
+            let mut asked = ask("sh-cli", home.clone(), cwd.clone());
+            asked.conversation = names.slot.clone();
+            asked.model = Some(model.to_owned());
+            asked.system_prompt = Some(system.to_owned());
+            let mut lease = pool
+                .lease(asked, names.binding.clone())
+                .await
+                .expect("lease");
+            lease.set_turn_timeout(limit);
+            let text = tokio::time::timeout(Duration::from_secs(10), turn_text(&mut lease))
+                .await
+                .expect("the turn ended");
+            assert!(
+                text.contains(&format!("--model {model}"))
+                    && text.contains(&format!("--system {system}")),
+                "{text}"
+            );
+            let own = lease
+                .conversation
+                .as_ref()
+                .and_then(CliConversation::own_turn_limit);
+            let wanted = limit.map_or(crate::backend::oneshot::DEFAULT_TURN_TIMEOUT, |l| {
+                l + crate::backend::ONESHOT_LIMIT_MARGIN
+            });
+            assert_eq!(own, Some(wanted));
+            drop(lease);
+        }
         pool.shutdown(Duration::from_secs(5)).await;
     }
 
