@@ -285,6 +285,29 @@ async fn the_bridge_stops_by_itself_after_its_idle_ttl_and_when_its_handle_is_dr
     );
 }
 
+#[tokio::test]
+async fn a_held_bridge_outlives_its_idle_ttl_until_the_hold_is_dropped() {
+    let ttl = Duration::from_millis(300);
+    let mut config = McpBridgeConfig::default();
+    config.idle_ttl = ttl;
+    let bridge = bridge(Arc::default(), config).await;
+    rpc(&bridge, 1, "initialize", initialize_params()).await;
+    // A turn holds its bridge: the CLI may call a tool long after its last request.
+    let hold = bridge.hold();
+    let held = tokio::time::timeout(ttl * 4, bridge.stopped()).await;
+    assert!(held.is_err(), "the held bridge stopped");
+    assert!(bridge.is_running());
+    let answer = rpc(&bridge, 2, "tools/list", json!({})).await;
+    assert!(answer["result"]["tools"].is_array());
+    // The turn ends: the TTL counts from there.
+    let released = tokio::time::Instant::now();
+    drop(hold);
+    tokio::time::timeout(LIMIT, bridge.stopped())
+        .await
+        .expect("the bridge stopped once let go");
+    assert!(released.elapsed() >= ttl, "not before its TTL");
+}
+
 /// `lookup` with the listed schema, answering `<who>: <key>` (another lease's handler).
 fn lookup_answering(who: &'static str) -> GatewayTool {
     GatewayTool::new(

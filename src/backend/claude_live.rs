@@ -411,9 +411,17 @@ impl ClaudeLive {
             .is_some_and(|p| p.child.exit_info().is_none());
         // A bridge stopped by its idle TTL leaves the process's MCP config pointing at a
         // dead port: restart both (the session resumes).
+        // The turn holds its bridge from here (taken before the look, so the bridge found
+        // running cannot idle out after it): the CLI may call a tool at any time.
+        #[cfg(feature = "mcp-bridge")]
+        let mut bridge_hold = self.bridge.as_ref().map(super::mcp_bridge::McpBridge::hold);
         if !running || self.bridge_expired() {
             self.process = None;
             self.spawn().await?;
+            #[cfg(feature = "mcp-bridge")]
+            {
+                bridge_hold = self.bridge.as_ref().map(super::mcp_bridge::McpBridge::hold);
+            }
         }
         let prompt = self.config.backend.transform(prompt, false);
         let content = if blocks.is_empty() {
@@ -445,6 +453,8 @@ impl ClaudeLive {
             retained_lines: 0,
             max_bytes: limits.max_turn_raw_chars,
             max_lines: limits.max_turn_lines,
+            #[cfg(feature = "mcp-bridge")]
+            _bridge_hold: bridge_hold,
         };
         // Written by the process's writer task: a line of megabytes (images) into a process
         // that stopped reading must not hold the caller before the turn, and its time
@@ -814,6 +824,9 @@ pub struct ClaudeTurn<'a> {
     retained_lines: u64,
     max_bytes: u64,
     max_lines: u64,
+    /// Keeps the process's bridge from idling out during the turn.
+    #[cfg(feature = "mcp-bridge")]
+    _bridge_hold: Option<super::mcp_bridge::BridgeHold>,
 }
 
 impl Drop for ClaudeTurn<'_> {

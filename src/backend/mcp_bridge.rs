@@ -329,6 +329,13 @@ impl McpBridge {
         self.stop_signal().wait().await;
     }
 
+    /// Keeps the bridge from idling out until the hold is dropped: a turn holds its bridge
+    /// for its whole life, since its CLI may call a tool at any time (and checks the bridge
+    /// still runs after taking the hold: one stopped before it stays stopped).
+    pub fn hold(&self) -> BridgeHold {
+        BridgeHold::new(self.shared.clone())
+    }
+
     /// A signal of the server's stop that outlives this handle (to see a drop take effect).
     pub fn stop_signal(&self) -> StopSignal {
         StopSignal(self.stopped.clone())
@@ -563,12 +570,37 @@ async fn authenticate(State(shared): State<Arc<Shared>>, request: Request, next:
         )
             .into_response();
     }
-    shared.in_flight.fetch_add(1, Ordering::SeqCst);
-    touch(&shared);
-    let response = next.run(request).await;
-    touch(&shared);
-    shared.in_flight.fetch_sub(1, Ordering::SeqCst);
-    response
+    // Given back however the request ends: answered, or dropped with its connection.
+    let _hold = BridgeHold::new(shared);
+    next.run(request).await
+}
+
+/// Keeps a bridge from idling out while it lives: the idle TTL counts from its drop
+/// ([`McpBridge::hold`]; each request being served holds one too).
+#[must_use = "the bridge may idle out as soon as its hold is dropped"]
+pub struct BridgeHold {
+    shared: Arc<Shared>,
+}
+
+impl BridgeHold {
+    fn new(shared: Arc<Shared>) -> Self {
+        shared.in_flight.fetch_add(1, Ordering::SeqCst);
+        touch(&shared);
+        Self { shared }
+    }
+}
+
+impl Drop for BridgeHold {
+    fn drop(&mut self) {
+        touch(&self.shared);
+        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl std::fmt::Debug for BridgeHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BridgeHold").finish_non_exhaustive()
+    }
 }
 
 fn touch(shared: &Shared) {

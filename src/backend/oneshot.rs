@@ -842,7 +842,10 @@ impl Oneshot {
         #[allow(unused_mut)]
         let mut ports: Vec<u16> = Vec::new();
         #[cfg(feature = "mcp-bridge")]
-        if let Some(mcp) = self.bridge_for_turn().await? {
+        let mut bridge_hold = None;
+        #[cfg(feature = "mcp-bridge")]
+        if let Some((mcp, hold)) = self.bridge_for_turn().await? {
+            bridge_hold = Some(hold);
             if let Some(bridge) = &self.bridge {
                 ports.push(bridge.addr().port());
             }
@@ -935,6 +938,8 @@ impl Oneshot {
             max_bytes: limits.max_turn_raw_chars,
             max_lines: limits.max_turn_lines,
             _system_prompt_file: system_prompt_file,
+            #[cfg(feature = "mcp-bridge")]
+            _bridge_hold: bridge_hold,
             conversation: self,
         })
     }
@@ -1268,7 +1273,13 @@ impl Oneshot {
     #[cfg(feature = "mcp-bridge")]
     async fn bridge_for_turn(
         &mut self,
-    ) -> Result<Option<super::mcp_bridge::ClaudeMcpArgs>, OneshotError> {
+    ) -> Result<
+        Option<(
+            super::mcp_bridge::ClaudeMcpArgs,
+            super::mcp_bridge::BridgeHold,
+        )>,
+        OneshotError,
+    > {
         let config = &self.config;
         let Some(gateway) = config
             .gateway_tools
@@ -1277,6 +1288,8 @@ impl Oneshot {
         else {
             return Ok(None);
         };
+        // The hold first: a bridge found running then cannot idle out before the turn ends.
+        let mut hold = self.bridge.as_ref().map(super::mcp_bridge::McpBridge::hold);
         if !self.bridge.as_ref().is_some_and(|b| b.is_running()) {
             let mut bridge_config = gateway.bridge.clone();
             if bridge_config.working_directory.is_none() {
@@ -1284,14 +1297,15 @@ impl Oneshot {
             }
             let bridge =
                 super::mcp_bridge::McpBridge::start(gateway.tools.clone(), bridge_config).await?;
+            hold = Some(bridge.hold());
             self.bridge = Some(bridge);
         }
         let allow = !gateway.ask_permission;
-        Ok(self.bridge.as_ref().map(|b| {
+        Ok(self.bridge.as_ref().zip(hold).map(|(b, hold)| {
             if let Some(id) = self.session.as_ref().map(|s| s.session_id.as_str()) {
                 b.set_session_id(id);
             }
-            b.codex_overrides(allow)
+            (b.codex_overrides(allow), hold)
         }))
     }
 
@@ -1442,6 +1456,9 @@ pub struct OneshotTurn<'a> {
     /// The run's system prompt file, removed when the turn is dropped (after `child`: the
     /// process is killed first).
     _system_prompt_file: Option<SystemPromptFile>,
+    /// Keeps the bridge serving the CLI's gateway tools from idling out during the run.
+    #[cfg(feature = "mcp-bridge")]
+    _bridge_hold: Option<super::mcp_bridge::BridgeHold>,
 }
 
 impl Drop for OneshotTurn<'_> {
