@@ -123,6 +123,17 @@ impl ModelTunnel for GuardedTunnel {
         metrics::model_request_finished(ModelOutcome::Blocked, Duration::ZERO);
         crate::tunnel::too_large_response(limit)
     }
+
+    fn bodies_in_flight(&self, request: &ModelRequest, budget: usize) -> ModelResponse {
+        tracing::warn!(
+            request_id = ?request.request_id,
+            budget,
+            "Model request while this process's bodies in flight fill the budget; answered 503 \
+             without calling the provider."
+        );
+        metrics::model_request_finished(ModelOutcome::Blocked, Duration::ZERO);
+        crate::tunnel::bodies_in_flight_response(budget)
+    }
 }
 
 /// Counts a request once, when it ends; a request dropped before (the runtime cancelled it,

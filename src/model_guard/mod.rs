@@ -107,7 +107,21 @@ impl ModelGuardConfig {
             && url.path() == "/"
             && url.query().is_none()
             && url.fragment().is_none();
-        if origin_only { Ok(url) } else { Err(bad()) }
+        if !origin_only {
+            return Err(bad());
+        }
+        // Model requests go over plain http:// to loopback only (`target::check_addresses`):
+        // an http origin elsewhere would be listed and never reached.
+        let loopback = match url.host() {
+            Some(url::Host::Domain(name)) => name.eq_ignore_ascii_case("localhost"),
+            Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+            Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+            None => false,
+        };
+        if url.scheme() == "http" && !loopback {
+            return Err(GuardError::PlainHttpPrivateEndpoint(text.to_owned()));
+        }
+        Ok(url)
     }
 
     /// Whether `url` may be on a private address: everywhere with `allow_private_endpoints`,
@@ -161,15 +175,26 @@ impl std::fmt::Debug for ModelGuardConfig {
 pub enum GuardError {
     /// An extra root certificate is not usable PEM.
     #[error(
-        "model_guard.extra_root_certificates: {0}; give PEM files with one or more \
-         `-----BEGIN CERTIFICATE-----` blocks"
+        "extra_root_certificates (the daemon's [model] extra_ca_files): {0}; give PEM files \
+         with one or more `-----BEGIN CERTIFICATE-----` blocks"
     )]
     Certificate(String),
     /// An entry of `private_endpoints` is not an origin.
     #[error(
-        "model_guard.private_endpoints: {0:?} is not an origin; give scheme, host and port          only, as `http://127.0.0.1:11434` or `https://llm.internal:8443`"
+        "private_endpoints (the daemon's [model] private_endpoints): {0:?} is not an origin; \
+         give scheme, host and port only, as `http://127.0.0.1:11434` or \
+         `https://llm.internal:8443`"
     )]
     PrivateEndpoint(String),
+    /// An entry of `private_endpoints` is plain `http://` to a host other than loopback,
+    /// which model requests never go to.
+    #[error(
+        "private_endpoints (the daemon's [model] private_endpoints): {0:?} is plain http:// \
+         to a host that is not loopback, and model requests go over plain http:// only to \
+         loopback (the provider's key would cross the network in clear); serve the model \
+         over https:// and list that origin, or list a loopback address"
+    )]
+    PlainHttpPrivateEndpoint(String),
     /// A CLI backend's provider host did not resolve, so its addresses could not be checked.
     #[error(
         "provider.base_url: {host} did not resolve ({error}); a CLI backend calls its model \

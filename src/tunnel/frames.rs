@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::task::AbortHandle;
@@ -63,19 +64,33 @@ pub(crate) enum StartRefused {
     IdInUse,
 }
 
-/// A request being served: its task, and the body it holds until sent.
+/// A request being served: its task, and the bytes of the body it holds until the tunnel
+/// has sent it (zeroed when the tunnel's answer, or its failure, is in).
 struct Serving {
     task: AbortHandle,
-    body_bytes: usize,
+    body_bytes: Arc<AtomicUsize>,
 }
 
 /// A request whose body is still arriving.
 struct Receiving {
     request: ModelRequest,
-    /// The body passed the tunnel's limit: what arrived was dropped, and the request is
-    /// answered with `request_too_large` instead of being served.
-    oversized: bool,
+    /// Why it will be answered without being served (what arrived was dropped), if so.
+    refused: Option<Refusal>,
 }
+
+/// Why a request is answered without being served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Refusal {
+    /// Its body passed the tunnel's limit: `request_too_large` (413).
+    TooLarge,
+    /// The process's bodies in flight passed twice that together: `bodies_in_flight` (503,
+    /// retry).
+    Busy,
+}
+
+/// What a request head's header costs beyond its text: a header of empty names and values
+/// still takes a place in the map the request keeps.
+const HEADER_ENTRY_BYTES: usize = 64;
 
 impl TunnelRequests {
     /// A request head arrived; refused past [`MAX_IN_FLIGHT`] requests receiving their body
@@ -89,7 +104,14 @@ impl TunnelRequests {
             + head
                 .headers
                 .iter()
-                .map(|(name, values)| values.iter().map(|v| name.len() + v.len()).sum::<usize>())
+                .map(|(name, values)| {
+                    name.len()
+                        + HEADER_ENTRY_BYTES
+                        + values
+                            .iter()
+                            .map(|v| name.len() + v.len() + HEADER_ENTRY_BYTES)
+                            .sum::<usize>()
+                })
                 .sum::<usize>();
         if head_bytes > MAX_HEAD_BYTES || head.request_id.len() > MAX_REQUEST_ID_BYTES {
             return Err(StartRefused::TooLarge);
@@ -118,7 +140,7 @@ impl TunnelRequests {
                     headers,
                     body: Vec::new(),
                 },
-                oversized: false,
+                refused: None,
             },
         );
         Ok(())
@@ -142,13 +164,17 @@ impl TunnelRequests {
             }
             return true;
         }
-        // The bodies still arriving or being sent, all requests together (at most
+        // The bodies still arriving or not yet sent, all requests together (at most
         // MAX_IN_FLIGHT of them).
         let buffered: usize = self
             .receiving
             .values()
             .map(|r| r.request.body.len())
-            .chain(self.serving.values().map(|s| s.body_bytes))
+            .chain(
+                self.serving
+                    .values()
+                    .map(|s| s.body_bytes.load(Ordering::SeqCst)),
+            )
             .sum();
         let Some(receiving) = self.receiving.get_mut(&chunk.request_id) else {
             return false;
@@ -158,16 +184,20 @@ impl TunnelRequests {
         }
         let limit = tunnel.max_request_body_bytes();
         let body = &mut receiving.request.body;
-        // Past the body limit, or past twice that for every body still arriving together
-        // (one request at the limit still passes beside a few ordinary ones).
-        if !receiving.oversized
-            && (body.len().saturating_add(chunk.data.len()) > limit
-                || buffered.saturating_add(chunk.data.len()) > limit.saturating_mul(2))
-        {
-            receiving.oversized = true;
-            *body = Vec::new();
+        // Past the body limit (too large), or past twice that for every body still arriving
+        // or not yet sent together (one request at the limit still passes beside a few
+        // ordinary ones; past it, a retry will pass once one has been sent).
+        if receiving.refused.is_none() {
+            if body.len().saturating_add(chunk.data.len()) > limit {
+                receiving.refused = Some(Refusal::TooLarge);
+            } else if buffered.saturating_add(chunk.data.len()) > limit.saturating_mul(2) {
+                receiving.refused = Some(Refusal::Busy);
+            }
+            if receiving.refused.is_some() {
+                *body = Vec::new();
+            }
         }
-        if !receiving.oversized {
+        if receiving.refused.is_none() {
             if body.is_empty() {
                 // The first (often the only) chunk becomes the body without a copy.
                 *body = chunk.data.into_bytes();
@@ -178,22 +208,25 @@ impl TunnelRequests {
         if chunk.end != Some(true) {
             return true;
         }
-        let Some(Receiving { request, oversized }) = self.receiving.remove(&chunk.request_id)
-        else {
+        let Some(Receiving { request, refused }) = self.receiving.remove(&chunk.request_id) else {
             return false;
         };
         let id = request.request_id.clone();
-        let body_bytes = request.body.len();
+        let body_bytes = Arc::new(AtomicUsize::new(request.body.len()));
         let conn = conn.clone();
         let tunnel = tunnel.clone();
         let done_id = id.clone();
+        let sent = body_bytes.clone();
         let task = tokio::spawn(async move {
-            if oversized {
-                let response = tunnel.request_too_large(&request, limit);
-                answer(conn, request.request_id, response).await;
-            } else {
-                serve(conn, tunnel, request).await;
-            }
+            let request_id = request.request_id.clone();
+            let response = match refused {
+                Some(Refusal::TooLarge) => tunnel.request_too_large(&request, limit),
+                Some(Refusal::Busy) => tunnel.bodies_in_flight(&request, limit.saturating_mul(2)),
+                None => tunnel.serve(request).await,
+            };
+            // The answer is in: the body was sent (or never will be), and is let go.
+            sent.store(0, Ordering::SeqCst);
+            answer(conn, request_id, response).await;
             on_done(done_id);
         });
         self.serving.insert(
@@ -218,12 +251,6 @@ impl TunnelRequests {
             serving.task.abort();
         }
     }
-}
-
-async fn serve(conn: Connection, tunnel: Arc<dyn ModelTunnel>, request: ModelRequest) {
-    let request_id = request.request_id.clone();
-    let response = tunnel.serve(request).await;
-    answer(conn, request_id, response).await;
 }
 
 /// Streams `response` to the runtime as the answer to `request_id`: the head, then the body
@@ -595,7 +622,7 @@ mod tests {
         ));
         requests.abort_all();
         // Bodies still arriving hold at most twice the body limit together: the request
-        // whose piece would pass it is answered too large, not served, and the others are.
+        // whose piece would pass it is answered 503 (retry), not served, and the others are.
         for id in ["a", "b", "c"] {
             requests.start(head(id)).expect("room");
             assert!(requests.chunk(piece(id, &"x".repeat(900), false), &conn, &tunnel, |_| {}));
@@ -611,7 +638,7 @@ mod tests {
             statuses.push(answer["status"].as_u64().unwrap_or_default());
         }
         statuses.sort_unstable();
-        assert_eq!(statuses, [200, 200, 413], "{statuses:?}");
+        assert_eq!(statuses, [200, 200, 503], "{statuses:?}");
         let mut bodies = Vec::new();
         while let Ok(request) = served.try_recv() {
             bodies.push(request.body.len());
@@ -658,18 +685,96 @@ mod tests {
             requests.start(head(&"i".repeat(300))),
             Err(StartRefused::TooLarge)
         ));
-        // Bodies being sent count in the byte budget (twice the body limit): two of 900
-        // served, a third's piece would pass it and is answered too large.
+        // Headers of empty names and values take room too: 1,024 of them pass the bound.
+        let mut empty = head("empty");
+        empty
+            .headers
+            .insert(String::new(), vec![String::new(); 1024]);
+        assert!(matches!(requests.start(empty), Err(StartRefused::TooLarge)));
+    }
+
+    /// A tunnel that never answers: every body it is given stays unsent.
+    struct Unanswering;
+
+    impl ModelTunnel for Unanswering {
+        fn serve(&self, _request: ModelRequest) -> crate::tunnel::ServeFuture {
+            Box::pin(std::future::pending())
+        }
+
+        fn max_request_body_bytes(&self) -> usize {
+            1000
+        }
+    }
+
+    #[tokio::test]
+    async fn bodies_count_in_the_budget_until_sent_and_one_over_it_is_told_to_retry() {
+        let (conn, mut theirs, _, _) = capturing(1000);
+        let unanswering: Arc<dyn ModelTunnel> = Arc::new(Unanswering);
+        let mut requests = TunnelRequests::default();
+        // Bodies not yet sent count in the byte budget (twice the body limit): two of 900
+        // being served, a third's piece would pass it and is refused as busy.
+        for id in ["a", "b"] {
+            requests.start(head(id)).expect("room");
+            assert!(requests.chunk(
+                piece(id, &"x".repeat(900), true),
+                &conn,
+                &unanswering,
+                |_| {}
+            ));
+        }
+        requests.start(head("c")).expect("room");
+        assert!(requests.chunk(
+            piece("c", &"x".repeat(900), true),
+            &conn,
+            &unanswering,
+            |_| {}
+        ));
+        let answer = tokio::time::timeout(Duration::from_secs(10), answer_one(&mut theirs))
+            .await
+            .expect("c answered in time");
+        assert_eq!(answer["status"], 503, "{answer}");
+        let retry = answer_one(&mut theirs).await;
+        assert!(
+            retry["data"]
+                .as_str()
+                .is_some_and(|d| d.contains("retry once one has been sent")),
+            "{retry}"
+        );
+        requests.abort_all();
+
+        // Bodies the tunnel has sent (its answer is in) no longer count: a third passes.
+        let (conn, mut theirs, tunnel, mut served) = capturing(1000);
+        let mut requests = TunnelRequests::default();
         for id in ["a", "b"] {
             requests.start(head(id)).expect("room");
             assert!(requests.chunk(piece(id, &"x".repeat(900), true), &conn, &tunnel, |_| {}));
         }
+        // Their heads reached the runtime's side: the tunnel had answered, the bodies let go.
+        async fn heads(theirs: &mut DuplexStream, n: usize) -> Vec<u64> {
+            let mut statuses = Vec::new();
+            while statuses.len() < n {
+                let params = answer_one(theirs).await;
+                if let Some(status) = params["status"].as_u64() {
+                    statuses.push(status);
+                }
+            }
+            statuses
+        }
+        let statuses = tokio::time::timeout(Duration::from_secs(10), heads(&mut theirs, 2))
+            .await
+            .expect("answers in time");
+        assert_eq!(statuses, [200, 200]);
         requests.start(head("c")).expect("room");
-        assert!(requests.chunk(piece("c", &"x".repeat(900), false), &conn, &tunnel, |_| {}));
-        assert!(
-            requests.receiving["c"].oversized,
-            "over the budget with a and b"
-        );
+        assert!(requests.chunk(piece("c", &"x".repeat(900), true), &conn, &tunnel, |_| {}));
+        let statuses = tokio::time::timeout(Duration::from_secs(10), heads(&mut theirs, 1))
+            .await
+            .expect("c answered in time");
+        assert_eq!(statuses, [200]);
+        let mut bodies = Vec::new();
+        while let Ok(request) = served.try_recv() {
+            bodies.push(request.body.len());
+        }
+        assert_eq!(bodies, [900, 900, 900]);
     }
 
     #[tokio::test]

@@ -118,6 +118,31 @@ pub trait ModelTunnel: Send + Sync + 'static {
         let _ = request;
         too_large_response(limit)
     }
+
+    /// The answer to a request within the limit that arrived while the process's other
+    /// bodies, arriving or not yet sent, held `budget` bytes together (`request.body` is
+    /// empty): 503 by default, saying to retry.
+    fn bodies_in_flight(&self, request: &ModelRequest, budget: usize) -> ModelResponse {
+        let _ = request;
+        bodies_in_flight_response(budget)
+    }
+}
+
+/// A 503 answer for a request that came while its process's model request bodies in flight
+/// held `budget` bytes, as an OpenAI-style error.
+pub fn bodies_in_flight_response(budget: usize) -> ModelResponse {
+    let body = serde_json::json!({
+        "error": {
+            "message": format!(
+                "copilot-pool: the model request bodies of this process in flight (arriving or \
+                 not yet sent) hold {budget} bytes together, twice max_request_body_bytes; \
+                 retry once one has been sent"
+            ),
+            "type": "server_error",
+            "code": "bodies_in_flight",
+        }
+    });
+    ModelResponse::full(503, "application/json", body.to_string())
 }
 
 /// A 413 answer for a request body over `limit` bytes, as an OpenAI-style error.
