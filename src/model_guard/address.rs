@@ -28,7 +28,7 @@ pub enum AddressClass {
     /// `fc00::/7`.
     UniqueLocal,
     /// A cloud metadata service (`169.254.169.254`, `169.254.170.2`, `100.100.100.200`,
-    /// `fd00:ec2::254`): never allowed.
+    /// Azure's WireServer `168.63.129.16`, `fd00:ec2::254`): never allowed.
     Metadata,
     /// Multicast (`224/4`, `ff00::/8`) or the limited broadcast address.
     Multicast,
@@ -95,6 +95,9 @@ const METADATA: &[IpAddr] = &[
     IpAddr::V4(Ipv4Addr::new(169, 254, 170, 2)),
     IpAddr::V4(Ipv4Addr::new(169, 254, 170, 23)),
     IpAddr::V4(Ipv4Addr::new(100, 100, 100, 200)),
+    // Azure's WireServer (a public address every Azure VM reaches: its host agent's
+    // configuration, certificates included).
+    IpAddr::V4(Ipv4Addr::new(168, 63, 129, 16)),
     IpAddr::V6(Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254)),
     IpAddr::V6(Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x23)),
     // Google Cloud's metadata server over IPv6.
@@ -242,6 +245,8 @@ mod tests {
             ("100.64.0.1", Some(Shared)),
             ("100.127.255.254", Some(Shared)),
             ("100.100.100.200", Some(Metadata)),
+            ("168.63.129.16", Some(Metadata)),
+            ("168.63.129.17", None),
             ("127.0.0.1", Some(Loopback)),
             ("127.255.0.9", Some(Loopback)),
             ("169.254.0.1", Some(LinkLocal)),

@@ -26,11 +26,63 @@ const MAX_COALESCED_BYTES: usize = 64 << 10;
 /// chunk of its own, overshooting the limit by at most the piece that crossed it.
 const MAX_WHOLE_BODY_BYTES: usize = 8 << 20;
 
+/// The most JSON document text one process's answers hold back together to send whole:
+/// past it, an answer sends what it holds as a chunk of its own and goes on as its body
+/// arrives (a provider that sends a large document slowly, piece by piece, cannot make the
+/// daemon hold a document per request of the process).
+const MAX_HELD_DOCUMENT_BYTES: usize = 32 << 20;
+
 /// Requests being received and responses being streamed, by the runtime's request id.
 #[derive(Default)]
 pub(crate) struct TunnelRequests {
     receiving: HashMap<String, Receiving>,
     serving: HashMap<String, Serving>,
+    held: Arc<HeldDocuments>,
+}
+
+/// What the process's answers hold back of their JSON documents, together.
+pub(crate) struct HeldDocuments {
+    bytes: AtomicUsize,
+    budget: usize,
+}
+
+impl Default for HeldDocuments {
+    fn default() -> Self {
+        Self {
+            bytes: AtomicUsize::new(0),
+            budget: MAX_HELD_DOCUMENT_BYTES,
+        }
+    }
+}
+
+/// One answer's share of [`HeldDocuments`], given back when dropped.
+struct Holding<'a> {
+    held: &'a HeldDocuments,
+    mine: usize,
+}
+
+impl Holding<'_> {
+    /// Holds `bytes` now (instead of what it held); whether the process's answers hold no
+    /// more than their budget together.
+    fn hold(&mut self, bytes: usize) -> bool {
+        if bytes >= self.mine {
+            self.held
+                .bytes
+                .fetch_add(bytes - self.mine, Ordering::SeqCst);
+        } else {
+            self.held
+                .bytes
+                .fetch_sub(self.mine - bytes, Ordering::SeqCst);
+        }
+        self.mine = bytes;
+        self.held.bytes.load(Ordering::SeqCst) <= self.held.budget
+    }
+}
+
+impl Drop for Holding<'_> {
+    fn drop(&mut self) {
+        self.held.bytes.fetch_sub(self.mine, Ordering::SeqCst);
+    }
 }
 
 /// Requests of one process receiving their body or being served, at most: a start past it is
@@ -217,6 +269,7 @@ impl TunnelRequests {
         let tunnel = tunnel.clone();
         let done_id = id.clone();
         let sent = body_bytes.clone();
+        let held = self.held.clone();
         let task = tokio::spawn(async move {
             let request_id = request.request_id.clone();
             let response = match refused {
@@ -226,7 +279,7 @@ impl TunnelRequests {
             };
             // The answer is in: the body was sent (or never will be), and is let go.
             sent.store(0, Ordering::SeqCst);
-            answer(conn, request_id, response).await;
+            answer(conn, request_id, response, &held).await;
             on_done(done_id);
         });
         self.serving.insert(
@@ -256,7 +309,12 @@ impl TunnelRequests {
 /// Streams `response` to the runtime as the answer to `request_id`: the head, then the body
 /// in as few `httpResponseChunk` calls as it allows, the last piece carrying `end` when the
 /// body is known to be over (no call of its own).
-async fn answer(conn: Connection, request_id: String, mut response: ModelResponse) {
+async fn answer(
+    conn: Connection,
+    request_id: String,
+    mut response: ModelResponse,
+    held: &HeldDocuments,
+) {
     let mut headers: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (name, value) in response.headers {
         headers.entry(name).or_default().push(value);
@@ -288,9 +346,11 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
         MAX_COALESCED_BYTES
     };
     // A piece that ended a chunk's reading and is sent next.
-    let mut held: Option<BodyChunk> = None;
+    let mut held_piece: Option<BodyChunk> = None;
+    // What this answer holds of its document, within the process's budget.
+    let mut holding = Holding { held, mine: 0 };
     loop {
-        let piece = match held.take() {
+        let piece = match held_piece.take() {
             Some(piece) => piece,
             None => match response.body.recv().await {
                 Some(piece) => piece,
@@ -306,13 +366,17 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
                     let next = match response.body.try_recv() {
                         Ok(next) => Some(next),
                         Err(TryRecvError::Disconnected) => None,
-                        Err(TryRecvError::Empty) if whole => response.body.recv().await,
+                        // A document waits for its next piece while the process's answers
+                        // hold no more than their budget; past it, it goes as it is.
+                        Err(TryRecvError::Empty) if whole && holding.hold(data.len()) => {
+                            response.body.recv().await
+                        }
                         Err(TryRecvError::Empty) => break,
                     };
                     match next {
                         Some(Ok(more)) => data.push_str(&more),
                         Some(Err(message)) => {
-                            held = Some(Err(message));
+                            held_piece = Some(Err(message));
                             break;
                         }
                         None => {
@@ -321,6 +385,7 @@ async fn answer(conn: Connection, request_id: String, mut response: ModelRespons
                         }
                     }
                 }
+                holding.hold(0);
                 chunk(data, over, None)
             }
             Err(message) => chunk(String::new(), true, Some(message)),
@@ -393,6 +458,16 @@ mod tests {
         body: mpsc::Receiver<BodyChunk>,
         between_calls: impl Fn(usize) + Send + 'static,
     ) -> Vec<Value> {
+        chunks_held_within(&Arc::default(), content_type, body, between_calls).await
+    }
+
+    /// As [`chunks_of`], the answer holding its document within `held`.
+    async fn chunks_held_within(
+        held: &Arc<HeldDocuments>,
+        content_type: &str,
+        body: mpsc::Receiver<BodyChunk>,
+        between_calls: impl Fn(usize) + Send + 'static,
+    ) -> Vec<Value> {
         let (ours, mut theirs) = duplex(1 << 20);
         let (r, w) = tokio::io::split(ours);
         let options = ConnectionOptions {
@@ -406,7 +481,9 @@ mod tests {
             headers: vec![("content-type".to_owned(), content_type.to_owned())],
             body,
         };
-        let streaming = tokio::spawn(answer(conn, "r1".to_owned(), response));
+        let held = held.clone();
+        let streaming =
+            tokio::spawn(async move { answer(conn, "r1".to_owned(), response, &held).await });
         // The limits are failure guards: a chunk that never comes fails the test.
         let limit = Duration::from_secs(10);
         let head = tokio::time::timeout(limit, answer_one(&mut theirs))
@@ -507,6 +584,33 @@ mod tests {
             assert_eq!(chunks[0]["data"], "{\"choices\":[]}");
             assert_eq!(chunks[0]["end"], true);
         }
+    }
+
+    #[tokio::test]
+    async fn a_json_document_goes_on_as_it_arrives_once_the_processs_answers_hold_their_budget() {
+        // The process's other answers hold the budget already: this one holds nothing back.
+        let held = Arc::new(HeldDocuments {
+            bytes: AtomicUsize::new(0),
+            budget: 4,
+        });
+        let (tx, body) = mpsc::channel(16);
+        tx.send(Ok("{\"choices\":".to_owned()))
+            .await
+            .expect("queued");
+        let tx = std::sync::Mutex::new(Some(tx));
+        // The rest of the document exists only once its first piece reached the runtime.
+        let chunks = chunks_held_within(&held, "application/json", body, move |sent| {
+            let mut tx = tx.lock().expect("the test's sender");
+            if sent == 1 {
+                let _ = tx.as_ref().expect("open").try_send(Ok("[]}".to_owned()));
+                *tx = None;
+            }
+        })
+        .await;
+        let data: Vec<_> = chunks.iter().map(|c| c["data"].clone()).collect();
+        assert_eq!(data, ["{\"choices\":", "[]}"], "{chunks:?}");
+        assert_eq!(chunks[1]["end"], true);
+        assert_eq!(held.bytes.load(Ordering::SeqCst), 0, "all given back");
     }
 
     #[tokio::test]
