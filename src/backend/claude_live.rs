@@ -416,7 +416,13 @@ impl ClaudeLive {
         #[cfg(feature = "mcp-bridge")]
         let mut bridge_hold = self.bridge.as_ref().map(super::mcp_bridge::McpBridge::hold);
         if !running || self.bridge_expired() {
-            self.process = None;
+            // A live process (its bridge expired) is closed as any restart closes it, so it
+            // writes what it holds of the session first; a dead one is only reaped.
+            if let Some(process) = self.process.take()
+                && running
+            {
+                close_process(process, self.config.close_grace).await;
+            }
             self.spawn().await?;
             #[cfg(feature = "mcp-bridge")]
             {

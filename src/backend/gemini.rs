@@ -79,7 +79,10 @@ pub enum GeminiError {
     /// Exit 42 on `--resume`: the CLI has no session with that id in this project.
     #[error(
         "Gemini CLI has no session to resume (exit 42): {message}; the stored session id is \
-         stale or belongs to another working directory: drop it and start a new conversation"
+         stale or belongs to another working directory, and every turn of this conversation \
+         will fail the same way: delete the conversation (the HTTP API's DELETE \
+         /v1/sessions/{{agent_id}}/{{session_key}}?backend=<id>, which drops the stored \
+         id) or go on under a new session key"
     )]
     ResumeNotFound {
         /// The CLI's message.
