@@ -413,6 +413,17 @@ async fn the_reasoning_effort_reaches_the_model_and_a_new_effort_restarts_the_pr
     assert_ne!(live.pid(), Some(pid));
     let call = fx.call_answered("another model");
     assert_eq!(call.body["model"], "claude-sonnet-4-5", "{}", call.body);
+    // Another system prompt, where the backend passes it to a session's first start only
+    // (the default): a restart would pass nothing, so the process stays.
+    live.set_model(
+        Some("claude-sonnet-4-5".to_owned()),
+        Some("other rules".to_owned()),
+    );
+    assert!(
+        !live
+            .set_lease_settings(Arc::new(RejectAll::default()), Some(ReasoningEffort::Low))
+            .await
+    );
     live.close().await;
 }
 

@@ -735,13 +735,20 @@ impl ClaudeLive {
             effort: config.reasoning_effort.map(claude_effort),
             permission_mode: claude_permission_mode(approves_all, root, sandboxed),
             model: config.model.clone(),
-            system_prompt: config.system_prompt.clone(),
+            // Compared only where a restart passes it again: with the backend's default
+            // (`First`) a resumed session keeps the one it began with, and a restart for
+            // another would change nothing.
+            system_prompt: (config.backend.system_prompt_when == SystemPromptWhen::Always)
+                .then(|| config.system_prompt.clone())
+                .flatten(),
         }
     }
 
     /// The model and system prompt of the turns to come (a lease's, on a conversation kept
     /// between leases): the next [`ClaudeLive::set_lease_settings`] closes a process started
-    /// with others, as for its own settings.
+    /// with another model, or with another system prompt where the backend passes it at
+    /// every start (`systemPromptWhen = "always"`; with `first`, the default, a session keeps
+    /// the one it began with), as for its own settings.
     pub fn set_model(&mut self, model: Option<String>, system_prompt: Option<String>) {
         self.config.model = model;
         self.config.system_prompt = system_prompt;

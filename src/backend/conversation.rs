@@ -116,9 +116,11 @@ impl CliConversation {
 
     /// A lease's settings for its turns: its permission policy, reasoning effort, model and
     /// system prompt (a conversation kept between leases runs each lease's, never the ones
-    /// it was opened with). Claude Code's process is restarted (resuming the session) when
-    /// its `--effort`, `--permission-mode`, model or system prompt must change (`true`
-    /// then); a one-shot conversation applies them to its next run (Codex: `-c
+    /// it was opened with, as far as its backend passes them: a system prompt given only to
+    /// a session's first run, `systemPromptWhen = "first"`, stays the session's first).
+    /// Claude Code's process is restarted (resuming the session) when its `--effort`,
+    /// `--permission-mode`, model or (passed at every start) system prompt must change
+    /// (`true` then); a one-shot conversation applies them to its next run (Codex: `-c
     /// model_reasoning_effort`; other dialects have no effort mapping and ignore it, see
     /// `OneshotConfig::reasoning_effort`).
     pub async fn set_lease_settings(

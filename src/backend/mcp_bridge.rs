@@ -584,8 +584,17 @@ pub struct BridgeHold {
 
 impl BridgeHold {
     fn new(shared: Arc<Shared>) -> Self {
-        shared.in_flight.fetch_add(1, Ordering::SeqCst);
-        touch(&shared);
+        // Under the lock the idle watch decides under: a hold taken before its look keeps
+        // the bridge running, one taken after its stop finds the bridge stopped.
+        match shared.last_activity.lock() {
+            Ok(mut last) => {
+                shared.in_flight.fetch_add(1, Ordering::SeqCst);
+                *last = Instant::now();
+            }
+            Err(_) => {
+                shared.in_flight.fetch_add(1, Ordering::SeqCst);
+            }
+        }
         Self { shared }
     }
 }
@@ -622,17 +631,17 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 async fn idle_watch(shared: Arc<Shared>, cancel: CancellationToken) {
     let ttl = shared.config.idle_ttl;
     loop {
-        let last = shared
-            .last_activity
-            .lock()
-            .map(|l| *l)
-            .unwrap_or_else(|_| Instant::now());
-        let expires = last + ttl;
-        if Instant::now() >= expires && shared.in_flight.load(Ordering::SeqCst) == 0 {
-            tracing::debug!(?ttl, "MCP bridge idle; stopping");
-            cancel.cancel();
-            return;
-        }
+        let expires = {
+            // The look and the stop under the lock a hold is taken under (`BridgeHold::new`).
+            let last = shared.last_activity.lock();
+            let expires = last.as_deref().copied().unwrap_or_else(|_| Instant::now()) + ttl;
+            if Instant::now() >= expires && shared.in_flight.load(Ordering::SeqCst) == 0 {
+                tracing::debug!(?ttl, "MCP bridge idle; stopping");
+                cancel.cancel();
+                return;
+            }
+            expires
+        };
         // A request in flight past the TTL: look again one TTL later.
         let wake = if Instant::now() >= expires {
             Instant::now() + ttl

@@ -915,7 +915,8 @@ impl Oneshot {
             stdout_done: false,
             exit_seen: false,
             drain_deadline: None,
-            deadline: Instant::now() + self.config.turn_timeout,
+            // The lease's limit (no limit: `Duration::MAX`) can be past any instant.
+            deadline: crate::deadline::from_now(self.config.turn_timeout),
             abort: Arc::new(Notify::new()),
             queue: VecDeque::new(),
             ended: false,
@@ -1930,7 +1931,6 @@ impl OneshotTurn<'_> {
         }
     }
 
-    /// Ends the turn: stores the session, de-cumulates the usage, queues the `turn.end`.
     /// Stores the session this turn ran in (learned from the output, else the one passed)
     /// in the conversation, for the next turn to continue: at the turn's end, and when the
     /// turn is dropped before it (its caller gone), since the CLI may have started a
@@ -1956,6 +1956,7 @@ impl OneshotTurn<'_> {
         }
     }
 
+    /// Ends the turn: stores the session, de-cumulates the usage, queues the `turn.end`.
     fn end_with(&mut self, end: TurnEnd, failure: Option<TurnFailure>) {
         if self.ended {
             return;
@@ -2931,6 +2932,22 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1,"output_tokens":1}}'"#;
         let (next, _) = run(&mut oneshot, "second").await;
         assert!(next.resumed, "{next:?}");
         assert!(next.text.contains("resume t-7 second"), "{next:?}");
+    }
+
+    #[tokio::test]
+    async fn a_turn_without_a_limit_of_its_own_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = sh_config(
+            dir.path(),
+            r#"cat >/dev/null
+echo '{"type":"item.completed","item":{"id":"m","type":"agent_message","text":"done"}}'"#,
+        );
+        // What a lease without a limit passes on (`Duration::MAX` is "none" in the crate).
+        config.turn_timeout = Duration::MAX;
+        let mut oneshot = Oneshot::new(config).unwrap();
+        let (outcome, _) = run(&mut oneshot, "p").await;
+        assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+        assert_eq!(outcome.text, "done");
     }
 
     #[tokio::test]

@@ -110,15 +110,15 @@ impl ModelGuardConfig {
         if !origin_only {
             return Err(bad());
         }
-        // Model requests go over plain http:// to loopback only (`target::check_addresses`):
-        // an http origin elsewhere would be listed and never reached.
-        let loopback = match url.host() {
-            Some(url::Host::Domain(name)) => name.eq_ignore_ascii_case("localhost"),
-            Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
-            Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
-            None => false,
-        };
-        if url.scheme() == "http" && !loopback {
+        // Model requests go over plain http:// to loopback only (`target::check_addresses`,
+        // on the addresses a name resolves to): an http origin at another address would be
+        // listed and never reached. (A name is judged by what it resolves to, per request.)
+        let elsewhere = match url.host() {
+            Some(url::Host::Ipv4(ip)) => address::classify(IpAddr::V4(ip)),
+            Some(url::Host::Ipv6(ip)) => address::classify(IpAddr::V6(ip)),
+            _ => Some(AddressClass::Loopback),
+        } != Some(AddressClass::Loopback);
+        if url.scheme() == "http" && elsewhere {
             return Err(GuardError::PlainHttpPrivateEndpoint(text.to_owned()));
         }
         Ok(url)
@@ -186,12 +186,12 @@ pub enum GuardError {
          `https://llm.internal:8443`"
     )]
     PrivateEndpoint(String),
-    /// An entry of `private_endpoints` is plain `http://` to a host other than loopback,
-    /// which model requests never go to.
+    /// An entry of `private_endpoints` is plain `http://` to an IP address other than
+    /// loopback, which model requests never go to.
     #[error(
         "private_endpoints (the daemon's [model] private_endpoints): {0:?} is plain http:// \
-         to a host that is not loopback, and model requests go over plain http:// only to \
-         loopback (the provider's key would cross the network in clear); serve the model \
+         to an address that is not loopback, and model requests go over plain http:// only \
+         to loopback (the provider's key would cross the network in clear); serve the model \
          over https:// and list that origin, or list a loopback address"
     )]
     PlainHttpPrivateEndpoint(String),

@@ -975,16 +975,19 @@ async fn an_operator_listed_private_endpoint_passes_and_no_other_private_one_doe
         assert!(error.to_string().contains("is not an origin"), "{error}");
     }
     // Plain http:// only where model requests may go over it: loopback.
+    // (A name is judged by the addresses it resolves to, at each request.)
     for good in [
         "http://127.0.0.1:11434",
         "http://[::1]:8080",
+        "http://[::ffff:127.0.0.1]:8080",
         "http://localhost:11434",
+        "http://ollama.localhost:11434",
         "https://10.0.0.7:8443",
         "https://llm.internal",
     ] {
         ModelGuardConfig::private_endpoint(good).expect(good);
     }
-    for never_reached in ["http://10.0.0.7:11434", "http://llm.internal:11434"] {
+    for never_reached in ["http://10.0.0.7:11434", "http://[fd00::7]:11434"] {
         let error = ModelGuardConfig::private_endpoint(never_reached).expect_err(never_reached);
         assert!(
             error.to_string().contains("not loopback") && error.to_string().contains("https://"),

@@ -199,7 +199,8 @@ impl TunnelRequests {
     }
 
     /// A body chunk arrived. On the last chunk the request is served (or, past the tunnel's
-    /// body limit, answered with its `request_too_large` without being served); `on_done`
+    /// body limit, answered with its `request_too_large` without being served; past the
+    /// process's budget of bodies in flight, with its `bodies_in_flight`); `on_done`
     /// runs when the response has been streamed (or failed). Returns false for an unknown
     /// request id.
     pub(crate) fn chunk(
@@ -590,7 +591,7 @@ mod tests {
     async fn a_json_document_goes_on_as_it_arrives_once_the_processs_answers_hold_their_budget() {
         // The process's other answers hold the budget already: this one holds nothing back.
         let held = Arc::new(HeldDocuments {
-            bytes: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(4),
             budget: 4,
         });
         let (tx, body) = mpsc::channel(16);
@@ -610,7 +611,7 @@ mod tests {
         let data: Vec<_> = chunks.iter().map(|c| c["data"].clone()).collect();
         assert_eq!(data, ["{\"choices\":", "[]}"], "{chunks:?}");
         assert_eq!(chunks[1]["end"], true);
-        assert_eq!(held.bytes.load(Ordering::SeqCst), 0, "all given back");
+        assert_eq!(held.bytes.load(Ordering::SeqCst), 4, "its own given back");
     }
 
     #[tokio::test]

@@ -128,15 +128,15 @@ pub trait ModelTunnel: Send + Sync + 'static {
     }
 }
 
-/// A 503 answer for a request that came while its process's model request bodies in flight
-/// held `budget` bytes, as an OpenAI-style error.
+/// A 503 answer for a request whose body would take its process's model request bodies in
+/// flight past `budget` bytes together, as an OpenAI-style error.
 pub fn bodies_in_flight_response(budget: usize) -> ModelResponse {
     let body = serde_json::json!({
         "error": {
             "message": format!(
-                "copilot-pool: the model request bodies of this process in flight (arriving or \
-                 not yet sent) hold {budget} bytes together, twice max_request_body_bytes; \
-                 retry once one has been sent"
+                "copilot-pool: with this one, the model request bodies of this process in \
+                 flight (arriving or not yet sent) would pass {budget} bytes together, twice \
+                 max_request_body_bytes; retry once one has been sent"
             ),
             "type": "server_error",
             "code": "bodies_in_flight",
