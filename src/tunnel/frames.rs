@@ -38,6 +38,8 @@ pub(crate) struct TunnelRequests {
     receiving: HashMap<String, Receiving>,
     serving: HashMap<String, Serving>,
     held: Arc<HeldDocuments>,
+    /// The serial the next serving gets.
+    next_serial: u64,
 }
 
 /// What the process's answers hold back of their JSON documents, together.
@@ -121,6 +123,32 @@ pub(crate) enum StartRefused {
 struct Serving {
     task: AbortHandle,
     body_bytes: Arc<AtomicUsize>,
+    /// Which serving of its id this is: the end of an earlier one (cancelled, then the id
+    /// used again) must not end this one.
+    serial: u64,
+}
+
+/// A request's serving ended (streamed, failed, panicked or stopped), for the worker to hand
+/// back to [`TunnelRequests::done`].
+#[derive(Debug)]
+pub(crate) struct ServingEnded {
+    request_id: String,
+    serial: u64,
+}
+
+/// Hands its [`ServingEnded`] on when dropped, however the serving task ends: a task that
+/// panics or is aborted still gives its place back.
+struct EndsServing<F: FnOnce(ServingEnded)> {
+    on_done: Option<F>,
+    ended: Option<ServingEnded>,
+}
+
+impl<F: FnOnce(ServingEnded)> Drop for EndsServing<F> {
+    fn drop(&mut self) {
+        if let (Some(on_done), Some(ended)) = (self.on_done.take(), self.ended.take()) {
+            on_done(ended);
+        }
+    }
 }
 
 /// A request whose body is still arriving.
@@ -201,14 +229,14 @@ impl TunnelRequests {
     /// A body chunk arrived. On the last chunk the request is served (or, past the tunnel's
     /// body limit, answered with its `request_too_large` without being served; past the
     /// process's budget of bodies in flight, with its `bodies_in_flight`); `on_done`
-    /// runs when the response has been streamed (or failed). Returns false for an unknown
-    /// request id.
+    /// runs when its serving ends, however it ends (streamed, failed, panicked, stopped).
+    /// Returns false for an unknown request id.
     pub(crate) fn chunk(
         &mut self,
         chunk: HttpRequestChunk,
         conn: &Connection,
         tunnel: &Arc<dyn ModelTunnel>,
-        on_done: impl FnOnce(String) + Send + 'static,
+        on_done: impl FnOnce(ServingEnded) + Send + 'static,
     ) -> bool {
         if chunk.cancel == Some(true) {
             self.receiving.remove(&chunk.request_id);
@@ -268,10 +296,19 @@ impl TunnelRequests {
         let body_bytes = Arc::new(AtomicUsize::new(request.body.len()));
         let conn = conn.clone();
         let tunnel = tunnel.clone();
-        let done_id = id.clone();
+        let serial = self.next_serial;
+        self.next_serial = self.next_serial.wrapping_add(1);
+        let ends = EndsServing {
+            on_done: Some(on_done),
+            ended: Some(ServingEnded {
+                request_id: id.clone(),
+                serial,
+            }),
+        };
         let sent = body_bytes.clone();
         let held = self.held.clone();
         let task = tokio::spawn(async move {
+            let _ends = ends;
             let request_id = request.request_id.clone();
             let response = match refused {
                 Some(Refusal::TooLarge) => tunnel.request_too_large(&request, limit),
@@ -281,21 +318,27 @@ impl TunnelRequests {
             // The answer is in: the body was sent (or never will be), and is let go.
             sent.store(0, Ordering::SeqCst);
             answer(conn, request_id, response, &held).await;
-            on_done(done_id);
         });
         self.serving.insert(
             id,
             Serving {
                 task: task.abort_handle(),
                 body_bytes,
+                serial,
             },
         );
         true
     }
 
-    /// A response finished streaming.
-    pub(crate) fn done(&mut self, request_id: &str) {
-        self.serving.remove(request_id);
+    /// A serving ended: its entry goes, unless its id is already being served anew.
+    pub(crate) fn done(&mut self, ended: &ServingEnded) {
+        if self
+            .serving
+            .get(&ended.request_id)
+            .is_some_and(|serving| serving.serial == ended.serial)
+        {
+            self.serving.remove(&ended.request_id);
+        }
     }
 
     /// Stops every response still streaming.
@@ -768,7 +811,12 @@ mod tests {
             Err(StartRefused::TooMany)
         ));
         // An id being served is not started again: its task could no longer be stopped.
-        requests.done("served-1");
+        let ended = ServingEnded {
+            request_id: "served-1".to_owned(),
+            serial: requests.serving["served-1"].serial,
+        };
+        requests.done(&ended);
+        assert!(!requests.serving.contains_key("served-1"));
         assert!(matches!(
             requests.start(head("served-0")),
             Err(StartRefused::IdInUse)
@@ -809,6 +857,65 @@ mod tests {
         fn max_request_body_bytes(&self) -> usize {
             1000
         }
+    }
+
+    /// A tunnel whose serving panics (a bug in it).
+    struct Panicking;
+
+    impl ModelTunnel for Panicking {
+        fn serve(&self, _request: ModelRequest) -> crate::tunnel::ServeFuture {
+            Box::pin(async { panic!("a tunnel bug (this test's)") })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_servings_end_comes_however_it_ends_and_ends_only_its_own_entry() {
+        let (conn, _theirs, _, _) = capturing(1000);
+        let unanswering: Arc<dyn ModelTunnel> = Arc::new(Unanswering);
+        let (tx, mut ends) = mpsc::unbounded_channel();
+        let on_done = |tx: &mpsc::UnboundedSender<ServingEnded>| {
+            let tx = tx.clone();
+            move |ended| {
+                let _ = tx.send(ended);
+            }
+        };
+        let mut requests = TunnelRequests::default();
+        requests.start(head("r1")).expect("room");
+        assert!(requests.chunk(piece("r1", "{}", true), &conn, &unanswering, on_done(&tx)));
+        // The runtime cancels it and uses its id again.
+        let cancel = HttpRequestChunk {
+            cancel: Some(true),
+            ..piece("r1", "", false)
+        };
+        assert!(requests.chunk(cancel, &conn, &unanswering, on_done(&tx)));
+        requests.start(head("r1")).expect("the id is free again");
+        assert!(requests.chunk(piece("r1", "{}", true), &conn, &unanswering, on_done(&tx)));
+        // The stopped serving's end comes, and leaves the new one alone.
+        let stopped = tokio::time::timeout(Duration::from_secs(10), ends.recv())
+            .await
+            .expect("the stopped serving's end")
+            .expect("sent");
+        requests.done(&stopped);
+        assert!(
+            requests.serving.contains_key("r1"),
+            "the new serving was ended"
+        );
+        requests.abort_all();
+        // A serving whose tunnel panics still ends, and gives its place back.
+        let panicking: Arc<dyn ModelTunnel> = Arc::new(Panicking);
+        requests.start(head("r2")).expect("room");
+        assert!(requests.chunk(piece("r2", "{}", true), &conn, &panicking, on_done(&tx)));
+        let ended = loop {
+            let ended = tokio::time::timeout(Duration::from_secs(10), ends.recv())
+                .await
+                .expect("the panicked serving's end")
+                .expect("sent");
+            if ended.request_id == "r2" {
+                break ended;
+            }
+        };
+        requests.done(&ended);
+        assert!(requests.serving.is_empty());
     }
 
     #[tokio::test]

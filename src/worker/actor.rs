@@ -80,8 +80,8 @@ pub(crate) enum WorkerMsg {
         session_id: String,
         request_id: String,
     },
-    /// A tunnelled model response finished.
-    TunnelDone(String),
+    /// A tunnelled model request's serving ended.
+    TunnelDone(crate::tunnel::frames::ServingEnded),
     /// Answers once everything queued before it has been handled.
     Flush(RpcReplyPort<()>),
 }
@@ -479,7 +479,7 @@ impl Actor for Worker {
                     state.pending.insert((kind, session_id, request_id));
                 }
             }
-            WorkerMsg::TunnelDone(request_id) => state.tunnel.done(&request_id),
+            WorkerMsg::TunnelDone(ended) => state.tunnel.done(&ended),
             WorkerMsg::Flush(reply) => {
                 let _ = reply.send(());
             }

@@ -183,8 +183,8 @@ impl WorkerState {
                 match serde_json::from_value::<HttpRequestChunk>(params) {
                     Ok(chunk) => {
                         let target = myself.clone();
-                        let known = self.tunnel.chunk(chunk, &self.conn, &tunnel, move |id| {
-                            let _ = target.cast(WorkerMsg::TunnelDone(id));
+                        let known = self.tunnel.chunk(chunk, &self.conn, &tunnel, move |ended| {
+                            let _ = target.cast(WorkerMsg::TunnelDone(ended));
                         });
                         if known {
                             responder.ok(json!({}));
