@@ -321,3 +321,57 @@ async fn a_bridge_stopped_by_its_idle_ttl_is_replaced_and_the_process_resumes() 
     assert_eq!(keys, ["one", "two"]);
     live.close().await;
 }
+
+/// Approves every request, each after `wait` (a person who takes their time).
+struct SlowApprover {
+    wait: Duration,
+}
+
+impl copilot_pool::permission::PermissionPolicy for SlowApprover {
+    fn decide(
+        &self,
+        _request: copilot_pool::permission::PermissionRequest,
+    ) -> copilot_pool::permission::DecisionFuture {
+        let wait = self.wait;
+        Box::pin(async move {
+            tokio::time::sleep(wait).await;
+            Ok(copilot_pool::permission::PermissionDecision::Approve)
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_keeps_its_bridge_past_the_idle_ttl_until_its_tool_call_comes() {
+    let fx = Fixture::new().await;
+    let mut tools = McpGatewayTools::new(fx.tools());
+    // The call waits for a permission longer than the bridge's TTL: Claude's last request
+    // to the bridge (its tools/list at the start) is older than the TTL when the call comes.
+    tools.bridge.idle_ttl = Duration::from_secs(1);
+    tools.ask_permission = true;
+    let mut config = fx.config("held", Some(tools)).await;
+    config.permission = Arc::new(SlowApprover {
+        wait: Duration::from_secs(3),
+    });
+    let mut live = ClaudeLive::new(config).expect("valid");
+    let (outcome, _) = turn(
+        &mut live,
+        r#"SCENARIO:tool NAME=mcp__gateway__lookup ARGS={"key":"late"}"#,
+    )
+    .await;
+    assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+    assert_eq!(outcome.text, "tool said: value of late", "{outcome:?}");
+    let keys: Vec<String> = fx
+        .calls
+        .lock()
+        .expect("calls")
+        .iter()
+        .map(|c| c.arguments["key"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(keys, ["late"]);
+    // The turn over, the TTL counts again: the idle bridge stops by itself.
+    let bridge = live.mcp_bridge().expect("a bridge");
+    tokio::time::timeout(TURN_LIMIT, bridge.stopped())
+        .await
+        .expect("the idle bridge stopped once the turn ended");
+    live.close().await;
+}

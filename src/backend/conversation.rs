@@ -159,7 +159,8 @@ impl CliConversation {
 
     /// How long a one-shot run may take (`None` for Claude Code, whose turns have no limit
     /// of their own).
-    pub fn own_turn_limit(&self) -> Option<std::time::Duration> {
+    #[cfg(test)]
+    pub(crate) fn own_turn_limit(&self) -> Option<std::time::Duration> {
         match self {
             CliConversation::Live(_) => None,
             CliConversation::Oneshot(oneshot) => Some(oneshot.turn_timeout()),

@@ -236,6 +236,16 @@ impl fmt::Debug for Responder {
 }
 
 impl Responder {
+    /// The responder of the peer's request `id` of `method` on this connection.
+    fn to(shared: &Shared, id: RequestId, method: String) -> Self {
+        Self {
+            id: Some(id),
+            method,
+            out: shared.out.clone(),
+            max_frame_bytes: shared.options.max_frame_bytes,
+        }
+    }
+
     /// The id the peer gave this request.
     pub fn id(&self) -> Option<&RequestId> {
         self.id.as_ref()
@@ -864,6 +874,29 @@ where
     shared.out.close();
 }
 
+/// Hands an answer to the call waiting for it, after what was read before it (so its caller
+/// wakes to find those handed on).
+fn deliver_answer(
+    shared: &Shared,
+    batch: &mut Vec<Incoming>,
+    sink: &IncomingBatchSink,
+    id: &Value,
+    outcome: Result<Value, ErrorObject>,
+) {
+    if !batch.is_empty() {
+        sink(std::mem::take(batch));
+    }
+    let waiter = id
+        .as_u64()
+        .and_then(|n| shared.pending.lock().ok().and_then(|mut p| p.remove(&n)));
+    match waiter {
+        Some((_, tx)) => {
+            let _ = tx.send(outcome);
+        }
+        None => tracing::debug!(%id, "Dropped a response nobody waits for (timed out?)."),
+    }
+}
+
 /// A frame holding more values than [`ConnectionOptions::max_frame_values`], read no
 /// further than its `id` and `method` (unknown members are skipped, never built): a request
 /// is answered [`INVALID_REQUEST`], an answer fails its waiting call with that error, a
@@ -908,29 +941,11 @@ fn refuse_too_many_values(
         _ => None,
     };
     match (head.method, id) {
-        (Some(method), Some(id)) => {
-            Responder {
-                id: Some(id),
-                method,
-                out: shared.out.clone(),
-                max_frame_bytes: shared.options.max_frame_bytes,
-            }
-            .err(error);
-        }
+        (Some(method), Some(id)) => Responder::to(shared, id, method).err(error),
         (Some(method), None) => {
             tracing::debug!(%method, limit, "Dropped a notification holding too many values.");
         }
-        (None, Some(id)) => {
-            if !batch.is_empty() {
-                sink(std::mem::take(batch));
-            }
-            let waiter = id
-                .as_u64()
-                .and_then(|n| shared.pending.lock().ok().and_then(|mut p| p.remove(&n)));
-            if let Some((_, tx)) = waiter {
-                let _ = tx.send(Err(error));
-            }
-        }
+        (None, Some(id)) => deliver_answer(shared, batch, sink, &id, Err(error)),
         (None, None) => {
             return Err("message is neither request, notification nor response".to_owned());
         }
@@ -1165,12 +1180,7 @@ fn dispatch(
                 }
                 Some(Params::Event(_)) | None => Value::Null,
             };
-            let responder = Responder {
-                id: Some(id),
-                method: method.clone(),
-                out: shared.out.clone(),
-                max_frame_bytes: shared.options.max_frame_bytes,
-            };
+            let responder = Responder::to(shared, id, method.clone());
             batch.push(Incoming::Request(IncomingRequest {
                 method,
                 params,
@@ -1229,18 +1239,7 @@ fn dispatch(
                 } else {
                     return Err("response without result or error".to_owned());
                 };
-            if !batch.is_empty() {
-                sink(std::mem::take(batch));
-            }
-            let waiter = id
-                .as_u64()
-                .and_then(|n| shared.pending.lock().ok().and_then(|mut p| p.remove(&n)));
-            match waiter {
-                Some((_, tx)) => {
-                    let _ = tx.send(outcome);
-                }
-                None => tracing::debug!(%id, "Dropped a response nobody waits for (timed out?)."),
-            }
+            deliver_answer(shared, batch, sink, &id, outcome);
             Ok(())
         }
         (None, None) => Err("message is neither request, notification nor response".to_owned()),
