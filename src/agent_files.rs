@@ -276,6 +276,7 @@ pub(crate) fn create_dirs(root: &Path, rel: &Path, mode: u32) -> io::Result<()> 
 /// removed, never followed), reached without following a link; a link (or anything else)
 /// in place of `rel` itself is removed too. A directory inside it is left, and so is `rel`
 /// then (`Ok(false)`); one already gone is `Ok(true)`.
+#[cfg(any(feature = "http", test))]
 pub(crate) fn remove_flat_dir(root: &Path, rel: &Path) -> io::Result<bool> {
     use nix::unistd::{UnlinkatFlags, unlinkat};
     let (parent, name) = match parent_and_name(root, rel) {

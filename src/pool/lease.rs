@@ -103,6 +103,7 @@ impl Lease {
     /// The directory the session was opened in: the conversation's working directory (for a
     /// lease to delete it, the one its binding recorded when it did, and the agent's home
     /// when that is gone or no longer allowed), where its inline attachments are.
+    #[cfg(feature = "http")]
     pub(crate) fn working_directory(&self) -> &std::path::Path {
         self.driver.working_directory()
     }
@@ -346,24 +347,28 @@ impl Lease {
     /// instead of running turns through the driver (the SDK endpoint). Such a caller counts
     /// its turns with [`Lease::turn_passed`] and reports an aborted turn that did not settle
     /// with [`Lease::set_unsettled`].
+    #[cfg(feature = "sdk-endpoint")]
     pub(crate) fn passthrough(&mut self) -> Result<&mut Session, PoolError> {
         self.session_mut()
     }
 
     /// A turn run through [`Lease::passthrough`] reached `session.idle` (counts towards the
     /// process's turn limit).
+    #[cfg(feature = "sdk-endpoint")]
     pub(crate) fn turn_passed(&mut self) {
         self.turns += 1;
     }
 
     /// A turn run through [`Lease::passthrough`] was aborted and did not settle: the pool
     /// stops the process when the lease is dropped.
+    #[cfg(feature = "sdk-endpoint")]
     pub(crate) fn set_unsettled(&mut self) {
         self.unsettled = true;
     }
 
     /// The worker is gone (or the session must not be reused): the lease's drop detaches
     /// what is left instead of parking it.
+    #[cfg(feature = "sdk-endpoint")]
     pub(crate) fn set_lost(&mut self) {
         self.lost = true;
     }

@@ -46,6 +46,7 @@ use crate::worker::{Session, WorkerError, WorkerHandle};
 pub use crate::ids::{CliSessionId, ConversationId};
 pub use crate::turn::TurnOutcome;
 pub use bindings::{Binding, BindingError, BindingStore, CLI_BINDINGS_DIR};
+#[cfg(feature = "http")]
 pub(crate) use cli::WhileHeld;
 pub use config::InfiniteSessions;
 pub use config::{
@@ -539,6 +540,7 @@ impl Pool {
     /// `req.auth` gives, a process with no GitHub identity when it carries none; a session
     /// parked on a process of its own key is detached there first, as after a rotation. The
     /// lease is no traffic of its key: no warm spare is kept for it.
+    #[cfg(any(feature = "http", feature = "sdk-endpoint"))]
     pub(crate) async fn lease_to_delete(&self, mut req: LeaseRequest) -> Result<Lease, PoolError> {
         req.existing_only = true;
         req.runs_no_turn = true;

@@ -255,6 +255,7 @@ impl SessionOptions {
 
     /// The fields, to replace values in place (the directories, by their resolved paths;
     /// what goes in is not checked again).
+    #[cfg(feature = "http")]
     pub(crate) fn fields_mut(&mut self) -> &mut Map<String, Value> {
         &mut self.fields
     }

@@ -329,6 +329,7 @@ impl WorkerHandle {
     /// Sends a request with raw params and returns the raw result (a client's call passed on
     /// as it is). The answers to pending tool calls and permission prompts are refused here,
     /// like in [`WorkerHandle::call_with_timeout`]: they go through the ledger.
+    #[cfg(feature = "sdk-endpoint")]
     pub(crate) async fn call_raw(
         &self,
         method: &str,
