@@ -172,6 +172,43 @@ fn files_under(dir: &std::path::Path) -> Vec<PathBuf> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoints_query_reaches_the_model_whole_through_a_private_profile_file() {
+    let fx = Fixture::new().await;
+    let mut config = fx.config("q").await;
+    // A query like Azure's api-version, and a tenant's signature that must not show in
+    // the process list: in `base_url` Codex put its `/responses` after the query.
+    config.base_url = Some(format!(
+        "http://{}/v1?api-version=2025-01-01&sig=t%2Fop",
+        fx.endpoint.addr()
+    ));
+    let mut codex = Oneshot::new(config).expect("valid config");
+    let (outcome, _) = turn(&mut codex, "REPLY=with a query").await;
+    assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
+    let call = fx.call_answered("with a query");
+    assert_eq!(call.path, "/v1/responses");
+    let mut query: Vec<&str> = call
+        .query
+        .as_deref()
+        .unwrap_or_default()
+        .split('&')
+        .collect();
+    query.sort_unstable();
+    assert_eq!(query, ["api-version=2025-01-01", "sig=t%2Fop"]);
+    let codex_home = fx.dir.path().join("q").join("home").join(".codex");
+    let profiles: Vec<PathBuf> = files_under(&codex_home)
+        .into_iter()
+        .filter(|f| f.to_string_lossy().ends_with(".config.toml"))
+        .collect();
+    assert_eq!(profiles.len(), 1, "{profiles:?}");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&profiles[0])
+        .expect("profile")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_reasoning_effort_reaches_the_model_as_codexs_model_reasoning_effort() {
     let fx = Fixture::new().await;
     let mut config = fx.config("effort").await;

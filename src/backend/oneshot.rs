@@ -99,8 +99,9 @@ pub enum Dialect {
     /// Only what the configuration says.
     #[default]
     Generic,
-    /// Codex CLI: `CODEX_HOME` in the agent's home, the model provider declared with `-c`
-    /// overrides (bounded retries, `wire_api = "responses"`, the key's variable), usage
+    /// Codex CLI: `CODEX_HOME` in the agent's home, the model provider declared in a
+    /// profile file there (`CodexProfile`: bounded retries, `wire_api = "responses"`, the
+    /// key's variable, the endpoint's query), usage
     /// de-cumulated (Codex reports thread totals).
     Codex,
     /// Gemini CLI: its settings written into the agent's home before every run
@@ -683,6 +684,10 @@ pub enum OneshotError {
         /// The limit.
         max: usize,
     },
+    /// Codex CLI's model provider cannot be given to it as it is (the lease's
+    /// `provider.base_url`, or the backend's own arguments).
+    #[error("codex-cli cannot be given the provider: {0}")]
+    CodexProvider(String),
     /// Gemini CLI's settings could not be written into the agent's home.
     #[error(transparent)]
     Gemini(#[from] gemini::GeminiError),
@@ -711,6 +716,105 @@ struct Invocation {
     /// A stored session is continued.
     resumed: bool,
     output: OutputFormat,
+    /// Codex's model provider, written into its `CODEX_HOME` before the run (`-p` names it).
+    codex_profile: Option<CodexProfile>,
+}
+
+/// Codex's model provider as a profile file, `$CODEX_HOME/<name>.config.toml`, which
+/// `codex -p <name>` layers over the agent's own `config.toml` (Codex 0.171): the endpoint,
+/// the Responses API, one retry per request and stream, the key's variable, and the
+/// endpoint's query as Codex's `query_params`. In a file, not in `-c` overrides: a command
+/// line is readable by every process of the host (`/proc/<pid>/cmdline`), and a query may
+/// carry a tenant's key. The name is the content's hash, so runs of one agent with
+/// different providers never write each other's file.
+#[derive(Clone, PartialEq, Eq)]
+struct CodexProfile {
+    name: String,
+    text: String,
+}
+
+impl std::fmt::Debug for CodexProfile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The text holds the endpoint (and its query).
+        f.debug_struct("CodexProfile")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CodexProfile {
+    /// The profile for `url` (its query split off), with `key_env` as the key's variable.
+    fn new(url: &str, key_env: Option<&str>) -> Result<Self, OneshotError> {
+        let (base, query) = match url.split_once('?') {
+            Some((base, query)) => (base, Some(query)),
+            None => (url, None),
+        };
+        if query.is_some_and(|q| q.contains('#')) || base.contains('#') {
+            return Err(OneshotError::CodexProvider(
+                "provider.base_url has a fragment ('#...'), which an endpoint never \
+                 carries: remove it"
+                    .into(),
+            ));
+        }
+        let mut text = format!(
+            "# Written by copilot-pool before each run of codex-cli with this provider \
+             (`codex -p {{name}}`); rewritten as needed.\n\
+             model_provider = {provider}\n\n\
+             [model_providers.{CODEX_PROVIDER}]\n\
+             name = {provider}\n\
+             base_url = {base}\n\
+             wire_api = \"responses\"\n\
+             request_max_retries = 1\n\
+             stream_max_retries = 1\n",
+            provider = toml_string(CODEX_PROVIDER),
+            base = toml_string(base),
+        );
+        if let Some(key_env) = key_env {
+            text.push_str(&format!("env_key = {}\n", toml_string(key_env)));
+        }
+        if let Some(query) = query.filter(|q| !q.is_empty()) {
+            // Codex joins `query_params` into the query as they are (measured, 0.171: no
+            // escaping but of spaces), so each key and value goes in as the URL has it,
+            // escapes and all, and the endpoint gets the query it was given. (In
+            // `base_url` the query would come before the `/responses` Codex appends.)
+            let mut seen = HashSet::new();
+            let mut params = Vec::new();
+            for pair in query.split('&').filter(|p| !p.is_empty()) {
+                let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+                if !seen.insert(key) {
+                    return Err(OneshotError::CodexProvider(format!(
+                        "provider.base_url's query names '{key}' twice, which Codex cannot \
+                         pass on (its query parameters are a table): name each parameter once"
+                    )));
+                }
+                params.push(format!("{} = {}", toml_string(key), toml_string(value)));
+            }
+            text.push_str(&format!("query_params = {{ {} }}\n", params.join(", ")));
+        }
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(text.as_bytes());
+        let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let name = format!("copilot-pool-{hex}");
+        let text = text.replacen("{name}", &name, 1);
+        Ok(Self { name, text })
+    }
+
+    /// Where the file goes, relative to the agent's home.
+    fn relative_path(&self) -> PathBuf {
+        Path::new(".codex").join(format!("{}.config.toml", self.name))
+    }
+
+    /// Writes the file (0600) into the agent's home, unless it is there as it should be.
+    fn write(&self, home: &Path) -> std::io::Result<()> {
+        let rel = self.relative_path();
+        let limit = self.text.len() as u64 + 1;
+        if let Ok(current) = crate::agent_files::read(home, &rel, limit)
+            && current == self.text.as_bytes()
+        {
+            return Ok(());
+        }
+        crate::agent_files::replace(home, &rel, self.text.as_bytes(), 0o600)
+    }
 }
 
 /// One conversation of a `cli-oneshot` backend: the stored session, and a process per turn.
@@ -837,6 +941,14 @@ impl Oneshot {
             images,
             system_prompt_file.as_ref().map(|f| f.path.as_path()),
         )?;
+        if let Some(profile) = invocation.codex_profile.clone() {
+            let home = config.home.clone();
+            let path = config.home.join(profile.relative_path());
+            tokio::task::spawn_blocking(move || profile.write(&home))
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+                .map_err(|error| OneshotError::Home { path, error })?;
+        }
         #[allow(unused_mut)]
         let mut spec = self.child_spec(&invocation, tmp_dir);
         #[allow(unused_mut)]
@@ -849,7 +961,7 @@ impl Oneshot {
             if let Some(bridge) = &self.bridge {
                 ports.push(bridge.addr().port());
             }
-            // Global `-c` overrides, before the subcommand like the provider's.
+            // Global `-c` overrides, before the subcommand like the provider's profile.
             spec.args
                 .splice(0..0, mcp.args.into_iter().map(OsString::from));
             spec.env.extend(
@@ -997,9 +1109,13 @@ impl Oneshot {
             fresh.resume_args = None;
             fresh.argv(session_id.as_deref(), model)
         };
+        let mut codex_profile = None;
         if config.dialect == Dialect::Codex {
             let mut global = SafetySwitches::CODEX.config_args_for(backend);
-            global.extend(self.codex_overrides());
+            codex_profile = self.codex_profile()?;
+            if let Some(profile) = &codex_profile {
+                global.extend(["-p".to_owned(), profile.name.clone()]);
+            }
             if let Some(effort) = config.reasoning_effort
                 && !names_config_key(&args, "model_reasoning_effort")
             {
@@ -1134,10 +1250,11 @@ impl Oneshot {
             session_id,
             resumed,
             output,
+            codex_profile,
         })
     }
 
-    /// Codex's model provider as `-c` overrides: the endpoint, the Responses API, the key's
+    /// Codex's model provider as a profile file ([`CodexProfile`]): the endpoint, the Responses API, the key's
     /// variable (when there is a key) and one retry per request and stream.
     ///
     /// Without a `base_url` but with a key, the provider is OpenAI's own endpoint
@@ -1147,7 +1264,7 @@ impl Oneshot {
     /// Without either, the CLI's own login (`codex login` in the agent's home) is used
     /// through the built-in provider and its retries stay Codex's own; a warning says so
     /// once per process.
-    fn codex_overrides(&self) -> Vec<String> {
+    fn codex_profile(&self) -> Result<Option<CodexProfile>, OneshotError> {
         let url = match (&self.config.base_url, &self.config.api_key) {
             (Some(url), _) => url.as_str(),
             (None, Some(_)) => CODEX_OPENAI_BASE_URL,
@@ -1162,25 +1279,23 @@ impl Oneshot {
                          and api_key) to bound them to one"
                     );
                 });
-                return Vec::new();
+                return Ok(None);
             }
         };
-        let mut provider = format!(
-            "{{name={},base_url={},wire_api=\"responses\",request_max_retries=1,\
-             stream_max_retries=1",
-            toml_string(CODEX_PROVIDER),
-            toml_string(url)
-        );
-        if self.config.api_key.is_some() {
-            provider.push_str(&format!(",env_key={}", toml_string(&self.key_env())));
+        if let Some(flag) = self.config.backend.args.iter().find(|a| {
+            *a == "-p"
+                || *a == "--profile"
+                || a.starts_with("--profile=")
+                || a.starts_with("-p") && a.len() > 2 && !a.starts_with("--")
+        }) {
+            return Err(OneshotError::CodexProvider(format!(
+                "the backend's args name a profile ('{flag}'), and the pool passes the \
+                 lease's provider as a profile of its own (`-p`): move those settings into \
+                 the agent's $CODEX_HOME/config.toml and drop '{flag}' from the args"
+            )));
         }
-        provider.push('}');
-        vec![
-            "-c".to_owned(),
-            format!("model_provider={}", toml_string(CODEX_PROVIDER)),
-            "-c".to_owned(),
-            format!("model_providers.{CODEX_PROVIDER}={provider}"),
-        ]
+        let key_env = self.config.api_key.as_ref().map(|_| self.key_env());
+        CodexProfile::new(url, key_env.as_deref()).map(Some)
     }
 
     /// The variable the key goes in: the runner's `key_env`, else the backend's
@@ -2193,23 +2308,29 @@ mod tests {
         let at = fresh
             .args
             .iter()
-            .position(|a| a == r#"model_provider="copilot_pool""#)
-            .expect("the provider is declared");
-        assert_eq!(fresh.args[at - 1], "-c");
+            .position(|a| a == "-p")
+            .expect("the provider's profile is named");
         assert!(
             at < fresh.args.iter().position(|a| a == "exec").unwrap(),
-            "global overrides go before the subcommand"
+            "global options go before the subcommand"
         );
-        let provider = &fresh.args[at + 2];
+        let profile = fresh.codex_profile.as_ref().expect("a profile");
+        assert_eq!(fresh.args[at + 1], profile.name);
         for part in [
-            r#"base_url="http://127.0.0.1:9/v1""#,
-            r#"wire_api="responses""#,
-            "request_max_retries=1",
-            "stream_max_retries=1",
-            r#"env_key="COPILOT_POOL_MODEL_KEY""#,
+            r#"model_provider = "copilot_pool""#,
+            r#"base_url = "http://127.0.0.1:9/v1""#,
+            r#"wire_api = "responses""#,
+            "request_max_retries = 1",
+            "stream_max_retries = 1",
+            r#"env_key = "COPILOT_POOL_MODEL_KEY""#,
         ] {
-            assert!(provider.contains(part), "{part} in {provider}");
+            assert!(profile.text.contains(part), "{part} in {}", profile.text);
         }
+        assert!(
+            fresh.args.iter().all(|a| !a.contains("127.0.0.1:9")),
+            "the endpoint is not on the command line: {:?}",
+            fresh.args
+        );
         assert!(fresh.args.iter().all(|a| !a.contains("do-not-print")));
 
         oneshot.session = Some(StoredSession::new("thread-1"));
@@ -2230,6 +2351,74 @@ mod tests {
         let flag = oneshot.invocation("--help me", &[], None).unwrap();
         assert_eq!(flag.stdin_prompt.as_deref(), Some("--help me"));
         assert_ne!(flag.args.last().map(String::as_str), Some("--help me"));
+    }
+
+    #[test]
+    fn codexs_profile_carries_the_endpoints_query_as_its_query_params_as_given() {
+        let profile = CodexProfile::new(
+            "https://llm.example/v1?api-version=2025-01-01&key=s%26cret&flag",
+            Some("K"),
+        )
+        .unwrap();
+        assert!(
+            profile
+                .text
+                .contains(r#"base_url = "https://llm.example/v1""#),
+            "{}",
+            profile.text
+        );
+        assert!(
+            profile.text.contains(
+                r#"query_params = { "api-version" = "2025-01-01", "key" = "s%26cret", "flag" = "" }"#
+            ),
+            "{}",
+            profile.text
+        );
+        assert!(profile.text.contains(&format!("codex -p {}", profile.name)));
+        // Another endpoint, another file: runs with different providers never share one.
+        let other = CodexProfile::new("https://llm.example/v1?key=other", Some("K")).unwrap();
+        assert_ne!(profile.name, other.name);
+        assert_eq!(
+            CodexProfile::new("https://llm.example/v1?key=other", Some("K")).unwrap(),
+            other
+        );
+        assert!(!format!("{other:?}").contains("other"), "{other:?}");
+        let twice = CodexProfile::new("https://llm.example/v1?a=1&a=2", None).unwrap_err();
+        assert!(twice.to_string().contains("'a' twice"), "{twice}");
+        let fragment = CodexProfile::new("https://llm.example/v1#x", None).unwrap_err();
+        assert!(fragment.to_string().contains("fragment"), "{fragment}");
+    }
+
+    #[test]
+    fn codexs_profile_is_written_private_into_its_home_and_replaces_a_planted_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path();
+        std::fs::create_dir(home.join(".codex")).unwrap();
+        let profile = CodexProfile::new("http://127.0.0.1:9/v1?k=v", None).unwrap();
+        let path = home.join(profile.relative_path());
+        std::os::unix::fs::symlink(home.join("elsewhere"), &path).unwrap();
+        profile.write(home).unwrap();
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert!(meta.is_file(), "the link is replaced, not followed");
+        assert!(!home.join("elsewhere").exists());
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), profile.text);
+        profile.write(home).unwrap();
+    }
+
+    #[test]
+    fn a_codex_backend_whose_args_name_a_profile_is_refused_with_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        for flag in ["-p", "--profile", "--profile=mine", "-pmine"] {
+            let mut oneshot = codex(dir.path());
+            oneshot.config.backend.args.insert(0, flag.to_owned());
+            let refused = oneshot.invocation("hello", &[], None).unwrap_err();
+            assert!(
+                refused.to_string().contains("config.toml"),
+                "{flag}: {refused}"
+            );
+        }
     }
 
     #[test]
@@ -2306,7 +2495,8 @@ mod tests {
         config.reasoning_effort = Some(ReasoningEffort::High);
         config.api_key = Some(Secret::new("sk-FAKE-do-not-print"));
         let oneshot = Oneshot::new(config).unwrap();
-        let args = oneshot.invocation("hi", &[], None).unwrap().args;
+        let invocation = oneshot.invocation("hi", &[], None).unwrap();
+        let args = invocation.args;
         for switch in [
             "features.plugins=false",
             "check_for_update_on_startup=false",
@@ -2321,15 +2511,12 @@ mod tests {
             "{args:?}"
         );
         // No base URL but a key: OpenAI's endpoint, declared by the pool, retries bounded.
-        let provider = args
-            .iter()
-            .find(|a| a.starts_with("model_providers.copilot_pool="))
-            .expect("a provider");
+        let provider = invocation.codex_profile.expect("a provider").text;
         for part in [
-            r#"base_url="https://api.openai.com/v1""#,
-            "request_max_retries=1",
-            "stream_max_retries=1",
-            r#"env_key="OPENAI_API_KEY""#,
+            r#"base_url = "https://api.openai.com/v1""#,
+            "request_max_retries = 1",
+            "stream_max_retries = 1",
+            r#"env_key = "OPENAI_API_KEY""#,
         ] {
             assert!(provider.contains(part), "{part} in {provider}");
         }
@@ -2337,15 +2524,13 @@ mod tests {
         let mut config = OneshotConfig::codex("/opt/codex", dir.path().join("h"), dir.path());
         config.backend.args = vec!["exec".into(), "-c".into(), "x=1".into()];
         config.backend.session_mode = SessionMode::None;
-        let args = Oneshot::new(config)
+        let invocation = Oneshot::new(config)
             .unwrap()
             .invocation("hi", &[], None)
-            .unwrap()
-            .args;
-        assert!(
-            !args.iter().any(|a| a.contains("model_provider")),
-            "{args:?}"
-        );
+            .unwrap();
+        assert!(invocation.codex_profile.is_none());
+        let args = invocation.args;
+        assert!(!args.iter().any(|a| a == "-p"), "{args:?}");
         assert!(!args.iter().any(|a| a.contains("reasoning")), "{args:?}");
         assert!(
             args.iter().any(|a| a == "analytics.enabled=false"),

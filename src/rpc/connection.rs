@@ -63,7 +63,7 @@ pub struct ConnectionOptions {
     /// reader runs until the peer closes its side.
     pub peer_limits: Option<PeerLimits>,
     /// For a peer whose messages are parsed into values it may shape (a network client): a
-    /// frame holding more JSON values than this (counted by [`crate::json_values`], before
+    /// frame holding more JSON values than this (counted by `crate::json_values`, before
     /// parsing) is not parsed. A request gets an [`INVALID_REQUEST`] answer saying so, an
     /// answer fails the call that waits for it the same way, and a notification is
     /// dropped; the connection goes on. `None` (the default): no bound beyond

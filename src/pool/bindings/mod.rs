@@ -4,7 +4,7 @@
 //! by the SHA-256 of the session key (caller strings never reach a path), written atomically
 //! (temp file, fsync, rename, fsync of the directory). Unreadable or foreign files are
 //! treated as absent, never as fatal. Bindings move between stores once
-//! ([`BindingStore::take_once_from`]) when a version of the pool moves a namespace. Each
+//! (`BindingStore::take_once_from`) when a version of the pool moves a namespace. Each
 //! store keeps an index by agent and CLI session id (`by_session`) so finding which
 //! conversation holds a session reads one file.
 
