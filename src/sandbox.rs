@@ -92,7 +92,10 @@ pub struct Sandbox {
     pub never_connect: Vec<u16>,
     /// The worker's private temporary directory (`TMPDIR`, `TMP`, `TEMP`), set per key.
     pub temp_dir: Option<PathBuf>,
-    /// The worker's `HOME` unless its `extra_env` sets one, set per key.
+    /// The worker's `HOME` unless its `extra_env` sets one, set per key. It is the agent's
+    /// own directory: when `read_write` holds it too ([`Sandbox::for_agent`]), the wrapper
+    /// grants it only if the path, as given, leads to it with no link on the way, so it must
+    /// be a resolved path.
     pub home: Option<PathBuf>,
 }
 
@@ -148,12 +151,15 @@ impl Sandbox {
     }
 
     /// Flags of the wrapper's argv (after `wrapper_args`), each followed by one value, then
-    /// `--` and the runtime's argv: `--rw`, `--rx`, `--ro`, `--dev`, `--proc` (paths),
+    /// `--` and the runtime's argv: `--rw`, `--agent-dir` (the path of `read_write` that is
+    /// `home`: the agent's own directory, granted only if no link leads elsewhere),
+    /// `--rx`, `--ro`, `--dev`, `--proc` (paths),
     /// `--tcp-connect`, `--tcp-bind` (a port); `--any-tcp` (TCP connect unrestricted),
     /// `--any-tcp-bind` (TCP bind unrestricted; without it a bind takes an ephemeral port or
     /// a `--tcp-bind` port) and `--required` stand alone.
     pub const SANDBOX_ARGS: &'static [&'static str] = &[
         "--rw",
+        "--agent-dir",
         "--rx",
         "--ro",
         "--dev",
@@ -266,13 +272,23 @@ impl Sandbox {
         if self.required {
             argv.push("--required".into());
         }
+        // The agent's own directory goes as `--agent-dir`: the wrapper grants it only if it
+        // is still the directory the pool resolved, with no link planted on the way.
+        for path in &self.read_write {
+            let flag = if self.home.as_ref() == Some(path) {
+                "--agent-dir"
+            } else {
+                "--rw"
+            };
+            argv.push(flag.into());
+            argv.push(path.clone().into());
+        }
         let mut paths = |flag: &str, list: &[PathBuf]| {
             for path in list {
                 argv.push(flag.into());
                 argv.push(path.clone().into());
             }
         };
-        paths("--rw", &self.read_write);
         let mut exec = self.read_exec.clone();
         // A bare name found nowhere has no install to grant (its "directory" would be the
         // empty path, under which every path lies).
@@ -609,6 +625,15 @@ mod tests {
         assert!(agent.join("tmp").is_dir());
         assert_eq!(s.home.as_deref(), Some(agent.as_path()));
         assert_eq!(s.allowed_ports(), Some(vec![443, 8080]));
+        // Its directory goes to the wrapper as the agent's, to be checked for a planted link;
+        // a root the operator shares stays `--rw`.
+        let mut shared = s.clone();
+        shared.read_write.push("/srv/shared".into());
+        let (_, argv) = shared.command(Path::new("/rt/copilot"), &[]);
+        let pairs: Vec<(&OsString, &OsString)> = argv.iter().zip(argv.iter().skip(1)).collect();
+        assert!(pairs.contains(&(&"--agent-dir".into(), &agent.clone().into_os_string())));
+        assert!(!pairs.contains(&(&"--rw".into(), &agent.clone().into_os_string())));
+        assert!(pairs.contains(&(&"--rw".into(), &"/srv/shared".into())));
         s.check_working_directory(&agent.join("work")).unwrap();
         let outside = s
             .check_working_directory(&dir.path().join("agents/a2/work"))

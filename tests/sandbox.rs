@@ -602,3 +602,56 @@ async fn a_deletion_by_name_whose_recorded_directory_the_sandbox_no_longer_allow
     assert!(project.is_dir(), "the project itself is not touched");
     daemon.terminate().await;
 }
+
+#[tokio::test]
+async fn an_agent_directory_swapped_for_a_link_to_another_agents_is_refused_before_the_process_starts()
+ {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let root = tmp.path().canonicalize().expect("resolved");
+    let agent = root.join("alice").join("codex-cli");
+    let bob = root.join("bob");
+    std::fs::create_dir_all(&agent).expect("alice's directory");
+    std::fs::create_dir_all(&bob).expect("bob's directory");
+    let run = |dir: &Path| {
+        let dir = dir.to_owned();
+        async move {
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+                .arg("sandbox-exec")
+                .arg("--agent-dir")
+                .arg(&dir)
+                .args([
+                    "--rx",
+                    "/",
+                    "--",
+                    "/bin/sh",
+                    "-c",
+                    "echo mine > \"$0/planted\"",
+                ])
+                .arg(&dir)
+                .kill_on_drop(true)
+                .output()
+                .await
+                .expect("run the wrapper")
+        }
+    };
+    let plain = run(&agent).await;
+    assert!(
+        plain.status.success(),
+        "{}",
+        String::from_utf8_lossy(&plain.stderr)
+    );
+    assert!(agent.join("planted").exists());
+
+    // The agent's own processes may write its parent (an explicit COPILOT_HOME holds each
+    // backend's home): they put a link to bob's home where the backend's home was.
+    std::fs::rename(&agent, root.join("alice").join("moved")).expect("move it away");
+    std::os::unix::fs::symlink(&bob, &agent).expect("plant the link");
+    let swapped = run(&agent).await;
+    let stderr = String::from_utf8_lossy(&swapped.stderr);
+    assert!(!swapped.status.success(), "the process ran: {stderr}");
+    assert!(
+        stderr.contains("is not the directory the pool checked"),
+        "{stderr}"
+    );
+    assert!(!bob.join("planted").exists(), "bob's home was written");
+}

@@ -2282,7 +2282,7 @@ mod tests {
         let lines: Vec<&str> = rules.lines().collect();
         let granted: Vec<&str> = lines
             .windows(2)
-            .filter(|w| ["--rx", "--ro", "--rw"].contains(&w[0]))
+            .filter(|w| ["--rx", "--ro", "--rw", "--agent-dir"].contains(&w[0]))
             .map(|w| w[1])
             .collect();
         assert!(

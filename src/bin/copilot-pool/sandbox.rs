@@ -12,6 +12,7 @@
 //! kernel enforces.
 
 use std::ffi::OsString;
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -47,6 +48,11 @@ pub struct SandboxExecArgs {
     /// Read, write, create and remove beneath this directory.
     #[arg(long = "rw", value_name = "PATH")]
     pub read_write: Vec<PathBuf>,
+    /// The agent's own directory: as `--rw`, and it must be the very directory the path
+    /// names, with no link on the way (the pool resolved it, and the agent's processes may
+    /// have planted a link in its place since).
+    #[arg(long = "agent-dir", value_name = "PATH")]
+    pub agent_dirs: Vec<PathBuf>,
     /// Read and execute beneath this directory.
     #[arg(long = "rx", value_name = "PATH")]
     pub read_exec: Vec<PathBuf>,
@@ -189,6 +195,9 @@ fn confine(args: &SandboxExecArgs) -> Result<SandboxStatus> {
             created = add_path(created, path, access)?;
         }
     }
+    for dir in &args.agent_dirs {
+        created = add_agent_dir(created, dir, all)?;
+    }
     created = add_path(created, &own_proc, read)?;
     if !args.any_tcp_bind {
         // Port 0 is the kernel's choice of a free ephemeral port: servers a tool starts on
@@ -265,6 +274,45 @@ fn add_path(
         access & AccessFs::from_file(RULES_ABI)
     };
     let fd = PathFd::new(path).with_context(|| format!("opening {}", path.display()))?;
+    created
+        .add_rule(PathBeneath::new(fd, access))
+        .with_context(|| format!("allowing {}", path.display()))
+}
+
+/// Adds the agent's directory `path` with `access`, granted through the one descriptor
+/// that was checked: opened (links followed, as a path would be), then refused unless the
+/// kernel's name of what was opened is `path` itself. A link planted in its place, or on the
+/// way to it, would name another directory (another agent's): the worker is not started.
+fn add_agent_dir(
+    created: landlock::RulesetCreated,
+    path: &Path,
+    access: BitFlags<AccessFs>,
+) -> Result<landlock::RulesetCreated> {
+    use nix::fcntl::{OFlag, open};
+    use nix::sys::stat::Mode;
+    let fd = open(
+        path,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .with_context(|| {
+        format!(
+            "opening the agent's directory {}: it must be a directory",
+            path.display()
+        )
+    })?;
+    let named = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .with_context(|| format!("reading back the agent's directory {}", path.display()))?;
+    if named != path {
+        bail!(
+            "the agent's directory {} is not the directory the pool checked: it leads to {} \
+             (a link in its place or on the way to it, which the agent's processes may \
+             have planted); refusing to start the process. Remove the link and let the \
+             directory be a plain one",
+            path.display(),
+            named.display()
+        );
+    }
     created
         .add_rule(PathBeneath::new(fd, access))
         .with_context(|| format!("allowing {}", path.display()))
@@ -543,6 +591,12 @@ mod tests {
         let args = cli.args;
         assert!(args.required && !args.any_tcp && !args.probe);
         assert_eq!(args.read_write, [PathBuf::from("/a/agent")]);
+        assert!(args.agent_dirs.is_empty());
+        sandbox.home = Some("/a/agent".into());
+        let (_, argv) = sandbox.command(Path::new("/rt/copilot"), &["--stdio".into()]);
+        let args = Cli::try_parse_from(argv).expect("parsed").args;
+        assert_eq!(args.agent_dirs, [PathBuf::from("/a/agent")]);
+        assert!(args.read_write.is_empty());
         assert!(args.read_exec.contains(&PathBuf::from("/usr")));
         assert!(args.read_exec.contains(&PathBuf::from("/rt")));
         assert!(args.read_only.contains(&PathBuf::from("/etc")));
