@@ -246,6 +246,8 @@ impl Sandbox {
             .chain(&self.devices)
             .chain(&self.read_write)
             .map(PathBuf::as_path)
+            // Every path "lies under" an empty or relative one; such a root grants nothing.
+            .filter(|root| root.is_absolute())
             .find(|root| path.starts_with(root))
     }
 
@@ -419,7 +421,10 @@ pub fn cli_install_roots(
     if !crate::runtime::is_bare_name(&program) {
         roots.push(install_root(&program));
     }
-    if let Some(interpreter) = shebang_interpreter(&program, path_var) {
+    // Nor does an interpreter found nowhere (its "directory" would be the empty path).
+    if let Some(interpreter) = shebang_interpreter(&program, path_var)
+        && interpreter.is_absolute()
+    {
         roots.push(install_root(&interpreter));
     }
     if let Some(script) = args.first().map(Path::new)
@@ -443,7 +448,8 @@ fn shebang_interpreter(program: &Path, path_var: Option<&OsStr>) -> Option<PathB
     let mut words = line.split_whitespace();
     let interpreter = PathBuf::from(words.next()?);
     if interpreter.file_name().is_some_and(|n| n == "env") {
-        let name = words.find(|w| !w.starts_with('-'))?;
+        // `env`'s options and `NAME=value` settings come before the program.
+        let name = words.find(|w| !w.starts_with('-') && !w.contains('='))?;
         return Some(resolve_program(Path::new(name), path_var));
     }
     Some(interpreter)
@@ -672,6 +678,22 @@ mod tests {
                 .all(|w| !(w[0] == "--rx" && w[1].is_empty())),
             "{argv:?}"
         );
+        // A launcher whose interpreter is on no entry of the backend's PATH.
+        let dir = tempfile::tempdir().unwrap();
+        for shebang in [
+            "#!/usr/bin/env node-not-anywhere\n",
+            "#!/usr/bin/env NODE_OPTIONS=x node-not-anywhere\n",
+        ] {
+            let launcher = dir.path().join("cli.js");
+            std::fs::write(&launcher, shebang).unwrap();
+            let roots = cli_install_roots(&launcher, &[], Some(OsStr::new("/nonexistent")));
+            assert_eq!(roots, [install_root(&launcher)], "{shebang}");
+        }
+        // Nor does an empty root hold the daemon's places.
+        let mut s = sandbox();
+        s.read_exec.push(PathBuf::new());
+        s.read_only.push("relative".into());
+        assert_eq!(s.shared_root_of(Path::new("/var/lib/copilot-pool")), None);
     }
 
     #[test]

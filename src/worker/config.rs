@@ -50,6 +50,15 @@ pub const ENV_ALLOWLIST: &[&str] = &[
     "no_proxy",
 ];
 
+/// The XDG base directories a sandboxed worker does not inherit (see `WorkerConfig::env`).
+const XDG_DIRS: [&str; 5] = [
+    "XDG_CACHE_HOME",
+    "XDG_CONFIG_HOME",
+    "XDG_DATA_HOME",
+    "XDG_STATE_HOME",
+    "XDG_RUNTIME_DIR",
+];
+
 /// Variables that carry GitHub credentials. Never inherited, and refused in `extra_env`:
 /// the only token a child gets is the worker's own, through `--auth-token-env`.
 pub const TOKEN_VARIABLES: &[&str] = &[
@@ -232,6 +241,11 @@ impl WorkerConfig {
             }
             if let Some(home) = &sandbox.home {
                 set("HOME", home);
+                // The daemon's own cache, config, data and state directories (and its
+                // session's runtime directory) are out of reach too, or shared by every
+                // agent where a root every agent may write holds them: without these, the
+                // runtime and the tools it runs keep theirs under the agent's `HOME`.
+                env.retain(|(k, _)| !XDG_DIRS.iter().any(|x| k == x));
             }
         }
         for (k, v) in &self.extra_env {
@@ -341,6 +355,13 @@ mod tests {
             .as_mut()
             .unwrap()
             .push(("TMPDIR".into(), "/tmp".into()));
+        for xdg in XDG_DIRS {
+            c.base_env
+                .as_mut()
+                .unwrap()
+                .push((xdg.into(), "/home/daemon/.xdg".into()));
+        }
+        assert!(get(&c.env().unwrap(), "XDG_CACHE_HOME").is_some());
         let mut sandbox = Sandbox::new("/bin/wrapper".into(), vec!["sandbox-exec".into()]);
         sandbox.temp_dir = Some("/a/tmp".into());
         sandbox.home = Some("/a".into());
@@ -360,6 +381,9 @@ mod tests {
         assert_eq!(get(&env, "TEMP").unwrap(), "/a/tmp");
         assert_eq!(get(&env, "HOME").unwrap(), "/a");
         assert_eq!(env.iter().filter(|(k, _)| k == "HOME").count(), 1);
+        for xdg in XDG_DIRS {
+            assert_eq!(get(&env, xdg), None, "{xdg} is the daemon's");
+        }
         // An explicit HOME of the caller wins.
         c.extra_env = vec![("HOME".into(), "/elsewhere".into())];
         assert_eq!(get(&c.env().unwrap(), "HOME").unwrap(), "/elsewhere");
