@@ -118,6 +118,15 @@ async fn leases_wait_in_a_bounded_queue_with_a_share_per_agent_and_time_out() {
         matches!(overflow, Err(PoolError::WaitersFull { max: 2 })),
         "{overflow:?}"
     );
+    // A wait as long as a Duration holds means no limit; it never overflows the pool's
+    // own bound on the call.
+    let mut forever = fx.request("agent-c", "two");
+    forever.wait_timeout = Some(Duration::MAX);
+    let overflow = pool.lease(forever).await;
+    assert!(
+        matches!(overflow, Err(PoolError::WaitersFull { max: 2 })),
+        "{overflow:?}"
+    );
     let timed_out = other.await.expect("join");
     assert!(
         matches!(timed_out, Err(PoolError::WaitTimeout { .. })),

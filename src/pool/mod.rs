@@ -744,7 +744,9 @@ impl Pool {
             any_setup: req.runs_no_turn,
             traffic: purpose == LeasePurpose::Turns,
         };
-        let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
+        let limit = wait
+            .saturating_add(spec.start_timeout)
+            .saturating_add(ACQUIRE_SLACK);
         let grant: Grant = match inner
             .actor
             .call(
@@ -877,7 +879,9 @@ impl Pool {
         let key = PoolKey::new(&home, &auth, req.provider.as_ref(), req.model.as_deref());
         let spec = self.worker_spec(req, &home, &auth)?;
         let wait = req.wait_timeout.unwrap_or(inner.config.wait_timeout);
-        let limit = wait + spec.start_timeout + ACQUIRE_SLACK;
+        let limit = wait
+            .saturating_add(spec.start_timeout)
+            .saturating_add(ACQUIRE_SLACK);
         let ask = AcquireRequest {
             id: 0, // set by the actor
             key,

@@ -441,6 +441,9 @@ pub(crate) struct Placement<Spec, S> {
     others: Others,
     /// An [`Effect::EvictOther`] is outstanding.
     asked_other: bool,
+    /// The ask being placed could not wait (the waiter caps are reached): it is granted
+    /// now or refused, and starts, evicts and marks nothing on its way (`acquire`).
+    queue_full: bool,
     out: Vec<Effect<Spec, S>>,
 }
 
@@ -454,6 +457,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             waiters: VecDeque::new(),
             next_worker_id: 1,
             closed: false,
+            queue_full: false,
             totals: PoolTotals::default(),
             detaching: HashMap::new(),
             stopping: HashMap::new(),
@@ -567,8 +571,20 @@ impl<Spec: Clone, S> Placement<Spec, S> {
 
     /// A lease asks for a place: granted, failed, or queued (a spawn may start).
     pub(crate) fn acquire(&mut self, ask: Ask<Spec>, now: Instant) -> Vec<Effect<Spec, S>> {
-        match self.try_grant(&ask, now) {
-            Ok(true) => {}
+        // An ask that could not wait is placed without growing the pool: a refused ask must
+        // not evict another tenant's idle process, start one, or keep its key's spares warm.
+        self.queue_full = self.waiters.len() >= self.limits.max_waiters
+            || self.waiting_of(&ask.key.home) >= self.limits.max_waiters_per_agent;
+        let placed = self.try_grant(&ask, now);
+        self.queue_full = false;
+        match placed {
+            Ok(true) => {
+                if ask.traffic
+                    && let Some(ks) = self.keys.get_mut(&ask.key)
+                {
+                    ks.last_lease = Some(now);
+                }
+            }
             Err(error) => self.out.push(Effect::Fail {
                 request: ask.id,
                 error,
@@ -937,7 +953,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                             // Whichever spawn comes next for this key (the scheduled respawn,
                             // or a lease arriving after the backoff) replaces the crashed one.
                             ks.respawn = true;
-                            ks.backoff_until = Some(now + after);
+                            ks.backoff_until = Some(crate::deadline::from_std(now, after));
                             self.out.push(Effect::RespawnAfter { key, after });
                         }
                     }
@@ -1288,8 +1304,9 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 retry_after: until.saturating_duration_since(now),
             });
         }
-        if ask.traffic {
-            // Traffic of this key: its warm spares are kept for the window from now.
+        if ask.traffic && !self.queue_full {
+            // Traffic of this key: its warm spares are kept for the window from now (for
+            // an ask that cannot wait, once it is granted).
             ks.last_lease = Some(now);
         }
         self.drain_rotated(ask, now);
@@ -1661,7 +1678,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         if ks.spawning || ks.backoff_until.is_some_and(|t| now < t) {
             return true;
         }
-        if ks.workers.len() >= self.limits.max_processes_per_key {
+        if ks.workers.len() >= self.limits.max_processes_per_key || self.queue_full {
             return false;
         }
         if !has_room(self.held(), &self.others, self.limits.max_processes) {
@@ -1706,10 +1723,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     fn detach_lru_parked_of_key(&mut self, key: &PoolKey, asking: &str) -> Option<WorkerId> {
         let of_key = self.conversations.iter().filter(|(k, c)| {
             k.as_str() != asking
-                && self
-                    .workers
-                    .get(&c.worker)
-                    .is_some_and(|w| w.key == *key && !w.draining)
+                && self.worker_usable(c.worker)
+                && self.workers.get(&c.worker).is_some_and(|w| w.key == *key)
         });
         let conversation = lru_parked(of_key.map(|(k, c)| c.view(k)))?.to_owned();
         self.detach_parked(conversation)
@@ -1977,7 +1992,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                     RestartDecision::Restart { after } => {
                         // A retry is scheduled: the waiters stay queued for it (each still
                         // bounded by its own wait timeout).
-                        ks.backoff_until = Some(now + after);
+                        ks.backoff_until = Some(crate::deadline::from_std(now, after));
                         self.out.push(Effect::RespawnAfter { key, after });
                     }
                     RestartDecision::Quarantine { until } => self.quarantine(&key, until, now),

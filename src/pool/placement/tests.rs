@@ -2596,3 +2596,91 @@ fn a_full_memory_of_former_keys_forgets_the_ones_used_longest_ago_not_all() {
             .contains_key(&format!("busy/{}", FORMER_KEYS_REMEMBERED - 1))
     );
 }
+
+#[test]
+fn an_ask_refused_for_a_full_queue_evicts_no_other_tenants_process_and_starts_none() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 2,
+        max_processes_per_key: 1,
+        max_sessions_per_process: 1,
+        max_waiters_per_agent: 1,
+        warm_spares: 1,
+        ..limits()
+    });
+    // Agent 2's process, idle: the oldest idle worker, the one a new process would evict.
+    sim.ask("b/0", 2);
+    let idle = sim.spawn_ok().expect("b's worker");
+    sim.give_back("b/0", Settle::Park, 1);
+    // Agent 1 holds its process and has one lease waiting: its queue is full.
+    sim.ask("a/0", 1);
+    sim.spawn_ok().expect("a's worker");
+    let waiting = sim.ask("a/1", 1);
+    assert_eq!(sim.queued, [waiting]);
+    assert!(sim.spawns.is_empty() && sim.evicted.is_empty());
+    // Another credential of agent 1: a new key, which would need a process of its own.
+    let other_key = PoolKey {
+        profile_id: Some("another-profile".into()),
+        ..key(1)
+    };
+    let refused = sim.submit(Ask {
+        key: other_key.clone(),
+        ..ask_of("a/2", 1)
+    });
+    assert!(
+        matches!(
+            sim.failed.last(),
+            Some((r, PoolError::AgentWaitersFull { max: 1 })) if *r == refused
+        ),
+        "{:?}",
+        sim.failed
+    );
+    assert!(sim.evicted.is_empty(), "{:?}", sim.evicted);
+    assert!(sim.spawns.is_empty(), "{:?}", sim.spawns);
+    assert!(sim.workers.contains(&idle));
+    // Nor is the refused key's traffic kept warm: the next tick starts no spare for it.
+    sim.tick(Duration::from_secs(1));
+    assert!(!sim.spawns.contains(&other_key), "{:?}", sim.spawns);
+}
+
+#[test]
+fn a_dead_worker_full_of_parked_conversations_is_not_made_room_on() {
+    let mut sim = Sim::new(Limits {
+        max_processes_per_key: 1,
+        max_sessions_per_process: 1,
+        ..limits()
+    });
+    sim.ask("a/0", 1);
+    let worker = sim.spawn_ok().expect("a worker");
+    sim.give_back("a/0", Settle::Park, 1);
+    // Its child exited; the supervision event has not come yet.
+    sim.core.exited(worker);
+    sim.ask("a/1", 1);
+    assert!(
+        !sim.granted
+            .iter()
+            .any(|(_, c, w)| c == "a/1" && *w == worker),
+        "{:?}",
+        sim.granted
+    );
+    assert!(sim.detaches.is_empty(), "{:?}", sim.detaches);
+}
+
+#[test]
+fn a_backoff_as_long_as_a_duration_holds_does_not_panic_the_pool() {
+    let mut sim = Sim::new(Limits {
+        restart: RestartPolicy {
+            first_retry: Duration::MAX,
+            backoff_base: Duration::MAX,
+            backoff_max: Duration::MAX,
+            ..RestartPolicy::default()
+        },
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    let w = sim.spawn_ok().expect("a worker");
+    // It dies at once with its conversation leased: a crash, restarted after the backoff.
+    sim.core.exited(w);
+    let effects = sim.core.crashed(w, sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.respawns, [key(1)]);
+}
