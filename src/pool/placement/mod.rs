@@ -321,6 +321,9 @@ struct Stopping {
     /// they stay in `detaching` until the process is gone
     /// ([`eviction_done`](Placement::eviction_done)), so none is resumed elsewhere meanwhile.
     held: Vec<String>,
+    /// Stopped for the CLI side's lease: the room it leaves is that lease's, so its end
+    /// serves nobody here (no waiter, no spare) before the CLI side has seen it.
+    for_other: bool,
 }
 
 /// The key of the process a conversation left, and when the conversation was last used.
@@ -494,7 +497,9 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         let starting = self.keys.values().filter(|k| k.spawning).count();
         let idle = idle_victim(self.workers.iter().map(|(id, w)| w.view(*id)));
         Others {
-            held: self.workers.len() + starting,
+            // A process being stopped is still there (its grace runs up to seconds): it
+            // counts until it is gone, so a replacement never runs beside it past the cap.
+            held: self.workers.len() + starting + self.stopping.len(),
             idle_since: idle
                 .and_then(|id| self.workers.get(&id))
                 .map(|w| w.last_used),
@@ -506,6 +511,9 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     pub(crate) fn evict_for_other(&mut self) -> Vec<Effect<Spec, S>> {
         if let Some(id) = idle_victim(self.workers.iter().map(|(id, w)| w.view(*id))) {
             self.evict(id, Eviction::Full);
+            if let Some(stopping) = self.stopping.get_mut(&id) {
+                stopping.for_other = true;
+            }
         }
         self.effects()
     }
@@ -820,15 +828,20 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         worker: WorkerId,
         now: Instant,
     ) -> Vec<Effect<Spec, S>> {
-        let held = self
+        let (held, for_other) = self
             .stopping
             .remove(&worker)
-            .map(|s| s.held)
+            .map(|s| (s.held, s.for_other))
             .unwrap_or_default();
         for key in conversations.iter().chain(&held) {
             self.detach_done(key);
         }
-        self.serve_waiters(now);
+        // The room is the CLI side's lease's when it was stopped for one: the actor tells
+        // the CLI side this side's count next, and the waiters here are served at the next
+        // event (the CLI side's nudge, a return, the tick).
+        if !for_other {
+            self.serve_waiters(now);
+        }
         self.effects()
     }
 
@@ -860,9 +873,16 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         // The pool's cap holds for replacements too: a full pool leaves the replacement to
         // the key's next lease (which may make room by stopping an idle worker).
         let room = has_room(self.held(), &self.others, self.limits.max_processes);
+        let waited_for = self.waiters.iter().any(|w| w.key == *key);
         if let Some(ks) = self.keys.get_mut(key) {
             ks.backoff_until = None;
-            if !self.closed && room && ks.workers.is_empty() && !ks.spawning {
+            // Only for someone: a crashed process's conversations (`respawn`, which a
+            // failed start clears) or a lease still waiting. A start that failed for
+            // waiters that have since given up is left to the key's next lease, not
+            // retried forever (a runtime hanging at its handshake fails slower than the
+            // restart window, so it would never be quarantined either).
+            let wanted = ks.respawn || waited_for;
+            if !self.closed && room && wanted && ks.workers.is_empty() && !ks.spawning {
                 ks.respawn = true;
                 ks.spawning = true;
                 self.out.push(Effect::Spawn {
@@ -1618,6 +1638,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         self.stopping.entry(worker).or_insert_with(|| Stopping {
             key: key.clone(),
             held: Vec::new(),
+            for_other: false,
         })
     }
 
@@ -1694,7 +1715,12 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 .and_then(|id| self.workers.get(&id))
                 .map(|w| w.last_used);
             match (make_room(own, self.others.idle_since), victim) {
-                (Some(Room::Own), Some(id)) => self.evict(id, Eviction::Full),
+                (Some(Room::Own), Some(id)) => {
+                    // The start follows once the victim is gone (`eviction_done` serves
+                    // the waiters again): the cap holds processes, not workers.
+                    self.evict(id, Eviction::Full);
+                    return true;
+                }
                 (Some(Room::Other), _) => {
                     if !self.asked_other {
                         self.asked_other = true;

@@ -389,9 +389,13 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     /// The caps and the bookkeeping agree with themselves.
     fn check_invariants(&self) {
         let spawning = self.keys.values().filter(|k| k.spawning).count();
+        // Processes still stopping count: they are there until their stop is confirmed.
+        let stopping = self.stopping.len();
         assert!(
-            self.workers.len() + spawning + self.others.held <= self.limits.max_processes,
-            "max_processes exceeded: {} workers, {spawning} starting, {} of the CLI side",
+            self.workers.len() + spawning + stopping + self.others.held
+                <= self.limits.max_processes,
+            "max_processes exceeded: {} workers, {spawning} starting, {stopping} stopping, \
+             {} of the CLI side",
             self.workers.len(),
             self.others.held
         );
@@ -696,6 +700,13 @@ fn a_full_pool_stops_the_least_recently_used_idle_worker_of_another_key() {
     sim.ask("c/1", 3);
     assert_eq!(sim.evicted, vec![(older, Eviction::Full)]);
     assert_ne!(older, newer);
+    assert!(
+        sim.spawns.is_empty(),
+        "nothing starts beside a process still stopping: {:?}",
+        sim.spawns
+    );
+    assert_eq!(sim.core.view().held, 2, "the stopping process still counts");
+    sim.confirm_all_detaches();
     assert_eq!(
         sim.spawns,
         vec![key(3)],
@@ -719,6 +730,8 @@ fn a_full_pool_with_every_worker_leased_makes_the_new_key_wait() {
     assert!(sim.queued.contains(&waiting));
     sim.give_back("a/1", Settle::Park, 1);
     assert_eq!(sim.evicted.len(), 1, "now idle, it makes room");
+    assert!(sim.spawns.is_empty(), "once it is gone");
+    sim.confirm_all_detaches();
     assert_eq!(sim.spawns, vec![key(2)]);
 }
 
@@ -2188,6 +2201,7 @@ fn a_spare_is_the_first_stopped_when_the_pool_needs_room() {
             .iter()
             .all(|w| sim.core.workers.contains_key(w))
     );
+    sim.confirm_all_detaches();
     assert_eq!(
         sim.spawns,
         vec![key(3)],
@@ -2535,6 +2549,7 @@ fn a_full_pool_stops_its_own_idle_worker_when_the_cli_sides_parked_process_is_yo
     sim.ask("b/1", 2);
     assert_eq!(sim.evict_other, 0);
     assert_eq!(sim.evicted.len(), 1, "its own idle worker went");
+    sim.confirm_all_detaches();
     assert_eq!(sim.spawns, [key(2)]);
 }
 
@@ -2570,6 +2585,8 @@ fn busy_cli_processes_count_in_the_cap_and_the_cli_side_can_take_an_idle_worker(
     let effects = sim.core.evict_for_other();
     sim.apply(effects);
     assert_eq!(sim.evicted, [(w, Eviction::Full)]);
+    assert_eq!(sim.core.view().held, 1, "until its process is gone");
+    sim.confirm_all_detaches();
     assert_eq!(sim.core.view().held, 0);
 }
 
@@ -2683,4 +2700,72 @@ fn a_backoff_as_long_as_a_duration_holds_does_not_panic_the_pool() {
     let effects = sim.core.crashed(w, sim.now);
     sim.apply(effects);
     assert_eq!(sim.respawns, [key(1)]);
+}
+
+#[test]
+fn a_start_that_failed_is_not_retried_once_nobody_waits_for_it() {
+    let mut sim = Sim::new(limits());
+    let asked = sim.ask("a/1", 1);
+    let key = sim.spawns.remove(0);
+    let (id, effects) = sim.core.spawned(
+        key.clone(),
+        Err(WorkerError::Spawn("hung at its handshake".into())),
+        sim.now,
+    );
+    assert_eq!(id, None);
+    sim.apply(effects);
+    assert_eq!(
+        sim.respawns,
+        [key.clone()],
+        "a retry is scheduled for the waiter"
+    );
+    // The waiter gives up before the retry is due.
+    let effects = sim.core.expire(asked);
+    sim.apply(effects);
+    sim.now += Duration::from_secs(70);
+    let effects = sim.core.respawn_due(&key, sim.now);
+    sim.apply(effects);
+    assert!(
+        sim.spawns.is_empty(),
+        "started for nobody: {:?}",
+        sim.spawns
+    );
+
+    // With the waiter still there, the retry starts.
+    let mut sim = Sim::new(limits());
+    sim.ask("a/1", 1);
+    let key = sim.spawns.remove(0);
+    let (_, effects) = sim.core.spawned(
+        key.clone(),
+        Err(WorkerError::Spawn("flaky".into())),
+        sim.now,
+    );
+    sim.apply(effects);
+    sim.now += Duration::from_secs(1);
+    let effects = sim.core.respawn_due(&key, sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.spawns, [key]);
+}
+
+#[test]
+fn a_worker_stopped_for_the_cli_side_leaves_its_room_to_the_cli_lease_not_to_a_spare() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 1,
+        ..spares(1)
+    });
+    sim.ask("a/1", 1);
+    let w = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Park, 1);
+    // A CLI lease needs the one place: the idle worker is stopped for it.
+    let effects = sim.core.evict_for_other();
+    sim.apply(effects);
+    assert_eq!(sim.evicted, [(w, Eviction::Full)]);
+    assert_eq!(sim.core.view().held, 1, "until its process is gone");
+    sim.confirm_all_detaches();
+    assert_eq!(sim.core.view().held, 0, "the CLI side may take it");
+    assert!(
+        sim.spawns.is_empty(),
+        "a's key had traffic, yet no spare takes the CLI lease's room: {:?}",
+        sim.spawns
+    );
 }
