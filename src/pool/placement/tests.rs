@@ -2716,7 +2716,7 @@ fn a_start_that_failed_is_not_retried_once_nobody_waits_for_it() {
     sim.apply(effects);
     assert_eq!(
         sim.respawns,
-        [key.clone()],
+        std::slice::from_ref(&key),
         "a retry is scheduled for the waiter"
     );
     // The waiter gives up before the retry is due.
