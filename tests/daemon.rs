@@ -6,6 +6,8 @@
 
 mod support;
 
+use std::process::Stdio;
+
 use std::time::{Duration, Instant};
 
 use copilot_pool::scripted_model::ScriptedModel;
@@ -82,6 +84,17 @@ async fn sigterm_during_turns_drains_and_leaves_no_process() {
     let left =
         support::procs::wait_none(|| children_under(scratch.path()), Duration::from_secs(5)).await;
     assert!(left.is_empty(), "children left: {left:?}");
+}
+
+#[tokio::test]
+async fn a_daemon_whose_stderr_reader_is_gone_still_drains_and_exits_cleanly_on_sigterm() {
+    let scratch = support::Scratch::new();
+    // The log reader died: every write to stderr fails with EPIPE.
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let daemon = Daemon::start_with_stderr(scratch.path(), "", Stdio::from(writer)).await;
+    let status = daemon.terminate().await;
+    assert_eq!(status.code(), Some(0), "{status:?}");
 }
 
 #[tokio::test]

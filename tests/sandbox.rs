@@ -374,7 +374,8 @@ async fn with_the_sandbox_off_serve_refuses_to_start_without_an_api_token() {
     .await
     .expect("serve exits")
     .expect("serve runs");
-    assert!(!output.status.success());
+    // A configuration refused (EX_CONFIG): a supervisor's restart would not help.
+    assert_eq!(output.status.code(), Some(78));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         stderr.contains("refusing to serve without an API token")
@@ -426,7 +427,12 @@ async fn serve_refuses_to_keep_its_state_or_token_where_every_agent_may_read() {
     std::os::unix::fs::symlink(&shared, scratch.path().join("linked")).expect("link");
     for state in [shared.join("state"), scratch.path().join("linked/state")] {
         let output = serve(config.clone(), vec!["--state-dir".into(), state.into()]).await;
-        assert!(!output.status.success());
+        assert_eq!(
+            output.status.code(),
+            Some(78),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(
             stderr.contains("state_dir") && stderr.contains("which every sandboxed agent may read"),
@@ -439,7 +445,12 @@ async fn serve_refuses_to_keep_its_state_or_token_where_every_agent_may_read() {
         vec!["--api-token-file".into(), token_file.into()],
     )
     .await;
-    assert!(!output.status.success());
+    assert_eq!(
+        output.status.code(),
+        Some(78),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("api_token_file"), "{stderr}");
 
@@ -457,7 +468,12 @@ async fn serve_refuses_to_keep_its_state_or_token_where_every_agent_may_read() {
     )
     .expect("chmod");
     let output = serve(shared_config.clone(), vec![]).await;
-    assert!(!output.status.success());
+    assert_eq!(
+        output.status.code(),
+        Some(78),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         stderr.contains("the config file (it holds api_token)"),

@@ -264,6 +264,11 @@ impl Daemon {
         Self::launch(dir, config, &[], env, &[], Stdio::from(log)).await
     }
 
+    /// Like `start`, with the daemon's stderr going to `stderr` (a pipe closed at once, say).
+    pub async fn start_with_stderr(dir: &Path, config: &str, stderr: Stdio) -> Daemon {
+        Self::launch(dir, config, &[], &[], &[], stderr).await
+    }
+
     /// Like `start`, with the daemon started through `prefix` (a program and its
     /// arguments that exec the rest of the command line, such as `setpriv …`).
     pub async fn start_through(dir: &Path, config: &str, prefix: &[String]) -> Daemon {

@@ -43,6 +43,15 @@ pub fn default_worker_threads(cpus: usize) -> usize {
     (cpus / 8).max(1)
 }
 
+/// The longest any `*_secs` setting may be (30 days): every wait is finite, and a deadline
+/// this far out is one no clock arithmetic overflows (a huge value meant as "no limit"
+/// would panic where a deadline is computed).
+pub const MAX_SECS: u64 = 30 * 24 * 3600;
+
+/// The smallest accepted `pool.max_rss_bytes` (256 MiB): a fresh runtime takes ~105 MiB, so
+/// a lower limit would recycle every process, spares included, on every measurement.
+pub const MIN_MAX_RSS_BYTES: u64 = 256 << 20;
+
 /// The largest accepted `max_connections`.
 const MAX_CONNECTIONS_LIMIT: usize = 1 << 20;
 
@@ -687,15 +696,20 @@ impl ServeConfig {
                 );
             }
             self.sdk.tokens()?;
-            if self.sdk.max_connections == 0
-                || self.sdk.max_unauthenticated_connections == 0
-                || self.sdk.max_connections_per_agent == 0
-                || self.sdk.max_sessions_per_connection == 0
+            let caps = [
+                self.sdk.max_connections,
+                self.sdk.max_unauthenticated_connections,
+                self.sdk.max_connections_per_agent,
+                self.sdk.max_sessions_per_connection,
+            ];
+            if caps
+                .iter()
+                .any(|cap| *cap == 0 || *cap > MAX_CONNECTIONS_LIMIT)
             {
                 bail!(
                     "sdk.max_connections, sdk.max_unauthenticated_connections, \
                      sdk.max_connections_per_agent and sdk.max_sessions_per_connection must be \
-                     above 0 (defaults 1024, 64, 64 and 1024)"
+                     1 to {MAX_CONNECTIONS_LIMIT} (defaults 1024, 64, 64 and 1024)"
                 );
             }
         }
@@ -764,11 +778,45 @@ impl ServeConfig {
             ("turns.user_input_secs", t.user_input_secs == 0),
             ("pool.max_processes_per_key", p.max_processes_per_key == 0),
             ("pool.max_sessions", p.max_sessions == 0),
+            ("pool.max_turns_per_process", p.max_turns_per_process == 0),
         ];
         if let Some((key, _)) = zero.iter().find(|(_, is_zero)| *is_zero) {
             bail!(
                 "{key} must be above 0 (a zero does not turn the limit off; leave the key out \
                  for its default, listed in the README's config table)"
+            );
+        }
+        if p.max_rss_bytes < MIN_MAX_RSS_BYTES {
+            bail!(
+                "pool.max_rss_bytes must be at least {MIN_MAX_RSS_BYTES} (256 MiB; {} given): a \
+                 fresh runtime takes ~105 MiB, so every process would be recycled on every \
+                 measurement (the default is 1073741824, 1 GiB)",
+                p.max_rss_bytes
+            );
+        }
+        let m = &self.model;
+        let secs = [
+            ("idempotency_ttl_secs", self.idempotency_ttl_secs),
+            ("header_read_timeout_secs", self.header_read_timeout_secs),
+            ("idle_timeout_secs", self.idle_timeout_secs),
+            ("drain_grace_secs", self.drain_grace_secs),
+            ("model.connect_timeout_secs", m.connect_timeout_secs),
+            ("model.first_byte_timeout_secs", m.first_byte_timeout_secs),
+            ("model.idle_timeout_secs", m.idle_timeout_secs),
+            ("pool.wait_timeout_secs", p.wait_timeout_secs),
+            ("pool.idle_ttl_secs", p.idle_ttl_secs),
+            ("pool.warm_spare_window_secs", p.warm_spare_window_secs),
+            ("turns.inactivity_secs", t.inactivity_secs),
+            ("turns.absolute_secs", t.absolute_secs),
+            ("turns.tool_secs", t.tool_secs),
+            ("turns.permission_secs", t.permission_secs),
+            ("turns.user_input_secs", t.user_input_secs),
+            ("turns.hook_secs", t.hook_secs),
+        ];
+        if let Some((key, value)) = secs.iter().find(|(_, value)| *value > MAX_SECS) {
+            bail!(
+                "{key} must be at most {MAX_SECS} (30 days; {value} given): every wait is \
+                 finite, so there is no value meaning \"no limit\""
             );
         }
         Ok(())
@@ -1168,6 +1216,14 @@ mod tests {
         .unwrap();
         let refused = format!("{:#}", none.validate().unwrap_err());
         assert!(refused.contains("max_connections_per_agent"), "{refused}");
+        // Nor more than a semaphore holds (it panicked in the SDK endpoint's task).
+        let huge: ServeConfig = toml::from_str(&format!(
+            "[sdk]\nlisten = \"127.0.0.1:7879\"\nmax_connections = {}\n[[sdk.tokens]]\nagent = \"agent-a\"\nsha256 = \"{hash}\"\n",
+            usize::MAX / 2
+        ))
+        .unwrap();
+        let refused = format!("{:#}", huge.validate().unwrap_err());
+        assert!(refused.contains("sdk.max_connections"), "{refused}");
     }
 
     #[test]
@@ -1402,6 +1458,10 @@ mod tests {
                 "pool.max_processes_per_key",
             ),
             ("[pool]\nmax_sessions = 0", "pool.max_sessions"),
+            (
+                "[pool]\nmax_turns_per_process = 0",
+                "pool.max_turns_per_process",
+            ),
         ] {
             let c: ServeConfig = toml::from_str(text).unwrap();
             let err = c.validate().expect_err(text).to_string();
@@ -1413,6 +1473,43 @@ mod tests {
         // A zero queue or wait is a choice: a lease that must wait fails at once.
         let c: ServeConfig =
             toml::from_str("[pool]\nmax_waiters = 0\nwait_timeout_secs = 0").unwrap();
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn a_huge_wait_or_a_memory_limit_below_a_fresh_runtime_is_refused_naming_its_key() {
+        let huge = u64::MAX / 2;
+        for key in [
+            "drain_grace_secs",
+            "idle_timeout_secs",
+            "header_read_timeout_secs",
+            "model.first_byte_timeout_secs",
+            "pool.idle_ttl_secs",
+            "turns.absolute_secs",
+            "turns.hook_secs",
+        ] {
+            let text = match key.split_once('.') {
+                Some((table, field)) => format!("[{table}]\n{field} = {huge}"),
+                None => format!("{key} = {huge}"),
+            };
+            let c: ServeConfig = toml::from_str(&text).unwrap();
+            let err = c.validate().expect_err(&text).to_string();
+            assert!(
+                err.contains(key) && err.contains("at most"),
+                "{text}: {err}"
+            );
+        }
+        let month: ServeConfig =
+            toml::from_str(&format!("[turns]\nabsolute_secs = {MAX_SECS}")).unwrap();
+        month.validate().unwrap();
+        for bytes in [0u64, 100 << 20] {
+            let c: ServeConfig =
+                toml::from_str(&format!("[pool]\nmax_rss_bytes = {bytes}")).unwrap();
+            let err = c.validate().expect_err("too low").to_string();
+            assert!(err.contains("pool.max_rss_bytes"), "{err}");
+        }
+        let c: ServeConfig =
+            toml::from_str(&format!("[pool]\nmax_rss_bytes = {MIN_MAX_RSS_BYTES}")).unwrap();
         c.validate().unwrap();
     }
 

@@ -125,9 +125,13 @@ fn main() -> std::process::ExitCode {
     // info: three lines per CLI tool call. Its warnings still show.
     let filter = EnvFilter::try_from_env("COPILOT_POOL_LOG")
         .unwrap_or_else(|_| EnvFilter::new(format!("{default_level},rmcp=warn")));
+    // A log line that cannot be written is dropped: tracing-subscriber's own report of the
+    // failure is an `eprintln!`, which panics when stderr's reader is gone (EPIPE), and a
+    // daemon whose log reader died must still serve and drain.
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .log_internal_errors(false);
     if json {
         logs.json().init();
     } else {

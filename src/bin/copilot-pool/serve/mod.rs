@@ -132,6 +132,8 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     // Signal handlers first: a SIGTERM at any point after this drains cleanly.
     let signals = Signals::new()?;
     let config = args.config().map_err(ConfigRefused)?;
+    // A runtime not there yet is no configuration refused (1: it may be installed before
+    // the next start, by an init container say).
     let located = runtime::locate(config.cli_path.as_deref(), runtime::process_env)?;
     // Off the first lease's path: compiling the session options schema took ~16 ms there.
     copilot_pool::session_options::compile_schema()
@@ -185,10 +187,11 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     }
     let (sandbox, sandbox_status) = sandbox_setup(&config, &own_ports).await?;
     if !sandbox_status.tcp_connect && config.api_token.is_none() {
-        bail!(
+        return Err(ConfigRefused(anyhow::anyhow!(
             "{}",
             api_unguarded_message(config.sandbox, Some(&sandbox_status))
-        );
+        ))
+        .into());
     }
     api_config.sandbox = Some(sandbox_status);
     let mut pool_config = config
@@ -201,7 +204,8 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             &config,
             args.config.as_deref(),
             args.api_token_file.as_deref(),
-        )?;
+        )
+        .map_err(ConfigRefused)?;
     }
     pool_config.worker.sandbox = sandbox;
     pool_config.worker.group_ledger = Some(take_over(&pool_config.state_dir).await?);
@@ -246,7 +250,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         Bound::Tcp(l) => format!("http://{}", l.local_addr().context("local address")?),
         Bound::Unix(_, file) => format!("unix:{}", file.path.display()),
     };
-    println!("listening on {at}");
+    say(Out::Stdout, format_args!("listening on {at}"));
     let threads = tokio::runtime::Handle::current().metrics().num_workers();
     tracing::info!(%at, runtime = %located.path.display(), worker_threads = threads, "copilot-pool serve is up.");
 
@@ -255,9 +259,12 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     limits.idle_timeout = config.idle_timeout();
     limits.max_connections = connection_cap(config.max_connections, config.pool.max_processes);
     if let Some(metrics_listener) = metrics_listener {
-        println!(
-            "metrics on http://{}",
-            metrics_listener.local_addr().context("local address")?
+        say(
+            Out::Stdout,
+            format_args!(
+                "metrics on http://{}",
+                metrics_listener.local_addr().context("local address")?
+            ),
         );
         let handle = metrics.clone();
         let metrics_app = axum::Router::new().route(
@@ -288,7 +295,10 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
 
     let signal = signals.first().await;
     tracing::info!(signal, "Draining.");
-    eprintln!("copilot-pool serve: {signal}, draining");
+    say(
+        Out::Stderr,
+        format_args!("copilot-pool serve: {signal}, draining"),
+    );
     // Not ready, no new turns; answers to running turns are still accepted.
     api.set_draining();
     if let Some(sdk) = &sdk {
@@ -312,7 +322,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     }
     upkeep.abort();
-    eprintln!("copilot-pool serve: stopped");
+    say(Out::Stderr, format_args!("copilot-pool serve: stopped"));
     Ok(())
 }
 
@@ -430,7 +440,7 @@ fn serve_sdk(
     match listener {
         Bound::Tcp(listener) => {
             if let Ok(addr) = listener.local_addr() {
-                println!("sdk on {addr}");
+                say(Out::Stdout, format_args!("sdk on {addr}"));
                 tracing::info!(%addr, "The SDK endpoint is up.");
             }
             tokio::spawn(async move {
@@ -438,7 +448,10 @@ fn serve_sdk(
             })
         }
         Bound::Unix(listener, file) => {
-            println!("sdk on unix:{}", file.path.display());
+            say(
+                Out::Stdout,
+                format_args!("sdk on unix:{}", file.path.display()),
+            );
             tracing::info!(path = %file.path.display(), "The SDK endpoint is up.");
             tokio::spawn(async move {
                 sdk_endpoint::serve_unix(&endpoint, listener, stop).await;
@@ -611,6 +624,26 @@ impl Signals {
             _ = self.term.recv() => "SIGTERM",
         }
     }
+}
+
+/// Where [`say`] writes.
+enum Out {
+    Stdout,
+    Stderr,
+}
+
+/// Writes one line for whoever started the daemon, ignoring a closed pipe: `println!`
+/// panics on `EPIPE` (a launcher that read the first line and closed it, a log reader that
+/// died), which would skip the drain.
+fn say(out: Out, line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = match out {
+        Out::Stdout => {
+            let mut stdout = std::io::stdout().lock();
+            writeln!(stdout, "{line}").and_then(|()| stdout.flush())
+        }
+        Out::Stderr => writeln!(std::io::stderr().lock(), "{line}"),
+    };
 }
 
 #[cfg(test)]
