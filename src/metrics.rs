@@ -570,16 +570,24 @@ pub(crate) fn sdk_connection(result: SdkConnection) {
     counter!(SDK_CONNECTIONS_TOTAL, "result" => result.label()).increment(1);
 }
 
-/// An SDK endpoint connection opened.
+/// An SDK endpoint connection, counted in [`SDK_CONNECTIONS`] while this lives: however its
+/// task ends (closed, panicked, aborted at shutdown), the drop takes it off the gauge.
 #[cfg_attr(not(feature = "sdk-endpoint"), allow(dead_code))]
-pub(crate) fn sdk_connection_opened() {
-    gauge!(SDK_CONNECTIONS).increment(1.0);
+pub(crate) struct OpenSdkConnection(());
+
+#[cfg_attr(not(feature = "sdk-endpoint"), allow(dead_code))]
+impl OpenSdkConnection {
+    /// A connection opened.
+    pub(crate) fn counted() -> Self {
+        gauge!(SDK_CONNECTIONS).increment(1.0);
+        Self(())
+    }
 }
 
-/// An SDK endpoint connection closed.
-#[cfg_attr(not(feature = "sdk-endpoint"), allow(dead_code))]
-pub(crate) fn sdk_connection_closed() {
-    gauge!(SDK_CONNECTIONS).decrement(1.0);
+impl Drop for OpenSdkConnection {
+    fn drop(&mut self) {
+        gauge!(SDK_CONNECTIONS).decrement(1.0);
+    }
 }
 
 /// Sets [`SANDBOX_ENFORCED`] for every rule: 1 where `enforced` says so, else 0 (the daemon
@@ -992,6 +1000,28 @@ mod tests {
             }
         }
         assert_eq!(snap.len(), 2 * SandboxRule::ALL.len());
+    }
+
+    #[test]
+    fn an_sdk_connection_leaves_the_gauge_however_its_task_ends() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        ::metrics::with_local_recorder(&recorder, || {
+            let _closed = OpenSdkConnection::counted();
+            // A task that panics drops what it holds on the way out.
+            let panicked = std::panic::catch_unwind(|| {
+                let _held = OpenSdkConnection::counted();
+                panic!("the connection's task panicked");
+            });
+            assert!(panicked.is_err());
+            let open = OpenSdkConnection::counted();
+            drop(open);
+        });
+        let snap = snapshot(&snapshotter);
+        let (_, _, value) = snap
+            .get(&key(MetricKind::Gauge, SDK_CONNECTIONS, &[]))
+            .expect("recorded");
+        assert_eq!(*value, DebugValue::Gauge(0.0.into()));
     }
 
     #[test]

@@ -43,8 +43,9 @@ pub const STDERR_TAIL_BYTES: usize = 64 * 1024;
 /// the pipe, and its reader, open as long as it lives.
 const STDERR_READ_AFTER_EXIT: Duration = Duration::from_secs(1);
 
-/// What to run.
-#[derive(Debug, Clone)]
+/// What to run. Its `Debug` names the environment's variables, never their values (the
+/// runtime's token and a CLI's API key are among them).
+#[derive(Clone)]
 pub struct ChildSpec {
     /// Executable.
     pub program: PathBuf,
@@ -54,6 +55,18 @@ pub struct ChildSpec {
     pub env: Vec<(OsString, OsString)>,
     /// Working directory.
     pub cwd: PathBuf,
+}
+
+impl std::fmt::Debug for ChildSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<_> = self.env.iter().map(|(name, _)| name).collect();
+        f.debug_struct("ChildSpec")
+            .field("program", &self.program)
+            .field("args", &self.args)
+            .field("env (names only)", &names)
+            .field("cwd", &self.cwd)
+            .finish()
+    }
 }
 
 /// Why a child could not be started.
@@ -783,6 +796,19 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_specs_debug_names_its_variables_but_never_their_values() {
+        let spec = ChildSpec {
+            program: "/bin/rt".into(),
+            args: vec!["--stdio".into()],
+            env: vec![("COPILOT_POOL_MODEL_KEY".into(), "sk-do-not-print".into())],
+            cwd: "/w".into(),
+        };
+        let shown = format!("{spec:?}");
+        assert!(shown.contains("COPILOT_POOL_MODEL_KEY"), "{shown}");
+        assert!(!shown.contains("sk-do-not-print"), "{shown}");
+    }
 
     fn sh(script: &str) -> ChildSpec {
         ChildSpec {

@@ -62,7 +62,59 @@ impl Serialize for Secret {
 
 impl<'de> Deserialize<'de> for Secret {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        String::deserialize(deserializer).map(Secret)
+        // `any`, so a number reaches the visitor (serde_json's `deserialize_string` builds
+        // its "invalid type" error, value and all, itself).
+        deserializer.deserialize_any(SecretVisitor)
+    }
+}
+
+/// Reads a secret's string. Anything else is refused without its value: serde's own
+/// "invalid type" error quotes it (`integer \`12345\``), and a token written unquoted
+/// would reach the error, and the log or the answer that carries it.
+struct SecretVisitor;
+
+impl SecretVisitor {
+    fn not_a_string<E: serde::de::Error>(kind: &str) -> E {
+        E::custom(format_args!(
+            "invalid type: {kind}, expected a string (a secret is written in quotes; its value \
+             is not shown)"
+        ))
+    }
+}
+
+impl serde::de::Visitor<'_> for SecretVisitor {
+    type Value = Secret;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a string")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Secret, E> {
+        Ok(Secret(v.to_owned()))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Secret, E> {
+        Ok(Secret(v))
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Secret, E> {
+        Err(Self::not_a_string("a boolean"))
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Secret, E> {
+        Err(Self::not_a_string("an integer"))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Secret, E> {
+        Err(Self::not_a_string("an integer"))
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Secret, E> {
+        Err(Self::not_a_string("a number"))
+    }
+
+    fn visit_bytes<E: serde::de::Error>(self, _: &[u8]) -> Result<Secret, E> {
+        Err(Self::not_a_string("bytes"))
     }
 }
 
@@ -238,6 +290,23 @@ fn found_kind(found: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_that_is_not_a_string_is_refused_without_its_value() {
+        for text in ["987654321", "-987654321", "9876.54321", "true"] {
+            let err = serde_json::from_str::<Secret>(text)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("expected a string"), "{err}");
+            let digits = text.trim_start_matches('-').replace('.', "");
+            let start = digits.get(..6).unwrap_or(&digits);
+            assert!(!err.contains(start) && !err.contains("true"), "{err}");
+        }
+        let read: Secret = serde_json::from_str("\"s3cret\"").unwrap();
+        assert_eq!(read.expose(), "s3cret");
+        let read: Option<Secret> = serde_json::from_str("null").unwrap();
+        assert!(read.is_none());
+    }
 
     #[test]
     fn a_base_url_prints_without_its_query_or_user_info() {

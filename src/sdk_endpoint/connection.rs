@@ -216,7 +216,7 @@ pub(super) async fn run<S>(
 ) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    crate::metrics::sdk_connection_opened();
+    let _counted = crate::metrics::OpenSdkConnection::counted();
     let (read, write) = tokio::io::split(stream);
     let (tx, mut rx) = mpsc::channel(QUEUE);
     let options = ConnectionOptions {
@@ -368,7 +368,6 @@ pub(super) async fn run<S>(
     }
     client.close().await;
     conn.close(CloseCause::Local);
-    crate::metrics::sdk_connection_closed();
 }
 
 /// A conversation claimed by a connection for one call (a deletion), given back when the

@@ -688,6 +688,15 @@ impl ServeConfig {
                      need an address each"
                 );
             }
+            if let (Some(metrics), ListenAddress::Tcp(addr)) = (self.metrics_listen, &sdk)
+                && metrics == *addr
+                && addr.port() != 0
+            {
+                bail!(
+                    "[sdk] listen and metrics_listen are both {addr}: the SDK endpoint and the \
+                     metrics need an address each"
+                );
+            }
             if self.sdk.tokens.is_empty() {
                 bail!(
                     "the SDK endpoint is on but [[sdk.tokens]] lists no agent, so every \
@@ -1477,6 +1486,24 @@ mod tests {
     }
 
     #[test]
+    fn the_sdk_endpoint_shares_its_address_with_neither_the_api_nor_the_metrics() {
+        let hash = copilot_pool::sdk_endpoint::sha256_hex("t");
+        let tokens = format!("[[sdk.tokens]]\nagent = \"agent-a\"\nsha256 = \"{hash}\"\n");
+        for (top, other) in [
+            ("listen = \"127.0.0.1:7890\"\n", "listen"),
+            ("metrics_listen = \"127.0.0.1:7890\"\n", "metrics_listen"),
+        ] {
+            let text = format!("{top}[sdk]\nlisten = \"127.0.0.1:7890\"\n{tokens}");
+            let c: ServeConfig = toml::from_str(&text).unwrap();
+            let err = format!("{:#}", c.validate().unwrap_err());
+            assert!(
+                err.contains(&format!("[sdk] listen and {other} are both")),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
     fn a_huge_wait_or_a_memory_limit_below_a_fresh_runtime_is_refused_naming_its_key() {
         let huge = u64::MAX / 2;
         for key in [
@@ -1529,6 +1556,11 @@ mod tests {
             err.contains("line 2, column 1") && err.contains("api-token"),
             "{err}"
         );
+        // A token written unquoted: toml's message would quote the integer.
+        std::fs::write(&path, "api_token = 73518264090\n").unwrap();
+        let err = format!("{:#}", ServeConfig::load(Some(&path)).unwrap_err());
+        assert!(!err.contains("7351826"), "{err}");
+        assert!(err.contains("expected a string"), "{err}");
     }
 
     #[test]

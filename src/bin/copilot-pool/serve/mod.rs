@@ -313,14 +313,22 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             "Turns still running after the drain grace were aborted."
         );
     }
-    let _ = tokio::time::timeout(Duration::from_secs(5), api.turns_finished()).await;
-    if let Some(sdk) = &sdk {
-        let _ = tokio::time::timeout(Duration::from_secs(5), sdk.turns_finished()).await;
-    }
+    // Each wait below is shared by every surface (5 s in all, not per surface), so the
+    // whole stop stays within the drain grace + 30 s the deployment files allow.
+    let turns_finished = async {
+        tokio::join!(api.turns_finished(), async {
+            if let Some(sdk) = &sdk {
+                sdk.turns_finished().await;
+            }
+        })
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(5), turns_finished).await;
     stop_tx.send_replace(true);
-    for server in servers {
-        let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    }
+    let _ = tokio::time::timeout(
+        Duration::from_secs(5),
+        futures_util::future::join_all(servers),
+    )
+    .await;
     upkeep.abort();
     say(Out::Stderr, format_args!("copilot-pool serve: stopped"));
     Ok(())
