@@ -311,6 +311,11 @@ struct KeyState<Spec> {
     /// When a conversation of this key last found every process of it that serves full
     /// (the key outgrew them): only then does a spare stand beside full processes.
     outgrown: Option<Instant>,
+    /// A newer credential version of this key's family took its traffic
+    /// ([`drain_version`](Placement::drain_version)): a start of it still in flight then
+    /// (a spare priming) is drained as it lands unless a lease waits for it. Its next
+    /// lease clears it.
+    rotated: bool,
 }
 
 /// A worker evicted and not yet stopped (or whose detach failed, on its way to eviction).
@@ -1317,6 +1322,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 last_start_error: None,
                 last_lease: None,
                 outgrown: None,
+                rotated: false,
             });
         if let Some(until) = ks.restart.quarantined_until(now) {
             return Err(PoolError::RestartIntensityExceeded {
@@ -1328,6 +1334,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             // Traffic of this key: its warm spares are kept for the window from now (for
             // an ask that cannot wait, once it is granted).
             ks.last_lease = Some(now);
+            ks.rotated = false;
         }
         self.drain_rotated(ask, now);
         if ask.process_only {
@@ -1847,6 +1854,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         if let Some(ks) = self.keys.get_mut(old) {
             ks.last_lease = None;
             ks.outgrown = None;
+            ks.rotated = true;
         }
         let deadline = crate::deadline::from_std(now, self.limits.drain_grace);
         let mut drained = Vec::new();
@@ -1965,6 +1973,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             Ok(_) if closed => None,
             Ok(StartedWorker { pid, primed }) => {
                 ks.last_start_error = None;
+                let rotated = ks.rotated;
+                let key_of_start = key.clone();
                 let id = self.next_worker_id;
                 self.next_worker_id += 1;
                 ks.workers.push(id);
@@ -1999,6 +2009,15 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                         primed,
                     },
                 );
+                // Rotated away while it started (a spare priming with the old token): it
+                // goes at once unless a lease of its key waits for it.
+                if rotated && !self.waiters.iter().any(|w| w.key == key_of_start) {
+                    if let Some(w) = self.workers.get_mut(&id) {
+                        w.draining = true;
+                        w.drain_deadline = Some(now);
+                    }
+                    self.maybe_finish_drain(id);
+                }
                 Some(id)
             }
             Err(error @ WorkerError::ResourceExhausted(_)) => {

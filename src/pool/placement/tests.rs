@@ -2769,3 +2769,30 @@ fn a_worker_stopped_for_the_cli_side_leaves_its_room_to_the_cli_lease_not_to_a_s
         sim.spawns
     );
 }
+
+#[test]
+fn a_spare_of_the_old_version_still_starting_at_the_rotation_is_stopped_as_it_lands() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 4,
+        ..spares(1)
+    });
+    sim.ask_key("a/1", key_version(1, "v1"));
+    let old = sim.spawn_ok().expect("a/1's process");
+    sim.give_back("a/1", Settle::Park, 1);
+    sim.tick(Duration::from_secs(61));
+    assert_eq!(sim.evicted, vec![(old, Eviction::Idle)]);
+    let (conversations, worker) = sim.stops.pop().expect("the eviction");
+    sim.stop_done(conversations, worker);
+    assert_eq!(sim.spawns, [key_version(1, "v1")], "the spare is starting");
+
+    // a/1 comes back with a new token while the old version's spare is still priming.
+    let rotated = sim.ask_key("a/1", key_version(1, "v2"));
+    let spare = sim.spawn_ok().expect("the old version's spare landed");
+    assert_eq!(
+        sim.evicted.last(),
+        Some(&(spare, Eviction::Drained)),
+        "the stale token's process goes at once"
+    );
+    sim.confirm_all_detaches();
+    sim.new_version_serves_and_no_stale_spare(rotated);
+}
