@@ -28,7 +28,7 @@ use super::error::PoolError;
 use super::key::PoolKey;
 use super::lease::OpenReason;
 use super::placement::{
-    Abandon, Ask, DetachTarget, Effect, Granted, Limits, Placement, RequestId, StartedWorker,
+    Abandon, Ask, Death, DetachTarget, Effect, Granted, Limits, Placement, RequestId, StartedWorker,
 };
 use super::prime::{PrimeVia, PrimingSink};
 use super::status::{PoolEvent, PoolStatus};
@@ -1057,7 +1057,12 @@ impl PoolState {
         now: Instant,
     ) -> Vec<Effect<WorkerConfig, Session>> {
         if crashed {
-            return self.core.crashed(id, now);
+            let exit = self
+                .handles
+                .get(&id)
+                .and_then(|h| h.exit())
+                .and_then(|e| e.exit_info());
+            return self.core.crashed(id, Death::of(exit), now);
         }
         let (known, effects) = self.core.stopped(id, now);
         if known {

@@ -286,6 +286,50 @@ pub(crate) enum Settle {
 /// A worker's start, as placement hears of it.
 pub(crate) type Started = Result<StartedWorker, WorkerError>;
 
+/// How a worker's child died, as far as the restart policy tells deaths apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Death {
+    /// Killed from outside (SIGKILL: the OOM killer, an operator; SIGTERM, SIGINT, SIGHUP,
+    /// or the exit status a runtime gives for one), or how is not known.
+    Killed,
+    /// Failed by itself: an exit code of its own, or the signal of a fault (SIGSEGV,
+    /// SIGABRT, SIGBUS, SIGILL, SIGFPE, SIGSYS, SIGTRAP).
+    Failed,
+}
+
+impl Death {
+    /// The death an exit status tells of.
+    pub(crate) fn of(exit: Option<crate::process::ExitInfo>) -> Self {
+        use crate::process::ExitInfo;
+        use nix::sys::signal::Signal;
+        const FAULTS: [Signal; 7] = [
+            Signal::SIGSEGV,
+            Signal::SIGABRT,
+            Signal::SIGBUS,
+            Signal::SIGILL,
+            Signal::SIGFPE,
+            Signal::SIGSYS,
+            Signal::SIGTRAP,
+        ];
+        const STOPS: [Signal; 4] = [
+            Signal::SIGKILL,
+            Signal::SIGTERM,
+            Signal::SIGINT,
+            Signal::SIGHUP,
+        ];
+        match exit {
+            Some(ExitInfo::Signal(n)) if FAULTS.iter().any(|s| *s as i32 == n) => Death::Failed,
+            // 0 and 128 + a stopping signal: a runtime that handled the signal and exited.
+            Some(ExitInfo::Code(code))
+                if code != 0 && !STOPS.iter().any(|s| 128 + *s as i32 == code) =>
+            {
+                Death::Failed
+            }
+            _ => Death::Killed,
+        }
+    }
+}
+
 /// A worker that started.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StartedWorker {
@@ -945,17 +989,25 @@ impl<Spec: Clone, S> Placement<Spec, S> {
 
     /// A worker died: it is forgotten, and replaced (after the backoff) if it had work, or
     /// its key is quarantined.
-    pub(crate) fn crashed(&mut self, id: WorkerId, now: Instant) -> Vec<Effect<Spec, S>> {
+    pub(crate) fn crashed(
+        &mut self,
+        id: WorkerId,
+        death: Death,
+        now: Instant,
+    ) -> Vec<Effect<Spec, S>> {
         if let Some(w) = self.workers.get(&id) {
             let key = w.key.clone();
             // A draining worker was on its way out, and a warm spare's conversations were
             // resumed ahead of anyone asking (the key's next quiet tick owes it a spare, and
             // a returning conversation's lease starts a process): neither is replaced.
             let had_conversations = !w.attached.is_empty() && !w.draining && !w.warm;
-            // A worker that served and lived past its start period was killed from outside
-            // (the OOM killer, an operator): replaced at once, no quarantine. A crash loop
-            // (deaths at start, before serving, while resuming) still counts.
+            // A worker that served, lived past its start period and was killed by a signal
+            // from outside (the OOM killer, an operator) is replaced at once, no quarantine.
+            // A crash loop (deaths at start, before serving, while resuming) still counts,
+            // and so does a runtime that fails by itself (a fault, an exit code of its own)
+            // on every turn, however long it served first.
             let outside = w.served
+                && death == Death::Killed
                 && now.saturating_duration_since(w.started) >= self.limits.restart.healthy_after;
             self.emit(PoolEvent::WorkerCrashed {
                 key_hash: key.short_hash(),

@@ -950,7 +950,7 @@ fn a_crash_with_work_schedules_a_respawn_and_too_many_quarantine_the_key() {
                 sim.spawn_ok().expect("respawned")
             }
         };
-        let effects = sim.core.crashed(w, sim.now);
+        let effects = sim.core.crashed(w, Death::Killed, sim.now);
         sim.apply(effects);
         sim.leases.remove("a/1");
         let effects = sim
@@ -1082,6 +1082,66 @@ fn a_worker_killed_after_serving_is_replaced_at_once_and_never_quarantines_its_k
     assert!(sim.core.status(sim.now).quarantined_keys.is_empty());
 }
 
+#[test]
+fn a_runtime_that_fails_by_itself_on_every_turn_is_quarantined_however_long_it_served() {
+    let mut sim = Sim::new(limits());
+    sim.ask("a/1", 1);
+    let mut quarantined = false;
+    for _ in 0..20 {
+        let Some(w) = sim.spawn_ok() else {
+            break;
+        };
+        let effects = sim
+            .core
+            .opened("a/1", w, CliSessionId::random(), OpenReason::Resumed);
+        sim.apply(effects);
+        // Two seconds in, mid-turn, it aborts (SIGABRT: a fault of its own, no kill).
+        sim.died_after(Duration::from_secs(2), w, Death::Failed);
+        sim.leases.remove("a/1");
+        let effects = sim
+            .core
+            .returned("a/1".into(), w, None, Settle::Detach, 0, sim.now);
+        sim.apply(effects);
+        if !sim.core.status(sim.now).quarantined_keys.is_empty() {
+            quarantined = true;
+            break;
+        }
+        let key = sim.respawns.pop().expect("a restart before the quarantine");
+        sim.now += Duration::from_secs(1);
+        let effects = sim.core.respawn_due(&key, sim.now);
+        sim.apply(effects);
+        sim.ask("a/1", 1);
+    }
+    assert!(
+        quarantined,
+        "a runtime failing on every turn is a crash loop"
+    );
+}
+
+#[test]
+fn an_exit_status_tells_a_kill_from_outside_from_a_fault_of_the_runtimes_own() {
+    use crate::process::ExitInfo;
+    for killed in [
+        None,
+        Some(ExitInfo::Signal(9)),
+        Some(ExitInfo::Signal(15)),
+        Some(ExitInfo::Code(0)),
+        Some(ExitInfo::Code(137)),
+        Some(ExitInfo::Code(143)),
+        Some(ExitInfo::Unknown),
+    ] {
+        assert_eq!(Death::of(killed), Death::Killed, "{killed:?}");
+    }
+    for failed in [
+        Some(ExitInfo::Signal(11)),
+        Some(ExitInfo::Signal(6)),
+        Some(ExitInfo::Code(1)),
+        Some(ExitInfo::Code(134)),
+    ] {
+        assert_eq!(Death::of(failed), Death::Failed, "{failed:?}");
+    }
+}
+
 /// `a/1` opens on a process with room for four (so its key keeps no spare beside it) and is
 /// parked; two seconds later the process is killed from outside, no spare races its
 /// replacement, and the replacement's start is due (its `Spawn` pending).
@@ -1159,7 +1219,7 @@ fn a_worker_that_dies_before_serving_still_quarantines_its_key() {
         let w = sim.spawn_ok().expect("a worker");
         // Dies long after its start, but never opened a conversation: a crash loop.
         sim.now += Duration::from_secs(5);
-        let effects = sim.core.crashed(w, sim.now);
+        let effects = sim.core.crashed(w, Death::Killed, sim.now);
         sim.apply(effects);
         sim.leases.remove("a/1");
         let effects = sim
@@ -1255,9 +1315,14 @@ impl Sim {
     /// `by` passes and `worker`'s child dies (a SIGKILL from outside, say): its exit, then
     /// its crash.
     fn killed_after(&mut self, by: Duration, worker: WorkerId) {
+        self.died_after(by, worker, Death::Killed);
+    }
+
+    /// `by` passes and `worker`'s child dies as `death` says.
+    fn died_after(&mut self, by: Duration, worker: WorkerId, death: Death) {
         self.now += by;
         self.core.exited(worker);
-        let effects = self.core.crashed(worker, self.now);
+        let effects = self.core.crashed(worker, death, self.now);
         self.apply(effects);
     }
 }
@@ -1639,7 +1704,7 @@ impl Sim {
                     return;
                 };
                 self.core.exited(worker);
-                let effects = self.core.crashed(worker, now);
+                let effects = self.core.crashed(worker, Death::Killed, now);
                 self.apply(effects);
             }
             Step::Stop { pick } => {
@@ -1715,7 +1780,7 @@ impl Sim {
                 self.play(Step::SpawnDone { pick: 0, ok: true });
             } else if let Some(worker) = self.exited.pop() {
                 // The supervision event of an exit always comes.
-                let effects = self.core.crashed(worker, now);
+                let effects = self.core.crashed(worker, Death::Killed, now);
                 self.apply(effects);
             } else if let Some(key) = self.respawns.pop() {
                 // Past any backoff.
@@ -2697,7 +2762,7 @@ fn a_backoff_as_long_as_a_duration_holds_does_not_panic_the_pool() {
     let w = sim.spawn_ok().expect("a worker");
     // It dies at once with its conversation leased: a crash, restarted after the backoff.
     sim.core.exited(w);
-    let effects = sim.core.crashed(w, sim.now);
+    let effects = sim.core.crashed(w, Death::Killed, sim.now);
     sim.apply(effects);
     assert_eq!(sim.respawns, [key(1)]);
 }
