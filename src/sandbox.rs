@@ -197,6 +197,9 @@ impl Sandbox {
     /// work directory lie inside): `agent_root` read and write, `<agent_root>/tmp` (created,
     /// mode 0700) as the temporary directory, `agent_root` as `HOME`, and `ports` allowed for
     /// TCP connect too (a BYOK provider reached directly, the pool's priming sink).
+    /// `agent_root` must be a resolved path (`std::fs::canonicalize`, as the pool's homes
+    /// are): the wrapper refuses to start a process whose agent directory's path leads
+    /// anywhere through a link (`--agent-dir`).
     pub fn for_agent(&self, agent_root: &Path, ports: &[u16]) -> Result<Sandbox, SandboxError> {
         let mut sandbox = self.clone();
         let temp = agent_root.join("tmp");

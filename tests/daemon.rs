@@ -87,6 +87,46 @@ async fn sigterm_during_turns_drains_and_leaves_no_process() {
 }
 
 #[tokio::test]
+async fn a_second_signal_cuts_the_drain_short_and_aborts_the_running_turn() {
+    let scratch = support::Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model");
+    let url = endpoint.base_url();
+    // A grace far longer than the test waits, and a turn that would outlast the test.
+    let daemon = Daemon::start(scratch.path(), "drain_grace_secs = 600\n", &[]).await;
+    let addr = daemon.addr;
+    let mut streams = slow_turns_started(addr, &url, "agent-h", 1, "2000x100").await;
+    let pid = nix::unistd::Pid::from_raw(daemon.pid() as i32);
+    // SIGHUP drains like SIGTERM: the daemon turns unready.
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).expect("SIGHUP");
+    let draining = async {
+        while call(addr, "GET", "/readyz", None, None).await.status != 503 {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), draining)
+        .await
+        .expect("draining after SIGHUP");
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("SIGINT");
+    let (_, end) = tokio::time::timeout(Duration::from_secs(60), streams[0].until_end())
+        .await
+        .expect("the turn ends within the test, not after the grace");
+    assert!(
+        end["status"] == "aborted" || end["status"] == "crashed" || end["status"] == "error",
+        "{end}"
+    );
+    let mut daemon = daemon;
+    let status = tokio::time::timeout(Duration::from_secs(60), daemon.child.wait())
+        .await
+        .expect("exit")
+        .expect("wait");
+    assert!(status.success(), "{status:?}");
+    let left =
+        support::procs::wait_none(|| children_under(scratch.path()), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "children left: {left:?}");
+}
+
+#[tokio::test]
 async fn a_daemon_whose_stderr_reader_is_gone_still_drains_and_exits_cleanly_on_sigterm() {
     let scratch = support::Scratch::new();
     // The log reader died: every write to stderr fails with EPIPE.

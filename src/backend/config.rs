@@ -554,8 +554,8 @@ impl CliBackendConfig {
     ///   takes several values and would swallow the prompt); Codex sends them to the model
     ///   as `input_image` data URLs, on a fresh run and on a resume.
     ///
-    /// The model provider (`-c model_provider=...`, base URL, `wire_api = "responses"`, the
-    /// key's variable), `CODEX_HOME` and `TMPDIR` are not static: the one-shot runner adds
+    /// The model provider (a profile file in `CODEX_HOME` named by `-p`: base URL and query,
+    /// `wire_api = "responses"`, the key's variable), `CODEX_HOME` and `TMPDIR` are not static: the one-shot runner adds
     /// them when it spawns the process ([`super::oneshot`]).
     pub fn codex_cli() -> Self {
         let args: Vec<String> = [

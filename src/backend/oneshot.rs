@@ -1282,7 +1282,9 @@ impl Oneshot {
                 return Ok(None);
             }
         };
-        if let Some(flag) = self.config.backend.args.iter().find(|a| {
+        let backend = &self.config.backend;
+        let resume = backend.resume_args.iter().flatten();
+        if let Some(flag) = backend.args.iter().chain(resume).find(|a| {
             *a == "-p"
                 || *a == "--profile"
                 || a.starts_with("--profile=")
@@ -1513,7 +1515,10 @@ fn without_prompt_placeholder(args: Vec<String>) -> Vec<String> {
 
 /// `text` as a TOML basic string (JSON's escapes are TOML's).
 fn toml_string(text: &str) -> String {
-    serde_json::to_string(text).unwrap_or_else(|_| "\"\"".to_owned())
+    // JSON's escapes are TOML's, but for DEL, which TOML forbids raw and JSON leaves.
+    serde_json::to_string(text)
+        .unwrap_or_else(|_| "\"\"".to_owned())
+        .replace('\u{7f}', "\\u007F")
 }
 
 /// What woke a turn's read loop.

@@ -1057,12 +1057,8 @@ impl PoolState {
         now: Instant,
     ) -> Vec<Effect<WorkerConfig, Session>> {
         if crashed {
-            let exit = self
-                .handles
-                .get(&id)
-                .and_then(|h| h.exit())
-                .and_then(|e| e.exit_info());
-            return self.core.crashed(id, Death::of(exit), now);
+            let exit = self.handles.get(&id).and_then(|h| h.exit());
+            return self.core.crashed(id, Death::of_worker(exit.as_ref()), now);
         }
         let (known, effects) = self.core.stopped(id, now);
         if known {

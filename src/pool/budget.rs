@@ -23,6 +23,9 @@ pub(crate) struct Others {
     /// When the other side's idle process it would stop first was last used (`None`: it
     /// has none to give up).
     pub idle_since: Option<Instant>,
+    /// The other side is stopping a process to make room (for a lease of its own or of
+    /// this side): an ask here waits for that stop instead of stopping another process.
+    pub making_room: bool,
 }
 
 /// Whose idle process makes room in a full pool.
@@ -87,6 +90,7 @@ mod tests {
         let others = Others {
             held: 1,
             idle_since: None,
+            making_room: false,
         };
         assert!(has_room(0, &others, 2));
         assert!(!has_room(1, &others, 2));

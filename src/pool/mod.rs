@@ -973,6 +973,16 @@ impl Pool {
     /// one grace period, aborts the rest, detaches every session and stops every worker
     /// (process groups killed).
     pub async fn shutdown(&self) -> Result<ShutdownReport, PoolError> {
+        self.shutdown_unless(std::future::pending()).await
+    }
+
+    /// [`Pool::shutdown`], with the grace for running turns cut short when `cut_short`
+    /// resolves first (the daemon's second signal: an operator who will not wait): the
+    /// turns still running are aborted then, and everything else goes as in a shutdown.
+    pub async fn shutdown_unless(
+        &self,
+        cut_short: impl std::future::Future<Output = ()>,
+    ) -> Result<ShutdownReport, PoolError> {
         let actor = &self.inner.actor;
         self.inner.closed.send_replace(true);
         let call = Some(Duration::from_secs(30));
@@ -982,10 +992,13 @@ impl Pool {
         // One grace for every side: the CLI side's turns and deletions ran meanwhile.
         let deadline = tokio::time::Instant::now() + grace;
         let mut report = ShutdownReport::default();
-        if tokio::time::timeout(grace, leased.wait_for(|n| *n == 0))
-            .await
-            .is_err()
-        {
+        let settled = tokio::select! {
+            settled = tokio::time::timeout(grace, leased.wait_for(|n| *n == 0)) => {
+                settled.is_ok()
+            }
+            () = cut_short => false,
+        };
+        if !settled {
             if let Ok(ractor::rpc::CallResult::Success(n)) =
                 actor.call(PoolMsg::AbortLeased, call).await
             {

@@ -133,6 +133,9 @@ impl TranscriptSettings {
                 )),
             })
         })
+        // A mirror that cannot be opened loses every write of the lease: counted like a
+        // failed write (in best-effort mode the lease goes on without it).
+        .inspect_err(|_| crate::metrics::storage_write_failed(crate::faults::Store::Transcript))
     }
 }
 
@@ -321,6 +324,32 @@ pub struct TurnOutcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mirror_that_cannot_be_opened_counts_as_a_failed_transcript_write() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Its directory is a file: nothing can be opened under it.
+        let not_a_dir = dir.path().join("file");
+        std::fs::write(&not_a_dir, "").expect("file");
+        let settings = TranscriptSettings::new(&not_a_dir, TranscriptMode::BestEffort);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            assert!(runtime.block_on(settings.open("session-1")).is_err());
+        });
+        let counted: Vec<_> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(k, ..)| k.key().name() == crate::metrics::STORAGE_WRITE_FAILURES_TOTAL)
+            .map(|(.., value)| value)
+            .collect();
+        assert_eq!(counted, [DebugValue::Counter(1)]);
+    }
 
     #[test]
     fn a_turns_usage_sums_every_model_calls_tokens_including_the_prompt_cache() {

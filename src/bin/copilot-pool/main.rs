@@ -174,7 +174,10 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("copilot-pool: {e:#}");
+            // Not `eprintln!`: it panics on a closed stderr, and the exit code (78 for a
+            // configuration refused) is what a supervisor reads then.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr().lock(), "copilot-pool: {e:#}");
             if e.chain().any(|cause| cause.is::<config::ConfigRefused>()) {
                 std::process::ExitCode::from(config::EXIT_CONFIG)
             } else {

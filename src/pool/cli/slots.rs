@@ -204,6 +204,7 @@ impl Slots {
         Others {
             held: self.slots_taken(),
             idle_since: self.lru_parked(None).map(|(_, h)| h.last_used),
+            making_room: false,
         }
     }
 
@@ -418,6 +419,12 @@ impl Slots {
     fn room_for(&mut self, id: u64, key: &CliKey, effects: &mut Vec<Effect>) -> bool {
         let key_full = self.of_key(key) >= self.caps.max_per_key;
         let pool_full = !has_room(self.slots_taken(), &self.others, self.caps.max_processes);
+        // The Copilot side is stopping a worker to make room (for this side's lease, or for
+        // a start of its own): wait for that stop rather than stop another process (its end
+        // changes the view, which serves the waiters again).
+        if pool_full && !key_full && self.others.making_room {
+            return false;
+        }
         if key_full || pool_full {
             // The least recently used parked process makes room: of this key when the key
             // is full; otherwise of any key, or the Copilot side's idle worker when that one
@@ -1106,6 +1113,7 @@ mod tests {
         s.set_others(Others {
             held: 1,
             idle_since: Some(t0),
+            making_room: false,
         });
         (s, t1)
     }
@@ -1132,6 +1140,39 @@ mod tests {
     }
 
     #[test]
+    fn while_the_copilot_side_stops_a_worker_for_room_an_ask_waits_for_it_and_stops_nothing() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        let mut s = slots(2, 2);
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, t1), 1));
+        let parked = s.returned("a/1", Kept::Process, false, t1);
+        assert!(parked.is_empty(), "{parked:?}");
+        // The Copilot side holds the other place and is stopping a worker (the one it
+        // stopped for this side, or for a start of its own); its next idle one is older
+        // than this side's parked process.
+        s.set_others(Others {
+            held: 1,
+            idle_since: Some(t0),
+            making_room: true,
+        });
+        assert!(
+            s.ask(2, "b/1", key("b"), false, t1).is_empty(),
+            "neither another Copilot worker nor this side's parked process is stopped"
+        );
+        assert!(!s.wants_other());
+        // The stop is done: the place is there.
+        let effects = s.others_changed(
+            Others {
+                held: 0,
+                idle_since: Some(t0),
+                making_room: false,
+            },
+            t1,
+        );
+        assert!(granted(&effects, 2), "{effects:?}");
+    }
+
+    #[test]
     fn a_waiter_that_gives_up_lets_the_one_behind_it_ask_the_copilot_side_for_room() {
         let (mut s, t1) = full_beside_an_older_copilot_worker();
         // Two waiters of one conversation: the first asks for the Copilot worker, the second
@@ -1153,6 +1194,7 @@ mod tests {
         s.set_others(Others {
             held: 1,
             idle_since: Some(t0),
+            making_room: false,
         });
         assert_eq!(s.ask(2, "b/1", key("b"), false, t1), [Effect::EvictOther]);
         assert!(s.wants_other());
@@ -1177,6 +1219,7 @@ mod tests {
         s.set_others(Others {
             held: 1,
             idle_since: Some(t1),
+            making_room: false,
         });
         let effects = s.ask(2, "b/1", key("b"), false, t1);
         assert_eq!(
@@ -1195,6 +1238,7 @@ mod tests {
         s.set_others(Others {
             held: 1,
             idle_since: None,
+            making_room: false,
         });
         assert!(s.ask(1, "a/1", key("a"), false, t0).is_empty(), "waits");
         assert_eq!(s.waiting(), 1);
@@ -1214,7 +1258,8 @@ mod tests {
             s.view(),
             Others {
                 held: 2,
-                idle_since: Some(t0)
+                idle_since: Some(t0),
+                making_room: false,
             }
         );
         let (evicted, effects) = s.evict_for_other();

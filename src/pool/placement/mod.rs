@@ -298,6 +298,17 @@ pub(crate) enum Death {
 }
 
 impl Death {
+    /// The death a worker's end tells of: a runtime that hung (missed its health pings) or
+    /// broke the protocol failed by itself, whatever signal then ended it; otherwise its
+    /// exit status says ([`Death::of`]).
+    pub(crate) fn of_worker(exit: Option<&crate::worker::WorkerExit>) -> Self {
+        use crate::worker::ExitReason;
+        match exit.map(|e| &e.reason) {
+            Some(ExitReason::Hung { .. } | ExitReason::ProtocolViolation(_)) => Death::Failed,
+            _ => Death::of(exit.and_then(crate::worker::WorkerExit::exit_info)),
+        }
+    }
+
     /// The death an exit status tells of.
     pub(crate) fn of(exit: Option<crate::process::ExitInfo>) -> Self {
         use crate::process::ExitInfo;
@@ -373,6 +384,8 @@ struct Stopping {
     /// Stopped for the CLI side's lease: the room it leaves is that lease's, so its end
     /// serves nobody here (no waiter, no spare) before the CLI side has seen it.
     for_other: bool,
+    /// Stopped to make room for a start here (`grow`).
+    for_room: bool,
 }
 
 /// The key of the process a conversation left, and when the conversation was last used.
@@ -552,7 +565,16 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             idle_since: idle
                 .and_then(|id| self.workers.get(&id))
                 .map(|w| w.last_used),
+            making_room: self.making_room(),
         }
+    }
+
+    /// A worker is being stopped to make room (for a waiter here, or for the CLI side's
+    /// lease): a full pool makes room one stop at a time, so a waiter served again before
+    /// that stop is confirmed (a tick, a return) waits for it instead of stopping another
+    /// tenant's idle process, and so does the other side's.
+    fn making_room(&self) -> bool {
+        self.stopping.values().any(|s| s.for_room || s.for_other)
     }
 
     /// A CLI lease needs room and this side holds the oldest idle process: its idle victim
@@ -640,6 +662,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                     && let Some(ks) = self.keys.get_mut(&ask.key)
                 {
                     ks.last_lease = Some(now);
+                    ks.rotated = false;
                 }
             }
             Err(error) => self.out.push(Effect::Fail {
@@ -1698,6 +1721,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             key: key.clone(),
             held: Vec::new(),
             for_other: false,
+            for_room: false,
         })
     }
 
@@ -1762,6 +1786,10 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             return false;
         }
         if !has_room(self.held(), &self.others, self.limits.max_processes) {
+            // Room is being made already (by either side): wait for that stop.
+            if self.making_room() || self.others.making_room {
+                return true;
+            }
             // The oldest idle process makes room: a worker of another key here, or the CLI
             // side's parked process (asked for once; the lease waits until it is gone).
             let victim = idle_victim(
@@ -1778,6 +1806,9 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                     // The start follows once the victim is gone (`eviction_done` serves
                     // the waiters again): the cap holds processes, not workers.
                     self.evict(id, Eviction::Full);
+                    if let Some(stopping) = self.stopping.get_mut(&id) {
+                        stopping.for_room = true;
+                    }
                     return true;
                 }
                 (Some(Room::Other), _) => {

@@ -1140,6 +1140,26 @@ fn an_exit_status_tells_a_kill_from_outside_from_a_fault_of_the_runtimes_own() {
     ] {
         assert_eq!(Death::of(failed), Death::Failed, "{failed:?}");
     }
+    // A runtime that hung or broke the protocol failed by itself, though the pool's own
+    // SIGKILL ended it.
+    use crate::worker::{ExitReason, WorkerExit};
+    let ended = |reason| WorkerExit {
+        reason,
+        pid: 1,
+        stderr_tail: String::new(),
+    };
+    for reason in [
+        ExitReason::Hung {
+            misses: 2,
+            timeout: Duration::from_secs(5),
+        },
+        ExitReason::ProtocolViolation("not JSON".into()),
+    ] {
+        assert_eq!(Death::of_worker(Some(&ended(reason))), Death::Failed);
+    }
+    let killed = ended(ExitReason::ChildExited(ExitInfo::Signal(9)));
+    assert_eq!(Death::of_worker(Some(&killed)), Death::Killed);
+    assert_eq!(Death::of_worker(None), Death::Killed);
 }
 
 /// `a/1` opens on a process with room for four (so its key keeps no spare beside it) and is
@@ -2581,6 +2601,7 @@ fn a_full_pool_asks_the_cli_side_once_for_its_older_parked_process_and_starts_wh
     sim.core.set_others(Others {
         held: 1,
         idle_since: Some(sim.now - Duration::from_secs(5)),
+        making_room: false,
     });
     let first = sim.ask("a/1", 1);
     let second = sim.ask("b/1", 2);
@@ -2609,6 +2630,7 @@ fn a_full_pool_stops_its_own_idle_worker_when_the_cli_sides_parked_process_is_yo
     sim.core.set_others(Others {
         held: 1,
         idle_since: Some(sim.now + Duration::from_secs(1)),
+        making_room: false,
     });
     sim.now += Duration::from_secs(2);
     sim.ask("b/1", 2);
@@ -2630,6 +2652,7 @@ fn busy_cli_processes_count_in_the_cap_and_the_cli_side_can_take_an_idle_worker(
     sim.core.set_others(Others {
         held: 1,
         idle_since: None,
+        making_room: false,
     });
     let waiting = sim.ask("b/1", 2);
     assert!(sim.queued.contains(&waiting) && sim.spawns.is_empty());
@@ -2638,7 +2661,8 @@ fn busy_cli_processes_count_in_the_cap_and_the_cli_side_can_take_an_idle_worker(
         sim.core.view(),
         Others {
             held: 1,
-            idle_since: None
+            idle_since: None,
+            making_room: false,
         },
         "a leased worker is no victim"
     );
@@ -2860,4 +2884,33 @@ fn a_spare_of_the_old_version_still_starting_at_the_rotation_is_stopped_as_it_la
     );
     sim.confirm_all_detaches();
     sim.new_version_serves_and_no_stale_spare(rotated);
+}
+
+#[test]
+fn a_full_pool_makes_room_one_stop_at_a_time_however_often_its_waiter_is_served_again() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 3,
+        ..limits()
+    });
+    let mut idle = Vec::new();
+    for k in 1..=3 {
+        sim.ask(&format!("c/{k}"), k);
+        idle.push(sim.spawn_ok().expect("kept"));
+        sim.give_back(&format!("c/{k}"), Settle::Park, 1);
+        sim.now += Duration::from_secs(1);
+    }
+    sim.ask("d/1", 4);
+    assert_eq!(sim.evicted, [(idle[0], Eviction::Full)]);
+    // The stop takes its grace; meanwhile ticks serve the waiter again and again.
+    for _ in 0..3 {
+        sim.tick(Duration::from_secs(1));
+    }
+    assert_eq!(
+        sim.evicted,
+        [(idle[0], Eviction::Full)],
+        "one stop makes the room: no other tenant's process goes for the same start"
+    );
+    assert!(sim.spawns.is_empty());
+    sim.confirm_all_detaches();
+    assert_eq!(sim.spawns, [key(4)]);
 }

@@ -130,7 +130,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     nix::sys::prctl::set_dumpable(false)
         .context("marking the daemon non-dumpable (prctl PR_SET_DUMPABLE)")?;
     // Signal handlers first: a SIGTERM at any point after this drains cleanly.
-    let signals = Signals::new()?;
+    let mut signals = Signals::new()?;
     let config = args.config().map_err(ConfigRefused)?;
     // A runtime not there yet is no configuration refused (1: it may be installed before
     // the next start, by an init container say).
@@ -293,7 +293,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         }),
     });
 
-    let signal = signals.first().await;
+    let signal = signals.next().await;
     tracing::info!(signal, "Draining.");
     say(
         Out::Stderr,
@@ -306,7 +306,15 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     }
     // Running turns get the drain grace (the pool's shutdown grace), then are aborted;
     // sessions are detached and every process group is stopped.
-    let report = pool.shutdown().await?;
+    // A second signal cuts the grace short: the turns still running are aborted at once.
+    let second = async {
+        let again = signals.next().await;
+        say(
+            Out::Stderr,
+            format_args!("copilot-pool serve: {again} again, aborting the running turns"),
+        );
+    };
+    let report = pool.shutdown_unless(second).await?;
     if report.aborted_leases > 0 {
         tracing::warn!(
             aborted = report.aborted_leases,
@@ -614,6 +622,7 @@ fn cap_for_descriptors(configured: usize, max_processes: usize, nofile: u64) -> 
 struct Signals {
     int: tokio::signal::unix::Signal,
     term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
 }
 
 impl Signals {
@@ -622,14 +631,18 @@ impl Signals {
         Ok(Self {
             int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
             term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            // The terminal that started the daemon closed: drained like a SIGTERM, not
+            // killed outright with its tools' processes left to the next start's takeover.
+            hup: signal(SignalKind::hangup()).context("installing the SIGHUP handler")?,
         })
     }
 
-    /// Resolves on the first SIGINT or SIGTERM, with the signal's name.
-    async fn first(mut self) -> &'static str {
+    /// Resolves on the next SIGINT, SIGTERM or SIGHUP, with the signal's name.
+    async fn next(&mut self) -> &'static str {
         tokio::select! {
             _ = self.int.recv() => "SIGINT",
             _ = self.term.recv() => "SIGTERM",
+            _ = self.hup.recv() => "SIGHUP",
         }
     }
 }
