@@ -671,3 +671,33 @@ async fn an_agent_directory_swapped_for_a_link_to_another_agents_is_refused_befo
     );
     assert!(!bob.join("planted").exists(), "bob's home was written");
 }
+
+#[tokio::test]
+async fn a_root_the_wrapper_cannot_read_is_skipped_saying_so() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    // A link to itself: ELOOP, neither there nor missing.
+    let looped = tmp.path().join("loop");
+    std::os::unix::fs::symlink(&looped, &looped).expect("link");
+    let missing = tmp.path().join("missing");
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_copilot-pool"))
+        .arg("sandbox-exec")
+        .arg("--ro")
+        .arg(&looped)
+        .arg("--ro")
+        .arg(&missing)
+        .args(["--rx", "/", "--", "/bin/true"])
+        .kill_on_drop(true)
+        .output()
+        .await
+        .expect("run the wrapper");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("not granting {}", looped.display())),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("missing"),
+        "a missing path is skipped quietly: {stderr}"
+    );
+}

@@ -224,6 +224,9 @@ fn confine(args: &SandboxExecArgs) -> Result<SandboxStatus> {
         _ => 0,
     };
     let applied = restricted.ruleset != RulesetStatus::NotEnforced;
+    // Without no_new_privs a setuid or file-capability program the runtime execs gets
+    // privileges back, whatever was dropped above.
+    let capabilities = capabilities && restricted.no_new_privs;
     Ok(status_of(
         applied,
         landlock_abi,
@@ -259,14 +262,26 @@ fn status_of(applied: bool, landlock_abi: u32, tcp: Tcp, capabilities: bool) -> 
 }
 
 /// Adds `path` with `access` (only the rights a file can have when it is not a directory);
-/// a path that does not exist is skipped.
+/// a path that does not exist is skipped, and one that cannot be read (permissions, a link
+/// loop) is skipped saying so on stderr (the worker's log), since a skipped root is a wall
+/// the process will run into.
 fn add_path(
     created: landlock::RulesetCreated,
     path: &Path,
     access: BitFlags<AccessFs>,
 ) -> Result<landlock::RulesetCreated> {
-    let Ok(meta) = std::fs::metadata(path) else {
-        return Ok(created);
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(created),
+        Err(e) => {
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr().lock(),
+                "copilot-pool sandbox-exec: not granting {} ({e}): the process cannot reach it",
+                path.display()
+            );
+            return Ok(created);
+        }
     };
     let access = if meta.is_dir() {
         access
