@@ -225,7 +225,9 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
         // The sender outlives every server (it is dropped at the end of `serve`).
         let _ = stop.wait_for(|s| *s).await;
     };
-    let mut servers = Vec::new();
+    // Each server's task, with what it serves (for the log if one ends on its own).
+    let mut servers: Vec<tokio::task::JoinHandle<()>> = Vec::new();
+    let mut served: Vec<&'static str> = Vec::new();
     // The SDK endpoint serves before the API's address is announced, so a client that waits
     // for that line finds both.
     let sdk = match sdk_listener {
@@ -242,6 +244,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             sdk_config.max_turn_duration = config.timeouts().absolute;
             let endpoint = SdkEndpoint::new(pool.clone(), sdk_config);
             servers.push(serve_sdk(&endpoint, listener, stopped(stop_rx.clone())));
+            served.push("the SDK endpoint");
             Some(endpoint)
         }
         None => None,
@@ -283,6 +286,7 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             metrics_limits,
             stopped(stop_rx.clone()),
         )));
+        served.push("the metrics listener");
     }
     let api_stopped = stopped(stop_rx.clone());
     servers.push(match listener {
@@ -292,8 +296,23 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
             drop(file);
         }),
     });
+    served.push("the API");
 
-    let signal = signals.next().await;
+    // A server's task ends only once told to stop: one that ends before (it panicked)
+    // leaves a daemon that looks alive and serves nothing there, so the daemon drains and
+    // exits 1 for its supervisor to restart it.
+    let (signal, server_ended) = tokio::select! {
+        signal = signals.next() => (signal, None),
+        (ended, at, _) = futures_util::future::select_all(servers.iter_mut()) => {
+            let what = served.get(at).copied().unwrap_or("a server");
+            let why = match ended {
+                Ok(()) => "it stopped".to_owned(),
+                Err(e) => e.to_string(),
+            };
+            tracing::error!(server = what, %why, "A server of the daemon ended on its own; draining.");
+            ("a server's end", Some(format!("{what} ended on its own ({why})")))
+        }
+    };
     tracing::info!(signal, "Draining.");
     say(
         Out::Stderr,
@@ -332,6 +351,8 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     };
     let _ = tokio::time::timeout(Duration::from_secs(5), turns_finished).await;
     stop_tx.send_replace(true);
+    // A task already ended is not awaited again.
+    servers.retain(|server| !server.is_finished());
     let _ = tokio::time::timeout(
         Duration::from_secs(5),
         futures_util::future::join_all(servers),
@@ -339,7 +360,10 @@ pub async fn serve(args: ServeArgs) -> Result<()> {
     .await;
     upkeep.abort();
     say(Out::Stderr, format_args!("copilot-pool serve: stopped"));
-    Ok(())
+    match server_ended {
+        Some(why) => bail!("{why}; the daemon drained and stopped, restart it"),
+        None => Ok(()),
+    }
 }
 
 /// A bound listener of the API or the SDK endpoint.
