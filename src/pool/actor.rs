@@ -605,6 +605,14 @@ impl PoolState {
             effects.extend(self.core.others_changed(now));
         }
         budget.copilot_is(self.core.view());
+        // A worker stopped for the CLI side is gone and the CLI side has had its room: the
+        // waiters here get what it left (then the CLI side hears this side's count again).
+        self.core.set_others(budget.cli_view());
+        let owed = self.core.serve_owed(now);
+        if !owed.is_empty() {
+            effects.extend(owed);
+            budget.copilot_is(self.core.view());
+        }
         effects
     }
 

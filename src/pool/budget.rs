@@ -23,8 +23,8 @@ pub(crate) struct Others {
     /// When the other side's idle process it would stop first was last used (`None`: it
     /// has none to give up).
     pub idle_since: Option<Instant>,
-    /// The other side is stopping a process to make room (for a lease of its own or of
-    /// this side): an ask here waits for that stop instead of stopping another process.
+    /// The other side is stopping a process to make room for this side's lease: an ask here
+    /// waits for that stop instead of stopping another process.
     pub making_room: bool,
 }
 

@@ -419,9 +419,9 @@ impl Slots {
     fn room_for(&mut self, id: u64, key: &CliKey, effects: &mut Vec<Effect>) -> bool {
         let key_full = self.of_key(key) >= self.caps.max_per_key;
         let pool_full = !has_room(self.slots_taken(), &self.others, self.caps.max_processes);
-        // The Copilot side is stopping a worker to make room (for this side's lease, or for
-        // a start of its own): wait for that stop rather than stop another process (its end
-        // changes the view, which serves the waiters again).
+        // The Copilot side is stopping a worker for this side's lease: wait for that stop
+        // rather than stop another process (its end changes the view, which serves the
+        // waiters again).
         if pool_full && !key_full && self.others.making_room {
             return false;
         }

@@ -384,8 +384,10 @@ struct Stopping {
     /// Stopped for the CLI side's lease: the room it leaves is that lease's, so its end
     /// serves nobody here (no waiter, no spare) before the CLI side has seen it.
     for_other: bool,
-    /// Stopped to make room for a start here (`grow`).
-    for_room: bool,
+    /// Stopped to make room for this waiter's start (`grow`): served again before the stop
+    /// is confirmed (a tick, a return), it waits for its own stop instead of stopping another
+    /// tenant's idle process. Other waiters make room for themselves.
+    for_ask: Option<RequestId>,
 }
 
 /// The key of the process a conversation left, and when the conversation was last used.
@@ -509,6 +511,9 @@ pub(crate) struct Placement<Spec, S> {
     /// The ask being placed could not wait (the waiter caps are reached): it is granted
     /// now or refused, and starts, evicts and marks nothing on its way (`acquire`).
     queue_full: bool,
+    /// A worker stopped for the CLI side is gone: this side's waiters are served once the
+    /// CLI side has taken (or left) the room ([`serve_owed`](Self::serve_owed)).
+    owed_serve: bool,
     out: Vec<Effect<Spec, S>>,
 }
 
@@ -523,6 +528,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             next_worker_id: 1,
             closed: false,
             queue_full: false,
+            owed_serve: false,
             totals: PoolTotals::default(),
             detaching: HashMap::new(),
             stopping: HashMap::new(),
@@ -565,16 +571,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             idle_since: idle
                 .and_then(|id| self.workers.get(&id))
                 .map(|w| w.last_used),
-            making_room: self.making_room(),
+            making_room: self.stopping.values().any(|s| s.for_other),
         }
-    }
-
-    /// A worker is being stopped to make room (for a waiter here, or for the CLI side's
-    /// lease): a full pool makes room one stop at a time, so a waiter served again before
-    /// that stop is confirmed (a tick, a return) waits for it instead of stopping another
-    /// tenant's idle process, and so does the other side's.
-    fn making_room(&self) -> bool {
-        self.stopping.values().any(|s| s.for_room || s.for_other)
     }
 
     /// A CLI lease needs room and this side holds the oldest idle process: its idle victim
@@ -909,9 +907,20 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             self.detach_done(key);
         }
         // The room is the CLI side's lease's when it was stopped for one: the actor tells
-        // the CLI side this side's count next, and the waiters here are served at the next
-        // event (the CLI side's nudge, a return, the tick).
-        if !for_other {
+        // the CLI side this side's count first, then serves the waiters here with what the
+        // CLI side left (`serve_owed`).
+        if for_other {
+            self.owed_serve = true;
+        } else {
+            self.serve_waiters(now);
+        }
+        self.effects()
+    }
+
+    /// Serves the waiters a stop for the CLI side held back, once the CLI side has seen the
+    /// room (the actor calls it after telling it this side's count).
+    pub(crate) fn serve_owed(&mut self, now: Instant) -> Vec<Effect<Spec, S>> {
+        if std::mem::take(&mut self.owed_serve) {
             self.serve_waiters(now);
         }
         self.effects()
@@ -1437,7 +1446,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
 
         let new_to_the_key = !self.conversations.contains_key(&ask.conversation);
         let mut target = self.place_new(&ask.key, new_to_the_key, now);
-        if target.is_none() && !self.grow(&ask.key, now) {
+        if target.is_none() && !self.grow(ask.id, &ask.key, now) {
             // No room and no new process allowed: a conversation parked (with other
             // settings) on a usable worker of its key takes its own slot there again (its
             // session moves with the grant, whose open detaches it before reopening);
@@ -1530,7 +1539,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             )
         });
         let Some(w) = target.and_then(|id| self.workers.get_mut(&id).map(|w| (id, w))) else {
-            self.grow(&ask.key, now);
+            self.grow(ask.id, &ask.key, now);
             return false;
         };
         let (id, w) = w;
@@ -1721,7 +1730,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             key: key.clone(),
             held: Vec::new(),
             for_other: false,
-            for_room: false,
+            for_ask: None,
         })
     }
 
@@ -1775,7 +1784,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
     /// Starts a worker for `key` if the caps allow (evicting the least recently used idle
     /// worker of another key when the pool is full). Returns false when no new process may
     /// come for this key (its caps are reached and no idle worker can make room).
-    fn grow(&mut self, key: &PoolKey, now: Instant) -> bool {
+    fn grow(&mut self, ask: RequestId, key: &PoolKey, now: Instant) -> bool {
         let Some(ks) = self.keys.get(key) else {
             return false;
         };
@@ -1786,8 +1795,8 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             return false;
         }
         if !has_room(self.held(), &self.others, self.limits.max_processes) {
-            // Room is being made already (by either side): wait for that stop.
-            if self.making_room() || self.others.making_room {
+            // Room is being made for this ask already: it waits for that stop.
+            if self.stopping.values().any(|s| s.for_ask == Some(ask)) {
                 return true;
             }
             // The oldest idle process makes room: a worker of another key here, or the CLI
@@ -1807,7 +1816,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                     // the waiters again): the cap holds processes, not workers.
                     self.evict(id, Eviction::Full);
                     if let Some(stopping) = self.stopping.get_mut(&id) {
-                        stopping.for_room = true;
+                        stopping.for_ask = Some(ask);
                     }
                     return true;
                 }

@@ -1097,12 +1097,7 @@ fn a_runtime_that_fails_by_itself_on_every_turn_is_quarantined_however_long_it_s
         sim.apply(effects);
         // Two seconds in, mid-turn, it aborts (SIGABRT: a fault of its own, no kill).
         sim.died_after(Duration::from_secs(2), w, Death::Failed);
-        sim.leases.remove("a/1");
-        let effects = sim
-            .core
-            .returned("a/1".into(), w, None, Settle::Detach, 0, sim.now);
-        sim.apply(effects);
-        if !sim.core.status(sim.now).quarantined_keys.is_empty() {
+        if sim.crashed_lease_handed_back(w) {
             quarantined = true;
             break;
         }
@@ -1241,12 +1236,7 @@ fn a_worker_that_dies_before_serving_still_quarantines_its_key() {
         sim.now += Duration::from_secs(5);
         let effects = sim.core.crashed(w, Death::Killed, sim.now);
         sim.apply(effects);
-        sim.leases.remove("a/1");
-        let effects = sim
-            .core
-            .returned("a/1".into(), w, None, Settle::Detach, 0, sim.now);
-        sim.apply(effects);
-        if !sim.core.status(sim.now).quarantined_keys.is_empty() {
+        if sim.crashed_lease_handed_back(w) {
             quarantined = true;
             break;
         }
@@ -1336,6 +1326,17 @@ impl Sim {
     /// its crash.
     fn killed_after(&mut self, by: Duration, worker: WorkerId) {
         self.died_after(by, worker, Death::Killed);
+    }
+
+    /// a/1's lease on `worker`, whose process crashed, is handed back with nothing to park;
+    /// returns whether a key is quarantined now.
+    fn crashed_lease_handed_back(&mut self, worker: WorkerId) -> bool {
+        self.leases.remove("a/1");
+        let effects = self
+            .core
+            .returned("a/1".into(), worker, None, Settle::Detach, 0, self.now);
+        self.apply(effects);
+        !self.core.status(self.now).quarantined_keys.is_empty()
     }
 
     /// `by` passes and `worker`'s child dies as `death` says.
@@ -2913,4 +2914,59 @@ fn a_full_pool_makes_room_one_stop_at_a_time_however_often_its_waiter_is_served_
     assert!(sim.spawns.is_empty());
     sim.confirm_all_detaches();
     assert_eq!(sim.spawns, [key(4)]);
+}
+
+#[test]
+fn two_waiters_on_a_full_pool_make_room_at_once_each_with_its_own_stop() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 2,
+        ..limits()
+    });
+    let mut idle = Vec::new();
+    for k in 1..=2 {
+        sim.ask(&format!("c/{k}"), k);
+        idle.push(sim.spawn_ok().expect("kept"));
+        sim.give_back(&format!("c/{k}"), Settle::Park, 1);
+        sim.now += Duration::from_secs(1);
+    }
+    sim.ask("d/1", 3);
+    sim.ask("e/1", 4);
+    assert_eq!(
+        sim.evicted,
+        [(idle[0], Eviction::Full), (idle[1], Eviction::Full)],
+        "the second waiter does not wait for the first one's stop"
+    );
+    sim.tick(Duration::from_secs(1));
+    assert_eq!(sim.evicted.len(), 2, "and neither stops a third");
+    sim.confirm_all_detaches();
+    let mut started = sim.spawns.clone();
+    started.sort_by_key(PoolKey::short_hash);
+    let mut wanted = vec![key(3), key(4)];
+    wanted.sort_by_key(PoolKey::short_hash);
+    assert_eq!(started, wanted);
+}
+
+#[test]
+fn room_stopped_for_the_cli_side_that_it_leaves_goes_to_a_waiter_here_once_it_has_seen_it() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 1,
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    let w = sim.spawn_ok().expect("kept");
+    sim.give_back("a/1", Settle::Park, 1);
+    let effects = sim.core.evict_for_other();
+    sim.apply(effects);
+    assert!(sim.core.view().making_room);
+    // A lease here waits meanwhile: the pool is full and the stop is the CLI side's.
+    let waiting = sim.ask("b/1", 2);
+    assert!(sim.queued.contains(&waiting));
+    assert_eq!(sim.evicted, [(w, Eviction::Full)]);
+    sim.confirm_all_detaches();
+    assert!(sim.spawns.is_empty(), "the CLI side is told first");
+    // The CLI lease went away meanwhile: nothing took the room, and the waiter here gets it.
+    let effects = sim.core.serve_owed(sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.spawns, [key(2)]);
+    assert!(sim.core.serve_owed(sim.now).is_empty(), "owed once");
 }
