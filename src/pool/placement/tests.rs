@@ -1531,6 +1531,13 @@ enum Step {
     ReleaseProcess {
         pick: usize,
     },
+    /// The CLI side's processes change (as many as the cap leaves it, one idle or none).
+    CliSide {
+        held: u8,
+        idle: bool,
+    },
+    /// A CLI lease needs room: the oldest idle worker here is stopped for it.
+    EvictForCli,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -1565,6 +1572,8 @@ fn step() -> impl Strategy<Value = Step> {
         2 => (0u8..6, 0u8..3, 0u8..2, 0u8..2).prop_map(|(conversation, key, compat, setup)| {
             Step::WarmUp { conversation, key, compat, setup }
         }),
+        1 => (0u8..3, any::<bool>()).prop_map(|(held, idle)| Step::CliSide { held, idle }),
+        1 => Just(Step::EvictForCli),
     ]
 }
 
@@ -1773,7 +1782,30 @@ impl Sim {
                     self.release_process(request);
                 }
             }
+            Step::CliSide { held, idle } => {
+                // The CLI side keeps to the cap too: at most what this side leaves it.
+                let room = self
+                    .core
+                    .limits
+                    .max_processes
+                    .saturating_sub(self.core.view().held);
+                let held = usize::from(held).min(room);
+                self.core.set_others(Others {
+                    held,
+                    idle_since: (idle && held > 0).then_some(now),
+                    making_room: false,
+                });
+                let effects = self.core.others_changed(now);
+                self.apply(effects);
+            }
+            Step::EvictForCli => {
+                let effects = self.core.evict_for_other();
+                self.apply(effects);
+            }
         }
+        // The actor serves, after every message, what a stop for the CLI side left.
+        let effects = self.core.serve_owed(self.now);
+        self.apply(effects);
     }
 
     /// Plays everything out with no more faults: every lease returns, every detach is
@@ -1781,6 +1813,10 @@ impl Sim {
     /// and nothing left being detached (a waiter that can never be served, or a detach
     /// count that leaks, fails here).
     fn come_to_rest(&mut self) {
+        // The CLI side gives its processes up.
+        self.core.set_others(Others::default());
+        let effects = self.core.others_changed(self.now);
+        self.apply(effects);
         let mut quiet_ticks = 0;
         for _ in 0..1000 {
             let now = self.now;
@@ -1827,6 +1863,11 @@ impl Sim {
                 && self.spawns.is_empty()
         );
         assert!(self.processes.is_empty());
+        assert!(
+            self.core.stopping.is_empty(),
+            "stops never confirmed: {:?}",
+            self.core.stopping.keys().collect::<Vec<_>>()
+        );
         assert!(
             self.core.detaching.is_empty(),
             "detach counts leaked: {:?}",
