@@ -67,12 +67,14 @@ pub fn is_bare_name(program: &std::path::Path) -> bool {
     program.components().count() == 1 && !program.is_absolute()
 }
 
-/// The first `name` on a `PATH`-style list that is an executable file (empty entries, which
-/// would mean the current directory, are skipped).
+/// The first `name` on a `PATH`-style list that is an executable file. Entries that are not
+/// absolute (empty, `.`, `bin`) are skipped: they mean the current directory, whatever it
+/// is where the lookup runs, and what is found there would be run, and granted to the
+/// sandbox as an install.
 pub fn find_on_path(name: &str, path_var: Option<OsString>) -> Option<std::path::PathBuf> {
     let path_var = path_var?;
     std::env::split_paths(&path_var)
-        .filter(|dir| !dir.as_os_str().is_empty())
+        .filter(|dir| dir.is_absolute())
         .map(|dir| dir.join(name))
         .find(|candidate| is_executable_file(candidate))
 }
@@ -83,4 +85,31 @@ pub fn is_executable_file(path: &std::path::Path) -> bool {
     std::fs::metadata(path)
         .map(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
         .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_relative_path_entry_finds_nothing_however_it_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let program = dir.path().join("tool");
+        std::fs::write(&program, "#!/bin/sh\n").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let found = find_on_path("tool", Some(dir.path().as_os_str().to_owned()));
+        assert_eq!(found.as_deref(), Some(program.as_path()));
+        // The same directory named relatively, from the current directory up to `/` and
+        // down again: it resolves there, and is skipped.
+        let cwd = std::env::current_dir().unwrap();
+        let mut relative = std::path::PathBuf::new();
+        for _ in cwd.components().skip(1) {
+            relative.push("..");
+        }
+        relative.push(dir.path().strip_prefix("/").unwrap());
+        assert!(relative.is_relative() && relative.join("tool").is_file());
+        let joined = std::env::join_paths([relative.clone()]).unwrap();
+        assert_eq!(find_on_path("tool", Some(joined)), None, "{relative:?}");
+    }
 }
