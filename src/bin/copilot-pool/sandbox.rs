@@ -469,14 +469,20 @@ pub fn refuse_shared_daemon_places(
         let Ok(backend) = crate::config::cli_backend(id, table) else {
             continue;
         };
-        let args: Vec<OsString> = backend.args.iter().map(OsString::from).collect();
-        template
-            .read_exec
-            .extend(copilot_pool::sandbox::cli_install_roots(
-                Path::new(&backend.command),
-                &args,
-                backend.child_path_var(path_var.as_deref()).as_deref(),
-            ));
+        // What a run may be granted (`Sandbox::cli_command`): the first of `args`, or of
+        // `resumeArgs` on a resume, as a script.
+        let child_path = backend.child_path_var(path_var.as_deref());
+        let resume = backend.resume_args.as_deref().unwrap_or_default();
+        for list in [&backend.args[..], resume] {
+            let args: Vec<OsString> = list.iter().map(OsString::from).collect();
+            template
+                .read_exec
+                .extend(copilot_pool::sandbox::cli_install_roots(
+                    Path::new(&backend.command),
+                    &args,
+                    child_path.as_deref(),
+                ));
+        }
     }
     refuse_shared_places(&template, &places)
 }
@@ -670,5 +676,45 @@ mod tests {
         assert_eq!(unmet_by(&template, &status), [SandboxRule::TcpBind]);
         template.tcp_bind = None;
         assert!(unmet_by(&template, &status).is_empty());
+    }
+}
+
+#[cfg(test)]
+mod shared_places_tests {
+    use super::*;
+
+    #[test]
+    fn a_script_first_in_a_backends_resume_args_counts_as_an_install_every_agent_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        // The daemon's state lies beside a script a backend runs on a resume only.
+        let tools = root.join("tools");
+        std::fs::create_dir_all(tools.join("state")).unwrap();
+        std::fs::write(tools.join("resume.js"), "").unwrap();
+        let config = |resume: &str| -> ServeConfig {
+            toml::from_str(&format!(
+                "state_dir = {:?}\nagents_dir = {:?}\n[backends.my-cli]\nkind = \"cli-oneshot\"\n\
+                 command = \"/bin/sh\"\nargs = [\"-c\", \"true\"]\n\
+                 resumeArgs = [{resume:?}, \"{{sessionId}}\"]\n",
+                tools.join("state").display().to_string(),
+                root.join("agents").display().to_string(),
+            ))
+            .unwrap()
+        };
+        for (id, table) in &config("/x").backends {
+            crate::config::cli_backend(id, table).expect("a valid backend");
+        }
+        let template = Sandbox::new("/x/copilot-pool".into(), vec![SUBCOMMAND.into()]);
+        let refused = refuse_shared_daemon_places(
+            &template,
+            None,
+            &config(&tools.join("resume.js").display().to_string()),
+            None,
+            None,
+        )
+        .expect_err("the state lies in the resume script's install");
+        assert!(refused.to_string().contains("state_dir"), "{refused:#}");
+        refuse_shared_daemon_places(&template, None, &config("-c"), None, None)
+            .expect("no script: nothing granted there");
     }
 }
