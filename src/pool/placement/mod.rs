@@ -1050,6 +1050,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             self.totals.crashes += 1;
             let demand = had_conversations || self.waiters.iter().any(|w| w.key == key);
             if let Some(ks) = self.keys.get_mut(&key) {
+                let already = ks.restart.quarantined_until(now).is_some();
                 let decision = if outside {
                     ks.restart.record_outside_kill(now)
                 } else {
@@ -1067,8 +1068,10 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                         }
                     }
                     RestartDecision::Quarantine { until } => {
-                        tracing::warn!(key = %key.short_hash(), "Restart intensity exceeded; key quarantined.");
-                        self.quarantine(&key, until, now);
+                        if !already {
+                            tracing::warn!(key = %key.short_hash(), "Restart intensity exceeded; key quarantined.");
+                        }
+                        self.quarantine(&key, until, already, now);
                     }
                 }
             }
@@ -2125,6 +2128,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 tracing::warn!(key = %key.short_hash(), %error, "Pool worker failed to start.");
                 ks.respawn = false;
                 ks.last_start_error = Some(error);
+                let already = ks.restart.quarantined_until(now).is_some();
                 match ks.restart.record_crash(now, &self.limits.restart) {
                     RestartDecision::Restart { after } => {
                         // A retry is scheduled: the waiters stay queued for it (each still
@@ -2132,18 +2136,25 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                         ks.backoff_until = Some(crate::deadline::from_std(now, after));
                         self.out.push(Effect::RespawnAfter { key, after });
                     }
-                    RestartDecision::Quarantine { until } => self.quarantine(&key, until, now),
+                    RestartDecision::Quarantine { until } => {
+                        self.quarantine(&key, until, already, now)
+                    }
                 }
                 None
             }
         }
     }
 
-    fn quarantine(&mut self, key: &PoolKey, until: Instant, now: Instant) {
+    /// Quarantines `key` until `until` (its waiters fail saying when to retry); `already`:
+    /// it was quarantined before this crash (a worker of it still running died), which is
+    /// no new quarantine to report.
+    fn quarantine(&mut self, key: &PoolKey, until: Instant, already: bool, now: Instant) {
         let key_hash = key.short_hash();
-        self.emit(PoolEvent::KeyQuarantined {
-            key_hash: key_hash.clone(),
-        });
+        if !already {
+            self.emit(PoolEvent::KeyQuarantined {
+                key_hash: key_hash.clone(),
+            });
+        }
         self.fail_waiters_of(
             key,
             |now| PoolError::RestartIntensityExceeded {

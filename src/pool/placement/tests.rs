@@ -88,6 +88,8 @@ struct Sim {
     processes: Vec<(RequestId, WorkerId)>,
     /// Requests for the CLI side's idle process.
     evict_other: usize,
+    /// Quarantines reported.
+    quarantines: usize,
 }
 
 impl Sim {
@@ -115,6 +117,7 @@ impl Sim {
             process_asks: std::collections::HashSet::new(),
             processes: Vec::new(),
             evict_other: 0,
+            quarantines: 0,
         }
     }
 
@@ -364,6 +367,7 @@ impl Sim {
                 }
                 Effect::Forget { worker } => self.workers.retain(|w| *w != worker),
                 Effect::EvictOther => self.evict_other += 1,
+                Effect::Event(PoolEvent::KeyQuarantined { .. }) => self.quarantines += 1,
                 Effect::Event(_) => {}
             }
         }
@@ -3010,4 +3014,25 @@ fn room_stopped_for_the_cli_side_that_it_leaves_goes_to_a_waiter_here_once_it_ha
     sim.apply(effects);
     assert_eq!(sim.spawns, [key(2)]);
     assert!(sim.core.serve_owed(sim.now).is_empty(), "owed once");
+}
+
+#[test]
+fn a_quarantined_keys_other_worker_dying_is_no_second_quarantine() {
+    let mut sim = Sim::new(Limits {
+        max_sessions_per_process: 1,
+        restart: RestartPolicy {
+            max_restarts: 0,
+            ..RestartPolicy::default()
+        },
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    let first = sim.spawn_ok().expect("a/1's process");
+    sim.ask("a/2", 1);
+    let second = sim.spawn_ok().expect("a/2's process");
+    sim.died_after(Duration::ZERO, first, Death::Failed);
+    assert_eq!(sim.quarantines, 1);
+    assert!(!sim.core.status(sim.now).quarantined_keys.is_empty());
+    sim.died_after(Duration::ZERO, second, Death::Failed);
+    assert_eq!(sim.quarantines, 1, "reported once");
 }
