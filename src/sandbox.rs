@@ -120,8 +120,9 @@ pub fn wall_wanted(rule: SandboxRule, restricts_connect: bool, restricts_bind: b
 pub enum SandboxError {
     /// The agent's private temporary directory could not be made.
     #[error(
-        "could not create the worker's private temporary directory {path:?}: {source}; make \
-         the agent's directory writable by the daemon's user"
+        "could not create the worker's private temporary directory {path:?}: {source}; if it \
+         is a file or a link (which the agent's own processes may have put there), remove it, \
+         else make the agent's directory writable by the daemon's user"
     )]
     TempDir {
         /// The directory.
@@ -203,10 +204,14 @@ impl Sandbox {
     pub fn for_agent(&self, agent_root: &Path, ports: &[u16]) -> Result<Sandbox, SandboxError> {
         let mut sandbox = self.clone();
         let temp = agent_root.join("tmp");
-        crate::home::ensure_private_dir(&temp).map_err(|source| SandboxError::TempDir {
-            path: temp.clone(),
-            source,
-        })?;
+        // The agent's directory is the pool's (resolved); `tmp` in it is made without
+        // following a link the agent's processes may have planted there.
+        crate::home::ensure_private_dir(agent_root)
+            .and_then(|()| crate::agent_files::create_dirs(agent_root, Path::new("tmp"), 0o700))
+            .map_err(|source| SandboxError::TempDir {
+                path: temp.clone(),
+                source,
+            })?;
         sandbox.read_write.push(agent_root.to_path_buf());
         sandbox.temp_dir = Some(temp);
         sandbox.home = Some(agent_root.to_path_buf());
@@ -632,6 +637,15 @@ mod tests {
         assert_eq!(s.read_write, std::slice::from_ref(&agent));
         assert_eq!(s.temp_dir.as_deref(), Some(agent.join("tmp").as_path()));
         assert!(agent.join("tmp").is_dir());
+        // A link planted in its place is not followed: nothing is made where it leads.
+        let other = dir.path().join("agents/a9");
+        std::fs::create_dir_all(&other).unwrap();
+        let planted = dir.path().join("agents/a3");
+        std::fs::create_dir_all(&planted).unwrap();
+        std::os::unix::fs::symlink(&other, planted.join("tmp")).unwrap();
+        let refused = sandbox().for_agent(&planted, &[]).unwrap_err().to_string();
+        assert!(refused.contains("remove it"), "{refused}");
+        assert!(std::fs::read_dir(&other).unwrap().next().is_none());
         assert_eq!(s.home.as_deref(), Some(agent.as_path()));
         assert_eq!(s.allowed_ports(), Some(vec![443, 8080]));
         // Its directory goes to the wrapper as the agent's, to be checked for a planted link;
