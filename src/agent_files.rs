@@ -263,11 +263,16 @@ pub(crate) fn create_dirs(root: &Path, rel: &Path, mode: u32) -> io::Result<()> 
     let mut walked = PathBuf::new();
     for name in names(rel)? {
         walked.push(name);
-        match mkdirat(&dir, name, Mode::from_bits_truncate(mode)) {
-            Ok(()) | Err(Errno::EEXIST) => {}
+        let made = match mkdirat(&dir, name, Mode::from_bits_truncate(mode)) {
+            Ok(()) => true,
+            Err(Errno::EEXIST) => false,
             Err(other) => return Err(io_error(other)),
-        }
+        };
         dir = open_child_dir(&dir, name, root, &walked)?;
+        if made {
+            // `mode` whatever the umask (which `mkdirat` applies).
+            nix::sys::stat::fchmod(&dir, Mode::from_bits_truncate(mode)).map_err(io_error)?;
+        }
     }
     Ok(())
 }

@@ -339,9 +339,48 @@ pub(crate) async fn ensure_private_dirs(dirs: Vec<PathBuf>) -> Result<(), (PathB
     .unwrap_or_else(|e| Err((first, io::Error::other(e.to_string()))))
 }
 
+/// Makes sure of `root` ([`ensure_private_dir`]: the pool resolved it) and of each of
+/// `below` in it, made private (0700, whatever the umask) without following a link the
+/// agent's processes may have planted there (`agent_files::create_dirs`): a CLI's `tmp`
+/// and its config folder in its backend's home. Off the async threads.
+pub(crate) async fn ensure_private_dirs_below(
+    root: PathBuf,
+    below: Vec<&'static str>,
+) -> Result<(), (PathBuf, io::Error)> {
+    let shown = root.clone();
+    tokio::task::spawn_blocking(move || {
+        ensure_private_dir(&root).map_err(|error| (root.clone(), error))?;
+        below.iter().try_for_each(|rel| {
+            crate::agent_files::create_dirs(&root, Path::new(rel), 0o700)
+                .map_err(|error| (root.join(rel), error))
+        })
+    })
+    .await
+    .unwrap_or_else(|e| Err((shown, io::Error::other(e.to_string()))))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_link_planted_below_a_backends_home_is_refused_never_followed() {
+        let base = tempfile::tempdir().unwrap();
+        let home = base.path().join("agent/claude-cli");
+        let elsewhere = base.path().join("elsewhere");
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        ensure_private_dirs_below(home.clone(), vec!["tmp", ".claude"])
+            .await
+            .unwrap();
+        assert_eq!(mode(&home.join("tmp")), 0o700);
+        std::fs::remove_dir(home.join("tmp")).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, home.join("tmp")).unwrap();
+        let (path, _) = ensure_private_dirs_below(home.clone(), vec!["tmp"])
+            .await
+            .unwrap_err();
+        assert_eq!(path, home.join("tmp"));
+        assert!(std::fs::read_dir(&elsewhere).unwrap().next().is_none());
+    }
 
     fn mode(path: &Path) -> u32 {
         std::fs::metadata(path).unwrap().permissions().mode() & 0o777

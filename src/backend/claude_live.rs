@@ -578,13 +578,11 @@ impl ClaudeLive {
         let tmp_dir = config.home.join("tmp");
         // Private (0700, whatever the umask): Claude keeps its transcripts and credentials
         // there.
-        let dirs = vec![
-            config.home.clone(),
-            claude_dir.clone(),
-            tmp_dir.clone(),
-            config.cwd.clone(),
-        ];
-        crate::home::ensure_private_dirs(dirs)
+        // A link planted in the home is refused, never followed.
+        crate::home::ensure_private_dirs_below(config.home.clone(), vec![".claude", "tmp"])
+            .await
+            .map_err(|(path, error)| ClaudeLiveError::Home { path, error })?;
+        crate::home::ensure_private_dirs(vec![config.cwd.clone()])
             .await
             .map_err(|(path, error)| ClaudeLiveError::Home { path, error })?;
         let mut args = backend.argv(self.session_id.as_deref(), config.model.as_deref());

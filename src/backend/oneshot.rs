@@ -890,13 +890,16 @@ impl Oneshot {
     ) -> Result<OneshotTurn<'_>, OneshotError> {
         let config = &self.config;
         let tmp_dir = config.home.join("tmp");
-        let mut dirs = vec![config.home.clone(), tmp_dir.clone(), config.cwd.clone()];
+        let mut below = vec!["tmp"];
         if config.dialect == Dialect::Codex {
-            dirs.push(config.home.join(".codex"));
+            below.push(".codex");
         }
         // Private (0700, whatever the umask): the CLI keeps its transcripts and
-        // credentials there.
-        crate::home::ensure_private_dirs(dirs)
+        // credentials there; a link planted in the home is refused, never followed.
+        crate::home::ensure_private_dirs_below(config.home.clone(), below)
+            .await
+            .map_err(|(path, error)| OneshotError::Home { path, error })?;
+        crate::home::ensure_private_dirs(vec![config.cwd.clone()])
             .await
             .map_err(|(path, error)| OneshotError::Home { path, error })?;
         if config.dialect == Dialect::Gemini && config.backend.image_arg.is_none() {

@@ -470,7 +470,10 @@ impl Slots {
         if let Some(key) = &key {
             let tracker = self.restarts.entry(key.clone()).or_default();
             if crashed {
+                // A crash while quarantined already is no new quarantine to count.
+                let already = tracker.quarantined_until(now).is_some();
                 if let RestartDecision::Quarantine { .. } = tracker.record_crash(now, &self.policy)
+                    && !already
                 {
                     crate::metrics::quarantined(&key.backend);
                 }
@@ -1009,6 +1012,33 @@ mod tests {
         ));
         // Another key is unaffected.
         assert!(granted(&s.ask(10, "b/1", key("b"), false, now), 10));
+    }
+
+    #[test]
+    fn a_crash_while_the_key_is_quarantined_is_no_second_quarantine_counted() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let now = Instant::now();
+        let mut s = slots(4, 4);
+        // Two conversations of a key leased at once; the first crash (max_restarts 1: the
+        // second) quarantines the key, the third lease comes back crashed during it.
+        assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
+        assert!(granted(&s.ask(2, "a/2", key("a"), false, now), 2));
+        assert!(granted(&s.ask(3, "a/3", key("a"), false, now), 3));
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            for conversation in ["a/1", "a/2", "a/3"] {
+                s.returned(conversation, Kept::Nothing, true, now);
+            }
+        });
+        let counted: Vec<_> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(k, ..)| k.key().name() == crate::metrics::QUARANTINES_TOTAL)
+            .map(|(.., value)| value)
+            .collect();
+        assert_eq!(counted, [DebugValue::Counter(1)]);
     }
 
     #[test]
