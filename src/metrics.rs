@@ -912,6 +912,22 @@ pub(crate) fn tokens(backend: &str, kind: TokenKind, n: u64) {
     counter!(TOKENS_TOTAL, "kind" => kind.as_str(), "backend" => backend.to_owned()).increment(n);
 }
 
+/// Runs `f` with a recorder of its own (this thread only) and returns what it recorded under
+/// `name`, every series' value (tests).
+#[cfg(test)]
+pub(crate) fn recorded(name: &str, f: impl FnOnce()) -> Vec<metrics_util::debugging::DebugValue> {
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    ::metrics::with_local_recorder(&recorder, f);
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(k, ..)| k.key().name() == name)
+        .map(|(.., value)| value)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::{HashMap, HashSet};

@@ -35,6 +35,16 @@ struct Fixture {
 }
 
 impl Fixture {
+    /// The `key` argument of every gateway tool call the handler got, in order.
+    fn keys_called(&self) -> Vec<String> {
+        self.calls
+            .lock()
+            .expect("calls")
+            .iter()
+            .map(|c| c.arguments["key"].as_str().unwrap_or("").to_owned())
+            .collect()
+    }
+
     async fn new() -> Self {
         let model = ScriptedModel::new();
         let endpoint = model.serve_http().await.expect("scripted model");
@@ -311,13 +321,7 @@ async fn a_bridge_stopped_by_its_idle_ttl_is_replaced_and_the_process_resumes() 
     let bridge = live.mcp_bridge().expect("a new bridge");
     assert!(bridge.is_running());
     assert_ne!(bridge.url(), old_url);
-    let keys: Vec<String> = fx
-        .calls
-        .lock()
-        .expect("calls")
-        .iter()
-        .map(|c| c.arguments["key"].as_str().unwrap_or("").to_owned())
-        .collect();
+    let keys = fx.keys_called();
     assert_eq!(keys, ["one", "two"]);
     live.close().await;
 }
@@ -360,13 +364,7 @@ async fn a_turn_keeps_its_bridge_past_the_idle_ttl_until_its_tool_call_comes() {
     .await;
     assert_eq!(outcome.end, Some(TurnEnd::Idle), "{outcome:?}");
     assert_eq!(outcome.text, "tool said: value of late", "{outcome:?}");
-    let keys: Vec<String> = fx
-        .calls
-        .lock()
-        .expect("calls")
-        .iter()
-        .map(|c| c.arguments["key"].as_str().unwrap_or("").to_owned())
-        .collect();
+    let keys = fx.keys_called();
     assert_eq!(keys, ["late"]);
     // The turn over, the TTL counts again: the idle bridge stops by itself.
     let bridge = live.mcp_bridge().expect("a bridge");

@@ -44,6 +44,25 @@ async fn slow_turns_started(
     streams
 }
 
+/// A running turn the drain ended: aborted past the grace (or its process stopped under it).
+fn assert_ended_by_the_drain(end: &serde_json::Value) {
+    assert!(
+        end["status"] == "aborted" || end["status"] == "crashed" || end["status"] == "error",
+        "{end}"
+    );
+}
+
+/// The daemon, stopping, exits 0 within a minute and leaves no child under `dir`.
+async fn exits_cleanly_leaving_no_process(mut daemon: Daemon, dir: &std::path::Path) {
+    let status = tokio::time::timeout(Duration::from_secs(60), daemon.child.wait())
+        .await
+        .expect("exit")
+        .expect("wait");
+    assert!(status.success(), "{status:?}");
+    let left = support::procs::wait_none(|| children_under(dir), Duration::from_secs(5)).await;
+    assert!(left.is_empty(), "children left: {left:?}");
+}
+
 #[tokio::test]
 async fn sigterm_during_turns_drains_and_leaves_no_process() {
     let scratch = support::Scratch::new();
@@ -70,20 +89,9 @@ async fn sigterm_during_turns_drains_and_leaves_no_process() {
     assert_eq!(refused.status, 503);
     for mut s in streams {
         let (_, end) = s.until_end().await;
-        assert!(
-            end["status"] == "aborted" || end["status"] == "crashed" || end["status"] == "error",
-            "{end}"
-        );
+        assert_ended_by_the_drain(&end);
     }
-    let mut daemon = daemon;
-    let status = tokio::time::timeout(Duration::from_secs(60), daemon.child.wait())
-        .await
-        .expect("exit")
-        .expect("wait");
-    assert!(status.success(), "{status:?}");
-    let left =
-        support::procs::wait_none(|| children_under(scratch.path()), Duration::from_secs(5)).await;
-    assert!(left.is_empty(), "children left: {left:?}");
+    exits_cleanly_leaving_no_process(daemon, scratch.path()).await;
 }
 
 #[tokio::test]
@@ -111,19 +119,8 @@ async fn a_second_signal_cuts_the_drain_short_and_aborts_the_running_turn() {
     let (_, end) = tokio::time::timeout(Duration::from_secs(60), streams[0].until_end())
         .await
         .expect("the turn ends within the test, not after the grace");
-    assert!(
-        end["status"] == "aborted" || end["status"] == "crashed" || end["status"] == "error",
-        "{end}"
-    );
-    let mut daemon = daemon;
-    let status = tokio::time::timeout(Duration::from_secs(60), daemon.child.wait())
-        .await
-        .expect("exit")
-        .expect("wait");
-    assert!(status.success(), "{status:?}");
-    let left =
-        support::procs::wait_none(|| children_under(scratch.path()), Duration::from_secs(5)).await;
-    assert!(left.is_empty(), "children left: {left:?}");
+    assert_ended_by_the_drain(&end);
+    exits_cleanly_leaving_no_process(daemon, scratch.path()).await;
 }
 
 #[tokio::test]

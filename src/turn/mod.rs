@@ -327,7 +327,7 @@ mod tests {
 
     #[test]
     fn a_mirror_that_cannot_be_opened_counts_as_a_failed_transcript_write() {
-        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use metrics_util::debugging::DebugValue;
         let dir = tempfile::tempdir().expect("tempdir");
         // Its directory is a file: nothing can be opened under it.
         let not_a_dir = dir.path().join("file");
@@ -336,18 +336,10 @@ mod tests {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .expect("runtime");
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        metrics::with_local_recorder(&recorder, || {
-            assert!(runtime.block_on(settings.open("session-1")).is_err());
-        });
-        let counted: Vec<_> = snapshotter
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .filter(|(k, ..)| k.key().name() == crate::metrics::STORAGE_WRITE_FAILURES_TOTAL)
-            .map(|(.., value)| value)
-            .collect();
+        let counted =
+            crate::metrics::recorded(crate::metrics::STORAGE_WRITE_FAILURES_TOTAL, || {
+                assert!(runtime.block_on(settings.open("session-1")).is_err());
+            });
         assert_eq!(counted, [DebugValue::Counter(1)]);
     }
 

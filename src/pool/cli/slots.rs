@@ -1016,7 +1016,7 @@ mod tests {
 
     #[test]
     fn a_crash_while_the_key_is_quarantined_is_no_second_quarantine_counted() {
-        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use metrics_util::debugging::DebugValue;
         let now = Instant::now();
         let mut s = slots(4, 4);
         // Two conversations of a key leased at once; the first crash (max_restarts 1: the
@@ -1024,20 +1024,11 @@ mod tests {
         assert!(granted(&s.ask(1, "a/1", key("a"), false, now), 1));
         assert!(granted(&s.ask(2, "a/2", key("a"), false, now), 2));
         assert!(granted(&s.ask(3, "a/3", key("a"), false, now), 3));
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        metrics::with_local_recorder(&recorder, || {
+        let counted = crate::metrics::recorded(crate::metrics::QUARANTINES_TOTAL, || {
             for conversation in ["a/1", "a/2", "a/3"] {
                 s.returned(conversation, Kept::Nothing, true, now);
             }
         });
-        let counted: Vec<_> = snapshotter
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .filter(|(k, ..)| k.key().name() == crate::metrics::QUARANTINES_TOTAL)
-            .map(|(.., value)| value)
-            .collect();
         assert_eq!(counted, [DebugValue::Counter(1)]);
     }
 

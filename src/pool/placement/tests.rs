@@ -2934,17 +2934,7 @@ fn a_spare_of_the_old_version_still_starting_at_the_rotation_is_stopped_as_it_la
 
 #[test]
 fn a_full_pool_makes_room_one_stop_at_a_time_however_often_its_waiter_is_served_again() {
-    let mut sim = Sim::new(Limits {
-        max_processes: 3,
-        ..limits()
-    });
-    let mut idle = Vec::new();
-    for k in 1..=3 {
-        sim.ask(&format!("c/{k}"), k);
-        idle.push(sim.spawn_ok().expect("kept"));
-        sim.give_back(&format!("c/{k}"), Settle::Park, 1);
-        sim.now += Duration::from_secs(1);
-    }
+    let (mut sim, idle) = full_of_idle_workers(3);
     sim.ask("d/1", 4);
     assert_eq!(sim.evicted, [(idle[0], Eviction::Full)]);
     // The stop takes its grace; meanwhile ticks serve the waiter again and again.
@@ -2963,17 +2953,7 @@ fn a_full_pool_makes_room_one_stop_at_a_time_however_often_its_waiter_is_served_
 
 #[test]
 fn two_waiters_on_a_full_pool_make_room_at_once_each_with_its_own_stop() {
-    let mut sim = Sim::new(Limits {
-        max_processes: 2,
-        ..limits()
-    });
-    let mut idle = Vec::new();
-    for k in 1..=2 {
-        sim.ask(&format!("c/{k}"), k);
-        idle.push(sim.spawn_ok().expect("kept"));
-        sim.give_back(&format!("c/{k}"), Settle::Park, 1);
-        sim.now += Duration::from_secs(1);
-    }
+    let (mut sim, idle) = full_of_idle_workers(2);
     sim.ask("d/1", 3);
     sim.ask("e/1", 4);
     assert_eq!(
@@ -3035,4 +3015,21 @@ fn a_quarantined_keys_other_worker_dying_is_no_second_quarantine() {
     assert!(!sim.core.status(sim.now).quarantined_keys.is_empty());
     sim.died_after(Duration::ZERO, second, Death::Failed);
     assert_eq!(sim.quarantines, 1, "reported once");
+}
+
+/// A pool of `n` processes, full of idle workers of keys 1..=n (the oldest first), each
+/// with one conversation parked.
+fn full_of_idle_workers(n: u8) -> (Sim, Vec<WorkerId>) {
+    let mut sim = Sim::new(Limits {
+        max_processes: usize::from(n),
+        ..limits()
+    });
+    let mut idle = Vec::new();
+    for k in 1..=n {
+        sim.ask(&format!("c/{k}"), k);
+        idle.push(sim.spawn_ok().expect("kept"));
+        sim.give_back(&format!("c/{k}"), Settle::Park, 1);
+        sim.now += Duration::from_secs(1);
+    }
+    (sim, idle)
 }
