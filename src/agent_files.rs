@@ -323,6 +323,64 @@ pub(crate) fn remove_flat_dir(root: &Path, rel: &Path) -> io::Result<bool> {
     }
 }
 
+/// Removes the entry `root/rel` (a file or a link, never followed), reached without
+/// following a link; one already gone is `Ok(())`.
+pub(crate) fn remove_file(root: &Path, rel: &Path) -> io::Result<()> {
+    use nix::unistd::{UnlinkatFlags, unlinkat};
+    let (parent, name) = match parent_and_name(root, rel) {
+        Ok(found) => found,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    match unlinkat(&parent, name, UnlinkatFlags::NoRemoveDir) {
+        Ok(()) | Err(Errno::ENOENT) => Ok(()),
+        Err(other) => Err(io_error(other)),
+    }
+}
+
+/// Removes the regular files directly in the directory `root/rel` whose name `pick` takes
+/// and that were last modified at least `age` ago, the directory reached without following a
+/// link (a link in it is no regular file, and stays). Returns how many went.
+pub(crate) fn remove_old_files(
+    root: &Path,
+    rel: &Path,
+    age: std::time::Duration,
+    mut pick: impl FnMut(&std::ffi::OsStr) -> bool,
+) -> io::Result<usize> {
+    use nix::fcntl::AtFlags;
+    use nix::unistd::{UnlinkatFlags, unlinkat};
+    let dir = open_dir(root, rel)?;
+    let listed = entries_of(dir.try_clone()?, MAX_DIR_ENTRIES, |name, kind| {
+        kind == EntryKind::File && pick(name)
+    })?;
+    let now = std::time::SystemTime::now();
+    let mut removed = 0;
+    for (name, _) in listed {
+        let Ok(stat) =
+            nix::sys::stat::fstatat(&dir, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
+        else {
+            continue;
+        };
+        // A time before 1970 reads as the epoch: old.
+        let modified = std::time::UNIX_EPOCH
+            + std::time::Duration::new(
+                u64::try_from(stat.st_mtime).unwrap_or(0),
+                u32::try_from(stat.st_mtime_nsec).unwrap_or(0),
+            );
+        let old = now
+            .duration_since(modified)
+            .is_ok_and(|elapsed| elapsed >= age);
+        if is_regular(&stat) && old {
+            match unlinkat(&dir, name.as_os_str(), UnlinkatFlags::NoRemoveDir) {
+                Ok(()) => removed += 1,
+                Err(Errno::ENOENT) => {}
+                Err(other) => return Err(io_error(other)),
+            }
+        }
+    }
+    Ok(removed)
+}
+
 const CREATE_FLAGS: OFlag = OFlag::O_WRONLY
     .union(OFlag::O_CREAT)
     .union(OFlag::O_EXCL)

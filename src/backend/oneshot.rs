@@ -265,74 +265,101 @@ async fn in_workspace(cwd: &Path, images: &[PathBuf]) -> Result<(), ImageError> 
     Ok(())
 }
 
-/// A run's system prompt handed to its CLI as a file: `system-prompt-<uuid>.md` in the
-/// agent's backend home, a name of the run's own (conversations of one home run at once
-/// unless the backend is serialized, and one must never read another's prompt), created
-/// exclusively (never through a link the agent planted) and removed when the run is dropped.
-struct SystemPromptFile {
+/// What a run hands its CLI as a file of its own in the agent's backend home: its system
+/// prompt (`system-prompt-<uuid>.md`) or Codex's provider profile
+/// (`.codex/copilot-pool-<uuid>.config.toml`). A name of the run's own (conversations of one
+/// home run at once unless the backend is serialized, and one must never read another's
+/// prompt or provider), created exclusively (never through a link the agent planted) and
+/// removed when the run is dropped: a provider's query may carry a tenant's key, which
+/// stays on disk no longer than the run that needs it.
+struct RunFile {
+    /// Where the CLI reads it.
     path: PathBuf,
+    home: PathBuf,
+    rel: PathBuf,
 }
 
-impl SystemPromptFile {
-    /// Writes `text` into a new file in `home`, after removing the files of runs a crash
-    /// cut short (older than [`LEFT_SYSTEM_PROMPT_AGE`] and twice `turn_timeout`: no run of
-    /// this backend lasts that long). Blocking.
-    fn create(home: &Path, text: &str, turn_timeout: Duration) -> std::io::Result<Self> {
+/// The files a run hands its CLI, each spelled once: where it goes and which names are its.
+#[derive(Clone, Copy)]
+enum RunFileKind {
+    SystemPrompt,
+    CodexProfile,
+}
+
+impl RunFileKind {
+    /// The directory of the home the files go in.
+    fn dir(self) -> &'static Path {
+        match self {
+            Self::SystemPrompt => Path::new(""),
+            Self::CodexProfile => Path::new(".codex"),
+        }
+    }
+
+    /// Whether `name` is a run's file of this kind, or the one earlier versions left
+    /// (`system-prompt.md` shared by every run; a profile named by its content's 16-hex
+    /// hash, never removed): no other file of the home.
+    fn is_ours(self, name: &str) -> bool {
+        let hex = |id: &str, lens: &[usize]| {
+            lens.contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit())
+        };
+        match self {
+            Self::SystemPrompt => {
+                name == "system-prompt.md"
+                    || name
+                        .strip_prefix("system-prompt-")
+                        .and_then(|rest| rest.strip_suffix(".md"))
+                        .is_some_and(|id| hex(id, &[32]))
+            }
+            Self::CodexProfile => name
+                .strip_prefix("copilot-pool-")
+                .and_then(|rest| rest.strip_suffix(".config.toml"))
+                .is_some_and(|id| hex(id, &[16, 32])),
+        }
+    }
+}
+
+/// A run's file at least this old (and twice the turn timeout) was left by a daemon that did
+/// not live to remove it.
+const LEFT_RUN_FILE_AGE: Duration = Duration::from_secs(24 * 3600);
+
+impl RunFile {
+    /// Writes `text` into a new file of `kind` in `home` (0600; its directory must exist),
+    /// after removing the files of runs a crash cut short (older than [`LEFT_RUN_FILE_AGE`]
+    /// and twice `turn_timeout`: no run of this backend lasts that long). Blocking.
+    fn create(
+        home: &Path,
+        kind: RunFileKind,
+        name: &str,
+        text: &str,
+        turn_timeout: Duration,
+    ) -> std::io::Result<Self> {
         Self::remove_left(
             home,
-            LEFT_SYSTEM_PROMPT_AGE.max(turn_timeout.saturating_mul(2)),
+            kind,
+            LEFT_RUN_FILE_AGE.max(turn_timeout.saturating_mul(2)),
         );
-        let name = format!("system-prompt-{}.md", uuid::Uuid::new_v4().simple());
-        crate::agent_files::create_new(home, Path::new(&name), text.as_bytes(), 0o600)?;
+        let rel = kind.dir().join(name);
+        crate::agent_files::create_new(home, &rel, text.as_bytes(), 0o600)?;
         Ok(Self {
-            path: home.join(name),
+            path: home.join(&rel),
+            home: home.to_path_buf(),
+            rel,
         })
     }
-}
 
-/// A run's system prompt file at least this old (and twice the turn timeout) was left by a
-/// daemon that did not live to remove it.
-const LEFT_SYSTEM_PROMPT_AGE: Duration = Duration::from_secs(24 * 3600);
-
-impl SystemPromptFile {
-    /// Whether `name` is a run's system prompt file (`system-prompt-<32 hex>.md`) or the one
-    /// earlier versions shared (`system-prompt.md`); no other file of the home.
-    fn is_ours(name: &str) -> bool {
-        name == "system-prompt.md"
-            || name
-                .strip_prefix("system-prompt-")
-                .and_then(|rest| rest.strip_suffix(".md"))
-                .is_some_and(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
-    }
-
-    /// Removes the system prompt files of `home` older than `age`, as the listing finds
-    /// them (nothing is held).
-    fn remove_left(home: &Path, age: Duration) {
-        use crate::agent_files::{EntryKind, entries_where};
-        let _ = entries_where(home, Path::new(""), |name, kind| {
-            if kind == EntryKind::File && name.to_str().is_some_and(Self::is_ours) {
-                let path = home.join(name);
-                let old = std::fs::symlink_metadata(&path)
-                    .and_then(|m| m.modified())
-                    .ok()
-                    .and_then(|modified| modified.elapsed().ok())
-                    .is_some_and(|elapsed| elapsed >= age);
-                if old {
-                    let _ = std::fs::remove_file(&path);
-                }
-            }
-            false
+    /// Removes the files of `kind` in `home` older than `age`.
+    fn remove_left(home: &Path, kind: RunFileKind, age: Duration) {
+        let _ = crate::agent_files::remove_old_files(home, kind.dir(), age, |name| {
+            name.to_str().is_some_and(|n| kind.is_ours(n))
         });
     }
 }
 
-impl Drop for SystemPromptFile {
+impl Drop for RunFile {
     fn drop(&mut self) {
-        // One unlink of a name in the home (never followed: it is the entry that goes).
-        if let Err(error) = std::fs::remove_file(&self.path)
-            && error.kind() != std::io::ErrorKind::NotFound
-        {
-            tracing::debug!(%error, path = %self.path.display(), "could not remove a run's system prompt file");
+        // The entry goes, reached and removed without following a link.
+        if let Err(error) = crate::agent_files::remove_file(&self.home, &self.rel) {
+            tracing::debug!(%error, path = %self.path.display(), "could not remove a run's file");
         }
     }
 }
@@ -725,8 +752,9 @@ struct Invocation {
 /// the Responses API, one retry per request and stream, the key's variable, and the
 /// endpoint's query as Codex's `query_params`. In a file, not in `-c` overrides: a command
 /// line is readable by every process of the host (`/proc/<pid>/cmdline`), and a query may
-/// carry a tenant's key. The name is the content's hash, so runs of one agent with
-/// different providers never write each other's file.
+/// carry a tenant's key. Each run writes a file of its own ([`RunFile`]), removed when the
+/// run ends, so runs of one agent never read each other's provider, and a key in a query
+/// stays on disk no longer than the run that needs it.
 #[derive(Clone, PartialEq, Eq)]
 struct CodexProfile {
     name: String,
@@ -757,8 +785,8 @@ impl CodexProfile {
             ));
         }
         let mut text = format!(
-            "# Written by copilot-pool before each run of codex-cli with this provider \
-             (`codex -p {{name}}`); rewritten as needed.\n\
+            "# Written by copilot-pool for one run of codex-cli (`codex -p {{name}}`), \
+             removed when the run ends.\n\
              model_provider = {provider}\n\n\
              [model_providers.{CODEX_PROVIDER}]\n\
              name = {provider}\n\
@@ -791,29 +819,22 @@ impl CodexProfile {
             }
             text.push_str(&format!("query_params = {{ {} }}\n", params.join(", ")));
         }
-        use sha2::{Digest, Sha256};
-        let digest = Sha256::digest(text.as_bytes());
-        let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
-        let name = format!("copilot-pool-{hex}");
+        let name = format!("copilot-pool-{}", uuid::Uuid::new_v4().simple());
         let text = text.replacen("{name}", &name, 1);
         Ok(Self { name, text })
     }
 
-    /// Where the file goes, relative to the agent's home.
-    fn relative_path(&self) -> PathBuf {
-        Path::new(".codex").join(format!("{}.config.toml", self.name))
-    }
-
-    /// Writes the file (0600) into the agent's home, unless it is there as it should be.
-    fn write(&self, home: &Path) -> std::io::Result<()> {
-        let rel = self.relative_path();
-        let limit = self.text.len() as u64 + 1;
-        if let Ok(current) = crate::agent_files::read(home, &rel, limit)
-            && current == self.text.as_bytes()
-        {
-            return Ok(());
-        }
-        crate::agent_files::replace(home, &rel, self.text.as_bytes(), 0o600)
+    /// Writes the run's file (0600) into the agent's home; it goes when the returned file is
+    /// dropped. Blocking.
+    fn write(&self, home: &Path, turn_timeout: Duration) -> std::io::Result<RunFile> {
+        let file = format!("{}.config.toml", self.name);
+        RunFile::create(
+            home,
+            RunFileKind::CodexProfile,
+            &file,
+            &self.text,
+            turn_timeout,
+        )
     }
 }
 
@@ -924,7 +945,8 @@ impl Oneshot {
                 let text = text.clone();
                 let timeout = config.turn_timeout;
                 let written = tokio::task::spawn_blocking(move || {
-                    SystemPromptFile::create(&home, &text, timeout)
+                    let name = format!("system-prompt-{}.md", uuid::Uuid::new_v4().simple());
+                    RunFile::create(&home, RunFileKind::SystemPrompt, &name, &text, timeout)
                 })
                 .await
                 .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
@@ -944,13 +966,17 @@ impl Oneshot {
             images,
             system_prompt_file.as_ref().map(|f| f.path.as_path()),
         )?;
+        let mut codex_profile_file = None;
         if let Some(profile) = invocation.codex_profile.clone() {
             let home = config.home.clone();
-            let path = config.home.join(profile.relative_path());
-            tokio::task::spawn_blocking(move || profile.write(&home))
+            let timeout = config.turn_timeout;
+            let written = tokio::task::spawn_blocking(move || profile.write(&home, timeout))
                 .await
-                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
-                .map_err(|error| OneshotError::Home { path, error })?;
+                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+            codex_profile_file = Some(written.map_err(|error| OneshotError::Home {
+                path: config.home.join(RunFileKind::CodexProfile.dir()),
+                error,
+            })?);
         }
         #[allow(unused_mut)]
         let mut spec = self.child_spec(&invocation, tmp_dir);
@@ -1053,7 +1079,7 @@ impl Oneshot {
             retained_lines: 0,
             max_bytes: limits.max_turn_raw_chars,
             max_lines: limits.max_turn_lines,
-            _system_prompt_file: system_prompt_file,
+            _run_files: [system_prompt_file, codex_profile_file],
             #[cfg(feature = "mcp-bridge")]
             _bridge_hold: bridge_hold,
             conversation: self,
@@ -1577,9 +1603,9 @@ pub struct OneshotTurn<'a> {
     retained_lines: u64,
     max_bytes: u64,
     max_lines: u64,
-    /// The run's system prompt file, removed when the turn is dropped (after `child`: the
-    /// process is killed first).
-    _system_prompt_file: Option<SystemPromptFile>,
+    /// The run's system prompt file and Codex profile, removed when the turn is dropped
+    /// (after `child`: the process is killed first).
+    _run_files: [Option<RunFile>; 2],
     /// Keeps the bridge serving the CLI's gateway tools from idling out during the run.
     #[cfg(feature = "mcp-bridge")]
     _bridge_hold: Option<super::mcp_bridge::BridgeHold>,
@@ -2383,12 +2409,13 @@ mod tests {
             profile.text
         );
         assert!(profile.text.contains(&format!("codex -p {}", profile.name)));
-        // Another endpoint, another file: runs with different providers never share one.
+        // A run, a file: runs never share one, even with one provider.
         let other = CodexProfile::new("https://llm.example/v1?key=other", Some("K")).unwrap();
-        assert_ne!(profile.name, other.name);
+        let again = CodexProfile::new("https://llm.example/v1?key=other", Some("K")).unwrap();
+        assert_ne!(again.name, other.name);
         assert_eq!(
-            CodexProfile::new("https://llm.example/v1?key=other", Some("K")).unwrap(),
-            other
+            again.text.replace(&again.name, ""),
+            other.text.replace(&other.name, "")
         );
         assert!(!format!("{other:?}").contains("other"), "{other:?}");
         let twice = CodexProfile::new("https://llm.example/v1?a=1&a=2", None).unwrap_err();
@@ -2398,21 +2425,71 @@ mod tests {
     }
 
     #[test]
-    fn codexs_profile_is_written_private_into_its_home_and_replaces_a_planted_link() {
+    fn codexs_profile_is_a_private_file_of_its_run_that_goes_with_it_and_never_through_a_link() {
+        use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let home = dir.path();
         std::fs::create_dir(home.join(".codex")).unwrap();
         let profile = CodexProfile::new("http://127.0.0.1:9/v1?k=v", None).unwrap();
-        let path = home.join(profile.relative_path());
-        std::os::unix::fs::symlink(home.join("elsewhere"), &path).unwrap();
-        profile.write(home).unwrap();
+        let file = profile.write(home, Duration::from_secs(60)).unwrap();
+        let path = home
+            .join(".codex")
+            .join(format!("{}.config.toml", profile.name));
+        assert_eq!(file.path, path);
         let meta = std::fs::symlink_metadata(&path).unwrap();
-        assert!(meta.is_file(), "the link is replaced, not followed");
-        assert!(!home.join("elsewhere").exists());
-        use std::os::unix::fs::PermissionsExt;
+        assert!(meta.is_file());
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), profile.text);
-        profile.write(home).unwrap();
+        drop(file);
+        assert!(!path.exists(), "the key in its query leaves with the run");
+
+        // A link planted in its place is refused, never written through.
+        std::os::unix::fs::symlink(home.join("elsewhere"), &path).unwrap();
+        assert!(profile.write(home, Duration::from_secs(60)).is_err());
+        assert!(!home.join("elsewhere").exists());
+        std::fs::remove_file(&path).unwrap();
+
+        // With `.codex` swapped for a link after the write, the drop removes nothing where it
+        // leads.
+        let file = profile.write(home, Duration::from_secs(60)).unwrap();
+        std::fs::rename(home.join(".codex"), home.join("moved")).unwrap();
+        std::os::unix::fs::symlink(home.join("moved"), home.join(".codex")).unwrap();
+        drop(file);
+        assert!(
+            home.join("moved")
+                .join(format!("{}.config.toml", profile.name))
+                .exists(),
+            "nothing removed through the link"
+        );
+        std::fs::remove_file(home.join(".codex")).unwrap();
+        std::fs::rename(home.join("moved"), home.join(".codex")).unwrap();
+
+        // What a crash left a day ago (this version's names and the content-hash names
+        // earlier versions never removed) goes with the next run's write; a recent one (a
+        // running conversation's) and a file the pool did not name stay.
+        let codex = home.join(".codex");
+        let a_day_ago = std::time::SystemTime::now() - LEFT_RUN_FILE_AGE - Duration::from_secs(1);
+        let old = |name: &str| {
+            let path = codex.join(name);
+            std::fs::File::create(&path)
+                .and_then(|f| f.set_modified(a_day_ago))
+                .unwrap();
+            path
+        };
+        let (stale, earlier, theirs) = (
+            old(&format!("copilot-pool-{}.config.toml", "a".repeat(32))),
+            old(&format!("copilot-pool-{}.config.toml", "c".repeat(16))),
+            old("copilot-pool-mine.config.toml"),
+        );
+        let recent = codex.join(format!("copilot-pool-{}.config.toml", "b".repeat(32)));
+        std::fs::write(&recent, "running").unwrap();
+        let next = CodexProfile::new("http://127.0.0.1:9/v1?k=v", None).unwrap();
+        let file = next.write(home, Duration::from_secs(60)).unwrap();
+        assert!(!stale.exists(), "a crash's leftover is removed");
+        assert!(!earlier.exists(), "an earlier version's file is removed");
+        assert!(recent.exists(), "another run's file stays");
+        assert!(theirs.exists(), "a file the pool did not name stays");
+        drop(file);
     }
 
     #[test]
@@ -2905,8 +2982,7 @@ mod tests {
             home.join(format!("system-prompt-{}.md", "b".repeat(32))),
             home.join("system-prompt-notes.md"),
         );
-        let a_day_ago =
-            std::time::SystemTime::now() - LEFT_SYSTEM_PROMPT_AGE - Duration::from_secs(1);
+        let a_day_ago = std::time::SystemTime::now() - LEFT_RUN_FILE_AGE - Duration::from_secs(1);
         std::fs::File::create(&stale)
             .and_then(|f| f.set_modified(a_day_ago))
             .unwrap();
