@@ -771,7 +771,7 @@ pub fn spawn_on_spawner_thread(mut command: Command) -> std::io::Result<Child> {
     let (done_tx, done_rx) = std::sync::mpsc::sync_channel(1);
     let job: SpawnJob = Box::new(move || {
         let _runtime = handle.enter();
-        let _ = done_tx.send(command.spawn());
+        let _ = done_tx.send(spawn_in_runtime(&mut command));
     });
     let sent = spawner
         .lock()
@@ -783,6 +783,35 @@ pub fn spawn_on_spawner_thread(mut command: Command) -> std::io::Result<Child> {
     done_rx
         .recv()
         .map_err(|_| std::io::Error::other("the spawner thread dropped a spawn"))?
+}
+
+/// `command.spawn()` in the runtime entered, a panic turned into an error: the spawner thread
+/// must never end (every child forked from it would die with it, and no spawn would work
+/// after). Tokio panics when the runtime has no IO driver, once the child is forked, so that
+/// is asked first, before anything is forked.
+fn spawn_in_runtime(command: &mut Command) -> std::io::Result<Child> {
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    let no_io = || {
+        std::io::Error::other(
+            "spawning a child needs a tokio runtime with its IO driver: build the runtime \
+             with `enable_all()` (or `enable_io()`), as `#[tokio::main]` does",
+        )
+    };
+    // Registering a socket with the runtime is what the child's pipes will do.
+    match catch_unwind(tokio::net::UnixStream::pair) {
+        Ok(_) => {}
+        Err(_) => return Err(no_io()),
+    }
+    catch_unwind(AssertUnwindSafe(|| command.spawn())).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        Err(std::io::Error::other(format!(
+            "spawning a child panicked: {what}"
+        )))
+    })
 }
 
 /// Resident memory of a process (VmRSS), from /proc.
@@ -808,6 +837,33 @@ mod tests {
         let shown = format!("{spec:?}");
         assert!(shown.contains("COPILOT_POOL_MODEL_KEY"), "{shown}");
         assert!(!shown.contains("sk-do-not-print"), "{shown}");
+    }
+
+    #[test]
+    fn a_spawn_from_a_runtime_without_its_io_driver_is_refused_with_the_fix_and_spawns_go_on() {
+        let no_io = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let refused = no_io.block_on(async {
+            let mut command = Command::new("/bin/true");
+            command.kill_on_drop(true);
+            spawn_on_spawner_thread(command).map(|_| ())
+        });
+        let error = refused.expect_err("no IO driver");
+        assert!(error.to_string().contains("enable_all()"), "{error}");
+        // The spawner thread lives on: the next spawn works.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let status = runtime.block_on(async {
+            spawn_on_spawner_thread(Command::new("/bin/true"))
+                .expect("spawned")
+                .wait()
+                .await
+        });
+        assert!(status.unwrap().success());
     }
 
     fn sh(script: &str) -> ChildSpec {
