@@ -8,7 +8,10 @@
 //! Each entry is a group id (its leader's pid) with the leader's start time (field 22 of
 //! `/proc/<pid>/stat`, clock ticks since boot), session id and the boot id
 //! (`/proc/sys/kernel/random/boot_id`): a pid reused by another process, or an entry from
-//! before a reboot, is never killed. The file is rewritten whole (temporary file, then
+//! before a reboot, is never killed. With the leader gone, its group's id may have been
+//! handed out again (a restarted container numbers its processes from 1 again), so a member
+//! is killed only if it started with the run's marker in its environment
+//! ([`crate::process::run_marker`], which every `ChildGroup` gets). The file is rewritten whole (temporary file, then
 //! `rename`) on every spawn and reap; without `fsync`, since only a process crash must be
 //! survived (after a power loss every process is gone anyway, and the boot id differs). A
 //! failed write is logged and counted (`copilot_pool_storage_write_failures_total{store=
@@ -44,6 +47,10 @@ pub struct GroupEntry {
     pub sid: u32,
     /// The boot the leader ran in.
     pub boot_id: String,
+    /// The daemon's run marker its processes started with ([`crate::process::run_marker`]);
+    /// empty in entries an earlier version wrote.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub run: String,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -297,6 +304,7 @@ impl GroupLedger {
             start_time: stat.start_time,
             sid: stat.sid,
             boot_id: self.boot_id.clone().unwrap_or_default(),
+            run: crate::process::run_marker().to_owned(),
         };
         let mut live = lock(&self.live);
         live.insert(entry.clone());
@@ -451,15 +459,21 @@ fn kill_previous(previous: &BTreeSet<GroupEntry>, boot_id: Option<&str>) -> (Tak
             }
             LeaderState::Reused => report.not_ours += 1,
             LeaderState::Gone => {
-                // The id of a group (or of a session) cannot be handed out again while a
-                // member is left, so members still in it are the leader's; the session
-                // and start time are checked as well.
+                // With the leader gone the group may have emptied and its id, or its
+                // session's, been handed out again (a restarted container numbers its
+                // processes from 1 again): a member is killed only if it started with the
+                // run's marker in its environment, besides the session and start time.
+                // (An entry of an earlier version has none: judged by those two alone.)
                 let members = || -> Vec<u32> {
                     leftovers(entry)
                         .into_iter()
                         .filter(|member| {
                             read_stat(*member).is_some_and(|stat| {
-                                stat.sid == entry.sid && stat.start_time >= entry.start_time
+                                stat.sid == entry.sid
+                                    && stat.start_time >= entry.start_time
+                                    && (entry.run.is_empty()
+                                        || stat.state == 'Z'
+                                        || crate::process::carries_run_marker(*member, &entry.run))
                             })
                         })
                         .collect()

@@ -563,6 +563,7 @@ impl ChildGroup {
         cmd.args(&spec.args)
             .env_clear()
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .env(RUN_MARKER_VAR, run_marker())
             .current_dir(&spec.cwd)
             .stdin(if piped_stdin {
                 Stdio::piped()
@@ -812,6 +813,37 @@ fn spawn_in_runtime(command: &mut Command) -> std::io::Result<Child> {
             "spawning a child panicked: {what}"
         )))
     })
+}
+
+/// The variable every [`ChildGroup`] starts with, holding [`run_marker`]: what its tools
+/// inherit too, so the group ledger of a later run can tell a survivor of this one from a
+/// process that merely got a reused id.
+pub const RUN_MARKER_VAR: &str = "COPILOT_POOL_RUN";
+
+/// This process's marker (a random id made once), in every child's [`RUN_MARKER_VAR`].
+pub fn run_marker() -> &'static str {
+    static MARKER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    MARKER.get_or_init(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
+/// How much of a process's environment [`carries_run_marker`] reads.
+const ENVIRON_READ_LIMIT: u64 = 1024 * 1024;
+
+/// Whether process `pid` started with `RUN_MARKER_VAR=marker` in its environment (the first
+/// MiB of `/proc/<pid>/environ`, which needs the process's own user or root). `false` when it
+/// cannot be read, or for a zombie (whose environment reads empty).
+pub(crate) fn carries_run_marker(pid: u32, marker: &str) -> bool {
+    use std::io::Read;
+    let mut environ = Vec::new();
+    let read = std::fs::File::open(format!("/proc/{pid}/environ"))
+        .and_then(|file| file.take(ENVIRON_READ_LIMIT).read_to_end(&mut environ));
+    if read.is_err() || marker.is_empty() {
+        return false;
+    }
+    let wanted = format!("{RUN_MARKER_VAR}={marker}");
+    environ
+        .split(|b| *b == 0)
+        .any(|entry| entry == wanted.as_bytes())
 }
 
 /// Resident memory of a process (VmRSS), from /proc.

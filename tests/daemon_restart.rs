@@ -244,13 +244,7 @@ async fn the_takeover_kills_what_is_left_of_a_group_whose_leader_is_gone() {
     let scratch = support::Scratch::new();
     // The leader exits at once (as a runtime killed by its parent-death signal would); the
     // child it started (a tool process, say) stays in its group.
-    let mut leader = group_leader("sleep 300 & echo $!");
-    let pgid = leader.id();
-    let (_, _, leader_start) = stat(pgid);
-    let member = first_line_pid(&mut leader);
-    let recorded = entry(pgid, leader_start);
-    assert!(leader.wait().expect("leader exits").success());
-    assert_eq!(stat(member).0, pgid, "the member is still in the group");
+    let (pgid, member, recorded) = gone_leaders_group("run-a", "run-a");
     let path = scratch.path().join(LEDGER_FILE);
     write_ledger(&path, &[recorded]);
 
@@ -275,6 +269,51 @@ async fn the_takeover_kills_what_is_left_of_a_group_whose_leader_is_gone() {
     .await;
     assert!(gone.is_empty(), "{gone:?}");
     assert!(ledger.previous().is_empty());
+    let _ = kill(Pid::from_raw(member as i32), Signal::SIGKILL);
+}
+
+/// A group whose leader (marked `marker` in its environment, as the daemon marks its
+/// children) exited at once, leaving a child in the group (a tool process, say), as a
+/// runtime killed by its parent-death signal would; and its ledger entry for the run
+/// `recorded_run`. Returns the group, the member and the entry.
+fn gone_leaders_group(marker: &str, recorded_run: &str) -> (u32, u32, serde_json::Value) {
+    let mut leader = Command::new("/bin/sh")
+        .args(["-c", "sleep 300 & echo $!"])
+        .env(copilot_pool::process::RUN_MARKER_VAR, marker)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .expect("spawn");
+    let pgid = leader.id();
+    let (_, _, leader_start) = stat(pgid);
+    let member = first_line_pid(&mut leader);
+    let mut recorded = entry(pgid, leader_start);
+    recorded["run"] = json!(recorded_run);
+    assert!(leader.wait().expect("leader exits").success());
+    assert_eq!(stat(member).0, pgid, "the member is still in the group");
+    (pgid, member, recorded)
+}
+
+#[tokio::test]
+async fn the_takeover_leaves_a_group_whose_leader_is_gone_when_its_members_are_not_of_the_recorded_run()
+ {
+    let scratch = support::Scratch::new();
+    // The group's id handed out again (a restarted container numbers from 1 again): same
+    // group, same session, a later start, but not the recorded run's processes.
+    let (_, member, recorded) = gone_leaders_group("another-run", "run-a");
+    let path = scratch.path().join(LEDGER_FILE);
+    write_ledger(&path, &[recorded]);
+    let ledger = GroupLedger::open(&path).expect("ledger");
+    let report = ledger
+        .take_over(Duration::from_secs(5))
+        .await
+        .expect("take over");
+    assert!(report.killed.is_empty(), "{:?}", report.killed);
+    assert!(
+        stat(member).2 > 0 && kill(Pid::from_raw(member as i32), None).is_ok(),
+        "the process is left alone"
+    );
     let _ = kill(Pid::from_raw(member as i32), Signal::SIGKILL);
 }
 
