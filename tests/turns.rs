@@ -611,6 +611,59 @@ async fn each_hook_fires_once_per_occasion_and_compaction_reports_what_it_remove
     shutdown_leaves_nothing(&pool).await;
 }
 
+#[tokio::test]
+async fn a_compaction_its_caller_stops_waiting_for_still_ends_before_the_conversations_next_turn() {
+    use copilot_pool::scripted_model::Reply;
+    let fx = Fixture::new().await;
+    let pool = Pool::start(fx.config().await).await.expect("pool");
+    let mut lease = pool
+        .lease(fx.request("agent-t", "compact-cut"))
+        .await
+        .expect("lease");
+    for i in 0..3 {
+        lease
+            .run(format!("REPLY=filler answer {i}"))
+            .await
+            .expect("turn");
+    }
+    let seen = fx.model.requests().len();
+    // The summary comes slowly; the caller (a client that hangs up) stops waiting as soon as
+    // the model has the compaction's request.
+    fx.model.push_reply(Reply::Slow {
+        chunks: 8,
+        interval: Duration::from_millis(150),
+    });
+    {
+        let compacting = lease.compact(None);
+        tokio::select! {
+            done = compacting => panic!("the compaction ended first: {done:?}"),
+            _ = fx.model.wait_for_requests(seen + 1) => {}
+        }
+    }
+    drop(lease);
+    let mut lease = pool
+        .lease(fx.request("agent-t", "compact-cut"))
+        .await
+        .expect("lease again");
+    let outcome = lease.run("REPLY=after").await.expect("turn after");
+    assert_eq!(outcome.text, "after");
+    // The next turn went to the model with the compacted history: the runtime holds a turn
+    // sent during a compaction until the compaction ends (so the lease's drop may park the
+    // conversation at once, as it does).
+    let requests = fx.model.requests();
+    let turn = requests
+        .last()
+        .expect("the turn's request")
+        .body
+        .to_string();
+    assert!(
+        turn.contains("slow-chunk 7"),
+        "the turn's request carries the summary: {turn}"
+    );
+    drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
 /// Records the compaction hooks in the order they ran, with their input or output.
 /// [`CompactionLog::failing`]: each hook fails once recorded.
 struct CompactionLog(

@@ -6,7 +6,6 @@
 //! fails with a retryable class before streaming output (`crate::fallback`), seeded with a
 //! prelude from the failed conversation's transcript, after a `backend.fallback` event.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -641,12 +640,32 @@ async fn respond(
                     chunk
                 }
             };
-            let (frames, last) = chunk?;
-            Some((Ok::<_, Infallible>(Bytes::from(frames)), (rx, quiet, last)))
+            let Some((frames, last)) = chunk else {
+                // Over without `turn.end`: the turn was aborted for its reader (gone, or
+                // reading too slowly). The transfer is cut, not ended: a client that is
+                // still there sees a broken stream, never a clean end short of its turn.
+                return Some((Err(StreamCut), (rx, quiet, true)));
+            };
+            Some((Ok(Bytes::from(frames)), (rx, quiet, last)))
         },
     );
     event_stream(Body::from_stream(stream))
 }
+
+/// Why a turn's event stream was cut before its `turn.end`.
+#[derive(Debug)]
+struct StreamCut;
+
+impl std::fmt::Display for StreamCut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(
+            "the turn was aborted before its turn.end: its events were not read for 30 s \
+             (read the stream as it comes) or its reader went away",
+        )
+    }
+}
+
+impl std::error::Error for StreamCut {}
 
 /// A turn's `200 text/event-stream` answer with `body` as its events.
 fn event_stream(body: Body) -> Response {
@@ -793,5 +812,26 @@ mod tests {
         assert_eq!([first, rest].concat(), expected, "{count} frames in order");
         drop(tx);
         assert!(next_frames(&mut rx).await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_stream_whose_turn_was_aborted_for_its_reader_is_cut_not_ended() {
+        use http_body_util::BodyExt;
+        let (tx, rx) = mpsc::channel(4);
+        let events = every_event();
+        tx.send(events[0].clone()).await.expect("sent");
+        // The turn's task gives up on its reader and drops its sender, sending no turn.end.
+        drop(tx);
+        let mut body = respond(true, Duration::ZERO, rx).await.into_body();
+        let first = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(
+            first.into_data().expect("data").as_ref(),
+            events[0].frame().as_bytes()
+        );
+        let cut = body.frame().await.expect("the end").expect_err("cut");
+        assert!(
+            cut.to_string().contains("read the stream as it comes"),
+            "{cut}"
+        );
     }
 }
