@@ -26,6 +26,12 @@ pub fn value_limit(max_bytes: usize) -> usize {
 /// besides the outermost. Stops at the limit. Not a validator: text that is not JSON is
 /// counted the same way, and its parser says what is wrong with it.
 pub fn holds_more_than(json: &[u8], limit: usize) -> bool {
+    values_within(json, limit).is_none()
+}
+
+/// How many values `json` holds, counted as [`holds_more_than`] counts them; `None` once
+/// past `limit` (the count stops there).
+pub fn values_within(json: &[u8], limit: usize) -> Option<usize> {
     let mut count = 0usize;
     let mut at = 0;
     while let Some(&byte) = json.get(at) {
@@ -38,7 +44,8 @@ pub fn holds_more_than(json: &[u8], limit: usize) -> bool {
                         .get(at..)
                         .and_then(|rest| memchr::memchr2(b'"', b'\\', rest))
                     else {
-                        return false;
+                        // An unclosed string: nothing more to count.
+                        return Some(count);
                     };
                     at += found;
                     if json[at] == b'\\' {
@@ -51,14 +58,14 @@ pub fn holds_more_than(json: &[u8], limit: usize) -> bool {
             b'[' | b'{' | b',' | b':' => {
                 count += 1;
                 if count > limit {
-                    return true;
+                    return None;
                 }
             }
             _ => {}
         }
         at += 1;
     }
-    false
+    Some(count)
 }
 
 #[cfg(test)]
@@ -66,9 +73,11 @@ mod tests {
     use super::*;
 
     fn count(json: &str) -> usize {
-        (0..=json.len())
+        let count = (0..=json.len())
             .find(|&limit| !holds_more_than(json.as_bytes(), limit))
-            .expect("at most one count per byte")
+            .expect("at most one count per byte");
+        assert_eq!(values_within(json.as_bytes(), json.len()), Some(count));
+        count
     }
 
     #[test]

@@ -403,6 +403,18 @@ async fn connect_ping_and_status_answer_protocol_3_and_the_pools_version() {
         .expect("connect");
     let version = env!("CARGO_PKG_VERSION");
     assert_eq!(connected["ok"], true);
+    // Connected again with another agent's token or with none of this daemon's: one answer,
+    // so a client never learns which strings are some agent's token.
+    let mut refusals = Vec::new();
+    for token in ["token-a", "not-a-token"] {
+        let refused = conn.request("connect", json!({"token": token}), None).await;
+        refusals.push(remote_error(refused).message);
+    }
+    assert_eq!(refusals[0], refusals[1], "{refusals:?}");
+    assert!(
+        refusals[0].contains("AUTHENTICATION_FAILED"),
+        "{refusals:?}"
+    );
     assert_eq!(connected["protocolVersion"], 3);
     assert_eq!(connected["version"], version);
     let ping = conn
@@ -1470,20 +1482,30 @@ async fn a_client_that_leaves_while_its_calls_wait_for_a_slot_gives_its_seat_bac
     drop(first);
     // The endpoint sees the client go at once (its seat back well inside the 60 s wait).
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    loop {
+    let next = loop {
         let client = raw_client(served.addr).await;
         match client
             .request("connect", json!({"token": "token-a"}), None)
             .await
         {
-            Ok(_) => break,
+            Ok(_) => break client,
             Err(error) => assert!(
                 tokio::time::Instant::now() < deadline,
                 "the connection that left kept its seat while its calls waited: {error:?}"
             ),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    };
+    // Its waiting create went with it: the room its slow turn left goes to the agent's next
+    // client, and no session was opened for nobody (it would have had the room first).
+    next.request("session.create", create_params(&fx, "next"), None)
+        .await
+        .expect("the next client's create");
+    let created = served.pool.status().await.expect("status").totals.created;
+    assert_eq!(
+        created, 2,
+        "busy and next, not the create of the client that left, which would have run on"
+    );
     served.shut_down().await;
 }
 

@@ -213,7 +213,9 @@ pub struct IncomingRequest {
     pub params: Value,
     /// Answers the request; dropping it unanswered sends an internal error.
     pub responder: Responder,
-    /// The size of the frame it came in, in bytes (what holding it costs, about).
+    /// What holding it costs, about: the size of the frame it came in, in bytes, or, where
+    /// the connection counts values ([`ConnectionOptions::max_frame_values`]), 32 bytes per
+    /// JSON value it holds when that is more.
     pub frame_bytes: usize,
 }
 
@@ -1139,10 +1141,17 @@ fn dispatch(
             Err(e) => Err(not_json(&e)),
         };
     }
-    if let Some(limit) = shared.options.max_frame_values
-        && crate::json_values::holds_more_than(frame, limit)
-    {
-        return refuse_too_many_values(frame, limit, shared, batch, sink);
+    // What holding the frame parsed costs, about: its bytes, or a value's size per value it
+    // holds when that is more (`[0,0,…]` takes 16 times its bytes parsed).
+    let mut holding_bytes = frame.len();
+    if let Some(limit) = shared.options.max_frame_values {
+        match crate::json_values::values_within(frame, limit) {
+            None => return refuse_too_many_values(frame, limit, shared, batch, sink),
+            Some(values) => {
+                holding_bytes =
+                    holding_bytes.max(values.saturating_mul(crate::json_values::BYTES_PER_VALUE));
+            }
+        }
     }
     let split = shared.options.split_session_events;
     // An event nobody reads goes no further than its head.
@@ -1185,7 +1194,7 @@ fn dispatch(
                 method,
                 params,
                 responder,
-                frame_bytes: frame.len(),
+                frame_bytes: holding_bytes,
             }));
             Ok(())
         }
@@ -1434,6 +1443,18 @@ mod tests {
         };
         assert_eq!(request.method, "small");
         assert_eq!(request.params.as_array().map(Vec::len), Some(90));
+        // What holding it costs is its values', parsed, not its ~230 bytes: 90 elements, the
+        // params and the other three members.
+        let values = crate::json_values::values_within(
+            dense(r#""id":8,"method":"small""#, 90).as_bytes(),
+            usize::MAX,
+        )
+        .expect("counted");
+        assert!(values >= 90, "{values}");
+        assert_eq!(
+            request.frame_bytes,
+            values * crate::json_values::BYTES_PER_VALUE
+        );
     }
 
     #[tokio::test]

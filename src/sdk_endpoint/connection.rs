@@ -245,15 +245,17 @@ pub(super) async fn run<S>(
          wait for answers before sending more",
         shared.config.max_requests_per_connection
     );
-    // The calls waiting or being handled hold their frames' bytes (their params, parsed):
-    // at most twice the largest frame per connection, whatever their number.
+    // The calls waiting or being handled hold their params, parsed (their frames' bytes,
+    // or 32 bytes a value where that is more: `IncomingRequest::frame_bytes`): at most twice
+    // the largest frame per connection, whatever their number.
     let held = Arc::new(AtomicUsize::new(0));
     let held_limit = shared.config.max_frame_bytes.saturating_mul(2);
     let too_much = move |held: usize, bytes: usize| {
         format!(
-            "copilot-pool: this connection's calls waiting or being handled hold {held} \
-             bytes, and this one of {bytes} bytes would pass the bound of {held_limit} (twice \
-             the endpoint's max_frame_bytes); wait for answers before sending more"
+            "copilot-pool: this connection's calls waiting or being handled hold about \
+             {held} bytes parsed, and this one of about {bytes} (its bytes, or 32 a JSON value \
+             it holds when that is more) would pass the bound of {held_limit} (twice the \
+             endpoint's max_frame_bytes); wait for answers before sending more"
         )
     };
     // Set by the reader when the client is gone, so the loop below notices it even while it
@@ -312,12 +314,20 @@ pub(super) async fn run<S>(
         gone: AtomicBool::new(false),
         last: Mutex::new(None),
     });
-    let in_flight = Arc::new(Semaphore::new(shared.config.max_requests_per_connection));
+    // 0 counts as 1, as the other caps do: none would never handle a call, `connect` included.
+    let in_flight = Arc::new(Semaphore::new(
+        shared.config.max_requests_per_connection.max(1),
+    ));
+    // The calls being handled: aborted when the connection ends, so none runs on for a
+    // client that is gone (an open waiting for room would create a session nobody reads).
+    let mut handlers = tokio::task::JoinSet::new();
     let connect_deadline = tokio::time::Instant::now() + shared.config.connect_timeout;
     loop {
         let authenticated = client.agent.get().is_some();
         let incoming = tokio::select! {
             incoming = rx.recv() => incoming,
+            // Handled calls are reaped as they end (the set keeps what ended until joined).
+            Some(_) = handlers.join_next(), if !handlers.is_empty() => continue,
             _ = stop.wait_for(|s| *s) => break,
             () = tokio::time::sleep_until(connect_deadline), if !authenticated => {
                 tracing::info!("An SDK client did not authenticate in time; closing its connection.");
@@ -355,7 +365,7 @@ pub(super) async fn run<S>(
                     held: held.clone(),
                     bytes: request.frame_bytes,
                 };
-                tokio::spawn(async move {
+                handlers.spawn(async move {
                     client.handle(request).await;
                     drop(held);
                     drop(permit);
@@ -366,6 +376,11 @@ pub(super) async fn run<S>(
             Some(Incoming::Closed(_)) | None => break,
         }
     }
+    // The calls still running go first (each dropped as any cancelled call is: a lease
+    // dropped mid-turn aborts its turn and gives the conversation back), then the
+    // connection's sessions.
+    handlers.abort_all();
+    while handlers.join_next().await.is_some() {}
     client.close().await;
     conn.close(CloseCause::Local);
 }
@@ -523,16 +538,14 @@ impl Client {
                 let token = params.get("token").and_then(Value::as_str).unwrap_or("");
                 match self.shared.config.tokens.agent_for(token) {
                     Some(agent) if Some(agent) == self.agent() => Ok(self.connect_answer()),
-                    Some(_) => Err(ErrorObject::new(
+                    // Another agent's token and no token at all get one answer: a client must
+                    // not learn which strings are some other agent's token.
+                    _ => Err(ErrorObject::new(
                         AUTHENTICATION_FAILED,
-                        "AUTHENTICATION_FAILED: this connection is authenticated for another \
-                         agent; open a new connection for each agent",
-                    )),
-                    None => Err(ErrorObject::new(
-                        AUTHENTICATION_FAILED,
-                        "AUTHENTICATION_FAILED: the connection token is not one of this \
-                         daemon's (its SHA-256 must be listed for the agent in the daemon's \
-                         [sdk] tokens); this connection stays authenticated as before",
+                        "AUTHENTICATION_FAILED: the token is not this connection's agent's \
+                         (a connection is authenticated once, for one agent: open a new \
+                         connection for each agent); this connection stays authenticated as \
+                         before",
                     )),
                 }
             }

@@ -174,6 +174,25 @@ const REFUSED: &[&str] = &[
     "sandboxConfig",
 ];
 
+/// `session.send` fields passed on (besides `sessionId`): what the official SDKs send (the
+/// prompt, its display text, attachments, modes, the message's source, per-turn model request
+/// headers, which the guarded model path filters as any, and trace context) and the message's
+/// own shape (`prepend`, `responseFormat`, `requiredTool`).
+const SEND_FIELDS: &[&str] = &[
+    "prompt",
+    "displayPrompt",
+    "attachments",
+    "mode",
+    "agentMode",
+    "source",
+    "requestHeaders",
+    "traceparent",
+    "tracestate",
+    "prepend",
+    "responseFormat",
+    "requiredTool",
+];
+
 /// Fields checked for being set that are lists: `[]` turns them off.
 const LIST_FIELDS: &[&str] = &[
     "providers",
@@ -209,6 +228,11 @@ pub(super) fn refused_because(field: &str) -> Option<&'static str> {
         "cloud" | "remoteSession" => Some(
             "its turns would run or be steered outside the pool (in the cloud, from \
              github.com), where no lease supervises them; run them through the pool",
+        ),
+        "wait" => Some(
+            "the endpoint answers a send at once and streams the turn's events, as the SDKs \
+             expect (a send held to the turn's end would outlast the call's time limit); wait \
+             for session.idle instead",
         ),
         "sandboxConfig" => Some(
             "the runtime's sandbox would reach the daemon host's credential helpers; the pool \
@@ -260,6 +284,23 @@ pub(super) fn check_update(params: &Map<String, Value>) -> Result<(), Refusal> {
         return Err(Refusal::Refused("provider"));
     }
     check(params, UPDATE_FIELDS)
+}
+
+/// The first field of a `session.send` refused: `wait` set, or a field not in
+/// [`SEND_FIELDS`] (`billable` among them: a message's billing is the runtime's to decide).
+pub(super) fn check_send(params: &Map<String, Value>) -> Result<(), Refusal> {
+    if params.get("wait").is_some_and(|v| is_set("wait", v)) {
+        return Err(Refusal::Refused("wait"));
+    }
+    match params.iter().find(|(name, value)| {
+        *name != "sessionId"
+            && *name != "wait"
+            && !value.is_null()
+            && !SEND_FIELDS.contains(&name.as_str())
+    }) {
+        Some((name, _)) => Err(Refusal::Unknown(name.clone())),
+        None => Ok(()),
+    }
 }
 
 fn check(params: &Map<String, Value>, passed: &[&str]) -> Result<(), Refusal> {
@@ -361,6 +402,31 @@ mod tests {
             assert_eq!(
                 local_command_source(&map(json!({field: ["/w/dir"]}))),
                 Some(field)
+            );
+        }
+    }
+
+    #[test]
+    fn a_send_passes_what_the_sdks_send_and_refuses_a_held_answer_and_unlisted_fields() {
+        // What the Node SDK 1.0.14's `send` writes.
+        let sdk = map(json!({
+            "sessionId": "s", "prompt": "hi", "source": null, "displayPrompt": "hi",
+            "attachments": [], "mode": "enqueue", "agentMode": null, "requestHeaders": {},
+            "traceparent": "00-abc-def-01", "wait": false,
+        }));
+        assert_eq!(check_send(&sdk), Ok(()));
+        let held = map(json!({"sessionId": "s", "prompt": "hi", "wait": true}));
+        assert_eq!(check_send(&held), Err(Refusal::Refused("wait")));
+        assert!(
+            Refusal::Refused("wait")
+                .message("session.send")
+                .contains("wait for session.idle"),
+        );
+        for field in ["billable", "newRuntimeField"] {
+            let unlisted = map(json!({"sessionId": "s", "prompt": "hi", field: false}));
+            assert_eq!(
+                check_send(&unlisted),
+                Err(Refusal::Unknown(field.to_owned()))
             );
         }
     }

@@ -472,7 +472,11 @@ struct RunningTurn {
 pub(super) struct SdkSession {
     shared: Arc<Shared>,
     agent: String,
-    spec: Mutex<SessionSpec>,
+    /// The session's id (its spec's, which a resume on this connection never changes).
+    id: CliSessionId,
+    /// Shared, not copied, by each call that reads it: it holds the client's whole config
+    /// (tool schemas, system message), read for every lease.
+    spec: Mutex<Arc<SessionSpec>>,
     /// The client's connection: events and server requests go there, and only there.
     client: Connection,
     turn: Mutex<Option<RunningTurn>>,
@@ -575,7 +579,8 @@ impl SdkSession {
         Self {
             shared,
             agent,
-            spec: Mutex::new(spec),
+            id: spec.id.clone(),
+            spec: Mutex::new(Arc::new(spec)),
             client,
             turn: Mutex::new(None),
             stopped: std::sync::atomic::AtomicBool::new(false),
@@ -589,7 +594,7 @@ impl SdkSession {
     }
 
     pub(super) fn id(&self) -> CliSessionId {
-        self.spec().id
+        self.id.clone()
     }
 
     /// The pool's conversation of this session.
@@ -597,7 +602,7 @@ impl SdkSession {
         conversation(&self.agent, self.id().as_str())
     }
 
-    fn spec(&self) -> SessionSpec {
+    fn spec(&self) -> Arc<SessionSpec> {
         self.spec
             .lock()
             .map(|s| s.clone())
@@ -786,7 +791,7 @@ impl SdkSession {
     /// none of it is applied again over the config it resumes with.
     pub(super) fn set_spec(&self, spec: SessionSpec) {
         if let Ok(mut s) = self.spec.lock() {
-            *s = spec;
+            *s = Arc::new(spec);
         }
         for setting in [&self.switched_model, &self.updated_options] {
             if let Ok(mut set) = setting.lock() {
@@ -801,6 +806,7 @@ impl SdkSession {
     /// same process (the runtime queues it).
     pub(super) async fn send(self: &Arc<Self>, params: Value) -> Result<Value, CallError> {
         const METHOD: &str = "session.send";
+        refuse_unguarded_call(METHOD, &params)?;
         self.refuse_if_let_go(METHOD)?;
         if let Some((worker, sending)) = self.sending_into_turn() {
             return self.send_into_turn(&worker, sending, params).await;
@@ -1390,6 +1396,7 @@ fn refuse_unguarded_call(method: &str, params: &Value) -> Result<(), CallError> 
     let refusal = match (method, params.as_object()) {
         ("session.provider.add", _) => Some(Refusal::Refused("providers")),
         ("session.options.update", Some(fields)) => fields::check_update(fields).err(),
+        ("session.send", Some(fields)) => fields::check_send(fields).err(),
         _ => None,
     };
     match refusal {
