@@ -1176,6 +1176,8 @@ impl ClaudeTurn<'_> {
             permission_prompts: self.permission_prompts,
             retained_lines: self.retained_lines,
             retained_bytes: self.retained_bytes,
+            // Claude Code's stream-json reports each tool call as it starts.
+            tool_calls_unseen: false,
         }));
     }
 

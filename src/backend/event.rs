@@ -204,6 +204,11 @@ pub struct CliTurnOutcome {
     pub retained_lines: u64,
     /// Bytes of retained output.
     pub retained_bytes: u64,
+    /// The CLI's output says nothing of its tool calls until its end (a one-shot run with
+    /// output `json` or `text`): a run cut short (a crash, a time limit) may have run tools
+    /// nobody saw, so it never falls back (`crate::fallback`). Not part of `turn.end`.
+    #[serde(skip)]
+    pub tool_calls_unseen: bool,
 }
 
 /// What a runner's `set_gateway_tools` did (a pool lease installing its gateway tools).

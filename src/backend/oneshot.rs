@@ -2140,6 +2140,8 @@ impl OneshotTurn<'_> {
             permission_prompts: 0,
             retained_lines: self.retained_lines,
             retained_bytes: self.retained_bytes,
+            tool_calls_unseen: self.gemini.is_none()
+                && matches!(self.format, OutputFormat::Json | OutputFormat::Text),
         }));
     }
 }

@@ -155,8 +155,25 @@ pub fn classify_copilot(
 /// The retryable class of a CLI backend's turn outcome: a crash or a time limit, or an error
 /// the CLI reported with a retryable HTTP status as a field (Claude Code's
 /// `api_error_status`) or, without one, whose message names auth, a rate limit or a timeout. An output limit or
-/// any other error does not fall back.
+/// any other error does not fall back. Nor does a turn whose CLI reported tool calls (they
+/// may have had effects a second run would repeat), nor a crash or a time limit of a run
+/// whose output says nothing of its tool calls until its end (`tool_calls_unseen`: one may
+/// have run, unseen).
 pub fn classify_cli(outcome: &CliTurnOutcome) -> Option<FallbackClass> {
+    if outcome.tool_calls > 0 {
+        return None;
+    }
+    let class = classify_cli_failure(outcome);
+    if outcome.tool_calls_unseen
+        && matches!(class, Some(FallbackClass::Crash | FallbackClass::Timeout))
+    {
+        return None;
+    }
+    class
+}
+
+/// The retryable class of a CLI turn's failure alone, as [`classify_cli`] reads it.
+fn classify_cli_failure(outcome: &CliTurnOutcome) -> Option<FallbackClass> {
     match &outcome.failure {
         Some(TurnFailure::Crashed { .. }) => Some(FallbackClass::Crash),
         Some(TurnFailure::TimedOut { .. }) => Some(FallbackClass::Timeout),
@@ -1401,6 +1418,29 @@ mod tests {
         });
         assert_eq!(classify_cli(&limit), None);
         assert_eq!(classify_cli(&CliTurnOutcome::default()), None);
+        // Tool calls the CLI reported may have had effects: never run again elsewhere.
+        let after_tools = CliTurnOutcome {
+            tool_calls: 1,
+            ..cli_error("API Error: Rate limit reached")
+        };
+        assert_eq!(classify_cli(&after_tools), None);
+        // A run whose output shows no tool call until its end, cut short: one may have run.
+        for cut in [crashed.clone(), timed_out.clone()] {
+            let unseen = CliTurnOutcome {
+                tool_calls_unseen: true,
+                ..cut
+            };
+            assert_eq!(classify_cli(&unseen), None, "{unseen:?}");
+        }
+        // It ended itself, on a failed model call it reported: no tool ran unseen after it.
+        let reported_unseen = CliTurnOutcome {
+            tool_calls_unseen: true,
+            ..cli_error("API Error: Rate limit reached")
+        };
+        assert_eq!(
+            classify_cli(&reported_unseen),
+            Some(FallbackClass::RateLimit)
+        );
 
         let gemini = |error: GeminiError| with(TurnFailure::Gemini { error });
         let message = || "m".to_owned();
