@@ -112,7 +112,10 @@ impl AgentCli {
     pub fn executable_rel_path(self, platform: Platform) -> PathBuf {
         match self {
             AgentCli::ClaudeCode => Path::new("node_modules")
-                .join(format!("@anthropic-ai/claude-code-{platform}"))
+                .join(format!(
+                    "@anthropic-ai/claude-code-{}",
+                    claude_platform(platform)
+                ))
                 .join("claude"),
             AgentCli::Codex => Path::new("node_modules")
                 .join(format!("@openai/codex-{}", codex_platform(platform)))
@@ -193,7 +196,20 @@ impl AgentCli {
 fn codex_platform(platform: Platform) -> &'static str {
     match platform {
         Platform::LinuxX64 | Platform::LinuxMuslX64 => "linux-x64",
+        Platform::LinuxArm64 | Platform::LinuxMuslArm64 => "linux-arm64",
+        Platform::DarwinX64 => "darwin-x64",
+        Platform::DarwinArm64 => "darwin-arm64",
+    }
+}
+
+/// Claude Code's platform package suffix (`@anthropic-ai/claude-code-<this>`): musl hosts
+/// as `<os>-<arch>-musl`, not npm's `linuxmusl-<arch>` (2.1.332's optional dependencies).
+fn claude_platform(platform: Platform) -> &'static str {
+    match platform {
+        Platform::LinuxX64 => "linux-x64",
         Platform::LinuxArm64 => "linux-arm64",
+        Platform::LinuxMuslX64 => "linux-x64-musl",
+        Platform::LinuxMuslArm64 => "linux-arm64-musl",
         Platform::DarwinX64 => "darwin-x64",
         Platform::DarwinArm64 => "darwin-arm64",
     }
@@ -203,7 +219,7 @@ fn codex_platform(platform: Platform) -> &'static str {
 fn codex_target(platform: Platform) -> &'static str {
     match platform {
         Platform::LinuxX64 | Platform::LinuxMuslX64 => "x86_64-unknown-linux-musl",
-        Platform::LinuxArm64 => "aarch64-unknown-linux-musl",
+        Platform::LinuxArm64 | Platform::LinuxMuslArm64 => "aarch64-unknown-linux-musl",
         Platform::DarwinX64 => "x86_64-apple-darwin",
         Platform::DarwinArm64 => "aarch64-apple-darwin",
     }
@@ -257,6 +273,18 @@ mod tests {
             cli.executable_rel_path(Platform::LinuxX64),
             Path::new("node_modules/@anthropic-ai/claude-code-linux-x64/claude")
         );
+        // Its musl packages are named `<os>-<arch>-musl`, not npm's `linuxmusl-<arch>`.
+        for (platform, package) in [
+            (Platform::LinuxMuslX64, "claude-code-linux-x64-musl"),
+            (Platform::LinuxMuslArm64, "claude-code-linux-arm64-musl"),
+        ] {
+            assert_eq!(
+                cli.executable_rel_path(platform),
+                Path::new("node_modules/@anthropic-ai")
+                    .join(package)
+                    .join("claude")
+            );
+        }
         assert_eq!(
             cli.install_dir(Path::new("/c")),
             Path::new("/c/claude-code/2.1.332")

@@ -99,8 +99,11 @@ pub enum InstallError {
     },
     /// The install lock was still held by someone else when the install's deadline passed.
     #[error(
-        "gave up waiting for the install lock after {after:?}: another install holds {}; \
-         if no install is running, delete it",
+        "gave up waiting for the install lock after {after:?}: another install holds {} \
+         (the lock goes with the process that holds it: `fuser -v {}` names it; never delete \
+         the file, which would let a second install run beside it); let that install finish \
+         and run again, or raise the install timeout if installs take this long here",
+        path.display(),
         path.display()
     )]
     LockTimeout {
@@ -329,6 +332,12 @@ async fn install_package_with(
     create_dir_all(&tmp).await?;
 
     let result = populate(package, &npm, &tmp, deadline, timeout).await;
+    // A complete install found in place now is kept, never replaced: one that is there is
+    // in use (the lock keeps two installs apart, unless its file was deleted meanwhile).
+    if result.is_ok() && package.is_complete(&dir) {
+        let _ = tokio::fs::remove_dir_all(&tmp).await;
+        return Ok(installed(false));
+    }
     let result = match result {
         Ok(()) => move_into_place(&tmp, &dir).await,
         Err(err) => Err(err),
@@ -735,6 +744,50 @@ mod tests {
     const P: Platform = Platform::LinuxX64;
 
     #[tokio::test]
+    async fn an_install_that_finds_a_complete_one_in_place_when_it_ends_keeps_that_one() {
+        let tools = tempfile::tempdir().unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        let dir = cache.path().join("runtime/1.0.14");
+        // A second installer beside this one (its lock file deleted meanwhile) finishes
+        // first, while this one's npm runs: its install is complete and in use.
+        let package = Flavour::Runtime.npm_package(P);
+        let mut script = String::from("prefix=\nwhile [ $# -gt 0 ]; do\n");
+        script += "  if [ \"$1\" = --prefix ]; then prefix=$2; shift; fi\n  shift\ndone\n";
+        for file in std::iter::once(&package.executable).chain(&package.companions) {
+            for root in ["$prefix", &dir.display().to_string()] {
+                script += &format!(
+                    "mkdir -p \"{root}/$(dirname '{f}')\" && echo x > \"{root}/{f}\"\n",
+                    f = file.display()
+                );
+            }
+        }
+        script += &format!("echo other > '{}'\n", dir.join(MARKER_FILE).display());
+        let npm = sh_npm(tools.path(), &script);
+        let installed = install_with(
+            Flavour::Runtime,
+            P,
+            cache.path(),
+            DEFAULT_INSTALL_TIMEOUT,
+            || Some(npm.clone()),
+        )
+        .await
+        .unwrap();
+        assert!(!installed.fresh);
+        assert_eq!(installed.dir, dir);
+        assert_eq!(
+            std::fs::read_to_string(dir.join(MARKER_FILE)).unwrap(),
+            "other\n",
+            "the complete install in place was replaced"
+        );
+        let left: Vec<_> = std::fs::read_dir(cache.path().join("runtime"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left, vec![OsString::from("1.0.14")], "its own folder goes");
+    }
+
+    #[tokio::test]
     async fn installs_once_then_reuses_the_marked_install() {
         let tools = tempfile::tempdir().unwrap();
         let cache = tempfile::tempdir().unwrap();
@@ -1026,7 +1079,7 @@ mod tests {
             "{message}"
         );
         assert!(
-            message.contains("if no install is running, delete it"),
+            message.contains("fuser -v") && message.contains("never delete the file"),
             "{message}"
         );
     }

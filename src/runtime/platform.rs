@@ -12,6 +12,8 @@ pub enum Platform {
     LinuxArm64,
     /// `linuxmusl-x64` (Alpine and other musl hosts).
     LinuxMuslX64,
+    /// `linuxmusl-arm64`.
+    LinuxMuslArm64,
     /// `darwin-x64`.
     DarwinX64,
     /// `darwin-arm64`.
@@ -22,7 +24,8 @@ pub enum Platform {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "unsupported platform {os}-{arch}: the Copilot runtime is published for \
-     linux-x64, linux-arm64, linuxmusl-x64, darwin-x64 and darwin-arm64 only"
+     linux-x64, linux-arm64, linuxmusl-x64, linuxmusl-arm64, darwin-x64 and darwin-arm64 \
+     only"
 )]
 pub struct PlatformError {
     /// `std::env::consts::OS` of the host.
@@ -32,20 +35,19 @@ pub struct PlatformError {
 }
 
 impl Platform {
-    /// The host platform (musl is detected on x86-64 Linux from the dynamic loaders present).
+    /// The host platform (musl is detected on Linux from the dynamic loaders present).
     pub fn current() -> Result<Platform, PlatformError> {
         let musl = std::env::consts::OS == "linux"
-            && std::env::consts::ARCH == "x86_64"
-            && host_is_musl(|path| path.exists());
+            && host_is_musl(std::env::consts::ARCH, |path| path.exists());
         Platform::from_os_arch(std::env::consts::OS, std::env::consts::ARCH, musl)
     }
 
-    /// Maps `std::env::consts::{OS, ARCH}` to a platform. `musl` only matters on x86-64 Linux
-    /// (the only musl target the runtime package is published for); elsewhere Linux is glibc.
+    /// Maps `std::env::consts::{OS, ARCH}` to a platform. `musl` only matters on Linux.
     pub fn from_os_arch(os: &str, arch: &str, musl: bool) -> Result<Platform, PlatformError> {
         match (os, arch) {
             ("linux", "x86_64") if musl => Ok(Platform::LinuxMuslX64),
             ("linux", "x86_64") => Ok(Platform::LinuxX64),
+            ("linux", "aarch64") if musl => Ok(Platform::LinuxMuslArm64),
             ("linux", "aarch64") => Ok(Platform::LinuxArm64),
             ("macos", "x86_64") => Ok(Platform::DarwinX64),
             ("macos", "aarch64") => Ok(Platform::DarwinArm64),
@@ -62,6 +64,7 @@ impl Platform {
             Platform::LinuxX64 => "linux-x64",
             Platform::LinuxArm64 => "linux-arm64",
             Platform::LinuxMuslX64 => "linuxmusl-x64",
+            Platform::LinuxMuslArm64 => "linuxmusl-arm64",
             Platform::DarwinX64 => "darwin-x64",
             Platform::DarwinArm64 => "darwin-arm64",
         }
@@ -74,12 +77,27 @@ impl fmt::Display for Platform {
     }
 }
 
-/// An x86-64 Linux host is musl when it has musl's loader and not glibc's (a glibc host may
-/// have the `musl` package installed too, so glibc's loader wins).
-fn host_is_musl(exists: impl Fn(&Path) -> bool) -> bool {
-    let glibc = exists(Path::new("/lib64/ld-linux-x86-64.so.2"))
-        || exists(Path::new("/lib/x86_64-linux-gnu/libc.so.6"));
-    !glibc && exists(Path::new("/lib/ld-musl-x86_64.so.1"))
+/// A Linux host of `arch` is musl when it has musl's loader and not glibc's (a glibc host
+/// may have the `musl` package installed too, so glibc's loader wins).
+fn host_is_musl(arch: &str, exists: impl Fn(&Path) -> bool) -> bool {
+    let (glibc, musl): (&[&str], &str) = match arch {
+        "x86_64" => (
+            &[
+                "/lib64/ld-linux-x86-64.so.2",
+                "/lib/x86_64-linux-gnu/libc.so.6",
+            ],
+            "/lib/ld-musl-x86_64.so.1",
+        ),
+        "aarch64" => (
+            &[
+                "/lib/ld-linux-aarch64.so.1",
+                "/lib/aarch64-linux-gnu/libc.so.6",
+            ],
+            "/lib/ld-musl-aarch64.so.1",
+        ),
+        _ => return false,
+    };
+    !glibc.iter().any(|path| exists(Path::new(path))) && exists(Path::new(musl))
 }
 
 #[cfg(test)]
@@ -92,7 +110,7 @@ mod tests {
             ("linux", "x86_64", false, "linux-x64"),
             ("linux", "x86_64", true, "linuxmusl-x64"),
             ("linux", "aarch64", false, "linux-arm64"),
-            ("linux", "aarch64", true, "linux-arm64"),
+            ("linux", "aarch64", true, "linuxmusl-arm64"),
             ("macos", "x86_64", false, "darwin-x64"),
             ("macos", "aarch64", false, "darwin-arm64"),
         ];
@@ -124,12 +142,25 @@ mod tests {
         let only = |present: &'static [&'static str]| {
             move |p: &Path| present.iter().any(|q| Path::new(q) == p)
         };
-        assert!(host_is_musl(only(&["/lib/ld-musl-x86_64.so.1"])));
-        assert!(!host_is_musl(only(&[
-            "/lib/ld-musl-x86_64.so.1",
-            "/lib64/ld-linux-x86-64.so.2"
-        ])));
-        assert!(!host_is_musl(only(&[])));
+        assert!(host_is_musl("x86_64", only(&["/lib/ld-musl-x86_64.so.1"])));
+        assert!(!host_is_musl(
+            "x86_64",
+            only(&["/lib/ld-musl-x86_64.so.1", "/lib64/ld-linux-x86-64.so.2"])
+        ));
+        assert!(!host_is_musl("x86_64", only(&[])));
+        // Alpine on arm64, published for as linuxmusl-arm64.
+        assert!(host_is_musl(
+            "aarch64",
+            only(&["/lib/ld-musl-aarch64.so.1"])
+        ));
+        assert!(!host_is_musl(
+            "aarch64",
+            only(&["/lib/ld-musl-aarch64.so.1", "/lib/ld-linux-aarch64.so.1"])
+        ));
+        assert!(!host_is_musl(
+            "aarch64",
+            only(&["/lib/ld-musl-x86_64.so.1"])
+        ));
     }
 
     #[test]

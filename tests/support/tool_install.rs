@@ -80,7 +80,8 @@ pub enum InstallError {
     },
     #[error(
         "gave up after {after:?} waiting for the {tool} install lock {}: another install \
-         holds it (if none is running, delete it); {fix}",
+         holds it (the lock goes with its process: `fuser -v` on the file names it; never \
+         delete the file, which would let a second install run beside it); {fix}",
         path.display()
     )]
     LockTimeout {
