@@ -1041,6 +1041,12 @@ fn read_cli_tail(
     }
 }
 
+/// Prelude reads running at once, at most.
+const MAX_PRELUDE_READS: usize = 4;
+
+/// What bounds the prelude reads running at once.
+static PRELUDE_READS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MAX_PRELUDE_READS);
+
 /// The prelude from the failed conversation's transcript (`source`, read on a blocking
 /// thread) without the failed turn, found by the `prompt` that run was given (after an
 /// earlier fallback: that prelude and the user's message); `None` when there is nothing to
@@ -1051,6 +1057,11 @@ async fn prelude_from(
     prompt: &str,
     budget: usize,
 ) -> Option<String> {
+    // A few at once: in an outage every turn of every tenant falls back together, and each
+    // read holds up to a line of 16 MiB and its parse.
+    let Ok(_reading) = PRELUDE_READS.acquire().await else {
+        return None;
+    };
     let read = tokio::task::spawn_blocking(move || source.read(budget));
     let tail = match read.await {
         Ok(Ok(tail)) => tail,
@@ -1064,7 +1075,13 @@ async fn prelude_from(
         }
     };
     let entries = super::without_failed_turn(tail.entries, prompt);
-    super::build_prelude(from, tail.summary.as_deref(), &entries, budget)
+    super::build_prelude(
+        from,
+        tail.summary.as_deref(),
+        &entries,
+        budget,
+        &super::new_boundary(),
+    )
 }
 
 #[cfg(test)]
