@@ -228,6 +228,7 @@ pub(super) async fn post_turn(
         state: state.clone(),
         stop,
         events: None,
+        backlog: Backlog::new(),
         streaming,
         tools: std::mem::take(&mut body.tools),
         hooks: std::mem::take(&mut body.hooks),
@@ -276,6 +277,7 @@ async fn post_copilot_turn(
     let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
     sink.events = Some(events_tx);
     let streaming = sink.streaming;
+    let backlog = sink.backlog.clone();
     // The lease is taken before answering, so its errors are real HTTP errors.
     let mut lease = match ChainLease::start(&state.pool, chain, sink).await {
         Ok(l) => l,
@@ -292,7 +294,7 @@ async fn post_copilot_turn(
     message.agent_mode = body.agent_mode;
     let keepalive = state.config.sse_keepalive;
     spawn_run(state, lease, pending);
-    respond(streaming, keepalive, events_rx).await
+    respond(streaming, keepalive, events_rx, backlog).await
 }
 
 /// The turn's checked attachments as the runtime takes them, its inline contents written
@@ -421,6 +423,7 @@ async fn post_cli_turn(
     let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
     sink.events = Some(events_tx);
     let streaming = sink.streaming;
+    let backlog = sink.backlog.clone();
     let mut lease = match ChainLease::start(&state.pool, chain, sink).await {
         Ok(l) => l,
         Err(e) => return pool_error(&e),
@@ -433,7 +436,7 @@ async fn post_cli_turn(
     };
     let keepalive = state.config.sse_keepalive;
     spawn_run(state, lease, pending);
-    respond(streaming, keepalive, events_rx).await
+    respond(streaming, keepalive, events_rx, backlog).await
 }
 
 /// Runs a leased turn's chain in a task, counted in `AppState::running` until its
@@ -472,6 +475,8 @@ struct StreamSink {
     stop: super::TurnStop,
     /// The turn's event stream (set once the body is checked).
     events: Option<mpsc::Sender<TurnEvent>>,
+    /// The bytes of runtime events queued on it, bounded.
+    backlog: Backlog,
     /// Whether the turn streams (else nobody could answer: permissions are rejected,
     /// ask_user is off, and tools and hooks were refused).
     streaming: bool,
@@ -537,7 +542,11 @@ impl ChainSink for StreamSink {
         if !self.omitted.streams(&sse) {
             return true;
         }
-        events.send_timeout(sse, SEND_TIMEOUT).await.is_ok()
+        // Room for its bytes and a place in the channel, both within the time limit.
+        let sent = async { self.backlog.take(&sse).await && events.send(sse).await.is_ok() };
+        tokio::time::timeout(SEND_TIMEOUT, sent)
+            .await
+            .unwrap_or(false)
     }
 
     async fn gone(&self) {
@@ -602,11 +611,13 @@ async fn respond(
     streaming: bool,
     keepalive: Duration,
     events_rx: mpsc::Receiver<TurnEvent>,
+    backlog: Backlog,
 ) -> Response {
     if !streaming {
         // Only the final summary, as JSON.
         let mut rx = events_rx;
         while let Some(event) = rx.recv().await {
+            backlog.give_back(&event);
             if let Some(end) = event.as_turn_end() {
                 return axum::Json(end).into_response();
             }
@@ -622,34 +633,97 @@ async fn respond(
     let quiet = (!keepalive.is_zero()).then(|| Box::pin(tokio::time::sleep(keepalive)));
     let stream = futures_util::stream::unfold(
         (events_rx, quiet, false),
-        move |(mut rx, mut quiet, ended)| async move {
-            if ended {
-                return None;
-            }
-            // `next_frames` waits only in its first `recv`, which loses nothing when dropped.
-            let chunk = match quiet.as_mut() {
-                None => next_frames(&mut rx).await,
-                Some(sleep) => {
-                    let chunk = tokio::select! {
-                        next = next_frames(&mut rx) => next,
-                        () = sleep.as_mut() => Some((SSE_KEEPALIVE.to_vec(), false)),
-                    };
-                    sleep
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + keepalive);
-                    chunk
+        move |(mut rx, mut quiet, ended)| {
+            let backlog = backlog.clone();
+            async move {
+                if ended {
+                    return None;
                 }
-            };
-            let Some((frames, last)) = chunk else {
-                // Over without `turn.end`: the turn was aborted for its reader (gone, or
-                // reading too slowly). The transfer is cut, not ended: a client that is
-                // still there sees a broken stream, never a clean end short of its turn.
-                return Some((Err(StreamCut), (rx, quiet, true)));
-            };
-            Some((Ok(Bytes::from(frames)), (rx, quiet, last)))
+                // `next_frames` waits only in its first `recv`, which loses nothing when dropped.
+                let chunk = match quiet.as_mut() {
+                    None => next_frames(&mut rx, &backlog).await,
+                    Some(sleep) => {
+                        let chunk = tokio::select! {
+                            next = next_frames(&mut rx, &backlog) => next,
+                            () = sleep.as_mut() => Some((SSE_KEEPALIVE.to_vec(), false)),
+                        };
+                        sleep
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + keepalive);
+                        chunk
+                    }
+                };
+                let Some((frames, last)) = chunk else {
+                    // Over without `turn.end`: the turn was aborted for its reader (gone, or
+                    // reading too slowly). The transfer is cut, not ended: a client that is
+                    // still there sees a broken stream, never a clean end short of its turn.
+                    return Some((Err(StreamCut), (rx, quiet, true)));
+                };
+                Some((Ok(Bytes::from(frames)), (rx, quiet, last)))
+            }
         },
     );
     event_stream(Body::from_stream(stream))
+}
+
+/// The bytes of runtime events a turn's stream holds unsent at most (besides the places of
+/// its channel): a reader slower than the runtime makes the turn wait, as a full channel
+/// does, and past [`SEND_TIMEOUT`] aborts it. (The runtime's frames go up to 64 MiB, and
+/// its `model.*` events carry the whole conversation.)
+const SSE_BACKLOG_BYTES: usize = 16 << 20;
+
+/// What a turn's queued runtime events hold in bytes, bounded by [`SSE_BACKLOG_BYTES`]:
+/// taken before an event is queued, given back once it is framed for the body.
+#[derive(Clone)]
+struct Backlog {
+    room: Arc<tokio::sync::Semaphore>,
+    bytes: usize,
+}
+
+impl Backlog {
+    fn new() -> Self {
+        Self::of(SSE_BACKLOG_BYTES)
+    }
+
+    /// A backlog of at most `bytes`.
+    fn of(bytes: usize) -> Self {
+        Self {
+            room: Arc::new(tokio::sync::Semaphore::new(bytes)),
+            bytes,
+        }
+    }
+
+    /// What `event` holds against the bound (a larger one takes the whole bound).
+    fn charge(&self, event: &TurnEvent) -> u32 {
+        let bytes = match event {
+            TurnEvent::Runtime(event) => event.raw().get().len(),
+            _ => 0,
+        };
+        u32::try_from(bytes.min(self.bytes)).unwrap_or(u32::MAX)
+    }
+
+    /// Waits for room for `event`; `false` if there will be none (never, while the turn runs).
+    async fn take(&self, event: &TurnEvent) -> bool {
+        let charge = self.charge(event);
+        if charge == 0 {
+            return true;
+        }
+        match self.room.acquire_many(charge).await {
+            Ok(permit) => {
+                permit.forget();
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Gives back what `event` held, once it left the queue.
+    fn give_back(&self, event: &TurnEvent) {
+        let charge = self.charge(event);
+        if charge > 0 {
+            self.room.add_permits(charge as usize);
+        }
+    }
 }
 
 /// Why a turn's event stream was cut before its `turn.end`.
@@ -686,11 +760,15 @@ const SSE_BATCH_BYTES: usize = 64 * 1024;
 /// (the runtime sends events in bursts): one body chunk, so one socket write, where each
 /// frame was a write (and a wake-up of the connection) of its own. Nothing waits for a
 /// batch to fill. `None` once the turn's events are over; `true` with the `turn.end` frame.
-async fn next_frames(rx: &mut mpsc::Receiver<TurnEvent>) -> Option<(Vec<u8>, bool)> {
+async fn next_frames(
+    rx: &mut mpsc::Receiver<TurnEvent>,
+    backlog: &Backlog,
+) -> Option<(Vec<u8>, bool)> {
     let mut frames = Vec::new();
     let mut event = rx.recv().await?;
     loop {
         event.frame_into(&mut frames);
+        backlog.give_back(&event);
         if event.as_turn_end().is_some() {
             return Some((frames, true));
         }
@@ -795,23 +873,62 @@ mod tests {
         let count = events.len();
         let expected: Vec<u8> = events.iter().flat_map(|e| e.frame().into_bytes()).collect();
         let (tx, mut rx) = mpsc::channel(64);
+        let backlog = Backlog::new();
         // One event waiting: it goes alone, at once.
         let mut events = events.into_iter();
         tx.send(events.next().expect("an event"))
             .await
             .expect("sent");
-        let (first, last) = next_frames(&mut rx).await.expect("a frame");
+        let (first, last) = next_frames(&mut rx, &backlog).await.expect("a frame");
         assert!(!last);
         assert_eq!(first.as_slice(), every_event()[0].frame().as_bytes());
         // The rest waiting together, `turn.end` last: one chunk, and the end.
         for event in events {
             tx.send(event).await.expect("sent");
         }
-        let (rest, last) = next_frames(&mut rx).await.expect("frames");
+        let (rest, last) = next_frames(&mut rx, &backlog).await.expect("frames");
         assert!(last, "the chunk ends the stream");
         assert_eq!([first, rest].concat(), expected, "{count} frames in order");
         drop(tx);
-        assert!(next_frames(&mut rx).await.is_none());
+        assert!(next_frames(&mut rx, &backlog).await.is_none());
+    }
+
+    #[tokio::test]
+    async fn runtime_events_wait_for_room_once_their_unsent_bytes_reach_the_bound() {
+        let event = |n: usize| {
+            let data = format!(
+                r#"{{"type":"assistant.message","data":{{"content":"{}"}}}}"#,
+                "x".repeat(n)
+            );
+            TurnEvent::Runtime(Box::new(crate::rpc::SessionEvent::from_value(
+                serde_json::from_str(&data).expect("json"),
+            )))
+        };
+        let backlog = Backlog::of(1000);
+        let (tx, mut rx) = mpsc::channel(64);
+        for _ in 0..2 {
+            let e = event(400);
+            assert!(backlog.take(&e).await);
+            tx.send(e).await.expect("sent");
+        }
+        // A third would pass 1000 bytes: it waits, however many places the channel has.
+        use futures_util::FutureExt;
+        let third = event(400);
+        let mut taking = Box::pin(backlog.take(&third));
+        assert!(
+            taking.as_mut().now_or_never().is_none(),
+            "taken past the bound"
+        );
+        // Framing the queued events for the body gives their bytes back.
+        let (_, last) = next_frames(&mut rx, &backlog).await.expect("frames");
+        assert!(!last);
+        assert_eq!(taking.as_mut().now_or_never(), Some(true));
+        // One larger than the bound takes the whole of it, once the rest has gone.
+        let huge = event(5000);
+        let mut taking = Box::pin(backlog.take(&huge));
+        assert!(taking.as_mut().now_or_never().is_none());
+        backlog.give_back(&third);
+        assert_eq!(taking.as_mut().now_or_never(), Some(true));
     }
 
     #[tokio::test]
@@ -822,7 +939,9 @@ mod tests {
         tx.send(events[0].clone()).await.expect("sent");
         // The turn's task gives up on its reader and drops its sender, sending no turn.end.
         drop(tx);
-        let mut body = respond(true, Duration::ZERO, rx).await.into_body();
+        let mut body = respond(true, Duration::ZERO, rx, Backlog::new())
+            .await
+            .into_body();
         let first = body.frame().await.expect("a frame").expect("data");
         assert_eq!(
             first.into_data().expect("data").as_ref(),
