@@ -221,6 +221,41 @@ pub fn json_error_without_values(error: &serde_json::Error) -> String {
     without_found_value(&error.to_string())
 }
 
+/// `text` (a CLI's error message, its stderr) with every URL's user information and query
+/// left out: `https://user:key@llm.example/v1?api-key=sk-1` reads `https://llm.example/v1?…`.
+/// An endpoint's query may carry a key (Azure's `api-key`, the Codex profile's
+/// `query_params`), and a CLI names the URL it failed on.
+pub fn without_url_credentials(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (before, after) = rest.split_at(at + 3);
+        out.push_str(before);
+        let end = after
+            .find(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '<' | '>' | '`'))
+            .unwrap_or(after.len());
+        let url = &after[..end];
+        let authority_end = url.find(['/', '?', '#']).unwrap_or(url.len());
+        let authority = &url[..authority_end];
+        out.push_str(
+            authority
+                .rsplit_once('@')
+                .map_or(authority, |(_, host)| host),
+        );
+        let path = &url[authority_end..];
+        match path.find('?') {
+            Some(query) => {
+                out.push_str(&path[..query]);
+                out.push_str("?…");
+            }
+            None => out.push_str(path),
+        }
+        rest = &after[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// A value a caller gave, quoted when it is a short word (a mistyped choice: `"opnai"`),
 /// else only its length: a long or unusual one may be a secret put in the wrong field.
 pub fn shown_if_a_word(value: &str) -> String {
@@ -290,6 +325,24 @@ fn found_kind(found: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn urls_in_a_message_lose_their_user_information_and_query_and_nothing_else() {
+        let said = "unexpected status 401 Unauthorized, url: \
+                    http://codex:sk-1@127.0.0.1:4290/v1/responses?api-key=sk-2&x=1 (retry 1); \
+                    see https://docs.example/errors#401 or \"https://a.example/?k=sk-3\"";
+        let shown = without_url_credentials(said);
+        for secret in ["sk-1", "sk-2", "sk-3", "codex:"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert_eq!(
+            shown,
+            "unexpected status 401 Unauthorized, url: \
+             http://127.0.0.1:4290/v1/responses?… (retry 1); \
+             see https://docs.example/errors#401 or \"https://a.example/?…\""
+        );
+        assert_eq!(without_url_credentials("no url here"), "no url here");
+    }
 
     #[test]
     fn a_secret_that_is_not_a_string_is_refused_without_its_value() {

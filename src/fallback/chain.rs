@@ -316,7 +316,10 @@ impl TurnSummary {
         error: Option<String>,
     ) -> Self {
         let outcome = outcome.unwrap_or_default();
-        let error = error.or_else(|| outcome.failure.as_ref().map(|f| f.to_string()));
+        // A CLI names the URL it failed on, whose query may carry a key.
+        let error = error
+            .or_else(|| outcome.failure.as_ref().map(|f| f.to_string()))
+            .map(|e| crate::secret::without_url_credentials(&e));
         let status_code = super::cli_status_code(&outcome);
         Self {
             status: outcome.end.unwrap_or(status),
