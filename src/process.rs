@@ -358,13 +358,13 @@ impl GroupLeader {
         let child = spawn_on_spawner_thread(command)?;
         // `id` is `None` only once the child was reaped (then there is no group to signal).
         let pid = child.id().unwrap_or(0);
-        let group = ProcessGroup::of_leader(pid);
         // A group of its own, in our session: nothing of its session to sweep.
-        let exited = exited_unreaped(pid, false);
+        let exited = watched_or_killed(pid, exited_unreaped(pid, false))?;
+        let group = ProcessGroup::of_leader(pid);
         Ok(GroupLeader {
             child,
             group,
-            exited,
+            exited: Some(exited),
         })
     }
 
@@ -492,7 +492,7 @@ fn kill_session_leftovers(sid: u32) {
 /// can be killed before the leader is reaped; with `own_session` (it made a session of its
 /// own, as a [`ChildGroup`] does) what left its group but not its session is killed first
 /// ([`kill_session_leftovers`]: a walk of `/proc`, so only where such a session exists).
-/// `None` if no thread could be started (then the group is swept only on terminate or drop).
+/// `None` if no thread could be started ([`watched_or_killed`] then fails the spawn).
 fn exited_unreaped(pid: u32, own_session: bool) -> Option<tokio::sync::oneshot::Receiver<()>> {
     let (exited_tx, exited_rx) = tokio::sync::oneshot::channel::<()>();
     let watch_pid = Pid::from_raw(i32::try_from(pid).ok()?);
@@ -514,10 +514,29 @@ fn exited_unreaped(pid: u32, own_session: bool) -> Option<tokio::sync::oneshot::
     match watcher {
         Ok(_) => Some(exited_rx),
         Err(error) => {
-            tracing::warn!(pid, %error, "No exit-watch thread; the group is swept only on terminate or drop.");
+            tracing::warn!(pid, %error, "No thread could be started to watch a new child's exit; the child is killed with its group and its start fails.");
             None
         }
     }
+}
+
+/// The watch of a new child's exit (`pid`, leading its group), or, when none could be
+/// started (`None`: the host is out of threads), the group killed at once and an error
+/// (`EAGAIN`, resource exhaustion): a child whose exit nobody watches would leave what its
+/// group still ran unswept once it was reaped.
+fn watched_or_killed(
+    pid: u32,
+    watched: Option<tokio::sync::oneshot::Receiver<()>>,
+) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
+    if let Some(watched) = watched {
+        return Ok(watched);
+    }
+    if let Ok(raw) = i32::try_from(pid)
+        && raw > 1
+    {
+        let _ = killpg(Pid::from_raw(raw), Signal::SIGKILL);
+    }
+    Err(std::io::Error::from_raw_os_error(nix::libc::EAGAIN))
 }
 
 /// Reads a pipe to its end (what could be read, if reading fails).
@@ -584,6 +603,12 @@ impl ChildGroup {
             // Already reaped: cannot happen right after spawn.
             return Err(SpawnError::MissingPipe(0, "pid"));
         };
+        let exited = watched_or_killed(pid, exited_unreaped(pid, true)).map_err(|source| {
+            SpawnError::Start {
+                program: spec.program.display().to_string(),
+                source,
+            }
+        })?;
         let stdin = child.stdin.take();
         if piped_stdin && stdin.is_none() {
             return Err(SpawnError::MissingPipe(pid, "stdin"));
@@ -631,13 +656,10 @@ impl ChildGroup {
 
         // The reaper task, which owns the `Child`, sweeps the group once the leader has
         // exited (still unreaped), then reaps it and publishes the status once.
-        let exited = exited_unreaped(pid, true);
         tokio::spawn(async move {
-            if let Some(exited) = exited {
-                let _ = exited.await;
-                // The leader is a zombie: the id cannot have been reused yet.
-                reaper.sweep_exited();
-            }
+            let _ = exited.await;
+            // The leader is a zombie: the id cannot have been reused yet.
+            reaper.sweep_exited();
             let info = match child.wait().await {
                 Ok(status) => ExitInfo::from_status(status),
                 Err(_) => ExitInfo::Unknown,
@@ -896,6 +918,39 @@ mod tests {
                 .await
         });
         assert!(status.unwrap().success());
+    }
+
+    #[tokio::test]
+    async fn a_child_whose_exit_no_thread_can_watch_is_killed_with_its_group_and_fails_its_start() {
+        let mut child = Command::new("/bin/sh")
+            .args(["-c", "sleep 300 & echo $!; wait"])
+            .process_group(0)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        let pid = child.id().expect("pid");
+        let mut line = String::new();
+        let stdout = child.stdout.take().expect("stdout");
+        use tokio::io::AsyncBufReadExt;
+        tokio::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .await
+            .expect("the member's pid");
+        let member: i32 = line.trim().parse().expect("a pid");
+        let error = watched_or_killed(pid, None).expect_err("no watch");
+        assert!(is_resource_exhaustion(&error), "{error}");
+        use std::os::unix::process::ExitStatusExt;
+        let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+            .await
+            .expect("the leader lives on")
+            .expect("reaped");
+        assert_eq!(status.signal(), Some(9), "the leader was killed");
+        // The member went with the group (not our child: gone, or a zombie of init).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while read_stat(member as u32).is_some_and(|s| s.state != 'Z') {
+            assert!(std::time::Instant::now() < deadline, "the member lives on");
+            tokio::task::yield_now().await;
+        }
     }
 
     fn sh(script: &str) -> ChildSpec {
