@@ -97,14 +97,6 @@ impl TurnEvent {
         }
         out.extend_from_slice(b"\n\n");
     }
-
-    /// The `turn.end` summary, if this is it.
-    pub(super) fn as_turn_end(&self) -> Option<&TurnEndEvent> {
-        match self {
-            TurnEvent::TurnEnd(end) => Some(end),
-            _ => None,
-        }
-    }
 }
 
 /// `tool.call`: the model called a gateway tool of the turn. Answer with

@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use dashmap::DashMap;
 use serde::Deserialize;
 use serde_json::Value;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use utoipa::ToSchema;
 
 use super::AppState;
@@ -27,7 +27,7 @@ use super::events::{
     HookNotificationEvent, HookRequestEvent, PermissionRequestEvent, ToolCallEvent, TurnEvent,
     UserInputRequestEvent,
 };
-use super::turns::SEND_TIMEOUT;
+use super::stream::TurnEvents;
 use crate::kinds::HookName;
 use crate::permission::{DecisionFuture, PermissionDecision, PermissionPolicy, PermissionRequest};
 use crate::turn::hooks::HookFuture;
@@ -428,7 +428,7 @@ fn parse_hook_output(hook: HookName, output: Option<Value>) -> Result<Option<Val
 /// The per-turn link to the gateway: where to send request events, and the registry.
 #[derive(Clone)]
 pub(super) struct Link {
-    pub(super) events: mpsc::Sender<TurnEvent>,
+    pub(super) events: TurnEvents,
     pub(super) registry: Arc<Registry>,
 }
 
@@ -449,12 +449,7 @@ impl Link {
             }
         }
         let _forget = Forget(&self.registry, id.clone());
-        if self
-            .events
-            .send_timeout(event(id.clone()), SEND_TIMEOUT)
-            .await
-            .is_err()
-        {
+        if !self.events.send(event(id.clone())).await {
             return None;
         }
         rx.await.ok()
@@ -466,15 +461,12 @@ impl Link {
     /// not read its stream ends the turn the usual way).
     fn notify(&self, hook: HookName, input: Value) -> HookFuture {
         let sse = TurnEvent::HookNotification(HookNotificationEvent { hook, input });
-        match self.events.try_send(sse) {
-            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => Box::pin(async { Ok(None) }),
-            Err(mpsc::error::TrySendError::Full(sse)) => {
-                let events = self.events.clone();
-                Box::pin(async move {
-                    let _ = events.send_timeout(sse, SEND_TIMEOUT).await;
-                    Ok(None)
-                })
-            }
+        match self.events.send_now_or_later(sse) {
+            None => Box::pin(async { Ok(None) }),
+            Some(later) => Box::pin(async move {
+                let _ = later.await;
+                Ok(None)
+            }),
         }
     }
 

@@ -56,6 +56,7 @@ mod object;
 mod openapi;
 mod query_check;
 mod sessions;
+mod stream;
 mod turns;
 
 use std::collections::BTreeMap;

@@ -1,7 +1,7 @@
 //! `POST /v1/turns`: leases the conversation before answering (so its errors are real HTTP
 //! errors), then runs the turn in a task and streams its events as SSE, ending with one
 //! `turn.end` summary (or answers that summary alone with `?stream=false`). A gateway that
-//! goes away, or stops reading for `SEND_TIMEOUT`, aborts its turn; the conversation stays
+//! goes away, or stops reading for `stream::SEND_TIMEOUT`, aborts its turn; the conversation stays
 //! resumable. A turn naming `fallback` backends runs again on the next one when its backend
 //! fails with a retryable class before streaming output (`crate::fallback`), seeded with a
 //! prelude from the failed conversation's transcript, after a `backend.fallback` event.
@@ -9,13 +9,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
-use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::http::StatusCode;
+use axum::response::Response;
 use serde::Deserialize;
-use tokio::sync::mpsc;
 
 use super::AppState;
 use super::attachments::{check_off_thread, images_only, work_roots, write_off_thread};
@@ -27,16 +26,13 @@ use super::events::{
 };
 use super::gateway::Link;
 use super::idempotency::{self, Claim, Pending};
+use super::stream::{self, TurnEvents};
 use crate::backend::BackendEvent;
 use crate::fallback::{self, ChainEvent, ChainLease, ChainRequest, ChainSink};
 use crate::kinds::{HookName, TurnEnd};
 use crate::permission::{DecisionFuture, PermissionPolicy, PermissionRequest};
 use crate::pool::{COPILOT_BACKEND, ConversationId, LeaseRequest};
 use crate::turn::Message;
-
-/// A gateway that does not read its event stream for this long is treated as gone (the
-/// turn is aborted), so a stalled client cannot pin a conversation.
-pub(super) const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The query of `POST /v1/turns`. Any other parameter is refused (a typo of `stream` would
 /// otherwise stream silently), as `ResetQuery` refuses one.
@@ -210,7 +206,7 @@ pub(super) async fn post_turn(
                          request that started it. Retry once it has ended to get its turn.end",
                     );
                 }
-                Claim::Ended(summary) => return replayed(streaming, &summary),
+                Claim::Ended(summary) => return stream::replayed(streaming, &summary),
                 Claim::OtherBody => {
                     return error(
                         StatusCode::UNPROCESSABLE_ENTITY,
@@ -228,7 +224,6 @@ pub(super) async fn post_turn(
         state: state.clone(),
         stop,
         events: None,
-        backlog: Backlog::new(),
         streaming,
         tools: std::mem::take(&mut body.tools),
         hooks: std::mem::take(&mut body.hooks),
@@ -274,10 +269,9 @@ async fn post_copilot_turn(
             Ok(checked) => checked,
             Err(r) => return r,
         };
-    let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
+    let (events_tx, events_rx) = stream::channel();
     sink.events = Some(events_tx);
     let streaming = sink.streaming;
-    let backlog = sink.backlog.clone();
     // The lease is taken before answering, so its errors are real HTTP errors.
     let mut lease = match ChainLease::start(&state.pool, chain, sink).await {
         Ok(l) => l,
@@ -294,7 +288,7 @@ async fn post_copilot_turn(
     message.agent_mode = body.agent_mode;
     let keepalive = state.config.sse_keepalive;
     spawn_run(state, lease, pending);
-    respond(streaming, keepalive, events_rx, backlog).await
+    stream::respond(streaming, keepalive, events_rx).await
 }
 
 /// The turn's checked attachments as the runtime takes them, its inline contents written
@@ -420,10 +414,9 @@ async fn post_cli_turn(
             Ok(checked) => checked,
             Err(r) => return r,
         };
-    let (events_tx, events_rx) = mpsc::channel::<TurnEvent>(256);
+    let (events_tx, events_rx) = stream::channel();
     sink.events = Some(events_tx);
     let streaming = sink.streaming;
-    let backlog = sink.backlog.clone();
     let mut lease = match ChainLease::start(&state.pool, chain, sink).await {
         Ok(l) => l,
         Err(e) => return pool_error(&e),
@@ -436,7 +429,7 @@ async fn post_cli_turn(
     };
     let keepalive = state.config.sse_keepalive;
     spawn_run(state, lease, pending);
-    respond(streaming, keepalive, events_rx, backlog).await
+    stream::respond(streaming, keepalive, events_rx).await
 }
 
 /// Runs a leased turn's chain in a task, counted in `AppState::running` until its
@@ -458,9 +451,7 @@ fn spawn_run(state: Arc<AppState>, lease: ChainLease<StreamSink>, pending: Optio
         if !outcome.caller_gone
             && let Some(events) = events
         {
-            let _ = events
-                .send_timeout(TurnEvent::TurnEnd(outcome.summary), SEND_TIMEOUT)
-                .await;
+            let _ = events.send(TurnEvent::TurnEnd(outcome.summary)).await;
         }
         drop(running);
     });
@@ -474,9 +465,7 @@ struct StreamSink {
     /// Set by an abort of the conversation, from the turn's request until its end.
     stop: super::TurnStop,
     /// The turn's event stream (set once the body is checked).
-    events: Option<mpsc::Sender<TurnEvent>>,
-    /// The bytes of runtime events queued on it, bounded.
-    backlog: Backlog,
+    events: Option<TurnEvents>,
     /// Whether the turn streams (else nobody could answer: permissions are rejected,
     /// ask_user is off, and tools and hooks were refused).
     streaming: bool,
@@ -542,11 +531,7 @@ impl ChainSink for StreamSink {
         if !self.omitted.streams(&sse) {
             return true;
         }
-        // Room for its bytes and a place in the channel, both within the time limit.
-        let sent = async { self.backlog.take(&sse).await && events.send(sse).await.is_ok() };
-        tokio::time::timeout(SEND_TIMEOUT, sent)
-            .await
-            .unwrap_or(false)
+        events.send(sse).await
     }
 
     async fn gone(&self) {
@@ -581,204 +566,6 @@ impl PermissionPolicy for TimedPermission {
                 .await
                 .unwrap_or_else(|_| Err("the gateway did not decide in time".to_owned()))
         })
-    }
-}
-
-/// The answer to a retry of a turn that ended (same `Idempotency-Key`, same body): its
-/// `turn.end` again, as the stream's one event or as JSON, marked `Idempotent-Replayed`.
-fn replayed(streaming: bool, summary: &TurnEndEvent) -> Response {
-    let mut response = if streaming {
-        let mut frames = Vec::new();
-        TurnEvent::TurnEnd(summary.clone()).frame_into(&mut frames);
-        event_stream(Body::from(frames))
-    } else {
-        axum::Json(summary).into_response()
-    };
-    response.headers_mut().insert(
-        "idempotent-replayed",
-        axum::http::HeaderValue::from_static("true"),
-    );
-    response
-}
-
-/// An SSE comment: no event, bytes on the connection so a proxy sees it alive.
-const SSE_KEEPALIVE: &[u8] = b": keep-alive\n\n";
-
-/// The answer of a running turn: its events as SSE ending with `turn.end` (with a comment
-/// after `keepalive` without one, unless zero), or (without the stream) the `turn.end`
-/// summary alone as JSON.
-async fn respond(
-    streaming: bool,
-    keepalive: Duration,
-    events_rx: mpsc::Receiver<TurnEvent>,
-    backlog: Backlog,
-) -> Response {
-    if !streaming {
-        // Only the final summary, as JSON.
-        let mut rx = events_rx;
-        while let Some(event) = rx.recv().await {
-            backlog.give_back(&event);
-            if let Some(end) = event.as_turn_end() {
-                return axum::Json(end).into_response();
-            }
-        }
-        return error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "the turn ended without a summary",
-        );
-    }
-    // The stream ends with `turn.end`: nothing the turn still emits comes after it. One
-    // timer for the keep-alive, moved on after each chunk (not one made and dropped for each).
-    let quiet = (!keepalive.is_zero()).then(|| Box::pin(tokio::time::sleep(keepalive)));
-    let stream = futures_util::stream::unfold(
-        (events_rx, quiet, false),
-        move |(mut rx, mut quiet, ended)| {
-            let backlog = backlog.clone();
-            async move {
-                if ended {
-                    return None;
-                }
-                // `next_frames` waits only in its first `recv`, which loses nothing when dropped.
-                let chunk = match quiet.as_mut() {
-                    None => next_frames(&mut rx, &backlog).await,
-                    Some(sleep) => {
-                        let chunk = tokio::select! {
-                            next = next_frames(&mut rx, &backlog) => next,
-                            () = sleep.as_mut() => Some((SSE_KEEPALIVE.to_vec(), false)),
-                        };
-                        sleep
-                            .as_mut()
-                            .reset(tokio::time::Instant::now() + keepalive);
-                        chunk
-                    }
-                };
-                let Some((frames, last)) = chunk else {
-                    // Over without `turn.end`: the turn was aborted for its reader (gone, or
-                    // reading too slowly). The transfer is cut, not ended: a client that is
-                    // still there sees a broken stream, never a clean end short of its turn.
-                    return Some((Err(StreamCut), (rx, quiet, true)));
-                };
-                Some((Ok(Bytes::from(frames)), (rx, quiet, last)))
-            }
-        },
-    );
-    event_stream(Body::from_stream(stream))
-}
-
-/// The bytes of runtime events a turn's stream holds unsent at most (besides the places of
-/// its channel): a reader slower than the runtime makes the turn wait, as a full channel
-/// does, and past [`SEND_TIMEOUT`] aborts it. (The runtime's frames go up to 64 MiB, and
-/// its `model.*` events carry the whole conversation.)
-const SSE_BACKLOG_BYTES: usize = 16 << 20;
-
-/// What a turn's queued runtime events hold in bytes, bounded by [`SSE_BACKLOG_BYTES`]:
-/// taken before an event is queued, given back once it is framed for the body.
-#[derive(Clone)]
-struct Backlog {
-    room: Arc<tokio::sync::Semaphore>,
-    bytes: usize,
-}
-
-impl Backlog {
-    fn new() -> Self {
-        Self::of(SSE_BACKLOG_BYTES)
-    }
-
-    /// A backlog of at most `bytes`.
-    fn of(bytes: usize) -> Self {
-        Self {
-            room: Arc::new(tokio::sync::Semaphore::new(bytes)),
-            bytes,
-        }
-    }
-
-    /// What `event` holds against the bound (a larger one takes the whole bound).
-    fn charge(&self, event: &TurnEvent) -> u32 {
-        let bytes = match event {
-            TurnEvent::Runtime(event) => event.raw().get().len(),
-            _ => 0,
-        };
-        u32::try_from(bytes.min(self.bytes)).unwrap_or(u32::MAX)
-    }
-
-    /// Waits for room for `event`; `false` if there will be none (never, while the turn runs).
-    async fn take(&self, event: &TurnEvent) -> bool {
-        let charge = self.charge(event);
-        if charge == 0 {
-            return true;
-        }
-        match self.room.acquire_many(charge).await {
-            Ok(permit) => {
-                permit.forget();
-                true
-            }
-            Err(_) => false,
-        }
-    }
-
-    /// Gives back what `event` held, once it left the queue.
-    fn give_back(&self, event: &TurnEvent) {
-        let charge = self.charge(event);
-        if charge > 0 {
-            self.room.add_permits(charge as usize);
-        }
-    }
-}
-
-/// Why a turn's event stream was cut before its `turn.end`.
-#[derive(Debug)]
-struct StreamCut;
-
-impl std::fmt::Display for StreamCut {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(
-            "the turn was aborted before its turn.end: its events were not read for 30 s \
-             (read the stream as it comes) or its reader went away",
-        )
-    }
-}
-
-impl std::error::Error for StreamCut {}
-
-/// A turn's `200 text/event-stream` answer with `body` as its events.
-fn event_stream(body: Body) -> Response {
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        // nginx would otherwise hold the events back in its buffer.
-        .header("x-accel-buffering", "no")
-        .body(body)
-        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "response"))
-}
-
-/// Bytes of SSE frames put into one write at most (beyond the first frame).
-const SSE_BATCH_BYTES: usize = 64 * 1024;
-
-/// The next event's SSE frame, followed by those of the events already waiting behind it
-/// (the runtime sends events in bursts): one body chunk, so one socket write, where each
-/// frame was a write (and a wake-up of the connection) of its own. Nothing waits for a
-/// batch to fill. `None` once the turn's events are over; `true` with the `turn.end` frame.
-async fn next_frames(
-    rx: &mut mpsc::Receiver<TurnEvent>,
-    backlog: &Backlog,
-) -> Option<(Vec<u8>, bool)> {
-    let mut frames = Vec::new();
-    let mut event = rx.recv().await?;
-    loop {
-        event.frame_into(&mut frames);
-        backlog.give_back(&event);
-        if event.as_turn_end().is_some() {
-            return Some((frames, true));
-        }
-        if frames.len() >= SSE_BATCH_BYTES {
-            return Some((frames, false));
-        }
-        match rx.try_recv() {
-            Ok(next) => event = next,
-            Err(_) => return Some((frames, false)),
-        }
     }
 }
 
@@ -859,98 +646,5 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.0.running.send_modify(|n| *n = n.saturating_sub(1));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::http::events::tests::every_event;
-
-    #[tokio::test]
-    async fn events_already_waiting_go_out_in_one_chunk_and_the_stream_ends_with_turn_end() {
-        let events = every_event();
-        let count = events.len();
-        let expected: Vec<u8> = events.iter().flat_map(|e| e.frame().into_bytes()).collect();
-        let (tx, mut rx) = mpsc::channel(64);
-        let backlog = Backlog::new();
-        // One event waiting: it goes alone, at once.
-        let mut events = events.into_iter();
-        tx.send(events.next().expect("an event"))
-            .await
-            .expect("sent");
-        let (first, last) = next_frames(&mut rx, &backlog).await.expect("a frame");
-        assert!(!last);
-        assert_eq!(first.as_slice(), every_event()[0].frame().as_bytes());
-        // The rest waiting together, `turn.end` last: one chunk, and the end.
-        for event in events {
-            tx.send(event).await.expect("sent");
-        }
-        let (rest, last) = next_frames(&mut rx, &backlog).await.expect("frames");
-        assert!(last, "the chunk ends the stream");
-        assert_eq!([first, rest].concat(), expected, "{count} frames in order");
-        drop(tx);
-        assert!(next_frames(&mut rx, &backlog).await.is_none());
-    }
-
-    #[tokio::test]
-    async fn runtime_events_wait_for_room_once_their_unsent_bytes_reach_the_bound() {
-        let event = |n: usize| {
-            let data = format!(
-                r#"{{"type":"assistant.message","data":{{"content":"{}"}}}}"#,
-                "x".repeat(n)
-            );
-            TurnEvent::Runtime(Box::new(crate::rpc::SessionEvent::from_value(
-                serde_json::from_str(&data).expect("json"),
-            )))
-        };
-        let backlog = Backlog::of(1000);
-        let (tx, mut rx) = mpsc::channel(64);
-        for _ in 0..2 {
-            let e = event(400);
-            assert!(backlog.take(&e).await);
-            tx.send(e).await.expect("sent");
-        }
-        // A third would pass 1000 bytes: it waits, however many places the channel has.
-        use futures_util::FutureExt;
-        let third = event(400);
-        let mut taking = Box::pin(backlog.take(&third));
-        assert!(
-            taking.as_mut().now_or_never().is_none(),
-            "taken past the bound"
-        );
-        // Framing the queued events for the body gives their bytes back.
-        let (_, last) = next_frames(&mut rx, &backlog).await.expect("frames");
-        assert!(!last);
-        assert_eq!(taking.as_mut().now_or_never(), Some(true));
-        // One larger than the bound takes the whole of it, once the rest has gone.
-        let huge = event(5000);
-        let mut taking = Box::pin(backlog.take(&huge));
-        assert!(taking.as_mut().now_or_never().is_none());
-        backlog.give_back(&third);
-        assert_eq!(taking.as_mut().now_or_never(), Some(true));
-    }
-
-    #[tokio::test]
-    async fn a_stream_whose_turn_was_aborted_for_its_reader_is_cut_not_ended() {
-        use http_body_util::BodyExt;
-        let (tx, rx) = mpsc::channel(4);
-        let events = every_event();
-        tx.send(events[0].clone()).await.expect("sent");
-        // The turn's task gives up on its reader and drops its sender, sending no turn.end.
-        drop(tx);
-        let mut body = respond(true, Duration::ZERO, rx, Backlog::new())
-            .await
-            .into_body();
-        let first = body.frame().await.expect("a frame").expect("data");
-        assert_eq!(
-            first.into_data().expect("data").as_ref(),
-            events[0].frame().as_bytes()
-        );
-        let cut = body.frame().await.expect("the end").expect_err("cut");
-        assert!(
-            cut.to_string().contains("read the stream as it comes"),
-            "{cut}"
-        );
     }
 }
