@@ -2318,6 +2318,49 @@ async fn a_session_opened_as_its_client_leaves_is_not_left_held_by_the_gone_conn
 // One thread: the endpoint reads the call and the client's end together, and runs the
 // client's close before the call's handler (as a busy endpoint may).
 #[tokio::test]
+async fn a_deletion_whose_client_leaves_before_the_answer_still_deletes_the_session() {
+    let fx = Fixture::new().await;
+    let served = Served::start(&fx).await;
+    let (first, mut first_events) = connected(served.addr, "token-a").await;
+    first
+        .request("session.create", create_params(&fx, "left-behind"), None)
+        .await
+        .expect("create");
+    turn_to_idle(&first, &mut first_events, &served, "left-behind", "kept").await;
+    first
+        .request("session.detach", json!({"sessionId": "left-behind"}), None)
+        .await
+        .expect("detach");
+    let state = fx
+        .scratch
+        .path()
+        .join("agents/agents/agent-a/copilot/session-state/left-behind");
+    assert!(state.is_dir(), "{}", state.display());
+    // The delete, and the client's end right behind it, unanswered.
+    let mut leaving = TcpStream::connect(served.addr).await.expect("connect");
+    write_raw_frame(
+        &mut leaving,
+        &json!({"jsonrpc": "2.0", "id": 1, "method": "connect", "params": {"token": "token-a"}}),
+    )
+    .await;
+    let answer = read_raw_frame(&mut leaving).await;
+    assert_eq!(answer["result"]["ok"], true, "{answer}");
+    let delete = json!({"jsonrpc": "2.0", "id": 2, "method": "session.delete", "params": {"sessionId": "left-behind"}});
+    write_raw_frame(&mut leaving, &delete).await;
+    leaving.shutdown().await.expect("shutdown");
+    drop(leaving);
+    eventually(
+        "the deletion of the client that left was cut off",
+        || async { !state.exists() },
+    )
+    .await;
+    drop(first);
+    served.shut_down().await;
+}
+
+// One thread: the endpoint reads the call and the client's end together, and runs the
+// client's close before the call's handler (as a busy endpoint may).
+#[tokio::test]
 async fn a_turn_sent_as_its_client_leaves_does_not_run_on_with_nobody_to_stop_it() {
     let fx = Fixture::new().await;
     let served = Served::start(&fx).await;

@@ -351,25 +351,37 @@ pub(super) async fn run<S>(
             Some(Incoming::Request(request)) => {
                 // Every slot busy: the call waits here, and a close of either side still ends
                 // the connection now (its turns aborted, its seat given back), not once a
-                // slot frees.
+                // slot frees. A deletion its client sent before it left runs all the same,
+                // without a slot (the connection's other calls are aborted next).
+                let outlives = outlives_its_connection(&request.method);
                 let permit = tokio::select! {
-                    permit = in_flight.clone().acquire_owned() => permit,
+                    permit = in_flight.clone().acquire_owned() => match permit {
+                        Ok(permit) => Some(permit),
+                        Err(_) => break,
+                    },
                     _ = stop.wait_for(|s| *s) => break,
-                    () = closed.cancelled() => break,
-                };
-                let Ok(permit) = permit else {
-                    break;
+                    () = closed.cancelled() => {
+                        if !outlives {
+                            break;
+                        }
+                        None
+                    }
                 };
                 let client = client.clone();
                 let held = HeldBytes {
                     held: held.clone(),
                     bytes: request.frame_bytes,
                 };
-                handlers.spawn(async move {
+                let handled = async move {
                     client.handle(request).await;
                     drop(held);
                     drop(permit);
-                });
+                };
+                if outlives {
+                    tokio::spawn(handled);
+                } else {
+                    handlers.spawn(handled);
+                }
             }
             // Notifications from a client carry nothing the pool acts on.
             Some(Incoming::Notification { .. } | Incoming::SessionEvent { .. }) => {}
@@ -383,6 +395,13 @@ pub(super) async fn run<S>(
     while handlers.join_next().await.is_some() {}
     client.close().await;
     conn.close(CloseCause::Local);
+}
+
+/// Whether a call runs to its end when its connection ends, where every other is aborted: a
+/// deletion, which holds its session claimed until it ends (another connection's resume
+/// meanwhile refused) and which its client may well send just before it leaves.
+fn outlives_its_connection(method: &str) -> bool {
+    method == "session.delete"
 }
 
 /// A conversation claimed by a connection for one call (a deletion), given back when the
