@@ -237,22 +237,14 @@ async fn a_copilot_turn_refused_on_copilot_and_on_claude_ends_on_codex_with_the_
             .any(|n| n.starts_with("assistant.message")),
         "no Copilot output before the first fallback: {names:?}"
     );
-    // Between the notices Claude speaks only its own error (a whole message, no deltas).
+    // Between the notices nothing of Claude's: its own error (`API Error: 401 …`, which it
+    // sends as an assistant message) is no answer, and the turn fell back over it.
     assert!(
-        !names[first..second].contains(&"assistant.message_delta"),
+        !names[first..second]
+            .iter()
+            .any(|n| n.starts_with("assistant.message")),
         "no Claude output before the second fallback: {names:?}"
     );
-    for event in events[first..second]
-        .iter()
-        .filter(|e| e.event == "assistant.message")
-    {
-        let content = event.data["data"]["content"].as_str().unwrap_or_default();
-        assert!(
-            content.contains("API Error: 401"),
-            "only Claude's error before the second fallback: {}",
-            event.data
-        );
-    }
     assert!(
         names[second..].contains(&"assistant.message"),
         "Codex's events follow in the same vocabulary: {names:?}"

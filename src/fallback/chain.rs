@@ -841,6 +841,10 @@ async fn run_cli<S: ChainSink>(
     // answer).
     let mut streamed = false;
     let mut messages: Vec<String> = Vec::new();
+    // The latest whole message, held until the next event or the turn's end: Claude Code
+    // sends its own error (`API Error: 401 …`) as an assistant message, which must not
+    // reach the caller as an answer when the turn falls back over it.
+    let mut held: Option<BackendEvent> = None;
     let result = async {
         let images = match images {
             Ok(images) => images,
@@ -896,6 +900,22 @@ async fn run_cli<S: ChainSink>(
                         {
                             continue;
                         }
+                        // A message waits for what follows it; what it held back goes now.
+                        let event = match event {
+                            BackendEvent::Message { .. } => match held.replace(event) {
+                                Some(before) => before,
+                                None => continue,
+                            },
+                            other => match held.take() {
+                                Some(before) => {
+                                    if !sink.deliver(ChainEvent::Cli(before)).await {
+                                        return Err((TurnEnd::Aborted, None, None));
+                                    }
+                                    other
+                                }
+                                None => other,
+                            },
+                        };
                         if !sink.deliver(ChainEvent::Cli(event)).await {
                             // Dropping the turn before its end kills the process.
                             return Err((TurnEnd::Aborted, None, None));
@@ -922,17 +942,41 @@ async fn run_cli<S: ChainSink>(
                 Some(TurnFailure::Cli { message, .. }) => Some(message.as_str()),
                 _ => None,
             };
-            streamed |= messages
-                .iter()
-                .any(|m| Some(m.trim()) != error_text.map(str::trim));
+            let is_error_text =
+                |text: &str| error_text.is_some_and(|error| text.trim() == error.trim());
+            streamed |= messages.iter().any(|m| !is_error_text(m));
+            // The last message goes out unless it is the error the turn falls back over.
+            let mut gone = false;
+            if let Some(last) = held.take() {
+                let over = matches!(&last, BackendEvent::Message { text } if is_error_text(text))
+                    && class.is_some()
+                    && !streamed;
+                if !over {
+                    // The CLI's error as it said it, but for the URLs' credentials.
+                    let last = match last {
+                        BackendEvent::Message { text } if is_error_text(&text) => {
+                            BackendEvent::Message {
+                                text: crate::secret::without_url_credentials(&text),
+                            }
+                        }
+                        other => other,
+                    };
+                    gone = !sink.deliver(ChainEvent::Cli(last)).await;
+                }
+            }
             let summary = TurnSummary::of_cli(&lease, reason, Some(outcome), TurnEnd::Idle, None);
-            (summary, class, false)
+            (summary, class, gone)
         }
         Err((status, error, class)) => {
             // Aborted because the caller left, not because it asked to stop (it still
             // reads the summary).
-            let gone = status == TurnEnd::Aborted && !sink.stop_requested();
+            let mut gone = status == TurnEnd::Aborted && !sink.stop_requested();
             streamed |= !messages.is_empty();
+            if let Some(last) = held.take()
+                && !gone
+            {
+                gone = !sink.deliver(ChainEvent::Cli(last)).await;
+            }
             (
                 TurnSummary::of_cli(&lease, reason, None, status, error),
                 class,
