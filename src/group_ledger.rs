@@ -38,6 +38,7 @@ const FORMAT_VERSION: u32 = 1;
 
 /// One process group this daemon started.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct GroupEntry {
     /// The group id, which is the leader's pid.
     pub pgid: u32,
@@ -489,6 +490,27 @@ fn kill_previous(previous: &BTreeSet<GroupEntry>, boot_id: Option<&str>) -> (Tak
                     },
                 );
                 report.killed.extend(killed);
+                // What is left in the group's session without the marker: said, not killed
+                // (another process at a reused id, or a survivor whose tool cleared its
+                // environment, which an operator can tell apart).
+                let unmarked: Vec<u32> = leftovers(entry)
+                    .into_iter()
+                    .filter(|member| !report.killed.contains(member))
+                    .filter(|member| {
+                        read_stat(*member).is_some_and(|stat| {
+                            stat.sid == entry.sid
+                                && stat.start_time >= entry.start_time
+                                && stat.state != 'Z'
+                        })
+                    })
+                    .collect();
+                if !unmarked.is_empty() {
+                    tracing::warn!(
+                        pgid = entry.pgid,
+                        pids = ?unmarked,
+                        "Processes in the session of a process group the previous run recorded did not start with that run's marker (COPILOT_POOL_RUN) and were left running: another program given the same ids, or a survivor whose tool cleared its environment; check them (ps -o pid,lstart,args -p ...) and kill the previous run's by hand."
+                    );
+                }
             }
         }
     }

@@ -1049,15 +1049,26 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn environment_is_exactly_the_given_one() {
+    async fn environment_is_exactly_the_given_one_and_the_run_marker() {
         let mut spec = sh("env >&2");
         spec.env.push(("ONLY_THIS".into(), "1".into()));
         let (child, _io) = ChildGroup::spawn(&spec).unwrap();
         child.wait().await;
         child.stderr().settled(Duration::from_secs(5)).await;
         let env = child.stderr().text();
-        assert!(env.contains("ONLY_THIS=1"), "{env}");
-        assert!(!env.contains("HOME="), "{env}");
+        let mut names: Vec<&str> = env
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(n, _)| n)
+            .collect();
+        names.sort_unstable();
+        // What `sh` sets itself besides.
+        names.retain(|n| !matches!(*n, "PWD" | "SHLVL" | "_" | "OLDPWD"));
+        assert_eq!(names, ["COPILOT_POOL_RUN", "ONLY_THIS", "PATH"], "{env}");
+        assert!(
+            env.contains(&format!("{RUN_MARKER_VAR}={}", run_marker())),
+            "{env}"
+        );
     }
 
     #[tokio::test]

@@ -117,9 +117,12 @@ pub fn reported_status(result: &Value) -> Option<u16> {
 pub enum TurnFailure {
     /// The CLI ended the turn with an error (`is_error`), e.g. the model endpoint is
     /// unreachable after the bounded retries.
+    // Every text of the CLI's shown with its URLs' user information and query left out
+    // (`secret::without_url_credentials`): a CLI names the endpoint it failed on.
     #[error(
-        "the CLI reported an error: {message}; check the model endpoint and key the backend \
-         was given"
+        "the CLI reported an error: {}; check the model endpoint and key the backend \
+         was given",
+        crate::secret::without_url_credentials(.message)
     )]
     Cli {
         /// Its message (the `result` text).
@@ -133,7 +136,8 @@ pub enum TurnFailure {
     /// The CLI process exited or its output ended during the turn.
     #[error(
         "the CLI process ended during the turn ({exit}); the next turn restarts it and \
-         resumes the stored session. The end of its stderr: {stderr_tail}"
+         resumes the stored session. The end of its stderr: {}",
+        crate::secret::without_url_credentials(.stderr_tail)
     )]
     Crashed {
         /// How it ended (`exit code 1`, `signal 9 (SIGKILL)`, or `still running` when only
@@ -147,7 +151,8 @@ pub enum TurnFailure {
     #[error(
         "the turn ran past its limit of {limit_secs} s and was stopped; raise the turn \
          timeout (a turn's `timeout_ms`, the pool's absolute turn timeout), or check why the \
-         CLI stalls (its stderr: {stderr_tail})"
+         CLI stalls (its stderr: {})",
+        crate::secret::without_url_credentials(.stderr_tail)
     )]
     TimedOut {
         /// The limit, in seconds.
@@ -243,6 +248,36 @@ mod tests {
         assert_eq!(reported_status(&json!({"api_error_status": "401"})), None);
         assert_eq!(reported_status(&json!({"api_error_status": 70000})), None);
         assert_eq!(reported_status(&json!({})), None);
+    }
+
+    #[test]
+    fn a_failure_shows_the_clis_text_without_the_urls_user_information_and_query() {
+        let url = "http://u:sk-1@127.0.0.1:9/v1/responses?api-key=sk-2";
+        for failure in [
+            TurnFailure::Cli {
+                message: format!("unexpected status 401, url: {url}"),
+                reason: None,
+                status: None,
+            },
+            TurnFailure::Crashed {
+                exit: "exit code 1".into(),
+                stderr_tail: format!("error sending request for url ({url})"),
+            },
+            TurnFailure::TimedOut {
+                limit_secs: 1,
+                stderr_tail: format!("retrying {url}"),
+            },
+        ] {
+            let shown = failure.to_string();
+            assert!(
+                !shown.contains("sk-1") && !shown.contains("sk-2"),
+                "{shown}"
+            );
+            assert!(
+                shown.contains("http://127.0.0.1:9/v1/responses?…"),
+                "{shown}"
+            );
+        }
     }
 
     #[test]

@@ -2045,7 +2045,10 @@ impl OneshotTurn<'_> {
             },
         };
         if end == TurnEnd::Crashed {
-            tracing::debug!(backend = %self.conversation.config.id, ?failure, "cli-oneshot process crashed");
+            // Shown (`Display`): its stderr's URLs without their queries.
+            if let Some(failure) = &failure {
+                tracing::debug!(backend = %self.conversation.config.id, %failure, "cli-oneshot process crashed");
+            }
         }
         self.end_with(end, failure);
     }
