@@ -245,15 +245,8 @@ async fn the_takeover_kills_what_is_left_of_a_group_whose_leader_is_gone() {
     // The leader exits at once (as a runtime killed by its parent-death signal would); the
     // child it started (a tool process, say) stays in its group.
     let (pgid, member, recorded) = gone_leaders_group("run-a", "run-a");
-    let path = scratch.path().join(LEDGER_FILE);
-    write_ledger(&path, &[recorded]);
-
-    let ledger = GroupLedger::open(&path).expect("ledger");
-    assert_eq!(ledger.previous().len(), 1);
-    let report = ledger
-        .take_over(Duration::from_secs(5))
-        .await
-        .expect("take over");
+    let (ledger, report) = taken_over(&scratch, recorded).await;
+    assert_eq!(report.recorded, 1);
     assert_eq!(report.killed, vec![member]);
     // Not our child: gone or a zombie of init.
     let gone = support::procs::wait_none(
@@ -270,6 +263,24 @@ async fn the_takeover_kills_what_is_left_of_a_group_whose_leader_is_gone() {
     assert!(gone.is_empty(), "{gone:?}");
     assert!(ledger.previous().is_empty());
     let _ = kill(Pid::from_raw(member as i32), Signal::SIGKILL);
+}
+
+/// A ledger holding `recorded` alone, opened and taken over (as a restarted daemon does).
+async fn taken_over(
+    scratch: &support::Scratch,
+    recorded: serde_json::Value,
+) -> (
+    std::sync::Arc<GroupLedger>,
+    copilot_pool::group_ledger::TakeOver,
+) {
+    let path = scratch.path().join(LEDGER_FILE);
+    write_ledger(&path, &[recorded]);
+    let ledger = GroupLedger::open(&path).expect("ledger");
+    let report = ledger
+        .take_over(Duration::from_secs(5))
+        .await
+        .expect("take over");
+    (ledger, report)
 }
 
 /// A group whose leader (marked `marker` in its environment, as the daemon marks its
@@ -302,13 +313,7 @@ async fn the_takeover_leaves_a_group_whose_leader_is_gone_when_its_members_are_n
     // The group's id handed out again (a restarted container numbers from 1 again): same
     // group, same session, a later start, but not the recorded run's processes.
     let (_, member, recorded) = gone_leaders_group("another-run", "run-a");
-    let path = scratch.path().join(LEDGER_FILE);
-    write_ledger(&path, &[recorded]);
-    let ledger = GroupLedger::open(&path).expect("ledger");
-    let report = ledger
-        .take_over(Duration::from_secs(5))
-        .await
-        .expect("take over");
+    let (_, report) = taken_over(&scratch, recorded).await;
     assert!(report.killed.is_empty(), "{:?}", report.killed);
     assert!(
         stat(member).2 > 0 && kill(Pid::from_raw(member as i32), None).is_ok(),
@@ -339,14 +344,7 @@ async fn the_takeover_kills_what_left_the_group_but_not_the_session_its_leader_m
         tokio::task::yield_now().await;
     }
     assert_eq!(stat(escaped).1, sid, "still in the leader's session");
-    let path = scratch.path().join(LEDGER_FILE);
-    write_ledger(&path, &[recorded]);
-
-    let ledger = GroupLedger::open(&path).expect("ledger");
-    let report = ledger
-        .take_over(Duration::from_secs(5))
-        .await
-        .expect("take over");
+    let (_, report) = taken_over(&scratch, recorded).await;
     assert!(report.killed.contains(&escaped), "{:?}", report.killed);
     let _ = kill(Pid::from_raw(escaped as i32), Signal::SIGKILL);
 }
