@@ -542,9 +542,13 @@ pub fn seeded_prompt(prelude: Option<&str>, prompt: &str) -> String {
 /// content is `prompt` to the end (the next backend gets the prompt as its own message).
 pub fn without_failed_turn(mut entries: Vec<PreludeEntry>, prompt: &str) -> Vec<PreludeEntry> {
     let prompt = prompt.trim();
-    if let Some(at) = entries
-        .iter()
-        .rposition(|e| e.role == Role::User && e.content.trim() == prompt)
+    // Only the newest user entry can be the failed turn's: when the CLI never wrote that
+    // one (it died first), an earlier turn of the same words ("continue") is history, not
+    // the place to cut. A runner may add to the words it sends (Gemini CLI's `@path`
+    // references to the turn's images).
+    if let Some(at) = entries.iter().rposition(|e| e.role == Role::User)
+        && !prompt.is_empty()
+        && entries[at].content.trim().starts_with(prompt)
     {
         entries.truncate(at);
     }
@@ -1646,6 +1650,22 @@ mod tests {
         let kept = without_failed_turn(entries.clone(), "the failing prompt\n");
         assert_eq!(kept, entries[..2].to_vec());
         assert_eq!(without_failed_turn(entries.clone(), "other"), entries);
+        // With the words a runner added (Gemini CLI's image references), still its own.
+        let mut with_images = entries.clone();
+        with_images[2].content.push_str(" @shot.png");
+        assert_eq!(
+            without_failed_turn(with_images, "the failing prompt"),
+            entries[..2].to_vec()
+        );
+        // The failed turn's entry never written (its CLI died first): an earlier turn of the
+        // same words is history, not where to cut.
+        let history = vec![
+            entry(Role::User, "continue"),
+            entry(Role::Assistant, "first part"),
+            entry(Role::User, "now the tests"),
+            entry(Role::Assistant, "tests written"),
+        ];
+        assert_eq!(without_failed_turn(history.clone(), "continue"), history);
     }
 
     #[test]
