@@ -404,7 +404,36 @@ pub(crate) struct CliPool {
     /// The abort handles of the turns running now, by their conversation's slot
     /// ([`CliNames::slot`]): how [`CliPool::abort`] reaches a turn on a CLI backend. A slot
     /// has one lease, and a lease one turn at a time: at most one entry per slot.
-    running: Mutex<HashMap<String, AbortHandle>>,
+    running: Mutex<HashMap<String, RunningTurn>>,
+}
+
+/// A turn running now, as [`CliPool::abort`] reaches it: its abort handle, and why it was
+/// stopped (the first of the turn's time limit and an abort wins).
+struct RunningTurn {
+    handle: AbortHandle,
+    stopped: Arc<StopReason>,
+}
+
+/// Why a CLI turn was stopped, decided once: its time limit and an abort of the conversation
+/// may come together, and a turn aborted first is no timeout (which would fall back).
+#[derive(Default)]
+struct StopReason(std::sync::atomic::AtomicU8);
+
+impl StopReason {
+    const NONE: u8 = 0;
+    const TIMED_OUT: u8 = 1;
+    const ABORTED: u8 = 2;
+
+    /// Records `reason` unless one was recorded already; whether it was.
+    fn decide(&self, reason: u8) -> bool {
+        self.0
+            .compare_exchange(Self::NONE, reason, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
+    fn timed_out(&self) -> bool {
+        self.0.load(Ordering::SeqCst) == Self::TIMED_OUT
+    }
 }
 
 impl std::fmt::Debug for CliPool {
@@ -529,7 +558,7 @@ impl CliPool {
         self.shell.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, AbortHandle>> {
+    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, RunningTurn>> {
         // As `lock`: a map of handles, never left half-changed.
         self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -544,7 +573,8 @@ impl CliPool {
         for backend in self.backends.keys() {
             let slot = CliNames::slot_of(conversation, backend);
             if let Some(turn) = running.get(&slot) {
-                turn.abort();
+                turn.stopped.decide(StopReason::ABORTED);
+                turn.handle.abort();
                 aborted = true;
             }
         }
@@ -1502,26 +1532,32 @@ impl CliLease {
         // runner is ever cut short); the runner then ends it `aborted`, which `next` reports
         // as the timeout it was. Each turn has its own handle: a late firing cannot reach
         // the next turn.
-        let timed_out = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::new(StopReason::default());
         // The gateway's abort ([`CliPool::abort`]) reaches the turn through its handle too,
         // until the turn ends or is dropped.
-        self.pool
-            .running()
-            .insert(self.conversation_key.clone(), turn.abort_handle());
+        self.pool.running().insert(
+            self.conversation_key.clone(),
+            RunningTurn {
+                handle: turn.abort_handle(),
+                stopped: stopped.clone(),
+            },
+        );
         let timer = self.turn_timeout.map(|limit| {
             let abort = turn.abort_handle();
-            let flag = timed_out.clone();
+            let reason = stopped.clone();
             let timer = tokio::spawn(async move {
                 tokio::time::sleep(limit).await;
-                flag.store(true, Ordering::SeqCst);
-                abort.abort();
+                // A turn aborted already ends `aborted`, not as a timeout.
+                if reason.decide(StopReason::TIMED_OUT) {
+                    abort.abort();
+                }
             });
             (timer, limit)
         });
         Ok(CliLeaseTurn {
             turn,
             timer,
-            timed_out,
+            stopped,
             pool: &self.pool,
             slot: &self.conversation_key,
             cwd: &self.cwd,
@@ -1588,8 +1624,8 @@ pub struct CliLeaseTurn<'a> {
     turn: CliTurn<'a>,
     /// The task that interrupts the turn at its time limit, and the limit.
     timer: Option<(tokio::task::JoinHandle<()>, Duration)>,
-    /// Set when the timer interrupted the turn.
-    timed_out: Arc<AtomicBool>,
+    /// Why the turn was stopped, if it was: by its timer, or by an abort.
+    stopped: Arc<StopReason>,
     /// The pool, which holds the turn's abort handle under `slot` while it runs.
     pool: &'a CliPool,
     slot: &'a str,
@@ -1636,7 +1672,7 @@ impl CliLeaseTurn<'_> {
             self.pool.running().remove(self.slot);
             if let Some((timer, limit)) = self.timer.take() {
                 timer.abort();
-                if self.timed_out.load(Ordering::SeqCst) && outcome.end == Some(TurnEnd::Aborted) {
+                if self.stopped.timed_out() && outcome.end == Some(TurnEnd::Aborted) {
                     outcome.end = Some(TurnEnd::Timeout);
                     outcome.failure = Some(TurnFailure::TimedOut {
                         limit_secs: limit.as_secs(),
@@ -1842,6 +1878,49 @@ mod tests {
             !pool.abort(&conversation),
             "an ended turn is no longer there to abort"
         );
+        drop(turn);
+        drop(lease);
+        pool.shutdown(Duration::from_secs(5)).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_aborted_as_its_time_limit_passes_ends_aborted_not_timed_out() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut config = CliBackendConfig::new("/bin/sh");
+        config.args = vec!["-c".into(), "sleep 30 & wait".into(), "sh".into()];
+        config.output = crate::backend::OutputFormat::Jsonl;
+        config.session_mode = crate::backend::SessionMode::None;
+        let pool = pool("sh-cli", config, &dir.path().join("state"));
+        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        std::fs::create_dir_all(&cwd).expect("work");
+        let names = CliNames::new("agent", "k", "sh-cli");
+        let conversation = super::super::ConversationId::new("agent", "k").key();
+        let mut asked = ask("sh-cli", home, cwd);
+        asked.conversation = names.slot.clone();
+        let mut lease = pool
+            .lease(asked, names.binding.clone())
+            .await
+            .expect("lease");
+        lease.set_turn_timeout(Some(Duration::from_secs(10)));
+        let mut turn = lease.start_turn("hello").await.expect("turn");
+        // The timer's task starts its wait (this test's runtime has one thread).
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+        // The gateway's abort first, then the limit passes before the turn's end is read.
+        assert!(pool.abort(&conversation));
+        tokio::time::advance(Duration::from_secs(11)).await;
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+        let outcome = loop {
+            match turn.next().await {
+                Some(BackendEvent::TurnEnd(outcome)) => break outcome,
+                Some(_) => {}
+                None => panic!("the turn ended without turn.end"),
+            }
+        };
+        assert_eq!(outcome.end, Some(TurnEnd::Aborted), "{outcome:?}");
         drop(turn);
         drop(lease);
         pool.shutdown(Duration::from_secs(5)).await;
