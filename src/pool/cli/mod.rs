@@ -1838,25 +1838,31 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn the_gateways_abort_ends_a_turn_running_on_a_cli_backend_and_reaches_no_other() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        // A generic one-shot CLI whose turn would run for 30 s.
+    /// A pool of a generic one-shot CLI (`sh-cli`) whose turns would run for 30 s, a lease
+    /// of conversation `agent`/`k` on it, and that conversation's key.
+    async fn sleeping_cli_lease(dir: &std::path::Path) -> (Arc<CliPool>, CliLease, String) {
         let mut config = CliBackendConfig::new("/bin/sh");
         config.args = vec!["-c".into(), "sleep 30 & wait".into(), "sh".into()];
         config.output = crate::backend::OutputFormat::Jsonl;
         config.session_mode = crate::backend::SessionMode::None;
-        let pool = pool("sh-cli", config, &dir.path().join("state"));
-        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
+        let pool = pool("sh-cli", config, &dir.join("state"));
+        let (home, cwd) = (dir.join("home"), dir.join("work"));
         std::fs::create_dir_all(&cwd).expect("work");
         let names = CliNames::new("agent", "k", "sh-cli");
         let conversation = super::super::ConversationId::new("agent", "k").key();
         let mut asked = ask("sh-cli", home, cwd);
         asked.conversation = names.slot.clone();
-        let mut lease = pool
+        let lease = pool
             .lease(asked, names.binding.clone())
             .await
             .expect("lease");
+        (pool, lease, conversation)
+    }
+
+    #[tokio::test]
+    async fn the_gateways_abort_ends_a_turn_running_on_a_cli_backend_and_reaches_no_other() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (pool, mut lease, conversation) = sleeping_cli_lease(dir.path()).await;
         assert!(!pool.abort(&conversation), "a lease without a turn");
         let mut turn = lease.start_turn("hello").await.expect("turn");
         let other = super::super::ConversationId::new("agent", "other").key();
@@ -1886,21 +1892,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_turn_aborted_as_its_time_limit_passes_ends_aborted_not_timed_out() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut config = CliBackendConfig::new("/bin/sh");
-        config.args = vec!["-c".into(), "sleep 30 & wait".into(), "sh".into()];
-        config.output = crate::backend::OutputFormat::Jsonl;
-        config.session_mode = crate::backend::SessionMode::None;
-        let pool = pool("sh-cli", config, &dir.path().join("state"));
-        let (home, cwd) = (dir.path().join("home"), dir.path().join("work"));
-        std::fs::create_dir_all(&cwd).expect("work");
-        let names = CliNames::new("agent", "k", "sh-cli");
-        let conversation = super::super::ConversationId::new("agent", "k").key();
-        let mut asked = ask("sh-cli", home, cwd);
-        asked.conversation = names.slot.clone();
-        let mut lease = pool
-            .lease(asked, names.binding.clone())
-            .await
-            .expect("lease");
+        let (pool, mut lease, conversation) = sleeping_cli_lease(dir.path()).await;
         lease.set_turn_timeout(Some(Duration::from_secs(10)));
         let mut turn = lease.start_turn("hello").await.expect("turn");
         // The timer's task starts its wait (this test's runtime has one thread).
