@@ -1973,6 +1973,16 @@ async fn a_connection_holds_at_most_its_share_of_sessions_until_it_lets_one_go()
     conn.request("session.create", create_params(&fx, "held-3"), None)
         .await
         .expect("create after letting one go");
+    // A send the endpoint would have to hold to the turn's end is refused with the fix, and
+    // so is a field no SDK sends.
+    for (field, said) in [
+        ("wait", "wait for session.idle"),
+        ("billable", "not a session.send field"),
+    ] {
+        let params = json!({"sessionId": "held-3", "prompt": "REPLY=x", field: true});
+        let refused = remote_error(conn.request("session.send", params, None).await);
+        assert!(refused.message.contains(said), "{field}: {refused:?}");
+    }
     served.shut_down().await;
 }
 

@@ -2238,6 +2238,30 @@ mod tests {
         config
     }
 
+    #[tokio::test]
+    async fn a_run_whose_output_shows_no_tool_call_until_its_end_says_its_tool_calls_were_unseen() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("home")).unwrap();
+        std::fs::create_dir_all(dir.path().join("work")).unwrap();
+        for (output, unseen) in [
+            (OutputFormat::Json, true),
+            (OutputFormat::Text, true),
+            (OutputFormat::Jsonl, false),
+        ] {
+            // A crash before any output.
+            let mut config = sh_config(dir.path(), "kill -9 $$");
+            config.backend.output = output;
+            let mut oneshot = Oneshot::new(config).unwrap();
+            let (outcome, _) = run(&mut oneshot, "p").await;
+            assert_eq!(
+                outcome.end,
+                Some(TurnEnd::Crashed),
+                "{output:?}: {outcome:?}"
+            );
+            assert_eq!(outcome.tool_calls_unseen, unseen, "{output:?}");
+        }
+    }
+
     fn codex(dir: &Path) -> Oneshot {
         let mut config = OneshotConfig::codex("/opt/codex", dir.join("home"), dir.join("work"));
         config.base_url = Some("http://127.0.0.1:9/v1".into());

@@ -520,6 +520,11 @@ impl ChainSink for StreamSink {
         let Some(events) = &self.events else {
             return false;
         };
+        // A turn that does not stream answers its `turn.end` alone (sent by `spawn_run`):
+        // its other events are neither framed nor queued.
+        if !self.streaming {
+            return true;
+        }
         let sse = match event {
             ChainEvent::Session(event) => TurnEvent::Runtime(Box::new(event)),
             ChainEvent::Cli(event) => match cli_event(event) {

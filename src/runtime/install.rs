@@ -743,6 +743,15 @@ mod tests {
 
     const P: Platform = Platform::LinuxX64;
 
+    /// The runtime installed into `cache` by `npm`, within the default timeout.
+    async fn install_runtime(cache: &Path, npm: &NpmCommand) -> Installed {
+        install_with(Flavour::Runtime, P, cache, DEFAULT_INSTALL_TIMEOUT, || {
+            Some(npm.clone())
+        })
+        .await
+        .unwrap()
+    }
+
     #[tokio::test]
     async fn an_install_that_finds_a_complete_one_in_place_when_it_ends_keeps_that_one() {
         let tools = tempfile::tempdir().unwrap();
@@ -763,15 +772,7 @@ mod tests {
         }
         script += &format!("echo other > '{}'\n", dir.join(MARKER_FILE).display());
         let npm = sh_npm(tools.path(), &script);
-        let installed = install_with(
-            Flavour::Runtime,
-            P,
-            cache.path(),
-            DEFAULT_INSTALL_TIMEOUT,
-            || Some(npm.clone()),
-        )
-        .await
-        .unwrap();
+        let installed = install_runtime(cache.path(), &npm).await;
         assert!(!installed.fresh);
         assert_eq!(installed.dir, dir);
         assert_eq!(
@@ -793,15 +794,7 @@ mod tests {
         let cache = tempfile::tempdir().unwrap();
         let npm = fake_npm(tools.path(), Flavour::Runtime, P, None);
 
-        let first = install_with(
-            Flavour::Runtime,
-            P,
-            cache.path(),
-            DEFAULT_INSTALL_TIMEOUT,
-            || Some(npm.clone()),
-        )
-        .await
-        .unwrap();
+        let first = install_runtime(cache.path(), &npm).await;
         assert!(first.fresh);
         assert_eq!(first.version, "1.0.14");
         assert_eq!(first.dir, cache.path().join("runtime/1.0.14"));
