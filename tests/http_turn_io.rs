@@ -377,6 +377,40 @@ async fn an_inline_attachment_under_a_root_that_is_a_link_is_written_and_deleted
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deletion_the_runtime_refuses_keeps_the_attachments_until_the_retry_deletes_them() {
+    // A fake runtime: the real one cannot be told to refuse a deletion.
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let config = fx.fake_runtime_config("delete-fails-once").await;
+    let server = InProcess::start(config, ApiConfig::default()).await;
+    let mut body = turn(&url, "agent-r", "refused", "hello");
+    body["attachments"] =
+        json!([{"type": "inline", "data": "aGk=", "media_type": "text/plain", "name": "a.txt"}]);
+    let done = summary(server.addr, None, &body).await;
+    assert_eq!(done.json()["status"], "idle", "{}", done.body);
+    let files = fx
+        .scratch
+        .path()
+        .join("agents/agents/agent-r/work/attachments")
+        .join(copilot_pool::ids::sha256_hex("agent-r/refused"));
+    assert_eq!(std::fs::read_dir(&files).expect("written").count(), 1);
+    let path = "/v1/sessions/agent-r/refused";
+    let refused = call(server.addr, "DELETE", path, None, None).await;
+    assert_eq!(refused.status, 502, "{}", refused.body);
+    // The conversation stays (a retry finds it), and so does what its turns were given.
+    assert_eq!(
+        std::fs::read_dir(&files).map(|d| d.count()).ok(),
+        Some(1),
+        "{} is gone with the conversation kept",
+        files.display()
+    );
+    let deleted = call(server.addr, "DELETE", path, None, None).await;
+    assert_eq!(deleted.status, 204, "{}", deleted.body);
+    assert!(!files.exists(), "{} is left", files.display());
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_mode_reaches_the_runtime_and_task_complete_ends_up_in_turn_end() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();

@@ -276,12 +276,19 @@ pub(super) async fn delete_session(
         }
         Err(e) => return pool_error(&e),
     };
-    // Removed while the lease is held: no turn of the conversation writes there meanwhile.
-    // Its directory is the lease's (by name alone, the one its binding recorded).
-    let conversation = ConversationId::new(&agent_id, &session_key);
-    let work = lease.working_directory().to_path_buf();
-    remove_conversation_files(&state, work, &conversation, COPILOT_BACKEND).await;
-    match lease.reset().await {
+    // Removed once the runtime's session is gone (a refused deletion keeps the conversation,
+    // and what its turns were given), while the lease is held: no turn of the conversation
+    // writes there meanwhile. Its directory is the lease's (by name alone, the one its
+    // binding recorded).
+    let remove_files: crate::pool::WhileHeld = {
+        let conversation = ConversationId::new(&agent_id, &session_key);
+        Box::new(move |work| {
+            Box::pin(async move {
+                remove_conversation_files(&state, work, &conversation, COPILOT_BACKEND).await;
+            })
+        })
+    };
+    match lease.reset_then(Some(remove_files)).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => pool_error(&e),
     }

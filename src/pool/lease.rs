@@ -18,6 +18,7 @@ use crate::worker::{Session, Settled, WorkerError};
 
 pub use crate::kinds::OpenReason;
 
+use super::WhileHeld;
 use super::actor::{PoolMsg, Settle, WorkerId};
 use super::error::PoolError;
 
@@ -103,7 +104,6 @@ impl Lease {
     /// The directory the session was opened in: the conversation's working directory (for a
     /// lease to delete it, the one its binding recorded when it did, and the agent's home
     /// when that is gone or no longer allowed), where its inline attachments are.
-    #[cfg(feature = "http")]
     pub(crate) fn working_directory(&self) -> &std::path::Path {
         self.driver.working_directory()
     }
@@ -296,8 +296,19 @@ impl Lease {
     /// still deleted it (another process could resume what is being deleted) and leave the
     /// binding of a deleted session behind.
     pub async fn reset(self) -> Result<(), PoolError> {
-        let deleting =
-            tracing::Instrument::instrument(self.reset_to_its_end(), tracing::Span::current());
+        self.reset_then(None).await
+    }
+
+    /// [`Lease::reset`], with the caller's own clean-up of the conversation's working
+    /// directory (its inline attachments) run once the runtime's session is gone, while the
+    /// conversation is still held: never when the runtime refused the deletion (the
+    /// conversation stays, and a retry finds what its turns were given), and before a turn
+    /// let in after the deletion could write its own there.
+    pub(crate) async fn reset_then(self, while_held: Option<WhileHeld>) -> Result<(), PoolError> {
+        let deleting = tracing::Instrument::instrument(
+            self.reset_to_its_end(while_held),
+            tracing::Span::current(),
+        );
         match tokio::spawn(deleting).await {
             Ok(result) => result,
             Err(join) => Err(PoolError::Internal(format!(
@@ -306,7 +317,7 @@ impl Lease {
         }
     }
 
-    async fn reset_to_its_end(mut self) -> Result<(), PoolError> {
+    async fn reset_to_its_end(mut self, while_held: Option<WhileHeld>) -> Result<(), PoolError> {
         if self.driver.in_flight() {
             return Err(state_error("reset between turns, not during one"));
         }
@@ -325,6 +336,9 @@ impl Lease {
             // the binding stays for a retry.
             self.unsettled = true;
             return Err(PoolError::Worker(error));
+        }
+        if let Some(while_held) = while_held {
+            while_held(self.working_directory().to_path_buf()).await;
         }
         let store = self.bindings.clone();
         let key = self.conversation.clone();

@@ -46,8 +46,15 @@ use crate::worker::{Session, WorkerError, WorkerHandle};
 pub use crate::ids::{CliSessionId, ConversationId};
 pub use crate::turn::TurnOutcome;
 pub use bindings::{Binding, BindingError, BindingStore, CLI_BINDINGS_DIR};
-#[cfg(feature = "http")]
-pub(crate) use cli::WhileHeld;
+/// What a deletion's caller does with the conversation's working directory once the
+/// conversation's session is gone, while the conversation is still held for it (its inline
+/// attachments removed: no turn of it can write there meanwhile).
+pub(crate) type WhileHeld = Box<
+    dyn FnOnce(
+            std::path::PathBuf,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send,
+>;
 pub use config::InfiniteSessions;
 pub use config::{
     LeaseRequest, MAX_SESSION_KEY_BYTES, PoolConfig, spare_room, validate_provider,
@@ -440,7 +447,7 @@ impl Pool {
     pub(crate) async fn delete_cli_conversation_then(
         &self,
         mut req: LeaseRequest,
-        while_held: Option<cli::WhileHeld>,
+        while_held: Option<WhileHeld>,
     ) -> Result<Option<std::path::PathBuf>, PoolError> {
         let inner = &self.inner;
         if *inner.closed.borrow() {

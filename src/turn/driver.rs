@@ -88,7 +88,6 @@ pub(crate) struct TurnDriver {
 
 impl TurnDriver {
     /// The conversation's working directory (its tools' and attachments').
-    #[cfg(feature = "http")]
     pub(crate) fn working_directory(&self) -> &std::path::Path {
         &self.working_directory
     }

@@ -17,7 +17,8 @@
 //   late-open-event  sends `session.start` / `session.resume` 300 ms after its answer to the
 //                    open (the real runtime sends it right after, usually read with the answer)
 //   delete-fails-once  refuses the first `session.delete` in its `COPILOT_HOME` (a marker
-//                    file there), answers every later one
+//                    file there), answers every later one; a `session.send` is answered
+//                    with an `assistant.message` and `session.idle`
 //   compaction-between-turns  answers each `session.send` with an `assistant.message` and
 //                    `session.idle`, then a successful `session.compaction_complete` (a
 //                    background compaction that ends after the turn)
@@ -152,6 +153,10 @@ function handle({ id, method, params }) {
       }
       reply({ messageId: `m-${Date.now()}` });
       if (mode === "flood") flood(params.sessionId);
+      if (mode === "delete-fails-once") {
+        event(params.sessionId, "assistant.message", { messageId: "m-1", content: "fake reply" });
+        event(params.sessionId, "session.idle", {});
+      }
       if (mode === "compaction-between-turns") {
         event(params.sessionId, "session.compaction_start", { trigger: "threshold", currentTokens: 9 });
         event(params.sessionId, "assistant.message", { messageId: "m-1", content: "fake reply" });

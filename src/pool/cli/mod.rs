@@ -43,6 +43,7 @@ use crate::kinds::{Eviction, OpenReason, TurnEnd};
 use crate::metrics::{ProcessExit, SpawnResult};
 use crate::permission::PermissionPolicy;
 
+use super::WhileHeld;
 use super::bindings::{Binding, BindingError, BindingStore};
 use super::budget::{Nudge, Others};
 use super::error::PoolError;
@@ -260,16 +261,6 @@ impl Parked {
         let _ = self.runner.close().await;
     }
 }
-
-/// What a deletion's caller does with the conversation's working directory while the
-/// conversation is still held for it (its inline attachments removed: no turn of it can
-/// write there meanwhile).
-pub(crate) type WhileHeld = Box<
-    dyn FnOnce(
-            std::path::PathBuf,
-        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
-        + Send,
->;
 
 /// The names a conversation of a CLI backend goes by: its slot in the core, and its stored
 /// session (binding).
