@@ -1,21 +1,20 @@
 //! How many JSON values a peer's message holds, counted without parsing it: what bounds the
 //! memory the message takes once parsed into a `serde_json::Value` (32 bytes a value, a
 //! map's entries more), which its size in bytes does not (`[0,0,…]` is two bytes a value,
-//! so a 16 MiB frame of it would take over 256 MiB parsed). The SDK endpoint's reader
-//! ([`crate::rpc::ConnectionOptions::max_frame_values`]) and the HTTP API's bodies refuse a
-//! message holding more than [`value_limit`] of their byte limit, before parsing it.
+//! so a 16 MiB frame of it would take over 256 MiB parsed). The readers of the runtimes' pipes and
+//! of the SDK endpoint's clients ([`crate::rpc::ConnectionOptions::max_frame_values`]) and
+//! the HTTP API's bodies refuse a message holding more than [`value_limit`] of their byte
+//! limit, before parsing it.
 
 /// Bytes of a message's size limit per value a message may hold.
 pub const BYTES_PER_VALUE: usize = 32;
 
 /// The fewest values a limit allows, however small its byte limit.
-#[cfg_attr(not(any(feature = "http", feature = "sdk-endpoint")), allow(dead_code))]
 pub const MIN_VALUE_LIMIT: usize = 65_536;
 
 /// The most values a message under `max_bytes` may hold: one per [`BYTES_PER_VALUE`] bytes
 /// of the limit, at least [`MIN_VALUE_LIMIT`]. Parsed, such a message takes a few times
 /// its byte limit at most, where a message with a value every two bytes takes 32 times.
-#[cfg_attr(not(any(feature = "http", feature = "sdk-endpoint")), allow(dead_code))]
 pub fn value_limit(max_bytes: usize) -> usize {
     (max_bytes / BYTES_PER_VALUE).max(MIN_VALUE_LIMIT)
 }

@@ -230,6 +230,9 @@ impl Actor for Worker {
                 default_timeout: config.request_timeout,
                 // Events are routed by the session they name: read once fewer.
                 split_session_events: true,
+                // What a frame takes parsed stays within a few times its size: a request's
+                // params, a notification's and an event's typed payload are parsed whole.
+                max_frame_values: Some(crate::json_values::value_limit(config.max_frame_bytes)),
                 ..ConnectionOptions::default()
             },
             Box::new(move |batch| {
