@@ -145,6 +145,44 @@ async fn a_client_tool_round_trip_and_answers_only_from_the_owning_session() {
 }
 
 #[tokio::test]
+async fn a_tool_answer_whose_caller_stops_waiting_is_still_delivered() {
+    let scratch = Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model endpoint");
+    let worker = WorkerHandle::start(worker_config(&scratch).await)
+        .await
+        .expect("worker starts");
+    let mut session = worker
+        .create_session(SessionConfig {
+            tools: vec![secret_tool()],
+            ..session_config(&endpoint.base_url(), &scratch)
+        })
+        .await
+        .expect("session");
+    session
+        .send(r#"SCENARIO:tool NAME=get_secret_number ARGS={"key":"alpha"}"#)
+        .await
+        .expect("send");
+    let request = event_where(&mut session, |kind| match kind {
+        EventKind::ExternalToolRequested(req) => Some(req),
+        _ => None,
+    })
+    .await;
+    // Polled once (the request taken from the worker's ledger by then), then dropped, as a
+    // turn's tool task aborted as its turn ends is.
+    {
+        let answer = session.answer_tool_call(&request.request_id, ToolResult::Text("42".into()));
+        let mut answer = std::pin::pin!(answer);
+        let mut once = std::task::Context::from_waker(std::task::Waker::noop());
+        let polled = answer.as_mut().poll(&mut once);
+        assert!(polled.is_pending(), "answered within its first poll");
+    }
+    let events = collect_turn(&mut session).await;
+    assert_eq!(final_text(&events), "tool said: 42");
+    support::shutdown_and_check(&worker).await;
+}
+
+#[tokio::test]
 async fn abort_mid_turn_ends_with_an_aborted_idle() {
     let scratch = Scratch::new();
     let model = ScriptedModel::new();

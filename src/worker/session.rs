@@ -548,8 +548,19 @@ pub struct Answerer {
 }
 
 impl Answerer {
-    /// Answers a client tool call of the session (`external_tool.requested`).
+    /// Answers a client tool call of the session (`external_tool.requested`). The answer
+    /// runs to its end even when the caller stops waiting ([`to_its_end`]).
     pub async fn answer_tool_call(
+        &self,
+        request_id: &str,
+        result: ToolResult,
+    ) -> Result<(), WorkerError> {
+        let answerer = self.clone();
+        let request_id = request_id.to_owned();
+        to_its_end(async move { answerer.answer_tool_call_now(&request_id, result).await }).await
+    }
+
+    async fn answer_tool_call_now(
         &self,
         request_id: &str,
         result: ToolResult,
@@ -626,8 +637,19 @@ impl Answerer {
     }
 
     /// Answers a permission prompt of this session (`permission.requested`), e.g. with
-    /// `{"kind":"approve-once"}` or `{"kind":"reject"}`.
+    /// `{"kind":"approve-once"}` or `{"kind":"reject"}`. The answer runs to its end even when
+    /// the caller stops waiting ([`to_its_end`]).
     pub async fn answer_permission(
+        &self,
+        request_id: &str,
+        decision: Value,
+    ) -> Result<(), WorkerError> {
+        let answerer = self.clone();
+        let request_id = request_id.to_owned();
+        to_its_end(async move { answerer.answer_permission_now(&request_id, decision).await }).await
+    }
+
+    async fn answer_permission_now(
         &self,
         request_id: &str,
         decision: Value,
@@ -654,6 +676,21 @@ impl Answerer {
             });
         }
         Ok(())
+    }
+}
+
+/// Runs an answer in a task of its own and waits for it. Its request is taken from the
+/// worker's ledger before the answer is sent: cut off between the two (a turn's tool task
+/// aborted as the turn ends, an SDK client that left), the request would be neither
+/// answered nor answerable, and the runtime would wait on it until the session is aborted.
+/// A runtime shutting down meanwhile answers [`WorkerError::Stopped`]; a panic goes on.
+async fn to_its_end(
+    answer: impl Future<Output = Result<(), WorkerError>> + Send + 'static,
+) -> Result<(), WorkerError> {
+    match tokio::spawn(answer).await {
+        Ok(answered) => answered,
+        Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+        Err(_) => Err(WorkerError::Stopped),
     }
 }
 
