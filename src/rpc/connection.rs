@@ -373,16 +373,15 @@ struct Shared {
     /// The largest frame the reader takes now (`read_limit_until_lifted` until lifted),
     /// read by its codec at each header.
     read_limit: Arc<AtomicUsize>,
-    /// The reader task, stopped at our close when the peer may never close its side
-    /// ([`ConnectionOptions::peer_limits`]).
+    /// The reader task, stopped at our close: a peer may never close its side (a network
+    /// client, a runtime's descendant that escaped its group holding the pipe).
     reader: Mutex<Option<tokio::task::AbortHandle>>,
 }
 
 impl Shared {
-    /// Stops the reader when the peer may never close its side: its input is let go now.
+    /// Stops the reader: the peer's input is let go now, read no more.
     fn stop_reading(&self) {
-        if self.options.peer_limits.is_some()
-            && let Ok(mut reader) = self.reader.lock()
+        if let Ok(mut reader) = self.reader.lock()
             && let Some(reader) = reader.take()
         {
             reader.abort();
@@ -520,9 +519,7 @@ impl Connection {
             backlog,
         ));
         let reading = tokio::spawn(read_loop(reader, shared.clone(), sink));
-        if shared.options.peer_limits.is_some()
-            && let Ok(mut slot) = shared.reader.lock()
-        {
+        if let Ok(mut slot) = shared.reader.lock() {
             *slot = Some(reading.abort_handle());
         }
         let close_on_drop = Arc::new(CloseOnDrop(shared.clone()));
@@ -584,13 +581,15 @@ impl Connection {
             }
             Err(_) => return Err(closed(CloseCause::Local)),
         }
+        // Whatever ends the call (an answer, a timeout, the close, or the caller dropping
+        // it), its entry goes: one the peer never answers is not held for the connection's
+        // life.
+        let _forget = ForgetOnDrop { conn: self, id };
         // The close may have happened between the check above and the insert.
         if let Some(cause) = self.shared.closed_cause() {
-            self.forget(id);
             return Err(closed(cause));
         }
         if !self.shared.out.frame(Bytes::from(frame)) {
-            self.forget(id);
             return Err(closed(
                 self.shared.closed_cause().unwrap_or(CloseCause::Local),
             ));
@@ -605,13 +604,10 @@ impl Connection {
             Ok(Err(_)) => Err(closed(
                 self.shared.closed_cause().unwrap_or(CloseCause::Local),
             )),
-            Err(_) => {
-                self.forget(id);
-                Err(RpcError::Timeout {
-                    method: method.to_owned(),
-                    after,
-                })
-            }
+            Err(_) => Err(RpcError::Timeout {
+                method: method.to_owned(),
+                after,
+            }),
         }
     }
 
@@ -651,8 +647,8 @@ impl Connection {
 
     /// Closes the connection: pending requests fail with `cause`, and our write half is
     /// closed once the frames queued before it are written (with
-    /// [`ConnectionOptions::peer_limits`], the reader stops at once too, and the writer
-    /// within the write stall timeout).
+    /// [`ConnectionOptions::peer_limits`], the writer within the write stall timeout), and
+    /// the reader stops at once.
     pub fn close(&self, cause: CloseCause) {
         self.shared.close(cause);
         self.shared.out.close();
@@ -697,6 +693,18 @@ impl Connection {
         if let Ok(mut pending) = self.shared.pending.lock() {
             pending.remove(&id);
         }
+    }
+}
+
+/// Removes a request's entry from the pending ones when its call ends, however it ends.
+struct ForgetOnDrop<'a> {
+    conn: &'a Connection,
+    id: u64,
+}
+
+impl Drop for ForgetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.conn.forget(self.id);
     }
 }
 
@@ -1331,7 +1339,18 @@ mod tests {
             max_queued_bytes: 1 << 20,
             write_stall_timeout: Duration::from_secs(60),
         };
-        let (conn, mut peer, _rx) = limited(1 << 16, limits);
+        let (conn, peer, _rx) = limited(1 << 16, limits);
+        our_close_lets_go_of(conn, peer).await;
+    }
+
+    #[tokio::test]
+    async fn without_peer_limits_our_close_lets_go_of_a_peer_that_keeps_sending_too() {
+        // A runtime's descendant that left its group may hold the pipe open for good.
+        let (conn, peer, _rx) = pair();
+        our_close_lets_go_of(conn, peer).await;
+    }
+
+    async fn our_close_lets_go_of(conn: Connection, mut peer: DuplexStream) {
         conn.close(CloseCause::Local);
         // The peer goes on sending valid frames: once our reader has let go of its input
         // (and our writer of its output), its writes fail.
@@ -1743,6 +1762,37 @@ mod tests {
         )
         .await;
         // The connection keeps working after a late answer.
+        let next = tokio::spawn({
+            let conn = conn.clone();
+            async move { conn.request("next", Value::Null, None).await }
+        });
+        let sent = read_frame(&mut peer).await;
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"jsonrpc":"2.0","id":{},"result":2}}"#, sent["id"]),
+        )
+        .await;
+        assert_eq!(next.await.unwrap().unwrap(), json!(2));
+    }
+
+    #[tokio::test]
+    async fn a_call_dropped_before_its_answer_leaves_no_pending_entry() {
+        let (conn, mut peer, _rx) = pair();
+        {
+            let call = conn.request("never-answered", Value::Null, None);
+            let mut call = std::pin::pin!(call);
+            let mut once = std::task::Context::from_waker(std::task::Waker::noop());
+            assert!(call.as_mut().poll(&mut once).is_pending());
+            assert_eq!(conn.pending_requests(), 1);
+        }
+        assert_eq!(conn.pending_requests(), 0);
+        // Its late answer is ignored, and the connection goes on.
+        let sent = read_frame(&mut peer).await;
+        write_frame(
+            &mut peer,
+            &format!(r#"{{"jsonrpc":"2.0","id":{},"result":1}}"#, sent["id"]),
+        )
+        .await;
         let next = tokio::spawn({
             let conn = conn.clone();
             async move { conn.request("next", Value::Null, None).await }
