@@ -53,9 +53,13 @@ const FORWARDED_RESPONSE_HEADERS: &[&str] = &[
     "request-id",
     "apim-request-id",
     "x-should-retry",
+    // OpenAI's timing and API version; not `openai-organization` or `openai-project`, which
+    // name the provider's account to the tenant's agent.
+    "openai-processing-ms",
+    "openai-version",
 ];
-/// Response header name prefixes passed back (rate limits, processing times).
-const FORWARDED_RESPONSE_PREFIXES: &[&str] = &["x-ratelimit-", "anthropic-ratelimit-", "openai-"];
+/// Response header name prefixes passed back (rate limits).
+const FORWARDED_RESPONSE_PREFIXES: &[&str] = &["x-ratelimit-", "anthropic-ratelimit-"];
 
 /// Why a request got no upstream answer.
 enum Failure {

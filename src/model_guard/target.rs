@@ -178,14 +178,24 @@ pub(crate) fn placeholder_base(base_url: &str) -> String {
 
 /// Whether a request's path below the base path (lowercased) could climb out of it on a
 /// server that decodes it otherwise than the URL parser does: a separator spelled encoded
-/// (`%2f`, `%5c`), a `..;` segment, anything encoded twice (`%25`), a `%` that is no escape
-/// (`%%32%66` and `%2%66` are `%2f` once decoded; IIS's `%u002f`), or escapes that are not
-/// UTF-8 once decoded (an overlong `/`, `%c0%af`). No model API's path holds any of them.
+/// (`%2f`, `%5c`), a segment that is `.` or `..` once decoded and cut at its first `;` (a
+/// path parameter, which some Java servers drop: `..;`, `%2e%2e;x=1`), anything encoded
+/// twice (`%25`), a `%` that is no escape (`%%32%66` and `%2%66` are `%2f` once decoded;
+/// IIS's `%u002f`), or escapes that are not UTF-8 once decoded (an overlong `/`,
+/// `%c0%af`). No model API's path holds any of them.
 fn could_climb(below: &str) -> bool {
-    if ["%2f", "%5c", "%25", "/..;"]
+    if ["%2f", "%5c", "%25"]
         .iter()
         .any(|spelling| below.contains(spelling))
     {
+        return true;
+    }
+    let dot_segment = below.split('/').any(|segment| {
+        let decoded = percent_encoding::percent_decode_str(segment).decode_utf8_lossy();
+        let name = decoded.split(';').next().unwrap_or_default();
+        name == "." || name == ".."
+    });
+    if dot_segment {
         return true;
     }
     let bytes = below.as_bytes();

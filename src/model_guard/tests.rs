@@ -458,6 +458,7 @@ async fn the_real_key_replaces_the_placeholder_and_only_allowlisted_headers_pass
         0,
         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nset-cookie: s=1\r\n\
          x-ratelimit-remaining-requests: 9\r\nretry-after: 3\r\nserver: internal-proxy\r\n\
+         openai-organization: org-acme\r\nopenai-project: proj_1\r\nopenai-processing-ms: 42\r\n\
          connection: close\r\ncontent-length: 2\r\n\r\n{}",
     )
     .await;
@@ -487,6 +488,7 @@ async fn the_real_key_replaces_the_placeholder_and_only_allowlisted_headers_pass
         names,
         [
             "content-type",
+            "openai-processing-ms",
             "retry-after",
             "x-ratelimit-remaining-requests"
         ]
@@ -765,6 +767,11 @@ async fn a_request_outside_the_providers_base_url_is_refused() {
         format!("https://{PLACEHOLDER_HOST}/v1/%2e%2e%2fadmin"),
         format!("https://{PLACEHOLDER_HOST}/v1/..%5Cadmin"),
         format!("https://{PLACEHOLDER_HOST}/v1/..;/admin"),
+        // Dots spelled encoded before a `;` (no dot segment to the URL parser, `..` to a
+        // server that drops the parameter and decodes).
+        format!("https://{PLACEHOLDER_HOST}/v1/%2e%2e;/admin"),
+        format!("https://{PLACEHOLDER_HOST}/v1/.%2e;x=1/admin"),
+        format!("https://{PLACEHOLDER_HOST}/v1/%2E.;/admin"),
         // Encoded twice: a server (or a proxy before it) that decodes twice climbs too.
         format!("https://{PLACEHOLDER_HOST}/v1/..%252F..%252Fadmin"),
         format!("https://{PLACEHOLDER_HOST}/v1/%252e%252e/admin"),
