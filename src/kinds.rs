@@ -548,11 +548,13 @@ pub enum BlockReason {
     Reserved,
     /// A port a CLI backend's provider may not name.
     Port,
+    /// An address of this machine's own interfaces (its public address).
+    ThisHost,
 }
 
 impl BlockReason {
     /// Every value, in a stable order.
-    pub const ALL: [BlockReason; 16] = [
+    pub const ALL: [BlockReason; 17] = [
         BlockReason::Scheme,
         BlockReason::Userinfo,
         BlockReason::CredentialQuery,
@@ -569,6 +571,7 @@ impl BlockReason {
         BlockReason::Documentation,
         BlockReason::Reserved,
         BlockReason::Port,
+        BlockReason::ThisHost,
     ];
 
     /// The label, as serialized.
@@ -590,6 +593,7 @@ impl BlockReason {
             BlockReason::Documentation => "documentation",
             BlockReason::Reserved => "reserved",
             BlockReason::Port => "port",
+            BlockReason::ThisHost => "this_host",
         }
     }
 }

@@ -6,7 +6,8 @@
 //! address falls in otherwise; [`allowed`] decides with the pool's `allow_private_endpoints`
 //! switch: loopback, private, shared (CGNAT), link-local and unique-local ranges are allowed
 //! only with it, and the cloud metadata addresses, unspecified, multicast, broadcast,
-//! documentation and reserved ranges never.
+//! documentation and reserved ranges never. [`is_this_host`] tells this machine's own
+//! addresses (which no range marks), refused by the guard on the same terms as private ones.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -40,6 +41,11 @@ pub enum AddressClass {
     /// Any other special-purpose range (IETF protocol assignments, benchmarking, reserved,
     /// discard-only, Teredo, ORCHIDs, segment routing, …).
     Reserved,
+    /// An address of one of this machine's own interfaces, in no special range (its public
+    /// address): a request to it reaches the daemon's host, whose services may trust it.
+    /// Never answered by [`classify`], which knows ranges only; the guard checks it apart
+    /// ([`is_this_host`]).
+    ThisHost,
 }
 
 impl AddressClass {
@@ -52,6 +58,7 @@ impl AddressClass {
                 | AddressClass::Shared
                 | AddressClass::LinkLocal
                 | AddressClass::UniqueLocal
+                | AddressClass::ThisHost
         )
     }
 
@@ -68,6 +75,7 @@ impl AddressClass {
             AddressClass::Unspecified => BlockReason::Unspecified,
             AddressClass::Documentation => BlockReason::Documentation,
             AddressClass::Reserved => BlockReason::Reserved,
+            AddressClass::ThisHost => BlockReason::ThisHost,
         }
     }
 }
@@ -79,6 +87,17 @@ pub fn allowed(ip: IpAddr, allow_private_endpoints: bool) -> Result<(), AddressC
         Some(class) if allow_private_endpoints && class.private_endpoint() => Ok(()),
         Some(class) => Err(class),
     }
+}
+
+/// Whether `ip` is one of `host_addresses` (this machine's), an IPv4 address inside an IPv6
+/// one ([`embedded_v4`]) compared as itself.
+pub fn is_this_host(ip: IpAddr, host_addresses: &[IpAddr]) -> bool {
+    let plain = |ip: IpAddr| match ip {
+        IpAddr::V6(v6) => embedded_v4(v6).map_or(ip, IpAddr::V4),
+        v4 => v4,
+    };
+    let ip = plain(ip);
+    host_addresses.iter().any(|own| plain(*own) == ip)
 }
 
 /// The special-purpose range of `ip`, or `None` for an ordinary global unicast address.

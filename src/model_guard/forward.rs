@@ -268,7 +268,8 @@ impl State {
         if addresses.is_empty() {
             return Err(Failure::Connect(format!("{host} has no address")));
         }
-        target::check_addresses(&url, &addresses, allow).map_err(Failure::Blocked)?;
+        target::check_addresses(&url, &addresses, allow, config.resolver.as_ref())
+            .map_err(Failure::Blocked)?;
         let mut pinned: Vec<SocketAddr> = addresses
             .into_iter()
             .map(|ip| SocketAddr::new(ip, port))

@@ -8,7 +8,7 @@
 //!   refused for before anything runs) and [`ModelGuard::tunnel_for`] (one worker's tunnel
 //!   and the placeholder provider its child gets);
 //! * `address` — which IP addresses may be connected to (every special-purpose range of
-//!   IPv4 and IPv6, embedded IPv4 forms included);
+//!   IPv4 and IPv6, embedded IPv4 forms included, and this machine's own addresses);
 //! * `target` — which URLs may be requested (scheme, userinfo, credential-looking query
 //!   parameters, the mapping of the placeholder URL onto the provider's);
 //! * `resolve` — the [`Resolve`] trait (the system resolver, or a test's) and the resolver
@@ -62,8 +62,8 @@ pub(crate) use priming::PRIMING_BASE_URL;
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct ModelGuardConfig {
-    /// Allow loopback, private, shared (CGNAT), link-local and unique-local addresses, and
-    /// plain `http://` to loopback (default false): for local models and tests. Metadata,
+    /// Allow loopback, private, shared (CGNAT), link-local and unique-local addresses and
+    /// this machine's own, and plain `http://` to loopback (default false): for local models and tests. Metadata,
     /// unspecified, multicast, documentation and reserved addresses stay refused.
     pub allow_private_endpoints: bool,
     /// Providers allowed on private addresses even when `allow_private_endpoints` is off:
@@ -276,7 +276,8 @@ impl ModelGuard {
         let allow = self.inner.config.allows_private(&url);
         check_url(&url, allow).map_err(refused)?;
         if let Some(ip) = target::ip_host(&url) {
-            target::check_addresses(&url, &[ip], allow).map_err(refused)?;
+            let resolver = self.inner.config.resolver.as_ref();
+            target::check_addresses(&url, &[ip], allow, resolver).map_err(refused)?;
         }
         Ok(())
     }
@@ -341,7 +342,8 @@ impl ModelGuard {
             Some(ip) => vec![ip],
             None => self.resolve_for_cli(&url, port, agent).await?,
         };
-        target::check_addresses(&url, &addresses, allow).map_err(refused)?;
+        target::check_addresses(&url, &addresses, allow, config.resolver.as_ref())
+            .map_err(refused)?;
         // A port not listed only for a local model (every address private, where private
         // endpoints are allowed): a public host on :80 would open the metadata service's port.
         let local = addresses

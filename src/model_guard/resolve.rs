@@ -14,10 +14,32 @@ use tokio::sync::Semaphore;
 /// The future a [`Resolve`] returns.
 pub type ResolveFuture = Pin<Box<dyn Future<Output = io::Result<Vec<IpAddr>>> + Send>>;
 
-/// Resolves a host name to its addresses.
+/// Resolves a host name to its addresses, and knows this machine's own.
 pub trait Resolve: Send + Sync + 'static {
     /// Every address of `host` (the port is a hint for resolvers that want one).
     fn lookup(&self, host: &str, port: u16) -> ResolveFuture;
+
+    /// The addresses of this machine's own network interfaces (by default read from the
+    /// system, `getifaddrs`, each time): a request to one reaches the daemon's host, whose
+    /// services may trust it, whatever range the address is in.
+    fn host_addresses(&self) -> io::Result<Vec<IpAddr>> {
+        this_machine_addresses()
+    }
+}
+
+/// The addresses of this machine's network interfaces, as `getifaddrs` lists them now.
+pub fn this_machine_addresses() -> io::Result<Vec<IpAddr>> {
+    let interfaces = nix::ifaddrs::getifaddrs().map_err(io::Error::from)?;
+    Ok(interfaces
+        .filter_map(|interface| {
+            let address = interface.address?;
+            if let Some(v4) = address.as_sockaddr_in() {
+                Some(IpAddr::V4(v4.ip()))
+            } else {
+                address.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
+            }
+        })
+        .collect())
 }
 
 /// Lookups of a [`SystemResolver`] running at once (by default). `getaddrinfo` cannot be
@@ -144,6 +166,15 @@ mod tests {
         release.send(()).expect("release the first");
         let addresses = second.await.expect("the second lookup");
         assert_eq!(addresses, vec![IpAddr::from([127, 0, 0, 1])]);
+    }
+
+    #[test]
+    fn this_machines_addresses_hold_its_loopback() {
+        let addresses = this_machine_addresses().expect("getifaddrs");
+        assert!(
+            addresses.contains(&IpAddr::from([127, 0, 0, 1])),
+            "{addresses:?}"
+        );
     }
 
     #[tokio::test]

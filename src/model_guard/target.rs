@@ -11,7 +11,7 @@ use reqwest::Url;
 use url::Host;
 
 use super::address;
-use super::{GuardError, PLACEHOLDER_HOST};
+use super::{GuardError, PLACEHOLDER_HOST, Resolve};
 use crate::kinds::BlockReason;
 
 /// A refusal: its metric label and what to tell the caller.
@@ -109,22 +109,46 @@ pub(crate) fn check_addresses(
     url: &Url,
     addresses: &[IpAddr],
     allow_private_endpoints: bool,
+    resolver: &dyn Resolve,
 ) -> Result<(), Refusal> {
     let host = url.host_str().unwrap_or_default();
+    // This machine's own addresses, read once a global address needs them.
+    let mut this_host: Option<Vec<IpAddr>> = None;
     for ip in addresses {
-        if let Err(class) = address::allowed(*ip, allow_private_endpoints) {
+        let allowed = address::allowed(*ip, allow_private_endpoints).and_then(|()| {
+            if allow_private_endpoints || address::classify(*ip).is_some() {
+                return Ok(());
+            }
+            let own = this_host.get_or_insert_with(|| {
+                resolver.host_addresses().unwrap_or_else(|error| {
+                    tracing::warn!(
+                        %error,
+                        "This machine's own addresses could not be read; a model request to \
+                         its public address is not refused meanwhile."
+                    );
+                    Vec::new()
+                })
+            });
+            match address::is_this_host(*ip, own) {
+                true => Err(address::AddressClass::ThisHost),
+                false => Ok(()),
+            }
+        });
+        if let Err(class) = allowed {
             let fix = if class.private_endpoint() {
-                " (for a local model, turn on allow_private_endpoints: [model] in the daemon's \
-                 config, PoolConfig::model_guard in the library)"
+                " (for a local model, have the operator list its origin in [model] \
+                 private_endpoints, or turn on allow_private_endpoints: [model] in the \
+                 daemon's config, PoolConfig::model_guard in the library)"
             } else {
                 ""
             };
+            let what = match class {
+                address::AddressClass::ThisHost => "an address of this machine".to_owned(),
+                _ => format!("a {} address", class.reason().label().replace('_', " ")),
+            };
             return Err((
                 class.reason(),
-                format!(
-                    "{host} is a {} address, which model requests may not reach{fix}",
-                    class.reason().label().replace('_', " ")
-                ),
+                format!("{host} is {what}, which model requests may not reach{fix}"),
             ));
         }
         if url.scheme() == "http" && address::classify(*ip) != Some(address::AddressClass::Loopback)

@@ -23,18 +23,21 @@ use crate::tunnel::{ModelRequest, ModelResponse};
 struct ScriptedResolver {
     answers: Mutex<VecDeque<Vec<IpAddr>>>,
     queries: AtomicUsize,
+    /// This machine's addresses, as the test has them.
+    host: Vec<IpAddr>,
 }
 
 impl ScriptedResolver {
     fn new(answers: &[&[&str]]) -> Arc<Self> {
+        Self::on_host(answers, &[])
+    }
+
+    fn on_host(answers: &[&[&str]], host: &[&str]) -> Arc<Self> {
+        let ips = |a: &[&str]| a.iter().map(|ip| ip.parse().expect("ip")).collect();
         Arc::new(Self {
-            answers: Mutex::new(
-                answers
-                    .iter()
-                    .map(|a| a.iter().map(|ip| ip.parse().expect("ip")).collect())
-                    .collect(),
-            ),
+            answers: Mutex::new(answers.iter().map(|a| ips(a)).collect()),
             queries: AtomicUsize::new(0),
+            host: ips(host),
         })
     }
 }
@@ -50,6 +53,10 @@ impl Resolve for ScriptedResolver {
             answers.front().cloned().unwrap_or_default()
         };
         Box::pin(async move { Ok(answer) })
+    }
+
+    fn host_addresses(&self) -> std::io::Result<Vec<IpAddr>> {
+        Ok(self.host.clone())
     }
 }
 
@@ -752,6 +759,44 @@ async fn a_request_with_a_method_no_model_call_uses_is_refused_before_a_connecti
         assert_eq!(response.status, 200, "{method}");
         body(&mut response).await.expect("body");
     }
+}
+
+#[tokio::test]
+async fn this_machines_own_public_address_is_refused_unless_private_endpoints_are_allowed() {
+    let host = ["8.8.8.8", "127.0.0.1"];
+    let resolver = ScriptedResolver::on_host(&[&["8.8.8.8"]], &host);
+    let guard = ModelGuard::new(config(false, resolver)).expect("guard");
+    // By its address, at the lease, and the IPv4 address inside an IPv6 one as itself.
+    for base in ["https://8.8.8.8/v1", "https://[::ffff:8.8.8.8]/v1"] {
+        let refused = guard.check_provider(&provider(base)).unwrap_err();
+        assert!(
+            matches!(&refused, GuardError::Refused { reason: BlockReason::ThisHost, message }
+                if message.contains("an address of this machine")
+                    && message.contains("private_endpoints")),
+            "{base}: {refused:?}"
+        );
+    }
+    // By a name that resolves to it, on each request.
+    let base = "https://model.test/v1";
+    let mut response = tunnel(&guard, base)
+        .serve(request(base, "/chat/completions"))
+        .await;
+    assert_eq!(response.status, 403);
+    assert_eq!(refusal_code(&mut response).await, "this_host");
+    // Another machine's address is not refused.
+    assert!(
+        guard
+            .check_provider(&provider("https://8.8.4.4/v1"))
+            .is_ok()
+    );
+    // A local model on this machine's address, where private endpoints are allowed.
+    let resolver = ScriptedResolver::on_host(&[&[]], &host);
+    let guard = ModelGuard::new(config(true, resolver)).expect("guard");
+    assert!(
+        guard
+            .check_provider(&provider("https://8.8.8.8/v1"))
+            .is_ok()
+    );
 }
 
 #[tokio::test]
