@@ -214,6 +214,45 @@ async fn tools_call_runs_the_gateway_handler_with_the_arguments_and_returns_its_
 }
 
 #[tokio::test]
+async fn with_calls_needing_approval_only_an_approved_call_runs_and_only_once() {
+    let calls: Arc<Mutex<Vec<ToolCall>>> = Arc::default();
+    let mut config = McpBridgeConfig::default();
+    config.calls_need_approval = true;
+    let bridge = bridge(calls.clone(), config).await;
+    rpc(&bridge, 1, "initialize", initialize_params()).await;
+    let call = |id: u64, key: &'static str| {
+        let bridge = &bridge;
+        async move {
+            let params = json!({"name": "lookup", "arguments": {"key": key}});
+            rpc(bridge, id, "tools/call", params).await["result"].clone()
+        }
+    };
+    // Never asked about (a shell tool's call with the token from the CLI's environment).
+    let unasked = call(2, "alpha").await;
+    assert_eq!(unasked["isError"], true, "{unasked}");
+    let text = unasked["content"][0]["text"].as_str().unwrap_or_default();
+    assert!(text.contains("not approved"), "{text}");
+    bridge.approve("lookup", &json!({"key": "beta"}));
+    // Other arguments than the approved call's.
+    assert_eq!(call(3, "alpha").await["isError"], true);
+    let approved = call(4, "beta").await;
+    assert_eq!(approved["isError"], false, "{approved}");
+    assert_eq!(approved["content"][0]["text"], "value of beta");
+    // One call per approval.
+    assert_eq!(call(5, "beta").await["isError"], true);
+    bridge.approve("lookup", &json!({"key": "gamma"}));
+    bridge.forget_approvals();
+    assert_eq!(call(6, "gamma").await["isError"], true);
+    let keys: Vec<Value> = calls
+        .lock()
+        .expect("calls")
+        .iter()
+        .map(|c| c.arguments["key"].clone())
+        .collect();
+    assert_eq!(keys, [json!("beta")]);
+}
+
+#[tokio::test]
 async fn a_handler_error_a_panic_a_timeout_and_an_unknown_tool_are_is_error_results() {
     let bridge = bridge(Arc::default(), McpBridgeConfig::default()).await;
     rpc(&bridge, 1, "initialize", initialize_params()).await;

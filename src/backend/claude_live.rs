@@ -415,6 +415,11 @@ impl ClaudeLive {
         // running cannot idle out after it): the CLI may call a tool at any time.
         #[cfg(feature = "mcp-bridge")]
         let mut bridge_hold = self.bridge.as_ref().map(super::mcp_bridge::McpBridge::hold);
+        // An approval an earlier turn's call never used is good for no call of this one.
+        #[cfg(feature = "mcp-bridge")]
+        if let Some(bridge) = &self.bridge {
+            bridge.forget_approvals();
+        }
         if !running || self.bridge_expired() {
             // A live process (its bridge expired) is closed as any restart closes it, so it
             // writes what it holds of the session first; a dead one is only reaped.
@@ -645,6 +650,9 @@ impl ClaudeLive {
                 if bridge_config.working_directory.is_none() {
                     bridge_config.working_directory = Some(config.cwd.display().to_string());
                 }
+                // Asked about: the bridge runs only the calls the policy approved (a shell
+                // tool of Claude's could call it with the token from its environment).
+                bridge_config.calls_need_approval |= gateway.ask_permission;
                 let bridge =
                     super::mcp_bridge::McpBridge::start(gateway.tools.clone(), bridge_config)
                         .await?;
@@ -1023,6 +1031,14 @@ impl ClaudeTurn<'_> {
         let (decision, aborted) = self.decide(asked).await;
         self.permission_prompts += 1;
         let approved = decision.approves();
+        #[cfg(feature = "mcp-bridge")]
+        if approved && let Some(bridge) = &self.live.bridge {
+            let prefix = format!("mcp__{}__", bridge.server_name());
+            if let Some(tool) = tool_name.strip_prefix(&prefix) {
+                // Claude calls it with the input it is allowed with.
+                bridge.approve(tool, &input);
+            }
+        }
         let answer = match &decision {
             // Claude is not told to remember: approve-for-session approves this use.
             PermissionDecision::Approve | PermissionDecision::ApproveForSession => {

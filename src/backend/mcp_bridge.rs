@@ -21,6 +21,11 @@
 //!   the CLI would be offered a stale list), and takes them out when it ends
 //!   ([`McpBridge::uninstall`]); a call that arrives while none are installed is an `isError`
 //!   result at once, never a wait;
+//! * with [`McpBridgeConfig::calls_need_approval`] (a conversation whose tools are asked
+//!   about), a call runs only once its tool and arguments were approved
+//!   ([`McpBridge::approve`], by the CLI's permission prompt), one call per approval: the
+//!   token is in the CLI's environment, which its shell tools inherit, so the bridge cannot
+//!   rely on the CLI having asked;
 //! * the server stops by itself after `idle_ttl` without an authenticated request while no
 //!   call is running, and when the [`McpBridge`] handle is dropped.
 
@@ -83,6 +88,13 @@ pub struct McpBridgeConfig {
     /// head within 10 s; closed after 60 s without a byte either way; a call in progress is
     /// never cut). A library setting: `copilot-pool serve` uses the default.
     pub connections: crate::listener::ConnectionLimits,
+    /// True: a call runs only once the conversation's permission policy approved that very
+    /// call, its tool and its arguments ([`McpBridge::approve`], from the CLI's permission
+    /// prompt), each approval good for one call. Any other call is an `isError` result: one
+    /// a process of the agent's made with the token from the CLI's environment (its shell
+    /// tools inherit it), or one its CLI cannot ask about (`codex exec`). False (default):
+    /// every call runs, as a Copilot turn runs gateway tools with `skipPermission`.
+    pub calls_need_approval: bool,
 }
 
 /// The bridge's default connection limits: a CLI makes a few connections at most.
@@ -104,6 +116,7 @@ impl Default for McpBridgeConfig {
             tool_timeout: DEFAULT_TOOL_TIMEOUT,
             working_directory: None,
             connections: default_connections(),
+            calls_need_approval: false,
         }
     }
 }
@@ -180,7 +193,13 @@ struct Shared {
     last_activity: Mutex<Instant>,
     /// Authenticated requests being served now.
     in_flight: AtomicUsize,
+    /// The calls approved and not yet made, tool and arguments, oldest first (at most
+    /// [`MAX_APPROVALS`]; read with [`McpBridgeConfig::calls_need_approval`]).
+    approvals: Mutex<std::collections::VecDeque<(String, Value)>>,
 }
+
+/// Approved calls a bridge keeps for their call at most (the oldest goes first).
+const MAX_APPROVALS: usize = 64;
 
 /// A running bridge. Dropping it stops the server.
 pub struct McpBridge {
@@ -253,6 +272,7 @@ impl McpBridge {
             sequential: Arc::new(RwLock::new(())),
             last_activity: Mutex::new(Instant::now()),
             in_flight: AtomicUsize::new(0),
+            approvals: Mutex::default(),
         });
         let cancel = CancellationToken::new();
         let handler_shared = shared.clone();
@@ -375,6 +395,25 @@ impl McpBridge {
         }
     }
 
+    /// Records that the conversation's permission policy approved one call of `tool` (its
+    /// name as the bridge lists it) with `arguments`: with
+    /// [`McpBridgeConfig::calls_need_approval`], the next such call runs, once.
+    pub fn approve(&self, tool: &str, arguments: &Value) {
+        if let Ok(mut approvals) = self.shared.approvals.lock() {
+            if approvals.len() == MAX_APPROVALS {
+                approvals.pop_front();
+            }
+            approvals.push_back((tool.to_owned(), arguments.clone()));
+        }
+    }
+
+    /// Drops the approvals no call used (a turn that ended before its CLI made the call).
+    pub fn forget_approvals(&self) {
+        if let Ok(mut approvals) = self.shared.approvals.lock() {
+            approvals.clear();
+        }
+    }
+
     /// The CLI session id that later [`ToolCall`]s carry.
     pub fn set_session_id(&self, session_id: &str) {
         if let Ok(mut id) = self.shared.session_id.lock()
@@ -390,7 +429,8 @@ impl McpBridge {
     /// `--strict-mcp-config` (no other MCP server from the agent's home or project), and,
     /// when `allow_without_asking`, `--allowedTools=mcp__<server>__*`: the gateway's tools
     /// are trusted as a Copilot turn trusts them (`skipPermission`); otherwise each call is
-    /// a `can_use_tool` request for the conversation's permission policy.
+    /// a `can_use_tool` request for the conversation's permission policy (whose approval
+    /// the bridge then requires, [`McpBridgeConfig::calls_need_approval`]).
     pub fn claude_args(&self, allow_without_asking: bool) -> ClaudeMcpArgs {
         let name = self.server_name();
         let config = json!({
@@ -459,8 +499,9 @@ pub struct McpGatewayTools {
     /// False (the default): the tools run without asking (Claude:
     /// `--allowedTools=mcp__<server>__*`; Codex: `default_tools_approval_mode = "approve"`),
     /// as a Copilot turn runs gateway tools with `skipPermission`. True: Claude puts each
-    /// call to the conversation's permission policy; `codex exec` cannot ask, so each call
-    /// fails closed.
+    /// call to the conversation's permission policy, and the bridge runs only the calls it
+    /// approved ([`McpBridgeConfig::calls_need_approval`]); `codex exec` cannot ask, so each
+    /// call fails closed.
     pub ask_permission: bool,
 }
 
@@ -702,6 +743,19 @@ impl ServerHandler for Bridge {
     }
 }
 
+impl Shared {
+    /// Takes one approval of `tool` with `arguments`, if there is one.
+    fn take_approval(&self, tool: &str, arguments: &Value) -> bool {
+        let Ok(mut approvals) = self.approvals.lock() else {
+            return false;
+        };
+        let found = approvals
+            .iter()
+            .position(|(name, args)| name == tool && args == arguments);
+        found.and_then(|at| approvals.remove(at)).is_some()
+    }
+}
+
 /// Runs one `tools/call` through the tool's handler; every failure is an `isError` result.
 async fn run_call(
     shared: &Shared,
@@ -724,11 +778,20 @@ async fn run_call(
             "unknown tool {name:?}: this MCP server offers {offered:?}"
         ))]);
     };
+    let arguments = Value::Object(request.arguments.unwrap_or_default());
+    if shared.config.calls_need_approval && !shared.take_approval(&tool.name, &arguments) {
+        metrics::tool_call(ToolOutcome::Error);
+        return CallToolResult::error(vec![ContentBlock::text(format!(
+            "the tool {name:?} was not approved for these arguments by the conversation's \
+             permission policy: each call of this bridge's tools is asked about first, and \
+             runs once approved"
+        ))]);
+    }
     let call = ToolCall {
         tool_name: tool.name.clone(),
         tool_call_id: tool_call_id
             .unwrap_or_else(|| format!("mcp-{}", uuid::Uuid::new_v4().simple())),
-        arguments: Value::Object(request.arguments.unwrap_or_default()),
+        arguments,
         session_id: shared
             .session_id
             .lock()

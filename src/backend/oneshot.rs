@@ -1442,6 +1442,9 @@ impl Oneshot {
             if bridge_config.working_directory.is_none() {
                 bridge_config.working_directory = Some(config.cwd.display().to_string());
             }
+            // Asked about: `codex exec` cannot ask, so no call is approved and none runs,
+            // not even one a shell tool makes with the token from the CLI's environment.
+            bridge_config.calls_need_approval |= gateway.ask_permission;
             let bridge =
                 super::mcp_bridge::McpBridge::start(gateway.tools.clone(), bridge_config).await?;
             hold = Some(bridge.hold());
