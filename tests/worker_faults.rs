@@ -707,6 +707,49 @@ async fn a_runtime_that_exits_at_once_reports_its_status_and_stderr() {
     assert_fake_gone(&scratch).await;
 }
 
+#[tokio::test]
+async fn a_runtime_that_exits_at_once_after_much_stderr_reports_its_last_lines_only() {
+    let scratch = Scratch::new();
+    let path = scratch.path().join("fake-peer.sh");
+    std::fs::write(
+        &path,
+        "#!/bin/sh\ni=0\nwhile [ $i -lt 200 ]; do echo 'noise noise noise noise noise noise noise' >&2; i=$((i+1)); done\n\
+         echo 'fatal: https://user:s3cret@proxy.example/ refused' >&2\nexit 3\n",
+    )
+    .expect("write");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let err = WorkerHandle::start(fake_config(&scratch, path))
+        .await
+        .expect_err("start fails");
+    let text = err.to_string();
+    assert!(text.contains("refused"), "{text}");
+    assert!(!text.contains("s3cret"), "{text}");
+    assert!(text.len() < 3 * 1024, "{} bytes: {text}", text.len());
+    assert_eq!(text.matches("handshake").count(), 1, "{text}");
+    assert_fake_gone(&scratch).await;
+}
+
+#[tokio::test]
+async fn a_runtime_that_never_answers_its_handshake_is_reported_with_the_fix_and_its_stderr() {
+    let scratch = Scratch::new();
+    let path = scratch.path().join("fake-peer.sh");
+    std::fs::write(
+        &path,
+        "#!/bin/sh\necho 'waiting for a license server' >&2\nexec sleep 300\n",
+    )
+    .expect("write");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut config = fake_config(&scratch, path);
+    config.start_timeout = Duration::from_millis(500);
+    let err = WorkerHandle::start(config).await.expect_err("start fails");
+    let text = err.to_string();
+    assert!(text.contains("raise start_timeout"), "{text}");
+    assert!(text.contains("waiting for a license server"), "{text}");
+    assert_fake_gone(&scratch).await;
+}
+
 /// Events for a session parked between turns, each frame under PIPE_BUF (no write mixes
 /// with the runtime's own).
 fn small_events(id: &str, n: usize) -> String {

@@ -20,7 +20,7 @@ use crate::rpc::{CloseCause, Connection, ConnectionOptions, Incoming, RpcError, 
 use crate::tunnel::frames::TunnelRequests;
 
 use super::config::WorkerConfig;
-use super::error::{ExitReason, WorkerError, WorkerExit};
+use super::error::{ExitReason, WorkerError, WorkerExit, stderr_in_message};
 use super::handle::{PendingKind, REAP_WAIT, WorkerInfo};
 use super::health::HealthMisses;
 use super::session::{LEAST_UNREAD_WEIGHT, Routed, SessionUpdate, Unread};
@@ -252,12 +252,16 @@ impl Actor for Worker {
                 let err = match tokio::time::timeout(EXIT_AFTER_EOF_WAIT, child.wait()).await {
                     Ok(status) => {
                         child.stderr().settled(STDERR_SETTLE_WAIT).await;
+                        let detail = match err {
+                            WorkerError::Handshake(detail) => detail,
+                            err => err.to_string(),
+                        };
                         WorkerError::Handshake(format!(
-                            "{err}; the runtime exited ({status}); stderr: {}",
-                            child.stderr().text().trim()
+                            "{detail}; the runtime exited ({status}); stderr: {}",
+                            stderr_in_message(&child.stderr().text())
                         ))
                     }
-                    Err(_) => err,
+                    Err(_) => still_running(err, &child),
                 };
                 conn.close(CloseCause::Local);
                 child.terminate(config.kill_grace).await;
@@ -544,7 +548,7 @@ async fn handshake(conn: &Connection, config: &WorkerConfig) -> Result<WorkerInf
         .call_with_timeout::<Connect>(&params, Some(config.start_timeout))
         .await;
     crate::metrics::rpc_finished(Connect::NAME, started.elapsed());
-    let connected = connected.map_err(|e| WorkerError::Handshake(e.to_string()))?;
+    let connected = connected.map_err(|e| handshake_failed("", e, config))?;
     if connected.protocol_version != PROTOCOL_VERSION {
         return Err(WorkerError::ProtocolVersion {
             got: connected.protocol_version,
@@ -556,7 +560,7 @@ async fn handshake(conn: &Connection, config: &WorkerConfig) -> Result<WorkerInf
         let set = conn
             .call_with_timeout::<LlmSetProvider>(&Default::default(), Some(config.start_timeout))
             .await
-            .map_err(|e| WorkerError::Handshake(format!("llmInference.setProvider: {e}")))?;
+            .map_err(|e| handshake_failed("llmInference.setProvider: ", e, config))?;
         if !set.success {
             return Err(WorkerError::Handshake(
                 "llmInference.setProvider refused by the runtime".to_owned(),
@@ -568,6 +572,30 @@ async fn handshake(conn: &Connection, config: &WorkerConfig) -> Result<WorkerInf
         runtime_version: connected.version,
         protocol_version: connected.protocol_version,
     })
+}
+
+/// A handshake that failed with the runtime still running, with what it wrote to stderr.
+fn still_running(err: WorkerError, child: &ChildGroup) -> WorkerError {
+    let stderr = stderr_in_message(&child.stderr().text());
+    match err {
+        WorkerError::Handshake(detail) if !stderr.is_empty() => {
+            WorkerError::Handshake(format!("{detail}; stderr: {stderr}"))
+        }
+        err => err,
+    }
+}
+
+/// A handshake call's failure; one that ran out of time says what to do about it.
+fn handshake_failed(call: &str, error: RpcError, config: &WorkerConfig) -> WorkerError {
+    match error {
+        RpcError::Timeout { .. } => WorkerError::Handshake(format!(
+            "{call}{error}; the runtime did not finish its handshake within {:?}: on an \
+             overloaded machine raise start_timeout, otherwise run `copilot-pool doctor` to \
+             check the runtime",
+            config.start_timeout
+        )),
+        error => WorkerError::Handshake(format!("{call}{error}")),
+    }
 }
 
 impl WorkerState {

@@ -9,6 +9,17 @@ use crate::rpc::RpcError;
 /// How much of the stderr tail goes into an error's message (the full tail is in the field).
 const STDERR_IN_MESSAGE: usize = 2048;
 
+/// What of a child's stderr tail goes into an error's message: its last
+/// [`STDERR_IN_MESSAGE`] bytes, trimmed, with any credentials in URLs taken out.
+pub(crate) fn stderr_in_message(tail: &str) -> String {
+    let tail = tail.trim();
+    let start = tail.len().saturating_sub(STDERR_IN_MESSAGE);
+    let start = (start..tail.len())
+        .find(|i| tail.is_char_boundary(*i))
+        .unwrap_or(tail.len());
+    crate::secret::without_url_credentials(&tail[start..])
+}
+
 /// Why a worker ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -95,13 +106,9 @@ impl fmt::Display for WorkerExit {
             "copilot worker (pid {}) ended: {}",
             self.pid, self.reason
         )?;
-        let tail = self.stderr_tail.trim_end();
+        let tail = stderr_in_message(&self.stderr_tail);
         if !tail.is_empty() {
-            let start = tail.len().saturating_sub(STDERR_IN_MESSAGE);
-            let start = (start..tail.len())
-                .find(|i| tail.is_char_boundary(*i))
-                .unwrap_or(tail.len());
-            write!(f, "; stderr tail: {}", &tail[start..])?;
+            write!(f, "; stderr tail: {tail}")?;
         }
         Ok(())
     }
