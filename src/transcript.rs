@@ -548,7 +548,14 @@ impl Transcript {
             source,
         };
         let mut options = OpenOptions::new();
-        options.read(true).append(true).mode(0o600);
+        // Never through a link planted at its name, and never waiting on a FIFO there: the
+        // file is checked to be a regular one once open.
+        let flags = nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_NONBLOCK;
+        options
+            .read(true)
+            .append(true)
+            .mode(0o600)
+            .custom_flags(flags.bits());
         let (file, created) = match options.clone().create_new(true).open(&path) {
             Ok(file) => (file, true),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
@@ -563,6 +570,9 @@ impl Transcript {
             }
         }
         let meta = file.metadata().map_err(open_err)?;
+        if !meta.file_type().is_file() {
+            return Err(open_err(io::Error::other("it is not a regular file")));
+        }
         let identity = FileIdentity::of(&meta);
         let mut bytes_read = 0;
         // A file taken out of the cache stays out while open (the drop puts it back).
@@ -929,6 +939,28 @@ mod tests {
             entry_id(&Entry::new(Role::User, "hello"))
         );
         assert_eq!(user, entry_id(&Entry::new(Role::User, "hello")));
+    }
+
+    #[test]
+    fn a_link_or_a_fifo_at_the_transcripts_name_is_refused_and_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = dir.path().join("elsewhere.jsonl");
+        fs::write(&elsewhere, "not a transcript line").unwrap();
+        let path = transcript_path(dir.path(), "s-link").unwrap();
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &path).unwrap();
+        let refused = Transcript::open(dir.path(), "s-link", TranscriptMode::Strict);
+        assert!(matches!(refused, Err(TranscriptError::Open { .. })));
+        assert_eq!(
+            fs::read_to_string(&elsewhere).unwrap(),
+            "not a transcript line",
+            "the link's target was cut or written to"
+        );
+        let fifo = transcript_path(dir.path(), "s-fifo").unwrap();
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let refused = Transcript::open(dir.path(), "s-fifo", TranscriptMode::Strict);
+        let message = refused.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(message.contains("not a regular file"), "{message}");
     }
 
     #[test]
