@@ -205,16 +205,35 @@ pub(crate) fn entries_where(
     listed
 }
 
-/// The entries of the opened directory `fd` that `keep` picks, as [`entries`] reports them,
-/// at most `max`.
+/// The entries of the opened directory `fd` that `keep` picks, as [`entries`] reports them;
+/// more than `max` kept is refused (`InvalidData`).
 fn entries_of(
     fd: OwnedFd,
     max: usize,
-    mut keep: impl FnMut(&std::ffi::OsStr, EntryKind) -> bool,
+    keep: impl FnMut(&std::ffi::OsStr, EntryKind) -> bool,
 ) -> io::Result<Vec<(OsString, EntryKind)>> {
     let dir_fd = fd.try_clone()?;
     let mut dir = nix::dir::Dir::from_fd(fd).map_err(io_error)?;
+    let (out, more) = first_entries(&mut dir, &dir_fd, max, keep)?;
+    if more {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("the directory has more than {max} entries; the pool does not list it"),
+        ));
+    }
+    Ok(out)
+}
+
+/// The first `max` entries of `dir` (opened from `dir_fd`) that `keep` picks, and whether
+/// there are more; the next listing of `dir` starts from its first entry again.
+fn first_entries(
+    dir: &mut nix::dir::Dir,
+    dir_fd: &OwnedFd,
+    max: usize,
+    mut keep: impl FnMut(&std::ffi::OsStr, EntryKind) -> bool,
+) -> io::Result<(Vec<(OsString, EntryKind)>, bool)> {
     let mut out = Vec::new();
+    // The iterator rewinds the directory when it is dropped.
     for entry in dir.iter() {
         let entry = entry.map_err(io_error)?;
         let name = entry.file_name().to_bytes();
@@ -227,7 +246,7 @@ fn entries_of(
             Some(_) => EntryKind::Other,
             // The file system does not say: ask without following a link.
             None => match nix::sys::stat::fstatat(
-                &dir_fd,
+                dir_fd,
                 entry.file_name(),
                 nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
             ) {
@@ -246,14 +265,11 @@ fn entries_of(
             continue;
         }
         if out.len() == max {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("the directory has more than {max} entries; the pool does not list it"),
-            ));
+            return Ok((out, true));
         }
         out.push((name.to_os_string(), kind));
     }
-    Ok(out)
+    Ok((out, false))
 }
 
 /// Creates the directories of `rel` below `root` that are missing (each with `mode`), never
@@ -283,6 +299,12 @@ pub(crate) fn create_dirs(root: &Path, rel: &Path, mode: u32) -> io::Result<()> 
 /// then (`Ok(false)`); one already gone is `Ok(true)`.
 #[cfg(any(feature = "http", test))]
 pub(crate) fn remove_flat_dir(root: &Path, rel: &Path) -> io::Result<bool> {
+    remove_flat_dir_in_batches(root, rel, MAX_DIR_ENTRIES)
+}
+
+/// [`remove_flat_dir`], holding at most `batch` names at once.
+#[cfg(any(feature = "http", test))]
+fn remove_flat_dir_in_batches(root: &Path, rel: &Path, batch: usize) -> io::Result<bool> {
     use nix::unistd::{UnlinkatFlags, unlinkat};
     let (parent, name) = match parent_and_name(root, rel) {
         Ok(found) => found,
@@ -302,15 +324,23 @@ pub(crate) fn remove_flat_dir(root: &Path, rel: &Path) -> io::Result<bool> {
         Err(other) => return Err(io_error(other)),
     };
     let mut kept = false;
-    // Listed through the directory opened above, not by its path again.
-    for (entry, kind) in entries_of(dir.try_clone()?, usize::MAX, |_, _| true)? {
-        if kind == EntryKind::Dir {
-            kept = true;
-            continue;
+    // Listed through the directory opened above, not by its path again, and removed in
+    // batches: an agent may have made millions of entries there, whose names are never all
+    // held at once.
+    let mut listing = nix::dir::Dir::from_fd(dir.try_clone()?).map_err(io_error)?;
+    loop {
+        let (names, more) = first_entries(&mut listing, &dir, batch, |_, kind| {
+            kept |= kind == EntryKind::Dir;
+            kind != EntryKind::Dir
+        })?;
+        for (entry, _) in names {
+            match unlinkat(&dir, entry.as_os_str(), UnlinkatFlags::NoRemoveDir) {
+                Ok(()) | Err(Errno::ENOENT) => {}
+                Err(other) => return Err(io_error(other)),
+            }
         }
-        match unlinkat(&dir, entry.as_os_str(), UnlinkatFlags::NoRemoveDir) {
-            Ok(()) | Err(Errno::ENOENT) => {}
-            Err(other) => return Err(io_error(other)),
+        if !more {
+            break;
         }
     }
     if kept {
@@ -321,6 +351,33 @@ pub(crate) fn remove_flat_dir(root: &Path, rel: &Path) -> io::Result<bool> {
         Err(Errno::ENOTEMPTY) => Ok(false),
         Err(other) => Err(io_error(other)),
     }
+}
+
+/// The bytes of the regular files directly in the directory `root/rel` (a link, a FIFO or a
+/// directory in it counts nothing; one missing holds nothing), reached without following a
+/// link. A directory of more than [`MAX_DIR_ENTRIES`] entries is refused (`InvalidData`).
+#[cfg(any(feature = "http", test))]
+pub(crate) fn flat_dir_bytes(root: &Path, rel: &Path) -> io::Result<u64> {
+    let dir = match open_dir(root, rel) {
+        Ok(dir) => dir,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let files = entries_of(dir.try_clone()?, MAX_DIR_ENTRIES, |_, kind| {
+        kind == EntryKind::File
+    })?;
+    let mut bytes = 0u64;
+    for (name, _) in files {
+        if let Ok(stat) = nix::sys::stat::fstatat(
+            &dir,
+            name.as_os_str(),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        ) && is_regular(&stat)
+        {
+            bytes = bytes.saturating_add(u64::try_from(stat.st_size).unwrap_or(0));
+        }
+    }
+    Ok(bytes)
 }
 
 /// Removes the entry `root/rel` (a file or a link, never followed), reached without
@@ -507,6 +564,37 @@ mod tests {
         std::fs::write(root.join("kept/b.txt"), "b").expect("write");
         assert!(!remove_flat_dir(&root, Path::new("kept")).expect("partly"));
         assert!(root.join("kept/inner").is_dir() && !root.join("kept/b.txt").exists());
+    }
+
+    #[test]
+    fn a_flat_directory_of_more_entries_than_a_batch_is_removed_batch_by_batch() {
+        let (_tmp, root, _other) = dirs();
+        for i in 0..10 {
+            std::fs::write(root.join(format!("sub/{i}.txt")), "x").expect("write");
+        }
+        assert!(remove_flat_dir_in_batches(&root, Path::new("sub"), 3).expect("removed"));
+        assert!(!root.join("sub").exists());
+        // With a directory inside, every file still goes, over as many batches.
+        std::fs::create_dir_all(root.join("kept/inner")).expect("mkdir");
+        for i in 0..7 {
+            std::fs::write(root.join(format!("kept/{i}.txt")), "x").expect("write");
+        }
+        assert!(!remove_flat_dir_in_batches(&root, Path::new("kept"), 2).expect("partly"));
+        let left: Vec<_> = std::fs::read_dir(root.join("kept"))
+            .expect("kept")
+            .filter_map(Result::ok)
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left, ["inner"]);
+        // What a directory's files take, links and directories counting nothing.
+        std::fs::write(root.join("kept/a.txt"), "abc").expect("write");
+        std::fs::write(root.join("kept/b.txt"), "de").expect("write");
+        symlink(root.join("kept/a.txt"), root.join("kept/link")).expect("link");
+        assert_eq!(flat_dir_bytes(&root, Path::new("kept")).expect("bytes"), 5);
+        assert_eq!(
+            flat_dir_bytes(&root, Path::new("none")).expect("missing"),
+            0
+        );
     }
 
     #[test]

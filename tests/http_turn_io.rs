@@ -411,6 +411,42 @@ async fn a_deletion_the_runtime_refuses_keeps_the_attachments_until_the_retry_de
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_whose_inline_attachments_would_take_its_conversation_past_its_limit_gets_413() {
+    let fx = Fixture::new().await;
+    let url = fx.endpoint.base_url();
+    let mut config = ApiConfig::default();
+    config.attachments.max_conversation_bytes = 4;
+    let server = InProcess::start(fx.config().await, config).await;
+    let with_inline = || {
+        let mut body = turn(&url, "agent-q", "quota", "REPLY=seen");
+        body["attachments"] =
+            json!([{"type": "inline", "data": "aGk=", "media_type": "text/plain"}]);
+        body
+    };
+    let first = summary(server.addr, None, &with_inline()).await;
+    assert_eq!(first.json()["status"], "idle", "{}", first.body);
+    let second = summary(server.addr, None, &with_inline()).await;
+    assert_eq!(second.json()["status"], "idle", "{}", second.body);
+    let third = summary(server.addr, None, &with_inline()).await;
+    assert_eq!(third.status, 413, "{}", third.body);
+    assert_eq!(third.json()["code"], "too_large", "{}", third.body);
+    let message = third.json()["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(message.contains("max_conversation_bytes"), "{message}");
+    // The conversation goes on without inline content.
+    let plain = summary(
+        server.addr,
+        None,
+        &turn(&url, "agent-q", "quota", "REPLY=on"),
+    )
+    .await;
+    assert_eq!(plain.json()["status"], "idle", "{}", plain.body);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_mode_reaches_the_runtime_and_task_complete_ends_up_in_turn_end() {
     let fx = Fixture::new().await;
     let url = fx.endpoint.base_url();

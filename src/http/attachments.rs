@@ -47,12 +47,18 @@ pub struct AttachmentLimits {
     pub max_bytes: usize,
     /// Media types accepted inline (lowercase, without parameters).
     pub media_types: Vec<String>,
+    /// The inline attachments one conversation keeps at most, in bytes: they stay until the
+    /// conversation is deleted, so a turn whose inline content would take the conversation
+    /// past this is refused (413 `too_large`) before anything of it is written.
+    pub max_conversation_bytes: u64,
 }
 
 impl Default for AttachmentLimits {
-    /// 512 KiB; PNG, JPEG, GIF and WebP images, plain text, Markdown, CSV and JSON.
+    /// 512 KiB; PNG, JPEG, GIF and WebP images, plain text, Markdown, CSV and JSON; 64 MiB
+    /// a conversation.
     fn default() -> Self {
         Self {
+            max_conversation_bytes: 64 << 20,
             max_bytes: 512 * 1024,
             media_types: KNOWN_MEDIA_TYPES
                 .iter()
@@ -92,9 +98,35 @@ pub(super) enum AttachmentBody {
     },
 }
 
-/// Attachments checked and decoded, nothing written yet.
+/// Attachments checked and decoded, nothing written yet, with the most inline content their
+/// conversation may keep ([`AttachmentLimits::max_conversation_bytes`]).
 #[derive(Debug, Default)]
-pub(super) struct Checked(Vec<Item>);
+pub(super) struct Checked {
+    items: Vec<Item>,
+    max_conversation_bytes: u64,
+}
+
+/// Why a turn's inline contents were not written.
+#[derive(Debug)]
+pub(super) enum WriteError {
+    /// They would take the conversation's inline attachments past their limit.
+    OverLimit {
+        /// What the conversation keeps now, in bytes.
+        kept: u64,
+        /// What the turn adds.
+        adding: u64,
+        /// [`AttachmentLimits::max_conversation_bytes`].
+        limit: u64,
+    },
+    /// The file system refused.
+    Io(std::io::Error),
+}
+
+impl From<std::io::Error> for WriteError {
+    fn from(e: std::io::Error) -> Self {
+        WriteError::Io(e)
+    }
+}
 
 #[derive(Debug)]
 enum Item {
@@ -166,7 +198,10 @@ pub(super) fn check(
             check_one(body, work, &roots, limits).map_err(|e| format!("attachments[{i}]: {e}"))
         })
         .collect::<Result<Vec<_>, _>>()
-        .map(Checked)
+        .map(|items| Checked {
+            items,
+            max_conversation_bytes: limits.max_conversation_bytes,
+        })
 }
 
 fn check_one(
@@ -350,17 +385,42 @@ fn root_and_below(work: &Path, roots: &[PathBuf]) -> (PathBuf, PathBuf) {
 
 /// Writes the inline contents into the conversation's directory ([`conversation_dir`];
 /// 0700, files 0600, never over an existing file) and returns the runtime's attachments, in
-/// the body's order.
+/// the body's order. Nothing is written when they would take what the conversation keeps
+/// there past its limit (run while its lease is held: no other turn of it writes meanwhile).
 pub(super) fn write(
     checked: Checked,
     work: &Path,
     roots: &[PathBuf],
     conversation: &ConversationId,
-) -> std::io::Result<Vec<Attachment>> {
+) -> Result<Vec<Attachment>, WriteError> {
     let (root, below) = root_and_below(work, roots);
     let dir = below.join(conversation_dir(conversation));
-    let mut out = Vec::with_capacity(checked.0.len());
-    for item in checked.0 {
+    let adding: u64 = checked
+        .items
+        .iter()
+        .map(|item| match item {
+            Item::Inline { bytes, .. } => bytes.len() as u64,
+            Item::Ready(_) => 0,
+        })
+        .sum();
+    if adding > 0 {
+        let limit = checked.max_conversation_bytes;
+        // A directory too crowded to list is over any limit.
+        let kept = match crate::agent_files::flat_dir_bytes(&root, &dir) {
+            Ok(kept) => kept,
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => u64::MAX,
+            Err(e) => return Err(e.into()),
+        };
+        if kept.saturating_add(adding) > limit {
+            return Err(WriteError::OverLimit {
+                kept,
+                adding,
+                limit,
+            });
+        }
+    }
+    let mut out = Vec::with_capacity(checked.items.len());
+    for item in checked.items {
         match item {
             Item::Ready(attachment) => out.push(attachment),
             Item::Inline {
@@ -469,21 +529,49 @@ pub(super) async fn check_off_thread(
     }
 }
 
-/// [`write`] off the async threads; a failure is a 500 naming the directory.
+/// [`write`] off the async threads: past the conversation's limit a 413, another failure a
+/// 500 naming the directory.
 pub(super) async fn write_off_thread(
     checked: Checked,
     work: PathBuf,
     roots: Vec<PathBuf>,
     conversation: &ConversationId,
 ) -> Result<Vec<Attachment>, Response> {
-    if checked.0.is_empty() {
+    if checked.items.is_empty() {
         return Ok(Vec::new());
     }
     let dir = work.join(conversation_dir(conversation));
+    let key = conversation.key();
     let conversation = conversation.clone();
     match tokio::task::spawn_blocking(move || write(checked, &work, &roots, &conversation)).await {
         Ok(Ok(list)) => Ok(list),
-        Ok(Err(e)) => Err(error(
+        Ok(Err(WriteError::OverLimit {
+            kept,
+            adding,
+            limit,
+        })) => Err(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!(
+                "conversation {key:?} keeps {kept} bytes of inline attachments and this turn \
+                 adds {adding}, over the {limit} one conversation may keep (the daemon's \
+                 [attachments] max_conversation_bytes): attach files by path instead, or \
+                 delete the conversation (DELETE /v1/sessions/<agent>/<key>) to start over"
+            ),
+        )),
+        // What agent_files refuses to go through: a link or a file where a directory of
+        // the pool's should be.
+        Ok(Err(WriteError::Io(e))) if e.kind() == std::io::ErrorKind::InvalidInput => Err(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "io",
+            format!(
+                "could not write an inline attachment into {}: {e}; something the pool \
+                     does not follow is in the way (the agent's processes may have put a link \
+                     there): remove it",
+                dir.display()
+            ),
+        )),
+        Ok(Err(WriteError::Io(e))) => Err(error(
             StatusCode::INTERNAL_SERVER_ERROR,
             "io",
             format!(
@@ -586,13 +674,14 @@ mod tests {
             &limits,
         )
         .expect("inside");
-        let paths: Vec<_> =
-            ok.0.iter()
-                .map(|i| match i {
-                    Item::Ready(Attachment::File { path, .. }) => path.clone(),
-                    other => panic!("{other:?}"),
-                })
-                .collect();
+        let paths: Vec<_> = ok
+            .items
+            .iter()
+            .map(|i| match i {
+                Item::Ready(Attachment::File { path, .. }) => path.clone(),
+                other => panic!("{other:?}"),
+            })
+            .collect();
         let canon = |p: PathBuf| std::fs::canonicalize(p).expect("canonical");
         assert_eq!(
             paths,
@@ -695,6 +784,50 @@ mod tests {
         let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
         assert_eq!(mode(path), 0o600);
         assert_eq!(mode(&work.join("attachments")), 0o700);
+    }
+
+    #[test]
+    fn a_turn_whose_inline_content_would_take_its_conversation_past_its_limit_writes_nothing() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let work = tmp.path().join("work");
+        std::fs::create_dir_all(&work).expect("work");
+        let limits = AttachmentLimits {
+            max_conversation_bytes: 5,
+            ..Default::default()
+        };
+        let roots = std::slice::from_ref(&work);
+        let turn = |data: &str| {
+            let checked =
+                check(vec![inline(data, "text/plain", None)], &work, &[], &limits).expect("ok");
+            write(checked, &work, roots, &conv())
+        };
+        // 2 bytes, then 3: the conversation keeps 5.
+        turn("aGk=").expect("the first");
+        turn("aGV5").expect("the second");
+        let dir = work
+            .join("attachments")
+            .join(crate::ids::sha256_hex(&conv().key()));
+        let files = || std::fs::read_dir(&dir).expect("dir").count();
+        assert_eq!(files(), 2);
+        match turn("aGk=") {
+            Err(WriteError::OverLimit {
+                kept: 5,
+                adding: 2,
+                limit: 5,
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(files(), 2, "nothing of the refused turn was written");
+        // Another conversation keeps its own.
+        let other = ConversationId::new("agent-a", "other");
+        let checked = check(
+            vec![inline("aGk=", "text/plain", None)],
+            &work,
+            &[],
+            &limits,
+        )
+        .expect("ok");
+        write(checked, &work, roots, &other).expect("another conversation's");
     }
 
     #[test]

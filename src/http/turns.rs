@@ -70,7 +70,7 @@ pub(super) struct TurnQuery {
         (status = 404, description = "A named resource does not exist (`not_found`)", body = ErrorBody),
         (status = 408, description = "The body did not arrive in time (`body_timeout`)", body = ErrorBody),
         (status = 409, description = "The conversation runs another turn, or the turn of this `Idempotency-Key` runs (`busy`), or its CLI backend's stored session has no transcript left (`transcript_missing`), or the conversation would be new and its agent keeps `max_conversations_per_agent` conversations already (`conversation_limit`: delete one first)", body = ErrorBody),
-        (status = 413, description = "The body exceeds `max_body_bytes`, or holds more JSON values than one per 32 bytes of it (at least 65,536) (`too_large`)", body = ErrorBody),
+        (status = 413, description = "The body exceeds `max_body_bytes`, or holds more JSON values than one per 32 bytes of it (at least 65,536), or its inline attachments would take the conversation's past `[attachments] max_conversation_bytes` (`too_large`)", body = ErrorBody),
         (status = 422, description = "The `Idempotency-Key` was used for a turn with another body (`idempotency_key_reused`)", body = ErrorBody),
         (status = 500, description = "A fault of the daemon (`internal`, `io`)", body = ErrorBody),
         (status = 502, description = "The runtime failed to open the conversation (`runtime`)", body = ErrorBody),

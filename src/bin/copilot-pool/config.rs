@@ -241,6 +241,8 @@ pub struct AttachmentsSection {
     /// Media types accepted inline (default: PNG, JPEG, GIF and WebP images, plain text,
     /// Markdown, CSV, JSON).
     pub media_types: Vec<String>,
+    /// The inline attachments one conversation keeps at most, in bytes (default 64 MiB).
+    pub max_conversation_bytes: u64,
 }
 
 impl Default for AttachmentsSection {
@@ -249,6 +251,7 @@ impl Default for AttachmentsSection {
         Self {
             max_bytes: limits.max_bytes,
             media_types: limits.media_types,
+            max_conversation_bytes: limits.max_conversation_bytes,
         }
     }
 }
@@ -945,6 +948,7 @@ impl ServeConfig {
     pub fn attachment_limits(&self) -> AttachmentLimits {
         let mut limits = AttachmentLimits::default();
         limits.max_bytes = self.attachments.max_bytes;
+        limits.max_conversation_bytes = self.attachments.max_conversation_bytes;
         limits.media_types = self
             .attachments
             .media_types
