@@ -39,8 +39,9 @@ pub enum OpenReason {
     NotFound,
     /// Model, provider, working directory, home or account changed: a new session.
     CompatChanged,
-    /// Resuming the stored session crashed the runtime `max_resume_crashes` times in a row:
-    /// a new session, so the conversation stops taking its process down.
+    /// Resuming the stored session crashed the runtime `max_resume_crashes` times in a row
+    /// (the last within ten minutes): a new session, so the conversation stops taking its
+    /// process down.
     ResumeFailed,
 }
 

@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use copilot_pool::kinds::TurnEnd;
-use copilot_pool::pool::{LeaseRequest, OpenReason, Pool, PoolError, PoolEvent};
+use copilot_pool::pool::{CliSessionId, LeaseRequest, OpenReason, Pool, PoolError, PoolEvent};
 use copilot_pool::transcript::TranscriptMode;
 use copilot_pool::turn::{TranscriptSettings, TurnError};
 use nix::sys::signal::{Signal, kill};
@@ -376,6 +376,38 @@ async fn a_conversation_whose_resume_crashes_the_runtime_twice_starts_fresh_with
         .expect("lease");
     assert_eq!(lease.reason(), OpenReason::Attached);
     drop(lease);
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
+async fn a_pinned_session_whose_resume_crashes_the_runtime_twice_is_refused_for_a_while_saying_so()
+{
+    let fx = Fixture::new().await;
+    let config = fx.fake_runtime_config("crash-on-resume").await;
+    let pinned = || {
+        let mut req = fx.request("agent-a", "pinned");
+        req.cli_session_id = Some(CliSessionId::new("0c8f5e0e-5d1c-4c55-9d8a-6f1f7c1b2a33"));
+        req
+    };
+    let pool = Pool::start(config.clone()).await.expect("pool");
+    drop(pool.lease(pinned()).await.expect("created under its id"));
+    shutdown_leaves_nothing(&pool).await;
+    let pool = Pool::start(config).await.expect("pool");
+    for attempt in 1..=2 {
+        let crashed = pool.lease(pinned()).await;
+        assert!(
+            matches!(&crashed, Err(PoolError::Worker(_))),
+            "attempt {attempt}: {crashed:?}"
+        );
+    }
+    // Its id cannot be given to a new session: refused, saying when to retry.
+    let refused = pool.lease(pinned()).await.expect_err("refused");
+    assert!(
+        matches!(refused, PoolError::ResumeCrashedRepeatedly { .. }),
+        "{refused:?}"
+    );
+    assert_eq!(refused.kind(), copilot_pool::kinds::ErrorKind::Quarantined);
+    assert!(refused.to_string().contains("retry then"), "{refused}");
     shutdown_leaves_nothing(&pool).await;
 }
 

@@ -44,7 +44,7 @@ pub enum AddressClass {
     /// An address of one of this machine's own interfaces, in no special range (its public
     /// address): a request to it reaches the daemon's host, whose services may trust it.
     /// Never answered by [`classify`], which knows ranges only; the guard checks it apart
-    /// ([`is_this_host`]).
+    /// (`is_this_host`).
     ThisHost,
 }
 

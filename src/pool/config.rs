@@ -133,8 +133,10 @@ pub struct PoolConfig {
     /// its process in an unknown state: that process is stopped before the conversation is
     /// granted anywhere else.
     pub abort_settle_timeout: Duration,
-    /// A conversation whose resume crashed the runtime this many times in a row starts a
-    /// new session (`resume-failed`) instead of crashing it again (default 2).
+    /// A conversation whose resume crashed the runtime this many times in a row, the last
+    /// within ten minutes, starts a new session (`resume-failed`) instead of crashing it
+    /// again (default 2); a session the caller pinned is refused meanwhile
+    /// ([`PoolError::ResumeCrashedRepeatedly`](super::PoolError::ResumeCrashedRepeatedly)).
     pub max_resume_crashes: u32,
     /// The guarded model path of BYOK workers: `allow_private_endpoints` (default off),
     /// extra CAs, the request body limit and the connect, first-byte and idle timeouts.

@@ -159,6 +159,19 @@ pub enum PoolError {
         /// How long the lease waited.
         after: Duration,
     },
+    /// Resuming the session a caller pinned crashed the runtime repeatedly (and a pinned
+    /// session cannot be started anew under its id): it is not resumed for a while.
+    #[error(
+        "resuming conversation {session_key:?} crashed its runtime repeatedly; it is not \
+         resumed again for up to {window:?} after its last crash: retry then, or delete the \
+         conversation to start it over"
+    )]
+    ResumeCrashedRepeatedly {
+        /// The conversation.
+        session_key: String,
+        /// How long after the last crash resumes count as crashing.
+        window: Duration,
+    },
     /// The key's workers crashed too often; leases fail until the cool-down ends.
     #[error(
         "the workers of key {key_hash} crashed more than the restart intensity allows; \
@@ -223,7 +236,8 @@ impl PoolError {
             PoolError::AgentConversationsFull { .. } => ErrorKind::AgentConversationsFull,
             PoolError::WaitersFull { .. } => ErrorKind::WaitersFull,
             PoolError::AgentWaitersFull { .. } => ErrorKind::AgentWaitersFull,
-            PoolError::RestartIntensityExceeded { .. } => ErrorKind::Quarantined,
+            PoolError::RestartIntensityExceeded { .. }
+            | PoolError::ResumeCrashedRepeatedly { .. } => ErrorKind::Quarantined,
             PoolError::Closed => ErrorKind::Closed,
             PoolError::Worker(WorkerError::ResourceExhausted(_)) => ErrorKind::ResourceExhausted,
             PoolError::StateUnwritable { .. }

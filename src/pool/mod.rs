@@ -1283,6 +1283,16 @@ enum LeasePurpose {
 /// new session cannot take its id).
 pub(crate) const RESUME_CRASHED_REPEATEDLY: &str = "resuming it crashed the runtime repeatedly";
 
+/// Whether a resume that failed with `error` counts as one that crashed the runtime: the
+/// worker was `alive` when the resume was sent, and its runtime died as a runtime dies
+/// (exited, closed its output, broke the protocol, hung), not stopped by the pool.
+fn resume_crashed(error: &WorkerError, alive: bool) -> bool {
+    use crate::worker::ExitReason;
+    alive
+        && matches!(error, WorkerError::Died(exit)
+            if !matches!(exit.reason, ExitReason::Shutdown | ExitReason::Killed))
+}
+
 fn setup_key(config: &SessionConfig) -> String {
     let text = serde_json::json!({
         "systemMessage": config.system_message,
@@ -1680,6 +1690,7 @@ impl OpenTarget<'_> {
             continue_pending_work: Some(false),
             ..config.clone()
         };
+        let alive = self.worker.exit().is_none();
         match self.worker.open_for_pool(resume, true).await {
             Ok((session, _)) => Ok(Opened {
                 session,
@@ -1691,9 +1702,9 @@ impl OpenTarget<'_> {
                 .await
                 .map(Opened::from),
             Err(error @ WorkerError::Died(_)) => Err(OpenFailure {
+                resume_crashed: resume_crashed(&error, alive),
                 error: error.into(),
                 maybe_attached: None,
-                resume_crashed: true,
             }),
             Err(error) => Err(failed_open(error, id)),
         }
@@ -1725,9 +1736,9 @@ impl OpenTarget<'_> {
         }
         if self.skip_resume {
             // A new session cannot take the id of a stored one.
-            return Err(PoolError::NoSuchConversation {
+            return Err(PoolError::ResumeCrashedRepeatedly {
                 session_key: self.session_key.to_owned(),
-                why: RESUME_CRASHED_REPEATEDLY,
+                window: placement::RESUME_CRASH_WINDOW,
             }
             .into());
         }
@@ -1736,6 +1747,7 @@ impl OpenTarget<'_> {
             continue_pending_work: config.continue_pending_work.or(Some(false)),
             ..config.clone()
         };
+        let alive = self.worker.exit().is_none();
         match self.worker.open_for_pool(resume, true).await {
             Ok((session, _)) => Ok((session, OpenReason::Resumed)),
             // Created but never written to: nothing to resume.
@@ -1744,9 +1756,9 @@ impl OpenTarget<'_> {
                     .await
             }
             Err(error @ WorkerError::Died(_)) => Err(OpenFailure {
+                resume_crashed: resume_crashed(&error, alive),
                 error: error.into(),
                 maybe_attached: None,
-                resume_crashed: true,
             }),
             Err(error) => Err(failed_open(error, id.clone())),
         }
@@ -1890,6 +1902,31 @@ mod tests {
     use crate::auth::{LeaseAuth, resolve};
     use crate::rpc::messages::ProviderConfig;
     use crate::secret::Secret;
+
+    #[test]
+    fn a_resume_counts_as_crashing_its_runtime_only_when_the_runtime_died_on_its_own() {
+        use crate::process::ExitInfo;
+        use crate::worker::{ExitReason, WorkerExit};
+        let died = |reason| {
+            WorkerError::Died(WorkerExit {
+                reason,
+                pid: 1,
+                stderr_tail: String::new(),
+            })
+        };
+        let crashed = died(ExitReason::ChildExited(ExitInfo::Code(7)));
+        assert!(resume_crashed(&crashed, true));
+        assert!(resume_crashed(
+            &died(ExitReason::TransportClosed(None)),
+            true
+        ));
+        // The worker was dead before the resume went out: nothing to blame it on.
+        assert!(!resume_crashed(&crashed, false));
+        // Stopped by the pool.
+        assert!(!resume_crashed(&died(ExitReason::Shutdown), true));
+        assert!(!resume_crashed(&died(ExitReason::Killed), true));
+        assert!(!resume_crashed(&WorkerError::Stopped, true));
+    }
 
     #[test]
     fn command_files_left_unset_are_turned_off_and_an_answer_given_is_kept() {

@@ -549,7 +549,7 @@ pub struct Answerer {
 
 impl Answerer {
     /// Answers a client tool call of the session (`external_tool.requested`). The answer
-    /// runs to its end even when the caller stops waiting ([`to_its_end`]).
+    /// runs to its end even when the caller stops waiting (`to_its_end`).
     pub async fn answer_tool_call(
         &self,
         request_id: &str,
@@ -638,7 +638,7 @@ impl Answerer {
 
     /// Answers a permission prompt of this session (`permission.requested`), e.g. with
     /// `{"kind":"approve-once"}` or `{"kind":"reject"}`. The answer runs to its end even when
-    /// the caller stops waiting ([`to_its_end`]).
+    /// the caller stops waiting (`to_its_end`).
     pub async fn answer_permission(
         &self,
         request_id: &str,

@@ -45,11 +45,28 @@ pub(crate) use rules::{WorkerId, cpu_processes_for};
 /// reached, the conversation whose last resume crash is oldest is forgotten).
 const RESUME_CRASHES_REMEMBERED: usize = 4096;
 
+/// How long a conversation's resume crashes count: one whose last resume crashed longer ago
+/// resumes again (the runtime may have been killed from outside, twice, while it resumed a
+/// crowd of conversations; a pinned session must not be refused for good).
+pub(crate) const RESUME_CRASH_WINDOW: Duration = Duration::from_secs(600);
+
 /// A conversation's resumes that crashed the runtime in a row, and when the last one did.
 #[derive(Debug, Clone, Copy)]
 struct ResumeCrashes {
     count: u32,
     last: Instant,
+}
+
+impl ResumeCrashes {
+    /// The crashes that still count at `now` (none once [`RESUME_CRASH_WINDOW`] has passed
+    /// since the last).
+    fn at(self, now: Instant) -> u32 {
+        if now.saturating_duration_since(self.last) >= RESUME_CRASH_WINDOW {
+            0
+        } else {
+            self.count
+        }
+    }
 }
 
 /// Counts a resume of `conversation` that crashed the runtime at `now`. With
@@ -76,7 +93,7 @@ fn count_resume_crash(
             count: 0,
             last: now,
         });
-    crashes.count += 1;
+    crashes.count = crashes.at(now) + 1;
     crashes.last = now;
 }
 
@@ -743,7 +760,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             && wanted > 0
             && !self.conversations.contains_key(conversation)
             && !self.detaching.contains_key(conversation)
-            && self.resume_crashes(conversation) == 0
+            && self.resume_crashes(conversation, now) == 0
             && !self.agent_at_lease_cap(&key.home)
             && !self.waiters.iter().any(|w| w.conversation == conversation)
             && self.conversations.len() + self.waiters.len() < self.limits.max_sessions;
@@ -1520,7 +1537,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         if ask.traffic {
             self.count_turn(&ask.key.home);
         }
-        let resume_crashes = self.resume_crashes(&ask.conversation);
+        let resume_crashes = self.resume_crashes(&ask.conversation, now);
         self.out.push(Effect::Grant(Granted {
             request: ask.id,
             conversation: ask.conversation.clone(),
@@ -1570,12 +1587,14 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         usable.then_some(conv.worker)
     }
 
-    fn resume_crashes(&self, conversation: &str) -> u32 {
-        self.resume_crashes.get(conversation).map_or(0, |c| c.count)
+    fn resume_crashes(&self, conversation: &str, now: Instant) -> u32 {
+        self.resume_crashes
+            .get(conversation)
+            .map_or(0, |c| c.at(now))
     }
 
     fn grant_attached(&mut self, ask: &Ask<Spec>, id: WorkerId, now: Instant) -> bool {
-        let resume_crashes = self.resume_crashes(&ask.conversation);
+        let resume_crashes = self.resume_crashes(&ask.conversation, now);
         let (Some(w), Some(conv)) = (
             self.workers.get_mut(&id),
             self.conversations.get_mut(&ask.conversation),

@@ -475,6 +475,20 @@ fn a_conversation_crashing_its_resume_in_a_loop_keeps_its_count_however_many_oth
 }
 
 #[test]
+fn resume_crashes_count_for_a_window_after_the_last() {
+    let mut counts = HashMap::new();
+    let start = Instant::now();
+    count_resume_crash(&mut counts, "c", start);
+    count_resume_crash(&mut counts, "c", start + Duration::from_secs(60));
+    let last = start + Duration::from_secs(60);
+    assert_eq!(counts["c"].at(last + RESUME_CRASH_WINDOW / 2), 2);
+    assert_eq!(counts["c"].at(last + RESUME_CRASH_WINDOW), 0);
+    // A crash after the window starts a new count.
+    count_resume_crash(&mut counts, "c", last + RESUME_CRASH_WINDOW);
+    assert_eq!(counts["c"].count, 1);
+}
+
+#[test]
 fn a_conversation_is_granted_on_the_worker_its_spawn_brings_and_reused_when_parked() {
     let mut sim = Sim::new(limits());
     let first = sim.ask("a/1", 1);
