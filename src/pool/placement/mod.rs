@@ -862,11 +862,16 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         if let Some(session) = opened {
             self.detach(conversation.clone(), worker, DetachTarget::Session(session));
         }
-        if let Some(id) = maybe_attached
-            && self.workers.contains_key(&worker)
-        {
+        if let Some(id) = maybe_attached {
+            if self.workers.contains_key(&worker) {
+                self.detach(conversation, worker, DetachTarget::Id(id));
+            } else if let Some(stopping) = self.stopping.get_mut(&worker) {
+                // Evicted (by this return ending its drain, say) but not gone yet: it may
+                // hold the session until its process is, as after a failed detach.
+                stopping.held.push(conversation.clone());
+                *self.detaching.entry(conversation).or_default() += 1;
+            }
             // A worker that is gone holds nothing.
-            self.detach(conversation, worker, DetachTarget::Id(id));
         }
         self.serve_waiters(now);
         self.effects()

@@ -1049,6 +1049,40 @@ fn a_process_call_in_a_full_pool_stops_an_idle_worker_of_another_key_or_waits_fo
 }
 
 #[test]
+fn a_conversation_abandoned_on_a_draining_worker_waits_for_that_process_to_be_gone() {
+    let mut sim = Sim::new(limits());
+    sim.ask("a/1", 1);
+    let w = sim.spawn_ok().expect("kept");
+    // Recycled by memory while the open runs: it drains.
+    let effects = sim.core.measured(&[(w, 2 << 30)], sim.now);
+    sim.apply(effects);
+    // The open gives up (its resume timed out), the session maybe attached there: the
+    // abandon ends the drain, and the process is stopped.
+    let (name, held) = sim.take_lease(0).expect("the lease");
+    let abandon = Abandon {
+        conversation: name,
+        worker: held.worker,
+        carried: None,
+        opened: None,
+        maybe_attached: Some(CliSessionId::random()),
+        resume_crashed: false,
+    };
+    let effects = sim.core.abandoned(abandon, sim.now);
+    sim.failed_detaches.push(("a/1".to_owned(), w));
+    sim.apply(effects);
+    assert_eq!(sim.evicted, vec![(w, Eviction::Drained)]);
+    let next = sim.ask("a/1", 1);
+    sim.spawn_ok();
+    assert!(
+        sim.granted_to(next).is_none(),
+        "not while the stopping process may still hold it"
+    );
+    sim.confirm_all_detaches();
+    sim.spawn_ok();
+    assert!(sim.granted_to(next).is_some());
+}
+
+#[test]
 fn a_draining_worker_takes_no_process_call_and_finishes_its_drain_when_released() {
     let mut sim = Sim::new(limits());
     let call = sim.ask_process(1);
@@ -1689,7 +1723,7 @@ impl Sim {
                 };
                 let opened = reused.or_else(|| opened.then(|| self.token()));
                 let abandon = Abandon {
-                    conversation: name,
+                    conversation: name.clone(),
                     worker: held.worker,
                     carried,
                     opened,
@@ -1697,6 +1731,15 @@ impl Sim {
                     resume_crashed,
                 };
                 let effects = self.core.abandoned(abandon, now);
+                // A session maybe left attached on a process that is stopping (or stopped by
+                // this abandon) is held there until that process is gone.
+                let stopping = effects
+                    .iter()
+                    .any(|e| matches!(e, Effect::Evict { worker, .. } if *worker == held.worker))
+                    || self.stops.iter().any(|(_, w)| *w == held.worker);
+                if maybe_attached && stopping {
+                    self.failed_detaches.push((name, held.worker));
+                }
                 self.apply(effects);
             }
             Step::GiveUp { pick } => {
