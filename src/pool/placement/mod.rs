@@ -405,6 +405,9 @@ struct Stopping {
     /// is confirmed (a tick, a return), it waits for its own stop instead of stopping another
     /// tenant's idle process. Other waiters make room for themselves.
     for_ask: Option<RequestId>,
+    /// The key that start is for: the key's other waiters wait for the same stop (a key
+    /// starts one process at a time), instead of each stopping another tenant's.
+    for_key: Option<PoolKey>,
 }
 
 /// The key of the process a conversation left, and when the conversation was last used.
@@ -1758,6 +1761,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             held: Vec::new(),
             for_other: false,
             for_ask: None,
+            for_key: None,
         })
     }
 
@@ -1822,8 +1826,13 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             return false;
         }
         if !has_room(self.held(), &self.others, self.limits.max_processes) {
-            // Room is being made for this ask already: it waits for that stop.
-            if self.stopping.values().any(|s| s.for_ask == Some(ask)) {
+            // Room is being made for this ask, or for its key, already: it waits for that
+            // stop.
+            if self
+                .stopping
+                .values()
+                .any(|s| s.for_ask == Some(ask) || s.for_key.as_ref() == Some(key))
+            {
                 return true;
             }
             // The oldest idle process makes room: a worker of another key here, or the CLI
@@ -1844,6 +1853,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                     self.evict(id, Eviction::Full);
                     if let Some(stopping) = self.stopping.get_mut(&id) {
                         stopping.for_ask = Some(ask);
+                        stopping.for_key = Some(key.clone());
                     }
                     return true;
                 }

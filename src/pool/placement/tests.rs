@@ -3009,6 +3009,27 @@ fn a_full_pool_makes_room_one_stop_at_a_time_however_often_its_waiter_is_served_
 }
 
 #[test]
+fn new_conversations_of_one_key_on_a_full_pool_stop_one_other_tenants_process_not_one_each() {
+    let (mut sim, idle) = full_of_idle_workers(3);
+    let asks: Vec<RequestId> = (1..=3).map(|n| sim.ask(&format!("d/{n}"), 4)).collect();
+    assert_eq!(
+        sim.evicted,
+        [(idle[0], Eviction::Full)],
+        "the key starts one process: the other asks wait for its room"
+    );
+    sim.confirm_all_detaches();
+    assert_eq!(sim.spawns, [key(4)]);
+    let first = sim.spawn_ok().expect("the key's process");
+    let on_first = asks
+        .iter()
+        .filter(|a| sim.granted_to(**a) == Some(first))
+        .count();
+    assert_eq!(on_first, 2, "as many as a process holds");
+    // The third needs a second process of the key: its own room, one more stop.
+    assert_eq!(sim.evicted.len(), 2);
+}
+
+#[test]
 fn two_waiters_on_a_full_pool_make_room_at_once_each_with_its_own_stop() {
     let (mut sim, idle) = full_of_idle_workers(2);
     sim.ask("d/1", 3);
