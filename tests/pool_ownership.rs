@@ -412,6 +412,32 @@ async fn a_pinned_session_whose_resume_crashes_the_runtime_twice_is_refused_for_
 }
 
 #[tokio::test]
+async fn a_conversation_pinned_anew_to_a_session_another_conversation_holds_is_refused() {
+    let fx = Fixture::new().await;
+    let config = fx.fake_runtime_config("never-idle").await;
+    let pool = Pool::start(config.clone()).await.expect("pool");
+    let theirs = CliSessionId::new("5b0c0de0-1111-4222-8333-944455556666");
+    let mut y = fx.request("agent-a", "y");
+    y.cli_session_id = Some(theirs.clone());
+    drop(pool.lease(y).await.expect("y holds its session"));
+    // x has a session of its own, bound; then (attached nowhere, after a restart) it names
+    // y's.
+    drop(pool.lease(fx.request("agent-a", "x")).await.expect("x"));
+    shutdown_leaves_nothing(&pool).await;
+    let pool = Pool::start(config).await.expect("pool");
+    let mut x = fx.request("agent-a", "x");
+    x.cli_session_id = Some(theirs);
+    let refused = pool.lease(x).await.expect_err("y's session is y's");
+    assert!(
+        refused
+            .to_string()
+            .contains("one session holds one conversation"),
+        "{refused}"
+    );
+    shutdown_leaves_nothing(&pool).await;
+}
+
+#[tokio::test]
 async fn a_binding_that_cannot_be_written_fails_the_lease_and_leaves_nothing_attached() {
     let fx = Fixture::new().await;
     // No warm spare: once the bindings are back, a spare standing in for the killed process

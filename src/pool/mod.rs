@@ -1653,8 +1653,11 @@ impl OpenTarget<'_> {
             Err(e) => return Err(PoolError::Internal(e.to_string()).into()),
         };
         if let Some(id) = self.pinned {
+            // Bound to this very session: a binding naming another one (the caller pinned
+            // the conversation to a new session) says nothing of who holds this one.
+            let bound = binding.as_ref().is_some_and(|b| b.cli_session_id == *id);
             return self
-                .open_pinned(id, config, binding.is_some(), bindings)
+                .open_pinned(id, config, bound, bindings)
                 .await
                 .map(Opened::from);
         }
