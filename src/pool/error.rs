@@ -175,13 +175,19 @@ pub enum PoolError {
     /// The key's workers crashed too often; leases fail until the cool-down ends.
     #[error(
         "the workers of key {key_hash} crashed more than the restart intensity allows; \
-         leases fail for another {retry_after:?} (check the runtime's stderr in the logs)"
+         leases fail for another {retry_after:?} ({})",
+        last_error.as_deref().map_or_else(
+            || "the runtime's stderr is in the daemon's log, with its exit status".to_owned(),
+            |e| format!("the last start failed: {e}")
+        )
     )]
     RestartIntensityExceeded {
         /// The key's short hash.
         key_hash: String,
         /// Time left in the cool-down.
         retry_after: Duration,
+        /// Why the key's last start failed, when a start failed.
+        last_error: Option<String>,
     },
     /// A worker could not be started, or failed while serving the lease.
     #[error(transparent)]
@@ -298,6 +304,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_quarantine_says_why_the_last_start_failed_when_one_did() {
+        let with = PoolError::RestartIntensityExceeded {
+            key_hash: "h".into(),
+            retry_after: Duration::from_secs(30),
+            last_error: Some("cannot start the copilot runtime: no such file".into()),
+        };
+        assert!(
+            with.to_string()
+                .contains("the last start failed: cannot start the copilot runtime"),
+            "{with}"
+        );
+        let without = PoolError::RestartIntensityExceeded {
+            key_hash: "h".into(),
+            retry_after: Duration::from_secs(30),
+            last_error: None,
+        };
+        assert!(without.to_string().contains("daemon's log"), "{without}");
+    }
+
+    #[test]
     fn each_error_has_the_kind_a_caller_acts_on() {
         let home = |e: HomeError| PoolError::from(e);
         let cases = [
@@ -353,6 +379,7 @@ mod tests {
                 PoolError::RestartIntensityExceeded {
                     key_hash: "h".into(),
                     retry_after: Duration::ZERO,
+                    last_error: None,
                 },
                 ErrorKind::Quarantined,
             ),

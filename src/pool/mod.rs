@@ -1276,13 +1276,6 @@ enum LeasePurpose {
     Deletion,
 }
 
-/// A fingerprint of what a session was opened with beyond its compat key (tools, handler
-/// flags, reasoning effort, the session options): an attached session opened differently is
-/// resumed anew.
-/// Why a pinned session is refused after its resumes crashed the runtime (it is stored: a
-/// new session cannot take its id).
-pub(crate) const RESUME_CRASHED_REPEATEDLY: &str = "resuming it crashed the runtime repeatedly";
-
 /// Whether a resume that failed with `error` counts as one that crashed the runtime: the
 /// worker was `alive` when the resume was sent, and its runtime died as a runtime dies
 /// (exited, closed its output, broke the protocol, hung), not stopped by the pool.
@@ -1293,6 +1286,9 @@ fn resume_crashed(error: &WorkerError, alive: bool) -> bool {
             if !matches!(exit.reason, ExitReason::Shutdown | ExitReason::Killed))
 }
 
+/// A fingerprint of what a session was opened with beyond its compat key (tools, handler
+/// flags, reasoning effort, the session options): an attached session opened differently is
+/// resumed anew.
 fn setup_key(config: &SessionConfig) -> String {
     let text = serde_json::json!({
         "systemMessage": config.system_message,

@@ -656,13 +656,9 @@ impl SdkSession {
         } else {
             self.shared.pool.lease(req).await
         };
+        // Stored, but its resumes crashed the runtime (`ResumeCrashedRepeatedly`): said as it
+        // is, with when to retry.
         let mut lease = leased.map_err(|e| match e {
-            // Stored, but its resumes crashed the runtime: no create would help.
-            PoolError::NoSuchConversation { why, .. }
-                if why == crate::pool::RESUME_CRASHED_REPEATEDLY =>
-            {
-                pool_error(method, &e)
-            }
             PoolError::NoSuchConversation { .. } => no_stored_session(method, self.id().as_str()),
             other => pool_error(method, &other),
         })?;

@@ -1315,6 +1315,7 @@ fn refusal(why: Refusal) -> PoolError {
         Refusal::Quarantined(left) => PoolError::RestartIntensityExceeded {
             key_hash: "cli".to_owned(),
             retry_after: left,
+            last_error: None,
         },
         Refusal::Closed => PoolError::Closed,
     }

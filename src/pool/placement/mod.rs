@@ -988,7 +988,14 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             // retried forever (a runtime hanging at its handshake fails slower than the
             // restart window, so it would never be quarantined either).
             let wanted = ks.respawn || waited_for;
-            if !self.closed && room && wanted && ks.workers.is_empty() && !ks.spawning {
+            let quarantined = ks.restart.quarantined_until(now).is_some();
+            if !self.closed
+                && room
+                && wanted
+                && !quarantined
+                && ks.workers.is_empty()
+                && !ks.spawning
+            {
                 ks.respawn = true;
                 ks.spawning = true;
                 self.out.push(Effect::Spawn {
@@ -1440,6 +1447,7 @@ impl<Spec: Clone, S> Placement<Spec, S> {
             return Err(PoolError::RestartIntensityExceeded {
                 key_hash: ask.key.short_hash(),
                 retry_after: until.saturating_duration_since(now),
+                last_error: ks.last_start_error.as_ref().map(ToString::to_string),
             });
         }
         if ask.traffic && !self.queue_full {
@@ -2189,11 +2197,17 @@ impl<Spec: Clone, S> Placement<Spec, S> {
                 key_hash: key_hash.clone(),
             });
         }
+        // No restart scheduled before (another worker's backoff) starts one inside it.
+        let last_error = self.keys.get_mut(key).and_then(|ks| {
+            ks.respawn = false;
+            ks.last_start_error.as_ref().map(ToString::to_string)
+        });
         self.fail_waiters_of(
             key,
             |now| PoolError::RestartIntensityExceeded {
                 key_hash: key_hash.clone(),
                 retry_after: until.saturating_duration_since(now),
+                last_error: last_error.clone(),
             },
             now,
         );

@@ -980,6 +980,40 @@ fn a_crash_with_work_schedules_a_respawn_and_too_many_quarantine_the_key() {
 }
 
 #[test]
+fn a_restart_scheduled_before_its_key_was_quarantined_starts_nothing_inside_the_quarantine() {
+    let mut sim = Sim::new(Limits {
+        restart: RestartPolicy {
+            max_restarts: 1,
+            ..RestartPolicy::default()
+        },
+        max_sessions_per_process: 1,
+        ..limits()
+    });
+    sim.ask("a/1", 1);
+    let first = sim.spawn_ok().expect("a/1's");
+    sim.ask("a/2", 1);
+    let second = sim.spawn_ok().expect("a/2's");
+    // The first crashes under its lease: a restart is scheduled after the backoff.
+    let effects = sim.core.crashed(first, Death::Failed, sim.now);
+    sim.apply(effects);
+    sim.leases.remove("a/1");
+    let effects = sim
+        .core
+        .returned("a/1".into(), first, None, Settle::Detach, 0, sim.now);
+    sim.apply(effects);
+    let key = sim.respawns.pop().expect("a scheduled restart");
+    // The second crashes too: past the intensity, the key is quarantined.
+    let effects = sim.core.crashed(second, Death::Failed, sim.now);
+    sim.apply(effects);
+    assert_eq!(sim.quarantines, 1);
+    // The first's restart comes due inside the quarantine.
+    sim.now += Duration::from_secs(1);
+    let effects = sim.core.respawn_due(&key, sim.now);
+    sim.apply(effects);
+    assert!(sim.spawns.is_empty(), "started {:?}", sim.spawns);
+}
+
+#[test]
 fn a_call_naming_no_conversation_gets_a_process_of_its_key_without_taking_a_conversation_slot() {
     let mut sim = Sim::new(limits());
     let first = sim.ask_process(1);
