@@ -362,7 +362,7 @@ impl Actor for PoolActor {
         let now = Instant::now();
         let cli = state.cli.clone();
         let mut budget = cli.budget();
-        state.core.set_others(budget.cli_view());
+        let early = state.core.look_at_others(budget.cli_view(), now);
         // A spare may have come up, a conversation come free, or a resume ahead made way for
         // the next by ending or failing (they run a few at a time): resume ahead after these.
         let resume_ahead = match &msg {
@@ -492,6 +492,7 @@ impl Actor for PoolActor {
                 state.worker_gone(worker_id, crashed, now)
             }
         };
+        let effects = early.into_iter().chain(effects).collect();
         let effects = state.settle_budget(&mut budget, effects, now);
         drop(budget);
         state.perform(effects);
@@ -514,7 +515,7 @@ impl Actor for PoolActor {
         let now = Instant::now();
         let cli = state.cli.clone();
         let mut budget = cli.budget();
-        state.core.set_others(budget.cli_view());
+        let early = state.core.look_at_others(budget.cli_view(), now);
         let ended = match &event {
             SupervisionEvent::ActorFailed(cell, error) => {
                 Some((cell.get_id(), ActorEnd::Failed(error.to_string())))
@@ -560,6 +561,7 @@ impl Actor for PoolActor {
                 }
                 None => Vec::new(),
             };
+        let effects = early.into_iter().chain(effects).collect();
         let effects = state.settle_budget(&mut budget, effects, now);
         drop(budget);
         state.perform(effects);

@@ -572,6 +572,18 @@ impl<Spec: Clone, S> Placement<Spec, S> {
         self.others = others;
     }
 
+    /// [`set_others`](Self::set_others) at the start of a message: room the CLI side gave
+    /// up since the last look goes to the waiters at once, before whatever the message asks
+    /// (a new lease must not take it ahead of them).
+    pub(crate) fn look_at_others(&mut self, others: Others, now: Instant) -> Vec<Effect<Spec, S>> {
+        let freed = others.held < self.others.held;
+        self.set_others(others);
+        if freed && !self.waiters.is_empty() {
+            self.serve_waiters(now);
+        }
+        self.effects()
+    }
+
     /// The CLI side's processes changed (after [`set_others`](Self::set_others)): serve the
     /// waiters with the room it gave up.
     pub(crate) fn others_changed(&mut self, now: Instant) -> Vec<Effect<Spec, S>> {

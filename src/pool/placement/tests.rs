@@ -2756,6 +2756,34 @@ fn a_full_pool_asks_the_cli_side_once_for_its_older_parked_process_and_starts_wh
 }
 
 #[test]
+fn room_the_cli_side_gave_up_goes_to_the_waiters_before_a_lease_asked_for_after() {
+    let mut sim = Sim::new(Limits {
+        max_processes: 1,
+        ..limits()
+    });
+    sim.core.set_others(Others {
+        held: 1,
+        idle_since: None,
+        making_room: false,
+    });
+    let first = sim.ask("a/1", 1);
+    assert!(sim.queued.contains(&first) && sim.spawns.is_empty());
+    // The CLI side closed its process; the next message is a new lease of another key,
+    // which the actor handles only after its first look at the CLI side.
+    let effects = sim.core.look_at_others(Others::default(), sim.now);
+    sim.apply(effects);
+    let later = sim.ask("b/1", 2);
+    assert_eq!(
+        sim.spawns,
+        [key(1)],
+        "the waiter's start, not the newcomer's"
+    );
+    let w = sim.spawn_ok().expect("kept");
+    assert_eq!(sim.granted_to(first), Some(w));
+    assert!(sim.queued.contains(&later));
+}
+
+#[test]
 fn a_full_pool_stops_its_own_idle_worker_when_the_cli_sides_parked_process_is_younger() {
     let mut sim = Sim::new(Limits {
         max_processes: 2,
