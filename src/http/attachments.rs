@@ -360,7 +360,7 @@ fn conversation_dir(conversation: &ConversationId) -> PathBuf {
 /// followed through a link (the agent's processes may write there and could swap a
 /// directory on the way for a link elsewhere: `agent_files`). A root that is itself a link
 /// matches no root here (the confinement resolved it whole): `work` is its own root then.
-fn root_and_below(work: &Path, roots: &[PathBuf]) -> (PathBuf, PathBuf) {
+pub(super) fn root_and_below(work: &Path, roots: &[PathBuf]) -> (PathBuf, PathBuf) {
     // The roots as the confinement resolved the working directory (the folders above each
     // resolved; its last component kept, so a link there is still refused below).
     let resolved: Vec<PathBuf> = roots

@@ -350,8 +350,42 @@ async fn checked_attachments_and_work_dir(
     )
     .await?;
     let work = chain.lease.working_directory.clone();
-    create_work_dir(&work).await?;
+    create_conversation_dir(&work, &roots).await?;
     Ok((attachments, WorkDir { path: work, roots }))
+}
+
+/// Creates the conversation's working directory (mode 0700). Below one of `roots` (the
+/// agent's work directory, `allowed_work_roots`), its missing part is made
+/// without following a link: the agent's processes may write there, and a directory on the
+/// way swapped for a link after the path was confined would have the daemon make
+/// directories wherever the link points. The agent's own work directory, and a directory
+/// under no root the pool resolved (below a root that is itself a link), as
+/// [`create_work_dir`] makes them.
+async fn create_conversation_dir(
+    work: &std::path::Path,
+    roots: &[std::path::PathBuf],
+) -> Result<(), Response> {
+    let (root, below) = super::attachments::root_and_below(work, roots);
+    if below.as_os_str().is_empty() {
+        return create_work_dir(work).await;
+    }
+    // The root itself is the pool's to make (the agent's work directory before its first
+    // turn), as before.
+    if std::fs::symlink_metadata(&root).is_err() {
+        create_work_dir(&root).await?;
+    }
+    crate::agent_files::create_dirs(&root, &below, 0o700).map_err(|e| {
+        error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "io",
+            format!(
+                "could not make the conversation's working directory {}: {e}; something the \
+                 pool does not follow may be in the way (the agent's processes may have put a \
+                 link there): remove it",
+                work.display()
+            ),
+        )
+    })
 }
 
 /// A turn's working directory and the directories it may lie in.
@@ -651,5 +685,31 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.0.running.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_conversation_dir_is_made_below_its_root_never_through_a_link_on_the_way() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let work = tmp.path().join("agent/work");
+        let elsewhere = tmp.path().join("state");
+        std::fs::create_dir_all(&elsewhere).expect("mkdir");
+        let roots = vec![work.clone()];
+        // The agent's work directory, missing before its first turn, is made with it.
+        let fresh = work.join("project/x");
+        assert!(create_conversation_dir(&fresh, &roots).await.is_ok());
+        assert!(fresh.is_dir());
+        // A directory on the way swapped for a link after the path was confined.
+        std::os::unix::fs::symlink(&elsewhere, work.join("linked")).expect("link");
+        let through = work.join("linked/x");
+        assert!(create_conversation_dir(&through, &roots).await.is_err());
+        assert!(
+            !elsewhere.join("x").exists(),
+            "nothing was made where the link points"
+        );
     }
 }
