@@ -5,6 +5,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -23,6 +24,7 @@ use super::config::WorkerConfig;
 use super::error::{ExitReason, WorkerError, WorkerExit, stderr_in_message};
 use super::handle::{PendingKind, REAP_WAIT, WorkerInfo};
 use super::health::HealthMisses;
+use super::mailbox::{Admit, MailboxBytes, batch_weight};
 use super::session::{LEAST_UNREAD_WEIGHT, Routed, SessionUpdate, Unread};
 
 /// After stdout closes, how long to wait for the child's exit status before reporting the
@@ -46,8 +48,9 @@ pub(crate) struct StartArgs {
 
 /// Messages of the worker actor.
 pub(crate) enum WorkerMsg {
-    /// What the child sent, in order, as the connection's reader read it together.
-    Incoming(Vec<Incoming>),
+    /// What the child sent, in order, as the connection's reader read it together, and
+    /// what it weighs in the mailbox ([`MailboxBytes`]).
+    Incoming(Vec<Incoming>, usize),
     /// The child's leader was reaped.
     ChildExited(ExitInfo),
     /// Time for a health ping.
@@ -148,6 +151,8 @@ pub(crate) struct WorkerState {
     /// Set when a route holds more unread than `max_unread_route_bytes`: why the runtime is
     /// killed once the batch being handled is done.
     pub(super) flooded: Option<String>,
+    /// The bytes the reader handed on and the actor has not handled yet.
+    mailbox: Arc<MailboxBytes>,
     exit: watch::Sender<Option<WorkerExit>>,
     health_timer: Option<JoinHandle<()>>,
     exit_watcher: Option<JoinHandle<()>>,
@@ -222,6 +227,11 @@ impl Actor for Worker {
             ledger.track(&child);
         }
         let sink_target = myself.clone();
+        // As much as the runtime's routes may hold unread together (`check_flood`).
+        let mailbox = Arc::new(MailboxBytes::new(
+            config.max_unread_route_bytes.saturating_mul(4),
+        ));
+        let counted = mailbox.clone();
         let conn = Connection::start_batched(
             io.stdout,
             io.stdin,
@@ -236,9 +246,25 @@ impl Actor for Worker {
                 ..ConnectionOptions::default()
             },
             Box::new(move |batch| {
-                // If the actor is gone, an incoming request's responder is dropped here and
-                // answers with an error by itself.
-                let _ = sink_target.cast(WorkerMsg::Incoming(batch));
+                // If the actor is gone (or the batch is dropped), an incoming request's
+                // responder is dropped here and answers with an error by itself.
+                let weight = batch_weight(&batch);
+                let batch = match counted.admit(weight) {
+                    Admit::Pass => batch,
+                    Admit::FirstOver(waiting) => {
+                        let detail = format!(
+                            "the runtime wrote faster than its worker could route: {waiting} \
+                             bytes were waiting to be routed, past the {} its routes may hold \
+                             together (four times max_unread_route_bytes)",
+                            counted.max()
+                        );
+                        let flooded = Incoming::Closed(CloseCause::ProtocolViolation(detail));
+                        let _ = sink_target.cast(WorkerMsg::Incoming(vec![flooded], 0));
+                        return;
+                    }
+                    Admit::Drop => return,
+                };
+                let _ = sink_target.cast(WorkerMsg::Incoming(batch, weight));
             }),
         );
         let info = match handshake(&conn, &config).await {
@@ -292,6 +318,7 @@ impl Actor for Worker {
             ping_in_flight: false,
             health,
             flooded: None,
+            mailbox,
             exit,
             health_timer: None,
             exit_watcher: Some(exit_watcher),
@@ -317,7 +344,8 @@ impl Actor for Worker {
         state: &mut WorkerState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            WorkerMsg::Incoming(batch) => {
+            WorkerMsg::Incoming(batch, weight) => {
+                state.mailbox.handled(weight);
                 for incoming in batch {
                     match incoming {
                         Incoming::SessionEvent { session_id, event } => {

@@ -16,6 +16,7 @@ mod dispatch;
 mod error;
 mod handle;
 mod health;
+mod mailbox;
 mod session;
 
 pub use config::{
