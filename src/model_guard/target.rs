@@ -265,6 +265,19 @@ pub(crate) fn upstream_url(requested: &str, base: &Url) -> Result<Url, Refusal> 
         .unwrap_or_default()
         .to_ascii_lowercase();
     let climbs = could_climb(&below);
+    if !under && !climbs {
+        // A path outside the base path: what an operator needs to correct a base URL whose
+        // path is not the one the runtime calls under (the query left out: it may hold a key).
+        return Err((
+            BlockReason::ForeignUrl,
+            format!(
+                "the runtime asked for the path {path:?}, which is not under the provider's \
+                 base path {:?}; if the provider serves that API there, correct the path in \
+                 provider.base_url",
+                base.path()
+            ),
+        ));
+    }
     if !under || climbs || !url.username().is_empty() || url.password().is_some() {
         return Err(foreign());
     }

@@ -835,6 +835,17 @@ async fn a_request_outside_the_providers_base_url_is_refused() {
         assert_eq!(response.status, 403, "{url}");
         assert_eq!(refusal_code(&mut response).await, "foreign_url", "{url}");
     }
+    // A path outside the base path is named, with the base path and the fix.
+    let mut req = request(&base, "");
+    req.url = format!("https://{PLACEHOLDER_HOST}/v2/chat/completions?key=k");
+    let mut response = tunnel.serve(req).await;
+    let text = body(&mut response).await.expect("refusal body");
+    assert!(
+        text.contains("/v2/chat/completions")
+            && text.contains("provider.base_url")
+            && !text.contains("key=k"),
+        "{text}"
+    );
     assert_eq!(upstream.accepted(), 0);
 }
 
