@@ -70,6 +70,21 @@ pub enum LocateError {
         /// `does not exist`, `is not a file` or `is not executable`.
         problem: &'static str,
     },
+    /// A managed install another user could have changed: the daemon would run what they
+    /// put there.
+    #[error(
+        "the managed install at {} is not safe to run: {why}; another user could have \
+         replaced the runtime there. Make the cache directory and everything in it owned by \
+         this user and writable by nobody else (chown -R, chmod -R o-w), or install into a \
+         cache only this user can write (COPILOT_POOL_CACHE_DIR) with `{INSTALL_COMMAND}`",
+        dir.display()
+    )]
+    UnsafeInstall {
+        /// The install's directory.
+        dir: PathBuf,
+        /// Which path, and what about it.
+        why: String,
+    },
     /// No source had an executable.
     #[error(
         "{MISSING_CODE}: no Copilot runtime found (looked at: {}). Install the pinned runtime \
@@ -115,6 +130,9 @@ fn locate_on(
                 let dir = flavour.install_dir(&cache);
                 if is_complete(flavour, platform, &dir) {
                     let path = dir.join(flavour.executable_rel_path(platform));
+                    if let Some(why) = changeable_by_others(&cache, &path) {
+                        return Err(LocateError::UnsafeInstall { dir, why });
+                    }
                     tracing::debug!(path = %path.display(), %flavour, "using managed runtime");
                     return Ok(Located {
                         path,
@@ -137,6 +155,31 @@ fn locate_on(
     }
     looked_at.push("`copilot` on PATH (not found)".to_owned());
     Err(LocateError::Missing { looked_at })
+}
+
+/// Why `exe` under the cache directory `cache` could have been changed by another user: the
+/// cache directory, a directory between it and `exe`, or `exe` itself owned by someone other
+/// than this user or root, or writable by every user (a directory with the sticky bit, whose
+/// entries only their owners may replace, excepted). `None` when nothing is.
+fn changeable_by_others(cache: &Path, exe: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let me = nix::unistd::geteuid().as_raw();
+    let below = exe
+        .ancestors()
+        .take_while(|p| p.starts_with(cache) && *p != cache)
+        .collect::<Vec<_>>();
+    std::iter::once(cache)
+        .chain(below.into_iter().rev())
+        .find_map(|path| {
+            let meta = std::fs::metadata(path).ok()?;
+            let owner = meta.uid();
+            if owner != me && owner != 0 {
+                return Some(format!("{} is owned by uid {owner}", path.display()));
+            }
+            let sticky_dir = meta.is_dir() && meta.mode() & 0o1000 != 0;
+            (meta.mode() & 0o002 != 0 && !sticky_dir)
+                .then(|| format!("{} is writable by every user", path.display()))
+        })
 }
 
 fn usable(path: &Path, origin: LocatedBy) -> Result<Located, LocateError> {
@@ -218,6 +261,29 @@ mod tests {
             ("COPILOT_POOL_CACHE_DIR", f.cache.clone().into_os_string()),
             ("PATH", f.bin.clone().into_os_string()),
         ]
+    }
+
+    #[test]
+    fn a_managed_install_another_user_could_change_is_refused_naming_the_path() {
+        let f = fixture();
+        let exe = fake_install(&f.cache, Flavour::Runtime);
+        let env = env_of(base_env(&f));
+        assert!(locate_on(None, &env, Some(P)).is_ok());
+        let version_dir = Flavour::Runtime.install_dir(&f.cache);
+        for writable in [version_dir.clone(), exe.clone(), f.cache.clone()] {
+            let mode = std::fs::metadata(&writable).unwrap().permissions().mode();
+            std::fs::set_permissions(&writable, std::fs::Permissions::from_mode(mode | 0o002))
+                .unwrap();
+            let refused = locate_on(None, &env, Some(P)).unwrap_err();
+            assert!(
+                matches!(&refused, LocateError::UnsafeInstall { why, .. }
+                    if why.contains(&writable.display().to_string())),
+                "{refused}"
+            );
+            assert!(refused.to_string().contains("chmod -R o-w"), "{refused}");
+            std::fs::set_permissions(&writable, std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        assert!(locate_on(None, &env, Some(P)).is_ok());
     }
 
     #[test]

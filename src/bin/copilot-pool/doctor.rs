@@ -138,6 +138,10 @@ pub async fn doctor(args: DoctorArgs) -> Result<()> {
                     "point --cli, cli_path or {CLI_PATH_ENV} at an existing executable, or \
                      drop it and run `{INSTALL_COMMAND}`"
                 ),
+                LocateError::UnsafeInstall { .. } => "make the cache directory writable by \
+                    this user alone, as the error says, or point {CLI_PATH_ENV} at a runtime \
+                    only this user can change"
+                    .replace("{CLI_PATH_ENV}", CLI_PATH_ENV),
             };
             report.fail("runtime", err, fix);
             report.skip("runtime start", "no runtime to start");
