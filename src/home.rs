@@ -280,6 +280,19 @@ pub fn work_dir(base: &Path, agent_id: &str) -> Result<PathBuf, HomeError> {
     Ok(base.join("agents").join(agent_id).join("work"))
 }
 
+/// The directories a conversation's paths may lie in: the agent's own work directory `work`
+/// (unless a link or anything but a directory is in its place: the agent's processes may
+/// have put it there, and followed it would widen the roots to wherever it points), then the
+/// operator's `allowed` roots (which may be links: the operator's).
+pub fn conversation_roots(work: PathBuf, allowed: &[PathBuf]) -> Vec<PathBuf> {
+    let replaced = std::fs::symlink_metadata(&work).is_ok_and(|meta| !meta.is_dir());
+    (!replaced)
+        .then_some(work)
+        .into_iter()
+        .chain(allowed.iter().cloned())
+        .collect()
+}
+
 /// Creates an agent's working directory (and missing parents) with mode 0700. Call it only
 /// for a turn that will run, so rejected requests leave nothing behind.
 pub fn create_work_dir(path: &Path) -> Result<(), HomeError> {
@@ -384,6 +397,22 @@ mod tests {
 
     fn mode(path: &Path) -> u32 {
         std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn the_agents_work_directory_is_a_root_only_while_no_link_is_in_its_place() {
+        let tmp = tempfile::tempdir().unwrap();
+        let work = tmp.path().join("agents/a/work");
+        let allowed = vec![tmp.path().join("shared")];
+        // Missing (before the first turn) or a directory: a root.
+        assert_eq!(conversation_roots(work.clone(), &allowed)[0], work);
+        std::fs::create_dir_all(&work).unwrap();
+        assert_eq!(conversation_roots(work.clone(), &allowed).len(), 2);
+        // A link the agent's processes put in its place: no root (followed, it would make
+        // wherever it points one).
+        std::fs::remove_dir(&work).unwrap();
+        std::os::unix::fs::symlink("/", &work).unwrap();
+        assert_eq!(conversation_roots(work, &allowed), allowed);
     }
 
     #[test]

@@ -326,6 +326,29 @@ async fn a_bridge_stopped_by_its_idle_ttl_is_replaced_and_the_process_resumes() 
     live.close().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asked_about_under_a_policy_that_approves_all_the_tools_run_without_a_prompt() {
+    let fx = Fixture::new().await;
+    let mut tools = McpGatewayTools::new(fx.tools());
+    tools.ask_permission = true;
+    let mut config = fx.config("approve-all", Some(tools)).await;
+    config.permission = Arc::new(copilot_pool::permission::ApproveAll);
+    // As in a sandbox: Claude starts with bypassPermissions, and asks nothing.
+    config
+        .backend
+        .env
+        .insert("IS_SANDBOX".to_owned(), "1".to_owned());
+    let mut live = ClaudeLive::new(config).expect("valid");
+    let (outcome, _) = turn(
+        &mut live,
+        r#"SCENARIO:tool NAME=mcp__gateway__lookup ARGS={"key":"open"}"#,
+    )
+    .await;
+    assert_eq!(outcome.text, "tool said: value of open", "{outcome:?}");
+    assert_eq!(outcome.permission_prompts, 0, "{outcome:?}");
+    live.close().await;
+}
+
 /// Approves every request, each after `wait` (a person who takes their time).
 struct SlowApprover {
     wait: Duration,

@@ -651,8 +651,11 @@ impl ClaudeLive {
                     bridge_config.working_directory = Some(config.cwd.display().to_string());
                 }
                 // Asked about: the bridge runs only the calls the policy approved (a shell
-                // tool of Claude's could call it with the token from its environment).
-                bridge_config.calls_need_approval |= gateway.ask_permission;
+                // tool of Claude's could call it with the token from its environment). A
+                // policy that approves everything starts Claude with bypassPermissions,
+                // which asks nothing: no approval would ever come.
+                let asks = flags.permission_mode != "bypassPermissions";
+                bridge_config.calls_need_approval |= gateway.ask_permission && asks;
                 let bridge =
                     super::mcp_bridge::McpBridge::start(gateway.tools.clone(), bridge_config)
                         .await?;

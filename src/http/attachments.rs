@@ -335,12 +335,10 @@ fn inline_file_name(name: Option<&str>, media_type: &str) -> String {
 /// the daemon's `allowed_work_roots`), below which inline attachments are written without
 /// following a link.
 pub(super) fn work_roots(state: &super::AppState, agent_id: &str) -> Vec<PathBuf> {
-    let mut roots: Vec<PathBuf> =
-        crate::home::work_dir(&state.pool.config().agents_base_dir, agent_id)
-            .into_iter()
-            .collect();
-    roots.extend(state.config.allowed_work_roots.iter().cloned());
-    roots
+    match crate::home::work_dir(&state.pool.config().agents_base_dir, agent_id) {
+        Ok(work) => crate::home::conversation_roots(work, &state.config.allowed_work_roots),
+        Err(_) => state.config.allowed_work_roots.clone(),
+    }
 }
 
 /// Where a conversation's inline contents go, below its working directory:
@@ -359,10 +357,13 @@ fn conversation_dir(conversation: &ConversationId) -> PathBuf {
 /// holding it (the agent's work directory, `allowed_work_roots`), below which nothing is
 /// followed through a link (the agent's processes may write there and could swap a
 /// directory on the way for a link elsewhere: `agent_files`). A root that is itself a link
-/// matches no root here (the confinement resolved it whole): `work` is its own root then.
+/// (an operator's `allowed_work_roots` entry: the agent's own work directory is no root
+/// when a link is in its place, `home::conversation_roots`) is followed once, to what it
+/// points to; nothing below it is.
 pub(super) fn root_and_below(work: &Path, roots: &[PathBuf]) -> (PathBuf, PathBuf) {
     // The roots as the confinement resolved the working directory (the folders above each
-    // resolved; its last component kept, so a link there is still refused below).
+    // resolved; its last component kept, so a link there is still refused below), and a
+    // root that is a link as what it points to.
     let resolved: Vec<PathBuf> = roots
         .iter()
         .map(|root| match (root.parent(), root.file_name()) {
@@ -370,6 +371,11 @@ pub(super) fn root_and_below(work: &Path, roots: &[PathBuf]) -> (PathBuf, PathBu
                 .map(|p| p.join(name))
                 .unwrap_or_else(|_| root.clone()),
             _ => root.clone(),
+        })
+        .flat_map(|root| {
+            let is_link = std::fs::symlink_metadata(&root).is_ok_and(|m| m.is_symlink());
+            let target = is_link.then(|| std::fs::canonicalize(&root).ok()).flatten();
+            std::iter::once(root).chain(target)
         })
         .collect();
     resolved

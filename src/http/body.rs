@@ -445,8 +445,8 @@ async fn session_options(
     if !crate::confine::names_directories(options.fields()) {
         return Ok(options);
     }
-    let mut roots = vec![work.to_path_buf()];
-    roots.extend(state.config.allowed_work_roots.iter().cloned());
+    let roots =
+        crate::home::conversation_roots(work.to_path_buf(), &state.config.allowed_work_roots);
     // Resolving paths is file work: off the async threads.
     let confined = tokio::task::spawn_blocking(move || confine_directories(options, &roots))
         .await

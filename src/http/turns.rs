@@ -711,5 +711,18 @@ mod tests {
             !elsewhere.join("x").exists(),
             "nothing was made where the link points"
         );
+        // Below an operator's root that is itself a link (followed once, nothing below it).
+        let target = tmp.path().join("data-work");
+        std::fs::create_dir_all(&target).expect("mkdir");
+        let linked_root = tmp.path().join("srv-work");
+        std::os::unix::fs::symlink(&target, &linked_root).expect("the root's link");
+        let roots = vec![work.clone(), linked_root];
+        let fresh = target.join("project/y");
+        assert!(create_conversation_dir(&fresh, &roots).await.is_ok());
+        assert!(fresh.is_dir());
+        std::os::unix::fs::symlink(&elsewhere, target.join("swapped")).expect("link");
+        let through = target.join("swapped/y");
+        assert!(create_conversation_dir(&through, &roots).await.is_err());
+        assert!(!elsewhere.join("y").exists());
     }
 }

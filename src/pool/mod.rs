@@ -1278,12 +1278,19 @@ enum LeasePurpose {
 
 /// Whether a resume that failed with `error` counts as one that crashed the runtime: the
 /// worker was `alive` when the resume was sent, and its runtime died as a runtime dies
-/// (exited, closed its output, broke the protocol, hung), not stopped by the pool.
+/// (exited, closed its output, broke the protocol, hung), not stopped by the pool and not
+/// killed from outside (SIGKILL: the OOM killer or an operator, which takes every resume in
+/// flight on the process with it; the key's restart policy answers those).
 fn resume_crashed(error: &WorkerError, alive: bool) -> bool {
+    use crate::process::ExitInfo;
     use crate::worker::ExitReason;
-    alive
-        && matches!(error, WorkerError::Died(exit)
-            if !matches!(exit.reason, ExitReason::Shutdown | ExitReason::Killed))
+    let on_its_own = |reason: &ExitReason| match reason {
+        ExitReason::Shutdown | ExitReason::Killed => false,
+        ExitReason::ChildExited(ExitInfo::Signal(9))
+        | ExitReason::TransportClosed(Some(ExitInfo::Signal(9))) => false,
+        _ => true,
+    };
+    alive && matches!(error, WorkerError::Died(exit) if on_its_own(&exit.reason))
 }
 
 /// A fingerprint of what a session was opened with beyond its compat key (tools, handler
@@ -1924,6 +1931,11 @@ mod tests {
         // Stopped by the pool.
         assert!(!resume_crashed(&died(ExitReason::Shutdown), true));
         assert!(!resume_crashed(&died(ExitReason::Killed), true));
+        // Killed from outside (the OOM killer, an operator).
+        let sigkill = ExitReason::ChildExited(ExitInfo::Signal(9));
+        assert!(!resume_crashed(&died(sigkill), true));
+        let sigsegv = ExitReason::ChildExited(ExitInfo::Signal(11));
+        assert!(resume_crashed(&died(sigsegv), true));
         assert!(!resume_crashed(&WorkerError::Stopped, true));
     }
 

@@ -57,10 +57,9 @@ pub struct ConnectionOptions {
     /// first authenticate with a small call, so one that has not cannot make the reader
     /// parse a large frame. `None` (the default): `max_frame_bytes` from the start.
     pub read_limit_until_lifted: Option<usize>,
-    /// Limits for a peer that may stop reading or never close (a network client, not a
-    /// child's pipe): what is queued for it and how long a write waits for it are bounded,
-    /// and our close lets go of its input at once. `None` (the default): unbounded, and the
-    /// reader runs until the peer closes its side.
+    /// Limits for a peer that may stop reading (a network client, not a child's pipe): what
+    /// is queued for it and how long a write waits for it are bounded. `None` (the default):
+    /// unbounded. Either way our close lets go of the peer's input at once.
     pub peer_limits: Option<PeerLimits>,
     /// For a peer whose messages are parsed into values it may shape (a network client): a
     /// frame holding more JSON values than this (counted by `crate::json_values`, before
@@ -434,8 +433,7 @@ impl Drop for CloseOnDrop {
 }
 
 /// A cloneable handle to one JSON-RPC connection. Dropping the last clone closes the
-/// connection's output; the reader keeps routing until the peer closes its side (with
-/// [`ConnectionOptions::peer_limits`], it stops there too).
+/// connection's output and stops its reader, as [`Connection::close`] does.
 #[derive(Clone)]
 pub struct Connection {
     shared: Arc<Shared>,

@@ -305,8 +305,7 @@ async fn confined(
 ) -> Result<Value, CallError> {
     let work = crate::home::work_dir(&shared.pool.config().agents_base_dir, agent)
         .map_err(|e| pool_error(method, &PoolError::from(e)))?;
-    let mut roots = vec![work];
-    roots.extend(shared.config.allowed_work_roots.iter().cloned());
+    let roots = crate::home::conversation_roots(work, &shared.config.allowed_work_roots);
     let method_name = method.to_owned();
     tokio::task::spawn_blocking(move || {
         if let Some(fields) = params.as_object_mut() {

@@ -11,6 +11,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use super::session::LEAST_UNREAD_WEIGHT;
 use crate::rpc::Incoming;
 
 /// What becomes of a batch the reader hands on.
@@ -56,7 +57,7 @@ impl MailboxBytes {
             return Admit::Drop;
         }
         let before = self.waiting.fetch_add(weight, Ordering::AcqRel);
-        if before == 0 || before.saturating_add(weight) <= self.max {
+        if weight == 0 || before == 0 || before.saturating_add(weight) <= self.max {
             return Admit::Pass;
         }
         self.waiting.fetch_sub(weight, Ordering::AcqRel);
@@ -79,15 +80,22 @@ impl MailboxBytes {
 }
 
 /// What a batch weighs while it waits: the text of each event, notification and request it
-/// holds (a request as its frame was charged: `IncomingRequest::frame_bytes`).
+/// holds (a request as its frame was charged: `IncomingRequest::frame_bytes`), each at least
+/// [`LEAST_UNREAD_WEIGHT`], as the routes weigh an update (what holds it takes that much
+/// however short its text). The end of the stream weighs nothing: it always passes.
 pub(super) fn batch_weight(batch: &[Incoming]) -> usize {
     batch
         .iter()
-        .map(|incoming| match incoming {
-            Incoming::SessionEvent { session_id, event } => session_id.len() + event.get().len(),
-            Incoming::Notification { method, params } => method.len() + params.get().len(),
-            Incoming::Request(request) => request.frame_bytes,
-            Incoming::Closed(_) => 0,
+        .map(|incoming| {
+            match incoming {
+                Incoming::SessionEvent { session_id, event } => {
+                    session_id.len() + event.get().len()
+                }
+                Incoming::Notification { method, params } => method.len() + params.get().len(),
+                Incoming::Request(request) => request.frame_bytes,
+                Incoming::Closed(_) => return 0,
+            }
+            .max(LEAST_UNREAD_WEIGHT)
         })
         .fold(0, usize::saturating_add)
 }
@@ -123,6 +131,20 @@ mod tests {
     fn a_batch_larger_than_the_limit_passes_into_an_empty_mailbox_only() {
         let mailbox = MailboxBytes::new(10);
         assert_eq!(mailbox.admit(50), Admit::Pass);
+        // The end of the stream (weight 0) always passes: a runtime that wrote one large
+        // batch and exited is reported as exited.
+        assert_eq!(mailbox.admit(0), Admit::Pass);
         assert_eq!(mailbox.admit(50), Admit::FirstOver(50));
+    }
+
+    #[test]
+    fn each_item_weighs_at_least_what_holding_it_takes_and_the_end_weighs_nothing() {
+        let note = Incoming::Notification {
+            method: "x".to_owned(),
+            params: serde_json::value::RawValue::from_string("{}".to_owned()).unwrap(),
+        };
+        assert_eq!(batch_weight(&[note]), LEAST_UNREAD_WEIGHT);
+        let end = Incoming::Closed(crate::rpc::CloseCause::Eof);
+        assert_eq!(batch_weight(&[end]), 0);
     }
 }
