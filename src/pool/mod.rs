@@ -1284,11 +1284,14 @@ enum LeasePurpose {
 fn resume_crashed(error: &WorkerError, alive: bool) -> bool {
     use crate::process::ExitInfo;
     use crate::worker::ExitReason;
-    let on_its_own = |reason: &ExitReason| match reason {
-        ExitReason::Shutdown | ExitReason::Killed => false,
-        ExitReason::ChildExited(ExitInfo::Signal(9))
-        | ExitReason::TransportClosed(Some(ExitInfo::Signal(9))) => false,
-        _ => true,
+    let on_its_own = |reason: &ExitReason| {
+        !matches!(
+            reason,
+            ExitReason::Shutdown
+                | ExitReason::Killed
+                | ExitReason::ChildExited(ExitInfo::Signal(9))
+                | ExitReason::TransportClosed(Some(ExitInfo::Signal(9)))
+        )
     };
     alive && matches!(error, WorkerError::Died(exit) if on_its_own(&exit.reason))
 }
