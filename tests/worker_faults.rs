@@ -573,11 +573,11 @@ async fn an_oversized_frame_breaks_the_connection() {
     );
 }
 
-#[tokio::test]
-async fn an_unknown_server_request_gets_method_not_found() {
+/// A fake peer that asks the worker `ask` (a raw frame of a request with id `srv-1`), echoes
+/// the worker's answer to it to stderr and exits 7: how the worker (configured by `config`)
+/// ended, its stderr holding that answer.
+async fn answer_to(ask: &str, config: impl FnOnce(&mut WorkerConfig)) -> WorkerExit {
     let scratch = Scratch::new();
-    // The fake asks us something we do not know, echoes our answer to stderr, and exits.
-    let ask = frame(r#"{"jsonrpc":"2.0","id":"srv-1","method":"no.such.method","params":{}}"#);
     let path = scratch.path().join("fake-peer.sh");
     let script = format!(
         "#!/bin/sh\n\
@@ -591,9 +591,9 @@ async fn an_unknown_server_request_gets_method_not_found() {
     std::fs::write(&path, script).expect("write fake");
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let worker = WorkerHandle::start(fake_config(&scratch, path))
-        .await
-        .expect("handshake");
+    let mut worker_config = fake_config(&scratch, path);
+    config(&mut worker_config);
+    let worker = WorkerHandle::start(worker_config).await.expect("handshake");
     // Our answer ends without a newline; only the header of a request we send after it ends
     // the fake's line, and nothing orders the worker's answer before a first ping. So the
     // pinger keeps sending (each ping gives up after 200 ms: the fake answers none) until
@@ -612,6 +612,14 @@ async fn an_unknown_server_request_gets_method_not_found() {
         .await
         .expect("fake exits after reading the answer");
     assert_eq!(exit.exit_info(), Some(ExitInfo::Code(7)), "{exit}");
+    exit
+}
+
+#[tokio::test]
+async fn an_unknown_server_request_gets_method_not_found() {
+    // The fake asks us something we do not know.
+    let ask = frame(r#"{"jsonrpc":"2.0","id":"srv-1","method":"no.such.method","params":{}}"#);
+    let exit = answer_to(&ask, |_| {}).await;
     assert!(exit.stderr_tail.contains("-32601"), "{}", exit.stderr_tail);
     assert!(
         exit.stderr_tail.contains("no.such.method"),
@@ -622,44 +630,13 @@ async fn an_unknown_server_request_gets_method_not_found() {
 
 #[tokio::test]
 async fn a_request_holding_more_values_than_its_size_allows_is_refused_unread() {
-    let scratch = Scratch::new();
     // 140 KB of `0,`: 70,001 values, over the 65,536 any frame limit allows (parsed, a value
     // every two bytes takes 16 times the frame's size).
     let dense = format!("[{}0]", "0,".repeat(70_000));
     let ask = frame(&format!(
         r#"{{"jsonrpc":"2.0","id":"srv-1","method":"no.such.method","params":{dense}}}"#
     ));
-    let path = scratch.path().join("fake-peer.sh");
-    let script = format!(
-        "#!/bin/sh\n\
-         printf \"{connect}\"\n\
-         printf \"{ask}\"\n\
-         while IFS= read -r line; do\n\
-           case \"$line\" in *srv-1*) echo \"$line\" >&2; exit 7;; esac\n\
-         done\n",
-        connect = frame(CONNECT_OK),
-    );
-    std::fs::write(&path, script).expect("write fake");
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let mut config = fake_config(&scratch, path);
-    config.max_frame_bytes = 1 << 20;
-    let worker = WorkerHandle::start(config).await.expect("handshake");
-    // As in the test above: pings end the fake's line once the answer is written.
-    let pinger = worker.clone();
-    tokio::spawn(async move {
-        let ping = copilot_pool::rpc::messages::PingParams::default();
-        let short = Duration::from_millis(200);
-        while pinger.exit().is_none() {
-            let _ = pinger
-                .call_with_timeout::<copilot_pool::rpc::messages::Ping>(&ping, short)
-                .await;
-        }
-    });
-    let exit = tokio::time::timeout(Duration::from_secs(10), worker.ended())
-        .await
-        .expect("fake exits after reading the answer");
-    assert_eq!(exit.exit_info(), Some(ExitInfo::Code(7)), "{exit}");
+    let exit = answer_to(&ask, |config| config.max_frame_bytes = 1 << 20).await;
     assert!(
         exit.stderr_tail.contains("more than 65536 JSON values"),
         "{}",

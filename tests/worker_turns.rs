@@ -61,6 +61,22 @@ async fn a_turn_emits_the_documented_events_in_order() {
     support::shutdown_and_check(&worker).await;
 }
 
+/// Sends a turn whose model calls `get_secret_number` with key `alpha`, and waits for the
+/// runtime to ask the client for it.
+async fn secret_tool_requested(
+    session: &mut copilot_pool::worker::Session,
+) -> copilot_pool::rpc::events::ExternalToolRequestedData {
+    session
+        .send(r#"SCENARIO:tool NAME=get_secret_number ARGS={"key":"alpha"}"#)
+        .await
+        .expect("send");
+    event_where(session, |kind| match kind {
+        EventKind::ExternalToolRequested(req) => Some(req),
+        _ => None,
+    })
+    .await
+}
+
 #[tokio::test]
 async fn a_client_tool_round_trip_and_answers_only_from_the_owning_session() {
     let scratch = Scratch::new();
@@ -82,15 +98,7 @@ async fn a_client_tool_round_trip_and_answers_only_from_the_owning_session() {
         .await
         .expect("session 2");
 
-    owner
-        .send(r#"SCENARIO:tool NAME=get_secret_number ARGS={"key":"alpha"}"#)
-        .await
-        .expect("send");
-    let request = event_where(&mut owner, |kind| match kind {
-        EventKind::ExternalToolRequested(req) => Some(req),
-        _ => None,
-    })
-    .await;
+    let request = secret_tool_requested(&mut owner).await;
     assert_eq!(request.tool_name, "get_secret_number");
     assert_eq!(request.arguments["key"], "alpha");
     assert_eq!(request.session_id, owner.id().as_str());
@@ -159,15 +167,7 @@ async fn a_tool_answer_whose_caller_stops_waiting_is_still_delivered() {
         })
         .await
         .expect("session");
-    session
-        .send(r#"SCENARIO:tool NAME=get_secret_number ARGS={"key":"alpha"}"#)
-        .await
-        .expect("send");
-    let request = event_where(&mut session, |kind| match kind {
-        EventKind::ExternalToolRequested(req) => Some(req),
-        _ => None,
-    })
-    .await;
+    let request = secret_tool_requested(&mut session).await;
     // Polled once (the request taken from the worker's ledger by then), then dropped, as a
     // turn's tool task aborted as its turn ends is.
     {
