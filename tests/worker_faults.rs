@@ -664,21 +664,26 @@ async fn another_protocol_version_is_refused_with_the_fix() {
     assert_fake_gone(&scratch).await;
 }
 
-#[tokio::test]
-async fn a_runtime_that_exits_at_once_reports_its_status_and_stderr() {
+/// Starts a worker on the fake runtime `script` (configured by `config`) and returns why the
+/// start failed, with the scratch directory the fake ran in.
+async fn start_failure(script: &str, config: impl FnOnce(&mut WorkerConfig)) -> (String, Scratch) {
     let scratch = Scratch::new();
     let path = scratch.path().join("fake-peer.sh");
-    std::fs::write(
-        &path,
-        "#!/bin/sh\necho 'fatal: cannot load runtime.node' >&2\nexit 3\n",
-    )
-    .expect("write");
+    std::fs::write(&path, script).expect("write");
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let err = WorkerHandle::start(fake_config(&scratch, path))
+    let mut worker_config = fake_config(&scratch, path);
+    config(&mut worker_config);
+    let err = WorkerHandle::start(worker_config)
         .await
         .expect_err("start fails");
-    let text = err.to_string();
+    (err.to_string(), scratch)
+}
+
+#[tokio::test]
+async fn a_runtime_that_exits_at_once_reports_its_status_and_stderr() {
+    let script = "#!/bin/sh\necho 'fatal: cannot load runtime.node' >&2\nexit 3\n";
+    let (text, scratch) = start_failure(script, |_| {}).await;
     assert!(text.contains("exit code 3"), "{text}");
     assert!(text.contains("cannot load runtime.node"), "{text}");
     assert_fake_gone(&scratch).await;
@@ -686,20 +691,9 @@ async fn a_runtime_that_exits_at_once_reports_its_status_and_stderr() {
 
 #[tokio::test]
 async fn a_runtime_that_exits_at_once_after_much_stderr_reports_its_last_lines_only() {
-    let scratch = Scratch::new();
-    let path = scratch.path().join("fake-peer.sh");
-    std::fs::write(
-        &path,
-        "#!/bin/sh\ni=0\nwhile [ $i -lt 200 ]; do echo 'noise noise noise noise noise noise noise' >&2; i=$((i+1)); done\n\
-         echo 'fatal: https://user:s3cret@proxy.example/ refused' >&2\nexit 3\n",
-    )
-    .expect("write");
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let err = WorkerHandle::start(fake_config(&scratch, path))
-        .await
-        .expect_err("start fails");
-    let text = err.to_string();
+    let script = "#!/bin/sh\ni=0\nwhile [ $i -lt 200 ]; do echo 'noise noise noise noise noise noise noise' >&2; i=$((i+1)); done\n\
+         echo 'fatal: https://user:s3cret@proxy.example/ refused' >&2\nexit 3\n";
+    let (text, scratch) = start_failure(script, |_| {}).await;
     assert!(text.contains("refused"), "{text}");
     assert!(!text.contains("s3cret"), "{text}");
     assert!(text.len() < 3 * 1024, "{} bytes: {text}", text.len());
@@ -709,19 +703,11 @@ async fn a_runtime_that_exits_at_once_after_much_stderr_reports_its_last_lines_o
 
 #[tokio::test]
 async fn a_runtime_that_never_answers_its_handshake_is_reported_with_the_fix_and_its_stderr() {
-    let scratch = Scratch::new();
-    let path = scratch.path().join("fake-peer.sh");
-    std::fs::write(
-        &path,
-        "#!/bin/sh\necho 'waiting for a license server' >&2\nexec sleep 300\n",
-    )
-    .expect("write");
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let mut config = fake_config(&scratch, path);
-    config.start_timeout = Duration::from_millis(500);
-    let err = WorkerHandle::start(config).await.expect_err("start fails");
-    let text = err.to_string();
+    let script = "#!/bin/sh\necho 'waiting for a license server' >&2\nexec sleep 300\n";
+    let (text, scratch) = start_failure(script, |config| {
+        config.start_timeout = Duration::from_millis(500);
+    })
+    .await;
     assert!(text.contains("raise start_timeout"), "{text}");
     assert!(text.contains("waiting for a license server"), "{text}");
     assert_fake_gone(&scratch).await;
