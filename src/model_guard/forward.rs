@@ -268,7 +268,7 @@ impl State {
         if addresses.is_empty() {
             return Err(Failure::Connect(format!("{host} has no address")));
         }
-        target::check_addresses(&url, &addresses, allow, config.resolver.as_ref())
+        target::check_addresses(&url, &addresses, allow, &|| self.guard.host_addresses())
             .map_err(Failure::Blocked)?;
         let mut pinned: Vec<SocketAddr> = addresses
             .into_iter()

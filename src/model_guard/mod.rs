@@ -48,6 +48,9 @@ pub use target::{check_url, credential_query};
 /// The largest model request body the guard forwards by default (32 MiB).
 pub const DEFAULT_MAX_REQUEST_BODY_BYTES: usize = 32 << 20;
 
+/// How long the model guard keeps this machine's addresses before reading them again.
+pub const HOST_ADDRESSES_TTL: Duration = Duration::from_secs(30);
+
 /// The host of the placeholder base URL a BYOK child gets (`.invalid` never resolves).
 pub const PLACEHOLDER_HOST: &str = "byok.copilot-pool.invalid";
 /// The API key a BYOK child gets instead of the real one.
@@ -226,6 +229,8 @@ pub struct ModelGuard {
 
 struct Inner {
     config: ModelGuardConfig,
+    /// This machine's addresses and when they were read ([`ModelGuard::host_addresses`]).
+    host_addresses: std::sync::Mutex<Option<(std::time::Instant, Arc<Vec<IpAddr>>)>>,
     tls: rustls::ClientConfig,
     /// The places of CLI providers' lookups over the pool ([`CLI_LOOKUPS`]).
     cli_lookups: Arc<tokio::sync::Semaphore>,
@@ -258,6 +263,7 @@ impl ModelGuard {
                 tls,
                 cli_lookups: Arc::new(tokio::sync::Semaphore::new(CLI_LOOKUPS)),
                 agent_lookups: std::sync::Mutex::default(),
+                host_addresses: std::sync::Mutex::default(),
             }),
         })
     }
@@ -265,6 +271,37 @@ impl ModelGuard {
     /// The guard's config.
     pub fn config(&self) -> &ModelGuardConfig {
         &self.inner.config
+    }
+
+    /// This machine's own addresses ([`Resolve::host_addresses`]), read again at most every
+    /// [`HOST_ADDRESSES_TTL`]: interfaces change rarely, and reading them is a round trip to
+    /// the kernel a model request to a public provider would otherwise make each time. When
+    /// they cannot be read, none (warned once a read): a request to this machine's public
+    /// address is not refused meanwhile.
+    pub(crate) fn host_addresses(&self) -> Arc<Vec<IpAddr>> {
+        let now = std::time::Instant::now();
+        let mut cached = self
+            .inner
+            .host_addresses
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((read, addresses)) = cached.as_ref()
+            && now.saturating_duration_since(*read) < HOST_ADDRESSES_TTL
+        {
+            return addresses.clone();
+        }
+        let addresses = Arc::new(self.inner.config.resolver.host_addresses().unwrap_or_else(
+            |error| {
+                tracing::warn!(
+                    %error,
+                    "This machine's own addresses could not be read; a model request to its \
+                     public address is not refused meanwhile."
+                );
+                Vec::new()
+            },
+        ));
+        *cached = Some((now, addresses.clone()));
+        addresses
     }
 
     /// Checks a provider before anything runs with it: its base URL parses, is `https`
@@ -276,8 +313,8 @@ impl ModelGuard {
         let allow = self.inner.config.allows_private(&url);
         check_url(&url, allow).map_err(refused)?;
         if let Some(ip) = target::ip_host(&url) {
-            let resolver = self.inner.config.resolver.as_ref();
-            target::check_addresses(&url, &[ip], allow, resolver).map_err(refused)?;
+            target::check_addresses(&url, &[ip], allow, &|| self.host_addresses())
+                .map_err(refused)?;
         }
         Ok(())
     }
@@ -342,7 +379,7 @@ impl ModelGuard {
             Some(ip) => vec![ip],
             None => self.resolve_for_cli(&url, port, agent).await?,
         };
-        target::check_addresses(&url, &addresses, allow, config.resolver.as_ref())
+        target::check_addresses(&url, &addresses, allow, &|| self.host_addresses())
             .map_err(refused)?;
         // A port not listed only for a local model (every address private, where private
         // endpoints are allowed): a public host on :80 would open the metadata service's port.

@@ -6,12 +6,13 @@
 //! short IPv4 spellings are normalised to the address they mean before any check.
 
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use reqwest::Url;
 use url::Host;
 
 use super::address;
-use super::{GuardError, PLACEHOLDER_HOST, Resolve};
+use super::{GuardError, PLACEHOLDER_HOST};
 use crate::kinds::BlockReason;
 
 /// A refusal: its metric label and what to tell the caller.
@@ -109,26 +110,17 @@ pub(crate) fn check_addresses(
     url: &Url,
     addresses: &[IpAddr],
     allow_private_endpoints: bool,
-    resolver: &dyn Resolve,
+    host_addresses: &dyn Fn() -> Arc<Vec<IpAddr>>,
 ) -> Result<(), Refusal> {
     let host = url.host_str().unwrap_or_default();
-    // This machine's own addresses, read once a global address needs them.
-    let mut this_host: Option<Vec<IpAddr>> = None;
+    // This machine's own addresses, asked for once a global address needs them.
+    let mut this_host: Option<Arc<Vec<IpAddr>>> = None;
     for ip in addresses {
         let allowed = address::allowed(*ip, allow_private_endpoints).and_then(|()| {
             if allow_private_endpoints || address::classify(*ip).is_some() {
                 return Ok(());
             }
-            let own = this_host.get_or_insert_with(|| {
-                resolver.host_addresses().unwrap_or_else(|error| {
-                    tracing::warn!(
-                        %error,
-                        "This machine's own addresses could not be read; a model request to \
-                         its public address is not refused meanwhile."
-                    );
-                    Vec::new()
-                })
-            });
+            let own = this_host.get_or_insert_with(host_addresses);
             match address::is_this_host(*ip, own) {
                 true => Err(address::AddressClass::ThisHost),
                 false => Ok(()),

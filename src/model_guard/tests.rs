@@ -23,8 +23,9 @@ use crate::tunnel::{ModelRequest, ModelResponse};
 struct ScriptedResolver {
     answers: Mutex<VecDeque<Vec<IpAddr>>>,
     queries: AtomicUsize,
-    /// This machine's addresses, as the test has them.
+    /// This machine's addresses, as the test has them, and how often they were read.
     host: Vec<IpAddr>,
+    host_reads: AtomicUsize,
 }
 
 impl ScriptedResolver {
@@ -38,6 +39,7 @@ impl ScriptedResolver {
             answers: Mutex::new(answers.iter().map(|a| ips(a)).collect()),
             queries: AtomicUsize::new(0),
             host: ips(host),
+            host_reads: AtomicUsize::new(0),
         })
     }
 }
@@ -56,6 +58,7 @@ impl Resolve for ScriptedResolver {
     }
 
     fn host_addresses(&self) -> std::io::Result<Vec<IpAddr>> {
+        self.host_reads.fetch_add(1, Ordering::SeqCst);
         Ok(self.host.clone())
     }
 }
@@ -765,7 +768,7 @@ async fn a_request_with_a_method_no_model_call_uses_is_refused_before_a_connecti
 async fn this_machines_own_public_address_is_refused_unless_private_endpoints_are_allowed() {
     let host = ["8.8.8.8", "127.0.0.1"];
     let resolver = ScriptedResolver::on_host(&[&["8.8.8.8"]], &host);
-    let guard = ModelGuard::new(config(false, resolver)).expect("guard");
+    let guard = ModelGuard::new(config(false, resolver.clone())).expect("guard");
     // By its address, at the lease, and the IPv4 address inside an IPv6 one as itself.
     for base in ["https://8.8.8.8/v1", "https://[::ffff:8.8.8.8]/v1"] {
         let refused = guard.check_provider(&provider(base)).unwrap_err();
@@ -789,6 +792,8 @@ async fn this_machines_own_public_address_is_refused_unless_private_endpoints_ar
             .check_provider(&provider("https://8.8.4.4/v1"))
             .is_ok()
     );
+    // Read once for all these checks: not a round trip to the kernel a request.
+    assert_eq!(resolver.host_reads.load(Ordering::SeqCst), 1);
     // A local model on this machine's address, where private endpoints are allowed.
     let resolver = ScriptedResolver::on_host(&[&[]], &host);
     let guard = ModelGuard::new(config(true, resolver)).expect("guard");
