@@ -365,6 +365,11 @@ async fn create_conversation_dir(
     work: &std::path::Path,
     roots: &[std::path::PathBuf],
 ) -> Result<(), Response> {
+    // A root itself (the agent's work directory, every turn that names no other): no
+    // resolving of the roots on a warm turn.
+    if roots.iter().any(|root| root == work) {
+        return create_work_dir(work).await;
+    }
     let (root, below) = super::attachments::root_and_below(work, roots);
     if below.as_os_str().is_empty() {
         return create_work_dir(work).await;
