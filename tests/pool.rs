@@ -1182,7 +1182,8 @@ async fn a_process_killed_every_two_seconds_is_replaced_each_time_and_its_key_ne
     // them than the restart intensity allows for a crash loop (5 in 30 s by default).
     let fx = Fixture::new().await;
     let pool = Pool::start(fx.config().await).await.expect("pool");
-    let storm = Duration::from_secs(20);
+    // Issue 15's test: a kill every 2 s for 60 s.
+    let storm = Duration::from_secs(60);
     let end = tokio::time::Instant::now() + storm;
     let killer = {
         let pool = pool.clone();

@@ -439,12 +439,7 @@ async fn killing_the_actor_kills_the_group() {
 
 #[tokio::test]
 async fn shutdown_detaches_sessions_and_leaves_no_process() {
-    let scratch = Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await)
-        .await
-        .expect("worker starts");
+    let (scratch, _model, endpoint, worker) = support::worker_and_model().await;
     let mut session = worker
         .create_session(session_config(&endpoint.base_url(), &scratch))
         .await

@@ -17,12 +17,7 @@ use support::{
 
 #[tokio::test]
 async fn a_turn_emits_the_documented_events_in_order() {
-    let scratch = Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await)
-        .await
-        .expect("worker starts");
+    let (scratch, model, endpoint, worker) = support::worker_and_model().await;
     assert_eq!(worker.info().protocol_version, 3);
 
     let mut session = worker
@@ -79,12 +74,7 @@ async fn secret_tool_requested(
 
 #[tokio::test]
 async fn a_client_tool_round_trip_and_answers_only_from_the_owning_session() {
-    let scratch = Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await)
-        .await
-        .expect("worker starts");
+    let (scratch, model, endpoint, worker) = support::worker_and_model().await;
     let with_tool = |scratch: &Scratch| SessionConfig {
         tools: vec![secret_tool()],
         ..session_config(&endpoint.base_url(), scratch)
@@ -154,12 +144,7 @@ async fn a_client_tool_round_trip_and_answers_only_from_the_owning_session() {
 
 #[tokio::test]
 async fn a_tool_answer_whose_caller_stops_waiting_is_still_delivered() {
-    let scratch = Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await)
-        .await
-        .expect("worker starts");
+    let (scratch, _model, endpoint, worker) = support::worker_and_model().await;
     let mut session = worker
         .create_session(SessionConfig {
             tools: vec![secret_tool()],
@@ -184,12 +169,7 @@ async fn a_tool_answer_whose_caller_stops_waiting_is_still_delivered() {
 
 #[tokio::test]
 async fn abort_mid_turn_ends_with_an_aborted_idle() {
-    let scratch = Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await)
-        .await
-        .expect("worker starts");
+    let (scratch, _model, endpoint, worker) = support::worker_and_model().await;
     let mut session = worker
         .create_session(SessionConfig {
             streaming: true,
@@ -353,12 +333,7 @@ async fn parent_tokens_never_reach_the_child() {
 
 #[tokio::test]
 async fn a_permission_prompt_is_answered_before_the_tool_runs() {
-    let scratch = Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await)
-        .await
-        .expect("worker starts");
+    let (scratch, _model, endpoint, worker) = support::worker_and_model().await;
     let mut tool = secret_tool();
     tool.skip_permission = Some(false);
     let mut session = worker
@@ -405,12 +380,7 @@ async fn a_permission_prompt_is_answered_before_the_tool_runs() {
 
 #[tokio::test]
 async fn an_open_cancelled_midway_leaves_no_stale_route_and_the_session_opens_again() {
-    let scratch = Scratch::new();
-    let model = ScriptedModel::new();
-    let endpoint = model.serve_http().await.expect("model endpoint");
-    let worker = WorkerHandle::start(worker_config(&scratch).await)
-        .await
-        .expect("worker starts");
+    let (scratch, _model, endpoint, worker) = support::worker_and_model().await;
     let config = session_config(&endpoint.base_url(), &scratch);
     let mut session = worker
         .create_session(config.clone())

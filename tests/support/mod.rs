@@ -115,6 +115,24 @@ pub async fn worker_config(scratch: &Scratch) -> WorkerConfig {
     config
 }
 
+/// A worker on the real runtime ([`worker_config`]) in a fresh scratch directory, and a
+/// scripted model served over loopback HTTP for its sessions.
+#[allow(dead_code)]
+pub async fn worker_and_model() -> (
+    Scratch,
+    ScriptedModel,
+    copilot_pool::scripted_model::HttpEndpoint,
+    copilot_pool::worker::WorkerHandle,
+) {
+    let scratch = Scratch::new();
+    let model = ScriptedModel::new();
+    let endpoint = model.serve_http().await.expect("model endpoint");
+    let worker = copilot_pool::worker::WorkerHandle::start(worker_config(&scratch).await)
+        .await
+        .expect("worker starts");
+    (scratch, model, endpoint, worker)
+}
+
 /// Session params pointing at a scripted model served at `base_url`.
 pub fn session_config(base_url: &str, scratch: &Scratch) -> SessionConfig {
     SessionConfig {
